@@ -1,0 +1,16 @@
+"""xlaserve's engine: `from engine import LLM, SamplingParams`."""
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+def __getattr__(name):
+    # LLM pulls in jax and the model code; host-only users (tests of the scheduler) skip that cost.
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

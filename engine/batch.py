@@ -1,0 +1,108 @@
+"""Host-side assembly of one step's flat ragged batch (numpy), then one transfer to the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from engine.sampler import SamplingTensors
+from kernels import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    input_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    logits_indices: jax.Array  # [R] int32: the token of each sequence that is sampled
+    md: AttentionMetadata
+    num_padded_seqs: int
+
+
+def build_step_batch(
+    scheduled, num_tokens: int, num_seqs: int, max_blocks_per_seq: int, block_size: int
+) -> StepBatch:
+    """Pad `scheduled` (ScheduledRequest list) to `num_tokens` tokens and `num_seqs` sequences.
+
+    Padding tokens write to slot 0 (the null block) and belong to no sequence; padding
+    sequences have kv_len 0 and start where the real tokens end, so they own no query.
+    """
+    input_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.zeros(num_tokens, np.int32)
+    query_start_loc = np.zeros(num_seqs + 1, np.int32)
+    kv_lens = np.zeros(num_seqs, np.int32)
+    logits_indices = np.zeros(num_seqs, np.int32)
+    block_tables = np.zeros((num_seqs, max_blocks_per_seq), np.int32)
+    offset = 0
+    for row, s in enumerate(scheduled):
+        start, n = s.num_computed_tokens, s.num_new_tokens
+        block_ids = np.asarray(s.block_ids, np.int32)
+        block_tables[row, : len(block_ids)] = block_ids
+        input_ids[offset : offset + n] = s.request.all_token_ids[start : start + n]
+        pos = np.arange(start, start + n, dtype=np.int32)
+        positions[offset : offset + n] = pos
+        slot_mapping[offset : offset + n] = block_ids[pos // block_size] * block_size + pos % block_size
+        offset += n
+        query_start_loc[row + 1] = offset
+        kv_lens[row] = start + n
+        logits_indices[row] = offset - 1
+    query_start_loc[len(scheduled) + 1 :] = offset
+    md = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        kv_lens=kv_lens,
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        num_seqs=np.int32(len(scheduled)),
+    )
+    input_ids, positions, logits_indices, md = jax.device_put((input_ids, positions, logits_indices, md))
+    return StepBatch(input_ids, positions, logits_indices, md, num_seqs)
+
+
+def sampling_tensors(scheduled, num_seqs: int, vocab_size: int, with_penalties: bool) -> SamplingTensors:
+    """Per-row sampling parameters; padding rows are greedy. The [R, V] penalty arrays are built only
+    when some row needs them (penalties, or min_tokens keeping EOS and stop ids out)."""
+    temperature = np.zeros(num_seqs, np.float32)
+    top_k = np.zeros(num_seqs, np.int32)
+    top_p = np.ones(num_seqs, np.float32)
+    min_p = np.zeros(num_seqs, np.float32)
+    seeds = np.zeros(num_seqs, np.uint32)
+    token_index = np.zeros(num_seqs, np.int32)
+    for row, s in enumerate(scheduled):
+        p, req = s.request.sampling_params, s.request
+        temperature[row], top_k[row], top_p[row], min_p[row] = p.temperature, p.top_k, p.top_p, p.min_p
+        seeds[row] = req.sampling_seed & 0xFFFFFFFF
+        token_index[row] = req.num_output_tokens
+    extra = {}
+    if with_penalties:
+        presence = np.zeros(num_seqs, np.float32)
+        frequency = np.zeros(num_seqs, np.float32)
+        repetition = np.ones(num_seqs, np.float32)
+        counts = np.zeros((num_seqs, vocab_size), np.int32)
+        prompt_mask = np.zeros((num_seqs, vocab_size), bool)
+        bias = np.zeros((num_seqs, vocab_size), np.float32)
+        for row, s in enumerate(scheduled):
+            p, req = s.request.sampling_params, s.request
+            presence[row], frequency[row], repetition[row] = (
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.repetition_penalty,
+            )
+            np.add.at(counts[row], np.asarray(req.output_token_ids, np.int64), 1)
+            prompt_mask[row, req.prompt_token_ids] = True
+            if req.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids or [])
+                if req.eos_token_id is not None and not p.ignore_eos:
+                    banned.append(req.eos_token_id)
+                bias[row, banned] = -np.inf
+        extra = dict(
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            output_counts=counts,
+            prompt_mask=prompt_mask,
+            logit_bias=bias,
+        )
+    st = SamplingTensors(temperature, top_k, top_p, min_p, seeds, token_index, **extra)
+    return jax.device_put(st)

@@ -1,0 +1,61 @@
+"""Counts XLA backend compiles, so the engine can prove nothing compiles after warm-up."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from jax import monitoring
+
+logger = logging.getLogger(__name__)
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_lock = threading.Lock()
+_count = 0
+_seconds = 0.0
+
+
+def _on_event(event: str, duration_secs: float, **_) -> None:
+    global _count, _seconds
+    if event == _BACKEND_COMPILE_EVENT:
+        with _lock:
+            _count += 1
+            _seconds += duration_secs
+
+
+monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def num_compiles() -> int:
+    """Backend compiles in this process so far (all jitted functions)."""
+    return _count
+
+
+def compile_seconds() -> float:
+    return _seconds
+
+
+class CompileGuard:
+    """After `arm()`, `check(what)` reports any compile since the last check: a warning, or an error
+    when strict (a missed bucket in warm-up is a latency spike in production)."""
+
+    def __init__(self, strict: bool = False):
+        self.strict = strict
+        self.is_armed = False
+        self.num_unexpected = 0
+        self._seen = num_compiles()
+
+    def arm(self) -> None:
+        self.is_armed = True
+        self._seen = num_compiles()
+
+    def check(self, what: str) -> None:
+        now = num_compiles()
+        new, self._seen = now - self._seen, now
+        if not self.is_armed or new == 0:
+            return
+        self.num_unexpected += new
+        message = f"{new} XLA compile(s) after warm-up while running {what}: a shape escaped the buckets"
+        if self.strict:
+            raise RuntimeError(message)
+        logger.warning(message)

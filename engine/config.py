@@ -1,0 +1,141 @@
+"""Engine configuration: frozen, validated dataclasses built from vLLM-named keyword arguments.
+
+Runtime-derived values (the number of KV blocks, EOS ids, the model's own max length) are not
+written back here: they live on the objects that derive them (the runner, the tokenizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_POLICIES = ("fcfs", "priority")
+_ATTENTION_BACKENDS = ("auto", "reference", "pallas", "jax-triton")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # None or "smollm2": the embedded default model
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    max_model_len: int | None = None  # None: min(model's max_position_embeddings, 2048)
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self):
+        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be >= 1, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes; the CPU budget (default 256 MiB on CPU)
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self):
+        _require(
+            self.block_size in (8, 16, 32, 64, 128),
+            f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
+        )
+        _require(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+            f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    policy: str = "fcfs"
+    max_num_queued_reqs: int | None = None  # bound on waiting requests (server: 503 past it)
+
+    def __post_init__(self):
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 16,
+            f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens}",
+        )
+        _require(self.policy in _POLICIES, f"policy must be one of {_POLICIES}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    def __post_init__(self):
+        _require(
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
+        )
+        _require(
+            self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}"
+        )
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    attention_backend: str = field(default_factory=lambda: os.environ.get("XLASERVE_ATTENTION_BACKEND", "auto"))
+    compilation_cache_dir: str | None = field(
+        default_factory=lambda: os.environ.get("XLASERVE_COMPILATION_CACHE_DIR")
+    )
+    strict_compile_guard: bool = False  # raise (instead of warn) if anything compiles after warm-up
+    enforce_eager: bool = False  # skip warm-up (compile buckets lazily)
+
+    def __post_init__(self):
+        _require(
+            self.attention_backend in _ATTENTION_BACKENDS,
+            f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    compilation: CompilationConfig
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> EngineConfig:
+        """Split vLLM-named keyword arguments among the sub-configs; unknown names are an error."""
+        groups = {
+            "model": ModelConfig,
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "parallel": ParallelConfig,
+            "compilation": CompilationConfig,
+        }
+        parts: dict[str, dict] = {name: {} for name in groups}
+        parts["model"]["model"] = model
+        names = {f.name: group for group, klass in groups.items() for f in dataclasses.fields(klass)}
+        if "scheduling_policy" in kwargs:
+            kwargs["policy"] = kwargs.pop("scheduling_policy")
+        for key, value in kwargs.items():
+            if key not in names:
+                raise TypeError(f"unknown engine argument {key!r}; known: {sorted(names)}")
+            parts[names[key]][key] = value
+        return cls(**{group: groups[group](**parts[group]) for group in groups})

@@ -1,0 +1,185 @@
+"""`LLM`: the offline Python API (`generate`, `chat`), driving an in-process EngineCore."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.metrics import EngineMetrics, Metric
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.processor import InputProcessor, PromptType
+from engine.sampling_params import SamplingParams
+from models.config import TransformerConfig
+from models.loader import load_checkpoint
+
+logger = logging.getLogger(__name__)
+
+Conversation = list[dict[str, Any]]
+
+
+def setup_compilation_cache(directory: str | None) -> None:
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def resolve_max_model_len(requested: int | None, model_config: TransformerConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}"
+        )
+    return requested
+
+
+class LLM:
+    """Generate text offline: `LLM().generate("Hello")`, `LLM(model).chat([...])`.
+
+    `model`: an HF directory, a .gguf file, or None / "smollm2" for the embedded default model.
+    Keyword arguments are vLLM's engine arguments (max_model_len, max_num_seqs, block_size, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.config = EngineConfig.from_kwargs(model, **engine_args)
+        setup_compilation_cache(self.config.compilation.compilation_cache_dir)
+        checkpoint = load_checkpoint(model)
+        self.tokenizer = checkpoint.tokenizer
+        model_config = TransformerConfig.from_hf(checkpoint.hf_config)
+        self.max_model_len = resolve_max_model_len(self.config.model.max_model_len, model_config)
+        eos = self.tokenizer.eos_token_id
+        if eos is None and model_config.eos_token_ids:
+            eos = model_config.eos_token_ids[0]
+        self.engine_core = EngineCore(self.config, checkpoint.hf_config, checkpoint.tensors, self.max_model_len)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.max_model_len, model_config.vocab_size, eos, self.config.model.seed
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics()
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- the public API -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (a string, {"prompt": ...} or {"prompt_token_ids": [...]}); outputs
+        come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = self._broadcast_params(sampling_params, len(prompts))
+        tokenized = [self.input_processor.tokenize(p) for p in prompts]
+        for (_, ids), p in zip(tokenized, params):  # validate everything before adding anything
+            self.input_processor.validate_prompt(ids)
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        return self._run(tokenized, params, priorities, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_metrics(self) -> list[Metric]:
+        """Counters, gauges and histograms named like vLLM's (prefix `xlaserve:`)."""
+        return self.metrics.snapshot()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _broadcast_params(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if len(sampling_params) != num_prompts:
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries; it must be one or one per prompt ({num_prompts})"
+            )
+        return list(sampling_params)
+
+    def _run(self, tokenized, params, priorities, use_tqdm: bool) -> list[RequestOutput]:
+        order: dict[str, int] = {}
+        added: list[str] = []
+        try:
+            for i, ((text, ids), p, prio) in enumerate(zip(tokenized, params, priorities)):
+                request_id = str(next(self._request_counter))
+                added += self._add_request(request_id, text, ids, p, prio)
+                order[request_id] = i
+            results: list[RequestOutput | None] = [None] * len(order)
+            with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while self.engine_core.has_unfinished_requests():
+                    for output in self._step():
+                        if output.finished:
+                            results[order[output.request_id]] = output
+                            bar.update(1)
+            return results
+        except BaseException:
+            # Nothing leaks: whatever this call added and did not finish is aborted.
+            self.engine_core.abort_requests(added)
+            self.output_processor.abort_requests(list(order))
+            raise
+
+    def _add_request(self, request_id, text, ids, params: SamplingParams, priority: int) -> list[str]:
+        now = time.time()
+        requests = self.input_processor.make_requests(request_id, ids, params, arrival_time=now, priority=priority)
+        if params.n > 1:
+            self.output_processor.add_parent_request(request_id, params.n)
+        for i, request in enumerate(requests):
+            self.output_processor.add_request(
+                request.request_id,
+                text,
+                ids,
+                request.sampling_params,
+                arrival_time=now,
+                parent_id=request_id if params.n > 1 else None,
+                index=i,
+            )
+            self.engine_core.add_request(request)
+        return [r.request_id for r in requests]
+
+    def _step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        self.metrics.record_scheduler(self.engine_core.make_stats())
+        self.metrics.record_iteration(self.output_processor.drain_stats())
+        return processed.request_outputs

@@ -1,0 +1,235 @@
+"""ModelRunner: the flat ragged batch, padded to buckets, through a few jitted functions.
+
+Per step the host builds small numpy arrays (ids, positions, slot mapping, block tables, sampling
+tensors), pads them to a token bucket, and dispatches two jitted calls back to back: the model
+forward (KV cache donated, updated in place) and the sampler (LM head on one row per sequence,
+then sampling). Only the sampled ids come back to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from engine.batch import StepBatch, build_step_batch, sampling_tensors
+from engine.buckets import make_token_buckets, pick_bucket, request_bucket
+from engine.compile_guard import CompileGuard, compile_seconds, num_compiles
+from engine.config import EngineConfig
+from engine.sampler import SamplerOutput, prompt_logprobs, sample
+from engine.scheduler import ModelRunnerOutput
+from kernels import KVCache, get_attention_backend
+from models.config import TransformerConfig
+from models.registry import get_model_class
+from models.weights import load_params
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("kv_cache",))
+def _forward(graphdef, params, kv_cache, input_ids, positions, logits_indices, md):
+    """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache)."""
+    model = nnx.merge(graphdef, params)
+    hidden, kv_cache = model(input_ids, positions, kv_cache, md)
+    return hidden, hidden[logits_indices], kv_cache
+
+
+@partial(jax.jit, static_argnames=("graphdef", "with_logprobs"))
+def _sample(graphdef, params, hidden_rd, st, with_logprobs):
+    model = nnx.merge(graphdef, params)
+    return sample(model.compute_logits(hidden_rd), st, with_logprobs=with_logprobs)
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def _prompt_logprobs(graphdef, params, hidden, target_ids):
+    model = nnx.merge(graphdef, params)
+    return prompt_logprobs(model.compute_logits(hidden), target_ids)
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config: dict, tensors: dict[str, np.ndarray], max_model_len: int):
+        self.config = config
+        self.dtype = resolve_dtype(config.model.dtype)
+        self.model_config = TransformerConfig.from_hf(hf_config)
+        self.max_model_len = max_model_len
+        self.block_size = config.cache.block_size
+        self.backend = get_attention_backend(config.compilation.attention_backend)
+        logger.info("attention backend: %s (%s)", self.backend.name, self.backend.reason)
+
+        model_class = get_model_class(self.model_config.architecture)
+        t0 = time.perf_counter()
+        self.graphdef, self.params = load_params(
+            model_class,
+            self.model_config,
+            tensors,
+            dtype=self.dtype,
+            make_model=lambda: model_class(self.model_config, self.backend, dtype=self.dtype, rngs=nnx.Rngs(0)),
+        )
+        logger.info("placed %s weights in %.2fs", model_class.__name__, time.perf_counter() - t0)
+
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_cache = self._allocate_kv_cache()
+        sched = config.scheduler
+        self.token_buckets = make_token_buckets(sched.max_num_batched_tokens)
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+        self.guard = CompileGuard(strict=config.compilation.strict_compile_guard)
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model_config
+        itemsize = jnp.dtype(self.dtype).itemsize
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif jax.default_backend() == "cpu":
+            budget = _DEFAULT_CPU_KV_CACHE_MEMORY
+        else:
+            stats = jax.local_devices()[0].memory_stats() or {}
+            limit = stats.get("bytes_limit", 0)
+            budget = int(limit * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
+        num_blocks = budget // self.kv_bytes_per_block()
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of "
+                f"{self.kv_bytes_per_block()} bytes; at least 2 are needed (raise kv_cache_memory)"
+            )
+        return int(num_blocks)
+
+    def _allocate_kv_cache(self) -> KVCache:
+        cfg = self.model_config
+        shape = (cfg.num_layers * self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.kv_bytes_per_block() / 2**20,
+        )
+        return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+
+    # -- compiling ------------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Compile every token bucket and every sampler variant, then arm the compile guard."""
+        start_compiles, start_secs, t0 = num_compiles(), compile_seconds(), time.perf_counter()
+        vocab = self.model_config.vocab_size
+        sampler_buckets_done = set()
+        for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
+            num_seqs = self._num_seqs_for(num_tokens)
+            batch = build_step_batch([], num_tokens, num_seqs, self.max_blocks_per_seq, self.block_size)
+            hidden, hidden_rd = self._run_forward(batch)
+            jax.block_until_ready(
+                _prompt_logprobs(self.graphdef, self.params, hidden, jnp.zeros((num_tokens,), jnp.int32))
+            )
+            if num_seqs in sampler_buckets_done:
+                continue
+            sampler_buckets_done.add(num_seqs)
+            for with_penalties in (False, True):
+                st = sampling_tensors([], num_seqs, vocab, with_penalties)
+                for with_logprobs in (False, True):
+                    jax.block_until_ready(_sample(self.graphdef, self.params, hidden_rd, st, with_logprobs))
+        logger.info(
+            "warm-up: compiled %d programs for %d token buckets %s in %.1fs (XLA compile time %.1fs)",
+            num_compiles() - start_compiles,
+            len(self.token_buckets),
+            self.token_buckets,
+            time.perf_counter() - t0,
+            compile_seconds() - start_secs,
+        )
+        self.guard.arm()
+
+    def _num_seqs_for(self, num_tokens: int) -> int:
+        return request_bucket(num_tokens, self.max_num_seqs)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def _run_forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+        hidden, hidden_rd, self.kv_cache = _forward(
+            self.graphdef,
+            self.params,
+            self.kv_cache,
+            batch.input_ids,
+            batch.positions,
+            batch.logits_indices,
+            batch.md,
+        )
+        return hidden, hidden_rd
+
+    def execute(self, scheduled) -> ModelRunnerOutput:
+        """Run one step for `scheduled` (a list of ScheduledRequest) and return the sampled ids."""
+        if not scheduled:
+            return ModelRunnerOutput()
+        num_real = sum(s.num_new_tokens for s in scheduled)
+        num_tokens = pick_bucket(self.token_buckets, num_real)
+        batch = build_step_batch(
+            scheduled, num_tokens, self._num_seqs_for(num_tokens), self.max_blocks_per_seq, self.block_size
+        )
+        hidden, hidden_rd = self._run_forward(batch)
+
+        sampling = [s for s in scheduled if s.is_sampling]
+        params = [s.request.sampling_params for s in sampling]
+        with_penalties = any(p.has_penalties for p in params) or any(
+            s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in sampling
+        )
+        with_logprobs = any(p.logprobs is not None for p in params)
+        st = sampling_tensors(scheduled, batch.num_padded_seqs, self.model_config.vocab_size, with_penalties)
+        out: SamplerOutput = _sample(self.graphdef, self.params, hidden_rd, st, with_logprobs)
+        result = ModelRunnerOutput()
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
+            result.prompt_logprobs = self._prompt_logprobs(scheduled, hidden, num_tokens)
+        token_ids = np.asarray(out.token_ids)
+        self.guard.check(f"a step of {num_real} tokens in bucket {num_tokens}")
+        if with_logprobs:
+            ids, vals, ranks = np.asarray(out.logprob_token_ids), np.asarray(out.logprobs), np.asarray(out.sampled_rank)
+        for row, s in enumerate(scheduled):
+            if not s.is_sampling:
+                continue
+            rid = s.request.request_id
+            result.sampled_token_ids[rid] = int(token_ids[row])
+            n = s.request.sampling_params.logprobs
+            if n is not None:
+                result.logprobs[rid] = (ids[row, : n + 1].tolist(), vals[row, : n + 1].tolist(), int(ranks[row]))
+        return result
+
+    def _prompt_logprobs(self, scheduled, hidden: jax.Array, num_tokens: int) -> dict[str, list]:
+        targets = np.zeros(num_tokens, np.int32)
+        spans = {}
+        offset = 0
+        for s in scheduled:
+            req, start = s.request, s.num_computed_tokens
+            # Positions whose next token is still a prompt token (the last one's is sampled).
+            stop = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if req.sampling_params.prompt_logprobs is not None and stop > start:
+                targets[offset : offset + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
+                spans[req.request_id] = (offset, stop - start, req.sampling_params.prompt_logprobs)
+            offset += s.num_new_tokens
+        ids, vals, ranks = (np.asarray(a) for a in _prompt_logprobs(self.graphdef, self.params, hidden, targets))
+        self.guard.check("prompt logprobs")
+        return {
+            rid: [
+                (ids[i, : n + 1].tolist(), vals[i, : n + 1].tolist(), int(ranks[i]))
+                for i in range(offset, offset + length)
+            ]
+            for rid, (offset, length, n) in spans.items()
+        }

@@ -1,0 +1,152 @@
+"""What the engine hands back to users: vLLM-named output dataclasses.
+
+The engine core speaks token ids and raw logprob payloads (`LogprobsEntry`); the output processor
+turns them into these objects, with text, decoded tokens and timing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# One position's logprobs as the engine core sends them: token ids and logprobs with the sampled
+# (or actual prompt) token first, then the top-n tokens in descending order, and the 1-based rank
+# of that first token in the full distribution.
+LogprobsEntry = tuple[list[int], list[float], int]
+
+
+def _summarize(logprobs: list | None) -> str:
+    # Logprobs can be thousands of dicts; in a repr the count is what a reader of a log wants.
+    return "None" if logprobs is None else f"<{len(logprobs)} positions>"
+
+
+@dataclass
+class Logprob:
+    """The logprob of one token at one position, with its rank and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def make_logprob_dict(entry: LogprobsEntry, token_text: Callable[[int], str]) -> dict[int, Logprob]:
+    """One position's payload as token id -> Logprob, with `token_text(id)` as decoded_token."""
+    token_ids, logprobs, first_rank = entry
+    # The first id is the sampled (or actual prompt) token with its own rank; the rest are the top-n
+    # in order. If the sampled token is also in the top-n, its top-n entry (the same rank) wins.
+    ranks = [first_rank, *range(1, len(token_ids))]
+    return {
+        int(token_id): Logprob(float(logprob), rank, token_text(int(token_id)))
+        for token_id, logprob, rank in zip(token_ids, logprobs, ranks, strict=True)
+    }
+
+
+# One dict per generated token: token id -> Logprob (the sampled token and the top-n).
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; position 0 has nothing to condition on, so it is None.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class RequestStateStats:
+    """Per-request timing, in the clock of `arrival_time` (seconds)."""
+
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+    @property
+    def first_token_latency(self) -> float | None:
+        """Time to first token, or None before it arrived."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class IterationStats:
+    """Metric samples gathered since the caller last drained them (`drain_stats`), in seconds."""
+
+    num_prompt_tokens: int = 0  # prompts of requests that got their first token
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)  # one per step per request
+    time_per_output_tokens: list[float] = field(default_factory=list)  # one per finished request
+    e2e_latencies: list[float] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def record_tokens(
+        self, stats: RequestStateStats, num_prompt_tokens: int, num_new_tokens: int, now: float
+    ) -> None:
+        """Account a request's tokens of one step: a TTFT sample on its first, else a latency."""
+        if num_new_tokens == 0:
+            return
+        if stats.first_token_time is None:
+            stats.first_token_time = now
+            self.time_to_first_tokens.append(now - stats.arrival_time)
+            self.num_prompt_tokens += num_prompt_tokens
+        else:
+            self.inter_token_latencies.append(now - stats.last_token_time)
+        stats.last_token_time = now
+        stats.num_generation_tokens += num_new_tokens
+        self.num_generation_tokens += num_new_tokens
+
+    def record_finish(self, stats: RequestStateStats, finish_reason: str, now: float) -> None:
+        """Account a finished request: end-to-end latency and mean time per output token."""
+        self.e2e_latencies.append(now - stats.arrival_time)
+        self.finish_reasons.append(finish_reason)
+        if stats.num_generation_tokens > 1:
+            decode_time = stats.last_token_time - stats.first_token_time
+            self.time_per_output_tokens.append(decode_time / (stats.num_generation_tokens - 1))
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled sequence of a request (index i of the request's n).
+
+    In delta mode `text`, `token_ids` and `logprobs` hold only what is new since the previous
+    output; `cumulative_logprob` is always the running total.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        """Whether this sequence has ended."""
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+            f"cumulative_logprob={self.cumulative_logprob}, logprobs={_summarize(self.logprobs)}, "
+            f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})"
+        )
+
+
+@dataclass
+class RequestOutput:
+    """Everything a caller sees of one request at one point in time."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestStateStats | None = field(default=None)
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, "
+            f"prompt_logprobs={_summarize(self.prompt_logprobs)}, outputs={self.outputs}, "
+            f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens}, "
+            f"metrics={self.metrics})"
+        )

@@ -1,0 +1,122 @@
+"""Sampling on device, every per-request parameter vectorized over the rows of the batch.
+
+Order (as vLLM): logit bias and penalties -> temperature -> min-p -> top-k -> top-p -> a draw.
+Each row draws with its own key, fold_in(key(seed), index of the token in the request), so a
+seeded request samples the same tokens whatever else shares the batch. Logprobs are those of the
+raw distribution (before penalties and temperature), like vLLM's default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+MAX_LOGPROBS = 20
+_GREEDY_EPS = 1e-5
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    temperature: jax.Array  # [R] f32; 0 = greedy
+    top_k: jax.Array  # [R] int32; 0 = off
+    top_p: jax.Array  # [R] f32; 1 = off
+    min_p: jax.Array  # [R] f32; 0 = off
+    seeds: jax.Array  # [R] uint32
+    token_index: jax.Array  # [R] int32: index of the token being sampled within its request
+    # The dense slow path, present only when some row needs it (a separate compiled variant):
+    presence_penalty: jax.Array | None = None  # [R] f32
+    frequency_penalty: jax.Array | None = None  # [R] f32
+    repetition_penalty: jax.Array | None = None  # [R] f32
+    output_counts: jax.Array | None = None  # [R, V] int32: occurrences in the output so far
+    prompt_mask: jax.Array | None = None  # [R, V] bool: token occurs in the prompt
+    logit_bias: jax.Array | None = None  # [R, V] f32: -inf bans a token (min_tokens keeps EOS out)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.output_counts is not None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: jax.Array  # [R] int32
+    logprob_token_ids: jax.Array | None  # [R, 1 + MAX_LOGPROBS]: sampled token first, then top-n
+    logprobs: jax.Array | None  # [R, 1 + MAX_LOGPROBS]
+    sampled_rank: jax.Array | None  # [R] int32, 1-based rank of the sampled token
+
+
+def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [R, V]
+    counts = st.output_counts.astype(jnp.float32)
+    seen = st.prompt_mask | (st.output_counts > 0)
+    rep = st.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - st.frequency_penalty[:, None] * counts
+    logits = logits - st.presence_penalty[:, None] * (st.output_counts > 0)
+    return logits + st.logit_bias
+
+
+def _filter(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Mask (to -inf) what min-p, top-k and top-p exclude. logits: [R, V], already tempered."""
+    vocab = logits.shape[-1]
+    probs = jax.nn.softmax(logits, axis=-1)
+    logits = jnp.where(probs < st.min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, logits)
+
+    def top_k_top_p(logits):
+        sorted_desc = -jnp.sort(-logits, axis=-1)  # [R, V]
+        k = jnp.where(st.top_k > 0, jnp.minimum(st.top_k, vocab), vocab)
+        kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+        sorted_desc = jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc)
+        sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
+        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep = mass_before < st.top_p[:, None]  # the smallest prefix whose mass reaches top_p
+        cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where(logits < jnp.maximum(cutoff, kth), -jnp.inf, logits)
+
+    # Sorting the vocabulary is the expensive part: skip it when no row asks for top-k/top-p.
+    needs_sort = jnp.any(st.top_k > 0) | jnp.any(st.top_p < 1.0)
+    return jax.lax.cond(needs_sort, top_k_top_p, lambda x: x, logits)
+
+
+def _draw(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [R] int32
+    def one(seed, index, row):
+        key = jax.random.fold_in(jax.random.key(seed), index)
+        return jnp.argmax(row + jax.random.gumbel(key, row.shape, jnp.float32))
+
+    return jax.vmap(one)(st.seeds, st.token_index, logits).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool) -> SamplerOutput:
+    """logits: [R, V] float32 -> SamplerOutput."""
+    raw = logits
+    if st.has_penalties:
+        logits = apply_penalties(logits, st)
+    is_greedy = st.temperature < _GREEDY_EPS
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def random_ids(logits):
+        tempered = logits / jnp.where(is_greedy, 1.0, st.temperature)[:, None]
+        return jnp.where(is_greedy, greedy_ids, _draw(_filter(tempered, st), st))
+
+    token_ids = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_ids, random_ids, logits)
+    if not with_logprobs:
+        return SamplerOutput(token_ids, None, None, None)
+    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    sampled_lp = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
+    rank = 1 + jnp.sum(logprobs > sampled_lp, axis=-1).astype(jnp.int32)
+    ids = jnp.concatenate([token_ids[:, None], top_ids.astype(jnp.int32)], axis=-1)
+    vals = jnp.concatenate([sampled_lp, top_vals], axis=-1)
+    return SamplerOutput(token_ids, ids, vals, rank)
+
+
+def prompt_logprobs(logits: jax.Array, target_ids: jax.Array):
+    """Logprobs of each position's next prompt token. logits [T, V], target_ids [T] -> like sample()."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    target_lp = jnp.take_along_axis(logprobs, target_ids[:, None], axis=-1)
+    rank = 1 + jnp.sum(logprobs > target_lp, axis=-1).astype(jnp.int32)
+    ids = jnp.concatenate([target_ids[:, None], top_ids.astype(jnp.int32)], axis=-1)
+    return ids, jnp.concatenate([target_lp, top_vals], axis=-1), rank

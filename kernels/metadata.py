@@ -1,0 +1,41 @@
+"""The attention metadata of one step: an explicit pytree, never a global context."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where the new tokens of a flat ragged batch sit, and where their K/V go.
+
+    The KV cache of all layers is one array ``[num_layers * num_blocks, block_size, kv_heads, dim]``;
+    layer ``l`` owns blocks ``[l * num_blocks, (l + 1) * num_blocks)``. Block ids here are those of
+    layer 0; a layer adds its offset (a scalar add, no slice of the cache is ever copied).
+    """
+
+    slot_mapping: jax.Array  # [T] int32: block_id * block_size + offset of each new token
+    kv_lens: jax.Array  # [R] int32: context length after this step
+    block_tables: jax.Array  # [R, max_blocks_per_seq] int32
+    query_start_loc: jax.Array  # [R + 1] int32
+    num_seqs: jax.Array  # [] int32
+
+    def for_layer(self, layer: jax.Array, num_blocks: int, block_size: int) -> AttentionMetadata:
+        offset = layer * num_blocks
+        return dataclasses.replace(
+            self,
+            slot_mapping=self.slot_mapping + offset * block_size,
+            block_tables=self.block_tables + offset,
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The preallocated paged cache of every layer, donated into each step."""
+
+    k: jax.Array  # [num_layers * num_blocks, block_size, num_kv_heads, head_dim]
+    v: jax.Array  # [num_layers * num_blocks, block_size, num_kv_heads, head_dim]

