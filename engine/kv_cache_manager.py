@@ -46,7 +46,9 @@ class KVCacheManager:
     the model runner receives their ids as the request's block table.
     """
 
-    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True, max_model_len: int = 2048):
+    def __init__(
+        self, block_size: int, num_blocks: int, enable_caching: bool = True, max_model_len: int = 2048
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -186,4 +188,6 @@ class KVCacheManager:
             # The salt enters the first block only; chaining carries it into every later hash.
             extra_keys = (request.cache_salt,) if index == 0 and request.cache_salt is not None else None
             start = index * self.block_size
-            block_hashes.append(hash_block_tokens(parent_hash, tokens[start : start + self.block_size], extra_keys))
+            block_hashes.append(
+                hash_block_tokens(parent_hash, tokens[start : start + self.block_size], extra_keys)
+            )

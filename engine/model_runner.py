@@ -209,7 +209,7 @@ class ModelRunner:
             result.sampled_token_ids[rid] = int(token_ids[row])
             n = s.request.sampling_params.logprobs
             if n is not None:
-                result.logprobs[rid] = (ids[row, : n + 1].tolist(), vals[row, : n + 1].tolist(), int(ranks[row]))
+                result.logprobs[rid] = [(ids[row, : n + 1].tolist(), vals[row, : n + 1].tolist(), int(ranks[row]))]
         return result
 
     def _prompt_logprobs(self, scheduled, hidden: jax.Array, num_tokens: int) -> dict[str, list]:

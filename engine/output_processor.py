@@ -11,7 +11,7 @@ gathers their CompletionOutputs back under the parent's id.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.detokenizer import IncrementalDetokenizer, special_token_ids
@@ -141,7 +141,7 @@ class RequestState:
             outputs=outputs,
             finished=is_finished,
             num_cached_tokens=self.num_cached_tokens,
-            metrics=self.stats,
+            metrics=replace(self.stats),  # a snapshot: the live stats keep changing while streaming
         )
 
     def make_request_output(

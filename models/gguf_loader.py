@@ -68,11 +68,10 @@ class _FastGGUFReader(GGUFReader):
 def open_gguf(path: str) -> GGUFReader:
     """Parse the header of a GGUF file (tensors stay memory-mapped). ValueError if it is not GGUF."""
     try:
-        return _FastGGUFReader(path)
-    except Exception:  # not GGUF, or a gguf release whose private reader internals changed
-        pass
-    try:
-        return GGUFReader(path)
+        try:
+            return _FastGGUFReader(path)
+        except (TypeError, AttributeError):  # a gguf release whose private reader internals changed
+            return GGUFReader(path)
     except Exception as e:
         raise ValueError(f"{path!r} is not a readable GGUF file: {e!r}") from e
 
@@ -125,7 +124,7 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
         "hidden_act": "silu",
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling(metadata, arch),
         "max_position_embeddings": key("context_length"),
         "vocab_size": vocab_size,
         # llama.cpp writes `output.weight` only when the LM head is not the embedding matrix.
@@ -137,7 +136,6 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
-    config["rope_scaling"] = _rope_scaling(metadata, arch)
     return config
 
 
@@ -164,13 +162,19 @@ def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any] | No
 
 
 def llama3_rope_factors(
-    head_dim: int, rope_theta: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+    head_dim: int,
+    rope_theta: float,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
     original_max_position_embeddings: int,
 ) -> np.ndarray:
     """llama.cpp's `rope_freqs` tensor for HF's llama3 rope scaling: the divisor of each frequency. [head_dim/2]"""
     inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
     factors = 1.0 / ((1 - smooth) / factor + smooth)
     factors = np.where(wavelen < original_max_position_embeddings / high_freq_factor, 1.0, factors)
     factors = np.where(wavelen > original_max_position_embeddings / low_freq_factor, factor, factors)
@@ -182,12 +186,13 @@ def _llama3_rope_scaling(rope_freqs: np.ndarray, config: Mapping[str, Any]) -> d
     # recovered by trying the published ones (low 1, high 4, original context 8192) and checking.
     factor = float(rope_freqs.max())
     params = {
-        "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    expected = llama3_rope_factors(
-        config["head_dim"], config["rope_theta"], factor, 1.0, 4.0, 8192
-    )
+    expected = llama3_rope_factors(config["head_dim"], config["rope_theta"], factor, 1.0, 4.0, 8192)
     if expected.shape != rope_freqs.shape or not np.allclose(expected, rope_freqs, rtol=1e-4):
         raise ValueError(
             "GGUF tensor rope_freqs.weight does not match llama3 rope scaling with low_freq_factor=1, "

@@ -39,7 +39,11 @@ _PRE_TOKENIZER_SPLITS = {
 
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (printable latin-1 maps to itself)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     shifted = [b for b in range(256) if b not in printable]
     mapping = {b: chr(b) for b in printable}
     mapping.update({b: chr(256 + i) for i, b in enumerate(shifted)})
@@ -88,8 +92,12 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> PreTrainedToken
     vocab = {_byte_level_spelling(token): i for i, token in enumerate(tokens)}
     backend = Tokenizer(
         BPE(
-            vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-            end_of_word_suffix="", fuse_unk=False,
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
         )
     )
     backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre"))

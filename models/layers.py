@@ -21,7 +21,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value * x32.astype(x.dtype)
+        return self.weight[...] * x32.astype(x.dtype)
 
 
 class Linear(nnx.Module):
@@ -33,8 +33,8 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel.value
-        return y if self.bias is None else y + self.bias.value
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + self.bias[...]
 
 
 class Attention(nnx.Module):

@@ -29,7 +29,7 @@ class Embedding(nnx.Module):
         self.weight = nnx.Param(jax.nn.initializers.normal(0.02)(rngs.params(), (vocab_size, dim), dtype))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return self.weight.value[ids]
+        return self.weight[...][ids]
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -78,7 +78,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> [N, V] float32
         if self.lm_head is None:
-            logits = hidden @ self.embed_tokens.weight.value.T
+            logits = hidden @ self.embed_tokens.weight[...].T
         else:
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)

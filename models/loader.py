@@ -58,9 +58,7 @@ def resolve_embedded_model_path() -> str:
     return os.path.join(package_dir, ggufs[0])
 
 
-def load_checkpoint(
-    model: str | None = None, dtype: Any = None, *, progress: bool = True
-) -> Checkpoint:
+def load_checkpoint(model: str | None = None, dtype: Any = None, *, progress: bool = True) -> Checkpoint:
     """Load config, tensors and tokenizer from `model` (see the module docstring for the forms).
 
     dtype: None keeps the loaded dtype (float32 for GGUF); otherwise floating tensors are cast to
@@ -83,7 +81,9 @@ def load_checkpoint(
     if dtype is not None:
         dtype = np.dtype(dtype)
         for name, value in checkpoint.tensors.items():
-            if value.dtype.kind == "f" or value.dtype.name.startswith(("bfloat16", "float8")):  # not int buffers
+            if value.dtype.kind == "f" or value.dtype.name.startswith(
+                ("bfloat16", "float8")
+            ):  # not int buffers
                 checkpoint.tensors[name] = value.astype(dtype, copy=False)
     return checkpoint
 
@@ -130,5 +130,7 @@ def _load_safetensors_dir(path: str, progress: bool) -> Checkpoint:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"{path!r} has no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}") from e
+        raise ValueError(
+            f"{path!r} has no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}"
+        ) from e
     return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=f"safetensors {path}")

@@ -76,5 +76,7 @@ def load_safetensors(model_dir: str, *, progress: bool = True) -> dict[str, np.n
         with open(index_path) as f:
             missing = set(json.load(f)["weight_map"]) - set(tensors)
         if missing:
-            raise ValueError(f"{model_dir!r}: tensors listed in {INDEX_FILE} are missing: {sorted(missing)[:5]}")
+            raise ValueError(
+                f"{model_dir!r}: tensors listed in {INDEX_FILE} are missing: {sorted(missing)[:5]}"
+            )
     return tensors

@@ -49,7 +49,9 @@ def test_hash_depends_on_tokens_order_parent_and_extra_keys():
     assert hash_block_tokens(None, [4, 3, 2, 1]) != base
     assert hash_block_tokens(base, [1, 2, 3, 4]) != base
     assert hash_block_tokens(None, [1, 2, 3, 4], ("salt",)) != base
-    assert hash_block_tokens(None, [1, 2, 3, 4], ("salt",)) != hash_block_tokens(None, [1, 2, 3, 4], ("pepper",))
+    assert hash_block_tokens(None, [1, 2, 3, 4], ("salt",)) != hash_block_tokens(
+        None, [1, 2, 3, 4], ("pepper",)
+    )
     # Same tokens under different prefixes must never collide: that is what chaining is for.
     parent_a, parent_b = hash_block_tokens(None, [9, 9]), hash_block_tokens(None, [8, 8])
     assert hash_block_tokens(parent_a, [5, 6]) != hash_block_tokens(parent_b, [5, 6])

