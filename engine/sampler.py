@@ -71,7 +71,8 @@ def _filter(logits: jax.Array, st: SamplingTensors) -> jax.Array:
         sorted_desc = jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc)
         sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
         mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep = mass_before < st.top_p[:, None]  # the smallest prefix whose mass reaches top_p
+        # The smallest prefix whose mass reaches top_p; top_p = 1 keeps all (float32 sums reach 1 early).
+        keep = (mass_before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
         cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
         return jnp.where(logits < jnp.maximum(cutoff, kth), -jnp.inf, logits)
 

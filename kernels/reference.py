@@ -101,9 +101,10 @@ def ragged_paged_attention(
         p_tkgs = jnp.exp(s_tkgs - m_safe[..., None])
         alpha = jnp.exp(m_tkg - m_safe)
         l_tkg = alpha * l_tkg + p_tkgs.sum(axis=-1)
-        acc_tkgd = alpha[..., None] * acc_tkgd + jnp.einsum(
-            "tkgs,tskd->tkgd", p_tkgs, v_tskd.astype(jnp.float32)
-        )
+        # Masked slots may hold anything (a reused block's stale values, NaN included): p = 0 is not
+        # enough, since 0 * NaN = NaN.
+        v_tskd = jnp.where(visible[:, :, None, None], v_tskd.astype(jnp.float32), 0.0)
+        acc_tkgd = alpha[..., None] * acc_tkgd + jnp.einsum("tkgs,tskd->tkgd", p_tkgs, v_tskd)
         return m_new, l_tkg, acc_tkgd
 
     init = (

@@ -9,6 +9,8 @@ call of a variant uses the same padded shapes, so each variant compiles once.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import itertools
 from functools import partial
 from types import SimpleNamespace
 
@@ -16,17 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
+from flax import nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from flax import nnx  # noqa: E402
-
-from engine.batch import build_step_batch  # noqa: E402
-from kernels import KVCache, get_attention_backend  # noqa: E402
-from models.config import TransformerConfig  # noqa: E402
-from models.llama import LlamaForCausalLM  # noqa: E402
-from models.weights import load_params  # noqa: E402
+from engine.batch import build_step_batch
+from kernels import KVCache, get_attention_backend
+from models.config import TransformerConfig
+from models.llama import LlamaForCausalLM
+from models.weights import load_params
 
 BLOCK_SIZE = 8
 NUM_TOKENS = 64  # the padded token count of every call
@@ -35,17 +35,17 @@ MAX_BLOCKS_PER_SEQ = NUM_TOKENS // BLOCK_SIZE
 NUM_BLOCKS = 24  # per layer; block 0 is the null block
 MAX_REL_ERR = 1e-4
 
-BASE = dict(
-    hidden_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    vocab_size=101,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "vocab_size": 101,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
 
 VARIANTS = {
     "gqa2_untied": dict(BASE),
@@ -162,7 +162,7 @@ def run(v: Variant, batch: list, kv_cache: KVCache) -> tuple[list[np.ndarray], K
     logits, kv_cache = _forward(v.graphdef, v.params, kv_cache, step.input_ids, step.positions, step.md)
     logits = np.asarray(logits)
     starts = np.cumsum([0] + [s.num_new_tokens for s in batch])
-    return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])], kv_cache
+    return [logits[a:b] for a, b in itertools.pairwise(starts)], kv_cache
 
 
 def blocks_for(num_tokens: int, rng: np.random.Generator, taken: set[int]) -> list[int]:
@@ -193,14 +193,15 @@ def hf_logits(hf_model, prompt) -> np.ndarray:
 def hf_logits_incremental(hf_model, prompt, first: int) -> np.ndarray:
     """The first `first` tokens in one forward, then one token at a time on HF's KV cache: how
     dynamic NTK behaves while decoding (each step rescales with the length so far)."""
+    # transformers 5.x renamed past_key_values to cache (argument and output field).
+    cache_arg = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
     ids = torch.as_tensor(np.asarray(prompt)[None], dtype=torch.long)
     with torch.no_grad():
         out = hf_model(ids[:, :first], use_cache=True)
-        logits, past = [out.logits[0]], out.past_key_values
+        logits = [out.logits[0]]
         for t in range(first, ids.shape[1]):
-            out = hf_model(ids[:, t : t + 1], past_key_values=past, use_cache=True)
+            out = hf_model(ids[:, t : t + 1], use_cache=True, **{cache_arg: getattr(out, cache_arg)})
             logits.append(out.logits[0])
-            past = out.past_key_values
     return torch.cat(logits).float().numpy()
 
 
@@ -298,7 +299,9 @@ def test_loader_names_a_missing_tensor(small_checkpoint):
 def test_loader_names_an_unexpected_tensor(small_checkpoint):
     model, tensors = small_checkpoint
     tensors = dict(tensors, **{"model.layers.0.self_attn.q_norm.weight": np.ones(16, np.float32)})
-    with pytest.raises(ValueError, match=r"unexpected tensors \['model\.layers\.0\.self_attn\.q_norm\.weight'\]"):
+    with pytest.raises(
+        ValueError, match=r"unexpected tensors \['model\.layers\.0\.self_attn\.q_norm\.weight'\]"
+    ):
         load_ours(model, tensors)
 
 
@@ -317,7 +320,7 @@ def test_loader_untied_head_is_required_tied_head_is_optional(small_checkpoint):
         load_ours(model, without_head)
     model.config.tie_word_embeddings = True
     try:
-        cfg, _, params = load_ours(model, without_head)
+        cfg, _, _ = load_ours(model, without_head)
         assert cfg.tie_word_embeddings
         load_ours(model, tensors)  # a tied checkpoint may still carry the head (HF saves both)
     finally:
