@@ -1,7 +1,8 @@
 """The shapes the engine compiles for, declared in one place.
 
-Token buckets are powers of two from 16 up to max_num_batched_tokens (which is included even when it
-is not a power of two). The sequence dimension of a step is min(token bucket, max_num_seqs): a step
+Token buckets are 1 and 4 (small decode batches: on CPU a step's cost grows with its padded size,
+so a single request must not pay for 16 rows), then powers of two from 16 up to
+max_num_batched_tokens (which is included even when it is not a power of two). The sequence dimension of a step is min(token bucket, max_num_seqs): a step
 never has more sequences than tokens, so one compile per token bucket covers every batch.
 """
 
@@ -9,12 +10,13 @@ from __future__ import annotations
 
 import bisect
 
-MIN_TOKEN_BUCKET = 16
+SMALL_TOKEN_BUCKETS = (1, 4)
+MIN_POWER_OF_TWO_BUCKET = 16
 
 
 def make_token_buckets(max_num_batched_tokens: int) -> list[int]:
-    buckets = []
-    size = MIN_TOKEN_BUCKET
+    buckets = list(SMALL_TOKEN_BUCKETS)
+    size = MIN_POWER_OF_TWO_BUCKET
     while size < max_num_batched_tokens:
         buckets.append(size)
         size *= 2

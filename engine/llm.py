@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -115,6 +115,23 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one completion as it is generated (n must be 1)."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream() takes n=1, got n={params.n}")
+        text, ids = self.input_processor.tokenize(prompt)
+        request_id = str(next(self._request_counter))
+        added = self._add_request(request_id, text, ids, params, 0, output_kind="delta")
+        try:
+            while self.engine_core.has_unfinished_requests():
+                for output in self._step():
+                    if output.request_id == request_id and output.outputs[0].text:
+                        yield output.outputs[0].text
+        finally:
+            self.engine_core.abort_requests(added)
+            self.output_processor.abort_requests(added)
+
     def get_metrics(self) -> list[Metric]:
         """Counters, gauges and histograms named like vLLM's (prefix `xlaserve:`)."""
         return self.metrics.snapshot()
@@ -157,7 +174,9 @@ class LLM:
             self.output_processor.abort_requests(list(order))
             raise
 
-    def _add_request(self, request_id, text, ids, params: SamplingParams, priority: int) -> list[str]:
+    def _add_request(
+        self, request_id, text, ids, params: SamplingParams, priority: int, output_kind: str = "final"
+    ) -> list[str]:
         now = time.time()
         requests = self.input_processor.make_requests(request_id, ids, params, arrival_time=now, priority=priority)
         if params.n > 1:
@@ -171,6 +190,7 @@ class LLM:
                 arrival_time=now,
                 parent_id=request_id if params.n > 1 else None,
                 index=i,
+                output_kind=output_kind,
             )
             self.engine_core.add_request(request)
         return [r.request_id for r in requests]
