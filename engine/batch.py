@@ -1,8 +1,8 @@
-"""Host-side assembly of one step's flat ragged batch (numpy), then one transfer to the device."""
+"""Host-side assembly of one step's flat ragged batch, as numpy; the runner transfers it in one put."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -11,13 +11,14 @@ from engine.sampler import SamplingTensors
 from kernels import AttentionMetadata
 
 
+@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepBatch:
     input_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
     logits_indices: jax.Array  # [R] int32: the token of each sequence that is sampled
     md: AttentionMetadata
-    num_padded_seqs: int
+    num_padded_seqs: int = field(metadata=dict(static=True))
 
 
 def build_step_batch(
@@ -56,7 +57,6 @@ def build_step_batch(
         query_start_loc=query_start_loc,
         num_seqs=np.int32(len(scheduled)),
     )
-    input_ids, positions, logits_indices, md = jax.device_put((input_ids, positions, logits_indices, md))
     return StepBatch(input_ids, positions, logits_indices, md, num_seqs)
 
 
@@ -104,5 +104,4 @@ def sampling_tensors(scheduled, num_seqs: int, vocab_size: int, with_penalties: 
             prompt_mask=prompt_mask,
             logit_bias=bias,
         )
-    st = SamplingTensors(temperature, top_k, top_p, min_p, seeds, token_index, **extra)
-    return jax.device_put(st)
+    return SamplingTensors(temperature, top_k, top_p, min_p, seeds, token_index, **extra)

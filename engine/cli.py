@@ -1,4 +1,4 @@
-"""The `xlaserve` command: generate, chat, bench (and serve, when the server is installed)."""
+"""The `xlaserve` command: generate, chat, serve, bench."""
 
 from __future__ import annotations
 
@@ -31,12 +31,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="skip warm-up compiles")
+    g.add_argument("--strict-compile-guard", action="store_true", default=None,
+                   help="fail a step that compiles after warm-up (default: warn)")
 
 
 _ENGINE_KEYS = (
     "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
     "seed", "gpu_memory_utilization", "kv_cache_memory", "scheduling_policy", "attention_backend",
-    "compilation_cache_dir", "enforce_eager",
+    "compilation_cache_dir", "enforce_eager", "strict_compile_guard",
 )
 
 
@@ -135,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     from engine import bench
+    from engine.server import launcher
 
+    launcher.add_parser(sub, add_engine_args)
     bench.add_parser(sub, add_engine_args)
     return parser
 

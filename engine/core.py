@@ -15,10 +15,10 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, hf_config: dict, tensors: dict, max_model_len: int):
+    def __init__(self, config: EngineConfig, hf_config: dict, tensors: dict, max_model_len: int, devices=None):
         self.config = config
         self.max_model_len = max_model_len
-        self.runner = ModelRunner(config, hf_config, tensors, max_model_len)
+        self.runner = ModelRunner(config, hf_config, tensors, max_model_len, devices)
         self.kv_cache_manager = KVCacheManager(
             config.cache.block_size, self.runner.num_blocks, config.cache.enable_prefix_caching, max_model_len
         )
@@ -34,6 +34,9 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule which requests get how many tokens, run them, and report what changed."""

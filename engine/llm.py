@@ -12,7 +12,7 @@ import jax
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.dp_engine import make_engine_core
 from engine.metrics import EngineMetrics, Metric
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -60,7 +60,9 @@ class LLM:
         eos = self.tokenizer.eos_token_id
         if eos is None and model_config.eos_token_ids:
             eos = model_config.eos_token_ids[0]
-        self.engine_core = EngineCore(self.config, checkpoint.hf_config, checkpoint.tensors, self.max_model_len)
+        self.engine_core = make_engine_core(
+            self.config, checkpoint.hf_config, checkpoint.tensors, self.max_model_len
+        )
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, model_config.vocab_size, eos, self.config.model.seed
         )

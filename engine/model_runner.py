@@ -26,9 +26,10 @@ from engine.config import EngineConfig
 from engine.sampler import SamplerOutput, prompt_logprobs, sample
 from engine.scheduler import ModelRunnerOutput
 from kernels import KVCache, get_attention_backend
-from models.config import TransformerConfig
-from models.registry import get_model_class
+from models.registry import get_model_class, kv_cache_spec, model_config_from_hf
 from models.weights import load_params
+from sharding import Placement, make_mesh
+from sharding.kv_heads import replicate_kv_heads
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +63,29 @@ def resolve_dtype(name: str) -> jnp.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config: dict, tensors: dict[str, np.ndarray], max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: dict,
+        tensors: dict[str, np.ndarray],
+        max_model_len: int,
+        devices=None,
+    ):
         self.config = config
         self.dtype = resolve_dtype(config.model.dtype)
-        self.model_config = TransformerConfig.from_hf(hf_config)
+        self.model_config = model_config_from_hf(hf_config)  # the family's config class (MoE, MLA fields)
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(config.compilation.attention_backend)
         logger.info("attention backend: %s (%s)", self.backend.name, self.backend.reason)
 
+        parallel = config.parallel
+        self.mesh = make_mesh(parallel.tensor_parallel_size, devices)
+        self.placement = Placement(self.mesh, self.model_config, parallel.enable_expert_parallel)
+        self.model_config, tensors = replicate_kv_heads(self.model_config, tensors, parallel.tensor_parallel_size)
+
         model_class = get_model_class(self.model_config.architecture)
+        self.kv_spec = kv_cache_spec(model_class, self.model_config)  # K and V, or MLA's one latent cache
         t0 = time.perf_counter()
         self.graphdef, self.params = load_params(
             model_class,
@@ -79,6 +93,7 @@ class ModelRunner:
             tensors,
             dtype=self.dtype,
             make_model=lambda: model_class(self.model_config, self.backend, dtype=self.dtype, rngs=nnx.Rngs(0)),
+            place=self.placement.place_param,
         )
         logger.info("placed %s weights in %.2fs", model_class.__name__, time.perf_counter() - t0)
 
@@ -93,9 +108,7 @@ class ModelRunner:
     # -- memory ---------------------------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        cfg = self.model_config
-        itemsize = jnp.dtype(self.dtype).itemsize
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+        return self.kv_spec.bytes_per_block(self.block_size, jnp.dtype(self.dtype).itemsize)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -118,15 +131,16 @@ class ModelRunner:
         return int(num_blocks)
 
     def _allocate_kv_cache(self) -> KVCache:
-        cfg = self.model_config
-        shape = (cfg.num_layers * self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.kv_bytes_per_block() / 2**20,
         )
-        return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+        sharding = self.placement.kv_cache_sharding()
+        return self.kv_spec.allocate(
+            self.num_blocks, self.block_size, lambda shape: self.placement.zeros(shape, self.dtype, sharding)
+        )
 
     # -- compiling ------------------------------------------------------------------------------
 
@@ -137,16 +151,18 @@ class ModelRunner:
         sampler_buckets_done = set()
         for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
             num_seqs = self._num_seqs_for(num_tokens)
-            batch = build_step_batch([], num_tokens, num_seqs, self.max_blocks_per_seq, self.block_size)
+            batch = self._build_batch([], num_tokens)
             hidden, hidden_rd = self._run_forward(batch)
             jax.block_until_ready(
-                _prompt_logprobs(self.graphdef, self.params, hidden, jnp.zeros((num_tokens,), jnp.int32))
+                _prompt_logprobs(
+                    self.graphdef, self.params, hidden, self.placement.put_replicated(np.zeros(num_tokens, np.int32))
+                )
             )
             if num_seqs in sampler_buckets_done:
                 continue
             sampler_buckets_done.add(num_seqs)
             for with_penalties in (False, True):
-                st = sampling_tensors([], num_seqs, vocab, with_penalties)
+                st = self.placement.put_replicated(sampling_tensors([], num_seqs, vocab, with_penalties))
                 for with_logprobs in (False, True):
                     jax.block_until_ready(_sample(self.graphdef, self.params, hidden_rd, st, with_logprobs))
         logger.info(
@@ -163,6 +179,12 @@ class ModelRunner:
         return request_bucket(num_tokens, self.max_num_seqs)
 
     # -- one step -------------------------------------------------------------------------------
+
+    def _build_batch(self, scheduled, num_tokens: int) -> StepBatch:
+        batch = build_step_batch(
+            scheduled, num_tokens, self._num_seqs_for(num_tokens), self.max_blocks_per_seq, self.block_size
+        )
+        return self.placement.put_replicated(batch)
 
     def _run_forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
         hidden, hidden_rd, self.kv_cache = _forward(
@@ -182,9 +204,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         num_real = sum(s.num_new_tokens for s in scheduled)
         num_tokens = pick_bucket(self.token_buckets, num_real)
-        batch = build_step_batch(
-            scheduled, num_tokens, self._num_seqs_for(num_tokens), self.max_blocks_per_seq, self.block_size
-        )
+        batch = self._build_batch(scheduled, num_tokens)
         hidden, hidden_rd = self._run_forward(batch)
 
         sampling = [s for s in scheduled if s.is_sampling]
@@ -193,7 +213,9 @@ class ModelRunner:
             s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in sampling
         )
         with_logprobs = any(p.logprobs is not None for p in params)
-        st = sampling_tensors(scheduled, batch.num_padded_seqs, self.model_config.vocab_size, with_penalties)
+        st = self.placement.put_replicated(
+            sampling_tensors(scheduled, batch.num_padded_seqs, self.model_config.vocab_size, with_penalties)
+        )
         out: SamplerOutput = _sample(self.graphdef, self.params, hidden_rd, st, with_logprobs)
         result = ModelRunnerOutput()
         if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
@@ -224,6 +246,7 @@ class ModelRunner:
                 targets[offset : offset + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
                 spans[req.request_id] = (offset, stop - start, req.sampling_params.prompt_logprobs)
             offset += s.num_new_tokens
+        targets = self.placement.put_replicated(targets)
         ids, vals, ranks = (np.asarray(a) for a in _prompt_logprobs(self.graphdef, self.params, hidden, targets))
         self.guard.check("prompt logprobs")
         return {
@@ -233,3 +256,11 @@ class ModelRunner:
             ]
             for rid, (offset, length, n) in spans.items()
         }
+
+    def compiled_forward_text(self, num_tokens: int) -> str:
+        """The optimized HLO of the forward for one token bucket (to inspect collectives)."""
+        batch = self._build_batch([], num_tokens)
+        lowered = _forward.lower(
+            self.graphdef, self.params, self.kv_cache, batch.input_ids, batch.positions, batch.logits_indices, batch.md
+        )
+        return lowered.compile().as_text()

@@ -1,0 +1,73 @@
+"""Meshes and placement: parameters and the KV cache laid out by the rules in sharding/rules.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.rules import KV_CACHE_AXES, logical_to_mesh, param_logical_axes, to_partition_spec
+
+
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    """A 1-D ("tensor",) mesh over `devices` (default: all devices, local and remote)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if tensor_parallel_size > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} exceeds the {len(devices)} available devices"
+        )
+    return Mesh(np.array(devices[:tensor_parallel_size]), ("tensor",))
+
+
+class Placement:
+    """Where every array of one engine lives: its mesh and the logical->mesh rules for a model."""
+
+    def __init__(self, mesh: Mesh, model_config, enable_expert_parallel: bool = False):
+        self.mesh = mesh
+        tp = mesh.shape["tensor"]
+        cfg = model_config
+        self._check_divisible(cfg, tp, enable_expert_parallel)
+        self.rules = logical_to_mesh(enable_expert_parallel)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+
+    @staticmethod
+    def _check_divisible(cfg, tp: int, enable_expert_parallel: bool) -> None:
+        def require(count: int, what: str) -> None:
+            if count % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide {what}={count}")
+
+        if tp == 1:
+            return
+        require(cfg.num_heads, "num_attention_heads")
+        require(cfg.vocab_size, "vocab_size")
+        if cfg.num_kv_heads and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size={tp} and num_key_value_heads={cfg.num_kv_heads}: one must divide the other"
+            )
+        if cfg.intermediate_size:
+            require(cfg.intermediate_size, "intermediate_size")
+        num_experts = getattr(cfg, "num_experts", 0) or 0
+        if num_experts and enable_expert_parallel:
+            require(num_experts, "num_experts")
+        moe_size = getattr(cfg, "moe_intermediate_size", 0) or 0
+        if moe_size and not enable_expert_parallel:
+            require(moe_size, "moe_intermediate_size")
+
+    def param_sharding(self, path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+        spec = to_partition_spec(param_logical_axes(path, len(shape)), self.rules)
+        return NamedSharding(self.mesh, spec)
+
+    def place_param(self, path: tuple[str, ...], array: np.ndarray) -> jax.Array:
+        """Put one host array on the mesh; each device receives only its own shard."""
+        sharding = self.param_sharding(path, array.shape)
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    def kv_cache_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, to_partition_spec(KV_CACHE_AXES, self.rules))
+
+    def zeros(self, shape: tuple[int, ...], dtype, sharding: NamedSharding) -> jax.Array:
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+    def put_replicated(self, tree):
+        return jax.device_put(tree, self.replicated)

@@ -1,0 +1,60 @@
+"""Logical axis names for parameters and the KV cache, and the one set of rules mapping them to
+mesh axes. Models never name devices: a parameter's logical axes are looked up here by the tail
+of its path (module name, parameter name), which every family shares with Hugging Face.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import PartitionSpec
+
+# (module, parameter) -> logical axes of the parameter, without the leading stacked-layer axis.
+PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
+    ("embed_tokens", "weight"): ("vocab", "embed"),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+    ("q_proj", "kernel"): ("embed", "q_heads"),
+    ("q_proj", "bias"): ("q_heads",),
+    ("k_proj", "kernel"): ("embed", "kv_heads"),
+    ("k_proj", "bias"): ("kv_heads",),
+    ("v_proj", "kernel"): ("embed", "kv_heads"),
+    ("v_proj", "bias"): ("kv_heads",),
+    ("o_proj", "kernel"): ("q_heads", "embed"),
+    ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("up_proj", "kernel"): ("embed", "mlp"),
+    ("down_proj", "kernel"): ("mlp", "embed"),
+    # Mixture of experts: [experts, in, out] stacks and the router.
+    ("experts_gate", "kernel"): ("expert", "embed", "expert_mlp"),
+    ("experts_up", "kernel"): ("expert", "embed", "expert_mlp"),
+    ("experts_down", "kernel"): ("expert", "expert_mlp", "embed"),
+}
+
+# The KV cache: [num_layers * num_blocks, block_size, num_kv_heads, head_dim].
+KV_CACHE_AXES = ("blocks", None, "kv_heads", None)
+
+
+def logical_to_mesh(enable_expert_parallel: bool) -> dict[str, str | None]:
+    """Tensor parallelism shards heads, the MLP and the vocabulary over the "tensor" axis (KV heads
+    too: sharding/kv_heads.py repeats them when there are fewer than ranks). With expert
+    parallelism whole experts go to ranks; without it each expert's MLP is split."""
+    return {
+        "vocab": "tensor",
+        "q_heads": "tensor",
+        "kv_heads": "tensor",
+        "mlp": "tensor",
+        "expert": "tensor" if enable_expert_parallel else None,
+        "expert_mlp": None if enable_expert_parallel else "tensor",
+        "embed": None,
+        "blocks": None,
+    }
+
+
+def param_logical_axes(path: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of the parameter at `path` (replicated when no rule names it, e.g. norms)."""
+    axes = PARAM_AXES.get(tuple(path[-2:]), ())
+    stacked = ndim - len(axes)
+    if axes and stacked not in (0, 1):
+        raise ValueError(f"parameter {'/'.join(path)} has {ndim} dims; its rule {axes} expects {len(axes)}")
+    return (None,) * (ndim - len(axes)) + tuple(axes)
+
+
+def to_partition_spec(logical: tuple[str | None, ...], rules: dict[str, str | None]) -> PartitionSpec:
+    return PartitionSpec(*(None if axis is None else rules.get(axis) for axis in logical))
