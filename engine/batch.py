@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 from dataclasses import dataclass, field
 
 import jax
@@ -18,7 +20,7 @@ class StepBatch:
     positions: jax.Array  # [T] int32
     logits_indices: jax.Array  # [R] int32: the token of each sequence that is sampled
     md: AttentionMetadata
-    num_padded_seqs: int = field(metadata=dict(static=True))
+    num_padded_seqs: int = field(metadata={"static": True})
 
 
 def build_step_batch(
@@ -105,3 +107,48 @@ def sampling_tensors(scheduled, num_seqs: int, vocab_size: int, with_penalties: 
             logit_bias=bias,
         )
     return SamplingTensors(temperature, top_k, top_p, min_p, seeds, token_index, **extra)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything one step's device calls consume, as host arrays: what process 0 sends to the
+    other processes of a multi-host engine so that they run the same jitted step."""
+
+    batch: StepBatch
+    sampling: SamplingTensors
+    with_logprobs: bool
+    prompt_targets: np.ndarray | None  # [T] int32 when some request asked for prompt logprobs
+
+    def to_bytes(self) -> bytes:
+        arrays = {f"batch.{k}": v for k, v in _fields(self.batch).items()}
+        arrays |= {f"md.{k}": v for k, v in _fields(self.batch.md).items()}
+        arrays |= {f"sampling.{k}": v for k, v in _fields(self.sampling).items() if v is not None}
+        arrays["with_logprobs"] = np.asarray(self.with_logprobs)
+        if self.prompt_targets is not None:
+            arrays["prompt_targets"] = self.prompt_targets
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepInputs:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+
+        def group(prefix: str) -> dict[str, np.ndarray]:
+            return {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+        batch = group("batch.")
+        batch["num_padded_seqs"] = int(batch["num_padded_seqs"])
+        return cls(
+            batch=StepBatch(md=AttentionMetadata(**group("md.")), **batch),
+            sampling=SamplingTensors(**group("sampling.")),
+            with_logprobs=bool(arrays["with_logprobs"]),
+            prompt_targets=arrays.get("prompt_targets"),
+        )
+
+
+def _fields(obj) -> dict[str, object]:
+    return {
+        f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name != "md"
+    }

@@ -31,6 +31,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="skip warm-up compiles")
+    p = parser.add_argument_group("parallelism")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None)
+    p.add_argument("--nnodes", type=int, default=None, help="processes (hosts) of a multi-host engine")
+    p.add_argument("--node-rank", type=int, default=None, help="this process's rank; 0 runs the front end")
+    p.add_argument("--master-addr", default=None, help="address of process 0 (jax.distributed coordinator)")
+    p.add_argument("--master-port", type=int, default=None, help="coordinator port; the step channel uses +1")
     g.add_argument("--strict-compile-guard", action="store_true", default=None,
                    help="fail a step that compiles after warm-up (default: warn)")
 
@@ -38,7 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = (
     "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
     "seed", "gpu_memory_utilization", "kv_cache_memory", "scheduling_policy", "attention_backend",
-    "compilation_cache_dir", "enforce_eager", "strict_compile_guard",
+    "compilation_cache_dir", "enforce_eager", "strict_compile_guard", "tensor_parallel_size",
+    "data_parallel_size", "enable_expert_parallel", "nnodes", "node_rank", "master_addr", "master_port",
 )
 
 
@@ -70,9 +79,21 @@ def sampling_params(args: argparse.Namespace):
     )
 
 
+def run_follower_if_needed(args: argparse.Namespace) -> bool:
+    """On node_rank > 0 of a multi-host engine, serve process 0's steps instead of the command."""
+    if not getattr(args, "node_rank", None):
+        return False
+    from engine.llm import serve_follower
+
+    serve_follower(args.model, **engine_kwargs(args))
+    return True
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
 
+    if run_follower_if_needed(args):
+        return 0
     llm = LLM(args.model, **engine_kwargs(args))
     params = sampling_params(args)
     prompt = args.prompt
@@ -85,6 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    llm.shutdown()
     return 0
 
 

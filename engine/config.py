@@ -84,6 +84,11 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # Multi-host (vLLM's multi-node names): one process per host, jax.distributed across them.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500  # jax.distributed's coordinator; the step channel uses master_port + 1
 
     def __post_init__(self):
         _require(
@@ -92,6 +97,15 @@ class ParallelConfig:
         )
         _require(
             self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}"
+        )
+        _require(self.nnodes >= 1, f"nnodes must be >= 1, got {self.nnodes}")
+        _require(
+            0 <= self.node_rank < self.nnodes, f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}"
+        )
+        _require(
+            self.nnodes == 1 or self.data_parallel_size == 1,
+            f"data_parallel_size={self.data_parallel_size} with nnodes={self.nnodes} is not supported; "
+            "use tensor parallelism across hosts",
         )
 
 

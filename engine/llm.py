@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import time
@@ -20,6 +21,8 @@ from engine.processor import InputProcessor, PromptType
 from engine.sampling_params import SamplingParams
 from models.config import TransformerConfig
 from models.loader import load_checkpoint
+from sharding import distributed
+from sharding.distributed import StepReceiver, StepSender
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,31 @@ def resolve_max_model_len(requested: int | None, model_config: TransformerConfig
     return requested
 
 
+def start_engine(config: EngineConfig):
+    """Load the model and build its engine core -> (tokenizer, model config, max_model_len, core)."""
+    parallel = config.parallel
+    if parallel.nnodes > 1:
+        distributed.initialize(parallel.master_addr, parallel.master_port, parallel.nnodes, parallel.node_rank)
+    setup_compilation_cache(config.compilation.compilation_cache_dir)
+    checkpoint = load_checkpoint(config.model.model)
+    model_config = TransformerConfig.from_hf(checkpoint.hf_config)
+    max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
+    core = make_engine_core(config, checkpoint.hf_config, checkpoint.tensors, max_model_len)
+    return checkpoint.tokenizer, model_config, max_model_len, core
+
+
+def serve_follower(model: str | None = None, **engine_args) -> None:
+    """Process node_rank > 0 of a multi-host engine: hold this host's shards and run every step
+    process 0 sends, until it shuts down."""
+    config = EngineConfig.from_kwargs(model, **engine_args)
+    parallel = config.parallel
+    _, _, _, core = start_engine(config)
+    receiver = StepReceiver(parallel.master_addr, parallel.master_port + 1, parallel.node_rank)
+    logger.info("process %d: following process 0's steps", parallel.node_rank)
+    core.runner.follow(receiver)
+    receiver.close()
+
+
 class LLM:
     """Generate text offline: `LLM().generate("Hello")`, `LLM(model).chat([...])`.
 
@@ -52,23 +80,30 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         self.config = EngineConfig.from_kwargs(model, **engine_args)
-        setup_compilation_cache(self.config.compilation.compilation_cache_dir)
-        checkpoint = load_checkpoint(model)
-        self.tokenizer = checkpoint.tokenizer
-        model_config = TransformerConfig.from_hf(checkpoint.hf_config)
-        self.max_model_len = resolve_max_model_len(self.config.model.max_model_len, model_config)
+        parallel = self.config.parallel
+        if parallel.node_rank != 0:
+            raise ValueError(f"LLM runs on node_rank 0; node_rank={parallel.node_rank} runs serve_follower()")
+        self.tokenizer, model_config, self.max_model_len, self.engine_core = start_engine(self.config)
+        self._step_sender = None
+        if parallel.nnodes > 1:
+            self._step_sender = StepSender(parallel.master_addr, parallel.master_port + 1, parallel.nnodes - 1)
+            self.engine_core.runner.step_sender = self._step_sender
+            atexit.register(self.shutdown)
         eos = self.tokenizer.eos_token_id
         if eos is None and model_config.eos_token_ids:
             eos = model_config.eos_token_ids[0]
-        self.engine_core = make_engine_core(
-            self.config, checkpoint.hf_config, checkpoint.tensors, self.max_model_len
-        )
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, model_config.vocab_size, eos, self.config.model.seed
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
         self._request_counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Release the other processes of a multi-host engine (they exit their step loop)."""
+        if self._step_sender is not None:
+            self._step_sender.close()
+            self._step_sender = None
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from engine.batch import StepBatch, build_step_batch, sampling_tensors
+from engine.batch import StepBatch, StepInputs, build_step_batch, sampling_tensors
 from engine.buckets import make_token_buckets, pick_bucket, request_bucket
 from engine.compile_guard import CompileGuard, compile_seconds, num_compiles
 from engine.config import EngineConfig
@@ -54,6 +54,19 @@ def _sample(graphdef, params, hidden_rd, st, with_logprobs):
 def _prompt_logprobs(graphdef, params, hidden, target_ids):
     model = nnx.merge(graphdef, params)
     return prompt_logprobs(model.compute_logits(hidden), target_ids)
+
+
+def to_host(array: jax.Array) -> np.ndarray:
+    """A replicated array's value; across processes, from this process's own copy."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(array.addressable_data(0))
+
+
+def _entry(host: dict, prefix: str, row: int, n: int):
+    """One position's LogprobsEntry: the token first, then the top n."""
+    ids, vals, ranks = host[f"{prefix}_ids"], host[f"{prefix}_vals"], host[f"{prefix}_ranks"]
+    return (ids[row, : n + 1].tolist(), vals[row, : n + 1].tolist(), int(ranks[row]))
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
@@ -104,6 +117,7 @@ class ModelRunner:
         self.max_num_seqs = sched.max_num_seqs
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.guard = CompileGuard(strict=config.compilation.strict_compile_guard)
+        self.step_sender = None  # set on process 0 of a multi-host engine (sharding/distributed.py)
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -198,64 +212,81 @@ class ModelRunner:
         )
         return hidden, hidden_rd
 
+    def prepare(self, scheduled) -> StepInputs:
+        """The host arrays of one step (the part process 0 computes and sends to the others)."""
+        num_real = sum(s.num_new_tokens for s in scheduled)
+        num_tokens = pick_bucket(self.token_buckets, num_real)
+        batch = build_step_batch(
+            scheduled, num_tokens, self._num_seqs_for(num_tokens), self.max_blocks_per_seq, self.block_size
+        )
+        sampling = [s for s in scheduled if s.is_sampling]
+        with_penalties = any(s.request.sampling_params.has_penalties for s in sampling) or any(
+            s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in sampling
+        )
+        prompt_targets = None
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
+            prompt_targets = np.zeros(num_tokens, np.int32)
+            offset = 0
+            for s in scheduled:
+                req, start = s.request, s.num_computed_tokens
+                stop = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+                if stop > start:  # positions whose next token is still a prompt token
+                    prompt_targets[offset : offset + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
+                offset += s.num_new_tokens
+        return StepInputs(
+            batch=batch,
+            sampling=sampling_tensors(scheduled, batch.num_padded_seqs, self.model_config.vocab_size, with_penalties),
+            with_logprobs=any(s.request.sampling_params.logprobs is not None for s in sampling),
+            prompt_targets=prompt_targets,
+        )
+
+    def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
+        """The device half of a step, identical on every process: forward, sample, prompt logprobs."""
+        put = self.placement.put_replicated
+        hidden, hidden_rd = self._run_forward(put(inputs.batch))
+        out: SamplerOutput = _sample(self.graphdef, self.params, hidden_rd, put(inputs.sampling), inputs.with_logprobs)
+        host = {"token_ids": out.token_ids}
+        if inputs.with_logprobs:
+            host |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
+        if inputs.prompt_targets is not None:
+            ids, vals, ranks = _prompt_logprobs(self.graphdef, self.params, hidden, put(inputs.prompt_targets))
+            host |= {"plp_ids": ids, "plp_vals": vals, "plp_ranks": ranks}
+        host = {k: to_host(v) for k, v in host.items()}
+        self.guard.check(f"a step in bucket {inputs.batch.input_ids.shape[0]}")
+        return host
+
     def execute(self, scheduled) -> ModelRunnerOutput:
         """Run one step for `scheduled` (a list of ScheduledRequest) and return the sampled ids."""
         if not scheduled:
             return ModelRunnerOutput()
-        num_real = sum(s.num_new_tokens for s in scheduled)
-        num_tokens = pick_bucket(self.token_buckets, num_real)
-        batch = self._build_batch(scheduled, num_tokens)
-        hidden, hidden_rd = self._run_forward(batch)
-
-        sampling = [s for s in scheduled if s.is_sampling]
-        params = [s.request.sampling_params for s in sampling]
-        with_penalties = any(p.has_penalties for p in params) or any(
-            s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in sampling
-        )
-        with_logprobs = any(p.logprobs is not None for p in params)
-        st = self.placement.put_replicated(
-            sampling_tensors(scheduled, batch.num_padded_seqs, self.model_config.vocab_size, with_penalties)
-        )
-        out: SamplerOutput = _sample(self.graphdef, self.params, hidden_rd, st, with_logprobs)
+        inputs = self.prepare(scheduled)
+        if self.step_sender is not None:
+            self.step_sender.send(inputs)
+        host = self.run(inputs)
+        if self.step_sender is not None:
+            self.step_sender.check(host["token_ids"])
         result = ModelRunnerOutput()
-        if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
-            result.prompt_logprobs = self._prompt_logprobs(scheduled, hidden, num_tokens)
-        token_ids = np.asarray(out.token_ids)
-        self.guard.check(f"a step of {num_real} tokens in bucket {num_tokens}")
-        if with_logprobs:
-            ids, vals, ranks = np.asarray(out.logprob_token_ids), np.asarray(out.logprobs), np.asarray(out.sampled_rank)
+        offset = 0
         for row, s in enumerate(scheduled):
+            req = s.request
+            rid = req.request_id
+            if req.sampling_params.prompt_logprobs is not None:
+                n = req.sampling_params.prompt_logprobs
+                length = max(0, min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1) - s.num_computed_tokens)
+                if length:
+                    result.prompt_logprobs[rid] = [_entry(host, "plp", i, n) for i in range(offset, offset + length)]
+            offset += s.num_new_tokens
             if not s.is_sampling:
                 continue
-            rid = s.request.request_id
-            result.sampled_token_ids[rid] = int(token_ids[row])
-            n = s.request.sampling_params.logprobs
-            if n is not None:
-                result.logprobs[rid] = [(ids[row, : n + 1].tolist(), vals[row, : n + 1].tolist(), int(ranks[row]))]
+            result.sampled_token_ids[rid] = int(host["token_ids"][row])
+            if req.sampling_params.logprobs is not None:
+                result.logprobs[rid] = [_entry(host, "lp", row, req.sampling_params.logprobs)]
         return result
 
-    def _prompt_logprobs(self, scheduled, hidden: jax.Array, num_tokens: int) -> dict[str, list]:
-        targets = np.zeros(num_tokens, np.int32)
-        spans = {}
-        offset = 0
-        for s in scheduled:
-            req, start = s.request, s.num_computed_tokens
-            # Positions whose next token is still a prompt token (the last one's is sampled).
-            stop = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
-            if req.sampling_params.prompt_logprobs is not None and stop > start:
-                targets[offset : offset + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
-                spans[req.request_id] = (offset, stop - start, req.sampling_params.prompt_logprobs)
-            offset += s.num_new_tokens
-        targets = self.placement.put_replicated(targets)
-        ids, vals, ranks = (np.asarray(a) for a in _prompt_logprobs(self.graphdef, self.params, hidden, targets))
-        self.guard.check("prompt logprobs")
-        return {
-            rid: [
-                (ids[i, : n + 1].tolist(), vals[i, : n + 1].tolist(), int(ranks[i]))
-                for i in range(offset, offset + length)
-            ]
-            for rid, (offset, length, n) in spans.items()
-        }
+    def follow(self, receiver) -> None:
+        """A non-zero process of a multi-host engine: run each step process 0 sends, until it stops."""
+        while (inputs := receiver.recv()) is not None:
+            receiver.report(self.run(inputs)["token_ids"])
 
     def compiled_forward_text(self, num_tokens: int) -> str:
         """The optimized HLO of the forward for one token bucket (to inspect collectives)."""

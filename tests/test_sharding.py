@@ -65,3 +65,70 @@ def test_tensor_parallel_step_all_reduces_and_gathers_no_weight(tiny_llama):
 def test_indivisible_tensor_parallel_size_is_a_clear_error(tiny_llama):
     message = run_worker("error", tiny_llama, {"tensor_parallel_size": 3})
     assert "tensor_parallel_size=3" in message and "num_attention_heads=8" in message
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _generated_text(stdout: str) -> str:
+    # gloo's C++ logging shares stdout; the generated text is the last other line.
+    return [line for line in stdout.splitlines() if not line.startswith("[Gloo]")][-1]
+
+
+@pytest.mark.slow
+def test_two_processes_tensor_parallel_8_match_one_process(tiny_llama):
+    args = [
+        "generate", "The capital of France is", "--model", tiny_llama, "--raw", "--temperature", "0",
+        "--max-tokens", "8", "--max-model-len", "128", "--max-num-batched-tokens", "32", "--max-num-seqs", "4",
+        "--kv-cache-memory", str(2**23), "--enforce-eager",
+    ]
+    cli = [sys.executable, "-m", "engine.cli", "--log-level", "WARNING"]
+    port = _free_port()
+    multi = ["-tp", "8", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    follower = subprocess.Popen(
+        cli + args + multi + ["--node-rank", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    leader = subprocess.run(cli + args + multi + ["--node-rank", "0"], env=env, capture_output=True, text=True,
+                            timeout=600)
+    follower_out, follower_err = follower.communicate(timeout=120)
+    assert leader.returncode == 0, leader.stderr[-3000:]
+    assert follower.returncode == 0, follower_err[-3000:]  # released cleanly by process 0
+    single = subprocess.run(cli + args, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, XLA_FLAGS=""))
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert _generated_text(leader.stdout) == _generated_text(single.stdout)
+    assert _generated_text(leader.stdout).strip()
+
+
+def test_divergent_follower_stops_the_engine_with_a_clear_error():
+    import threading
+
+    from engine.batch import StepInputs, build_step_batch, sampling_tensors
+    from sharding.distributed import StepReceiver, StepSender
+
+    port = _free_port()
+    received = []
+
+    def follower():
+        receiver = StepReceiver("127.0.0.1", port, node_rank=1)
+        while (inputs := receiver.recv()) is not None:
+            received.append(inputs)
+            receiver.report(np.array([7, 7], np.int32))  # not what process 0 sampled
+        receiver.close()
+
+    thread = threading.Thread(target=follower)
+    thread.start()
+    sender = StepSender("127.0.0.1", port, num_followers=1, timeout_s=30)
+    inputs = StepInputs(build_step_batch([], 16, 16, 4, 16), sampling_tensors([], 16, 32, False), False, None)
+    sender.send(inputs)
+    with pytest.raises(RuntimeError, match="divergence at step 0: process 1"):
+        sender.check(np.array([1, 2], np.int32))
+    sender.close()
+    thread.join(timeout=30)
+    assert len(received) == 1 and received[0].batch.input_ids.shape == (16,)
