@@ -10,7 +10,11 @@ def __getattr__(name):
         from engine.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from engine.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

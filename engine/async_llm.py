@@ -26,8 +26,15 @@ from engine.metrics import EngineMetrics
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor
-from engine.protocol import AbortRequests, AddRequests, EngineCoreOutputs, EngineCoreRequest, EngineDead
-from engine.protocol import UtilityCall, UtilityResult
+from engine.protocol import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    UtilityCall,
+    UtilityResult,
+)
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -288,6 +295,15 @@ class AsyncLLM:
     # -- outputs -------------------------------------------------------------------------------
 
     async def _output_loop(self) -> None:
+        try:
+            await self._handle_outputs()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must fail requests loudly, not hang them
+            logger.exception("the output loop failed")
+            self._on_engine_dead(f"the front end's output loop failed: {type(e).__name__}: {e}")
+
+    async def _handle_outputs(self) -> None:
         while True:
             message = await self.core.recv()
             if isinstance(message, EngineCoreOutputs):

@@ -191,7 +191,7 @@ def _print(results: dict) -> None:
 
 
 def add_parser(sub, add_engine_args) -> None:
-    p = sub.add_parser("bench", help="benchmarks: throughput, latency")
+    p = sub.add_parser("bench", help="benchmarks: throughput, latency (offline), serve (a running server)")
     bench_sub = p.add_subparsers(dest="bench", required=True)
     for name, help_text in (
         ("throughput", "all prompts at once: requests/s and output tokens/s"),
@@ -205,3 +205,6 @@ def add_parser(sub, add_engine_args) -> None:
         b.add_argument("--output-json", default=None)
         add_engine_args(b)
         b.set_defaults(func=cmd_bench)
+    from engine.bench_serve import add_serve_parser
+
+    add_serve_parser(bench_sub)

@@ -140,6 +140,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from models.convert import convert_checkpoint
+
+    dtype = convert_checkpoint(args.model, args.out_dir, args.dtype)
+    print(f"wrote {args.out_dir} ({dtype}); serve it with --model {args.out_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xlaserve", description="LLM inference on JAX/XLA")
     parser.add_argument("--log-level", default="INFO")
@@ -157,6 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser(
+        "convert", help="write MODEL's parameters in our layout with orbax, for faster loading"
+    )
+    p.add_argument("model", help="HF directory, .gguf file, converted directory, or 'smollm2'")
+    p.add_argument("out_dir", help="where to write params/, config.json and the tokenizer")
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+        help="(default: the checkpoint's own floating dtype; float32 for GGUF)",
+    )
+    p.set_defaults(func=cmd_convert)
 
     from engine import bench
     from engine.server import launcher

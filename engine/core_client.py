@@ -150,5 +150,5 @@ async def cancel_quietly(task: asyncio.Task | None) -> None:
     task.cancel()
     try:
         await task
-    except (asyncio.CancelledError, Exception):
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001, S110 - it is being thrown away
         pass

@@ -152,6 +152,8 @@ class ModelRunner:
             self.num_blocks * self.kv_bytes_per_block() / 2**20,
         )
         sharding = self.placement.kv_cache_sharding()
+        if self.kv_spec.num_kv_heads % self.mesh.shape["tensor"]:  # MLA's one latent head: replicated
+            sharding = self.placement.replicated
         return self.kv_spec.allocate(
             self.num_blocks, self.block_size, lambda shape: self.placement.zeros(shape, self.dtype, sharding)
         )

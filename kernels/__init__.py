@@ -1,14 +1,20 @@
 """Attention ops behind one interface, and the choice of backend by platform."""
 
 from kernels.backend import AttentionBackend, get_attention_backend
-from kernels.metadata import AttentionMetadata, KVCache
-from kernels.reference import ragged_paged_attention, write_kv
+from kernels.metadata import AttentionMetadata, KVCache, KVCacheSpec
+from kernels.mla import MLACache, mla_paged_attention, write_latent
+# The reference op is `kernels.reference.ragged_paged_attention`; it is not re-exported here, because
+# `kernels.ragged_paged_attention` is the Pallas kernel's module and importing it would rebind the name.
+from kernels.reference import write_kv
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "KVCache",
+    "KVCacheSpec",
+    "MLACache",
     "get_attention_backend",
-    "ragged_paged_attention",
+    "mla_paged_attention",
     "write_kv",
+    "write_latent",
 ]

@@ -1,18 +1,41 @@
-"""Attention backend selection: `--attention-backend auto|reference|pallas|jax-triton`."""
+"""Attention backend selection: `--attention-backend auto|reference|pallas|jax-triton`.
+
+- `reference`: the pure-jnp op of `kernels/reference.py`; runs everywhere.
+- `pallas`: the Pallas kernel of `kernels/ragged_paged_attention.py`; Triton lowering on a GPU,
+  interpret mode on CPU (exact but slow: for tests, not for serving).
+- `jax-triton`: the Triton kernel of `kernels/triton_attention.py` through jax-triton; needs a GPU
+  and the `cuda12` extra.
+- `auto`: the reference on CPU; on a GPU the first kernel of `AUTO_GPU_ORDER` (fastest first, as
+  measured by `python -m kernels.bench`, docs/KERNELS.md) that is installed and passes a self-check
+  against the reference on this device. A shape the chosen kernel does not support (a head_dim
+  that is not a power of two) falls back to the reference, logged.
+
+An unavailable backend asked for by name is a ValueError that says why. Every backend writes the
+cache with the reference `write_kv` (one XLA scatter into the donated cache).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from kernels import reference
+from kernels.attention_args import validate_attention_args
+from kernels.synthetic import StepShape, synthetic_step
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("reference", "pallas", "jax-triton")
+# Kernels `auto` tries on a GPU, fastest first. Set from `python -m kernels.bench` on the target GPU;
+# until a GPU session has measured, Pallas leads because it needs no package beyond jax[cuda12].
+AUTO_GPU_ORDER = ("pallas", "jax-triton")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+SELF_CHECK_TOLERANCE = 2e-2  # bfloat16 inputs and outputs, relative to 1 + |reference|
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,19 +47,110 @@ class AttentionBackend:
 
 
 def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """Resolve a backend name; an unavailable backend asked for by name is a clear error."""
+    """Resolve a backend name on this process's default platform; see the module docstring."""
     platform = jax.default_backend()
     if name == "auto":
+        return _auto(platform)
+    if name == "reference":
+        return AttentionBackend("reference", reference.ragged_paged_attention, reference.write_kv, "asked for by name")
+    if name in BACKENDS:
+        attention, how = _kernel(name, platform)
+        return AttentionBackend(name, attention, reference.write_kv, f"asked for by name; {how}")
+    raise ValueError(f"attention_backend must be one of {('auto',) + BACKENDS}, got {name!r}")
+
+
+def _kernel(name: str, platform: str) -> tuple[Callable, str]:
+    """-> (attention function, how it runs); ValueError naming the reason if it cannot run here."""
+    is_gpu = platform in GPU_PLATFORMS
+    if name == "pallas":
+        from kernels import ragged_paged_attention as pallas
+
+        if is_gpu:
+            return functools.partial(pallas.ragged_paged_attention, interpret=False), "Pallas, Triton lowering"
+        if platform == "cpu":
+            return (
+                functools.partial(pallas.ragged_paged_attention, interpret=True),
+                "Pallas in interpret mode on CPU (exact, slow: for testing, not serving)",
+            )
+        raise ValueError(f"attention backend 'pallas' runs on a GPU (Triton lowering) or on CPU (interpret mode), not on {platform!r}")
+    if name == "jax-triton":
+        if not is_gpu:
+            raise ValueError(
+                f"attention backend 'jax-triton' needs a CUDA GPU, and the default platform is {platform!r}; "
+                "use 'pallas' (interpret mode on CPU) or 'reference'"
+            )
+        try:
+            import jax_triton  # noqa: F401  (refuses to import without a GPU build of jaxlib)
+
+            from kernels import triton_attention
+        except ImportError as e:
+            raise ValueError(
+                f"attention backend 'jax-triton' is not installed ({e}); pip install 'xlaserve[cuda12]'"
+            ) from e
+        return triton_attention.ragged_paged_attention, "Triton kernel via jax_triton.triton_call"
+    raise ValueError(f"no attention kernel named {name!r}")
+
+
+def _auto(platform: str) -> AttentionBackend:
+    if platform not in GPU_PLATFORMS:
         return AttentionBackend(
             "reference",
             reference.ragged_paged_attention,
             reference.write_kv,
-            f"auto on platform {platform!r}: the jnp reference is the only validated backend here",
+            f"auto on {platform!r}: the jnp reference (the kernels target GPUs; Pallas interpret mode is for tests)",
         )
-    if name == "reference":
-        return AttentionBackend(
-            "reference", reference.ragged_paged_attention, reference.write_kv, "asked for by name"
-        )
-    if name in BACKENDS:
-        raise ValueError(f"attention backend {name!r} is not available in this build; use 'reference'")
-    raise ValueError(f"attention_backend must be one of ('auto',) + {BACKENDS}, got {name!r}")
+    skipped = []
+    for name in AUTO_GPU_ORDER:
+        try:
+            attention, how = _kernel(name, platform)
+            error = self_check(attention)
+        except Exception as e:  # a missing package, a Triton compile failure: try the next one
+            skipped.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        if not error <= SELF_CHECK_TOLERANCE:  # NaN fails too
+            skipped.append(f"{name}: self-check error {error:.3g} > {SELF_CHECK_TOLERANCE}")
+            continue
+        reason = f"auto on {platform!r}: the fastest kernel that passes the self-check here ({how}; max error {error:.2g})"
+        if skipped:
+            reason += "; skipped " + "; ".join(skipped)
+        return AttentionBackend(name, _with_reference_fallback(name, attention), reference.write_kv, reason)
+    return AttentionBackend(
+        "reference",
+        reference.ragged_paged_attention,
+        reference.write_kv,
+        f"auto on {platform!r}: no kernel passed its self-check ({'; '.join(skipped)})",
+    )
+
+
+def _with_reference_fallback(name: str, attention: Callable) -> Callable:
+    """`attention`, or the reference for shapes the kernel does not take (decided at trace time)."""
+
+    def attention_or_reference(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
+        args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
+        try:
+            validate_attention_args(
+                *args, sm_scale=kw["sm_scale"], sliding_window=kw.get("sliding_window"), soft_cap=kw.get("soft_cap")
+            )
+        except ValueError as e:
+            logger.warning("attention backend %s does not take this call (%s): using the reference", name, e)
+            return reference.ragged_paged_attention(*args, **kw)
+        return attention(*args, **kw)
+
+    return attention_or_reference
+
+
+SELF_CHECK_STEP = StepShape(
+    # A decode token, a fresh prefill, a chunk over cached context, a one-token context; GQA 4; padding.
+    seqs=((37, 1), (16, 16), (50, 9), (1, 1)), num_q_heads=8, num_kv_heads=2, head_dim=64,
+    num_tokens=32, num_padded_seqs=6,
+)
+
+
+def self_check(attention: Callable, shape: StepShape = SELF_CHECK_STEP, seed: int = 0) -> float:
+    """Max of |attention - reference| / (1 + |reference|) on one small step on this device (bfloat16
+    outputs round to 2**-8 relative, so a one-ulp difference counts ~0.004)."""
+    args = synthetic_step(shape, seed)
+    kw = dict(sm_scale=shape.head_dim**-0.5)
+    got = jax.jit(functools.partial(attention, **kw))(*args).astype(jnp.float32)
+    want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*args).astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want) / (1.0 + jnp.abs(want))))

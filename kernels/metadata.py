@@ -39,3 +39,35 @@ class KVCache:
 
     k: jax.Array  # [num_layers * num_blocks, block_size, num_kv_heads, head_dim]
     v: jax.Array  # [num_layers * num_blocks, block_size, num_kv_heads, head_dim]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of a model's paged cache, which the model runner allocates from it.
+
+    The cache is `cache_class(*arrays)`, one array per field of `cache_class` (K and V for
+    KVCache; one latent array for MLA), each ``[num_layers * num_blocks, block_size, num_kv_heads,
+    head_dim]``. A model class may define ``kv_cache_spec(cfg) -> KVCacheSpec``; without one the
+    runner uses ``KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)``.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    cache_class: type = KVCache
+
+    @property
+    def num_arrays(self) -> int:
+        return len(dataclasses.fields(self.cache_class))
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        return (self.num_layers * num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def bytes_per_block(self, block_size: int, itemsize: int) -> int:
+        """Bytes of one block id across all layers and arrays."""
+        return self.num_arrays * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def allocate(self, num_blocks: int, block_size: int, zeros) -> object:
+        """`zeros(shape)` for each array (the runner passes its placement), wrapped in cache_class."""
+        shape = self.shape(num_blocks, block_size)
+        return self.cache_class(*(zeros(shape) for _ in range(self.num_arrays)))

@@ -1,26 +1,91 @@
-"""Layers shared by the model families: norms, projections, attention over the paged cache, MLP."""
+"""Layers shared by the model families: norms, projections, embedding, attention over the paged
+cache, gated MLP, and the per-layer spec that the layer scan carries.
+
+What a family changes comes from `TransformerConfig` fields (biases, q/k norm, Gemma's (1 + w)
+norm, soft-caps, partial RoPE, activation), so these constructors take only (cfg, backend, dtype,
+rngs). What changes from one layer to the next (sliding window, RoPE frequencies) cannot be a
+Python branch inside a `lax.scan` body: it arrives as a `LayerSpec`, scanned with the weights.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kernels import AttentionBackend, AttentionMetadata, KVCache
 from models.config import TransformerConfig
-from models.rope import apply_rope, rope_angles
+from models.rope import apply_rope, layer_rope_inv_freqs, layer_rope_scales, rope_angles
+
+# The window of a full-attention layer when some layers slide: wider than any context.
+NO_WINDOW = 2**30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What differs between stacked layers; each field has a leading layer axis before the scan."""
+
+    index: jax.Array  # [] int32: the layer number (its block offset in the KV cache)
+    sliding_window: jax.Array  # [] int32: NO_WINDOW on full-attention layers
+    rope_inv_freq: jax.Array  # [rotary_dim // 2] float32
+    rope_scale: jax.Array  # [] float32: multiplies cos and sin (YaRN's attention factor; else 1)
+
+
+def layer_specs(cfg: TransformerConfig) -> LayerSpec:
+    """The stacked specs of all layers ([num_layers, ...] numpy arrays, constants of the program)."""
+    windows = [NO_WINDOW if w is None else w for w in cfg.layer_sliding_windows]
+    return LayerSpec(
+        index=np.arange(cfg.num_layers, dtype=np.int32),
+        sliding_window=np.asarray(windows, np.int32),
+        rope_inv_freq=layer_rope_inv_freqs(cfg).astype(np.float32),
+        rope_scale=layer_rope_scales(cfg).astype(np.float32),
+    )
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap): squashes x into (-cap, cap); identity when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+def activation(name: str):
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"hidden activation {name!r} is not supported: expected one of {sorted(_ACTIVATIONS)}"
+        ) from None
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm, computed in float32 like Hugging Face's."""
+    """Root-mean-square norm, computed in float32 like Hugging Face's.
 
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    offset 0: weight * norm(x) cast to x's dtype first (Llama); offset 1: norm(x) * (1 + weight) in
+    float32, then cast (Gemma, whose stored weights are centred on zero).
+    """
+
+    def __init__(self, dim: int, eps: float, *, offset: float = 0.0, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)
 
 
@@ -37,17 +102,45 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+class Embedding(nnx.Module):
+    def __init__(self, vocab_size: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jax.nn.initializers.normal(0.02)(rngs.params(), (vocab_size, dim), dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:  # [T] -> [T, D]
+        return self.weight[...][ids]
+
+    def attend(self, x: jax.Array) -> jax.Array:  # [N, D] -> [N, V]: the tied LM head
+        return x @ self.weight[...].T
+
+
 class Attention(nnx.Module):
-    """Grouped-query self-attention whose keys and values live in the paged KV cache."""
+    """Grouped-query self-attention whose keys and values live in the paged KV cache.
+
+    From cfg: biases on q/k/v (attention_bias) and on o_proj (attention_out_bias), an RMSNorm over
+    each head of q and k before RoPE (qk_norm: Qwen3, Gemma3), the score scale
+    (query_pre_attn_scalar), score soft-capping, partial RoPE. Per layer, from `spec`: the RoPE
+    frequencies and the sliding window. A family with fused projections overrides `project_qkv`.
+    """
 
     def __init__(self, cfg: TransformerConfig, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(d, cfg.num_heads * hd, use_bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d, cfg.num_kv_heads * hd, use_bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d, cfg.num_kv_heads * hd, use_bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.num_heads * hd, d, use_bias=False, dtype=dtype, rngs=rngs)
         self.cfg = cfg
         self.backend = backend
+        self.init_projections(cfg, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * hd, d, use_bias=cfg.attention_out_bias, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+
+    def init_projections(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs) -> None:
+        d, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.q_proj = Linear(d, cfg.num_heads * hd, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, use_bias=bias, dtype=dtype, rngs=rngs)
+
+    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """[T, D] -> q [T, num_heads * head_dim], k and v [T, num_kv_heads * head_dim]."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def __call__(
         self,
@@ -55,16 +148,23 @@ class Attention(nnx.Module):
         positions: jax.Array,  # [T]
         kv_cache: KVCache,
         md: AttentionMetadata,  # already offset to this layer's blocks
+        spec: LayerSpec,  # this layer's
     ) -> tuple[jax.Array, KVCache]:
         cfg = self.cfg
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        angles = rope_angles(
-            positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict, cfg.max_position_embeddings
-        )
-        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        q, k, v = self.project_qkv(x)
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.rope_scaling_dict.get("rope_type") == "dynamic":  # frequencies depend on the position
+            angles = rope_angles(
+                positions, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling_dict, cfg.max_position_embeddings
+            )
+        else:
+            angles = positions.astype(jnp.float32)[:, None] * spec.rope_inv_freq[None, :]
+        q, k = apply_rope(q, angles, spec.rope_scale), apply_rope(k, angles, spec.rope_scale)
         k_cache, v_cache = self.backend.write_kv(kv_cache.k, kv_cache.v, k, v, md.slot_mapping)
         out = self.backend.attention(
             q,
@@ -74,19 +174,43 @@ class Attention(nnx.Module):
             md.block_tables,
             md.query_start_loc,
             md.num_seqs,
-            sm_scale=cfg.head_dim**-0.5,
+            sm_scale=cfg.attention_scale,
+            sliding_window=_sliding_window(cfg, spec),
+            soft_cap=cfg.attn_logit_softcap,
         )
         return self.o_proj(out.reshape(num_tokens, -1)), KVCache(k_cache, v_cache)
 
 
+def _sliding_window(cfg: TransformerConfig, spec: LayerSpec) -> int | jax.Array | None:
+    """None when no layer slides, a static int when all slide alike (Mistral), else this layer's,
+    traced (Gemma: alternating), which the attention op reads as a scalar array."""
+    windows = set(cfg.layer_sliding_windows)
+    if windows == {None}:
+        return None
+    if len(windows) == 1:
+        return windows.pop()
+    return spec.sliding_window
+
+
 class GatedMLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with Gemma's tanh GELU."""
 
     def __init__(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs):
+        activation(cfg.hidden_act)  # an unknown one fails here, at construction
+        self.hidden_act = cfg.hidden_act
+        self.init_projections(cfg, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(
+            cfg.intermediate_size, cfg.hidden_size, use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs
+        )
+
+    def init_projections(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs) -> None:
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(d, f, use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d, f, use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(f, d, use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+
+    def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.gate_proj(x), self.up_proj(x)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project_gate_up(x)
+        return self.down_proj(activation(self.hidden_act)(gate) * up)

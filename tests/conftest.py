@@ -47,3 +47,7 @@ def hf_model():
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     )
     return model.eval()
+
+
+# The server tests' session fixtures (a real `xlaserve serve` subprocess); see server_harness.py.
+from server_harness import server, server_cache_dir  # noqa: F401

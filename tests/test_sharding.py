@@ -132,3 +132,34 @@ def test_divergent_follower_stops_the_engine_with_a_clear_error():
     sender.close()
     thread.join(timeout=30)
     assert len(received) == 1 and received[0].batch.input_ids.shape == (16,)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    from tiny_models import save_tiny_model
+
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny_qwen3")), "Qwen3", head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory):
+    from tiny_models import save_tiny_model
+
+    return save_tiny_model(
+        str(tmp_path_factory.mktemp("tiny_qwen3_moe")), "Qwen3Moe", head_dim=16, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True,
+    )
+
+
+def test_qwen3_tensor_parallel_matches_one_device(tiny_qwen3):
+    layouts = [{}, {"tensor_parallel_size": 2}, {"tensor_parallel_size": 4}]
+    assert_same_as_first(run_worker("generate", tiny_qwen3, layouts))
+
+
+def test_moe_expert_parallel_matches_one_device(tiny_qwen3_moe):
+    layouts = [
+        {},
+        {"tensor_parallel_size": 4, "enable_expert_parallel": True},
+        {"tensor_parallel_size": 2},  # experts' MLPs split instead
+    ]
+    assert_same_as_first(run_worker("generate", tiny_qwen3_moe, layouts))

@@ -9,8 +9,14 @@ import numpy as np
 
 def save_tiny_llama(directory: str, *, seed: int = 0, **overrides) -> str:
     """A random LlamaForCausalLM (float32 safetensors) with the SmolLM2 tokenizer, in `directory`."""
+    return save_tiny_model(directory, "Llama", seed=seed, **overrides)
+
+
+def save_tiny_model(directory: str, family: str, *, seed: int = 0, **overrides) -> str:
+    """A random `{family}ForCausalLM` from transformers (e.g. "Llama", "Qwen3", "Qwen3Moe"), float32
+    safetensors plus the SmolLM2 tokenizer, in `directory`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     from models.gguf_tokenizer import load_gguf_tokenizer
     from models.loader import resolve_embedded_model_path
@@ -30,7 +36,8 @@ def save_tiny_llama(directory: str, *, seed: int = 0, **overrides) -> str:
     )
     config.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    config_class = getattr(transformers, f"{family}Config")
+    model = getattr(transformers, f"{family}ForCausalLM")(config_class(**config)).eval()
     with torch.no_grad():  # larger weights than the default init, so logits are not all near-ties
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

@@ -63,10 +63,13 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         error = None
-        if self.expected is not None and scope["path"].startswith(_PROTECTED_PREFIXES):
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                error = OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                    code="invalid_api_key")
+        if (
+            self.expected is not None
+            and scope["path"].startswith(_PROTECTED_PREFIXES)
+            and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        ):
+            error = OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                code="invalid_api_key")
         length = headers.get(b"content-length", b"0")
         if error is None and (not length.isdigit() or int(length) > self.max_body_bytes):
             error = OpenAIError(413, f"the request body exceeds {self.max_body_bytes} bytes",

@@ -77,7 +77,7 @@ def apply_chat_template(
             conversation(messages), chat_template=state.chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         )
-    except Exception as e:  # a template's raise_exception(), or one that trips on these messages
+    except Exception as e:  # noqa: BLE001 - a template's raise_exception(), or one that trips on these messages
         raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
 
 
@@ -130,7 +130,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             ids, params, request_id, prompt=text, priority=req.priority, cache_salt=req.cache_salt,
             output_kind="delta" if req.stream else "final",
         )
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
         raise engine_error(e) from None
     if state.log_requests:
         logger.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
@@ -140,7 +140,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                  media_type="text/event-stream")
     try:
         (output,) = await collect_final(raw_request, [stream])
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
         raise engine_error(e) from None
     check_finish(output)
     choices = [
@@ -191,7 +191,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
                 yield chunk([choice], usage)
         if include_usage:
             yield chunk([], _usage(num_prompt_tokens, num_generated, num_cached))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         yield sse_error(e)
     finally:
         await merged.aclose()

@@ -137,7 +137,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
                 ids, params, f"{request_id}-{i}", prompt=text, priority=req.priority, cache_salt=req.cache_salt,
                 output_kind="delta" if req.stream else "final",
             ))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
         for stream in streams:
             stream.close()
         raise engine_error(e) from None
@@ -153,7 +153,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         )
     try:
         finals = await collect_final(raw_request, streams)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
         raise engine_error(e) from None
     choices, num_generated, num_cached = [], 0, 0
     for i, output in enumerate(finals):
@@ -200,7 +200,7 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, m
         if include_usage:
             yield sse_event(CompletionChunk(id=request_id, created=created, model=model, choices=[],
                                             usage=_usage(num_prompt_tokens, num_generated, num_cached)))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         yield sse_error(e)
     finally:
         await merged.aclose()

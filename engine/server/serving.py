@@ -176,7 +176,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             try:
                 async for item in stream:
                     queue.put_nowait((i, item))
-            except Exception as e:  # handed to the consumer, which re-raises it
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 queue.put_nowait((i, e))
                 return
             queue.put_nowait((i, None))

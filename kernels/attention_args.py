@@ -1,0 +1,127 @@
+"""What the ragged paged attention kernels share: argument validation, tile sizes, and the grid.
+
+Both kernels (Pallas in `ragged_paged_attention.py`, Triton in `triton_attention.py`) tile the flat
+ragged batch the same way: a program owns up to `block_q` new tokens of one sequence times the
+query heads of one KV head, padded to a power of two (`block_q * padded_group` rows), and walks the
+context `block_kv` tokens at a time. Sequence s owns the programs
+`[qsl[s] // block_q + s, qsl[s + 1] // block_q + s + 1)` (found in-kernel by a binary search, as in
+vLLM's Triton kernel), so `(T - 1) // block_q + min(R, T)` programs cover any mix of decode tokens and
+prefill chunks; the programs left over, and padding sequences, do nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MIN_DOT_ROWS = 16  # Triton's tl.dot needs at least 16 rows and columns
+DEFAULT_BLOCK_KV = 64
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 2
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def num_q_blocks(num_tokens: int, num_padded_seqs: int, block_q: int) -> int:
+    """Programs along the token axis: enough for any split of T tokens into <= R sequences."""
+    return (num_tokens - 1) // block_q + min(num_padded_seqs, num_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static tile sizes of one compiled kernel (all powers of two)."""
+
+    block_q: int  # new tokens per program
+    block_kv: int  # context tokens per loop step
+    num_warps: int
+    num_stages: int
+
+    @staticmethod
+    def resolve(
+        num_tokens: int,
+        num_padded_seqs: int,
+        group: int,
+        *,
+        block_q: int | None = None,
+        block_kv: int | None = None,
+        num_warps: int | None = None,
+        num_stages: int | None = None,
+    ) -> Tiling:
+        """Fill in defaults: 16 rows per program for decode-sized steps (T <= R: mostly one token per
+        sequence), 64 when prefill chunks may be present; 64 context tokens per loop step."""
+        if block_q is None:
+            rows = MIN_DOT_ROWS if num_tokens <= num_padded_seqs else 64
+            block_q = max(1, rows // next_power_of_2(group))
+        tiling = Tiling(
+            block_q,
+            DEFAULT_BLOCK_KV if block_kv is None else block_kv,
+            DEFAULT_NUM_WARPS if num_warps is None else num_warps,
+            DEFAULT_NUM_STAGES if num_stages is None else num_stages,
+        )
+        _check_power_of_2("block_q", tiling.block_q, minimum=1)
+        _check_power_of_2("block_kv", tiling.block_kv, minimum=MIN_DOT_ROWS)
+        _check_power_of_2("num_warps", tiling.num_warps, minimum=1)
+        if not isinstance(tiling.num_stages, int) or tiling.num_stages < 1:
+            raise ValueError(f"num_stages must be an int >= 1, got {tiling.num_stages!r}")
+        return tiling
+
+
+def _check_power_of_2(name: str, value, *, minimum: int) -> None:
+    if not isinstance(value, int) or value < minimum or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {minimum}, got {value!r}")
+
+
+def validate_attention_args(
+    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale, sliding_window, soft_cap
+) -> None:
+    """Check the shapes, dtypes and static values of a ragged paged attention call; errors name them."""
+    if len(q.shape) != 3 or q.shape[0] < 1:
+        raise ValueError(f"q must be [num_tokens >= 1, num_q_heads, head_dim], got shape {tuple(q.shape)}")
+    if len(k_cache.shape) != 4:
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_cache.shape)}"
+        )
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape {tuple(k_cache.shape)}")
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be one of float32, bfloat16, float16, got {q.dtype}")
+    if jnp.dtype(k_cache.dtype) != jnp.dtype(q.dtype) or jnp.dtype(v_cache.dtype) != jnp.dtype(q.dtype):
+        raise ValueError(f"k_cache/v_cache dtypes ({k_cache.dtype}, {v_cache.dtype}) must equal the q dtype {q.dtype}")
+    _, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"k_cache head_dim {cache_head_dim} differs from the q head_dim {head_dim}")
+    if head_dim < MIN_DOT_ROWS or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16 for the attention kernels, got {head_dim}")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if len(block_tables.shape) != 2:
+        raise ValueError(f"block_tables must be [R, max_blocks_per_seq], got shape {tuple(block_tables.shape)}")
+    num_padded_seqs = block_tables.shape[0]
+    for name, x, shape in (
+        ("kv_lens", kv_lens, (num_padded_seqs,)),
+        ("block_tables", block_tables, tuple(block_tables.shape)),
+        ("query_start_loc", query_start_loc, (num_padded_seqs + 1,)),
+        ("num_seqs", num_seqs, ()),
+    ):
+        if tuple(jnp.shape(x)) != shape:
+            raise ValueError(f"{name} must have shape {shape} (R={num_padded_seqs}), got {tuple(jnp.shape(x))}")
+        if jnp.result_type(x) != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {jnp.result_type(x)}")
+    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be a float > 0, got {sm_scale!r}")
+    if isinstance(sliding_window, int):
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    elif sliding_window is not None:  # a per-layer window, traced (e.g. under the layer scan)
+        if jnp.shape(sliding_window) != () or not jnp.issubdtype(jnp.result_type(sliding_window), jnp.integer):
+            raise ValueError(
+                "sliding_window must be None, an int >= 1 or an integer scalar array, got "
+                f"shape {jnp.shape(sliding_window)} dtype {jnp.result_type(sliding_window)}"
+            )
+    if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0):
+        raise ValueError(f"soft_cap must be None or a float > 0, got {soft_cap!r}")

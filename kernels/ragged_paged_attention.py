@@ -1,0 +1,231 @@
+"""Ragged paged attention as one Pallas kernel (Triton lowering on GPU, interpret mode on CPU).
+
+The op is the one of `kernels/reference.py`: a flat batch of new tokens from many sequences (decode
+tokens and prefill chunks alike), each attending causally to its sequence's context in the paged
+KV cache. One launch serves the whole step, tiled as `kernels/attention_args.py` describes: the grid
+is (query blocks, KV heads), a program holds up to `block_q` new tokens of one sequence times the
+query heads of one KV head (GQA: the group shares every K/V load), finds its sequence by a binary
+search over `query_start_loc`, and loops over the context `block_kv` tokens at a time: page ids
+from the block table, K/V rows gathered through them, an online softmax. The loop covers only the
+positions the block's queries can see (causal, and the sliding window); padding sequences own no
+program that does any work.
+
+Notes for GPU: Pallas on GPU defaults to Mosaic GPU; `plgpu.CompilerParams` selects the Triton
+lowering, which has no scalar prefetch, so block tables and lengths are ordinary inputs indexed
+in-kernel. Every load past a context is masked to zero, so stale slots (NaN included) never reach
+the result. Triton tiles are powers of two: a group of 3 query heads takes 4 rows, one masked.
+All loads and stores use index arrays, not slices: they lower to the same Triton pointer math, and
+in interpret mode they discharge to gathers and scatters instead of copying the operand.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels.attention_args import Tiling, next_power_of_2, num_q_blocks, validate_attention_args
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_cache: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: jax.Array,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_lens: jax.Array,  # [R] int32: context length including this step's tokens
+    block_tables: jax.Array,  # [R, max_blocks_per_seq] int32
+    query_start_loc: jax.Array,  # [R + 1] int32
+    num_seqs: jax.Array,  # [] int32: real sequences; the rest of R is padding
+    *,
+    sm_scale: float,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:  # [T, num_q_heads, head_dim]
+    """Causal attention of each new token over its sequence's paged context (the Pallas kernel).
+
+    Same contract as `kernels.reference.ragged_paged_attention`: tokens past
+    ``query_start_loc[num_seqs]`` are padding and get zeros; ``sliding_window`` w (an int, or an
+    int32 scalar array: a per-layer window under the layer scan) lets a query at position p see keys
+    at positions > p - w; ``soft_cap`` c maps scores s to c * tanh(s / c).
+    Block-table entries a context reaches must be valid block ids (padding entries: the null block).
+
+    Tuning (static; None picks the default): ``block_q`` new tokens per program (a power of two),
+    ``block_kv`` context tokens per loop step (a power of two >= 16), and Triton's ``num_warps`` and
+    ``num_stages``. ``interpret=True`` runs the kernel on CPU.
+    """
+    validate_attention_args(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    num_tokens, num_q_heads, _ = q.shape
+    tiling = Tiling.resolve(
+        num_tokens, block_tables.shape[0], num_q_heads // k_cache.shape[2],
+        block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
+    )
+    return _ragged_paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        jnp.asarray(num_seqs, jnp.int32),
+        jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32),
+        sm_scale=float(sm_scale),
+        has_window=sliding_window is not None,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        interpret=interpret,
+        tiling=tiling,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "has_window", "soft_cap", "interpret", "tiling"),
+)
+def _ragged_paged_attention(
+    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sliding_window,
+    *, sm_scale, has_window, soft_cap, interpret, tiling,
+):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_padded_seqs = block_tables.shape[0]
+    group = num_q_heads // num_kv_heads
+
+    # A slot's row is block_id * block_size + offset: the cache seen as rows costs no copy.
+    k_rows = k_cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
+    v_rows = v_cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
+
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        has_window=has_window,
+        soft_cap=soft_cap,
+        block_q=tiling.block_q,
+        block_kv=tiling.block_kv,
+        block_size=block_size,
+        group=group,
+        num_padded_seqs=num_padded_seqs,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks(num_tokens, num_padded_seqs, tiling.block_q), num_kv_heads),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        name="ragged_paged_attention",
+    )(num_seqs.reshape(1), sliding_window.reshape(1), kv_lens, query_start_loc, block_tables, q, k_rows, v_rows)
+
+    # No program writes the rows of padding tokens: they are undefined until zeroed here.
+    is_real = jnp.arange(num_tokens) < query_start_loc[num_seqs]
+    return jnp.where(is_real[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _kernel(
+    num_seqs_ref,  # [1]
+    sliding_window_ref,  # [1]: read only if has_window
+    kv_lens_ref,  # [R]
+    query_start_loc_ref,  # [R + 1]
+    block_tables_ref,  # [R, max_blocks_per_seq]
+    q_ref,  # [T, num_q_heads, head_dim]
+    k_ref,  # [num_blocks * block_size, num_kv_heads, head_dim]
+    v_ref,  # [num_blocks * block_size, num_kv_heads, head_dim]
+    o_ref,  # [T, num_q_heads, head_dim]
+    *,
+    sm_scale: float,
+    has_window: bool,
+    soft_cap: float | None,
+    block_q: int,
+    block_kv: int,
+    block_size: int,
+    group: int,
+    num_padded_seqs: int,
+):
+    q_block, kv_head = pl.program_id(0), pl.program_id(1)
+    num_seqs = num_seqs_ref[0]
+    head_dim = q_ref.shape[2]
+    padded_group = next_power_of_2(group)
+    num_rows = block_q * padded_group
+
+    # The last real sequence whose first program is at or before this one.
+    def first_program(s):
+        return query_start_loc_ref[s] // block_q + s
+
+    def bisect(_, lo_hi):
+        lo, hi = lo_hi  # invariant: first_program(lo) <= q_block, and the answer is < hi
+        mid = (lo + hi) // 2
+        go_right = first_program(mid) <= q_block
+        return jnp.where(go_right, mid, lo), jnp.where(go_right, hi, mid)
+
+    num_steps = max(1, num_padded_seqs.bit_length())
+    seq, _ = jax.lax.fori_loop(0, num_steps, bisect, (jnp.int32(0), jnp.maximum(num_seqs, 1)))
+    q_start = query_start_loc_ref[seq]
+    q_len = query_start_loc_ref[seq + 1] - q_start
+    first_local = (q_block - first_program(seq)) * block_q  # this block's first token in its sequence
+
+    @pl.when((seq < num_seqs) & (first_local < q_len))
+    def _():
+        kv_len = kv_lens_ref[seq]
+        # Row r of the tile is head g = r % padded_group of the group, for the block's token r // padded_group.
+        r = jax.lax.broadcasted_iota(jnp.int32, (num_rows, 1), 0)
+        local = first_local + r // padded_group  # [rows, 1]: the token's index among the new ones
+        g = r % padded_group
+        is_mine = jnp.broadcast_to((local < q_len) & (g < group), (num_rows, head_dim))
+        # Indices, not slices: the same gathers lower for Triton and discharge in interpret mode
+        # without copying the operand; a masked row's index may be out of bounds, never written.
+        q_index = (q_start + local, kv_head * group + g, jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1))
+        q = plgpu.load(q_ref.at[q_index], mask=is_mine, other=0)  # [rows, head_dim]
+        q_pos = kv_len - q_len + local  # [rows, 1]: absolute positions
+        last_pos = jnp.minimum(kv_len - q_len + first_local + block_q, kv_len)  # one past the last query
+        first_pos = 0
+        if has_window:
+            sliding_window = sliding_window_ref[0]
+            first_pos = jnp.maximum(kv_len - q_len + first_local - sliding_window + 1, 0)
+        dims = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+
+        def tile(i, carry):
+            m, l, acc = carry
+            kv_pos = i * block_kv + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+            in_context = kv_pos < kv_len
+            pages = plgpu.load(block_tables_ref.at[seq, kv_pos // block_size], mask=in_context, other=0)
+            rows = (pages * block_size + kv_pos % block_size)[:, None]  # [block_kv, 1]
+            kv_mask = jnp.broadcast_to(in_context[:, None], (block_kv, head_dim))
+            k = plgpu.load(k_ref.at[rows, kv_head, dims], mask=kv_mask, other=0)  # [block_kv, head_dim]
+            v = plgpu.load(v_ref.at[rows, kv_head, dims], mask=kv_mask, other=0)  # stale slots -> 0
+            s = plgpu.dot(q, k, trans_b=True, precision=_precision(q.dtype)) * sm_scale  # [rows, block_kv]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            visible = kv_pos[None, :] <= q_pos
+            if has_window:
+                visible &= kv_pos[None, :] > q_pos - sliding_window
+            s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that sees nothing yet stays 0
+            p = jnp.exp(s - m_safe)
+            alpha = jnp.exp(m - m_safe)
+            l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+            acc = alpha * acc + plgpu.dot(p.astype(v.dtype), v, precision=_precision(v.dtype))
+            return m_new, l, acc
+
+        init = (
+            jnp.full((num_rows, 1), -jnp.inf, jnp.float32),
+            jnp.zeros((num_rows, 1), jnp.float32),
+            jnp.zeros((num_rows, head_dim), jnp.float32),
+        )
+        first_tile = first_pos // block_kv
+        last_tile = (last_pos + block_kv - 1) // block_kv
+        _, l, acc = jax.lax.fori_loop(first_tile, last_tile, tile, init)
+        out = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[q_index], out, mask=is_mine)
+
+
+def _precision(dtype):
+    # float32 inputs: exact products (no TF32), like the reference; 16-bit inputs: the native MMA.
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT

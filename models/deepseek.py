@@ -1,0 +1,270 @@
+"""DeepSeek V2 and V3: Multi-head Latent Attention over a paged latent cache, and DeepSeekMoE.
+
+MLA compresses each token's keys and values into one latent `c` (kv_lora_rank) plus a rotated key
+part shared by all heads (qk_rope_head_dim); the paged cache holds only those (kernels/mla.py), a
+fraction of full K and V. The query's no-RoPE part is absorbed into latent space with kv_b_proj's
+key half, attention runs over the latent cache, and kv_b_proj's value half expands the result.
+
+The first `first_k_dense_replace` layers have a dense MLP, the rest a routed MoE with shared
+experts, so the layers form two stacks, each run under its own `lax.scan`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kernels import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCacheSpec,
+    MLACache,
+    mla_paged_attention,
+    write_latent,
+)
+from models.config import TransformerConfig
+from models.decoder import DecoderOnlyLM
+from models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from models.moe import MoEConfig, SparseMoeBlock, config_with, stack_expert_tensors
+from models.rope import apply_rope, rope_angles, rope_attention_factor
+
+# DeepSeek's q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps whatever the config says.
+_LORA_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class DeepseekConfig(MoEConfig):
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None  # None: q_proj straight from the hidden state (V2-Lite)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    first_k_dense_replace: int = 0
+    rope_interleave: bool = True  # RoPE pairs (x0, x1), (x2, x3)... rather than halves
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DeepseekConfig:
+        is_v3 = (hf.get("architectures") or [""])[0] == "DeepseekV3ForCausalLM"
+        num_layers = hf["num_hidden_layers"]
+        first_dense = min(hf.get("first_k_dense_replace") or 0, num_layers)
+        if is_v3:
+            routing = dict(scoring_func="sigmoid", group_score="top2_sum", has_score_correction_bias=True)
+            n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
+        else:
+            routing = dict(scoring_func="softmax", group_score="max")
+            limited = hf.get("topk_method", "greedy") == "group_limited_greedy"
+            n_group = hf.get("n_group") or 1
+            topk_group = (hf.get("topk_group") or 1) if limited else n_group
+        qk_rope = hf["qk_rope_head_dim"]
+        base = TransformerConfig.from_hf(hf)
+        return config_with(
+            base,
+            cls,
+            # One latent "KV head" shared by every query head; head_dim is the query/key head's.
+            num_kv_heads=1,
+            head_dim=hf["qk_nope_head_dim"] + qk_rope,
+            **MoEConfig.moe_fields_from_hf(hf, norm_topk_prob=is_v3),
+            num_experts=hf["n_routed_experts"],
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+            n_shared_experts=hf.get("n_shared_experts") or 0,
+            **routing,
+            kv_lora_rank=hf["kv_lora_rank"],
+            q_lora_rank=hf.get("q_lora_rank"),
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=qk_rope,
+            v_head_dim=hf["v_head_dim"],
+            first_k_dense_replace=first_dense,
+            rope_interleave=bool(hf.get("rope_interleave", True)) if is_v3 else True,
+        )
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when the config has it."""
+        scale = self.head_dim**-0.5
+        scaling = self.rope_scaling_dict
+        mscale_all_dim = scaling.get("mscale_all_dim")
+        if scaling.get("rope_type", scaling.get("type")) == "yarn" and mscale_all_dim:
+            mscale = (
+                0.1 * mscale_all_dim * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
+            )
+            scale *= mscale * mscale
+        return scale
+
+
+class MLAttention(nnx.Module):
+    """Multi-head Latent Attention, absorbed: every step attends over the latent cache."""
+
+    def __init__(self, cfg: DeepseekConfig, *, dtype, rngs: nnx.Rngs):
+        d, h = cfg.hidden_size, cfg.num_heads
+        r, qk_dim = cfg.kv_lora_rank, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(d, h * qk_dim, dtype=dtype, rngs=rngs)
+        else:
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, use_bias=bias, dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LORA_NORM_EPS, dtype=dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk_dim, dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(d, r + cfg.qk_rope_head_dim, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(r, _LORA_NORM_EPS, dtype=dtype)
+        self.kv_b_proj = Linear(r, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(h * cfg.v_head_dim, d, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.cfg = cfg
+
+    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:  # [T, H, rope_dim]
+        cfg = self.cfg
+        if cfg.rope_interleave:
+            # Pairs (x0, x1), (x2, x3)... -> halves (x0, x2, ...), (x1, x3, ...). Queries and keys get
+            # the same permutation, so their dot products are the interleaved rotation's.
+            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+        scaling = cfg.rope_scaling_dict
+        angles = rope_angles(
+            positions, cfg.qk_rope_head_dim, cfg.rope_theta, scaling, cfg.max_position_embeddings
+        )
+        return apply_rope(x, angles, rope_attention_factor(scaling))  # YaRN scales cos and sin
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, D]
+        positions: jax.Array,  # [T]
+        kv_cache: MLACache,
+        md: AttentionMetadata,  # already offset to this layer's blocks
+    ) -> tuple[jax.Array, MLACache]:
+        cfg = self.cfg
+        num_tokens, h, r = x.shape[0], cfg.num_heads, cfg.kv_lora_rank
+        dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(num_tokens, h, dn + cfg.qk_rope_head_dim)
+        q_nope, q_rope = q[..., :dn], self._rope(q[..., dn:], positions)
+        compressed = self.kv_a_proj_with_mqa(x)  # [T, r + rope_dim]
+        latent = self.kv_a_layernorm(compressed[:, :r])
+        k_rope = self._rope(compressed[:, None, r:], positions)[:, 0]
+        cache = write_latent(kv_cache.latent, jnp.concatenate([latent, k_rope], axis=-1), md.slot_mapping)
+
+        w_ukv = self.kv_b_proj.kernel[...].reshape(r, h, dn + dv)  # [r, H, dn + dv]
+        q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_ukv[..., :dn])  # absorb W_uk into the query
+        out_latent = mla_paged_attention(
+            q_latent,
+            q_rope,
+            cache,
+            md.kv_lens,
+            md.block_tables,
+            md.query_start_loc,
+            md.num_seqs,
+            sm_scale=cfg.softmax_scale,
+        )  # [T, H, r]
+        out = jnp.einsum("thr,rhv->thv", out_latent, w_ukv[..., dn:])  # expand with W_uv
+        return self.o_proj(out.reshape(num_tokens, h * dv)), MLACache(cache)
+
+
+class DeepseekDecoderLayer(nnx.Module):
+    def __init__(self, cfg: DeepseekConfig, *, is_moe: bool, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = MLAttention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = (
+            SparseMoeBlock(cfg, dtype=dtype, rngs=rngs) if is_moe else GatedMLP(cfg, dtype=dtype, rngs=rngs)
+        )
+
+    def __call__(self, x, positions, kv_cache: MLACache, md: AttentionMetadata):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+
+def _make_stack(cfg: DeepseekConfig, num_layers: int, *, is_moe: bool, dtype, rngs: nnx.Rngs):
+    if num_layers == 0:
+        return None
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs) -> DeepseekDecoderLayer:
+        return DeepseekDecoderLayer(cfg, is_moe=is_moe, dtype=dtype, rngs=rngs)
+
+    return make(rngs)
+
+
+class DeepseekV3ForCausalLM(nnx.Module):
+    """Two stacks of decoder layers (dense MLP, then MoE), each under one `lax.scan`."""
+
+    config_class = DeepseekConfig
+
+    def __init__(self, cfg: DeepseekConfig, backend: AttentionBackend, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        # `backend` serves standard attention; MLA runs kernels/mla.py's reference on every platform.
+        self.cfg = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        num_dense = cfg.first_k_dense_replace
+        self.dense_layers = _make_stack(cfg, num_dense, is_moe=False, dtype=dtype, rngs=rngs)
+        self.moe_layers = _make_stack(cfg, cfg.num_layers - num_dense, is_moe=True, dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        )
+
+    # -- hooks the engine and the loader read ----------------------------------------------------
+
+    @staticmethod
+    def kv_cache_spec(cfg: DeepseekConfig) -> KVCacheSpec:
+        """One latent cache: [num_layers * num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]."""
+        return KVCacheSpec(cfg.num_layers, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cache_class=MLACache)
+
+    @staticmethod
+    def layer_stacks(cfg: DeepseekConfig) -> dict[str, range]:
+        """Our stacked modules -> the Hugging Face layer indices each one holds."""
+        k = cfg.first_k_dense_replace
+        stacks = {"dense_layers": range(k), "moe_layers": range(k, cfg.num_layers)}
+        return {name: layers for name, layers in stacks.items() if len(layers)}
+
+    @staticmethod
+    def prepare_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # Checkpoints may carry multi-token-prediction layers past num_hidden_layers (V3): not ours.
+        mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_layers, cfg.num_layers + 8))
+        kept = {n: t for n, t in tensors.items() if not n.startswith(mtp)}
+        return stack_expert_tensors(kept, cfg.num_experts)
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # [T]
+        positions: jax.Array,  # [T]
+        kv_cache: MLACache,
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, MLACache]:  # hidden [T, D], updated cache
+        x = self.embed_tokens(input_ids)
+        num_blocks = kv_cache.latent.shape[0] // self.cfg.num_layers
+        block_size = kv_cache.latent.shape[1]
+        for stack, first_layer in ((self.dense_layers, 0), (self.moe_layers, self.cfg.first_k_dense_replace)):
+            if stack is None:
+                continue
+            layer_def, layer_state = nnx.split(stack)
+
+            def body(carry, state, layer_def=layer_def):
+                x, kv_cache, layer = carry
+                x, kv_cache = nnx.merge(layer_def, state)(
+                    x, positions, kv_cache, md.for_layer(layer, num_blocks, block_size)
+                )
+                return (x, kv_cache, layer + 1), None
+
+            (x, kv_cache, _), _ = jax.lax.scan(body, (x, kv_cache, jnp.int32(first_layer)), layer_state)
+        return self.norm(x), kv_cache
+
+    compute_logits = DecoderOnlyLM.compute_logits  # [N, D] -> [N, V] float32
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """V2 (and V2-Lite, V2.5): softmax routing, greedy or limited to the `topk_group` groups with the
+    best single expert, no score bias, interleaved RoPE always; everything else is V3's.
+
+    `norm_topk_prob` is honoured as DeepSeek's own code and vLLM do (Hugging Face's V2 router ignores
+    it; the released configs set it false, where the two agree).
+    """

@@ -1,0 +1,37 @@
+"""Mixtral (8x7B, 8x22B): the Mistral layer with a sparse mixture of experts as its MLP.
+
+Softmax over the experts, top k, weights renormalized over the chosen ones; no shared experts.
+Checkpoints name the block `block_sparse_moe` and the experts' projections w1 (gate), w3 (up),
+w2 (down); we read them into the shared MoE block's stacked layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from models.config import TransformerConfig
+from models.llama import LlamaForCausalLM
+from models.moe import MoEConfig, MoEDecoderLayer, config_with, stack_expert_tensors
+
+
+@dataclass(frozen=True)
+class MixtralConfig(MoEConfig):
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> MixtralConfig:
+        fields = MoEConfig.moe_fields_from_hf(hf)
+        fields["moe_intermediate_size"] = hf["intermediate_size"]
+        fields["norm_topk_prob"] = True
+        return config_with(TransformerConfig.from_hf(hf), cls, num_experts=hf["num_local_experts"], **fields)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    config_class = MixtralConfig
+    layer_class = MoEDecoderLayer
+
+    @staticmethod
+    def prepare_hf_tensors(cfg: MixtralConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        renamed = {name.replace(".block_sparse_moe.", ".mlp."): t for name, t in tensors.items()}
+        return stack_expert_tensors(renamed, cfg.num_experts)
