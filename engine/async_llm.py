@@ -40,9 +40,19 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "AsyncLLM", "EngineDeadError", "InvalidRequestError", "QueueFullError", "RequestFailedError", "RequestStream",
+    "AsyncLLM",
+    "EngineDeadError",
+    "EngineShutdownError",
+    "InvalidRequestError",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestStream",
     "load_tokenizer",
 ]
+
+
+class EngineShutdownError(EngineDeadError):
+    """The server is stopping; requests still in flight after the grace period end with this."""
 
 
 class QueueFullError(RuntimeError):
@@ -163,7 +173,9 @@ class AsyncLLM:
         self.core.watch(lambda reason: loop.call_soon_threadsafe(self._on_engine_dead, reason))
         logger.info(
             "engine ready: max_model_len=%d, %d KV blocks of %d tokens",
-            self.max_model_len, self.num_usable_blocks, self.block_size,
+            self.max_model_len,
+            self.num_usable_blocks,
+            self.block_size,
         )
 
     # -- state ---------------------------------------------------------------------------------
@@ -222,8 +234,15 @@ class AsyncLLM:
         Raises EngineDeadError or QueueFullError before anything is added, ValueError for a request
         that can never be served; closing the generator early aborts the request in the core.
         """
-        stream = self.add_request(prompt_token_ids, params, request_id, prompt=prompt, priority=priority,
-                                  cache_salt=cache_salt, output_kind=output_kind)
+        stream = self.add_request(
+            prompt_token_ids,
+            params,
+            request_id,
+            prompt=prompt,
+            priority=priority,
+            cache_salt=cache_salt,
+            output_kind=output_kind,
+        )
         try:
             async for output in stream:
                 yield output
@@ -231,8 +250,15 @@ class AsyncLLM:
             stream.close()  # the caller stopped early, or failed: free the blocks
 
     def add_request(
-        self, prompt_token_ids, params: SamplingParams, request_id: str, *, prompt=None, priority=0,
-        cache_salt=None, output_kind="delta",
+        self,
+        prompt_token_ids,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        prompt=None,
+        priority=0,
+        cache_salt=None,
+        output_kind="delta",
     ) -> RequestStream:
         """Add a request now (errors are raised here, synchronously) and return its output stream."""
         self.check_health()
@@ -256,8 +282,14 @@ class AsyncLLM:
             self.output_processor.add_parent_request(request_id, params.n)
         for i, request in enumerate(requests):
             self.output_processor.add_request(
-                request.request_id, prompt, prompt_token_ids, request.sampling_params, arrival_time=now,
-                parent_id=request_id if params.n > 1 else None, index=i, output_kind=output_kind,
+                request.request_id,
+                prompt,
+                prompt_token_ids,
+                request.sampling_params,
+                arrival_time=now,
+                parent_id=request_id if params.n > 1 else None,
+                index=i,
+                output_kind=output_kind,
             )
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
@@ -363,11 +395,11 @@ class AsyncLLM:
     # -- shutdown ------------------------------------------------------------------------------
 
     def fail_all_requests(self, reason: str) -> None:
-        """Abort every request in flight; each stream ends with EngineDeadError(reason)."""
+        """Abort every request in flight; each stream ends with EngineShutdownError(reason)."""
         for request_id in list(self._streams):
             queue = self._streams[request_id]
             self.abort(request_id)
-            queue.put_nowait(EngineDeadError(reason))
+            queue.put_nowait(EngineShutdownError(reason))
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Fail what is still in flight, stop the output loop and the core process."""

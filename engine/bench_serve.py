@@ -58,7 +58,7 @@ async def _one_request(client, url: str, headers: dict, body: dict) -> RequestRe
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     result.error = chunk["error"].get("message", "error")
                     return result
@@ -92,14 +92,30 @@ async def run_load(args, conversations, *, max_concurrency: int | None, request_
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
         async def limited(messages):
-            body = {"model": args.model, "messages": messages, "max_tokens": args.output_len, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": args.model,
+                "messages": messages,
+                "max_tokens": args.output_len,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             async with limit:
                 return await _one_request(client, url, headers, body)
 
-        await _one_request(client, url, headers, {  # touch: connections, first-request costs
-            "model": args.model, "messages": conversations[0], "max_tokens": 2, "stream": True,
-            "stream_options": {"include_usage": True}})
+        await _one_request(
+            client,
+            url,
+            headers,
+            {  # touch: connections, first-request costs
+                "model": args.model,
+                "messages": conversations[0],
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         tasks = []
         start = time.perf_counter()
         for messages in conversations:
@@ -135,17 +151,25 @@ def summarize(results: list[RequestResult], elapsed: float, max_concurrency, req
 
 def _print(run: dict, num_prompts: int, output_len: int) -> None:
     load = f"max concurrency {run['max_concurrency']}" if run["max_concurrency"] else "no concurrency limit"
-    print(f"\n== bench serve: {num_prompts} prompts x {output_len} tokens, {load}, "
-          f"request rate {run['request_rate']} ==")
-    print(f"requests: {run['num_requests'] - run['num_failed']} ok, {run['num_failed']} failed "
-          f"{run['errors'] or ''}")
-    print(f"throughput: {run['requests_per_s']:.2f} req/s, {run['output_tokens_per_s']:.1f} output tok/s, "
-          f"{run['total_tokens_per_s']:.1f} total tok/s")
+    print(
+        f"\n== bench serve: {num_prompts} prompts x {output_len} tokens, {load}, "
+        f"request rate {run['request_rate']} =="
+    )
+    print(
+        f"requests: {run['num_requests'] - run['num_failed']} ok, {run['num_failed']} failed "
+        f"{run['errors'] or ''}"
+    )
+    print(
+        f"throughput: {run['requests_per_s']:.2f} req/s, {run['output_tokens_per_s']:.1f} output tok/s, "
+        f"{run['total_tokens_per_s']:.1f} total tok/s"
+    )
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
         p = run[key]
         if p:
-            print(f"{name:>5} ms: mean {p['mean'] * 1e3:8.1f}  " + "  ".join(
-                f"p{q} {p[f'p{q}'] * 1e3:8.1f}" for q in PERCENTILES))
+            print(
+                f"{name:>5} ms: mean {p['mean'] * 1e3:8.1f}  "
+                + "  ".join(f"p{q} {p[f'p{q}'] * 1e3:8.1f}" for q in PERCENTILES)
+            )
 
 
 def plot(runs: list[dict], path: str) -> None:
@@ -159,7 +183,9 @@ def plot(runs: list[dict], path: str) -> None:
     by_rate = all(r["max_concurrency"] is None for r in runs)
     loads = [r["request_rate"] if by_rate else r["max_concurrency"] for r in runs]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    for ax, (key, name) in zip(axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))):
+    for ax, (key, name) in zip(
+        axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
+    ):
         for q in PERCENTILES:
             ax.plot(loads, [r[key].get(f"p{q}", float("nan")) * 1e3 for r in runs], marker="o", label=f"p{q}")
         ax.set_title(f"{name} (ms)")
@@ -186,8 +212,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         run = asyncio.run(run_load(args, conversations, max_concurrency=max_concurrency, request_rate=rate))
         _print(run, args.num_prompts, args.output_len)
         runs.append(run)
-    results = {"bench": "serve", "base_url": args.base_url, "num_prompts": args.num_prompts,
-               "output_len": args.output_len, "runs": runs}
+    results = {
+        "bench": "serve",
+        "base_url": args.base_url,
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        "runs": runs,
+    }
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)
@@ -204,10 +235,16 @@ def add_serve_parser(bench_sub) -> None:
     b.add_argument("--api-key", default=None)
     b.add_argument("--num-prompts", type=int, default=64)
     b.add_argument("--output-len", type=int, default=128)
-    b.add_argument("--max-concurrency", default=None, help="at most this many requests in flight; a list "
-                   "(1,4,16) runs a sweep")
-    b.add_argument("--request-rate", default=None, help="Poisson arrivals, requests/s (default: all at once); "
-                   "a list runs a sweep")
+    b.add_argument(
+        "--max-concurrency",
+        default=None,
+        help="at most this many requests in flight; a list (1,4,16) runs a sweep",
+    )
+    b.add_argument(
+        "--request-rate",
+        default=None,
+        help="Poisson arrivals, requests/s (default: all at once); a list runs a sweep",
+    )
     b.add_argument("--seed", type=int, default=0, help="of the Poisson arrival times")
     b.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     b.add_argument("--output-json", default=None)

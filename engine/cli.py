@@ -31,6 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="skip warm-up compiles")
+    g.add_argument("--strict-compile-guard", action="store_true", default=None,
+                   help="fail a step that compiles after warm-up (default: warn)")
     p = parser.add_argument_group("parallelism")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
@@ -39,8 +41,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=None, help="this process's rank; 0 runs the front end")
     p.add_argument("--master-addr", default=None, help="address of process 0 (jax.distributed coordinator)")
     p.add_argument("--master-port", type=int, default=None, help="coordinator port; the step channel uses +1")
-    g.add_argument("--strict-compile-guard", action="store_true", default=None,
-                   help="fail a step that compiles after warm-up (default: warn)")
 
 
 _ENGINE_KEYS = (

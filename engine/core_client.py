@@ -92,7 +92,8 @@ class EngineCoreClient:
             wait([self.process.sentinel])
             if not self.is_shutting_down:
                 self.process.join(0.5)  # reap it, for the exit code
-                on_death(f"the engine core process (pid {self.process.pid}) {_describe_exit(self.process.exitcode)}")
+                how = _describe_exit(self.process.exitcode)
+                on_death(f"the engine core process (pid {self.process.pid}) {how}")
 
         threading.Thread(target=monitor, name="engine-core-monitor", daemon=True).start()
 

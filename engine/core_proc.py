@@ -76,7 +76,11 @@ def _on_sigterm(signum, frame):
 
 
 def run_engine_core(
-    model: str | None, engine_args: dict, input_address: str, output_address: str, parent_pid: int,
+    model: str | None,
+    engine_args: dict,
+    input_address: str,
+    output_address: str,
+    parent_pid: int,
     log_level: str = "INFO",
 ) -> None:
     """Entry point of the spawned process."""
@@ -187,22 +191,17 @@ class EngineCoreProc:
 
 
 def _build_engine_core(model: str | None, engine_args: dict):
-    """Load the checkpoint and build (and warm up) an EngineCore, as `LLM` does in-process."""
+    """Load the checkpoint and build (and warm up) the engine core, exactly as `LLM` does in-process."""
     from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from engine.llm import resolve_max_model_len, setup_compilation_cache
-    from models.config import TransformerConfig
-    from models.loader import load_checkpoint
+    from engine.llm import start_engine
 
     config = EngineConfig.from_kwargs(model, **engine_args)
-    setup_compilation_cache(config.compilation.compilation_cache_dir)
-    checkpoint = load_checkpoint(model, progress=False)
-    model_config = TransformerConfig.from_hf(checkpoint.hf_config)
-    max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
-    eos = checkpoint.tokenizer.eos_token_id
+    if config.parallel.nnodes > 1:
+        raise ValueError(f"the server runs on one host; got nnodes={config.parallel.nnodes}")
+    tokenizer, model_config, max_model_len, core = start_engine(config)
+    eos = tokenizer.eos_token_id
     if eos is None and model_config.eos_token_ids:
         eos = model_config.eos_token_ids[0]
-    core = EngineCore(config, checkpoint.hf_config, checkpoint.tensors, max_model_len)
     ready = EngineReady(
         max_model_len=max_model_len,
         vocab_size=model_config.vocab_size,

@@ -3,9 +3,10 @@
 from kernels.backend import AttentionBackend, get_attention_backend
 from kernels.metadata import AttentionMetadata, KVCache, KVCacheSpec
 from kernels.mla import MLACache, mla_paged_attention, write_latent
-# The reference op is `kernels.reference.ragged_paged_attention`; it is not re-exported here, because
-# `kernels.ragged_paged_attention` is the Pallas kernel's module and importing it would rebind the name.
 from kernels.reference import write_kv
+
+# The reference op is `kernels.reference.ragged_paged_attention`, not re-exported here:
+# `kernels.ragged_paged_attention` is the Pallas kernel's module, and importing it would rebind the name.
 
 __all__ = [
     "AttentionBackend",

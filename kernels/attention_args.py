@@ -76,7 +76,17 @@ def _check_power_of_2(name: str, value, *, minimum: int) -> None:
 
 
 def validate_attention_args(
-    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale, sliding_window, soft_cap
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
 ) -> None:
     """Check the shapes, dtypes and static values of a ragged paged attention call; errors name them."""
     if len(q.shape) != 3 or q.shape[0] < 1:
@@ -86,11 +96,15 @@ def validate_attention_args(
             f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_cache.shape)}"
         )
     if tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape {tuple(k_cache.shape)}"
+        )
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype must be one of float32, bfloat16, float16, got {q.dtype}")
     if jnp.dtype(k_cache.dtype) != jnp.dtype(q.dtype) or jnp.dtype(v_cache.dtype) != jnp.dtype(q.dtype):
-        raise ValueError(f"k_cache/v_cache dtypes ({k_cache.dtype}, {v_cache.dtype}) must equal the q dtype {q.dtype}")
+        raise ValueError(
+            f"k_cache/v_cache dtypes ({k_cache.dtype}, {v_cache.dtype}) must equal the q dtype {q.dtype}"
+        )
     _, num_q_heads, head_dim = q.shape
     _, _, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
@@ -100,7 +114,9 @@ def validate_attention_args(
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if len(block_tables.shape) != 2:
-        raise ValueError(f"block_tables must be [R, max_blocks_per_seq], got shape {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"block_tables must be [R, max_blocks_per_seq], got shape {tuple(block_tables.shape)}"
+        )
     num_padded_seqs = block_tables.shape[0]
     for name, x, shape in (
         ("kv_lens", kv_lens, (num_padded_seqs,)),
@@ -109,19 +125,22 @@ def validate_attention_args(
         ("num_seqs", num_seqs, ()),
     ):
         if tuple(jnp.shape(x)) != shape:
-            raise ValueError(f"{name} must have shape {shape} (R={num_padded_seqs}), got {tuple(jnp.shape(x))}")
+            raise ValueError(
+                f"{name} must have shape {shape} (R={num_padded_seqs}), got {tuple(jnp.shape(x))}"
+            )
         if jnp.result_type(x) != jnp.int32:
             raise ValueError(f"{name} must be int32, got {jnp.result_type(x)}")
     if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
         raise ValueError(f"sm_scale must be a float > 0, got {sm_scale!r}")
-    if isinstance(sliding_window, int):
-        if sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    elif sliding_window is not None:  # a per-layer window, traced (e.g. under the layer scan)
-        if jnp.shape(sliding_window) != () or not jnp.issubdtype(jnp.result_type(sliding_window), jnp.integer):
-            raise ValueError(
-                "sliding_window must be None, an int >= 1 or an integer scalar array, got "
-                f"shape {jnp.shape(sliding_window)} dtype {jnp.result_type(sliding_window)}"
-            )
+    if isinstance(sliding_window, int) and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    is_array = sliding_window is not None and not isinstance(sliding_window, int)  # per-layer, traced
+    if is_array and (
+        jnp.shape(sliding_window) != () or not jnp.issubdtype(jnp.result_type(sliding_window), jnp.integer)
+    ):
+        raise ValueError(
+            "sliding_window must be None, an int >= 1 or an integer scalar array, got "
+            f"shape {jnp.shape(sliding_window)} dtype {jnp.result_type(sliding_window)}"
+        )
     if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0):
         raise ValueError(f"soft_cap must be None or a float > 0, got {soft_cap!r}")

@@ -52,7 +52,9 @@ def get_attention_backend(name: str = "auto") -> AttentionBackend:
     if name == "auto":
         return _auto(platform)
     if name == "reference":
-        return AttentionBackend("reference", reference.ragged_paged_attention, reference.write_kv, "asked for by name")
+        return AttentionBackend(
+            "reference", reference.ragged_paged_attention, reference.write_kv, "asked for by name"
+        )
     if name in BACKENDS:
         attention, how = _kernel(name, platform)
         return AttentionBackend(name, attention, reference.write_kv, f"asked for by name; {how}")
@@ -66,13 +68,17 @@ def _kernel(name: str, platform: str) -> tuple[Callable, str]:
         from kernels import ragged_paged_attention as pallas
 
         if is_gpu:
-            return functools.partial(pallas.ragged_paged_attention, interpret=False), "Pallas, Triton lowering"
+            return functools.partial(
+                pallas.ragged_paged_attention, interpret=False
+            ), "Pallas, Triton lowering"
         if platform == "cpu":
             return (
                 functools.partial(pallas.ragged_paged_attention, interpret=True),
                 "Pallas in interpret mode on CPU (exact, slow: for testing, not serving)",
             )
-        raise ValueError(f"attention backend 'pallas' runs on a GPU (Triton lowering) or on CPU (interpret mode), not on {platform!r}")
+        raise ValueError(
+            f"attention backend 'pallas' runs on a GPU (Triton lowering) or on CPU (interpret mode), not on {platform!r}"
+        )
     if name == "jax-triton":
         if not is_gpu:
             raise ValueError(
@@ -104,7 +110,7 @@ def _auto(platform: str) -> AttentionBackend:
         try:
             attention, how = _kernel(name, platform)
             error = self_check(attention)
-        except Exception as e:  # a missing package, a Triton compile failure: try the next one
+        except Exception as e:  # noqa: BLE001  (a missing package, a Triton compile failure: try the next)
             skipped.append(f"{name}: {type(e).__name__}: {e}")
             continue
         if not error <= SELF_CHECK_TOLERANCE:  # NaN fails too
@@ -129,7 +135,10 @@ def _with_reference_fallback(name: str, attention: Callable) -> Callable:
         args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
         try:
             validate_attention_args(
-                *args, sm_scale=kw["sm_scale"], sliding_window=kw.get("sliding_window"), soft_cap=kw.get("soft_cap")
+                *args,
+                sm_scale=kw["sm_scale"],
+                sliding_window=kw.get("sliding_window"),
+                soft_cap=kw.get("soft_cap"),
             )
         except ValueError as e:
             logger.warning("attention backend %s does not take this call (%s): using the reference", name, e)
@@ -141,8 +150,12 @@ def _with_reference_fallback(name: str, attention: Callable) -> Callable:
 
 SELF_CHECK_STEP = StepShape(
     # A decode token, a fresh prefill, a chunk over cached context, a one-token context; GQA 4; padding.
-    seqs=((37, 1), (16, 16), (50, 9), (1, 1)), num_q_heads=8, num_kv_heads=2, head_dim=64,
-    num_tokens=32, num_padded_seqs=6,
+    seqs=((37, 1), (16, 16), (50, 9), (1, 1)),
+    num_q_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    num_tokens=32,
+    num_padded_seqs=6,
 )
 
 
@@ -150,7 +163,7 @@ def self_check(attention: Callable, shape: StepShape = SELF_CHECK_STEP, seed: in
     """Max of |attention - reference| / (1 + |reference|) on one small step on this device (bfloat16
     outputs round to 2**-8 relative, so a one-ulp difference counts ~0.004)."""
     args = synthetic_step(shape, seed)
-    kw = dict(sm_scale=shape.head_dim**-0.5)
+    kw = {"sm_scale": shape.head_dim**-0.5}
     got = jax.jit(functools.partial(attention, **kw))(*args).astype(jnp.float32)
     want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*args).astype(jnp.float32)
     return float(jnp.max(jnp.abs(got - want) / (1.0 + jnp.abs(want))))

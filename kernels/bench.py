@@ -17,8 +17,8 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import importlib
 import os
+import pathlib
 import sys
 import time
 from collections.abc import Callable
@@ -31,8 +31,8 @@ from kernels.backend import GPU_PLATFORMS
 from kernels.synthetic import StepShape, synthetic_step
 
 DECODE_TARGET = 0.70  # of the copy bandwidth, decode at batch 64 with 4k contexts in bfloat16
-LLAMA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
-TINY = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, dtype="float32")
+LLAMA = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
+TINY = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 32, "dtype": "float32"}
 
 GPU_CASES = {
     "decode b64 ctx4k": StepShape(seqs=((4096, 1),) * 64, **LLAMA),
@@ -47,17 +47,29 @@ CPU_CASES = {
     "mixed 32 tokens": StepShape(seqs=((256, 1),) * 2 + ((96, 30),), num_padded_seqs=4, **TINY),
 }
 GPU_CHECKS = {
-    "mixed bf16 GQA4": StepShape(seqs=((300, 1), (77, 77), (500, 40), (1, 1)), num_tokens=128, num_padded_seqs=8, **LLAMA),
+    "mixed bf16 GQA4": StepShape(
+        seqs=((300, 1), (77, 77), (500, 40), (1, 1)), num_tokens=128, num_padded_seqs=8, **LLAMA
+    ),
     "mixed f32 GQA3 d64": StepShape(
-        seqs=((300, 1), (77, 77), (500, 40)), num_q_heads=9, num_kv_heads=3, head_dim=64, dtype="float32",
-        num_tokens=128, num_padded_seqs=8,
+        seqs=((300, 1), (77, 77), (500, 40)),
+        num_q_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        dtype="float32",
+        num_tokens=128,
+        num_padded_seqs=8,
     ),
     "decode b64 ctx4k": GPU_CASES["decode b64 ctx4k"],
 }
 CPU_CHECKS = {"mixed f32": CPU_CASES["mixed 32 tokens"]}
-WINDOW_CAP = dict(sliding_window=200, soft_cap=30.0)  # checked on the mixed cases too
+WINDOW_CAP = {"sliding_window": 200, "soft_cap": 30.0}  # checked on the mixed cases too
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}  # max |kernel - reference| / (1 + |reference|)
-SWEEP = [dict(block_kv=kv, num_warps=w, num_stages=st) for kv in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+SWEEP = [
+    {"block_kv": kv, "num_warps": w, "num_stages": st}
+    for kv in (32, 64, 128)
+    for w in (4, 8)
+    for st in (2, 3)
+]
 
 
 @dataclasses.dataclass
@@ -73,8 +85,11 @@ class Timing:
 def kernel_factories(on_gpu: bool) -> tuple[dict[str, Callable], list[str]]:
     """name -> (tiling kwargs -> attention fn), and a line per kernel that cannot run here."""
     factories, skipped = {"reference": lambda **_: reference.ragged_paged_attention}, []
-    pallas = importlib.import_module("kernels.ragged_paged_attention")
-    factories["pallas"] = lambda **t: functools.partial(pallas.ragged_paged_attention, interpret=not on_gpu, **t)
+    from kernels import ragged_paged_attention as pallas
+
+    factories["pallas"] = lambda **t: functools.partial(
+        pallas.ragged_paged_attention, interpret=not on_gpu, **t
+    )
     if not on_gpu:
         skipped.append("jax-triton: needs a CUDA GPU")
         return factories, skipped
@@ -111,7 +126,9 @@ def copy_bandwidth(num_bytes: int, min_seconds: float) -> tuple[float, str]:
         results[name] = 2 * x.nbytes / seconds
     # A copy XLA elided would show an impossible rate: then the elementwise kernel stands in.
     name = "jnp.copy" if results["jnp.copy"] < 20 * results["x + 1"] else "x + 1"
-    return results[name], f"{name}, {num_bytes / 2**30:.2g} GiB buffer (x + 1: {results['x + 1'] / 1e9:.0f} GB/s)"
+    return results[
+        name
+    ], f"{name}, {num_bytes / 2**30:.2g} GiB buffer (x + 1: {results['x + 1'] / 1e9:.0f} GB/s)"
 
 
 def max_rel_error(got: jax.Array, want: jax.Array) -> float:
@@ -160,7 +177,7 @@ def run(args) -> str:
                 label = name + (" + window + cap" if extra else "")
                 try:
                     error = max_rel_error(jax.jit(functools.partial(make(), **kw))(*data), want)
-                except Exception as e:  # a kernel that fails to compile or run: report, go on
+                except Exception as e:  # noqa: BLE001  (a kernel that fails to compile or run: report, go on)
                     say(f"| {label} | {kernel} | {type(e).__name__}: {str(e)[:200]} | no |")
                     failed.add(kernel)
                     continue
@@ -178,7 +195,7 @@ def run(args) -> str:
         label = ", ".join(f"{k}={v}" for k, v in tiling.items()) or "default"
         try:
             seconds = time_call(fn, data, min_seconds, min_iters)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (report it in the table, time the rest)
             say(f"| {case} | {kernel} | {label} | {type(e).__name__}: {str(e)[:200]} | | | |")
             return None
         t = Timing(case, kernel, label, seconds, shape.kv_bytes_read(), shape.attention_flops())
@@ -201,7 +218,9 @@ def run(args) -> str:
             data = synthetic_step(shape, seed=2)
             for kernel in factories:
                 if kernel != "reference" and kernel not in failed:
-                    for tiling in SWEEP if case.startswith("decode") else [dict(block_q=q) for q in (4, 8, 32)]:
+                    for tiling in (
+                        SWEEP if case.startswith("decode") else [{"block_q": q} for q in (4, 8, 32)]
+                    ):
                         measure(case, shape, data, kernel, tiling)
     say()
     say(verdict(timings, bandwidth, on_gpu, failed))
@@ -215,7 +234,11 @@ def verdict(timings: list[Timing], bandwidth: float, on_gpu: bool, failed: set) 
         out.append(f"- FAILED the check against the reference: {', '.join(sorted(failed))} (not timed).")
 
     def best(case: str, kernel: str | None = None) -> Timing | None:
-        rows = [t for t in timings if t.case == case and (kernel is None or t.kernel == kernel) and t.kernel != "reference"]
+        rows = [
+            t
+            for t in timings
+            if t.case == case and (kernel is None or t.kernel == kernel) and t.kernel != "reference"
+        ]
         return min(rows, key=lambda t: t.seconds, default=None)
 
     if not on_gpu:
@@ -230,21 +253,32 @@ def verdict(timings: list[Timing], bandwidth: float, on_gpu: bool, failed: set) 
             f"{b64.kernel} ({b64.tiling}) reads KV at {share:.0%}."
         )
         kernels = sorted({t.kernel for t in timings if t.kernel != "reference"})
-        order = sorted(kernels, key=lambda k: sum(best(c, k).seconds for c in ("decode b64 ctx4k", "mixed 512 tokens") if best(c, k)))
+        order = sorted(
+            kernels,
+            key=lambda k: sum(
+                best(c, k).seconds for c in ("decode b64 ctx4k", "mixed 512 tokens") if best(c, k)
+            ),
+        )
         out.append(f"- Fastest first (decode b64 + mixed, best tilings): AUTO_GPU_ORDER = {tuple(order)!r}.")
         b8 = best("decode b8 ctx4k", b64.kernel)
         if b8:
             small = b8.kv_bytes / b8.seconds / bandwidth
-            need = "a split-KV decode variant is worth writing" if small < 0.5 * share else "no decode variant needed"
+            need = (
+                "a split-KV decode variant is worth writing"
+                if small < 0.5 * share
+                else "no decode variant needed"
+            )
             out.append(f"- Decode at batch 8 reads KV at {small:.0%} of copy ({b64.kernel}): {need}.")
     return "\n".join(out)
 
 
 def write_notes(path: str, section: str) -> None:
     """Append `section` under the '## Measurements' heading of `path` (created if missing)."""
-    text = open(path).read() if os.path.exists(path) else "# Attention kernels\n"
+    text = pathlib.Path(path).read_text() if os.path.exists(path) else "# Attention kernels\n"
     if "\n## Measurements\n" not in text:
-        text = text.rstrip("\n") + "\n\n## Measurements\n\nWritten by `python -m kernels.bench`, newest last.\n"
+        text = (
+            text.rstrip("\n") + "\n\n## Measurements\n\nWritten by `python -m kernels.bench`, newest last.\n"
+        )
     with open(path, "w") as f:
         f.write(text.rstrip("\n") + "\n\n" + section)
 
@@ -254,11 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="notes file to append the results to (default on GPU: docs/KERNELS.md)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--quick", action="store_true", help="skip the tiling sweep")
-    parser.add_argument("--kernels", help="comma-separated subset of pallas,jax-triton (the reference always runs)")
+    parser.add_argument(
+        "--kernels", help="comma-separated subset of pallas,jax-triton (the reference always runs)"
+    )
     args = parser.parse_args(argv)
     section = run(args)
     on_gpu = jax.devices()[0].platform in GPU_PLATFORMS
-    out = args.out or (os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "KERNELS.md") if on_gpu else None)
+    out = args.out or (
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "KERNELS.md")
+        if on_gpu
+        else None
+    )
     if out and not args.no_write:
         write_notes(out, section)
         print(f"appended to {out}", file=sys.stderr)

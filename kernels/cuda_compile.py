@@ -40,7 +40,10 @@ def pallas_triton_modules(lowered: jax.stages.Lowered) -> list[tuple[bytes, int,
 
     def visit(op):
         op = op.operation if hasattr(op, "operation") else op
-        if op.name == "stablehlo.custom_call" and op.attributes["call_target_name"].value == PALLAS_TRITON_CALL_TARGET:
+        if (
+            op.name == "stablehlo.custom_call"
+            and op.attributes["call_target_name"].value == PALLAS_TRITON_CALL_TARGET
+        ):
             config = op.attributes["mhlo.backend_config"]
             found.append((config["ir"].value_bytes, config["num_warps"].value, config["num_stages"].value))
         for region in op.regions:
@@ -81,13 +84,17 @@ def compile_pallas(fn, *args, arch: int = 90) -> list[CompiledKernel]:
             with open(path, "w") as f:
                 f.write(ttir_text(bytecode))
             compiled = triton.compile(
-                path, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+                path,
+                target=GPUTarget("cuda", arch, 32),
+                options={"num_warps": num_warps, "num_stages": num_stages},
             )
         results.append(_metadata(compiled, arch))
     return results
 
 
-def compile_triton(kernel, signature: dict, constexprs: dict, *, num_warps: int, num_stages: int, arch: int = 90):
+def compile_triton(
+    kernel, signature: dict, constexprs: dict, *, num_warps: int, num_stages: int, arch: int = 90
+):
     """Compile a `triton.jit` kernel for `arch` without a GPU; `signature` maps pointer/scalar args to
     Triton types ("*bf16", "i32"), `constexprs` gives the constexpr args."""
     import triton
@@ -95,7 +102,9 @@ def compile_triton(kernel, signature: dict, constexprs: dict, *, num_warps: int,
     from triton.compiler import ASTSource
 
     # jax-triton tells Triton that every array is 16-byte aligned; so do we (it changes vectorization).
-    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
+    attrs = {
+        (i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")
+    }
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
@@ -125,7 +134,9 @@ class AttentionShape:
 SHAPES = (
     AttentionShape("llama3-8b decode, bf16", 64, 64, 32, 8, 128, "bfloat16"),
     AttentionShape("llama3-8b mixed, bf16", 512, 64, 32, 8, 128, "bfloat16"),
-    AttentionShape("smollm2 mixed + window + cap, bf16", 128, 16, 9, 3, 64, "bfloat16", sliding_window=64, soft_cap=30.0),
+    AttentionShape(
+        "smollm2 mixed + window + cap, bf16", 128, 16, 9, 3, 64, "bfloat16", sliding_window=64, soft_cap=30.0
+    ),
     AttentionShape("smollm2 mixed, f32", 128, 16, 9, 3, 64, "float32"),  # exact (IEEE) dots: slow to compile
 )
 
@@ -146,12 +157,19 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
         sd = jax.ShapeDtypeStruct
         cache = sd((s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim), s.dtype)
         args = (
-            sd((s.num_tokens, s.num_q_heads, s.head_dim), s.dtype), cache, cache,
-            sd((s.num_padded_seqs,), jnp.int32), sd((s.num_padded_seqs, s.max_blocks_per_seq), jnp.int32),
-            sd((s.num_padded_seqs + 1,), jnp.int32), sd((), jnp.int32),
+            sd((s.num_tokens, s.num_q_heads, s.head_dim), s.dtype),
+            cache,
+            cache,
+            sd((s.num_padded_seqs,), jnp.int32),
+            sd((s.num_padded_seqs, s.max_blocks_per_seq), jnp.int32),
+            sd((s.num_padded_seqs + 1,), jnp.int32),
+            sd((), jnp.int32),
         )
         fn = functools.partial(
-            pallas.ragged_paged_attention, sm_scale=sm_scale, sliding_window=s.sliding_window, soft_cap=s.soft_cap
+            pallas.ragged_paged_attention,
+            sm_scale=sm_scale,
+            sliding_window=s.sliding_window,
+            soft_cap=s.soft_cap,
         )
         [compiled] = compile_pallas(fn, *args, arch=arch)
         return compiled
@@ -162,16 +180,33 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
 
         tiling = Tiling.resolve(s.num_tokens, s.num_padded_seqs, s.num_q_heads // s.num_kv_heads)
         _, params = triton_attention.kernel_params(
-            (s.num_tokens, s.num_q_heads, s.head_dim), (s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim),
-            (s.num_padded_seqs, s.max_blocks_per_seq), s.dtype,
-            sm_scale=sm_scale, has_window=s.sliding_window is not None, soft_cap=s.soft_cap, tiling=tiling,
+            (s.num_tokens, s.num_q_heads, s.head_dim),
+            (s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim),
+            (s.num_padded_seqs, s.max_blocks_per_seq),
+            s.dtype,
+            sm_scale=sm_scale,
+            has_window=s.sliding_window is not None,
+            soft_cap=s.soft_cap,
+            tiling=tiling,
         )
         element = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[s.dtype]
-        ints = ("num_seqs_ptr", "sliding_window_ptr", "kv_lens_ptr", "query_start_loc_ptr", "block_tables_ptr")
-        signature = {p: "*i32" for p in ints} | {p: f"*{element}" for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+        ints = (
+            "num_seqs_ptr",
+            "sliding_window_ptr",
+            "kv_lens_ptr",
+            "query_start_loc_ptr",
+            "block_tables_ptr",
+        )
+        signature = {p: "*i32" for p in ints} | {
+            p: f"*{element}" for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")
+        }
         return compile_triton(
-            triton.runtime.JITFunction(triton_attention._attention_kernel), signature, params,
-            num_warps=tiling.num_warps, num_stages=tiling.num_stages, arch=arch,
+            triton.runtime.JITFunction(triton_attention._attention_kernel),
+            signature,
+            params,
+            num_warps=tiling.num_warps,
+            num_stages=tiling.num_stages,
+            arch=arch,
         )
     raise ValueError(f"kernel must be 'pallas' or 'triton', got {kernel!r}")
 
@@ -199,9 +234,11 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             try:
                 c = compile_attention(kernel, shape, args.arch)
-                print(f"ok   {kernel:6s} sm_{args.arch} {shape.name}: shared {c.shared_bytes} B, "
-                      f"{c.num_warps} warps, {c.num_stages} stages, {c.ptx_chars} PTX chars ({time.perf_counter() - t0:.1f}s)")
-            except Exception as e:  # report every failure, not just the first
+                print(
+                    f"ok   {kernel:6s} sm_{args.arch} {shape.name}: shared {c.shared_bytes} B, "
+                    f"{c.num_warps} warps, {c.num_stages} stages, {c.ptx_chars} PTX chars ({time.perf_counter() - t0:.1f}s)"
+                )
+            except Exception as e:  # noqa: BLE001  (report every failure, not just the first)
                 failed += 1
                 print(f"FAIL {kernel:6s} sm_{args.arch} {shape.name}: {type(e).__name__}: {e}")
     return 1 if failed else 0

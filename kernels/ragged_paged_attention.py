@@ -61,13 +61,26 @@ def ragged_paged_attention(
     ``num_stages``. ``interpret=True`` runs the kernel on CPU.
     """
     validate_attention_args(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     num_tokens, num_q_heads, _ = q.shape
     tiling = Tiling.resolve(
-        num_tokens, block_tables.shape[0], num_q_heads // k_cache.shape[2],
-        block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
+        num_tokens,
+        block_tables.shape[0],
+        num_q_heads // k_cache.shape[2],
+        block_q=block_q,
+        block_kv=block_kv,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return _ragged_paged_attention(
         q,
@@ -91,8 +104,20 @@ def ragged_paged_attention(
     static_argnames=("sm_scale", "has_window", "soft_cap", "interpret", "tiling"),
 )
 def _ragged_paged_attention(
-    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sliding_window,
-    *, sm_scale, has_window, soft_cap, interpret, tiling,
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    sliding_window,
+    *,
+    sm_scale,
+    has_window,
+    soft_cap,
+    interpret,
+    tiling,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -121,7 +146,16 @@ def _ragged_paged_attention(
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         name="ragged_paged_attention",
-    )(num_seqs.reshape(1), sliding_window.reshape(1), kv_lens, query_start_loc, block_tables, q, k_rows, v_rows)
+    )(
+        num_seqs.reshape(1),
+        sliding_window.reshape(1),
+        kv_lens,
+        query_start_loc,
+        block_tables,
+        q,
+        k_rows,
+        v_rows,
+    )
 
     # No program writes the rows of padding tokens: they are undefined until zeroed here.
     is_real = jnp.arange(num_tokens) < query_start_loc[num_seqs]
@@ -180,7 +214,11 @@ def _kernel(
         is_mine = jnp.broadcast_to((local < q_len) & (g < group), (num_rows, head_dim))
         # Indices, not slices: the same gathers lower for Triton and discharge in interpret mode
         # without copying the operand; a masked row's index may be out of bounds, never written.
-        q_index = (q_start + local, kv_head * group + g, jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1))
+        q_index = (
+            q_start + local,
+            kv_head * group + g,
+            jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1),
+        )
         q = plgpu.load(q_ref.at[q_index], mask=is_mine, other=0)  # [rows, head_dim]
         q_pos = kv_len - q_len + local  # [rows, 1]: absolute positions
         last_pos = jnp.minimum(kv_len - q_len + first_local + block_q, kv_len)  # one past the last query

@@ -91,7 +91,9 @@ def _attention_kernel(
         for i in range(first_pos // BLOCK_KV, (last_pos + BLOCK_KV - 1) // BLOCK_KV):
             kv_pos = i * BLOCK_KV + tl.arange(0, BLOCK_KV)
             in_context = kv_pos < kv_len
-            pages = tl.load(block_tables_ptr + seq * MAX_BLOCKS + kv_pos // BLOCK_SIZE, mask=in_context, other=0)
+            pages = tl.load(
+                block_tables_ptr + seq * MAX_BLOCKS + kv_pos // BLOCK_SIZE, mask=in_context, other=0
+            )
             kv_rows = pages.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE
             kv_offsets = (kv_rows * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
             k = tl.load(k_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
@@ -116,7 +118,9 @@ def _attention_kernel(
             l = alpha * l + tl.sum(p, axis=1)
             p_v = p.to(v.dtype)  # rounded like the MMA's operand, also when upcast
             if UPCAST_DOT:
-                acc = alpha[:, None] * acc + tl.dot(p_v.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                acc = alpha[:, None] * acc + tl.dot(
+                    p_v.to(tl.float32), v.to(tl.float32), input_precision="ieee"
+                )
             else:
                 acc = alpha[:, None] * acc + tl.dot(p_v, v, input_precision=DOT_PRECISION)
             m = m_new
@@ -136,7 +140,15 @@ def interpreted_kernel():
 
 
 def kernel_params(
-    q_shape, cache_shape, block_tables_shape, dtype, *, sm_scale, has_window, soft_cap, tiling: Tiling,
+    q_shape,
+    cache_shape,
+    block_tables_shape,
+    dtype,
+    *,
+    sm_scale,
+    has_window,
+    soft_cap,
+    tiling: Tiling,
     interpreted: bool = False,
 ) -> tuple[tuple[int, int], dict]:
     """-> (grid, constexpr parameters) of one launch."""
@@ -145,32 +157,45 @@ def kernel_params(
     num_padded_seqs, max_blocks = block_tables_shape
     group = num_q_heads // num_kv_heads
     grid = (num_q_blocks(num_tokens, num_padded_seqs, tiling.block_q), num_kv_heads)
-    params = dict(
-        SM_SCALE=float(sm_scale),
-        HAS_WINDOW=bool(has_window),
-        SOFT_CAP=float(soft_cap or 0.0),
-        NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        GROUP=group,
-        PADDED_GROUP=next_power_of_2(group),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        MAX_BLOCKS=max_blocks,
-        BLOCK_Q=tiling.block_q,
-        BLOCK_KV=tiling.block_kv,
-        NUM_BISECT_STEPS=max(1, num_padded_seqs.bit_length()),
+    params = {
+        "SM_SCALE": float(sm_scale),
+        "HAS_WINDOW": bool(has_window),
+        "SOFT_CAP": float(soft_cap or 0.0),
+        "NUM_Q_HEADS": num_q_heads,
+        "NUM_KV_HEADS": num_kv_heads,
+        "GROUP": group,
+        "PADDED_GROUP": next_power_of_2(group),
+        "HEAD_DIM": head_dim,
+        "BLOCK_SIZE": block_size,
+        "MAX_BLOCKS": max_blocks,
+        "BLOCK_Q": tiling.block_q,
+        "BLOCK_KV": tiling.block_kv,
+        "NUM_BISECT_STEPS": max(1, num_padded_seqs.bit_length()),
         # float32 inputs: exact products (no TF32), like the reference; 16-bit inputs: the native MMA.
-        DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32",
+        "DOT_PRECISION": "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32",
         # Under the interpreter a bfloat16 tl.dot multiplies the raw uint16 bits (Triton 3.9); float32
         # products of the bfloat16 operands are exact, so the upcast keeps the GPU's numerics.
-        UPCAST_DOT=interpreted and jnp.dtype(dtype) != jnp.float32,
-    )
+        "UPCAST_DOT": interpreted and jnp.dtype(dtype) != jnp.float32,
+    }
     return grid, params
 
 
 def launch_kernel(
-    kernel, q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, out,
-    *, sm_scale, sliding_window=None, soft_cap=None, tiling: Tiling, dtype,
+    kernel,
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    out,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    tiling: Tiling,
+    dtype,
 ) -> None:
     """Launch `kernel` on tensors Triton takes directly (torch on GPU, or torch on CPU under the
     interpreter), writing `out` [T, Hq, D]. `num_seqs` and `sliding_window` (when not None) are [1]
@@ -178,16 +203,31 @@ def launch_kernel(
     (the JAX wrapper zeroes them)."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     grid, params = kernel_params(
-        tuple(q.shape), tuple(k_cache.shape), tuple(block_tables.shape), dtype,
-        sm_scale=sm_scale, has_window=sliding_window is not None, soft_cap=soft_cap, tiling=tiling,
+        tuple(q.shape),
+        tuple(k_cache.shape),
+        tuple(block_tables.shape),
+        dtype,
+        sm_scale=sm_scale,
+        has_window=sliding_window is not None,
+        soft_cap=soft_cap,
+        tiling=tiling,
         interpreted=not isinstance(kernel, triton.runtime.JITFunction),
     )
     k_rows = k_cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
     v_rows = v_cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
     kernel[grid](
-        num_seqs, num_seqs if sliding_window is None else sliding_window,
-        kv_lens, query_start_loc, block_tables, q, k_rows, v_rows, out,
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages, **params,
+        num_seqs,
+        num_seqs if sliding_window is None else sliding_window,
+        kv_lens,
+        query_start_loc,
+        block_tables,
+        q,
+        k_rows,
+        v_rows,
+        out,
+        num_warps=tiling.num_warps,
+        num_stages=tiling.num_stages,
+        **params,
     )
 
 
@@ -217,16 +257,35 @@ def ragged_paged_attention(
             "interpreter (launch_kernel(interpreted_kernel(), ...)) or use the 'pallas' backend"
         )
     validate_attention_args(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
     num_tokens, num_q_heads, _ = q.shape
     tiling = Tiling.resolve(
-        num_tokens, block_tables.shape[0], num_q_heads // k_cache.shape[2],
-        block_q=block_q, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages,
+        num_tokens,
+        block_tables.shape[0],
+        num_q_heads // k_cache.shape[2],
+        block_q=block_q,
+        block_kv=block_kv,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return _ragged_paged_attention(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, jnp.asarray(num_seqs, jnp.int32),
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        jnp.asarray(num_seqs, jnp.int32),
         jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32),
         sm_scale=float(sm_scale),
         has_window=sliding_window is not None,
@@ -237,16 +296,33 @@ def ragged_paged_attention(
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "soft_cap", "tiling"))
 def _ragged_paged_attention(
-    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sliding_window,
-    *, sm_scale, has_window, soft_cap, tiling,
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    sliding_window,
+    *,
+    sm_scale,
+    has_window,
+    soft_cap,
+    tiling,
 ):
     import jax_triton  # only importable with a GPU build of jaxlib
 
     num_tokens = q.shape[0]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     grid, params = kernel_params(
-        q.shape, k_cache.shape, block_tables.shape, q.dtype,
-        sm_scale=sm_scale, has_window=has_window, soft_cap=soft_cap, tiling=tiling,
+        q.shape,
+        k_cache.shape,
+        block_tables.shape,
+        q.dtype,
+        sm_scale=sm_scale,
+        has_window=has_window,
+        soft_cap=soft_cap,
+        tiling=tiling,
     )
     out = jax_triton.triton_call(
         num_seqs.reshape(1),

@@ -17,8 +17,9 @@ import numpy as np
 from flax import nnx
 
 from kernels import AttentionBackend, AttentionMetadata, KVCache
+from kernels.reference import token_positions
 from models.config import TransformerConfig
-from models.rope import apply_rope, layer_rope_inv_freqs, layer_rope_scales, rope_angles
+from models.rope import apply_rope, layer_rope_inv_freqs, layer_rope_scales, longrope_angles, rope_angles
 
 # The window of a full-attention layer when some layers slide: wider than any context.
 NO_WINDOW = 2**30
@@ -158,12 +159,7 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cfg.rope_scaling_dict.get("rope_type") == "dynamic":  # frequencies depend on the position
-            angles = rope_angles(
-                positions, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling_dict, cfg.max_position_embeddings
-            )
-        else:
-            angles = positions.astype(jnp.float32)[:, None] * spec.rope_inv_freq[None, :]
+        angles = _rope_angles(cfg, positions, md, spec)
         q, k = apply_rope(q, angles, spec.rope_scale), apply_rope(k, angles, spec.rope_scale)
         k_cache, v_cache = self.backend.write_kv(kv_cache.k, kv_cache.v, k, v, md.slot_mapping)
         out = self.backend.attention(
@@ -179,6 +175,19 @@ class Attention(nnx.Module):
             soft_cap=cfg.attn_logit_softcap,
         )
         return self.o_proj(out.reshape(num_tokens, -1)), KVCache(k_cache, v_cache)
+
+
+def _rope_angles(cfg: TransformerConfig, positions, md: AttentionMetadata, spec: LayerSpec) -> jax.Array:
+    """[T, rotary_dim // 2]: this layer's frequencies, or ones that depend on the position (dynamic
+    NTK) or on the sequence's length (LongRoPE)."""
+    scaling = cfg.rope_scaling_dict
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "dynamic":
+        return rope_angles(positions, cfg.rotary_dim, cfg.rope_theta, scaling, cfg.max_position_embeddings)
+    if rope_type == "longrope":
+        seq, _, _ = token_positions(positions.shape[0], md.kv_lens, md.query_start_loc, md.num_seqs)
+        return longrope_angles(positions, md.kv_lens[seq], cfg.rotary_dim, cfg.rope_theta, scaling)
+    return positions.astype(jnp.float32)[:, None] * spec.rope_inv_freq[None, :]
 
 
 def _sliding_window(cfg: TransformerConfig, spec: LayerSpec) -> int | jax.Array | None:

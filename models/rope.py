@@ -80,7 +80,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> np.nd
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
-    raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, dynamic, llama3, yarn)")
+    if rope_type == "longrope":  # per sequence length: `longrope_angles`; these are the short ones
+        return inv_freq / np.asarray(scaling["short_factor"])
+    raise ValueError(
+        f"rope_scaling type {rope_type!r} is not supported (default, linear, dynamic, llama3, yarn, longrope)"
+    )
 
 
 def layer_rope_inv_freqs(cfg: TransformerConfig) -> np.ndarray:  # [num_layers, rotary_dim // 2]
@@ -96,9 +100,13 @@ def layer_rope_inv_freqs(cfg: TransformerConfig) -> np.ndarray:  # [num_layers, 
 
 
 def layer_rope_scales(cfg: TransformerConfig) -> np.ndarray:  # [num_layers]
-    """Each layer's cos/sin multiplier: YaRN's attention factor, except on sliding layers with their
-    own unscaled RoPE base; 1.0 for every other scaling type."""
-    factor = rope_attention_factor(cfg.rope_scaling_dict)
+    """Each layer's cos/sin multiplier: YaRN's or LongRoPE's attention factor, except on sliding
+    layers with their own unscaled RoPE base; 1.0 for every other scaling type."""
+    scaling = cfg.rope_scaling_dict
+    if scaling.get("rope_type") == "longrope":
+        factor = _longrope_attention_factor(scaling, cfg.max_position_embeddings)
+    else:
+        factor = rope_attention_factor(scaling)
     has_local = cfg.local_rope_theta is not None
     return np.asarray([1.0 if has_local and w is not None else factor for w in cfg.layer_sliding_windows])
 
@@ -143,3 +151,34 @@ def apply_rope(x: jax.Array, angles: jax.Array, scale: float | jax.Array = 1.0) 
     if rotary_dim == x.shape[-1]:
         return rotated
     return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
+
+
+def _longrope_attention_factor(scaling: dict[str, Any], max_position_embeddings: int) -> float:
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position_embeddings / original
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def longrope_angles(
+    positions: jax.Array,  # [T]
+    seq_lens: jax.Array,  # [T] int32: the context length of each token's sequence after this step
+    rotary_dim: int,
+    theta: float,
+    scaling: dict[str, Any],
+) -> jax.Array:  # [T, rotary_dim // 2]
+    """LongRoPE (Phi-3.5, Phi-4-mini): frequencies divided by `short_factor`, or by `long_factor` for a
+    sequence longer than original_max_position_embeddings.
+
+    Hugging Face picks the set per forward by its sequence length: a prompt prefilled whole and every
+    decode step match it exactly (cached keys keep the rotation they were written with, as in HF).
+    A long prompt prefilled in chunks uses the short set for the chunks that end within the
+    original length, where one HF forward over the whole prompt would use the long set.
+    """
+    base = theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    short = jnp.asarray(1.0 / (np.asarray(scaling["short_factor"]) * base), jnp.float32)
+    long = jnp.asarray(1.0 / (np.asarray(scaling["long_factor"]) * base), jnp.float32)
+    is_long = seq_lens > scaling["original_max_position_embeddings"]
+    inv_freq = jnp.where(is_long[:, None], long[None, :], short[None, :])
+    return positions.astype(jnp.float32)[:, None] * inv_freq

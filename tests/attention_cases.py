@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Callable
-from functools import lru_cache, partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -124,7 +124,9 @@ class Case:
         return k_cache, v_cache
 
 
-def build_case(cfg: AttnConfig, seqs: list[tuple[int, int]], seed: int, *, poison_tails=False, padding_seed=0):
+def build_case(
+    cfg: AttnConfig, seqs: list[tuple[int, int]], seed: int, *, poison_tails=False, padding_seed=0
+):
     """Lay out one padded step. The data of the sequence in row i depends on (seed, i) only and the
     padding's on padding_seed, so cases that differ only in padding or in other rows can be compared."""
     lay = cfg.layout
@@ -194,8 +196,20 @@ def build_case(cfg: AttnConfig, seqs: list[tuple[int, int]], seed: int, *, poiso
             1, lay.max_blocks_per_seq * bs + 1, lay.num_padded_seqs - len(seqs)
         )
     return Case(
-        cfg, q, k_new, v_new, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc,
-        len(seqs), expected, offset, contexts,
+        cfg,
+        q,
+        k_new,
+        v_new,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        len(seqs),
+        expected,
+        offset,
+        contexts,
     )
 
 
@@ -204,12 +218,12 @@ def reference_op(cfg: AttnConfig) -> Callable:
     return _reference_op(cfg.tokens_per_chunk)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference_op(tokens_per_chunk: int) -> Callable:
     return partial(ragged_paged_attention, tokens_per_chunk=tokens_per_chunk)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _jitted_step(attention: Callable, traced_window: bool):
     # A traced window is an argument of the step (as a layer's window under the layer scan).
     static = ("sm_scale", "soft_cap") if traced_window else ("sm_scale", "sliding_window", "soft_cap")

@@ -56,8 +56,18 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
-        command = [*_command(), "serve", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
-                   "--disable-uvicorn-access-log", *engine_flags(), *extra_args]
+        command = [
+            *_command(),
+            "serve",
+            MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-uvicorn-access-log",
+            *engine_flags(),
+            *extra_args,
+        ]
         if api_key:
             command += ["--api-key", api_key]
         env = {**os.environ, "XLASERVE_COMPILATION_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}

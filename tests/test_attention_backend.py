@@ -34,7 +34,9 @@ def test_pallas_on_cpu_runs_in_interpret_mode():
 def test_unavailable_or_unknown_backends_are_clear_errors():
     with pytest.raises(ValueError, match="'jax-triton' needs a CUDA GPU, and the default platform is 'cpu'"):
         get_attention_backend("jax-triton")
-    with pytest.raises(ValueError, match=r"must be one of \('auto', 'reference', 'pallas', 'jax-triton'\), got 'flash'"):
+    with pytest.raises(
+        ValueError, match=r"must be one of \('auto', 'reference', 'pallas', 'jax-triton'\), got 'flash'"
+    ):
         get_attention_backend("flash")
     with pytest.raises(ValueError, match="not on 'tpu'"):
         backend._kernel("pallas", "tpu")
@@ -56,10 +58,15 @@ def test_auto_on_gpu_takes_the_first_kernel_that_passes_its_self_check(monkeypat
 
     monkeypatch.setattr(backend, "AUTO_GPU_ORDER", ("missing", "wrong", "good"))
     monkeypatch.setattr(backend, "_kernel", fake_kernel)
-    monkeypatch.setattr(backend, "self_check", lambda attention: errors["good" if attention is kernels["good"] else "wrong"])
+    monkeypatch.setattr(
+        backend, "self_check", lambda attention: errors["good" if attention is kernels["good"] else "wrong"]
+    )
     chosen = backend._auto("gpu")
     assert chosen.name == "good"
-    assert "missing: ValueError: not installed" in chosen.reason and "wrong: self-check error nan" in chosen.reason
+    assert (
+        "missing: ValueError: not installed" in chosen.reason
+        and "wrong: self-check error nan" in chosen.reason
+    )
 
     monkeypatch.setattr(backend, "AUTO_GPU_ORDER", ("missing", "wrong"))
     fallback = backend._auto("gpu")
@@ -68,11 +75,14 @@ def test_auto_on_gpu_takes_the_first_kernel_that_passes_its_self_check(monkeypat
 
 def test_auto_falls_back_to_the_reference_for_shapes_a_kernel_does_not_take(caplog):
     """head_dim 80 is not a power of two: the kernel would refuse it, auto's wrapper uses the reference."""
+
     def kernel(*args, **kw):
         raise AssertionError("the kernel must not be called for head_dim 80")
 
     attention = backend._with_reference_fallback("pallas", kernel)
-    args = synthetic_step(StepShape(seqs=((20, 3), (5, 1)), num_q_heads=4, num_kv_heads=2, head_dim=80, dtype="float32"))
+    args = synthetic_step(
+        StepShape(seqs=((20, 3), (5, 1)), num_q_heads=4, num_kv_heads=2, head_dim=80, dtype="float32")
+    )
     with caplog.at_level(logging.WARNING):
         out = jax.jit(functools.partial(attention, sm_scale=0.1))(*args)
     expected = reference.ragged_paged_attention(*args, sm_scale=0.1)

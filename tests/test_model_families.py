@@ -1,12 +1,17 @@
-"""Every dense family against Hugging Face, through the registry and the engine.
+"""Every dense family against Hugging Face, through the registry and the engine; GGUF and orbax.
 
-For each architecture a tiny random HF model (float32, few layers, odd MLP width, GQA where the
-family has it, sliding windows short enough to matter for a 45-token prompt) is saved as
+For each architecture a tiny random HF model (float32, 3 layers, odd MLP width, GQA where the
+family has it, sliding windows short enough to matter for a 45-token prompt, each family's own
+switches set so that they show: soft caps, YaRN, LongRoPE, partial RoPE, ...) is saved as
 safetensors with a word-level tokenizer, loaded by `LLM(directory)`, and compared with
-transformers: prefill logits through the paged cache in two chunks (max relative error 1e-4), and
-16 greedy tokens for several requests in flight with chunked prefill and prefix caching, equal to
-`generate`. The engine runs with enforce_eager: warm-up would compile every bucket and sampler
-variant per family (~17 s each), lazy compiles only the few a test uses.
+transformers in float32: prefill logits through the paged cache in chunks (max relative error
+1e-4), and 16 greedy tokens for four requests in flight with chunked prefill and prefix caching,
+equal to `generate`. Then the weight formats: qwen GGUF files written with gguf.GGUFWriter, and
+`xlaserve convert` to orbax and back.
+
+The engines run with enforce_eager: warm-up would compile every bucket and sampler variant per
+family (~17 s each); lazily, a family compiles the few programs its tests use. The GGUF and orbax
+Qwen3 models have the Qwen3 family's exact config, so they reuse its compiled programs.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ BASE = {
     "pad_token_id": 0,
 }
 WINDOW = 12
+LONGROPE_FROM = 64  # Phi3's original_max_position_embeddings
 
 # architecture -> (transformers config class, its kwargs)
 FAMILIES = {
@@ -87,8 +93,23 @@ FAMILIES = {
             },
         ),
     ),
-    # Fused qkv_proj / gate_up_proj, RoPE on half of each head.
-    "Phi3ForCausalLM": ("Phi3Config", dict(BASE, partial_rotary_factor=0.5)),
+    # Fused qkv_proj / gate_up_proj, RoPE on half of each head; LongRoPE whose long factors start
+    # past 64 tokens (prompt + generation stay short: see test_longrope_long_sequences).
+    "Phi3ForCausalLM": (
+        "Phi3Config",
+        dict(
+            BASE,
+            original_max_position_embeddings=LONGROPE_FROM,
+            rope_parameters={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.5, 2.0],
+                "long_factor": [3.0, 5.0, 9.0],
+                "original_max_position_embeddings": LONGROPE_FROM,
+                "partial_rotary_factor": 0.5,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
     # Sliding, full, sliding; soft caps small enough to bite; query_pre_attn_scalar != head_dim.
     "Gemma2ForCausalLM": (
         "Gemma2Config",
@@ -172,6 +193,17 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
 
 
+def hf_chunked_logits(model, ids: list[int], bounds: list[int]) -> np.ndarray:
+    """HF's logits over `ids` fed in chunks through its KV cache (each chunk one forward)."""
+    logits, cache = [], None
+    with torch.no_grad():
+        for start, stop in itertools.pairwise(bounds):
+            out = model(torch.tensor([ids[start:stop]]), past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0].float().numpy())
+            cache = out.past_key_values
+    return np.concatenate(logits)
+
+
 def hf_greedy(model, ids: list[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(
@@ -223,6 +255,10 @@ def _logits(graphdef, params, hidden):
     return nnx.merge(graphdef, params).compute_logits(hidden)
 
 
+def chunk_bounds(num_tokens: int, first_chunk: int, chunk: int) -> list[int]:
+    return [0, *range(first_chunk, num_tokens, chunk), num_tokens]
+
+
 def engine_prefill_logits(llm: LLM, ids: list[int], first_chunk: int) -> np.ndarray:
     """Logits of every prompt position, prefilled in chunks (`first_chunk` tokens, then as many as
     the engine's largest bucket holds; later chunks read earlier ones from the paged cache), on a
@@ -232,7 +268,7 @@ def engine_prefill_logits(llm: LLM, ids: list[int], first_chunk: int) -> np.ndar
     num_seqs = runner._num_seqs_for(num_tokens)
     cache = KVCache(jnp.zeros_like(runner.kv_cache.k), jnp.zeros_like(runner.kv_cache.v))
     block_ids = list(range(1, 1 + -(-len(ids) // runner.block_size)))  # block 0 is the null block
-    bounds = [0, *range(first_chunk, len(ids), num_tokens), len(ids)]
+    bounds = chunk_bounds(len(ids), first_chunk, num_tokens)
     logits = []
     for start, stop in itertools.pairwise(bounds):
         scheduled = SimpleNamespace(
@@ -281,6 +317,21 @@ def test_greedy_tokens_match_hugging_face(family):
     again = family.llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in again] == expected
     assert again[0].num_cached_tokens == 40
+
+
+@pytest.mark.parametrize("family", ["Phi3ForCausalLM"], indirect=True)
+def test_longrope_long_sequences(family):
+    """Past original_max_position_embeddings LongRoPE switches to its long factors for the whole
+    forward in Hugging Face, for us per sequence by its length after the step: the same thing for a
+    prompt fed chunk by chunk. (HF's `generate` also recomputes the cache when a sequence crosses the
+    threshold; the paged cache keeps the keys as they were written.)"""
+    ids = np.random.default_rng(4).integers(3, family.hf_model.config.vocab_size, 80).tolist()
+    ours = engine_prefill_logits(family.llm, ids, first_chunk=11)
+    expected = hf_chunked_logits(family.hf_model, ids, chunk_bounds(len(ids), 11, 16))
+    err = rel_err(ours, expected)
+    assert err <= MAX_REL_ERR, f"LongRoPE past {LONGROPE_FROM} tokens: rel err {err:.2e}"
+    short_only = rel_err(ours[: LONGROPE_FROM - 5], hf_logits(family.hf_model, ids[: LONGROPE_FROM - 5]))
+    assert short_only <= MAX_REL_ERR
 
 
 # -- weight formats: GGUF (qwen2, qwen3) and converted (orbax) checkpoints ----------------------

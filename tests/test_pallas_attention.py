@@ -7,7 +7,6 @@ writes shows up as NaN, and the wrapper must zero the rows of padding tokens its
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 import os
@@ -22,8 +21,10 @@ import numpy as np
 import pytest
 from attention_cases import BATCHES, CONFIGS, AttnConfig, build_case, case_seed, run_case, tolerance
 
-# `import kernels.ragged_paged_attention as m` would do, but the module name reads like the function.
-pallas = importlib.import_module("kernels.ragged_paged_attention")
+from kernels import (
+    ragged_paged_attention as pallas,
+)  # the module (the package exports no function of that name)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 INTERPRET = partial(pallas.ragged_paged_attention, interpret=True)
@@ -47,7 +48,9 @@ def test_matches_float64_reference(config, batch):
     _check(cfg, out, expected, info["num_real_tokens"])
 
 
-requires_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="runs the compiled kernel: needs a CUDA GPU")
+requires_gpu = pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="runs the compiled kernel: needs a CUDA GPU"
+)
 COMPILED = partial(pallas.ragged_paged_attention, interpret=False)
 
 
@@ -57,7 +60,9 @@ COMPILED = partial(pallas.ragged_paged_attention, interpret=False)
 def test_compiled_on_gpu_matches_float64_reference(config, batch):
     cfg = PALLAS_CONFIGS[config]
     seqs = BATCHES[batch](cfg.layout.block_size)
-    out, expected, _, _, info = run_case(cfg, seqs, case_seed("pallas-gpu", config, batch), attention=COMPILED)
+    out, expected, _, _, info = run_case(
+        cfg, seqs, case_seed("pallas-gpu", config, batch), attention=COMPILED
+    )
     _check(cfg, out, expected, info["num_real_tokens"])
 
 
@@ -65,11 +70,16 @@ def test_traced_sliding_window():
     """A per-layer window arrives as a traced int32 scalar (Gemma's alternating layers)."""
     cfg = CONFIGS["gqa2_window_cap"]
     seqs = BATCHES["mixed"](cfg.layout.block_size)
-    out, expected, _, _, info = run_case(cfg, seqs, case_seed("pallas", "traced"), attention=INTERPRET, traced_window=True)
+    out, expected, _, _, info = run_case(
+        cfg, seqs, case_seed("pallas", "traced"), attention=INTERPRET, traced_window=True
+    )
     _check(cfg, out, expected, info["num_real_tokens"])
 
 
-@pytest.mark.parametrize("tiling", [dict(block_q=1, block_kv=16), dict(block_q=4, block_kv=32), dict(block_q=64, block_kv=128)])
+@pytest.mark.parametrize(
+    "tiling",
+    [{"block_q": 1, "block_kv": 16}, {"block_q": 4, "block_kv": 32}, {"block_q": 64, "block_kv": 128}],
+)
 def test_tilings_agree(tiling):
     """Query blocks of 1 to 64 tokens (a block spanning many sequences' worth of rows) and context
     tiles of 16 to 128 tokens (more than a whole short context) give the same result."""
@@ -115,7 +125,9 @@ def test_nan_in_stale_slots_is_not_read(batch):
     """The tail of a sequence's last block and the null block hold NaN: masked loads keep it out."""
     cfg = CONFIGS["gqa2"]
     seqs = BATCHES[batch](cfg.layout.block_size)
-    out, expected, _, _, info = run_case(cfg, seqs, case_seed("pallas", "stale", batch), poison_tails=True, attention=INTERPRET)
+    out, expected, _, _, info = run_case(
+        cfg, seqs, case_seed("pallas", "stale", batch), poison_tails=True, attention=INTERPRET
+    )
     _check(cfg, out, expected, info["num_real_tokens"])
 
 
@@ -138,7 +150,9 @@ def _args(cfg: AttnConfig, num_tokens=32, num_seqs=4, dtype=None):
 def test_lowers_for_cuda(config):
     """The kernel goes through Pallas's Triton lowering (not Mosaic GPU) on this CPU-only machine."""
     cfg = PALLAS_CONFIGS[config]
-    fn = partial(pallas.ragged_paged_attention, sm_scale=0.1, sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap)
+    fn = partial(
+        pallas.ragged_paged_attention, sm_scale=0.1, sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap
+    )
     text = jax.jit(fn).trace(*_args(cfg)).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
 
@@ -150,8 +164,18 @@ def compile_in_subprocess(kernel: str) -> str:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("compiling for sm_90 on CPU needs the triton package (the test extra)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "kernels.cuda_compile", "--kernel", kernel, "--shape", "decode", "--shape", "window + cap"]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "kernels.cuda_compile",
+        "--kernel",
+        kernel,
+        "--shape",
+        "decode",
+        "--shape",
+        "window + cap",
+    ]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -164,15 +188,15 @@ def test_compiles_to_sm90_cubin():
 
 def test_errors_name_the_bad_argument():
     case = build_case(CONFIGS["gqa2"], BATCHES["decode"](16), seed=1)
-    good = dict(
-        q=jnp.asarray(case.q, jnp.float32),
-        k_cache=jnp.asarray(np.nan_to_num(case.k_cache), jnp.float32),
-        v_cache=jnp.asarray(np.nan_to_num(case.v_cache), jnp.float32),
-        kv_lens=jnp.asarray(case.kv_lens),
-        block_tables=jnp.asarray(case.block_tables),
-        query_start_loc=jnp.asarray(case.query_start_loc),
-        num_seqs=jnp.int32(case.num_seqs),
-    )
+    good = {
+        "q": jnp.asarray(case.q, jnp.float32),
+        "k_cache": jnp.asarray(np.nan_to_num(case.k_cache), jnp.float32),
+        "v_cache": jnp.asarray(np.nan_to_num(case.v_cache), jnp.float32),
+        "kv_lens": jnp.asarray(case.kv_lens),
+        "block_tables": jnp.asarray(case.block_tables),
+        "query_start_loc": jnp.asarray(case.query_start_loc),
+        "num_seqs": jnp.int32(case.num_seqs),
+    }
 
     def call(**overrides):
         kw = {**good, **{k: v for k, v in overrides.items() if k in good}}
@@ -180,20 +204,20 @@ def test_errors_name_the_bad_argument():
         return pallas.ragged_paged_attention(*kw.values(), **{"sm_scale": 0.25, "interpret": True, **static})
 
     bad = [
-        (dict(q=good["q"][..., :12]), "head_dim"),
-        (dict(q=good["q"][:, :3]), "num_q_heads 3 must be a multiple of num_kv_heads 2"),
-        (dict(q=good["q"].astype(jnp.bfloat16)), "dtypes"),
-        (dict(q=good["q"].astype(jnp.int32)), "q dtype"),
-        (dict(v_cache=good["v_cache"][:5]), "v_cache shape"),
-        (dict(kv_lens=good["kv_lens"][:3]), "kv_lens must have shape"),
-        (dict(query_start_loc=good["query_start_loc"].astype(jnp.float32)), "query_start_loc must be int32"),
-        (dict(block_tables=good["block_tables"][0]), "block_tables must be"),
-        (dict(num_seqs=jnp.array([3], jnp.int32)), "num_seqs must have shape ()"),
-        (dict(sm_scale=0.0), "sm_scale"),
-        (dict(sliding_window=0), "sliding_window must be >= 1"),
-        (dict(soft_cap=-1.0), "soft_cap"),
-        (dict(block_q=3), "block_q must be a power of two"),
-        (dict(block_kv=8), "block_kv must be a power of two >= 16"),
+        ({"q": good["q"][..., :12]}, "head_dim"),
+        ({"q": good["q"][:, :3]}, "num_q_heads 3 must be a multiple of num_kv_heads 2"),
+        ({"q": good["q"].astype(jnp.bfloat16)}, "dtypes"),
+        ({"q": good["q"].astype(jnp.int32)}, "q dtype"),
+        ({"v_cache": good["v_cache"][:5]}, "v_cache shape"),
+        ({"kv_lens": good["kv_lens"][:3]}, "kv_lens must have shape"),
+        ({"query_start_loc": good["query_start_loc"].astype(jnp.float32)}, "query_start_loc must be int32"),
+        ({"block_tables": good["block_tables"][0]}, "block_tables must be"),
+        ({"num_seqs": jnp.array([3], jnp.int32)}, "num_seqs must have shape ()"),
+        ({"sm_scale": 0.0}, "sm_scale"),
+        ({"sliding_window": 0}, "sliding_window must be >= 1"),
+        ({"soft_cap": -1.0}, "soft_cap"),
+        ({"block_q": 3}, "block_q must be a power of two"),
+        ({"block_kv": 8}, "block_kv must be a power of two >= 16"),
     ]
     for overrides, message in bad:
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -202,12 +226,20 @@ def test_errors_name_the_bad_argument():
 
 # -- the engine ------------------------------------------------------------------------------------
 
-ENGINE_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived a"]
+ENGINE_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+]
 # Small and lazily compiled: a 32-token budget chunks the third prompt's prefill next to decodes.
-SMALL_ENGINE = dict(
-    max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory=16 * 2**20, enforce_eager=True,
-    dtype="float32",  # also on a GPU, where bfloat16 near-ties could split the two backends
-)
+SMALL_ENGINE = {
+    "max_model_len": 256,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 32,
+    "kv_cache_memory": 16 * 2**20,
+    "enforce_eager": True,
+    "dtype": "float32",  # also on a GPU, where bfloat16 near-ties could split the two backends
+}
 
 
 @pytest.mark.slow  # two engines, about 35 s on 2 cores
@@ -223,6 +255,8 @@ def test_engine_greedy_tokens_match_reference(caplog):
         with caplog.at_level(logging.INFO):
             engine = LLM(attention_backend=backend, **SMALL_ENGINE)
         assert f"attention backend: {backend}" in caplog.text
-        tokens[backend] = [list(o.outputs[0].token_ids) for o in engine.generate(ENGINE_PROMPTS, params, use_tqdm=False)]
+        tokens[backend] = [
+            list(o.outputs[0].token_ids) for o in engine.generate(ENGINE_PROMPTS, params, use_tqdm=False)
+        ]
         del engine
     assert tokens["pallas"] == tokens["reference"]

@@ -61,8 +61,10 @@ def test_models_version_health(server, client):
 
 def test_chat_completion(client):
     response = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_completion_tokens=12, temperature=0,
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_completion_tokens=12,
+        temperature=0,
     )
     choice = response.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
@@ -74,33 +76,57 @@ def test_chat_completion(client):
 
 def test_completion_usage_and_n(client, server):
     prompt = "The three primary colors are"
-    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, headers=server.headers).json()["tokens"]
-    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, n=2, temperature=0.8,
-                                         seed=7, extra_body={"ignore_eos": True})
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, headers=server.headers).json()[
+        "tokens"
+    ]
+    response = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=8,
+        n=2,
+        temperature=0.8,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in response.choices) == [0, 1]
     assert all(c.finish_reason == "length" for c in response.choices)
     assert response.usage.prompt_tokens == len(ids)
     assert response.usage.completion_tokens == 16
-    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, headers=server.headers).json()["prompt"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, headers=server.headers).json()[
+        "prompt"
+    ]
     assert text == prompt
 
 
 def test_streaming_matches_non_streaming(client):
-    kwargs = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Name two planets."}],
-              "max_tokens": 16, "temperature": 0}
+    kwargs = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Name two planets."}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
     full = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
-    stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=10, temperature=0,
-                                       stream=True)
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=10, temperature=0, stream=True
+    )
     streamed = "".join(c.choices[0].text for c in stream)
-    assert streamed == client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=10,
-                                                 temperature=0).choices[0].text
+    assert (
+        streamed
+        == client.completions.create(
+            model=MODEL_NAME, prompt="Once upon a time", max_tokens=10, temperature=0
+        )
+        .choices[0]
+        .text
+    )
 
 
 def test_greedy_equals_offline_llm(client, llm):
@@ -118,32 +144,46 @@ def test_greedy_equals_offline_llm(client, llm):
 
 
 def test_logprobs_and_echo(client):
-    response = client.completions.create(model=MODEL_NAME, prompt="Hello there", max_tokens=3, temperature=0,
-                                         logprobs=2, echo=True)
+    response = client.completions.create(
+        model=MODEL_NAME, prompt="Hello there", max_tokens=3, temperature=0, logprobs=2, echo=True
+    )
     choice = response.choices[0]
     assert choice.text.startswith("Hello there")
     lp = choice.logprobs
     assert lp.token_logprobs[0] is None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset)
     assert all(x <= 0 for x in lp.token_logprobs[1:])
-    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
-    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    assert all(
+        len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content
+    )
 
 
 def test_stop_strings_and_token_prompts(client, server):
-    response = client.completions.create(model=MODEL_NAME, prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0,
-                                         stop=[" 8"])
+    response = client.completions.create(
+        model=MODEL_NAME, prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0, stop=[" 8"]
+    )
     choice = response.choices[0]
     assert choice.finish_reason == "stop" and " 8" not in choice.text
-    ids = httpx.post(server.url + "/tokenize", json={"prompt": "The quick brown fox"},
-                     headers=server.headers).json()["tokens"]
+    ids = httpx.post(
+        server.url + "/tokenize", json={"prompt": "The quick brown fox"}, headers=server.headers
+    ).json()["tokens"]
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0)
-    by_text = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=6, temperature=0)
+    by_text = client.completions.create(
+        model=MODEL_NAME, prompt="The quick brown fox", max_tokens=6, temperature=0
+    )
     assert by_ids.choices[0].text == by_text.choices[0].text
-    batch = client.completions.create(model=MODEL_NAME, prompt=["The quick brown fox", "Les chats sont"],
-                                      max_tokens=4, temperature=0)
+    batch = client.completions.create(
+        model=MODEL_NAME, prompt=["The quick brown fox", "Les chats sont"], max_tokens=4, temperature=0
+    )
     assert sorted(c.index for c in batch.choices) == [0, 1]
     assert batch.choices[0].text == by_text.choices[0].text[: len(batch.choices[0].text)]
 
@@ -152,8 +192,9 @@ def test_cache_salt_isolates_prefix_cache(client):
     prompt = "You are a careful assistant. Answer in one short sentence. " * 6 + "What is 2 + 2?"
 
     def cached(salt: str) -> int:
-        response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0,
-                                             extra_body={"cache_salt": salt})
+        response = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": salt}
+        )
         return response.usage.prompt_tokens_details.cached_tokens
 
     assert cached("tenant-a") == 0
@@ -164,12 +205,18 @@ def test_cache_salt_isolates_prefix_cache(client):
 @pytest.mark.slow
 def test_32_concurrent_streams_match_non_streaming(async_client):
     topics = ["volcanoes", "chess", "bees", "compilers", "rainbows", "tea", "marathons", "the moon"]
-    conversations = [[{"role": "user", "content": f"Give me fact number {i % 4 + 1} about {topics[i % 8]}."}]
-                     for i in range(32)]
+    conversations = [
+        [{"role": "user", "content": f"Give me fact number {i % 4 + 1} about {topics[i % 8]}."}]
+        for i in range(32)
+    ]
 
     async def stream(messages) -> tuple[str, str, int]:
         chunks = await async_client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0, stream=True,
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
         text, finish, usage = [], None, None
@@ -182,8 +229,9 @@ def test_32_concurrent_streams_match_non_streaming(async_client):
         return "".join(text), finish, usage
 
     async def full(messages) -> tuple[str, str, int]:
-        r = await async_client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20,
-                                                       temperature=0)
+        r = await async_client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0
+        )
         return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
 
     async def run():
@@ -199,19 +247,35 @@ def test_32_concurrent_streams_match_non_streaming(async_client):
 
 def test_client_disconnect_frees_blocks(client, server):
     before = metrics(server)
-    expected = client.completions.create(model=MODEL_NAME, prompt="In 1969, Neil Armstrong", max_tokens=24,
-                                         temperature=0).choices[0].text
-    stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time, in a land far away,",
-                                       max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    expected = (
+        client.completions.create(
+            model=MODEL_NAME, prompt="In 1969, Neil Armstrong", max_tokens=24, temperature=0
+        )
+        .choices[0]
+        .text
+    )
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Once upon a time, in a land far away,",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for _, _chunk in zip(range(3), stream):
         pass
     busy = wait_for_metrics(server, lambda m: metric(m, "num_requests_running") == 1, "the stream running")
     assert metric(busy, "kv_cache_usage_perc") > 0
 
     async def other_and_disconnect():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0) as c:
-            other = asyncio.create_task(c.completions.create(model=MODEL_NAME, prompt="In 1969, Neil Armstrong",
-                                                             max_tokens=24, temperature=0))
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key=server.api_key, max_retries=0
+        ) as c:
+            other = asyncio.create_task(
+                c.completions.create(
+                    model=MODEL_NAME, prompt="In 1969, Neil Armstrong", max_tokens=24, temperature=0
+                )
+            )
             await asyncio.sleep(0.2)
             stream.close()  # the client goes away mid-stream
             return (await other).choices[0].text
@@ -219,9 +283,12 @@ def test_client_disconnect_frees_blocks(client, server):
     assert asyncio.run(other_and_disconnect()) == expected  # the other request is unaffected
     after = wait_for_metrics(
         server,
-        lambda m: metric(m, "num_requests_running") == 0 and metric(m, "kv_cache_usage_perc") == 0
-        and metric(m, "request_success_total", finished_reason="abort")
-        == metric(before, "request_success_total", finished_reason="abort") + 1,
+        lambda m: (
+            metric(m, "num_requests_running") == 0
+            and metric(m, "kv_cache_usage_perc") == 0
+            and metric(m, "request_success_total", finished_reason="abort")
+            == metric(before, "request_success_total", finished_reason="abort") + 1
+        ),
         "the aborted stream's blocks freed",
     )
     generated = metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total")
@@ -231,11 +298,20 @@ def test_client_disconnect_frees_blocks(client, server):
 def test_metrics_names(server):
     samples = metrics(server)
     names = {name for name, _ in samples}
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
-                 "generation_tokens_total", "time_to_first_token_seconds_count",
-                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_sum",
-                 "request_time_per_output_token_seconds_count"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_sum",
+        "request_time_per_output_token_seconds_count",
+    ):
         assert "xlaserve:" + name in names, name
     assert metric(samples, "generation_tokens_total") > 0
     assert metric(samples, "request_success_total", finished_reason="length") > 0

@@ -19,8 +19,9 @@ def client(server) -> openai.OpenAI:
 
 
 def post(server, path: str, headers: dict | None = None, **kwargs) -> httpx.Response:
-    return httpx.post(server.url + path, headers=server.headers if headers is None else headers, timeout=120,
-                      **kwargs)
+    return httpx.post(
+        server.url + path, headers=server.headers if headers is None else headers, timeout=120, **kwargs
+    )
 
 
 def error_of(response: httpx.Response, status: int) -> dict:
@@ -50,8 +51,11 @@ def error_of(response: httpx.Response, status: int) -> dict:
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
-         "response_format"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
         ("/v1/chat/completions", {"messages": CHAT, "tools": []}, "tools"),
         ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": CHAT, "stream": "yes please"}, "stream"),
@@ -64,16 +68,29 @@ def test_invalid_field_is_400_naming_it(server, path, body, param):
 
 
 def test_malformed_json_and_non_objects_are_400(server):
-    error = error_of(post(server, "/v1/completions", content=b'{"prompt": "x"',
-                          headers={**server.headers, "Content-Type": "application/json"}), 400)
+    error = error_of(
+        post(
+            server,
+            "/v1/completions",
+            content=b'{"prompt": "x"',
+            headers={**server.headers, "Content-Type": "application/json"},
+        ),
+        400,
+    )
     assert error["code"] == "invalid_json"
     error_of(post(server, "/v1/completions", json=["a list"]), 400)
 
 
 def test_schema_error_messages_are_bounded(server):
     huge = "y" * 1_000_000
-    error = error_of(post(server, "/v1/chat/completions",
-                          json={"messages": [{"role": "user", "content": huge, "extra": huge}]}), 400)
+    error = error_of(
+        post(
+            server,
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": huge, "extra": huge}]},
+        ),
+        400,
+    )
     assert "yyyy" not in error["message"]
 
 
@@ -83,7 +100,9 @@ def test_context_length_is_400_with_both_numbers(server, client):
     assert e.value.status_code == 400 and e.value.param == "max_tokens"
     assert "512" in e.value.message and "601" in e.value.message and "300" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:  # a huge prompt: bounded tokenizer work
-        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "word " * 400_000}])
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "word " * 400_000}]
+        )
     assert e.value.param == "messages" and "512" in e.value.message
 
 
@@ -144,7 +163,7 @@ def _cap_work(case) -> None:
 
 @pytest.mark.slow
 @schema.parametrize()
-@settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
 def test_schemathesis_no_5xx_no_schema_violation(case, server):
     from schemathesis.checks import not_a_server_error
     from schemathesis.specs.openapi.checks import (
@@ -155,7 +174,12 @@ def test_schemathesis_no_5xx_no_schema_violation(case, server):
 
     _cap_work(case)
     case.call_and_validate(
-        headers=server.headers, timeout=120,
-        checks=[not_a_server_error, status_code_conformance, content_type_conformance,
-                response_schema_conformance],
+        headers=server.headers,
+        timeout=120,
+        checks=[
+            not_a_server_error,
+            status_code_conformance,
+            content_type_conformance,
+            response_schema_conformance,
+        ],
     )

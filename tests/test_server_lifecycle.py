@@ -21,8 +21,11 @@ DEADLINE_S = 30  # liveness bound when waiting for the server to react, not a ti
 
 @pytest.fixture(scope="module")
 def fragile_server(tmp_path_factory, server_cache_dir):
-    proc = ServerProcess(str(tmp_path_factory.mktemp("fragile-server")), server_cache_dir,
-                         extra_args=["--max-num-queued-reqs", "0", "--shutdown-timeout", "2"])
+    proc = ServerProcess(
+        str(tmp_path_factory.mktemp("fragile-server")),
+        server_cache_dir,
+        extra_args=["--max-num-queued-reqs", "0", "--shutdown-timeout", "2"],
+    )
     proc.wait_ready()
     yield proc
     proc.stop(signal.SIGKILL)
@@ -37,7 +40,7 @@ def _events(lines) -> list:
     events = []
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -45,11 +48,18 @@ def _events(lines) -> list:
 @pytest.mark.slow
 def test_full_queue_is_503(fragile_server):
     max_num_seqs = ENGINE_ARGS["max_num_seqs"]
-    body = {"model": MODEL_NAME, "prompt": "Count:", "max_tokens": 200, "n": max_num_seqs, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(timeout=60) as client, client.stream(
-        "POST", fragile_server.url + "/v1/completions", json=body
-    ) as stream:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Count:",
+        "max_tokens": 200,
+        "n": max_num_seqs,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", fragile_server.url + "/v1/completions", json=body) as stream,
+    ):
         assert stream.status_code == 200
         lines = stream.iter_lines()  # kept: a dropped iterator closes the connection
         next(lines)  # its n sequences fill every slot
@@ -69,11 +79,17 @@ def test_core_death_then_sigterm(fragile_server):
     server = fragile_server
     core_pid = server.core_pid()
     assert core_pid is not None
-    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 400, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(timeout=60) as client, client.stream(
-        "POST", server.url + "/v1/completions", json=body
-    ) as stream:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", server.url + "/v1/completions", json=body) as stream,
+    ):
         lines = stream.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         os.kill(core_pid, signal.SIGKILL)
@@ -89,8 +105,11 @@ def test_core_death_then_sigterm(fragile_server):
     assert health.status_code == 503
     response = _completion(server, prompt="hello", max_tokens=2)
     assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
-    response = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                          json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
     assert response.status_code == 503
     assert "engine core" in server.log_tail()
 

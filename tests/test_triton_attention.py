@@ -30,15 +30,21 @@ if not ON_GPU:
         )
     os.environ["TRITON_INTERPRET"] = "1"
 torch = pytest.importorskip("torch")
-triton = pytest.importorskip("triton", reason="the Triton interpreter needs `pip install triton` (the test extra)")
+triton = pytest.importorskip(
+    "triton", reason="the Triton interpreter needs `pip install triton` (the test extra)"
+)
 
-from kernels import triton_attention  # noqa: E402
-from kernels.attention_args import Tiling  # noqa: E402
+from kernels import triton_attention
+from kernels.attention_args import Tiling
 
 TRITON_CONFIGS = {**CONFIGS, "gqa3": AttnConfig(6, 2)}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-requires_gpu = pytest.mark.skipif(not ON_GPU, reason="launching through jax-triton needs a CUDA GPU (and the cuda12 extra)")
-interpreter = pytest.mark.skipif(ON_GPU, reason="on a GPU Triton compiles; the jax-triton launch tests check numerics")
+requires_gpu = pytest.mark.skipif(
+    not ON_GPU, reason="launching through jax-triton needs a CUDA GPU (and the cuda12 extra)"
+)
+interpreter = pytest.mark.skipif(
+    ON_GPU, reason="on a GPU Triton compiles; the jax-triton launch tests check numerics"
+)
 
 
 def run_interpreted(cfg: AttnConfig, seqs, seed: int, **case_kw) -> tuple[np.ndarray, np.ndarray, int]:
@@ -82,7 +88,9 @@ def _check(cfg, out, expected, n):
 @pytest.mark.parametrize("config", list(TRITON_CONFIGS))
 def test_interpreted_matches_float64_reference(config, batch):
     cfg = TRITON_CONFIGS[config]
-    out, expected, n = run_interpreted(cfg, BATCHES[batch](cfg.layout.block_size), case_seed("triton", config, batch))
+    out, expected, n = run_interpreted(
+        cfg, BATCHES[batch](cfg.layout.block_size), case_seed("triton", config, batch)
+    )
     _check(cfg, out, expected, n)
 
 
@@ -106,7 +114,9 @@ def test_only_padding_writes_nothing():
 @pytest.mark.parametrize("batch", ["decode", "mixed"])
 def test_nan_in_stale_slots_is_not_read(batch):
     cfg = CONFIGS["gqa8_window"]
-    out, expected, n = run_interpreted(cfg, BATCHES[batch](cfg.layout.block_size), case_seed("triton", "stale", batch), poison_tails=True)
+    out, expected, n = run_interpreted(
+        cfg, BATCHES[batch](cfg.layout.block_size), case_seed("triton", "stale", batch), poison_tails=True
+    )
     _check(cfg, out, expected, n)
 
 
@@ -131,7 +141,6 @@ def test_jax_triton_launch_matches_float64_reference(config):
         assert np.isfinite(out).all()
         np.testing.assert_allclose(out[:n], expected[:n], **tolerance(cfg.dtype))
         np.testing.assert_array_equal(out[n:], 0.0)
-
 
 
 _JAX_TRITON_OP = partial(triton_attention.ragged_paged_attention)  # one object: one jitted step per shape

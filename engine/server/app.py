@@ -68,12 +68,16 @@ class GuardMiddleware:
             and scope["path"].startswith(_PROTECTED_PREFIXES)
             and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
         ):
-            error = OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                code="invalid_api_key")
+            error = OpenAIError(
+                401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
         length = headers.get(b"content-length", b"0")
-        if error is None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            error = OpenAIError(413, f"the request body exceeds {self.max_body_bytes} bytes",
-                                code="request_too_large")
+        if error is None and not length.isdigit():
+            error = OpenAIError(400, "invalid Content-Length header", code="invalid_header")
+        if error is None and int(length) > self.max_body_bytes:
+            error = OpenAIError(
+                413, f"the request body exceeds {self.max_body_bytes} bytes", code="request_too_large"
+            )
         if error is None:
             return await self.app(scope, receive, send)
         await error.to_json_response()(scope, receive, send)
@@ -91,22 +95,31 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> dict[str, str]:
         """200 while the engine core is alive, 503 once it has died."""
         if engine.is_errored:
-            raise OpenAIError(503, f"the engine is not available: {engine.errored_reason}", code="engine_dead")
+            raise OpenAIError(
+                503, f"the engine is not available: {engine.errored_reason}", code="engine_dead"
+            )
         return {"status": "ok"}
 
     @app.get("/version")
     async def version() -> VersionResponse:
         return VersionResponse(version=_version())
 
-    @app.get("/metrics", response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}},
+    )
     async def metrics() -> Response:
         """Prometheus text exposition."""
         return Response(render(registry), media_type=CONTENT_TYPE)
 
     def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=state.started_at, root=engine.model or "smollm2",
-                         max_model_len=engine.max_model_len)
+        return ModelCard(
+            id=name,
+            created=state.started_at,
+            root=engine.model or "smollm2",
+            max_model_len=engine.max_model_len,
+        )
 
     @app.get("/v1/models", responses=_errors(401))
     async def list_models() -> ModelList:
@@ -116,13 +129,19 @@ def build_app(state: ServerState) -> FastAPI:
     async def get_model(model_id: str) -> ModelCard:
         return model_card(check_model(state, model_id))
 
-    @app.post("/v1/completions", response_model=None,
-              responses={**_sse_or_json(CompletionResponse), **_errors(400, 401, 404, 413, 503)})
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={**_sse_or_json(CompletionResponse), **_errors(400, 401, 404, 413, 503)},
+    )
     async def completions(request: CompletionRequest, raw_request: Request):
         return await create_completion(state, request, raw_request)
 
-    @app.post("/v1/chat/completions", response_model=None,
-              responses={**_sse_or_json(ChatCompletionResponse), **_errors(400, 401, 404, 413, 503)})
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={**_sse_or_json(ChatCompletionResponse), **_errors(400, 401, 404, 413, 503)},
+    )
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await create_chat_completion(state, request, raw_request)
 
@@ -130,8 +149,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         check_model(state, request.model)
         if isinstance(request, TokenizeChatRequest):
-            text = apply_chat_template(state, request.messages, request.add_generation_prompt,
-                                       request.continue_final_message)
+            text = apply_chat_template(
+                state, request.messages, request.add_generation_prompt, request.continue_final_message
+            )
             param = "messages"
         else:
             text, param = request.prompt, "prompt"

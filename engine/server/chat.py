@@ -66,18 +66,24 @@ def apply_chat_template(
 ) -> str:
     tokenizer = state.engine.tokenizer
     if state.chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template; start the server with --chat-template", "messages")
+        raise bad_request(
+            "this model has no chat template; start the server with --chat-template", "messages"
+        )
     if continue_final_message and (add_generation_prompt or messages[-1].role != "assistant"):
         raise bad_request(
             "continue_final_message needs the last message to be the assistant's and "
-            "add_generation_prompt=false", "continue_final_message",
+            "add_generation_prompt=false",
+            "continue_final_message",
         )
     try:
         return tokenizer.apply_chat_template(
-            conversation(messages), chat_template=state.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            conversation(messages),
+            chat_template=state.chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
-    except Exception as e:  # noqa: BLE001 - a template's raise_exception(), or one that trips on these messages
+    except Exception as e:  # noqa: BLE001 - a template's raise_exception(), or a template bug
         raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
 
 
@@ -88,16 +94,22 @@ def _chat_logprobs(state: ServerState, completion: CompletionOutput, top_n: int)
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
         chosen = entry.get(token_id)
         token = _text(state, token_id, chosen)
-        content.append(ChatTokenLogprob(
-            token=token,
-            logprob=max(chosen.logprob if chosen is not None else _MIN_LOGPROB, _MIN_LOGPROB),
-            bytes=list(token.encode("utf-8")),
-            top_logprobs=[
-                TopLogprob(token=(t := _text(state, tid, lp)), logprob=max(lp.logprob, _MIN_LOGPROB),
-                           bytes=list(t.encode("utf-8")))
-                for tid, lp in ranked if (lp.rank or 0) <= top_n
-            ][:top_n],
-        ))
+        content.append(
+            ChatTokenLogprob(
+                token=token,
+                logprob=max(chosen.logprob if chosen is not None else _MIN_LOGPROB, _MIN_LOGPROB),
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(
+                        token=(t := _text(state, tid, lp)),
+                        logprob=max(lp.logprob, _MIN_LOGPROB),
+                        bytes=list(t.encode("utf-8")),
+                    )
+                    for tid, lp in ranked
+                    if (lp.rank or 0) <= top_n
+                ][:top_n],
+            )
+        )
     return ChatLogprobs(content=content)
 
 
@@ -109,7 +121,9 @@ def _text(state: ServerState, token_id: int, logprob: Logprob | None) -> str:
 
 def _usage(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
     return UsageInfo(
-        prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated,
+        prompt_tokens=num_prompt,
+        completion_tokens=num_generated,
+        total_tokens=num_prompt + num_generated,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
     )
 
@@ -127,7 +141,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     request_id = new_id("chatcmpl")
     try:
         stream = state.engine.add_request(
-            ids, params, request_id, prompt=text, priority=req.priority, cache_salt=req.cache_salt,
+            ids,
+            params,
+            request_id,
+            prompt=text,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
             output_kind="delta" if req.stream else "final",
         )
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
@@ -136,8 +155,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         logger.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(_stream(state, req, request_id, model, created, stream, len(ids)),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(state, req, request_id, model, created, stream, len(ids)), media_type="text/event-stream"
+        )
     try:
         (output,) = await collect_final(raw_request, [stream])
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
@@ -154,20 +174,33 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         for c in output.outputs
     ]
     num_generated = sum(len(c.token_ids) for c in output.outputs)
-    return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=_usage(len(ids), num_generated, output.num_cached_tokens))
+    return ChatCompletionResponse(
+        id=request_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=_usage(len(ids), num_generated, output.num_cached_tokens),
+    )
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: str, model: str, created: int,
-                  stream, num_prompt_tokens: int):
+async def _stream(
+    state: ServerState,
+    req: ChatCompletionRequest,
+    request_id: str,
+    model: str,
+    created: int,
+    stream,
+    num_prompt_tokens: int,
+):
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     continuous = include_usage and req.stream_options.continuous_usage_stats
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     num_generated = num_cached = 0
 
     def chunk(choices, usage=None) -> str:
-        return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
-                                             usage=usage))
+        return sse_event(
+            ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        )
 
     merged = merge_streams([stream])
     try:

@@ -73,15 +73,21 @@ def _token_text(state: ServerState, token_id: int) -> str:
 
 
 def make_completion_logprobs(
-    state: ServerState, token_ids: list[int], entries: list[dict[int, Logprob] | None], top_n: int,
+    state: ServerState,
+    token_ids: list[int],
+    entries: list[dict[int, Logprob] | None],
+    top_n: int,
     text_offset: int = 0,
 ) -> CompletionLogprobs:
     """OpenAI's legacy logprobs: per token its text, logprob, top-n alternatives and text offset."""
     result = CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries):
         chosen = entry.get(token_id) if entry else None
-        token = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else (
-            _token_text(state, token_id))
+        token = (
+            chosen.decoded_token
+            if chosen is not None and chosen.decoded_token is not None
+            else (_token_text(state, token_id))
+        )
         result.tokens.append(token)
         result.text_offset.append(text_offset)
         text_offset += len(token)
@@ -91,16 +97,23 @@ def make_completion_logprobs(
             continue
         result.token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB))
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-        top = {lp.decoded_token or _token_text(state, tid): max(lp.logprob, _MIN_LOGPROB)
-               for tid, lp in ranked if (lp.rank or 0) <= top_n}
+        top = {
+            lp.decoded_token or _token_text(state, tid): max(lp.logprob, _MIN_LOGPROB)
+            for tid, lp in ranked
+            if (lp.rank or 0) <= top_n
+        }
         top.setdefault(token, result.token_logprobs[-1])  # the sampled token is always listed
         result.top_logprobs.append(top)
     return result
 
 
 def _choice(
-    state: ServerState, req: CompletionRequest, prompt_index: int, output: RequestOutput,
-    completion: CompletionOutput, echo_prompt: bool,
+    state: ServerState,
+    req: CompletionRequest,
+    prompt_index: int,
+    output: RequestOutput,
+    completion: CompletionOutput,
+    echo_prompt: bool,
 ) -> CompletionChoice:
     text = completion.text
     logprobs = None
@@ -133,17 +146,29 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     streams = []
     try:
         for i, (text, ids) in enumerate(prompts):
-            streams.append(state.engine.add_request(
-                ids, params, f"{request_id}-{i}", prompt=text, priority=req.priority, cache_salt=req.cache_salt,
-                output_kind="delta" if req.stream else "final",
-            ))
+            streams.append(
+                state.engine.add_request(
+                    ids,
+                    params,
+                    f"{request_id}-{i}",
+                    prompt=text,
+                    priority=req.priority,
+                    cache_salt=req.cache_salt,
+                    output_kind="delta" if req.stream else "final",
+                )
+            )
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
         for stream in streams:
             stream.close()
         raise engine_error(e) from None
     if state.log_requests:
-        logger.info("request %s: %d prompt(s), %s tokens, %s", request_id, len(prompts),
-                    [len(ids) for _, ids in prompts], params)
+        logger.info(
+            "request %s: %d prompt(s), %s tokens, %s",
+            request_id,
+            len(prompts),
+            [len(ids) for _, ids in prompts],
+            params,
+        )
     created = int(time.time())
     num_prompt_tokens = sum(len(ids) for _, ids in prompts)
     if req.stream:
@@ -163,20 +188,32 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
             choices.append(_choice(state, req, i, output, completion, req.echo))
             num_generated += len(completion.token_ids)
     return CompletionResponse(
-        id=request_id, created=created, model=model, choices=choices,
+        id=request_id,
+        created=created,
+        model=model,
+        choices=choices,
         usage=_usage(num_prompt_tokens, num_generated, num_cached),
     )
 
 
 def _usage(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
     return UsageInfo(
-        prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated,
+        prompt_tokens=num_prompt,
+        completion_tokens=num_generated,
+        total_tokens=num_prompt + num_generated,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
     )
 
 
-async def _stream(state: ServerState, req: CompletionRequest, request_id: str, model: str, created: int,
-                  streams, num_prompt_tokens: int):
+async def _stream(
+    state: ServerState,
+    req: CompletionRequest,
+    request_id: str,
+    model: str,
+    created: int,
+    streams,
+    num_prompt_tokens: int,
+):
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     continuous = include_usage and req.stream_options.continuous_usage_stats
     echoed: set[tuple[int, int]] = set()
@@ -198,8 +235,15 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, m
                     chunk.usage = _usage(num_prompt_tokens, num_generated, num_cached)
                 yield sse_event(chunk)
         if include_usage:
-            yield sse_event(CompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                            usage=_usage(num_prompt_tokens, num_generated, num_cached)))
+            yield sse_event(
+                CompletionChunk(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=_usage(num_prompt_tokens, num_generated, num_cached),
+                )
+            )
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         yield sse_error(e)
     finally:

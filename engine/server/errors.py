@@ -46,7 +46,9 @@ class OpenAIError(Exception):
 
     def to_response(self) -> ErrorResponse:
         kind = _TYPES.get(self.status_code, "invalid_request_error")
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
+        )
 
     def to_json_response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
@@ -103,7 +105,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "extra_forbidden" and param is not None:
         field = param.split(".")[-1]
         if field in UNSUPPORTED_FIELDS:
-            return bad_request(f"'{field}' is not supported by this server yet", param, code="unsupported_field")
+            return bad_request(
+                f"'{field}' is not supported by this server yet", param, code="unsupported_field"
+            )
         return bad_request(f"Unrecognized request argument supplied: {param}", param, code="unknown_field")
     if first.get("type") == "missing" and param is not None:
         return bad_request(f"'{param}' is a required property", param, code="missing_field")
@@ -139,5 +143,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return OpenAIError(500, "internal server error (the server log has the details)",
-                           code="internal_error").to_json_response()
+        return OpenAIError(
+            500, "internal server error (the server log has the details)", code="internal_error"
+        ).to_json_response()

@@ -18,26 +18,48 @@ logger = logging.getLogger("engine.server")
 
 def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (flags named as in `vllm serve`)")
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="HF directory, .gguf file or 'smollm2' (default); same as --model")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF directory, .gguf file or 'smollm2' (default); same as --model",
+    )
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("XLASERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
-                        "(also XLASERVE_API_KEY)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in 'model'; the first is reported (default: MODEL or 'smollm2')")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("XLASERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (also XLASERVE_API_KEY)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model'; the first is reported (default: MODEL or 'smollm2')",
+    )
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
-    g.add_argument("--max-num-queued-reqs", type=int, default=None,
-                   help="accept at most max-num-seqs running plus this many waiting requests; then 503")
+    g.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=None,
+        help="accept at most max-num-seqs running plus this many waiting requests; then 503",
+    )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    g.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
+    )
     p.set_defaults(func=cmd_serve)
 
 

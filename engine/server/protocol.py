@@ -15,11 +15,29 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.sampling_params import MAX_LOGPROBS
 
 # OpenAI fields we do not implement yet: a request that sets one gets a 400 naming it.
-UNSUPPORTED_FIELDS = frozenset({
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
-    "logit_bias", "suffix", "best_of", "audio", "modalities", "prediction", "web_search_options",
-    "reasoning_effort", "service_tier", "store", "metadata", "guided_json", "guided_regex",
-})
+UNSUPPORTED_FIELDS = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "functions",
+        "function_call",
+        "response_format",
+        "logit_bias",
+        "suffix",
+        "best_of",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+        "reasoning_effort",
+        "service_tier",
+        "store",
+        "metadata",
+        "guided_json",
+        "guided_regex",
+    }
+)
 
 MAX_N = 64  # choices per request: each is a sequence in the batch
 _INT64 = 2**63
@@ -29,6 +47,7 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, Field(ge=-_INT64, le=_INT64 - 1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 PromptList = Annotated[list[str], Field(max_length=64)]
+StopString = Annotated[str, Field(max_length=1024)]  # matched against the text's tail every step
 
 
 class OpenAIModel(BaseModel):
@@ -47,7 +66,7 @@ class SamplingFields(OpenAIModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="default 1.0")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
     seed: Seed | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
@@ -65,7 +84,9 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     cache_salt: str | None = Field(
-        default=None, min_length=1, max_length=256,
+        default=None,
+        min_length=1,
+        max_length=256,
         description="isolates prefix-cache sharing: requests only share cached blocks with equal salts",
     )
 

@@ -16,6 +16,7 @@ from fastapi import Request
 from engine.async_llm import (
     AsyncLLM,
     EngineDeadError,
+    EngineShutdownError,
     InvalidRequestError,
     QueueFullError,
     RequestFailedError,
@@ -53,8 +54,12 @@ def check_model(state: ServerState, model: str | None) -> str:
     if model is None or model in state.served_model_names:
         return state.model_name
     shown = model if len(model) <= 100 else model[:100] + "..."
-    raise OpenAIError(404, f"The model '{shown}' does not exist; this server serves {state.served_model_names}",
-                      param="model", code="model_not_found")
+    raise OpenAIError(
+        404,
+        f"The model '{shown}' does not exist; this server serves {state.served_model_names}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def new_id(prefix: str) -> str:
@@ -98,7 +103,8 @@ def tokenize_text(engine: AsyncLLM, text: str, add_special_tokens: bool, param: 
             raise bad_request(
                 f"This model's maximum context length is {engine.max_model_len} tokens, but the {param} has "
                 f"more than {len(head)} tokens ({len(text)} characters); reduce the {param}",
-                param, code="context_length_exceeded",
+                param,
+                code="context_length_exceeded",
             )
     return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -115,7 +121,8 @@ def check_context(engine: AsyncLLM, num_prompt_tokens: int, max_tokens: int | No
             f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
             f"({num_prompt_tokens} in the {param}, {max_tokens or 1} for the completion). "
             f"Please reduce the length of the {param} or the completion.",
-            blame, code="context_length_exceeded",
+            blame,
+            code="context_length_exceeded",
         )
 
 
@@ -125,6 +132,8 @@ def engine_error(error: BaseException) -> OpenAIError:
         return error
     if isinstance(error, QueueFullError):
         return OpenAIError(503, str(error), code="queue_full")
+    if isinstance(error, EngineShutdownError):
+        return OpenAIError(503, str(error), code="shutting_down")
     if isinstance(error, EngineDeadError):
         return OpenAIError(503, f"the engine is not available: {error}", code="engine_dead")
     if isinstance(error, InvalidRequestError):
