@@ -36,8 +36,8 @@ def compile_seconds() -> float:
 
 
 class CompileGuard:
-    """After `arm()`, `check(what)` reports any compile since the last check: a warning, or an error
-    when strict (a missed bucket in warm-up is a latency spike in production)."""
+    """After `arm()`, `check(what)` reports any compile since `begin()`: a warning, or an error when
+    strict (a missed bucket in warm-up is a latency spike in production)."""
 
     def __init__(self, strict: bool = False):
         self.strict = strict
@@ -47,6 +47,10 @@ class CompileGuard:
 
     def arm(self) -> None:
         self.is_armed = True
+        self._seen = num_compiles()
+
+    def begin(self) -> None:
+        """Start watching: compiles before this (other code in the process) are not ours."""
         self._seen = num_compiles()
 
     def check(self, what: str) -> None:

@@ -185,6 +185,9 @@ class EngineCoreProc:
             pass
 
     def close(self) -> None:
+        sender = self.core.runner.step_sender
+        if sender is not None:  # release the other processes of a multi-host engine
+            sender.close()
         self._input.close(linger=0)
         self._output.close(linger=1000)  # let the last outputs (or the death notice) go out
         self._zmq.term()
@@ -196,9 +199,12 @@ def _build_engine_core(model: str | None, engine_args: dict):
     from engine.llm import start_engine
 
     config = EngineConfig.from_kwargs(model, **engine_args)
-    if config.parallel.nnodes > 1:
-        raise ValueError(f"the server runs on one host; got nnodes={config.parallel.nnodes}")
     tokenizer, model_config, max_model_len, core = start_engine(config)
+    parallel = config.parallel
+    if parallel.nnodes > 1:  # process 0 of a multi-host engine: send each step to the others
+        from sharding.distributed import StepSender
+
+        core.runner.step_sender = StepSender(parallel.master_addr, parallel.master_port + 1, parallel.nnodes - 1)
     eos = tokenizer.eos_token_id
     if eos is None and model_config.eos_token_ids:
         eos = model_config.eos_token_ids[0]

@@ -245,6 +245,7 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
         """The device half of a step, identical on every process: forward, sample, prompt logprobs."""
         put = self.placement.put_replicated
+        self.guard.begin()
         hidden, hidden_rd = self._run_forward(put(inputs.batch))
         out: SamplerOutput = _sample(self.graphdef, self.params, hidden_rd, put(inputs.sampling), inputs.with_logprobs)
         host = {"token_ids": out.token_ids}

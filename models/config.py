@@ -71,9 +71,11 @@ class TransformerConfig:
             scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in scaling.items()}
             scaling.pop("rope_theta", None)
             scaling.pop("partial_rotary_factor", None)
-            scaling["rope_type"] = rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")
+            rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")
+            scaling["rope_type"] = rope_type
             if rope_type == "longrope":  # Phi3's config.json keeps it beside rope_scaling
-                scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+                original = hf.get("original_max_position_embeddings")
+                scaling.setdefault("original_max_position_embeddings", original)
             scaling = None if rope_type == "default" else tuple(sorted(scaling.items()))
         rope_theta = rope.get("rope_theta", hf.get("rope_theta"))
         # Qwen2 hard-codes biases on q/k/v (and none on o_proj) instead of reading attention_bias.

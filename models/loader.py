@@ -136,7 +136,7 @@ def _family_defaults(config: dict[str, Any]) -> dict[str, Any]:
     try:
         known = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
         return AutoConfig.for_model(model_type, **known).to_dict()
-    except Exception:  # defaults are a best effort: the config's own values still stand
+    except Exception:  # noqa: BLE001 - defaults are a best effort: the config's own values stand
         return {}
 
 

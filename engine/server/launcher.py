@@ -94,10 +94,12 @@ def loop_time() -> float:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from engine.cli import engine_kwargs
+    from engine.cli import engine_kwargs, run_follower_if_needed
 
     if args.model_tag is not None:
         args.model = args.model_tag
+    if run_follower_if_needed(args):  # node_rank > 0 of a multi-host engine: no HTTP, only steps
+        return 0
     kwargs = engine_kwargs(args)
     if args.max_num_queued_reqs is not None:
         if args.max_num_queued_reqs < 0:
