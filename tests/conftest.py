@@ -42,6 +42,8 @@ def hf_model():
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
+    # One torch thread: beside XLA's busy thread pool, more threads make HF's per-token loop ~10x slower.
+    torch.set_num_threads(1)
     path = smollm2_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
