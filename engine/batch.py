@@ -98,14 +98,14 @@ def sampling_tensors(scheduled, num_seqs: int, vocab_size: int, with_penalties: 
                 if req.eos_token_id is not None and not p.ignore_eos:
                     banned.append(req.eos_token_id)
                 bias[row, banned] = -np.inf
-        extra = dict(
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            repetition_penalty=repetition,
-            output_counts=counts,
-            prompt_mask=prompt_mask,
-            logit_bias=bias,
-        )
+        extra = {
+            "presence_penalty": presence,
+            "frequency_penalty": frequency,
+            "repetition_penalty": repetition,
+            "output_counts": counts,
+            "prompt_mask": prompt_mask,
+            "logit_bias": bias,
+        }
     return SamplingTensors(temperature, top_k, top_p, min_p, seeds, token_index, **extra)
 
 

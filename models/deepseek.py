@@ -54,10 +54,10 @@ class DeepseekConfig(MoEConfig):
         num_layers = hf["num_hidden_layers"]
         first_dense = min(hf.get("first_k_dense_replace") or 0, num_layers)
         if is_v3:
-            routing = dict(scoring_func="sigmoid", group_score="top2_sum", has_score_correction_bias=True)
+            routing = {"scoring_func": "sigmoid", "group_score": "top2_sum", "has_score_correction_bias": True}
             n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
         else:
-            routing = dict(scoring_func="softmax", group_score="max")
+            routing = {"scoring_func": "softmax", "group_score": "max"}
             limited = hf.get("topk_method", "greedy") == "group_limited_greedy"
             n_group = hf.get("n_group") or 1
             topk_group = (hf.get("topk_group") or 1) if limited else n_group

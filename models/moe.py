@@ -81,11 +81,11 @@ class MoEConfig(TransformerConfig):
         """The routing fields every family spells the same way (`norm_topk_prob`: the family's default)."""
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
-        return dict(
-            num_experts_per_tok=hf["num_experts_per_tok"],
-            moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-            norm_topk_prob=bool(hf.get("norm_topk_prob", norm_topk_prob)),
-        )
+        return {
+            "num_experts_per_tok": hf["num_experts_per_tok"],
+            "moe_intermediate_size": hf.get("moe_intermediate_size") or hf["intermediate_size"],
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", norm_topk_prob)),
+        }
 
 
 # -- routing ---------------------------------------------------------------------------------------

@@ -12,13 +12,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # The engine every end-to-end test shares. Small buckets keep warm-up short on 2 cores.
-ENGINE_ARGS = dict(
-    max_model_len=512,
-    max_num_seqs=16,
-    max_num_batched_tokens=128,
-    kv_cache_memory=96 * 2**20,
-    strict_compile_guard=True,  # any compile after warm-up fails the test that caused it
-)
+ENGINE_ARGS = {
+    "max_model_len": 512,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 128,
+    "kv_cache_memory": 96 * 2**20,
+    "strict_compile_guard": True,  # any compile after warm-up fails the test that caused it
+}
 
 
 def smollm2_gguf_path() -> str:

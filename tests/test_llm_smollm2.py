@@ -179,10 +179,10 @@ def test_penalties_change_greedy_output(llm):
 @pytest.mark.parametrize(
     ("params", "field"),
     [
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(temperature=-1.0), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
     ],
 )
 def test_bad_sampling_params_name_the_field(params, field):

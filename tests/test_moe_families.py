@@ -35,16 +35,16 @@ VOCAB_SIZE = 320
 NUM_NEW_TOKENS = 16
 BLOCK_SIZE = 8
 
-_COMMON = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=64,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=0,
-    eos_token_id=1,
-)
+_COMMON = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
 _DEEPSEEK = dict(
     _COMMON,
     num_hidden_layers=3,
@@ -290,24 +290,24 @@ def test_engine_greedy_matches_hugging_face(family):
 
 
 def moe_config(**changes) -> MoEConfig:
-    base = dict(
-        architecture="test",
-        vocab_size=8,
-        hidden_size=16,
-        intermediate_size=24,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=1e4,
-        rope_scaling=None,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=12,
-    )
+    base = {
+        "architecture": "test",
+        "vocab_size": 8,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_layers": 1,
+        "num_heads": 2,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e4,
+        "rope_scaling": None,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 12,
+    }
     return MoEConfig(**{**base, **changes})
 
 
@@ -336,19 +336,19 @@ def route_numpy(cfg: MoEConfig, logits: np.ndarray, bias: np.ndarray | None):
 
 
 ROUTERS = {
-    "mixtral": dict(),
-    "qwen3_unnormalized": dict(norm_topk_prob=False),
-    "deepseek_v2_group_limited": dict(
-        norm_topk_prob=False, n_group=4, topk_group=1, routed_scaling_factor=1.5
-    ),
-    "deepseek_v3": dict(
-        scoring_func="sigmoid",
-        group_score="top2_sum",
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        has_score_correction_bias=True,
-    ),
+    "mixtral": {},
+    "qwen3_unnormalized": {"norm_topk_prob": False},
+    "deepseek_v2_group_limited": {
+        "norm_topk_prob": False, "n_group": 4, "topk_group": 1, "routed_scaling_factor": 1.5
+    },
+    "deepseek_v3": {
+        "scoring_func": "sigmoid",
+        "group_score": "top2_sum",
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "has_score_correction_bias": True,
+    },
 }
 
 

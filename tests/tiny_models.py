@@ -22,18 +22,18 @@ def save_tiny_model(directory: str, family: str, *, seed: int = 0, **overrides) 
     from models.loader import resolve_embedded_model_path
 
     tokenizer = load_gguf_tokenizer(resolve_embedded_model_path())
-    config = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
     config.update(overrides)
     torch.manual_seed(seed)
     config_class = getattr(transformers, f"{family}Config")
