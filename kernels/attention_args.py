@@ -144,3 +144,63 @@ def validate_attention_args(
         )
     if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0):
         raise ValueError(f"soft_cap must be None or a float > 0, got {soft_cap!r}")
+
+
+def prepare_kernel_call(
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    block_q,
+    block_kv,
+    num_warps,
+    num_stages,
+) -> tuple[tuple, dict]:
+    """The prologue both kernels share: validate, pick the tiling, and split the call into the
+    dynamic operands and the static keywords of the private kernel body."""
+    validate_attention_args(
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    num_tokens, num_q_heads, _ = q.shape
+    tiling = Tiling.resolve(
+        num_tokens,
+        block_tables.shape[0],
+        num_q_heads // k_cache.shape[2],
+        block_q=block_q,
+        block_kv=block_kv,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    operands = (
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        jnp.asarray(num_seqs, jnp.int32),
+        jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32),
+    )
+    statics = {
+        "sm_scale": float(sm_scale),
+        "has_window": sliding_window is not None,
+        "soft_cap": None if soft_cap is None else float(soft_cap),
+        "tiling": tiling,
+    }
+    return operands, statics

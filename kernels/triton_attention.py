@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from kernels.attention_args import Tiling, next_power_of_2, num_q_blocks, validate_attention_args
+from kernels.attention_args import Tiling, next_power_of_2, num_q_blocks, prepare_kernel_call
 
 
 def _attention_kernel(
@@ -256,7 +256,7 @@ def ragged_paged_attention(
             "the jax-triton kernel has no interpret mode; on CPU run its Triton kernel under Triton's "
             "interpreter (launch_kernel(interpreted_kernel(), ...)) or use the 'pallas' backend"
         )
-    validate_attention_args(
+    operands, statics = prepare_kernel_call(
         q,
         k_cache,
         v_cache,
@@ -267,31 +267,12 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
-    )
-    num_tokens, num_q_heads, _ = q.shape
-    tiling = Tiling.resolve(
-        num_tokens,
-        block_tables.shape[0],
-        num_q_heads // k_cache.shape[2],
         block_q=block_q,
         block_kv=block_kv,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return _ragged_paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        kv_lens,
-        block_tables,
-        query_start_loc,
-        jnp.asarray(num_seqs, jnp.int32),
-        jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32),
-        sm_scale=float(sm_scale),
-        has_window=sliding_window is not None,
-        soft_cap=None if soft_cap is None else float(soft_cap),
-        tiling=tiling,
-    )
+    return _ragged_paged_attention(*operands, **statics)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "soft_cap", "tiling"))

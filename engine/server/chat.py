@@ -26,6 +26,7 @@ from engine.server.protocol import (
     UsageInfo,
 )
 from engine.server.serving import (
+    MIN_LOGPROB,
     SSE_DONE,
     ServerState,
     check_context,
@@ -42,9 +43,6 @@ from engine.server.serving import (
 )
 
 logger = logging.getLogger("engine.server")
-
-_MIN_LOGPROB = -9999.0
-
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:
     """Pydantic messages -> the dicts a chat template reads (content parts joined into one string)."""
@@ -97,12 +95,12 @@ def _chat_logprobs(state: ServerState, completion: CompletionOutput, top_n: int)
         content.append(
             ChatTokenLogprob(
                 token=token,
-                logprob=max(chosen.logprob if chosen is not None else _MIN_LOGPROB, _MIN_LOGPROB),
+                logprob=max(chosen.logprob if chosen is not None else MIN_LOGPROB, MIN_LOGPROB),
                 bytes=list(token.encode("utf-8")),
                 top_logprobs=[
                     TopLogprob(
                         token=(t := _text(state, tid, lp)),
-                        logprob=max(lp.logprob, _MIN_LOGPROB),
+                        logprob=max(lp.logprob, MIN_LOGPROB),
                         bytes=list(t.encode("utf-8")),
                     )
                     for tid, lp in ranked

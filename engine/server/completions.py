@@ -19,6 +19,7 @@ from engine.server.protocol import (
     UsageInfo,
 )
 from engine.server.serving import (
+    MIN_LOGPROB,
     SSE_DONE,
     ServerState,
     check_context,
@@ -35,9 +36,6 @@ from engine.server.serving import (
 )
 
 logger = logging.getLogger("engine.server")
-
-_MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the sampler could never pick gets this floor
-
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) per prompt."""
@@ -95,10 +93,10 @@ def make_completion_logprobs(
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
             continue
-        result.token_logprobs.append(max(chosen.logprob, _MIN_LOGPROB))
+        result.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB))
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
         top = {
-            lp.decoded_token or _token_text(state, tid): max(lp.logprob, _MIN_LOGPROB)
+            lp.decoded_token or _token_text(state, tid): max(lp.logprob, MIN_LOGPROB)
             for tid, lp in ranked
             if (lp.rank or 0) <= top_n
         }

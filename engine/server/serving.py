@@ -163,6 +163,7 @@ def sse_event(payload) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the sampler could never pick gets this floor
 SSE_DONE = "data: [DONE]\n\n"
 
 
