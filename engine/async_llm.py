@@ -278,19 +278,7 @@ class AsyncLLM:
         requests = self.input_processor.make_requests(
             request_id, prompt_token_ids, params, arrival_time=now, priority=priority, cache_salt=cache_salt
         )
-        if params.n > 1:
-            self.output_processor.add_parent_request(request_id, params.n)
-        for i, request in enumerate(requests):
-            self.output_processor.add_request(
-                request.request_id,
-                prompt,
-                prompt_token_ids,
-                request.sampling_params,
-                arrival_time=now,
-                parent_id=request_id if params.n > 1 else None,
-                index=i,
-                output_kind=output_kind,
-            )
+        self.output_processor.add_requests(request_id, requests, prompt, prompt_token_ids, now, output_kind)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         try:

@@ -216,19 +216,8 @@ class LLM:
     ) -> list[str]:
         now = time.time()
         requests = self.input_processor.make_requests(request_id, ids, params, arrival_time=now, priority=priority)
-        if params.n > 1:
-            self.output_processor.add_parent_request(request_id, params.n)
-        for i, request in enumerate(requests):
-            self.output_processor.add_request(
-                request.request_id,
-                text,
-                ids,
-                request.sampling_params,
-                arrival_time=now,
-                parent_id=request_id if params.n > 1 else None,
-                index=i,
-                output_kind=output_kind,
-            )
+        self.output_processor.add_requests(request_id, requests, text, ids, now, output_kind)
+        for request in requests:
             self.engine_core.add_request(request)
         return [r.request_id for r in requests]
 

@@ -220,6 +220,31 @@ class OutputProcessor:
             index,
         )
 
+    def add_requests(
+        self,
+        request_id: str,
+        requests: list,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        arrival_time: float,
+        output_kind: str = "final",
+    ) -> None:
+        """Track the core Requests made for one user request: one, or n children under a parent."""
+        is_parent = len(requests) > 1
+        if is_parent:
+            self.add_parent_request(request_id, len(requests))
+        for i, request in enumerate(requests):
+            self.add_request(
+                request.request_id,
+                prompt,
+                prompt_token_ids,
+                request.sampling_params,
+                arrival_time=arrival_time,
+                parent_id=request_id if is_parent else None,
+                index=i,
+                output_kind=output_kind,
+            )
+
     def process_outputs(
         self, engine_core_outputs: list[EngineCoreOutput], now: float | None = None
     ) -> ProcessedOutputs:
