@@ -6,7 +6,7 @@
 - `jax-triton`: the Triton kernel of `kernels/triton_attention.py` through jax-triton; needs a GPU
   and the `cuda12` extra.
 - `auto`: the reference on CPU; on a GPU the first kernel of `AUTO_GPU_ORDER` (fastest first, as
-  measured by `python -m kernels.bench`, docs/KERNELS.md) that is installed and passes a self-check
+  measured by `python -m kernels.bench`, kernels/KERNELS.md) that is installed and passes a self-check
   against the reference on this device. A shape the chosen kernel does not support (a head_dim
   that is not a power of two) falls back to the reference, logged.
 

@@ -6,7 +6,7 @@ bfloat16, 16-token blocks). The target is decode at batch 64 with 4k-token conte
 at >= 70% of the copy bandwidth. A small tiling sweep shows what `block_kv`, `num_warps` and
 `num_stages` buy, and the small-batch decode row shows whether a decode-specialized (split-KV)
 variant is worth writing: with few sequences, (sequences x KV heads) programs cannot fill the GPU.
-Results are appended to docs/KERNELS.md (`--out`), dated, with the device.
+Results are appended to kernels/KERNELS.md (`--out`), dated, with the device.
 
 On CPU it runs tiny sizes, Pallas in interpret mode, says so, and writes nothing unless `--out`.
 """
@@ -285,7 +285,7 @@ def write_notes(path: str, section: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="notes file to append the results to (default on GPU: docs/KERNELS.md)")
+    parser.add_argument("--out", help="notes file to append the results to (default on GPU: kernels/KERNELS.md)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--quick", action="store_true", help="skip the tiling sweep")
     parser.add_argument(
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     section = run(args)
     on_gpu = jax.devices()[0].platform in GPU_PLATFORMS
     out = args.out or (
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "KERNELS.md")
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "KERNELS.md")
         if on_gpu
         else None
     )
