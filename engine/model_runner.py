@@ -29,6 +29,7 @@ from kernels import KVCache, get_attention_backend
 from models.registry import get_model_class, kv_cache_spec, model_config_from_hf
 from models.weights import load_params
 from sharding import Placement, make_mesh
+from sharding.attention import shard_attention_over_kv_heads
 from sharding.kv_heads import replicate_kv_heads
 
 logger = logging.getLogger(__name__)
@@ -89,12 +90,12 @@ class ModelRunner:
         self.model_config = model_config_from_hf(hf_config)  # the family's config class (MoE, MLA fields)
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
-        self.backend = get_attention_backend(config.compilation.attention_backend)
-        logger.info("attention backend: %s (%s)", self.backend.name, self.backend.reason)
-
         parallel = config.parallel
         self.mesh = make_mesh(parallel.tensor_parallel_size, devices)
         self.placement = Placement(self.mesh, self.model_config, parallel.enable_expert_parallel)
+        backend = get_attention_backend(config.compilation.attention_backend)
+        self.backend = shard_attention_over_kv_heads(backend, self.mesh)
+        logger.info("attention backend: %s (%s)", self.backend.name, self.backend.reason)
         self.model_config, tensors = replicate_kv_heads(self.model_config, tensors, parallel.tensor_parallel_size)
 
         model_class = get_model_class(self.model_config.architecture)

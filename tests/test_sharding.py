@@ -61,6 +61,30 @@ def test_tensor_parallel_step_all_reduces_and_gathers_no_weight(tiny_llama):
     assert "all-gather" not in kinds, ops
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_hd16(tmp_path_factory):
+    # head_dim 16: the kernels take power-of-two head sizes >= 16.
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_hd16")), num_key_value_heads=2, head_dim=16)
+
+
+def test_pallas_kernel_under_tensor_parallelism_matches_one_device(tiny_llama_hd16):
+    # The kernel runs per device on its KV heads (sharding/attention.py); TP 4 repeats the 2 KV heads.
+    layouts = [
+        {},
+        {"tensor_parallel_size": 2, "attention_backend": "pallas"},
+        {"tensor_parallel_size": 4, "attention_backend": "pallas"},
+    ]
+    assert_same_as_first(run_worker("generate", tiny_llama_hd16, layouts))
+
+
+def test_kernel_custom_call_sees_only_its_devices_heads():
+    # Lowered for CUDA on a TP-4 mesh: without the shard_map the Triton call takes the whole cache
+    # (XLA would gather it onto every device); with it, a quarter of the heads and of the cache.
+    calls = run_worker("kernel_operands", "", 4)
+    assert calls["plain"] == [["32x16x64", "80x4x64", "80x4x64", "32x16x64"]]  # q, k, v, out
+    assert calls["sharded"] == [["32x4x64", "80x1x64", "80x1x64", "32x4x64"]]
+
+
 def test_indivisible_tensor_parallel_size_is_a_clear_error(tiny_llama):
     message = run_worker("error", tiny_llama, {"tensor_parallel_size": 3})
     assert "tensor_parallel_size=3" in message and "num_attention_heads=8" in message

@@ -21,6 +21,43 @@ def hlo(model_dir: str, layout: dict) -> None:
     print("RESULT " + json.dumps([[shape, op] for shape, op in ops]))
 
 
+def kernel_operands(_model_dir: str, tp: int) -> None:
+    """Print the operand shapes of the Pallas kernel's Triton custom call, lowered for CUDA on a
+    tensor-parallel mesh, without and with the shard_map over KV heads."""
+    import functools
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from kernels import ragged_paged_attention as pallas
+    from kernels import reference
+    from kernels.backend import AttentionBackend
+    from kernels.synthetic import StepShape, synthetic_step
+    from sharding import make_mesh
+    from sharding.attention import shard_attention_over_kv_heads
+    from sharding.rules import KV_CACHE_AXES, logical_to_mesh, to_partition_spec
+
+    mesh = make_mesh(tp)
+    rules = logical_to_mesh(False)
+    shape = StepShape(seqs=((37, 1), (16, 16)), num_q_heads=16, num_kv_heads=4, head_dim=64, num_tokens=32,
+                      num_padded_seqs=4, dtype="bfloat16")
+    specs = [to_partition_spec((None, "q_heads", None), rules)] + [to_partition_spec(KV_CACHE_AXES, rules)] * 2
+    args = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(synthetic_step(shape, 0), specs)]
+    args += synthetic_step(shape, 0)[3:]
+    kernel = functools.partial(pallas.ragged_paged_attention, interpret=False)
+    plain = AttentionBackend("pallas", kernel, reference.write_kv, "test")
+    result = {}
+    for name, backend in (("plain", plain), ("sharded", shard_attention_over_kv_heads(plain, mesh))):
+        # A traced window, as under the layer scan (Gemma's alternating layers).
+        fn = jax.jit(lambda *a, attention=backend.attention: attention(*a[:-1], sm_scale=0.125, sliding_window=a[-1]))
+        text = fn.trace(*args, jnp.int32(100)).lower(lowering_platforms=("cuda",)).as_text()
+        calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+        result[name] = [re.findall(r"tensor<([0-9x]+)xbf16>", call) for call in calls]
+    print("RESULT " + json.dumps(result))
+
+
 def error(model_dir: str, layout: dict) -> None:
     from engine import LLM
 
@@ -54,4 +91,4 @@ def main(model_dir: str, layouts: list[dict]) -> None:
 
 if __name__ == "__main__":
     mode, model_dir, arg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    {"generate": main, "hlo": hlo, "error": error}[mode](model_dir, arg)
+    {"generate": main, "hlo": hlo, "error": error, "kernel_operands": kernel_operands}[mode](model_dir, arg)

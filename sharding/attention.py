@@ -1,0 +1,56 @@
+"""Attention kernels under tensor parallelism: one `shard_map` over the KV-head axis.
+
+Paged attention is independent per KV head, and tensor parallelism already shards the query heads,
+the KV heads and the KV cache over the "tensor" axis (sharding/rules.py; sharding/kv_heads.py
+repeats KV heads so every rank holds at least one). XLA partitions the pure-jnp reference by
+itself, but a Pallas or Triton kernel is a custom call with no partitioning rule: XLA would gather
+the whole cache onto every device and run the kernel on all heads everywhere. Under `shard_map`
+each device runs the kernel on its own heads and its own slice of the cache, with no
+communication; the block tables and lengths are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from kernels.backend import AttentionBackend
+from sharding.rules import KV_CACHE_AXES, logical_to_mesh, to_partition_spec
+
+
+def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
+    """`backend` with its attention run per device on that device's heads (see the module
+    docstring). The reference, and any backend on a one-device mesh, is returned unchanged."""
+    rules = logical_to_mesh(enable_expert_parallel=False)  # the attention axes do not depend on it
+    axis = rules["kv_heads"]
+    if backend.name == "reference" or mesh.shape[axis] == 1:
+        return backend
+    heads = PartitionSpec(None, axis, None)  # q [T, q_heads, head_dim] and the output
+    cache = to_partition_spec(KV_CACHE_AXES, rules)  # [blocks, block_size, kv_heads, head_dim]
+    replicated = PartitionSpec()
+    kernel = backend.attention
+
+    def attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sliding_window=None, **kw):
+        # A traced window (a per-layer value under the layer scan) enters as a replicated operand;
+        # None and Python ints stay static.
+        traced_window = isinstance(sliding_window, jax.Array)
+
+        def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *window):
+            return kernel(
+                q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
+                sliding_window=window[0] if traced_window else sliding_window, **kw,
+            )
+
+        operands = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
+        operands += (sliding_window,) if traced_window else ()
+        in_specs = (heads, cache, cache) + (replicated,) * (len(operands) - 3)
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*operands)
+
+    return dataclasses.replace(
+        backend,
+        attention=functools.wraps(kernel)(attention),
+        reason=f"{backend.reason}; run per device over the {mesh.shape[axis]} shards of the KV heads (shard_map)",
+    )
