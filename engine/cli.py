@@ -14,6 +14,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF directory, .gguf file, or 'smollm2' (the default)")
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--load-format", default=None, choices=["auto", "dummy"],
+                   help="dummy: random weights; config and tokenizer from the --model directory (benchmarks)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -44,7 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_KEYS = (
-    "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
+    "dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
     "seed", "gpu_memory_utilization", "kv_cache_memory", "scheduling_policy", "attention_backend",
     "compilation_cache_dir", "enforce_eager", "strict_compile_guard", "tensor_parallel_size",
     "data_parallel_size", "enable_expert_parallel", "nnodes", "node_rank", "master_addr", "master_port",

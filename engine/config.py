@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
 _ATTENTION_BACKENDS = ("auto", "reference", "pallas", "jax-triton")
+_LOAD_FORMATS = ("auto", "dummy")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -27,9 +28,13 @@ class ModelConfig:
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 2048)
     seed: int = 0
     served_model_name: str | None = None
+    load_format: str = "auto"  # dummy: random weights, config and tokenizer from the model directory
 
     def __post_init__(self):
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(
+            self.load_format in _LOAD_FORMATS, f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+        )
         _require(
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1, got {self.max_model_len}",

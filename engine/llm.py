@@ -52,7 +52,7 @@ def start_engine(config: EngineConfig):
     if parallel.nnodes > 1:
         distributed.initialize(parallel.master_addr, parallel.master_port, parallel.nnodes, parallel.node_rank)
     setup_compilation_cache(config.compilation.compilation_cache_dir)
-    checkpoint = load_checkpoint(config.model.model)
+    checkpoint = load_checkpoint(config.model.model, load_format=config.model.load_format, seed=config.model.seed)
     model_config = TransformerConfig.from_hf(checkpoint.hf_config)
     max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
     core = make_engine_core(config, checkpoint.hf_config, checkpoint.tensors, max_model_len)

