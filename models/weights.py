@@ -47,7 +47,7 @@ class DummyWeights:
         return _uniform_fn(tuple(shape), jnp.dtype(dtype), self.scale, sharding)(key)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _uniform_fn(shape: tuple[int, ...], dtype, scale: float, sharding) -> Callable:
     """One compiled draw per distinct (shape, dtype, sharding): layers share theirs."""
     return jax.jit(
