@@ -39,6 +39,7 @@ class Tiling:
     block_kv: int  # context tokens per loop step
     num_warps: int
     num_stages: int
+    num_kv_splits: int = 1  # Pallas only: programs sharing one query block's context (split-KV)
 
     @staticmethod
     def resolve(
@@ -50,9 +51,10 @@ class Tiling:
         block_kv: int | None = None,
         num_warps: int | None = None,
         num_stages: int | None = None,
+        num_kv_splits: int | None = None,
     ) -> Tiling:
         """Fill in defaults: 16 rows per program for decode-sized steps (T <= R: mostly one token per
-        sequence), 64 when prefill chunks may be present; 64 context tokens per loop step."""
+        sequence), 64 when prefill chunks may be present; 64 context tokens per loop step; no split."""
         if block_q is None:
             rows = MIN_DOT_ROWS if num_tokens <= num_padded_seqs else 64
             block_q = max(1, rows // next_power_of_2(group))
@@ -61,12 +63,15 @@ class Tiling:
             DEFAULT_BLOCK_KV if block_kv is None else block_kv,
             DEFAULT_NUM_WARPS if num_warps is None else num_warps,
             DEFAULT_NUM_STAGES if num_stages is None else num_stages,
+            1 if num_kv_splits is None else num_kv_splits,
         )
         _check_power_of_2("block_q", tiling.block_q, minimum=1)
         _check_power_of_2("block_kv", tiling.block_kv, minimum=MIN_DOT_ROWS)
         _check_power_of_2("num_warps", tiling.num_warps, minimum=1)
         if not isinstance(tiling.num_stages, int) or tiling.num_stages < 1:
             raise ValueError(f"num_stages must be an int >= 1, got {tiling.num_stages!r}")
+        if not isinstance(tiling.num_kv_splits, int) or not 1 <= tiling.num_kv_splits <= 64:
+            raise ValueError(f"num_kv_splits must be an int in [1, 64], got {tiling.num_kv_splits!r}")
         return tiling
 
 
@@ -162,6 +167,7 @@ def prepare_kernel_call(
     block_kv,
     num_warps,
     num_stages,
+    num_kv_splits=None,
 ) -> tuple[tuple, dict]:
     """The prologue both kernels share: validate, pick the tiling, and split the call into the
     dynamic operands and the static keywords of the private kernel body."""
@@ -186,6 +192,7 @@ def prepare_kernel_call(
         block_kv=block_kv,
         num_warps=num_warps,
         num_stages=num_stages,
+        num_kv_splits=num_kv_splits,
     )
     operands = (
         q,

@@ -64,6 +64,7 @@ GPU_CHECKS = {
 CPU_CHECKS = {"mixed f32": CPU_CASES["mixed 32 tokens"]}
 WINDOW_CAP = {"sliding_window": 200, "soft_cap": 30.0}  # checked on the mixed cases too
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}  # max |kernel - reference| / (1 + |reference|)
+SPLIT_SWEEP = [{"num_kv_splits": n} for n in (2, 4, 8, 16)]  # Pallas's split-KV variant, decode cases
 SWEEP = [
     {"block_kv": kv, "num_warps": w, "num_stages": st}
     for kv in (32, 64, 128)
@@ -222,6 +223,12 @@ def run(args) -> str:
                         SWEEP if case.startswith("decode") else [{"block_q": q} for q in (4, 8, 32)]
                     ):
                         measure(case, shape, data, kernel, tiling)
+        if "pallas" in factories and "pallas" not in failed:
+            for case in ("decode b8 ctx4k", "decode b64 ctx4k"):
+                shape = cases[case]
+                data = synthetic_step(shape, seed=2)
+                for tiling in SPLIT_SWEEP:
+                    measure(case, shape, data, "pallas", tiling)
     say()
     say(verdict(timings, bandwidth, on_gpu, failed))
     return "\n".join(lines) + "\n"
@@ -263,12 +270,19 @@ def verdict(timings: list[Timing], bandwidth: float, on_gpu: bool, failed: set) 
         b8 = best("decode b8 ctx4k", b64.kernel)
         if b8:
             small = b8.kv_bytes / b8.seconds / bandwidth
-            need = (
-                "a split-KV decode variant is worth writing"
-                if small < 0.5 * share
-                else "no decode variant needed"
+            lag = "lags: too few programs to fill the GPU" if small < 0.5 * share else "keeps up"
+            out.append(f"- Decode at batch 8 reads KV at {small:.0%} of copy, best tiling ({b8.kernel}): {lag}.")
+    for case in ("decode b8 ctx4k", "decode b64 ctx4k"):
+        pallas = [t for t in timings if t.case == case and t.kernel == "pallas"]
+        unsplit = [t for t in pallas if "num_kv_splits" not in t.tiling]
+        split = [t for t in pallas if "num_kv_splits" in t.tiling]
+        if unsplit and split:
+            a, b = min(unsplit, key=lambda t: t.seconds), min(split, key=lambda t: t.seconds)
+            out.append(
+                f"- Split-KV on {case}: best {b.tiling} at {b.kv_bytes / b.seconds / bandwidth:.0%} of copy, "
+                f"against {a.kv_bytes / a.seconds / bandwidth:.0%} unsplit ({a.tiling}): "
+                + ("make it the default for such steps." if b.seconds < 0.9 * a.seconds else "not worth it here.")
             )
-            out.append(f"- Decode at batch 8 reads KV at {small:.0%} of copy ({b64.kernel}): {need}.")
     return "\n".join(out)
 
 

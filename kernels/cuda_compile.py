@@ -129,10 +129,12 @@ class AttentionShape:
     block_size: int = 16
     num_blocks: int = 4096
     max_blocks_per_seq: int = 256
+    num_kv_splits: int = 1  # the Pallas kernel's split-KV variant (not in the Triton kernel)
 
 
 SHAPES = (
     AttentionShape("llama3-8b decode, bf16", 64, 64, 32, 8, 128, "bfloat16"),
+    AttentionShape("llama3-8b decode, 4 KV splits, bf16", 8, 8, 32, 8, 128, "bfloat16", num_kv_splits=4),
     AttentionShape("llama3-8b mixed, bf16", 512, 64, 32, 8, 128, "bfloat16"),
     AttentionShape(
         "smollm2 mixed + window + cap, bf16", 128, 16, 9, 3, 64, "bfloat16", sliding_window=64, soft_cap=30.0
@@ -170,6 +172,7 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
             sm_scale=sm_scale,
             sliding_window=s.sliding_window,
             soft_cap=s.soft_cap,
+            num_kv_splits=s.num_kv_splits,
         )
         [compiled] = compile_pallas(fn, *args, arch=arch)
         return compiled
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         for shape in SHAPES:
             if args.shape and not any(part in shape.name for part in args.shape):
                 continue
+            if kernel == "triton" and shape.num_kv_splits > 1:
+                continue  # split-KV is a Pallas-only variant
             t0 = time.perf_counter()
             try:
                 c = compile_attention(kernel, shape, args.arch)

@@ -47,6 +47,7 @@ def ragged_paged_attention(
     block_kv: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    num_kv_splits: int | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Causal attention of each new token over its sequence's paged context (the Pallas kernel).
 
@@ -58,7 +59,9 @@ def ragged_paged_attention(
 
     Tuning (static; None picks the default): ``block_q`` new tokens per program (a power of two),
     ``block_kv`` context tokens per loop step (a power of two >= 16), and Triton's ``num_warps`` and
-    ``num_stages``. ``interpret=True`` runs the kernel on CPU.
+    ``num_stages``; ``num_kv_splits`` > 1 splits each query block's context over that many programs
+    and merges their partial softmaxes by log-sum-exp (split-KV, for steps with too few query blocks
+    to fill the GPU: small-batch decode). ``interpret=True`` runs the kernel on CPU.
     """
     operands, statics = prepare_kernel_call(
         q,
@@ -75,6 +78,7 @@ def ragged_paged_attention(
         block_kv=block_kv,
         num_warps=num_warps,
         num_stages=num_stages,
+        num_kv_splits=num_kv_splits,
     )
     return _ragged_paged_attention(*operands, **statics, interpret=interpret)
 
@@ -103,6 +107,7 @@ def _ragged_paged_attention(
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_padded_seqs = block_tables.shape[0]
     group = num_q_heads // num_kv_heads
+    splits = tiling.num_kv_splits
 
     # A slot's row is block_id * block_size + offset: the cache seen as rows costs no copy.
     k_rows = k_cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
@@ -118,11 +123,19 @@ def _ragged_paged_attention(
         block_size=block_size,
         group=group,
         num_padded_seqs=num_padded_seqs,
+        splits=splits,
     )
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:  # each split's normalized partial output and its log-sum-exp, merged below
+        out_shape = (
+            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_tokens, num_q_heads), jnp.float32),
+        )
     out = pl.pallas_call(
         kernel,
-        grid=(num_q_blocks(num_tokens, num_padded_seqs, tiling.block_q), num_kv_heads),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(num_q_blocks(num_tokens, num_padded_seqs, tiling.block_q), num_kv_heads, splits),
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         name="ragged_paged_attention",
@@ -137,6 +150,11 @@ def _ragged_paged_attention(
         v_rows,
     )
 
+    if splits > 1:
+        parts, lse = out
+        lse_max = jnp.max(lse, axis=0)  # a real token sees itself, so some split's lse is finite
+        weights = jnp.exp(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))  # an empty split weighs 0
+        out = (jnp.sum(weights[..., None] * parts, axis=0) / jnp.sum(weights, axis=0)[..., None]).astype(q.dtype)
     # No program writes the rows of padding tokens: they are undefined until zeroed here.
     is_real = jnp.arange(num_tokens) < query_start_loc[num_seqs]
     return jnp.where(is_real[:, None, None], out, jnp.zeros((), out.dtype))
@@ -151,8 +169,8 @@ def _kernel(
     q_ref,  # [T, num_q_heads, head_dim]
     k_ref,  # [num_blocks * block_size, num_kv_heads, head_dim]
     v_ref,  # [num_blocks * block_size, num_kv_heads, head_dim]
-    o_ref,  # [T, num_q_heads, head_dim]
-    *,
+    o_ref,  # [T, num_q_heads, head_dim]; with splits: float32 [splits, T, num_q_heads, head_dim]
+    *lse_ref,  # with splits: float32 [splits, T, num_q_heads]
     sm_scale: float,
     has_window: bool,
     soft_cap: float | None,
@@ -161,8 +179,9 @@ def _kernel(
     block_size: int,
     group: int,
     num_padded_seqs: int,
+    splits: int,
 ):
-    q_block, kv_head = pl.program_id(0), pl.program_id(1)
+    q_block, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = num_seqs_ref[0]
     head_dim = q_ref.shape[2]
     padded_group = next_power_of_2(group)
@@ -191,7 +210,8 @@ def _kernel(
         r = jax.lax.broadcasted_iota(jnp.int32, (num_rows, 1), 0)
         local = first_local + r // padded_group  # [rows, 1]: the token's index among the new ones
         g = r % padded_group
-        is_mine = jnp.broadcast_to((local < q_len) & (g < group), (num_rows, head_dim))
+        row_is_mine = (local < q_len) & (g < group)  # [rows, 1]
+        is_mine = jnp.broadcast_to(row_is_mine, (num_rows, head_dim))
         # Indices, not slices: the same gathers lower for Triton and discharge in interpret mode
         # without copying the operand; a masked row's index may be out of bounds, never written.
         q_index = (
@@ -239,9 +259,18 @@ def _kernel(
         )
         first_tile = first_pos // block_kv
         last_tile = (last_pos + block_kv - 1) // block_kv
-        _, l, acc = jax.lax.fori_loop(first_tile, last_tile, tile, init)
+        if splits > 1:  # this program's share of the tiles; a share may be empty
+            per_split = (last_tile - first_tile + splits - 1) // splits
+            first_tile = first_tile + split * per_split
+            last_tile = jnp.minimum(first_tile + per_split, last_tile)
+        m, l, acc = jax.lax.fori_loop(first_tile, last_tile, tile, init)
         out = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
-        plgpu.store(o_ref.at[q_index], out, mask=is_mine)
+        if splits == 1:
+            plgpu.store(o_ref.at[q_index], out, mask=is_mine)
+        else:
+            plgpu.store(o_ref.at[(split, *q_index)], out, mask=is_mine)
+            lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))  # [rows, 1]
+            plgpu.store(lse_ref[0].at[split, q_index[0], q_index[1]], lse, mask=row_is_mine)
 
 
 def _precision(dtype):

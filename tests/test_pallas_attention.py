@@ -66,6 +66,17 @@ def test_compiled_on_gpu_matches_float64_reference(config, batch):
     _check(cfg, out, expected, info["num_real_tokens"])
 
 
+@requires_gpu
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+@pytest.mark.parametrize("config", ["gqa2", "gqa8_window", "bfloat16"])
+def test_compiled_split_kv_on_gpu_matches_float64_reference(config, batch):
+    cfg = PALLAS_CONFIGS[config]
+    seqs = BATCHES[batch](cfg.layout.block_size)
+    op = partial(pallas.ragged_paged_attention, interpret=False, block_kv=16, num_kv_splits=4)
+    out, expected, _, _, info = run_case(cfg, seqs, case_seed("pallas-gpu-split", config, batch), attention=op)
+    _check(cfg, out, expected, info["num_real_tokens"])
+
+
 def test_traced_sliding_window():
     """A per-layer window arrives as a traced int32 scalar (Gemma's alternating layers)."""
     cfg = CONFIGS["gqa2_window_cap"]
@@ -87,6 +98,20 @@ def test_tilings_agree(tiling):
     seqs = BATCHES["mixed"](cfg.layout.block_size)
     op = _tiled_op(**tiling)
     out, expected, _, _, info = run_case(cfg, seqs, case_seed("pallas", "tiling", str(tiling)), attention=op)
+    _check(cfg, out, expected, info["num_real_tokens"])
+
+
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+@pytest.mark.parametrize("num_kv_splits", [2, 7])
+@pytest.mark.parametrize("config", ["gqa2", "gqa8_window"])
+def test_split_kv_matches_float64_reference(config, num_kv_splits, batch):
+    """Split-KV: each query block's context tiles shared out over programs, partial softmaxes merged
+    by log-sum-exp. 7 splits of a 13-tile context (200 tokens) leave the last split short; a short
+    context or a sliding window (gqa8_window: 21 tokens) leaves splits empty."""
+    cfg = CONFIGS[config]
+    seqs = BATCHES[batch](cfg.layout.block_size)
+    op = _tiled_op(block_kv=16, num_kv_splits=num_kv_splits)
+    out, expected, _, _, info = run_case(cfg, seqs, case_seed("pallas", "split", config, str(num_kv_splits), batch), attention=op)
     _check(cfg, out, expected, info["num_real_tokens"])
 
 
@@ -157,6 +182,14 @@ def test_lowers_for_cuda(config):
     assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
 
 
+def test_split_kv_lowers_for_cuda():
+    """Split-KV: a 3-D grid and a second (log-sum-exp) output, still one Triton call."""
+    cfg = PALLAS_CONFIGS["bfloat16"]
+    fn = partial(pallas.ragged_paged_attention, sm_scale=0.1, num_kv_splits=4)
+    text = jax.jit(fn).trace(*_args(cfg)).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
+
+
 def compile_in_subprocess(kernel: str) -> str:
     """Run `python -m kernels.cuda_compile` for `kernel` on two shapes (a Llama-3-8B decode step; GQA 3
     with a window and a soft-cap), in a fresh process: Triton compiles or interprets per process,
@@ -183,7 +216,7 @@ def compile_in_subprocess(kernel: str) -> str:
 def test_compiles_to_sm90_cubin():
     """Triton's own compiler (the `triton` package, with ptxas) takes the lowered kernel to a cubin."""
     out = compile_in_subprocess("pallas")
-    assert out.count("ok   pallas sm_90") == 2, out
+    assert out.count("ok   pallas sm_90") == 3, out  # decode, decode with 4 KV splits, window + cap
 
 
 def test_errors_name_the_bad_argument():
