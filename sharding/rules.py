@@ -18,6 +18,11 @@ PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("v_proj", "kernel"): ("embed", "kv_heads"),
     ("v_proj", "bias"): ("kv_heads",),
     ("o_proj", "kernel"): ("q_heads", "embed"),
+    # Multi-head latent attention (DeepSeek): the up-projections out of the shared latents are
+    # column-parallel over heads; the down-projections into them (q_a_proj, kv_a_proj_with_mqa) and
+    # the latent cache stay replicated, since every head reads the same latents.
+    ("q_b_proj", "kernel"): ("q_lora", "q_heads"),
+    ("kv_b_proj", "kernel"): ("kv_lora", "q_heads"),
     ("gate_proj", "kernel"): ("embed", "mlp"),
     ("up_proj", "kernel"): ("embed", "mlp"),
     ("down_proj", "kernel"): ("mlp", "embed"),
@@ -43,6 +48,8 @@ def logical_to_mesh(enable_expert_parallel: bool) -> dict[str, str | None]:
         "expert": "tensor" if enable_expert_parallel else None,
         "expert_mlp": None if enable_expert_parallel else "tensor",
         "embed": None,
+        "q_lora": None,
+        "kv_lora": None,
         "blocks": None,
     }
 

@@ -186,3 +186,34 @@ def test_moe_expert_parallel_matches_one_device(tiny_qwen3_moe):
         {"tensor_parallel_size": 2},  # experts' MLPs split instead
     ]
     assert_same_as_first(run_worker("generate", tiny_qwen3_moe, layouts))
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory):
+    from tiny_models import save_tiny_model
+
+    return save_tiny_model(
+        str(tmp_path_factory.mktemp("tiny_deepseek")), "DeepseekV3", num_attention_heads=4, num_hidden_layers=3, first_k_dense_replace=1,
+        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+        kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=32,
+    )
+
+
+def test_deepseek_mla_tensor_parallel_matches_one_device(tiny_deepseek):
+    layouts = [{}, {"tensor_parallel_size": 2}, {"tensor_parallel_size": 4}]
+    assert_same_as_first(run_worker("generate", tiny_deepseek, layouts))
+
+
+def test_deepseek_mla_splits_heads_and_replicates_latents(tiny_deepseek):
+    # TP 4 over 4 heads: the up-projections out of the latents (q_b_proj: 4 x (16 + 8) columns,
+    # kv_b_proj: 4 x (16 + 12)) and o_proj keep one head per device; the down-projections into the
+    # shared latents stay whole.
+    shards = run_worker("param_shards", tiny_deepseek, {"tensor_parallel_size": 4})
+    for stack, layers in (("dense_layers", 1), ("moe_layers", 2)):
+        attn = f"{stack}/self_attn"
+        assert shards[f"{attn}/q_b_proj/kernel"] == [[layers, 32, 96], [layers, 32, 24]]
+        assert shards[f"{attn}/kv_b_proj/kernel"] == [[layers, 24, 112], [layers, 24, 28]]
+        assert shards[f"{attn}/o_proj/kernel"] == [[layers, 48, 64], [layers, 12, 64]]
+        assert shards[f"{attn}/q_a_proj/kernel"] == [[layers, 64, 32]] * 2
+        assert shards[f"{attn}/kv_a_proj_with_mqa/kernel"] == [[layers, 64, 32]] * 2

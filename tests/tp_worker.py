@@ -58,6 +58,21 @@ def kernel_operands(_model_dir: str, tp: int) -> None:
     print("RESULT " + json.dumps(result))
 
 
+def param_shards(model_dir: str, layout: dict) -> None:
+    """Print each parameter's global and per-device shapes."""
+    import jax
+
+    from engine import LLM
+
+    llm = LLM(model_dir, max_model_len=128, enforce_eager=True, kv_cache_memory=2**23, **layout)
+    flat = jax.tree_util.tree_flatten_with_path(llm.engine_core.runner.params)[0]
+    shapes = {
+        "/".join(str(k.key) for k in path if getattr(k, "key", ".value") != ".value"): [list(x.shape), list(x.addressable_shards[0].data.shape)]
+        for path, x in flat
+    }
+    print("RESULT " + json.dumps(shapes))
+
+
 def error(model_dir: str, layout: dict) -> None:
     from engine import LLM
 
@@ -91,4 +106,5 @@ def main(model_dir: str, layouts: list[dict]) -> None:
 
 if __name__ == "__main__":
     mode, model_dir, arg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    {"generate": main, "hlo": hlo, "error": error, "kernel_operands": kernel_operands}[mode](model_dir, arg)
+    {"generate": main, "hlo": hlo, "error": error, "kernel_operands": kernel_operands,
+     "param_shards": param_shards}[mode](model_dir, arg)
