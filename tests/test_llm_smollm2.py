@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import ENGINE_ARGS
 
 from engine import SamplingParams
 
@@ -245,3 +246,31 @@ def test_metrics_are_named_like_vllm(llm):
     ):
         assert f"xlaserve:{name}" in names
     assert _metric(llm, "generation_tokens") > 0
+
+
+@pytest.mark.slow  # a second engine, about 15 s
+def test_bfloat16_engine_tracks_float32(llm, hf_model):
+    """bfloat16, the GPU default, end to end on CPU: weights and KV cache in bfloat16, prompt
+    logprobs within bfloat16's error of Hugging Face's float32 ones, and the float32 engine's greedy
+    tokens where their margins are wide."""
+    import jax
+    import torch
+
+    from engine import LLM
+
+    args = {**ENGINE_ARGS, "strict_compile_guard": False}
+    bf16 = LLM(dtype="bfloat16", enforce_eager=True, **args)
+    runner = bf16.engine_core.runner
+    assert {x.dtype.name for x in jax.tree.leaves(runner.params)} == {"bfloat16"}
+    assert {x.dtype.name for x in jax.tree.leaves(runner.kv_cache)} == {"bfloat16"}
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0)
+    prompt = "1, 2, 3, 4,"
+    got = bf16.generate(prompt, params, use_tqdm=False)[0]
+    want = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids  # " 5, 6, 7, 8,"
+    ids = list(got.prompt_token_ids)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1).numpy()
+    errors = [abs(got.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]]) for p in range(1, len(ids))]
+    assert max(errors) < 0.25, errors
