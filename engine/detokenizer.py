@@ -43,6 +43,9 @@ class IncrementalDetokenizer:
         special_ids: frozenset[int] | None = None,
     ):
         self.tokenizer = tokenizer
+        # A fast tokenizer's Rust backend decodes without transformers' per-call Python work (the
+        # same text: transformers adds only the clean-up, which `_decode` turns off anyway).
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.skip_special_tokens = params.skip_special_tokens
         # Computing the special ids walks the added vocabulary; the output processor passes them in.
         self._skipped_ids = (
@@ -82,6 +85,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         # Special ids were already filtered out when skip_special_tokens is on. No clean-up: it
         # rewrites " ." to "." across window edges, so windowed text would not concatenate.
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _decode_window(self, flush: bool) -> str:

@@ -37,7 +37,10 @@ logger = logging.getLogger(__name__)
 _DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("kv_cache",))
+# The device functions of a step. The runner jits each once with its graphdef bound (a closure,
+# not a static argument: hashing a model's graphdef costs ~0.3 ms on every call).
+
+
 def _forward(graphdef, params, kv_cache, input_ids, positions, logits_indices, md):
     """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache)."""
     model = nnx.merge(graphdef, params)
@@ -45,13 +48,11 @@ def _forward(graphdef, params, kv_cache, input_ids, positions, logits_indices, m
     return hidden, hidden[logits_indices], kv_cache
 
 
-@partial(jax.jit, static_argnames=("graphdef", "with_logprobs"))
-def _sample(graphdef, params, hidden_rd, st, with_logprobs):
+def _sample(graphdef, params, hidden_rd, st, *, with_logprobs):
     model = nnx.merge(graphdef, params)
     return sample(model.compute_logits(hidden_rd), st, with_logprobs=with_logprobs)
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
 def _prompt_logprobs(graphdef, params, hidden, target_ids):
     model = nnx.merge(graphdef, params)
     return prompt_logprobs(model.compute_logits(hidden), target_ids)
@@ -111,6 +112,9 @@ class ModelRunner:
             sharding=self.placement.param_sharding,
         )
         logger.info("placed %s weights in %.2fs", model_class.__name__, time.perf_counter() - t0)
+        self._forward_fn = jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",))
+        self._sample_fn = jax.jit(partial(_sample, self.graphdef), static_argnames=("with_logprobs",))
+        self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef))
 
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache()
@@ -172,17 +176,17 @@ class ModelRunner:
             batch = self._build_batch([], num_tokens)
             hidden, hidden_rd = self._run_forward(batch)
             jax.block_until_ready(
-                _prompt_logprobs(
-                    self.graphdef, self.params, hidden, self.placement.put_replicated(np.zeros(num_tokens, np.int32))
+                self._prompt_logprobs_fn(
+                    self.params, hidden, self.placement.step_inputs(np.zeros(num_tokens, np.int32))
                 )
             )
             if num_seqs in sampler_buckets_done:
                 continue
             sampler_buckets_done.add(num_seqs)
             for with_penalties in (False, True):
-                st = self.placement.put_replicated(sampling_tensors([], num_seqs, vocab, with_penalties))
+                st = self.placement.step_inputs(sampling_tensors([], num_seqs, vocab, with_penalties))
                 for with_logprobs in (False, True):
-                    jax.block_until_ready(_sample(self.graphdef, self.params, hidden_rd, st, with_logprobs))
+                    jax.block_until_ready(self._sample_fn(self.params, hidden_rd, st, with_logprobs=with_logprobs))
         logger.info(
             "warm-up: compiled %d programs for %d token buckets %s in %.1fs (XLA compile time %.1fs)",
             num_compiles() - start_compiles,
@@ -202,18 +206,17 @@ class ModelRunner:
         batch = build_step_batch(
             scheduled, num_tokens, self._num_seqs_for(num_tokens), self.max_blocks_per_seq, self.block_size
         )
-        return self.placement.put_replicated(batch)
+        return self.placement.step_inputs(batch)
+
+    def forward(self, kv_cache: KVCache, batch: StepBatch) -> tuple[jax.Array, jax.Array, KVCache]:
+        """The model over one device-resident batch: (hidden [T, D], the hidden of each sequence's
+        sampled position [R, D], the updated cache). `kv_cache` is donated: use only the one returned."""
+        return self._forward_fn(
+            self.params, kv_cache, batch.input_ids, batch.positions, batch.logits_indices, batch.md
+        )
 
     def _run_forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
-        hidden, hidden_rd, self.kv_cache = _forward(
-            self.graphdef,
-            self.params,
-            self.kv_cache,
-            batch.input_ids,
-            batch.positions,
-            batch.logits_indices,
-            batch.md,
-        )
+        hidden, hidden_rd, self.kv_cache = self.forward(self.kv_cache, batch)
         return hidden, hidden_rd
 
     def prepare(self, scheduled) -> StepInputs:
@@ -246,15 +249,17 @@ class ModelRunner:
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
         """The device half of a step, identical on every process: forward, sample, prompt logprobs."""
-        put = self.placement.put_replicated
+        put = self.placement.step_inputs
         self.guard.begin()
         hidden, hidden_rd = self._run_forward(put(inputs.batch))
-        out: SamplerOutput = _sample(self.graphdef, self.params, hidden_rd, put(inputs.sampling), inputs.with_logprobs)
+        out: SamplerOutput = self._sample_fn(
+            self.params, hidden_rd, put(inputs.sampling), with_logprobs=inputs.with_logprobs
+        )
         host = {"token_ids": out.token_ids}
         if inputs.with_logprobs:
             host |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
         if inputs.prompt_targets is not None:
-            ids, vals, ranks = _prompt_logprobs(self.graphdef, self.params, hidden, put(inputs.prompt_targets))
+            ids, vals, ranks = self._prompt_logprobs_fn(self.params, hidden, put(inputs.prompt_targets))
             host |= {"plp_ids": ids, "plp_vals": vals, "plp_ranks": ranks}
         host = {k: to_host(v) for k, v in host.items()}
         self.guard.check(f"a step in bucket {inputs.batch.input_ids.shape[0]}")
@@ -296,7 +301,7 @@ class ModelRunner:
     def compiled_forward_text(self, num_tokens: int) -> str:
         """The optimized HLO of the forward for one token bucket (to inspect collectives)."""
         batch = self._build_batch([], num_tokens)
-        lowered = _forward.lower(
-            self.graphdef, self.params, self.kv_cache, batch.input_ids, batch.positions, batch.logits_indices, batch.md
+        lowered = self._forward_fn.lower(
+            self.params, self.kv_cache, batch.input_ids, batch.positions, batch.logits_indices, batch.md
         )
         return lowered.compile().as_text()

@@ -71,3 +71,9 @@ class Placement:
 
     def put_replicated(self, tree):
         return jax.device_put(tree, self.replicated)
+
+    def step_inputs(self, tree):
+        """A step's host arrays, ready to pass to a jitted step function. In one process they go as
+        they are: jit transfers host arrays itself, ~4x faster than a `device_put` of a pytree of a
+        dozen small arrays. Across processes they must be global arrays: replicated explicitly."""
+        return tree if jax.process_count() == 1 else self.put_replicated(tree)

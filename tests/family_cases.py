@@ -20,7 +20,6 @@ from flax import nnx
 
 from engine import LLM
 from engine.batch import build_step_batch
-from engine.model_runner import _forward
 from kernels import KVCache
 
 MAX_REL_ERR = 1e-4
@@ -252,14 +251,6 @@ def engine_prefill_logits(llm: LLM, ids: list[int], first_chunk: int) -> np.ndar
         batch = build_step_batch(
             [scheduled], num_tokens, num_seqs, runner.max_blocks_per_seq, runner.block_size
         )
-        hidden, _, cache = _forward(
-            runner.graphdef,
-            runner.params,
-            cache,
-            batch.input_ids,
-            batch.positions,
-            batch.logits_indices,
-            batch.md,
-        )
+        hidden, _, cache = runner.forward(cache, batch)
         logits.append(np.asarray(_logits(runner.graphdef, runner.params, hidden))[: stop - start])
     return np.concatenate(logits)

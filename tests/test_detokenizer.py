@@ -94,17 +94,24 @@ def test_decode_window_stays_small(tokenizer):
     """Cost per token is O(1): each decode sees a few ids, not the whole output."""
     longest = []
 
-    class CountingTokenizer:
+    class Counting:  # the tokenizer, and its Rust backend, which the detokenizer calls directly
+        def __init__(self, wrapped):
+            self.wrapped = wrapped
+
         def decode(self, ids, **kwargs):
             longest.append(len(ids))
-            return tokenizer.decode(ids, **kwargs)
+            return self.wrapped.decode(ids, **kwargs)
+
+        @property
+        def backend_tokenizer(self):
+            return Counting(self.wrapped.backend_tokenizer)
 
         def __getattr__(self, name):
-            return getattr(tokenizer, name)
+            return getattr(self.wrapped, name)
 
     ids = tokenizer.encode(" ".join(_varied_strings(200)))
     assert len(ids) > 2000
-    detok = IncrementalDetokenizer(CountingTokenizer(), [], SamplingParams())
+    detok = IncrementalDetokenizer(Counting(tokenizer), [], SamplingParams())
     for token_id in ids:
         detok.update([token_id])
     assert detok.output_text == tokenizer.decode(ids)
