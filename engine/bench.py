@@ -61,6 +61,8 @@ def run_xlaserve(llm, prompts, output_len: int, batch: bool) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # touch
+    runners = [core.runner for core in getattr(llm.engine_core, "ranks", [llm.engine_core])]
+    steps0, wait0 = sum(r.num_steps for r in runners), sum(r.device_wait_s for r in runners)
     start = time.perf_counter()
     if batch:
         outputs = llm.generate(prompts, params)
@@ -75,7 +77,13 @@ def run_xlaserve(llm, prompts, output_len: int, batch: bool) -> dict:
     ]
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
-    return _report("xlaserve", len(outputs), num_in, num_out, elapsed, ttft, tpot)
+    report = _report("xlaserve", len(outputs), num_in, num_out, elapsed, ttft, tpot)
+    steps = sum(r.num_steps for r in runners) - steps0
+    waited = sum(r.device_wait_s for r in runners) - wait0
+    # Host time per step: the device idles through it (the step is synchronous). On a GPU, where a
+    # decode step takes milliseconds, this is what overlapping scheduling with the device would win.
+    report |= {"num_steps": steps, "host_ms_per_step": (elapsed - waited) / max(steps, 1) * 1e3}
+    return report
 
 
 def _report(backend, num_requests, num_in, num_out, elapsed, ttft, tpot) -> dict:
@@ -185,6 +193,8 @@ def _print(results: dict) -> None:
             f"{backend:>9}: {r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
             f"TTFT mean {r['ttft_s']['mean'] * 1e3:.0f} ms, TPOT mean {r['tpot_s']['mean'] * 1e3:.1f} ms"
         )
+        if "host_ms_per_step" in r:
+            print(f"{'':>9}  {r['num_steps']} steps, host work {r['host_ms_per_step']:.1f} ms per step")
     if "ratio_output_throughput" in results:
         print(f"output throughput xlaserve / hf: {results['ratio_output_throughput']:.2f}x")
         print(f"TPOT hf / xlaserve: {results['ratio_tpot_hf_over_xlaserve']:.2f}x")

@@ -124,6 +124,10 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.guard = CompileGuard(strict=config.compilation.strict_compile_guard)
         self.step_sender = None  # set on process 0 of a multi-host engine (sharding/distributed.py)
+        # Steps run, and seconds spent blocked on their results: the rest of a step's wall time is
+        # host work (scheduling, batch assembly, output processing) that the device waits through.
+        self.num_steps = 0
+        self.device_wait_s = 0.0
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -261,7 +265,10 @@ class ModelRunner:
         if inputs.prompt_targets is not None:
             ids, vals, ranks = self._prompt_logprobs_fn(self.params, hidden, put(inputs.prompt_targets))
             host |= {"plp_ids": ids, "plp_vals": vals, "plp_ranks": ranks}
+        t0 = time.perf_counter()
         host = {k: to_host(v) for k, v in host.items()}
+        self.device_wait_s += time.perf_counter() - t0
+        self.num_steps += 1
         self.guard.check(f"a step in bucket {inputs.batch.input_ids.shape[0]}")
         return host
 
