@@ -51,7 +51,15 @@ def _command() -> list[str]:
 class ServerProcess:
     """`xlaserve serve` in a subprocess; its log goes to a file printed when a check fails."""
 
-    def __init__(self, log_dir: str, cache_dir: str, extra_args: list[str] = (), api_key: str | None = None):
+    def __init__(
+        self,
+        log_dir: str,
+        cache_dir: str,
+        extra_args: list[str] = (),
+        api_key: str | None = None,
+        model: str = MODEL_NAME,
+        env: dict[str, str] | None = None,
+    ):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -59,7 +67,7 @@ class ServerProcess:
         command = [
             *_command(),
             "serve",
-            MODEL_NAME,
+            model,
             "--host",
             "127.0.0.1",
             "--port",
@@ -70,7 +78,7 @@ class ServerProcess:
         ]
         if api_key:
             command += ["--api-key", api_key]
-        env = {**os.environ, "XLASERVE_COMPILATION_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **(env or {}), "XLASERVE_COMPILATION_CACHE_DIR": cache_dir, "PYTHONUNBUFFERED": "1"}
         env.pop("XLASERVE_API_KEY", None)
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)

@@ -217,3 +217,42 @@ def test_deepseek_mla_splits_heads_and_replicates_latents(tiny_deepseek):
         assert shards[f"{attn}/o_proj/kernel"] == [[layers, 48, 64], [layers, 12, 64]]
         assert shards[f"{attn}/q_a_proj/kernel"] == [[layers, 64, 32]] * 2
         assert shards[f"{attn}/kv_a_proj_with_mqa/kernel"] == [[layers, 64, 32]] * 2
+
+
+@pytest.mark.slow
+def test_two_process_server_matches_one_process(tiny_llama, tmp_path):
+    """`xlaserve serve` across two processes (TP 8 over 2 x 4 devices): the OpenAI API answers from
+    process 0 as one process would, and SIGTERM on process 0 releases process 1."""
+    import openai
+    from server_harness import ServerProcess
+
+    port = _free_port()
+    multi = ["-tp", "8", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    engine = ["--max-model-len", "128", "--max-num-batched-tokens", "32", "--max-num-seqs", "4"]
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", tiny_llama, *engine, *multi, "--node-rank", "1",
+         "--kv-cache-memory", str(2**23)],
+        env=dict(os.environ, **env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    leader = ServerProcess(str(tmp_path), str(tmp_path / "cache"), [*engine, *multi, "--node-rank", "0"],
+                           model=tiny_llama, env=env)
+    try:
+        leader.wait_ready()
+        client = openai.OpenAI(base_url=leader.url + "/v1", api_key="unused")
+        served = client.completions.create(
+            model=tiny_llama, prompt="The capital of France is", max_tokens=8, temperature=0
+        ).choices[0].text
+    finally:
+        code = leader.stop()
+    _, follower_err = follower.communicate(timeout=120)
+    assert code == 0, leader.log_tail()
+    assert follower.returncode == 0, follower_err[-3000:]
+    single = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "--log-level", "WARNING", "generate", "The capital of France is",
+         "--model", tiny_llama, "--raw", "--temperature", "0", "--max-tokens", "8", *engine, "--enforce-eager",
+         "--kv-cache-memory", str(2**23)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, XLA_FLAGS=""), check=False,
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert served.strip() and served == _generated_text(single.stdout)
