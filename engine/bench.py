@@ -1,5 +1,8 @@
 """`xlaserve bench throughput|latency`: a fixed synthetic chat workload, modelled on `vllm bench`.
 
+`--input-len N` swaps the chat prompts for random token ids of length N (vLLM's random dataset,
+seeded): long contexts, where the attention kernels matter.
+
 `--backend hf` also runs Hugging Face transformers' `generate` on the same prompts, in the same
 process, so every report carries a side-by-side ratio measured under the same conditions.
 """
@@ -46,6 +49,16 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 # -- xlaserve --------------------------------------------------------------------------------------
+
+
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, excluded_ids, seed: int = 0) -> list[dict]:
+    """`num_prompts` prompts of `input_len` token ids drawn uniformly from the vocabulary, special
+    tokens (EOS among them) excluded; the same for every run with the same seed."""
+    import numpy as np
+
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(sorted(excluded_ids), np.int64))
+    rows = np.random.default_rng(seed).choice(allowed, size=(num_prompts, input_len))
+    return [{"prompt_token_ids": row.tolist()} for row in rows]
 
 
 def _prompts(tokenizer, conversations) -> list[dict]:
@@ -164,8 +177,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batch = args.bench == "throughput"
     num_prompts = args.num_prompts or (64 if batch else 8)
     llm = LLM(args.model, **engine_kwargs(args))
-    prompts = _prompts(llm.tokenizer, workload(num_prompts))
-    results = {"bench": args.bench, "num_prompts": num_prompts, "output_len": args.output_len}
+    if args.input_len is None:
+        prompts = _prompts(llm.tokenizer, workload(num_prompts))
+    else:
+        from engine.detokenizer import special_token_ids
+
+        vocab = min(len(llm.tokenizer), llm.input_processor.vocab_size)
+        prompts = random_prompts(num_prompts, args.input_len, vocab, special_token_ids(llm.tokenizer))
+    results = {"bench": args.bench, "num_prompts": num_prompts, "output_len": args.output_len,
+               "input_len": args.input_len, "enforce_eager": bool(args.enforce_eager)}
     results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch)
     if args.backend == "hf":
         hf = _load_hf(args.model)
@@ -184,7 +204,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _print(results: dict) -> None:
-    print(f"\n== bench {results['bench']}: {results['num_prompts']} prompts x {results['output_len']} tokens ==")
+    prompts = "chat prompts" if results.get("input_len") is None else f"random prompts of {results['input_len']} tokens"
+    print(f"\n== bench {results['bench']}: {results['num_prompts']} {prompts} x {results['output_len']} output tokens ==")
     for backend in ("xlaserve", "hf"):
         r = results.get(backend)
         if r is None:
@@ -194,7 +215,8 @@ def _print(results: dict) -> None:
             f"TTFT mean {r['ttft_s']['mean'] * 1e3:.0f} ms, TPOT mean {r['tpot_s']['mean'] * 1e3:.1f} ms"
         )
         if "host_ms_per_step" in r:
-            print(f"{'':>9}  {r['num_steps']} steps, host work {r['host_ms_per_step']:.1f} ms per step")
+            compiles = " (compiles included: --enforce-eager)" if results.get("enforce_eager") else ""
+            print(f"{'':>9}  {r['num_steps']} steps, host work {r['host_ms_per_step']:.1f} ms per step{compiles}")
     if "ratio_output_throughput" in results:
         print(f"output throughput xlaserve / hf: {results['ratio_output_throughput']:.2f}x")
         print(f"TPOT hf / xlaserve: {results['ratio_tpot_hf_over_xlaserve']:.2f}x")
@@ -210,6 +232,8 @@ def add_parser(sub, add_engine_args) -> None:
         b = bench_sub.add_parser(name, help=help_text)
         b.add_argument("--num-prompts", type=int, default=None, help="default 64 (throughput), 8 (latency)")
         b.add_argument("--output-len", type=int, default=128)
+        b.add_argument("--input-len", type=int, default=None,
+                       help="random prompts of this many token ids instead of the chat workload")
         b.add_argument("--backend", choices=["xlaserve", "hf"], default="xlaserve",
                        help="hf: also run HF transformers' generate on the same workload, for a ratio")
         b.add_argument("--output-json", default=None)
