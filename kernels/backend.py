@@ -12,6 +12,12 @@
 
 An unavailable backend asked for by name is a ValueError that says why. Every backend writes the
 cache with the reference `write_kv` (one XLA scatter into the donated cache).
+
+Multi-head latent attention (DeepSeek) has its own op, `mla_attention`: the jnp reference of
+`kernels/mla.py` for `reference`, and the Pallas kernel of `kernels/ragged_paged_mla.py` for both
+kernel backends (Pallas ships with jax; there is no separate Triton MLA kernel). Latent shapes
+the kernel does not take (a rank or rope dim that is not a power of two >= 16) fall back to the
+reference, logged.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import jax.numpy as jnp
 
 from kernels import reference
 from kernels.attention_args import validate_attention_args
+from kernels.mla import mla_paged_attention
 from kernels.synthetic import StepShape, synthetic_step
 
 logger = logging.getLogger(__name__)
@@ -44,6 +51,7 @@ class AttentionBackend:
     attention: Callable  # the ragged_paged_attention signature of kernels/reference.py
     write_kv: Callable
     reason: str
+    mla_attention: Callable = mla_paged_attention  # the signature of kernels/mla.py
 
 
 def get_attention_backend(name: str = "auto") -> AttentionBackend:
@@ -57,7 +65,9 @@ def get_attention_backend(name: str = "auto") -> AttentionBackend:
         )
     if name in BACKENDS:
         attention, how = _kernel(name, platform)
-        return AttentionBackend(name, attention, reference.write_kv, f"asked for by name; {how}")
+        return AttentionBackend(
+            name, attention, reference.write_kv, f"asked for by name; {how}", _mla_kernel(platform)
+        )
     raise ValueError(f"attention_backend must be one of {('auto',) + BACKENDS}, got {name!r}")
 
 
@@ -119,13 +129,35 @@ def _auto(platform: str) -> AttentionBackend:
         reason = f"auto on {platform!r}: the fastest kernel that passes the self-check here ({how}; max error {error:.2g})"
         if skipped:
             reason += "; skipped " + "; ".join(skipped)
-        return AttentionBackend(name, _with_reference_fallback(name, attention), reference.write_kv, reason)
+        return AttentionBackend(
+            name, _with_reference_fallback(name, attention), reference.write_kv, reason, _mla_kernel(platform)
+        )
     return AttentionBackend(
         "reference",
         reference.ragged_paged_attention,
         reference.write_kv,
         f"auto on {platform!r}: no kernel passed its self-check ({'; '.join(skipped)})",
     )
+
+
+def _mla_kernel(platform: str) -> Callable:
+    """The Pallas MLA kernel (interpret mode on CPU), or the reference for latent shapes it does not
+    take (decided at trace time, logged)."""
+    from kernels.ragged_paged_mla import ragged_paged_mla
+
+    kernel = functools.partial(ragged_paged_mla, interpret=platform not in GPU_PLATFORMS)
+
+    def mla_or_reference(q_latent, q_rope, latent_cache, *args, **kw):
+        rank, rope_dim = q_latent.shape[-1], q_rope.shape[-1]
+        if all(d >= 16 and d & (d - 1) == 0 for d in (rank, rope_dim)):
+            return kernel(q_latent, q_rope, latent_cache, *args, **kw)
+        logger.warning(
+            "the MLA kernel takes power-of-two latent dims >= 16, not kv_lora_rank=%d, rope_dim=%d: "
+            "using the reference", rank, rope_dim,
+        )
+        return mla_paged_attention(q_latent, q_rope, latent_cache, *args, **kw)
+
+    return mla_or_reference
 
 
 def _with_reference_fallback(name: str, attention: Callable) -> Callable:

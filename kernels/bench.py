@@ -62,6 +62,15 @@ GPU_CHECKS = {
     "decode b64 ctx4k": GPU_CASES["decode b64 ctx4k"],
 }
 CPU_CHECKS = {"mixed f32": CPU_CASES["mixed 32 tokens"]}
+# Multi-head latent attention (kernels/ragged_paged_mla.py): (latent rank, rope dim) and the step.
+MLA_GPU_CASES = {  # DeepSeek-V3 at TP 8: 16 heads a device, latents of 512 + 64
+    "mla decode b64 ctx4k": (512, 64, StepShape(seqs=((4096, 1),) * 64, num_q_heads=16, num_kv_heads=1,
+                                                head_dim=576, dtype="bfloat16")),
+}
+MLA_CPU_CASES = {
+    "mla decode b4 ctx256": (32, 16, StepShape(seqs=((256, 1),) * 4, num_q_heads=4, num_kv_heads=1, head_dim=48,
+                                               dtype="float32")),
+}
 WINDOW_CAP = {"sliding_window": 200, "soft_cap": 30.0}  # checked on the mixed cases too
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}  # max |kernel - reference| / (1 + |reference|)
 SPLIT_SWEEP = [{"num_kv_splits": n} for n in (2, 4, 8, 16)]  # Pallas's split-KV variant, decode cases
@@ -230,8 +239,39 @@ def run(args) -> str:
                 for tiling in SPLIT_SWEEP:
                     measure(case, shape, data, "pallas", tiling)
     say()
+    mla_section(say, on_gpu, bandwidth, min_seconds, min_iters)
+    say()
     say(verdict(timings, bandwidth, on_gpu, failed))
     return "\n".join(lines) + "\n"
+
+
+def mla_section(say, on_gpu: bool, bandwidth: float, min_seconds: float, min_iters: int) -> None:
+    """The Pallas MLA kernel against the MLA reference: error and time; the latent is read once."""
+    from kernels.mla import mla_paged_attention
+    from kernels.ragged_paged_mla import ragged_paged_mla
+
+    say("| MLA case | kernel | time (µs) | latent read (GB/s) | % of copy | max rel. error |")
+    say("|---|---|---|---|---|---|")
+    for case, (rank, rope_dim, shape) in (MLA_GPU_CASES if on_gpu else MLA_CPU_CASES).items():
+        q, cache, _, *rest = synthetic_step(shape, seed=4)
+        args = (q[..., :rank], q[..., rank:], cache, *rest)
+        scale = (rank // 4 + rope_dim) ** -0.5
+        fns = {
+            "reference": jax.jit(functools.partial(mla_paged_attention, sm_scale=scale)),
+            "pallas": jax.jit(functools.partial(ragged_paged_mla, sm_scale=scale, interpret=not on_gpu)),
+        }
+        latent_bytes = sum(ctx for ctx, _ in shape.seqs) * shape.head_dim * jnp.dtype(shape.dtype).itemsize
+        want = fns["reference"](*args)
+        for name, fn in fns.items():
+            try:
+                error = max_rel_error(fn(*args), want)
+                seconds = time_call(fn, args, min_seconds, min_iters)
+            except Exception as e:  # noqa: BLE001  (report it, go on)
+                say(f"| {case} | {name} | {type(e).__name__}: {str(e)[:200]} | | | |")
+                continue
+            rate = latent_bytes / seconds
+            say(f"| {case} | {name} | {seconds * 1e6:.0f} | {rate / 1e9:.0f} | {100 * rate / bandwidth:.0f}% | "
+                f"{error:.2e} |")
 
 
 def verdict(timings: list[Timing], bandwidth: float, on_gpu: bool, failed: set) -> str:

@@ -143,6 +143,49 @@ SHAPES = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class MLAShape:
+    name: str
+    num_tokens: int
+    num_padded_seqs: int
+    num_heads: int  # per device
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    num_blocks: int = 4096
+    max_blocks_per_seq: int = 256
+
+
+MLA_SHAPES = (
+    MLAShape("deepseek-v3 mla decode, 16 heads (TP 8), bf16", 64, 64, 16),
+    MLAShape("deepseek-v3 mla mixed, 16 heads (TP 8), bf16", 512, 64, 16),
+)
+
+
+def compile_mla(shape: MLAShape, arch: int = 90) -> CompiledKernel:
+    """Compile the Pallas MLA kernel (kernels/ragged_paged_mla.py) for `shape` and `arch`."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from kernels.ragged_paged_mla import ragged_paged_mla
+
+    s, sd = shape, jax.ShapeDtypeStruct
+    args = (
+        sd((s.num_tokens, s.num_heads, s.kv_lora_rank), s.dtype),
+        sd((s.num_tokens, s.num_heads, s.rope_dim), s.dtype),
+        sd((s.num_blocks, s.block_size, 1, s.kv_lora_rank + s.rope_dim), s.dtype),
+        sd((s.num_padded_seqs,), jnp.int32),
+        sd((s.num_padded_seqs, s.max_blocks_per_seq), jnp.int32),
+        sd((s.num_padded_seqs + 1,), jnp.int32),
+        sd((), jnp.int32),
+    )
+    sm_scale = 192**-0.5  # DeepSeek-V3: 1 / sqrt(qk_nope_head_dim 128 + rope_dim 64)
+    [compiled] = compile_pallas(functools.partial(ragged_paged_mla, sm_scale=sm_scale), *args, arch=arch)
+    return compiled
+
+
 def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> CompiledKernel:
     """Compile the 'pallas' or 'triton' attention kernel for `shape` and `arch`."""
     import functools
@@ -215,12 +258,12 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kernels.cuda_compile [--kernel pallas|triton|all] [--arch 90] [--shape decode]`:
+    """`python -m kernels.cuda_compile [--kernel pallas|triton|mla|all] [--arch 90] [--shape decode]`:
     compile the kernels for SHAPES; prints one line per kernel and shape, exits 1 if any fails."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--kernel", choices=("pallas", "triton", "all"), default="all")
+    parser.add_argument("--kernel", choices=("pallas", "triton", "mla", "all"), default="all")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--shape", action="append", help="only shapes whose name contains this (repeatable)")
     args = parser.parse_args(argv)
@@ -228,17 +271,17 @@ def main(argv: list[str] | None = None) -> int:
         print("TRITON_INTERPRET=1 makes Triton interpret instead of compile: unset it")
         return 1
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
-    kernels = ("pallas", "triton") if args.kernel == "all" else (args.kernel,)
+    kernels = ("pallas", "triton", "mla") if args.kernel == "all" else (args.kernel,)
     failed = 0
     for kernel in kernels:
-        for shape in SHAPES:
+        for shape in MLA_SHAPES if kernel == "mla" else SHAPES:
             if args.shape and not any(part in shape.name for part in args.shape):
                 continue
             if kernel == "triton" and shape.num_kv_splits > 1:
                 continue  # split-KV is a Pallas-only variant
             t0 = time.perf_counter()
             try:
-                c = compile_attention(kernel, shape, args.arch)
+                c = compile_mla(shape, args.arch) if kernel == "mla" else compile_attention(kernel, shape, args.arch)
                 print(
                     f"ok   {kernel:6s} sm_{args.arch} {shape.name}: shared {c.shared_bytes} B, "
                     f"{c.num_warps} warps, {c.num_stages} stages, {c.ptx_chars} PTX chars ({time.perf_counter() - t0:.1f}s)"

@@ -25,7 +25,6 @@ from kernels import (
     AttentionMetadata,
     KVCacheSpec,
     MLACache,
-    mla_paged_attention,
     write_latent,
 )
 from models.config import TransformerConfig
@@ -102,8 +101,9 @@ class DeepseekConfig(MoEConfig):
 class MLAttention(nnx.Module):
     """Multi-head Latent Attention, absorbed: every step attends over the latent cache."""
 
-    def __init__(self, cfg: DeepseekConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekConfig, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         d, h = cfg.hidden_size, cfg.num_heads
+        self.mla_attention = backend.mla_attention  # the jnp reference or the Pallas kernel
         r, qk_dim = cfg.kv_lora_rank, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         bias = cfg.attention_bias
         if cfg.q_lora_rank is None:
@@ -150,7 +150,7 @@ class MLAttention(nnx.Module):
 
         w_ukv = self.kv_b_proj.kernel[...].reshape(r, h, dn + dv)  # [r, H, dn + dv]
         q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_ukv[..., :dn])  # absorb W_uk into the query
-        out_latent = mla_paged_attention(
+        out_latent = self.mla_attention(
             q_latent,
             q_rope,
             cache,
@@ -165,9 +165,9 @@ class MLAttention(nnx.Module):
 
 
 class DeepseekDecoderLayer(nnx.Module):
-    def __init__(self, cfg: DeepseekConfig, *, is_moe: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekConfig, backend: AttentionBackend, *, is_moe: bool, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = MLAttention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = MLAttention(cfg, backend, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = (
             SparseMoeBlock(cfg, dtype=dtype, rngs=rngs) if is_moe else GatedMLP(cfg, dtype=dtype, rngs=rngs)
@@ -179,14 +179,14 @@ class DeepseekDecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
-def _make_stack(cfg: DeepseekConfig, num_layers: int, *, is_moe: bool, dtype, rngs: nnx.Rngs):
+def _make_stack(cfg: DeepseekConfig, backend: AttentionBackend, num_layers: int, *, is_moe: bool, dtype, rngs):
     if num_layers == 0:
         return None
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> DeepseekDecoderLayer:
-        return DeepseekDecoderLayer(cfg, is_moe=is_moe, dtype=dtype, rngs=rngs)
+        return DeepseekDecoderLayer(cfg, backend, is_moe=is_moe, dtype=dtype, rngs=rngs)
 
     return make(rngs)
 
@@ -197,12 +197,12 @@ class DeepseekV3ForCausalLM(nnx.Module):
     config_class = DeepseekConfig
 
     def __init__(self, cfg: DeepseekConfig, backend: AttentionBackend, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        # `backend` serves standard attention; MLA runs kernels/mla.py's reference on every platform.
+        # `backend.mla_attention`: kernels/mla.py's reference, or the Pallas kernel (ragged_paged_mla.py).
         self.cfg = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         num_dense = cfg.first_k_dense_replace
-        self.dense_layers = _make_stack(cfg, num_dense, is_moe=False, dtype=dtype, rngs=rngs)
-        self.moe_layers = _make_stack(cfg, cfg.num_layers - num_dense, is_moe=True, dtype=dtype, rngs=rngs)
+        self.dense_layers = _make_stack(cfg, backend, num_dense, is_moe=False, dtype=dtype, rngs=rngs)
+        self.moe_layers = _make_stack(cfg, backend, cfg.num_layers - num_dense, is_moe=True, dtype=dtype, rngs=rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (
             None

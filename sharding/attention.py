@@ -6,7 +6,8 @@ repeats KV heads so every rank holds at least one). XLA partitions the pure-jnp 
 itself, but a Pallas or Triton kernel is a custom call with no partitioning rule: XLA would gather
 the whole cache onto every device and run the kernel on all heads everywhere. Under `shard_map`
 each device runs the kernel on its own heads and its own slice of the cache, with no
-communication; the block tables and lengths are replicated.
+communication; the block tables and lengths are replicated. DeepSeek's latent attention is
+split the same way over its query heads, with the latent cache (one shared latent head) replicated.
 """
 
 from __future__ import annotations
@@ -49,8 +50,20 @@ def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> Atte
         in_specs = (heads, cache, cache) + (replicated,) * (len(operands) - 3)
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*operands)
 
+    mla_kernel = backend.mla_attention
+
+    def mla_attention(q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
+        # MLA: the query heads are split, the latent cache (one shared latent head) is replicated.
+        def local(*operands):
+            return mla_kernel(*operands, **kw)
+
+        operands = (q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs)
+        in_specs = (heads, heads) + (replicated,) * 5
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*operands)
+
     return dataclasses.replace(
         backend,
         attention=functools.wraps(kernel)(attention),
+        mla_attention=functools.wraps(mla_kernel)(mla_attention),
         reason=f"{backend.reason}; run per device over the {mesh.shape[axis]} shards of the KV heads (shard_map)",
     )

@@ -196,27 +196,29 @@ def tiny_deepseek(tmp_path_factory):
         str(tmp_path_factory.mktemp("tiny_deepseek")), "DeepseekV3", num_attention_heads=4, num_hidden_layers=3, first_k_dense_replace=1,
         num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
         num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
-        kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=12, q_lora_rank=32,
     )
 
 
 def test_deepseek_mla_tensor_parallel_matches_one_device(tiny_deepseek):
-    layouts = [{}, {"tensor_parallel_size": 2}, {"tensor_parallel_size": 4}]
+    # With `pallas`, the MLA kernel runs per device on its heads over the replicated latent cache.
+    layouts = [{}, {"tensor_parallel_size": 2}, {"tensor_parallel_size": 4},
+               {"tensor_parallel_size": 2, "attention_backend": "pallas"}]
     assert_same_as_first(run_worker("generate", tiny_deepseek, layouts))
 
 
 def test_deepseek_mla_splits_heads_and_replicates_latents(tiny_deepseek):
-    # TP 4 over 4 heads: the up-projections out of the latents (q_b_proj: 4 x (16 + 8) columns,
+    # TP 4 over 4 heads: the up-projections out of the latents (q_b_proj: 4 x (16 + 16) columns,
     # kv_b_proj: 4 x (16 + 12)) and o_proj keep one head per device; the down-projections into the
-    # shared latents stay whole.
+    # shared latents (32 + 16) stay whole.
     shards = run_worker("param_shards", tiny_deepseek, {"tensor_parallel_size": 4})
     for stack, layers in (("dense_layers", 1), ("moe_layers", 2)):
         attn = f"{stack}/self_attn"
-        assert shards[f"{attn}/q_b_proj/kernel"] == [[layers, 32, 96], [layers, 32, 24]]
-        assert shards[f"{attn}/kv_b_proj/kernel"] == [[layers, 24, 112], [layers, 24, 28]]
+        assert shards[f"{attn}/q_b_proj/kernel"] == [[layers, 32, 128], [layers, 32, 32]]
+        assert shards[f"{attn}/kv_b_proj/kernel"] == [[layers, 32, 112], [layers, 32, 28]]
         assert shards[f"{attn}/o_proj/kernel"] == [[layers, 48, 64], [layers, 12, 64]]
         assert shards[f"{attn}/q_a_proj/kernel"] == [[layers, 64, 32]] * 2
-        assert shards[f"{attn}/kv_a_proj_with_mqa/kernel"] == [[layers, 64, 32]] * 2
+        assert shards[f"{attn}/kv_a_proj_with_mqa/kernel"] == [[layers, 64, 48]] * 2
 
 
 @pytest.mark.slow
