@@ -129,8 +129,9 @@ def _auto(platform: str) -> AttentionBackend:
         reason = f"auto on {platform!r}: the fastest kernel that passes the self-check here ({how}; max error {error:.2g})"
         if skipped:
             reason += "; skipped " + "; ".join(skipped)
+        mla, mla_how = _checked_mla_kernel(platform)
         return AttentionBackend(
-            name, _with_reference_fallback(name, attention), reference.write_kv, reason, _mla_kernel(platform)
+            name, _with_reference_fallback(name, attention), reference.write_kv, f"{reason}; {mla_how}", mla
         )
     return AttentionBackend(
         "reference",
@@ -158,6 +159,18 @@ def _mla_kernel(platform: str) -> Callable:
         return mla_paged_attention(q_latent, q_rope, latent_cache, *args, **kw)
 
     return mla_or_reference
+
+
+def _checked_mla_kernel(platform: str) -> tuple[Callable, str]:
+    """auto's MLA: the Pallas kernel if it passes its self-check on this device, else the reference."""
+    kernel = _mla_kernel(platform)
+    try:
+        error = mla_self_check(kernel)
+    except Exception as e:  # noqa: BLE001  (a compile failure: the reference serves MLA)
+        return mla_paged_attention, f"MLA: the reference (the kernel failed: {type(e).__name__}: {e})"
+    if not error <= SELF_CHECK_TOLERANCE:
+        return mla_paged_attention, f"MLA: the reference (kernel self-check error {error:.3g})"
+    return kernel, f"MLA: the Pallas kernel (max error {error:.2g})"
 
 
 def _with_reference_fallback(name: str, attention: Callable) -> Callable:
@@ -189,6 +202,18 @@ SELF_CHECK_STEP = StepShape(
     num_tokens=32,
     num_padded_seqs=6,
 )
+
+
+MLA_SELF_CHECK_STEP = dataclasses.replace(SELF_CHECK_STEP, num_kv_heads=1, head_dim=48)  # latents of 32 + 16
+
+
+def mla_self_check(mla: Callable, seed: int = 0) -> float:
+    """`self_check` for an MLA op (kernels/mla.py's signature) against the reference."""
+    q, cache, _, *rest = synthetic_step(MLA_SELF_CHECK_STEP, seed)
+    args = (q[..., :32], q[..., 32:], cache, *rest)
+    got = jax.jit(functools.partial(mla, sm_scale=0.125))(*args).astype(jnp.float32)
+    want = jax.jit(functools.partial(mla_paged_attention, sm_scale=0.125))(*args).astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want) / (1.0 + jnp.abs(want))))
 
 
 def self_check(attention: Callable, shape: StepShape = SELF_CHECK_STEP, seed: int = 0) -> float:

@@ -88,3 +88,28 @@ def test_auto_falls_back_to_the_reference_for_shapes_a_kernel_does_not_take(capl
     expected = reference.ragged_paged_attention(*args, sm_scale=0.1)
     assert jnp.array_equal(out, expected)
     assert "head_dim must be a power of two" in caplog.text
+
+
+def test_auto_on_gpu_keeps_the_mla_kernel_only_if_it_passes_its_self_check(monkeypatch):
+    from kernels.mla import mla_paged_attention
+
+    monkeypatch.setattr(backend, "AUTO_GPU_ORDER", ("good",))
+    monkeypatch.setattr(backend, "_kernel", lambda name, platform: (reference.ragged_paged_attention, "fake"))
+    monkeypatch.setattr(backend, "self_check", lambda attention: 0.0)
+    monkeypatch.setattr(backend, "mla_self_check", lambda mla: 0.001)
+    chosen = backend._auto("gpu")
+    assert chosen.mla_attention is not mla_paged_attention and "MLA: the Pallas kernel" in chosen.reason
+    monkeypatch.setattr(backend, "mla_self_check", lambda mla: float("nan"))
+    chosen = backend._auto("gpu")
+    assert chosen.mla_attention is mla_paged_attention and "MLA: the reference (kernel self-check error nan)" in chosen.reason
+
+
+def test_mla_self_check_measures_the_kernel():
+    # The real check (a bfloat16 step), with the kernel in interpret mode (what `pallas` uses on CPU).
+    assert backend.mla_self_check(backend._mla_kernel("cpu")) <= backend.SELF_CHECK_TOLERANCE
+
+    def wrong(q_latent, *args, **kw):
+        return 2 * backend.mla_paged_attention(q_latent, *args, **kw)
+
+    assert backend.mla_self_check(wrong) > 10 * backend.SELF_CHECK_TOLERANCE
+    assert get_attention_backend("pallas").mla_attention is not get_attention_backend("reference").mla_attention
