@@ -25,7 +25,7 @@ from engine.compile_guard import CompileGuard, compile_seconds, num_compiles
 from engine.config import EngineConfig
 from engine.sampler import SamplerOutput, prompt_logprobs, sample
 from engine.scheduler import ModelRunnerOutput
-from kernels import KVCache, get_attention_backend
+from kernels import KVCache, MLACache, get_attention_backend
 from models.registry import get_model_class, kv_cache_spec, model_config_from_hf
 from models.weights import load_params
 from sharding import Placement, make_mesh
@@ -94,12 +94,13 @@ class ModelRunner:
         parallel = config.parallel
         self.mesh = make_mesh(parallel.tensor_parallel_size, devices)
         self.placement = Placement(self.mesh, self.model_config, parallel.enable_expert_parallel)
-        backend = get_attention_backend(config.compilation.attention_backend)
+        model_class = get_model_class(self.model_config.architecture)
+        uses_mla = kv_cache_spec(model_class, self.model_config).cache_class is MLACache
+        backend = get_attention_backend(config.compilation.attention_backend, mla=uses_mla)
         self.backend = shard_attention_over_kv_heads(backend, self.mesh)
         logger.info("attention backend: %s (%s)", self.backend.name, self.backend.reason)
         self.model_config, tensors = replicate_kv_heads(self.model_config, tensors, parallel.tensor_parallel_size)
 
-        model_class = get_model_class(self.model_config.architecture)
         self.kv_spec = kv_cache_spec(model_class, self.model_config)  # K and V, or MLA's one latent cache
         t0 = time.perf_counter()
         self.graphdef, self.params = load_params(

@@ -54,11 +54,13 @@ class AttentionBackend:
     mla_attention: Callable = mla_paged_attention  # the signature of kernels/mla.py
 
 
-def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """Resolve a backend name on this process's default platform; see the module docstring."""
+def get_attention_backend(name: str = "auto", *, mla: bool = False) -> AttentionBackend:
+    """Resolve a backend name on this process's default platform; see the module docstring.
+    `mla`: the model uses latent attention, so `auto` also self-checks the MLA kernel (other
+    models skip that compile)."""
     platform = jax.default_backend()
     if name == "auto":
-        return _auto(platform)
+        return _auto(platform, mla=mla)
     if name == "reference":
         return AttentionBackend(
             "reference", reference.ragged_paged_attention, reference.write_kv, "asked for by name"
@@ -107,7 +109,7 @@ def _kernel(name: str, platform: str) -> tuple[Callable, str]:
     raise ValueError(f"no attention kernel named {name!r}")
 
 
-def _auto(platform: str) -> AttentionBackend:
+def _auto(platform: str, *, mla: bool = False) -> AttentionBackend:
     if platform not in GPU_PLATFORMS:
         return AttentionBackend(
             "reference",
@@ -129,10 +131,11 @@ def _auto(platform: str) -> AttentionBackend:
         reason = f"auto on {platform!r}: the fastest kernel that passes the self-check here ({how}; max error {error:.2g})"
         if skipped:
             reason += "; skipped " + "; ".join(skipped)
-        mla, mla_how = _checked_mla_kernel(platform)
-        return AttentionBackend(
-            name, _with_reference_fallback(name, attention), reference.write_kv, f"{reason}; {mla_how}", mla
-        )
+        attention = _with_reference_fallback(name, attention)
+        if not mla:
+            return AttentionBackend(name, attention, reference.write_kv, reason)
+        mla_attention, mla_how = _checked_mla_kernel(platform)
+        return AttentionBackend(name, attention, reference.write_kv, f"{reason}; {mla_how}", mla_attention)
     return AttentionBackend(
         "reference",
         reference.ragged_paged_attention,

@@ -97,10 +97,12 @@ def test_auto_on_gpu_keeps_the_mla_kernel_only_if_it_passes_its_self_check(monke
     monkeypatch.setattr(backend, "_kernel", lambda name, platform: (reference.ragged_paged_attention, "fake"))
     monkeypatch.setattr(backend, "self_check", lambda attention: 0.0)
     monkeypatch.setattr(backend, "mla_self_check", lambda mla: 0.001)
-    chosen = backend._auto("gpu")
+    chosen = backend._auto("gpu", mla=True)
     assert chosen.mla_attention is not mla_paged_attention and "MLA: the Pallas kernel" in chosen.reason
+    # A model without latent attention skips the MLA check (and its compile).
+    assert "MLA" not in backend._auto("gpu").reason
     monkeypatch.setattr(backend, "mla_self_check", lambda mla: float("nan"))
-    chosen = backend._auto("gpu")
+    chosen = backend._auto("gpu", mla=True)
     assert chosen.mla_attention is mla_paged_attention and "MLA: the reference (kernel self-check error nan)" in chosen.reason
 
 
