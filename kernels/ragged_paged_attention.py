@@ -28,6 +28,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.attention_args import next_power_of_2, num_q_blocks, prepare_kernel_call
+from kernels.pallas_blocks import (
+    locate_query_block,
+    mma_precision,
+    online_softmax_init,
+    online_softmax_step,
+)
 
 
 def ragged_paged_attention(
@@ -187,21 +193,9 @@ def _kernel(
     padded_group = next_power_of_2(group)
     num_rows = block_q * padded_group
 
-    # The last real sequence whose first program is at or before this one.
-    def first_program(s):
-        return query_start_loc_ref[s] // block_q + s
-
-    def bisect(_, lo_hi):
-        lo, hi = lo_hi  # invariant: first_program(lo) <= q_block, and the answer is < hi
-        mid = (lo + hi) // 2
-        go_right = first_program(mid) <= q_block
-        return jnp.where(go_right, mid, lo), jnp.where(go_right, hi, mid)
-
-    num_steps = max(1, num_padded_seqs.bit_length())
-    seq, _ = jax.lax.fori_loop(0, num_steps, bisect, (jnp.int32(0), jnp.maximum(num_seqs, 1)))
-    q_start = query_start_loc_ref[seq]
-    q_len = query_start_loc_ref[seq + 1] - q_start
-    first_local = (q_block - first_program(seq)) * block_q  # this block's first token in its sequence
+    seq, q_start, q_len, first_local = locate_query_block(
+        query_start_loc_ref, num_seqs, q_block, block_q=block_q, num_padded_seqs=num_padded_seqs
+    )
 
     @pl.when((seq < num_seqs) & (first_local < q_len))
     def _():
@@ -229,7 +223,6 @@ def _kernel(
         dims = jax.lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
 
         def tile(i, carry):
-            m, l, acc = carry
             kv_pos = i * block_kv + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
             in_context = kv_pos < kv_len
             pages = plgpu.load(block_tables_ref.at[seq, kv_pos // block_size], mask=in_context, other=0)
@@ -237,26 +230,15 @@ def _kernel(
             kv_mask = jnp.broadcast_to(in_context[:, None], (block_kv, head_dim))
             k = plgpu.load(k_ref.at[rows, kv_head, dims], mask=kv_mask, other=0)  # [block_kv, head_dim]
             v = plgpu.load(v_ref.at[rows, kv_head, dims], mask=kv_mask, other=0)  # stale slots -> 0
-            s = plgpu.dot(q, k, trans_b=True, precision=_precision(q.dtype)) * sm_scale  # [rows, block_kv]
+            s = plgpu.dot(q, k, trans_b=True, precision=mma_precision(q.dtype)) * sm_scale  # [rows, block_kv]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             visible = kv_pos[None, :] <= q_pos
             if has_window:
                 visible &= kv_pos[None, :] > q_pos - sliding_window
-            s = jnp.where(visible, s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that sees nothing yet stays 0
-            p = jnp.exp(s - m_safe)
-            alpha = jnp.exp(m - m_safe)
-            l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-            acc = alpha * acc + plgpu.dot(p.astype(v.dtype), v, precision=_precision(v.dtype))
-            return m_new, l, acc
+            return online_softmax_step(carry, jnp.where(visible, s, -jnp.inf), v)
 
-        init = (
-            jnp.full((num_rows, 1), -jnp.inf, jnp.float32),
-            jnp.zeros((num_rows, 1), jnp.float32),
-            jnp.zeros((num_rows, head_dim), jnp.float32),
-        )
+        init = online_softmax_init(num_rows, head_dim)
         first_tile = first_pos // block_kv
         last_tile = (last_pos + block_kv - 1) // block_kv
         if splits > 1:  # this program's share of the tiles; a share may be empty
@@ -272,7 +254,3 @@ def _kernel(
             lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))  # [rows, 1]
             plgpu.store(lse_ref[0].at[split, q_index[0], q_index[1]], lse, mask=row_is_mine)
 
-
-def _precision(dtype):
-    # float32 inputs: exact products (no TF32), like the reference; 16-bit inputs: the native MMA.
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT

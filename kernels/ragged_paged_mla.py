@@ -32,6 +32,12 @@ from kernels.attention_args import (
     next_power_of_2,
     num_q_blocks,
 )
+from kernels.pallas_blocks import (
+    locate_query_block,
+    mma_precision,
+    online_softmax_init,
+    online_softmax_step,
+)
 
 DEFAULT_BLOCK_KV = 32  # a [32, 512] bf16 latent tile is 32 KiB of shared memory per stage
 
@@ -168,20 +174,9 @@ def _kernel(
     rank, rope_dim = q_latent_ref.shape[2], q_rope_ref.shape[2]
     num_rows = block_q * block_h
 
-    def first_program(s):
-        return query_start_loc_ref[s] // block_q + s
-
-    def bisect(_, lo_hi):
-        lo, hi = lo_hi
-        mid = (lo + hi) // 2
-        go_right = first_program(mid) <= q_block
-        return jnp.where(go_right, mid, lo), jnp.where(go_right, hi, mid)
-
-    num_steps = max(1, num_padded_seqs.bit_length())
-    seq, _ = jax.lax.fori_loop(0, num_steps, bisect, (jnp.int32(0), jnp.maximum(num_seqs, 1)))
-    q_start = query_start_loc_ref[seq]
-    q_len = query_start_loc_ref[seq + 1] - q_start
-    first_local = (q_block - first_program(seq)) * block_q
+    seq, q_start, q_len, first_local = locate_query_block(
+        query_start_loc_ref, num_seqs, q_block, block_q=block_q, num_padded_seqs=num_padded_seqs
+    )
 
     @pl.when((seq < num_seqs) & (first_local < q_len))
     def _():
@@ -201,7 +196,6 @@ def _kernel(
         last_pos = jnp.minimum(kv_len - q_len + first_local + block_q, kv_len)
 
         def tile(i, carry):
-            m, l, acc = carry
             kv_pos = i * block_kv + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
             in_context = kv_pos < kv_len
             pages = plgpu.load(block_tables_ref.at[seq, kv_pos // block_size], mask=in_context, other=0)
@@ -210,26 +204,12 @@ def _kernel(
                            mask=jnp.broadcast_to(in_context[:, None], (block_kv, rank)), other=0)
             k_pe = plgpu.load(latent_ref.at[rows, rank + rope_dims],
                               mask=jnp.broadcast_to(in_context[:, None], (block_kv, rope_dim)), other=0)
-            s = plgpu.dot(q_lat, c, trans_b=True, precision=_precision(c.dtype))
-            s = (s + plgpu.dot(q_pe, k_pe, trans_b=True, precision=_precision(c.dtype))) * sm_scale
-            s = jnp.where(kv_pos[None, :] <= q_pos, s, -jnp.inf)  # [rows, block_kv]
-            m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp(s - m_safe)
-            alpha = jnp.exp(m - m_safe)
-            l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-            acc = alpha * acc + plgpu.dot(p.astype(c.dtype), c, precision=_precision(c.dtype))
-            return m_new, l, acc
+            s = plgpu.dot(q_lat, c, trans_b=True, precision=mma_precision(c.dtype))
+            s = (s + plgpu.dot(q_pe, k_pe, trans_b=True, precision=mma_precision(c.dtype))) * sm_scale
+            return online_softmax_step(carry, jnp.where(kv_pos[None, :] <= q_pos, s, -jnp.inf), c)
 
-        init = (
-            jnp.full((num_rows, 1), -jnp.inf, jnp.float32),
-            jnp.zeros((num_rows, 1), jnp.float32),
-            jnp.zeros((num_rows, rank), jnp.float32),
-        )
+        init = online_softmax_init(num_rows, rank)
         _, l, acc = jax.lax.fori_loop(0, (last_pos + block_kv - 1) // block_kv, tile, init)
         out = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
         plgpu.store(o_ref.at[token, head, rank_dims], out, mask=jnp.broadcast_to(row_is_mine, (num_rows, rank)))
 
-
-def _precision(dtype):
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
