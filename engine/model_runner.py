@@ -214,8 +214,9 @@ class ModelRunner:
         return self.placement.step_inputs(batch)
 
     def forward(self, kv_cache: KVCache, batch: StepBatch) -> tuple[jax.Array, jax.Array, KVCache]:
-        """The model over one device-resident batch: (hidden [T, D], the hidden of each sequence's
-        sampled position [R, D], the updated cache). `kv_cache` is donated: use only the one returned."""
+        """The model over one batch (host or device arrays): (hidden [T, D], the hidden of each
+        sequence's sampled position [R, D], the updated cache). `kv_cache` is donated: use only the
+        one returned."""
         return self._forward_fn(
             self.params, kv_cache, batch.input_ids, batch.positions, batch.logits_indices, batch.md
         )
@@ -254,17 +255,17 @@ class ModelRunner:
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
         """The device half of a step, identical on every process: forward, sample, prompt logprobs."""
-        put = self.placement.step_inputs
+        ready = self.placement.step_inputs
         self.guard.begin()
-        hidden, hidden_rd = self._run_forward(put(inputs.batch))
+        hidden, hidden_rd = self._run_forward(ready(inputs.batch))
         out: SamplerOutput = self._sample_fn(
-            self.params, hidden_rd, put(inputs.sampling), with_logprobs=inputs.with_logprobs
+            self.params, hidden_rd, ready(inputs.sampling), with_logprobs=inputs.with_logprobs
         )
         host = {"token_ids": out.token_ids}
         if inputs.with_logprobs:
             host |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
         if inputs.prompt_targets is not None:
-            ids, vals, ranks = self._prompt_logprobs_fn(self.params, hidden, put(inputs.prompt_targets))
+            ids, vals, ranks = self._prompt_logprobs_fn(self.params, hidden, ready(inputs.prompt_targets))
             host |= {"plp_ids": ids, "plp_vals": vals, "plp_ranks": ranks}
         t0 = time.perf_counter()
         host = {k: to_host(v) for k, v in host.items()}
