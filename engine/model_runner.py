@@ -94,14 +94,13 @@ class ModelRunner:
         parallel = config.parallel
         self.mesh = make_mesh(parallel.tensor_parallel_size, devices)
         self.placement = Placement(self.mesh, self.model_config, parallel.enable_expert_parallel)
+        self.model_config, tensors = replicate_kv_heads(self.model_config, tensors, parallel.tensor_parallel_size)
         model_class = get_model_class(self.model_config.architecture)
-        uses_mla = kv_cache_spec(model_class, self.model_config).cache_class is MLACache
+        self.kv_spec = kv_cache_spec(model_class, self.model_config)  # K and V, or MLA's one latent cache
+        uses_mla = self.kv_spec.cache_class is MLACache
         backend = get_attention_backend(config.compilation.attention_backend, mla=uses_mla)
         self.backend = shard_attention_over_kv_heads(backend, self.mesh)
         logger.info("attention backend: %s (%s)", self.backend.name, self.backend.reason)
-        self.model_config, tensors = replicate_kv_heads(self.model_config, tensors, parallel.tensor_parallel_size)
-
-        self.kv_spec = kv_cache_spec(model_class, self.model_config)  # K and V, or MLA's one latent cache
         t0 = time.perf_counter()
         self.graphdef, self.params = load_params(
             model_class,

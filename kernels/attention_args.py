@@ -65,9 +65,9 @@ class Tiling:
             DEFAULT_NUM_STAGES if num_stages is None else num_stages,
             1 if num_kv_splits is None else num_kv_splits,
         )
-        _check_power_of_2("block_q", tiling.block_q, minimum=1)
-        _check_power_of_2("block_kv", tiling.block_kv, minimum=MIN_DOT_ROWS)
-        _check_power_of_2("num_warps", tiling.num_warps, minimum=1)
+        check_power_of_2("block_q", tiling.block_q, minimum=1)
+        check_power_of_2("block_kv", tiling.block_kv, minimum=MIN_DOT_ROWS)
+        check_power_of_2("num_warps", tiling.num_warps, minimum=1)
         if not isinstance(tiling.num_stages, int) or tiling.num_stages < 1:
             raise ValueError(f"num_stages must be an int >= 1, got {tiling.num_stages!r}")
         if not isinstance(tiling.num_kv_splits, int) or not 1 <= tiling.num_kv_splits <= 64:
@@ -75,9 +75,32 @@ class Tiling:
         return tiling
 
 
-def _check_power_of_2(name: str, value, *, minimum: int) -> None:
+def check_power_of_2(name: str, value, *, minimum: int) -> None:
     if not isinstance(value, int) or value < minimum or value & (value - 1):
         raise ValueError(f"{name} must be a power of two >= {minimum}, got {value!r}")
+
+
+def validate_step_metadata(kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale) -> None:
+    """Check the step's metadata (int32, shapes agreeing on R) and the softmax scale; errors name them."""
+    if len(block_tables.shape) != 2:
+        raise ValueError(
+            f"block_tables must be [R, max_blocks_per_seq], got shape {tuple(block_tables.shape)}"
+        )
+    num_padded_seqs = block_tables.shape[0]
+    for name, x, shape in (
+        ("kv_lens", kv_lens, (num_padded_seqs,)),
+        ("block_tables", block_tables, tuple(block_tables.shape)),
+        ("query_start_loc", query_start_loc, (num_padded_seqs + 1,)),
+        ("num_seqs", num_seqs, ()),
+    ):
+        if tuple(jnp.shape(x)) != shape:
+            raise ValueError(
+                f"{name} must have shape {shape} (R={num_padded_seqs}), got {tuple(jnp.shape(x))}"
+            )
+        if jnp.result_type(x) != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {jnp.result_type(x)}")
+    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be a float > 0, got {sm_scale!r}")
 
 
 def validate_attention_args(
@@ -118,25 +141,7 @@ def validate_attention_args(
         raise ValueError(f"head_dim must be a power of two >= 16 for the attention kernels, got {head_dim}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if len(block_tables.shape) != 2:
-        raise ValueError(
-            f"block_tables must be [R, max_blocks_per_seq], got shape {tuple(block_tables.shape)}"
-        )
-    num_padded_seqs = block_tables.shape[0]
-    for name, x, shape in (
-        ("kv_lens", kv_lens, (num_padded_seqs,)),
-        ("block_tables", block_tables, tuple(block_tables.shape)),
-        ("query_start_loc", query_start_loc, (num_padded_seqs + 1,)),
-        ("num_seqs", num_seqs, ()),
-    ):
-        if tuple(jnp.shape(x)) != shape:
-            raise ValueError(
-                f"{name} must have shape {shape} (R={num_padded_seqs}), got {tuple(jnp.shape(x))}"
-            )
-        if jnp.result_type(x) != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {jnp.result_type(x)}")
-    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
-        raise ValueError(f"sm_scale must be a float > 0, got {sm_scale!r}")
+    validate_step_metadata(kv_lens, block_tables, query_start_loc, num_seqs, sm_scale=sm_scale)
     if isinstance(sliding_window, int) and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     is_array = sliding_window is not None and not isinstance(sliding_window, int)  # per-layer, traced

@@ -252,10 +252,10 @@ def mla_section(say, on_gpu: bool, bandwidth: float, min_seconds: float, min_ite
 
     say("| MLA case | kernel | time (µs) | latent read (GB/s) | % of copy | max rel. error |")
     say("|---|---|---|---|---|---|")
-    for case, (rank, rope_dim, shape) in (MLA_GPU_CASES if on_gpu else MLA_CPU_CASES).items():
+    for case, (rank, _, shape) in (MLA_GPU_CASES if on_gpu else MLA_CPU_CASES).items():
         q, cache, _, *rest = synthetic_step(shape, seed=4)
         args = (q[..., :rank], q[..., rank:], cache, *rest)
-        scale = (rank // 4 + rope_dim) ** -0.5
+        scale = shape.head_dim**-0.5
         fns = {
             "reference": jax.jit(functools.partial(mla_paged_attention, sm_scale=scale)),
             "pallas": jax.jit(functools.partial(ragged_paged_mla, sm_scale=scale, interpret=not on_gpu)),

@@ -28,9 +28,10 @@ from jax.experimental.pallas import triton as plgpu
 from kernels.attention_args import (
     MIN_DOT_ROWS,
     SUPPORTED_DTYPES,
-    _check_power_of_2,
+    check_power_of_2,
     next_power_of_2,
     num_q_blocks,
+    validate_step_metadata,
 )
 from kernels.pallas_blocks import (
     locate_query_block,
@@ -100,30 +101,21 @@ def _validate(q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start
             f"q_latent, q_rope and latent_cache must share one of float32, bfloat16, float16; got "
             f"{q_latent.dtype}, {q_rope.dtype}, {latent_cache.dtype}"
         )
-    num_padded_seqs = block_tables.shape[0] if block_tables.ndim == 2 else -1
-    for name, x, shape in (
-        ("block_tables", block_tables, (num_padded_seqs, block_tables.shape[-1])),
-        ("kv_lens", kv_lens, (num_padded_seqs,)),
-        ("query_start_loc", query_start_loc, (num_padded_seqs + 1,)),
-        ("num_seqs", num_seqs, ()),
-    ):
-        if tuple(jnp.shape(x)) != shape or jnp.result_type(x) != jnp.int32:
-            raise ValueError(f"{name} must be int32 of shape {shape}, got {jnp.result_type(x)} {tuple(jnp.shape(x))}")
-    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
-        raise ValueError(f"sm_scale must be a float > 0, got {sm_scale!r}")
+    validate_step_metadata(kv_lens, block_tables, query_start_loc, num_seqs, sm_scale=sm_scale)
+    num_padded_seqs = block_tables.shape[0]
     rows = MIN_DOT_ROWS if num_tokens <= num_padded_seqs else 64  # decode-sized steps: one token a program
     if block_h is None:
         block_h = min(next_power_of_2(num_heads), rows)
-    _check_power_of_2("block_h", block_h, minimum=1)
+    check_power_of_2("block_h", block_h, minimum=1)
     if block_q is None:
         block_q = max(1, rows // block_h)
     tiling = MLATiling(
         block_q, block_h, DEFAULT_BLOCK_KV if block_kv is None else block_kv,
         4 if num_warps is None else num_warps, 2 if num_stages is None else num_stages,
     )
-    _check_power_of_2("block_q", tiling.block_q, minimum=1)
-    _check_power_of_2("block_kv", tiling.block_kv, minimum=MIN_DOT_ROWS)
-    _check_power_of_2("num_warps", tiling.num_warps, minimum=1)
+    check_power_of_2("block_q", tiling.block_q, minimum=1)
+    check_power_of_2("block_kv", tiling.block_kv, minimum=MIN_DOT_ROWS)
+    check_power_of_2("num_warps", tiling.num_warps, minimum=1)
     if tiling.block_q * tiling.block_h < MIN_DOT_ROWS:
         raise ValueError(f"block_q * block_h must be >= {MIN_DOT_ROWS} (a dot's rows), got {tiling}")
     return tiling
