@@ -33,7 +33,8 @@ class ModelConfig:
     def __post_init__(self):
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         _require(
-            self.load_format in _LOAD_FORMATS, f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+            self.load_format in _LOAD_FORMATS,
+            f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}",
         )
         _require(
             self.max_model_len is None or self.max_model_len >= 1,
@@ -105,7 +106,8 @@ class ParallelConfig:
         )
         _require(self.nnodes >= 1, f"nnodes must be >= 1, got {self.nnodes}")
         _require(
-            0 <= self.node_rank < self.nnodes, f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}"
+            0 <= self.node_rank < self.nnodes,
+            f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}",
         )
         _require(
             self.nnodes == 1 or self.data_parallel_size == 1,
@@ -116,7 +118,9 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    attention_backend: str = field(default_factory=lambda: os.environ.get("XLASERVE_ATTENTION_BACKEND", "auto"))
+    attention_backend: str = field(
+        default_factory=lambda: os.environ.get("XLASERVE_ATTENTION_BACKEND", "auto")
+    )
     compilation_cache_dir: str | None = field(
         default_factory=lambda: os.environ.get("XLASERVE_COMPILATION_CACHE_DIR")
     )

@@ -1,9 +1,9 @@
 """Attention ops behind one interface, and the choice of backend by platform."""
 
-from kernels.backend import AttentionBackend, get_attention_backend
-from kernels.metadata import AttentionMetadata, KVCache, KVCacheSpec
-from kernels.mla import MLACache, mla_paged_attention, write_latent
-from kernels.reference import write_kv
+from xlaserve.kernels.backend import AttentionBackend, get_attention_backend
+from xlaserve.kernels.metadata import AttentionMetadata, KVCache, KVCacheSpec
+from xlaserve.kernels.mla import MLACache, mla_paged_attention, write_latent
+from xlaserve.kernels.reference import write_kv
 
 # The reference op is `kernels.reference.ragged_paged_attention`, not re-exported here:
 # `kernels.ragged_paged_attention` is the Pallas kernel's module, and importing it would rebind the name.

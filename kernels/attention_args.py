@@ -121,7 +121,8 @@ def validate_attention_args(
         raise ValueError(f"q must be [num_tokens >= 1, num_q_heads, head_dim], got shape {tuple(q.shape)}")
     if len(k_cache.shape) != 4:
         raise ValueError(
-            f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape {tuple(k_cache.shape)}"
+            "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape "
+            f"{tuple(k_cache.shape)}"
         )
     if tuple(v_cache.shape) != tuple(k_cache.shape):
         raise ValueError(

@@ -30,10 +30,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from kernels import reference
-from kernels.attention_args import validate_attention_args
-from kernels.mla import mla_paged_attention
-from kernels.synthetic import StepShape, synthetic_step
+from xlaserve.kernels import reference
+from xlaserve.kernels.attention_args import validate_attention_args
+from xlaserve.kernels.mla import mla_paged_attention
+from xlaserve.kernels.synthetic import StepShape, synthetic_step
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _kernel(name: str, platform: str) -> tuple[Callable, str]:
     """-> (attention function, how it runs); ValueError naming the reason if it cannot run here."""
     is_gpu = platform in GPU_PLATFORMS
     if name == "pallas":
-        from kernels import ragged_paged_attention as pallas
+        from xlaserve.kernels import ragged_paged_attention as pallas
 
         if is_gpu:
             return functools.partial(
@@ -89,7 +89,8 @@ def _kernel(name: str, platform: str) -> tuple[Callable, str]:
                 "Pallas in interpret mode on CPU (exact, slow: for testing, not serving)",
             )
         raise ValueError(
-            f"attention backend 'pallas' runs on a GPU (Triton lowering) or on CPU (interpret mode), not on {platform!r}"
+            "attention backend 'pallas' runs on a GPU (Triton lowering) or on CPU (interpret mode), not "
+            f"on {platform!r}"
         )
     if name == "jax-triton":
         if not is_gpu:
@@ -100,7 +101,7 @@ def _kernel(name: str, platform: str) -> tuple[Callable, str]:
         try:
             import jax_triton  # noqa: F401  (refuses to import without a GPU build of jaxlib)
 
-            from kernels import triton_attention
+            from xlaserve.kernels import triton_attention
         except ImportError as e:
             raise ValueError(
                 f"attention backend 'jax-triton' is not installed ({e}); pip install 'xlaserve[cuda12]'"
@@ -115,7 +116,8 @@ def _auto(platform: str, *, mla: bool = False) -> AttentionBackend:
             "reference",
             reference.ragged_paged_attention,
             reference.write_kv,
-            f"auto on {platform!r}: the jnp reference (the kernels target GPUs; Pallas interpret mode is for tests)",
+            f"auto on {platform!r}: the jnp reference "
+            "(the kernels target GPUs; Pallas interpret mode is for tests)",
         )
     skipped = []
     for name in AUTO_GPU_ORDER:
@@ -128,7 +130,10 @@ def _auto(platform: str, *, mla: bool = False) -> AttentionBackend:
         if not error <= SELF_CHECK_TOLERANCE:  # NaN fails too
             skipped.append(f"{name}: self-check error {error:.3g} > {SELF_CHECK_TOLERANCE}")
             continue
-        reason = f"auto on {platform!r}: the fastest kernel that passes the self-check here ({how}; max error {error:.2g})"
+        reason = (
+            f"auto on {platform!r}: the fastest kernel that passes the self-check here "
+            f"({how}; max error {error:.2g})"
+        )
         if skipped:
             reason += "; skipped " + "; ".join(skipped)
         attention = _with_reference_fallback(name, attention)
@@ -147,7 +152,7 @@ def _auto(platform: str, *, mla: bool = False) -> AttentionBackend:
 def _mla_kernel(platform: str) -> Callable:
     """The Pallas MLA kernel (interpret mode on CPU), or the reference for latent shapes it does not
     take (decided at trace time, logged)."""
-    from kernels.ragged_paged_mla import ragged_paged_mla
+    from xlaserve.kernels.ragged_paged_mla import ragged_paged_mla
 
     kernel = functools.partial(ragged_paged_mla, interpret=platform not in GPU_PLATFORMS)
 
@@ -157,7 +162,9 @@ def _mla_kernel(platform: str) -> Callable:
             return kernel(q_latent, q_rope, latent_cache, *args, **kw)
         logger.warning(
             "the MLA kernel takes power-of-two latent dims >= 16, not kv_lora_rank=%d, rope_dim=%d: "
-            "using the reference", rank, rope_dim,
+            "using the reference",
+            rank,
+            rope_dim,
         )
         return mla_paged_attention(q_latent, q_rope, latent_cache, *args, **kw)
 

@@ -26,9 +26,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from kernels import reference
-from kernels.backend import GPU_PLATFORMS
-from kernels.synthetic import StepShape, synthetic_step
+from xlaserve.kernels import reference
+from xlaserve.kernels.backend import GPU_PLATFORMS
+from xlaserve.kernels.synthetic import StepShape, synthetic_step
 
 DECODE_TARGET = 0.70  # of the copy bandwidth, decode at batch 64 with 4k contexts in bfloat16
 LLAMA = {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
@@ -64,12 +64,18 @@ GPU_CHECKS = {
 CPU_CHECKS = {"mixed f32": CPU_CASES["mixed 32 tokens"]}
 # Multi-head latent attention (kernels/ragged_paged_mla.py): (latent rank, rope dim) and the step.
 MLA_GPU_CASES = {  # DeepSeek-V3 at TP 8: 16 heads a device, latents of 512 + 64
-    "mla decode b64 ctx4k": (512, 64, StepShape(seqs=((4096, 1),) * 64, num_q_heads=16, num_kv_heads=1,
-                                                head_dim=576, dtype="bfloat16")),
+    "mla decode b64 ctx4k": (
+        512,
+        64,
+        StepShape(seqs=((4096, 1),) * 64, num_q_heads=16, num_kv_heads=1, head_dim=576, dtype="bfloat16"),
+    ),
 }
 MLA_CPU_CASES = {
-    "mla decode b4 ctx256": (32, 16, StepShape(seqs=((256, 1),) * 4, num_q_heads=4, num_kv_heads=1, head_dim=48,
-                                               dtype="float32")),
+    "mla decode b4 ctx256": (
+        32,
+        16,
+        StepShape(seqs=((256, 1),) * 4, num_q_heads=4, num_kv_heads=1, head_dim=48, dtype="float32"),
+    ),
 }
 WINDOW_CAP = {"sliding_window": 200, "soft_cap": 30.0}  # checked on the mixed cases too
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}  # max |kernel - reference| / (1 + |reference|)
@@ -95,7 +101,7 @@ class Timing:
 def kernel_factories(on_gpu: bool) -> tuple[dict[str, Callable], list[str]]:
     """name -> (tiling kwargs -> attention fn), and a line per kernel that cannot run here."""
     factories, skipped = {"reference": lambda **_: reference.ragged_paged_attention}, []
-    from kernels import ragged_paged_attention as pallas
+    from xlaserve.kernels import ragged_paged_attention as pallas
 
     factories["pallas"] = lambda **t: functools.partial(
         pallas.ragged_paged_attention, interpret=not on_gpu, **t
@@ -106,7 +112,7 @@ def kernel_factories(on_gpu: bool) -> tuple[dict[str, Callable], list[str]]:
     try:
         import jax_triton  # noqa: F401
 
-        from kernels import triton_attention
+        from xlaserve.kernels import triton_attention
     except ImportError as e:
         skipped.append(f"jax-triton: not installed ({e}); pip install 'xlaserve[cuda12]'")
     else:
@@ -247,8 +253,8 @@ def run(args) -> str:
 
 def mla_section(say, on_gpu: bool, bandwidth: float, min_seconds: float, min_iters: int) -> None:
     """The Pallas MLA kernel against the MLA reference: error and time; the latent is read once."""
-    from kernels.mla import mla_paged_attention
-    from kernels.ragged_paged_mla import ragged_paged_mla
+    from xlaserve.kernels.mla import mla_paged_attention
+    from xlaserve.kernels.ragged_paged_mla import ragged_paged_mla
 
     say("| MLA case | kernel | time (µs) | latent read (GB/s) | % of copy | max rel. error |")
     say("|---|---|---|---|---|---|")
@@ -270,8 +276,11 @@ def mla_section(say, on_gpu: bool, bandwidth: float, min_seconds: float, min_ite
                 say(f"| {case} | {name} | {type(e).__name__}: {str(e)[:200]} | | | |")
                 continue
             rate = latent_bytes / seconds
-            say(f"| {case} | {name} | {seconds * 1e6:.0f} | {rate / 1e9:.0f} | {100 * rate / bandwidth:.0f}% | "
-                f"{error:.2e} |")
+            say(
+                f"| {case} | {name} | {seconds * 1e6:.0f} | {rate / 1e9:.0f} | "
+                f"{100 * rate / bandwidth:.0f}% | "
+                f"{error:.2e} |"
+            )
 
 
 def verdict(timings: list[Timing], bandwidth: float, on_gpu: bool, failed: set) -> str:
@@ -296,7 +305,8 @@ def verdict(timings: list[Timing], bandwidth: float, on_gpu: bool, failed: set) 
         share = b64.kv_bytes / b64.seconds / bandwidth
         met = "met" if share >= DECODE_TARGET else "NOT met"
         out.append(
-            f"- Decode target (batch 64, 4k contexts, bf16, >= {DECODE_TARGET:.0%} of copy bandwidth): {met}: "
+            f"- Decode target (batch 64, 4k contexts, bf16, >= {DECODE_TARGET:.0%} of copy bandwidth): "
+            f"{met}: "
             f"{b64.kernel} ({b64.tiling}) reads KV at {share:.0%}."
         )
         kernels = sorted({t.kernel for t in timings if t.kernel != "reference"})
@@ -311,7 +321,9 @@ def verdict(timings: list[Timing], bandwidth: float, on_gpu: bool, failed: set) 
         if b8:
             small = b8.kv_bytes / b8.seconds / bandwidth
             lag = "lags: too few programs to fill the GPU" if small < 0.5 * share else "keeps up"
-            out.append(f"- Decode at batch 8 reads KV at {small:.0%} of copy, best tiling ({b8.kernel}): {lag}.")
+            out.append(
+                f"- Decode at batch 8 reads KV at {small:.0%} of copy, best tiling ({b8.kernel}): {lag}."
+            )
     for case in ("decode b8 ctx4k", "decode b64 ctx4k"):
         pallas = [t for t in timings if t.case == case and t.kernel == "pallas"]
         unsplit = [t for t in pallas if "num_kv_splits" not in t.tiling]
@@ -321,7 +333,11 @@ def verdict(timings: list[Timing], bandwidth: float, on_gpu: bool, failed: set) 
             out.append(
                 f"- Split-KV on {case}: best {b.tiling} at {b.kv_bytes / b.seconds / bandwidth:.0%} of copy, "
                 f"against {a.kv_bytes / a.seconds / bandwidth:.0%} unsplit ({a.tiling}): "
-                + ("make it the default for such steps." if b.seconds < 0.9 * a.seconds else "not worth it here.")
+                + (
+                    "make it the default for such steps."
+                    if b.seconds < 0.9 * a.seconds
+                    else "not worth it here."
+                )
             )
     return "\n".join(out)
 
@@ -339,7 +355,9 @@ def write_notes(path: str, section: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="notes file to append the results to (default on GPU: kernels/KERNELS.md)")
+    parser.add_argument(
+        "--out", help="notes file to append the results to (default on GPU: kernels/KERNELS.md)"
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--quick", action="store_true", help="skip the tiling sweep")
     parser.add_argument(
@@ -349,9 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     section = run(args)
     on_gpu = jax.devices()[0].platform in GPU_PLATFORMS
     out = args.out or (
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "KERNELS.md")
-        if on_gpu
-        else None
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "KERNELS.md") if on_gpu else None
     )
     if out and not args.no_write:
         write_notes(out, section)

@@ -169,7 +169,7 @@ def compile_mla(shape: MLAShape, arch: int = 90) -> CompiledKernel:
 
     import jax.numpy as jnp
 
-    from kernels.ragged_paged_mla import ragged_paged_mla
+    from xlaserve.kernels.ragged_paged_mla import ragged_paged_mla
 
     s, sd = shape, jax.ShapeDtypeStruct
     args = (
@@ -192,12 +192,12 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
 
     import jax.numpy as jnp
 
-    from kernels.attention_args import Tiling
+    from xlaserve.kernels.attention_args import Tiling
 
     s = shape
     sm_scale = s.head_dim**-0.5
     if kernel == "pallas":
-        from kernels import ragged_paged_attention as pallas
+        from xlaserve.kernels import ragged_paged_attention as pallas
 
         sd = jax.ShapeDtypeStruct
         cache = sd((s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim), s.dtype)
@@ -222,7 +222,7 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
     if kernel == "triton":
         import triton
 
-        from kernels import triton_attention
+        from xlaserve.kernels import triton_attention
 
         tiling = Tiling.resolve(s.num_tokens, s.num_padded_seqs, s.num_q_heads // s.num_kv_heads)
         _, params = triton_attention.kernel_params(
@@ -281,10 +281,15 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # split-KV is a Pallas-only variant
             t0 = time.perf_counter()
             try:
-                c = compile_mla(shape, args.arch) if kernel == "mla" else compile_attention(kernel, shape, args.arch)
+                c = (
+                    compile_mla(shape, args.arch)
+                    if kernel == "mla"
+                    else compile_attention(kernel, shape, args.arch)
+                )
                 print(
                     f"ok   {kernel:6s} sm_{args.arch} {shape.name}: shared {c.shared_bytes} B, "
-                    f"{c.num_warps} warps, {c.num_stages} stages, {c.ptx_chars} PTX chars ({time.perf_counter() - t0:.1f}s)"
+                    f"{c.num_warps} warps, {c.num_stages} stages, {c.ptx_chars} PTX chars "
+                    f"({time.perf_counter() - t0:.1f}s)"
                 )
             except Exception as e:  # noqa: BLE001  (report every failure, not just the first)
                 failed += 1

@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels.reference import DEFAULT_TOKENS_PER_CHUNK, token_positions
+from xlaserve.kernels.reference import DEFAULT_TOKENS_PER_CHUNK, token_positions
 
 
 @jax.tree_util.register_dataclass

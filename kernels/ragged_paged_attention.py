@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.attention_args import next_power_of_2, num_q_blocks, prepare_kernel_call
-from kernels.pallas_blocks import (
+from xlaserve.kernels.attention_args import next_power_of_2, num_q_blocks, prepare_kernel_call
+from xlaserve.kernels.pallas_blocks import (
     locate_query_block,
     mma_precision,
     online_softmax_init,
@@ -160,7 +160,9 @@ def _ragged_paged_attention(
         parts, lse = out
         lse_max = jnp.max(lse, axis=0)  # a real token sees itself, so some split's lse is finite
         weights = jnp.exp(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))  # an empty split weighs 0
-        out = (jnp.sum(weights[..., None] * parts, axis=0) / jnp.sum(weights, axis=0)[..., None]).astype(q.dtype)
+        out = (jnp.sum(weights[..., None] * parts, axis=0) / jnp.sum(weights, axis=0)[..., None]).astype(
+            q.dtype
+        )
     # No program writes the rows of padding tokens: they are undefined until zeroed here.
     is_real = jnp.arange(num_tokens) < query_start_loc[num_seqs]
     return jnp.where(is_real[:, None, None], out, jnp.zeros((), out.dtype))
@@ -200,7 +202,8 @@ def _kernel(
     @pl.when((seq < num_seqs) & (first_local < q_len))
     def _():
         kv_len = kv_lens_ref[seq]
-        # Row r of the tile is head g = r % padded_group of the group, for the block's token r // padded_group.
+        # Row r of the tile is head g = r % padded_group of the group, for the block's token
+        # r // padded_group.
         r = jax.lax.broadcasted_iota(jnp.int32, (num_rows, 1), 0)
         local = first_local + r // padded_group  # [rows, 1]: the token's index among the new ones
         g = r % padded_group
@@ -253,4 +256,3 @@ def _kernel(
             plgpu.store(o_ref.at[(split, *q_index)], out, mask=is_mine)
             lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))  # [rows, 1]
             plgpu.store(lse_ref[0].at[split, q_index[0], q_index[1]], lse, mask=row_is_mine)
-

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.attention_args import (
+from xlaserve.kernels.attention_args import (
     MIN_DOT_ROWS,
     SUPPORTED_DTYPES,
     check_power_of_2,
@@ -33,7 +33,7 @@ from kernels.attention_args import (
     num_q_blocks,
     validate_step_metadata,
 )
-from kernels.pallas_blocks import (
+from xlaserve.kernels.pallas_blocks import (
     locate_query_block,
     mma_precision,
     online_softmax_init,
@@ -72,16 +72,50 @@ def ragged_paged_mla(
     """`kernels.mla.mla_paged_attention` as a Pallas kernel: same contract (padding tokens get
     zeros), plus static tiling (None picks the default; powers of two). kv_lora_rank and rope_dim
     must be powers of two >= 16. ``interpret=True`` runs it on CPU."""
-    tiling = _validate(q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs, sm_scale,
-                       block_q, block_h, block_kv, num_warps, num_stages)
+    tiling = _validate(
+        q_latent,
+        q_rope,
+        latent_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        sm_scale,
+        block_q,
+        block_h,
+        block_kv,
+        num_warps,
+        num_stages,
+    )
     return _ragged_paged_mla(
-        q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc,
-        jnp.asarray(num_seqs, jnp.int32), sm_scale=float(sm_scale), interpret=interpret, tiling=tiling,
+        q_latent,
+        q_rope,
+        latent_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        jnp.asarray(num_seqs, jnp.int32),
+        sm_scale=float(sm_scale),
+        interpret=interpret,
+        tiling=tiling,
     )
 
 
-def _validate(q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs, sm_scale,
-              block_q, block_h, block_kv, num_warps, num_stages) -> MLATiling:
+def _validate(
+    q_latent,
+    q_rope,
+    latent_cache,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    sm_scale,
+    block_q,
+    block_h,
+    block_kv,
+    num_warps,
+    num_stages,
+) -> MLATiling:
     if q_latent.ndim != 3 or q_latent.shape[0] < 1:
         raise ValueError(f"q_latent must be [num_tokens >= 1, num_heads, kv_lora_rank], got {q_latent.shape}")
     num_tokens, num_heads, rank = q_latent.shape
@@ -110,8 +144,11 @@ def _validate(q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start
     if block_q is None:
         block_q = max(1, rows // block_h)
     tiling = MLATiling(
-        block_q, block_h, DEFAULT_BLOCK_KV if block_kv is None else block_kv,
-        4 if num_warps is None else num_warps, 2 if num_stages is None else num_stages,
+        block_q,
+        block_h,
+        DEFAULT_BLOCK_KV if block_kv is None else block_kv,
+        4 if num_warps is None else num_warps,
+        2 if num_stages is None else num_stages,
     )
     check_power_of_2("block_q", tiling.block_q, minimum=1)
     check_power_of_2("block_kv", tiling.block_kv, minimum=MIN_DOT_ROWS)
@@ -122,14 +159,29 @@ def _validate(q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "tiling"))
-def _ragged_paged_mla(q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs, *,
-                      sm_scale, interpret, tiling):
+def _ragged_paged_mla(
+    q_latent,
+    q_rope,
+    latent_cache,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    *,
+    sm_scale,
+    interpret,
+    tiling,
+):
     num_tokens, num_heads, _ = q_latent.shape
     num_blocks, block_size, _, latent_dim = latent_cache.shape
     num_padded_seqs = block_tables.shape[0]
     latent_rows = latent_cache.reshape(num_blocks * block_size, latent_dim)  # a slot's row: no copy
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, tiling=tiling, block_size=block_size, num_heads=num_heads,
+        _kernel,
+        sm_scale=sm_scale,
+        tiling=tiling,
+        block_size=block_size,
+        num_heads=num_heads,
         num_padded_seqs=num_padded_seqs,
     )
     out = pl.pallas_call(
@@ -180,10 +232,16 @@ def _kernel(
         rank_dims = jax.lax.broadcasted_iota(jnp.int32, (1, rank), 1)
         rope_dims = jax.lax.broadcasted_iota(jnp.int32, (1, rope_dim), 1)
         token = q_start + local
-        q_lat = plgpu.load(q_latent_ref.at[token, head, rank_dims],
-                           mask=jnp.broadcast_to(row_is_mine, (num_rows, rank)), other=0)
-        q_pe = plgpu.load(q_rope_ref.at[token, head, rope_dims],
-                          mask=jnp.broadcast_to(row_is_mine, (num_rows, rope_dim)), other=0)
+        q_lat = plgpu.load(
+            q_latent_ref.at[token, head, rank_dims],
+            mask=jnp.broadcast_to(row_is_mine, (num_rows, rank)),
+            other=0,
+        )
+        q_pe = plgpu.load(
+            q_rope_ref.at[token, head, rope_dims],
+            mask=jnp.broadcast_to(row_is_mine, (num_rows, rope_dim)),
+            other=0,
+        )
         q_pos = kv_len - q_len + local
         last_pos = jnp.minimum(kv_len - q_len + first_local + block_q, kv_len)
 
@@ -192,10 +250,16 @@ def _kernel(
             in_context = kv_pos < kv_len
             pages = plgpu.load(block_tables_ref.at[seq, kv_pos // block_size], mask=in_context, other=0)
             rows = (pages * block_size + kv_pos % block_size)[:, None]  # [block_kv, 1]
-            c = plgpu.load(latent_ref.at[rows, rank_dims],
-                           mask=jnp.broadcast_to(in_context[:, None], (block_kv, rank)), other=0)
-            k_pe = plgpu.load(latent_ref.at[rows, rank + rope_dims],
-                              mask=jnp.broadcast_to(in_context[:, None], (block_kv, rope_dim)), other=0)
+            c = plgpu.load(
+                latent_ref.at[rows, rank_dims],
+                mask=jnp.broadcast_to(in_context[:, None], (block_kv, rank)),
+                other=0,
+            )
+            k_pe = plgpu.load(
+                latent_ref.at[rows, rank + rope_dims],
+                mask=jnp.broadcast_to(in_context[:, None], (block_kv, rope_dim)),
+                other=0,
+            )
             s = plgpu.dot(q_lat, c, trans_b=True, precision=mma_precision(c.dtype))
             s = (s + plgpu.dot(q_pe, k_pe, trans_b=True, precision=mma_precision(c.dtype))) * sm_scale
             return online_softmax_step(carry, jnp.where(kv_pos[None, :] <= q_pos, s, -jnp.inf), c)
@@ -203,5 +267,6 @@ def _kernel(
         init = online_softmax_init(num_rows, rank)
         _, l, acc = jax.lax.fori_loop(0, (last_pos + block_kv - 1) // block_kv, tile, init)
         out = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
-        plgpu.store(o_ref.at[token, head, rank_dims], out, mask=jnp.broadcast_to(row_is_mine, (num_rows, rank)))
-
+        plgpu.store(
+            o_ref.at[token, head, rank_dims], out, mask=jnp.broadcast_to(row_is_mine, (num_rows, rank))
+        )

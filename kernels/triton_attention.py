@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from kernels.attention_args import Tiling, next_power_of_2, num_q_blocks, prepare_kernel_call
+from xlaserve.kernels.attention_args import Tiling, next_power_of_2, num_q_blocks, prepare_kernel_call
 
 
 def _attention_kernel(

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels import get_attention_backend
-from models.loader import load_checkpoint
-from models.orbax_checkpoint import save_converted
-from models.registry import get_model_class, model_config_from_hf
-from models.weights import load_params
+from xlaserve.kernels import get_attention_backend
+from xlaserve.models.loader import load_checkpoint
+from xlaserve.models.orbax_checkpoint import save_converted
+from xlaserve.models.registry import get_model_class, model_config_from_hf
+from xlaserve.models.weights import load_params
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels import AttentionBackend, AttentionMetadata, KVCache
-from models.config import TransformerConfig
-from models.layers import Embedding, Linear, RMSNorm, layer_specs, soft_cap
+from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.layers import Embedding, Linear, RMSNorm, layer_specs, soft_cap
 
 
 class DecoderOnlyLM(nnx.Module):

@@ -20,18 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels import (
+from xlaserve.kernels import (
     AttentionBackend,
     AttentionMetadata,
     KVCacheSpec,
     MLACache,
     write_latent,
 )
-from models.config import TransformerConfig
-from models.decoder import DecoderOnlyLM
-from models.layers import Embedding, GatedMLP, Linear, RMSNorm
-from models.moe import MoEConfig, SparseMoeBlock, config_with, stack_expert_tensors
-from models.rope import apply_rope, rope_angles, rope_attention_factor
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.decoder import DecoderOnlyLM
+from xlaserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from xlaserve.models.moe import MoEConfig, SparseMoeBlock, config_with, stack_expert_tensors
+from xlaserve.models.rope import apply_rope, rope_angles, rope_attention_factor
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps whatever the config says.
 _LORA_NORM_EPS = 1e-6
@@ -53,7 +53,11 @@ class DeepseekConfig(MoEConfig):
         num_layers = hf["num_hidden_layers"]
         first_dense = min(hf.get("first_k_dense_replace") or 0, num_layers)
         if is_v3:
-            routing = {"scoring_func": "sigmoid", "group_score": "top2_sum", "has_score_correction_bias": True}
+            routing = {
+                "scoring_func": "sigmoid",
+                "group_score": "top2_sum",
+                "has_score_correction_bias": True,
+            }
             n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
         else:
             routing = {"scoring_func": "softmax", "group_score": "max"}
@@ -165,7 +169,9 @@ class MLAttention(nnx.Module):
 
 
 class DeepseekDecoderLayer(nnx.Module):
-    def __init__(self, cfg: DeepseekConfig, backend: AttentionBackend, *, is_moe: bool, dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, cfg: DeepseekConfig, backend: AttentionBackend, *, is_moe: bool, dtype, rngs: nnx.Rngs
+    ):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = MLAttention(cfg, backend, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -179,7 +185,9 @@ class DeepseekDecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
-def _make_stack(cfg: DeepseekConfig, backend: AttentionBackend, num_layers: int, *, is_moe: bool, dtype, rngs):
+def _make_stack(
+    cfg: DeepseekConfig, backend: AttentionBackend, num_layers: int, *, is_moe: bool, dtype, rngs
+):
     if num_layers == 0:
         return None
 
@@ -202,7 +210,9 @@ class DeepseekV3ForCausalLM(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         num_dense = cfg.first_k_dense_replace
         self.dense_layers = _make_stack(cfg, backend, num_dense, is_moe=False, dtype=dtype, rngs=rngs)
-        self.moe_layers = _make_stack(cfg, backend, cfg.num_layers - num_dense, is_moe=True, dtype=dtype, rngs=rngs)
+        self.moe_layers = _make_stack(
+            cfg, backend, cfg.num_layers - num_dense, is_moe=True, dtype=dtype, rngs=rngs
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = (
             None

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from flax import nnx
 
-from kernels import AttentionBackend, AttentionMetadata, KVCache
-from models.config import TransformerConfig
-from models.decoder import DecoderOnlyLM
-from models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
+from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.decoder import DecoderOnlyLM
+from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
 
 
 class GemmaDecoderLayer(nnx.Module):

@@ -169,7 +169,8 @@ def llama3_rope_factors(
     high_freq_factor: float,
     original_max_position_embeddings: int,
 ) -> np.ndarray:
-    """llama.cpp's `rope_freqs` tensor for HF's llama3 rope scaling: the divisor of each frequency. [head_dim/2]"""
+    """llama.cpp's `rope_freqs` tensor for HF's llama3 rope scaling: the divisor of each frequency.
+    [head_dim/2]"""
     inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (

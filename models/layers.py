@@ -16,10 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kernels import AttentionBackend, AttentionMetadata, KVCache
-from kernels.reference import token_positions
-from models.config import TransformerConfig
-from models.rope import apply_rope, layer_rope_inv_freqs, layer_rope_scales, longrope_angles, rope_angles
+from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
+from xlaserve.kernels.reference import token_positions
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.rope import (
+    apply_rope,
+    layer_rope_inv_freqs,
+    layer_rope_scales,
+    longrope_angles,
+    rope_angles,
+)
 
 # The window of a full-attention layer when some layers slide: wider than any context.
 NO_WINDOW = 2**30

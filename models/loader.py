@@ -72,7 +72,12 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def load_checkpoint(
-    model: str | None = None, dtype: Any = None, *, progress: bool = True, load_format: str = "auto", seed: int = 0
+    model: str | None = None,
+    dtype: Any = None,
+    *,
+    progress: bool = True,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> Checkpoint:
     """Load config, tensors and tokenizer from `model` (see the module docstring for the forms).
 
@@ -181,7 +186,10 @@ def _load_dummy(model: str | None, seed: int) -> Checkpoint:
     with open(os.path.join(path, "config.json")) as f:
         hf_config = complete_config(json.load(f))
     return Checkpoint(
-        hf_config=hf_config, tensors=DummyWeights(seed), tokenizer=_auto_tokenizer(path), source=f"dummy weights, {path}"
+        hf_config=hf_config,
+        tensors=DummyWeights(seed),
+        tokenizer=_auto_tokenizer(path),
+        source=f"dummy weights, {path}",
     )
 
 

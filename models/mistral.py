@@ -6,7 +6,7 @@ and the attention op masks those older than the window.
 
 from __future__ import annotations
 
-from models.llama import LlamaForCausalLM
+from xlaserve.models.llama import LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from models.config import TransformerConfig
-from models.llama import LlamaForCausalLM
-from models.moe import MoEConfig, MoEDecoderLayer, config_with, stack_expert_tensors
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.llama import LlamaForCausalLM
+from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, config_with, stack_expert_tensors
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import TransformerConfig
-from models.layers import GatedMLP
-from models.llama import LlamaDecoderLayer
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.layers import GatedMLP
+from xlaserve.models.llama import LlamaDecoderLayer
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")

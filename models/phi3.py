@@ -9,9 +9,9 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from models.config import TransformerConfig
-from models.layers import Attention, GatedMLP, Linear
-from models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.layers import Attention, GatedMLP, Linear
+from xlaserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
 class Phi3Attention(Attention):

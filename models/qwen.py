@@ -7,7 +7,7 @@ head of q and k before RoPE. Both may slide a window on the layers from `max_win
 
 from __future__ import annotations
 
-from models.llama import LlamaForCausalLM
+from xlaserve.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernels import KVCacheSpec
-from models.config import TransformerConfig
-from models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from models.llama import LlamaForCausalLM
-from models.mistral import MistralForCausalLM
-from models.mixtral import MixtralForCausalLM
-from models.phi3 import Phi3ForCausalLM
-from models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
-from models.qwen3_moe import Qwen3MoeForCausalLM
+from xlaserve.kernels import KVCacheSpec
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from xlaserve.models.llama import LlamaForCausalLM
+from xlaserve.models.mistral import MistralForCausalLM
+from xlaserve.models.mixtral import MixtralForCausalLM
+from xlaserve.models.phi3 import Phi3ForCausalLM
+from xlaserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -40,7 +40,8 @@ def get_model_class(architecture: str):
         return _MODELS[architecture]
     except KeyError:
         raise ValueError(
-            f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
+            f"architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(supported_architectures())}"
         ) from None
 
 

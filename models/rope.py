@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import TransformerConfig
+from xlaserve.models.config import TransformerConfig
 
 
 def base_inv_freq(head_dim: int, theta: float) -> np.ndarray:  # [head_dim // 2]
@@ -131,7 +131,9 @@ def rope_angles(
         return pos[:, None] * inv_freq[None, :]
     factor = scaling["factor"]
     seq_len = jnp.maximum(pos + 1, max_position_embeddings)
-    base = theta * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    base = theta * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (
+        head_dim / (head_dim - 2)
+    )
     exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
     inv_freq = 1.0 / (base[:, None] ** exponents[None, :])
     return pos[:, None] * inv_freq

@@ -26,8 +26,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from models.config import TransformerConfig
-from models.orbax_checkpoint import ConvertedParams
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.orbax_checkpoint import ConvertedParams
 
 # Tensors a checkpoint may carry that no module reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -51,7 +51,8 @@ class DummyWeights:
 def _uniform_fn(shape: tuple[int, ...], dtype, scale: float, sharding) -> Callable:
     """One compiled draw per distinct (shape, dtype, sharding): layers share theirs."""
     return jax.jit(
-        lambda key: jax.random.uniform(key, shape, jnp.float32, -scale, scale).astype(dtype), out_shardings=sharding
+        lambda key: jax.random.uniform(key, shape, jnp.float32, -scale, scale).astype(dtype),
+        out_shardings=sharding,
     )
 
 
@@ -110,7 +111,9 @@ def load_params(
         sharding = sharding or (lambda path, shape: jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         flat = {
             path: tensors.draw(i, spec.shape, dtype, sharding(path, spec.shape))
-            for i, (path, spec) in enumerate(tqdm(expected.items(), desc="Drawing dummy weights", unit="tensor"))
+            for i, (path, spec) in enumerate(
+                tqdm(expected.items(), desc="Drawing dummy weights", unit="tensor")
+            )
         }
         abstract.replace_by_pure_dict(_unflatten(flat))
         return graphdef, abstract
@@ -145,7 +148,9 @@ def load_params(
             raise ValueError(f"tensor {names[0]} has shape {array.shape}, the model expects {spec.shape}")
         flat[path] = place(path, np.asarray(array, dtype=dtype))
     unexpected = sorted(
-        n for n in tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES) and not _is_tied_head(n, cfg)
+        n
+        for n in tensors
+        if n not in used and not n.endswith(_IGNORED_SUFFIXES) and not _is_tied_head(n, cfg)
     )
     if missing or unexpected:
         raise ValueError(

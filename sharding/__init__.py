@@ -1,5 +1,5 @@
 """Meshes, logical-axis rules and placement for tensor/expert parallelism; multi-host setup."""
 
-from sharding.mesh import Placement, make_mesh
+from xlaserve.sharding.mesh import Placement, make_mesh
 
 __all__ = ["Placement", "make_mesh"]

@@ -18,8 +18,8 @@ import functools
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from kernels.backend import AttentionBackend
-from sharding.rules import KV_CACHE_AXES, logical_to_mesh, to_partition_spec
+from xlaserve.kernels.backend import AttentionBackend
+from xlaserve.sharding.rules import KV_CACHE_AXES, logical_to_mesh, to_partition_spec
 
 
 def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
@@ -34,15 +34,24 @@ def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> Atte
     replicated = PartitionSpec()
     kernel = backend.attention
 
-    def attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sliding_window=None, **kw):
+    def attention(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sliding_window=None, **kw
+    ):
         # A traced window (a per-layer value under the layer scan) enters as a replicated operand;
         # None and Python ints stay static.
         traced_window = isinstance(sliding_window, jax.Array)
 
         def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *window):
             return kernel(
-                q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-                sliding_window=window[0] if traced_window else sliding_window, **kw,
+                q,
+                k_cache,
+                v_cache,
+                kv_lens,
+                block_tables,
+                query_start_loc,
+                num_seqs,
+                sliding_window=window[0] if traced_window else sliding_window,
+                **kw,
             )
 
         operands = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
@@ -65,5 +74,6 @@ def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> Atte
         backend,
         attention=functools.wraps(kernel)(attention),
         mla_attention=functools.wraps(mla_kernel)(mla_attention),
-        reason=f"{backend.reason}; run per device over the {mesh.shape[axis]} shards of the KV heads (shard_map)",
+        reason=f"{backend.reason}; run per device over the {mesh.shape[axis]} shards of the KV heads "
+        "(shard_map)",
     )

@@ -1,26 +1,13 @@
-"""Multi-host engines: jax.distributed set-up, and process 0 sending each step to the others.
-
-Every process holds the model's shards for its devices and runs the same jitted step; only
-process 0 schedules. Before each step it sends the step's host arrays (engine/batch.StepInputs) to
-the other processes over ZMQ; they run the step and answer with a checksum of the ids they
-sampled, so a process that diverged stops the engine with a clear error instead of hanging.
-"""
+"""Multi-host engines: jax.distributed set-up. (How process 0 sends each step to the others is
+the executor's: xlaserve/executor/multihost.py.)"""
 
 from __future__ import annotations
 
 import logging
-import zlib
 
 import jax
-import numpy as np
-import zmq
-
-from engine.batch import StepInputs
 
 logger = logging.getLogger(__name__)
-
-_READY = b"ready"
-_STOP = b""
 
 
 def initialize(master_addr: str, master_port: int, nnodes: int, node_rank: int) -> None:
@@ -31,72 +18,8 @@ def initialize(master_addr: str, master_port: int, nnodes: int, node_rank: int) 
     )
     logger.info(
         "jax.distributed: process %d of %d, %d local / %d global devices",
-        node_rank, nnodes, jax.local_device_count(), jax.device_count(),
+        node_rank,
+        nnodes,
+        jax.local_device_count(),
+        jax.device_count(),
     )
-
-
-def _checksum(token_ids: np.ndarray) -> bytes:
-    return zlib.crc32(np.ascontiguousarray(token_ids, np.int32).tobytes()).to_bytes(4, "little")
-
-
-class StepSender:
-    """Process 0's end: waits for every follower, then sends each step and checks their answers."""
-
-    def __init__(self, master_addr: str, port: int, num_followers: int, timeout_s: float = 600.0):
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        self._sock.bind(f"tcp://{master_addr}:{port}")
-        self._sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-        self._peers: list[bytes] = []
-        while len(self._peers) < num_followers:
-            identity, message = self._sock.recv_multipart()
-            if message == _READY:
-                self._peers.append(identity)
-        self._num_steps = 0
-
-    def send(self, inputs: StepInputs) -> None:
-        data = inputs.to_bytes()
-        for peer in self._peers:
-            self._sock.send_multipart([peer, data])
-
-    def check(self, token_ids: np.ndarray) -> None:
-        """Compare every follower's sampled ids with ours (a checksum); divergence is fatal."""
-        expected = _checksum(token_ids)
-        for _ in self._peers:
-            try:
-                identity, answer = self._sock.recv_multipart()
-            except zmq.Again:
-                raise RuntimeError("a follower process did not answer a step in time; stopping") from None
-            if answer != expected:
-                raise RuntimeError(
-                    f"multi-host divergence at step {self._num_steps}: process {identity.decode()} sampled "
-                    "different token ids than process 0; stopping"
-                )
-        self._num_steps += 1
-
-    def close(self) -> None:
-        for peer in self._peers:
-            self._sock.send_multipart([peer, _STOP])
-        self._sock.close()
-
-
-class StepReceiver:
-    """A follower's end: announces itself, then yields each step until process 0 stops."""
-
-    def __init__(self, master_addr: str, port: int, node_rank: int):
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, str(node_rank).encode())
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        self._sock.connect(f"tcp://{master_addr}:{port}")
-        self._sock.send(_READY)
-
-    def recv(self) -> StepInputs | None:
-        data = self._sock.recv()
-        return None if data == _STOP else StepInputs.from_bytes(data)
-
-    def report(self, token_ids: np.ndarray) -> None:
-        self._sock.send(_checksum(token_ids))
-
-    def close(self) -> None:
-        self._sock.close()

@@ -16,7 +16,12 @@ _KV_PROJ = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
 
 def _is_kv_projection(name) -> bool:
     if isinstance(name, tuple):  # a converted checkpoint's parameter path
-        return name[-2:] in {("k_proj", "kernel"), ("k_proj", "bias"), ("v_proj", "kernel"), ("v_proj", "bias")}
+        return name[-2:] in {
+            ("k_proj", "kernel"),
+            ("k_proj", "bias"),
+            ("v_proj", "kernel"),
+            ("v_proj", "bias"),
+        }
     return _KV_PROJ.search(name) is not None
 
 

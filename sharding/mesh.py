@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.rules import KV_CACHE_AXES, logical_to_mesh, param_logical_axes, to_partition_spec
+from xlaserve.sharding.rules import KV_CACHE_AXES, logical_to_mesh, param_logical_axes, to_partition_spec
 
 
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
@@ -43,7 +43,8 @@ class Placement:
         require(cfg.vocab_size, "vocab_size")
         if cfg.num_kv_heads and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
             raise ValueError(
-                f"tensor_parallel_size={tp} and num_key_value_heads={cfg.num_kv_heads}: one must divide the other"
+                f"tensor_parallel_size={tp} and num_key_value_heads={cfg.num_kv_heads}: one must divide "
+                "the other"
             )
         if cfg.intermediate_size:
             require(cfg.intermediate_size, "intermediate_size")

@@ -1,0 +1,90 @@
+"""What crosses the layers each step: the scheduler's decision (SchedulerOutput, one
+ScheduledRequest per request), the worker's answer (ModelRunnerOutput), and the per-request news the
+engine core hands the output processor (EngineCoreOutput). Plain data: no jax, no behaviour beyond
+derived fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from xlaserve.core.kv_cache_manager import PrefixCacheStats
+from xlaserve.core.request import FinishReason, Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute all_token_ids[num_computed_tokens:+num_new_tokens]."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]  # the request's whole block table
+    num_computed_tokens: int = -1  # before this step; -1: read it from the request
+    is_sampling: bool = field(init=False)  # the step reaches the last token, so it samples
+
+    def __post_init__(self):
+        if self.num_computed_tokens < 0:
+            self.num_computed_tokens = self.request.num_computed_tokens
+        self.is_sampling = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The token ids this step computes."""
+        start = self.num_computed_tokens
+        return self.request.all_token_ids[start : start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes, plus the requests dropped since the previous step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_req_ids: set[str] = field(default_factory=set)
+    finished_req_ids: set[str] = field(default_factory=set)  # freed since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns for a step; logprob payloads pass through untouched."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Any] = field(default_factory=dict)
+    prompt_logprobs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news from one step, for the output processor."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: Any = None
+    new_prompt_logprobs: Any = None
+    num_cached_tokens: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for metrics; prefix-cache counters cover the time since the previous snapshot."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_stats: PrefixCacheStats

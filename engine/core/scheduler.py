@@ -1,0 +1,297 @@
+"""Continuous batching in vLLM V1's style: one token budget, no prefill or decode phase.
+
+Each request only has `num_computed_tokens` and `num_tokens`. A step gives every scheduled
+request some of its missing tokens within `max_num_batched_tokens`: one token for a request
+that is decoding, a chunk of the prompt for one that is prefilling (long prompts are split
+across steps), all in the same flat batch. Running requests are served first, in order; then
+waiting ones are admitted while the budget, `max_num_seqs` and the free KV blocks allow.
+When a running request cannot get blocks, another is preempted by recompute: its blocks are
+freed and it later recomputes prompt + outputs (usually hitting its own cached prefix).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Iterable
+
+from xlaserve.core.kv_cache_manager import KVCacheManager
+from xlaserve.core.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from xlaserve.core.request import FinishReason, Request, RequestStatus
+
+
+class SchedulingPolicy(enum.Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"  # lower `priority` first, then earlier arrival
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens, and applies sampled tokens."""
+
+    def __init__(self, scheduler_config, cache_config, max_model_len: int, kv_cache_manager: KVCacheManager):
+        if kv_cache_manager.block_size != cache_config.block_size:
+            raise ValueError(
+                f"kv_cache_manager.block_size ({kv_cache_manager.block_size}) must equal "
+                f"cache_config.block_size ({cache_config.block_size})"
+            )
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.policy = SchedulingPolicy(scheduler_config.policy)
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # in admission order (see _enqueue_waiting)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+        # Requests failed inside schedule(): reported by the next update_from_output.
+        self._error_outputs: list[EngineCoreOutput] = []
+
+    # -- requests in and out ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never fit in max_model_len or the KV cache."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} tokens, "
+                f"more than max_model_len ({self.max_model_len})"
+            )
+        num_tokens = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        num_blocks = self.kv_cache_manager.blocks_needed(num_tokens)
+        num_usable_blocks = self.kv_cache_manager.num_usable_blocks
+        if num_blocks > num_usable_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs {num_blocks} KV cache blocks for {num_tokens} "
+                f"tokens, but the cache has only {num_usable_blocks} usable blocks"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._enqueue_waiting(request, is_preempted=False)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish (e.g. abort) requests from outside the step; unknown or finished ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; advances their num_computed_tokens."""
+        output = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        token_budget = self._schedule_running(output)
+        # After a preemption the blocks are short: admitting new work would only thrash.
+        if not output.preempted_req_ids:
+            self._schedule_waiting(output, token_budget)
+        output.total_num_scheduled_tokens = sum(s.num_new_tokens for s in output.scheduled)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput) -> int:
+        token_budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens <= 0:
+                index += 1
+                continue
+            is_dropped = False  # preempted itself, or failed
+            while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                if len(self.running) == 1:
+                    # Nothing else holds blocks, so waiting cannot help: fail rather than hang.
+                    self.running.pop(index)
+                    self._finish_with_error(request)
+                    is_dropped = True
+                    break
+                victim_index = self._get_victim_index()
+                victim = self.running[victim_index]
+                token_budget += self._preempt(victim_index, output)
+                if victim is request:
+                    is_dropped = True
+                    break
+                if victim_index < index:
+                    index -= 1
+            if is_dropped:
+                continue  # the next request slid into `index`
+            token_budget -= self._add_scheduled(request, num_new_tokens, output)
+            index += 1
+        return token_budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
+        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks) is None:
+                if not self.running:
+                    # No request holds a block, yet this one does not fit: it never will.
+                    self.waiting.pop(0)
+                    self._finish_with_error(request)
+                    continue
+                break  # head-of-line: later requests wait their turn
+            self.waiting.pop(0)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            token_budget -= self._add_scheduled(request, num_new_tokens, output)
+
+    def _add_scheduled(self, request: Request, num_new_tokens: int, output: SchedulerOutput) -> int:
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        output.scheduled.append(ScheduledRequest(request, num_new_tokens, block_ids))
+        # Advanced now, not after the step: the K/V is as good as written once scheduled.
+        request.num_computed_tokens += num_new_tokens
+        return num_new_tokens
+
+    def _get_victim_index(self) -> int:
+        if self.policy == SchedulingPolicy.FCFS:
+            return len(self.running) - 1
+        return max(
+            range(len(self.running)),
+            key=lambda i: (self.running[i].priority, self.running[i].arrival_time, i),
+        )
+
+    def _preempt(self, victim_index: int, output: SchedulerOutput) -> int:
+        """Preempt running[victim_index] by recompute; returns the token budget it gives back."""
+        victim = self.running.pop(victim_index)
+        scheduled = next((s for s in output.scheduled if s.request is victim), None)
+        num_valid_tokens = None
+        num_returned_tokens = 0
+        if scheduled is not None:
+            # Scheduled earlier in this step (priority policy): its new K/V will never be written.
+            output.scheduled.remove(scheduled)
+            num_valid_tokens = scheduled.num_computed_tokens
+            num_returned_tokens = scheduled.num_new_tokens
+        self.kv_cache_manager.free(victim, num_valid_tokens=num_valid_tokens)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        output.preempted_req_ids.add(victim.request_id)
+        self._enqueue_waiting(victim, is_preempted=True)
+        return num_returned_tokens
+
+    def _enqueue_waiting(self, request: Request, *, is_preempted: bool) -> None:
+        if self.policy == SchedulingPolicy.PRIORITY:
+            bisect.insort(self.waiting, request, key=lambda r: (r.priority, r.arrival_time))
+        elif is_preempted:
+            self.waiting.insert(0, request)  # it was admitted before everything still waiting
+        else:
+            self.waiting.append(request)
+
+    # -- after the step ----------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, finish requests that stopped, and report what changed."""
+        outputs, self._error_outputs = self._error_outputs, []
+        num_finished = 0
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # finished from outside since the step was scheduled
+            request_id = request.request_id
+            # A request preempted after its prompt was done recomputes the prompt: its prompt
+            # logprobs were already reported, so the repeat is dropped.
+            has_reported_prompt = request.num_output_tokens > 0
+            new_token_ids: list[int] = []
+            if scheduled.is_sampling and request_id in model_runner_output.sampled_token_ids:
+                request.append_output_token_ids(model_runner_output.sampled_token_ids[request_id])
+                new_token_ids = request.output_token_ids[-1:]
+                self._check_stop(request)
+            prompt_logprobs = None
+            if not has_reported_prompt:
+                prompt_logprobs = model_runner_output.prompt_logprobs.get(request_id)
+            if new_token_ids or prompt_logprobs is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id,
+                        new_token_ids,
+                        finish_reason=request.get_finish_reason(),
+                        stop_reason=request.stop_reason,
+                        new_logprobs=model_runner_output.logprobs.get(request_id) if new_token_ids else None,
+                        new_prompt_logprobs=prompt_logprobs,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+            if request.is_finished:
+                self._free_request(request)
+                num_finished += 1
+        if num_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, request: Request) -> None:
+        params = request.sampling_params
+        token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def _finish_with_error(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_request(request)
+        self._error_outputs.append(
+            EngineCoreOutput(
+                request.request_id,
+                [],
+                finish_reason=FinishReason.ERROR,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+        )
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        """Current gauges, and prefix-cache counters since the previous call."""
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix."""
+        return self.kv_cache_manager.reset_prefix_cache()

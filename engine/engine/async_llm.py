@@ -1,0 +1,396 @@
+"""`AsyncLLM`: the online front end. Tokenizes, streams, aborts; the EngineCore runs in its own process.
+
+```
+generate() ─► InputProcessor (validate, seeds) ─ZMQ─► EngineCoreProc: step() in a busy loop
+   ▲                                                        │
+   └── per-request queue ◄── OutputProcessor (delta text) ◄─┘  one message per step
+```
+The same `OutputProcessor` as the offline `LLM` turns token ids into text; here it runs in "delta"
+mode for streams (each output holds only what is new) and "final" mode otherwise. Everything runs
+on one asyncio loop; the only other thread is the monitor that notices a dead core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator
+
+from xlaserve.config import EngineConfig
+from xlaserve.engine.core_client import EngineCoreClient, EngineDeadError, cancel_quietly
+from xlaserve.engine.metrics import EngineMetrics
+from xlaserve.engine.output_processor import OutputProcessor
+from xlaserve.engine.processor import InputProcessor
+from xlaserve.engine.protocol import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    UtilityCall,
+    UtilityResult,
+)
+from xlaserve.outputs import RequestOutput
+from xlaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AsyncLLM",
+    "EngineDeadError",
+    "EngineShutdownError",
+    "InvalidRequestError",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestStream",
+    "load_tokenizer",
+]
+
+
+class EngineShutdownError(EngineDeadError):
+    """The server is stopping; requests still in flight after the grace period end with this."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than `max_num_queued_reqs` allows (the server answers 503)."""
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not finish a request (rejected by the core, or failed inside a step)."""
+
+
+def load_tokenizer(model: str | None):
+    """The model's tokenizer without its weights (the core process loads those)."""
+    from xlaserve.models.loader import EMBEDDED_MODEL_ALIAS, resolve_embedded_model_path
+
+    if model is None or model == EMBEDDED_MODEL_ALIAS:
+        model = resolve_embedded_model_path()
+    path = os.path.expanduser(model)
+    if path.endswith(".gguf"):
+        from xlaserve.models.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class RequestStream:
+    """One request's outputs as an async iterator; `close()` aborts the request if it is unfinished.
+
+    Whoever iterates must close it in a `finally` (a cancelled task would otherwise leave the
+    request running in the core).
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue):
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self.is_finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.is_finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.is_finished = True
+            raise item
+        self.is_finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self.is_finished:
+            self.is_finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Generate asynchronously: `async for output in llm.generate(prompt, params, request_id): ...`.
+
+    Build it with `await AsyncLLM.create(model, **engine_args)` inside a running event loop; call
+    `shutdown()` when done. Keyword arguments are the offline `LLM`'s engine arguments, plus
+    `max_num_queued_reqs`: at most max_num_seqs running and this many waiting requests are accepted;
+    past that `generate` raises QueueFullError.
+    """
+
+    def __init__(self, model: str | None = None, *, log_level: str = "INFO", **engine_args):
+        self.config = EngineConfig.from_kwargs(model, **engine_args)  # fail on bad arguments before spawning
+        self.model = model
+        self.core = EngineCoreClient(model, engine_args, log_level=log_level)
+        self.tokenizer = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.block_size = self.config.cache.block_size
+        self.num_usable_blocks = 0
+        self.errored_reason: str | None = None
+        self.metrics = EngineMetrics()
+        self.finish_reason_counts: collections.Counter[str] = collections.Counter()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._output_task: asyncio.Task | None = None
+        self.input_processor: InputProcessor | None = None
+        self.output_processor: OutputProcessor | None = None
+
+    @classmethod
+    async def create(cls, model: str | None = None, **kwargs) -> AsyncLLM:
+        """Spawn the engine core, load the tokenizer meanwhile, and wait until the core is warm."""
+        self = cls(model, **kwargs)
+        try:
+            await self._start()
+        except BaseException:
+            self.core.shutdown(timeout=2.0)
+            raise
+        return self
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model)
+        ready = await self.core.wait_ready()
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.num_usable_blocks = ready.num_usable_blocks
+        self.input_processor = InputProcessor(
+            self.tokenizer, ready.max_model_len, ready.vocab_size, ready.eos_token_id, self.config.model.seed
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._output_task = asyncio.create_task(self._output_loop(), name="engine-core-outputs")
+        self.core.watch(lambda reason: loop.call_soon_threadsafe(self._on_engine_dead, reason))
+        logger.info(
+            "engine ready: max_model_len=%d, %d KV blocks of %d tokens",
+            self.max_model_len,
+            self.num_usable_blocks,
+            self.block_size,
+        )
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def is_errored(self) -> bool:
+        return self.errored_reason is not None
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the core is gone."""
+        if self.errored_reason is not None:
+            raise EngineDeadError(self.errored_reason)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Core-level requests in flight (each of an n > 1 request's children counts)."""
+        return 0 if self.output_processor is None else self.output_processor.get_num_unfinished_requests()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """InvalidRequestError (naming the field and the limit) if the request can never be served."""
+        try:
+            self.input_processor.validate_prompt(prompt_token_ids)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "prompt") from None
+        num_prompt = len(prompt_token_ids)
+        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but "
+                f"{num_prompt + params.max_tokens} were requested ({num_prompt} in the prompt, "
+                f"{params.max_tokens} for the completion); reduce the prompt or max_tokens",
+                "max_tokens",
+            )
+        num_tokens = min(num_prompt + (params.max_tokens or self.max_model_len), self.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        if num_blocks > self.num_usable_blocks:
+            raise InvalidRequestError(
+                f"the request needs {num_blocks} KV cache blocks for {num_tokens} tokens, but the cache "
+                f"has only {self.num_usable_blocks}; reduce the prompt or max_tokens",
+                "max_tokens",
+            )
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        output_kind: str = "delta",
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Add a request and yield its outputs until it finishes.
+
+        Raises EngineDeadError or QueueFullError before anything is added, ValueError for a request
+        that can never be served; closing the generator early aborts the request in the core.
+        """
+        stream = self.add_request(
+            prompt_token_ids,
+            params,
+            request_id,
+            prompt=prompt,
+            priority=priority,
+            cache_salt=cache_salt,
+            output_kind=output_kind,
+        )
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()  # the caller stopped early, or failed: free the blocks
+
+    def add_request(
+        self,
+        prompt_token_ids,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        prompt=None,
+        priority=0,
+        cache_salt=None,
+        output_kind="delta",
+    ) -> RequestStream:
+        """Add a request now (errors are raised here, synchronously) and return its output stream."""
+        self.check_health()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queued = self.config.scheduler.max_num_queued_reqs
+        if queued is not None:
+            limit = self.config.scheduler.max_num_seqs + queued
+            if self.get_num_unfinished_requests() + params.n > limit:
+                raise QueueFullError(
+                    f"the server is at capacity ({self.get_num_unfinished_requests()} requests in flight; "
+                    f"max_num_seqs={self.config.scheduler.max_num_seqs} running plus "
+                    f"max_num_queued_reqs={queued} waiting); retry later"
+                )
+        self.validate(prompt_token_ids, params)
+        now = time.time()
+        requests = self.input_processor.make_requests(
+            request_id, prompt_token_ids, params, arrival_time=now, priority=priority, cache_salt=cache_salt
+        )
+        self.output_processor.add_requests(request_id, requests, prompt, prompt_token_ids, now, output_kind)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        try:
+            self.core.send(AddRequests([EngineCoreRequest.from_request(r) for r in requests]))
+        except EngineDeadError:
+            self._streams.pop(request_id, None)
+            self.output_processor.abort_requests([request_id])
+            raise
+        return RequestStream(self, request_id, queue)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (a parent id stops all its children) and free its KV blocks."""
+        self._streams.pop(request_id, None)
+        core_ids = self.output_processor.abort_requests([request_id])
+        if core_ids:
+            self.finish_reason_counts["abort"] += 1
+            if not self.is_errored:
+                try:
+                    self.core.send(AbortRequests(core_ids))
+                except EngineDeadError:
+                    pass
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._call_utility("reset_prefix_cache"))
+
+    async def _call_utility(self, method: str):
+        self.check_health()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        self.core.send(UtilityCall(call_id, method))
+        return await future
+
+    # -- outputs -------------------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        try:
+            await self._handle_outputs()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must fail requests loudly, not hang them
+            logger.exception("the output loop failed")
+            self._on_engine_dead(f"the front end's output loop failed: {type(e).__name__}: {e}")
+
+    async def _handle_outputs(self) -> None:
+        while True:
+            message = await self.core.recv()
+            if isinstance(message, EngineCoreOutputs):
+                self._process_outputs(message)
+            elif isinstance(message, UtilityResult):
+                future = self._utility_calls.pop(message.call_id, None)
+                if future is not None and not future.done():
+                    if message.error:
+                        future.set_exception(RuntimeError(message.error))
+                    else:
+                        future.set_result(message.result)
+            elif isinstance(message, EngineDead):
+                self._on_engine_dead(f"the engine core failed: {message.reason}")
+
+    def _process_outputs(self, message: EngineCoreOutputs) -> None:
+        processed = self.output_processor.process_outputs(message.outputs)
+        for output in processed.request_outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is None:
+                continue
+            queue.put_nowait(output)
+            if output.finished:
+                del self._streams[output.request_id]
+        if processed.reqs_to_abort:  # finished here by a stop string
+            self.core.send(AbortRequests(processed.reqs_to_abort))
+        for core_id, reason in message.rejected:
+            self._fail(core_id, RequestFailedError(f"the engine rejected the request: {reason}"))
+        stats = self.output_processor.drain_stats()
+        self.finish_reason_counts.update(stats.finish_reasons)
+        self.metrics.record_iteration(stats)
+        if message.scheduler_stats is not None:
+            self.metrics.record_scheduler(message.scheduler_stats)
+
+    def _fail(self, core_id: str, error: BaseException) -> None:
+        state = self.output_processor.request_states.get(core_id)
+        request_id = state.parent.request_id if state is not None and state.parent is not None else core_id
+        queue = self._streams.get(request_id)
+        self.abort(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    def _on_engine_dead(self, reason: str) -> None:
+        if self.errored_reason is not None or self.core.is_shutting_down:
+            return
+        self.errored_reason = reason
+        logger.error("%s: in-flight requests fail, new ones get 503 until the server is restarted", reason)
+        error = EngineDeadError(reason)
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+        self._streams.clear()
+        self.output_processor.abort_requests(list(self.output_processor.request_states))
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._utility_calls.clear()
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def fail_all_requests(self, reason: str) -> None:
+        """Abort every request in flight; each stream ends with EngineShutdownError(reason)."""
+        for request_id in list(self._streams):
+            queue = self._streams[request_id]
+            self.abort(request_id)
+            queue.put_nowait(EngineShutdownError(reason))
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Fail what is still in flight, stop the output loop and the core process."""
+        self.fail_all_requests("the server is shutting down")
+        await cancel_quietly(self._output_task)
+        self.core.shutdown(timeout)  # blocks this loop for at most ~timeout: nothing else runs by now

@@ -1,0 +1,63 @@
+"""EngineCore: one step = schedule, execute, update. Used in-process by `LLM` and, in its own
+process, behind the OpenAI server."""
+
+from __future__ import annotations
+
+import logging
+
+from xlaserve.config import EngineConfig
+from xlaserve.core.kv_cache_manager import KVCacheManager
+from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
+from xlaserve.core.request import Request, RequestStatus
+from xlaserve.core.scheduler import Scheduler
+from xlaserve.executor import make_executor
+from xlaserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineConfig, hf_config: dict, tensors: dict, max_model_len: int, devices=None
+    ):
+        self.config = config
+        self.max_model_len = max_model_len
+        runner = ModelRunner(config, hf_config, tensors, max_model_len, devices)
+        self.kv_cache_manager = KVCacheManager(
+            config.cache.block_size, runner.num_blocks, config.cache.enable_prefix_caching, max_model_len
+        )
+        self.scheduler = Scheduler(config.scheduler, config.cache, max_model_len, self.kv_cache_manager)
+        if not config.compilation.enforce_eager:
+            runner.warm_up()
+        self.executor = make_executor(config, runner)
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.executor.runner
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule which requests get how many tokens, run them, and report what changed."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute(scheduler_output.scheduled)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

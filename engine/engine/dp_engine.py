@@ -1,0 +1,110 @@
+"""Data parallelism with vLLM's semantics: N engine cores side by side, one front end.
+
+Each data-parallel rank is a full EngineCore (its own scheduler, KV cache and device group of
+tensor_parallel_size devices); requests go to the least loaded rank. We chose this over one SPMD
+program with the batch sharded because ranks then never wait for each other: each schedules,
+preempts and caches prefixes on its own, and a long prefill on one rank does not stall the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from xlaserve.config import EngineConfig
+from xlaserve.core.kv_cache_manager import PrefixCacheStats
+from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
+from xlaserve.core.request import Request
+from xlaserve.engine.core import EngineCore
+
+
+def make_engine_core(config: EngineConfig, hf_config: dict, tensors: dict, max_model_len: int, devices=None):
+    """An EngineCore, or a DataParallelEngineCore when data_parallel_size > 1."""
+    parallel = config.parallel
+    if parallel.data_parallel_size == 1:
+        return EngineCore(config, hf_config, tensors, max_model_len, devices)
+    return DataParallelEngineCore(config, hf_config, tensors, max_model_len, devices)
+
+
+class DataParallelEngineCore:
+    """The EngineCore interface over data_parallel_size ranks."""
+
+    def __init__(
+        self, config: EngineConfig, hf_config: dict, tensors: dict, max_model_len: int, devices=None
+    ):
+        tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
+        devices = list(jax.devices() if devices is None else devices)
+        if tp * dp > len(devices):
+            raise ValueError(
+                f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices, "
+                f"{len(devices)} available"
+            )
+        self.config = config
+        self.max_model_len = max_model_len
+        self.ranks = [
+            EngineCore(config, hf_config, tensors, max_model_len, devices[i * tp : (i + 1) * tp])
+            for i in range(dp)
+        ]
+        self._rank_of: dict[str, int] = {}
+
+    @property
+    def kv_cache_manager(self):
+        return self.ranks[0].kv_cache_manager
+
+    @property
+    def runner(self):
+        return self.ranks[0].runner
+
+    def add_request(self, request: Request) -> None:
+        # Children of one n > 1 request ("{i}_{parent}") share a rank, so they share prompt blocks.
+        parent = request.request_id.split("_", 1)[-1]
+        rank = self._rank_of.get(f"0_{parent}")
+        if rank is None:
+            rank = min(range(len(self.ranks)), key=lambda i: self.ranks[i].get_num_unfinished_requests())
+        self.ranks[rank].add_request(request)
+        self._rank_of[request.request_id] = rank
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            rank = self._rank_of.pop(rid, None)
+            if rank is not None:
+                self.ranks[rank].abort_requests([rid])
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.ranks)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(r.get_num_unfinished_requests() for r in self.ranks)
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for rank in self.ranks:
+            if rank.has_unfinished_requests():
+                outputs += rank.step()
+        for output in outputs:
+            if output.finish_reason is not None:
+                self._rank_of.pop(output.request_id, None)
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        stats = [r.make_stats() for r in self.ranks]
+        prefix = PrefixCacheStats()
+        for s in stats:
+            for f in ("num_requests", "num_queries", "num_hits"):
+                setattr(prefix, f, getattr(prefix, f) + getattr(s.prefix_cache_stats, f))
+        return dataclasses.replace(
+            stats[0],
+            num_running=sum(s.num_running for s in stats),
+            num_waiting=sum(s.num_waiting for s in stats),
+            kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+            num_preemptions_total=sum(s.num_preemptions_total for s in stats),
+            prefix_cache_stats=prefix,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return all(r.reset_prefix_cache() for r in self.ranks)
+
+    def shutdown(self) -> None:
+        for rank in self.ranks:
+            rank.shutdown()

@@ -1,0 +1,132 @@
+"""Engine metrics named like vLLM's (under the `xlaserve:` prefix), read by `LLM.get_metrics()`.
+
+The shapes follow vLLM's `vllm.v1.metrics.reader`: Counter, Gauge and Histogram records.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+PREFIX = "xlaserve:"
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+
+
+@dataclass
+class Metric:
+    name: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Counter(Metric):
+    value: int | float = 0
+
+
+@dataclass
+class Gauge(Metric):
+    value: float = 0.0
+
+
+@dataclass
+class Histogram(Metric):
+    buckets: dict[str, int] = field(default_factory=dict)  # cumulative counts by upper bound ("+Inf" last)
+    count: int = 0
+    sum: float = 0.0
+
+
+class _Hist:
+    def __init__(self, bounds: tuple[float, ...] = _LATENCY_BUCKETS):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe_all(self, values) -> None:
+        for v in values:
+            self.counts[bisect.bisect_left(self.bounds, v)] += 1
+            self.count += 1
+            self.sum += v
+
+    def record(self, name: str) -> Histogram:
+        cumulative, total = {}, 0
+        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            total += n
+            cumulative[bound] = total
+        return Histogram(name, buckets=cumulative, count=self.count, sum=self.sum)
+
+
+class EngineMetrics:
+    """Accumulates SchedulerStats snapshots and the output processor's IterationStats."""
+
+    def __init__(self):
+        self.counters = dict.fromkeys(
+            [
+                "prefix_cache_queries",
+                "prefix_cache_hits",
+                "num_preemptions",
+                "prompt_tokens",
+                "generation_tokens",
+                "request_success",
+            ],
+            0,
+        )
+        self.gauges = dict.fromkeys(
+            ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"], 0.0
+        )
+        self.histograms = {
+            name: _Hist()
+            for name in (
+                "time_to_first_token_seconds",
+                "inter_token_latency_seconds",
+                "request_time_per_output_token_seconds",
+                "e2e_request_latency_seconds",
+            )
+        }
+        self._last_preemptions = 0
+
+    def record_scheduler(self, stats) -> None:
+        self.gauges["num_requests_running"] = stats.num_running
+        self.gauges["num_requests_waiting"] = stats.num_waiting
+        self.gauges["kv_cache_usage_perc"] = stats.kv_cache_usage
+        self.counters["prefix_cache_queries"] += stats.prefix_cache_stats.num_queries
+        self.counters["prefix_cache_hits"] += stats.prefix_cache_stats.num_hits
+        self.counters["num_preemptions"] += stats.num_preemptions_total - self._last_preemptions
+        self._last_preemptions = stats.num_preemptions_total
+
+    def record_iteration(self, stats) -> None:
+        self.counters["prompt_tokens"] += stats.num_prompt_tokens
+        self.counters["generation_tokens"] += stats.num_generation_tokens
+        self.counters["request_success"] += len(stats.finish_reasons)
+        self.histograms["time_to_first_token_seconds"].observe_all(stats.time_to_first_tokens)
+        self.histograms["inter_token_latency_seconds"].observe_all(stats.inter_token_latencies)
+        self.histograms["request_time_per_output_token_seconds"].observe_all(stats.time_per_output_tokens)
+        self.histograms["e2e_request_latency_seconds"].observe_all(stats.e2e_latencies)
+
+    def snapshot(self) -> list[Metric]:
+        metrics: list[Metric] = [Counter(PREFIX + k, value=v) for k, v in self.counters.items()]
+        metrics += [Gauge(PREFIX + k, value=v) for k, v in self.gauges.items()]
+        metrics += [h.record(PREFIX + k) for k, h in self.histograms.items()]
+        return metrics

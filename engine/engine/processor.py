@@ -1,0 +1,84 @@
+"""Input processing: prompts to validated Requests (tokenize, check limits, resolve seeds)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+from xlaserve.core.request import Request
+from xlaserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class InputProcessor:
+    """Turns a prompt and its SamplingParams into the core's Requests; bad input is a ValueError
+    naming the field and the limit, raised before anything reaches the engine."""
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None, seed: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._seeds = random.Random(seed)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError(
+            f"prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got "
+            f"{type(prompt).__name__}"
+        )
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty (0 tokens)")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt (length {len(prompt_token_ids)} tokens) is too long: it must be shorter than "
+                f"max_model_len={self.max_model_len} to leave room for at least one output token"
+            )
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:4]}")
+
+    def make_requests(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[Request]:
+        """One Request, or n children "{i}_{request_id}" for n > 1 (sharing the prompt's blocks
+        through the prefix cache)."""
+        self.validate_prompt(prompt_token_ids)
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        params = dataclasses.replace(
+            params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens)
+        )
+        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        requests = []
+        for i, rid in enumerate(ids):
+            seed = params.seed + i if params.seed is not None else self._seeds.getrandbits(32)
+            requests.append(
+                Request(
+                    rid,
+                    prompt_token_ids,
+                    params,
+                    eos_token_id=self.eos_token_id,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    sampling_seed=seed,
+                )
+            )
+        return requests

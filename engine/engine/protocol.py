@@ -1,0 +1,132 @@
+"""Messages between the front end (AsyncLLM) and the engine core process, encoded with msgspec.
+
+msgpack over ZMQ: typed decoding rebuilds `SamplingParams` (re-running its validation) and the
+scheduler's own `EngineCoreOutput` / `SchedulerStats` dataclasses. Nothing here is pickled, so
+bytes a client sent can never become code in the core.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
+from xlaserve.core.request import Request
+from xlaserve.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A `Request` on the wire: what the core needs to rebuild it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    sampling_seed: int = 0
+
+    @classmethod
+    def from_request(cls, request: Request) -> EngineCoreRequest:
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.arrival_time,
+            request.eos_token_id,
+            request.priority,
+            request.cache_salt,
+            request.sampling_seed,
+        )
+
+    def to_request(self) -> Request:
+        return Request(
+            self.request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            cache_salt=self.cache_salt,
+            sampling_seed=self.sampling_seed,
+        )
+
+
+# -- front end -> core ---------------------------------------------------------------------------
+
+
+class AddRequests(msgspec.Struct, tag="add"):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility"):
+    """Call an EngineCore method by name (only those in `UTILITY_METHODS`); answered by UtilityResult."""
+
+    call_id: int
+    method: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+CoreInput = AddRequests | AbortRequests | UtilityCall | Shutdown
+UTILITY_METHODS = ("reset_prefix_cache",)
+
+
+# -- core -> front end ---------------------------------------------------------------------------
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    """Sent once, after warm-up: what the front end needs to validate requests up front."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    block_size: int
+    num_usable_blocks: int
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
+    """One step's outputs (possibly none) and the scheduler's gauges after it.
+
+    `rejected`: requests the core refused at add time, with the reason (the front end validates
+    first, so this is a safety net, not the usual path).
+    """
+
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats | None = None
+    rejected: list[tuple[str, str]] = msgspec.field(default_factory=list)
+
+
+class UtilityResult(msgspec.Struct, tag="utility_result"):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineDead(msgspec.Struct, tag="dead"):
+    """The core's last word before it exits on an unexpected error."""
+
+    reason: str
+
+
+CoreOutput = EngineReady | EngineCoreOutputs | UtilityResult | EngineDead
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def make_input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(CoreInput)
+
+
+def make_output_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(CoreOutput)

@@ -1,0 +1,294 @@
+"""`xlaserve bench throughput|latency`: a fixed synthetic chat workload, modelled on `vllm bench`.
+
+`--input-len N` swaps the chat prompts for random token ids of length N (vLLM's random dataset,
+seeded): long contexts, where the attention kernels matter.
+
+`--backend hf` also runs Hugging Face transformers' `generate` on the same prompts, in the same
+process, so every report carries a side-by-side ratio measured under the same conditions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import time
+
+from xlaserve.entrypoints.arg_utils import engine_kwargs
+
+logger = logging.getLogger(__name__)
+
+_TOPICS = [
+    "the history of the printing press",
+    "how volcanoes form",
+    "a recipe for lentil soup",
+    "the rules of chess",
+    "why the sky is blue",
+    "how a bicycle stays upright",
+    "the water cycle",
+    "the life of honeybees",
+    "how compilers work",
+    "the first moon landing",
+    "training for a marathon",
+    "the causes of inflation",
+    "how vaccines work",
+    "the architecture of Gothic cathedrals",
+    "learning a second language",
+    "the physics of rainbows",
+]
+_ASKS = [
+    "Explain {t} to a child.",
+    "Write a short essay about {t}.",
+    "Give five facts about {t}.",
+    "Describe {t} in detail.",
+]
+
+
+def workload(num_prompts: int) -> list[list[dict]]:
+    """N chat conversations, the same for every run and backend."""
+    return [
+        [{"role": "user", "content": _ASKS[i % len(_ASKS)].format(t=_TOPICS[i % len(_TOPICS)])}]
+        for i in range(num_prompts)
+    ]
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def at(q):
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"mean": statistics.fmean(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+# -- xlaserve --------------------------------------------------------------------------------------
+
+
+def random_prompts(
+    num_prompts: int, input_len: int, vocab_size: int, excluded_ids, seed: int = 0
+) -> list[dict]:
+    """`num_prompts` prompts of `input_len` token ids drawn uniformly from the vocabulary, special
+    tokens (EOS among them) excluded; the same for every run with the same seed."""
+    import numpy as np
+
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(sorted(excluded_ids), np.int64))
+    rows = np.random.default_rng(seed).choice(allowed, size=(num_prompts, input_len))
+    return [{"prompt_token_ids": row.tolist()} for row in rows]
+
+
+def _prompts(tokenizer, conversations) -> list[dict]:
+    out = []
+    for conversation in conversations:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        out.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+    return out
+
+
+def run_xlaserve(llm, prompts, output_len: int, batch: bool) -> dict:
+    from xlaserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # touch
+    runners = [core.runner for core in getattr(llm.engine_core, "ranks", [llm.engine_core])]
+    steps0, wait0 = sum(r.num_steps for r in runners), sum(r.device_wait_s for r in runners)
+    start = time.perf_counter()
+    if batch:
+        outputs = llm.generate(prompts, params)
+    else:
+        outputs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+    elapsed = time.perf_counter() - start
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
+    tpot = [
+        (o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+        for o in outputs
+        if len(o.outputs[0].token_ids) > 1
+    ]
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_in = sum(len(o.prompt_token_ids) for o in outputs)
+    report = _report("xlaserve", len(outputs), num_in, num_out, elapsed, ttft, tpot)
+    steps = sum(r.num_steps for r in runners) - steps0
+    waited = sum(r.device_wait_s for r in runners) - wait0
+    # Host time per step: the device idles through it (the step is synchronous). On a GPU, where a
+    # decode step takes milliseconds, this is what overlapping scheduling with the device would win.
+    report |= {"num_steps": steps, "host_ms_per_step": (elapsed - waited) / max(steps, 1) * 1e3}
+    return report
+
+
+def _report(backend, num_requests, num_in, num_out, elapsed, ttft, tpot) -> dict:
+    return {
+        "backend": backend,
+        "num_requests": num_requests,
+        "elapsed_s": elapsed,
+        "requests_per_s": num_requests / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "ttft_s": _percentiles(ttft),
+        "tpot_s": _percentiles(tpot),
+    }
+
+
+# -- Hugging Face transformers ---------------------------------------------------------------------
+
+
+def _load_hf(model: str | None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from xlaserve.models.loader import resolve_embedded_model_path
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    if model is None or model == "smollm2":
+        model = resolve_embedded_model_path()
+    if model.endswith(".gguf"):
+        hf = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model), gguf_file=os.path.basename(model), dtype=torch.float32
+        )
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    return hf.eval()
+
+
+def run_hf(hf, tokenizer, prompts, output_len: int, batch: bool) -> dict:
+    import torch
+
+    def generate(rows: list[list[int]]) -> tuple[float, float]:
+        width = max(map(len, rows))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            hf(input_ids=ids, attention_mask=mask)  # the prefill alone: time to first token
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+            return ttft, time.perf_counter() - t0
+
+    rows = [p["prompt_token_ids"] for p in prompts]
+    num_in = sum(map(len, rows))
+    if batch:
+        ttft, elapsed = generate(rows)
+        return _report(
+            "hf",
+            len(rows),
+            num_in,
+            len(rows) * output_len,
+            elapsed,
+            [ttft],
+            [(elapsed - ttft) / (output_len - 1)],
+        )
+    ttfts, tpots, total = [], [], 0.0
+    for row in rows:
+        ttft, elapsed = generate([row])
+        ttfts.append(ttft)
+        tpots.append((elapsed - ttft) / (output_len - 1))
+        total += elapsed
+    return _report("hf", len(rows), num_in, len(rows) * output_len, total, ttfts, tpots)
+
+
+# -- command ---------------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from xlaserve.entrypoints.llm import LLM
+
+    batch = args.bench == "throughput"
+    num_prompts = args.num_prompts or (64 if batch else 8)
+    llm = LLM(args.model, **engine_kwargs(args))
+    if args.input_len is None:
+        prompts = _prompts(llm.tokenizer, workload(num_prompts))
+    else:
+        from xlaserve.engine.detokenizer import special_token_ids
+
+        vocab = min(len(llm.tokenizer), llm.input_processor.vocab_size)
+        prompts = random_prompts(num_prompts, args.input_len, vocab, special_token_ids(llm.tokenizer))
+    results = {
+        "bench": args.bench,
+        "num_prompts": num_prompts,
+        "output_len": args.output_len,
+        "input_len": args.input_len,
+        "enforce_eager": bool(args.enforce_eager),
+    }
+    results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch)
+    if args.backend == "hf":
+        hf = _load_hf(args.model)
+        results["hf"] = run_hf(hf, llm.tokenizer, prompts, args.output_len, batch)
+        results["ratio_output_throughput"] = (
+            results["xlaserve"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
+        )
+        results["ratio_tpot_hf_over_xlaserve"] = (
+            results["hf"]["tpot_s"]["mean"] / results["xlaserve"]["tpot_s"]["mean"]
+        )
+    _print(results)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _print(results: dict) -> None:
+    prompts = (
+        "chat prompts"
+        if results.get("input_len") is None
+        else f"random prompts of {results['input_len']} tokens"
+    )
+    print(
+        f"\n== bench {results['bench']}: {results['num_prompts']} {prompts} x {results['output_len']} "
+        "output tokens =="
+    )
+    for backend in ("xlaserve", "hf"):
+        r = results.get(backend)
+        if r is None:
+            continue
+        print(
+            f"{backend:>9}: {r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
+            f"TTFT mean {r['ttft_s']['mean'] * 1e3:.0f} ms, TPOT mean {r['tpot_s']['mean'] * 1e3:.1f} ms"
+        )
+        if "host_ms_per_step" in r:
+            compiles = " (compiles included: --enforce-eager)" if results.get("enforce_eager") else ""
+            print(
+                f"{'':>9}  {r['num_steps']} steps, "
+                f"host work {r['host_ms_per_step']:.1f} ms per step{compiles}"
+            )
+    if "ratio_output_throughput" in results:
+        print(f"output throughput xlaserve / hf: {results['ratio_output_throughput']:.2f}x")
+        print(f"TPOT hf / xlaserve: {results['ratio_tpot_hf_over_xlaserve']:.2f}x")
+
+
+def add_parser(sub, add_engine_args):
+    p = sub.add_parser("bench", help="benchmarks: throughput, latency (offline), serve (a running server)")
+    bench_sub = p.add_subparsers(dest="bench", required=True)
+    for name, help_text in (
+        ("throughput", "all prompts at once: requests/s and output tokens/s"),
+        ("latency", "one request at a time: time to first token and time per output token"),
+    ):
+        b = bench_sub.add_parser(name, help=help_text)
+        b.add_argument("--num-prompts", type=int, default=None, help="default 64 (throughput), 8 (latency)")
+        b.add_argument("--output-len", type=int, default=128)
+        b.add_argument(
+            "--input-len",
+            type=int,
+            default=None,
+            help="random prompts of this many token ids instead of the chat workload",
+        )
+        b.add_argument(
+            "--backend",
+            choices=["xlaserve", "hf"],
+            default="xlaserve",
+            help="hf: also run HF transformers' generate on the same workload, for a ratio",
+        )
+        b.add_argument("--output-json", default=None)
+        add_engine_args(b)
+        b.set_defaults(func=cmd_bench)
+    return bench_sub

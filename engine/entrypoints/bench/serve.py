@@ -1,0 +1,252 @@
+"""`xlaserve bench serve`: load a running server with the fixed chat workload, modelled on `vllm bench serve`.
+
+Requests go out at a Poisson rate (`--request-rate`) or as fast as `--max-concurrency` allows; each
+is a streamed chat completion (greedy, `ignore_eos`, so every request produces exactly
+`--output-len` tokens, as in `xlaserve bench throughput`). Reported: throughput and the p50/p90/p99
+of time to first token (TTFT), time per output token after the first (TPOT), inter-token latency
+(ITL, one sample per streamed chunk) and end-to-end latency. Several loads (`--max-concurrency 1,4,16`)
+make a sweep; `--plot FILE.png` draws the latency percentiles against load (needs matplotlib:
+`pip install xlaserve[bench]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from xlaserve.entrypoints.bench.offline import workload
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    is_ok: bool = False
+    error: str = ""
+    start: float = 0.0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    itls: list[float] = field(default_factory=list)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    out = {"mean": sum(ordered) / len(ordered)}
+    for p in PERCENTILES:
+        out[f"p{p}"] = ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1)]
+    return out
+
+
+async def _one_request(client, url: str, headers: dict, body: dict) -> RequestResult:
+    result = RequestResult(start=time.perf_counter())
+    last = result.start
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if not chunk.get("choices") or not chunk["choices"][0]["delta"].get("content"):
+                    continue
+                now = time.perf_counter()
+                if result.ttft == 0.0:
+                    result.ttft = now - result.start
+                else:
+                    result.itls.append(now - last)
+                last = now
+        result.e2e = time.perf_counter() - result.start
+        result.is_ok = result.output_tokens > 0
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal to the run
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_load(args, conversations, *, max_concurrency: int | None, request_rate: float) -> dict:
+    import httpx
+
+    url = args.base_url.rstrip("/") + "/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = asyncio.Semaphore(max_concurrency or len(conversations))
+    rng = random.Random(args.seed)
+    timeout = httpx.Timeout(args.timeout)
+    limits = httpx.Limits(max_connections=max_concurrency or len(conversations))
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def limited(messages):
+            body = {
+                "model": args.model,
+                "messages": messages,
+                "max_tokens": args.output_len,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with limit:
+                return await _one_request(client, url, headers, body)
+
+        await _one_request(
+            client,
+            url,
+            headers,
+            {  # touch: connections, first-request costs
+                "model": args.model,
+                "messages": conversations[0],
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        tasks = []
+        start = time.perf_counter()
+        for messages in conversations:
+            tasks.append(asyncio.create_task(limited(messages)))
+            if math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    return summarize(results, elapsed, max_concurrency, request_rate)
+
+
+def summarize(results: list[RequestResult], elapsed: float, max_concurrency, request_rate) -> dict:
+    ok = [r for r in results if r.is_ok]
+    num_out = sum(r.output_tokens for r in ok)
+    num_in = sum(r.prompt_tokens for r in ok)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "max_concurrency": max_concurrency,
+        "request_rate": request_rate if math.isfinite(request_rate) else "inf",
+        "num_requests": len(results),
+        "num_failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "elapsed_s": elapsed,
+        "requests_per_s": len(ok) / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "ttft_s": percentiles([r.ttft for r in ok]),
+        "tpot_s": percentiles(tpots),
+        "itl_s": percentiles([x for r in ok for x in r.itls]),
+        "e2e_s": percentiles([r.e2e for r in ok]),
+    }
+
+
+def _print(run: dict, num_prompts: int, output_len: int) -> None:
+    load = f"max concurrency {run['max_concurrency']}" if run["max_concurrency"] else "no concurrency limit"
+    print(
+        f"\n== bench serve: {num_prompts} prompts x {output_len} tokens, {load}, "
+        f"request rate {run['request_rate']} =="
+    )
+    print(
+        f"requests: {run['num_requests'] - run['num_failed']} ok, {run['num_failed']} failed "
+        f"{run['errors'] or ''}"
+    )
+    print(
+        f"throughput: {run['requests_per_s']:.2f} req/s, {run['output_tokens_per_s']:.1f} output tok/s, "
+        f"{run['total_tokens_per_s']:.1f} total tok/s"
+    )
+    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        p = run[key]
+        if p:
+            print(
+                f"{name:>5} ms: mean {p['mean'] * 1e3:8.1f}  "
+                + "  ".join(f"p{q} {p[f'p{q}'] * 1e3:8.1f}" for q in PERCENTILES)
+            )
+
+
+def plot(runs: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"--plot needs matplotlib: pip install 'xlaserve[bench]' ({e})") from None
+    by_rate = all(r["max_concurrency"] is None for r in runs)
+    loads = [r["request_rate"] if by_rate else r["max_concurrency"] for r in runs]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    for ax, (key, name) in zip(
+        axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
+    ):
+        for q in PERCENTILES:
+            ax.plot(loads, [r[key].get(f"p{q}", float("nan")) * 1e3 for r in runs], marker="o", label=f"p{q}")
+        ax.set_title(f"{name} (ms)")
+        ax.set_xlabel("request rate (req/s)" if by_rate else "max concurrency")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("xlaserve bench serve: latency percentiles against load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _values(text: str | None, kind) -> list:
+    return [kind(v) for v in text.split(",")] if text else []
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
+    conversations = workload(args.num_prompts)
+    concurrencies = _values(args.max_concurrency, int) or [None]
+    rates = _values(args.request_rate, float) or [math.inf]
+    loads = [(c, r) for c in concurrencies for r in rates]
+    runs = []
+    for max_concurrency, rate in loads:
+        run = asyncio.run(run_load(args, conversations, max_concurrency=max_concurrency, request_rate=rate))
+        _print(run, args.num_prompts, args.output_len)
+        runs.append(run)
+    results = {
+        "bench": "serve",
+        "base_url": args.base_url,
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        "runs": runs,
+    }
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    if args.plot:
+        plot(runs, args.plot)
+        print(f"plot: {args.plot}")
+    return 0 if all(r["num_failed"] == 0 for r in runs) else 1
+
+
+def add_serve_parser(bench_sub) -> None:
+    b = bench_sub.add_parser("serve", help="load a running server: TTFT, TPOT, ITL, E2E percentiles")
+    b.add_argument("--base-url", default="http://127.0.0.1:8000")
+    b.add_argument("--model", default=None, help="the served model name (default: the server's)")
+    b.add_argument("--api-key", default=None)
+    b.add_argument("--num-prompts", type=int, default=64)
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument(
+        "--max-concurrency",
+        default=None,
+        help="at most this many requests in flight; a list (1,4,16) runs a sweep",
+    )
+    b.add_argument(
+        "--request-rate",
+        default=None,
+        help="Poisson arrivals, requests/s (default: all at once); a list runs a sweep",
+    )
+    b.add_argument("--seed", type=int, default=0, help="of the Poisson arrival times")
+    b.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    b.add_argument("--output-json", default=None)
+    b.add_argument("--plot", default=None, metavar="FILE.png", help="latency percentiles against load")
+    b.set_defaults(func=cmd_bench_serve)

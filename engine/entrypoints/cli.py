@@ -1,0 +1,150 @@
+"""The `xlaserve` command: generate, chat, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs, run_follower_if_needed
+from xlaserve.entrypoints.bench import offline as bench_offline
+from xlaserve.entrypoints.bench import serve as bench_serve
+from xlaserve.entrypoints.openai import api_server
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, dest="sampling_seed")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=None)
+
+
+def sampling_params(args: argparse.Namespace):
+    from xlaserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from xlaserve.entrypoints.llm import LLM
+
+    if run_follower_if_needed(args):
+        return 0
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args)
+    prompt = args.prompt
+    if not args.raw:
+        text = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        prompt = {"prompt": text, "prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False)}
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    llm.shutdown()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from xlaserve.entrypoints.llm import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("xlaserve chat: type a message, Ctrl-D or /exit to leave, /reset to start over.")
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = {"prompt": text, "prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False)}
+        reply = []
+        for delta in llm.stream(prompt, params):
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from xlaserve.models.convert import convert_checkpoint
+
+    dtype = convert_checkpoint(args.model, args.out_dir, args.dtype)
+    print(f"wrote {args.out_dir} ({dtype}); serve it with --model {args.out_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xlaserve", description="LLM inference on JAX/XLA")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete one prompt, streaming the text to stdout")
+    p.add_argument("prompt")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="an interactive chat on the terminal")
+    p.add_argument("--system", default=None, help="a system prompt")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser(
+        "convert", help="write MODEL's parameters in our layout with orbax, for faster loading"
+    )
+    p.add_argument("model", help="HF directory, .gguf file, converted directory, or 'smollm2'")
+    p.add_argument("out_dir", help="where to write params/, config.json and the tokenizer")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="(default: the checkpoint's own floating dtype; float32 for GGUF)",
+    )
+    p.set_defaults(func=cmd_convert)
+
+    api_server.add_parser(sub, add_engine_args)
+    bench_sub = bench_offline.add_parser(sub, add_engine_args)
+    bench_serve.add_serve_parser(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

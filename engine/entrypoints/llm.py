@@ -1,0 +1,192 @@
+"""`LLM`: the offline Python API (`generate`, `chat`), driving an in-process EngineCore."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from xlaserve.config import EngineConfig
+from xlaserve.engine.metrics import EngineMetrics, Metric
+from xlaserve.engine.output_processor import OutputProcessor
+from xlaserve.engine.processor import InputProcessor, PromptType
+from xlaserve.engine.startup import start_engine
+from xlaserve.executor import follow
+from xlaserve.outputs import RequestOutput
+from xlaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Conversation = list[dict[str, Any]]
+
+
+def serve_follower(model: str | None = None, **engine_args) -> None:
+    """Process node_rank > 0 of a multi-host engine: hold this host's shards and run every step
+    process 0 sends, until it shuts down."""
+    config = EngineConfig.from_kwargs(model, **engine_args)
+    parallel = config.parallel
+    _, _, _, core = start_engine(config)
+    follow(core.runner, parallel)
+
+
+class LLM:
+    """Generate text offline: `LLM().generate("Hello")`, `LLM(model).chat([...])`.
+
+    `model`: an HF directory, a .gguf file, or None / "smollm2" for the embedded default model.
+    Keyword arguments are vLLM's engine arguments (max_model_len, max_num_seqs, block_size, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.config = EngineConfig.from_kwargs(model, **engine_args)
+        parallel = self.config.parallel
+        if parallel.node_rank != 0:
+            raise ValueError(f"LLM runs on node_rank 0; node_rank={parallel.node_rank} runs serve_follower()")
+        self.tokenizer, model_config, self.max_model_len, self.engine_core = start_engine(self.config)
+        if parallel.nnodes > 1:
+            atexit.register(self.shutdown)
+        eos = self.tokenizer.eos_token_id
+        if eos is None and model_config.eos_token_ids:
+            eos = model_config.eos_token_ids[0]
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.max_model_len, model_config.vocab_size, eos, self.config.model.seed
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics()
+        self._request_counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Release the other processes of a multi-host engine (they exit their step loop)."""
+        self.engine_core.shutdown()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- the public API -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (a string, {"prompt": ...} or {"prompt_token_ids": [...]}); outputs
+        come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = self._broadcast_params(sampling_params, len(prompts))
+        tokenized = [self.input_processor.tokenize(p) for p in prompts]
+        for (_, ids), p in zip(tokenized, params):  # validate everything before adding anything
+            self.input_processor.validate_prompt(ids)
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        return self._run(tokenized, params, priorities, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one completion as it is generated (n must be 1)."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream() takes n=1, got n={params.n}")
+        text, ids = self.input_processor.tokenize(prompt)
+        request_id = str(next(self._request_counter))
+        added = self._add_request(request_id, text, ids, params, 0, output_kind="delta")
+        try:
+            while self.engine_core.has_unfinished_requests():
+                for output in self._step():
+                    if output.request_id == request_id and output.outputs[0].text:
+                        yield output.outputs[0].text
+        finally:
+            self.engine_core.abort_requests(added)
+            self.output_processor.abort_requests(added)
+
+    def get_metrics(self) -> list[Metric]:
+        """Counters, gauges and histograms named like vLLM's (prefix `xlaserve:`)."""
+        return self.metrics.snapshot()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _broadcast_params(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if len(sampling_params) != num_prompts:
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries; it must be one or one per prompt "
+                f"({num_prompts})"
+            )
+        return list(sampling_params)
+
+    def _run(self, tokenized, params, priorities, use_tqdm: bool) -> list[RequestOutput]:
+        order: dict[str, int] = {}
+        added: list[str] = []
+        try:
+            for i, ((text, ids), p, prio) in enumerate(zip(tokenized, params, priorities)):
+                request_id = str(next(self._request_counter))
+                added += self._add_request(request_id, text, ids, p, prio)
+                order[request_id] = i
+            results: list[RequestOutput | None] = [None] * len(order)
+            with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while self.engine_core.has_unfinished_requests():
+                    for output in self._step():
+                        if output.finished:
+                            results[order[output.request_id]] = output
+                            bar.update(1)
+            return results
+        except BaseException:
+            # Nothing leaks: whatever this call added and did not finish is aborted.
+            self.engine_core.abort_requests(added)
+            self.output_processor.abort_requests(list(order))
+            raise
+
+    def _add_request(
+        self, request_id, text, ids, params: SamplingParams, priority: int, output_kind: str = "final"
+    ) -> list[str]:
+        now = time.time()
+        requests = self.input_processor.make_requests(
+            request_id, ids, params, arrival_time=now, priority=priority
+        )
+        self.output_processor.add_requests(request_id, requests, text, ids, now, output_kind)
+        for request in requests:
+            self.engine_core.add_request(request)
+        return [r.request_id for r in requests]
+
+    def _step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        self.metrics.record_scheduler(self.engine_core.make_stats())
+        self.metrics.record_iteration(self.output_processor.drain_stats())
+        return processed.request_outputs

@@ -1,0 +1,159 @@
+"""`xlaserve serve [MODEL]`: start the engine core process, then uvicorn; stop both on SIGINT/SIGTERM.
+
+The port opens only once the engine is warm, so a client that can connect can generate. On a
+signal uvicorn stops accepting connections and gives in-flight requests `--shutdown-timeout`
+seconds to finish; then the engine core is stopped and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+from xlaserve.entrypoints.arg_utils import engine_kwargs, run_follower_if_needed
+
+logger = logging.getLogger("xlaserve.entrypoints.openai")
+
+
+def add_parser(sub, add_engine_args) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (flags named as in `vllm serve`)")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF directory, .gguf file or 'smollm2' (default); same as --model",
+    )
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("XLASERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (also XLASERVE_API_KEY)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model'; the first is reported (default: MODEL or 'smollm2')",
+    )
+    g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    g.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=None,
+        help="accept at most max-num-seqs running plus this many waiting requests; then 503",
+    )
+    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
+    )
+    p.set_defaults(func=cmd_serve)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A template given inline, or the contents of the file it names."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{%" in value or "{{" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
+async def _end_after_grace(server, engine, grace_s: float) -> None:
+    """Once a signal asked uvicorn to stop, give in-flight requests `grace_s` seconds, then end them
+    with an error event, so their connections close cleanly instead of being cancelled."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    num_in_flight = engine.get_num_unfinished_requests()
+    if num_in_flight:
+        logger.info("shutting down: %d request(s) in flight get %.0fs to finish", num_in_flight, grace_s)
+    deadline = loop_time() + grace_s
+    while engine.get_num_unfinished_requests() and loop_time() < deadline:
+        await asyncio.sleep(0.1)
+    engine.fail_all_requests("the server is shutting down")
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if run_follower_if_needed(args):  # node_rank > 0 of a multi-host engine: no HTTP, only steps
+        return 0
+    kwargs = engine_kwargs(args)
+    if args.max_num_queued_reqs is not None:
+        if args.max_num_queued_reqs < 0:
+            raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
+        kwargs["max_num_queued_reqs"] = args.max_num_queued_reqs
+    chat_template = load_chat_template(args.chat_template)
+    return asyncio.run(_serve(args, kwargs, chat_template))
+
+
+async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str | None) -> int:
+    import uvicorn
+
+    from xlaserve.engine.async_llm import AsyncLLM
+    from xlaserve.entrypoints.openai.app import build_app
+    from xlaserve.entrypoints.openai.serving import ServerState
+
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a signal during start-up cancels it cleanly
+        loop.add_signal_handler(sig, main_task.cancel)
+    try:
+        engine = await AsyncLLM.create(args.model, log_level=args.log_level, **engine_args)
+    except asyncio.CancelledError:
+        logger.info("interrupted during start-up")
+        return 0
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    # uvicorn handles the signals while it serves, then re-raises them: by then they must be harmless.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+
+    state = ServerState(
+        engine=engine,
+        served_model_names=args.served_model_name or [args.model or "smollm2"],
+        chat_template=chat_template,
+        log_requests=not args.disable_log_requests,
+        api_key=args.api_key,
+    )
+    config = uvicorn.Config(
+        build_app(state),
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=args.shutdown_timeout + 2.0,  # a backstop: see _end_after_grace
+        lifespan="off",
+    )
+    server = uvicorn.Server(config)
+    grace = asyncio.create_task(_end_after_grace(server, engine, args.shutdown_timeout))
+    try:
+        await server.serve()
+    finally:
+        grace.cancel()
+        logger.info("stopping the engine core")
+        await engine.shutdown()
+    return 0 if server.started or server.should_exit else 1

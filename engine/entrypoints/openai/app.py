@@ -1,0 +1,183 @@
+"""The FastAPI app: OpenAI's routes plus /tokenize, /detokenize, /health, /version and /metrics."""
+
+from __future__ import annotations
+
+import hmac
+from importlib import metadata
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+
+from xlaserve.entrypoints.openai.chat import apply_chat_template, create_chat_completion
+from xlaserve.entrypoints.openai.completions import create_completion
+from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, install_error_handlers
+from xlaserve.entrypoints.openai.metrics import CONTENT_TYPE, make_registry, render
+from xlaserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from xlaserve.entrypoints.openai.serving import ServerState, check_model, tokenize_text
+
+MAX_BODY_BYTES = 32 * 2**20
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("xlaserve")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def _errors(*codes: int) -> dict:
+    return {code: {"model": ErrorResponse} for code in codes}
+
+
+def _sse_or_json(model) -> dict:
+    """200: JSON, or server-sent events when the request says `"stream": true`."""
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+class GuardMiddleware:
+    """API key check (constant-time) and a bound on the request body, before any route runs."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int = MAX_BODY_BYTES):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        error = None
+        if (
+            self.expected is not None
+            and scope["path"].startswith(_PROTECTED_PREFIXES)
+            and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        ):
+            error = OpenAIError(
+                401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+        length = headers.get(b"content-length", b"0")
+        if error is None and not length.isdigit():
+            error = OpenAIError(400, "invalid Content-Length header", code="invalid_header")
+        if error is None and int(length) > self.max_body_bytes:
+            error = OpenAIError(
+                413, f"the request body exceeds {self.max_body_bytes} bytes", code="request_too_large"
+            )
+        if error is None:
+            return await self.app(scope, receive, send)
+        await error.to_json_response()(scope, receive, send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="xlaserve", version=_version(), summary="OpenAI-compatible LLM server on JAX/XLA")
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=state.api_key)
+    registry = make_registry(state.engine, state.model_name)
+    engine = state.engine
+
+    @app.get("/health", responses=_errors(503))
+    async def health() -> dict[str, str]:
+        """200 while the engine core is alive, 503 once it has died."""
+        if engine.is_errored:
+            raise OpenAIError(
+                503, f"the engine is not available: {engine.errored_reason}", code="engine_dead"
+            )
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=_version())
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}},
+    )
+    async def metrics() -> Response:
+        """Prometheus text exposition."""
+        return Response(render(registry), media_type=CONTENT_TYPE)
+
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(
+            id=name,
+            created=state.started_at,
+            root=engine.model or "smollm2",
+            max_model_len=engine.max_model_len,
+        )
+
+    @app.get("/v1/models", responses=_errors(401))
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card(name) for name in state.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
+    async def get_model(model_id: str) -> ModelCard:
+        return model_card(check_model(state, model_id))
+
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={**_sse_or_json(CompletionResponse), **_errors(400, 401, 404, 413, 503)},
+    )
+    async def completions(request: CompletionRequest, raw_request: Request):
+        return await create_completion(state, request, raw_request)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={**_sse_or_json(ChatCompletionResponse), **_errors(400, 401, 404, 413, 503)},
+    )
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
+        return await create_chat_completion(state, request, raw_request)
+
+    @app.post("/tokenize", responses=_errors(400, 401, 404, 413))
+    async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        check_model(state, request.model)
+        if isinstance(request, TokenizeChatRequest):
+            text = apply_chat_template(
+                state, request.messages, request.add_generation_prompt, request.continue_final_message
+            )
+            param = "messages"
+        else:
+            text, param = request.prompt, "prompt"
+        ids = tokenize_text(engine, text, request.add_special_tokens, param)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", responses=_errors(400, 401, 404, 413))
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(state, request.model)
+        bad = [t for t in request.tokens if t >= engine.vocab_size]
+        if bad:
+            raise bad_request(f"tokens must be in [0, {engine.vocab_size}), got {bad[:4]}", "tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
+
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without its 422 responses: validation errors here are 400s."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

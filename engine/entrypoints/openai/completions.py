@@ -1,0 +1,250 @@
+"""POST /v1/completions: one or several prompts (text or token ids), n choices each, streamed or not."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from xlaserve.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from xlaserve.entrypoints.openai.serving import (
+    MIN_LOGPROB,
+    SSE_DONE,
+    ServerState,
+    check_context,
+    check_finish,
+    check_model,
+    collect_final,
+    engine_error,
+    make_sampling_params,
+    merge_streams,
+    new_id,
+    sse_error,
+    sse_event,
+    tokenize_text,
+)
+from xlaserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+logger = logging.getLogger("xlaserve.entrypoints.openai")
+
+
+def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if not items:
+        from xlaserve.entrypoints.openai.errors import bad_request
+
+        raise bad_request("prompt must not be empty", "prompt")
+    engine = state.engine
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((item, tokenize_text(engine, item, req.add_special_tokens, "prompt")))
+        else:
+            out.append((None, list(item)))
+    return out
+
+
+def _prompt_text(state: ServerState, output: RequestOutput) -> str:
+    if output.prompt is not None:
+        return output.prompt
+    return state.engine.tokenizer.decode(output.prompt_token_ids)
+
+
+def _token_text(state: ServerState, token_id: int) -> str:
+    return state.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def make_completion_logprobs(
+    state: ServerState,
+    token_ids: list[int],
+    entries: list[dict[int, Logprob] | None],
+    top_n: int,
+    text_offset: int = 0,
+) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs: per token its text, logprob, top-n alternatives and text offset."""
+    result = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry.get(token_id) if entry else None
+        token = (
+            chosen.decoded_token
+            if chosen is not None and chosen.decoded_token is not None
+            else (_token_text(state, token_id))
+        )
+        result.tokens.append(token)
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+        if entry is None or chosen is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB))
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+        top = {
+            lp.decoded_token or _token_text(state, tid): max(lp.logprob, MIN_LOGPROB)
+            for tid, lp in ranked
+            if (lp.rank or 0) <= top_n
+        }
+        top.setdefault(token, result.token_logprobs[-1])  # the sampled token is always listed
+        result.top_logprobs.append(top)
+    return result
+
+
+def _choice(
+    state: ServerState,
+    req: CompletionRequest,
+    prompt_index: int,
+    output: RequestOutput,
+    completion: CompletionOutput,
+    echo_prompt: bool,
+) -> CompletionChoice:
+    text = completion.text
+    logprobs = None
+    prefix = _prompt_text(state, output) if echo_prompt else ""
+    if req.logprobs is not None:
+        token_ids = list(completion.token_ids)
+        entries = list(completion.logprobs or [])
+        if echo_prompt:
+            token_ids = output.prompt_token_ids + token_ids
+            prompt_entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+            entries = list(prompt_entries) + entries
+        logprobs = make_completion_logprobs(state, token_ids, entries, req.logprobs)
+    return CompletionChoice(
+        index=prompt_index * req.n + completion.index,
+        text=prefix + text,
+        logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+    )
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw_request: Request):
+    model = check_model(state, req.model)
+    prompts = _prompts(state, req)
+    for _, ids in prompts:
+        check_context(state.engine, len(ids), req.max_tokens, "prompt")
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    params = make_sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+    request_id = new_id("cmpl")
+    streams = []
+    try:
+        for i, (text, ids) in enumerate(prompts):
+            streams.append(
+                state.engine.add_request(
+                    ids,
+                    params,
+                    f"{request_id}-{i}",
+                    prompt=text,
+                    priority=req.priority,
+                    cache_salt=req.cache_salt,
+                    output_kind="delta" if req.stream else "final",
+                )
+            )
+    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
+        for stream in streams:
+            stream.close()
+        raise engine_error(e) from None
+    if state.log_requests:
+        logger.info(
+            "request %s: %d prompt(s), %s tokens, %s",
+            request_id,
+            len(prompts),
+            [len(ids) for _, ids in prompts],
+            params,
+        )
+    created = int(time.time())
+    num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+    if req.stream:
+        return StreamingResponse(
+            _stream(state, req, request_id, model, created, streams, num_prompt_tokens),
+            media_type="text/event-stream",
+        )
+    try:
+        finals = await collect_final(raw_request, streams)
+    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
+        raise engine_error(e) from None
+    choices, num_generated, num_cached = [], 0, 0
+    for i, output in enumerate(finals):
+        check_finish(output)
+        num_cached += output.num_cached_tokens
+        for completion in output.outputs:
+            choices.append(_choice(state, req, i, output, completion, req.echo))
+            num_generated += len(completion.token_ids)
+    return CompletionResponse(
+        id=request_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=_usage(num_prompt_tokens, num_generated, num_cached),
+    )
+
+
+def _usage(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_generated,
+        total_tokens=num_prompt + num_generated,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+    )
+
+
+async def _stream(
+    state: ServerState,
+    req: CompletionRequest,
+    request_id: str,
+    model: str,
+    created: int,
+    streams,
+    num_prompt_tokens: int,
+):
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    continuous = include_usage and req.stream_options.continuous_usage_stats
+    echoed: set[tuple[int, int]] = set()
+    num_generated = num_cached = 0
+    merged = merge_streams(streams)
+    try:
+        async for i, output in merged:
+            check_finish(output)
+            num_cached = max(num_cached, output.num_cached_tokens)
+            for completion in output.outputs:
+                num_generated += len(completion.token_ids)
+                echo = req.echo and (i, completion.index) not in echoed
+                echoed.add((i, completion.index))
+                choice = _choice(state, req, i, output, completion, echo)
+                if not choice.text and choice.finish_reason is None and not completion.token_ids:
+                    continue
+                chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice])
+                if continuous:
+                    chunk.usage = _usage(num_prompt_tokens, num_generated, num_cached)
+                yield sse_event(chunk)
+        if include_usage:
+            yield sse_event(
+                CompletionChunk(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=_usage(num_prompt_tokens, num_generated, num_cached),
+                )
+            )
+    except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
+        yield sse_error(e)
+    finally:
+        await merged.aclose()
+    yield SSE_DONE

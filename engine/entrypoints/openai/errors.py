@@ -1,0 +1,148 @@
+"""Every error as OpenAI's JSON: `{"error": {"message", "type", "param", "code"}}`.
+
+Schema violations and malformed JSON are 400 (not FastAPI's 422), with `param` naming the field and
+a message of bounded length that never echoes the request body. Anything unexpected is logged here
+with its traceback and answered with a generic 500 that leaks neither traceback nor file path.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from xlaserve.entrypoints.openai.protocol import UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_CHARS = 400
+_MAX_ERRORS_LISTED = 3
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
+
+
+class OpenAIError(Exception):
+    """An error the server answers with; raise it anywhere inside a route."""
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = _bound(message)
+        self.param = param
+        self.code = code
+
+    def to_response(self) -> ErrorResponse:
+        kind = _TYPES.get(self.status_code, "invalid_request_error")
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
+        )
+
+    def to_json_response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
+        return JSONResponse(self.to_response().model_dump(), status_code=self.status_code, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def param_of_value_error(error: ValueError, fields: set[str], default: str | None = None) -> str | None:
+    """The field a SamplingParams-style ValueError names ("top_p must be in (0, 1]" -> "top_p")."""
+    explicit = getattr(error, "param", None)
+    if explicit:
+        return explicit
+    match = _IDENTIFIER.match(str(error))
+    if match and match.group(0) in fields:
+        return match.group(0)
+    return default
+
+
+def _bound(message: str) -> str:
+    message = " ".join(str(message).split())
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    return message
+
+
+def loc_to_param(loc: tuple) -> str | None:
+    """("body", "messages", 0, "content", "str") -> "messages[0].content" (union branch names dropped)."""
+    parts: list[str] = []
+    for item in loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc:
+        if isinstance(item, int):
+            if not parts:
+                break
+            parts[-1] += f"[{item}]"
+            continue
+        item = str(item)
+        if not _IDENTIFIER.fullmatch(item) or item in _TYPE_NAMES:
+            break  # a union branch ("list[int]", "str", "function-after[...]"): the field is named already
+        parts.append(item)
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "")
+        return bad_request(f"the request body is not valid JSON: {reason}".rstrip(": "), code="invalid_json")
+    param = loc_to_param(tuple(first.get("loc", ())))
+    if first.get("type") == "extra_forbidden" and param is not None:
+        field = param.split(".")[-1]
+        if field in UNSUPPORTED_FIELDS:
+            return bad_request(
+                f"'{field}' is not supported by this server yet", param, code="unsupported_field"
+            )
+        return bad_request(f"Unrecognized request argument supplied: {param}", param, code="unknown_field")
+    if first.get("type") == "missing" and param is not None:
+        return bad_request(f"'{param}' is a required property", param, code="missing_field")
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return bad_request("the request body must be a JSON object", code="invalid_body")
+    seen, messages = set(), []
+    for error in errors:
+        error_param = loc_to_param(tuple(error.get("loc", ()))) or "body"
+        text = f"{error_param}: {error.get('msg', 'invalid value')}"
+        if text not in seen:
+            seen.add(text)
+            messages.append(text)
+    more = f" (and {len(messages) - _MAX_ERRORS_LISTED} more)" if len(messages) > _MAX_ERRORS_LISTED else ""
+    return bad_request("; ".join(messages[:_MAX_ERRORS_LISTED]) + more, param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return exc.to_json_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return validation_error(exc).to_json_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = f"no route {request.url.path!r}" if len(request.url.path) < 200 else "no such route"
+        return OpenAIError(exc.status_code, message).to_json_response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return OpenAIError(
+            500, "internal server error (the server log has the details)", code="internal_error"
+        ).to_json_response()

@@ -1,0 +1,75 @@
+"""GET /metrics: the engine's metrics in Prometheus text, with vLLM's names under `xlaserve:`.
+
+A custom collector reads AsyncLLM's `EngineMetrics` (the same accumulator the offline `LLM`
+exposes through `get_metrics()`) at scrape time, so nothing is double-counted and there is no
+global registry: each app has its own.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from xlaserve.engine.async_llm import AsyncLLM
+from xlaserve.engine.metrics import PREFIX
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_DOCS = {
+    "num_requests_running": "Number of requests in the model's batch.",
+    "num_requests_waiting": "Number of requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "KV cache usage: 1 means all blocks are held by requests.",
+    "prefix_cache_queries": "Prefix cache queries, in tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in tokens.",
+    "num_preemptions": "Preemptions (recompute) by the scheduler.",
+    "prompt_tokens": "Prefill tokens processed.",
+    "generation_tokens": "Generation tokens produced.",
+    "request_success": "Finished requests, by finish reason (abort: cancelled or disconnected).",
+    "time_to_first_token_seconds": "Time to first token.",
+    "inter_token_latency_seconds": "Time between consecutive output tokens of a request.",
+    "request_time_per_output_token_seconds": "Mean time per output token after the first, per request.",
+    "e2e_request_latency_seconds": "End-to-end request latency.",
+}
+
+
+class EngineCollector:
+    """Renders AsyncLLM's metrics on each scrape; every series has a `model_name` label."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        metrics = self.engine.metrics
+        labels, values = ["model_name"], [self.model_name]
+        for name, value in metrics.counters.items():
+            if name == "request_success":
+                continue
+            family = CounterMetricFamily(PREFIX + name, _DOCS.get(name, name), labels=labels)
+            family.add_metric(values, value)
+            yield family
+        family = CounterMetricFamily(
+            PREFIX + "request_success", _DOCS["request_success"], labels=[*labels, "finished_reason"]
+        )
+        for reason in sorted({"stop", "length", "abort", *self.engine.finish_reason_counts}):
+            family.add_metric([*values, reason], self.engine.finish_reason_counts.get(reason, 0))
+        yield family
+        for name, value in metrics.gauges.items():
+            family = GaugeMetricFamily(PREFIX + name, _DOCS.get(name, name), labels=labels)
+            family.add_metric(values, value)
+            yield family
+        for name, histogram in metrics.histograms.items():
+            record = histogram.record(PREFIX + name)
+            family = HistogramMetricFamily(PREFIX + name, _DOCS.get(name, name), labels=labels)
+            family.add_metric(values, buckets=list(record.buckets.items()), sum_value=record.sum)
+            yield family
+
+
+def make_registry(engine: AsyncLLM, model_name: str) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine, model_name))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -1,0 +1,244 @@
+"""What the completion and chat routes share: request -> SamplingParams, prompts -> token ids (with
+bounded work), engine errors -> HTTP errors, server-sent events, and client-disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from xlaserve.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineShutdownError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
+from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, param_of_value_error
+from xlaserve.entrypoints.openai.protocol import SamplingFields
+from xlaserve.outputs import RequestOutput
+from xlaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("xlaserve.entrypoints.openai")
+
+# A token is rarely longer than this many characters; a prompt longer than max_model_len times this
+# is only tokenized up to that point, enough to prove it cannot fit.
+_MAX_CHARS_PER_TOKEN = 32
+_SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | set(SamplingFields.model_fields)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    served_model_names: list[str]
+    chat_template: str | None = None
+    log_requests: bool = True
+    api_key: str | None = None
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def check_model(state: ServerState, model: str | None) -> str:
+    """The model name to report; 404 for a name this server does not serve."""
+    if model is None or model in state.served_model_names:
+        return state.model_name
+    shown = model if len(model) <= 100 else model[:100] + "..."
+    raise OpenAIError(
+        404,
+        f"The model '{shown}' does not exist; this server serves {state.served_model_names}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def make_sampling_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as e:
+        raise bad_request(str(e), param_of_value_error(e, _SAMPLING_FIELDS)) from None
+
+
+def tokenize_text(engine: AsyncLLM, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """Token ids of `text`; a huge text is cut before tokenizing once it surely exceeds the context."""
+    limit = engine.max_model_len * _MAX_CHARS_PER_TOKEN
+    if len(text) > limit:
+        head = engine.tokenizer.encode(text[:limit], add_special_tokens=add_special_tokens)
+        if len(head) >= engine.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {engine.max_model_len} tokens, but the {param} has "
+                f"more than {len(head)} tokens ({len(text)} characters); reduce the {param}",
+                param,
+                code="context_length_exceeded",
+            )
+    return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check_context(engine: AsyncLLM, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+    """400 naming both numbers when the prompt plus max_tokens exceed the context length."""
+    limit = engine.max_model_len
+    if num_prompt_tokens == 0:
+        raise bad_request(f"the {param} is empty (0 tokens)", param)
+    wanted = num_prompt_tokens + (max_tokens or 1)
+    if wanted > limit:
+        blame = param if max_tokens is None or num_prompt_tokens >= limit else "max_tokens"
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
+            f"({num_prompt_tokens} in the {param}, {max_tokens or 1} for the completion). "
+            f"Please reduce the length of the {param} or the completion.",
+            blame,
+            code="context_length_exceeded",
+        )
+
+
+def engine_error(error: BaseException) -> OpenAIError:
+    """The HTTP error for an exception raised by AsyncLLM."""
+    if isinstance(error, OpenAIError):
+        return error
+    if isinstance(error, QueueFullError):
+        return OpenAIError(503, str(error), code="queue_full")
+    if isinstance(error, EngineShutdownError):
+        return OpenAIError(503, str(error), code="shutting_down")
+    if isinstance(error, EngineDeadError):
+        return OpenAIError(503, f"the engine is not available: {error}", code="engine_dead")
+    if isinstance(error, InvalidRequestError):
+        return bad_request(str(error), error.param)
+    if isinstance(error, RequestFailedError):
+        return bad_request(str(error), code="request_rejected")
+    if isinstance(error, ValueError):
+        return bad_request(str(error), param_of_value_error(error, _SAMPLING_FIELDS))
+    logger.error("request failed: %s: %s", type(error).__name__, error)
+    return OpenAIError(500, "internal server error (the server log has the details)", code="internal_error")
+
+
+def check_finish(output: RequestOutput) -> None:
+    """A request the engine failed (finish_reason "error") is the server's failure, not the client's."""
+    for completion in output.outputs:
+        if completion.finish_reason == "error":
+            raise OpenAIError(500, "the engine could not finish this request", code="engine_error")
+
+
+# -- streams -----------------------------------------------------------------------------------------
+
+
+def sse_event(payload) -> str:
+    """One server-sent event holding a pydantic model or a dict as JSON."""
+    if hasattr(payload, "model_dump_json"):
+        return f"data: {payload.model_dump_json(exclude_unset=False)}\n\n"
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the sampler could never pick gets this floor
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(error: BaseException) -> str:
+    """An error after the stream has started: a final event holding OpenAI's error JSON."""
+    return sse_event(engine_error(error).to_response().model_dump())
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (stream index, output) from several request streams as outputs arrive; leaving early
+    (a disconnect, an error) aborts every stream still running."""
+    try:
+        if len(streams) == 1:
+            async for item in streams[0]:
+                yield 0, item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for item in stream:
+                    queue.put_nowait((i, item))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+                queue.put_nowait((i, e))
+                return
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect_final(raw_request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """The last output of each stream; if the client goes away first, every stream is aborted."""
+
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        merged = merge_streams(streams)
+        try:
+            async for i, output in merged:
+                finals[i] = output
+        finally:
+            await merged.aclose()
+        return finals
+
+    work = asyncio.create_task(collect())
+    disconnect = asyncio.create_task(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not work.done():
+            work.cancel()  # the client left (or this handler was cancelled): abort the requests
+    try:
+        return await work
+    except asyncio.CancelledError:
+        raise OpenAIError(499, "client disconnected") from None

@@ -1,0 +1,133 @@
+"""Multi-host engines: process 0 sends each step to the other processes.
+
+Every process holds the model's shards for its devices and runs the same jitted step; only
+process 0 schedules. Before each step it sends the step's host arrays (worker/input_batch.StepInputs)
+to the other processes over ZMQ; they run the step and answer with a checksum of the ids they
+sampled, so a process that diverged stops the engine with a clear error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+
+import numpy as np
+import zmq
+
+from xlaserve.config import ParallelConfig
+from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
+from xlaserve.executor.executor import Executor
+from xlaserve.worker.input_batch import StepInputs
+from xlaserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_READY = b"ready"
+_STOP = b""
+
+
+def _checksum(token_ids: np.ndarray) -> bytes:
+    return zlib.crc32(np.ascontiguousarray(token_ids, np.int32).tobytes()).to_bytes(4, "little")
+
+
+class StepSender:
+    """Process 0's end: waits for every follower, then sends each step and checks their answers."""
+
+    def __init__(self, master_addr: str, port: int, num_followers: int, timeout_s: float = 600.0):
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.bind(f"tcp://{master_addr}:{port}")
+        self._sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        self._peers: list[bytes] = []
+        while len(self._peers) < num_followers:
+            identity, message = self._sock.recv_multipart()
+            if message == _READY:
+                self._peers.append(identity)
+        self._num_steps = 0
+
+    def send(self, inputs: StepInputs) -> None:
+        data = inputs.to_bytes()
+        for peer in self._peers:
+            self._sock.send_multipart([peer, data])
+
+    def check(self, token_ids: np.ndarray) -> None:
+        """Compare every follower's sampled ids with ours (a checksum); divergence is fatal."""
+        expected = _checksum(token_ids)
+        for _ in self._peers:
+            try:
+                identity, answer = self._sock.recv_multipart()
+            except zmq.Again:
+                raise RuntimeError("a follower process did not answer a step in time; stopping") from None
+            if answer != expected:
+                raise RuntimeError(
+                    f"multi-host divergence at step {self._num_steps}: process {identity.decode()} sampled "
+                    "different token ids than process 0; stopping"
+                )
+        self._num_steps += 1
+
+    def close(self) -> None:
+        for peer in self._peers:
+            self._sock.send_multipart([peer, _STOP])
+        self._sock.close()
+
+
+class StepReceiver:
+    """A follower's end: announces itself, then yields each step until process 0 stops."""
+
+    def __init__(self, master_addr: str, port: int, node_rank: int):
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, str(node_rank).encode())
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.connect(f"tcp://{master_addr}:{port}")
+        self._sock.send(_READY)
+
+    def recv(self) -> StepInputs | None:
+        data = self._sock.recv()
+        return None if data == _STOP else StepInputs.from_bytes(data)
+
+    def report(self, token_ids: np.ndarray) -> None:
+        self._sock.send(_checksum(token_ids))
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class MultiHostExecutor(Executor):
+    """Process 0's executor: each step is sent to every follower, run here, and checked against
+    the followers' answers."""
+
+    def __init__(self, runner: ModelRunner, parallel: ParallelConfig):
+        super().__init__(runner)
+        self.sender = StepSender(parallel.master_addr, step_port(parallel), parallel.nnodes - 1)
+
+    def execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
+        if not scheduled:
+            return ModelRunnerOutput()
+        inputs = self.runner.prepare(scheduled)
+        self.sender.send(inputs)
+        host = self.runner.run(inputs)
+        self.sender.check(host["token_ids"])
+        return self.runner.make_output(scheduled, host)
+
+    def shutdown(self) -> None:
+        """Release the followers: they leave their step loop."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+
+def step_port(parallel: ParallelConfig) -> int:
+    """The step channel's port: the one after the jax.distributed coordinator's."""
+    return parallel.master_port + 1
+
+
+def follow(runner: ModelRunner, parallel: ParallelConfig) -> None:
+    """A process of node_rank > 0: run each step process 0 sends, until it stops."""
+    receiver = StepReceiver(parallel.master_addr, step_port(parallel), parallel.node_rank)
+    logger.info("process %d: following process 0's steps", parallel.node_rank)
+    try:
+        while (inputs := receiver.recv()) is not None:
+            receiver.report(runner.run(inputs)["token_ids"])
+    finally:
+        receiver.close()

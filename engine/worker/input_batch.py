@@ -1,0 +1,152 @@
+"""Host-side assembly of one step's flat ragged batch, as numpy; the runner transfers it in one put."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from xlaserve.kernels import AttentionMetadata
+from xlaserve.worker.sampler import SamplingTensors
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepBatch:
+    input_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    logits_indices: jax.Array  # [R] int32: the token of each sequence that is sampled
+    md: AttentionMetadata
+    num_padded_seqs: int = field(metadata={"static": True})
+
+
+def build_step_batch(
+    scheduled, num_tokens: int, num_seqs: int, max_blocks_per_seq: int, block_size: int
+) -> StepBatch:
+    """Pad `scheduled` (ScheduledRequest list) to `num_tokens` tokens and `num_seqs` sequences.
+
+    Padding tokens write to slot 0 (the null block) and belong to no sequence; padding
+    sequences have kv_len 0 and start where the real tokens end, so they own no query.
+    """
+    input_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.zeros(num_tokens, np.int32)
+    query_start_loc = np.zeros(num_seqs + 1, np.int32)
+    kv_lens = np.zeros(num_seqs, np.int32)
+    logits_indices = np.zeros(num_seqs, np.int32)
+    block_tables = np.zeros((num_seqs, max_blocks_per_seq), np.int32)
+    offset = 0
+    for row, s in enumerate(scheduled):
+        start, n = s.num_computed_tokens, s.num_new_tokens
+        block_ids = np.asarray(s.block_ids, np.int32)
+        block_tables[row, : len(block_ids)] = block_ids
+        input_ids[offset : offset + n] = s.request.all_token_ids[start : start + n]
+        pos = np.arange(start, start + n, dtype=np.int32)
+        positions[offset : offset + n] = pos
+        slot_mapping[offset : offset + n] = block_ids[pos // block_size] * block_size + pos % block_size
+        offset += n
+        query_start_loc[row + 1] = offset
+        kv_lens[row] = start + n
+        logits_indices[row] = offset - 1
+    query_start_loc[len(scheduled) + 1 :] = offset
+    md = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        kv_lens=kv_lens,
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        num_seqs=np.int32(len(scheduled)),
+    )
+    return StepBatch(input_ids, positions, logits_indices, md, num_seqs)
+
+
+def sampling_tensors(scheduled, num_seqs: int, vocab_size: int, with_penalties: bool) -> SamplingTensors:
+    """Per-row sampling parameters; padding rows are greedy. The [R, V] penalty arrays are built only
+    when some row needs them (penalties, or min_tokens keeping EOS and stop ids out)."""
+    temperature = np.zeros(num_seqs, np.float32)
+    top_k = np.zeros(num_seqs, np.int32)
+    top_p = np.ones(num_seqs, np.float32)
+    min_p = np.zeros(num_seqs, np.float32)
+    seeds = np.zeros(num_seqs, np.uint32)
+    token_index = np.zeros(num_seqs, np.int32)
+    for row, s in enumerate(scheduled):
+        p, req = s.request.sampling_params, s.request
+        temperature[row], top_k[row], top_p[row], min_p[row] = p.temperature, p.top_k, p.top_p, p.min_p
+        seeds[row] = req.sampling_seed & 0xFFFFFFFF
+        token_index[row] = req.num_output_tokens
+    extra = {}
+    if with_penalties:
+        presence = np.zeros(num_seqs, np.float32)
+        frequency = np.zeros(num_seqs, np.float32)
+        repetition = np.ones(num_seqs, np.float32)
+        counts = np.zeros((num_seqs, vocab_size), np.int32)
+        prompt_mask = np.zeros((num_seqs, vocab_size), bool)
+        bias = np.zeros((num_seqs, vocab_size), np.float32)
+        for row, s in enumerate(scheduled):
+            p, req = s.request.sampling_params, s.request
+            presence[row], frequency[row], repetition[row] = (
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.repetition_penalty,
+            )
+            np.add.at(counts[row], np.asarray(req.output_token_ids, np.int64), 1)
+            prompt_mask[row, req.prompt_token_ids] = True
+            if req.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids or [])
+                if req.eos_token_id is not None and not p.ignore_eos:
+                    banned.append(req.eos_token_id)
+                bias[row, banned] = -np.inf
+        extra = {
+            "presence_penalty": presence,
+            "frequency_penalty": frequency,
+            "repetition_penalty": repetition,
+            "output_counts": counts,
+            "prompt_mask": prompt_mask,
+            "logit_bias": bias,
+        }
+    return SamplingTensors(temperature, top_k, top_p, min_p, seeds, token_index, **extra)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything one step's device calls consume, as host arrays: what process 0 sends to the
+    other processes of a multi-host engine so that they run the same jitted step."""
+
+    batch: StepBatch
+    sampling: SamplingTensors
+    with_logprobs: bool
+    prompt_targets: np.ndarray | None  # [T] int32 when some request asked for prompt logprobs
+
+    def to_bytes(self) -> bytes:
+        arrays = {f"batch.{k}": v for k, v in _fields(self.batch).items()}
+        arrays |= {f"md.{k}": v for k, v in _fields(self.batch.md).items()}
+        arrays |= {f"sampling.{k}": v for k, v in _fields(self.sampling).items() if v is not None}
+        arrays["with_logprobs"] = np.asarray(self.with_logprobs)
+        if self.prompt_targets is not None:
+            arrays["prompt_targets"] = self.prompt_targets
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepInputs:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+
+        def group(prefix: str) -> dict[str, np.ndarray]:
+            return {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+        batch = group("batch.")
+        batch["num_padded_seqs"] = int(batch["num_padded_seqs"])
+        return cls(
+            batch=StepBatch(md=AttentionMetadata(**group("md.")), **batch),
+            sampling=SamplingTensors(**group("sampling.")),
+            with_logprobs=bool(arrays["with_logprobs"]),
+            prompt_targets=arrays.get("prompt_targets"),
+        )
+
+
+def _fields(obj) -> dict[str, object]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name != "md"}

@@ -1,0 +1,323 @@
+"""ModelRunner: the flat ragged batch, padded to buckets, through a few jitted functions.
+
+Per step the host builds small numpy arrays (ids, positions, slot mapping, block tables, sampling
+tensors), pads them to a token bucket, and dispatches two jitted calls back to back: the model
+forward (KV cache donated, updated in place) and the sampler (LM head on one row per sequence,
+then sampling). Only the sampled ids come back to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from xlaserve.config import EngineConfig
+from xlaserve.core.outputs import ModelRunnerOutput
+from xlaserve.kernels import KVCache, MLACache, get_attention_backend
+from xlaserve.models.registry import get_model_class, kv_cache_spec, model_config_from_hf
+from xlaserve.models.weights import load_params
+from xlaserve.sharding import Placement, make_mesh
+from xlaserve.sharding.attention import shard_attention_over_kv_heads
+from xlaserve.sharding.kv_heads import replicate_kv_heads
+from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
+from xlaserve.worker.compile_guard import CompileGuard, compile_seconds, num_compiles
+from xlaserve.worker.input_batch import StepBatch, StepInputs, build_step_batch, sampling_tensors
+from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
+
+
+# The device functions of a step. The runner jits each once with its graphdef bound (a closure,
+# not a static argument: hashing a model's graphdef costs ~0.3 ms on every call).
+
+
+def _forward(graphdef, params, kv_cache, input_ids, positions, logits_indices, md):
+    """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache)."""
+    model = nnx.merge(graphdef, params)
+    hidden, kv_cache = model(input_ids, positions, kv_cache, md)
+    return hidden, hidden[logits_indices], kv_cache
+
+
+def _sample(graphdef, params, hidden_rd, st, *, with_logprobs):
+    model = nnx.merge(graphdef, params)
+    return sample(model.compute_logits(hidden_rd), st, with_logprobs=with_logprobs)
+
+
+def _prompt_logprobs(graphdef, params, hidden, target_ids):
+    model = nnx.merge(graphdef, params)
+    return prompt_logprobs(model.compute_logits(hidden), target_ids)
+
+
+def to_host(array: jax.Array) -> np.ndarray:
+    """A replicated array's value; across processes, from this process's own copy."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(array.addressable_data(0))
+
+
+def _entry(host: dict, prefix: str, row: int, n: int):
+    """One position's LogprobsEntry: the token first, then the top n."""
+    ids, vals, ranks = host[f"{prefix}_ids"], host[f"{prefix}_vals"], host[f"{prefix}_ranks"]
+    return (ids[row, : n + 1].tolist(), vals[row, : n + 1].tolist(), int(ranks[row]))
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(name)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: dict,
+        tensors: dict[str, np.ndarray],
+        max_model_len: int,
+        devices=None,
+    ):
+        self.config = config
+        self.dtype = resolve_dtype(config.model.dtype)
+        self.model_config = model_config_from_hf(hf_config)  # the family's config class (MoE, MLA fields)
+        self.max_model_len = max_model_len
+        self.block_size = config.cache.block_size
+        parallel = config.parallel
+        self.mesh = make_mesh(parallel.tensor_parallel_size, devices)
+        self.placement = Placement(self.mesh, self.model_config, parallel.enable_expert_parallel)
+        self.model_config, tensors = replicate_kv_heads(
+            self.model_config, tensors, parallel.tensor_parallel_size
+        )
+        model_class = get_model_class(self.model_config.architecture)
+        self.kv_spec = kv_cache_spec(model_class, self.model_config)  # K and V, or MLA's one latent cache
+        uses_mla = self.kv_spec.cache_class is MLACache
+        backend = get_attention_backend(config.compilation.attention_backend, mla=uses_mla)
+        self.backend = shard_attention_over_kv_heads(backend, self.mesh)
+        logger.info("attention backend: %s (%s)", self.backend.name, self.backend.reason)
+        t0 = time.perf_counter()
+        self.graphdef, self.params = load_params(
+            model_class,
+            self.model_config,
+            tensors,
+            dtype=self.dtype,
+            make_model=lambda: model_class(
+                self.model_config, self.backend, dtype=self.dtype, rngs=nnx.Rngs(0)
+            ),
+            place=self.placement.place_param,
+            sharding=self.placement.param_sharding,
+        )
+        logger.info("placed %s weights in %.2fs", model_class.__name__, time.perf_counter() - t0)
+        self._forward_fn = jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",))
+        self._sample_fn = jax.jit(partial(_sample, self.graphdef), static_argnames=("with_logprobs",))
+        self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef))
+
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_cache = self._allocate_kv_cache()
+        sched = config.scheduler
+        self.token_buckets = make_token_buckets(sched.max_num_batched_tokens)
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+        self.guard = CompileGuard(strict=config.compilation.strict_compile_guard)
+        # Steps run, and seconds spent blocked on their results: the rest of a step's wall time is
+        # host work (scheduling, batch assembly, output processing) that the device waits through.
+        self.num_steps = 0
+        self.device_wait_s = 0.0
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        return self.kv_spec.bytes_per_block(self.block_size, jnp.dtype(self.dtype).itemsize)
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif jax.default_backend() == "cpu":
+            budget = _DEFAULT_CPU_KV_CACHE_MEMORY
+        else:
+            stats = jax.local_devices()[0].memory_stats() or {}
+            limit = stats.get("bytes_limit", 0)
+            budget = int(limit * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
+        num_blocks = budget // self.kv_bytes_per_block()
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of "
+                f"{self.kv_bytes_per_block()} bytes; at least 2 are needed (raise kv_cache_memory)"
+            )
+        return int(num_blocks)
+
+    def _allocate_kv_cache(self) -> KVCache:
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.kv_bytes_per_block() / 2**20,
+        )
+        sharding = self.placement.kv_cache_sharding()
+        if self.kv_spec.num_kv_heads % self.mesh.shape["tensor"]:  # MLA's one latent head: replicated
+            sharding = self.placement.replicated
+        return self.kv_spec.allocate(
+            self.num_blocks, self.block_size, lambda shape: self.placement.zeros(shape, self.dtype, sharding)
+        )
+
+    # -- compiling ------------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Compile every token bucket and every sampler variant, then arm the compile guard."""
+        start_compiles, start_secs, t0 = num_compiles(), compile_seconds(), time.perf_counter()
+        vocab = self.model_config.vocab_size
+        sampler_buckets_done = set()
+        for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
+            num_seqs = self._num_seqs_for(num_tokens)
+            batch = self._build_batch([], num_tokens)
+            hidden, hidden_rd = self._run_forward(batch)
+            jax.block_until_ready(
+                self._prompt_logprobs_fn(
+                    self.params, hidden, self.placement.step_inputs(np.zeros(num_tokens, np.int32))
+                )
+            )
+            if num_seqs in sampler_buckets_done:
+                continue
+            sampler_buckets_done.add(num_seqs)
+            for with_penalties in (False, True):
+                st = self.placement.step_inputs(sampling_tensors([], num_seqs, vocab, with_penalties))
+                for with_logprobs in (False, True):
+                    jax.block_until_ready(
+                        self._sample_fn(self.params, hidden_rd, st, with_logprobs=with_logprobs)
+                    )
+        logger.info(
+            "warm-up: compiled %d programs for %d token buckets %s in %.1fs (XLA compile time %.1fs)",
+            num_compiles() - start_compiles,
+            len(self.token_buckets),
+            self.token_buckets,
+            time.perf_counter() - t0,
+            compile_seconds() - start_secs,
+        )
+        self.guard.arm()
+
+    def _num_seqs_for(self, num_tokens: int) -> int:
+        return request_bucket(num_tokens, self.max_num_seqs)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def _build_batch(self, scheduled, num_tokens: int) -> StepBatch:
+        batch = build_step_batch(
+            scheduled, num_tokens, self._num_seqs_for(num_tokens), self.max_blocks_per_seq, self.block_size
+        )
+        return self.placement.step_inputs(batch)
+
+    def forward(self, kv_cache: KVCache, batch: StepBatch) -> tuple[jax.Array, jax.Array, KVCache]:
+        """The model over one batch (host or device arrays): (hidden [T, D], the hidden of each
+        sequence's sampled position [R, D], the updated cache). `kv_cache` is donated: use only the
+        one returned."""
+        return self._forward_fn(
+            self.params, kv_cache, batch.input_ids, batch.positions, batch.logits_indices, batch.md
+        )
+
+    def _run_forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+        hidden, hidden_rd, self.kv_cache = self.forward(self.kv_cache, batch)
+        return hidden, hidden_rd
+
+    def prepare(self, scheduled) -> StepInputs:
+        """The host arrays of one step (the part process 0 computes and sends to the others)."""
+        num_real = sum(s.num_new_tokens for s in scheduled)
+        num_tokens = pick_bucket(self.token_buckets, num_real)
+        batch = build_step_batch(
+            scheduled, num_tokens, self._num_seqs_for(num_tokens), self.max_blocks_per_seq, self.block_size
+        )
+        sampling = [s for s in scheduled if s.is_sampling]
+        with_penalties = any(s.request.sampling_params.has_penalties for s in sampling) or any(
+            s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in sampling
+        )
+        prompt_targets = None
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
+            prompt_targets = np.zeros(num_tokens, np.int32)
+            offset = 0
+            for s in scheduled:
+                req, start = s.request, s.num_computed_tokens
+                stop = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+                if stop > start:  # positions whose next token is still a prompt token
+                    prompt_targets[offset : offset + stop - start] = req.prompt_token_ids[
+                        start + 1 : stop + 1
+                    ]
+                offset += s.num_new_tokens
+        return StepInputs(
+            batch=batch,
+            sampling=sampling_tensors(
+                scheduled, batch.num_padded_seqs, self.model_config.vocab_size, with_penalties
+            ),
+            with_logprobs=any(s.request.sampling_params.logprobs is not None for s in sampling),
+            prompt_targets=prompt_targets,
+        )
+
+    def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
+        """The device half of a step, identical on every process: forward, sample, prompt logprobs."""
+        ready = self.placement.step_inputs
+        self.guard.begin()
+        hidden, hidden_rd = self._run_forward(ready(inputs.batch))
+        out: SamplerOutput = self._sample_fn(
+            self.params, hidden_rd, ready(inputs.sampling), with_logprobs=inputs.with_logprobs
+        )
+        host = {"token_ids": out.token_ids}
+        if inputs.with_logprobs:
+            host |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
+        if inputs.prompt_targets is not None:
+            ids, vals, ranks = self._prompt_logprobs_fn(self.params, hidden, ready(inputs.prompt_targets))
+            host |= {"plp_ids": ids, "plp_vals": vals, "plp_ranks": ranks}
+        t0 = time.perf_counter()
+        host = {k: to_host(v) for k, v in host.items()}
+        self.device_wait_s += time.perf_counter() - t0
+        self.num_steps += 1
+        self.guard.check(f"a step in bucket {inputs.batch.input_ids.shape[0]}")
+        return host
+
+    def execute(self, scheduled) -> ModelRunnerOutput:
+        """Run one step for `scheduled` (a list of ScheduledRequest) in this process alone."""
+        if not scheduled:
+            return ModelRunnerOutput()
+        return self.make_output(scheduled, self.run(self.prepare(scheduled)))
+
+    def make_output(self, scheduled, host: dict[str, np.ndarray]) -> ModelRunnerOutput:
+        """Per request: the sampled id, and the logprobs it asked for, from a step's host arrays."""
+        result = ModelRunnerOutput()
+        offset = 0
+        for row, s in enumerate(scheduled):
+            req = s.request
+            rid = req.request_id
+            if req.sampling_params.prompt_logprobs is not None:
+                n = req.sampling_params.prompt_logprobs
+                length = max(
+                    0,
+                    min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+                    - s.num_computed_tokens,
+                )
+                if length:
+                    result.prompt_logprobs[rid] = [
+                        _entry(host, "plp", i, n) for i in range(offset, offset + length)
+                    ]
+            offset += s.num_new_tokens
+            if not s.is_sampling:
+                continue
+            result.sampled_token_ids[rid] = int(host["token_ids"][row])
+            if req.sampling_params.logprobs is not None:
+                result.logprobs[rid] = [_entry(host, "lp", row, req.sampling_params.logprobs)]
+        return result
+
+    def compiled_forward_text(self, num_tokens: int) -> str:
+        """The optimized HLO of the forward for one token bucket (to inspect collectives)."""
+        batch = self._build_batch([], num_tokens)
+        lowered = self._forward_fn.lower(
+            self.params, self.kv_cache, batch.input_ids, batch.positions, batch.logits_indices, batch.md
+        )
+        return lowered.compile().as_text()

@@ -1,0 +1,87 @@
+"""`xlaserve bench throughput|latency` on a tiny random model: the report's counts add up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.tiny_models import save_tiny_llama
+from xlaserve import cli
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_bench")))
+
+
+@pytest.mark.parametrize("bench, num_prompts", [("throughput", 6), ("latency", 2)])
+def test_bench_reports_what_it_ran(tiny_llama, tmp_path, bench, num_prompts):
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        bench,
+        "--model",
+        tiny_llama,
+        "--num-prompts",
+        str(num_prompts),
+        "--output-len",
+        "5",
+        "--max-model-len",
+        "256",
+        "--max-num-batched-tokens",
+        "64",
+        "--kv-cache-memory",
+        str(2**22),
+        "--enforce-eager",
+        "--output-json",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["bench"] == bench and report["num_prompts"] == num_prompts and report["output_len"] == 5
+    r = report["xlaserve"]
+    assert r["num_requests"] == num_prompts
+    # ignore_eos: exactly output_len tokens per request.
+    assert r["output_tokens_per_s"] * r["elapsed_s"] == pytest.approx(num_prompts * 5)
+    # At least one step per output token; one at a time (latency), every request takes its own 5.
+    assert r["num_steps"] >= 5 * (num_prompts if bench == "latency" else 1)
+    assert 0 < r["host_ms_per_step"] < r["elapsed_s"] * 1e3 / r["num_steps"]
+    assert r["ttft_s"]["mean"] > 0 and r["tpot_s"]["mean"] > 0
+
+
+def test_random_prompts_have_the_asked_length_and_no_special_tokens(tiny_llama, tmp_path):
+    out = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        "throughput",
+        "--model",
+        tiny_llama,
+        "--num-prompts",
+        "3",
+        "--input-len",
+        "40",
+        "--output-len",
+        "2",
+        "--max-model-len",
+        "256",
+        "--max-num-batched-tokens",
+        "64",
+        "--kv-cache-memory",
+        str(2**22),
+        "--enforce-eager",
+        "--output-json",
+        str(out),
+    ]
+    assert cli.main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["input_len"] == 40
+    # total tokens = 3 x (40 prompt + 2 output)
+    assert r["xlaserve"]["total_tokens_per_s"] * r["xlaserve"]["elapsed_s"] == pytest.approx(3 * 42)
+
+    from xlaserve.entrypoints.bench.offline import random_prompts
+
+    a, b = random_prompts(4, 50, 100, {0, 1, 2}), random_prompts(4, 50, 100, {0, 1, 2})
+    assert a == b and all(len(p["prompt_token_ids"]) == 50 for p in a)
+    ids = {t for p in a for t in p["prompt_token_ids"]}
+    assert ids <= set(range(3, 100)) and len(ids) > 50

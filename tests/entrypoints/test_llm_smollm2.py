@@ -1,0 +1,278 @@
+"""End to end on the real SmolLM2 weights: parity with Hugging Face, caching, preemption, limits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers.smollm2 import ENGINE_ARGS
+from xlaserve import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "The three primary colors are",
+    "import numpy as np\n\n# compute the mean of a list\n",
+    "Q: What is the boiling point of water?\nA:",
+    "List of prime numbers: 2, 3, 5, 7,",
+    "Translate to French: Good morning, my friend.",
+    "Les chats sont",
+    "The quick brown fox",
+    "In 1969, Neil Armstrong",
+    "SELECT name FROM users WHERE",
+    "A haiku about the sea:\n",
+    "To make a cup of tea, first",
+    "Photosynthesis is the process by which",
+    "1, 1, 2, 3, 5, 8, 13,",
+]
+NEAR_TIE = 2e-3  # logit gap between HF's top two tokens below which a divergence is acceptable
+
+
+def _hf_greedy(hf_model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
+    """HF greedy tokens and, per step, the gap between its top two logits."""
+    import torch
+
+    tokens, gaps = [], []
+    with torch.no_grad():
+        out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(num_tokens):
+            logits = out.logits[0, -1]
+            top2 = torch.topk(logits, 2)
+            tokens.append(int(top2.indices[0]))
+            gaps.append(float(top2.values[0] - top2.values[1]))
+            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, gaps
+
+
+@pytest.mark.slow
+def test_greedy_matches_hugging_face(llm, hf_model):
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)  # all 16 in flight together
+    for prompt, output in zip(PROMPTS, outputs):
+        ours = list(output.outputs[0].token_ids)
+        assert len(ours) == 32
+        theirs, gaps = _hf_greedy(hf_model, output.prompt_token_ids, 32)
+        if ours != theirs:
+            i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+            print(f"{prompt!r}: diverges at token {i}; HF top-2 logit gap there {gaps[i]:.2e}")
+            assert gaps[i] < NEAR_TIE, (
+                f"{prompt!r}: token {i} differs ({ours[i]} vs {theirs[i]}), gap {gaps[i]}"
+            )
+
+
+def _metric(llm, name: str):
+    return next(m for m in llm.get_metrics() if m.name == f"xlaserve:{name}").value
+
+
+def test_prefix_cache_computes_only_new_tokens(llm):
+    llm.reset_prefix_cache()
+    prefix = "You are a careful assistant. Answer in one short sentence. " * 6
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    first = llm.generate(prefix + "What is the capital of Italy?", params, use_tqdm=False)[0]
+    hits_before = _metric(llm, "prefix_cache_hits")
+    second = llm.generate(prefix + "What is the capital of Spain?", params, use_tqdm=False)[0]
+    shared = next(
+        i for i, (a, b) in enumerate(zip(first.prompt_token_ids, second.prompt_token_ids)) if a != b
+    )
+    block_size = llm.config.cache.block_size
+    expected_hit = shared // block_size * block_size
+    assert expected_hit >= 64
+    assert second.num_cached_tokens == expected_hit
+    assert _metric(llm, "prefix_cache_hits") - hits_before == expected_hit
+    # The same request without the cache gives the same tokens.
+    llm.reset_prefix_cache()
+    fresh = llm.generate(prefix + "What is the capital of Spain?", params, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert fresh.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_n_shares_prompt_blocks_and_seeds_are_batch_independent(llm):
+    llm.reset_prefix_cache()
+    prompt = "Write a short poem about autumn leaves falling on a quiet street. " * 3
+    params = SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=1234, max_tokens=12)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # children draw differently
+    # Children after the first hit the prompt's full blocks instead of recomputing them.
+    num_prompt = len(out.prompt_token_ids)
+    block_size = llm.config.cache.block_size
+    assert out.num_cached_tokens in (0, (num_prompt - 1) // block_size * block_size)
+    # Alone or next to other requests, the same seed yields the same tokens.
+    alone = llm.generate(
+        prompt, SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12), use_tqdm=False
+    )
+    crowded = llm.generate(
+        ["Some other prompt", prompt, "Yet another one about cats"],
+        [SamplingParams(temperature=1.0, max_tokens=20)]
+        + [SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12)]
+        + [SamplingParams(temperature=0.7, seed=7, max_tokens=5)],
+        use_tqdm=False,
+    )
+    assert alone[0].outputs[0].token_ids == crowded[1].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_stop_conditions(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base = llm.generate("The three primary colors are", greedy, use_tqdm=False)[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 24
+    # A stop string cut from the text, with finish reason stop and the string as stop_reason.
+    word = base.text.split()[2]
+    stopped = llm.generate(
+        "The three primary colors are",
+        SamplingParams(temperature=0.0, max_tokens=24, stop=[word]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == word
+    assert stopped.text == base.text[: base.text.index(word)]
+    # A stop token id ends generation right after it.
+    stop_id = base.token_ids[5]
+    by_id = llm.generate(
+        "The three primary colors are",
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
+    assert list(by_id.token_ids) == list(base.token_ids[: base.token_ids.index(stop_id) + 1])
+
+
+def test_eos_and_min_tokens(llm):
+    chat = [{"role": "user", "content": "Say hi."}]
+    short = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    eos = llm.get_tokenizer().eos_token_id
+    assert short.finish_reason == "stop" and short.token_ids[-1] == eos
+    n = len(short.token_ids)
+    longer = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=64, min_tokens=n + 3), use_tqdm=False)
+    tokens = longer[0].outputs[0].token_ids
+    assert len(tokens) >= n + 3 and eos not in tokens[: n + 2]
+
+
+def test_logprobs_match_hugging_face(llm, hf_model):
+    import torch
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, prompt_logprobs=3)
+    out = llm.generate("The capital of France is", params, use_tqdm=False)[0]
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1).numpy()
+    assert out.prompt_logprobs[0] is None
+    for pos in range(1, len(out.prompt_token_ids)):
+        entry = out.prompt_logprobs[pos]
+        token = ids[pos]
+        assert entry[token].logprob == pytest.approx(ref[pos - 1, token], abs=1e-4)
+        assert len(entry) >= 3
+    for i, entry in enumerate(out.outputs[0].logprobs):
+        pos = len(out.prompt_token_ids) + i
+        token = ids[pos]
+        assert entry[token].rank == 1  # greedy
+        assert entry[token].logprob == pytest.approx(ref[pos - 1].max(), abs=1e-4)
+        top = sorted(entry.values(), key=lambda lp: lp.rank)[:5]
+        np.testing.assert_allclose([lp.logprob for lp in top], np.sort(ref[pos - 1])[::-1][:5], atol=1e-4)
+
+
+def test_penalties_change_greedy_output(llm):
+    prompt = "List of prime numbers: 2, 3, 5, 7,"
+    plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
+    penalized = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.8), use_tqdm=False
+    )[0]
+    assert plain.outputs[0].token_ids != penalized.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(params, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**params)
+
+
+def test_bad_input_leaves_the_engine_serving(llm):
+    with pytest.raises(ValueError, match="max_model_len=512"):
+        llm.generate({"prompt_token_ids": [1] * 600}, SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"prompt_token_ids": [10**9]}, SamplingParams(max_tokens=4), use_tqdm=False)
+    free_before = llm.engine_core.kv_cache_manager.num_free_blocks
+    out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert not llm.engine_core.has_unfinished_requests()
+    assert llm.engine_core.kv_cache_manager.num_free_blocks == free_before
+
+
+def test_unknown_model_path_and_non_model_file(tmp_path):
+    from xlaserve import LLM
+
+    with pytest.raises(ValueError, match="does-not-exist"):
+        LLM(str(tmp_path / "does-not-exist"))
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    with pytest.raises(ValueError, match="notes.txt"):
+        LLM(str(text))
+
+
+def test_nothing_compiles_after_warm_up(llm):
+    from xlaserve.worker.compile_guard import num_compiles
+
+    before = num_compiles()
+    prompts = [("word " * n).strip() for n in (1, 7, 30, 90, 200)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3),
+        SamplingParams(temperature=0.8, top_k=20, max_tokens=9, seed=1),
+        SamplingParams(temperature=1.0, min_p=0.1, max_tokens=17, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=5, presence_penalty=0.5, prompt_logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=40),
+    ]
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    assert num_compiles() == before
+    assert llm.engine_core.runner.guard.num_unexpected == 0
+
+
+def test_metrics_are_named_like_vllm(llm):
+    names = {m.name for m in llm.get_metrics()}
+    for name in (
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_preemptions",
+        "prompt_tokens",
+        "generation_tokens",
+        "time_to_first_token_seconds",
+        "request_time_per_output_token_seconds",
+        "kv_cache_usage_perc",
+    ):
+        assert f"xlaserve:{name}" in names
+    assert _metric(llm, "generation_tokens") > 0
+
+
+@pytest.mark.slow  # a second engine, about 15 s
+def test_bfloat16_engine_tracks_float32(llm, hf_model):
+    """bfloat16, the GPU default, end to end on CPU: weights and KV cache in bfloat16, prompt
+    logprobs within bfloat16's error of Hugging Face's float32 ones, and the float32 engine's greedy
+    tokens where their margins are wide."""
+    import jax
+    import torch
+
+    from xlaserve import LLM
+
+    args = {**ENGINE_ARGS, "strict_compile_guard": False}
+    bf16 = LLM(dtype="bfloat16", enforce_eager=True, **args)
+    runner = bf16.engine_core.runner
+    assert {x.dtype.name for x in jax.tree.leaves(runner.params)} == {"bfloat16"}
+    assert {x.dtype.name for x in jax.tree.leaves(runner.kv_cache)} == {"bfloat16"}
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0)
+    prompt = "1, 2, 3, 4,"
+    got = bf16.generate(prompt, params, use_tqdm=False)[0]
+    want = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids  # " 5, 6, 7, 8,"
+    ids = list(got.prompt_token_ids)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1).numpy()
+    errors = [abs(got.prompt_logprobs[p][ids[p]].logprob - ref[p - 1, ids[p]]) for p in range(1, len(ids))]
+    assert max(errors) < 0.25, errors

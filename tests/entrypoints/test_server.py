@@ -1,0 +1,317 @@
+"""`xlaserve serve` end to end, through the official `openai` client: results, streams, concurrency,
+disconnects, metrics and cache isolation. The server runs once per session (see server_harness.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers.server_harness import MODEL_NAME
+from xlaserve import SamplingParams
+
+POLL_DEADLINE_S = 60  # liveness bound for waiting on a metric, not a timing assertion
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def async_client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+
+
+def metrics(server) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, keyed by (name, sorted labels without model_name)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            samples[(sample.name, labels)] = sample.value
+    return samples
+
+
+def metric(samples, name: str, **labels) -> float:
+    return samples[("xlaserve:" + name, tuple(sorted(labels.items())))]
+
+
+def wait_for_metrics(server, predicate, what: str) -> dict:
+    deadline = time.monotonic() + POLL_DEADLINE_S
+    while True:
+        samples = metrics(server)
+        if predicate(samples):
+            return samples
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not seen within {POLL_DEADLINE_S}s; last /metrics: {samples}")
+        time.sleep(0.2)
+
+
+def test_models_version_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_chat_completion(client):
+    response = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_completion_tokens=12,
+        temperature=0,
+    )
+    choice = response.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    usage = response.usage
+    assert usage.prompt_tokens > 5 and 1 <= usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_completion_usage_and_n(client, server):
+    prompt = "The three primary colors are"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, headers=server.headers).json()[
+        "tokens"
+    ]
+    response = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=8,
+        n=2,
+        temperature=0.8,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in response.choices) == [0, 1]
+    assert all(c.finish_reason == "length" for c in response.choices)
+    assert response.usage.prompt_tokens == len(ids)
+    assert response.usage.completion_tokens == 16
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, headers=server.headers).json()[
+        "prompt"
+    ]
+    assert text == prompt
+
+
+def test_streaming_matches_non_streaming(client):
+    kwargs = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Name two planets."}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=10, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].text for c in stream)
+    assert (
+        streamed
+        == client.completions.create(
+            model=MODEL_NAME, prompt="Once upon a time", max_tokens=10, temperature=0
+        )
+        .choices[0]
+        .text
+    )
+
+
+def test_greedy_equals_offline_llm(client, llm):
+    messages = [{"role": "user", "content": "Explain paged attention in one sentence."}]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    offline = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    online = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=24, temperature=0)
+    assert online.choices[0].message.content == offline.text
+    assert online.usage.completion_tokens == len(offline.token_ids)
+
+    prompt = "The capital of France is"
+    offline = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    online = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0)
+    assert online.choices[0].text == offline.text
+
+
+def test_logprobs_and_echo(client):
+    response = client.completions.create(
+        model=MODEL_NAME, prompt="Hello there", max_tokens=3, temperature=0, logprobs=2, echo=True
+    )
+    choice = response.choices[0]
+    assert choice.text.startswith("Hello there")
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset)
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(
+        len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content
+    )
+
+
+def test_stop_strings_and_token_prompts(client, server):
+    response = client.completions.create(
+        model=MODEL_NAME, prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0, stop=[" 8"]
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop" and " 8" not in choice.text
+    ids = httpx.post(
+        server.url + "/tokenize", json={"prompt": "The quick brown fox"}, headers=server.headers
+    ).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0)
+    by_text = client.completions.create(
+        model=MODEL_NAME, prompt="The quick brown fox", max_tokens=6, temperature=0
+    )
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    batch = client.completions.create(
+        model=MODEL_NAME, prompt=["The quick brown fox", "Les chats sont"], max_tokens=4, temperature=0
+    )
+    assert sorted(c.index for c in batch.choices) == [0, 1]
+    assert batch.choices[0].text == by_text.choices[0].text[: len(batch.choices[0].text)]
+
+
+def test_cache_salt_isolates_prefix_cache(client):
+    prompt = "You are a careful assistant. Answer in one short sentence. " * 6 + "What is 2 + 2?"
+
+    def cached(salt: str) -> int:
+        response = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": salt}
+        )
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # same prompt, other tenant: no shared blocks
+    assert cached("tenant-a") >= 64  # the first tenant's own prefix is reused
+
+
+@pytest.mark.slow
+def test_32_concurrent_streams_match_non_streaming(async_client):
+    topics = ["volcanoes", "chess", "bees", "compilers", "rainbows", "tea", "marathons", "the moon"]
+    conversations = [
+        [{"role": "user", "content": f"Give me fact number {i % 4 + 1} about {topics[i % 8]}."}]
+        for i in range(32)
+    ]
+
+    async def stream(messages) -> tuple[str, str, int]:
+        chunks = await async_client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, finish, usage = [], None, None
+        async for chunk in chunks:
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        return "".join(text), finish, usage
+
+    async def full(messages) -> tuple[str, str, int]:
+        r = await async_client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0
+        )
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+
+    async def run():
+        streamed = await asyncio.gather(*(stream(m) for m in conversations))
+        complete = await asyncio.gather(*(full(m) for m in conversations))
+        return streamed, complete
+
+    streamed, complete = asyncio.run(run())
+    assert len(streamed) == 32 and all(s[0] for s in streamed)
+    for i, (s, c) in enumerate(zip(streamed, complete)):
+        assert s == c, f"conversation {i}: stream {s!r} != non-stream {c!r}"
+
+
+def test_client_disconnect_frees_blocks(client, server):
+    before = metrics(server)
+    expected = (
+        client.completions.create(
+            model=MODEL_NAME, prompt="In 1969, Neil Armstrong", max_tokens=24, temperature=0
+        )
+        .choices[0]
+        .text
+    )
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Once upon a time, in a land far away,",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for _, _chunk in zip(range(3), stream):
+        pass
+    busy = wait_for_metrics(server, lambda m: metric(m, "num_requests_running") == 1, "the stream running")
+    assert metric(busy, "kv_cache_usage_perc") > 0
+
+    async def other_and_disconnect():
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key=server.api_key, max_retries=0
+        ) as c:
+            other = asyncio.create_task(
+                c.completions.create(
+                    model=MODEL_NAME, prompt="In 1969, Neil Armstrong", max_tokens=24, temperature=0
+                )
+            )
+            await asyncio.sleep(0.2)
+            stream.close()  # the client goes away mid-stream
+            return (await other).choices[0].text
+
+    assert asyncio.run(other_and_disconnect()) == expected  # the other request is unaffected
+    after = wait_for_metrics(
+        server,
+        lambda m: (
+            metric(m, "num_requests_running") == 0
+            and metric(m, "kv_cache_usage_perc") == 0
+            and metric(m, "request_success_total", finished_reason="abort")
+            == metric(before, "request_success_total", finished_reason="abort") + 1
+        ),
+        "the aborted stream's blocks freed",
+    )
+    generated = metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total")
+    assert generated < 24 + 24 + 400, "the disconnected stream ran to completion"
+
+
+def test_metrics_names(server):
+    samples = metrics(server)
+    names = {name for name, _ in samples}
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_sum",
+        "request_time_per_output_token_seconds_count",
+    ):
+        assert "xlaserve:" + name in names, name
+    assert metric(samples, "generation_tokens_total") > 0
+    assert metric(samples, "request_success_total", finished_reason="length") > 0

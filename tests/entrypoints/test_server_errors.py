@@ -1,0 +1,186 @@
+"""Every error the server answers, as OpenAI's error JSON with the right status and `param`; and
+schemathesis against the server's own OpenAPI schema: no 5xx, no response outside the schema."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+
+from helpers.server_harness import MODEL_NAME
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
+
+
+def post(server, path: str, headers: dict | None = None, **kwargs) -> httpx.Response:
+    return httpx.post(
+        server.url + path, headers=server.headers if headers is None else headers, timeout=120, **kwargs
+    )
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert len(error["message"]) <= 500
+    assert "Traceback" not in error["message"] and "/work/" not in error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ("/v1/completions", {"prompt": [1, 2, 10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "frobnicate": True}, "frobnicate"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": []}, "tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "stream": "yes please"}, "stream"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ],
+)
+def test_invalid_field_is_400_naming_it(server, path, body, param):
+    error = error_of(post(server, path, json=body), 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_non_objects_are_400(server):
+    error = error_of(
+        post(
+            server,
+            "/v1/completions",
+            content=b'{"prompt": "x"',
+            headers={**server.headers, "Content-Type": "application/json"},
+        ),
+        400,
+    )
+    assert error["code"] == "invalid_json"
+    error_of(post(server, "/v1/completions", json=["a list"]), 400)
+
+
+def test_schema_error_messages_are_bounded(server):
+    huge = "y" * 1_000_000
+    error = error_of(
+        post(
+            server,
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": huge, "extra": huge}]},
+        ),
+        400,
+    )
+    assert "yyyy" not in error["message"]
+
+
+def test_context_length_is_400_with_both_numbers(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="hello " * 300, max_tokens=300)
+    assert e.value.status_code == 400 and e.value.param == "max_tokens"
+    assert "512" in e.value.message and "601" in e.value.message and "300" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # a huge prompt: bounded tokenizer work
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "word " * 400_000}]
+        )
+    assert e.value.param == "messages" and "512" in e.value.message
+
+
+def test_api_key(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": server.api_key}):
+        error = error_of(httpx.get(server.url + "/v1/models", headers=headers), 401)
+        assert error["type"] == "authentication_error"
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_unknown_model_and_route_are_404(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=CHAT)
+    assert e.value.param == "model"
+    error_of(httpx.get(server.url + "/v1/nothing-here", headers=server.headers), 404)
+    error_of(httpx.get(server.url + "/v1/models/gpt-4", headers=server.headers), 404)
+
+
+def test_openapi_schema_has_no_422(server):
+    schema = httpx.get(server.url + "/openapi.json").json()
+    for path in schema["paths"].values():
+        for operation in path.values():
+            assert "422" not in operation["responses"]
+
+
+# -- schemathesis ------------------------------------------------------------------------------------
+
+NUM_EXAMPLES = 12  # per operation; each POST that passes validation generates a few tokens
+
+
+@pytest.fixture
+def api_schema(server):
+    loaded = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    loaded.config.generation.update(max_examples=NUM_EXAMPLES)
+    return loaded
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+def _cap_work(case) -> None:
+    """Keep generated requests cheap: a few tokens, few choices (values stay schema-valid)."""
+    body = case.body
+    if not isinstance(body, dict) or not case.path.endswith("completions"):
+        return
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), int) and body[key] > 2:
+            body[key] = 2
+    body.setdefault("max_tokens", 2)
+    if isinstance(body.get("n"), int) and body["n"] > 2:
+        body["n"] = 2
+    if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 2:
+        body["min_tokens"] = 0
+
+
+@pytest.mark.slow
+@schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+def test_schemathesis_no_5xx_no_schema_violation(case, server):
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    _cap_work(case)
+    case.call_and_validate(
+        headers=server.headers,
+        timeout=120,
+        checks=[
+            not_a_server_error,
+            status_code_conformance,
+            content_type_conformance,
+            response_schema_conformance,
+        ],
+    )

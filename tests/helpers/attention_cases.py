@@ -1,0 +1,292 @@
+"""Attention test cases shared by the reference, Pallas and Triton tests, with a float64 numpy oracle.
+
+Each case lays sequences out as the engine does: a flat ragged batch of new tokens, each sequence's
+context split into a cached prefix (already in its blocks) and this step's new tokens (written by
+`write_kv`), block ids shuffled, padding tokens and padding sequences after the real ones. Every
+block no table references is NaN, so a result that reads unreferenced memory is NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Callable
+from functools import cache, partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaserve.kernels.reference import ragged_paged_attention, write_kv
+
+NULL_BLOCK = 0  # where padding tokens write and padded block-table entries point (engine/batch.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The padded shapes one compiled variant serves."""
+
+    block_size: int = 16
+    num_tokens: int = 192  # T
+    num_padded_seqs: int = 8  # R
+    max_blocks_per_seq: int = 16
+    num_blocks: int = 96
+    head_dim: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnConfig:
+    num_q_heads: int
+    num_kv_heads: int
+    dtype: str = "float32"
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    layout: Layout = Layout()
+    tokens_per_chunk: int = 64  # the reference's page chunk
+
+
+CONFIGS = {
+    "mha_soft_cap": AttnConfig(2, 2, soft_cap=3.0),
+    "gqa2": AttnConfig(4, 2),
+    "gqa8_window": AttnConfig(8, 1, sliding_window=21),
+    "gqa2_window_cap": AttnConfig(4, 2, sliding_window=5, soft_cap=2.0),
+    "bfloat16": AttnConfig(4, 2, dtype="bfloat16"),
+    # A block size that divides neither the chunk nor the contexts, one page per chunk.
+    "block5_chunk1": AttnConfig(
+        8, 2, layout=Layout(block_size=5, max_blocks_per_seq=41, num_blocks=160), tokens_per_chunk=5
+    ),
+}
+
+# (context length after this step, new tokens this step) per real sequence; B is the block size.
+BATCHES = {
+    "decode": lambda b: [(1, 1), (b - 1, 1), (b, 1), (b + 1, 1), (200, 1), (2 * b + 3, 1)],
+    "prefill": lambda b: [(1, 1), (b - 1, b - 1), (b, b), (b + 1, b + 1), (120, 120)],
+    # Prefill chunks whose context already holds cached tokens, next to decodes and a fresh prefill.
+    "mixed": lambda b: [(200, 1), (40, 24), (b + 1, 1), (33, 33), (1, 1), (b + 7, b), (3 * b, 2 * b)],
+    "one_long_chunk": lambda b: [(200, 100)],
+}
+
+
+def reference_attention(q, k_ctx, v_ctx, *, sm_scale, sliding_window, soft_cap):
+    """One sequence in float64: q [n, Hq, D] are the last n positions of k_ctx/v_ctx [L, Hkv, D]."""
+    q, k_ctx, v_ctx = (np.asarray(x, np.float64) for x in (q, k_ctx, v_ctx))
+    n, num_q_heads, _ = q.shape
+    context_len, num_kv_heads, _ = k_ctx.shape
+    kv_head = np.arange(num_q_heads) // (num_q_heads // num_kv_heads)
+    k_hld, v_hld = k_ctx[:, kv_head].transpose(1, 0, 2), v_ctx[:, kv_head].transpose(1, 0, 2)
+    scores = np.einsum("nhd,hld->hnl", q, k_hld) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * np.tanh(scores / soft_cap)
+    q_pos = np.arange(context_len - n, context_len)[:, None]
+    kv_pos = np.arange(context_len)[None, :]
+    visible = kv_pos <= q_pos
+    if sliding_window is not None:
+        visible &= kv_pos > q_pos - sliding_window
+    scores = np.where(visible[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return np.einsum("hnl,hld->nhd", probs, v_hld)
+
+
+def _fill(rng, shape, dtype):
+    return np.asarray(jnp.asarray(rng.standard_normal(shape), dtype), np.float64)  # rounded to dtype
+
+
+@dataclasses.dataclass
+class Case:
+    """One padded step as float64/int32 numpy arrays (values already rounded to `dtype`)."""
+
+    cfg: AttnConfig
+    q: np.ndarray  # [T, Hq, D]
+    k_new: np.ndarray  # [T, Hkv, D]
+    v_new: np.ndarray  # [T, Hkv, D]
+    k_cache: np.ndarray  # [num_blocks, block_size, Hkv, D]: before this step's write
+    v_cache: np.ndarray
+    slot_mapping: np.ndarray  # [T]
+    kv_lens: np.ndarray  # [R]
+    block_tables: np.ndarray  # [R, max_blocks_per_seq]
+    query_start_loc: np.ndarray  # [R + 1]
+    num_seqs: int
+    expected: np.ndarray  # [T, Hq, D] float64; padding rows 0
+    num_real_tokens: int
+    contexts: list  # per sequence: (blocks, k_ctx, v_ctx)
+
+    @property
+    def sm_scale(self) -> float:
+        return self.cfg.layout.head_dim**-0.5
+
+    def written_caches(self) -> tuple[np.ndarray, np.ndarray]:
+        """The caches after this step's keys and values are written (numpy, no jax)."""
+        bs = self.cfg.layout.block_size
+        k_cache, v_cache = self.k_cache.copy(), self.v_cache.copy()
+        k_cache[self.slot_mapping // bs, self.slot_mapping % bs] = self.k_new
+        v_cache[self.slot_mapping // bs, self.slot_mapping % bs] = self.v_new
+        return k_cache, v_cache
+
+
+def build_case(
+    cfg: AttnConfig, seqs: list[tuple[int, int]], seed: int, *, poison_tails=False, padding_seed=0
+):
+    """Lay out one padded step. The data of the sequence in row i depends on (seed, i) only and the
+    padding's on padding_seed, so cases that differ only in padding or in other rows can be compared."""
+    lay = cfg.layout
+    rng = np.random.default_rng([seed, 1])
+    pad_rng = np.random.default_rng([seed, 2, padding_seed])
+    bs, dim, hq, hkv = lay.block_size, lay.head_dim, cfg.num_q_heads, cfg.num_kv_heads
+    dtype = jnp.dtype(cfg.dtype)
+    q_scale = 3.0 if cfg.soft_cap else 1.0  # large enough scores that the cap matters
+    assert sum(n for _, n in seqs) < lay.num_tokens and len(seqs) < lay.num_padded_seqs
+
+    # Poison every block, then give each sequence shuffled, non-contiguous blocks.
+    cache_shape = (lay.num_blocks, bs, hkv, dim)
+    k_cache = np.full(cache_shape, np.nan)
+    v_cache = np.full(cache_shape, np.nan)
+    if not poison_tails:
+        # Padded table entries point at the null block and the last block of a sequence has stale
+        # slots past its context: both are read (then masked), so they hold finite garbage here.
+        k_cache[NULL_BLOCK] = 50.0 * pad_rng.standard_normal(cache_shape[1:])
+        v_cache[NULL_BLOCK] = 50.0 * pad_rng.standard_normal(cache_shape[1:])
+    free = list(rng.permutation(np.arange(1, lay.num_blocks)))
+    block_tables = np.full((lay.num_padded_seqs, lay.max_blocks_per_seq), NULL_BLOCK, np.int32)
+    kv_lens = np.zeros(lay.num_padded_seqs, np.int32)
+    query_start_loc = np.zeros(lay.num_padded_seqs + 1, np.int32)
+    slot_mapping = np.full(lay.num_tokens, NULL_BLOCK * bs, np.int32)  # padding tokens -> null block
+    # Padding tokens carry arbitrary queries, keys and values.
+    q = _fill(pad_rng, (lay.num_tokens, hq, dim), dtype) * q_scale
+    k_new = _fill(pad_rng, (lay.num_tokens, hkv, dim), dtype)
+    v_new = _fill(pad_rng, (lay.num_tokens, hkv, dim), dtype)
+    expected = np.zeros((lay.num_tokens, hq, dim))
+    contexts = []
+    offset = 0
+    for row, (context_len, n) in enumerate(seqs):
+        seq_rng = np.random.default_rng([seed, 3, row])
+        num_blocks = -(-context_len // bs)
+        blocks = np.array([free.pop() for _ in range(num_blocks)], np.int32)
+        block_tables[row, :num_blocks] = blocks
+        if not poison_tails:
+            k_cache[blocks[-1]] = 50.0 * pad_rng.standard_normal(cache_shape[1:])
+            v_cache[blocks[-1]] = 50.0 * pad_rng.standard_normal(cache_shape[1:])
+        k_ctx = _fill(seq_rng, (context_len, hkv, dim), dtype)
+        v_ctx = _fill(seq_rng, (context_len, hkv, dim), dtype)
+        q[offset : offset + n] = _fill(seq_rng, (n, hq, dim), dtype) * q_scale
+        k_new[offset : offset + n] = k_ctx[context_len - n :]
+        v_new[offset : offset + n] = v_ctx[context_len - n :]
+        pos = np.arange(context_len)
+        slots_b, slots_o = blocks[pos // bs], pos % bs
+        cached = pos < context_len - n
+        k_cache[slots_b[cached], slots_o[cached]] = k_ctx[cached]
+        v_cache[slots_b[cached], slots_o[cached]] = v_ctx[cached]
+        slot_mapping[offset : offset + n] = slots_b[~cached] * bs + slots_o[~cached]
+        expected[offset : offset + n] = reference_attention(
+            q[offset : offset + n],
+            k_ctx,
+            v_ctx,
+            sm_scale=dim**-0.5,
+            sliding_window=cfg.sliding_window,
+            soft_cap=cfg.soft_cap,
+        )
+        contexts.append((blocks, k_ctx, v_ctx))
+        offset += n
+        kv_lens[row] = context_len
+        query_start_loc[row + 1] = offset
+    query_start_loc[len(seqs) + 1 :] = offset
+    if padding_seed:
+        # Whatever a padding sequence's length says, it owns no token and bounds no loop.
+        kv_lens[len(seqs) :] = pad_rng.integers(
+            1, lay.max_blocks_per_seq * bs + 1, lay.num_padded_seqs - len(seqs)
+        )
+    return Case(
+        cfg,
+        q,
+        k_new,
+        v_new,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        len(seqs),
+        expected,
+        offset,
+        contexts,
+    )
+
+
+def reference_op(cfg: AttnConfig) -> Callable:
+    """The jnp reference with this config's page chunk (one object per chunk, so jit caches hit)."""
+    return _reference_op(cfg.tokens_per_chunk)
+
+
+@cache
+def _reference_op(tokens_per_chunk: int) -> Callable:
+    return partial(ragged_paged_attention, tokens_per_chunk=tokens_per_chunk)
+
+
+@cache
+def _jitted_step(attention: Callable, traced_window: bool):
+    # A traced window is an argument of the step (as a layer's window under the layer scan).
+    static = ("sm_scale", "soft_cap") if traced_window else ("sm_scale", "sliding_window", "soft_cap")
+
+    @partial(jax.jit, static_argnames=static)
+    def step(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slot_mapping)
+        out = attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw)
+        return out, k_cache, v_cache
+
+    return step
+
+
+def run_case(
+    cfg: AttnConfig,
+    seqs: list[tuple[int, int]],
+    seed: int,
+    *,
+    attention: Callable | None = None,
+    poison_tails=False,
+    padding_seed=0,
+    traced_window=False,
+):
+    """Build one padded step and run `write_kv` + `attention` (default: the reference) under jit;
+    -> (out, expected, k_cache, v_cache) as float64, and info. Pass the same `attention` object
+    across calls (a module-level partial) so that its jitted step is reused. `traced_window` passes
+    the sliding window as an int32 array, not a static int."""
+    case = build_case(cfg, seqs, seed, poison_tails=poison_tails, padding_seed=padding_seed)
+    dtype = jnp.dtype(cfg.dtype)
+    step = _jitted_step(attention if attention is not None else reference_op(cfg), traced_window)
+    window = cfg.sliding_window
+    if traced_window and window is not None:
+        window = jnp.int32(window)
+    out, k_out, v_out = step(
+        jnp.asarray(case.q, dtype),
+        jnp.asarray(case.k_new, dtype),
+        jnp.asarray(case.v_new, dtype),
+        jnp.asarray(case.k_cache, dtype),
+        jnp.asarray(case.v_cache, dtype),
+        jnp.asarray(case.slot_mapping),
+        jnp.asarray(case.kv_lens),
+        jnp.asarray(case.block_tables),
+        jnp.asarray(case.query_start_loc),
+        jnp.int32(case.num_seqs),
+        sm_scale=case.sm_scale,
+        sliding_window=window,
+        soft_cap=cfg.soft_cap,
+    )
+    assert out.dtype == dtype and out.shape == case.q.shape
+    as64 = partial(np.asarray, dtype=np.float64)
+    info = {"num_real_tokens": case.num_real_tokens, "contexts": case.contexts}
+    return (
+        as64(out.astype(jnp.float32)),
+        case.expected,
+        as64(k_out.astype(jnp.float32)),
+        as64(v_out.astype(jnp.float32)),
+        info,
+    )
+
+
+def tolerance(dtype: str) -> dict:
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 2e-2, "atol": 2e-2}
+
+
+def case_seed(*names: str) -> int:
+    return zlib.crc32("/".join(names).encode())  # a different, reproducible seed per case

