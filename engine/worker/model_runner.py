@@ -14,28 +14,21 @@ import time
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.outputs import ModelRunnerOutput
-from xlaserve.kernels import KVCache, MLACache, get_attention_backend
-from xlaserve.models.registry import get_model_class, kv_cache_spec, model_config_from_hf
-from xlaserve.models.weights import load_params
-from xlaserve.sharding import Placement, make_mesh
-from xlaserve.sharding.attention import shard_attention_over_kv_heads
-from xlaserve.sharding.kv_heads import replicate_kv_heads
+from xlaserve.kernels import KVCache
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
 from xlaserve.worker.compile_guard import CompileGuard, compile_seconds, num_compiles
 from xlaserve.worker.input_batch import StepBatch, StepInputs, build_step_batch, sampling_tensors
+from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from xlaserve.worker.model_loader import load_model
 from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
-
 
 # The device functions of a step. The runner jits each once with its graphdef bound (a closure,
 # not a static argument: hashing a model's graphdef costs ~0.3 ms on every call).
@@ -71,12 +64,6 @@ def _entry(host: dict, prefix: str, row: int, n: int):
     return (ids[row, : n + 1].tolist(), vals[row, : n + 1].tolist(), int(ranks[row]))
 
 
-def resolve_dtype(name: str) -> jnp.dtype:
-    if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return jnp.dtype(name)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -87,41 +74,22 @@ class ModelRunner:
         devices=None,
     ):
         self.config = config
-        self.dtype = resolve_dtype(config.model.dtype)
-        self.model_config = model_config_from_hf(hf_config)  # the family's config class (MoE, MLA fields)
+        model = load_model(config, hf_config, tensors, devices)
+        self.model_config = model.model_config
+        self.dtype = model.dtype
+        self.mesh, self.placement = model.mesh, model.placement
+        self.kv_spec, self.backend = model.kv_spec, model.backend
+        self.graphdef, self.params = model.graphdef, model.params
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
-        parallel = config.parallel
-        self.mesh = make_mesh(parallel.tensor_parallel_size, devices)
-        self.placement = Placement(self.mesh, self.model_config, parallel.enable_expert_parallel)
-        self.model_config, tensors = replicate_kv_heads(
-            self.model_config, tensors, parallel.tensor_parallel_size
-        )
-        model_class = get_model_class(self.model_config.architecture)
-        self.kv_spec = kv_cache_spec(model_class, self.model_config)  # K and V, or MLA's one latent cache
-        uses_mla = self.kv_spec.cache_class is MLACache
-        backend = get_attention_backend(config.compilation.attention_backend, mla=uses_mla)
-        self.backend = shard_attention_over_kv_heads(backend, self.mesh)
-        logger.info("attention backend: %s (%s)", self.backend.name, self.backend.reason)
-        t0 = time.perf_counter()
-        self.graphdef, self.params = load_params(
-            model_class,
-            self.model_config,
-            tensors,
-            dtype=self.dtype,
-            make_model=lambda: model_class(
-                self.model_config, self.backend, dtype=self.dtype, rngs=nnx.Rngs(0)
-            ),
-            place=self.placement.place_param,
-            sharding=self.placement.param_sharding,
-        )
-        logger.info("placed %s weights in %.2fs", model_class.__name__, time.perf_counter() - t0)
         self._forward_fn = jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",))
         self._sample_fn = jax.jit(partial(_sample, self.graphdef), static_argnames=("with_logprobs",))
         self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef))
 
-        self.num_blocks = self._num_kv_blocks()
-        self.kv_cache = self._allocate_kv_cache()
+        self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.dtype)
+        self.kv_cache = allocate_kv_cache(
+            self.kv_spec, self.num_blocks, self.block_size, self.dtype, self.placement
+        )
         sched = config.scheduler
         self.token_buckets = make_token_buckets(sched.max_num_batched_tokens)
         self.max_num_seqs = sched.max_num_seqs
@@ -132,44 +100,8 @@ class ModelRunner:
         self.num_steps = 0
         self.device_wait_s = 0.0
 
-    # -- memory ---------------------------------------------------------------------------------
-
     def kv_bytes_per_block(self) -> int:
-        return self.kv_spec.bytes_per_block(self.block_size, jnp.dtype(self.dtype).itemsize)
-
-    def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
-        if cache.kv_cache_memory is not None:
-            budget = cache.kv_cache_memory
-        elif jax.default_backend() == "cpu":
-            budget = _DEFAULT_CPU_KV_CACHE_MEMORY
-        else:
-            stats = jax.local_devices()[0].memory_stats() or {}
-            limit = stats.get("bytes_limit", 0)
-            budget = int(limit * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
-        num_blocks = budget // self.kv_bytes_per_block()
-        if num_blocks < 2:
-            raise ValueError(
-                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of "
-                f"{self.kv_bytes_per_block()} bytes; at least 2 are needed (raise kv_cache_memory)"
-            )
-        return int(num_blocks)
-
-    def _allocate_kv_cache(self) -> KVCache:
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
-            self.num_blocks,
-            self.block_size,
-            self.num_blocks * self.kv_bytes_per_block() / 2**20,
-        )
-        sharding = self.placement.kv_cache_sharding()
-        if self.kv_spec.num_kv_heads % self.mesh.shape["tensor"]:  # MLA's one latent head: replicated
-            sharding = self.placement.replicated
-        return self.kv_spec.allocate(
-            self.num_blocks, self.block_size, lambda shape: self.placement.zeros(shape, self.dtype, sharding)
-        )
+        return bytes_per_block(self.kv_spec, self.block_size, self.dtype)
 
     # -- compiling ------------------------------------------------------------------------------
 

@@ -1,0 +1,60 @@
+"""KV cache allocation: how many blocks the memory budget holds, and the preallocated cache."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from xlaserve.config import CacheConfig
+from xlaserve.kernels import KVCache, KVCacheSpec
+from xlaserve.sharding import Placement
+
+logger = logging.getLogger(__name__)
+
+# On CPU no device reports its memory: the budget is `kv_cache_memory` bytes, or this.
+DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 2**20
+
+
+def bytes_per_block(kv_spec: KVCacheSpec, block_size: int, dtype) -> int:
+    return kv_spec.bytes_per_block(block_size, jnp.dtype(dtype).itemsize)
+
+
+def num_kv_blocks(cache: CacheConfig, kv_spec: KVCacheSpec, dtype) -> int:
+    """The blocks the budget holds: `num_gpu_blocks_override`, else `kv_cache_memory` bytes, else
+    (GPU) `gpu_memory_utilization` of the device's memory less what is in use, else (CPU) 512 MiB."""
+    if cache.num_gpu_blocks_override is not None:
+        return cache.num_gpu_blocks_override
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif jax.default_backend() == "cpu":
+        budget = DEFAULT_CPU_KV_CACHE_MEMORY
+    else:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit", 0)
+        budget = int(limit * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
+    block_bytes = bytes_per_block(kv_spec, cache.block_size, dtype)
+    num_blocks = budget // block_bytes
+    if num_blocks < 2:
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of "
+            f"{block_bytes} bytes; at least 2 are needed (raise kv_cache_memory)"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_cache(
+    kv_spec: KVCacheSpec, num_blocks: int, block_size: int, dtype, placement: Placement
+) -> KVCache:
+    """The zeroed cache, sharded by KV heads (MLA's one latent head: replicated)."""
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.1f MiB)",
+        num_blocks,
+        block_size,
+        num_blocks * bytes_per_block(kv_spec, block_size, dtype) / 2**20,
+    )
+    sharding = placement.kv_cache_sharding()
+    if kv_spec.num_kv_heads % placement.mesh.shape["tensor"]:
+        sharding = placement.replicated
+    return kv_spec.allocate(num_blocks, block_size, lambda shape: placement.zeros(shape, dtype, sharding))

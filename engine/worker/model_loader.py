@@ -1,0 +1,78 @@
+"""Loading and placement: a checkpoint's tensors become the model's parameters on the mesh.
+
+Everything the step needs to know about the model is decided here once: the dtype, the family's
+config, the mesh and how each weight is sharded over it, the paged cache the model needs, and the
+attention backend (run per device over the KV-head shards under tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from xlaserve.config import EngineConfig
+from xlaserve.kernels import AttentionBackend, KVCacheSpec, MLACache, get_attention_backend
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.registry import get_model_class, kv_cache_spec, model_config_from_hf
+from xlaserve.models.weights import load_params
+from xlaserve.sharding import Placement, make_mesh
+from xlaserve.sharding.attention import shard_attention_over_kv_heads
+from xlaserve.sharding.kv_heads import replicate_kv_heads
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(name)
+
+
+@dataclass
+class LoadedModel:
+    """A model placed on its devices, and what was decided to get it there."""
+
+    model_config: TransformerConfig  # the family's config class (MoE, MLA fields); KV heads replicated
+    dtype: jnp.dtype
+    mesh: Mesh
+    placement: Placement
+    kv_spec: KVCacheSpec  # K and V per layer, or MLA's one latent cache
+    backend: AttentionBackend
+    graphdef: nnx.GraphDef
+    params: nnx.State
+
+
+def load_model(
+    config: EngineConfig, hf_config: dict, tensors: dict[str, np.ndarray], devices=None
+) -> LoadedModel:
+    """Build the model of `hf_config` from `tensors` and place its parameters on `devices`."""
+    dtype = resolve_dtype(config.model.dtype)
+    parallel = config.parallel
+    model_config = model_config_from_hf(hf_config)
+    mesh = make_mesh(parallel.tensor_parallel_size, devices)
+    placement = Placement(mesh, model_config, parallel.enable_expert_parallel)
+    model_config, tensors = replicate_kv_heads(model_config, tensors, parallel.tensor_parallel_size)
+    model_class = get_model_class(model_config.architecture)
+    kv_spec = kv_cache_spec(model_class, model_config)
+    backend = get_attention_backend(config.compilation.attention_backend, mla=kv_spec.cache_class is MLACache)
+    backend = shard_attention_over_kv_heads(backend, mesh)
+    logger.info("attention backend: %s (%s)", backend.name, backend.reason)
+    t0 = time.perf_counter()
+    graphdef, params = load_params(
+        model_class,
+        model_config,
+        tensors,
+        dtype=dtype,
+        make_model=lambda: model_class(model_config, backend, dtype=dtype, rngs=nnx.Rngs(0)),
+        place=placement.place_param,
+        sharding=placement.param_sharding,
+    )
+    logger.info("placed %s weights in %.2fs", model_class.__name__, time.perf_counter() - t0)
+    return LoadedModel(model_config, dtype, mesh, placement, kv_spec, backend, graphdef, params)
