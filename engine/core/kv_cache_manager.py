@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from xlaserve.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from xlaserve.core.limits import cdiv
 from xlaserve.core.request import Request
 
 
@@ -35,10 +36,6 @@ class PrefixCacheStats:
         self.is_reset = False
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class KVCacheManager:
     """Gives each request the blocks its tokens need and finds cached prefixes.
 
@@ -55,7 +52,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
-        self.max_blocks_per_seq = _cdiv(max_model_len, block_size)
+        self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.prefix_cache_stats = PrefixCacheStats()
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -79,7 +76,7 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
-        return _cdiv(num_tokens, self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of `request`: (its blocks, its length in tokens).

@@ -48,6 +48,11 @@ _FINISH_REASONS = {
 }
 
 
+def child_request_id(parent_id: str, index: int) -> str:
+    """The id of child `index` of an n > 1 request: unique beside the parent's, never parsed."""
+    return f"{parent_id}[{index}]"
+
+
 class Request:
     """A request's tokens and progress.
 
@@ -71,6 +76,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         sampling_seed: int = 0,
+        parent_id: str | None = None,
     ):
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -87,6 +93,9 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.sampling_seed = sampling_seed
+        # The user request this one samples for, when n > 1 made several (None: it is its own).
+        # A field, not a naming convention: a user's id may contain any character.
+        self.parent_id = parent_id
 
         # Append only through append_output_token_ids, which keeps both lists in step.
         self.output_token_ids: list[int] = []

@@ -16,6 +16,7 @@ import enum
 from collections.abc import Iterable
 
 from xlaserve.core.kv_cache_manager import KVCacheManager
+from xlaserve.core.limits import RequestLimits
 from xlaserve.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -45,6 +46,9 @@ class Scheduler:
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
+        self.limits = RequestLimits(
+            max_model_len, kv_cache_manager.block_size, kv_cache_manager.num_usable_blocks
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # in admission order (see _enqueue_waiting)
         self.running: list[Request] = []
@@ -59,19 +63,7 @@ class Scheduler:
         """Queue a request; ValueError if it could never fit in max_model_len or the KV cache."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} tokens, "
-                f"more than max_model_len ({self.max_model_len})"
-            )
-        num_tokens = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        num_blocks = self.kv_cache_manager.blocks_needed(num_tokens)
-        num_usable_blocks = self.kv_cache_manager.num_usable_blocks
-        if num_blocks > num_usable_blocks:
-            raise ValueError(
-                f"request {request.request_id!r} needs {num_blocks} KV cache blocks for {num_tokens} "
-                f"tokens, but the cache has only {num_usable_blocks} usable blocks"
-            )
+        self.limits.check(request.num_prompt_tokens, request.max_tokens)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._enqueue_waiting(request, is_preempted=False)

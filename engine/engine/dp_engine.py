@@ -19,34 +19,36 @@ from xlaserve.core.request import Request
 from xlaserve.engine.core import EngineCore
 
 
-def make_engine_core(config: EngineConfig, hf_config: dict, tensors: dict, max_model_len: int, devices=None):
-    """An EngineCore, or a DataParallelEngineCore when data_parallel_size > 1."""
-    parallel = config.parallel
-    if parallel.data_parallel_size == 1:
+def make_engine_core(
+    config: EngineConfig, hf_config: dict, tensors: dict, max_model_len: int, devices=None
+) -> EngineCore | DataParallelEngineCore:
+    """An EngineCore, or a DataParallelEngineCore of data_parallel_size ranks, each on its own
+    group of tensor_parallel_size devices."""
+    tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
+    if dp == 1:
         return EngineCore(config, hf_config, tensors, max_model_len, devices)
-    return DataParallelEngineCore(config, hf_config, tensors, max_model_len, devices)
-
-
-class DataParallelEngineCore:
-    """The EngineCore interface over data_parallel_size ranks."""
-
-    def __init__(
-        self, config: EngineConfig, hf_config: dict, tensors: dict, max_model_len: int, devices=None
-    ):
-        tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
-        devices = list(jax.devices() if devices is None else devices)
-        if tp * dp > len(devices):
-            raise ValueError(
-                f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices, "
-                f"{len(devices)} available"
-            )
-        self.config = config
-        self.max_model_len = max_model_len
-        self.ranks = [
+    devices = list(jax.devices() if devices is None else devices)
+    if tp * dp > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices, "
+            f"{len(devices)} available"
+        )
+    return DataParallelEngineCore(
+        [
             EngineCore(config, hf_config, tensors, max_model_len, devices[i * tp : (i + 1) * tp])
             for i in range(dp)
         ]
+    )
+
+
+class DataParallelEngineCore:
+    """The EngineCore interface over data-parallel ranks (anything with EngineCore's methods)."""
+
+    def __init__(self, ranks: list[EngineCore]):
+        self.ranks = ranks
         self._rank_of: dict[str, int] = {}
+        # n > 1: (the rank of the first child, children added so far) until the last is added.
+        self._rank_of_parent: dict[str, tuple[int, int]] = {}
 
     @property
     def kv_cache_manager(self):
@@ -57,13 +59,14 @@ class DataParallelEngineCore:
         return self.ranks[0].runner
 
     def add_request(self, request: Request) -> None:
-        # Children of one n > 1 request ("{i}_{parent}") share a rank, so they share prompt blocks.
-        parent = request.request_id.split("_", 1)[-1]
-        rank = self._rank_of.get(f"0_{parent}")
+        # Children of one n > 1 request share a rank, so they share prompt blocks.
+        rank, num_added = self._rank_of_parent.pop(request.parent_id, (None, 0))
         if rank is None:
             rank = min(range(len(self.ranks)), key=lambda i: self.ranks[i].get_num_unfinished_requests())
         self.ranks[rank].add_request(request)
         self._rank_of[request.request_id] = rank
+        if request.parent_id is not None and num_added + 1 < request.sampling_params.n:
+            self._rank_of_parent[request.parent_id] = (rank, num_added + 1)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -4,8 +4,8 @@ The engine core knows token ids, EOS, stop token ids and max_tokens; it does not
 strings are found here, after detokenization, so a request that hits one is finished here and
 listed in `reqs_to_abort` for the caller to abort in the core.
 
-Sampling n > 1 runs as n independent core requests ("{index}_{parent_id}"); a `ParentRequest`
-gathers their CompletionOutputs back under the parent's id.
+Sampling n > 1 runs as n independent core requests (children whose `parent_id` is the user's
+request id); a `ParentRequest` gathers their CompletionOutputs back under the parent's id.
 """
 
 from __future__ import annotations
@@ -49,10 +49,6 @@ class ParentRequest:
         self.child_ids: set[str] = set()  # children still in the processor
         self.num_finished = 0
         self._finished_outputs: dict[int, CompletionOutput] = {}
-
-    def child_id(self, index: int) -> str:
-        """The core-level request id of child `index`."""
-        return f"{index}_{self.request_id}"
 
     def make_request_output(
         self, state: RequestState, completion: CompletionOutput | None, is_child_finished: bool
@@ -187,7 +183,7 @@ class OutputProcessor:
         index: int = 0,
         output_kind: str = "final",
     ) -> None:
-        """Start tracking a core-level request (a child "{index}_{parent_id}" when parent_id is set)."""
+        """Start tracking a core-level request (child `index` of `parent_id` when that is set)."""
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
         if output_kind not in OUTPUT_KINDS:
@@ -197,11 +193,8 @@ class OutputProcessor:
             parent = self.parent_requests.get(parent_id)
             if parent is None:
                 raise ValueError(f"unknown parent request {parent_id!r}: call add_parent_request first")
-            if not 0 <= index < parent.n or request_id != parent.child_id(index):
-                raise ValueError(
-                    f"child of {parent_id!r} must have index in [0, {parent.n}) and id "
-                    f"'{{index}}_{parent_id}', got index={index}, id={request_id!r}"
-                )
+            if not 0 <= index < parent.n:
+                raise ValueError(f"child of {parent_id!r} must have index in [0, {parent.n}), got {index}")
             parent.child_ids.add(request_id)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self._special_ids)
         arrival_time = time.time() if arrival_time is None else arrival_time

@@ -6,7 +6,7 @@ import dataclasses
 import random
 from typing import Any
 
-from xlaserve.core.request import Request
+from xlaserve.core.request import Request, child_request_id
 from xlaserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -57,7 +57,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> list[Request]:
-        """One Request, or n children "{i}_{request_id}" for n > 1 (sharing the prompt's blocks
+        """One Request, or n children of parent `request_id` for n > 1 (sharing the prompt's blocks
         through the prefix cache)."""
         self.validate_prompt(prompt_token_ids)
         room = self.max_model_len - len(prompt_token_ids)
@@ -65,9 +65,10 @@ class InputProcessor:
         params = dataclasses.replace(
             params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens)
         )
-        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        is_parent = params.n > 1
         requests = []
-        for i, rid in enumerate(ids):
+        for i in range(params.n):
+            rid = child_request_id(request_id, i) if is_parent else request_id
             seed = params.seed + i if params.seed is not None else self._seeds.getrandbits(32)
             requests.append(
                 Request(
@@ -79,6 +80,7 @@ class InputProcessor:
                     priority=priority,
                     cache_salt=cache_salt,
                     sampling_seed=seed,
+                    parent_id=request_id if is_parent else None,
                 )
             )
         return requests

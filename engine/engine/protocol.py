@@ -27,6 +27,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     sampling_seed: int = 0
+    parent_id: str | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> EngineCoreRequest:
@@ -39,6 +40,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
             request.priority,
             request.cache_salt,
             request.sampling_seed,
+            request.parent_id,
         )
 
     def to_request(self) -> Request:
@@ -51,6 +53,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
             priority=self.priority,
             cache_salt=self.cache_salt,
             sampling_seed=self.sampling_seed,
+            parent_id=self.parent_id,
         )
 
 
