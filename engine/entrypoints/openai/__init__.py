@@ -1,6 +1,4 @@
-"""The OpenAI-compatible HTTP server (`xlaserve serve`): FastAPI routes over `AsyncLLM`."""
+"""The OpenAI-compatible HTTP server (`xlaserve serve`): FastAPI routes (app.py) over `AsyncLLM`.
 
-from xlaserve.entrypoints.openai.app import build_app
-from xlaserve.entrypoints.openai.serving import ServerState
-
-__all__ = ["ServerState", "build_app"]
+Nothing is imported here: the CLI imports `api_server` for its flags, and must not pay for FastAPI
+until a server starts."""
