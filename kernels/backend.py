@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from xlaserve.kernels import reference
 from xlaserve.kernels.attention_args import validate_attention_args
+from xlaserve.kernels.dtype_ops import word_dtype
 from xlaserve.kernels.mla import mla_paged_attention
 from xlaserve.kernels.synthetic import StepShape, synthetic_step
 
@@ -52,6 +53,13 @@ class AttentionBackend:
     write_kv: Callable
     reason: str
     mla_attention: Callable = mla_paged_attention  # the signature of kernels/mla.py
+    # The reference stores a 16-bit float K/V cache as uint16 words: XLA's CPU backend would
+    # otherwise convert the whole cache to float32 for every gather and scatter (dtype_ops.py).
+    cache_words: bool = False
+
+    def cache_dtype(self, dtype):
+        """The dtype the K/V cache of a model computing in `dtype` is stored in."""
+        return word_dtype(dtype) if self.cache_words else jnp.dtype(dtype)
 
 
 def get_attention_backend(name: str = "auto", *, mla: bool = False) -> AttentionBackend:
@@ -63,7 +71,11 @@ def get_attention_backend(name: str = "auto", *, mla: bool = False) -> Attention
         return _auto(platform, mla=mla)
     if name == "reference":
         return AttentionBackend(
-            "reference", reference.ragged_paged_attention, reference.write_kv, "asked for by name"
+            "reference",
+            reference.ragged_paged_attention,
+            reference.write_kv,
+            "asked for by name",
+            cache_words=not mla,
         )
     if name in BACKENDS:
         attention, how = _kernel(name, platform)
@@ -118,6 +130,7 @@ def _auto(platform: str, *, mla: bool = False) -> AttentionBackend:
             reference.write_kv,
             f"auto on {platform!r}: the jnp reference "
             "(the kernels target GPUs; Pallas interpret mode is for tests)",
+            cache_words=not mla,
         )
     skipped = []
     for name in AUTO_GPU_ORDER:
@@ -146,6 +159,7 @@ def _auto(platform: str, *, mla: bool = False) -> AttentionBackend:
         reference.ragged_paged_attention,
         reference.write_kv,
         f"auto on {platform!r}: no kernel passed its self-check ({'; '.join(skipped)})",
+        cache_words=not mla,
     )
 
 

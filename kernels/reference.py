@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from xlaserve.kernels.dtype_ops import as_words, from_words, is_16bit_float
+
 DEFAULT_TOKENS_PER_CHUNK = 64
 
 
@@ -27,9 +29,15 @@ def write_kv(
     """Scatter this step's keys and values into their cache slots (padding goes to the null block)."""
     block_size = k_cache.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache = k_cache.at[blocks, offsets].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[blocks, offsets].set(v.astype(v_cache.dtype))
-    return k_cache, v_cache
+
+    def write(cache, new):
+        if cache.dtype == jnp.uint16:  # a cache of 16-bit floats stored as words (dtype_ops.py)
+            if not is_16bit_float(new.dtype):
+                raise TypeError(f"a cache of 16-bit words takes 16-bit float keys/values, got {new.dtype}")
+            return cache.at[blocks, offsets].set(as_words(new))
+        return cache.at[blocks, offsets].set(new.astype(cache.dtype))
+
+    return write(k_cache, k), write(v_cache, v)
 
 
 def token_positions(
@@ -81,14 +89,22 @@ def ragged_paged_attention(
     longest = jnp.max(jnp.where(is_real_seq, kv_lens, 0))
     num_chunks = (longest + chunk_len - 1) // chunk_len
 
+    # The dots take the cache's values in their own dtype and accumulate in float32. A cache of
+    # 16-bit floats stored as uint16 words (the reference backend's, see kernels/dtype_ops.py) is
+    # gathered as words and its pages bitcast back to q's dtype.
+    cache_dtype = q.dtype if k_cache.dtype == jnp.uint16 else k_cache.dtype
     q_tkgd = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
+    q_tkgd = q_tkgd.astype(cache_dtype)
+
+    # [T, chunk, num_kv_heads, head_dim] pages of one chunk, in the values' dtype.
+    def read(cache, pages):
+        return from_words(cache[pages], cache_dtype).reshape(num_tokens, chunk_len, num_kv_heads, head_dim)
 
     def chunk(i, carry):
         m_tkg, l_tkg, acc_tkgd = carry
         pages = jax.lax.dynamic_slice_in_dim(tables, i * pages_per_chunk, pages_per_chunk, axis=1)
-        k_tskd = k_cache[pages].reshape(num_tokens, chunk_len, num_kv_heads, head_dim)
-        v_tskd = v_cache[pages].reshape(num_tokens, chunk_len, num_kv_heads, head_dim)
-        s_tkgs = jnp.einsum("tkgd,tskd->tkgs", q_tkgd, k_tskd.astype(jnp.float32))
+        k_tskd, v_tskd = read(k_cache, pages), read(v_cache, pages)
+        s_tkgs = jnp.einsum("tkgd,tskd->tkgs", q_tkgd, k_tskd, preferred_element_type=jnp.float32)
         if soft_cap is not None:
             s_tkgs = soft_cap * jnp.tanh(s_tkgs / soft_cap)
         kv_pos = i * chunk_len + jnp.arange(chunk_len)
@@ -103,8 +119,11 @@ def ragged_paged_attention(
         l_tkg = alpha * l_tkg + p_tkgs.sum(axis=-1)
         # Masked slots may hold anything (a reused block's stale values, NaN included): p = 0 is not
         # enough, since 0 * NaN = NaN.
-        v_tskd = jnp.where(visible[:, :, None, None], v_tskd.astype(jnp.float32), 0.0)
-        acc_tkgd = alpha[..., None] * acc_tkgd + jnp.einsum("tkgs,tskd->tkgd", p_tkgs, v_tskd)
+        v_tskd = jnp.where(visible[:, :, None, None], v_tskd, jnp.zeros((), cache_dtype))
+        pv_tkgd = jnp.einsum(
+            "tkgs,tskd->tkgd", p_tkgs.astype(cache_dtype), v_tskd, preferred_element_type=jnp.float32
+        )
+        acc_tkgd = alpha[..., None] * acc_tkgd + pv_tkgd
         return m_new, l_tkg, acc_tkgd
 
     init = (

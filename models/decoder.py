@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
+from xlaserve.kernels.dtype_ops import scan
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import Embedding, Linear, RMSNorm, layer_specs, soft_cap
 
@@ -76,9 +77,13 @@ class DecoderOnlyLM(nnx.Module):
             x, kv_cache = nnx.merge(layer_def, state)(x, positions, kv_cache, md_layer, spec)
             return (x, kv_cache), None
 
-        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_state, specs))
+        (x, kv_cache), _ = scan(body, (x, kv_cache), (layer_state, specs))
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> [N, V] float32
-        logits = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        # float32 straight from the accumulator: bfloat16 logits would blur near-ties and logprobs.
+        if self.lm_head is None:
+            logits = self.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden, out_dtype=jnp.float32)
         return soft_cap(logits.astype(jnp.float32), self.cfg.final_logit_softcap)

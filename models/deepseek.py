@@ -27,6 +27,7 @@ from xlaserve.kernels import (
     MLACache,
     write_latent,
 )
+from xlaserve.kernels.dtype_ops import scan
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm
@@ -265,7 +266,7 @@ class DeepseekV3ForCausalLM(nnx.Module):
                 )
                 return (x, kv_cache, layer + 1), None
 
-            (x, kv_cache, _), _ = jax.lax.scan(body, (x, kv_cache, jnp.int32(first_layer)), layer_state)
+            (x, kv_cache, _), _ = scan(body, (x, kv_cache, jnp.int32(first_layer)), layer_state)
         return self.norm(x), kv_cache
 
     compute_logits = DecoderOnlyLM.compute_logits  # [N, D] -> [N, V] float32

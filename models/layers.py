@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
+from xlaserve.kernels.dtype_ops import matmul, take_rows
 from xlaserve.kernels.reference import token_positions
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.rope import (
@@ -104,8 +105,8 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (din, dout), dtype))
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if use_bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel[...]
+    def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        y = matmul(x, self.kernel[...], out_dtype)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -114,10 +115,10 @@ class Embedding(nnx.Module):
         self.weight = nnx.Param(jax.nn.initializers.normal(0.02)(rngs.params(), (vocab_size, dim), dtype))
 
     def __call__(self, ids: jax.Array) -> jax.Array:  # [T] -> [T, D]
-        return self.weight[...][ids]
+        return take_rows(self.weight[...], ids)
 
-    def attend(self, x: jax.Array) -> jax.Array:  # [N, D] -> [N, V]: the tied LM head
-        return x @ self.weight[...].T
+    def attend(self, x: jax.Array) -> jax.Array:  # [N, D] -> [N, V] float32: the tied LM head
+        return matmul(x, self.weight[...].T, jnp.float32)
 
 
 class Attention(nnx.Module):

@@ -88,7 +88,11 @@ class ModelRunner:
 
         self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.dtype)
         self.kv_cache = allocate_kv_cache(
-            self.kv_spec, self.num_blocks, self.block_size, self.dtype, self.placement
+            self.kv_spec,
+            self.num_blocks,
+            self.block_size,
+            self.backend.cache_dtype(self.dtype),
+            self.placement,
         )
         sched = config.scheduler
         self.token_buckets = make_token_buckets(sched.max_num_batched_tokens)

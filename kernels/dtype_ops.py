@@ -1,0 +1,70 @@
+"""Matmuls, gathers and scatters that stay in a 16-bit float dtype on every backend.
+
+XLA's CPU backend computes a bfloat16 dot, gather or scatter by converting its operands to float32
+first. Inside a jitted step those operands are loop-invariant (stacked layer weights, the KV cache,
+the embedding table), so the converts are hoisted out of the layer loop: every step then converts
+the whole model and the whole cache to float32 and back, and a bfloat16 engine ran ~20x slower than
+a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cost nothing on a GPU:
+- a dot with `preferred_element_type=float32` is native on CPUs with AVX512-BF16 or AMX (and is
+  what a GPU's tensor cores do anyway): bfloat16 inputs, float32 accumulation;
+- a gather or scatter of 16-bit floats runs on the same bits seen as uint16. A bitcast of a whole
+  array is a copy on XLA's CPU backend, so the reference backend *stores* a 16-bit KV cache as
+  words (`AttentionBackend.cache_words`) and bitcasts only the pages it gathers; stacked layer
+  weights are bitcast once per step (`scan`), on CPU only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def is_16bit_float(dtype) -> bool:
+    dtype = jnp.dtype(dtype)
+    return dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def as_words(x: jax.Array) -> jax.Array:
+    """A 16-bit float array as uint16 words (a bitcast, no copy); other dtypes as they are."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if is_16bit_float(x.dtype) else x
+
+
+def from_words(words: jax.Array, dtype) -> jax.Array:
+    """The inverse of `as_words`: uint16 words seen as `dtype`; anything else as it is."""
+    if words.dtype == jnp.uint16 and is_16bit_float(dtype):
+        return jax.lax.bitcast_convert_type(words, dtype)
+    return words
+
+
+def word_dtype(dtype):
+    """The dtype an array of `dtype` is stored in by `as_words`."""
+    return jnp.uint16 if is_16bit_float(dtype) else jnp.dtype(dtype)
+
+
+def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table[ids] along axis 0, gathered as raw words."""
+    return from_words(as_words(table)[ids], table.dtype)
+
+
+def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x @ w accumulated in float32, returned in `out_dtype` (default: x's dtype)."""
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
+
+
+def einsum(spec: str, *operands: jax.Array) -> jax.Array:
+    """jnp.einsum accumulated in float32, returned in the first operand's dtype."""
+    return jnp.einsum(spec, *operands, preferred_element_type=jnp.float32).astype(operands[0].dtype)
+
+
+def scan(body, init, xs, **kwargs):
+    """`jax.lax.scan` whose 16-bit float `xs` (stacked layer weights) are sliced as raw words on
+    CPU (elsewhere a plain scan: a GPU slices bfloat16 natively)."""
+    if jax.default_backend() != "cpu":
+        return jax.lax.scan(body, init, xs, **kwargs)
+    dtypes = jax.tree.map(lambda a: a.dtype, xs)
+    words = jax.tree.map(as_words, xs)
+
+    def body_of_words(carry, xs_words):
+        return body(carry, jax.tree.map(from_words, xs_words, dtypes))
+
+    return jax.lax.scan(body_of_words, init, words, **kwargs)

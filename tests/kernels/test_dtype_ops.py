@@ -1,0 +1,67 @@
+"""16-bit float data movement kept native on CPU (kernels/dtype_ops.py): a KV cache stored as
+uint16 words gives bit-identical attention, and the compiled op never converts the whole cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaserve.kernels import reference
+from xlaserve.kernels.dtype_ops import as_words, from_words, scan
+
+NUM_BLOCKS, BLOCK, KV_HEADS, HEADS, DIM = 64, 4, 2, 4, 16
+
+
+def step_inputs(rng):
+    lens = np.array([9, 17], np.int32)  # two sequences, 3 and 1 new tokens
+    new = np.array([3, 1], np.int32)
+    qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    tables = np.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], np.int32)
+    positions = [(s, p) for s in range(2) for p in range(lens[s] - new[s], lens[s])]
+    slots = np.array([tables[s][p // BLOCK] * BLOCK + p % BLOCK for s, p in positions], np.int32)
+    t = int(qsl[-1])
+    q = jnp.asarray(rng.normal(size=(t, HEADS, DIM)), jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(t, KV_HEADS, DIM)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(t, KV_HEADS, DIM)), jnp.bfloat16)
+    cache = jnp.asarray(rng.normal(size=(NUM_BLOCKS, BLOCK, KV_HEADS, DIM)), jnp.bfloat16)
+    return q, k, v, cache, jnp.asarray(lens), jnp.asarray(tables), jnp.asarray(qsl), jnp.asarray(slots)
+
+
+def attend(q, k, v, k_cache, v_cache, lens, tables, qsl, slots):
+    k_cache, v_cache = reference.write_kv(k_cache, v_cache, k, v, slots)
+    out = reference.ragged_paged_attention(
+        q, k_cache, v_cache, lens, tables, qsl, jnp.int32(2), sm_scale=DIM**-0.5, tokens_per_chunk=8
+    )
+    return out, k_cache, v_cache
+
+
+def test_words_cache_is_bit_identical_to_a_bfloat16_cache():
+    q, k, v, cache, lens, tables, qsl, slots = step_inputs(np.random.default_rng(0))
+    want, want_k, _ = jax.jit(attend)(q, k, v, cache, cache * 2, lens, tables, qsl, slots)
+    got, got_k, _ = jax.jit(attend)(q, k, v, as_words(cache), as_words(cache * 2), lens, tables, qsl, slots)
+    assert got_k.dtype == jnp.uint16 and want.dtype == got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(from_words(got_k, jnp.bfloat16)), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_compiled_step_never_converts_the_whole_cache_or_weight_stack():
+    q, k, v, cache, lens, tables, qsl, slots = step_inputs(np.random.default_rng(1))
+    words = as_words(cache)
+    stack = jnp.ones((3, DIM * HEADS, DIM * HEADS), jnp.bfloat16)
+
+    def step(q, k, v, k_cache, v_cache, stack):
+        out, k_cache, v_cache = attend(q, k, v, k_cache, v_cache, lens, tables, qsl, slots)
+        x = out.reshape(out.shape[0], -1)
+        x, _ = scan(
+            lambda x, w: (jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype), None),
+            x,
+            stack,
+        )
+        return x, k_cache, v_cache
+
+    hlo = jax.jit(step, donate_argnums=(3, 4)).lower(q, k, v, words, words, stack).compile().as_text()
+    for shape in (cache.shape, stack.shape):
+        dims = ",".join(map(str, shape))
+        assert f"= f32[{dims}]" not in hlo, f"a {shape} array is converted to float32"
+    assert f"= u16[{','.join(map(str, cache.shape))}]" in hlo  # the cache stays words end to end
