@@ -7,11 +7,11 @@ i, transposed ([out, in] -> [in, out]) and stacked on a leading layer axis. (Phi
 (`xlaserve convert`, orbax) already holds this pytree: `ConvertedParams` skip the mapping.
 `--load-format dummy` reads no tensors at all: `DummyWeights` draws every parameter on its devices.
 
-Two optional hooks on the model class cover what is not one-to-one:
+Two hooks of the model class (`CausalLM`, models/interfaces.py) cover what is not one-to-one:
 - ``prepare_hf_tensors(cfg, tensors) -> tensors``: rewrites the checkpoint first (MoE: one tensor
   per expert -> one [num_experts, out, in] stack; a kernel's last two axes are transposed);
-- ``layer_stacks(cfg) -> {module: range}``: several layer stacks, each holding a range of the
-  checkpoint's layers (DeepSeek: dense layers, then MoE layers); default ``{"layers": all}``.
+- ``layer_stacks(cfg) -> {module: range}``: the layer stacks, each holding a range of the
+  checkpoint's layers (``{"layers": all}``; DeepSeek: dense layers, then MoE layers).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from xlaserve.models.config import TransformerConfig
+from xlaserve.models.interfaces import CausalLM
 from xlaserve.models.orbax_checkpoint import ConvertedParams
 
 # Tensors a checkpoint may carry that no module reads.
@@ -88,7 +89,7 @@ def _unflatten(flat: dict[tuple[str, ...], object]) -> dict:
 
 
 def load_params(
-    model_class: type,
+    model_class: type[CausalLM],
     cfg: TransformerConfig,
     tensors: dict[str, np.ndarray],
     *,
@@ -122,11 +123,8 @@ def load_params(
         flat = _place_converted(model_class, expected, tensors, dtype, place)
         abstract.replace_by_pure_dict(_unflatten(flat))
         return graphdef, abstract
-    if hasattr(model_class, "prepare_hf_tensors"):
-        tensors = model_class.prepare_hf_tensors(cfg, tensors)
-    stacks = {"layers": range(cfg.num_layers)}
-    if hasattr(model_class, "layer_stacks"):
-        stacks = model_class.layer_stacks(cfg)
+    tensors = model_class.prepare_hf_tensors(cfg, tensors)
+    stacks = model_class.layer_stacks(cfg)
     place = place or (lambda path, array: jax.device_put(array))
     used: set[str] = set()
     missing: list[str] = []

@@ -10,6 +10,7 @@ from xlaserve.config import EngineConfig
 from xlaserve.engine.dp_engine import make_engine_core
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.loader import load_checkpoint
+from xlaserve.models.registry import model_config_from_hf
 from xlaserve.sharding import distributed
 
 
@@ -39,7 +40,7 @@ def start_engine(config: EngineConfig):
     checkpoint = load_checkpoint(
         config.model.model, load_format=config.model.load_format, seed=config.model.seed
     )
-    model_config = TransformerConfig.from_hf(checkpoint.hf_config)
+    model_config = model_config_from_hf(checkpoint.hf_config)
     max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
     core = make_engine_core(config, checkpoint.hf_config, checkpoint.tensors, max_model_len)
     return checkpoint.tokenizer, model_config, max_model_len, core

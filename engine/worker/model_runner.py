@@ -22,7 +22,7 @@ from tqdm import tqdm
 from xlaserve.config import EngineConfig
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache, MLACache, get_attention_backend
-from xlaserve.models.registry import get_model_class, kv_cache_spec, model_config_from_hf
+from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import load_params
 from xlaserve.sharding import Placement, make_mesh
 from xlaserve.sharding.attention import shard_attention_over_kv_heads
@@ -98,7 +98,7 @@ class ModelRunner:
             self.model_config, tensors, parallel.tensor_parallel_size
         )
         model_class = get_model_class(self.model_config.architecture)
-        self.kv_spec = kv_cache_spec(model_class, self.model_config)  # K and V, or MLA's one latent cache
+        self.kv_spec = model_class.kv_cache_spec(self.model_config)  # K and V, or MLA's one latent cache
         uses_mla = self.kv_spec.cache_class is MLACache
         backend = get_attention_backend(config.compilation.attention_backend, mla=uses_mla)
         self.backend = shard_attention_over_kv_heads(backend, self.mesh)
