@@ -16,7 +16,6 @@ Two hooks of the model class (`CausalLM`, models/interfaces.py) cover what is no
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -28,24 +27,17 @@ from tqdm import tqdm
 
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.interfaces import CausalLM
+from xlaserve.models.loader import DummyWeights
 from xlaserve.models.orbax_checkpoint import ConvertedParams
 
 # Tensors a checkpoint may carry that no module reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-@dataclasses.dataclass(frozen=True)
-class DummyWeights:
-    """`--load-format dummy` (vLLM's name): every parameter drawn uniformly from [-scale, scale] on
-    its devices, in its sharding; nothing is read or copied from the host. For benchmarks of shapes
-    whose weights are not at hand: the config and tokenizer come from the model directory."""
-
-    seed: int = 0
-    scale: float = 1e-3  # vLLM's dummy range
-
-    def draw(self, index: int, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
-        key = jax.random.fold_in(jax.random.key(self.seed), index)
-        return _uniform_fn(tuple(shape), jnp.dtype(dtype), self.scale, sharding)(key)
+def _draw_dummy(weights: DummyWeights, index: int, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+    """Parameter number `index`, drawn uniformly from [-scale, scale] directly in its sharding."""
+    key = jax.random.fold_in(jax.random.key(weights.seed), index)
+    return _uniform_fn(tuple(shape), jnp.dtype(dtype), weights.scale, sharding)(key)
 
 
 @functools.cache
@@ -111,7 +103,7 @@ def load_params(
     if isinstance(tensors, DummyWeights):
         sharding = sharding or (lambda path, shape: jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         flat = {
-            path: tensors.draw(i, spec.shape, dtype, sharding(path, spec.shape))
+            path: _draw_dummy(tensors, i, spec.shape, dtype, sharding(path, spec.shape))
             for i, (path, spec) in enumerate(
                 tqdm(expected.items(), desc="Drawing dummy weights", unit="tensor")
             )
