@@ -29,6 +29,8 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     load_format: str = "auto"  # dummy: random weights, config and tokenizer from the model directory
+    # No tokenizer (the directory need not have one): prompts are token ids, outputs token ids only.
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self):
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")

@@ -143,7 +143,8 @@ class AsyncLLM:
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model)
+        if not self.config.model.skip_tokenizer_init:
+            self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model)
         ready = await self.core.wait_ready()
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
