@@ -25,10 +25,12 @@ def _require(cond: bool, message: str) -> None:
 class ModelConfig:
     model: str | None = None  # None or "smollm2": the embedded default model
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-    max_model_len: int | None = None  # None: min(model's max_position_embeddings, 2048)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     served_model_name: str | None = None
     load_format: str = "auto"  # dummy: random weights, config and tokenizer from the model directory
+    # No tokenizer (the directory need not have one): prompts are token ids, outputs token ids only.
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self):
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
@@ -47,7 +49,9 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes; the CPU budget (default 256 MiB on CPU)
+    # Bytes for the KV cache, on any platform. Unset: 512 MiB on CPU (`_DEFAULT_CPU_KV_CACHE_MEMORY`
+    # in worker/model_runner.py); on GPU, gpu_memory_utilization of the device's memory, less what is in use.
+    kv_cache_memory: int | None = None
     num_gpu_blocks_override: int | None = None
 
     def __post_init__(self):

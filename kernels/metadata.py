@@ -47,8 +47,8 @@ class KVCacheSpec:
 
     The cache is `cache_class(*arrays)`, one array per field of `cache_class` (K and V for
     KVCache; one latent array for MLA), each ``[num_layers * num_blocks, block_size, num_kv_heads,
-    head_dim]``. A model class may define ``kv_cache_spec(cfg) -> KVCacheSpec``; without one the
-    runner uses ``KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)``.
+    head_dim]``. The model class's ``kv_cache_spec(cfg)`` gives it (by default
+    ``KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)``: K and V).
     """
 
     num_layers: int

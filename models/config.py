@@ -1,7 +1,10 @@
 """The architecture of a decoder-only transformer, read from a Hugging Face config dict.
 
-One frozen (hashable, so jit can key on it) dataclass for every family: the fields past the Llama
-core are the switches the families differ by, each defaulting to Llama's behaviour.
+One frozen (hashable, so jit can key on it) dataclass: the fields past the Llama core are the
+switches the families differ by, each defaulting to Llama's behaviour. Here is only the mapping every
+family shares; a family that reads its config.json differently (Gemma's norms and soft caps, Qwen's
+sliding layers, MoE routing) subclasses `TransformerConfig` in its own file, extends
+`fields_from_hf`, and names the subclass as its model class's `config_class`.
 """
 
 from __future__ import annotations
@@ -11,12 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    architecture: str
+    architecture: str  # the config's `architectures[0]` ("" when it names none)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -58,66 +60,66 @@ class TransformerConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> TransformerConfig:
-        architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
-        is_gemma, is_gemma2 = architecture in _GEMMA, architecture == "Gemma2ForCausalLM"
+        """This class's reading of a Hugging Face config dict (see `fields_from_hf`)."""
+        return cls(**cls.fields_from_hf(hf))
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        """The field values of a config dict, as Llama (and any family spelling things alike) reads it.
+
+        A family whose config says more, or means something else, subclasses this dataclass in its
+        own file and extends the dict: `{**super().fields_from_hf(hf), "qk_norm": True}`.
+        """
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        rope, local_rope_theta = _rope_parameters(hf)
-        scaling = hf.get("rope_scaling") or rope
-        if scaling:
-            scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in scaling.items()}
-            scaling.pop("rope_theta", None)
-            scaling.pop("partial_rotary_factor", None)
-            rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")
-            scaling["rope_type"] = rope_type
-            if rope_type == "longrope":  # Phi3's config.json keeps it beside rope_scaling
-                original = hf.get("original_max_position_embeddings")
-                scaling.setdefault("original_max_position_embeddings", original)
-            scaling = None if rope_type == "default" else tuple(sorted(scaling.items()))
-        rope_theta = rope.get("rope_theta", hf.get("rope_theta"))
-        # Qwen2 hard-codes biases on q/k/v (and none on o_proj) instead of reading attention_bias.
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
-        attention_bias = is_qwen2 or bool(hf.get("attention_bias", False))
+        rope = read_rope_parameters(hf)
+        scaling = rope.scaling
+        if scaling is not None:  # a frozen, hashable form (jit keys on the config)
+            scaling = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))
+        attention_bias = bool(hf.get("attention_bias", False))
         sliding_window = hf.get("sliding_window")
-        if hf.get("use_sliding_window") is False:  # Qwen's switch; its config.json still carries a size
-            sliding_window = None
-        return cls(
-            architecture=architecture,
+        return dict(
+            architecture=(hf.get("architectures") or [""])[0],
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(10000.0 if rope_theta is None else rope_theta),
-            rope_scaling=scaling or None,
+            rope_theta=rope.theta,
+            rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            attention_out_bias=attention_bias and not is_qwen2,
-            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
-            norm_offset=1.0 if is_gemma else 0.0,
-            embed_scale=hf["hidden_size"] ** 0.5 if is_gemma else 1.0,
-            query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if is_gemma else None,
-            # Hugging Face's Gemma3 attention ignores attn_logit_softcapping (its configs set none).
-            attn_logit_softcap=hf.get("attn_logit_softcapping") if is_gemma2 else None,
-            final_logit_softcap=hf.get("final_logit_softcapping") if is_gemma else None,
-            partial_rotary_factor=float(
-                hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 1.0)
-            ),
+            attention_out_bias=attention_bias,
+            hidden_act=hf.get("hidden_act") or "silu",
+            partial_rotary_factor=rope.partial_rotary_factor,
             sliding_window=sliding_window,
-            layer_types=_layer_types(hf, architecture, num_layers, sliding_window),
-            local_rope_theta=local_rope_theta,
+            layer_types=cls.layer_types_from_hf(hf, num_layers) if sliding_window else (),
+            local_rope_theta=rope.local_theta,
         )
+
+    @classmethod
+    def layer_types_from_hf(cls, hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+        """Per layer "full_attention" or "sliding_attention", for a config with a sliding window: its
+        own `layer_types`, else Hugging Face's default for the family. Here every layer slides
+        (Mistral, Phi3, Mixtral); a family with a pattern overrides `default_sliding_layers`."""
+        if hf.get("layer_types"):
+            return tuple(hf["layer_types"])
+        is_sliding = cls.default_sliding_layers(hf, num_layers)
+        return tuple("sliding_attention" if s else "full_attention" for s in is_sliding)
+
+    @classmethod
+    def default_sliding_layers(cls, hf: dict[str, Any], num_layers: int) -> list[bool]:
+        """Which layers slide when the config has a window but no `layer_types`: all of them."""
+        return [True] * num_layers
 
     @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
@@ -141,34 +143,41 @@ class TransformerConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _rope_parameters(hf: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
-    """(RoPE parameters of full-attention layers, RoPE base of sliding layers or None).
+@dataclass(frozen=True)
+class RopeParameters:
+    """A config's RoPE, from either spelling (see `read_rope_parameters`)."""
 
-    transformers 5 nests them per layer type when they differ (Gemma3:
-    {"sliding_attention": {...}, "full_attention": {...}}); older configs say rope_local_base_freq.
+    theta: float  # the base of full-attention layers
+    scaling: dict[str, Any] | None  # {"rope_type": ..., its parameters}; None for plain RoPE
+    partial_rotary_factor: float  # the fraction of head_dim that rotates
+    local_theta: float | None  # the unscaled base of sliding layers when they have their own
+
+
+def read_rope_parameters(hf: dict[str, Any]) -> RopeParameters:
+    """The RoPE of a Hugging Face config dict; the one place that reads its spellings.
+
+    transformers 5 writes `rope_parameters` (rope_theta, rope_type and the type's parameters), nested
+    per layer type when those differ (Gemma3: {"sliding_attention": {...}, "full_attention": {...}});
+    older configs write `rope_theta`, `rope_scaling` (with "type" or "rope_type") and
+    `rope_local_base_freq`. Either way the full-attention layers' values come out on top.
     """
     rope = dict(hf.get("rope_parameters") or {})
+    local_theta = hf.get("rope_local_base_freq")
     if "full_attention" in rope:
-        local = rope.get("sliding_attention") or {}
-        return dict(rope["full_attention"] or {}), local.get("rope_theta")
-    return rope, hf.get("rope_local_base_freq")
-
-
-def _layer_types(
-    hf: dict[str, Any], architecture: str, num_layers: int, window: int | None
-) -> tuple[str, ...]:
-    """Which layers use the sliding window; Hugging Face's per-family defaults when the config omits it."""
-    if not window:
-        return ()
-    if hf.get("layer_types"):
-        return tuple(hf["layer_types"])
-    if architecture == "Gemma2ForCausalLM":
-        is_sliding = [(i + 1) % 2 != 0 for i in range(num_layers)]
-    elif architecture == "Gemma3ForCausalLM":
-        pattern = hf.get("sliding_window_pattern", 6)
-        is_sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
-    elif "max_window_layers" in hf:  # Qwen: the layers from max_window_layers on slide
-        is_sliding = [i >= hf["max_window_layers"] for i in range(num_layers)]
-    else:  # Mistral, Phi3, Mixtral: every layer
-        is_sliding = [True] * num_layers
-    return tuple("sliding_attention" if s else "full_attention" for s in is_sliding)
+        local_theta = (rope.get("sliding_attention") or {}).get("rope_theta")
+        rope = dict(rope["full_attention"] or {})
+    theta = rope.get("rope_theta", hf.get("rope_theta"))
+    partial = hf.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 1.0)
+    scaling = dict(hf.get("rope_scaling") or rope)
+    scaling.pop("rope_theta", None)
+    scaling.pop("partial_rotary_factor", None)
+    rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")
+    scaling["rope_type"] = rope_type
+    if rope_type == "longrope":  # Phi3's config.json keeps it beside rope_scaling
+        scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    return RopeParameters(
+        theta=float(10000.0 if theta is None else theta),
+        scaling=None if rope_type == "default" else scaling,
+        partial_rotary_factor=float(partial),
+        local_theta=local_theta,
+    )

@@ -1,13 +1,16 @@
-"""The decoder-only backbone every family shares: embed, stacked layers under one scan, norm, head.
+"""The decoder-only backbone every family shares: embed, stacked layers under `lax.scan`, norm, head.
 
-A family is a decoder layer class plus a subclass naming it:
+`DecoderOnlyLM` implements the `CausalLM` protocol (models/interfaces.py) with Llama's defaults. A
+family is a decoder layer class plus a subclass naming it, and whatever else it changes:
 
     class LlamaForCausalLM(DecoderOnlyLM):
         layer_class = LlamaDecoderLayer
 
 `layer_class(cfg, backend, dtype=, rngs=)` builds one layer; calling it as
 `layer(x [T, D], positions [T], kv_cache, md, spec) -> (x, kv_cache)` runs it, with `md` already
-offset to the layer's KV blocks and `spec` its `LayerSpec` (sliding window, RoPE frequencies).
+offset to the layer's KV blocks and `spec` its `LayerSpec` (sliding window, RoPE frequencies). The
+backbone never looks inside `kv_cache`: each layer's attention reads and writes its own entries (K
+and V, or MLA's latent), so a family with another cache (DeepSeek) reuses this backbone as it is.
 """
 
 from __future__ import annotations
@@ -16,22 +19,26 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
+from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCacheSpec
 from xlaserve.kernels.dtype_ops import scan
 from xlaserve.models.config import TransformerConfig
-from xlaserve.models.layers import Embedding, Linear, RMSNorm, layer_specs, soft_cap
+from xlaserve.models.layers import Embedding, LayerSpec, Linear, RMSNorm, layer_specs, soft_cap
 
 
 class DecoderOnlyLM(nnx.Module):
-    """Decoder layers are stacked (leading axis = layer) and run under one `lax.scan`.
+    """Decoder layers are stacked (leading axis = layer) and run under one `lax.scan` per stack.
 
     One compiled layer body instead of num_layers copies keeps each bucket's compile short,
     which is what makes compiling every bucket at start-up affordable. What differs between
-    layers rides along the scan as a `LayerSpec`, so alternating layers do not unroll it.
+    layers rides along the scan as a `LayerSpec`, so alternating layers do not unroll it. A family
+    whose layers differ in structure (DeepSeek: dense MLP layers, then MoE layers) has one stack
+    per kind (`layer_stacks`, `make_layer`), each under its own scan.
     """
 
+    config_class: ClassVar[type[TransformerConfig]] = TransformerConfig
     layer_class: ClassVar[type[nnx.Module]]
 
     def __init__(
@@ -39,14 +46,8 @@ class DecoderOnlyLM(nnx.Module):
     ):
         self.cfg = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        layer_class = type(self).layer_class
-
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_layers(rngs: nnx.Rngs) -> nnx.Module:
-            return layer_class(cfg, backend, dtype=dtype, rngs=rngs)
-
-        self.layers = make_layers(rngs)
+        for name, layers in self.layer_stacks(cfg).items():
+            setattr(self, name, self._make_stack(cfg, backend, name, len(layers), dtype=dtype, rngs=rngs))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
         self.lm_head = (
             None
@@ -54,30 +55,64 @@ class DecoderOnlyLM(nnx.Module):
             else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
         )
 
+    # -- hooks (the CausalLM protocol's defaults) ---------------------------------------------------
+
+    @classmethod
+    def kv_cache_spec(cls, cfg: TransformerConfig) -> KVCacheSpec:
+        """K and V of [num_kv_heads, head_dim] per layer."""
+        return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+
+    @classmethod
+    def layer_stacks(cls, cfg: TransformerConfig) -> dict[str, range]:
+        """One stack, `layers`, holding every layer."""
+        return {"layers": range(cfg.num_layers)}
+
+    @classmethod
+    def prepare_hf_tensors(
+        cls, cfg: TransformerConfig, tensors: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The checkpoint as it is: our modules are named as Hugging Face's."""
+        return tensors
+
+    @classmethod
+    def make_layer(
+        cls, cfg: TransformerConfig, backend: AttentionBackend, stack: str, *, dtype, rngs: nnx.Rngs
+    ) -> nnx.Module:
+        """One decoder layer of `stack` (a key of `layer_stacks`): a `layer_class`."""
+        return cls.layer_class(cfg, backend, dtype=dtype, rngs=rngs)
+
+    @classmethod
+    def _make_stack(cls, cfg, backend, stack: str, num_layers: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs: nnx.Rngs) -> nnx.Module:
+            return cls.make_layer(cfg, backend, stack, dtype=dtype, rngs=rngs)
+
+        return make_layers(rngs)
+
+    # -- forward ----------------------------------------------------------------------------------
+
     def __call__(
         self,
         input_ids: jax.Array,  # [T]
         positions: jax.Array,  # [T]
-        kv_cache: KVCache,
+        kv_cache,  # the cache_class of kv_cache_spec(cfg)
         md: AttentionMetadata,
-    ) -> tuple[jax.Array, KVCache]:  # hidden [T, D], updated cache
+    ):  # -> (hidden [T, D], updated cache)
         cfg = self.cfg
         x = self.embed_tokens(input_ids)
         if cfg.embed_scale != 1.0:  # Gemma; the scale is rounded to the weights' dtype, as HF does
             x = x * jnp.asarray(cfg.embed_scale, x.dtype)
-        num_blocks = kv_cache.k.shape[0] // cfg.num_layers
-        block_size = kv_cache.k.shape[1]
-        specs = jax.tree.map(jnp.asarray, layer_specs(cfg))
-        layer_def, layer_state = nnx.split(self.layers)
-
-        def body(carry, xs):
-            x, kv_cache = carry
-            state, spec = xs
-            md_layer = md.for_layer(spec.index, num_blocks, block_size)
-            x, kv_cache = nnx.merge(layer_def, state)(x, positions, kv_cache, md_layer, spec)
-            return (x, kv_cache), None
-
-        (x, kv_cache), _ = scan(body, (x, kv_cache), (layer_state, specs))
+        # Every array of the cache is [num_layers * num_blocks, block_size, ...].
+        cache_array = jax.tree.leaves(kv_cache)[0]
+        num_blocks = cache_array.shape[0] // cfg.num_layers
+        block_size = cache_array.shape[1]
+        specs = layer_specs(cfg)
+        for name, layers in self.layer_stacks(cfg).items():
+            stack_specs = jax.tree.map(lambda a, l=layers: jnp.asarray(a[l.start : l.stop]), specs)
+            x, kv_cache = _run_stack(
+                getattr(self, name), x, positions, kv_cache, md, stack_specs, num_blocks, block_size
+            )
         return self.norm(x), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> [N, V] float32
@@ -87,3 +122,27 @@ class DecoderOnlyLM(nnx.Module):
         else:
             logits = self.lm_head(hidden, out_dtype=jnp.float32)
         return soft_cap(logits.astype(jnp.float32), self.cfg.final_logit_softcap)
+
+
+def _run_stack(
+    stack: nnx.Module,
+    x: jax.Array,  # [T, D]
+    positions: jax.Array,  # [T]
+    kv_cache,
+    md: AttentionMetadata,
+    specs: LayerSpec,  # [num_layers_in_stack, ...] each
+    num_blocks: int,
+    block_size: int,
+):
+    """x through every layer of `stack` under one scan; each layer sees the metadata of its blocks."""
+    layer_def, layer_state = nnx.split(stack)
+
+    def body(carry, xs):
+        x, kv_cache = carry
+        state, spec = xs
+        md_layer = md.for_layer(spec.index, num_blocks, block_size)
+        x, kv_cache = nnx.merge(layer_def, state)(x, positions, kv_cache, md_layer, spec)
+        return (x, kv_cache), None
+
+    (x, kv_cache), _ = scan(body, (x, kv_cache), (layer_state, specs))  # dtype_ops: native bf16 on CPU
+    return x, kv_cache

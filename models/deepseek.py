@@ -6,7 +6,8 @@ fraction of full K and V. The query's no-RoPE part is absorbed into latent space
 key half, attention runs over the latent cache, and kv_b_proj's value half expands the result.
 
 The first `first_k_dense_replace` layers have a dense MLP, the rest a routed MoE with shared
-experts, so the layers form two stacks, each run under its own `lax.scan`.
+experts, so the layers form two stacks, each run under its own `lax.scan` by the shared backbone
+(models/decoder.py); what is DeepSeek's own is the attention, its cache and the config.
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ from xlaserve.kernels import (
     MLACache,
     write_latent,
 )
-from xlaserve.kernels.dtype_ops import scan
-from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
-from xlaserve.models.layers import Embedding, GatedMLP, Linear, RMSNorm
-from xlaserve.models.moe import MoEConfig, SparseMoeBlock, config_with, stack_expert_tensors
+from xlaserve.models.layers import GatedMLP, LayerSpec, Linear, RMSNorm
+from xlaserve.models.moe import MoEConfig, SparseMoeBlock, stack_expert_tensors
 from xlaserve.models.rope import apply_rope, rope_angles, rope_attention_factor
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps whatever the config says.
@@ -40,6 +39,9 @@ _LORA_NORM_EPS = 1e-6
 
 @dataclass(frozen=True)
 class DeepseekConfig(MoEConfig):
+    """What V2 and V3 read alike: MLA's ranks and head dims, the dense first layers, shared experts.
+    Routing differs between them (`DeepseekV2Config`, `DeepseekV3Config`)."""
+
     kv_lora_rank: int = 0
     q_lora_rank: int | None = None  # None: q_proj straight from the hidden state (V2-Lite)
     qk_nope_head_dim: int = 0
@@ -49,45 +51,22 @@ class DeepseekConfig(MoEConfig):
     rope_interleave: bool = True  # RoPE pairs (x0, x1), (x2, x3)... rather than halves
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> DeepseekConfig:
-        is_v3 = (hf.get("architectures") or [""])[0] == "DeepseekV3ForCausalLM"
-        num_layers = hf["num_hidden_layers"]
-        first_dense = min(hf.get("first_k_dense_replace") or 0, num_layers)
-        if is_v3:
-            routing = {
-                "scoring_func": "sigmoid",
-                "group_score": "top2_sum",
-                "has_score_correction_bias": True,
-            }
-            n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or 1
-        else:
-            routing = {"scoring_func": "softmax", "group_score": "max"}
-            limited = hf.get("topk_method", "greedy") == "group_limited_greedy"
-            n_group = hf.get("n_group") or 1
-            topk_group = (hf.get("topk_group") or 1) if limited else n_group
-        qk_rope = hf["qk_rope_head_dim"]
-        base = TransformerConfig.from_hf(hf)
-        return config_with(
-            base,
-            cls,
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **super().fields_from_hf(hf),
             # One latent "KV head" shared by every query head; head_dim is the query/key head's.
-            num_kv_heads=1,
-            head_dim=hf["qk_nope_head_dim"] + qk_rope,
-            **MoEConfig.moe_fields_from_hf(hf, norm_topk_prob=is_v3),
-            num_experts=hf["n_routed_experts"],
-            n_group=n_group,
-            topk_group=topk_group,
-            routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
-            n_shared_experts=hf.get("n_shared_experts") or 0,
-            **routing,
-            kv_lora_rank=hf["kv_lora_rank"],
-            q_lora_rank=hf.get("q_lora_rank"),
-            qk_nope_head_dim=hf["qk_nope_head_dim"],
-            qk_rope_head_dim=qk_rope,
-            v_head_dim=hf["v_head_dim"],
-            first_k_dense_replace=first_dense,
-            rope_interleave=bool(hf.get("rope_interleave", True)) if is_v3 else True,
-        )
+            "num_kv_heads": 1,
+            "head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+            "num_experts": hf["n_routed_experts"],
+            "routed_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0),
+            "n_shared_experts": hf.get("n_shared_experts") or 0,
+            "kv_lora_rank": hf["kv_lora_rank"],
+            "q_lora_rank": hf.get("q_lora_rank"),
+            "qk_nope_head_dim": hf["qk_nope_head_dim"],
+            "qk_rope_head_dim": hf["qk_rope_head_dim"],
+            "v_head_dim": hf["v_head_dim"],
+            "first_k_dense_replace": min(hf.get("first_k_dense_replace") or 0, hf["num_hidden_layers"]),
+        }
 
     @property
     def softmax_scale(self) -> float:
@@ -101,6 +80,43 @@ class DeepseekConfig(MoEConfig):
             )
             scale *= mscale * mscale
         return scale
+
+
+@dataclass(frozen=True)
+class DeepseekV2Config(DeepseekConfig):
+    """Softmax routing, greedy or limited to the `topk_group` groups with the best single expert;
+    interleaved RoPE always."""
+
+    norm_topk_prob: bool = False  # Hugging Face's DeepseekV2Config default
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        n_group = hf.get("n_group") or 1
+        is_limited = hf.get("topk_method", "greedy") == "group_limited_greedy"
+        return {
+            **super().fields_from_hf(hf),
+            "scoring_func": "softmax",
+            "group_score": "max",
+            "n_group": n_group,
+            "topk_group": (hf.get("topk_group") or 1) if is_limited else n_group,
+        }
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config(DeepseekConfig):
+    """Sigmoid scores with a learned bias for the choice; groups scored by their best two experts."""
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **super().fields_from_hf(hf),
+            "scoring_func": "sigmoid",
+            "group_score": "top2_sum",
+            "has_score_correction_bias": True,
+            "n_group": hf.get("n_group") or 1,
+            "topk_group": hf.get("topk_group") or 1,
+            "rope_interleave": bool(hf.get("rope_interleave", True)),
+        }
 
 
 class MLAttention(nnx.Module):
@@ -141,6 +157,7 @@ class MLAttention(nnx.Module):
         positions: jax.Array,  # [T]
         kv_cache: MLACache,
         md: AttentionMetadata,  # already offset to this layer's blocks
+        spec: LayerSpec,  # unused: MLA's RoPE is its own (rotated part only, YaRN from the config)
     ) -> tuple[jax.Array, MLACache]:
         cfg = self.cfg
         num_tokens, h, r = x.shape[0], cfg.num_heads, cfg.kv_lora_rank
@@ -180,96 +197,42 @@ class DeepseekDecoderLayer(nnx.Module):
             SparseMoeBlock(cfg, dtype=dtype, rngs=rngs) if is_moe else GatedMLP(cfg, dtype=dtype, rngs=rngs)
         )
 
-    def __call__(self, x, positions, kv_cache: MLACache, md: AttentionMetadata):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md)
+    def __call__(self, x, positions, kv_cache: MLACache, md: AttentionMetadata, spec: LayerSpec):
+        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, spec)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
-def _make_stack(
-    cfg: DeepseekConfig, backend: AttentionBackend, num_layers: int, *, is_moe: bool, dtype, rngs
-):
-    if num_layers == 0:
-        return None
+class DeepseekV3ForCausalLM(DecoderOnlyLM):
+    """The shared backbone over two stacks of layers (dense MLP, then MoE) and the latent cache."""
 
-    @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs: nnx.Rngs) -> DeepseekDecoderLayer:
-        return DeepseekDecoderLayer(cfg, backend, is_moe=is_moe, dtype=dtype, rngs=rngs)
+    config_class = DeepseekV3Config
 
-    return make(rngs)
-
-
-class DeepseekV3ForCausalLM(nnx.Module):
-    """Two stacks of decoder layers (dense MLP, then MoE), each under one `lax.scan`."""
-
-    config_class = DeepseekConfig
-
-    def __init__(self, cfg: DeepseekConfig, backend: AttentionBackend, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        # `backend.mla_attention`: kernels/mla.py's reference, or the Pallas kernel (ragged_paged_mla.py).
-        self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        num_dense = cfg.first_k_dense_replace
-        self.dense_layers = _make_stack(cfg, backend, num_dense, is_moe=False, dtype=dtype, rngs=rngs)
-        self.moe_layers = _make_stack(
-            cfg, backend, cfg.num_layers - num_dense, is_moe=True, dtype=dtype, rngs=rngs
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
-        )
-
-    # -- hooks the engine and the loader read ----------------------------------------------------
-
-    @staticmethod
-    def kv_cache_spec(cfg: DeepseekConfig) -> KVCacheSpec:
+    @classmethod
+    def kv_cache_spec(cls, cfg: DeepseekConfig) -> KVCacheSpec:
         """One latent cache: [num_layers * num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]."""
         return KVCacheSpec(cfg.num_layers, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cache_class=MLACache)
 
-    @staticmethod
-    def layer_stacks(cfg: DeepseekConfig) -> dict[str, range]:
-        """Our stacked modules -> the Hugging Face layer indices each one holds."""
+    @classmethod
+    def layer_stacks(cls, cfg: DeepseekConfig) -> dict[str, range]:
+        """The first `first_k_dense_replace` layers (dense MLP), then the rest (MoE); empty ones left out."""
         k = cfg.first_k_dense_replace
         stacks = {"dense_layers": range(k), "moe_layers": range(k, cfg.num_layers)}
         return {name: layers for name, layers in stacks.items() if len(layers)}
 
-    @staticmethod
-    def prepare_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    @classmethod
+    def make_layer(
+        cls, cfg: DeepseekConfig, backend: AttentionBackend, stack: str, *, dtype, rngs: nnx.Rngs
+    ) -> DeepseekDecoderLayer:
+        # `backend.mla_attention`: kernels/mla.py's reference, or the Pallas kernel (ragged_paged_mla.py).
+        return DeepseekDecoderLayer(cfg, backend, is_moe=stack == "moe_layers", dtype=dtype, rngs=rngs)
+
+    @classmethod
+    def prepare_hf_tensors(cls, cfg: DeepseekConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # Checkpoints may carry multi-token-prediction layers past num_hidden_layers (V3): not ours.
         mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_layers, cfg.num_layers + 8))
         kept = {n: t for n, t in tensors.items() if not n.startswith(mtp)}
         return stack_expert_tensors(kept, cfg.num_experts)
-
-    # -- forward ----------------------------------------------------------------------------------
-
-    def __call__(
-        self,
-        input_ids: jax.Array,  # [T]
-        positions: jax.Array,  # [T]
-        kv_cache: MLACache,
-        md: AttentionMetadata,
-    ) -> tuple[jax.Array, MLACache]:  # hidden [T, D], updated cache
-        x = self.embed_tokens(input_ids)
-        num_blocks = kv_cache.latent.shape[0] // self.cfg.num_layers
-        block_size = kv_cache.latent.shape[1]
-        for stack, first_layer in ((self.dense_layers, 0), (self.moe_layers, self.cfg.first_k_dense_replace)):
-            if stack is None:
-                continue
-            layer_def, layer_state = nnx.split(stack)
-
-            def body(carry, state, layer_def=layer_def):
-                x, kv_cache, layer = carry
-                x, kv_cache = nnx.merge(layer_def, state)(
-                    x, positions, kv_cache, md.for_layer(layer, num_blocks, block_size)
-                )
-                return (x, kv_cache, layer + 1), None
-
-            (x, kv_cache, _), _ = scan(body, (x, kv_cache, jnp.int32(first_layer)), layer_state)
-        return self.norm(x), kv_cache
-
-    compute_logits = DecoderOnlyLM.compute_logits  # [N, D] -> [N, V] float32
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
@@ -279,3 +242,5 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     `norm_topk_prob` is honoured as DeepSeek's own code and vLLM do (Hugging Face's V2 router ignores
     it; the released configs set it false, where the two agree).
     """
+
+    config_class = DeepseekV2Config

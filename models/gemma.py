@@ -12,12 +12,61 @@ The per-layer differences reach the scanned layer body as its `LayerSpec`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
+
+
+@dataclass(frozen=True)
+class GemmaConfig(TransformerConfig):
+    """What Gemma 2 and 3 read alike: (1 + w) norms, sqrt(hidden_size) embedding scale, the GELU
+    gate (`hidden_activation`), the attention scale and the final logit soft cap."""
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **super().fields_from_hf(hf),
+            "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+            "norm_offset": 1.0,
+            "embed_scale": hf["hidden_size"] ** 0.5,
+            "query_pre_attn_scalar": hf.get("query_pre_attn_scalar"),
+            "final_logit_softcap": hf.get("final_logit_softcapping"),
+        }
+
+
+@dataclass(frozen=True)
+class Gemma2Config(GemmaConfig):
+    """Gemma2 also soft-caps attention scores; without `layer_types`, even layers (0, 2, ...) slide."""
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        return {**super().fields_from_hf(hf), "attn_logit_softcap": hf.get("attn_logit_softcapping")}
+
+    @classmethod
+    def default_sliding_layers(cls, hf: dict[str, Any], num_layers: int) -> list[bool]:
+        return [(i + 1) % 2 != 0 for i in range(num_layers)]
+
+
+@dataclass(frozen=True)
+class Gemma3Config(GemmaConfig):
+    """Gemma3 norms q and k per head (Hugging Face's Gemma3 attention ignores
+    attn_logit_softcapping, and its configs set none); without `layer_types`, every
+    `sliding_window_pattern`-th layer is global, the rest slide."""
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        return {**super().fields_from_hf(hf), "qk_norm": True}
+
+    @classmethod
+    def default_sliding_layers(cls, hf: dict[str, Any], num_layers: int) -> list[bool]:
+        pattern = hf.get("sliding_window_pattern", 6)
+        return [(i + 1) % pattern != 0 for i in range(num_layers)]
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -41,8 +90,10 @@ class GemmaDecoderLayer(nnx.Module):
 
 
 class Gemma2ForCausalLM(DecoderOnlyLM):
+    config_class = Gemma2Config
     layer_class = GemmaDecoderLayer
 
 
 class Gemma3ForCausalLM(DecoderOnlyLM):
+    config_class = Gemma3Config
     layer_class = GemmaDecoderLayer

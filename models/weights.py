@@ -7,16 +7,15 @@ i, transposed ([out, in] -> [in, out]) and stacked on a leading layer axis. (Phi
 (`xlaserve convert`, orbax) already holds this pytree: `ConvertedParams` skip the mapping.
 `--load-format dummy` reads no tensors at all: `DummyWeights` draws every parameter on its devices.
 
-Two optional hooks on the model class cover what is not one-to-one:
+Two hooks of the model class (`CausalLM`, models/interfaces.py) cover what is not one-to-one:
 - ``prepare_hf_tensors(cfg, tensors) -> tensors``: rewrites the checkpoint first (MoE: one tensor
   per expert -> one [num_experts, out, in] stack; a kernel's last two axes are transposed);
-- ``layer_stacks(cfg) -> {module: range}``: several layer stacks, each holding a range of the
-  checkpoint's layers (DeepSeek: dense layers, then MoE layers); default ``{"layers": all}``.
+- ``layer_stacks(cfg) -> {module: range}``: the layer stacks, each holding a range of the
+  checkpoint's layers (``{"layers": all}``; DeepSeek: dense layers, then MoE layers).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -27,24 +26,18 @@ from flax import nnx
 from tqdm import tqdm
 
 from xlaserve.models.config import TransformerConfig
+from xlaserve.models.interfaces import CausalLM
+from xlaserve.models.loader import DummyWeights
 from xlaserve.models.orbax_checkpoint import ConvertedParams
 
 # Tensors a checkpoint may carry that no module reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-@dataclasses.dataclass(frozen=True)
-class DummyWeights:
-    """`--load-format dummy` (vLLM's name): every parameter drawn uniformly from [-scale, scale] on
-    its devices, in its sharding; nothing is read or copied from the host. For benchmarks of shapes
-    whose weights are not at hand: the config and tokenizer come from the model directory."""
-
-    seed: int = 0
-    scale: float = 1e-3  # vLLM's dummy range
-
-    def draw(self, index: int, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
-        key = jax.random.fold_in(jax.random.key(self.seed), index)
-        return _uniform_fn(tuple(shape), jnp.dtype(dtype), self.scale, sharding)(key)
+def _draw_dummy(weights: DummyWeights, index: int, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+    """Parameter number `index`, drawn uniformly from [-scale, scale] directly in its sharding."""
+    key = jax.random.fold_in(jax.random.key(weights.seed), index)
+    return _uniform_fn(tuple(shape), jnp.dtype(dtype), weights.scale, sharding)(key)
 
 
 @functools.cache
@@ -88,7 +81,7 @@ def _unflatten(flat: dict[tuple[str, ...], object]) -> dict:
 
 
 def load_params(
-    model_class: type,
+    model_class: type[CausalLM],
     cfg: TransformerConfig,
     tensors: dict[str, np.ndarray],
     *,
@@ -110,7 +103,7 @@ def load_params(
     if isinstance(tensors, DummyWeights):
         sharding = sharding or (lambda path, shape: jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         flat = {
-            path: tensors.draw(i, spec.shape, dtype, sharding(path, spec.shape))
+            path: _draw_dummy(tensors, i, spec.shape, dtype, sharding(path, spec.shape))
             for i, (path, spec) in enumerate(
                 tqdm(expected.items(), desc="Drawing dummy weights", unit="tensor")
             )
@@ -122,11 +115,8 @@ def load_params(
         flat = _place_converted(model_class, expected, tensors, dtype, place)
         abstract.replace_by_pure_dict(_unflatten(flat))
         return graphdef, abstract
-    if hasattr(model_class, "prepare_hf_tensors"):
-        tensors = model_class.prepare_hf_tensors(cfg, tensors)
-    stacks = {"layers": range(cfg.num_layers)}
-    if hasattr(model_class, "layer_stacks"):
-        stacks = model_class.layer_stacks(cfg)
+    tensors = model_class.prepare_hf_tensors(cfg, tensors)
+    stacks = model_class.layer_stacks(cfg)
     place = place or (lambda path, array: jax.device_put(array))
     used: set[str] = set()
     missing: list[str] = []

@@ -16,7 +16,6 @@ import asyncio
 import collections
 import itertools
 import logging
-import os
 import time
 from collections.abc import AsyncGenerator
 
@@ -34,6 +33,7 @@ from xlaserve.engine.protocol import (
     UtilityCall,
     UtilityResult,
 )
+from xlaserve.models.loader import load_tokenizer
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
 
@@ -47,7 +47,6 @@ __all__ = [
     "QueueFullError",
     "RequestFailedError",
     "RequestStream",
-    "load_tokenizer",
 ]
 
 
@@ -69,22 +68,6 @@ class InvalidRequestError(ValueError):
 
 class RequestFailedError(RuntimeError):
     """The engine could not finish a request (rejected by the core, or failed inside a step)."""
-
-
-def load_tokenizer(model: str | None):
-    """The model's tokenizer without its weights (the core process loads those)."""
-    from xlaserve.models.loader import EMBEDDED_MODEL_ALIAS, resolve_embedded_model_path
-
-    if model is None or model == EMBEDDED_MODEL_ALIAS:
-        model = resolve_embedded_model_path()
-    path = os.path.expanduser(model)
-    if path.endswith(".gguf"):
-        from xlaserve.models.gguf_tokenizer import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 class RequestStream:
@@ -160,7 +143,8 @@ class AsyncLLM:
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model)
+        if not self.config.model.skip_tokenizer_init:
+            self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model)
         ready = await self.core.wait_ready()
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size

@@ -196,13 +196,11 @@ def _build_engine_core(model: str | None, engine_args: dict):
     # Imported here, in the engine-core process only: the front end that imports this module to
     # spawn it never loads jax or the model code.
     from xlaserve.config import EngineConfig
-    from xlaserve.engine.startup import start_engine
+    from xlaserve.engine.startup import eos_token_id, start_engine
 
     config = EngineConfig.from_kwargs(model, **engine_args)
     tokenizer, model_config, max_model_len, core = start_engine(config)
-    eos = tokenizer.eos_token_id
-    if eos is None and model_config.eos_token_ids:
-        eos = model_config.eos_token_ids[0]
+    eos = eos_token_id(tokenizer, model_config)
     ready = EngineReady(
         max_model_len=max_model_len,
         vocab_size=model_config.vocab_size,

@@ -8,6 +8,8 @@ as context, `read_offset` the end of what was emitted. Each step decodes ids[pre
 ids[prefix:]; the new text is the difference, emitted only when it does not end in "\\ufffd"
 (an incomplete character that a later token will finish). The window is a few tokens long, so a
 step costs O(1).
+
+An engine without a tokenizer (skip_tokenizer_init) gets `NoTextDetokenizer`: token ids, no text.
 """
 
 from __future__ import annotations
@@ -166,3 +168,34 @@ class IncrementalDetokenizer:
             return ""
         self._last_output_text_offset = length
         return self.output_text[last_offset:length]
+
+
+class NoTextDetokenizer:
+    """The detokenizer of an engine without a tokenizer (skip_tokenizer_init, as vLLM's base
+    IncrementalDetokenizer): it keeps the output ids and produces no text, so no stop string can
+    match (the input processor refuses them)."""
+
+    def __init__(self):
+        self.token_ids: list[int] = []
+        self.output_text = ""
+
+    def update(
+        self, new_token_ids: list[int], stop_terminated: bool = False, finished: bool = False
+    ) -> str | None:
+        self.token_ids.extend(new_token_ids)
+        return None
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        return ""
+
+
+def make_detokenizer(
+    tokenizer,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    special_ids: frozenset[int] | None = None,
+) -> IncrementalDetokenizer | NoTextDetokenizer:
+    """An `IncrementalDetokenizer`, or a `NoTextDetokenizer` when `tokenizer` is None."""
+    if tokenizer is None:
+        return NoTextDetokenizer()
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params, special_ids)

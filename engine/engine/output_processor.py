@@ -15,7 +15,12 @@ from dataclasses import dataclass, replace
 
 from xlaserve.core.outputs import EngineCoreOutput
 from xlaserve.core.request import FinishReason
-from xlaserve.engine.detokenizer import IncrementalDetokenizer, special_token_ids
+from xlaserve.engine.detokenizer import (
+    IncrementalDetokenizer,
+    NoTextDetokenizer,
+    make_detokenizer,
+    special_token_ids,
+)
 from xlaserve.outputs import (
     CompletionOutput,
     IterationStats,
@@ -79,7 +84,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     output_kind: str
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | NoTextDetokenizer
     stats: RequestStateStats
     parent: ParentRequest | None = None
     index: int = 0
@@ -153,7 +158,11 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Per-request front-end state: detokenizers, logprobs, timing and n > 1 aggregation."""
+    """Per-request front-end state: detokenizers, logprobs, timing and n > 1 aggregation.
+
+    `tokenizer` None (skip_tokenizer_init): outputs carry token ids, empty text, and logprobs
+    without decoded tokens.
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -196,7 +205,7 @@ class OutputProcessor:
             if not 0 <= index < parent.n:
                 raise ValueError(f"child of {parent_id!r} must have index in [0, {parent.n}), got {index}")
             parent.child_ids.add(request_id)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self._special_ids)
+        detokenizer = make_detokenizer(self.tokenizer, prompt_token_ids, params, self._special_ids)
         arrival_time = time.time() if arrival_time is None else arrival_time
         self.request_states[request_id] = RequestState(
             request_id,
@@ -315,7 +324,9 @@ class OutputProcessor:
                 self.parent_requests.pop(parent.request_id, None)
         return True
 
-    def _token_text(self, token_id: int) -> str:
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
         text = self._token_text_cache.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)

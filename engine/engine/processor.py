@@ -14,7 +14,10 @@ PromptType = str | dict[str, Any]
 
 class InputProcessor:
     """Turns a prompt and its SamplingParams into the core's Requests; bad input is a ValueError
-    naming the field and the limit, raised before anything reaches the engine."""
+    naming the field and the limit, raised before anything reaches the engine.
+
+    `tokenizer` is None for an engine built with skip_tokenizer_init: prompts must then be token ids.
+    """
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None, seed: int):
         self.tokenizer = tokenizer
@@ -24,16 +27,25 @@ class InputProcessor:
         self._seeds = random.Random(seed)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(the prompt's text or None, its token ids)."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            return prompt["prompt"], self._encode(prompt["prompt"])
         raise ValueError(
             f"prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got "
             f"{type(prompt).__name__}"
         )
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                "prompt is text, but the engine has no tokenizer (skip_tokenizer_init=True): "
+                "pass {'prompt_token_ids': [...]}"
+            )
+        return self.tokenizer.encode(text)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -46,6 +58,14 @@ class InputProcessor:
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
             raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:4]}")
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: stop strings need this engine's tokenizer."""
+        if self.tokenizer is None and params.stop:
+            raise ValueError(
+                f"stop strings {params.stop!r} need a tokenizer to be matched, and the engine has none "
+                "(skip_tokenizer_init=True): use stop_token_ids"
+            )
 
     def make_requests(
         self,
@@ -60,6 +80,7 @@ class InputProcessor:
         """One Request, or n children of parent `request_id` for n > 1 (sharing the prompt's blocks
         through the prefix cache)."""
         self.validate_prompt(prompt_token_ids)
+        self.validate_params(params)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         params = dataclasses.replace(

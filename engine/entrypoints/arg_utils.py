@@ -21,6 +21,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "dummy"],
         help="dummy: random weights; config and tokenizer from the --model directory (benchmarks)",
     )
+    g.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        default=None,
+        help="load no tokenizer: prompts must be token ids, outputs carry token ids and no text",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -59,6 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = (
     "dtype",
     "load_format",
+    "skip_tokenizer_init",
     "max_model_len",
     "max_num_seqs",
     "max_num_batched_tokens",

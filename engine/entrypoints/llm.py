@@ -15,7 +15,7 @@ from xlaserve.config import EngineConfig
 from xlaserve.engine.metrics import EngineMetrics, Metric
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
-from xlaserve.engine.startup import start_engine
+from xlaserve.engine.startup import eos_token_id, start_engine
 from xlaserve.executor import follow
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
@@ -39,6 +39,8 @@ class LLM:
 
     `model`: an HF directory, a .gguf file, or None / "smollm2" for the embedded default model.
     Keyword arguments are vLLM's engine arguments (max_model_len, max_num_seqs, block_size, ...).
+    With `skip_tokenizer_init=True` no tokenizer is loaded: prompts are {"prompt_token_ids": [...]},
+    outputs carry token ids and empty text, and `chat` / `stream` are unavailable.
     """
 
     def __init__(self, model: str | None = None, **engine_args):
@@ -49,9 +51,7 @@ class LLM:
         self.tokenizer, model_config, self.max_model_len, self.engine_core = start_engine(self.config)
         if parallel.nnodes > 1:
             atexit.register(self.shutdown)
-        eos = self.tokenizer.eos_token_id
-        if eos is None and model_config.eos_token_ids:
-            eos = model_config.eos_token_ids[0]
+        eos = eos_token_id(self.tokenizer, model_config)
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, model_config.vocab_size, eos, self.config.model.seed
         )
@@ -84,6 +84,7 @@ class LLM:
         tokenized = [self.input_processor.tokenize(p) for p in prompts]
         for (_, ids), p in zip(tokenized, params):  # validate everything before adding anything
             self.input_processor.validate_prompt(ids)
+            self.input_processor.validate_params(p)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         return self._run(tokenized, params, priorities, use_tqdm)
 
@@ -97,6 +98,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template."""
+        self._require_tokenizer("chat()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
@@ -112,6 +114,7 @@ class LLM:
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated (n must be 1)."""
+        self._require_tokenizer("stream()")
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"stream() takes n=1, got n={params.n}")
@@ -135,6 +138,13 @@ class LLM:
         return self.engine_core.reset_prefix_cache()
 
     # -- the loop -------------------------------------------------------------------------------
+
+    def _require_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{what} needs a tokenizer, and this LLM was built with skip_tokenizer_init=True: "
+                "use generate() with {'prompt_token_ids': [...]}"
+            )
 
     def _broadcast_params(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
         if sampling_params is None:

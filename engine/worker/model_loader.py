@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import AttentionBackend, KVCacheSpec, MLACache, get_attention_backend
 from xlaserve.models.config import TransformerConfig
-from xlaserve.models.registry import get_model_class, kv_cache_spec, model_config_from_hf
+from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import load_params
 from xlaserve.sharding import Placement, make_mesh
 from xlaserve.sharding.attention import shard_attention_over_kv_heads
@@ -60,7 +60,7 @@ def load_model(
     placement = Placement(mesh, model_config, parallel.enable_expert_parallel)
     model_config, tensors = replicate_kv_heads(model_config, tensors, parallel.tensor_parallel_size)
     model_class = get_model_class(model_config.architecture)
-    kv_spec = kv_cache_spec(model_class, model_config)
+    kv_spec = model_class.kv_cache_spec(model_config)  # K and V, or MLA's one latent cache
     backend = get_attention_backend(config.compilation.attention_backend, mla=kv_spec.cache_class is MLACache)
     backend = shard_attention_over_kv_heads(backend, mesh)
     logger.info("attention backend: %s (%s)", backend.name, backend.reason)

@@ -140,9 +140,14 @@ def word_tokenizer(vocab_size: int):
     )
 
 
+# Plain Llama, for tests of what surrounds the families (the registry, the tokenizer options).
+LLAMA = ("LlamaConfig", BASE)
+
+
 def make_hf_model(architecture: str, seed: int = 0, **overrides):
-    """A random HF model in float32 with weights large enough that each one shows in the logits."""
-    config_class, kwargs = FAMILIES[architecture]
+    """A random HF model in float32 with weights large enough that each one shows in the logits
+    (`architecture`: a key of FAMILIES, or "LlamaForCausalLM")."""
+    config_class, kwargs = LLAMA if architecture == "LlamaForCausalLM" else FAMILIES[architecture]
     config = getattr(transformers, config_class)(**dict(kwargs, **overrides), attn_implementation="eager")
     config.architectures = [architecture]
     torch.manual_seed(seed)

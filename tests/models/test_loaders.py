@@ -405,7 +405,7 @@ def test_dummy_load_format_reads_config_and_tokenizer_only(tmp_path):
     import jax
 
     from xlaserve import LLM, SamplingParams
-    from xlaserve.models.weights import DummyWeights
+    from xlaserve.models.loader import DummyWeights
 
     _save_tiny_llama(tmp_path, "float32")
     for weights in tmp_path.glob("*.safetensors"):
@@ -433,7 +433,8 @@ def test_dummy_load_format_is_reproducible_per_seed():
 
     from xlaserve.models.config import TransformerConfig
     from xlaserve.models.llama import LlamaForCausalLM
-    from xlaserve.models.weights import DummyWeights, load_params
+    from xlaserve.models.loader import DummyWeights
+    from xlaserve.models.weights import load_params
 
     cfg = TransformerConfig.from_hf(
         complete_config(

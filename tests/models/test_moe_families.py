@@ -26,7 +26,7 @@ from xlaserve.kernels import get_attention_backend
 from xlaserve.kernels.mla import mla_paged_attention, write_latent
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.moe import MoEConfig, grouped_expert_mlp, route, stack_expert_tensors
-from xlaserve.models.registry import get_model_class, kv_cache_spec, model_config_from_hf
+from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import load_params
 from xlaserve.worker.input_batch import build_step_batch
 
@@ -253,7 +253,7 @@ def test_prefill_logits_match_hugging_face(family):
         request=request, num_computed_tokens=0, num_new_tokens=len(prompt), block_ids=blocks.tolist()
     )
     batch = build_step_batch([scheduled], num_tokens, 4, num_tokens // BLOCK_SIZE, BLOCK_SIZE)
-    spec = kv_cache_spec(model_class, cfg)
+    spec = model_class.kv_cache_spec(cfg)
     kv_cache = spec.allocate(num_blocks, BLOCK_SIZE, lambda shape: jnp.zeros(shape, jnp.float32))
     logits = _logits(graphdef, params, kv_cache, batch.input_ids, batch.positions, batch.md)
     ours = np.asarray(logits)[: len(prompt)]

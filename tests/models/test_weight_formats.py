@@ -135,8 +135,8 @@ def test_gguf_qwen2_quantized_tensors(tmp_path, qtype_name):
     dequantizes them, under HF names, into a config Qwen2 accepts."""
     import gguf
 
-    from xlaserve.models.config import TransformerConfig
     from xlaserve.models.loader import load_checkpoint
+    from xlaserve.models.registry import model_config_from_hf
 
     # Quantized blocks hold 32 values along a row: q_proj's and o_proj's rows have 64.
     hf_model = make_hf_model("Qwen2ForCausalLM", seed=5, hidden_size=64, head_dim=16)
@@ -147,8 +147,9 @@ def test_gguf_qwen2_quantized_tensors(tmp_path, qtype_name):
     assert set(checkpoint.tensors) == set(expected)
     for name, want in expected.items():
         np.testing.assert_allclose(checkpoint.tensors[name], want, rtol=0, atol=1e-6, err_msg=name)
-    cfg = TransformerConfig.from_hf(checkpoint.hf_config)
-    assert cfg == TransformerConfig.from_hf(hf_model.config.to_dict()).replace(
+    cfg = model_config_from_hf(checkpoint.hf_config)  # as Qwen2's config class reads it
+    assert cfg.attention_bias and not cfg.attention_out_bias
+    assert cfg == model_config_from_hf(hf_model.config.to_dict()).replace(
         sliding_window=None,
         layer_types=(),  # llama.cpp keeps no sliding window
     )
@@ -156,7 +157,7 @@ def test_gguf_qwen2_quantized_tensors(tmp_path, qtype_name):
 
 def test_orbax_round_trip(qwen3, tmp_path):
     """`xlaserve convert` writes our pytree; loading it gives the same parameters and tokens."""
-    from xlaserve import cli
+    from xlaserve.entrypoints import cli
     from xlaserve.models.loader import load_checkpoint
     from xlaserve.models.orbax_checkpoint import ConvertedParams
 

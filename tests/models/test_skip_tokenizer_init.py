@@ -1,0 +1,85 @@
+"""`skip_tokenizer_init` (vLLM's option): a model directory without tokenizer files serves token ids
+in, token ids out; a text prompt is refused with an error naming `prompt`."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from helpers.family_cases import (
+    ENGINE_ARGS,
+    NUM_GREEDY,
+    hf_greedy,
+    make_hf_model,
+    one_torch_thread,  # noqa: F401 - an autouse fixture
+    prompts,
+    save_hf_model,
+)
+from xlaserve import LLM, SamplingParams
+from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs
+from xlaserve.models.loader import load_checkpoint, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """(HF model, a directory with its config and weights only: no tokenizer files)."""
+    hf_model = make_hf_model("LlamaForCausalLM", seed=11)
+    directory = tmp_path_factory.mktemp("no-tokenizer")
+    hf_model.save_pretrained(directory)
+    return hf_model, str(directory)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    _, directory = tiny_llama
+    return LLM(directory, skip_tokenizer_init=True, **ENGINE_ARGS)
+
+
+def test_a_directory_without_tokenizer_loads_only_when_told(tiny_llama):
+    _, directory = tiny_llama
+    with pytest.raises(ValueError, match="(?s)no usable tokenizer.*skip_tokenizer_init=True"):
+        load_checkpoint(directory, progress=False)
+    with pytest.raises(ValueError, match="no usable tokenizer"):
+        load_tokenizer(directory)
+    checkpoint = load_checkpoint(directory, progress=False, skip_tokenizer_init=True)
+    assert checkpoint.tokenizer is None and checkpoint.tensors
+
+
+def test_load_tokenizer_reads_a_directory_tokenizer(tmp_path):
+    directory = save_hf_model(make_hf_model("LlamaForCausalLM"), tmp_path)
+    assert load_tokenizer(directory).convert_ids_to_tokens([5, 100]) == ["w5", "w100"]
+
+
+def test_token_ids_in_token_ids_out(tiny_llama, llm):
+    hf_model, _ = tiny_llama
+    assert llm.get_tokenizer() is None
+    batch = prompts(hf_model.config.vocab_size, seed=5)[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf_model, p) for p in batch]
+    assert [o.outputs[0].text for o in outputs] == ["", ""]
+    assert outputs[0].prompt is None and outputs[0].prompt_token_ids == batch[0]
+
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=2, logprobs=1)
+    (output,) = llm.generate({"prompt_token_ids": batch[0]}, with_logprobs, use_tqdm=False)
+    assert all(lp.decoded_token is None for step in output.outputs[0].logprobs for lp in step.values())
+
+
+def test_text_in_is_refused(llm):
+    params = SamplingParams(max_tokens=2)
+    for prompt in ("w5 w6", {"prompt": "w5 w6"}):
+        with pytest.raises(ValueError, match="^prompt is text, but the engine has no tokenizer"):
+            llm.generate(prompt, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings .* need a tokenizer"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(stop=["w7"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="chat\\(\\) needs a tokenizer"):
+        llm.chat([{"role": "user", "content": "hi"}])
+    assert not llm.engine_core.has_unfinished_requests()
+
+
+def test_cli_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args(["--skip-tokenizer-init"]))["skip_tokenizer_init"] is True
+    assert "skip_tokenizer_init" not in engine_kwargs(parser.parse_args([]))
