@@ -18,6 +18,14 @@ PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("v_proj", "kernel"): ("embed", "kv_heads"),
     ("v_proj", "bias"): ("kv_heads",),
     ("o_proj", "kernel"): ("q_heads", "embed"),
+    # Fused projections (Phi-3). The loader regroups their columns (models/phi3.py) so that a
+    # contiguous split is a split by head: qkv_proj holds, per KV head, its query heads then its k
+    # and v; gate_up_proj interleaves gate and up column by column. Each device then holds its own
+    # heads' q, k, v and its own slice of gate and up, as with the separate projections.
+    ("qkv_proj", "kernel"): ("embed", "kv_heads"),
+    ("qkv_proj", "bias"): ("kv_heads",),
+    ("gate_up_proj", "kernel"): ("embed", "mlp"),
+    ("gate_up_proj", "bias"): ("mlp",),
     # Multi-head latent attention (DeepSeek): the up-projections out of the shared latents are
     # column-parallel over heads; the down-projections into them (q_a_proj, kv_a_proj_with_mqa) and
     # the latent cache stay replicated, since every head reads the same latents.
