@@ -124,9 +124,7 @@ def load_params(
         return graphdef, abstract
     if hasattr(model_class, "prepare_hf_tensors"):
         tensors = model_class.prepare_hf_tensors(cfg, tensors)
-    stacks = {"layers": range(cfg.num_layers)}
-    if hasattr(model_class, "layer_stacks"):
-        stacks = model_class.layer_stacks(cfg)
+    stacks = layer_stacks(model_class, cfg)
     place = place or (lambda path, array: jax.device_put(array))
     used: set[str] = set()
     missing: list[str] = []
@@ -160,6 +158,13 @@ def load_params(
         )
     abstract.replace_by_pure_dict(_unflatten(flat))
     return graphdef, abstract
+
+
+def layer_stacks(model_class: type, cfg: TransformerConfig) -> dict[str, range]:
+    """Our stacked modules (a leading layer axis on each parameter) -> the checkpoint layers each holds."""
+    if hasattr(model_class, "layer_stacks"):
+        return model_class.layer_stacks(cfg)
+    return {"layers": range(cfg.num_layers)}
 
 
 def _place_converted(model_class, expected: dict, params: ConvertedParams, dtype, place) -> dict:

@@ -21,7 +21,7 @@ from xlaserve.config import EngineConfig
 from xlaserve.kernels import AttentionBackend, KVCacheSpec, MLACache, get_attention_backend
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.registry import get_model_class, kv_cache_spec, model_config_from_hf
-from xlaserve.models.weights import load_params
+from xlaserve.models.weights import layer_stacks, load_params
 from xlaserve.sharding import Placement, make_mesh
 from xlaserve.sharding.attention import shard_attention_over_kv_heads
 from xlaserve.sharding.kv_heads import replicate_kv_heads
@@ -56,10 +56,11 @@ def load_model(
     dtype = resolve_dtype(config.model.dtype)
     parallel = config.parallel
     model_config = model_config_from_hf(hf_config)
-    mesh = make_mesh(parallel.tensor_parallel_size, devices)
-    placement = Placement(mesh, model_config, parallel.enable_expert_parallel)
-    model_config, tensors = replicate_kv_heads(model_config, tensors, parallel.tensor_parallel_size)
     model_class = get_model_class(model_config.architecture)
+    mesh = make_mesh(parallel.tensor_parallel_size, devices)
+    stacked = tuple(layer_stacks(model_class, model_config))
+    placement = Placement(mesh, model_config, parallel.enable_expert_parallel, stacked_modules=stacked)
+    model_config, tensors = replicate_kv_heads(model_config, tensors, parallel.tensor_parallel_size)
     kv_spec = kv_cache_spec(model_class, model_config)
     backend = get_attention_backend(config.compilation.attention_backend, mla=kv_spec.cache_class is MLACache)
     backend = shard_attention_over_kv_heads(backend, mesh)
