@@ -153,7 +153,7 @@ def test_two_processes_tensor_parallel_8_match_one_process(tiny_llama):
 def test_divergent_follower_stops_the_engine_with_a_clear_error():
     import threading
 
-    from xlaserve.sharding.distributed import StepReceiver, StepSender
+    from xlaserve.executor.multihost import StepReceiver, StepSender
     from xlaserve.worker.input_batch import StepInputs, build_step_batch, sampling_tensors
 
     port = _free_port()
