@@ -156,7 +156,7 @@ def test_gguf_qwen2_quantized_tensors(tmp_path, qtype_name):
 
 def test_orbax_round_trip(qwen3, tmp_path):
     """`xlaserve convert` writes our pytree; loading it gives the same parameters and tokens."""
-    from xlaserve import cli
+    from xlaserve.entrypoints import cli
     from xlaserve.models.loader import load_checkpoint
     from xlaserve.models.orbax_checkpoint import ConvertedParams
 
