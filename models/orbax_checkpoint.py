@@ -23,7 +23,7 @@ import numpy as np
 
 MARKER_FILE = "xlaserve_orbax.json"
 PARAMS_DIR = "params"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Phi-3's fused qkv_proj and gate_up_proj regrouped by head (models/phi3.py)
 
 
 class ConvertedParams(dict):

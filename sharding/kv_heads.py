@@ -12,6 +12,7 @@ import re
 import numpy as np
 
 _KV_PROJ = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
+_FUSED_QKV = re.compile(r"\.qkv_proj\.(weight|bias)$")  # Phi-3: HF rows q, then k, then v
 
 
 def _is_kv_projection(name) -> bool:
@@ -25,6 +26,12 @@ def _is_kv_projection(name) -> bool:
     return _KV_PROJ.search(name) is not None
 
 
+def _is_fused_qkv(name) -> bool:
+    if isinstance(name, tuple):
+        return name[-2:] in {("qkv_proj", "kernel"), ("qkv_proj", "bias")}
+    return _FUSED_QKV.search(name) is not None
+
+
 def _repeat_heads(array: np.ndarray, axis: int, num_kv: int, repeat: int) -> np.ndarray:
     """Repeat each of the `num_kv` head blocks along `axis` `repeat` times, copies adjacent, so
     query head h still reads KV head h // (num_heads / num_kv_heads)."""
@@ -34,13 +41,34 @@ def _repeat_heads(array: np.ndarray, axis: int, num_kv: int, repeat: int) -> np.
     return np.moveaxis(repeated, 0, axis)
 
 
+def _repeat_fused_hf(array: np.ndarray, num_heads: int, num_kv: int, repeat: int) -> np.ndarray:
+    """HF's fused qkv_proj ([(H + 2 K) * head_dim, ...]: q rows, k rows, v rows) with its k and v
+    heads repeated."""
+    q_rows = array.shape[0] * num_heads // (num_heads + 2 * num_kv)
+    q, k, v = np.split(array, [q_rows, q_rows + (array.shape[0] - q_rows) // 2])
+    return np.concatenate([q, _repeat_heads(k, 0, num_kv, repeat), _repeat_heads(v, 0, num_kv, repeat)])
+
+
+def _repeat_fused_grouped(array: np.ndarray, num_heads: int, num_kv: int, repeat: int) -> np.ndarray:
+    """Our fused qkv_proj (last axis: per KV head, its G query heads then k then v; see models/phi3.py)
+    regrouped for num_kv * repeat KV heads: each group's query heads split in `repeat` groups, each
+    with a copy of the group's k and v."""
+    group = num_heads // num_kv
+    lead = array.shape[:-1]
+    grouped = array.reshape(*lead, num_kv, group + 2, -1)  # [..., K, G + 2, head_dim]
+    head_dim = grouped.shape[-1]
+    q = grouped[..., :group, :].reshape(*lead, num_kv, repeat, group // repeat, head_dim)
+    kv = np.broadcast_to(grouped[..., None, group:, :], (*lead, num_kv, repeat, 2, head_dim))
+    return np.concatenate([q, kv], axis=-2).reshape(*lead, -1)
+
+
 def replicate_kv_heads(model_config, tensors, tensor_parallel_size: int):
     """-> (model_config, tensors) with KV heads repeated up to tensor_parallel_size if needed.
 
     `tensors`: HF names -> HF layout (the heads on axis 0 of [kv_heads * head_dim, ...]), a converted
     checkpoint's paths -> our layout (the heads on the last axis), or `DummyWeights` (drawn later in
-    the widened shapes)."""
-    num_kv = model_config.num_kv_heads
+    the widened shapes). Fused qkv projections (Phi-3) have their k and v parts repeated."""
+    num_kv, num_heads = model_config.num_kv_heads, model_config.num_heads
     if tensor_parallel_size <= num_kv:
         return model_config, tensors
     repeat = tensor_parallel_size // num_kv
@@ -49,6 +77,10 @@ def replicate_kv_heads(model_config, tensors, tensor_parallel_size: int):
         return model_config, tensors
     out = type(tensors)(tensors)
     for name, array in tensors.items():
+        is_ours = isinstance(name, tuple)
         if _is_kv_projection(name):
-            out[name] = _repeat_heads(np.asarray(array), -1 if isinstance(name, tuple) else 0, num_kv, repeat)
+            out[name] = _repeat_heads(np.asarray(array), -1 if is_ours else 0, num_kv, repeat)
+        elif _is_fused_qkv(name):
+            repeat_fused = _repeat_fused_grouped if is_ours else _repeat_fused_hf
+            out[name] = repeat_fused(np.asarray(array), num_heads, num_kv, repeat)
     return model_config, out

@@ -21,14 +21,24 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
 
 
 class Placement:
-    """Where every array of one engine lives: its mesh and the logical->mesh rules for a model."""
+    """Where every array of one engine lives: its mesh and the logical->mesh rules for a model.
 
-    def __init__(self, mesh: Mesh, model_config, enable_expert_parallel: bool = False):
+    `stacked_modules`: the model's top-level modules whose parameters carry a leading layer axis
+    (the loader's layer stacks), so that a stacked norm [L, D] counts as the vector it is per layer.
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        model_config,
+        enable_expert_parallel: bool = False,
+        stacked_modules: tuple[str, ...] = ("layers",),
+    ):
         self.mesh = mesh
-        tp = mesh.shape["tensor"]
-        cfg = model_config
-        self._check_divisible(cfg, tp, enable_expert_parallel)
+        self.tensor_parallel_size = mesh.shape["tensor"]
+        self._check_divisible(model_config, self.tensor_parallel_size, enable_expert_parallel)
         self.rules = logical_to_mesh(enable_expert_parallel)
+        self.stacked_modules = frozenset(stacked_modules)
         self.replicated = NamedSharding(mesh, PartitionSpec())
 
     @staticmethod
@@ -40,7 +50,7 @@ class Placement:
         if tp == 1:
             return
         require(cfg.num_heads, "num_attention_heads")
-        require(cfg.vocab_size, "vocab_size")
+        # The vocabulary needs no check: sharding/vocab.py pads it to a multiple of the TP size.
         if cfg.num_kv_heads and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
             raise ValueError(
                 f"tensor_parallel_size={tp} and num_key_value_heads={cfg.num_kv_heads}: one must divide "
@@ -56,7 +66,26 @@ class Placement:
             require(moe_size, "moe_intermediate_size")
 
     def param_sharding(self, path: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
-        spec = to_partition_spec(param_logical_axes(path, len(shape)), self.rules)
+        """The sharding of the parameter at `path`; under tensor parallelism a matrix that no rule in
+        sharding/rules.py names is an error naming it, never a silent replica."""
+        name = "/".join(path)
+        logical = param_logical_axes(path, len(shape), is_stacked=path[0] in self.stacked_modules)
+        if logical is None:
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"parameter {name} {list(shape)} matches no sharding rule: under "
+                    f"tensor_parallel_size={self.tensor_parallel_size} it would be replicated whole on "
+                    f"every device; add its (module, parameter) = {tuple(path[-2:])} to PARAM_AXES in "
+                    "sharding/rules.py (with axes mapped to no mesh axis if it must stay whole)"
+                )
+            logical = (None,) * len(shape)
+        spec = to_partition_spec(logical, self.rules)
+        for size, logical_axis, mesh_axis in zip(shape, logical, spec):
+            if mesh_axis is not None and size % self.mesh.shape[mesh_axis]:
+                raise ValueError(
+                    f"parameter {name} {list(shape)}: its {logical_axis} dimension ({size}) does not split "
+                    f"over the {self.mesh.shape[mesh_axis]} devices of mesh axis {mesh_axis!r}"
+                )
         return NamedSharding(self.mesh, spec)
 
     def place_param(self, path: tuple[str, ...], array: np.ndarray) -> jax.Array:

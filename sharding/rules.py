@@ -1,6 +1,11 @@
 """Logical axis names for parameters and the KV cache, and the one set of rules mapping them to
 mesh axes. Models never name devices: a parameter's logical axes are looked up here by the tail
 of its path (module name, parameter name), which every family shares with Hugging Face.
+
+Under tensor parallelism every parameter of two or more dimensions (per layer) must have a rule:
+one that matches none would otherwise be replicated on every device without a word, costing its
+whole size on each device and, for a weight its neighbours expect split, a gather in every step.
+A weight that is meant to be whole everywhere says so with a rule whose axes map to no mesh axis.
 """
 
 from __future__ import annotations
@@ -9,6 +14,8 @@ from jax.sharding import PartitionSpec
 
 # (module, parameter) -> logical axes of the parameter, without the leading stacked-layer axis.
 PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
+    # The vocabulary-parallel embedding and LM head: sharding/vocab.py pads the vocabulary so it
+    # splits evenly.
     ("embed_tokens", "weight"): ("vocab", "embed"),
     ("lm_head", "kernel"): ("embed", "vocab"),
     ("q_proj", "kernel"): ("embed", "q_heads"),
@@ -18,18 +25,32 @@ PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("v_proj", "kernel"): ("embed", "kv_heads"),
     ("v_proj", "bias"): ("kv_heads",),
     ("o_proj", "kernel"): ("q_heads", "embed"),
+    # Fused projections (Phi-3). The loader regroups their columns (models/phi3.py) so that a
+    # contiguous split is a split by head: qkv_proj holds, per KV head, its query heads then its k
+    # and v; gate_up_proj interleaves gate and up column by column. Each device then holds its own
+    # heads' q, k, v and its own slice of gate and up, as with the separate projections.
+    ("qkv_proj", "kernel"): ("embed", "kv_heads"),
+    ("qkv_proj", "bias"): ("kv_heads",),
+    ("gate_up_proj", "kernel"): ("embed", "mlp"),
+    ("gate_up_proj", "bias"): ("mlp",),
     # Multi-head latent attention (DeepSeek): the up-projections out of the shared latents are
     # column-parallel over heads; the down-projections into them (q_a_proj, kv_a_proj_with_mqa) and
     # the latent cache stay replicated, since every head reads the same latents.
     ("q_b_proj", "kernel"): ("q_lora", "q_heads"),
     ("kv_b_proj", "kernel"): ("kv_lora", "q_heads"),
+    ("q_a_proj", "kernel"): ("embed", "q_lora"),
+    ("kv_a_proj_with_mqa", "kernel"): ("embed", "kv_lora"),
     ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("gate_proj", "bias"): ("mlp",),
     ("up_proj", "kernel"): ("embed", "mlp"),
+    ("up_proj", "bias"): ("mlp",),
     ("down_proj", "kernel"): ("mlp", "embed"),
-    # Mixture of experts: [experts, in, out] stacks and the router.
+    # Mixture of experts: [experts, in, out] stacks, and the router, replicated: every device
+    # routes every token (its [D, E] weight is small).
     ("experts_gate", "kernel"): ("expert", "embed", "expert_mlp"),
     ("experts_up", "kernel"): ("expert", "embed", "expert_mlp"),
     ("experts_down", "kernel"): ("expert", "expert_mlp", "embed"),
+    ("gate", "kernel"): ("embed", "router"),
 }
 
 # The KV cache: [num_layers * num_blocks, block_size, num_kv_heads, head_dim].
@@ -50,18 +71,31 @@ def logical_to_mesh(enable_expert_parallel: bool) -> dict[str, str | None]:
         "embed": None,
         "q_lora": None,
         "kv_lora": None,
+        "router": None,
         "blocks": None,
     }
 
 
-def param_logical_axes(path: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of the parameter at `path` (replicated when no rule names it, e.g. norms)."""
-    axes = PARAM_AXES.get(tuple(path[-2:]), ())
-    stacked = ndim - len(axes)
-    if axes and stacked not in (0, 1):
-        raise ValueError(f"parameter {'/'.join(path)} has {ndim} dims; its rule {axes} expects {len(axes)}")
-    return (None,) * (ndim - len(axes)) + tuple(axes)
+def param_logical_axes(
+    path: tuple[str, ...], ndim: int, *, is_stacked: bool
+) -> tuple[str | None, ...] | None:
+    """Logical axes of the parameter at `path` with `ndim` dims (one of them the leading layer axis
+    when `is_stacked`). A parameter no rule names is replicated when it is a vector per layer (norms,
+    biases of replicated projections); for a matrix the answer is None: the caller decides whether
+    that is an error (under tensor parallelism it is)."""
+    layer_ndim = ndim - int(is_stacked)
+    axes = PARAM_AXES.get(tuple(path[-2:]))
+    if axes is None:
+        return (None,) * ndim if layer_ndim < 2 else None
+    if len(axes) != layer_ndim:
+        raise ValueError(
+            f"parameter {'/'.join(path)} has {layer_ndim} dims per layer; its rule {axes} expects {len(axes)}"
+        )
+    return (None,) * (ndim - layer_ndim) + tuple(axes)
 
 
 def to_partition_spec(logical: tuple[str | None, ...], rules: dict[str, str | None]) -> PartitionSpec:
-    return PartitionSpec(*(None if axis is None else rules.get(axis) for axis in logical))
+    unknown = [axis for axis in logical if axis is not None and axis not in rules]
+    if unknown:  # a misspelt axis would otherwise mean "replicated"
+        raise ValueError(f"logical axes {unknown} have no mesh rule; known: {sorted(rules)}")
+    return PartitionSpec(*(None if axis is None else rules[axis] for axis in logical))

@@ -25,6 +25,7 @@ from xlaserve.models.weights import load_params
 from xlaserve.sharding import Placement, make_mesh
 from xlaserve.sharding.attention import shard_attention_over_kv_heads
 from xlaserve.sharding.kv_heads import replicate_kv_heads
+from xlaserve.sharding.vocab import pad_vocab, padded_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class LoadedModel:
     """A model placed on its devices, and what was decided to get it there."""
 
     model_config: TransformerConfig  # the family's config class (MoE, MLA fields); KV heads replicated
+    padded_vocab_size: int  # rows of the embedding and LM head (sharding/vocab.py); >= vocab_size
     dtype: jnp.dtype
     mesh: Mesh
     placement: Placement
@@ -55,24 +57,38 @@ def load_model(
     """Build the model of `hf_config` from `tensors` and place its parameters on `devices`."""
     dtype = resolve_dtype(config.model.dtype)
     parallel = config.parallel
+    tp = parallel.tensor_parallel_size
     model_config = model_config_from_hf(hf_config)
-    mesh = make_mesh(parallel.tensor_parallel_size, devices)
-    placement = Placement(mesh, model_config, parallel.enable_expert_parallel)
-    model_config, tensors = replicate_kv_heads(model_config, tensors, parallel.tensor_parallel_size)
     model_class = get_model_class(model_config.architecture)
+    mesh = make_mesh(tp, devices)
+    stacked = tuple(model_class.layer_stacks(model_config))
+    placement = Placement(mesh, model_config, parallel.enable_expert_parallel, stacked_modules=stacked)
+    model_config, tensors = replicate_kv_heads(model_config, tensors, tp)
+    # The model is built with the padded vocabulary; model_config keeps the real one (the input
+    # processor's bound on token ids, the sampler's bound on what it may return).
+    padded_vocab = padded_vocab_size(model_config.vocab_size, tp)
+    tensors = pad_vocab(tensors, model_config.vocab_size, padded_vocab)
+    model_shape = model_config.replace(vocab_size=padded_vocab)
     kv_spec = model_class.kv_cache_spec(model_config)  # K and V, or MLA's one latent cache
     backend = get_attention_backend(config.compilation.attention_backend, mla=kv_spec.cache_class is MLACache)
     backend = shard_attention_over_kv_heads(backend, mesh)
     logger.info("attention backend: %s (%s)", backend.name, backend.reason)
+    if padded_vocab != model_config.vocab_size:
+        logger.info(
+            "vocabulary padded from %d to %d to split over %d devices (padding ids are never sampled)",
+            model_config.vocab_size,
+            padded_vocab,
+            tp,
+        )
     t0 = time.perf_counter()
     graphdef, params = load_params(
         model_class,
-        model_config,
+        model_shape,
         tensors,
         dtype=dtype,
-        make_model=lambda: model_class(model_config, backend, dtype=dtype, rngs=nnx.Rngs(0)),
+        make_model=lambda: model_class(model_shape, backend, dtype=dtype, rngs=nnx.Rngs(0)),
         place=placement.place_param,
         sharding=placement.param_sharding,
     )
     logger.info("placed %s weights in %.2fs", model_class.__name__, time.perf_counter() - t0)
-    return LoadedModel(model_config, dtype, mesh, placement, kv_spec, backend, graphdef, params)
+    return LoadedModel(model_config, padded_vocab, dtype, mesh, placement, kv_spec, backend, graphdef, params)

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from xlaserve.config import EngineConfig
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
+from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
 from xlaserve.worker.compile_guard import CompileGuard, compile_seconds, num_compiles
 from xlaserve.worker.input_batch import StepBatch, StepInputs, build_step_batch, sampling_tensors
@@ -41,14 +42,19 @@ def _forward(graphdef, params, kv_cache, input_ids, positions, logits_indices, m
     return hidden, hidden[logits_indices], kv_cache
 
 
-def _sample(graphdef, params, hidden_rd, st, *, with_logprobs):
-    model = nnx.merge(graphdef, params)
-    return sample(model.compute_logits(hidden_rd), st, with_logprobs=with_logprobs)
+def _logits(graphdef, vocab_size, params, hidden):
+    """[N, D] -> [N, V_padded] float32, padding ids at -inf (sharding/vocab.py): never sampled, never
+    in logprobs."""
+    return mask_padded_vocab(nnx.merge(graphdef, params).compute_logits(hidden), vocab_size)
 
 
-def _prompt_logprobs(graphdef, params, hidden, target_ids):
-    model = nnx.merge(graphdef, params)
-    return prompt_logprobs(model.compute_logits(hidden), target_ids)
+def _sample(graphdef, vocab_size, params, hidden_rd, st, *, with_logprobs):
+    logits = _logits(graphdef, vocab_size, params, hidden_rd)
+    return sample(logits, st, with_logprobs=with_logprobs)
+
+
+def _prompt_logprobs(graphdef, vocab_size, params, hidden, target_ids):
+    return prompt_logprobs(_logits(graphdef, vocab_size, params, hidden), target_ids)
 
 
 def to_host(array: jax.Array) -> np.ndarray:
@@ -76,6 +82,8 @@ class ModelRunner:
         self.config = config
         model = load_model(config, hf_config, tensors, devices)
         self.model_config = model.model_config
+        # The logits' width (>= model_config.vocab_size): the [R, V] sampling tensors match it.
+        self.padded_vocab_size = model.padded_vocab_size
         self.dtype = model.dtype
         self.mesh, self.placement = model.mesh, model.placement
         self.kv_spec, self.backend = model.kv_spec, model.backend
@@ -83,8 +91,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         self._forward_fn = jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",))
-        self._sample_fn = jax.jit(partial(_sample, self.graphdef), static_argnames=("with_logprobs",))
-        self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef))
+        vocab = self.model_config.vocab_size
+        self._sample_fn = jax.jit(partial(_sample, self.graphdef, vocab), static_argnames=("with_logprobs",))
+        self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef, vocab))
 
         self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.dtype)
         self.kv_cache = allocate_kv_cache(
@@ -112,7 +121,7 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Compile every token bucket and every sampler variant, then arm the compile guard."""
         start_compiles, start_secs, t0 = num_compiles(), compile_seconds(), time.perf_counter()
-        vocab = self.model_config.vocab_size
+        vocab = self.padded_vocab_size
         sampler_buckets_done = set()
         for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
             num_seqs = self._num_seqs_for(num_tokens)
@@ -191,7 +200,7 @@ class ModelRunner:
         return StepInputs(
             batch=batch,
             sampling=sampling_tensors(
-                scheduled, batch.num_padded_seqs, self.model_config.vocab_size, with_penalties
+                scheduled, batch.num_padded_seqs, self.padded_vocab_size, with_penalties
             ),
             with_logprobs=any(s.request.sampling_params.logprobs is not None for s in sampling),
             prompt_targets=prompt_targets,

@@ -103,6 +103,131 @@ def error(model_dir: str, layout: dict) -> None:
         print("RESULT " + json.dumps(str(e)))
 
 
+def missing_rule(model_dir: str, arg: dict) -> None:
+    """Load under each layout with one sharding rule removed: print the errors (or "loaded")."""
+    from xlaserve import LLM
+    from xlaserve.sharding import rules
+
+    del rules.PARAM_AXES[tuple(arg["drop"])]
+    results = []
+    for layout in arg["layouts"]:
+        try:
+            LLM(model_dir, max_model_len=128, enforce_eager=True, kv_cache_memory=2**23, **layout)
+            results.append("loaded")
+        except ValueError as e:
+            results.append(str(e))
+    print("RESULT " + json.dumps(results))
+
+
+def fused_shards(model_dir: str, layouts: list[dict]) -> None:
+    """Per layout and device, the shape of its shard of Phi-3's qkv_proj and gate_up_proj kernels, and whether
+    it holds exactly the checkpoint rows of its own heads (q of its query heads, k and v of its KV
+    heads) and of its own MLP columns (gate and up), computed here from the HF tensors."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from xlaserve import LLM
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    num_layers, num_heads, num_kv = (
+        hf["num_hidden_layers"],
+        hf["num_attention_heads"],
+        hf["num_key_value_heads"],
+    )
+    hd, ffn = hf["head_dim"], hf["intermediate_size"]
+
+    def expected_qkv(rank: int, tp: int) -> np.ndarray:  # [L, D, columns of this rank]
+        kv_heads = max(num_kv, tp)  # KV heads repeated up to tp (sharding/kv_heads.py)
+        q_per_kv = num_heads // kv_heads
+        layers = []
+        for i in range(num_layers):
+            w = tensors[f"model.layers.{i}.self_attn.qkv_proj.weight"]  # [(H + 2K) * hd, D]
+            rows = []
+            for kv in range(rank * kv_heads // tp, (rank + 1) * kv_heads // tp):
+                source = kv * num_kv // kv_heads  # the checkpoint's KV head this one copies
+                for h in range(kv * q_per_kv, (kv + 1) * q_per_kv):
+                    rows.append(w[h * hd : (h + 1) * hd])
+                rows.append(w[(num_heads + source) * hd : (num_heads + source + 1) * hd])
+                rows.append(w[(num_heads + num_kv + source) * hd : (num_heads + num_kv + source + 1) * hd])
+            layers.append(np.concatenate(rows).T)
+        return np.stack(layers)
+
+    def expected_gate_up(rank: int, tp: int) -> np.ndarray:
+        layers = []
+        for i in range(num_layers):
+            w = tensors[f"model.layers.{i}.mlp.gate_up_proj.weight"]  # [2F, D]: gate, then up
+            rows = [w[j] for f in range(rank * ffn // tp, (rank + 1) * ffn // tp) for j in (f, ffn + f)]
+            layers.append(np.stack(rows).T)
+        return np.stack(layers)
+
+    results = []
+    for layout in layouts:
+        tp = layout["tensor_parallel_size"]
+        llm = LLM(model_dir, max_model_len=128, enforce_eager=True, kv_cache_memory=2**23, **layout)
+        params = llm.engine_core.runner.params["layers"]
+        result = {}
+        for name, kernel, expected in (
+            ("qkv_proj", params["self_attn"]["qkv_proj"]["kernel"], expected_qkv),
+            ("gate_up_proj", params["mlp"]["gate_up_proj"]["kernel"], expected_gate_up),
+        ):
+            kernel = kernel[...]
+            width = kernel.shape[-1] // tp
+            result[name] = []
+            for shard in sorted(kernel.addressable_shards, key=lambda s: s.index[-1].start or 0):
+                rank = (shard.index[-1].start or 0) // width
+                data = np.asarray(shard.data)
+                holds = data.shape == expected(rank, tp).shape and np.array_equal(data, expected(rank, tp))
+                result[name].append({"rank": rank, "shape": list(data.shape), "holds_its_heads": bool(holds)})
+        results.append(result)
+        del llm
+    print("RESULT " + json.dumps(results))
+
+
+def generate_ids(model_dir: str, arg: dict) -> None:
+    """Generate from token-id prompts under each layout, once per sampling-parameter set: the tokens,
+    every (id, logprob) of the sampled logprobs, and every id of the prompt logprobs.
+    arg: {"layouts", "prompts", "params": [SamplingParams kwargs, ...]}."""
+    from xlaserve import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
+    results = []
+    for layout in arg["layouts"]:
+        llm = LLM(
+            model_dir,
+            max_model_len=128,
+            max_num_batched_tokens=32,
+            max_num_seqs=4,
+            kv_cache_memory=2**23,
+            enforce_eager=True,
+            **layout,
+        )
+        runs = []
+        for kwargs in arg["params"]:
+            params = SamplingParams(**kwargs)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            run = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+            if params.logprobs is not None:
+                run["logprobs"] = [
+                    [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]
+                    for o in outs
+                ]
+            if params.prompt_logprobs is not None:
+                run["prompt_logprob_ids"] = sorted(
+                    {i for o in outs for d in o.prompt_logprobs if d is not None for i in d}
+                )
+            runs.append(run)
+        try:  # an id past the real vocabulary (a padding id under TP) is no valid prompt
+            llm.generate({"prompt_token_ids": [3, llm.input_processor.vocab_size]}, use_tqdm=False)
+            refused = "accepted"
+        except ValueError as e:
+            refused = str(e)
+        results.append({"layout": layout, "runs": runs, "out_of_vocab_prompt": refused})
+        del llm
+    print("RESULT " + json.dumps(results))
+
+
 def main(model_dir: str, layouts: list[dict]) -> None:
     from xlaserve import LLM, SamplingParams
 
@@ -141,4 +266,7 @@ if __name__ == "__main__":
         "error": error,
         "kernel_operands": kernel_operands,
         "param_shards": param_shards,
+        "missing_rule": missing_rule,
+        "fused_shards": fused_shards,
+        "generate_ids": generate_ids,
     }[mode](model_dir, arg)

@@ -3,7 +3,6 @@ count is fixed when jax starts): the same greedy tokens and logits as one device
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,23 +11,7 @@ import numpy as np
 import pytest
 
 from helpers.tiny_models import save_tiny_llama
-
-WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "tp_worker.py")
-
-
-def run_worker(mode: str, model_dir: str, arg) -> object:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run(
-        [sys.executable, WORKER, mode, model_dir, json.dumps(arg)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, f"worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(line[len("RESULT ") :])
+from helpers.tp_run import run_worker
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +153,7 @@ def test_two_processes_tensor_parallel_8_match_one_process(tiny_llama):
 def test_divergent_follower_stops_the_engine_with_a_clear_error():
     import threading
 
-    from xlaserve.sharding.distributed import StepReceiver, StepSender
+    from xlaserve.executor.multihost import StepReceiver, StepSender
     from xlaserve.worker.input_batch import StepInputs, build_step_batch, sampling_tensors
 
     port = _free_port()

@@ -1,0 +1,68 @@
+"""Vocabulary padding for the vocabulary-parallel embedding and LM head, as vLLM pads.
+
+Tensor parallelism splits the embedding's rows and the LM head's columns over the "tensor" axis, so
+the vocabulary must split evenly; fine-tunes with added tokens often have 32001 or 32002. Under
+TP the vocabulary is rounded up to a multiple of lcm(64, tp): vLLM's padding of 64
+(DEFAULT_VOCAB_PADDING_SIZE, so vocabularies pad to the same size as there) made divisible by tp.
+The padding rows are zeros; their ids never reach the model (the input processor checks prompt
+ids against the real vocabulary) and their logits are masked to -inf before sampling and logprobs
+(`mask_padded_vocab`). One device splits nothing, so there the vocabulary stays as it is and the
+logits keep their real width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+
+# Where the vocabulary lies in each tensor that has one: HF names ([V, D] both), and our paths.
+_HF_VOCAB_AXIS = {"model.embed_tokens.weight": 0, "lm_head.weight": 0}
+_OUR_VOCAB_AXIS = {("embed_tokens", "weight"): 0, ("lm_head", "kernel"): 1}
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:
+    """The number of embedding rows and logits: `vocab_size` itself on one device, else rounded up
+    to a multiple of lcm(64, tensor_parallel_size)."""
+    if tensor_parallel_size == 1:
+        return vocab_size
+    multiple = math.lcm(VOCAB_PADDING, tensor_parallel_size)
+    return -(-vocab_size // multiple) * multiple
+
+
+def pad_vocab(tensors, vocab_size: int, padded_size: int):
+    """`tensors` with zero rows appended to the embedding and the LM head up to `padded_size`.
+
+    `tensors`: HF names -> HF layout, a converted checkpoint's paths -> our layout (`lm_head` kernel
+    [D, V]), or `DummyWeights` (drawn later in the padded shapes: returned as they are)."""
+    if padded_size == vocab_size or not isinstance(tensors, dict):
+        return tensors
+    out = type(tensors)(tensors)
+    for name, array in tensors.items():
+        axis = _OUR_VOCAB_AXIS.get(name) if isinstance(name, tuple) else _HF_VOCAB_AXIS.get(name)
+        if axis is None:
+            continue
+        array = np.asarray(array)
+        if array.shape[axis] != vocab_size:
+            raise ValueError(
+                f"tensor {name} has {array.shape[axis]} vocabulary entries; the config says {vocab_size}"
+            )
+        widths = [(0, 0)] * array.ndim
+        widths[axis] = (0, padded_size - vocab_size)
+        out[name] = np.pad(array, widths)
+    return out
+
+
+def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
+    """[N, V_padded] -> the same with the padding ids' logits at -inf, so that no sampler, top-k or
+    logprob ever sees them. An elementwise select against a static bound: the shape stays static
+    and the logits keep their vocabulary-sharded layout (slicing to the real width would leave a
+    width that no longer splits evenly, and a reshard). A no-op when nothing is padded."""
+    if logits.shape[-1] == vocab_size:
+        return logits
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.where(ids < vocab_size, logits, -jnp.inf)

@@ -1,0 +1,217 @@
+"""Sharding that cannot be silently wrong: under tensor parallelism every matrix has a rule, fused
+projections are split by head, and an odd vocabulary is padded, its padding ids never sampled.
+
+The rules and layouts are checked here in numpy; the engines run on 8 fake CPU devices in a
+subprocess (helpers/tp_worker.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers.family_cases import make_hf_model, prompts, save_hf_model
+from helpers.tiny_models import save_tiny_llama
+from helpers.tp_run import run_worker
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.orbax_checkpoint import ConvertedParams
+from xlaserve.models.phi3 import group_qkv_by_kv_head
+from xlaserve.sharding.kv_heads import replicate_kv_heads
+from xlaserve.sharding.rules import param_logical_axes
+from xlaserve.sharding.vocab import mask_padded_vocab, pad_vocab, padded_vocab_size
+
+# -- rules, layouts and padding, in numpy --------------------------------------------------------
+
+
+def test_matrices_without_a_rule_have_no_axes_vectors_are_replicated():
+    assert param_logical_axes(("layers", "mlp", "extra_proj", "kernel"), 3, is_stacked=True) is None
+    assert param_logical_axes(("extra_proj", "kernel"), 2, is_stacked=False) is None
+    # A stacked norm is [L, D]: a vector per layer, replicated.
+    assert param_logical_axes(("layers", "input_layernorm", "weight"), 2, is_stacked=True) == (None, None)
+    assert param_logical_axes(("norm", "weight"), 1, is_stacked=False) == (None,)
+    assert param_logical_axes(("layers", "mlp", "gate_up_proj", "kernel"), 3, is_stacked=True) == (
+        None,
+        "embed",
+        "mlp",
+    )
+    with pytest.raises(ValueError, match=r"layers/self_attn/q_proj/kernel has 3 dims per layer"):
+        param_logical_axes(("layers", "self_attn", "q_proj", "kernel"), 4, is_stacked=True)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "tp", "padded"),
+    [(257, 1, 257), (257, 2, 320), (32001, 2, 32064), (32002, 8, 32064), (49152, 4, 49152), (101, 3, 192)],
+)
+def test_vocabulary_pads_to_a_multiple_of_lcm_64_tp(vocab, tp, padded):
+    assert padded_vocab_size(vocab, tp) == padded
+
+
+def test_pad_vocab_appends_zero_rows_in_both_layouts():
+    rng = np.random.default_rng(0)
+    hf = {
+        "model.embed_tokens.weight": rng.normal(size=(5, 3)),
+        "lm_head.weight": rng.normal(size=(5, 3)),
+        "model.norm.weight": np.ones(3),
+    }
+    out = pad_vocab(hf, 5, 8)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert out[name].shape == (8, 3) and not out[name][5:].any()
+        np.testing.assert_array_equal(out[name][:5], hf[name])
+    assert out["model.norm.weight"] is hf["model.norm.weight"]
+    ours = ConvertedParams(
+        {("embed_tokens", "weight"): np.ones((5, 3)), ("lm_head", "kernel"): np.ones((3, 5))}
+    )
+    out = pad_vocab(ours, 5, 8)
+    assert isinstance(out, ConvertedParams)
+    assert out[("embed_tokens", "weight")].shape == (8, 3) and out[("lm_head", "kernel")].shape == (3, 8)
+    with pytest.raises(ValueError, match="has 5 vocabulary entries; the config says 6"):
+        pad_vocab(hf, 6, 8)
+
+
+def test_mask_padded_vocab_keeps_real_ids_and_drops_padding():
+    logits = np.arange(8, dtype=np.float32)[None].repeat(2, axis=0)
+    masked = np.asarray(mask_padded_vocab(logits, 5))
+    np.testing.assert_array_equal(masked[:, :5], logits[:, :5])
+    assert np.all(masked[:, 5:] == -np.inf)
+    assert mask_padded_vocab(logits, 8) is logits
+
+
+def _phi3_config(num_heads: int, num_kv_heads: int, head_dim: int) -> TransformerConfig:
+    hf = {
+        "architectures": ["Phi3ForCausalLM"],
+        "vocab_size": 11,
+        "hidden_size": 6,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+    }
+    return TransformerConfig.from_hf(hf)
+
+
+def test_fused_qkv_regrouping_commutes_with_kv_head_replication():
+    # A converted (regrouped) Phi-3 checkpoint widened for TP 4 must equal the HF checkpoint widened
+    # for TP 4, then regrouped: both loaders must arrive at the same weights.
+    cfg = _phi3_config(num_heads=8, num_kv_heads=2, head_dim=3)
+    hf_weight = np.random.default_rng(0).normal(size=((8 + 2 * 2) * 3, 6))
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    wide_cfg, hf_wide = replicate_kv_heads(cfg, {name: hf_weight}, 4)
+    assert wide_cfg.num_kv_heads == 4 and hf_wide[name].shape == ((8 + 2 * 4) * 3, 6)
+    via_hf = group_qkv_by_kv_head(hf_wide[name], wide_cfg).T  # [D, columns], our layout
+    converted = ConvertedParams(
+        {("layers", "self_attn", "qkv_proj", "kernel"): group_qkv_by_kv_head(hf_weight, cfg).T[None]}
+    )
+    _, ours_wide = replicate_kv_heads(cfg, converted, 4)
+    np.testing.assert_array_equal(ours_wide[("layers", "self_attn", "qkv_proj", "kernel")][0], via_hf)
+
+
+# -- engines on fake devices ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_rules")), num_key_value_heads=2)
+
+
+def test_matrix_without_a_rule_under_tensor_parallelism_is_an_error_naming_it(tiny_llama):
+    # o_proj's rule removed: one device loads it; TP 2 refuses rather than replicate it.
+    one, two = run_worker(
+        "missing_rule",
+        tiny_llama,
+        {"drop": ["o_proj", "kernel"], "layouts": [{}, {"tensor_parallel_size": 2}]},
+    )
+    assert one == "loaded"
+    assert "parameter layers/self_attn/o_proj/kernel [2, 64, 64] matches no sharding rule" in two
+    assert "tensor_parallel_size=2" in two
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3(tmp_path_factory):
+    # 4 query heads over 2 KV heads (head_dim 12), an MLP of 72, vocabulary 101 (padded under TP).
+    model = make_hf_model("Phi3ForCausalLM", seed=3, intermediate_size=72)
+    return save_hf_model(model, tmp_path_factory.mktemp("tiny_phi3"))
+
+
+def test_phi3_fused_projections_split_by_head(tiny_phi3):
+    # Each device's slice of qkv_proj holds its query heads and its KV heads' k and v (TP 4 repeats
+    # the 2 KV heads), and its slice of gate_up_proj matching gate and up columns.
+    tp2, tp4 = run_worker(
+        "fused_shards", tiny_phi3, [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 4}]
+    )
+    # TP 2: one KV head per device, with its 2 query heads: (2 + 2) * 12 columns; TP 4: (1 + 2) * 12.
+    for shards, tp, qkv_width in ((tp2, 2, 48), (tp4, 4, 36)):
+        assert [s["rank"] for s in shards["qkv_proj"]] == list(range(tp))
+        assert all(s["shape"] == [3, 48, qkv_width] and s["holds_its_heads"] for s in shards["qkv_proj"])
+        assert [s["rank"] for s in shards["gate_up_proj"]] == list(range(tp))
+        assert all(s["shape"] == [3, 48, 144 // tp] and s["holds_its_heads"] for s in shards["gate_up_proj"])
+
+
+def test_phi3_tensor_parallel_matches_one_device_and_gathers_no_weight(tiny_phi3):
+    greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 3}
+    results = run_worker(
+        "generate_ids",
+        tiny_phi3,
+        {
+            "layouts": [{}, {"tensor_parallel_size": 2}, {"tensor_parallel_size": 4}],
+            "prompts": prompts(101, seed=5),
+            "params": [greedy],
+        },
+    )
+    _assert_same_greedy(results)
+    kinds = [op for _, op in run_worker("hlo", tiny_phi3, {"tensor_parallel_size": 2})]
+    assert "all-gather" not in kinds, kinds  # q, k, v and gate, up are split where each device is
+
+
+def _assert_same_greedy(results):
+    base = results[0]["runs"][0]
+    for result in results[1:]:
+        run = result["runs"][0]
+        assert run["tokens"] == base["tokens"], result["layout"]
+        for ours, theirs in zip(run["logprobs"], base["logprobs"]):
+            for a, b in zip(ours, theirs):
+                assert [i for i, _ in a] == [i for i, _ in b], result["layout"]
+                np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_odd_vocab(tmp_path_factory):
+    # 257 tokens: TP 2 pads to 320, 63 padding ids whose (zero) logits would be sampled if unmasked.
+    return save_tiny_llama(
+        str(tmp_path_factory.mktemp("tiny_llama_257")), vocab_size=257, num_key_value_heads=2
+    )
+
+
+def test_odd_vocabulary_under_tensor_parallelism_pads_and_never_samples_padding(tiny_llama_odd_vocab):
+    vocab = 257
+    rng = np.random.default_rng(0)
+    prompt_ids = [rng.integers(0, vocab, n).tolist() for n in (5, 17, 30, 9)]
+    greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 5}
+    sampled = {
+        "temperature": 1.0,
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "seed": 1,
+        "logprobs": 20,
+        "prompt_logprobs": 20,
+    }
+    # The slow path: penalties ([R, V] tensors as wide as the padded logits), top-k and top-p.
+    penalized = dict(sampled, repetition_penalty=1.3, frequency_penalty=0.5, top_k=300, top_p=0.95)
+    one, two = run_worker(
+        "generate_ids",
+        tiny_llama_odd_vocab,
+        {
+            "layouts": [{}, {"tensor_parallel_size": 2}],
+            "prompts": prompt_ids,
+            "params": [greedy, sampled, penalized],
+        },
+    )
+    for run in two["runs"][1:]:
+        tokens = [t for seq in run["tokens"] for t in seq]
+        assert len(tokens) == 4 * 64 and max(tokens) < vocab
+        logprob_ids = {i for seq in run["logprobs"] for entry in seq for i, _ in entry}
+        assert max(logprob_ids) < vocab and len(logprob_ids) > 20
+        assert max(run["prompt_logprob_ids"]) < vocab
+        assert all(np.isfinite(v) for seq in run["logprobs"] for entry in seq for _, v in entry)
+    _assert_same_greedy([one, two])
+    # Prompt ids are checked against the real vocabulary: a padding id is refused.
+    assert two["out_of_vocab_prompt"] != "accepted" and str(vocab) in two["out_of_vocab_prompt"]
