@@ -13,6 +13,10 @@
 An unavailable backend asked for by name is a ValueError that says why. Every backend writes the
 cache with the reference `write_kv` (one XLA scatter into the donated cache).
 
+`select_backend` makes the same choice with what it depends on as arguments (the platform, the
+kernels by name, auto's order, the self-checks), so that tests can drive auto's GPU path with
+fakes; `get_attention_backend` is it with the real ones on this process's default platform.
+
 Multi-head latent attention (DeepSeek) has its own op, `mla_attention`: the jnp reference of
 `kernels/mla.py` for `reference`, and the Pallas kernel of `kernels/ragged_paged_mla.py` for both
 kernel backends (Pallas ships with jax; there is no separate Triton MLA kernel). Latent shapes
@@ -25,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +42,6 @@ from xlaserve.kernels.synthetic import StepShape, synthetic_step
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("reference", "pallas", "jax-triton")
 # Kernels `auto` tries on a GPU, fastest first. Set from `python -m kernels.bench` on the target GPU;
 # until a GPU session has measured, Pallas leads because it needs no package beyond jax[cuda12].
 AUTO_GPU_ORDER = ("pallas", "jax-triton")
@@ -66,155 +69,49 @@ def get_attention_backend(name: str = "auto", *, mla: bool = False) -> Attention
     """Resolve a backend name on this process's default platform; see the module docstring.
     `mla`: the model uses latent attention, so `auto` also self-checks the MLA kernel (other
     models skip that compile)."""
-    platform = jax.default_backend()
-    if name == "auto":
-        return _auto(platform, mla=mla)
-    if name == "reference":
-        return AttentionBackend(
-            "reference",
-            reference.ragged_paged_attention,
-            reference.write_kv,
-            "asked for by name",
-            cache_words=not mla,
+    return select_backend(name, jax.default_backend(), mla=mla)
+
+
+# A kernel's loader: platform -> (attention function, how it runs), or a ValueError naming the reason
+# it cannot run there. Imports happen here, so a kernel that is not installed fails only when asked for.
+KernelLoader = Callable[[str], tuple[Callable, str]]
+
+
+def _load_pallas(platform: str) -> tuple[Callable, str]:
+    from xlaserve.kernels import ragged_paged_attention as pallas
+
+    if platform in GPU_PLATFORMS:
+        return functools.partial(pallas.ragged_paged_attention, interpret=False), "Pallas, Triton lowering"
+    if platform == "cpu":
+        return (
+            functools.partial(pallas.ragged_paged_attention, interpret=True),
+            "Pallas in interpret mode on CPU (exact, slow: for testing, not serving)",
         )
-    if name in BACKENDS:
-        attention, how = _kernel(name, platform)
-        return AttentionBackend(
-            name, attention, reference.write_kv, f"asked for by name; {how}", _mla_kernel(platform)
-        )
-    raise ValueError(f"attention_backend must be one of {('auto',) + BACKENDS}, got {name!r}")
-
-
-def _kernel(name: str, platform: str) -> tuple[Callable, str]:
-    """-> (attention function, how it runs); ValueError naming the reason if it cannot run here."""
-    is_gpu = platform in GPU_PLATFORMS
-    if name == "pallas":
-        from xlaserve.kernels import ragged_paged_attention as pallas
-
-        if is_gpu:
-            return functools.partial(
-                pallas.ragged_paged_attention, interpret=False
-            ), "Pallas, Triton lowering"
-        if platform == "cpu":
-            return (
-                functools.partial(pallas.ragged_paged_attention, interpret=True),
-                "Pallas in interpret mode on CPU (exact, slow: for testing, not serving)",
-            )
-        raise ValueError(
-            "attention backend 'pallas' runs on a GPU (Triton lowering) or on CPU (interpret mode), not "
-            f"on {platform!r}"
-        )
-    if name == "jax-triton":
-        if not is_gpu:
-            raise ValueError(
-                f"attention backend 'jax-triton' needs a CUDA GPU, and the default platform is {platform!r}; "
-                "use 'pallas' (interpret mode on CPU) or 'reference'"
-            )
-        try:
-            import jax_triton  # noqa: F401  (refuses to import without a GPU build of jaxlib)
-
-            from xlaserve.kernels import triton_attention
-        except ImportError as e:
-            raise ValueError(
-                f"attention backend 'jax-triton' is not installed ({e}); pip install 'xlaserve[cuda12]'"
-            ) from e
-        return triton_attention.ragged_paged_attention, "Triton kernel via jax_triton.triton_call"
-    raise ValueError(f"no attention kernel named {name!r}")
-
-
-def _auto(platform: str, *, mla: bool = False) -> AttentionBackend:
-    if platform not in GPU_PLATFORMS:
-        return AttentionBackend(
-            "reference",
-            reference.ragged_paged_attention,
-            reference.write_kv,
-            f"auto on {platform!r}: the jnp reference "
-            "(the kernels target GPUs; Pallas interpret mode is for tests)",
-            cache_words=not mla,
-        )
-    skipped = []
-    for name in AUTO_GPU_ORDER:
-        try:
-            attention, how = _kernel(name, platform)
-            error = self_check(attention)
-        except Exception as e:  # noqa: BLE001  (a missing package, a Triton compile failure: try the next)
-            skipped.append(f"{name}: {type(e).__name__}: {e}")
-            continue
-        if not error <= SELF_CHECK_TOLERANCE:  # NaN fails too
-            skipped.append(f"{name}: self-check error {error:.3g} > {SELF_CHECK_TOLERANCE}")
-            continue
-        reason = (
-            f"auto on {platform!r}: the fastest kernel that passes the self-check here "
-            f"({how}; max error {error:.2g})"
-        )
-        if skipped:
-            reason += "; skipped " + "; ".join(skipped)
-        attention = _with_reference_fallback(name, attention)
-        if not mla:
-            return AttentionBackend(name, attention, reference.write_kv, reason)
-        mla_attention, mla_how = _checked_mla_kernel(platform)
-        return AttentionBackend(name, attention, reference.write_kv, f"{reason}; {mla_how}", mla_attention)
-    return AttentionBackend(
-        "reference",
-        reference.ragged_paged_attention,
-        reference.write_kv,
-        f"auto on {platform!r}: no kernel passed its self-check ({'; '.join(skipped)})",
-        cache_words=not mla,
+    raise ValueError(
+        "attention backend 'pallas' runs on a GPU (Triton lowering) or on CPU (interpret mode), not "
+        f"on {platform!r}"
     )
 
 
-def _mla_kernel(platform: str) -> Callable:
-    """The Pallas MLA kernel (interpret mode on CPU), or the reference for latent shapes it does not
-    take (decided at trace time, logged)."""
-    from xlaserve.kernels.ragged_paged_mla import ragged_paged_mla
-
-    kernel = functools.partial(ragged_paged_mla, interpret=platform not in GPU_PLATFORMS)
-
-    def mla_or_reference(q_latent, q_rope, latent_cache, *args, **kw):
-        rank, rope_dim = q_latent.shape[-1], q_rope.shape[-1]
-        if all(d >= 16 and d & (d - 1) == 0 for d in (rank, rope_dim)):
-            return kernel(q_latent, q_rope, latent_cache, *args, **kw)
-        logger.warning(
-            "the MLA kernel takes power-of-two latent dims >= 16, not kv_lora_rank=%d, rope_dim=%d: "
-            "using the reference",
-            rank,
-            rope_dim,
+def _load_jax_triton(platform: str) -> tuple[Callable, str]:
+    if platform not in GPU_PLATFORMS:
+        raise ValueError(
+            f"attention backend 'jax-triton' needs a CUDA GPU, and the default platform is {platform!r}; "
+            "use 'pallas' (interpret mode on CPU) or 'reference'"
         )
-        return mla_paged_attention(q_latent, q_rope, latent_cache, *args, **kw)
-
-    return mla_or_reference
-
-
-def _checked_mla_kernel(platform: str) -> tuple[Callable, str]:
-    """auto's MLA: the Pallas kernel if it passes its self-check on this device, else the reference."""
-    kernel = _mla_kernel(platform)
     try:
-        error = mla_self_check(kernel)
-    except Exception as e:  # noqa: BLE001  (a compile failure: the reference serves MLA)
-        return mla_paged_attention, f"MLA: the reference (the kernel failed: {type(e).__name__}: {e})"
-    if not error <= SELF_CHECK_TOLERANCE:
-        return mla_paged_attention, f"MLA: the reference (kernel self-check error {error:.3g})"
-    return kernel, f"MLA: the Pallas kernel (max error {error:.2g})"
+        import jax_triton  # noqa: F401  (refuses to import without a GPU build of jaxlib)
+
+        from xlaserve.kernels import triton_attention
+    except ImportError as e:
+        raise ValueError(
+            f"attention backend 'jax-triton' is not installed ({e}); pip install 'xlaserve[cuda12]'"
+        ) from e
+    return triton_attention.ragged_paged_attention, "Triton kernel via jax_triton.triton_call"
 
 
-def _with_reference_fallback(name: str, attention: Callable) -> Callable:
-    """`attention`, or the reference for shapes the kernel does not take (decided at trace time)."""
-
-    def attention_or_reference(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
-        args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
-        try:
-            validate_attention_args(
-                *args,
-                sm_scale=kw["sm_scale"],
-                sliding_window=kw.get("sliding_window"),
-                soft_cap=kw.get("soft_cap"),
-            )
-        except ValueError as e:
-            logger.warning("attention backend %s does not take this call (%s): using the reference", name, e)
-            return reference.ragged_paged_attention(*args, **kw)
-        return attention(*args, **kw)
-
-    return attention_or_reference
+KERNELS: dict[str, KernelLoader] = {"pallas": _load_pallas, "jax-triton": _load_jax_triton}
+BACKENDS = ("reference", *KERNELS)  # the names besides "auto"
 
 
 SELF_CHECK_STEP = StepShape(
@@ -248,3 +145,140 @@ def self_check(attention: Callable, shape: StepShape = SELF_CHECK_STEP, seed: in
     got = jax.jit(functools.partial(attention, **kw))(*args).astype(jnp.float32)
     want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*args).astype(jnp.float32)
     return float(jnp.max(jnp.abs(got - want) / (1.0 + jnp.abs(want))))
+
+
+def select_backend(
+    name: str,
+    platform: str,
+    kernels: Mapping[str, KernelLoader] = KERNELS,
+    *,
+    auto_order: Sequence[str] = AUTO_GPU_ORDER,
+    self_check: Callable[[Callable], float] = self_check,
+    mla_self_check: Callable[[Callable], float] = mla_self_check,
+    mla: bool = False,
+) -> AttentionBackend:
+    """`get_attention_backend`'s choice on `platform` (a `jax.default_backend()` name) among
+    `kernels` (name -> KernelLoader; a name outside them, "auto" and "reference" is a ValueError).
+    `auto` on a GPU tries the kernels named in `auto_order`, first to last, and keeps the first whose
+    `self_check` (attention function -> max error against the reference on this device) is within
+    SELF_CHECK_TOLERANCE; with `mla`, it keeps the MLA kernel only if `mla_self_check` passes too (else
+    the reference serves MLA)."""
+    if name == "auto":
+        return _auto(platform, kernels, auto_order, self_check, mla_self_check if mla else None)
+    if name == "reference":
+        return AttentionBackend(
+            "reference",
+            reference.ragged_paged_attention,
+            reference.write_kv,
+            "asked for by name",
+            cache_words=not mla,
+        )
+    if name in kernels:
+        attention, how = kernels[name](platform)
+        return AttentionBackend(
+            name, attention, reference.write_kv, f"asked for by name; {how}", _mla_kernel(platform)
+        )
+    raise ValueError(f"attention_backend must be one of {('auto', 'reference', *kernels)}, got {name!r}")
+
+
+def _auto(
+    platform: str,
+    kernels: Mapping[str, KernelLoader],
+    auto_order: Sequence[str],
+    self_check: Callable[[Callable], float],
+    mla_self_check: Callable[[Callable], float] | None,  # None: the model has no latent attention
+) -> AttentionBackend:
+    if platform not in GPU_PLATFORMS:
+        return AttentionBackend(
+            "reference",
+            reference.ragged_paged_attention,
+            reference.write_kv,
+            f"auto on {platform!r}: the jnp reference "
+            "(the kernels target GPUs; Pallas interpret mode is for tests)",
+            cache_words=mla_self_check is None,
+        )
+    skipped = []
+    for name in auto_order:
+        try:
+            if name not in kernels:
+                raise ValueError(f"no attention kernel named {name!r}")
+            attention, how = kernels[name](platform)
+            error = self_check(attention)
+        except Exception as e:  # noqa: BLE001  (a missing package, a Triton compile failure: try the next)
+            skipped.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        if not error <= SELF_CHECK_TOLERANCE:  # NaN fails too
+            skipped.append(f"{name}: self-check error {error:.3g} > {SELF_CHECK_TOLERANCE}")
+            continue
+        reason = (
+            f"auto on {platform!r}: the fastest kernel that passes the self-check here "
+            f"({how}; max error {error:.2g})"
+        )
+        if skipped:
+            reason += "; skipped " + "; ".join(skipped)
+        attention = _with_reference_fallback(name, attention)
+        if mla_self_check is None:
+            return AttentionBackend(name, attention, reference.write_kv, reason)
+        mla_attention, mla_how = _checked_mla_kernel(platform, mla_self_check)
+        return AttentionBackend(name, attention, reference.write_kv, f"{reason}; {mla_how}", mla_attention)
+    return AttentionBackend(
+        "reference",
+        reference.ragged_paged_attention,
+        reference.write_kv,
+        f"auto on {platform!r}: no kernel passed its self-check ({'; '.join(skipped)})",
+        cache_words=mla_self_check is None,
+    )
+
+
+def _mla_kernel(platform: str) -> Callable:
+    """The Pallas MLA kernel (interpret mode on CPU), or the reference for latent shapes it does not
+    take (decided at trace time, logged)."""
+    from xlaserve.kernels.ragged_paged_mla import ragged_paged_mla
+
+    kernel = functools.partial(ragged_paged_mla, interpret=platform not in GPU_PLATFORMS)
+
+    def mla_or_reference(q_latent, q_rope, latent_cache, *args, **kw):
+        rank, rope_dim = q_latent.shape[-1], q_rope.shape[-1]
+        if all(d >= 16 and d & (d - 1) == 0 for d in (rank, rope_dim)):
+            return kernel(q_latent, q_rope, latent_cache, *args, **kw)
+        logger.warning(
+            "the MLA kernel takes power-of-two latent dims >= 16, not kv_lora_rank=%d, rope_dim=%d: "
+            "using the reference",
+            rank,
+            rope_dim,
+        )
+        return mla_paged_attention(q_latent, q_rope, latent_cache, *args, **kw)
+
+    return mla_or_reference
+
+
+def _checked_mla_kernel(platform: str, mla_self_check: Callable[[Callable], float]) -> tuple[Callable, str]:
+    """auto's MLA: the Pallas kernel if it passes its self-check on this device, else the reference."""
+    kernel = _mla_kernel(platform)
+    try:
+        error = mla_self_check(kernel)
+    except Exception as e:  # noqa: BLE001  (a compile failure: the reference serves MLA)
+        return mla_paged_attention, f"MLA: the reference (the kernel failed: {type(e).__name__}: {e})"
+    if not error <= SELF_CHECK_TOLERANCE:
+        return mla_paged_attention, f"MLA: the reference (kernel self-check error {error:.3g})"
+    return kernel, f"MLA: the Pallas kernel (max error {error:.2g})"
+
+
+def _with_reference_fallback(name: str, attention: Callable) -> Callable:
+    """`attention`, or the reference for shapes the kernel does not take (decided at trace time)."""
+
+    def attention_or_reference(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
+        args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
+        try:
+            validate_attention_args(
+                *args,
+                sm_scale=kw["sm_scale"],
+                sliding_window=kw.get("sliding_window"),
+                soft_cap=kw.get("soft_cap"),
+            )
+        except ValueError as e:
+            logger.warning("attention backend %s does not take this call (%s): using the reference", name, e)
+            return reference.ragged_paged_attention(*args, **kw)
+        return attention(*args, **kw)
+
+    return attention_or_reference

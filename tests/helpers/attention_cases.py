@@ -1,4 +1,4 @@
-"""Attention test cases shared by the reference, Pallas and Triton tests, with a float64 numpy oracle.
+"""Attention test cases shared by the attention and MLA tests, with a float64 numpy oracle.
 
 Each case lays sequences out as the engine does: a flat ragged batch of new tokens, each sequence's
 context split into a cached prefix (already in its blocks) and this step's new tokens (written by
@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.kernels.mla import write_latent
 from xlaserve.kernels.reference import ragged_paged_attention, write_kv
 
 NULL_BLOCK = 0  # where padding tokens write and padded block-table entries point (engine/batch.py)
@@ -43,6 +44,9 @@ class AttnConfig:
     soft_cap: float | None = None
     layout: Layout = Layout()
     tokens_per_chunk: int = 64  # the reference's page chunk
+    # MLA (DeepSeek): one KV head of kv_lora_rank + rope_dim numbers whose first latent_rank (the
+    # kv_lora_rank) are also the value; the op returns those latent_rank dims of the output.
+    latent_rank: int | None = None
 
 
 CONFIGS = {
@@ -56,6 +60,8 @@ CONFIGS = {
         8, 2, layout=Layout(block_size=5, max_blocks_per_seq=41, num_blocks=160), tokens_per_chunk=5
     ),
 }
+# The kernels' configs add GQA 3 (SmolLM2: a group that is not a power of two, padded to 4 rows).
+KERNEL_CONFIGS = {**CONFIGS, "gqa3": AttnConfig(6, 2)}
 
 # (context length after this step, new tokens this step) per real sequence; B is the block size.
 BATCHES = {
@@ -64,6 +70,16 @@ BATCHES = {
     # Prefill chunks whose context already holds cached tokens, next to decodes and a fresh prefill.
     "mixed": lambda b: [(200, 1), (40, 24), (b + 1, 1), (33, 33), (1, 1), (b + 7, b), (3 * b, 2 * b)],
     "one_long_chunk": lambda b: [(200, 100)],
+}
+
+# Latents of 32 + 16 (each a power of two, as the MLA kernel needs); 20 heads leave the kernel's
+# last head block part empty.
+MLA_LAYOUT = Layout(head_dim=48)
+MLA_CONFIGS = {
+    "mla": AttnConfig(4, 1, layout=MLA_LAYOUT, latent_rank=32),
+    "mla_bfloat16": AttnConfig(4, 1, dtype="bfloat16", layout=MLA_LAYOUT, latent_rank=32),
+    "mla_20_heads": AttnConfig(20, 1, layout=MLA_LAYOUT, latent_rank=32),
+    "mla_20_heads_bfloat16": AttnConfig(20, 1, dtype="bfloat16", layout=MLA_LAYOUT, latent_rank=32),
 }
 
 
@@ -168,6 +184,8 @@ def build_case(
             v_cache[blocks[-1]] = 50.0 * pad_rng.standard_normal(cache_shape[1:])
         k_ctx = _fill(seq_rng, (context_len, hkv, dim), dtype)
         v_ctx = _fill(seq_rng, (context_len, hkv, dim), dtype)
+        if cfg.latent_rank is not None:
+            v_ctx = k_ctx  # the expected output's first latent_rank dims are MLA's
         q[offset : offset + n] = _fill(seq_rng, (n, hq, dim), dtype) * q_scale
         k_new[offset : offset + n] = k_ctx[context_len - n :]
         v_new[offset : offset + n] = v_ctx[context_len - n :]
@@ -280,6 +298,56 @@ def run_case(
         case.expected,
         as64(k_out.astype(jnp.float32)),
         as64(v_out.astype(jnp.float32)),
+        info,
+    )
+
+
+@cache
+def _jitted_mla_step(mla: Callable):
+    @partial(jax.jit, static_argnames=("sm_scale",))
+    def step(
+        q_latent, q_rope, latent, latent_cache, slot_mapping, kv_lens, block_tables, qsl, num_seqs, **kw
+    ):
+        latent_cache = write_latent(latent_cache, latent, slot_mapping)
+        return mla(q_latent, q_rope, latent_cache, kv_lens, block_tables, qsl, num_seqs, **kw), latent_cache
+
+    return step
+
+
+def run_mla_case(
+    cfg: AttnConfig,
+    seqs: list[tuple[int, int]],
+    seed: int,
+    *,
+    mla: Callable,
+    poison_tails=False,
+    padding_seed=0,
+):
+    """`run_case` for an MLA op (the signature of kernels/mla.py) on a config with a `latent_rank`:
+    the query's first latent_rank dims are q_latent and the rest q_rope, the keys are the latents
+    (written by `write_latent`), and the K cache is the latent cache (returned as both caches)."""
+    case = build_case(cfg, seqs, seed, poison_tails=poison_tails, padding_seed=padding_seed)
+    rank, dtype = cfg.latent_rank, jnp.dtype(cfg.dtype)
+    out, latent_cache = _jitted_mla_step(mla)(
+        jnp.asarray(case.q[..., :rank], dtype),
+        jnp.asarray(case.q[..., rank:], dtype),
+        jnp.asarray(case.k_new[:, 0], dtype),
+        jnp.asarray(case.k_cache, dtype),
+        jnp.asarray(case.slot_mapping),
+        jnp.asarray(case.kv_lens),
+        jnp.asarray(case.block_tables),
+        jnp.asarray(case.query_start_loc),
+        jnp.int32(case.num_seqs),
+        sm_scale=case.sm_scale,
+    )
+    assert out.dtype == dtype and out.shape == (*case.q.shape[:2], rank)
+    latent_cache = np.asarray(latent_cache.astype(jnp.float32), np.float64)
+    info = {"num_real_tokens": case.num_real_tokens, "contexts": case.contexts}
+    return (
+        np.asarray(out.astype(jnp.float32), np.float64),
+        case.expected[..., :rank],
+        latent_cache,
+        latent_cache,
         info,
     )
 

@@ -1,4 +1,7 @@
-"""`--attention-backend` resolution: names, platforms, auto's choice on a GPU, and its fallbacks."""
+"""`--attention-backend` resolution: names, platforms, auto's choice on a GPU, and its fallbacks.
+
+auto's GPU path runs here on CPU through `select_backend`, the choice with the platform, the kernels
+and the self-checks as arguments: fakes go in as arguments, nothing in the module is patched."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 from xlaserve.kernels import backend, get_attention_backend, reference
+from xlaserve.kernels.backend import select_backend
+from xlaserve.kernels.mla import mla_paged_attention
 from xlaserve.kernels.synthetic import StepShape, synthetic_step
 
 
@@ -39,37 +44,44 @@ def test_unavailable_or_unknown_backends_are_clear_errors():
     ):
         get_attention_backend("flash")
     with pytest.raises(ValueError, match="not on 'tpu'"):
-        backend._kernel("pallas", "tpu")
+        select_backend("pallas", "tpu")
 
 
-def test_auto_on_gpu_takes_the_first_kernel_that_passes_its_self_check(monkeypatch):
+def _fake_kernel(attention, how="fake"):
+    """A KernelLoader that loads `attention`, or raises it if it is an exception."""
+
+    def load(platform):
+        if isinstance(attention, Exception):
+            raise attention
+        return attention, f"{how} on {platform}"
+
+    return load
+
+
+def test_auto_on_gpu_takes_the_first_kernel_that_passes_its_self_check():
     """Simulated: the first kernel in order is missing, the second is wrong, the third passes."""
+    good = reference.ragged_paged_attention
     kernels = {
-        "missing": ValueError("not installed"),
-        "wrong": lambda *args, **kw: None,  # never run: the self-check is faked too
-        "good": reference.ragged_paged_attention,
+        "missing": _fake_kernel(ValueError("not installed")),
+        "wrong": _fake_kernel(lambda *args, **kw: None),  # never run: the self-check is faked too
+        "good": _fake_kernel(good),
     }
-    errors = {"wrong": float("nan"), "good": 0.001}
 
-    def fake_kernel(name, platform):
-        if isinstance(kernels[name], Exception):
-            raise kernels[name]
-        return kernels[name], f"{name} on {platform}"
+    def fake_self_check(attention):
+        return 0.001 if attention is good else float("nan")
 
-    monkeypatch.setattr(backend, "AUTO_GPU_ORDER", ("missing", "wrong", "good"))
-    monkeypatch.setattr(backend, "_kernel", fake_kernel)
-    monkeypatch.setattr(
-        backend, "self_check", lambda attention: errors["good" if attention is kernels["good"] else "wrong"]
+    chosen = select_backend(
+        "auto", "gpu", kernels, auto_order=("missing", "wrong", "good"), self_check=fake_self_check
     )
-    chosen = backend._auto("gpu")
     assert chosen.name == "good"
     assert (
         "missing: ValueError: not installed" in chosen.reason
         and "wrong: self-check error nan" in chosen.reason
     )
 
-    monkeypatch.setattr(backend, "AUTO_GPU_ORDER", ("missing", "wrong"))
-    fallback = backend._auto("gpu")
+    fallback = select_backend(
+        "auto", "gpu", kernels, auto_order=("missing", "wrong"), self_check=fake_self_check
+    )
     assert fallback.name == "reference" and "no kernel passed its self-check" in fallback.reason
 
 
@@ -79,30 +91,36 @@ def test_auto_falls_back_to_the_reference_for_shapes_a_kernel_does_not_take(capl
     def kernel(*args, **kw):
         raise AssertionError("the kernel must not be called for head_dim 80")
 
-    attention = backend._with_reference_fallback("pallas", kernel)
+    chosen = select_backend(
+        "auto", "gpu", {"pallas": _fake_kernel(kernel)}, auto_order=("pallas",), self_check=lambda a: 0.0
+    )
     args = synthetic_step(
         StepShape(seqs=((20, 3), (5, 1)), num_q_heads=4, num_kv_heads=2, head_dim=80, dtype="float32")
     )
     with caplog.at_level(logging.WARNING):
-        out = jax.jit(functools.partial(attention, sm_scale=0.1))(*args)
+        out = jax.jit(functools.partial(chosen.attention, sm_scale=0.1))(*args)
     expected = reference.ragged_paged_attention(*args, sm_scale=0.1)
     assert jnp.array_equal(out, expected)
     assert "head_dim must be a power of two" in caplog.text
 
 
-def test_auto_on_gpu_keeps_the_mla_kernel_only_if_it_passes_its_self_check(monkeypatch):
-    from xlaserve.kernels.mla import mla_paged_attention
+def test_auto_on_gpu_keeps_the_mla_kernel_only_if_it_passes_its_self_check():
+    def choose(mla_error: float, *, mla: bool = True):
+        return select_backend(
+            "auto",
+            "gpu",
+            {"good": _fake_kernel(reference.ragged_paged_attention)},
+            auto_order=("good",),
+            self_check=lambda attention: 0.0,
+            mla_self_check=lambda mla: mla_error,
+            mla=mla,
+        )
 
-    monkeypatch.setattr(backend, "AUTO_GPU_ORDER", ("good",))
-    monkeypatch.setattr(backend, "_kernel", lambda name, platform: (reference.ragged_paged_attention, "fake"))
-    monkeypatch.setattr(backend, "self_check", lambda attention: 0.0)
-    monkeypatch.setattr(backend, "mla_self_check", lambda mla: 0.001)
-    chosen = backend._auto("gpu", mla=True)
+    chosen = choose(0.001)
     assert chosen.mla_attention is not mla_paged_attention and "MLA: the Pallas kernel" in chosen.reason
     # A model without latent attention skips the MLA check (and its compile).
-    assert "MLA" not in backend._auto("gpu").reason
-    monkeypatch.setattr(backend, "mla_self_check", lambda mla: float("nan"))
-    chosen = backend._auto("gpu", mla=True)
+    assert "MLA" not in choose(0.001, mla=False).reason
+    chosen = choose(float("nan"))
     assert (
         chosen.mla_attention is mla_paged_attention
         and "MLA: the reference (kernel self-check error nan)" in chosen.reason
@@ -111,12 +129,11 @@ def test_auto_on_gpu_keeps_the_mla_kernel_only_if_it_passes_its_self_check(monke
 
 def test_mla_self_check_measures_the_kernel():
     # The real check (a bfloat16 step), with the kernel in interpret mode (what `pallas` uses on CPU).
-    assert backend.mla_self_check(backend._mla_kernel("cpu")) <= backend.SELF_CHECK_TOLERANCE
+    pallas_mla = get_attention_backend("pallas").mla_attention
+    assert backend.mla_self_check(pallas_mla) <= backend.SELF_CHECK_TOLERANCE
 
     def wrong(q_latent, *args, **kw):
-        return 2 * backend.mla_paged_attention(q_latent, *args, **kw)
+        return 2 * mla_paged_attention(q_latent, *args, **kw)
 
     assert backend.mla_self_check(wrong) > 10 * backend.SELF_CHECK_TOLERANCE
-    assert (
-        get_attention_backend("pallas").mla_attention is not get_attention_backend("reference").mla_attention
-    )
+    assert pallas_mla is not get_attention_backend("reference").mla_attention

@@ -1,5 +1,8 @@
-"""The Pallas ragged paged attention kernel (interpret mode on CPU) against the float64 oracle, its
-CUDA lowering and compile, and the engine with `attention_backend="pallas"` against the reference.
+"""What is specific to the Pallas ragged paged attention kernel: its tilings, split-KV and traced
+windows against the float64 oracle (interpret mode on CPU), the compiled kernel on a GPU, its CUDA
+lowering and sm_90 compile, and the engine with `attention_backend="pallas"` against the reference.
+The contract it shares with every backend (numerics over the shared configs, padding, stale slots,
+errors) is test_attention_contract.py's.
 
 Interpret mode starts every output as NaN (Pallas's "uninitialized" value), so a row no program
 writes shows up as NaN, and the wrapper must zero the rows of padding tokens itself.
@@ -20,7 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.attention_cases import BATCHES, CONFIGS, AttnConfig, build_case, case_seed, run_case, tolerance
+from helpers.attention_cases import (
+    BATCHES,
+    CONFIGS,
+    KERNEL_CONFIGS,
+    AttnConfig,
+    case_seed,
+    run_case,
+    tolerance,
+)
 from xlaserve.kernels import (
     ragged_paged_attention as pallas,
 )  # the module (the package exports no function of that name)
@@ -28,24 +39,12 @@ from xlaserve.kernels import (
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 INTERPRET = partial(pallas.ragged_paged_attention, interpret=True)
-# GQA 1, 2, 3 (SmolLM2: a group that is not a power of two) and 8; windows, soft-caps, bfloat16 and a
-# block size of 5 come from the shared configs.
-PALLAS_CONFIGS = {**CONFIGS, "gqa3": AttnConfig(6, 2)}
 
 
 def _check(cfg, out, expected, n):
     assert np.isfinite(out).all(), "NaN: a row no program wrote, or stale cache memory read"
     np.testing.assert_allclose(out[:n], expected[:n], **tolerance(cfg.dtype))
     np.testing.assert_array_equal(out[n:], 0.0)  # padding tokens
-
-
-@pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("config", list(PALLAS_CONFIGS))
-def test_matches_float64_reference(config, batch):
-    cfg = PALLAS_CONFIGS[config]
-    seqs = BATCHES[batch](cfg.layout.block_size)
-    out, expected, _, _, info = run_case(cfg, seqs, case_seed("pallas", config, batch), attention=INTERPRET)
-    _check(cfg, out, expected, info["num_real_tokens"])
 
 
 requires_gpu = pytest.mark.skipif(
@@ -56,9 +55,9 @@ COMPILED = partial(pallas.ragged_paged_attention, interpret=False)
 
 @requires_gpu
 @pytest.mark.parametrize("batch", ["decode", "mixed", "one_long_chunk"])
-@pytest.mark.parametrize("config", list(PALLAS_CONFIGS))
+@pytest.mark.parametrize("config", list(KERNEL_CONFIGS))
 def test_compiled_on_gpu_matches_float64_reference(config, batch):
-    cfg = PALLAS_CONFIGS[config]
+    cfg = KERNEL_CONFIGS[config]
     seqs = BATCHES[batch](cfg.layout.block_size)
     out, expected, _, _, info = run_case(
         cfg, seqs, case_seed("pallas-gpu", config, batch), attention=COMPILED
@@ -70,7 +69,7 @@ def test_compiled_on_gpu_matches_float64_reference(config, batch):
 @pytest.mark.parametrize("batch", ["decode", "mixed"])
 @pytest.mark.parametrize("config", ["gqa2", "gqa8_window", "bfloat16"])
 def test_compiled_split_kv_on_gpu_matches_float64_reference(config, batch):
-    cfg = PALLAS_CONFIGS[config]
+    cfg = KERNEL_CONFIGS[config]
     seqs = BATCHES[batch](cfg.layout.block_size)
     op = partial(pallas.ragged_paged_attention, interpret=False, block_kv=16, num_kv_splits=4)
     out, expected, _, _, info = run_case(
@@ -127,39 +126,6 @@ def _tiled_op(**tiling):
     return _TILED_OPS.setdefault(key, partial(pallas.ragged_paged_attention, interpret=True, **tiling))
 
 
-def test_padding_does_not_affect_real_tokens():
-    """Other padding contents (tokens, lengths of padding sequences) and fewer real neighbours leave
-    a sequence's rows bit-identical; padding sequences own no work."""
-    cfg = CONFIGS["gqa2"]
-    seqs = BATCHES["mixed"](cfg.layout.block_size)
-    n = sum(num for _, num in seqs)
-    out_a, expected, *_ = run_case(cfg, seqs, seed=4321, padding_seed=0, attention=INTERPRET)
-    out_b, *_ = run_case(cfg, seqs, seed=4321, padding_seed=1, attention=INTERPRET)
-    np.testing.assert_array_equal(out_a, out_b)
-    _check(cfg, out_a, expected, n)
-    first_new = seqs[0][1]
-    alone, *_ = run_case(cfg, seqs[:1], seed=4321, padding_seed=2, attention=INTERPRET)
-    np.testing.assert_array_equal(alone[:first_new], out_a[:first_new])
-    np.testing.assert_array_equal(alone[first_new:], 0.0)
-
-
-def test_only_padding():
-    """A step with no real sequence (a warm-up batch) returns zeros."""
-    out, *_ = run_case(CONFIGS["gqa2"], [], seed=8, attention=INTERPRET)
-    np.testing.assert_array_equal(out, 0.0)
-
-
-@pytest.mark.parametrize("batch", ["decode", "mixed"])
-def test_nan_in_stale_slots_is_not_read(batch):
-    """The tail of a sequence's last block and the null block hold NaN: masked loads keep it out."""
-    cfg = CONFIGS["gqa2"]
-    seqs = BATCHES[batch](cfg.layout.block_size)
-    out, expected, _, _, info = run_case(
-        cfg, seqs, case_seed("pallas", "stale", batch), poison_tails=True, attention=INTERPRET
-    )
-    _check(cfg, out, expected, info["num_real_tokens"])
-
-
 def _args(cfg: AttnConfig, num_tokens=32, num_seqs=4, dtype=None):
     lay = cfg.layout
     dtype = dtype or cfg.dtype
@@ -178,7 +144,7 @@ def _args(cfg: AttnConfig, num_tokens=32, num_seqs=4, dtype=None):
 @pytest.mark.parametrize("config", ["gqa3", "gqa8_window", "gqa2_window_cap", "bfloat16", "block5_chunk1"])
 def test_lowers_for_cuda(config):
     """The kernel goes through Pallas's Triton lowering (not Mosaic GPU) on this CPU-only machine."""
-    cfg = PALLAS_CONFIGS[config]
+    cfg = KERNEL_CONFIGS[config]
     fn = partial(
         pallas.ragged_paged_attention, sm_scale=0.1, sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap
     )
@@ -188,7 +154,7 @@ def test_lowers_for_cuda(config):
 
 def test_split_kv_lowers_for_cuda():
     """Split-KV: a 3-D grid and a second (log-sum-exp) output, still one Triton call."""
-    cfg = PALLAS_CONFIGS["bfloat16"]
+    cfg = KERNEL_CONFIGS["bfloat16"]
     fn = partial(pallas.ragged_paged_attention, sm_scale=0.1, num_kv_splits=4)
     text = jax.jit(fn).trace(*_args(cfg)).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
@@ -221,44 +187,6 @@ def test_compiles_to_sm90_cubin():
     """Triton's own compiler (the `triton` package, with ptxas) takes the lowered kernel to a cubin."""
     out = compile_in_subprocess("pallas")
     assert out.count("ok   pallas sm_90") == 3, out  # decode, decode with 4 KV splits, window + cap
-
-
-def test_errors_name_the_bad_argument():
-    case = build_case(CONFIGS["gqa2"], BATCHES["decode"](16), seed=1)
-    good = {
-        "q": jnp.asarray(case.q, jnp.float32),
-        "k_cache": jnp.asarray(np.nan_to_num(case.k_cache), jnp.float32),
-        "v_cache": jnp.asarray(np.nan_to_num(case.v_cache), jnp.float32),
-        "kv_lens": jnp.asarray(case.kv_lens),
-        "block_tables": jnp.asarray(case.block_tables),
-        "query_start_loc": jnp.asarray(case.query_start_loc),
-        "num_seqs": jnp.int32(case.num_seqs),
-    }
-
-    def call(**overrides):
-        kw = {**good, **{k: v for k, v in overrides.items() if k in good}}
-        static = {k: v for k, v in overrides.items() if k not in good}
-        return pallas.ragged_paged_attention(*kw.values(), **{"sm_scale": 0.25, "interpret": True, **static})
-
-    bad = [
-        ({"q": good["q"][..., :12]}, "head_dim"),
-        ({"q": good["q"][:, :3]}, "num_q_heads 3 must be a multiple of num_kv_heads 2"),
-        ({"q": good["q"].astype(jnp.bfloat16)}, "dtypes"),
-        ({"q": good["q"].astype(jnp.int32)}, "q dtype"),
-        ({"v_cache": good["v_cache"][:5]}, "v_cache shape"),
-        ({"kv_lens": good["kv_lens"][:3]}, "kv_lens must have shape"),
-        ({"query_start_loc": good["query_start_loc"].astype(jnp.float32)}, "query_start_loc must be int32"),
-        ({"block_tables": good["block_tables"][0]}, "block_tables must be"),
-        ({"num_seqs": jnp.array([3], jnp.int32)}, "num_seqs must have shape ()"),
-        ({"sm_scale": 0.0}, "sm_scale"),
-        ({"sliding_window": 0}, "sliding_window must be >= 1"),
-        ({"soft_cap": -1.0}, "soft_cap"),
-        ({"block_q": 3}, "block_q must be a power of two"),
-        ({"block_kv": 8}, "block_kv must be a power of two >= 16"),
-    ]
-    for overrides, message in bad:
-        with pytest.raises(ValueError, match=re.escape(message)):
-            call(**overrides)
 
 
 # -- the engine ------------------------------------------------------------------------------------
