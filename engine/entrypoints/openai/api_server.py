@@ -114,6 +114,8 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
 
     from xlaserve.engine.async_llm import AsyncLLM
     from xlaserve.entrypoints.openai.app import build_app
+    from xlaserve.entrypoints.openai.guard import MAX_HEADER_BYTES
+    from xlaserve.entrypoints.openai.http11 import OpenAIErrorH11Protocol
     from xlaserve.entrypoints.openai.serving import ServerState
 
     loop = asyncio.get_running_loop()
@@ -147,6 +149,8 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout + 2.0,  # a backstop: see _end_after_grace
         lifespan="off",
+        http=OpenAIErrorH11Protocol,  # malformed HTTP answered in OpenAI's error JSON
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     server = uvicorn.Server(config)
     grace = asyncio.create_task(_end_after_grace(server, engine, args.shutdown_timeout))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from importlib import metadata
 
 from fastapi import FastAPI, Request
@@ -12,6 +11,7 @@ from fastapi.responses import Response
 from xlaserve.entrypoints.openai.chat import apply_chat_template, create_chat_completion
 from xlaserve.entrypoints.openai.completions import create_completion
 from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, install_error_handlers
+from xlaserve.entrypoints.openai.guard import GuardMiddleware, JSONRoute
 from xlaserve.entrypoints.openai.metrics import CONTENT_TYPE, make_registry, render
 from xlaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -24,14 +24,11 @@ from xlaserve.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )
-from xlaserve.entrypoints.openai.serving import ServerState, check_model, tokenize_text
-
-MAX_BODY_BYTES = 32 * 2**20
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+from xlaserve.entrypoints.openai.serving import ENGINE_DEAD_MESSAGE, ServerState, check_model, tokenize_text
 
 
 def _version() -> str:
@@ -50,42 +47,10 @@ def _sse_or_json(model) -> dict:
     return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
-class GuardMiddleware:
-    """API key check (constant-time) and a bound on the request body, before any route runs."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int = MAX_BODY_BYTES):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        error = None
-        if (
-            self.expected is not None
-            and scope["path"].startswith(_PROTECTED_PREFIXES)
-            and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
-        ):
-            error = OpenAIError(
-                401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-            )
-        length = headers.get(b"content-length", b"0")
-        if error is None and not length.isdigit():
-            error = OpenAIError(400, "invalid Content-Length header", code="invalid_header")
-        if error is None and int(length) > self.max_body_bytes:
-            error = OpenAIError(
-                413, f"the request body exceeds {self.max_body_bytes} bytes", code="request_too_large"
-            )
-        if error is None:
-            return await self.app(scope, receive, send)
-        await error.to_json_response()(scope, receive, send)
-
-
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="xlaserve", version=_version(), summary="OpenAI-compatible LLM server on JAX/XLA")
     app.state.server = state
+    app.router.route_class = JSONRoute
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=state.api_key)
     registry = make_registry(state.engine, state.model_name)
@@ -95,9 +60,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> dict[str, str]:
         """200 while the engine core is alive, 503 once it has died."""
         if engine.is_errored:
-            raise OpenAIError(
-                503, f"the engine is not available: {engine.errored_reason}", code="engine_dead"
-            )
+            raise OpenAIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead")
         return {"status": "ok"}
 
     @app.get("/version")
@@ -132,7 +95,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post(
         "/v1/completions",
         response_model=None,
-        responses={**_sse_or_json(CompletionResponse), **_errors(400, 401, 404, 413, 503)},
+        responses={**_sse_or_json(CompletionResponse), **_errors(400, 401, 404, 413, 415, 503)},
     )
     async def completions(request: CompletionRequest, raw_request: Request):
         return await create_completion(state, request, raw_request)
@@ -140,13 +103,13 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post(
         "/v1/chat/completions",
         response_model=None,
-        responses={**_sse_or_json(ChatCompletionResponse), **_errors(400, 401, 404, 413, 503)},
+        responses={**_sse_or_json(ChatCompletionResponse), **_errors(400, 401, 404, 413, 415, 503)},
     )
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await create_chat_completion(state, request, raw_request)
 
-    @app.post("/tokenize", responses=_errors(400, 401, 404, 413))
-    async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    @app.post("/tokenize", responses=_errors(400, 401, 404, 413, 415))
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         check_model(state, request.model)
         if isinstance(request, TokenizeChatRequest):
             text = apply_chat_template(
@@ -158,7 +121,7 @@ def build_app(state: ServerState) -> FastAPI:
         ids = tokenize_text(engine, text, request.add_special_tokens, param)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
-    @app.post("/detokenize", responses=_errors(400, 401, 404, 413))
+    @app.post("/detokenize", responses=_errors(400, 401, 404, 413, 415))
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         check_model(state, request.model)
         bad = [t for t in request.tokens if t >= engine.vocab_size]

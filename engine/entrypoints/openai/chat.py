@@ -7,6 +7,7 @@ import time
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from jinja2 import TemplateError
 
 from xlaserve.entrypoints.openai.errors import bad_request
 from xlaserve.entrypoints.openai.protocol import (
@@ -82,8 +83,11 @@ def apply_chat_template(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
-    except Exception as e:  # noqa: BLE001 - a template's raise_exception(), or a template bug
-        raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
+    except Exception as e:  # noqa: BLE001 - the template's raise_exception(), or a template bug
+        if type(e) is TemplateError:  # raise_exception(message): the template's words, meant for users
+            raise bad_request(f"the chat template rejects these messages: {e}", "messages") from None
+        logger.warning("the chat template failed: %s: %s", type(e).__name__, e)
+        raise bad_request("the chat template cannot render these messages", "messages") from None
 
 
 def _chat_logprobs(state: ServerState, completion: CompletionOutput, top_n: int) -> ChatLogprobs:

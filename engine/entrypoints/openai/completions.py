@@ -8,6 +8,7 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from xlaserve.entrypoints.openai.errors import bad_request
 from xlaserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -48,8 +49,6 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | Non
     else:
         items = list(prompt)
     if not items:
-        from xlaserve.entrypoints.openai.errors import bad_request
-
         raise bad_request("prompt must not be empty", "prompt")
     engine = state.engine
     out = []

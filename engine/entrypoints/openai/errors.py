@@ -1,13 +1,13 @@
 """Every error as OpenAI's JSON: `{"error": {"message", "type", "param", "code"}}`.
 
-Schema violations and malformed JSON are 400 (not FastAPI's 422), with `param` naming the field and
-a message of bounded length that never echoes the request body. Anything unexpected is logged here
-with its traceback and answered with a generic 500 that leaks neither traceback nor file path.
+Schema violations and malformed JSON are 400 (not FastAPI's 422), with `param` naming the field as
+the client sent it and a message of bounded length that never echoes the request body. Messages name
+the fault, never internals (exception text, process ids, class names): anything unexpected is logged
+with its details and answered with a generic 500 (see `internal_error`).
 """
 
 from __future__ import annotations
 
-import logging
 import re
 
 from fastapi import FastAPI, Request
@@ -15,9 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from xlaserve.entrypoints.openai.protocol import UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
-
-logger = logging.getLogger(__name__)
+from xlaserve.entrypoints.openai.protocol import UNION_TAGS, UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
 
 MAX_MESSAGE_CHARS = 400
 _MAX_ERRORS_LISTED = 3
@@ -27,8 +25,21 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    431: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
+}
+# pydantic's type errors, worded as OpenAI words them: "expected an integer, but got a string".
+_EXPECTED_TYPES = {
+    "int_type": "an integer",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+    "float_type": "a number",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
 }
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
@@ -70,8 +81,15 @@ def param_of_value_error(error: ValueError, fields: set[str], default: str | Non
     return default
 
 
+def internal_error() -> OpenAIError:
+    """The answer to a failure that is the server's fault; the caller logs what happened."""
+    return OpenAIError(500, "internal server error (the server log has the details)", code="internal_error")
+
+
 def _bound(message: str) -> str:
-    message = " ".join(str(message).split())
+    # A lone surrogate from the request (a model name, a key) would make the JSON encoder fail.
+    message = str(message).encode("utf-8", "backslashreplace").decode("utf-8")
+    message = " ".join(message.split())
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 3] + "..."
     return message
@@ -81,6 +99,8 @@ def loc_to_param(loc: tuple) -> str | None:
     """("body", "messages", 0, "content", "str") -> "messages[0].content" (union branch names dropped)."""
     parts: list[str] = []
     for item in loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc:
+        if item in UNION_TAGS:
+            continue  # the body model a discriminated union picked: not a field the client sent
         if isinstance(item, int):
             if not parts:
                 break
@@ -101,6 +121,15 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", "")
         return bad_request(f"the request body is not valid JSON: {reason}".rstrip(": "), code="invalid_json")
+    # A union lists every branch's error; invalid Unicode is the fault to name whichever branch found it.
+    unicode = next((e for e in errors if e.get("type") == "string_unicode"), None)
+    if unicode is not None:
+        param = loc_to_param(tuple(unicode.get("loc", ())))
+        return bad_request(
+            f"'{param or 'body'}' is not valid Unicode: it holds a lone surrogate or bytes not in UTF-8",
+            param,
+            code="invalid_unicode",
+        )
     param = loc_to_param(tuple(first.get("loc", ())))
     if first.get("type") == "extra_forbidden" and param is not None:
         field = param.split(".")[-1]
@@ -111,8 +140,17 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         return bad_request(f"Unrecognized request argument supplied: {param}", param, code="unknown_field")
     if first.get("type") == "missing" and param is not None:
         return bad_request(f"'{param}' is a required property", param, code="missing_field")
+    if param is None and first.get("type") == "missing":
+        return bad_request("the request body is empty: send a JSON object", code="invalid_body")
     if param is None and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return bad_request("the request body must be a JSON object", code="invalid_body")
+    if len(errors) == 1 and param is not None and first.get("type") in _EXPECTED_TYPES:
+        return bad_request(
+            f"Invalid type for '{param}': expected {_EXPECTED_TYPES[first['type']]}, "
+            f"but got {_json_type(first.get('input'))} instead.",
+            param,
+            code="invalid_type",
+        )
     seen, messages = set(), []
     for error in errors:
         error_param = loc_to_param(tuple(error.get("loc", ()))) or "body"
@@ -122,6 +160,20 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
             messages.append(text)
     more = f" (and {len(messages) - _MAX_ERRORS_LISTED} more)" if len(messages) > _MAX_ERRORS_LISTED else ""
     return bad_request("; ".join(messages[:_MAX_ERRORS_LISTED]) + more, param)
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -140,9 +192,5 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.url.path!r}" if len(request.url.path) < 200 else "no such route"
         return OpenAIError(exc.status_code, message).to_json_response()
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
-        logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return OpenAIError(
-            500, "internal server error (the server log has the details)", code="internal_error"
-        ).to_json_response()
+    # No handler for Exception: Starlette runs it outermost and then re-raises, which makes uvicorn
+    # drop the keep-alive connection. GuardMiddleware answers unexpected errors instead.

@@ -3,6 +3,11 @@
 Request models forbid unknown fields: a misspelt or unsupported field is a 400 naming it, never a
 silently ignored option. Fields OpenAI defines that we do not implement yet are listed in
 `UNSUPPORTED_FIELDS` and rejected with a message saying so.
+
+Types are strict, as in OpenAI's API: `"16"`, `true` and `16.0` are not integers and `"yes"` is not a
+boolean; only number fields accept integers. Every string is `Text`: one that cannot be encoded as
+UTF-8 (a lone surrogate, escaped in JSON or decoded from invalid bytes) is a 400 naming its field,
+before it can reach the tokenizer.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic_core import PydanticCustomError
 
 from xlaserve.sampling_params import MAX_LOGPROBS
 
@@ -42,16 +48,29 @@ UNSUPPORTED_FIELDS = frozenset(
 MAX_N = 64  # choices per request: each is a sequence in the batch
 _INT64 = 2**63
 
+
+def _check_unicode(text: str) -> str:
+    """Lone surrogates pass `str` validation but break the tokenizer and the JSON encoder."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(
+            "string_unicode", "invalid Unicode at character {position}", {"position": e.start}
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_check_unicode)]
 PositiveTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, Field(ge=-_INT64, le=_INT64 - 1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-PromptList = Annotated[list[str], Field(max_length=64)]
-StopString = Annotated[str, Field(max_length=1024)]  # matched against the text's tail every step
+PromptList = Annotated[list[Text], Field(max_length=64)]
+StopString = Annotated[Text, Field(max_length=1024)]  # matched against the text's tail every step
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -62,7 +81,7 @@ class StreamOptions(OpenAIModel):
 class SamplingFields(OpenAIModel):
     """Fields common to /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
-    model: str | None = Field(default=None, description="the served model name (optional)")
+    model: Text | None = Field(default=None, description="the served model name (optional)")
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="default 1.0")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -72,7 +91,7 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: Penalty = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(default=None, max_length=256, description="accepted and ignored")
+    user: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     # vLLM's extras
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -83,7 +102,7 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
-    cache_salt: str | None = Field(
+    cache_salt: Text | None = Field(
         default=None,
         min_length=1,
         max_length=256,
@@ -92,7 +111,7 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | PromptList | list[TokenId] | Annotated[list[list[TokenId]], Field(max_length=64)] = Field(
+    prompt: Text | PromptList | list[TokenId] | Annotated[list[list[TokenId]], Field(max_length=64)] = Field(
         description="a string, a list of strings, token ids, or a list of token id lists"
     )
     max_tokens: PositiveTokens | None = Field(default=16, description="default 16")
@@ -103,13 +122,13 @@ class CompletionRequest(SamplingFields):
 
 class TextContentPart(OpenAIModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = Field(default=None, max_length=256)
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = Field(default=None, max_length=256)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -124,21 +143,35 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeCompletionRequest(OpenAIModel):
-    model: str | None = None
-    prompt: str
+    model: Text | None = None
+    prompt: Text
     add_special_tokens: bool = True
 
 
 class TokenizeChatRequest(OpenAIModel):
-    model: str | None = None
+    model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
 
 
+def _tokenize_kind(body) -> str:
+    return "chat-request" if isinstance(body, dict) and "messages" in body else "prompt-request"
+
+
+# A body with "messages" is a chat; anything else must be a prompt. Choosing the branch up front
+# reports only that branch's errors; the tags are listed so error locations can drop them.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("prompt-request")]
+    | Annotated[TokenizeChatRequest, Tag("chat-request")],
+    Discriminator(_tokenize_kind),
+]
+UNION_TAGS = frozenset({"prompt-request", "chat-request"})
+
+
 class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[TokenId]
 
 

@@ -22,7 +22,7 @@ from xlaserve.engine.async_llm import (
     RequestFailedError,
     RequestStream,
 )
-from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, param_of_value_error
+from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, internal_error, param_of_value_error
 from xlaserve.entrypoints.openai.protocol import SamplingFields
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
@@ -33,6 +33,8 @@ logger = logging.getLogger("xlaserve.entrypoints.openai")
 # is only tokenized up to that point, enough to prove it cannot fit.
 _MAX_CHARS_PER_TOKEN = 32
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | set(SamplingFields.model_fields)
+# Why the core died (its pid, exit code or signal) is for the log, which has it already.
+ENGINE_DEAD_MESSAGE = "the engine is not available; the server must be restarted"
 
 
 @dataclass
@@ -135,15 +137,19 @@ def engine_error(error: BaseException) -> OpenAIError:
     if isinstance(error, EngineShutdownError):
         return OpenAIError(503, str(error), code="shutting_down")
     if isinstance(error, EngineDeadError):
-        return OpenAIError(503, f"the engine is not available: {error}", code="engine_dead")
+        return OpenAIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead")
     if isinstance(error, InvalidRequestError):
         return bad_request(str(error), error.param)
     if isinstance(error, RequestFailedError):
-        return bad_request(str(error), code="request_rejected")
+        # The core's reason is an exception's text from inside the engine: logged, not returned.
+        logger.warning("request failed in the engine core: %s", error)
+        return bad_request(
+            "the engine rejected this request (the server log has the reason)", code="request_rejected"
+        )
     if isinstance(error, ValueError):
         return bad_request(str(error), param_of_value_error(error, _SAMPLING_FIELDS))
     logger.error("request failed: %s: %s", type(error).__name__, error)
-    return OpenAIError(500, "internal server error (the server log has the details)", code="internal_error")
+    return internal_error()
 
 
 def check_finish(output: RequestOutput) -> None:

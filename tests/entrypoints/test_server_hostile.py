@@ -1,0 +1,631 @@
+"""Hostile input against the real server, endpoint by endpoint and field by field: wrong JSON types,
+numbers out of range, invalid Unicode (lone surrogates escaped in JSON, raw bytes that are not UTF-8),
+NUL bytes, malformed bodies, bodies over the limit (declared or chunked) and malformed HTTP.
+
+Every answer is a 4xx in OpenAI's error shape, `param` naming the field as the client sent it, and
+the keep-alive connection it came on serves the next request. Two kinds of request cannot keep their
+connection: a body refused unread (413), and HTTP whose framing is broken (h11's 400 and 431). Those
+are answered in the same JSON, the connection closes cleanly, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from helpers.server_harness import MODEL_NAME
+from xlaserve.entrypoints.openai.guard import MAX_BODY_BYTES, MAX_HEADER_BYTES
+
+# What a client-facing message must never show: exception or class names, tracebacks, pids, paths.
+INTERNALS = re.compile(r"Traceback|\w+(Request|Error|Exception)\b|\bpid\b|/work/|\.py\b")
+
+CHAT = [{"role": "user", "content": "Hi"}]
+DROP = "<drop>"  # in a case's fields: leave this field of the valid body out
+BODIES = {  # a valid, cheap body per endpoint, to break one field at a time
+    "completions": ("/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+    "chat": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+    "tokenize": ("/tokenize", {"prompt": "Hi"}),
+    "tokenize-chat": ("/tokenize", {"messages": CHAT}),
+    "detokenize": ("/detokenize", {"tokens": [1, 2]}),
+}
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """One client, so one keep-alive connection, for the whole module."""
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as client:
+        yield client
+
+
+def local_port(response: httpx.Response) -> int | None:
+    """The client's port of the connection a response came on (None once it is closed)."""
+    try:
+        return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+    except OSError:
+        return None
+
+
+def send(client: httpx.Client, path: str, body=None, *, content=None, headers=None, method="POST"):
+    """(response, the port of its connection), read before anything can close it."""
+    response = client.request(
+        method, path, json=body if content is None else None, content=content, headers=headers
+    )
+    return response, local_port(response)
+
+
+def names(param: str | None, field: str) -> bool:
+    return param is not None and (param == field or param.startswith((field + "[", field + ".")))
+
+
+def check_error(response: httpx.Response, status: int, field: str | None = None) -> dict:
+    """A 4xx of `status` in OpenAI's error shape, its `param` naming `field` (when one is given)."""
+    assert 400 <= status < 500
+    assert response.status_code == status, response.text[:500]
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" or status in (401, 404)
+    assert len(error["message"]) <= 500 and not INTERNALS.search(error["message"]), error["message"]
+    if field is not None:
+        assert names(error["param"], field), error
+    return error
+
+
+def check_still_serving(client: httpx.Client, port: int | None) -> None:
+    """The keep-alive connection on `port` answers a normal request."""
+    assert port is not None, "the server closed the connection"
+    response, next_port = send(client, "/tokenize", {"prompt": "still here"})
+    assert response.status_code == 200 and response.json()["count"] > 0
+    assert next_port == port, "the server closed the keep-alive connection"
+
+
+def body_with(body: dict, raw: bytes) -> bytes:
+    """The JSON of `body` with its "@" placeholder replaced by raw bytes (escapes, invalid UTF-8)."""
+    return json.dumps(body).encode().replace(b"@", raw)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def raw_exchange(
+    server, head: bytes, body: bytes = b"", timeout: float = 30
+) -> tuple[int, dict, bytes, bool]:
+    """Send raw bytes on a fresh connection; (status, headers, body, whether it was then closed)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
+        try:
+            sock.sendall(head + body)
+        except OSError:  # the server may answer and close before reading it all
+            pass
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"closed without an answer after {data!r}"
+            data += chunk
+        head_bytes, rest = data.split(b"\r\n\r\n", 1)
+        status_line, *header_lines = head_bytes.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines)}
+        while len(rest) < int(headers["content-length"]):
+            chunk = sock.recv(65536)
+            assert chunk, "closed in the middle of the answer"
+            rest += chunk
+        try:
+            is_closed = sock.recv(1) == b""
+        except ConnectionResetError:  # closed with the client's bytes unread: a reset, still closed
+            is_closed = True
+        except TimeoutError:
+            is_closed = False
+        return int(status_line.split()[1]), headers, rest, is_closed
+
+
+def check_raw_error(server, client, head: bytes, body: bytes, status: int) -> dict:
+    """A malformed request answered in OpenAI's JSON; the connection closed; the server serving."""
+    code, headers, payload, is_closed = raw_exchange(server, head, body, timeout=10)
+    assert code == status, payload[:500]
+    assert headers["content-type"] == "application/json" and headers.get("connection") == "close"
+    assert is_closed, "the connection stayed open after malformed HTTP"
+    error = json.loads(payload)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and not INTERNALS.search(error["message"])
+    response = client.post("/tokenize", json={"prompt": "still here"})
+    assert response.status_code == 200
+    return error
+
+
+# -- wrong JSON types, field by field ----------------------------------------------------------------
+
+# OpenAI's API is strict: no strings for numbers, no bools for integers, no 0/1 for booleans; numbers
+# (temperature, ...) do take integers, tested below.
+WRONG_TYPES = {
+    "integer": ["16", True, 1.5, [16], {"value": 16}],
+    "number": ["0.5", True, [0.5], {"value": 0.5}],
+    "boolean": ["yes", 1, [True], {"value": True}],
+    "string": [5, True, ["x"], {"name": "x"}],
+}
+_SAMPLING = {
+    "integer": ["n", "seed", "top_k", "min_tokens", "priority"],
+    "number": [
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_p",
+        "repetition_penalty",
+    ],
+    "boolean": ["stream", "echo", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"],
+    "string": ["model", "user", "cache_salt"],
+}
+FIELD_TYPES = {
+    "completions": {
+        **_SAMPLING,
+        "integer": [*_SAMPLING["integer"], "max_tokens", "logprobs"],
+        "boolean": [*_SAMPLING["boolean"], "add_special_tokens"],
+    },
+    "chat": {
+        **_SAMPLING,
+        "integer": [*_SAMPLING["integer"], "max_tokens", "max_completion_tokens", "top_logprobs"],
+        "boolean": [*_SAMPLING["boolean"], "logprobs", "add_generation_prompt", "continue_final_message"],
+    },
+    "tokenize": {"boolean": ["add_special_tokens"], "string": ["model"]},
+    "tokenize-chat": {
+        "boolean": ["add_special_tokens", "add_generation_prompt", "continue_final_message"],
+        "string": ["model"],
+    },
+    "detokenize": {"string": ["model"]},
+}
+TYPE_CASES = [
+    pytest.param(endpoint, field, value, id=f"{endpoint}-{field}-{json.dumps(value)}")
+    for endpoint, kinds in FIELD_TYPES.items()
+    for kind, fields in kinds.items()
+    for field in fields
+    for value in WRONG_TYPES[kind]
+]
+
+
+@pytest.mark.parametrize("endpoint, field, value", TYPE_CASES)
+def test_wrong_type_is_400_naming_the_field(client, endpoint, field, value):
+    path, body = BODIES[endpoint]
+    response, port = send(client, path, {**body, field: value})
+    error = check_error(response, 400, field)
+    assert error["param"] == field
+    check_still_serving(client, port)
+
+
+# The structured fields: what goes wrong inside lists and objects is named down to the element.
+STRUCTURE_CASES = [
+    ("completions", {"prompt": 5}, "prompt"),
+    ("completions", {"prompt": None}, "prompt"),
+    ("completions", {"prompt": {"text": "Hi"}}, "prompt"),
+    ("completions", {"prompt": [True]}, "prompt"),
+    ("completions", {"prompt": [1.5]}, "prompt"),
+    ("completions", {"prompt": ["Hi", 5]}, "prompt"),
+    ("completions", {"prompt": [[1, "a"]]}, "prompt"),
+    ("completions", {"prompt": [[[1]]]}, "prompt"),
+    ("completions", {"stop": 5}, "stop"),
+    ("completions", {"stop": [5]}, "stop"),
+    ("completions", {"stop": [["x"]]}, "stop"),
+    ("completions", {"stop": {"s": "x"}}, "stop"),
+    ("completions", {"stop_token_ids": 5}, "stop_token_ids"),
+    ("completions", {"stop_token_ids": ["1"]}, "stop_token_ids[0]"),
+    ("completions", {"stop_token_ids": [True]}, "stop_token_ids[0]"),
+    ("completions", {"stream_options": "yes"}, "stream_options"),
+    ("completions", {"stream_options": []}, "stream_options"),
+    ("completions", {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ("completions", {"stream_options": {"other": True}}, "stream_options.other"),
+    ("chat", {"messages": "Hi"}, "messages"),
+    ("chat", {"messages": {"role": "user"}}, "messages"),
+    ("chat", {"messages": ["Hi"]}, "messages[0]"),
+    ("chat", {"messages": [{"content": "Hi"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": 5, "content": "Hi"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": {"text": "Hi"}}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "messages[0].content",
+    ),
+    ("chat", {"messages": [{"role": "user", "content": "Hi", "name": 5}]}, "messages[0].name"),
+    ("chat", {"messages": [{"role": "user", "content": "Hi", "tool": "x"}]}, "messages[0].tool"),
+    ("chat", {"messages": [*CHAT, {"role": "user", "content": 5}]}, "messages[1].content"),
+    ("tokenize", {"prompt": 5}, "prompt"),
+    ("tokenize", {"prompt": ["Hi"]}, "prompt"),
+    ("tokenize", {"prompt": DROP, "model": MODEL_NAME}, "prompt"),  # neither prompt nor messages
+    ("tokenize", {"prompt": "Hi", "messages": CHAT}, "prompt"),  # both: a chat with a stray field
+    ("tokenize-chat", {"messages": "Hi"}, "messages"),
+    ("tokenize-chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("detokenize", {"tokens": "1,2"}, "tokens"),
+    ("detokenize", {"tokens": ["1"]}, "tokens[0]"),
+    ("detokenize", {"tokens": [1, True]}, "tokens[1]"),
+    ("detokenize", {"tokens": [1.0]}, "tokens[0]"),
+    ("detokenize", {"tokens": [[1]]}, "tokens[0]"),
+    ("detokenize", {"tokens": None}, "tokens"),
+]
+
+
+@pytest.mark.parametrize(
+    "endpoint, fields, param",
+    STRUCTURE_CASES,
+    ids=[f"{e}-{json.dumps(f)[:60]}" for e, f, _ in STRUCTURE_CASES],
+)
+def test_wrong_structure_is_400_naming_the_element(client, endpoint, fields, param):
+    path, body = BODIES[endpoint]
+    body = {k: v for k, v in {**body, **fields}.items() if v != DROP}
+    response, port = send(client, path, body)
+    error = check_error(response, 400)
+    assert error["param"] == param, error
+    check_still_serving(client, port)
+
+
+# -- numbers out of range ----------------------------------------------------------------------------
+
+RANGE_CASES = [
+    ("completions", "n", 0),
+    ("completions", "n", 65),
+    ("completions", "max_tokens", 0),
+    ("completions", "max_tokens", -1),
+    ("completions", "max_tokens", 2**31),
+    ("completions", "max_tokens", 10**30),
+    ("completions", "logprobs", -1),
+    ("completions", "logprobs", 21),
+    ("completions", "seed", 2**63),
+    ("completions", "seed", -(2**63) - 1),
+    ("completions", "top_k", -2),
+    ("completions", "min_tokens", -1),
+    ("completions", "priority", 2**31),
+    ("completions", "temperature", -0.1),
+    ("completions", "temperature", 2.5),
+    ("completions", "top_p", 0),
+    ("completions", "top_p", 1.01),
+    ("completions", "presence_penalty", 2.5),
+    ("completions", "frequency_penalty", -3),
+    ("completions", "min_p", 1.5),
+    ("completions", "repetition_penalty", 0),
+    ("completions", "repetition_penalty", 11),
+    ("completions", "stop", ["x"] * 17),
+    ("completions", "stop", ["x" * 1025]),
+    ("completions", "stop_token_ids", [-1]),
+    ("completions", "stop_token_ids", [1] * 65),
+    ("completions", "user", "u" * 257),
+    ("completions", "cache_salt", ""),
+    ("completions", "prompt", ["Hi"] * 65),
+    ("completions", "prompt", []),
+    ("completions", "prompt", [[]]),
+    ("completions", "prompt", [-1]),
+    ("completions", "prompt", [2**31]),
+    ("chat", "messages", []),
+    ("chat", "n", 65),
+    ("chat", "max_completion_tokens", 0),
+    ("chat", "top_logprobs", 21),
+    ("chat", "temperature", 2.01),
+    ("detokenize", "tokens", [-1]),
+    ("detokenize", "tokens", [2**31]),
+    ("detokenize", "tokens", [10**30]),
+    ("detokenize", "tokens", [10**6]),  # within int32, past the vocabulary: the route's own check
+]
+
+
+@pytest.mark.parametrize(
+    "endpoint, field, value", RANGE_CASES, ids=[f"{e}-{f}-{json.dumps(v)[:30]}" for e, f, v in RANGE_CASES]
+)
+def test_out_of_range_is_400_naming_the_field(client, endpoint, field, value):
+    path, body = BODIES[endpoint]
+    response, port = send(client, path, {**body, field: value})
+    check_error(response, 400, field)
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
+def test_non_finite_numbers_are_400(client, literal):
+    """Python's JSON parser takes NaN and Infinity (and 1e400 overflows to inf); OpenAI's does not."""
+    content = b'{"prompt": "Hi", "max_tokens": 1, "temperature": ' + literal + b"}"
+    response, port = send(
+        client, "/v1/completions", content=content, headers={"Content-Type": "application/json"}
+    )
+    check_error(response, 400, "temperature")
+    check_still_serving(client, port)
+
+
+def test_numbers_take_integers(client):
+    """Where OpenAI's schema says number, an integer is fine: strictness stops at integers and bools."""
+    response, port = send(
+        client, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "temperature": 0, "top_p": 1}
+    )
+    assert response.status_code == 200, response.text
+    check_still_serving(client, port)
+
+
+# -- invalid Unicode and NUL bytes -------------------------------------------------------------------
+
+# A JSON escape of a lone surrogate parses to a Python str the tokenizer cannot take; raw bytes that
+# are not UTF-8 are decoded to lone surrogates too, so both are caught, and named, the same way.
+BAD_TEXT = {
+    "escaped-high": rb"\ud800",
+    "escaped-reversed-pair": rb"\udc00\ud800",
+    "raw-ff": b"\xff",
+    "raw-encoded-surrogate": b"\xed\xa0\x80",
+    "raw-truncated": b"a\xc3",
+}
+TEXT_FIELDS = [  # (endpoint, body with "@" where the bad text goes, the param that must be named)
+    ("completions", {"prompt": "ab@cd"}, "prompt"),
+    ("completions", {"prompt": ["ok", "@"]}, "prompt"),
+    ("completions", {"prompt": "Hi", "stop": "@"}, "stop"),
+    ("completions", {"prompt": "Hi", "stop": ["ok", "@"]}, "stop"),
+    ("completions", {"prompt": "Hi", "model": "@"}, "model"),
+    ("completions", {"prompt": "Hi", "user": "@"}, "user"),
+    ("completions", {"prompt": "Hi", "cache_salt": "@"}, "cache_salt"),
+    ("chat", {"messages": [{"role": "user", "content": "@"}]}, "messages[0].content"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "@"}]}]},
+        "messages[0].content",
+    ),
+    ("chat", {"messages": [{"role": "user", "content": "Hi", "name": "@"}]}, "messages[0].name"),
+    ("chat", {"messages": CHAT, "stop": ["@"]}, "stop"),
+    ("tokenize", {"prompt": "@"}, "prompt"),
+    ("tokenize-chat", {"messages": [{"role": "user", "content": "x@"}]}, "messages[0].content"),
+    ("detokenize", {"tokens": [1], "model": "@"}, "model"),
+]
+UNICODE_CASES = [
+    pytest.param(endpoint, body, param, raw, id=f"{endpoint}-{param}-{json.dumps(body)[:40]}-{name}")
+    for endpoint, body, param in TEXT_FIELDS
+    for name, raw in BAD_TEXT.items()
+]
+
+
+@pytest.mark.parametrize("endpoint, body, param, raw", UNICODE_CASES)
+def test_invalid_unicode_is_400_naming_the_field(client, endpoint, body, param, raw):
+    path, base = BODIES[endpoint]
+    content = body_with({**base, **body}, raw)
+    response, port = send(client, path, content=content, headers={"Content-Type": "application/json"})
+    error = check_error(response, 400)
+    assert error["param"] == param and error["code"] == "invalid_unicode", error
+    check_still_serving(client, port)
+
+
+NUL_CASES = [  # NUL is a valid character: accepted and handled like any other
+    ("completions", {"prompt": "a\x00b"}, 200),
+    ("completions", {"prompt": "Hi", "stop": ["\x00"]}, 200),
+    ("chat", {"messages": [{"role": "user", "content": "\x00"}]}, 200),
+    ("tokenize", {"prompt": "\x00"}, 200),
+    ("tokenize", {"prompt": "Hi", "model": "\x00"}, 404),
+]
+
+
+@pytest.mark.parametrize("endpoint, fields, status", NUL_CASES)
+def test_nul_characters_are_handled(client, endpoint, fields, status):
+    path, body = BODIES[endpoint]
+    response, port = send(client, path, {**body, **fields})
+    if status == 200:
+        assert response.status_code == 200, response.text
+    else:
+        check_error(response, status, "model")
+    check_still_serving(client, port)
+
+
+# -- bodies that are not a JSON object ---------------------------------------------------------------
+
+BAD_BODIES = {
+    "not-json": b"prompt=Hi",
+    "truncated": b'{"prompt": "Hi"',
+    "trailing-garbage": b'{"prompt": "Hi"} x',
+    "raw-nul-in-string": b'{"prompt": "a\x00b"}',
+    "raw-nul-after": b'{"prompt": "Hi"}\x00',
+    "invalid-utf8-key": b'{"pr\xffompt": "Hi"}',
+    "invalid-utf8-outside-strings": b'{"prompt": "Hi"\xff}',
+    "utf8-bom": b'\xef\xbb\xbf{"prompt": "Hi"}',
+    "utf16": '{"prompt": "Hi"}'.encode("utf-16"),
+    "array": b'["Hi"]',
+    "string": b'"Hi"',
+    "null": b"null",
+    "number": b"1",
+    "empty": b"",
+    "deep-nesting": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "huge-integer": b'{"prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}",
+    "duplicate-key": b'{"prompt": "Hi", "prompt": 5}',
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("name", list(BAD_BODIES))
+def test_bad_body_is_400(client, path, name):
+    response, port = send(
+        client, path, content=BAD_BODIES[name], headers={"Content-Type": "application/json"}
+    )
+    check_error(response, 400)
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"],
+)
+def test_body_that_is_not_declared_json_is_415(client, content_type):
+    headers = {"Content-Type": content_type} if content_type else {}
+    response, port = send(client, "/tokenize", content=b'{"prompt": "Hi"}', headers=headers)
+    error = check_error(response, 415)
+    assert error["code"] == "invalid_content_type"
+    check_still_serving(client, port)
+    response, port = send(
+        client,
+        "/tokenize",
+        content=b'{"prompt": "Hi"}',
+        headers={"Content-Type": "application/json; charset=utf-8"},
+    )
+    assert response.status_code == 200
+
+
+# -- routes and methods ------------------------------------------------------------------------------
+
+ROUTE_CASES = [
+    ("POST", "/v1/models", 405),
+    ("DELETE", "/v1/completions", 405),
+    ("GET", "/v1/chat/completions", 405),
+    ("PUT", "/tokenize", 405),
+    ("GET", "/v1/models/%FF%00", 404),
+    ("GET", "/v1/models/" + "m" * 8000, 404),
+    ("GET", "/v1/nothing/%ED%A0%80", 404),
+]
+
+
+@pytest.mark.parametrize(
+    "method, path, status", ROUTE_CASES, ids=[f"{m}-{p[:30]}" for m, p, _ in ROUTE_CASES]
+)
+def test_wrong_route_or_method_is_4xx(client, method, path, status):
+    response, port = send(client, path, method=method, content=b"")
+    check_error(response, status)
+    check_still_serving(client, port)
+
+
+def test_models_ignore_hostile_extras(client):
+    """A GET with a body, a query string of junk: /v1/models answers as usual."""
+    response, port = send(client, "/v1/models?%FF=%00&x=" + "y" * 2000, method="GET", content=b"\xff" * 1000)
+    assert response.status_code == 200 and response.json()["data"][0]["id"] == MODEL_NAME
+    check_still_serving(client, port)
+
+
+# -- bodies over the limit ---------------------------------------------------------------------------
+
+
+def test_declared_length_over_limit_is_413_before_the_body(server, client):
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: {server.headers['Authorization']}\r\nContent-Length: {40 * 2**20}\r\n\r\n".encode()
+    )
+    status, headers, payload, is_closed = raw_exchange(server, head, timeout=10)  # no body sent at all
+    assert status == 413 and headers["connection"] == "close" and is_closed
+    error = json.loads(payload)["error"]
+    assert error["code"] == "request_too_large" and str(MAX_BODY_BYTES) in error["message"]
+    assert client.post("/tokenize", json={"prompt": "still here"}).status_code == 200
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["chunked", "content-length"])
+def test_streamed_body_over_limit_is_413_unread(server, client, declared):
+    """256 MiB offered, chunked or declared: the server stops reading at its limit, its memory stays flat."""
+    total = 256 * 2**20
+    num_sent = 0
+
+    def body():
+        nonlocal num_sent
+        yield b'{"prompt": "'
+        chunk = b"x" * 2**20
+        while num_sent < total:
+            num_sent += len(chunk)
+            yield chunk
+
+    rss_before = rss_bytes(server.proc.pid)
+    headers = {"Content-Type": "application/json"}
+    if declared:
+        headers["Content-Length"] = str(total + len(b'{"prompt": "'))
+    response = client.post("/v1/completions", content=body(), headers=headers)
+    error = check_error(response, 413)
+    assert error["code"] == "request_too_large" and response.headers["connection"] == "close"
+    assert num_sent < total // 2, f"the client got to send {num_sent} bytes"
+    assert rss_bytes(server.proc.pid) - rss_before < total // 4
+    assert client.post("/tokenize", json={"prompt": "still here"}).status_code == 200
+
+
+def test_body_under_limit_is_read_and_judged(client):
+    """A 30 MiB prompt is within the body limit: it is read and refused for the context length."""
+    response, port = send(client, "/v1/completions", {"prompt": "word " * (6 * 2**20), "max_tokens": 1})
+    error = check_error(response, 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
+    check_still_serving(client, port)
+
+
+# -- malformed HTTP ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_bytes", [32 * 2**10, 64 * 2**10])
+def test_oversized_header_is_431(client, num_bytes):
+    """A head that arrives whole passes h11's bound and the app refuses it, keeping the connection; one
+    the server reads in pieces (a 64 KiB head can span two loopback segments) h11 refuses, closing it."""
+    response, port = send(client, "/tokenize", {"prompt": "Hi"}, headers={"X-Big": "a" * num_bytes})
+    error = check_error(response, 431)
+    assert error["code"] == "headers_too_large" and str(MAX_HEADER_BYTES) in error["message"]
+    if response.headers.get("connection") == "close":
+        assert client.post("/tokenize", json={"prompt": "still here"}).status_code == 200
+    else:
+        check_still_serving(client, port)
+
+
+def test_oversized_header_in_pieces_is_431(server, client):
+    """A head still incomplete past the bound is refused by h11 before any app runs."""
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEADER_BYTES + 4096)
+    error = check_raw_error(server, client, head, b"", 431)  # no end of headers: h11 cannot parse on
+    assert error["code"] == "headers_too_large"
+
+
+def _request(server, headers: bytes) -> bytes:
+    """The head of a POST /tokenize with these extra header lines."""
+    auth = server.headers["Authorization"].encode()
+    return b"POST /tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: " + auth + b"\r\n" + headers + b"\r\n"
+
+
+MALFORMED = {
+    "content-length-letters": b"Content-Length: abc\r\n",
+    "content-length-negative": b"Content-Length: -1\r\n",
+    "content-length-conflicting": b"Content-Length: 5\r\nContent-Length: 6\r\n",
+    "transfer-encoding-gzip": b"Transfer-Encoding: gzip\r\n",
+    "header-name-with-space": b"Bad Name: x\r\n",
+    "header-value-with-nul": b"X-Nul: a\x00b\r\n",
+    "header-without-colon": b"NoColonHere\r\n",
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_headers_are_400_json_and_close(server, client, name):
+    error = check_raw_error(server, client, _request(server, MALFORMED[name]), b'{"prompt": "Hi"}', 400)
+    assert error["code"] == "invalid_http"
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\n\r\n",
+        b"GET /v1/models\x00 HTTP/1.1\r\nHost: x\r\n\r\n",
+    ],
+)
+def test_malformed_request_line_is_400_json_and_close(server, client, head):
+    assert check_raw_error(server, client, head, b"", 400)["code"] == "invalid_http"
+
+
+def test_broken_chunked_body_is_400_json_and_close(server, client):
+    """The framing breaks while the app is already reading the body."""
+    head = _request(server, b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n")
+    assert check_raw_error(server, client, head, b'5\r\n{"pro\r\nzz\r\n', 400)["code"] == "invalid_http"
+
+
+def test_short_content_length_leaves_a_malformed_next_request(server, client):
+    """A body longer than its Content-Length: the request is judged on what was declared (not JSON),
+    then the rest is read as the next request, which is malformed: both answered, then closed."""
+    head = _request(server, b"Content-Type: application/json\r\nContent-Length: 5\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head + b'{"prompt": "Hi"}\r\n\r\n')
+        data = b""
+        deadline = time.monotonic() + 10
+        while (chunk := sock.recv(65536)) and time.monotonic() < deadline:
+            data += chunk
+    answers = data.split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"400", b"400"], data
+    assert all(b"application/json" in a for a in answers)
+    assert client.post("/tokenize", json={"prompt": "still here"}).status_code == 200
+
+
+# -- and after all that ------------------------------------------------------------------------------
+
+
+def test_server_still_generates(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
+    response = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=4)
+    assert response.choices[0].text and response.usage.completion_tokens >= 1
