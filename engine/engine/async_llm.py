@@ -8,19 +8,30 @@ generate() ─► InputProcessor (validate, seeds) ─ZMQ─► EngineCoreProc: 
 The same `OutputProcessor` as the offline `LLM` turns token ids into text; here it runs in "delta"
 mode for streams (each output holds only what is new) and "final" mode otherwise. Everything runs
 on one asyncio loop; the only other thread is the monitor that notices a dead core.
+
+A dead core is supervised, not fatal: the requests it held fail at once, new ones get
+EngineDeadError (503) while a new core starts (warm, from the persistent compilation cache), then
+serving resumes. A core that keeps dying (see `RestartPolicy`) sets `failed`, and the server exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
 
 from xlaserve.config import EngineConfig
-from xlaserve.engine.core_client import EngineCoreClient, EngineDeadError, cancel_quietly
+from xlaserve.engine.core_client import (
+    CoreDeaths,
+    EngineCoreClient,
+    EngineDeadError,
+    RestartPolicy,
+    cancel_quietly,
+)
 from xlaserve.engine.metrics import EngineMetrics
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor
@@ -43,11 +54,23 @@ __all__ = [
     "AsyncLLM",
     "EngineDeadError",
     "EngineShutdownError",
+    "EngineState",
     "InvalidRequestError",
     "QueueFullError",
     "RequestFailedError",
     "RequestStream",
 ]
+
+
+# What clients are told (the core's pid, signal and exception stay in the log).
+_RESTARTING_REASON = "the engine core stopped unexpectedly and is being restarted; retry in a few seconds"
+_FAILED_REASON = "the engine core failed repeatedly and the server is shutting down"
+
+
+class EngineState(enum.Enum):
+    READY = "ready"
+    RESTARTING = "restarting"  # the core died; a new one is starting
+    FAILED = "failed"  # the core kept dying: no more restarts, the server should exit
 
 
 class EngineShutdownError(EngineDeadError):
@@ -108,13 +131,31 @@ class AsyncLLM:
     Build it with `await AsyncLLM.create(model, **engine_args)` inside a running event loop; call
     `shutdown()` when done. Keyword arguments are the offline `LLM`'s engine arguments, plus
     `max_num_queued_reqs`: at most max_num_seqs running and this many waiting requests are accepted;
-    past that `generate` raises QueueFullError.
+    past that `generate` raises QueueFullError; and `max_engine_restarts`, `engine_restart_window`
+    (seconds): the `RestartPolicy` for a core that dies.
     """
 
-    def __init__(self, model: str | None = None, *, log_level: str = "INFO", **engine_args):
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        log_level: str = "INFO",
+        max_engine_restarts: int = 2,
+        engine_restart_window: float = 60.0,
+        **engine_args,
+    ):
         self.config = EngineConfig.from_kwargs(model, **engine_args)  # fail on bad arguments before spawning
+        policy = RestartPolicy(max_engine_restarts, engine_restart_window)
+        if self.config.parallel.nnodes > 1 and policy.max_restarts:
+            # The other hosts joined the dead core's jax.distributed group and cannot join a new one.
+            logger.info("a multi-host engine is not restarted in place: the server exits if its core dies")
+            policy = RestartPolicy(0, policy.window_s)
+        self._deaths = CoreDeaths(policy)
         self.model = model
+        self._engine_args = engine_args
+        self._log_level = log_level
         self.core = EngineCoreClient(model, engine_args, log_level=log_level)
+        self.state = EngineState.READY
         self.tokenizer = None
         self.max_model_len = 0
         self.vocab_size = 0
@@ -127,6 +168,9 @@ class AsyncLLM:
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._output_task: asyncio.Task | None = None
+        self._restart_task: asyncio.Task | None = None
+        self._is_shutting_down = False
+        self.failed = asyncio.Event()  # set when the policy gives up on the core: the server exits
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
 
@@ -153,8 +197,7 @@ class AsyncLLM:
             self.tokenizer, ready.max_model_len, ready.vocab_size, ready.eos_token_id, self.config.model.seed
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._output_task = asyncio.create_task(self._output_loop(), name="engine-core-outputs")
-        self.core.watch(lambda reason: loop.call_soon_threadsafe(self._on_engine_dead, reason))
+        self._attach_core()
         logger.info(
             "engine ready: max_model_len=%d, %d KV blocks of %d tokens",
             self.max_model_len,
@@ -162,14 +205,21 @@ class AsyncLLM:
             self.block_size,
         )
 
+    def _attach_core(self) -> None:
+        """Read the (new) core's outputs and watch its process."""
+        client, loop = self.core, asyncio.get_running_loop()
+        self._output_task = asyncio.create_task(self._output_loop(client), name="engine-core-outputs")
+        client.watch(lambda reason: loop.call_soon_threadsafe(self._on_engine_dead, client, reason))
+
     # -- state ---------------------------------------------------------------------------------
 
     @property
     def is_errored(self) -> bool:
+        """Whether requests are refused now: the core is restarting, or gone for good."""
         return self.errored_reason is not None
 
     def check_health(self) -> None:
-        """Raise EngineDeadError if the core is gone."""
+        """Raise EngineDeadError (with a message fit for clients) unless the core is ready."""
         if self.errored_reason is not None:
             raise EngineDeadError(self.errored_reason)
 
@@ -298,18 +348,18 @@ class AsyncLLM:
 
     # -- outputs -------------------------------------------------------------------------------
 
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, client: EngineCoreClient) -> None:
         try:
-            await self._handle_outputs()
+            await self._handle_outputs(client)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must fail requests loudly, not hang them
             logger.exception("the output loop failed")
-            self._on_engine_dead(f"the front end's output loop failed: {type(e).__name__}: {e}")
+            self._on_engine_dead(client, f"the front end's output loop failed: {type(e).__name__}: {e}")
 
-    async def _handle_outputs(self) -> None:
+    async def _handle_outputs(self, client: EngineCoreClient) -> None:
         while True:
-            message = await self.core.recv()
+            message = await client.recv()
             if isinstance(message, EngineCoreOutputs):
                 self._process_outputs(message)
             elif isinstance(message, UtilityResult):
@@ -320,7 +370,7 @@ class AsyncLLM:
                     else:
                         future.set_result(message.result)
             elif isinstance(message, EngineDead):
-                self._on_engine_dead(f"the engine core failed: {message.reason}")
+                self._on_engine_dead(client, f"the engine core failed: {message.reason}")
 
     def _process_outputs(self, message: EngineCoreOutputs) -> None:
         processed = self.output_processor.process_outputs(message.outputs)
@@ -349,12 +399,67 @@ class AsyncLLM:
         if queue is not None:
             queue.put_nowait(error)
 
-    def _on_engine_dead(self, reason: str) -> None:
-        if self.errored_reason is not None or self.core.is_shutting_down:
+    # -- supervision ---------------------------------------------------------------------------
+
+    def _on_engine_dead(self, client: EngineCoreClient, reason: str) -> None:
+        """Fail what the core held, then restart it or give up. `reason` (pid, signal, exception) is
+        for the log only. A late notice about a core already replaced or being stopped is ignored."""
+        if self._is_shutting_down or client is not self.core or self.state is not EngineState.READY:
             return
-        self.errored_reason = reason
-        logger.error("%s: in-flight requests fail, new ones get 503 until the server is restarted", reason)
-        error = EngineDeadError(reason)
+        may_restart = self._deaths.record(time.monotonic())
+        self.state = EngineState.RESTARTING if may_restart else EngineState.FAILED
+        self.errored_reason = _RESTARTING_REASON if may_restart else _FAILED_REASON
+        logger.error("%s: in-flight requests fail", reason)
+        self.metrics.record_core_down()
+        self._fail_in_flight(EngineDeadError(self.errored_reason))
+        if may_restart:
+            self._restart_task = asyncio.create_task(self._restart(), name="engine-core-restart")
+        else:
+            self._give_up()
+
+    async def _restart(self) -> None:
+        """Replace the dead core by a new one; one that dies while starting counts as another death."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await cancel_quietly(self._output_task)
+                # Reap the old process first: it may still hold the accelerator's memory (and when the
+                # front end's output loop failed, it is still running).
+                await loop.run_in_executor(None, self.core.stop_process)
+                self.core.close()
+                started = time.monotonic()
+                logger.warning("restarting the engine core")
+                self.core = EngineCoreClient(self.model, self._engine_args, log_level=self._log_level)
+                self.metrics.num_core_restarts += 1
+                try:
+                    await self.core.wait_ready()
+                    break
+                except EngineDeadError as e:
+                    logger.error("%s", e)
+                    if not self._deaths.record(time.monotonic()):
+                        self._give_up()
+                        return
+        except Exception:  # never leave the server refusing requests forever
+            logger.exception("restarting the engine core failed")
+            self._give_up()
+            return
+        self._deaths.mark_ready()
+        self._attach_core()
+        self.state, self.errored_reason = EngineState.READY, None
+        elapsed = time.monotonic() - started
+        logger.info("engine core restarted in %.1fs (pid %d): serving again", elapsed, self.core.pid)
+
+    def _give_up(self) -> None:
+        policy = self._deaths.policy
+        self.state, self.errored_reason = EngineState.FAILED, _FAILED_REASON
+        logger.critical(
+            "the engine core keeps dying (limit: %d restarts within %.0fs, or in a row): giving up",
+            policy.max_restarts,
+            policy.window_s,
+        )
+        self.failed.set()
+
+    def _fail_in_flight(self, error: EngineDeadError) -> None:
         for queue in self._streams.values():
             queue.put_nowait(error)
         self._streams.clear()
@@ -374,7 +479,11 @@ class AsyncLLM:
             queue.put_nowait(EngineShutdownError(reason))
 
     async def shutdown(self, timeout: float = 5.0) -> None:
-        """Fail what is still in flight, stop the output loop and the core process."""
+        """Fail what is still in flight, stop any restart, the output loop and the core process."""
+        self._is_shutting_down = True  # a core that dies from here on is not restarted
         self.fail_all_requests("the server is shutting down")
+        await cancel_quietly(self._restart_task)
         await cancel_quietly(self._output_task)
+        if self.state is not EngineState.READY:
+            timeout = 0.0  # a core that is starting (or dead) does not read a polite Shutdown: SIGTERM it
         self.core.shutdown(timeout)  # blocks this loop for at most ~timeout: nothing else runs by now

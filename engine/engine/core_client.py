@@ -3,6 +3,10 @@
 Input goes out on a PUSH socket with non-blocking sends (a wedged core must never freeze the event
 loop); outputs come back on a PULL socket read by asyncio. A thread waits on the process's
 sentinel, so a dead core is noticed at once, not when the next request times out.
+
+One client is one core process: a restart (see `AsyncLLM`) builds a new client with fresh sockets,
+so no message meant for the dead core can reach its successor. `RestartPolicy` and `CoreDeaths`
+decide when restarting stops being worth it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import shutil
 import signal
 import tempfile
 import threading
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 import zmq
@@ -35,7 +41,56 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core process is gone; nothing more can be generated."""
+    """The engine core process is gone (or restarting); nothing can be generated until it is back.
+
+    The messages AsyncLLM raises it with reach clients, so they hold no pid or exception text (the log
+    has those); the start-up failure `wait_ready` raises goes to the log and the command line only.
+    """
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead engine core is restarted, and when the front end gives up (and the server exits 1,
+    so that systemd or Kubernetes restarts the whole thing: a core that keeps dying will not heal here).
+
+    `max_restarts`: at most this many deaths within `window_s` seconds are followed by a restart;
+    0 never restarts.
+    """
+
+    max_restarts: int = 2
+    window_s: float = 60.0
+
+    def __post_init__(self):
+        if self.max_restarts < 0:
+            raise ValueError(f"max_engine_restarts must be >= 0, got {self.max_restarts}")
+        if not self.window_s > 0:
+            raise ValueError(f"engine_restart_window must be > 0 seconds, got {self.window_s}")
+
+
+class CoreDeaths:
+    """The core's deaths, judged by a RestartPolicy.
+
+    Two counts, because a window alone misses a slow crash loop: a core whose start-up takes longer
+    than the window and then always fails would be restarted forever. So deaths in a row with no
+    ready core in between also count, whatever time they span.
+    """
+
+    def __init__(self, policy: RestartPolicy):
+        self.policy = policy
+        self._times: deque[float] = deque()
+        self._num_since_ready = 0
+
+    def record(self, now: float) -> bool:
+        """Record a death at `now` (monotonic seconds); whether the core may be restarted."""
+        self._times.append(now)
+        while now - self._times[0] > self.policy.window_s:
+            self._times.popleft()
+        self._num_since_ready += 1
+        limit = self.policy.max_restarts
+        return len(self._times) <= limit and self._num_since_ready <= limit
+
+    def mark_ready(self) -> None:
+        self._num_since_ready = 0
 
 
 class EngineCoreClient:
@@ -80,10 +135,10 @@ class EngineCoreClient:
                     raise EngineDeadError(f"the engine core failed to start: {message.reason}")
                 continue
             if not self.process.is_alive():
-                raise EngineDeadError(
-                    f"the engine core process exited with code {self.process.exitcode} during start-up "
-                    "(its log above says why)"
-                )
+                self.process.join(0.5)  # reap it, for the exit code
+                how = _describe_exit(self.process.exitcode)
+                pid = self.process.pid
+                raise EngineDeadError(f"the engine core process (pid {pid}) {how} during start-up")
 
     def watch(self, on_death: Callable[[str], None]) -> None:
         """Call `on_death(reason)` (from a thread) when the process ends without being asked to."""
@@ -109,23 +164,39 @@ class EngineCoreClient:
         return self._decoder.decode(frame.buffer)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the core: ask politely, then SIGTERM, then SIGKILL. Idempotent."""
+        """Stop the core and close the sockets. Idempotent."""
+        self.stop_process(timeout)
+        self.close()
+
+    def stop_process(self, timeout: float = 5.0) -> None:
+        """Stop the core: ask politely (unless timeout is 0), then SIGTERM, then SIGKILL; the monitor
+        stays quiet.
+
+        Blocks for up to ~timeout + 4 s; safe to run in a worker thread (it only sends on the input
+        socket, which nothing else uses once the core is being stopped).
+        """
         if self.is_shutting_down:
             return
         self.is_shutting_down = True
-        if self.process.is_alive():
+        if timeout > 0 and self.process.is_alive():
             try:
                 self.send(Shutdown())
             except (EngineDeadError, zmq.ZMQError):
                 pass
             self.process.join(timeout)
+            if self.process.is_alive():
+                logger.warning("engine core did not stop within %.0fs: terminating it", timeout)
         if self.process.is_alive():
-            logger.warning("engine core did not stop within %.0fs: terminating it", timeout)
             self.process.terminate()
             self.process.join(2.0)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(2.0)
+
+    def close(self) -> None:
+        """Close the sockets (on the event loop's thread: the output socket belongs to it)."""
+        if self._zmq.closed:
+            return
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._zmq_sync.term()

@@ -106,6 +106,8 @@ class EngineMetrics:
             )
         }
         self._last_preemptions = 0
+        # The server's alone (the offline LLM has no core process), so it is not in snapshot().
+        self.num_core_restarts = 0
 
     def record_scheduler(self, stats) -> None:
         self.gauges["num_requests_running"] = stats.num_running
@@ -115,6 +117,11 @@ class EngineMetrics:
         self.counters["prefix_cache_hits"] += stats.prefix_cache_stats.num_hits
         self.counters["num_preemptions"] += stats.num_preemptions_total - self._last_preemptions
         self._last_preemptions = stats.num_preemptions_total
+
+    def record_core_down(self) -> None:
+        """The core died: its gauges are no longer true, and its successor counts preemptions from 0."""
+        self.gauges = dict.fromkeys(self.gauges, 0.0)
+        self._last_preemptions = 0
 
     def record_iteration(self, stats) -> None:
         self.counters["prompt_tokens"] += stats.num_prompt_tokens

@@ -3,6 +3,10 @@
 The port opens only once the engine is warm, so a client that can connect can generate. On a
 signal uvicorn stops accepting connections and gives in-flight requests `--shutdown-timeout`
 seconds to finish; then the engine core is stopped and the process exits 0.
+
+An engine core that dies is restarted in place; one that dies more than `--max-engine-restarts`
+times within `--engine-restart-window` seconds makes the server shut down the same way and exit 1,
+for systemd or Kubernetes to see.
 """
 
 from __future__ import annotations
@@ -49,6 +53,20 @@ def add_parser(sub, add_engine_args) -> None:
         default=None,
         help="accept at most max-num-seqs running plus this many waiting requests; then 503",
     )
+    g.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=2,
+        help="restart a dead engine core after at most this many deaths within --engine-restart-window "
+        "(or in a row); one more and the server exits 1 (0: exit on the first death)",
+    )
+    g.add_argument(
+        "--engine-restart-window",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="the window --max-engine-restarts counts deaths in",
+    )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument(
@@ -91,6 +109,14 @@ async def _end_after_grace(server, engine, grace_s: float) -> None:
     engine.fail_all_requests("the server is shutting down")
 
 
+async def _exit_when_engine_fails(server, engine) -> None:
+    """Stop serving once the engine gave up on its core: a supervisor restarts a process that exits,
+    not one that answers 503 forever."""
+    await engine.failed.wait()
+    logger.error("the engine core cannot be kept alive: shutting down (exit code 1)")
+    server.should_exit = True
+
+
 def loop_time() -> float:
     return asyncio.get_running_loop().time()
 
@@ -105,6 +131,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.max_num_queued_reqs < 0:
             raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
         kwargs["max_num_queued_reqs"] = args.max_num_queued_reqs
+    kwargs["max_engine_restarts"] = args.max_engine_restarts
+    kwargs["engine_restart_window"] = args.engine_restart_window
     chat_template = load_chat_template(args.chat_template)
     return asyncio.run(_serve(args, kwargs, chat_template))
 
@@ -154,10 +182,14 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
     )
     server = uvicorn.Server(config)
     grace = asyncio.create_task(_end_after_grace(server, engine, args.shutdown_timeout))
+    watchdog = asyncio.create_task(_exit_when_engine_fails(server, engine))
     try:
         await server.serve()
     finally:
         grace.cancel()
+        watchdog.cancel()
         logger.info("stopping the engine core")
         await engine.shutdown()
+    if engine.failed.is_set():
+        return 1
     return 0 if server.started or server.should_exit else 1

@@ -58,7 +58,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health", responses=_errors(503))
     async def health() -> dict[str, str]:
-        """200 while the engine core is alive, 503 once it has died."""
+        """200 while the engine core serves; 503 while it is down or restarting, and once given up on."""
         if engine.is_errored:
             raise OpenAIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead")
         return {"status": "ok"}

@@ -2,7 +2,8 @@
 
 A custom collector reads AsyncLLM's `EngineMetrics` (the same accumulator the offline `LLM`
 exposes through `get_metrics()`) at scrape time, so nothing is double-counted and there is no
-global registry: each app has its own.
+global registry: each app has its own. While the engine core is down, its gauges read 0 (they would
+describe a process that no longer exists); counters keep their totals across restarts.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ _DOCS = {
     "inter_token_latency_seconds": "Time between consecutive output tokens of a request.",
     "request_time_per_output_token_seconds": "Mean time per output token after the first, per request.",
     "e2e_request_latency_seconds": "End-to-end request latency.",
+    "engine_core_restarts": "Engine core processes started to replace one that died.",
 }
 
 
@@ -53,6 +55,11 @@ class EngineCollector:
         )
         for reason in sorted({"stop", "length", "abort", *self.engine.finish_reason_counts}):
             family.add_metric([*values, reason], self.engine.finish_reason_counts.get(reason, 0))
+        yield family
+        family = CounterMetricFamily(
+            PREFIX + "engine_core_restarts", _DOCS["engine_core_restarts"], labels=labels
+        )
+        family.add_metric(values, metrics.num_core_restarts)
         yield family
         for name, value in metrics.gauges.items():
             family = GaugeMetricFamily(PREFIX + name, _DOCS.get(name, name), labels=labels)
