@@ -1,4 +1,4 @@
-"""`python -m kernels.bench`: check each attention kernel against the reference on this device, time
+"""`python -m xlaserve.kernels.bench`: check each attention kernel against the reference on this device, time
 decode and mixed steps, and compare the bandwidth they reach with the device's copy bandwidth.
 
 On a GPU (a few minutes): Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128,
@@ -347,14 +347,17 @@ def write_notes(path: str, section: str) -> None:
     text = pathlib.Path(path).read_text() if os.path.exists(path) else "# Attention kernels\n"
     if "\n## Measurements\n" not in text:
         text = (
-            text.rstrip("\n") + "\n\n## Measurements\n\nWritten by `python -m kernels.bench`, newest last.\n"
+            text.rstrip("\n")
+            + "\n\n## Measurements\n\nWritten by `python -m xlaserve.kernels.bench`, newest last.\n"
         )
     with open(path, "w") as f:
         f.write(text.rstrip("\n") + "\n\n" + section)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m xlaserve.kernels.bench", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--out", help="notes file to append the results to (default on GPU: kernels/KERNELS.md)"
     )

@@ -6,7 +6,7 @@ Triton. The `triton` package (the test extra; jax-triton's dependency) carries t
 pipeline and ptxas, so this module takes the IR out and compiles it to a cubin for a given
 architecture: the layout passes, register allocation and shared-memory sizing that would otherwise
 first run on the GPU. The Triton kernel of `triton_attention.py` goes through `triton.compile`
-directly. Neither checks numerics (the interpreters do) or speed (`python -m kernels.bench` does).
+directly. Neither checks numerics (the interpreters do) or speed (`python -m xlaserve.kernels.bench` does).
 
 The package's Triton is not the exact build inside jaxlib, so a pass here is strong evidence, not
 proof, that XLA will compile the kernel.
@@ -258,8 +258,9 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kernels.cuda_compile [--kernel pallas|triton|mla|all] [--arch 90] [--shape decode]`:
-    compile the kernels for SHAPES; prints one line per kernel and shape, exits 1 if any fails."""
+    """`python -m xlaserve.kernels.cuda_compile [--kernel pallas|triton|mla|all] [--arch 90]
+    [--shape decode]`: compile the kernels for SHAPES; prints one line per kernel and shape, exits 1
+    if any fails."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

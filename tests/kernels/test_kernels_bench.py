@@ -1,4 +1,4 @@
-"""`python -m kernels.bench`: its verdict logic on given timings, and a run at CPU scale."""
+"""`python -m xlaserve.kernels.bench`: its verdict logic on given timings, and a run at CPU scale."""
 
 from __future__ import annotations
 

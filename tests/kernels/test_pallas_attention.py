@@ -161,8 +161,8 @@ def test_split_kv_lowers_for_cuda():
 
 
 def compile_in_subprocess(kernel: str) -> str:
-    """Run `python -m kernels.cuda_compile` for `kernel` on two shapes (a Llama-3-8B decode step; GQA 3
-    with a window and a soft-cap), in a fresh process: Triton compiles or interprets per process,
+    """Run `python -m xlaserve.kernels.cuda_compile` for `kernel` on two shapes (a Llama-3-8B decode
+    step; GQA 3 with a window and a soft-cap), in a fresh process: Triton compiles or interprets per process,
     depending on TRITON_INTERPRET when it is first imported."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("compiling for sm_90 on CPU needs the triton package (the test extra)")

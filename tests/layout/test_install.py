@@ -3,6 +3,7 @@ environment, and nothing generic beside it."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -30,8 +31,13 @@ def fresh_venv(tmp_path_factory) -> Path:
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     Path(site, "test_dependencies.pth").write_text(f"{deps}\n")
+    # Built from a copy: setuptools writes build/ and *.egg-info/ beside the sources it builds.
+    source = venv.parent / "source"
+    shutil.copytree(
+        ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__")
+    )
     subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--no-deps", str(ROOT)], check=True, capture_output=True
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", str(source)], check=True, capture_output=True
     )
     return venv
 
