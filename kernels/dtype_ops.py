@@ -56,15 +56,26 @@ def einsum(spec: str, *operands: jax.Array) -> jax.Array:
     return jnp.einsum(spec, *operands, preferred_element_type=jnp.float32).astype(operands[0].dtype)
 
 
-def scan(body, init, xs, **kwargs):
+def scan(body, init, xs, *, words_of=None, **kwargs):
     """`jax.lax.scan` whose 16-bit float `xs` (stacked layer weights) are sliced as raw words on
-    CPU (elsewhere a plain scan: a GPU slices bfloat16 natively)."""
-    if jax.default_backend() != "cpu":
-        return jax.lax.scan(body, init, xs, **kwargs)
-    dtypes = jax.tree.map(lambda a: a.dtype, xs)
-    words = jax.tree.map(as_words, xs)
+    CPU (elsewhere a plain scan: a GPU slices bfloat16 natively). Leaves already stored as uint16
+    words (`stacks_as_words`) reach `body` as `words_of`, the model's 16-bit dtype."""
+    dtypes = jax.tree.map(lambda a: words_of if a.dtype == jnp.uint16 and words_of else a.dtype, xs)
+    if jax.default_backend() == "cpu":
+        xs = jax.tree.map(as_words, xs)
 
     def body_of_words(carry, xs_words):
         return body(carry, jax.tree.map(from_words, xs_words, dtypes))
 
-    return jax.lax.scan(body_of_words, init, words, **kwargs)
+    return jax.lax.scan(body_of_words, init, xs, **kwargs)
+
+
+def stacks_as_words(params, stack_names) -> object:
+    """`params` with the 16-bit float leaves under `stack_names` (the stacked layers) stored as uint16
+    words, so that the layer scan slices them without a copy of the whole stack per step (a bitcast
+    of a whole array is a copy on XLA's CPU backend). Done once at load, on CPU only."""
+
+    def convert(path, leaf):
+        return as_words(leaf) if getattr(path[0], "key", None) in stack_names else leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params)

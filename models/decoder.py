@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCacheSpec
-from xlaserve.kernels.dtype_ops import scan
+from xlaserve.kernels.dtype_ops import matmul, scan
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import Embedding, LayerSpec, Linear, RMSNorm, layer_specs, soft_cap
 
@@ -115,9 +115,13 @@ class DecoderOnlyLM(nnx.Module):
             )
         return self.norm(x), kv_cache
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> [N, V] float32
+    def compute_logits(self, hidden: jax.Array, head_dv: jax.Array | None = None) -> jax.Array:
+        """[N, D] -> [N, V] float32. `head_dv`: the LM head's weight as [D, V], when the caller keeps
+        one (the tied embedding, transposed once: see worker/model_loader.py)."""
         # float32 straight from the accumulator: bfloat16 logits would blur near-ties and logprobs.
-        if self.lm_head is None:
+        if head_dv is not None:
+            logits = matmul(hidden, head_dv, jnp.float32)
+        elif self.lm_head is None:
             logits = self.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden, out_dtype=jnp.float32)
@@ -144,5 +148,6 @@ def _run_stack(
         x, kv_cache = nnx.merge(layer_def, state)(x, positions, kv_cache, md_layer, spec)
         return (x, kv_cache), None
 
-    (x, kv_cache), _ = scan(body, (x, kv_cache), (layer_state, specs))  # dtype_ops: native bf16 on CPU
+    # dtype_ops.scan: 16-bit weights sliced as words on CPU, where XLA would convert the whole stack.
+    (x, kv_cache), _ = scan(body, (x, kv_cache), (layer_state, specs), words_of=x.dtype)
     return x, kv_cache

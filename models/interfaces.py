@@ -57,7 +57,8 @@ class CausalLM(Protocol):
     ) -> tuple[jax.Array, object]:  # hidden [T, D], the updated cache
         ...
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> [N, V] float32
+    def compute_logits(self, hidden: jax.Array, head_dv: jax.Array | None = None) -> jax.Array:
+        """[N, D] -> [N, V] float32; `head_dv` replaces the LM head's weight, as [D, V]."""
         ...
 
 

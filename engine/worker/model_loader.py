@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import AttentionBackend, KVCacheSpec, MLACache, get_attention_backend
+from xlaserve.kernels.dtype_ops import is_16bit_float, stacks_as_words
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import load_params
@@ -49,6 +50,7 @@ class LoadedModel:
     backend: AttentionBackend
     graphdef: nnx.GraphDef
     params: nnx.State
+    head_dv: jax.Array | None = None  # the tied LM head as [D, V], on CPU in 16 bits (see load_model)
 
 
 def load_model(
@@ -91,4 +93,14 @@ def load_model(
         sharding=placement.param_sharding,
     )
     logger.info("placed %s weights in %.2fs", model_class.__name__, time.perf_counter() - t0)
-    return LoadedModel(model_config, padded_vocab, dtype, mesh, placement, kv_spec, backend, graphdef, params)
+    head_dv = None
+    if jax.default_backend() == "cpu" and is_16bit_float(dtype):
+        # XLA's CPU backend runs a 16-bit dot natively only with its weight as [in, out]: the tied
+        # head (the embedding, [V, D]) would be converted to float32 whole at every step. One
+        # transposed copy, made once, costs the table's memory again (kernels/dtype_ops.py).
+        if model_config.tie_word_embeddings and tp == 1:
+            head_dv = jax.jit(lambda table: table.T)(nnx.merge(graphdef, params).embed_tokens.weight[...])
+        params = stacks_as_words(params, tuple(model_class.layer_stacks(model_config)))
+    return LoadedModel(
+        model_config, padded_vocab, dtype, mesh, placement, kv_spec, backend, graphdef, params, head_dv
+    )

@@ -42,10 +42,11 @@ def _forward(graphdef, params, kv_cache, input_ids, positions, logits_indices, m
     return hidden, hidden[logits_indices], kv_cache
 
 
-def _logits(graphdef, vocab_size, params, hidden):
+def _logits(graphdef, vocab_size, head_params, hidden):
     """[N, D] -> [N, V_padded] float32, padding ids at -inf (sharding/vocab.py): never sampled, never
-    in logprobs."""
-    return mask_padded_vocab(nnx.merge(graphdef, params).compute_logits(hidden), vocab_size)
+    in logprobs. `head_params`: (the model's params, the LM head as [D, V] or None)."""
+    params, head_dv = head_params
+    return mask_padded_vocab(nnx.merge(graphdef, params).compute_logits(hidden, head_dv), vocab_size)
 
 
 def _sample(graphdef, vocab_size, params, hidden_rd, st, *, with_logprobs):
@@ -88,6 +89,7 @@ class ModelRunner:
         self.mesh, self.placement = model.mesh, model.placement
         self.kv_spec, self.backend = model.kv_spec, model.backend
         self.graphdef, self.params = model.graphdef, model.params
+        self.head_params = (model.params, model.head_dv)  # what computing logits reads
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         self._forward_fn = jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",))
@@ -129,7 +131,7 @@ class ModelRunner:
             hidden, hidden_rd = self._run_forward(batch)
             jax.block_until_ready(
                 self._prompt_logprobs_fn(
-                    self.params, hidden, self.placement.step_inputs(np.zeros(num_tokens, np.int32))
+                    self.head_params, hidden, self.placement.step_inputs(np.zeros(num_tokens, np.int32))
                 )
             )
             if num_seqs in sampler_buckets_done:
@@ -139,7 +141,7 @@ class ModelRunner:
                 st = self.placement.step_inputs(sampling_tensors([], num_seqs, vocab, with_penalties))
                 for with_logprobs in (False, True):
                     jax.block_until_ready(
-                        self._sample_fn(self.params, hidden_rd, st, with_logprobs=with_logprobs)
+                        self._sample_fn(self.head_params, hidden_rd, st, with_logprobs=with_logprobs)
                     )
         logger.info(
             "warm-up: compiled %d programs for %d token buckets %s in %.1fs (XLA compile time %.1fs)",
@@ -212,13 +214,15 @@ class ModelRunner:
         self.guard.begin()
         hidden, hidden_rd = self._run_forward(ready(inputs.batch))
         out: SamplerOutput = self._sample_fn(
-            self.params, hidden_rd, ready(inputs.sampling), with_logprobs=inputs.with_logprobs
+            self.head_params, hidden_rd, ready(inputs.sampling), with_logprobs=inputs.with_logprobs
         )
         host = {"token_ids": out.token_ids}
         if inputs.with_logprobs:
             host |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
         if inputs.prompt_targets is not None:
-            ids, vals, ranks = self._prompt_logprobs_fn(self.params, hidden, ready(inputs.prompt_targets))
+            ids, vals, ranks = self._prompt_logprobs_fn(
+                self.head_params, hidden, ready(inputs.prompt_targets)
+            )
             host |= {"plp_ids": ids, "plp_vals": vals, "plp_ranks": ranks}
         t0 = time.perf_counter()
         host = {k: to_host(v) for k, v in host.items()}
