@@ -24,7 +24,7 @@ def _require(cond: bool, message: str) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # None or "smollm2": the embedded default model
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    dtype: str = "auto"  # auto: bfloat16 where the device computes it natively, else float32
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     served_model_name: str | None = None

@@ -31,10 +31,29 @@ from xlaserve.sharding.vocab import pad_vocab, padded_vocab_size
 logger = logging.getLogger(__name__)
 
 
-def resolve_dtype(name: str) -> jnp.dtype:
-    if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return jnp.dtype(name)
+def cpu_has_native_bfloat16() -> bool:
+    """AVX512-BF16 or AMX: XLA's CPU dots run bfloat16 natively (faster than float32 there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str) -> tuple[jnp.dtype, str]:
+    """The dtype the model computes in, and why: `auto` is bfloat16 wherever the device computes it
+    natively (GPUs; CPUs with AVX512-BF16 or AMX), float32 elsewhere."""
+    if name != "auto":
+        return jnp.dtype(name), f"dtype={name}"
+    platform = jax.default_backend()
+    if platform != "cpu":
+        return jnp.dtype(jnp.bfloat16), f"auto on {platform}: bfloat16"
+    if cpu_has_native_bfloat16():
+        return jnp.dtype(
+            jnp.bfloat16
+        ), "auto on a CPU with native bfloat16 dots (AVX512-BF16 or AMX): bfloat16"
+    return jnp.dtype(jnp.float32), "auto on a CPU without native bfloat16 dots: float32"
 
 
 @dataclass
@@ -57,7 +76,8 @@ def load_model(
     config: EngineConfig, hf_config: dict, tensors: dict[str, np.ndarray], devices=None
 ) -> LoadedModel:
     """Build the model of `hf_config` from `tensors` and place its parameters on `devices`."""
-    dtype = resolve_dtype(config.model.dtype)
+    dtype, why = resolve_dtype(config.model.dtype)
+    logger.info("computing in %s (%s)", dtype.name, why)
     parallel = config.parallel
     tp = parallel.tensor_parallel_size
     model_config = model_config_from_hf(hf_config)

@@ -10,6 +10,7 @@ import pytest
 
 # The engine every end-to-end test shares. Small buckets keep warm-up short on 2 cores.
 ENGINE_ARGS = {
+    "dtype": "float32",  # the Hugging Face parity tests compare with float32
     "max_model_len": 512,
     "max_num_seqs": 16,
     "max_num_batched_tokens": 128,

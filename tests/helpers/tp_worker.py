@@ -16,6 +16,7 @@ def hlo(model_dir: str, layout: dict) -> None:
 
     llm = LLM(
         model_dir,
+        dtype="float32",
         max_model_len=128,
         max_num_batched_tokens=32,
         max_num_seqs=4,
@@ -82,7 +83,9 @@ def param_shards(model_dir: str, layout: dict) -> None:
 
     from xlaserve import LLM
 
-    llm = LLM(model_dir, max_model_len=128, enforce_eager=True, kv_cache_memory=2**23, **layout)
+    llm = LLM(
+        model_dir, dtype="float32", max_model_len=128, enforce_eager=True, kv_cache_memory=2**23, **layout
+    )
     flat = jax.tree_util.tree_flatten_with_path(llm.engine_core.runner.params)[0]
     shapes = {
         "/".join(str(k.key) for k in path if getattr(k, "key", ".value") != ".value"): [
@@ -98,7 +101,9 @@ def error(model_dir: str, layout: dict) -> None:
     from xlaserve import LLM
 
     try:
-        LLM(model_dir, max_model_len=128, enforce_eager=True, kv_cache_memory=2**23, **layout)
+        LLM(
+            model_dir, dtype="float32", max_model_len=128, enforce_eager=True, kv_cache_memory=2**23, **layout
+        )
     except ValueError as e:
         print("RESULT " + json.dumps(str(e)))
 
@@ -112,7 +117,14 @@ def missing_rule(model_dir: str, arg: dict) -> None:
     results = []
     for layout in arg["layouts"]:
         try:
-            LLM(model_dir, max_model_len=128, enforce_eager=True, kv_cache_memory=2**23, **layout)
+            LLM(
+                model_dir,
+                dtype="float32",
+                max_model_len=128,
+                enforce_eager=True,
+                kv_cache_memory=2**23,
+                **layout,
+            )
             results.append("loaded")
         except ValueError as e:
             results.append(str(e))
@@ -165,7 +177,9 @@ def fused_shards(model_dir: str, layouts: list[dict]) -> None:
     results = []
     for layout in layouts:
         tp = layout["tensor_parallel_size"]
-        llm = LLM(model_dir, max_model_len=128, enforce_eager=True, kv_cache_memory=2**23, **layout)
+        llm = LLM(
+            model_dir, dtype="float32", max_model_len=128, enforce_eager=True, kv_cache_memory=2**23, **layout
+        )
         params = llm.engine_core.runner.params["layers"]
         result = {}
         for name, kernel, expected in (
@@ -196,6 +210,7 @@ def generate_ids(model_dir: str, arg: dict) -> None:
     for layout in arg["layouts"]:
         llm = LLM(
             model_dir,
+            dtype="float32",
             max_model_len=128,
             max_num_batched_tokens=32,
             max_num_seqs=4,
@@ -237,6 +252,7 @@ def main(model_dir: str, layouts: list[dict]) -> None:
     for layout in layouts:
         llm = LLM(
             model_dir,
+            dtype="float32",
             max_model_len=128,
             max_num_batched_tokens=32,
             max_num_seqs=4,

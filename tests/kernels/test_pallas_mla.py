@@ -149,6 +149,7 @@ def test_engine_deepseek_pallas_matches_reference(tmp_path, caplog):
         llm = LLM(
             model,
             attention_backend=backend,
+            dtype="float32",
             max_model_len=128,
             max_num_batched_tokens=32,
             max_num_seqs=4,

@@ -114,6 +114,8 @@ def test_two_processes_tensor_parallel_8_match_one_process(tiny_llama):
         "--kv-cache-memory",
         str(2**23),
         "--enforce-eager",
+        "--dtype",
+        "float32",
     ]
     cli = [sys.executable, "-m", "xlaserve.entrypoints.cli", "--log-level", "WARNING"]
     port = _free_port()
@@ -277,7 +279,16 @@ def test_two_process_server_matches_one_process(tiny_llama, tmp_path):
 
     port = _free_port()
     multi = ["-tp", "8", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    engine = ["--max-model-len", "128", "--max-num-batched-tokens", "32", "--max-num-seqs", "4"]
+    engine = [
+        "--max-model-len",
+        "128",
+        "--max-num-batched-tokens",
+        "32",
+        "--max-num-seqs",
+        "4",
+        "--dtype",
+        "float32",
+    ]
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     follower = subprocess.Popen(
         [

@@ -134,7 +134,7 @@ def _report(backend, num_requests, num_in, num_out, elapsed, ttft, tpot) -> dict
 # -- Hugging Face transformers ---------------------------------------------------------------------
 
 
-def _load_hf(model: str | None):
+def _load_hf(model: str | None, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -145,10 +145,10 @@ def _load_hf(model: str | None):
         model = resolve_embedded_model_path()
     if model.endswith(".gguf"):
         hf = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model), gguf_file=os.path.basename(model), dtype=torch.float32
+            os.path.dirname(model), gguf_file=os.path.basename(model), dtype=getattr(torch, dtype)
         )
     else:
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
     return hf.eval()
 
 
@@ -222,7 +222,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     }
     results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch)
     if args.backend == "hf":
-        hf = _load_hf(args.model)
+        hf = _load_hf(args.model, args.hf_dtype)
+        results["hf_dtype"] = args.hf_dtype
         results["hf"] = run_hf(hf, llm.tokenizer, prompts, args.output_len, batch)
         results["ratio_output_throughput"] = (
             results["xlaserve"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
@@ -287,6 +288,12 @@ def add_parser(sub, add_engine_args):
             choices=["xlaserve", "hf"],
             default="xlaserve",
             help="hf: also run HF transformers' generate on the same workload, for a ratio",
+        )
+        b.add_argument(
+            "--hf-dtype",
+            choices=["float32", "bfloat16"],
+            default="float32",
+            help="the dtype Hugging Face runs in with --backend hf (compare with its best)",
         )
         b.add_argument("--output-json", default=None)
         add_engine_args(b)
