@@ -120,18 +120,38 @@ class ParallelConfig:
         )
 
 
+def default_compilation_cache_dir() -> str:
+    """XLASERVE_COMPILATION_CACHE_DIR, else <XLASERVE_CACHE_ROOT, or ~/.cache/xlaserve>/xla."""
+    explicit = os.environ.get("XLASERVE_COMPILATION_CACHE_DIR")
+    if explicit:
+        return explicit
+    root = os.environ.get("XLASERVE_CACHE_ROOT") or os.path.join(
+        os.path.expanduser("~"), ".cache", "xlaserve"
+    )
+    return os.path.join(root, "xla")
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     attention_backend: str = field(
         default_factory=lambda: os.environ.get("XLASERVE_ATTENTION_BACKEND", "auto")
     )
-    compilation_cache_dir: str | None = field(
-        default_factory=lambda: os.environ.get("XLASERVE_COMPILATION_CACHE_DIR")
+    # The persistent XLA compilation cache: on by default, so a second start loads its programs
+    # instead of compiling them. Several processes may share it (JAX locks it), and it is bounded:
+    # past compilation_cache_max_size bytes the least recently used programs go.
+    compilation_cache_dir: str | None = field(default_factory=lambda: default_compilation_cache_dir())
+    disable_compilation_cache: bool = field(
+        default_factory=lambda: os.environ.get("XLASERVE_DISABLE_COMPILATION_CACHE", "") not in ("", "0")
     )
+    compilation_cache_max_size: int = 4 * 2**30
     strict_compile_guard: bool = False  # raise (instead of warn) if anything compiles after warm-up
     enforce_eager: bool = False  # skip warm-up (compile buckets lazily)
 
     def __post_init__(self):
+        _require(
+            self.compilation_cache_max_size > 0,
+            f"compilation_cache_max_size must be > 0 bytes, got {self.compilation_cache_max_size}",
+        )
         _require(
             self.attention_backend in _ATTENTION_BACKENDS,
             f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}",

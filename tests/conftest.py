@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -13,6 +14,8 @@ from helpers.smollm2 import ENGINE_ARGS, smollm2_gguf_path
 # Tests never reach a hub; transformers must not try.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The persistent compilation cache is on by default; the suite keeps its own, out of the user's home.
+os.environ.setdefault("XLASERVE_CACHE_ROOT", tempfile.mkdtemp(prefix="xlaserve-tests-"))
 
 
 @pytest.fixture(scope="session")

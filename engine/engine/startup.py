@@ -4,20 +4,35 @@ Shared by the offline `LLM` (in-process) and the engine-core process behind the 
 
 from __future__ import annotations
 
+import logging
+
 import jax
 
-from xlaserve.config import EngineConfig
+from xlaserve.config import CompilationConfig, EngineConfig
 from xlaserve.engine.dp_engine import make_engine_core
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.registry import model_config_from_hf
 from xlaserve.sharding import distributed
 
+logger = logging.getLogger(__name__)
 
-def setup_compilation_cache(directory: str | None) -> None:
-    if directory:
-        jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+def setup_compilation_cache(compilation: CompilationConfig) -> None:
+    """Point JAX's persistent compilation cache at the configured directory (every program, however
+    quick to compile: start-up is the sum of them), bounded in size, or leave it off."""
+    if compilation.disable_compilation_cache or not compilation.compilation_cache_dir:
+        logger.info("persistent compilation cache: off")
+        return
+    jax.config.update("jax_compilation_cache_dir", compilation.compilation_cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", compilation.compilation_cache_max_size)
+    logger.info(
+        "persistent compilation cache: %s (at most %.1f GiB)",
+        compilation.compilation_cache_dir,
+        compilation.compilation_cache_max_size / 2**30,
+    )
 
 
 def resolve_max_model_len(requested: int | None, model_config: TransformerConfig) -> int:
@@ -46,7 +61,7 @@ def start_engine(config: EngineConfig):
         distributed.initialize(
             parallel.master_addr, parallel.master_port, parallel.nnodes, parallel.node_rank
         )
-    setup_compilation_cache(config.compilation.compilation_cache_dir)
+    setup_compilation_cache(config.compilation)
     checkpoint = load_checkpoint(
         config.model.model,
         load_format=config.model.load_format,

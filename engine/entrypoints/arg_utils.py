@@ -44,7 +44,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "reference", "pallas", "jax-triton"],
         help="also XLASERVE_ATTENTION_BACKEND",
     )
-    g.add_argument("--compilation-cache-dir", default=None, help="persistent XLA compilation cache")
+    g.add_argument(
+        "--compilation-cache-dir",
+        default=None,
+        help="persistent XLA compilation cache (default ~/.cache/xlaserve/xla; XLASERVE_CACHE_ROOT moves it)",
+    )
+    g.add_argument(
+        "--disable-compilation-cache",
+        action="store_true",
+        default=None,
+        help="compile every program at start, caching nothing (also XLASERVE_DISABLE_COMPILATION_CACHE=1)",
+    )
+    g.add_argument("--compilation-cache-max-size", type=int, default=None, help="bytes (default: 4 GiB)")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="skip warm-up compiles")
     g.add_argument(
         "--strict-compile-guard",
@@ -77,6 +88,8 @@ _ENGINE_KEYS = (
     "scheduling_policy",
     "attention_backend",
     "compilation_cache_dir",
+    "disable_compilation_cache",
+    "compilation_cache_max_size",
     "enforce_eager",
     "strict_compile_guard",
     "tensor_parallel_size",

@@ -23,7 +23,7 @@ from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
-from xlaserve.worker.compile_guard import CompileGuard, compile_seconds, num_compiles
+from xlaserve.worker.compile_guard import CompileGuard, compile_seconds, num_cache_hits, num_compiles
 from xlaserve.worker.input_batch import StepBatch, StepInputs, build_step_batch, sampling_tensors
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from xlaserve.worker.model_loader import load_model
@@ -123,6 +123,7 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Compile every token bucket and every sampler variant, then arm the compile guard."""
         start_compiles, start_secs, t0 = num_compiles(), compile_seconds(), time.perf_counter()
+        start_hits = num_cache_hits()
         vocab = self.padded_vocab_size
         sampler_buckets_done = set()
         for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
@@ -144,11 +145,13 @@ class ModelRunner:
                         self._sample_fn(self.head_params, hidden_rd, st, with_logprobs=with_logprobs)
                     )
         logger.info(
-            "warm-up: compiled %d programs for %d token buckets %s in %.1fs (XLA compile time %.1fs)",
+            "warm-up: %d programs for %d token buckets %s in %.1fs (%d from the persistent cache; "
+            "XLA compile time %.1fs)",
             num_compiles() - start_compiles,
             len(self.token_buckets),
             self.token_buckets,
             time.perf_counter() - t0,
+            num_cache_hits() - start_hits,
             compile_seconds() - start_secs,
         )
         self.guard.arm()
