@@ -5,6 +5,7 @@ Shared by the offline `LLM` (in-process) and the engine-core process behind the 
 from __future__ import annotations
 
 import logging
+import time
 
 import jax
 
@@ -62,6 +63,7 @@ def start_engine(config: EngineConfig):
             parallel.master_addr, parallel.master_port, parallel.nnodes, parallel.node_rank
         )
     setup_compilation_cache(config.compilation)
+    t0 = time.perf_counter()
     checkpoint = load_checkpoint(
         config.model.model,
         load_format=config.model.load_format,
@@ -70,5 +72,12 @@ def start_engine(config: EngineConfig):
     )
     model_config = model_config_from_hf(checkpoint.hf_config)
     max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
+    t1 = time.perf_counter()
     core = make_engine_core(config, checkpoint.hf_config, checkpoint.tensors, max_model_len)
+    # One line a person (and `xlaserve bench startup`) reads: where a start's seconds went.
+    logger.info(
+        "start-up: checkpoint %.1fs, engine %.1fs (placement, KV cache and warm-up: see above)",
+        t1 - t0,
+        time.perf_counter() - t1,
+    )
     return checkpoint.tokenizer, model_config, max_model_len, core

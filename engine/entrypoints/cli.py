@@ -10,6 +10,7 @@ import sys
 from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs, run_follower_if_needed
 from xlaserve.entrypoints.bench import offline as bench_offline
 from xlaserve.entrypoints.bench import serve as bench_serve
+from xlaserve.entrypoints.bench import startup as bench_startup
 from xlaserve.entrypoints.openai import api_server
 
 
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     api_server.add_parser(sub, add_engine_args)
     bench_sub = bench_offline.add_parser(sub, add_engine_args)
     bench_serve.add_serve_parser(bench_sub)
+    bench_startup.add_startup_parser(bench_sub)
     return parser
 
 

@@ -4,19 +4,13 @@ while the compile guard still counts them."""
 
 from __future__ import annotations
 
+import json
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 
 from helpers.tiny_models import save_tiny_llama
 from xlaserve.config import EngineConfig
-
-WARM_UP = re.compile(
-    r"warm-up: (\d+) programs .* \((\d+) from the persistent cache; XLA compile time ([\d.]+)s\)"
-)
 
 
 def test_default_location_and_switches(monkeypatch, tmp_path):
@@ -37,18 +31,35 @@ def test_default_location_and_switches(monkeypatch, tmp_path):
         EngineConfig.from_kwargs(None, compilation_cache_max_size=0)
 
 
-def _warm_start(model: str, cache_root: str) -> tuple[int, int, float]:
-    """`xlaserve generate` in a fresh process -> (programs at warm-up, from the cache, compile s)."""
-    command = [sys.executable, "-m", "xlaserve.entrypoints.cli", "generate", "Hi", "--model", model,
-               "--raw", "--max-tokens", "2", "--max-model-len", "64", "--max-num-batched-tokens", "16",
-               "--max-num-seqs", "4", "--kv-cache-memory", str(2**22), "--dtype", "float32"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XLASERVE_")}
-    env["XLASERVE_CACHE_ROOT"] = cache_root
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    match = WARM_UP.search(result.stderr)
-    assert match, result.stderr[-3000:]
-    return int(match[1]), int(match[2]), float(match[3])
+@pytest.mark.slow  # two engine starts of a tiny model
+def test_bench_startup_second_start_loads_every_program_from_the_cache(tmp_path):
+    """`xlaserve bench startup`: a cold then a warm `xlaserve generate`, each in a fresh process."""
+    from xlaserve.entrypoints import cli
+
+    model = save_tiny_llama(str(tmp_path / "model"))
+    engine = ["--max-model-len", "64", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
+              "--kv-cache-memory", str(2**22), "--dtype", "float32", "--raw"]  # fmt: skip
+    out = tmp_path / "startup.json"
+    argv = [
+        "bench",
+        "startup",
+        "--model",
+        model,
+        "--max-tokens",
+        "2",
+        "--output-json",
+        str(out),
+        "--",
+        *engine,
+    ]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    cold, warm = report["cold"], report["warm"]
+    assert cold["programs"] > 0 and cold["from_cache"] == 0
+    # The compile guard counts programs loaded from the cache as it counts compiled ones.
+    assert warm["programs"] == cold["programs"] == warm["from_cache"]
+    assert warm["warm_up_s"] < cold["warm_up_s"] / 2, report
+    assert {"checkpoint_s", "engine_s", "placement_s", "wall_s"} <= set(warm)
 
 
 def test_disabled_cache_leaves_jax_alone(tmp_path):
@@ -62,15 +73,3 @@ def test_disabled_cache_leaves_jax_alone(tmp_path):
         CompilationConfig(compilation_cache_dir=str(tmp_path / "never"), disable_compilation_cache=True)
     )
     assert jax.config.jax_compilation_cache_dir == before and not (tmp_path / "never").exists()
-
-
-@pytest.mark.slow  # two engine starts of a tiny model
-def test_second_start_loads_every_program_from_the_cache(tmp_path):
-    model = save_tiny_llama(str(tmp_path / "model"))
-    root = str(tmp_path / "cache")
-    programs, hits, cold_s = _warm_start(model, root)
-    assert programs > 0 and hits == 0
-    assert os.listdir(os.path.join(root, "xla"))
-    again, hits, warm_s = _warm_start(model, root)
-    assert again == programs and hits == programs  # the compile guard sees them all the same
-    assert warm_s < cold_s / 2, (warm_s, cold_s)
