@@ -84,6 +84,7 @@ class LLM:
         tokenized = [self.input_processor.tokenize(p) for p in prompts]
         for (_, ids), p in zip(tokenized, params):  # validate everything before adding anything
             self.input_processor.validate_prompt(ids)
+            self.input_processor.validate_params(p)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         return self._run(tokenized, params, priorities, use_tqdm)
 
