@@ -126,7 +126,7 @@ class Scheduler:
                 if len(self.running) == 1:
                     # Nothing else holds blocks, so waiting cannot help: fail rather than hang.
                     self.running.pop(index)
-                    self._finish_with_error(request)
+                    self._error_outputs.append(self._finish_with_error(request))
                     is_dropped = True
                     break
                 victim_index = self._get_victim_index()
@@ -152,7 +152,7 @@ class Scheduler:
                 if not self.running:
                     # No request holds a block, yet this one does not fit: it never will.
                     self.waiting.pop(0)
-                    self._finish_with_error(request)
+                    self._error_outputs.append(self._finish_with_error(request))
                     continue
                 break  # head-of-line: later requests wait their turn
             self.waiting.pop(0)
@@ -219,6 +219,12 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # finished from outside since the step was scheduled
             request_id = request.request_id
+            if request_id in model_runner_output.failed_req_ids:
+                # Its rows were dummies (or their results unreadable): what this step was to write
+                # into its blocks is not trusted, so those blocks leave the prefix cache.
+                outputs.append(self._finish_with_error(request, scheduled.num_computed_tokens))
+                num_finished += 1
+                continue
             # A request preempted after its prompt was done recomputes the prompt: its prompt
             # logprobs were already reported, so the repeat is dropped.
             has_reported_prompt = request.num_output_tokens > 0
@@ -263,21 +269,20 @@ class Scheduler:
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        self.kv_cache_manager.free(request, num_valid_tokens=num_valid_tokens)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
-    def _finish_with_error(self, request: Request) -> None:
+    def _finish_with_error(self, request: Request, num_valid_tokens: int | None = None) -> EngineCoreOutput:
+        """Fail one request (the others go on): free its blocks and return the news for its client."""
         request.status = RequestStatus.FINISHED_ERROR
-        self._free_request(request)
-        self._error_outputs.append(
-            EngineCoreOutput(
-                request.request_id,
-                [],
-                finish_reason=FinishReason.ERROR,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-            )
+        self._free_request(request, num_valid_tokens)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            finish_reason=FinishReason.ERROR,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
         )
 
     # -- metrics ------------------------------------------------------------------------------
