@@ -41,11 +41,11 @@ class DataParallelEngineCore:
                 f"{len(devices)} available"
             )
         self.config = config
-        self.max_model_len = max_model_len
         self.ranks = [
             EngineCore(config, hf_config, tensors, max_model_len, devices[i * tp : (i + 1) * tp])
             for i in range(dp)
         ]
+        self.max_model_len = self.ranks[0].max_model_len  # each rank fits it to its (equal) cache
         self._rank_of: dict[str, int] = {}
 
     @property

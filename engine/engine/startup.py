@@ -29,7 +29,9 @@ def resolve_max_model_len(requested: int | None, model_config: TransformerConfig
 
 
 def start_engine(config: EngineConfig):
-    """Load the model and build its engine core -> (tokenizer, model config, max_model_len, core)."""
+    """Load the model and build its engine core -> (tokenizer, model config, max_model_len, core).
+
+    max_model_len is the core's: the model's own limit may be lowered to what the KV cache holds."""
     parallel = config.parallel
     if parallel.nnodes > 1:
         distributed.initialize(
@@ -42,4 +44,4 @@ def start_engine(config: EngineConfig):
     model_config = TransformerConfig.from_hf(checkpoint.hf_config)
     max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
     core = make_engine_core(config, checkpoint.hf_config, checkpoint.tensors, max_model_len)
-    return checkpoint.tokenizer, model_config, max_model_len, core
+    return checkpoint.tokenizer, model_config, core.max_model_len, core

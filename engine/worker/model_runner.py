@@ -132,6 +132,14 @@ class ModelRunner:
         self.num_steps = 0
         self.device_wait_s = 0.0
 
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Serve a shorter context than the runner was built for (the KV cache cannot hold more);
+        before warm-up only, since the block tables' width is part of every compiled shape."""
+        if self.guard.is_armed:
+            raise RuntimeError("set_max_model_len must be called before warm_up")
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+
     def kv_bytes_per_block(self) -> int:
         return bytes_per_block(self.kv_spec, self.block_size, self.dtype)
 
