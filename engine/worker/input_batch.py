@@ -79,7 +79,7 @@ def build_step_batch(
 def isolate_failures(failed: set[str], s, what: str, fill, *args) -> bool:
     """Run one request's host work `fill(*args)`; on an exception log it, add the request to `failed`
     and return True. A fault in one request's data must fail that request, not the engine."""
-    if s.request_id in failed:
+    if failed and s.request_id in failed:
         return True
     try:
         fill(*args)
