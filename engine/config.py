@@ -79,6 +79,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     policy: str = "fcfs"
     max_num_queued_reqs: int | None = None  # bound on waiting requests (server: 503 past it)
+    # Fairness under long prompts (vLLM's names). A prefill chunk is capped at the threshold (None:
+    # a quarter of max_num_batched_tokens; 0: no cap) and at most max_num_partial_prefills prompts
+    # (max_long_partial_prefills of them longer than the threshold) are prefilled across steps at
+    # once, so partial prefills take at most half of each step's budget by default: the other half
+    # always serves decodes and short prompts, whose first token then comes within a step or two.
+    long_prefill_token_threshold: int | None = None
+    max_num_partial_prefills: int = 2
+    max_long_partial_prefills: int = 2
 
     def __post_init__(self):
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -87,6 +95,19 @@ class SchedulerConfig:
             f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens}",
         )
         _require(self.policy in _POLICIES, f"policy must be one of {_POLICIES}, got {self.policy!r}")
+        _require(
+            self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
+            f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold}",
+        )
+        _require(
+            self.max_num_partial_prefills >= 1,
+            f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}",
+        )
+        _require(
+            1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills,
+            f"max_long_partial_prefills must be in [1, max_num_partial_prefills="
+            f"{self.max_num_partial_prefills}], got {self.max_long_partial_prefills}",
+        )
 
 
 @dataclass(frozen=True)

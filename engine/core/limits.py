@@ -11,6 +11,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    """The prompt must leave room for at least one output token (the front end's and the
+    scheduler's rule, written once)."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt (length {num_prompt_tokens} tokens) is too long: it must be shorter than "
+            f"max_model_len={max_model_len} to leave room for at least one output token"
+        )
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     max_model_len: int  # prompt + output tokens of one sequence
@@ -24,11 +34,7 @@ class RequestLimits:
         sequence, min(prompt + max_tokens, max_model_len) tokens, must fit in the cache.
         `max_tokens=None` means "as many as max_model_len allows".
         """
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt (length {num_prompt_tokens} tokens) is too long: it must be shorter than "
-                f"max_model_len={self.max_model_len} to leave room for at least one output token"
-            )
+        check_prompt_length(num_prompt_tokens, self.max_model_len)
         room = self.max_model_len - num_prompt_tokens
         num_tokens = num_prompt_tokens + (room if max_tokens is None else min(max_tokens, room))
         num_blocks = cdiv(num_tokens, self.block_size)

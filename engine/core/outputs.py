@@ -60,6 +60,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Any] = field(default_factory=dict)
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)
+    # Requests whose part of the step's host work raised: the scheduler finishes them with an error.
+    failed_req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass

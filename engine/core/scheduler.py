@@ -7,6 +7,11 @@ across steps), all in the same flat batch. Running requests are served first, in
 waiting ones are admitted while the budget, `max_num_seqs` and the free KV blocks allow.
 When a running request cannot get blocks, another is preempted by recompute: its blocks are
 freed and it later recomputes prompt + outputs (usually hitting its own cached prefix).
+
+So that one long prompt cannot hold the others hostage, a prefill chunk is capped at
+`long_prefill_token_threshold` tokens and only `max_num_partial_prefills` prompts (of which
+`max_long_partial_prefills` long ones) are prefilled across steps at once: the rest of each step's
+budget stays free for decodes and for short prompts, which then start within a step or two.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.limits import RequestLimits
@@ -26,10 +32,49 @@ from xlaserve.core.outputs import (
 )
 from xlaserve.core.request import FinishReason, Request, RequestStatus
 
+# long_prefill_token_threshold=None caps a prefill chunk at this fraction of the step's budget: with
+# the default max_num_partial_prefills=2, partial prefills take at most half of every step.
+DEFAULT_PREFILL_CHUNK_DIVISOR = 4
+
 
 class SchedulingPolicy(enum.Enum):
     FCFS = "fcfs"
     PRIORITY = "priority"  # lower `priority` first, then earlier arrival
+
+
+@dataclass
+class PartialPrefills:
+    """One step's prompts whose prefill spans steps, and vLLM's limits on them.
+
+    A request missing more tokens than its chunk this step is a partial prefill (a decode, or a
+    prompt that fits whole, never is); a long one is missing more than `threshold` tokens.
+    """
+
+    max_num: int
+    max_long: int
+    threshold: int  # 0: chunks are not capped and no prompt counts as long
+    num: int = 0
+    num_long: int = 0
+
+    def chunk(self, num_missing: int, token_budget: int) -> int:
+        """Tokens to schedule for a request missing `num_missing`; 0 when it must wait this step."""
+        num_new_tokens = min(num_missing, token_budget)
+        if self.threshold:
+            num_new_tokens = min(num_new_tokens, self.threshold)
+        if num_new_tokens == num_missing:
+            return num_new_tokens
+        if self.num >= self.max_num or (self._is_long(num_missing) and self.num_long >= self.max_long):
+            return 0
+        return num_new_tokens
+
+    def add(self, num_missing: int, num_new_tokens: int) -> None:
+        """Count a scheduled request."""
+        if num_new_tokens < num_missing:
+            self.num += 1
+            self.num_long += self._is_long(num_missing)
+
+    def _is_long(self, num_missing: int) -> bool:
+        return 0 < self.threshold < num_missing
 
 
 class Scheduler:
@@ -43,6 +88,11 @@ class Scheduler:
             )
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = self.max_num_batched_tokens // DEFAULT_PREFILL_CHUNK_DIVISOR
+        self.max_num_partial_prefills = scheduler_config.max_num_partial_prefills
+        self.max_long_partial_prefills = scheduler_config.max_long_partial_prefills
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
@@ -97,19 +147,23 @@ class Scheduler:
         """Pick this step's requests and token counts; advances their num_computed_tokens."""
         output = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
-        token_budget = self._schedule_running(output)
+        prefills = PartialPrefills(
+            self.max_num_partial_prefills, self.max_long_partial_prefills, self.long_prefill_token_threshold
+        )
+        token_budget = self._schedule_running(output, prefills)
         # After a preemption the blocks are short: admitting new work would only thrash.
         if not output.preempted_req_ids:
-            self._schedule_waiting(output, token_budget)
+            self._schedule_waiting(output, token_budget, prefills)
         output.total_num_scheduled_tokens = sum(s.num_new_tokens for s in output.scheduled)
         return output
 
-    def _schedule_running(self, output: SchedulerOutput) -> int:
+    def _schedule_running(self, output: SchedulerOutput, prefills: PartialPrefills) -> int:
         token_budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_missing = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = prefills.chunk(num_missing, token_budget) if num_missing > 0 else 0
             if num_new_tokens <= 0:
                 index += 1
                 continue
@@ -118,7 +172,7 @@ class Scheduler:
                 if len(self.running) == 1:
                     # Nothing else holds blocks, so waiting cannot help: fail rather than hang.
                     self.running.pop(index)
-                    self._finish_with_error(request)
+                    self._error_outputs.append(self._finish_with_error(request))
                     is_dropped = True
                     break
                 victim_index = self._get_victim_index()
@@ -131,23 +185,32 @@ class Scheduler:
                     index -= 1
             if is_dropped:
                 continue  # the next request slid into `index`
+            prefills.add(num_missing, num_new_tokens)
             token_budget -= self._add_scheduled(request, num_new_tokens, output)
             index += 1
         return token_budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
-        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+    def _schedule_waiting(
+        self, output: SchedulerOutput, token_budget: int, prefills: PartialPrefills
+    ) -> None:
+        index = 0
+        while index < len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[index]
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            num_missing = request.num_tokens - num_hit_tokens
+            num_new_tokens = prefills.chunk(num_missing, token_budget)
+            if num_new_tokens == 0:
+                index += 1  # the partial-prefill slots are taken: a shorter prompt behind may fit whole
+                continue
             if self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks) is None:
                 if not self.running:
                     # No request holds a block, yet this one does not fit: it never will.
-                    self.waiting.pop(0)
-                    self._finish_with_error(request)
+                    self.waiting.pop(index)
+                    self._error_outputs.append(self._finish_with_error(request))
                     continue
                 break  # head-of-line: later requests wait their turn
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            prefills.add(num_missing, num_new_tokens)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens < 0:
@@ -211,6 +274,12 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # finished from outside since the step was scheduled
             request_id = request.request_id
+            if request_id in model_runner_output.failed_req_ids:
+                # Its rows were dummies (or their results unreadable): what this step was to write
+                # into its blocks is not trusted, so those blocks leave the prefix cache.
+                outputs.append(self._finish_with_error(request, scheduled.num_computed_tokens))
+                num_finished += 1
+                continue
             # A request preempted after its prompt was done recomputes the prompt: its prompt
             # logprobs were already reported, so the repeat is dropped.
             has_reported_prompt = request.num_output_tokens > 0
@@ -255,21 +324,20 @@ class Scheduler:
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        self.kv_cache_manager.free(request, num_valid_tokens=num_valid_tokens)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
-    def _finish_with_error(self, request: Request) -> None:
+    def _finish_with_error(self, request: Request, num_valid_tokens: int | None = None) -> EngineCoreOutput:
+        """Fail one request (the others go on): free its blocks and return the news for its client."""
         request.status = RequestStatus.FINISHED_ERROR
-        self._free_request(request)
-        self._error_outputs.append(
-            EngineCoreOutput(
-                request.request_id,
-                [],
-                finish_reason=FinishReason.ERROR,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-            )
+        self._free_request(request, num_valid_tokens)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            finish_reason=FinishReason.ERROR,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
         )
 
     # -- metrics ------------------------------------------------------------------------------

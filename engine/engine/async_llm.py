@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncGenerator
 
 from xlaserve.config import EngineConfig
+from xlaserve.core.limits import RequestLimits
 from xlaserve.engine.core_client import (
     CoreDeaths,
     EngineCoreClient,
@@ -243,14 +244,12 @@ class AsyncLLM:
                 f"{params.max_tokens} for the completion); reduce the prompt or max_tokens",
                 "max_tokens",
             )
-        num_tokens = min(num_prompt + (params.max_tokens or self.max_model_len), self.max_model_len)
-        num_blocks = -(-num_tokens // self.block_size)
-        if num_blocks > self.num_usable_blocks:
-            raise InvalidRequestError(
-                f"the request needs {num_blocks} KV cache blocks for {num_tokens} tokens, but the cache "
-                f"has only {self.num_usable_blocks}; reduce the prompt or max_tokens",
-                "max_tokens",
+        try:  # the scheduler's own rule (core/limits.py), checked here to answer 400 at once
+            RequestLimits(self.max_model_len, self.block_size, self.num_usable_blocks).check(
+                num_prompt, params.max_tokens
             )
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "max_tokens") from None
 
     async def generate(
         self,

@@ -11,6 +11,7 @@ from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
 from xlaserve.executor import make_executor
+from xlaserve.worker.kv_cache import fit_max_model_len
 from xlaserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,18 @@ class EngineCore:
         self, config: EngineConfig, hf_config: dict, tensors: dict, max_model_len: int, devices=None
     ):
         self.config = config
-        self.max_model_len = max_model_len
         runner = ModelRunner(config, hf_config, tensors, max_model_len, devices)
+        # Only now is the cache's size known: a context it cannot hold is an error (or, when the user
+        # left max_model_len to the model, lowered) here, at start, not a rejection of every request.
+        max_model_len = fit_max_model_len(
+            max_model_len,
+            runner.num_blocks - 1,  # the null block holds no request's tokens
+            config.cache.block_size,
+            is_user_set=config.model.max_model_len is not None,
+        )
+        if max_model_len != runner.max_model_len:
+            runner.set_max_model_len(max_model_len)
+        self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
             config.cache.block_size, runner.num_blocks, config.cache.enable_prefix_caching, max_model_len
         )

@@ -46,6 +46,7 @@ class DataParallelEngineCore:
 
     def __init__(self, ranks: list[EngineCore]):
         self.ranks = ranks
+        self.max_model_len = ranks[0].max_model_len  # each rank fits it to its (equal) cache
         self._rank_of: dict[str, int] = {}
         # n > 1: (the rank of the first child, children added so far) until the last is added.
         self._rank_of_parent: dict[str, tuple[int, int]] = {}

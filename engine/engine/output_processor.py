@@ -10,6 +10,7 @@ request id); a `ParentRequest` gathers their CompletionOutputs back under the pa
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -32,6 +33,8 @@ from xlaserve.outputs import (
     make_logprob_dict,
 )
 from xlaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # "final": one RequestOutput when the request finishes (offline generate).
 # "delta": one per step, holding only what is new since the previous one (streaming).
@@ -258,35 +261,61 @@ class OutputProcessor:
             state = self.request_states.get(core_output.request_id)
             if state is None:
                 continue  # aborted by the caller while the core was computing this step
-            new_token_ids = list(core_output.new_token_ids)
-            self._stats.record_tokens(state.stats, len(state.prompt_token_ids), len(new_token_ids), now)
-            if core_output.num_cached_tokens and not state.num_cached_tokens:
-                state.num_cached_tokens = core_output.num_cached_tokens
-            self._append_logprobs(state, core_output.new_logprobs)
-            self._append_prompt_logprobs(state, core_output.new_prompt_logprobs)
-
-            finish_reason = core_output.finish_reason
-            stop_reason = core_output.stop_reason
-            stop_string = state.detokenizer.update(
-                new_token_ids,
-                stop_terminated=finish_reason == FinishReason.STOP,
-                finished=finish_reason is not None,
-            )
-            if stop_string is not None:
-                if finish_reason is None:
+            try:
+                request_output = self._process_output(state, core_output, reqs_to_abort, now)
+            except Exception:
+                # One request's text (a detokenizer, a logprob payload) must not stop the others:
+                # it finishes with an error here and the core drops it.
+                logger.exception(
+                    "request %r failed in output processing; it finishes with an error", state.request_id
+                )
+                if not core_output.is_finished and state.request_id not in reqs_to_abort:
                     reqs_to_abort.append(state.request_id)
-                finish_reason, stop_reason = FinishReason.STOP, stop_string
-            # Plain strings for users: a str-enum's repr would leak into their logs and JSON.
-            finish_reason = None if finish_reason is None else str(finish_reason)
-
-            has_news = bool(new_token_ids) or bool(core_output.new_prompt_logprobs)
-            request_output = state.make_request_output(finish_reason, stop_reason, has_news)
+                request_output = self._finish_with_error(state, now)
             if request_output is not None:
                 request_outputs.append(request_output)
-            if finish_reason is not None:
-                self._stats.record_finish(state.stats, finish_reason, now)
-                self._remove(state.request_id)
         return ProcessedOutputs(request_outputs, reqs_to_abort)
+
+    def _process_output(
+        self, state: RequestState, core_output: EngineCoreOutput, reqs_to_abort: list[str], now: float
+    ) -> RequestOutput | None:
+        new_token_ids = list(core_output.new_token_ids)
+        self._stats.record_tokens(state.stats, len(state.prompt_token_ids), len(new_token_ids), now)
+        if core_output.num_cached_tokens and not state.num_cached_tokens:
+            state.num_cached_tokens = core_output.num_cached_tokens
+        self._append_logprobs(state, core_output.new_logprobs)
+        self._append_prompt_logprobs(state, core_output.new_prompt_logprobs)
+
+        finish_reason = core_output.finish_reason
+        stop_reason = core_output.stop_reason
+        stop_string = state.detokenizer.update(
+            new_token_ids,
+            stop_terminated=finish_reason == FinishReason.STOP,
+            finished=finish_reason is not None,
+        )
+        if stop_string is not None:
+            if finish_reason is None:
+                reqs_to_abort.append(state.request_id)
+            finish_reason, stop_reason = FinishReason.STOP, stop_string
+        # Plain strings for users: a str-enum's repr would leak into their logs and JSON.
+        finish_reason = None if finish_reason is None else str(finish_reason)
+
+        has_news = bool(new_token_ids) or bool(core_output.new_prompt_logprobs)
+        request_output = state.make_request_output(finish_reason, stop_reason, has_news)
+        if finish_reason is not None:
+            self._stats.record_finish(state.stats, finish_reason, now)
+            self._remove(state.request_id)
+        return request_output
+
+    def _finish_with_error(self, state: RequestState, now: float) -> RequestOutput | None:
+        """The request's last output, finish_reason "error", built without its (failed) detokenizer."""
+        self._remove(state.request_id)
+        reason = str(FinishReason.ERROR)
+        self._stats.record_finish(state.stats, reason, now)
+        completion = CompletionOutput(index=state.index, text="", token_ids=[], finish_reason=reason)
+        if state.parent is not None:
+            return state.parent.make_request_output(state, completion, is_child_finished=True)
+        return state.wrap(state.request_id, [completion], is_finished=True)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget requests (a parent id aborts all its children); returns the core-level ids removed."""

@@ -6,10 +6,17 @@ import dataclasses
 import random
 from typing import Any
 
+from xlaserve.core.limits import check_prompt_length
 from xlaserve.core.request import Request, child_request_id
 from xlaserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+
+# SamplingParams fields that carry token ids, checked against the vocabulary at admission: an id
+# past it would index past the [R, V] logit arrays inside the step and take the engine down.
+# A field missing from SamplingParams is skipped, so a feature adds its name here as it lands
+# (a dict's keys are the ids, as in OpenAI's logit_bias; nested lists are flattened).
+TOKEN_ID_FIELDS = ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words_token_ids")
 
 
 class InputProcessor:
@@ -50,21 +57,28 @@ class InputProcessor:
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty (0 tokens)")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt (length {len(prompt_token_ids)} tokens) is too long: it must be shorter than "
-                f"max_model_len={self.max_model_len} to leave room for at least one output token"
-            )
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:4]}")
+        check_prompt_length(len(prompt_token_ids), self.max_model_len)
+        self._check_token_ids("prompt_token_ids", prompt_token_ids)
 
     def validate_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: stop strings need this engine's tokenizer."""
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary, and stop
+        strings against having a tokenizer. ValueError naming the field."""
         if self.tokenizer is None and params.stop:
             raise ValueError(
                 f"stop strings {params.stop!r} need a tokenizer to be matched, and the engine has none "
                 "(skip_tokenizer_init=True): use stop_token_ids"
+            )
+        for name in TOKEN_ID_FIELDS:
+            value = getattr(params, name, None)
+            if value:
+                self._check_token_ids(name, _flat_token_ids(value))
+
+    def _check_token_ids(self, name: str, token_ids) -> None:
+        bad = [t for t in token_ids if not (_is_token_id(t) and 0 <= t < self.vocab_size)]
+        if bad:
+            # The message starts with the field's name: the server reports it as the 400's `param`.
+            raise ValueError(
+                f"{name} must be token ids in [0, {self.vocab_size}) (the model's vocab_size), got {bad[:4]}"
             )
 
     def make_requests(
@@ -105,3 +119,18 @@ class InputProcessor:
                 )
             )
         return requests
+
+
+def _is_token_id(value) -> bool:
+    # bool is an int subclass, but True as a token id is always a caller bug.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _flat_token_ids(value) -> list:
+    """The token ids a field holds: a dict's keys (str keys from JSON converted), nested lists flattened."""
+    if isinstance(value, dict):
+        return [int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k for k in value]
+    ids = []
+    for item in value:
+        ids.extend(_flat_token_ids(item) if isinstance(item, (list, tuple)) else [item])
+    return ids

@@ -56,7 +56,8 @@ def eos_token_id(tokenizer, model_config: TransformerConfig) -> int | None:
 
 def start_engine(config: EngineConfig):
     """Load the model and build its engine core -> (tokenizer or None, model config, max_model_len,
-    core)."""
+    core). max_model_len is the core's: the model's own limit may be lowered to what the KV cache
+    holds."""
     parallel = config.parallel
     if parallel.nnodes > 1:
         distributed.initialize(
@@ -80,4 +81,4 @@ def start_engine(config: EngineConfig):
         t1 - t0,
         time.perf_counter() - t1,
     )
-    return checkpoint.tokenizer, model_config, max_model_len, core
+    return checkpoint.tokenizer, model_config, core.max_model_len, core

@@ -30,6 +30,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="cap on a prompt's prefill chunk per step, so one long prompt cannot take a whole step "
+        "(default: max_num_batched_tokens / 4; 0: no cap)",
+    )
+    g.add_argument(
+        "--max-num-partial-prefills",
+        type=int,
+        default=None,
+        help="prompts prefilled across steps at once (default: 2)",
+    )
+    g.add_argument(
+        "--max-long-partial-prefills",
+        type=int,
+        default=None,
+        help="of those, prompts longer than the threshold (default: 2)",
+    )
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="(default: on)"
@@ -80,6 +99,9 @@ _ENGINE_KEYS = (
     "max_model_len",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "long_prefill_token_threshold",
+    "max_num_partial_prefills",
+    "max_long_partial_prefills",
     "block_size",
     "enable_prefix_caching",
     "seed",

@@ -108,7 +108,7 @@ class MultiHostExecutor(Executor):
         self.sender.send(inputs)
         host = self.runner.run(inputs)
         self.sender.check(host["token_ids"])
-        return self.runner.make_output(scheduled, host)
+        return self.runner.make_output(scheduled, host, inputs.failed_req_ids)
 
     def shutdown(self) -> None:
         """Release the followers: they leave their step loop."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 from dataclasses import dataclass, field
 
 import jax
@@ -11,6 +12,8 @@ import numpy as np
 
 from xlaserve.kernels import AttentionMetadata
 from xlaserve.worker.sampler import SamplingTensors
+
+logger = logging.getLogger(__name__)
 
 
 @jax.tree_util.register_dataclass
@@ -24,13 +27,23 @@ class StepBatch:
 
 
 def build_step_batch(
-    scheduled, num_tokens: int, num_seqs: int, max_blocks_per_seq: int, block_size: int
+    scheduled,
+    num_tokens: int,
+    num_seqs: int,
+    max_blocks_per_seq: int,
+    block_size: int,
+    failed: set[str] | None = None,
 ) -> StepBatch:
     """Pad `scheduled` (ScheduledRequest list) to `num_tokens` tokens and `num_seqs` sequences.
 
     Padding tokens write to slot 0 (the null block) and belong to no sequence; padding
     sequences have kv_len 0 and start where the real tokens end, so they own no query.
+
+    A request whose rows cannot be built is added to `failed` and its rows become a dummy
+    sequence over the null block: the batch keeps its layout, the others run, and nothing
+    touches that request's blocks (see `isolate_failures`).
     """
+    failed = set() if failed is None else failed
     input_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.zeros(num_tokens, np.int32)
@@ -38,19 +51,20 @@ def build_step_batch(
     kv_lens = np.zeros(num_seqs, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
     block_tables = np.zeros((num_seqs, max_blocks_per_seq), np.int32)
+    arrays = (input_ids, positions, slot_mapping, kv_lens, block_tables)
     offset = 0
     for row, s in enumerate(scheduled):
-        start, n = s.num_computed_tokens, s.num_new_tokens
-        block_ids = np.asarray(s.block_ids, np.int32)
-        block_tables[row, : len(block_ids)] = block_ids
-        input_ids[offset : offset + n] = s.request.all_token_ids[start : start + n]
-        pos = np.arange(start, start + n, dtype=np.int32)
-        positions[offset : offset + n] = pos
-        slot_mapping[offset : offset + n] = block_ids[pos // block_size] * block_size + pos % block_size
+        n = s.num_new_tokens
+        if isolate_failures(
+            failed, s, "building its rows of the batch", _fill_row, arrays, row, offset, s, block_size
+        ):
+            _blank_row(arrays, row, offset, n)
         offset += n
         query_start_loc[row + 1] = offset
-        kv_lens[row] = start + n
         logits_indices[row] = offset - 1
+    if failed:
+        for row in _rows_reading_failed_writes(scheduled, failed, block_size):
+            _blank_row(arrays, row, int(query_start_loc[row]), scheduled[row].num_new_tokens)
     query_start_loc[len(scheduled) + 1 :] = offset
     md = AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -62,20 +76,95 @@ def build_step_batch(
     return StepBatch(input_ids, positions, logits_indices, md, num_seqs)
 
 
-def sampling_tensors(scheduled, num_seqs: int, vocab_size: int, with_penalties: bool) -> SamplingTensors:
+def isolate_failures(failed: set[str], s, what: str, fill, *args) -> bool:
+    """Run one request's host work `fill(*args)`; on an exception log it, add the request to `failed`
+    and return True. A fault in one request's data must fail that request, not the engine."""
+    if failed and s.request_id in failed:
+        return True
+    try:
+        fill(*args)
+    except Exception:
+        logger.exception("request %r failed while %s; it finishes with an error", s.request_id, what)
+        failed.add(s.request_id)
+        return True
+    return False
+
+
+def _fill_row(arrays, row: int, offset: int, s, block_size: int) -> None:
+    input_ids, positions, slot_mapping, kv_lens, block_tables = arrays
+    start, n = s.num_computed_tokens, s.num_new_tokens
+    block_ids = np.asarray(s.block_ids, np.int32)
+    block_tables[row, : len(block_ids)] = block_ids
+    input_ids[offset : offset + n] = s.request.all_token_ids[start : start + n]
+    pos = np.arange(start, start + n, dtype=np.int32)
+    positions[offset : offset + n] = pos
+    slot_mapping[offset : offset + n] = block_ids[pos // block_size] * block_size + pos % block_size
+    kv_lens[row] = start + n
+
+
+def _blank_row(arrays, row: int, offset: int, n: int) -> None:
+    """A failed request's rows: n tokens at positions 0..n-1 whose K/V goes to, and whose context is
+    read from, the null block only; their outputs are discarded."""
+    input_ids, positions, slot_mapping, kv_lens, block_tables = arrays
+    block_tables[row] = 0
+    input_ids[offset : offset + n] = 0
+    positions[offset : offset + n] = np.arange(n, dtype=np.int32)
+    slot_mapping[offset : offset + n] = 0
+    kv_lens[row] = n
+
+
+def _rows_reading_failed_writes(scheduled, failed: set[str], block_size: int) -> list[int]:
+    """Rows of requests that read a block a failed request was to write in this step (a prefix-cache
+    hit on a block filled in the same step); they are failed too, transitively, since the K/V they
+    would read is never written. Returns their row numbers, adding their ids to `failed`."""
+
+    def touched(s, *, written_only: bool) -> set[int]:
+        last = (s.num_computed_tokens + s.num_new_tokens - 1) // block_size
+        first = s.num_computed_tokens // block_size if written_only else 0
+        return set(s.block_ids[first : last + 1])
+
+    rows = []
+    unwritten: set[int] = set()
+    for s in scheduled:
+        if s.request_id in failed:
+            unwritten |= touched(s, written_only=True)
+    is_growing = True
+    while is_growing:
+        is_growing = False
+        for row, s in enumerate(scheduled):
+            if s.request_id not in failed and touched(s, written_only=False) & unwritten:
+                logger.error(
+                    "request %r reads KV blocks a failed request did not write; it finishes with an error",
+                    s.request_id,
+                )
+                failed.add(s.request_id)
+                unwritten |= touched(s, written_only=True)
+                rows.append(row)
+                is_growing = True
+    return rows
+
+
+def sampling_tensors(
+    scheduled, num_seqs: int, vocab_size: int, with_penalties: bool, failed: set[str] | None = None
+) -> SamplingTensors:
     """Per-row sampling parameters; padding rows are greedy. The [R, V] penalty arrays are built only
-    when some row needs them (penalties, or min_tokens keeping EOS and stop ids out)."""
+    when some row needs them (penalties, or min_tokens keeping EOS and stop ids out).
+
+    Rows of requests in (or added to) `failed` keep the padding rows' values."""
+    failed = set() if failed is None else failed
     temperature = np.zeros(num_seqs, np.float32)
     top_k = np.zeros(num_seqs, np.int32)
     top_p = np.ones(num_seqs, np.float32)
     min_p = np.zeros(num_seqs, np.float32)
     seeds = np.zeros(num_seqs, np.uint32)
     token_index = np.zeros(num_seqs, np.int32)
+    scalars = (temperature, top_k, top_p, min_p, seeds, token_index)
     for row, s in enumerate(scheduled):
-        p, req = s.request.sampling_params, s.request
-        temperature[row], top_k[row], top_p[row], min_p[row] = p.temperature, p.top_k, p.top_p, p.min_p
-        seeds[row] = req.sampling_seed & 0xFFFFFFFF
-        token_index[row] = req.num_output_tokens
+        if isolate_failures(
+            failed, s, "building its sampling parameters", _fill_sampling_row, scalars, row, s
+        ):
+            for array, value in zip(scalars, (0, 0, 1, 0, 0, 0)):
+                array[row] = value
     extra = {}
     if with_penalties:
         presence = np.zeros(num_seqs, np.float32)
@@ -84,20 +173,13 @@ def sampling_tensors(scheduled, num_seqs: int, vocab_size: int, with_penalties: 
         counts = np.zeros((num_seqs, vocab_size), np.int32)
         prompt_mask = np.zeros((num_seqs, vocab_size), bool)
         bias = np.zeros((num_seqs, vocab_size), np.float32)
+        penalties = (presence, frequency, repetition, counts, prompt_mask, bias)
         for row, s in enumerate(scheduled):
-            p, req = s.request.sampling_params, s.request
-            presence[row], frequency[row], repetition[row] = (
-                p.presence_penalty,
-                p.frequency_penalty,
-                p.repetition_penalty,
-            )
-            np.add.at(counts[row], np.asarray(req.output_token_ids, np.int64), 1)
-            prompt_mask[row, req.prompt_token_ids] = True
-            if req.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids or [])
-                if req.eos_token_id is not None and not p.ignore_eos:
-                    banned.append(req.eos_token_id)
-                bias[row, banned] = -np.inf
+            if isolate_failures(failed, s, "building its penalties", _fill_penalty_row, penalties, row, s):
+                for array, value in zip(penalties, (0, 0, 1, 0, False, 0)):
+                    array[row] = value
+                for array, value in zip(scalars, (0, 0, 1, 0, 0, 0)):
+                    array[row] = value
         extra = {
             "presence_penalty": presence,
             "frequency_penalty": frequency,
@@ -109,6 +191,31 @@ def sampling_tensors(scheduled, num_seqs: int, vocab_size: int, with_penalties: 
     return SamplingTensors(temperature, top_k, top_p, min_p, seeds, token_index, **extra)
 
 
+def _fill_sampling_row(scalars, row: int, s) -> None:
+    temperature, top_k, top_p, min_p, seeds, token_index = scalars
+    p, req = s.request.sampling_params, s.request
+    temperature[row], top_k[row], top_p[row], min_p[row] = p.temperature, p.top_k, p.top_p, p.min_p
+    seeds[row] = req.sampling_seed & 0xFFFFFFFF
+    token_index[row] = req.num_output_tokens
+
+
+def _fill_penalty_row(penalties, row: int, s) -> None:
+    presence, frequency, repetition, counts, prompt_mask, bias = penalties
+    p, req = s.request.sampling_params, s.request
+    presence[row], frequency[row], repetition[row] = (
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.repetition_penalty,
+    )
+    np.add.at(counts[row], np.asarray(req.output_token_ids, np.int64), 1)
+    prompt_mask[row, req.prompt_token_ids] = True
+    if req.num_output_tokens < p.min_tokens:
+        banned = list(p.stop_token_ids or [])
+        if req.eos_token_id is not None and not p.ignore_eos:
+            banned.append(req.eos_token_id)
+        bias[row, banned] = -np.inf
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """Everything one step's device calls consume, as host arrays: what process 0 sends to the
@@ -118,6 +225,9 @@ class StepInputs:
     sampling: SamplingTensors
     with_logprobs: bool
     prompt_targets: np.ndarray | None  # [T] int32 when some request asked for prompt logprobs
+    # Requests whose host work failed (process 0 only, never sent): their rows are dummies and the
+    # scheduler finishes them with an error.
+    failed_req_ids: frozenset[str] = frozenset()
 
     def to_bytes(self) -> bytes:
         arrays = {f"batch.{k}": v for k, v in _fields(self.batch).items()}

@@ -44,6 +44,34 @@ def num_kv_blocks(cache: CacheConfig, kv_spec: KVCacheSpec, dtype) -> int:
     return int(num_blocks)
 
 
+def fit_max_model_len(
+    max_model_len: int, num_usable_blocks: int, block_size: int, *, is_user_set: bool
+) -> int:
+    """The context length the KV cache can serve: `max_model_len`, or, when the user did not set it,
+    lowered to what the cache holds (logged). A user's max_model_len the cache cannot hold is a
+    ValueError naming both numbers and the flags to change: otherwise the engine would start,
+    advertise the length, and reject every request that needs it."""
+    num_cache_tokens = num_usable_blocks * block_size
+    if max_model_len <= num_cache_tokens:
+        return max_model_len
+    if is_user_set:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) is larger than the maximum number of tokens that can be "
+            f"stored in KV cache ({num_cache_tokens}: {num_usable_blocks} blocks of {block_size} tokens). "
+            "Try increasing gpu_memory_utilization/kv_cache_memory (--gpu-memory-utilization, "
+            "--kv-cache-memory) or decreasing max_model_len (--max-model-len)"
+        )
+    logger.warning(
+        "max_model_len lowered from %d (the model's) to %d: the KV cache holds only %d blocks of %d tokens; "
+        "raise gpu_memory_utilization/kv_cache_memory for longer contexts",
+        max_model_len,
+        num_cache_tokens,
+        num_usable_blocks,
+        block_size,
+    )
+    return num_cache_tokens
+
+
 def allocate_kv_cache(
     kv_spec: KVCacheSpec, num_blocks: int, block_size: int, dtype, placement: Placement
 ) -> KVCache:

@@ -24,7 +24,13 @@ from xlaserve.kernels import KVCache
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
 from xlaserve.worker.compile_guard import CompileGuard, compile_seconds, num_cache_hits, num_compiles
-from xlaserve.worker.input_batch import StepBatch, StepInputs, build_step_batch, sampling_tensors
+from xlaserve.worker.input_batch import (
+    StepBatch,
+    StepInputs,
+    build_step_batch,
+    isolate_failures,
+    sampling_tensors,
+)
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from xlaserve.worker.model_loader import load_model
 from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
@@ -71,6 +77,32 @@ def _entry(host: dict, prefix: str, row: int, n: int):
     return (ids[row, : n + 1].tolist(), vals[row, : n + 1].tolist(), int(ranks[row]))
 
 
+def _fill_prompt_targets(prompt_targets: np.ndarray, offset: int, s) -> None:
+    req, start = s.request, s.num_computed_tokens
+    stop = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+    if stop > start:  # positions whose next token is still a prompt token
+        prompt_targets[offset : offset + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
+
+
+def _read_outputs(result: ModelRunnerOutput, host: dict[str, np.ndarray], row: int, offset: int, s) -> None:
+    """One request's sampled id and logprobs from the step's host arrays, into `result`."""
+    req = s.request
+    rid = req.request_id
+    if req.sampling_params.prompt_logprobs is not None:
+        n = req.sampling_params.prompt_logprobs
+        length = max(
+            0,
+            min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1) - s.num_computed_tokens,
+        )
+        if length:
+            result.prompt_logprobs[rid] = [_entry(host, "plp", i, n) for i in range(offset, offset + length)]
+    if not s.is_sampling:
+        return
+    result.sampled_token_ids[rid] = int(host["token_ids"][row])
+    if req.sampling_params.logprobs is not None:
+        result.logprobs[rid] = [_entry(host, "lp", row, req.sampling_params.logprobs)]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -114,6 +146,14 @@ class ModelRunner:
         # host work (scheduling, batch assembly, output processing) that the device waits through.
         self.num_steps = 0
         self.device_wait_s = 0.0
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Serve a shorter context than the runner was built for (the KV cache cannot hold more);
+        before warm-up only, since the block tables' width is part of every compiled shape."""
+        if self.guard.is_armed:
+            raise RuntimeError("set_max_model_len must be called before warm_up")
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
 
     def kv_bytes_per_block(self) -> int:
         return bytes_per_block(self.kv_spec, self.block_size, self.dtype)
@@ -180,11 +220,21 @@ class ModelRunner:
         return hidden, hidden_rd
 
     def prepare(self, scheduled) -> StepInputs:
-        """The host arrays of one step (the part process 0 computes and sends to the others)."""
+        """The host arrays of one step (the part process 0 computes and sends to the others).
+
+        Each request's part is built in isolation: one that raises is listed in `failed_req_ids`
+        and its rows become dummies, so a bad request fails alone instead of taking the engine down.
+        """
+        failed: set[str] = set()
         num_real = sum(s.num_new_tokens for s in scheduled)
         num_tokens = pick_bucket(self.token_buckets, num_real)
         batch = build_step_batch(
-            scheduled, num_tokens, self._num_seqs_for(num_tokens), self.max_blocks_per_seq, self.block_size
+            scheduled,
+            num_tokens,
+            self._num_seqs_for(num_tokens),
+            self.max_blocks_per_seq,
+            self.block_size,
+            failed,
         )
         sampling = [s for s in scheduled if s.is_sampling]
         with_penalties = any(s.request.sampling_params.has_penalties for s in sampling) or any(
@@ -195,20 +245,19 @@ class ModelRunner:
             prompt_targets = np.zeros(num_tokens, np.int32)
             offset = 0
             for s in scheduled:
-                req, start = s.request, s.num_computed_tokens
-                stop = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
-                if stop > start:  # positions whose next token is still a prompt token
-                    prompt_targets[offset : offset + stop - start] = req.prompt_token_ids[
-                        start + 1 : stop + 1
-                    ]
+                isolate_failures(
+                    failed, s, "building its prompt targets", _fill_prompt_targets, prompt_targets, offset, s
+                )
                 offset += s.num_new_tokens
+        sampling_st = sampling_tensors(
+            scheduled, batch.num_padded_seqs, self.padded_vocab_size, with_penalties, failed
+        )
         return StepInputs(
             batch=batch,
-            sampling=sampling_tensors(
-                scheduled, batch.num_padded_seqs, self.padded_vocab_size, with_penalties
-            ),
+            sampling=sampling_st,
             with_logprobs=any(s.request.sampling_params.logprobs is not None for s in sampling),
             prompt_targets=prompt_targets,
+            failed_req_ids=frozenset(failed),
         )
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
@@ -238,32 +287,26 @@ class ModelRunner:
         """Run one step for `scheduled` (a list of ScheduledRequest) in this process alone."""
         if not scheduled:
             return ModelRunnerOutput()
-        return self.make_output(scheduled, self.run(self.prepare(scheduled)))
+        inputs = self.prepare(scheduled)
+        return self.make_output(scheduled, self.run(inputs), inputs.failed_req_ids)
 
-    def make_output(self, scheduled, host: dict[str, np.ndarray]) -> ModelRunnerOutput:
-        """Per request: the sampled id, and the logprobs it asked for, from a step's host arrays."""
-        result = ModelRunnerOutput()
+    def make_output(
+        self, scheduled, host: dict[str, np.ndarray], failed_req_ids: frozenset[str] = frozenset()
+    ) -> ModelRunnerOutput:
+        """Per request: the sampled id, and the logprobs it asked for, from a step's host arrays.
+        Requests in `failed_req_ids`, or whose outputs cannot be read, are reported as failed."""
+        result = ModelRunnerOutput(failed_req_ids=set(failed_req_ids))
         offset = 0
         for row, s in enumerate(scheduled):
-            req = s.request
-            rid = req.request_id
-            if req.sampling_params.prompt_logprobs is not None:
-                n = req.sampling_params.prompt_logprobs
-                length = max(
-                    0,
-                    min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
-                    - s.num_computed_tokens,
-                )
-                if length:
-                    result.prompt_logprobs[rid] = [
-                        _entry(host, "plp", i, n) for i in range(offset, offset + length)
-                    ]
+            isolate_failures(
+                result.failed_req_ids, s, "reading its outputs", _read_outputs, result, host, row, offset, s
+            )
             offset += s.num_new_tokens
-            if not s.is_sampling:
-                continue
-            result.sampled_token_ids[rid] = int(host["token_ids"][row])
-            if req.sampling_params.logprobs is not None:
-                result.logprobs[rid] = [_entry(host, "lp", row, req.sampling_params.logprobs)]
+        for rid in result.failed_req_ids:
+            # Whatever was read before the failure must not reach the scheduler as a sampled token.
+            result.sampled_token_ids.pop(rid, None)
+            result.logprobs.pop(rid, None)
+            result.prompt_logprobs.pop(rid, None)
         return result
 
     def compiled_forward_text(self, num_tokens: int) -> str:

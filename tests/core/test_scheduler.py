@@ -28,6 +28,27 @@ def assert_no_leaked_blocks(scheduler: Scheduler) -> None:
     assert all(block.ref_cnt == 0 for block in pool.blocks)
 
 
+def scheduler_config(
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    policy="fcfs",
+    long_prefill_token_threshold=0,
+    max_num_partial_prefills=None,
+    max_long_partial_prefills=None,
+):
+    """SchedulerConfig's fields (a namespace: these tests use budgets below its minimum of 16). By
+    default the fairness limits are off, so chunks are budget-sized as before they existed."""
+    max_num_partial_prefills = max_num_partial_prefills or max_num_seqs
+    return SimpleNamespace(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        policy=policy,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        max_num_partial_prefills=max_num_partial_prefills,
+        max_long_partial_prefills=max_long_partial_prefills or max_num_partial_prefills,
+    )
+
+
 @pytest.fixture
 def make_scheduler():
     """Builds schedulers; after the test, aborts what is left and checks no block leaked."""
@@ -40,12 +61,11 @@ def make_scheduler():
         policy="fcfs",
         max_model_len=64,
         enable_caching=True,
+        **fairness,
     ) -> Scheduler:
         manager = KVCacheManager(BLOCK_SIZE, num_blocks, enable_caching, max_model_len)
         scheduler = Scheduler(
-            SimpleNamespace(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=policy
-            ),
+            scheduler_config(max_num_seqs, max_num_batched_tokens, policy, **fairness),
             SimpleNamespace(block_size=BLOCK_SIZE, enable_prefix_caching=enable_caching),
             max_model_len,
             manager,
@@ -81,8 +101,10 @@ class FakeModelRunner:
     every block in the prefix-cache index holds exactly the tokens its hash stands for.
     """
 
-    def __init__(self, scheduler: Scheduler, script=None):
+    def __init__(self, scheduler: Scheduler, script=None, failing=()):
         self.scheduler = scheduler
+        # Requests whose rows the "runner" fails to build: nothing of theirs is written or sampled.
+        self.failing = set(failing)
         manager = scheduler.kv_cache_manager
         self.kv = np.full((manager.num_blocks, BLOCK_SIZE), -1, np.int64)
         self.tokens_by_hash: dict[bytes, tuple[int, ...]] = {}
@@ -90,16 +112,19 @@ class FakeModelRunner:
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         # Every new token of the batch is written before any is read, as each layer does.
+        result = ModelRunnerOutput()
         for scheduled in output.scheduled:
+            if scheduled.request_id in self.failing:
+                result.failed_req_ids.add(scheduled.request_id)
+                continue
             start = scheduled.num_computed_tokens
             assert len(scheduled.block_ids) * BLOCK_SIZE >= start + scheduled.num_new_tokens
             for position, token_id in enumerate(scheduled.token_ids, start):
                 block_id = scheduled.block_ids[position // BLOCK_SIZE]
                 assert block_id != 0, "a real token was routed to the null block"
                 self.kv[block_id, position % BLOCK_SIZE] = token_id
-        result = ModelRunnerOutput()
         for scheduled in output.scheduled:
-            if not scheduled.is_sampling:
+            if not scheduled.is_sampling or scheduled.request_id in self.failing:
                 continue
             request = scheduled.request
             context = [
@@ -123,7 +148,11 @@ class FakeModelRunner:
                 tokens = request.all_token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
                 self.tokens_by_hash[block_hash] = tuple(tokens)
         pool = self.scheduler.kv_cache_manager.block_pool
+        # A failed request's blocks are unwritten until the scheduler drops them from the index.
+        unwritten = {b for s in output.scheduled if s.request_id in self.failing for b in s.block_ids}
         for block_hash, block in pool.cached_block_hash_to_block.items():
+            if block.block_id in unwritten:
+                continue
             assert tuple(self.kv[block.block_id]) == self.tokens_by_hash[block_hash], f"{block} is stale"
 
 
@@ -311,9 +340,13 @@ def test_random_workloads_match_an_unconstrained_run(make_scheduler, policy, see
     ]
     specs += [(f"dup{i}", specs[i][1] + [7], 5, 0) for i in range(3)]  # shared prefixes
 
-    def run(num_blocks, budget, max_num_seqs):
+    def run(num_blocks, budget, max_num_seqs, **fairness):
         scheduler = make_scheduler(
-            num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, policy=policy
+            num_blocks=num_blocks,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            policy=policy,
+            **fairness,
         )
         runner = FakeModelRunner(scheduler)
         pending = list(specs)
@@ -330,8 +363,14 @@ def test_random_workloads_match_an_unconstrained_run(make_scheduler, policy, see
         return tokens, scheduler.num_preemptions_total
 
     expected, _ = run(num_blocks=200, budget=64, max_num_seqs=16)
+    num_partial = rng.choice([1, 2, 3])
     tokens, num_preemptions = run(
-        num_blocks=11, budget=rng.choice([5, 9, 16]), max_num_seqs=rng.choice([2, 4, 8])
+        num_blocks=11,
+        budget=rng.choice([5, 9, 16]),
+        max_num_seqs=rng.choice([2, 4, 8]),
+        long_prefill_token_threshold=rng.choice([0, 2, 3, 8]),
+        max_num_partial_prefills=num_partial,
+        max_long_partial_prefills=rng.randint(1, num_partial),
     )
     assert tokens == expected
     assert num_preemptions > 0  # the tiny cache must actually exercise preempt-and-resume
@@ -441,6 +480,101 @@ def test_request_that_cannot_fit_alone_fails_instead_of_hanging(make_scheduler):
     manager.block_pool.free_blocks(hog)
 
 
+def test_a_request_failed_by_the_runner_ends_alone_and_frees_its_blocks(make_scheduler):
+    def run(failing):
+        scheduler = make_scheduler(max_num_batched_tokens=16)
+        runner = FakeModelRunner(scheduler)
+        scheduler.add_request(make_request("ok", range(10), max_tokens=6))
+        scheduler.add_request(make_request("bad", range(10, 30), max_tokens=6))
+        step(scheduler, runner)  # "bad" got a partial chunk, its blocks are indexed as if written
+        runner.failing |= set(failing)
+        return run_to_completion(scheduler, runner)
+
+    expected, _, _ = run(failing=())
+    tokens, reasons, _ = run(failing={"bad"})
+    assert reasons["bad"] == FinishReason.ERROR and tokens["bad"] == []
+    assert tokens["ok"] == expected["ok"] and reasons["ok"] == FinishReason.LENGTH
+    # run_to_completion checked that no block leaked; FakeModelRunner that no cached block is stale.
+
+
+# -- fairness under long prompts -----------------------------------------------------------------
+
+
+def test_short_request_starts_while_a_long_prompt_prefills(make_scheduler):
+    def run(**fairness):
+        scheduler = make_scheduler(max_num_batched_tokens=32, max_model_len=256, num_blocks=80, **fairness)
+        runner = FakeModelRunner(scheduler)
+        scheduler.add_request(make_request("long", range(200), max_tokens=2))
+        first, _ = step(scheduler, runner)
+        scheduler.add_request(make_request("short", range(500, 505), max_tokens=3))
+        second, core_outputs = step(scheduler, runner)
+        tokens, _, steps = run_to_completion(scheduler, runner)
+        for core_output in core_outputs:
+            tokens[core_output.request_id][:0] = core_output.new_token_ids
+        chunks = [
+            s.num_new_tokens
+            for out in [first, second, *steps]
+            for s in out.scheduled
+            if s.request_id == "long"
+        ]
+        return scheduled_tokens(second), chunks, tokens
+
+    starved, chunks, expected = run()  # no cap: the long prompt takes every step's whole budget
+    assert starved == {"long": 32}
+    fair, chunks, tokens = run(long_prefill_token_threshold=8)
+    assert fair == {"long": 8, "short": 5}  # admitted in the very next step
+    assert max(chunks) == 8 and sum(chunks) == 200 + 1  # prompt, then one decode step
+    assert tokens == expected
+
+
+def test_partial_prefill_limits(make_scheduler):
+    scheduler = make_scheduler(
+        max_num_batched_tokens=32,
+        max_model_len=128,
+        num_blocks=100,
+        long_prefill_token_threshold=6,
+        max_num_partial_prefills=2,
+        max_long_partial_prefills=1,
+    )
+    runner = FakeModelRunner(scheduler)
+    for rid, start, length in [("long1", 0, 40), ("long2", 100, 40), ("medium", 200, 6), ("short", 300, 3)]:
+        scheduler.add_request(make_request(rid, range(start, start + length), max_tokens=1))
+    output, _ = step(scheduler, runner)
+    # long2 waits for the one long slot; the shorter prompts behind it go ahead, each fitting whole.
+    assert scheduled_tokens(output) == {"long1": 6, "medium": 6, "short": 3}
+    _, reasons, steps = run_to_completion(scheduler, runner)
+    assert set(reasons) == {"long1", "long2"}
+    for output in steps:
+        partial = [s for s in output.scheduled if not s.is_sampling]
+        assert len(partial) <= 1 and all(s.num_new_tokens <= 6 for s in output.scheduled)
+
+
+def test_partial_prefills_leave_room_for_a_third_prompt(make_scheduler):
+    scheduler = make_scheduler(
+        max_num_batched_tokens=16,
+        max_model_len=128,
+        num_blocks=100,
+        long_prefill_token_threshold=4,
+        max_num_partial_prefills=2,
+    )
+    runner = FakeModelRunner(scheduler)
+    for i, rid in enumerate("abc"):
+        scheduler.add_request(make_request(rid, range(100 * i, 100 * i + 30), max_tokens=1))
+    output, _ = step(scheduler, runner)
+    assert scheduled_tokens(output) == {"a": 4, "b": 4}  # "c" would be a third partial prefill
+    scheduler.add_request(make_request("d", range(40, 43), max_tokens=1))
+    output, _ = step(scheduler, runner)
+    assert scheduled_tokens(output) == {"a": 4, "b": 4, "d": 3}
+    run_to_completion(scheduler, runner)
+
+
+def test_default_threshold_is_a_quarter_of_the_budget(make_scheduler):
+    scheduler = make_scheduler(
+        max_num_batched_tokens=64, max_model_len=128, long_prefill_token_threshold=None
+    )
+    assert scheduler.long_prefill_token_threshold == 16
+
+
 # -- stopping -------------------------------------------------------------------------------------
 
 
@@ -544,10 +678,10 @@ def test_stats_snapshot(make_scheduler):
 
 def test_unknown_policy_and_block_size_mismatch_are_rejected():
     manager = KVCacheManager(BLOCK_SIZE, 8, True, 32)
-    config = SimpleNamespace(max_num_seqs=1, max_num_batched_tokens=16, policy="lifo")
+    config = scheduler_config(max_num_seqs=1, max_num_batched_tokens=16, policy="lifo")
     with pytest.raises(ValueError):
         Scheduler(config, SimpleNamespace(block_size=BLOCK_SIZE), 32, manager)
-    config = SimpleNamespace(max_num_seqs=1, max_num_batched_tokens=16, policy="fcfs")
+    config = scheduler_config(max_num_seqs=1, max_num_batched_tokens=16, policy="fcfs")
     with pytest.raises(ValueError, match="block_size"):
         Scheduler(config, SimpleNamespace(block_size=16), 32, manager)
 

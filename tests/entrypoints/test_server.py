@@ -74,6 +74,24 @@ def test_chat_completion(client):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_token_id_past_the_vocabulary_is_a_400_and_the_server_goes_on(client, server):
+    # This request once raised IndexError inside the step (the min_tokens ban indexes [R, vocab]
+    # with the stop id), the engine core exited, and every later request failed.
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Hello",
+        "max_tokens": 4,
+        "min_tokens": 1,
+        "stop_token_ids": [49152],
+    }
+    response = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "stop_token_ids" and "49152" in error["message"]
+    response = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, temperature=0)
+    assert response.choices[0].finish_reason in ("stop", "length") and response.usage.completion_tokens >= 1
+
+
 def test_completion_usage_and_n(client, server):
     prompt = "The three primary colors are"
     ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, headers=server.headers).json()[

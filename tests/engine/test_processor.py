@@ -1,0 +1,70 @@
+"""InputProcessor: every token id a request carries is checked against the vocabulary at admission.
+
+An id past the vocabulary used to reach the step (the min_tokens ban indexes a [R, V] array with it)
+and kill the engine core; here it is a ValueError that names the field and the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from xlaserve.engine.processor import InputProcessor
+from xlaserve.sampling_params import SamplingParams
+
+VOCAB = 100
+
+
+@pytest.fixture
+def processor():
+    return InputProcessor(tokenizer=None, max_model_len=64, vocab_size=VOCAB, eos_token_id=2, seed=0)
+
+
+def test_stop_token_id_past_the_vocabulary_is_rejected(processor):
+    params = SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=[VOCAB])
+    with pytest.raises(ValueError, match=r"^stop_token_ids must be token ids in \[0, 100\).*\[100\]"):
+        processor.make_requests("r", [1, 2, 3], params)
+
+
+def test_valid_ids_pass(processor):
+    params = SamplingParams(max_tokens=4, stop_token_ids=[0, VOCAB - 1])
+    (request,) = processor.make_requests("r", [0, VOCAB - 1], params)
+    assert request.sampling_params.stop_token_ids == [0, VOCAB - 1]
+
+
+@pytest.mark.parametrize("bad", [VOCAB, 10**9, -1, True, 1.0])
+def test_prompt_token_ids_outside_the_vocabulary(processor, bad):
+    with pytest.raises(ValueError, match=r"^prompt_token_ids must be token ids in \[0, 100\)"):
+        processor.make_requests("r", [1, bad], SamplingParams(max_tokens=1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParamsWithIds(SamplingParams):
+    """Stands in for features that carry token ids (logit_bias, allowed ids, bad words)."""
+
+    logit_bias: dict | None = None
+    allowed_token_ids: list | None = None
+    bad_words_token_ids: list | None = None
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logit_bias", {str(VOCAB): 1.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("allowed_token_ids", [3, VOCAB + 5]),
+        ("bad_words_token_ids", [[3, 4], [VOCAB]]),
+    ],
+)
+def test_every_token_id_field_is_checked(processor, field, value):
+    params = _ParamsWithIds(max_tokens=1, **{field: value})
+    with pytest.raises(ValueError, match=rf"^{field} must be token ids in \[0, {VOCAB}\)"):
+        processor.make_requests("r", [1], params)
+    processor.validate_params(_ParamsWithIds(max_tokens=1, **{field: _in_range(value)}))
+
+
+def _in_range(value):
+    if isinstance(value, dict):
+        return {"5": 1.0}
+    return [[3]] if isinstance(value[0], list) else [3]

@@ -1,0 +1,48 @@
+"""Start-up against a KV cache too small for the context length: an error naming both numbers and
+the flags when the user set max_model_len, else the length lowered to what the cache holds."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from xlaserve.worker.kv_cache import fit_max_model_len
+
+
+def test_fit_max_model_len():
+    assert fit_max_model_len(512, 32, 16, is_user_set=True) == 512
+    assert fit_max_model_len(8192, 9, 16, is_user_set=False) == 144
+    with pytest.raises(ValueError) as e:
+        fit_max_model_len(8192, 9, 16, is_user_set=True)
+    message = str(e.value)
+    assert message.startswith("max_model_len (8192) is larger than the maximum number of tokens")
+    assert "(144" in message and "kv_cache_memory" in message and "--max-model-len" in message
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    pytest.importorskip("torch")
+    from helpers.tiny_models import save_tiny_llama
+
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))  # max_position_embeddings 512
+
+
+def test_user_max_model_len_the_cache_cannot_hold_fails_at_start(tiny_llama):
+    from xlaserve import LLM
+
+    with pytest.raises(ValueError, match=r"max_model_len \(512\) is larger .* KV cache \(48"):
+        LLM(tiny_llama, max_model_len=512, num_gpu_blocks_override=4, enforce_eager=True)
+
+
+def test_model_max_len_is_lowered_to_the_cache(tiny_llama, caplog):
+    from xlaserve import LLM, SamplingParams
+
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(tiny_llama, num_gpu_blocks_override=4, enforce_eager=True)  # 3 usable blocks of 16
+    assert llm.max_model_len == llm.engine_core.max_model_len == 48
+    assert "max_model_len lowered from 512" in caplog.text
+    with pytest.raises(ValueError, match="max_model_len=48"):
+        llm.generate({"prompt_token_ids": [5] * 48}, use_tqdm=False)
+    [output] = llm.generate({"prompt_token_ids": [5] * 40}, SamplingParams(max_tokens=8), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 8

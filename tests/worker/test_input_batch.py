@@ -1,0 +1,90 @@
+"""build_step_batch and sampling_tensors isolate each request's host work: a request whose rows
+raise becomes a dummy sequence over the null block, and so does any request that reads a block the
+failed one was to write in this step; the other rows are exactly what they would have been."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xlaserve.core.outputs import ScheduledRequest
+from xlaserve.core.request import Request
+from xlaserve.sampling_params import SamplingParams
+from xlaserve.worker import input_batch
+from xlaserve.worker.input_batch import build_step_batch, sampling_tensors
+
+BLOCK_SIZE = 4
+
+
+def scheduled(request_id, prompt, block_ids, num_computed=0, **params):
+    request = Request(request_id, prompt, SamplingParams(max_tokens=4, **params))
+    request.num_computed_tokens = num_computed
+    return ScheduledRequest(request, len(prompt) - num_computed, block_ids)
+
+
+@pytest.fixture
+def faulty_rows(monkeypatch):
+    real = input_batch._fill_row
+
+    def fill(arrays, row, offset, s, block_size):
+        if s.request_id == "bad":
+            raise IndexError("injected")
+        return real(arrays, row, offset, s, block_size)
+
+    monkeypatch.setattr(input_batch, "_fill_row", fill)
+
+
+def build(batch, failed):
+    return build_step_batch(batch, 32, 4, 8, BLOCK_SIZE, failed)
+
+
+def test_a_failing_row_is_a_dummy_and_the_others_are_untouched(faulty_rows):
+    batch = [
+        scheduled("ok1", range(10, 16), [3, 4]),
+        scheduled("bad", range(6), [5, 6]),
+        scheduled("ok2", [7], [8]),
+    ]
+    expected = build([batch[0], scheduled("gap", range(6), [5, 6]), batch[2]], set())
+    failed = set()
+    step = build(batch, failed)
+    assert failed == {"bad"}
+    md, want = step.md, expected.md
+    np.testing.assert_array_equal(md.query_start_loc, want.query_start_loc)  # the layout is kept
+    np.testing.assert_array_equal(step.logits_indices, expected.logits_indices)
+    bad = slice(6, 12)
+    assert (md.slot_mapping[bad] == 0).all() and (md.block_tables[1] == 0).all() and md.kv_lens[1] == 6
+    for rows in (slice(0, 6), slice(12, 13)):
+        np.testing.assert_array_equal(md.slot_mapping[rows], want.slot_mapping[rows])
+        np.testing.assert_array_equal(step.input_ids[rows], expected.input_ids[rows])
+    np.testing.assert_array_equal(md.block_tables[[0, 2]], want.block_tables[[0, 2]])
+
+
+def test_a_request_reading_blocks_the_failed_one_was_to_write_fails_too(faulty_rows):
+    # "bad" fills blocks 5 and 6 this step; "sharer" hit block 5 in the prefix cache (same step).
+    batch = [
+        scheduled("bad", range(8), [5, 6]),
+        scheduled("sharer", [*range(4), 9, 9], [5, 7], num_computed=4),
+        scheduled("ok", range(20, 23), [8]),
+    ]
+    failed = set()
+    step = build(batch, failed)
+    assert failed == {"bad", "sharer"}
+    assert (step.md.block_tables[:2] == 0).all() and (step.md.slot_mapping[:10] == 0).all()
+    assert step.md.block_tables[2, 0] == 8
+
+
+def test_a_failing_sampling_row_keeps_the_padding_values(monkeypatch):
+    real = input_batch._fill_sampling_row
+
+    def fill(scalars, row, s):
+        if s.request_id == "bad":
+            raise ValueError("injected")
+        return real(scalars, row, s)
+
+    monkeypatch.setattr(input_batch, "_fill_sampling_row", fill)
+    batch = [scheduled("bad", [1, 2], [1], temperature=0.5), scheduled("ok", [3], [2], temperature=0.7)]
+    failed = set()
+    st = sampling_tensors(batch, 4, 16, with_penalties=True, failed=failed)
+    assert failed == {"bad"}
+    np.testing.assert_allclose(st.temperature, [0.0, 0.7, 0.0, 0.0])
+    assert not st.prompt_mask[0].any() and st.prompt_mask[1, 3]
