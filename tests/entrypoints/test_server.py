@@ -333,3 +333,50 @@ def test_metrics_names(server):
         assert "xlaserve:" + name in names, name
     assert metric(samples, "generation_tokens_total") > 0
     assert metric(samples, "request_success_total", finished_reason="length") > 0
+
+
+def test_overload_and_disconnect_soak_leaves_nothing_behind(server):
+    """48 streams at once, every other one dropped by its client after its first chunk: every stream
+    ends (nothing hangs), the kept ones run to their length, and afterwards no request runs or waits
+    and no KV block is held."""
+    before = metrics(server)
+    body = {"model": MODEL_NAME, "max_tokens": 12, "temperature": 0, "stream": True, "ignore_eos": True}
+
+    async def one(client: httpx.AsyncClient, i: int) -> int | None:
+        request = {**body, "prompt": f"Soak request {i}: list some numbers."}
+        async with client.stream("POST", server.url + "/v1/completions", json=request) as response:
+            assert response.status_code == 200, await response.aread()
+            chunks = 0
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if i % 2:
+                        return None  # the client goes away mid-stream
+            return chunks
+
+    async def soak():
+        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=300, headers=headers, limits=limits) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(48))), 600)
+
+    results = asyncio.run(soak())
+    kept = [r for r in results if r is not None]
+    assert len(kept) == 24 and all(chunks >= 1 for chunks in kept)
+    after = wait_for_metrics(
+        server,
+        lambda m: (
+            metric(m, "num_requests_running") == 0
+            and metric(m, "num_requests_waiting") == 0
+            and metric(m, "kv_cache_usage_perc") == 0
+        ),
+        "every request gone and every block free after the soak",
+    )
+    finished = metric(after, "request_success_total", finished_reason="length") - metric(
+        before, "request_success_total", finished_reason="length"
+    )
+    aborted = metric(after, "request_success_total", finished_reason="abort") - metric(
+        before, "request_success_total", finished_reason="abort"
+    )
+    # The kept streams ran to max_tokens; a dropped one was aborted, or had just finished.
+    assert finished >= 24 and finished + aborted == 48
