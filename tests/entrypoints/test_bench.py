@@ -7,7 +7,7 @@ import json
 import pytest
 
 from helpers.tiny_models import save_tiny_llama
-from xlaserve import cli
+from xlaserve.entrypoints import cli
 
 
 @pytest.fixture(scope="module")
