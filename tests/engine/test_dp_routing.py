@@ -11,6 +11,8 @@ from xlaserve.sampling_params import SamplingParams
 class FakeRank:
     """EngineCore's routing surface: holds requests, finishes them all in one step."""
 
+    max_model_len = 64
+
     def __init__(self):
         self.requests = []
 
