@@ -260,8 +260,8 @@ def test_bfloat16_engine_tracks_float32(llm, hf_model):
 
     from xlaserve import LLM
 
-    args = {**ENGINE_ARGS, "strict_compile_guard": False}
-    bf16 = LLM(dtype="bfloat16", enforce_eager=True, **args)
+    args = {**ENGINE_ARGS, "strict_compile_guard": False, "dtype": "bfloat16"}
+    bf16 = LLM(enforce_eager=True, **args)
     runner = bf16.engine_core.runner
     # Layer stacks are stored as their raw 16-bit words on CPU, the rest as bfloat16.
     assert {x.dtype.name for x in jax.tree.leaves(runner.params["layers"])} == {"uint16"}

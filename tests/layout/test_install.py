@@ -3,6 +3,7 @@ environment, and nothing generic beside it."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -93,7 +94,13 @@ def test_commands_start_without_stray_library_lines(fresh_venv):
         "import transformers, importlib.util\n"
         "assert importlib.util.find_spec('torch') is None\n"
     )
-    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, cwd="/", check=True)
+    # The environment without the switch (an earlier test's CLI run may have set it in this process).
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    out = subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, cwd="/", check=True, env=env
+    )
     assert out.stdout + out.stderr == ""
-    loud = subprocess.run([str(python), "-c", "import transformers"], capture_output=True, text=True, cwd="/")
+    loud = subprocess.run(
+        [str(python), "-c", "import transformers"], capture_output=True, text=True, cwd="/", env=env
+    )
     assert "PyTorch was not found" in loud.stderr  # the line the CLI keeps from its users

@@ -414,7 +414,14 @@ def test_dummy_load_format_reads_config_and_tokenizer_only(tmp_path):
     assert checkpoint.tensors == DummyWeights(seed=3)
     assert checkpoint.tokenizer("a b c")["input_ids"][-3:] == [3, 4, 5]
 
-    llm = LLM(str(tmp_path), load_format="dummy", enforce_eager=True, max_model_len=64, kv_cache_memory=2**20)
+    llm = LLM(
+        str(tmp_path),
+        load_format="dummy",
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        kv_cache_memory=2**20,
+    )
     params = jax.tree.leaves(llm.engine_core.runner.params)
     assert len(params) == 12  # embed, lm_head, final norm, 9 stacked layer parameters
     q_proj = llm.engine_core.runner.params["layers"]["self_attn"]["q_proj"]["kernel"]
