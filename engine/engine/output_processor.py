@@ -269,7 +269,7 @@ class OutputProcessor:
             stop_reason = core_output.stop_reason
             stop_string = state.detokenizer.update(
                 new_token_ids,
-                stop_terminated=finish_reason == FinishReason.STOP,
+                stop_terminated=finish_reason == FinishReason.STOP and not core_output.is_grammar_complete,
                 finished=finish_reason is not None,
             )
             if stop_string is not None:

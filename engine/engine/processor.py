@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 from xlaserve.core.request import Request, child_request_id
+from xlaserve.engine.structured_output import check_grammar
 from xlaserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -60,12 +61,20 @@ class InputProcessor:
             raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:4]}")
 
     def validate_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: stop strings need this engine's tokenizer."""
+        """What SamplingParams cannot check alone: stop strings and grammars need this engine's
+        tokenizer, and a grammar must compile (StructuredOutputsError naming the member if not)."""
         if self.tokenizer is None and params.stop:
             raise ValueError(
                 f"stop strings {params.stop!r} need a tokenizer to be matched, and the engine has none "
                 "(skip_tokenizer_init=True): use stop_token_ids"
             )
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured_outputs needs a tokenizer to build its token masks, and the engine has none "
+                    "(skip_tokenizer_init=True)"
+                )
+            check_grammar(params.structured_outputs)
 
     def make_requests(
         self,

@@ -8,6 +8,7 @@ import jax
 
 from xlaserve.config import EngineConfig
 from xlaserve.engine.dp_engine import make_engine_core
+from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.registry import model_config_from_hf
@@ -55,5 +56,10 @@ def start_engine(config: EngineConfig):
     )
     model_config = model_config_from_hf(checkpoint.hf_config)
     max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
-    core = make_engine_core(config, checkpoint.hf_config, checkpoint.tensors, max_model_len)
+    structured_output = StructuredOutputManager(
+        checkpoint.tokenizer, model_config.vocab_size, eos_token_id(checkpoint.tokenizer, model_config)
+    )
+    core = make_engine_core(
+        config, checkpoint.hf_config, checkpoint.tensors, max_model_len, structured_output=structured_output
+    )
     return checkpoint.tokenizer, model_config, max_model_len, core

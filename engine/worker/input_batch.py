@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from xlaserve.kernels import AttentionMetadata
-from xlaserve.worker.sampler import SamplingTensors
+from xlaserve.worker.sampler import BITS_PER_WORD, SamplingTensors
 
 
 @jax.tree_util.register_dataclass
@@ -62,9 +62,16 @@ def build_step_batch(
     return StepBatch(input_ids, positions, logits_indices, md, num_seqs)
 
 
-def sampling_tensors(scheduled, num_seqs: int, vocab_size: int, with_penalties: bool) -> SamplingTensors:
+def sampling_tensors(
+    scheduled,
+    num_seqs: int,
+    vocab_size: int,
+    with_penalties: bool,
+    grammar_bitmask: np.ndarray | None = None,
+) -> SamplingTensors:
     """Per-row sampling parameters; padding rows are greedy. The [R, V] penalty arrays are built only
-    when some row needs them (penalties, or min_tokens keeping EOS and stop ids out)."""
+    when some row needs them (penalties, or min_tokens keeping EOS and stop ids out); the token
+    bitmask only when some row samples under a grammar (`grammar_bitmask`: [len(scheduled), W])."""
     temperature = np.zeros(num_seqs, np.float32)
     top_k = np.zeros(num_seqs, np.int32)
     top_p = np.ones(num_seqs, np.float32)
@@ -106,7 +113,21 @@ def sampling_tensors(scheduled, num_seqs: int, vocab_size: int, with_penalties: 
             "prompt_mask": prompt_mask,
             "logit_bias": bias,
         }
+    if grammar_bitmask is not None:
+        extra["allowed_token_bitmask"] = fit_bitmask(grammar_bitmask, num_seqs, vocab_size)
     return SamplingTensors(temperature, top_k, top_p, min_p, seeds, token_index, **extra)
+
+
+def fit_bitmask(grammar_bitmask: np.ndarray, num_seqs: int, vocab_size: int) -> np.ndarray:
+    """The grammar's bitmask [N, W] (N scheduled rows, W words for the tokenizer's vocabulary) as the
+    sampler takes it, [num_seqs, ceil(vocab_size / 32)]: padding rows allow everything (they are
+    discarded), and ids past the grammar's vocabulary (the logits' padding) are never allowed."""
+    width = -(-vocab_size // BITS_PER_WORD)
+    fitted = np.zeros((num_seqs, width), np.int32)
+    num_rows, num_words = len(grammar_bitmask), min(width, grammar_bitmask.shape[1])
+    fitted[:num_rows, :num_words] = grammar_bitmask[:, :num_words]
+    fitted[num_rows:] = -1
+    return fitted
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ then sampling). Only the sampled ids come back to the host.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -135,12 +136,15 @@ class ModelRunner:
             if num_seqs in sampler_buckets_done:
                 continue
             sampler_buckets_done.add(num_seqs)
-            for with_penalties in (False, True):
-                st = self.placement.step_inputs(sampling_tensors([], num_seqs, vocab, with_penalties))
-                for with_logprobs in (False, True):
-                    jax.block_until_ready(
-                        self._sample_fn(self.params, hidden_rd, st, with_logprobs=with_logprobs)
+            # Every sampler variant: penalties, a grammar's token bitmask, logprobs, each on or off.
+            for with_penalties, with_grammar, with_logprobs in itertools.product((False, True), repeat=3):
+                bitmask = np.zeros((0, 1), np.int32) if with_grammar else None
+                st = sampling_tensors([], num_seqs, vocab, with_penalties, bitmask)
+                jax.block_until_ready(
+                    self._sample_fn(
+                        self.params, hidden_rd, self.placement.step_inputs(st), with_logprobs=with_logprobs
                     )
+                )
         logger.info(
             "warm-up: compiled %d programs for %d token buckets %s in %.1fs (XLA compile time %.1fs)",
             num_compiles() - start_compiles,
@@ -174,8 +178,9 @@ class ModelRunner:
         hidden, hidden_rd, self.kv_cache = self.forward(self.kv_cache, batch)
         return hidden, hidden_rd
 
-    def prepare(self, scheduled) -> StepInputs:
-        """The host arrays of one step (the part process 0 computes and sends to the others)."""
+    def prepare(self, scheduled, grammar_bitmask: np.ndarray | None = None) -> StepInputs:
+        """The host arrays of one step (the part process 0 computes and sends to the others).
+        `grammar_bitmask` [len(scheduled), W] int32: the tokens each row may sample, or None."""
         num_real = sum(s.num_new_tokens for s in scheduled)
         num_tokens = pick_bucket(self.token_buckets, num_real)
         batch = build_step_batch(
@@ -200,7 +205,7 @@ class ModelRunner:
         return StepInputs(
             batch=batch,
             sampling=sampling_tensors(
-                scheduled, batch.num_padded_seqs, self.padded_vocab_size, with_penalties
+                scheduled, batch.num_padded_seqs, self.padded_vocab_size, with_penalties, grammar_bitmask
             ),
             with_logprobs=any(s.request.sampling_params.logprobs is not None for s in sampling),
             prompt_targets=prompt_targets,
@@ -227,11 +232,11 @@ class ModelRunner:
         self.guard.check(f"a step in bucket {inputs.batch.input_ids.shape[0]}")
         return host
 
-    def execute(self, scheduled) -> ModelRunnerOutput:
+    def execute(self, scheduled, grammar_bitmask: np.ndarray | None = None) -> ModelRunnerOutput:
         """Run one step for `scheduled` (a list of ScheduledRequest) in this process alone."""
         if not scheduled:
             return ModelRunnerOutput()
-        return self.make_output(scheduled, self.run(self.prepare(scheduled)))
+        return self.make_output(scheduled, self.run(self.prepare(scheduled, grammar_bitmask)))
 
     def make_output(self, scheduled, host: dict[str, np.ndarray]) -> ModelRunnerOutput:
         """Per request: the sampled id, and the logprobs it asked for, from a step's host arrays."""
