@@ -18,6 +18,11 @@ import llguidance
 from xlaserve.sampling_params import StructuredOutputsError, StructuredOutputsParams
 
 _MAX_CACHED_CHECKS = 64  # specs are up to 256 KiB of text each
+# The whitespace JSON may hold between tokens unless the request says otherwise: up to two spaces or
+# tabs, then at most one line break and its indentation. llguidance's own default (and vLLM's) is
+# any run of whitespace, where small models often loop on newlines until max_tokens, so that the
+# JSON never closes; bounded, every gap ends. `whitespace_pattern` restores any pattern.
+DEFAULT_WHITESPACE_PATTERN = r"[\x20\x09]{0,2}(\x0D?\x0A[\x20\x09]{0,32})?"
 
 
 def grammar_source(params: StructuredOutputsParams) -> str:
@@ -29,9 +34,12 @@ def grammar_source(params: StructuredOutputsParams) -> str:
             schema = json.loads(schema)  # SamplingParams proved it parses
         if params.disable_additional_properties:
             schema = _without_additional_properties(copy.deepcopy(schema))
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
         if params.whitespace_pattern is not None:
-            options["whitespace_pattern"] = params.whitespace_pattern
+            options = {"whitespace_pattern": params.whitespace_pattern}
+        elif params.disable_any_whitespace:
+            options = {"whitespace_flexible": False}
+        else:
+            options = {"whitespace_pattern": DEFAULT_WHITESPACE_PATTERN}
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except ValueError as e:
