@@ -63,6 +63,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule which requests get how many tokens, run them, and report what changed."""
+        self.structured_output.wait_before_schedule()  # returns at once when no grammar compiles
         scheduler_output = self.scheduler.schedule()
         grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output.scheduled)
         runner_output = self.executor.execute(scheduler_output.scheduled, grammar_bitmask)
