@@ -36,7 +36,7 @@ _MAX_CACHED_GRAMMARS = 128
 # requests are slowed by a tenth of a step at most, and only while grammars compile.
 _GRACE_STEP_FRACTION = 0.1
 _MAX_GRACE_S = 0.05
-# llguidance words every mask as 32-bit words, bit i of word w standing for token 32 * w + i.
+# llguidance packs a mask into int32 words: bit i of word w stands for token 32 * w + i.
 BITS_PER_WORD = 32
 
 
