@@ -1,7 +1,7 @@
 """xlaserve's engine: `from xlaserve import LLM, SamplingParams`."""
 
 from xlaserve.outputs import CompletionOutput, RequestOutput
-from xlaserve.sampling_params import SamplingParams
+from xlaserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name):
@@ -17,4 +17,11 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

@@ -75,6 +75,9 @@ class EngineCoreOutput:
     new_logprobs: Any = None
     new_prompt_logprobs: Any = None
     num_cached_tokens: int = 0
+    # Finished (STOP) because the last token completed the request's grammar: that token is text,
+    # where a STOP otherwise ends on EOS or a stop token id, whose text is left out.
+    is_grammar_complete: bool = False
 
     @property
     def is_finished(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from xlaserve.sampling_params import SamplingParams
 
@@ -46,6 +47,27 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
+
+
+class Grammar(Protocol):
+    """What the scheduler asks of a request's grammar (structured outputs). The engine layer
+    implements it (engine/structured_output) and compiles it off the engine loop; the scheduler only
+    looks, so it stays plain Python."""
+
+    @property
+    def is_ready(self) -> bool:
+        """Compiled (or failed to compile): the request may be scheduled."""
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar cannot go on (it did not compile, or rejected a token); None while fine."""
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete: nothing may follow."""
+
+    def accept_token(self, token_id: int) -> None:
+        """Advance past a sampled token (once per output token; recomputation never re-advances it)."""
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -106,6 +128,8 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit (tokens) at first scheduling
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
+        # Set by the engine when sampling_params.structured_outputs constrains the output.
+        self.grammar: Grammar | None = None
 
     @property
     def num_tokens(self) -> int:

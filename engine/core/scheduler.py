@@ -193,9 +193,16 @@ class Scheduler:
     def _schedule_waiting(
         self, output: SchedulerOutput, token_budget: int, prefills: PartialPrefills
     ) -> None:
-        index = 0
+        index = 0  # requests before it wait for their grammar to compile, or their prefill turn
         while index < len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
+            if request.grammar is not None and not request.grammar.is_ready:
+                index += 1
+                continue
+            if request.grammar is not None and request.grammar.error is not None:
+                self.waiting.pop(index)
+                self._error_outputs.append(self._finish_with_error(request))
+                continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_missing = request.num_tokens - num_hit_tokens
             num_new_tokens = prefills.chunk(num_missing, token_budget)
@@ -301,6 +308,7 @@ class Scheduler:
                         new_logprobs=model_runner_output.logprobs.get(request_id) if new_token_ids else None,
                         new_prompt_logprobs=prompt_logprobs,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        is_grammar_complete=_is_grammar_complete(request),
                     )
                 )
             if request.is_finished:
@@ -313,6 +321,15 @@ class Scheduler:
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params
         token_id = request.output_token_ids[-1]
+        grammar = request.grammar
+        if grammar is not None:
+            grammar.accept_token(token_id)
+            if grammar.error is not None:  # a token the mask should have kept out: a bug, not the user's
+                request.status = RequestStatus.FINISHED_ERROR
+                return
+            if grammar.is_terminated:  # complete (with this token or EOS), whatever min_tokens says
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
         if request.num_output_tokens >= params.min_tokens:
             if token_id in params.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -355,3 +372,11 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def _is_grammar_complete(request: Request) -> bool:
+    """The request's last token completed its grammar: that token is text, unlike EOS or a stop id."""
+    grammar = request.grammar
+    return (
+        grammar is not None and grammar.is_terminated and request.output_token_ids[-1] != request.eos_token_id
+    )

@@ -10,18 +10,31 @@ from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
+from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.executor import make_executor
 from xlaserve.worker.kv_cache import fit_max_model_len
 from xlaserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+# With nothing to schedule but grammars compiling, a step blocks this long on them at most (the core
+# process then looks at its sockets again).
+_GRAMMAR_WAIT_S = 0.01
+
 
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, hf_config: dict, tensors: dict, max_model_len: int, devices=None
+        self,
+        config: EngineConfig,
+        hf_config: dict,
+        tensors: dict,
+        max_model_len: int,
+        devices=None,
+        structured_output: StructuredOutputManager | None = None,
     ):
         self.config = config
+        # Without a manager (no tokenizer) a constrained request is refused, never run unconstrained.
+        self.structured_output = structured_output or StructuredOutputManager()
         runner = ModelRunner(config, hf_config, tensors, max_model_len, devices)
         # Only now is the cache's size known: a context it cannot hold is an error (or, when the user
         # left max_model_len to the model, lowered) here, at start, not a rejection of every request.
@@ -47,6 +60,7 @@ class EngineCore:
         return self.executor.runner
 
     def add_request(self, request: Request) -> None:
+        self.structured_output.add_request(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -60,9 +74,14 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule which requests get how many tokens, run them, and report what changed."""
+        self.structured_output.wait_before_schedule()  # returns at once when no grammar compiles
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute(scheduler_output.scheduled)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output.scheduled)
+        runner_output = self.executor.execute(scheduler_output.scheduled, grammar_bitmask)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if scheduler_output.is_empty:  # whatever is unfinished waits for its grammar
+            self.structured_output.wait_for_grammars(_GRAMMAR_WAIT_S)
+        return outputs
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -72,3 +91,4 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.structured_output.shutdown()

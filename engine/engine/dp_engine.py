@@ -17,16 +17,22 @@ from xlaserve.core.kv_cache_manager import PrefixCacheStats
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
 from xlaserve.core.request import Request
 from xlaserve.engine.core import EngineCore
+from xlaserve.engine.structured_output import StructuredOutputManager
 
 
 def make_engine_core(
-    config: EngineConfig, hf_config: dict, tensors: dict, max_model_len: int, devices=None
+    config: EngineConfig,
+    hf_config: dict,
+    tensors: dict,
+    max_model_len: int,
+    devices=None,
+    structured_output: StructuredOutputManager | None = None,
 ) -> EngineCore | DataParallelEngineCore:
     """An EngineCore, or a DataParallelEngineCore of data_parallel_size ranks, each on its own
-    group of tensor_parallel_size devices."""
+    group of tensor_parallel_size devices (sharing one structured-output manager)."""
     tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
     if dp == 1:
-        return EngineCore(config, hf_config, tensors, max_model_len, devices)
+        return EngineCore(config, hf_config, tensors, max_model_len, devices, structured_output)
     devices = list(jax.devices() if devices is None else devices)
     if tp * dp > len(devices):
         raise ValueError(
@@ -35,7 +41,9 @@ def make_engine_core(
         )
     return DataParallelEngineCore(
         [
-            EngineCore(config, hf_config, tensors, max_model_len, devices[i * tp : (i + 1) * tp])
+            EngineCore(
+                config, hf_config, tensors, max_model_len, devices[i * tp : (i + 1) * tp], structured_output
+            )
             for i in range(dp)
         ]
     )

@@ -290,7 +290,8 @@ class OutputProcessor:
         stop_reason = core_output.stop_reason
         stop_string = state.detokenizer.update(
             new_token_ids,
-            stop_terminated=finish_reason == FinishReason.STOP,
+            # A grammar that completed ends with a token of its text, not a stop token to hide.
+            stop_terminated=finish_reason == FinishReason.STOP and not core_output.is_grammar_complete,
             finished=finish_reason is not None,
         )
         if stop_string is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from xlaserve.core.limits import check_prompt_length
 from xlaserve.core.request import Request, child_request_id
+from xlaserve.engine.structured_output import check_grammar
 from xlaserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -61,13 +62,21 @@ class InputProcessor:
         self._check_token_ids("prompt_token_ids", prompt_token_ids)
 
     def validate_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this model's vocabulary, and stop
-        strings against having a tokenizer. ValueError naming the field."""
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary, stop
+        strings and grammars against having a tokenizer, and a grammar's compiling (ValueError, or
+        StructuredOutputsError, naming the field)."""
         if self.tokenizer is None and params.stop:
             raise ValueError(
                 f"stop strings {params.stop!r} need a tokenizer to be matched, and the engine has none "
                 "(skip_tokenizer_init=True): use stop_token_ids"
             )
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured_outputs needs a tokenizer to build its token masks, and the engine has none "
+                    "(skip_tokenizer_init=True)"
+                )
+            check_grammar(params.structured_outputs)
         for name in TOKEN_ID_FIELDS:
             value = getattr(params, name, None)
             if value:

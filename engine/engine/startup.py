@@ -11,6 +11,7 @@ import jax
 
 from xlaserve.config import CompilationConfig, EngineConfig
 from xlaserve.engine.dp_engine import make_engine_core
+from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.registry import model_config_from_hf
@@ -74,7 +75,12 @@ def start_engine(config: EngineConfig):
     model_config = model_config_from_hf(checkpoint.hf_config)
     max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
     t1 = time.perf_counter()
-    core = make_engine_core(config, checkpoint.hf_config, checkpoint.tensors, max_model_len)
+    structured_output = StructuredOutputManager(
+        checkpoint.tokenizer, model_config.vocab_size, eos_token_id(checkpoint.tokenizer, model_config)
+    )
+    core = make_engine_core(
+        config, checkpoint.hf_config, checkpoint.tensors, max_model_len, structured_output=structured_output
+    )
     # One line a person (and `xlaserve bench startup`) reads: where a start's seconds went.
     logger.info(
         "start-up: checkpoint %.1fs, engine %.1fs (placement, KV cache and warm-up: see above)",

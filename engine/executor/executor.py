@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
 from xlaserve.worker.model_runner import ModelRunner
 
@@ -12,9 +14,12 @@ class Executor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
-        """Run one step and return what each scheduled request sampled."""
-        return self.runner.execute(scheduled)
+    def execute(
+        self, scheduled: list[ScheduledRequest], grammar_bitmask: np.ndarray | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step and return what each scheduled request sampled. `grammar_bitmask`
+        [len(scheduled), W] int32: the tokens each row may sample (structured outputs), or None."""
+        return self.runner.execute(scheduled, grammar_bitmask)
 
     def shutdown(self) -> None:
         """Release whatever the executor holds besides the runner (nothing, in one process)."""

@@ -101,10 +101,12 @@ class MultiHostExecutor(Executor):
         super().__init__(runner)
         self.sender = StepSender(parallel.master_addr, step_port(parallel), parallel.nnodes - 1)
 
-    def execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
+    def execute(
+        self, scheduled: list[ScheduledRequest], grammar_bitmask: np.ndarray | None = None
+    ) -> ModelRunnerOutput:
         if not scheduled:
             return ModelRunnerOutput()
-        inputs = self.runner.prepare(scheduled)
+        inputs = self.runner.prepare(scheduled, grammar_bitmask)
         self.sender.send(inputs)
         host = self.runner.run(inputs)
         self.sender.check(host["token_ids"])

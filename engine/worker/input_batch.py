@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from xlaserve.kernels import AttentionMetadata
-from xlaserve.worker.sampler import SamplingTensors
+from xlaserve.worker.sampler import BITS_PER_WORD, SamplingTensors
 
 logger = logging.getLogger(__name__)
 
@@ -145,10 +145,17 @@ def _rows_reading_failed_writes(scheduled, failed: set[str], block_size: int) ->
 
 
 def sampling_tensors(
-    scheduled, num_seqs: int, vocab_size: int, with_penalties: bool, failed: set[str] | None = None
+    scheduled,
+    num_seqs: int,
+    vocab_size: int,
+    with_penalties: bool,
+    *,
+    failed: set[str] | None = None,
+    grammar_bitmask: np.ndarray | None = None,
 ) -> SamplingTensors:
     """Per-row sampling parameters; padding rows are greedy. The [R, V] penalty arrays are built only
-    when some row needs them (penalties, or min_tokens keeping EOS and stop ids out).
+    when some row needs them (penalties, or min_tokens keeping EOS and stop ids out); the token
+    bitmask only when some row samples under a grammar (`grammar_bitmask`: [len(scheduled), W]).
 
     Rows of requests in (or added to) `failed` keep the padding rows' values."""
     failed = set() if failed is None else failed
@@ -188,6 +195,8 @@ def sampling_tensors(
             "prompt_mask": prompt_mask,
             "logit_bias": bias,
         }
+    if grammar_bitmask is not None:
+        extra["allowed_token_bitmask"] = fit_bitmask(grammar_bitmask, num_seqs, vocab_size)
     return SamplingTensors(temperature, top_k, top_p, min_p, seeds, token_index, **extra)
 
 
@@ -214,6 +223,18 @@ def _fill_penalty_row(penalties, row: int, s) -> None:
         if req.eos_token_id is not None and not p.ignore_eos:
             banned.append(req.eos_token_id)
         bias[row, banned] = -np.inf
+
+
+def fit_bitmask(grammar_bitmask: np.ndarray, num_seqs: int, vocab_size: int) -> np.ndarray:
+    """The grammar's bitmask [N, W] (N scheduled rows, W words for the tokenizer's vocabulary) as the
+    sampler takes it, [num_seqs, ceil(vocab_size / 32)]: padding rows allow everything (they are
+    discarded), and ids past the grammar's vocabulary (the logits' padding) are never allowed."""
+    width = -(-vocab_size // BITS_PER_WORD)
+    fitted = np.zeros((num_seqs, width), np.int32)
+    num_rows, num_words = len(grammar_bitmask), min(width, grammar_bitmask.shape[1])
+    fitted[:num_rows, :num_words] = grammar_bitmask[:, :num_words]
+    fitted[num_rows:] = -1
+    return fitted
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ then sampling). Only the sampled ids come back to the host.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -178,12 +179,18 @@ class ModelRunner:
             if num_seqs in sampler_buckets_done:
                 continue
             sampler_buckets_done.add(num_seqs)
-            for with_penalties in (False, True):
-                st = self.placement.step_inputs(sampling_tensors([], num_seqs, vocab, with_penalties))
-                for with_logprobs in (False, True):
-                    jax.block_until_ready(
-                        self._sample_fn(self.head_params, hidden_rd, st, with_logprobs=with_logprobs)
+            # Every sampler variant: penalties, a grammar's token bitmask, logprobs, each on or off.
+            for with_penalties, with_grammar, with_logprobs in itertools.product((False, True), repeat=3):
+                bitmask = np.zeros((0, 1), np.int32) if with_grammar else None
+                st = sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
+                jax.block_until_ready(
+                    self._sample_fn(
+                        self.head_params,
+                        hidden_rd,
+                        self.placement.step_inputs(st),
+                        with_logprobs=with_logprobs,
                     )
+                )
         logger.info(
             "warm-up: %d programs for %d token buckets %s in %.1fs (%d from the persistent cache; "
             "XLA compile time %.1fs)",
@@ -219,8 +226,9 @@ class ModelRunner:
         hidden, hidden_rd, self.kv_cache = self.forward(self.kv_cache, batch)
         return hidden, hidden_rd
 
-    def prepare(self, scheduled) -> StepInputs:
+    def prepare(self, scheduled, grammar_bitmask: np.ndarray | None = None) -> StepInputs:
         """The host arrays of one step (the part process 0 computes and sends to the others).
+        `grammar_bitmask` [len(scheduled), W] int32: the tokens each row may sample, or None.
 
         Each request's part is built in isolation: one that raises is listed in `failed_req_ids`
         and its rows become dummies, so a bad request fails alone instead of taking the engine down.
@@ -250,7 +258,12 @@ class ModelRunner:
                 )
                 offset += s.num_new_tokens
         sampling_st = sampling_tensors(
-            scheduled, batch.num_padded_seqs, self.padded_vocab_size, with_penalties, failed
+            scheduled,
+            batch.num_padded_seqs,
+            self.padded_vocab_size,
+            with_penalties,
+            failed=failed,
+            grammar_bitmask=grammar_bitmask,
         )
         return StepInputs(
             batch=batch,
@@ -283,11 +296,11 @@ class ModelRunner:
         self.guard.check(f"a step in bucket {inputs.batch.input_ids.shape[0]}")
         return host
 
-    def execute(self, scheduled) -> ModelRunnerOutput:
+    def execute(self, scheduled, grammar_bitmask: np.ndarray | None = None) -> ModelRunnerOutput:
         """Run one step for `scheduled` (a list of ScheduledRequest) in this process alone."""
         if not scheduled:
             return ModelRunnerOutput()
-        inputs = self.prepare(scheduled)
+        inputs = self.prepare(scheduled, grammar_bitmask)
         return self.make_output(scheduled, self.run(inputs), inputs.failed_req_ids)
 
     def make_output(

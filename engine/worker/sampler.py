@@ -1,9 +1,10 @@
 """Sampling on device, every per-request parameter vectorized over the rows of the batch.
 
-Order (as vLLM): logit bias and penalties -> temperature -> min-p -> top-k -> top-p -> a draw.
-Each row draws with its own key, fold_in(key(seed), index of the token in the request), so a
-seeded request samples the same tokens whatever else shares the batch. Logprobs are those of the
-raw distribution (before penalties and temperature), like vLLM's default.
+Order (as vLLM): the grammar's token mask -> logit bias and penalties -> temperature -> min-p ->
+top-k -> top-p -> a draw. Each row draws with its own key, fold_in(key(seed), index of the token in
+the request), so a seeded request samples the same tokens whatever else shares the batch. Logprobs
+are those of the raw distribution (before penalties and temperature, after the grammar's mask),
+like vLLM's default.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 
 MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5
+BITS_PER_WORD = 32  # a token bitmask packs 32 tokens into each int32 word
 
 
 @jax.tree_util.register_dataclass
@@ -33,6 +35,8 @@ class SamplingTensors:
     output_counts: jax.Array | None = None  # [R, V] int32: occurrences in the output so far
     prompt_mask: jax.Array | None = None  # [R, V] bool: token occurs in the prompt
     logit_bias: jax.Array | None = None  # [R, V] f32: -inf bans a token (min_tokens keeps EOS out)
+    # Structured outputs, present only when some row samples under a grammar (another variant):
+    allowed_token_bitmask: jax.Array | None = None  # [R, ceil(V / 32)] int32: bit i of word w = token 32w+i
 
     @property
     def has_penalties(self) -> bool:
@@ -46,6 +50,16 @@ class SamplerOutput:
     logprob_token_ids: jax.Array | None  # [R, 1 + MAX_LOGPROBS]: sampled token first, then top-n
     logprobs: jax.Array | None  # [R, 1 + MAX_LOGPROBS]
     sampled_rank: jax.Array | None  # [R] int32, 1-based rank of the sampled token
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Tokens whose bit is 0 to -inf. logits [R, V] f32, bitmask [R, W] int32 with 32 * W >= V (the
+    bits past V are ignored) -> [R, V]. Static shapes: unpacked with shifts, no gather."""
+    num_rows, vocab = logits.shape
+    shifts = jnp.arange(BITS_PER_WORD, dtype=jnp.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [R, W, 32]: word w, bit i -> token 32 * w + i
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0  # [R, V]
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [R, V]
@@ -91,6 +105,8 @@ def _draw(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [R] int32
 
 def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool) -> SamplerOutput:
     """logits: [R, V] float32 -> SamplerOutput."""
+    if st.allowed_token_bitmask is not None:
+        logits = apply_token_bitmask(logits, st.allowed_token_bitmask)
     raw = logits
     if st.has_penalties:
         logits = apply_penalties(logits, st)

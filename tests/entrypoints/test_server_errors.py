@@ -54,8 +54,8 @@ def error_of(response: httpx.Response, status: int) -> dict:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         (
             "/v1/chat/completions",
-            {"messages": CHAT, "response_format": {"type": "json_object"}},
-            "response_format",
+            {"messages": CHAT, "response_format": {"type": "xml"}},
+            "response_format.type",
         ),
         ("/v1/chat/completions", {"messages": CHAT, "tools": []}, "tools"),
         ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),

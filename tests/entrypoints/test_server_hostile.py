@@ -150,6 +150,7 @@ WRONG_TYPES = {
     "number": ["0.5", True, [0.5], {"value": 0.5}],
     "boolean": ["yes", 1, [True], {"value": True}],
     "string": [5, True, ["x"], {"name": "x"}],
+    "object": ["x", 5, True, [{}]],
 }
 _SAMPLING = {
     "integer": ["n", "seed", "top_k", "min_tokens", "priority"],
@@ -163,6 +164,7 @@ _SAMPLING = {
     ],
     "boolean": ["stream", "echo", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"],
     "string": ["model", "user", "cache_salt"],
+    "object": ["response_format", "structured_outputs"],
 }
 FIELD_TYPES = {
     "completions": {
@@ -248,7 +250,36 @@ STRUCTURE_CASES = [
     ("detokenize", {"tokens": [1.0]}, "tokens[0]"),
     ("detokenize", {"tokens": [[1]]}, "tokens[0]"),
     ("detokenize", {"tokens": None}, "tokens"),
-]
+    # Structured outputs: OpenAI's response_format and vLLM's structured_outputs, member by member.
+    ("chat", {"response_format": {"type": 5}}, "response_format.type"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("chat", {"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": "s"}}, "response_format.json_schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema.name"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+     "response_format.json_schema.name"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}},
+     "response_format.json_schema.schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [{}]}}},
+     "response_format.json_schema.schema"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
+     "response_format.json_schema.strict"),
+    ("completions", {"response_format": {"type": "json_object", "json_schema": 5}},
+     "response_format.json_schema"),
+    ("completions", {"structured_outputs": {"json": 5}}, "structured_outputs.json"),
+    ("completions", {"structured_outputs": {"json": ["x"]}}, "structured_outputs.json"),
+    ("completions", {"structured_outputs": {"regex": 5}}, "structured_outputs.regex"),
+    ("completions", {"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice"),
+    ("completions", {"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice[1]"),
+    ("completions", {"structured_outputs": {"grammar": ["start"]}}, "structured_outputs.grammar"),
+    ("completions", {"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
+    ("completions", {"structured_outputs": {"structural_tag": {}}}, "structured_outputs.structural_tag"),
+    ("completions", {"structured_outputs": {"regex": "a", "disable_any_whitespace": 1}},
+     "structured_outputs.disable_any_whitespace"),
+    ("completions", {"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp"),
+    ("chat", {"structured_outputs": {"choice": None, "json": None}}, "structured_outputs"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -323,6 +354,65 @@ def test_out_of_range_is_400_naming_the_field(client, endpoint, field, value):
     check_still_serving(client, port)
 
 
+def _schema_format(schema) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+# Well-formed JSON, but a schema, regex or grammar llguidance rejects (or one past a limit): each is a
+# 400 naming the field, never an unconstrained answer.
+INVALID_SPEC_CASES = [
+    ("chat", _schema_format({"type": "foo"}), "response_format.json_schema.schema"),
+    ("chat", _schema_format({"not": {"type": "string"}}), "response_format.json_schema.schema"),
+    ("chat", _schema_format({"type": "string", "pattern": "(a"}), "response_format.json_schema.schema"),
+    ("chat", _schema_format({"$ref": "#/$defs/nowhere"}), "response_format.json_schema.schema"),
+    ("chat", _schema_format({"type": "string", "format": "no-such"}), "response_format.json_schema.schema"),
+    ("chat", _schema_format(_nested(100)), "response_format.json_schema.schema"),
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("completions", {"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ("completions", {"structured_outputs": {"json": "[]"}}, "structured_outputs.json"),
+    ("completions", {"structured_outputs": {"json": {"minProperties": 2, "properties": {"a": {}}}}},
+     "structured_outputs.json"),
+    ("completions", {"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
+    ("completions", {"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
+    ("completions", {"structured_outputs": {"regex": "a" * (256 * 1024 + 1)}}, "structured_outputs.regex"),
+    ("completions", {"structured_outputs": {"grammar": "start: nothing"}}, "structured_outputs.grammar"),
+    ("completions", {"structured_outputs": {"grammar": 'root ::= "a" | ('}}, "structured_outputs.grammar"),
+    ("completions", {"structured_outputs": {"grammar": "start: /[/"}}, "structured_outputs.grammar"),
+    ("completions", {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ("completions", {"structured_outputs": {"choice": [""]}}, "structured_outputs.choice"),
+    ("completions", {"structured_outputs": {"choice": ["a"] * 1025}}, "structured_outputs.choice"),
+    ("completions", {"structured_outputs": {"json_object": False}}, "structured_outputs.json_object"),
+    ("completions", {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ("completions", {"structured_outputs": {"structural_tag": "[1"}}, "structured_outputs.structural_tag"),
+    ("completions", {"structured_outputs": {"json_object": True, "whitespace_pattern": "("}},
+     "structured_outputs.json_object"),
+    ("completions", {"structured_outputs": {}}, "structured_outputs"),
+    ("completions", {"structured_outputs": {"regex": "a", "grammar": "start: \"a\""}}, "structured_outputs"),
+    ("chat", {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "structured_outputs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "endpoint, fields, param",
+    INVALID_SPEC_CASES,
+    ids=[f"{e}-{json.dumps(f)[:70]}" for e, f, _ in INVALID_SPEC_CASES],
+)
+def test_invalid_structured_output_is_400_naming_the_field(client, endpoint, fields, param):
+    path, body = BODIES[endpoint]
+    response, port = send(client, path, {**body, **fields})
+    error = check_error(response, 400)
+    assert error["param"] == param, error
+    check_still_serving(client, port)
+
+
 @pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
 def test_non_finite_numbers_are_400(client, literal):
     """Python's JSON parser takes NaN and Infinity (and 1e400 overflows to inf); OpenAI's does not."""
@@ -373,6 +463,28 @@ TEXT_FIELDS = [  # (endpoint, body with "@" where the bad text goes, the param t
     ("tokenize", {"prompt": "@"}, "prompt"),
     ("tokenize-chat", {"messages": [{"role": "user", "content": "x@"}]}, "messages[0].content"),
     ("detokenize", {"tokens": [1], "model": "@"}, "model"),
+    (
+        "chat",
+        {
+            "messages": CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"enum": ["@"]}},
+            },
+        },
+        "response_format.json_schema.schema",
+    ),
+    ("completions", {"prompt": "Hi", "structured_outputs": {"regex": "a@"}}, "structured_outputs.regex"),
+    (
+        "completions",
+        {"prompt": "Hi", "structured_outputs": {"json": {"const": "@"}}},
+        "structured_outputs.json",
+    ),
+    (
+        "completions",
+        {"prompt": "Hi", "structured_outputs": {"choice": ["ok", "@"]}},
+        "structured_outputs.choice[1]",
+    ),
 ]
 UNICODE_CASES = [
     pytest.param(endpoint, body, param, raw, id=f"{endpoint}-{param}-{json.dumps(body)[:40]}-{name}")

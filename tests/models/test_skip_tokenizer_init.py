@@ -73,6 +73,9 @@ def test_text_in_is_refused(llm):
             llm.generate(prompt, params, use_tqdm=False)
     with pytest.raises(ValueError, match="stop strings .* need a tokenizer"):
         llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(stop=["w7"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs needs a tokenizer"):
+        constrained = SamplingParams(structured_outputs={"regex": "[0-9]+"})
+        llm.generate({"prompt_token_ids": [5, 6]}, constrained, use_tqdm=False)
     with pytest.raises(ValueError, match="chat\\(\\) needs a tokenizer"):
         llm.chat([{"role": "user", "content": "hi"}])
     assert not llm.engine_core.has_unfinished_requests()

@@ -4,7 +4,11 @@ Requests go out at a Poisson rate (`--request-rate`) or as fast as `--max-concur
 is a streamed chat completion (greedy, `ignore_eos`, so every request produces exactly
 `--output-len` tokens, as in `xlaserve bench throughput`). Reported: throughput and the p50/p90/p99
 of time to first token (TTFT), time per output token after the first (TPOT), inter-token latency
-(ITL, one sample per streamed chunk) and end-to-end latency. Several loads (`--max-concurrency 1,4,16`)
+(ITL, one sample per streamed chunk) and end-to-end latency. `--structured-output-ratio R` sends
+that share of the requests (spread evenly) with a JSON schema as `response_format`, each its own
+schema (so each compiles: nothing is served from the grammar cache) and one longer than
+`--output-len` (so constrained requests produce as many tokens as the others); their TTFT is also
+reported apart from the rest's. Several loads (`--max-concurrency 1,4,16`)
 make a sweep; `--plot FILE.png` draws the latency percentiles against load (needs matplotlib:
 `pip install xlaserve[bench]`).
 """
@@ -27,6 +31,7 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass
 class RequestResult:
+    is_structured: bool = False
     is_ok: bool = False
     error: str = ""
     start: float = 0.0
@@ -47,8 +52,37 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return out
 
 
+def is_structured(index: int, ratio: float) -> bool:
+    """Whether request `index` carries a schema: `ratio` of the requests, spread evenly."""
+    return math.floor((index + 1) * ratio) > math.floor(index * ratio)
+
+
+def bench_schema(index: int) -> dict:
+    """A JSON schema unique to request `index` (a property named after it), whose shortest valid
+    document (32 records) is longer than any --output-len a run uses: the request always runs to
+    max_tokens under the grammar's mask."""
+    record = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 10**6},
+            "name": {"type": "string", "maxLength": 24},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["id", "name", "tags", "score"],
+        "additionalProperties": False,
+    }
+    records = {"type": "array", "items": record, "minItems": 32}
+    return {
+        "type": "object",
+        "properties": {f"records_{index}": records},
+        "required": [f"records_{index}"],
+        "additionalProperties": False,
+    }
+
+
 async def _one_request(client, url: str, headers: dict, body: dict) -> RequestResult:
-    result = RequestResult(start=time.perf_counter())
+    result = RequestResult(is_structured="response_format" in body, start=time.perf_counter())
     last = result.start
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
@@ -91,7 +125,7 @@ async def run_load(args, conversations, *, max_concurrency: int | None, request_
     limits = httpx.Limits(max_connections=max_concurrency or len(conversations))
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
-        async def limited(messages):
+        async def limited(index: int, messages):
             body = {
                 "model": args.model,
                 "messages": messages,
@@ -101,6 +135,9 @@ async def run_load(args, conversations, *, max_concurrency: int | None, request_
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            if is_structured(index, args.structured_output_ratio):
+                schema = {"name": f"records_{index}", "schema": bench_schema(index)}
+                body["response_format"] = {"type": "json_schema", "json_schema": schema}
             async with limit:
                 return await _one_request(client, url, headers, body)
 
@@ -118,8 +155,8 @@ async def run_load(args, conversations, *, max_concurrency: int | None, request_
         )
         tasks = []
         start = time.perf_counter()
-        for messages in conversations:
-            tasks.append(asyncio.create_task(limited(messages)))
+        for index, messages in enumerate(conversations):
+            tasks.append(asyncio.create_task(limited(index, messages)))
             if math.isfinite(request_rate):
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
@@ -143,6 +180,9 @@ def summarize(results: list[RequestResult], elapsed: float, max_concurrency, req
         "output_tokens_per_s": num_out / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed,
         "ttft_s": percentiles([r.ttft for r in ok]),
+        "num_structured": sum(r.is_structured for r in results),
+        "ttft_s_structured": percentiles([r.ttft for r in ok if r.is_structured]),
+        "ttft_s_unstructured": percentiles([r.ttft for r in ok if not r.is_structured]),
         "tpot_s": percentiles(tpots),
         "itl_s": percentiles([x for r in ok for x in r.itls]),
         "e2e_s": percentiles([r.e2e for r in ok]),
@@ -163,11 +203,15 @@ def _print(run: dict, num_prompts: int, output_len: int) -> None:
         f"throughput: {run['requests_per_s']:.2f} req/s, {run['output_tokens_per_s']:.1f} output tok/s, "
         f"{run['total_tokens_per_s']:.1f} total tok/s"
     )
-    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+    rows = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")]
+    if run["num_structured"]:
+        print(f"{run['num_structured']} requests with a JSON schema (response_format)")
+        rows[1:1] = [("ttft_s_structured", "TTFT schema"), ("ttft_s_unstructured", "TTFT no schema")]
+    for key, name in rows:
         p = run[key]
         if p:
             print(
-                f"{name:>5} ms: mean {p['mean'] * 1e3:8.1f}  "
+                f"{name:>14} ms: mean {p['mean'] * 1e3:8.1f}  "
                 + "  ".join(f"p{q} {p[f'p{q}'] * 1e3:8.1f}" for q in PERCENTILES)
             )
 
@@ -202,6 +246,8 @@ def _values(text: str | None, kind) -> list:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.structured_output_ratio <= 1.0:
+        raise SystemExit(f"--structured-output-ratio must be in [0, 1], got {args.structured_output_ratio}")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
     conversations = workload(args.num_prompts)
     concurrencies = _values(args.max_concurrency, int) or [None]
@@ -217,6 +263,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         "base_url": args.base_url,
         "num_prompts": args.num_prompts,
         "output_len": args.output_len,
+        "structured_output_ratio": args.structured_output_ratio,
         "runs": runs,
     }
     if args.output_json:
@@ -244,6 +291,12 @@ def add_serve_parser(bench_sub) -> None:
         "--request-rate",
         default=None,
         help="Poisson arrivals, requests/s (default: all at once); a list runs a sweep",
+    )
+    b.add_argument(
+        "--structured-output-ratio",
+        type=float,
+        default=0.0,
+        help="the share of requests sent with a JSON schema (response_format), 0 to 1",
     )
     b.add_argument("--seed", type=int, default=0, help="of the Poisson arrival times")
     b.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")

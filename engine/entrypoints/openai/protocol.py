@@ -12,8 +12,9 @@ before it can reach the tokenizer.
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
@@ -28,7 +29,6 @@ UNSUPPORTED_FIELDS = frozenset(
         "parallel_tool_calls",
         "functions",
         "function_call",
-        "response_format",
         "logit_bias",
         "suffix",
         "best_of",
@@ -60,7 +60,14 @@ def _check_unicode(text: str) -> str:
     return text
 
 
+def _check_json_unicode(value):
+    """A JSON value (a schema) whose strings hold no lone surrogate: they would reach llguidance."""
+    _check_unicode(json.dumps(value, ensure_ascii=False))
+    return value
+
+
 Text = Annotated[str, AfterValidator(_check_unicode)]
+JsonObject = Annotated[dict[str, Any], AfterValidator(_check_json_unicode)]
 PositiveTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, Field(ge=-_INT64, le=_INT64 - 1)]
@@ -76,6 +83,35 @@ class OpenAIModel(BaseModel):
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Text | None = None
+    schema_: JsonObject | None = Field(default=None, alias="schema", description="none: any JSON object")
+    strict: bool | None = Field(default=None, description="accepted; the schema is always enforced")
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`: text (unconstrained), any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(OpenAIModel):
+    """vLLM's `structured_outputs` (xlaserve.sampling_params.StructuredOutputsParams): set one of
+    json, regex, choice, grammar, json_object, structural_tag."""
+
+    json_: JsonObject | Text | None = Field(default=None, alias="json", description="a JSON schema")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = Field(default=None, description="llguidance's Lark-like syntax, or GBNF")
+    json_object: bool | None = None
+    structural_tag: Text | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Text | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -108,6 +144,8 @@ class SamplingFields(OpenAIModel):
         max_length=256,
         description="isolates prefix-cache sharing: requests only share cached blocks with equal salts",
     )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
 
 
 class CompletionRequest(SamplingFields):

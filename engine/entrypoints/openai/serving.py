@@ -24,6 +24,7 @@ from xlaserve.engine.async_llm import (
 )
 from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, internal_error, param_of_value_error
 from xlaserve.entrypoints.openai.protocol import SamplingFields
+from xlaserve.entrypoints.openai.structured_outputs import structured_outputs_of
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
 
@@ -71,6 +72,7 @@ def new_id(prefix: str) -> str:
 def make_sampling_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
 ) -> SamplingParams:
+    structured_outputs = structured_outputs_of(req)
     try:
         return SamplingParams(
             n=req.n,
@@ -91,6 +93,7 @@ def make_sampling_params(
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=structured_outputs,
         )
     except ValueError as e:
         raise bad_request(str(e), param_of_value_error(e, _SAMPLING_FIELDS)) from None

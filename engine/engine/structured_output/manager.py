@@ -1,0 +1,185 @@
+"""The structured-output manager: grammars compiled off the engine loop, one matcher per request, and
+each step's token bitmask for the constrained rows.
+
+Its hooks into the engine are narrow. `add_request` gives a constrained request a `RequestGrammar`
+(the scheduler's `Grammar`: it skips the request while its grammar compiles, and advances it with
+each sampled token); `grammar_bitmask(scheduled)` is the step's mask, None when no row is
+constrained, so an unconstrained step runs the sampler it always ran. Compiling happens in a thread
+pool (llguidance releases the GIL while it builds a grammar), cached by grammar text: a hundred
+requests with one schema compile it once, and each copies the compiled matcher.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import copy
+import logging
+import math
+import os
+import time
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from xlaserve.core.outputs import ScheduledRequest
+from xlaserve.core.request import Request
+from xlaserve.engine.structured_output.grammar import grammar_source
+
+logger = logging.getLogger(__name__)
+
+_MAX_CACHED_GRAMMARS = 128
+# A grammar usually compiles in a millisecond or two, but a request whose grammar is not ready when
+# the scheduler looks waits a whole step. So before scheduling, the engine waits for the compiles in
+# flight, up to this fraction of a step (the time since the previous wait) and this cap: running
+# requests are slowed by a tenth of a step at most, and only while grammars compile.
+_GRACE_STEP_FRACTION = 0.1
+_MAX_GRACE_S = 0.05
+# llguidance packs a mask into int32 words: bit i of word w stands for token 32 * w + i.
+BITS_PER_WORD = 32
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row of a bitmask over `vocab_size` tokens."""
+    return math.ceil(vocab_size / BITS_PER_WORD)
+
+
+def make_ll_tokenizer(tokenizer, vocab_size: int, eos_token_id: int | None) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer from our HF fast tokenizer's `tokenizers` backend (no torch).
+
+    Its vocabulary is the model's (the logits' real width), or the tokenizer's when that is larger;
+    EOS is the engine's, so the grammar allows exactly the token that ends a request."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(
+            f"structured outputs need a fast tokenizer; {type(tokenizer).__name__} has no backend"
+        )
+    backend = copy.copy(backend)  # padding and truncation off on a copy, not on the engine's tokenizer
+    backend.no_padding()
+    backend.no_truncation()
+    n_vocab = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos_token_id)
+
+
+class RequestGrammar:
+    """One request's matcher (a copy of its compiled grammar), advanced by each sampled token.
+
+    Its state depends on the output tokens alone: a preempted request keeps it, and recomputing the
+    prompt and outputs never advances it again (only sampled tokens reach `accept_token`)."""
+
+    def __init__(self, request_id: str, compiled: concurrent.futures.Future):
+        self.request_id = request_id
+        self._compiled = compiled
+        self.matcher: llguidance.LLMatcher | None = None
+        self.error: str | None = None
+        self.is_terminated = False
+
+    @property
+    def is_ready(self) -> bool:
+        if self.matcher is None and self.error is None:
+            if not self._compiled.done():
+                return False
+            try:
+                self.matcher = self._compiled.result().deep_copy()
+            except Exception as e:  # noqa: BLE001 - a grammar that compiled nowhere fails its request only
+                self.error = f"the grammar did not compile: {e}"
+                logger.warning("request %s: %s", self.request_id, self.error)
+        return True
+
+    def accept_token(self, token_id: int) -> None:
+        if not self.matcher.consume_token(token_id):
+            self.error = f"the grammar rejected token {token_id}: {self.matcher.get_error()}"
+            logger.error("request %s: %s", self.request_id, self.error)
+        elif self.matcher.is_stopped():
+            self.is_terminated = True
+
+
+class StructuredOutputManager:
+    """Grammars for the requests of one engine (shared by its data-parallel ranks).
+
+    `tokenizer` None (an engine without one) refuses constrained requests. `vocab_size` is the
+    model's; the bitmask has one bit per token of it, or of the tokenizer where that is larger (the
+    runner fits it to the logits' width).
+    """
+
+    def __init__(self, tokenizer=None, vocab_size: int = 0, eos_token_id: int | None = None):
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="grammar"
+        )
+        self._ll_tokenizer = None
+        if tokenizer is not None:
+            # ~0.5 s for a 50k vocabulary: built beside warm-up, never on the engine loop.
+            self._ll_tokenizer = self._pool.submit(make_ll_tokenizer, tokenizer, vocab_size, eos_token_id)
+        self._compiled: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
+        self._compiling: set[concurrent.futures.Future] = set()
+        self._mask_executor: llguidance.LLExecutor | None = None
+        self._last_schedule_time: float | None = None
+
+    def add_request(self, request: Request) -> None:
+        """Attach a grammar to a constrained request (compiling, or cached); ValueError if this engine
+        cannot constrain it."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return
+        if self._ll_tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer, and this engine has none")
+        request.grammar = RequestGrammar(request.request_id, self._compile(grammar_source(params)))
+
+    def _compile(self, source: str) -> concurrent.futures.Future:
+        future = self._compiled.get(source)
+        if future is not None:  # compiled, compiling, or failed: either way, not again
+            self._compiled.move_to_end(source)
+            return future
+        future = self._pool.submit(self._build_matcher, source)
+        self._compiled[source] = future
+        if len(self._compiled) > _MAX_CACHED_GRAMMARS:
+            self._compiled.popitem(last=False)  # requests holding it keep their own reference
+        self._compiling.add(future)
+        return future
+
+    def _build_matcher(self, source: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self._ll_tokenizer.result(), source, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def wait_before_schedule(self) -> None:
+        """Called by the engine before each schedule: give the grammars compiling a short grace (see
+        _GRACE_STEP_FRACTION), so that their requests start in this step rather than the next."""
+        now = time.perf_counter()
+        step_s = _MAX_GRACE_S if self._last_schedule_time is None else now - self._last_schedule_time
+        self.wait_for_grammars(min(_MAX_GRACE_S, _GRACE_STEP_FRACTION * step_s))
+        self._last_schedule_time = time.perf_counter()
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block until the grammars being compiled are done, `timeout_s` at most; return at once when
+        none is (what the engine does, instead of spinning, when every request it could run waits for
+        its grammar)."""
+        self._compiling = {f for f in self._compiling if not f.done()}
+        if self._compiling:
+            concurrent.futures.wait(self._compiling, timeout_s)
+
+    def grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> np.ndarray | None:
+        """The allowed tokens of each scheduled row, [len(scheduled), W] int32 (bit i of word
+        w: token 32 * w + i), or None when no row samples under a grammar. Unconstrained rows, and rows
+        that only prefill this step, allow every token (-1)."""
+        rows = [
+            (row, s.request.grammar.matcher)
+            for row, s in enumerate(scheduled)
+            if s.is_sampling and s.request.grammar is not None
+        ]
+        if not rows:
+            return None
+        width = bitmask_width(self._ll_tokenizer.result().vocab_size)  # built: a matcher exists
+        bitmask = np.full((len(scheduled), width), -1, np.int32)
+        if self._mask_executor is None:
+            self._mask_executor = llguidance.LLExecutor()
+        # llguidance fills the rows in parallel (without the GIL), in place.
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self._mask_executor, [(matcher, row) for row, matcher in rows], bitmask
+        )
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
