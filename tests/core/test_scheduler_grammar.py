@@ -39,7 +39,14 @@ class FakeGrammar:
 def make_scheduler(num_blocks: int = 64, max_num_batched_tokens: int = 32) -> Scheduler:
     manager = KVCacheManager(BLOCK_SIZE, num_blocks, True, 64)
     return Scheduler(
-        SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, policy="fcfs"),
+        SimpleNamespace(
+            max_num_seqs=8,
+            max_num_batched_tokens=max_num_batched_tokens,
+            policy="fcfs",
+            long_prefill_token_threshold=0,  # the fairness limits off: chunks are budget-sized
+            max_num_partial_prefills=8,
+            max_long_partial_prefills=8,
+        ),
         SimpleNamespace(block_size=BLOCK_SIZE, enable_prefix_caching=True),
         64,
         manager,
