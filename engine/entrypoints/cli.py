@@ -41,9 +41,19 @@ def sampling_params(args: argparse.Namespace):
     )
 
 
+def require_tokenizer(args: argparse.Namespace) -> None:
+    """generate and chat read and write text: refuse --skip-tokenizer-init before loading anything."""
+    if args.skip_tokenizer_init:
+        raise ValueError(
+            f"--skip-tokenizer-init: `xlaserve {args.command}` reads and writes text, so it needs the "
+            "tokenizer (serve the model with --skip-tokenizer-init to send token ids instead)"
+        )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from xlaserve.entrypoints.llm import LLM
 
+    require_tokenizer(args)
     if run_follower_if_needed(args):
         return 0
     llm = LLM(args.model, **engine_kwargs(args))
@@ -65,6 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from xlaserve.entrypoints.llm import LLM
 
+    require_tokenizer(args)
     llm = LLM(args.model, **engine_kwargs(args))
     params = sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []

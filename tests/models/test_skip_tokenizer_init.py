@@ -86,3 +86,14 @@ def test_cli_flag():
     add_engine_args(parser)
     assert engine_kwargs(parser.parse_args(["--skip-tokenizer-init"]))["skip_tokenizer_init"] is True
     assert "skip_tokenizer_init" not in engine_kwargs(parser.parse_args([]))
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["generate", "hi", "--raw"], ["chat"]])
+def test_text_commands_refuse_skip_tokenizer_init(command, capsys):
+    """generate and chat read and write text: the flag is refused before any model is loaded (the
+    model path does not exist, so reaching the loader would fail differently)."""
+    from xlaserve.entrypoints import cli
+
+    assert cli.main([*command, "--model", "/nonexistent", "--skip-tokenizer-init"]) == 2
+    err = capsys.readouterr().err
+    assert f"xlaserve {command[0]}` reads and writes text" in err and "--skip-tokenizer-init" in err
