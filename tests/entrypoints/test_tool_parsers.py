@@ -10,6 +10,8 @@ import pytest
 
 from xlaserve.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
+    NamedToolParser,
+    RequiredToolParser,
     default_tool_parser,
     get_tool_parser,
 )
@@ -90,11 +92,39 @@ CASES = [
     ("mistral", '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}', None, [("a", {"x": 1}), ("b", {})]),
     ("mistral", "No tools needed.", "No tools needed.", []),
     ("mistral", "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
+    # SmolLM2's form: a list inside the hermes tags
+    (
+        "hermes",
+        '<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]</tool_call>',
+        None,
+        [("a", {"x": 1}), ("b", {})],
+    ),
+    # what a grammar forces for tool_choice named ("named:FUNCTION") and "required"
+    (
+        "named:get_weather",
+        '{"city": "Paris", "days": 3}',
+        None,
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
+    ("named:f", "  {}", None, [("f", {})]),
+    (
+        "required",
+        '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": [true]}}]',
+        None,
+        [("a", {"x": 1}), ("b", {"y": [True]})],
+    ),
+    ("required", "[]", "[]", []),
 ]
 
 
+def make_parser(name: str):
+    if name.startswith("named:"):
+        return NamedToolParser(name.split(":", 1)[1])
+    return RequiredToolParser() if name == "required" else get_tool_parser(name)()
+
+
 def _streamed(parser_name: str, chunks: list[str]):
-    parser = get_tool_parser(parser_name)()
+    parser = make_parser(parser_name)
     content, calls, text = "", {}, ""
     deltas = []
     for chunk in chunks:
@@ -118,7 +148,7 @@ def _streamed(parser_name: str, chunks: list[str]):
 
 @pytest.mark.parametrize(("parser_name", "output", "content", "calls"), CASES)
 def test_one_shot(parser_name, output, content, calls):
-    result = get_tool_parser(parser_name)().extract_tool_calls(output, None)
+    result = make_parser(parser_name).extract_tool_calls(output, None)
     assert result.content == content
     assert result.tools_called == bool(calls)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in result.tool_calls] == calls
@@ -127,7 +157,7 @@ def test_one_shot(parser_name, output, content, calls):
 
 @pytest.mark.parametrize(("parser_name", "output", "content", "calls"), CASES)
 def test_stream_split_anywhere_matches_one_shot(parser_name, output, content, calls):
-    one_shot = get_tool_parser(parser_name)().extract_tool_calls(output, None)
+    one_shot = make_parser(parser_name).extract_tool_calls(output, None)
     expected = (one_shot.content, [(c.function.name, c.function.arguments) for c in one_shot.tool_calls])
     assert _streamed(parser_name, list(output)) == expected  # one character at a time
     for cut in range(len(output) + 1):  # every two-piece split
@@ -165,6 +195,14 @@ def test_broken_call_after_announcement_keeps_stream_whole():
     assert calls == [("f", '{"a": 1 ')]  # what went out before the break
     assert content == "oops}}</tool_call>"
     assert get_tool_parser("hermes")().extract_tool_calls(text).content == text
+
+
+def test_forced_call_cut_off():
+    """max_tokens ended a forced call: one-shot it is content (not a call), streamed the call went out."""
+    text = '{"city": "Par'
+    result = NamedToolParser("f").extract_tool_calls(text)
+    assert (result.tools_called, result.content) == (False, text)
+    assert _streamed("named:f", list(text)) == (None, [("f", text)])
 
 
 def test_parallel_tool_calls_false_keeps_the_first():

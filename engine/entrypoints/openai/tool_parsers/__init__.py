@@ -2,7 +2,8 @@
 
 `get_tool_parser(name)` gives a parser's class (vLLM's `--tool-call-parser` names); instantiate one
 per choice, since it keeps the stream's state. `default_tool_parser(family_or_hf_config)` names the
-parser a model family writes, or None.
+parser a model family writes, or None. `NamedToolParser(function_name)` and `RequiredToolParser()` read
+the JSON a grammar forced for tool_choice named / "required" (not in the registry).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from xlaserve.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     make_tool_call_id,
 )
+from xlaserve.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from xlaserve.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from xlaserve.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from xlaserve.entrypoints.openai.tool_parsers.mistral import MistralToolParser
@@ -59,6 +61,8 @@ __all__ = [
     "DeltaToolCall",
     "ExtractedToolCalls",
     "FunctionCall",
+    "NamedToolParser",
+    "RequiredToolParser",
     "ToolCall",
     "ToolDelta",
     "ToolParser",

@@ -22,7 +22,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, scan_object
+from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, scan_object, skip_ws
 
 
 def make_tool_call_id() -> str:
@@ -127,6 +127,34 @@ def read_call_object(text: str, pos: int) -> CallRead:
     if not raw.startswith("{"):
         return CallRead(None, scan.end, scan.status)
     return CallRead(Call(name, raw, scan.is_closed(args_key)), scan.end, scan.status)
+
+
+def read_call_list(text: str, pos: int, final: bool, keep_broken: bool, pieces: list) -> tuple[int, bool]:
+    """Read a JSON list of call objects at text[pos] == "[" into `pieces`; (where the text goes on, or
+    -1 when this is not a list of calls; whether the rest is held back)."""
+    found = 0
+    pos += 1
+    while True:
+        pos = skip_ws(text, pos)
+        read = read_call_object(text, pos)
+        if read.status is Status.COMPLETE:
+            pieces.append(read.call)
+            found += 1
+            pos = skip_ws(text, read.end)
+            if pos == len(text):
+                return pos, not final
+            if text[pos] == ",":
+                pos += 1
+                continue
+            return pos + (text[pos] == "]"), False
+        if read.status is Status.PARTIAL and not final:
+            if read.call is not None:
+                pieces.append(read.call)
+            return len(text), read.call is None
+        if keep_broken and read.call is not None:
+            pieces.append(read.call)
+            return read.end, False
+        return (pos if found else -1), False
 
 
 def _name_of(text: str, scan) -> str | None:

@@ -17,7 +17,7 @@ from xlaserve.entrypoints.openai.tool_parsers.base import (
     Parsed,
     ToolParser,
     held_suffix,
-    read_call_object,
+    read_call_list,
 )
 from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, scan_object, skip_ws
 
@@ -49,42 +49,18 @@ class MistralToolParser(ToolParser):
                 if final:
                     pieces.append(text[start:])
                 return Parsed(pieces, is_held=not final)
-            reader = self._read_list if text[body] == "[" else self._read_named
-            pos, is_held = reader(text, body, final, keep_broken, pieces)
+            if text[body] == "[":
+                pos, is_held = read_call_list(text, body, final, keep_broken, pieces)
+            else:
+                pos, is_held = self._read_named(text, body, final, keep_broken, pieces)
             if is_held:
                 return Parsed(pieces, is_held=True)
             if pos < 0:  # not calls after all: the tag was just text
                 pieces.append(text[start : start + len(self.start_tag)])
                 pos = start + len(self.start_tag)
 
-    def _read_list(self, text, pos, final, keep_broken, pieces) -> tuple[int, bool]:
-        """The JSON list form; (where to go on, -1: not calls; is_held)."""
-        found = 0
-        pos += 1
-        while True:
-            pos = skip_ws(text, pos)
-            read = read_call_object(text, pos)
-            if read.status is Status.COMPLETE:
-                pieces.append(read.call)
-                found += 1
-                pos = skip_ws(text, read.end)
-                if pos == len(text):
-                    return pos, not final
-                if text[pos] == ",":
-                    pos += 1
-                    continue
-                return pos + (text[pos] == "]"), False
-            if read.status is Status.PARTIAL and not final:
-                if read.call is not None:
-                    pieces.append(read.call)
-                return len(text), read.call is None
-            if keep_broken and read.call is not None:
-                pieces.append(read.call)
-                return read.end, False
-            return (pos if found else -1), False
-
     def _read_named(self, text, pos, final, keep_broken, pieces) -> tuple[int, bool]:
-        """The `name[ARGS]{...}` form; as `_read_list`."""
+        """The `name[ARGS]{...}` form; as `read_call_list`."""
         name_end = pos
         while name_end < len(text) and _NAME_CHAR.match(text, name_end):
             name_end += 1
