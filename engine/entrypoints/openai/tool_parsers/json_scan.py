@@ -21,6 +21,8 @@ _NUMBER_CHARS = frozenset("-+.eE0123456789")
 _LITERALS = ("true", "false", "null")
 _ESCAPES = frozenset('"\\/bfnrtu')
 _HEX = frozenset("0123456789abcdefABCDEF")
+# A JSON string's body: unescaped characters, or complete escapes.
+_STRING_BODY = re.compile(r'(?:[^"\\\x00-\x1f]+|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
 
 
 class Status(enum.Enum):
@@ -82,6 +84,7 @@ class ObjectScanner:
         self.members: dict[str, Member] = {}
         self._result: ObjectScan | None = None  # COMPLETE or INVALID: final
         self._seen = ""  # the text up to self.i, to check that each text extends the last
+        self._open_string = (-1, -1)  # (start, body read to) of a string the text ended inside
 
     def scan(self, text: str) -> ObjectScan:
         if self._result is not None:
@@ -125,7 +128,7 @@ class ObjectScanner:
                 if expect == "key":
                     if c != '"':
                         return ObjectScan(Status.INVALID, i, self.members)
-                    end, bad = _string_end(text, i)
+                    end, bad = self._string_end(text, i)
                     if end < 0:
                         return _stopped(bad, n, self.members)
                     if len(stack) == 1:
@@ -147,7 +150,7 @@ class ObjectScanner:
                         expect = "key_or_close" if c == "{" else "value_or_close"
                         continue
                     if c == '"':
-                        end, bad = _string_end(text, i)
+                        end, bad = self._string_end(text, i)
                     elif c in _NUMBER_CHARS or c in "tfn":
                         end, bad = _scalar_end(text, i)
                     else:
@@ -174,6 +177,13 @@ class ObjectScanner:
         finally:  # a partial token is read again next time: i is where it starts
             self.i, self.expect, self.current = i, expect, current
 
+    def _string_end(self, text: str, i: int) -> tuple[int, int]:
+        """`_string_end`, going on from where the last text's read of this string stopped."""
+        start, body_end = self._open_string
+        end, bad, body_end = _string_end(text, i, body_end if start == i else -1)
+        self._open_string = (i, body_end)
+        return end, bad
+
     def _closed(self, current: Member | None, i: int) -> Member | None:
         """A value ended at i; at depth 1 it is the current member's."""
         if len(self.stack) == 1 and current is not None and current.start >= 0:
@@ -195,34 +205,28 @@ def _close(stack: list[str], opener: str, i: int) -> int:
     return i + 1
 
 
-def _string_end(text: str, i: int) -> tuple[int, int]:
-    """(end, bad) for the string starting at text[i] == '"': end is past its closing quote, or -1 when
-    the text ends inside it; bad is the first character that cannot be JSON (-1: none)."""
+def _string_end(text: str, i: int, body_from: int = -1) -> tuple[int, int, int]:
+    """(end, bad, body_end) for the string starting at text[i] == '"': end is past its closing quote,
+    or -1 when the text ends inside it; bad is the first character that cannot be JSON (-1: none);
+    body_end is how far its body holds only characters and complete escapes. `body_from`: the body_end
+    an earlier, shorter text gave (the body is read on from there)."""
     n = len(text)
-    j = i + 1
-    while j < n:
-        c = text[j]
-        if c == '"':
-            return j + 1, -1
-        if c == "\\":
-            if j + 1 >= n:
-                return -1, -1
-            if text[j + 1] not in _ESCAPES:
-                return -1, j + 1
-            if text[j + 1] == "u":
-                for k in range(j + 2, min(j + 6, n)):
-                    if text[k] not in _HEX:
-                        return -1, k
-                if j + 6 > n:
-                    return -1, -1
-                j += 6
-                continue
-            j += 2
-            continue
-        if ord(c) < 0x20:  # control characters must be escaped
-            return -1, j
-        j += 1
-    return -1, -1
+    j = _STRING_BODY.match(text, max(i + 1, body_from)).end()
+    if j == n:
+        return -1, -1, j
+    if text[j] == '"':
+        return j + 1, -1, j
+    if text[j] != "\\":  # a control character: it must be escaped
+        return -1, j, j
+    # an escape the body did not take: cut off by the end of the text, or invalid
+    if j + 1 == n:
+        return -1, -1, j
+    if text[j + 1] != "u":
+        return -1, j + 1, j
+    for k in range(j + 2, min(j + 6, n)):
+        if text[k] not in _HEX:
+            return -1, k, j
+    return -1, -1, j
 
 
 def _scalar_end(text: str, i: int) -> tuple[int, int]:
