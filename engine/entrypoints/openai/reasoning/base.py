@@ -114,12 +114,9 @@ def _token_id(tokenizer: Any, token: str) -> int | None:
 
 
 def _last_index(ids: list[int], token_id: int | None) -> int:
-    if token_id is None:
+    if token_id is None or token_id not in ids:
         return -1
-    for i in range(len(ids) - 1, -1, -1):
-        if ids[i] == token_id:
-            return i
-    return -1
+    return len(ids) - 1 - ids[::-1].index(token_id)  # C loops: prompts can be long
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
