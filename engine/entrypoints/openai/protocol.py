@@ -16,17 +16,15 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
 from pydantic_core import PydanticCustomError
 
+from xlaserve.entrypoints.openai.tool_protocol import DeltaToolCallOut, ToolCallOut, without_nones
 from xlaserve.sampling_params import MAX_LOGPROBS
 
 # OpenAI fields we do not implement yet: a request that sets one gets a 400 naming it.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
         "functions",
         "function_call",
         "logit_bias",
@@ -163,14 +161,82 @@ class TextContentPart(OpenAIModel):
     text: Text
 
 
+# OpenAI's function names: what a call's "name" may hold.
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class FunctionCallParam(OpenAIModel):
+    name: Text = Field(min_length=1, max_length=64)
+    arguments: Text = Field(max_length=256 * 1024, description="the call's arguments as JSON text")
+
+
+class ToolCallParam(OpenAIModel):
+    """A call in an assistant message of the history."""
+
+    id: Text = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = Field(default=None, max_length=256)
+    tool_calls: Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: Text | None = Field(default=None, min_length=1, max_length=256)  # tool: the call answered
+    reasoning_content: Text | None = None  # accepted when a client sends an answer back; not rendered
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Text = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: Text | None = Field(default=None, max_length=64 * 1024)
+    parameters: JsonObject | None = Field(default=None, description="a JSON schema; none: no arguments")
+    strict: bool | None = Field(default=None, description="accepted; required and named calls are enforced")
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: Text = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _tool_choice_kind(value) -> str | None:
+    if isinstance(value, str):
+        return "tool-choice-mode"
+    return "tool-choice-function" if isinstance(value, dict) else None
+
+
+# A string is a mode, an object names a function: only that branch's errors are reported.
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("tool-choice-mode")]
+    | Annotated[NamedToolChoice, Tag("tool-choice-function")],
+    Discriminator(
+        _tool_choice_kind,
+        custom_error_type="tool_choice_type",
+        custom_error_message="must be 'none', 'auto', 'required' or an object naming a function",
+    ),
+]
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = Field(
+        default=None, description="default: auto when the server enables it and tools are given, else none"
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="false: one call at most")
+    chat_template_kwargs: JsonObject | None = Field(
+        default=None, description='extra variables for the chat template, e.g. {"enable_thinking": false}'
+    )
     max_completion_tokens: PositiveTokens | None = None
     max_tokens: PositiveTokens | None = Field(default=None, description="deprecated: max_completion_tokens")
     logprobs: bool = False
@@ -192,6 +258,8 @@ class TokenizeChatRequest(OpenAIModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    tools: Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    chat_template_kwargs: JsonObject | None = None
 
 
 def _tokenize_kind(body) -> str:
@@ -205,7 +273,7 @@ TokenizeRequest = Annotated[
     | Annotated[TokenizeChatRequest, Tag("chat-request")],
     Discriminator(_tokenize_kind),
 ]
-UNION_TAGS = frozenset({"prompt-request", "chat-request"})
+UNION_TAGS = frozenset({"prompt-request", "chat-request", "tool-choice-mode", "tool-choice-function"})
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -293,6 +361,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -315,6 +385,12 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler):  # chunks without thinking or calls look as they always did
+        return without_nones(handler, self, ("reasoning_content", "tool_calls"))
 
 
 class ChatChunkChoice(BaseModel):
