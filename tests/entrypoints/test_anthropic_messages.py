@@ -1,0 +1,162 @@
+"""Anthropic's Messages API through `xlaserve serve` (the session's SmolLM2 server) and the official
+`anthropic` client: results, usage against count_tokens and /tokenize, stop reasons, the event stream
+in its documented order and the client's own stream helpers, and the API key in either header."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from helpers.server_harness import MODEL_NAME
+
+QUESTION = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> anthropic.Anthropic:
+    """The client as users set it up: the key goes in x-api-key."""
+    return anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=300)
+
+
+GREEDY = {"temperature": 0}  # this client has no temperature argument; the API still takes the field
+
+
+def _create(client, **fields):
+    return client.messages.create(model=MODEL_NAME, extra_body=GREEDY, **{"max_tokens": 8, **fields})
+
+
+def _prompt_ids(server, messages: list[dict]) -> list[int]:
+    """The engine's own count: /tokenize on the same conversation through the same template."""
+    response = httpx.post(server.url + "/tokenize", json={"messages": messages}, headers=server.headers)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+def test_round_trip_usage_and_count_tokens(server, client):
+    message = _create(client, messages=QUESTION, system="Answer briefly.")
+    assert message.type == "message" and message.role == "assistant" and message.model == MODEL_NAME
+    assert message.id.startswith("msg_")
+    assert [block.type for block in message.content] == ["text"] and message.content[0].text
+    counted = client.messages.count_tokens(model=MODEL_NAME, messages=QUESTION, system="Answer briefly.")
+    engine_ids = _prompt_ids(server, [{"role": "system", "content": "Answer briefly."}, *QUESTION])
+    assert message.usage.input_tokens == counted.input_tokens == len(engine_ids)
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
+
+
+def test_system_as_blocks_equals_system_as_string(client):
+    as_string = client.messages.count_tokens(model=MODEL_NAME, messages=QUESTION, system="Be terse.")
+    blocks = [
+        {"type": "text", "text": "Be "},
+        {"type": "text", "text": "terse.", "cache_control": {"type": "ephemeral"}},
+    ]
+    as_blocks = client.messages.count_tokens(model=MODEL_NAME, messages=QUESTION, system=blocks)
+    assert as_blocks.input_tokens == as_string.input_tokens
+
+
+def test_end_turn_and_stop_sequence(client):
+    free = _create(client, messages=QUESTION, max_tokens=64)
+    assert free.stop_reason == "end_turn" and free.stop_sequence is None, free
+    text = free.content[0].text
+    assert free.usage.output_tokens < 64
+    # A word from the middle of the greedy answer: the same request stops right before it.
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[len(words) // 2]
+    stopped = _create(client, messages=QUESTION, max_tokens=64, stop_sequences=["\u2603", stop])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    assert stopped.content[0].text == text[: text.index(stop)]
+
+
+def test_prefill_continues_the_final_assistant_message(server, client):
+    """A final assistant message is continued, as the chat route's continue_final_message does."""
+    conversation = [*QUESTION, {"role": "assistant", "content": "The three colors are"}]
+    message = _create(client, messages=conversation)
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": conversation, "max_tokens": 8, "temperature": 0,
+              "add_generation_prompt": False, "continue_final_message": True},
+        headers=server.headers,
+        timeout=300,
+    )  # fmt: skip
+    chat = response.json()
+    assert message.content[0].text == chat["choices"][0]["message"]["content"]
+    assert message.usage.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+def read_events(server, body: dict) -> list[tuple[str, dict]]:
+    """(event name, data) of each server-sent event, as sent."""
+    events = []
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/messages",
+        json={**body, "stream": True},
+        headers=server.headers,
+        timeout=300,
+    ) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith(
+            "text/event-stream"
+        )
+        name = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: ") :])
+                assert data["type"] == name
+                events.append((name, data))
+    return events
+
+
+def test_stream_events_in_documented_order(server):
+    body = {"model": MODEL_NAME, "max_tokens": 12, "temperature": 0, "messages": QUESTION}
+    events = read_events(server, body)
+    names = [name for name, _ in events if name != "ping"]
+    assert names[:2] == ["message_start", "content_block_start"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[2:-3]) == {"content_block_delta"}
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["output_tokens"] == 0
+    deltas = [data for name, data in events if name == "content_block_delta"]
+    assert all(d["index"] == 0 and d["delta"]["type"] == "text_delta" for d in deltas)
+    final = events[-2][1]
+    assert final["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert final["usage"] == {"input_tokens": start["usage"]["input_tokens"], "output_tokens": 12}
+
+
+def test_stream_helper_equals_the_message(client):
+    """The client's own accumulator parses the events into the message the non-streaming call returns."""
+    for fields in ({"max_tokens": 12}, {"max_tokens": 64, "stop_sequences": [" and"]}):
+        with client.messages.stream(
+            model=MODEL_NAME, extra_body=GREEDY, messages=QUESTION, **fields
+        ) as stream:
+            texts = list(stream.text_stream)
+            streamed = stream.get_final_message()
+        whole = _create(client, messages=QUESTION, **fields)
+        assert "".join(texts) == whole.content[0].text
+        assert streamed.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+
+
+def test_api_key_in_either_header(server):
+    bearer = anthropic.Anthropic(base_url=server.url, auth_token=server.api_key, max_retries=0, timeout=300)
+    assert bearer.messages.count_tokens(model=MODEL_NAME, messages=QUESTION).input_tokens > 0
+    wrong = anthropic.Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0, timeout=300)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        wrong.messages.create(model=MODEL_NAME, max_tokens=1, messages=QUESTION)
+    assert caught.value.status_code == 401
+    assert caught.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": caught.value.body["error"]["message"]},
+    }
+    response = httpx.post(
+        server.url + "/v1/messages/count_tokens", json={"model": MODEL_NAME, "messages": QUESTION}
+    )
+    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+
+
+def test_unknown_model_is_404_not_found_error(client):
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.messages.create(model="claude-nothing", max_tokens=1, messages=QUESTION)
+    assert caught.value.body["error"]["type"] == "not_found_error"
