@@ -111,7 +111,7 @@ def read_events(server, body: dict) -> list[tuple[str, dict]]:
 
 
 def test_stream_events_in_documented_order(server):
-    body = {"model": MODEL_NAME, "max_tokens": 12, "temperature": 0, "messages": QUESTION}
+    body = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "messages": QUESTION}
     events = read_events(server, body)
     names = [name for name, _ in events if name != "ping"]
     assert names[:2] == ["message_start", "content_block_start"]
@@ -123,12 +123,12 @@ def test_stream_events_in_documented_order(server):
     assert all(d["index"] == 0 and d["delta"]["type"] == "text_delta" for d in deltas)
     final = events[-2][1]
     assert final["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    assert final["usage"] == {"input_tokens": start["usage"]["input_tokens"], "output_tokens": 12}
+    assert final["usage"] == {"input_tokens": start["usage"]["input_tokens"], "output_tokens": 8}
 
 
 def test_stream_helper_equals_the_message(client):
     """The client's own accumulator parses the events into the message the non-streaming call returns."""
-    for fields in ({"max_tokens": 12}, {"max_tokens": 64, "stop_sequences": [" and"]}):
+    for fields in ({"max_tokens": 8}, {"max_tokens": 64}, {"max_tokens": 64, "stop_sequences": ["Green"]}):
         with client.messages.stream(
             model=MODEL_NAME, extra_body=GREEDY, messages=QUESTION, **fields
         ) as stream:
