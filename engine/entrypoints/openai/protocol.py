@@ -16,17 +16,15 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
 from pydantic_core import PydanticCustomError
 
+from xlaserve.entrypoints.openai.tool_protocol import DeltaToolCallOut, ToolCallOut, without_nones
 from xlaserve.sampling_params import MAX_LOGPROBS
 
 # OpenAI fields we do not implement yet: a request that sets one gets a 400 naming it.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
         "functions",
         "function_call",
         "logit_bias",
@@ -163,14 +161,64 @@ class TextContentPart(OpenAIModel):
     text: Text
 
 
+# OpenAI's function names: what a call's "name" may hold.
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class FunctionCallParam(OpenAIModel):
+    name: Text = Field(min_length=1, max_length=64)
+    arguments: Text = Field(max_length=256 * 1024, description="the call's arguments as JSON text")
+
+
+class ToolCallParam(OpenAIModel):
+    """A call in an assistant message of the history."""
+
+    id: Text = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = Field(default=None, max_length=256)
+    tool_calls: Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: Text | None = Field(default=None, min_length=1, max_length=256)  # tool: the call answered
+    reasoning_content: Text | None = None  # accepted when a client sends an answer back; not rendered
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Text = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: Text | None = Field(default=None, max_length=64 * 1024)
+    parameters: JsonObject | None = Field(default=None, description="a JSON schema; none: no arguments")
+    strict: bool | None = Field(default=None, description="accepted; required and named calls are enforced")
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: Text = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="default: auto when the server enables it and tools are given, else none"
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="false: one call at most")
+    chat_template_kwargs: JsonObject | None = Field(
+        default=None, description='extra variables for the chat template, e.g. {"enable_thinking": false}'
+    )
     max_completion_tokens: PositiveTokens | None = None
     max_tokens: PositiveTokens | None = Field(default=None, description="deprecated: max_completion_tokens")
     logprobs: bool = False
@@ -293,6 +341,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -315,6 +365,12 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler):  # chunks without thinking or calls look as they always did
+        return without_nones(handler, self, ("reasoning_content", "tool_calls"))
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,0 +1,26 @@
+"""Reasoning parsers (vLLM's `--reasoning-parser` names): split thinking from the answer."""
+
+from __future__ import annotations
+
+from xlaserve.entrypoints.openai.reasoning.base import (
+    DeepSeekR1ReasoningParser,
+    Qwen3ReasoningParser,
+    ReasoningDelta,
+    ReasoningParser,
+)
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+}
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown reasoning parser {name!r}; choose from {sorted(REASONING_PARSERS)}"
+        ) from None
+
+
+__all__ = ["REASONING_PARSERS", "ReasoningDelta", "ReasoningParser", "get_reasoning_parser"]

@@ -1,0 +1,131 @@
+"""Reasoning parsers: a thinking model's text -> (reasoning, content), one-shot or streamed.
+
+Both formats here write the thinking between `<think>` and `</think>`; they differ in where the thinking
+may start. Whether the output starts inside the thinking is read from the prompt when it is known (a
+template that ends the prompt with `<think>` opened it; one that ends with `<think></think>`, as Qwen3's
+does for enable_thinking=false, closed it); otherwise the family's default applies (`starts_open`).
+An output that starts outside it is thinking only if it opens with `<think>`.
+
+Streaming re-parses the text so far and sends what grew, holding back a possible tag, so a stream and
+a one-shot parse give the same split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from xlaserve.entrypoints.openai.tool_parsers.base import held_suffix
+
+
+@dataclass
+class ReasoningDelta:
+    reasoning: str | None = None
+    content: str | None = None
+
+
+class ReasoningParser:
+    """One instance per choice (it keeps the stream's state). `tokenizer` gives the tags' token ids
+    (`is_reasoning_end`; a tokenizer without them as single tokens is a ValueError); `prompt_token_ids`
+    tell whether the output starts inside the thinking."""
+
+    name: ClassVar[str]
+    start_tag: ClassVar[str] = "<think>"
+    end_tag: ClassVar[str] = "</think>"
+    starts_open: ClassVar[bool]  # the output starts inside the thinking when the prompt does not say
+
+    def __init__(self, tokenizer: Any = None, *, prompt_token_ids: list[int] | None = None):
+        self.start_token_id = self.end_token_id = None
+        if tokenizer is not None:
+            self.start_token_id = _token_id(tokenizer, self.start_tag)
+            self.end_token_id = _token_id(tokenizer, self.end_tag)
+            if self.end_token_id is None:
+                raise ValueError(
+                    f"the {self.name} reasoning parser needs {self.end_tag!r} as one token of the "
+                    "model's vocabulary; this tokenizer has none"
+                )
+        self.is_open = self.starts_open
+        if prompt_token_ids is not None and self.end_token_id is not None:
+            last_start = _last_index(prompt_token_ids, self.start_token_id)
+            last_end = _last_index(prompt_token_ids, self.end_token_id)
+            if last_start >= 0 or last_end >= 0:
+                self.is_open = last_start > last_end
+        self._sent_reasoning = self._sent_content = 0
+
+    def is_reasoning_end(self, token_ids: list[int]) -> bool:
+        """Has the thinking ended in these ids (a prompt's followed by an output's)? True once an end tag
+        comes after the last start tag."""
+        last_end = _last_index(token_ids, self.end_token_id)
+        return last_end >= 0 and last_end > _last_index(token_ids, self.start_token_id)
+
+    def extract_reasoning(self, text: str, request: Any = None) -> tuple[str | None, str | None]:
+        reasoning, content = self._split(text, final=True)
+        return reasoning or None, content or None
+
+    def extract_reasoning_streaming(
+        self, previous_text: str, current_text: str, delta_text: str, request: Any = None
+    ) -> ReasoningDelta | None:
+        """The news since the last call for the text so far; None while nothing can be sent."""
+        return self._delta(*self._split(current_text, final=False))
+
+    def finish_streaming(self, current_text: str, request: Any = None) -> ReasoningDelta | None:
+        return self._delta(*self._split(current_text, final=True))
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        pos = 0
+        if not self.is_open:
+            stripped = text.lstrip()
+            if not stripped.startswith(self.start_tag):
+                if not final and self.start_tag.startswith(stripped):
+                    return "", ""  # maybe the start tag
+                return "", text
+            pos = len(text) - len(stripped) + len(self.start_tag)
+        elif text.startswith(self.start_tag):  # the model wrote the tag the template already had
+            pos = len(self.start_tag)
+        elif not final and self.start_tag.startswith(text):
+            return "", ""  # maybe that tag
+        end = text.find(self.end_tag, pos)
+        if end < 0:
+            held = 0 if final else held_suffix(text, self.end_tag)
+            return text[pos : len(text) - held], ""
+        return text[pos:end], text[end + len(self.end_tag) :].lstrip()
+
+    def _delta(self, reasoning: str, content: str) -> ReasoningDelta | None:
+        delta = ReasoningDelta()
+        if len(reasoning) > self._sent_reasoning:
+            delta.reasoning = reasoning[self._sent_reasoning :]
+            self._sent_reasoning = len(reasoning)
+        if len(content) > self._sent_content:
+            delta.content = content[self._sent_content :]
+            self._sent_content = len(content)
+        return delta if delta.reasoning or delta.content else None
+
+
+def _token_id(tokenizer: Any, token: str) -> int | None:
+    token_id = tokenizer.get_vocab().get(token)
+    return int(token_id) if token_id is not None else None
+
+
+def _last_index(ids: list[int], token_id: int | None) -> int:
+    if token_id is None:
+        return -1
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] == token_id:
+            return i
+    return -1
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    """DeepSeek-R1: its template opens the thinking in the prompt (older ones let the model write
+    `<think>`), so all text before `</think>` is thinking, and an output cut before it is all thinking."""
+
+    name = "deepseek_r1"
+    starts_open = True
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    """Qwen3: the model opens `<think>` itself (enable_thinking=false closes it in the prompt); the
+    2507 Thinking models' template opens it in the prompt, which the prompt's ids reveal."""
+
+    name = "qwen3"
+    starts_open = False

@@ -1,0 +1,254 @@
+"""Tool-call parsers on outputs in each format: one-shot parses, and streams of the same text split at
+every position, which must give the same calls and content."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from xlaserve.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    NamedToolParser,
+    RequiredToolParser,
+    default_tool_parser,
+    get_tool_parser,
+)
+from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, scan_object
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+# (parser, model output, expected content, expected [(name, arguments as a dict)])
+CASES = [
+    # Qwen2.5's format, as its chat template describes it
+    (
+        "hermes",
+        f"<tool_call>\n{WEATHER}\n</tool_call>",
+        None,
+        [("get_weather", {"city": "Paris", "unit": "celsius"})],
+    ),
+    (
+        "hermes",
+        "I will check both.\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": '
+        '{"tz": "Europe/Paris", "fmt": [1, 2.5e-3, true, null]}}\n</tool_call>',
+        "I will check both.",
+        [
+            ("get_weather", {"city": "Paris"}),
+            ("get_time", {"tz": "Europe/Paris", "fmt": [1, 2.5e-3, True, None]}),
+        ],
+    ),
+    ("hermes", "The answer is 4.", "The answer is 4.", []),
+    ("hermes", "Use <tool_ in HTML? No: 3 < 4.", "Use <tool_ in HTML? No: 3 < 4.", []),
+    # no end tag (the model stopped at EOS right after the object), arguments as a JSON string
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}', None, [("f", {"x": 1})]),
+    (
+        "hermes",
+        '<tool_call>{"arguments": {"q": "a \\"quoted\\" \\u00e9"}, "name": "search"}</tool_call>',
+        None,
+        [("search", {"q": 'a "quoted" \u00e9'})],
+    ),
+    ("hermes", '<tool_call>{"name": "noargs"}</tool_call>', None, [("noargs", {})]),
+    # not a call: no name, not JSON, arguments not an object -> content
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ("hermes", "<tool_call> call get_weather please", "<tool_call> call get_weather please", []),
+    (
+        "hermes",
+        '<tool_call>{"name": "f", "arguments": 3}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": 3}</tool_call>',
+        [],
+    ),
+    # Llama 3.1's JSON format
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}',
+        None,
+        [("a", {"x": 1}), ("b", {})],
+    ),
+    ("llama3_json", "Paris is the capital of France.", "Paris is the capital of France.", []),
+    ("llama3_json", '{"city": "Paris"}', '{"city": "Paris"}', []),
+    (
+        "llama3_json",
+        '  {"type": "function", "name": "f", "parameters": {"a": {"b": []}}}',
+        None,
+        [("f", {"a": {"b": []}})],
+    ),
+    # Mistral's two forms
+    ("mistral", f"[TOOL_CALLS] [{WEATHER}]", None, [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    (
+        "mistral",
+        'Sure. [TOOL_CALLS][{"name": "a", "arguments": {"x": [1]}}, {"name": "b", "arguments": {}}]',
+        "Sure.",
+        [("a", {"x": [1]}), ("b", {})],
+    ),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [("get_weather", {"city": "Paris"})]),
+    ("mistral", '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}', None, [("a", {"x": 1}), ("b", {})]),
+    ("mistral", "No tools needed.", "No tools needed.", []),
+    ("mistral", "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", []),
+    # SmolLM2's form: a list inside the hermes tags
+    (
+        "hermes",
+        '<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]</tool_call>',
+        None,
+        [("a", {"x": 1}), ("b", {})],
+    ),
+    # what a grammar forces for tool_choice named ("named:FUNCTION") and "required"
+    (
+        "named:get_weather",
+        '{"city": "Paris", "days": 3}',
+        None,
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
+    ("named:f", "  {}", None, [("f", {})]),
+    (
+        "required",
+        '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": [true]}}]',
+        None,
+        [("a", {"x": 1}), ("b", {"y": [True]})],
+    ),
+    ("required", "[]", "[]", []),
+]
+
+
+def make_parser(name: str):
+    if name.startswith("named:"):
+        return NamedToolParser(name.split(":", 1)[1])
+    return RequiredToolParser() if name == "required" else get_tool_parser(name)()
+
+
+def _streamed(parser_name: str, chunks: list[str]):
+    parser = make_parser(parser_name)
+    content, calls, text = "", {}, ""
+    deltas = []
+    for chunk in chunks:
+        previous, text = text, text + chunk
+        deltas.append(parser.extract_tool_calls_streaming(previous, text, chunk))
+    deltas.append(parser.finish_streaming(text))
+    for delta in deltas:
+        if delta is None:
+            continue
+        content += delta.content or ""
+        for tc in delta.tool_calls:
+            if tc.index not in calls:
+                assert tc.index == len(calls), "calls are announced in order"
+                assert tc.id and tc.function.name and tc.type == "function"
+                calls[tc.index] = [tc.function.name, ""]
+            else:
+                assert tc.id is None and tc.function.name is None, "id and name come once"
+            calls[tc.index][1] += tc.function.arguments or ""
+    return content or None, [(name, args) for name, args in calls.values()]
+
+
+@pytest.mark.parametrize(("parser_name", "output", "content", "calls"), CASES)
+def test_one_shot(parser_name, output, content, calls):
+    result = make_parser(parser_name).extract_tool_calls(output, None)
+    assert result.content == content
+    assert result.tools_called == bool(calls)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in result.tool_calls] == calls
+    assert len({c.id for c in result.tool_calls}) == len(calls)
+
+
+@pytest.mark.parametrize(("parser_name", "output", "content", "calls"), CASES)
+def test_stream_split_anywhere_matches_one_shot(parser_name, output, content, calls):
+    one_shot = make_parser(parser_name).extract_tool_calls(output, None)
+    expected = (one_shot.content, [(c.function.name, c.function.arguments) for c in one_shot.tool_calls])
+    assert _streamed(parser_name, list(output)) == expected  # one character at a time
+    for cut in range(len(output) + 1):  # every two-piece split
+        assert _streamed(parser_name, [output[:cut], output[cut:]]) == expected, cut
+    rng = random.Random(len(output))
+    for _ in range(5):  # token-like pieces
+        cuts = sorted(rng.sample(range(1, len(output)), min(len(output) - 1, len(output) // 4)))
+        chunks = [output[a:b] for a, b in zip([0, *cuts], [*cuts, len(output)])]
+        assert _streamed(parser_name, chunks) == expected
+
+
+def test_stream_holds_a_possible_start_tag():
+    parser = get_tool_parser("hermes")()
+    assert parser.extract_tool_calls_streaming("", "Hi <tool", "Hi <tool").content == "Hi"
+    assert parser.extract_tool_calls_streaming("Hi <tool", "Hi <tool_ca", "_ca") is None
+    delta = parser.extract_tool_calls_streaming("Hi <tool_ca", "Hi <tool_cat", "t")
+    assert delta.content == " <tool_cat"  # decided: not a tag
+
+
+def test_arguments_stream_in_pieces():
+    parser = get_tool_parser("hermes")()
+    text = f"<tool_call>\n{WEATHER}\n</tool_call>"
+    pieces = []
+    for i in range(1, len(text) + 1):
+        delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1])
+        pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
+    assert len(pieces) > 10 and "".join(pieces) == '{"city": "Paris", "unit": "celsius"}'
+
+
+def test_broken_call_after_announcement_keeps_stream_whole():
+    """Bad JSON inside the arguments after the call went out: the stream keeps what it sent and the
+    rest comes back as content; the one-shot parse returns it all as content."""
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1 oops}}</tool_call>'
+    content, calls = _streamed("hermes", list(text))
+    assert calls == [("f", '{"a": 1 ')]  # what went out before the break
+    assert content == "oops}}</tool_call>"
+    assert get_tool_parser("hermes")().extract_tool_calls(text).content == text
+
+
+def test_forced_call_cut_off():
+    """max_tokens ended a forced call: one-shot it is content (not a call), streamed the call went out."""
+    text = '{"city": "Par'
+    result = NamedToolParser("f").extract_tool_calls(text)
+    assert (result.tools_called, result.content) == (False, text)
+    assert _streamed("named:f", list(text)) == (None, [("f", text)])
+
+
+def test_parallel_tool_calls_false_keeps_the_first():
+    class Req:
+        parallel_tool_calls = False
+
+    text = CASES[1][1]
+    result = get_tool_parser("hermes")().extract_tool_calls(text, Req())
+    assert [c.function.name for c in result.tool_calls] == ["get_weather"]
+
+
+def test_registry_and_defaults():
+    assert {"hermes", "llama3_json", "mistral"} <= set(TOOL_PARSERS)
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
+        get_tool_parser("nope")
+    assert default_tool_parser("qwen2") == "hermes"
+    assert default_tool_parser({"model_type": "llama"}) == "llama3_json"
+    assert default_tool_parser({"model_type": "mistral"}) == "mistral"
+    assert default_tool_parser("gpt2") is None
+    assert len(get_tool_parser("mistral")().new_call_id()) == 9
+
+
+def test_json_scan_agrees_with_json_loads():
+    rng = random.Random(0)
+
+    def value(depth=0):
+        r = rng.random()
+        if depth > 3 or r < 0.3:
+            return rng.choice([1, -2.5, 1e10, 0, "s", 'a"b\\c\u00e9\n', True, False, None, ""])
+        if r < 0.6:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {f"k{i}": value(depth + 1) for i in range(rng.randint(0, 3))}
+
+    for _ in range(300):
+        obj = {k: value() for k in rng.sample(["name", "arguments", "x"], rng.randint(0, 3))}
+        text = json.dumps(obj, indent=rng.choice([None, 1]), ensure_ascii=rng.random() < 0.5)
+        scan = scan_object(text + " tail", 0)
+        assert scan.status is Status.COMPLETE and scan.end == len(text)
+        assert {k: json.loads(text[m.start : m.end]) for k, m in scan.members.items()} == obj
+        assert all(scan_object(text[:cut], 0).status is Status.PARTIAL for cut in range(1, len(text)))
+        i = rng.randrange(len(text))
+        mutated = text[:i] + rng.choice('x,:"{}[]1 e-') + text[i + 1 :]
+        scan = scan_object(mutated, 0)
+        if scan.status is Status.INVALID:  # the break is the first character that cannot be JSON
+            assert scan_object(mutated[: scan.end], 0).status is Status.PARTIAL
+            with pytest.raises(ValueError):
+                json.loads(mutated)
+        elif scan.status is Status.COMPLETE:
+            json.loads(mutated[: scan.end])
