@@ -64,8 +64,18 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    # The grammar starts applying after this token (a reasoning model's end of thinking, e.g. the id of
+    # "</think>"); None: from the first token. The server sets it from its --reasoning-parser.
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self):
+        if self.reasoning_end_token_id is not None and not (
+            _is_int(self.reasoning_end_token_id) and self.reasoning_end_token_id >= 0
+        ):
+            raise StructuredOutputsError(
+                "reasoning_end_token_id",
+                f"must be a token id (an integer >= 0), got {self.reasoning_end_token_id!r}",
+            )
         kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise StructuredOutputsError(

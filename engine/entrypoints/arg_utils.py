@@ -6,8 +6,12 @@ Every command that builds an engine (generate, chat, serve, bench) takes these f
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 from xlaserve.config import EngineConfig
+from xlaserve.entrypoints.openai.reasoning import get_reasoning_parser
+from xlaserve.entrypoints.openai.tool_parsers import default_tool_parser, get_tool_parser
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -139,3 +143,53 @@ def run_follower_if_needed(args: argparse.Namespace) -> bool:
 
     serve_follower(args.model, **engine_kwargs(args))
     return True
+
+
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's server flags for tool calling and reasoning models (`xlaserve serve`)."""
+    g = parser.add_argument_group("tools and reasoning")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); its calls are read by '
+        "--tool-call-parser",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how the model writes tool calls: hermes, llama3_json, mistral (default: from the model family)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3",
+    )
+
+
+def _model_type(model: str | None) -> str | None:
+    """The HF model_type of a model directory (None for GGUF files and the embedded model)."""
+    path = os.path.join(model, "config.json") if model and os.path.isdir(model) else None
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("model_type")
+
+
+def tool_options(args: argparse.Namespace) -> dict:
+    """The flags of `add_tool_args` as ServerState fields (parser classes); ValueError on a bad name."""
+    name = args.tool_call_parser
+    if name is None and args.enable_auto_tool_choice:
+        name = default_tool_parser(_model_type(args.model))
+        if name is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser: this model's family has no default"
+            )
+    return {
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "tool_parser_cls": get_tool_parser(name) if name is not None else None,
+        "reasoning_parser_cls": get_reasoning_parser(args.reasoning_parser)
+        if args.reasoning_parser
+        else None,
+    }

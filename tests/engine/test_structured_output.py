@@ -240,3 +240,32 @@ def test_without_a_tokenizer_constrained_requests_are_refused():
         manager.add_request(constrained("x", regex="a"))
     manager.add_request(Request("plain", [1], SamplingParams(max_tokens=1)))  # the rest is untouched
     manager.shutdown()
+
+
+def test_grammar_waits_for_the_end_of_reasoning(manager, tokenizer):
+    """reasoning_end_token_id: free tokens (a -1 row, nothing fed to the matcher) until that id is
+    sampled, then the grammar applies from the next token."""
+    end_id = tokenizer.encode("!", add_special_tokens=False)[0]  # stands in for "</think>"
+    thinking = constrained("thinking", regex="[0-9]+", reasoning_end_token_id=end_id)
+    manager.add_request(thinking)
+    wait_ready(thinking)
+    row = ScheduledRequest(thinking, 3, [1])
+    assert manager.grammar_bitmask([row]) is None  # still reasoning: no constrained row
+    for token_id in tokenizer.encode("Let me see", add_special_tokens=False):  # not digits: free
+        thinking.grammar.accept_token(token_id)
+        assert thinking.grammar.error is None and thinking.grammar.is_reasoning
+    thinking.grammar.accept_token(end_id)
+    assert not thinking.grammar.is_reasoning
+    texts = [tokenizer.decode([i]) for i in allowed_ids(manager.grammar_bitmask([row])[0])]
+    assert texts and all(t.isdigit() for t in texts)
+    thinking.grammar.accept_token(tokenizer.encode("abc", add_special_tokens=False)[0])
+    assert thinking.grammar.error is not None  # the grammar holds now
+
+
+def test_reasoning_end_token_id_is_checked_and_travels():
+    with pytest.raises(StructuredOutputsError, match="reasoning_end_token_id must be a token id"):
+        StructuredOutputsParams(regex="a", reasoning_end_token_id=-1)
+    spec = StructuredOutputsParams(regex="a", reasoning_end_token_id=7)
+    request = EngineCoreRequest.from_request(Request("r", [1], SamplingParams(structured_outputs=spec)))
+    decoded = make_input_decoder().decode(make_encoder().encode(AddRequests([request])))
+    assert decoded.requests[0].sampling_params.structured_outputs.reasoning_end_token_id == 7

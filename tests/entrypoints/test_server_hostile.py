@@ -175,7 +175,14 @@ FIELD_TYPES = {
     "chat": {
         **_SAMPLING,
         "integer": [*_SAMPLING["integer"], "max_tokens", "max_completion_tokens", "top_logprobs"],
-        "boolean": [*_SAMPLING["boolean"], "logprobs", "add_generation_prompt", "continue_final_message"],
+        "boolean": [
+            *_SAMPLING["boolean"],
+            "logprobs",
+            "add_generation_prompt",
+            "continue_final_message",
+            "parallel_tool_calls",
+        ],
+        "object": [*_SAMPLING["object"], "chat_template_kwargs"],
     },
     "tokenize": {"boolean": ["add_special_tokens"], "string": ["model"]},
     "tokenize-chat": {
@@ -407,6 +414,66 @@ INVALID_SPEC_CASES = [
 )
 def test_invalid_structured_output_is_400_naming_the_field(client, endpoint, fields, param):
     path, body = BODIES[endpoint]
+    response, port = send(client, path, {**body, **fields})
+    error = check_error(response, 400)
+    assert error["param"] == param, error
+    check_still_serving(client, port)
+
+
+# -- tools, tool_choice, tool messages, chat_template_kwargs -----------------------------------------
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}}
+ASKED = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+TOOL_CASES = [
+    ({"tools": [{"type": "function", "function": {"parameters": WEATHER}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
+    ({"tools": [{"function": {"name": "f"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools[0].function.parameters"),
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": []}, "tools"),
+    ({"tools": [TOOL] * 129}, "tools"),
+    ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+    # a schema that does not compile, where it must be enforced
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": [TOOL, {"type": "function", "function": {"name": "g", "parameters": {"$ref": "#/nope"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tools[1].function.parameters"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice.function.name"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": 1}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": [ASKED, {"role": "tool", "content": "20C", "tool_call_id": "call_9"}]},
+     "messages[1].tool_call_id"),
+    ({"messages": [{"role": "tool", "content": "20C"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "Hi", "tool_call_id": "call_1"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "Hi", "tool_calls": [CALL]}]}, "messages[0].tool_calls"),
+    ({"messages": [{**ASKED, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{**ASKED, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{**ASKED, "tool_calls": [{"id": "c", "type": "function"}]}]},
+     "messages[0].tool_calls[0].function"),
+    ({"messages": [{**ASKED, "tool_calls": "call"}]}, "messages[0].tool_calls"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+    ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs.chat_template"),
+    ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs.not a name"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields, param", TOOL_CASES, ids=[json.dumps(f)[:70] for f, _ in TOOL_CASES])
+def test_bad_tools_are_400_naming_the_field(client, fields, param):
+    path, body = BODIES["chat"]
     response, port = send(client, path, {**body, **fields})
     error = check_error(response, 400)
     assert error["param"] == param, error

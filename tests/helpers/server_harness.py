@@ -24,6 +24,9 @@ API_KEY = "sk-xlaserve-test"
 MODEL_NAME = "smollm2"
 STARTUP_TIMEOUT_S = 600  # compiles every bucket on a shared 2-core machine
 STOP_TIMEOUT_S = 60
+# Flags of the session's server beyond the engine's: tool calls read in hermes' format (SmolLM2 writes
+# a list of calls between <tool_call> tags).
+SESSION_SERVER_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
 def engine_flags() -> list[str]:
@@ -155,7 +158,12 @@ def server_cache_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, server_cache_dir):
     """The session's server (with an API key); at teardown SIGTERM must stop it and its core cleanly."""
-    proc = ServerProcess(str(tmp_path_factory.mktemp("server-logs")), server_cache_dir, api_key=API_KEY)
+    proc = ServerProcess(
+        str(tmp_path_factory.mktemp("server-logs")),
+        server_cache_dir,
+        extra_args=SESSION_SERVER_FLAGS,
+        api_key=API_KEY,
+    )
     proc.wait_ready()
     core_pid = proc.core_pid()
     yield proc

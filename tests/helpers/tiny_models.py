@@ -12,9 +12,18 @@ def save_tiny_llama(directory: str, *, seed: int = 0, **overrides) -> str:
     return save_tiny_model(directory, "Llama", seed=seed, **overrides)
 
 
-def save_tiny_model(directory: str, family: str, *, seed: int = 0, **overrides) -> str:
+def save_tiny_model(
+    directory: str,
+    family: str,
+    *,
+    seed: int = 0,
+    added_tokens: list[str] = (),
+    chat_template: str | None = None,
+    **overrides,
+) -> str:
     """A random `{family}ForCausalLM` from transformers (e.g. "Llama", "Qwen3", "Qwen3Moe"), float32
-    safetensors plus the SmolLM2 tokenizer, in `directory`."""
+    safetensors plus the SmolLM2 tokenizer, in `directory`. `added_tokens` join the vocabulary (as
+    tokens that decode as text, like Qwen3's <think>); `chat_template` replaces SmolLM2's."""
     import torch
     import transformers
 
@@ -22,6 +31,10 @@ def save_tiny_model(directory: str, family: str, *, seed: int = 0, **overrides) 
     from xlaserve.models.loader import resolve_embedded_model_path
 
     tokenizer = load_gguf_tokenizer(resolve_embedded_model_path())
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     config = {
         "vocab_size": len(tokenizer),
         "hidden_size": 64,
@@ -45,6 +58,24 @@ def save_tiny_model(directory: str, family: str, *, seed: int = 0, **overrides) 
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+# A template that opens the thinking in the prompt (as DeepSeek-R1's and Qwen3 Thinking's do), or
+# closes it at once when chat_template_kwargs say {"enable_thinking": false} (as Qwen3's does).
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def save_tiny_thinking_model(directory: str, *, seed: int = 0) -> str:
+    """A tiny random Qwen3 whose vocabulary has <think> and </think> and whose template emits them."""
+    return save_tiny_model(
+        directory, "Qwen3", seed=seed, added_tokens=["<think>", "</think>"], chat_template=THINKING_TEMPLATE,
+        head_dim=8,
+    )  # fmt: skip
 
 
 def max_rel_err(a, b) -> float:

@@ -68,12 +68,21 @@ class RequestGrammar:
     Its state depends on the output tokens alone: a preempted request keeps it, and recomputing the
     prompt and outputs never advances it again (only sampled tokens reach `accept_token`)."""
 
-    def __init__(self, request_id: str, compiled: concurrent.futures.Future):
+    def __init__(
+        self, request_id: str, compiled: concurrent.futures.Future, reasoning_end_token_id: int | None = None
+    ):
         self.request_id = request_id
         self._compiled = compiled
         self.matcher: llguidance.LLMatcher | None = None
         self.error: str | None = None
         self.is_terminated = False
+        # While set, the request is still thinking: its tokens are free, and the grammar starts after
+        # this id is sampled (structured output applies to the answer, not the reasoning).
+        self.reasoning_end_token_id = reasoning_end_token_id
+
+    @property
+    def is_reasoning(self) -> bool:
+        return self.reasoning_end_token_id is not None
 
     @property
     def is_ready(self) -> bool:
@@ -88,6 +97,10 @@ class RequestGrammar:
         return True
 
     def accept_token(self, token_id: int) -> None:
+        if self.is_reasoning:
+            if token_id == self.reasoning_end_token_id:
+                self.reasoning_end_token_id = None
+            return
         if not self.matcher.consume_token(token_id):
             self.error = f"the grammar rejected token {token_id}: {self.matcher.get_error()}"
             logger.error("request %s: %s", self.request_id, self.error)
@@ -124,7 +137,9 @@ class StructuredOutputManager:
             return
         if self._ll_tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer, and this engine has none")
-        request.grammar = RequestGrammar(request.request_id, self._compile(grammar_source(params)))
+        request.grammar = RequestGrammar(
+            request.request_id, self._compile(grammar_source(params)), params.reasoning_end_token_id
+        )
 
     def _compile(self, source: str) -> concurrent.futures.Future:
         future = self._compiled.get(source)
@@ -163,11 +178,11 @@ class StructuredOutputManager:
     def grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> np.ndarray | None:
         """The allowed tokens of each scheduled row, [len(scheduled), W] int32 (bit i of word
         w: token 32 * w + i), or None when no row samples under a grammar. Unconstrained rows, and rows
-        that only prefill this step, allow every token (-1)."""
+        that only prefill this step, or whose request is still reasoning, allow every token (-1)."""
         rows = [
             (row, s.request.grammar.matcher)
             for row, s in enumerate(scheduled)
-            if s.is_sampling and s.request.grammar is not None
+            if s.is_sampling and s.request.grammar is not None and not s.request.grammar.is_reasoning
         ]
         if not rows:
             return None

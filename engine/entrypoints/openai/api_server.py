@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 
-from xlaserve.entrypoints.arg_utils import engine_kwargs, run_follower_if_needed
+from xlaserve.entrypoints.arg_utils import add_tool_args, engine_kwargs, run_follower_if_needed, tool_options
 
 logger = logging.getLogger("xlaserve.entrypoints.openai")
 
@@ -68,6 +68,7 @@ def add_parser(sub, add_engine_args) -> None:
         help="the window --max-engine-restarts counts deaths in",
     )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    add_tool_args(p)
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument(
         "--uvicorn-log-level",
@@ -134,6 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs["max_engine_restarts"] = args.max_engine_restarts
     kwargs["engine_restart_window"] = args.engine_restart_window
     chat_template = load_chat_template(args.chat_template)
+    args.tool_options = tool_options(args)  # bad names fail before the engine starts
     return asyncio.run(_serve(args, kwargs, chat_template))
 
 
@@ -158,6 +160,13 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+    reasoning_parser_cls = args.tool_options["reasoning_parser_cls"]
+    if reasoning_parser_cls is not None:
+        try:  # the tokenizer must have the parser's tags as tokens
+            reasoning_parser_cls(engine.tokenizer)
+        except ValueError:
+            await engine.shutdown()
+            raise
     # uvicorn handles the signals while it serves, then re-raises them: by then they must be harmless.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
@@ -168,6 +177,7 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
         chat_template=chat_template,
         log_requests=not args.disable_log_requests,
         api_key=args.api_key,
+        **args.tool_options,
     )
     config = uvicorn.Config(
         build_app(state),

@@ -115,7 +115,12 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(state, request.model)
         if isinstance(request, TokenizeChatRequest):
             text = apply_chat_template(
-                state, request.messages, request.add_generation_prompt, request.continue_final_message
+                state,
+                request.messages,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                request.tools,
+                request.chat_template_kwargs,
             )
             param = "messages"
         else:

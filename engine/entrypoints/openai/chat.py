@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -9,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 
+from xlaserve.entrypoints.openai.chat_parsing import ChoiceDelta, ChoiceParser, make_tool_parser
 from xlaserve.entrypoints.openai.errors import bad_request
 from xlaserve.entrypoints.openai.protocol import (
     ChatChoice,
@@ -20,11 +22,13 @@ from xlaserve.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
+    ChatTool,
     DeltaMessage,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
+from xlaserve.entrypoints.openai.reasoning import ReasoningParser
 from xlaserve.entrypoints.openai.serving import (
     MIN_LOGPROB,
     SSE_DONE,
@@ -41,13 +45,29 @@ from xlaserve.entrypoints.openai.serving import (
     sse_event,
     tokenize_text,
 )
+from xlaserve.entrypoints.openai.tool_protocol import (
+    DeltaFunctionCallOut,
+    DeltaToolCallOut,
+    FunctionCallOut,
+    ToolCallOut,
+)
+from xlaserve.entrypoints.openai.tools import (
+    ToolPlan,
+    check_history,
+    plan_tools,
+    render_calls,
+    template_kwargs,
+    template_takes_tools,
+    tools_in_system_prompt,
+)
 from xlaserve.outputs import CompletionOutput, Logprob
 
 logger = logging.getLogger("xlaserve.entrypoints.openai")
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict]:
-    """Pydantic messages -> the dicts a chat template reads (content parts joined into one string)."""
+def conversation(messages: list[ChatMessage], takes_tools: bool = True) -> list[dict]:
+    """Pydantic messages -> the dicts a chat template reads (content parts joined into one string;
+    calls as `render_calls` puts them)."""
     out = []
     for message in messages:
         content = message.content
@@ -57,15 +77,24 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
         entry = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        render_calls(entry, message, takes_tools)
         out.append(entry)
     return out
 
 
 def apply_chat_template(
-    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: list[ChatTool] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> str:
     tokenizer = state.engine.tokenizer
-    if state.chat_template is None and not getattr(tokenizer, "chat_template", None):
+    template = state.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise bad_request(
             "this model has no chat template; start the server with --chat-template", "messages"
         )
@@ -75,13 +104,22 @@ def apply_chat_template(
             "add_generation_prompt=false",
             "continue_final_message",
         )
+    check_history(messages)
+    extra = template_kwargs(chat_template_kwargs)
+    takes_tools = template_takes_tools(template)
+    chat = conversation(messages, takes_tools)
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    if tool_dicts and not takes_tools:
+        chat = tools_in_system_prompt(chat, tool_dicts)
     try:
         return tokenizer.apply_chat_template(
-            conversation(messages),
+            chat,
+            tools=tool_dicts if takes_tools else None,
             chat_template=state.chat_template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **extra,
         )
     except Exception as e:  # noqa: BLE001 - the template's raise_exception(), or a template bug
         if type(e) is TemplateError:  # raise_exception(message): the template's words, meant for users
@@ -131,16 +169,85 @@ def _usage(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
     )
 
 
+def _reasoning_parser(state: ServerState, prompt_ids: list[int]) -> ReasoningParser | None:
+    if state.reasoning_parser_cls is None:
+        return None
+    return state.reasoning_parser_cls(state.engine.tokenizer, prompt_token_ids=prompt_ids)
+
+
+def _sampling_params(
+    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan, ids: list[int], max_tokens
+):
+    """The request's SamplingParams, with the grammar of its tool plan, gated by the reasoning parser
+    (structured output applies to the answer: it starts once the thinking has ended), and special
+    tokens kept when the tool parser's tags are special tokens."""
+    top_n = (req.top_logprobs or 0) if req.logprobs else None
+    params = make_sampling_params(req, max_tokens, top_n)
+    changes = {}
+    spec = plan.structured_outputs or params.structured_outputs
+    reasoning = _reasoning_parser(state, ids)
+    if spec is not None and reasoning is not None and not reasoning.is_reasoning_end(ids):
+        spec = dataclasses.replace(spec, reasoning_end_token_id=reasoning.end_token_id)
+    if spec is not params.structured_outputs:
+        changes["structured_outputs"] = spec
+    if (
+        plan.choice == "auto"
+        and state.tool_parser_cls is not None
+        and state.tool_parser_cls.keeps_special_tokens
+    ):
+        changes["skip_special_tokens"] = False
+    return dataclasses.replace(params, **changes) if changes else params
+
+
+def _choice_parser(
+    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan, ids: list[int]
+) -> ChoiceParser:
+    tools = make_tool_parser(plan, state.tool_parser_cls, state.engine.tokenizer)
+    return ChoiceParser(_reasoning_parser(state, ids), tools, req)
+
+
+def _finish_reason(finish_reason: str | None, num_calls: int) -> str | None:
+    # A call cut off by max_tokens stays "length": the client should not run it.
+    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
+
+
+def _tool_call_out(call) -> ToolCallOut:
+    return ToolCallOut(
+        id=call.id, function=FunctionCallOut(name=call.function.name, arguments=call.function.arguments)
+    )
+
+
+def _delta_out(delta: ChoiceDelta) -> DeltaMessage:
+    calls = [
+        DeltaToolCallOut(
+            index=c.index,
+            id=c.id,
+            type=c.type,
+            function=DeltaFunctionCallOut(name=c.function.name, arguments=c.function.arguments),
+        )
+        for c in delta.tool_calls
+    ]
+    return DeltaMessage(content=delta.content, reasoning_content=delta.reasoning, tool_calls=calls or None)
+
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw_request: Request):
     model = check_model(state, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    text = apply_chat_template(state, req.messages, req.add_generation_prompt, req.continue_final_message)
+    plan = plan_tools(req, state.enable_auto_tool_choice)
+    text = apply_chat_template(
+        state,
+        req.messages,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.tools,
+        req.chat_template_kwargs,
+    )
     ids = tokenize_text(state.engine, text, False, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     check_context(state.engine, len(ids), max_tokens, "messages")
     top_n = (req.top_logprobs or 0) if req.logprobs else None
-    params = make_sampling_params(req, max_tokens, top_n)
+    params = _sampling_params(state, req, plan, ids, max_tokens)
     request_id = new_id("chatcmpl")
     try:
         stream = state.engine.add_request(
@@ -157,25 +264,34 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if state.log_requests:
         logger.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
     created = int(time.time())
+    parsers = [_choice_parser(state, req, plan, ids) for _ in range(req.n)]
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, request_id, model, created, stream, len(ids)), media_type="text/event-stream"
+            _stream(state, req, request_id, model, created, stream, len(ids), parsers),
+            media_type="text/event-stream",
         )
     try:
         (output,) = await collect_final(raw_request, [stream])
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
         raise engine_error(e) from None
     check_finish(output)
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=ChatResponseMessage(content=c.text),
-            logprobs=_chat_logprobs(state, c, top_n) if top_n is not None else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    choices = []
+    for c in output.outputs:
+        parsed = parsers[c.index].parse(c.text)
+        message = ChatResponseMessage(
+            content=parsed.content,
+            reasoning_content=parsed.reasoning,
+            tool_calls=[_tool_call_out(call) for call in parsed.tool_calls],
         )
-        for c in output.outputs
-    ]
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=_chat_logprobs(state, c, top_n) if top_n is not None else None,
+                finish_reason=_finish_reason(c.finish_reason, len(parsed.tool_calls)),
+                stop_reason=c.stop_reason,
+            )
+        )
     num_generated = sum(len(c.token_ids) for c in output.outputs)
     return ChatCompletionResponse(
         id=request_id,
@@ -194,6 +310,7 @@ async def _stream(
     created: int,
     stream,
     num_prompt_tokens: int,
+    parsers: list[ChoiceParser],
 ):
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     continuous = include_usage and req.stream_options.continuous_usage_stats
@@ -214,13 +331,23 @@ async def _stream(
             num_cached = output.num_cached_tokens
             for c in output.outputs:
                 num_generated += len(c.token_ids)
-                if not c.text and c.finish_reason is None and not c.token_ids:
-                    continue
+                parser = parsers[c.index]
+                delta = parser.feed(c.text) if c.text else ChoiceDelta()
+                if c.finish_reason is not None:
+                    last = parser.finish()
+                    delta = ChoiceDelta(
+                        _joined(delta.reasoning, last.reasoning),
+                        _joined(delta.content, last.content),
+                        delta.tool_calls + last.tool_calls,
+                    )
+                has_logprobs = top_n is not None and bool(c.token_ids)
+                if not delta and c.finish_reason is None and not has_logprobs:
+                    continue  # held back by a parser (a possible tag), or nothing new
                 choice = ChatChunkChoice(
                     index=c.index,
-                    delta=DeltaMessage(content=c.text),
-                    logprobs=_chat_logprobs(state, c, top_n) if top_n is not None else None,
-                    finish_reason=c.finish_reason,
+                    delta=_delta_out(delta),
+                    logprobs=_chat_logprobs(state, c, top_n) if has_logprobs else None,
+                    finish_reason=_finish_reason(c.finish_reason, parser.num_calls_sent),
                     stop_reason=c.stop_reason,
                 )
                 usage = _usage(num_prompt_tokens, num_generated, num_cached) if continuous else None
@@ -232,3 +359,7 @@ async def _stream(
     finally:
         await merged.aclose()
     yield SSE_DONE
+
+
+def _joined(a: str | None, b: str | None) -> str | None:
+    return (a or "") + (b or "") or None

@@ -240,6 +240,8 @@ class TokenizeChatRequest(OpenAIModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    tools: Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    chat_template_kwargs: JsonObject | None = None
 
 
 def _tokenize_kind(body) -> str:

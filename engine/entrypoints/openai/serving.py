@@ -24,7 +24,9 @@ from xlaserve.engine.async_llm import (
 )
 from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, internal_error, param_of_value_error
 from xlaserve.entrypoints.openai.protocol import SamplingFields
+from xlaserve.entrypoints.openai.reasoning import ReasoningParser
 from xlaserve.entrypoints.openai.structured_outputs import structured_outputs_of
+from xlaserve.entrypoints.openai.tool_parsers import ToolParser
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
 
@@ -46,6 +48,10 @@ class ServerState:
     log_requests: bool = True
     api_key: str | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
+    # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (instantiated per choice)
+    enable_auto_tool_choice: bool = False
+    tool_parser_cls: type[ToolParser] | None = None
+    reasoning_parser_cls: type[ReasoningParser] | None = None
 
     @property
     def model_name(self) -> str:

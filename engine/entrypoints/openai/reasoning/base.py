@@ -102,6 +102,13 @@ class ReasoningParser:
 
 
 def _token_id(tokenizer: Any, token: str) -> int | None:
+    """The id of `token` if the vocabulary has it as one token (a lookup, not a copy of the vocabulary:
+    this runs per request)."""
+    if hasattr(tokenizer, "convert_tokens_to_ids"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or tokenizer.convert_ids_to_tokens(token_id) != token:
+            return None  # an unknown token maps to <unk>
+        return int(token_id)
     token_id = tokenizer.get_vocab().get(token)
     return int(token_id) if token_id is not None else None
 

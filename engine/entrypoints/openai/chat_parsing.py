@@ -1,0 +1,138 @@
+"""One chat choice's text as OpenAI's message: thinking to `reasoning_content` (the server's
+`--reasoning-parser`), the answer to `content`, calls to `tool_calls` (the `--tool-call-parser` under
+tool_choice "auto", or the JSON a grammar forced for "required" and a named function).
+
+The reasoning parser sees the whole text; the tool parser sees only the answer. Streamed, each piece
+of text goes through both, and what they send is the chunk's delta; at the end `finish` releases what
+they held back (a possible tag). A parser that fails is logged and its text passed on as content:
+the stream never breaks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from xlaserve.entrypoints.openai.reasoning import ReasoningParser
+from xlaserve.entrypoints.openai.tool_parsers import (
+    DeltaToolCall,
+    NamedToolParser,
+    RequiredToolParser,
+    ToolCall,
+    ToolParser,
+)
+from xlaserve.entrypoints.openai.tools import ToolPlan
+
+logger = logging.getLogger("xlaserve.entrypoints.openai")
+
+
+@dataclass
+class ParsedChoice:
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass
+class ChoiceDelta:
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+def make_tool_parser(
+    plan: ToolPlan, tool_parser_cls: type[ToolParser] | None, tokenizer
+) -> ToolParser | None:
+    """The parser a request's tool plan reads its calls with (None: no calls are parsed)."""
+    if plan.choice == "named":
+        return NamedToolParser(plan.function_name, tokenizer)
+    if plan.choice == "required":
+        return RequiredToolParser(tokenizer)
+    if plan.choice == "auto" and tool_parser_cls is not None:
+        return tool_parser_cls(tokenizer)
+    return None
+
+
+class ChoiceParser:
+    """Per choice: `parse(text)` once, or `feed(delta)` per piece then `finish()`."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, request: Any = None):
+        self.reasoning = reasoning
+        self.tools = tools
+        self.request = request
+        self._text = ""
+        self._answer = ""  # the content part so far, what the tool parser reads
+
+    @property
+    def num_calls_sent(self) -> int:
+        return self.tools.num_calls_sent if self.tools is not None else 0
+
+    def parse(self, text: str) -> ParsedChoice:
+        reasoning, content = None, text
+        if self.reasoning is not None:
+            try:
+                reasoning, content = self.reasoning.extract_reasoning(text, self.request)
+            except Exception:  # noqa: BLE001 - a parser bug must not cost the answer
+                logger.exception("the reasoning parser failed; the text is returned as content")
+        if self.tools is None or content is None:
+            return ParsedChoice(reasoning, content)
+        try:
+            extracted = self.tools.extract_tool_calls(content, self.request)
+        except Exception:  # noqa: BLE001
+            logger.exception("the tool parser failed; the text is returned as content")
+            return ParsedChoice(reasoning, content)
+        return ParsedChoice(reasoning, extracted.content, extracted.tool_calls)
+
+    def feed(self, delta_text: str) -> ChoiceDelta:
+        previous, self._text = self._text, self._text + delta_text
+        if self.reasoning is None:
+            return self._answer_delta(None, delta_text)
+        try:
+            news = self.reasoning.extract_reasoning_streaming(previous, self._text, delta_text, self.request)
+        except Exception:  # noqa: BLE001
+            logger.exception("the reasoning parser failed; the rest is streamed as content")
+            self.reasoning = None
+            return self._answer_delta(None, delta_text)
+        if news is None:
+            return ChoiceDelta()
+        return self._answer_delta(news.reasoning, news.content)
+
+    def finish(self) -> ChoiceDelta:
+        reasoning = content = None
+        if self.reasoning is not None:
+            try:
+                news = self.reasoning.finish_streaming(self._text, self.request)
+            except Exception:  # noqa: BLE001
+                logger.exception("the reasoning parser failed at the end of the stream")
+                news = None
+            if news is not None:
+                reasoning, content = news.reasoning, news.content
+        delta = self._answer_delta(reasoning, content)
+        if self.tools is not None:
+            try:
+                last = self.tools.finish_streaming(self._answer, self.request)
+            except Exception:  # noqa: BLE001
+                logger.exception("the tool parser failed at the end of the stream")
+                last = None
+            if last is not None:
+                delta.content = (delta.content or "") + (last.content or "") or None
+                delta.tool_calls += last.tool_calls
+        return delta
+
+    def _answer_delta(self, reasoning: str | None, content: str | None) -> ChoiceDelta:
+        if self.tools is None or not content:
+            return ChoiceDelta(reasoning, content)
+        previous, self._answer = self._answer, self._answer + content
+        try:
+            news = self.tools.extract_tool_calls_streaming(previous, self._answer, content, self.request)
+        except Exception:  # noqa: BLE001
+            logger.exception("the tool parser failed; the rest is streamed as content")
+            self.tools = None
+            return ChoiceDelta(reasoning, content)
+        if news is None:
+            return ChoiceDelta(reasoning)
+        return ChoiceDelta(reasoning, news.content, list(news.tool_calls))

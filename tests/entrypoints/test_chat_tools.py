@@ -1,0 +1,149 @@
+"""The chat route's tool and reasoning plumbing without a server: tool_choice plans and their
+grammars, one choice's text through a reasoning parser and a tool parser (streamed at every split),
+and the server flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jsonschema
+import pytest
+
+from xlaserve.entrypoints.arg_utils import add_tool_args, tool_options
+from xlaserve.entrypoints.openai.chat_parsing import ChoiceParser, make_tool_parser
+from xlaserve.entrypoints.openai.errors import OpenAIError
+from xlaserve.entrypoints.openai.protocol import ChatCompletionRequest
+from xlaserve.entrypoints.openai.reasoning import get_reasoning_parser
+from xlaserve.entrypoints.openai.tool_parsers import HermesToolParser
+from xlaserve.entrypoints.openai.tools import plan_tools, tools_in_system_prompt
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "ping"}},
+]
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], **fields})
+
+
+def test_required_plan_is_a_list_of_calls_of_the_tools():
+    plan = plan_tools(request(tools=TOOLS, tool_choice="required"), enable_auto_tool_choice=False)
+    schema = json.loads(json.dumps(plan.structured_outputs.json))
+    valid = [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "ping", "parameters": {}}]
+    jsonschema.validate(valid, schema)
+    for invalid in ([], [{"name": "nope", "parameters": {}}], [{"name": "get_weather", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(invalid, schema)
+    single = plan_tools(request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), False)
+    assert single.structured_outputs.json["maxItems"] == 1
+
+
+def test_named_plan_is_the_functions_parameters():
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    plan = plan_tools(request(tools=TOOLS, tool_choice=choice), False)
+    assert (plan.choice, plan.function_name, plan.structured_outputs.json) == (
+        "named",
+        "get_weather",
+        WEATHER,
+    )
+    ping = plan_tools(
+        request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "ping"}}), False
+    )
+    assert ping.structured_outputs.json["properties"] == {}  # no parameters: an empty object
+
+
+@pytest.mark.parametrize(
+    ("fields", "auto", "choice"),
+    [
+        ({"tools": TOOLS}, True, "auto"),
+        ({"tools": TOOLS}, False, "none"),
+        ({}, True, "none"),
+        ({"tools": TOOLS, "tool_choice": "none"}, True, "none"),
+    ],
+)
+def test_default_choice(fields, auto, choice):
+    assert plan_tools(request(**fields), auto).choice == choice
+
+
+def test_auto_without_the_flag_is_400():
+    with pytest.raises(OpenAIError) as error:
+        plan_tools(request(tools=TOOLS, tool_choice="auto"), enable_auto_tool_choice=False)
+    assert error.value.status_code == 400 and error.value.param == "tool_choice"
+
+
+THOUGHT_AND_CALL = (
+    "The user wants weather.\n</think>\n\nLet me check.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+def _parser(choice="auto"):
+    plan = plan_tools(request(tools=TOOLS, tool_choice=choice), True)
+    return ChoiceParser(get_reasoning_parser("deepseek_r1")(), make_tool_parser(plan, HermesToolParser, None))
+
+
+def test_reasoning_then_calls_one_shot():
+    parsed = _parser().parse(THOUGHT_AND_CALL)
+    assert parsed.reasoning == "The user wants weather.\n"
+    assert parsed.content == "Let me check."
+    assert [(c.function.name, c.function.arguments) for c in parsed.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+
+
+@pytest.mark.parametrize("cut", range(len(THOUGHT_AND_CALL) + 1))
+def test_reasoning_then_calls_streamed_at_every_split(cut):
+    parser = _parser()
+    reasoning = content = ""
+    calls: dict[int, list[str]] = {}
+    for delta in (parser.feed(THOUGHT_AND_CALL[:cut]), parser.feed(THOUGHT_AND_CALL[cut:]), parser.finish()):
+        reasoning += delta.reasoning or ""
+        content += delta.content or ""
+        for tc in delta.tool_calls:
+            calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+    assert (reasoning, content) == ("The user wants weather.\n", "Let me check.")
+    assert list(calls.values()) == [["get_weather", '{"city": "Paris"}']]
+    assert parser.num_calls_sent == 1
+
+
+def test_a_parser_that_raises_leaves_the_text_as_content():
+    class Broken(HermesToolParser):
+        def _parse(self, text, final, keep_broken):
+            raise RuntimeError("bug")
+
+    parser = ChoiceParser(None, Broken())
+    assert parser.parse("hello").content == "hello"
+    assert parser.feed("hel").content == "hel" and parser.feed("lo").content == "lo"
+
+
+def test_tools_go_into_the_system_prompt_for_templates_without_tools():
+    chat = tools_in_system_prompt([{"role": "user", "content": "Hi"}], [TOOLS[0]])
+    assert chat[0]["role"] == "system" and '"name": "get_weather"' in chat[0]["content"]
+    assert "<tool_call>" in chat[0]["content"]
+    merged = tools_in_system_prompt([{"role": "system", "content": "Be brief."}, *chat[1:]], [TOOLS[0]])
+    assert merged[0]["content"].startswith("Be brief.\n\n# Tools") and len(merged) == 2
+
+
+def _args(*argv, model=None):
+    parser = argparse.ArgumentParser()
+    add_tool_args(parser)
+    args = parser.parse_args(list(argv))
+    args.model = model
+    return args
+
+
+def test_server_flags(tmp_path):
+    options = tool_options(_args("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
+    assert options["enable_auto_tool_choice"] and options["tool_parser_cls"] is HermesToolParser
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
+        tool_options(_args("--tool-call-parser", "nope"))
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        tool_options(_args("--reasoning-parser", "nope"))
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        tool_options(_args("--enable-auto-tool-choice"))  # the embedded model: no family default
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    options = tool_options(_args("--enable-auto-tool-choice", model=str(tmp_path)))
+    assert options["tool_parser_cls"] is HermesToolParser  # Qwen2's default

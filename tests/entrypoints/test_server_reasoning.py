@@ -1,0 +1,109 @@
+"""Reasoning through `xlaserve serve --reasoning-parser qwen3` with a tiny random Qwen3 whose chat
+template opens the thinking (or closes it for {"enable_thinking": false}): the split of the model's
+raw text, streamed and not, and structured output that starts only after the thinking."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from helpers.server_harness import ServerProcess
+from helpers.tiny_models import save_tiny_thinking_model
+from xlaserve.entrypoints.openai.reasoning import get_reasoning_parser
+from xlaserve.models.loader import load_tokenizer
+
+pytestmark = pytest.mark.slow  # a second server (a tiny model, but every bucket compiles)
+
+CHAT = [{"role": "user", "content": "Is 17 prime?"}]
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+THINKING = {True: {}, False: {"chat_template_kwargs": {"enable_thinking": False}}}
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory, server_cache_dir):
+    model = save_tiny_thinking_model(str(tmp_path_factory.mktemp("tiny-thinking")))
+    proc = ServerProcess(
+        str(tmp_path_factory.mktemp("thinking-logs")),
+        server_cache_dir,
+        extra_args=["--reasoning-parser", "qwen3", "--served-model-name", "tiny"],
+        model=model,
+    )
+    proc.wait_ready()
+    proc.model_dir = model
+    yield proc
+    assert proc.stop() == 0, proc.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(thinking_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def raw_output(server, extra: dict) -> tuple[list[int], str]:
+    """The chat prompt's ids (/tokenize renders it as the chat does) and the model's raw greedy text."""
+    body = {"messages": CHAT, **extra}
+    ids = httpx.post(server.url + "/tokenize", json=body, timeout=60).json()["tokens"]
+    completion = httpx.post(server.url + "/v1/completions", json={"prompt": ids, **GREEDY}, timeout=300)
+    return ids, completion.json()["choices"][0]["text"]
+
+
+def streamed(client, **kwargs) -> tuple[str | None, str | None]:
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(model="tiny", messages=CHAT, stream=True, **kwargs):
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    return reasoning or None, content or None
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "enable_thinking-false"])
+def test_thinking_goes_to_reasoning_content(thinking_server, client, thinking):
+    extra = THINKING[thinking]
+    ids, text = raw_output(thinking_server, extra)
+    tokenizer = load_tokenizer(thinking_server.model_dir)
+    expected = get_reasoning_parser("qwen3")(tokenizer, prompt_token_ids=ids).extract_reasoning(text)
+    if thinking:  # the template opened the thinking: the output starts inside it
+        assert ids[-2:] == tokenizer.encode("<think>\n", add_special_tokens=False)
+        assert expected[0] is not None
+    else:  # chat_template_kwargs reached the template, which closed it: all answer
+        assert expected == (None, text.lstrip() or None)
+    message = client.chat.completions.create(model="tiny", messages=CHAT, extra_body=extra, **GREEDY)
+    message = message.choices[0].message
+    assert (getattr(message, "reasoning_content", None), message.content) == expected
+    assert streamed(client, extra_body=extra, **GREEDY) == expected
+
+
+def test_structured_output_starts_after_the_thinking(client):
+    """A regex under thinking: the reasoning is the model's free text (the grammar waits for
+    </think>); with the thinking closed in the prompt, the answer follows the regex at once."""
+    regex = {"structured_outputs": {"regex": "[0-9]{3} is the answer"}}
+    free = client.chat.completions.create(model="tiny", messages=CHAT, **GREEDY).choices[0].message
+    gated = client.chat.completions.create(model="tiny", messages=CHAT, extra_body=regex, **GREEDY)
+    gated = gated.choices[0].message
+    assert gated.reasoning_content == free.reasoning_content and gated.reasoning_content
+    if free.content is not None:  # the random model ended its thinking: then the grammar held (cut short)
+        content = gated.content or ""
+        assert re.fullmatch("[0-9]{0,3}", content) or " is the answer".startswith(content[3:]), content
+    direct = client.chat.completions.create(
+        model="tiny", messages=CHAT, extra_body={**regex, **THINKING[False]}, temperature=0.0, max_tokens=20
+    )
+    assert re.fullmatch("[0-9]{3} is the answer", direct.choices[0].message.content)
+    assert direct.choices[0].finish_reason == "stop"
+
+
+def test_auto_tool_choice_needs_the_flag(thinking_server, client):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(
+            model="tiny", messages=CHAT, tools=[tool], tool_choice="auto", **GREEDY
+        )
+    assert error.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in error.value.message
+    # without tool_choice, tools mean "none" on this server: the tools are in the prompt, no call is read
+    answer = client.chat.completions.create(model="tiny", messages=CHAT, tools=[tool], **GREEDY).choices[0]
+    assert answer.finish_reason == "length" and not answer.message.tool_calls
+    prompt = httpx.post(thinking_server.url + "/tokenize", json={"messages": CHAT, "tools": [tool]}).json()
+    text = httpx.post(thinking_server.url + "/detokenize", json={"tokens": prompt["tokens"]}).json()["prompt"]
+    assert "<tools>" in text and '"name": "f"' in text

@@ -1,0 +1,157 @@
+"""Tool calling through `xlaserve serve` (the session's SmolLM2 server, which runs with
+--enable-auto-tool-choice --tool-call-parser hermes) and the official `openai` client: forced calls
+whose arguments validate against the tool's schema, a full round trip, and streams that agree with
+the one-shot answers."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]{2,8}/[A-Z][a-z]{2,8}$"}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather forecast for a city",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "The time in a zone", "parameters": TIME},
+    },
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+ASK = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+GREEDY = {"temperature": 0.0, "max_tokens": 60}
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+
+
+def check_calls(choice, *, names=None) -> list:
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert calls, choice.message
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert names is None or call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return calls
+
+
+def streamed(client, **kwargs):
+    """(content, reasoning, [(name, arguments)], finish_reason) from a stream, checking its format."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                if tc.index not in calls:
+                    assert tc.id and tc.type == "function" and tc.function.name, tc
+                    calls[tc.index] = [tc.function.name, ""]
+                else:
+                    assert tc.id is None and tc.function.name is None, "id and name come once"
+                calls[tc.index][1] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [tuple(c) for c in calls.values()], finish
+
+
+def test_required_returns_valid_calls(client):
+    response = client.chat.completions.create(
+        model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required", **GREEDY
+    )
+    check_calls(response.choices[0], names=set(SCHEMAS))
+    assert not response.choices[0].message.content
+
+
+def test_named_tool_returns_one_valid_call(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    response = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice=named, **GREEDY)
+    (call,) = check_calls(response.choices[0], names={"get_time"})
+    assert call.function.name == "get_time"
+
+
+def test_parallel_tool_calls_false_gives_one_call(client):
+    response = client.chat.completions.create(
+        messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=2, temperature=1.0,
+        seed=5, max_tokens=60,
+    )  # fmt: skip
+    for choice in response.choices:
+        assert len(check_calls(choice)) == 1
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED_WEATHER, "auto", "none"])
+def test_stream_agrees_with_one_shot(client, tool_choice):
+    kwargs = dict(messages=ASK, tools=TOOLS, tool_choice=tool_choice, seed=1, temperature=0.8, max_tokens=60)
+    one_shot = client.chat.completions.create(**kwargs).choices[0]
+    content, calls, finish = streamed(client, **kwargs)
+    assert calls == [(c.function.name, c.function.arguments) for c in one_shot.message.tool_calls or []]
+    assert (content or None) == one_shot.message.content
+    assert finish == one_shot.finish_reason
+    if tool_choice == "none":
+        assert not calls and finish != "tool_calls"
+
+
+def test_round_trip(server, client):
+    """Call, tool result, final answer; the assistant message goes back as the client got it."""
+    first = client.chat.completions.create(
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        **GREEDY,
+    )
+    (call,) = check_calls(first.choices[0])
+    history = [
+        *ASK,
+        first.choices[0].message,  # the client's own model, serialised by the client
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"forecast": "sunny", "high_c": 24})},
+    ]
+    final = client.chat.completions.create(messages=history, tools=TOOLS, tool_choice="none", **GREEDY)
+    choice = final.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.content
+    assert not choice.message.tool_calls
+    # the history reached the template: the prompt holds the call and its result
+    sent = [*ASK, first.choices[0].message.model_dump(exclude_none=True), history[2]]
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": sent}, headers=server.headers).json()
+    assert final.usage.prompt_tokens == tokens["count"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=server.headers)
+    assert all(word in text.json()["prompt"] for word in ("<tool_call>", '"get_weather"', "sunny", "Paris"))
+
+
+def test_auto_reads_the_models_own_calls(client):
+    """tool_choice auto: the hermes parser reads what SmolLM2 writes; with tool_choice none the same
+    text is content."""
+    kwargs = dict(messages=ASK, tools=TOOLS, temperature=0.0, max_tokens=80)
+    auto = client.chat.completions.create(**kwargs).choices[0]  # auto: the server's default with tools
+    none = client.chat.completions.create(tool_choice="none", **kwargs).choices[0]
+    if auto.message.tool_calls:
+        assert auto.finish_reason == "tool_calls" and "<tool_call>" in none.message.content
+        for call in auto.message.tool_calls:
+            assert call.function.name in SCHEMAS and isinstance(json.loads(call.function.arguments), dict)
+    else:
+        assert auto.message.content == none.message.content
