@@ -1,6 +1,7 @@
-"""The Messages API's host-side pieces without a server: a request as the chat template's conversation
-(tool_use as tool_calls, tool_result as tool messages, prefill), the checks the schema cannot make,
-pieces joined into blocks, stop reasons, and the stream's events for a scripted sequence of pieces."""
+"""The Messages API's host-side pieces without a server: a request as a chat completions request
+(tool_use as tool_calls, tool_result as tool messages, tool_choice, prefill), the checks the schema
+cannot make, a scripted model output read as blocks and as stream pieces (thinking and calls through the
+chat path's own parsers), stop reasons, and the stream's events for a scripted sequence of pieces."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import json
 
 import pytest
 
-from xlaserve.entrypoints.anthropic.convert import to_chat
-from xlaserve.entrypoints.anthropic.output import Piece, blocks_of, stop_reason
+from xlaserve.entrypoints.anthropic.convert import to_chat_request
+from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
 from xlaserve.entrypoints.anthropic.protocol import MessagesRequest
+from xlaserve.entrypoints.anthropic.reading import ChoiceReader
 from xlaserve.entrypoints.anthropic.streaming import _Blocks
+from xlaserve.entrypoints.openai.chat_parsing import ChoiceParser
 from xlaserve.entrypoints.openai.errors import OpenAIError
+from xlaserve.entrypoints.openai.reasoning import get_reasoning_parser
+from xlaserve.entrypoints.openai.tool_parsers import NamedToolParser, get_tool_parser
 from xlaserve.outputs import CompletionOutput
 
 WEATHER = {
@@ -20,6 +25,7 @@ WEATHER = {
     "description": "The weather in a city",
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
+HI = {"role": "user", "content": "Hi"}
 
 
 def request(messages, **fields) -> MessagesRequest:
@@ -49,37 +55,55 @@ def test_tool_round_trip_becomes_tool_calls_and_tool_messages():
         system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
         tools=[WEATHER],
     )
-    prompt = to_chat(req)
-    call = {
-        "id": "toolu_1",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
-    }
-    assert prompt.conversation == [
+    chat = to_chat_request(req)
+    function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assistant = {"role": "assistant", "content": "Let me check.", "reasoning_content": "Use the tool.",
+                 "tool_calls": [{"id": "toolu_1", "type": "function", "function": function}]}  # fmt: skip
+    assert [m.model_dump(exclude_none=True) for m in chat.messages] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": "Let me check.",
-            "reasoning_content": "Use the tool.",
-            "tool_calls": [call],
-        },
+        assistant,
         {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny"},
         {"role": "user", "content": "Thanks!"},
     ]
-    function = prompt.tools[0]["function"]
-    assert function["name"] == "get_weather" and function["parameters"] == WEATHER["input_schema"]
-    assert not prompt.continue_final_message
+    tool = chat.tools[0].function
+    assert tool.name == "get_weather" and tool.parameters == WEATHER["input_schema"]
+    assert chat.add_generation_prompt and not chat.continue_final_message
+    assert chat.max_tokens == 4 and chat.tool_choice is None
+
+
+@pytest.mark.parametrize(
+    "choice, expected",
+    [
+        ({"type": "auto"}, "auto"),
+        ({"type": "any"}, "required"),
+        ({"type": "none"}, "none"),
+        ({"type": "any", "disable_parallel_tool_use": True}, "required"),
+        ({"type": "tool", "name": "get_weather"}, {"type": "function", "function": {"name": "get_weather"}}),
+    ],
+)
+def test_tool_choice_and_sampling_map_to_the_chat_request(choice, expected):
+    fields = {
+        "tools": [WEATHER],
+        "tool_choice": choice,
+        "stop_sequences": ["END"],
+        "temperature": 0,
+        "top_k": 5,
+    }
+    chat = to_chat_request(request([HI], **fields))
+    assert (
+        chat.tool_choice if isinstance(chat.tool_choice, str) else chat.tool_choice.model_dump()
+    ) == expected
+    assert chat.parallel_tool_calls is (False if choice.get("disable_parallel_tool_use") else None)
+    assert (chat.stop, chat.temperature, chat.top_k, chat.max_tokens) == (["END"], 0, 5, 4)
 
 
 def test_final_assistant_text_is_a_prefill():
-    prompt = to_chat(request([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]))
-    assert prompt.continue_final_message and prompt.conversation[-1] == {
-        "role": "assistant",
-        "content": "Hello",
-    }
-    empty = to_chat(request([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": []}]))
-    assert not empty.continue_final_message and empty.conversation == [{"role": "user", "content": "Hi"}]
+    chat = to_chat_request(request([HI, {"role": "assistant", "content": "Hello"}]))
+    assert chat.continue_final_message and not chat.add_generation_prompt
+    assert (chat.messages[-1].role, chat.messages[-1].content) == ("assistant", "Hello")
+    empty = to_chat_request(request([HI, {"role": "assistant", "content": []}]))
+    assert not empty.continue_final_message and [m.role for m in empty.messages] == ["user"]
 
 
 def _use(id_="toolu_1"):
@@ -93,7 +117,6 @@ def _result(id_="toolu_1"):
     return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": id_, "content": "ok"}]}
 
 
-HI = {"role": "user", "content": "Hi"}
 BAD = [
     ([HI, _use(), _result("toolu_2")], {}, "messages[2].content[0].tool_use_id"),
     ([HI, _result()], {}, "messages[1].content[0].tool_use_id"),
@@ -113,32 +136,57 @@ BAD = [
 @pytest.mark.parametrize("messages, fields, param", BAD, ids=[p for _, _, p in BAD])
 def test_what_the_schema_cannot_check_is_400_naming_the_field(messages, fields, param):
     with pytest.raises(OpenAIError) as caught:
-        to_chat(request(messages, **fields))
+        to_chat_request(request(messages, **fields))
     assert caught.value.status_code == 400 and caught.value.param == param
-    assert param in caught.value.message or param.startswith("tool_choice")
+    assert param.split(".")[0] in caught.value.message
     assert caught.value.to_anthropic() == {
         "type": "error",
         "error": {"type": "invalid_request_error", "message": caught.value.message},
     }
 
 
-def test_pieces_join_into_blocks():
-    pieces = [
-        Piece("thinking", "Hm"),
-        Piece("thinking", "m."),
-        Piece("text", "Sure"),
-        Piece("text", "."),
-        Piece("tool_use", '{"city"', id="toolu_a", name="get_weather"),
-        Piece("tool_use", ': "Paris"}'),
-        Piece("tool_use", "", id="toolu_b", name="get_weather"),
-        Piece("tool_use", "{}"),
+class ThinkTokenizer:
+    def get_vocab(self):
+        return {"<think>": 10, "</think>": 11}
+
+
+def _reader(tools, request=None) -> ChoiceReader:
+    reasoning = get_reasoning_parser("deepseek_r1")(ThinkTokenizer(), prompt_token_ids=[1, 10])
+    return ChoiceReader(ChoiceParser(reasoning, tools, request))
+
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+OUTPUT = f"Paris, so the tool.</think>Checking.<tool_call>\n{CALL}\n</tool_call>"
+
+
+def test_output_read_whole_and_streamed_gives_the_same_blocks():
+    """deepseek_r1's thinking and hermes' calls, as blocks; streamed in 7-character pieces, the pieces
+    make the same blocks (ids aside)."""
+    whole = _reader(get_tool_parser("hermes")()).blocks(OUTPUT)
+    assert [b.model_dump() for b in whole] == [
+        {"type": "thinking", "thinking": "Paris, so the tool.", "signature": ""},
+        {"type": "text", "text": "Checking."},
+        {"type": "tool_use", "id": whole[2].id, "name": "get_weather", "input": {"city": "Paris"}},
     ]
-    assert [b.model_dump() for b in blocks_of(pieces)] == [
-        {"type": "thinking", "thinking": "Hmm.", "signature": ""},
-        {"type": "text", "text": "Sure."},
-        {"type": "tool_use", "id": "toolu_a", "name": "get_weather", "input": {"city": "Paris"}},
-        {"type": "tool_use", "id": "toolu_b", "name": "get_weather", "input": {}},
-    ]
+    reader = _reader(get_tool_parser("hermes")())
+    pieces = [p for i in range(0, len(OUTPUT), 7) for p in reader.feed(OUTPUT[i : i + 7])] + reader.flush()
+    kinds = [p.kind for p in pieces]
+    assert kinds == sorted(kinds, key=["thinking", "text", "tool_use"].index)  # blocks in order, each whole
+    assert "".join(p.text for p in pieces if p.kind == "thinking") == "Paris, so the tool."
+    assert "".join(p.text for p in pieces if p.kind == "text") == "Checking."
+    calls = [p for p in pieces if p.kind == "tool_use"]
+    assert [(p.id is not None, p.name) for p in calls][0] == (True, "get_weather")
+    assert all(p.id is None for p in calls[1:])
+    assert json.loads("".join(p.text for p in calls)) == {"city": "Paris"}
+
+
+def test_forced_call_output_is_a_tool_use_block():
+    reader = ChoiceReader(ChoiceParser(None, NamedToolParser("get_weather"), None))
+    (block,) = reader.blocks('{"city": "Oslo"}')
+    assert (block.type, block.name, block.input) == ("tool_use", "get_weather", {"city": "Oslo"})
+    # Cut off mid-call (max_tokens): nothing to run, the text comes back as text.
+    (cut,) = ChoiceReader(ChoiceParser(None, NamedToolParser("get_weather"), None)).blocks('{"city": "Os')
+    assert cut.type == "text" and cut.text == '{"city": "Os'
 
 
 @pytest.mark.parametrize(

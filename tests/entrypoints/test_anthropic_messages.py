@@ -8,6 +8,7 @@ import json
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 
 from helpers.server_harness import MODEL_NAME
@@ -160,3 +161,91 @@ def test_unknown_model_is_404_not_found_error(client):
     with pytest.raises(anthropic.NotFoundError) as caught:
         client.messages.create(model="claude-nothing", max_tokens=1, messages=QUESTION)
     assert caught.value.body["error"]["type"] == "not_found_error"
+
+
+# -- tools ---------------------------------------------------------------------------------------------
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Get the current weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,  # else SmolLM2 goes on adding properties past max_tokens
+    },
+}
+TIME = {
+    "name": "get_time",
+    "description": "Get the local time in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+FORCE_WEATHER = {"type": "tool", "name": "get_weather"}
+SCHEMAS = {tool["name"]: tool["input_schema"] for tool in (WEATHER, TIME)}
+
+
+def _check_calls(message, max_calls: int | None = None) -> list:
+    calls = [block for block in message.content if block.type == "tool_use"]
+    assert calls and message.stop_reason == "tool_use", message
+    assert max_calls is None or len(calls) <= max_calls
+    for call in calls:
+        jsonschema.validate(call.input, SCHEMAS[call.name])
+    assert len({call.id for call in calls}) == len(calls)
+    return calls
+
+
+def test_tool_choice_tool_returns_a_valid_call(client):
+    choice = {"type": "tool", "name": "get_time"}
+    message = _create(client, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=48)
+    (call,) = _check_calls(message)
+    assert call.name == "get_time"
+
+
+@pytest.mark.parametrize("disable_parallel", [False, True])
+def test_tool_choice_any_returns_valid_calls(client, disable_parallel):
+    choice = {"type": "any", "disable_parallel_tool_use": disable_parallel}
+    message = _create(client, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=96)
+    _check_calls(message, max_calls=1 if disable_parallel else None)
+
+
+def test_tool_round_trip_completes(server, client):
+    """The call, its result, then the answer: the result reaches the prompt, and the turn ends in text."""
+    first = _create(client, messages=ASK, tools=[WEATHER], tool_choice=FORCE_WEATHER, max_tokens=48)
+    (call,) = _check_calls(first)
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "22 degrees, sunny"}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+        {"role": "user", "content": [result]},
+    ]
+    final = _create(client, messages=history, tools=[WEATHER], tool_choice={"type": "none"}, max_tokens=24)
+    assert final.stop_reason in ("end_turn", "max_tokens") and [b.type for b in final.content] == ["text"]
+    counted = client.messages.count_tokens(model=MODEL_NAME, messages=history, tools=[WEATHER])
+    assert final.usage.input_tokens == counted.input_tokens > first.usage.input_tokens
+    # The result is in the prompt the engine saw: the same conversation without it counts fewer tokens.
+    without = [*history[:2], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id}]}]
+    fewer = client.messages.count_tokens(model=MODEL_NAME, messages=without, tools=[WEATHER])
+    assert fewer.input_tokens < counted.input_tokens
+
+
+def test_streamed_tool_call_equals_the_message(server, client):
+    fields = {"messages": ASK, "tools": [WEATHER], "tool_choice": FORCE_WEATHER, "max_tokens": 48}
+    with client.messages.stream(model=MODEL_NAME, extra_body=GREEDY, **fields) as stream:
+        streamed = stream.get_final_message()
+    whole = _create(client, **fields)
+    (streamed_call,), (call,) = _check_calls(streamed), _check_calls(whole)
+    assert (streamed_call.name, streamed_call.input) == (call.name, call.input)
+    assert streamed.usage == whole.usage
+    events = read_events(server, {"model": MODEL_NAME, "temperature": 0, **fields})
+    deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
+    assert deltas and all(d["type"] == "input_json_delta" for d in deltas)
+    assert json.loads("".join(d["partial_json"] for d in deltas)) == call.input

@@ -1,19 +1,22 @@
-"""An Anthropic request as the chat path's input: the conversation a chat template reads (OpenAI's
-message dicts: `tool_calls` on assistant turns, `tool` messages for results), the tools as OpenAI
-function tools, and the request's sampling parameters.
+"""An Anthropic request as a chat completions request (`ChatCompletionRequest`), so it takes the chat
+path: the same template rendering (tools, earlier calls, tool results), tool plan (structured outputs
+for a forced call) and output parsers (`--tool-call-parser`, `--reasoning-parser`).
 
-What the schema cannot say is checked here, each a 400 naming the field: a block in the wrong role,
-a tool_result whose tool_use_id no earlier tool_use has, a repeated tool_use id or tool name, a
-tool_choice naming a tool that is not given, an input_schema that llguidance cannot compile.
+Anthropic's shapes map onto OpenAI's: `system` is the first message; an assistant's tool_use blocks
+are its `tool_calls` (the input as JSON text), thinking its `reasoning_content`; each tool_result is a
+`tool` message; tool_choice auto/any/tool/none is "auto"/"required"/a named function/"none", and
+disable_parallel_tool_use is parallel_tool_calls=false; a final assistant message is a prefill
+(continue_final_message). What the chat request's schema would name by OpenAI's fields is checked here
+first, each a 400 naming Anthropic's: a block in the wrong role, a tool_result whose tool_use_id no
+earlier tool_use has, a repeated tool_use id or tool name, a tool_choice naming a tool not given, an
+input_schema that is not an object's or that llguidance cannot compile.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-from dataclasses import dataclass
 
-from jinja2 import TemplateError
+from pydantic import ValidationError
 
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.entrypoints.anthropic.protocol import (
@@ -26,26 +29,54 @@ from xlaserve.entrypoints.anthropic.protocol import (
     ToolResultBlockParam,
     ToolUseBlockParam,
 )
-from xlaserve.entrypoints.openai.errors import bad_request
-from xlaserve.entrypoints.openai.serving import ServerState
-from xlaserve.sampling_params import SamplingParams, StructuredOutputsError, StructuredOutputsParams
+from xlaserve.entrypoints.openai.errors import bad_request, loc_to_param
+from xlaserve.entrypoints.openai.protocol import ChatCompletionRequest
+from xlaserve.sampling_params import StructuredOutputsError, StructuredOutputsParams
 
-logger = logging.getLogger("xlaserve.entrypoints.anthropic")
-
-
-@dataclass
-class ChatPrompt:
-    """What the chat template renders."""
-
-    conversation: list[dict]
-    tools: list[dict] | None  # OpenAI's function tools: {"type": "function", "function": {...}}
-    # A final assistant message is a prefill the answer continues (Anthropic's "put words in its mouth").
-    continue_final_message: bool
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
-def to_chat(req: CountTokensRequest) -> ChatPrompt:
-    tools = _function_tools(req.tools)
-    _check_tool_choice(req)
+def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
+    body: dict = {"messages": _messages(req)}
+    last = req.messages[-1]
+    is_prefill = last.role == "assistant" and all(isinstance(b, TextBlockParam) for b in last.content)
+    if is_prefill and not last.content:
+        body["messages"].pop()  # an empty prefill: the answer starts from nothing, as without it
+        is_prefill = False
+    body["add_generation_prompt"] = not is_prefill
+    body["continue_final_message"] = is_prefill
+    if req.tools:
+        body["tools"] = _function_tools(req.tools)
+    choice = req.tool_choice
+    if choice is not None:
+        _check_tool_choice(req)
+        is_named = choice.type == "tool"
+        body["tool_choice"] = (
+            {"type": "function", "function": {"name": choice.name}}
+            if is_named
+            else _TOOL_CHOICES[choice.type]
+        )
+        if getattr(choice, "disable_parallel_tool_use", False):
+            body["parallel_tool_calls"] = False
+    if isinstance(req, MessagesRequest):
+        sampling = {
+            "max_tokens": req.max_tokens,
+            "stop": req.stop_sequences,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "stream": req.stream,
+        }
+        body.update({k: v for k, v in sampling.items() if v is not None})
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:  # a limit of the chat request's that Anthropic's shapes do not state
+        error = e.errors()[0]
+        param = loc_to_param(tuple(error.get("loc", ())))
+        raise bad_request(f"this request cannot be served: {param or 'body'}: {error.get('msg')}") from None
+
+
+def _messages(req: CountTokensRequest) -> list[dict]:
     conversation = []
     if req.system:
         conversation.append({"role": "system", "content": _joined(req.system)})
@@ -61,12 +92,7 @@ def to_chat(req: CountTokensRequest) -> ChatPrompt:
             conversation.append(_assistant_turn(message, i, tool_use_ids))
         else:
             conversation += _user_turns(message, i, tool_use_ids)
-    last = req.messages[-1]
-    is_prefill = last.role == "assistant" and all(isinstance(b, TextBlockParam) for b in last.content)
-    if is_prefill and not last.content:
-        conversation.pop()  # an empty prefill: the answer starts from nothing, as without it
-        is_prefill = False
-    return ChatPrompt(conversation, tools, continue_final_message=is_prefill)
+    return conversation
 
 
 def _joined(blocks: list[TextBlockParam]) -> str:
@@ -85,12 +111,14 @@ def _assistant_turn(message: MessageParam, i: int, tool_use_ids: set[str]) -> di
             if block.id in tool_use_ids:
                 raise bad_request(f"{where}.id: the tool_use id {block.id!r} is used twice", f"{where}.id")
             tool_use_ids.add(block.id)
-            # Templates read the arguments as a mapping (they apply `tojson` themselves).
             calls.append(
                 {
                     "id": block.id,
                     "type": "function",
-                    "function": {"name": block.name, "arguments": block.input},
+                    "function": {
+                        "name": block.name,
+                        "arguments": json.dumps(block.input, ensure_ascii=False),
+                    },
                 }
             )
         elif isinstance(block, ToolResultBlockParam):
@@ -178,44 +206,3 @@ def _check_tool_choice(req: CountTokensRequest) -> None:
         raise bad_request(f"tool_choice of type {choice.type!r} needs tools", "tool_choice")
     if choice.type == "tool" and choice.name not in names:
         raise bad_request(f"tool_choice.name: no tool named {choice.name!r} in tools", "tool_choice.name")
-
-
-def render(state: ServerState, prompt: ChatPrompt) -> str:
-    """The prompt text, through the served chat template (tools passed to templates that take them)."""
-    tokenizer = state.engine.tokenizer
-    if state.chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise bad_request(
-            "this model has no chat template; start the server with --chat-template", "messages"
-        )
-    try:
-        return tokenizer.apply_chat_template(
-            prompt.conversation,
-            tools=prompt.tools,
-            chat_template=state.chat_template,
-            tokenize=False,
-            add_generation_prompt=not prompt.continue_final_message,
-            continue_final_message=prompt.continue_final_message,
-        )
-    except Exception as e:  # noqa: BLE001 - the template's raise_exception(), or a template bug
-        if type(e) is TemplateError:  # raise_exception(message): the template's words, meant for users
-            raise bad_request(f"the chat template rejects these messages: {e}", "messages") from None
-        logger.warning("the chat template failed: %s: %s", type(e).__name__, e)
-        raise bad_request("the chat template cannot render these messages", "messages") from None
-
-
-def sampling_params(req: MessagesRequest, constraint: StructuredOutputsParams | None) -> SamplingParams:
-    try:
-        return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            max_tokens=req.max_tokens,
-            stop=req.stop_sequences,
-            structured_outputs=constraint,
-        )
-    except ValueError as e:
-        raise bad_request(str(e)) from None
-
-
-def arguments_text(arguments: dict) -> str:
-    return json.dumps(arguments, ensure_ascii=False)
