@@ -5,20 +5,22 @@ chat path's own parsers), stop reasons, and the stream's events for a scripted s
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
+from xlaserve.engine.core_client import EngineDeadError
 from xlaserve.entrypoints.anthropic.convert import to_chat_request
 from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
 from xlaserve.entrypoints.anthropic.protocol import MessagesRequest
 from xlaserve.entrypoints.anthropic.reading import ChoiceReader
-from xlaserve.entrypoints.anthropic.streaming import _Blocks
+from xlaserve.entrypoints.anthropic.streaming import _Blocks, event_stream
 from xlaserve.entrypoints.openai.chat_parsing import ChoiceParser
 from xlaserve.entrypoints.openai.errors import OpenAIError
 from xlaserve.entrypoints.openai.reasoning import get_reasoning_parser
 from xlaserve.entrypoints.openai.tool_parsers import NamedToolParser, get_tool_parser
-from xlaserve.outputs import CompletionOutput
+from xlaserve.outputs import CompletionOutput, RequestOutput
 
 WEATHER = {
     "name": "get_weather",
@@ -236,3 +238,42 @@ def test_stream_events_open_extend_and_close_blocks():
     ]
     assert parsed[7]["content_block"] == {"type": "tool_use", "id": "toolu_a", "name": "f", "input": {}}
     assert blocks.has_tool_use
+
+
+class ScriptedStream:
+    """A request stream that yields deltas, then raises (or ends)."""
+
+    def __init__(self, texts, error=None):
+        outputs = [CompletionOutput(0, text, [7], None, None, None, None) for text in texts]
+        self.items = [RequestOutput("r", None, [1], None, [output], False) for output in outputs]
+        self.error = error
+        self.is_closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop(0)
+        if self.error is not None:
+            raise self.error
+        raise StopAsyncIteration
+
+    def close(self):
+        self.is_closed = True
+
+
+def test_an_error_mid_stream_is_an_error_event_and_ends_the_stream():
+    stream = ScriptedStream(["Hel", "lo"], EngineDeadError("core pid 123 died"))
+    reader = ChoiceReader(ChoiceParser(None, None, None))
+
+    async def collect():
+        return [e async for e in event_stream("msg_1", "m", stream, 5, reader)]
+
+    events = asyncio.run(collect())
+    names = [e.split("\n", 1)[0].removeprefix("event: ") for e in events]
+    deltas = ["content_block_delta"] * 2
+    assert names == ["message_start", "ping", "content_block_start", *deltas, "error"]
+    error = json.loads(events[-1].split("data: ", 1)[1])
+    assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
+    assert "123" not in error["error"]["message"] and stream.is_closed

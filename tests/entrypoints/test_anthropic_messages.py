@@ -249,3 +249,21 @@ def test_streamed_tool_call_equals_the_message(server, client):
     deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
     assert deltas and all(d["type"] == "input_json_delta" for d in deltas)
     assert json.loads("".join(d["partial_json"] for d in deltas)) == call.input
+
+
+def test_auto_tool_choice_stream_and_message_agree(client):
+    """tool_choice auto (the default with tools on this server): the model's own hermes-format text is
+    read by the chat path's parser, and the stream's blocks are the message's."""
+    fields = {"messages": ASK, "tools": [WEATHER], "max_tokens": 64}
+    whole = _create(client, **fields)
+    with client.messages.stream(model=MODEL_NAME, extra_body=GREEDY, **fields) as stream:
+        streamed = stream.get_final_message()
+
+    def blocks(message) -> list[dict]:
+        return [block.model_dump(exclude={"id"}, exclude_none=True) for block in message.content]
+
+    assert blocks(streamed) == blocks(whole) and whole.content
+    assert (streamed.stop_reason, streamed.usage) == (whole.stop_reason, whole.usage)
+    assert whole.stop_reason == (
+        "tool_use" if any(b.type == "tool_use" for b in whole.content) else whole.stop_reason
+    )

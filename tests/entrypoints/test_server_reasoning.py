@@ -136,3 +136,9 @@ def test_anthropic_messages_give_a_thinking_block(thinking_server):
         streamed = stream.get_final_message()
     assert streamed.model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
     assert events[:4] == ["message_start", "content_block_start", "content_block_delta", "thinking"]
+    # Anthropic's thinking switch reaches the template as enable_thinking: the answer has no thinking.
+    ids, text = raw_output(thinking_server, THINKING[False])
+    closed = client.messages.create(**fields, thinking={"type": "disabled"})
+    answer = [{"type": "text", "text": text.lstrip()}] if text.strip() else []
+    assert [block.model_dump(exclude_none=True) for block in closed.content] == answer
+    assert closed.usage.input_tokens == len(ids)

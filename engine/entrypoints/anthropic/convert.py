@@ -58,6 +58,9 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         )
         if getattr(choice, "disable_parallel_tool_use", False):
             body["parallel_tool_calls"] = False
+    if req.thinking is not None and req.thinking.type == "disabled":
+        # Templates that think by default (Qwen3's) close the thinking when told so.
+        body["chat_template_kwargs"] = {"enable_thinking": False}
     if isinstance(req, MessagesRequest):
         sampling = {
             "max_tokens": req.max_tokens,

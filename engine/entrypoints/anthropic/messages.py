@@ -76,7 +76,12 @@ def _prompt(
     chat = to_chat_request(req)
     plan = plan_tools(chat, state.enable_auto_tool_choice)
     text = apply_chat_template(
-        state, chat.messages, chat.add_generation_prompt, chat.continue_final_message, chat.tools
+        state,
+        chat.messages,
+        chat.add_generation_prompt,
+        chat.continue_final_message,
+        chat.tools,
+        chat.chat_template_kwargs,
     )
     return chat, plan, text, tokenize_text(state.engine, text, False, "messages")
 

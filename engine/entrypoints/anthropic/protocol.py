@@ -168,6 +168,15 @@ class Metadata(OpenAIModel):
     user_id: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
 
 
+class ThinkingEnabled(OpenAIModel):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1, le=2**31 - 1, description="accepted; the thinking is not cut")
+
+
+class ThinkingDisabled(OpenAIModel):
+    type: Literal["disabled"]
+
+
 class CountTokensRequest(OpenAIModel):
     """POST /v1/messages/count_tokens: the prompt a /v1/messages request with these fields would have."""
 
@@ -176,6 +185,10 @@ class CountTokensRequest(OpenAIModel):
     system: TextBlocks | None = None
     tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
+    thinking: Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")] | None = Field(
+        default=None,
+        description='"disabled": the template is rendered with enable_thinking=false (Qwen3 and the like)',
+    )
 
 
 class MessagesRequest(CountTokensRequest):
