@@ -253,8 +253,9 @@ def test_streamed_tool_call_equals_the_message(server, client):
 
 def test_auto_tool_choice_stream_and_message_agree(client):
     """tool_choice auto (the default with tools on this server): the model's own hermes-format text is
-    read by the chat path's parser, and the stream's blocks are the message's."""
-    fields = {"messages": ASK, "tools": [WEATHER], "max_tokens": 64}
+    read by the chat path's parser, the stream's blocks are the message's, and with tool_choice none the
+    same text comes back unread."""
+    fields = {"messages": ASK, "tools": [WEATHER], "max_tokens": 32}
     whole = _create(client, **fields)
     with client.messages.stream(model=MODEL_NAME, extra_body=GREEDY, **fields) as stream:
         streamed = stream.get_final_message()
@@ -264,6 +265,8 @@ def test_auto_tool_choice_stream_and_message_agree(client):
 
     assert blocks(streamed) == blocks(whole) and whole.content
     assert (streamed.stop_reason, streamed.usage) == (whole.stop_reason, whole.usage)
-    assert whole.stop_reason == (
-        "tool_use" if any(b.type == "tool_use" for b in whole.content) else whole.stop_reason
-    )
+    unread = _create(client, **fields, tool_choice={"type": "none"})
+    if any(block.type == "tool_use" for block in whole.content):
+        assert whole.stop_reason == "tool_use" and "<tool_call>" in unread.content[0].text
+    else:
+        assert blocks(unread) == blocks(whole)
