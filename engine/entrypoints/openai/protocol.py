@@ -209,10 +209,28 @@ class NamedToolChoice(OpenAIModel):
     function: NamedFunction
 
 
+def _tool_choice_kind(value) -> str | None:
+    if isinstance(value, str):
+        return "tool-choice-mode"
+    return "tool-choice-function" if isinstance(value, dict) else None
+
+
+# A string is a mode, an object names a function: only that branch's errors are reported.
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("tool-choice-mode")]
+    | Annotated[NamedToolChoice, Tag("tool-choice-function")],
+    Discriminator(
+        _tool_choice_kind,
+        custom_error_type="tool_choice_type",
+        custom_error_message="must be 'none', 'auto', 'required' or an object naming a function",
+    ),
+]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+    tool_choice: ToolChoice | None = Field(
         default=None, description="default: auto when the server enables it and tools are given, else none"
     )
     parallel_tool_calls: bool | None = Field(default=None, description="false: one call at most")
@@ -255,7 +273,7 @@ TokenizeRequest = Annotated[
     | Annotated[TokenizeChatRequest, Tag("chat-request")],
     Discriminator(_tokenize_kind),
 ]
-UNION_TAGS = frozenset({"prompt-request", "chat-request"})
+UNION_TAGS = frozenset({"prompt-request", "chat-request", "tool-choice-mode", "tool-choice-function"})
 
 
 class DetokenizeRequest(OpenAIModel):
