@@ -15,7 +15,7 @@ from xlaserve.entrypoints.openai.tool_parsers import (
     default_tool_parser,
     get_tool_parser,
 )
-from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, scan_object
+from xlaserve.entrypoints.openai.tool_parsers.json_scan import ObjectScanner, Status, scan_object
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 # (parser, model output, expected content, expected [(name, arguments as a dict)])
@@ -242,9 +242,16 @@ def test_json_scan_agrees_with_json_loads():
         scan = scan_object(text + " tail", 0)
         assert scan.status is Status.COMPLETE and scan.end == len(text)
         assert {k: json.loads(text[m.start : m.end]) for k, m in scan.members.items()} == obj
-        assert all(scan_object(text[:cut], 0).status is Status.PARTIAL for cut in range(1, len(text)))
+        cuts = rng.sample(range(1, len(text)), min(len(text) - 1, 24))
+        assert all(scan_object(text[:cut], 0).status is Status.PARTIAL for cut in cuts)
         i = rng.randrange(len(text))
         mutated = text[:i] + rng.choice('x,:"{}[]1 e-') + text[i + 1 :]
+        resumed = ObjectScanner(0)  # fed a growing text, it answers as a fresh scan of each prefix
+        for cut in sorted(rng.sample(range(1, len(mutated) + 1), min(len(mutated), 12))):
+            fresh, again = scan_object(mutated[:cut], 0), resumed.scan(mutated[:cut])
+            assert (again.status, again.end) == (fresh.status, fresh.end), mutated[:cut]
+            spans = {k: (m.start, m.end) for k, m in fresh.members.items()}
+            assert {k: (m.start, m.end) for k, m in again.members.items()} == spans
         scan = scan_object(mutated, 0)
         if scan.status is Status.INVALID:  # the break is the first character that cannot be JSON
             assert scan_object(mutated[: scan.end], 0).status is Status.PARTIAL

@@ -19,10 +19,19 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, scan_object, skip_ws
+from xlaserve.entrypoints.openai.tool_parsers.json_scan import (
+    ObjectScan,
+    ObjectScanner,
+    Status,
+    scan_object,
+    skip_ws,
+)
+
+Scan = Callable[[str, int], ObjectScan]  # scan_object, or a parser's resuming version
 
 
 def make_tool_call_id() -> str:
@@ -98,9 +107,9 @@ class CallRead:
 _ARGUMENT_KEYS = ("arguments", "parameters")
 
 
-def read_call_object(text: str, pos: int) -> CallRead:
+def read_call_object(text: str, pos: int, scan_at: Scan = scan_object) -> CallRead:
     """Read `{"name": ..., "arguments"|"parameters": {...}}` at text[pos]."""
-    scan = scan_object(text, pos)
+    scan = scan_at(text, pos)
     name = _name_of(text, scan)
     args_key = next((k for k in _ARGUMENT_KEYS if k in scan.members), None)
     if scan.status is Status.COMPLETE:
@@ -129,14 +138,16 @@ def read_call_object(text: str, pos: int) -> CallRead:
     return CallRead(Call(name, raw, scan.is_closed(args_key)), scan.end, scan.status)
 
 
-def read_call_list(text: str, pos: int, final: bool, keep_broken: bool, pieces: list) -> tuple[int, bool]:
+def read_call_list(
+    text: str, pos: int, final: bool, keep_broken: bool, pieces: list, scan_at: Scan = scan_object
+) -> tuple[int, bool]:
     """Read a JSON list of call objects at text[pos] == "[" into `pieces`; (where the text goes on, or
     -1 when this is not a list of calls; whether the rest is held back)."""
     found = 0
     pos += 1
     while True:
         pos = skip_ws(text, pos)
-        read = read_call_object(text, pos)
+        read = read_call_object(text, pos, scan_at)
         if read.status is Status.COMPLETE:
             pieces.append(read.call)
             found += 1
@@ -184,6 +195,8 @@ class ToolParser:
         self.tokenizer = tokenizer
         self._sent_content = 0
         self._sent_calls: list[list] = []  # [id, length of arguments sent] per announced call
+        self._scanners: dict[int, ObjectScanner] = {}  # the stream's JSON objects, by where they start
+        self._resume = False  # scan_at resumes the stream's scanners (else scans afresh)
 
     # -- what a format defines --------------------------------------------------------------------
 
@@ -194,6 +207,23 @@ class ToolParser:
 
     def new_call_id(self) -> str:
         return make_tool_call_id()
+
+    def scan_at(self, text: str, pos: int) -> ObjectScan:
+        """`scan_object` for `_parse`: while streaming, each object is scanned once, only the new text
+        each step (the stream's text only grows); one-shot, afresh."""
+        if not self._resume:
+            return scan_object(text, pos)
+        scanner = self._scanners.get(pos)
+        if scanner is None:
+            scanner = self._scanners[pos] = ObjectScanner(pos)
+        return scanner.scan(text)
+
+    def _parse_streaming(self, text: str, final: bool) -> Parsed:
+        self._resume = True
+        try:
+            return self._parse(text, final, True)
+        finally:
+            self._resume = False
 
     # -- the API --------------------------------------------------------------------------------
 
@@ -208,11 +238,11 @@ class ToolParser:
         """The news since the last call, for the text so far (None: nothing to send yet, e.g. while a
         possible start tag is held back). previous_text and delta_text are for parsers that want
         them; this one re-parses current_text."""
-        return self._delta(self._parse(current_text, False, True), False, request)
+        return self._delta(self._parse_streaming(current_text, False), False, request)
 
     def finish_streaming(self, current_text: str, request: Any = None) -> ToolDelta | None:
         """The stream has ended with `current_text`: whatever was held back, decided."""
-        return self._delta(self._parse(current_text, True, True), True, request)
+        return self._delta(self._parse_streaming(current_text, True), True, request)
 
     # -- shared machinery -------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ JSON, not a model's own format, so these are picked by the request, never by `--
 from __future__ import annotations
 
 from xlaserve.entrypoints.openai.tool_parsers.base import Call, Parsed, ToolParser, read_call_list
-from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, scan_object, skip_ws
+from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, skip_ws
 
 
 class NamedToolParser(ToolParser):
@@ -22,7 +22,7 @@ class NamedToolParser(ToolParser):
         pos = skip_ws(text, 0)
         if pos == len(text):
             return Parsed([text] if final else [], is_held=not final)
-        scan = scan_object(text, pos)
+        scan = self.scan_at(text, pos)
         if scan.status is Status.COMPLETE:
             return Parsed([Call(self.function_name, text[pos : scan.end], True), text[scan.end :]])
         if scan.status is Status.PARTIAL and not final:
@@ -42,7 +42,7 @@ class RequiredToolParser(ToolParser):
         if text[pos] != "[":
             return Parsed([text])
         pieces: list = []
-        end, is_held = read_call_list(text, pos, final, keep_broken, pieces)
+        end, is_held = read_call_list(text, pos, final, keep_broken, pieces, self.scan_at)
         if end < 0:
             return Parsed([text])
         return Parsed([*pieces, text[end:]] if not is_held else pieces, is_held=is_held)

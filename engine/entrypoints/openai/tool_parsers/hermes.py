@@ -38,7 +38,7 @@ class HermesToolParser(ToolParser):
             pieces.append(text[pos:start])
             body = skip_ws(text, start + len(self.start_tag))
             if body < len(text) and text[body] == "[":
-                end, is_held = read_call_list(text, body, final, keep_broken, pieces)
+                end, is_held = read_call_list(text, body, final, keep_broken, pieces, self.scan_at)
             else:
                 end, is_held = self._read_object(text, body, final, keep_broken, pieces)
             if is_held:
@@ -53,10 +53,9 @@ class HermesToolParser(ToolParser):
             elif not final and pos < len(text) and self.end_tag.startswith(text[pos:]):
                 return Parsed(pieces, is_held=True)  # maybe the end tag: it is part of the call
 
-    @staticmethod
-    def _read_object(text, pos, final, keep_broken, pieces) -> tuple[int, bool]:
+    def _read_object(self, text, pos, final, keep_broken, pieces) -> tuple[int, bool]:
         """One call object; as `read_call_list`."""
-        read = read_call_object(text, pos)
+        read = read_call_object(text, pos, self.scan_at)
         if read.status is Status.COMPLETE:
             pieces.append(read.call)
             return read.end, False

@@ -30,7 +30,7 @@ class Llama3JsonToolParser(ToolParser):
             return Parsed([text])
         pieces = []
         while True:
-            read = read_call_object(text, pos)
+            read = read_call_object(text, pos, self.scan_at)
             if read.status is Status.COMPLETE:
                 pieces.append(read.call)
                 pos = skip_ws(text, read.end)

@@ -19,7 +19,7 @@ from xlaserve.entrypoints.openai.tool_parsers.base import (
     held_suffix,
     read_call_list,
 )
-from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, scan_object, skip_ws
+from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, skip_ws
 
 _NAME_CHAR = re.compile(r"[A-Za-z0-9_.\-]")
 _ID_CHARS = string.ascii_letters + string.digits
@@ -50,7 +50,7 @@ class MistralToolParser(ToolParser):
                     pieces.append(text[start:])
                 return Parsed(pieces, is_held=not final)
             if text[body] == "[":
-                pos, is_held = read_call_list(text, body, final, keep_broken, pieces)
+                pos, is_held = read_call_list(text, body, final, keep_broken, pieces, self.scan_at)
             else:
                 pos, is_held = self._read_named(text, body, final, keep_broken, pieces)
             if is_held:
@@ -75,7 +75,7 @@ class MistralToolParser(ToolParser):
         args = skip_ws(text, name_end + len(self.args_tag))
         if args == len(text):
             return (len(text), True) if not final else (-1, False)
-        scan = scan_object(text, args)
+        scan = self.scan_at(text, args)
         raw = text[args : scan.end]
         if scan.status is Status.COMPLETE:
             pieces.append(Call(name, raw, True))
