@@ -150,7 +150,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 def _cap_work(case) -> None:
     """Keep generated requests cheap: a few tokens, few choices (values stay schema-valid)."""
     body = case.body
-    if not isinstance(body, dict) or not case.path.endswith("completions"):
+    if not isinstance(body, dict) or not case.path.endswith(("completions", "/v1/messages")):
         return
     for key in ("max_tokens", "max_completion_tokens"):
         if isinstance(body.get(key), int) and body[key] > 2:

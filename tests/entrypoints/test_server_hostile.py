@@ -808,3 +808,221 @@ def test_server_still_generates(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
     response = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=4)
     assert response.choices[0].text and response.usage.completion_tokens >= 1
+
+
+# -- Anthropic's Messages API ------------------------------------------------------------------------
+
+# The same guards on /v1/messages and /v1/messages/count_tokens, answered in Anthropic's error shape:
+# `{"type": "error", "error": {"type", "message"}}`, the message naming the field (there is no param).
+MESSAGES = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"
+ANTHROPIC_BODY = {"model": MODEL_NAME, "max_tokens": 1, "messages": CHAT}
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+}
+
+
+def check_anthropic_error(response: httpx.Response, status: int, field: str | None = None) -> dict:
+    assert response.status_code == status, response.text[:500]
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error"
+    error = body["error"]
+    assert set(error) == {"type", "message"} and error["type"] == ANTHROPIC_TYPES[status], error
+    assert len(error["message"]) <= 500 and not INTERNALS.search(error["message"]), error["message"]
+    if field is not None:
+        assert field in error["message"], error
+    return error
+
+
+ANTHROPIC_FIELD_TYPES = {
+    "integer": ["max_tokens", "top_k"],
+    "number": ["temperature", "top_p"],
+    "boolean": ["stream"],
+    "string": ["model"],
+    "object": ["metadata", "tool_choice"],
+}
+ANTHROPIC_TYPE_CASES = [
+    pytest.param(field, value, id=f"{field}-{json.dumps(value)}")
+    for kind, fields in ANTHROPIC_FIELD_TYPES.items()
+    for field in fields
+    for value in WRONG_TYPES[kind]
+]
+
+
+@pytest.mark.parametrize("field, value", ANTHROPIC_TYPE_CASES)
+def test_anthropic_wrong_type_is_400_naming_the_field(client, field, value):
+    response, port = send(client, MESSAGES, {**ANTHROPIC_BODY, field: value})
+    check_anthropic_error(response, 400, field)
+    check_still_serving(client, port)
+
+
+def _user(*blocks) -> list[dict]:
+    return [{"role": "user", "content": list(blocks)}]
+
+
+def _without(block: dict, key: str) -> dict:
+    return {k: v for k, v in block.items() if k != key}
+
+
+_TOOL_USE = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+_CALLED = [*CHAT, {"role": "assistant", "content": [_TOOL_USE]}]
+
+# Each a body's fields over ANTHROPIC_BODY (DROP: leave the field out) and the field the message names.
+ANTHROPIC_BAD = [
+    ({"max_tokens": DROP}, "max_tokens"),
+    ({"model": DROP}, "model"),
+    ({"messages": DROP}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"temperature": 1.5}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"stop_sequences": "x"}, "stop_sequences"),
+    ({"stop_sequences": [5]}, "stop_sequences[0]"),
+    ({"stop_sequences": ["x"] * 17}, "stop_sequences"),
+    ({"system": 5}, "system"),
+    ({"system": [{"type": "text"}]}, "system[0].text"),
+    ({"metadata": {"user_id": 5}}, "metadata.user_id"),
+    ({"metadata": {"tenant": "x"}}, "metadata.tenant"),
+    ({"unknown_field": 1}, "unknown_field"),
+    ({"thinking": {"type": "sometimes"}}, "thinking"),
+    ({"thinking": {"type": "enabled"}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": "1024"}}, "thinking"),
+    ({"messages": [{"role": "system", "content": "Hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ({"messages": _user("Hi")}, "messages[0].content[0]"),
+    ({"messages": _user({"type": "image", "source": {}})}, "messages[0].content[0].type"),
+    ({"messages": _user({"type": "text", "text": 5})}, "messages[0].content[0].text"),
+    ({"messages": _user({"type": "text", "text": "Hi", "extra": 1})}, "messages[0].content[0].extra"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": [_without(_TOOL_USE, "id")]}]},
+     "messages[1].content[0].id"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": [{**_TOOL_USE, "input": "{}"}]}]},
+     "messages[1].content[0].input"),
+    ({"messages": _user({"type": "tool_result"})}, "messages[0].content[0].tool_use_id"),
+    ({"messages": [*_CALLED, *_user({"type": "tool_result", "tool_use_id": "toolu_1", "content": 5})]},
+     "messages[2].content[0].content"),
+    # What only the server can judge: ids, roles, names and schemas.
+    ({"messages": [*_CALLED, *_user({"type": "tool_result", "tool_use_id": "toolu_9"})]},
+     "messages[2].content[0].tool_use_id"),
+    ({"messages": _user({"type": "tool_result", "tool_use_id": "toolu_1"})},
+     "messages[0].content[0].tool_use_id"),
+    ({"messages": _user(_TOOL_USE)}, "messages[0].content[0]"),
+    ({"messages": [*_CALLED, {"role": "assistant", "content": [_TOOL_USE]}]}, "messages[2].content[0].id"),
+    ({"tools": [{"input_schema": {"type": "object"}}]}, "tools[0].name"),
+    ({"tools": [{"name": "a b", "input_schema": {"type": "object"}}]}, "tools[0].name"),
+    ({"tools": [{"name": "x"}]}, "tools[0].input_schema"),
+    ({"tools": [{"name": "x", "input_schema": "{}"}]}, "tools[0].input_schema"),
+    ({"tools": [{"name": "x", "input_schema": {"type": "string"}}]}, "tools[0].input_schema"),
+    ({"tools": [{"name": "x", "input_schema": {"type": "object", "properties": {"a": {"type": "foo"}}}}]},
+     "tools[0].input_schema"),
+    ({"tools": [{"name": "x", "input_schema": {"$ref": "#/$defs/nowhere"}}]}, "tools[0].input_schema"),
+    ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools[1].name"),
+    ({"tools": [WEATHER_TOOL] * 129}, "tools"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "other"}}, "tool_choice.name"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "any", "disable_parallel_tool_use": "yes"}},
+     "tool_choice.disable_parallel_tool_use"),
+]  # fmt: skip
+
+
+_GENERATION_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "stream"}
+ANTHROPIC_BAD_CASES = [
+    pytest.param(path, fields, field, id=f"{path.rsplit('/', 1)[1]}-{json.dumps(fields)[:70]}")
+    for path in (MESSAGES, COUNT_TOKENS)
+    for fields, field in ANTHROPIC_BAD
+    if not (path == COUNT_TOKENS and fields.get("max_tokens") == DROP)
+]
+
+
+@pytest.mark.parametrize("path, fields, field", ANTHROPIC_BAD_CASES)
+def test_anthropic_bad_request_is_400_naming_the_field(client, path, fields, field):
+    """count_tokens takes no generation fields: sent one, it names it as unknown."""
+    base = ANTHROPIC_BODY if path == MESSAGES else _without(ANTHROPIC_BODY, "max_tokens")
+    if path == COUNT_TOKENS and field.split(".")[0].split("[")[0] in _GENERATION_FIELDS:
+        field = field.split(".")[0].split("[")[0]
+    body = {k: v for k, v in {**base, **fields}.items() if v != DROP}
+    response, port = send(client, path, body)
+    check_anthropic_error(response, 400, field)
+    check_still_serving(client, port)
+
+
+ANTHROPIC_TEXT_FIELDS = [  # a body with "@" where the bad text goes, the field to be named
+    ({"messages": [{"role": "user", "content": "ab@"}]}, "messages[0].content[0].text"),
+    ({"messages": _user({"type": "text", "text": "@"})}, "messages[0].content[0].text"),
+    ({"system": "@"}, "system[0].text"),
+    ({"stop_sequences": ["@"]}, "stop_sequences[0]"),
+    ({"model": "@"}, "model"),
+    ({"tools": [{"name": "x", "description": "@", "input_schema": {"type": "object"}}]},
+     "tools[0].description"),
+    ({"tools": [{"name": "x", "input_schema": {"enum": ["@"]}}]}, "tools[0].input_schema"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("raw", list(BAD_TEXT.values()), ids=list(BAD_TEXT))
+@pytest.mark.parametrize("fields, field", ANTHROPIC_TEXT_FIELDS, ids=[f for _, f in ANTHROPIC_TEXT_FIELDS])
+def test_anthropic_invalid_unicode_is_400_naming_the_field(client, fields, field, raw):
+    content = body_with({**ANTHROPIC_BODY, **fields}, raw)
+    response, port = send(client, MESSAGES, content=content, headers={"Content-Type": "application/json"})
+    error = check_anthropic_error(response, 400, field)
+    assert "Unicode" in error["message"]
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize("path", [MESSAGES, COUNT_TOKENS])
+@pytest.mark.parametrize("name", ["not-json", "truncated", "array", "empty", "deep-nesting", "duplicate-key"])
+def test_anthropic_bad_body_is_400(client, path, name):
+    response, port = send(
+        client, path, content=BAD_BODIES[name], headers={"Content-Type": "application/json"}
+    )
+    check_anthropic_error(response, 400)
+    check_still_serving(client, port)
+
+
+def test_anthropic_routes_answer_every_status_in_their_shape(server, client):
+    response, port = send(client, MESSAGES, {**ANTHROPIC_BODY, "model": "claude-nothing"})
+    check_anthropic_error(response, 404, "claude-nothing")
+    check_still_serving(client, port)
+    response, port = send(client, MESSAGES, method="GET", content=b"")
+    check_anthropic_error(response, 405)
+    response, port = send(client, COUNT_TOKENS, content=b"{}", headers={"Content-Type": "text/plain"})
+    check_anthropic_error(response, 415)
+    check_still_serving(client, port)
+    response, port = send(client, MESSAGES, ANTHROPIC_BODY, headers={"Authorization": "Bearer nope"})
+    check_anthropic_error(response, 401)
+    check_still_serving(client, port)
+    head = (
+        b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"x-api-key: {server.api_key}\r\nContent-Length: {40 * 2**20}\r\n\r\n".encode()
+    )
+    status, headers, payload, is_closed = raw_exchange(server, head, timeout=10)
+    assert status == 413 and is_closed
+    assert json.loads(payload)["error"]["type"] == "request_too_large"
+
+
+def test_anthropic_context_length_is_400(client):
+    response, port = send(client, MESSAGES, {**ANTHROPIC_BODY, "max_tokens": 10_000})
+    error = check_anthropic_error(response, 400, "maximum context length is 512 tokens")
+    assert "10000 for the completion" in error["message"]
+    response, port = send(
+        client,
+        COUNT_TOKENS,
+        {"model": MODEL_NAME, "messages": _user(*[{"type": "text", "text": "word " * 100_000}])},
+    )
+    check_anthropic_error(response, 400, "messages")
+    check_still_serving(client, port)

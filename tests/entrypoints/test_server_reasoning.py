@@ -119,3 +119,46 @@ def test_auto_tool_choice_needs_the_flag(thinking_server, client):
     prompt = httpx.post(thinking_server.url + "/tokenize", json={"messages": CHAT, "tools": [tool]}).json()
     text = httpx.post(thinking_server.url + "/detokenize", json={"tokens": prompt["tokens"]}).json()["prompt"]
     assert "<tools>" in text and '"name": "f"' in text
+
+
+def test_anthropic_messages_give_a_thinking_block(thinking_server):
+    """/v1/messages on the same server: the thinking is a thinking block before the text, streamed as
+    thinking_delta events, and the anthropic client's stream helper gives the same message."""
+    import anthropic  # only this test speaks Anthropic's API
+
+    ids, text = raw_output(thinking_server, {})
+    tokenizer = load_tokenizer(thinking_server.model_dir)
+    reasoning, content = get_reasoning_parser("qwen3")(tokenizer, prompt_token_ids=ids).extract_reasoning(
+        text
+    )
+    client = anthropic.Anthropic(base_url=thinking_server.url, api_key="none", max_retries=0, timeout=300)
+    fields = {
+        "model": "tiny",
+        "messages": CHAT,
+        "max_tokens": GREEDY["max_tokens"],
+        "extra_body": {"temperature": 0},
+    }
+    message = client.messages.create(**fields)
+    expected = [{"type": "thinking", "thinking": reasoning, "signature": ""}]
+    expected += [{"type": "text", "text": content}] if content else []
+    assert [block.model_dump(exclude_none=True) for block in message.content] == expected
+    assert message.usage.input_tokens == len(ids) and message.stop_reason in ("max_tokens", "end_turn")
+    with client.messages.stream(**fields) as stream:
+        events = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert streamed.model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
+    assert events[:4] == ["message_start", "content_block_start", "content_block_delta", "thinking"]
+    # Anthropic's thinking switch reaches the template as enable_thinking: the answer has no thinking,
+    # and is the chat route's answer to the same request (asked next, so both find the prompt cached:
+    # this random model's near-ties can flip with the prefill's chunking).
+    ids = raw_output(thinking_server, THINKING[False])[0]
+    closed = client.messages.create(**fields, thinking={"type": "disabled"})
+    chat = httpx.post(
+        thinking_server.url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": CHAT, **GREEDY, **THINKING[False]},
+        timeout=300,
+    ).json()["choices"][0]["message"]
+    assert chat.get("reasoning_content") is None
+    answer = [{"type": "text", "text": chat["content"]}] if chat["content"] else []
+    assert [block.model_dump(exclude_none=True) for block in closed.content] == answer
+    assert closed.usage.input_tokens == len(ids)

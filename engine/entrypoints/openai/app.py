@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's routes plus /tokenize, /detokenize, /health, /version and /metrics."""
+"""The FastAPI app: OpenAI's routes, Anthropic's /v1/messages, plus /tokenize, /detokenize, /health,
+/version and /metrics."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 
+from xlaserve.entrypoints.anthropic.messages import add_routes as add_anthropic_routes
 from xlaserve.entrypoints.openai.chat import apply_chat_template, create_chat_completion
 from xlaserve.entrypoints.openai.completions import create_completion
 from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, install_error_handlers
@@ -134,6 +136,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise bad_request(f"tokens must be in [0, {engine.vocab_size}), got {bad[:4]}", "tokens")
         return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
 
+    add_anthropic_routes(app, state)
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -1,4 +1,5 @@
-"""Every error as OpenAI's JSON: `{"error": {"message", "type", "param", "code"}}`.
+"""Every error as OpenAI's JSON: `{"error": {"message", "type", "param", "code"}}`, or, on Anthropic's
+routes (/v1/messages...), as Anthropic's: `{"type": "error", "error": {"type", "message"}}`.
 
 Schema violations and malformed JSON are 400 (not FastAPI's 422), with `param` naming the field as
 the client sent it and a message of bounded length that never echoes the request body. Messages name
@@ -15,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from xlaserve.entrypoints.anthropic.protocol import ANTHROPIC_TAGS
 from xlaserve.entrypoints.openai.protocol import UNION_TAGS, UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
 
 MAX_MESSAGE_CHARS = 400
@@ -41,6 +43,18 @@ _EXPECTED_TYPES = {
     "model_type": "an object",
     "model_attributes_type": "an object",
 }
+# Anthropic's error types by status (its API answers overload with 529; this server says 503).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
 
@@ -61,9 +75,20 @@ class OpenAIError(Exception):
             error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
         )
 
-    def to_json_response(self) -> JSONResponse:
+    def to_anthropic(self) -> dict:
+        """Anthropic's shape: no param or code, so a field is named in the message only."""
+        kind = _ANTHROPIC_TYPES.get(self.status_code, "api_error" if self.status_code >= 500 else None)
+        return {"type": "error", "error": {"type": kind or "invalid_request_error", "message": self.message}}
+
+    def to_json_response(self, path: str = "") -> JSONResponse:
+        """The response in the format of the API `path` belongs to."""
         headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
-        return JSONResponse(self.to_response().model_dump(), status_code=self.status_code, headers=headers)
+        body = self.to_anthropic() if is_anthropic(path) else self.to_response().model_dump()
+        return JSONResponse(body, status_code=self.status_code, headers=headers)
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
@@ -99,7 +124,7 @@ def loc_to_param(loc: tuple) -> str | None:
     """("body", "messages", 0, "content", "str") -> "messages[0].content" (union branch names dropped)."""
     parts: list[str] = []
     for item in loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc:
-        if item in UNION_TAGS:
+        if item in UNION_TAGS or item in ANTHROPIC_TAGS:
             continue  # the body model a discriminated union picked: not a field the client sent
         if isinstance(item, int):
             if not parts:
@@ -179,18 +204,18 @@ def _json_type(value) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
-        return exc.to_json_response()
+        return exc.to_json_response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return validation_error(exc).to_json_response()
+        return validation_error(exc).to_json_response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"no route {request.url.path!r}" if len(request.url.path) < 200 else "no such route"
-        return OpenAIError(exc.status_code, message).to_json_response()
+        return OpenAIError(exc.status_code, message).to_json_response(request.url.path)
 
     # No handler for Exception: Starlette runs it outermost and then re-raises, which makes uvicorn
     # drop the keep-alive connection. GuardMiddleware answers unexpected errors instead.

@@ -1,5 +1,6 @@
-"""What stands between a client and the routes: the API key, a bound on the body counted as it arrives,
-JSON decoding that can name a field holding invalid UTF-8, and a last resort for unexpected errors.
+"""What stands between a client and the routes: the API key (Bearer or x-api-key), a bound on the body
+counted as it arrives, JSON decoding that can name a field holding invalid UTF-8, and a last resort for
+unexpected errors.
 
 No request, however malformed, gets a 5xx for its own fault or costs the client its keep-alive
 connection, with two exceptions: a body over the bound is refused unread, so the connection has to
@@ -41,7 +42,9 @@ class GuardMiddleware:
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int = MAX_BODY_BYTES):
         self.app = app
+        # OpenAI's clients send "Authorization: Bearer <key>", Anthropic's "x-api-key: <key>": either does.
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
@@ -53,13 +56,13 @@ class GuardMiddleware:
             body = await self._read_body(scope, receive, keep=error is None)
         except _BodyTooLarge:
             # Refused unread, its rest would be taken for the next request: the connection must close.
-            response = (error or _too_large(self.max_body_bytes)).to_json_response()
+            response = (error or _too_large(self.max_body_bytes)).to_json_response(scope["path"])
             response.headers["Connection"] = "close"
             return await response(scope, receive, send)
         if body is None:
             return  # the client left before sending its body: nobody to answer
         if error is not None:
-            return await error.to_json_response()(scope, receive, send)
+            return await error.to_json_response(scope["path"])(scope, receive, send)
         await self._run(scope, _replay(body, receive), send)
 
     def _check_headers(self, scope) -> OpenAIError | None:
@@ -71,12 +74,20 @@ class GuardMiddleware:
         if (
             self.expected is not None
             and scope["path"].startswith(_PROTECTED_PREFIXES)
-            and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            and not self._is_authorized(headers)
         ):
             return OpenAIError(
-                401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                code="invalid_api_key",
             )
         return None
+
+    def _is_authorized(self, headers: dict[bytes, bytes]) -> bool:
+        # Both compared in constant time, whichever is sent, so timing tells nothing about the key.
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        x_api_key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected_key)
+        return bearer or x_api_key
 
     async def _read_body(self, scope, receive, keep: bool) -> bytes | None:
         """The whole body (b"" when not `keep`), None if the client disconnected first; raises
@@ -111,7 +122,7 @@ class GuardMiddleware:
         except Exception:  # noqa: BLE001 - the last resort: log it, answer it, keep the connection
             logger.exception("unexpected error on %s %s", scope["method"], scope["path"])
             if not is_started:
-                await internal_error().to_json_response()(scope, receive, send)
+                await internal_error().to_json_response(scope["path"])(scope, receive, send)
             # Otherwise the response is cut short and uvicorn closes the connection: a client must
             # not take half a response for a whole one.
 

@@ -1,0 +1,211 @@
+"""An Anthropic request as a chat completions request (`ChatCompletionRequest`), so it takes the chat
+path: the same template rendering (tools, earlier calls, tool results), tool plan (structured outputs
+for a forced call) and output parsers (`--tool-call-parser`, `--reasoning-parser`).
+
+Anthropic's shapes map onto OpenAI's: `system` is the first message; an assistant's tool_use blocks
+are its `tool_calls` (the input as JSON text), thinking its `reasoning_content`; each tool_result is a
+`tool` message; tool_choice auto/any/tool/none is "auto"/"required"/a named function/"none", and
+disable_parallel_tool_use is parallel_tool_calls=false; a final assistant message is a prefill
+(continue_final_message). What the chat request's schema would name by OpenAI's fields is checked here
+first, each a 400 naming Anthropic's: a block in the wrong role, a tool_result whose tool_use_id no
+earlier tool_use has, a repeated tool_use id or tool name, a tool_choice naming a tool not given, an
+input_schema that is not an object's or that llguidance cannot compile.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import ValidationError
+
+from xlaserve.engine.structured_output import check_grammar
+from xlaserve.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    MessageParam,
+    MessagesRequest,
+    TextBlockParam,
+    ThinkingBlockParam,
+    ToolParam,
+    ToolResultBlockParam,
+    ToolUseBlockParam,
+)
+from xlaserve.entrypoints.openai.errors import bad_request, loc_to_param
+from xlaserve.entrypoints.openai.protocol import ChatCompletionRequest
+from xlaserve.sampling_params import StructuredOutputsError, StructuredOutputsParams
+
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
+    body: dict = {"messages": _messages(req)}
+    last = req.messages[-1]
+    is_prefill = last.role == "assistant" and all(isinstance(b, TextBlockParam) for b in last.content)
+    if is_prefill and not last.content:
+        body["messages"].pop()  # an empty prefill: the answer starts from nothing, as without it
+        is_prefill = False
+    body["add_generation_prompt"] = not is_prefill
+    body["continue_final_message"] = is_prefill
+    if req.tools:
+        body["tools"] = _function_tools(req.tools)
+    choice = req.tool_choice
+    if choice is not None:
+        _check_tool_choice(req)
+        is_named = choice.type == "tool"
+        body["tool_choice"] = (
+            {"type": "function", "function": {"name": choice.name}}
+            if is_named
+            else _TOOL_CHOICES[choice.type]
+        )
+        if getattr(choice, "disable_parallel_tool_use", False):
+            body["parallel_tool_calls"] = False
+    if req.thinking is not None and req.thinking.type == "disabled":
+        # Templates that think by default (Qwen3's) close the thinking when told so.
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+    if isinstance(req, MessagesRequest):
+        sampling = {
+            "max_tokens": req.max_tokens,
+            "stop": req.stop_sequences,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "stream": req.stream,
+        }
+        body.update({k: v for k, v in sampling.items() if v is not None})
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:  # a limit of the chat request's that Anthropic's shapes do not state
+        error = e.errors()[0]
+        param = loc_to_param(tuple(error.get("loc", ())))
+        raise bad_request(f"this request cannot be served: {param or 'body'}: {error.get('msg')}") from None
+
+
+def _messages(req: CountTokensRequest) -> list[dict]:
+    conversation = []
+    if req.system:
+        conversation.append({"role": "system", "content": _joined(req.system)})
+    tool_use_ids: set[str] = set()
+    for i, message in enumerate(req.messages):
+        is_final = i == len(req.messages) - 1
+        if not message.content and not (is_final and message.role == "assistant"):
+            raise bad_request(
+                f"messages[{i}].content is empty: every message but a final assistant one needs content",
+                f"messages[{i}].content",
+            )
+        if message.role == "assistant":
+            conversation.append(_assistant_turn(message, i, tool_use_ids))
+        else:
+            conversation += _user_turns(message, i, tool_use_ids)
+    return conversation
+
+
+def _joined(blocks: list[TextBlockParam]) -> str:
+    return "".join(block.text for block in blocks)
+
+
+def _assistant_turn(message: MessageParam, i: int, tool_use_ids: set[str]) -> dict:
+    text, reasoning, calls = [], [], []
+    for j, block in enumerate(message.content):
+        where = f"messages[{i}].content[{j}]"
+        if isinstance(block, TextBlockParam):
+            text.append(block.text)
+        elif isinstance(block, ThinkingBlockParam):
+            reasoning.append(block.thinking)
+        elif isinstance(block, ToolUseBlockParam):
+            if block.id in tool_use_ids:
+                raise bad_request(f"{where}.id: the tool_use id {block.id!r} is used twice", f"{where}.id")
+            tool_use_ids.add(block.id)
+            calls.append(
+                {
+                    "id": block.id,
+                    "type": "function",
+                    "function": {
+                        "name": block.name,
+                        "arguments": json.dumps(block.input, ensure_ascii=False),
+                    },
+                }
+            )
+        elif isinstance(block, ToolResultBlockParam):
+            raise bad_request(f"{where}: tool_result blocks belong in user messages", where)
+        # redacted_thinking: opaque data from Anthropic's own models; nothing a template can show.
+    turn: dict = {"role": "assistant", "content": "".join(text)}
+    if reasoning:
+        turn["reasoning_content"] = "".join(reasoning)
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def _user_turns(message: MessageParam, i: int, tool_use_ids: set[str]) -> list[dict]:
+    """A user message as template messages: each tool_result its own `tool` message, text between
+    them a `user` message, in the order sent."""
+    turns, text = [], []
+    for j, block in enumerate(message.content):
+        where = f"messages[{i}].content[{j}]"
+        if isinstance(block, TextBlockParam):
+            text.append(block.text)
+        elif isinstance(block, ToolResultBlockParam):
+            if block.tool_use_id not in tool_use_ids:
+                raise bad_request(
+                    f"{where}.tool_use_id: no tool_use block with id {block.tool_use_id!r} comes before "
+                    "this tool_result",
+                    f"{where}.tool_use_id",
+                )
+            if text:
+                turns.append({"role": "user", "content": "".join(text)})
+                text = []
+            content = _joined(block.content or [])
+            if block.is_error:
+                content = f"Error: {content}"
+            turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+        else:
+            raise bad_request(f"{where}: {block.type} blocks belong in assistant messages", where)
+    if text or not turns:
+        turns.append({"role": "user", "content": "".join(text)})
+    return turns
+
+
+def _function_tools(tools: list[ToolParam] | None) -> list[dict] | None:
+    if not tools:
+        return None
+    seen: set[str] = set()
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.name in seen:
+            raise bad_request(
+                f"tools[{i}].name: the tool name {tool.name!r} is used twice", f"tools[{i}].name"
+            )
+        seen.add(tool.name)
+        schema = input_schema(tool, i)
+        function = {"name": tool.name, "parameters": schema}
+        if tool.description is not None:
+            function["description"] = tool.description
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def input_schema(tool: ToolParam, i: int) -> dict:
+    """The tool's input_schema, checked: it describes an object and llguidance compiles it (so a
+    forced call can be constrained by it). A schema without `type` is taken to be an object's."""
+    param = f"tools[{i}].input_schema"
+    schema = tool.input_schema
+    if schema.get("type", "object") != "object":
+        raise bad_request(
+            f"{param} must describe an object ('type': 'object'), got {schema['type']!r}", param
+        )
+    schema = {"type": "object", **schema}
+    try:
+        check_grammar(StructuredOutputsParams(json=schema))
+    except StructuredOutputsError as e:
+        raise bad_request(f"{param} {e.reason}", param) from None
+    return schema
+
+
+def _check_tool_choice(req: CountTokensRequest) -> None:
+    choice = req.tool_choice
+    if choice is None or choice.type == "none":
+        return
+    names = [tool.name for tool in req.tools or []]
+    if not names:
+        raise bad_request(f"tool_choice of type {choice.type!r} needs tools", "tool_choice")
+    if choice.type == "tool" and choice.name not in names:
+        raise bad_request(f"tool_choice.name: no tool named {choice.name!r} in tools", "tool_choice.name")

@@ -1,0 +1,145 @@
+"""POST /v1/messages and /v1/messages/count_tokens: an Anthropic request through the chat path (the
+chat template, SamplingParams, structured outputs for a forced tool), answered as a message or as
+Anthropic's event stream. Errors come out in Anthropic's shape (errors.py picks it by the path)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from xlaserve.entrypoints.anthropic.convert import to_chat_request
+from xlaserve.entrypoints.anthropic.output import stop_reason
+from xlaserve.entrypoints.anthropic.protocol import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+    ToolUseBlock,
+    Usage,
+)
+from xlaserve.entrypoints.anthropic.reading import ChoiceReader
+from xlaserve.entrypoints.anthropic.streaming import event_stream
+from xlaserve.entrypoints.openai.chat import apply_chat_template
+from xlaserve.entrypoints.openai.chat_parsing import ChoiceParser, make_tool_parser
+from xlaserve.entrypoints.openai.protocol import ChatCompletionRequest
+from xlaserve.entrypoints.openai.serving import (
+    ServerState,
+    check_context,
+    check_finish,
+    check_model,
+    collect_final,
+    engine_error,
+    make_sampling_params,
+    new_id,
+    tokenize_text,
+)
+from xlaserve.entrypoints.openai.tools import ToolPlan, plan_tools
+from xlaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("xlaserve.entrypoints.anthropic")
+
+
+def _errors(*codes: int) -> dict:
+    return {code: {"model": AnthropicErrorResponse} for code in codes}
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post(
+        "/v1/messages",
+        response_model=None,
+        responses={
+            200: {
+                "model": MessagesResponse,
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **_errors(400, 401, 404, 413, 415, 503),
+        },
+    )
+    async def messages(request: MessagesRequest, raw_request: Request):
+        return await create_message(state, request, raw_request)
+
+    @app.post("/v1/messages/count_tokens", responses=_errors(400, 401, 404, 413, 415))
+    async def count_tokens(request: CountTokensRequest) -> CountTokensResponse:
+        check_model(state, request.model)
+        ids = _prompt(state, request)[3]
+        return CountTokensResponse(input_tokens=len(ids))
+
+
+def _prompt(
+    state: ServerState, req: CountTokensRequest
+) -> tuple[ChatCompletionRequest, ToolPlan, str, list[int]]:
+    """The request on the chat path: as a chat request, its tool plan, the rendered prompt and its ids."""
+    chat = to_chat_request(req)
+    plan = plan_tools(chat, state.enable_auto_tool_choice)
+    text = apply_chat_template(
+        state,
+        chat.messages,
+        chat.add_generation_prompt,
+        chat.continue_final_message,
+        chat.tools,
+        chat.chat_template_kwargs,
+    )
+    return chat, plan, text, tokenize_text(state.engine, text, False, "messages")
+
+
+def _sampling_params(
+    state: ServerState, chat: ChatCompletionRequest, plan: ToolPlan, ids: list[int]
+) -> SamplingParams:
+    """As the chat route makes them: the tool plan's grammar, applied once the thinking ends, and special
+    tokens kept when the tool parser's tags are special tokens."""
+    params = make_sampling_params(chat, chat.max_tokens, None)
+    spec = plan.structured_outputs
+    reasoning = _reasoning_parser(state, ids)
+    if spec is not None and reasoning is not None and not reasoning.is_reasoning_end(ids):
+        spec = dataclasses.replace(spec, reasoning_end_token_id=reasoning.end_token_id)
+    parser = state.tool_parser_cls
+    keeps_special = plan.choice == "auto" and parser is not None and parser.keeps_special_tokens
+    return dataclasses.replace(params, structured_outputs=spec, skip_special_tokens=not keeps_special)
+
+
+def _reasoning_parser(state: ServerState, ids: list[int]):
+    if state.reasoning_parser_cls is None:
+        return None
+    return state.reasoning_parser_cls(state.engine.tokenizer, prompt_token_ids=ids)
+
+
+async def create_message(state: ServerState, req: MessagesRequest, raw_request: Request):
+    model = check_model(state, req.model)
+    chat, plan, text, ids = _prompt(state, req)
+    check_context(state.engine, len(ids), req.max_tokens, "messages")
+    params = _sampling_params(state, chat, plan, ids)
+    tool_parser = make_tool_parser(plan, state.tool_parser_cls, state.engine.tokenizer)
+    reader = ChoiceReader(ChoiceParser(_reasoning_parser(state, ids), tool_parser, chat))
+    request_id = new_id("msg").replace("-", "_")
+    try:
+        stream = state.engine.add_request(
+            ids, params, request_id, prompt=text, output_kind="delta" if req.stream else "final"
+        )
+    except Exception as e:  # noqa: BLE001 - every failure becomes an API error
+        raise engine_error(e) from None
+    if state.log_requests:
+        logger.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
+    if req.stream:
+        return StreamingResponse(
+            event_stream(request_id, model, stream, len(ids), reader), media_type="text/event-stream"
+        )
+    try:
+        (output,) = await collect_final(raw_request, [stream])
+    except Exception as e:  # noqa: BLE001 - every failure becomes an API error
+        raise engine_error(e) from None
+    check_finish(output)
+    (completion,) = output.outputs
+    blocks = reader.blocks(completion.text)
+    reason, sequence = stop_reason(completion, any(isinstance(b, ToolUseBlock) for b in blocks))
+    return MessagesResponse(
+        id=request_id,
+        content=blocks,
+        model=model,
+        stop_reason=reason,
+        stop_sequence=sequence,
+        usage=Usage(input_tokens=len(ids), output_tokens=len(completion.token_ids)),
+    )

@@ -1,0 +1,258 @@
+"""Anthropic's Messages API shapes (pydantic): requests strict like the OpenAI routes' (unknown fields,
+wrong JSON types and invalid Unicode are 400s naming the field), responses and stream events as
+Anthropic documents them.
+
+A message's `content` (and `system`, and a tool result's `content`) may be a string or a list of
+blocks; a string is read as one text block, so an error inside a block is named down to its field
+(`messages[0].content[1].input`). Blocks are told apart by `type` through tags that error locations
+drop (`ANTHROPIC_TAGS`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag
+
+from xlaserve.entrypoints.openai.protocol import JsonObject, OpenAIModel, PositiveTokens, StopString, Text
+
+MAX_TOOLS = 128
+MAX_STOP_SEQUENCES = 16
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+def _text_as_blocks(value):
+    """A plain string stands for one text block."""
+    return [{"type": "text", "text": value}] if isinstance(value, str) else value
+
+
+class CacheControl(OpenAIModel):
+    """Accepted so clients may send it; prefix caching here is automatic."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlockParam(OpenAIModel):
+    type: Literal["text"]
+    text: Text
+    cache_control: CacheControl | None = None
+    citations: list[dict[str, Any]] | None = Field(default=None, description="accepted and ignored")
+
+
+class ToolUseBlockParam(OpenAIModel):
+    """A call the assistant made earlier in the conversation."""
+
+    type: Literal["tool_use"]
+    id: Text = Field(min_length=1, max_length=256)
+    name: Text = Field(pattern=TOOL_NAME_PATTERN)
+    input: JsonObject
+    cache_control: CacheControl | None = None
+
+
+TextBlocks = Annotated[list[TextBlockParam], BeforeValidator(_text_as_blocks)]
+
+
+class ToolResultBlockParam(OpenAIModel):
+    """The result of the tool_use with id `tool_use_id`, sent in the next user message."""
+
+    type: Literal["tool_result"]
+    tool_use_id: Text = Field(min_length=1, max_length=256)
+    content: TextBlocks | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+class ThinkingBlockParam(OpenAIModel):
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text | None = None
+
+
+class RedactedThinkingBlockParam(OpenAIModel):
+    type: Literal["redacted_thinking"]
+    data: Text
+
+
+_BLOCKS = {
+    "text": TextBlockParam,
+    "tool_use": ToolUseBlockParam,
+    "tool_result": ToolResultBlockParam,
+    "thinking": ThinkingBlockParam,
+    "redacted_thinking": RedactedThinkingBlockParam,
+}
+
+
+class _UnknownBlock(OpenAIModel):
+    """What a block of another type is checked against: its `type` fails, listing the known ones."""
+
+    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
+
+
+def _block_tag(value) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"{kind}-block" if isinstance(kind, str) and kind in _BLOCKS else "unknown-block"
+
+
+ContentBlock = Annotated[
+    Annotated[TextBlockParam, Tag("text-block")]
+    | Annotated[ToolUseBlockParam, Tag("tool_use-block")]
+    | Annotated[ToolResultBlockParam, Tag("tool_result-block")]
+    | Annotated[ThinkingBlockParam, Tag("thinking-block")]
+    | Annotated[RedactedThinkingBlockParam, Tag("redacted_thinking-block")]
+    | Annotated[_UnknownBlock, Tag("unknown-block")],
+    Discriminator(_block_tag),
+]
+
+
+class MessageParam(OpenAIModel):
+    role: Literal["user", "assistant"]
+    content: Annotated[list[ContentBlock], BeforeValidator(_text_as_blocks)]
+
+
+class ToolParam(OpenAIModel):
+    name: Text = Field(pattern=TOOL_NAME_PATTERN)
+    description: Text | None = None
+    input_schema: JsonObject = Field(description="a JSON schema of the tool's input, an object")
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+
+
+class ToolChoiceAuto(OpenAIModel):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(OpenAIModel):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(OpenAIModel):
+    type: Literal["tool"]
+    name: Text = Field(pattern=TOOL_NAME_PATTERN)
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(OpenAIModel):
+    type: Literal["none"]
+
+
+_CHOICES = {"auto": ToolChoiceAuto, "any": ToolChoiceAny, "tool": ToolChoiceTool, "none": ToolChoiceNone}
+
+
+class _UnknownChoice(OpenAIModel):
+    type: Literal["auto", "any", "tool", "none"]
+
+
+def _choice_tag(value) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"{kind}-choice" if isinstance(kind, str) and kind in _CHOICES else "unknown-choice"
+
+
+ToolChoice = Annotated[
+    Annotated[ToolChoiceAuto, Tag("auto-choice")]
+    | Annotated[ToolChoiceAny, Tag("any-choice")]
+    | Annotated[ToolChoiceTool, Tag("tool-choice")]
+    | Annotated[ToolChoiceNone, Tag("none-choice")]
+    | Annotated[_UnknownChoice, Tag("unknown-choice")],
+    Discriminator(_choice_tag),
+]
+# The union tags above: not fields, so error locations leave them out.
+ANTHROPIC_TAGS = frozenset(
+    {f"{kind}-block" for kind in _BLOCKS} | {f"{kind}-choice" for kind in _CHOICES}
+) | {"unknown-block", "unknown-choice"}
+
+
+class Metadata(OpenAIModel):
+    user_id: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
+
+
+class ThinkingEnabled(OpenAIModel):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1, le=2**31 - 1, description="accepted; the thinking is not cut")
+
+
+class ThinkingDisabled(OpenAIModel):
+    type: Literal["disabled"]
+
+
+class CountTokensRequest(OpenAIModel):
+    """POST /v1/messages/count_tokens: the prompt a /v1/messages request with these fields would have."""
+
+    model: Text
+    messages: list[MessageParam] = Field(min_length=1)
+    system: TextBlocks | None = None
+    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    thinking: Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")] | None = Field(
+        default=None,
+        description='"disabled": the template is rendered with enable_thinking=false (Qwen3 and the like)',
+    )
+
+
+class MessagesRequest(CountTokensRequest):
+    """POST /v1/messages."""
+
+    max_tokens: PositiveTokens
+    stop_sequences: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0, description="default 1.0")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=2**31 - 1, description="0: off")
+    metadata: Metadata | None = None
+
+
+# -- responses -------------------------------------------------------------------------------------
+
+
+class TextBlock(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ThinkingBlock(BaseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = Field(default="", description="empty: this server does not sign its thinking")
+
+
+ResponseBlock = TextBlock | ToolUseBlock | ThinkingBlock
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class MessagesResponse(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[ResponseBlock]
+    model: str
+    stop_reason: StopReason | None = None
+    stop_sequence: str | None = None
+    usage: Usage
+
+
+class CountTokensResponse(BaseModel):
+    input_tokens: int
+
+
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo

@@ -1,0 +1,67 @@
+"""A chat choice's parse (the chat path's ChoiceParser: the reasoning parser, then the tool parser on
+the answer) as Anthropic content: thinking, text and tool_use blocks whole, or pieces of them as the
+stream goes."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from xlaserve.entrypoints.anthropic.output import Piece
+from xlaserve.entrypoints.anthropic.protocol import ResponseBlock, TextBlock, ThinkingBlock, ToolUseBlock
+from xlaserve.entrypoints.openai.chat_parsing import ChoiceDelta, ChoiceParser
+
+logger = logging.getLogger("xlaserve.entrypoints.anthropic")
+
+
+class ChoiceReader:
+    def __init__(self, parser: ChoiceParser):
+        self.parser = parser
+
+    def blocks(self, text: str) -> list[ResponseBlock]:
+        """The whole output as blocks: thinking, then text, then each call."""
+        parsed = self.parser.parse(text)
+        blocks: list[ResponseBlock] = []
+        if parsed.reasoning:
+            blocks.append(ThinkingBlock(thinking=parsed.reasoning))
+        content = parsed.content or ""
+        calls = []
+        for call in parsed.tool_calls:
+            arguments = _object(call.function.arguments)
+            if arguments is None:  # not an object after all: the model's words, kept as text
+                content += call.function.arguments
+            else:
+                calls.append(ToolUseBlock(id=call.id, name=call.function.name, input=arguments))
+        if content:
+            blocks.append(TextBlock(text=content))
+        return blocks + calls
+
+    def feed(self, delta: str) -> list[Piece]:
+        return _pieces(self.parser.feed(delta)) if delta else []
+
+    def flush(self) -> list[Piece]:
+        return _pieces(self.parser.finish())
+
+
+def _object(arguments: str) -> dict | None:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        logger.warning("a parsed tool call's arguments are not JSON; returned as text")
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _pieces(delta: ChoiceDelta) -> list[Piece]:
+    pieces = []
+    if delta.reasoning:
+        pieces.append(Piece("thinking", delta.reasoning))
+    if delta.content:
+        pieces.append(Piece("text", delta.content))
+    for call in delta.tool_calls:
+        arguments = call.function.arguments or ""
+        if call.id is not None:
+            pieces.append(Piece("tool_use", arguments, id=call.id, name=call.function.name))
+        elif arguments:
+            pieces.append(Piece("tool_use", arguments))
+    return pieces

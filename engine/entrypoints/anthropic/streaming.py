@@ -1,0 +1,103 @@
+"""Anthropic's event stream: message_start, ping, then each content block's content_block_start,
+content_block_delta (text_delta, thinking_delta, input_json_delta) and content_block_stop, then
+message_delta (stop_reason, stop_sequence, usage) and message_stop. An error after the headers is an
+`error` event in Anthropic's shape, and the stream ends."""
+
+from __future__ import annotations
+
+import json
+
+from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
+from xlaserve.entrypoints.openai.serving import check_finish, engine_error, merge_streams
+
+
+def sse(kind: str, payload: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _Blocks:
+    """The open content block and the events that open, extend and close blocks."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+        self.has_tool_use = False
+
+    def events(self, piece: Piece) -> list[str]:
+        out = []
+        starts_call = piece.kind == "tool_use" and piece.id is not None
+        if piece.kind != self.kind or starts_call:
+            out += self.close()
+            self.index += 1
+            self.kind = piece.kind
+            start = {"type": "content_block_start", "index": self.index, "content_block": _empty_block(piece)}
+            out.append(sse("content_block_start", start))
+            self.has_tool_use = self.has_tool_use or piece.kind == "tool_use"
+        if piece.text:
+            delta = {"type": "content_block_delta", "index": self.index, "delta": _delta(piece)}
+            out.append(sse("content_block_delta", delta))
+        return out
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+
+def _empty_block(piece: Piece) -> dict:
+    if piece.kind == "text":
+        return {"type": "text", "text": ""}
+    if piece.kind == "thinking":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    return {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
+
+
+def _delta(piece: Piece) -> dict:
+    if piece.kind == "text":
+        return {"type": "text_delta", "text": piece.text}
+    if piece.kind == "thinking":
+        return {"type": "thinking_delta", "thinking": piece.text}
+    return {"type": "input_json_delta", "partial_json": piece.text}
+
+
+async def event_stream(request_id: str, model: str, stream, num_prompt_tokens: int, reader):
+    message = {
+        "id": request_id,
+        "type": "message",
+        "role": "assistant",
+        "content": [],
+        "model": model,
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": num_prompt_tokens, "output_tokens": 0},
+    }
+    yield sse("message_start", {"type": "message_start", "message": message})
+    yield sse("ping", {"type": "ping"})
+    blocks = _Blocks()
+    num_generated = 0
+    merged = merge_streams([stream])
+    try:
+        async for _, output in merged:
+            check_finish(output)
+            (completion,) = output.outputs
+            num_generated += len(completion.token_ids)
+            pieces = reader.feed(completion.text)
+            if completion.finish_reason is not None:
+                pieces += reader.flush()
+            for piece in pieces:
+                for event in blocks.events(piece):
+                    yield event
+            if completion.finish_reason is None:
+                continue
+            for event in blocks.close():
+                yield event
+            reason, sequence = stop_reason(completion, blocks.has_tool_use)
+            usage = {"input_tokens": num_prompt_tokens, "output_tokens": num_generated}
+            delta = {"stop_reason": reason, "stop_sequence": sequence}
+            yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
+            yield sse("message_stop", {"type": "message_stop"})
+    except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
+        yield sse("error", engine_error(e).to_anthropic())
+    finally:
+        await merged.aclose()

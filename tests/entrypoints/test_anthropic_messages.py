@@ -1,0 +1,272 @@
+"""Anthropic's Messages API through `xlaserve serve` (the session's SmolLM2 server) and the official
+`anthropic` client: results, usage against count_tokens and /tokenize, stop reasons, the event stream
+in its documented order and the client's own stream helpers, and the API key in either header."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from helpers.server_harness import MODEL_NAME
+
+QUESTION = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> anthropic.Anthropic:
+    """The client as users set it up: the key goes in x-api-key."""
+    return anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=300)
+
+
+GREEDY = {"temperature": 0}  # this client has no temperature argument; the API still takes the field
+
+
+def _create(client, **fields):
+    return client.messages.create(model=MODEL_NAME, extra_body=GREEDY, **{"max_tokens": 8, **fields})
+
+
+def _prompt_ids(server, messages: list[dict]) -> list[int]:
+    """The engine's own count: /tokenize on the same conversation through the same template."""
+    response = httpx.post(server.url + "/tokenize", json={"messages": messages}, headers=server.headers)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+def test_round_trip_usage_and_count_tokens(server, client):
+    message = _create(client, messages=QUESTION, system="Answer briefly.")
+    assert message.type == "message" and message.role == "assistant" and message.model == MODEL_NAME
+    assert message.id.startswith("msg_")
+    assert [block.type for block in message.content] == ["text"] and message.content[0].text
+    counted = client.messages.count_tokens(model=MODEL_NAME, messages=QUESTION, system="Answer briefly.")
+    engine_ids = _prompt_ids(server, [{"role": "system", "content": "Answer briefly."}, *QUESTION])
+    assert message.usage.input_tokens == counted.input_tokens == len(engine_ids)
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
+
+
+def test_system_as_blocks_equals_system_as_string(client):
+    as_string = client.messages.count_tokens(model=MODEL_NAME, messages=QUESTION, system="Be terse.")
+    blocks = [
+        {"type": "text", "text": "Be "},
+        {"type": "text", "text": "terse.", "cache_control": {"type": "ephemeral"}},
+    ]
+    as_blocks = client.messages.count_tokens(model=MODEL_NAME, messages=QUESTION, system=blocks)
+    assert as_blocks.input_tokens == as_string.input_tokens
+
+
+def test_end_turn_and_stop_sequence(client):
+    free = _create(client, messages=QUESTION, max_tokens=64)
+    assert free.stop_reason == "end_turn" and free.stop_sequence is None, free
+    text = free.content[0].text
+    assert free.usage.output_tokens < 64
+    # A word from the middle of the greedy answer: the same request stops right before it.
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[len(words) // 2]
+    stopped = _create(client, messages=QUESTION, max_tokens=64, stop_sequences=["\u2603", stop])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    assert stopped.content[0].text == text[: text.index(stop)]
+
+
+def test_prefill_continues_the_final_assistant_message(server, client):
+    """A final assistant message is continued, as the chat route's continue_final_message does."""
+    conversation = [*QUESTION, {"role": "assistant", "content": "The three colors are"}]
+    message = _create(client, messages=conversation)
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": conversation, "max_tokens": 8, "temperature": 0,
+              "add_generation_prompt": False, "continue_final_message": True},
+        headers=server.headers,
+        timeout=300,
+    )  # fmt: skip
+    chat = response.json()
+    assert message.content[0].text == chat["choices"][0]["message"]["content"]
+    assert message.usage.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+def read_events(server, body: dict) -> list[tuple[str, dict]]:
+    """(event name, data) of each server-sent event, as sent."""
+    events = []
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/messages",
+        json={**body, "stream": True},
+        headers=server.headers,
+        timeout=300,
+    ) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith(
+            "text/event-stream"
+        )
+        name = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: ") :])
+                assert data["type"] == name
+                events.append((name, data))
+    return events
+
+
+def test_stream_events_in_documented_order(server):
+    body = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "messages": QUESTION}
+    events = read_events(server, body)
+    names = [name for name, _ in events if name != "ping"]
+    assert names[:2] == ["message_start", "content_block_start"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[2:-3]) == {"content_block_delta"}
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["output_tokens"] == 0
+    deltas = [data for name, data in events if name == "content_block_delta"]
+    assert all(d["index"] == 0 and d["delta"]["type"] == "text_delta" for d in deltas)
+    final = events[-2][1]
+    assert final["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert final["usage"] == {"input_tokens": start["usage"]["input_tokens"], "output_tokens": 8}
+
+
+def test_stream_helper_equals_the_message(client):
+    """The client's own accumulator parses the events into the message the non-streaming call returns."""
+    for fields in ({"max_tokens": 8}, {"max_tokens": 64}, {"max_tokens": 64, "stop_sequences": ["Green"]}):
+        with client.messages.stream(
+            model=MODEL_NAME, extra_body=GREEDY, messages=QUESTION, **fields
+        ) as stream:
+            texts = list(stream.text_stream)
+            streamed = stream.get_final_message()
+        whole = _create(client, messages=QUESTION, **fields)
+        assert "".join(texts) == whole.content[0].text
+        assert streamed.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+
+
+def test_api_key_in_either_header(server):
+    bearer = anthropic.Anthropic(base_url=server.url, auth_token=server.api_key, max_retries=0, timeout=300)
+    assert bearer.messages.count_tokens(model=MODEL_NAME, messages=QUESTION).input_tokens > 0
+    wrong = anthropic.Anthropic(base_url=server.url, api_key="sk-wrong", max_retries=0, timeout=300)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        wrong.messages.create(model=MODEL_NAME, max_tokens=1, messages=QUESTION)
+    assert caught.value.status_code == 401
+    assert caught.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": caught.value.body["error"]["message"]},
+    }
+    response = httpx.post(
+        server.url + "/v1/messages/count_tokens", json={"model": MODEL_NAME, "messages": QUESTION}
+    )
+    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+
+
+def test_unknown_model_is_404_not_found_error(client):
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.messages.create(model="claude-nothing", max_tokens=1, messages=QUESTION)
+    assert caught.value.body["error"]["type"] == "not_found_error"
+
+
+# -- tools ---------------------------------------------------------------------------------------------
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Get the current weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,  # else SmolLM2 goes on adding properties past max_tokens
+    },
+}
+TIME = {
+    "name": "get_time",
+    "description": "Get the local time in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+FORCE_WEATHER = {"type": "tool", "name": "get_weather"}
+SCHEMAS = {tool["name"]: tool["input_schema"] for tool in (WEATHER, TIME)}
+
+
+def _check_calls(message, max_calls: int | None = None) -> list:
+    calls = [block for block in message.content if block.type == "tool_use"]
+    assert calls and message.stop_reason == "tool_use", message
+    assert max_calls is None or len(calls) <= max_calls
+    for call in calls:
+        jsonschema.validate(call.input, SCHEMAS[call.name])
+    assert len({call.id for call in calls}) == len(calls)
+    return calls
+
+
+def test_tool_choice_tool_returns_a_valid_call(client):
+    choice = {"type": "tool", "name": "get_time"}
+    message = _create(client, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=48)
+    (call,) = _check_calls(message)
+    assert call.name == "get_time"
+
+
+@pytest.mark.parametrize("disable_parallel", [False, True])
+def test_tool_choice_any_returns_valid_calls(client, disable_parallel):
+    choice = {"type": "any", "disable_parallel_tool_use": disable_parallel}
+    message = _create(client, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=96)
+    _check_calls(message, max_calls=1 if disable_parallel else None)
+
+
+def test_tool_round_trip_completes(server, client):
+    """The call, its result, then the answer: the result reaches the prompt, and the turn ends in text."""
+    first = _create(client, messages=ASK, tools=[WEATHER], tool_choice=FORCE_WEATHER, max_tokens=48)
+    (call,) = _check_calls(first)
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "22 degrees, sunny"}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+        {"role": "user", "content": [result]},
+    ]
+    final = _create(client, messages=history, tools=[WEATHER], tool_choice={"type": "none"}, max_tokens=24)
+    assert final.stop_reason in ("end_turn", "max_tokens") and [b.type for b in final.content] == ["text"]
+    counted = client.messages.count_tokens(model=MODEL_NAME, messages=history, tools=[WEATHER])
+    assert final.usage.input_tokens == counted.input_tokens > first.usage.input_tokens
+    # The result is in the prompt the engine saw: the same conversation without it counts fewer tokens.
+    without = [*history[:2], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id}]}]
+    fewer = client.messages.count_tokens(model=MODEL_NAME, messages=without, tools=[WEATHER])
+    assert fewer.input_tokens < counted.input_tokens
+
+
+def test_streamed_tool_call_equals_the_message(server, client):
+    fields = {"messages": ASK, "tools": [WEATHER], "tool_choice": FORCE_WEATHER, "max_tokens": 48}
+    with client.messages.stream(model=MODEL_NAME, extra_body=GREEDY, **fields) as stream:
+        streamed = stream.get_final_message()
+    whole = _create(client, **fields)
+    (streamed_call,), (call,) = _check_calls(streamed), _check_calls(whole)
+    assert (streamed_call.name, streamed_call.input) == (call.name, call.input)
+    assert streamed.usage == whole.usage
+    events = read_events(server, {"model": MODEL_NAME, "temperature": 0, **fields})
+    deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
+    assert deltas and all(d["type"] == "input_json_delta" for d in deltas)
+    assert json.loads("".join(d["partial_json"] for d in deltas)) == call.input
+
+
+def test_auto_tool_choice_stream_and_message_agree(client):
+    """tool_choice auto (the default with tools on this server): the model's own hermes-format text is
+    read by the chat path's parser, the stream's blocks are the message's, and with tool_choice none the
+    same text comes back unread."""
+    fields = {"messages": ASK, "tools": [WEATHER], "max_tokens": 32}
+    whole = _create(client, **fields)
+    with client.messages.stream(model=MODEL_NAME, extra_body=GREEDY, **fields) as stream:
+        streamed = stream.get_final_message()
+
+    def blocks(message) -> list[dict]:
+        return [block.model_dump(exclude={"id"}, exclude_none=True) for block in message.content]
+
+    assert blocks(streamed) == blocks(whole) and whole.content
+    assert (streamed.stop_reason, streamed.usage) == (whole.stop_reason, whole.usage)
+    unread = _create(client, **fields, tool_choice={"type": "none"})
+    if any(block.type == "tool_use" for block in whole.content):
+        assert whole.stop_reason == "tool_use" and "<tool_call>" in unread.content[0].text
+    else:
+        assert blocks(unread) == blocks(whole)
