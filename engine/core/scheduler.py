@@ -396,6 +396,7 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH
 
     def _free_request(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        request.num_output_placeholders, request.last_sampled_row = 0, -1  # in flight, they are dropped
         self.kv_cache_manager.free(request, num_valid_tokens=num_valid_tokens)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)

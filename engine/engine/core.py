@@ -119,6 +119,14 @@ class EngineCore:
         self._in_flight = None
         return self.scheduler.update_from_output(scheduler_output, future.result())
 
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Turn async scheduling on or off between steps (benchmarks pair both modes on one engine);
+        the step in flight, if any, is applied first and its outputs dropped: call it while idle."""
+        if enabled and self.config.async_scheduling_off_reason() is not None:
+            raise ValueError(f"async scheduling is not possible: {self.config.async_scheduling_off_reason()}")
+        self._update_in_flight()
+        self.async_scheduling = self.scheduler.async_scheduling = enabled
+
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 

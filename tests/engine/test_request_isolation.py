@@ -52,8 +52,15 @@ def _run(llm, requests):
     return outputs
 
 
+@pytest.fixture(params=["async", "sync"])
+def engine(request):
+    """The shared engine with async scheduling (the default) and without: a failure is isolated in both."""
+    return request.getfixturevalue("llm" if request.param == "async" else "llm_sync")
+
+
 @pytest.mark.parametrize("site", list(FAULT_SITES))
-def test_a_faulty_request_fails_alone(llm, monkeypatch, site):
+def test_a_faulty_request_fails_alone(engine, monkeypatch, site):
+    llm = engine
     [expected] = llm.generate(GOOD, PARAMS, use_tqdm=False)
     manager = llm.engine_core.kv_cache_manager
     num_free_blocks = manager.num_free_blocks

@@ -1,0 +1,139 @@
+"""Async scheduling on SmolLM2 (float32): the engine that schedules step N+1 while step N runs (the
+shared `llm`, async by default) streams exactly what the synchronous engine (`llm_sync`) streams, for
+every sampling feature at once, emits nothing past a stop, and gives every KV block back. Both
+engines run with the strict compile guard: nothing compiles after warm-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from xlaserve import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Count to ten: one, two,",
+    "def fibonacci(n):",
+    "My favourite colour is",
+    "Write a haiku about the sea.",
+    "The three primary colours are",
+    "Q: What is 12 times 12?\nA:",
+    "Once upon a time, in a small village,",
+]
+PHONE = r"[0-9]{3}-[0-9]{4}"
+
+
+def _params(tokenizer) -> list[SamplingParams]:
+    comma, period = tokenizer.encode(",")[0], tokenizer.encode(".")[0]
+    return [
+        SamplingParams(temperature=0.0, max_tokens=24),  # greedy
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=7, max_tokens=20),  # seeded
+        SamplingParams(temperature=0.0, max_tokens=40, stop=[" and", "e"]),  # stop strings (mid-token)
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[comma, period]),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=1),  # max_tokens exact, at its smallest
+        SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=9, logprobs=3),  # n > 1, logprobs
+        SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, prompt_logprobs=2),
+        # Penalties and min_tokens: through the synchronous fallback (they read the output ids).
+        SamplingParams(
+            temperature=0.7,
+            seed=5,
+            max_tokens=16,
+            min_tokens=10,
+            presence_penalty=0.8,
+            frequency_penalty=0.4,
+            repetition_penalty=1.3,
+        ),
+    ]
+
+
+def _view(outputs):
+    return [
+        [
+            (c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
+            for c in o.outputs
+        ]
+        + [o.prompt_logprobs]
+        for o in outputs
+    ]
+
+
+@pytest.fixture(scope="module")
+def engines(llm, llm_sync):
+    assert llm.engine_core.async_scheduling and not llm_sync.engine_core.async_scheduling
+    return llm, llm_sync
+
+
+def _generate_both(engines, prompts, params):
+    results = []
+    for engine in engines:
+        manager = engine.engine_core.kv_cache_manager
+        free_blocks = manager.num_free_blocks
+        results.append(engine.generate(prompts, params, use_tqdm=False))
+        assert manager.num_free_blocks == free_blocks  # no block leaked
+    return results
+
+
+def test_every_sampling_feature_matches_sync(engines):
+    asyn, sync = _generate_both(engines, PROMPTS, _params(engines[0].tokenizer))
+    assert _view(asyn) == _view(sync)
+    comma, period = engines[0].tokenizer.encode(",")[0], engines[0].tokenizer.encode(".")[0]
+    stop_ids = asyn[3].outputs[0].token_ids
+    # Nothing past a stop: the stop id ends the output, and only there.
+    assert asyn[3].outputs[0].finish_reason == "stop" and stop_ids[-1] in (comma, period)
+    assert not {comma, period} & set(stop_ids[:-1])
+    stop_string = asyn[2].outputs[0]
+    assert stop_string.finish_reason == "stop" and stop_string.stop_reason in (" and", "e")
+    assert len(asyn[4].outputs[0].token_ids) == 1  # max_tokens exact
+    assert [len(c.token_ids) for c in asyn[5].outputs] == [9, 9, 9]
+    assert len(asyn[7].outputs[0].token_ids) >= 10  # min_tokens
+
+
+def test_prefix_cache_hits_match_sync(engines):
+    shared = "You are a helpful assistant who answers in one short sentence, politely. " * 3
+    prompts = [shared + q for q in ("Where is Rome?", "What is rain?", "Who wrote Hamlet?")]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    first = _generate_both(engines, prompts[:1], params)
+    second = _generate_both(engines, prompts, params)
+    assert _view(first[0]) == _view(first[1]) and _view(second[0]) == _view(second[1])
+    assert all(o.num_cached_tokens > 0 for o in second[0])
+
+
+def test_structured_outputs_match_sync(engines):
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"choice": ["yes", "no"]}),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=12, structured_outputs={"regex": PHONE}),
+    ]
+    prompts = ["Is the sky blue? Answer yes or no:", "Call me at"]
+    asyn, sync = _generate_both(engines, prompts, params)
+    assert _view(asyn) == _view(sync)
+    assert asyn[0].outputs[0].text in ("yes", "no")
+    assert len(asyn[1].outputs[0].text) == 8 and asyn[1].outputs[0].text[3] == "-"
+
+
+def test_preemption_matches_sync(engines):
+    # 16 long prompts whose contexts together need more blocks than the cache holds.
+    prompt = "List the planets of the solar system and say one thing about each of them. " * 8
+    prompts = [f"{i}. {prompt}" for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    before = [e.engine_core.scheduler.num_preemptions_total for e in engines]
+    asyn, sync = _generate_both(engines, prompts, params)
+    assert all(e.engine_core.scheduler.num_preemptions_total > b for e, b in zip(engines, before))
+    assert _view(asyn) == _view(sync)
+
+
+def test_abort_mid_stream_matches_sync(engines):
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    texts = []
+    for engine in engines:
+        manager = engine.engine_core.kv_cache_manager
+        free_blocks = manager.num_free_blocks
+        stream = engine.stream("Tell me a long story about a dragon.", params)
+        texts.append([next(stream) for _ in range(5)])
+        stream.close()  # aborts the request mid-stream
+        assert not engine.engine_core.has_unfinished_requests()
+        assert manager.num_free_blocks == free_blocks
+    assert texts[0] == texts[1]
+    # The engine goes on serving after the abort (the step in flight is applied and dropped).
+    asyn, sync = _generate_both(engines, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=6))
+    assert _view(asyn) == _view(sync)
