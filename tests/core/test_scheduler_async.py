@@ -224,3 +224,20 @@ def test_penalties_and_grammars_ask_for_known_tokens():
     scheduler.update_from_output(first, ModelRunnerOutput(sampled_token_ids={"plain": 20, "pen": 21}))
     assert not scheduler.needs_known_tokens()
     scheduler.finish_requests(["plain", "pen"], RequestStatus.FINISHED_ABORTED)
+
+
+def test_the_flag_and_where_async_scheduling_is_off():
+    import argparse
+
+    from xlaserve.config import EngineConfig
+    from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert "async_scheduling" not in engine_kwargs(parser.parse_args([]))  # the default: on where possible
+    assert engine_kwargs(parser.parse_args(["--no-async-scheduling"]))["async_scheduling"] is False
+    assert engine_kwargs(parser.parse_args(["--async-scheduling"]))["async_scheduling"] is True
+    assert EngineConfig.from_kwargs().is_async_scheduling
+    assert not EngineConfig.from_kwargs(async_scheduling=False).is_async_scheduling
+    multihost = EngineConfig.from_kwargs(async_scheduling=True, nnodes=2)
+    assert not multihost.is_async_scheduling and "multi-host" in multihost.async_scheduling_off_reason()
