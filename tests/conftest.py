@@ -26,14 +26,6 @@ def llm():
 
 
 @pytest.fixture(scope="session")
-def llm_sync():
-    """The same engine with async scheduling off: the reference the async engine (`llm`) must equal."""
-    from xlaserve import LLM
-
-    return LLM(**ENGINE_ARGS, async_scheduling=False)
-
-
-@pytest.fixture(scope="session")
 def hf_model():
     """Hugging Face's Llama on the same dequantized GGUF weights (float32)."""
     torch = pytest.importorskip("torch")

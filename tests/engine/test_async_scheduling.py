@@ -1,7 +1,8 @@
-"""Async scheduling on SmolLM2 (float32): the engine that schedules step N+1 while step N runs (the
-shared `llm`, async by default) streams exactly what the synchronous engine (`llm_sync`) streams, for
-every sampling feature at once, emits nothing past a stop, and gives every KV block back. Both
-engines run with the strict compile guard: nothing compiles after warm-up."""
+"""Async scheduling on SmolLM2 (float32): the engine scheduling step N+1 while step N runs streams
+exactly what it streams synchronously, for every sampling feature at once, emits nothing past a stop,
+and gives every KV block back. One engine (the shared `llm`, async by default) runs each workload in
+both modes (`set_async_scheduling`), its prefix cache reset before each run so both start alike; the
+strict compile guard proves nothing compiles after warm-up in either mode."""
 
 from __future__ import annotations
 
@@ -59,25 +60,44 @@ def _view(outputs):
 
 
 @pytest.fixture(scope="module")
-def engines(llm, llm_sync):
-    assert llm.engine_core.async_scheduling and not llm_sync.engine_core.async_scheduling
-    return llm, llm_sync
+def engines(llm):
+    """What the tests run in both modes: the async engine, then the same synchronous."""
+    assert llm.engine_core.async_scheduling  # the default in one process
+    yield _InMode(llm, True), _InMode(llm, False)
+    llm.engine_core.set_async_scheduling(True)
+
+
+class _InMode:
+    """The shared engine, switched to one mode (and its prefix cache reset) before each use."""
+
+    def __init__(self, llm, is_async: bool):
+        self.llm, self.is_async = llm, is_async
+
+    def __enter__(self):
+        self.llm.engine_core.set_async_scheduling(self.is_async)
+        assert self.llm.reset_prefix_cache()
+        return self.llm
+
+    def __exit__(self, *exc):
+        return False
 
 
 def _generate_both(engines, prompts, params):
     results = []
-    for engine in engines:
-        manager = engine.engine_core.kv_cache_manager
-        free_blocks = manager.num_free_blocks
-        results.append(engine.generate(prompts, params, use_tqdm=False))
-        assert manager.num_free_blocks == free_blocks  # no block leaked
+    for mode in engines:
+        with mode as engine:
+            manager = engine.engine_core.kv_cache_manager
+            free_blocks = manager.num_free_blocks
+            results.append(engine.generate(prompts, params, use_tqdm=False))
+            assert manager.num_free_blocks == free_blocks  # no block leaked
     return results
 
 
 def test_every_sampling_feature_matches_sync(engines):
-    asyn, sync = _generate_both(engines, PROMPTS, _params(engines[0].tokenizer))
+    tokenizer = engines[0].llm.tokenizer
+    asyn, sync = _generate_both(engines, PROMPTS, _params(tokenizer))
     assert _view(asyn) == _view(sync)
-    comma, period = engines[0].tokenizer.encode(",")[0], engines[0].tokenizer.encode(".")[0]
+    comma, period = tokenizer.encode(",")[0], tokenizer.encode(".")[0]
     stop_ids = asyn[3].outputs[0].token_ids
     # Nothing past a stop: the stop id ends the output, and only there.
     assert asyn[3].outputs[0].finish_reason == "stop" and stop_ids[-1] in (comma, period)
@@ -93,10 +113,13 @@ def test_prefix_cache_hits_match_sync(engines):
     shared = "You are a helpful assistant who answers in one short sentence, politely. " * 3
     prompts = [shared + q for q in ("Where is Rome?", "What is rain?", "Who wrote Hamlet?")]
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    first = _generate_both(engines, prompts[:1], params)
-    second = _generate_both(engines, prompts, params)
-    assert _view(first[0]) == _view(first[1]) and _view(second[0]) == _view(second[1])
-    assert all(o.num_cached_tokens > 0 for o in second[0])
+    results = []
+    for mode in engines:
+        with mode as engine:  # the first prompt fills the cache, the second call hits it
+            results.append(engine.generate(prompts[:1], params, use_tqdm=False))
+            results[-1] += engine.generate(prompts, params, use_tqdm=False)
+    assert _view(results[0]) == _view(results[1])
+    assert all(o.num_cached_tokens > 0 for o in results[0][1:])
 
 
 def test_structured_outputs_match_sync(engines):
@@ -118,31 +141,33 @@ def test_preemption_matches_sync(engines):
     prompts = [f"{i}. {prompt}" for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     results = []
-    for engine in engines:
-        scheduler = engine.engine_core.scheduler
-        pool = scheduler.kv_cache_manager.block_pool
-        held = pool.get_new_blocks(pool.get_num_free_blocks() - 10)
-        before = scheduler.num_preemptions_total
-        try:
-            results.append(engine.generate(prompts, params, use_tqdm=False))
-            assert pool.get_num_free_blocks() == 10  # no block leaked
-        finally:
-            pool.free_blocks(held)
-        assert scheduler.num_preemptions_total > before
+    for mode in engines:
+        with mode as engine:
+            scheduler = engine.engine_core.scheduler
+            pool = scheduler.kv_cache_manager.block_pool
+            held = pool.get_new_blocks(pool.get_num_free_blocks() - 10)
+            before = scheduler.num_preemptions_total
+            try:
+                results.append(engine.generate(prompts, params, use_tqdm=False))
+                assert pool.get_num_free_blocks() == 10  # no block leaked
+            finally:
+                pool.free_blocks(held)
+            assert scheduler.num_preemptions_total > before
     assert _view(results[0]) == _view(results[1])
 
 
 def test_abort_mid_stream_matches_sync(engines):
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     texts = []
-    for engine in engines:
-        manager = engine.engine_core.kv_cache_manager
-        free_blocks = manager.num_free_blocks
-        stream = engine.stream("Tell me a long story about a dragon.", params)
-        texts.append([next(stream) for _ in range(5)])
-        stream.close()  # aborts the request mid-stream
-        assert not engine.engine_core.has_unfinished_requests()
-        assert manager.num_free_blocks == free_blocks
+    for mode in engines:
+        with mode as engine:
+            manager = engine.engine_core.kv_cache_manager
+            free_blocks = manager.num_free_blocks
+            stream = engine.stream("Tell me a long story about a dragon.", params)
+            texts.append([next(stream) for _ in range(5)])
+            stream.close()  # aborts the request mid-stream
+            assert not engine.engine_core.has_unfinished_requests()
+            assert manager.num_free_blocks == free_blocks
     assert texts[0] == texts[1]
     # The engine goes on serving after the abort (the step in flight is applied and dropped).
     asyn, sync = _generate_both(engines, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=6))

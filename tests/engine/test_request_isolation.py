@@ -53,9 +53,11 @@ def _run(llm, requests):
 
 
 @pytest.fixture(params=["async", "sync"])
-def engine(request):
+def engine(request, llm):
     """The shared engine with async scheduling (the default) and without: a failure is isolated in both."""
-    return request.getfixturevalue("llm" if request.param == "async" else "llm_sync")
+    llm.engine_core.set_async_scheduling(request.param == "async")
+    yield llm
+    llm.engine_core.set_async_scheduling(True)
 
 
 @pytest.mark.parametrize("site", list(FAULT_SITES))
