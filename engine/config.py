@@ -87,6 +87,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None
     max_num_partial_prefills: int = 2
     max_long_partial_prefills: int = 2
+    # vLLM's async scheduling: the host schedules step N+1 while the device runs step N (None: on
+    # wherever the executor supports it, i.e. one process; the engine core logs why where not).
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -186,6 +189,19 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     compilation: CompilationConfig
+
+    def async_scheduling_off_reason(self) -> str | None:
+        """Why async scheduling cannot run with this configuration (None: it can)."""
+        if self.parallel.nnodes > 1:
+            return "the multi-host executor runs each step synchronously (followers check every step)"
+        # Speculative decoding (issue 14) belongs here too once EngineConfig has `speculative_config`:
+        # its drafts and rejection need the accepted ids on the host before the next step is built.
+        return None
+
+    @property
+    def is_async_scheduling(self) -> bool:
+        """Async scheduling is asked for (or left to its default, on) and possible here."""
+        return self.scheduler.async_scheduling is not False and self.async_scheduling_off_reason() is None
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> EngineConfig:

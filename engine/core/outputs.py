@@ -22,11 +22,21 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     num_computed_tokens: int = -1  # before this step; -1: read it from the request
     is_sampling: bool = field(init=False)  # the step reaches the last token, so it samples
+    # Async scheduling: the last token this step computes was sampled by the step still in flight;
+    # its id is read on the device from that step's sampled ids, at this row (-1: every id is known).
+    prev_sampled_row: int = field(init=False)
+    # Index among the request's outputs of the token this step samples (placeholders included): the
+    # sampler's key and min_tokens read it.
+    sample_index: int = field(init=False)
 
     def __post_init__(self):
+        req = self.request
         if self.num_computed_tokens < 0:
-            self.num_computed_tokens = self.request.num_computed_tokens
-        self.is_sampling = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+            self.num_computed_tokens = req.num_computed_tokens
+        end = self.num_computed_tokens + self.num_new_tokens
+        self.is_sampling = end == req.num_tokens_with_placeholders
+        self.prev_sampled_row = req.last_sampled_row if end > req.num_tokens else -1
+        self.sample_index = req.num_output_tokens + req.num_output_placeholders
 
     @property
     def request_id(self) -> str:
@@ -34,7 +44,7 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        """The token ids this step computes."""
+        """The known token ids this step computes (the last is missing when `prev_sampled_row` >= 0)."""
         start = self.num_computed_tokens
         return self.request.all_token_ids[start : start + self.num_new_tokens]
 

@@ -123,6 +123,12 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens sampled by a step still in flight, whose ids the host does not know
+        # yet. They count in num_computed_tokens once scheduled; `num_tokens` excludes them until the
+        # step's output appends the real ids. `last_sampled_row` is the row of the newest one in its
+        # step's sampled ids, which the next step reads on the device (-1: none in flight).
+        self.num_output_placeholders = 0
+        self.last_sampled_row = -1
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit (tokens) at first scheduling
@@ -135,6 +141,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus output tokens so far."""
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Prompt plus outputs, those still in flight (async scheduling) included."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,13 @@ So that one long prompt cannot hold the others hostage, a prefill chunk is cappe
 `long_prefill_token_threshold` tokens and only `max_num_partial_prefills` prompts (of which
 `max_long_partial_prefills` long ones) are prefilled across steps at once: the rest of each step's
 budget stays free for decodes and for short prompts, which then start within a step or two.
+
+Async scheduling (vLLM V1's): step N+1 is scheduled while step N runs, so a token sampled in N is a
+placeholder when N+1 is scheduled: it counts in `num_computed_tokens` and in
+`num_tokens_with_placeholders`, its id is read on the device, and `update_from_output` of step N
+replaces it with the real id one step late. Stops are therefore seen one step late too: what a
+request sampled after its stop is dropped, and no request is scheduled past max_tokens or
+max_model_len counting the tokens in flight. Block hashes only ever cover known ids.
 """
 
 from __future__ import annotations
@@ -80,7 +87,15 @@ class PartialPrefills:
 class Scheduler:
     """Decides, each step, which requests compute how many tokens, and applies sampled tokens."""
 
-    def __init__(self, scheduler_config, cache_config, max_model_len: int, kv_cache_manager: KVCacheManager):
+    def __init__(
+        self,
+        scheduler_config,
+        cache_config,
+        max_model_len: int,
+        kv_cache_manager: KVCacheManager,
+        *,
+        async_scheduling: bool = False,
+    ):
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(
                 f"kv_cache_manager.block_size ({kv_cache_manager.block_size}) must equal "
@@ -94,6 +109,8 @@ class Scheduler:
         self.max_num_partial_prefills = scheduler_config.max_num_partial_prefills
         self.max_long_partial_prefills = scheduler_config.max_long_partial_prefills
         self.policy = SchedulingPolicy(scheduler_config.policy)
+        # Schedule while the previous step runs: its sampled tokens are placeholders (module doc).
+        self.async_scheduling = async_scheduling
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
         self.limits = RequestLimits(
@@ -155,15 +172,41 @@ class Scheduler:
         if not output.preempted_req_ids:
             self._schedule_waiting(output, token_budget, prefills)
         output.total_num_scheduled_tokens = sum(s.num_new_tokens for s in output.scheduled)
+        if self.async_scheduling:
+            # Rows are final only now (a preemption removes scheduled rows): each sampled token is a
+            # placeholder until this step's output arrives, found on the device at its row.
+            for row, scheduled in enumerate(output.scheduled):
+                if scheduled.is_sampling:
+                    scheduled.request.num_output_placeholders += 1
+                    scheduled.request.last_sampled_row = row
         return output
+
+    def needs_known_tokens(self) -> bool:
+        """Whether the step in flight must be finished before the next is scheduled: a running request
+        with a token in flight samples under state built from its output ids on the host (penalty
+        counts, a grammar's bitmask), which a placeholder would make wrong."""
+        return any(
+            r.num_output_placeholders and (r.grammar is not None or r.sampling_params.has_penalties)
+            for r in self.running
+        )
+
+    def _is_at_limit(self, request: Request) -> bool:
+        """Its tokens in flight already reach max_tokens or max_model_len: one more step would sample
+        a token the synchronous engine never samples (it would stop first)."""
+        return request.num_output_placeholders > 0 and (
+            request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+            or request.num_tokens_with_placeholders >= self.max_model_len
+        )
 
     def _schedule_running(self, output: SchedulerOutput, prefills: PartialPrefills) -> int:
         token_budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_missing = request.num_tokens - request.num_computed_tokens
+            num_missing = request.num_tokens_with_placeholders - request.num_computed_tokens
             num_new_tokens = prefills.chunk(num_missing, token_budget) if num_missing > 0 else 0
+            if self._is_at_limit(request):
+                num_new_tokens = 0
             if num_new_tokens <= 0:
                 index += 1
                 continue
@@ -196,7 +239,11 @@ class Scheduler:
         index = 0  # requests before it wait for their grammar to compile, or their prefill turn
         while index < len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
-            if request.grammar is not None and not request.grammar.is_ready:
+            # Preempted with a token in flight (never the case once that step's output is applied,
+            # which happens before the next schedule): recomputing needs the real id.
+            if request.num_output_placeholders or (
+                request.grammar is not None and not request.grammar.is_ready
+            ):
                 index += 1
                 continue
             if request.grammar is not None and request.grammar.error is not None:
@@ -278,8 +325,14 @@ class Scheduler:
         num_finished = 0
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
-            if request.status != RequestStatus.RUNNING:
-                continue  # finished from outside since the step was scheduled
+            if request.is_finished:
+                continue  # finished since the step was scheduled: what it sampled after is dropped
+            if scheduled.is_sampling and self.async_scheduling:
+                request.num_output_placeholders -= 1  # its real id, if any, is appended below
+                if not request.num_output_placeholders:
+                    request.last_sampled_row = -1
+            # Async: a request preempted after this step was dispatched is WAITING; its token is
+            # still valid and kept (it recomputes it), as the synchronous engine would have.
             request_id = request.request_id
             if request_id in model_runner_output.failed_req_ids:
                 # Its rows were dummies (or their results unreadable): what this step was to write
@@ -316,6 +369,7 @@ class Scheduler:
                 num_finished += 1
         if num_finished:
             self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = [r for r in self.waiting if not r.is_finished]
         return outputs
 
     def _check_stop(self, request: Request) -> None:
@@ -342,6 +396,7 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH
 
     def _free_request(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        request.num_output_placeholders, request.last_sampled_row = 0, -1  # in flight, they are dropped
         self.kv_cache_manager.free(request, num_valid_tokens=num_valid_tokens)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)

@@ -1,5 +1,11 @@
-"""EngineCore: one step = schedule, execute, update. Used in-process by `LLM` and, in its own
-process, behind the OpenAI server."""
+"""EngineCore: one step = schedule, execute, update, emit. Used in-process by `LLM` and, in its own
+process, behind the OpenAI server.
+
+With async scheduling (vLLM V1's, on by default where the executor allows) at most one step stays in
+flight: a step schedules and dispatches step N+1, then applies step N's outputs, which the device
+computed while the host was scheduling. The ids step N sampled feed step N+1 on the device; the host
+learns them one step late (core/scheduler.py's placeholders).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,14 @@ import logging
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import KVCacheManager
-from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
+from xlaserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
 from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.executor import make_executor
 from xlaserve.worker.kv_cache import fit_max_model_len
 from xlaserve.worker.model_runner import ModelRunner
+from xlaserve.worker.step_future import StepFuture
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +57,21 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             config.cache.block_size, runner.num_blocks, config.cache.enable_prefix_caching, max_model_len
         )
-        self.scheduler = Scheduler(config.scheduler, config.cache, max_model_len, self.kv_cache_manager)
+        self.async_scheduling = config.is_async_scheduling
+        if config.scheduler.async_scheduling is not False and not self.async_scheduling:
+            logger.info("async scheduling off: %s", config.async_scheduling_off_reason())
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            max_model_len,
+            self.kv_cache_manager,
+            async_scheduling=self.async_scheduling,
+        )
         if not config.compilation.enforce_eager:
             runner.warm_up()
         self.executor = make_executor(config, runner)
+        # The step dispatched but not yet applied (async scheduling): at most one.
+        self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
 
     @property
     def runner(self) -> ModelRunner:
@@ -73,15 +91,41 @@ class EngineCore:
         return self.scheduler.get_num_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule which requests get how many tokens, run them, and report what changed."""
+        """Schedule which requests get how many tokens, run them, and report what changed (with async
+        scheduling, what changed in the previous step, which ran while this one was scheduled)."""
         self.structured_output.wait_before_schedule()  # returns at once when no grammar compiles
+        outputs = []
+        if self._in_flight is not None and self.scheduler.needs_known_tokens():
+            # A synchronous step: penalties or a grammar need the ids still on the device.
+            outputs += self._update_in_flight()
         scheduler_output = self.scheduler.schedule()
         grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output.scheduled)
-        runner_output = self.executor.execute(scheduler_output.scheduled, grammar_bitmask)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        future = self.executor.execute_async(scheduler_output.scheduled, grammar_bitmask)
+        outputs += self._update_in_flight()
+        self._in_flight = (scheduler_output, future)
+        # Kept in flight only while the next step can use it: a request that failed while the step
+        # was prepared must be finished (its blocks uncached) before anything else is scheduled.
+        if not self.async_scheduling or future.failed_req_ids or not self.scheduler.has_unfinished_requests():
+            outputs += self._update_in_flight()
         if scheduler_output.is_empty:  # whatever is unfinished waits for its grammar
             self.structured_output.wait_for_grammars(_GRAMMAR_WAIT_S)
         return outputs
+
+    def _update_in_flight(self) -> list[EngineCoreOutput]:
+        """Wait for the step in flight, if any, and apply its outputs."""
+        if self._in_flight is None:
+            return []
+        scheduler_output, future = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(scheduler_output, future.result())
+
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Turn async scheduling on or off between steps (benchmarks pair both modes on one engine);
+        the step in flight, if any, is applied first and its outputs dropped: call it while idle."""
+        if enabled and self.config.async_scheduling_off_reason() is not None:
+            raise ValueError(f"async scheduling is not possible: {self.config.async_scheduling_off_reason()}")
+        self._update_in_flight()
+        self.async_scheduling = self.scheduler.async_scheduling = enabled
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -53,6 +53,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="of those, prompts longer than the threshold (default: 2)",
     )
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while the device runs step N (default: on where supported)",
+    )
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="(default: on)"
@@ -106,6 +112,7 @@ _ENGINE_KEYS = (
     "long_prefill_token_threshold",
     "max_num_partial_prefills",
     "max_long_partial_prefills",
+    "async_scheduling",
     "block_size",
     "enable_prefix_caching",
     "seed",

@@ -19,6 +19,7 @@ from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
 from xlaserve.executor.executor import Executor
 from xlaserve.worker.input_batch import StepInputs
 from xlaserve.worker.model_runner import ModelRunner
+from xlaserve.worker.step_future import StepFuture
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,13 @@ class MultiHostExecutor(Executor):
         host = self.runner.run(inputs)
         self.sender.check(host["token_ids"])
         return self.runner.make_output(scheduled, host, inputs.failed_req_ids)
+
+    def execute_async(
+        self, scheduled: list[ScheduledRequest], grammar_bitmask: np.ndarray | None = None
+    ) -> StepFuture:
+        """Synchronous here (EngineConfig turns async scheduling off for several processes): the
+        followers' checksums are checked before the next step is sent."""
+        return StepFuture.done(self.execute(scheduled, grammar_bitmask))
 
     def shutdown(self) -> None:
         """Release the followers: they leave their step loop."""

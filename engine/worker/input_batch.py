@@ -22,6 +22,9 @@ class StepBatch:
     input_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
     logits_indices: jax.Array  # [R] int32: the token of each sequence that is sampled
+    # [T] int32: for a token sampled by the previous step, still on the device (async scheduling),
+    # its row in that step's sampled ids, which replace input_ids there; -1 elsewhere.
+    prev_rows: jax.Array
     md: AttentionMetadata
     num_padded_seqs: int = field(metadata={"static": True})
 
@@ -45,13 +48,14 @@ def build_step_batch(
     """
     failed = set() if failed is None else failed
     input_ids = np.zeros(num_tokens, np.int32)
+    prev_rows = np.full(num_tokens, -1, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.zeros(num_tokens, np.int32)
     query_start_loc = np.zeros(num_seqs + 1, np.int32)
     kv_lens = np.zeros(num_seqs, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
     block_tables = np.zeros((num_seqs, max_blocks_per_seq), np.int32)
-    arrays = (input_ids, positions, slot_mapping, kv_lens, block_tables)
+    arrays = (input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows)
     offset = 0
     for row, s in enumerate(scheduled):
         n = s.num_new_tokens
@@ -73,7 +77,7 @@ def build_step_batch(
         query_start_loc=query_start_loc,
         num_seqs=np.int32(len(scheduled)),
     )
-    return StepBatch(input_ids, positions, logits_indices, md, num_seqs)
+    return StepBatch(input_ids, positions, logits_indices, prev_rows, md, num_seqs)
 
 
 def isolate_failures(failed: set[str], s, what: str, fill, *args) -> bool:
@@ -91,11 +95,16 @@ def isolate_failures(failed: set[str], s, what: str, fill, *args) -> bool:
 
 
 def _fill_row(arrays, row: int, offset: int, s, block_size: int) -> None:
-    input_ids, positions, slot_mapping, kv_lens, block_tables = arrays
+    input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows = arrays
     start, n = s.num_computed_tokens, s.num_new_tokens
     block_ids = np.asarray(s.block_ids, np.int32)
     block_tables[row, : len(block_ids)] = block_ids
-    input_ids[offset : offset + n] = s.request.all_token_ids[start : start + n]
+    known = s.request.all_token_ids[start : start + n]
+    if len(known) < n:  # the last id is the previous step's sample, still on the device
+        if s.prev_sampled_row < 0 or len(known) != n - 1:
+            raise ValueError(f"{n - len(known)} token ids unknown at the end of the step's {n}")
+        prev_rows[offset + n - 1] = s.prev_sampled_row
+    input_ids[offset : offset + len(known)] = known
     pos = np.arange(start, start + n, dtype=np.int32)
     positions[offset : offset + n] = pos
     slot_mapping[offset : offset + n] = block_ids[pos // block_size] * block_size + pos % block_size
@@ -105,8 +114,9 @@ def _fill_row(arrays, row: int, offset: int, s, block_size: int) -> None:
 def _blank_row(arrays, row: int, offset: int, n: int) -> None:
     """A failed request's rows: n tokens at positions 0..n-1 whose K/V goes to, and whose context is
     read from, the null block only; their outputs are discarded."""
-    input_ids, positions, slot_mapping, kv_lens, block_tables = arrays
+    input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows = arrays
     block_tables[row] = 0
+    prev_rows[offset : offset + n] = -1
     input_ids[offset : offset + n] = 0
     positions[offset : offset + n] = np.arange(n, dtype=np.int32)
     slot_mapping[offset : offset + n] = 0
@@ -205,7 +215,7 @@ def _fill_sampling_row(scalars, row: int, s) -> None:
     p, req = s.request.sampling_params, s.request
     temperature[row], top_k[row], top_p[row], min_p[row] = p.temperature, p.top_k, p.top_p, p.min_p
     seeds[row] = req.sampling_seed & 0xFFFFFFFF
-    token_index[row] = req.num_output_tokens
+    token_index[row] = s.sample_index  # placeholders (async scheduling) count
 
 
 def _fill_penalty_row(penalties, row: int, s) -> None:
@@ -218,7 +228,7 @@ def _fill_penalty_row(penalties, row: int, s) -> None:
     )
     np.add.at(counts[row], np.asarray(req.output_token_ids, np.int64), 1)
     prompt_mask[row, req.prompt_token_ids] = True
-    if req.num_output_tokens < p.min_tokens:
+    if s.sample_index < p.min_tokens:
         banned = list(p.stop_token_ids or [])
         if req.eos_token_id is not None and not p.ignore_eos:
             banned.append(req.eos_token_id)

@@ -4,6 +4,11 @@ Per step the host builds small numpy arrays (ids, positions, slot mapping, block
 tensors), pads them to a token bucket, and dispatches two jitted calls back to back: the model
 forward (KV cache donated, updated in place) and the sampler (LM head on one row per sequence,
 then sampling). Only the sampled ids come back to the host.
+
+Async scheduling: `execute_async` returns a `StepFuture` right after the dispatch. The runner keeps
+the last step's sampled ids on the device (`last_sampled`, padded to max_num_seqs so that every
+bucket reads one shape), and the forward substitutes them where the next batch's `prev_rows` point:
+a token sampled in step N feeds step N+1 without a round trip through the host.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -35,6 +41,7 @@ from xlaserve.worker.input_batch import (
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from xlaserve.worker.model_loader import load_model
 from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
+from xlaserve.worker.step_future import StepFuture, StepTiming
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +49,11 @@ logger = logging.getLogger(__name__)
 # not a static argument: hashing a model's graphdef costs ~0.3 ms on every call).
 
 
-def _forward(graphdef, params, kv_cache, input_ids, positions, logits_indices, md):
-    """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache)."""
+def _forward(graphdef, params, kv_cache, input_ids, prev_ids, prev_rows, positions, logits_indices, md):
+    """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache).
+    prev_ids [S]: the previous step's sampled ids, still on the device; prev_rows [T]: where >= 0, the
+    row of prev_ids that is this token's id (async scheduling)."""
+    input_ids = jnp.where(prev_rows >= 0, prev_ids[jnp.maximum(prev_rows, 0)], input_ids)
     model = nnx.merge(graphdef, params)
     hidden, kv_cache = model(input_ids, positions, kv_cache, md)
     return hidden, hidden[logits_indices], kv_cache
@@ -56,9 +66,11 @@ def _logits(graphdef, vocab_size, head_params, hidden):
     return mask_padded_vocab(nnx.merge(graphdef, params).compute_logits(hidden, head_dv), vocab_size)
 
 
-def _sample(graphdef, vocab_size, params, hidden_rd, st, *, with_logprobs):
+def _sample(graphdef, vocab_size, num_ids, params, hidden_rd, st, *, with_logprobs):
+    """-> (SamplerOutput, the sampled ids padded to [num_ids] for the next step's forward)."""
     logits = _logits(graphdef, vocab_size, params, hidden_rd)
-    return sample(logits, st, with_logprobs=with_logprobs)
+    out = sample(logits, st, with_logprobs=with_logprobs)
+    return out, jnp.pad(out.token_ids, (0, num_ids - out.token_ids.shape[0]))
 
 
 def _prompt_logprobs(graphdef, vocab_size, params, hidden, target_ids):
@@ -127,7 +139,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self._forward_fn = jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",))
         vocab = self.model_config.vocab_size
-        self._sample_fn = jax.jit(partial(_sample, self.graphdef, vocab), static_argnames=("with_logprobs",))
+        self._sample_fn = jax.jit(
+            partial(_sample, self.graphdef, vocab, config.scheduler.max_num_seqs),
+            static_argnames=("with_logprobs",),
+        )
         self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef, vocab))
 
         self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.dtype)
@@ -143,10 +158,19 @@ class ModelRunner:
         self.max_num_seqs = sched.max_num_seqs
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.guard = CompileGuard(strict=config.compilation.strict_compile_guard)
-        # Steps run, and seconds spent blocked on their results: the rest of a step's wall time is
-        # host work (scheduling, batch assembly, output processing) that the device waits through.
-        self.num_steps = 0
-        self.device_wait_s = 0.0
+        # Host-idle and device-idle time per step (num_steps, device_wait_s: the host blocked on results).
+        self.timing = StepTiming()
+        # The last step's sampled ids [max_num_seqs], which the next step may read on the device.
+        self.last_sampled = self.placement.step_inputs(np.zeros(self.max_num_seqs, np.int32))
+
+    @property
+    def num_steps(self) -> int:
+        return self.timing.num_steps
+
+    @property
+    def device_wait_s(self) -> float:
+        """Seconds the host spent blocked on steps' results: the host's idle time."""
+        return self.timing.host_wait_s
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """Serve a shorter context than the runner was built for (the KV cache cannot hold more);
@@ -183,14 +207,16 @@ class ModelRunner:
             for with_penalties, with_grammar, with_logprobs in itertools.product((False, True), repeat=3):
                 bitmask = np.zeros((0, 1), np.int32) if with_grammar else None
                 st = sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
-                jax.block_until_ready(
-                    self._sample_fn(
-                        self.head_params,
-                        hidden_rd,
-                        self.placement.step_inputs(st),
-                        with_logprobs=with_logprobs,
-                    )
+                _, self.last_sampled = self._sample_fn(
+                    self.head_params,
+                    hidden_rd,
+                    self.placement.step_inputs(st),
+                    with_logprobs=with_logprobs,
                 )
+                jax.block_until_ready(self.last_sampled)
+        # The first bucket's forward read the initial `last_sampled`; every later one reads the sampler's
+        # output, whose placement jit may key apart: run it once more so that variant is compiled too.
+        jax.block_until_ready(self._run_forward(self._build_batch([], self.token_buckets[0])))
         logger.info(
             "warm-up: %d programs for %d token buckets %s in %.1fs (%d from the persistent cache; "
             "XLA compile time %.1fs)",
@@ -217,9 +243,16 @@ class ModelRunner:
     def forward(self, kv_cache: KVCache, batch: StepBatch) -> tuple[jax.Array, jax.Array, KVCache]:
         """The model over one batch (host or device arrays): (hidden [T, D], the hidden of each
         sequence's sampled position [R, D], the updated cache). `kv_cache` is donated: use only the
-        one returned."""
+        one returned. Where `batch.prev_rows` >= 0 the id is read from `last_sampled`."""
         return self._forward_fn(
-            self.params, kv_cache, batch.input_ids, batch.positions, batch.logits_indices, batch.md
+            self.params,
+            kv_cache,
+            batch.input_ids,
+            self.last_sampled,
+            batch.prev_rows,
+            batch.positions,
+            batch.logits_indices,
+            batch.md,
         )
 
     def _run_forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
@@ -246,7 +279,7 @@ class ModelRunner:
         )
         sampling = [s for s in scheduled if s.is_sampling]
         with_penalties = any(s.request.sampling_params.has_penalties for s in sampling) or any(
-            s.request.num_output_tokens < s.request.sampling_params.min_tokens for s in sampling
+            s.sample_index < s.request.sampling_params.min_tokens for s in sampling
         )
         prompt_targets = None
         if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
@@ -275,33 +308,54 @@ class ModelRunner:
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
         """The device half of a step, identical on every process: forward, sample, prompt logprobs."""
+        return self.fetch(*self.dispatch(inputs))
+
+    def dispatch(self, inputs: StepInputs) -> tuple[dict[str, jax.Array], object]:
+        """Start a step on the device; returns its output arrays (not waited for) and its timing
+        record. The sampled ids become `last_sampled`, which the next step may read."""
         ready = self.placement.step_inputs
         self.guard.begin()
+        step = self.timing.on_dispatch()
         hidden, hidden_rd = self._run_forward(ready(inputs.batch))
-        out: SamplerOutput = self._sample_fn(
+        out: SamplerOutput
+        out, self.last_sampled = self._sample_fn(
             self.head_params, hidden_rd, ready(inputs.sampling), with_logprobs=inputs.with_logprobs
         )
-        host = {"token_ids": out.token_ids}
+        device = {"token_ids": out.token_ids}
         if inputs.with_logprobs:
-            host |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
+            device |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
         if inputs.prompt_targets is not None:
             ids, vals, ranks = self._prompt_logprobs_fn(
                 self.head_params, hidden, ready(inputs.prompt_targets)
             )
-            host |= {"plp_ids": ids, "plp_vals": vals, "plp_ranks": ranks}
-        t0 = time.perf_counter()
-        host = {k: to_host(v) for k, v in host.items()}
-        self.device_wait_s += time.perf_counter() - t0
-        self.num_steps += 1
+            device |= {"plp_ids": ids, "plp_vals": vals, "plp_ranks": ranks}
         self.guard.check(f"a step in bucket {inputs.batch.input_ids.shape[0]}")
+        self.timing.on_dispatched(step, out.token_ids)
+        return device, step
+
+    def fetch(self, device: dict[str, jax.Array], step) -> dict[str, np.ndarray]:
+        """Block on a dispatched step's outputs and bring them to the host."""
+        t0 = time.perf_counter()
+        host = {k: to_host(v) for k, v in device.items()}
+        self.timing.on_read(step, time.perf_counter() - t0)
         return host
 
     def execute(self, scheduled, grammar_bitmask: np.ndarray | None = None) -> ModelRunnerOutput:
         """Run one step for `scheduled` (a list of ScheduledRequest) in this process alone."""
+        return self.execute_async(scheduled, grammar_bitmask).result()
+
+    def execute_async(self, scheduled, grammar_bitmask: np.ndarray | None = None) -> StepFuture:
+        """Prepare and dispatch one step; its outputs are read when the future's `result()` is asked.
+        Rows whose last id the previous step sampled read it from `last_sampled` on the device."""
         if not scheduled:
-            return ModelRunnerOutput()
+            return StepFuture.done(ModelRunnerOutput())
         inputs = self.prepare(scheduled, grammar_bitmask)
-        return self.make_output(scheduled, self.run(inputs), inputs.failed_req_ids)
+        device, step = self.dispatch(inputs)
+
+        def read() -> ModelRunnerOutput:
+            return self.make_output(scheduled, self.fetch(device, step), inputs.failed_req_ids)
+
+        return StepFuture(read, inputs.failed_req_ids)
 
     def make_output(
         self, scheduled, host: dict[str, np.ndarray], failed_req_ids: frozenset[str] = frozenset()
@@ -326,6 +380,13 @@ class ModelRunner:
         """The optimized HLO of the forward for one token bucket (to inspect collectives)."""
         batch = self._build_batch([], num_tokens)
         lowered = self._forward_fn.lower(
-            self.params, self.kv_cache, batch.input_ids, batch.positions, batch.logits_indices, batch.md
+            self.params,
+            self.kv_cache,
+            batch.input_ids,
+            self.last_sampled,
+            batch.prev_rows,
+            batch.positions,
+            batch.logits_indices,
+            batch.md,
         )
         return lowered.compile().as_text()

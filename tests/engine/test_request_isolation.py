@@ -52,8 +52,17 @@ def _run(llm, requests):
     return outputs
 
 
+@pytest.fixture(params=["async", "sync"])
+def engine(request, llm):
+    """The shared engine with async scheduling (the default) and without: a failure is isolated in both."""
+    llm.engine_core.set_async_scheduling(request.param == "async")
+    yield llm
+    llm.engine_core.set_async_scheduling(True)
+
+
 @pytest.mark.parametrize("site", list(FAULT_SITES))
-def test_a_faulty_request_fails_alone(llm, monkeypatch, site):
+def test_a_faulty_request_fails_alone(engine, monkeypatch, site):
+    llm = engine
     [expected] = llm.generate(GOOD, PARAMS, use_tqdm=False)
     manager = llm.engine_core.kv_cache_manager
     num_free_blocks = manager.num_free_blocks

@@ -36,7 +36,7 @@ def test_bench_reports_what_it_ran(tiny_llama, tmp_path, bench, num_prompts):
         "--enforce-eager",
         "--output-json",
         str(out),
-    ]
+    ] + (["--compare-async"] if bench == "throughput" else [])
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["bench"] == bench and report["num_prompts"] == num_prompts and report["output_len"] == 5
@@ -48,6 +48,17 @@ def test_bench_reports_what_it_ran(tiny_llama, tmp_path, bench, num_prompts):
     assert r["num_steps"] >= 5 * (num_prompts if bench == "latency" else 1)
     assert 0 < r["host_ms_per_step"] < r["elapsed_s"] * 1e3 / r["num_steps"]
     assert r["ttft_s"]["mean"] > 0 and r["tpot_s"]["mean"] > 0
+    # Idle time per step, the host's and the device's, fit in a step's wall time.
+    step_ms = r["elapsed_s"] * 1e3 / r["num_steps"]
+    assert 0 <= r["host_idle_ms_per_step"] < step_ms and 0 <= r["device_idle_ms_per_step"] < step_ms
+    assert r["async_scheduling"]  # on by default in one process
+    if bench == "throughput":  # --compare-async: the same workload, synchronous, on the same engine
+        sync = report["xlaserve_sync"]
+        assert not sync["async_scheduling"]
+        assert sync["output_tokens_per_s"] * sync["elapsed_s"] == pytest.approx(num_prompts * 5)
+        assert report["ratio_async_over_sync_output_throughput"] == pytest.approx(
+            r["output_tokens_per_s"] / sync["output_tokens_per_s"]
+        )
 
 
 def test_random_prompts_have_the_asked_length_and_no_special_tokens(tiny_llama, tmp_path):

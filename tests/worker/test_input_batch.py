@@ -88,3 +88,19 @@ def test_a_failing_sampling_row_keeps_the_padding_values(monkeypatch):
     assert failed == {"bad"}
     np.testing.assert_allclose(st.temperature, [0.0, 0.7, 0.0, 0.0])
     assert not st.prompt_mask[0].any() and st.prompt_mask[1, 3]
+
+
+def test_a_placeholder_is_read_from_the_previous_steps_row():
+    """Async scheduling: a token the previous step sampled (unknown here) points at its row of the
+    device's last sampled ids; its seed index and min_tokens count it."""
+    plain = scheduled("plain", [1, 2, 3], [1])
+    request = Request("async", [5, 6, 7], SamplingParams(max_tokens=4, min_tokens=2, temperature=1.0))
+    request.num_computed_tokens, request.num_output_placeholders, request.last_sampled_row = 3, 1, 6
+    decode = ScheduledRequest(request, 1, [2])
+    assert decode.prev_sampled_row == 6 and decode.is_sampling and decode.sample_index == 1
+    batch = build([plain, decode], set())
+    assert batch.input_ids[:4].tolist() == [1, 2, 3, 0]  # the id itself comes from the device
+    assert batch.prev_rows[:5].tolist() == [-1, -1, -1, 6, -1]
+    assert batch.positions[3] == 3 and batch.md.kv_lens[1] == 4
+    st = sampling_tensors([plain, decode], 4, 64, True)
+    assert st.token_index[1] == 1 and st.logit_bias is not None

@@ -5,6 +5,11 @@ seeded): long contexts, where the attention kernels matter.
 
 `--backend hf` also runs Hugging Face transformers' `generate` on the same prompts, in the same
 process, so every report carries a side-by-side ratio measured under the same conditions.
+
+Every xlaserve run reports, per step, the host's idle time (blocked on the device's results) and
+the device's (done with a step, waiting for the host to dispatch the next one). `--compare-async`
+runs the workload twice on the same engine, synchronous then with async scheduling, for a paired
+ratio.
 """
 
 from __future__ import annotations
@@ -88,13 +93,21 @@ def _prompts(tokenizer, conversations) -> list[dict]:
     return out
 
 
-def run_xlaserve(llm, prompts, output_len: int, batch: bool) -> dict:
+def run_xlaserve(llm, prompts, output_len: int, batch: bool, async_scheduling: bool | None = None) -> dict:
+    """One run of the workload. async_scheduling: set the engine's mode first (None: as configured)."""
     from xlaserve.sampling_params import SamplingParams
 
+    cores = getattr(llm.engine_core, "ranks", [llm.engine_core])
+    if async_scheduling is not None:
+        for core in cores:
+            core.set_async_scheduling(async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # touch
-    runners = [core.runner for core in getattr(llm.engine_core, "ranks", [llm.engine_core])]
+    runners = [core.runner for core in cores]
+    for r in runners:
+        r.timing.watch = True  # see when each step's results are ready, even when read a step later
     steps0, wait0 = sum(r.num_steps for r in runners), sum(r.device_wait_s for r in runners)
+    idle0 = sum(r.timing.device_idle_s for r in runners)
     start = time.perf_counter()
     if batch:
         outputs = llm.generate(prompts, params)
@@ -112,9 +125,16 @@ def run_xlaserve(llm, prompts, output_len: int, batch: bool) -> dict:
     report = _report("xlaserve", len(outputs), num_in, num_out, elapsed, ttft, tpot)
     steps = sum(r.num_steps for r in runners) - steps0
     waited = sum(r.device_wait_s for r in runners) - wait0
-    # Host time per step: the device idles through it (the step is synchronous). On a GPU, where a
-    # decode step takes milliseconds, this is what overlapping scheduling with the device would win.
-    report |= {"num_steps": steps, "host_ms_per_step": (elapsed - waited) / max(steps, 1) * 1e3}
+    device_idle = sum(r.timing.device_idle_s for r in runners) - idle0
+    # Host time per step; with synchronous steps the device idles through all of it, with async
+    # scheduling only through what the device's own step time does not cover (device_idle).
+    report |= {
+        "async_scheduling": all(core.async_scheduling for core in cores),
+        "num_steps": steps,
+        "host_ms_per_step": (elapsed - waited) / max(steps, 1) * 1e3,
+        "host_idle_ms_per_step": waited / max(steps, 1) * 1e3,
+        "device_idle_ms_per_step": device_idle / max(steps, 1) * 1e3,
+    }
     return report
 
 
@@ -220,7 +240,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "input_len": args.input_len,
         "enforce_eager": bool(args.enforce_eager),
     }
-    results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch)
+    if args.compare_async:
+        results["xlaserve_sync"] = run_xlaserve(llm, prompts, args.output_len, batch, async_scheduling=False)
+        results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch, async_scheduling=True)
+        sync, asyn = results["xlaserve_sync"], results["xlaserve"]
+        results["ratio_async_over_sync_output_throughput"] = (
+            asyn["output_tokens_per_s"] / sync["output_tokens_per_s"]
+        )
+        results["ratio_tpot_sync_over_async"] = sync["tpot_s"]["mean"] / asyn["tpot_s"]["mean"]
+    else:
+        results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch)
     if args.backend == "hf":
         hf = _load_hf(args.model, args.hf_dtype)
         results["hf_dtype"] = args.hf_dtype
@@ -248,20 +277,29 @@ def _print(results: dict) -> None:
         f"\n== bench {results['bench']}: {results['num_prompts']} {prompts} x {results['output_len']} "
         "output tokens =="
     )
-    for backend in ("xlaserve", "hf"):
+    for backend in ("xlaserve_sync", "xlaserve", "hf"):
         r = results.get(backend)
         if r is None:
             continue
+        name = backend
+        if backend.startswith("xlaserve"):
+            name = "async" if r["async_scheduling"] else "sync"
         print(
-            f"{backend:>9}: {r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
+            f"{name:>9}: {r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
             f"TTFT mean {r['ttft_s']['mean'] * 1e3:.0f} ms, TPOT mean {r['tpot_s']['mean'] * 1e3:.1f} ms"
         )
         if "host_ms_per_step" in r:
             compiles = " (compiles included: --enforce-eager)" if results.get("enforce_eager") else ""
             print(
-                f"{'':>9}  {r['num_steps']} steps, "
-                f"host work {r['host_ms_per_step']:.1f} ms per step{compiles}"
+                f"{'':>9}  {r['num_steps']} steps, per step: host work {r['host_ms_per_step']:.1f} ms, "
+                f"host idle {r['host_idle_ms_per_step']:.1f} ms, device idle "
+                f"{r['device_idle_ms_per_step']:.1f} ms{compiles}"
             )
+    if "ratio_async_over_sync_output_throughput" in results:
+        print(
+            f"async / sync: output throughput {results['ratio_async_over_sync_output_throughput']:.2f}x, "
+            f"TPOT sync / async {results['ratio_tpot_sync_over_async']:.2f}x"
+        )
     if "ratio_output_throughput" in results:
         print(f"output throughput xlaserve / hf: {results['ratio_output_throughput']:.2f}x")
         print(f"TPOT hf / xlaserve: {results['ratio_tpot_hf_over_xlaserve']:.2f}x")
@@ -294,6 +332,11 @@ def add_parser(sub, add_engine_args):
             choices=["float32", "bfloat16"],
             default="float32",
             help="the dtype Hugging Face runs in with --backend hf (compare with its best)",
+        )
+        b.add_argument(
+            "--compare-async",
+            action="store_true",
+            help="run the workload twice on one engine, synchronous then with async scheduling (paired)",
         )
         b.add_argument("--output-json", default=None)
         add_engine_args(b)
