@@ -11,22 +11,26 @@ from typing import Any
 
 from xlaserve.core.kv_cache_manager import PrefixCacheStats
 from xlaserve.core.request import FinishReason, Request
+from xlaserve.core.spec_decode import SpecDecodingStats
 
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: compute all_token_ids[num_computed_tokens:+num_new_tokens]."""
+    """One request's share of a step: compute all_token_ids[num_computed_tokens:] + spec_token_ids,
+    num_new_tokens in all (the drafts, when there are any, are the last len(spec_token_ids))."""
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table
     num_computed_tokens: int = -1  # before this step; -1: read it from the request
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified by this step
     is_sampling: bool = field(init=False)  # the step reaches the last token, so it samples
 
     def __post_init__(self):
         if self.num_computed_tokens < 0:
             self.num_computed_tokens = self.request.num_computed_tokens
-        self.is_sampling = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_end = self.request.num_tokens + len(self.spec_token_ids)
+        self.is_sampling = self.num_computed_tokens + self.num_new_tokens == num_end
 
     @property
     def request_id(self) -> str:
@@ -35,8 +39,8 @@ class ScheduledRequest:
     @property
     def token_ids(self) -> list[int]:
         """The token ids this step computes."""
-        start = self.num_computed_tokens
-        return self.request.all_token_ids[start : start + self.num_new_tokens]
+        start, stop = self.num_computed_tokens, self.num_computed_tokens + self.num_new_tokens
+        return self.request.all_token_ids[start : stop - len(self.spec_token_ids)] + self.spec_token_ids
 
 
 @dataclass
@@ -58,6 +62,8 @@ class ModelRunnerOutput:
     """What the model runner returns for a step; logprob payloads pass through untouched."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: the drafts each verified request accepted, which precede its sampled id.
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Any] = field(default_factory=dict)
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)
     # Requests whose part of the step's host work raised: the scheduler finishes them with an error.
@@ -93,3 +99,4 @@ class SchedulerStats:
     kv_cache_usage: float
     num_preemptions_total: int
     prefix_cache_stats: PrefixCacheStats
+    spec_decoding_stats: SpecDecodingStats | None = None  # since the previous snapshot; None: off

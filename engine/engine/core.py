@@ -10,6 +10,7 @@ from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
+from xlaserve.core.spec_decode import NgramProposer
 from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.executor import make_executor
 from xlaserve.worker.kv_cache import fit_max_model_len
@@ -50,7 +51,16 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             config.cache.block_size, runner.num_blocks, config.cache.enable_prefix_caching, max_model_len
         )
-        self.scheduler = Scheduler(config.scheduler, config.cache, max_model_len, self.kv_cache_manager)
+        spec = config.speculative
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            max_model_len,
+            self.kv_cache_manager,
+            num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        )
+        # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
+        self.proposer = NgramProposer(spec, max_model_len) if spec is not None else None
         if not config.compilation.enforce_eager:
             runner.warm_up()
         self.executor = make_executor(config, runner)
@@ -79,6 +89,8 @@ class EngineCore:
         grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output.scheduled)
         runner_output = self.executor.execute(scheduler_output.scheduled, grammar_bitmask)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         if scheduler_output.is_empty:  # whatever is unfinished waits for its grammar
             self.structured_output.wait_for_grammars(_GRAMMAR_WAIT_S)
         return outputs
