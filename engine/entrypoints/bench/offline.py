@@ -17,6 +17,7 @@ import statistics
 import time
 
 from xlaserve.entrypoints.arg_utils import engine_kwargs
+from xlaserve.entrypoints.bench import speculative
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ def run_xlaserve(llm, prompts, output_len: int, batch: bool) -> dict:
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # touch
     runners = [core.runner for core in getattr(llm.engine_core, "ranks", [llm.engine_core])]
     steps0, wait0 = sum(r.num_steps for r in runners), sum(r.device_wait_s for r in runners)
+    spec0 = speculative.spec_counters(llm)
     start = time.perf_counter()
     if batch:
         outputs = llm.generate(prompts, params)
@@ -115,6 +117,8 @@ def run_xlaserve(llm, prompts, output_len: int, batch: bool) -> dict:
     # Host time per step: the device idles through it (the step is synchronous). On a GPU, where a
     # decode step takes milliseconds, this is what overlapping scheduling with the device would win.
     report |= {"num_steps": steps, "host_ms_per_step": (elapsed - waited) / max(steps, 1) * 1e3}
+    if spec := speculative.acceptance(spec0, speculative.spec_counters(llm)):
+        report["speculative"] = spec
     return report
 
 
@@ -205,9 +209,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     batch = args.bench == "throughput"
     num_prompts = args.num_prompts or (64 if batch else 8)
-    llm = LLM(args.model, **engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    llm = LLM(args.model, **kwargs)
     if args.input_len is None:
-        prompts = _prompts(llm.tokenizer, workload(num_prompts))
+        make_workload = speculative.copy_workload if args.workload == "copy" else workload
+        prompts = _prompts(llm.tokenizer, make_workload(num_prompts))
     else:
         from xlaserve.engine.detokenizer import special_token_ids
 
@@ -219,7 +225,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "output_len": args.output_len,
         "input_len": args.input_len,
         "enforce_eager": bool(args.enforce_eager),
+        "workload": args.workload if args.input_len is None else "random",
     }
+    if args.baseline_without_speculation:
+        if "speculative_config" not in kwargs:
+            raise SystemExit("--baseline-without-speculation needs --speculative-config")
+        base = LLM(args.model, **{k: v for k, v in kwargs.items() if k != "speculative_config"})
+        results["paired"] = speculative.run_paired(llm, base, prompts, args.output_len)
     results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch)
     if args.backend == "hf":
         hf = _load_hf(args.model, args.hf_dtype)
@@ -240,7 +252,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _print(results: dict) -> None:
     prompts = (
-        "chat prompts"
+        f"{results.get('workload', 'chat')} prompts"
         if results.get("input_len") is None
         else f"random prompts of {results['input_len']} tokens"
     )
@@ -262,6 +274,9 @@ def _print(results: dict) -> None:
                 f"{'':>9}  {r['num_steps']} steps, "
                 f"host work {r['host_ms_per_step']:.1f} ms per step{compiles}"
             )
+        speculative.print_acceptance(r.get("speculative", {}))
+    if "paired" in results:
+        speculative.print_paired(results["paired"])
     if "ratio_output_throughput" in results:
         print(f"output throughput xlaserve / hf: {results['ratio_output_throughput']:.2f}x")
         print(f"TPOT hf / xlaserve: {results['ratio_tpot_hf_over_xlaserve']:.2f}x")
@@ -294,6 +309,18 @@ def add_parser(sub, add_engine_args):
             choices=["float32", "bfloat16"],
             default="float32",
             help="the dtype Hugging Face runs in with --backend hf (compare with its best)",
+        )
+        b.add_argument(
+            "--workload",
+            choices=["chat", "copy"],
+            default="chat",
+            help="copy: code to repeat with one change (answers copy the prompt)",
+        )
+        b.add_argument(
+            "--baseline-without-speculation",
+            action="store_true",
+            help="with --speculative-config: also run each prompt alone on the same engine without it, "
+            "paired in this process, and report the TPOT ratio",
         )
         b.add_argument("--output-json", default=None)
         add_engine_args(b)
