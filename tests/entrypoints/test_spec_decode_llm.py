@@ -169,3 +169,23 @@ def test_nothing_compiles_after_warm_up_and_stops_cut_exactly(warm_llm):
         use_tqdm=False,
     )[0].outputs[0]
     assert short.token_ids == ids[:7] and short.finish_reason == "length"
+
+
+@pytest.mark.slow  # a second SmolLM2 engine, with its warm-up
+def test_smollm2_greedy_outputs_equal_without_speculation(llm):
+    """SmolLM2 (float32): copy prompts of ~150-200 tokens (chunked by the 128-token budget) and a chat
+    prompt, 64 greedy tokens each, equal token for token with the shared engine's."""
+    from helpers.smollm2 import ENGINE_ARGS as SMOLLM2_ARGS
+    from xlaserve.entrypoints.bench.speculative import copy_workload
+
+    spec_llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **SMOLLM2_ARGS)
+    conversations = copy_workload(2) + [[{"role": "user", "content": "Describe the water cycle."}]]
+    sampling = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    expected = llm.chat(conversations, sampling, use_tqdm=False)
+    actual = spec_llm.chat(conversations, sampling, use_tqdm=False)
+    assert max(len(o.prompt_token_ids) for o in actual) > SMOLLM2_ARGS["max_num_batched_tokens"]
+    for e, a in zip(expected, actual, strict=True):
+        assert a.outputs[0].token_ids == e.outputs[0].token_ids
+    metrics = spec_metrics(spec_llm)
+    assert metrics["num_accepted_tokens"] > metrics["num_drafts"]  # copying: more than one per draft
+    assert spec_llm.engine_core.runner.guard.num_unexpected == 0
