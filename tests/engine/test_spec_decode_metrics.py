@@ -59,3 +59,15 @@ def test_data_parallel_ranks_sum_and_bench_figures():
     figures = acceptance(before, after)
     assert figures["acceptance_rate"] == 8 / 12 and figures["mean_acceptance_length"] == 1 + 8 / 4
     assert acceptance({}, {}) == {}
+
+
+def test_stats_cross_the_core_process_boundary():
+    from xlaserve.engine.protocol import EngineCoreOutputs, make_encoder, make_output_decoder
+
+    message = EngineCoreOutputs([], snapshot([(3, 2)]))
+    decoded = make_output_decoder().decode(make_encoder().encode(message)).scheduler_stats
+    assert decoded.spec_decoding_stats == snapshot([(3, 2)]).spec_decoding_stats
+    plain = EngineCoreOutputs([], SchedulerStats(1, 0, 0.1, 0, PrefixCacheStats()))
+    assert (
+        make_output_decoder().decode(make_encoder().encode(plain)).scheduler_stats.spec_decoding_stats is None
+    )
