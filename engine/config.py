@@ -7,6 +7,7 @@ written back here: they live on the objects that derive them (the runner, the to
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -182,6 +183,68 @@ class CompilationConfig:
         )
 
 
+_SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: propose up to `num_speculative_tokens` tokens per step and verify
+    them in one forward. ngram: the longest suffix of the request's tokens (between prompt_lookup_min
+    and prompt_lookup_max long) found earlier in them proposes what followed it there."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft_model: a smaller model with the same tokenizer
+
+    def __post_init__(self):
+        _require(
+            self.method in _SPEC_METHODS,
+            f"speculative_config.method must be one of {_SPEC_METHODS}, got {self.method!r}",
+        )
+        _require(
+            isinstance(self.num_speculative_tokens, int)
+            and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            f"speculative_config.num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+            f"got {self.num_speculative_tokens!r}",
+        )
+        _require(
+            isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
+            f"speculative_config.prompt_lookup_min must be >= 1, got {self.prompt_lookup_min!r}",
+        )
+        _require(
+            isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
+            f"speculative_config.prompt_lookup_max must be >= prompt_lookup_min={self.prompt_lookup_min}, "
+            f"got {self.prompt_lookup_max!r}",
+        )
+        if self.method == "draft_model":
+            _require(self.model is not None, "speculative_config.model is required for method 'draft_model'")
+            # The config is vLLM's; the proposer is not built yet (engine/SPEC_DECODE.md).
+            raise ValueError(
+                "speculative_config.method 'draft_model' is not supported yet; use 'ngram' "
+                "(engine/SPEC_DECODE.md)"
+            )
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """A dict, its JSON text (the CLI's --speculative-config), a SpeculativeConfig, or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        _require(isinstance(value, dict), f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(_SPEC_KEYS))
+        _require(not unknown, f"speculative_config: unknown field(s) {unknown}; known: {list(_SPEC_KEYS)}")
+        _require("method" in value, f"speculative_config.method is required (one of {_SPEC_METHODS})")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -189,13 +252,22 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     compilation: CompilationConfig
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self):
+        # Speculative decoding runs on the synchronous step: the next step's drafts come from this
+        # step's accepted tokens, which async scheduling would not have yet.
+        _require(
+            self.speculative is None or self.scheduler.async_scheduling is not True,
+            "async_scheduling cannot be combined with speculative_config; turn one of them off",
+        )
 
     def async_scheduling_off_reason(self) -> str | None:
         """Why async scheduling cannot run with this configuration (None: it can)."""
         if self.parallel.nnodes > 1:
             return "the multi-host executor runs each step synchronously (followers check every step)"
-        # Speculative decoding (issue 14) belongs here too once EngineConfig has `speculative_config`:
-        # its drafts and rejection need the accepted ids on the host before the next step is built.
+        if self.speculative is not None:
+            return "speculative decoding proposes drafts from the accepted ids, known only after a step"
         return None
 
     @property
@@ -218,8 +290,9 @@ class EngineConfig:
         names = {f.name: group for group, klass in groups.items() for f in dataclasses.fields(klass)}
         if "scheduling_policy" in kwargs:
             kwargs["policy"] = kwargs.pop("scheduling_policy")
+        speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         for key, value in kwargs.items():
             if key not in names:
                 raise TypeError(f"unknown engine argument {key!r}; known: {sorted(names)}")
             parts[names[key]][key] = value
-        return cls(**{group: groups[group](**parts[group]) for group in groups})
+        return cls(**{group: groups[group](**parts[group]) for group in groups}, speculative=speculative)

@@ -11,16 +11,19 @@ from typing import Any
 
 from xlaserve.core.kv_cache_manager import PrefixCacheStats
 from xlaserve.core.request import FinishReason, Request
+from xlaserve.core.spec_decode import SpecDecodingStats
 
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: compute all_token_ids[num_computed_tokens:+num_new_tokens]."""
+    """One request's share of a step: compute all_token_ids[num_computed_tokens:] + spec_token_ids,
+    num_new_tokens in all (the drafts, when there are any, are the last len(spec_token_ids))."""
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table
     num_computed_tokens: int = -1  # before this step; -1: read it from the request
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified by this step
     is_sampling: bool = field(init=False)  # the step reaches the last token, so it samples
     # Async scheduling: the last token this step computes was sampled by the step still in flight;
     # its id is read on the device from that step's sampled ids, at this row (-1: every id is known).
@@ -34,8 +37,9 @@ class ScheduledRequest:
         if self.num_computed_tokens < 0:
             self.num_computed_tokens = req.num_computed_tokens
         end = self.num_computed_tokens + self.num_new_tokens
-        self.is_sampling = end == req.num_tokens_with_placeholders
-        self.prev_sampled_row = req.last_sampled_row if end > req.num_tokens else -1
+        num_known = req.num_tokens + len(self.spec_token_ids)  # drafts ride as known ids
+        self.is_sampling = end == num_known + req.num_output_placeholders
+        self.prev_sampled_row = req.last_sampled_row if end > num_known else -1
         self.sample_index = req.num_output_tokens + req.num_output_placeholders
 
     @property
@@ -44,9 +48,10 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        """The known token ids this step computes (the last is missing when `prev_sampled_row` >= 0)."""
-        start = self.num_computed_tokens
-        return self.request.all_token_ids[start : start + self.num_new_tokens]
+        """The known token ids this step computes, drafts included (the last is missing when
+        `prev_sampled_row` >= 0: async scheduling, which speculative decoding turns off)."""
+        start, stop = self.num_computed_tokens, self.num_computed_tokens + self.num_new_tokens
+        return self.request.all_token_ids[start : stop - len(self.spec_token_ids)] + self.spec_token_ids
 
 
 @dataclass
@@ -68,6 +73,8 @@ class ModelRunnerOutput:
     """What the model runner returns for a step; logprob payloads pass through untouched."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: the drafts each verified request accepted, which precede its sampled id.
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Any] = field(default_factory=dict)
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)
     # Requests whose part of the step's host work raised: the scheduler finishes them with an error.
@@ -103,3 +110,4 @@ class SchedulerStats:
     kv_cache_usage: float
     num_preemptions_total: int
     prefix_cache_stats: PrefixCacheStats
+    spec_decoding_stats: SpecDecodingStats | None = None  # since the previous snapshot; None: off

@@ -136,6 +136,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Set by the engine when sampling_params.structured_outputs constrains the output.
         self.grammar: Grammar | None = None
+        # Speculative decoding: tokens proposed to follow all_token_ids, verified by the next step.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

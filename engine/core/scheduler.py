@@ -38,6 +38,7 @@ from xlaserve.core.outputs import (
     SchedulerStats,
 )
 from xlaserve.core.request import FinishReason, Request, RequestStatus
+from xlaserve.core.spec_decode import SpecDecodingStats
 
 # long_prefill_token_threshold=None caps a prefill chunk at this fraction of the step's budget: with
 # the default max_num_partial_prefills=2, partial prefills take at most half of every step.
@@ -95,6 +96,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         *,
         async_scheduling: bool = False,
+        num_spec_tokens: int = 0,
     ):
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(
@@ -123,6 +125,9 @@ class Scheduler:
         self.num_preemptions_total = 0
         # Requests failed inside schedule(): reported by the next update_from_output.
         self._error_outputs: list[EngineCoreOutput] = []
+        # Speculative decoding (k drafts at most per request and step; 0: off).
+        self.num_spec_tokens = num_spec_tokens
+        self.spec_decoding_stats = SpecDecodingStats(num_spec_tokens)
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -210,6 +215,8 @@ class Scheduler:
             if num_new_tokens <= 0:
                 index += 1
                 continue
+            spec_token_ids = self._take_drafts(request, num_missing, token_budget)
+            num_new_tokens += len(spec_token_ids)
             is_dropped = False  # preempted itself, or failed
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
                 if len(self.running) == 1:
@@ -229,9 +236,21 @@ class Scheduler:
             if is_dropped:
                 continue  # the next request slid into `index`
             prefills.add(num_missing, num_new_tokens)
-            token_budget -= self._add_scheduled(request, num_new_tokens, output)
+            token_budget -= self._add_scheduled(request, num_new_tokens, output, spec_token_ids)
             index += 1
         return token_budget
+
+    def _take_drafts(self, request: Request, num_missing: int, token_budget: int) -> list[int]:
+        """The drafts a decoding request verifies this step, their slots allocated: as many as the
+        budget and the free blocks allow (drafts never preempt anyone), else none."""
+        spec_token_ids, request.spec_token_ids = request.spec_token_ids, []
+        if num_missing != 1 or not spec_token_ids:
+            return []
+        spec_token_ids = spec_token_ids[: token_budget - 1]
+        num_new_tokens = 1 + len(spec_token_ids)
+        if spec_token_ids and self.kv_cache_manager.allocate_slots(request, num_new_tokens) is not None:
+            return spec_token_ids
+        return []
 
     def _schedule_waiting(
         self, output: SchedulerOutput, token_budget: int, prefills: PartialPrefills
@@ -272,9 +291,13 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             token_budget -= self._add_scheduled(request, num_new_tokens, output)
 
-    def _add_scheduled(self, request: Request, num_new_tokens: int, output: SchedulerOutput) -> int:
+    def _add_scheduled(
+        self, request: Request, num_new_tokens: int, output: SchedulerOutput, spec_token_ids=()
+    ) -> int:
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-        output.scheduled.append(ScheduledRequest(request, num_new_tokens, block_ids))
+        output.scheduled.append(
+            ScheduledRequest(request, num_new_tokens, block_ids, spec_token_ids=list(spec_token_ids))
+        )
         # Advanced now, not after the step: the K/V is as good as written once scheduled.
         request.num_computed_tokens += num_new_tokens
         return num_new_tokens
@@ -300,6 +323,7 @@ class Scheduler:
             num_returned_tokens = scheduled.num_new_tokens
         self.kv_cache_manager.free(victim, num_valid_tokens=num_valid_tokens)
         victim.status = RequestStatus.PREEMPTED
+        victim.spec_token_ids = []
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -345,9 +369,7 @@ class Scheduler:
             has_reported_prompt = request.num_output_tokens > 0
             new_token_ids: list[int] = []
             if scheduled.is_sampling and request_id in model_runner_output.sampled_token_ids:
-                request.append_output_token_ids(model_runner_output.sampled_token_ids[request_id])
-                new_token_ids = request.output_token_ids[-1:]
-                self._check_stop(request)
+                new_token_ids = self._append_tokens(scheduled, model_runner_output)
             prompt_logprobs = None
             if not has_reported_prompt:
                 prompt_logprobs = model_runner_output.prompt_logprobs.get(request_id)
@@ -358,7 +380,7 @@ class Scheduler:
                         new_token_ids,
                         finish_reason=request.get_finish_reason(),
                         stop_reason=request.stop_reason,
-                        new_logprobs=model_runner_output.logprobs.get(request_id) if new_token_ids else None,
+                        new_logprobs=_new_logprobs(model_runner_output, scheduled, len(new_token_ids)),
                         new_prompt_logprobs=prompt_logprobs,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         is_grammar_complete=_is_grammar_complete(request),
@@ -371,6 +393,25 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
             self.waiting = [r for r in self.waiting if not r.is_finished]
         return outputs
+
+    def _append_tokens(self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> list[int]:
+        """Append the step's tokens (accepted drafts, then the sampled one) up to the first that
+        finishes the request; roll back over rejected drafts. Returns the tokens appended."""
+        request, num_drafts = scheduled.request, len(scheduled.spec_token_ids)
+        accepted = runner_output.accepted_token_ids.get(request.request_id, []) if num_drafts else []
+        tokens = [*accepted, runner_output.sampled_token_ids[request.request_id]]
+        num_appended = 0
+        for token_id in tokens:  # tokens after a stop (or past max_tokens) are dropped
+            request.append_output_token_ids(token_id)
+            num_appended += 1
+            self._check_stop(request)
+            if request.is_finished:
+                break
+        if num_drafts:
+            # The rejected drafts' K/V is not the request's: later steps overwrite those slots.
+            request.num_computed_tokens -= num_drafts - len(accepted)
+            self.spec_decoding_stats.observe(num_drafts, len(accepted))
+        return request.output_token_ids[-num_appended:]
 
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params
@@ -422,11 +463,25 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            spec_decoding_stats=self._take_spec_decoding_stats(),
         )
+
+    def _take_spec_decoding_stats(self) -> SpecDecodingStats | None:
+        if not self.num_spec_tokens:
+            return None
+        stats, self.spec_decoding_stats = self.spec_decoding_stats, SpecDecodingStats(self.num_spec_tokens)
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def _new_logprobs(model_runner_output: ModelRunnerOutput, scheduled: ScheduledRequest, num_tokens: int):
+    """The logprobs of the tokens appended: passed through, or, after a verification (one entry per
+    emitted token), those of the `num_tokens` kept."""
+    entries = model_runner_output.logprobs.get(scheduled.request_id) if num_tokens else None
+    return entries[:num_tokens] if entries is not None and scheduled.spec_token_ids else entries
 
 
 def _is_grammar_complete(request: Request) -> bool:

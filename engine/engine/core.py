@@ -16,6 +16,7 @@ from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
+from xlaserve.core.spec_decode import NgramProposer
 from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.executor import make_executor
 from xlaserve.worker.kv_cache import fit_max_model_len
@@ -60,13 +61,17 @@ class EngineCore:
         self.async_scheduling = config.is_async_scheduling
         if config.scheduler.async_scheduling is not False and not self.async_scheduling:
             logger.info("async scheduling off: %s", config.async_scheduling_off_reason())
+        spec = config.speculative
         self.scheduler = Scheduler(
             config.scheduler,
             config.cache,
             max_model_len,
             self.kv_cache_manager,
             async_scheduling=self.async_scheduling,
+            num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
+        # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
+        self.proposer = NgramProposer(spec, max_model_len) if spec is not None else None
         if not config.compilation.enforce_eager:
             runner.warm_up()
         self.executor = make_executor(config, runner)
@@ -107,6 +112,8 @@ class EngineCore:
         # was prepared must be finished (its blocks uncached) before anything else is scheduled.
         if not self.async_scheduling or future.failed_req_ids or not self.scheduler.has_unfinished_requests():
             outputs += self._update_in_flight()
+        if self.proposer is not None:  # speculative decoding runs synchronously: every id is known
+            self.proposer.propose(self.scheduler.running)
         if scheduler_output.is_empty:  # whatever is unfinished waits for its grammar
             self.structured_output.wait_for_grammars(_GRAMMAR_WAIT_S)
         return outputs

@@ -69,6 +69,10 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self._last_output_text_offset = 0
         self._is_stopped = False
+        self._match_end: int | None = None
+        # Ids of the last update dropped because they came after the token that completed a stop
+        # string (several ids arrive at once under speculative decoding).
+        self.num_dropped_tokens = 0
         # The ids being decoded: a clean tail of the prompt as context, then the output ids that
         # produce text. Offsets index this list.
         self._ids = self._prompt_context(prompt_token_ids)
@@ -123,17 +127,29 @@ class IncrementalDetokenizer:
         # Stop strings count only once min_tokens are out (vLLM): text before that is not searched.
         num_tokens_before = len(self.token_ids) - len(new_token_ids)
         stop_check_offset = len(self.output_text)
+        text_ends = []  # the text's length after each new id
         for i, token_id in enumerate(ids_to_decode):
             if token_id not in self._skipped_ids:
                 self._ids.append(token_id)
                 self.output_text += self._decode_window(flush=False)
             if num_tokens_before + i + 1 <= self.min_tokens:
                 stop_check_offset = len(self.output_text)
+            text_ends.append(len(self.output_text))
         if finished:
             self.output_text += self._decode_window(flush=True)
         if not self.stop or len(self.token_ids) <= self.min_tokens:
             return None
-        return self._check_stop_strings(len(self.output_text) - stop_check_offset)
+        match_end = len(self.output_text)
+        stop = self._check_stop_strings(len(self.output_text) - stop_check_offset)
+        if stop is not None and self._match_end is not None:
+            match_end = self._match_end
+            # Ids after the one that completed the stop string are not output (one step may carry
+            # several: accepted speculative drafts).
+            num_kept = next((i + 1 for i, end in enumerate(text_ends) if end >= match_end), len(text_ends))
+            self.num_dropped_tokens = len(new_token_ids) - num_kept
+            if self.num_dropped_tokens:
+                del self.token_ids[-self.num_dropped_tokens :]
+        return stop
 
     def _check_stop_strings(self, num_new_chars: int) -> str | None:
         if num_new_chars <= 0:
@@ -149,6 +165,7 @@ class IncrementalDetokenizer:
         if match is None:
             return None
         end = match_index + len(match) if self.include_stop_str_in_output else match_index
+        self._match_end = match_index + len(match)
         self.output_text = text[:end]
         self._is_stopped = True
         return match

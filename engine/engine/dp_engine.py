@@ -16,6 +16,7 @@ from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import PrefixCacheStats
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
 from xlaserve.core.request import Request
+from xlaserve.core.spec_decode import SpecDecodingStats
 from xlaserve.engine.core import EngineCore
 from xlaserve.engine.structured_output import StructuredOutputManager
 
@@ -112,6 +113,7 @@ class DataParallelEngineCore:
             kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
             num_preemptions_total=sum(s.num_preemptions_total for s in stats),
             prefix_cache_stats=prefix,
+            spec_decoding_stats=_sum_spec_stats([s.spec_decoding_stats for s in stats]),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -120,3 +122,12 @@ class DataParallelEngineCore:
     def shutdown(self) -> None:
         for rank in self.ranks:
             rank.shutdown()
+
+
+def _sum_spec_stats(per_rank: list[SpecDecodingStats | None]) -> SpecDecodingStats | None:
+    if per_rank[0] is None:
+        return None
+    total = SpecDecodingStats(per_rank[0].num_spec_tokens)
+    for stats in per_rank:
+        total.add(stats)
+    return total

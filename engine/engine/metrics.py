@@ -8,6 +8,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from xlaserve.core.spec_decode import SpecDecodingStats
+
 PREFIX = "xlaserve:"
 
 _LATENCY_BUCKETS = (
@@ -106,6 +108,8 @@ class EngineMetrics:
             )
         }
         self._last_preemptions = 0
+        # Speculative decoding's counters (vLLM's spec_decode_*), once a core reports them (None: off).
+        self.spec_decoding: SpecDecodingStats | None = None
         # The server's alone (the offline LLM has no core process), so it is not in snapshot().
         self.num_core_restarts = 0
 
@@ -117,6 +121,26 @@ class EngineMetrics:
         self.counters["prefix_cache_hits"] += stats.prefix_cache_stats.num_hits
         self.counters["num_preemptions"] += stats.num_preemptions_total - self._last_preemptions
         self._last_preemptions = stats.num_preemptions_total
+        spec = stats.spec_decoding_stats
+        if spec is not None:
+            if self.spec_decoding is None:
+                self.spec_decoding = SpecDecodingStats(spec.num_spec_tokens)
+            self.spec_decoding.add(spec)
+
+    def spec_decode_counters(self) -> list[Counter]:
+        """vLLM's spec_decode_* counters (none while speculative decoding is off)."""
+        spec = self.spec_decoding
+        if spec is None:
+            return []
+        counters = [
+            Counter(PREFIX + "spec_decode_num_drafts", value=spec.num_drafts),
+            Counter(PREFIX + "spec_decode_num_draft_tokens", value=spec.num_draft_tokens),
+            Counter(PREFIX + "spec_decode_num_accepted_tokens", value=spec.num_accepted_tokens),
+        ]
+        return counters + [
+            Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos", {"position": str(i)}, value=n)
+            for i, n in enumerate(spec.num_accepted_tokens_per_pos)
+        ]
 
     def record_core_down(self) -> None:
         """The core died: its gauges are no longer true, and its successor counts preemptions from 0."""
@@ -136,4 +160,4 @@ class EngineMetrics:
         metrics: list[Metric] = [Counter(PREFIX + k, value=v) for k, v in self.counters.items()]
         metrics += [Gauge(PREFIX + k, value=v) for k, v in self.gauges.items()]
         metrics += [h.record(PREFIX + k) for k, h in self.histograms.items()]
-        return metrics
+        return metrics + self.spec_decode_counters()

@@ -295,6 +295,11 @@ class OutputProcessor:
             finished=finish_reason is not None,
         )
         if stop_string is not None:
+            num_dropped = getattr(state.detokenizer, "num_dropped_tokens", 0)
+            if num_dropped and state.logprobs:  # their logprobs go with them
+                dropped = state.logprobs[-num_dropped:]
+                del state.logprobs[-num_dropped:]
+                state.cumulative_logprob -= sum(next(iter(d.values())).logprob for d in dropped)
             if finish_reason is None:
                 reqs_to_abort.append(state.request_id)
             finish_reason, stop_reason = FinishReason.STOP, stop_string

@@ -92,6 +92,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fail a step that compiles after warm-up (default: warn)",
     )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (engine/SPEC_DECODE.md)',
+    )
     p = parser.add_argument_group("parallelism")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
@@ -125,6 +131,7 @@ _ENGINE_KEYS = (
     "compilation_cache_max_size",
     "enforce_eager",
     "strict_compile_guard",
+    "speculative_config",
     "tensor_parallel_size",
     "data_parallel_size",
     "enable_expert_parallel",

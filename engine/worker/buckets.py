@@ -15,14 +15,15 @@ SMALL_TOKEN_BUCKETS = (1, 4)
 MIN_POWER_OF_TWO_BUCKET = 16
 
 
-def make_token_buckets(max_num_batched_tokens: int) -> list[int]:
+def make_token_buckets(max_num_batched_tokens: int, extra: tuple[int, ...] = ()) -> list[int]:
+    """`extra`: more sizes (speculative decoding's 1 + k), kept when below max_num_batched_tokens."""
     buckets = list(SMALL_TOKEN_BUCKETS)
     size = MIN_POWER_OF_TWO_BUCKET
     while size < max_num_batched_tokens:
         buckets.append(size)
         size *= 2
     buckets.append(max_num_batched_tokens)
-    return buckets
+    return sorted(set(buckets) | {n for n in extra if n < max_num_batched_tokens})
 
 
 def pick_bucket(buckets: list[int], num_tokens: int) -> int:

@@ -12,6 +12,7 @@ import numpy as np
 
 from xlaserve.kernels import AttentionMetadata
 from xlaserve.worker.sampler import BITS_PER_WORD, SamplingTensors
+from xlaserve.worker.spec_decode import SpecInputs
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def _fill_row(arrays, row: int, offset: int, s, block_size: int) -> None:
     start, n = s.num_computed_tokens, s.num_new_tokens
     block_ids = np.asarray(s.block_ids, np.int32)
     block_tables[row, : len(block_ids)] = block_ids
-    known = s.request.all_token_ids[start : start + n]
+    known = s.token_ids  # speculative drafts last
     if len(known) < n:  # the last id is the previous step's sample, still on the device
         if s.prev_sampled_row < 0 or len(known) != n - 1:
             raise ValueError(f"{n - len(known)} token ids unknown at the end of the step's {n}")
@@ -259,6 +260,7 @@ class StepInputs:
     # Requests whose host work failed (process 0 only, never sent): their rows are dummies and the
     # scheduler finishes them with an error.
     failed_req_ids: frozenset[str] = frozenset()
+    spec: SpecInputs | None = None  # speculative drafts to verify, when some request has any
 
     def to_bytes(self) -> bytes:
         arrays = {f"batch.{k}": v for k, v in _fields(self.batch).items()}
@@ -267,6 +269,8 @@ class StepInputs:
         arrays["with_logprobs"] = np.asarray(self.with_logprobs)
         if self.prompt_targets is not None:
             arrays["prompt_targets"] = self.prompt_targets
+        if self.spec is not None:
+            arrays |= {f"spec.{k}": v for k, v in _fields(self.spec).items()}
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
         return buffer.getvalue()
@@ -286,6 +290,7 @@ class StepInputs:
             sampling=SamplingTensors(**group("sampling.")),
             with_logprobs=bool(arrays["with_logprobs"]),
             prompt_targets=arrays.get("prompt_targets"),
+            spec=SpecInputs(**group("spec.")) if "spec.num_drafts" in arrays else None,
         )
 
 

@@ -13,6 +13,7 @@ a token sampled in step N feeds step N+1 without a round trip through the host.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -41,6 +42,7 @@ from xlaserve.worker.input_batch import (
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from xlaserve.worker.model_loader import load_model
 from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
+from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, verify
 from xlaserve.worker.step_future import StepFuture, StepTiming
 
 logger = logging.getLogger(__name__)
@@ -68,9 +70,18 @@ def _logits(graphdef, vocab_size, head_params, hidden):
 
 def _sample(graphdef, vocab_size, num_ids, params, hidden_rd, st, *, with_logprobs):
     """-> (SamplerOutput, the sampled ids padded to [num_ids] for the next step's forward)."""
+    num_seqs = st.temperature.shape[0]
+    if hidden_rd.shape[0] != num_seqs:  # speculative decoding gathers K + 1 rows per sequence: the first
+        hidden_rd = hidden_rd.reshape(num_seqs, -1, hidden_rd.shape[-1])[:, 0]
     logits = _logits(graphdef, vocab_size, params, hidden_rd)
     out = sample(logits, st, with_logprobs=with_logprobs)
     return out, jnp.pad(out.token_ids, (0, num_ids - out.token_ids.shape[0]))
+
+
+def _verify(graphdef, vocab_size, params, hidden_rd, st, spec: SpecInputs, *, with_logprobs):
+    """Speculative decoding: logits at each request's K + 1 verified positions (hidden_rd
+    [R * (K + 1), D], gathered by the forward at spec.verify_indices), then rejection sampling."""
+    return verify(_logits(graphdef, vocab_size, params, hidden_rd), st, spec, with_logprobs=with_logprobs)
 
 
 def _prompt_logprobs(graphdef, vocab_size, params, hidden, target_ids):
@@ -112,8 +123,25 @@ def _read_outputs(result: ModelRunnerOutput, host: dict[str, np.ndarray], row: i
     if not s.is_sampling:
         return
     result.sampled_token_ids[rid] = int(host["token_ids"][row])
-    if req.sampling_params.logprobs is not None:
-        result.logprobs[rid] = [_entry(host, "lp", row, req.sampling_params.logprobs)]
+    num_logprobs = req.sampling_params.logprobs
+    if "num_accepted" not in host:
+        if num_logprobs is not None:
+            result.logprobs[rid] = [_entry(host, "lp", row, num_logprobs)]
+        return
+    # A verification step: the accepted drafts, then the sampled token; one logprob entry for each.
+    num_accepted = int(host["num_accepted"][row])
+    if s.spec_token_ids:
+        result.accepted_token_ids[rid] = s.spec_token_ids[:num_accepted]
+    if num_logprobs is not None:
+        ids, vals, ranks = host["lp_ids"][row], host["lp_vals"][row], host["lp_ranks"][row]
+        result.logprobs[rid] = [
+            (ids[j, : num_logprobs + 1].tolist(), vals[j, : num_logprobs + 1].tolist(), int(ranks[j]))
+            for j in range(num_accepted + 1)
+        ]
+
+
+def _with_verify_indices(batch: StepBatch, spec: SpecInputs) -> StepBatch:
+    return dataclasses.replace(batch, logits_indices=spec.verify_indices.reshape(-1))
 
 
 class ModelRunner:
@@ -144,6 +172,9 @@ class ModelRunner:
             static_argnames=("with_logprobs",),
         )
         self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef, vocab))
+        spec = config.speculative
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self._verify_fn = jax.jit(partial(_verify, self.graphdef, vocab), static_argnames=("with_logprobs",))
 
         self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.dtype)
         self.kv_cache = allocate_kv_cache(
@@ -154,7 +185,9 @@ class ModelRunner:
             self.placement,
         )
         sched = config.scheduler
-        self.token_buckets = make_token_buckets(sched.max_num_batched_tokens)
+        # A lone request verifying k drafts runs 1 + k tokens: its own bucket, not the next power of two.
+        extra_buckets = (1 + self.num_spec_tokens,) if self.num_spec_tokens else ()
+        self.token_buckets = make_token_buckets(sched.max_num_batched_tokens, extra_buckets)
         self.max_num_seqs = sched.max_num_seqs
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.guard = CompileGuard(strict=config.compilation.strict_compile_guard)
@@ -214,6 +247,17 @@ class ModelRunner:
                     with_logprobs=with_logprobs,
                 )
                 jax.block_until_ready(self.last_sampled)
+                if self.num_spec_tokens:  # the same variants verifying drafts
+                    spec = build_spec_inputs([], num_seqs, self.num_spec_tokens)
+                    jax.block_until_ready(
+                        self._verify_fn(
+                            self.head_params,
+                            hidden_rd,
+                            self.placement.step_inputs(st),
+                            self.placement.step_inputs(spec),
+                            with_logprobs=with_logprobs,
+                        )
+                    )
         # The first bucket's forward read the initial `last_sampled`; every later one reads the sampler's
         # output, whose placement jit may key apart: run it once more so that variant is compiled too.
         jax.block_until_ready(self._run_forward(self._build_batch([], self.token_buckets[0])))
@@ -235,9 +279,10 @@ class ModelRunner:
     # -- one step -------------------------------------------------------------------------------
 
     def _build_batch(self, scheduled, num_tokens: int) -> StepBatch:
-        batch = build_step_batch(
-            scheduled, num_tokens, self._num_seqs_for(num_tokens), self.max_blocks_per_seq, self.block_size
-        )
+        num_seqs = self._num_seqs_for(num_tokens)
+        batch = build_step_batch(scheduled, num_tokens, num_seqs, self.max_blocks_per_seq, self.block_size)
+        if self.num_spec_tokens:
+            batch = _with_verify_indices(batch, build_spec_inputs(scheduled, num_seqs, self.num_spec_tokens))
         return self.placement.step_inputs(batch)
 
     def forward(self, kv_cache: KVCache, batch: StepBatch) -> tuple[jax.Array, jax.Array, KVCache]:
@@ -298,12 +343,20 @@ class ModelRunner:
             failed=failed,
             grammar_bitmask=grammar_bitmask,
         )
+        spec = None
+        if self.num_spec_tokens:
+            # Every step gathers K + 1 rows per sequence (one forward program per bucket); it verifies
+            # only when some request carries drafts.
+            spec = build_spec_inputs(scheduled, batch.num_padded_seqs, self.num_spec_tokens)
+            batch = _with_verify_indices(batch, spec)
+            spec = spec if spec.num_drafts.any() else None
         return StepInputs(
             batch=batch,
             sampling=sampling_st,
             with_logprobs=any(s.request.sampling_params.logprobs is not None for s in sampling),
             prompt_targets=prompt_targets,
             failed_req_ids=frozenset(failed),
+            spec=spec,
         )
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
@@ -317,11 +370,21 @@ class ModelRunner:
         self.guard.begin()
         step = self.timing.on_dispatch()
         hidden, hidden_rd = self._run_forward(ready(inputs.batch))
-        out: SamplerOutput
-        out, self.last_sampled = self._sample_fn(
-            self.head_params, hidden_rd, ready(inputs.sampling), with_logprobs=inputs.with_logprobs
-        )
-        device = {"token_ids": out.token_ids}
+        if inputs.spec is None:
+            out: SamplerOutput
+            out, self.last_sampled = self._sample_fn(
+                self.head_params, hidden_rd, ready(inputs.sampling), with_logprobs=inputs.with_logprobs
+            )
+            device = {"token_ids": out.token_ids}
+        else:  # synchronous (speculative decoding turns async scheduling off): last_sampled unused
+            out: VerifyOutput = self._verify_fn(
+                self.head_params,
+                hidden_rd,
+                ready(inputs.sampling),
+                ready(inputs.spec),
+                with_logprobs=inputs.with_logprobs,
+            )
+            device = {"token_ids": out.token_ids, "num_accepted": out.num_accepted}
         if inputs.with_logprobs:
             device |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
         if inputs.prompt_targets is not None:

@@ -96,3 +96,27 @@ def test_random_prompts_have_the_asked_length_and_no_special_tokens(tiny_llama, 
     assert a == b and all(len(p["prompt_token_ids"]) == 50 for p in a)
     ids = {t for p in a for t in p["prompt_token_ids"]}
     assert ids <= set(range(3, 100)) and len(ids) > 50
+
+
+@pytest.mark.slow  # two engines
+def test_speculative_bench_reports_acceptance_and_the_paired_ratio(tiny_llama, tmp_path):
+    out = tmp_path / "bench.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    argv = ["bench", "latency", "--model", tiny_llama, "--num-prompts", "2", "--output-len", "12",
+            "--workload", "copy", "--speculative-config", spec, "--baseline-without-speculation",
+            "--max-model-len", "512", "--max-num-batched-tokens", "64", "--kv-cache-memory", str(2**22),
+            "--dtype", "float32", "--enforce-eager", "--output-json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["workload"] == "copy"
+    paired = report["paired"]
+    assert paired["num_identical_outputs"] == 2  # greedy, float32: speculation changes nothing
+    assert paired["tpot_ratio_without_over_with"] == pytest.approx(
+        paired["tpot_s_without"] / paired["tpot_s_with"]
+    )
+    assert 0 <= paired["num_accepted_tokens"] <= paired["num_draft_tokens"] <= 3 * paired["num_drafts"]
+    if paired["num_drafts"]:
+        assert paired["mean_acceptance_length"] == pytest.approx(
+            1 + paired["num_accepted_tokens"] / paired["num_drafts"]
+        )
+    assert report["xlaserve"]["speculative"]["num_draft_tokens"] >= 0  # the acceptance figures are reported

@@ -22,6 +22,7 @@ import statistics
 import time
 
 from xlaserve.entrypoints.arg_utils import engine_kwargs
+from xlaserve.entrypoints.bench import speculative
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ def run_xlaserve(llm, prompts, output_len: int, batch: bool, async_scheduling: b
         r.timing.watch = True  # see when each step's results are ready, even when read a step later
     steps0, wait0 = sum(r.num_steps for r in runners), sum(r.device_wait_s for r in runners)
     idle0 = sum(r.timing.device_idle_s for r in runners)
+    spec0 = speculative.spec_counters(llm)
     start = time.perf_counter()
     if batch:
         outputs = llm.generate(prompts, params)
@@ -135,6 +137,8 @@ def run_xlaserve(llm, prompts, output_len: int, batch: bool, async_scheduling: b
         "host_idle_ms_per_step": waited / max(steps, 1) * 1e3,
         "device_idle_ms_per_step": device_idle / max(steps, 1) * 1e3,
     }
+    if spec := speculative.acceptance(spec0, speculative.spec_counters(llm)):
+        report["speculative"] = spec
     return report
 
 
@@ -225,9 +229,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     batch = args.bench == "throughput"
     num_prompts = args.num_prompts or (64 if batch else 8)
-    llm = LLM(args.model, **engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    llm = LLM(args.model, **kwargs)
     if args.input_len is None:
-        prompts = _prompts(llm.tokenizer, workload(num_prompts))
+        make_workload = speculative.copy_workload if args.workload == "copy" else workload
+        prompts = _prompts(llm.tokenizer, make_workload(num_prompts))
     else:
         from xlaserve.engine.detokenizer import special_token_ids
 
@@ -239,7 +245,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "output_len": args.output_len,
         "input_len": args.input_len,
         "enforce_eager": bool(args.enforce_eager),
+        "workload": args.workload if args.input_len is None else "random",
     }
+    if args.baseline_without_speculation:
+        if "speculative_config" not in kwargs:
+            raise SystemExit("--baseline-without-speculation needs --speculative-config")
+        base = LLM(args.model, **{k: v for k, v in kwargs.items() if k != "speculative_config"})
+        results["paired"] = speculative.run_paired(llm, base, prompts, args.output_len)
     if args.compare_async:
         results["xlaserve_sync"] = run_xlaserve(llm, prompts, args.output_len, batch, async_scheduling=False)
         results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch, async_scheduling=True)
@@ -269,7 +281,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _print(results: dict) -> None:
     prompts = (
-        "chat prompts"
+        f"{results.get('workload', 'chat')} prompts"
         if results.get("input_len") is None
         else f"random prompts of {results['input_len']} tokens"
     )
@@ -295,6 +307,9 @@ def _print(results: dict) -> None:
                 f"host idle {r['host_idle_ms_per_step']:.1f} ms, device idle "
                 f"{r['device_idle_ms_per_step']:.1f} ms{compiles}"
             )
+        speculative.print_acceptance(r.get("speculative", {}))
+    if "paired" in results:
+        speculative.print_paired(results["paired"])
     if "ratio_async_over_sync_output_throughput" in results:
         print(
             f"async / sync: output throughput {results['ratio_async_over_sync_output_throughput']:.2f}x, "
@@ -337,6 +352,18 @@ def add_parser(sub, add_engine_args):
             "--compare-async",
             action="store_true",
             help="run the workload twice on one engine, synchronous then with async scheduling (paired)",
+        )
+        b.add_argument(
+            "--workload",
+            choices=["chat", "copy"],
+            default="chat",
+            help="copy: code to repeat with one change (answers copy the prompt)",
+        )
+        b.add_argument(
+            "--baseline-without-speculation",
+            action="store_true",
+            help="with --speculative-config: also run each prompt alone on the same engine without it, "
+            "paired in this process, and report the TPOT ratio",
         )
         b.add_argument("--output-json", default=None)
         add_engine_args(b)

@@ -31,6 +31,11 @@ _DOCS = {
     "request_time_per_output_token_seconds": "Mean time per output token after the first, per request.",
     "e2e_request_latency_seconds": "End-to-end request latency.",
     "engine_core_restarts": "Engine core processes started to replace one that died.",
+    "spec_decode_num_drafts": "Speculative decoding: requests' verifications (one per request with drafts "
+    "per step).",
+    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens proposed.",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
+    "spec_decode_num_accepted_tokens_per_pos": "Speculative decoding: drafts accepted at each position.",
 }
 
 
@@ -65,6 +70,14 @@ class EngineCollector:
             family = GaugeMetricFamily(PREFIX + name, _DOCS.get(name, name), labels=labels)
             family.add_metric(values, value)
             yield family
+        families: dict[str, CounterMetricFamily] = {}
+        for counter in metrics.spec_decode_counters():  # one family per name, a series per position
+            name = counter.name.removeprefix(PREFIX)
+            if name not in families:
+                extra = list(counter.labels)
+                families[name] = CounterMetricFamily(counter.name, _DOCS[name], labels=[*labels, *extra])
+            families[name].add_metric([*values, *counter.labels.values()], counter.value)
+        yield from families.values()
         for name, histogram in metrics.histograms.items():
             record = histogram.record(PREFIX + name)
             family = HistogramMetricFamily(PREFIX + name, _DOCS.get(name, name), labels=labels)

@@ -1,0 +1,200 @@
+"""Speculative decoding end to end (n-gram proposer, k=3) on two tiny random families, one of them MoE:
+greedy outputs equal those without it token for token, through chunked prefill, prefix caching and
+preemption, with penalties and logprobs; stop strings and max_tokens cut exactly; the metrics add up;
+no KV block leaks; and, after warm-up, nothing compiles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from helpers.family_cases import make_hf_model, save_hf_model
+from xlaserve import LLM, SamplingParams
+from xlaserve.worker.compile_guard import num_compiles
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "max_model_len": 128,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 16,  # prompts of 24-40 tokens prefill in chunks
+    "block_size": 8,
+    "num_gpu_blocks_override": 25,  # 24 usable blocks of 8: four requests of ~90 tokens preempt
+    "enable_prefix_caching": True,
+}
+NUM_TOKENS = 56
+
+
+def make_mixtral(vocab_size=101, seed=0):
+    config = transformers.MixtralConfig(
+        vocab_size=vocab_size,
+        hidden_size=48,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    config.architectures = ["MixtralForCausalLM"]
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(
+                1.0 + 0.2 * torch.randn_like(param)
+                if name.endswith("norm.weight")
+                else param.normal_(0, 0.15)
+            )
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return save_hf_model(make_hf_model("LlamaForCausalLM"), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def llama_spec(llama_dir):
+    """Warmed up, compile guard strict: the greedy test and the compile test share it."""
+    return LLM(llama_dir, speculative_config=SPEC, strict_compile_guard=True, **ENGINE_ARGS)
+
+
+def prompts() -> list[list[int]]:
+    """Four prompts, two sharing a 16-token prefix; repeats inside give the n-gram proposer material."""
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 101, 16).tolist()
+    phrase = rng.integers(3, 101, 6).tolist()
+    return [
+        shared + phrase * 3,
+        shared + phrase * 2 + rng.integers(3, 101, 8).tolist(),
+        rng.integers(3, 101, 24).tolist(),
+        (phrase + rng.integers(3, 101, 4).tolist()) * 3,
+    ]
+
+
+def params() -> list[SamplingParams]:
+    common = {"temperature": 0.0, "max_tokens": NUM_TOKENS, "ignore_eos": True}
+    return [
+        SamplingParams(**common),
+        SamplingParams(**common, logprobs=2),
+        SamplingParams(**common, repetition_penalty=1.3, frequency_penalty=0.2),
+        SamplingParams(**common),
+    ]
+
+
+def run(llm: LLM):
+    inputs = [{"prompt_token_ids": p} for p in prompts()]
+    return llm.generate(inputs, params(), use_tqdm=False)
+
+
+def spec_metrics(llm: LLM) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        name = m.name.removeprefix("xlaserve:spec_decode_")
+        if "position" in m.labels:
+            out.setdefault("per_pos", []).append(m.value)
+        elif m.name.startswith("xlaserve:spec_decode_"):
+            out[name] = m.value
+    return out
+
+
+def test_greedy_outputs_equal_without_speculation_llama(llama_dir, llama_spec):
+    check_greedy_outputs_equal(llama_dir, llama_spec)
+
+
+def test_greedy_outputs_equal_without_speculation_mixtral(tmp_path):
+    model_dir = save_hf_model(make_mixtral(), tmp_path / "mixtral")
+    check_greedy_outputs_equal(
+        model_dir, LLM(model_dir, enforce_eager=True, speculative_config=SPEC, **ENGINE_ARGS)
+    )
+
+
+def check_greedy_outputs_equal(model_dir, llm):
+    base_llm = LLM(model_dir, enforce_eager=True, **ENGINE_ARGS)
+    base, spec = run(base_llm), run(llm)
+    core = llm.engine_core
+    for b, s in zip(base, spec, strict=True):
+        assert s.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(s.outputs[0].token_ids) == NUM_TOKENS
+    # Logprobs: one entry per token, the emitted token's value as without speculation.
+    b_lp, s_lp = base[1].outputs[0].logprobs, spec[1].outputs[0].logprobs
+    assert len(s_lp) == NUM_TOKENS
+    for b_entry, s_entry, token in zip(b_lp, s_lp, spec[1].outputs[0].token_ids, strict=True):
+        assert next(iter(s_entry)) == token
+        np.testing.assert_allclose(s_entry[token].logprob, b_entry[token].logprob, rtol=1e-4, atol=1e-5)
+    # Speculation happened, through preemption, and most of it was right (the models loop).
+    metrics = spec_metrics(llm)
+    assert core.scheduler.num_preemptions_total > 0
+    assert 0 < metrics["num_accepted_tokens"] <= metrics["num_draft_tokens"]
+    assert metrics["num_draft_tokens"] <= 3 * metrics["num_drafts"]
+    per_pos = metrics["per_pos"]
+    assert len(per_pos) == 3 and sum(per_pos) == metrics["num_accepted_tokens"]
+    assert per_pos == sorted(per_pos, reverse=True)  # accepting draft i needs drafts 0..i-1 accepted
+    assert core.runner.num_steps < base_llm.engine_core.runner.num_steps
+    # Every block is back: free, or cached and evictable.
+    manager = core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks and not manager.req_to_blocks
+
+
+def test_nothing_compiles_after_warm_up_and_stops_cut_exactly(llama_spec):
+    llm = llama_spec
+    before = num_compiles()
+    outputs = run(llm)
+    # Sampled rows, n > 1 and a seed, beside greedy ones: every verification variant was warmed up.
+    sampled = SamplingParams(temperature=0.8, top_k=5, n=2, seed=3, max_tokens=20, logprobs=1)
+    inputs = [{"prompt_token_ids": prompts()[0]}, {"prompt_token_ids": prompts()[3]}]
+    first = llm.generate(inputs, [sampled, params()[2]], use_tqdm=False)
+    again = llm.generate(inputs, [sampled, params()[2]], use_tqdm=False)
+    assert [c.token_ids for c in first[0].outputs] == [c.token_ids for c in again[0].outputs]  # seeded
+    assert [len(c.token_ids) for c in first[0].outputs] == [20, 20]
+    assert all(len(c.logprobs) == 20 for c in first[0].outputs)
+    assert num_compiles() == before and llm.engine_core.runner.guard.num_unexpected == 0
+    assert spec_metrics(llm)["num_accepted_tokens"] > 0
+    # A stop string inside a run of accepted drafts: text and tokens end at it.
+    ids = outputs[0].outputs[0].token_ids
+    text = outputs[0].outputs[0].text.split()
+    stop = " ".join(text[10:12])
+    cut = llm.generate(
+        [{"prompt_token_ids": prompts()[0]}],
+        SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, stop=[stop], logprobs=1),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.token_ids == ids[:12] and len(cut.logprobs) == 12
+    # max_tokens exact even when every draft would be accepted.
+    short = llm.generate(
+        [{"prompt_token_ids": prompts()[0]}],
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert short.token_ids == ids[:7] and short.finish_reason == "length"
+
+
+@pytest.mark.slow  # a second SmolLM2 engine, with its warm-up
+def test_smollm2_greedy_outputs_equal_without_speculation(llm):
+    """SmolLM2 (float32): copy prompts of ~150-200 tokens (chunked by the 128-token budget) and a chat
+    prompt, 64 greedy tokens each, equal token for token with the shared engine's."""
+    from helpers.smollm2 import ENGINE_ARGS as SMOLLM2_ARGS
+    from xlaserve.entrypoints.bench.speculative import copy_workload
+
+    spec_llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **SMOLLM2_ARGS)
+    conversations = copy_workload(2) + [[{"role": "user", "content": "Describe the water cycle."}]]
+    sampling = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    expected = llm.chat(conversations, sampling, use_tqdm=False)
+    actual = spec_llm.chat(conversations, sampling, use_tqdm=False)
+    assert max(len(o.prompt_token_ids) for o in actual) > SMOLLM2_ARGS["max_num_batched_tokens"]
+    for e, a in zip(expected, actual, strict=True):
+        assert a.outputs[0].token_ids == e.outputs[0].token_ids
+    metrics = spec_metrics(spec_llm)
+    assert metrics["num_accepted_tokens"] > metrics["num_drafts"]  # copying: more than one per draft
+    assert spec_llm.engine_core.runner.guard.num_unexpected == 0

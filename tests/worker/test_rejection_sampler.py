@@ -1,0 +1,174 @@
+"""Rejection sampling of speculative drafts (worker/spec_decode.py): greedy rows keep the target's argmax
+chain; sampled rows keep the target distribution exactly, checked over thousands of seeded draws (the
+seeds are fixed, so the statistics are the same on every run: the thresholds cannot flake)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xlaserve.worker.sampler import SamplingTensors, sample
+from xlaserve.worker.spec_decode import SpecInputs, _per_position, build_spec_inputs, rejection_sample, verify
+
+V, K = 6, 2
+NUM_DRAWS = 20_000
+# Chi-square critical value for 5 degrees of freedom at p = 1e-6: a correct sampler exceeds it once in
+# a million seed sets; these seeds are fixed, so the test is deterministic.
+CHI2_CRIT_DF5 = 35.9
+
+
+def tensors(num_rows, temperature=1.0, top_k=0, seeds=None, token_index=None, **extra):
+    return SamplingTensors(
+        jnp.full(num_rows, temperature, jnp.float32),
+        jnp.full(num_rows, top_k, jnp.int32),
+        jnp.ones(num_rows, jnp.float32),
+        jnp.zeros(num_rows, jnp.float32),
+        jnp.arange(num_rows, dtype=jnp.uint32) if seeds is None else seeds,
+        jnp.zeros(num_rows, jnp.int32) if token_index is None else token_index,
+        **extra,
+    )
+
+
+def target_probs(logits_row, temperature, top_k):
+    """The sampler's target distribution in float64: tempered, top-k kept, normalized."""
+    x = np.asarray(logits_row, np.float64) / temperature
+    if top_k:
+        x = np.where(x < np.sort(x)[-top_k], -np.inf, x)
+    p = np.exp(x - x.max())
+    return p / p.sum()
+
+
+def chi2(counts, probs):
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token outside the target's support was emitted"
+    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+
+
+@jax.jit
+def _run(logits, st, draft_ids, num_drafts, draft_probs=None):
+    return rejection_sample(logits, _per_position(st, draft_ids), draft_ids, num_drafts, draft_probs)
+
+
+def test_greedy_rows_keep_the_argmax_chain():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, K + 1, V)).astype(np.float32)
+    argmax = logits.argmax(-1)
+    wrong = (argmax + 1) % V
+    draft_ids = np.stack(
+        [
+            argmax[0, :K],  # all accepted: the bonus argmax follows
+            [argmax[1, 0], wrong[1, 1]],  # the second rejected: argmax at position 1
+            [wrong[2, 0], argmax[2, 1]],  # the first rejected: nothing after it counts
+            [0, 0],  # no drafts: the plain argmax
+        ]
+    ).astype(np.int32)
+    num_drafts = np.array([2, 2, 2, 0], np.int32)
+    token, accepted, emitted = _run(
+        jnp.asarray(logits.reshape(-1, V)), tensors(4, temperature=0.0), draft_ids, num_drafts
+    )
+    assert accepted.tolist() == [2, 1, 0, 0]
+    assert token.tolist() == [argmax[0, 2], argmax[1, 1], argmax[2, 0], argmax[3, 0]]
+    assert np.asarray(emitted)[0].tolist() == argmax[0].tolist()
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 4)])
+def test_ngram_drafts_keep_the_target_distribution(temperature, top_k):
+    """One-hot drafts (the n-gram proposer): the emitted token at position 0 is distributed as p0, and
+    the one at position 1, after the first draft was emitted, as p1."""
+    rng = np.random.default_rng(1)
+    rows = rng.normal(scale=1.2, size=(K + 1, V)).astype(np.float32)
+    p = [target_probs(row, temperature, top_k) for row in rows]
+    drafts = np.array([int(np.argsort(p[0])[-2]), int(np.argmax(p[1]))], np.int32)  # likely, not certain
+    logits = jnp.asarray(np.tile(rows, (NUM_DRAWS, 1)))
+    st = tensors(NUM_DRAWS, temperature=temperature, top_k=top_k)
+    draft_ids = np.tile(drafts, (NUM_DRAWS, 1))
+    token, accepted, emitted = _run(logits, st, draft_ids, np.full(NUM_DRAWS, K, np.int32))
+    emitted, accepted = np.asarray(emitted), np.asarray(accepted)
+    first = np.bincount(emitted[:, 0], minlength=V)
+    assert chi2(first, p[0]) < CHI2_CRIT_DF5
+    # The draft is accepted with probability p0(draft), not always (nor never).
+    assert abs((accepted >= 1).mean() - p[0][drafts[0]]) < 0.02
+    after_draft = emitted[accepted >= 1, 1]
+    assert chi2(np.bincount(after_draft, minlength=V), p[1]) < CHI2_CRIT_DF5
+    # Tokens past the accepted drafts are the correction (or bonus) token.
+    assert (emitted[np.arange(NUM_DRAWS), accepted] == np.asarray(token)).all()
+
+
+def test_draft_model_drafts_keep_the_target_distribution():
+    """Drafts drawn from a draft model's q: accept with min(1, p/q), else draw from max(0, p - q)."""
+    rng = np.random.default_rng(2)
+    rows = rng.normal(size=(K + 1, V)).astype(np.float32)
+    p0 = target_probs(rows[0], 1.0, 0)
+    q = rng.dirichlet(np.ones(V), size=K).astype(np.float32)  # [K, V]
+    drafts = np.stack([rng.choice(V, size=NUM_DRAWS, p=q[j] / q[j].sum()) for j in range(K)], 1)
+    token, accepted, emitted = _run(
+        jnp.asarray(np.tile(rows, (NUM_DRAWS, 1))),
+        tensors(NUM_DRAWS),
+        drafts.astype(np.int32),
+        np.full(NUM_DRAWS, K, np.int32),
+        jnp.asarray(np.tile(q, (NUM_DRAWS, 1, 1))),
+    )
+    assert chi2(np.bincount(np.asarray(emitted)[:, 0], minlength=V), p0) < CHI2_CRIT_DF5
+    # The acceptance rate at position 0 is sum(min(p, q)).
+    assert abs((np.asarray(accepted) >= 1).mean() - np.minimum(p0, q[0]).sum()) < 0.02
+
+
+def test_seeded_rows_are_reproducible_and_a_row_without_drafts_samples_like_the_sampler():
+    rng = np.random.default_rng(3)
+    rows = rng.normal(size=(3 * (K + 1), V)).astype(np.float32)
+    seeds = jnp.asarray([7, 7, 9], jnp.uint32)
+    token_index = jnp.asarray([5, 5, 5], jnp.int32)
+    logits = np.concatenate([rows[: K + 1], rows[: K + 1], rows[K + 1 : 2 * (K + 1)]])
+    st = tensors(3, seeds=seeds, token_index=token_index)
+    draft_ids = np.array([[1, 2], [1, 2], [0, 0]], np.int32)
+    token, accepted, _ = _run(jnp.asarray(logits), st, draft_ids, np.array([2, 2, 0], np.int32))
+    assert token[0] == token[1] and accepted[0] == accepted[1]  # same seed and position, other row
+    plain = sample(
+        jnp.asarray(logits[2 * (K + 1)][None]),
+        tensors(1, seeds=seeds[2:], token_index=token_index[2:]),
+        with_logprobs=False,
+    )
+    assert int(token[2]) == int(plain.token_ids[0])
+
+
+def test_penalties_count_the_drafts_before_each_position_and_logprobs_follow_the_emitted_tokens():
+    """Greedy with a strong repetition penalty: position j's argmax is the sampler's own with the drafts
+    before j counted as output; logprobs come one entry per position, emitted token first."""
+    rng = np.random.default_rng(4)
+    V = 32  # noqa: N806 (wider than top-20 logprobs)
+    logits = rng.normal(size=(K + 1, V)).astype(np.float32)
+    logits[:, 3] += 3.0  # token 3 leads everywhere, until the penalty counts it
+    counts = np.zeros((1, V), np.int32)
+    extra = dict(
+        presence_penalty=jnp.zeros(1),
+        frequency_penalty=jnp.zeros(1),
+        repetition_penalty=jnp.full(1, 50.0),
+        output_counts=jnp.asarray(counts),
+        prompt_mask=jnp.zeros((1, V), bool),
+        logit_bias=jnp.zeros((1, V)),
+    )
+    st = tensors(1, temperature=0.0, **extra)
+    spec = SpecInputs(np.zeros((1, K + 1), np.int32), np.array([[3, 3]], np.int32), np.array([2], np.int32))
+    out = jax.jit(verify, static_argnames="with_logprobs")(jnp.asarray(logits), st, spec, with_logprobs=True)
+    # Position 0 takes 3 (not yet counted); at position 1 the draft 3 is penalized away.
+    assert int(out.num_accepted[0]) == 1
+    counted = dict(extra, output_counts=jnp.asarray(np.eye(V, dtype=np.int32)[[3]]))
+    expected = sample(jnp.asarray(logits[1:2]), tensors(1, temperature=0.0, **counted), with_logprobs=False)
+    assert int(out.token_ids[0]) == int(expected.token_ids[0]) != 3
+    ids = np.asarray(out.logprob_token_ids[0])
+    assert ids[0, 0] == 3 and ids[1, 0] == int(out.token_ids[0])
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), -1))
+    np.testing.assert_allclose(np.asarray(out.logprobs[0])[:2, 0], [raw[0, 3], raw[1, ids[1, 0]]], rtol=1e-5)
+
+
+def test_build_spec_inputs_points_at_each_requests_last_token_and_drafts():
+    class S:
+        def __init__(self, n, drafts):
+            self.num_new_tokens, self.spec_token_ids = n, drafts
+
+    spec = build_spec_inputs([S(5, []), S(3, [8, 9]), S(1, [])], 4, K)
+    # Offsets 0-4 (a prefill chunk), 5-7 (last real token 5, drafts at 6 and 7), 8.
+    assert spec.verify_indices.tolist() == [[4, 4, 4], [5, 6, 7], [8, 8, 8], [0, 0, 0]]
+    assert spec.draft_ids.tolist() == [[0, 0], [8, 9], [0, 0], [0, 0]]
+    assert spec.num_drafts.tolist() == [0, 2, 0, 0]
