@@ -80,7 +80,15 @@ class PartialPrefills:
 class Scheduler:
     """Decides, each step, which requests compute how many tokens, and applies sampled tokens."""
 
-    def __init__(self, scheduler_config, cache_config, max_model_len: int, kv_cache_manager: KVCacheManager):
+    def __init__(
+        self,
+        scheduler_config,
+        cache_config,
+        max_model_len: int,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_loras: int | None = None,
+    ):
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(
                 f"kv_cache_manager.block_size ({kv_cache_manager.block_size}) must equal "
@@ -94,6 +102,7 @@ class Scheduler:
         self.max_num_partial_prefills = scheduler_config.max_num_partial_prefills
         self.max_long_partial_prefills = scheduler_config.max_long_partial_prefills
         self.policy = SchedulingPolicy(scheduler_config.policy)
+        self.max_loras = max_loras  # None: LoRA off, no limit
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
         self.limits = RequestLimits(
@@ -203,6 +212,9 @@ class Scheduler:
                 self.waiting.pop(index)
                 self._error_outputs.append(self._finish_with_error(request))
                 continue
+            if not self._fits_lora_slots(request):
+                index += 1  # its adapter waits for a slot; a request of a running adapter may go
+                continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_missing = request.num_tokens - num_hit_tokens
             num_new_tokens = prefills.chunk(num_missing, token_budget)
@@ -224,6 +236,14 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             token_budget -= self._add_scheduled(request, num_new_tokens, output)
+
+    def _fits_lora_slots(self, request: Request) -> bool:
+        """At most `max_loras` adapters among the running requests, each holding a device slot while
+        it runs: a request of another adapter waits until one of them has no request left."""
+        if self.max_loras is None or request.lora_request is None:
+            return True
+        active = {r.lora_id for r in self.running if r.lora_request is not None}
+        return request.lora_id in active or len(active) < self.max_loras
 
     def _add_scheduled(self, request: Request, num_new_tokens: int, output: SchedulerOutput) -> int:
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)

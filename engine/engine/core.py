@@ -50,7 +50,13 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             config.cache.block_size, runner.num_blocks, config.cache.enable_prefix_caching, max_model_len
         )
-        self.scheduler = Scheduler(config.scheduler, config.cache, max_model_len, self.kv_cache_manager)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            max_model_len,
+            self.kv_cache_manager,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+        )
         if not config.compilation.enforce_eager:
             runner.warm_up()
         self.executor = make_executor(config, runner)
@@ -60,8 +66,16 @@ class EngineCore:
         return self.executor.runner
 
     def add_request(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self.check_lora(request.lora_request)  # a bad adapter fails here, not in a step
         self.structured_output.add_request(request)
         self.scheduler.add_request(request)
+
+    def check_lora(self, lora_request) -> None:
+        """ValueError (naming the adapter and the field) unless LoRA is on and the adapter is servable."""
+        if self.runner.lora is None:
+            raise ValueError("lora_request: LoRA is not enabled (start the engine with enable_lora=True)")
+        self.runner.lora.check(lora_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

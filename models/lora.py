@@ -1,0 +1,116 @@
+"""LoRA on the device: the low-rank delta of a projection, for a flat batch whose tokens use different
+adapters.
+
+Adapters live in fixed slots (engine/worker/lora_manager.py): per target module and per layer,
+A [S, in, r] and B [S, r, out] with S = max_loras + 1, slot 0 all zeros (the base model), every
+adapter padded with zeros to the max rank and its scaling (alpha / r, or alpha / sqrt(r) for
+rsLoRA) folded into B. Each token carries its slot, so one program serves any mix of adapters, and
+loading an adapter only writes into its slot: nothing recompiles.
+
+The delta is computed with a one-hot over the slots: x @ A for every adapter slot in one
+[in, (S - 1) * r] matmul, the slots a token does not use zeroed, then one [(S - 1) * r, out] matmul.
+It does S - 1 times the FLOPs of a per-token gather, but as two dense matmuls it was the fastest of
+the three forms measured on CPU (a gathered A[slot] per token, `jax.lax.ragged_dot` over tokens
+sorted by slot: engine/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+# Hugging Face module names an adapter may target, as our decoder layers name them too.
+LORA_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "qkv_proj",  # Phi-3's fused q, k, v (regrouped per KV head at load: models/phi3.py)
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",  # Phi-3's fused gate and up (interleaved at load)
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAWeights:
+    """The adapter slots of one layer stack ([L, S, ...] arrays) or of one layer ([S, ...]), by the
+    module's path inside a decoder layer ("self_attn.q_proj", "mlp.down_proj")."""
+
+    a: dict[str, jax.Array]  # [(L,) S, in, r]
+    b: dict[str, jax.Array]  # [(L,) S, r, out], scaling folded in
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRABatch:
+    """What the forward needs for LoRA: the slots of every layer stack and each token's slot."""
+
+    stacks: dict[str, LoRAWeights]  # by layer stack name ("layers")
+    slot_ids: jax.Array  # [T] int32: 0 = the base model
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLoRA:
+    """One layer's adapter slots inside the layer scan, scoped to a submodule with `scope`."""
+
+    weights: LoRAWeights  # [S, ...] arrays
+    slot_ids: jax.Array  # [T] int32
+    prefix: str = ""
+
+    def scope(self, name: str) -> LayerLoRA:
+        return dataclasses.replace(self, prefix=f"{self.prefix}{name}.")
+
+    def add_delta(self, y: jax.Array, x: jax.Array, module: str) -> jax.Array:
+        """y + the delta of `module` (a name inside this scope) for x [T, in]; y when no slot targets it."""
+        key = self.prefix + module
+        if key not in self.weights.a:
+            return y
+        delta = lora_delta(x, self.weights.a[key], self.weights.b[key], self.slot_ids)
+        return y + delta.astype(y.dtype)
+
+
+def with_lora(lora: LayerLoRA | None, y: jax.Array, x: jax.Array, module: str) -> jax.Array:
+    """The call sites' hook: y, plus the LoRA delta of `module` when the step carries adapters."""
+    return y if lora is None else lora.add_delta(y, x, module)
+
+
+def scope(lora: LayerLoRA | None, name: str) -> LayerLoRA | None:
+    return None if lora is None else lora.scope(name)
+
+
+def lora_delta(
+    x: jax.Array,  # [T, in]
+    a: jax.Array,  # [S, in, r]
+    b: jax.Array,  # [S, r, out]
+    slot_ids: jax.Array,  # [T] int32
+) -> jax.Array:  # [T, out] float32
+    """The one-hot form (the module docstring says why). Slot 0 (the base model, zeros) is left out
+    of both matmuls: its tokens match no remaining slot."""
+    a, b = a[1:], b[1:]
+    num_slots, din, rank = a.shape
+    a_all = jnp.moveaxis(a, 0, 1).reshape(din, num_slots * rank)  # [in, S * r]
+    xa = jnp.matmul(x, a_all.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S * r]
+    is_mine = slot_ids[:, None] == jnp.arange(1, num_slots + 1, dtype=slot_ids.dtype)[None, :]  # [T, S]
+    xa = jnp.where(is_mine[:, :, None], xa.reshape(-1, num_slots, rank), 0.0).reshape(-1, num_slots * rank)
+    return jnp.matmul(xa.astype(b.dtype), b.reshape(num_slots * rank, -1), preferred_element_type=jnp.float32)
+
+
+def lora_delta_gathered(x, a, b, slot_ids):
+    """Per token: x @ A[slot] @ B[slot] (gathers [T, in, r] and [T, r, out])."""
+    xa = jnp.einsum("ti,tir->tr", x, a[slot_ids].astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("tr,tro->to", xa.astype(b.dtype), b[slot_ids], preferred_element_type=jnp.float32)
+
+
+def lora_delta_ragged(x, a, b, slot_ids):
+    """Tokens sorted by slot, `jax.lax.ragged_dot` over the groups, then unsorted."""
+    num_slots = a.shape[0]
+    order = jnp.argsort(slot_ids, stable=True)
+    group_sizes = jnp.bincount(slot_ids, length=num_slots).astype(jnp.int32)
+    xa = jax.lax.ragged_dot(x[order], a.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(xa.astype(b.dtype), b, group_sizes, preferred_element_type=jnp.float32)
+    return jnp.zeros_like(y).at[order].set(y)
