@@ -30,7 +30,11 @@ _TENSOR_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.([\w.]+?)\.lora_([AB])(?:\.\w
 
 
 class LoRAAdapterError(ValueError):
-    """An adapter that cannot be served: the message names the adapter and the field."""
+    """An adapter that cannot be served: the message names the adapter and the field (`field`)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ def read_adapter_config(name: str, path: str, max_rank: int) -> AdapterConfig:
     only): a LoRAAdapterError naming the adapter and the field for anything we cannot apply."""
 
     def fail(field: str, message: str):
-        raise LoRAAdapterError(f"LoRA adapter {name!r} ({path}): {field}: {message}")
+        raise LoRAAdapterError(f"LoRA adapter {name!r} ({path}): {field}: {message}", field)
 
     config_file = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isdir(path):
@@ -133,7 +137,7 @@ def load_adapter(
     from safetensors.numpy import load_file
 
     def fail(field: str, message: str):
-        raise LoRAAdapterError(f"LoRA adapter {config.name!r} ({config.path}): {field}: {message}")
+        raise LoRAAdapterError(f"LoRA adapter {config.name!r} ({config.path}): {field}: {message}", field)
 
     where = {i: (stack, i - layers.start) for stack, layers in layer_stacks.items() for i in layers}
     out: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}

@@ -104,7 +104,10 @@ def ours(llm, the_prompts, loras):
         [{"prompt_token_ids": p} for p in the_prompts], params, use_tqdm=False, lora_request=loras
     )
     return [
-        (list(o.outputs[0].token_ids), np.asarray([next(iter(d.values())).logprob for d in o.outputs[0].logprobs]))
+        (
+            list(o.outputs[0].token_ids),
+            np.asarray([next(iter(d.values())).logprob for d in o.outputs[0].logprobs]),
+        )
         for o in outs
     ]
 
