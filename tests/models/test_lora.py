@@ -8,7 +8,6 @@ and the base model gives each request what it gets alone; the three adapters in 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 
@@ -24,6 +23,7 @@ from helpers.family_cases import (
     prompts,
     save_hf_model,
 )
+from helpers.lora_adapters import make_adapter
 from xlaserve import LLM, LoRARequest, SamplingParams
 from xlaserve.models.lora_adapter import LoRAAdapterError, read_adapter_config
 
@@ -50,20 +50,6 @@ ADAPTERS = {
     ],
 }
 MAX_RANK = 8
-
-
-def make_adapter(base, rank, alpha, use_rslora, targets, directory, seed):
-    config = peft.LoraConfig(
-        r=rank, lora_alpha=alpha, use_rslora=use_rslora, target_modules=targets, lora_dropout=0.0
-    )
-    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:  # PEFT starts B at zero: the adapter would change nothing
-                param.copy_(0.15 * torch.randn_like(param))
-    model.save_pretrained(directory)
-    return model
 
 
 def peft_greedy(model, ids: list[int]) -> tuple[list[int], np.ndarray]:
