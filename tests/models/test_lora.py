@@ -66,7 +66,15 @@ def peft_greedy(model, ids: list[int]) -> tuple[list[int], np.ndarray]:
     return tokens[len(ids) :], np.asarray(logprobs)
 
 
-@pytest.fixture(scope="module", params=list(ADAPTERS))
+# Llama runs in the quick tier; Qwen3 (q/k norms) and Phi-3 (fused projections) with the slow tests.
+@pytest.fixture(
+    scope="module",
+    params=[
+        "LlamaForCausalLM",
+        pytest.param("Qwen3ForCausalLM", marks=pytest.mark.slow),
+        pytest.param("Phi3ForCausalLM", marks=pytest.mark.slow),
+    ],
+)
 def case(request, tmp_path_factory):
     architecture = request.param
     base = make_hf_model(architecture, seed=7)

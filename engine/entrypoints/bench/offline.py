@@ -17,6 +17,7 @@ import statistics
 import time
 
 from xlaserve.entrypoints.arg_utils import engine_kwargs
+from xlaserve.entrypoints.bench.lora import bench_lora, is_lora_bench, print_lora
 
 logger = logging.getLogger(__name__)
 
@@ -88,18 +89,23 @@ def _prompts(tokenizer, conversations) -> list[dict]:
     return out
 
 
-def run_xlaserve(llm, prompts, output_len: int, batch: bool) -> dict:
+def run_xlaserve(llm, prompts, output_len: int, batch: bool, lora_requests=None) -> dict:
+    """`lora_requests`: one LoRARequest (or None) per prompt, or None: the base model for all."""
     from xlaserve.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # touch
+    loras = lora_requests or [None] * len(prompts)
+    touch = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate(prompts[:1], touch, use_tqdm=False, lora_request=loras[:1])  # touch
     runners = [core.runner for core in getattr(llm.engine_core, "ranks", [llm.engine_core])]
     steps0, wait0 = sum(r.num_steps for r in runners), sum(r.device_wait_s for r in runners)
     start = time.perf_counter()
     if batch:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, lora_request=loras)
     else:
-        outputs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+        outputs = [
+            llm.generate(p, params, use_tqdm=False, lora_request=lo)[0] for p, lo in zip(prompts, loras)
+        ]
     elapsed = time.perf_counter() - start
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
     tpot = [
@@ -205,7 +211,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     batch = args.bench == "throughput"
     num_prompts = args.num_prompts or (64 if batch else 8)
-    llm = LLM(args.model, **engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    llm = LLM(
+        args.model, **{k: v for k, v in kwargs.items() if not k.endswith(("lora", "loras", "lora_rank"))}
+    )
     if args.input_len is None:
         prompts = _prompts(llm.tokenizer, workload(num_prompts))
     else:
@@ -220,7 +229,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "input_len": args.input_len,
         "enforce_eager": bool(args.enforce_eager),
     }
-    results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch)
+    if is_lora_bench(args):
+        engines = [llm]
+        del llm  # bench_lora releases the base engine before it builds the LoRA one
+        results["lora_bench"] = bench_lora(args, kwargs, prompts, run_xlaserve, batch, engines)
+        results["xlaserve"] = results["lora_bench"]["lora"]
+    else:
+        results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch)
     if args.backend == "hf":
         hf = _load_hf(args.model, args.hf_dtype)
         results["hf_dtype"] = args.hf_dtype
@@ -232,6 +247,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results["hf"]["tpot_s"]["mean"] / results["xlaserve"]["tpot_s"]["mean"]
         )
     _print(results)
+    if "lora_bench" in results:
+        print_lora(results)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)
@@ -296,6 +313,14 @@ def add_parser(sub, add_engine_args):
             help="the dtype Hugging Face runs in with --backend hf (compare with its best)",
         )
         b.add_argument("--output-json", default=None)
+        b.add_argument(
+            "--num-random-loras",
+            type=int,
+            default=0,
+            help="also run the workload spread over N random adapters (on every projection) and "
+            "report the ratio to the base model; or give --lora-modules",
+        )
+        b.add_argument("--random-lora-rank", type=int, default=16, help="their rank (default 16)")
         add_engine_args(b)
         b.set_defaults(func=cmd_bench)
     return bench_sub
