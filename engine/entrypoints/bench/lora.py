@@ -48,19 +48,30 @@ def write_random_adapters(runner, num: int, rank: int, directory: str, seed: int
     return loras
 
 
-def bench_lora(args, engine_args: dict, prompts, run_xlaserve, batch: bool) -> dict:
-    """{"base": report, "lora": report, "ratio_output_throughput": lora / base, ...}."""
+LORA_ARGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+
+
+def is_lora_bench(args) -> bool:
+    return bool(getattr(args, "num_random_loras", 0) or getattr(args, "lora_modules", None))
+
+
+def without_lora(engine_args: dict) -> dict:
+    return {k: v for k, v in engine_args.items() if k not in LORA_ARGS}
+
+
+def bench_lora(args, engine_args: dict, prompts, run_xlaserve, batch: bool, engines: list) -> dict:
+    """{"base": report, "lora": report, "ratio_output_throughput": lora / base, ...}; `engines`: [an
+    engine built with `without_lora(engine_args)`], popped and released after its run, so that the
+    two engines are never in memory together."""
     from xlaserve.entrypoints.llm import LLM
 
     modules = parse_lora_modules(args.lora_modules)
     num = len(modules) or args.num_random_loras
     rank = args.random_lora_rank if not modules else (engine_args.get("max_lora_rank") or 16)
-    base_args = {
-        k: v for k, v in engine_args.items() if k not in ("enable_lora", "max_loras", "max_lora_rank")
-    }
-    llm = LLM(args.model, **base_args)
-    base = run_xlaserve(llm, prompts, args.output_len, batch)
-    del llm
+    base_args = without_lora(engine_args)
+    base_llm = engines.pop()
+    base = run_xlaserve(base_llm, prompts, args.output_len, batch)
+    del base_llm
     gc.collect()
     lora_args = {**base_args, "enable_lora": True, "max_loras": engine_args.get("max_loras") or num}
     lora_args["max_lora_rank"] = max(rank, engine_args.get("max_lora_rank") or rank)
