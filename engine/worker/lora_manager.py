@@ -57,6 +57,9 @@ class LoRAManager:
                 f"enable_lora: {model_class.__name__} does not support LoRA adapters yet "
                 "(supported: the Llama, Mistral, Qwen2, Qwen3 and Phi-3 families)"
             )
+        if jax.process_count() > 1:
+            # The slots are written by process 0's host work (prepare), which followers never run.
+            raise ValueError("enable_lora: LoRA is not supported on a multi-host engine yet")
         self.max_loras = lora_config.max_loras
         self.max_rank = lora_config.max_lora_rank
         self.max_cpu_loras = lora_config.num_cpu_loras
