@@ -100,8 +100,10 @@ class LoRAManager:
         if cached is not None and cached[0] == lora:
             return cached[1]
         config = read_adapter_config(lora.lora_name, lora.lora_path, self.max_rank)
+        if cached is not None:  # the same id for another adapter: forget the old one's copies
+            self._host.pop(lora.lora_int_id, None)
+            self._slot_owner = [None if owner == lora.lora_int_id else owner for owner in self._slot_owner]
         self._configs[lora.lora_int_id] = (lora, config)
-        self._host.pop(lora.lora_int_id, None)  # the same id for another adapter: reload it
         return config
 
     def _host_weights(self, lora: LoRARequest) -> dict:

@@ -14,14 +14,13 @@ import json
 import os
 import tempfile
 
-import numpy as np
-
 from xlaserve.entrypoints.arg_utils import parse_lora_modules
 from xlaserve.lora_request import LoRARequest
 
 
 def write_random_adapters(runner, num: int, rank: int, directory: str, seed: int = 0) -> list[LoRARequest]:
     """`num` PEFT adapters of rank `rank` on every projection the engine's slots cover."""
+    import numpy as np  # not at the top: the CLI imports this module without numpy installed
     from safetensors.numpy import save_file
 
     manager = runner.lora
