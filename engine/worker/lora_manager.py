@@ -91,6 +91,11 @@ class LoRAManager:
         self._configs: dict[int, tuple[LoRARequest, AdapterConfig]] = {}
         self.num_loads = 0  # adapters written into a slot
 
+    @property
+    def num_host_loras(self) -> int:
+        """Adapters held in host memory (at most max_cpu_loras)."""
+        return len(self._host)
+
     # -- adapters ---------------------------------------------------------------------------------
 
     def check(self, lora: LoRARequest) -> AdapterConfig:

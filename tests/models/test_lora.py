@@ -135,10 +135,14 @@ def test_more_adapters_than_slots_wait_their_turn(case, tmp_path):
     llm, loras, references, the_prompts = case
     extra = LoRARequest("adapter0-again", 9, loras[0].lora_path)  # same weights under another id
     batch = [loras[0], loras[1], loras[2], extra]
+    manager = llm.engine_core.runner.lora
+    loads = manager.num_loads
     got = ours(llm, [the_prompts[0]] * 4, batch)
     for lora, (tokens, _) in zip(batch, got):
         index = 0 if lora is extra else loras.index(lora)
         assert tokens == references[index][0][0]
+    assert manager.num_loads > loads  # the fourth adapter took a freed slot
+    assert manager.num_host_loras <= 3  # max_cpu_loras defaults to max_loras: least recently used out
 
 
 def _write_adapter(directory, config: dict, tensors: dict | None = None):
