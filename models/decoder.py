@@ -110,9 +110,10 @@ class DecoderOnlyLM(nnx.Module):
         num_blocks = cache_array.shape[0] // cfg.num_layers
         block_size = cache_array.shape[1]
         specs = layer_specs(cfg)
+        slot_mask = None if lora is None else lora.slot_mask()  # once per step, for every layer
         for name, layers in self.layer_stacks(cfg).items():
             stack_specs = jax.tree.map(lambda a, l=layers: jnp.asarray(a[l.start : l.stop]), specs)
-            stack_lora = None if lora is None else (lora.stacks[name], lora.slot_ids)
+            stack_lora = None if lora is None else (lora.stacks[name], slot_mask)
             x, kv_cache = _run_stack(
                 getattr(self, name),
                 x,
@@ -148,18 +149,18 @@ def _run_stack(
     specs: LayerSpec,  # [num_layers_in_stack, ...] each
     num_blocks: int,
     block_size: int,
-    lora=None,  # (LoRAWeights [num_layers_in_stack, S, ...], slot_ids [T]) or None: no adapters
+    lora=None,  # (LoRAWeights [num_layers_in_stack, ...], slot_mask [T, S * r]) or None: no adapters
 ):
     """x through every layer of `stack` under one scan; each layer sees the metadata of its blocks.
     Adapter slots, when given, are scanned with the layer weights: each layer gets its own."""
     layer_def, layer_state = nnx.split(stack)
-    lora_weights, slot_ids = (None, None) if lora is None else lora
+    lora_weights, slot_mask = (None, None) if lora is None else lora
 
     def body(carry, xs):
         x, kv_cache = carry
         state, spec, weights = xs
         md_layer = md.for_layer(spec.index, num_blocks, block_size)
-        layer_lora = {} if weights is None else {"lora": LayerLoRA(weights, slot_ids)}
+        layer_lora = {} if weights is None else {"lora": LayerLoRA(weights, slot_mask)}
         x, kv_cache = nnx.merge(layer_def, state)(x, positions, kv_cache, md_layer, spec, **layer_lora)
         return (x, kv_cache), None
 

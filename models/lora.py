@@ -2,15 +2,15 @@
 adapters.
 
 Adapters live in fixed slots (engine/worker/lora_manager.py): per target module and per layer,
-A [S, in, r] and B [S, r, out] with S = max_loras + 1, slot 0 all zeros (the base model), every
+A [in, S, r] and B [S, r, out] with S = max_loras + 1, slot 0 all zeros (the base model), every
 adapter padded with zeros to the max rank and its scaling (alpha / r, or alpha / sqrt(r) for
 rsLoRA) folded into B. Each token carries its slot, so one program serves any mix of adapters, and
 loading an adapter only writes into its slot: nothing recompiles.
 
-The delta is computed with a one-hot over the slots: x @ A for every adapter slot in one
-[in, (S - 1) * r] matmul, the slots a token does not use zeroed, then one [(S - 1) * r, out] matmul.
-It does S - 1 times the FLOPs of a per-token gather, but as two dense matmuls it was the fastest of
-the three forms measured on CPU (a gathered A[slot] per token, `jax.lax.ragged_dot` over tokens
+The delta is computed with a one-hot over the slots: x @ A for every slot in one [in, S * r]
+matmul, the slots a token does not use zeroed by a mask built once per step, then one [S * r, out]
+matmul. It does S times the FLOPs of a per-token gather, but as two dense matmuls it was the fastest
+of the three forms measured on CPU (a gathered A[slot] per token, `jax.lax.ragged_dot` over tokens
 sorted by slot: engine/PERFORMANCE.md).
 """
 
@@ -38,10 +38,12 @@ LORA_TARGET_MODULES = (
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoRAWeights:
-    """The adapter slots of one layer stack ([L, S, ...] arrays) or of one layer ([S, ...]), by the
-    module's path inside a decoder layer ("self_attn.q_proj", "mlp.down_proj")."""
+    """The adapter slots of one layer stack ([L, ...] arrays) or of one layer, by the module's path
+    inside a decoder layer ("self_attn.q_proj", "mlp.down_proj"). A keeps the slots after the input
+    axis, so that x @ A of every slot is one matmul over a free reshape [in, S * r], with no
+    transpose in the step."""
 
-    a: dict[str, jax.Array]  # [(L,) S, in, r]
+    a: dict[str, jax.Array]  # [(L,) in, S, r]
     b: dict[str, jax.Array]  # [(L,) S, r, out], scaling folded in
 
 
@@ -53,13 +55,21 @@ class LoRABatch:
     stacks: dict[str, LoRAWeights]  # by layer stack name ("layers")
     slot_ids: jax.Array  # [T] int32: 0 = the base model
 
+    def slot_mask(self) -> jax.Array:
+        """[T, S * r] float32: 1 on the columns of each token's own slot. Built once per step, outside
+        the layer scan, and shared by every projection of every layer."""
+        a = next(iter(next(iter(self.stacks.values())).a.values()))  # [L, in, S, r]
+        num_slots, rank = a.shape[-2:]
+        one_hot = jax.nn.one_hot(self.slot_ids, num_slots, dtype=jnp.float32)  # [T, S]
+        return jnp.repeat(one_hot, rank, axis=1)
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerLoRA:
     """One layer's adapter slots inside the layer scan, scoped to a submodule with `scope`."""
 
-    weights: LoRAWeights  # [S, ...] arrays
-    slot_ids: jax.Array  # [T] int32
+    weights: LoRAWeights  # [in, S, r] / [S, r, out] arrays
+    slot_mask: jax.Array  # [T, S * r] float32 (LoRABatch.slot_mask)
     prefix: str = ""
 
     def scope(self, name: str) -> LayerLoRA:
@@ -70,7 +80,7 @@ class LayerLoRA:
         key = self.prefix + module
         if key not in self.weights.a:
             return y
-        delta = lora_delta(x, self.weights.a[key], self.weights.b[key], self.slot_ids)
+        delta = lora_delta(x, self.weights.a[key], self.weights.b[key], self.slot_mask)
         return y + delta.astype(y.dtype)
 
 
@@ -85,32 +95,32 @@ def scope(lora: LayerLoRA | None, name: str) -> LayerLoRA | None:
 
 def lora_delta(
     x: jax.Array,  # [T, in]
-    a: jax.Array,  # [S, in, r]
+    a: jax.Array,  # [in, S, r]
     b: jax.Array,  # [S, r, out]
-    slot_ids: jax.Array,  # [T] int32
+    slot_mask: jax.Array,  # [T, S * r] float32
 ) -> jax.Array:  # [T, out] float32
-    """The one-hot form (the module docstring says why). Slot 0 (the base model, zeros) is left out
-    of both matmuls: its tokens match no remaining slot."""
-    a, b = a[1:], b[1:]
-    num_slots, din, rank = a.shape
-    a_all = jnp.moveaxis(a, 0, 1).reshape(din, num_slots * rank)  # [in, S * r]
-    xa = jnp.matmul(x, a_all.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S * r]
-    is_mine = slot_ids[:, None] == jnp.arange(1, num_slots + 1, dtype=slot_ids.dtype)[None, :]  # [T, S]
-    xa = jnp.where(is_mine[:, :, None], xa.reshape(-1, num_slots, rank), 0.0).reshape(-1, num_slots * rank)
+    """The one-hot form (the module docstring says why): x @ A of every slot, masked to the token's
+    own, @ B of every slot. Slot 0 (zeros) takes part: leaving it out would cost a copy per call."""
+    din, num_slots, rank = a.shape
+    xa = jnp.matmul(x, a.reshape(din, num_slots * rank).astype(x.dtype), preferred_element_type=jnp.float32)
+    xa = xa * slot_mask  # [T, S * r]
     return jnp.matmul(xa.astype(b.dtype), b.reshape(num_slots * rank, -1), preferred_element_type=jnp.float32)
 
 
-def lora_delta_gathered(x, a, b, slot_ids):
+# The two other forms measured (engine/PERFORMANCE.md), over A as [S, in, r] and each token's slot.
+
+
+def lora_delta_gathered(x, a_sir, b, slot_ids):
     """Per token: x @ A[slot] @ B[slot] (gathers [T, in, r] and [T, r, out])."""
-    xa = jnp.einsum("ti,tir->tr", x, a[slot_ids].astype(x.dtype), preferred_element_type=jnp.float32)
+    xa = jnp.einsum("ti,tir->tr", x, a_sir[slot_ids].astype(x.dtype), preferred_element_type=jnp.float32)
     return jnp.einsum("tr,tro->to", xa.astype(b.dtype), b[slot_ids], preferred_element_type=jnp.float32)
 
 
-def lora_delta_ragged(x, a, b, slot_ids):
+def lora_delta_ragged(x, a_sir, b, slot_ids):
     """Tokens sorted by slot, `jax.lax.ragged_dot` over the groups, then unsorted."""
-    num_slots = a.shape[0]
+    num_slots = a_sir.shape[0]
     order = jnp.argsort(slot_ids, stable=True)
     group_sizes = jnp.bincount(slot_ids, length=num_slots).astype(jnp.int32)
-    xa = jax.lax.ragged_dot(x[order], a.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+    xa = jax.lax.ragged_dot(x[order], a_sir.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
     y = jax.lax.ragged_dot(xa.astype(b.dtype), b, group_sizes, preferred_element_type=jnp.float32)
     return jnp.zeros_like(y).at[order].set(y)

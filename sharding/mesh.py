@@ -100,7 +100,7 @@ class Placement:
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
     def lora_sharding(self, module: str, which: str) -> NamedSharding:
-        """Where a LoRA slot stack goes: `which` "a" ([L, S, in, r]) or "b" ([L, S, r, out])."""
+        """Where a LoRA slot stack goes: `which` "a" ([L, in, S, r]) or "b" ([L, S, r, out])."""
         return NamedSharding(self.mesh, to_partition_spec(lora_logical_axes(module, which), self.rules))
 
     def kv_cache_sharding(self) -> NamedSharding:

@@ -95,12 +95,12 @@ def param_logical_axes(
 
 
 def lora_logical_axes(module: str, which: str) -> tuple[str | None, ...]:
-    """A LoRA slot stack of `module` (models/lora.py) follows its kernel: A [L, S, in, r] is split on
+    """A LoRA slot stack of `module` (models/lora.py) follows its kernel: A [L, in, S, r] is split on
     the kernel's input axis (row-parallel o_proj, down_proj: x arrives split, and x @ A is summed
     across devices like x @ W), B [L, S, r, out] on its output axis (column-parallel q, k, v, gate,
     up: each device computes its own columns of the delta). The rank axis is never split."""
     din, dout = PARAM_AXES.get((module, "kernel"), (None, None))
-    return (None, None, din, None) if which == "a" else (None, None, None, dout)
+    return (None, din, None, None) if which == "a" else (None, None, None, dout)
 
 
 def to_partition_spec(logical: tuple[str | None, ...], rules: dict[str, str | None]) -> PartitionSpec:

@@ -1,6 +1,6 @@
 """LoRAManager: the adapter slots on the device, and the adapters kept in host memory.
 
-Per layer stack and target module, A [L, S, in, R] and B [L, S, R, out] (S = max_loras + 1 slots,
+Per layer stack and target module, A [L, in, S, R] and B [L, S, R, out] (S = max_loras + 1 slots,
 R = max_lora_rank) are allocated once, zeros, sharded like the module's kernel: A on the kernel's
 input axis (row-parallel o_proj, down_proj), B on its output axis (column-parallel q/k/v, gate, up).
 Slot 0 stays zeros: the base model. An adapter a step needs is written into a free slot (or the
@@ -45,8 +45,14 @@ def slot_layout(params, stack_names) -> SlotLayout:
 
 
 def _write_slot(stacks: dict[str, LoRAWeights], slot, new: dict[str, LoRAWeights]) -> dict[str, LoRAWeights]:
-    """stacks[..][:, slot] = new[..] for every module (new: [L, in, R] / [L, R, out])."""
-    return jax.tree.map(lambda stack, value: stack.at[:, slot].set(value), stacks, new)
+    """Every module's A[:, :, slot] and B[:, slot] = new's ([L, in, R] and [L, R, out])."""
+    return {
+        name: LoRAWeights(
+            a={k: v.at[:, :, slot].set(new[name].a[k]) for k, v in stack.a.items()},
+            b={k: v.at[:, slot].set(new[name].b[k]) for k, v in stack.b.items()},
+        )
+        for name, stack in stacks.items()
+    }
 
 
 class LoRAManager:
@@ -78,7 +84,7 @@ class LoRAManager:
             for module, (num_layers, din, dout) in modules.items():
                 name = module.rsplit(".", 1)[-1]
                 a[module] = placement.zeros(
-                    (num_layers, num_slots, din, self.max_rank), store, placement.lora_sharding(name, "a")
+                    (num_layers, din, num_slots, self.max_rank), store, placement.lora_sharding(name, "a")
                 )
                 b[module] = placement.zeros(
                     (num_layers, num_slots, self.max_rank, dout), store, placement.lora_sharding(name, "b")
