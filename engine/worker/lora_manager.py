@@ -72,6 +72,8 @@ class LoRAManager:
         self.layer_stacks = model_class.layer_stacks(model_config)
         self._prepare = lambda tensors: model_class.prepare_hf_tensors(model_config, tensors)
         self.layout = slot_layout(params, tuple(self.layer_stacks))
+        if not any(self.layout.values()):
+            raise ValueError(f"enable_lora: {model_class.__name__} has no projection an adapter could target")
         # On CPU in 16 bits the slots are stored as words, like the layer stacks (kernels/dtype_ops.py).
         self.dtype = jnp.dtype(dtype)
         self._as_words = jax.default_backend() == "cpu" and is_16bit_float(self.dtype)
