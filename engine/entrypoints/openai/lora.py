@@ -78,6 +78,10 @@ class LoRARegistry:
         return self._by_name.pop(name, None)
 
 
+# 200: vLLM's plain-text "Success: ..." line; errors stay OpenAI's JSON.
+_TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
 def _errors(*codes: int) -> dict:
     return {code: {"model": ErrorResponse} for code in codes}
 
@@ -93,7 +97,7 @@ def add_lora_routes(app: FastAPI, registry: LoRARegistry | None) -> None:
         return registry
 
     @app.post(
-        "/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, 401, 413, 415)
+        "/v1/load_lora_adapter", response_model=None, responses={**_TEXT, **_errors(400, 401, 413, 415)}
     )
     async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> PlainTextResponse:
         try:
@@ -104,8 +108,8 @@ def add_lora_routes(app: FastAPI, registry: LoRARegistry | None) -> None:
 
     @app.post(
         "/v1/unload_lora_adapter",
-        response_class=PlainTextResponse,
-        responses=_errors(400, 401, 404, 413, 415),
+        response_model=None,
+        responses={**_TEXT, **_errors(400, 401, 404, 413, 415)},
     )
     async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         loras = require_lora()
