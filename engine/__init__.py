@@ -1,5 +1,6 @@
 """xlaserve's engine: `from xlaserve import LLM, SamplingParams`."""
 
+from xlaserve.lora_request import LoRARequest
 from xlaserve.outputs import CompletionOutput, RequestOutput
 from xlaserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -21,6 +22,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

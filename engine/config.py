@@ -145,6 +145,31 @@ class ParallelConfig:
         )
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's names): adapters in fixed device slots, `max_loras` of them per step,
+    each of rank at most `max_lora_rank`; `max_cpu_loras` adapters kept loaded in host memory."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self):
+        _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _require(
+            1 <= self.max_lora_rank <= 512, f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}"
+        )
+        _require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})",
+        )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
 def default_compilation_cache_dir() -> str:
     """XLASERVE_COMPILATION_CACHE_DIR, else <XLASERVE_CACHE_ROOT, or ~/.cache/xlaserve>/xla."""
     explicit = os.environ.get("XLASERVE_COMPILATION_CACHE_DIR")
@@ -253,6 +278,7 @@ class EngineConfig:
     parallel: ParallelConfig
     compilation: CompilationConfig
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         # Speculative decoding runs on the synchronous step: the next step's drafts come from this
@@ -284,6 +310,7 @@ class EngineConfig:
             "scheduler": SchedulerConfig,
             "parallel": ParallelConfig,
             "compilation": CompilationConfig,
+            "lora": LoRAConfig,
         }
         parts: dict[str, dict] = {name: {} for name in groups}
         parts["model"]["model"] = model

@@ -26,6 +26,7 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCacheSpec
 from xlaserve.kernels.dtype_ops import matmul, scan
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import Embedding, LayerSpec, Linear, RMSNorm, layer_specs, soft_cap
+from xlaserve.models.lora import LayerLoRA, LoRABatch
 
 
 class DecoderOnlyLM(nnx.Module):
@@ -98,6 +99,7 @@ class DecoderOnlyLM(nnx.Module):
         positions: jax.Array,  # [T]
         kv_cache,  # the cache_class of kv_cache_spec(cfg)
         md: AttentionMetadata,
+        lora: LoRABatch | None = None,  # adapter slots and each token's slot (models/lora.py)
     ):  # -> (hidden [T, D], updated cache)
         cfg = self.cfg
         x = self.embed_tokens(input_ids)
@@ -108,10 +110,20 @@ class DecoderOnlyLM(nnx.Module):
         num_blocks = cache_array.shape[0] // cfg.num_layers
         block_size = cache_array.shape[1]
         specs = layer_specs(cfg)
+        slot_mask = None if lora is None else lora.slot_mask()  # once per step, for every layer
         for name, layers in self.layer_stacks(cfg).items():
             stack_specs = jax.tree.map(lambda a, l=layers: jnp.asarray(a[l.start : l.stop]), specs)
+            stack_lora = None if lora is None else (lora.stacks[name], slot_mask)
             x, kv_cache = _run_stack(
-                getattr(self, name), x, positions, kv_cache, md, stack_specs, num_blocks, block_size
+                getattr(self, name),
+                x,
+                positions,
+                kv_cache,
+                md,
+                stack_specs,
+                num_blocks,
+                block_size,
+                stack_lora,
             )
         return self.norm(x), kv_cache
 
@@ -137,17 +149,21 @@ def _run_stack(
     specs: LayerSpec,  # [num_layers_in_stack, ...] each
     num_blocks: int,
     block_size: int,
+    lora=None,  # (LoRAWeights [num_layers_in_stack, ...], slot_mask [T, S * r]) or None: no adapters
 ):
-    """x through every layer of `stack` under one scan; each layer sees the metadata of its blocks."""
+    """x through every layer of `stack` under one scan; each layer sees the metadata of its blocks.
+    Adapter slots, when given, are scanned with the layer weights: each layer gets its own."""
     layer_def, layer_state = nnx.split(stack)
+    lora_weights, slot_mask = (None, None) if lora is None else lora
 
     def body(carry, xs):
         x, kv_cache = carry
-        state, spec = xs
+        state, spec, weights = xs
         md_layer = md.for_layer(spec.index, num_blocks, block_size)
-        x, kv_cache = nnx.merge(layer_def, state)(x, positions, kv_cache, md_layer, spec)
+        layer_lora = {} if weights is None else {"lora": LayerLoRA(weights, slot_mask)}
+        x, kv_cache = nnx.merge(layer_def, state)(x, positions, kv_cache, md_layer, spec, **layer_lora)
         return (x, kv_cache), None
 
     # dtype_ops.scan: 16-bit weights sliced as words on CPU, where XLA would convert the whole stack.
-    (x, kv_cache), _ = scan(body, (x, kv_cache), (layer_state, specs), words_of=x.dtype)
+    (x, kv_cache), _ = scan(body, (x, kv_cache), (layer_state, specs, lora_weights), words_of=x.dtype)
     return x, kv_cache

@@ -20,6 +20,7 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.kernels.dtype_ops import matmul, take_rows
 from xlaserve.kernels.reference import token_positions
 from xlaserve.models.config import TransformerConfig
+from xlaserve.models.lora import LayerLoRA, with_lora
 from xlaserve.models.rope import (
     apply_rope,
     layer_rope_inv_freqs,
@@ -146,9 +147,15 @@ class Attention(nnx.Module):
         self.k_proj = Linear(d, cfg.num_kv_heads * hd, use_bias=bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d, cfg.num_kv_heads * hd, use_bias=bias, dtype=dtype, rngs=rngs)
 
-    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project_qkv(
+        self, x: jax.Array, lora: LayerLoRA | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """[T, D] -> q [T, num_heads * head_dim], k and v [T, num_kv_heads * head_dim]."""
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (
+            with_lora(lora, self.q_proj(x), x, "q_proj"),
+            with_lora(lora, self.k_proj(x), x, "k_proj"),
+            with_lora(lora, self.v_proj(x), x, "v_proj"),
+        )
 
     def __call__(
         self,
@@ -157,10 +164,11 @@ class Attention(nnx.Module):
         kv_cache: KVCache,
         md: AttentionMetadata,  # already offset to this layer's blocks
         spec: LayerSpec,  # this layer's
+        lora: LayerLoRA | None = None,  # this layer's adapter slots, scoped to this module
     ) -> tuple[jax.Array, KVCache]:
         cfg = self.cfg
         num_tokens = x.shape[0]
-        q, k, v = self.project_qkv(x)
+        q, k, v = self.project_qkv(x) if lora is None else self.project_qkv(x, lora)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -181,7 +189,8 @@ class Attention(nnx.Module):
             sliding_window=_sliding_window(cfg, spec),
             soft_cap=cfg.attn_logit_softcap,
         )
-        return self.o_proj(out.reshape(num_tokens, -1)), KVCache(k_cache, v_cache)
+        out = out.reshape(num_tokens, -1)
+        return with_lora(lora, self.o_proj(out), out, "o_proj"), KVCache(k_cache, v_cache)
 
 
 def _rope_angles(cfg: TransformerConfig, positions, md: AttentionMetadata, spec: LayerSpec) -> jax.Array:
@@ -224,9 +233,12 @@ class GatedMLP(nnx.Module):
         self.gate_proj = Linear(d, f, use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d, f, use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
-    def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return self.gate_proj(x), self.up_proj(x)
+    def project_gate_up(self, x: jax.Array, lora: LayerLoRA | None = None) -> tuple[jax.Array, jax.Array]:
+        return with_lora(lora, self.gate_proj(x), x, "gate_proj"), with_lora(
+            lora, self.up_proj(x), x, "up_proj"
+        )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.project_gate_up(x)
-        return self.down_proj(activation(self.hidden_act)(gate) * up)
+    def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
+        gate, up = self.project_gate_up(x) if lora is None else self.project_gate_up(x, lora)
+        h = activation(self.hidden_act)(gate) * up
+        return with_lora(lora, self.down_proj(h), h, "down_proj")

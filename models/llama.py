@@ -12,6 +12,7 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
+from xlaserve.models.lora import LayerLoRA, scope
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -19,6 +20,7 @@ class LlamaDecoderLayer(nnx.Module):
 
     attention_class: type[Attention] = Attention  # a family with fused projections swaps these
     mlp_class: type[GatedMLP] = GatedMLP
+    supports_lora = True  # takes `lora=` (models/lora.py): adapters on its projections
 
     def __init__(self, cfg: TransformerConfig, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -26,10 +28,20 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = type(self).mlp_class(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv_cache: KVCache, md: AttentionMetadata, spec: LayerSpec):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, spec)
+    def __call__(
+        self,
+        x,
+        positions,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        spec: LayerSpec,
+        lora: LayerLoRA | None = None,
+    ):
+        attn_lora = {} if lora is None else {"lora": scope(lora, "self_attn")}
+        mlp_lora = {} if lora is None else {"lora": scope(lora, "mlp")}
+        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, spec, **attn_lora)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return x + self.mlp(self.post_attention_layernorm(x), **mlp_lora), kv_cache
 
 
 class LlamaForCausalLM(DecoderOnlyLM):

@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xlaserve.sharding.rules import KV_CACHE_AXES, logical_to_mesh, param_logical_axes, to_partition_spec
+from xlaserve.sharding.rules import (
+    KV_CACHE_AXES,
+    logical_to_mesh,
+    lora_logical_axes,
+    param_logical_axes,
+    to_partition_spec,
+)
 
 
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
@@ -92,6 +98,10 @@ class Placement:
         """Put one host array on the mesh; each device receives only its own shard."""
         sharding = self.param_sharding(path, array.shape)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    def lora_sharding(self, module: str, which: str) -> NamedSharding:
+        """Where a LoRA slot stack goes: `which` "a" ([L, in, S, r]) or "b" ([L, S, r, out])."""
+        return NamedSharding(self.mesh, to_partition_spec(lora_logical_axes(module, which), self.rules))
 
     def kv_cache_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, to_partition_spec(KV_CACHE_AXES, self.rules))

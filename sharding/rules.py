@@ -94,6 +94,15 @@ def param_logical_axes(
     return (None,) * (ndim - layer_ndim) + tuple(axes)
 
 
+def lora_logical_axes(module: str, which: str) -> tuple[str | None, ...]:
+    """A LoRA slot stack of `module` (models/lora.py) follows its kernel: A [L, in, S, r] is split on
+    the kernel's input axis (row-parallel o_proj, down_proj: x arrives split, and x @ A is summed
+    across devices like x @ W), B [L, S, r, out] on its output axis (column-parallel q, k, v, gate,
+    up: each device computes its own columns of the delta). The rank axis is never split."""
+    din, dout = PARAM_AXES.get((module, "kernel"), (None, None))
+    return (None, din, None, None) if which == "a" else (None, None, None, dout)
+
+
 def to_partition_spec(logical: tuple[str | None, ...], rules: dict[str, str | None]) -> PartitionSpec:
     unknown = [axis for axis in logical if axis is not None and axis not in rules]
     if unknown:  # a misspelt axis would otherwise mean "replicated"

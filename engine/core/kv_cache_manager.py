@@ -182,9 +182,19 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for index in range(len(block_hashes), request.num_tokens // self.block_size):
             parent_hash = block_hashes[-1] if block_hashes else None
-            # The salt enters the first block only; chaining carries it into every later hash.
-            extra_keys = (request.cache_salt,) if index == 0 and request.cache_salt is not None else None
+            # The salt and the adapter enter the first block only; chaining carries them into every
+            # later hash. Keys of the base model without a salt stay as they were.
+            extra_keys = _first_block_keys(request) if index == 0 else None
             start = index * self.block_size
             block_hashes.append(
                 hash_block_tokens(parent_hash, tokens[start : start + self.block_size], extra_keys)
             )
+
+
+def _first_block_keys(request: Request) -> tuple | None:
+    """What separates otherwise identical prefixes: the cache salt, and the LoRA adapter (its K/V
+    differ from the base model's wherever it targets k_proj or v_proj, or any earlier layer)."""
+    keys: tuple = () if request.cache_salt is None else (request.cache_salt,)
+    if request.lora_request is not None:
+        keys += (("lora", request.lora_request.lora_int_id, request.lora_request.lora_name),)
+    return keys or None

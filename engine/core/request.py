@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from xlaserve.lora_request import LoRARequest
 from xlaserve.sampling_params import SamplingParams
 
 
@@ -99,6 +100,7 @@ class Request:
         cache_salt: str | None = None,
         sampling_seed: int = 0,
         parent_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -118,6 +120,7 @@ class Request:
         # The user request this one samples for, when n > 1 made several (None: it is its own).
         # A field, not a naming convention: a user's id may contain any character.
         self.parent_id = parent_id
+        self.lora_request = lora_request  # the adapter it runs with; None: the base model
 
         # Append only through append_output_token_ids, which keeps both lists in step.
         self.output_token_ids: list[int] = []
@@ -138,6 +141,11 @@ class Request:
         self.grammar: Grammar | None = None
         # Speculative decoding: tokens proposed to follow all_token_ids, verified by the next step.
         self.spec_token_ids: list[int] = []
+
+    @property
+    def lora_id(self) -> int:
+        """The adapter's lora_int_id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

@@ -97,6 +97,7 @@ class Scheduler:
         *,
         async_scheduling: bool = False,
         num_spec_tokens: int = 0,
+        max_loras: int | None = None,
     ):
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(
@@ -113,6 +114,7 @@ class Scheduler:
         self.policy = SchedulingPolicy(scheduler_config.policy)
         # Schedule while the previous step runs: its sampled tokens are placeholders (module doc).
         self.async_scheduling = async_scheduling
+        self.max_loras = max_loras  # None: LoRA off, no limit
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
         self.limits = RequestLimits(
@@ -269,6 +271,9 @@ class Scheduler:
                 self.waiting.pop(index)
                 self._error_outputs.append(self._finish_with_error(request))
                 continue
+            if not self._fits_lora_slots(request):
+                index += 1  # its adapter waits for a slot; a request of a running adapter may go
+                continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_missing = request.num_tokens - num_hit_tokens
             num_new_tokens = prefills.chunk(num_missing, token_budget)
@@ -290,6 +295,14 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             token_budget -= self._add_scheduled(request, num_new_tokens, output)
+
+    def _fits_lora_slots(self, request: Request) -> bool:
+        """At most `max_loras` adapters among the running requests, each holding a device slot while
+        it runs: a request of another adapter waits until one of them has no request left."""
+        if self.max_loras is None or request.lora_request is None:
+            return True
+        active = {r.lora_id for r in self.running if r.lora_request is not None}
+        return request.lora_id in active or len(active) < self.max_loras
 
     def _add_scheduled(
         self, request: Request, num_new_tokens: int, output: SchedulerOutput, spec_token_ids=()

@@ -52,6 +52,7 @@ from xlaserve.engine.request_stream import (
     RequestFailedError,
     RequestStream,
 )
+from xlaserve.lora_request import LoRARequest
 from xlaserve.models.loader import load_tokenizer
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
@@ -216,6 +217,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         output_kind: str = "delta",
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Add a request and yield its outputs until it finishes.
 
@@ -230,6 +232,7 @@ class AsyncLLM:
             priority=priority,
             cache_salt=cache_salt,
             output_kind=output_kind,
+            lora_request=lora_request,
         )
         try:
             async for output in stream:
@@ -247,6 +250,7 @@ class AsyncLLM:
         priority=0,
         cache_salt=None,
         output_kind="delta",
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Add a request now (errors are raised here, synchronously) and return its output stream."""
         self.check_health()
@@ -262,9 +266,17 @@ class AsyncLLM:
                     f"max_num_queued_reqs={queued} waiting); retry later"
                 )
         self.validate(prompt_token_ids, params)
+        if lora_request is not None and not self.config.lora.enable_lora:
+            raise InvalidRequestError("LoRA adapters are not enabled on this server (--enable-lora)", "model")
         now = time.time()
         requests = self.input_processor.make_requests(
-            request_id, prompt_token_ids, params, arrival_time=now, priority=priority, cache_salt=cache_salt
+            request_id,
+            prompt_token_ids,
+            params,
+            arrival_time=now,
+            priority=priority,
+            cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         self.output_processor.add_requests(request_id, requests, prompt, prompt_token_ids, now, output_kind)
         queue: asyncio.Queue = asyncio.Queue()

@@ -69,6 +69,7 @@ class EngineCore:
             self.kv_cache_manager,
             async_scheduling=self.async_scheduling,
             num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
         # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
         self.proposer = NgramProposer(spec, max_model_len) if spec is not None else None
@@ -83,8 +84,16 @@ class EngineCore:
         return self.executor.runner
 
     def add_request(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self.check_lora(request.lora_request)  # a bad adapter fails here, not in a step
         self.structured_output.add_request(request)
         self.scheduler.add_request(request)
+
+    def check_lora(self, lora_request) -> None:
+        """ValueError (naming the adapter and the field) unless LoRA is on and the adapter is servable."""
+        if self.runner.lora is None:
+            raise ValueError("lora_request: LoRA is not enabled (start the engine with enable_lora=True)")
+        self.runner.lora.check(lora_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -78,6 +78,9 @@ class DataParallelEngineCore:
         if request.parent_id is not None and num_added + 1 < request.sampling_params.n:
             self._rank_of_parent[request.parent_id] = (rank, num_added + 1)
 
+    def check_lora(self, lora_request) -> None:
+        self.ranks[0].check_lora(lora_request)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             rank = self._rank_of.pop(rid, None)

@@ -9,6 +9,7 @@ from typing import Any
 from xlaserve.core.limits import check_prompt_length
 from xlaserve.core.request import Request, child_request_id
 from xlaserve.engine.structured_output import check_grammar
+from xlaserve.lora_request import LoRARequest
 from xlaserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -99,6 +100,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[Request]:
         """One Request, or n children of parent `request_id` for n > 1 (sharing the prompt's blocks
         through the prefix cache)."""
@@ -125,6 +127,7 @@ class InputProcessor:
                     cache_salt=cache_salt,
                     sampling_seed=seed,
                     parent_id=request_id if is_parent else None,
+                    lora_request=lora_request,
                 )
             )
         return requests

@@ -13,6 +13,7 @@ import msgspec
 
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
 from xlaserve.core.request import Request
+from xlaserve.lora_request import LoRARequest
 from xlaserve.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     sampling_seed: int = 0
     parent_id: str | None = None
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> EngineCoreRequest:
@@ -41,6 +43,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
             request.cache_salt,
             request.sampling_seed,
             request.parent_id,
+            request.lora_request,
         )
 
     def to_request(self) -> Request:
@@ -54,6 +57,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
             cache_salt=self.cache_salt,
             sampling_seed=self.sampling_seed,
             parent_id=self.parent_id,
+            lora_request=self.lora_request,
         )
 
 

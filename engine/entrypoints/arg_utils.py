@@ -98,6 +98,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (engine/SPEC_DECODE.md)',
     )
+    lo = parser.add_argument_group("LoRA")
+    lo.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
+    lo.add_argument(
+        "--max-loras", type=int, default=None, help="adapters in one step (device slots; default 1)"
+    )
+    lo.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
+    lo.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default: max-loras)"
+    )
+    lo.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help='adapters served from the start: name=path, or JSON {"name": ..., "path": ..., '
+        '"base_model_name": ...}; a request picks one by its "model"',
+    )
     p = parser.add_argument_group("parallelism")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
@@ -139,6 +156,10 @@ _ENGINE_KEYS = (
     "node_rank",
     "master_addr",
     "master_port",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
 )
 
 
@@ -147,6 +168,39 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {k: getattr(args, k) for k in _ENGINE_KEYS if getattr(args, k, None) is not None}
     EngineConfig.from_kwargs(args.model, **kwargs)  # validate before loading anything
     return kwargs
+
+
+def parse_lora_modules(values: list[str] | None) -> list[dict]:
+    """--lora-modules entries (vLLM's forms: `name=path`, or a JSON object with name, path and
+    optionally base_model_name) as {"name", "path", "base_model_name"} dicts."""
+    modules = []
+    for value in values or []:
+        if value.lstrip().startswith("{"):
+            try:
+                entry = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules: {value!r} is not valid JSON ({e})") from None
+            if (
+                not isinstance(entry, dict)
+                or not {"name", "path"} <= set(entry)
+                or set(entry)
+                - {
+                    "name",
+                    "path",
+                    "base_model_name",
+                }
+            ):
+                raise ValueError(
+                    f"--lora-modules: {value!r} must be an object with name, path and optionally "
+                    "base_model_name"
+                )
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {value!r} is neither name=path nor a JSON object")
+            entry = {"name": name, "path": path}
+        modules.append({"base_model_name": None, **entry})
+    return modules
 
 
 def run_follower_if_needed(args: argparse.Namespace) -> bool:

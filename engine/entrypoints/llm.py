@@ -17,6 +17,7 @@ from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import eos_token_id, start_engine
 from xlaserve.executor import follow
+from xlaserve.lora_request import LoRARequest
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
 
@@ -75,18 +76,23 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt (a string, {"prompt": ...} or {"prompt_token_ids": [...]}); outputs
-        come back in input order."""
+        come back in input order. `lora_request`: one adapter for every prompt, or one (or None: the
+        base model) per prompt; needs enable_lora=True."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._broadcast_params(sampling_params, len(prompts))
+        loras = self._broadcast_loras(lora_request, len(prompts))
         tokenized = [self.input_processor.tokenize(p) for p in prompts]
         for (_, ids), p in zip(tokenized, params):  # validate everything before adding anything
             self.input_processor.validate_prompt(ids)
             self.input_processor.validate_params(p)
+        for lora in {lora for lora in loras if lora is not None}:
+            self.engine_core.check_lora(lora)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
-        return self._run(tokenized, params, priorities, use_tqdm)
+        return self._run(tokenized, params, priorities, use_tqdm, loras)
 
     def chat(
         self,
@@ -96,6 +102,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template."""
         self._require_tokenizer("chat()")
@@ -110,7 +117,7 @@ class LLM:
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated (n must be 1)."""
@@ -158,13 +165,24 @@ class LLM:
             )
         return list(sampling_params)
 
-    def _run(self, tokenized, params, priorities, use_tqdm: bool) -> list[RequestOutput]:
+    @staticmethod
+    def _broadcast_loras(lora_request, num_prompts: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * num_prompts
+        if len(lora_request) != num_prompts:
+            raise ValueError(
+                f"lora_request has {len(lora_request)} entries; it must be one or one per prompt "
+                f"({num_prompts})"
+            )
+        return list(lora_request)
+
+    def _run(self, tokenized, params, priorities, use_tqdm: bool, loras) -> list[RequestOutput]:
         order: dict[str, int] = {}
         added: list[str] = []
         try:
-            for i, ((text, ids), p, prio) in enumerate(zip(tokenized, params, priorities)):
+            for i, ((text, ids), p, prio, lora) in enumerate(zip(tokenized, params, priorities, loras)):
                 request_id = str(next(self._request_counter))
-                added += self._add_request(request_id, text, ids, p, prio)
+                added += self._add_request(request_id, text, ids, p, prio, lora_request=lora)
                 order[request_id] = i
             results: list[RequestOutput | None] = [None] * len(order)
             with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -181,11 +199,18 @@ class LLM:
             raise
 
     def _add_request(
-        self, request_id, text, ids, params: SamplingParams, priority: int, output_kind: str = "final"
+        self,
+        request_id,
+        text,
+        ids,
+        params: SamplingParams,
+        priority: int,
+        output_kind: str = "final",
+        lora_request: LoRARequest | None = None,
     ) -> list[str]:
         now = time.time()
         requests = self.input_processor.make_requests(
-            request_id, ids, params, arrival_time=now, priority=priority
+            request_id, ids, params, arrival_time=now, priority=priority, lora_request=lora_request
         )
         self.output_processor.add_requests(request_id, requests, text, ids, now, output_kind)
         for request in requests:

@@ -28,6 +28,7 @@ class StepBatch:
     prev_rows: jax.Array
     md: AttentionMetadata
     num_padded_seqs: int = field(metadata={"static": True})
+    lora_slot_ids: jax.Array | None = None  # [T] int32 with LoRA enabled: each token's adapter slot
 
 
 def build_step_batch(
@@ -263,7 +264,7 @@ class StepInputs:
     spec: SpecInputs | None = None  # speculative drafts to verify, when some request has any
 
     def to_bytes(self) -> bytes:
-        arrays = {f"batch.{k}": v for k, v in _fields(self.batch).items()}
+        arrays = {f"batch.{k}": v for k, v in _fields(self.batch).items() if v is not None}
         arrays |= {f"md.{k}": v for k, v in _fields(self.batch.md).items()}
         arrays |= {f"sampling.{k}": v for k, v in _fields(self.sampling).items() if v is not None}
         arrays["with_logprobs"] = np.asarray(self.with_logprobs)

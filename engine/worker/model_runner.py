@@ -29,6 +29,7 @@ from tqdm import tqdm
 from xlaserve.config import EngineConfig
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
+from xlaserve.models.registry import get_model_class
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
 from xlaserve.worker.compile_guard import CompileGuard, compile_seconds, num_cache_hits, num_compiles
@@ -40,6 +41,7 @@ from xlaserve.worker.input_batch import (
     sampling_tensors,
 )
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from xlaserve.worker.lora_manager import LoRAManager
 from xlaserve.worker.model_loader import load_model
 from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
 from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, verify
@@ -51,13 +53,17 @@ logger = logging.getLogger(__name__)
 # not a static argument: hashing a model's graphdef costs ~0.3 ms on every call).
 
 
-def _forward(graphdef, params, kv_cache, input_ids, prev_ids, prev_rows, positions, logits_indices, md):
+def _forward(
+    graphdef, params, kv_cache, input_ids, prev_ids, prev_rows, positions, logits_indices, md, lora=None
+):
     """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache).
     prev_ids [S]: the previous step's sampled ids, still on the device; prev_rows [T]: where >= 0, the
-    row of prev_ids that is this token's id (async scheduling)."""
+    row of prev_ids that is this token's id (async scheduling). `lora`: a LoRABatch (models/lora.py)
+    with LoRA enabled; without it the program is the base model's."""
     input_ids = jnp.where(prev_rows >= 0, prev_ids[jnp.maximum(prev_rows, 0)], input_ids)
     model = nnx.merge(graphdef, params)
-    hidden, kv_cache = model(input_ids, positions, kv_cache, md)
+    lora_kwargs = {} if lora is None else {"lora": lora}
+    hidden, kv_cache = model(input_ids, positions, kv_cache, md, **lora_kwargs)
     return hidden, hidden[logits_indices], kv_cache
 
 
@@ -163,6 +169,19 @@ class ModelRunner:
         self.kv_spec, self.backend = model.kv_spec, model.backend
         self.graphdef, self.params = model.graphdef, model.params
         self.head_params = (model.params, model.head_dv)  # what computing logits reads
+        # Adapter slots on the device (worker/lora_manager.py), or None: LoRA off, no cost.
+        self.lora = (
+            LoRAManager(
+                config.lora,
+                get_model_class(self.model_config.architecture),
+                self.model_config,
+                model.params,
+                self.dtype,
+                self.placement,
+            )
+            if config.lora.enable_lora
+            else None
+        )
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         self._forward_fn = jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",))
@@ -223,6 +242,8 @@ class ModelRunner:
         start_compiles, start_secs, t0 = num_compiles(), compile_seconds(), time.perf_counter()
         start_hits = num_cache_hits()
         vocab = self.padded_vocab_size
+        if self.lora is not None:
+            self.lora.warm_up()
         sampler_buckets_done = set()
         for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
             num_seqs = self._num_seqs_for(num_tokens)
@@ -283,12 +304,15 @@ class ModelRunner:
         batch = build_step_batch(scheduled, num_tokens, num_seqs, self.max_blocks_per_seq, self.block_size)
         if self.num_spec_tokens:
             batch = _with_verify_indices(batch, build_spec_inputs(scheduled, num_seqs, self.num_spec_tokens))
+        if self.lora is not None:
+            batch = dataclasses.replace(batch, lora_slot_ids=np.zeros(num_tokens, np.int32))
         return self.placement.step_inputs(batch)
 
     def forward(self, kv_cache: KVCache, batch: StepBatch) -> tuple[jax.Array, jax.Array, KVCache]:
         """The model over one batch (host or device arrays): (hidden [T, D], the hidden of each
         sequence's sampled position [R, D], the updated cache). `kv_cache` is donated: use only the
         one returned. Where `batch.prev_rows` >= 0 the id is read from `last_sampled`."""
+        lora = None if self.lora is None else self.lora.batch(batch.lora_slot_ids)
         return self._forward_fn(
             self.params,
             kv_cache,
@@ -298,6 +322,7 @@ class ModelRunner:
             batch.positions,
             batch.logits_indices,
             batch.md,
+            lora,
         )
 
     def _run_forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
@@ -314,6 +339,8 @@ class ModelRunner:
         failed: set[str] = set()
         num_real = sum(s.num_new_tokens for s in scheduled)
         num_tokens = pick_bucket(self.token_buckets, num_real)
+        # Adapters first: a request whose adapter fails to load gets dummy rows in the batch below.
+        lora_slot_ids = None if self.lora is None else self.lora.step_slot_ids(scheduled, num_tokens, failed)
         batch = build_step_batch(
             scheduled,
             num_tokens,
@@ -322,6 +349,8 @@ class ModelRunner:
             self.block_size,
             failed,
         )
+        if lora_slot_ids is not None:
+            batch = dataclasses.replace(batch, lora_slot_ids=lora_slot_ids)
         sampling = [s for s in scheduled if s.is_sampling]
         with_penalties = any(s.request.sampling_params.has_penalties for s in sampling) or any(
             s.sample_index < s.request.sampling_params.min_tokens for s in sampling
@@ -451,5 +480,6 @@ class ModelRunner:
             batch.positions,
             batch.logits_indices,
             batch.md,
+            None if self.lora is None else self.lora.batch(batch.lora_slot_ids),
         )
         return lowered.compile().as_text()

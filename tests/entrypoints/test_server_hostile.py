@@ -33,6 +33,9 @@ BODIES = {  # a valid, cheap body per endpoint, to break one field at a time
     "tokenize": ("/tokenize", {"prompt": "Hi"}),
     "tokenize-chat": ("/tokenize", {"messages": CHAT}),
     "detokenize": ("/detokenize", {"tokens": [1, 2]}),
+    # LoRA is off on this server: a valid body is a 400 too, but only once every field is valid.
+    "load-lora": ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "adapter"}),
+    "unload-lora": ("/v1/unload_lora_adapter", {"lora_name": "x"}),
 }
 
 
@@ -190,6 +193,8 @@ FIELD_TYPES = {
         "string": ["model"],
     },
     "detokenize": {"string": ["model"]},
+    "load-lora": {"string": ["lora_name", "lora_path"]},
+    "unload-lora": {"string": ["lora_name"], "integer": ["lora_int_id"]},
 }
 TYPE_CASES = [
     pytest.param(endpoint, field, value, id=f"{endpoint}-{field}-{json.dumps(value)}")
@@ -348,6 +353,14 @@ RANGE_CASES = [
     ("detokenize", "tokens", [2**31]),
     ("detokenize", "tokens", [10**30]),
     ("detokenize", "tokens", [10**6]),  # within int32, past the vocabulary: the route's own check
+    ("load-lora", "lora_name", ""),
+    ("load-lora", "lora_name", "n" * 257),
+    ("load-lora", "lora_path", ""),
+    ("load-lora", "lora_path", "p" * 4097),
+    ("load-lora", "lora_name", DROP),
+    ("load-lora", "lora_path", DROP),
+    ("unload-lora", "lora_name", ""),
+    ("unload-lora", "lora_name", DROP),
 ]
 
 
@@ -356,8 +369,19 @@ RANGE_CASES = [
 )
 def test_out_of_range_is_400_naming_the_field(client, endpoint, field, value):
     path, body = BODIES[endpoint]
-    response, port = send(client, path, {**body, field: value})
+    body = {k: v for k, v in {**body, field: value}.items() if v != DROP}
+    response, port = send(client, path, body)
     check_error(response, 400, field)
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize("endpoint", ["load-lora", "unload-lora"])
+def test_lora_endpoints_without_lora_are_400(client, endpoint):
+    """Valid bodies on a server started without --enable-lora: a 400 saying so."""
+    path, body = BODIES[endpoint]
+    response, port = send(client, path, body)
+    error = check_error(response, 400, "lora_name")
+    assert "--enable-lora" in error["message"]
     check_still_serving(client, port)
 
 
@@ -518,6 +542,8 @@ TEXT_FIELDS = [  # (endpoint, body with "@" where the bad text goes, the param t
     ("completions", {"prompt": "Hi", "stop": ["ok", "@"]}, "stop"),
     ("completions", {"prompt": "Hi", "model": "@"}, "model"),
     ("completions", {"prompt": "Hi", "user": "@"}, "user"),
+    ("load-lora", {"lora_name": "a@b"}, "lora_name"),
+    ("load-lora", {"lora_path": "@"}, "lora_path"),
     ("completions", {"prompt": "Hi", "cache_salt": "@"}, "cache_salt"),
     ("chat", {"messages": [{"role": "user", "content": "@"}]}, "messages[0].content"),
     (

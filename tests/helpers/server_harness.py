@@ -158,11 +158,13 @@ def server_cache_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, server_cache_dir):
     """The session's server (with an API key); at teardown SIGTERM must stop it and its core cleanly."""
+    # Runtime LoRA updating on (LoRA itself off): the hostile-input suite reaches those endpoints too.
     proc = ServerProcess(
         str(tmp_path_factory.mktemp("server-logs")),
         server_cache_dir,
         extra_args=SESSION_SERVER_FLAGS,
         api_key=API_KEY,
+        env={"XLASERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"},
     )
     proc.wait_ready()
     core_pid = proc.core_pid()

@@ -28,7 +28,7 @@ LAYERS = [
 ]
 # Plain data every layer shares (configs, sampling parameters, user-facing outputs): they import
 # no layer at all.
-BASE = {"xlaserve.config", "xlaserve.sampling_params", "xlaserve.outputs"}
+BASE = {"xlaserve.config", "xlaserve.sampling_params", "xlaserve.outputs", "xlaserve.lora_request"}
 
 
 def module_files() -> dict[str, Path]:

@@ -23,6 +23,7 @@ import time
 
 from xlaserve.entrypoints.arg_utils import engine_kwargs
 from xlaserve.entrypoints.bench import speculative
+from xlaserve.entrypoints.bench.lora import bench_lora, is_lora_bench, print_lora
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,11 @@ def _prompts(tokenizer, conversations) -> list[dict]:
     return out
 
 
-def run_xlaserve(llm, prompts, output_len: int, batch: bool, async_scheduling: bool | None = None) -> dict:
-    """One run of the workload. async_scheduling: set the engine's mode first (None: as configured)."""
+def run_xlaserve(
+    llm, prompts, output_len: int, batch: bool, lora_requests=None, async_scheduling: bool | None = None
+) -> dict:
+    """One run of the workload. `lora_requests`: one LoRARequest (or None) per prompt, or None: the base
+    model for all. `async_scheduling`: set the engine's mode first (None: as configured)."""
     from xlaserve.sampling_params import SamplingParams
 
     cores = getattr(llm.engine_core, "ranks", [llm.engine_core])
@@ -103,7 +107,9 @@ def run_xlaserve(llm, prompts, output_len: int, batch: bool, async_scheduling: b
         for core in cores:
             core.set_async_scheduling(async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # touch
+    loras = lora_requests or [None] * len(prompts)
+    touch = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate(prompts[:1], touch, use_tqdm=False, lora_request=loras[:1])  # touch
     runners = [core.runner for core in cores]
     for r in runners:
         r.timing.watch = True  # see when each step's results are ready, even when read a step later
@@ -112,9 +118,11 @@ def run_xlaserve(llm, prompts, output_len: int, batch: bool, async_scheduling: b
     spec0 = speculative.spec_counters(llm)
     start = time.perf_counter()
     if batch:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, lora_request=loras)
     else:
-        outputs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+        outputs = [
+            llm.generate(p, params, use_tqdm=False, lora_request=lo)[0] for p, lo in zip(prompts, loras)
+        ]
     elapsed = time.perf_counter() - start
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
     tpot = [
@@ -230,7 +238,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batch = args.bench == "throughput"
     num_prompts = args.num_prompts or (64 if batch else 8)
     kwargs = engine_kwargs(args)
-    llm = LLM(args.model, **kwargs)
+    llm = LLM(
+        args.model, **{k: v for k, v in kwargs.items() if not k.endswith(("lora", "loras", "lora_rank"))}
+    )
     if args.input_len is None:
         make_workload = speculative.copy_workload if args.workload == "copy" else workload
         prompts = _prompts(llm.tokenizer, make_workload(num_prompts))
@@ -252,7 +262,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise SystemExit("--baseline-without-speculation needs --speculative-config")
         base = LLM(args.model, **{k: v for k, v in kwargs.items() if k != "speculative_config"})
         results["paired"] = speculative.run_paired(llm, base, prompts, args.output_len)
-    if args.compare_async:
+    if is_lora_bench(args):
+        engines = [llm]
+        del llm  # bench_lora releases the base engine before it builds the LoRA one
+        results["lora_bench"] = bench_lora(args, kwargs, prompts, run_xlaserve, batch, engines)
+        results["xlaserve"] = results["lora_bench"]["lora"]
+    elif args.compare_async:
         results["xlaserve_sync"] = run_xlaserve(llm, prompts, args.output_len, batch, async_scheduling=False)
         results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch, async_scheduling=True)
         sync, asyn = results["xlaserve_sync"], results["xlaserve"]
@@ -273,6 +288,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results["hf"]["tpot_s"]["mean"] / results["xlaserve"]["tpot_s"]["mean"]
         )
     _print(results)
+    if "lora_bench" in results:
+        print_lora(results)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)
@@ -366,6 +383,14 @@ def add_parser(sub, add_engine_args):
             "paired in this process, and report the TPOT ratio",
         )
         b.add_argument("--output-json", default=None)
+        b.add_argument(
+            "--num-random-loras",
+            type=int,
+            default=0,
+            help="also run the workload spread over N random adapters (on every projection) and "
+            "report the ratio to the base model; or give --lora-modules",
+        )
+        b.add_argument("--random-lora-rank", type=int, default=16, help="their rank (default 16)")
         add_engine_args(b)
         b.set_defaults(func=cmd_bench)
     return bench_sub

@@ -17,7 +17,13 @@ import logging
 import os
 import signal
 
-from xlaserve.entrypoints.arg_utils import add_tool_args, engine_kwargs, run_follower_if_needed, tool_options
+from xlaserve.entrypoints.arg_utils import (
+    add_tool_args,
+    engine_kwargs,
+    parse_lora_modules,
+    run_follower_if_needed,
+    tool_options,
+)
 
 logger = logging.getLogger("xlaserve.entrypoints.openai")
 
@@ -128,6 +134,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if run_follower_if_needed(args):  # node_rank > 0 of a multi-host engine: no HTTP, only steps
         return 0
     kwargs = engine_kwargs(args)
+    args.lora_modules = parse_lora_modules(args.lora_modules)
+    if args.lora_modules and not kwargs.get("enable_lora"):
+        raise ValueError("--lora-modules needs --enable-lora")
     if args.max_num_queued_reqs is not None:
         if args.max_num_queued_reqs < 0:
             raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
@@ -146,8 +155,16 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
     from xlaserve.entrypoints.openai.app import build_app
     from xlaserve.entrypoints.openai.guard import MAX_HEADER_BYTES
     from xlaserve.entrypoints.openai.http11 import OpenAIErrorH11Protocol
+    from xlaserve.entrypoints.openai.lora import LoRARegistry
     from xlaserve.entrypoints.openai.serving import ServerState
 
+    served_model_names = args.served_model_name or [args.model or "smollm2"]
+    loras = None
+    if engine_args.get("enable_lora"):
+        # Adapters are checked before the engine starts: a bad --lora-modules entry fails at once.
+        loras = LoRARegistry(engine_args.get("max_lora_rank") or 16, served_model_names)
+        for module in args.lora_modules:
+            loras.add(module["name"], module["path"], module["base_model_name"])
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal during start-up cancels it cleanly
@@ -173,11 +190,12 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
 
     state = ServerState(
         engine=engine,
-        served_model_names=args.served_model_name or [args.model or "smollm2"],
+        served_model_names=served_model_names,
         chat_template=chat_template,
         log_requests=not args.disable_log_requests,
         api_key=args.api_key,
         **args.tool_options,
+        loras=loras,
     )
     config = uvicorn.Config(
         build_app(state),

@@ -14,6 +14,7 @@ from xlaserve.entrypoints.openai.chat import apply_chat_template, create_chat_co
 from xlaserve.entrypoints.openai.completions import create_completion
 from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, install_error_handlers
 from xlaserve.entrypoints.openai.guard import GuardMiddleware, JSONRoute
+from xlaserve.entrypoints.openai.lora import add_lora_routes
 from xlaserve.entrypoints.openai.metrics import CONTENT_TYPE, make_registry, render
 from xlaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -86,13 +87,25 @@ def build_app(state: ServerState) -> FastAPI:
             max_model_len=engine.max_model_len,
         )
 
+    def lora_card(lora) -> ModelCard:
+        return ModelCard(
+            id=lora.lora_name,
+            created=state.started_at,
+            root=lora.lora_path,
+            parent=lora.base_model_name or state.model_name,
+            max_model_len=engine.max_model_len,
+        )
+
     @app.get("/v1/models", responses=_errors(401))
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in state.served_model_names])
+        adapters = [] if state.loras is None else [lora_card(lora) for lora in state.loras.all()]
+        return ModelList(data=[model_card(name) for name in state.served_model_names] + adapters)
 
     @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
     async def get_model(model_id: str) -> ModelCard:
-        return model_card(check_model(state, model_id))
+        name = check_model(state, model_id)
+        lora = state.lora_request(name)
+        return model_card(name) if lora is None else lora_card(lora)
 
     @app.post(
         "/v1/completions",
@@ -137,6 +150,7 @@ def build_app(state: ServerState) -> FastAPI:
         return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
 
     add_anthropic_routes(app, state)
+    add_lora_routes(app, state.loras)
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -258,6 +258,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             priority=req.priority,
             cache_salt=req.cache_salt,
             output_kind="delta" if req.stream else "final",
+            lora_request=state.lora_request(req.model),
         )
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
         raise engine_error(e) from None

@@ -153,6 +153,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
                     priority=req.priority,
                     cache_salt=req.cache_salt,
                     output_kind="delta" if req.stream else "final",
+                    lora_request=state.lora_request(req.model),
                 )
             )
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error

@@ -23,10 +23,12 @@ from xlaserve.engine.async_llm import (
     RequestStream,
 )
 from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, internal_error, param_of_value_error
+from xlaserve.entrypoints.openai.lora import LoRARegistry
 from xlaserve.entrypoints.openai.protocol import SamplingFields
 from xlaserve.entrypoints.openai.reasoning import ReasoningParser
 from xlaserve.entrypoints.openai.structured_outputs import structured_outputs_of
 from xlaserve.entrypoints.openai.tool_parsers import ToolParser
+from xlaserve.lora_request import LoRARequest
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
 
@@ -52,6 +54,11 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     tool_parser_cls: type[ToolParser] | None = None
     reasoning_parser_cls: type[ReasoningParser] | None = None
+    loras: LoRARegistry | None = None  # with --enable-lora: the adapters, by name
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names; None for the base model."""
+        return None if self.loras is None else self.loras.get(model)
 
     @property
     def model_name(self) -> str:
@@ -62,10 +69,13 @@ def check_model(state: ServerState, model: str | None) -> str:
     """The model name to report; 404 for a name this server does not serve."""
     if model is None or model in state.served_model_names:
         return state.model_name
+    if state.loras is not None and model in state.loras:
+        return model
     shown = model if len(model) <= 100 else model[:100] + "..."
+    adapters = [] if state.loras is None else [lora.lora_name for lora in state.loras.all()][:16]
     raise OpenAIError(
         404,
-        f"The model '{shown}' does not exist; this server serves {state.served_model_names}",
+        f"The model '{shown}' does not exist; this server serves {state.served_model_names + adapters}",
         param="model",
         code="model_not_found",
     )

@@ -1,0 +1,205 @@
+"""LoRAManager: the adapter slots on the device, and the adapters kept in host memory.
+
+Per layer stack and target module, A [L, in, S, R] and B [L, S, R, out] (S = max_loras + 1 slots,
+R = max_lora_rank) are allocated once, zeros, sharded like the module's kernel: A on the kernel's
+input axis (row-parallel o_proj, down_proj), B on its output axis (column-parallel q/k/v, gate, up).
+Slot 0 stays zeros: the base model. An adapter a step needs is written into a free slot (or the
+least recently used one no request of the step needs) by one jitted update with the stacks donated,
+compiled at warm-up, so loading or swapping adapters never recompiles the step. The scheduler admits
+at most max_loras adapters among running requests, so a step never needs more slots than there are.
+
+Host copies (already in the slots' layout) are kept for up to max_cpu_loras adapters, least
+recently used first out, so swapping an adapter back in does not read its files again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaserve.config import LoRAConfig
+from xlaserve.kernels.dtype_ops import is_16bit_float, word_dtype
+from xlaserve.lora_request import LoRARequest
+from xlaserve.models.lora import LORA_TARGET_MODULES, LoRABatch, LoRAWeights
+from xlaserve.models.lora_adapter import AdapterConfig, SlotLayout, load_adapter, read_adapter_config
+from xlaserve.worker.input_batch import isolate_failures
+
+logger = logging.getLogger(__name__)
+
+
+def slot_layout(params, stack_names) -> SlotLayout:
+    """stack -> module path inside a layer -> (num_layers, in, out), for every supported projection."""
+    layout: SlotLayout = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if keys[0] in stack_names and keys[-1] in ("kernel", "value") and len(leaf.shape) == 3:
+            names = keys[1:-1] if keys[-1] == "kernel" else keys[1:-2]
+            if names and names[-1] in LORA_TARGET_MODULES:
+                layout.setdefault(keys[0], {})[".".join(names)] = tuple(leaf.shape)
+    return layout
+
+
+def _write_slot(stacks: dict[str, LoRAWeights], slot, new: dict[str, LoRAWeights]) -> dict[str, LoRAWeights]:
+    """Every module's A[:, :, slot] and B[:, slot] = new's ([L, in, R] and [L, R, out])."""
+    return {
+        name: LoRAWeights(
+            a={k: v.at[:, :, slot].set(new[name].a[k]) for k, v in stack.a.items()},
+            b={k: v.at[:, slot].set(new[name].b[k]) for k, v in stack.b.items()},
+        )
+        for name, stack in stacks.items()
+    }
+
+
+class LoRAManager:
+    def __init__(self, lora_config: LoRAConfig, model_class, model_config, params, dtype, placement):
+        layer_class = getattr(model_class, "layer_class", None)
+        if not getattr(layer_class, "supports_lora", False):
+            raise ValueError(
+                f"enable_lora: {model_class.__name__} does not support LoRA adapters yet "
+                "(supported: the Llama, Mistral, Qwen2, Qwen3 and Phi-3 families)"
+            )
+        if jax.process_count() > 1:
+            # The slots are written by process 0's host work (prepare), which followers never run.
+            raise ValueError("enable_lora: LoRA is not supported on a multi-host engine yet")
+        self.max_loras = lora_config.max_loras
+        self.max_rank = lora_config.max_lora_rank
+        self.max_cpu_loras = lora_config.num_cpu_loras
+        self.layer_stacks = model_class.layer_stacks(model_config)
+        self._prepare = lambda tensors: model_class.prepare_hf_tensors(model_config, tensors)
+        self.layout = slot_layout(params, tuple(self.layer_stacks))
+        if not any(self.layout.values()):
+            raise ValueError(f"enable_lora: {model_class.__name__} has no projection an adapter could target")
+        # On CPU in 16 bits the slots are stored as words, like the layer stacks (kernels/dtype_ops.py).
+        self.dtype = jnp.dtype(dtype)
+        self._as_words = jax.default_backend() == "cpu" and is_16bit_float(self.dtype)
+        store = word_dtype(self.dtype) if self._as_words else self.dtype
+        num_slots = self.max_loras + 1
+        self.stacks: dict[str, LoRAWeights] = {}
+        self._host_dtype = np.dtype(self.dtype)
+        for stack, modules in self.layout.items():
+            a, b = {}, {}
+            for module, (num_layers, din, dout) in modules.items():
+                name = module.rsplit(".", 1)[-1]
+                a[module] = placement.zeros(
+                    (num_layers, din, num_slots, self.max_rank), store, placement.lora_sharding(name, "a")
+                )
+                b[module] = placement.zeros(
+                    (num_layers, num_slots, self.max_rank, dout), store, placement.lora_sharding(name, "b")
+                )
+            self.stacks[stack] = LoRAWeights(a, b)
+        self._write = jax.jit(_write_slot, donate_argnums=0)
+        self._slot_owner: list[int | None] = [None] * num_slots  # slot -> lora_int_id (slot 0: base)
+        self._slot_used: list[float] = [0.0] * num_slots
+        self._host: OrderedDict[int, dict] = OrderedDict()  # lora_int_id -> weights in slot layout
+        self._configs: dict[int, tuple[LoRARequest, AdapterConfig]] = {}
+        self.num_loads = 0  # adapters written into a slot
+
+    @property
+    def num_host_loras(self) -> int:
+        """Adapters held in host memory (at most max_cpu_loras)."""
+        return len(self._host)
+
+    # -- adapters ---------------------------------------------------------------------------------
+
+    def check(self, lora: LoRARequest) -> AdapterConfig:
+        """Validate the adapter's config and tensor names (cached per id): a LoRAAdapterError naming
+        the adapter and the field when it cannot be served."""
+        cached = self._configs.get(lora.lora_int_id)
+        if cached is not None and cached[0] == lora:
+            return cached[1]
+        config = read_adapter_config(lora.lora_name, lora.lora_path, self.max_rank)
+        if cached is not None:  # the same id for another adapter: forget the old one's copies
+            self._host.pop(lora.lora_int_id, None)
+            self._slot_owner = [None if owner == lora.lora_int_id else owner for owner in self._slot_owner]
+        self._configs[lora.lora_int_id] = (lora, config)
+        return config
+
+    def _host_weights(self, lora: LoRARequest) -> dict:
+        weights = self._host.get(lora.lora_int_id)
+        if weights is None:
+            weights = load_adapter(
+                self.check(lora), self.layout, self.layer_stacks, self._prepare, self.max_rank
+            )
+            self._host[lora.lora_int_id] = weights
+            while len(self._host) > self.max_cpu_loras:
+                self._host.popitem(last=False)
+        self._host.move_to_end(lora.lora_int_id)
+        return weights
+
+    def _new_slot_values(self, weights: dict | None) -> dict[str, LoRAWeights]:
+        """The host arrays one slot takes: the adapter's, zeros for the modules it does not target."""
+        out = {}
+        for stack, modules in self.layout.items():
+            a, b = {}, {}
+            for module, (num_layers, din, dout) in modules.items():
+                pair = (weights or {}).get(stack, {}).get(module)
+                if pair is None:
+                    pair = (
+                        np.zeros((num_layers, din, self.max_rank)),
+                        np.zeros((num_layers, self.max_rank, dout)),
+                    )
+                a[module], b[module] = (self._store(x) for x in pair)
+            out[stack] = LoRAWeights(a, b)
+        return out
+
+    def _store(self, x: np.ndarray) -> np.ndarray:
+        x = x.astype(self._host_dtype)
+        return x.view(np.uint16) if self._as_words else x
+
+    def _load_into_slot(self, slot: int, weights: dict | None) -> None:
+        self.stacks = self._write(self.stacks, np.int32(slot), self._new_slot_values(weights))
+
+    # -- per step ---------------------------------------------------------------------------------
+
+    def slot_of(self, lora: LoRARequest, needed: set[int]) -> int:
+        """The slot holding `lora`, writing it into one first if none does; `needed`: the ids this step
+        uses, whose slots must not be taken."""
+        lora_id = lora.lora_int_id
+        if lora_id in self._slot_owner[1:]:
+            slot = self._slot_owner.index(lora_id, 1)
+        else:
+            free = [s for s in range(1, len(self._slot_owner)) if self._slot_owner[s] not in needed]
+            if not free:
+                raise RuntimeError(
+                    f"no free LoRA slot for adapter {lora.lora_name!r}: max_loras={self.max_loras}"
+                )
+            slot = min(free, key=lambda s: (self._slot_owner[s] is not None, self._slot_used[s]))
+            t0 = time.perf_counter()
+            self._slot_owner[slot] = None  # if loading fails, the slot holds nothing valid
+            self._load_into_slot(slot, self._host_weights(lora))
+            self._slot_owner[slot] = lora_id
+            self.num_loads += 1
+            logger.info("LoRA adapter %r in slot %d (%.3fs)", lora.lora_name, slot, time.perf_counter() - t0)
+        self._slot_used[slot] = time.monotonic()
+        return slot
+
+    def step_slot_ids(self, scheduled, num_tokens: int, failed: set[str]) -> np.ndarray:
+        """Each token's slot ([num_tokens] int32; padding and base-model tokens 0), writing the step's
+        adapters into slots first. A request whose adapter cannot be loaded is added to `failed`."""
+        slot_ids = np.zeros(num_tokens, np.int32)
+        needed = {s.request.lora_id for s in scheduled if s.request.lora_request is not None}
+        offset = 0
+        for s in scheduled:
+            if s.request.lora_request is not None:
+                isolate_failures(
+                    failed, s, "loading its LoRA adapter", self._fill, slot_ids, offset, s, needed
+                )
+            offset += s.num_new_tokens
+        return slot_ids
+
+    def _fill(self, slot_ids: np.ndarray, offset: int, s, needed: set[int]) -> None:
+        slot_ids[offset : offset + s.num_new_tokens] = self.slot_of(s.request.lora_request, needed)
+
+    def batch(self, slot_ids) -> LoRABatch:
+        """What the forward takes: the slots and each token's slot ([T] int32)."""
+        return LoRABatch(self.stacks, slot_ids)
+
+    def warm_up(self) -> None:
+        """Compile the slot update (a write of zeros into slot 1) before the compile guard arms."""
+        self._load_into_slot(1, None)
+        jax.block_until_ready(self.stacks)

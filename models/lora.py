@@ -1,0 +1,126 @@
+"""LoRA on the device: the low-rank delta of a projection, for a flat batch whose tokens use different
+adapters.
+
+Adapters live in fixed slots (engine/worker/lora_manager.py): per target module and per layer,
+A [in, S, r] and B [S, r, out] with S = max_loras + 1, slot 0 all zeros (the base model), every
+adapter padded with zeros to the max rank and its scaling (alpha / r, or alpha / sqrt(r) for
+rsLoRA) folded into B. Each token carries its slot, so one program serves any mix of adapters, and
+loading an adapter only writes into its slot: nothing recompiles.
+
+The delta is computed with a one-hot over the slots: x @ A for every slot in one [in, S * r]
+matmul, the slots a token does not use zeroed by a mask built once per step, then one [S * r, out]
+matmul. It does S times the FLOPs of a per-token gather, but as two dense matmuls it was the fastest
+of the three forms measured on CPU (a gathered A[slot] per token, `jax.lax.ragged_dot` over tokens
+sorted by slot: engine/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+# Hugging Face module names an adapter may target, as our decoder layers name them too.
+LORA_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "qkv_proj",  # Phi-3's fused q, k, v (regrouped per KV head at load: models/phi3.py)
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",  # Phi-3's fused gate and up (interleaved at load)
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAWeights:
+    """The adapter slots of one layer stack ([L, ...] arrays) or of one layer, by the module's path
+    inside a decoder layer ("self_attn.q_proj", "mlp.down_proj"). A keeps the slots after the input
+    axis, so that x @ A of every slot is one matmul over a free reshape [in, S * r], with no
+    transpose in the step."""
+
+    a: dict[str, jax.Array]  # [(L,) in, S, r]
+    b: dict[str, jax.Array]  # [(L,) S, r, out], scaling folded in
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRABatch:
+    """What the forward needs for LoRA: the slots of every layer stack and each token's slot."""
+
+    stacks: dict[str, LoRAWeights]  # by layer stack name ("layers")
+    slot_ids: jax.Array  # [T] int32: 0 = the base model
+
+    def slot_mask(self) -> jax.Array:
+        """[T, S * r] float32: 1 on the columns of each token's own slot. Built once per step, outside
+        the layer scan, and shared by every projection of every layer."""
+        a = next(iter(next(iter(self.stacks.values())).a.values()))  # [L, in, S, r]
+        num_slots, rank = a.shape[-2:]
+        one_hot = jax.nn.one_hot(self.slot_ids, num_slots, dtype=jnp.float32)  # [T, S]
+        return jnp.repeat(one_hot, rank, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLoRA:
+    """One layer's adapter slots inside the layer scan, scoped to a submodule with `scope`."""
+
+    weights: LoRAWeights  # [in, S, r] / [S, r, out] arrays
+    slot_mask: jax.Array  # [T, S * r] float32 (LoRABatch.slot_mask)
+    prefix: str = ""
+
+    def scope(self, name: str) -> LayerLoRA:
+        return dataclasses.replace(self, prefix=f"{self.prefix}{name}.")
+
+    def add_delta(self, y: jax.Array, x: jax.Array, module: str) -> jax.Array:
+        """y + the delta of `module` (a name inside this scope) for x [T, in]; y when no slot targets it."""
+        key = self.prefix + module
+        if key not in self.weights.a:
+            return y
+        delta = lora_delta(x, self.weights.a[key], self.weights.b[key], self.slot_mask)
+        return y + delta.astype(y.dtype)
+
+
+def with_lora(lora: LayerLoRA | None, y: jax.Array, x: jax.Array, module: str) -> jax.Array:
+    """The call sites' hook: y, plus the LoRA delta of `module` when the step carries adapters."""
+    return y if lora is None else lora.add_delta(y, x, module)
+
+
+def scope(lora: LayerLoRA | None, name: str) -> LayerLoRA | None:
+    return None if lora is None else lora.scope(name)
+
+
+def lora_delta(
+    x: jax.Array,  # [T, in]
+    a: jax.Array,  # [in, S, r]
+    b: jax.Array,  # [S, r, out]
+    slot_mask: jax.Array,  # [T, S * r] float32
+) -> jax.Array:  # [T, out] float32
+    """The one-hot form (the module docstring says why): x @ A of every slot, masked to the token's
+    own, @ B of every slot. Slot 0 (zeros) takes part: leaving it out would cost a copy per call."""
+    din, num_slots, rank = a.shape
+    xa = jnp.matmul(x, a.reshape(din, num_slots * rank).astype(x.dtype), preferred_element_type=jnp.float32)
+    xa = xa * slot_mask  # [T, S * r]
+    return jnp.matmul(xa.astype(b.dtype), b.reshape(num_slots * rank, -1), preferred_element_type=jnp.float32)
+
+
+# The two other forms measured (engine/PERFORMANCE.md), over A as [S, in, r] and each token's slot.
+
+
+def lora_delta_gathered(x, a_sir, b, slot_ids):
+    """Per token: x @ A[slot] @ B[slot] (gathers [T, in, r] and [T, r, out])."""
+    xa = jnp.einsum("ti,tir->tr", x, a_sir[slot_ids].astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("tr,tro->to", xa.astype(b.dtype), b[slot_ids], preferred_element_type=jnp.float32)
+
+
+def lora_delta_ragged(x, a_sir, b, slot_ids):
+    """Tokens sorted by slot, `jax.lax.ragged_dot` over the groups, then unsorted."""
+    num_slots = a_sir.shape[0]
+    order = jnp.argsort(slot_ids, stable=True)
+    group_sizes = jnp.bincount(slot_ids, length=num_slots).astype(jnp.int32)
+    xa = jax.lax.ragged_dot(x[order], a_sir.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(xa.astype(b.dtype), b, group_sizes, preferred_element_type=jnp.float32)
+    return jnp.zeros_like(y).at[order].set(y)

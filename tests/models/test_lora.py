@@ -1,0 +1,181 @@
+"""Multi-LoRA against PEFT: tiny random Llama, Qwen3 and Phi-3 (fused qkv_proj / gate_up_proj) with
+three random adapters each (different ranks, targets, alpha and rsLoRA; B not zero), in float32.
+
+Each adapter's greedy tokens and their logprobs equal PEFT's; one batch mixing the three adapters
+and the base model gives each request what it gets alone; the three adapters in one step's slots
+(max_loras=3), and a fourth adapter waits for a slot without losing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.family_cases import (
+    ENGINE_ARGS,
+    NUM_GREEDY,
+    make_hf_model,
+    one_torch_thread,  # noqa: F401 - an autouse fixture
+    prompts,
+    save_hf_model,
+)
+from helpers.lora_adapters import make_adapter
+from xlaserve import LLM, LoRARequest, SamplingParams
+from xlaserve.models.lora_adapter import LoRAAdapterError, read_adapter_config
+
+peft = pytest.importorskip("peft")
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# architecture -> three adapters: (rank, alpha, use_rslora, targets)
+ADAPTERS = {
+    "LlamaForCausalLM": [
+        (4, 8, False, ["q_proj", "v_proj"]),
+        (8, 16, True, ATTN + MLP),
+        (2, 4, False, ["o_proj", "down_proj", "up_proj"]),
+    ],
+    "Qwen3ForCausalLM": [
+        (8, 4, False, ["k_proj", "gate_proj"]),
+        (3, 6, True, ATTN),
+        (6, 12, False, MLP + ["q_proj"]),
+    ],
+    "Phi3ForCausalLM": [
+        (4, 8, False, ["qkv_proj"]),
+        (8, 8, True, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+        (2, 4, False, ["gate_up_proj"]),
+    ],
+}
+MAX_RANK = 8
+
+
+def peft_greedy(model, ids: list[int]) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and each one's logprob, from full forwards (no cache)."""
+    tokens = list(ids)
+    logprobs = []
+    with torch.no_grad():
+        for _ in range(NUM_GREEDY):
+            logits = model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+            lp = torch.log_softmax(logits, -1)
+            token = int(torch.argmax(lp))
+            tokens.append(token)
+            logprobs.append(float(lp[token]))
+    return tokens[len(ids) :], np.asarray(logprobs)
+
+
+# Llama runs in the quick tier; Qwen3 (q/k norms) and Phi-3 (fused projections) with the slow tests.
+@pytest.fixture(
+    scope="module",
+    params=[
+        "LlamaForCausalLM",
+        pytest.param("Qwen3ForCausalLM", marks=pytest.mark.slow),
+        pytest.param("Phi3ForCausalLM", marks=pytest.mark.slow),
+    ],
+)
+def case(request, tmp_path_factory):
+    architecture = request.param
+    base = make_hf_model(architecture, seed=7)
+    root = tmp_path_factory.mktemp(architecture)
+    directory = save_hf_model(base, root / "base")
+    loras, references = [], []
+    the_prompts = prompts(base.config.vocab_size, seed=3)[1:]  # three prompts
+    for i, (rank, alpha, rslora, targets) in enumerate(ADAPTERS[architecture]):
+        path = str(root / f"adapter{i}")
+        model = make_adapter(base, rank, alpha, rslora, targets, path, seed=i)
+        loras.append(LoRARequest(f"adapter{i}", i + 1, path))
+        references.append([peft_greedy(model, p) for p in the_prompts])
+    references.append([peft_greedy(base, p) for p in the_prompts])  # the base model
+    llm = LLM(directory, **ENGINE_ARGS, enable_lora=True, max_loras=3, max_lora_rank=MAX_RANK)
+    return llm, loras + [None], references, the_prompts
+
+
+def ours(llm, the_prompts, loras):
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True, logprobs=0)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in the_prompts], params, use_tqdm=False, lora_request=loras
+    )
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            np.asarray([next(iter(d.values())).logprob for d in o.outputs[0].logprobs]),
+        )
+        for o in outs
+    ]
+
+
+def test_each_adapter_matches_peft(case):
+    llm, loras, references, the_prompts = case
+    for lora, expected in zip(loras, references):
+        got = ours(llm, the_prompts, lora)
+        for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected):
+            assert tokens == ref_tokens, lora
+            np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
+    # The adapters change the output: B is not zero.
+    assert len({tuple(ref[0][0]) for ref in references}) > 1
+
+
+def test_mixed_batch_gives_each_request_its_solo_output(case):
+    llm, loras, references, the_prompts = case
+    # Every prompt with every adapter and the base model, in one batch (4 x 3 requests).
+    batch_prompts = [p for p in the_prompts for _ in loras]
+    batch_loras = [lora for _ in the_prompts for lora in loras]
+    got = ours(llm, batch_prompts, batch_loras)
+    for i, (tokens, logprobs) in enumerate(got):
+        ref_tokens, ref_logprobs = references[i % len(loras)][i // len(loras)]
+        assert tokens == ref_tokens, (i, batch_loras[i])
+        np.testing.assert_allclose(logprobs, ref_logprobs, atol=2e-4)
+
+
+def test_more_adapters_than_slots_wait_their_turn(case, tmp_path):
+    """Four adapters with max_loras=3: the scheduler holds the fourth back until a slot frees;
+    every request still gets its own output."""
+    llm, loras, references, the_prompts = case
+    extra = LoRARequest("adapter0-again", 9, loras[0].lora_path)  # same weights under another id
+    batch = [loras[0], loras[1], loras[2], extra]
+    manager = llm.engine_core.runner.lora
+    loads = manager.num_loads
+    got = ours(llm, [the_prompts[0]] * 4, batch)
+    for lora, (tokens, _) in zip(batch, got):
+        index = 0 if lora is extra else loras.index(lora)
+        assert tokens == references[index][0][0]
+    assert manager.num_loads > loads  # the fourth adapter took a freed slot
+    assert manager.num_host_loras <= 3  # max_cpu_loras defaults to max_loras: least recently used out
+
+
+def _write_adapter(directory, config: dict, tensors: dict | None = None):
+    from safetensors.numpy import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    tensors = tensors or {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((4, 48), np.float32),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((48, 4), np.float32),
+    }
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    ("config", "tensors", "field"),
+    [
+        ({"r": 32, "target_modules": ["q_proj"]}, None, "r: rank 32 is above max_lora_rank=8"),
+        ({"r": 4, "target_modules": ["q_proj", "lm_head"]}, None, "target_modules: ['lm_head']"),
+        (
+            {"r": 4, "target_modules": ["embed_tokens"]},
+            {"base_model.model.model.embed_tokens.lora_embedding_A": np.zeros((4, 101), np.float32)},
+            "target_modules",
+        ),
+        ({"r": 4, "use_dora": True}, None, "use_dora"),
+        ({"r": 4, "bias": "all"}, None, "bias"),
+        ({"r": 4, "modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+        ({"r": 0}, None, "r: must be a positive integer"),
+    ],
+)
+def test_bad_adapters_are_errors_naming_the_field(tmp_path, config, tensors, field):
+    path = _write_adapter(tmp_path / "bad", config, tensors)
+    with pytest.raises(LoRAAdapterError, match=f"'bad'.*{field}".replace("[", r"\[").replace("]", r"\]")):
+        read_adapter_config("bad", path, MAX_RANK)
