@@ -24,6 +24,7 @@ from flax import nnx
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import GatedMLP
 from xlaserve.models.llama import LlamaDecoderLayer
+from xlaserve.models.quantization import QuantizedKernel
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")
@@ -166,8 +167,8 @@ class Router(nnx.Module):
         return x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32)
 
 
-class ExpertLinear(nnx.Module):
-    """One [in, out] matrix per expert, stacked: kernel [E, in, out]."""
+class ExpertLinear(QuantizedKernel, nnx.Module):
+    """One [in, out] matrix per expert, stacked: kernel [E, in, out] (quantizable: scales [E, out])."""
 
     def __init__(self, num_experts: int, din: int, dout: int, *, dtype, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(0.02)
@@ -197,9 +198,10 @@ class SparseMoeBlock(nnx.Module):
             x,
             weights,
             expert_ids,
-            self.experts_gate.kernel[...],
-            self.experts_up.kernel[...],
-            self.experts_down.kernel[...],
+            # A quantized expert stack is dequantized inside the step (fused into ragged_dot's operand).
+            self.experts_gate.dequantized_kernel(x.dtype),
+            self.experts_up.dequantized_kernel(x.dtype),
+            self.experts_down.dequantized_kernel(x.dtype),
         )
         return out if self.shared_experts is None else out + self.shared_experts(x)
 

@@ -21,6 +21,8 @@ from xlaserve.config import EngineConfig
 from xlaserve.kernels import AttentionBackend, KVCacheSpec, MLACache, get_attention_backend
 from xlaserve.kernels.dtype_ops import is_16bit_float, stacks_as_words
 from xlaserve.models.config import TransformerConfig
+from xlaserve.models.prequantized import quantization_scheme
+from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import load_params
 from xlaserve.sharding import Placement, make_mesh
@@ -102,6 +104,9 @@ def load_model(
             padded_vocab,
             tp,
         )
+    scheme, tensors = quantization_scheme(config.model.quantization, hf_config, tensors)
+    if scheme is not None:
+        logger.info("weights kept quantized on the device: %s", scheme.describe())
     t0 = time.perf_counter()
     graphdef, params = load_params(
         model_class,
@@ -111,8 +116,14 @@ def load_model(
         make_model=lambda: model_class(model_shape, backend, dtype=dtype, rngs=nnx.Rngs(0)),
         place=placement.place_param,
         sharding=placement.param_sharding,
+        quantization=scheme,
     )
-    logger.info("placed %s weights in %.2fs", model_class.__name__, time.perf_counter() - t0)
+    logger.info(
+        "placed %s weights in %.2fs: %.1f MiB",
+        model_class.__name__,
+        time.perf_counter() - t0,
+        weight_bytes(params) / 2**20,
+    )
     head_dv = None
     if jax.default_backend() == "cpu" and is_16bit_float(dtype):
         # XLA's CPU backend runs a 16-bit dot natively only with its weight as [in, out]: the tied
