@@ -233,6 +233,8 @@ def _kernel(
             kv_mask = jnp.broadcast_to(in_context[:, None], (block_kv, head_dim))
             k = plgpu.load(k_ref.at[rows, kv_head, dims], mask=kv_mask, other=0)  # [block_kv, head_dim]
             v = plgpu.load(v_ref.at[rows, kv_head, dims], mask=kv_mask, other=0)  # stale slots -> 0
+            # A float8 cache (scale 1.0) is read as q's dtype: the MMA runs in 16 bits.
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
             s = plgpu.dot(q, k, trans_b=True, precision=mma_precision(q.dtype)) * sm_scale  # [rows, block_kv]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)

@@ -95,6 +95,14 @@ def load_model(
     model_shape = model_config.replace(vocab_size=padded_vocab)
     kv_spec = model_class.kv_cache_spec(model_config)  # K and V, or MLA's one latent cache
     backend = get_attention_backend(config.compilation.attention_backend, mla=kv_spec.cache_class is MLACache)
+    if config.cache.kv_cache_dtype != "auto":
+        if kv_spec.cache_class is MLACache:
+            raise ValueError(
+                f"kv_cache_dtype={config.cache.kv_cache_dtype!r} is not supported for latent attention "
+                f"({model_config.architecture}); use kv_cache_dtype='auto'"
+            )
+        backend = backend.with_kv_cache_dtype(config.cache.kv_cache_dtype)
+        logger.info("KV cache stored in %s (scale 1.0)", backend.kv_cache_dtype.name)
     backend = shard_attention_over_kv_heads(backend, mesh)
     logger.info("attention backend: %s (%s)", backend.name, backend.reason)
     if padded_vocab != model_config.vocab_size:

@@ -130,7 +130,7 @@ class ModelRunner:
         self._sample_fn = jax.jit(partial(_sample, self.graphdef, vocab), static_argnames=("with_logprobs",))
         self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef, vocab))
 
-        self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.dtype)
+        self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.backend.cache_dtype(self.dtype))
         self.kv_cache = allocate_kv_cache(
             self.kv_spec,
             self.num_blocks,
@@ -157,7 +157,7 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
 
     def kv_bytes_per_block(self) -> int:
-        return bytes_per_block(self.kv_spec, self.block_size, self.dtype)
+        return bytes_per_block(self.kv_spec, self.block_size, self.backend.cache_dtype(self.dtype))
 
     # -- compiling ------------------------------------------------------------------------------
 
