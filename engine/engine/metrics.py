@@ -118,6 +118,11 @@ class EngineMetrics:
         self.counters["num_preemptions"] += stats.num_preemptions_total - self._last_preemptions
         self._last_preemptions = stats.num_preemptions_total
 
+    def record_engine(self, weight_bytes: int, num_kv_blocks: int) -> None:
+        """What the engine holds once ready: weight bytes on the devices and KV cache blocks."""
+        self.gauges["model_weight_bytes"] = float(weight_bytes)
+        self.gauges["num_kv_blocks"] = float(num_kv_blocks)
+
     def record_core_down(self) -> None:
         """The core died: its gauges are no longer true, and its successor counts preemptions from 0."""
         self.gauges = dict.fromkeys(self.gauges, 0.0)

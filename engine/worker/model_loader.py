@@ -72,6 +72,7 @@ class LoadedModel:
     graphdef: nnx.GraphDef
     params: nnx.State
     head_dv: jax.Array | None = None  # the tied LM head as [D, V], on CPU in 16 bits (see load_model)
+    weight_bytes: int = 0  # params and head_dv on the devices (all shards of a sharded one)
 
 
 def load_model(
@@ -140,6 +141,17 @@ def load_model(
         if model_config.tie_word_embeddings and tp == 1:
             head_dv = jax.jit(lambda table: table.T)(nnx.merge(graphdef, params).embed_tokens.weight[...])
         params = stacks_as_words(params, tuple(model_class.layer_stacks(model_config)))
+    num_weight_bytes = weight_bytes(params) + (0 if head_dv is None else weight_bytes(head_dv))
     return LoadedModel(
-        model_config, padded_vocab, dtype, mesh, placement, kv_spec, backend, graphdef, params, head_dv
+        model_config,
+        padded_vocab,
+        dtype,
+        mesh,
+        placement,
+        kv_spec,
+        backend,
+        graphdef,
+        params,
+        head_dv,
+        num_weight_bytes,
     )

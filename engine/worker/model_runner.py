@@ -122,6 +122,7 @@ class ModelRunner:
         self.mesh, self.placement = model.mesh, model.placement
         self.kv_spec, self.backend = model.kv_spec, model.backend
         self.graphdef, self.params = model.graphdef, model.params
+        self.weight_bytes = model.weight_bytes  # the /metrics gauge xlaserve:model_weight_bytes
         self.head_params = (model.params, model.head_dv)  # what computing logits reads
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
