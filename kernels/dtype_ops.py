@@ -63,7 +63,12 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 def matmul(
-    x: jax.Array, w: jax.Array, out_dtype=None, scale: jax.Array | None = None, zero: jax.Array | None = None
+    x: jax.Array,
+    w: jax.Array,
+    out_dtype=None,
+    scale: jax.Array | None = None,
+    zero: jax.Array | None = None,
+    block: tuple[int, int] | None = None,
 ) -> jax.Array:
     """x @ w accumulated in float32, returned in `out_dtype` (default: x's dtype).
 
@@ -71,24 +76,28 @@ def matmul(
     float32 scales, one per block: [.., in / b_in, out / b_out]. One block along `in` ([.., 1, out]:
     per output channel, no `zero`): the scale multiplies the accumulator and the weight is only
     converted to x's dtype inside the dot, which XLA fuses (on this CPU as fast as a bfloat16 weight:
-    engine/QUANTIZATION.md). Other blocks: the weight is dequantized first (still inside the step)."""
+    engine/QUANTIZATION.md). Other blocks ([b_in, b_out] = `block`): the weight is dequantized first
+    (still inside the step)."""
     out_dtype = out_dtype or x.dtype
     if scale is None:
         return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
     if scale.shape[-2] == 1 and zero is None:
         y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
         return (y * scale[..., 0, :]).astype(out_dtype)
-    y = jnp.matmul(x, dequantize(w, scale, x.dtype, zero), preferred_element_type=jnp.float32)
+    y = jnp.matmul(x, dequantize(w, scale, x.dtype, zero, block), preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 
 
-def dequantize(w: jax.Array, scale: jax.Array, dtype, zero: jax.Array | None = None) -> jax.Array:
+def dequantize(
+    w: jax.Array, scale: jax.Array, dtype, zero: jax.Array | None = None, block: tuple[int, int] | None = None
+) -> jax.Array:
     """A quantized [.., in, out] weight in `dtype`: w * scale (+ zero), `scale` and `zero` one per
-    block ([.., in / b_in, out / b_out]), each repeated over its block."""
+    [b_in, b_out] `block` ([.., ceil(in / b_in), ceil(out / b_out)]), each repeated over its block.
+    `block` None: as the shapes divide (exact when the blocks tile the weight)."""
 
     def expand(s):
-        for axis in (-2, -1):
-            s = jnp.repeat(s, -(-w.shape[axis] // s.shape[axis]), axis=axis)
+        for axis, size in zip((-2, -1), block or (None, None)):
+            s = jnp.repeat(s, size or -(-w.shape[axis] // s.shape[axis]), axis=axis)
         return s[..., : w.shape[-2], : w.shape[-1]]
 
     out = w.astype(jnp.float32) * expand(scale)

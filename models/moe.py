@@ -24,7 +24,7 @@ from flax import nnx
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import GatedMLP
 from xlaserve.models.llama import LlamaDecoderLayer
-from xlaserve.models.quantization import QuantizedKernel
+from xlaserve.models.quantization import QuantizedKernel, stack_tensors
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")
@@ -257,7 +257,7 @@ def stack_expert_tensors(tensors: dict[str, np.ndarray], num_experts: int) -> di
         missing += [f"{block}.experts.{e}.{proj}.weight" for e in absent]
         if not absent:
             ours = _EXPERT_PROJECTIONS[proj]
-            out[f"{block}.experts_{ours}.weight"] = np.stack([experts[e] for e in range(num_experts)])
+            out[f"{block}.experts_{ours}.weight"] = stack_tensors([experts[e] for e in range(num_experts)])
             # Experts past num_experts stay under their own names: the loader reports them as unexpected.
         for e in sorted(set(experts) - set(range(num_experts))):
             out[f"{block}.experts.{e}.{proj}.weight"] = experts[e]

@@ -46,13 +46,14 @@ def quantization_scheme(
         block = config.get("weight_block_size")
         if block is not None:
             bo, bi = (int(b) for b in block)
-            scheme = QuantScheme(QUANT_DTYPES["fp8"], block=(bi, bo))
-            tensors = _join_scales(tensors, "_scale_inv")
+            scheme = QuantScheme(QUANT_DTYPES["fp8"], block=(bi, bo), checkpoint_only=True)
+            tensors = _join_scales(tensors, "_scale_inv", block=(bo, bi))
         else:
-            scheme = QuantScheme(QUANT_DTYPES["fp8"])
+            scheme = QuantScheme(QUANT_DTYPES["fp8"], checkpoint_only=True)
             tensors = _join_scales(tensors, "_scale")
     elif kind == "compressed-tensors":
-        scheme, tensors = QuantScheme(QUANT_DTYPES["fp8"]), _compressed_tensors(config, tensors)
+        scheme = QuantScheme(QUANT_DTYPES["fp8"], checkpoint_only=True)
+        tensors = _compressed_tensors(config, tensors)
     else:
         raise ValueError(
             f"quantization_config.quant_method={kind!r} is not supported: expected 'fp8' (block or "
@@ -79,7 +80,7 @@ def _compressed_tensors(config: dict[str, Any], tensors: dict) -> dict:
     return _join_scales(tensors, "_scale")
 
 
-def _join_scales(tensors: dict, suffix: str) -> dict:
+def _join_scales(tensors: dict, suffix: str, block: tuple[int, int] | None = None) -> dict:
     """`{name}.weight` (float8) with `{name}.weight{suffix}` -> one QuantizedTensor; scales of any
     shape become q's rank (a scalar: per tensor; [out]: per channel; [out / b, in / b]: blocks)."""
     out = {}
@@ -96,7 +97,7 @@ def _join_scales(tensors: dict, suffix: str) -> dict:
         elif scale.ndim < array.ndim:  # per channel [.., out]
             scale = scale[..., None]
         q = array if np.dtype(array.dtype) == _FP8 else np.asarray(array).view(_FP8)
-        out[name] = QuantizedTensor(q, scale)
+        out[name] = QuantizedTensor(q, scale, block=block)
     return out
 
 

@@ -44,6 +44,9 @@ class QuantScheme:
     dtype: jnp.dtype
     block: tuple[int, int] | None = None
     has_zero: bool = False
+    # A checkpoint released quantized: only the modules it stores quantized are (vLLM keeps the
+    # others, e.g. a compressed-tensors `ignore` list, in float). Else every projection.
+    checkpoint_only: bool = False
 
     def block_of(self, kernel_shape: tuple[int, ...]) -> tuple[int, int]:
         return (kernel_shape[-2], 1) if self.block is None else self.block
@@ -74,6 +77,7 @@ class QuantizedTensor:
     q: np.ndarray
     scale: np.ndarray
     zero: np.ndarray | None = None
+    block: tuple[int, int] | None = None  # the last two axes' block; None: as the shapes divide
 
     def transposed(self) -> QuantizedTensor:
         """In our [.., in, out] layout (block scales and zeros transposed with it)."""
@@ -81,11 +85,23 @@ class QuantizedTensor:
         def t(a):
             return None if a is None else np.swapaxes(a, -1, -2)
 
-        return QuantizedTensor(t(self.q), t(self.scale), t(self.zero))
+        block = None if self.block is None else self.block[::-1]
+        return QuantizedTensor(t(self.q), t(self.scale), t(self.zero), block)
 
     def dequantized(self) -> np.ndarray:
         """float32, in the layout of `q`."""
-        return dequantize_array(self.q, self.scale, self.zero)
+        return dequantize_array(self.q, self.scale, self.zero, self.block)
+
+
+def stack_tensors(arrays: list) -> np.ndarray | QuantizedTensor:
+    """np.stack, also of a checkpoint's `QuantizedTensor`s (stacked field by field: MoE experts)."""
+    if not any(isinstance(a, QuantizedTensor) for a in arrays):
+        return np.stack(arrays)
+    if not all(isinstance(a, QuantizedTensor) for a in arrays):  # mixed: dequantize every one
+        return np.stack([a.dequantized() if isinstance(a, QuantizedTensor) else a for a in arrays])
+    zeros = None if arrays[0].zero is None else np.stack([a.zero for a in arrays])
+    stacked = (np.stack([a.q for a in arrays]), np.stack([a.scale for a in arrays]))
+    return QuantizedTensor(*stacked, zeros, arrays[0].block)
 
 
 def dtype_max(dtype) -> float:
@@ -95,9 +111,9 @@ def dtype_max(dtype) -> float:
     return float(ml_dtypes.finfo(dtype).max)
 
 
-def _expand_blocks(scale: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    for axis in (-2, -1):
-        scale = np.repeat(scale, -(-shape[axis] // scale.shape[axis]), axis=axis)
+def _expand_blocks(scale: np.ndarray, shape: tuple[int, ...], block=None) -> np.ndarray:
+    for axis, size in zip((-2, -1), block or (None, None)):
+        scale = np.repeat(scale, size or -(-shape[axis] // scale.shape[axis]), axis=axis)
     return scale[..., : shape[-2], : shape[-1]]
 
 
@@ -114,18 +130,20 @@ def quantize_array(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
     blocks = padded.reshape(*lead, padded.shape[-2] // bi, bi, padded.shape[-1] // bo, bo)
     scale = blocks.max(axis=(-3, -1)) / dtype_max(dtype)
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = w / _expand_blocks(scale, w.shape)
+    q = w / _expand_blocks(scale, w.shape, (bi, bo))
     if jnp.issubdtype(dtype, jnp.integer):
         q = np.clip(np.rint(q), -dtype_max(dtype), dtype_max(dtype))
     zero = np.zeros_like(scale) if scheme.has_zero else None
-    return QuantizedTensor(q.astype(dtype), scale, zero)
+    return QuantizedTensor(q.astype(dtype), scale, zero, (bi, bo))
 
 
-def dequantize_array(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None) -> np.ndarray:
+def dequantize_array(
+    q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None, block=None
+) -> np.ndarray:
     """Host float32 of a quantized array (either layout): q * scale (+ zero), each block's scale
     (`scale` has q's rank: [.., a / b_a, b / b_b]) repeated over its block."""
-    w = np.asarray(q).astype(np.float32) * _expand_blocks(np.asarray(scale, np.float32), q.shape)
-    return w if zero is None else w + _expand_blocks(np.asarray(zero, np.float32), q.shape)
+    w = np.asarray(q).astype(np.float32) * _expand_blocks(np.asarray(scale, np.float32), q.shape, block)
+    return w if zero is None else w + _expand_blocks(np.asarray(zero, np.float32), q.shape, block)
 
 
 class QuantizedKernel:
@@ -135,6 +153,7 @@ class QuantizedKernel:
     kernel_scale: nnx.Param | None = None
     kernel_zero: nnx.Param | None = None
     quant_dtype: str | None = None  # the kernel's dtype when stored as uint8 words (CPU float8)
+    quant_block: tuple[int, int] | None = None  # [in, out] covered by one scale; None: per channel
 
     def stored_kernel(self) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
         """(kernel in its real dtype, scales or None, zeros or None)."""
@@ -147,29 +166,35 @@ class QuantizedKernel:
     def dequantized_kernel(self, dtype) -> jax.Array:
         """The kernel in `dtype`, for the few callers that need the matrix itself (MLA, experts)."""
         kernel, scale, zero = self.stored_kernel()
-        return kernel.astype(dtype) if scale is None else dequantize(kernel, scale, dtype, zero)
+        if scale is None:
+            return kernel.astype(dtype)
+        return dequantize(kernel, scale, dtype, zero, self.quant_block)
 
     def project(self, x: jax.Array, out_dtype=None) -> jax.Array:
         kernel, scale, zero = self.stored_kernel()
-        return matmul(x, kernel, out_dtype, scale=scale, zero=zero)
+        return matmul(x, kernel, out_dtype, scale=scale, zero=zero, block=self.quant_block)
 
 
-def quantize_modules(model: nnx.Module, scheme: QuantScheme | None) -> nnx.Module:
+def quantize_modules(model: nnx.Module, scheme: QuantScheme | None, keep=None) -> nnx.Module:
     """Swap the kernel of every `QuantizedKernel` module (bar the LM head) for a zeroed quantized one
     in `scheme`, with its scales (and zeros); None: the model as it is. Meant to run inside the
     `make_model` of `load_params` (under `nnx.eval_shape`, so nothing is computed): the loader fills
-    them. On CPU a float8 kernel is stored as uint8 words (kernels/dtype_ops.py)."""
+    them. On CPU a float8 kernel is stored as uint8 words (kernels/dtype_ops.py). `keep(module path)`:
+    whether that module is quantized (default: all)."""
     if scheme is None:
         return model
     dtype = jnp.dtype(scheme.dtype)
     for path, module in list(nnx.iter_graph(model)):
         if not isinstance(module, QuantizedKernel) or any(p in _KEEP_FLOAT for p in path):
             continue
+        if keep is not None and not keep(tuple(str(p) for p in path)):
+            continue
         shape = module.kernel[...].shape
         kernel = jnp.zeros(shape, dtype)
         if jax.default_backend() == "cpu":
             kernel = as_words(kernel)
         module.quant_dtype = dtype.name if kernel.dtype != dtype else None
+        module.quant_block = scheme.block
         module.kernel = nnx.Param(kernel)
         module.kernel_scale = nnx.Param(jnp.ones(scheme.scale_shape(shape), jnp.float32))
         if scheme.has_zero:
@@ -218,6 +243,7 @@ def _fits(array: QuantizedTensor, scheme: QuantScheme, shape_of: dict, is_stacke
     return (
         np.dtype(array.q.dtype) == np.dtype(scheme.dtype)
         and array.scale.shape == tuple(scale_shape)
+        and (scheme.block is None or array.block == scheme.block)
         and (array.zero is None or ZERO in shape_of)
     )
 

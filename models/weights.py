@@ -110,7 +110,24 @@ def load_params(
     this scheme (models/quantization.py): float tensors are quantized here, on the host, and a
     checkpoint's `QuantizedTensor`s placed as they are when they match it.
     """
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: quantize_modules(make_model(), quantization)))
+    is_hf = not isinstance(tensors, (DummyWeights, ConvertedParams))
+    if is_hf:
+        tensors = model_class.prepare_hf_tensors(cfg, tensors)
+    stacks = model_class.layer_stacks(cfg)
+    keep_quantized = None
+    if quantization is not None and quantization.checkpoint_only and is_hf:
+        # A checkpoint released quantized: only the modules whose weights it stores quantized are.
+        def keep_quantized(module_path: tuple[str, ...]) -> bool:
+            layer = stacks[module_path[0]][0] if module_path[0] in stacks else None
+            name = hf_name(
+                ("layers", *module_path[1:], "kernel") if layer is not None else (*module_path, "kernel"),
+                layer,
+            )
+            return isinstance(tensors.get(name), QuantizedTensor)
+
+    graphdef, abstract = nnx.split(
+        nnx.eval_shape(lambda: quantize_modules(make_model(), quantization, keep_quantized))
+    )
     expected = _flatten(nnx.to_pure_dict(abstract))
     if isinstance(tensors, DummyWeights):
         sharding = sharding or (lambda path, shape: jax.sharding.SingleDeviceSharding(jax.devices()[0]))
@@ -127,8 +144,6 @@ def load_params(
         flat = _place_converted(model_class, cfg, expected, tensors, dtype, place, quantization)
         abstract.replace_by_pure_dict(_unflatten(flat))
         return graphdef, abstract
-    tensors = model_class.prepare_hf_tensors(cfg, tensors)
-    stacks = model_class.layer_stacks(cfg)
     place = place or (lambda path, array: jax.device_put(array))
     used: set[str] = set()
     missing: list[str] = []
