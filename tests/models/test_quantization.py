@@ -311,3 +311,16 @@ def test_unsupported_quantization_config_is_an_error_naming_it():
         quantization_scheme(
             None, {"quantization_config": {"quant_method": "compressed-tensors", **config}}, {}
         )
+
+
+def test_fp8_activation_path_is_within_fp8_error_of_the_dequantized_dot():
+    """What a GPU with float8 tensor cores runs (`fp8_matmul`: activations quantized per token),
+    computed here on CPU: within float8's rounding of x @ dequantized w."""
+    from xlaserve.kernels.dtype_ops import fp8_matmul
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(5, 64)), jnp.bfloat16)
+    w = quantize_array(rng.normal(size=(64, 32)).astype(np.float32), QuantScheme(jnp.float8_e4m3fn))
+    got = np.asarray(fp8_matmul(x, jnp.asarray(w.q), jnp.asarray(w.scale[0])))
+    want = np.asarray(x, np.float32) @ w.dequantized()
+    assert rel_err(got, want) <= 0.05
