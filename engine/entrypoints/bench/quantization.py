@@ -25,7 +25,7 @@ MODES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from xlaserve import LLM
+    from xlaserve.entrypoints.llm import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
