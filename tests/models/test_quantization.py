@@ -324,3 +324,14 @@ def test_fp8_activation_path_is_within_fp8_error_of_the_dequantized_dot():
     got = np.asarray(fp8_matmul(x, jnp.asarray(w.q), jnp.asarray(w.scale[0])))
     want = np.asarray(x, np.float32) @ w.dequantized()
     assert rel_err(got, want) <= 0.05
+
+
+def test_engine_args_name_the_field_and_the_choices():
+    from xlaserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"quantization must be one of .*'int8'.* got 'awq'"):
+        EngineConfig.from_kwargs(None, quantization="awq")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of .*'fp8_e5m2'.* got 'int4'"):
+        EngineConfig.from_kwargs(None, kv_cache_dtype="int4")
+    config = EngineConfig.from_kwargs(None, quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    assert (config.model.quantization, config.cache.kv_cache_dtype) == ("fp8", "fp8_e4m3")
