@@ -15,6 +15,10 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
 _ATTENTION_BACKENDS = ("auto", "reference", "pallas", "jax-triton")
 _LOAD_FORMATS = ("auto", "dummy")
+# vLLM's names. int8/fp8: quantize a float checkpoint at load; gguf: keep a GGUF's quantized tensors;
+# a checkpoint quantized at release (config.json's quantization_config) needs no flag.
+QUANTIZATION_METHODS = ("int8", "fp8", "gguf", "compressed-tensors")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -32,8 +36,14 @@ class ModelConfig:
     load_format: str = "auto"  # dummy: random weights, config and tokenizer from the model directory
     # No tokenizer (the directory need not have one): prompts are token ids, outputs token ids only.
     skip_tokenizer_init: bool = False
+    # QUANTIZATION_METHODS; None: as the checkpoint is (models/quantization.py, models/prequantized.py)
+    quantization: str | None = None
 
     def __post_init__(self):
+        _require(
+            self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+            f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}",
+        )
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         _require(
             self.load_format in _LOAD_FORMATS,
@@ -54,8 +64,14 @@ class CacheConfig:
     # in worker/model_runner.py); on GPU, gpu_memory_utilization of the device's memory, less what is in use.
     kv_cache_memory: int | None = None
     num_gpu_blocks_override: int | None = None
+    # auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per value, twice the blocks.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
         _require(
             self.block_size in (8, 16, 32, 64, 128),
             f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}",

@@ -75,6 +75,14 @@ class Tiling:
         return tiling
 
 
+FP8_CACHE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def _cache_dtype_ok(cache_dtype, q_dtype) -> bool:
+    """The cache holds q's dtype, or float8 (`--kv-cache-dtype fp8`, scale 1.0: read as q's dtype)."""
+    return jnp.dtype(cache_dtype) in (jnp.dtype(q_dtype), *FP8_CACHE_DTYPES)
+
+
 def check_power_of_2(name: str, value, *, minimum: int) -> None:
     if not isinstance(value, int) or value < minimum or value & (value - 1):
         raise ValueError(f"{name} must be a power of two >= {minimum}, got {value!r}")
@@ -130,7 +138,7 @@ def validate_attention_args(
         )
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype must be one of float32, bfloat16, float16, got {q.dtype}")
-    if jnp.dtype(k_cache.dtype) != jnp.dtype(q.dtype) or jnp.dtype(v_cache.dtype) != jnp.dtype(q.dtype):
+    if not all(_cache_dtype_ok(c.dtype, q.dtype) for c in (k_cache, v_cache)):
         raise ValueError(
             f"k_cache/v_cache dtypes ({k_cache.dtype}, {v_cache.dtype}) must equal the q dtype {q.dtype}"
         )

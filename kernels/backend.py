@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 # until a GPU session has measured, Pallas leads because it needs no package beyond jax[cuda12].
 AUTO_GPU_ORDER = ("pallas", "jax-triton")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+KV_CACHE_FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 SELF_CHECK_TOLERANCE = 2e-2  # bfloat16 inputs and outputs, relative to 1 + |reference|
 
 
@@ -60,9 +61,26 @@ class AttentionBackend:
     # otherwise convert the whole cache to float32 for every gather and scatter (dtype_ops.py).
     cache_words: bool = False
 
+    # --kv-cache-dtype fp8/fp8_e4m3/fp8_e5m2: the float8 dtype K and V are stored in (scale 1.0).
+    kv_cache_dtype: jnp.dtype | None = None
+
     def cache_dtype(self, dtype):
         """The dtype the K/V cache of a model computing in `dtype` is stored in."""
+        dtype = self.kv_cache_dtype or jnp.dtype(dtype)
         return word_dtype(dtype) if self.cache_words else jnp.dtype(dtype)
+
+    def with_kv_cache_dtype(self, name: str) -> AttentionBackend:
+        """This backend over a cache of `name` (vLLM's --kv-cache-dtype): auto is the model's dtype;
+        fp8 (= fp8_e4m3) and fp8_e5m2 store one byte per value, read back as the model's dtype. The
+        reference keeps them as uint8 words (kernels/dtype_ops.py) and is told which float8 they hold."""
+        if name == "auto":
+            return self
+        fp8 = jnp.dtype(KV_CACHE_FP8_DTYPES[name])
+        attention = self.attention
+        if self.attention is reference.ragged_paged_attention:
+            attention = functools.partial(reference.ragged_paged_attention, kv_dtype=fp8)
+        write_kv = functools.partial(reference.write_kv, kv_dtype=fp8)
+        return dataclasses.replace(self, attention=attention, write_kv=write_kv, kv_cache_dtype=fp8)
 
 
 def get_attention_backend(name: str = "auto", *, mla: bool = False) -> AttentionBackend:

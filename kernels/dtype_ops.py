@@ -24,21 +24,37 @@ def is_16bit_float(dtype) -> bool:
     return dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
 
 
+def is_8bit_float(dtype) -> bool:
+    """float8_e4m3fn, float8_e5m2, ...: stored as uint8 words on CPU like 16-bit floats as uint16
+    (XLA's CPU backend upcasts them for every gather, slice and scatter)."""
+    dtype = jnp.dtype(dtype)
+    return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _word_of(dtype):
+    if is_16bit_float(dtype):
+        return jnp.dtype(jnp.uint16)
+    if is_8bit_float(dtype):
+        return jnp.dtype(jnp.uint8)
+    return None
+
+
 def as_words(x: jax.Array) -> jax.Array:
-    """A 16-bit float array as uint16 words (a bitcast, no copy); other dtypes as they are."""
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if is_16bit_float(x.dtype) else x
+    """A 16-bit (8-bit) float array as uint16 (uint8) words (a bitcast, no copy); others as they are."""
+    word = _word_of(x.dtype)
+    return x if word is None else jax.lax.bitcast_convert_type(x, word)
 
 
 def from_words(words: jax.Array, dtype) -> jax.Array:
-    """The inverse of `as_words`: uint16 words seen as `dtype`; anything else as it is."""
-    if words.dtype == jnp.uint16 and is_16bit_float(dtype):
+    """The inverse of `as_words`: uint16 or uint8 words seen as `dtype`; anything else as it is."""
+    if words.dtype != dtype and words.dtype == _word_of(dtype):
         return jax.lax.bitcast_convert_type(words, dtype)
     return words
 
 
 def word_dtype(dtype):
     """The dtype an array of `dtype` is stored in by `as_words`."""
-    return jnp.uint16 if is_16bit_float(dtype) else jnp.dtype(dtype)
+    return _word_of(dtype) or jnp.dtype(dtype)
 
 
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -46,9 +62,71 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     return from_words(as_words(table)[ids], table.dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """x @ w accumulated in float32, returned in `out_dtype` (default: x's dtype)."""
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
+def matmul(
+    x: jax.Array,
+    w: jax.Array,
+    out_dtype=None,
+    scale: jax.Array | None = None,
+    zero: jax.Array | None = None,
+    block: tuple[int, int] | None = None,
+) -> jax.Array:
+    """x @ w accumulated in float32, returned in `out_dtype` (default: x's dtype).
+
+    `scale`: `w` [.., in, out] is quantized (models/quantization.py: int8 or float8) and `scale` its
+    float32 scales, one per block: [.., in / b_in, out / b_out]. One block along `in` ([.., 1, out]:
+    per output channel, no `zero`): the scale multiplies the accumulator and the weight is only
+    converted to x's dtype inside the dot, which XLA fuses (on this CPU as fast as a bfloat16 weight:
+    engine/QUANTIZATION.md). Other blocks ([b_in, b_out] = `block`): the weight is dequantized first
+    (still inside the step)."""
+    out_dtype = out_dtype or x.dtype
+    if scale is None:
+        return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+    if scale.shape[-2] == 1 and zero is None and w.dtype == jnp.float8_e4m3fn and has_native_fp8():
+        return fp8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
+    if scale.shape[-2] == 1 and zero is None:
+        y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        return (y * scale[..., 0, :]).astype(out_dtype)
+    y = jnp.matmul(x, dequantize(w, scale, x.dtype, zero, block), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+def has_native_fp8() -> bool:
+    """A device whose tensor cores multiply float8 (NVIDIA compute capability 8.9+: Ada, Hopper)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    try:
+        return tuple(int(v) for v in str(device.compute_capability).split(".")) >= (8, 9)
+    except (AttributeError, ValueError):
+        return False
+
+
+def fp8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """[T, in] @ float8_e4m3fn [in, out] with the activations quantized per token on the fly
+    (scale = max |x| of the row / 448), a float8 x float8 dot accumulated in float32, then both
+    scales: vLLM's dynamic FP8 (W8A8). -> float32 [T, out]."""
+    limit = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    x32 = x.astype(jnp.float32)
+    x_scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True), 1e-12) / limit  # [T, 1]
+    xq = jnp.clip(x32 / x_scale, -limit, limit).astype(jnp.float8_e4m3fn)
+    y = jnp.matmul(xq, w, preferred_element_type=jnp.float32)
+    return y * x_scale * w_scale
+
+
+def dequantize(
+    w: jax.Array, scale: jax.Array, dtype, zero: jax.Array | None = None, block: tuple[int, int] | None = None
+) -> jax.Array:
+    """A quantized [.., in, out] weight in `dtype`: w * scale (+ zero), `scale` and `zero` one per
+    [b_in, b_out] `block` ([.., ceil(in / b_in), ceil(out / b_out)]), each repeated over its block.
+    `block` None: as the shapes divide (exact when the blocks tile the weight)."""
+
+    def expand(s):
+        for axis, size in zip((-2, -1), block or (None, None)):
+            s = jnp.repeat(s, size or -(-w.shape[axis] // s.shape[axis]), axis=axis)
+        return s[..., : w.shape[-2], : w.shape[-1]]
+
+    out = w.astype(jnp.float32) * expand(scale)
+    return (out if zero is None else out + expand(zero)).astype(dtype)
 
 
 def einsum(spec: str, *operands: jax.Array) -> jax.Array:

@@ -231,8 +231,15 @@ def _kernel(
             pages = plgpu.load(block_tables_ref.at[seq, kv_pos // block_size], mask=in_context, other=0)
             rows = (pages * block_size + kv_pos % block_size)[:, None]  # [block_kv, 1]
             kv_mask = jnp.broadcast_to(in_context[:, None], (block_kv, head_dim))
-            k = plgpu.load(k_ref.at[rows, kv_head, dims], mask=kv_mask, other=0)  # [block_kv, head_dim]
-            v = plgpu.load(v_ref.at[rows, kv_head, dims], mask=kv_mask, other=0)  # stale slots -> 0
+            if k_ref.dtype.itemsize == 1:
+                # A float8 cache (scale 1.0), read as q's dtype: the MMA runs in 16 bits. Triton's
+                # lowering cannot fill a masked float8 load, so load whole rows (out-of-context rows
+                # point at the null block) and zero them after the convert.
+                k = jnp.where(kv_mask, plgpu.load(k_ref.at[rows, kv_head, dims]).astype(q.dtype), 0)
+                v = jnp.where(kv_mask, plgpu.load(v_ref.at[rows, kv_head, dims]).astype(q.dtype), 0)
+            else:
+                k = plgpu.load(k_ref.at[rows, kv_head, dims], mask=kv_mask, other=0)  # [block_kv, head_dim]
+                v = plgpu.load(v_ref.at[rows, kv_head, dims], mask=kv_mask, other=0)  # stale slots -> 0
             s = plgpu.dot(q, k, trans_b=True, precision=mma_precision(q.dtype)) * sm_scale  # [rows, block_kv]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)

@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xlaserve.kernels.dtype_ops import as_words, from_words, is_16bit_float
+from xlaserve.kernels.dtype_ops import as_words, from_words, is_8bit_float, is_16bit_float
 
 DEFAULT_TOKENS_PER_CHUNK = 64  # KV tokens per loop step of the decode and short paths
 DEFAULT_TILE_QUERIES = 64  # queries per tile of the long path
@@ -40,8 +40,12 @@ def write_kv(
     k: jax.Array,  # [T, num_kv_heads, head_dim]
     v: jax.Array,  # [T, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # [T] int32: block_id * block_size + offset
+    *,
+    kv_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter this step's keys and values into their cache slots (padding goes to the null block)."""
+    """Scatter this step's keys and values into their cache slots (padding goes to the null block).
+    A float8 cache (`kv_dtype`: the float8 its uint8 words hold; default float8_e4m3fn) stores them
+    with scale 1.0, saturated at the format's largest value (as vLLM's fp8 cache with no scales)."""
     block_size = k_cache.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
 
@@ -50,9 +54,22 @@ def write_kv(
             if not is_16bit_float(new.dtype):
                 raise TypeError(f"a cache of 16-bit words takes 16-bit float keys/values, got {new.dtype}")
             return cache.at[blocks, offsets].set(as_words(new))
+        if cache.dtype == jnp.uint8 or is_8bit_float(cache.dtype):  # --kv-cache-dtype fp8 (words on CPU)
+            fp8 = kv_dtype or (cache.dtype if is_8bit_float(cache.dtype) else FP8_E4M3)
+            new = to_fp8(new, fp8)
+            return cache.at[blocks, offsets].set(as_words(new) if cache.dtype == jnp.uint8 else new)
         return cache.at[blocks, offsets].set(new.astype(cache.dtype))
 
     return write(k_cache, k), write(v_cache, v)
+
+
+FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def to_fp8(x: jax.Array, dtype) -> jax.Array:
+    """x in float8 `dtype` with scale 1.0, saturated (a plain cast would give NaN past the range)."""
+    limit = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32), -limit, limit).astype(dtype)
 
 
 def token_positions(
@@ -85,6 +102,7 @@ def ragged_paged_attention(
     tile_queries: int = DEFAULT_TILE_QUERIES,
     tile_kv_tokens: int = DEFAULT_TILE_KV_TOKENS,
     short_context: int = DEFAULT_SHORT_CONTEXT,
+    kv_dtype=None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Causal attention of each new token over its sequence's paged context.
 
@@ -92,6 +110,7 @@ def ragged_paged_attention(
     ``sliding_window`` w lets a query at position p see keys at positions > p - w.
     ``soft_cap`` c maps scores s to c * tanh(s / c) before the softmax.
     The other keywords only choose how the work is split (see the module docstring).
+    ``kv_dtype``: the float8 dtype a uint8 cache's words hold (`--kv-cache-dtype fp8`; default e4m3).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -104,6 +123,8 @@ def ragged_paged_attention(
     # A cache of 16-bit floats stored as uint16 words (the reference backend's: kernels/dtype_ops.py)
     # is gathered as words and only the gathered pages are seen as q's dtype again.
     value_dtype = q.dtype if k_cache.dtype == jnp.uint16 else k_cache.dtype
+    if k_cache.dtype == jnp.uint8:  # a float8 cache stored as words: pages seen as float8, then widened
+        value_dtype = jnp.dtype(kv_dtype or FP8_E4M3)
     attend = _Attend(k_cache, v_cache, sliding_window, soft_cap, value_dtype)
 
     seq, position, is_real = token_positions(num_tokens, kv_lens, query_start_loc, num_seqs)

@@ -96,8 +96,9 @@ def _attention_kernel(
             )
             kv_rows = pages.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE
             kv_offsets = (kv_rows * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
-            k = tl.load(k_ptr + kv_offsets, mask=in_context[:, None], other=0.0)
-            v = tl.load(v_ptr + kv_offsets, mask=in_context[:, None], other=0.0)  # stale slots -> 0
+            # A float8 cache (scale 1.0) is read as q's dtype: the MMA runs in 16 bits.
+            k = tl.load(k_ptr + kv_offsets, mask=in_context[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + kv_offsets, mask=in_context[:, None], other=0.0).to(q.dtype)
             if UPCAST_DOT:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:

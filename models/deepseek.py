@@ -170,7 +170,7 @@ class MLAttention(nnx.Module):
         k_rope = self._rope(compressed[:, None, r:], positions)[:, 0]
         cache = write_latent(kv_cache.latent, jnp.concatenate([latent, k_rope], axis=-1), md.slot_mapping)
 
-        w_ukv = self.kv_b_proj.kernel[...].reshape(r, h, dn + dv)  # [r, H, dn + dv]
+        w_ukv = self.kv_b_proj.dequantized_kernel(x.dtype).reshape(r, h, dn + dv)  # [r, H, dn + dv]
         q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_ukv[..., :dn])  # absorb W_uk into the query
         out_latent = self.mla_attention(
             q_latent,

@@ -17,6 +17,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
+from xlaserve.models.gguf_quant import KEPT_TYPES, decode_blocks, permute_rows
+from xlaserve.models.quantization import QuantizedTensor
+
 # GGUF architecture -> (HF model_type, HF architectures entry).
 SUPPORTED_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -229,11 +232,13 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def load_gguf_tensors(
-    reader: GGUFReader, hf_config: dict[str, Any], *, progress: bool = True
+    reader: GGUFReader, hf_config: dict[str, Any], *, progress: bool = True, keep_quantized: bool = False
 ) -> dict[str, np.ndarray]:
     """Dequantize every tensor to float32 under its HF name and HF shape ([out, in] for linears).
 
     A `rope_freqs` tensor is folded into `hf_config["rope_scaling"]` (llama3) instead.
+    `keep_quantized` (`--quantization gguf`): Q8_0, Q4_0 and Q4_1 matrices stay as their blocks, as
+    `QuantizedTensor`s (models/gguf_quant.py).
     """
     is_llama = hf_config["model_type"] == "llama"
     tensors: dict[str, np.ndarray] = {}
@@ -242,14 +247,21 @@ def load_gguf_tensors(
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             values = np.array(t.data, dtype=np.float32).reshape(shape)  # copy off the read-only mapping
+        elif keep_quantized and t.tensor_type in KEPT_TYPES and len(shape) == 2 and name is not None:
+            values = decode_blocks(t.data, t.tensor_type, shape)
         else:
             values = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
         if name is None:
             hf_config["rope_scaling"] = _llama3_rope_scaling(values, hf_config)
             continue
+        heads = None
         if is_llama and ".self_attn.q_proj." in name:
-            values = unpermute_qk(values, hf_config["num_attention_heads"])
+            heads = hf_config["num_attention_heads"]
         elif is_llama and ".self_attn.k_proj." in name:
-            values = unpermute_qk(values, hf_config["num_key_value_heads"])
+            heads = hf_config["num_key_value_heads"]
+        if heads is not None and isinstance(values, QuantizedTensor):  # rows move with their blocks
+            values = permute_rows(values, lambda rows, h=heads: unpermute_qk(rows, h))
+        elif heads is not None:
+            values = unpermute_qk(values, heads)
         tensors[name] = values
     return tensors

@@ -21,6 +21,7 @@ from xlaserve.kernels.dtype_ops import matmul, take_rows
 from xlaserve.kernels.reference import token_positions
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.lora import LayerLoRA, with_lora
+from xlaserve.models.quantization import QuantizedKernel
 from xlaserve.models.rope import (
     apply_rope,
     layer_rope_inv_freqs,
@@ -98,8 +99,9 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
 
-class Linear(nnx.Module):
-    """y = x @ W (+ b) with W stored [in, out]; loaders transpose Hugging Face's [out, in]."""
+class Linear(QuantizedKernel, nnx.Module):
+    """y = x @ W (+ b) with W stored [in, out]; loaders transpose Hugging Face's [out, in].
+    W may be quantized (int8 or float8 with `kernel_scale`: models/quantization.py)."""
 
     def __init__(self, din: int, dout: int, *, use_bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(0.02)
@@ -107,7 +109,7 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if use_bias else None
 
     def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
-        y = matmul(x, self.kernel[...], out_dtype)
+        y = self.project(x, out_dtype)
         return y if self.bias is None else y + self.bias[...]
 
 

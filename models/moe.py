@@ -24,6 +24,7 @@ from flax import nnx
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import GatedMLP
 from xlaserve.models.llama import LlamaDecoderLayer
+from xlaserve.models.quantization import QuantizedKernel, stack_tensors
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")
@@ -166,8 +167,8 @@ class Router(nnx.Module):
         return x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32)
 
 
-class ExpertLinear(nnx.Module):
-    """One [in, out] matrix per expert, stacked: kernel [E, in, out]."""
+class ExpertLinear(QuantizedKernel, nnx.Module):
+    """One [in, out] matrix per expert, stacked: kernel [E, in, out] (quantizable: scales [E, out])."""
 
     def __init__(self, num_experts: int, din: int, dout: int, *, dtype, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(0.02)
@@ -197,9 +198,10 @@ class SparseMoeBlock(nnx.Module):
             x,
             weights,
             expert_ids,
-            self.experts_gate.kernel[...],
-            self.experts_up.kernel[...],
-            self.experts_down.kernel[...],
+            # A quantized expert stack is dequantized inside the step (fused into ragged_dot's operand).
+            self.experts_gate.dequantized_kernel(x.dtype),
+            self.experts_up.dequantized_kernel(x.dtype),
+            self.experts_down.dequantized_kernel(x.dtype),
         )
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
@@ -255,7 +257,7 @@ def stack_expert_tensors(tensors: dict[str, np.ndarray], num_experts: int) -> di
         missing += [f"{block}.experts.{e}.{proj}.weight" for e in absent]
         if not absent:
             ours = _EXPERT_PROJECTIONS[proj]
-            out[f"{block}.experts_{ours}.weight"] = np.stack([experts[e] for e in range(num_experts)])
+            out[f"{block}.experts_{ours}.weight"] = stack_tensors([experts[e] for e in range(num_experts)])
             # Experts past num_experts stay under their own names: the loader reports them as unexpected.
         for e in sorted(set(experts) - set(range(num_experts))):
             out[f"{block}.experts.{e}.{proj}.weight"] = experts[e]

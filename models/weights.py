@@ -29,6 +29,15 @@ from xlaserve.models.config import TransformerConfig
 from xlaserve.models.interfaces import CausalLM
 from xlaserve.models.loader import DummyWeights
 from xlaserve.models.orbax_checkpoint import ConvertedParams
+from xlaserve.models.quantization import (
+    SCALE,
+    ZERO,
+    QuantizedTensor,
+    QuantScheme,
+    is_quantized_kernel,
+    quantize_modules,
+    quantized_parts,
+)
 
 # Tensors a checkpoint may carry that no module reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -89,6 +98,7 @@ def load_params(
     make_model: Callable[[], nnx.Module],
     place: Callable[[tuple[str, ...], np.ndarray], jax.Array] | None = None,
     sharding: Callable[[tuple[str, ...], tuple[int, ...]], jax.sharding.Sharding] | None = None,
+    quantization: QuantScheme | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Build `make_model()` abstractly, then fill every parameter from `tensors`.
 
@@ -96,14 +106,33 @@ def load_params(
     `xlaserve convert`), placed as they are. Missing or unexpected tensors are an error naming them.
     `place` puts one host array on its device(s) (the sharding layer passes one); by default
     `jax.device_put`. `DummyWeights` draw each parameter directly in `sharding(path, shape)` (by
-    default on the first device).
+    default on the first device). `quantization`: the model's projections are stored quantized in
+    this scheme (models/quantization.py): float tensors are quantized here, on the host, and a
+    checkpoint's `QuantizedTensor`s placed as they are when they match it.
     """
-    graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+    is_hf = not isinstance(tensors, (DummyWeights, ConvertedParams))
+    if is_hf:
+        tensors = model_class.prepare_hf_tensors(cfg, tensors)
+    stacks = model_class.layer_stacks(cfg)
+    keep_quantized = None
+    if quantization is not None and quantization.checkpoint_only and is_hf:
+        # A checkpoint released quantized: only the modules whose weights it stores quantized are.
+        def keep_quantized(module_path: tuple[str, ...]) -> bool:
+            layer = stacks[module_path[0]][0] if module_path[0] in stacks else None
+            name = hf_name(
+                ("layers", *module_path[1:], "kernel") if layer is not None else (*module_path, "kernel"),
+                layer,
+            )
+            return isinstance(tensors.get(name), QuantizedTensor)
+
+    graphdef, abstract = nnx.split(
+        nnx.eval_shape(lambda: quantize_modules(make_model(), quantization, keep_quantized))
+    )
     expected = _flatten(nnx.to_pure_dict(abstract))
     if isinstance(tensors, DummyWeights):
         sharding = sharding or (lambda path, shape: jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         flat = {
-            path: _draw_dummy(tensors, i, spec.shape, dtype, sharding(path, spec.shape))
+            path: _draw_dummy(tensors, i, spec.shape, _draw_dtype(spec, dtype), sharding(path, spec.shape))
             for i, (path, spec) in enumerate(
                 tqdm(expected.items(), desc="Drawing dummy weights", unit="tensor")
             )
@@ -112,16 +141,16 @@ def load_params(
         return graphdef, abstract
     if isinstance(tensors, ConvertedParams):
         place = place or (lambda path, array: jax.device_put(array))
-        flat = _place_converted(model_class, expected, tensors, dtype, place)
+        flat = _place_converted(model_class, cfg, expected, tensors, dtype, place, quantization)
         abstract.replace_by_pure_dict(_unflatten(flat))
         return graphdef, abstract
-    tensors = model_class.prepare_hf_tensors(cfg, tensors)
-    stacks = model_class.layer_stacks(cfg)
     place = place or (lambda path, array: jax.device_put(array))
     used: set[str] = set()
     missing: list[str] = []
     flat: dict[tuple[str, ...], jax.Array] = {}
     for path, spec in tqdm(expected.items(), desc="Placing weights", unit="tensor", leave=False):
+        if path[-1] in (SCALE, ZERO):
+            continue  # placed with their kernel
         is_stacked = path[0] in stacks
         if is_stacked:
             names = [hf_name(("layers", *path[1:]), i) for i in stacks[path[0]]]
@@ -132,7 +161,13 @@ def load_params(
             missing.extend(absent)
             continue
         used.update(names)
-        arrays = [np.swapaxes(tensors[n], -1, -2) if path[-1] == "kernel" else tensors[n] for n in names]
+        arrays = [_our_layout(tensors[n], path) for n in names]
+        if is_quantized_kernel(path, expected):
+            for part_path, part in quantized_parts(path, arrays, is_stacked, expected, quantization).items():
+                _check_shape(names[0], part, expected[part_path].shape)
+                flat[part_path] = place(part_path, part)
+            continue
+        arrays = [a.dequantized() if isinstance(a, QuantizedTensor) else a for a in arrays]
         array = np.stack(arrays) if is_stacked else arrays[0]
         if array.shape != spec.shape:
             raise ValueError(f"tensor {names[0]} has shape {array.shape}, the model expects {spec.shape}")
@@ -152,7 +187,31 @@ def load_params(
     return graphdef, abstract
 
 
-def _place_converted(model_class, expected: dict, params: ConvertedParams, dtype, place) -> dict:
+def _our_layout(tensor, path: tuple[str, ...]):
+    """A checkpoint tensor in our layout: kernels [.., in, out] (HF stores [.., out, in])."""
+    if path[-1] != "kernel":
+        return tensor
+    return tensor.transposed() if isinstance(tensor, QuantizedTensor) else np.swapaxes(tensor, -1, -2)
+
+
+def _check_shape(name: str, array: np.ndarray, shape: tuple[int, ...]) -> None:
+    if array.shape != shape:
+        raise ValueError(f"tensor {name} has shape {array.shape}, the model expects {shape}")
+
+
+def _draw_dtype(spec, dtype):
+    """Dummy weights: a quantized kernel is drawn in its own dtype, its scales in float32."""
+    return spec.dtype if spec.dtype.itemsize == 1 or spec.dtype == jnp.float32 else dtype
+
+
+def _place_converted(
+    model_class, cfg, expected: dict, params: ConvertedParams, dtype, place, quantization
+) -> dict:
+    if quantization is not None:  # a converted (float) checkpoint quantized as it is placed
+        params = ConvertedParams(
+            {p: a for p, a in params.items()}
+            | {p: None for p in expected if p[-1] in (SCALE, ZERO) and p not in params}
+        )
     missing = ["/".join(p) for p in expected if p not in params]
     unexpected = sorted("/".join(p) for p in params if p not in expected)
     if missing or unexpected:
@@ -162,6 +221,14 @@ def _place_converted(model_class, expected: dict, params: ConvertedParams, dtype
         )
     flat = {}
     for path, spec in expected.items():
+        if path[-1] in (SCALE, ZERO) and params[path] is None:
+            continue
+        if is_quantized_kernel(path, expected) and params[path].dtype.itemsize != 1:
+            is_stacked = path[0] in model_class.layer_stacks(cfg)
+            layers = list(params[path]) if is_stacked else [params[path]]
+            for part_path, part in quantized_parts(path, layers, is_stacked, expected, quantization).items():
+                flat[part_path] = place(part_path, part)
+            continue
         if params[path].shape != spec.shape:
             raise ValueError(
                 f"parameter {'/'.join(path)} has shape {params[path].shape}, the model expects {spec.shape}"

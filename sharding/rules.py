@@ -53,6 +53,9 @@ PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("gate", "kernel"): ("embed", "router"),
 }
 
+# Parameters beside a quantized kernel (models/quantization.py), sharded by the kernel's rule.
+QUANT_PARAMS = ("kernel_scale", "kernel_zero")
+
 # The KV cache: [num_layers * num_blocks, block_size, num_kv_heads, head_dim].
 KV_CACHE_AXES = ("blocks", None, "kv_heads", None)
 
@@ -85,6 +88,10 @@ def param_logical_axes(
     that is an error (under tensor parallelism it is)."""
     layer_ndim = ndim - int(is_stacked)
     axes = PARAM_AXES.get(tuple(path[-2:]))
+    if path[-1] in QUANT_PARAMS and (kernel_axes := PARAM_AXES.get((path[-2], "kernel"))):
+        # A quantized kernel's scales (and zeros), [.., in / b, out / b]: split like its output
+        # channels, whole along its input (one block per channel, or few blocks).
+        axes = (*kernel_axes[:-2], None, kernel_axes[-1])
     if axes is None:
         return (None,) * ndim if layer_ndim < 2 else None
     if len(axes) != layer_ndim:

@@ -207,5 +207,7 @@ def _build_engine_core(model: str | None, engine_args: dict):
         eos_token_id=eos,
         block_size=config.cache.block_size,
         num_usable_blocks=core.kv_cache_manager.num_usable_blocks,
+        weight_bytes=core.runner.weight_bytes,
+        num_kv_blocks=core.runner.num_blocks,
     )
     return core, ready

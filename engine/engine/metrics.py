@@ -142,6 +142,11 @@ class EngineMetrics:
             for i, n in enumerate(spec.num_accepted_tokens_per_pos)
         ]
 
+    def record_engine(self, weight_bytes: int, num_kv_blocks: int) -> None:
+        """What the engine holds once ready: weight bytes on the devices and KV cache blocks."""
+        self.gauges["model_weight_bytes"] = float(weight_bytes)
+        self.gauges["num_kv_blocks"] = float(num_kv_blocks)
+
     def record_core_down(self) -> None:
         """The core died: its gauges are no longer true, and its successor counts preemptions from 0."""
         self.gauges = dict.fromkeys(self.gauges, 0.0)

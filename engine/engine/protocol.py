@@ -98,6 +98,8 @@ class EngineReady(msgspec.Struct, tag="ready"):
     eos_token_id: int | None
     block_size: int
     num_usable_blocks: int
+    weight_bytes: int = 0  # the model's parameters on the devices (quantized: one byte per weight)
+    num_kv_blocks: int = 0  # KV cache blocks, the null block included
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs"):

@@ -71,6 +71,7 @@ def start_engine(config: EngineConfig):
         load_format=config.model.load_format,
         seed=config.model.seed,
         skip_tokenizer_init=config.model.skip_tokenizer_init,
+        quantization=config.model.quantization,
     )
     model_config = model_config_from_hf(checkpoint.hf_config)
     max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)

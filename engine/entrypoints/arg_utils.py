@@ -31,6 +31,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="load no tokenizer: prompts must be token ids, outputs carry token ids and no text",
     )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["int8", "fp8", "gguf", "compressed-tensors"],
+        help="weights kept quantized on the device: int8 or fp8 (per-channel scales, quantized at load); "
+        "gguf: a quantized GGUF's own blocks. A checkpoint released quantized needs no flag",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache storage; fp8: one byte per value, twice the blocks (default: auto, the model's dtype)",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -129,6 +143,8 @@ _ENGINE_KEYS = (
     "dtype",
     "load_format",
     "skip_tokenizer_init",
+    "quantization",
+    "kv_cache_dtype",
     "max_model_len",
     "max_num_seqs",
     "max_num_batched_tokens",

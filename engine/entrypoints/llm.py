@@ -58,6 +58,7 @@ class LLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
+        self.metrics.record_engine(self.engine_core.runner.weight_bytes, self.engine_core.runner.num_blocks)
         self._request_counter = itertools.count()
 
     def shutdown(self) -> None:

@@ -21,6 +21,8 @@ from xlaserve.config import EngineConfig
 from xlaserve.kernels import AttentionBackend, KVCacheSpec, MLACache, get_attention_backend
 from xlaserve.kernels.dtype_ops import is_16bit_float, stacks_as_words
 from xlaserve.models.config import TransformerConfig
+from xlaserve.models.prequantized import quantization_scheme
+from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import load_params
 from xlaserve.sharding import Placement, make_mesh
@@ -70,6 +72,7 @@ class LoadedModel:
     graphdef: nnx.GraphDef
     params: nnx.State
     head_dv: jax.Array | None = None  # the tied LM head as [D, V], on CPU in 16 bits (see load_model)
+    weight_bytes: int = 0  # params and head_dv on the devices (all shards of a sharded one)
 
 
 def load_model(
@@ -93,6 +96,14 @@ def load_model(
     model_shape = model_config.replace(vocab_size=padded_vocab)
     kv_spec = model_class.kv_cache_spec(model_config)  # K and V, or MLA's one latent cache
     backend = get_attention_backend(config.compilation.attention_backend, mla=kv_spec.cache_class is MLACache)
+    if config.cache.kv_cache_dtype != "auto":
+        if kv_spec.cache_class is MLACache:
+            raise ValueError(
+                f"kv_cache_dtype={config.cache.kv_cache_dtype!r} is not supported for latent attention "
+                f"({model_config.architecture}); use kv_cache_dtype='auto'"
+            )
+        backend = backend.with_kv_cache_dtype(config.cache.kv_cache_dtype)
+        logger.info("KV cache stored in %s (scale 1.0)", backend.kv_cache_dtype.name)
     backend = shard_attention_over_kv_heads(backend, mesh)
     logger.info("attention backend: %s (%s)", backend.name, backend.reason)
     if padded_vocab != model_config.vocab_size:
@@ -102,6 +113,9 @@ def load_model(
             padded_vocab,
             tp,
         )
+    scheme, tensors = quantization_scheme(config.model.quantization, hf_config, tensors)
+    if scheme is not None:
+        logger.info("weights kept quantized on the device: %s", scheme.describe())
     t0 = time.perf_counter()
     graphdef, params = load_params(
         model_class,
@@ -111,8 +125,14 @@ def load_model(
         make_model=lambda: model_class(model_shape, backend, dtype=dtype, rngs=nnx.Rngs(0)),
         place=placement.place_param,
         sharding=placement.param_sharding,
+        quantization=scheme,
     )
-    logger.info("placed %s weights in %.2fs", model_class.__name__, time.perf_counter() - t0)
+    logger.info(
+        "placed %s weights in %.2fs: %.1f MiB",
+        model_class.__name__,
+        time.perf_counter() - t0,
+        weight_bytes(params) / 2**20,
+    )
     head_dv = None
     if jax.default_backend() == "cpu" and is_16bit_float(dtype):
         # XLA's CPU backend runs a 16-bit dot natively only with its weight as [in, out]: the tied
@@ -121,6 +141,17 @@ def load_model(
         if model_config.tie_word_embeddings and tp == 1:
             head_dv = jax.jit(lambda table: table.T)(nnx.merge(graphdef, params).embed_tokens.weight[...])
         params = stacks_as_words(params, tuple(model_class.layer_stacks(model_config)))
+    num_weight_bytes = weight_bytes(params) + (0 if head_dv is None else weight_bytes(head_dv))
     return LoadedModel(
-        model_config, padded_vocab, dtype, mesh, placement, kv_spec, backend, graphdef, params, head_dv
+        model_config,
+        padded_vocab,
+        dtype,
+        mesh,
+        placement,
+        kv_spec,
+        backend,
+        graphdef,
+        params,
+        head_dv,
+        num_weight_bytes,
     )

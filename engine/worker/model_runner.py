@@ -168,6 +168,7 @@ class ModelRunner:
         self.mesh, self.placement = model.mesh, model.placement
         self.kv_spec, self.backend = model.kv_spec, model.backend
         self.graphdef, self.params = model.graphdef, model.params
+        self.weight_bytes = model.weight_bytes  # the /metrics gauge xlaserve:model_weight_bytes
         self.head_params = (model.params, model.head_dv)  # what computing logits reads
         # Adapter slots on the device (worker/lora_manager.py), or None: LoRA off, no cost.
         self.lora = (
@@ -195,7 +196,7 @@ class ModelRunner:
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self._verify_fn = jax.jit(partial(_verify, self.graphdef, vocab), static_argnames=("with_logprobs",))
 
-        self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.dtype)
+        self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.backend.cache_dtype(self.dtype))
         self.kv_cache = allocate_kv_cache(
             self.kv_spec,
             self.num_blocks,
@@ -233,7 +234,7 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
 
     def kv_bytes_per_block(self) -> int:
-        return bytes_per_block(self.kv_spec, self.block_size, self.dtype)
+        return bytes_per_block(self.kv_spec, self.block_size, self.backend.cache_dtype(self.dtype))
 
     # -- compiling ------------------------------------------------------------------------------
 

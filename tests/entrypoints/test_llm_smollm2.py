@@ -248,6 +248,9 @@ def test_metrics_are_named_like_vllm(llm):
     ):
         assert f"xlaserve:{name}" in names
     assert _metric(llm, "generation_tokens") > 0
+    runner = llm.engine_core.runner
+    assert _metric(llm, "num_kv_blocks") == runner.num_blocks
+    assert _metric(llm, "model_weight_bytes") == runner.weight_bytes > 1e8  # ~135M parameters
 
 
 @pytest.mark.slow  # a second engine, about 15 s

@@ -331,6 +331,9 @@ def test_metrics_names(server):
         "request_time_per_output_token_seconds_count",
     ):
         assert "xlaserve:" + name in names, name
+    # What the engine holds: SmolLM2's ~135M weights, and the KV blocks of its budget.
+    assert 1e8 < metric(samples, "model_weight_bytes") < 1e9
+    assert metric(samples, "num_kv_blocks") >= 2
     assert metric(samples, "generation_tokens_total") > 0
     assert metric(samples, "request_success_total", finished_reason="length") > 0
 

@@ -1,0 +1,263 @@
+"""Weight quantization kept on the device: `--quantization int8|fp8` (vLLM's names).
+
+A quantized projection stores its kernel [.., in, out] as int8 or float8_e4m3fn, with float32
+scales beside it as another parameter, `kernel_scale`: [.., out] per output channel (symmetric:
+scale = max|w| over the input axis / the dtype's max), or [.., in / 128, out / 128] per block for
+checkpoints released that way (DeepSeek-V3's FP8). The step dequantizes inside the jitted matmul
+(`kernels/dtype_ops.matmul`): the weight is converted to the compute dtype in the dot and the
+accumulator multiplied by the per-channel scale, so device memory holds one byte per weight.
+
+The model is built as usual, then `quantize_modules` swaps the kernel of every quantizable module
+(`Linear`, `ExpertLinear`; not the LM head, not the embedding: vLLM keeps those in 16 bits too) for
+a quantized one, abstractly, before `load_params` fills it: the graph (and so every jitted program)
+knows its dtypes from the start, and the loader quantizes each float tensor on the host as it reads
+it (`quantize_array`), or places a checkpoint's own quantized tensors and scales as they are.
+On CPU a float8 kernel is stored as uint8 words (kernels/dtype_ops.py); the module bitcasts it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from xlaserve.kernels.dtype_ops import as_words, dequantize, from_words, matmul
+
+# --quantization -> the kernel's storage dtype.
+QUANT_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+
+# Modules that are never quantized: the LM head's logits decide every token (vLLM keeps it too).
+_KEEP_FLOAT = ("lm_head",)
+SCALE, ZERO = "kernel_scale", "kernel_zero"  # the parameters beside a quantized kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    """How every quantizable kernel of one model is stored. `block`: the [in, out] extent one scale
+    covers (DeepSeek-V3's FP8: (128, 128); GGUF: (32, 1)); None: one scale per output channel.
+    `has_zero`: affine (w = q * scale + zero per block, GGUF's formats with mins)."""
+
+    dtype: jnp.dtype
+    block: tuple[int, int] | None = None
+    has_zero: bool = False
+    # A checkpoint released quantized: only the modules it stores quantized are (vLLM keeps the
+    # others, e.g. a compressed-tensors `ignore` list, in float). Else every projection.
+    checkpoint_only: bool = False
+
+    def block_of(self, kernel_shape: tuple[int, ...]) -> tuple[int, int]:
+        return (kernel_shape[-2], 1) if self.block is None else self.block
+
+    def scale_shape(self, kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """[.., in / b_in, out / b_out] (rounded up): [.., 1, out] per output channel."""
+        *lead, din, dout = kernel_shape
+        bi, bo = self.block_of(kernel_shape)
+        return (*lead, -(-din // bi), -(-dout // bo))
+
+    def describe(self) -> str:
+        block = (
+            "per output channel" if self.block is None else f"per [{self.block[0]}, {self.block[1]}] block"
+        )
+        return f"{jnp.dtype(self.dtype).name}, scales {block}{' with zeros' if self.has_zero else ''}"
+
+    @classmethod
+    def from_method(cls, method: str | None) -> QuantScheme | None:
+        return None if method is None else cls(QUANT_DTYPES[method])
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    """A checkpoint's quantized weight in Hugging Face layout: q [.., out, in] (int8 or float8) with
+    scales of q's rank, one per block: [.., out, 1] per output channel (compressed-tensors' own
+    shape), [.., out / 128, in / 128] for DeepSeek-V3's blocks; zeros like the scales, or None."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray | None = None
+    block: tuple[int, int] | None = None  # the last two axes' block; None: as the shapes divide
+
+    def transposed(self) -> QuantizedTensor:
+        """In our [.., in, out] layout (block scales and zeros transposed with it)."""
+
+        def t(a):
+            return None if a is None else np.swapaxes(a, -1, -2)
+
+        block = None if self.block is None else self.block[::-1]
+        return QuantizedTensor(t(self.q), t(self.scale), t(self.zero), block)
+
+    def dequantized(self) -> np.ndarray:
+        """float32, in the layout of `q`."""
+        return dequantize_array(self.q, self.scale, self.zero, self.block)
+
+
+def stack_tensors(arrays: list) -> np.ndarray | QuantizedTensor:
+    """np.stack, also of a checkpoint's `QuantizedTensor`s (stacked field by field: MoE experts)."""
+    if not any(isinstance(a, QuantizedTensor) for a in arrays):
+        return np.stack(arrays)
+    if not all(isinstance(a, QuantizedTensor) for a in arrays):  # mixed: dequantize every one
+        return np.stack([a.dequantized() if isinstance(a, QuantizedTensor) else a for a in arrays])
+    zeros = None if arrays[0].zero is None else np.stack([a.zero for a in arrays])
+    stacked = (np.stack([a.q for a in arrays]), np.stack([a.scale for a in arrays]))
+    return QuantizedTensor(*stacked, zeros, arrays[0].block)
+
+
+def dtype_max(dtype) -> float:
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return float(np.iinfo(dtype).max)
+    return float(ml_dtypes.finfo(dtype).max)
+
+
+def _expand_blocks(scale: np.ndarray, shape: tuple[int, ...], block=None) -> np.ndarray:
+    for axis, size in zip((-2, -1), block or (None, None)):
+        scale = np.repeat(scale, size or -(-shape[axis] // scale.shape[axis]), axis=axis)
+    return scale[..., : shape[-2], : shape[-1]]
+
+
+def quantize_array(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
+    """[.., in, out] float -> symmetric quantization in `scheme.dtype` with one scale per block
+    (per output channel: blocks of [in, 1]): scale = max |w| over the block / the dtype's largest
+    value. Zeros, when the scheme has them, are 0."""
+    dtype = jnp.dtype(scheme.dtype)
+    w = np.asarray(w, np.float32)
+    *lead, din, dout = w.shape
+    bi, bo = scheme.block_of(w.shape)
+    padded = np.zeros((*lead, -(-din // bi) * bi, -(-dout // bo) * bo), np.float32)
+    padded[..., :din, :dout] = np.abs(w)
+    blocks = padded.reshape(*lead, padded.shape[-2] // bi, bi, padded.shape[-1] // bo, bo)
+    scale = blocks.max(axis=(-3, -1)) / dtype_max(dtype)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = w / _expand_blocks(scale, w.shape, (bi, bo))
+    if jnp.issubdtype(dtype, jnp.integer):
+        q = np.clip(np.rint(q), -dtype_max(dtype), dtype_max(dtype))
+    zero = np.zeros_like(scale) if scheme.has_zero else None
+    return QuantizedTensor(q.astype(dtype), scale, zero, (bi, bo))
+
+
+def dequantize_array(
+    q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None, block=None
+) -> np.ndarray:
+    """Host float32 of a quantized array (either layout): q * scale (+ zero), each block's scale
+    (`scale` has q's rank: [.., a / b_a, b / b_b]) repeated over its block."""
+    w = np.asarray(q).astype(np.float32) * _expand_blocks(np.asarray(scale, np.float32), q.shape, block)
+    return w if zero is None else w + _expand_blocks(np.asarray(zero, np.float32), q.shape, block)
+
+
+class QuantizedKernel:
+    """Mixin of a module whose `kernel` may be quantized: `kernel_scale` None means a float kernel."""
+
+    kernel: nnx.Param
+    kernel_scale: nnx.Param | None = None
+    kernel_zero: nnx.Param | None = None
+    quant_dtype: str | None = None  # the kernel's dtype when stored as uint8 words (CPU float8)
+    quant_block: tuple[int, int] | None = None  # [in, out] covered by one scale; None: per channel
+
+    def stored_kernel(self) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        """(kernel in its real dtype, scales or None, zeros or None)."""
+        kernel = self.kernel[...]
+        if self.quant_dtype is not None:
+            kernel = from_words(kernel, jnp.dtype(self.quant_dtype))
+        scale = None if self.kernel_scale is None else self.kernel_scale[...]
+        return kernel, scale, None if self.kernel_zero is None else self.kernel_zero[...]
+
+    def dequantized_kernel(self, dtype) -> jax.Array:
+        """The kernel in `dtype`, for the few callers that need the matrix itself (MLA, experts)."""
+        kernel, scale, zero = self.stored_kernel()
+        if scale is None:
+            return kernel.astype(dtype)
+        return dequantize(kernel, scale, dtype, zero, self.quant_block)
+
+    def project(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        kernel, scale, zero = self.stored_kernel()
+        return matmul(x, kernel, out_dtype, scale=scale, zero=zero, block=self.quant_block)
+
+
+def quantize_modules(model: nnx.Module, scheme: QuantScheme | None, keep=None) -> nnx.Module:
+    """Swap the kernel of every `QuantizedKernel` module (bar the LM head) for a zeroed quantized one
+    in `scheme`, with its scales (and zeros); None: the model as it is. Meant to run inside the
+    `make_model` of `load_params` (under `nnx.eval_shape`, so nothing is computed): the loader fills
+    them. On CPU a float8 kernel is stored as uint8 words (kernels/dtype_ops.py). `keep(module path)`:
+    whether that module is quantized (default: all)."""
+    if scheme is None:
+        return model
+    dtype = jnp.dtype(scheme.dtype)
+    for path, module in list(nnx.iter_graph(model)):
+        if not isinstance(module, QuantizedKernel) or any(p in _KEEP_FLOAT for p in path):
+            continue
+        if keep is not None and not keep(tuple(str(p) for p in path)):
+            continue
+        shape = module.kernel[...].shape
+        kernel = jnp.zeros(shape, dtype)
+        if jax.default_backend() == "cpu":
+            kernel = as_words(kernel)
+        module.quant_dtype = dtype.name if kernel.dtype != dtype else None
+        module.quant_block = scheme.block
+        module.kernel = nnx.Param(kernel)
+        module.kernel_scale = nnx.Param(jnp.ones(scheme.scale_shape(shape), jnp.float32))
+        if scheme.has_zero:
+            module.kernel_zero = nnx.Param(jnp.zeros(scheme.scale_shape(shape), jnp.float32))
+    return model
+
+
+def is_quantized_kernel(path: tuple[str, ...], expected: dict) -> bool:
+    return path[-1] == "kernel" and (*path[:-1], SCALE) in expected
+
+
+def quantized_parts(
+    path: tuple[str, ...], arrays: list, is_stacked: bool, expected: dict, scheme: QuantScheme
+) -> dict[tuple[str, ...], np.ndarray]:
+    """The host arrays of the quantized kernel at `path` and its scales (and zeros), from `arrays`
+    (one per stacked layer, or one): float [in, out] arrays are quantized here; a checkpoint's own
+    `QuantizedTensor`s (already in our layout) are kept as they are when their dtype and block
+    shapes are the model's, and otherwise dequantized and quantized again."""
+    names = ("kernel", SCALE, ZERO)
+    shape_of = {name: expected[(*path[:-1], name)] for name in names if (*path[:-1], name) in expected}
+    parts: list[QuantizedTensor] = []
+    for array in arrays:
+        if isinstance(array, QuantizedTensor) and _fits(array, scheme, shape_of, is_stacked):
+            parts.append(array)
+            continue
+        dense = array.dequantized() if isinstance(array, QuantizedTensor) else array
+        parts.append(quantize_array(dense, scheme))
+
+    def stacked(get):
+        items = [get(p) for p in parts]
+        return np.stack(items) if is_stacked else items[0]
+
+    out = {
+        path: storage_array(stacked(lambda p: p.q), shape_of["kernel"].dtype),
+        (*path[:-1], SCALE): stacked(lambda p: np.asarray(p.scale, np.float32)),
+    }
+    if ZERO in shape_of:
+        out[(*path[:-1], ZERO)] = stacked(
+            lambda p: np.zeros_like(p.scale, np.float32) if p.zero is None else np.asarray(p.zero, np.float32)
+        )
+    return out
+
+
+def _fits(array: QuantizedTensor, scheme: QuantScheme, shape_of: dict, is_stacked: bool) -> bool:
+    scale_shape = shape_of[SCALE].shape[int(is_stacked) :]
+    return (
+        np.dtype(array.q.dtype) == np.dtype(scheme.dtype)
+        and array.scale.shape == tuple(scale_shape)
+        and (scheme.block is None or array.block == scheme.block)
+        and (array.zero is None or ZERO in shape_of)
+    )
+
+
+def storage_array(array: np.ndarray, dtype) -> np.ndarray:
+    """A host array of a quantized kernel as the parameter stores it (`dtype`: uint8 words or not)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.uint8 and array.dtype != np.uint8:
+        return np.ascontiguousarray(array).view(np.uint8)
+    return np.asarray(array, dtype)
+
+
+def weight_bytes(params) -> int:
+    """Bytes of every parameter array (quantized kernels count one byte per weight)."""
+    return int(
+        sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params) if hasattr(leaf, "dtype"))
+    )

@@ -1,0 +1,74 @@
+"""SmolLM2 with quantized weights and a float8 KV cache, against the bfloat16 engine, end to end.
+
+Perplexity over a fixed text (tests/helpers/perplexity_text.py, ~330 tokens, prompt logprobs):
+int8 weights within 2% of bfloat16's, fp8 weights within 5%, an fp8 KV cache within 5%. Greedy
+agreement over fixed prompts (16 tokens each) is printed, not asserted: a near-tie may flip.
+The quantized engines report fewer weight bytes (`xlaserve:model_weight_bytes`).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+
+from helpers.perplexity_text import PROMPTS, TEXT
+from helpers.smollm2 import smollm2_gguf_path
+from xlaserve import LLM, SamplingParams
+
+MODES = {  # name -> engine arguments on top of bfloat16
+    "bfloat16": {},
+    "int8": {"quantization": "int8"},
+    "fp8": {"quantization": "fp8"},
+    "fp8 KV cache": {"kv_cache_dtype": "fp8"},
+}
+BOUNDS = {"int8": 0.02, "fp8": 0.05, "fp8 KV cache": 0.05}  # relative to bfloat16's perplexity
+
+
+def perplexity_and_greedy(llm: LLM) -> tuple[float, list[list[int]]]:
+    ids = llm.tokenizer(TEXT)["input_ids"]
+    out = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )[0]
+    logprobs = [entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])]
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    return math.exp(-sum(logprobs) / len(logprobs)), [list(o.outputs[0].token_ids) for o in greedy]
+
+
+def _metric(llm, name: str) -> float:
+    return next(m for m in llm.get_metrics() if m.name == f"xlaserve:{name}").value
+
+
+@pytest.mark.slow  # four SmolLM2 engines, compiled lazily: ~2 minutes on 2 cores
+def test_quantized_perplexity_within_bounds_of_bfloat16():
+    smollm2_gguf_path()
+    results = {}
+    for name, extra in MODES.items():
+        llm = LLM(
+            dtype="bfloat16",
+            max_model_len=512,
+            max_num_seqs=4,
+            max_num_batched_tokens=512,
+            kv_cache_memory=32 * 2**20,
+            enforce_eager=True,  # compile only the buckets these steps use
+            **extra,
+        )
+        ppl, greedy = perplexity_and_greedy(llm)
+        results[name] = (ppl, greedy, _metric(llm, "model_weight_bytes"), _metric(llm, "num_kv_blocks"))
+        del llm
+        gc.collect()
+    base_ppl, base_greedy, base_bytes, base_blocks = results["bfloat16"]
+    for name, (ppl, greedy, weight_bytes, blocks) in results.items():
+        agree = sum(a == b for g, h in zip(greedy, base_greedy) for a, b in zip(g, h)) / sum(
+            map(len, base_greedy)
+        )
+        print(
+            f"{name}: perplexity {ppl:.3f} ({ppl / base_ppl - 1:+.2%}), greedy agreement {agree:.0%}, "
+            f"weights {weight_bytes / 2**20:.1f} MiB ({weight_bytes / base_bytes:.2f}x), "
+            f"KV blocks {blocks:.0f}"
+        )
+        if name in BOUNDS:
+            assert abs(ppl / base_ppl - 1) <= BOUNDS[name], name
+    assert results["int8"][2] < 0.75 * base_bytes  # the tied embedding (28M of 135M weights) stays 16-bit
+    assert results["fp8 KV cache"][3] == 2 * base_blocks
