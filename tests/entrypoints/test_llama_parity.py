@@ -12,7 +12,6 @@ import dataclasses
 import inspect
 import itertools
 from functools import partial
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ import torch
 import transformers
 from flax import nnx
 
+from helpers.step_fakes import prompt_chunk
 from xlaserve.kernels import KVCache, get_attention_backend
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.llama import LlamaForCausalLM
@@ -150,10 +150,7 @@ def empty_cache(cfg: TransformerConfig) -> KVCache:
 
 def scheduled(prompt, num_computed: int, num_new: int, block_ids):
     """A ScheduledRequest-like object, as build_step_batch reads it."""
-    request = SimpleNamespace(all_token_ids=list(map(int, prompt)))
-    return SimpleNamespace(
-        request=request, num_computed_tokens=num_computed, num_new_tokens=num_new, block_ids=list(block_ids)
-    )
+    return prompt_chunk(prompt, num_computed, num_new, block_ids)
 
 
 def run(v: Variant, batch: list, kv_cache: KVCache) -> tuple[list[np.ndarray], KVCache]:

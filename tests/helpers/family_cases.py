@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +17,7 @@ import torch
 import transformers
 from flax import nnx
 
+from helpers.step_fakes import prompt_chunk
 from xlaserve import LLM
 from xlaserve.kernels import KVCache
 from xlaserve.worker.input_batch import build_step_batch
@@ -247,12 +247,7 @@ def engine_prefill_logits(llm: LLM, ids: list[int], first_chunk: int) -> np.ndar
     bounds = chunk_bounds(len(ids), first_chunk, num_tokens)
     logits = []
     for start, stop in itertools.pairwise(bounds):
-        scheduled = SimpleNamespace(
-            request=SimpleNamespace(all_token_ids=ids),
-            num_computed_tokens=start,
-            num_new_tokens=stop - start,
-            block_ids=block_ids,
-        )
+        scheduled = prompt_chunk(ids, start, stop - start, block_ids)
         batch = build_step_batch(
             [scheduled], num_tokens, num_seqs, runner.max_blocks_per_seq, runner.block_size
         )

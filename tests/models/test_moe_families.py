@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers.step_fakes import prompt_chunk
 from xlaserve.kernels import get_attention_backend
 from xlaserve.kernels.mla import mla_paged_attention, write_latent
 from xlaserve.models.loader import load_checkpoint
@@ -248,10 +248,7 @@ def test_prefill_logits_match_hugging_face(family):
     num_tokens, num_blocks = 64, 12
     prompt = family.prompts[2]  # 54 tokens, in shuffled non-contiguous blocks
     blocks = np.random.default_rng(0).permutation(np.arange(1, num_blocks))[: -(-len(prompt) // BLOCK_SIZE)]
-    request = SimpleNamespace(all_token_ids=prompt)
-    scheduled = SimpleNamespace(
-        request=request, num_computed_tokens=0, num_new_tokens=len(prompt), block_ids=blocks.tolist()
-    )
+    scheduled = prompt_chunk(prompt, 0, len(prompt), blocks.tolist())
     batch = build_step_batch([scheduled], num_tokens, 4, num_tokens // BLOCK_SIZE, BLOCK_SIZE)
     spec = model_class.kv_cache_spec(cfg)
     kv_cache = spec.allocate(num_blocks, BLOCK_SIZE, lambda shape: jnp.zeros(shape, jnp.float32))

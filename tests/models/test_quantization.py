@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from functools import partial
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from flax import nnx
 from test_moe_families import make_hf_model as make_moe_model
 
 from helpers.family_cases import make_hf_model
+from helpers.step_fakes import prompt_chunk
 from xlaserve.kernels import get_attention_backend
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.prequantized import quantization_scheme
@@ -69,12 +69,7 @@ def prefill_logits(hf_config: dict, tensors, scheme: QuantScheme | None):
         make_model=lambda: model_class(cfg, backend, dtype=jnp.float32, rngs=nnx.Rngs(0)),
         quantization=scheme,
     )
-    scheduled = SimpleNamespace(
-        request=SimpleNamespace(all_token_ids=PROMPT),
-        num_computed_tokens=0,
-        num_new_tokens=len(PROMPT),
-        block_ids=[1, 2, 3],
-    )
+    scheduled = prompt_chunk(PROMPT, 0, len(PROMPT), [1, 2, 3])
     batch = build_step_batch([scheduled], 32, 4, 4, BLOCK_SIZE)
     cache = model_class.kv_cache_spec(cfg).allocate(8, BLOCK_SIZE, lambda s: jnp.zeros(s, jnp.float32))
     logits = _logits(graphdef, params, cache, batch.input_ids, batch.positions, batch.md)
