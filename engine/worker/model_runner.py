@@ -11,7 +11,9 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
@@ -127,7 +129,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self._forward_fn = jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",))
         vocab = self.model_config.vocab_size
-        self._sample_fn = jax.jit(partial(_sample, self.graphdef, vocab), static_argnames=("with_logprobs",))
+        # `with_logprobs` is traced (a runtime flag), not static: warm-up compiles 4 sampler programs
+        # per request bucket (penalties x grammar), not 8 (sampler.py).
+        self._sample_fn = jax.jit(partial(_sample, self.graphdef, vocab))
         self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef, vocab))
 
         self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.dtype)
@@ -162,35 +166,50 @@ class ModelRunner:
     # -- compiling ------------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Compile every token bucket and every sampler variant, then arm the compile guard."""
+        """Compile every token bucket and every sampler variant, then arm the compile guard.
+
+        XLA's compiles release the GIL, so they run in a pool of one thread per core: the forward
+        of every bucket is compiled ahead of time (`lower().compile()` fills the same cache a call
+        reads), and once a bucket's forward has run, its prompt-logprobs and sampler programs compile
+        from its outputs (arrays, not shape structs: a program lowered for a shape struct is keyed
+        apart from the call's and would compile again) while the next forwards still compile."""
         start_compiles, start_secs, t0 = num_compiles(), compile_seconds(), time.perf_counter()
         start_hits = num_cache_hits()
         vocab = self.padded_vocab_size
-        sampler_buckets_done = set()
-        for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
-            num_seqs = self._num_seqs_for(num_tokens)
-            batch = self._build_batch([], num_tokens)
-            hidden, hidden_rd = self._run_forward(batch)
-            jax.block_until_ready(
-                self._prompt_logprobs_fn(
-                    self.head_params, hidden, self.placement.step_inputs(np.zeros(num_tokens, np.int32))
-                )
-            )
-            if num_seqs in sampler_buckets_done:
-                continue
-            sampler_buckets_done.add(num_seqs)
-            # Every sampler variant: penalties, a grammar's token bitmask, logprobs, each on or off.
-            for with_penalties, with_grammar, with_logprobs in itertools.product((False, True), repeat=3):
-                bitmask = np.zeros((0, 1), np.int32) if with_grammar else None
-                st = sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
-                jax.block_until_ready(
-                    self._sample_fn(
-                        self.head_params,
-                        hidden_rd,
-                        self.placement.step_inputs(st),
-                        with_logprobs=with_logprobs,
-                    )
-                )
+        ready = self.placement.step_inputs
+        batches = {n: self._build_batch([], n) for n in self.token_buckets}
+
+        def lower_forward(batch):  # in this thread, before the cache is donated by a first run
+            args = (batch.input_ids, batch.positions, batch.logits_indices, batch.md)
+            return self._forward_fn.lower(self.params, self.kv_cache, *args)
+
+        def run_sampler(hidden_rd, st):
+            out = self._sample_fn(self.head_params, hidden_rd, ready(st), with_logprobs=False)
+            jax.block_until_ready(out)
+
+        def run_prompt_logprobs(hidden, num_tokens):
+            targets = ready(np.zeros(num_tokens, np.int32))
+            jax.block_until_ready(self._prompt_logprobs_fn(self.head_params, hidden, targets))
+
+        sampler_buckets_done, jobs = set(), []
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="warm-up") as pool:
+            forwards = {n: pool.submit(lower_forward(batches[n]).compile) for n in self.token_buckets}
+            for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
+                forwards[num_tokens].result()
+                hidden, hidden_rd = self._run_forward(batches[num_tokens])  # compiled: runs only
+                jobs.append(pool.submit(run_prompt_logprobs, hidden, num_tokens))
+                num_seqs = self._num_seqs_for(num_tokens)
+                if num_seqs in sampler_buckets_done:
+                    continue
+                sampler_buckets_done.add(num_seqs)
+                # The sampler's static variants: penalties and a grammar's token bitmask, each on or
+                # off. Logprobs are a runtime flag of the same programs (sampler.py).
+                for with_penalties, with_grammar in itertools.product((False, True), repeat=2):
+                    bitmask = np.zeros((0, 1), np.int32) if with_grammar else None
+                    st = sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
+                    jobs.append(pool.submit(run_sampler, hidden_rd, st))
+            for job in jobs:
+                job.result()
         logger.info(
             "warm-up: %d programs for %d token buckets %s in %.1fs (%d from the persistent cache; "
             "XLA compile time %.1fs)",

@@ -35,7 +35,8 @@ class SamplingTensors:
     output_counts: jax.Array | None = None  # [R, V] int32: occurrences in the output so far
     prompt_mask: jax.Array | None = None  # [R, V] bool: token occurs in the prompt
     logit_bias: jax.Array | None = None  # [R, V] f32: -inf bans a token (min_tokens keeps EOS out)
-    # Structured outputs, present only when some row samples under a grammar (another variant):
+    # Structured outputs, present only when some row samples under a grammar (another variant: as a
+    # runtime flag, a lax.cond around the [R, V] logits copied them and slowed every step):
     allowed_token_bitmask: jax.Array | None = None  # [R, ceil(V / 32)] int32: bit i of word w = token 32w+i
 
     @property
@@ -103,8 +104,14 @@ def _draw(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [R] int32
     return jax.vmap(one)(st.seeds, st.token_index, logits).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool) -> SamplerOutput:
-    """logits: [R, V] float32 -> SamplerOutput."""
+def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool | jax.Array) -> SamplerOutput:
+    """logits: [R, V] float32 -> SamplerOutput.
+
+    `with_logprobs` as a Python bool picks the program (False: no logprob outputs); as a traced bool
+    it is a runtime flag, so one program serves both (the logprob outputs are zeros when it is off;
+    the cond's outputs are small, so it costs nothing when off).
+    Warm-up compiles every sampler program per request bucket, so each static variant costs start-up
+    time (~0.6-1 s of compile each on 2 CPU cores); the runner uses the runtime flag."""
     if st.allowed_token_bitmask is not None:
         logits = apply_token_bitmask(logits, st.allowed_token_bitmask)
     raw = logits
@@ -118,15 +125,28 @@ def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool) -> Sa
         return jnp.where(is_greedy, greedy_ids, _draw(_filter(tempered, st), st))
 
     token_ids = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_ids, random_ids, logits)
-    if not with_logprobs:
-        return SamplerOutput(token_ids, None, None, None)
+    if isinstance(with_logprobs, bool):
+        if not with_logprobs:
+            return SamplerOutput(token_ids, None, None, None)
+        return SamplerOutput(token_ids, *_logprobs(raw, token_ids))
+    return SamplerOutput(token_ids, *jax.lax.cond(with_logprobs, _logprobs, _no_logprobs, raw, token_ids))
+
+
+def _logprobs(raw: jax.Array, token_ids: jax.Array):
+    """The sampled token's logprob, then the top MAX_LOGPROBS: (ids [R, 1 + n], vals, rank [R])."""
     logprobs = jax.nn.log_softmax(raw, axis=-1)
     top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     sampled_lp = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
     rank = 1 + jnp.sum(logprobs > sampled_lp, axis=-1).astype(jnp.int32)
     ids = jnp.concatenate([token_ids[:, None], top_ids.astype(jnp.int32)], axis=-1)
     vals = jnp.concatenate([sampled_lp, top_vals], axis=-1)
-    return SamplerOutput(token_ids, ids, vals, rank)
+    return ids, vals, rank
+
+
+def _no_logprobs(raw: jax.Array, token_ids: jax.Array):
+    num_rows = raw.shape[0]
+    zeros = jnp.zeros((num_rows, 1 + MAX_LOGPROBS), jnp.int32)
+    return zeros, zeros.astype(jnp.float32), jnp.zeros(num_rows, jnp.int32)
 
 
 def prompt_logprobs(logits: jax.Array, target_ids: jax.Array):

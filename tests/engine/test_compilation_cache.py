@@ -31,7 +31,7 @@ def test_default_location_and_switches(monkeypatch, tmp_path):
         EngineConfig.from_kwargs(None, compilation_cache_max_size=0)
 
 
-@pytest.mark.slow  # two engine starts of a tiny model
+@pytest.mark.slow  # three engine starts of a tiny model
 def test_bench_startup_second_start_loads_every_program_from_the_cache(tmp_path):
     """`xlaserve bench startup`: a cold then a warm `xlaserve generate`, each in a fresh process."""
     from xlaserve.entrypoints import cli
@@ -49,15 +49,22 @@ def test_bench_startup_second_start_loads_every_program_from_the_cache(tmp_path)
         "2",
         "--output-json",
         str(out),
+        "--serve",
         "--",
         *engine,
     ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     cold, warm = report["cold"], report["warm"]
-    assert cold["programs"] > 0 and cold["from_cache"] == 0
+    assert cold["from_cache"] == 0
+    # Programs per bucket (engine/PERFORMANCE.md, start-up): the forward and the prompt-logprobs
+    # program per token bucket (1, 4, 16), and per request bucket (1, 4) one sampler program per
+    # penalties x grammar variant; logprobs are a runtime flag of the same programs (was 8 per bucket).
+    assert cold["programs"] == 2 * 3 + 4 * 2
     # The compile guard counts programs loaded from the cache as it counts compiled ones.
     assert warm["programs"] == cold["programs"] == warm["from_cache"]
+    # --serve: a server started on the warm cache answered /health (the time is the bench's figure).
+    assert report["serve_warm"]["healthy_s"] > 0
     assert warm["warm_up_s"] < cold["warm_up_s"] / 2, report
     assert {"checkpoint_s", "engine_s", "placement_s", "wall_s"} <= set(warm)
 
