@@ -96,10 +96,20 @@ def _filter(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     return jax.lax.cond(needs_sort, top_k_top_p, lambda x: x, logits)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the max), as int32, in two plain reductions:
+    XLA's CPU backend runs argmax as one variadic (value, index) reduce that does not vectorize,
+    ~10x slower over [64, 49152] logits here than a max and a min (engine/PERFORMANCE.md). A NaN
+    row gives the last index instead of the NaN's."""
+    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    first = jnp.min(jnp.where(x == x.max(axis=-1, keepdims=True), ids, x.shape[-1] - 1), axis=-1)
+    return first.astype(jnp.int32)
+
+
 def _draw(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [R] int32
     def one(seed, index, row):
         key = jax.random.fold_in(jax.random.key(seed), index)
-        return jnp.argmax(row + jax.random.gumbel(key, row.shape, jnp.float32))
+        return argmax(row + jax.random.gumbel(key, row.shape, jnp.float32))
 
     return jax.vmap(one)(st.seeds, st.token_index, logits).astype(jnp.int32)
 
@@ -118,7 +128,7 @@ def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool | jax.
     if st.has_penalties:
         logits = apply_penalties(logits, st)
     is_greedy = st.temperature < _GREEDY_EPS
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_ids = argmax(logits)
 
     def random_ids(logits):
         tempered = logits / jnp.where(is_greedy, 1.0, st.temperature)[:, None]
