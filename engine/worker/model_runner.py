@@ -172,7 +172,8 @@ class ModelRunner:
         of every bucket is compiled ahead of time (`lower().compile()` fills the same cache a call
         reads), and once a bucket's forward has run, its prompt-logprobs and sampler programs compile
         from its outputs (arrays, not shape structs: a program lowered for a shape struct is keyed
-        apart from the call's and would compile again) while the next forwards still compile."""
+        apart from the call's and would compile again) while the next forwards still compile. The
+        strict compile guard in the tests proves the first steps find every program."""
         start_compiles, start_secs, t0 = num_compiles(), compile_seconds(), time.perf_counter()
         start_hits = num_cache_hits()
         vocab = self.padded_vocab_size
@@ -183,13 +184,14 @@ class ModelRunner:
             args = (batch.input_ids, batch.positions, batch.logits_indices, batch.md)
             return self._forward_fn.lower(self.params, self.kv_cache, *args)
 
-        def run_sampler(hidden_rd, st):
-            out = self._sample_fn(self.head_params, hidden_rd, ready(st), with_logprobs=False)
-            jax.block_until_ready(out)
+        # Only the main thread runs programs, in the same order on every process (a multi-host
+        # engine's collectives must match); the pool only compiles.
+        def compile_sampler(hidden_rd, st):
+            self._sample_fn.lower(self.head_params, hidden_rd, ready(st), with_logprobs=False).compile()
 
-        def run_prompt_logprobs(hidden, num_tokens):
+        def compile_prompt_logprobs(hidden, num_tokens):
             targets = ready(np.zeros(num_tokens, np.int32))
-            jax.block_until_ready(self._prompt_logprobs_fn(self.head_params, hidden, targets))
+            self._prompt_logprobs_fn.lower(self.head_params, hidden, targets).compile()
 
         sampler_buckets_done, jobs = set(), []
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="warm-up") as pool:
@@ -197,7 +199,7 @@ class ModelRunner:
             for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
                 forwards[num_tokens].result()
                 hidden, hidden_rd = self._run_forward(batches[num_tokens])  # compiled: runs only
-                jobs.append(pool.submit(run_prompt_logprobs, hidden, num_tokens))
+                jobs.append(pool.submit(compile_prompt_logprobs, hidden, num_tokens))
                 num_seqs = self._num_seqs_for(num_tokens)
                 if num_seqs in sampler_buckets_done:
                     continue
@@ -207,7 +209,7 @@ class ModelRunner:
                 for with_penalties, with_grammar in itertools.product((False, True), repeat=2):
                     bitmask = np.zeros((0, 1), np.int32) if with_grammar else None
                     st = sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
-                    jobs.append(pool.submit(run_sampler, hidden_rd, st))
+                    jobs.append(pool.submit(compile_sampler, hidden_rd, st))
             for job in jobs:
                 job.result()
         logger.info(
