@@ -11,6 +11,7 @@ import pytest
 
 from helpers.tiny_models import save_tiny_llama
 from xlaserve.config import EngineConfig
+from xlaserve.entrypoints.bench.startup import engine_flags_only
 
 
 def test_default_location_and_switches(monkeypatch, tmp_path):
@@ -63,8 +64,10 @@ def test_bench_startup_second_start_loads_every_program_from_the_cache(tmp_path)
     assert cold["programs"] == 2 * 3 + 4 * 2
     # The compile guard counts programs loaded from the cache as it counts compiled ones.
     assert warm["programs"] == cold["programs"] == warm["from_cache"]
-    # --serve: a server started on the warm cache answered /health (the time is the bench's figure).
+    # --serve: a server started on the warm cache (less generate's own flags) answered /health.
     assert report["serve_warm"]["healthy_s"] > 0
+    flags = ["--raw", "--max-tokens", "2", "--dtype", "float32", "--top-k=3", "--seed", "1"]
+    assert engine_flags_only(flags) == ["--dtype", "float32", "--seed", "1"]
     assert warm["warm_up_s"] < cold["warm_up_s"] / 2, report
     assert {"checkpoint_s", "engine_s", "placement_s", "wall_s"} <= set(warm)
 

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -33,22 +34,48 @@ _PHASES = {
 }
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_once(generate_args: list[str], cache_root: str) -> dict:
     """One `xlaserve generate` in a fresh process -> wall seconds and the logged phases."""
     env = dict(os.environ, XLASERVE_CACHE_ROOT=cache_root)
     env.pop("XLASERVE_COMPILATION_CACHE_DIR", None)
     command = [sys.executable, "-m", "xlaserve.entrypoints.cli", "generate", *generate_args]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
     if result.returncode != 0:
         raise RuntimeError(f"xlaserve generate failed:\n{result.stderr[-3000:]}")
-    report = {"wall_s": wall}
+    # CPU seconds (user + system) of the run: on a machine shared with other work, wall time moves
+    # with the load and this does not (on an idle machine, wall >= cpu / cores).
+    report = {"wall_s": wall, "cpu_s": _children_cpu_s() - cpu0}
     for name, pattern in _PHASES.items():
         match = pattern.search(result.stderr)
         if match:
             report[name] = float(match[1]) if name.endswith("_s") else int(match[1])
     return report
+
+
+# `xlaserve generate`'s own flags (cli.py) and how many values each takes: `--serve` drops them.
+_GENERATE_ONLY_FLAGS = {"--raw": 0, "--max-tokens": 1, "--temperature": 1, "--top-p": 1, "--top-k": 1,
+                        "--min-p": 1, "--sampling-seed": 1, "--repetition-penalty": 1,
+                        "--stop": 1}  # fmt: skip
+
+
+def engine_flags_only(args: list[str]) -> list[str]:
+    """The flags after `--` less those only `generate` takes, for `xlaserve serve`."""
+    kept, i = [], 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name in _GENERATE_ONLY_FLAGS:
+            i += 1 + (_GENERATE_ONLY_FLAGS[name] if "=" not in args[i] else 0)
+            continue
+        kept.append(args[i])
+        i += 1
+    return kept
 
 
 def _free_port() -> int:
@@ -98,16 +125,15 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="xlaserve-startup-") as cache_root:
         results = {"cold": run_once(generate_args, cache_root), "warm": run_once(generate_args, cache_root)}
         if args.serve:
-            serve_args = (["--model", args.model] if args.model else []) + engine_args
+            serve_args = (["--model", args.model] if args.model else []) + engine_flags_only(engine_args)
             results["serve_warm"] = serve_until_healthy(serve_args, cache_root)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results["load_average"] = load
     for name in ("cold", "warm"):
         r = results[name]
-        phases = ", ".join(
-            f"{k} {v:.1f}" if k.endswith("_s") else f"{k} {v}" for k, v in r.items() if k != "wall_s"
-        )
-        print(f"{name:>5}: {r['wall_s']:.1f} s wall to the last token ({phases})")
+        logged = {k: v for k, v in r.items() if k not in ("wall_s", "cpu_s")}
+        phases = ", ".join(f"{k} {v:.1f}" if k.endswith("_s") else f"{k} {v}" for k, v in logged.items())
+        print(f"{name:>5}: {r['wall_s']:.1f} s wall to the last token, {r['cpu_s']:.1f} s of CPU ({phases})")
     if "serve_warm" in results:
         print(f"serve: /health answered 200 after {results['serve_warm']['healthy_s']:.1f} s (warm cache)")
     print(f"load average: {load}")
