@@ -11,6 +11,7 @@ from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs, run_f
 from xlaserve.entrypoints.bench import offline as bench_offline
 from xlaserve.entrypoints.bench import serve as bench_serve
 from xlaserve.entrypoints.bench import startup as bench_startup
+from xlaserve.entrypoints.bench import targets as bench_targets
 from xlaserve.entrypoints.openai import api_server
 
 
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench_offline.add_parser(sub, add_engine_args)
     bench_serve.add_serve_parser(bench_sub)
     bench_startup.add_startup_parser(bench_sub)
+    bench_targets.add_targets_parser(bench_sub, add_engine_args)
     return parser
 
 

@@ -17,7 +17,9 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
@@ -187,10 +189,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self._forward_fn = jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",))
         vocab = self.model_config.vocab_size
-        self._sample_fn = jax.jit(
-            partial(_sample, self.graphdef, vocab, config.scheduler.max_num_seqs),
-            static_argnames=("with_logprobs",),
-        )
+        # `with_logprobs` is traced (a runtime flag), not static: warm-up compiles 4 sampler programs
+        # per request bucket (penalties x grammar), not 8 (sampler.py).
+        self._sample_fn = jax.jit(partial(_sample, self.graphdef, vocab, config.scheduler.max_num_seqs))
         self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef, vocab))
         spec = config.speculative
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
@@ -213,8 +214,10 @@ class ModelRunner:
         self.guard = CompileGuard(strict=config.compilation.strict_compile_guard)
         # Host-idle and device-idle time per step (num_steps, device_wait_s: the host blocked on results).
         self.timing = StepTiming()
-        # The last step's sampled ids [max_num_seqs], which the next step may read on the device.
-        self.last_sampled = self.placement.step_inputs(np.zeros(self.max_num_seqs, np.int32))
+        # The last step's sampled ids [max_num_seqs], which the next step may read on the device. Made
+        # like the sampler's output (committed, replicated), so the forward that warm-up compiles with it
+        # is the one every later step calls with the sampler's ids (a host array would key apart).
+        self.last_sampled = self.placement.zeros((self.max_num_seqs,), np.int32, self.placement.replicated)
 
     @property
     def num_steps(self) -> int:
@@ -239,50 +242,62 @@ class ModelRunner:
     # -- compiling ------------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Compile every token bucket and every sampler variant, then arm the compile guard."""
+        """Compile every token bucket and every sampler variant, then arm the compile guard.
+
+        XLA's compiles release the GIL, so they run in a pool of one thread per core: the forward
+        of every bucket is compiled ahead of time (`lower().compile()` fills the same cache a call
+        reads), and once a bucket's forward has run, its prompt-logprobs and sampler programs compile
+        from its outputs (arrays, not shape structs: a program lowered for a shape struct is keyed
+        apart from the call's and would compile again) while the next forwards still compile. The
+        strict compile guard in the tests proves the first steps find every program."""
         start_compiles, start_secs, t0 = num_compiles(), compile_seconds(), time.perf_counter()
         start_hits = num_cache_hits()
         vocab = self.padded_vocab_size
+        ready = self.placement.step_inputs
         if self.lora is not None:
             self.lora.warm_up()
-        sampler_buckets_done = set()
-        for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
-            num_seqs = self._num_seqs_for(num_tokens)
-            batch = self._build_batch([], num_tokens)
-            hidden, hidden_rd = self._run_forward(batch)
-            jax.block_until_ready(
-                self._prompt_logprobs_fn(
-                    self.head_params, hidden, self.placement.step_inputs(np.zeros(num_tokens, np.int32))
-                )
-            )
-            if num_seqs in sampler_buckets_done:
-                continue
-            sampler_buckets_done.add(num_seqs)
-            # Every sampler variant: penalties, a grammar's token bitmask, logprobs, each on or off.
-            for with_penalties, with_grammar, with_logprobs in itertools.product((False, True), repeat=3):
-                bitmask = np.zeros((0, 1), np.int32) if with_grammar else None
-                st = sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
-                _, self.last_sampled = self._sample_fn(
-                    self.head_params,
-                    hidden_rd,
-                    self.placement.step_inputs(st),
-                    with_logprobs=with_logprobs,
-                )
-                jax.block_until_ready(self.last_sampled)
-                if self.num_spec_tokens:  # the same variants verifying drafts
-                    spec = build_spec_inputs([], num_seqs, self.num_spec_tokens)
-                    jax.block_until_ready(
-                        self._verify_fn(
-                            self.head_params,
-                            hidden_rd,
-                            self.placement.step_inputs(st),
-                            self.placement.step_inputs(spec),
-                            with_logprobs=with_logprobs,
-                        )
-                    )
-        # The first bucket's forward read the initial `last_sampled`; every later one reads the sampler's
-        # output, whose placement jit may key apart: run it once more so that variant is compiled too.
-        jax.block_until_ready(self._run_forward(self._build_batch([], self.token_buckets[0])))
+        batches = {n: self._build_batch([], n) for n in self.token_buckets}
+
+        def lower_forward(batch):  # in this thread, before the cache is donated by a first run
+            return self._forward_fn.lower(*self._forward_args(self.kv_cache, batch))
+
+        # Only the main thread runs programs, in the same order on every process (a multi-host
+        # engine's collectives must match); the pool only compiles.
+        def compile_sampler(hidden_rd, st):
+            self._sample_fn.lower(self.head_params, hidden_rd, ready(st), with_logprobs=False).compile()
+
+        def compile_verify(hidden_rd, st, spec, with_logprobs):
+            self._verify_fn.lower(
+                self.head_params, hidden_rd, ready(st), ready(spec), with_logprobs=with_logprobs
+            ).compile()
+
+        def compile_prompt_logprobs(hidden, num_tokens):
+            targets = ready(np.zeros(num_tokens, np.int32))
+            self._prompt_logprobs_fn.lower(self.head_params, hidden, targets).compile()
+
+        sampler_buckets_done, jobs = set(), []
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="warm-up") as pool:
+            forwards = {n: pool.submit(lower_forward(batches[n]).compile) for n in self.token_buckets}
+            for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
+                forwards[num_tokens].result()
+                hidden, hidden_rd = self._run_forward(batches[num_tokens])  # compiled: runs only
+                jobs.append(pool.submit(compile_prompt_logprobs, hidden, num_tokens))
+                num_seqs = self._num_seqs_for(num_tokens)
+                if num_seqs in sampler_buckets_done:
+                    continue
+                sampler_buckets_done.add(num_seqs)
+                # The sampler's static variants: penalties and a grammar's token bitmask, each on or
+                # off. Logprobs are a runtime flag of the same programs (sampler.py).
+                for with_penalties, with_grammar in itertools.product((False, True), repeat=2):
+                    bitmask = np.zeros((0, 1), np.int32) if with_grammar else None
+                    st = sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
+                    jobs.append(pool.submit(compile_sampler, hidden_rd, st))
+                    if self.num_spec_tokens:  # the same variants verifying drafts (logprobs static)
+                        spec = build_spec_inputs([], num_seqs, self.num_spec_tokens)
+                        for with_logprobs in (False, True):
+                            jobs.append(pool.submit(compile_verify, hidden_rd, st, spec, with_logprobs))
+            for job in jobs:
+                job.result()
         logger.info(
             "warm-up: %d programs for %d token buckets %s in %.1fs (%d from the persistent cache; "
             "XLA compile time %.1fs)",
@@ -309,12 +324,9 @@ class ModelRunner:
             batch = dataclasses.replace(batch, lora_slot_ids=np.zeros(num_tokens, np.int32))
         return self.placement.step_inputs(batch)
 
-    def forward(self, kv_cache: KVCache, batch: StepBatch) -> tuple[jax.Array, jax.Array, KVCache]:
-        """The model over one batch (host or device arrays): (hidden [T, D], the hidden of each
-        sequence's sampled position [R, D], the updated cache). `kv_cache` is donated: use only the
-        one returned. Where `batch.prev_rows` >= 0 the id is read from `last_sampled`."""
+    def _forward_args(self, kv_cache: KVCache, batch: StepBatch) -> tuple:
         lora = None if self.lora is None else self.lora.batch(batch.lora_slot_ids)
-        return self._forward_fn(
+        return (
             self.params,
             kv_cache,
             batch.input_ids,
@@ -325,6 +337,12 @@ class ModelRunner:
             batch.md,
             lora,
         )
+
+    def forward(self, kv_cache: KVCache, batch: StepBatch) -> tuple[jax.Array, jax.Array, KVCache]:
+        """The model over one batch (host or device arrays): (hidden [T, D], the hidden of each
+        sequence's sampled position [R, D], the updated cache). `kv_cache` is donated: use only the
+        one returned. Where `batch.prev_rows` >= 0 the id is read from `last_sampled`."""
+        return self._forward_fn(*self._forward_args(kv_cache, batch))
 
     def _run_forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
         hidden, hidden_rd, self.kv_cache = self.forward(self.kv_cache, batch)
@@ -471,16 +489,7 @@ class ModelRunner:
 
     def compiled_forward_text(self, num_tokens: int) -> str:
         """The optimized HLO of the forward for one token bucket (to inspect collectives)."""
-        batch = self._build_batch([], num_tokens)
         lowered = self._forward_fn.lower(
-            self.params,
-            self.kv_cache,
-            batch.input_ids,
-            self.last_sampled,
-            batch.prev_rows,
-            batch.positions,
-            batch.logits_indices,
-            batch.md,
-            None if self.lora is None else self.lora.batch(batch.lora_slot_ids),
+            *self._forward_args(self.kv_cache, self._build_batch([], num_tokens))
         )
         return lowered.compile().as_text()

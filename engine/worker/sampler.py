@@ -35,7 +35,8 @@ class SamplingTensors:
     output_counts: jax.Array | None = None  # [R, V] int32: occurrences in the output so far
     prompt_mask: jax.Array | None = None  # [R, V] bool: token occurs in the prompt
     logit_bias: jax.Array | None = None  # [R, V] f32: -inf bans a token (min_tokens keeps EOS out)
-    # Structured outputs, present only when some row samples under a grammar (another variant):
+    # Structured outputs, present only when some row samples under a grammar (another variant: as a
+    # runtime flag, a lax.cond around the [R, V] logits copied them and slowed every step):
     allowed_token_bitmask: jax.Array | None = None  # [R, ceil(V / 32)] int32: bit i of word w = token 32w+i
 
     @property
@@ -95,38 +96,67 @@ def _filter(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     return jax.lax.cond(needs_sort, top_k_top_p, lambda x: x, logits)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the max), as int32, in two plain reductions:
+    XLA's CPU backend runs argmax as one variadic (value, index) reduce that does not vectorize,
+    ~10x slower over [64, 49152] logits here than a max and a min (engine/PERFORMANCE.md). A NaN
+    row gives the last index instead of the NaN's."""
+    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    first = jnp.min(jnp.where(x == x.max(axis=-1, keepdims=True), ids, x.shape[-1] - 1), axis=-1)
+    return first.astype(jnp.int32)
+
+
 def _draw(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [R] int32
     def one(seed, index, row):
         key = jax.random.fold_in(jax.random.key(seed), index)
-        return jnp.argmax(row + jax.random.gumbel(key, row.shape, jnp.float32))
+        return argmax(row + jax.random.gumbel(key, row.shape, jnp.float32))
 
     return jax.vmap(one)(st.seeds, st.token_index, logits).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool) -> SamplerOutput:
-    """logits: [R, V] float32 -> SamplerOutput."""
+def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool | jax.Array) -> SamplerOutput:
+    """logits: [R, V] float32 -> SamplerOutput.
+
+    `with_logprobs` as a Python bool picks the program (False: no logprob outputs); as a traced bool
+    it is a runtime flag, so one program serves both (the logprob outputs are zeros when it is off;
+    the cond's outputs are small, so it costs nothing when off).
+    Warm-up compiles every sampler program per request bucket, so each static variant costs start-up
+    time (~0.6-1 s of compile each on 2 CPU cores); the runner uses the runtime flag."""
     if st.allowed_token_bitmask is not None:
         logits = apply_token_bitmask(logits, st.allowed_token_bitmask)
     raw = logits
     if st.has_penalties:
         logits = apply_penalties(logits, st)
     is_greedy = st.temperature < _GREEDY_EPS
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_ids = argmax(logits)
 
     def random_ids(logits):
         tempered = logits / jnp.where(is_greedy, 1.0, st.temperature)[:, None]
         return jnp.where(is_greedy, greedy_ids, _draw(_filter(tempered, st), st))
 
     token_ids = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_ids, random_ids, logits)
-    if not with_logprobs:
-        return SamplerOutput(token_ids, None, None, None)
+    if isinstance(with_logprobs, bool):
+        if not with_logprobs:
+            return SamplerOutput(token_ids, None, None, None)
+        return SamplerOutput(token_ids, *_logprobs(raw, token_ids))
+    return SamplerOutput(token_ids, *jax.lax.cond(with_logprobs, _logprobs, _no_logprobs, raw, token_ids))
+
+
+def _logprobs(raw: jax.Array, token_ids: jax.Array):
+    """The sampled token's logprob, then the top MAX_LOGPROBS: (ids [R, 1 + n], vals, rank [R])."""
     logprobs = jax.nn.log_softmax(raw, axis=-1)
     top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     sampled_lp = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
     rank = 1 + jnp.sum(logprobs > sampled_lp, axis=-1).astype(jnp.int32)
     ids = jnp.concatenate([token_ids[:, None], top_ids.astype(jnp.int32)], axis=-1)
     vals = jnp.concatenate([sampled_lp, top_vals], axis=-1)
-    return SamplerOutput(token_ids, ids, vals, rank)
+    return ids, vals, rank
+
+
+def _no_logprobs(raw: jax.Array, token_ids: jax.Array):
+    num_rows = raw.shape[0]
+    zeros = jnp.zeros((num_rows, 1 + MAX_LOGPROBS), jnp.int32)
+    return zeros, zeros.astype(jnp.float32), jnp.zeros(num_rows, jnp.int32)
 
 
 def prompt_logprobs(logits: jax.Array, target_ids: jax.Array):

@@ -11,6 +11,7 @@ import pytest
 
 from helpers.tiny_models import save_tiny_llama
 from xlaserve.config import EngineConfig
+from xlaserve.entrypoints.bench.startup import engine_flags_only
 
 
 def test_default_location_and_switches(monkeypatch, tmp_path):
@@ -31,7 +32,7 @@ def test_default_location_and_switches(monkeypatch, tmp_path):
         EngineConfig.from_kwargs(None, compilation_cache_max_size=0)
 
 
-@pytest.mark.slow  # two engine starts of a tiny model
+@pytest.mark.slow  # three engine starts of a tiny model
 def test_bench_startup_second_start_loads_every_program_from_the_cache(tmp_path):
     """`xlaserve bench startup`: a cold then a warm `xlaserve generate`, each in a fresh process."""
     from xlaserve.entrypoints import cli
@@ -49,15 +50,24 @@ def test_bench_startup_second_start_loads_every_program_from_the_cache(tmp_path)
         "2",
         "--output-json",
         str(out),
+        "--serve",
         "--",
         *engine,
     ]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     cold, warm = report["cold"], report["warm"]
-    assert cold["programs"] > 0 and cold["from_cache"] == 0
+    assert cold["from_cache"] == 0
+    # Programs per bucket (engine/PERFORMANCE.md, start-up): the forward and the prompt-logprobs
+    # program per token bucket (1, 4, 16), and per request bucket (1, 4) one sampler program per
+    # penalties x grammar variant; logprobs are a runtime flag of the same programs (was 8 per bucket).
+    assert cold["programs"] == 2 * 3 + 4 * 2
     # The compile guard counts programs loaded from the cache as it counts compiled ones.
     assert warm["programs"] == cold["programs"] == warm["from_cache"]
+    # --serve: a server started on the warm cache (less generate's own flags) answered /health.
+    assert report["serve_warm"]["healthy_s"] > 0
+    flags = ["--raw", "--max-tokens", "2", "--dtype", "float32", "--top-k=3", "--seed", "1"]
+    assert engine_flags_only(flags) == ["--dtype", "float32", "--seed", "1"]
     assert warm["warm_up_s"] < cold["warm_up_s"] / 2, report
     assert {"checkpoint_s", "engine_s", "placement_s", "wall_s"} <= set(warm)
 

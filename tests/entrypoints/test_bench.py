@@ -120,3 +120,38 @@ def test_speculative_bench_reports_acceptance_and_the_paired_ratio(tiny_llama, t
             1 + paired["num_accepted_tokens"] / paired["num_drafts"]
         )
     assert report["xlaserve"]["speculative"]["num_draft_tokens"] >= 0  # the acceptance figures are reported
+
+
+@pytest.mark.slow  # two tiny engines and two HF loads
+def test_bench_targets_pairs_every_run_and_derives_the_ratios(tiny_llama, tmp_path):
+    """`xlaserve bench targets`: xlaserve at its default dtype (bfloat16 on a CPU with AVX512-BF16,
+    float32 elsewhere) and in float32, HF in both dtypes, and each target's ratio from those runs."""
+    out = tmp_path / "targets.json"
+    engine = ["--max-model-len", "256", "--max-num-batched-tokens", "64", "--kv-cache-memory", str(2**22),
+              "--enforce-eager"]  # fmt: skip
+    argv = ["bench", "targets", "--model", tiny_llama, "--num-prompts", "3", "--output-len", "4",
+            "--latency-prompts", "1", "--latency-output-len", "3", "--output-json", str(out)]  # fmt: skip
+    argv += engine
+    assert cli.main(argv) == 0
+    r = json.loads(out.read_text())
+    runs = ["xlaserve_default", "hf_float32", "hf_bfloat16"]
+    if r["xlaserve_default"]["dtype"] != "float32":
+        runs.append("xlaserve_float32")
+        assert r["xlaserve_float32"]["dtype"] == "float32"
+    for name in runs:
+        tp, lat = r[name]["throughput"], r[name]["latency"]
+        assert tp["num_requests"] == 3 and lat["num_requests"] == 1
+        assert tp["output_tokens_per_s"] * tp["elapsed_s"] == pytest.approx(3 * 4)
+
+    def tok_s(name):
+        return r[name]["throughput"]["output_tokens_per_s"]
+
+    hf_best = max(tok_s("hf_float32"), tok_s("hf_bfloat16"))
+    t = r["targets"]["throughput_vs_hf_best"]
+    assert t["ratio"] == pytest.approx(tok_s("xlaserve_default") / hf_best)
+    assert t["met"] == (t["ratio"] >= 1.5)
+    tpot = min(r[h]["latency"]["tpot_s"]["mean"] for h in ("hf_float32", "hf_bfloat16"))
+    t = r["targets"]["batch1_tpot_vs_hf_best"]
+    assert t["ratio"] == pytest.approx(r["xlaserve_default"]["latency"]["tpot_s"]["mean"] / tpot)
+    assert t["met"] == (t["ratio"] <= 2 / 3)
+    assert ("bf16_vs_f32" in r["targets"]) == ("xlaserve_float32" in r)

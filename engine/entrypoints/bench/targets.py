@@ -1,0 +1,144 @@
+"""`xlaserve bench targets`: the speed targets of issue 11, measured back to back in one process.
+
+Absolute figures on a shared machine move with its load; ratios of runs made minutes apart in one
+process are what compare. One command runs, on the same fixed chat workload (`bench throughput`'s):
+
+- xlaserve at its default dtype and in float32: throughput (all prompts at once), then batch-1
+  latency (one prompt at a time);
+- Hugging Face transformers `generate` in float32 and in bfloat16, the same two runs;
+
+and prints each target's ratio against Hugging Face at its best dtype (per metric), whether it is
+met, and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+
+from xlaserve.entrypoints.arg_utils import engine_kwargs
+from xlaserve.entrypoints.bench.offline import _load_hf, _prompts, run_hf, run_xlaserve, workload
+
+HF_DTYPES = ("float32", "bfloat16")
+THROUGHPUT_VS_HF = 1.5  # xlaserve default dtype / HF best, output tok/s: at least
+BF16_VS_F32 = 1.3  # xlaserve bfloat16 / float32, output tok/s: at least (where bfloat16 is the default)
+TPOT_VS_HF = 2 / 3  # xlaserve batch-1 TPOT / HF best: at most
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _run_engine(args, dtype: str | None) -> dict:
+    from xlaserve.entrypoints.llm import LLM
+
+    kwargs = engine_kwargs(args)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    llm = LLM(args.model, **kwargs)
+    try:
+        prompts = _prompts(llm.tokenizer, workload(args.num_prompts))
+        latency_prompts = _prompts(llm.tokenizer, workload(args.latency_prompts))
+        return {
+            "dtype": str(getattr(llm.engine_core, "ranks", [llm.engine_core])[0].runner.dtype),
+            "throughput": run_xlaserve(llm, prompts, args.output_len, batch=True),
+            "latency": run_xlaserve(llm, latency_prompts, args.latency_output_len, batch=False),
+            "tokenizer": llm.tokenizer,
+        }
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+
+
+def _run_hf(args, dtype: str, tokenizer) -> dict:
+    hf = _load_hf(args.model, dtype)
+    prompts = _prompts(tokenizer, workload(args.num_prompts))
+    latency_prompts = _prompts(tokenizer, workload(args.latency_prompts))
+    result = {
+        "throughput": run_hf(hf, tokenizer, prompts, args.output_len, batch=True),
+        "latency": run_hf(hf, tokenizer, latency_prompts, args.latency_output_len, batch=False),
+    }
+    del hf
+    gc.collect()
+    return result
+
+
+def measure_targets(args: argparse.Namespace) -> dict:
+    results: dict = {"load_average_before": _load_average(), "num_prompts": args.num_prompts}
+    default = _run_engine(args, None)
+    tokenizer = default.pop("tokenizer")
+    results["xlaserve_default"] = default
+    if default["dtype"] != "float32":
+        f32 = _run_engine(args, "float32")
+        f32.pop("tokenizer")
+        results["xlaserve_float32"] = f32
+    for dtype in HF_DTYPES:
+        results[f"hf_{dtype}"] = _run_hf(args, dtype, tokenizer)
+    results["load_average_after"] = _load_average()
+
+    def tok_s(run):
+        return run["throughput"]["output_tokens_per_s"]
+
+    def tpot(run):
+        return run["latency"]["tpot_s"]["mean"]
+
+    hf_best_tok_s = max(tok_s(results[f"hf_{d}"]) for d in HF_DTYPES)
+    hf_best_tpot = min(tpot(results[f"hf_{d}"]) for d in HF_DTYPES)
+    targets = {
+        "throughput_vs_hf_best": (tok_s(default) / hf_best_tok_s, ">=", THROUGHPUT_VS_HF),
+        "batch1_tpot_vs_hf_best": (tpot(default) / hf_best_tpot, "<=", TPOT_VS_HF),
+    }
+    if "xlaserve_float32" in results:
+        targets["bf16_vs_f32"] = (tok_s(default) / tok_s(results["xlaserve_float32"]), ">=", BF16_VS_F32)
+    results["targets"] = {
+        name: {"ratio": ratio, "op": op, "target": bound, "met": _is_met(ratio, op, bound)}
+        for name, (ratio, op, bound) in targets.items()
+    }
+    return results
+
+
+def _is_met(ratio: float, op: str, bound: float) -> bool:
+    return ratio >= bound if op == ">=" else ratio <= bound
+
+
+def _print(results: dict) -> None:
+    print(f"\n== bench targets: {results['num_prompts']} chat prompts (throughput), batch 1 (latency) ==")
+    for name in ("xlaserve_default", "xlaserve_float32", *(f"hf_{d}" for d in HF_DTYPES)):
+        run = results.get(name)
+        if run is None:
+            continue
+        label = f"{name} ({run['dtype']})" if "dtype" in run else name
+        print(
+            f"{label:>28}: {run['throughput']['output_tokens_per_s']:.1f} output tok/s, "
+            f"batch-1 TPOT {run['latency']['tpot_s']['mean'] * 1e3:.1f} ms"
+        )
+    for name, t in results["targets"].items():
+        verdict = "met" if t["met"] else "NOT met"
+        print(f"{name:>28}: {t['ratio']:.2f} (target {t['op']} {t['target']:.2f}): {verdict}")
+    print(f"load average: {results['load_average_before']} before, {results['load_average_after']} after")
+
+
+def cmd_bench_targets(args: argparse.Namespace) -> int:
+    results = measure_targets(args)
+    _print(results)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return 0
+
+
+def add_targets_parser(bench_sub, add_engine_args) -> None:
+    b = bench_sub.add_parser("targets", help="issue 11's speed targets, paired against HF in one process")
+    b.add_argument("--num-prompts", type=int, default=64, help="throughput prompts (default 64)")
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--latency-prompts", type=int, default=4, help="batch-1 prompts (default 4)")
+    b.add_argument("--latency-output-len", type=int, default=64)
+    b.add_argument("--output-json", default=None)
+    add_engine_args(b)
+    b.set_defaults(func=cmd_bench_targets)

@@ -1,0 +1,51 @@
+"""Warm-up compiles in a thread pool, ahead of time (`lower().compile()`): the programs it compiles
+must be the very ones the steps call, or the first steps would compile again. A tiny engine under
+the strict compile guard runs every sampler variant (greedy, random with top-p, penalties, logprobs
+on and off, prompt logprobs, a grammar) in every bucket after warm-up and compiles nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.tiny_models import save_tiny_llama
+from xlaserve import SamplingParams, StructuredOutputsParams
+from xlaserve.worker.compile_guard import num_compiles
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory):
+    from xlaserve.entrypoints.llm import LLM
+
+    model = save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_warm_up")))
+    llm = LLM(
+        model,
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        kv_cache_memory=2**22,
+        strict_compile_guard=True,
+    )
+    yield llm
+    llm.shutdown()
+
+
+def test_no_step_compiles_after_the_parallel_warm_up(tiny_llm):
+    runner = tiny_llm.engine_core.runner
+    assert runner.token_buckets == [1, 4, 16, 32]
+    before = num_compiles()
+    grammar = StructuredOutputsParams(regex="[ab]+")
+    variants = [
+        SamplingParams(temperature=0.0, max_tokens=6),
+        SamplingParams(temperature=0.0, max_tokens=5, logprobs=2),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=5, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=grammar),
+    ]
+    # Prompts of 1 to ~30 tokens, alone and together: steps land in every token and request bucket.
+    prompts = ["hi", "a b c d e f g h", "one two three four five six seven eight nine ten " * 2]
+    for params in variants:
+        tiny_llm.generate(prompts[:1], params, use_tqdm=False)
+        tiny_llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
+    tiny_llm.generate(prompts + prompts[:1], variants[:4], use_tqdm=False)  # mixed variants in one step
+    assert num_compiles() == before
