@@ -16,6 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The persistent compilation cache is on by default; the suite keeps its own, out of the user's home.
 os.environ.setdefault("XLASERVE_CACHE_ROOT", tempfile.mkdtemp(prefix="xlaserve-tests-"))
+# Triton reads TRITON_INTERPRET once, when first imported, and torch-based test libraries (peft) import
+# it early: without a GPU, the Triton kernel's numerics tests need the interpreter from the start.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
