@@ -89,9 +89,15 @@ class _UnknownBlock(OpenAIModel):
     type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
 
 
-def _block_tag(value) -> str:
+def _type_tag(value, kinds, suffix: str) -> str:
+    """The union tag of a `{"type": ...}` member (`text-block`, `auto-choice`...); "unknown-..." for a
+    missing or unknown type, so the error names the field rather than every member of the union."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"{kind}-block" if isinstance(kind, str) and kind in _BLOCKS else "unknown-block"
+    return f"{kind}-{suffix}" if isinstance(kind, str) and kind in kinds else f"unknown-{suffix}"
+
+
+def _block_tag(value) -> str:
+    return _type_tag(value, _BLOCKS, "block")
 
 
 ContentBlock = Annotated[
@@ -146,8 +152,7 @@ class _UnknownChoice(OpenAIModel):
 
 
 def _choice_tag(value) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"{kind}-choice" if isinstance(kind, str) and kind in _CHOICES else "unknown-choice"
+    return _type_tag(value, _CHOICES, "choice")
 
 
 ToolChoice = Annotated[
