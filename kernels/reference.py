@@ -209,7 +209,7 @@ class _Attend:
         first = jnp.min(jnp.where(active_n, position_n, jnp.iinfo(jnp.int32).max))
         last = jnp.max(jnp.where(active_n, position_n, -1))
         start, stop = self.chunk_range(first, last, chunk_len)
-        if is_16bit_float(self.value_dtype):
+        if is_16bit_float(self.value_dtype) or is_8bit_float(self.value_dtype):
             return self._folded(q_nkgd, tables_np, position_n, active_n, pages_per_chunk, start, stop)
 
         def chunk(i, carry):
@@ -226,26 +226,27 @@ class _Attend:
         return _normalize(carry)
 
     def _folded(self, q_nkgd, tables_np, position_n, active_n, pages_per_chunk, start, stop):
-        """`per_query` for a 16-bit cache, with the KV heads folded into one dot per query.
+        """`per_query` for a 16- or 8-bit cache, with the KV heads folded into one dot per query.
 
         Contracting "nkgd,nskd" needs (n, k) as batch dims, so XLA transposes every gathered chunk
         to [n, k, s, d], a strided copy fused with the gather that cost most of a decode step's
         attention on CPU. Here the query is block-diagonal over KV heads, [n, (k g), (k' d)] with zeros
         where k != k', so each chunk's keys and values are contracted as gathered, [n, s, (k d)], in
         16-bit with float32 accumulation (native on CPUs with AVX512-BF16); the k' != k blocks of the
-        output are dropped at the end. It does num_kv_heads times the (negligible) flops.
+        output are dropped at the end. It does num_kv_heads times the (negligible) flops. A float8
+        cache's pages are widened to bfloat16 (exact) and contracted the same way.
         """
         n, num_kv_heads, group, head_dim = q_nkgd.shape
         num_q_heads, width = num_kv_heads * group, num_kv_heads * head_dim
         chunk_len = pages_per_chunk * self.block_size
-        dtype = self.value_dtype
+        dtype = jnp.bfloat16 if is_8bit_float(self.value_dtype) else self.value_dtype
         eye = jnp.eye(num_kv_heads, dtype=jnp.float32)
         q_nhc = (q_nkgd[:, :, :, None, :] * eye[None, :, None, :, None]).reshape(n, num_q_heads, width)
         q_nhc = q_nhc.astype(dtype)
 
         def chunk(i, carry):
             pages = jax.lax.dynamic_slice_in_dim(tables_np, i * pages_per_chunk, pages_per_chunk, axis=1)
-            k, v = (x.reshape(n, chunk_len, width) for x in self.gather(pages))  # [n, s, (k d)]
+            k, v = (x.reshape(n, chunk_len, width).astype(dtype) for x in self.gather(pages))  # [n, s, (k d)]
             kv_pos = i * chunk_len + jnp.arange(chunk_len)
             visible = self.visible(kv_pos[None, :], position_n[:, None]) & active_n[:, None]  # [n, s]
             s = jnp.einsum("nhc,nsc->nhs", q_nhc, k, preferred_element_type=jnp.float32)

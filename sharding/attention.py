@@ -6,7 +6,10 @@ repeats KV heads so every rank holds at least one). XLA partitions the pure-jnp 
 itself, but a Pallas or Triton kernel is a custom call with no partitioning rule: XLA would gather
 the whole cache onto every device and run the kernel on all heads everywhere. Under `shard_map`
 each device runs the kernel on its own heads and its own slice of the cache, with no
-communication; the block tables and lengths are replicated. DeepSeek's latent attention is
+communication; the block tables and lengths are replicated. The reference runs under it too: XLA
+could partition its jnp, but not once the decode path folds the KV heads into one dot per query
+(kernels/reference.py), where the folded query [n, (k g), (k' d)] names the sharded head axis twice
+and XLA gathers the whole cache instead. DeepSeek's latent attention is
 split the same way over its query heads, with the latent cache (one shared latent head) replicated.
 """
 
@@ -24,10 +27,10 @@ from xlaserve.sharding.rules import KV_CACHE_AXES, logical_to_mesh, to_partition
 
 def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
     """`backend` with its attention run per device on that device's heads (see the module
-    docstring). The reference, and any backend on a one-device mesh, is returned unchanged."""
+    docstring). Any backend on a one-device mesh is returned unchanged."""
     rules = logical_to_mesh(enable_expert_parallel=False)  # the attention axes do not depend on it
     axis = rules["kv_heads"]
-    if backend.name == "reference" or mesh.shape[axis] == 1:
+    if mesh.shape[axis] == 1:
         return backend
     heads = PartitionSpec(None, axis, None)  # q [T, q_heads, head_dim] and the output
     cache = to_partition_spec(KV_CACHE_AXES, rules)  # [blocks, block_size, kv_heads, head_dim]

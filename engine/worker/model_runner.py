@@ -14,19 +14,15 @@ a token sampled in step N feeds step N+1 without a round trip through the host.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.outputs import ModelRunnerOutput
@@ -34,7 +30,7 @@ from xlaserve.kernels import KVCache
 from xlaserve.models.registry import get_model_class
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
-from xlaserve.worker.compile_guard import CompileGuard, compile_seconds, num_cache_hits, num_compiles
+from xlaserve.worker.compile_guard import CompileGuard
 from xlaserve.worker.input_batch import (
     StepBatch,
     StepInputs,
@@ -48,6 +44,7 @@ from xlaserve.worker.model_loader import load_model
 from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
 from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, verify
 from xlaserve.worker.step_future import StepFuture, StepTiming
+from xlaserve.worker.warm_up import compile_all
 
 logger = logging.getLogger(__name__)
 
@@ -242,72 +239,9 @@ class ModelRunner:
     # -- compiling ------------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Compile every token bucket and every sampler variant, then arm the compile guard.
-
-        XLA's compiles release the GIL, so they run in a pool of one thread per core: the forward
-        of every bucket is compiled ahead of time (`lower().compile()` fills the same cache a call
-        reads), and once a bucket's forward has run, its prompt-logprobs and sampler programs compile
-        from its outputs (arrays, not shape structs: a program lowered for a shape struct is keyed
-        apart from the call's and would compile again) while the next forwards still compile. The
-        strict compile guard in the tests proves the first steps find every program."""
-        start_compiles, start_secs, t0 = num_compiles(), compile_seconds(), time.perf_counter()
-        start_hits = num_cache_hits()
-        vocab = self.padded_vocab_size
-        ready = self.placement.step_inputs
-        if self.lora is not None:
-            self.lora.warm_up()
-        batches = {n: self._build_batch([], n) for n in self.token_buckets}
-
-        def lower_forward(batch):  # in this thread, before the cache is donated by a first run
-            return self._forward_fn.lower(*self._forward_args(self.kv_cache, batch))
-
-        # Only the main thread runs programs, in the same order on every process (a multi-host
-        # engine's collectives must match); the pool only compiles.
-        def compile_sampler(hidden_rd, st):
-            self._sample_fn.lower(self.head_params, hidden_rd, ready(st), with_logprobs=False).compile()
-
-        def compile_verify(hidden_rd, st, spec, with_logprobs):
-            self._verify_fn.lower(
-                self.head_params, hidden_rd, ready(st), ready(spec), with_logprobs=with_logprobs
-            ).compile()
-
-        def compile_prompt_logprobs(hidden, num_tokens):
-            targets = ready(np.zeros(num_tokens, np.int32))
-            self._prompt_logprobs_fn.lower(self.head_params, hidden, targets).compile()
-
-        sampler_buckets_done, jobs = set(), []
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="warm-up") as pool:
-            forwards = {n: pool.submit(lower_forward(batches[n]).compile) for n in self.token_buckets}
-            for num_tokens in tqdm(self.token_buckets, desc="Compiling buckets", unit="bucket"):
-                forwards[num_tokens].result()
-                hidden, hidden_rd = self._run_forward(batches[num_tokens])  # compiled: runs only
-                jobs.append(pool.submit(compile_prompt_logprobs, hidden, num_tokens))
-                num_seqs = self._num_seqs_for(num_tokens)
-                if num_seqs in sampler_buckets_done:
-                    continue
-                sampler_buckets_done.add(num_seqs)
-                # The sampler's static variants: penalties and a grammar's token bitmask, each on or
-                # off. Logprobs are a runtime flag of the same programs (sampler.py).
-                for with_penalties, with_grammar in itertools.product((False, True), repeat=2):
-                    bitmask = np.zeros((0, 1), np.int32) if with_grammar else None
-                    st = sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
-                    jobs.append(pool.submit(compile_sampler, hidden_rd, st))
-                    if self.num_spec_tokens:  # the same variants verifying drafts (logprobs static)
-                        spec = build_spec_inputs([], num_seqs, self.num_spec_tokens)
-                        for with_logprobs in (False, True):
-                            jobs.append(pool.submit(compile_verify, hidden_rd, st, spec, with_logprobs))
-            for job in jobs:
-                job.result()
-        logger.info(
-            "warm-up: %d programs for %d token buckets %s in %.1fs (%d from the persistent cache; "
-            "XLA compile time %.1fs)",
-            num_compiles() - start_compiles,
-            len(self.token_buckets),
-            self.token_buckets,
-            time.perf_counter() - t0,
-            num_cache_hits() - start_hits,
-            compile_seconds() - start_secs,
-        )
+        """Compile every token bucket and every sampler variant, then arm the compile guard
+        (worker/warm_up.py)."""
+        compile_all(self)
         self.guard.arm()
 
     def _num_seqs_for(self, num_tokens: int) -> int:
