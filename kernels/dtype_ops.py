@@ -10,7 +10,10 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
 - a gather or scatter of 16-bit floats runs on the same bits seen as uint16. A bitcast of a whole
   array is a copy on XLA's CPU backend, so the reference backend *stores* a 16-bit KV cache as
   words (`AttentionBackend.cache_words`) and bitcasts only the pages it gathers; stacked layer
-  weights are bitcast once per step (`scan`), on CPU only.
+  weights are bitcast once per step (`scan`), on CPU only;
+- a dot of ONE 16-bit row (a batch-1 decode step) takes XLA CPU's matrix-vector path, which is not
+  native: 7x slower than two rows for the LM head ([1, 576] x [576, 49152]), 1.5x for a projection
+  (engine/PERFORMANCE.md). `matmul` pads such a row to two.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ def matmul(
     engine/QUANTIZATION.md). Other blocks ([b_in, b_out] = `block`): the weight is dequantized first
     (still inside the step)."""
     out_dtype = out_dtype or x.dtype
+    if _one_16bit_row_on_cpu(x):
+        two_rows = jnp.concatenate([x, jnp.zeros_like(x)], axis=-2)
+        return matmul(two_rows, w, out_dtype, scale, zero, block)[..., :1, :]
     if scale is None:
         return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
     if scale.shape[-2] == 1 and zero is None and w.dtype == jnp.float8_e4m3fn and has_native_fp8():
@@ -88,6 +94,10 @@ def matmul(
         return (y * scale[..., 0, :]).astype(out_dtype)
     y = jnp.matmul(x, dequantize(w, scale, x.dtype, zero, block), preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
+
+
+def _one_16bit_row_on_cpu(x: jax.Array) -> bool:
+    return x.ndim >= 2 and x.shape[-2] == 1 and is_16bit_float(x.dtype) and jax.default_backend() == "cpu"
 
 
 def has_native_fp8() -> bool:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.kernels import reference
-from xlaserve.kernels.dtype_ops import as_words, from_words, scan
+from xlaserve.kernels.dtype_ops import as_words, from_words, matmul, scan
 
 NUM_BLOCKS, BLOCK, KV_HEADS, HEADS, DIM = 64, 4, 2, 4, 16
 
@@ -65,3 +65,25 @@ def test_compiled_step_never_converts_the_whole_cache_or_weight_stack():
         dims = ",".join(map(str, shape))
         assert f"= f32[{dims}]" not in hlo, f"a {shape} array is converted to float32"
     assert f"= u16[{','.join(map(str, cache.shape))}]" in hlo  # the cache stays words end to end
+
+
+def test_a_one_row_16bit_dot_runs_as_two_rows_on_cpu():
+    # XLA CPU's one-row bfloat16 dot (a matrix-vector product) is not native: a batch-1 decode step
+    # spent most of its time in the LM head. matmul pads the row; the value is the one-row dot's.
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(1, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(64, 96)), jnp.bfloat16)
+    hlo = jax.jit(lambda x, w: matmul(x, w, jnp.float32)).lower(x, w).compile().as_text()
+    dots = [line for line in hlo.splitlines() if " dot(" in line]
+    assert dots and all("= f32[2,96]" in line for line in dots), dots
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    got = np.asarray(matmul(x, w, jnp.float32))
+    assert got.shape == (1, 96)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    rows = jnp.asarray(rng.normal(size=(3, 64)), jnp.bfloat16)  # more rows: unpadded, same values
+    np.testing.assert_allclose(
+        np.asarray(matmul(rows, w, jnp.float32)),
+        np.asarray(rows, np.float64) @ np.asarray(w, np.float64),
+        rtol=1e-5,
+        atol=1e-5,
+    )
