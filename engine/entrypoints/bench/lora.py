@@ -5,13 +5,15 @@ The base runs use an engine without LoRA (the program a user without adapters ge
 engine with `--enable-lora` whose requests take the adapters in turn. Both engines stay built, and
 `--lora-rounds` rounds alternate them (base then LoRA, then LoRA then base, ...) so that a machine
 whose load drifts weighs on both alike; the report takes the medians and the median of the rounds'
-ratios. Random adapters target every projection of every layer (the most work per token) at
-`--random-lora-rank` (a list such as 8,16: the adapters take the ranks in turn); they are written as
-PEFT directories, so they go through the same loader as a user's.
+ratios. With `--lora-rounds 1` the base engine runs once and is released before the LoRA engine is
+built (for a model too large to hold twice). Random adapters target every projection of every layer
+(the most work per token) at `--random-lora-rank` (a list such as 8,16: the adapters take the ranks
+in turn); they are written as PEFT directories, so they go through the same loader as a user's.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -21,8 +23,10 @@ from xlaserve.entrypoints.arg_utils import parse_lora_modules
 from xlaserve.lora_request import LoRARequest
 
 
-def parse_ranks(text: str) -> list[int]:
+def parse_ranks(text: str | list[int]) -> list[int]:
     """`--random-lora-rank`: one rank or a comma-separated list ("8,16")."""
+    if isinstance(text, list):
+        return text
     ranks = [int(r) for r in str(text).split(",") if r.strip()]
     if not ranks or min(ranks) < 1:
         raise ValueError(f"--random-lora-rank: positive integers separated by commas, got {text!r}")
@@ -86,11 +90,17 @@ def bench_lora(args, engine_args: dict, prompts, run_xlaserve, batch: bool, engi
     ranks = parse_ranks(args.random_lora_rank) if not modules else [engine_args.get("max_lora_rank") or 16]
     base_args = without_lora(engine_args)
     base_llm = engines.pop()
+    num_rounds = max(1, getattr(args, "lora_rounds", 1) or 1)
+    base_guard = base_llm.engine_core.runner.guard
+    first_base = None
+    if num_rounds == 1:  # no pairing: run the base engine and release it before the LoRA one is built
+        first_base = run_xlaserve(base_llm, prompts, args.output_len, batch)
+        base_llm = None
+        gc.collect()
     lora_args = {**base_args, "enable_lora": True, "max_loras": engine_args.get("max_loras") or num}
     lora_args["max_lora_rank"] = max(max(ranks), engine_args.get("max_lora_rank") or 0)
     llm = LLM(args.model, **lora_args)
     runner = llm.engine_core.runner
-    num_rounds = max(1, getattr(args, "lora_rounds", 1) or 1)
     rounds = []
     with tempfile.TemporaryDirectory(prefix="xlaserve-bench-lora-") as directory:
         if modules:
@@ -104,7 +114,7 @@ def bench_lora(args, engine_args: dict, prompts, run_xlaserve, batch: bool, engi
             runs = {}
             for name in ("base", "lora") if i % 2 == 0 else ("lora", "base"):
                 if name == "base":
-                    runs[name] = run_xlaserve(base_llm, prompts, args.output_len, batch)
+                    runs[name] = first_base or run_xlaserve(base_llm, prompts, args.output_len, batch)
                 else:
                     runs[name] = run_xlaserve(llm, prompts, args.output_len, batch, lora_requests=per_prompt)
             # The LoRA engine serving only the base model: what enabling LoRA costs steps without adapters.
@@ -128,8 +138,7 @@ def bench_lora(args, engine_args: dict, prompts, run_xlaserve, batch: bool, engi
         "round_ratios": [r["ratio"] for r in rounds],
         "ratio_lora_engine_base": statistics.median(r["ratio_lora_engine_base"] for r in rounds),
         "ratio_output_throughput": statistics.median(r["ratio"] for r in rounds),
-        "compiles_after_warm_up": runner.guard.num_unexpected
-        + base_llm.engine_core.runner.guard.num_unexpected,
+        "compiles_after_warm_up": runner.guard.num_unexpected + base_guard.num_unexpected,
         "adapter_loads": runner.lora.num_loads,
     }
 

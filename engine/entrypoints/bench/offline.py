@@ -23,7 +23,7 @@ import time
 
 from xlaserve.entrypoints.arg_utils import engine_kwargs
 from xlaserve.entrypoints.bench import speculative
-from xlaserve.entrypoints.bench.lora import bench_lora, is_lora_bench, print_lora
+from xlaserve.entrypoints.bench.lora import bench_lora, is_lora_bench, parse_ranks, print_lora
 
 logger = logging.getLogger(__name__)
 
@@ -392,6 +392,7 @@ def add_parser(sub, add_engine_args):
         )
         b.add_argument(
             "--random-lora-rank",
+            type=parse_ranks,
             default="16",
             help="their rank, or ranks taken in turn (8,16); default 16",
         )
