@@ -252,3 +252,28 @@ def test_bad_adapters_are_errors_naming_the_field(tmp_path, config, tensors, fie
     path = _write_adapter(tmp_path / "bad", config, tensors)
     with pytest.raises(LoRAAdapterError, match=f"'bad'.*{field}".replace("[", r"\[").replace("]", r"\]")):
         read_adapter_config("bad", path, MAX_RANK)
+
+
+def test_delta_forms_agree_and_base_tokens_get_no_delta():
+    """The benchmark's forms (engine/entrypoints/bench/lora_forms.py) compute one delta: the one-hot
+    form the engine runs (with and without its skip), a per-token gather and ragged_dot agree, in
+    float32, on tokens spread over 3 slots and the base model; base-only tokens get the base output."""
+    import jax.numpy as jnp
+
+    from xlaserve.entrypoints.bench.lora_forms import _forms
+
+    forms = _forms(16, 8, 24, num_slots=3, rank=4, dtype=jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).normal(0, 1, (7, 16)), jnp.float32)
+    mixed = jnp.asarray([0, 1, 2, 3, 1, 0, 3], jnp.int32)
+    base = forms["base"](x, mixed)
+    ref = forms["one-hot"](x, mixed)
+    for name in ("one-hot + skip", "gathered", "ragged_dot"):
+        for got, want in zip(forms[name](x, mixed), ref):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    for got, want in zip(ref, base):  # rows 0 and 5 are the base model's, the others are not
+        np.testing.assert_array_equal(got[np.array([0, 5])], want[np.array([0, 5])])
+        assert np.abs(np.asarray(got - want)[np.array([1, 2, 3])]).max() > 1e-6
+    none = jnp.zeros(7, jnp.int32)
+    for name in ("one-hot", "one-hot + skip", "gathered", "ragged_dot"):
+        for got, want in zip(forms[name](x, none), base):
+            np.testing.assert_array_equal(got, want, err_msg=name)
