@@ -3,8 +3,8 @@ the base model and spread over the adapters, paired in one process; reports both
 
 The base runs use an engine without LoRA (the program a user without adapters gets); the LoRA runs an
 engine with `--enable-lora` whose requests take the adapters in turn. Both engines stay built, and
-`--lora-rounds` rounds alternate them (base then LoRA, then LoRA then base, ...) so that a machine
-whose load drifts weighs on both alike; the report takes the medians and the median of the rounds'
+`--lora-rounds` rounds alternate them (the order turning each round) so that a machine whose load
+drifts weighs on both alike; the report takes the medians and the median of the rounds'
 ratios. With `--lora-rounds 1` the base engine runs once and is released before the LoRA engine is
 built (for a model too large to hold twice). Random adapters target every projection of every layer
 (the most work per token) at `--random-lora-rank` (a list such as 8,16: the adapters take the ranks
@@ -112,13 +112,17 @@ def bench_lora(args, engine_args: dict, prompts, run_xlaserve, batch: bool, engi
         llm.generate(prompts[: len(loras)], touch, use_tqdm=False, lora_request=per_prompt[: len(loras)])
         for i in range(num_rounds):
             runs = {}
-            for name in ("base", "lora") if i % 2 == 0 else ("lora", "base"):
+            # The order turns every round, so that drifting load weighs on every run alike. The third
+            # run: the LoRA engine serving only the base model (what enabling LoRA costs steps
+            # without adapters).
+            order = ["base", "lora", "lora_engine_base"]
+            for name in order[i % 3 :] + order[: i % 3]:
                 if name == "base":
                     runs[name] = first_base or run_xlaserve(base_llm, prompts, args.output_len, batch)
-                else:
+                elif name == "lora":
                     runs[name] = run_xlaserve(llm, prompts, args.output_len, batch, lora_requests=per_prompt)
-            # The LoRA engine serving only the base model: what enabling LoRA costs steps without adapters.
-            runs["lora_engine_base"] = run_xlaserve(llm, prompts, args.output_len, batch)
+                else:
+                    runs[name] = run_xlaserve(llm, prompts, args.output_len, batch)
             runs["ratio"] = runs["lora"]["output_tokens_per_s"] / runs["base"]["output_tokens_per_s"]
             runs["ratio_lora_engine_base"] = (
                 runs["lora_engine_base"]["output_tokens_per_s"] / runs["base"]["output_tokens_per_s"]
@@ -136,6 +140,7 @@ def bench_lora(args, engine_args: dict, prompts, run_xlaserve, batch: bool, engi
         "lora": lora,
         "lora_engine_base": lora_engine_base,
         "round_ratios": [r["ratio"] for r in rounds],
+        "round_ratios_lora_engine_base": [r["ratio_lora_engine_base"] for r in rounds],
         "ratio_lora_engine_base": statistics.median(r["ratio_lora_engine_base"] for r in rounds),
         "ratio_output_throughput": statistics.median(r["ratio"] for r in rounds),
         "compiles_after_warm_up": runner.guard.num_unexpected + base_guard.num_unexpected,
