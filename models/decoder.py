@@ -149,7 +149,7 @@ def _run_stack(
     specs: LayerSpec,  # [num_layers_in_stack, ...] each
     num_blocks: int,
     block_size: int,
-    lora=None,  # (LoRAWeights [num_layers_in_stack, ...], slot_mask [T, S * r]) or None: no adapters
+    lora=None,  # (LoRAWeights [num_layers_in_stack, ...], SlotMask) or None: no adapters
 ):
     """x through every layer of `stack` under one scan; each layer sees the metadata of its blocks.
     Adapter slots, when given, are scanned with the layer weights: each layer gets its own."""

@@ -21,6 +21,7 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
+from xlaserve.models.lora import LayerLoRA, scope
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class Gemma3Config(GemmaConfig):
 class GemmaDecoderLayer(nnx.Module):
     """x + post_attn_norm(attn(input_norm(x))), then x + post_ffw_norm(mlp(pre_ffw_norm(x)))."""
 
+    supports_lora = True  # takes `lora=` (models/lora.py): adapters on its projections
+
     def __init__(self, cfg: TransformerConfig, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         def norm() -> RMSNorm:
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
@@ -83,10 +86,21 @@ class GemmaDecoderLayer(nnx.Module):
         self.mlp = GatedMLP(cfg, dtype=dtype, rngs=rngs)
         self.post_feedforward_layernorm = norm()
 
-    def __call__(self, x, positions, kv_cache: KVCache, md: AttentionMetadata, spec: LayerSpec):
-        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, spec)
+    def __call__(
+        self,
+        x,
+        positions,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        spec: LayerSpec,
+        lora: LayerLoRA | None = None,
+    ):
+        attn_lora = {} if lora is None else {"lora": scope(lora, "self_attn")}
+        mlp_lora = {} if lora is None else {"lora": scope(lora, "mlp")}
+        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, spec, **attn_lora)
         x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv_cache
+        h = self.mlp(self.pre_feedforward_layernorm(x), **mlp_lora)
+        return x + self.post_feedforward_layernorm(h), kv_cache
 
 
 class Gemma2ForCausalLM(DecoderOnlyLM):

@@ -2,16 +2,17 @@
 adapters.
 
 Adapters live in fixed slots (engine/worker/lora_manager.py): per target module and per layer,
-A [in, S, r] and B [S, r, out] with S = max_loras + 1, slot 0 all zeros (the base model), every
-adapter padded with zeros to the max rank and its scaling (alpha / r, or alpha / sqrt(r) for
-rsLoRA) folded into B. Each token carries its slot, so one program serves any mix of adapters, and
-loading an adapter only writes into its slot: nothing recompiles.
+A [in, S, r] and B [S, r, out] with S = max_loras, every adapter padded with zeros to the max rank and
+its scaling (alpha / r, or alpha / sqrt(r) for rsLoRA) folded into B. Each token carries its slot
+(1..S; 0 is the base model, which has no device slot: its one-hot row is all zeros), so one program
+serves any mix of adapters, and loading an adapter only writes into its slot: nothing recompiles.
 
 The delta is computed with a one-hot over the slots: x @ A for every slot in one [in, S * r]
 matmul, the slots a token does not use zeroed by a mask built once per step, then one [S * r, out]
 matmul. It does S times the FLOPs of a per-token gather, but as two dense matmuls it was the fastest
 of the three forms measured on CPU (a gathered A[slot] per token, `jax.lax.ragged_dot` over tokens
-sorted by slot: engine/PERFORMANCE.md).
+sorted by slot: engine/PERFORMANCE.md). A step in which no token uses an adapter skips every delta
+(`lax.cond` on a flag computed once per step, in the same program: no extra compile).
 """
 
 from __future__ import annotations
@@ -49,19 +50,27 @@ class LoRAWeights:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SlotMask:
+    """Built once per step, outside the layer scan, and shared by every projection of every layer."""
+
+    columns: jax.Array  # [T, S * r] float32: 1 on the columns of each token's own slot
+    active: jax.Array  # [] bool: some token of the step uses an adapter (else every delta is skipped)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class LoRABatch:
     """What the forward needs for LoRA: the slots of every layer stack and each token's slot."""
 
     stacks: dict[str, LoRAWeights]  # by layer stack name ("layers")
-    slot_ids: jax.Array  # [T] int32: 0 = the base model
+    slot_ids: jax.Array  # [T] int32: 0 = the base model, s = device slot s - 1
 
-    def slot_mask(self) -> jax.Array:
-        """[T, S * r] float32: 1 on the columns of each token's own slot. Built once per step, outside
-        the layer scan, and shared by every projection of every layer."""
+    def slot_mask(self) -> SlotMask:
         a = next(iter(next(iter(self.stacks.values())).a.values()))  # [L, in, S, r]
         num_slots, rank = a.shape[-2:]
-        one_hot = jax.nn.one_hot(self.slot_ids, num_slots, dtype=jnp.float32)  # [T, S]
-        return jnp.repeat(one_hot, rank, axis=1)
+        # The base model's -1 is out of range: its one-hot row is zeros, so it costs no slot's FLOPs.
+        one_hot = jax.nn.one_hot(self.slot_ids - 1, num_slots, dtype=jnp.float32)  # [T, S]
+        return SlotMask(jnp.repeat(one_hot, rank, axis=1), jnp.any(self.slot_ids > 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +78,7 @@ class LayerLoRA:
     """One layer's adapter slots inside the layer scan, scoped to a submodule with `scope`."""
 
     weights: LoRAWeights  # [in, S, r] / [S, r, out] arrays
-    slot_mask: jax.Array  # [T, S * r] float32 (LoRABatch.slot_mask)
+    slot_mask: SlotMask  # LoRABatch.slot_mask()
     prefix: str = ""
 
     def scope(self, name: str) -> LayerLoRA:
@@ -80,8 +89,10 @@ class LayerLoRA:
         key = self.prefix + module
         if key not in self.weights.a:
             return y
-        delta = lora_delta(x, self.weights.a[key], self.weights.b[key], self.slot_mask)
-        return y + delta.astype(y.dtype)
+        a, b, mask = self.weights.a[key], self.weights.b[key], self.slot_mask
+        return jax.lax.cond(
+            mask.active, lambda: y + lora_delta(x, a, b, mask.columns).astype(y.dtype), lambda: y
+        )
 
 
 def with_lora(lora: LayerLoRA | None, y: jax.Array, x: jax.Array, module: str) -> jax.Array:
@@ -100,14 +111,15 @@ def lora_delta(
     slot_mask: jax.Array,  # [T, S * r] float32
 ) -> jax.Array:  # [T, out] float32
     """The one-hot form (the module docstring says why): x @ A of every slot, masked to the token's
-    own, @ B of every slot. Slot 0 (zeros) takes part: leaving it out would cost a copy per call."""
+    own, @ B of every slot."""
     din, num_slots, rank = a.shape
     xa = jnp.matmul(x, a.reshape(din, num_slots * rank).astype(x.dtype), preferred_element_type=jnp.float32)
     xa = xa * slot_mask  # [T, S * r]
     return jnp.matmul(xa.astype(b.dtype), b.reshape(num_slots * rank, -1), preferred_element_type=jnp.float32)
 
 
-# The two other forms measured (engine/PERFORMANCE.md), over A as [S, in, r] and each token's slot.
+# The two other forms measured (engine/PERFORMANCE.md), over A as [S, in, r] and each token's device
+# slot (0..S-1; these forms need a zero slot for base-model tokens).
 
 
 def lora_delta_gathered(x, a_sir, b, slot_ids):

@@ -122,6 +122,43 @@ def _tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
 SlotLayout = dict[str, dict[str, tuple[int, int, int]]]
 
 
+def check_fits(config: AdapterConfig, layout: SlotLayout, layer_stacks: dict[str, range]) -> None:
+    """Every tensor of the adapter (the safetensors header only) names a layer of this model and a
+    projection it has a slot for, with the projection's shape: else a LoRAAdapterError naming the
+    module. This is where a target the family lacks is refused when the adapter is checked: a MoE's
+    routed experts (`mlp.experts.3.gate_proj`), a q_proj on a model whose q, k, v are fused."""
+
+    def fail(field: str, message: str):
+        raise LoRAAdapterError(f"LoRA adapter {config.name!r} ({config.path}): {field}: {message}", field)
+
+    where = {i: (stack, i - layers.start) for stack, layers in layer_stacks.items() for i in layers}
+    for key, shape in _tensor_shapes(config.path).items():
+        match = _TENSOR_NAME.search(key)
+        if match is None:
+            fail("target_modules", f"tensor {key!r} is not a supported target")
+        layer, module, side = int(match.group(1)), match.group(2), match.group(3)
+        if layer not in where:
+            fail(
+                "target_modules", f"tensor {key!r}: layer {layer} is not a layer of this model ({len(where)})"
+            )
+        stack = where[layer][0]
+        if module not in layout[stack]:
+            why = (
+                " (a mixture of experts' routed experts are no LoRA target)" if ".experts." in module else ""
+            )
+            fail(
+                "target_modules",
+                f"module {module!r} (layer {layer}) is not supported by this model{why}; "
+                f"supported: {sorted(layout[stack])}",
+            )
+        _, din, dout = layout[stack][module]
+        if tuple(shape[1:] if side == "A" else shape[:1]) != ((din,) if side == "A" else (dout,)):
+            fail(
+                "adapter_model.safetensors",
+                f"tensor {key!r} {list(shape)} does not fit the model's [{dout}, {din}] {module!r}",
+            )
+
+
 def load_adapter(
     config: AdapterConfig,
     layout: SlotLayout,

@@ -150,6 +150,7 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.num_usable_blocks = ready.num_usable_blocks
+        self.lora_slots = (ready.lora_layout, ready.lora_layer_stacks)  # (None, None): LoRA off
         self.metrics.record_engine(ready.weight_bytes, ready.num_kv_blocks)
         self.input_processor = InputProcessor(
             self.tokenizer, ready.max_model_len, ready.vocab_size, ready.eos_token_id, self.config.model.seed

@@ -210,4 +210,8 @@ def _build_engine_core(model: str | None, engine_args: dict):
         weight_bytes=core.runner.weight_bytes,
         num_kv_blocks=core.runner.num_blocks,
     )
+    if core.runner.lora is not None:
+        lora = core.runner.lora
+        ready.lora_layout = {s: {m: list(shape) for m, shape in ms.items()} for s, ms in lora.layout.items()}
+        ready.lora_layer_stacks = {s: [r.start, r.stop] for s, r in lora.layer_stacks.items()}
     return core, ready

@@ -100,6 +100,11 @@ class EngineReady(msgspec.Struct, tag="ready"):
     num_usable_blocks: int
     weight_bytes: int = 0  # the model's parameters on the devices (quantized: one byte per weight)
     num_kv_blocks: int = 0  # KV cache blocks, the null block included
+    # With LoRA on: the adapter slots' layout (stack -> module path -> [layers, in, out]) and each
+    # stack's layers ([start, stop]), so the front end refuses an adapter the model cannot take when
+    # it is loaded (models/lora_adapter.py check_fits).
+    lora_layout: dict[str, dict[str, list[int]]] | None = None
+    lora_layer_stacks: dict[str, list[int]] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs"):

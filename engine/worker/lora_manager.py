@@ -1,9 +1,10 @@
 """LoRAManager: the adapter slots on the device, and the adapters kept in host memory.
 
-Per layer stack and target module, A [L, in, S, R] and B [L, S, R, out] (S = max_loras + 1 slots,
+Per layer stack and target module, A [L, in, S, R] and B [L, S, R, out] (S = max_loras slots,
 R = max_lora_rank) are allocated once, zeros, sharded like the module's kernel: A on the kernel's
 input axis (row-parallel o_proj, down_proj), B on its output axis (column-parallel q/k/v, gate, up).
-Slot 0 stays zeros: the base model. An adapter a step needs is written into a free slot (or the
+Slots are numbered 1..S here and in each token's slot id (device index s - 1); 0 is the base model,
+which needs no device slot (models/lora.py). An adapter a step needs is written into a free slot (or the
 least recently used one no request of the step needs) by one jitted update with the stacks donated,
 compiled at warm-up, so loading or swapping adapters never recompiles the step. The scheduler admits
 at most max_loras adapters among running requests, so a step never needs more slots than there are.
@@ -26,7 +27,13 @@ from xlaserve.config import LoRAConfig
 from xlaserve.kernels.dtype_ops import is_16bit_float, word_dtype
 from xlaserve.lora_request import LoRARequest
 from xlaserve.models.lora import LORA_TARGET_MODULES, LoRABatch, LoRAWeights
-from xlaserve.models.lora_adapter import AdapterConfig, SlotLayout, load_adapter, read_adapter_config
+from xlaserve.models.lora_adapter import (
+    AdapterConfig,
+    SlotLayout,
+    check_fits,
+    load_adapter,
+    read_adapter_config,
+)
 from xlaserve.worker.input_batch import isolate_failures
 
 logger = logging.getLogger(__name__)
@@ -61,7 +68,8 @@ class LoRAManager:
         if not getattr(layer_class, "supports_lora", False):
             raise ValueError(
                 f"enable_lora: {model_class.__name__} does not support LoRA adapters yet "
-                "(supported: the Llama, Mistral, Qwen2, Qwen3 and Phi-3 families)"
+                "(supported: the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, Mixtral and Qwen3-MoE "
+                "families)"
             )
         if jax.process_count() > 1:
             # The slots are written by process 0's host work (prepare), which followers never run.
@@ -78,7 +86,7 @@ class LoRAManager:
         self.dtype = jnp.dtype(dtype)
         self._as_words = jax.default_backend() == "cpu" and is_16bit_float(self.dtype)
         store = word_dtype(self.dtype) if self._as_words else self.dtype
-        num_slots = self.max_loras + 1
+        num_slots = self.max_loras  # on the device; the bookkeeping below adds slot 0, the base model
         self.stacks: dict[str, LoRAWeights] = {}
         self._host_dtype = np.dtype(self.dtype)
         for stack, modules in self.layout.items():
@@ -93,8 +101,8 @@ class LoRAManager:
                 )
             self.stacks[stack] = LoRAWeights(a, b)
         self._write = jax.jit(_write_slot, donate_argnums=0)
-        self._slot_owner: list[int | None] = [None] * num_slots  # slot -> lora_int_id (slot 0: base)
-        self._slot_used: list[float] = [0.0] * num_slots
+        self._slot_owner: list[int | None] = [None] * (num_slots + 1)  # slot -> lora_int_id (0: base)
+        self._slot_used: list[float] = [0.0] * (num_slots + 1)
         self._host: OrderedDict[int, dict] = OrderedDict()  # lora_int_id -> weights in slot layout
         self._configs: dict[int, tuple[LoRARequest, AdapterConfig]] = {}
         self.num_loads = 0  # adapters written into a slot
@@ -113,6 +121,7 @@ class LoRAManager:
         if cached is not None and cached[0] == lora:
             return cached[1]
         config = read_adapter_config(lora.lora_name, lora.lora_path, self.max_rank)
+        check_fits(config, self.layout, self.layer_stacks)
         if cached is not None:  # the same id for another adapter: forget the old one's copies
             self._host.pop(lora.lora_int_id, None)
             self._slot_owner = [None if owner == lora.lora_int_id else owner for owner in self._slot_owner]
@@ -152,7 +161,7 @@ class LoRAManager:
         return x.view(np.uint16) if self._as_words else x
 
     def _load_into_slot(self, slot: int, weights: dict | None) -> None:
-        self.stacks = self._write(self.stacks, np.int32(slot), self._new_slot_values(weights))
+        self.stacks = self._write(self.stacks, np.int32(slot - 1), self._new_slot_values(weights))
 
     # -- per step ---------------------------------------------------------------------------------
 

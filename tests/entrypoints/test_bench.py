@@ -155,3 +155,25 @@ def test_bench_targets_pairs_every_run_and_derives_the_ratios(tiny_llama, tmp_pa
     assert t["ratio"] == pytest.approx(r["xlaserve_default"]["latency"]["tpot_s"]["mean"] / tpot)
     assert t["met"] == (t["ratio"] <= 2 / 3)
     assert ("bf16_vs_f32" in r["targets"]) == ("xlaserve_float32" in r)
+
+
+@pytest.mark.slow  # two engines, compiled lazily (~25 s)
+def test_lora_bench_pairs_rounds_over_adapters_of_each_rank(tiny_llama, tmp_path):
+    """`--num-random-loras 2 --random-lora-rank 4,8 --lora-rounds 2`: both engines alternated twice,
+    the adapters (ranks 4 and 8) each written into a slot once, the ratios from the rounds' runs."""
+    out = tmp_path / "lora.json"
+    argv = ["bench", "throughput", "--model", tiny_llama, "--num-prompts", "4", "--output-len", "3"]
+    argv += ["--max-model-len", "256", "--max-num-batched-tokens", "64", "--kv-cache-memory", str(2**22)]
+    argv += ["--enforce-eager", "--num-random-loras", "2", "--random-lora-rank", "4,8", "--lora-rounds", "2"]
+    assert cli.main(argv + ["--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())["lora_bench"]
+    assert (r["num_rounds"], r["num_loras"], r["lora_rank"], r["max_loras"]) == (2, 2, [4, 8], 2)
+    assert len(r["round_ratios"]) == 2 and r["adapter_loads"] == 2
+    assert r["compiles_after_warm_up"] == 0
+    for run in ("base", "lora", "lora_engine_base"):
+        assert r[run]["num_requests"] == 4, run
+        assert round(r[run]["output_tokens_per_s"] * r[run]["elapsed_s"]) == 4 * 3, run
+    ratios = sorted(r["round_ratios"])
+    assert ratios[0] <= r["ratio_output_throughput"] <= ratios[-1]
+    with pytest.raises(SystemExit):
+        cli.main(argv[:-7] + ["--num-random-loras", "2", "--random-lora-rank", "8,0"])

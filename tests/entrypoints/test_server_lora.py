@@ -118,6 +118,25 @@ def test_load_and_unload_at_run_time(lora_server):
     assert "a2" not in {card["id"] for card in client.get("/v1/models").json()["data"]}
 
 
+def test_a_module_the_model_lacks_is_refused_when_loaded(lora_server, tmp_path):
+    """A routed expert's projection (as older MoE adapters name them) on this dense model: a 400 at
+    /v1/load_lora_adapter naming the module, checked against the engine's slots."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    client = lora_server[0]
+    prefix = "base_model.model.model.layers.0.mlp.experts.0.gate_proj"
+    tensors = {f"{prefix}.lora_A.weight": np.zeros((4, 48), np.float32)}
+    tensors[f"{prefix}.lora_B.weight"] = np.zeros((71, 4), np.float32)
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "target_modules": ["gate_proj"]}))
+    response = client.post("/v1/load_lora_adapter", json={"lora_name": "experts", "lora_path": str(tmp_path)})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "lora_path" and "'mlp.experts.0.gate_proj' (layer 0)" in error["message"]
+    assert "experts" not in {card["id"] for card in client.get("/v1/models").json()["data"]}
+
+
 def test_more_adapters_than_slots_are_spread_over_steps(lora_server):
     """Three adapters and the base at once, two slots: every request gets its solo output."""
     client, _, paths, references = lora_server

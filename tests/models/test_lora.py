@@ -1,5 +1,6 @@
-"""Multi-LoRA against PEFT: tiny random Llama, Qwen3 and Phi-3 (fused qkv_proj / gate_up_proj) with
-three random adapters each (different ranks, targets, alpha and rsLoRA; B not zero), in float32.
+"""Multi-LoRA against PEFT: tiny random Llama, Qwen3, Phi-3 (fused qkv_proj / gate_up_proj), Gemma 3
+and Qwen3-MoE (attention targets; its routed experts are refused) with three random adapters each
+(different ranks, targets, alpha and rsLoRA; B not zero), in float32.
 
 Each adapter's greedy tokens and their logprobs equal PEFT's; one batch mixing the three adapters
 and the base model gives each request what it gets alone; the three adapters in one step's slots
@@ -48,6 +49,36 @@ ADAPTERS = {
         (8, 8, True, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
         (2, 4, False, ["gate_up_proj"]),
     ],
+    "Gemma3ForCausalLM": [
+        (4, 8, False, ["q_proj", "down_proj"]),
+        (8, 16, True, ATTN + MLP),
+        (2, 4, False, ["v_proj", "gate_proj"]),
+    ],
+    # Hugging Face's Qwen3-MoE keeps each layer's experts as fused parameters, not modules: PEFT's
+    # target_modules reach the attention projections only (the router, `gate`, is refused by name).
+    "Qwen3MoeForCausalLM": [
+        (4, 8, False, ["q_proj", "v_proj"]),
+        (8, 16, True, ATTN),
+        (2, 4, False, ["o_proj", "k_proj"]),
+    ],
+}
+MOE = {  # a tiny Qwen3-MoE: 4 experts, 2 per token
+    "vocab_size": 101,
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 12,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
 }
 MAX_RANK = 8
 
@@ -66,18 +97,40 @@ def peft_greedy(model, ids: list[int]) -> tuple[list[int], np.ndarray]:
     return tokens[len(ids) :], np.asarray(logprobs)
 
 
-# Llama runs in the quick tier; Qwen3 (q/k norms) and Phi-3 (fused projections) with the slow tests.
+def make_base(architecture: str):
+    if architecture != "Qwen3MoeForCausalLM":
+        return make_hf_model(architecture, seed=7)
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**MOE, attn_implementation="eager")
+    config.architectures = [architecture]
+    torch.manual_seed(7)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(
+                1.0 + 0.2 * torch.randn_like(param)
+                if name.endswith("norm.weight")
+                else param.normal_(0, 0.15)
+            )
+    return model
+
+
+# Llama runs in the quick tier; Qwen3 (q/k norms), Phi-3 (fused projections), Gemma 3 (sandwich norms,
+# GeGLU) and Qwen3-MoE (routed experts) with the slow tests.
 @pytest.fixture(
     scope="module",
     params=[
         "LlamaForCausalLM",
         pytest.param("Qwen3ForCausalLM", marks=pytest.mark.slow),
         pytest.param("Phi3ForCausalLM", marks=pytest.mark.slow),
+        pytest.param("Gemma3ForCausalLM", marks=pytest.mark.slow),
+        pytest.param("Qwen3MoeForCausalLM", marks=pytest.mark.slow),
     ],
 )
 def case(request, tmp_path_factory):
     architecture = request.param
-    base = make_hf_model(architecture, seed=7)
+    base = make_base(architecture)
     root = tmp_path_factory.mktemp(architecture)
     directory = save_hf_model(base, root / "base")
     loras, references = [], []
@@ -89,7 +142,7 @@ def case(request, tmp_path_factory):
         references.append([peft_greedy(model, p) for p in the_prompts])
     references.append([peft_greedy(base, p) for p in the_prompts])  # the base model
     llm = LLM(directory, **ENGINE_ARGS, enable_lora=True, max_loras=3, max_lora_rank=MAX_RANK)
-    return llm, loras + [None], references, the_prompts
+    return llm, loras + [None], references, the_prompts, root
 
 
 def ours(llm, the_prompts, loras):
@@ -107,7 +160,7 @@ def ours(llm, the_prompts, loras):
 
 
 def test_each_adapter_matches_peft(case):
-    llm, loras, references, the_prompts = case
+    llm, loras, references, the_prompts, _ = case
     for lora, expected in zip(loras, references):
         got = ours(llm, the_prompts, lora)
         for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected):
@@ -118,7 +171,7 @@ def test_each_adapter_matches_peft(case):
 
 
 def test_mixed_batch_gives_each_request_its_solo_output(case):
-    llm, loras, references, the_prompts = case
+    llm, loras, references, the_prompts, _ = case
     # Every prompt with every adapter and the base model, in one batch (4 x 3 requests).
     batch_prompts = [p for p in the_prompts for _ in loras]
     batch_loras = [lora for _ in the_prompts for lora in loras]
@@ -132,7 +185,7 @@ def test_mixed_batch_gives_each_request_its_solo_output(case):
 def test_more_adapters_than_slots_wait_their_turn(case, tmp_path):
     """Four adapters with max_loras=3: the scheduler holds the fourth back until a slot frees;
     every request still gets its own output."""
-    llm, loras, references, the_prompts = case
+    llm, loras, references, the_prompts, _ = case
     extra = LoRARequest("adapter0-again", 9, loras[0].lora_path)  # same weights under another id
     batch = [loras[0], loras[1], loras[2], extra]
     manager = llm.engine_core.runner.lora
@@ -143,6 +196,26 @@ def test_more_adapters_than_slots_wait_their_turn(case, tmp_path):
         assert tokens == references[index][0][0]
     assert manager.num_loads > loads  # the fourth adapter took a freed slot
     assert manager.num_host_loras <= 3  # max_cpu_loras defaults to max_loras: least recently used out
+
+
+def test_targets_the_model_lacks_are_refused_naming_the_module(case):
+    """Checked when the adapter is first seen (before any step): a module of the right name where this
+    family has none, e.g. a MoE's routed experts (older PEFT adapters name them `experts.0.gate_proj`)
+    or q_proj on Phi-3's fused qkv_proj."""
+    llm, _, _, the_prompts, root = case
+    layout = next(iter(llm.engine_core.runner.lora.layout.values()))
+    module = "self_attn.q_proj" if "self_attn.qkv_proj" in layout else "mlp.experts.0.gate_proj"
+    prefix = f"base_model.model.model.layers.1.{module}"
+    tensors = {
+        f"{prefix}.lora_A.weight": np.zeros((4, 48), np.float32),
+        f"{prefix}.lora_B.weight": np.zeros((48, 4), np.float32),
+    }
+    path = _write_adapter(
+        root / "bad-target", {"r": 4, "target_modules": [module.rsplit(".", 1)[-1]]}, tensors
+    )
+    bad = LoRARequest("bad-target", 77, path)
+    with pytest.raises(ValueError, match=f"'bad-target'.*module '{module}' \\(layer 1\\) is not supported"):
+        llm.generate([{"prompt_token_ids": the_prompts[0]}], SamplingParams(max_tokens=2), lora_request=bad)
 
 
 def _write_adapter(directory, config: dict, tensors: dict | None = None):
@@ -179,3 +252,28 @@ def test_bad_adapters_are_errors_naming_the_field(tmp_path, config, tensors, fie
     path = _write_adapter(tmp_path / "bad", config, tensors)
     with pytest.raises(LoRAAdapterError, match=f"'bad'.*{field}".replace("[", r"\[").replace("]", r"\]")):
         read_adapter_config("bad", path, MAX_RANK)
+
+
+def test_delta_forms_agree_and_base_tokens_get_no_delta():
+    """The benchmark's forms (engine/entrypoints/bench/lora_forms.py) compute one delta: the one-hot
+    form the engine runs (with and without its skip), a per-token gather and ragged_dot agree, in
+    float32, on tokens spread over 3 slots and the base model; base-only tokens get the base output."""
+    import jax.numpy as jnp
+
+    from xlaserve.entrypoints.bench.lora_forms import _forms
+
+    forms = _forms(16, 8, 24, num_slots=3, rank=4, dtype=jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).normal(0, 1, (7, 16)), jnp.float32)
+    mixed = jnp.asarray([0, 1, 2, 3, 1, 0, 3], jnp.int32)
+    base = forms["base"](x, mixed)
+    ref = forms["one-hot"](x, mixed)
+    for name in ("one-hot + skip", "gathered", "ragged_dot"):
+        for got, want in zip(forms[name](x, mixed), ref):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    for got, want in zip(ref, base):  # rows 0 and 5 are the base model's, the others are not
+        np.testing.assert_array_equal(got[np.array([0, 5])], want[np.array([0, 5])])
+        assert np.abs(np.asarray(got - want)[np.array([1, 2, 3])]).max() > 1e-6
+    none = jnp.zeros(7, jnp.int32)
+    for name in ("one-hot", "one-hot + skip", "gathered", "ragged_dot"):
+        for got, want in zip(forms[name](x, none), base):
+            np.testing.assert_array_equal(got, want, err_msg=name)

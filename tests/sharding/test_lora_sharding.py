@@ -42,10 +42,10 @@ def test_lora_under_tensor_parallelism_matches_one_device(tmp_path):
     assert two["tokens"] == one["tokens"]
     np.testing.assert_allclose(two["logprobs"], one["logprobs"], atol=1e-5)
     assert one["tokens"][:3] != one["tokens"][3:]  # the adapter changes the output
-    # A [L, in, S, r] / B [L, S, r, out] per device: A split on the input of row-parallel
+    # A [L, in, S, r] / B [L, S, r, out] per device (S = max_loras = 1): A split on the input of row-parallel
     # projections, B on the output of column-parallel ones, the rest whole.
     shards = two["shards"]
-    assert shards["a:self_attn.o_proj"] == [2, 32, 2, 8] and shards["b:self_attn.o_proj"] == [2, 2, 8, 64]
-    assert shards["a:mlp.down_proj"] == [2, 64, 2, 8] and shards["b:mlp.down_proj"] == [2, 2, 8, 64]
-    assert shards["a:self_attn.q_proj"] == [2, 64, 2, 8] and shards["b:self_attn.q_proj"] == [2, 2, 8, 32]
-    assert shards["b:self_attn.k_proj"] == [2, 2, 8, 16] and shards["b:mlp.up_proj"] == [2, 2, 8, 64]
+    assert shards["a:self_attn.o_proj"] == [2, 32, 1, 8] and shards["b:self_attn.o_proj"] == [2, 1, 8, 64]
+    assert shards["a:mlp.down_proj"] == [2, 64, 1, 8] and shards["b:mlp.down_proj"] == [2, 1, 8, 64]
+    assert shards["a:self_attn.q_proj"] == [2, 64, 1, 8] and shards["b:self_attn.q_proj"] == [2, 1, 8, 32]
+    assert shards["b:self_attn.k_proj"] == [2, 1, 8, 16] and shards["b:mlp.up_proj"] == [2, 1, 8, 64]

@@ -23,7 +23,7 @@ import time
 
 from xlaserve.entrypoints.arg_utils import engine_kwargs
 from xlaserve.entrypoints.bench import speculative
-from xlaserve.entrypoints.bench.lora import bench_lora, is_lora_bench, print_lora
+from xlaserve.entrypoints.bench.lora import bench_lora, is_lora_bench, parse_ranks, print_lora
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         results["paired"] = speculative.run_paired(llm, base, prompts, args.output_len)
     if is_lora_bench(args):
         engines = [llm]
-        del llm  # bench_lora releases the base engine before it builds the LoRA one
+        del llm  # bench_lora keeps it and builds the LoRA engine next to it
         results["lora_bench"] = bench_lora(args, kwargs, prompts, run_xlaserve, batch, engines)
         results["xlaserve"] = results["lora_bench"]["lora"]
     elif args.compare_async:
@@ -390,7 +390,18 @@ def add_parser(sub, add_engine_args):
             help="also run the workload spread over N random adapters (on every projection) and "
             "report the ratio to the base model; or give --lora-modules",
         )
-        b.add_argument("--random-lora-rank", type=int, default=16, help="their rank (default 16)")
+        b.add_argument(
+            "--random-lora-rank",
+            type=parse_ranks,
+            default="16",
+            help="their rank, or ranks taken in turn (8,16); default 16",
+        )
+        b.add_argument(
+            "--lora-rounds",
+            type=int,
+            default=3,
+            help="with LoRA: paired rounds, base and LoRA engines alternated in one process (medians)",
+        )
         add_engine_args(b)
         b.set_defaults(func=cmd_bench)
     return bench_sub

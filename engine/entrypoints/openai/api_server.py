@@ -177,6 +177,12 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+    if loras is not None:
+        try:  # now that the model is known: every --lora-modules adapter's modules must be its own
+            loras.set_model(*getattr(engine, "lora_slots", (None, None)))
+        except ValueError:
+            await engine.shutdown()
+            raise
     reasoning_parser_cls = args.tool_options["reasoning_parser_cls"]
     if reasoning_parser_cls is not None:
         try:  # the tokenizer must have the parser's tags as tokens

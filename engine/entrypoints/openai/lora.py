@@ -21,7 +21,7 @@ from pydantic import Field
 from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request
 from xlaserve.entrypoints.openai.protocol import ErrorResponse, OpenAIModel, Text
 from xlaserve.lora_request import LoRARequest
-from xlaserve.models.lora_adapter import LoRAAdapterError, read_adapter_config
+from xlaserve.models.lora_adapter import LoRAAdapterError, check_fits, read_adapter_config
 
 logger = logging.getLogger("xlaserve.entrypoints.openai")
 
@@ -50,6 +50,19 @@ class LoRARegistry:
         self.reserved_names = set(reserved_names)  # the base model's served names
         self._by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
+        self._slots = None  # (layout, layer_stacks) once the engine is up: see set_model
+
+    def set_model(self, layout: dict | None, layer_stacks: dict | None) -> None:
+        """The engine's adapter slots (EngineReady): from now on an adapter whose modules or layers the
+        model lacks is refused when it loads; the adapters already registered are checked now."""
+        if layout is None or layer_stacks is None:
+            return
+        self._slots = (
+            {s: {m: tuple(shape) for m, shape in ms.items()} for s, ms in layout.items()},
+            {s: range(*bounds) for s, bounds in layer_stacks.items()},
+        )
+        for lora in self._by_name.values():
+            check_fits(read_adapter_config(lora.lora_name, lora.lora_path, self.max_lora_rank), *self._slots)
 
     def __contains__(self, name: str | None) -> bool:
         return name in self._by_name
@@ -68,7 +81,9 @@ class LoRARegistry:
             raise LoRAAdapterError(
                 f"lora_name: the LoRA adapter {name!r} has already been loaded", "lora_name"
             )
-        read_adapter_config(name, path, self.max_lora_rank)
+        config = read_adapter_config(name, path, self.max_lora_rank)
+        if self._slots is not None:
+            check_fits(config, *self._slots)
         lora = LoRARequest(name, next(self._ids), os.path.abspath(path), base_model_name)
         self._by_name[name] = lora
         logger.info("LoRA adapter %r from %s (id %d)", name, lora.lora_path, lora.lora_int_id)
