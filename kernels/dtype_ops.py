@@ -129,6 +129,15 @@ def dequantize(
     return (out if zero is None else out + expand(zero)).astype(dtype)
 
 
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """[.., in / 2, out] uint8 holding two 4-bit codes per byte (input 2i low, 2i + 1 high) ->
+    [.., in, out] uint8 codes in [0, 16). Shift, mask and interleave: XLA fuses it with the
+    dequantization that follows into one pass over the packed bytes."""
+    low, high = packed & 0x0F, packed >> 4
+    both = jnp.stack([low, high], axis=-2)  # [.., in / 2, 2, out]
+    return both.reshape(*packed.shape[:-2], packed.shape[-2] * 2, packed.shape[-1])
+
+
 def einsum(spec: str, *operands: jax.Array) -> jax.Array:
     """jnp.einsum accumulated in float32, returned in the first operand's dtype."""
     return jnp.einsum(spec, *operands, preferred_element_type=jnp.float32).astype(operands[0].dtype)
