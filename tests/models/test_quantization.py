@@ -4,7 +4,7 @@
   float8's relative precision;
 - tiny families (Llama; DeepSeek-V3: MoE experts and MLA's kv_b_proj), quantized at load with
   --quantization int8 / fp8: kernels, the embedding table and the LM head stored as one byte,
-  prefill logits within a stated bound of the unquantized float32 model (int8: 8%, fp8: 30% of the
+  prefill logits within a stated bound of the unquantized float32 model (int8: 8%, fp8: 25% of the
   largest logit);
 - checkpoints released quantized, written here as safetensors: a DeepSeek-V3-style block FP8
   (`weight_scale_inv`, 128 x 128 blocks) and a compressed-tensors FP8-Dynamic one (`weight_scale`
@@ -39,10 +39,10 @@ from xlaserve.worker.input_batch import build_step_batch
 BLOCK_SIZE = 8
 PROMPT = [3, 17, 42, 99, 7, 250, 31, 64, 12, 5, 77, 200, 150, 9, 33, 48, 101, 8, 19]
 # max |logit error| / max |logit| against float32 weights. These random tiny models are far more
-# sensitive than trained ones (weights N(0, 0.15), max logit ~4): 4.3% and 25.6% measured on Llama with
-# its embedding and LM head quantized too, int8 6.0% on DeepSeek-V3 (fp8 17% without the tables: float8
-# e4m3 keeps 3 mantissa bits, 6% per weight). SmolLM2's perplexity is the real check (test_llm_quantized).
-INT8_BOUND, FP8_BOUND = 0.08, 0.3
+# sensitive than trained ones (weights N(0, 0.15), max logit ~4): 4.3% and 18.5% measured on Llama with
+# its embedding and LM head quantized too (int8 under fp8), int8 6.0% on DeepSeek-V3 (float8 e4m3 keeps
+# 3 mantissa bits: 6% per weight). SmolLM2's perplexity is the real check (test_llm_quantized).
+INT8_BOUND, FP8_BOUND = 0.08, 0.25
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
@@ -180,6 +180,7 @@ def _rounded(name: str, w: np.ndarray, scheme: QuantScheme) -> np.ndarray:
         and not name.endswith(("experts.gate_up_proj", "experts.down_proj"))
     ):
         return w
+    scheme = scheme.for_module(("embed_tokens",) if name in tables else ())  # fp8: int8 tables
     return np.swapaxes(quantize_array(np.swapaxes(w, -1, -2), scheme).dequantized(), -1, -2)
 
 

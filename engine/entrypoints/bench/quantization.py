@@ -2,10 +2,11 @@
 
     python -m xlaserve.entrypoints.bench.quantization [--rounds 3] [--output-len 32]
 
-Builds one engine per mode (bfloat16, int8 and fp8 weights, an fp8 KV cache) on the embedded
-SmolLM2, then runs the rounds interleaved (each round: every mode's batch-1 latency, then its
-batched throughput), so that load from other processes falls on every mode alike; reports medians
-over the rounds after the first (which compiles), weight bytes and KV blocks.
+Builds one engine per mode (bfloat16, int8 and fp8 weights, an fp8 KV cache, the GGUF's own blocks
+kept) on the embedded SmolLM2, then runs the rounds interleaved (each round: every mode's batch-1
+latency, then its batched throughput), so that load from other processes falls on every mode
+alike; reports medians over the rounds after the first (which compiles), weight bytes and KV
+blocks, and the load average.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ MODES = {
     "int8": {"quantization": "int8"},
     "fp8": {"quantization": "fp8"},
     "fp8 KV cache": {"kv_cache_dtype": "fp8"},
+    "gguf": {"quantization": "gguf"},  # the GGUF's Q4_1 blocks packed, its Q8_0 table kept
 }
 
 
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             f"weights {weights / 2**20:.1f} MiB ({weights / base['weight_bytes']:.2f}x), "
             f"{r['num_kv_blocks']} KV blocks"
         )
+    with open("/proc/loadavg") as f:
+        print("load average:", " ".join(f.read().split()[:3]))
     print(json.dumps(results))
     return 0
 
