@@ -120,6 +120,9 @@ def test_scales_shard_like_their_kernel_outputs():
     )
     axes = param_logical_axes(("moe_layers", "mlp", "experts_down", "kernel_scale"), 4, is_stacked=True)
     assert axes == (None, "expert", None, "embed")
+    # A quantized embedding table, held as the head's [D, V]: split over the vocabulary, as its scales.
+    assert param_logical_axes(("embed_tokens", "kernel"), 2, is_stacked=False) == ("embed", "vocab")
+    assert param_logical_axes(("embed_tokens", "kernel_scale"), 2, is_stacked=False) == (None, "vocab")
 
 
 # -- quantized at load -----------------------------------------------------------------------------
@@ -340,3 +343,25 @@ def test_engine_args_name_the_field_and_the_choices():
         EngineConfig.from_kwargs(None, kv_cache_dtype="int4")
     config = EngineConfig.from_kwargs(None, quantization="fp8", kv_cache_dtype="fp8_e4m3")
     assert (config.model.quantization, config.cache.kv_cache_dtype) == ("fp8", "fp8_e4m3")
+
+
+@pytest.mark.slow  # two engines in a subprocess with 8 host devices: ~60 s
+def test_int8_table_and_head_under_tensor_parallelism_match_one_device(tmp_path):
+    """The quantized embedding table ([D, V], per-row scales) split over the vocabulary, padded from
+    257 to 320 rows under TP 2: the greedy tokens and logprobs of one device."""
+    from helpers.family_cases import prompts
+    from helpers.tiny_models import save_tiny_llama
+    from helpers.tp_run import run_worker
+
+    model_dir = save_tiny_llama(str(tmp_path), vocab_size=257, num_key_value_heads=2)
+    greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 3}
+    layouts = [{"quantization": "int8"}, {"quantization": "int8", "tensor_parallel_size": 2}]
+    results = run_worker(
+        "generate_ids", model_dir, {"layouts": layouts, "prompts": prompts(257, seed=5), "params": [greedy]}
+    )
+    one, two = (r["runs"][0] for r in results)
+    assert one["tokens"] == two["tokens"]
+    for ours, theirs in zip(one["logprobs"], two["logprobs"]):
+        for a, b in zip(ours, theirs):
+            assert [i for i, _ in a] == [i for i, _ in b]
+            np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-5)

@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=int, default=64 * 2**20)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
     args = parser.parse_args(argv)
+    modes = {name: MODES[name] for name in ["bfloat16", *args.modes.split(",")]}
     engines = {
         name: LLM(
             dtype="bfloat16",
@@ -45,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
             enforce_eager=True,  # the first round compiles what the runs use
             **extra,
         )
-        for name, extra in MODES.items()
+        for name, extra in modes.items()
     }
     prompts = _prompts(engines["bfloat16"].tokenizer, workload(args.num_prompts))
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in MODES}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
     for _ in range(args.rounds + 1):
         for name, llm in engines.items():
             latency = run_xlaserve(llm, prompts[:2], args.output_len, batch=False)
