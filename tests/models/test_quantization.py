@@ -365,3 +365,21 @@ def test_int8_table_and_head_under_tensor_parallelism_match_one_device(tmp_path)
         for a, b in zip(ours, theirs):
             assert [i for i, _ in a] == [i for i, _ in b]
             np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-5)
+
+
+def test_converted_checkpoint_quantized_at_load_matches_the_hf_one(llama):
+    """A converted (float, our layout) checkpoint under --quantization int8: its table [V, D] becomes
+    the quantized [D, V] kernel as from Hugging Face tensors, with the same logits."""
+    from xlaserve.models.orbax_checkpoint import ConvertedParams
+
+    hf_config, tensors = llama
+    _, float_params = prefill_logits(hf_config, tensors, None)
+    converted = ConvertedParams(
+        {tuple(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(float_params)}
+    )
+    assert ("embed_tokens", "weight") in converted
+    scheme = QuantScheme.from_method("int8")
+    got, params = prefill_logits(hf_config, converted, scheme)
+    want, _ = prefill_logits(hf_config, tensors, scheme)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert nnx.to_pure_dict(params)["embed_tokens"]["kernel"].dtype == jnp.int8
