@@ -2,19 +2,20 @@
 
 llama.cpp's Q8_0, Q4_0 and Q4_1 store each run of 32 weights along a row (the input axis) as one
 block: a float16 scale d (and for Q4_1 a float16 minimum m) and 32 codes, 8-bit or packed 4-bit.
-Q4_K stores super-blocks of 256: float16 d and dmin, and per 32 a 6-bit scale sc and minimum mn.
-Each becomes a `QuantizedTensor` of codes [out, in] with scales (and zeros) [out, in / 32]:
+Q4_K stores super-blocks of 256: float16 d and dmin, and per 32 a 6-bit scale sc and minimum mn;
+Q6_K super-blocks of 256 hold 6-bit codes, a float16 d and an int8 scale per 16.
+Each becomes a `QuantizedTensor` of codes [out, in] with scales (and zeros) per group of inputs:
 Q8_0: w = d * q; Q4_0: w = d * q - 8 d (q in [0, 16)); Q4_1: w = d * q + m; Q4_K: w = (d sc) q -
-(dmin mn), its two products folded into one float32 scale and zero per 32 at load. Those are the
-numbers llama.cpp's dequantization gives (`gguf.quants.dequantize`, bit for bit), computed inside
+(dmin mn), its two products folded into one float32 scale and zero per 32 at load; Q6_K: w = (d sc)
+(q - 32), int8 codes with a float32 scale per 16 (a block of its own within the model). Those are
+the numbers llama.cpp's dequantization gives (`gguf.quants.dequantize`, bit for bit), computed inside
 the jitted matmul instead. 4-bit codes are packed two to a byte on the device
 (models/quantization.py: `pack_int4`); scales and zeros stay float16 when every one is a float16
-(Q8_0, Q4_0, Q4_1: GGUF's own numbers), else float32 (Q4_K's folded products). Other types (Q6_K,
-...) and float tensors are dequantized as before and stay float.
+(Q8_0, Q4_0, Q4_1: GGUF's own numbers), else float32 (the K types' folded products). Other types
+(Q5_K, Q3_K, Q2_K, ...) and float tensors are dequantized as before and stay float.
 
 Opt-in: the default path (the embedded SmolLM2's parity with Hugging Face) dequantizes everything
-to float32, as before.
-"""
+to float32, as before."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from gguf.quants import Q4_K
 from xlaserve.models.quantization import QuantizedTensor, QuantScheme
 
 GROUP = 32  # weights per block (per Q4_K sub-block), along the input axis
-SUPER = 256  # weights per Q4_K super-block
+SUPER = 256  # weights per K-quant super-block
+Q6_K_GROUP = 16  # Q6_K's scales are per 16 weights
 # The scheme of a model with any kept block: codes, one scale and zero per [32 in, 1 out].
 GGUF_SCHEME = QuantScheme(jnp.dtype(jnp.int8), block=(GROUP, 1), has_zero=True, checkpoint_only=True)
 KEPT_TYPES = (
@@ -36,6 +38,7 @@ KEPT_TYPES = (
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
 )
 
 
@@ -48,6 +51,8 @@ def decode_blocks(raw: np.ndarray, tensor_type, shape: tuple[int, int]) -> Quant
     out_dim, in_dim = shape
     if tensor_type == GGMLQuantizationType.Q4_K:
         return _decode_q4_k(raw, shape)
+    if tensor_type == GGMLQuantizationType.Q6_K:
+        return _decode_q6_k(raw, shape)
     data = np.ascontiguousarray(raw, np.uint8).reshape(out_dim * in_dim // GROUP, -1)
     d = _f16(data[:, 0:2])
     zero, bits = None, 8
@@ -87,6 +92,24 @@ def _decode_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
     return QuantizedTensor(
         q.reshape(out_dim, in_dim), scale.reshape(groups), zero.reshape(groups), block=(1, GROUP), bits=4
     )
+
+
+def _decode_q6_k(raw: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+    """Q6_K super-blocks (128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, float16 d) ->
+    int8 codes q - 32 (one per byte) with a float32 scale d * sc per 16 weights, no zero: gguf's
+    (d sc) (q - 32), the same product."""
+    out_dim, in_dim = shape
+    data = np.ascontiguousarray(raw, np.uint8).reshape(out_dim * in_dim // SUPER, -1)
+    # Each half of 128 weights: 64 bytes of low nibbles (weights 0-63) and high nibbles (64-127), and
+    # 32 bytes holding the top 2 bits of weights 32k .. 32k + 31 at bit 2k.
+    low = data[:, :128].reshape(-1, 2, 1, 64)
+    low = np.concatenate([low & 0x0F, low >> 4], axis=2).reshape(-1, SUPER)
+    high = data[:, 128:192].reshape(-1, 2, 1, 32)
+    high = np.concatenate([(high >> s) & 0x03 for s in (0, 2, 4, 6)], axis=2).reshape(-1, SUPER)
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    scale = _f16(data[:, 208:210])[:, None] * data[:, 192:208].copy().view(np.int8).astype(np.float32)
+    groups = (out_dim, in_dim // Q6_K_GROUP)
+    return QuantizedTensor(q.reshape(out_dim, in_dim), scale.reshape(groups), block=(1, Q6_K_GROUP))
 
 
 def gguf_scheme(tensors) -> tuple[QuantScheme | None, object]:

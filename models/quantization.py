@@ -235,7 +235,8 @@ def quantize_modules(model: nnx.Module, scheme: QuantScheme | None, keep=None) -
     it is. Meant to run inside the `make_model` of `load_params` (under `nnx.eval_shape`, so nothing
     is computed): the loader fills them. On CPU a float8 kernel is stored as uint8 words
     (kernels/dtype_ops.py). `keep(module path)`: the bits that module's weight is kept in (8; 4:
-    codes packed two to a byte; 0: not quantized). Default: every module in 8 bits."""
+    codes packed two to a byte; 0: not quantized), or (bits, its [in, out] block) where a
+    checkpoint's blocks differ between tensors. Default: every module in 8 bits."""
     if scheme is None:
         return model
     top = scheme
@@ -244,9 +245,12 @@ def quantize_modules(model: nnx.Module, scheme: QuantScheme | None, keep=None) -
             continue
         scheme = top.for_module(tuple(str(p) for p in path))
         dtype = jnp.dtype(scheme.dtype)
-        bits = 8 if keep is None else int(keep(tuple(str(p) for p in path)))
+        kept = 8 if keep is None else keep(tuple(str(p) for p in path))
+        bits, block = kept if isinstance(kept, tuple) else (int(kept), None)
         if not bits:
             continue
+        if block is not None and block != scheme.block:  # a checkpoint's own blocks (GGUF Q6_K: 16)
+            scheme = dataclasses.replace(scheme, block=block)
         shape = module.kernel_shape()
         if bits == 4:
             kernel = jnp.zeros(scheme.packed_kernel_shape(shape), jnp.uint8)
@@ -323,7 +327,8 @@ def _fits(array: QuantizedTensor, scheme: QuantScheme, shape_of: dict, is_stacke
     return (
         np.dtype(array.q.dtype) == np.dtype(scheme.dtype)
         and array.scale.shape == tuple(scale_shape)
-        and (scheme.block is None or array.block == scheme.block)
+        # A checkpoint's own tensor shaped its module (`keep` in load_params): its blocks are the module's.
+        and (scheme.block is None or array.block == scheme.block or scheme.checkpoint_only)
         and (array.zero is None or ZERO in shape_of)
     )
 

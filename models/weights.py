@@ -117,14 +117,16 @@ def load_params(
     keep_quantized = None
     if quantization is not None and quantization.checkpoint_only and is_hf:
         # A checkpoint released quantized: only the modules whose weights it stores quantized are.
-        def keep_quantized(module_path: tuple[str, ...]) -> int:
+        def keep_quantized(module_path: tuple[str, ...]) -> tuple[int, tuple[int, int] | None] | int:
             layer = stacks[module_path[0]][0] if module_path[0] in stacks else None
             name = hf_name(
                 ("layers", *module_path[1:], "kernel") if layer is not None else (*module_path, "kernel"),
                 layer,
             )
             tensor = tensors.get(name)
-            return tensor.bits if isinstance(tensor, QuantizedTensor) else 0
+            if not isinstance(tensor, QuantizedTensor):
+                return 0
+            return tensor.bits, None if tensor.block is None else tensor.block[::-1]  # [in, out]
 
     graphdef, abstract = nnx.split(
         nnx.eval_shape(lambda: quantize_modules(make_model(), quantization, keep_quantized))

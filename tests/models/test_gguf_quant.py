@@ -98,6 +98,51 @@ def test_q4_k_blocks_fold_into_group_scales_bit_exactly():
     assert gguf_scheme({"w": kept})[0] == GGUF_SCHEME  # folded products: float32 scales
 
 
+def q6_k_blocks(num_blocks: int, seed: int = 0) -> np.ndarray:
+    """Hand-built Q6_K super-blocks: random low and high bits, int8 scales, a small float16 d."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 256, (num_blocks, 208)).astype(np.uint8)  # ql, qh, int8 scales
+    d = rng.uniform(1e-4, 1e-3, num_blocks).astype(np.float16)
+    return np.concatenate([bits, d.view(np.uint8).reshape(-1, 2)], axis=1)
+
+
+def test_q6_k_blocks_decode_bit_exactly_with_scales_per_16():
+    raw = q6_k_blocks(12)
+    kept = decode_blocks(raw, GGMLQuantizationType.Q6_K, (8, 384))
+    assert kept.bits == 8 and kept.block == (1, 16) and kept.scale.shape == (8, 24) and kept.zero is None
+    assert kept.q.min() == -32 and kept.q.max() == 31
+    want = dequantize(raw, GGMLQuantizationType.Q6_K).reshape(8, 384)
+    np.testing.assert_array_equal(kept.dequantized(), want)
+    t = kept.transposed()  # as the step dequantizes it: blocks of 16 inputs
+    got = device_dequantize(jnp.asarray(t.q), jnp.asarray(t.scale), jnp.float32, None, (16, 1))
+    np.testing.assert_array_equal(np.asarray(got).T, want)
+
+
+def test_tiny_llama_with_k_quant_blocks_kept_gives_its_dequantized_models_logits():
+    """Q4_K projections (packed, float32 folded scales per 32) and Q6_K ones (int8 codes, scales per
+    16: a block of its own in the same model), hand-built blocks: the dequantized model's logits."""
+    model = make_hf_model("LlamaForCausalLM", hidden_size=256, intermediate_size=256, head_dim=64)
+    hf_config, tensors = hf_config_of(model), hf_tensors(model)
+    kept, dense = {}, {}
+    for i, (name, w) in enumerate(tensors.items()):
+        kind = GGMLQuantizationType.Q6_K if "v_proj" in name or "down" in name else GGMLQuantizationType.Q4_K
+        if w.ndim == 2 and "proj" in name:
+            raw = (q6_k_blocks if kind == GGMLQuantizationType.Q6_K else q4_k_blocks)(w.size // 256, seed=i)
+            kept[name] = decode_blocks(raw, kind, w.shape)
+            dense[name] = dequantize(raw, kind).reshape(w.shape)
+        else:
+            kept[name] = dense[name] = w
+    scheme, kept = gguf_scheme(kept)
+    assert scheme == GGUF_SCHEME  # float32 scales: the folded products are not float16s
+    got, params = prefill_logits(hf_config, kept, scheme)
+    want, _ = prefill_logits(hf_config, dense, None)
+    assert rel_err(got, want) <= 1e-5
+    flat = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(params)}
+    assert flat["layers/self_attn/q_proj/kernel"].shape == (3, 128, 256)  # packed Q4_K
+    assert flat["layers/self_attn/v_proj/kernel"].dtype == jnp.int8  # Q6_K codes
+    assert flat["layers/self_attn/v_proj/kernel_scale"].shape == (3, 16, 128)  # per 16 inputs
+
+
 def test_tiny_llama_with_gguf_blocks_kept_packed_gives_its_dequantized_models_logits():
     """Projections as Q4_1 and Q4_0 blocks and the tied embedding as Q8_0, written by the gguf
     package: packed 4-bit kernels, float16 group scales, the table kept as [D, V] int8 (no float copy),
