@@ -14,6 +14,8 @@ quantized one, abstractly, before `load_params` fills it: the graph (and so ever
 knows its dtypes from the start, and the loader quantizes each float tensor on the host as it reads
 it (`quantize_array`), or places a checkpoint's own quantized tensors and scales as they are.
 On CPU a float8 kernel is stored as uint8 words (kernels/dtype_ops.py); the module bitcasts it back.
+A GGUF's 4-bit codes are packed two to a byte (`pack_int4`, [.., in / 2, out] uint8) and multiplied
+by `dtype_ops.packed_matmul` without unpacking.
 """
 
 from __future__ import annotations
