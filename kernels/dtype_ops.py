@@ -72,6 +72,7 @@ def matmul(
     scale: jax.Array | None = None,
     zero: jax.Array | None = None,
     block: tuple[int, int] | None = None,
+    packed: bool = False,
 ) -> jax.Array:
     """x @ w accumulated in float32, returned in `out_dtype` (default: x's dtype).
 
@@ -80,11 +81,14 @@ def matmul(
     per output channel, no `zero`): the scale multiplies the accumulator and the weight is only
     converted to x's dtype inside the dot, which XLA fuses (on this CPU as fast as a bfloat16 weight:
     engine/QUANTIZATION.md). Other blocks ([b_in, b_out] = `block`): the weight is dequantized first
-    (still inside the step)."""
+    (still inside the step). `packed`: `w` holds 4-bit codes two to a byte ([.., in / 2, out] uint8,
+    see `unpack_int4`), multiplied as two half-depth dots (`packed_matmul`)."""
     out_dtype = out_dtype or x.dtype
     if _one_16bit_row_on_cpu(x):
         two_rows = jnp.concatenate([x, jnp.zeros_like(x)], axis=-2)
-        return matmul(two_rows, w, out_dtype, scale, zero, block)[..., :1, :]
+        return matmul(two_rows, w, out_dtype, scale, zero, block, packed)[..., :1, :]
+    if packed:
+        return packed_matmul(x, w, scale, zero, block).astype(out_dtype)
     if scale is None:
         return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
     if scale.shape[-2] == 1 and zero is None and w.dtype == jnp.float8_e4m3fn and has_native_fp8():
@@ -137,6 +141,32 @@ def dequantize(
 
     out = w.astype(jnp.float32) * expand(scale)
     return (out if zero is None else out + expand(zero)).astype(dtype)
+
+
+def packed_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, zero: jax.Array | None, block) -> jax.Array:
+    """x [.., in] @ 4-bit codes `w` [in / 2, out] (uint8: input 2i in the low nibble, 2i + 1 in the
+    high one) with `scale` and `zero` per [b_in, b_out] `block` -> float32 [.., out].
+
+    Never interleaves the codes back into [in, out]: the low nibbles are the weights of the even
+    inputs, the high ones of the odd inputs, each half dequantized (mask or shift, convert, scale per
+    group of b_in / 2 rows) and multiplied by x's even or odd columns. On this CPU that is as fast as
+    int8 codes; unpacking to [in, out] first (`unpack_int4`) is ~10x slower (engine/QUANTIZATION.md)."""
+    half_block = (block[0] // 2, block[1])
+
+    def half(codes, xs):
+        weights = dequantize(codes, scale, x.dtype, zero, half_block)
+        return jnp.matmul(xs, weights, preferred_element_type=jnp.float32)
+
+    return half(w & 0x0F, x[..., 0::2]) + half(w >> 4, x[..., 1::2])
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """[.., in / 2, out] uint8 holding two 4-bit codes per byte (input 2i low, 2i + 1 high) ->
+    [.., in, out] uint8 codes in [0, 16), for the callers that need the matrix itself (the embedding's
+    gathered columns, MLA, experts); a matmul uses `packed_matmul`."""
+    low, high = packed & 0x0F, packed >> 4
+    both = jnp.stack([low, high], axis=-2)  # [.., in / 2, 2, out]
+    return both.reshape(*packed.shape[:-2], packed.shape[-2] * 2, packed.shape[-1])
 
 
 def einsum(spec: str, *operands: jax.Array) -> jax.Array:

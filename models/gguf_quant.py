@@ -2,65 +2,134 @@
 
 llama.cpp's Q8_0, Q4_0 and Q4_1 store each run of 32 weights along a row (the input axis) as one
 block: a float16 scale d (and for Q4_1 a float16 minimum m) and 32 codes, 8-bit or packed 4-bit.
-Each becomes a `QuantizedTensor` of int8 codes [out, in] with float32 scales (and zeros) [out, in / 32]:
-Q8_0: w = d * q; Q4_0: w = d * (q - 8); Q4_1: w = d * q + m. Those are the same numbers llama.cpp's
-dequantization gives (`gguf.quants.dequantize`), computed inside the jitted matmul instead; the codes
-take one byte each on the device (4-bit codes are not packed two to a byte yet), so a 4-bit GGUF
-holds 1.25 bytes per weight (int8 code + two float32 per 32), not 0.56. Other types (Q4_K, Q6_K, ...)
-and float tensors are dequantized as before and stay float.
+Q4_K stores super-blocks of 256: float16 d and dmin, and per 32 a 6-bit scale sc and minimum mn;
+Q6_K super-blocks of 256 hold 6-bit codes, a float16 d and an int8 scale per 16.
+Each becomes a `QuantizedTensor` of codes [out, in] with scales (and zeros) per group of inputs:
+Q8_0: w = d * q; Q4_0: w = d * q - 8 d (q in [0, 16)); Q4_1: w = d * q + m; Q4_K: w = (d sc) q -
+(dmin mn), its two products folded into one float32 scale and zero per 32 at load; Q6_K: w = (d sc)
+(q - 32), int8 codes with a float32 scale per 16 (a block of its own within the model). Those are
+the numbers llama.cpp's dequantization gives (`gguf.quants.dequantize`, bit for bit), computed inside
+the jitted matmul instead. 4-bit codes are packed two to a byte on the device
+(models/quantization.py: `pack_int4`); scales and zeros stay float16 when every one is a float16
+(Q8_0, Q4_0, Q4_1: GGUF's own numbers), else float32 (the K types' folded products). Other types
+(Q5_K, Q3_K, Q2_K, ...) and float tensors are dequantized as before and stay float.
 
 Opt-in: the default path (the embedded SmolLM2's parity with Hugging Face) dequantizes everything
-to float32, as before.
-"""
+to float32, as before."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
+from gguf.quants import Q4_K
 
 from xlaserve.models.quantization import QuantizedTensor, QuantScheme
 
-GROUP = 32  # weights per block, along the input axis
-# The scheme of a model with any kept block: int8 codes, one scale and zero per [32 in, 1 out].
+GROUP = 32  # weights per block (per Q4_K sub-block), along the input axis
+SUPER = 256  # weights per K-quant super-block
+Q6_K_GROUP = 16  # Q6_K's scales are per 16 weights
+# The scheme of a model with any kept block: codes, one scale and zero per [32 in, 1 out].
 GGUF_SCHEME = QuantScheme(jnp.dtype(jnp.int8), block=(GROUP, 1), has_zero=True, checkpoint_only=True)
-KEPT_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+KEPT_TYPES = (
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
+)
+
+
+def _f16(column: np.ndarray) -> np.ndarray:
+    return column.copy().view(np.float16).astype(np.float32)[:, 0]
 
 
 def decode_blocks(raw: np.ndarray, tensor_type, shape: tuple[int, int]) -> QuantizedTensor:
-    """The raw bytes of a Q8_0/Q4_0/Q4_1 tensor of HF `shape` [out, in] -> QuantizedTensor."""
+    """The raw bytes of a Q8_0/Q4_0/Q4_1/Q4_K tensor of HF `shape` [out, in] -> QuantizedTensor."""
     out_dim, in_dim = shape
-    num_blocks = out_dim * in_dim // GROUP
-    data = np.ascontiguousarray(raw, np.uint8).reshape(num_blocks, -1)
-    d = data[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
-    zero = None
+    if tensor_type == GGMLQuantizationType.Q4_K:
+        return _decode_q4_k(raw, shape)
+    if tensor_type == GGMLQuantizationType.Q6_K:
+        return _decode_q6_k(raw, shape)
+    data = np.ascontiguousarray(raw, np.uint8).reshape(out_dim * in_dim // GROUP, -1)
+    d = _f16(data[:, 0:2])
+    zero, bits = None, 8
     if tensor_type == GGMLQuantizationType.Q8_0:
         q = data[:, 2:34].copy().view(np.int8)
     else:
         start = 4 if tensor_type == GGMLQuantizationType.Q4_1 else 2
         packed = data[:, start : start + GROUP // 2]
         q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int8)  # low nibbles first
-        if tensor_type == GGMLQuantizationType.Q4_1:
-            zero = data[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
-        else:
-            q -= 8
+        # Q4_0's d (q - 8) as d q + (-8 d): both products and their sum are exact in float32.
+        zero = _f16(data[:, 2:4]) if tensor_type == GGMLQuantizationType.Q4_1 else -8 * d
+        bits = 4
     groups = (out_dim, in_dim // GROUP)
     return QuantizedTensor(
         q.reshape(out_dim, in_dim),
         d.reshape(groups),
         None if zero is None else zero.reshape(groups),
         block=(1, GROUP),
+        bits=bits,
     )
 
 
+def _decode_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+    """Q4_K super-blocks (d, dmin: float16; 12 bytes of 6-bit scales and minimums; 128 bytes of
+    codes) -> 4-bit codes with float32 scale d * sc and zero -(dmin * mn) per 32: the products
+    gguf's dequantization computes, so d * sc * q - dmin * mn is the same float32 number."""
+    out_dim, in_dim = shape
+    data = np.ascontiguousarray(raw, np.uint8).reshape(out_dim * in_dim // SUPER, -1)
+    d, dmin = _f16(data[:, 0:2]), _f16(data[:, 2:4])
+    sc, mn = Q4_K.get_scale_min(data[:, 4:16])  # [n, 8] each: the gguf package's own unpacking
+    scale = d[:, None] * sc.astype(np.float32)
+    zero = -(dmin[:, None] * mn.astype(np.float32))
+    # 128 bytes = 4 runs of 32: run j's low nibbles are sub-block 2j, its high nibbles 2j + 1.
+    runs = data[:, 16:144].reshape(-1, 4, 1, GROUP)
+    q = np.concatenate([runs & 0x0F, runs >> 4], axis=2).astype(np.int8)  # [n, 4, 2, 32]
+    groups = (out_dim, in_dim // GROUP)
+    return QuantizedTensor(
+        q.reshape(out_dim, in_dim), scale.reshape(groups), zero.reshape(groups), block=(1, GROUP), bits=4
+    )
+
+
+def _decode_q6_k(raw: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+    """Q6_K super-blocks (128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, float16 d) ->
+    int8 codes q - 32 (one per byte) with a float32 scale d * sc per 16 weights, no zero: gguf's
+    (d sc) (q - 32), the same product."""
+    out_dim, in_dim = shape
+    data = np.ascontiguousarray(raw, np.uint8).reshape(out_dim * in_dim // SUPER, -1)
+    # Each half of 128 weights: 64 bytes of low nibbles (weights 0-63) and high nibbles (64-127), and
+    # 32 bytes holding the top 2 bits of weights 32k .. 32k + 31 at bit 2k.
+    low = data[:, :128].reshape(-1, 2, 1, 64)
+    low = np.concatenate([low & 0x0F, low >> 4], axis=2).reshape(-1, SUPER)
+    high = data[:, 128:192].reshape(-1, 2, 1, 32)
+    high = np.concatenate([(high >> s) & 0x03 for s in (0, 2, 4, 6)], axis=2).reshape(-1, SUPER)
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    scale = _f16(data[:, 208:210])[:, None] * data[:, 192:208].copy().view(np.int8).astype(np.float32)
+    groups = (out_dim, in_dim // Q6_K_GROUP)
+    return QuantizedTensor(q.reshape(out_dim, in_dim), scale.reshape(groups), block=(1, Q6_K_GROUP))
+
+
 def gguf_scheme(tensors) -> tuple[QuantScheme | None, object]:
-    """`--quantization gguf`: the scheme when the loader kept any block, else None (nothing to keep)."""
-    if isinstance(tensors, dict) and any(isinstance(t, QuantizedTensor) for t in tensors.values()):
-        return GGUF_SCHEME, tensors
-    return None, tensors
+    """`--quantization gguf`: the scheme when the loader kept any block, else None (nothing to keep).
+    Scales in float16 when every kept scale and zero is one (no rounding), else float32."""
+    if not isinstance(tensors, dict):
+        return None, tensors
+    kept = [t for t in tensors.values() if isinstance(t, QuantizedTensor)]
+    if not kept:
+        return None, tensors
+    if all(_is_float16(t.scale) and (t.zero is None or _is_float16(t.zero)) for t in kept):
+        return dataclasses.replace(GGUF_SCHEME, scale_dtype=jnp.dtype(jnp.float16)), tensors
+    return GGUF_SCHEME, tensors
+
+
+def _is_float16(a: np.ndarray) -> bool:
+    return bool(np.array_equal(np.asarray(a, np.float32).astype(np.float16).astype(np.float32), a))
 
 
 def permute_rows(tensor: QuantizedTensor, permute) -> QuantizedTensor:
     """`permute` ([out, ...] -> [out, ...] row reordering) applied to codes, scales and zeros alike."""
     zero = None if tensor.zero is None else permute(tensor.zero)
-    return QuantizedTensor(permute(tensor.q), permute(tensor.scale), zero, tensor.block)
+    return dataclasses.replace(tensor, q=permute(tensor.q), scale=permute(tensor.scale), zero=zero)

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
-from xlaserve.kernels.dtype_ops import matmul, take_rows
+from xlaserve.kernels.dtype_ops import dequantize, matmul, take_rows
 from xlaserve.kernels.reference import token_positions
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.lora import LayerLoRA, with_lora
@@ -113,15 +113,39 @@ class Linear(QuantizedKernel, nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
-class Embedding(nnx.Module):
+class Embedding(QuantizedKernel, nnx.Module):
+    """The token embedding `weight` [V, D], also the tied LM head.
+
+    Quantized (models/quantization.py) the table is held as `kernel` [D, V], the LM head's layout,
+    with scales per vocabulary entry ([1, V], which are the head's per-output-channel scales) or per
+    32 of its D values (a GGUF's Q8_0 table: [D / 32, V]); `weight` is then None. The tied head is
+    an ordinary quantized matmul (no transposed copy), and a lookup gathers the columns of its ids
+    and dequantizes only those."""
+
     def __init__(self, vocab_size: int, dim: int, *, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(jax.nn.initializers.normal(0.02)(rngs.params(), (vocab_size, dim), dtype))
+        self.dtype = jnp.dtype(dtype)
+
+    def kernel_shape(self) -> tuple[int, ...]:
+        return self.weight[...].shape[::-1]
+
+    def use_kernel(self, kernel: nnx.Param) -> None:
+        self.weight = None
+        self.kernel = kernel
 
     def __call__(self, ids: jax.Array) -> jax.Array:  # [T] -> [T, D]
-        return take_rows(self.weight[...], ids)
+        if self.kernel_scale is None:
+            return take_rows(self.weight[...], ids)
+        # Ids are clamped into the table, as row indexing does (`take_rows`); jnp.take would fill NaN.
+        columns = self.decode_kernel(jnp.take(self.kernel[...], ids, axis=-1, mode="clip"))  # [D, T]
+        scale, zero = self.scales()
+        scale, zero = (None if s is None else jnp.take(s, ids, axis=-1, mode="clip") for s in (scale, zero))
+        return dequantize(columns, scale, self.dtype, zero, self.quant_block).T
 
     def attend(self, x: jax.Array) -> jax.Array:  # [N, D] -> [N, V] float32: the tied LM head
-        return matmul(x, self.weight[...].T, jnp.float32)
+        if self.kernel_scale is None:
+            return matmul(x, self.weight[...].T, jnp.float32)
+        return self.project(x, jnp.float32)
 
 
 class Attention(nnx.Module):

@@ -8,11 +8,14 @@ checkpoints released that way (DeepSeek-V3's FP8). The step dequantizes inside t
 accumulator multiplied by the per-channel scale, so device memory holds one byte per weight.
 
 The model is built as usual, then `quantize_modules` swaps the kernel of every quantizable module
-(`Linear`, `ExpertLinear`; not the LM head, not the embedding: vLLM keeps those in 16 bits too) for
-a quantized one, abstractly, before `load_params` fills it: the graph (and so every jitted program)
+(`Linear`, `ExpertLinear`, the LM head, and the embedding table: stored as a kernel [D, V] with one
+scale per vocabulary entry, which is also the tied LM head's per-output-channel scale) for a
+quantized one, abstractly, before `load_params` fills it: the graph (and so every jitted program)
 knows its dtypes from the start, and the loader quantizes each float tensor on the host as it reads
 it (`quantize_array`), or places a checkpoint's own quantized tensors and scales as they are.
 On CPU a float8 kernel is stored as uint8 words (kernels/dtype_ops.py); the module bitcasts it back.
+A GGUF's 4-bit codes are packed two to a byte (`pack_int4`, [.., in / 2, out] uint8) and multiplied
+by `dtype_ops.packed_matmul` without unpacking.
 """
 
 from __future__ import annotations
@@ -25,14 +28,13 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from xlaserve.kernels.dtype_ops import as_words, dequantize, from_words, matmul
+from xlaserve.kernels.dtype_ops import as_words, dequantize, from_words, matmul, unpack_int4
 
 # --quantization -> the kernel's storage dtype.
 QUANT_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
 
-# Modules that are never quantized: the LM head's logits decide every token (vLLM keeps it too).
-_KEEP_FLOAT = ("lm_head",)
 SCALE, ZERO = "kernel_scale", "kernel_zero"  # the parameters beside a quantized kernel
+TABLES = ("embed_tokens", "lm_head")  # the modules `QuantScheme.table_dtype` applies to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,11 @@ class QuantScheme:
     # A checkpoint released quantized: only the modules it stores quantized are (vLLM keeps the
     # others, e.g. a compressed-tensors `ignore` list, in float). Else every projection.
     checkpoint_only: bool = False
+    # The scales' (and zeros') dtype on the device: float16 where every one is a float16 exactly
+    # (GGUF's own d and m: half the bytes of float32, still bit-exact).
+    scale_dtype: jnp.dtype = jnp.dtype(jnp.float32)
+    # The embedding table and LM head's storage when not `dtype` (fp8: int8, see `from_method`).
+    table_dtype: jnp.dtype | None = None
 
     def block_of(self, kernel_shape: tuple[int, ...]) -> tuple[int, int]:
         return (kernel_shape[-2], 1) if self.block is None else self.block
@@ -57,6 +64,11 @@ class QuantScheme:
         bi, bo = self.block_of(kernel_shape)
         return (*lead, -(-din // bi), -(-dout // bo))
 
+    def packed_kernel_shape(self, kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """4-bit codes two to a byte along the input axis: [.., in / 2, out] uint8."""
+        *lead, din, dout = kernel_shape
+        return (*lead, din // 2, dout)
+
     def describe(self) -> str:
         block = (
             "per output channel" if self.block is None else f"per [{self.block[0]}, {self.block[1]}] block"
@@ -65,7 +77,18 @@ class QuantScheme:
 
     @classmethod
     def from_method(cls, method: str | None) -> QuantScheme | None:
-        return None if method is None else cls(QUANT_DTYPES[method])
+        """`--quantization int8|fp8`. Under fp8 the embedding table and LM head are int8 (per-row
+        scales): float8's 3 mantissa bits there cost SmolLM2 +5.3% perplexity, int8's +0.5%."""
+        if method is None:
+            return None
+        table = jnp.dtype(jnp.int8) if method == "fp8" else None
+        return cls(QUANT_DTYPES[method], table_dtype=table)
+
+    def for_module(self, path: tuple[str, ...]) -> QuantScheme:
+        """The scheme of the module at `path` (the tables may differ: `table_dtype`)."""
+        if self.table_dtype is not None and path and path[0] in TABLES:
+            return dataclasses.replace(self, dtype=self.table_dtype, table_dtype=None)
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +101,7 @@ class QuantizedTensor:
     scale: np.ndarray
     zero: np.ndarray | None = None
     block: tuple[int, int] | None = None  # the last two axes' block; None: as the shapes divide
+    bits: int = 8  # 4: codes in [0, 16), stored two to a byte on the device (GGUF's 4-bit types)
 
     def transposed(self) -> QuantizedTensor:
         """In our [.., in, out] layout (block scales and zeros transposed with it)."""
@@ -86,7 +110,7 @@ class QuantizedTensor:
             return None if a is None else np.swapaxes(a, -1, -2)
 
         block = None if self.block is None else self.block[::-1]
-        return QuantizedTensor(t(self.q), t(self.scale), t(self.zero), block)
+        return QuantizedTensor(t(self.q), t(self.scale), t(self.zero), block, self.bits)
 
     def dequantized(self) -> np.ndarray:
         """float32, in the layout of `q`."""
@@ -101,7 +125,7 @@ def stack_tensors(arrays: list) -> np.ndarray | QuantizedTensor:
         return np.stack([a.dequantized() if isinstance(a, QuantizedTensor) else a for a in arrays])
     zeros = None if arrays[0].zero is None else np.stack([a.zero for a in arrays])
     stacked = (np.stack([a.q for a in arrays]), np.stack([a.scale for a in arrays]))
-    return QuantizedTensor(*stacked, zeros, arrays[0].block)
+    return QuantizedTensor(*stacked, zeros, arrays[0].block, arrays[0].bits)
 
 
 def dtype_max(dtype) -> float:
@@ -154,14 +178,41 @@ class QuantizedKernel:
     kernel_zero: nnx.Param | None = None
     quant_dtype: str | None = None  # the kernel's dtype when stored as uint8 words (CPU float8)
     quant_block: tuple[int, int] | None = None  # [in, out] covered by one scale; None: per channel
+    quant_packed: bool = False  # 4-bit codes two to a byte: kernel [.., in / 2, out] uint8
+    quant_scale_dtype: str | None = None  # "float16": scales stored in 16 bits (see `scales`)
 
     def stored_kernel(self) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
         """(kernel in its real dtype, scales or None, zeros or None)."""
-        kernel = self.kernel[...]
+        return self.decode_kernel(self.kernel[...]), *self.scales()
+
+    def decode_kernel(self, kernel: jax.Array) -> jax.Array:
+        """Stored kernel (or a gather of its columns) -> codes in their real dtype."""
+        if self.quant_packed:
+            return unpack_int4(kernel)
         if self.quant_dtype is not None:
-            kernel = from_words(kernel, jnp.dtype(self.quant_dtype))
-        scale = None if self.kernel_scale is None else self.kernel_scale[...]
-        return kernel, scale, None if self.kernel_zero is None else self.kernel_zero[...]
+            return from_words(kernel, jnp.dtype(self.quant_dtype))
+        return kernel
+
+    def scales(self) -> tuple[jax.Array | None, jax.Array | None]:
+        """(scales, zeros); float16 ones are bitcast back: the CPU's layer scan hands any stacked
+        16-bit leaf over in the model's 16-bit dtype (kernels/dtype_ops.py: `scan`)."""
+
+        def real(p):
+            if p is None:
+                return None
+            a = p[...]
+            if self.quant_scale_dtype is not None and a.dtype != jnp.dtype(self.quant_scale_dtype):
+                a = jax.lax.bitcast_convert_type(a, jnp.dtype(self.quant_scale_dtype))
+            return a
+
+        return real(self.kernel_scale), real(self.kernel_zero)
+
+    def kernel_shape(self) -> tuple[int, ...]:
+        """[.., in, out] of the float kernel this module holds (the embedding: its table transposed)."""
+        return self.kernel[...].shape
+
+    def use_kernel(self, kernel: nnx.Param) -> None:
+        self.kernel = kernel
 
     def dequantized_kernel(self, dtype) -> jax.Array:
         """The kernel in `dtype`, for the few callers that need the matrix itself (MLA, experts)."""
@@ -171,34 +222,53 @@ class QuantizedKernel:
         return dequantize(kernel, scale, dtype, zero, self.quant_block)
 
     def project(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        if self.quant_packed:  # two half-depth dots on the packed bytes (kernels/dtype_ops.py)
+            scale, zero = self.scales()
+            return matmul(
+                x, self.kernel[...], out_dtype, scale=scale, zero=zero, block=self.quant_block, packed=True
+            )
         kernel, scale, zero = self.stored_kernel()
         return matmul(x, kernel, out_dtype, scale=scale, zero=zero, block=self.quant_block)
 
 
 def quantize_modules(model: nnx.Module, scheme: QuantScheme | None, keep=None) -> nnx.Module:
-    """Swap the kernel of every `QuantizedKernel` module (bar the LM head) for a zeroed quantized one
-    in `scheme`, with its scales (and zeros); None: the model as it is. Meant to run inside the
-    `make_model` of `load_params` (under `nnx.eval_shape`, so nothing is computed): the loader fills
-    them. On CPU a float8 kernel is stored as uint8 words (kernels/dtype_ops.py). `keep(module path)`:
-    whether that module is quantized (default: all)."""
+    """Swap the kernel of every `QuantizedKernel` module (projections, the LM head, the embedding
+    table) for a zeroed quantized one in `scheme`, with its scales (and zeros); None: the model as
+    it is. Meant to run inside the `make_model` of `load_params` (under `nnx.eval_shape`, so nothing
+    is computed): the loader fills them. On CPU a float8 kernel is stored as uint8 words
+    (kernels/dtype_ops.py). `keep(module path)`: the bits that module's weight is kept in (8; 4:
+    codes packed two to a byte; 0: not quantized), or (bits, its [in, out] block) where a
+    checkpoint's blocks differ between tensors. Default: every module in 8 bits."""
     if scheme is None:
         return model
-    dtype = jnp.dtype(scheme.dtype)
+    top = scheme
     for path, module in list(nnx.iter_graph(model)):
-        if not isinstance(module, QuantizedKernel) or any(p in _KEEP_FLOAT for p in path):
+        if not isinstance(module, QuantizedKernel):
             continue
-        if keep is not None and not keep(tuple(str(p) for p in path)):
+        scheme = top.for_module(tuple(str(p) for p in path))
+        dtype = jnp.dtype(scheme.dtype)
+        kept = 8 if keep is None else keep(tuple(str(p) for p in path))
+        bits, block = kept if isinstance(kept, tuple) else (int(kept), None)
+        if not bits:
             continue
-        shape = module.kernel[...].shape
-        kernel = jnp.zeros(shape, dtype)
-        if jax.default_backend() == "cpu":
-            kernel = as_words(kernel)
-        module.quant_dtype = dtype.name if kernel.dtype != dtype else None
+        if block is not None and block != scheme.block:  # a checkpoint's own blocks (GGUF Q6_K: 16)
+            scheme = dataclasses.replace(scheme, block=block)
+        shape = module.kernel_shape()
+        if bits == 4:
+            kernel = jnp.zeros(scheme.packed_kernel_shape(shape), jnp.uint8)
+            module.quant_packed = True
+        else:
+            kernel = jnp.zeros(shape, dtype)
+            if jax.default_backend() == "cpu":
+                kernel = as_words(kernel)
+            module.quant_dtype = dtype.name if kernel.dtype != dtype else None
         module.quant_block = scheme.block
-        module.kernel = nnx.Param(kernel)
-        module.kernel_scale = nnx.Param(jnp.ones(scheme.scale_shape(shape), jnp.float32))
+        if scheme.scale_dtype != jnp.float32:
+            module.quant_scale_dtype = jnp.dtype(scheme.scale_dtype).name
+        module.use_kernel(nnx.Param(kernel))
+        module.kernel_scale = nnx.Param(jnp.ones(scheme.scale_shape(shape), scheme.scale_dtype))
         if scheme.has_zero:
-            module.kernel_zero = nnx.Param(jnp.zeros(scheme.scale_shape(shape), jnp.float32))
+            module.kernel_zero = nnx.Param(jnp.zeros(scheme.scale_shape(shape), scheme.scale_dtype))
     return model
 
 
@@ -213,6 +283,7 @@ def quantized_parts(
     (one per stacked layer, or one): float [in, out] arrays are quantized here; a checkpoint's own
     `QuantizedTensor`s (already in our layout) are kept as they are when their dtype and block
     shapes are the model's, and otherwise dequantized and quantized again."""
+    scheme = scheme.for_module(path)
     names = ("kernel", SCALE, ZERO)
     shape_of = {name: expected[(*path[:-1], name)] for name in names if (*path[:-1], name) in expected}
     parts: list[QuantizedTensor] = []
@@ -227,15 +298,30 @@ def quantized_parts(
         items = [get(p) for p in parts]
         return np.stack(items) if is_stacked else items[0]
 
-    out = {
-        path: storage_array(stacked(lambda p: p.q), shape_of["kernel"].dtype),
-        (*path[:-1], SCALE): stacked(lambda p: np.asarray(p.scale, np.float32)),
-    }
+    codes = stacked(lambda p: p.q)
+    if shape_of["kernel"].shape[-2] * 2 == codes.shape[-2]:  # a 4-bit kernel, packed
+        kernel = pack_int4(codes)
+    else:
+        kernel = storage_array(codes, shape_of["kernel"].dtype)
+    scale_dtype = shape_of[SCALE].dtype
+    out = {path: kernel, (*path[:-1], SCALE): stacked(lambda p: np.asarray(p.scale, scale_dtype))}
     if ZERO in shape_of:
         out[(*path[:-1], ZERO)] = stacked(
-            lambda p: np.zeros_like(p.scale, np.float32) if p.zero is None else np.asarray(p.zero, np.float32)
+            lambda p: (
+                np.zeros_like(p.scale, scale_dtype) if p.zero is None else np.asarray(p.zero, scale_dtype)
+            )
         )
     return out
+
+
+def pack_int4(codes: np.ndarray) -> np.ndarray:
+    """[.., in, out] codes in [0, 16) -> [.., in / 2, out] uint8: input 2i in the low nibble, 2i + 1
+    in the high one (pairs of adjacent inputs, so a split of the input axis over devices keeps
+    whole bytes; `kernels/dtype_ops.unpack_int4` undoes it)."""
+    codes = np.asarray(codes).astype(np.uint8)
+    if codes.max(initial=0) > 15:
+        raise ValueError(f"4-bit codes must lie in [0, 16); got up to {codes.max()}")
+    return codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)
 
 
 def _fits(array: QuantizedTensor, scheme: QuantScheme, shape_of: dict, is_stacked: bool) -> bool:
@@ -243,7 +329,8 @@ def _fits(array: QuantizedTensor, scheme: QuantScheme, shape_of: dict, is_stacke
     return (
         np.dtype(array.q.dtype) == np.dtype(scheme.dtype)
         and array.scale.shape == tuple(scale_shape)
-        and (scheme.block is None or array.block == scheme.block)
+        # A checkpoint's own tensor shaped its module (`keep` in load_params): its blocks are the module's.
+        and (scheme.block is None or array.block == scheme.block or scheme.checkpoint_only)
         and (array.zero is None or ZERO in shape_of)
     )
 

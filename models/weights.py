@@ -117,13 +117,16 @@ def load_params(
     keep_quantized = None
     if quantization is not None and quantization.checkpoint_only and is_hf:
         # A checkpoint released quantized: only the modules whose weights it stores quantized are.
-        def keep_quantized(module_path: tuple[str, ...]) -> bool:
+        def keep_quantized(module_path: tuple[str, ...]) -> tuple[int, tuple[int, int] | None] | int:
             layer = stacks[module_path[0]][0] if module_path[0] in stacks else None
             name = hf_name(
                 ("layers", *module_path[1:], "kernel") if layer is not None else (*module_path, "kernel"),
                 layer,
             )
-            return isinstance(tensors.get(name), QuantizedTensor)
+            tensor = tensors.get(name)
+            if not isinstance(tensor, QuantizedTensor):
+                return 0
+            return tensor.bits, None if tensor.block is None else tensor.block[::-1]  # [in, out]
 
     graphdef, abstract = nnx.split(
         nnx.eval_shape(lambda: quantize_modules(make_model(), quantization, keep_quantized))
@@ -208,6 +211,12 @@ def _place_converted(
     model_class, cfg, expected: dict, params: ConvertedParams, dtype, place, quantization
 ) -> dict:
     if quantization is not None:  # a converted (float) checkpoint quantized as it is placed
+        table = ("embed_tokens", "weight")
+        if table in params and table not in expected:  # the quantized table is held as [D, V]
+            params = ConvertedParams(
+                {p: a for p, a in params.items() if p != table}
+                | {("embed_tokens", "kernel"): params[table].T}
+            )
         params = ConvertedParams(
             {p: a for p, a in params.items()}
             | {p: None for p in expected if p[-1] in (SCALE, ZERO) and p not in params}

@@ -17,6 +17,7 @@ PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     # The vocabulary-parallel embedding and LM head: sharding/vocab.py pads the vocabulary so it
     # splits evenly.
     ("embed_tokens", "weight"): ("vocab", "embed"),
+    ("embed_tokens", "kernel"): ("embed", "vocab"),  # a quantized table, stored as the head's [D, V]
     ("lm_head", "kernel"): ("embed", "vocab"),
     ("q_proj", "kernel"): ("embed", "q_heads"),
     ("q_proj", "bias"): ("q_heads",),

@@ -12,6 +12,7 @@ logits keep their real width.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -46,6 +47,11 @@ def pad_vocab(tensors, vocab_size: int, padded_size: int):
         axis = _OUR_VOCAB_AXIS.get(name) if isinstance(name, tuple) else _HF_VOCAB_AXIS.get(name)
         if axis is None:
             continue
+        if hasattr(array, "q"):  # a GGUF table kept quantized (models/quantization.py): rows of each part
+            zero = None if array.zero is None else _pad(array.zero, axis, padded_size - vocab_size)
+            pads = [_pad(a, axis, padded_size - vocab_size) for a in (array.q, array.scale)]
+            out[name] = dataclasses.replace(array, q=pads[0], scale=pads[1], zero=zero)
+            continue
         array = np.asarray(array)
         if array.shape[axis] != vocab_size:
             raise ValueError(
@@ -55,6 +61,12 @@ def pad_vocab(tensors, vocab_size: int, padded_size: int):
         widths[axis] = (0, padded_size - vocab_size)
         out[name] = np.pad(array, widths)
     return out
+
+
+def _pad(array: np.ndarray, axis: int, extra: int) -> np.ndarray:
+    widths = [(0, 0)] * array.ndim
+    widths[axis] = (0, extra)
+    return np.pad(array, widths)
 
 
 def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:

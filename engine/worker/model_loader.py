@@ -138,8 +138,10 @@ def load_model(
         # XLA's CPU backend runs a 16-bit dot natively only with its weight as [in, out]: the tied
         # head (the embedding, [V, D]) would be converted to float32 whole at every step. One
         # transposed copy, made once, costs the table's memory again (kernels/dtype_ops.py).
-        if model_config.tie_word_embeddings and tp == 1:
-            head_dv = jax.jit(lambda table: table.T)(nnx.merge(graphdef, params).embed_tokens.weight[...])
+        # A quantized table is already stored [D, V] (models/layers.py: Embedding): no copy.
+        embedding = nnx.merge(graphdef, params).embed_tokens
+        if model_config.tie_word_embeddings and tp == 1 and embedding.kernel_scale is None:
+            head_dv = jax.jit(lambda table: table.T)(embedding.weight[...])
         params = stacks_as_words(params, tuple(model_class.layer_stacks(model_config)))
     num_weight_bytes = weight_bytes(params) + (0 if head_dv is None else weight_bytes(head_dv))
     return LoadedModel(

@@ -3,7 +3,8 @@
 Perplexity over a fixed text (tests/helpers/perplexity_text.py, ~330 tokens, prompt logprobs):
 int8 weights within 2% of bfloat16's, fp8 weights within 5%, an fp8 KV cache within 5%. Greedy
 agreement over fixed prompts (16 tokens each) is printed, not asserted: a near-tie may flip.
-The quantized engines report fewer weight bytes (`xlaserve:model_weight_bytes`).
+The quantized engines report fewer weight bytes (`xlaserve:model_weight_bytes`): int8 and fp8 at
+most 0.52x of bfloat16's, the GGUF's blocks kept (`--quantization gguf`) at most 0.4x.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ MODES = {  # name -> engine arguments on top of bfloat16
     "int8": {"quantization": "int8"},
     "fp8": {"quantization": "fp8"},
     "fp8 KV cache": {"kv_cache_dtype": "fp8"},
+    "gguf": {"quantization": "gguf"},  # the embedded GGUF's Q4_1 / Q8_0 blocks kept as they are
 }
-BOUNDS = {"int8": 0.02, "fp8": 0.05, "fp8 KV cache": 0.05}  # relative to bfloat16's perplexity
+# The bfloat16 model is the GGUF's blocks dequantized: keeping them is only bfloat16's rounding away.
+BOUNDS = {"int8": 0.02, "fp8": 0.05, "fp8 KV cache": 0.05, "gguf": 0.02}  # relative to bfloat16's perplexity
 
 
 def perplexity_and_greedy(llm: LLM) -> tuple[float, list[list[int]]]:
@@ -40,7 +43,7 @@ def _metric(llm, name: str) -> float:
     return next(m for m in llm.get_metrics() if m.name == f"xlaserve:{name}").value
 
 
-@pytest.mark.slow  # four SmolLM2 engines, compiled lazily: ~2 minutes on 2 cores
+@pytest.mark.slow  # five SmolLM2 engines, compiled lazily: ~2.5 minutes on 2 cores
 def test_quantized_perplexity_within_bounds_of_bfloat16():
     smollm2_gguf_path()
     results = {}
@@ -70,5 +73,8 @@ def test_quantized_perplexity_within_bounds_of_bfloat16():
         )
         if name in BOUNDS:
             assert abs(ppl / base_ppl - 1) <= BOUNDS[name], name
-    assert results["int8"][2] < 0.75 * base_bytes  # the tied embedding (28M of 135M weights) stays 16-bit
+    # The issue's targets: int8 (embedding and tied head too, no float copy of the head) <= 0.52x.
+    # The 4-bit GGUF: 0.625 bytes per projection weight and its Q8_0 table at 1.06: ~0.37x (not 0.3x).
+    assert results["int8"][2] <= 0.52 * base_bytes and results["fp8"][2] <= 0.52 * base_bytes
+    assert results["gguf"][2] <= 0.4 * base_bytes
     assert results["fp8 KV cache"][3] == 2 * base_blocks

@@ -2,10 +2,11 @@
 
     python -m xlaserve.entrypoints.bench.quantization [--rounds 3] [--output-len 32]
 
-Builds one engine per mode (bfloat16, int8 and fp8 weights, an fp8 KV cache) on the embedded
-SmolLM2, then runs the rounds interleaved (each round: every mode's batch-1 latency, then its
-batched throughput), so that load from other processes falls on every mode alike; reports medians
-over the rounds after the first (which compiles), weight bytes and KV blocks.
+Builds one engine per mode (bfloat16, int8 and fp8 weights, an fp8 KV cache, the GGUF's own blocks
+kept) on the embedded SmolLM2, then runs the rounds interleaved (each round: every mode's batch-1
+latency, then its batched throughput), so that load from other processes falls on every mode
+alike; reports medians over the rounds after the first (which compiles), weight bytes and KV
+blocks, and the load average.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ MODES = {
     "int8": {"quantization": "int8"},
     "fp8": {"quantization": "fp8"},
     "fp8 KV cache": {"kv_cache_dtype": "fp8"},
+    "gguf": {"quantization": "gguf"},  # the GGUF's Q4_1 blocks packed, its Q8_0 table kept
 }
 
 
@@ -32,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=int, default=64 * 2**20)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
     args = parser.parse_args(argv)
+    modes = {name: MODES[name] for name in ["bfloat16", *args.modes.split(",")]}
     engines = {
         name: LLM(
             dtype="bfloat16",
@@ -43,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
             enforce_eager=True,  # the first round compiles what the runs use
             **extra,
         )
-        for name, extra in MODES.items()
+        for name, extra in modes.items()
     }
     prompts = _prompts(engines["bfloat16"].tokenizer, workload(args.num_prompts))
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in MODES}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
     for _ in range(args.rounds + 1):
         for name, llm in engines.items():
             latency = run_xlaserve(llm, prompts[:2], args.output_len, batch=False)
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             f"weights {weights / 2**20:.1f} MiB ({weights / base['weight_bytes']:.2f}x), "
             f"{r['num_kv_blocks']} KV blocks"
         )
+    with open("/proc/loadavg") as f:
+        print("load average:", " ".join(f.read().split()[:3]))
     print(json.dumps(results))
     return 0
 
