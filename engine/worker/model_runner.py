@@ -35,6 +35,7 @@ from xlaserve.models.registry import get_model_class
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
 from xlaserve.worker.compile_guard import CompileGuard, compile_seconds, num_cache_hits, num_compiles
+from xlaserve.worker.draft_model import DraftModel
 from xlaserve.worker.input_batch import (
     StepBatch,
     StepInputs,
@@ -86,10 +87,13 @@ def _sample(graphdef, vocab_size, num_ids, params, hidden_rd, st, *, with_logpro
     return out, jnp.pad(out.token_ids, (0, num_ids - out.token_ids.shape[0]))
 
 
-def _verify(graphdef, vocab_size, params, hidden_rd, st, spec: SpecInputs, *, with_logprobs):
+def _verify(graphdef, vocab_size, params, hidden_rd, st, spec: SpecInputs, q_buf, rows, *, with_logprobs):
     """Speculative decoding: logits at each request's K + 1 verified positions (hidden_rd
-    [R * (K + 1), D], gathered by the forward at spec.verify_indices), then rejection sampling."""
-    return verify(_logits(graphdef, vocab_size, params, hidden_rd), st, spec, with_logprobs=with_logprobs)
+    [R * (K + 1), D], gathered by the forward at spec.verify_indices), then rejection sampling.
+    A draft model's q: q_buf [S, K, V] (worker/draft_model.py) at rows [R]."""
+    logits = _logits(graphdef, vocab_size, params, hidden_rd)
+    draft_probs = None if q_buf is None else q_buf[rows]
+    return verify(logits, st, spec, with_logprobs=with_logprobs, draft_probs=draft_probs)
 
 
 def _prompt_logprobs(graphdef, vocab_size, params, hidden, target_ids):
@@ -131,6 +135,8 @@ def _read_outputs(result: ModelRunnerOutput, host: dict[str, np.ndarray], row: i
     if not s.is_sampling:
         return
     result.sampled_token_ids[rid] = int(host["token_ids"][row])
+    if "draft_ids" in host:
+        result.draft_token_ids[rid] = host["draft_ids"][row].tolist()
     num_logprobs = req.sampling_params.logprobs
     if "num_accepted" not in host:
         if num_logprobs is not None:
@@ -197,7 +203,18 @@ class ModelRunner:
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self._verify_fn = jax.jit(partial(_verify, self.graphdef, vocab), static_argnames=("with_logprobs",))
 
-        self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.backend.cache_dtype(self.dtype))
+        # Speculative decoding's draft model (worker/draft_model.py): its cache shares the block ids.
+        self.drafter = None
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModel(config, vocab, self.padded_vocab_size, devices)
+        # A draft model writes K/V for k positions past each step's tokens (slots the scheduler adds).
+        self.num_lookahead_tokens = self.num_spec_tokens if self.drafter is not None else 0
+        self.num_blocks = num_kv_blocks(
+            config.cache,
+            self.kv_spec,
+            self.backend.cache_dtype(self.dtype),
+            extra_bytes_per_block=0 if self.drafter is None else self.drafter.bytes_per_block(),
+        )
         self.kv_cache = allocate_kv_cache(
             self.kv_spec,
             self.num_blocks,
@@ -206,6 +223,10 @@ class ModelRunner:
             self.placement,
         )
         sched = config.scheduler
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks, sched.max_num_seqs, self.padded_vocab_size)
+        # [R] zeros per request bucket, made like the verifier's outputs: a step without drafts accepts none.
+        self._no_accepted: dict[int, jax.Array] = {}
         # A lone request verifying k drafts runs 1 + k tokens: its own bucket, not the next power of two.
         extra_buckets = (1 + self.num_spec_tokens,) if self.num_spec_tokens else ()
         self.token_buckets = make_token_buckets(sched.max_num_batched_tokens, extra_buckets)
@@ -268,8 +289,12 @@ class ModelRunner:
 
         def compile_verify(hidden_rd, st, spec, with_logprobs):
             self._verify_fn.lower(
-                self.head_params, hidden_rd, ready(st), ready(spec), with_logprobs=with_logprobs
-            ).compile()
+                self.head_params, hidden_rd, ready(st), ready(spec), *self._draft_probs(spec_rows(spec)),
+                with_logprobs=with_logprobs,
+            ).compile()  # fmt: skip
+
+        def spec_rows(spec):
+            return np.zeros(spec.num_drafts.shape[0], np.int32)
 
         def compile_prompt_logprobs(hidden, num_tokens):
             targets = ready(np.zeros(num_tokens, np.int32))
@@ -283,6 +308,9 @@ class ModelRunner:
                 hidden, hidden_rd = self._run_forward(batches[num_tokens])  # compiled: runs only
                 jobs.append(pool.submit(compile_prompt_logprobs, hidden, num_tokens))
                 num_seqs = self._num_seqs_for(num_tokens)
+                if self.drafter is not None:  # one draft program per token bucket
+                    lowered = self._lower_draft_step(batches[num_tokens], num_seqs)
+                    jobs.append(pool.submit(lowered.compile))
                 if num_seqs in sampler_buckets_done:
                     continue
                 sampler_buckets_done.add(num_seqs)
@@ -312,6 +340,25 @@ class ModelRunner:
 
     def _num_seqs_for(self, num_tokens: int) -> int:
         return request_bucket(num_tokens, self.max_num_seqs)
+
+    def _zeros_for(self, num_seqs: int) -> jax.Array:
+        if num_seqs not in self._no_accepted:
+            zeros = self.placement.zeros((num_seqs,), np.int32, self.placement.replicated)
+            self._no_accepted[num_seqs] = zeros
+        return self._no_accepted[num_seqs]
+
+    def _draft_probs(self, prob_rows) -> tuple:
+        """The verifier's q arguments: the draft model's q buffer and the rows to read, or none."""
+        if self.drafter is None:
+            return (None, None)
+        return (self.drafter.q_buf, self.placement.step_inputs(prob_rows))
+
+    def _lower_draft_step(self, batch: StepBatch, num_seqs: int):
+        st = sampling_tensors([], num_seqs, self.padded_vocab_size, False)
+        inputs = self.drafter.prepare([], num_seqs, set())
+        zeros = self._zeros_for(num_seqs)
+        ready = self.placement.step_inputs
+        return self.drafter.lower_step(batch, zeros, zeros, ready(st), ready(inputs))
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -398,6 +445,9 @@ class ModelRunner:
             spec = build_spec_inputs(scheduled, batch.num_padded_seqs, self.num_spec_tokens)
             batch = _with_verify_indices(batch, spec)
             spec = spec if spec.num_drafts.any() else None
+        draft = None
+        if self.drafter is not None:
+            draft = self.drafter.prepare(scheduled, batch.num_padded_seqs, failed)
         return StepInputs(
             batch=batch,
             sampling=sampling_st,
@@ -405,6 +455,7 @@ class ModelRunner:
             prompt_targets=prompt_targets,
             failed_req_ids=frozenset(failed),
             spec=spec,
+            draft=draft,
         )
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
@@ -424,15 +475,23 @@ class ModelRunner:
                 self.head_params, hidden_rd, ready(inputs.sampling), with_logprobs=inputs.with_logprobs
             )
             device = {"token_ids": out.token_ids}
+            num_accepted = self._zeros_for(out.token_ids.shape[0]) if self.drafter is not None else None
         else:  # synchronous (speculative decoding turns async scheduling off): last_sampled unused
+            prob_rows = None if inputs.draft is None else inputs.draft.prob_rows
             out: VerifyOutput = self._verify_fn(
                 self.head_params,
                 hidden_rd,
                 ready(inputs.sampling),
                 ready(inputs.spec),
+                *self._draft_probs(prob_rows),
                 with_logprobs=inputs.with_logprobs,
             )
             device = {"token_ids": out.token_ids, "num_accepted": out.num_accepted}
+            num_accepted = out.num_accepted
+        if self.drafter is not None:  # the next step's drafts, from the tokens this one emitted
+            device["draft_ids"] = self.drafter.step(
+                ready(inputs.batch), out.token_ids, num_accepted, ready(inputs.sampling), ready(inputs.draft)
+            )
         if inputs.with_logprobs:
             device |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
         if inputs.prompt_targets is not None:
@@ -485,6 +544,7 @@ class ModelRunner:
             result.sampled_token_ids.pop(rid, None)
             result.logprobs.pop(rid, None)
             result.prompt_logprobs.pop(rid, None)
+            result.draft_token_ids.pop(rid, None)
         return result
 
     def compiled_forward_text(self, num_tokens: int) -> str:

@@ -45,7 +45,7 @@ def test_speculative_config_from_dict_and_json():
         ({"method": "ngram", "lookahead": 2}, r"unknown field\(s\) \['lookahead'\]"),
         ({"num_speculative_tokens": 2}, "speculative_config.method is required"),
         ({"method": "draft_model"}, "speculative_config.model is required"),
-        ({"method": "draft_model", "model": "/m"}, "'draft_model' is not supported yet"),
+        ({"method": "draft_model", "model": "/no/such/draft"}, "speculative_config.model: '/no/such/draft'"),
         ("{not json", "speculative_config must be a JSON object"),
         ("[1]", "speculative_config must be a JSON object"),
     ],
