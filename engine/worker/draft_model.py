@@ -45,6 +45,9 @@ from xlaserve.worker.sampler import _GREEDY_EPS, SamplingTensors, _filter, argma
 logger = logging.getLogger(__name__)
 
 _DRAFT_TAG = 3  # the verifier folds in 1 (accept test) and 2 (residual draw): a draft's draw is apart
+# The sampling scalars the draft reads (temperature, top_k, top_p, min_p, seeds, token_index): values
+# and dtypes of a padding row, as input_batch.sampling_tensors makes them.
+_SCALARS = ((0, np.float32), (0, np.int32), (1, np.float32), (0, np.float32), (0, np.uint32), (0, np.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -168,6 +171,7 @@ class DraftModel:
         )
         # Each request's row in the last step that proposed for it: where its q waits in q_buf.
         self._prev_rows: dict[str, int] = {}
+        self._no_accepted: dict[int, jax.Array] = {}
 
     def bytes_per_block(self) -> int:
         """The draft cache's bytes for one block id: its share of the KV memory budget."""
@@ -198,28 +202,39 @@ class DraftModel:
             self._prev_rows[rid] = row
         return DraftInputs(last_positions, num_slots, prob_rows)
 
-    def step(self, batch, token_ids: jax.Array, num_accepted: jax.Array, st: SamplingTensors, inputs):
-        """Run the draft over the step's batch and propose k tokens per row -> drafts [R, K] (device).
-        `batch` and `inputs` ready for the device; `st`: the step's sampling tensors."""
-        scalars = SamplingTensors(st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.token_index)
-        drafts, self.q_buf, self.kv_cache = self._step_fn(
-            self.head_params,
-            self.kv_cache,
-            self.q_buf,
-            batch.input_ids,
-            batch.positions,
-            batch.md,
-            token_ids,
-            num_accepted,
-            scalars,
-            inputs,
-        )
+    def step(self, batch, token_ids: jax.Array, num_accepted: jax.Array | None, st: SamplingTensors, inputs):
+        """Run the draft over the step's batch (ready for the device) and propose k tokens per row ->
+        drafts [R, K] (on the device). `num_accepted`: the verifier's, or None (no drafts this step);
+        `st`, `inputs`: the step's host arrays."""
+        args = self._args(batch, token_ids, num_accepted, st, inputs)
+        drafts, self.q_buf, self.kv_cache = self._step_fn(*args)
         return drafts
 
-    def lower_step(self, batch, token_ids, num_accepted, st: SamplingTensors, inputs):
-        """The step's program for warm-up to compile (its arguments as `step` passes them)."""
+    def verify_args(self, prob_rows: np.ndarray) -> tuple:
+        """The verifier's q arguments: the q buffer, and where each row's q is in it ([R])."""
+        return (self.q_buf, self.placement.step_inputs(prob_rows))
+
+    def lower_step(self, batch, num_seqs: int):
+        """Warm-up: the step's program for one token bucket (`batch`: an empty one, ready), lowered with
+        arguments made like those of `step`."""
+        st = SamplingTensors(*(np.full(num_seqs, v, dtype) for v, dtype in _SCALARS))
+        zeros = self._zeros(num_seqs)
+        return self._step_fn.lower(*self._args(batch, zeros, zeros, st, self.prepare([], num_seqs, set())))
+
+    def _zeros(self, num_seqs: int) -> jax.Array:
+        """[R] zeros made like the verifier's outputs (committed, replicated): one program for both."""
+        if num_seqs not in self._no_accepted:
+            self._no_accepted[num_seqs] = self.placement.zeros(
+                (num_seqs,), np.int32, self.placement.replicated
+            )
+        return self._no_accepted[num_seqs]
+
+    def _args(self, batch, token_ids, num_accepted, st: SamplingTensors, inputs) -> tuple:
+        ready = self.placement.step_inputs
         scalars = SamplingTensors(st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.token_index)
-        return self._step_fn.lower(
+        if num_accepted is None:
+            num_accepted = self._zeros(token_ids.shape[0])
+        return (
             self.head_params,
             self.kv_cache,
             self.q_buf,
@@ -228,6 +243,6 @@ class DraftModel:
             batch.md,
             token_ids,
             num_accepted,
-            scalars,
-            inputs,
+            ready(scalars),
+            ready(inputs),
         )

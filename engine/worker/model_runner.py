@@ -225,8 +225,6 @@ class ModelRunner:
         sched = config.scheduler
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, sched.max_num_seqs, self.padded_vocab_size)
-        # [R] zeros per request bucket, made like the verifier's outputs: a step without drafts accepts none.
-        self._no_accepted: dict[int, jax.Array] = {}
         # A lone request verifying k drafts runs 1 + k tokens: its own bucket, not the next power of two.
         extra_buckets = (1 + self.num_spec_tokens,) if self.num_spec_tokens else ()
         self.token_buckets = make_token_buckets(sched.max_num_batched_tokens, extra_buckets)
@@ -288,13 +286,10 @@ class ModelRunner:
             self._sample_fn.lower(self.head_params, hidden_rd, ready(st), with_logprobs=False).compile()
 
         def compile_verify(hidden_rd, st, spec, with_logprobs):
+            q_args = self._draft_probs(np.zeros_like(spec.num_drafts))
             self._verify_fn.lower(
-                self.head_params, hidden_rd, ready(st), ready(spec), *self._draft_probs(spec_rows(spec)),
-                with_logprobs=with_logprobs,
-            ).compile()  # fmt: skip
-
-        def spec_rows(spec):
-            return np.zeros(spec.num_drafts.shape[0], np.int32)
+                self.head_params, hidden_rd, ready(st), ready(spec), *q_args, with_logprobs=with_logprobs
+            ).compile()
 
         def compile_prompt_logprobs(hidden, num_tokens):
             targets = ready(np.zeros(num_tokens, np.int32))
@@ -309,8 +304,7 @@ class ModelRunner:
                 jobs.append(pool.submit(compile_prompt_logprobs, hidden, num_tokens))
                 num_seqs = self._num_seqs_for(num_tokens)
                 if self.drafter is not None:  # one draft program per token bucket
-                    lowered = self._lower_draft_step(batches[num_tokens], num_seqs)
-                    jobs.append(pool.submit(lowered.compile))
+                    jobs.append(pool.submit(self.drafter.lower_step(batches[num_tokens], num_seqs).compile))
                 if num_seqs in sampler_buckets_done:
                     continue
                 sampler_buckets_done.add(num_seqs)
@@ -341,24 +335,9 @@ class ModelRunner:
     def _num_seqs_for(self, num_tokens: int) -> int:
         return request_bucket(num_tokens, self.max_num_seqs)
 
-    def _zeros_for(self, num_seqs: int) -> jax.Array:
-        if num_seqs not in self._no_accepted:
-            zeros = self.placement.zeros((num_seqs,), np.int32, self.placement.replicated)
-            self._no_accepted[num_seqs] = zeros
-        return self._no_accepted[num_seqs]
-
     def _draft_probs(self, prob_rows) -> tuple:
-        """The verifier's q arguments: the draft model's q buffer and the rows to read, or none."""
-        if self.drafter is None:
-            return (None, None)
-        return (self.drafter.q_buf, self.placement.step_inputs(prob_rows))
-
-    def _lower_draft_step(self, batch: StepBatch, num_seqs: int):
-        st = sampling_tensors([], num_seqs, self.padded_vocab_size, False)
-        inputs = self.drafter.prepare([], num_seqs, set())
-        zeros = self._zeros_for(num_seqs)
-        ready = self.placement.step_inputs
-        return self.drafter.lower_step(batch, zeros, zeros, ready(st), ready(inputs))
+        """The verifier's q arguments (a draft model's), or none."""
+        return (None, None) if self.drafter is None else self.drafter.verify_args(prob_rows)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -475,7 +454,7 @@ class ModelRunner:
                 self.head_params, hidden_rd, ready(inputs.sampling), with_logprobs=inputs.with_logprobs
             )
             device = {"token_ids": out.token_ids}
-            num_accepted = self._zeros_for(out.token_ids.shape[0]) if self.drafter is not None else None
+            num_accepted = None  # none: the draft model reads zeros
         else:  # synchronous (speculative decoding turns async scheduling off): last_sampled unused
             prob_rows = None if inputs.draft is None else inputs.draft.prob_rows
             out: VerifyOutput = self._verify_fn(
@@ -490,7 +469,7 @@ class ModelRunner:
             num_accepted = out.num_accepted
         if self.drafter is not None:  # the next step's drafts, from the tokens this one emitted
             device["draft_ids"] = self.drafter.step(
-                ready(inputs.batch), out.token_ids, num_accepted, ready(inputs.sampling), ready(inputs.draft)
+                ready(inputs.batch), out.token_ids, num_accepted, inputs.sampling, inputs.draft
             )
         if inputs.with_logprobs:
             device |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
