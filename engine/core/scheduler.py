@@ -266,7 +266,7 @@ class Scheduler:
             end = request.num_computed_tokens + len(hit_blocks) * manager.block_size + num_new_tokens
             lookahead = min(self.num_lookahead_tokens, manager.max_blocks_per_seq * manager.block_size - end)
             if lookahead > 0:
-                new_blocks = manager.allocate_slots(request, num_new_tokens + lookahead, hit_blocks)
+                new_blocks = manager.allocate_slots(request, num_new_tokens, hit_blocks, lookahead)
                 if new_blocks is not None:
                     return new_blocks
         return manager.allocate_slots(request, num_new_tokens, hit_blocks)

@@ -13,14 +13,19 @@ at the position after the accepted drafts; each iteration writes its input's K/V
 draft from its logits. Those writes land at positions at or after the request's newest token: never in
 a block the prefix cache holds (a block is cached once every token in it is known and computed), and the
 next step's flat batch rewrites them with the tokens it keeps. Their slots are the scheduler's
-lookahead (`num_lookahead_tokens`, allocated when free); positions without a slot write to the null
-block, and the drafts drawn from them are merely poor (verification keeps the output exact).
+lookahead (`num_lookahead_tokens`, allocated when free); a position without a slot writes to the null
+block, and the drafts from it on are dropped (-1): a draft is offered only with the q it was drawn from.
 
 Greedy rows draft the argmax. Sampled rows draw from q, the draft's distribution after the request's
-temperature, min-p, top-k and top-p, keyed like the sampler (fold_in(key(seed), index of the token the
-draft stands for), plus a tag of its own), and q stays on the device ([max_num_seqs, K, V]) for the
-next step's rejection sampler (accept with min(1, p / q), else draw from max(0, p - q)): the same q the
-drafts were drawn from, so the output keeps the target's distribution exactly.
+temperature, min-p, top-k and top-p, and q stays on the device ([max_num_seqs, K, V]) for the next
+step's rejection sampler (accept with min(1, p / q), else draw from max(0, p - q)): the same q the drafts
+were drawn from, so the output keeps the target's distribution exactly. A draft is drawn with the
+sampler's own Gumbel noise for the index of the token it stands for, fold_in(key(seed), index): the
+draw the verifier would make there were it a bonus token. The accept test and the residual draw fold
+in tags of their own, so each stays independent of the draft (the rule's premise), and whether an
+index gets a draft or a bonus draw never depends on that index's noise. The coupling makes a seeded
+request's tokens depend little on how its steps fell: where q = p (a draft that agrees with the target)
+every token is the one the sampler without speculation draws, whatever the schedule.
 """
 
 from __future__ import annotations
@@ -44,7 +49,6 @@ from xlaserve.worker.sampler import _GREEDY_EPS, SamplingTensors, _filter, argma
 
 logger = logging.getLogger(__name__)
 
-_DRAFT_TAG = 3  # the verifier folds in 1 (accept test) and 2 (residual draw): a draft's draw is apart
 # The sampling scalars the draft reads (temperature, top_k, top_p, min_p, seeds, token_index): values
 # and dtypes of a padding row, as input_batch.sampling_tensors makes them.
 _SCALARS = ((0, np.float32), (0, np.int32), (1, np.float32), (0, np.float32), (0, np.uint32), (0, np.int32))
@@ -68,8 +72,8 @@ def _draw_drafts(logits, st: SamplingTensors, token_index, is_greedy):
         temperature = jnp.where(is_greedy, 1.0, st.temperature)
         filtered = _filter(logits / temperature[:, None], st)
 
-        def one(seed, index, row):
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), _DRAFT_TAG)
+        def one(seed, index, row):  # the sampler's own noise for this index (see the module doc)
+            key = jax.random.fold_in(jax.random.key(seed), index)
             return argmax(row + jax.random.gumbel(key, row.shape, jnp.float32))
 
         draws = jax.vmap(one)(st.seeds, token_index, filtered)
@@ -95,7 +99,7 @@ def _draft_step(
     st: SamplingTensors,  # [R]: the step's scalar sampling parameters
     inputs: DraftInputs,
 ):
-    """-> (drafts [R, K] int32, q_buf, kv_cache)."""
+    """-> (drafts [R, K] int32, -1 from a row's first position without a slot; q_buf, kv_cache)."""
     params, head_dv = head_params
     model = nnx.merge(graphdef, params)
     _, kv_cache = model(input_ids, positions, kv_cache, md)  # the draft's cache keeps pace with the target's
@@ -124,7 +128,8 @@ def _draft_step(
         next_ids, probs = _draw_drafts(logits, st, token_index + i, is_greedy)
         probs = jnp.where(valid[:, None], probs, 0.0)
         q_buf = jax.lax.dynamic_update_slice(q_buf, probs[:, None, :], (0, i, 0))
-        return kv_cache, next_ids, drafts.at[:, i].set(next_ids), q_buf
+        # A position without a slot read the null block: its draft (-1) is cut, never verified.
+        return kv_cache, next_ids, drafts.at[:, i].set(jnp.where(valid, next_ids, -1)), q_buf
 
     drafts = jnp.zeros((num_rows, num_spec), jnp.int32)
     kv_cache, _, drafts, q_buf = jax.lax.fori_loop(0, num_spec, body, (kv_cache, token_ids, drafts, q_buf))

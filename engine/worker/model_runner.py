@@ -135,8 +135,9 @@ def _read_outputs(result: ModelRunnerOutput, host: dict[str, np.ndarray], row: i
     if not s.is_sampling:
         return
     result.sampled_token_ids[rid] = int(host["token_ids"][row])
-    if "draft_ids" in host:
-        result.draft_token_ids[rid] = host["draft_ids"][row].tolist()
+    if "draft_ids" in host:  # up to the first -1 (a position the draft model had no slot for)
+        drafts = host["draft_ids"][row].tolist()
+        result.draft_token_ids[rid] = drafts[: drafts.index(-1)] if -1 in drafts else drafts
     num_logprobs = req.sampling_params.logprobs
     if "num_accepted" not in host:
         if num_logprobs is not None:
