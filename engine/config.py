@@ -233,7 +233,8 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     """vLLM's `speculative_config`: propose up to `num_speculative_tokens` tokens per step and verify
     them in one forward. ngram: the longest suffix of the request's tokens (between prompt_lookup_min
-    and prompt_lookup_max long) found earlier in them proposes what followed it there."""
+    and prompt_lookup_max long) found earlier in them proposes what followed it there. draft_model: `model`,
+    a smaller model with the same vocabulary, proposes k tokens per step (worker/draft_model.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -262,11 +263,16 @@ class SpeculativeConfig:
             f"got {self.prompt_lookup_max!r}",
         )
         if self.method == "draft_model":
-            _require(self.model is not None, "speculative_config.model is required for method 'draft_model'")
-            # The config is vLLM's; the proposer is not built yet (engine/SPEC_DECODE.md).
-            raise ValueError(
-                "speculative_config.method 'draft_model' is not supported yet; use 'ngram' "
-                "(engine/SPEC_DECODE.md)"
+            _require(
+                isinstance(self.model, str) and self.model,
+                "speculative_config.model is required for method 'draft_model' (a path to the draft)",
+            )
+            # The draft is loaded when the engine starts; a path that is not there is refused now, before
+            # the target's weights are read. Its vocabulary is checked against the target's at load.
+            _require(
+                self.model == "smollm2" or os.path.exists(os.path.expanduser(self.model)),
+                f"speculative_config.model: {self.model!r} does not exist (a directory with config.json, "
+                "a .gguf file, or a directory written by `xlaserve convert`)",
             )
 
     @classmethod

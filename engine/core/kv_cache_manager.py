@@ -100,7 +100,11 @@ class KVCacheManager:
         return hit_blocks, num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Grow the request's blocks to hold its computed tokens plus `num_new_tokens`.
 
@@ -111,18 +115,22 @@ class KVCacheManager:
         Blocks that will be full once this step runs are indexed right away, so requests
         scheduled later in the same step can hit them: the model writes each layer's K/V for
         the whole batch before that layer's attention reads it.
+
+        `num_lookahead_tokens` (vLLM's name): slots past the new tokens that the step may write
+        (a draft model's proposals); allocated, never counted as computed, never cached.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total_tokens = num_computed_tokens + num_new_tokens
-        if num_total_tokens > self.max_blocks_per_seq * self.block_size:
+        num_slots = num_total_tokens + num_lookahead_tokens
+        if num_slots > self.max_blocks_per_seq * self.block_size:
             raise ValueError(
-                f"request {request.request_id!r} needs {num_total_tokens} token slots, "
+                f"request {request.request_id!r} needs {num_slots} token slots, "
                 f"more than max_model_len ({self.max_model_len}) allows"
             )
-        num_new_blocks = self.blocks_needed(num_total_tokens) - len(blocks) - len(new_computed_blocks)
+        num_new_blocks = self.blocks_needed(num_slots) - len(blocks) - len(new_computed_blocks)
         # A hit on a free block takes it off the free queue, so it counts against the free blocks.
         num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if max(num_new_blocks, 0) + num_evictable_hits > self.num_free_blocks:

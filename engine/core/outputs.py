@@ -77,6 +77,9 @@ class ModelRunnerOutput:
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Any] = field(default_factory=dict)
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)
+    # Speculative decoding with a draft model: the k tokens it proposed after each sampled id, which
+    # the next step verifies (core/spec_decode.py's DraftModelProposer hands them to the scheduler).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Requests whose part of the step's host work raised: the scheduler finishes them with an error.
     failed_req_ids: set[str] = field(default_factory=set)
 

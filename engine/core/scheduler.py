@@ -97,6 +97,7 @@ class Scheduler:
         *,
         async_scheduling: bool = False,
         num_spec_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
         max_loras: int | None = None,
     ):
         if kv_cache_manager.block_size != cache_config.block_size:
@@ -130,6 +131,8 @@ class Scheduler:
         # Speculative decoding (k drafts at most per request and step; 0: off).
         self.num_spec_tokens = num_spec_tokens
         self.spec_decoding_stats = SpecDecodingStats(num_spec_tokens)
+        # Slots past the scheduled tokens a step may write (a draft model's proposals: vLLM's name).
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -220,7 +223,7 @@ class Scheduler:
             spec_token_ids = self._take_drafts(request, num_missing, token_budget)
             num_new_tokens += len(spec_token_ids)
             is_dropped = False  # preempted itself, or failed
-            while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            while self._allocate_slots(request, num_new_tokens) is None:
                 if len(self.running) == 1:
                     # Nothing else holds blocks, so waiting cannot help: fail rather than hang.
                     self.running.pop(index)
@@ -250,9 +253,23 @@ class Scheduler:
             return []
         spec_token_ids = spec_token_ids[: token_budget - 1]
         num_new_tokens = 1 + len(spec_token_ids)
-        if spec_token_ids and self.kv_cache_manager.allocate_slots(request, num_new_tokens) is not None:
+        if spec_token_ids and self._allocate_slots(request, num_new_tokens) is not None:
             return spec_token_ids
         return []
+
+    def _allocate_slots(self, request: Request, num_new_tokens: int, hit_blocks=()):
+        """`allocate_slots`, plus up to `num_lookahead_tokens` slots past the new tokens when the blocks
+        are free and max_model_len allows (never at anyone's expense: without them the draft model's
+        later proposals are worse, never wrong)."""
+        manager = self.kv_cache_manager
+        if self.num_lookahead_tokens:
+            end = request.num_computed_tokens + len(hit_blocks) * manager.block_size + num_new_tokens
+            lookahead = min(self.num_lookahead_tokens, manager.max_blocks_per_seq * manager.block_size - end)
+            if lookahead > 0:
+                new_blocks = manager.allocate_slots(request, num_new_tokens, hit_blocks, lookahead)
+                if new_blocks is not None:
+                    return new_blocks
+        return manager.allocate_slots(request, num_new_tokens, hit_blocks)
 
     def _schedule_waiting(
         self, output: SchedulerOutput, token_budget: int, prefills: PartialPrefills
@@ -280,7 +297,7 @@ class Scheduler:
             if num_new_tokens == 0:
                 index += 1  # the partial-prefill slots are taken: a shorter prompt behind may fit whole
                 continue
-            if self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks) is None:
+            if self._allocate_slots(request, num_new_tokens, hit_blocks) is None:
                 if not self.running:
                     # No request holds a block, yet this one does not fit: it never will.
                     self.waiting.pop(index)

@@ -71,8 +71,9 @@ class NgramProposer:
         self.max_n = speculative_config.prompt_lookup_max
         self.max_model_len = max_model_len
 
-    def propose(self, requests: list[Request]) -> None:
-        """Set `spec_token_ids` of each request in `requests` (the scheduler's running list)."""
+    def propose(self, requests: list[Request], runner_output=None) -> None:
+        """Set `spec_token_ids` of each request in `requests` (the scheduler's running list).
+        `runner_output`: the last step's ModelRunnerOutput (unused: n-grams come from the tokens)."""
         for request in requests:
             num_drafts = self.max_num_drafts(request)
             request.spec_token_ids = []
@@ -97,3 +98,25 @@ class NgramProposer:
             return 0
         room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
         return max(0, min(self.k, room - 1))
+
+
+class DraftModelProposer(NgramProposer):
+    """Drafts a draft model proposed on the device during the last step (worker/draft_model.py), read
+    from that step's ModelRunnerOutput; the same limits as the n-gram proposer's cut them."""
+
+    def propose(self, requests: list[Request], runner_output=None) -> None:
+        drafts = {} if runner_output is None else runner_output.draft_token_ids
+        for request in requests:
+            # Only the step just applied proposed for this request: a request it did not run (out of
+            # budget, preempted) has none, and the runner's q for older drafts is gone.
+            num_drafts = self.max_num_drafts(request)
+            request.spec_token_ids = drafts.get(request.request_id, [])[:num_drafts] if num_drafts > 0 else []
+
+
+def make_proposer(speculative_config, max_model_len: int) -> NgramProposer | None:
+    """The host side of the configured method (None: speculative decoding off)."""
+    if speculative_config is None:
+        return None
+    if speculative_config.method == "draft_model":
+        return DraftModelProposer(speculative_config, max_model_len)
+    return NgramProposer(speculative_config, max_model_len)

@@ -16,7 +16,7 @@ from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
-from xlaserve.core.spec_decode import NgramProposer
+from xlaserve.core.spec_decode import make_proposer
 from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.executor import make_executor
 from xlaserve.worker.kv_cache import fit_max_model_len
@@ -69,15 +69,19 @@ class EngineCore:
             self.kv_cache_manager,
             async_scheduling=self.async_scheduling,
             num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            # A draft model writes its K/V for the k positions after each sampled token (its drafts):
+            # slots for them are allocated ahead when free (worker/draft_model.py).
+            num_lookahead_tokens=runner.num_lookahead_tokens,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
         # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
-        self.proposer = NgramProposer(spec, max_model_len) if spec is not None else None
+        self.proposer = make_proposer(spec, max_model_len)
         if not config.compilation.enforce_eager:
             runner.warm_up()
         self.executor = make_executor(config, runner)
         # The step dispatched but not yet applied (async scheduling): at most one.
         self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
+        self._last_runner_output = None  # the last step applied: a draft model's drafts ride in it
 
     @property
     def runner(self) -> ModelRunner:
@@ -122,7 +126,7 @@ class EngineCore:
         if not self.async_scheduling or future.failed_req_ids or not self.scheduler.has_unfinished_requests():
             outputs += self._update_in_flight()
         if self.proposer is not None:  # speculative decoding runs synchronously: every id is known
-            self.proposer.propose(self.scheduler.running)
+            self.proposer.propose(self.scheduler.running, self._last_runner_output)
         if scheduler_output.is_empty:  # whatever is unfinished waits for its grammar
             self.structured_output.wait_for_grammars(_GRAMMAR_WAIT_S)
         return outputs
@@ -133,7 +137,8 @@ class EngineCore:
             return []
         scheduler_output, future = self._in_flight
         self._in_flight = None
-        return self.scheduler.update_from_output(scheduler_output, future.result())
+        self._last_runner_output = future.result()
+        return self.scheduler.update_from_output(scheduler_output, self._last_runner_output)
 
     def set_async_scheduling(self, enabled: bool) -> None:
         """Turn async scheduling on or off between steps (benchmarks pair both modes on one engine);

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from xlaserve.kernels import AttentionMetadata
+from xlaserve.worker.draft_model import DraftInputs
 from xlaserve.worker.sampler import BITS_PER_WORD, SamplingTensors
 from xlaserve.worker.spec_decode import SpecInputs
 
@@ -262,6 +263,7 @@ class StepInputs:
     # scheduler finishes them with an error.
     failed_req_ids: frozenset[str] = frozenset()
     spec: SpecInputs | None = None  # speculative drafts to verify, when some request has any
+    draft: DraftInputs | None = None  # a draft model's inputs (worker/draft_model.py), when it has one
 
     def to_bytes(self) -> bytes:
         arrays = {f"batch.{k}": v for k, v in _fields(self.batch).items() if v is not None}
@@ -272,6 +274,8 @@ class StepInputs:
             arrays["prompt_targets"] = self.prompt_targets
         if self.spec is not None:
             arrays |= {f"spec.{k}": v for k, v in _fields(self.spec).items()}
+        if self.draft is not None:
+            arrays |= {f"draft.{k}": v for k, v in _fields(self.draft).items()}
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
         return buffer.getvalue()
@@ -292,6 +296,7 @@ class StepInputs:
             with_logprobs=bool(arrays["with_logprobs"]),
             prompt_targets=arrays.get("prompt_targets"),
             spec=SpecInputs(**group("spec.")) if "spec.num_drafts" in arrays else None,
+            draft=DraftInputs(**group("draft.")) if "draft.prob_rows" in arrays else None,
         )
 
 

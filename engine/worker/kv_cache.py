@@ -21,9 +21,10 @@ def bytes_per_block(kv_spec: KVCacheSpec, block_size: int, dtype) -> int:
     return kv_spec.bytes_per_block(block_size, jnp.dtype(dtype).itemsize)
 
 
-def num_kv_blocks(cache: CacheConfig, kv_spec: KVCacheSpec, dtype) -> int:
+def num_kv_blocks(cache: CacheConfig, kv_spec: KVCacheSpec, dtype, extra_bytes_per_block: int = 0) -> int:
     """The blocks the budget holds: `num_gpu_blocks_override`, else `kv_cache_memory` bytes, else
-    (GPU) `gpu_memory_utilization` of the device's memory less what is in use, else (CPU) 512 MiB."""
+    (GPU) `gpu_memory_utilization` of the device's memory less what is in use, else (CPU) 512 MiB.
+    `extra_bytes_per_block`: another cache indexed by the same block ids (a draft model's) shares it."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     if cache.kv_cache_memory is not None:
@@ -34,7 +35,7 @@ def num_kv_blocks(cache: CacheConfig, kv_spec: KVCacheSpec, dtype) -> int:
         stats = jax.local_devices()[0].memory_stats() or {}
         limit = stats.get("bytes_limit", 0)
         budget = int(limit * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
-    block_bytes = bytes_per_block(kv_spec, cache.block_size, dtype)
+    block_bytes = bytes_per_block(kv_spec, cache.block_size, dtype) + extra_bytes_per_block
     num_blocks = budget // block_bytes
     if num_blocks < 2:
         raise ValueError(

@@ -31,6 +31,7 @@ from xlaserve.models.registry import get_model_class
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
 from xlaserve.worker.compile_guard import CompileGuard
+from xlaserve.worker.draft_model import DraftModel
 from xlaserve.worker.input_batch import (
     StepBatch,
     StepInputs,
@@ -83,10 +84,13 @@ def _sample(graphdef, vocab_size, num_ids, params, hidden_rd, st, *, with_logpro
     return out, jnp.pad(out.token_ids, (0, num_ids - out.token_ids.shape[0]))
 
 
-def _verify(graphdef, vocab_size, params, hidden_rd, st, spec: SpecInputs, *, with_logprobs):
+def _verify(graphdef, vocab_size, params, hidden_rd, st, spec: SpecInputs, q_buf, rows, *, with_logprobs):
     """Speculative decoding: logits at each request's K + 1 verified positions (hidden_rd
-    [R * (K + 1), D], gathered by the forward at spec.verify_indices), then rejection sampling."""
-    return verify(_logits(graphdef, vocab_size, params, hidden_rd), st, spec, with_logprobs=with_logprobs)
+    [R * (K + 1), D], gathered by the forward at spec.verify_indices), then rejection sampling.
+    A draft model's q: q_buf [S, K, V] (worker/draft_model.py) at rows [R]."""
+    logits = _logits(graphdef, vocab_size, params, hidden_rd)
+    draft_probs = None if q_buf is None else q_buf[rows]
+    return verify(logits, st, spec, with_logprobs=with_logprobs, draft_probs=draft_probs)
 
 
 def _prompt_logprobs(graphdef, vocab_size, params, hidden, target_ids):
@@ -128,6 +132,9 @@ def _read_outputs(result: ModelRunnerOutput, host: dict[str, np.ndarray], row: i
     if not s.is_sampling:
         return
     result.sampled_token_ids[rid] = int(host["token_ids"][row])
+    if "draft_ids" in host:  # up to the first -1 (a position the draft model had no slot for)
+        drafts = host["draft_ids"][row].tolist()
+        result.draft_token_ids[rid] = drafts[: drafts.index(-1)] if -1 in drafts else drafts
     num_logprobs = req.sampling_params.logprobs
     if "num_accepted" not in host:
         if num_logprobs is not None:
@@ -194,7 +201,18 @@ class ModelRunner:
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self._verify_fn = jax.jit(partial(_verify, self.graphdef, vocab), static_argnames=("with_logprobs",))
 
-        self.num_blocks = num_kv_blocks(config.cache, self.kv_spec, self.backend.cache_dtype(self.dtype))
+        # Speculative decoding's draft model (worker/draft_model.py): its cache shares the block ids.
+        self.drafter = None
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModel(config, vocab, self.padded_vocab_size, devices)
+        # A draft model writes K/V for k positions past each step's tokens (slots the scheduler adds).
+        self.num_lookahead_tokens = self.num_spec_tokens if self.drafter is not None else 0
+        self.num_blocks = num_kv_blocks(
+            config.cache,
+            self.kv_spec,
+            self.backend.cache_dtype(self.dtype),
+            extra_bytes_per_block=0 if self.drafter is None else self.drafter.bytes_per_block(),
+        )
         self.kv_cache = allocate_kv_cache(
             self.kv_spec,
             self.num_blocks,
@@ -203,6 +221,8 @@ class ModelRunner:
             self.placement,
         )
         sched = config.scheduler
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks, sched.max_num_seqs, self.padded_vocab_size)
         # A lone request verifying k drafts runs 1 + k tokens: its own bucket, not the next power of two.
         extra_buckets = (1 + self.num_spec_tokens,) if self.num_spec_tokens else ()
         self.token_buckets = make_token_buckets(sched.max_num_batched_tokens, extra_buckets)
@@ -246,6 +266,10 @@ class ModelRunner:
 
     def _num_seqs_for(self, num_tokens: int) -> int:
         return request_bucket(num_tokens, self.max_num_seqs)
+
+    def _draft_probs(self, prob_rows) -> tuple:
+        """The verifier's q arguments (a draft model's), or none."""
+        return (None, None) if self.drafter is None else self.drafter.verify_args(prob_rows)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -332,6 +356,9 @@ class ModelRunner:
             spec = build_spec_inputs(scheduled, batch.num_padded_seqs, self.num_spec_tokens)
             batch = _with_verify_indices(batch, spec)
             spec = spec if spec.num_drafts.any() else None
+        draft = None
+        if self.drafter is not None:
+            draft = self.drafter.prepare(scheduled, batch.num_padded_seqs, failed)
         return StepInputs(
             batch=batch,
             sampling=sampling_st,
@@ -339,6 +366,7 @@ class ModelRunner:
             prompt_targets=prompt_targets,
             failed_req_ids=frozenset(failed),
             spec=spec,
+            draft=draft,
         )
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
@@ -358,15 +386,23 @@ class ModelRunner:
                 self.head_params, hidden_rd, ready(inputs.sampling), with_logprobs=inputs.with_logprobs
             )
             device = {"token_ids": out.token_ids}
+            num_accepted = None  # none: the draft model reads zeros
         else:  # synchronous (speculative decoding turns async scheduling off): last_sampled unused
+            prob_rows = None if inputs.draft is None else inputs.draft.prob_rows
             out: VerifyOutput = self._verify_fn(
                 self.head_params,
                 hidden_rd,
                 ready(inputs.sampling),
                 ready(inputs.spec),
+                *self._draft_probs(prob_rows),
                 with_logprobs=inputs.with_logprobs,
             )
             device = {"token_ids": out.token_ids, "num_accepted": out.num_accepted}
+            num_accepted = out.num_accepted
+        if self.drafter is not None:  # the next step's drafts, from the tokens this one emitted
+            device["draft_ids"] = self.drafter.step(
+                ready(inputs.batch), out.token_ids, num_accepted, inputs.sampling, inputs.draft
+            )
         if inputs.with_logprobs:
             device |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
         if inputs.prompt_targets is not None:
@@ -419,6 +455,7 @@ class ModelRunner:
             result.sampled_token_ids.pop(rid, None)
             result.logprobs.pop(rid, None)
             result.prompt_logprobs.pop(rid, None)
+            result.draft_token_ids.pop(rid, None)
         return result
 
     def compiled_forward_text(self, num_tokens: int) -> str:

@@ -172,13 +172,23 @@ def rejection_sample(
     return token_ids, num_accepted, emitted
 
 
-def verify(logits: jax.Array, st: SamplingTensors, spec: SpecInputs, *, with_logprobs: bool) -> VerifyOutput:
-    """logits [R * (K + 1), V] float32 at the verified positions, st per request ([R])."""
+def verify(
+    logits: jax.Array,
+    st: SamplingTensors,
+    spec: SpecInputs,
+    *,
+    with_logprobs: bool,
+    draft_probs: jax.Array | None = None,
+) -> VerifyOutput:
+    """logits [R * (K + 1), V] float32 at the verified positions, st per request ([R]); draft_probs
+    [R, K, V]: the q each draft was drawn from (a draft model), None for deterministic (n-gram) drafts."""
     num_rows, num_spec = spec.draft_ids.shape
     st = _per_position(st, spec.draft_ids)
     if st.allowed_token_bitmask is not None:
         logits = apply_token_bitmask(logits, st.allowed_token_bitmask)
-    token_ids, num_accepted, emitted = rejection_sample(logits, st, spec.draft_ids, spec.num_drafts)
+    token_ids, num_accepted, emitted = rejection_sample(
+        logits, st, spec.draft_ids, spec.num_drafts, draft_probs
+    )
     if not with_logprobs:
         return VerifyOutput(token_ids, num_accepted, None, None, None)
     # Logprobs of the raw distribution (after the grammar's mask), one entry per emitted position.

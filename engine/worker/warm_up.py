@@ -50,8 +50,9 @@ def compile_all(runner) -> None:
         runner._sample_fn.lower(runner.head_params, hidden_rd, ready(st), with_logprobs=False).compile()
 
     def compile_verify(hidden_rd, st, spec, with_logprobs):
+        q_args = runner._draft_probs(np.zeros_like(spec.num_drafts))
         runner._verify_fn.lower(
-            runner.head_params, hidden_rd, ready(st), ready(spec), with_logprobs=with_logprobs
+            runner.head_params, hidden_rd, ready(st), ready(spec), *q_args, with_logprobs=with_logprobs
         ).compile()
 
     def compile_prompt_logprobs(hidden, num_tokens):
@@ -66,6 +67,8 @@ def compile_all(runner) -> None:
             hidden, hidden_rd = runner._run_forward(batches[num_tokens])  # compiled: runs only
             jobs.append(pool.submit(compile_prompt_logprobs, hidden, num_tokens))
             num_seqs = runner._num_seqs_for(num_tokens)
+            if runner.drafter is not None:  # one draft program per token bucket
+                jobs.append(pool.submit(runner.drafter.lower_step(batches[num_tokens], num_seqs).compile))
             if num_seqs in sampler_buckets_done:
                 continue
             sampler_buckets_done.add(num_seqs)

@@ -11,7 +11,13 @@ from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
-from xlaserve.core.spec_decode import NgramProposer, SpecDecodingStats, ngram_propose
+from xlaserve.core.spec_decode import (
+    DraftModelProposer,
+    NgramProposer,
+    SpecDecodingStats,
+    make_proposer,
+    ngram_propose,
+)
 from xlaserve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -45,7 +51,7 @@ def test_speculative_config_from_dict_and_json():
         ({"method": "ngram", "lookahead": 2}, r"unknown field\(s\) \['lookahead'\]"),
         ({"num_speculative_tokens": 2}, "speculative_config.method is required"),
         ({"method": "draft_model"}, "speculative_config.model is required"),
-        ({"method": "draft_model", "model": "/m"}, "'draft_model' is not supported yet"),
+        ({"method": "draft_model", "model": "/no/such/draft"}, "speculative_config.model: '/no/such/draft'"),
         ("{not json", "speculative_config must be a JSON object"),
         ("[1]", "speculative_config must be a JSON object"),
     ],
@@ -53,6 +59,17 @@ def test_speculative_config_from_dict_and_json():
 def test_speculative_config_errors_name_the_field(value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_kwargs(None, speculative_config=value)
+
+
+def test_draft_model_config_takes_an_existing_path(tmp_path):
+    config = EngineConfig.from_kwargs(
+        None,
+        speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2},
+    )
+    assert config.speculative == SpeculativeConfig("draft_model", 2, model=str(tmp_path))
+    assert isinstance(make_proposer(config.speculative, 64), DraftModelProposer)
+    assert type(make_proposer(SpeculativeConfig("ngram"), 64)) is NgramProposer
+    assert make_proposer(None, 64) is None
 
 
 def test_async_scheduling_is_refused_with_speculative_decoding():
@@ -116,10 +133,26 @@ def test_proposer_drafts_only_for_decoding_requests_within_their_limits():
     assert near_end.spec_token_ids == [3]  # 8 tokens of 10: one draft, then the verified token
 
 
+def test_draft_model_proposer_takes_the_last_steps_drafts_within_the_limits():
+    proposer = DraftModelProposer(SpeculativeConfig("ngram", K), max_model_len=64)  # reads k only
+    decoding, absent, prefilling = (make_request(r) for r in ("d", "a", "p"))
+    capped = make_request("c", max_tokens=3)  # room for two drafts and the verified token
+    for request in (decoding, capped, absent, prefilling):
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = request.num_tokens - 1
+        request.spec_token_ids = [99]  # stale: replaced or dropped
+    prefilling.num_computed_tokens = 3
+    output = ModelRunnerOutput(draft_token_ids={"d": [4, 5, 6], "c": [4, 5, 6], "p": [4, 5, 6]})
+    proposer.propose([decoding, capped, absent, prefilling], output)
+    assert [r.spec_token_ids for r in (decoding, capped, absent, prefilling)] == [[4, 5, 6], [4, 5], [], []]
+    proposer.propose([decoding], ModelRunnerOutput())  # an empty step proposes nothing
+    assert decoding.spec_token_ids == []
+
+
 # -- the scheduler --------------------------------------------------------------------------------
 
 
-def make_scheduler(num_blocks=32, max_num_batched_tokens=32, enable_caching=True):
+def make_scheduler(num_blocks=32, max_num_batched_tokens=32, enable_caching=True, num_lookahead_tokens=0):
     config = SimpleNamespace(
         max_num_seqs=8,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -129,7 +162,14 @@ def make_scheduler(num_blocks=32, max_num_batched_tokens=32, enable_caching=True
         max_long_partial_prefills=8,
     )
     manager = KVCacheManager(BLOCK_SIZE, num_blocks, enable_caching, max_model_len=64)
-    return Scheduler(config, SimpleNamespace(block_size=BLOCK_SIZE), 64, manager, num_spec_tokens=K)
+    return Scheduler(
+        config,
+        SimpleNamespace(block_size=BLOCK_SIZE),
+        64,
+        manager,
+        num_spec_tokens=K,
+        num_lookahead_tokens=num_lookahead_tokens,
+    )
 
 
 def step(scheduler, proposer, accept: dict[str, int], sampled: int = 50):
@@ -218,6 +258,29 @@ def test_drafts_fit_the_token_budget_and_never_preempt():
     output = small.schedule()
     assert [(s.num_new_tokens, s.spec_token_ids) for s in output.scheduled] == [(1, []), (1, [])]
     assert not output.preempted_req_ids
+
+
+def test_lookahead_slots_are_taken_when_free_and_never_preempt():
+    """A draft model writes K/V for k positions past a step's tokens: their blocks are allocated with
+    the step's when free (capped by max_model_len), and skipped rather than preempting anyone."""
+    scheduler = make_scheduler(num_blocks=32, num_lookahead_tokens=K)
+    request = make_request("a", prompt=(1, 2, 3, 1, 2, 3, 1))  # 7 tokens + 3 ahead: 3 blocks, not 2
+    scheduler.add_request(request)
+    scheduler.schedule()
+    assert len(scheduler.kv_cache_manager.get_block_ids("a")) == 3
+    near_end = make_scheduler(max_num_batched_tokens=64, num_lookahead_tokens=K)
+    long_request = make_request("b", prompt=tuple(range(1, 63)), max_tokens=2)  # 62 of 64 positions
+    near_end.add_request(long_request)
+    near_end.schedule()
+    assert len(near_end.kv_cache_manager.get_block_ids("b")) == 16  # 64 slots: no error past the end
+    small = make_scheduler(num_blocks=4, num_lookahead_tokens=K)  # 3 usable blocks of 4 slots
+    proposer = DraftModelProposer(SpeculativeConfig("ngram", K), max_model_len=64)
+    for request_id, prompt in (("c", (1, 2, 3, 1)), ("d", (9, 9, 9))):
+        small.add_request(make_request(request_id, prompt=prompt, max_tokens=5))
+    for _ in range(2):  # the prompts, then a decode: 'd' gets no slots ahead, and nobody is preempted
+        output, _ = step(small, proposer, {}, sampled=2)
+        assert [s.request_id for s in output.scheduled] == ["c", "d"] and not output.preempted_req_ids
+        assert [len(small.kv_cache_manager.get_block_ids(r)) for r in "cd"] == [2, 1]
 
 
 def test_stats_add_up():
