@@ -51,13 +51,27 @@ def require_tokenizer(args: argparse.Namespace) -> None:
         )
 
 
+# `generate` and `chat` run one request at a time. Unless the user sizes the engine, it is sized to
+# that: one sequence and steps of at most 128 tokens (longer prompts prefill in chunks) compile 16
+# programs instead of 36 for the server's defaults, which halves a cold start and cuts a warm one by a
+# third (engine/PERFORMANCE.md, "Start-up").
+ONE_REQUEST_DEFAULTS = {"max_num_seqs": 1, "max_num_batched_tokens": 128}
+
+
+def one_request_engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = engine_kwargs(args)
+    for key, value in ONE_REQUEST_DEFAULTS.items():
+        kwargs.setdefault(key, max(value, kwargs.get("max_num_seqs", 1)))
+    return kwargs
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from xlaserve.entrypoints.llm import LLM
 
     require_tokenizer(args)
     if run_follower_if_needed(args):
         return 0
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, **one_request_engine_kwargs(args))
     params = sampling_params(args)
     prompt = args.prompt
     if not args.raw:
@@ -77,7 +91,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from xlaserve.entrypoints.llm import LLM
 
     require_tokenizer(args)
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, **one_request_engine_kwargs(args))
     params = sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("xlaserve chat: type a message, Ctrl-D or /exit to leave, /reset to start over.")
