@@ -246,15 +246,21 @@ def test_32_concurrent_streams_match_non_streaming(async_client):
                 usage = chunk.usage.completion_tokens
         return "".join(text), finish, usage
 
-    async def full(messages) -> tuple[str, str, int]:
-        r = await async_client.chat.completions.create(
+    async def full(client, messages) -> tuple[str, str, int]:
+        r = await client.chat.completions.create(
             model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0
         )
         return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
 
     async def run():
         streamed = await asyncio.gather(*(stream(m) for m in conversations))
-        complete = await asyncio.gather(*(full(m) for m in conversations))
+        # A second client, on new connections: reusing the 32 streams' idle keep-alive connections
+        # raced uvicorn's 5 s keep-alive timeout on a loaded machine (the client sent on a connection
+        # the server was closing: ReadError, with retries off).
+        fresh = openai.AsyncOpenAI(
+            base_url=async_client.base_url, api_key=async_client.api_key, max_retries=0
+        )
+        complete = await asyncio.gather(*(full(fresh, m) for m in conversations))
         return streamed, complete
 
     streamed, complete = asyncio.run(run())
