@@ -6,8 +6,9 @@ cache (cold: every warm-up program compiles), the second with the cache the firs
 report gives the wall time to the first generated text and the phases the engine logged (checkpoint,
 placement, warm-up), and how many programs came from the cache.
 
-`--serve` then starts `xlaserve serve` on the warm cache and reports how long it takes until its
-/health answers 200 (the issue's target: within 10 s of a warm start).
+`--serve` then starts `xlaserve serve` twice and reports how long each takes until its /health answers
+200: the first compiles the server's own programs (`generate` sizes its engine to one request, cli.py,
+so its cache does not hold them), the second is the warm start (the issue's target: within 10 s).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
         results = {"cold": run_once(generate_args, cache_root), "warm": run_once(generate_args, cache_root)}
         if args.serve:
             serve_args = (["--model", args.model] if args.model else []) + engine_flags_only(engine_args)
+            results["serve_cold"] = serve_until_healthy(serve_args, cache_root)
             results["serve_warm"] = serve_until_healthy(serve_args, cache_root)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results["load_average"] = load
@@ -135,7 +137,8 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
         phases = ", ".join(f"{k} {v:.1f}" if k.endswith("_s") else f"{k} {v}" for k, v in logged.items())
         print(f"{name:>5}: {r['wall_s']:.1f} s wall to the last token, {r['cpu_s']:.1f} s of CPU ({phases})")
     if "serve_warm" in results:
-        print(f"serve: /health answered 200 after {results['serve_warm']['healthy_s']:.1f} s (warm cache)")
+        cold, warm = results["serve_cold"]["healthy_s"], results["serve_warm"]["healthy_s"]
+        print(f"serve: /health answered 200 after {cold:.1f} s cold, {warm:.1f} s warm")
     print(f"load average: {load}")
     if args.output_json:
         with open(args.output_json, "w") as f:
