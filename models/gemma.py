@@ -21,7 +21,7 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
-from xlaserve.models.lora import LayerLoRA, scope
+from xlaserve.models.lora import LayerLoRA, lora_kwargs
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ class GemmaDecoderLayer(nnx.Module):
         spec: LayerSpec,
         lora: LayerLoRA | None = None,
     ):
-        attn_lora = {} if lora is None else {"lora": scope(lora, "self_attn")}
-        mlp_lora = {} if lora is None else {"lora": scope(lora, "mlp")}
+        attn_lora = lora_kwargs(lora, "self_attn")
+        mlp_lora = lora_kwargs(lora, "mlp")
         h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, spec, **attn_lora)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x), **mlp_lora)

@@ -104,6 +104,12 @@ def scope(lora: LayerLoRA | None, name: str) -> LayerLoRA | None:
     return None if lora is None else lora.scope(name)
 
 
+def lora_kwargs(lora: LayerLoRA | None, name: str) -> dict:
+    """The keyword a submodule's call takes for its part of a layer's adapters: none without LoRA, so
+    the base model's program is unchanged."""
+    return {} if lora is None else {"lora": lora.scope(name)}
+
+
 def lora_delta(
     x: jax.Array,  # [T, in]
     a: jax.Array,  # [in, S, r]

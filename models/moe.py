@@ -24,7 +24,7 @@ from flax import nnx
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import GatedMLP
 from xlaserve.models.llama import LlamaDecoderLayer
-from xlaserve.models.lora import LayerLoRA, scope
+from xlaserve.models.lora import LayerLoRA, lora_kwargs
 from xlaserve.models.quantization import QuantizedKernel, stack_tensors
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -209,7 +209,7 @@ class SparseMoeBlock(nnx.Module):
         )
         if self.shared_experts is None:
             return out
-        shared_lora = {} if lora is None else {"lora": scope(lora, "shared_experts")}
+        shared_lora = lora_kwargs(lora, "shared_experts")
         return out + self.shared_experts(x, **shared_lora)
 
 
