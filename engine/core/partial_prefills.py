@@ -1,0 +1,46 @@
+"""Partial prefills: the prompts whose prefill spans steps, and vLLM's limits on them.
+
+So that one long prompt cannot hold the others hostage, a prefill chunk is capped at
+`long_prefill_token_threshold` tokens and only `max_num_partial_prefills` prompts (of which
+`max_long_partial_prefills` long ones) are prefilled across steps at once: the rest of each step's
+budget stays free for decodes and for short prompts, which then start within a step or two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PartialPrefills:
+    """One step's prompts whose prefill spans steps, and vLLM's limits on them.
+
+    A request missing more tokens than its chunk this step is a partial prefill (a decode, or a
+    prompt that fits whole, never is); a long one is missing more than `threshold` tokens.
+    """
+
+    max_num: int
+    max_long: int
+    threshold: int  # 0: chunks are not capped and no prompt counts as long
+    num: int = 0
+    num_long: int = 0
+
+    def chunk(self, num_missing: int, token_budget: int) -> int:
+        """Tokens to schedule for a request missing `num_missing`; 0 when it must wait this step."""
+        num_new_tokens = min(num_missing, token_budget)
+        if self.threshold:
+            num_new_tokens = min(num_new_tokens, self.threshold)
+        if num_new_tokens == num_missing:
+            return num_new_tokens
+        if self.num >= self.max_num or (self._is_long(num_missing) and self.num_long >= self.max_long):
+            return 0
+        return num_new_tokens
+
+    def add(self, num_missing: int, num_new_tokens: int) -> None:
+        """Count a scheduled request."""
+        if num_new_tokens < num_missing:
+            self.num += 1
+            self.num_long += self._is_long(num_missing)
+
+    def _is_long(self, num_missing: int) -> bool:
+        return 0 < self.threshold < num_missing
