@@ -53,7 +53,6 @@ from xlaserve.engine.request_stream import (
     RequestStream,
 )
 from xlaserve.lora_request import LoRARequest
-from xlaserve.models.loader import load_tokenizer
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
 
@@ -135,17 +134,22 @@ class AsyncLLM:
     async def create(cls, model: str | None = None, **kwargs) -> AsyncLLM:
         """Spawn the engine core, load the tokenizer meanwhile, and wait until the core is warm."""
         self = cls(model, **kwargs)
+        await self.start()
+        return self
+
+    async def start(self) -> None:
+        """Load the tokenizer and wait until the core (spawned by the constructor) is warm; on any
+        failure or cancellation the core is stopped."""
         try:
             await self._start()
         except BaseException:
             self.core.shutdown(timeout=2.0)
             raise
-        return self
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         if not self.config.model.skip_tokenizer_init:
-            self.tokenizer = await loop.run_in_executor(None, load_tokenizer, self.model)
+            self.tokenizer = await loop.run_in_executor(None, _load_tokenizer, self.model)
         ready = await self.core.wait_ready()
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
@@ -455,3 +459,11 @@ class AsyncLLM:
         if self.state is not EngineState.READY:
             timeout = 0.0  # a core that is starting (or dead) does not read a polite Shutdown: SIGTERM it
         self.core.shutdown(timeout)  # blocks this loop for at most ~timeout: nothing else runs by now
+
+
+def _load_tokenizer(model: str | None):
+    """The tokenizer, loaded in a thread while the engine core starts. The loader is imported here:
+    it pulls in jax and transformers, which the front end need not import before it spawns the core."""
+    from xlaserve.models.loader import load_tokenizer
+
+    return load_tokenizer(model)

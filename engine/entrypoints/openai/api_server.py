@@ -149,18 +149,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str | None) -> int:
-    import uvicorn
-
     from xlaserve.engine.async_llm import AsyncLLM
-    from xlaserve.entrypoints.openai.app import build_app
-    from xlaserve.entrypoints.openai.guard import MAX_HEADER_BYTES
-    from xlaserve.entrypoints.openai.http11 import OpenAIErrorH11Protocol
-    from xlaserve.entrypoints.openai.lora import LoRARegistry
-    from xlaserve.entrypoints.openai.serving import ServerState
 
     served_model_names = args.served_model_name or [args.model or "smollm2"]
     loras = None
     if engine_args.get("enable_lora"):
+        from xlaserve.entrypoints.openai.lora import LoRARegistry
+
         # Adapters are checked before the engine starts: a bad --lora-modules entry fails at once.
         loras = LoRARegistry(engine_args.get("max_lora_rank") or 16, served_model_names)
         for module in args.lora_modules:
@@ -170,7 +165,17 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal during start-up cancels it cleanly
         loop.add_signal_handler(sig, main_task.cancel)
     try:
-        engine = await AsyncLLM.create(args.model, log_level=args.log_level, **engine_args)
+        engine = AsyncLLM(args.model, log_level=args.log_level, **engine_args)  # spawns the engine core
+        # The front end's own imports (jax and transformers among them, ~1 s) overlap the core's load
+        # and warm-up. Not in a thread: jax imported from two threads at once fails.
+        import uvicorn
+
+        from xlaserve.entrypoints.openai.app import build_app
+        from xlaserve.entrypoints.openai.guard import MAX_HEADER_BYTES
+        from xlaserve.entrypoints.openai.http11 import OpenAIErrorH11Protocol
+        from xlaserve.entrypoints.openai.serving import ServerState
+
+        await engine.start()
     except asyncio.CancelledError:
         logger.info("interrupted during start-up")
         return 0
