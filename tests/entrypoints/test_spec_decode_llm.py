@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from helpers.family_cases import make_hf_model, save_hf_model
+from helpers.family_cases import make_hf_model, randomize_weights, save_hf_model
 from xlaserve import LLM, SamplingParams
 from xlaserve.worker.compile_guard import num_compiles
 
@@ -48,14 +48,7 @@ def make_mixtral(vocab_size=101, seed=0):
     config.architectures = ["MixtralForCausalLM"]
     torch.manual_seed(seed)
     model = transformers.MixtralForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(
-                1.0 + 0.2 * torch.randn_like(param)
-                if name.endswith("norm.weight")
-                else param.normal_(0, 0.15)
-            )
-    return model
+    return randomize_weights(model)
 
 
 @pytest.fixture(scope="module")

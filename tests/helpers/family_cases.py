@@ -152,11 +152,16 @@ def make_hf_model(architecture: str, seed: int = 0, **overrides):
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).eval()
-    is_gemma = architecture.startswith("Gemma")
+    return randomize_weights(model, norm_center=0.0 if architecture.startswith("Gemma") else 1.0)
+
+
+def randomize_weights(model, norm_center: float = 1.0):
+    """`model`'s weights, in place, from torch's global generator: norms around `norm_center` (Gemma's
+    norms scale by (1 + w): 0), everything else N(0, 0.15), large enough to show in the logits."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):  # Gemma's norms scale by (1 + w)
-                param.copy_((0.0 if is_gemma else 1.0) + 0.2 * torch.randn_like(param))
+            if name.endswith("norm.weight"):
+                param.copy_(norm_center + 0.2 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15)
     return model

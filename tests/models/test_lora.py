@@ -22,6 +22,7 @@ from helpers.family_cases import (
     make_hf_model,
     one_torch_thread,  # noqa: F401 - an autouse fixture
     prompts,
+    randomize_weights,
     save_hf_model,
 )
 from helpers.lora_adapters import make_adapter
@@ -106,14 +107,7 @@ def make_base(architecture: str):
     config.architectures = [architecture]
     torch.manual_seed(7)
     model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(
-                1.0 + 0.2 * torch.randn_like(param)
-                if name.endswith("norm.weight")
-                else param.normal_(0, 0.15)
-            )
-    return model
+    return randomize_weights(model)
 
 
 # Llama runs in the quick tier; Qwen3 (q/k norms), Phi-3 (fused projections), Gemma 3 (sandwich norms,
