@@ -32,6 +32,9 @@ DEFAULT_TILE_KV_TOKENS = 512  # KV tokens per loop step of the long path
 # A multi-token sequence whose context is at most this long takes the short path; past it, gathering
 # its pages for each of the step's T tokens costs more than a tile's wasted rows.
 DEFAULT_SHORT_CONTEXT = 256
+# A sequence with 2..this many new tokens (a speculative verification: its last token and k drafts; a
+# tiny prompt) takes the few path: its pages are gathered once for all its queries.
+DEFAULT_FEW_QUERIES = 8
 
 
 def write_kv(
@@ -102,6 +105,7 @@ def ragged_paged_attention(
     tile_queries: int = DEFAULT_TILE_QUERIES,
     tile_kv_tokens: int = DEFAULT_TILE_KV_TOKENS,
     short_context: int = DEFAULT_SHORT_CONTEXT,
+    few_queries: int = DEFAULT_FEW_QUERIES,
     kv_dtype=None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Causal attention of each new token over its sequence's paged context.
@@ -131,8 +135,10 @@ def ragged_paged_attention(
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     is_real_seq = jnp.arange(num_padded_seqs) < num_seqs
     is_decode = is_real_seq & (q_lens == 1)
-    is_long = is_real_seq & (q_lens > 1) & (kv_lens > short_context)
-    is_short = is_real_seq & (q_lens > 1) & ~is_long
+    few_queries = min(few_queries, num_tokens)
+    is_few = is_real_seq & (q_lens > 1) & (q_lens <= few_queries)
+    is_long = is_real_seq & (q_lens > few_queries) & (kv_lens > short_context)
+    is_short = is_real_seq & (q_lens > few_queries) & ~is_long
 
     q_tkgd = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
     # Short path: every token of a short sequence (others stay zero).
@@ -141,6 +147,15 @@ def ragged_paged_attention(
     last = jnp.maximum(query_start_loc[1:] - 1, 0)
     out_rkgd = attend.per_query(q_tkgd[last], tables, kv_lens - 1, is_decode, pages_per_chunk)
     out_tkgd = out_tkgd.at[jnp.where(is_decode, last, num_tokens)].set(out_rkgd, mode="drop")
+    # Few path: up to few_queries consecutive tokens of each such sequence, [R, F] wide.
+    if few_queries > 1:
+        j = jnp.arange(few_queries)
+        rows = query_start_loc[:-1, None] + j  # [R, F]
+        active_rf = is_few[:, None] & (j < q_lens[:, None])
+        position_rf = kv_lens[:, None] - q_lens[:, None] + j
+        q_rfkgd = q_tkgd[jnp.minimum(rows, num_tokens - 1)]
+        out_rfkgd = attend.per_sequence(q_rfkgd, tables, position_rf, active_rf, pages_per_chunk)
+        out_tkgd = out_tkgd.at[jnp.where(active_rf, rows, num_tokens)].set(out_rfkgd, mode="drop")
     # Long path: tiles of one sequence's consecutive queries.
     out_tkgd = attend.tiles(
         q_tkgd, out_tkgd, tables, kv_lens, query_start_loc, is_long, tile_queries, pages_per_tile_chunk
@@ -204,65 +219,72 @@ class _Attend:
 
     def per_query(self, q_nkgd, tables_np, position_n, active_n, pages_per_chunk):
         """Each of N queries over its own table's pages: -> [N, k, g, d] (inactive rows zero)."""
-        n, num_kv_heads, group, head_dim = q_nkgd.shape
+        out = self.per_sequence(
+            q_nkgd[:, None], tables_np, position_n[:, None], active_n[:, None], pages_per_chunk
+        )
+        return out[:, 0]
+
+    def per_sequence(self, q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk):
+        """F queries of each of N sequences over that sequence's pages, gathered once for all F:
+        -> [N, F, k, g, d] (inactive queries zero)."""
+        n, f, num_kv_heads, group, head_dim = q_nfkgd.shape
         chunk_len = pages_per_chunk * self.block_size
-        first = jnp.min(jnp.where(active_n, position_n, jnp.iinfo(jnp.int32).max))
-        last = jnp.max(jnp.where(active_n, position_n, -1))
+        first = jnp.min(jnp.where(active_nf, position_nf, jnp.iinfo(jnp.int32).max))
+        last = jnp.max(jnp.where(active_nf, position_nf, -1))
         start, stop = self.chunk_range(first, last, chunk_len)
         if is_16bit_float(self.value_dtype) or is_8bit_float(self.value_dtype):
-            return self._folded(q_nkgd, tables_np, position_n, active_n, pages_per_chunk, start, stop)
+            return self._folded(q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, start, stop)
 
         def chunk(i, carry):
             pages = jax.lax.dynamic_slice_in_dim(tables_np, i * pages_per_chunk, pages_per_chunk, axis=1)
             k, v = self.gather(pages)
             kv_pos = i * chunk_len + jnp.arange(chunk_len)
-            visible = self.visible(kv_pos[None, :], position_n[:, None]) & active_n[:, None]
-            s = jnp.einsum("nkgd,nskd->nkgs", q_nkgd, k.astype(jnp.float32))
-            v = jnp.where(visible[:, :, None, None], v.astype(jnp.float32), 0.0)
-            mask = visible[:, None, None, :]
-            return self.update(carry, s, mask, lambda p: jnp.einsum("nkgs,nskd->nkgd", p, v))
+            visible = self.visible(kv_pos, position_nf[..., None]) & active_nf[..., None]  # [n, f, s]
+            s = jnp.einsum("nfkgd,nskd->nfkgs", q_nfkgd, k.astype(jnp.float32))
+            v = jnp.where(visible.any(axis=1)[:, :, None, None], v.astype(jnp.float32), 0.0)
+            mask = visible[:, :, None, None, :]
+            return self.update(carry, s, mask, lambda p: jnp.einsum("nfkgs,nskd->nfkgd", p, v))
 
-        carry = jax.lax.fori_loop(start, stop, chunk, _init((n, num_kv_heads, group), head_dim))
+        carry = jax.lax.fori_loop(start, stop, chunk, _init((n, f, num_kv_heads, group), head_dim))
         return _normalize(carry)
 
-    def _folded(self, q_nkgd, tables_np, position_n, active_n, pages_per_chunk, start, stop):
-        """`per_query` for a 16- or 8-bit cache, with the KV heads folded into one dot per query.
+    def _folded(self, q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, start, stop):
+        """`per_sequence` for a 16- or 8-bit cache, with the KV heads folded into one dot per sequence.
 
-        Contracting "nkgd,nskd" needs (n, k) as batch dims, so XLA transposes every gathered chunk
+        Contracting "nfkgd,nskd" needs (n, k) as batch dims, so XLA transposes every gathered chunk
         to [n, k, s, d], a strided copy fused with the gather that cost most of a decode step's
-        attention on CPU. Here the query is block-diagonal over KV heads, [n, (k g), (k' d)] with zeros
-        where k != k', so each chunk's keys and values are contracted as gathered, [n, s, (k d)], in
-        16-bit with float32 accumulation (native on CPUs with AVX512-BF16); the k' != k blocks of the
+        attention on CPU. Here the queries are block-diagonal over KV heads, [n, (f k g), (k' d)] with
+        zeros where k != k', so each chunk's keys and values are contracted as gathered, [n, s, (k d)],
+        in 16-bit with float32 accumulation (native on CPUs with AVX512-BF16); the k' != k blocks of the
         output are dropped at the end. It does num_kv_heads times the (negligible) flops. A float8
         cache's pages are widened to bfloat16 (exact) and contracted the same way.
         """
-        n, num_kv_heads, group, head_dim = q_nkgd.shape
-        num_q_heads, width = num_kv_heads * group, num_kv_heads * head_dim
+        n, f, num_kv_heads, group, head_dim = q_nfkgd.shape
+        rows, width = f * num_kv_heads * group, num_kv_heads * head_dim
         chunk_len = pages_per_chunk * self.block_size
         dtype = jnp.bfloat16 if is_8bit_float(self.value_dtype) else self.value_dtype
         eye = jnp.eye(num_kv_heads, dtype=jnp.float32)
-        q_nhc = (q_nkgd[:, :, :, None, :] * eye[None, :, None, :, None]).reshape(n, num_q_heads, width)
-        q_nhc = q_nhc.astype(dtype)
+        q_nhc = (q_nfkgd[..., None, :] * eye[:, None, :, None]).reshape(n, rows, width).astype(dtype)
 
         def chunk(i, carry):
             pages = jax.lax.dynamic_slice_in_dim(tables_np, i * pages_per_chunk, pages_per_chunk, axis=1)
             k, v = (x.reshape(n, chunk_len, width).astype(dtype) for x in self.gather(pages))  # [n, s, (k d)]
             kv_pos = i * chunk_len + jnp.arange(chunk_len)
-            visible = self.visible(kv_pos[None, :], position_n[:, None]) & active_n[:, None]  # [n, s]
+            visible = self.visible(kv_pos, position_nf[..., None]) & active_nf[..., None]  # [n, f, s]
             s = jnp.einsum("nhc,nsc->nhs", q_nhc, k, preferred_element_type=jnp.float32)
-            v = jnp.where(visible[:, :, None], v, jnp.zeros((), dtype))
+            v = jnp.where(visible.any(axis=1)[:, :, None], v, jnp.zeros((), dtype))
+            mask = jnp.broadcast_to(visible[:, :, None, :], (n, f, num_kv_heads * group, chunk_len))
             return self.update(
                 carry,
                 s,
-                visible[:, None, :],
+                mask.reshape(n, rows, chunk_len),
                 lambda p: jnp.einsum("nhs,nsc->nhc", p.astype(dtype), v, preferred_element_type=jnp.float32),
             )
 
-        init = _init((n, num_q_heads), width)
-        m, l, acc = jax.lax.fori_loop(start, stop, chunk, init)
-        acc_nkgkd = acc.reshape(n, num_kv_heads, group, num_kv_heads, head_dim)
-        acc_nkgd = jnp.einsum("nkgjd,kj->nkgd", acc_nkgkd, eye)  # keep the k' = k blocks
-        return _normalize((m, l.reshape(n, num_kv_heads, group), acc_nkgd))
+        m, l, acc = jax.lax.fori_loop(start, stop, chunk, _init((n, rows), width))
+        acc_nfkgjd = acc.reshape(n, f, num_kv_heads, group, num_kv_heads, head_dim)
+        acc_nfkgd = jnp.einsum("nfkgjd,kj->nfkgd", acc_nfkgjd, eye)  # keep the k' = k blocks
+        return _normalize((m, l.reshape(n, f, num_kv_heads, group), acc_nfkgd))
 
     def tiles(
         self, q_tkgd, out_tkgd, tables, kv_lens, query_start_loc, is_long, tile_queries, pages_per_chunk

@@ -93,11 +93,13 @@ def propose(tokens, k=K, min_n=1, max_n=4):
     return ngram_propose(np.asarray(tokens), k, min_n, max_n).tolist()
 
 
-def test_ngram_proposes_what_followed_the_longest_latest_match():
-    # Suffix [7, 8, 9]: it occurred at 0 (followed by 1 2 3) and at 5 (followed by 4 5 6).
-    assert propose([7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 0, 7, 8, 9]) == [4, 5, 6]
-    # Longest first: [2, 3] matches at 5 (-> 9 3) though [3] alone matches later at 8 (-> 4 2).
-    assert propose([1, 2, 3, 9, 9, 2, 3, 9, 3, 4, 2, 3], k=2, max_n=2) == [9, 3]
+def test_ngram_proposes_what_followed_the_longest_earliest_match():
+    # Suffix [7, 8, 9]: it occurred at 0 (followed by 1 2 7) and at 5 (followed by 4 5 6).
+    assert propose([7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 0, 7, 8, 9]) == [1, 2, 7]
+    # Suffix [2, 3] occurs at 1 (-> 9 9) and at 5 (-> 9 3): the earliest wins.
+    assert propose([1, 2, 3, 9, 9, 2, 3, 9, 3, 4, 2, 3], k=2, max_n=2) == [9, 9]
+    # Longest first: [8, 2, 3] matches at 3 (-> 6) though [2, 3] alone matches earlier at 0 (-> 5).
+    assert propose([2, 3, 5, 8, 2, 3, 6, 8, 2, 3], k=1, max_n=3) == [6]
     assert propose([1, 2, 3, 4]) == []  # nothing repeats
     assert propose([5, 6, 5, 6], k=8) == [5, 6]  # only what exists after the match
     assert propose([5, 6, 1, 5, 6], min_n=3) == []  # shorter matches than min_n do not count
@@ -196,13 +198,13 @@ def test_drafts_ride_in_the_batch_and_rejected_ones_roll_back():
     assert output.scheduled[0].num_new_tokens == 8
     # [..., 1, 2, 50]: no match for 50 -> no drafts
     assert request.spec_token_ids == []
-    output, _ = step(scheduler, proposer, {}, sampled=1)  # ... 1 2 50 1: "1" last seen before "2 50 1"
-    assert request.spec_token_ids == [2, 50, 1]
+    output, _ = step(scheduler, proposer, {}, sampled=1)  # ... 1 2 50 1: "1" first seen before "2 3 1"
+    assert request.spec_token_ids == [2, 3, 1]
     output, outs = step(scheduler, proposer, {"r": 2}, sampled=7)
     s = output.scheduled[0]
-    assert s.spec_token_ids == [2, 50, 1] and s.num_new_tokens == 4 and output.total_num_scheduled_tokens == 4
-    assert s.token_ids == [1, 2, 50, 1]  # the last real token, then the drafts
-    assert outs["r"].new_token_ids == [2, 50, 7]
+    assert s.spec_token_ids == [2, 3, 1] and s.num_new_tokens == 4 and output.total_num_scheduled_tokens == 4
+    assert s.token_ids == [1, 2, 3, 1]  # the last real token, then the drafts
+    assert outs["r"].new_token_ids == [2, 3, 7]
     # 2 of 3 accepted: the K/V of the last real token and the two accepted drafts is kept.
     assert request.num_computed_tokens == request.num_tokens - 1 == s.num_computed_tokens + 3
     stats = scheduler.make_stats().spec_decoding_stats
@@ -220,12 +222,12 @@ def test_max_tokens_is_exact_and_tokens_after_a_stop_are_dropped():
     stopped = make_request("stopped", prompt=(5, 6, 7, 5, 6, 7, 5, 6), stop_token_ids=[5])
     for request in (capped, stopped):
         scheduler.add_request(request)
-    step(scheduler, proposer, {}, sampled=1)  # the prompts, then 1: 'capped' is ... 1 2 1 -> drafts 2 1
-    assert capped.spec_token_ids == [2, 1]  # 3 tokens left: two drafts at most
+    step(scheduler, proposer, {}, sampled=1)  # the prompts, then 1: 'capped' is 1 2 3 ... 1 2 1 -> drafts 2 3
+    assert capped.spec_token_ids == [2, 3]  # 3 tokens left: two drafts at most
     assert stopped.spec_token_ids == []
     stopped.spec_token_ids = [7, 5, 6]  # as if proposed: the stop id 5 is the second draft
     _, outs = step(scheduler, proposer, {"capped": 2, "stopped": 3}, sampled=9)
-    assert outs["capped"].new_token_ids == [2, 1, 9] and capped.num_output_tokens == 4
+    assert outs["capped"].new_token_ids == [2, 3, 9] and capped.num_output_tokens == 4
     assert outs["capped"].finish_reason == "length"
     assert outs["stopped"].new_token_ids == [7, 5] and outs["stopped"].finish_reason == "stop"
     assert not scheduler.requests

@@ -70,6 +70,8 @@ BATCHES = {
     # Prefill chunks whose context already holds cached tokens, next to decodes and a fresh prefill.
     "mixed": lambda b: [(200, 1), (40, 24), (b + 1, 1), (33, 33), (1, 1), (b + 7, b), (3 * b, 2 * b)],
     "one_long_chunk": lambda b: [(200, 100)],
+    # Speculative verifications (the last token and k drafts) beside a decode and a short prompt.
+    "verify": lambda b: [(200, 5), (b + 1, 2), (1, 1), (3 * b + 2, 8), (4, 4), (2 * b, 5)],
 }
 
 # Latents of 32 + 16 (each a power of two, as the MLA kernel needs); 20 heads leave the kernel's

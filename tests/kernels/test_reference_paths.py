@@ -13,10 +13,16 @@ from xlaserve.kernels.reference import ragged_paged_attention
 
 # With the default split these cases' contexts are short, so no tile runs. These splits send every
 # multi-token sequence (or all but the shortest) through tiles, with a tile size that divides nothing
-# and key chunks of many pages; the result must not depend on the split.
+# and key chunks of many pages, or every sequence of up to 16 new tokens through the few path; the
+# result must not depend on the split.
 _SPLITS = {
-    "all_tiled": partial(ragged_paged_attention, tile_queries=16, tile_kv_tokens=32, short_context=0),
-    "ragged_tiles": partial(ragged_paged_attention, tile_queries=7, tile_kv_tokens=48, short_context=20),
+    "all_tiled": partial(
+        ragged_paged_attention, tile_queries=16, tile_kv_tokens=32, short_context=0, few_queries=1
+    ),
+    "ragged_tiles": partial(
+        ragged_paged_attention, tile_queries=7, tile_kv_tokens=48, short_context=20, few_queries=1
+    ),
+    "few": partial(ragged_paged_attention, short_context=0, few_queries=16),
 }
 
 
