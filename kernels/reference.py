@@ -141,25 +141,40 @@ def ragged_paged_attention(
     is_short = is_real_seq & (q_lens > few_queries) & ~is_long
 
     q_tkgd = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
-    # Short path: every token of a short sequence (others stay zero).
-    out_tkgd = attend.per_query(q_tkgd, tables[seq], position, is_real & is_short[seq], pages_per_chunk)
-    # Decode path: the one token of each decoding sequence.
-    last = jnp.maximum(query_start_loc[1:] - 1, 0)
-    out_rkgd = attend.per_query(q_tkgd[last], tables, kv_lens - 1, is_decode, pages_per_chunk)
-    out_tkgd = out_tkgd.at[jnp.where(is_decode, last, num_tokens)].set(out_rkgd, mode="drop")
-    # Few path: up to few_queries consecutive tokens of each such sequence, [R, F] wide.
-    if few_queries > 1:
+
+    # Each path runs under a cond on whether any sequence takes it: a path's setup (its folded queries,
+    # its accumulators, its scatter) costs even with a zero-trip loop, ~60% of a batch-64 decode step's
+    # attention for the two paths a decode step does not take.
+    def short(out_tkgd):  # every token of a short sequence gathers its own pages ([T] wide)
+        active = is_real & is_short[seq]
+        out = attend.per_query(q_tkgd, tables[seq], position, active, pages_per_chunk)
+        return jnp.where(active[:, None, None, None], out, out_tkgd)
+
+    def decode(out_tkgd):  # the one token of each decoding sequence ([R] wide)
+        last = jnp.maximum(query_start_loc[1:] - 1, 0)
+        out_rkgd = attend.per_query(q_tkgd[last], tables, kv_lens - 1, is_decode, pages_per_chunk)
+        return out_tkgd.at[jnp.where(is_decode, last, num_tokens)].set(out_rkgd, mode="drop")
+
+    def few(out_tkgd):  # up to few_queries consecutive tokens of each such sequence ([R, F] wide)
         j = jnp.arange(few_queries)
         rows = query_start_loc[:-1, None] + j  # [R, F]
         active_rf = is_few[:, None] & (j < q_lens[:, None])
         position_rf = kv_lens[:, None] - q_lens[:, None] + j
         q_rfkgd = q_tkgd[jnp.minimum(rows, num_tokens - 1)]
         out_rfkgd = attend.per_sequence(q_rfkgd, tables, position_rf, active_rf, pages_per_chunk)
-        out_tkgd = out_tkgd.at[jnp.where(active_rf, rows, num_tokens)].set(out_rfkgd, mode="drop")
-    # Long path: tiles of one sequence's consecutive queries.
-    out_tkgd = attend.tiles(
-        q_tkgd, out_tkgd, tables, kv_lens, query_start_loc, is_long, tile_queries, pages_per_tile_chunk
-    )
+        return out_tkgd.at[jnp.where(active_rf, rows, num_tokens)].set(out_rfkgd, mode="drop")
+
+    def long(out_tkgd):  # tiles of one sequence's consecutive queries
+        return attend.tiles(
+            q_tkgd, out_tkgd, tables, kv_lens, query_start_loc, is_long, tile_queries, pages_per_tile_chunk
+        )
+
+    out_tkgd = jnp.zeros_like(q_tkgd)
+    paths = [(is_short, short), (is_decode, decode), (is_long, long)]
+    if few_queries > 1:
+        paths.append((is_few, few))
+    for takes, path in paths:
+        out_tkgd = jax.lax.cond(takes.any(), path, lambda out: out, out_tkgd)
     return out_tkgd.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 

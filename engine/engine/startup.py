@@ -11,6 +11,7 @@ import jax
 
 from xlaserve.config import CompilationConfig, EngineConfig
 from xlaserve.engine.dp_engine import make_engine_core
+from xlaserve.engine.host_memory import keep_host_memory
 from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.loader import load_checkpoint
@@ -59,6 +60,7 @@ def start_engine(config: EngineConfig):
     """Load the model and build its engine core -> (tokenizer or None, model config, max_model_len,
     core). max_model_len is the core's: the model's own limit may be lowered to what the KV cache
     holds."""
+    keep_host_memory()  # before jax starts its CPU thread pools
     parallel = config.parallel
     if parallel.nnodes > 1:
         distributed.initialize(

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from xlaserve.engine.host_memory import keep_host_memory
 from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs, run_follower_if_needed
 from xlaserve.entrypoints.bench import offline as bench_offline
 from xlaserve.entrypoints.bench import serve as bench_serve
@@ -172,6 +173,7 @@ def quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_host_memory()  # first: before anything starts jax's CPU thread pools
     quiet_libraries()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
