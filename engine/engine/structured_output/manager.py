@@ -6,7 +6,9 @@ Its hooks into the engine are narrow. `add_request` gives a constrained request 
 each sampled token); `grammar_bitmask(scheduled)` is the step's mask, None when no row is
 constrained, so an unconstrained step runs the sampler it always ran. Compiling happens in a thread
 pool (llguidance releases the GIL while it builds a grammar), cached by grammar text: a hundred
-requests with one schema compile it once, and each copies the compiled matcher.
+requests with one schema compile it once, and each copies the compiled matcher. With speculative
+decoding, `check_drafts` cuts a request's drafts where its grammar rejects one, and the step's mask has
+one row per verified position (engine/SPEC_DECODE.md, Structured outputs).
 """
 
 from __future__ import annotations
