@@ -87,15 +87,15 @@ class NgramProposer:
     def max_num_drafts(self, request: Request) -> int:
         """How many drafts `request` may carry in its next step (0: none).
 
-        Only a decoding request drafts (never one still prefilling). A request under a grammar does not
-        (its mask covers one position per step), nor one whose min_tokens still bans EOS and stop ids
-        (that ban holds at its first position only). The drafts leave room for the token verification
-        adds, so a step never emits past max_tokens or max_model_len."""
+        Only a decoding request drafts (never one still prefilling), and not one whose min_tokens still
+        bans EOS and stop ids (that ban holds at its first position only). A request under a grammar
+        drafts: the engine then cuts its drafts where the grammar rejects one (the structured-output
+        manager's `check_drafts`) and masks each verified position. The drafts leave room for the token
+        verification adds, so a step never emits past max_tokens or max_model_len."""
         params = request.sampling_params
         if (
             request.status != RequestStatus.RUNNING
             or request.num_tokens - request.num_computed_tokens != 1
-            or request.grammar is not None
             or request.num_output_tokens < params.min_tokens
         ):
             return 0

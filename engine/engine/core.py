@@ -76,6 +76,9 @@ class EngineCore:
         )
         # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
         self.proposer = make_proposer(spec, max_model_len)
+        # Grammar masks per step row: one per verified position (the mask after drafts 0..j-1).
+        self._num_verified_positions = 1 + spec.num_speculative_tokens if spec is not None else 1
+        self._is_draft_sampled = spec is not None and spec.method == "draft_model"
         if not config.compilation.enforce_eager:
             runner.warm_up()
         self.executor = make_executor(config, runner)
@@ -117,7 +120,9 @@ class EngineCore:
             # A synchronous step: penalties or a grammar need the ids still on the device.
             outputs += self._update_in_flight()
         scheduler_output = self.scheduler.schedule()
-        grammar_bitmask = self.structured_output.grammar_bitmask(scheduler_output.scheduled)
+        grammar_bitmask = self.structured_output.grammar_bitmask(
+            scheduler_output.scheduled, self._num_verified_positions
+        )
         future = self.executor.execute_async(scheduler_output.scheduled, grammar_bitmask)
         outputs += self._update_in_flight()
         self._in_flight = (scheduler_output, future)
@@ -127,6 +132,8 @@ class EngineCore:
             outputs += self._update_in_flight()
         if self.proposer is not None:  # speculative decoding runs synchronously: every id is known
             self.proposer.propose(self.scheduler.running, self._last_runner_output)
+            # Grammars cut their drafts; a draft model's sampled drafts keep their first rejected one.
+            self.structured_output.check_drafts(self.scheduler.running, keep_rejected=self._is_draft_sampled)
         if scheduler_output.is_empty:  # whatever is unfinished waits for its grammar
             self.structured_output.wait_for_grammars(_GRAMMAR_WAIT_S)
         return outputs

@@ -241,11 +241,12 @@ def _fill_penalty_row(penalties, row: int, s) -> None:
 def fit_bitmask(grammar_bitmask: np.ndarray, num_seqs: int, vocab_size: int) -> np.ndarray:
     """The grammar's bitmask [N, W] (N scheduled rows, W words for the tokenizer's vocabulary) as the
     sampler takes it, [num_seqs, ceil(vocab_size / 32)]: padding rows allow everything (they are
-    discarded), and ids past the grammar's vocabulary (the logits' padding) are never allowed."""
+    discarded), and ids past the grammar's vocabulary (the logits' padding) are never allowed. A mask
+    per verified position, [N, P, W] (speculative decoding), becomes [num_seqs, P, ceil(vocab_size / 32)]."""
     width = -(-vocab_size // BITS_PER_WORD)
-    fitted = np.zeros((num_seqs, width), np.int32)
-    num_rows, num_words = len(grammar_bitmask), min(width, grammar_bitmask.shape[1])
-    fitted[:num_rows, :num_words] = grammar_bitmask[:, :num_words]
+    fitted = np.zeros((num_seqs, *grammar_bitmask.shape[1:-1], width), np.int32)
+    num_rows, num_words = len(grammar_bitmask), min(width, grammar_bitmask.shape[-1])
+    fitted[:num_rows, ..., :num_words] = grammar_bitmask[..., :num_words]
     fitted[num_rows:] = -1
     return fitted
 

@@ -43,7 +43,7 @@ from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_
 from xlaserve.worker.lora_manager import LoRAManager
 from xlaserve.worker.model_loader import load_model
 from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
-from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, verify
+from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, step_bitmask, verify
 from xlaserve.worker.step_future import StepFuture, StepTiming
 from xlaserve.worker.warm_up import compile_all
 
@@ -341,6 +341,9 @@ class ModelRunner:
                     failed, s, "building its prompt targets", _fill_prompt_targets, prompt_targets, offset, s
                 )
                 offset += s.num_new_tokens
+        if self.num_spec_tokens:  # one mask per verified position when some row verifies drafts
+            has_drafts = any(s.spec_token_ids for s in scheduled)
+            grammar_bitmask = step_bitmask(grammar_bitmask, self.num_spec_tokens, has_drafts)
         sampling_st = sampling_tensors(
             scheduled,
             batch.num_padded_seqs,

@@ -73,6 +73,28 @@ def build_spec_inputs(scheduled, num_seqs: int, num_spec_tokens: int) -> SpecInp
     return SpecInputs(verify_indices, draft_ids, num_drafts)
 
 
+def step_bitmask(grammar_bitmask: np.ndarray | None, num_spec_tokens: int, has_drafts: bool):
+    """The grammar's masks as a step takes them: [N, W] for the sampler (a step without drafts; the
+    first position of each row), [N, K + 1, W] for the verifier. A mask given for one position only
+    ([N, W]) allows every token at the later ones: right only for rows without drafts (the engine's
+    structured-output manager gives one mask per position, `grammar_bitmask(scheduled, 1 + K)`)."""
+    if grammar_bitmask is None:
+        return None
+    if not has_drafts:
+        return grammar_bitmask[:, 0] if grammar_bitmask.ndim == 3 else grammar_bitmask
+    if grammar_bitmask.ndim == 3:
+        if grammar_bitmask.shape[1] != num_spec_tokens + 1:
+            raise ValueError(
+                f"grammar_bitmask has {grammar_bitmask.shape[1]} positions per row; verifying "
+                f"{num_spec_tokens} drafts needs {num_spec_tokens + 1}"
+            )
+        return grammar_bitmask
+    num_rows, width = grammar_bitmask.shape
+    per_position = np.full((num_rows, num_spec_tokens + 1, width), -1, np.int32)
+    per_position[:, 0] = grammar_bitmask
+    return per_position
+
+
 def _per_position(st: SamplingTensors, draft_ids: jax.Array) -> SamplingTensors:
     """Each row's sampling tensors repeated over its K + 1 positions ([R] -> [R * (K + 1)]): position j
     samples output token token_index + j, after drafts 0..j-1 (counted by the penalties)."""
@@ -86,9 +108,8 @@ def _per_position(st: SamplingTensors, draft_ids: jax.Array) -> SamplingTensors:
         before = jnp.concatenate([jnp.zeros_like(onehot[:, :1]), jnp.cumsum(onehot, axis=1)], axis=1)
         counts = (st.output_counts[:, None] + before).reshape(num_rows * k1, -1)
     bitmask = st.allowed_token_bitmask
-    if bitmask is not None:  # a grammar's mask holds at position 0; its rows carry no drafts
-        later = jnp.full((num_rows, num_spec, bitmask.shape[-1]), -1, bitmask.dtype)
-        bitmask = jnp.concatenate([bitmask[:, None], later], axis=1).reshape(num_rows * k1, -1)
+    if bitmask is not None:  # [R, K + 1, W]: position j's mask, after drafts 0..j-1 (`step_bitmask`)
+        bitmask = bitmask.reshape(num_rows * k1, -1)
     return SamplingTensors(
         rep(st.temperature),
         rep(st.top_k),

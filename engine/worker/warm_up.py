@@ -80,6 +80,9 @@ def compile_all(runner) -> None:
                 jobs.append(pool.submit(compile_sampler, hidden_rd, st))
                 if runner.num_spec_tokens:  # the same variants verifying drafts (logprobs static)
                     spec = build_spec_inputs([], num_seqs, runner.num_spec_tokens)
+                    if with_grammar:  # one mask per verified position
+                        bitmask = np.zeros((0, runner.num_spec_tokens + 1, 1), np.int32)
+                        st = sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
                     for with_logprobs in (False, True):
                         jobs.append(pool.submit(compile_verify, hidden_rd, st, spec, with_logprobs))
         for job in jobs:

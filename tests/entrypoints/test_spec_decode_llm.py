@@ -173,14 +173,22 @@ def test_nothing_compiles_after_warm_up_and_stops_cut_exactly(llama_spec):
     assert short.token_ids == ids[:7] and short.finish_reason == "length"
 
 
-@pytest.mark.slow  # a second SmolLM2 engine, with its warm-up
-def test_smollm2_greedy_outputs_equal_without_speculation(llm):
+@pytest.fixture(scope="module")
+def smollm2_spec():
+    """A second SmolLM2 engine, with n-gram speculation (k = 4) and its warm-up: the slow tests share it."""
+    from helpers.smollm2 import ENGINE_ARGS as SMOLLM2_ARGS
+
+    return LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **SMOLLM2_ARGS)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_outputs_equal_without_speculation(llm, smollm2_spec):
     """SmolLM2 (float32): copy prompts of ~150-200 tokens (chunked by the 128-token budget) and a chat
     prompt, 64 greedy tokens each, equal token for token with the shared engine's."""
     from helpers.smollm2 import ENGINE_ARGS as SMOLLM2_ARGS
     from xlaserve.entrypoints.bench.speculative import copy_workload
 
-    spec_llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **SMOLLM2_ARGS)
+    spec_llm = smollm2_spec
     conversations = copy_workload(2) + [[{"role": "user", "content": "Describe the water cycle."}]]
     sampling = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     expected = llm.chat(conversations, sampling, use_tqdm=False)
@@ -191,3 +199,46 @@ def test_smollm2_greedy_outputs_equal_without_speculation(llm):
     metrics = spec_metrics(spec_llm)
     assert metrics["num_accepted_tokens"] > metrics["num_drafts"]  # copying: more than one per draft
     assert spec_llm.engine_core.runner.guard.num_unexpected == 0
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "city": {"type": "string"},
+        "languages": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "city", "languages"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.slow
+def test_smollm2_json_schema_greedy_outputs_equal_without_speculation(llm, smollm2_spec):
+    """Drafts under a JSON schema (cut where the grammar rejects them, each position masked): the same
+    greedy tokens as without speculation, JSON that validates, and most drafts accepted (it copies)."""
+    import json
+
+    import jsonschema
+
+    from xlaserve import StructuredOutputsParams
+
+    record = {"name": "Ada Lovelace", "city": "London", "languages": ["English", "French", "Italian"]}
+    messages = [
+        [{"role": "user", "content": f"Return this record as JSON, exactly as given: {json.dumps(record)}"}],
+        [{"role": "user", "content": "Give a JSON record of a person: name, city, languages they speak."}],
+    ]
+    sampling = SamplingParams(
+        temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=PERSON)
+    )
+    drafts_before = spec_metrics(smollm2_spec).get("num_draft_tokens", 0)
+    expected = llm.chat(messages, sampling, use_tqdm=False)
+    actual = smollm2_spec.chat(messages, sampling, use_tqdm=False)
+    for e, a in zip(expected, actual, strict=True):
+        assert a.outputs[0].token_ids == e.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == "stop", a.outputs[0].text
+        jsonschema.validate(json.loads(a.outputs[0].text), PERSON)
+    assert json.loads(actual[0].outputs[0].text) == record
+    metrics = spec_metrics(smollm2_spec)
+    assert metrics["num_draft_tokens"] > drafts_before
+    assert smollm2_spec.engine_core.runner.guard.num_unexpected == 0

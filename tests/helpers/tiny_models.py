@@ -19,6 +19,7 @@ def save_tiny_model(
     seed: int = 0,
     added_tokens: list[str] = (),
     chat_template: str | None = None,
+    tokenizer=None,
     **overrides,
 ) -> str:
     """A random `{family}ForCausalLM` from transformers (e.g. "Llama", "Qwen3", "Qwen3Moe"), float32
@@ -30,7 +31,8 @@ def save_tiny_model(
     from xlaserve.models.gguf_tokenizer import load_gguf_tokenizer
     from xlaserve.models.loader import resolve_embedded_model_path
 
-    tokenizer = load_gguf_tokenizer(resolve_embedded_model_path())
+    if tokenizer is None:  # `tokenizer`: another (e.g. `small_byte_tokenizer()`: cheap programs)
+        tokenizer = load_gguf_tokenizer(resolve_embedded_model_path())
     if added_tokens:
         tokenizer.add_tokens(list(added_tokens))
     if chat_template is not None:
@@ -81,3 +83,31 @@ def save_tiny_thinking_model(directory: str, *, seed: int = 0) -> str:
 def max_rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def small_byte_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer of `vocab_size` tokens (the 256 bytes, <|endoftext|> as EOS and BOS,
+    merges trained on a few lines of JSON and words), as a transformers fast tokenizer: for tests that
+    need real text and grammars (llguidance) but not SmolLM2's 49,152-token vocabulary, whose logits
+    make every sampler program ~150x wider."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    corpus = [
+        '{"tags": ["red", "green", "blue"], "size": 12, "name": "Ann", "age": 7}',
+        "ab cd ef ab cd. Codes: more tags, then again and yes no true false null",
+        "The quick brown fox jumps over the lazy dog 0123456789 []{},:.",
+    ] * 4
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )

@@ -243,6 +243,47 @@ def generate_ids(model_dir: str, arg: dict) -> None:
     print("RESULT " + json.dumps(results))
 
 
+def speculative(model_dir: str, arg: dict) -> None:
+    """Greedy tokens from token-id prompts under each layout (a layout may carry a speculative_config;
+    a draft "model" of "self" is the target itself), with the speculative counters.
+    arg: {"layouts", "prompts", "max_tokens"}."""
+    from xlaserve import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=arg["max_tokens"], ignore_eos=True)
+    results = []
+    for layout in arg["layouts"]:
+        spec = layout.get("speculative_config")
+        if spec is not None and spec.get("model") == "self":
+            layout = {**layout, "speculative_config": {**spec, "model": model_dir}}
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            max_model_len=128,
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+            kv_cache_memory=2**22,
+            enforce_eager=True,  # compile only what this short run uses
+            **layout,
+        )
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        metrics = {
+            m.name.removeprefix("xlaserve:spec_decode_"): m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("xlaserve:spec_decode_") and not m.labels
+        }
+        results.append(
+            {
+                "layout": layout,
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "metrics": metrics,
+                "num_devices": int(llm.engine_core.runner.mesh.devices.size),
+            }
+        )
+        del llm
+    print("RESULT " + json.dumps(results))
+
+
 def main(model_dir: str, layouts: list[dict]) -> None:
     from xlaserve import LLM, SamplingParams
 
@@ -285,4 +326,5 @@ if __name__ == "__main__":
         "missing_rule": missing_rule,
         "fused_shards": fused_shards,
         "generate_ids": generate_ids,
+        "speculative": speculative,
     }[mode](model_dir, arg)

@@ -172,3 +172,48 @@ def test_build_spec_inputs_points_at_each_requests_last_token_and_drafts():
     assert spec.verify_indices.tolist() == [[4, 4, 4], [5, 6, 7], [8, 8, 8], [0, 0, 0]]
     assert spec.draft_ids.tolist() == [[0, 0], [8, 9], [0, 0], [0, 0]]
     assert spec.num_drafts.tolist() == [0, 2, 0, 0]
+
+
+def test_each_verified_position_is_sampled_under_its_own_grammar_mask():
+    """A grammar's bitmask per position ([R, K + 1, W]): position j is the mask after drafts 0..j-1. A
+    draft its position's mask forbids is never accepted (greedy or sampled), and every emitted token is
+    allowed at its position."""
+
+    def pack(*allowed):
+        return np.int32(sum(1 << t for t in allowed))
+
+    logits = np.zeros((K + 1, V), np.float32)
+    logits[0, [1, 2]] = [3.0, 1.0]  # argmax 1: allowed
+    logits[1, [3, 4, 0]] = [5.0, 2.0, 1.0]  # argmax 3: forbidden here; the masked argmax is 4
+    logits[2, [2, 5]] = [4.0, 0.5]  # argmax 2: forbidden; only 5 is allowed
+    bitmask = np.array([[[pack(1, 2)], [pack(0, 4)], [pack(5)]]], np.int32)  # [1, K + 1, W = 1]
+    spec = lambda drafts: SpecInputs(  # noqa: E731
+        np.arange(K + 1, dtype=np.int32)[None],
+        np.array([drafts], np.int32),
+        np.array([len(drafts)], np.int32),
+    )
+    greedy = tensors(1, temperature=0.0, allowed_token_bitmask=jnp.asarray(bitmask))
+    out = verify(jnp.asarray(logits), greedy, spec([1, 4]), with_logprobs=False)
+    assert (int(out.num_accepted[0]), int(out.token_ids[0])) == (2, 5)  # the masked argmax chain
+    out = verify(jnp.asarray(logits), greedy, spec([1, 3]), with_logprobs=False)
+    assert (int(out.num_accepted[0]), int(out.token_ids[0])) == (1, 4)  # 3 is the unmasked argmax only
+    # Sampled, over many seeds: draft 3 (forbidden at position 1) is never accepted; what is emitted
+    # there is 0 or 4, and the bonus after [1, 4] is always 5.
+    num_seeds = 500
+    seeds = jnp.arange(num_seeds, dtype=jnp.uint32)
+    sampled = tensors(
+        num_seeds, seeds=seeds, allowed_token_bitmask=jnp.asarray(np.repeat(bitmask, num_seeds, 0))
+    )
+    many = lambda drafts: SpecInputs(  # noqa: E731
+        (np.arange(num_seeds)[:, None] * (K + 1) + np.arange(K + 1)).astype(np.int32),
+        np.tile(np.array([drafts], np.int32), (num_seeds, 1)),
+        np.full(num_seeds, len(drafts), np.int32),
+    )
+    tiled = jnp.asarray(np.tile(logits, (num_seeds, 1)))
+    out = verify(tiled, sampled, many([1, 3]), with_logprobs=False)
+    accepted, tokens = np.asarray(out.num_accepted), np.asarray(out.token_ids)
+    assert accepted.max() <= 1
+    assert set(tokens[accepted == 1].tolist()) <= {0, 4} and set(tokens[accepted == 0].tolist()) <= {1, 2}
+    out = verify(tiled, sampled, many([1, 4]), with_logprobs=False)
+    accepted, tokens = np.asarray(out.num_accepted), np.asarray(out.token_ids)
+    assert set(tokens[accepted == 2].tolist()) == {5} and (accepted == 2).any()

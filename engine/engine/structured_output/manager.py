@@ -6,7 +6,9 @@ Its hooks into the engine are narrow. `add_request` gives a constrained request 
 each sampled token); `grammar_bitmask(scheduled)` is the step's mask, None when no row is
 constrained, so an unconstrained step runs the sampler it always ran. Compiling happens in a thread
 pool (llguidance releases the GIL while it builds a grammar), cached by grammar text: a hundred
-requests with one schema compile it once, and each copies the compiled matcher.
+requests with one schema compile it once, and each copies the compiled matcher. With speculative
+decoding, `check_drafts` cuts a request's drafts where its grammar rejects one, and the step's mask has
+one row per verified position (engine/SPEC_DECODE.md, Structured outputs).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterable
 
 import llguidance
 import llguidance.numpy
@@ -95,6 +98,46 @@ class RequestGrammar:
                 self.error = f"the grammar did not compile: {e}"
                 logger.warning("request %s: %s", self.request_id, self.error)
         return True
+
+    def grammar_start(self, token_ids: list[int]) -> int:
+        """Where the grammar starts among `token_ids` (drafts after the request's tokens): 0, or while
+        the request reasons, just after the reasoning end id (the grammar never sees that id);
+        len(token_ids) + 1 when they do not end the reasoning (every position is free)."""
+        if not self.is_reasoning:
+            return 0
+        end = self.reasoning_end_token_id
+        return token_ids.index(end) + 1 if end in token_ids else len(token_ids) + 1
+
+    def num_valid_drafts(self, token_ids: list[int], keep_rejected: bool = False) -> int:
+        """How many of `token_ids` (speculative drafts after the request's tokens) to keep: the prefix the
+        grammar accepts, ending at the token that completes it (the request stops there: later drafts
+        would only be verified to be dropped). `keep_rejected` keeps the first rejected draft too, for
+        drafts sampled from a distribution q (a draft model): cutting a sampled draft by its value would
+        bias the output, while verifying it rejects it for sure (p is 0 there) and draws from the
+        residual, which is exact. The matcher is left exactly as it was (its walk is rolled back)."""
+        if self.matcher is None or self.error is not None or self.is_terminated:
+            return 0
+        start = self.grammar_start(token_ids)
+        if start > len(token_ids):
+            return len(token_ids)
+        drafts = token_ids[start:]
+        num_valid = self.matcher.validate_tokens(drafts)
+        is_cut_at_stop = False
+        num_consumed = 0
+        while num_consumed < num_valid:
+            if not self.matcher.consume_token(drafts[num_consumed]):
+                break  # validate_tokens said it would take it: never happens; rolled back below
+            num_consumed += 1
+            if self.matcher.is_stopped():
+                num_valid, is_cut_at_stop = num_consumed, True
+        if num_consumed and not self.matcher.rollback(num_consumed):
+            self.error = f"the grammar could not roll back {num_consumed} drafts: {self.matcher.get_error()}"
+            logger.error("request %s: %s", self.request_id, self.error)
+            return 0
+        num_valid = min(num_valid, num_consumed)
+        if keep_rejected and not is_cut_at_stop and num_valid < len(drafts):
+            num_valid += 1
+        return start + num_valid
 
     def accept_token(self, token_id: int) -> None:
         if self.is_reasoning:
@@ -175,26 +218,58 @@ class StructuredOutputManager:
         if self._compiling:
             concurrent.futures.wait(self._compiling, timeout_s)
 
-    def grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> np.ndarray | None:
+    def check_drafts(self, requests: Iterable[Request], keep_rejected: bool = False) -> None:
+        """Cut each constrained request's `spec_token_ids` at the first draft its grammar rejects (after
+        it with `keep_rejected`, see `RequestGrammar.num_valid_drafts`) and after one that completes the
+        grammar: called after the proposer, before the scheduler takes the drafts. A greedy request
+        never keeps a rejected draft (the verifier would emit the masked argmax there either way)."""
+        for request in requests:
+            if request.grammar is not None and request.spec_token_ids:
+                keep = keep_rejected and not request.sampling_params.is_greedy
+                num_valid = request.grammar.num_valid_drafts(request.spec_token_ids, keep)
+                del request.spec_token_ids[num_valid:]
+
+    def grammar_bitmask(self, scheduled: list[ScheduledRequest], num_positions: int = 1) -> np.ndarray | None:
         """The allowed tokens of each scheduled row, [len(scheduled), W] int32 (bit i of word
         w: token 32 * w + i), or None when no row samples under a grammar. Unconstrained rows, and rows
-        that only prefill this step, or whose request is still reasoning, allow every token (-1)."""
-        rows = [
-            (row, s.request.grammar.matcher)
-            for row, s in enumerate(scheduled)
-            if s.is_sampling and s.request.grammar is not None and not s.request.grammar.is_reasoning
-        ]
-        if not rows:
+        that only prefill this step, or whose request is still reasoning, allow every token (-1).
+
+        `num_positions` > 1 (speculative decoding: 1 + k): [len(scheduled), num_positions, W], where
+        position j of a row is the mask after its drafts 0..j-1 (`ScheduledRequest.spec_token_ids`,
+        which `check_drafts` cut), so the verifier samples each position under its own mask. Positions
+        up to a reasoning end id among the drafts are free; positions past a row's drafts, or past one
+        its grammar rejects, allow every token (they are never read)."""
+        jobs = []  # (matcher, first mask row, drafts): llguidance's rows [first, first + len(drafts)]
+        for row, s in enumerate(scheduled):
+            grammar = s.request.grammar
+            if not s.is_sampling or grammar is None:
+                continue
+            drafts = s.spec_token_ids if num_positions > 1 else []
+            if len(drafts) >= num_positions:
+                raise ValueError(f"{len(drafts)} drafts need more than {num_positions} positions")
+            start = grammar.grammar_start(drafts)
+            if start <= len(drafts):
+                jobs.append((grammar.matcher, row * num_positions + start, list(drafts[start:])))
+        if not jobs:
             return None
         width = bitmask_width(self._ll_tokenizer.result().vocab_size)  # built: a matcher exists
-        bitmask = np.full((len(scheduled), width), -1, np.int32)
+        bitmask = np.full((len(scheduled) * num_positions, width), -1, np.int32)
         if self._mask_executor is None:
             self._mask_executor = llguidance.LLExecutor()
-        # llguidance fills the rows in parallel (without the GIL), in place.
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self._mask_executor, [(matcher, row) for row, matcher in rows], bitmask
+        # llguidance fills the rows in parallel (without the GIL), in place; with drafts, each matcher
+        # walks them, writing the mask before each one and after the last (stopping at one it rejects),
+        # and rolls back to where it was.
+        walks = [job for job in jobs if job[2]]  # llguidance's walk takes at least one draft
+        plain = [(matcher, first) for matcher, first, drafts in jobs if not drafts]
+        fill, fill_walks = (
+            llguidance.numpy.fill_next_token_bitmask_par,
+            (llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens),
         )
-        return bitmask
+        if plain:
+            fill(self._mask_executor, plain, bitmask)
+        if walks:
+            fill_walks(self._mask_executor, walks, bitmask)
+        return bitmask if num_positions == 1 else bitmask.reshape(len(scheduled), num_positions, width)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
