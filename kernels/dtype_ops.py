@@ -13,7 +13,10 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   weights are bitcast once per step (`scan`), on CPU only;
 - a dot of ONE 16-bit row (a batch-1 decode step) takes XLA CPU's matrix-vector path, which is not
   native: 7x slower than two rows for the LM head ([1, 576] x [576, 49152]), 1.5x for a projection
-  (engine/PERFORMANCE.md). `matmul` pads such a row to two.
+  (engine/PERFORMANCE.md). `matmul` pads such a row to two; by an int8 weight, the row is split
+  exactly into two int8 rows instead and multiplied in integers (`split_int8_matmul`);
+- a quantized weight's convert is not fused into the dot by XLA CPU: a wide one (the LM head) is
+  multiplied a chunk of columns at a time (`by_column_chunks`).
 """
 
 from __future__ import annotations
@@ -85,8 +88,12 @@ def matmul(
     see `unpack_int4`), multiplied as two half-depth dots (`packed_matmul`)."""
     out_dtype = out_dtype or x.dtype
     if _one_16bit_row_on_cpu(x):
+        if _int8_per_channel(w, scale, zero):
+            return split_int8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
         two_rows = jnp.concatenate([x, jnp.zeros_like(x)], axis=-2)
         return matmul(two_rows, w, out_dtype, scale, zero, block, packed)[..., :1, :]
+    if scale is not None and _wide_on_cpu(w, scale, zero):
+        return by_column_chunks(x, w, out_dtype, scale, zero, block, packed)
     if packed:
         return packed_matmul(x, w, scale, zero, block).astype(out_dtype)
     if scale is None:
@@ -102,6 +109,82 @@ def matmul(
 
 def _one_16bit_row_on_cpu(x: jax.Array) -> bool:
     return x.ndim >= 2 and x.shape[-2] == 1 and is_16bit_float(x.dtype) and jax.default_backend() == "cpu"
+
+
+# int8 x int8 products summed in int32: |hi|, |lo|, |w| <= 128, so K < 2**31 / 128**2 = 131072 inputs
+# can never overflow (SmolLM2's K: 576 and 1536; a 70B's down projection: 28672).
+MAX_INT8_DOT_DEPTH = 2**31 // (128 * 128) - 1
+
+
+def _int8_per_channel(w: jax.Array, scale: jax.Array | None, zero: jax.Array | None) -> bool:
+    return (
+        w.dtype == jnp.int8
+        and scale is not None
+        and zero is None
+        and scale.shape[-2] == 1
+        and w.shape[-2] <= MAX_INT8_DOT_DEPTH
+    )
+
+
+def split_int8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """One 16-bit row x [.., 1, K] @ int8 w [.., K, N] with per-channel `w_scale` [.., N], as
+    integers, without rounding x beyond its own precision -> float32 [.., 1, N].
+
+    x = s * (hi + lo / 256) with s a power of two per row (max |x| / s <= 127) and hi, lo int8: x / s
+    is exact, hi its nearest integer, lo the remainder in 1/256ths. An element with |x| >= s / 2 has
+    at most 8 significant bits above 2**-8 * s, so it is represented exactly; a smaller one is off by
+    at most s / 256 (< 2**-14 * max |x|; bfloat16 rounds every element by 2**-9 of itself). The two
+    rows [hi; lo] make one int8 x int8 -> int32 dot (exact: `MAX_INT8_DOT_DEPTH`), which XLA CPU
+    runs with VNNI: the batch-1 LM head 0.46x of the bfloat16 one, where converting the int8 head to
+    bfloat16 in the dot (not fused by XLA CPU) cost 3.4x (engine/QUANTIZATION.md)."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    s = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / 127.0)))
+    v = x32 / s
+    hi = jnp.floor(v + 0.5)
+    lo = jnp.clip(jnp.floor((v - hi) * 256.0 + 0.5), -128, 127)
+    rows = jnp.concatenate([hi, lo], axis=-2).astype(jnp.int8)  # [.., 2, K]
+    acc = jnp.matmul(rows, w, preferred_element_type=jnp.int32).astype(jnp.float32)
+    y = acc[..., :1, :] + acc[..., 1:, :] * (1.0 / 256.0)
+    return y * s * w_scale[..., None, :]
+
+
+# Output columns per chunk of a wide quantized weight on CPU (the LM head): XLA CPU does not fuse the
+# weight's convert (or dequantization) into the dot, so a [576, 49152] head was converted to a whole
+# bfloat16 copy every step (56 MiB through memory: 3-7x the bfloat16 head's time); one chunk at a
+# time stays in cache (0.8-1.1x, engine/QUANTIZATION.md).
+COLUMN_CHUNK = 4096
+
+
+def _wide_on_cpu(w: jax.Array, scale: jax.Array, zero: jax.Array | None) -> bool:
+    return (
+        jax.default_backend() == "cpu"
+        and w.ndim == 2
+        and w.shape[-1] >= 2 * COLUMN_CHUNK
+        and scale.shape[-1] == w.shape[-1]  # one scale (and zero) per output column: sliced alike
+    )
+
+
+def by_column_chunks(x, w, out_dtype, scale, zero, block, packed) -> jax.Array:
+    """`matmul` of a wide quantized [in, out] weight, COLUMN_CHUNK output columns at a time (a loop:
+    one chunk's dequantized copy live at once); the columns past the last whole chunk in one more."""
+    n = w.shape[-1] // COLUMN_CHUNK
+
+    def part(start, size):
+        def cols(a):
+            return None if a is None else jax.lax.dynamic_slice_in_dim(a, start, size, axis=-1)
+
+        return matmul(x, cols(w), jnp.float32, cols(scale), cols(zero), block, packed)
+
+    def body(i, out):
+        start = i * COLUMN_CHUNK
+        return jax.lax.dynamic_update_slice_in_dim(out, part(start, COLUMN_CHUNK), start, axis=-1)
+
+    out = jax.lax.fori_loop(0, n, body, jnp.zeros((*x.shape[:-1], w.shape[-1]), jnp.float32))
+    if w.shape[-1] > n * COLUMN_CHUNK:
+        tail = n * COLUMN_CHUNK
+        out = out.at[..., tail:].set(part(tail, w.shape[-1] - tail))
+    return out.astype(out_dtype)
 
 
 def has_native_fp8() -> bool:
