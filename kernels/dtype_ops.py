@@ -87,9 +87,9 @@ def matmul(
     (still inside the step). `packed`: `w` holds 4-bit codes two to a byte ([.., in / 2, out] uint8,
     see `unpack_int4`), multiplied as two half-depth dots (`packed_matmul`)."""
     out_dtype = out_dtype or x.dtype
+    if _split_int8_on_cpu(x, w, scale, zero):
+        return split_int8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
     if _one_16bit_row_on_cpu(x):
-        if _int8_per_channel(w, scale, zero):
-            return split_int8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
         two_rows = jnp.concatenate([x, jnp.zeros_like(x)], axis=-2)
         return matmul(two_rows, w, out_dtype, scale, zero, block, packed)[..., :1, :]
     if scale is not None and _wide_on_cpu(w, scale, zero):
@@ -116,9 +116,20 @@ def _one_16bit_row_on_cpu(x: jax.Array) -> bool:
 MAX_INT8_DOT_DEPTH = 2**31 // (128 * 128) - 1
 
 
-def _int8_per_channel(w: jax.Array, scale: jax.Array | None, zero: jax.Array | None) -> bool:
+# Rows of x up to which an int8 weight's dot runs as `split_int8_matmul` on CPU. It wins at one row
+# (the batch-1 LM head 0.46x of bfloat16's, a projection 0.5-0.6x) and loses from 8 (XLA CPU's int8
+# dot at 2M rows against the 16-bit one at M: engine/QUANTIZATION.md). Tests raise it to check the
+# split's accuracy over a whole prompt.
+INT8_SPLIT_MAX_ROWS = 1
+
+
+def _split_int8_on_cpu(x: jax.Array, w: jax.Array, scale: jax.Array | None, zero: jax.Array | None) -> bool:
     return (
-        w.dtype == jnp.int8
+        x.ndim >= 2
+        and x.shape[-2] <= INT8_SPLIT_MAX_ROWS
+        and is_16bit_float(x.dtype)
+        and jax.default_backend() == "cpu"
+        and w.dtype == jnp.int8
         and scale is not None
         and zero is None
         and scale.shape[-2] == 1
@@ -127,14 +138,14 @@ def _int8_per_channel(w: jax.Array, scale: jax.Array | None, zero: jax.Array | N
 
 
 def split_int8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
-    """One 16-bit row x [.., 1, K] @ int8 w [.., K, N] with per-channel `w_scale` [.., N], as
-    integers, without rounding x beyond its own precision -> float32 [.., 1, N].
+    """16-bit rows x [.., M, K] @ int8 w [.., K, N] with per-channel `w_scale` [.., N], as integers,
+    without rounding x beyond its own precision -> float32 [.., M, N].
 
     x = s * (hi + lo / 256) with s a power of two per row (max |x| / s <= 127) and hi, lo int8: x / s
     is exact, hi its nearest integer, lo the remainder in 1/256ths. An element with |x| >= s / 2 has
     at most 8 significant bits above 2**-8 * s, so it is represented exactly; a smaller one is off by
     at most s / 256 (< 2**-14 * max |x|; bfloat16 rounds every element by 2**-9 of itself). The two
-    rows [hi; lo] make one int8 x int8 -> int32 dot (exact: `MAX_INT8_DOT_DEPTH`), which XLA CPU
+    row sets [hi; lo] make one int8 x int8 -> int32 dot (exact: `MAX_INT8_DOT_DEPTH`), which XLA CPU
     runs with VNNI: the batch-1 LM head 0.46x of the bfloat16 one, where converting the int8 head to
     bfloat16 in the dot (not fused by XLA CPU) cost 3.4x (engine/QUANTIZATION.md)."""
     x32 = x.astype(jnp.float32)
@@ -143,9 +154,10 @@ def split_int8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Arr
     v = x32 / s
     hi = jnp.floor(v + 0.5)
     lo = jnp.clip(jnp.floor((v - hi) * 256.0 + 0.5), -128, 127)
-    rows = jnp.concatenate([hi, lo], axis=-2).astype(jnp.int8)  # [.., 2, K]
+    m = x.shape[-2]
+    rows = jnp.concatenate([hi, lo], axis=-2).astype(jnp.int8)  # [.., 2M, K]: one dot, not two
     acc = jnp.matmul(rows, w, preferred_element_type=jnp.int32).astype(jnp.float32)
-    y = acc[..., :1, :] + acc[..., 1:, :] * (1.0 / 256.0)
+    y = acc[..., :m, :] + acc[..., m:, :] * (1.0 / 256.0)
     return y * s * w_scale[..., None, :]
 
 
