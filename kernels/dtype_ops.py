@@ -83,9 +83,10 @@ def matmul(
     float32 scales, one per block: [.., in / b_in, out / b_out]. One block along `in` ([.., 1, out]:
     per output channel, no `zero`): the scale multiplies the accumulator and the weight is only
     converted to x's dtype for the dot (on CPU: one 16-bit row by int8 in integers,
-    `split_int8_matmul`; a wide weight by column chunks, `by_column_chunks`). Other blocks ([b_in, b_out] = `block`): the weight is dequantized first
-    (still inside the step). `packed`: `w` holds 4-bit codes two to a byte ([.., in / 2, out] uint8,
-    see `unpack_int4`), multiplied as two half-depth dots (`packed_matmul`)."""
+    `split_int8_matmul`; a wide weight by column chunks, `by_column_chunks`). Other blocks
+    ([b_in, b_out] = `block`): the weight is dequantized first (still inside the step). `packed`:
+    `w` holds 4-bit codes two to a byte ([.., in / 2, out] uint8, see `unpack_int4`), multiplied as
+    two half-depth dots (`packed_matmul`)."""
     out_dtype = out_dtype or x.dtype
     if _split_int8_on_cpu(x, w, scale, zero):
         return split_int8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
