@@ -102,10 +102,27 @@ def matmul(
     if scale.shape[-2] == 1 and zero is None and w.dtype == jnp.float8_e4m3fn and has_native_fp8():
         return fp8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
     if scale.shape[-2] == 1 and zero is None:
-        y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        y = jnp.matmul(x, convert_weight(w, x.dtype), preferred_element_type=jnp.float32)
         return (y * scale[..., 0, :]).astype(out_dtype)
     y = jnp.matmul(x, dequantize(w, scale, x.dtype, zero, block), preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
+
+
+def convert_weight(w: jax.Array, dtype) -> jax.Array:
+    """w.astype(dtype); on CPU a float8_e4m3fn weight to bfloat16 by integer ops on its bits (exact),
+    which XLA CPU runs faster than its own float8 convert: a 30-layer scan of [576, 1536] fp8
+    projections 1.19x -> 1.06x of bfloat16's at one row, 1.62x -> 1.22x at 8 (engine/QUANTIZATION.md)."""
+    if w.dtype != jnp.float8_e4m3fn or jnp.dtype(dtype) != jnp.bfloat16 or jax.default_backend() != "cpu":
+        return w.astype(dtype)
+    u = jax.lax.bitcast_convert_type(w, jnp.uint8).astype(jnp.uint16)
+    sign, exponent, mantissa = (u & 0x80) << 8, (u >> 3) & 0xF, u & 0x7
+    # e4m3 (bias 7) -> bfloat16 (bias 127): the same 3 mantissa bits, shifted. No inf; e4m3's NaN
+    # codes (0x7F, 0xFF) would read as 480: quantized weights are clipped to +-448, never NaN.
+    normal = sign | ((exponent + 120) << 7) | (mantissa << 4)
+    # A subnormal is mantissa * 2**-9: exact in float32, and its top 16 bits are its bfloat16.
+    small = jax.lax.bitcast_convert_type(mantissa.astype(jnp.float32) * 2.0**-9, jnp.uint32) >> 16
+    bits = jnp.where(exponent == 0, small.astype(jnp.uint16) | sign, normal)
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
 def _one_16bit_row_on_cpu(x: jax.Array) -> bool:

@@ -159,3 +159,18 @@ def test_a_wide_quantized_weight_is_multiplied_a_chunk_of_columns_at_a_time():
         assert "while" in hlo, name  # the loop over chunks
         got = np.asarray(f(x, wq, s, z), np.float64)
         np.testing.assert_allclose(got, xs @ dense, rtol=1e-5, atol=1e-4, err_msg=name)
+
+
+def test_float8_weights_convert_to_bfloat16_exactly_on_cpu():
+    # convert_weight turns e4m3 codes into bfloat16 by integer ops on the bits (faster on XLA CPU
+    # than its float8 convert): every finite code, subnormals and signed zeros included, must agree.
+    from xlaserve.kernels.dtype_ops import convert_weight
+
+    codes = jnp.arange(256, dtype=jnp.uint8)
+    w = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    got = np.asarray(jax.jit(lambda w: convert_weight(w, jnp.bfloat16))(w), np.float64)
+    want = np.asarray(w.astype(jnp.float32), np.float64)
+    finite = ~np.isnan(want)
+    assert finite.sum() == 254
+    np.testing.assert_array_equal(got[finite], want[finite])
+    np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))
