@@ -135,7 +135,7 @@ MAX_INT8_DOT_DEPTH = 2**31 // (128 * 128) - 1
 
 
 # Rows of x up to which an int8 weight's dot runs as `split_int8_matmul` on CPU. It wins at one row
-# (the batch-1 LM head 0.46x of bfloat16's, a projection 0.5-0.6x) and loses from 8 (XLA CPU's int8
+# (the batch-1 LM head 0.46-0.92x of bfloat16's, a projection 0.5-0.75x) and loses from 8 (XLA CPU's int8
 # dot at 2M rows against the 16-bit one at M: engine/QUANTIZATION.md). Tests raise it to check the
 # split's accuracy over a whole prompt.
 INT8_SPLIT_MAX_ROWS = 1
@@ -164,8 +164,9 @@ def split_int8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Arr
     at most 8 significant bits above 2**-8 * s, so it is represented exactly; a smaller one is off by
     at most s / 256 (< 2**-14 * max |x|; bfloat16 rounds every element by 2**-9 of itself). The two
     row sets [hi; lo] make one int8 x int8 -> int32 dot (exact: `MAX_INT8_DOT_DEPTH`), which XLA CPU
-    runs with VNNI: the batch-1 LM head 0.46x of the bfloat16 one, where converting the int8 head to
-    bfloat16 in the dot (not fused by XLA CPU) cost 3.4x (engine/QUANTIZATION.md)."""
+    runs with VNNI: the batch-1 LM head 0.46-0.92x of the bfloat16 one in runs under load, where
+    converting the int8 head to bfloat16 in the dot (not fused by XLA CPU) cost 3.4-5x
+    (engine/QUANTIZATION.md)."""
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
     s = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / 127.0)))
@@ -181,8 +182,8 @@ def split_int8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Arr
 
 # Output columns per chunk of a wide quantized weight on CPU (the LM head): XLA CPU does not fuse the
 # weight's convert (or dequantization) into the dot, so a [576, 49152] head was converted to a whole
-# bfloat16 copy every step (56 MiB through memory: 3-7x the bfloat16 head's time); one chunk at a
-# time stays in cache (0.8-1.1x, engine/QUANTIZATION.md).
+# bfloat16 copy every step (56 MiB through memory: 2.2-10x the bfloat16 head's time); one chunk at a
+# time stays in cache (0.8-1.4x, engine/QUANTIZATION.md).
 COLUMN_CHUNK = 4096
 
 
