@@ -6,11 +6,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from xlaserve.kernels import reference
 from xlaserve.kernels.dtype_ops import as_words, from_words, matmul, scan
 
 NUM_BLOCKS, BLOCK, KV_HEADS, HEADS, DIM = 64, 4, 2, 4, 16
+ON_CPU = pytest.mark.skipif(jax.default_backend() != "cpu", reason="forms chosen on CPU only")
 
 
 def step_inputs(rng):
@@ -93,6 +95,7 @@ def _compiled_hlo(fn, *args) -> str:
     return jax.jit(fn).lower(*args).compile().as_text()
 
 
+@ON_CPU
 def test_one_row_by_an_int8_weight_is_an_integer_dot_as_exact_as_the_row():
     # Batch 1 by an int8 weight (--quantization int8): the bfloat16 row is split into two int8 rows
     # (x = s * (hi + lo / 256), s a power of two) and multiplied in int32 (split_int8_matmul). Plain
@@ -124,6 +127,7 @@ def test_one_row_by_an_int8_weight_is_an_integer_dot_as_exact_as_the_row():
     assert np.all(zero_row == 0)
 
 
+@ON_CPU
 def test_a_wide_quantized_weight_is_multiplied_a_chunk_of_columns_at_a_time():
     # XLA CPU does not fuse a quantized weight's convert into the dot: the LM head [576, 49152] was
     # converted to a whole bfloat16 copy each step. Wide weights go through by_column_chunks: no
@@ -161,6 +165,7 @@ def test_a_wide_quantized_weight_is_multiplied_a_chunk_of_columns_at_a_time():
         np.testing.assert_allclose(got, xs @ dense, rtol=1e-5, atol=1e-4, err_msg=name)
 
 
+@ON_CPU
 def test_float8_weights_convert_to_bfloat16_exactly_on_cpu():
     # convert_weight turns e4m3 codes into bfloat16 by integer ops on the bits (faster on XLA CPU
     # than its float8 convert): every finite code, subnormals and signed zeros included, must agree.
