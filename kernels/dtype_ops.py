@@ -13,7 +13,10 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   weights are bitcast once per step (`scan`), on CPU only;
 - a dot of ONE 16-bit row (a batch-1 decode step) takes XLA CPU's matrix-vector path, which is not
   native: 7x slower than two rows for the LM head ([1, 576] x [576, 49152]), 1.5x for a projection
-  (engine/PERFORMANCE.md). `matmul` pads such a row to two.
+  (engine/PERFORMANCE.md). `matmul` pads such a row to two; by an int8 weight, the row is split
+  exactly into two int8 rows instead and multiplied in integers (`split_int8_matmul`);
+- a quantized weight's convert is not fused into the dot by XLA CPU: a wide one (the LM head) is
+  multiplied a chunk of columns at a time (`by_column_chunks`).
 """
 
 from __future__ import annotations
@@ -79,14 +82,19 @@ def matmul(
     `scale`: `w` [.., in, out] is quantized (models/quantization.py: int8 or float8) and `scale` its
     float32 scales, one per block: [.., in / b_in, out / b_out]. One block along `in` ([.., 1, out]:
     per output channel, no `zero`): the scale multiplies the accumulator and the weight is only
-    converted to x's dtype inside the dot, which XLA fuses (on this CPU as fast as a bfloat16 weight:
-    engine/QUANTIZATION.md). Other blocks ([b_in, b_out] = `block`): the weight is dequantized first
-    (still inside the step). `packed`: `w` holds 4-bit codes two to a byte ([.., in / 2, out] uint8,
-    see `unpack_int4`), multiplied as two half-depth dots (`packed_matmul`)."""
+    converted to x's dtype for the dot (on CPU: one 16-bit row by int8 in integers,
+    `split_int8_matmul`; a wide weight by column chunks, `by_column_chunks`). Other blocks
+    ([b_in, b_out] = `block`): the weight is dequantized first (still inside the step). `packed`:
+    `w` holds 4-bit codes two to a byte ([.., in / 2, out] uint8, see `unpack_int4`), multiplied as
+    two half-depth dots (`packed_matmul`)."""
     out_dtype = out_dtype or x.dtype
+    if _split_int8_on_cpu(x, w, scale, zero):
+        return split_int8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
     if _one_16bit_row_on_cpu(x):
         two_rows = jnp.concatenate([x, jnp.zeros_like(x)], axis=-2)
         return matmul(two_rows, w, out_dtype, scale, zero, block, packed)[..., :1, :]
+    if scale is not None and _wide_on_cpu(w, scale, zero):
+        return by_column_chunks(x, w, out_dtype, scale, zero, block, packed)
     if packed:
         return packed_matmul(x, w, scale, zero, block).astype(out_dtype)
     if scale is None:
@@ -94,14 +102,120 @@ def matmul(
     if scale.shape[-2] == 1 and zero is None and w.dtype == jnp.float8_e4m3fn and has_native_fp8():
         return fp8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
     if scale.shape[-2] == 1 and zero is None:
-        y = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        y = jnp.matmul(x, convert_weight(w, x.dtype), preferred_element_type=jnp.float32)
         return (y * scale[..., 0, :]).astype(out_dtype)
     y = jnp.matmul(x, dequantize(w, scale, x.dtype, zero, block), preferred_element_type=jnp.float32)
     return y.astype(out_dtype)
 
 
+def convert_weight(w: jax.Array, dtype) -> jax.Array:
+    """w.astype(dtype); on CPU a float8_e4m3fn weight to bfloat16 by integer ops on its bits (exact),
+    which XLA CPU runs faster than its own float8 convert: a 30-layer scan of [576, 1536] fp8
+    projections 1.19x -> 1.06x of bfloat16's at one row, 1.62x -> 1.22x at 8 (engine/QUANTIZATION.md)."""
+    if w.dtype != jnp.float8_e4m3fn or jnp.dtype(dtype) != jnp.bfloat16 or jax.default_backend() != "cpu":
+        return w.astype(dtype)
+    u = jax.lax.bitcast_convert_type(w, jnp.uint8).astype(jnp.uint16)
+    sign, exponent, mantissa = (u & 0x80) << 8, (u >> 3) & 0xF, u & 0x7
+    # e4m3 (bias 7) -> bfloat16 (bias 127): the same 3 mantissa bits, shifted. No inf; e4m3's NaN
+    # codes (0x7F, 0xFF) would read as 480: quantized weights are clipped to +-448, never NaN.
+    normal = sign | ((exponent + 120) << 7) | (mantissa << 4)
+    # A subnormal is mantissa * 2**-9: exact in float32, and its top 16 bits are its bfloat16.
+    small = jax.lax.bitcast_convert_type(mantissa.astype(jnp.float32) * 2.0**-9, jnp.uint32) >> 16
+    bits = jnp.where(exponent == 0, small.astype(jnp.uint16) | sign, normal)
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
 def _one_16bit_row_on_cpu(x: jax.Array) -> bool:
     return x.ndim >= 2 and x.shape[-2] == 1 and is_16bit_float(x.dtype) and jax.default_backend() == "cpu"
+
+
+# int8 x int8 products summed in int32: |hi|, |lo|, |w| <= 128, so K < 2**31 / 128**2 = 131072 inputs
+# can never overflow (SmolLM2's K: 576 and 1536; a 70B's down projection: 28672).
+MAX_INT8_DOT_DEPTH = 2**31 // (128 * 128) - 1
+
+
+# Rows of x up to which an int8 weight's dot runs as `split_int8_matmul` on CPU. It wins at one row
+# (the batch-1 LM head 0.46-0.92x of bfloat16's, a projection 0.5-0.75x) and loses from 8 (XLA CPU's int8
+# dot at 2M rows against the 16-bit one at M: engine/QUANTIZATION.md). Tests raise it to check the
+# split's accuracy over a whole prompt.
+INT8_SPLIT_MAX_ROWS = 1
+
+
+def _split_int8_on_cpu(x: jax.Array, w: jax.Array, scale: jax.Array | None, zero: jax.Array | None) -> bool:
+    return (
+        x.ndim >= 2
+        and x.shape[-2] <= INT8_SPLIT_MAX_ROWS
+        and is_16bit_float(x.dtype)
+        and jax.default_backend() == "cpu"
+        and w.dtype == jnp.int8
+        and scale is not None
+        and zero is None
+        and scale.shape[-2] == 1
+        and w.shape[-2] <= MAX_INT8_DOT_DEPTH
+    )
+
+
+def split_int8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """16-bit rows x [.., M, K] @ int8 w [.., K, N] with per-channel `w_scale` [.., N], as integers,
+    without rounding x beyond its own precision -> float32 [.., M, N].
+
+    x = s * (hi + lo / 256) with s a power of two per row (max |x| / s <= 127) and hi, lo int8: x / s
+    is exact, hi its nearest integer, lo the remainder in 1/256ths. An element with |x| >= s / 2 has
+    at most 8 significant bits above 2**-8 * s, so it is represented exactly; a smaller one is off by
+    at most s / 256 (< 2**-14 * max |x|; bfloat16 rounds every element by 2**-9 of itself). The two
+    row sets [hi; lo] make one int8 x int8 -> int32 dot (exact: `MAX_INT8_DOT_DEPTH`), which XLA CPU
+    runs with VNNI: the batch-1 LM head 0.46-0.92x of the bfloat16 one in runs under load, where
+    converting the int8 head to bfloat16 in the dot (not fused by XLA CPU) cost 3.4-5x
+    (engine/QUANTIZATION.md)."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    s = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / 127.0)))
+    v = x32 / s
+    hi = jnp.floor(v + 0.5)
+    lo = jnp.clip(jnp.floor((v - hi) * 256.0 + 0.5), -128, 127)
+    m = x.shape[-2]
+    rows = jnp.concatenate([hi, lo], axis=-2).astype(jnp.int8)  # [.., 2M, K]: one dot, not two
+    acc = jnp.matmul(rows, w, preferred_element_type=jnp.int32).astype(jnp.float32)
+    y = acc[..., :m, :] + acc[..., m:, :] * (1.0 / 256.0)
+    return y * s * w_scale[..., None, :]
+
+
+# Output columns per chunk of a wide quantized weight on CPU (the LM head): XLA CPU does not fuse the
+# weight's convert (or dequantization) into the dot, so a [576, 49152] head was converted to a whole
+# bfloat16 copy every step (56 MiB through memory: 2.2-10x the bfloat16 head's time); one chunk at a
+# time stays in cache (0.8-1.4x, engine/QUANTIZATION.md).
+COLUMN_CHUNK = 4096
+
+
+def _wide_on_cpu(w: jax.Array, scale: jax.Array, zero: jax.Array | None) -> bool:
+    return (
+        jax.default_backend() == "cpu"
+        and w.ndim == 2
+        and w.shape[-1] >= 2 * COLUMN_CHUNK
+        and scale.shape[-1] == w.shape[-1]  # one scale (and zero) per output column: sliced alike
+    )
+
+
+def by_column_chunks(x, w, out_dtype, scale, zero, block, packed) -> jax.Array:
+    """`matmul` of a wide quantized [in, out] weight, COLUMN_CHUNK output columns at a time (a loop:
+    one chunk's dequantized copy live at once); the columns past the last whole chunk in one more."""
+    n = w.shape[-1] // COLUMN_CHUNK
+
+    def part(start, size):
+        def cols(a):
+            return None if a is None else jax.lax.dynamic_slice_in_dim(a, start, size, axis=-1)
+
+        return matmul(x, cols(w), jnp.float32, cols(scale), cols(zero), block, packed)
+
+    def body(i, out):
+        start = i * COLUMN_CHUNK
+        return jax.lax.dynamic_update_slice_in_dim(out, part(start, COLUMN_CHUNK), start, axis=-1)
+
+    out = jax.lax.fori_loop(0, n, body, jnp.zeros((*x.shape[:-1], w.shape[-1]), jnp.float32))
+    if w.shape[-1] > n * COLUMN_CHUNK:
+        tail = n * COLUMN_CHUNK
+        out = out.at[..., tail:].set(part(tail, w.shape[-1] - tail))
+    return out.astype(out_dtype)
 
 
 def has_native_fp8() -> bool:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from xlaserve.kernels import reference
 from xlaserve.kernels.dtype_ops import as_words, from_words, matmul, scan
 
 NUM_BLOCKS, BLOCK, KV_HEADS, HEADS, DIM = 64, 4, 2, 4, 16
+ON_CPU = pytest.mark.skipif(jax.default_backend() != "cpu", reason="forms chosen on CPU only")
 
 
 def step_inputs(rng):
@@ -87,3 +89,93 @@ def test_a_one_row_16bit_dot_runs_as_two_rows_on_cpu():
         rtol=1e-5,
         atol=1e-5,
     )
+
+
+def _compiled_hlo(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@ON_CPU
+def test_one_row_by_an_int8_weight_is_an_integer_dot_as_exact_as_the_row():
+    # Batch 1 by an int8 weight (--quantization int8): the bfloat16 row is split into two int8 rows
+    # (x = s * (hi + lo / 256), s a power of two) and multiplied in int32 (split_int8_matmul). Plain
+    # W8A8 (one int8 row: 7 bits) or a lost lo row would miss this bound by ~100x.
+    rng = np.random.default_rng(1)
+    k, n = 1536, 96
+    x64 = rng.normal(size=(1, k)) * np.exp(rng.uniform(-6, 2, size=(1, k)))  # values over ~2**12
+    x64[0, :7] = 0.0
+    x = jnp.asarray(x64, jnp.bfloat16)
+    w = jnp.asarray(rng.integers(-127, 128, size=(k, n)), jnp.int8)
+    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, size=(1, n)), jnp.float32)
+    hlo = _compiled_hlo(lambda x, w, s: matmul(x, w, jnp.float32, scale=s), x, w, scale)
+    dots = [line for line in hlo.splitlines() if " dot(" in line]
+    assert dots and all(f"= s32[2,{n}]" in line for line in dots), dots  # int8 x int8 -> int32
+    assert f"bf16[{k},{n}]" not in hlo and f"f32[{k},{n}]" not in hlo  # the weight is never converted
+    got = np.asarray(matmul(x, w, jnp.float32, scale=scale), np.float64)
+    xs = np.asarray(x, np.float64)
+    ws = np.asarray(w, np.float64) * np.asarray(scale, np.float64)
+    want = xs @ ws
+    # Each element is exact or off by <= s / 256, s <= 2 max|x| / 127; float32 adds ~1e-7 relative.
+    s_max = 2 * np.abs(xs).max() / 127
+    bound = np.abs(ws).sum(axis=0) * s_max / 256 + 1e-6 * (np.abs(xs) @ np.abs(ws))
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+    # Elements at >= s / 2 are represented exactly: then only float32 rounding remains.
+    big = jnp.asarray(np.sign(x64) * rng.uniform(0.5, 1.0, size=(1, k)) * 100, jnp.bfloat16)
+    got = np.asarray(matmul(big, w, jnp.float32, scale=scale), np.float64)
+    np.testing.assert_allclose(got, np.asarray(big, np.float64) @ ws, rtol=1e-6, atol=1e-5)
+    zero_row = np.asarray(matmul(jnp.zeros((1, k), jnp.bfloat16), w, jnp.float32, scale=scale))
+    assert np.all(zero_row == 0)
+
+
+@ON_CPU
+def test_a_wide_quantized_weight_is_multiplied_a_chunk_of_columns_at_a_time():
+    # XLA CPU does not fuse a quantized weight's convert into the dot: the LM head [576, 49152] was
+    # converted to a whole bfloat16 copy each step. Wide weights go through by_column_chunks: no
+    # full-size float copy in the program, the values of the dequantized weight's dot.
+    from xlaserve.kernels.dtype_ops import COLUMN_CHUNK, dequantize
+    from xlaserve.models.quantization import pack_int4
+
+    rng = np.random.default_rng(2)
+    k, n = 64, 2 * COLUMN_CHUNK + 100  # two whole chunks and a tail
+    x = jnp.asarray(rng.normal(size=(3, k)), jnp.bfloat16)
+    xs = np.asarray(x, np.float64)
+    w = jnp.asarray(rng.integers(-127, 128, size=(k, n)), jnp.int8)
+    scale = jnp.asarray(rng.uniform(1e-3, 1e-2, size=(1, n)), jnp.float32)
+    codes = rng.integers(0, 16, size=(k, n)).astype(np.int8)  # GGUF-like 4-bit codes, groups of 32
+    g_scale = jnp.asarray(rng.uniform(1e-3, 1e-2, size=(k // 32, n)), jnp.float16)
+    g_zero = jnp.asarray(-8 * np.asarray(g_scale, np.float32), jnp.float16)
+    packed = jnp.asarray(pack_int4(codes))
+    cases = {
+        "int8 per channel": ((w, scale, None, None, False), np.asarray(w, np.float64) * np.asarray(scale)),
+        "packed 4-bit groups": (
+            (packed, g_scale, g_zero, (32, 1), True),
+            # the step's dequantization rounds group-scaled weights to x's dtype before the dot
+            np.asarray(dequantize(jnp.asarray(codes), g_scale, jnp.bfloat16, g_zero, (32, 1)), np.float64),
+        ),
+    }
+    for name, ((wq, s, z, block, is_packed), dense) in cases.items():
+
+        def f(x, wq, s, z, block=block, is_packed=is_packed):
+            return matmul(x, wq, jnp.float32, scale=s, zero=z, block=block, packed=is_packed)
+
+        hlo = _compiled_hlo(f, x, wq, s, z)
+        assert f"bf16[{k},{n}]" not in hlo and f"bf16[{k // 2},{n}]" not in hlo, name
+        assert "while" in hlo, name  # the loop over chunks
+        got = np.asarray(f(x, wq, s, z), np.float64)
+        np.testing.assert_allclose(got, xs @ dense, rtol=1e-5, atol=1e-4, err_msg=name)
+
+
+@ON_CPU
+def test_float8_weights_convert_to_bfloat16_exactly_on_cpu():
+    # convert_weight turns e4m3 codes into bfloat16 by integer ops on the bits (faster on XLA CPU
+    # than its float8 convert): every finite code, subnormals and signed zeros included, must agree.
+    from xlaserve.kernels.dtype_ops import convert_weight
+
+    codes = jnp.arange(256, dtype=jnp.uint8)
+    w = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    got = np.asarray(jax.jit(lambda w: convert_weight(w, jnp.bfloat16))(w), np.float64)
+    want = np.asarray(w.astype(jnp.float32), np.float64)
+    finite = ~np.isnan(want)
+    assert finite.sum() == 254
+    np.testing.assert_array_equal(got[finite], want[finite])
+    np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))

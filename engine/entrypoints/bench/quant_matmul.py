@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.kernels.dtype_ops import matmul, unpack_int4
+from xlaserve.kernels.dtype_ops import as_words, matmul, unpack_int4
+from xlaserve.kernels.dtype_ops import scan as dtype_scan
 from xlaserve.models.quantization import pack_int4
 
 LAYERS, DIN, DOUT, GROUP = 30, 576, 1536, 32
@@ -34,13 +35,17 @@ def variants(rng: np.random.Generator) -> dict:
     block = (GROUP, 1)
 
     def scan(weights, project):
-        def run(x):
+        # The weights are an argument: closed over, they are constants XLA may fold (a convert of a
+        # constant weight costs nothing: that hid the int8 LM head's cost, engine/QUANTIZATION.md).
+        def run(x, weights):
             def body(acc, w):
                 return acc + project(x, w), None
 
-            return jax.lax.scan(body, jnp.zeros((x.shape[0], DOUT), jnp.float32), weights)[0]
+            init = jnp.zeros((x.shape[0], DOUT), jnp.float32)
+            return dtype_scan(body, init, weights, words_of=jnp.bfloat16)[0]
 
-        return jax.jit(run)
+        jitted = jax.jit(run)
+        return lambda x: jitted(x, weights)
 
     def f32_mm(x, w):
         return matmul(x, w[0], jnp.float32, scale=w[1], zero=w[2], block=block)
@@ -54,7 +59,8 @@ def variants(rng: np.random.Generator) -> dict:
     int8 = (jnp.asarray(codes), jnp.asarray(scale, jnp.float32), jnp.asarray(zero, jnp.float32))
     packed = (jnp.asarray(pack_int4(codes)), jnp.asarray(scale), jnp.asarray(zero))
     return {
-        "bfloat16": (scan(dense, lambda x, w: matmul(x, w, jnp.float32)), dense),
+        # stored as words, sliced by the layer scan as the engine does (kernels/dtype_ops.py)
+        "bfloat16": (scan(as_words(dense), lambda x, w: matmul(x, w, jnp.float32)), dense),
         "int8 codes": (scan(int8, f32_mm), int8),
         "packed 4-bit": (scan(packed, packed_mm), packed),
         "unpacked first": (scan(packed, unpacked_mm), packed),
