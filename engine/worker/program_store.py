@@ -2,8 +2,9 @@
 lowering and looking it up in XLA's compilation cache (~0.3 s a program before a cache hit).
 
 An entry is keyed by everything that shapes the program: the engine's fingerprint (xlaserve's own
-source, jax/jaxlib, the devices and the CPU's features, XLA_FLAGS, the model's config and files, the
-engine config) and the program's name and abstract arguments (tree, shapes, dtypes, shardings). A key
+source, jax/jaxlib, the devices and the CPU's features, XLA_FLAGS, the model's config, the engine
+settings that reach a program) and the program's name and abstract arguments (tree, shapes, dtypes,
+shardings: the weights are arguments, so their shapes and dtypes key it, not their files). A key
 that matches loads; anything else (no entry, a corrupt or truncated file, a checksum or key that does
 not match, a load that raises) compiles as before and writes the entry anew.
 
@@ -15,6 +16,7 @@ XLA's own compilation cache beside them: only this user's cache directory is rea
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -34,7 +36,6 @@ import xlaserve.kernels
 import xlaserve.models
 import xlaserve.sharding
 from xlaserve.config import EngineConfig
-from xlaserve.models.loader import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -78,25 +79,48 @@ def _cpu_features() -> str:
     return platform.processor() or platform.machine()
 
 
-def _files_identity(model: str | None) -> list:
-    """The model's files (path, size, modification time): a new checkpoint under the same path keys
-    apart. The embedded model's alias keys its file."""
-    try:
-        model = resolve_model_path(model)
-    except (ValueError, OSError):
-        pass
-    if not model or not os.path.exists(model):
-        return [model]
-    paths = [model] if os.path.isfile(model) else sorted(str(p) for p in Path(model).iterdir() if p.is_file())
-    identity = []
-    for path in paths:
-        stat = os.stat(path)
-        identity.append([os.path.abspath(path), stat.st_size, stat.st_mtime_ns])
-    return identity
+# Engine settings that never reach a program: where the weights come from (they are arguments, their
+# shapes and dtypes in every key), how many KV blocks (the cache's shape is), host-side policy, and
+# the compilation cache's own switches. Every other setting keys the programs.
+_HOST_ONLY_SETTINGS = {
+    "model": ("model", "seed", "served_model_name", "load_format", "skip_tokenizer_init"),
+    "cache": (
+        "enable_prefix_caching",
+        "gpu_memory_utilization",
+        "kv_cache_memory",
+        "num_gpu_blocks_override",
+    ),
+    "scheduler": (
+        "policy",
+        "max_num_queued_reqs",
+        "long_prefill_token_threshold",
+        "max_num_partial_prefills",
+        "max_long_partial_prefills",
+    ),
+    "parallel": ("node_rank", "master_addr", "master_port"),
+    "compilation": (
+        "compilation_cache_dir",
+        "disable_compilation_cache",
+        "compilation_cache_max_size",
+        "strict_compile_guard",
+        "enforce_eager",
+    ),
+}
 
 
-def engine_fingerprint(config: EngineConfig, hf_config: dict, model_path: str | None, devices) -> str:
-    """Everything outside a program's arguments that may change what it computes or where it runs."""
+def program_settings(config: EngineConfig) -> dict:
+    """The engine settings that may shape a program (all but _HOST_ONLY_SETTINGS)."""
+    settings = dataclasses.asdict(config)
+    for group, names in _HOST_ONLY_SETTINGS.items():
+        for name in names:
+            settings[group].pop(name)
+    return settings
+
+
+def engine_fingerprint(config: EngineConfig, hf_config: dict, devices) -> str:
+    """Everything outside a program's arguments that may change what it computes or where it runs.
+    Not the checkpoint's files: the weights are arguments, so a checkpoint of the same config and
+    shapes elsewhere (a re-download, a test's temporary copy) runs the same programs."""
     backend = devices[0].client
     parts = {
         "format": _MAGIC.decode(),
@@ -111,8 +135,7 @@ def engine_fingerprint(config: EngineConfig, hf_config: dict, model_path: str | 
         "x64": bool(jax.config.jax_enable_x64),
         "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "hf_config": hf_config,
-        "model_files": _files_identity(model_path),
-        "engine": repr(config),
+        "engine": program_settings(config),
     }
     return _sha256(json.dumps(parts, sort_keys=True, default=repr))
 
@@ -149,7 +172,7 @@ class ProgramStore:
         if jax.process_count() > 1:
             return None
         directory = os.path.join(compilation.compilation_cache_dir, "executables")
-        fingerprint = engine_fingerprint(config, hf_config, config.model.model, devices)
+        fingerprint = engine_fingerprint(config, hf_config, devices)
         return cls(directory, compilation.compilation_cache_max_size, fingerprint)
 
     def key(self, name: str, args: tuple, kwargs: dict) -> str:

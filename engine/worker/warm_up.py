@@ -6,6 +6,7 @@ that the steps that follow find every program compiled here.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -14,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 from tqdm import tqdm
 
 from xlaserve.worker.compile_guard import compile_seconds, num_cache_hits, num_compiles
@@ -30,12 +32,12 @@ def compile_all(runner) -> None:
     prompt logprobs, and every sampler (and verify) variant per request bucket.
 
     Each program is loaded from the engine's store of executables when a warm start finds it there
-    (worker/program_store.py), else lowered and compiled (XLA's persistent cache may still hold it)
-    and stored; either way its executable is what the steps call (worker/program.py). XLA's compiles
-    release the GIL, so they run in a pool of one thread per core: the forwards first, and once a
-    bucket's forward is ready, its prompt-logprobs and sampler programs, lowered for the forward's
-    outputs (shape structs with their shardings), while the next forwards still compile. Nothing runs
-    on the device. The strict compile guard in the tests proves the first steps find every program."""
+    (worker/program_store.py), else lowered, compiled and stored; either way its executable is what
+    the steps call (worker/program.py). XLA's compiles release the GIL, so they run in a pool of one
+    thread per core: the forwards first, and once a bucket's forward is ready, its prompt-logprobs
+    and sampler programs, lowered for the forward's outputs (shape structs with their shardings),
+    while the next forwards still compile. Nothing runs on the device. The strict compile guard in
+    the tests proves the first steps find every program."""
     start_compiles, start_secs, t0 = num_compiles(), compile_seconds(), time.perf_counter()
     start_hits = num_cache_hits()
     store = ProgramStore.for_engine(runner.config, runner.hf_config, list(runner.mesh.devices.flat))
@@ -48,8 +50,8 @@ def compile_all(runner) -> None:
     def prepare(program, args, kwargs=None):
         return _load_or_compile(store, program, args, kwargs or {})
 
-    sampler_buckets_done, jobs = set(), []
-    with _compile_pool() as pool:
+    sampler_buckets_done, jobs, draft_buckets = set(), [], []
+    with _compile_pool() as pool, _fresh_compiles(store):
         forwards = {
             n: pool.submit(prepare, runner._forward_fn, runner._forward_args(runner.kv_cache, batches[n]))
             for n in runner.token_buckets
@@ -60,8 +62,8 @@ def compile_all(runner) -> None:
             plp_args = (runner.head_params, hidden, ready(np.zeros(num_tokens, np.int32)))
             jobs.append(pool.submit(prepare, runner._prompt_logprobs_fn, plp_args))
             num_seqs = runner._num_seqs_for(num_tokens)
-            if runner.drafter is not None:  # one draft program per token bucket, compiled each start
-                jobs.append(pool.submit(runner.drafter.lower_step(batches[num_tokens], num_seqs).compile))
+            if runner.drafter is not None:
+                draft_buckets.append((num_tokens, num_seqs))
             if num_seqs in sampler_buckets_done:
                 continue
             sampler_buckets_done.add(num_seqs)
@@ -80,6 +82,11 @@ def compile_all(runner) -> None:
                             pool.submit(prepare, runner._verify_fn, args, {"with_logprobs": with_logprobs})
                         )
         results = [f.result() for f in forwards.values()] + [job.result() for job in jobs]
+    if draft_buckets:  # one draft program per token bucket, compiled each start (XLA's cache may hold it)
+        with _compile_pool() as pool:
+            drafts = [pool.submit(runner.drafter.lower_step(batches[n], r).compile) for n, r in draft_buckets]
+            for job in drafts:
+                job.result()
     num_loaded = sum(1 for r in results if isinstance(r, tuple) and r[1])
     num_compiled = num_compiles() - start_compiles
     logger.info(
@@ -95,6 +102,23 @@ def compile_all(runner) -> None:
         compile_seconds() - start_secs,
     )
     runner.num_programs_loaded, runner.num_programs_compiled = num_loaded, num_compiled
+
+
+@contextlib.contextmanager
+def _fresh_compiles(store: ProgramStore | None):
+    """With a store, compile without XLA's persistent cache: an executable loaded from that cache
+    serializes incompletely on CPU (jax 0.10: "Function ... not found" when the stored copy runs),
+    and the store keeps these programs anyway. Without one, as configured."""
+    if store is None or not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()  # JAX decides once whether its cache is used; ask it again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        reset_cache()
 
 
 def _shape_struct(info) -> jax.ShapeDtypeStruct:

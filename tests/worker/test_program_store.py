@@ -84,9 +84,47 @@ def test_the_switch_that_turns_the_compilation_cache_off_turns_the_store_off(tmp
     assert store is not None and store.directory == str(tmp_path / "executables")
     off = EngineConfig.from_kwargs(None, compilation_cache_dir=str(tmp_path), disable_compilation_cache=True)
     assert ProgramStore.for_engine(off, {"model_type": "llama"}, devices) is None
-    # The fingerprint moves with what shapes the programs (here the engine config).
-    other = EngineConfig.from_kwargs(None, compilation_cache_dir=str(tmp_path), max_num_seqs=3)
-    assert ProgramStore.for_engine(other, {"model_type": "llama"}, devices).fingerprint != store.fingerprint
+
+    # The fingerprint moves with the settings that reach a program, not with host-only ones.
+    def fingerprint(**settings) -> str:
+        config = EngineConfig.from_kwargs(None, compilation_cache_dir=str(tmp_path), **settings)
+        return ProgramStore.for_engine(config, {"model_type": "llama"}, devices).fingerprint
+
+    assert fingerprint(max_num_seqs=3) != store.fingerprint != fingerprint(attention_backend="pallas")
+    assert fingerprint(kv_cache_memory=2**22, seed=5, strict_compile_guard=True) == store.fingerprint
+
+
+_CACHE_HIT_SCRIPT = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from xlaserve.worker.program import Program
+from xlaserve.worker.program_store import ProgramStore
+from xlaserve.worker.warm_up import _fresh_compiles, _load_or_compile
+jax.config.update("jax_compilation_cache_dir", sys.argv[1] + "/xla")
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def f(x, y):
+    return (jnp.where(x > 0.5, x.astype(jnp.bfloat16), 0).astype(jnp.float32) @ y.T).sum(0), jnp.argmax(x, -1)
+x, y = jnp.ones((64, 128)), jnp.ones((32, 128))
+if sys.argv[2] == "compile":  # the first process: f lands in XLA's persistent cache
+    jax.jit(f).lower(x, y).compile()
+    sys.exit(0)
+store = ProgramStore(sys.argv[1] + "/executables", 2**30, "test")
+with _fresh_compiles(store):
+    _load_or_compile(store, Program("f", jax.jit(f), num_fixed_args=0), (x, y), {})
+program = Program("f", jax.jit(f), num_fixed_args=0)
+assert _load_or_compile(store, program, (x, y), {})[1]
+print(float(np.asarray(program(x, y)[0]).sum()))
+"""
+
+
+def test_a_program_in_xlas_persistent_cache_is_stored_from_a_fresh_compile(tmp_path):
+    """An executable XLA's persistent cache gave back serializes without its kernels on CPU (jax
+    0.10): stored, it would fail when run ("Function ... not found"). Warm-up compiles afresh."""
+    for step in ("compile", "store"):
+        command = [sys.executable, "-c", _CACHE_HIT_SCRIPT, str(tmp_path), step]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.split()[-1]) == 64 * 32 * 128
 
 
 _START = """
