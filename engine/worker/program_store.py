@@ -39,7 +39,7 @@ from xlaserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"xlaserve-executable-v1\n"
+_MAGIC = b"xlaserve-executable-v2\n"
 _SUFFIX = ".xex"
 _DIGEST_BYTES = 32
 _STALE_TEMP_S = 3600.0  # a temporary file this old was left by a writer that died
@@ -199,12 +199,17 @@ class ProgramStore:
             payload = data[len(_MAGIC) + _DIGEST_BYTES :]
             if hashlib.sha256(payload).digest() != digest:
                 raise ValueError("checksum mismatch (truncated or corrupt)")
-            stored_key, blob, in_tree, out_tree = pickle.loads(payload)
+            stored_key, blob, in_tree, out_tree, device_ids = pickle.loads(payload)
             if stored_key != key:
                 raise ValueError("stored for another key")
             if in_tree != jax.tree.structure((args, call_kwargs)):
                 raise ValueError("argument tree differs")
-            executable = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+            # The devices it runs on, in its own order (a tensor-parallel mesh: a subset of them).
+            by_id = {d.id: d for d in jax.devices()}
+            devices = [by_id[i] for i in device_ids]
+            executable = serialize_executable.deserialize_and_load(
+                blob, in_tree, out_tree, backend=devices[0].client, execution_devices=devices
+            )
         except Exception as e:  # any failure to load falls back to compiling
             logger.warning("compiled program %s not loaded (%s): compiling it", path, e)
             self._remove(path)
@@ -219,7 +224,9 @@ class ProgramStore:
         """Store `compiled` (a jax.stages.Compiled) under `key`; False if it cannot be serialized."""
         try:
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-            payload = pickle.dumps((key, blob, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+            device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+            payload = (key, blob, in_tree, out_tree, device_ids)
+            payload = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
             logger.info("program not stored ahead of time (%s)", e)
             return False

@@ -132,7 +132,7 @@ import json, sys
 from xlaserve import LLM, SamplingParams
 from xlaserve.worker.compile_guard import num_compiles
 llm = LLM(sys.argv[1], dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2,
-          kv_cache_memory=2**22, strict_compile_guard=True)
+          kv_cache_memory=2**22, strict_compile_guard=True, **json.loads(sys.argv[2]))
 runner = llm.engine_core.runner
 before = num_compiles()
 outputs = llm.generate(["hello there", "one two three four five six seven"],
@@ -143,12 +143,16 @@ llm.shutdown()
 """
 
 
-def _start(model: str, cache_root: str) -> dict:
-    env = dict(os.environ, XLASERVE_CACHE_ROOT=cache_root)
+def _start(model: str, cache_root: str, xla_flags: str = "", **engine_args) -> dict:
+    env = dict(os.environ, XLASERVE_CACHE_ROOT=cache_root, XLA_FLAGS=xla_flags)
     env.pop("XLASERVE_COMPILATION_CACHE_DIR", None)
     env.pop("XLASERVE_DISABLE_COMPILATION_CACHE", None)
     result = subprocess.run(
-        [sys.executable, "-c", _START, model], env=env, capture_output=True, text=True, check=False
+        [sys.executable, "-c", _START, model, json.dumps(engine_args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -176,3 +180,14 @@ def test_second_start_in_a_fresh_process_loads_every_program(tmp_path):
     damaged = _start(model, cache_root)
     assert damaged["compiled"] == 2 and damaged["loaded"] == cold["compiled"] - 2
     assert damaged["compiles_after"] == 0 and damaged["tokens"] == cold["tokens"]
+
+
+@pytest.mark.slow  # two tensor-parallel engine starts in fresh processes
+def test_a_tensor_parallel_engine_loads_its_programs_onto_its_own_devices(tmp_path):
+    """Two of eight devices: each executable is loaded onto the mesh it was compiled for, in order."""
+    model = save_tiny_llama(str(tmp_path / "model"))
+    cache_root, flags = str(tmp_path / "cache"), "--xla_force_host_platform_device_count=8"
+    cold = _start(model, cache_root, flags, tensor_parallel_size=2)
+    warm = _start(model, cache_root, flags, tensor_parallel_size=2)
+    assert warm["loaded"] == cold["compiled"] > 0 and warm["compiled"] == 0
+    assert warm["compiles_after"] == 0 and warm["tokens"] == cold["tokens"]
