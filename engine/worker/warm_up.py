@@ -87,7 +87,7 @@ def compile_all(runner) -> None:
             drafts = [pool.submit(runner.drafter.lower_step(batches[n], r).compile) for n, r in draft_buckets]
             for job in drafts:
                 job.result()
-    num_loaded = sum(1 for r in results if isinstance(r, tuple) and r[1])
+    num_loaded = sum(is_loaded for _, is_loaded in results)
     num_compiled = num_compiles() - start_compiles
     logger.info(
         "warm-up: %d programs for %d token buckets %s in %.1fs (%d loaded ahead of time, %d compiled, "
