@@ -173,7 +173,11 @@ class ProgramStore:
             return None
         directory = os.path.join(compilation.compilation_cache_dir, "executables")
         fingerprint = engine_fingerprint(config, hf_config, devices)
-        return cls(directory, compilation.compilation_cache_max_size, fingerprint)
+        try:
+            return cls(directory, compilation.compilation_cache_max_size, fingerprint)
+        except OSError as e:  # a read-only or missing home: start anyway, compiling as before
+            logger.warning("no store of compiled programs at %s (%s): warm-up compiles them", directory, e)
+            return None
 
     def key(self, name: str, args: tuple, kwargs: dict) -> str:
         return _sha256(self.fingerprint, name, abstract_signature(args, kwargs))
@@ -231,16 +235,21 @@ class ProgramStore:
             logger.info("program not stored ahead of time (%s)", e)
             return False
         data = _MAGIC + hashlib.sha256(payload).digest() + payload
-        fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=_SUFFIX)
+        temp = None
         try:
+            fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=_SUFFIX)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(temp, self._path(key))  # atomic: a reader sees the whole entry or none
         except OSError as e:
             logger.warning("could not store a compiled program in %s: %s", self.directory, e)
-            self._remove(temp)
+            if temp is not None:
+                self._remove(temp)
             return False
-        self.evict()
+        try:
+            self.evict()
+        except OSError as e:  # the directory went away meanwhile: the next start writes it again
+            logger.warning("could not bound the store of compiled programs in %s: %s", self.directory, e)
         return True
 
     def evict(self) -> None:

@@ -84,6 +84,10 @@ def test_the_switch_that_turns_the_compilation_cache_off_turns_the_store_off(tmp
     assert store is not None and store.directory == str(tmp_path / "executables")
     off = EngineConfig.from_kwargs(None, compilation_cache_dir=str(tmp_path), disable_compilation_cache=True)
     assert ProgramStore.for_engine(off, {"model_type": "llama"}, devices) is None
+    # A cache directory that cannot be made (here under a file): no store, the engine still starts.
+    (tmp_path / "file").write_text("")
+    unwritable = EngineConfig.from_kwargs(None, compilation_cache_dir=str(tmp_path / "file" / "xla"))
+    assert ProgramStore.for_engine(unwritable, {"model_type": "llama"}, devices) is None
 
     # The fingerprint moves with the settings that reach a program, not with host-only ones.
     def fingerprint(**settings) -> str:
