@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from xlaserve.models.gguf_quant import KEPT_TYPES, decode_blocks, permute_rows
+from xlaserve.models.gguf_reader import FastGGUFReader, NotLittleEndianGGUF
 from xlaserve.models.quantization import QuantizedTensor
 
 # GGUF architecture -> (HF model_type, HF architectures entry).
@@ -68,9 +69,14 @@ class _FastGGUFReader(GGUFReader):
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
 
-def open_gguf(path: str) -> GGUFReader:
-    """Parse the header of a GGUF file (tensors stay memory-mapped). ValueError if it is not GGUF."""
+def open_gguf(path: str) -> FastGGUFReader | GGUFReader:
+    """Parse the header of a GGUF file (tensors stay memory-mapped). ValueError if it is not GGUF.
+    Our parser (models/gguf_reader.py, ~10x faster), or gguf's reader for a big-endian file."""
     try:
+        try:
+            return FastGGUFReader(path)
+        except NotLittleEndianGGUF:
+            pass
         try:
             return _FastGGUFReader(path)
         except (TypeError, AttributeError):  # a gguf release whose private reader internals changed
@@ -79,8 +85,10 @@ def open_gguf(path: str) -> GGUFReader:
         raise ValueError(f"{path!r} is not a readable GGUF file: {e!r}") from e
 
 
-def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
+def read_gguf_metadata(reader: FastGGUFReader | GGUFReader) -> dict[str, Any]:
     """All metadata key/values as Python values (strings, numbers, lists)."""
+    if isinstance(reader, FastGGUFReader):
+        return dict(reader.metadata)
     metadata = {}
     for key, field in reader.fields.items():
         value = field.contents()

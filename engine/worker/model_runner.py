@@ -42,6 +42,7 @@ from xlaserve.worker.input_batch import (
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from xlaserve.worker.lora_manager import LoRAManager
 from xlaserve.worker.model_loader import load_model
+from xlaserve.worker.program import Program
 from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
 from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, step_bitmask, verify
 from xlaserve.worker.step_future import StepFuture, StepTiming
@@ -166,6 +167,7 @@ class ModelRunner:
         devices=None,
     ):
         self.config = config
+        self.hf_config = hf_config  # keys the stored executables (worker/program_store.py)
         model = load_model(config, hf_config, tensors, devices)
         self.model_config = model.model_config
         # The logits' width (>= model_config.vocab_size): the [R, V] sampling tensors match it.
@@ -191,15 +193,30 @@ class ModelRunner:
         )
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
-        self._forward_fn = jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",))
+        # Each a Program (worker/program.py): a step calls the executable warm-up loaded or compiled
+        # for its shapes; the weights (and the KV cache) lead, outside the per-call signature.
+        self._forward_fn = Program(
+            "forward",
+            jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",)),
+            num_fixed_args=2,
+        )
         vocab = self.model_config.vocab_size
         # `with_logprobs` is traced (a runtime flag), not static: warm-up compiles 4 sampler programs
         # per request bucket (penalties x grammar), not 8 (sampler.py).
-        self._sample_fn = jax.jit(partial(_sample, self.graphdef, vocab, config.scheduler.max_num_seqs))
-        self._prompt_logprobs_fn = jax.jit(partial(_prompt_logprobs, self.graphdef, vocab))
+        self._sample_fn = Program(
+            "sample", jax.jit(partial(_sample, self.graphdef, vocab, config.scheduler.max_num_seqs))
+        )
+        self._prompt_logprobs_fn = Program(
+            "prompt_logprobs", jax.jit(partial(_prompt_logprobs, self.graphdef, vocab))
+        )
         spec = config.speculative
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
-        self._verify_fn = jax.jit(partial(_verify, self.graphdef, vocab), static_argnames=("with_logprobs",))
+        self._verify_fn = Program(
+            "verify",
+            jax.jit(partial(_verify, self.graphdef, vocab), static_argnames=("with_logprobs",)),
+            static_argnames=("with_logprobs",),
+        )
+        self.num_programs_loaded = self.num_programs_compiled = 0  # by warm-up, from disk or compiled
 
         # Speculative decoding's draft model (worker/draft_model.py): its cache shares the block ids.
         self.drafter = None

@@ -1,4 +1,4 @@
-"""Warm-up: every program a ModelRunner can call, compiled before the first request.
+"""Warm-up: every program a ModelRunner can call, loaded or compiled before the first request.
 
 The compile guard (worker/compile_guard.py) is armed after it; the strict guard in the tests proves
 that the steps that follow find every program compiled here.
@@ -6,6 +6,7 @@ that the steps that follow find every program compiled here.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -14,61 +15,55 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 from tqdm import tqdm
 
 from xlaserve.worker.compile_guard import compile_seconds, num_cache_hits, num_compiles
 from xlaserve.worker.input_batch import sampling_tensors
+from xlaserve.worker.program import Program
+from xlaserve.worker.program_store import ProgramStore
 from xlaserve.worker.spec_decode import build_spec_inputs
 
 logger = logging.getLogger(__name__)
 
 
 def compile_all(runner) -> None:
-    """Compile every program `runner` (a ModelRunner) may call: each token bucket's forward and
+    """Make ready every program `runner` (a ModelRunner) may call: each token bucket's forward and
     prompt logprobs, and every sampler (and verify) variant per request bucket.
 
-    XLA's compiles release the GIL, so they run in a pool of one thread per core: the forward
-    of every bucket is compiled ahead of time (`lower().compile()` fills the same cache a call
-    reads), and once a bucket's forward has run, its prompt-logprobs and sampler programs compile
-    from its outputs (arrays, not shape structs: a program lowered for a shape struct is keyed
-    apart from the call's and would compile again) while the next forwards still compile. The
-    strict compile guard in the tests proves the first steps find every program."""
+    Each program is loaded from the engine's store of executables when a warm start finds it there
+    (worker/program_store.py), else lowered, compiled and stored; either way its executable is what
+    the steps call (worker/program.py). XLA's compiles release the GIL, so they run in a pool of one
+    thread per core: the forwards first, and once a bucket's forward is ready, its prompt-logprobs
+    and sampler programs, lowered for the forward's outputs (shape structs with their shardings),
+    while the next forwards still compile. Nothing runs on the device. The strict compile guard in
+    the tests proves the first steps find every program."""
     start_compiles, start_secs, t0 = num_compiles(), compile_seconds(), time.perf_counter()
     start_hits = num_cache_hits()
+    store = ProgramStore.for_engine(runner.config, runner.hf_config, list(runner.mesh.devices.flat))
     vocab = runner.padded_vocab_size
     ready = runner.placement.step_inputs
     if runner.lora is not None:
         runner.lora.warm_up()
     batches = {n: runner._build_batch([], n) for n in runner.token_buckets}
 
-    def lower_forward(batch):  # in this thread, before the cache is donated by a first run
-        return runner._forward_fn.lower(*runner._forward_args(runner.kv_cache, batch))
+    def prepare(program, args, kwargs=None):
+        return _load_or_compile(store, program, args, kwargs or {})
 
-    # Only the main thread runs programs, in the same order on every process (a multi-host
-    # engine's collectives must match); the pool only compiles.
-    def compile_sampler(hidden_rd, st):
-        runner._sample_fn.lower(runner.head_params, hidden_rd, ready(st), with_logprobs=False).compile()
-
-    def compile_verify(hidden_rd, st, spec, with_logprobs):
-        q_args = runner._draft_probs(np.zeros_like(spec.num_drafts))
-        runner._verify_fn.lower(
-            runner.head_params, hidden_rd, ready(st), ready(spec), *q_args, with_logprobs=with_logprobs
-        ).compile()
-
-    def compile_prompt_logprobs(hidden, num_tokens):
-        targets = ready(np.zeros(num_tokens, np.int32))
-        runner._prompt_logprobs_fn.lower(runner.head_params, hidden, targets).compile()
-
-    sampler_buckets_done, jobs = set(), []
-    with _compile_pool() as pool:
-        forwards = {n: pool.submit(lower_forward(batches[n]).compile) for n in runner.token_buckets}
+    sampler_buckets_done, jobs, draft_buckets = set(), [], []
+    with _compile_pool() as pool, _fresh_compiles(store):
+        forwards = {
+            n: pool.submit(prepare, runner._forward_fn, runner._forward_args(runner.kv_cache, batches[n]))
+            for n in runner.token_buckets
+        }
         for num_tokens in tqdm(runner.token_buckets, desc="Compiling buckets", unit="bucket"):
-            forwards[num_tokens].result()
-            hidden, hidden_rd = runner._run_forward(batches[num_tokens])  # compiled: runs only
-            jobs.append(pool.submit(compile_prompt_logprobs, hidden, num_tokens))
+            forward, _ = forwards[num_tokens].result()
+            hidden, hidden_rd = (_shape_struct(s) for s in forward.out_info[:2])
+            plp_args = (runner.head_params, hidden, ready(np.zeros(num_tokens, np.int32)))
+            jobs.append(pool.submit(prepare, runner._prompt_logprobs_fn, plp_args))
             num_seqs = runner._num_seqs_for(num_tokens)
-            if runner.drafter is not None:  # one draft program per token bucket
-                jobs.append(pool.submit(runner.drafter.lower_step(batches[num_tokens], num_seqs).compile))
+            if runner.drafter is not None:
+                draft_buckets.append((num_tokens, num_seqs))
             if num_seqs in sampler_buckets_done:
                 continue
             sampler_buckets_done.add(num_seqs)
@@ -76,27 +71,84 @@ def compile_all(runner) -> None:
             # off. Logprobs are a runtime flag of the same programs (sampler.py).
             for with_penalties, with_grammar in itertools.product((False, True), repeat=2):
                 bitmask = np.zeros((0, 1), np.int32) if with_grammar else None
-                st = sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
-                jobs.append(pool.submit(compile_sampler, hidden_rd, st))
+                st = ready(sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask))
+                args = (runner.head_params, hidden_rd, st)
+                jobs.append(pool.submit(prepare, runner._sample_fn, args, {"with_logprobs": False}))
                 if runner.num_spec_tokens:  # the same variants verifying drafts (logprobs static)
-                    spec = build_spec_inputs([], num_seqs, runner.num_spec_tokens)
+                    spec = ready(build_spec_inputs([], num_seqs, runner.num_spec_tokens))
                     if with_grammar:  # one mask per verified position
                         bitmask = np.zeros((0, runner.num_spec_tokens + 1, 1), np.int32)
-                        st = sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
+                        st = ready(
+                            sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask)
+                        )
+                    args = (
+                        runner.head_params,
+                        hidden_rd,
+                        st,
+                        spec,
+                        *runner._draft_probs(np.zeros_like(spec.num_drafts)),
+                    )
                     for with_logprobs in (False, True):
-                        jobs.append(pool.submit(compile_verify, hidden_rd, st, spec, with_logprobs))
-        for job in jobs:
-            job.result()
+                        jobs.append(
+                            pool.submit(prepare, runner._verify_fn, args, {"with_logprobs": with_logprobs})
+                        )
+        results = [f.result() for f in forwards.values()] + [job.result() for job in jobs]
+    if draft_buckets:  # one draft program per token bucket, compiled each start (XLA's cache may hold it)
+        with _compile_pool() as pool:
+            drafts = [pool.submit(runner.drafter.lower_step(batches[n], r).compile) for n, r in draft_buckets]
+            for job in drafts:
+                job.result()
+    num_loaded = sum(is_loaded for _, is_loaded in results)
+    num_compiled = num_compiles() - start_compiles
     logger.info(
-        "warm-up: %d programs for %d token buckets %s in %.1fs (%d from the persistent cache; "
-        "XLA compile time %.1fs)",
-        num_compiles() - start_compiles,
+        "warm-up: %d programs for %d token buckets %s in %.1fs (%d loaded ahead of time, %d compiled, "
+        "%d from the persistent cache; XLA compile time %.1fs)",
+        num_loaded + num_compiled,
         len(runner.token_buckets),
         runner.token_buckets,
         time.perf_counter() - t0,
+        num_loaded,
+        num_compiled,
         num_cache_hits() - start_hits,
         compile_seconds() - start_secs,
     )
+    runner.num_programs_loaded, runner.num_programs_compiled = num_loaded, num_compiled
+
+
+@contextlib.contextmanager
+def _fresh_compiles(store: ProgramStore | None):
+    """With a store, compile without XLA's persistent cache: an executable loaded from that cache
+    serializes incompletely on CPU (jax 0.10: "Function ... not found" when the stored copy runs),
+    and the store keeps these programs anyway. Without one, as configured."""
+    if store is None or not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()  # JAX decides once whether its cache is used; ask it again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        reset_cache()
+
+
+def _shape_struct(info) -> jax.ShapeDtypeStruct:
+    """An output's shape, dtype and sharding (not its layout: the default one)."""
+    return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=info.sharding)
+
+
+def _load_or_compile(store: ProgramStore | None, program: Program, args: tuple, kwargs: dict):
+    """-> (the executable for (args, kwargs), whether it was loaded), routed to by `program`."""
+    call_kwargs = {k: v for k, v in kwargs.items() if k not in program.static_argnames}
+    key = None if store is None else store.key(program.name, args, kwargs)
+    executable = None if store is None else store.load(key, args, call_kwargs)
+    is_loaded = executable is not None
+    if not is_loaded:
+        executable = program.lower(*args, **kwargs).compile()
+        if store is not None:
+            store.save(key, executable)
+    program.add(args, kwargs, executable)
+    return executable, is_loaded
 
 
 class _InlinePool:

@@ -4,7 +4,8 @@ a cold and a warm start.
 Each run is a fresh process, as a user's would be: the first with an empty persistent compilation
 cache (cold: every warm-up program compiles), the second with the cache the first left (warm). The
 report gives the wall time to the first generated text and the phases the engine logged (checkpoint,
-placement, warm-up), and how many programs came from the cache.
+placement, warm-up), and how many programs were loaded ahead of time (worker/program_store.py), how
+many compiled, and of those how many XLA's persistent cache held.
 
 `--serve` then starts `xlaserve serve` twice and reports how long each takes until its /health answers
 200: the first compiles the server's own programs (`generate` sizes its engine to one request, cli.py,
@@ -31,7 +32,9 @@ _PHASES = {
     "placement_s": re.compile(r"placed \S+ weights in ([\d.]+)s"),
     "warm_up_s": re.compile(r"warm-up: \d+ programs for .* in ([\d.]+)s"),
     "programs": re.compile(r"warm-up: (\d+) programs"),
-    "from_cache": re.compile(r"\((\d+) from the persistent cache"),
+    "loaded": re.compile(r"\((\d+) loaded ahead of time"),
+    "compiled": re.compile(r"(\d+) compiled, "),
+    "from_cache": re.compile(r"(\d+) from the persistent cache"),
 }
 
 

@@ -1,0 +1,197 @@
+"""Ahead-of-time executables (worker/program_store.py, worker/program.py): a second engine start in a
+fresh process loads every warm-up program instead of compiling it, gives the same greedy tokens and
+compiles nothing in the steady state (strict guard); a corrupt or mismatched entry compiles again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers.tiny_models import save_tiny_llama
+from xlaserve.config import EngineConfig
+from xlaserve.worker.program import Program
+from xlaserve.worker.program_store import ProgramStore
+from xlaserve.worker.warm_up import _load_or_compile
+
+
+def _affine(params, x, *, scale):
+    return params["w"] * x * scale + params["b"]
+
+
+def _program() -> Program:
+    return Program("affine", jax.jit(_affine, static_argnames=("scale",)), static_argnames=("scale",))
+
+
+def _entries(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".xex"))
+
+
+def test_store_loads_what_it_saved_and_compiles_past_a_bad_entry(tmp_path):
+    params = {"w": jnp.full(4, 2.0), "b": jnp.ones(4)}
+    x = np.arange(4, dtype=np.float32)
+    store = ProgramStore(str(tmp_path), max_bytes=2**30, fingerprint="test")
+    args = (params, x)
+    expected = np.arange(4) * 6.0 + 1
+    _, is_loaded = _load_or_compile(store, _program(), args, {"scale": 3.0})
+    assert not is_loaded and len(_entries(str(tmp_path))) == 1
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]  # written, then renamed
+
+    program = _program()
+    _, is_loaded = _load_or_compile(store, program, args, {"scale": 3.0})
+    assert is_loaded
+    np.testing.assert_allclose(program(params, x, scale=3.0), expected)
+    # A static value or a shape warm-up never saw goes to the jitted function.
+    np.testing.assert_allclose(program(params, x, scale=1.0), np.arange(4) * 2.0 + 1)
+    assert len(program.executables) == 1
+
+    # Another fingerprint (another jax, model, engine config...) keys apart: compiled, stored beside.
+    other = ProgramStore(str(tmp_path), max_bytes=2**30, fingerprint="other")
+    assert not _load_or_compile(other, _program(), args, {"scale": 3.0})[1]
+    first = store._path(store.key("affine", args, {"scale": 3.0}))
+    second = other._path(other.key("affine", args, {"scale": 3.0}))
+    assert _entries(str(tmp_path)) == sorted([first, second])
+
+    # An entry holding another key's executable, a truncated one, a zeroed one: each compiles, and the
+    # bad file is replaced by a good one.
+    with open(first, "rb") as f:
+        good = f.read()
+    for damaged in (good, good[:-100], good[:40] + bytes(len(good) - 40)):
+        with open(second, "wb") as f:
+            f.write(damaged)
+        program = _program()
+        assert not _load_or_compile(other, program, args, {"scale": 3.0})[1]
+        np.testing.assert_allclose(program(params, x, scale=3.0), expected)
+        assert _load_or_compile(other, _program(), args, {"scale": 3.0})[1]  # rewritten
+
+    # Bounded: past max_bytes the least recently used entries go.
+    os.utime(first, (1, 1))
+    small = ProgramStore(str(tmp_path), max_bytes=os.path.getsize(second), fingerprint="test")
+    small.evict()
+    assert _entries(str(tmp_path)) == [second]
+
+
+def test_the_switch_that_turns_the_compilation_cache_off_turns_the_store_off(tmp_path):
+    devices = jax.devices()
+    on = EngineConfig.from_kwargs(None, compilation_cache_dir=str(tmp_path))
+    store = ProgramStore.for_engine(on, {"model_type": "llama"}, devices)
+    assert store is not None and store.directory == str(tmp_path / "executables")
+    off = EngineConfig.from_kwargs(None, compilation_cache_dir=str(tmp_path), disable_compilation_cache=True)
+    assert ProgramStore.for_engine(off, {"model_type": "llama"}, devices) is None
+    # A cache directory that cannot be made (here under a file): no store, the engine still starts.
+    (tmp_path / "file").write_text("")
+    unwritable = EngineConfig.from_kwargs(None, compilation_cache_dir=str(tmp_path / "file" / "xla"))
+    assert ProgramStore.for_engine(unwritable, {"model_type": "llama"}, devices) is None
+
+    # The fingerprint moves with the settings that reach a program, not with host-only ones.
+    def fingerprint(**settings) -> str:
+        config = EngineConfig.from_kwargs(None, compilation_cache_dir=str(tmp_path), **settings)
+        return ProgramStore.for_engine(config, {"model_type": "llama"}, devices).fingerprint
+
+    assert fingerprint(max_num_seqs=3) != store.fingerprint != fingerprint(attention_backend="pallas")
+    assert fingerprint(kv_cache_memory=2**22, seed=5, strict_compile_guard=True) == store.fingerprint
+
+
+_CACHE_HIT_SCRIPT = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from xlaserve.worker.program import Program
+from xlaserve.worker.program_store import ProgramStore
+from xlaserve.worker.warm_up import _fresh_compiles, _load_or_compile
+jax.config.update("jax_compilation_cache_dir", sys.argv[1] + "/xla")
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def f(x, y):
+    return (jnp.where(x > 0.5, x.astype(jnp.bfloat16), 0).astype(jnp.float32) @ y.T).sum(0), jnp.argmax(x, -1)
+x, y = jnp.ones((64, 128)), jnp.ones((32, 128))
+if sys.argv[2] == "compile":  # the first process: f lands in XLA's persistent cache
+    jax.jit(f).lower(x, y).compile()
+    sys.exit(0)
+store = ProgramStore(sys.argv[1] + "/executables", 2**30, "test")
+with _fresh_compiles(store):
+    _load_or_compile(store, Program("f", jax.jit(f), num_fixed_args=0), (x, y), {})
+program = Program("f", jax.jit(f), num_fixed_args=0)
+assert _load_or_compile(store, program, (x, y), {})[1]
+print(float(np.asarray(program(x, y)[0]).sum()))
+"""
+
+
+def test_a_program_in_xlas_persistent_cache_is_stored_from_a_fresh_compile(tmp_path):
+    """An executable XLA's persistent cache gave back serializes without its kernels on CPU (jax
+    0.10): stored, it would fail when run ("Function ... not found"). Warm-up compiles afresh."""
+    for step in ("compile", "store"):
+        command = [sys.executable, "-c", _CACHE_HIT_SCRIPT, str(tmp_path), step]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.split()[-1]) == 64 * 32 * 128
+
+
+_START = """
+import json, sys
+from xlaserve import LLM, SamplingParams
+from xlaserve.worker.compile_guard import num_compiles
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2,
+          kv_cache_memory=2**22, strict_compile_guard=True, **json.loads(sys.argv[2]))
+runner = llm.engine_core.runner
+before = num_compiles()
+outputs = llm.generate(["hello there", "one two three four five six seven"],
+                       SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outputs], "loaded": runner.num_programs_loaded,
+                  "compiled": runner.num_programs_compiled, "compiles_after": num_compiles() - before}))
+llm.shutdown()
+"""
+
+
+def _start(model: str, cache_root: str, xla_flags: str = "", **engine_args) -> dict:
+    env = dict(os.environ, XLASERVE_CACHE_ROOT=cache_root, XLA_FLAGS=xla_flags)
+    env.pop("XLASERVE_COMPILATION_CACHE_DIR", None)
+    env.pop("XLASERVE_DISABLE_COMPILATION_CACHE", None)
+    result = subprocess.run(
+        [sys.executable, "-c", _START, model, json.dumps(engine_args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # three engine starts in fresh processes (~30 s of CPU)
+def test_second_start_in_a_fresh_process_loads_every_program(tmp_path):
+    model = save_tiny_llama(str(tmp_path / "model"))
+    cache_root = str(tmp_path / "cache")
+    cold = _start(model, cache_root)
+    assert cold["loaded"] == 0 and cold["compiled"] > 0
+    warm = _start(model, cache_root)
+    # Every program the cold start compiled, loaded instead; none compiled at warm-up or after it.
+    assert warm["loaded"] == cold["compiled"] and warm["compiled"] == 0
+    assert warm["compiles_after"] == 0 and warm["tokens"] == cold["tokens"]
+
+    # One truncated entry and one holding another's executable: those two compile, the rest load.
+    entries = _entries(os.path.join(cache_root, "xla", "executables"))
+    with open(entries[0], "rb") as f:
+        first = f.read()
+    with open(entries[0], "wb") as f:
+        f.write(first[: len(first) // 2])
+    with open(entries[1], "wb") as f:
+        f.write(first)
+    damaged = _start(model, cache_root)
+    assert damaged["compiled"] == 2 and damaged["loaded"] == cold["compiled"] - 2
+    assert damaged["compiles_after"] == 0 and damaged["tokens"] == cold["tokens"]
+
+
+@pytest.mark.slow  # two tensor-parallel engine starts in fresh processes
+def test_a_tensor_parallel_engine_loads_its_programs_onto_its_own_devices(tmp_path):
+    """Two of eight devices: each executable is loaded onto the mesh it was compiled for, in order."""
+    model = save_tiny_llama(str(tmp_path / "model"))
+    cache_root, flags = str(tmp_path / "cache"), "--xla_force_host_platform_device_count=8"
+    cold = _start(model, cache_root, flags, tensor_parallel_size=2)
+    warm = _start(model, cache_root, flags, tensor_parallel_size=2)
+    assert warm["loaded"] == cold["compiled"] > 0 and warm["compiled"] == 0
+    assert warm["compiles_after"] == 0 and warm["tokens"] == cold["tokens"]
