@@ -12,24 +12,12 @@ import pytest
 
 from xlaserve.core.outputs import ScheduledRequest
 from xlaserve.core.request import Request
-from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 K = 4  # drafts per step: masks of K + 1 positions
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from xlaserve.models.loader import load_tokenizer
-
-    return load_tokenizer(None)
-
-
-@pytest.fixture(scope="module")
-def manager(tokenizer):
-    manager = StructuredOutputManager(tokenizer, 49152, tokenizer.eos_token_id)
-    yield manager
-    manager.shutdown()
+# `tokenizer` (SmolLM2's) and `manager` (a StructuredOutputManager on it): tests/engine/conftest.py
 
 
 @pytest.fixture(scope="module")

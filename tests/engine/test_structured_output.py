@@ -134,18 +134,7 @@ def test_every_kind_compiles():
 # -- the manager, with SmolLM2's tokenizer ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from xlaserve.models.loader import load_tokenizer
-
-    return load_tokenizer(None)
-
-
-@pytest.fixture(scope="module")
-def manager(tokenizer):
-    manager = StructuredOutputManager(tokenizer, 49152, tokenizer.eos_token_id)
-    yield manager
-    manager.shutdown()
+# `tokenizer` (SmolLM2's) and `manager` (a StructuredOutputManager on it): tests/engine/conftest.py
 
 
 def constrained(request_id: str, **spec) -> Request:
