@@ -6,10 +6,14 @@ token are the same thing to this op: queries at known positions, attending causa
 
 Memory stays bounded: every path walks the block tables a few pages at a time with an online
 softmax, and its trip count is set by the contexts it actually serves (a dynamic bound), so short
-batches never touch the padded tail of the block tables. Each sequence takes one of three paths:
+batches never touch the padded tail of the block tables. Each sequence takes one of four paths, and
+a path no sequence takes is skipped whole (a `lax.cond`: its setup alone cost more than the decode
+path's work at batch 64):
 
 - decode (one new token): one query per sequence, gathering that sequence's pages ([R] wide);
-- short (a few tokens over a short context): every token gathers its own pages ([T] wide), cheap
+- few (2 to ``few_queries`` new tokens: a speculative verification, a tiny prompt): the sequence's
+  pages gathered once for all its queries ([R, F] wide);
+- short (more tokens over a short context): every token gathers its own pages ([T] wide), cheap
   while the context is short;
 - long (the rest, e.g. a prefill chunk deep into a long prompt): tiles of ``tile_queries``
   consecutive queries of one sequence share each gathered page chunk, so the scores are real
