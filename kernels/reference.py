@@ -19,6 +19,10 @@ path's work at batch 64):
   consecutive queries of one sequence share each gathered page chunk, so the scores are real
   matmuls and the pages are read once per tile instead of once per token. Gathering per token
   made an 8,000-token prefill on CPU read ~T x context keys per layer and step.
+
+On CPU with a bfloat16 cache (stored as uint16 words), the decode, few and short paths call one C++
+op instead (`kernels/cpu_attention.py`: every key row read once from its page, in float32); the jnp
+paths stay the specification and serve everywhere else (a float32 or float8 cache, no compiler).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from xlaserve.kernels import cpu_attention
 from xlaserve.kernels.dtype_ops import as_words, from_words, is_8bit_float, is_16bit_float
 
 DEFAULT_TOKENS_PER_CHUNK = 64  # KV tokens per loop step of the decode and short paths
@@ -247,6 +252,18 @@ class _Attend:
         """F queries of each of N sequences over that sequence's pages, gathered once for all F:
         -> [N, F, k, g, d] (inactive queries zero)."""
         n, f, num_kv_heads, group, head_dim = q_nfkgd.shape
+        if cpu_attention.usable(self.k_cache, self.value_dtype):  # one C++ op reads the pages in place
+            out = cpu_attention.paged_attention(
+                q_nfkgd.reshape(n * f, num_kv_heads, group, head_dim),
+                self.k_cache,
+                self.v_cache,
+                jnp.repeat(tables_np, f, axis=0),
+                position_nf.reshape(-1),
+                active_nf.reshape(-1),
+                self.sliding_window,
+                self.soft_cap,
+            )
+            return out.reshape(n, f, num_kv_heads, group, head_dim)
         chunk_len = pages_per_chunk * self.block_size
         first = jnp.min(jnp.where(active_nf, position_nf, jnp.iinfo(jnp.int32).max))
         last = jnp.max(jnp.where(active_nf, position_nf, -1))

@@ -36,6 +36,7 @@ import xlaserve.kernels
 import xlaserve.models
 import xlaserve.sharding
 from xlaserve.config import EngineConfig
+from xlaserve.kernels import cpu_attention
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +56,13 @@ def _sha256(*parts: bytes | str) -> str:
 
 
 def _source_digest() -> str:
-    """xlaserve's own code: an edit to a model or a kernel changes the programs it traces."""
+    """xlaserve's own code: an edit to a model or a kernel (Python or the CPU op's C++) changes the
+    programs it traces."""
     roots = [Path(__file__).parents[1]]  # engine/, installed as xlaserve
     roots += [Path(p.__file__).parent for p in (xlaserve.models, xlaserve.kernels, xlaserve.sharding)]
     h = hashlib.sha256()
     for root in roots:
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
@@ -132,6 +134,8 @@ def engine_fingerprint(config: EngineConfig, hf_config: dict, devices) -> str:
         "devices": [[d.id, d.device_kind, d.process_index] for d in devices],
         "cpu": _cpu_features(),
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_ENABLE_X64")},
+        # Whether the CPU attention op is in the programs (and registered before any of them loads).
+        "cpu_kernels": backend.platform == "cpu" and cpu_attention.available(),
         "x64": bool(jax.config.jax_enable_x64),
         "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "hf_config": hf_config,

@@ -38,7 +38,9 @@ def attend(q, k, v, k_cache, v_cache, lens, tables, qsl, slots):
     return out, k_cache, v_cache
 
 
-def test_words_cache_is_bit_identical_to_a_bfloat16_cache():
+def test_words_cache_is_bit_identical_to_a_bfloat16_cache(monkeypatch):
+    # The jnp paths on both (a words cache on CPU otherwise takes the C++ op: test_cpu_attention.py).
+    monkeypatch.setenv("XLASERVE_CPU_KERNELS", "0")
     q, k, v, cache, lens, tables, qsl, slots = step_inputs(np.random.default_rng(0))
     want, want_k, _ = jax.jit(attend)(q, k, v, cache, cache * 2, lens, tables, qsl, slots)
     got, got_k, _ = jax.jit(attend)(q, k, v, as_words(cache), as_words(cache * 2), lens, tables, qsl, slots)

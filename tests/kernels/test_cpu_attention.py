@@ -1,0 +1,151 @@
+"""The CPU attention op (kernels/cpu_attention.py, a C++ XLA FFI handler): the reference backend's
+decode, few and short paths on a bfloat16 cache stored as words call it on CPU. Each shape it has a
+compiled-in form for (head_dim 64 and 128 by groups 1-8) and the generic loop, against the float64
+oracle; it is in the compiled step; turned off or unbuildable, the jnp paths serve the same numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers.attention_cases import BATCHES, AttnConfig, Layout, case_seed, run_case, tolerance
+from xlaserve.kernels import cpu_attention
+from xlaserve.kernels.dtype_ops import as_words
+from xlaserve.kernels.reference import ragged_paged_attention
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not cpu_attention.available(), reason="a CPU with a C++ compiler"
+)
+
+_SMALL = Layout(num_tokens=128, num_padded_seqs=8, max_blocks_per_seq=16, num_blocks=96)
+
+
+def _config(q_heads, kv_heads, head_dim, **kw) -> AttnConfig:
+    layout = dataclasses.replace(_SMALL, head_dim=head_dim, **kw.pop("layout", {}))
+    return AttnConfig(q_heads, kv_heads, dtype="bfloat16", layout=layout, **kw)
+
+
+CPU_CONFIGS = {
+    # SmolLM2's heads (9 query, 3 KV, head_dim 64): the form the engine's decode step runs.
+    "smollm2": _config(9, 3, 64),
+    "d128_gqa4_cap": _config(8, 2, 128, soft_cap=2.0),
+    "d64_mha_window": _config(2, 2, 64, sliding_window=21),
+    # No compiled-in form (head_dim 16, group 5): the generic loop, one task per (query, KV head).
+    "generic_gqa5": _config(10, 2, 16, sliding_window=9),
+    # A block size that divides neither the contexts nor 16.
+    "block5": _config(6, 2, 64, layout={"block_size": 5, "max_blocks_per_seq": 41, "num_blocks": 160}),
+}
+
+
+def _on_words(q, k_cache, v_cache, *args, **kwargs):
+    """The reference backend's layout: the bfloat16 cache held as its uint16 words."""
+    return ragged_paged_attention(q, as_words(k_cache), as_words(v_cache), *args, **kwargs)
+
+
+_ATTENTION = partial(_on_words, few_queries=8)
+
+
+@pytest.mark.parametrize("batch", ["decode", "mixed", "verify"])
+@pytest.mark.parametrize("config", list(CPU_CONFIGS))
+def test_cpu_op_matches_float64(config, batch):
+    cfg = CPU_CONFIGS[config]
+    seqs = [(min(ctx, 150), num) for ctx, num in BATCHES[batch](cfg.layout.block_size)]
+    n = sum(num for _, num in seqs)
+    for poison_tails in (False, True):  # NaN in the unused slots of the last pages must not leak
+        out, expected, *_ = run_case(
+            cfg, seqs, case_seed(config, batch), attention=_ATTENTION, poison_tails=poison_tails
+        )
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out[:n], expected[:n], **tolerance(cfg.dtype))
+        np.testing.assert_array_equal(out[n:], 0.0)
+
+
+def _compiled(attention, cfg):
+    lay = cfg.layout
+    args = (
+        jnp.zeros((8, cfg.num_q_heads, lay.head_dim), jnp.bfloat16),
+        jnp.zeros((lay.num_blocks, lay.block_size, cfg.num_kv_heads, lay.head_dim), jnp.uint16),
+        jnp.zeros((lay.num_blocks, lay.block_size, cfg.num_kv_heads, lay.head_dim), jnp.uint16),
+        jnp.ones(8, jnp.int32),
+        jnp.zeros((8, lay.max_blocks_per_seq), jnp.int32),
+        jnp.arange(9, dtype=jnp.int32),
+        jnp.int32(8),
+    )
+    return jax.jit(partial(attention, sm_scale=0.125)).lower(*args).compile().as_text()
+
+
+def test_words_cache_calls_the_op_and_other_caches_do_not():
+    cfg = CPU_CONFIGS["smollm2"]
+    assert cpu_attention.TARGET in _compiled(ragged_paged_attention, cfg)
+    # A float32 cache (the float32 engines, HF parity) keeps the jnp paths.
+    f32 = partial(ragged_paged_attention, sm_scale=0.125)
+    lay = cfg.layout
+    cache = jnp.zeros((lay.num_blocks, lay.block_size, cfg.num_kv_heads, lay.head_dim), jnp.float32)
+    hlo = jax.jit(f32).lower(
+        jnp.zeros((8, cfg.num_q_heads, lay.head_dim), jnp.float32), cache, cache, jnp.ones(8, jnp.int32),
+        jnp.zeros((8, lay.max_blocks_per_seq), jnp.int32), jnp.arange(9, dtype=jnp.int32), jnp.int32(8),
+    ).compile().as_text()  # fmt: skip
+    assert cpu_attention.TARGET not in hlo
+
+
+def test_turned_off_the_jnp_paths_give_the_same_numbers(monkeypatch):
+    cfg = CPU_CONFIGS["smollm2"]
+    seqs = BATCHES["mixed"](cfg.layout.block_size)
+    on, expected, *_ = run_case(cfg, seqs, 3, attention=partial(_on_words, few_queries=8))
+    monkeypatch.setenv(cpu_attention.DISABLE_ENV, "0")
+    assert cpu_attention.TARGET not in _compiled(ragged_paged_attention, cfg)
+    off, *_ = run_case(cfg, seqs, 3, attention=partial(_on_words, few_queries=7))  # a new trace
+    n = sum(num for _, num in seqs)
+    for out in (on, off):
+        np.testing.assert_allclose(out[:n], expected[:n], **tolerance(cfg.dtype))
+    # The op keeps q and the probabilities in float32 where the jnp path rounds them to bfloat16.
+    assert np.abs(on[:n] - expected[:n]).mean() < np.abs(off[:n] - expected[:n]).mean()
+
+
+def test_inactive_rows_with_garbage_tables_read_nothing():
+    """Padding rows' tables hold whatever the host left there (here: page ids far outside the cache);
+    the op reads no page of an inactive row, and an active row never outside the cache."""
+    d, heads, group, num_blocks, bs = 64, 3, 3, 8, 16
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(3, heads, group, d)), jnp.float32)
+    cache = as_words(jnp.asarray(rng.normal(size=(num_blocks, bs, heads, d)), jnp.bfloat16))
+    tables = jnp.asarray([[0, 1, 2, 3], [10**6, -5, 10**9, 7], [4, 10**6, 5, 6]], jnp.int32)
+    position = jnp.asarray([40, 63, 40], jnp.int32)
+    active = jnp.asarray([True, False, True])
+    out = np.asarray(jax.jit(cpu_attention.paged_attention)(q, cache, cache, tables, position, active))
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[1], 0.0)
+    # Row 2's second page is outside the cache: its 16 keys are skipped, the rest attended.
+    keys = np.asarray(jax.lax.bitcast_convert_type(cache, jnp.bfloat16), np.float64)
+    visible = {0: np.concatenate([keys[0], keys[1], keys[2][:9]]), 2: np.concatenate([keys[4], keys[5][:9]])}
+    for row, k in visible.items():
+        s = np.einsum("hgd,thd->hgt", np.asarray(q[row], np.float64), k)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = np.einsum("hgt,thd->hgd", p / p.sum(-1, keepdims=True), k)
+        np.testing.assert_allclose(out[row], want, rtol=1e-4, atol=1e-4)
+
+
+def test_built_once_per_source_and_a_failed_build_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("XLASERVE_CACHE_ROOT", str(tmp_path))
+    compiler = cpu_attention.shutil.which("g++")
+    library = cpu_attention._build(compiler)
+    assert library.is_file() and library.is_relative_to(tmp_path)
+    built = library.stat().st_mtime_ns
+    assert cpu_attention._build(compiler) == library and library.stat().st_mtime_ns == built  # reused
+    assert not list(library.parent.glob("*.tmp"))  # the temporary file was renamed into place
+
+    # A compiler that fails: no library, a warning naming why, the jnp paths serve.
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("XLASERVE_CACHE_ROOT", str(tmp_path / "other"))
+    monkeypatch.setattr(cpu_attention, "_registered", cpu_attention._registered.__wrapped__)
+    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+        assert not cpu_attention.available()
+    assert "did not build" in caplog.text
+    assert not list((tmp_path / "other").rglob("*.so"))
+    assert cpu_attention.TARGET not in _compiled(ragged_paged_attention, CPU_CONFIGS["smollm2"])
