@@ -22,6 +22,9 @@ class AttentionMetadata:
     block_tables: jax.Array  # [R, max_blocks_per_seq] int32
     query_start_loc: jax.Array  # [R + 1] int32
     num_seqs: jax.Array  # [] int32
+    # cos and sin of the rotary angles, [T, 1, rotary_dim // 2] float32 each, when every layer rotates
+    # alike: set once per step by the model (models/decoder.py) before its layer scan, never by the host.
+    rope: tuple[jax.Array, jax.Array] | None = None
 
     def for_layer(self, layer: jax.Array, num_blocks: int, block_size: int) -> AttentionMetadata:
         offset = layer * num_blocks

@@ -25,7 +25,15 @@ from flax import nnx
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCacheSpec
 from xlaserve.kernels.dtype_ops import matmul, scan
 from xlaserve.models.config import TransformerConfig
-from xlaserve.models.layers import Embedding, LayerSpec, Linear, RMSNorm, layer_specs, soft_cap
+from xlaserve.models.layers import (
+    Embedding,
+    LayerSpec,
+    Linear,
+    RMSNorm,
+    layer_specs,
+    soft_cap,
+    with_shared_rope,
+)
 from xlaserve.models.lora import LayerLoRA, LoRABatch
 
 
@@ -110,6 +118,7 @@ class DecoderOnlyLM(nnx.Module):
         num_blocks = cache_array.shape[0] // cfg.num_layers
         block_size = cache_array.shape[1]
         specs = layer_specs(cfg)
+        md = with_shared_rope(cfg, positions, md)  # once per step, not in every layer
         slot_mask = None if lora is None else lora.slot_mask()  # once per step, for every layer
         for name, layers in self.layer_stacks(cfg).items():
             stack_specs = jax.tree.map(lambda a, l=layers: jnp.asarray(a[l.start : l.stop]), specs)

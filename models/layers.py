@@ -28,6 +28,7 @@ from xlaserve.models.rope import (
     layer_rope_scales,
     longrope_angles,
     rope_angles,
+    rope_cos_sin,
 )
 
 # The window of a full-attention layer when some layers slide: wider than any context.
@@ -200,8 +201,9 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        angles = _rope_angles(cfg, positions, md, spec)
-        q, k = apply_rope(q, angles, spec.rope_scale), apply_rope(k, angles, spec.rope_scale)
+        angles = rope_angles_of(cfg, positions, md, spec.rope_inv_freq)
+        cos_sin = md.rope if md.rope is not None else rope_cos_sin(angles, spec.rope_scale)
+        q, k = apply_rope(q, angles, cos_sin=cos_sin), apply_rope(k, angles, cos_sin=cos_sin)
         k_cache, v_cache = self.backend.write_kv(kv_cache.k, kv_cache.v, k, v, md.slot_mapping)
         out = self.backend.attention(
             q,
@@ -219,9 +221,9 @@ class Attention(nnx.Module):
         return with_lora(lora, self.o_proj(out), out, "o_proj"), KVCache(k_cache, v_cache)
 
 
-def _rope_angles(cfg: TransformerConfig, positions, md: AttentionMetadata, spec: LayerSpec) -> jax.Array:
-    """[T, rotary_dim // 2]: this layer's frequencies, or ones that depend on the position (dynamic
-    NTK) or on the sequence's length (LongRoPE)."""
+def rope_angles_of(cfg: TransformerConfig, positions, md: AttentionMetadata, inv_freq) -> jax.Array:
+    """[T, rotary_dim // 2]: a layer's frequencies `inv_freq`, or ones that depend on the position
+    (dynamic NTK) or on the sequence's length (LongRoPE)."""
     scaling = cfg.rope_scaling_dict
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type == "dynamic":
@@ -229,7 +231,20 @@ def _rope_angles(cfg: TransformerConfig, positions, md: AttentionMetadata, spec:
     if rope_type == "longrope":
         seq, _, _ = token_positions(positions.shape[0], md.kv_lens, md.query_start_loc, md.num_seqs)
         return longrope_angles(positions, md.kv_lens[seq], cfg.rotary_dim, cfg.rope_theta, scaling)
-    return positions.astype(jnp.float32)[:, None] * spec.rope_inv_freq[None, :]
+    return positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+
+
+def with_shared_rope(cfg: TransformerConfig, positions, md: AttentionMetadata) -> AttentionMetadata:
+    """`md` carrying cos and sin for all layers, computed once, when every layer has the same rotary
+    frequencies and scale (all but Gemma 3's two kinds). Computed inside a layer, XLA's CPU backend
+    fused cos and sin into the rotation and evaluated them once per element of q and of k (heads x
+    head_dim times each angle): ~7 ms of a batch-64 SmolLM2 step (engine/PERFORMANCE.md)."""
+    inv_freqs, scales = layer_rope_inv_freqs(cfg), layer_rope_scales(cfg)
+    if cfg.rotary_dim == 0 or not (np.all(inv_freqs == inv_freqs[0]) and np.all(scales == scales[0])):
+        return md
+    inv_freq = jnp.asarray(inv_freqs[0], jnp.float32)
+    angles = rope_angles_of(cfg, positions, md, inv_freq)
+    return dataclasses.replace(md, rope=rope_cos_sin(angles, float(scales[0])))
 
 
 def _sliding_window(cfg: TransformerConfig, spec: LayerSpec) -> int | jax.Array | None:
@@ -266,5 +281,7 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
         gate, up = self.project_gate_up(x) if lora is None else self.project_gate_up(x, lora)
-        h = activation(self.hidden_act)(gate) * up
+        # In float32, rounded once: in 16 bits XLA's CPU backend rounds after each op of the activation
+        # (a convert pair per op; torch computes its fused silu in float32 too).
+        h = (activation(self.hidden_act)(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
         return with_lora(lora, self.down_proj(h), h, "down_proj")

@@ -139,15 +139,24 @@ def rope_angles(
     return pos[:, None] * inv_freq
 
 
-def apply_rope(x: jax.Array, angles: jax.Array, scale: float | jax.Array = 1.0) -> jax.Array:
+def rope_cos_sin(angles: jax.Array, scale: float | jax.Array = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of `angles` [T, R // 2] times `scale`: float32 [T, 1, R // 2] each, the factors
+    `apply_rope` multiplies a [T, H, R] array's halves by."""
+    cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    return cos.astype(jnp.float32)[:, None, :], sin.astype(jnp.float32)[:, None, :]
+
+
+def apply_rope(
+    x: jax.Array, angles: jax.Array, scale: float | jax.Array = 1.0, cos_sin: tuple | None = None
+) -> jax.Array:
     """Rotate halves (the Hugging Face layout). x: [T, H, D]; angles: [T, R // 2], R <= D.
 
     With R < D (partial rotary, Phi3) the first R dims of each head rotate and the rest pass through.
-    `scale` multiplies cos and sin (YaRN's attention factor), as Hugging Face does.
+    `scale` multiplies cos and sin (YaRN's attention factor), as Hugging Face does. `cos_sin`: the
+    `rope_cos_sin(angles, scale)` of a caller that rotates several arrays by the same angles.
     """
     rotary_dim = 2 * angles.shape[-1]
-    cos = (jnp.cos(angles) * scale)[:, None, :].astype(jnp.float32)
-    sin = (jnp.sin(angles) * scale)[:, None, :].astype(jnp.float32)
+    cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(angles, scale)
     x1, x2 = jnp.split(x[..., :rotary_dim].astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     if rotary_dim == x.shape[-1]:

@@ -268,7 +268,7 @@ class StepInputs:
 
     def to_bytes(self) -> bytes:
         arrays = {f"batch.{k}": v for k, v in _fields(self.batch).items() if v is not None}
-        arrays |= {f"md.{k}": v for k, v in _fields(self.batch.md).items()}
+        arrays |= {f"md.{k}": v for k, v in _fields(self.batch.md).items() if v is not None}
         arrays |= {f"sampling.{k}": v for k, v in _fields(self.sampling).items() if v is not None}
         arrays["with_logprobs"] = np.asarray(self.with_logprobs)
         if self.prompt_targets is not None:
