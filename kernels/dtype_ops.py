@@ -16,13 +16,17 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   (engine/PERFORMANCE.md). `matmul` pads such a row to two; by an int8 weight, the row is split
   exactly into two int8 rows instead and multiplied in integers (`split_int8_matmul`);
 - a quantized weight's convert is not fused into the dot by XLA CPU: a wide one (the LM head) is
-  multiplied a chunk of columns at a time (`by_column_chunks`).
+  multiplied a chunk of columns at a time (`by_column_chunks`); a few rows (a batch-1 decode) by
+  int8 or 4-bit codes with per-group scales go to a C++ op that widens each code in registers
+  (`cpu_ops.quantized_matmul`), where it is built.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from xlaserve.kernels import cpu_ops
 
 
 def is_16bit_float(dtype) -> bool:
@@ -88,6 +92,8 @@ def matmul(
     `w` holds 4-bit codes two to a byte ([.., in / 2, out] uint8, see `unpack_int4`), multiplied as
     two half-depth dots (`packed_matmul`)."""
     out_dtype = out_dtype or x.dtype
+    if cpu_ops.quantized_usable(x, w, scale, zero, block, packed):  # a few rows: one C++ op reads the codes
+        return cpu_ops.quantized_matmul(x, w, scale, zero, packed).astype(out_dtype)
     if _split_int8_on_cpu(x, w, scale, zero):
         return split_int8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
     if _one_16bit_row_on_cpu(x):

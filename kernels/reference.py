@@ -21,7 +21,7 @@ path's work at batch 64):
   made an 8,000-token prefill on CPU read ~T x context keys per layer and step.
 
 On CPU with a bfloat16 cache (stored as uint16 words), the decode, few and short paths call one C++
-op instead (`kernels/cpu_attention.py`: every key row read once from its page, in float32); the jnp
+op instead (`kernels/cpu_ops.py`: every key row read once from its page, in float32); the jnp
 paths stay the specification and serve everywhere else (a float32 or float8 cache, no compiler).
 """
 
@@ -32,7 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xlaserve.kernels import cpu_attention
+from xlaserve.kernels import cpu_ops
 from xlaserve.kernels.dtype_ops import as_words, from_words, is_8bit_float, is_16bit_float
 
 DEFAULT_TOKENS_PER_CHUNK = 64  # KV tokens per loop step of the decode and short paths
@@ -252,8 +252,8 @@ class _Attend:
         """F queries of each of N sequences over that sequence's pages, gathered once for all F:
         -> [N, F, k, g, d] (inactive queries zero)."""
         n, f, num_kv_heads, group, head_dim = q_nfkgd.shape
-        if cpu_attention.usable(self.k_cache, self.value_dtype):  # one C++ op reads the pages in place
-            out = cpu_attention.paged_attention(
+        if cpu_ops.usable(self.k_cache, self.value_dtype):  # one C++ op reads the pages in place
+            out = cpu_ops.paged_attention(
                 q_nfkgd.reshape(n * f, num_kv_heads, group, head_dim),
                 self.k_cache,
                 self.v_cache,

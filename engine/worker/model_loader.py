@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from xlaserve.config import EngineConfig
-from xlaserve.kernels import AttentionBackend, KVCacheSpec, MLACache, get_attention_backend
+from xlaserve.kernels import AttentionBackend, KVCacheSpec, MLACache, cpu_ops, get_attention_backend
 from xlaserve.kernels.dtype_ops import is_16bit_float, stacks_as_words
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.prequantized import quantization_scheme
@@ -106,6 +106,8 @@ def load_model(
         logger.info("KV cache stored in %s (scale 1.0)", backend.kv_cache_dtype.name)
     backend = shard_attention_over_kv_heads(backend, mesh)
     logger.info("attention backend: %s (%s)", backend.name, backend.reason)
+    if backend.cache_words and dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        cpu_ops.prepare_in_background()  # its C++ op, built while the weights load
     if padded_vocab != model_config.vocab_size:
         logger.info(
             "vocabulary padded from %d to %d to split over %d devices (padding ids are never sampled)",

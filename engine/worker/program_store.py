@@ -36,7 +36,7 @@ import xlaserve.kernels
 import xlaserve.models
 import xlaserve.sharding
 from xlaserve.config import EngineConfig
-from xlaserve.kernels import cpu_attention
+from xlaserve.kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def engine_fingerprint(config: EngineConfig, hf_config: dict, devices) -> str:
         "cpu": _cpu_features(),
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_ENABLE_X64")},
         # Whether the CPU attention op is in the programs (and registered before any of them loads).
-        "cpu_kernels": backend.platform == "cpu" and cpu_attention.available(),
+        "cpu_kernels": backend.platform == "cpu" and cpu_ops.available(),
         "x64": bool(jax.config.jax_enable_x64),
         "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "hf_config": hf_config,

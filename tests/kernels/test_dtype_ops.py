@@ -39,7 +39,7 @@ def attend(q, k, v, k_cache, v_cache, lens, tables, qsl, slots):
 
 
 def test_words_cache_is_bit_identical_to_a_bfloat16_cache(monkeypatch):
-    # The jnp paths on both (a words cache on CPU otherwise takes the C++ op: test_cpu_attention.py).
+    # The jnp paths on both (a words cache on CPU otherwise takes the C++ op: test_cpu_ops.py).
     monkeypatch.setenv("XLASERVE_CPU_KERNELS", "0")
     q, k, v, cache, lens, tables, qsl, slots = step_inputs(np.random.default_rng(0))
     want, want_k, _ = jax.jit(attend)(q, k, v, cache, cache * 2, lens, tables, qsl, slots)

@@ -1,4 +1,4 @@
-"""The CPU attention op (kernels/cpu_attention.py, a C++ XLA FFI handler): the reference backend's
+"""The CPU attention op (kernels/cpu_ops.py, a C++ XLA FFI handler): the reference backend's
 decode, few and short paths on a bfloat16 cache stored as words call it on CPU. Each shape it has a
 compiled-in form for (head_dim 64 and 128 by groups 1-8) and the generic loop, against the float64
 oracle; it is in the compiled step; turned off or unbuildable, the jnp paths serve the same numbers."""
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from helpers.attention_cases import BATCHES, AttnConfig, Layout, case_seed, run_case, tolerance
-from xlaserve.kernels import cpu_attention
+from xlaserve.kernels import cpu_ops
 from xlaserve.kernels.dtype_ops import as_words
 from xlaserve.kernels.reference import ragged_paged_attention
 
 pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu" or not cpu_attention.available(), reason="a CPU with a C++ compiler"
+    jax.default_backend() != "cpu" or not cpu_ops.available(), reason="a CPU with a C++ compiler"
 )
 
 _SMALL = Layout(num_tokens=128, num_padded_seqs=8, max_blocks_per_seq=16, num_blocks=96)
@@ -82,7 +82,7 @@ def _compiled(attention, cfg):
 
 def test_words_cache_calls_the_op_and_other_caches_do_not():
     cfg = CPU_CONFIGS["smollm2"]
-    assert cpu_attention.TARGET in _compiled(ragged_paged_attention, cfg)
+    assert cpu_ops.TARGET in _compiled(ragged_paged_attention, cfg)
     # A float32 cache (the float32 engines, HF parity) keeps the jnp paths.
     f32 = partial(ragged_paged_attention, sm_scale=0.125)
     lay = cfg.layout
@@ -91,15 +91,15 @@ def test_words_cache_calls_the_op_and_other_caches_do_not():
         jnp.zeros((8, cfg.num_q_heads, lay.head_dim), jnp.float32), cache, cache, jnp.ones(8, jnp.int32),
         jnp.zeros((8, lay.max_blocks_per_seq), jnp.int32), jnp.arange(9, dtype=jnp.int32), jnp.int32(8),
     ).compile().as_text()  # fmt: skip
-    assert cpu_attention.TARGET not in hlo
+    assert cpu_ops.TARGET not in hlo
 
 
 def test_turned_off_the_jnp_paths_give_the_same_numbers(monkeypatch):
     cfg = CPU_CONFIGS["smollm2"]
     seqs = BATCHES["mixed"](cfg.layout.block_size)
     on, expected, *_ = run_case(cfg, seqs, 3, attention=partial(_on_words, few_queries=8))
-    monkeypatch.setenv(cpu_attention.DISABLE_ENV, "0")
-    assert cpu_attention.TARGET not in _compiled(ragged_paged_attention, cfg)
+    monkeypatch.setenv(cpu_ops.DISABLE_ENV, "0")
+    assert cpu_ops.TARGET not in _compiled(ragged_paged_attention, cfg)
     off, *_ = run_case(cfg, seqs, 3, attention=partial(_on_words, few_queries=7))  # a new trace
     n = sum(num for _, num in seqs)
     for out in (on, off):
@@ -118,7 +118,7 @@ def test_inactive_rows_with_garbage_tables_read_nothing():
     tables = jnp.asarray([[0, 1, 2, 3], [10**6, -5, 10**9, 7], [4, 10**6, 5, 6]], jnp.int32)
     position = jnp.asarray([40, 63, 40], jnp.int32)
     active = jnp.asarray([True, False, True])
-    out = np.asarray(jax.jit(cpu_attention.paged_attention)(q, cache, cache, tables, position, active))
+    out = np.asarray(jax.jit(cpu_ops.paged_attention)(q, cache, cache, tables, position, active))
     assert np.isfinite(out).all()
     np.testing.assert_array_equal(out[1], 0.0)
     # Row 2's second page is outside the cache: its 16 keys are skipped, the rest attended.
@@ -133,19 +133,92 @@ def test_inactive_rows_with_garbage_tables_read_nothing():
 
 def test_built_once_per_source_and_a_failed_build_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("XLASERVE_CACHE_ROOT", str(tmp_path))
-    compiler = cpu_attention.shutil.which("g++")
-    library = cpu_attention._build(compiler)
-    assert library.is_file() and library.is_relative_to(tmp_path)
-    built = library.stat().st_mtime_ns
-    assert cpu_attention._build(compiler) == library and library.stat().st_mtime_ns == built  # reused
-    assert not list(library.parent.glob("*.tmp"))  # the temporary file was renamed into place
+    compiler = cpu_ops.shutil.which("g++")
+    libraries = cpu_ops._build(compiler)
+    assert set(libraries) == {cpu_ops.TARGET, cpu_ops.QUANTIZED_TARGET}
+    built = {}
+    for library in libraries.values():
+        assert library.is_file() and library.is_relative_to(tmp_path)
+        built[library] = library.stat().st_mtime_ns
+    assert cpu_ops._build(compiler) == libraries  # reused, not rebuilt
+    assert all(library.stat().st_mtime_ns == t for library, t in built.items())
+    assert not list(tmp_path.rglob("*.tmp"))  # the temporary files were renamed into place
 
     # A compiler that fails: no library, a warning naming why, the jnp paths serve.
     monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setenv("XLASERVE_CACHE_ROOT", str(tmp_path / "other"))
-    monkeypatch.setattr(cpu_attention, "_registered", cpu_attention._registered.__wrapped__)
-    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
-        assert not cpu_attention.available()
+    monkeypatch.setattr(cpu_ops, "_register_once", cpu_ops._register_once.__wrapped__)
+    with caplog.at_level(logging.WARNING, logger=cpu_ops.__name__):
+        assert not cpu_ops.available()
     assert "did not build" in caplog.text
     assert not list((tmp_path / "other").rglob("*.so"))
-    assert cpu_attention.TARGET not in _compiled(ragged_paged_attention, CPU_CONFIGS["smollm2"])
+    assert cpu_ops.TARGET not in _compiled(ragged_paged_attention, CPU_CONFIGS["smollm2"])
+
+
+# (codes, group size along the inputs, scales' dtype, with zeros): int8 per output channel (one group:
+# `--quantization int8`), GGUF's Q8_0 and a K-quant's 16-input groups, 4-bit packed Q4_1 (zeros) and
+# Q4_0 (none), float32 scales.
+_QUANT_FORMS = {
+    "int8_channel": ("int8", None, np.float32, False),
+    "q8_0": ("int8", 32, np.float16, False),
+    "q6_k_groups": ("int8", 16, np.float32, False),
+    "q4_1": ("packed", 32, np.float16, True),
+    "q4_0": ("packed", 32, np.float16, False),
+    "q4_f32_zeros": ("packed", 16, np.float32, True),
+}
+
+
+def _quantized(form, depth, columns, rng):
+    """-> (stored codes, scales, zeros or None, block, packed, the float64 weight they stand for)."""
+    kind, group, scale_dtype, with_zero = _QUANT_FORMS[form]
+    group = group or depth
+    if kind == "int8":
+        codes = rng.integers(-127, 128, (depth, columns)).astype(np.int8)
+        stored = codes
+    else:
+        codes = rng.integers(0, 16, (depth, columns)).astype(np.uint8)
+        stored = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
+    scale = (rng.random((depth // group, columns)) * 0.02 + 1e-3).astype(scale_dtype)
+    zero = (rng.standard_normal((depth // group, columns)) * 0.05).astype(scale_dtype) if with_zero else None
+    weight = codes.astype(np.float64) * np.repeat(scale.astype(np.float64), group, axis=0)
+    if zero is not None:
+        weight += np.repeat(zero.astype(np.float64), group, axis=0)
+    block = None if _QUANT_FORMS[form][1] is None else (group, 1)
+    return stored, scale, zero, block, kind == "packed", weight
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("form", list(_QUANT_FORMS))
+def test_quantized_matmul_matches_float64(form, rows):
+    from xlaserve.kernels.dtype_ops import matmul
+
+    rng = np.random.default_rng(case_seed(form, str(rows)))
+    # 1,040 columns: two whole 512-column tasks and a 16-column remainder.
+    codes, scale, zero, block, packed, weight = _quantized(form, 96, 1040, rng)
+    x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.bfloat16)
+    args = (x, jnp.asarray(codes), jnp.asarray(scale), None if zero is None else jnp.asarray(zero))
+    step = jax.jit(lambda x, w, s, z: matmul(x, w, jnp.float32, s, z, block, packed))
+    assert cpu_ops.QUANTIZED_TARGET in step.lower(*args).compile().as_text()
+    want = np.asarray(x, np.float64) @ weight
+    np.testing.assert_allclose(
+        np.asarray(step(*args), np.float64), want, rtol=1e-5, atol=1e-5 * np.abs(want).max()
+    )
+
+
+def test_quantized_matmul_serves_few_rows_only():
+    """Measured crossovers: XLA's dot wins from 4 rows of an int8 weight; 4-bit codes stay to 8."""
+    from xlaserve.kernels.dtype_ops import matmul
+
+    rng = np.random.default_rng(0)
+    for form, rows, served in (("q8_0", 2, True), ("q8_0", 4, False), ("q4_1", 8, True), ("q4_1", 9, False)):
+        codes, scale, zero, block, packed, weight = _quantized(form, 64, 64, rng)
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16)
+        args = (x, jnp.asarray(codes), jnp.asarray(scale), None if zero is None else jnp.asarray(zero))
+        step = jax.jit(
+            lambda x, w, s, z, block=block, packed=packed: matmul(x, w, jnp.float32, s, z, block, packed)
+        )
+        assert (cpu_ops.QUANTIZED_TARGET in step.lower(*args).compile().as_text()) == served, (form, rows)
+        want = np.asarray(x, np.float64) @ weight
+        np.testing.assert_allclose(
+            np.asarray(step(*args), np.float64), want, rtol=2e-2, atol=2e-2 * np.abs(want).max()
+        )

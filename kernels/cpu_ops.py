@@ -1,0 +1,234 @@
+"""C++ XLA FFI ops for CPU, where XLA's own code generation is the bottleneck (`kernels/cpu/*.cc`).
+
+- `paged_attention`: paged attention of single queries (the reference backend's decode, few and
+  short paths on a bfloat16 cache). XLA's CPU backend cannot fuse a gather of pages into a dot, and
+  a decode's per-sequence dots (9 query rows against a chunk of keys) are too small for its dot
+  library: the jnp path took ~1.6 ms per layer at batch 64 on SmolLM2, a third of the step. The op
+  reads every key and value row once from its page, in float32, one task per query.
+- `quantized_matmul`: a few rows (a batch-1 decode) times a weight quantized with group scales
+  (GGUF's Q8_0, Q4_0, Q4_1, the K-quants as decoded; int8 per channel). XLA converts such a weight to
+  a bfloat16 copy before its dot, never fused; the op widens each code in registers.
+
+Both run from inside the jitted step like any op, their work spread over XLA's intra-op thread pool.
+Each is built from its source on first use with the system's C++ compiler (`CXX`, else `g++`; the
+sources in parallel, ~3 s) into `<XLASERVE_CACHE_ROOT or ~/.cache/xlaserve>/cpu_kernels/<digest>/`,
+keyed by the source, the flags, jaxlib's version and this CPU's instruction set (`-march=native`);
+processes building at once each write a temporary file and rename it. Where they cannot be built
+(no compiler) or are turned off (`XLASERVE_CPU_KERNELS=0`), `available()` is False, the reason is
+logged once, and the callers run their jnp forms: an optimization, never a requirement. GPUs never
+use them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+TARGET = "xlaserve_paged_attention"  # the attention op's name in a compiled program
+QUANTIZED_TARGET = "xlaserve_quantized_matmul"
+# Target name -> (source in kernels/cpu, the handler's symbol).
+_OPS = {
+    TARGET: ("paged_attention.cc", "XlaservePagedAttention"),
+    QUANTIZED_TARGET: ("quantized_matmul.cc", "XlaserveQuantizedMatmul"),
+}
+SOURCE_DIR = Path(__file__).parent / "cpu"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
+DISABLE_ENV = "XLASERVE_CPU_KERNELS"
+MAX_MATMUL_ROWS = 8  # kMaxRows of quantized_matmul.cc
+# Rows up to which `quantized_matmul` beats XLA's convert-then-dot, measured here: 4-bit codes (their
+# unpacking costs XLA most) to 8; int8 codes to 2 (at 4 rows XLA's dot library pulls ahead).
+MAX_ROWS_PACKED, MAX_ROWS_INT8 = 8, 2
+
+
+def _cache_root() -> Path:
+    """<XLASERVE_CACHE_ROOT or ~/.cache/xlaserve>/cpu_kernels: the root of engine/config.py's caches."""
+    root = os.environ.get("XLASERVE_CACHE_ROOT") or Path.home() / ".cache" / "xlaserve"
+    return Path(root) / "cpu_kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> dict[str, Path]:
+    """Target name -> its library, compiling those not built yet (in parallel)."""
+    include = jax.ffi.include_dir()
+    libraries, running = {}, []
+    start = time.perf_counter()
+    for target, (source, _) in _OPS.items():
+        text = (SOURCE_DIR / source).read_text()
+        key = "\0".join([text, " ".join(FLAGS), compiler, jaxlib.__version__, _cpu_flags()])
+        library = _cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24] / f"lib{Path(source).stem}.so"
+        libraries[target] = library
+        if library.exists():
+            continue
+        library.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.tmp")
+        os.close(fd)
+        command = [compiler, *FLAGS, f"-I{include}", str(SOURCE_DIR / source), "-o", partial]
+        running.append((subprocess.Popen(command, stderr=subprocess.PIPE, text=True), partial, library))
+    try:
+        for process, partial, library in running:
+            _, stderr = process.communicate()
+            if process.returncode != 0:
+                raise subprocess.CalledProcessError(process.returncode, process.args, stderr=stderr)
+            os.replace(partial, library)  # atomic: another process sees the whole library or none
+    finally:
+        for process, partial, _ in running:
+            if process.poll() is None:
+                process.kill()
+            if os.path.exists(partial):
+                os.unlink(partial)
+    if running:
+        logger.info(
+            "Built %d CPU op(s) in %.1f s under %s", len(running), time.perf_counter() - start, _cache_root()
+        )
+    return libraries
+
+
+def available() -> bool:
+    """Whether the handler serves this process: not turned off (`XLASERVE_CPU_KERNELS=0`, read at each
+    trace), and built and registered with XLA (once; waits for `prepare_in_background`'s build)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
+    with _LOCK:
+        return _register_once()
+
+
+def prepare_in_background() -> None:
+    """Build and register the handler on a thread: a cold start's compiler run (~3 s here) then
+    overlaps the weights' loading instead of delaying the first trace."""
+    if os.environ.get(DISABLE_ENV, "1") != "0":
+        threading.Thread(target=available, name="xlaserve-cpu-attention", daemon=True).start()
+
+
+_LOCK = threading.Lock()
+
+
+@functools.cache
+def _register_once() -> bool:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.warning("No C++ compiler (g++, or CXX): the CPU ops are not built; jnp forms serve")
+        return False
+    try:
+        libraries = {target: ctypes.cdll.LoadLibrary(str(path)) for target, path in _build(compiler).items()}
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("The CPU ops did not build (%s); jnp forms serve", detail.strip()[-500:])
+        return False
+    for target, library in libraries.items():
+        handler = getattr(library, _OPS[target][1])
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    logger.info(
+        "CPU ops registered: the reference attention's decode, few and short paths; few-row quantized matmuls"
+    )
+    return True
+
+
+def usable(cache: jax.Array, value_dtype) -> bool:
+    """The handler serves this trace: a CPU default backend, a bfloat16 cache stored as uint16 words
+    (the reference backend's on CPU), and the library available."""
+    return (
+        cache.dtype == jnp.uint16
+        and jnp.dtype(value_dtype) == jnp.bfloat16
+        and jax.default_backend() == "cpu"
+        and available()
+    )
+
+
+def paged_attention(
+    q_nhgd: jax.Array,  # [N, kv_heads, group, head_dim] float32, already scaled
+    k_cache: jax.Array,  # [num_blocks, block_size, kv_heads, head_dim] uint16 words of bfloat16
+    v_cache: jax.Array,  # same
+    tables_np: jax.Array,  # [N, max_blocks] int32: each query's sequence's pages
+    position_n: jax.Array,  # [N] int32: each query sees keys at positions <= its own
+    active_n: jax.Array,  # [N] bool: inactive queries give zeros
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [N, kv_heads, group, head_dim] float32
+    """Each query over its own table's pages, softmax in float32: the reference's `per_query`."""
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_nhgd.shape, jnp.float32))
+    return call(
+        q_nhgd.astype(jnp.float32),
+        k_cache,
+        v_cache,
+        tables_np.astype(jnp.int32),
+        position_n.astype(jnp.int32),
+        active_n.astype(jnp.int32),
+        window,
+        soft_cap=np.float32(soft_cap or 0.0),
+    )
+
+
+def quantized_usable(x: jax.Array, w: jax.Array, scale, zero, block, packed: bool) -> bool:
+    """`quantized_matmul` serves x @ w: CPU, a few rows (MAX_ROWS_*), a 2-D weight of int8 codes (or
+    4-bit codes packed in uint8) with one scale (and zero) per group of inputs of each column."""
+    if jax.default_backend() != "cpu" or scale is None or w.ndim != 2 or scale.ndim != 2:
+        return False
+    rows = math.prod(x.shape[:-1])
+    depth, columns = x.shape[-1], w.shape[-1]
+    groups = scale.shape[0]
+    return (
+        1 <= rows <= (MAX_ROWS_PACKED if packed else MAX_ROWS_INT8)
+        and (w.dtype == jnp.uint8 if packed else w.dtype == jnp.int8)
+        and w.shape[0] * (2 if packed else 1) == depth
+        and scale.shape[1] == columns
+        and (block is None or block[1] == 1)
+        and columns % 16 == 0
+        and depth % groups == 0
+        and (not packed or (depth // groups) % 2 == 0)
+        and (zero is None or zero.shape == scale.shape)
+        and available()
+    )
+
+
+def quantized_matmul(
+    x: jax.Array,  # [..., K]: at most MAX_MATMUL_ROWS rows
+    w: jax.Array,  # [K, N] int8 codes, or [K / 2, N] uint8 holding two 4-bit codes (input 2i low)
+    scale: jax.Array,  # [G, N]: each group of K / G inputs of a column; float16 or float32
+    zero: jax.Array | None = None,  # [G, N]: w = scale * code + zero (GGUF's formats with mins)
+    packed: bool = False,
+) -> jax.Array:  # [..., N] float32
+    """x @ (scale * codes + zero), each group's codes times x summed in float32, then scaled."""
+    depth, columns = x.shape[-1], w.shape[-1]
+    rows = math.prod(x.shape[:-1])
+
+    def as_scale(a):
+        return a if a.dtype in (jnp.float16, jnp.float32) else a.astype(jnp.float32)
+
+    call = jax.ffi.ffi_call(QUANTIZED_TARGET, jax.ShapeDtypeStruct((rows, columns), jnp.float32))
+    y = call(
+        x.reshape(rows, depth).astype(jnp.float32),
+        w,
+        as_scale(scale),
+        as_scale(zero) if zero is not None else jnp.zeros((1,), jnp.float32),
+        packed=packed,
+        has_zero=zero is not None,
+    )
+    return y.reshape(*x.shape[:-1], columns)
