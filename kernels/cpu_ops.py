@@ -80,8 +80,8 @@ def _build(compiler: str) -> dict[str, Path]:
     libraries, running = {}, []
     start = time.perf_counter()
     for target, (source, _) in _OPS.items():
-        text = (SOURCE_DIR / source).read_text()
-        key = "\0".join([text, " ".join(FLAGS), compiler, jaxlib.__version__, _cpu_flags()])
+        texts = [(SOURCE_DIR / source).read_text(), *(h.read_text() for h in sorted(SOURCE_DIR.glob("*.h")))]
+        key = "\0".join([*texts, " ".join(FLAGS), compiler, jaxlib.__version__, _cpu_flags()])
         library = _cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24] / f"lib{Path(source).stem}.so"
         libraries[target] = library
         if library.exists():

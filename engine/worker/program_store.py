@@ -62,7 +62,7 @@ def _source_digest() -> str:
     roots += [Path(p.__file__).parent for p in (xlaserve.models, xlaserve.kernels, xlaserve.sharding)]
     h = hashlib.sha256()
     for root in roots:
-        for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
+        for path in sorted(p for suffix in ("py", "cc", "h") for p in root.rglob(f"*.{suffix}")):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()

@@ -7,15 +7,13 @@
 // XLA's intra-op thread pool. Built on first use by kernels/cpu_attention.py; the jnp reference stays
 // the specification and the fallback.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -49,6 +47,25 @@ inline float ExpNonPositive(float x) {
   return e * scale;
 }
 
+// Each of `rows` score rows of `len` in place -> exp(s - max), its sum in total[row] (0 where nothing
+// is visible: the output stays zero).
+inline void Softmax(float* scores, int64_t rows, int64_t len, float* total) {
+  for (int64_t row = 0; row < rows; ++row) {
+    float* sg = scores + row * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
+    total[row] = 0.0f;
+    if (!std::isfinite(m)) continue;
+    float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = ExpNonPositive(sg[t] - m);
+      l += sg[t];
+    }
+    total[row] = l;
+  }
+}
+
 struct Problem {
   const float* q;         // [N, H, G, D], already scaled
   const uint16_t* k;      // [num_blocks, block_size, H, D] bfloat16 words
@@ -62,35 +79,56 @@ struct Problem {
   float* out;  // [N, H, G, D]
 };
 
+// The positions query i sees, [first, last]: its window, clipped to its table. False if none.
+inline bool VisibleRange(const Problem& p, int64_t i, int64_t* first, int64_t* last) {
+  if (!p.active[i]) return false;
+  const int64_t position = p.positions[i];
+  *first = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
+  *last = std::min<int64_t>(position, p.max_blocks * p.block_size - 1);
+  return *last >= *first;
+}
+
+// Visits the rows of positions [first, last] of `cache` through `table` as (position - first,
+// pointer to the row's word `offset`), page by page (no division per key); a page id outside the
+// cache is skipped, never read. Pages are scattered: the hardware prefetcher stops at each one's end,
+// so with `prefetch` the next page is asked for while this one is used.
+template <typename Visit>
+void ForEachRow(const Problem& p, const int32_t* table, int64_t first, int64_t last, const uint16_t* cache,
+                int64_t offset, bool prefetch, Visit&& visit) {
+  const int64_t bs = p.block_size, row_stride = p.num_heads * p.head_dim, last_page = last / bs;
+  for (int64_t page_index = first / bs; page_index <= last_page; ++page_index) {
+    const int64_t page = table[page_index];
+    if (prefetch && page_index < last_page) {
+      const int64_t next = table[page_index + 1];
+      if (next >= 0 && next < p.num_blocks) {
+        const char* bytes = reinterpret_cast<const char*>(cache + next * bs * row_stride);
+        for (int64_t b = 0; b < bs * row_stride * 2; b += 64) __builtin_prefetch(bytes + b);
+      }
+    }
+    if (page < 0 || page >= p.num_blocks) continue;
+    const int64_t lo = std::max(first, page_index * bs), hi = std::min(last, page_index * bs + bs - 1);
+    const uint16_t* base = cache + page * bs * row_stride + offset;
+    for (int64_t t = lo; t <= hi; ++t) visit(t - first, base + (t - page_index * bs) * row_stride);
+  }
+}
+
 // One query's G heads sharing KV head h: scores for every visible key, softmax, weighted values.
 // Keys are walked page by page (no division per key); a row is widened to float32 once for all G.
 void AttendOne(const Problem& p, int64_t task, std::vector<float>& scores, std::vector<float>& row) {
   const int64_t i = task / p.num_heads, h = task % p.num_heads;
-  const int64_t g_count = p.group, d = p.head_dim, bs = p.block_size;
-  const int64_t row_stride = p.num_heads * d;  // from one slot of a page to the next
+  const int64_t g_count = p.group, d = p.head_dim;
   float* out = p.out + (i * p.num_heads + h) * g_count * d;
   std::fill(out, out + g_count * d, 0.0f);
-  if (!p.active[i]) return;
-  const int64_t position = p.positions[i];
-  const int64_t first = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
-  const int64_t last = std::min<int64_t>(position, p.max_blocks * bs - 1);
-  if (last < first) return;
+  int64_t first, last;
+  if (!VisibleRange(p, i, &first, &last)) return;
   const int64_t len = last - first + 1;
   const float* q = p.q + (i * p.num_heads + h) * g_count * d;
   const int32_t* table = p.tables + i * p.max_blocks;
   scores.assign(g_count * len, -std::numeric_limits<float>::infinity());
   row.resize(d);
   float* r = row.data();
-
-  // Visits the rows of positions [first, last] of `cache` as (position - first, pointer).
   auto for_each_row = [&](const uint16_t* cache, auto&& visit) {
-    for (int64_t page_index = first / bs; page_index <= last / bs; ++page_index) {
-      const int64_t page = table[page_index];
-      if (page < 0 || page >= p.num_blocks) continue;  // never read outside the cache
-      const int64_t lo = std::max(first, page_index * bs), hi = std::min(last, page_index * bs + bs - 1);
-      const uint16_t* base = cache + (page * bs * p.num_heads + h) * d;
-      for (int64_t t = lo; t <= hi; ++t) visit(t - first, base + (t - page_index * bs) * row_stride);
-    }
+    ForEachRow(p, table, first, last, cache, h * d, false, visit);
   };
   for_each_row(p.k, [&](int64_t t, const uint16_t* key) {
 #pragma omp simd
@@ -105,20 +143,7 @@ void AttendOne(const Problem& p, int64_t task, std::vector<float>& scores, std::
     }
   });
   float total[64];  // group sizes are small (query heads per KV head)
-  for (int64_t g = 0; g < g_count; ++g) {
-    float* sg = scores.data() + g * len;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
-    total[g] = 0.0f;
-    if (!std::isfinite(m)) continue;  // nothing visible: the output stays zero
-    float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-    for (int64_t t = 0; t < len; ++t) {
-      sg[t] = ExpNonPositive(sg[t] - m);
-      l += sg[t];
-    }
-    total[g] = l;
-  }
+  Softmax(scores.data(), g_count, len, total);
   for_each_row(p.v, [&](int64_t t, const uint16_t* value) {
 #pragma omp simd
     for (int64_t j = 0; j < d; ++j) r[j] = Bf16ToF32(value[j]);
@@ -170,37 +195,17 @@ constexpr int kMaxKvHeads = 16;
 template <int D, int G>
 void AttendQueryFixed(const Problem& p, int64_t i, std::vector<float>& scores) {
   constexpr int C = D / 16;
-  const int64_t heads = p.num_heads, bs = p.block_size, row_stride = heads * D;
+  const int64_t heads = p.num_heads;
   float* out = p.out + i * heads * G * D;
   std::fill(out, out + heads * G * D, 0.0f);
-  if (!p.active[i]) return;
-  const int64_t position = p.positions[i];
-  const int64_t first = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
-  const int64_t last = std::min<int64_t>(position, p.max_blocks * bs - 1);
-  if (last < first) return;
+  int64_t first, last;
+  if (!VisibleRange(p, i, &first, &last)) return;
   const int64_t len = last - first + 1;
   const int32_t* table = p.tables + i * p.max_blocks;
   const float* q = p.q + i * heads * G * D;
   scores.assign(heads * G * len, -std::numeric_limits<float>::infinity());  // [H, G, len]
-
-  // Pages are scattered: the hardware prefetcher stops at each one's end, so the next page is asked
-  // for while this one is used (reading a decode's pages was latency-bound: 2x the DRAM rate's time).
   auto for_each_row = [&](const uint16_t* cache, bool prefetch, auto&& visit) {
-    const int64_t last_page = last / bs;
-    for (int64_t page_index = first / bs; page_index <= last_page; ++page_index) {
-      const int64_t page = table[page_index];
-      if (prefetch && page_index < last_page) {
-        const int64_t next = table[page_index + 1];
-        if (next >= 0 && next < p.num_blocks) {
-          const char* bytes = reinterpret_cast<const char*>(cache + next * bs * row_stride);
-          for (int64_t b = 0; b < bs * row_stride * 2; b += 64) __builtin_prefetch(bytes + b);
-        }
-      }
-      if (page < 0 || page >= p.num_blocks) continue;  // never read outside the cache
-      const int64_t lo = std::max(first, page_index * bs), hi = std::min(last, page_index * bs + bs - 1);
-      const uint16_t* base = cache + page * bs * row_stride;
-      for (int64_t t = lo; t <= hi; ++t) visit(t - first, base + (t - page_index * bs) * row_stride);
-    }
+    ForEachRow(p, table, first, last, cache, 0, prefetch, visit);
   };
   // Head by head, so that its G x D query stays in registers over the rows (the rows of the first head
   // bring the pages into the cache for the others).
@@ -221,20 +226,7 @@ void AttendQueryFixed(const Problem& p, int64_t i, std::vector<float>& scores) {
     });
   }
   float total[kMaxKvHeads * G];
-  for (int64_t hg = 0; hg < heads * G; ++hg) {
-    float* sg = scores.data() + hg * len;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
-    total[hg] = 0.0f;
-    if (!std::isfinite(m)) continue;  // nothing visible: the output stays zero
-    float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-    for (int64_t t = 0; t < len; ++t) {
-      sg[t] = ExpNonPositive(sg[t] - m);
-      l += sg[t];
-    }
-    total[hg] = l;
-  }
+  Softmax(scores.data(), heads * G, len, total);
   Vec acc[kMaxKvHeads][G][C] = {};
   for (int64_t h = 0; h < heads; ++h) {
     Vec ah[G][C] = {};  // in registers over the rows
@@ -284,31 +276,6 @@ AttendFn FixedFor(int64_t head_dim, int64_t group, int64_t num_heads) {
   }
 }
 
-// Tasks are taken one at a time from a shared counter by the calling thread and by helpers scheduled
-// on XLA's pool. The caller returns once every task is done; a helper that starts later finds none
-// left and touches nothing but the shared state it holds.
-struct Work {
-  Problem problem;
-  AttendFn fixed = nullptr;
-  int64_t num_tasks = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void RunTasks(const std::shared_ptr<Work>& work) {
-  std::vector<float> scores, row;
-  for (;;) {
-    const int64_t task = work->next.fetch_add(1, std::memory_order_relaxed);
-    if (task >= work->num_tasks) return;
-    if (work->fixed != nullptr) {
-      work->fixed(work->problem, task, scores);
-    } else {
-      AttendOne(work->problem, task, scores, row);
-    }
-    work->done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U16> k_cache,
                               ffi::Buffer<ffi::U16> v_cache, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> active,
@@ -325,18 +292,20 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     return ffi::Error::InvalidArgument("paged_attention: mismatched q, cache and table shapes");
   }
   if (qd[2] > 64) return ffi::Error::InvalidArgument("paged_attention: more than 64 query heads per KV head");
-  auto work = std::make_shared<Work>();
-  work->problem = Problem{q.typed_data(),   k_cache.typed_data(), v_cache.typed_data(),
-                          tables.typed_data(), positions.typed_data(), active.typed_data(),
-                          window.typed_data()[0], soft_cap,
-                          qd[0], qd[1], qd[2], qd[3], kd[1], td[1], kd[0], out->typed_data()};
-  work->fixed = FixedFor(qd[3], qd[2], qd[1]);
-  work->num_tasks = work->fixed != nullptr ? qd[0] : qd[0] * qd[1];  // per query, or per (query, head)
-  // The caller works too: num_threads - 1 helpers (one more oversubscribed the 2 cores here: 1.17x).
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, work->num_tasks - 1);
-  for (int64_t n = 0; n < helpers; ++n) pool.Schedule([work] { RunTasks(work); });
-  RunTasks(work);
-  while (work->done.load(std::memory_order_acquire) < work->num_tasks) std::this_thread::yield();
+  const Problem problem{q.typed_data(),   k_cache.typed_data(), v_cache.typed_data(),
+                        tables.typed_data(), positions.typed_data(), active.typed_data(),
+                        window.typed_data()[0], soft_cap,
+                        qd[0], qd[1], qd[2], qd[3], kd[1], td[1], kd[0], out->typed_data()};
+  const AttendFn fixed = FixedFor(qd[3], qd[2], qd[1]);
+  const int64_t num_tasks = fixed != nullptr ? qd[0] : qd[0] * qd[1];  // per query, or per (query, head)
+  xlaserve::ParallelFor(pool, num_tasks, [problem, fixed](int64_t task) {
+    thread_local std::vector<float> scores, row;
+    if (fixed != nullptr) {
+      fixed(problem, task, scores);
+    } else {
+      AttendOne(problem, task, scores, row);
+    }
+  });
   return ffi::Error::Success();
 }
 

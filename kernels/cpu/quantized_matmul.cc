@@ -8,16 +8,14 @@
 // and reading those copies than the bfloat16 model spends reading its weights. Here each code is read
 // once, widened in registers, and the columns are spread over XLA's intra-op thread pool.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -144,24 +142,6 @@ void Block(const Problem& p, int64_t n0, int64_t width) {
   for (int64_t m = 0; m < p.rows; ++m) std::memcpy(p.out + m * p.columns + n0, acc[m], width * sizeof(float));
 }
 
-struct Work {
-  Problem problem;
-  int64_t num_tasks = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void RunTasks(const std::shared_ptr<Work>& work) {
-  for (;;) {
-    const int64_t task = work->next.fetch_add(1, std::memory_order_relaxed);
-    if (task >= work->num_tasks) return;
-    const Problem& p = work->problem;
-    const int64_t n0 = task * kTaskColumns;
-    Block(p, n0, std::min<int64_t>(kTaskColumns, p.columns - n0));
-    work->done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 bool IsF16(ffi::AnyBuffer& b) { return b.element_type() == ffi::DataType::F16; }
 
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
@@ -181,15 +161,13 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   if (!IsF16(scale) && scale.element_type() != ffi::DataType::F32) {
     return ffi::Error::InvalidArgument("quantized_matmul: scales must be float16 or float32");
   }
-  auto work = std::make_shared<Work>();
-  work->problem = Problem{x.typed_data(), codes.untyped_data(), scale.untyped_data(),
-                          has_zero ? zero.untyped_data() : nullptr, packed, IsF16(scale), IsF16(zero),
-                          xd[0], depth, columns, depth / groups, out->typed_data()};
-  work->num_tasks = (columns + kTaskColumns - 1) / kTaskColumns;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, work->num_tasks - 1);
-  for (int64_t n = 0; n < helpers; ++n) pool.Schedule([work] { RunTasks(work); });
-  RunTasks(work);
-  while (work->done.load(std::memory_order_acquire) < work->num_tasks) std::this_thread::yield();
+  const Problem problem{x.typed_data(), codes.untyped_data(), scale.untyped_data(),
+                        has_zero ? zero.untyped_data() : nullptr, packed, IsF16(scale), IsF16(zero),
+                        xd[0], depth, columns, depth / groups, out->typed_data()};
+  xlaserve::ParallelFor(pool, (columns + kTaskColumns - 1) / kTaskColumns, [problem](int64_t task) {
+    const int64_t n0 = task * kTaskColumns;
+    Block(problem, n0, std::min<int64_t>(kTaskColumns, problem.columns - n0));
+  });
   return ffi::Error::Success();
 }
 
