@@ -66,6 +66,9 @@ def test_regular_install_is_one_namespace(fresh_venv):
     ours = [name for name in top if name in ("xlaserve", "engine", "models", "kernels", "sharding")]
     assert ours == ["xlaserve"]
     assert (site / "xlaserve" / "models" / "llama.py").is_file()  # subfolders come along
+    # The CPU ops' C++ sources come along: an installed package builds them on first use.
+    cpu = site / "xlaserve" / "kernels" / "cpu"
+    assert {p.name for p in cpu.iterdir()} >= {"paged_attention.cc", "quantized_matmul.cc", "parallel.h"}
 
 
 @pytest.mark.slow
