@@ -98,7 +98,9 @@ def _compiled_hlo(fn, *args) -> str:
 
 
 @ON_CPU
-def test_one_row_by_an_int8_weight_is_an_integer_dot_as_exact_as_the_row():
+def test_one_row_by_an_int8_weight_is_an_integer_dot_as_exact_as_the_row(monkeypatch):
+    # XLA's forms, where the C++ op (kernels/cpu_ops.py: test_cpu_ops.py) is not built.
+    monkeypatch.setenv("XLASERVE_CPU_KERNELS", "0")
     # Batch 1 by an int8 weight (--quantization int8): the bfloat16 row is split into two int8 rows
     # (x = s * (hi + lo / 256), s a power of two) and multiplied in int32 (split_int8_matmul). Plain
     # W8A8 (one int8 row: 7 bits) or a lost lo row would miss this bound by ~100x.
@@ -130,7 +132,8 @@ def test_one_row_by_an_int8_weight_is_an_integer_dot_as_exact_as_the_row():
 
 
 @ON_CPU
-def test_a_wide_quantized_weight_is_multiplied_a_chunk_of_columns_at_a_time():
+def test_a_wide_quantized_weight_is_multiplied_a_chunk_of_columns_at_a_time(monkeypatch):
+    monkeypatch.setenv("XLASERVE_CPU_KERNELS", "0")  # XLA's forms (see above)
     # XLA CPU does not fuse a quantized weight's convert into the dot: the LM head [576, 49152] was
     # converted to a whole bfloat16 copy each step. Wide weights go through by_column_chunks: no
     # full-size float copy in the program, the values of the dequantized weight's dot.
