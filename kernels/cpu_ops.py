@@ -10,8 +10,8 @@
   a bfloat16 copy before its dot, never fused; the op widens each code in registers.
 
 Both run from inside the jitted step like any op, their work spread over XLA's intra-op thread pool.
-Each is built from its source on first use with the system's C++ compiler (`CXX`, else `g++`; the
-sources in parallel, ~3 s) into `<XLASERVE_CACHE_ROOT or ~/.cache/xlaserve>/cpu_kernels/<digest>/`,
+Each is built from its source when first needed with the system's C++ compiler (`CXX`, else `g++`;
+~2-3 s each) into `<XLASERVE_CACHE_ROOT or ~/.cache/xlaserve>/cpu_kernels/<digest>/`,
 keyed by the source, the flags, jaxlib's version and this CPU's instruction set (`-march=native`);
 processes building at once each write a temporary file and rename it. Where they cannot be built
 (no compiler) or are turned off (`XLASERVE_CPU_KERNELS=0`), `available()` is False, the reason is
@@ -74,79 +74,75 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> dict[str, Path]:
-    """Target name -> its library, compiling those not built yet (in parallel)."""
-    include = jax.ffi.include_dir()
-    libraries, running = {}, []
+def _build(compiler: str, target: str) -> Path:
+    """`target`'s library, compiled unless this source, flags, compiler, jaxlib and CPU built it before."""
+    source = SOURCE_DIR / _OPS[target][0]
+    texts = [source.read_text(), *(h.read_text() for h in sorted(SOURCE_DIR.glob("*.h")))]
+    key = "\0".join([*texts, " ".join(FLAGS), compiler, jaxlib.__version__, _cpu_flags()])
+    library = _cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24] / f"lib{source.stem}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    for target, (source, _) in _OPS.items():
-        texts = [(SOURCE_DIR / source).read_text(), *(h.read_text() for h in sorted(SOURCE_DIR.glob("*.h")))]
-        key = "\0".join([*texts, " ".join(FLAGS), compiler, jaxlib.__version__, _cpu_flags()])
-        library = _cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24] / f"lib{Path(source).stem}.so"
-        libraries[target] = library
-        if library.exists():
-            continue
-        library.parent.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.tmp")
-        os.close(fd)
-        command = [compiler, *FLAGS, f"-I{include}", str(SOURCE_DIR / source), "-o", partial]
-        running.append((subprocess.Popen(command, stderr=subprocess.PIPE, text=True), partial, library))
+    fd, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.tmp")
+    os.close(fd)
     try:
-        for process, partial, library in running:
-            _, stderr = process.communicate()
-            if process.returncode != 0:
-                raise subprocess.CalledProcessError(process.returncode, process.args, stderr=stderr)
-            os.replace(partial, library)  # atomic: another process sees the whole library or none
+        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", partial]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        os.replace(partial, library)  # atomic: another process sees the whole library or none
     finally:
-        for process, partial, _ in running:
-            if process.poll() is None:
-                process.kill()
-            if os.path.exists(partial):
-                os.unlink(partial)
-    if running:
-        logger.info(
-            "Built %d CPU op(s) in %.1f s under %s", len(running), time.perf_counter() - start, _cache_root()
-        )
-    return libraries
+        if os.path.exists(partial):
+            os.unlink(partial)
+    logger.info("Built the CPU op %s in %.1f s: %s", target, time.perf_counter() - start, library)
+    return library
 
 
-def available() -> bool:
-    """Whether the handler serves this process: not turned off (`XLASERVE_CPU_KERNELS=0`, read at each
-    trace), and built and registered with XLA (once; waits for `prepare_in_background`'s build)."""
+def available(target: str = TARGET) -> bool:
+    """Whether op `target` serves this process: not turned off (`XLASERVE_CPU_KERNELS=0`, read at each
+    trace), and built and registered with XLA (once; waits for `prepare_in_background`'s build). Each
+    op is built only when first needed (a bfloat16 model never builds the quantized matmul)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
     with _LOCK:
-        return _register_once()
+        return _register_once(target)
 
 
-def prepare_in_background() -> None:
-    """Build and register the handler on a thread: a cold start's compiler run (~3 s here) then
+def prepare_in_background(*targets: str) -> None:
+    """Build and register `targets` on a thread: a cold start's compiler run (~3 s here) then
     overlaps the weights' loading instead of delaying the first trace."""
-    if os.environ.get(DISABLE_ENV, "1") != "0":
-        threading.Thread(target=available, name="xlaserve-cpu-attention", daemon=True).start()
+    if targets and os.environ.get(DISABLE_ENV, "1") != "0":
+
+        def prepare():
+            for target in targets:
+                available(target)
+
+        threading.Thread(target=prepare, name="xlaserve-cpu-ops", daemon=True).start()
+
+
+def targets_called_by(serialized: bytes) -> list[str]:
+    """The ops of this module a serialized executable calls (their names are in its bytes): a stored
+    program must find them registered before it is loaded."""
+    return [target for target in _OPS if target.encode() in serialized]
 
 
 _LOCK = threading.Lock()
 
 
 @functools.cache
-def _register_once() -> bool:
+def _register_once(target: str) -> bool:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        logger.warning("No C++ compiler (g++, or CXX): the CPU ops are not built; jnp forms serve")
+        logger.warning("No C++ compiler (g++, or CXX): the CPU op %s is not built; jnp forms serve", target)
         return False
     try:
-        libraries = {target: ctypes.cdll.LoadLibrary(str(path)) for target, path in _build(compiler).items()}
+        library = ctypes.cdll.LoadLibrary(str(_build(compiler, target)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("The CPU ops did not build (%s); jnp forms serve", detail.strip()[-500:])
+        logger.warning("The CPU op %s did not build (%s); jnp forms serve", target, detail.strip()[-500:])
         return False
-    for target, library in libraries.items():
-        handler = getattr(library, _OPS[target][1])
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-    logger.info(
-        "CPU ops registered: the reference attention's decode, few and short paths; few-row quantized matmuls"
-    )
+    handler = getattr(library, _OPS[target][1])
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    logger.info("CPU op %s registered", target)
     return True
 
 
@@ -204,7 +200,7 @@ def quantized_usable(x: jax.Array, w: jax.Array, scale, zero, block, packed: boo
         and depth % groups == 0
         and (not packed or (depth // groups) % 2 == 0)
         and (zero is None or zero.shape == scale.shape)
-        and available()
+        and available(QUANTIZED_TARGET)
     )
 
 

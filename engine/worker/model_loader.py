@@ -106,8 +106,11 @@ def load_model(
         logger.info("KV cache stored in %s (scale 1.0)", backend.kv_cache_dtype.name)
     backend = shard_attention_over_kv_heads(backend, mesh)
     logger.info("attention backend: %s (%s)", backend.name, backend.reason)
-    if backend.cache_words and dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        cpu_ops.prepare_in_background()  # its C++ op, built while the weights load
+    if jax.default_backend() == "cpu":  # the C++ ops the programs will call, built while the weights load
+        cpu_ops.prepare_in_background(
+            *([cpu_ops.TARGET] if backend.cache_words and dtype == jnp.bfloat16 else []),
+            *([cpu_ops.QUANTIZED_TARGET] if config.model.quantization else []),
+        )
     if padded_vocab != model_config.vocab_size:
         logger.info(
             "vocabulary padded from %d to %d to split over %d devices (padding ids are never sampled)",

@@ -134,8 +134,11 @@ def engine_fingerprint(config: EngineConfig, hf_config: dict, devices) -> str:
         "devices": [[d.id, d.device_kind, d.process_index] for d in devices],
         "cpu": _cpu_features(),
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_ENABLE_X64")},
-        # Whether the CPU attention op is in the programs (and registered before any of them loads).
-        "cpu_kernels": backend.platform == "cpu" and cpu_ops.available(),
+        # Whether the CPU ops are in the programs (and registered before any of them loads).
+        "cpu_ops": backend.platform == "cpu" and cpu_ops.available(),
+        "cpu_quantized_ops": backend.platform == "cpu"
+        and config.model.quantization is not None
+        and cpu_ops.available(cpu_ops.QUANTIZED_TARGET),
         "x64": bool(jax.config.jax_enable_x64),
         "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "hf_config": hf_config,
@@ -215,6 +218,9 @@ class ProgramStore:
             # The devices it runs on, in its own order (a tensor-parallel mesh: a subset of them).
             by_id = {d.id: d for d in jax.devices()}
             devices = [by_id[i] for i in device_ids]
+            for target in cpu_ops.targets_called_by(blob):  # registered before XLA looks them up
+                if not cpu_ops.available(target):
+                    raise ValueError(f"it calls the CPU op {target}, which is not available here")
             executable = serialize_executable.deserialize_and_load(
                 blob, in_tree, out_tree, backend=devices[0].client, execution_devices=devices
             )

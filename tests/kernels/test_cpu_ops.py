@@ -134,13 +134,14 @@ def test_inactive_rows_with_garbage_tables_read_nothing():
 def test_built_once_per_source_and_a_failed_build_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("XLASERVE_CACHE_ROOT", str(tmp_path))
     compiler = cpu_ops.shutil.which("g++")
-    libraries = cpu_ops._build(compiler)
-    assert set(libraries) == {cpu_ops.TARGET, cpu_ops.QUANTIZED_TARGET}
+    libraries = {
+        target: cpu_ops._build(compiler, target) for target in (cpu_ops.TARGET, cpu_ops.QUANTIZED_TARGET)
+    }
     built = {}
     for library in libraries.values():
         assert library.is_file() and library.is_relative_to(tmp_path)
         built[library] = library.stat().st_mtime_ns
-    assert cpu_ops._build(compiler) == libraries  # reused, not rebuilt
+    assert all(cpu_ops._build(compiler, target) == library for target, library in libraries.items())  # reused
     assert all(library.stat().st_mtime_ns == t for library, t in built.items())
     assert not list(tmp_path.rglob("*.tmp"))  # the temporary files were renamed into place
 
@@ -149,7 +150,7 @@ def test_built_once_per_source_and_a_failed_build_falls_back(monkeypatch, tmp_pa
     monkeypatch.setenv("XLASERVE_CACHE_ROOT", str(tmp_path / "other"))
     monkeypatch.setattr(cpu_ops, "_register_once", cpu_ops._register_once.__wrapped__)
     with caplog.at_level(logging.WARNING, logger=cpu_ops.__name__):
-        assert not cpu_ops.available()
+        assert not cpu_ops.available() and not cpu_ops.available(cpu_ops.QUANTIZED_TARGET)
     assert "did not build" in caplog.text
     assert not list((tmp_path / "other").rglob("*.so"))
     assert cpu_ops.TARGET not in _compiled(ragged_paged_attention, CPU_CONFIGS["smollm2"])
@@ -222,3 +223,17 @@ def test_quantized_matmul_serves_few_rows_only():
         np.testing.assert_allclose(
             np.asarray(step(*args), np.float64), want, rtol=2e-2, atol=2e-2 * np.abs(want).max()
         )
+
+
+def test_a_serialized_program_names_the_ops_it_calls():
+    """The program store registers these before it loads a stored executable (worker/program_store.py)."""
+    from jax.experimental import serialize_executable
+
+    q = jnp.zeros((2, 1, 1, 16), jnp.float32)
+    cache = jnp.zeros((4, 4, 1, 16), jnp.uint16)
+    args = (q, cache, cache, jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32), jnp.ones(2, bool))
+    compiled = jax.jit(cpu_ops.paged_attention).lower(*args).compile()
+    blob, _, _ = serialize_executable.serialize(compiled)
+    assert cpu_ops.targets_called_by(blob) == [cpu_ops.TARGET]
+    plain, _, _ = serialize_executable.serialize(jax.jit(lambda x: x * 2).lower(q).compile())
+    assert cpu_ops.targets_called_by(plain) == []
