@@ -23,12 +23,12 @@ from xlaserve.models.config import TransformerConfig
 from xlaserve.models.lora import LayerLoRA, with_lora
 from xlaserve.models.quantization import QuantizedKernel
 from xlaserve.models.rope import (
-    apply_rope,
     layer_rope_inv_freqs,
     layer_rope_scales,
     longrope_angles,
     rope_angles,
     rope_cos_sin,
+    rotate_halves,
 )
 
 # The window of a full-attention layer when some layers slide: wider than any context.
@@ -201,9 +201,10 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        angles = rope_angles_of(cfg, positions, md, spec.rope_inv_freq)
-        cos_sin = md.rope if md.rope is not None else rope_cos_sin(angles, spec.rope_scale)
-        q, k = apply_rope(q, angles, cos_sin=cos_sin), apply_rope(k, angles, cos_sin=cos_sin)
+        cos_sin = md.rope  # computed once per step when every layer rotates alike (`with_shared_rope`)
+        if cos_sin is None:
+            cos_sin = rope_cos_sin(rope_angles_of(cfg, positions, md, spec.rope_inv_freq), spec.rope_scale)
+        q, k = rotate_halves(q, cos_sin), rotate_halves(k, cos_sin)
         k_cache, v_cache = self.backend.write_kv(kv_cache.k, kv_cache.v, k, v, md.slot_mapping)
         out = self.backend.attention(
             q,

@@ -141,22 +141,22 @@ def rope_angles(
 
 def rope_cos_sin(angles: jax.Array, scale: float | jax.Array = 1.0) -> tuple[jax.Array, jax.Array]:
     """cos and sin of `angles` [T, R // 2] times `scale`: float32 [T, 1, R // 2] each, the factors
-    `apply_rope` multiplies a [T, H, R] array's halves by."""
+    `rotate_halves` multiplies a [T, H, R] array's halves by."""
     cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
     return cos.astype(jnp.float32)[:, None, :], sin.astype(jnp.float32)[:, None, :]
 
 
-def apply_rope(
-    x: jax.Array, angles: jax.Array, scale: float | jax.Array = 1.0, cos_sin: tuple | None = None
-) -> jax.Array:
+def apply_rope(x: jax.Array, angles: jax.Array, scale: float | jax.Array = 1.0) -> jax.Array:
     """Rotate halves (the Hugging Face layout). x: [T, H, D]; angles: [T, R // 2], R <= D.
+    `scale` multiplies cos and sin (YaRN's attention factor), as Hugging Face does."""
+    return rotate_halves(x, rope_cos_sin(angles, scale))
 
-    With R < D (partial rotary, Phi3) the first R dims of each head rotate and the rest pass through.
-    `scale` multiplies cos and sin (YaRN's attention factor), as Hugging Face does. `cos_sin`: the
-    `rope_cos_sin(angles, scale)` of a caller that rotates several arrays by the same angles.
-    """
-    rotary_dim = 2 * angles.shape[-1]
-    cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(angles, scale)
+
+def rotate_halves(x: jax.Array, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """x [T, H, D] rotated by `rope_cos_sin`'s factors ([T, 1, R // 2] each, R <= D): with R < D
+    (partial rotary, Phi3) the first R dims of each head rotate and the rest pass through."""
+    cos, sin = cos_sin
+    rotary_dim = 2 * cos.shape[-1]
     x1, x2 = jnp.split(x[..., :rotary_dim].astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     if rotary_dim == x.shape[-1]:
