@@ -319,6 +319,13 @@ class EngineConfig:
         return None
 
     @property
+    def num_spec_tokens(self) -> int:
+        """Drafts verified per request and step: speculative_config's k, 0 without speculation. A
+        step then reads 1 + k positions per request (the scheduler's slots, the runner's verification,
+        the grammar masks)."""
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
+
+    @property
     def is_async_scheduling(self) -> bool:
         """Async scheduling is asked for (or left to its default, on) and possible here."""
         return self.scheduler.async_scheduling is not False and self.async_scheduling_off_reason() is None

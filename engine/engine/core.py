@@ -68,7 +68,7 @@ class EngineCore:
             max_model_len,
             self.kv_cache_manager,
             async_scheduling=self.async_scheduling,
-            num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            num_spec_tokens=config.num_spec_tokens,
             # A draft model writes its K/V for the k positions after each sampled token (its drafts):
             # slots for them are allocated ahead when free (worker/draft_model.py).
             num_lookahead_tokens=runner.num_lookahead_tokens,
@@ -77,7 +77,7 @@ class EngineCore:
         # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
         self.proposer = make_proposer(spec, max_model_len)
         # Grammar masks per step row: one per verified position (the mask after drafts 0..j-1).
-        self._num_verified_positions = 1 + spec.num_speculative_tokens if spec is not None else 1
+        self._num_verified_positions = 1 + config.num_spec_tokens
         self._is_draft_sampled = spec is not None and spec.method == "draft_model"
         if not config.compilation.enforce_eager:
             runner.warm_up()

@@ -20,6 +20,7 @@ from xlaserve.executor.executor import Executor
 from xlaserve.worker.input_batch import StepInputs
 from xlaserve.worker.model_runner import ModelRunner
 from xlaserve.worker.step_future import StepFuture
+from xlaserve.worker.step_output import make_output
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class MultiHostExecutor(Executor):
         self.sender.send(inputs)
         host = self.runner.run(inputs)
         self.sender.check(host["token_ids"])
-        return self.runner.make_output(scheduled, host, inputs.failed_req_ids)
+        return make_output(scheduled, host, inputs.failed_req_ids)
 
     def execute_async(
         self, scheduled: list[ScheduledRequest], grammar_bitmask: np.ndarray | None = None

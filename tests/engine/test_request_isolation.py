@@ -9,7 +9,7 @@ import pytest
 
 from xlaserve import SamplingParams
 from xlaserve.engine import output_processor
-from xlaserve.worker import input_batch, model_runner
+from xlaserve.worker import input_batch, step_output
 
 GOOD, BAD = "The capital of France is", "Count to ten: one, two,"
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -35,7 +35,7 @@ class _State:  # an output-processor RequestState, seen as a Request
 FAULT_SITES = {
     "batch_rows": (input_batch, "_fill_row", lambda a: a[3].request),
     "sampling_rows": (input_batch, "_fill_sampling_row", lambda a: a[2].request),
-    "reading_outputs": (model_runner, "_read_outputs", lambda a: a[4].request),
+    "reading_outputs": (step_output, "_read_outputs", lambda a: a[4].request),
     "output_processing": (output_processor.OutputProcessor, "_append_logprobs", lambda a: _State(a[1])),
 }
 
