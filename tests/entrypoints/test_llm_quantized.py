@@ -2,8 +2,8 @@
 
 Perplexity over a fixed text (tests/helpers/perplexity_text.py, ~330 tokens, prompt logprobs):
 int8 weights within 2% of bfloat16's (also with every int8 dot in integers, the batch-1 decode
-path: kernels/dtype_ops.split_int8_matmul), fp8 weights within 5%, an fp8 KV cache within 5%. Greedy
-agreement over fixed prompts (16 tokens each) is printed, not asserted: a near-tie may flip.
+path: kernels/dtype_ops.split_int8_matmul), fp8 weights within 5%, an fp8 KV cache within 5%. (Greedy
+tokens are not compared here: a near-tie may flip; each mode's greedy decoding has its own tests.)
 The quantized engines report fewer weight bytes (`xlaserve:model_weight_bytes`): int8 and fp8 at
 most 0.52x of bfloat16's, the GGUF's blocks kept (`--quantization gguf`) at most 0.4x.
 """
@@ -15,7 +15,7 @@ import math
 
 import pytest
 
-from helpers.perplexity_text import PROMPTS, TEXT
+from helpers.perplexity_text import TEXT
 from helpers.smollm2 import smollm2_gguf_path
 from xlaserve import LLM, SamplingParams
 from xlaserve.kernels import dtype_ops
@@ -40,14 +40,13 @@ BOUNDS = {
 }  # relative to bfloat16's perplexity
 
 
-def perplexity_and_greedy(llm: LLM) -> tuple[float, list[list[int]]]:
+def perplexity(llm: LLM) -> float:
     ids = llm.tokenizer(TEXT)["input_ids"]
     out = llm.generate(
         [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
     )[0]
     logprobs = [entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])]
-    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-    return math.exp(-sum(logprobs) / len(logprobs)), [list(o.outputs[0].token_ids) for o in greedy]
+    return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def _metric(llm, name: str) -> float:
@@ -64,8 +63,7 @@ def _measure(extra: dict) -> tuple:
         enforce_eager=True,  # compile only the buckets these steps use
         **extra,
     )
-    ppl, greedy = perplexity_and_greedy(llm)
-    return ppl, greedy, _metric(llm, "model_weight_bytes"), _metric(llm, "num_kv_blocks")
+    return perplexity(llm), _metric(llm, "model_weight_bytes"), _metric(llm, "num_kv_blocks")
 
 
 @pytest.mark.slow  # six SmolLM2 engines, compiled lazily: ~3 minutes on 2 cores
@@ -78,13 +76,10 @@ def test_quantized_perplexity_within_bounds_of_bfloat16():
             patch.setattr(dtype_ops, "INT8_SPLIT_MAX_ROWS", split_rows)
             results[name] = _measure(extra)
         gc.collect()
-    base_ppl, base_greedy, base_bytes, base_blocks = results["bfloat16"]
-    for name, (ppl, greedy, weight_bytes, blocks) in results.items():
-        agree = sum(a == b for g, h in zip(greedy, base_greedy) for a, b in zip(g, h)) / sum(
-            map(len, base_greedy)
-        )
+    base_ppl, base_bytes, base_blocks = results["bfloat16"]
+    for name, (ppl, weight_bytes, blocks) in results.items():
         print(
-            f"{name}: perplexity {ppl:.3f} ({ppl / base_ppl - 1:+.2%}), greedy agreement {agree:.0%}, "
+            f"{name}: perplexity {ppl:.3f} ({ppl / base_ppl - 1:+.2%}), "
             f"weights {weight_bytes / 2**20:.1f} MiB ({weight_bytes / base_bytes:.2f}x), "
             f"KV blocks {blocks:.0f}"
         )
@@ -92,6 +87,6 @@ def test_quantized_perplexity_within_bounds_of_bfloat16():
             assert abs(ppl / base_ppl - 1) <= BOUNDS[name], name
     # The issue's targets: int8 (embedding and tied head too, no float copy of the head) <= 0.52x.
     # The 4-bit GGUF: 0.625 bytes per projection weight and its Q8_0 table at 1.06: ~0.37x (not 0.3x).
-    assert results["int8"][2] <= 0.52 * base_bytes and results["fp8"][2] <= 0.52 * base_bytes
-    assert results["gguf"][2] <= 0.4 * base_bytes
-    assert results["fp8 KV cache"][3] == 2 * base_blocks
+    assert results["int8"][1] <= 0.52 * base_bytes and results["fp8"][1] <= 0.52 * base_bytes
+    assert results["gguf"][1] <= 0.4 * base_bytes
+    assert results["fp8 KV cache"][2] == 2 * base_blocks

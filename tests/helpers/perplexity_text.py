@@ -1,5 +1,5 @@
-"""A fixed text for perplexity checks (written for this repository; public domain), and prompts for
-greedy agreement. No download: quantized engines are compared with the bfloat16 one on it."""
+"""A fixed text for perplexity checks (written for this repository; public domain). No download:
+quantized engines are compared with the bfloat16 one on it."""
 
 TEXT = (
     "The lighthouse keeper rose before dawn, as he had done for thirty years, and climbed the narrow "
@@ -19,10 +19,3 @@ TEXT = (
     "water, steady and bright, as it had every night for a hundred years. Somewhere beyond the dark a "
     "ship changed its course by a few degrees, and the sailors on deck never knew his name."
 )
-
-PROMPTS = [
-    "The capital of France is",
-    "Water boils at a temperature of",
-    "A good way to learn a new language is",
-    "def fibonacci(n):",
-]
