@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 from jax.experimental import serialize_executable
 
@@ -37,6 +38,7 @@ import xlaserve.models
 import xlaserve.sharding
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import cpu_ops
+from xlaserve.worker.model_loader import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +136,11 @@ def engine_fingerprint(config: EngineConfig, hf_config: dict, devices) -> str:
         "devices": [[d.id, d.device_kind, d.process_index] for d in devices],
         "cpu": _cpu_features(),
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_ENABLE_X64")},
-        # Whether the CPU ops are in the programs (and registered before any of them loads).
-        "cpu_ops": backend.platform == "cpu" and cpu_ops.available(),
+        # Whether the CPU ops are in the programs (and registered before any of them loads). Only a
+        # bfloat16 engine's attention calls its op: a float32 one must not build it to key its programs.
+        "cpu_ops": backend.platform == "cpu"
+        and resolve_dtype(config.model.dtype)[0] == jnp.bfloat16
+        and cpu_ops.available(),
         "cpu_quantized_ops": backend.platform == "cpu"
         and config.model.quantization is not None
         and cpu_ops.available(cpu_ops.QUANTIZED_TARGET),
