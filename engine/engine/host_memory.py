@@ -3,10 +3,10 @@
 XLA's CPU runtime mallocs each execution's temporaries and frees them when it ends. glibc serves a
 large request with a fresh mmap (or from a thread arena's heap, unmapped again once empty), so every
 step faults its temporaries back in, page by page, zeroed by the kernel: the greedy sampler over
-[64, 49,152] logits took ~9,200 page faults (36 MiB) and 49 ms of CPU per call, against 0 faults and
-29 ms with the settings below (engine/PERFORMANCE.md, "Host memory"). Its argmax alone touches 24 MiB,
-and once the program also holds the random path's buffers (never run for greedy rows) the total is
-past glibc's largest mmap threshold, so it came back fresh on every call.
+[64, 49,152] logits took ~9,200 page faults (36 MiB) and 49 ms of CPU per call, against 0 faults in
+most calls and 29 ms with the settings below (engine/PERFORMANCE.md, "Host memory"). Its argmax alone
+touches 24 MiB, and once the program also holds the random path's buffers (never run for greedy rows)
+the total is past glibc's largest mmap threshold, so it came back fresh on every call.
 
 The settings, all three needed: one malloc arena (thread arenas delete their heaps when empty), an
 mmap threshold of 2 GiB (large blocks come from the heap), no trimming of the heap's top. Measured

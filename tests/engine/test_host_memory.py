@@ -13,8 +13,8 @@ import pytest
 
 from xlaserve.engine.host_memory import ENV, device_is_host_cpu
 
-# The runner's sampler program over a batch-64 greedy step (logits [64, 49152]), called 20 times after
-# one warm call; prints the minor page faults per call. keep_host_memory() runs first, as in the engine.
+# The runner's sampler program over a batch-64 greedy step (logits [64, 49152]), called 40 times after
+# one warm call; prints the minor page faults of each call. keep_host_memory() runs first, as in the engine.
 _SCRIPT = textwrap.dedent(
     """
     import json, resource
@@ -31,10 +31,11 @@ _SCRIPT = textwrap.dedent(
     )
     f = jax.jit(lambda x, st: sample(x, st, with_logprobs=jnp.bool_(False)).token_ids)
     ids = f(logits, st).block_until_ready()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(20):
+    faults = []
+    for _ in range(40):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         f(logits, st).block_until_ready()
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     same = bool((ids == jnp.argmax(logits, -1)).all())
     print(json.dumps({"applied": applied, "faults": faults, "same": same}))
     """
@@ -54,10 +55,17 @@ def test_sampler_temporaries_are_not_faulted_in_at_every_step():
     kept, default_malloc = _run(keep=True), _run(keep=False)
     assert kept["applied"] and not default_malloc["applied"]
     assert kept["same"] and default_malloc["same"]  # the greedy ids are argmax's either way
-    # Without the settings each call faults in its ~24 MiB of temporaries (~6,000 pages of 4 KiB);
-    # with them, the heap's pages are reused (what is left here comes and goes with the run: 0-1,300).
-    assert default_malloc["faults"] > 1000, default_malloc
-    assert kept["faults"] < default_malloc["faults"] / 3, (kept, default_malloc)
+
+    # Without the settings every call faults in its ~24 MiB of temporaries (~6,150 pages of 4 KiB).
+    # With them a call reuses the heap's pages (0-2 faults), except now and then one that faults the
+    # whole set again (likely the freed block split by a smaller allocation in between): 1-4 calls of
+    # 40 here, 8 of 20 in one CI run. So the test counts the calls that reused the heap: none without
+    # the settings; with them most calls do (it asks for a third, a margin over that CI run).
+    def reused(run):
+        return sum(f < 100 for f in run["faults"])
+
+    assert reused(default_malloc) == 0 and min(default_malloc["faults"]) > 1000, default_malloc
+    assert reused(kept) >= 14, kept
 
 
 def test_platform_choice_follows_jax_platforms(monkeypatch):
