@@ -21,8 +21,6 @@ max_model_len counting the tokens in flight. Block hashes only ever cover known 
 
 from __future__ import annotations
 
-import bisect
-import enum
 from collections.abc import Iterable
 
 from xlaserve.core.kv_cache_manager import KVCacheManager
@@ -35,17 +33,14 @@ from xlaserve.core.outputs import (
     SchedulerStats,
 )
 from xlaserve.core.partial_prefills import PartialPrefills
+from xlaserve.core.policy import SchedulingPolicy, enqueue_waiting, pick_victim
 from xlaserve.core.request import FinishReason, Request, RequestStatus
 from xlaserve.core.spec_decode import SpecDecodingStats
+from xlaserve.core.stop import check_stop, is_grammar_complete
 
 # long_prefill_token_threshold=None caps a prefill chunk at this fraction of the step's budget: with
 # the default max_num_partial_prefills=2, partial prefills take at most half of every step.
 DEFAULT_PREFILL_CHUNK_DIVISOR = 4
-
-
-class SchedulingPolicy(enum.Enum):
-    FCFS = "fcfs"
-    PRIORITY = "priority"  # lower `priority` first, then earlier arrival
 
 
 class Scheduler:
@@ -85,7 +80,7 @@ class Scheduler:
             max_model_len, kv_cache_manager.block_size, kv_cache_manager.num_usable_blocks
         )
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []  # in admission order (see _enqueue_waiting)
+        self.waiting: list[Request] = []  # in admission order (core/policy.py)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
@@ -106,7 +101,7 @@ class Scheduler:
         self.limits.check(request.num_prompt_tokens, request.max_tokens)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._enqueue_waiting(request, is_preempted=False)
+        enqueue_waiting(self.waiting, request, self.policy, is_preempted=False)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish (e.g. abort) requests from outside the step; unknown or finished ids are ignored."""
@@ -193,7 +188,7 @@ class Scheduler:
                     self._error_outputs.append(self._finish_with_error(request))
                     is_dropped = True
                     break
-                victim_index = self._get_victim_index()
+                victim_index = pick_victim(self.running, self.policy)
                 victim = self.running[victim_index]
                 token_budget += self._preempt(victim_index, output)
                 if victim is request:
@@ -295,14 +290,6 @@ class Scheduler:
         request.num_computed_tokens += num_new_tokens
         return num_new_tokens
 
-    def _get_victim_index(self) -> int:
-        if self.policy == SchedulingPolicy.FCFS:
-            return len(self.running) - 1
-        return max(
-            range(len(self.running)),
-            key=lambda i: (self.running[i].priority, self.running[i].arrival_time, i),
-        )
-
     def _preempt(self, victim_index: int, output: SchedulerOutput) -> int:
         """Preempt running[victim_index] by recompute; returns the token budget it gives back."""
         victim = self.running.pop(victim_index)
@@ -321,16 +308,8 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
         output.preempted_req_ids.add(victim.request_id)
-        self._enqueue_waiting(victim, is_preempted=True)
+        enqueue_waiting(self.waiting, victim, self.policy, is_preempted=True)
         return num_returned_tokens
-
-    def _enqueue_waiting(self, request: Request, *, is_preempted: bool) -> None:
-        if self.policy == SchedulingPolicy.PRIORITY:
-            bisect.insort(self.waiting, request, key=lambda r: (r.priority, r.arrival_time))
-        elif is_preempted:
-            self.waiting.insert(0, request)  # it was admitted before everything still waiting
-        else:
-            self.waiting.append(request)
 
     # -- after the step ----------------------------------------------------------------------
 
@@ -376,7 +355,7 @@ class Scheduler:
                         new_logprobs=_new_logprobs(model_runner_output, scheduled, len(new_token_ids)),
                         new_prompt_logprobs=prompt_logprobs,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
-                        is_grammar_complete=_is_grammar_complete(request),
+                        is_grammar_complete=is_grammar_complete(request),
                     )
                 )
             if request.is_finished:
@@ -397,7 +376,7 @@ class Scheduler:
         for token_id in tokens:  # tokens after a stop (or past max_tokens) are dropped
             request.append_output_token_ids(token_id)
             num_appended += 1
-            self._check_stop(request)
+            check_stop(request, self.max_model_len)
             if request.is_finished:
                 break
         if num_drafts:
@@ -405,29 +384,6 @@ class Scheduler:
             request.num_computed_tokens -= num_drafts - len(accepted)
             self.spec_decoding_stats.observe(num_drafts, len(accepted))
         return request.output_token_ids[-num_appended:]
-
-    def _check_stop(self, request: Request) -> None:
-        params = request.sampling_params
-        token_id = request.output_token_ids[-1]
-        grammar = request.grammar
-        if grammar is not None:
-            grammar.accept_token(token_id)
-            if grammar.error is not None:  # a token the mask should have kept out: a bug, not the user's
-                request.status = RequestStatus.FINISHED_ERROR
-                return
-            if grammar.is_terminated:  # complete (with this token or EOS), whatever min_tokens says
-                request.status = RequestStatus.FINISHED_STOPPED
-                return
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return
-            if not params.ignore_eos and token_id == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
 
     def _free_request(self, request: Request, num_valid_tokens: int | None = None) -> None:
         request.num_output_placeholders, request.last_sampled_row = 0, -1  # in flight, they are dropped
@@ -475,11 +431,3 @@ def _new_logprobs(model_runner_output: ModelRunnerOutput, scheduled: ScheduledRe
     emitted token), those of the `num_tokens` kept."""
     entries = model_runner_output.logprobs.get(scheduled.request_id) if num_tokens else None
     return entries[:num_tokens] if entries is not None and scheduled.spec_token_ids else entries
-
-
-def _is_grammar_complete(request: Request) -> bool:
-    """The request's last token completed its grammar: that token is text, unlike EOS or a stop id."""
-    grammar = request.grammar
-    return (
-        grammar is not None and grammar.is_terminated and request.output_token_ids[-1] != request.eos_token_id
-    )
