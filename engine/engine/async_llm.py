@@ -9,16 +9,15 @@ The same `OutputProcessor` as the offline `LLM` turns token ids into text; here 
 mode for streams (each output holds only what is new) and "final" mode otherwise. Everything runs
 on one asyncio loop; the only other thread is the monitor that notices a dead core.
 
-A dead core is supervised, not fatal: the requests it held fail at once, new ones get
-EngineDeadError (503) while a new core starts (warm, from the persistent compilation cache), then
-serving resumes. A core that keeps dying (see `RestartPolicy`) sets `failed`, and the server exits.
+A dead core is supervised, not fatal (engine/supervisor.py): the requests it held fail at once, new
+ones get EngineDeadError (503) while a new core starts, then serving resumes. A core that keeps dying
+sets `failed`, and the server exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import itertools
 import logging
 import time
@@ -26,13 +25,7 @@ from collections.abc import AsyncGenerator
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.limits import RequestLimits
-from xlaserve.engine.core_client import (
-    CoreDeaths,
-    EngineCoreClient,
-    EngineDeadError,
-    RestartPolicy,
-    cancel_quietly,
-)
+from xlaserve.engine.core_client import EngineCoreClient, EngineDeadError, cancel_quietly
 from xlaserve.engine.metrics import EngineMetrics
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor
@@ -52,6 +45,7 @@ from xlaserve.engine.request_stream import (
     RequestFailedError,
     RequestStream,
 )
+from xlaserve.engine.supervisor import CoreSupervisor, EngineState, RestartPolicy
 from xlaserve.lora_request import LoRARequest
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
@@ -68,17 +62,6 @@ __all__ = [
     "RequestFailedError",
     "RequestStream",
 ]
-
-
-# What clients are told (the core's pid, signal and exception stay in the log).
-_RESTARTING_REASON = "the engine core stopped unexpectedly and is being restarted; retry in a few seconds"
-_FAILED_REASON = "the engine core failed repeatedly and the server is shutting down"
-
-
-class EngineState(enum.Enum):
-    READY = "ready"
-    RESTARTING = "restarting"  # the core died; a new one is starting
-    FAILED = "failed"  # the core kept dying: no more restarts, the server should exit
 
 
 class AsyncLLM:
@@ -106,29 +89,28 @@ class AsyncLLM:
             # The other hosts joined the dead core's jax.distributed group and cannot join a new one.
             logger.info("a multi-host engine is not restarted in place: the server exits if its core dies")
             policy = RestartPolicy(0, policy.window_s)
-        self._deaths = CoreDeaths(policy)
         self.model = model
-        self._engine_args = engine_args
-        self._log_level = log_level
-        self.core = EngineCoreClient(model, engine_args, log_level=log_level)
-        self.state = EngineState.READY
         self.tokenizer = None
         self.max_model_len = 0
         self.vocab_size = 0
         self.block_size = self.config.cache.block_size
         self.num_usable_blocks = 0
-        self.errored_reason: str | None = None
         self.metrics = EngineMetrics()
         self.finish_reason_counts: collections.Counter[str] = collections.Counter()
         self._streams: dict[str, asyncio.Queue] = {}
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._output_task: asyncio.Task | None = None
-        self._restart_task: asyncio.Task | None = None
-        self._is_shutting_down = False
-        self.failed = asyncio.Event()  # set when the policy gives up on the core: the server exits
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
+        self.supervisor = CoreSupervisor(
+            lambda: EngineCoreClient(model, engine_args, log_level=log_level),
+            policy,
+            self.metrics,
+            on_down=self._fail_in_flight,
+            detach=lambda: cancel_quietly(self._output_task),
+            on_ready=self._attach_core,
+        )
 
     @classmethod
     async def create(cls, model: str | None = None, **kwargs) -> AsyncLLM:
@@ -157,7 +139,12 @@ class AsyncLLM:
         self.lora_slots = (ready.lora_layout, ready.lora_layer_stacks)  # (None, None): LoRA off
         self.metrics.record_engine(ready.weight_bytes, ready.num_kv_blocks)
         self.input_processor = InputProcessor(
-            self.tokenizer, ready.max_model_len, ready.vocab_size, ready.eos_token_id, self.config.model.seed
+            self.tokenizer,
+            ready.max_model_len,
+            ready.vocab_size,
+            ready.eos_token_id,
+            self.config.model.seed,
+            RequestLimits(ready.max_model_len, self.block_size, ready.num_usable_blocks),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._attach_core()
@@ -172,19 +159,32 @@ class AsyncLLM:
         """Read the (new) core's outputs and watch its process."""
         client, loop = self.core, asyncio.get_running_loop()
         self._output_task = asyncio.create_task(self._output_loop(client), name="engine-core-outputs")
-        client.watch(lambda reason: loop.call_soon_threadsafe(self._on_engine_dead, client, reason))
+        client.watch(lambda reason: loop.call_soon_threadsafe(self.supervisor.core_died, client, reason))
 
     # -- state ---------------------------------------------------------------------------------
 
     @property
+    def core(self) -> EngineCoreClient:
+        return self.supervisor.core
+
+    @property
+    def state(self) -> EngineState:
+        return self.supervisor.state
+
+    @property
+    def failed(self) -> asyncio.Event:
+        """Set when the supervisor gives up on the core: the server exits."""
+        return self.supervisor.failed
+
+    @property
     def is_errored(self) -> bool:
         """Whether requests are refused now: the core is restarting, or gone for good."""
-        return self.errored_reason is not None
+        return self.supervisor.errored_reason is not None
 
     def check_health(self) -> None:
         """Raise EngineDeadError (with a message fit for clients) unless the core is ready."""
-        if self.errored_reason is not None:
-            raise EngineDeadError(self.errored_reason)
+        if self.supervisor.errored_reason is not None:
+            raise EngineDeadError(self.supervisor.errored_reason)
 
     def get_num_unfinished_requests(self) -> int:
         """Core-level requests in flight (each of an n > 1 request's children counts)."""
@@ -198,18 +198,8 @@ class AsyncLLM:
             self.input_processor.validate_prompt(prompt_token_ids)
         except ValueError as e:
             raise InvalidRequestError(str(e), "prompt") from None
-        num_prompt = len(prompt_token_ids)
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens, but "
-                f"{num_prompt + params.max_tokens} were requested ({num_prompt} in the prompt, "
-                f"{params.max_tokens} for the completion); reduce the prompt or max_tokens",
-                "max_tokens",
-            )
-        try:  # the scheduler's own rule (core/limits.py), checked here to answer 400 at once
-            RequestLimits(self.max_model_len, self.block_size, self.num_usable_blocks).check(
-                num_prompt, params.max_tokens
-            )
+        try:
+            self.input_processor.check_fits(len(prompt_token_ids), params.max_tokens)
         except ValueError as e:
             raise InvalidRequestError(str(e), "max_tokens") from None
 
@@ -327,7 +317,7 @@ class AsyncLLM:
             raise
         except Exception as e:  # a bug here must fail requests loudly, not hang them
             logger.exception("the output loop failed")
-            self._on_engine_dead(client, f"the front end's output loop failed: {type(e).__name__}: {e}")
+            self.supervisor.core_died(client, f"the front end's output loop failed: {type(e).__name__}: {e}")
 
     async def _handle_outputs(self, client: EngineCoreClient) -> None:
         while True:
@@ -342,7 +332,7 @@ class AsyncLLM:
                     else:
                         future.set_result(message.result)
             elif isinstance(message, EngineDead):
-                self._on_engine_dead(client, f"the engine core failed: {message.reason}")
+                self.supervisor.core_died(client, f"the engine core failed: {message.reason}")
 
     def _process_outputs(self, message: EngineCoreOutputs) -> None:
         processed = self.output_processor.process_outputs(message.outputs)
@@ -371,66 +361,6 @@ class AsyncLLM:
         if queue is not None:
             queue.put_nowait(error)
 
-    # -- supervision ---------------------------------------------------------------------------
-
-    def _on_engine_dead(self, client: EngineCoreClient, reason: str) -> None:
-        """Fail what the core held, then restart it or give up. `reason` (pid, signal, exception) is
-        for the log only. A late notice about a core already replaced or being stopped is ignored."""
-        if self._is_shutting_down or client is not self.core or self.state is not EngineState.READY:
-            return
-        may_restart = self._deaths.record(time.monotonic())
-        self.state = EngineState.RESTARTING if may_restart else EngineState.FAILED
-        self.errored_reason = _RESTARTING_REASON if may_restart else _FAILED_REASON
-        logger.error("%s: in-flight requests fail", reason)
-        self.metrics.record_core_down()
-        self._fail_in_flight(EngineDeadError(self.errored_reason))
-        if may_restart:
-            self._restart_task = asyncio.create_task(self._restart(), name="engine-core-restart")
-        else:
-            self._give_up()
-
-    async def _restart(self) -> None:
-        """Replace the dead core by a new one; one that dies while starting counts as another death."""
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                await cancel_quietly(self._output_task)
-                # Reap the old process first: it may still hold the accelerator's memory (and when the
-                # front end's output loop failed, it is still running).
-                await loop.run_in_executor(None, self.core.stop_process)
-                self.core.close()
-                started = time.monotonic()
-                logger.warning("restarting the engine core")
-                self.core = EngineCoreClient(self.model, self._engine_args, log_level=self._log_level)
-                self.metrics.num_core_restarts += 1
-                try:
-                    await self.core.wait_ready()
-                    break
-                except EngineDeadError as e:
-                    logger.error("%s", e)
-                    if not self._deaths.record(time.monotonic()):
-                        self._give_up()
-                        return
-        except Exception:  # never leave the server refusing requests forever
-            logger.exception("restarting the engine core failed")
-            self._give_up()
-            return
-        self._deaths.mark_ready()
-        self._attach_core()
-        self.state, self.errored_reason = EngineState.READY, None
-        elapsed = time.monotonic() - started
-        logger.info("engine core restarted in %.1fs (pid %d): serving again", elapsed, self.core.pid)
-
-    def _give_up(self) -> None:
-        policy = self._deaths.policy
-        self.state, self.errored_reason = EngineState.FAILED, _FAILED_REASON
-        logger.critical(
-            "the engine core keeps dying (limit: %d restarts within %.0fs, or in a row): giving up",
-            policy.max_restarts,
-            policy.window_s,
-        )
-        self.failed.set()
-
     def _fail_in_flight(self, error: EngineDeadError) -> None:
         for queue in self._streams.values():
             queue.put_nowait(error)
@@ -452,9 +382,8 @@ class AsyncLLM:
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Fail what is still in flight, stop any restart, the output loop and the core process."""
-        self._is_shutting_down = True  # a core that dies from here on is not restarted
+        await self.supervisor.stop()  # a core that dies from here on is not restarted
         self.fail_all_requests("the server is shutting down")
-        await cancel_quietly(self._restart_task)
         await cancel_quietly(self._output_task)
         if self.state is not EngineState.READY:
             timeout = 0.0  # a core that is starting (or dead) does not read a polite Shutdown: SIGTERM it

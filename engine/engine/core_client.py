@@ -5,8 +5,8 @@ loop); outputs come back on a PULL socket read by asyncio. A thread waits on the
 sentinel, so a dead core is noticed at once, not when the next request times out.
 
 One client is one core process: a restart (see `AsyncLLM`) builds a new client with fresh sockets,
-so no message meant for the dead core can reach its successor. `RestartPolicy` and `CoreDeaths`
-decide when restarting stops being worth it.
+so no message meant for the dead core can reach its successor (engine/supervisor.py decides when
+to restart and when to give up).
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 import zmq
@@ -46,51 +44,6 @@ class EngineDeadError(RuntimeError):
     The messages AsyncLLM raises it with reach clients, so they hold no pid or exception text (the log
     has those); the start-up failure `wait_ready` raises goes to the log and the command line only.
     """
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """When a dead engine core is restarted, and when the front end gives up (and the server exits 1,
-    so that systemd or Kubernetes restarts the whole thing: a core that keeps dying will not heal here).
-
-    `max_restarts`: at most this many deaths within `window_s` seconds are followed by a restart;
-    0 never restarts.
-    """
-
-    max_restarts: int = 2
-    window_s: float = 60.0
-
-    def __post_init__(self):
-        if self.max_restarts < 0:
-            raise ValueError(f"max_engine_restarts must be >= 0, got {self.max_restarts}")
-        if not self.window_s > 0:
-            raise ValueError(f"engine_restart_window must be > 0 seconds, got {self.window_s}")
-
-
-class CoreDeaths:
-    """The core's deaths, judged by a RestartPolicy.
-
-    Two counts, because a window alone misses a slow crash loop: a core whose start-up takes longer
-    than the window and then always fails would be restarted forever. So deaths in a row with no
-    ready core in between also count, whatever time they span.
-    """
-
-    def __init__(self, policy: RestartPolicy):
-        self.policy = policy
-        self._times: deque[float] = deque()
-        self._num_since_ready = 0
-
-    def record(self, now: float) -> bool:
-        """Record a death at `now` (monotonic seconds); whether the core may be restarted."""
-        self._times.append(now)
-        while now - self._times[0] > self.policy.window_s:
-            self._times.popleft()
-        self._num_since_ready += 1
-        limit = self.policy.max_restarts
-        return len(self._times) <= limit and self._num_since_ready <= limit
-
-    def mark_ready(self) -> None:
-        self._num_since_ready = 0
 
 
 class EngineCoreClient:

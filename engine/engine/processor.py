@@ -6,7 +6,7 @@ import dataclasses
 import random
 from typing import Any
 
-from xlaserve.core.limits import check_prompt_length
+from xlaserve.core.limits import RequestLimits, check_prompt_length
 from xlaserve.core.request import Request, child_request_id
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.lora_request import LoRARequest
@@ -26,11 +26,22 @@ class InputProcessor:
     naming the field and the limit, raised before anything reaches the engine.
 
     `tokenizer` is None for an engine built with skip_tokenizer_init: prompts must then be token ids.
+    `limits`: the KV cache's (the front end of a core in another process checks them up front; the
+    offline engine's scheduler checks them as it adds a request).
     """
 
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_id: int | None, seed: int):
+    def __init__(
+        self,
+        tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_id: int | None,
+        seed: int,
+        limits: RequestLimits | None = None,
+    ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.limits = limits
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._seeds = random.Random(seed)
@@ -61,6 +72,18 @@ class InputProcessor:
             raise ValueError("prompt must not be empty (0 tokens)")
         check_prompt_length(len(prompt_token_ids), self.max_model_len)
         self._check_token_ids("prompt_token_ids", prompt_token_ids)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """ValueError if the prompt plus max_tokens can never run: past max_model_len, or more KV
+        blocks than the cache holds (the scheduler's own rule, core/limits.py)."""
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but "
+                f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
+                f"{max_tokens} for the completion); reduce the prompt or max_tokens"
+            )
+        if self.limits is not None:
+            self.limits.check(num_prompt_tokens, max_tokens)
 
     def validate_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against this model's vocabulary, stop

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.server_harness import MODEL_NAME, ServerProcess, pid_alive
 from helpers.smollm2 import ENGINE_ARGS
-from xlaserve.engine.core_client import CoreDeaths, RestartPolicy
+from xlaserve.engine.supervisor import CoreDeaths, RestartPolicy
 
 DEADLINE_S = 30  # liveness bound when waiting for the server to react, not a timing assertion
 RESTART_DEADLINE_S = 240  # a warm restart takes 10-30 s on 2 cores that other work shares
