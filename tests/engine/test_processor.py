@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from xlaserve.core.limits import RequestLimits
 from xlaserve.engine.processor import InputProcessor
 from xlaserve.sampling_params import SamplingParams
 
@@ -68,3 +69,14 @@ def _in_range(value):
     if isinstance(value, dict):
         return {"5": 1.0}
     return [[3]] if isinstance(value[0], list) else [3]
+
+
+def test_check_fits_names_the_context_and_the_cache():
+    # 64 tokens of context, blocks of 4, 10 blocks in the cache: 40 tokens at most per request.
+    processor = InputProcessor(None, 64, VOCAB, 2, 0, RequestLimits(64, 4, 10))
+    processor.check_fits(30, 10)  # 40 tokens: 10 blocks, fits
+    with pytest.raises(ValueError, match=r"maximum context length is 64 tokens, but 65 were requested"):
+        processor.check_fits(60, 5)
+    with pytest.raises(ValueError, match=r"^max_tokens: the request needs 11 KV cache blocks .* only 10"):
+        processor.check_fits(30, 11)
+    InputProcessor(None, 64, VOCAB, 2, 0).check_fits(30, 20)  # no limits given: the context alone
