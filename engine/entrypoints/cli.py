@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from xlaserve.engine.host_memory import keep_host_memory
 from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs, run_follower_if_needed
@@ -66,13 +67,18 @@ def one_request_engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+logger = logging.getLogger(__name__)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from xlaserve.entrypoints.llm import LLM
 
+    imported = time.perf_counter()  # jax, flax and transformers come in with the offline LLM
     require_tokenizer(args)
     if run_follower_if_needed(args):
         return 0
     llm = LLM(args.model, **one_request_engine_kwargs(args))
+    ready = time.perf_counter()
     params = sampling_params(args)
     prompt = args.prompt
     if not args.raw:
@@ -80,10 +86,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
         prompt = {"prompt": text, "prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False)}
+    first_token = None
     for delta in llm.stream(prompt, params):
+        first_token = first_token or time.perf_counter()
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    first_token = first_token or time.perf_counter()  # nothing generated: the end stands for it
+    # The start's phases not in the engine's own start-up line (`xlaserve bench startup` reads both).
+    logger.info(
+        "start-up: imports %.1fs, first token %.2fs after the engine was ready, %.1fs after the start",
+        imported - args.started_at,
+        first_token - ready,
+        first_token - args.started_at,
+    )
     llm.shutdown()
     return 0
 
@@ -173,9 +189,11 @@ def quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started_at = time.perf_counter()
     keep_host_memory()  # first: before anything starts jax's CPU thread pools
     quiet_libraries()
     args = build_parser().parse_args(argv)
+    args.started_at = started_at
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:

@@ -3,9 +3,10 @@ a cold and a warm start.
 
 Each run is a fresh process, as a user's would be: the first with an empty persistent compilation
 cache (cold: every warm-up program compiles), the second with the cache the first left (warm). The
-report gives the wall time to the first generated text and the phases the engine logged (checkpoint,
-placement, warm-up), and how many programs were loaded ahead of time (worker/program_store.py), how
-many compiled, and of those how many XLA's persistent cache held.
+report gives the wall time to the last generated token and the phases the command logged (imports,
+checkpoint, placement, warm-up, the first token after the engine was ready), and how many programs
+were loaded ahead of time (worker/program_store.py), how many compiled, and of those how many XLA's
+persistent cache held.
 
 `--serve` then starts `xlaserve serve` twice and reports how long each takes until its /health answers
 200: the first compiles the server's own programs (`generate` sizes its engine to one request, cli.py,
@@ -27,6 +28,7 @@ import time
 import urllib.request
 
 _PHASES = {
+    "imports_s": re.compile(r"start-up: imports ([\d.]+)s"),
     "checkpoint_s": re.compile(r"start-up: checkpoint ([\d.]+)s"),
     "engine_s": re.compile(r"start-up: checkpoint [\d.]+s, engine ([\d.]+)s"),
     "placement_s": re.compile(r"placed \S+ weights in ([\d.]+)s"),
@@ -35,6 +37,7 @@ _PHASES = {
     "loaded": re.compile(r"\((\d+) loaded ahead of time"),
     "compiled": re.compile(r"(\d+) compiled, "),
     "from_cache": re.compile(r"(\d+) from the persistent cache"),
+    "first_token_s": re.compile(r"first token ([\d.]+)s after the engine was ready"),
 }
 
 
