@@ -4,9 +4,9 @@ Input goes out on a PUSH socket with non-blocking sends (a wedged core must neve
 loop); outputs come back on a PULL socket read by asyncio. A thread waits on the process's
 sentinel, so a dead core is noticed at once, not when the next request times out.
 
-One client is one core process: a restart (see `AsyncLLM`) builds a new client with fresh sockets,
-so no message meant for the dead core can reach its successor (engine/supervisor.py decides when
-to restart and when to give up).
+One client is one core process: a restart (engine/supervisor.py, which also decides when to give
+up) builds a new client with fresh sockets, so no message meant for the dead core can reach its
+successor.
 """
 
 from __future__ import annotations

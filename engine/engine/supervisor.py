@@ -1,7 +1,7 @@
 """Supervision of the engine core: a dead core is restarted, not fatal, until it keeps dying.
 
 When the core dies, the requests it held fail at once (`on_down`), new ones get EngineDeadError
-(503) while a new core starts (warm, from the persistent compilation cache), then serving resumes
+(503) while a new core starts (warm: its programs come from the store of executables), then serving resumes
 (`on_ready` reattaches the front end's output loop). A core that keeps dying (`RestartPolicy`) sets
 `failed`, and the server exits.
 """
