@@ -34,7 +34,7 @@ from xlaserve.models.layers import (
     soft_cap,
     with_shared_rope,
 )
-from xlaserve.models.lora import LayerLoRA, LoRABatch
+from xlaserve.models.lora import LoRABatch, bind_adapters
 
 
 class DecoderOnlyLM(nnx.Module):
@@ -169,8 +169,10 @@ def _run_stack(
         x, kv_cache = carry
         state, spec, weights = xs
         md_layer = md.for_layer(spec.index, num_blocks, block_size)
-        layer_lora = {} if weights is None else {"lora": LayerLoRA(weights, slot_mask)}
-        x, kv_cache = nnx.merge(layer_def, state)(x, positions, kv_cache, md_layer, spec, **layer_lora)
+        layer = nnx.merge(layer_def, state)
+        if weights is not None:  # this layer's slots, bound to its projections for this step
+            bind_adapters(layer, weights, slot_mask)
+        x, kv_cache = layer(x, positions, kv_cache, md_layer, spec)
         return (x, kv_cache), None
 
     # dtype_ops.scan: 16-bit weights sliced as words on CPU, where XLA would convert the whole stack.

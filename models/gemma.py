@@ -21,7 +21,6 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
-from xlaserve.models.lora import LayerLoRA, lora_kwargs
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ class Gemma3Config(GemmaConfig):
 class GemmaDecoderLayer(nnx.Module):
     """x + post_attn_norm(attn(input_norm(x))), then x + post_ffw_norm(mlp(pre_ffw_norm(x)))."""
 
-    supports_lora = True  # takes `lora=` (models/lora.py): adapters on its projections
+    supports_lora = True  # its projections are Linears an adapter may target (models/lora.py)
 
     def __init__(self, cfg: TransformerConfig, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         def norm() -> RMSNorm:
@@ -93,13 +92,10 @@ class GemmaDecoderLayer(nnx.Module):
         kv_cache: KVCache,
         md: AttentionMetadata,
         spec: LayerSpec,
-        lora: LayerLoRA | None = None,
     ):
-        attn_lora = lora_kwargs(lora, "self_attn")
-        mlp_lora = lora_kwargs(lora, "mlp")
-        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, spec, **attn_lora)
+        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, spec)
         x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x), **mlp_lora)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(h), kv_cache
 
 

@@ -20,7 +20,7 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.kernels.dtype_ops import dequantize, matmul, take_rows
 from xlaserve.kernels.reference import token_positions
 from xlaserve.models.config import TransformerConfig
-from xlaserve.models.lora import LayerLoRA, with_lora
+from xlaserve.models.lora import Adaptable
 from xlaserve.models.quantization import QuantizedKernel
 from xlaserve.models.rope import (
     layer_rope_inv_freqs,
@@ -100,9 +100,10 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
 
-class Linear(QuantizedKernel, nnx.Module):
+class Linear(QuantizedKernel, Adaptable, nnx.Module):
     """y = x @ W (+ b) with W stored [in, out]; loaders transpose Hugging Face's [out, in].
-    W may be quantized (int8 or float8 with `kernel_scale`: models/quantization.py)."""
+    W may be quantized (int8 or float8 with `kernel_scale`: models/quantization.py). With LoRA, the
+    step's adapter slots are bound to it (models/lora.py) and their delta is added to y."""
 
     def __init__(self, din: int, dout: int, *, use_bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(0.02)
@@ -111,7 +112,7 @@ class Linear(QuantizedKernel, nnx.Module):
 
     def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
         y = self.project(x, out_dtype)
-        return y if self.bias is None else y + self.bias[...]
+        return self.with_adapter(y if self.bias is None else y + self.bias[...], x)
 
 
 class Embedding(QuantizedKernel, nnx.Module):
@@ -174,15 +175,9 @@ class Attention(nnx.Module):
         self.k_proj = Linear(d, cfg.num_kv_heads * hd, use_bias=bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d, cfg.num_kv_heads * hd, use_bias=bias, dtype=dtype, rngs=rngs)
 
-    def project_qkv(
-        self, x: jax.Array, lora: LayerLoRA | None = None
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """[T, D] -> q [T, num_heads * head_dim], k and v [T, num_kv_heads * head_dim]."""
-        return (
-            with_lora(lora, self.q_proj(x), x, "q_proj"),
-            with_lora(lora, self.k_proj(x), x, "k_proj"),
-            with_lora(lora, self.v_proj(x), x, "v_proj"),
-        )
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def __call__(
         self,
@@ -191,11 +186,10 @@ class Attention(nnx.Module):
         kv_cache: KVCache,
         md: AttentionMetadata,  # already offset to this layer's blocks
         spec: LayerSpec,  # this layer's
-        lora: LayerLoRA | None = None,  # this layer's adapter slots, scoped to this module
     ) -> tuple[jax.Array, KVCache]:
         cfg = self.cfg
         num_tokens = x.shape[0]
-        q, k, v = self.project_qkv(x) if lora is None else self.project_qkv(x, lora)
+        q, k, v = self.project_qkv(x)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -219,7 +213,7 @@ class Attention(nnx.Module):
             soft_cap=cfg.attn_logit_softcap,
         )
         out = out.reshape(num_tokens, -1)
-        return with_lora(lora, self.o_proj(out), out, "o_proj"), KVCache(k_cache, v_cache)
+        return self.o_proj(out), KVCache(k_cache, v_cache)
 
 
 def rope_angles_of(cfg: TransformerConfig, positions, md: AttentionMetadata, inv_freq) -> jax.Array:
@@ -275,14 +269,12 @@ class GatedMLP(nnx.Module):
         self.gate_proj = Linear(d, f, use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d, f, use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
-    def project_gate_up(self, x: jax.Array, lora: LayerLoRA | None = None) -> tuple[jax.Array, jax.Array]:
-        return with_lora(lora, self.gate_proj(x), x, "gate_proj"), with_lora(
-            lora, self.up_proj(x), x, "up_proj"
-        )
+    def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.gate_proj(x), self.up_proj(x)
 
-    def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
-        gate, up = self.project_gate_up(x) if lora is None else self.project_gate_up(x, lora)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = self.project_gate_up(x)
         # In float32, rounded once: in 16 bits XLA's CPU backend rounds after each op of the activation
         # (a convert pair per op; torch computes its fused silu in float32 too).
         h = (activation(self.hidden_act)(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-        return with_lora(lora, self.down_proj(h), h, "down_proj")
+        return self.down_proj(h)

@@ -12,7 +12,6 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
-from xlaserve.models.lora import LayerLoRA, lora_kwargs
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -20,7 +19,7 @@ class LlamaDecoderLayer(nnx.Module):
 
     attention_class: type[Attention] = Attention  # a family with fused projections swaps these
     mlp_class: type[GatedMLP] = GatedMLP
-    supports_lora = True  # takes `lora=` (models/lora.py): adapters on its projections
+    supports_lora = True  # its projections are Linears an adapter may target (models/lora.py)
 
     def __init__(self, cfg: TransformerConfig, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -35,13 +34,10 @@ class LlamaDecoderLayer(nnx.Module):
         kv_cache: KVCache,
         md: AttentionMetadata,
         spec: LayerSpec,
-        lora: LayerLoRA | None = None,
     ):
-        attn_lora = lora_kwargs(lora, "self_attn")
-        mlp_lora = lora_kwargs(lora, "mlp")
-        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, spec, **attn_lora)
+        h, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, md, spec)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), **mlp_lora), kv_cache
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
 class LlamaForCausalLM(DecoderOnlyLM):

@@ -13,6 +13,10 @@ matmul. It does S times the FLOPs of a per-token gather, but as two dense matmul
 of the three forms measured on CPU (a gathered A[slot] per token, `jax.lax.ragged_dot` over tokens
 sorted by slot: engine/PERFORMANCE.md). A step in which no token uses an adapter skips every delta
 (`lax.cond` on a flag computed once per step, in the same program: no extra compile).
+
+The adapters belong to the projections: a `Linear` is `Adaptable`, and the decoder binds each layer's
+slots to its projections by path inside the layer scan (`bind_adapters`), so no family's layers take
+or pass a LoRA argument.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 # Hugging Face module names an adapter may target, as our decoder layers name them too.
 LORA_TARGET_MODULES = (
@@ -74,40 +79,44 @@ class LoRABatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerLoRA:
-    """One layer's adapter slots inside the layer scan, scoped to a submodule with `scope`."""
+class Adapter:
+    """One projection's adapter slots for the step, bound to it inside the layer scan (`bind_adapters`)."""
 
-    weights: LoRAWeights  # [in, S, r] / [S, r, out] arrays
-    slot_mask: SlotMask  # LoRABatch.slot_mask()
-    prefix: str = ""
+    a: jax.Array  # [in, S, r]
+    b: jax.Array  # [S, r, out], scaling folded in
+    slot_mask: SlotMask  # LoRABatch.slot_mask(): one for every projection of every layer
 
-    def scope(self, name: str) -> LayerLoRA:
-        return dataclasses.replace(self, prefix=f"{self.prefix}{name}.")
-
-    def add_delta(self, y: jax.Array, x: jax.Array, module: str) -> jax.Array:
-        """y + the delta of `module` (a name inside this scope) for x [T, in]; y when no slot targets it."""
-        key = self.prefix + module
-        if key not in self.weights.a:
-            return y
-        a, b, mask = self.weights.a[key], self.weights.b[key], self.slot_mask
+    def __call__(self, y: jax.Array, x: jax.Array) -> jax.Array:
+        """y + the delta for x [T, in]; y itself when no token of the step uses an adapter."""
+        mask = self.slot_mask
         return jax.lax.cond(
-            mask.active, lambda: y + lora_delta(x, a, b, mask.columns).astype(y.dtype), lambda: y
+            mask.active, lambda: y + lora_delta(x, self.a, self.b, mask.columns).astype(y.dtype), lambda: y
         )
 
 
-def with_lora(lora: LayerLoRA | None, y: jax.Array, x: jax.Array, module: str) -> jax.Array:
-    """The call sites' hook: y, plus the LoRA delta of `module` when the step carries adapters."""
-    return y if lora is None else lora.add_delta(y, x, module)
+class Adaptable:
+    """A projection that knows its adapters: `adapter` is set for one step by `bind_adapters` (None:
+    the base model's program, with nothing added). The families never see LoRA: their layers call the
+    projection as they always do, and the decoder binds the adapters to the projections by path."""
+
+    adapter: Adapter | None = None
+
+    def with_adapter(self, y: jax.Array, x: jax.Array) -> jax.Array:
+        return y if self.adapter is None else self.adapter(y, x)
 
 
-def scope(lora: LayerLoRA | None, name: str) -> LayerLoRA | None:
-    return None if lora is None else lora.scope(name)
-
-
-def lora_kwargs(lora: LayerLoRA | None, name: str) -> dict:
-    """The keyword a submodule's call takes for its part of a layer's adapters: none without LoRA, so
-    the base model's program is unchanged."""
-    return {} if lora is None else {"lora": lora.scope(name)}
+def bind_adapters(layer, weights: LoRAWeights, slot_mask: SlotMask) -> None:
+    """Give each projection of one decoder layer (a merged nnx module, inside the layer scan) its slots:
+    `weights` holds them by the module's path in the layer ("self_attn.q_proj", "mlp.shared_experts.
+    up_proj"). A path with no adaptable projection is an error: an adapter would silently not apply."""
+    unbound = set(weights.a)
+    for path, module in nnx.iter_graph(layer):
+        key = ".".join(str(p) for p in path)
+        if key in unbound and isinstance(module, Adaptable):
+            module.adapter = Adapter(weights.a[key], weights.b[key], slot_mask)
+            unbound.discard(key)
+    if unbound:
+        raise ValueError(f"LoRA slots for {sorted(unbound)}: no such projection in {type(layer).__name__}")
 
 
 def lora_delta(

@@ -24,7 +24,6 @@ from flax import nnx
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import GatedMLP
 from xlaserve.models.llama import LlamaDecoderLayer
-from xlaserve.models.lora import LayerLoRA, lora_kwargs
 from xlaserve.models.quantization import QuantizedKernel, stack_tensors
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -192,10 +191,10 @@ class SparseMoeBlock(nnx.Module):
         )
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:  # [T, D] -> [T, D]
-        """`lora`: adapters reach the shared experts' dense projections only; the routed experts and
-        the router are no LoRA target (an adapter naming them is refused when it is checked:
-        worker/lora_manager.py)."""
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
+        """LoRA adapters reach the shared experts' dense projections only (they are `Linear`s); the
+        routed experts and the router are no LoRA target (an adapter naming them is refused when it is
+        checked: worker/lora_manager.py)."""
         bias = None if self.gate.e_score_correction_bias is None else self.gate.e_score_correction_bias[...]
         weights, expert_ids = route(self.cfg, self.gate(x), bias)
         out = grouped_expert_mlp(
@@ -209,8 +208,7 @@ class SparseMoeBlock(nnx.Module):
         )
         if self.shared_experts is None:
             return out
-        shared_lora = lora_kwargs(lora, "shared_experts")
-        return out + self.shared_experts(x, **shared_lora)
+        return out + self.shared_experts(x)
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):

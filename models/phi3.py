@@ -22,7 +22,6 @@ from flax import nnx
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import Attention, GatedMLP, Linear
 from xlaserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from xlaserve.models.lora import LayerLoRA, with_lora
 
 
 class Phi3Attention(Attention):
@@ -30,13 +29,11 @@ class Phi3Attention(Attention):
         width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, width, use_bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
 
-    def project_qkv(
-        self, x: jax.Array, lora: LayerLoRA | None = None
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         num_tokens, group = x.shape[0], cfg.num_heads // cfg.num_kv_heads
         # An adapter's B for qkv_proj is regrouped like the kernel (models/lora_adapter.py).
-        qkv = with_lora(lora, self.qkv_proj(x), x, "qkv_proj").reshape(
+        qkv = self.qkv_proj(x).reshape(
             num_tokens, cfg.num_kv_heads, group + 2, cfg.head_dim
         )  # [T, K, G+2, hd]
         q = qkv[:, :, :group].reshape(num_tokens, -1)  # [T, H * hd]
@@ -49,10 +46,8 @@ class Phi3MLP(GatedMLP):
             cfg.hidden_size, 2 * cfg.intermediate_size, use_bias=cfg.mlp_bias, dtype=dtype, rngs=rngs
         )
 
-    def project_gate_up(self, x: jax.Array, lora: LayerLoRA | None = None) -> tuple[jax.Array, jax.Array]:
-        gate_up = with_lora(lora, self.gate_up_proj(x), x, "gate_up_proj").reshape(
-            x.shape[0], -1, 2
-        )  # [T, F, 2]: gate, up per column
+    def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        gate_up = self.gate_up_proj(x).reshape(x.shape[0], -1, 2)  # [T, F, 2]: gate, up per column
         return gate_up[..., 0], gate_up[..., 1]
 
 
