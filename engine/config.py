@@ -2,6 +2,9 @@
 
 Runtime-derived values (the number of KV blocks, EOS ids, the model's own max length) are not
 written back here: they live on the objects that derive them (the runner, the tokenizer).
+
+Each field is declared once: its command-line spelling and help ride in its metadata as an `Arg`
+(plain data), which entrypoints/arg_utils.py turns into a flag, with the type from the annotation.
 """
 
 from __future__ import annotations
@@ -26,18 +29,79 @@ def _require(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+ARG_KEY = "arg"  # the key of a field's `Arg` in its dataclass field metadata
+
+
+@dataclass(frozen=True)
+class Arg:
+    """How an engine argument reads on the command line. Kept as data beside the field, so the flag's
+    help cannot drift from the field, and the config imports nothing of argparse: the flag's type,
+    its bool form (--x or --x/--no-x) and its default (unset: the field's) come from the field."""
+
+    help: str
+    flag: str | None = None  # None: --field-name; else a CLI-only spelling (--scheduling-policy)
+    aliases: tuple[str, ...] = ()  # short forms, e.g. -tp
+    choices: tuple[str, ...] | None = None
+    is_flag: bool = True  # False: no engine flag; `help` says where the value is set instead
+
+    def flag_for(self, name: str) -> str:
+        return self.flag or "--" + name.replace("_", "-")
+
+    def kwarg_for(self, name: str) -> str:
+        """The keyword `EngineConfig.from_kwargs` (and the flag's argparse dest) knows it by."""
+        return self.flag_for(name)[2:].replace("-", "_")
+
+
+def arg(help: str, **spec) -> dict:
+    """Field metadata declaring the field's flag (see `Arg`)."""
+    return {ARG_KEY: Arg(help, **spec)}
+
+
+def not_a_flag(where: str) -> dict:
+    """Field metadata for a field with no engine flag (`where`: what sets it)."""
+    return {ARG_KEY: Arg(where, is_flag=False)}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = None  # None or "smollm2": the embedded default model
-    dtype: str = "auto"  # auto: bfloat16 where the device computes it natively, else float32
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    seed: int = 0
-    served_model_name: str | None = None
-    load_format: str = "auto"  # dummy: random weights, config and tokenizer from the model directory
+    # None or "smollm2": the embedded default model
+    model: str | None = field(
+        default=None, metadata=arg("HF directory, .gguf file, or 'smollm2' (the default)")
+    )
+    # auto: bfloat16 where the device computes it natively, else float32
+    dtype: str = field(
+        default="auto",
+        metadata=arg("weights and activations (auto: bfloat16 where native, else float32)", choices=_DTYPES),
+    )
+    max_model_len: int | None = field(
+        default=None, metadata=arg("the longest prompt + output (default: the model's own limit)")
+    )
+    seed: int = field(default=0, metadata=arg("the seed of requests without one (and of dummy weights)"))
+    served_model_name: str | None = field(
+        default=None, metadata=not_a_flag("the server's --served-model-name (several names)")
+    )
+    load_format: str = field(
+        default="auto",
+        metadata=arg(
+            "dummy: random weights; config and tokenizer from the --model directory (benchmarks)",
+            choices=_LOAD_FORMATS,
+        ),
+    )
     # No tokenizer (the directory need not have one): prompts are token ids, outputs token ids only.
-    skip_tokenizer_init: bool = False
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata=arg("load no tokenizer: prompts must be token ids, outputs carry token ids and no text"),
+    )
     # QUANTIZATION_METHODS; None: as the checkpoint is (models/quantization.py, models/prequantized.py)
-    quantization: str | None = None
+    quantization: str | None = field(
+        default=None,
+        metadata=arg(
+            "weights kept quantized on the device: int8 or fp8 (per-channel scales, quantized at load); "
+            "gguf: a quantized GGUF's own blocks. A checkpoint released quantized needs no flag",
+            aliases=("-q",),
+            choices=QUANTIZATION_METHODS,
+        ),
+    )
 
     def __post_init__(self):
         _require(
@@ -57,15 +121,27 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
+    block_size: int = field(default=16, metadata=arg("tokens per KV cache block (8, 16, 32, 64 or 128)"))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=arg("reuse the KV blocks of a shared prompt prefix (default: on)")
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=arg("the share of device memory the engine may use, weights included (GPU)")
+    )
     # Bytes for the KV cache, on any platform. Unset: 512 MiB on CPU (`_DEFAULT_CPU_KV_CACHE_MEMORY`
     # in worker/model_runner.py); on GPU, gpu_memory_utilization of the device's memory, less what is in use.
-    kv_cache_memory: int | None = None
-    num_gpu_blocks_override: int | None = None
+    kv_cache_memory: int | None = field(default=None, metadata=arg("KV cache budget in bytes (CPU)"))
+    num_gpu_blocks_override: int | None = field(
+        default=None, metadata=arg("KV cache blocks, whatever the memory budget (tests, benchmarks)")
+    )
     # auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per value, twice the blocks.
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=arg(
+            "KV cache storage; fp8: one byte per value, twice the blocks (default: auto, the model's dtype)",
+            choices=KV_CACHE_DTYPES,
+        ),
+    )
 
     def __post_init__(self):
         _require(
@@ -92,21 +168,43 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    policy: str = "fcfs"
-    max_num_queued_reqs: int | None = None  # bound on waiting requests (server: 503 past it)
+    max_num_seqs: int = field(default=64, metadata=arg("requests in one step (default: 64)"))
+    max_num_batched_tokens: int = field(default=512, metadata=arg("tokens in one step (default: 512)"))
+    policy: str = field(
+        default="fcfs",
+        metadata=arg(
+            "who is admitted (and preempted) first: fcfs, or priority (a request's priority, then arrival)",
+            flag="--scheduling-policy",
+            choices=_POLICIES,
+        ),
+    )
+    max_num_queued_reqs: int | None = field(  # bound on waiting requests (server: 503 past it)
+        default=None, metadata=not_a_flag("the server's --max-num-queued-reqs")
+    )
     # Fairness under long prompts (vLLM's names). A prefill chunk is capped at the threshold (None:
     # a quarter of max_num_batched_tokens; 0: no cap) and at most max_num_partial_prefills prompts
     # (max_long_partial_prefills of them longer than the threshold) are prefilled across steps at
     # once, so partial prefills take at most half of each step's budget by default: the other half
     # always serves decodes and short prompts, whose first token then comes within a step or two.
-    long_prefill_token_threshold: int | None = None
-    max_num_partial_prefills: int = 2
-    max_long_partial_prefills: int = 2
+    long_prefill_token_threshold: int | None = field(
+        default=None,
+        metadata=arg(
+            "cap on a prompt's prefill chunk per step, so one long prompt cannot take a whole step "
+            "(default: max_num_batched_tokens / 4; 0: no cap)"
+        ),
+    )
+    max_num_partial_prefills: int = field(
+        default=2, metadata=arg("prompts prefilled across steps at once (default: 2)")
+    )
+    max_long_partial_prefills: int = field(
+        default=2, metadata=arg("of those, prompts longer than the threshold (default: 2)")
+    )
     # vLLM's async scheduling: the host schedules step N+1 while the device runs step N (None: on
     # wherever the executor supports it, i.e. one process; the engine core logs why where not).
-    async_scheduling: bool | None = None
+    async_scheduling: bool | None = field(
+        default=None,
+        metadata=arg("schedule step N+1 while the device runs step N (default: on where supported)"),
+    )
 
     def __post_init__(self):
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -132,14 +230,23 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enable_expert_parallel: bool = False
+    tensor_parallel_size: int = field(
+        default=1, metadata=arg("devices one model is sharded over", aliases=("-tp",))
+    )
+    data_parallel_size: int = field(
+        default=1, metadata=arg("engine cores side by side, each on its own devices", aliases=("-dp",))
+    )
+    enable_expert_parallel: bool = field(
+        default=False, metadata=arg("shard a MoE's experts over the tensor-parallel devices")
+    )
     # Multi-host (vLLM's multi-node names): one process per host, jax.distributed across them.
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500  # jax.distributed's coordinator; the step channel uses master_port + 1
+    nnodes: int = field(default=1, metadata=arg("processes (hosts) of a multi-host engine"))
+    node_rank: int = field(default=0, metadata=arg("this process's rank; 0 runs the front end"))
+    master_addr: str = field(
+        default="127.0.0.1", metadata=arg("address of process 0 (jax.distributed coordinator)")
+    )
+    # jax.distributed's coordinator; the step channel uses master_port + 1
+    master_port: int = field(default=29500, metadata=arg("coordinator port; the step channel uses +1"))
 
     def __post_init__(self):
         _require(
@@ -166,10 +273,12 @@ class LoRAConfig:
     """Multi-LoRA serving (vLLM's names): adapters in fixed device slots, `max_loras` of them per step,
     each of rank at most `max_lora_rank`; `max_cpu_loras` adapters kept loaded in host memory."""
 
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # None: max_loras
+    enable_lora: bool = field(default=False, metadata=arg("serve LoRA adapters"))
+    max_loras: int = field(default=1, metadata=arg("adapters in one step (device slots; default 1)"))
+    max_lora_rank: int = field(default=16, metadata=arg("the largest adapter rank (default 16)"))
+    max_cpu_loras: int | None = field(  # None: max_loras
+        default=None, metadata=arg("adapters kept in host memory (default: max-loras)")
+    )
 
     def __post_init__(self):
         _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
@@ -199,19 +308,34 @@ def default_compilation_cache_dir() -> str:
 
 @dataclass(frozen=True)
 class CompilationConfig:
+    # The environment-derived defaults are read where the config is built: the front end, whose
+    # config the engine core process receives whole.
     attention_backend: str = field(
-        default_factory=lambda: os.environ.get("XLASERVE_ATTENTION_BACKEND", "auto")
+        default_factory=lambda: os.environ.get("XLASERVE_ATTENTION_BACKEND", "auto"),
+        metadata=arg("also XLASERVE_ATTENTION_BACKEND", choices=_ATTENTION_BACKENDS),
     )
     # The persistent XLA compilation cache: on by default, so a second start loads its programs
     # instead of compiling them. Several processes may share it (JAX locks it), and it is bounded:
     # past compilation_cache_max_size bytes the least recently used programs go.
-    compilation_cache_dir: str | None = field(default_factory=lambda: default_compilation_cache_dir())
-    disable_compilation_cache: bool = field(
-        default_factory=lambda: os.environ.get("XLASERVE_DISABLE_COMPILATION_CACHE", "") not in ("", "0")
+    compilation_cache_dir: str | None = field(
+        default_factory=lambda: default_compilation_cache_dir(),
+        metadata=arg(
+            "persistent XLA compilation cache (default ~/.cache/xlaserve/xla; XLASERVE_CACHE_ROOT moves it)"
+        ),
     )
-    compilation_cache_max_size: int = 4 * 2**30
-    strict_compile_guard: bool = False  # raise (instead of warn) if anything compiles after warm-up
-    enforce_eager: bool = False  # skip warm-up (compile buckets lazily)
+    disable_compilation_cache: bool = field(
+        default_factory=lambda: os.environ.get("XLASERVE_DISABLE_COMPILATION_CACHE", "") not in ("", "0"),
+        metadata=arg(
+            "compile every program at start, caching nothing (also XLASERVE_DISABLE_COMPILATION_CACHE=1)"
+        ),
+    )
+    compilation_cache_max_size: int = field(default=4 * 2**30, metadata=arg("bytes (default: 4 GiB)"))
+    strict_compile_guard: bool = field(  # raise (instead of warn) if anything compiles after warm-up
+        default=False, metadata=arg("fail a step that compiles after warm-up (default: warn)")
+    )
+    enforce_eager: bool = field(  # skip warm-up (compile buckets lazily)
+        default=False, metadata=arg("skip warm-up compiles")
+    )
 
     def __post_init__(self):
         _require(
@@ -299,7 +423,14 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     compilation: CompilationConfig
-    speculative: SpeculativeConfig | None = None
+    speculative: SpeculativeConfig | None = field(
+        default=None,
+        metadata=arg(
+            'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (engine/SPEC_DECODE.md)',
+            flag="--speculative-config",
+        ),
+    )
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self):
@@ -332,23 +463,36 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> EngineConfig:
-        """Split vLLM-named keyword arguments among the sub-configs; unknown names are an error."""
-        groups = {
-            "model": ModelConfig,
-            "cache": CacheConfig,
-            "scheduler": SchedulerConfig,
-            "parallel": ParallelConfig,
-            "compilation": CompilationConfig,
-            "lora": LoRAConfig,
-        }
-        parts: dict[str, dict] = {name: {} for name in groups}
+        """Split vLLM-named keyword arguments among the sub-configs; unknown names are an error. A
+        field is known by its name and by its flag's (`scheduling_policy` for `policy`)."""
+        parts: dict[str, dict] = {name: {} for name in CONFIG_GROUPS}
         parts["model"]["model"] = model
-        names = {f.name: group for group, klass in groups.items() for f in dataclasses.fields(klass)}
-        if "scheduling_policy" in kwargs:
-            kwargs["policy"] = kwargs.pop("scheduling_policy")
+        names: dict[str, tuple[str, str]] = {}
+        for group, klass in CONFIG_GROUPS.items():
+            for f in dataclasses.fields(klass):
+                names[f.name] = (group, f.name)
+                spec = f.metadata.get(ARG_KEY)
+                if spec is not None:
+                    names.setdefault(spec.kwarg_for(f.name), (group, f.name))
         speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         for key, value in kwargs.items():
             if key not in names:
                 raise TypeError(f"unknown engine argument {key!r}; known: {sorted(names)}")
-            parts[names[key]][key] = value
-        return cls(**{group: groups[group](**parts[group]) for group in groups}, speculative=speculative)
+            group, name = names[key]
+            parts[group][name] = value
+        return cls(
+            **{group: CONFIG_GROUPS[group](**parts[group]) for group in CONFIG_GROUPS},
+            speculative=speculative,
+        )
+
+
+# The sub-configs by their `EngineConfig` field name: what `from_kwargs` splits arguments among and
+# what entrypoints/arg_utils.py reads flags from.
+CONFIG_GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "compilation": CompilationConfig,
+    "lora": LoRAConfig,
+}

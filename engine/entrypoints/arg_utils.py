@@ -6,122 +6,61 @@ Every command that builds an engine (generate, chat, serve, bench) takes these f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import typing
 
-from xlaserve.config import EngineConfig
+from xlaserve.config import ARG_KEY, CONFIG_GROUPS, Arg, EngineConfig
 from xlaserve.entrypoints.openai.reasoning import get_reasoning_parser
 from xlaserve.entrypoints.openai.tool_parsers import default_tool_parser, get_tool_parser
 
+# The argparse group of each sub-config's flags (the rest are "engine").
+_FLAG_GROUPS = {"lora": "LoRA", "parallel": "parallelism"}
+
+
+def engine_arg_fields() -> list[tuple[str, dataclasses.Field]]:
+    """Every engine argument field, with the `EngineConfig` group it belongs to ("speculative" for
+    the JSON one), in the order the flags are listed."""
+    found = [(group, f) for group, klass in CONFIG_GROUPS.items() for f in dataclasses.fields(klass)]
+    found += [("speculative", f) for f in dataclasses.fields(EngineConfig) if f.name == "speculative"]
+    return found
+
+
+def _flag_type(field: dataclasses.Field, owner: type) -> type:
+    """The field's type without None (a nested config is given as JSON text)."""
+    hint = typing.get_type_hints(owner)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    base = args[0]
+    return str if dataclasses.is_dataclass(base) else base
+
+
+def _add_flag(group, field: dataclasses.Field, owner: type) -> None:
+    spec: Arg = field.metadata[ARG_KEY]
+    names = [spec.flag_for(field.name), *spec.aliases]
+    kind = _flag_type(field, owner)
+    # Every flag defaults to None: unset keeps the config's default (engine_kwargs leaves it out).
+    options = {"default": None, "help": spec.help, "dest": spec.kwarg_for(field.name)}
+    if kind is bool:
+        # A switch that is on by default (or decided at start: None) must be able to say no.
+        can_be_on = field.default is True or field.default is None
+        options["action"] = argparse.BooleanOptionalAction if can_be_on else "store_true"
+    else:
+        options["type"] = None if kind is str else kind
+        if spec.choices is not None:
+            options["choices"] = list(spec.choices)
+    group.add_argument(*names, **options)
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """vLLM's engine flag names; defaults come from the config dataclasses."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF directory, .gguf file, or 'smollm2' (the default)")
-    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument(
-        "--load-format",
-        default=None,
-        choices=["auto", "dummy"],
-        help="dummy: random weights; config and tokenizer from the --model directory (benchmarks)",
-    )
-    g.add_argument(
-        "--skip-tokenizer-init",
-        action="store_true",
-        default=None,
-        help="load no tokenizer: prompts must be token ids, outputs carry token ids and no text",
-    )
-    g.add_argument(
-        "--quantization",
-        "-q",
-        default=None,
-        choices=["int8", "fp8", "gguf", "compressed-tensors"],
-        help="weights kept quantized on the device: int8 or fp8 (per-channel scales, quantized at load); "
-        "gguf: a quantized GGUF's own blocks. A checkpoint released quantized needs no flag",
-    )
-    g.add_argument(
-        "--kv-cache-dtype",
-        default=None,
-        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-        help="KV cache storage; fp8: one byte per value, twice the blocks (default: auto, the model's dtype)",
-    )
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=None,
-        help="cap on a prompt's prefill chunk per step, so one long prompt cannot take a whole step "
-        "(default: max_num_batched_tokens / 4; 0: no cap)",
-    )
-    g.add_argument(
-        "--max-num-partial-prefills",
-        type=int,
-        default=None,
-        help="prompts prefilled across steps at once (default: 2)",
-    )
-    g.add_argument(
-        "--max-long-partial-prefills",
-        type=int,
-        default=None,
-        help="of those, prompts longer than the threshold (default: 2)",
-    )
-    g.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule step N+1 while the device runs step N (default: on where supported)",
-    )
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="(default: on)"
-    )
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=None)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache budget in bytes (CPU)")
-    g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
-    g.add_argument(
-        "--attention-backend",
-        default=None,
-        choices=["auto", "reference", "pallas", "jax-triton"],
-        help="also XLASERVE_ATTENTION_BACKEND",
-    )
-    g.add_argument(
-        "--compilation-cache-dir",
-        default=None,
-        help="persistent XLA compilation cache (default ~/.cache/xlaserve/xla; XLASERVE_CACHE_ROOT moves it)",
-    )
-    g.add_argument(
-        "--disable-compilation-cache",
-        action="store_true",
-        default=None,
-        help="compile every program at start, caching nothing (also XLASERVE_DISABLE_COMPILATION_CACHE=1)",
-    )
-    g.add_argument("--compilation-cache-max-size", type=int, default=None, help="bytes (default: 4 GiB)")
-    g.add_argument("--enforce-eager", action="store_true", default=None, help="skip warm-up compiles")
-    g.add_argument(
-        "--strict-compile-guard",
-        action="store_true",
-        default=None,
-        help="fail a step that compiles after warm-up (default: warn)",
-    )
-    g.add_argument(
-        "--speculative-config",
-        default=None,
-        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (engine/SPEC_DECODE.md)',
-    )
-    lo = parser.add_argument_group("LoRA")
-    lo.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
-    lo.add_argument(
-        "--max-loras", type=int, default=None, help="adapters in one step (device slots; default 1)"
-    )
-    lo.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
-    lo.add_argument(
-        "--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default: max-loras)"
-    )
-    lo.add_argument(
+    """vLLM's engine flag names, one per config field: help, choices and spelling from the field's
+    `Arg` (config.py), type from its annotation; unset flags keep the config's defaults."""
+    groups = {name: parser.add_argument_group(name) for name in ("engine", "LoRA", "parallelism")}
+    owners = {**CONFIG_GROUPS, "speculative": EngineConfig}
+    for group, field in engine_arg_fields():
+        if field.metadata[ARG_KEY].is_flag:
+            _add_flag(groups[_FLAG_GROUPS.get(group, "engine")], field, owners[group])
+    groups["LoRA"].add_argument(
         "--lora-modules",
         nargs="+",
         default=None,
@@ -129,59 +68,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='adapters served from the start: name=path, or JSON {"name": ..., "path": ..., '
         '"base_model_name": ...}; a request picks one by its "model"',
     )
-    p = parser.add_argument_group("parallelism")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=None)
-    p.add_argument("--enable-expert-parallel", action="store_true", default=None)
-    p.add_argument("--nnodes", type=int, default=None, help="processes (hosts) of a multi-host engine")
-    p.add_argument("--node-rank", type=int, default=None, help="this process's rank; 0 runs the front end")
-    p.add_argument("--master-addr", default=None, help="address of process 0 (jax.distributed coordinator)")
-    p.add_argument("--master-port", type=int, default=None, help="coordinator port; the step channel uses +1")
-
-
-_ENGINE_KEYS = (
-    "dtype",
-    "load_format",
-    "skip_tokenizer_init",
-    "quantization",
-    "kv_cache_dtype",
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "long_prefill_token_threshold",
-    "max_num_partial_prefills",
-    "max_long_partial_prefills",
-    "async_scheduling",
-    "block_size",
-    "enable_prefix_caching",
-    "seed",
-    "gpu_memory_utilization",
-    "kv_cache_memory",
-    "scheduling_policy",
-    "attention_backend",
-    "compilation_cache_dir",
-    "disable_compilation_cache",
-    "compilation_cache_max_size",
-    "enforce_eager",
-    "strict_compile_guard",
-    "speculative_config",
-    "tensor_parallel_size",
-    "data_parallel_size",
-    "enable_expert_parallel",
-    "nnodes",
-    "node_rank",
-    "master_addr",
-    "master_port",
-    "enable_lora",
-    "max_loras",
-    "max_lora_rank",
-    "max_cpu_loras",
-)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The engine arguments the user set (unset ones keep the config defaults)."""
-    kwargs = {k: getattr(args, k) for k in _ENGINE_KEYS if getattr(args, k, None) is not None}
+    """The engine arguments the user set (unset ones keep the config defaults), as
+    `EngineConfig.from_kwargs` names them; checked here, before anything is loaded."""
+    kwargs = {}
+    for group, field in engine_arg_fields():
+        spec = field.metadata[ARG_KEY]
+        key = spec.kwarg_for(field.name)
+        if spec.is_flag and key != "model" and getattr(args, key, None) is not None:
+            kwargs[key] = getattr(args, key)
     EngineConfig.from_kwargs(args.model, **kwargs)  # validate before loading anything
     return kwargs
 

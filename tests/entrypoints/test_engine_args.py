@@ -1,0 +1,96 @@
+"""Engine arguments are declared once, on the config fields: every field has a flag (or says what
+sets it instead), a flag's help is its field's, and a parsed command line becomes the same config."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from xlaserve.config import ARG_KEY, CONFIG_GROUPS, EngineConfig
+from xlaserve.entrypoints.arg_utils import add_engine_args, engine_arg_fields, engine_kwargs
+
+# Fields set by the server's own flags, not by engine flags (entrypoints' api_server).
+NOT_FLAGS = {"served_model_name", "max_num_queued_reqs"}
+
+
+@pytest.fixture(scope="module")
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser
+
+
+def actions_by_flag(parser) -> dict[str, argparse.Action]:
+    return {name: action for action in parser._actions for name in action.option_strings}
+
+
+def test_every_config_field_has_a_flag(parser):
+    actions = actions_by_flag(parser)
+    fields = [f for klass in CONFIG_GROUPS.values() for f in dataclasses.fields(klass)]
+    fields.append(next(f for f in dataclasses.fields(EngineConfig) if f.name == "speculative"))
+    undeclared = [f.name for f in fields if ARG_KEY not in f.metadata]
+    assert undeclared == [], f"config fields without an Arg in their metadata: {undeclared}"
+    without_flag = {f.name for f in fields if not f.metadata[ARG_KEY].is_flag}
+    assert without_flag == NOT_FLAGS
+    for f in fields:
+        spec = f.metadata[ARG_KEY]
+        if spec.is_flag:
+            assert spec.flag_for(f.name) in actions, f.name
+            assert all(alias in actions for alias in spec.aliases), f.name
+    assert {f.name for _, f in engine_arg_fields()} == {f.name for f in fields}
+
+
+def test_help_and_choices_come_from_the_field(parser):
+    actions = actions_by_flag(parser)
+    for _, f in engine_arg_fields():
+        spec = f.metadata[ARG_KEY]
+        if spec.is_flag:
+            action = actions[spec.flag_for(f.name)]
+            assert action.help == spec.help, f.name
+            assert action.default is None, f.name  # unset: the config's default
+            if spec.choices is not None:
+                assert list(action.choices) == list(spec.choices), f.name
+    assert "-tp" in actions and "-dp" in actions and "-q" in actions
+    assert actions["--scheduling-policy"].dest == "scheduling_policy"
+
+
+def test_flags_round_trip_into_the_config(parser):
+    args = parser.parse_args(
+        ["--max-num-seqs", "3", "-tp", "2", "--no-enable-prefix-caching", "--scheduling-policy", "priority",
+         "--enforce-eager", "--dtype", "float32", "--kv-cache-memory", "1024"]
+    )  # fmt: skip
+    config = EngineConfig.from_kwargs(None, **engine_kwargs(args))
+    assert config.scheduler.max_num_seqs == 3
+    assert config.parallel.tensor_parallel_size == 2
+    assert config.cache.enable_prefix_caching is False
+    assert config.scheduler.policy == "priority"
+    assert config.compilation.enforce_eager is True
+    assert config.model.dtype == "float32"
+    assert config.cache.kv_cache_memory == 1024
+    # Everything not given keeps the config's default.
+    default = EngineConfig.from_kwargs(None)
+    assert config.scheduler.max_num_batched_tokens == default.scheduler.max_num_batched_tokens
+    assert config.lora == default.lora
+
+
+def test_every_flag_names_an_engine_argument(parser):
+    """Each flag's dest is a keyword `from_kwargs` accepts (its field's default passes through)."""
+    for group, f in engine_arg_fields():
+        spec = f.metadata[ARG_KEY]
+        if not spec.is_flag or f.name == "model" or group == "speculative":
+            continue
+        value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        config = EngineConfig.from_kwargs(None, **{spec.kwarg_for(f.name): value})
+        assert getattr(getattr(config, group), f.name) == value
+
+
+def test_bool_flags_keep_their_forms(parser):
+    actions = actions_by_flag(parser)
+    assert isinstance(actions["--async-scheduling"], argparse.BooleanOptionalAction)
+    assert isinstance(actions["--enable-prefix-caching"], argparse.BooleanOptionalAction)
+    assert actions["--enable-lora"].nargs == 0 and "--no-enable-lora" not in actions
+    assert engine_kwargs(parser.parse_args(["--speculative-config", '{"method": "ngram"}'])) == {
+        "speculative_config": '{"method": "ngram"}'
+    }
