@@ -12,8 +12,8 @@ import os
 import typing
 
 from xlaserve.config import ARG_KEY, CONFIG_GROUPS, Arg, EngineConfig
-from xlaserve.entrypoints.openai.reasoning import get_reasoning_parser
-from xlaserve.entrypoints.openai.tool_parsers import default_tool_parser, get_tool_parser
+from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
+from xlaserve.entrypoints.serving.tool_parsers import default_tool_parser, get_tool_parser
 
 # The argparse group of each sub-config's flags (the rest are "engine").
 _FLAG_GROUPS = {"lora": "LoRA", "parallel": "parallelism"}

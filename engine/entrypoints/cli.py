@@ -9,12 +9,12 @@ import sys
 import time
 
 from xlaserve.engine.host_memory import keep_host_memory
+from xlaserve.entrypoints import api_server
 from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs, run_follower_if_needed
 from xlaserve.entrypoints.bench import offline as bench_offline
 from xlaserve.entrypoints.bench import serve as bench_serve
 from xlaserve.entrypoints.bench import startup as bench_startup
 from xlaserve.entrypoints.bench import targets as bench_targets
-from xlaserve.entrypoints.openai import api_server
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

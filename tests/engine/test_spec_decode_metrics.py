@@ -11,7 +11,7 @@ from xlaserve.core.spec_decode import SpecDecodingStats
 from xlaserve.engine.dp_engine import _sum_spec_stats
 from xlaserve.engine.metrics import EngineMetrics
 from xlaserve.entrypoints.bench.speculative import acceptance
-from xlaserve.entrypoints.openai.metrics import make_registry, render
+from xlaserve.entrypoints.serving.metrics import make_registry, render
 
 
 def snapshot(observations) -> SchedulerStats:

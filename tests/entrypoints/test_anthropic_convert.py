@@ -16,10 +16,10 @@ from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
 from xlaserve.entrypoints.anthropic.protocol import MessagesRequest
 from xlaserve.entrypoints.anthropic.reading import ChoiceReader
 from xlaserve.entrypoints.anthropic.streaming import _Blocks, event_stream
-from xlaserve.entrypoints.openai.chat_parsing import ChoiceParser
-from xlaserve.entrypoints.openai.errors import OpenAIError
-from xlaserve.entrypoints.openai.reasoning import get_reasoning_parser
-from xlaserve.entrypoints.openai.tool_parsers import NamedToolParser, get_tool_parser
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser
+from xlaserve.entrypoints.serving.errors import APIError
+from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
+from xlaserve.entrypoints.serving.tool_parsers import NamedToolParser, get_tool_parser
 from xlaserve.outputs import CompletionOutput, RequestOutput
 
 WEATHER = {
@@ -137,7 +137,7 @@ BAD = [
 
 @pytest.mark.parametrize("messages, fields, param", BAD, ids=[p for _, _, p in BAD])
 def test_what_the_schema_cannot_check_is_400_naming_the_field(messages, fields, param):
-    with pytest.raises(OpenAIError) as caught:
+    with pytest.raises(APIError) as caught:
         to_chat_request(request(messages, **fields))
     assert caught.value.status_code == 400 and caught.value.param == param
     assert param.split(".")[0] in caught.value.message

@@ -11,12 +11,12 @@ import jsonschema
 import pytest
 
 from xlaserve.entrypoints.arg_utils import add_tool_args, tool_options
-from xlaserve.entrypoints.openai.chat_parsing import ChoiceParser, make_tool_parser
-from xlaserve.entrypoints.openai.errors import OpenAIError
-from xlaserve.entrypoints.openai.protocol import ChatCompletionRequest
-from xlaserve.entrypoints.openai.reasoning import get_reasoning_parser
-from xlaserve.entrypoints.openai.tool_parsers import HermesToolParser
-from xlaserve.entrypoints.openai.tools import plan_tools, tools_in_system_prompt
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, make_tool_parser
+from xlaserve.entrypoints.serving.errors import APIError
+from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
+from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
+from xlaserve.entrypoints.serving.tool_parsers import HermesToolParser
+from xlaserve.entrypoints.serving.tools import plan_tools, tools_in_system_prompt
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
@@ -69,7 +69,7 @@ def test_default_choice(fields, auto, choice):
 
 
 def test_auto_without_the_flag_is_400():
-    with pytest.raises(OpenAIError) as error:
+    with pytest.raises(APIError) as error:
         plan_tools(request(tools=TOOLS, tool_choice="auto"), enable_auto_tool_choice=False)
     assert error.value.status_code == 400 and error.value.param == "tool_choice"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from xlaserve.entrypoints.openai.reasoning import REASONING_PARSERS, get_reasoning_parser
+from xlaserve.entrypoints.serving.reasoning import REASONING_PARSERS, get_reasoning_parser
 
 # (parser, output, reasoning, content), with the family's default start (the prompt unknown)
 CASES = [

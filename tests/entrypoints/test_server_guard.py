@@ -14,9 +14,9 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from xlaserve.entrypoints.openai.errors import install_error_handlers
-from xlaserve.entrypoints.openai.guard import MAX_HEADER_BYTES, GuardMiddleware, JSONRoute
-from xlaserve.entrypoints.openai.http11 import OpenAIErrorH11Protocol
+from xlaserve.entrypoints.serving.errors import install_error_handlers
+from xlaserve.entrypoints.serving.guard import MAX_HEADER_BYTES, GuardMiddleware, JSONRoute
+from xlaserve.entrypoints.serving.http11 import JSONErrorH11Protocol
 
 SECRET = "internal detail of pid 4242"
 START_TIMEOUT_S = 30
@@ -48,7 +48,7 @@ def url():
         _app(),
         host="127.0.0.1",
         port=port,
-        http=OpenAIErrorH11Protocol,
+        http=JSONErrorH11Protocol,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         lifespan="off",
         log_level="warning",

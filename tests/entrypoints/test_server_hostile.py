@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from helpers.server_harness import MODEL_NAME
-from xlaserve.entrypoints.openai.guard import MAX_BODY_BYTES, MAX_HEADER_BYTES
+from xlaserve.entrypoints.serving.guard import MAX_BODY_BYTES, MAX_HEADER_BYTES
 
 # What a client-facing message must never show: exception or class names, tracebacks, pids, paths.
 INTERNALS = re.compile(r"Traceback|\w+(Request|Error|Exception)\b|\bpid\b|/work/|\.py\b")

@@ -12,7 +12,7 @@ import pytest
 
 from helpers.server_harness import ServerProcess
 from helpers.tiny_models import save_tiny_thinking_model
-from xlaserve.entrypoints.openai.reasoning import get_reasoning_parser
+from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
 from xlaserve.models.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow  # a second server (a tiny model, but every bucket compiles)

@@ -8,14 +8,14 @@ import random
 
 import pytest
 
-from xlaserve.entrypoints.openai.tool_parsers import (
+from xlaserve.entrypoints.serving.tool_parsers import (
     TOOL_PARSERS,
     NamedToolParser,
     RequiredToolParser,
     default_tool_parser,
     get_tool_parser,
 )
-from xlaserve.entrypoints.openai.tool_parsers.json_scan import ObjectScanner, Status, scan_object
+from xlaserve.entrypoints.serving.tool_parsers.json_scan import ObjectScanner, Status, scan_object
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 # (parser, model output, expected content, expected [(name, arguments as a dict)])

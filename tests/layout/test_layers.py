@@ -129,6 +129,34 @@ def test_no_import_cycles(graph):
     assert cycles == [], f"import cycles: {cycles}"
 
 
+# The HTTP server's API packages, and the code they share: each API imports only the shared code,
+# which imports neither; the server's app (xlaserve.entrypoints.app) is the one place that knows both.
+API_PACKAGES = ("xlaserve.entrypoints.openai", "xlaserve.entrypoints.anthropic")
+SHARED_SERVING = "xlaserve.entrypoints.serving"
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_api_packages_import_only_the_shared_serving_code(graph):
+    crossing = []
+    for module, imported in graph.items():
+        own = next((p for p in API_PACKAGES if _in(module, p)), None)
+        if own is None and not _in(module, SHARED_SERVING):
+            continue  # the app, the CLI: above both
+        for target in imported:
+            if any(_in(target, p) for p in API_PACKAGES if p != own):
+                crossing.append(f"{module} -> {target}")
+    assert crossing == [], (
+        "imports between the API packages, or from the shared code into one:\n" + "\n".join(sorted(crossing))
+    )
+    # Not vacuous: both APIs build on the shared code, and the app mounts both.
+    for package in API_PACKAGES:
+        assert any(_in(t, SHARED_SERVING) for m, ts in graph.items() if _in(m, package) for t in ts)
+        assert any(_in(t, package) for t in graph["xlaserve.entrypoints.app"])
+
+
 def test_the_graph_sees_lazy_imports(graph):
     """The checks above would pass vacuously if function-local imports were missed."""
     assert "xlaserve.entrypoints.llm" in graph["xlaserve"]  # imported inside xlaserve.__getattr__

@@ -1,6 +1,7 @@
-"""POST /v1/messages and /v1/messages/count_tokens: an Anthropic request through the chat path (the
-chat template, SamplingParams, structured outputs for a forced tool), answered as a message or as
-Anthropic's event stream. Errors come out in Anthropic's shape (errors.py picks it by the path)."""
+"""POST /v1/messages and /v1/messages/count_tokens: an Anthropic request through the shared chat path
+(serving/: the chat template, SamplingParams, structured outputs for a forced tool), answered as a
+message or as Anthropic's event stream. Errors come out in Anthropic's shape (serving/errors.py picks
+it by the path)."""
 
 from __future__ import annotations
 
@@ -23,21 +24,20 @@ from xlaserve.entrypoints.anthropic.protocol import (
 )
 from xlaserve.entrypoints.anthropic.reading import ChoiceReader
 from xlaserve.entrypoints.anthropic.streaming import event_stream
-from xlaserve.entrypoints.openai.chat import apply_chat_template
-from xlaserve.entrypoints.openai.chat_parsing import ChoiceParser, make_tool_parser
-from xlaserve.entrypoints.openai.protocol import ChatCompletionRequest
-from xlaserve.entrypoints.openai.serving import (
-    ServerState,
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, make_tool_parser
+from xlaserve.entrypoints.serving.chat_template import apply_chat_template
+from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
-    check_model,
     collect_final,
     engine_error,
     make_sampling_params,
     new_id,
     tokenize_text,
 )
-from xlaserve.entrypoints.openai.tools import ToolPlan, plan_tools
+from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
+from xlaserve.entrypoints.serving.state import ServerState, check_model
+from xlaserve.entrypoints.serving.tools import ToolPlan, plan_tools
 from xlaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("xlaserve.entrypoints.anthropic")

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag
 
-from xlaserve.entrypoints.openai.protocol import JsonObject, OpenAIModel, PositiveTokens, StopString, Text
+from xlaserve.entrypoints.serving.protocol import JsonObject, PositiveTokens, StopString, StrictModel, Text
 
 MAX_TOOLS = 128
 MAX_STOP_SEQUENCES = 16
@@ -26,21 +26,21 @@ def _text_as_blocks(value):
     return [{"type": "text", "text": value}] if isinstance(value, str) else value
 
 
-class CacheControl(OpenAIModel):
+class CacheControl(StrictModel):
     """Accepted so clients may send it; prefix caching here is automatic."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
 
 
-class TextBlockParam(OpenAIModel):
+class TextBlockParam(StrictModel):
     type: Literal["text"]
     text: Text
     cache_control: CacheControl | None = None
     citations: list[dict[str, Any]] | None = Field(default=None, description="accepted and ignored")
 
 
-class ToolUseBlockParam(OpenAIModel):
+class ToolUseBlockParam(StrictModel):
     """A call the assistant made earlier in the conversation."""
 
     type: Literal["tool_use"]
@@ -53,7 +53,7 @@ class ToolUseBlockParam(OpenAIModel):
 TextBlocks = Annotated[list[TextBlockParam], BeforeValidator(_text_as_blocks)]
 
 
-class ToolResultBlockParam(OpenAIModel):
+class ToolResultBlockParam(StrictModel):
     """The result of the tool_use with id `tool_use_id`, sent in the next user message."""
 
     type: Literal["tool_result"]
@@ -63,13 +63,13 @@ class ToolResultBlockParam(OpenAIModel):
     cache_control: CacheControl | None = None
 
 
-class ThinkingBlockParam(OpenAIModel):
+class ThinkingBlockParam(StrictModel):
     type: Literal["thinking"]
     thinking: Text
     signature: Text | None = None
 
 
-class RedactedThinkingBlockParam(OpenAIModel):
+class RedactedThinkingBlockParam(StrictModel):
     type: Literal["redacted_thinking"]
     data: Text
 
@@ -83,7 +83,7 @@ _BLOCKS = {
 }
 
 
-class _UnknownBlock(OpenAIModel):
+class _UnknownBlock(StrictModel):
     """What a block of another type is checked against: its `type` fails, listing the known ones."""
 
     type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
@@ -111,12 +111,12 @@ ContentBlock = Annotated[
 ]
 
 
-class MessageParam(OpenAIModel):
+class MessageParam(StrictModel):
     role: Literal["user", "assistant"]
     content: Annotated[list[ContentBlock], BeforeValidator(_text_as_blocks)]
 
 
-class ToolParam(OpenAIModel):
+class ToolParam(StrictModel):
     name: Text = Field(pattern=TOOL_NAME_PATTERN)
     description: Text | None = None
     input_schema: JsonObject = Field(description="a JSON schema of the tool's input, an object")
@@ -124,30 +124,30 @@ class ToolParam(OpenAIModel):
     cache_control: CacheControl | None = None
 
 
-class ToolChoiceAuto(OpenAIModel):
+class ToolChoiceAuto(StrictModel):
     type: Literal["auto"]
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceAny(OpenAIModel):
+class ToolChoiceAny(StrictModel):
     type: Literal["any"]
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceTool(OpenAIModel):
+class ToolChoiceTool(StrictModel):
     type: Literal["tool"]
     name: Text = Field(pattern=TOOL_NAME_PATTERN)
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceNone(OpenAIModel):
+class ToolChoiceNone(StrictModel):
     type: Literal["none"]
 
 
 _CHOICES = {"auto": ToolChoiceAuto, "any": ToolChoiceAny, "tool": ToolChoiceTool, "none": ToolChoiceNone}
 
 
-class _UnknownChoice(OpenAIModel):
+class _UnknownChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
 
 
@@ -169,20 +169,20 @@ ANTHROPIC_TAGS = frozenset(
 ) | {"unknown-block", "unknown-choice"}
 
 
-class Metadata(OpenAIModel):
+class Metadata(StrictModel):
     user_id: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
 
 
-class ThinkingEnabled(OpenAIModel):
+class ThinkingEnabled(StrictModel):
     type: Literal["enabled"]
     budget_tokens: int = Field(ge=1, le=2**31 - 1, description="accepted; the thinking is not cut")
 
 
-class ThinkingDisabled(OpenAIModel):
+class ThinkingDisabled(StrictModel):
     type: Literal["disabled"]
 
 
-class CountTokensRequest(OpenAIModel):
+class CountTokensRequest(StrictModel):
     """POST /v1/messages/count_tokens: the prompt a /v1/messages request with these fields would have."""
 
     model: Text

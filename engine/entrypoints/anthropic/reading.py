@@ -9,7 +9,7 @@ import logging
 
 from xlaserve.entrypoints.anthropic.output import Piece
 from xlaserve.entrypoints.anthropic.protocol import ResponseBlock, TextBlock, ThinkingBlock, ToolUseBlock
-from xlaserve.entrypoints.openai.chat_parsing import ChoiceDelta, ChoiceParser
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta, ChoiceParser
 
 logger = logging.getLogger("xlaserve.entrypoints.anthropic")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
-from xlaserve.entrypoints.openai.serving import check_finish, engine_error, merge_streams
+from xlaserve.entrypoints.serving.engine_io import check_finish, engine_error, merge_streams
 
 
 def sse(kind: str, payload: dict) -> str:

@@ -8,124 +8,47 @@ import time
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from jinja2 import TemplateError
 
-from xlaserve.entrypoints.openai.chat_parsing import ChoiceDelta, ChoiceParser, make_tool_parser
-from xlaserve.entrypoints.openai.errors import bad_request
 from xlaserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
-    ChatTool,
     DeltaMessage,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
-from xlaserve.entrypoints.openai.reasoning import ReasoningParser
-from xlaserve.entrypoints.openai.serving import (
-    MIN_LOGPROB,
-    SSE_DONE,
-    ServerState,
-    check_context,
-    check_finish,
-    check_model,
-    collect_final,
-    engine_error,
-    make_sampling_params,
-    merge_streams,
-    new_id,
-    sse_error,
-    sse_event,
-    tokenize_text,
-)
+from xlaserve.entrypoints.openai.sse import MIN_LOGPROB, SSE_DONE, sse_error, sse_event
 from xlaserve.entrypoints.openai.tool_protocol import (
     DeltaFunctionCallOut,
     DeltaToolCallOut,
     FunctionCallOut,
     ToolCallOut,
 )
-from xlaserve.entrypoints.openai.tools import (
-    ToolPlan,
-    check_history,
-    plan_tools,
-    render_calls,
-    template_kwargs,
-    template_takes_tools,
-    tools_in_system_prompt,
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta, ChoiceParser, make_tool_parser
+from xlaserve.entrypoints.serving.chat_template import apply_chat_template
+from xlaserve.entrypoints.serving.engine_io import (
+    check_context,
+    check_finish,
+    collect_final,
+    engine_error,
+    make_sampling_params,
+    merge_streams,
+    new_id,
+    tokenize_text,
 )
+from xlaserve.entrypoints.serving.errors import bad_request
+from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
+from xlaserve.entrypoints.serving.reasoning import ReasoningParser
+from xlaserve.entrypoints.serving.state import ServerState, check_model
+from xlaserve.entrypoints.serving.tools import ToolPlan, plan_tools
 from xlaserve.outputs import CompletionOutput, Logprob
 
 logger = logging.getLogger("xlaserve.entrypoints.openai")
-
-
-def conversation(messages: list[ChatMessage], takes_tools: bool = True) -> list[dict]:
-    """Pydantic messages -> the dicts a chat template reads (content parts joined into one string;
-    calls as `render_calls` puts them)."""
-    out = []
-    for message in messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        # OpenAI's "developer" role is the newer name of "system"; templates know only the latter.
-        entry = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
-        if message.name is not None:
-            entry["name"] = message.name
-        if message.tool_call_id is not None:
-            entry["tool_call_id"] = message.tool_call_id
-        render_calls(entry, message, takes_tools)
-        out.append(entry)
-    return out
-
-
-def apply_chat_template(
-    state: ServerState,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    tools: list[ChatTool] | None = None,
-    chat_template_kwargs: dict | None = None,
-) -> str:
-    tokenizer = state.engine.tokenizer
-    template = state.chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise bad_request(
-            "this model has no chat template; start the server with --chat-template", "messages"
-        )
-    if continue_final_message and (add_generation_prompt or messages[-1].role != "assistant"):
-        raise bad_request(
-            "continue_final_message needs the last message to be the assistant's and "
-            "add_generation_prompt=false",
-            "continue_final_message",
-        )
-    check_history(messages)
-    extra = template_kwargs(chat_template_kwargs)
-    takes_tools = template_takes_tools(template)
-    chat = conversation(messages, takes_tools)
-    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-    if tool_dicts and not takes_tools:
-        chat = tools_in_system_prompt(chat, tool_dicts)
-    try:
-        return tokenizer.apply_chat_template(
-            chat,
-            tools=tool_dicts if takes_tools else None,
-            chat_template=state.chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **extra,
-        )
-    except Exception as e:  # noqa: BLE001 - the template's raise_exception(), or a template bug
-        if type(e) is TemplateError:  # raise_exception(message): the template's words, meant for users
-            raise bad_request(f"the chat template rejects these messages: {e}", "messages") from None
-        logger.warning("the chat template failed: %s: %s", type(e).__name__, e)
-        raise bad_request("the chat template cannot render these messages", "messages") from None
 
 
 def _chat_logprobs(state: ServerState, completion: CompletionOutput, top_n: int) -> ChatLogprobs:

@@ -8,7 +8,6 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from xlaserve.entrypoints.openai.errors import bad_request
 from xlaserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -18,22 +17,19 @@ from xlaserve.entrypoints.openai.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from xlaserve.entrypoints.openai.serving import (
-    MIN_LOGPROB,
-    SSE_DONE,
-    ServerState,
+from xlaserve.entrypoints.openai.sse import MIN_LOGPROB, SSE_DONE, sse_error, sse_event
+from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
-    check_model,
     collect_final,
     engine_error,
     make_sampling_params,
     merge_streams,
     new_id,
-    sse_error,
-    sse_event,
     tokenize_text,
 )
+from xlaserve.entrypoints.serving.errors import bad_request
+from xlaserve.entrypoints.serving.state import ServerState, check_model
 from xlaserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 logger = logging.getLogger("xlaserve.entrypoints.openai")

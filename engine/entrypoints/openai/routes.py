@@ -1,44 +1,29 @@
-"""The FastAPI app: OpenAI's routes, Anthropic's /v1/messages, plus /tokenize, /detokenize, /health,
-/version and /metrics."""
+"""OpenAI's routes (and vLLM's beside them): /v1/models, /v1/completions, /v1/chat/completions,
+/tokenize and /detokenize, added to the server's app (entrypoints/app.py)."""
 
 from __future__ import annotations
 
-from importlib import metadata
-
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response
 
-from xlaserve.entrypoints.anthropic.messages import add_routes as add_anthropic_routes
-from xlaserve.entrypoints.openai.chat import apply_chat_template, create_chat_completion
+from xlaserve.entrypoints.openai.chat import create_chat_completion
 from xlaserve.entrypoints.openai.completions import create_completion
-from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, install_error_handlers
-from xlaserve.entrypoints.openai.guard import GuardMiddleware, JSONRoute
-from xlaserve.entrypoints.openai.lora import add_lora_routes
-from xlaserve.entrypoints.openai.metrics import CONTENT_TYPE, make_registry, render
 from xlaserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
-    VersionResponse,
 )
-from xlaserve.entrypoints.openai.serving import ENGINE_DEAD_MESSAGE, ServerState, check_model, tokenize_text
-
-
-def _version() -> str:
-    try:
-        return metadata.version("xlaserve")
-    except metadata.PackageNotFoundError:
-        return "0.0.0"
+from xlaserve.entrypoints.serving.chat_template import apply_chat_template
+from xlaserve.entrypoints.serving.engine_io import tokenize_text
+from xlaserve.entrypoints.serving.errors import bad_request
+from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ErrorResponse
+from xlaserve.entrypoints.serving.state import ServerState, check_model
 
 
 def _errors(*codes: int) -> dict:
@@ -50,34 +35,8 @@ def _sse_or_json(model) -> dict:
     return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
-def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="xlaserve", version=_version(), summary="OpenAI-compatible LLM server on JAX/XLA")
-    app.state.server = state
-    app.router.route_class = JSONRoute
-    install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=state.api_key)
-    registry = make_registry(state.engine, state.model_name)
+def add_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
-
-    @app.get("/health", responses=_errors(503))
-    async def health() -> dict[str, str]:
-        """200 while the engine core serves; 503 while it is down or restarting, and once given up on."""
-        if engine.is_errored:
-            raise OpenAIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead")
-        return {"status": "ok"}
-
-    @app.get("/version")
-    async def version() -> VersionResponse:
-        return VersionResponse(version=_version())
-
-    @app.get(
-        "/metrics",
-        response_class=Response,
-        responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}},
-    )
-    async def metrics() -> Response:
-        """Prometheus text exposition."""
-        return Response(render(registry), media_type=CONTENT_TYPE)
 
     def model_card(name: str) -> ModelCard:
         return ModelCard(
@@ -148,21 +107,3 @@ def build_app(state: ServerState) -> FastAPI:
         if bad:
             raise bad_request(f"tokens must be in [0, {engine.vocab_size}), got {bad[:4]}", "tokens")
         return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
-
-    add_anthropic_routes(app, state)
-    add_lora_routes(app, state.loras)
-    app.openapi = lambda: _openapi(app)
-    return app
-
-
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema without its 422 responses: validation errors here are 400s."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-        for path in schema.get("paths", {}).values():
-            for operation in path.values():
-                operation.get("responses", {}).pop("422", None)
-        for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
-        app.openapi_schema = schema
-    return app.openapi_schema

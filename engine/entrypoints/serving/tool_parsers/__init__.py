@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xlaserve.entrypoints.openai.tool_parsers.base import (
+from xlaserve.entrypoints.serving.tool_parsers.base import (
     DeltaFunctionCall,
     DeltaToolCall,
     ExtractedToolCalls,
@@ -20,10 +20,10 @@ from xlaserve.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     make_tool_call_id,
 )
-from xlaserve.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
-from xlaserve.entrypoints.openai.tool_parsers.hermes import HermesToolParser
-from xlaserve.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
-from xlaserve.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from xlaserve.entrypoints.serving.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from xlaserve.entrypoints.serving.tool_parsers.hermes import HermesToolParser
+from xlaserve.entrypoints.serving.tool_parsers.llama3_json import Llama3JsonToolParser
+from xlaserve.entrypoints.serving.tool_parsers.mistral import MistralToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xlaserve.entrypoints.openai.reasoning.base import (
+from xlaserve.entrypoints.serving.reasoning.base import (
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
     ReasoningDelta,

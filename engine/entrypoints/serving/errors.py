@@ -1,5 +1,7 @@
 """Every error as OpenAI's JSON: `{"error": {"message", "type", "param", "code"}}`, or, on Anthropic's
-routes (/v1/messages...), as Anthropic's: `{"type": "error", "error": {"type", "message"}}`.
+routes (/v1/messages...), as Anthropic's: `{"type": "error", "error": {"type", "message"}}`. Both APIs
+raise the same `APIError`; the route's path picks the format, so shared code never asks which API
+called it.
 
 Schema violations and malformed JSON are 400 (not FastAPI's 422), with `param` naming the field as
 the client sent it and a message of bounded length that never echoes the request body. Messages name
@@ -16,8 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from xlaserve.entrypoints.anthropic.protocol import ANTHROPIC_TAGS
-from xlaserve.entrypoints.openai.protocol import UNION_TAGS, UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
+from xlaserve.entrypoints.serving.protocol import UNION_TAGS, UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
 
 MAX_MESSAGE_CHARS = 400
 _MAX_ERRORS_LISTED = 3
@@ -59,7 +60,7 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
 
 
-class OpenAIError(Exception):
+class APIError(Exception):
     """An error the server answers with; raise it anywhere inside a route."""
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None):
@@ -91,8 +92,8 @@ def is_anthropic(path: str) -> bool:
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
-def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
-    return OpenAIError(400, message, param=param, code=code)
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
 
 
 def param_of_value_error(error: ValueError, fields: set[str], default: str | None = None) -> str | None:
@@ -106,9 +107,9 @@ def param_of_value_error(error: ValueError, fields: set[str], default: str | Non
     return default
 
 
-def internal_error() -> OpenAIError:
+def internal_error() -> APIError:
     """The answer to a failure that is the server's fault; the caller logs what happened."""
-    return OpenAIError(500, "internal server error (the server log has the details)", code="internal_error")
+    return APIError(500, "internal server error (the server log has the details)", code="internal_error")
 
 
 def _bound(message: str) -> str:
@@ -120,11 +121,14 @@ def _bound(message: str) -> str:
     return message
 
 
-def loc_to_param(loc: tuple) -> str | None:
-    """("body", "messages", 0, "content", "str") -> "messages[0].content" (union branch names dropped)."""
+def loc_to_param(loc: tuple, union_tags: frozenset[str] = UNION_TAGS) -> str | None:
+    """("body", "messages", 0, "content", "str") -> "messages[0].content" (union branch names dropped).
+
+    `union_tags`: the discriminated unions' tags of the models validated (each API's protocol lists
+    its own); the default knows the shared chat request's."""
     parts: list[str] = []
     for item in loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc:
-        if item in UNION_TAGS or item in ANTHROPIC_TAGS:
+        if item in union_tags:
             continue  # the body model a discriminated union picked: not a field the client sent
         if isinstance(item, int):
             if not parts:
@@ -138,7 +142,7 @@ def loc_to_param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-def validation_error(exc: RequestValidationError) -> OpenAIError:
+def validation_error(exc: RequestValidationError, union_tags: frozenset[str] = UNION_TAGS) -> APIError:
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request")
@@ -149,13 +153,13 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     # A union lists every branch's error; invalid Unicode is the fault to name whichever branch found it.
     unicode = next((e for e in errors if e.get("type") == "string_unicode"), None)
     if unicode is not None:
-        param = loc_to_param(tuple(unicode.get("loc", ())))
+        param = loc_to_param(tuple(unicode.get("loc", ())), union_tags)
         return bad_request(
             f"'{param or 'body'}' is not valid Unicode: it holds a lone surrogate or bytes not in UTF-8",
             param,
             code="invalid_unicode",
         )
-    param = loc_to_param(tuple(first.get("loc", ())))
+    param = loc_to_param(tuple(first.get("loc", ())), union_tags)
     if first.get("type") == "extra_forbidden" and param is not None:
         field = param.split(".")[-1]
         if field in UNSUPPORTED_FIELDS:
@@ -178,7 +182,7 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         )
     seen, messages = set(), []
     for error in errors:
-        error_param = loc_to_param(tuple(error.get("loc", ()))) or "body"
+        error_param = loc_to_param(tuple(error.get("loc", ())), union_tags) or "body"
         text = f"{error_param}: {error.get('msg', 'invalid value')}"
         if text not in seen:
             seen.add(text)
@@ -201,21 +205,24 @@ def _json_type(value) -> str:
     return "an array" if isinstance(value, list) else "an object"
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, exc: OpenAIError):
+def install_error_handlers(app: FastAPI, union_tags: frozenset[str] = UNION_TAGS) -> None:
+    """APIError, validation errors and Starlette's HTTP errors answered in the route's format;
+    `union_tags`: every union tag of the app's request models (see loc_to_param)."""
+
+    @app.exception_handler(APIError)
+    async def _openai_error(request: Request, exc: APIError):
         return exc.to_json_response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return validation_error(exc).to_json_response(request.url.path)
+        return validation_error(exc, union_tags).to_json_response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"no route {request.url.path!r}" if len(request.url.path) < 200 else "no such route"
-        return OpenAIError(exc.status_code, message).to_json_response(request.url.path)
+        return APIError(exc.status_code, message).to_json_response(request.url.path)
 
     # No handler for Exception: Starlette runs it outermost and then re-raises, which makes uvicorn
     # drop the keep-alive connection. GuardMiddleware answers unexpected errors instead.

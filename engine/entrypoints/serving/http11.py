@@ -19,22 +19,22 @@ import sys
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from xlaserve.entrypoints.openai.errors import OpenAIError
-from xlaserve.entrypoints.openai.guard import headers_too_large
+from xlaserve.entrypoints.serving.errors import APIError
+from xlaserve.entrypoints.serving.guard import headers_too_large
 
 # h11's messages name the fault, then may quote the offending bytes ("illegal header line: b'...'").
 _QUOTED_BYTES = re.compile(r":?\s*b['\"].*$", re.DOTALL)
 
 
-def protocol_error(error: BaseException | None) -> OpenAIError:
+def protocol_error(error: BaseException | None) -> APIError:
     """The client-facing error for an h11 RemoteProtocolError: its kind, never the bytes it quotes."""
     if getattr(error, "error_status_hint", 400) == 431:
         return headers_too_large()
     reason = _QUOTED_BYTES.sub("", str(error or "")).strip() or "unparseable request"
-    return OpenAIError(400, f"malformed HTTP request: {reason}", code="invalid_http")
+    return APIError(400, f"malformed HTTP request: {reason}", code="invalid_http")
 
 
-class OpenAIErrorH11Protocol(H11Protocol):
+class JSONErrorH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             self.transport.close()  # a response is already under way: cutting it short is all that is left

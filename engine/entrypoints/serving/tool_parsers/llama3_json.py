@@ -8,8 +8,8 @@ An answer that does not start with "{" (after whitespace and the tag) is plain c
 
 from __future__ import annotations
 
-from xlaserve.entrypoints.openai.tool_parsers.base import Parsed, ToolParser, read_call_object
-from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, skip_ws
+from xlaserve.entrypoints.serving.tool_parsers.base import Parsed, ToolParser, read_call_object
+from xlaserve.entrypoints.serving.tool_parsers.json_scan import Status, skip_ws
 
 
 class Llama3JsonToolParser(ToolParser):

@@ -25,7 +25,7 @@ from xlaserve.entrypoints.arg_utils import (
     tool_options,
 )
 
-logger = logging.getLogger("xlaserve.entrypoints.openai")
+logger = logging.getLogger("xlaserve.entrypoints.api_server")
 
 
 def add_parser(sub, add_engine_args) -> None:
@@ -154,7 +154,7 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
     served_model_names = args.served_model_name or [args.model or "smollm2"]
     loras = None
     if engine_args.get("enable_lora"):
-        from xlaserve.entrypoints.openai.lora import LoRARegistry
+        from xlaserve.entrypoints.serving.lora import LoRARegistry
 
         # Adapters are checked before the engine starts: a bad --lora-modules entry fails at once.
         loras = LoRARegistry(engine_args.get("max_lora_rank") or 16, served_model_names)
@@ -170,10 +170,10 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
         # and warm-up. Not in a thread: jax imported from two threads at once fails.
         import uvicorn
 
-        from xlaserve.entrypoints.openai.app import build_app
-        from xlaserve.entrypoints.openai.guard import MAX_HEADER_BYTES
-        from xlaserve.entrypoints.openai.http11 import OpenAIErrorH11Protocol
-        from xlaserve.entrypoints.openai.serving import ServerState
+        from xlaserve.entrypoints.app import build_app
+        from xlaserve.entrypoints.serving.guard import MAX_HEADER_BYTES
+        from xlaserve.entrypoints.serving.http11 import JSONErrorH11Protocol
+        from xlaserve.entrypoints.serving.state import ServerState
 
         await engine.start()
     except asyncio.CancelledError:
@@ -216,7 +216,7 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=args.shutdown_timeout + 2.0,  # a backstop: see _end_after_grace
         lifespan="off",
-        http=OpenAIErrorH11Protocol,  # malformed HTTP answered in OpenAI's error JSON
+        http=JSONErrorH11Protocol,  # malformed HTTP answered in OpenAI's error JSON
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     server = uvicorn.Server(config)

@@ -7,8 +7,8 @@ JSON, not a model's own format, so these are picked by the request, never by `--
 
 from __future__ import annotations
 
-from xlaserve.entrypoints.openai.tool_parsers.base import Call, Parsed, ToolParser, read_call_list
-from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, skip_ws
+from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, ToolParser, read_call_list
+from xlaserve.entrypoints.serving.tool_parsers.json_scan import Status, skip_ws
 
 
 class NamedToolParser(ToolParser):

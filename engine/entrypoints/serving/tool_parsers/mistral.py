@@ -12,14 +12,14 @@ import re
 import secrets
 import string
 
-from xlaserve.entrypoints.openai.tool_parsers.base import (
+from xlaserve.entrypoints.serving.tool_parsers.base import (
     Call,
     Parsed,
     ToolParser,
     held_suffix,
     read_call_list,
 )
-from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, skip_ws
+from xlaserve.entrypoints.serving.tool_parsers.json_scan import Status, skip_ws
 
 _NAME_CHAR = re.compile(r"[A-Za-z0-9_.\-]")
 _ID_CHARS = string.ascii_letters + string.digits

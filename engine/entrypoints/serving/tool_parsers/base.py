@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from xlaserve.entrypoints.openai.tool_parsers.json_scan import (
+from xlaserve.entrypoints.serving.tool_parsers.json_scan import (
     ObjectScan,
     ObjectScanner,
     Status,

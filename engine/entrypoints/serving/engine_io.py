@@ -1,15 +1,13 @@
-"""What the completion and chat routes share: request -> SamplingParams, prompts -> token ids (with
-bounded work), engine errors -> HTTP errors, server-sent events, and client-disconnect handling."""
+"""A request's way into the engine and its outputs' way back, for every route of both APIs: request ->
+SamplingParams, prompts -> token ids (with bounded work), the context check, engine errors -> HTTP
+errors, merged streams and client-disconnect handling."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -22,17 +20,13 @@ from xlaserve.engine.async_llm import (
     RequestFailedError,
     RequestStream,
 )
-from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request, internal_error, param_of_value_error
-from xlaserve.entrypoints.openai.lora import LoRARegistry
-from xlaserve.entrypoints.openai.protocol import SamplingFields
-from xlaserve.entrypoints.openai.reasoning import ReasoningParser
-from xlaserve.entrypoints.openai.structured_outputs import structured_outputs_of
-from xlaserve.entrypoints.openai.tool_parsers import ToolParser
-from xlaserve.lora_request import LoRARequest
+from xlaserve.entrypoints.serving.errors import APIError, bad_request, internal_error, param_of_value_error
+from xlaserve.entrypoints.serving.protocol import SamplingFields
+from xlaserve.entrypoints.serving.structured_outputs import structured_outputs_of
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
 
-logger = logging.getLogger("xlaserve.entrypoints.openai")
+logger = logging.getLogger("xlaserve.entrypoints.serving")
 
 # A token is rarely longer than this many characters; a prompt longer than max_model_len times this
 # is only tokenized up to that point, enough to prove it cannot fit.
@@ -40,45 +34,6 @@ _MAX_CHARS_PER_TOKEN = 32
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | set(SamplingFields.model_fields)
 # Why the core died (its pid, exit code or signal) is for the log, which has it already.
 ENGINE_DEAD_MESSAGE = "the engine is not available; the server must be restarted"
-
-
-@dataclass
-class ServerState:
-    engine: AsyncLLM
-    served_model_names: list[str]
-    chat_template: str | None = None
-    log_requests: bool = True
-    api_key: str | None = None
-    started_at: int = field(default_factory=lambda: int(time.time()))
-    # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (instantiated per choice)
-    enable_auto_tool_choice: bool = False
-    tool_parser_cls: type[ToolParser] | None = None
-    reasoning_parser_cls: type[ReasoningParser] | None = None
-    loras: LoRARegistry | None = None  # with --enable-lora: the adapters, by name
-
-    def lora_request(self, model: str | None) -> LoRARequest | None:
-        """The adapter a request's `model` names; None for the base model."""
-        return None if self.loras is None else self.loras.get(model)
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_names[0]
-
-
-def check_model(state: ServerState, model: str | None) -> str:
-    """The model name to report; 404 for a name this server does not serve."""
-    if model is None or model in state.served_model_names:
-        return state.model_name
-    if state.loras is not None and model in state.loras:
-        return model
-    shown = model if len(model) <= 100 else model[:100] + "..."
-    adapters = [] if state.loras is None else [lora.lora_name for lora in state.loras.all()][:16]
-    raise OpenAIError(
-        404,
-        f"The model '{shown}' does not exist; this server serves {state.served_model_names + adapters}",
-        param="model",
-        code="model_not_found",
-    )
 
 
 def new_id(prefix: str) -> str:
@@ -147,16 +102,16 @@ def check_context(engine: AsyncLLM, num_prompt_tokens: int, max_tokens: int | No
         )
 
 
-def engine_error(error: BaseException) -> OpenAIError:
+def engine_error(error: BaseException) -> APIError:
     """The HTTP error for an exception raised by AsyncLLM."""
-    if isinstance(error, OpenAIError):
+    if isinstance(error, APIError):
         return error
     if isinstance(error, QueueFullError):
-        return OpenAIError(503, str(error), code="queue_full")
+        return APIError(503, str(error), code="queue_full")
     if isinstance(error, EngineShutdownError):
-        return OpenAIError(503, str(error), code="shutting_down")
+        return APIError(503, str(error), code="shutting_down")
     if isinstance(error, EngineDeadError):
-        return OpenAIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead")
+        return APIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead")
     if isinstance(error, InvalidRequestError):
         return bad_request(str(error), error.param)
     if isinstance(error, RequestFailedError):
@@ -175,26 +130,7 @@ def check_finish(output: RequestOutput) -> None:
     """A request the engine failed (finish_reason "error") is the server's failure, not the client's."""
     for completion in output.outputs:
         if completion.finish_reason == "error":
-            raise OpenAIError(500, "the engine could not finish this request", code="engine_error")
-
-
-# -- streams -----------------------------------------------------------------------------------------
-
-
-def sse_event(payload) -> str:
-    """One server-sent event holding a pydantic model or a dict as JSON."""
-    if hasattr(payload, "model_dump_json"):
-        return f"data: {payload.model_dump_json(exclude_unset=False)}\n\n"
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-MIN_LOGPROB = -9999.0  # JSON has no -inf; a token the sampler could never pick gets this floor
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_error(error: BaseException) -> str:
-    """An error after the stream has started: a final event holding OpenAI's error JSON."""
-    return sse_event(engine_error(error).to_response().model_dump())
+            raise APIError(500, "the engine could not finish this request", code="engine_error")
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -266,4 +202,4 @@ async def collect_final(raw_request: Request, streams: list[RequestStream]) -> l
     try:
         return await work
     except asyncio.CancelledError:
-        raise OpenAIError(499, "client disconnected") from None
+        raise APIError(499, "client disconnected") from None

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from xlaserve.entrypoints.openai.tool_parsers.base import held_suffix
+from xlaserve.entrypoints.serving.tool_parsers.base import held_suffix
 
 
 @dataclass

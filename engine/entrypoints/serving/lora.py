@@ -18,12 +18,12 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import Field
 
-from xlaserve.entrypoints.openai.errors import OpenAIError, bad_request
-from xlaserve.entrypoints.openai.protocol import ErrorResponse, OpenAIModel, Text
+from xlaserve.entrypoints.serving.errors import APIError, bad_request
+from xlaserve.entrypoints.serving.protocol import ErrorResponse, StrictModel, Text
 from xlaserve.lora_request import LoRARequest
 from xlaserve.models.lora_adapter import LoRAAdapterError, check_fits, read_adapter_config
 
-logger = logging.getLogger("xlaserve.entrypoints.openai")
+logger = logging.getLogger("xlaserve.entrypoints.serving")
 
 RUNTIME_UPDATING_VARS = ("XLASERVE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 
@@ -32,12 +32,12 @@ def runtime_updating_allowed() -> bool:
     return any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in RUNTIME_UPDATING_VARS)
 
 
-class LoadLoRAAdapterRequest(OpenAIModel):
+class LoadLoRAAdapterRequest(StrictModel):
     lora_name: Annotated[Text, Field(min_length=1, max_length=256)]
     lora_path: Annotated[Text, Field(min_length=1, max_length=4096)]
 
 
-class UnloadLoRAAdapterRequest(OpenAIModel):
+class UnloadLoRAAdapterRequest(StrictModel):
     lora_name: Annotated[Text, Field(min_length=1, max_length=256)]
     lora_int_id: int | None = None
 
@@ -130,7 +130,7 @@ def add_lora_routes(app: FastAPI, registry: LoRARegistry | None) -> None:
         loras = require_lora()
         lora = loras.get(request.lora_name)
         if lora is None or (request.lora_int_id is not None and request.lora_int_id != lora.lora_int_id):
-            raise OpenAIError(
+            raise APIError(
                 404,
                 f"The LoRA adapter '{request.lora_name}' cannot be found",
                 param="lora_name",

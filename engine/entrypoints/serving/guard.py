@@ -17,9 +17,9 @@ import logging
 from fastapi import Request
 from fastapi.routing import APIRoute
 
-from xlaserve.entrypoints.openai.errors import OpenAIError, internal_error
+from xlaserve.entrypoints.serving.errors import APIError, internal_error
 
-logger = logging.getLogger("xlaserve.entrypoints.openai")
+logger = logging.getLogger("xlaserve.entrypoints.serving")
 
 MAX_BODY_BYTES = 32 * 2**20
 # The request line plus headers. h11 enforces it only on a head that arrives in pieces (a complete
@@ -65,7 +65,7 @@ class GuardMiddleware:
             return await error.to_json_response(scope["path"])(scope, receive, send)
         await self._run(scope, _replay(body, receive), send)
 
-    def _check_headers(self, scope) -> OpenAIError | None:
+    def _check_headers(self, scope) -> APIError | None:
         raw_headers = scope.get("headers") or []
         num_head_bytes = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
         if num_head_bytes + sum(len(name) + len(value) for name, value in raw_headers) > MAX_HEADER_BYTES:
@@ -76,7 +76,7 @@ class GuardMiddleware:
             and scope["path"].startswith(_PROTECTED_PREFIXES)
             and not self._is_authorized(headers)
         ):
-            return OpenAIError(
+            return APIError(
                 401,
                 "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                 code="invalid_api_key",
@@ -127,16 +127,16 @@ class GuardMiddleware:
             # not take half a response for a whole one.
 
 
-def headers_too_large() -> OpenAIError:
-    return OpenAIError(
+def headers_too_large() -> APIError:
+    return APIError(
         431,
         f"the request line and headers exceed the limit of {MAX_HEADER_BYTES} bytes",
         code="headers_too_large",
     )
 
 
-def _too_large(max_body_bytes: int) -> OpenAIError:
-    return OpenAIError(
+def _too_large(max_body_bytes: int) -> APIError:
+    return APIError(
         413, f"the request body exceeds the limit of {max_body_bytes} bytes", code="request_too_large"
     )
 
@@ -193,7 +193,7 @@ class JSONRoute(APIRoute):
             content_type = request.headers.get("content-type")
             if has_body and await request.body() and not _is_json(content_type):
                 shown = (content_type or "none")[:100]
-                raise OpenAIError(
+                raise APIError(
                     415,
                     f"the request body must be JSON with 'Content-Type: application/json', got '{shown}'",
                     code="invalid_content_type",

@@ -5,8 +5,8 @@ regex or grammar is a 400 naming the field as the client sent it, never an uncon
 from __future__ import annotations
 
 from xlaserve.engine.structured_output import check_grammar
-from xlaserve.entrypoints.openai.errors import bad_request
-from xlaserve.entrypoints.openai.protocol import SamplingFields
+from xlaserve.entrypoints.serving.errors import bad_request
+from xlaserve.entrypoints.serving.protocol import SamplingFields
 from xlaserve.sampling_params import StructuredOutputsError, StructuredOutputsParams
 
 # Where a spec built from response_format came from, by the member it sets.

@@ -11,14 +11,14 @@ A JSON list of such objects between the tags (SmolLM2's form) is read as that ma
 
 from __future__ import annotations
 
-from xlaserve.entrypoints.openai.tool_parsers.base import (
+from xlaserve.entrypoints.serving.tool_parsers.base import (
     Parsed,
     ToolParser,
     held_suffix,
     read_call_list,
     read_call_object,
 )
-from xlaserve.entrypoints.openai.tool_parsers.json_scan import Status, skip_ws
+from xlaserve.entrypoints.serving.tool_parsers.json_scan import Status, skip_ws
 
 
 class HermesToolParser(ToolParser):

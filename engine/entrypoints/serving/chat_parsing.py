@@ -14,17 +14,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from xlaserve.entrypoints.openai.reasoning import ReasoningParser
-from xlaserve.entrypoints.openai.tool_parsers import (
+from xlaserve.entrypoints.serving.reasoning import ReasoningParser
+from xlaserve.entrypoints.serving.tool_parsers import (
     DeltaToolCall,
     NamedToolParser,
     RequiredToolParser,
     ToolCall,
     ToolParser,
 )
-from xlaserve.entrypoints.openai.tools import ToolPlan
+from xlaserve.entrypoints.serving.tools import ToolPlan
 
-logger = logging.getLogger("xlaserve.entrypoints.openai")
+logger = logging.getLogger("xlaserve.entrypoints.serving")
 
 
 @dataclass

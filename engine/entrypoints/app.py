@@ -1,0 +1,87 @@
+"""The server's FastAPI app: OpenAI's routes (openai/), Anthropic's /v1/messages (anthropic/), the LoRA
+adapter routes, plus /health, /version and /metrics.
+
+This is the one module that knows both APIs: each API package imports only the shared serving code
+(serving/), so either can change, or be left out, without touching the other.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+
+from xlaserve.entrypoints.anthropic.messages import add_routes as add_anthropic_routes
+from xlaserve.entrypoints.anthropic.protocol import ANTHROPIC_TAGS
+from xlaserve.entrypoints.openai.protocol import UNION_TAGS as OPENAI_TAGS
+from xlaserve.entrypoints.openai.protocol import VersionResponse
+from xlaserve.entrypoints.openai.routes import add_routes as add_openai_routes
+from xlaserve.entrypoints.serving.engine_io import ENGINE_DEAD_MESSAGE
+from xlaserve.entrypoints.serving.errors import APIError, install_error_handlers
+from xlaserve.entrypoints.serving.guard import GuardMiddleware, JSONRoute
+from xlaserve.entrypoints.serving.lora import add_lora_routes
+from xlaserve.entrypoints.serving.metrics import CONTENT_TYPE, make_registry, render
+from xlaserve.entrypoints.serving.protocol import UNION_TAGS as CHAT_TAGS
+from xlaserve.entrypoints.serving.protocol import ErrorResponse
+from xlaserve.entrypoints.serving.state import ServerState
+
+# Every discriminated union's tags in the app's request models: error locations leave them out.
+UNION_TAGS = CHAT_TAGS | OPENAI_TAGS | ANTHROPIC_TAGS
+
+
+def _version() -> str:
+    try:
+        return metadata.version("xlaserve")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="xlaserve", version=_version(), summary="OpenAI-compatible LLM server on JAX/XLA")
+    app.state.server = state
+    app.router.route_class = JSONRoute
+    install_error_handlers(app, UNION_TAGS)
+    app.add_middleware(GuardMiddleware, api_key=state.api_key)
+    registry = make_registry(state.engine, state.model_name)
+    engine = state.engine
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> dict[str, str]:
+        """200 while the engine core serves; 503 while it is down or restarting, and once given up on."""
+        if engine.is_errored:
+            raise APIError(503, ENGINE_DEAD_MESSAGE, code="engine_dead")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=_version())
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}},
+    )
+    async def metrics() -> Response:
+        """Prometheus text exposition."""
+        return Response(render(registry), media_type=CONTENT_TYPE)
+
+    add_openai_routes(app, state)
+    add_anthropic_routes(app, state)
+    add_lora_routes(app, state.loras)
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without its 422 responses: validation errors here are 400s."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

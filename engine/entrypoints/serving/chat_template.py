@@ -1,0 +1,89 @@
+"""Messages -> the prompt text, through the chat template: the one rendering both APIs use (an
+Anthropic request arrives here as the shared chat request's messages and tools).
+
+Tools reach the template as `tools` when it takes them, else in the system prompt; earlier calls as
+the template wants them (tools.py). A template's own `raise_exception()` is a 400 in its words; any
+other failure is logged and a 400 that does not quote it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from jinja2 import TemplateError
+
+from xlaserve.entrypoints.serving.errors import bad_request
+from xlaserve.entrypoints.serving.protocol import ChatMessage, ChatTool
+from xlaserve.entrypoints.serving.state import ServerState
+from xlaserve.entrypoints.serving.tools import (
+    check_history,
+    render_calls,
+    template_kwargs,
+    template_takes_tools,
+    tools_in_system_prompt,
+)
+
+logger = logging.getLogger("xlaserve.entrypoints.serving")
+
+
+def conversation(messages: list[ChatMessage], takes_tools: bool = True) -> list[dict]:
+    """Pydantic messages -> the dicts a chat template reads (content parts joined into one string;
+    calls as `render_calls` puts them)."""
+    out = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # OpenAI's "developer" role is the newer name of "system"; templates know only the latter.
+        entry = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        render_calls(entry, message, takes_tools)
+        out.append(entry)
+    return out
+
+
+def apply_chat_template(
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: list[ChatTool] | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> str:
+    tokenizer = state.engine.tokenizer
+    template = state.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise bad_request(
+            "this model has no chat template; start the server with --chat-template", "messages"
+        )
+    if continue_final_message and (add_generation_prompt or messages[-1].role != "assistant"):
+        raise bad_request(
+            "continue_final_message needs the last message to be the assistant's and "
+            "add_generation_prompt=false",
+            "continue_final_message",
+        )
+    check_history(messages)
+    extra = template_kwargs(chat_template_kwargs)
+    takes_tools = template_takes_tools(template)
+    chat = conversation(messages, takes_tools)
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    if tool_dicts and not takes_tools:
+        chat = tools_in_system_prompt(chat, tool_dicts)
+    try:
+        return tokenizer.apply_chat_template(
+            chat,
+            tools=tool_dicts if takes_tools else None,
+            chat_template=state.chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **extra,
+        )
+    except Exception as e:  # noqa: BLE001 - the template's raise_exception(), or a template bug
+        if type(e) is TemplateError:  # raise_exception(message): the template's words, meant for users
+            raise bad_request(f"the chat template rejects these messages: {e}", "messages") from None
+        logger.warning("the chat template failed: %s: %s", type(e).__name__, e)
+        raise bad_request("the chat template cannot render these messages", "messages") from None

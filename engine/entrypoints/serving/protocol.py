@@ -1,0 +1,257 @@
+"""The request model both HTTP APIs build, and the strict pydantic types it is made of.
+
+The chat request (`ChatCompletionRequest`, with OpenAI's field names and vLLM's extra sampling
+fields) is the server's one chat path: OpenAI's route validates it from the body, Anthropic's
+/v1/messages converts its own request into it. So templating, tool planning, structured outputs and
+SamplingParams are written once, against this model, and neither API package imports the other.
+
+Request models forbid unknown fields: a misspelt or unsupported field is a 400 naming it, never a
+silently ignored option. Fields OpenAI defines that we do not implement yet are listed in
+`UNSUPPORTED_FIELDS` and rejected with a message saying so.
+
+Types are strict, as in OpenAI's API: `"16"`, `true` and `16.0` are not integers and `"yes"` is not a
+boolean; only number fields accept integers. Every string is `Text`: one that cannot be encoded as
+UTF-8 (a lone surrogate, escaped in JSON or decoded from invalid bytes) is a 400 naming its field,
+before it can reach the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic_core import PydanticCustomError
+
+from xlaserve.sampling_params import MAX_LOGPROBS
+
+# OpenAI fields we do not implement yet: a request that sets one gets a 400 naming it.
+UNSUPPORTED_FIELDS = frozenset(
+    {
+        "functions",
+        "function_call",
+        "logit_bias",
+        "suffix",
+        "best_of",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+        "reasoning_effort",
+        "service_tier",
+        "store",
+        "metadata",
+        "guided_json",
+        "guided_regex",
+    }
+)
+
+MAX_N = 64  # choices per request: each is a sequence in the batch
+_INT64 = 2**63
+
+
+def _check_unicode(text: str) -> str:
+    """Lone surrogates pass `str` validation but break the tokenizer and the JSON encoder."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(
+            "string_unicode", "invalid Unicode at character {position}", {"position": e.start}
+        ) from None
+    return text
+
+
+def _check_json_unicode(value):
+    """A JSON value (a schema) whose strings hold no lone surrogate: they would reach llguidance."""
+    _check_unicode(json.dumps(value, ensure_ascii=False))
+    return value
+
+
+Text = Annotated[str, AfterValidator(_check_unicode)]
+JsonObject = Annotated[dict[str, Any], AfterValidator(_check_json_unicode)]
+PositiveTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Seed = Annotated[int, Field(ge=-_INT64, le=_INT64 - 1)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+PromptList = Annotated[list[Text], Field(max_length=64)]
+StopString = Annotated[Text, Field(max_length=1024)]  # matched against the text's tail every step
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(StrictModel):
+    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Text | None = None
+    schema_: JsonObject | None = Field(default=None, alias="schema", description="none: any JSON object")
+    strict: bool | None = Field(default=None, description="accepted; the schema is always enforced")
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: text (unconstrained), any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(StrictModel):
+    """vLLM's `structured_outputs` (xlaserve.sampling_params.StructuredOutputsParams): set one of
+    json, regex, choice, grammar, json_object, structural_tag."""
+
+    json_: JsonObject | Text | None = Field(default=None, alias="json", description="a JSON schema")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = Field(default=None, description="llguidance's Lark-like syntax, or GBNF")
+    json_object: bool | None = None
+    structural_tag: Text | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Text | None = None
+
+
+class SamplingFields(StrictModel):
+    """Fields common to /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
+
+    model: Text | None = Field(default=None, description="the served model name (optional)")
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="default 1.0")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
+    # vLLM's extras
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    cache_salt: Text | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="isolates prefix-cache sharing: requests only share cached blocks with equal salts",
+    )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+
+
+class TextContentPart(StrictModel):
+    type: Literal["text"]
+    text: Text
+
+
+# OpenAI's function names: what a call's "name" may hold.
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class FunctionCallParam(StrictModel):
+    name: Text = Field(min_length=1, max_length=64)
+    arguments: Text = Field(max_length=256 * 1024, description="the call's arguments as JSON text")
+
+
+class ToolCallParam(StrictModel):
+    """A call in an assistant message of the history."""
+
+    id: Text = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = Field(default=None, max_length=256)
+    tool_calls: Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: Text | None = Field(default=None, min_length=1, max_length=256)  # tool: the call answered
+    reasoning_content: Text | None = None  # accepted when a client sends an answer back; not rendered
+
+
+class FunctionDefinition(StrictModel):
+    name: Text = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: Text | None = Field(default=None, max_length=64 * 1024)
+    parameters: JsonObject | None = Field(default=None, description="a JSON schema; none: no arguments")
+    strict: bool | None = Field(default=None, description="accepted; required and named calls are enforced")
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: Text = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _tool_choice_kind(value) -> str | None:
+    if isinstance(value, str):
+        return "tool-choice-mode"
+    return "tool-choice-function" if isinstance(value, dict) else None
+
+
+# A string is a mode, an object names a function: only that branch's errors are reported.
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("tool-choice-mode")]
+    | Annotated[NamedToolChoice, Tag("tool-choice-function")],
+    Discriminator(
+        _tool_choice_kind,
+        custom_error_type="tool_choice_type",
+        custom_error_message="must be 'none', 'auto', 'required' or an object naming a function",
+    ),
+]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = Field(
+        default=None, description="default: auto when the server enables it and tools are given, else none"
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="false: one call at most")
+    chat_template_kwargs: JsonObject | None = Field(
+        default=None, description='extra variables for the chat template, e.g. {"enable_thinking": false}'
+    )
+    max_completion_tokens: PositiveTokens | None = None
+    max_tokens: PositiveTokens | None = Field(default=None, description="deprecated: max_completion_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+
+
+# The tool_choice union's tags: not fields, so error locations leave them out.
+UNION_TAGS = frozenset({"tool-choice-mode", "tool-choice-function"})
+
+
+# -- the error shape (OpenAI's; errors.py also writes Anthropic's) ----------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

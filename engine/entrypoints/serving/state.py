@@ -1,0 +1,53 @@
+"""What every route reads: the engine, the names it serves under, the chat template, the tool and
+reasoning parsers the server was started with, and the LoRA adapters."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from xlaserve.engine.async_llm import AsyncLLM
+from xlaserve.entrypoints.serving.errors import APIError
+from xlaserve.entrypoints.serving.lora import LoRARegistry
+from xlaserve.entrypoints.serving.reasoning import ReasoningParser
+from xlaserve.entrypoints.serving.tool_parsers import ToolParser
+from xlaserve.lora_request import LoRARequest
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    served_model_names: list[str]
+    chat_template: str | None = None
+    log_requests: bool = True
+    api_key: str | None = None
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (instantiated per choice)
+    enable_auto_tool_choice: bool = False
+    tool_parser_cls: type[ToolParser] | None = None
+    reasoning_parser_cls: type[ReasoningParser] | None = None
+    loras: LoRARegistry | None = None  # with --enable-lora: the adapters, by name
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names; None for the base model."""
+        return None if self.loras is None else self.loras.get(model)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def check_model(state: ServerState, model: str | None) -> str:
+    """The model name to report; 404 for a name this server does not serve."""
+    if model is None or model in state.served_model_names:
+        return state.model_name
+    if state.loras is not None and model in state.loras:
+        return model
+    shown = model if len(model) <= 100 else model[:100] + "..."
+    adapters = [] if state.loras is None else [lora.lora_name for lora in state.loras.all()][:16]
+    raise APIError(
+        404,
+        f"The model '{shown}' does not exist; this server serves {state.served_model_names + adapters}",
+        param="model",
+        code="model_not_found",
+    )
