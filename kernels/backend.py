@@ -6,7 +6,7 @@
 - `jax-triton`: the Triton kernel of `kernels/triton_attention.py` through jax-triton; needs a GPU
   and the `cuda12` extra.
 - `auto`: the reference on CPU; on a GPU the first kernel of `AUTO_GPU_ORDER` (fastest first, as
-  measured by `python -m xlaserve.kernels.bench`, kernels/KERNELS.md) that is installed and passes a
+  measured by `xlaserve bench attention`, kernels/KERNELS.md) that is installed and passes a
   self-check against the reference on this device. A shape the chosen kernel does not support (a head_dim
   that is not a power of two) falls back to the reference, logged.
 
@@ -42,7 +42,7 @@ from xlaserve.kernels.synthetic import StepShape, synthetic_step
 
 logger = logging.getLogger(__name__)
 
-# Kernels `auto` tries on a GPU, fastest first. Set from `python -m xlaserve.kernels.bench` on the target GPU;
+# Kernels `auto` tries on a GPU, fastest first. Set from `xlaserve bench attention` on the target GPU;
 # until a GPU session has measured, Pallas leads because it needs no package beyond jax[cuda12].
 AUTO_GPU_ORDER = ("pallas", "jax-triton")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")

@@ -6,7 +6,7 @@ Triton. The `triton` package (the test extra; jax-triton's dependency) carries t
 pipeline and ptxas, so this module takes the IR out and compiles it to a cubin for a given
 architecture: the layout passes, register allocation and shared-memory sizing that would otherwise
 first run on the GPU. The Triton kernel of `triton_attention.py` goes through `triton.compile`
-directly. Neither checks numerics (the interpreters do) or speed (`python -m xlaserve.kernels.bench` does).
+directly. Neither checks numerics (the interpreters do) or speed (`xlaserve bench attention` does).
 
 The package's Triton is not the exact build inside jaxlib, so a pass here is strong evidence, not
 proof, that XLA will compile the kernel.

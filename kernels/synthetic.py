@@ -1,7 +1,7 @@
 """Random ragged paged attention steps, laid out as the engine lays them out, for self-checks and benches.
 
 The tests have their own float64 oracle and case generator (tests/helpers/attention_cases.py); this one is
-for code that runs on the device: the backend self-check and `python -m xlaserve.kernels.bench`.
+for code that runs on the device: the backend self-check and `python -m xlaserve.entrypoints.bench.attention`.
 """
 
 from __future__ import annotations

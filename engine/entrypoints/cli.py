@@ -143,6 +143,26 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_attention(args: argparse.Namespace) -> int:
+    from xlaserve.entrypoints.bench import attention  # jax and the kernels: only for this command
+
+    return attention.main(args.attention_args, prog="xlaserve bench attention")
+
+
+def add_bench_attention_parser(bench_sub) -> None:
+    """`xlaserve bench attention [FLAGS]`: FLAGS go as they are to the attention bench's own parser, so
+    the CLI's start does not import jax to declare them (no prefix chars: `--quick` is an argument)."""
+    b = bench_sub.add_parser(
+        "attention",
+        help="check the attention kernels against the reference on this device and time them "
+        "(flags: `xlaserve bench attention -h`)",
+        add_help=False,
+        prefix_chars="\0",
+    )
+    b.add_argument("attention_args", nargs="*")
+    b.set_defaults(func=cmd_bench_attention)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xlaserve", description="LLM inference on JAX/XLA")
     parser.add_argument("--log-level", default="INFO")
@@ -179,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_serve_parser(bench_sub)
     bench_startup.add_startup_parser(bench_sub)
     bench_targets.add_targets_parser(bench_sub, add_engine_args)
+    add_bench_attention_parser(bench_sub)
     return parser
 
 

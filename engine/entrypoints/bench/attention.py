@@ -1,5 +1,8 @@
-"""`python -m xlaserve.kernels.bench`: check each attention kernel against the reference on this device, time
-decode and mixed steps, and compare the bandwidth they reach with the device's copy bandwidth.
+"""`python -m xlaserve.entrypoints.bench.attention` (or `xlaserve bench attention`): check each attention
+kernel against the reference on this device, time decode and mixed steps, and compare the bandwidth
+they reach with the device's copy bandwidth.
+
+It lives with the other benchmarks, above the kernels it measures: kernels/ never imports it.
 
 On a GPU (a few minutes): Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128,
 bfloat16, 16-token blocks). The target is decode at batch 64 with 4k-token contexts reading its KV
@@ -26,6 +29,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+import xlaserve.kernels
 from xlaserve.kernels import reference
 from xlaserve.kernels.backend import GPU_PLATFORMS
 from xlaserve.kernels.synthetic import StepShape, synthetic_step
@@ -348,16 +352,15 @@ def write_notes(path: str, section: str) -> None:
     if "\n## Measurements\n" not in text:
         text = (
             text.rstrip("\n")
-            + "\n\n## Measurements\n\nWritten by `python -m xlaserve.kernels.bench`, newest last.\n"
+            + "\n\n## Measurements\n\n"
+            + "Written by `python -m xlaserve.entrypoints.bench.attention`, newest last.\n"
         )
     with open(path, "w") as f:
         f.write(text.rstrip("\n") + "\n\n" + section)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m xlaserve.kernels.bench", description=__doc__.split("\n\n")[0]
-    )
+def main(argv: list[str] | None = None, prog: str = "python -m xlaserve.entrypoints.bench.attention") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--out", help="notes file to append the results to (default on GPU: kernels/KERNELS.md)"
     )
@@ -369,9 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     section = run(args)
     on_gpu = jax.devices()[0].platform in GPU_PLATFORMS
-    out = args.out or (
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "KERNELS.md") if on_gpu else None
-    )
+    # The kernels' notes, beside their sources (installed with them as package data).
+    out = args.out or (str(pathlib.Path(xlaserve.kernels.__file__).parent / "KERNELS.md") if on_gpu else None)
     if out and not args.no_write:
         write_notes(out, section)
         print(f"appended to {out}", file=sys.stderr)

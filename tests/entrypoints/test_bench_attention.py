@@ -1,9 +1,10 @@
-"""`python -m xlaserve.kernels.bench`: its verdict logic on given timings, and a run at CPU scale."""
+"""`python -m xlaserve.entrypoints.bench.attention` (`xlaserve bench attention`): its verdict logic on given
+timings, and a run at CPU scale."""
 
 from __future__ import annotations
 
-from xlaserve.kernels import bench
-from xlaserve.kernels.bench import GPU_CASES, Timing
+from xlaserve.entrypoints.bench import attention as bench
+from xlaserve.entrypoints.bench.attention import GPU_CASES, Timing
 
 BANDWIDTH = 4.0e12  # bytes/s
 
@@ -57,3 +58,13 @@ def test_cpu_run_checks_times_and_appends_its_section(tmp_path):
     assert "| mixed f32 | pallas |" in text and "| no |" not in text  # checked against the reference
     assert "| decode b4 ctx256 | pallas | default |" in text
     assert "On CPU: no verdict on speed" in text
+
+
+def test_cli_hands_its_flags_to_the_bench():
+    """`xlaserve bench attention FLAGS` parses FLAGS with the bench's own parser (the CLI declares none,
+    so its start imports no jax)."""
+    from xlaserve.entrypoints import cli
+
+    args = cli.build_parser().parse_args(["bench", "attention", "--quick", "--out", "notes.md"])
+    assert args.func is cli.cmd_bench_attention
+    assert args.attention_args == ["--quick", "--out", "notes.md"]
