@@ -83,13 +83,39 @@ class AsyncLLM:
         engine_restart_window: float = 60.0,
         **engine_args,
     ):
-        self.config = EngineConfig.from_kwargs(model, **engine_args)  # fail on bad arguments before spawning
+        # Built once, here: bad arguments fail before anything is spawned, and each core process
+        # (restarts included) receives this config as it is, environment-derived defaults and all.
+        self._init(
+            EngineConfig.from_kwargs(model, **engine_args),
+            log_level,
+            max_engine_restarts,
+            engine_restart_window,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: EngineConfig,
+        *,
+        log_level: str = "INFO",
+        max_engine_restarts: int = 2,
+        engine_restart_window: float = 60.0,
+    ) -> AsyncLLM:
+        """An AsyncLLM over an EngineConfig already built (the core is spawned; `start()` waits)."""
+        self = cls.__new__(cls)
+        self._init(config, log_level, max_engine_restarts, engine_restart_window)
+        return self
+
+    def _init(
+        self, config: EngineConfig, log_level: str, max_engine_restarts: int, engine_restart_window: float
+    ) -> None:
+        self.config = config
         policy = RestartPolicy(max_engine_restarts, engine_restart_window)
         if self.config.parallel.nnodes > 1 and policy.max_restarts:
             # The other hosts joined the dead core's jax.distributed group and cannot join a new one.
             logger.info("a multi-host engine is not restarted in place: the server exits if its core dies")
             policy = RestartPolicy(0, policy.window_s)
-        self.model = model
+        self.model = config.model.model
         self.tokenizer = None
         self.max_model_len = 0
         self.vocab_size = 0
@@ -104,7 +130,7 @@ class AsyncLLM:
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
         self.supervisor = CoreSupervisor(
-            lambda: EngineCoreClient(model, engine_args, log_level=log_level),
+            lambda: EngineCoreClient(config, log_level=log_level),
             policy,
             self.metrics,
             on_down=self._fail_in_flight,

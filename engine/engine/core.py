@@ -18,7 +18,7 @@ from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
 from xlaserve.core.spec_decode import make_proposer
 from xlaserve.engine.structured_output import StructuredOutputManager
-from xlaserve.executor import make_executor
+from xlaserve.executor import Executor
 from xlaserve.worker.kv_cache import fit_max_model_len
 from xlaserve.worker.model_runner import ModelRunner
 from xlaserve.worker.step_future import StepFuture
@@ -34,29 +34,28 @@ class EngineCore:
     def __init__(
         self,
         config: EngineConfig,
-        hf_config: dict,
-        tensors: dict,
-        max_model_len: int,
-        devices=None,
+        executor: Executor,
         structured_output: StructuredOutputManager | None = None,
     ):
+        """`executor` holds the model (xlaserve.executor.make_executor): the core asks it for the
+        KV cache's size and hands it each step."""
         self.config = config
+        self.executor = executor
         # Without a manager (no tokenizer) a constrained request is refused, never run unconstrained.
         self.structured_output = structured_output or StructuredOutputManager()
-        runner = ModelRunner(config, hf_config, tensors, max_model_len, devices)
         # Only now is the cache's size known: a context it cannot hold is an error (or, when the user
         # left max_model_len to the model, lowered) here, at start, not a rejection of every request.
         max_model_len = fit_max_model_len(
-            max_model_len,
-            runner.num_blocks - 1,  # the null block holds no request's tokens
+            executor.max_model_len,
+            executor.num_kv_blocks - 1,  # the null block holds no request's tokens
             config.cache.block_size,
             is_user_set=config.model.max_model_len is not None,
         )
-        if max_model_len != runner.max_model_len:
-            runner.set_max_model_len(max_model_len)
+        if max_model_len != executor.max_model_len:
+            executor.set_max_model_len(max_model_len)
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
-            config.cache.block_size, runner.num_blocks, config.cache.enable_prefix_caching, max_model_len
+            config.cache.block_size, executor.num_kv_blocks, config.cache.enable_prefix_caching, max_model_len
         )
         self.async_scheduling = config.is_async_scheduling
         if config.scheduler.async_scheduling is not False and not self.async_scheduling:
@@ -71,7 +70,7 @@ class EngineCore:
             num_spec_tokens=config.num_spec_tokens,
             # A draft model writes its K/V for the k positions after each sampled token (its drafts):
             # slots for them are allocated ahead when free (worker/draft_model.py).
-            num_lookahead_tokens=runner.num_lookahead_tokens,
+            num_lookahead_tokens=executor.num_lookahead_tokens,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
         # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
@@ -79,9 +78,7 @@ class EngineCore:
         # Grammar masks per step row: one per verified position (the mask after drafts 0..j-1).
         self._num_verified_positions = 1 + config.num_spec_tokens
         self._is_draft_sampled = spec is not None and spec.method == "draft_model"
-        if not config.compilation.enforce_eager:
-            runner.warm_up()
-        self.executor = make_executor(config, runner)
+        executor.start()  # warm-up compiles; a multi-host executor then waits for its followers
         # The step dispatched but not yet applied (async scheduling): at most one.
         self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
         self._last_runner_output = None  # the last step applied: a draft model's drafts ride in it

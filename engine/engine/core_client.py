@@ -25,6 +25,7 @@ from multiprocessing.connection import wait
 import zmq
 import zmq.asyncio
 
+from xlaserve.config import EngineConfig
 from xlaserve.engine.core_proc import run_engine_core
 from xlaserve.engine.protocol import (
     CoreOutput,
@@ -47,9 +48,10 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreClient:
-    """Spawns `run_engine_core` and owns the front end's ends of its sockets."""
+    """Spawns `run_engine_core` and owns the front end's ends of its sockets. The core is built from
+    `config` as the front end built it (one EngineConfig per engine, pickled into the spawn)."""
 
-    def __init__(self, model: str | None, engine_args: dict, log_level: str = "INFO"):
+    def __init__(self, config: EngineConfig, log_level: str = "INFO"):
         self._ipc_dir = tempfile.mkdtemp(prefix="xlaserve-")
         input_address = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
         output_address = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
@@ -66,7 +68,7 @@ class EngineCoreClient:
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
             target=run_engine_core,
-            args=(model, engine_args, input_address, output_address, os.getpid(), log_level),
+            args=(config, input_address, output_address, os.getpid(), log_level),
             name="xlaserve-engine-core",
             daemon=True,  # multiprocessing also terminates it if this interpreter exits
         )

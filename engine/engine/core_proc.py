@@ -19,6 +19,7 @@ import time
 
 import zmq
 
+from xlaserve.config import EngineConfig
 from xlaserve.engine.protocol import (
     UTILITY_METHODS,
     AbortRequests,
@@ -76,14 +77,14 @@ def _on_sigterm(signum, frame):
 
 
 def run_engine_core(
-    model: str | None,
-    engine_args: dict,
+    config: EngineConfig,
     input_address: str,
     output_address: str,
     parent_pid: int,
     log_level: str = "INFO",
 ) -> None:
-    """Entry point of the spawned process."""
+    """Entry point of the spawned process. `config` is the front end's, pickled whole: its
+    environment-derived defaults (compilation cache, attention backend) were read there."""
     _die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -95,7 +96,7 @@ def run_engine_core(
     _use_thread_lock_for_tqdm()
     proc = None
     try:
-        proc = EngineCoreProc(model, engine_args, input_address, output_address)
+        proc = EngineCoreProc(config, input_address, output_address)
         proc.run_busy_loop()
     except _ShutdownRequested:
         logger.info("engine core: shutting down")
@@ -112,7 +113,7 @@ def run_engine_core(
 class EngineCoreProc:
     """Owns an EngineCore and the core's ends of the two sockets."""
 
-    def __init__(self, model: str | None, engine_args: dict, input_address: str, output_address: str):
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str):
         self._zmq = zmq.Context()
         self._output = self._zmq.socket(zmq.PUSH)
         self._output.connect(output_address)
@@ -122,7 +123,7 @@ class EngineCoreProc:
         self._decoder = make_input_decoder()
         self._is_shutdown = False
         self._rejected: list[tuple[str, str]] = []
-        self.core, ready = _build_engine_core(model, engine_args)
+        self.core, ready = _build_engine_core(config)
         self._send(ready)
 
     def run_busy_loop(self) -> None:
@@ -191,20 +192,17 @@ class EngineCoreProc:
         self._zmq.term()
 
 
-def _build_engine_core(model: str | None, engine_args: dict):
+def _build_engine_core(config: EngineConfig):
     """Load the checkpoint and build (and warm up) the engine core, exactly as `LLM` does in-process."""
     # Imported here, in the engine-core process only: the front end that imports this module to
     # spawn it never loads jax or the model code.
-    from xlaserve.config import EngineConfig
-    from xlaserve.engine.startup import eos_token_id, start_engine
+    from xlaserve.engine.startup import start_engine
 
-    config = EngineConfig.from_kwargs(model, **engine_args)
-    tokenizer, model_config, max_model_len, core = start_engine(config)
-    eos = eos_token_id(tokenizer, model_config)
+    info, core = start_engine(config)
     ready = EngineReady(
-        max_model_len=max_model_len,
-        vocab_size=model_config.vocab_size,
-        eos_token_id=eos,
+        max_model_len=core.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_id=info.eos_token_id,
         block_size=config.cache.block_size,
         num_usable_blocks=core.kv_cache_manager.num_usable_blocks,
         weight_bytes=core.runner.weight_bytes,

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import PrefixCacheStats
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
@@ -19,35 +17,23 @@ from xlaserve.core.request import Request
 from xlaserve.core.spec_decode import SpecDecodingStats
 from xlaserve.engine.core import EngineCore
 from xlaserve.engine.structured_output import StructuredOutputManager
+from xlaserve.executor import LoadedCheckpoint, device_groups, make_executor
 
 
 def make_engine_core(
     config: EngineConfig,
-    hf_config: dict,
-    tensors: dict,
-    max_model_len: int,
-    devices=None,
+    checkpoint: LoadedCheckpoint,
     structured_output: StructuredOutputManager | None = None,
+    devices=None,
 ) -> EngineCore | DataParallelEngineCore:
-    """An EngineCore, or a DataParallelEngineCore of data_parallel_size ranks, each on its own
-    group of tensor_parallel_size devices (sharing one structured-output manager)."""
-    tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
-    if dp == 1:
-        return EngineCore(config, hf_config, tensors, max_model_len, devices, structured_output)
-    devices = list(jax.devices() if devices is None else devices)
-    if tp * dp > len(devices):
-        raise ValueError(
-            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices, "
-            f"{len(devices)} available"
-        )
-    return DataParallelEngineCore(
-        [
-            EngineCore(
-                config, hf_config, tensors, max_model_len, devices[i * tp : (i + 1) * tp], structured_output
-            )
-            for i in range(dp)
-        ]
-    )
+    """An EngineCore, or a DataParallelEngineCore of data_parallel_size ranks, each with an executor
+    on its own group of tensor_parallel_size devices (all built from one read of the checkpoint,
+    sharing one structured-output manager)."""
+    groups = device_groups(config, devices)  # too few devices: an error before any rank is built
+    ranks = [
+        EngineCore(config, make_executor(config, checkpoint, group), structured_output) for group in groups
+    ]
+    return ranks[0] if len(ranks) == 1 else DataParallelEngineCore(ranks)
 
 
 class DataParallelEngineCore:

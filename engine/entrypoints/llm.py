@@ -15,7 +15,7 @@ from xlaserve.config import EngineConfig
 from xlaserve.engine.metrics import EngineMetrics, Metric
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
-from xlaserve.engine.startup import eos_token_id, start_engine
+from xlaserve.engine.startup import start_engine
 from xlaserve.executor import follow
 from xlaserve.lora_request import LoRARequest
 from xlaserve.outputs import RequestOutput
@@ -30,9 +30,8 @@ def serve_follower(model: str | None = None, **engine_args) -> None:
     """Process node_rank > 0 of a multi-host engine: hold this host's shards and run every step
     process 0 sends, until it shuts down."""
     config = EngineConfig.from_kwargs(model, **engine_args)
-    parallel = config.parallel
-    _, _, _, core = start_engine(config)
-    follow(core.runner, parallel)
+    _, core = start_engine(config)
+    follow(core.runner, config.parallel)
 
 
 class LLM:
@@ -49,12 +48,16 @@ class LLM:
         parallel = self.config.parallel
         if parallel.node_rank != 0:
             raise ValueError(f"LLM runs on node_rank 0; node_rank={parallel.node_rank} runs serve_follower()")
-        self.tokenizer, model_config, self.max_model_len, self.engine_core = start_engine(self.config)
+        model_info, self.engine_core = start_engine(self.config)  # the one EngineConfig, built above
+        self.tokenizer, self.max_model_len = model_info.tokenizer, self.engine_core.max_model_len
         if parallel.nnodes > 1:
             atexit.register(self.shutdown)
-        eos = eos_token_id(self.tokenizer, model_config)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, model_config.vocab_size, eos, self.config.model.seed
+            self.tokenizer,
+            self.max_model_len,
+            model_info.vocab_size,
+            model_info.eos_token_id,
+            self.config.model.seed,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()

@@ -1,18 +1,58 @@
-"""How a step reaches the devices: `Executor` runs it in this process; `MultiHostExecutor` (process 0
-of a multi-host engine) also sends it to the other processes, which `follow` it."""
+"""How a step reaches the devices, and who reads the model for them: `Executor` runs a step in this
+process; `MultiHostExecutor` (process 0 of a multi-host engine) also sends it to the other processes,
+which `follow` it."""
+
+from __future__ import annotations
+
+import jax
 
 from xlaserve.config import EngineConfig
 from xlaserve.executor.executor import Executor
 from xlaserve.executor.multihost import MultiHostExecutor, follow
-from xlaserve.worker.model_runner import ModelRunner
+from xlaserve.worker.loading import LoadedCheckpoint, ModelInfo
 
 
-def make_executor(config: EngineConfig, runner: ModelRunner) -> Executor:
-    """The executor for `config`: multi-host on process 0 of several processes, else one process
-    (a follower's steps come from `follow`, not from an engine core)."""
+def executor_class(config: EngineConfig) -> type[Executor]:
+    """Multi-host on process 0 of several processes, else one process (a follower's steps come
+    from `follow`, not from an engine core)."""
     if config.parallel.nnodes > 1 and config.parallel.node_rank == 0:
-        return MultiHostExecutor(runner, config.parallel)
-    return Executor(runner)
+        return MultiHostExecutor
+    return Executor
 
 
-__all__ = ["Executor", "MultiHostExecutor", "follow", "make_executor"]
+def load_model(config: EngineConfig) -> LoadedCheckpoint:
+    """Read the model once for the whole engine, as its executor class reads it."""
+    return executor_class(config).load(config)
+
+
+def make_executor(config: EngineConfig, checkpoint: LoadedCheckpoint, devices=None) -> Executor:
+    """The executor for `config`, its runner built from `checkpoint` on `devices` (None: all)."""
+    return executor_class(config)(config, checkpoint, devices)
+
+
+def device_groups(config: EngineConfig, devices=None) -> list:
+    """The devices of each data-parallel rank: tensor_parallel_size each ([None]: one rank, every
+    device); ValueError when there are too few."""
+    tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
+    if dp == 1:
+        return [devices]
+    devices = list(jax.devices() if devices is None else devices)
+    if tp * dp > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices, "
+            f"{len(devices)} available"
+        )
+    return [devices[i * tp : (i + 1) * tp] for i in range(dp)]
+
+
+__all__ = [
+    "Executor",
+    "LoadedCheckpoint",
+    "ModelInfo",
+    "MultiHostExecutor",
+    "device_groups",
+    "executor_class",
+    "follow",
+    "load_model",
+    "make_executor",
+]

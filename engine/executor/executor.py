@@ -1,10 +1,17 @@
-"""The executor: the one object the engine core hands a step to."""
+"""The executor: the one object the engine core hands a step to, and the owner of the model it runs.
+
+It reads the checkpoint (`load`, once per engine: data-parallel ranks share it) and builds its runner
+from it, so the engine core never imports a loader and an executor that splits the model differently
+(pipeline stages) reads what it needs its own way.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from xlaserve.config import EngineConfig
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
+from xlaserve.worker.loading import LoadedCheckpoint, load_for_engine
 from xlaserve.worker.model_runner import ModelRunner
 from xlaserve.worker.step_future import StepFuture
 
@@ -12,8 +19,43 @@ from xlaserve.worker.step_future import StepFuture
 class Executor:
     """One process drives every device of the engine: a step goes straight to its model runner."""
 
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
+    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, devices=None):
+        self.config = config
+        self.runner = ModelRunner(
+            config, checkpoint.hf_config, checkpoint.tensors, checkpoint.max_model_len, devices
+        )
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> LoadedCheckpoint:
+        """Read the model `config` names (joining the other processes first, if any)."""
+        return load_for_engine(config)
+
+    # -- capacities, known once the runner holds its weights and KV cache -------------------------
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of the KV cache, the null block included."""
+        return self.runner.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a step needs past its tokens (a draft model's drafts), 0 without one."""
+        return self.runner.num_lookahead_tokens
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Lower the context to what the KV cache holds (the engine core decides)."""
+        self.runner.set_max_model_len(max_model_len)
+
+    def start(self) -> None:
+        """Compile every step program (unless enforce_eager), before the first request."""
+        if not self.config.compilation.enforce_eager:
+            self.runner.warm_up()
+
+    # -- steps -----------------------------------------------------------------------------------
 
     def execute(
         self, scheduled: list[ScheduledRequest], grammar_bitmask: np.ndarray | None = None

@@ -14,10 +14,11 @@ import zlib
 import numpy as np
 import zmq
 
-from xlaserve.config import ParallelConfig
+from xlaserve.config import EngineConfig, ParallelConfig
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
 from xlaserve.executor.executor import Executor
 from xlaserve.worker.input_batch import StepInputs
+from xlaserve.worker.loading import LoadedCheckpoint
 from xlaserve.worker.model_runner import ModelRunner
 from xlaserve.worker.step_future import StepFuture
 from xlaserve.worker.step_output import make_output
@@ -99,8 +100,15 @@ class MultiHostExecutor(Executor):
     """Process 0's executor: each step is sent to every follower, run here, and checked against
     the followers' answers."""
 
-    def __init__(self, runner: ModelRunner, parallel: ParallelConfig):
-        super().__init__(runner)
+    def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, devices=None):
+        super().__init__(config, checkpoint, devices)
+        self.sender: StepSender | None = None
+
+    def start(self) -> None:
+        """Warm up, then wait for the followers (each connects once its own warm-up is done), so
+        every process compiles at the same time instead of one after the other."""
+        super().start()
+        parallel = self.config.parallel
         self.sender = StepSender(parallel.master_addr, step_port(parallel), parallel.nnodes - 1)
 
     def execute(

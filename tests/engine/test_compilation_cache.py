@@ -80,7 +80,7 @@ def test_disabled_cache_leaves_jax_alone(tmp_path):
     import jax
 
     from xlaserve.config import CompilationConfig
-    from xlaserve.engine.startup import setup_compilation_cache
+    from xlaserve.worker.loading import setup_compilation_cache
 
     before = jax.config.jax_compilation_cache_dir
     setup_compilation_cache(

@@ -94,3 +94,19 @@ def test_bool_flags_keep_their_forms(parser):
     assert engine_kwargs(parser.parse_args(["--speculative-config", '{"method": "ngram"}'])) == {
         "speculative_config": '{"method": "ngram"}'
     }
+
+
+def test_the_config_crosses_to_the_core_process_as_built(monkeypatch):
+    """The engine core process receives the front end's EngineConfig (pickled into the spawn):
+    environment-derived defaults are the front end's, not re-read in the core."""
+    from multiprocessing.reduction import ForkingPickler
+
+    monkeypatch.setenv("XLASERVE_ATTENTION_BACKEND", "reference")
+    monkeypatch.setenv("XLASERVE_COMPILATION_CACHE_DIR", "/front/end/xla")
+    config = EngineConfig.from_kwargs(None, max_num_seqs=3, speculative_config={"method": "ngram"})
+    monkeypatch.delenv("XLASERVE_ATTENTION_BACKEND")
+    monkeypatch.delenv("XLASERVE_COMPILATION_CACHE_DIR")
+    received = ForkingPickler.loads(bytes(ForkingPickler.dumps(config)))
+    assert received == config
+    assert received.compilation.attention_backend == "reference"
+    assert received.compilation.compilation_cache_dir == "/front/end/xla"

@@ -1,0 +1,105 @@
+"""Reading a model for an engine: the checkpoint, its family config and context length, and the
+process set-up that must come first (jax.distributed, the persistent compilation cache).
+
+Worker side, so that the engine layer and the front end never import the checkpoint loaders or the
+model registry: the executor asks for a `LoadedCheckpoint` and builds its runners from it, and the
+engine keeps only its `ModelInfo` (the weights are dropped once the runners hold them).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from xlaserve.config import CompilationConfig, EngineConfig
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.loader import load_checkpoint
+from xlaserve.models.registry import model_config_from_hf
+from xlaserve.sharding import distributed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine and its front end need to know of the model besides its weights: the
+    tokenizer (None under skip_tokenizer_init) for grammar masks and text, the real vocabulary (the
+    input processor's bound) and the id that ends a request."""
+
+    tokenizer: Any
+    vocab_size: int
+    eos_token_id: int | None
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A checkpoint read for `config`: what a runner is built from (`ModelRunner(config, hf_config,
+    tensors, max_model_len, devices)`), shared by the data-parallel ranks so it is read once."""
+
+    hf_config: dict
+    tensors: Any  # HF-named host arrays, ConvertedParams or DummyWeights (models/loader.py)
+    model_config: TransformerConfig
+    max_model_len: int  # the user's or the model's limit; the KV cache may lower it (EngineCore)
+    info: ModelInfo
+
+
+def setup_compilation_cache(compilation: CompilationConfig) -> None:
+    """Point JAX's persistent compilation cache at the configured directory (every program, however
+    quick to compile: start-up is the sum of them), bounded in size, or leave it off."""
+    if compilation.disable_compilation_cache or not compilation.compilation_cache_dir:
+        logger.info("persistent compilation cache: off")
+        return
+    jax.config.update("jax_compilation_cache_dir", compilation.compilation_cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", compilation.compilation_cache_max_size)
+    logger.info(
+        "persistent compilation cache: %s (at most %.1f GiB)",
+        compilation.compilation_cache_dir,
+        compilation.compilation_cache_max_size / 2**30,
+    )
+
+
+def resolve_max_model_len(requested: int | None, model_config: TransformerConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}")
+    return requested
+
+
+def eos_token_id(tokenizer, model_config: TransformerConfig) -> int | None:
+    """The id that ends a request: the tokenizer's EOS, else the model config's first (no tokenizer
+    under skip_tokenizer_init, or one that names none)."""
+    eos = None if tokenizer is None else tokenizer.eos_token_id
+    if eos is None and model_config.eos_token_ids:
+        eos = model_config.eos_token_ids[0]
+    return eos
+
+
+def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
+    """Join the other processes of a multi-host engine, set up the compilation cache, and read the
+    checkpoint (weights, config, tokenizer) as `config` asks."""
+    parallel = config.parallel
+    if parallel.nnodes > 1:  # before anything asks jax for its devices
+        distributed.initialize(
+            parallel.master_addr, parallel.master_port, parallel.nnodes, parallel.node_rank
+        )
+    setup_compilation_cache(config.compilation)
+    checkpoint = load_checkpoint(
+        config.model.model,
+        load_format=config.model.load_format,
+        seed=config.model.seed,
+        skip_tokenizer_init=config.model.skip_tokenizer_init,
+        quantization=config.model.quantization,
+    )
+    model_config = model_config_from_hf(checkpoint.hf_config)
+    max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
+    info = ModelInfo(
+        checkpoint.tokenizer, model_config.vocab_size, eos_token_id(checkpoint.tokenizer, model_config)
+    )
+    return LoadedCheckpoint(checkpoint.hf_config, checkpoint.tensors, model_config, max_model_len, info)
