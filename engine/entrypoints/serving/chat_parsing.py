@@ -1,6 +1,7 @@
-"""One chat choice's text as OpenAI's message: thinking to `reasoning_content` (the server's
-`--reasoning-parser`), the answer to `content`, calls to `tool_calls` (the `--tool-call-parser` under
-tool_choice "auto", or the JSON a grammar forced for "required" and a named function).
+"""One chat choice's text split as both APIs answer it: the thinking (the server's `--reasoning-parser`;
+OpenAI's `reasoning_content`, Anthropic's thinking block), the answer, and the calls (the
+`--tool-call-parser` under tool_choice "auto", or the JSON a grammar forced for "required" and a named
+function).
 
 The reasoning parser sees the whole text; the tool parser sees only the answer. Streamed, each piece
 of text goes through both, and what they send is the chunk's delta; at the end `finish` releases what

@@ -210,7 +210,7 @@ def install_error_handlers(app: FastAPI, union_tags: frozenset[str] = UNION_TAGS
     `union_tags`: every union tag of the app's request models (see loc_to_param)."""
 
     @app.exception_handler(APIError)
-    async def _openai_error(request: Request, exc: APIError):
+    async def _api_error(request: Request, exc: APIError):
         return exc.to_json_response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
