@@ -11,7 +11,6 @@ import jax
 import numpy as np
 
 from xlaserve.kernels import AttentionMetadata
-from xlaserve.worker.draft_model import DraftInputs
 from xlaserve.worker.sampler import BITS_PER_WORD, SamplingTensors
 from xlaserve.worker.spec_decode import SpecInputs
 
@@ -29,7 +28,6 @@ class StepBatch:
     prev_rows: jax.Array
     md: AttentionMetadata
     num_padded_seqs: int = field(metadata={"static": True})
-    lora_slot_ids: jax.Array | None = None  # [T] int32 with LoRA enabled: each token's adapter slot
 
 
 def build_step_batch(
@@ -264,7 +262,8 @@ class StepInputs:
     # scheduler finishes them with an error.
     failed_req_ids: frozenset[str] = frozenset()
     spec: SpecInputs | None = None  # speculative drafts to verify, when some request has any
-    draft: DraftInputs | None = None  # a draft model's inputs (worker/draft_model.py), when it has one
+    # Each feature hook's host arrays, by hook name (worker/step_hooks.py): {} with no feature on.
+    hooks: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         arrays = {f"batch.{k}": v for k, v in _fields(self.batch).items() if v is not None}
@@ -275,8 +274,9 @@ class StepInputs:
             arrays["prompt_targets"] = self.prompt_targets
         if self.spec is not None:
             arrays |= {f"spec.{k}": v for k, v in _fields(self.spec).items()}
-        if self.draft is not None:
-            arrays |= {f"draft.{k}": v for k, v in _fields(self.draft).items()}
+        for name, hook_arrays in self.hooks.items():
+            arrays |= {f"hook.{name}.{k}": v for k, v in hook_arrays.items()}
+            arrays[f"hooks.{name}"] = np.asarray(len(hook_arrays))  # a hook with no arrays is still sent
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
         return buffer.getvalue()
@@ -291,13 +291,14 @@ class StepInputs:
 
         batch = group("batch.")
         batch["num_padded_seqs"] = int(batch["num_padded_seqs"])
+        hooks = {name: group(f"hook.{name}.") for name in group("hooks.")}
         return cls(
             batch=StepBatch(md=AttentionMetadata(**group("md.")), **batch),
             sampling=SamplingTensors(**group("sampling.")),
             with_logprobs=bool(arrays["with_logprobs"]),
             prompt_targets=arrays.get("prompt_targets"),
             spec=SpecInputs(**group("spec.")) if "spec.num_drafts" in arrays else None,
-            draft=DraftInputs(**group("draft.")) if "draft.prob_rows" in arrays else None,
+            hooks=hooks,
         )
 
 

@@ -9,6 +9,10 @@ Async scheduling: `execute_async` returns a `StepFuture` right after the dispatc
 the last step's sampled ids on the device (`last_sampled`, padded to max_num_seqs so that every
 bucket reads one shape), and the forward substitutes them where the next batch's `prev_rows` point:
 a token sampled in step N feeds step N+1 without a round trip through the host.
+
+Features (LoRA, a draft model) reach the step through hooks (worker/step_hooks.py): the step below is
+the same code whether they are on or off. Every step is built for k verified drafts per request (k = 0
+without speculative decoding), so a step verifies when some request carries drafts and samples otherwise.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from xlaserve.worker.program import Program
 from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
 from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, step_bitmask, verify
 from xlaserve.worker.step_future import StepFuture, StepTiming
+from xlaserve.worker.step_hooks import DraftModelHook, LoRAHook, StepHook
 from xlaserve.worker.step_output import make_output, to_host
 from xlaserve.worker.warm_up import compile_all
 
@@ -56,16 +61,15 @@ logger = logging.getLogger(__name__)
 
 
 def _forward(
-    graphdef, params, kv_cache, input_ids, prev_ids, prev_rows, positions, logits_indices, md, lora=None
+    graphdef, params, kv_cache, input_ids, prev_ids, prev_rows, positions, logits_indices, md, model_inputs
 ):
     """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache).
     prev_ids [S]: the previous step's sampled ids, still on the device; prev_rows [T]: where >= 0, the
-    row of prev_ids that is this token's id (async scheduling). `lora`: a LoRABatch (models/lora.py)
-    with LoRA enabled; without it the program is the base model's."""
+    row of prev_ids that is this token's id (async scheduling). `model_inputs`: the hooks' keyword
+    arguments of the model (LoRA's `lora=`); empty, the program is the base model's."""
     input_ids = jnp.where(prev_rows >= 0, prev_ids[jnp.maximum(prev_rows, 0)], input_ids)
     model = nnx.merge(graphdef, params)
-    lora_kwargs = {} if lora is None else {"lora": lora}
-    hidden, kv_cache = model(input_ids, positions, kv_cache, md, **lora_kwargs)
+    hidden, kv_cache = model(input_ids, positions, kv_cache, md, **model_inputs)
     return hidden, hidden[logits_indices], kv_cache
 
 
@@ -86,12 +90,12 @@ def _sample(graphdef, vocab_size, num_ids, params, hidden_rd, st, *, with_logpro
     return out, jnp.pad(out.token_ids, (0, num_ids - out.token_ids.shape[0]))
 
 
-def _verify(graphdef, vocab_size, params, hidden_rd, st, spec: SpecInputs, q_buf, rows, *, with_logprobs):
+def _verify(graphdef, vocab_size, params, hidden_rd, st, spec: SpecInputs, draft_q, *, with_logprobs):
     """Speculative decoding: logits at each request's K + 1 verified positions (hidden_rd
     [R * (K + 1), D], gathered by the forward at spec.verify_indices), then rejection sampling.
-    A draft model's q: q_buf [S, K, V] (worker/draft_model.py) at rows [R]."""
+    `draft_q`: a draft model's (q_buf [S, K, V], rows [R]) (worker/draft_model.py), or None (n-gram)."""
     logits = _logits(graphdef, vocab_size, params, hidden_rd)
-    draft_probs = None if q_buf is None else q_buf[rows]
+    draft_probs = None if draft_q is None else draft_q[0][draft_q[1]]
     return verify(logits, st, spec, with_logprobs=with_logprobs, draft_probs=draft_probs)
 
 
@@ -107,6 +111,7 @@ def _fill_prompt_targets(prompt_targets: np.ndarray, offset: int, s) -> None:
 
 
 def _with_verify_indices(batch: StepBatch, spec: SpecInputs) -> StepBatch:
+    """The forward gathers K + 1 rows per sequence (K = 0: the sampled position alone, as built)."""
     return dataclasses.replace(batch, logits_indices=spec.verify_indices.reshape(-1))
 
 
@@ -131,7 +136,7 @@ class ModelRunner:
         self.graphdef, self.params = model.graphdef, model.params
         self.weight_bytes = model.weight_bytes  # the /metrics gauge xlaserve:model_weight_bytes
         self.head_params = (model.params, model.head_dv)  # what computing logits reads
-        # Adapter slots on the device (worker/lora_manager.py), or None: LoRA off, no cost.
+        # Adapter slots on the device (worker/lora_manager.py), or None: LoRA off, no hook, no cost.
         self.lora = (
             LoRAManager(
                 config.lora,
@@ -175,6 +180,11 @@ class ModelRunner:
         self.drafter = None
         if spec is not None and spec.method == "draft_model":
             self.drafter = DraftModel(config, vocab, self.padded_vocab_size, devices)
+        # The features' hooks into the step (worker/step_hooks.py), in the order they run.
+        self.hooks: list[StepHook] = [
+            *([LoRAHook(self.lora)] if self.lora is not None else []),
+            *([DraftModelHook(self.drafter)] if self.drafter is not None else []),
+        ]
         # A draft model writes K/V for k positions past each step's tokens (slots the scheduler adds).
         self.num_lookahead_tokens = self.num_spec_tokens if self.drafter is not None else 0
         self.num_blocks = num_kv_blocks(
@@ -237,23 +247,31 @@ class ModelRunner:
     def _num_seqs_for(self, num_tokens: int) -> int:
         return request_bucket(num_tokens, self.max_num_seqs)
 
-    def _draft_probs(self, prob_rows) -> tuple:
-        """The verifier's q arguments (a draft model's), or none."""
-        return (None, None) if self.drafter is None else self.drafter.verify_args(prob_rows)
+    def _verify_q(self, hook_arrays: dict) -> tuple | None:
+        """The verifier's q argument: a proposer hook's (a draft model's), or None."""
+        for hook in self.hooks:
+            q = hook.verify_inputs(hook_arrays[hook.name])
+            if q is not None:
+                return q
+        return None
 
     # -- one step -------------------------------------------------------------------------------
 
+    def _prepare_hooks(self, scheduled, num_tokens: int, failed: set[str]) -> dict:
+        num_seqs = self._num_seqs_for(num_tokens)
+        return {hook.name: hook.prepare(scheduled, num_tokens, num_seqs, failed) for hook in self.hooks}
+
     def _build_batch(self, scheduled, num_tokens: int) -> StepBatch:
+        """An empty step's batch (warm-up, HLO inspection), ready for the device."""
         num_seqs = self._num_seqs_for(num_tokens)
         batch = build_step_batch(scheduled, num_tokens, num_seqs, self.max_blocks_per_seq, self.block_size)
-        if self.num_spec_tokens:
-            batch = _with_verify_indices(batch, build_spec_inputs(scheduled, num_seqs, self.num_spec_tokens))
-        if self.lora is not None:
-            batch = dataclasses.replace(batch, lora_slot_ids=np.zeros(num_tokens, np.int32))
+        batch = _with_verify_indices(batch, build_spec_inputs(scheduled, num_seqs, self.num_spec_tokens))
         return self.placement.step_inputs(batch)
 
-    def _forward_args(self, kv_cache: KVCache, batch: StepBatch) -> tuple:
-        lora = None if self.lora is None else self.lora.batch(batch.lora_slot_ids)
+    def _forward_args(self, kv_cache: KVCache, batch: StepBatch, hook_arrays: dict) -> tuple:
+        model_inputs = {}
+        for hook in self.hooks:
+            model_inputs |= hook.forward_inputs(self.placement.step_inputs(hook_arrays[hook.name]))
         return (
             self.params,
             kv_cache,
@@ -263,17 +281,22 @@ class ModelRunner:
             batch.positions,
             batch.logits_indices,
             batch.md,
-            lora,
+            model_inputs,
         )
 
-    def forward(self, kv_cache: KVCache, batch: StepBatch) -> tuple[jax.Array, jax.Array, KVCache]:
+    def forward(
+        self, kv_cache: KVCache, batch: StepBatch, hook_arrays: dict | None = None
+    ) -> tuple[jax.Array, jax.Array, KVCache]:
         """The model over one batch (host or device arrays): (hidden [T, D], the hidden of each
         sequence's sampled position [R, D], the updated cache). `kv_cache` is donated: use only the
-        one returned. Where `batch.prev_rows` >= 0 the id is read from `last_sampled`."""
-        return self._forward_fn(*self._forward_args(kv_cache, batch))
+        one returned. Where `batch.prev_rows` >= 0 the id is read from `last_sampled`. `hook_arrays`:
+        the hooks' host arrays of the step (None: those of a step of base-model tokens)."""
+        if hook_arrays is None:
+            hook_arrays = self._prepare_hooks([], batch.input_ids.shape[0], set())
+        return self._forward_fn(*self._forward_args(kv_cache, batch, hook_arrays))
 
-    def _run_forward(self, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
-        hidden, hidden_rd, self.kv_cache = self.forward(self.kv_cache, batch)
+    def _run_forward(self, batch: StepBatch, hook_arrays: dict) -> tuple[jax.Array, jax.Array]:
+        hidden, hidden_rd, self.kv_cache = self.forward(self.kv_cache, batch, hook_arrays)
         return hidden, hidden_rd
 
     def prepare(self, scheduled, grammar_bitmask: np.ndarray | None = None) -> StepInputs:
@@ -286,8 +309,8 @@ class ModelRunner:
         failed: set[str] = set()
         num_real = sum(s.num_new_tokens for s in scheduled)
         num_tokens = pick_bucket(self.token_buckets, num_real)
-        # Adapters first: a request whose adapter fails to load gets dummy rows in the batch below.
-        lora_slot_ids = None if self.lora is None else self.lora.step_slot_ids(scheduled, num_tokens, failed)
+        # The hooks first: a request a feature fails (an adapter that cannot load) gets dummy rows below.
+        hook_arrays = self._prepare_hooks(scheduled, num_tokens, failed)
         batch = build_step_batch(
             scheduled,
             num_tokens,
@@ -296,8 +319,6 @@ class ModelRunner:
             self.block_size,
             failed,
         )
-        if lora_slot_ids is not None:
-            batch = dataclasses.replace(batch, lora_slot_ids=lora_slot_ids)
         sampling = [s for s in scheduled if s.is_sampling]
         with_penalties = any(s.request.sampling_params.has_penalties for s in sampling) or any(
             s.sample_index < s.request.sampling_params.min_tokens for s in sampling
@@ -311,9 +332,13 @@ class ModelRunner:
                     failed, s, "building its prompt targets", _fill_prompt_targets, prompt_targets, offset, s
                 )
                 offset += s.num_new_tokens
-        if self.num_spec_tokens:  # one mask per verified position when some row verifies drafts
-            has_drafts = any(s.spec_token_ids for s in scheduled)
-            grammar_bitmask = step_bitmask(grammar_bitmask, self.num_spec_tokens, has_drafts)
+        # Every step gathers K + 1 rows per sequence (one forward program per bucket; K = 0 without
+        # speculation); it verifies only when some request carries drafts, with one grammar mask per
+        # verified position.
+        spec = build_spec_inputs(scheduled, batch.num_padded_seqs, self.num_spec_tokens)
+        batch = _with_verify_indices(batch, spec)
+        has_drafts = bool(spec.num_drafts.any())
+        grammar_bitmask = step_bitmask(grammar_bitmask, self.num_spec_tokens, has_drafts)
         sampling_st = sampling_tensors(
             scheduled,
             batch.num_padded_seqs,
@@ -322,24 +347,14 @@ class ModelRunner:
             failed=failed,
             grammar_bitmask=grammar_bitmask,
         )
-        spec = None
-        if self.num_spec_tokens:
-            # Every step gathers K + 1 rows per sequence (one forward program per bucket); it verifies
-            # only when some request carries drafts.
-            spec = build_spec_inputs(scheduled, batch.num_padded_seqs, self.num_spec_tokens)
-            batch = _with_verify_indices(batch, spec)
-            spec = spec if spec.num_drafts.any() else None
-        draft = None
-        if self.drafter is not None:
-            draft = self.drafter.prepare(scheduled, batch.num_padded_seqs, failed)
         return StepInputs(
             batch=batch,
             sampling=sampling_st,
             with_logprobs=any(s.request.sampling_params.logprobs is not None for s in sampling),
             prompt_targets=prompt_targets,
             failed_req_ids=frozenset(failed),
-            spec=spec,
-            draft=draft,
+            spec=spec if has_drafts else None,
+            hooks=hook_arrays,
         )
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
@@ -352,29 +367,29 @@ class ModelRunner:
         ready = self.placement.step_inputs
         self.guard.begin()
         step = self.timing.on_dispatch()
-        hidden, hidden_rd = self._run_forward(ready(inputs.batch))
-        if inputs.spec is None:
+        batch = ready(inputs.batch)
+        hidden, hidden_rd = self._run_forward(batch, inputs.hooks)
+        if inputs.spec is None:  # no request carries drafts: sample one token per sequence
             out: SamplerOutput
             out, self.last_sampled = self._sample_fn(
                 self.head_params, hidden_rd, ready(inputs.sampling), with_logprobs=inputs.with_logprobs
             )
             device = {"token_ids": out.token_ids}
-            num_accepted = None  # none: the draft model reads zeros
+            num_accepted = None
         else:  # synchronous (speculative decoding turns async scheduling off): last_sampled unused
-            prob_rows = None if inputs.draft is None else inputs.draft.prob_rows
             out: VerifyOutput = self._verify_fn(
                 self.head_params,
                 hidden_rd,
                 ready(inputs.sampling),
                 ready(inputs.spec),
-                *self._draft_probs(prob_rows),
+                self._verify_q(inputs.hooks),
                 with_logprobs=inputs.with_logprobs,
             )
             device = {"token_ids": out.token_ids, "num_accepted": out.num_accepted}
             num_accepted = out.num_accepted
-        if self.drafter is not None:  # the next step's drafts, from the tokens this one emitted
-            device["draft_ids"] = self.drafter.step(
-                ready(inputs.batch), out.token_ids, num_accepted, inputs.sampling, inputs.draft
+        for hook in self.hooks:  # e.g. the next step's drafts, from the tokens this one emitted
+            device |= hook.after_sampling(
+                batch, out.token_ids, num_accepted, inputs.sampling, inputs.hooks[hook.name]
             )
         if inputs.with_logprobs:
             device |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
@@ -413,7 +428,8 @@ class ModelRunner:
 
     def compiled_forward_text(self, num_tokens: int) -> str:
         """The optimized HLO of the forward for one token bucket (to inspect collectives)."""
+        hook_arrays = self._prepare_hooks([], num_tokens, set())
         lowered = self._forward_fn.lower(
-            *self._forward_args(self.kv_cache, self._build_batch([], num_tokens))
+            *self._forward_args(self.kv_cache, self._build_batch([], num_tokens), hook_arrays)
         )
         return lowered.compile().as_text()

@@ -43,17 +43,20 @@ def compile_all(runner) -> None:
     store = ProgramStore.for_engine(runner.config, runner.hf_config, list(runner.mesh.devices.flat))
     vocab = runner.padded_vocab_size
     ready = runner.placement.step_inputs
-    if runner.lora is not None:
-        runner.lora.warm_up()
     batches = {n: runner._build_batch([], n) for n in runner.token_buckets}
+    hook_arrays = {n: runner._prepare_hooks([], n, set()) for n in runner.token_buckets}
+    # The features' own programs (a draft model's step per bucket), compiled after the step's.
+    hook_programs = [p for hook in runner.hooks for p in hook.warm_up(batches, runner._num_seqs_for)]
 
     def prepare(program, args, kwargs=None):
         return _load_or_compile(store, program, args, kwargs or {})
 
-    sampler_buckets_done, jobs, draft_buckets = set(), [], []
+    sampler_buckets_done, jobs = set(), []
     with _compile_pool() as pool, _fresh_compiles(store):
         forwards = {
-            n: pool.submit(prepare, runner._forward_fn, runner._forward_args(runner.kv_cache, batches[n]))
+            n: pool.submit(
+                prepare, runner._forward_fn, runner._forward_args(runner.kv_cache, batches[n], hook_arrays[n])
+            )
             for n in runner.token_buckets
         }
         for num_tokens in tqdm(runner.token_buckets, desc="Compiling buckets", unit="bucket"):
@@ -62,8 +65,6 @@ def compile_all(runner) -> None:
             plp_args = (runner.head_params, hidden, ready(np.zeros(num_tokens, np.int32)))
             jobs.append(pool.submit(prepare, runner._prompt_logprobs_fn, plp_args))
             num_seqs = runner._num_seqs_for(num_tokens)
-            if runner.drafter is not None:
-                draft_buckets.append((num_tokens, num_seqs))
             if num_seqs in sampler_buckets_done:
                 continue
             sampler_buckets_done.add(num_seqs)
@@ -86,17 +87,16 @@ def compile_all(runner) -> None:
                         hidden_rd,
                         st,
                         spec,
-                        *runner._draft_probs(np.zeros_like(spec.num_drafts)),
+                        runner._verify_q(hook_arrays[num_tokens]),
                     )
                     for with_logprobs in (False, True):
                         jobs.append(
                             pool.submit(prepare, runner._verify_fn, args, {"with_logprobs": with_logprobs})
                         )
         results = [f.result() for f in forwards.values()] + [job.result() for job in jobs]
-    if draft_buckets:  # one draft program per token bucket, compiled each start (XLA's cache may hold it)
+    if hook_programs:  # compiled each start (XLA's cache may hold them)
         with _compile_pool() as pool:
-            drafts = [pool.submit(runner.drafter.lower_step(batches[n], r).compile) for n, r in draft_buckets]
-            for job in drafts:
+            for job in [pool.submit(lowered.compile) for lowered in hook_programs]:
                 job.result()
     num_loaded = sum(is_loaded for _, is_loaded in results)
     num_compiled = num_compiles() - start_compiles
