@@ -18,6 +18,7 @@ from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.kernels.dtype_ops import dequantize, matmul, take_rows
+from xlaserve.kernels.invariant import invariant_mean
 from xlaserve.kernels.reference import token_positions
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.lora import Adaptable
@@ -94,7 +95,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        x32 = x32 * jax.lax.rsqrt(invariant_mean(x32 * x32, keepdims=True) + self.eps)
         if self.offset:
             return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * x32.astype(x.dtype)

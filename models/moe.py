@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlaserve.kernels.invariant import invariant_softmax, invariant_sum
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import GatedMLP
 from xlaserve.models.llama import LlamaDecoderLayer
@@ -101,7 +102,7 @@ def route(
 ) -> tuple[jax.Array, jax.Array]:  # weights [T, K] float32, expert ids [T, K] int32
     """Pick each token's experts and their weights (see MoEConfig for the rule)."""
     num_tokens, num_experts = logits.shape
-    scores = jax.nn.softmax(logits, axis=-1) if cfg.scoring_func == "softmax" else jax.nn.sigmoid(logits)
+    scores = invariant_softmax(logits) if cfg.scoring_func == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
     if cfg.topk_group < cfg.n_group:
         grouped = choice.reshape(num_tokens, cfg.n_group, num_experts // cfg.n_group)
@@ -117,7 +118,7 @@ def route(
     _, expert_ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
     if cfg.norm_topk_prob:
-        denominator = weights.sum(axis=-1, keepdims=True)
+        denominator = invariant_sum(weights, keepdims=True)
         weights = weights / (denominator + 1e-20 if cfg.scoring_func == "sigmoid" else denominator)
     return weights * cfg.routed_scaling_factor, expert_ids.astype(jnp.int32)
 

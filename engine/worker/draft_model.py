@@ -41,6 +41,7 @@ from flax import nnx
 
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import AttentionMetadata, KVCache
+from xlaserve.kernels.invariant import invariant_softmax
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
@@ -77,7 +78,7 @@ def _draw_drafts(logits, st: SamplingTensors, token_index, is_greedy):
             return argmax(row + jax.random.gumbel(key, row.shape, jnp.float32))
 
         draws = jax.vmap(one)(st.seeds, token_index, filtered)
-        probs = jnp.where(is_greedy[:, None], 0.0, jax.nn.softmax(filtered, axis=-1))
+        probs = jnp.where(is_greedy[:, None], 0.0, invariant_softmax(filtered, axis=-1))
         return jnp.where(is_greedy, greedy, draws), probs
 
     return jax.lax.cond(jnp.all(is_greedy), lambda x: (greedy, jnp.zeros_like(x)), sampled, logits)

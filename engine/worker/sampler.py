@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from xlaserve.kernels.invariant import invariant_log_softmax, invariant_softmax
+
 MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5
 BITS_PER_WORD = 32  # a token bitmask packs 32 tokens into each int32 word
@@ -76,7 +78,7 @@ def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [R,
 def _filter(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """Mask (to -inf) what min-p, top-k and top-p exclude. logits: [R, V], already tempered."""
     vocab = logits.shape[-1]
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = invariant_softmax(logits, axis=-1)
     logits = jnp.where(probs < st.min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, logits)
 
     def top_k_top_p(logits):
@@ -84,7 +86,7 @@ def _filter(logits: jax.Array, st: SamplingTensors) -> jax.Array:
         k = jnp.where(st.top_k > 0, jnp.minimum(st.top_k, vocab), vocab)
         kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
         sorted_desc = jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc)
-        sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
+        sorted_probs = invariant_softmax(sorted_desc, axis=-1)
         mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
         # The smallest prefix whose mass reaches top_p; top_p = 1 keeps all (float32 sums reach 1 early).
         keep = (mass_before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
@@ -144,7 +146,7 @@ def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool | jax.
 
 def _logprobs(raw: jax.Array, token_ids: jax.Array):
     """The sampled token's logprob, then the top MAX_LOGPROBS: (ids [R, 1 + n], vals, rank [R])."""
-    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    logprobs = invariant_log_softmax(raw, axis=-1)
     top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     sampled_lp = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
     rank = 1 + jnp.sum(logprobs > sampled_lp, axis=-1).astype(jnp.int32)
@@ -161,7 +163,7 @@ def _no_logprobs(raw: jax.Array, token_ids: jax.Array):
 
 def prompt_logprobs(logits: jax.Array, target_ids: jax.Array):
     """Logprobs of each position's next prompt token. logits [T, V], target_ids [T] -> like sample()."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = invariant_log_softmax(logits, axis=-1)
     top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     target_lp = jnp.take_along_axis(logprobs, target_ids[:, None], axis=-1)
     rank = 1 + jnp.sum(logprobs > target_lp, axis=-1).astype(jnp.int32)

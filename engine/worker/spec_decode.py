@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaserve.kernels.invariant import invariant_log_softmax, invariant_softmax
 from xlaserve.worker.sampler import (
     _GREEDY_EPS,
     MAX_LOGPROBS,
@@ -162,7 +163,7 @@ def rejection_sample(
         temperature = jnp.where(st.temperature < _GREEDY_EPS, 1.0, st.temperature)
         filtered = _filter(logits / temperature[:, None], st)
         draws = _draw(filtered, st).reshape(num_rows, k1)  # the sampler's own draw: the bonus token
-        probs = jax.nn.softmax(filtered, axis=-1)  # [R * (K + 1), V]: the target distribution p
+        probs = invariant_softmax(filtered, axis=-1)  # [R * (K + 1), V]: the target distribution p
         flat_drafts = drafts_k1.reshape(-1)
         p_draft = jnp.take_along_axis(probs, flat_drafts[:, None], axis=-1)[:, 0]
         if draft_probs is None:  # q one-hot on the draft: accept with p(x), residual p without x
@@ -213,7 +214,7 @@ def verify(
     if not with_logprobs:
         return VerifyOutput(token_ids, num_accepted, None, None, None)
     # Logprobs of the raw distribution (after the grammar's mask), one entry per emitted position.
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = invariant_log_softmax(logits, axis=-1)
     top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     flat_emitted = emitted.reshape(-1, 1)
     emitted_lp = jnp.take_along_axis(logprobs, flat_emitted, axis=-1)

@@ -1,0 +1,71 @@
+"""Batch invariance at the dtype users run (bfloat16): a request's tokens and logprobs are the same bits
+alone and among companions, in every request bucket, chunked or not, with its prefix computed or read
+from the prefix cache (kernels/invariant.py; README "Batch invariance")."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.smollm2 import ENGINE_ARGS
+from xlaserve import LLM, SamplingParams
+
+PROMPTS = [
+    "Explain paged attention in two sentences.",
+    "Write a haiku about XLA.",
+    "List three uses of a hash map.",
+    "Why is the sky blue?",
+]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # Prefix caching on: the crowded runs below read the prompts' full blocks from the cache that the
+    # lone runs filled. 128 tokens a step and a 32-token chunk cap: crowded prompts are chunked.
+    return LLM(**{**ENGINE_ARGS, "dtype": "bfloat16", "enable_prefix_caching": True})
+
+
+def _chat(llm, prompts):
+    return [
+        o.outputs[0]
+        for o in llm.chat([[{"role": "user", "content": p}] for p in prompts], PARAMS, use_tqdm=False)
+    ]
+
+
+def _numbers(out):
+    return out.token_ids, [[(i, lp.logprob) for i, lp in entry.items()] for entry in out.logprobs]
+
+
+def _companions(n: int) -> list[str]:
+    return [f"Tell me a fact about the number {i}, then one about {i * 7}." for i in range(n)]
+
+
+def test_tokens_and_logprobs_are_the_same_bits_alone_and_in_any_crowd(llm):
+    alone = [_numbers(_chat(llm, [p])[0]) for p in PROMPTS]
+    stats = llm.engine_core.kv_cache_manager.prefix_cache_stats
+    hits_before = stats.num_hits
+    # 1, 3 and 12 companions: request buckets of 4 and 16, decode-only and mixed steps, chunked prefills.
+    for num_companions in (1, 3, 12):
+        for index, prompt in enumerate(PROMPTS):
+            crowd = _companions(num_companions)
+            crowd.insert(index % (num_companions + 1), prompt)
+            got = _chat(llm, crowd)[crowd.index(prompt)]
+            assert _numbers(got) == alone[index], f"{prompt!r} among {num_companions} companions"
+    # The crowded runs read the lone runs' full blocks from the prefix cache (unless the engine's
+    # metrics snapshot reset the counters: then some hit was counted since).
+    assert llm.engine_core.kv_cache_manager.prefix_cache_stats.num_hits > 0 or stats.num_hits > hits_before
+
+
+def test_sampled_logprobs_equal_the_teacher_forced_prompt_logprobs(llm):
+    """The logprob of each generated token, and the prompt logprob of that token when the sequence is
+    fed back as a prompt: the trainer's forward and the sampler's agree bit for bit."""
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, logprobs=0), use_tqdm=False
+    )[0]
+    generated = out.outputs[0]
+    fed_back = {"prompt_token_ids": list(out.prompt_token_ids) + list(generated.token_ids)}
+    again = llm.generate(fed_back, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    num_prompt = len(out.prompt_token_ids)
+    teacher = [again.prompt_logprobs[num_prompt + i][t].logprob for i, t in enumerate(generated.token_ids)]
+    sampled = [generated.logprobs[i][t].logprob for i, t in enumerate(generated.token_ids)]
+    assert teacher == sampled
