@@ -17,9 +17,10 @@ import logging
 import os
 import signal
 
+from xlaserve.config import EngineConfig
 from xlaserve.entrypoints.arg_utils import (
     add_tool_args,
-    engine_kwargs,
+    engine_config,
     parse_lora_modules,
     run_follower_if_needed,
     tool_options,
@@ -133,31 +134,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if run_follower_if_needed(args):  # node_rank > 0 of a multi-host engine: no HTTP, only steps
         return 0
-    kwargs = engine_kwargs(args)
+    if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 0:
+        raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
+    # Built once, here (bad flags fail before anything loads), and sent as it is to the engine core.
+    extra = {} if args.max_num_queued_reqs is None else {"max_num_queued_reqs": args.max_num_queued_reqs}
+    config = engine_config(args, **extra)
     args.lora_modules = parse_lora_modules(args.lora_modules)
-    if args.lora_modules and not kwargs.get("enable_lora"):
+    if args.lora_modules and not config.lora.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    if args.max_num_queued_reqs is not None:
-        if args.max_num_queued_reqs < 0:
-            raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
-        kwargs["max_num_queued_reqs"] = args.max_num_queued_reqs
-    kwargs["max_engine_restarts"] = args.max_engine_restarts
-    kwargs["engine_restart_window"] = args.engine_restart_window
     chat_template = load_chat_template(args.chat_template)
     args.tool_options = tool_options(args)  # bad names fail before the engine starts
-    return asyncio.run(_serve(args, kwargs, chat_template))
+    return asyncio.run(_serve(args, config, chat_template))
 
 
-async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str | None) -> int:
+async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: str | None) -> int:
     from xlaserve.engine.async_llm import AsyncLLM
 
     served_model_names = args.served_model_name or [args.model or "smollm2"]
     loras = None
-    if engine_args.get("enable_lora"):
+    if config.lora.enable_lora:
         from xlaserve.entrypoints.serving.lora import LoRARegistry
 
         # Adapters are checked before the engine starts: a bad --lora-modules entry fails at once.
-        loras = LoRARegistry(engine_args.get("max_lora_rank") or 16, served_model_names)
+        loras = LoRARegistry(config.lora.max_lora_rank, served_model_names)
         for module in args.lora_modules:
             loras.add(module["name"], module["path"], module["base_model_name"])
     loop = asyncio.get_running_loop()
@@ -165,7 +164,12 @@ async def _serve(args: argparse.Namespace, engine_args: dict, chat_template: str
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal during start-up cancels it cleanly
         loop.add_signal_handler(sig, main_task.cancel)
     try:
-        engine = AsyncLLM(args.model, log_level=args.log_level, **engine_args)  # spawns the engine core
+        engine = AsyncLLM.from_config(  # spawns the engine core
+            config,
+            log_level=args.log_level,
+            max_engine_restarts=args.max_engine_restarts,
+            engine_restart_window=args.engine_restart_window,
+        )
         # The front end's own imports (jax and transformers among them, ~1 s) overlap the core's load
         # and warm-up. Not in a thread: jax imported from two threads at once fails.
         import uvicorn

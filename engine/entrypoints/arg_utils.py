@@ -70,17 +70,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The engine arguments the user set (unset ones keep the config defaults), as
-    `EngineConfig.from_kwargs` names them; checked here, before anything is loaded."""
+def _set_engine_args(args: argparse.Namespace) -> dict:
     kwargs = {}
     for group, field in engine_arg_fields():
         spec = field.metadata[ARG_KEY]
         key = spec.kwarg_for(field.name)
         if spec.is_flag and key != "model" and getattr(args, key, None) is not None:
             kwargs[key] = getattr(args, key)
+    return kwargs
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine arguments the user set (unset ones keep the config defaults), as
+    `EngineConfig.from_kwargs` names them; checked here, before anything is loaded (for commands that
+    build several engines from them: the benchmarks)."""
+    kwargs = _set_engine_args(args)
     EngineConfig.from_kwargs(args.model, **kwargs)  # validate before loading anything
     return kwargs
+
+
+def engine_config(args: argparse.Namespace, **extra) -> EngineConfig:
+    """The one EngineConfig of a command that builds one engine (`serve`): the flags set, plus `extra`
+    (settings with flags of the command's own, such as max_num_queued_reqs)."""
+    return EngineConfig.from_kwargs(args.model, **_set_engine_args(args), **extra)
 
 
 def parse_lora_modules(values: list[str] | None) -> list[dict]:
