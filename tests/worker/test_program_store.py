@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.tiny_models import save_tiny_llama
+from helpers.tiny_models import save_tiny_llama, small_byte_tokenizer
 from xlaserve.config import EngineConfig
 from xlaserve.worker.program import Program
 from xlaserve.worker.program_store import ProgramStore
@@ -164,7 +164,8 @@ def _start(model: str, cache_root: str, xla_flags: str = "", **engine_args) -> d
 
 @pytest.mark.slow  # three engine starts in fresh processes (~30 s of CPU)
 def test_second_start_in_a_fresh_process_loads_every_program(tmp_path):
-    model = save_tiny_llama(str(tmp_path / "model"))
+    # A 320-token vocabulary: SmolLM2's 49,152 made every sampler program ~150x wider to compile.
+    model = save_tiny_llama(str(tmp_path / "model"), tokenizer=small_byte_tokenizer())
     cache_root = str(tmp_path / "cache")
     cold = _start(model, cache_root)
     assert cold["loaded"] == 0 and cold["compiled"] > 0
@@ -189,7 +190,7 @@ def test_second_start_in_a_fresh_process_loads_every_program(tmp_path):
 @pytest.mark.slow  # two tensor-parallel engine starts in fresh processes
 def test_a_tensor_parallel_engine_loads_its_programs_onto_its_own_devices(tmp_path):
     """Two of eight devices: each executable is loaded onto the mesh it was compiled for, in order."""
-    model = save_tiny_llama(str(tmp_path / "model"))
+    model = save_tiny_llama(str(tmp_path / "model"), tokenizer=small_byte_tokenizer())
     cache_root, flags = str(tmp_path / "cache"), "--xla_force_host_platform_device_count=8"
     cold = _start(model, cache_root, flags, tensor_parallel_size=2)
     warm = _start(model, cache_root, flags, tensor_parallel_size=2)
