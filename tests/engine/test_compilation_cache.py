@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from helpers.tiny_models import save_tiny_llama
+from helpers.tiny_models import save_tiny_llama, small_byte_tokenizer
 from xlaserve.config import EngineConfig
 from xlaserve.entrypoints.bench.startup import engine_flags_only
 
@@ -37,7 +37,8 @@ def test_bench_startup_second_start_loads_every_program_from_the_cache(tmp_path)
     """`xlaserve bench startup`: a cold then a warm `xlaserve generate`, each in a fresh process."""
     from xlaserve.entrypoints import cli
 
-    model = save_tiny_llama(str(tmp_path / "model"))
+    # A 320-token vocabulary: SmolLM2's 49,152 made every sampler program ~150x wider to compile.
+    model = save_tiny_llama(str(tmp_path / "model"), tokenizer=small_byte_tokenizer())
     engine = ["--max-model-len", "64", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
               "--kv-cache-memory", str(2**22), "--dtype", "float32", "--raw"]  # fmt: skip
     out = tmp_path / "startup.json"
