@@ -59,6 +59,9 @@ def lora_server(tmp_path_factory, server_cache_dir):
         )
     assert len({tuple(r) for r in references.values()}) == 4  # every adapter changes the output
     flags = ["--served-model-name", BASE_NAME, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+    # Buckets for these requests, not SmolLM2's (128 tokens, 16 sequences): token buckets 1, 4, 16 and
+    # request buckets 1, 4, 8 (the eight concurrent requests below) leave half the programs to compile.
+    flags += ["--max-num-batched-tokens", "16", "--max-num-seqs", "8"]
     flags += ["--lora-modules", f"a0={paths[0]}", json.dumps({"name": "a1", "path": paths[1]})]
     proc = ServerProcess(
         str(root), server_cache_dir, flags, model=directory, env={"XLASERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"}
