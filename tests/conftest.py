@@ -11,6 +11,9 @@ import pytest
 from helpers.server_harness import server, server_cache_dir  # noqa: F401
 from helpers.smollm2 import ENGINE_ARGS, smollm2_gguf_path
 
+# The fake-mesh tests' session worker (8 fake CPU devices) and tiny models: see helpers/tp_run.py.
+from helpers.tp_run import tiny_llama_2kv, tiny_llama_257, tp_worker  # noqa: F401
+
 # Tests never reach a hub; transformers must not try.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,14 +1,9 @@
-"""Runs in a subprocess with 8 fake CPU devices: greedy tokens and logprobs of a tiny model with and
-without a LoRA adapter under each tensor-parallel size, and how its LoRA slot stacks are split."""
-
-import json
-import os
-import sys
-
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+"""The "lora" case of helpers/tp_worker.py (8 fake CPU devices): greedy tokens and logprobs of a tiny
+model with and without a LoRA adapter under each tensor-parallel size, and how its LoRA slot stacks
+are split."""
 
 
-def main(model_dir: str, adapter_dir: str, sizes: list[int]) -> None:
+def main(model_dir: str, adapter_dir: str, sizes: list[int]) -> list:
     from xlaserve import LLM, LoRARequest, SamplingParams
 
     lora = LoRARequest("adapter", 1, adapter_dir)
@@ -45,8 +40,4 @@ def main(model_dir: str, adapter_dir: str, sizes: list[int]) -> None:
             }
         )
         del llm
-    print("RESULT " + json.dumps(results))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    return results

@@ -1,15 +1,19 @@
-"""Runs in a subprocess with 8 fake CPU devices: greedy tokens and logprobs of a tiny model under
-several parallel layouts, printed as JSON for tests/test_sharding.py."""
+"""The cases of the fake-mesh tests, served by one long-lived process with 8 fake CPU devices
+(helpers/tp_run.py): one JSON request per line on stdin, {"id", "mode", "model_dir", "arg"}, answered
+by one line `RESULT <id> {"ok": <result>}` (or {"error": <traceback>}) on the original stdout. With
+arguments (`tp_worker.py MODE MODEL_DIR ARG_JSON`), it runs that one case and prints its line."""
 
+import gc
 import json
 import os
 import sys
+import traceback
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 
-def hlo(model_dir: str, layout: dict) -> None:
-    """Print the collectives of the compiled forward of one bucket."""
+def hlo(model_dir: str, layout: dict) -> list:
+    """The collectives of the compiled forward of one bucket."""
     import re
 
     from xlaserve import LLM
@@ -26,11 +30,11 @@ def hlo(model_dir: str, layout: dict) -> None:
     )
     text = llm.engine_core.runner.compiled_forward_text(16)
     ops = re.findall(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)\(", text)
-    print("RESULT " + json.dumps([[shape, op] for shape, op in ops]))
+    return [[shape, op] for shape, op in ops]
 
 
-def kernel_operands(_model_dir: str, tp: int) -> None:
-    """Print the operand shapes of the Pallas kernel's Triton custom call, lowered for CUDA on a
+def kernel_operands(_model_dir: str, tp: int) -> dict:
+    """The operand shapes of the Pallas kernel's Triton custom call, lowered for CUDA on a
     tensor-parallel mesh, without and with the shard_map over KV heads."""
     import functools
     import re
@@ -74,11 +78,11 @@ def kernel_operands(_model_dir: str, tp: int) -> None:
         text = fn.trace(*args, jnp.int32(100)).lower(lowering_platforms=("cuda",)).as_text()
         calls = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
         result[name] = [re.findall(r"tensor<([0-9x]+)xbf16>", call) for call in calls]
-    print("RESULT " + json.dumps(result))
+    return result
 
 
-def param_shards(model_dir: str, layout: dict) -> None:
-    """Print each parameter's global and per-device shapes."""
+def param_shards(model_dir: str, layout: dict) -> dict:
+    """Each parameter's global and per-device shapes."""
     import jax
 
     from xlaserve import LLM
@@ -94,10 +98,11 @@ def param_shards(model_dir: str, layout: dict) -> None:
         ]
         for path, x in flat
     }
-    print("RESULT " + json.dumps(shapes))
+    return shapes
 
 
-def error(model_dir: str, layout: dict) -> None:
+def error(model_dir: str, layout: dict) -> str:
+    """The ValueError that loading under the layout raises."""
     from xlaserve import LLM
 
     try:
@@ -105,33 +110,39 @@ def error(model_dir: str, layout: dict) -> None:
             model_dir, dtype="float32", max_model_len=128, enforce_eager=True, kv_cache_memory=2**23, **layout
         )
     except ValueError as e:
-        print("RESULT " + json.dumps(str(e)))
+        return str(e)
+    raise AssertionError(f"{layout} loaded")
 
 
-def missing_rule(model_dir: str, arg: dict) -> None:
-    """Load under each layout with one sharding rule removed: print the errors (or "loaded")."""
+def missing_rule(model_dir: str, arg: dict) -> list:
+    """Load under each layout with one sharding rule removed: the errors (or "loaded"). The rule is put
+    back afterwards (the rules are read at each load), so the cases after this one see them all."""
     from xlaserve import LLM
     from xlaserve.sharding import rules
 
-    del rules.PARAM_AXES[tuple(arg["drop"])]
+    key = tuple(arg["drop"])
+    dropped = rules.PARAM_AXES.pop(key)
     results = []
-    for layout in arg["layouts"]:
-        try:
-            LLM(
-                model_dir,
-                dtype="float32",
-                max_model_len=128,
-                enforce_eager=True,
-                kv_cache_memory=2**23,
-                **layout,
-            )
-            results.append("loaded")
-        except ValueError as e:
-            results.append(str(e))
-    print("RESULT " + json.dumps(results))
+    try:
+        for layout in arg["layouts"]:
+            try:
+                LLM(
+                    model_dir,
+                    dtype="float32",
+                    max_model_len=128,
+                    enforce_eager=True,
+                    kv_cache_memory=2**23,
+                    **layout,
+                )
+                results.append("loaded")
+            except ValueError as e:
+                results.append(str(e))
+    finally:
+        rules.PARAM_AXES[key] = dropped
+    return results
 
 
-def fused_shards(model_dir: str, layouts: list[dict]) -> None:
+def fused_shards(model_dir: str, layouts: list[dict]) -> list:
     """Per layout and device, the shape of its shard of Phi-3's qkv_proj and gate_up_proj kernels, and whether
     it holds exactly the checkpoint rows of its own heads (q of its query heads, k and v of its KV
     heads) and of its own MLP columns (gate and up), computed here from the HF tensors."""
@@ -196,10 +207,10 @@ def fused_shards(model_dir: str, layouts: list[dict]) -> None:
                 result[name].append({"rank": rank, "shape": list(data.shape), "holds_its_heads": bool(holds)})
         results.append(result)
         del llm
-    print("RESULT " + json.dumps(results))
+    return results
 
 
-def generate_ids(model_dir: str, arg: dict) -> None:
+def generate_ids(model_dir: str, arg: dict) -> list:
     """Generate from token-id prompts under each layout, once per sampling-parameter set: the tokens,
     every (id, logprob) of the sampled logprobs, and every id of the prompt logprobs.
     arg: {"layouts", "prompts", "params": [SamplingParams kwargs, ...]}."""
@@ -240,10 +251,10 @@ def generate_ids(model_dir: str, arg: dict) -> None:
             refused = str(e)
         results.append({"layout": layout, "runs": runs, "out_of_vocab_prompt": refused})
         del llm
-    print("RESULT " + json.dumps(results))
+    return results
 
 
-def speculative(model_dir: str, arg: dict) -> None:
+def speculative(model_dir: str, arg: dict) -> list:
     """Greedy tokens from token-id prompts under each layout (a layout may carry a speculative_config;
     a draft "model" of "self" is the target itself), with the speculative counters.
     arg: {"layouts", "prompts", "max_tokens"}."""
@@ -281,10 +292,11 @@ def speculative(model_dir: str, arg: dict) -> None:
             }
         )
         del llm
-    print("RESULT " + json.dumps(results))
+    return results
 
 
-def main(model_dir: str, layouts: list[dict]) -> None:
+def generate(model_dir: str, layouts: list[dict]) -> list:
+    """Greedy tokens and top logprobs of four text prompts under each layout."""
     from xlaserve import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def f(x):", "One two three four five six seven", "Hi"]
@@ -312,19 +324,54 @@ def main(model_dir: str, layouts: list[dict]) -> None:
             }
         )
         del llm
-    print("RESULT " + json.dumps(results))
+    return results
+
+
+def lora(model_dir: str, arg: dict) -> list:
+    """arg: {"adapter_dir", "sizes"}: see helpers/lora_tp_worker.py."""
+    from lora_tp_worker import main as lora_main  # beside this file, on sys.path as the script's folder
+
+    return lora_main(model_dir, arg["adapter_dir"], arg["sizes"])
+
+
+MODES = {
+    "generate": generate,
+    "hlo": hlo,
+    "error": error,
+    "kernel_operands": kernel_operands,
+    "param_shards": param_shards,
+    "missing_rule": missing_rule,
+    "fused_shards": fused_shards,
+    "generate_ids": generate_ids,
+    "speculative": speculative,
+    "lora": lora,
+}
+
+
+def answer(request: dict) -> dict:
+    try:
+        return {"ok": MODES[request["mode"]](request["model_dir"], request["arg"])}
+    except Exception:
+        return {"error": traceback.format_exc()}
+    finally:
+        gc.collect()  # the case's engines and their device buffers go before the next case starts
+
+
+def serve() -> None:
+    # Results go to a private copy of stdout; fd 1 itself points at stderr, so that nothing else printed
+    # (by Python or by C++ libraries) can break into a result line.
+    results = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    for line in sys.stdin:
+        request = json.loads(line)
+        results.write(f"RESULT {request['id']} {json.dumps(answer(request))}\n")
+        results.flush()
 
 
 if __name__ == "__main__":
-    mode, model_dir, arg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    {
-        "generate": main,
-        "hlo": hlo,
-        "error": error,
-        "kernel_operands": kernel_operands,
-        "param_shards": param_shards,
-        "missing_rule": missing_rule,
-        "fused_shards": fused_shards,
-        "generate_ids": generate_ids,
-        "speculative": speculative,
-    }[mode](model_dir, arg)
+    if len(sys.argv) == 1:
+        serve()
+    else:
+        request = {"id": 0, "mode": sys.argv[1], "model_dir": sys.argv[2], "arg": json.loads(sys.argv[3])}
+        print(f"RESULT 0 {json.dumps(answer(request))}")

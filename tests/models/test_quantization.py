@@ -345,19 +345,18 @@ def test_engine_args_name_the_field_and_the_choices():
     assert (config.model.quantization, config.cache.kv_cache_dtype) == ("fp8", "fp8_e4m3")
 
 
-@pytest.mark.slow  # two engines in a subprocess with 8 host devices: ~60 s
-def test_int8_table_and_head_under_tensor_parallelism_match_one_device(tmp_path):
+@pytest.mark.slow  # two engines in the fake-mesh worker (8 host devices)
+def test_int8_table_and_head_under_tensor_parallelism_match_one_device(tp_worker, tiny_llama_257):
     """The quantized embedding table ([D, V], per-row scales) split over the vocabulary, padded from
     257 to 320 rows under TP 2: the greedy tokens and logprobs of one device."""
     from helpers.family_cases import prompts
-    from helpers.tiny_models import save_tiny_llama
-    from helpers.tp_run import run_worker
 
-    model_dir = save_tiny_llama(str(tmp_path), vocab_size=257, num_key_value_heads=2)
     greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 3}
     layouts = [{"quantization": "int8"}, {"quantization": "int8", "tensor_parallel_size": 2}]
-    results = run_worker(
-        "generate_ids", model_dir, {"layouts": layouts, "prompts": prompts(257, seed=5), "params": [greedy]}
+    results = tp_worker.run(
+        "generate_ids",
+        tiny_llama_257,
+        {"layouts": layouts, "prompts": prompts(257, seed=5), "params": [greedy]},
     )
     one, two = (r["runs"][0] for r in results)
     assert one["tokens"] == two["tokens"]

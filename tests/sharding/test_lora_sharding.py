@@ -1,12 +1,8 @@
-"""LoRA under tensor parallelism on fake CPU devices (a subprocess: the device count is fixed when jax
-starts): the slot stacks are split like their kernels, and the tokens and logprobs equal one device's."""
+"""LoRA under tensor parallelism on fake CPU devices (the session's worker process, helpers/tp_run.py:
+the device count is fixed when jax starts): the slot stacks are split like their kernels, and the tokens
+and logprobs equal one device's."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,31 +10,19 @@ import pytest
 from helpers.lora_adapters import make_adapter
 from helpers.tiny_models import save_tiny_llama
 
-pytestmark = pytest.mark.slow  # two engines in a subprocess
+pytestmark = pytest.mark.slow  # two engines in the fake-mesh worker
 
-WORKER = os.path.join(os.path.dirname(__file__), "..", "helpers", "lora_tp_worker.py")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def test_lora_under_tensor_parallelism_matches_one_device(tmp_path):
+def test_lora_under_tensor_parallelism_matches_one_device(tp_worker, tmp_path):
     pytest.importorskip("peft")
     import transformers
 
     model_dir = save_tiny_llama(str(tmp_path / "model"))  # D=64, F=128, 8 heads, 4 KV heads, 2 layers
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     make_adapter(base, 8, 16, False, TARGETS, str(tmp_path / "adapter"), seed=0)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run(
-        [sys.executable, WORKER, model_dir, str(tmp_path / "adapter"), json.dumps([1, 2])],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, f"worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    one, two = json.loads(line[len("RESULT ") :])
+    one, two = tp_worker.run("lora", model_dir, {"adapter_dir": str(tmp_path / "adapter"), "sizes": [1, 2]})
     assert two["tokens"] == one["tokens"]
     np.testing.assert_allclose(two["logprobs"], one["logprobs"], atol=1e-5)
     assert one["tokens"][:3] != one["tokens"][3:]  # the adapter changes the output

@@ -1,5 +1,6 @@
-"""Tensor and data parallelism on 8 fake CPU devices (each case in a subprocess, since the device
-count is fixed when jax starts): the same greedy tokens and logits as one device."""
+"""Tensor and data parallelism on 8 fake CPU devices (the cases run in the session's worker process,
+helpers/tp_run.py, since the device count is fixed when jax starts): the same greedy tokens and logits
+as one device. The two-process cases start their own processes (jax.distributed, 4 devices each)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,6 @@ import numpy as np
 import pytest
 
 from helpers.tiny_models import save_tiny_llama
-from helpers.tp_run import run_worker
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    # 8 query heads, 2 KV heads: tensor parallel 4 and 8 replicate the KV heads, as vLLM does.
-    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")), num_key_value_heads=2)
 
 
 def assert_same_as_first(results):
@@ -27,7 +21,7 @@ def assert_same_as_first(results):
         np.testing.assert_allclose(r["logprobs"], base["logprobs"], atol=1e-5, err_msg=str(r["layout"]))
 
 
-def test_tensor_and_data_parallel_match_one_device(tiny_llama):
+def test_tensor_and_data_parallel_match_one_device(tp_worker, tiny_llama_2kv):
     layouts = [
         {},
         {"tensor_parallel_size": 2},
@@ -36,11 +30,11 @@ def test_tensor_and_data_parallel_match_one_device(tiny_llama):
         {"data_parallel_size": 2},
         {"tensor_parallel_size": 2, "data_parallel_size": 2},
     ]
-    assert_same_as_first(run_worker("generate", tiny_llama, layouts))
+    assert_same_as_first(tp_worker.run("generate", tiny_llama_2kv, layouts))
 
 
-def test_tensor_parallel_step_all_reduces_and_gathers_no_weight(tiny_llama):
-    ops = run_worker("hlo", tiny_llama, {"tensor_parallel_size": 4})
+def test_tensor_parallel_step_all_reduces_and_gathers_no_weight(tp_worker, tiny_llama_2kv):
+    ops = tp_worker.run("hlo", tiny_llama_2kv, {"tensor_parallel_size": 4})
     kinds = [op for _, op in ops]
     # Per layer (one scanned body): after the attention output and the MLP down projection;
     # plus one for the vocabulary-parallel embedding lookup.
@@ -57,26 +51,26 @@ def tiny_llama_hd16(tmp_path_factory):
     )
 
 
-def test_pallas_kernel_under_tensor_parallelism_matches_one_device(tiny_llama_hd16):
+def test_pallas_kernel_under_tensor_parallelism_matches_one_device(tp_worker, tiny_llama_hd16):
     # The kernel runs per device on its KV heads (sharding/attention.py); TP 4 repeats the 2 KV heads.
     layouts = [
         {},
         {"tensor_parallel_size": 2, "attention_backend": "pallas"},
         {"tensor_parallel_size": 4, "attention_backend": "pallas"},
     ]
-    assert_same_as_first(run_worker("generate", tiny_llama_hd16, layouts))
+    assert_same_as_first(tp_worker.run("generate", tiny_llama_hd16, layouts))
 
 
-def test_kernel_custom_call_sees_only_its_devices_heads():
+def test_kernel_custom_call_sees_only_its_devices_heads(tp_worker):
     # Lowered for CUDA on a TP-4 mesh: without the shard_map the Triton call takes the whole cache
     # (XLA would gather it onto every device); with it, a quarter of the heads and of the cache.
-    calls = run_worker("kernel_operands", "", 4)
+    calls = tp_worker.run("kernel_operands", "", 4)
     assert calls["plain"] == [["32x16x64", "80x4x64", "80x4x64", "32x16x64"]]  # q, k, v, out
     assert calls["sharded"] == [["32x4x64", "80x1x64", "80x1x64", "32x4x64"]]
 
 
-def test_indivisible_tensor_parallel_size_is_a_clear_error(tiny_llama):
-    message = run_worker("error", tiny_llama, {"tensor_parallel_size": 3})
+def test_indivisible_tensor_parallel_size_is_a_clear_error(tp_worker, tiny_llama_2kv):
+    message = tp_worker.run("error", tiny_llama_2kv, {"tensor_parallel_size": 3})
     assert "tensor_parallel_size=3" in message and "num_attention_heads=8" in message
 
 
@@ -93,13 +87,15 @@ def _generated_text(stdout: str) -> str:
     return [line for line in stdout.splitlines() if not line.startswith("[Gloo]")][-1]
 
 
-@pytest.mark.slow
-def test_two_processes_tensor_parallel_8_match_one_process(tiny_llama):
-    args = [
+CLI = [sys.executable, "-m", "xlaserve.entrypoints.cli", "--log-level", "WARNING"]
+
+
+def _generate_args(model: str) -> list[str]:
+    return [
         "generate",
         "The capital of France is",
         "--model",
-        tiny_llama,
+        model,
         "--raw",
         "--temperature",
         "0",
@@ -117,19 +113,38 @@ def test_two_processes_tensor_parallel_8_match_one_process(tiny_llama):
         "--dtype",
         "float32",
     ]
-    cli = [sys.executable, "-m", "xlaserve.entrypoints.cli", "--log-level", "WARNING"]
+
+
+@pytest.fixture(scope="module")
+def one_process_text(tiny_llama_2kv) -> str:
+    """What `xlaserve generate` writes in one process on one device: both two-process cases' reference."""
+    single = subprocess.run(
+        CLI + _generate_args(tiny_llama_2kv),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, XLA_FLAGS=""),
+        check=False,
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    return _generated_text(single.stdout)
+
+
+@pytest.mark.slow
+def test_two_processes_tensor_parallel_8_match_one_process(tiny_llama_2kv, one_process_text):
+    args = _generate_args(tiny_llama_2kv)
     port = _free_port()
     multi = ["-tp", "8", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     follower = subprocess.Popen(
-        cli + args + multi + ["--node-rank", "1"],
+        CLI + args + multi + ["--node-rank", "1"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     leader = subprocess.run(
-        cli + args + multi + ["--node-rank", "0"],
+        CLI + args + multi + ["--node-rank", "0"],
         env=env,
         capture_output=True,
         text=True,
@@ -139,16 +154,7 @@ def test_two_processes_tensor_parallel_8_match_one_process(tiny_llama):
     _, follower_err = follower.communicate(timeout=120)
     assert leader.returncode == 0, leader.stderr[-3000:]
     assert follower.returncode == 0, follower_err[-3000:]  # released cleanly by process 0
-    single = subprocess.run(
-        cli + args,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, XLA_FLAGS=""),
-        check=False,
-    )
-    assert single.returncode == 0, single.stderr[-3000:]
-    assert _generated_text(leader.stdout) == _generated_text(single.stdout)
+    assert _generated_text(leader.stdout) == one_process_text
     assert _generated_text(leader.stdout).strip()
 
 
@@ -203,18 +209,18 @@ def tiny_qwen3_moe(tmp_path_factory):
     )
 
 
-def test_qwen3_tensor_parallel_matches_one_device(tiny_qwen3):
+def test_qwen3_tensor_parallel_matches_one_device(tp_worker, tiny_qwen3):
     layouts = [{}, {"tensor_parallel_size": 2}, {"tensor_parallel_size": 4}]
-    assert_same_as_first(run_worker("generate", tiny_qwen3, layouts))
+    assert_same_as_first(tp_worker.run("generate", tiny_qwen3, layouts))
 
 
-def test_moe_expert_parallel_matches_one_device(tiny_qwen3_moe):
+def test_moe_expert_parallel_matches_one_device(tp_worker, tiny_qwen3_moe):
     layouts = [
         {},
         {"tensor_parallel_size": 4, "enable_expert_parallel": True},
         {"tensor_parallel_size": 2},  # experts' MLPs split instead
     ]
-    assert_same_as_first(run_worker("generate", tiny_qwen3_moe, layouts))
+    assert_same_as_first(tp_worker.run("generate", tiny_qwen3_moe, layouts))
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +250,7 @@ def tiny_deepseek(tmp_path_factory):
     )
 
 
-def test_deepseek_mla_tensor_parallel_matches_one_device(tiny_deepseek):
+def test_deepseek_mla_tensor_parallel_matches_one_device(tp_worker, tiny_deepseek):
     # With `pallas`, the MLA kernel runs per device on its heads over the replicated latent cache.
     layouts = [
         {},
@@ -252,14 +258,14 @@ def test_deepseek_mla_tensor_parallel_matches_one_device(tiny_deepseek):
         {"tensor_parallel_size": 4},
         {"tensor_parallel_size": 2, "attention_backend": "pallas"},
     ]
-    assert_same_as_first(run_worker("generate", tiny_deepseek, layouts))
+    assert_same_as_first(tp_worker.run("generate", tiny_deepseek, layouts))
 
 
-def test_deepseek_mla_splits_heads_and_replicates_latents(tiny_deepseek):
+def test_deepseek_mla_splits_heads_and_replicates_latents(tp_worker, tiny_deepseek):
     # TP 4 over 4 heads: the up-projections out of the latents (q_b_proj: 4 x (16 + 16) columns,
     # kv_b_proj: 4 x (16 + 12)) and o_proj keep one head per device; the down-projections into the
     # shared latents (32 + 16) stay whole.
-    shards = run_worker("param_shards", tiny_deepseek, {"tensor_parallel_size": 4})
+    shards = tp_worker.run("param_shards", tiny_deepseek, {"tensor_parallel_size": 4})
     for stack, layers in (("dense_layers", 1), ("moe_layers", 2)):
         attn = f"{stack}/self_attn"
         assert shards[f"{attn}/q_b_proj/kernel"] == [[layers, 32, 128], [layers, 32, 32]]
@@ -270,7 +276,7 @@ def test_deepseek_mla_splits_heads_and_replicates_latents(tiny_deepseek):
 
 
 @pytest.mark.slow
-def test_two_process_server_matches_one_process(tiny_llama, tmp_path):
+def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text, tmp_path):
     """`xlaserve serve` across two processes (TP 8 over 2 x 4 devices): the OpenAI API answers from
     process 0 as one process would, and SIGTERM on process 0 releases process 1."""
     import openai
@@ -296,7 +302,7 @@ def test_two_process_server_matches_one_process(tiny_llama, tmp_path):
             "-m",
             "xlaserve.entrypoints.cli",
             "serve",
-            tiny_llama,
+            tiny_llama_2kv,
             *engine,
             *multi,
             "--node-rank",
@@ -313,7 +319,7 @@ def test_two_process_server_matches_one_process(tiny_llama, tmp_path):
         str(tmp_path),
         str(tmp_path / "cache"),
         [*engine, *multi, "--node-rank", "0"],
-        model=tiny_llama,
+        model=tiny_llama_2kv,
         env=env,
     )
     try:
@@ -321,7 +327,7 @@ def test_two_process_server_matches_one_process(tiny_llama, tmp_path):
         client = openai.OpenAI(base_url=leader.url + "/v1", api_key="unused")
         served = (
             client.completions.create(
-                model=tiny_llama, prompt="The capital of France is", max_tokens=8, temperature=0
+                model=tiny_llama_2kv, prompt="The capital of France is", max_tokens=8, temperature=0
             )
             .choices[0]
             .text
@@ -331,32 +337,4 @@ def test_two_process_server_matches_one_process(tiny_llama, tmp_path):
     _, follower_err = follower.communicate(timeout=120)
     assert code == 0, leader.log_tail()
     assert follower.returncode == 0, follower_err[-3000:]
-    single = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "xlaserve.entrypoints.cli",
-            "--log-level",
-            "WARNING",
-            "generate",
-            "The capital of France is",
-            "--model",
-            tiny_llama,
-            "--raw",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "8",
-            *engine,
-            "--enforce-eager",
-            "--kv-cache-memory",
-            str(2**23),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, XLA_FLAGS=""),
-        check=False,
-    )
-    assert single.returncode == 0, single.stderr[-3000:]
-    assert served.strip() and served == _generated_text(single.stdout)
+    assert served.strip() and served == one_process_text

@@ -1,8 +1,8 @@
 """Sharding that cannot be silently wrong: under tensor parallelism every matrix has a rule, fused
 projections are split by head, and an odd vocabulary is padded, its padding ids never sampled.
 
-The rules and layouts are checked here in numpy; the engines run on 8 fake CPU devices in a
-subprocess (helpers/tp_worker.py)."""
+The rules and layouts are checked here in numpy; the engines run on 8 fake CPU devices in the
+session's worker process (helpers/tp_run.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 
 from helpers.family_cases import make_hf_model, prompts, save_hf_model
-from helpers.tiny_models import save_tiny_llama
-from helpers.tp_run import run_worker
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.orbax_checkpoint import ConvertedParams
 from xlaserve.models.phi3 import group_qkv_by_kv_head
@@ -108,16 +106,11 @@ def test_fused_qkv_regrouping_commutes_with_kv_head_replication():
 # -- engines on fake devices ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_rules")), num_key_value_heads=2)
-
-
-def test_matrix_without_a_rule_under_tensor_parallelism_is_an_error_naming_it(tiny_llama):
+def test_matrix_without_a_rule_under_tensor_parallelism_is_an_error_naming_it(tp_worker, tiny_llama_2kv):
     # o_proj's rule removed: one device loads it; TP 2 refuses rather than replicate it.
-    one, two = run_worker(
+    one, two = tp_worker.run(
         "missing_rule",
-        tiny_llama,
+        tiny_llama_2kv,
         {"drop": ["o_proj", "kernel"], "layouts": [{}, {"tensor_parallel_size": 2}]},
     )
     assert one == "loaded"
@@ -132,10 +125,10 @@ def tiny_phi3(tmp_path_factory):
     return save_hf_model(model, tmp_path_factory.mktemp("tiny_phi3"))
 
 
-def test_phi3_fused_projections_split_by_head(tiny_phi3):
+def test_phi3_fused_projections_split_by_head(tp_worker, tiny_phi3):
     # Each device's slice of qkv_proj holds its query heads and its KV heads' k and v (TP 4 repeats
     # the 2 KV heads), and its slice of gate_up_proj matching gate and up columns.
-    tp2, tp4 = run_worker(
+    tp2, tp4 = tp_worker.run(
         "fused_shards", tiny_phi3, [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 4}]
     )
     # TP 2: one KV head per device, with its 2 query heads: (2 + 2) * 12 columns; TP 4: (1 + 2) * 12.
@@ -146,9 +139,9 @@ def test_phi3_fused_projections_split_by_head(tiny_phi3):
         assert all(s["shape"] == [3, 48, 144 // tp] and s["holds_its_heads"] for s in shards["gate_up_proj"])
 
 
-def test_phi3_tensor_parallel_matches_one_device_and_gathers_no_weight(tiny_phi3):
+def test_phi3_tensor_parallel_matches_one_device_and_gathers_no_weight(tp_worker, tiny_phi3):
     greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 3}
-    results = run_worker(
+    results = tp_worker.run(
         "generate_ids",
         tiny_phi3,
         {
@@ -158,7 +151,7 @@ def test_phi3_tensor_parallel_matches_one_device_and_gathers_no_weight(tiny_phi3
         },
     )
     _assert_same_greedy(results)
-    kinds = [op for _, op in run_worker("hlo", tiny_phi3, {"tensor_parallel_size": 2})]
+    kinds = [op for _, op in tp_worker.run("hlo", tiny_phi3, {"tensor_parallel_size": 2})]
     assert "all-gather" not in kinds, kinds  # q, k, v and gate, up are split where each device is
 
 
@@ -173,15 +166,7 @@ def _assert_same_greedy(results):
                 np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_odd_vocab(tmp_path_factory):
-    # 257 tokens: TP 2 pads to 320, 63 padding ids whose (zero) logits would be sampled if unmasked.
-    return save_tiny_llama(
-        str(tmp_path_factory.mktemp("tiny_llama_257")), vocab_size=257, num_key_value_heads=2
-    )
-
-
-def test_odd_vocabulary_under_tensor_parallelism_pads_and_never_samples_padding(tiny_llama_odd_vocab):
+def test_odd_vocabulary_under_tensor_parallelism_pads_and_never_samples_padding(tp_worker, tiny_llama_257):
     vocab = 257
     rng = np.random.default_rng(0)
     prompt_ids = [rng.integers(0, vocab, n).tolist() for n in (5, 17, 30, 9)]
@@ -196,9 +181,9 @@ def test_odd_vocabulary_under_tensor_parallelism_pads_and_never_samples_padding(
     }
     # The slow path: penalties ([R, V] tensors as wide as the padded logits), top-k and top-p.
     penalized = dict(sampled, repetition_penalty=1.3, frequency_penalty=0.5, top_k=300, top_p=0.95)
-    one, two = run_worker(
+    one, two = tp_worker.run(
         "generate_ids",
-        tiny_llama_odd_vocab,
+        tiny_llama_257,
         {
             "layouts": [{}, {"tensor_parallel_size": 2}],
             "prompts": prompt_ids,
