@@ -85,6 +85,8 @@ class DraftModelHook(StepHook):
         self.drafter = drafter
 
     def prepare(self, scheduled, num_tokens, num_seqs, failed) -> HostArrays:
+        if not scheduled:  # warm-up, HLO inspection: a padding-only step must not forget the q rows
+            return {f.name: np.zeros(num_seqs, np.int32) for f in dataclasses.fields(DraftInputs)}
         return dataclasses.asdict(self.drafter.prepare(scheduled, num_seqs, failed))
 
     def verify_inputs(self, arrays) -> tuple:
