@@ -261,12 +261,19 @@ class ModelRunner:
         num_seqs = self._num_seqs_for(num_tokens)
         return {hook.name: hook.prepare(scheduled, num_tokens, num_seqs, failed) for hook in self.hooks}
 
+    def _step_batch(self, scheduled, num_tokens: int, failed: set[str]) -> tuple[StepBatch, SpecInputs]:
+        """The flat batch (host arrays) and its verified positions. Every step gathers K + 1 rows per
+        sequence (one forward program per bucket; K = 0 without speculation)."""
+        num_seqs = self._num_seqs_for(num_tokens)
+        batch = build_step_batch(
+            scheduled, num_tokens, num_seqs, self.max_blocks_per_seq, self.block_size, failed
+        )
+        spec = build_spec_inputs(scheduled, num_seqs, self.num_spec_tokens)
+        return _with_verify_indices(batch, spec), spec
+
     def _build_batch(self, scheduled, num_tokens: int) -> StepBatch:
         """An empty step's batch (warm-up, HLO inspection), ready for the device."""
-        num_seqs = self._num_seqs_for(num_tokens)
-        batch = build_step_batch(scheduled, num_tokens, num_seqs, self.max_blocks_per_seq, self.block_size)
-        batch = _with_verify_indices(batch, build_spec_inputs(scheduled, num_seqs, self.num_spec_tokens))
-        return self.placement.step_inputs(batch)
+        return self.placement.step_inputs(self._step_batch(scheduled, num_tokens, set())[0])
 
     def _forward_args(self, kv_cache: KVCache, batch: StepBatch, hook_arrays: dict) -> tuple:
         model_inputs = {}
@@ -311,14 +318,7 @@ class ModelRunner:
         num_tokens = pick_bucket(self.token_buckets, num_real)
         # The hooks first: a request a feature fails (an adapter that cannot load) gets dummy rows below.
         hook_arrays = self._prepare_hooks(scheduled, num_tokens, failed)
-        batch = build_step_batch(
-            scheduled,
-            num_tokens,
-            self._num_seqs_for(num_tokens),
-            self.max_blocks_per_seq,
-            self.block_size,
-            failed,
-        )
+        batch, spec = self._step_batch(scheduled, num_tokens, failed)
         sampling = [s for s in scheduled if s.is_sampling]
         with_penalties = any(s.request.sampling_params.has_penalties for s in sampling) or any(
             s.sample_index < s.request.sampling_params.min_tokens for s in sampling
@@ -332,11 +332,7 @@ class ModelRunner:
                     failed, s, "building its prompt targets", _fill_prompt_targets, prompt_targets, offset, s
                 )
                 offset += s.num_new_tokens
-        # Every step gathers K + 1 rows per sequence (one forward program per bucket; K = 0 without
-        # speculation); it verifies only when some request carries drafts, with one grammar mask per
-        # verified position.
-        spec = build_spec_inputs(scheduled, batch.num_padded_seqs, self.num_spec_tokens)
-        batch = _with_verify_indices(batch, spec)
+        # The step verifies only when some request carries drafts, with one grammar mask per position.
         has_drafts = bool(spec.num_drafts.any())
         grammar_bitmask = step_bitmask(grammar_bitmask, self.num_spec_tokens, has_drafts)
         sampling_st = sampling_tensors(
