@@ -208,8 +208,7 @@ def _load_gguf(path: str, progress: bool, with_tokenizer: bool, source: str, qua
 
 
 def _load_safetensors_dir(path: str, progress: bool, with_tokenizer: bool) -> Checkpoint:
-    with open(os.path.join(path, "config.json")) as f:
-        hf_config = complete_config(json.load(f))
+    hf_config = _read_config_json(path)
     tensors = load_safetensors(path, progress=progress)
     tokenizer = _directory_tokenizer(path) if with_tokenizer else None
     return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=f"safetensors {path}")
@@ -221,14 +220,28 @@ def _load_dummy(model: str | None, seed: int, with_tokenizer: bool) -> Checkpoin
         raise ValueError(
             f"load_format='dummy' needs a model directory with config.json (and a tokenizer); got {model!r}"
         )
-    with open(os.path.join(path, "config.json")) as f:
-        hf_config = complete_config(json.load(f))
+    hf_config = _read_config_json(path)
     return Checkpoint(
         hf_config=hf_config,
         tensors=DummyWeights(seed),
         tokenizer=_directory_tokenizer(path) if with_tokenizer else None,
         source=f"dummy weights, {path}",
     )
+
+
+def _read_config_json(path: str) -> dict[str, Any]:
+    """The completed config.json of a model directory. Its architecture is checked first: another
+    family's config need not have the fields `complete_config` reads (a Mamba2 has no
+    num_attention_heads, a Llava keeps hidden_size in its text_config), and the registry's error
+    names the architecture and the supported ones, where a KeyError would name a field."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    # Imported here, not above: the registry imports the model classes (jax), which the front end's
+    # `load_tokenizer` never needs.
+    from xlaserve.models.registry import get_model_class, hf_architecture
+
+    get_model_class(hf_architecture(config))  # ValueError for an architecture we do not serve
+    return complete_config(config)
 
 
 def _load_orbax_dir(path: str, with_tokenizer: bool) -> Checkpoint:

@@ -64,9 +64,14 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         ) from None
 
 
+def hf_architecture(hf_config: dict[str, Any]) -> str:
+    """The architecture a config.json names (its first `architectures` entry), Llama's when none."""
+    return (hf_config.get("architectures") or [DEFAULT_ARCHITECTURE])[0]
+
+
 def model_config_from_hf(hf_config: dict[str, Any]) -> TransformerConfig:
     """The config of the architecture `hf_config` names, read by that model class's `config_class`
     (the family's TransformerConfig subclass: its own spellings, MoE routing, MLA fields)."""
-    architecture = (hf_config.get("architectures") or [DEFAULT_ARCHITECTURE])[0]
+    architecture = hf_architecture(hf_config)
     model_class = get_model_class(architecture)
     return model_class.config_class.from_hf({**hf_config, "architectures": [architecture]})

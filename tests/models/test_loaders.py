@@ -387,6 +387,28 @@ def test_directory_without_weights_is_rejected(tmp_path):
     assert str(tmp_path) in str(error.value)
 
 
+# Another family's config.json need not have Llama's fields: these two once failed with a KeyError
+# ('num_attention_heads', 'hidden_size') from the config mapping before the registry was asked.
+UNSUPPORTED_CONFIGS = {
+    "Mamba2ForCausalLM": {"model_type": "mamba2", "hidden_size": 64, "num_heads": 8, "num_hidden_layers": 2},
+    "LlavaForConditionalGeneration": {
+        "model_type": "llava",
+        "text_config": {"model_type": "llama", "hidden_size": 64},
+        "vision_config": {"model_type": "clip_vision_model"},
+    },
+}
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+@pytest.mark.parametrize("architecture", sorted(UNSUPPORTED_CONFIGS))
+def test_unsupported_architecture_is_rejected_by_name(tmp_path, architecture, load_format):
+    config = {"architectures": [architecture], **UNSUPPORTED_CONFIGS[architecture]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"architecture '{architecture}' is not supported") as error:
+        load_checkpoint(str(tmp_path), progress=False, load_format=load_format, skip_tokenizer_init=True)
+    assert "supported: " in str(error.value) and "LlamaForCausalLM" in str(error.value)
+
+
 def test_fake_gguf_is_rejected(tmp_path):
     fake = tmp_path / "fake.gguf"
     fake.write_text("definitely not GGUF")
