@@ -1,11 +1,14 @@
 """`skip_tokenizer_init` (vLLM's option): a model directory without tokenizer files serves token ids
-in, token ids out; a text prompt is refused with an error naming `prompt`."""
+in, token ids out; a text prompt is refused with an error naming `prompt`, and the server's text
+routes with a 400 naming the flag."""
 
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
+from fastapi.testclient import TestClient
 
 from helpers.family_cases import (
     ENGINE_ARGS,
@@ -17,7 +20,9 @@ from helpers.family_cases import (
     save_hf_model,
 )
 from xlaserve import LLM, SamplingParams
+from xlaserve.entrypoints.app import build_app
 from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs
+from xlaserve.entrypoints.serving.state import ServerState
 from xlaserve.models.loader import load_checkpoint, load_tokenizer
 
 
@@ -97,3 +102,50 @@ def test_text_commands_refuse_skip_tokenizer_init(command, capsys):
     assert cli.main([*command, "--model", "/nonexistent", "--skip-tokenizer-init"]) == 2
     err = capsys.readouterr().err
     assert f"xlaserve {command[0]}` reads and writes text" in err and "--skip-tokenizer-init" in err
+
+
+# Every route that reads or writes text, with what it sends: each failed on the None tokenizer
+# (an AttributeError, a 500) before it answered with a 400 naming the flag.
+HI = [{"role": "user", "content": "hi"}]
+TEXT_ROUTES = [
+    ("/v1/chat/completions", {"messages": HI}, "messages"),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": HI}, "messages"),
+    ("/tokenize", {"prompt": "w5 w6"}, "prompt"),
+    ("/tokenize", {"messages": HI}, "messages"),
+    ("/detokenize", {"tokens": [5, 6]}, "tokens"),
+    ("/v1/completions", {"prompt": "w5 w6", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "logprobs": 1}, "logprobs"),
+]
+
+
+def stand_in_client(tokenizer) -> TestClient:
+    """The server's app, in-process, around the few engine attributes these routes read."""
+    engine = SimpleNamespace(
+        tokenizer=tokenizer, model="tiny", max_model_len=64, vocab_size=128, is_errored=False
+    )
+    return TestClient(build_app(ServerState(engine=engine, served_model_names=["tiny"])))
+
+
+@pytest.mark.parametrize(("path", "body", "param"), TEXT_ROUTES)
+def test_text_routes_refuse_without_a_tokenizer(path, body, param):
+    """vLLM's answer for a server started with --skip-tokenizer-init: a 400 in the API's error format
+    that names the flag, given before the request reaches the engine. The app is built in-process
+    around a stand-in for the engine: these routes refuse before they ask it for anything but its
+    tokenizer and sizes."""
+    response = stand_in_client(tokenizer=None).post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "--skip-tokenizer-init" in error["message"]
+    if path != "/v1/messages":  # Anthropic's format has no param
+        assert (error["type"], error["param"]) == ("invalid_request_error", param)
+
+
+def test_the_same_stand_in_with_a_tokenizer_answers(tmp_path):
+    """The control for the test above: with the tokenizer, the stand-in engine serves /tokenize and
+    /detokenize, so the 400s come from the missing tokenizer and not from the stand-in."""
+    tokenizer = load_tokenizer(save_hf_model(make_hf_model("LlamaForCausalLM"), tmp_path))
+    client = stand_in_client(tokenizer)
+    tokens = client.post("/tokenize", json={"prompt": "w5 w6", "add_special_tokens": False}).json()["tokens"]
+    assert tokens == tokenizer.encode("w5 w6", add_special_tokens=False)
+    assert client.post("/detokenize", json={"tokens": tokens}).json()["prompt"] == tokenizer.decode(tokens)

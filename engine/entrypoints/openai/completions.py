@@ -26,6 +26,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     make_sampling_params,
     merge_streams,
     new_id,
+    require_tokenizer,
     tokenize_text,
 )
 from xlaserve.entrypoints.serving.errors import bad_request
@@ -131,6 +132,11 @@ def _choice(
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw_request: Request):
     model = check_model(state, req.model)
+    # A prompt of token ids needs no tokenizer, but echo and logprobs answer with text.
+    if req.echo:
+        require_tokenizer(state.engine, "echo", "echo")
+    if req.logprobs is not None:
+        require_tokenizer(state.engine, "logprobs", "logprobs")
     prompts = _prompts(state, req)
     for _, ids in prompts:
         check_context(state.engine, len(ids), req.max_tokens, "prompt")

@@ -20,7 +20,7 @@ from xlaserve.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
-from xlaserve.entrypoints.serving.engine_io import tokenize_text
+from xlaserve.entrypoints.serving.engine_io import require_tokenizer, tokenize_text
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ErrorResponse
 from xlaserve.entrypoints.serving.state import ServerState, check_model
@@ -106,4 +106,5 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         bad = [t for t in request.tokens if t >= engine.vocab_size]
         if bad:
             raise bad_request(f"tokens must be in [0, {engine.vocab_size}), got {bad[:4]}", "tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
+        tokenizer = require_tokenizer(engine, "/detokenize", "tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))

@@ -12,6 +12,7 @@ import logging
 
 from jinja2 import TemplateError
 
+from xlaserve.entrypoints.serving.engine_io import require_tokenizer
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.protocol import ChatMessage, ChatTool
 from xlaserve.entrypoints.serving.state import ServerState
@@ -53,7 +54,7 @@ def apply_chat_template(
     tools: list[ChatTool] | None = None,
     chat_template_kwargs: dict | None = None,
 ) -> str:
-    tokenizer = state.engine.tokenizer
+    tokenizer = require_tokenizer(state.engine, "the chat template", "messages")
     template = state.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise bad_request(

@@ -70,11 +70,24 @@ def make_sampling_params(
         raise bad_request(str(e), param_of_value_error(e, _SAMPLING_FIELDS)) from None
 
 
+def require_tokenizer(engine: AsyncLLM, what: str, param: str | None):
+    """The engine's tokenizer; a 400 naming `what` when the server was started with
+    --skip-tokenizer-init (vLLM's answer there), where the route would otherwise fail on None."""
+    if engine.tokenizer is None:
+        raise bad_request(
+            f"{what} needs a tokenizer, and this server was started with --skip-tokenizer-init: "
+            "send the prompt as token ids to /v1/completions",
+            param,
+        )
+    return engine.tokenizer
+
+
 def tokenize_text(engine: AsyncLLM, text: str, add_special_tokens: bool, param: str) -> list[int]:
     """Token ids of `text`; a huge text is cut before tokenizing once it surely exceeds the context."""
+    tokenizer = require_tokenizer(engine, f"a text {param}", param)
     limit = engine.max_model_len * _MAX_CHARS_PER_TOKEN
     if len(text) > limit:
-        head = engine.tokenizer.encode(text[:limit], add_special_tokens=add_special_tokens)
+        head = tokenizer.encode(text[:limit], add_special_tokens=add_special_tokens)
         if len(head) >= engine.max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {engine.max_model_len} tokens, but the {param} has "
@@ -82,7 +95,7 @@ def tokenize_text(engine: AsyncLLM, text: str, add_special_tokens: bool, param: 
                 param,
                 code="context_length_exceeded",
             )
-    return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def check_context(engine: AsyncLLM, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
