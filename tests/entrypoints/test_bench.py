@@ -182,3 +182,27 @@ def test_lora_bench_pairs_rounds_over_adapters_of_each_rank(tiny_llama, tmp_path
     assert ratios[0] <= r["ratio_output_throughput"] <= ratios[-1]
     with pytest.raises(SystemExit):
         cli.main(argv[:-7] + ["--num-random-loras", "2", "--random-lora-rank", "8,0"])
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_hf_peer_gets_the_engines_warm_up(batch):
+    """`run_hf` starts with the untimed request `run_xlaserve` starts with (the first prompt,
+    WARM_UP_OUTPUT_LEN tokens) before it times anything, and reports it as `warm_up_s`."""
+    from types import SimpleNamespace
+
+    from helpers.family_cases import make_hf_model
+    from xlaserve.entrypoints.bench.offline import WARM_UP_OUTPUT_LEN, run_hf
+
+    hf = make_hf_model("LlamaForCausalLM")
+    calls, generate = [], hf.generate
+
+    def recorded_generate(input_ids, **kwargs):  # (prompt shape, tokens asked) of every call, in order
+        calls.append((tuple(input_ids.shape), kwargs["max_new_tokens"]))
+        return generate(input_ids=input_ids, **kwargs)
+
+    hf.generate = recorded_generate
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9, 10, 11]}]
+    report = run_hf(hf, SimpleNamespace(pad_token_id=0), prompts, output_len=3, batch=batch)
+    timed = [((2, 4), 3)] if batch else [((1, 3), 3), ((1, 4), 3)]
+    assert calls == [((1, 3), WARM_UP_OUTPUT_LEN), *timed]
+    assert report["warm_up_s"] > 0 and report["num_requests"] == 2

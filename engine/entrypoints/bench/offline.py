@@ -4,7 +4,9 @@
 seeded): long contexts, where the attention kernels matter.
 
 `--backend hf` also runs Hugging Face transformers' `generate` on the same prompts, in the same
-process, so every report carries a side-by-side ratio measured under the same conditions.
+process, so every report carries a side-by-side ratio measured under the same conditions: both
+backends first run one untimed request (the first prompt, WARM_UP_OUTPUT_LEN tokens), reported as
+`warm_up_s`.
 
 Every xlaserve run reports, per step, the host's idle time (blocked on the device's results) and
 the device's (done with a step, waiting for the host to dispatch the next one). `--compare-async`
@@ -72,6 +74,10 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
 
 
+# Both backends start with one untimed request of the first prompt and this many tokens, so neither
+# side's first-call costs (programs loaded, torch's thread pool and allocator, lazy inits) are timed.
+WARM_UP_OUTPUT_LEN = 2
+
 # -- xlaserve --------------------------------------------------------------------------------------
 
 
@@ -108,8 +114,10 @@ def run_xlaserve(
             core.set_async_scheduling(async_scheduling)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     loras = lora_requests or [None] * len(prompts)
-    touch = SamplingParams(temperature=0.0, max_tokens=2)
-    llm.generate(prompts[:1], touch, use_tqdm=False, lora_request=loras[:1])  # touch
+    warm_up = SamplingParams(temperature=0.0, max_tokens=WARM_UP_OUTPUT_LEN)
+    warm_up_start = time.perf_counter()
+    llm.generate(prompts[:1], warm_up, use_tqdm=False, lora_request=loras[:1])  # untimed
+    warm_up_s = time.perf_counter() - warm_up_start
     runners = [core.runner for core in cores]
     for r in runners:
         r.timing.watch = True  # see when each step's results are ready, even when read a step later
@@ -139,6 +147,7 @@ def run_xlaserve(
     # Host time per step; with synchronous steps the device idles through all of it, with async
     # scheduling only through what the device's own step time does not cover (device_idle).
     report |= {
+        "warm_up_s": warm_up_s,
         "async_scheduling": all(core.async_scheduling for core in cores),
         "num_steps": steps,
         "host_ms_per_step": (elapsed - waited) / max(steps, 1) * 1e3,
@@ -185,9 +194,10 @@ def _load_hf(model: str | None, dtype: str = "float32"):
 
 
 def run_hf(hf, tokenizer, prompts, output_len: int, batch: bool) -> dict:
+    """The workload through `hf.generate`, after the warm-up the engine gets (WARM_UP_OUTPUT_LEN)."""
     import torch
 
-    def generate(rows: list[list[int]]) -> tuple[float, float]:
+    def generate(rows: list[list[int]], num_tokens: int = output_len) -> tuple[float, float]:
         width = max(map(len, rows))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
@@ -200,8 +210,8 @@ def run_hf(hf, tokenizer, prompts, output_len: int, batch: bool) -> dict:
             hf.generate(
                 input_ids=ids,
                 attention_mask=mask,
-                max_new_tokens=output_len,
-                min_new_tokens=output_len,
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
                 do_sample=False,
                 pad_token_id=pad,
             )
@@ -209,9 +219,10 @@ def run_hf(hf, tokenizer, prompts, output_len: int, batch: bool) -> dict:
 
     rows = [p["prompt_token_ids"] for p in prompts]
     num_in = sum(map(len, rows))
+    warm_up_s = sum(generate(rows[:1], WARM_UP_OUTPUT_LEN))  # untimed: the warm-up
     if batch:
         ttft, elapsed = generate(rows)
-        return _report(
+        report = _report(
             "hf",
             len(rows),
             num_in,
@@ -220,13 +231,15 @@ def run_hf(hf, tokenizer, prompts, output_len: int, batch: bool) -> dict:
             [ttft],
             [(elapsed - ttft) / (output_len - 1)],
         )
+        return report | {"warm_up_s": warm_up_s}
     ttfts, tpots, total = [], [], 0.0
     for row in rows:
         ttft, elapsed = generate([row])
         ttfts.append(ttft)
         tpots.append((elapsed - ttft) / (output_len - 1))
         total += elapsed
-    return _report("hf", len(rows), num_in, len(rows) * output_len, total, ttfts, tpots)
+    report = _report("hf", len(rows), num_in, len(rows) * output_len, total, ttfts, tpots)
+    return report | {"warm_up_s": warm_up_s}
 
 
 # -- command ---------------------------------------------------------------------------------------
