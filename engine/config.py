@@ -92,6 +92,16 @@ class ModelConfig:
         default=False,
         metadata=arg("load no tokenizer: prompts must be token ids, outputs carry token ids and no text"),
     )
+    # A request's token ids and logprobs independent of its batch (kernels/invariant.py; README "Batch
+    # invariance"). Read where the config is built (the front end), like the attention backend's.
+    batch_invariant: bool = field(
+        default_factory=lambda: os.environ.get("XLASERVE_BATCH_INVARIANT", "1").lower()
+        not in ("0", "false", "no", "off"),
+        metadata=arg(
+            "a request's tokens and logprobs the same bits whatever runs beside it (default on; also "
+            "XLASERVE_BATCH_INVARIANT=0)"
+        ),
+    )
     # QUANTIZATION_METHODS; None: as the checkpoint is (models/quantization.py, models/prequantized.py)
     quantization: str | None = field(
         default=None,

@@ -11,10 +11,15 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   array is a copy on XLA's CPU backend, so the reference backend *stores* a 16-bit KV cache as
   words (`AttentionBackend.cache_words`) and bitcasts only the pages it gathers; stacked layer
   weights are bitcast once per step (`scan`), on CPU only;
-- a dot of ONE 16-bit row (a batch-1 decode step) takes XLA CPU's matrix-vector path, which is not
-  native: 7x slower than two rows for the LM head ([1, 576] x [576, 49152]), 1.5x for a projection
-  (engine/PERFORMANCE.md). `matmul` pads such a row to two; by an int8 weight, the row is split
-  exactly into two int8 rows instead and multiplied in integers (`split_int8_matmul`);
+- a dot of one or two 16-bit rows (a batch-1 decode step) takes kernels of its own: XLA CPU's
+  matrix-vector path for one row, which is not native (7-10x slower than four rows for the LM head
+  ([1, 576] x [576, 49152]), 2x for a projection: engine/PERFORMANCE.md), and for one and for two rows
+  kernels that round differently from the one every dot of 3 or more rows shares (measured with
+  YNNPACK's dots, jax 0.10.2 on an AMX CPU: a row's bits are the same in every M >= 3 and differ at M
+  = 1 and 2). `matmul` pads such rows to `MIN_DOT_ROWS`, so a token's projections have the same bits
+  alone as among companions (batch invariance, kernels/invariant.py) and a batch-1 step is faster; by
+  an int8 weight, one row is split exactly into two int8 rows instead and multiplied in integers
+  (`split_int8_matmul`);
 - a quantized weight's convert is not fused into the dot by XLA CPU: a wide one (the LM head) is
   multiplied a chunk of columns at a time (`by_column_chunks`); a few rows (a batch-1 decode) by
   int8 or 4-bit codes with per-group scales go to a C++ op that widens each code in registers
@@ -96,9 +101,10 @@ def matmul(
         return cpu_ops.quantized_matmul(x, w, scale, zero, packed).astype(out_dtype)
     if _split_int8_on_cpu(x, w, scale, zero):
         return split_int8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
-    if _one_16bit_row_on_cpu(x):
-        two_rows = jnp.concatenate([x, jnp.zeros_like(x)], axis=-2)
-        return matmul(two_rows, w, out_dtype, scale, zero, block, packed)[..., :1, :]
+    if _few_16bit_rows_on_cpu(x):
+        rows = x.shape[-2]
+        padded = jnp.concatenate([x, jnp.zeros((*x.shape[:-2], MIN_DOT_ROWS - rows, x.shape[-1]), x.dtype)], -2)
+        return matmul(padded, w, out_dtype, scale, zero, block, packed)[..., :rows, :]
     if scale is not None and _wide_on_cpu(w, scale, zero):
         return by_column_chunks(x, w, out_dtype, scale, zero, block, packed)
     if packed:
@@ -131,8 +137,14 @@ def convert_weight(w: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-def _one_16bit_row_on_cpu(x: jax.Array) -> bool:
-    return x.ndim >= 2 and x.shape[-2] == 1 and is_16bit_float(x.dtype) and jax.default_backend() == "cpu"
+# The fewest rows a 16-bit dot has on CPU (the module docstring says why).
+MIN_DOT_ROWS = 4
+
+
+def _few_16bit_rows_on_cpu(x: jax.Array) -> bool:
+    return (
+        x.ndim >= 2 and x.shape[-2] < MIN_DOT_ROWS and is_16bit_float(x.dtype) and jax.default_backend() == "cpu"
+    )
 
 
 # int8 x int8 products summed in int32: |hi|, |lo|, |w| <= 128, so K < 2**31 / 128**2 = 131072 inputs

@@ -10,18 +10,62 @@ padded width until 16 lanes, then add the lanes in order), which XLA must evalua
 
 Cost: one loop fusion; negligible next to the step's matmuls (a [64, 576] norm reduction 1.4x a plain
 `jnp.sum`, a [64, 49152] log-softmax's sum ~5x, ~1% of a batch-64 decode step).
+
+The switch (`--batch-invariant`, on by default; `XLASERVE_BATCH_INVARIANT=0` turns it off) is read when
+a program is traced, not passed to every layer: the engine traces its programs inside
+`batch_invariance(config.model.batch_invariant)` (`traced_with`), and these functions, the reference
+attention's path choice (kernels/reference.py) and the MLA reference read `enabled()`. Off, they are
+XLA's own reductions and the attention's fastest split: the same values to rounding, but a token's bits
+may change with its companions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+
 import jax
 import jax.numpy as jnp
+
+# A context variable, not a global: two engines in one process (a test's float32 and bfloat16 ones, a
+# drafter beside its target) each trace under their own setting. Outside any engine: on.
+_ENABLED = contextvars.ContextVar("xlaserve_batch_invariant", default=True)
+
+
+def enabled() -> bool:
+    """Whether the program being traced must be batch-invariant."""
+    return _ENABLED.get()
+
+
+@contextlib.contextmanager
+def batch_invariance(on: bool) -> Iterator[None]:
+    """Trace what runs inside with batch invariance `on` (or off)."""
+    token = _ENABLED.set(bool(on))
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def traced_with(on: bool, fn: Callable) -> Callable:
+    """`fn` whose body (so its trace, under `jax.jit`) runs inside `batch_invariance(on)`."""
+
+    @functools.wraps(fn)
+    def under(*args, **kwargs):
+        with batch_invariance(on):
+            return fn(*args, **kwargs)
+
+    return under
 
 _LANES = 16  # the tree stops at this width; the lanes are then added one by one
 
 
 def invariant_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
     """sum(x, axis) in an order set by x.shape[axis] alone (the module docstring says why)."""
+    if not enabled():
+        return jnp.sum(x, axis=axis, keepdims=keepdims)
     x = jnp.moveaxis(x, axis, -1)
     n = x.shape[-1]
     width = _LANES
@@ -44,10 +88,14 @@ def invariant_mean(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.
 
 def invariant_log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     """log_softmax(x) with the invariant sum (max is exact in any order)."""
+    if not enabled():
+        return jax.nn.log_softmax(x, axis=axis)
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
     return shifted - jnp.log(invariant_sum(jnp.exp(shifted), axis, keepdims=True))
 
 
 def invariant_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    if not enabled():
+        return jax.nn.softmax(x, axis=axis)
     e = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
     return e / invariant_sum(e, axis, keepdims=True)

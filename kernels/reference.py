@@ -23,6 +23,13 @@ path's work at batch 64):
 On CPU with a bfloat16 cache (stored as uint16 words), the decode, few and short paths call one C++
 op instead (`kernels/cpu_ops.py`: every key row read once from its page, in float32); the jnp
 paths stay the specification and serve everywhere else (a float32 or float8 cache, no compiler).
+
+Batch invariance (kernels/invariant.py, on by default): with the C++ op there, the long path is not
+taken either, so every query of every step is the op's one per-query reduction (its keys in position
+order, one softmax over them), whatever the step's split: a prompt chunked or not, a token decoded or
+teacher-forced, computes the same bits. The long path's tiles round differently (an online softmax over
+512-key chunks); per query the op costs about as much (measured 1.0-1.5x the tiles for 512-2048 queries
+over 2-4K keys, SmolLM2's heads: kernels/KERNELS.md).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xlaserve.kernels import cpu_ops
+from xlaserve.kernels import cpu_ops, invariant
 from xlaserve.kernels.dtype_ops import as_words, from_words, is_8bit_float, is_16bit_float
 
 DEFAULT_TOKENS_PER_CHUNK = 64  # KV tokens per loop step of the decode and short paths
@@ -146,7 +153,9 @@ def ragged_paged_attention(
     is_decode = is_real_seq & (q_lens == 1)
     few_queries = min(few_queries, num_tokens)
     is_few = is_real_seq & (q_lens > 1) & (q_lens <= few_queries)
-    is_long = is_real_seq & (q_lens > few_queries) & (kv_lens > short_context)
+    # Batch-invariant with the C++ op: one op for every query, no long path (the module docstring says why).
+    with_long_path = not (invariant.enabled() and cpu_ops.usable(k_cache, value_dtype))
+    is_long = is_real_seq & (q_lens > few_queries) & (kv_lens > short_context) & with_long_path
     is_short = is_real_seq & (q_lens > few_queries) & ~is_long
 
     q_tkgd = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
@@ -179,7 +188,7 @@ def ragged_paged_attention(
         )
 
     out_tkgd = jnp.zeros_like(q_tkgd)
-    paths = [(is_short, short), (is_decode, decode), (is_long, long)]
+    paths = [(is_short, short), (is_decode, decode)] + ([(is_long, long)] if with_long_path else [])
     if few_queries > 1:
         paths.append((is_few, few))
     for takes, path in paths:

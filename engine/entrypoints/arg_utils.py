@@ -43,7 +43,8 @@ def _add_flag(group, field: dataclasses.Field, owner: type) -> None:
     options = {"default": None, "help": spec.help, "dest": spec.kwarg_for(field.name)}
     if kind is bool:
         # A switch that is on by default (or decided at start: None) must be able to say no.
-        can_be_on = field.default is True or field.default is None
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        can_be_on = default is not False
         options["action"] = argparse.BooleanOptionalAction if can_be_on else "store_true"
     else:
         options["type"] = None if kind is str else kind

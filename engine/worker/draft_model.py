@@ -41,7 +41,7 @@ from flax import nnx
 
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import AttentionMetadata, KVCache
-from xlaserve.kernels.invariant import invariant_softmax
+from xlaserve.kernels.invariant import invariant_softmax, traced_with
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
@@ -172,7 +172,10 @@ class DraftModel:
         self.q_buf: jax.Array | None = None
         self.block_size = config.cache.block_size
         self._step_fn = jax.jit(
-            partial(_draft_step, model.graphdef, vocab_size, self.block_size, self.num_spec_tokens),
+            traced_with(
+                config.model.batch_invariant,
+                partial(_draft_step, model.graphdef, vocab_size, self.block_size, self.num_spec_tokens),
+            ),
             donate_argnames=("kv_cache", "q_buf"),
         )
         # Each request's row in the last step that proposed for it: where its q waits in q_buf.

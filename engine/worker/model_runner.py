@@ -31,6 +31,7 @@ from flax import nnx
 from xlaserve.config import EngineConfig
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
+from xlaserve.kernels.invariant import traced_with
 from xlaserve.models.registry import get_model_class
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
@@ -152,26 +153,28 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         # Each a Program (worker/program.py): a step calls the executable warm-up loaded or compiled
-        # for its shapes; the weights (and the KV cache) lead, outside the per-call signature.
+        # for its shapes; the weights (and the KV cache) lead, outside the per-call signature. Each
+        # traces under the engine's batch invariance (kernels/invariant.py).
+        invariant = partial(traced_with, config.model.batch_invariant)
         self._forward_fn = Program(
             "forward",
-            jax.jit(partial(_forward, self.graphdef), donate_argnames=("kv_cache",)),
+            jax.jit(invariant(partial(_forward, self.graphdef)), donate_argnames=("kv_cache",)),
             num_fixed_args=2,
         )
         vocab = self.model_config.vocab_size
         # `with_logprobs` is traced (a runtime flag), not static: warm-up compiles 4 sampler programs
         # per request bucket (penalties x grammar), not 8 (sampler.py).
         self._sample_fn = Program(
-            "sample", jax.jit(partial(_sample, self.graphdef, vocab, config.scheduler.max_num_seqs))
+            "sample", jax.jit(invariant(partial(_sample, self.graphdef, vocab, config.scheduler.max_num_seqs)))
         )
         self._prompt_logprobs_fn = Program(
-            "prompt_logprobs", jax.jit(partial(_prompt_logprobs, self.graphdef, vocab))
+            "prompt_logprobs", jax.jit(invariant(partial(_prompt_logprobs, self.graphdef, vocab)))
         )
         spec = config.speculative
         self.num_spec_tokens = config.num_spec_tokens
         self._verify_fn = Program(
             "verify",
-            jax.jit(partial(_verify, self.graphdef, vocab), static_argnames=("with_logprobs",)),
+            jax.jit(invariant(partial(_verify, self.graphdef, vocab)), static_argnames=("with_logprobs",)),
             static_argnames=("with_logprobs",),
         )
         self.num_programs_loaded = self.num_programs_compiled = 0  # by warm-up, from disk or compiled

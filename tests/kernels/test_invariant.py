@@ -40,3 +40,72 @@ def test_values_match_float64():
 def test_masked_entries_add_nothing():
     x = jnp.asarray([[0.5, -jnp.inf, 1.5, -jnp.inf]], jnp.float32)
     np.testing.assert_allclose(invariant_softmax(x), [[1 / (1 + np.e), 0, np.e / (1 + np.e), 0]], rtol=1e-6)
+
+
+def test_switched_off_they_are_xlas_own_reductions():
+    """Off (`--no-batch-invariant`), the same values through jnp's reductions: traced under the switch,
+    so a program traced inside `batch_invariance(False)` has no fixed tree. (Each trace gets its own
+    function: JAX caches a function's trace by its identity and shapes, not by this switch.)"""
+    from xlaserve.kernels.invariant import batch_invariance, enabled, traced_with
+
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 576)), jnp.float32)
+    assert enabled()
+    with batch_invariance(False):
+        assert not enabled()
+        off = jax.make_jaxpr(lambda x: invariant_sum(x))(x)
+    assert enabled()
+    on = jax.make_jaxpr(lambda x: invariant_sum(x))(x)
+    assert [e.primitive.name for e in off.eqns] == ["reduce_sum"]
+    assert "reduce_sum" not in {e.primitive.name for e in on.eqns}
+    traced_off = jax.make_jaxpr(traced_with(False, lambda x: invariant_sum(x * x)))(x)
+    assert "reduce_sum" in {e.primitive.name for e in traced_off.eqns}
+    np.testing.assert_allclose(jax.jit(traced_with(False, invariant_sum))(x), invariant_sum(x), atol=1e-4)
+
+
+def _long_prompt_step(ctx: int, chunks: list[int]):
+    """Attention inputs for one sequence's `ctx`-token context (a bfloat16 cache, as the engine stores
+    it: uint16 words), and the steps that compute its queries in `chunks` (sizes summing to ctx)."""
+    from xlaserve.kernels.dtype_ops import as_words
+    from xlaserve.kernels.synthetic import StepShape, synthetic_step
+
+    q, k, v, _, tables, _, _ = synthetic_step(
+        StepShape(seqs=((ctx, ctx),), num_q_heads=9, num_kv_heads=3, head_dim=64), seed=3
+    )
+    steps, start = [], 0
+    for n in chunks:
+        loc = jnp.asarray([0, n], jnp.int32)
+        steps.append((q[start : start + n], jnp.asarray([start + n], jnp.int32), loc))
+        start += n
+    return (as_words(k), as_words(v), tables), steps
+
+
+def test_a_long_prompt_attends_to_the_same_bits_however_it_is_chunked():
+    """With the C++ op (a bfloat16 cache on CPU), a 300-token prompt's queries give the same bits in one
+    step (past the short-context limit: the tiled path when invariance is off) as in three chunks (two
+    short steps and a long one), and as decoded one by one. Off, the tiles round differently."""
+    from xlaserve.kernels import cpu_ops, reference
+    from xlaserve.kernels.invariant import batch_invariance
+
+    if not cpu_ops.available():
+        pytest.skip("the C++ attention op did not build here")
+    ctx = 300
+    attend = jax.jit(lambda q, k, v, lens, tables, loc: reference.ragged_paged_attention(
+        q, k, v, lens, tables, loc, jnp.int32(1), sm_scale=0.125
+    ))
+
+    def run(chunks):
+        (k, v, tables), steps = _long_prompt_step(ctx, chunks)
+        return np.concatenate([np.asarray(attend(q, k, v, lens, tables, loc)) for q, lens, loc in steps])
+
+    whole = run([ctx])
+    np.testing.assert_array_equal(run([128, 128, 44]), whole)
+    np.testing.assert_array_equal(run([1] * 8 + [292]), whole)
+    last = run([ctx - 5, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(last, whole)
+    with batch_invariance(False):
+        attend = jax.jit(lambda q, k, v, lens, tables, loc: reference.ragged_paged_attention(
+            q, k, v, lens, tables, loc, jnp.int32(1), sm_scale=0.125
+        ))
+        tiled = run([ctx])
+    assert not np.array_equal(tiled, whole)  # the long path's online softmax rounds otherwise
+    np.testing.assert_allclose(tiled.astype(np.float32), whole.astype(np.float32), atol=2e-2)
