@@ -11,15 +11,16 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   array is a copy on XLA's CPU backend, so the reference backend *stores* a 16-bit KV cache as
   words (`AttentionBackend.cache_words`) and bitcasts only the pages it gathers; stacked layer
   weights are bitcast once per step (`scan`), on CPU only;
-- a dot of one or two 16-bit rows (a batch-1 decode step) takes kernels of its own: XLA CPU's
-  matrix-vector path for one row, which is not native (7-10x slower than four rows for the LM head
-  ([1, 576] x [576, 49152]), 2x for a projection: engine/PERFORMANCE.md), and for one and for two rows
-  kernels that round differently from the one every dot of 3 or more rows shares (measured with
-  YNNPACK's dots, jax 0.10.2 on an AMX CPU: a row's bits are the same in every M >= 3 and differ at M
-  = 1 and 2). `matmul` pads such rows to `MIN_DOT_ROWS`, so a token's projections have the same bits
-  alone as among companions (batch invariance, kernels/invariant.py) and a batch-1 step is faster; by
-  an int8 weight, one row is split exactly into two int8 rows instead and multiplied in integers
-  (`split_int8_matmul`);
+- a dot of few 16-bit rows (a batch-1 decode step) takes kernels of its own: XLA CPU's matrix-vector
+  path for one row, which is not native (7-10x slower than four rows for the LM head ([1, 576] x
+  [576, 49152]), 2x for a projection: engine/PERFORMANCE.md), and for a few rows kernels that round
+  differently from the one larger dots share. Measured with YNNPACK's dots (jax 0.10.2, an AMX CPU): a
+  row's bits are the same in every M from a threshold on, and the threshold depends on the shape (3
+  for SmolLM2's projections and LM head, up to 11 for a [M, 12] x [12, 48] one). `matmul` pads fewer
+  than `MIN_DOT_ROWS` rows to it, so a token's projections have the same bits alone as among companions
+  (batch invariance, kernels/invariant.py), and a batch-1 step is no slower (16 rows cost what 4 do:
+  the weights' reads dominate); by an int8 weight, one row is split exactly into two int8 rows instead
+  and multiplied in integers (`split_int8_matmul`);
 - a quantized weight's convert is not fused into the dot by XLA CPU: a wide one (the LM head) is
   multiplied a chunk of columns at a time (`by_column_chunks`); a few rows (a batch-1 decode) by
   int8 or 4-bit codes with per-group scales go to a C++ op that widens each code in registers
@@ -137,8 +138,8 @@ def convert_weight(w: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-# The fewest rows a 16-bit dot has on CPU (the module docstring says why).
-MIN_DOT_ROWS = 4
+# The fewest rows a 16-bit dot has on CPU (the module docstring says why): past every threshold measured.
+MIN_DOT_ROWS = 16
 
 
 def _few_16bit_rows_on_cpu(x: jax.Array) -> bool:

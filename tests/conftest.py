@@ -33,6 +33,15 @@ def llm():
 
 
 @pytest.fixture(scope="session")
+def llm_bf16():
+    """SmolLM2 at the dtype users run (bfloat16), prefix caching on: the batch-invariance and the
+    speculative-exactness tests compare against it bit for bit."""
+    from xlaserve import LLM
+
+    return LLM(**{**ENGINE_ARGS, "dtype": "bfloat16", "enable_prefix_caching": True})
+
+
+@pytest.fixture(scope="session")
 def hf_model():
     """Hugging Face's Llama on the same dequantized GGUF weights (float32)."""
     torch = pytest.importorskip("torch")

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.smollm2 import ENGINE_ARGS
-from xlaserve import LLM, SamplingParams
+from xlaserve import SamplingParams
 
 PROMPTS = [
     "Explain paged attention in two sentences.",
@@ -19,10 +18,11 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    # Prefix caching on: the crowded runs below read the prompts' full blocks from the cache that the
-    # lone runs filled. 128 tokens a step and a 32-token chunk cap: crowded prompts are chunked.
-    return LLM(**{**ENGINE_ARGS, "dtype": "bfloat16", "enable_prefix_caching": True})
+def llm(llm_bf16):
+    # The session's bfloat16 SmolLM2 (conftest.py). Prefix caching on: the crowded runs below read the
+    # prompts' full blocks from the cache that the lone runs filled; 128 tokens a step: crowded prompts
+    # are chunked.
+    return llm_bf16
 
 
 def _chat(llm, prompts):

@@ -16,7 +16,7 @@ from xlaserve.worker.compile_guard import num_compiles
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 ENGINE_ARGS = {
-    "dtype": "float32",
+    "dtype": "bfloat16",  # the dtype users run: exactness needs batch invariance (kernels/invariant.py)
     "max_model_len": 128,
     "max_num_seqs": 4,
     "max_num_batched_tokens": 16,  # prompts of 24-40 tokens prefill in chunks
@@ -119,12 +119,12 @@ def check_greedy_outputs_equal(model_dir, llm):
     for b, s in zip(base, spec, strict=True):
         assert s.outputs[0].token_ids == b.outputs[0].token_ids
         assert len(s.outputs[0].token_ids) == NUM_TOKENS
-    # Logprobs: one entry per token, the emitted token's value as without speculation.
+    # Logprobs: one entry per token, the emitted token's value as without speculation, to the bit.
     b_lp, s_lp = base[1].outputs[0].logprobs, spec[1].outputs[0].logprobs
     assert len(s_lp) == NUM_TOKENS
     for b_entry, s_entry, token in zip(b_lp, s_lp, spec[1].outputs[0].token_ids, strict=True):
         assert next(iter(s_entry)) == token
-        np.testing.assert_allclose(s_entry[token].logprob, b_entry[token].logprob, rtol=1e-4, atol=1e-5)
+        assert s_entry[token].logprob == b_entry[token].logprob
     # Speculation happened, through preemption, and most of it was right (the models loop).
     metrics = spec_metrics(llm)
     assert core.scheduler.num_preemptions_total > 0
@@ -180,25 +180,30 @@ def smollm2_spec():
     that warm-up leaves nothing to compile under speculation is the tiny Llama's test above."""
     from helpers.smollm2 import ENGINE_ARGS as SMOLLM2_ARGS
 
-    args = SMOLLM2_ARGS | {"enforce_eager": True, "strict_compile_guard": False}
+    args = SMOLLM2_ARGS | {"dtype": "bfloat16", "enforce_eager": True, "strict_compile_guard": False}
     return LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **args)
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_outputs_equal_without_speculation(llm, smollm2_spec):
-    """SmolLM2 (float32): copy prompts of ~150-200 tokens (chunked by the 128-token budget) and a chat
-    prompt, 64 greedy tokens each, equal token for token with the shared engine's."""
+def test_smollm2_greedy_outputs_equal_without_speculation(llm_bf16, smollm2_spec):
+    """SmolLM2 (bfloat16): copy prompts of ~150-200 tokens (chunked by the 128-token budget) and a chat
+    prompt, 64 greedy tokens each, equal token for token with the shared bfloat16 engine's, and their
+    logprobs to the bit (batch invariance: a verification step's rows are the decode's)."""
+    llm = llm_bf16
     from helpers.smollm2 import ENGINE_ARGS as SMOLLM2_ARGS
     from xlaserve.entrypoints.bench.speculative import copy_workload
 
     spec_llm = smollm2_spec
     conversations = copy_workload(2) + [[{"role": "user", "content": "Describe the water cycle."}]]
-    sampling = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    sampling = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=0)
     expected = llm.chat(conversations, sampling, use_tqdm=False)
     actual = spec_llm.chat(conversations, sampling, use_tqdm=False)
     assert max(len(o.prompt_token_ids) for o in actual) > SMOLLM2_ARGS["max_num_batched_tokens"]
     for e, a in zip(expected, actual, strict=True):
         assert a.outputs[0].token_ids == e.outputs[0].token_ids
+        assert [next(iter(x.values())).logprob for x in a.outputs[0].logprobs] == [
+            next(iter(x.values())).logprob for x in e.outputs[0].logprobs
+        ]
     metrics = spec_metrics(spec_llm)
     assert metrics["num_accepted_tokens"] > metrics["num_drafts"]  # copying: more than one per draft
 
@@ -216,7 +221,7 @@ PERSON = {
 
 
 @pytest.mark.slow
-def test_smollm2_json_schema_greedy_outputs_equal_without_speculation(llm, smollm2_spec):
+def test_smollm2_json_schema_greedy_outputs_equal_without_speculation(llm_bf16, smollm2_spec):
     """Drafts under a JSON schema (cut where the grammar rejects them, each position masked): the same
     greedy tokens as without speculation, JSON that validates, and most drafts accepted (it copies)."""
     import json
@@ -234,7 +239,7 @@ def test_smollm2_json_schema_greedy_outputs_equal_without_speculation(llm, smoll
         temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=PERSON)
     )
     drafts_before = spec_metrics(smollm2_spec).get("num_draft_tokens", 0)
-    expected = llm.chat(messages, sampling, use_tqdm=False)
+    expected = llm_bf16.chat(messages, sampling, use_tqdm=False)
     actual = smollm2_spec.chat(messages, sampling, use_tqdm=False)
     for e, a in zip(expected, actual, strict=True):
         assert a.outputs[0].token_ids == e.outputs[0].token_ids

@@ -19,7 +19,7 @@ from xlaserve.worker.compile_guard import num_compiles
 
 K = 3
 ARGS = {
-    "dtype": "float32",
+    "dtype": "bfloat16",  # the dtype users run (batch invariance: kernels/invariant.py)
     "max_model_len": 256,
     # One sequence, 16 tokens a step: few programs to warm up (the prompts, ~30 tokens, prefill in chunks).
     "max_num_seqs": 1,
