@@ -470,3 +470,42 @@ def test_mla_paged_attention_matches_unabsorbed_attention():
     expected = np.concatenate(expected)
     np.testing.assert_allclose(out[:14], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     assert not np.any(out[14:])  # padding tokens
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+def test_bfloat16_tokens_and_logprobs_are_the_same_bits_alone_and_among_companions(
+    name, tokenizer, tmp_path
+):
+    """Batch invariance for a MoE family and an MLA one, at the dtype users run: a request's greedy
+    tokens and logprobs alone equal, bit for bit, those it gets among 1 and 6 companions (other token
+    and request buckets, steps mixing prefill chunks and decodes: routing, the grouped experts and the
+    latent attention see other row counts)."""
+    from xlaserve import LLM, SamplingParams
+
+    hf_model = make_hf_model(name, seed=list(FAMILIES).index(name))
+    hf_model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(
+        str(tmp_path),
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=2**20,
+    )
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, VOCAB_SIZE, n).tolist() for n in (21, 6, 40, 13, 27, 9, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def numbers(batch: list[list[int]]):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return [
+            (o.outputs[0].token_ids, [sorted((i, lp.logprob) for i, lp in e.items()) for e in o.outputs[0].logprobs])
+            for o in outs
+        ]
+
+    alone = numbers(prompts[:1])[0]
+    assert numbers(prompts[:2])[0] == alone
+    assert numbers(prompts[1:4] + prompts[:1] + prompts[4:])[3] == alone
