@@ -285,13 +285,15 @@ def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text
 
     port = _free_port()
     multi = ["-tp", "8", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    # The smallest buckets that hold the one request (its warm-up, in both processes, compiles every
+    # program: token buckets 1, 4, 16 and request bucket 1, 10 programs instead of 32 and 4's 16).
     engine = [
         "--max-model-len",
         "128",
         "--max-num-batched-tokens",
-        "32",
+        "16",
         "--max-num-seqs",
-        "4",
+        "1",
         "--dtype",
         "float32",
     ]
