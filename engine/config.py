@@ -4,15 +4,19 @@ Runtime-derived values (the number of KV blocks, EOS ids, the model's own max le
 written back here: they live on the objects that derive them (the runner, the tokenizer).
 
 Each field is declared once: its command-line spelling and help ride in its metadata as an `Arg`
-(plain data), which entrypoints/arg_utils.py turns into a flag, with the type from the annotation.
+(config_args.py, plain data), which entrypoints/arg_utils.py turns into a flag, with the type from
+the annotation. `SpeculativeConfig` lives in speculative_config.py; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
+
+# The argument spec and the speculative config have their own modules; callers import them from here.
+from xlaserve.config_args import ARG_KEY, Arg, arg, not_a_flag  # noqa: F401 (Arg: re-exported)
+from xlaserve.speculative_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig  # noqa: F401
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
@@ -27,39 +31,6 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
-
-
-ARG_KEY = "arg"  # the key of a field's `Arg` in its dataclass field metadata
-
-
-@dataclass(frozen=True)
-class Arg:
-    """How an engine argument reads on the command line. Kept as data beside the field, so the flag's
-    help cannot drift from the field, and the config imports nothing of argparse: the flag's type,
-    its bool form (--x or --x/--no-x) and its default (unset: the field's) come from the field."""
-
-    help: str
-    flag: str | None = None  # None: --field-name; else a CLI-only spelling (--scheduling-policy)
-    aliases: tuple[str, ...] = ()  # short forms, e.g. -tp
-    choices: tuple[str, ...] | None = None
-    is_flag: bool = True  # False: no engine flag; `help` says where the value is set instead
-
-    def flag_for(self, name: str) -> str:
-        return self.flag or "--" + name.replace("_", "-")
-
-    def kwarg_for(self, name: str) -> str:
-        """The keyword `EngineConfig.from_kwargs` (and the flag's argparse dest) knows it by."""
-        return self.flag_for(name)[2:].replace("-", "_")
-
-
-def arg(help: str, **spec) -> dict:
-    """Field metadata declaring the field's flag (see `Arg`)."""
-    return {ARG_KEY: Arg(help, **spec)}
-
-
-def not_a_flag(where: str) -> dict:
-    """Field metadata for a field with no engine flag (`where`: what sets it)."""
-    return {ARG_KEY: Arg(where, is_flag=False)}
 
 
 @dataclass(frozen=True)
@@ -95,8 +66,9 @@ class ModelConfig:
     # A request's token ids and logprobs independent of its batch (kernels/invariant.py; README "Batch
     # invariance"). Read where the config is built (the front end), like the attention backend's.
     batch_invariant: bool = field(
-        default_factory=lambda: os.environ.get("XLASERVE_BATCH_INVARIANT", "1").lower()
-        not in ("0", "false", "no", "off"),
+        default_factory=lambda: (
+            os.environ.get("XLASERVE_BATCH_INVARIANT", "1").lower() not in ("0", "false", "no", "off")
+        ),
         metadata=arg(
             "a request's tokens and logprobs the same bits whatever runs beside it (default on; also "
             "XLASERVE_BATCH_INVARIANT=0)"
@@ -356,74 +328,6 @@ class CompilationConfig:
             self.attention_backend in _ATTENTION_BACKENDS,
             f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
-
-
-_SPEC_METHODS = ("ngram", "draft_model")
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
-MAX_SPECULATIVE_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's `speculative_config`: propose up to `num_speculative_tokens` tokens per step and verify
-    them in one forward. ngram: the longest suffix of the request's tokens (between prompt_lookup_min
-    and prompt_lookup_max long) found earlier in them proposes what followed it there. draft_model: `model`,
-    a smaller model with the same vocabulary, proposes k tokens per step (worker/draft_model.py)."""
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    model: str | None = None  # draft_model: a smaller model with the same tokenizer
-
-    def __post_init__(self):
-        _require(
-            self.method in _SPEC_METHODS,
-            f"speculative_config.method must be one of {_SPEC_METHODS}, got {self.method!r}",
-        )
-        _require(
-            isinstance(self.num_speculative_tokens, int)
-            and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
-            f"speculative_config.num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
-            f"got {self.num_speculative_tokens!r}",
-        )
-        _require(
-            isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
-            f"speculative_config.prompt_lookup_min must be >= 1, got {self.prompt_lookup_min!r}",
-        )
-        _require(
-            isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
-            f"speculative_config.prompt_lookup_max must be >= prompt_lookup_min={self.prompt_lookup_min}, "
-            f"got {self.prompt_lookup_max!r}",
-        )
-        if self.method == "draft_model":
-            _require(
-                isinstance(self.model, str) and self.model,
-                "speculative_config.model is required for method 'draft_model' (a path to the draft)",
-            )
-            # The draft is loaded when the engine starts; a path that is not there is refused now, before
-            # the target's weights are read. Its vocabulary is checked against the target's at load.
-            _require(
-                self.model == "smollm2" or os.path.exists(os.path.expanduser(self.model)),
-                f"speculative_config.model: {self.model!r} does not exist (a directory with config.json, "
-                "a .gguf file, or a directory written by `xlaserve convert`)",
-            )
-
-    @classmethod
-    def parse(cls, value) -> SpeculativeConfig | None:
-        """A dict, its JSON text (the CLI's --speculative-config), a SpeculativeConfig, or None."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
-        _require(isinstance(value, dict), f"speculative_config must be a JSON object, got {value!r}")
-        unknown = sorted(set(value) - set(_SPEC_KEYS))
-        _require(not unknown, f"speculative_config: unknown field(s) {unknown}; known: {list(_SPEC_KEYS)}")
-        _require("method" in value, f"speculative_config.method is required (one of {_SPEC_METHODS})")
-        return cls(**value)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def _add_flag(group, field: dataclasses.Field, owner: type) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's engine flag names, one per config field: help, choices and spelling from the field's
-    `Arg` (config.py), type from its annotation; unset flags keep the config's defaults."""
+    `Arg` (config_args.py), type from its annotation; unset flags keep the config's defaults."""
     groups = {name: parser.add_argument_group(name) for name in ("engine", "LoRA", "parallelism")}
     owners = {**CONFIG_GROUPS, "speculative": EngineConfig}
     for group, field in engine_arg_fields():

@@ -28,7 +28,8 @@ LAYERS = [
 ]
 # Plain data every layer shares (configs, sampling parameters, user-facing outputs): they import
 # no layer at all.
-BASE = {"xlaserve.config", "xlaserve.sampling_params", "xlaserve.outputs", "xlaserve.lora_request"}
+BASE = {"xlaserve.config", "xlaserve.config_args", "xlaserve.speculative_config", "xlaserve.sampling_params",
+        "xlaserve.outputs", "xlaserve.lora_request"}  # fmt: skip
 
 
 def module_files() -> dict[str, Path]:

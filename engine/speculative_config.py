@@ -1,0 +1,83 @@
+"""vLLM's `speculative_config`: which proposer drafts tokens, and how many a step verifies.
+
+Plain data like the rest of the engine's configuration (config.py re-exports it): the proposers
+live in core/spec_decode.py and worker/draft_model.py, the design in SPEC_DECODE.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+_SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: propose up to `num_speculative_tokens` tokens per step and verify
+    them in one forward. ngram: the longest suffix of the request's tokens (between prompt_lookup_min
+    and prompt_lookup_max long) found earlier in them proposes what followed it there. draft_model: `model`,
+    a smaller model with the same vocabulary, proposes k tokens per step (worker/draft_model.py)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft_model: a smaller model with the same tokenizer
+
+    def __post_init__(self):
+        _require(
+            self.method in _SPEC_METHODS,
+            f"speculative_config.method must be one of {_SPEC_METHODS}, got {self.method!r}",
+        )
+        _require(
+            isinstance(self.num_speculative_tokens, int)
+            and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            f"speculative_config.num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+            f"got {self.num_speculative_tokens!r}",
+        )
+        _require(
+            isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
+            f"speculative_config.prompt_lookup_min must be >= 1, got {self.prompt_lookup_min!r}",
+        )
+        _require(
+            isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
+            f"speculative_config.prompt_lookup_max must be >= prompt_lookup_min={self.prompt_lookup_min}, "
+            f"got {self.prompt_lookup_max!r}",
+        )
+        if self.method == "draft_model":
+            _require(
+                isinstance(self.model, str) and self.model,
+                "speculative_config.model is required for method 'draft_model' (a path to the draft)",
+            )
+            # The draft is loaded when the engine starts; a path that is not there is refused now, before
+            # the target's weights are read. Its vocabulary is checked against the target's at load.
+            _require(
+                self.model == "smollm2" or os.path.exists(os.path.expanduser(self.model)),
+                f"speculative_config.model: {self.model!r} does not exist (a directory with config.json, "
+                "a .gguf file, or a directory written by `xlaserve convert`)",
+            )
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """A dict, its JSON text (the CLI's --speculative-config), a SpeculativeConfig, or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        _require(isinstance(value, dict), f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(_SPEC_KEYS))
+        _require(not unknown, f"speculative_config: unknown field(s) {unknown}; known: {list(_SPEC_KEYS)}")
+        _require("method" in value, f"speculative_config.method is required (one of {_SPEC_METHODS})")
+        return cls(**value)
