@@ -104,7 +104,9 @@ def matmul(
         return split_int8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
     if _few_16bit_rows_on_cpu(x):
         rows = x.shape[-2]
-        padded = jnp.concatenate([x, jnp.zeros((*x.shape[:-2], MIN_DOT_ROWS - rows, x.shape[-1]), x.dtype)], -2)
+        padded = jnp.concatenate(
+            [x, jnp.zeros((*x.shape[:-2], MIN_DOT_ROWS - rows, x.shape[-1]), x.dtype)], -2
+        )
         return matmul(padded, w, out_dtype, scale, zero, block, packed)[..., :rows, :]
     if scale is not None and _wide_on_cpu(w, scale, zero):
         return by_column_chunks(x, w, out_dtype, scale, zero, block, packed)
@@ -144,7 +146,10 @@ MIN_DOT_ROWS = 16
 
 def _few_16bit_rows_on_cpu(x: jax.Array) -> bool:
     return (
-        x.ndim >= 2 and x.shape[-2] < MIN_DOT_ROWS and is_16bit_float(x.dtype) and jax.default_backend() == "cpu"
+        x.ndim >= 2
+        and x.shape[-2] < MIN_DOT_ROWS
+        and is_16bit_float(x.dtype)
+        and jax.default_backend() == "cpu"
     )
 
 

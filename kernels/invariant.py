@@ -59,6 +59,7 @@ def traced_with(on: bool, fn: Callable) -> Callable:
 
     return under
 
+
 _LANES = 16  # the tree stops at this width; the lanes are then added one by one
 
 

@@ -82,12 +82,17 @@ class EngineCore:
         # The step dispatched but not yet applied (async scheduling): at most one.
         self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
         self._last_runner_output = None  # the last step applied: a draft model's drafts ride in it
+        self.sleep_level = 0  # 1: the KV cache freed, 2: and the weights (sleep / wake_up)
 
     @property
     def runner(self) -> ModelRunner:
         return self.executor.runner
 
     def add_request(self, request: Request) -> None:
+        if self.is_sleeping:
+            raise ValueError(
+                "the engine is asleep (sleep() was called): call wake_up() before sending requests"
+            )
         if request.lora_request is not None:
             self.check_lora(request.lora_request)  # a bad adapter fails here, not in a step
         self.structured_output.add_request(request)
@@ -157,6 +162,54 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    # -- the research stack (worker/weight_update.py) ---------------------------------------------
+
+    def _require_idle(self, what: str) -> None:
+        if self.has_unfinished_requests():
+            raise ValueError(
+                f"{what}: {self.get_num_unfinished_requests()} requests are still running; "
+                "wait for them (or abort them) first"
+            )
+
+    def update_weights(self, weights) -> list[str]:
+        """New weights (HF names -> arrays, all or some); the prefix cache goes with the old ones."""
+        self._require_idle("update_weights")
+        self._update_in_flight()
+        names = self.executor.update_weights(weights)
+        self.reset_prefix_cache()
+        return names
+
+    def update_weights_from_path(self, path: str) -> list[str]:
+        self._require_idle("update_weights_from_path")
+        self._update_in_flight()
+        names = self.executor.update_weights_from_path(path)
+        self.reset_prefix_cache()
+        return names
+
+    def sleep(self, level: int = 1):
+        """Hand the KV cache's device memory back (level 2: the weights' too) until `wake_up`."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep: level must be 1 (the KV cache) or 2 (and the weights), got {level!r}")
+        if self.is_sleeping:
+            raise ValueError("sleep: the engine is already asleep")
+        self._require_idle("sleep")
+        self._update_in_flight()
+        self.reset_prefix_cache()  # the cached blocks' contents go with the cache
+        report = self.executor.sleep(level)
+        self.sleep_level = level
+        return report
+
+    def wake_up(self):
+        if not self.is_sleeping:
+            raise ValueError("wake_up: the engine is not asleep")
+        report = self.executor.wake_up()
+        self.sleep_level = 0
+        return report
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
 
     def shutdown(self) -> None:
         self.executor.shutdown()

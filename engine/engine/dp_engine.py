@@ -108,6 +108,25 @@ class DataParallelEngineCore:
     def reset_prefix_cache(self) -> bool:
         return all(r.reset_prefix_cache() for r in self.ranks)
 
+    def update_weights(self, weights) -> list[str]:
+        weights = weights if isinstance(weights, dict) else dict(weights)  # every rank reads it
+        return [r.update_weights(weights) for r in self.ranks][0]
+
+    def update_weights_from_path(self, path: str) -> list[str]:
+        return [r.update_weights_from_path(path) for r in self.ranks][0]
+
+    def sleep(self, level: int = 1):
+        reports = [r.sleep(level) for r in self.ranks]
+        return dataclasses.replace(reports[0], device_bytes=sum(r.device_bytes for r in reports))
+
+    def wake_up(self):
+        reports = [r.wake_up() for r in self.ranks]
+        return dataclasses.replace(reports[0], device_bytes=sum(r.device_bytes for r in reports))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.ranks[0].is_sleeping
+
     def shutdown(self) -> None:
         for rank in self.ranks:
             rank.shutdown()

@@ -148,6 +148,29 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    # -- the research stack: weights from a trainer, device memory handed back (README) -----------
+
+    def update_weights(self, weights) -> list[str]:
+        """Load new weights into the running engine, without a restart or a recompile (vLLM's
+        `load_weights`): `weights` is a dict or an iterable of (Hugging Face name, array) pairs, numpy
+        or jax, all of the model's tensors or some. Every name and shape is checked first: an unknown
+        name or a wrong shape is a ValueError naming both, and the old weights stay. The prefix cache
+        is reset (its K/V came from the old weights). -> the names updated."""
+        return self.engine_core.update_weights(weights)
+
+    def update_weights_from_path(self, path: str) -> list[str]:
+        """`update_weights` with the checkpoint at `path` (same architecture and shapes)."""
+        return self.engine_core.update_weights_from_path(path)
+
+    def sleep(self, level: int = 1):
+        """Free the KV cache's device memory (level 2: the weights' too, kept on the host) until
+        `wake_up()`; requests meanwhile are refused. -> what was freed (`device_bytes`, `seconds`)."""
+        return self.engine_core.sleep(level)
+
+    def wake_up(self):
+        """Place back what `sleep` freed (the KV cache zeroed, the prefix cache empty)."""
+        return self.engine_core.wake_up()
+
     # -- the loop -------------------------------------------------------------------------------
 
     def _require_tokenizer(self, what: str) -> None:
@@ -181,6 +204,8 @@ class LLM:
         return list(lora_request)
 
     def _run(self, tokenized, params, priorities, use_tqdm: bool, loras) -> list[RequestOutput]:
+        if self.engine_core.is_sleeping:  # before any request is added: none is left half-queued
+            raise ValueError("the engine is asleep (sleep() was called): call wake_up() before generating")
         order: dict[str, int] = {}
         added: list[str] = []
         try:

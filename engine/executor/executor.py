@@ -70,5 +70,19 @@ class Executor:
         """Dispatch one step; its outputs come from the future's `result()` (async scheduling)."""
         return self.runner.execute_async(scheduled, grammar_bitmask)
 
+    # -- the research stack: new weights, device memory handed back (worker/weight_update.py) --------
+
+    def update_weights(self, weights) -> list[str]:
+        return self.runner.update_weights(weights)
+
+    def update_weights_from_path(self, path: str) -> list[str]:
+        return self.runner.update_weights_from_path(path)
+
+    def sleep(self, level: int):
+        return self.runner.sleep(level)
+
+    def wake_up(self):
+        return self.runner.wake_up()
+
     def shutdown(self) -> None:
         """Release whatever the executor holds besides the runner (nothing, in one process)."""

@@ -129,6 +129,18 @@ class MultiHostExecutor(Executor):
         followers' checksums are checked before the next step is sent."""
         return StepFuture.done(self.execute(scheduled, grammar_bitmask))
 
+    def update_weights(self, weights) -> list[str]:
+        raise ValueError(
+            "update_weights is not supported across hosts yet (the followers would keep the old weights): "
+            "run it on a one-host engine"
+        )
+
+    def update_weights_from_path(self, path: str) -> list[str]:
+        return self.update_weights({})  # the same refusal
+
+    def sleep(self, level: int):
+        raise ValueError("sleep is not supported across hosts yet: run it on a one-host engine")
+
     def shutdown(self) -> None:
         """Release the followers: they leave their step loop."""
         if self.sender is not None:

@@ -34,6 +34,7 @@ from xlaserve.kernels import KVCache
 from xlaserve.kernels.invariant import traced_with
 from xlaserve.models.registry import get_model_class
 from xlaserve.sharding.vocab import mask_padded_vocab
+from xlaserve.worker import weight_update
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
 from xlaserve.worker.compile_guard import CompileGuard
 from xlaserve.worker.draft_model import DraftModel
@@ -137,6 +138,7 @@ class ModelRunner:
         self.graphdef, self.params = model.graphdef, model.params
         self.weight_bytes = model.weight_bytes  # the /metrics gauge xlaserve:model_weight_bytes
         self.head_params = (model.params, model.head_dv)  # what computing logits reads
+        self.slept_params = self.slept_head = None  # the weights on the host while asleep at level 2
         # Adapter slots on the device (worker/lora_manager.py), or None: LoRA off, no hook, no cost.
         self.lora = (
             LoRAManager(
@@ -165,7 +167,8 @@ class ModelRunner:
         # `with_logprobs` is traced (a runtime flag), not static: warm-up compiles 4 sampler programs
         # per request bucket (penalties x grammar), not 8 (sampler.py).
         self._sample_fn = Program(
-            "sample", jax.jit(invariant(partial(_sample, self.graphdef, vocab, config.scheduler.max_num_seqs)))
+            "sample",
+            jax.jit(invariant(partial(_sample, self.graphdef, vocab, config.scheduler.max_num_seqs))),
         )
         self._prompt_logprobs_fn = Program(
             "prompt_logprobs", jax.jit(invariant(partial(_prompt_logprobs, self.graphdef, vocab)))
@@ -235,6 +238,24 @@ class ModelRunner:
             raise RuntimeError("set_max_model_len must be called before warm_up")
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+
+    def set_params(self, params, head_dv) -> None:
+        """New weights of the same shapes, dtypes and shardings (worker/weight_update.py): every
+        program takes them as arguments, so nothing recompiles."""
+        self.params = params
+        self.head_params = (params, head_dv)
+
+    def update_weights(self, weights) -> list[str]:
+        return weight_update.update_weights(self, weights)
+
+    def update_weights_from_path(self, path: str) -> list[str]:
+        return weight_update.update_weights_from_path(self, path)
+
+    def sleep(self, level: int) -> weight_update.MemoryReport:
+        return weight_update.sleep(self, level)
+
+    def wake_up(self) -> weight_update.MemoryReport:
+        return weight_update.wake_up(self)
 
     def kv_bytes_per_block(self) -> int:
         return bytes_per_block(self.kv_spec, self.block_size, self.backend.cache_dtype(self.dtype))

@@ -59,9 +59,13 @@ def test_tokens_and_logprobs_are_the_same_bits_alone_and_in_any_crowd(llm):
 # ~300 tokens: past the attention's short-context limit (256), so the fed-back prompt's last chunk is the
 # kind of step the tiled long path took before invariance (kernels/reference.py), while its tokens were
 # decoded one by one.
-LONG_PROMPT = " ".join(
-    f"Step {i}: the scheduler admits request {i * 3 % 17}, its blocks come from the free list." for i in range(18)
-) + " Summarize the steps above."
+LONG_PROMPT = (
+    " ".join(
+        f"Step {i}: the scheduler admits request {i * 3 % 17}, its blocks come from the free list."
+        for i in range(18)
+    )
+    + " Summarize the steps above."
+)
 
 
 @pytest.mark.parametrize("prompt", [PROMPTS[0], LONG_PROMPT], ids=["short", "long"])
@@ -69,9 +73,7 @@ def test_sampled_logprobs_equal_the_teacher_forced_prompt_logprobs(llm, prompt):
     """The logprob of each generated token, and the prompt logprob of that token when the sequence is
     fed back as a prompt: the trainer's forward and the sampler's agree bit for bit, for a context
     short enough for one step and for one that is chunked (128 tokens a step) past 256 tokens."""
-    out = llm.generate(
-        prompt, SamplingParams(temperature=0.0, max_tokens=12, logprobs=0), use_tqdm=False
-    )[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, logprobs=0), use_tqdm=False)[0]
     if prompt is LONG_PROMPT:
         assert 256 < len(out.prompt_token_ids) < 400
     generated = out.outputs[0]

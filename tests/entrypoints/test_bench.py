@@ -168,7 +168,8 @@ def test_bench_targets_pairs_every_run_and_derives_the_ratios(tiny_llama, tmp_pa
     assert t["ratio"] == pytest.approx(tok_s("xlaserve_default") / tok_s("xlaserve_not_invariant"))
     t = r["targets"]["invariance_tpot"]
     assert t["ratio"] == pytest.approx(
-        r["xlaserve_default"]["latency"]["tpot_s"]["mean"] / r["xlaserve_not_invariant"]["latency"]["tpot_s"]["mean"]
+        r["xlaserve_default"]["latency"]["tpot_s"]["mean"]
+        / r["xlaserve_not_invariant"]["latency"]["tpot_s"]["mean"]
     )
 
 

@@ -89,9 +89,11 @@ def test_a_long_prompt_attends_to_the_same_bits_however_it_is_chunked():
     if not cpu_ops.available():
         pytest.skip("the C++ attention op did not build here")
     ctx = 300
-    attend = jax.jit(lambda q, k, v, lens, tables, loc: reference.ragged_paged_attention(
-        q, k, v, lens, tables, loc, jnp.int32(1), sm_scale=0.125
-    ))
+    attend = jax.jit(
+        lambda q, k, v, lens, tables, loc: reference.ragged_paged_attention(
+            q, k, v, lens, tables, loc, jnp.int32(1), sm_scale=0.125
+        )
+    )
 
     def run(chunks):
         (k, v, tables), steps = _long_prompt_step(ctx, chunks)
@@ -103,9 +105,11 @@ def test_a_long_prompt_attends_to_the_same_bits_however_it_is_chunked():
     last = run([ctx - 5, 1, 1, 1, 1, 1])
     np.testing.assert_array_equal(last, whole)
     with batch_invariance(False):
-        attend = jax.jit(lambda q, k, v, lens, tables, loc: reference.ragged_paged_attention(
-            q, k, v, lens, tables, loc, jnp.int32(1), sm_scale=0.125
-        ))
+        attend = jax.jit(
+            lambda q, k, v, lens, tables, loc: reference.ragged_paged_attention(
+                q, k, v, lens, tables, loc, jnp.int32(1), sm_scale=0.125
+            )
+        )
         tiled = run([ctx])
     assert not np.array_equal(tiled, whole)  # the long path's online softmax rounds otherwise
     np.testing.assert_allclose(tiled.astype(np.float32), whole.astype(np.float32), atol=2e-2)

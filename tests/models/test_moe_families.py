@@ -473,9 +473,7 @@ def test_mla_paged_attention_matches_unabsorbed_attention():
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
-def test_bfloat16_tokens_and_logprobs_are_the_same_bits_alone_and_among_companions(
-    name, tokenizer, tmp_path
-):
+def test_bfloat16_tokens_and_logprobs_are_the_same_bits_alone_and_among_companions(name, tokenizer, tmp_path):
     """Batch invariance for a MoE family and an MLA one, at the dtype users run: a request's greedy
     tokens and logprobs alone equal, bit for bit, those it gets among 1 and 6 companions (other token
     and request buckets, steps mixing prefill chunks and decodes: routing, the grouped experts and the
@@ -502,7 +500,10 @@ def test_bfloat16_tokens_and_logprobs_are_the_same_bits_alone_and_among_companio
     def numbers(batch: list[list[int]]):
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         return [
-            (o.outputs[0].token_ids, [sorted((i, lp.logprob) for i, lp in e.items()) for e in o.outputs[0].logprobs])
+            (
+                o.outputs[0].token_ids,
+                [sorted((i, lp.logprob) for i, lp in e.items()) for e in o.outputs[0].logprobs],
+            )
             for o in outs
         ]
 

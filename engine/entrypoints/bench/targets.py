@@ -117,8 +117,13 @@ def measure_targets(args: argparse.Namespace) -> dict:
     quiet = is_quiet(results["load_average_before"], results["load_average_after"])
     results["quiet"] = quiet
     results["targets"] = {
-        name: {"ratio": ratio, "op": op, "target": bound, "met": quiet and _is_met(ratio, op, bound),
-               "would_be_met": _is_met(ratio, op, bound)}
+        name: {
+            "ratio": ratio,
+            "op": op,
+            "target": bound,
+            "met": quiet and _is_met(ratio, op, bound),
+            "would_be_met": _is_met(ratio, op, bound),
+        }
         for name, (ratio, op, bound) in targets.items()
     }
     return results
@@ -136,7 +141,12 @@ def _is_met(ratio: float, op: str, bound: float) -> bool:
 
 def _print(results: dict) -> None:
     print(f"\n== bench targets: {results['num_prompts']} chat prompts (throughput), batch 1 (latency) ==")
-    for name in ("xlaserve_default", "xlaserve_not_invariant", "xlaserve_float32", *(f"hf_{d}" for d in HF_DTYPES)):
+    for name in (
+        "xlaserve_default",
+        "xlaserve_not_invariant",
+        "xlaserve_float32",
+        *(f"hf_{d}" for d in HF_DTYPES),
+    ):
         run = results.get(name)
         if run is None:
             continue
@@ -149,7 +159,8 @@ def _print(results: dict) -> None:
         if results["quiet"]:
             verdict = "met" if t["met"] else "NOT met"
         else:
-            verdict = f"not judged: the machine was busy ({'would be met' if t['would_be_met'] else 'not met'} here)"
+            here = "would be met" if t["would_be_met"] else "not met"
+            verdict = f"not judged: the machine was busy ({here} here)"
         print(f"{name:>28}: {t['ratio']:.2f} (target {t['op']} {t['target']:.2f}): {verdict}")
     print(f"load average: {results['load_average_before']} before, {results['load_average_after']} after")
     if not results["quiet"]:

@@ -1,0 +1,243 @@
+"""New weights into a running engine, and its device memory handed back and restored (the research stack).
+
+`update_weights(runner, weights)`: `weights` are Hugging Face names -> arrays (vLLM's `load_weights`
+shape), a full checkpoint or a part of one. They go through the rules a checkpoint load applies
+(models/weights.py and the sharding layer): KV heads repeated for tensor parallelism, the vocabulary
+padded, a family's own rewrite (MoE: one tensor per expert -> one stack), our [in, out] layout, the
+model's dtype, the layer stacks (stored as uint16 words on CPU), and each parameter's sharding. Every
+name and shape is checked before anything changes: an unknown name or a wrong shape is a ValueError
+naming the weight and both shapes, and the engine keeps its weights. Only parameters change, into
+arrays of the same shapes, dtypes and shardings, so no program recompiles.
+
+`sleep(runner, level)` deletes the KV cache's device buffers (level 2: the weights too, kept on the
+host) and `wake_up(runner)` allocates and places them again; what a slept cache held is gone, so the
+core resets its prefix cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from xlaserve.kernels.dtype_ops import is_16bit_float
+from xlaserve.models.quantization import SCALE, ZERO
+from xlaserve.models.registry import get_model_class, model_config_from_hf
+from xlaserve.models.weights import _flatten, _unflatten, hf_name
+from xlaserve.sharding.kv_heads import replicate_kv_heads
+from xlaserve.sharding.vocab import pad_vocab
+from xlaserve.worker.kv_cache import allocate_kv_cache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """What a sleep freed or a wake-up placed back: device bytes and seconds."""
+
+    level: int
+    device_bytes: int
+    seconds: float
+
+
+def _as_dict(weights: Mapping | Iterable) -> dict[str, object]:
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    out: dict[str, object] = {}
+    for name, array in items:
+        if not isinstance(name, str):
+            raise ValueError(f"weights: a name must be a Hugging Face tensor name (str), got {name!r}")
+        out[name] = array
+    return out
+
+
+def _targets(model_class, cfg, params) -> dict[str, tuple[tuple[str, ...], int | None]]:
+    """Every tensor name (after the family's rewrite) -> (our parameter path, its index in the stack
+    or None)."""
+    stacks = model_class.layer_stacks(cfg)
+    targets = {}
+    for path in _flatten(nnx.to_pure_dict(params)):
+        if path[-1] in (SCALE, ZERO):
+            continue
+        if path[0] in stacks:
+            for index, layer in enumerate(stacks[path[0]]):
+                targets[hf_name(("layers", *path[1:]), layer)] = (path, index)
+        else:
+            targets[hf_name(path, None)] = (path, None)
+    return targets
+
+
+def _our_layout(array: np.ndarray, path: tuple[str, ...]) -> np.ndarray:
+    return np.swapaxes(array, -1, -2) if path[-1] == "kernel" else array
+
+
+def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
+    """Replace the runner's parameters named in `weights` (the module docstring); -> the names
+    updated. Nothing changes unless every name and shape checks out. A MoE layer's experts are
+    rewritten into one stack by the family, so they are updated together."""
+    updates = _as_dict(weights)
+    if not updates:
+        return []
+    if runner.config.model.quantization is not None:
+        raise ValueError(
+            f"update_weights: this engine keeps its weights quantized ({runner.config.model.quantization}); "
+            "updating them in place is not supported yet: start an engine on the new checkpoint"
+        )
+    hf_cfg = model_config_from_hf(runner.hf_config)
+    model_class = get_model_class(hf_cfg.architecture)
+    tp = runner.config.parallel.tensor_parallel_size
+    flat = _flatten(nnx.to_pure_dict(runner.params))
+    stacks = model_class.layer_stacks(runner.model_config)
+    # The checkpoint's own shapes (before KV-head repetition and vocabulary padding): what a caller
+    # holds, so the errors name them.
+    unpadded = {
+        path: _hf_shape(path, flat[path].shape, stacks, runner.model_config, hf_cfg, runner.padded_vocab_size)
+        for path in flat
+    }
+    targets = _targets(model_class, runner.model_config, runner.params)
+    tied = hf_cfg.tie_word_embeddings
+    host = {}
+    for name, array in updates.items():
+        array = np.asarray(array)
+        if tied and name == "lm_head.weight":
+            raise ValueError("weights: lm_head.weight is tied to model.embed_tokens.weight here: update that")
+        target = targets.get(name)
+        if target is None and not _rewritten_by_family(model_class):
+            raise ValueError(
+                f"weights: {name!r} is not a weight of this {hf_cfg.architecture} "
+                f"(e.g. {next(iter(targets))!r})"
+            )
+        if target is not None:
+            expected = unpadded[target[0]]
+            if array.shape != expected:
+                raise ValueError(f"weights: {name!r} has shape {array.shape}, the model's is {expected}")
+        host[name] = array
+    # The load's rewrites, in its order (worker/model_loader.py): heads, vocabulary, the family's.
+    _, host = replicate_kv_heads(hf_cfg, host, tp)
+    host = pad_vocab(host, hf_cfg.vocab_size, runner.padded_vocab_size)
+    host = model_class.prepare_hf_tensors(runner.model_config, host)
+    writes: dict[tuple[str, ...], list[tuple[int | None, np.ndarray]]] = {}
+    for name, array in host.items():
+        target = targets.get(name)
+        if target is None:
+            raise ValueError(f"weights: {name!r} is not a weight of this {hf_cfg.architecture}")
+        path, index = target
+        old = flat[path]
+        value = _our_layout(np.asarray(array), path)
+        shape = old.shape[1:] if index is not None else old.shape
+        if value.shape != tuple(shape):
+            raise ValueError(f"weights: {name!r} has shape {value.shape} here, the model's is {tuple(shape)}")
+        writes.setdefault(path, []).append((index, value))
+    new_flat = dict(flat)
+    for path, parts in writes.items():
+        new_flat[path] = _write(flat[path], parts, runner.dtype)
+    params = jax.tree.map(lambda x: x, runner.params)  # the same structure (the programs' signature)
+    params.replace_by_pure_dict(_unflatten(new_flat))
+    head_dv = runner.head_params[1]
+    table = ("embed_tokens", "weight")
+    if head_dv is not None and table in writes:  # the tied head's transposed copy (worker/model_loader.py)
+        head_dv = jax.device_put(np.ascontiguousarray(np.asarray(new_flat[table]).T), head_dv.sharding)
+    runner.set_params(params, head_dv)
+    logger.info("updated %d weights (%d parameters)", len(updates), len(writes))
+    return sorted(updates)
+
+
+def update_weights_from_path(runner, path: str) -> list[str]:
+    """`update_weights` with every tensor of the checkpoint at `path` (a directory of safetensors, or a
+    GGUF file, as a start reads it): it must be the same architecture and shapes."""
+    from xlaserve.models.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(path, skip_tokenizer_init=True)
+    ours, theirs = runner.hf_config.get("architectures"), checkpoint.hf_config.get("architectures")
+    if ours != theirs:
+        raise ValueError(f"update_weights_from_path: {path} holds {theirs}, this engine runs {ours}")
+    return update_weights(runner, checkpoint.tensors)
+
+
+def _rewritten_by_family(model_class) -> bool:
+    """Whether the family renames checkpoint tensors before mapping them (MoE experts): its names are
+    only checked after the rewrite."""
+    from xlaserve.models.interfaces import CausalLM
+
+    return model_class.prepare_hf_tensors.__func__ is not CausalLM.prepare_hf_tensors.__func__
+
+
+def _hf_shape(path, shape, stacks, cfg, hf_cfg, padded_vocab) -> tuple[int, ...]:
+    """A parameter's per-tensor shape as the checkpoint holds it ([out, in], unpadded vocabulary and
+    KV heads)."""
+    shape = list(shape[1:] if path[0] in stacks else shape)
+    if path[-1] == "kernel" and len(shape) >= 2:
+        shape[-1], shape[-2] = shape[-2], shape[-1]
+    if padded_vocab != hf_cfg.vocab_size and path[0] in ("embed_tokens", "lm_head"):
+        shape[0] = hf_cfg.vocab_size
+    if cfg.num_kv_heads != hf_cfg.num_kv_heads and path[-2] in ("k_proj", "v_proj"):
+        axis = 0 if path[-1] == "kernel" else -1
+        shape[axis] = shape[axis] // cfg.num_kv_heads * hf_cfg.num_kv_heads
+    return tuple(shape)
+
+
+def _write(old: jax.Array, parts: list[tuple[int | None, np.ndarray]], dtype) -> jax.Array:
+    """`old` with `parts` written in (a whole array, or layers of a stack), placed in its sharding."""
+
+    def stored(value):
+        if old.dtype == np.uint16 and is_16bit_float(dtype):  # a CPU layer stack, stored as words
+            return np.asarray(value, dtype=np.dtype(dtype)).view(np.uint16)
+        return np.asarray(value, dtype=old.dtype)
+
+    if len(parts) == 1 and parts[0][0] is None:
+        new = stored(parts[0][1])
+    elif len(parts) == old.shape[0] and all(i is not None for i, _ in parts):
+        new = np.stack([stored(v) for _, v in sorted(parts, key=lambda p: p[0])])
+    else:
+        new = np.array(old)  # the layers not named keep their values
+        for index, value in parts:
+            new[index] = stored(value)
+    return jax.device_put(new, old.sharding)
+
+
+def _device_bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
+
+
+def sleep(runner, level: int) -> MemoryReport:
+    """Free the KV cache's device buffers (level 2: the weights too, kept on the host)."""
+    start = time.perf_counter()
+    freed = _device_bytes(runner.kv_cache)
+    for leaf in jax.tree.leaves(runner.kv_cache):
+        leaf.delete()
+    runner.kv_cache = None
+    if level == 2:
+        freed += _device_bytes((runner.params, runner.head_params[1]))
+        runner.slept_params = jax.tree.map(lambda a: (np.asarray(a), a.sharding), runner.params)
+        head = runner.head_params[1]
+        runner.slept_head = None if head is None else (np.asarray(head), head.sharding)
+        for leaf in jax.tree.leaves((runner.params, head)):
+            leaf.delete()
+    return MemoryReport(level, freed, time.perf_counter() - start)
+
+
+def wake_up(runner) -> MemoryReport:
+    """Place back what `sleep` freed: a zeroed KV cache of the same blocks, and the weights."""
+    start = time.perf_counter()
+    placed = 0
+    if getattr(runner, "slept_params", None) is not None:
+        params = jax.tree.map(
+            lambda pair: jax.device_put(*pair), runner.slept_params, is_leaf=lambda x: isinstance(x, tuple)
+        )
+        head = None if runner.slept_head is None else jax.device_put(*runner.slept_head)
+        runner.slept_params = runner.slept_head = None
+        runner.set_params(params, head)
+        placed += _device_bytes((params, head))
+    runner.kv_cache = allocate_kv_cache(
+        runner.kv_spec,
+        runner.num_blocks,
+        runner.block_size,
+        runner.backend.cache_dtype(runner.dtype),
+        runner.placement,
+    )
+    placed += _device_bytes(runner.kv_cache)
+    return MemoryReport(0, placed, time.perf_counter() - start)

@@ -1,0 +1,133 @@
+"""The research stack's calls on a running engine (worker/weight_update.py): `update_weights` equals a
+fresh engine on the updated checkpoint token for token and logprob for logprob (bfloat16: batch
+invariance makes that exact), in one call or in parts, from arrays or from a path, with nothing
+compiled after warm-up; a refused update names the weight and both shapes and changes nothing;
+`sleep` / `wake_up` hand the device memory back and restore the same outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from helpers.family_cases import make_hf_model, save_hf_model
+from xlaserve import LLM, SamplingParams
+from xlaserve.worker.compile_guard import num_compiles
+
+ARGS = {
+    "dtype": "bfloat16",
+    "max_model_len": 128,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 16,
+    "block_size": 8,
+    "kv_cache_memory": 2**20,
+    "enable_prefix_caching": True,
+    "strict_compile_guard": True,
+}
+PROMPTS = [[5, 17, 33, 4, 60, 8, 21, 90, 11, 3, 44, 70], [9, 9, 31, 50, 2, 77, 13, 64, 40]]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+
+
+def numbers(llm: LLM):
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    return [
+        (
+            o.outputs[0].token_ids,
+            [sorted((i, lp.logprob) for i, lp in e.items()) for e in o.outputs[0].logprobs],
+        )
+        for o in outs
+    ]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """Checkpoints A (the engine starts on it) and B (the trainer's next weights)."""
+    a = save_hf_model(make_hf_model("LlamaForCausalLM", seed=0), tmp_path_factory.mktemp("a"))
+    b = save_hf_model(make_hf_model("LlamaForCausalLM", seed=1), tmp_path_factory.mktemp("b"))
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def expected(dirs):
+    """What fresh engines on A and on B answer."""
+    return [numbers(LLM(d, **ARGS)) for d in dirs]
+
+
+@pytest.fixture(scope="module")
+def llm(dirs):
+    return LLM(dirs[0], **ARGS)
+
+
+def tensors(directory) -> dict[str, np.ndarray]:
+    return load_file(f"{directory}/model.safetensors")
+
+
+def test_update_equals_a_fresh_engine_on_the_new_weights(llm, dirs, expected):
+    a, b = dirs
+    assert expected[0] != expected[1]  # the two checkpoints answer differently
+    assert numbers(llm) == expected[0]
+    new = tensors(b)
+    # In two parts (a partial update each), one of them as (name, array) pairs of jax arrays (made
+    # first: jnp.asarray compiles its own little programs).
+    names = sorted(new)
+    first, second = names[: len(names) // 2], names[len(names) // 2 :]
+    import jax.numpy as jnp
+
+    on_device = [(n, jnp.asarray(new[n])) for n in second]
+    before = num_compiles()
+    assert llm.update_weights({n: new[n] for n in first}) == first
+    assert llm.update_weights(on_device) == second
+    assert numbers(llm) == expected[1]
+    assert num_compiles() == before  # the programs took the new weights as arguments
+    assert llm.engine_core.runner.guard.num_unexpected == 0
+    # From a path: back to A.
+    llm.update_weights_from_path(a)
+    assert numbers(llm) == expected[0]
+    assert num_compiles() == before
+
+
+def test_the_prefix_cache_goes_with_the_old_weights(llm, dirs, expected):
+    def hits():
+        return sum(m.value for m in llm.get_metrics() if m.name == "xlaserve:prefix_cache_hits")
+
+    numbers(llm)
+    before = hits()
+    numbers(llm)  # the prompts' full blocks come from the cache the first run filled
+    assert hits() > before
+    llm.update_weights_from_path(dirs[1])
+    assert numbers(llm) == expected[1]  # had a cached block of A's K/V been read, this would differ
+    llm.update_weights_from_path(dirs[0])
+    assert numbers(llm) == expected[0]
+
+
+def test_a_refused_update_names_the_weight_and_changes_nothing(llm, dirs, expected):
+    a = tensors(dirs[0])
+    name = "model.layers.0.self_attn.q_proj.weight"
+    wrong = np.zeros((a[name].shape[0], a[name].shape[1] + 1), np.float32)
+    good = {"model.layers.1.mlp.down_proj.weight": tensors(dirs[1])["model.layers.1.mlp.down_proj.weight"]}
+    with pytest.raises(ValueError, match=rf"{name}.*\(48, 49\).*\(48, 48\)"):
+        llm.update_weights(good | {name: wrong})  # a good tensor beside it is not applied either
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.not_a_weight"):
+        llm.update_weights({"model.layers.0.self_attn.not_a_weight": a[name]})
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        llm.update_weights({"model.layers.9.self_attn.q_proj.weight": a[name]})  # past the last layer
+    assert numbers(llm) == expected[0]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(llm, expected, level):
+    runner = llm.engine_core.runner
+    kv_bytes = sum(x.nbytes for x in __import__("jax").tree.leaves(runner.kv_cache))
+    asleep = llm.sleep(level)
+    freed = kv_bytes + (runner.weight_bytes if level == 2 else 0)
+    assert asleep.device_bytes == freed and asleep.seconds >= 0
+    with pytest.raises(ValueError, match="asleep"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, PARAMS, use_tqdm=False)
+    with pytest.raises(ValueError, match="already asleep"):
+        llm.sleep(level)
+    assert not llm.engine_core.has_unfinished_requests()  # the refused request was never queued
+    awake = llm.wake_up()
+    assert awake.device_bytes == freed
+    assert numbers(llm) == expected[0]
+    with pytest.raises(ValueError, match="not asleep"):
+        llm.wake_up()
