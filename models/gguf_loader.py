@@ -13,12 +13,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from xlaserve.models.gguf_quant import KEPT_TYPES, decode_blocks, permute_rows
-from xlaserve.models.gguf_reader import FastGGUFReader, NotLittleEndianGGUF
+from xlaserve.models.gguf_reader import open_gguf, read_gguf_metadata  # noqa: F401 (re-exported: moved there)
 from xlaserve.models.quantization import QuantizedTensor
 
 # GGUF architecture -> (HF model_type, HF architectures entry).
@@ -49,55 +49,6 @@ _BLOCK_TENSORS = {
 _BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Consumed into `rope_scaling` (llama3 style), not a parameter of the HF model.
 _ROPE_FREQS = "rope_freqs.weight"
-
-
-class _FastGGUFReader(GGUFReader):
-    """`GGUFReader` slicing a plain ndarray view of the file instead of the `np.memmap` itself.
-
-    The reader takes one slice per metadata item (~250k for a 49k-token vocabulary with merges);
-    on a memmap every slice pays for `memmap.__array_finalize__`, which makes opening the file
-    take ~3 s instead of ~1 s. The view shares the same mapping, so nothing is read eagerly.
-    """
-
-    def _get(self, offset, dtype, count=1, override_order=None):
-        plain = self.__dict__.get("_plain")
-        if plain is None:
-            plain = self._plain = np.asarray(self.data)
-        count = int(count)
-        end = offset + np.dtype(dtype).itemsize * count
-        arr = plain[offset:end].view(dtype=dtype)[:count]
-        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
-
-
-def open_gguf(path: str) -> FastGGUFReader | GGUFReader:
-    """Parse the header of a GGUF file (tensors stay memory-mapped). ValueError if it is not GGUF.
-    Our parser (models/gguf_reader.py, ~10x faster), or gguf's reader for a big-endian file."""
-    try:
-        try:
-            return FastGGUFReader(path)
-        except NotLittleEndianGGUF:
-            pass
-        try:
-            return _FastGGUFReader(path)
-        except (TypeError, AttributeError):  # a gguf release whose private reader internals changed
-            return GGUFReader(path)
-    except Exception as e:
-        raise ValueError(f"{path!r} is not a readable GGUF file: {e!r}") from e
-
-
-def read_gguf_metadata(reader: FastGGUFReader | GGUFReader) -> dict[str, Any]:
-    """All metadata key/values as Python values (strings, numbers, lists)."""
-    if isinstance(reader, FastGGUFReader):
-        return dict(reader.metadata)
-    metadata = {}
-    for key, field in reader.fields.items():
-        value = field.contents()
-        # float32 metadata widened to a Python float reads 9.999999747378752e-06; the config the
-        # file was converted from said 1e-05, which is the shortest float32 repr.
-        if field.types == [GGUFValueType.FLOAT32]:
-            value = float(str(np.float32(value)))
-        metadata[key] = value
-    return metadata
 
 
 def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
-from xlaserve.models.gguf_loader import open_gguf, read_gguf_metadata
+from xlaserve.models.gguf_reader import open_gguf, read_gguf_metadata
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL = 3

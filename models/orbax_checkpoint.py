@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-MARKER_FILE = "xlaserve_orbax.json"
+from xlaserve.models.model_path import MARKER_FILE, is_orbax_checkpoint  # noqa: F401 (moved there)
+
 PARAMS_DIR = "params"
 FORMAT_VERSION = 2  # 2: Phi-3's fused qkv_proj and gate_up_proj regrouped by head (models/phi3.py)
 
@@ -29,10 +30,6 @@ FORMAT_VERSION = 2  # 2: Phi-3's fused qkv_proj and gate_up_proj regrouped by he
 class ConvertedParams(dict):
     """Our parameter paths (("layers", "self_attn", "q_proj", "kernel"), ...) -> arrays already in
     our layout, as `load_params` expects them; what an orbax checkpoint holds instead of HF tensors."""
-
-
-def is_orbax_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MARKER_FILE))
 
 
 def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:

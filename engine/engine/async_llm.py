@@ -417,8 +417,8 @@ class AsyncLLM:
 
 
 def _load_tokenizer(model: str | None):
-    """The tokenizer, loaded in a thread while the engine core starts. The loader is imported here:
-    it pulls in jax and transformers, which the front end need not import before it spawns the core."""
-    from xlaserve.models.loader import load_tokenizer
+    """The tokenizer, loaded in a thread while the engine core starts. Imported here: it pulls in
+    transformers (no jax, no loader), which the front end need not import before it spawns the core."""
+    from xlaserve.models.tokenizer import load_tokenizer
 
     return load_tokenizer(model)

@@ -1,7 +1,8 @@
 """The server's front end spawns the engine core before it imports jax or transformers, so that
 those imports (~1 s) overlap the core's start (api_server._serve): AsyncLLM itself must not pull
-them in. And the front end loads no model: reading a checkpoint belongs to the executor, so no
-module of the engine layer imports a loader (read from the source, lazy imports included)."""
+them in. And the front end loads no model: reading a checkpoint belongs to the executor, so the
+engine layer imports nothing of models/ but its tokenizer, which imports neither a loader nor jax
+(read from the source, lazy imports included)."""
 
 from __future__ import annotations
 
@@ -31,32 +32,75 @@ MODEL_LOADERS = (
     "xlaserve.models.weights",
     "xlaserve.models.registry",
 )
-# The front end's tokenizer (text in and out, no weights) is the one name it may take from the loader.
-ALLOWED = {("xlaserve.models.loader", "load_tokenizer")}
-ENGINE_DIR = Path(__file__).resolve().parents[2] / "engine" / "engine"
+# The one module of models/ the front end imports: its tokenizer (text in and out, no weights).
+FRONT_END_MODELS = ("xlaserve.models.tokenizer",)
+HEAVY = ("jax", "jaxlib", "flax", "orbax", "torch")  # what the front end's tokenizer must not import
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_DIR = ROOT / "engine" / "engine"
+PACKAGE_DIRS = {"xlaserve.models": "models", "xlaserve.kernels": "kernels", "xlaserve.sharding": "sharding",
+                "xlaserve": "engine"}  # fmt: skip
 
 
-def loader_imports(path: Path) -> list[str]:
-    """Every import of a model loader in `path`, function-local ones included."""
-    found = []
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, function-local imports included (`from a import b`: a, and a.b
+    for when b is a submodule)."""
+    found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found += [a.name for a in node.names if a.name.startswith(MODEL_LOADERS)]
+            found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
-            for a in node.names:
-                full = f"{node.module}.{a.name}"
-                if (node.module, a.name) in ALLOWED:
-                    continue
-                if node.module.startswith(MODEL_LOADERS) or full.startswith(MODEL_LOADERS):
-                    found.append(full)
+            assert node.level == 0, f"{path}: a relative import"  # absolute imports throughout
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
     return found
 
 
+def source_of(module: str) -> Path | None:
+    """The file of an xlaserve module, None for anything else (a name imported from a module)."""
+    for package, folder in PACKAGE_DIRS.items():
+        if module == package or module.startswith(package + "."):
+            base = ROOT / folder / Path(*module[len(package) + 1 :].split("."))
+            for path in (base.with_suffix(".py"), base / "__init__.py"):
+                if path.is_file():
+                    return path
+            return None
+    return None
+
+
 def test_engine_layer_imports_no_model_loader():
+    """Of models/, the engine layer imports its tokenizer only."""
     files = sorted(ENGINE_DIR.rglob("*.py"))
     assert len(files) > 10  # the folder is where this test thinks it is
-    found = {str(p.relative_to(ENGINE_DIR)): loader_imports(p) for p in files}
-    assert {f: names for f, names in found.items() if names} == {}
+    found = {}
+    for path in files:
+        names = sorted(
+            m
+            for m in imported_modules(path)
+            if m.startswith("xlaserve.models") and source_of(m) is not None and m not in FRONT_END_MODELS
+        )
+        if names:
+            found[str(path.relative_to(ENGINE_DIR))] = names
+    assert found == {}
+    assert any("xlaserve.models.tokenizer" in imported_modules(p) for p in files)  # not vacuous
+
+
+def test_front_end_tokenizer_imports_no_jax_and_no_loader():
+    """What the front end imports of models/ pulls in, transitively within xlaserve (lazy imports
+    included), neither jax nor flax, orbax or torch, nor a model loader."""
+    seen, todo, outside = set(), list(FRONT_END_MODELS), set()
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        for name in imported_modules(source_of(module)):
+            if source_of(name) is not None:
+                todo.append(name)
+            elif not name.startswith("xlaserve"):
+                outside.add(name.split(".")[0])
+    assert "xlaserve.models.gguf_reader" in seen  # the walk follows imports (GGUF metadata)
+    assert sorted(outside & set(HEAVY)) == []
+    assert sorted(m for m in seen if m.startswith(MODEL_LOADERS)) == []
 
 
 def test_engine_layer_imports_jax_only_through_the_executor():
@@ -73,10 +117,11 @@ def test_engine_layer_imports_jax_only_through_the_executor():
 
 
 def test_async_llm_loads_no_model_code():
+    """Nor does the tokenizer module, imported (third-party packages included)."""
     code = (
         "import sys\n"
-        "import xlaserve.engine.async_llm, xlaserve.engine.core_client\n"
-        f"print(sorted(m for m in {MODEL_LOADERS!r} if m in sys.modules))\n"
+        "import xlaserve.engine.async_llm, xlaserve.engine.core_client, xlaserve.models.tokenizer\n"
+        f"print(sorted(m for m in {MODEL_LOADERS + HEAVY!r} if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

