@@ -126,6 +126,7 @@ class AsyncLLM:
         self._streams: dict[str, asyncio.Queue] = {}
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
+        self._is_asleep = False  # set by sleep() / wake_up(): a request meanwhile is refused here
         self._output_task: asyncio.Task | None = None
         self.input_processor: InputProcessor | None = None
         self.output_processor: OutputProcessor | None = None
@@ -276,6 +277,10 @@ class AsyncLLM:
     ) -> RequestStream:
         """Add a request now (errors are raised here, synchronously) and return its output stream."""
         self.check_health()
+        if self._is_asleep:
+            raise InvalidRequestError(
+                "the engine is asleep (POST /sleep): POST /wake_up before sending requests"
+            )
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         queued = self.config.scheduler.max_num_queued_reqs
@@ -326,12 +331,31 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._call_utility("reset_prefix_cache"))
 
-    async def _call_utility(self, method: str):
+    # The research stack in the core process (LLM's calls of the same names; worker/weight_update.py).
+    # A caller's error (a bad path or level, requests still running, already asleep) is a ValueError.
+
+    async def update_weights_from_path(self, path: str) -> list[str]:
+        return await self._call_utility("update_weights_from_path", path)
+
+    async def sleep(self, level: int = 1) -> dict:
+        report = await self._call_utility("sleep", level)
+        self._is_asleep = True
+        return report
+
+    async def wake_up(self) -> dict:
+        report = await self._call_utility("wake_up")
+        self._is_asleep = False
+        return report
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self._call_utility("is_sleeping"))
+
+    async def _call_utility(self, method: str, *args):
         self.check_health()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = future
-        self.core.send(UtilityCall(call_id, method))
+        self.core.send(UtilityCall(call_id, method, list(args)))
         return await future
 
     # -- outputs -------------------------------------------------------------------------------
@@ -354,7 +378,8 @@ class AsyncLLM:
                 future = self._utility_calls.pop(message.call_id, None)
                 if future is not None and not future.done():
                     if message.error:
-                        future.set_exception(RuntimeError(message.error))
+                        error = ValueError if message.invalid else RuntimeError
+                        future.set_exception(error(message.error))
                     else:
                         future.set_result(message.result)
             elif isinstance(message, EngineDead):

@@ -10,6 +10,7 @@ this process with `multiprocessing`'s spawn context, watches it, and stops it wi
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -170,7 +171,15 @@ class EngineCoreProc:
         if call.method not in UTILITY_METHODS:
             self._send(UtilityResult(call.call_id, error=f"unknown utility method {call.method!r}"))
             return
-        self._send(UtilityResult(call.call_id, result=getattr(self.core, call.method)()))
+        try:
+            target = getattr(self.core, call.method)
+            result = target(*call.args) if callable(target) else target
+        except ValueError as e:  # the caller's error (bad arguments, a busy or sleeping engine)
+            self._send(UtilityResult(call.call_id, error=str(e), invalid=True))
+            return
+        if dataclasses.is_dataclass(result):
+            result = dataclasses.asdict(result)
+        self._send(UtilityResult(call.call_id, result=result))
 
     def _send_outputs(self, outputs) -> None:
         rejected, self._rejected = self._rejected, []

@@ -73,10 +73,12 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 
 class UtilityCall(msgspec.Struct, tag="utility"):
-    """Call an EngineCore method by name (only those in `UTILITY_METHODS`); answered by UtilityResult."""
+    """Call an EngineCore method by name (only those in `UTILITY_METHODS`), or read a property;
+    answered by UtilityResult."""
 
     call_id: int
     method: str
+    args: list[Any] = []
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -84,7 +86,8 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 CoreInput = AddRequests | AbortRequests | UtilityCall | Shutdown
-UTILITY_METHODS = ("reset_prefix_cache",)
+# The research stack's calls (worker/weight_update.py) besides the prefix cache's reset.
+UTILITY_METHODS = ("reset_prefix_cache", "update_weights_from_path", "sleep", "wake_up", "is_sleeping")
 
 
 # -- core -> front end ---------------------------------------------------------------------------
@@ -123,6 +126,7 @@ class UtilityResult(msgspec.Struct, tag="utility_result"):
     call_id: int
     result: Any = None
     error: str | None = None
+    invalid: bool = False  # the error is the caller's (a ValueError: bad arguments, a busy engine)
 
 
 class EngineDead(msgspec.Struct, tag="dead"):

@@ -45,7 +45,14 @@ def add_parser(sub, add_engine_args) -> None:
     g.add_argument(
         "--api-key",
         default=os.environ.get("XLASERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (also XLASERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and the admin routes "
+        "(also XLASERVE_API_KEY)",
+    )
+    g.add_argument(
+        "--enable-admin-api",
+        action="store_true",
+        help="serve POST /update_weights_from_disk, /sleep, /wake_up, /reset_prefix_cache and GET "
+        "/is_sleeping (needs --api-key)",
     )
     g.add_argument(
         "--served-model-name",
@@ -134,6 +141,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if run_follower_if_needed(args):  # node_rank > 0 of a multi-host engine: no HTTP, only steps
         return 0
+    if args.enable_admin_api and not args.api_key:
+        raise ValueError("--enable-admin-api needs --api-key (or XLASERVE_API_KEY): its routes swap weights")
     if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 0:
         raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
     # Built once, here (bad flags fail before anything loads), and sent as it is to the engine core.
@@ -209,6 +218,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         chat_template=chat_template,
         log_requests=not args.disable_log_requests,
         api_key=args.api_key,
+        enable_admin_api=args.enable_admin_api,
         **args.tool_options,
         loras=loras,
     )

@@ -1,5 +1,6 @@
 """The server's FastAPI app: OpenAI's routes (openai/), Anthropic's /v1/messages (anthropic/), the LoRA
-adapter routes, plus /health, /version and /metrics.
+adapter routes, the admin routes with --enable-admin-api (serving/admin.py), plus /health, /version and
+/metrics.
 
 This is the one module that knows both APIs: each API package imports only the shared serving code
 (serving/), so either can change, or be left out, without touching the other.
@@ -18,6 +19,7 @@ from xlaserve.entrypoints.anthropic.protocol import ANTHROPIC_TAGS
 from xlaserve.entrypoints.openai.protocol import UNION_TAGS as OPENAI_TAGS
 from xlaserve.entrypoints.openai.protocol import VersionResponse
 from xlaserve.entrypoints.openai.routes import add_routes as add_openai_routes
+from xlaserve.entrypoints.serving.admin import add_admin_routes
 from xlaserve.entrypoints.serving.engine_io import ENGINE_DEAD_MESSAGE
 from xlaserve.entrypoints.serving.errors import APIError, install_error_handlers
 from xlaserve.entrypoints.serving.guard import GuardMiddleware, JSONRoute
@@ -70,6 +72,8 @@ def build_app(state: ServerState) -> FastAPI:
     add_openai_routes(app, state)
     add_anthropic_routes(app, state)
     add_lora_routes(app, state.loras)
+    if state.enable_admin_api:
+        add_admin_routes(app, state)
     app.openapi = lambda: _openapi(app)
     return app
 

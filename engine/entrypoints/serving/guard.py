@@ -25,7 +25,9 @@ MAX_BODY_BYTES = 32 * 2**20
 # The request line plus headers. h11 enforces it only on a head that arrives in pieces (a complete
 # one read at once passes), so GuardMiddleware checks every request against it too.
 MAX_HEADER_BYTES = 16 * 2**10
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# The admin routes (serving/admin.py): served only with a key, and always behind it.
+ADMIN_PATHS = ("/update_weights_from_disk", "/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", *ADMIN_PATHS)
 
 
 class _BodyTooLarge(Exception):

@@ -27,6 +27,7 @@ class ServerState:
     tool_parser_cls: type[ToolParser] | None = None
     reasoning_parser_cls: type[ReasoningParser] | None = None
     loras: LoRARegistry | None = None  # with --enable-lora: the adapters, by name
+    enable_admin_api: bool = False  # --enable-admin-api (with --api-key): serving/admin.py's routes
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model."""

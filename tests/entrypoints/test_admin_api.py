@@ -1,0 +1,166 @@
+"""The admin routes (serving/admin.py) on a real `xlaserve serve` of a tiny Llama: with
+--enable-admin-api and the API key, the weights are swapped from disk (the outputs change, and come
+back with the first checkpoint), the engine sleeps (requests get a 400 saying so) and wakes with the
+same outputs, the prefix cache resets; a caller's error is a 400 naming it; without the key a 401,
+without the flag no such route, and the flag without a key refuses to start."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from test_server_hostile import BAD_TEXT, WRONG_TYPES, body_with, check_error, check_still_serving, send
+
+from helpers.family_cases import make_hf_model, save_hf_model
+from helpers.server_harness import ServerProcess
+from xlaserve.entrypoints import cli
+
+KEY = "sk-admin-test"
+PROMPT = [5, 17, 33, 4, 60, 8, 21, 90, 11, 3, 44, 70]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    a = save_hf_model(make_hf_model("LlamaForCausalLM", seed=0), tmp_path_factory.mktemp("a"))
+    b = save_hf_model(make_hf_model("LlamaForCausalLM", seed=1), tmp_path_factory.mktemp("b"))
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def admin_server(dirs, tmp_path_factory, server_cache_dir):
+    flags = ["--enable-admin-api", "--enforce-eager", "--max-model-len", "128", "--served-model-name", "tiny"]
+    proc = ServerProcess(
+        str(tmp_path_factory.mktemp("logs")), server_cache_dir, flags, api_key=KEY, model=dirs[0]
+    )
+    proc.wait_ready()
+    yield proc
+    proc.stop()
+
+
+def complete(server, expect: int = 200):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "logprobs": 1}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=120)
+    assert r.status_code == expect, r.text
+    return r.json()["choices"][0]["logprobs"]["token_logprobs"] if expect == 200 else r.json()
+
+
+def admin(server, method: str, path: str, expect: int = 200, **kw):
+    r = httpx.request(method, server.url + path, headers=server.headers, timeout=120, **kw)
+    assert r.status_code == expect, r.text
+    return r.json()
+
+
+def test_weights_swap_from_disk_and_back(admin_server, dirs):
+    on_a = complete(admin_server)
+    out = admin(admin_server, "POST", "/update_weights_from_disk", json={"model_path": dirs[1]})
+    assert out["success"] and out["num_weights"] > 0
+    on_b = complete(admin_server)
+    assert on_b != on_a
+    admin(admin_server, "POST", "/update_weights_from_disk", json={"model_path": dirs[0]})
+    assert complete(admin_server) == on_a  # bit for bit: the prefix cache held nothing of B's
+    assert admin(admin_server, "POST", "/reset_prefix_cache") == {"reset": True}
+
+
+def test_sleep_refuses_requests_and_wake_up_restores_the_outputs(admin_server):
+    before = complete(admin_server)
+    assert admin(admin_server, "GET", "/is_sleeping") == {"is_sleeping": False}
+    asleep = admin(admin_server, "POST", "/sleep", params={"level": 2})
+    assert asleep["level"] == 2 and asleep["freed_bytes"] > 0
+    assert admin(admin_server, "GET", "/is_sleeping") == {"is_sleeping": True}
+    assert "asleep" in complete(admin_server, expect=400)["error"]["message"]
+    assert "already asleep" in admin(admin_server, "POST", "/sleep", expect=400)["error"]["message"]
+    awake = admin(admin_server, "POST", "/wake_up")
+    assert awake["placed_bytes"] == asleep["freed_bytes"]
+    assert complete(admin_server) == before
+
+
+def test_a_callers_error_is_a_400_naming_it(admin_server, tmp_path):
+    error = admin(admin_server, "POST", "/sleep", expect=400, params={"level": 3})["error"]
+    assert "level" in error["message"]
+    missing = str(tmp_path / "nowhere")
+    error = admin(admin_server, "POST", "/update_weights_from_disk", expect=400, json={"model_path": missing})
+    assert "nowhere" in error["error"]["message"]
+    error = admin(admin_server, "POST", "/update_weights_from_disk", expect=400, json={"path": missing})
+    assert error["error"]["param"] in ("model_path", "path")
+    assert "not asleep" in admin(admin_server, "POST", "/wake_up", expect=400)["error"]["message"]
+    complete(admin_server)  # the engine still serves
+
+
+def test_the_admin_routes_need_the_key(admin_server):
+    for path in ("/sleep", "/wake_up", "/reset_prefix_cache", "/update_weights_from_disk"):
+        r = httpx.post(admin_server.url + path, json={"model_path": "x"}, timeout=30)
+        assert r.status_code == 401, (path, r.text)
+    assert httpx.get(admin_server.url + "/is_sleeping", timeout=30).status_code == 401
+
+
+def test_without_the_flag_there_are_no_admin_routes():
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from xlaserve.entrypoints.app import build_app
+    from xlaserve.entrypoints.serving.state import ServerState
+
+    engine = SimpleNamespace(tokenizer=None, model="tiny", max_model_len=64, vocab_size=128, is_errored=False)
+    client = TestClient(build_app(ServerState(engine=engine, served_model_names=["tiny"])))
+    for path in ("/sleep", "/wake_up", "/reset_prefix_cache", "/update_weights_from_disk"):
+        assert client.post(path).status_code == 404, path
+    assert client.get("/is_sleeping").status_code == 404
+
+
+def test_the_flag_without_a_key_refuses_to_start(monkeypatch, capsys):
+    monkeypatch.delenv("XLASERVE_API_KEY", raising=False)
+    with pytest.raises((SystemExit, ValueError)) as e:
+        status = cli.main(["serve", "--enable-admin-api"])
+        raise SystemExit(status)
+    assert getattr(e.value, "code", 1) != 0
+    assert "--enable-admin-api needs --api-key" in (str(e.value) + capsys.readouterr().err)
+
+
+# -- hostile input (test_server_hostile.py's checks, on the admin routes) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(admin_server):
+    """One keep-alive connection for the hostile cases."""
+    with httpx.Client(base_url=admin_server.url, headers=admin_server.headers, timeout=120) as client:
+        yield client
+
+
+@pytest.mark.parametrize("value", WRONG_TYPES["string"])
+def test_update_weights_wrong_type_is_400_naming_the_field(client, value):
+    response, port = send(client, "/update_weights_from_disk", {"model_path": value})
+    check_error(response, 400, "model_path")
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize("name, raw", list(BAD_TEXT.items()))
+def test_update_weights_invalid_unicode_is_400_naming_the_field(client, name, raw):
+    content = body_with({"model_path": "/tmp/@"}, raw)
+    response, port = send(
+        client, "/update_weights_from_disk", content=content, headers={"Content-Type": "application/json"}
+    )
+    error = check_error(response, 400)
+    assert error["param"] == "model_path" and error["code"] == "invalid_unicode", error
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize(
+    "body", [{}, {"model_path": ""}, {"model_path": "x", "extra": 1}, {"model_path": "a" * 5000}]
+)
+def test_update_weights_bad_body_is_400(client, body):
+    response, port = send(client, "/update_weights_from_disk", body)
+    check_error(response, 400)
+    check_still_serving(client, port)
+
+
+def test_update_weights_from_a_missing_path_is_400(client, tmp_path):
+    response, port = send(client, "/update_weights_from_disk", {"model_path": str(tmp_path / "nowhere")})
+    check_error(response, 400)
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize("level", ["0", "3", "-1", "abc", "1.5", "true", "9" * 30])
+def test_sleep_level_out_of_range_or_wrong_type_is_400(client, level):
+    response = client.post("/sleep", params={"level": level})
+    check_error(response, 400, "level")
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
