@@ -135,7 +135,7 @@ _START = """
 import json, sys
 from xlaserve import LLM, SamplingParams
 from xlaserve.worker.compile_guard import num_compiles
-llm = LLM(sys.argv[1], dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2,
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=1,
           kv_cache_memory=2**22, strict_compile_guard=True, **json.loads(sys.argv[2]))
 runner = llm.engine_core.runner
 before = num_compiles()
