@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,7 +109,7 @@ class Placement:
         return NamedSharding(self.mesh, to_partition_spec(KV_CACHE_AXES, self.rules))
 
     def zeros(self, shape: tuple[int, ...], dtype, sharding: NamedSharding) -> jax.Array:
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+        return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
 
     def put_replicated(self, tree):
         return jax.device_put(tree, self.replicated)
@@ -117,3 +119,9 @@ class Placement:
         they are: jit transfers host arrays itself, ~4x faster than a `device_put` of a pytree of a
         dozen small arrays. Across processes they must be global arrays: replicated explicitly."""
         return tree if jax.process_count() == 1 else self.put_replicated(tree)
+
+
+@functools.cache
+def _zeros_fn(shape: tuple[int, ...], dtype, sharding: NamedSharding):
+    """One compiled fill per (shape, dtype, sharding): a KV cache allocated again (`wake_up`) reuses it."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

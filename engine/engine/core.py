@@ -172,8 +172,13 @@ class EngineCore:
                 "wait for them (or abort them) first"
             )
 
+    def _require_awake(self, what: str) -> None:
+        if self.is_sleeping:  # a level-2 wake-up would put back the weights saved at sleep over them
+            raise ValueError(f"{what}: the engine is asleep: call wake_up() first")
+
     def update_weights(self, weights) -> list[str]:
         """New weights (HF names -> arrays, all or some); the prefix cache goes with the old ones."""
+        self._require_awake("update_weights")
         self._require_idle("update_weights")
         self._update_in_flight()
         names = self.executor.update_weights(weights)
@@ -181,6 +186,7 @@ class EngineCore:
         return names
 
     def update_weights_from_path(self, path: str) -> list[str]:
+        self._require_awake("update_weights_from_path")
         self._require_idle("update_weights_from_path")
         self._update_in_flight()
         names = self.executor.update_weights_from_path(path)

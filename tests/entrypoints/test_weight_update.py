@@ -126,8 +126,13 @@ def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(llm, expecte
     with pytest.raises(ValueError, match="already asleep"):
         llm.sleep(level)
     assert not llm.engine_core.has_unfinished_requests()  # the refused request was never queued
+    with pytest.raises(ValueError, match="asleep: call wake_up"):  # level 2 would put the old ones back
+        llm.update_weights({"model.norm.weight": np.ones(48, np.float32)})
+    compiles = num_compiles()
     awake = llm.wake_up()
     assert awake.device_bytes == freed
+    if level == 2:  # the second round: the cache's fill was compiled by the first
+        assert num_compiles() == compiles
     assert numbers(llm) == expected[0]
     with pytest.raises(ValueError, match="not asleep"):
         llm.wake_up()

@@ -327,6 +327,40 @@ def generate(model_dir: str, layouts: list[dict]) -> list:
     return results
 
 
+def update_weights(model_dir: str, arg: dict) -> dict:
+    """arg: {"other_dir", "layout"}: an engine on `model_dir` under `layout` takes `other_dir`'s tensors
+    by `update_weights` (KV heads repeated, vocabulary padded, shards placed as a load would): its
+    greedy ids, before and after, and a fresh engine's on `other_dir`."""
+    from safetensors.numpy import load_file
+
+    from xlaserve import LLM, SamplingParams
+    from xlaserve.worker.compile_guard import num_compiles
+
+    prompts = [{"prompt_token_ids": [5, 17, 33, 4, 60, 8, 21]}, {"prompt_token_ids": [200, 9, 31, 250, 2]}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    args = dict(
+        dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, enforce_eager=True
+    )
+    args |= dict(kv_cache_memory=2**23, **arg["layout"])
+
+    def ids(llm):
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(model_dir, **args)
+    before = ids(llm)
+    compiles = num_compiles()
+    llm.update_weights(load_file(f"{arg['other_dir']}/model.safetensors"))
+    after = ids(llm)
+    recompiled = num_compiles() - compiles
+    del llm
+    return {
+        "before": before,
+        "after": after,
+        "fresh": ids(LLM(arg["other_dir"], **args)),
+        "compiles": recompiled,
+    }
+
+
 def lora(model_dir: str, arg: dict) -> list:
     """arg: {"adapter_dir", "sizes"}: see helpers/lora_tp_worker.py."""
     from lora_tp_worker import main as lora_main  # beside this file, on sys.path as the script's folder
@@ -345,6 +379,7 @@ MODES = {
     "generate_ids": generate_ids,
     "speculative": speculative,
     "lora": lora,
+    "update_weights": update_weights,
 }
 
 

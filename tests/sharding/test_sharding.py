@@ -340,3 +340,15 @@ def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text
     assert code == 0, leader.log_tail()
     assert follower.returncode == 0, follower_err[-3000:]
     assert served.strip() and served == one_process_text
+
+
+def test_update_weights_under_tensor_parallelism(tp_worker, tiny_llama_257, tmp_path):
+    """TP 4 over 2 KV heads and a 257-token vocabulary: the update repeats the KV heads and pads the
+    vocabulary as the load does, into the same shards: the greedy ids of a fresh TP-4 engine on the new
+    checkpoint, and nothing compiled."""
+    other = save_tiny_llama(str(tmp_path / "other"), seed=1, vocab_size=257, num_key_value_heads=2)
+    out = tp_worker.run(
+        "update_weights", tiny_llama_257, {"other_dir": other, "layout": {"tensor_parallel_size": 4}}
+    )
+    assert out["after"] == out["fresh"] and out["after"] != out["before"]
+    assert out["compiles"] == 0
