@@ -43,12 +43,20 @@ class LLM:
     outputs carry token ids and empty text, and `chat` / `stream` are unavailable.
     """
 
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, *, mesh=None, **engine_args):
+        """`mesh`: a `jax.sharding.Mesh` the engine shares with a trainer: it runs on that mesh's
+        devices (tensor_parallel_size defaults to all of them), and `update_weights` takes the trainer's
+        arrays on it device to device."""
+        if mesh is not None and engine_args.get("tensor_parallel_size") is None:
+            engine_args["tensor_parallel_size"] = mesh.devices.size // engine_args.get(
+                "data_parallel_size", 1
+            )
         self.config = EngineConfig.from_kwargs(model, **engine_args)
         parallel = self.config.parallel
         if parallel.node_rank != 0:
             raise ValueError(f"LLM runs on node_rank 0; node_rank={parallel.node_rank} runs serve_follower()")
-        model_info, self.engine_core = start_engine(self.config)  # the one EngineConfig, built above
+        devices = None if mesh is None else list(mesh.devices.flat)
+        model_info, self.engine_core = start_engine(self.config, devices)  # the one EngineConfig, built above
         self.tokenizer, self.max_model_len = model_info.tokenizer, self.engine_core.max_model_len
         if parallel.nnodes > 1:
             atexit.register(self.shutdown)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -71,8 +72,10 @@ def _targets(model_class, cfg, params) -> dict[str, tuple[tuple[str, ...], int |
     return targets
 
 
-def _our_layout(array: np.ndarray, path: tuple[str, ...]) -> np.ndarray:
-    return np.swapaxes(array, -1, -2) if path[-1] == "kernel" else array
+def _our_layout(array, path: tuple[str, ...]):
+    if path[-1] != "kernel":
+        return array
+    return jnp.swapaxes(array, -1, -2) if isinstance(array, jax.Array) else np.swapaxes(array, -1, -2)
 
 
 def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
@@ -102,7 +105,10 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     tied = hf_cfg.tie_word_embeddings
     host = {}
     for name, array in updates.items():
-        array = np.asarray(array)
+        # A jax array (a trainer's, on its own mesh) stays on the devices: resharded there, never
+        # fetched, unless a rewrite below needs the host (KV heads repeated, the vocabulary padded, a
+        # MoE layer's experts stacked).
+        array = array if isinstance(array, jax.Array) else np.asarray(array)
         if tied and name == "lm_head.weight":
             raise ValueError("weights: lm_head.weight is tied to model.embed_tokens.weight here: update that")
         target = targets.get(name)
@@ -127,7 +133,7 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
             raise ValueError(f"weights: {name!r} is not a weight of this {hf_cfg.architecture}")
         path, index = target
         old = flat[path]
-        value = _our_layout(np.asarray(array), path)
+        value = _our_layout(array if isinstance(array, jax.Array) else np.asarray(array), path)
         shape = old.shape[1:] if index is not None else old.shape
         if value.shape != tuple(shape):
             raise ValueError(f"weights: {name!r} has shape {value.shape} here, the model's is {tuple(shape)}")
@@ -140,7 +146,7 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     head_dv = runner.head_params[1]
     table = ("embed_tokens", "weight")
     if head_dv is not None and table in writes:  # the tied head's transposed copy (worker/model_loader.py)
-        head_dv = jax.device_put(np.ascontiguousarray(np.asarray(new_flat[table]).T), head_dv.sharding)
+        head_dv = jax.device_put(jnp.transpose(new_flat[table]), head_dv.sharding)  # on the devices
     runner.set_params(params, head_dv)
     logger.info("updated %d weights (%d parameters)", len(updates), len(writes))
     return sorted(updates)
@@ -161,9 +167,9 @@ def update_weights_from_path(runner, path: str) -> list[str]:
 def _rewritten_by_family(model_class) -> bool:
     """Whether the family renames checkpoint tensors before mapping them (MoE experts): its names are
     only checked after the rewrite."""
-    from xlaserve.models.interfaces import CausalLM
+    from xlaserve.models.decoder import DecoderOnlyLM
 
-    return model_class.prepare_hf_tensors.__func__ is not CausalLM.prepare_hf_tensors.__func__
+    return model_class.prepare_hf_tensors.__func__ is not DecoderOnlyLM.prepare_hf_tensors.__func__
 
 
 def _hf_shape(path, shape, stacks, cfg, hf_cfg, padded_vocab) -> tuple[int, ...]:
@@ -182,6 +188,8 @@ def _hf_shape(path, shape, stacks, cfg, hf_cfg, padded_vocab) -> tuple[int, ...]
 
 def _write(old: jax.Array, parts: list[tuple[int | None, np.ndarray]], dtype) -> jax.Array:
     """`old` with `parts` written in (a whole array, or layers of a stack), placed in its sharding."""
+    if any(isinstance(value, jax.Array) for _, value in parts):
+        return _write_on_device(old, parts, dtype)
 
     def stored(value):
         if old.dtype == np.uint16 and is_16bit_float(dtype):  # a CPU layer stack, stored as words
@@ -197,6 +205,35 @@ def _write(old: jax.Array, parts: list[tuple[int | None, np.ndarray]], dtype) ->
         for index, value in parts:
             new[index] = stored(value)
     return jax.device_put(new, old.sharding)
+
+
+def _write_on_device(old: jax.Array, parts, dtype) -> jax.Array:
+    """`_write` for arrays already on the devices: converted and resharded there (device to device)."""
+    words = old.dtype == jnp.uint16 and is_16bit_float(dtype)
+    layer = _layer_sharding(old.sharding)
+
+    def stored(value, sharding):
+        value = jax.device_put(jnp.asarray(value), sharding)  # onto the engine's devices first
+        value = value.astype(dtype if words else old.dtype)
+        return jax.lax.bitcast_convert_type(value, jnp.uint16) if words else value
+
+    if len(parts) == 1 and parts[0][0] is None:
+        return jax.device_put(stored(parts[0][1], old.sharding), old.sharding)
+    if len(parts) == old.shape[0] and all(i is not None for i, _ in parts):
+        stack = jnp.stack([stored(v, layer) for _, v in sorted(parts, key=lambda p: p[0])])
+        return jax.device_put(stack, old.sharding)
+    new = old
+    for index, value in parts:  # the layers not named keep their values
+        new = new.at[index].set(stored(value, layer))
+    return jax.device_put(new, old.sharding)
+
+
+def _layer_sharding(stack_sharding):
+    """The sharding of one layer of a stack sharded as `stack_sharding` (the layer axis dropped)."""
+    if isinstance(stack_sharding, jax.sharding.NamedSharding):
+        spec = jax.sharding.PartitionSpec(*stack_sharding.spec[1:])
+        return jax.sharding.NamedSharding(stack_sharding.mesh, spec)
+    return stack_sharding
 
 
 def _device_bytes(tree) -> int:

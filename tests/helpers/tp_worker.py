@@ -361,6 +361,45 @@ def update_weights(model_dir: str, arg: dict) -> dict:
     }
 
 
+def update_weights_on_mesh(model_dir: str, arg: dict) -> dict:
+    """arg: {"other_dir", "num_devices"}: the engine shares a trainer's ("fsdp",) mesh of num_devices
+    (`LLM(mesh=...)`), and takes `other_dir`'s tensors as the trainer holds them, sharded over that
+    mesh, device to device: no transfer to the host is allowed during the update."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from safetensors.numpy import load_file
+
+    from xlaserve import LLM, SamplingParams
+
+    mesh = Mesh(np.array(jax.devices()[: arg["num_devices"]]), ("fsdp",))
+    args = dict(
+        dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, enforce_eager=True
+    )
+    args |= dict(kv_cache_memory=2**23)
+    prompts = ["The capital of France is", "def f(x):"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def ids(llm):
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def on_mesh(array):
+        spec = PartitionSpec("fsdp") if array.shape[0] % mesh.size == 0 else PartitionSpec()
+        return jax.device_put(array, NamedSharding(mesh, spec))
+
+    trainer = {name: on_mesh(a) for name, a in load_file(f"{arg['other_dir']}/model.safetensors").items()}
+    llm = LLM(model_dir, mesh=mesh, **args)
+    runner = llm.engine_core.runner
+    devices = sorted(d.id for d in runner.mesh.devices.flat)
+    before = ids(llm)
+    with jax.transfer_guard_device_to_host("disallow"):
+        llm.update_weights(trainer)
+    after = ids(llm)
+    del llm
+    fresh = ids(LLM(arg["other_dir"], tensor_parallel_size=arg["num_devices"], **args))
+    return {"before": before, "after": after, "fresh": fresh, "devices": devices}
+
+
 def lora(model_dir: str, arg: dict) -> list:
     """arg: {"adapter_dir", "sizes"}: see helpers/lora_tp_worker.py."""
     from lora_tp_worker import main as lora_main  # beside this file, on sys.path as the script's folder
@@ -380,6 +419,7 @@ MODES = {
     "speculative": speculative,
     "lora": lora,
     "update_weights": update_weights,
+    "update_weights_on_mesh": update_weights_on_mesh,
 }
 
 

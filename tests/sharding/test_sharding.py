@@ -352,3 +352,13 @@ def test_update_weights_under_tensor_parallelism(tp_worker, tiny_llama_257, tmp_
     )
     assert out["after"] == out["fresh"] and out["after"] != out["before"]
     assert out["compiles"] == 0
+
+
+def test_an_engine_on_a_trainers_mesh_takes_its_arrays_device_to_device(tp_worker, tiny_llama_2kv, tmp_path):
+    """`LLM(mesh=...)` runs on the trainer's two devices (tensor parallel 2), and `update_weights` of the
+    trainer's arrays, sharded over its own ("fsdp",) axis, moves nothing to the host (a transfer guard
+    forbids it): the greedy ids of a fresh engine on the new checkpoint."""
+    other = save_tiny_llama(str(tmp_path / "other"), seed=1, num_key_value_heads=2)
+    out = tp_worker.run("update_weights_on_mesh", tiny_llama_2kv, {"other_dir": other, "num_devices": 2})
+    assert out["devices"] == [0, 1]
+    assert out["after"] == out["fresh"] and out["after"] != out["before"]
