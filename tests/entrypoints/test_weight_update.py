@@ -75,14 +75,20 @@ def test_update_equals_a_fresh_engine_on_the_new_weights(llm, dirs, expected):
 
     on_device = [(n, jnp.asarray(new[n])) for n in second]
     before = num_compiles()
-    assert llm.update_weights({n: new[n] for n in first}) == first
+    assert llm.update_weights({n: new[n] for n in first}) == first  # numpy: placed, nothing compiled
+    assert num_compiles() == before
+    # jax arrays are converted on the devices: small programs, once per shape (a trainer's next
+    # update reuses them); the step programs take the new weights as arguments and never recompile.
     assert llm.update_weights(on_device) == second
+    before = num_compiles()
     assert numbers(llm) == expected[1]
-    assert num_compiles() == before  # the programs took the new weights as arguments
+    assert num_compiles() == before
     assert llm.engine_core.runner.guard.num_unexpected == 0
-    # From a path: back to A.
+    # From a path: back to A; then the jax arrays again, through the conversions already compiled.
     llm.update_weights_from_path(a)
     assert numbers(llm) == expected[0]
+    llm.update_weights(on_device)
+    llm.update_weights_from_path(a)
     assert num_compiles() == before
 
 
