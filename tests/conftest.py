@@ -42,6 +42,18 @@ def llm_bf16():
 
 
 @pytest.fixture(scope="session")
+def llama_checkpoints(tmp_path_factory) -> tuple[str, str]:
+    """Two tiny random Llamas of one shape, A (an engine starts on it) and B (a trainer's next
+    weights): the research stack's tests (weight updates, the admin routes) swap between them."""
+    from helpers.family_cases import make_hf_model, save_hf_model
+
+    return tuple(
+        save_hf_model(make_hf_model("LlamaForCausalLM", seed=seed), tmp_path_factory.mktemp(name))
+        for seed, name in ((0, "llama_a"), (1, "llama_b"))
+    )
+
+
+@pytest.fixture(scope="session")
 def hf_model():
     """Hugging Face's Llama on the same dequantized GGUF weights (float32)."""
     torch = pytest.importorskip("torch")

@@ -199,13 +199,7 @@ class ModelRunner:
             self.backend.cache_dtype(self.dtype),
             extra_bytes_per_block=0 if self.drafter is None else self.drafter.bytes_per_block(),
         )
-        self.kv_cache = allocate_kv_cache(
-            self.kv_spec,
-            self.num_blocks,
-            self.block_size,
-            self.backend.cache_dtype(self.dtype),
-            self.placement,
-        )
+        self.kv_cache = self.allocate_kv_cache()
         sched = config.scheduler
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, sched.max_num_seqs, self.padded_vocab_size)
@@ -238,6 +232,16 @@ class ModelRunner:
             raise RuntimeError("set_max_model_len must be called before warm_up")
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+
+    def allocate_kv_cache(self) -> KVCache:
+        """The zeroed cache of num_blocks (at start, and again on waking from sleep)."""
+        return allocate_kv_cache(
+            self.kv_spec,
+            self.num_blocks,
+            self.block_size,
+            self.backend.cache_dtype(self.dtype),
+            self.placement,
+        )
 
     def set_params(self, params, head_dv) -> None:
         """New weights of the same shapes, dtypes and shardings (worker/weight_update.py): every

@@ -32,7 +32,6 @@ from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import _flatten, _unflatten, hf_name
 from xlaserve.sharding.kv_heads import replicate_kv_heads
 from xlaserve.sharding.vocab import pad_vocab
-from xlaserve.worker.kv_cache import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -269,12 +268,6 @@ def wake_up(runner) -> MemoryReport:
         runner.slept_params = runner.slept_head = None
         runner.set_params(params, head)
         placed += _device_bytes((params, head))
-    runner.kv_cache = allocate_kv_cache(
-        runner.kv_spec,
-        runner.num_blocks,
-        runner.block_size,
-        runner.backend.cache_dtype(runner.dtype),
-        runner.placement,
-    )
+    runner.kv_cache = runner.allocate_kv_cache()
     placed += _device_bytes(runner.kv_cache)
     return MemoryReport(0, placed, time.perf_counter() - start)

@@ -10,7 +10,6 @@ import httpx
 import pytest
 from test_server_hostile import BAD_TEXT, WRONG_TYPES, body_with, check_error, check_still_serving, send
 
-from helpers.family_cases import make_hf_model, save_hf_model
 from helpers.server_harness import ServerProcess
 from xlaserve.entrypoints import cli
 
@@ -19,10 +18,9 @@ PROMPT = [5, 17, 33, 4, 60, 8, 21, 90, 11, 3, 44, 70]
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    a = save_hf_model(make_hf_model("LlamaForCausalLM", seed=0), tmp_path_factory.mktemp("a"))
-    b = save_hf_model(make_hf_model("LlamaForCausalLM", seed=1), tmp_path_factory.mktemp("b"))
-    return a, b
+def dirs(llama_checkpoints):
+    """Checkpoints A (the engine starts on it) and B (the trainer's next weights): conftest.py."""
+    return llama_checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from helpers.family_cases import make_hf_model, save_hf_model
 from xlaserve import LLM, SamplingParams
 from xlaserve.worker.compile_guard import num_compiles
 
@@ -40,11 +39,9 @@ def numbers(llm: LLM):
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    """Checkpoints A (the engine starts on it) and B (the trainer's next weights)."""
-    a = save_hf_model(make_hf_model("LlamaForCausalLM", seed=0), tmp_path_factory.mktemp("a"))
-    b = save_hf_model(make_hf_model("LlamaForCausalLM", seed=1), tmp_path_factory.mktemp("b"))
-    return a, b
+def dirs(llama_checkpoints):
+    """Checkpoints A (the engine starts on it) and B (the trainer's next weights): conftest.py."""
+    return llama_checkpoints
 
 
 @pytest.fixture(scope="module")
