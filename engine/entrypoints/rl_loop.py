@@ -17,8 +17,7 @@ The trainer holds the policy as Hugging Face names -> float32 jax arrays, the ch
 shapes, so what it pushes is what a checkpoint holds. Its step is compiled once, up front, for the
 batch's fixed shape; after the first iteration nothing compiles, in the engine or the trainer. With
 `sleep_level`, the engine hands its KV cache (level 2: its weights too) back while the trainer steps and
-wakes before taking the new weights (a wake-up compiles the KV cache's zero fills again: the placement
-jits a new function for each, a persistent-cache hit of a few milliseconds).
+wakes before taking the new weights (an update while asleep is refused).
 """
 
 from __future__ import annotations

@@ -212,7 +212,9 @@ def _write_on_device(old: jax.Array, parts, dtype) -> jax.Array:
     layer = _layer_sharding(old.sharding)
 
     def stored(value, sharding):
-        value = jax.device_put(jnp.asarray(value), sharding)  # onto the engine's devices first
+        # Onto the engine's devices, always a copy: the caller's array (a trainer's parameter, which
+        # its next step may donate) must never become the engine's buffer.
+        value = jax.device_put(jnp.asarray(value), sharding, may_alias=False)
         value = value.astype(dtype if words else old.dtype)
         return jax.lax.bitcast_convert_type(value, jnp.uint16) if words else value
 

@@ -95,7 +95,9 @@ def test_engine_and_trainer_logprobs_agree(reports):
 
 
 def test_nothing_compiles_after_the_first_iteration(llm, reports):
-    assert all(r.num_engine_compiles == 0 for r in reports)  # warm-up compiled every bucket
+    # Warm-up compiled every bucket; the first update of jax arrays compiles their conversions (a
+    # transpose, a cast, once per shape: worker/weight_update.py), and later ones reuse them.
+    assert all(r.num_engine_compiles == 0 for r in reports[1:])
     assert all(r.num_compiles == 0 for r in reports[1:])  # the trainer's step was compiled up front
     assert llm.engine_core.runner.guard.num_unexpected == 0
 
@@ -109,6 +111,5 @@ def test_sleeping_between_rollouts_changes_nothing(llm, model_dir, reports):
     asleep = run_rl_loop(llm, shape, params, dataclasses.replace(CONFIG, num_steps=steps, sleep_level=2))
     assert [(r.mean_reward, r.loss) for r in asleep] == [(r.mean_reward, r.loss) for r in reports[:steps]]
     assert all(r.num_engine_compiles == 0 for r in asleep)
-    # Not asserted: each wake-up compiles the KV cache's zero fills (sharding/mesh.py's Placement.zeros
-    # jits a new lambda per call); they are no step program, which the guard watches.
+    assert all(r.num_sleep_compiles == 0 for r in asleep[1:])  # the cache's zero fill: compiled once
     assert llm.engine_core.runner.guard.num_unexpected == 0
