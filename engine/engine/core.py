@@ -178,18 +178,16 @@ class EngineCore:
 
     def update_weights(self, weights) -> list[str]:
         """New weights (HF names -> arrays, all or some); the prefix cache goes with the old ones."""
-        self._require_awake("update_weights")
-        self._require_idle("update_weights")
-        self._update_in_flight()
-        names = self.executor.update_weights(weights)
-        self.reset_prefix_cache()
-        return names
+        return self._swap_weights("update_weights", self.executor.update_weights, weights)
 
     def update_weights_from_path(self, path: str) -> list[str]:
-        self._require_awake("update_weights_from_path")
-        self._require_idle("update_weights_from_path")
+        return self._swap_weights("update_weights_from_path", self.executor.update_weights_from_path, path)
+
+    def _swap_weights(self, what: str, swap, source) -> list[str]:
+        self._require_awake(what)
+        self._require_idle(what)
         self._update_in_flight()
-        names = self.executor.update_weights_from_path(path)
+        names = swap(source)
         self.reset_prefix_cache()
         return names
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
+from xlaserve.worker import weight_update
 from xlaserve.worker.loading import LoadedCheckpoint, load_for_engine
 from xlaserve.worker.model_runner import ModelRunner
 from xlaserve.worker.step_future import StepFuture
@@ -73,16 +74,16 @@ class Executor:
     # -- the research stack: new weights, device memory handed back (worker/weight_update.py) --------
 
     def update_weights(self, weights) -> list[str]:
-        return self.runner.update_weights(weights)
+        return weight_update.update_weights(self.runner, weights)
 
     def update_weights_from_path(self, path: str) -> list[str]:
-        return self.runner.update_weights_from_path(path)
+        return weight_update.update_weights_from_path(self.runner, path)
 
-    def sleep(self, level: int):
-        return self.runner.sleep(level)
+    def sleep(self, level: int) -> weight_update.MemoryReport:
+        return weight_update.sleep(self.runner, level)
 
-    def wake_up(self):
-        return self.runner.wake_up()
+    def wake_up(self) -> weight_update.MemoryReport:
+        return weight_update.wake_up(self.runner)
 
     def shutdown(self) -> None:
         """Release whatever the executor holds besides the runner (nothing, in one process)."""

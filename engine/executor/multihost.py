@@ -130,22 +130,26 @@ class MultiHostExecutor(Executor):
         return StepFuture.done(self.execute(scheduled, grammar_bitmask))
 
     def update_weights(self, weights) -> list[str]:
-        raise ValueError(
-            "update_weights is not supported across hosts yet (the followers would keep the old weights): "
-            "run it on a one-host engine"
-        )
+        raise _across_hosts("update_weights")
 
     def update_weights_from_path(self, path: str) -> list[str]:
-        return self.update_weights({})  # the same refusal
+        raise _across_hosts("update_weights_from_path")
 
     def sleep(self, level: int):
-        raise ValueError("sleep is not supported across hosts yet: run it on a one-host engine")
+        raise _across_hosts("sleep")
 
     def shutdown(self) -> None:
         """Release the followers: they leave their step loop."""
         if self.sender is not None:
             self.sender.close()
             self.sender = None
+
+
+def _across_hosts(what: str) -> ValueError:
+    """The research stack's calls change one process's weights or memory: the followers would not."""
+    return ValueError(
+        f"{what} is not supported across hosts yet (the followers would not follow): use one host"
+    )
 
 
 def step_port(parallel: ParallelConfig) -> int:

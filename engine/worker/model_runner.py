@@ -34,7 +34,6 @@ from xlaserve.kernels import KVCache
 from xlaserve.kernels.invariant import traced_with
 from xlaserve.models.registry import get_model_class
 from xlaserve.sharding.vocab import mask_padded_vocab
-from xlaserve.worker import weight_update
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
 from xlaserve.worker.compile_guard import CompileGuard
 from xlaserve.worker.draft_model import DraftModel
@@ -248,18 +247,6 @@ class ModelRunner:
         program takes them as arguments, so nothing recompiles."""
         self.params = params
         self.head_params = (params, head_dv)
-
-    def update_weights(self, weights) -> list[str]:
-        return weight_update.update_weights(self, weights)
-
-    def update_weights_from_path(self, path: str) -> list[str]:
-        return weight_update.update_weights_from_path(self, path)
-
-    def sleep(self, level: int) -> weight_update.MemoryReport:
-        return weight_update.sleep(self, level)
-
-    def wake_up(self) -> weight_update.MemoryReport:
-        return weight_update.wake_up(self)
 
     def kv_bytes_per_block(self) -> int:
         return bytes_per_block(self.kv_spec, self.block_size, self.backend.cache_dtype(self.dtype))

@@ -55,12 +55,12 @@ def _as_dict(weights: Mapping | Iterable) -> dict[str, object]:
     return out
 
 
-def _targets(model_class, cfg, params) -> dict[str, tuple[tuple[str, ...], int | None]]:
+def _targets(model_class, cfg, flat: dict) -> dict[str, tuple[tuple[str, ...], int | None]]:
     """Every tensor name (after the family's rewrite) -> (our parameter path, its index in the stack
-    or None)."""
+    or None); `flat`: the parameters by path."""
     stacks = model_class.layer_stacks(cfg)
     targets = {}
-    for path in _flatten(nnx.to_pure_dict(params)):
+    for path in flat:
         if path[-1] in (SCALE, ZERO):
             continue
         if path[0] in stacks:
@@ -96,11 +96,7 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     stacks = model_class.layer_stacks(runner.model_config)
     # The checkpoint's own shapes (before KV-head repetition and vocabulary padding): what a caller
     # holds, so the errors name them.
-    unpadded = {
-        path: _hf_shape(path, flat[path].shape, stacks, runner.model_config, hf_cfg, runner.padded_vocab_size)
-        for path in flat
-    }
-    targets = _targets(model_class, runner.model_config, runner.params)
+    targets = _targets(model_class, runner.model_config, flat)
     tied = hf_cfg.tie_word_embeddings
     host = {}
     for name, array in updates.items():
@@ -110,16 +106,13 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
         array = array if isinstance(array, jax.Array) else np.asarray(array)
         if tied and name == "lm_head.weight":
             raise ValueError("weights: lm_head.weight is tied to model.embed_tokens.weight here: update that")
-        target = targets.get(name)
-        if target is None and not _rewritten_by_family(model_class):
-            raise ValueError(
-                f"weights: {name!r} is not a weight of this {hf_cfg.architecture} "
-                f"(e.g. {next(iter(targets))!r})"
+        if name in targets:  # a name only the family's rewrite makes (MoE experts) is checked after it
+            path = targets[name][0]
+            shape = _hf_shape(
+                path, flat[path].shape, stacks, runner.model_config, hf_cfg, runner.padded_vocab_size
             )
-        if target is not None:
-            expected = unpadded[target[0]]
-            if array.shape != expected:
-                raise ValueError(f"weights: {name!r} has shape {array.shape}, the model's is {expected}")
+            if array.shape != shape:
+                raise ValueError(f"weights: {name!r} has shape {array.shape}, the model's is {shape}")
         host[name] = array
     # The load's rewrites, in its order (worker/model_loader.py): heads, vocabulary, the family's.
     _, host = replicate_kv_heads(hf_cfg, host, tp)
@@ -129,7 +122,10 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     for name, array in host.items():
         target = targets.get(name)
         if target is None:
-            raise ValueError(f"weights: {name!r} is not a weight of this {hf_cfg.architecture}")
+            raise ValueError(
+                f"weights: {name!r} is not a weight of this {hf_cfg.architecture} "
+                f"(e.g. {next(iter(targets))!r})"
+            )
         path, index = target
         old = flat[path]
         value = _our_layout(array if isinstance(array, jax.Array) else np.asarray(array), path)
@@ -163,14 +159,6 @@ def update_weights_from_path(runner, path: str) -> list[str]:
     return update_weights(runner, checkpoint.tensors)
 
 
-def _rewritten_by_family(model_class) -> bool:
-    """Whether the family renames checkpoint tensors before mapping them (MoE experts): its names are
-    only checked after the rewrite."""
-    from xlaserve.models.decoder import DecoderOnlyLM
-
-    return model_class.prepare_hf_tensors.__func__ is not DecoderOnlyLM.prepare_hf_tensors.__func__
-
-
 def _hf_shape(path, shape, stacks, cfg, hf_cfg, padded_vocab) -> tuple[int, ...]:
     """A parameter's per-tensor shape as the checkpoint holds it ([out, in], unpadded vocabulary and
     KV heads)."""
@@ -185,47 +173,36 @@ def _hf_shape(path, shape, stacks, cfg, hf_cfg, padded_vocab) -> tuple[int, ...]
     return tuple(shape)
 
 
-def _write(old: jax.Array, parts: list[tuple[int | None, np.ndarray]], dtype) -> jax.Array:
-    """`old` with `parts` written in (a whole array, or layers of a stack), placed in its sharding."""
-    if any(isinstance(value, jax.Array) for _, value in parts):
-        return _write_on_device(old, parts, dtype)
+def _write(old: jax.Array, parts: list[tuple[int | None, object]], dtype) -> jax.Array:
+    """`old` with `parts` written in (a whole array, or layers of a stack), placed in its sharding.
+    Host arrays are assembled on the host (nothing compiles); jax arrays on the devices (small
+    conversion programs, once per shape), always copied: the caller's array (a trainer's parameter,
+    which its next step may donate) must never become the engine's buffer."""
+    on_device = any(isinstance(value, jax.Array) for _, value in parts)
+    xp = jnp if on_device else np
+    words = old.dtype == np.uint16 and is_16bit_float(dtype)  # a CPU layer stack, stored as words
+    layer = _layer_sharding(old.sharding)
 
-    def stored(value):
-        if old.dtype == np.uint16 and is_16bit_float(dtype):  # a CPU layer stack, stored as words
+    def stored(value, sharding):
+        if on_device:
+            value = jax.device_put(jnp.asarray(value), sharding, may_alias=False)
+            value = value.astype(dtype if words else old.dtype)
+            return jax.lax.bitcast_convert_type(value, jnp.uint16) if words else value
+        if words:
             return np.asarray(value, dtype=np.dtype(dtype)).view(np.uint16)
         return np.asarray(value, dtype=old.dtype)
 
     if len(parts) == 1 and parts[0][0] is None:
-        new = stored(parts[0][1])
+        new = stored(parts[0][1], old.sharding)
     elif len(parts) == old.shape[0] and all(i is not None for i, _ in parts):
-        new = np.stack([stored(v) for _, v in sorted(parts, key=lambda p: p[0])])
-    else:
-        new = np.array(old)  # the layers not named keep their values
+        new = xp.stack([stored(v, layer) for _, v in sorted(parts, key=lambda p: p[0])])
+    else:  # the layers not named keep their values
+        new = old if on_device else np.array(old)
         for index, value in parts:
-            new[index] = stored(value)
-    return jax.device_put(new, old.sharding)
-
-
-def _write_on_device(old: jax.Array, parts, dtype) -> jax.Array:
-    """`_write` for arrays already on the devices: converted and resharded there (device to device)."""
-    words = old.dtype == jnp.uint16 and is_16bit_float(dtype)
-    layer = _layer_sharding(old.sharding)
-
-    def stored(value, sharding):
-        # Onto the engine's devices, always a copy: the caller's array (a trainer's parameter, which
-        # its next step may donate) must never become the engine's buffer.
-        value = jax.device_put(jnp.asarray(value), sharding, may_alias=False)
-        value = value.astype(dtype if words else old.dtype)
-        return jax.lax.bitcast_convert_type(value, jnp.uint16) if words else value
-
-    if len(parts) == 1 and parts[0][0] is None:
-        return jax.device_put(stored(parts[0][1], old.sharding), old.sharding)
-    if len(parts) == old.shape[0] and all(i is not None for i, _ in parts):
-        stack = jnp.stack([stored(v, layer) for _, v in sorted(parts, key=lambda p: p[0])])
-        return jax.device_put(stack, old.sharding)
-    new = old
-    for index, value in parts:  # the layers not named keep their values
-        new = new.at[index].set(stored(value, layer))
+            if on_device:
+                new = new.at[index].set(stored(value, layer))
+            else:
+                new[index] = stored(value, layer)
     return jax.device_put(new, old.sharding)
 
 
@@ -262,7 +239,7 @@ def wake_up(runner) -> MemoryReport:
     """Place back what `sleep` freed: a zeroed KV cache of the same blocks, and the weights."""
     start = time.perf_counter()
     placed = 0
-    if getattr(runner, "slept_params", None) is not None:
+    if runner.slept_params is not None:
         params = jax.tree.map(
             lambda pair: jax.device_put(*pair), runner.slept_params, is_leaf=lambda x: isinstance(x, tuple)
         )
