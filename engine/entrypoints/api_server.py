@@ -81,6 +81,14 @@ def add_parser(sub, add_engine_args) -> None:
         metavar="SECONDS",
         help="the window --max-engine-restarts counts deaths in",
     )
+    g.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="keep at most N responses of /v1/responses in memory (store: true), least recently used "
+        "dropped first; 0: store none",
+    )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     add_tool_args(p)
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -143,6 +151,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     if args.enable_admin_api and not args.api_key:
         raise ValueError("--enable-admin-api needs --api-key (or XLASERVE_API_KEY): its routes swap weights")
+    if args.max_stored_responses < 0:
+        raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 0:
         raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
     # Built once, here (bad flags fail before anything loads), and sent as it is to the engine core.
@@ -219,6 +229,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         log_requests=not args.disable_log_requests,
         api_key=args.api_key,
         enable_admin_api=args.enable_admin_api,
+        max_stored_responses=args.max_stored_responses,
         **args.tool_options,
         loras=loras,
     )

@@ -18,6 +18,7 @@ from xlaserve.entrypoints.anthropic.messages import add_routes as add_anthropic_
 from xlaserve.entrypoints.anthropic.protocol import ANTHROPIC_TAGS
 from xlaserve.entrypoints.openai.protocol import UNION_TAGS as OPENAI_TAGS
 from xlaserve.entrypoints.openai.protocol import VersionResponse
+from xlaserve.entrypoints.openai.responses_protocol import RESPONSES_TAGS
 from xlaserve.entrypoints.openai.routes import add_routes as add_openai_routes
 from xlaserve.entrypoints.serving.admin import add_admin_routes
 from xlaserve.entrypoints.serving.engine_io import ENGINE_DEAD_MESSAGE
@@ -30,7 +31,7 @@ from xlaserve.entrypoints.serving.protocol import ErrorResponse
 from xlaserve.entrypoints.serving.state import ServerState
 
 # Every discriminated union's tags in the app's request models: error locations leave them out.
-UNION_TAGS = CHAT_TAGS | OPENAI_TAGS | ANTHROPIC_TAGS
+UNION_TAGS = CHAT_TAGS | OPENAI_TAGS | RESPONSES_TAGS | ANTHROPIC_TAGS
 
 
 def _version() -> str:

@@ -150,7 +150,12 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 def _cap_work(case) -> None:
     """Keep generated requests cheap: a few tokens, few choices (values stay schema-valid)."""
     body = case.body
-    if not isinstance(body, dict) or not case.path.endswith(("completions", "/v1/messages")):
+    if not isinstance(body, dict) or not case.path.endswith(("completions", "/v1/messages", "/v1/responses")):
+        return
+    if case.path.endswith("/v1/responses"):
+        if not isinstance(body.get("max_output_tokens"), int) or body["max_output_tokens"] > 2:
+            body["max_output_tokens"] = 2
+        body["store"] = False
         return
     for key in ("max_tokens", "max_completion_tokens"):
         if isinstance(body.get(key), int) and body[key] > 2:

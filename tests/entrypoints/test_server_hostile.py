@@ -36,6 +36,7 @@ BODIES = {  # a valid, cheap body per endpoint, to break one field at a time
     # LoRA is off on this server: a valid body is a 400 too, but only once every field is valid.
     "load-lora": ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "adapter"}),
     "unload-lora": ("/v1/unload_lora_adapter", {"lora_name": "x"}),
+    "responses": ("/v1/responses", {"input": "Hi", "max_output_tokens": 1, "store": False}),
 }
 
 
@@ -195,6 +196,20 @@ FIELD_TYPES = {
     "detokenize": {"string": ["model"]},
     "load-lora": {"string": ["lora_name", "lora_path"]},
     "unload-lora": {"string": ["lora_name"], "integer": ["lora_int_id"]},
+    "responses": {
+        "integer": ["max_output_tokens", "seed", "top_k", "min_tokens", "priority"],
+        "number": [
+            "temperature",
+            "top_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "min_p",
+            "repetition_penalty",
+        ],
+        "boolean": ["stream", "store", "parallel_tool_calls", "ignore_eos"],
+        "string": ["model", "instructions", "previous_response_id", "user", "cache_salt", "prompt_cache_key"],
+        "object": ["text", "reasoning", "metadata", "stream_options"],
+    },
 }
 TYPE_CASES = [
     pytest.param(endpoint, field, value, id=f"{endpoint}-{field}-{json.dumps(value)}")
@@ -555,6 +570,11 @@ TEXT_FIELDS = [  # (endpoint, body with "@" where the bad text goes, the param t
     ("chat", {"messages": CHAT, "stop": ["@"]}, "stop"),
     ("tokenize", {"prompt": "@"}, "prompt"),
     ("tokenize-chat", {"messages": [{"role": "user", "content": "x@"}]}, "messages[0].content"),
+    ("responses", {"input": "a@"}, "input"),
+    ("responses", {"input": [{"role": "user", "content": "@"}]}, "input[0].content"),
+    ("responses", {"instructions": "@"}, "instructions"),
+    ("responses", {"previous_response_id": "resp_@"}, "previous_response_id"),
+    ("responses", {"metadata": {"k": "@"}}, "metadata.k"),
     ("detokenize", {"tokens": [1], "model": "@"}, "model"),
     (
         "chat",
@@ -601,6 +621,7 @@ NUL_CASES = [  # NUL is a valid character: accepted and handled like any other
     ("completions", {"prompt": "Hi", "stop": ["\x00"]}, 200),
     ("chat", {"messages": [{"role": "user", "content": "\x00"}]}, 200),
     ("tokenize", {"prompt": "\x00"}, 200),
+    ("responses", {"input": "\x00"}, 200),
     ("tokenize", {"prompt": "Hi", "model": "\x00"}, 404),
 ]
 
@@ -678,6 +699,14 @@ ROUTE_CASES = [
     ("GET", "/v1/models/%FF%00", 404),
     ("GET", "/v1/models/" + "m" * 8000, 404),
     ("GET", "/v1/nothing/%ED%A0%80", 404),
+    ("PUT", "/v1/responses", 405),
+    ("GET", "/v1/responses", 405),
+    ("POST", "/v1/responses/resp_1", 405),
+    ("GET", "/v1/responses/resp_nothing", 404),
+    ("DELETE", "/v1/responses/resp_nothing", 404),
+    ("GET", "/v1/responses/%FF%00", 404),
+    ("DELETE", "/v1/responses/%ED%A0%80", 404),
+    ("GET", "/v1/responses/" + "r" * 8000, 404),
 ]
 
 
@@ -834,6 +863,135 @@ def test_server_still_generates(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
     response = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=4)
     assert response.choices[0].text and response.usage.completion_tokens >= 1
+
+
+# -- the Responses API (/v1/responses) ---------------------------------------------------------------
+
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+_CALL_ITEM = {
+    "type": "function_call",
+    "call_id": "call_1",
+    "name": "get_weather",
+    "arguments": '{"city": "P"}',
+}
+_FORMAT = {"type": "json_schema", "name": "x", "schema": {"type": "object"}}
+RESPONSES_CASES = [  # (fields over the valid body, the param named, the status)
+    ({"input": DROP}, "input", 400),
+    ({"input": 5}, "input", 400),
+    ({"input": None}, "input", 400),
+    ({"input": {"role": "user", "content": "Hi"}}, "input", 400),
+    ({"input": []}, "input", 400),
+    ({"input": ["Hi"]}, "input[0]", 400),
+    ({"input": [{"content": "Hi"}]}, "input[0].role", 400),
+    ({"input": [{"role": "tool", "content": "Hi"}]}, "input[0].role", 400),
+    ({"input": [{"role": "user"}]}, "input[0].content", 400),
+    ({"input": [{"role": "user", "content": 5}]}, "input[0].content", 400),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type", 400),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text", 400),
+    ({"input": [{"role": "user", "content": "Hi", "extra": 1}]}, "input[0].extra", 400),
+    ({"input": [{"type": "web_search_call"}]}, "input[0].type", 400),
+    ({"input": [{"type": 5}]}, "input[0].type", 400),
+    ({"input": [{**_CALL_ITEM, "arguments": "{oops"}]}, "input[0].arguments", 400),
+    ({"input": [{**_CALL_ITEM, "arguments": {"city": "P"}}]}, "input[0].arguments", 400),
+    ({"input": [{**_CALL_ITEM, "name": "a b"}]}, "input[0].name", 400),
+    ({"input": [{**_CALL_ITEM, "call_id": ""}]}, "input[0].call_id", 400),
+    ({"input": [_CALL_ITEM, _CALL_ITEM]}, "input[1].call_id", 400),
+    ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "x"}]},
+     "input[0].call_id", 400),
+    ({"input": [_CALL_ITEM, {"type": "function_call_output", "call_id": "call_1", "output": 5}]},
+     "input[1].output", 400),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", 400),
+    ({"input": [{"type": "reasoning", "summary": "x"}]}, "input[0].summary", 400),
+    ({"input": ["x"] * 4097}, "input", 400),
+    ({"max_output_tokens": 0}, "max_output_tokens", 400),
+    ({"max_output_tokens": 2**31}, "max_output_tokens", 400),
+    ({"max_output_tokens": 10_000}, "max_output_tokens", 400),
+    ({"input": "word " * 100_000}, "input", 400),
+    ({"temperature": 2.5}, "temperature", 400),
+    ({"top_p": 0}, "top_p", 400),
+    ({"seed": 2**63}, "seed", 400),
+    ({"stop": ["x"] * 17}, "stop", 400),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", 400),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k", 400),
+    ({"metadata": {"k": 5}}, "metadata.k", 400),
+    ({"truncation": "auto"}, "truncation", 400),
+    ({"background": True}, "background", 400),
+    ({"service_tier": "flex"}, "service_tier", 400),
+    ({"include": "x"}, "include", 400),
+    ({"top_logprobs": 2}, "top_logprobs", 400),
+    ({"prompt": {"id": "p"}}, "prompt", 400),
+    ({"conversation": "conv_1"}, "conversation", 400),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", 400),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type", 400),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name", 400),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", 400),
+    ({"text": {"format": {**_FORMAT, "schema": "{}"}}}, "text.format.schema", 400),
+    ({"text": {"format": {**_FORMAT, "schema": {"type": "foo"}}}}, "text.format.schema", 400),
+    ({"text": {"format": {**_FORMAT, "schema": {"$ref": "#/nowhere"}}}}, "text.format.schema", 400),
+    ({"text": {"format": {"type": "json_schema", "json_schema": _FORMAT}}}, "text.format.name", 400),
+    ({"text": {"verbosity": "loud"}}, "text.verbosity", 400),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", 400),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].name", 400),
+    ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", 400),
+    ({"tools": [{"type": "function", "name": "f", "parameters": "{}"}]}, "tools[0].parameters", 400),
+    ({"tools": [RESPONSES_TOOL, RESPONSES_TOOL]}, "tools[1].name", 400),
+    ({"tools": [RESPONSES_TOOL] * 129}, "tools", 400),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "foo"}}], "tool_choice": "required"},
+     "tools[0].parameters", 400),
+    ({"tools": [RESPONSES_TOOL], "tool_choice": {"type": "function", "name": "get_time"}},
+     "tool_choice.name", 400),
+    ({"tools": [RESPONSES_TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice.name", 400),
+    ({"tools": [RESPONSES_TOOL], "tool_choice": "sometimes"}, "tool_choice", 400),
+    ({"tools": [RESPONSES_TOOL], "tool_choice": 1}, "tool_choice", 400),
+    ({"tool_choice": "required"}, "tool_choice", 400),
+    ({"tools": [RESPONSES_TOOL], "tool_choice": "required", "text": {"format": _FORMAT}}, "tool_choice", 400),
+    ({"previous_response_id": "resp_nothing"}, "previous_response_id", 404),
+    ({"previous_response_id": ""}, "previous_response_id", 400),
+    ({"model": "gpt-nothing"}, "model", 404),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fields, param, status", RESPONSES_CASES, ids=[f"{json.dumps(f)[:60]}" for f, _, _ in RESPONSES_CASES]
+)
+def test_responses_bad_request_names_the_field(client, fields, param, status):
+    path, body = BODIES["responses"]
+    body = {k: v for k, v in {**body, **fields}.items() if v != DROP}
+    response, port = send(client, path, body)
+    error = check_error(response, status)
+    assert error["param"] == param, error
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize("name", ["not-json", "truncated", "array", "empty", "deep-nesting", "duplicate-key"])
+def test_responses_bad_body_is_400(client, name):
+    response, port = send(
+        client, "/v1/responses", content=BAD_BODIES[name], headers={"Content-Type": "application/json"}
+    )
+    check_error(response, 400)
+    check_still_serving(client, port)
+
+
+def test_responses_routes_need_the_key(client):
+    unauthorized = {"Authorization": "Bearer nope"}
+    for method, path in (
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/r"),
+        ("DELETE", "/v1/responses/r"),
+    ):
+        response, port = send(client, path, BODIES["responses"][1], method=method, headers=unauthorized)
+        check_error(response, 401)
+        check_still_serving(client, port)
+
+
+def test_responses_stream_refused_before_it_starts(client):
+    """An invalid streamed request is a plain 400, not an event stream."""
+    body = {"input": "Hi", "stream": True, "max_output_tokens": 10_000}
+    response, port = send(client, "/v1/responses", body)
+    check_error(response, 400, "max_output_tokens")
+    check_still_serving(client, port)
 
 
 # -- Anthropic's Messages API ------------------------------------------------------------------------

@@ -24,9 +24,17 @@ API_KEY = "sk-xlaserve-test"
 MODEL_NAME = "smollm2"
 STARTUP_TIMEOUT_S = 600  # compiles every bucket on a shared 2-core machine
 STOP_TIMEOUT_S = 60
+# The session server's Responses API store: small, so a test can fill it.
+MAX_STORED_RESPONSES = 12
 # Flags of the session's server beyond the engine's: tool calls read in hermes' format (SmolLM2 writes
 # a list of calls between <tool_call> tags).
-SESSION_SERVER_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+SESSION_SERVER_FLAGS = [
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--max-stored-responses",
+    str(MAX_STORED_RESPONSES),
+]
 
 
 def engine_flags() -> list[str]:

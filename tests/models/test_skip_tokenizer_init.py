@@ -110,6 +110,7 @@ HI = [{"role": "user", "content": "hi"}]
 TEXT_ROUTES = [
     ("/v1/chat/completions", {"messages": HI}, "messages"),
     ("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": HI}, "messages"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 4}, "input"),
     ("/tokenize", {"prompt": "w5 w6"}, "prompt"),
     ("/tokenize", {"messages": HI}, "messages"),
     ("/detokenize", {"tokens": [5, 6]}, "tokens"),

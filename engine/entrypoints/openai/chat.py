@@ -98,7 +98,7 @@ def _reasoning_parser(state: ServerState, prompt_ids: list[int]) -> ReasoningPar
     return state.reasoning_parser_cls(state.engine.tokenizer, prompt_token_ids=prompt_ids)
 
 
-def _sampling_params(
+def chat_sampling_params(
     state: ServerState, req: ChatCompletionRequest, plan: ToolPlan, ids: list[int], max_tokens
 ):
     """The request's SamplingParams, with the grammar of its tool plan, gated by the reasoning parser
@@ -122,7 +122,7 @@ def _sampling_params(
     return dataclasses.replace(params, **changes) if changes else params
 
 
-def _choice_parser(
+def choice_parser(
     state: ServerState, req: ChatCompletionRequest, plan: ToolPlan, ids: list[int]
 ) -> ChoiceParser:
     tools = make_tool_parser(plan, state.tool_parser_cls, state.engine.tokenizer)
@@ -170,7 +170,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     check_context(state.engine, len(ids), max_tokens, "messages")
     top_n = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling_params(state, req, plan, ids, max_tokens)
+    params = chat_sampling_params(state, req, plan, ids, max_tokens)
     request_id = new_id("chatcmpl")
     try:
         stream = state.engine.add_request(
@@ -188,7 +188,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if state.log_requests:
         logger.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
     created = int(time.time())
-    parsers = [_choice_parser(state, req, plan, ids) for _ in range(req.n)]
+    parsers = [choice_parser(state, req, plan, ids) for _ in range(req.n)]
     if req.stream:
         return StreamingResponse(
             _stream(state, req, request_id, model, created, stream, len(ids), parsers),

@@ -1,5 +1,5 @@
 """OpenAI's routes (and vLLM's beside them): /v1/models, /v1/completions, /v1/chat/completions,
-/tokenize and /detokenize, added to the server's app (entrypoints/app.py)."""
+/tokenize and /detokenize, /v1/responses (responses.py), added to the server's app (entrypoints/app.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from xlaserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from xlaserve.entrypoints.openai.responses import add_responses_routes
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import require_tokenizer, tokenize_text
 from xlaserve.entrypoints.serving.errors import bad_request
@@ -81,6 +82,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     )
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await create_chat_completion(state, request, raw_request)
+
+    add_responses_routes(app, state)
 
     @app.post("/tokenize", responses=_errors(400, 401, 404, 413, 415))
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

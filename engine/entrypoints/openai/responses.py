@@ -1,0 +1,304 @@
+"""OpenAI's Responses API, as vLLM serves it: POST /v1/responses (streamed as typed events or not),
+GET and DELETE /v1/responses/{id}.
+
+A request takes the chat path (responses_convert.py: the chat template, the tool plan, SamplingParams
+with structured outputs, the ChoiceParser's reasoning and tool parsers); its parse becomes output items
+(reasoning, message, function_call). With `store` (the default) the response and its conversation
+are kept in a bounded LRU (responses_store.py), which `previous_response_id` continues and the GET
+and DELETE routes read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from xlaserve.entrypoints.openai.chat import chat_sampling_params, choice_parser
+from xlaserve.entrypoints.openai.responses_convert import input_turns, rename_error, to_chat_request
+from xlaserve.entrypoints.openai.responses_protocol import (
+    DeletedResponse,
+    FunctionCallOutput,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputMessage,
+    OutputTextPart,
+    OutputTokensDetails,
+    ReasoningOutput,
+    ReasoningTextPart,
+    Response,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
+from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream, item_id
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, ParsedChoice
+from xlaserve.entrypoints.serving.chat_template import apply_chat_template
+from xlaserve.entrypoints.serving.engine_io import (
+    check_context,
+    check_finish,
+    collect_final,
+    engine_error,
+    merge_streams,
+    tokenize_text,
+)
+from xlaserve.entrypoints.serving.errors import APIError
+from xlaserve.entrypoints.serving.protocol import ErrorResponse
+from xlaserve.entrypoints.serving.state import ServerState, check_model
+from xlaserve.entrypoints.serving.tools import ToolPlan, plan_tools
+
+logger = logging.getLogger("xlaserve.entrypoints.openai")
+
+
+def _errors(*codes: int) -> dict:
+    return {code: {"model": ErrorResponse} for code in codes}
+
+
+def add_responses_routes(app: FastAPI, state: ServerState) -> None:
+    store = ResponseStore(state.max_stored_responses)
+
+    @app.post(
+        "/v1/responses",
+        response_model=None,
+        responses={
+            200: {"model": Response, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **_errors(400, 401, 404, 413, 415, 503),
+        },
+    )
+    async def create(request: ResponsesRequest, raw_request: Request):
+        return await create_response(state, store, request, raw_request)
+
+    @app.get("/v1/responses/{response_id}", responses=_errors(401, 404))
+    async def retrieve(response_id: str) -> Response:
+        return Response.model_validate(_stored(store, response_id, "response_id").response)
+
+    @app.delete("/v1/responses/{response_id}", responses=_errors(401, 404))
+    async def delete(response_id: str) -> DeletedResponse:
+        _stored(store, response_id, "response_id")
+        store.delete(response_id)
+        return DeletedResponse(id=response_id)
+
+
+def _stored(store: ResponseStore, response_id: str, param: str) -> StoredResponse:
+    entry = store.get(response_id)
+    if entry is None:
+        shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
+        raise APIError(404, f"Response with id '{shown}' not found.", param=param, code="response_not_found")
+    return entry
+
+
+def _usage(
+    state: ServerState, num_prompt: int, num_generated: int, num_cached: int, reasoning: str
+) -> ResponseUsage:
+    tokenizer = state.engine.tokenizer
+    num_reasoning = len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    return ResponseUsage(
+        input_tokens=num_prompt,
+        input_tokens_details=InputTokensDetails(cached_tokens=num_cached),
+        output_tokens=num_generated,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=min(num_reasoning, num_generated)),
+        total_tokens=num_prompt + num_generated,
+    )
+
+
+def _shell(req: ResponsesRequest, plan: ToolPlan, request_id: str, model: str) -> Response:
+    """The response as it stands before any output: what the request asked for, in progress."""
+    if plan.choice == "named":
+        tool_choice = {"type": "function", "name": plan.function_name}
+    else:
+        tool_choice = plan.choice
+    text_format = req.text.format if req.text is not None and req.text.format is not None else None
+    return Response(
+        id=request_id,
+        created_at=int(time.time()),
+        status="in_progress",
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        model=model,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        previous_response_id=req.previous_response_id,
+        reasoning={
+            "effort": req.reasoning.effort if req.reasoning else None,
+            "summary": req.reasoning.summary if req.reasoning else None,
+        },
+        store=req.store,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        text={
+            "format": text_format.model_dump(by_alias=True, exclude_none=True)
+            if text_format
+            else {"type": "text"}
+        },
+        tool_choice=tool_choice,
+        tools=[tool.model_dump(exclude_none=True) for tool in req.tools or []],
+        top_p=1.0 if req.top_p is None else req.top_p,
+        user=req.user,
+        metadata=req.metadata or {},
+    )
+
+
+def _finished(response: Response, items, usage: ResponseUsage, finish_reason: str | None) -> Response:
+    is_cut = finish_reason == "length"
+    return response.model_copy(
+        update={
+            "status": "incomplete" if is_cut else "completed",
+            "incomplete_details": IncompleteDetails(reason="max_output_tokens") if is_cut else None,
+            "output": items,
+            "usage": usage,
+        }
+    )
+
+
+def output_items(parsed: ParsedChoice, status: str) -> list:
+    """A whole answer's items: its reasoning, its text (an empty message when there is nothing else),
+    then each call."""
+    items = []
+    if parsed.reasoning:
+        items.append(ReasoningOutput(id=item_id("rs"), content=[ReasoningTextPart(text=parsed.reasoning)]))
+    calls = [
+        FunctionCallOutput(
+            id=item_id("fc"), call_id=c.id, name=c.function.name, arguments=c.function.arguments
+        )
+        for c in parsed.tool_calls
+    ]
+    if parsed.content or not calls:
+        items.append(
+            OutputMessage(
+                id=item_id("msg"), status=status, content=[OutputTextPart(text=parsed.content or "")]
+            )
+        )
+    return items + calls
+
+
+def answer_turn(items) -> dict:
+    """The response's output as the assistant's chat turn, for a later request to continue."""
+    text = "".join(p.text for item in items if isinstance(item, OutputMessage) for p in item.content)
+    turn: dict = {"role": "assistant", "content": text}
+    calls = [
+        {"id": i.call_id, "type": "function", "function": {"name": i.name, "arguments": i.arguments}}
+        for i in items
+        if isinstance(i, FunctionCallOutput) and _is_object(i.arguments)
+    ]
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def _is_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
+
+
+async def create_response(
+    state: ServerState, store: ResponseStore, req: ResponsesRequest, raw_request: Request
+):
+    model = check_model(state, req.model)
+    history: list[dict] = []
+    if req.previous_response_id is not None:
+        history = _stored(store, req.previous_response_id, "previous_response_id").conversation
+    conversation = history + input_turns(req, history)
+    chat = to_chat_request(req, conversation)
+    try:
+        plan = plan_tools(chat, state.enable_auto_tool_choice)
+        text = apply_chat_template(state, chat.messages, True, False, chat.tools)
+        ids = tokenize_text(state.engine, text, False, "input")
+        check_context(state.engine, len(ids), chat.max_tokens, "input")
+        params = chat_sampling_params(state, chat, plan, ids, chat.max_tokens)
+    except APIError as e:
+        raise rename_error(e) from None
+    parser = choice_parser(state, chat, plan, ids)
+    request_id = item_id("resp")
+    try:
+        stream = state.engine.add_request(
+            ids,
+            params,
+            request_id,
+            prompt=text,
+            priority=chat.priority,
+            cache_salt=chat.cache_salt,
+            output_kind="delta" if req.stream else "final",
+            lora_request=state.lora_request(req.model),
+        )
+    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
+        raise engine_error(e) from None
+    if state.log_requests:
+        logger.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
+    shell = _shell(req, plan, request_id, model)
+    saved = _Saver(store, req.store, conversation)
+    if req.stream:
+        return StreamingResponse(
+            _events(state, shell, stream, len(ids), parser, saved), media_type="text/event-stream"
+        )
+    try:
+        (output,) = await collect_final(raw_request, [stream])
+    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
+        raise engine_error(e) from None
+    check_finish(output)
+    (completion,) = output.outputs
+    parsed = parser.parse(completion.text)
+    status = "incomplete" if completion.finish_reason == "length" else "completed"
+    items = output_items(parsed, status)
+    usage = _usage(
+        state, len(ids), len(completion.token_ids), output.num_cached_tokens, parsed.reasoning or ""
+    )
+    response = _finished(shell, items, usage, completion.finish_reason)
+    saved(response)
+    return response
+
+
+class _Saver:
+    """Keeps a finished response and its conversation in the store when the request said `store`."""
+
+    def __init__(self, store: ResponseStore, is_stored: bool, conversation: list[dict]):
+        self.store = store
+        self.is_stored = is_stored
+        self.conversation = conversation
+
+    def __call__(self, response: Response) -> None:
+        if self.is_stored:
+            conversation = [*self.conversation, answer_turn(response.output)]
+            self.store.put(response.id, StoredResponse(response.model_dump(), conversation))
+
+
+async def _events(
+    state, shell: Response, stream, num_prompt_tokens: int, parser: ChoiceParser, saved: _Saver
+):
+    write = EventWriter()
+    items = OutputStream(write)
+    yield write("response.created", response=shell.model_dump())
+    yield write("response.in_progress", response=shell.model_dump())
+    num_generated = num_cached = 0
+    reasoning = ""
+    merged = merge_streams([stream])
+    try:
+        async for _, output in merged:
+            check_finish(output)
+            (completion,) = output.outputs
+            num_generated += len(completion.token_ids)
+            num_cached = output.num_cached_tokens
+            delta = parser.feed(completion.text) if completion.text else None
+            events = items.feed(delta) if delta else []
+            reasoning += (delta.reasoning or "") if delta else ""
+            if completion.finish_reason is not None:
+                last = parser.finish()
+                reasoning += last.reasoning or ""
+                events += items.feed(last)
+                events += items.finish("incomplete" if completion.finish_reason == "length" else "completed")
+            for event in events:
+                yield event
+            if completion.finish_reason is None:
+                continue
+            usage = _usage(state, num_prompt_tokens, num_generated, num_cached, reasoning)
+            response = _finished(shell, items.items, usage, completion.finish_reason)
+            saved(response)
+            kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+            yield write(kind, response=response.model_dump())
+    except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
+        error = engine_error(e)
+        yield write("error", code=error.code, message=error.message, param=error.param)
+    finally:
+        await merged.aclose()

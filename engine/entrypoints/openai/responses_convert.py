@@ -1,0 +1,148 @@
+"""A Responses request as a chat completions request (`ChatCompletionRequest`), so it takes the chat
+path: the same template rendering (tools, earlier calls, tool results), tool plan (structured outputs
+for required and named calls), sampling parameters and output parsers.
+
+The shapes map one to one: `instructions` is a first system message (not carried over to a later
+turn, as in OpenAI's API); a string `input` is a user message; `function_call` items are the tool_calls
+of the assistant turn before them (or of a new one); each `function_call_output` is a `tool` message;
+the flat tools and tool_choice nest under "function"; `text.format` is `response_format`;
+`max_output_tokens` is `max_tokens`. What the chat path would name by its own fields is checked here
+first, each a 400 naming the Responses field (`input[3].call_id`); what it checks itself has its
+field renamed by `rename_error`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from pydantic import ValidationError
+
+from xlaserve.entrypoints.openai.responses_protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    JsonSchemaFormat,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequest,
+)
+from xlaserve.entrypoints.serving.errors import APIError, bad_request, loc_to_param
+from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
+
+# The chat request's field names (in `param` and in messages) -> the Responses API's.
+_RENAMES = [
+    (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "text.format.schema"),
+    (re.compile(r"\bresponse_format\b"), "text.format"),
+    (re.compile(r"\btools\[(\d+)\]\.function\.(\w+)"), r"tools[\1].\2"),
+    (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
+    (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bmessages\[\d+\](\.\w+)*"), "input"),  # the chat messages do not index the input
+]
+_SAMPLING = (
+    "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "cache_salt", "user",
+    "parallel_tool_calls", "stream",
+)  # fmt: skip
+
+
+def rename(text: str) -> str:
+    for pattern, replacement in _RENAMES:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def rename_error(error: APIError) -> APIError:
+    """An error of the chat path, its field named as the Responses request has it."""
+    if error.param is None or error.status_code != 400:
+        return error
+    param = "input" if error.param.startswith("messages") else rename(error.param)
+    return APIError(400, rename(error.message), param=param, code=error.code)
+
+
+def input_turns(req: ResponsesRequest, history: list[dict]) -> list[dict]:
+    """The request's `input` as chat messages (dicts of ChatMessage's fields), checked against itself and
+    the `history` it continues: a call's arguments are a JSON object's text, call ids are unique, and
+    each output answers an earlier call."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    call_ids = {call["id"] for turn in history for call in turn.get("tool_calls") or []}
+    turns: list[dict] = []
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        if isinstance(item, MessageItem):
+            content = item.content
+            if not isinstance(content, str):
+                content = "".join(part.text for part in content)
+            turns.append({"role": item.role, "content": content})
+        elif isinstance(item, FunctionCallItem):
+            _check_arguments(item.arguments, f"{where}.arguments")
+            if item.call_id in call_ids:
+                raise bad_request(f"the call_id {item.call_id[:64]!r} is used twice", f"{where}.call_id")
+            call_ids.add(item.call_id)
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            previous = turns[-1] if turns else None
+            if previous is not None and previous["role"] == "assistant":
+                previous.setdefault("tool_calls", []).append(call)  # the calls of the answer before them
+            else:
+                turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in call_ids:
+                raise bad_request(
+                    f"no function_call with call_id {item.call_id[:64]!r} comes before this output",
+                    f"{where}.call_id",
+                )
+            output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+            turns.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        elif isinstance(item, ReasoningItem):
+            continue  # a model's earlier thinking: templates leave it out
+    return turns
+
+
+def _check_arguments(arguments: str, param: str) -> None:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise bad_request("must be a JSON object, as text", param)
+
+
+def to_chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
+    """The chat request for `conversation` (the earlier turns and this input's) under the request's
+    instructions, tools, format and sampling fields."""
+    if not conversation:
+        raise bad_request("input is empty: send a string or at least one item", "input")
+    messages = list(conversation)
+    if req.instructions is not None:
+        messages.insert(0, {"role": "system", "content": req.instructions})
+    body: dict = {"messages": messages}
+    if req.tools:
+        body["tools"] = [
+            {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
+            for tool in req.tools
+        ]
+    choice = req.tool_choice
+    if choice is not None:
+        body["tool_choice"] = (
+            choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice.name}}
+        )
+    text_format = req.text.format if req.text is not None else None
+    if isinstance(text_format, JsonSchemaFormat):
+        json_schema = {"name": text_format.name, "schema": text_format.schema_}
+        body["response_format"] = {"type": "json_schema", "json_schema": json_schema}
+    elif text_format is not None:
+        body["response_format"] = {"type": text_format.type}
+    if req.max_output_tokens is not None:
+        body["max_tokens"] = req.max_output_tokens
+    fields = req.model_dump(include=set(_SAMPLING), exclude_unset=True)
+    body.update({k: v for k, v in fields.items() if v is not None})
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:  # a limit of the chat request's that the Responses shapes do not state
+        error = e.errors()[0]
+        param = rename(loc_to_param(tuple(error.get("loc", ()))) or "input")
+        raise bad_request(f"this request cannot be served: {param}: {error.get('msg')}", param) from None

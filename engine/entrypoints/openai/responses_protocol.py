@@ -1,0 +1,418 @@
+"""OpenAI's Responses API shapes (pydantic): the request of POST /v1/responses, strict like the chat
+request (unknown fields, wrong JSON types and invalid Unicode are 400s naming the field), and the
+response object and its output items as OpenAI documents them.
+
+`input` is a string (one user message) or a list of items: messages (role user, system, developer or
+assistant; content a string or `input_text`/`output_text` parts), `function_call` (a call the model made
+earlier), `function_call_output` (its result) and `reasoning` (accepted when a client sends its output
+back; not shown to the model). Items, parts, tools and text formats are told apart by `type` through
+tags that error locations drop (`RESPONSES_TAGS`), so an error names `input[2].call_id`, not a branch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Discriminator, Field, Tag
+
+from xlaserve.entrypoints.serving.protocol import (
+    FUNCTION_NAME_PATTERN,
+    MAX_TOOLS,
+    JsonObject,
+    Penalty,
+    PositiveTokens,
+    Seed,
+    StopString,
+    StrictModel,
+    Text,
+    TokenId,
+)
+
+MAX_INPUT_ITEMS = 4096
+MAX_METADATA_KEYS = 16
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+ItemId = Annotated[Text, Field(min_length=1, max_length=256)]
+
+
+def _type_tag(value, kinds, suffix: str, default: str | None = None) -> str:
+    """The union tag of a `{"type": ...}` member; `default` for a member without `type`, and
+    "unknown-..." for an unknown one, so the error names the field rather than every branch."""
+    kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+    return f"{kind}-{suffix}" if isinstance(kind, str) and kind in kinds else f"unknown-{suffix}"
+
+
+# -- input ------------------------------------------------------------------------------------------
+
+
+class InputText(StrictModel):
+    type: Literal["input_text"]
+    text: Text
+
+
+class OutputText(StrictModel):
+    """An assistant's text sent back (a previous response's output)."""
+
+    type: Literal["output_text"]
+    text: Text
+    annotations: list[dict[str, Any]] | None = Field(default=None, description="accepted and ignored")
+    logprobs: list[dict[str, Any]] | None = Field(default=None, description="accepted and ignored")
+
+
+_PARTS = {"input_text": InputText, "output_text": OutputText}
+
+
+class _UnknownPart(StrictModel):
+    type: Literal["input_text", "output_text"]
+
+
+ContentPart = Annotated[
+    Annotated[InputText, Tag("input_text-part")]
+    | Annotated[OutputText, Tag("output_text-part")]
+    | Annotated[_UnknownPart, Tag("unknown-part")],
+    Discriminator(lambda value: _type_tag(value, _PARTS, "part")),
+]
+
+
+def _text_or_list(kind: str):
+    """A string, or a list of `kind`'s parts, told apart up front so an error names the element
+    (`input[0].content[1].text`) rather than both branches."""
+
+    def tag(value) -> str | None:
+        if isinstance(value, str):
+            return "text-value"
+        return "list-value" if isinstance(value, list) else None
+
+    return Annotated[
+        Annotated[Text, Tag("text-value")]
+        | Annotated[list[kind], Field(max_length=MAX_INPUT_ITEMS), Tag("list-value")],
+        Discriminator(
+            tag, custom_error_type="content_type", custom_error_message="must be a string or a list of parts"
+        ),
+    ]
+
+
+class MessageItem(StrictModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: _text_or_list(ContentPart)
+    id: ItemId | None = None
+    status: ItemStatus | None = None
+
+
+class FunctionCallItem(StrictModel):
+    """A call the model made earlier: `call_id` is what its function_call_output answers."""
+
+    type: Literal["function_call"]
+    call_id: ItemId
+    name: Text = Field(pattern=FUNCTION_NAME_PATTERN)
+    arguments: Text = Field(max_length=256 * 1024, description="the call's arguments as JSON text")
+    id: ItemId | None = None
+    status: ItemStatus | None = None
+
+
+class FunctionCallOutputItem(StrictModel):
+    type: Literal["function_call_output"]
+    call_id: ItemId
+    output: _text_or_list(InputText)
+    id: ItemId | None = None
+    status: ItemStatus | None = None
+
+
+class SummaryText(StrictModel):
+    type: Literal["summary_text"]
+    text: Text
+
+
+class ReasoningText(StrictModel):
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class ReasoningItem(StrictModel):
+    """A previous response's reasoning sent back: accepted, not shown to the model (templates drop
+    earlier thinking)."""
+
+    type: Literal["reasoning"]
+    id: ItemId | None = None
+    summary: list[SummaryText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: Text | None = None
+    status: ItemStatus | None = None
+
+
+_ITEMS = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
+}
+
+
+class _UnknownItem(StrictModel):
+    type: Literal["message", "function_call", "function_call_output", "reasoning"]
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message-item")]
+    | Annotated[FunctionCallItem, Tag("function_call-item")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output-item")]
+    | Annotated[ReasoningItem, Tag("reasoning-item")]
+    | Annotated[_UnknownItem, Tag("unknown-item")],
+    # An item without "type" is a message ({"role", "content"}: OpenAI's easy input message).
+    Discriminator(lambda value: _type_tag(value, _ITEMS, "item", default="message")),
+]
+
+
+# -- tools and formats --------------------------------------------------------------------------------
+
+
+class FunctionTool(StrictModel):
+    """The Responses API's flat function tool (the chat API nests these under "function")."""
+
+    type: Literal["function"]
+    name: Text = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: Text | None = Field(default=None, max_length=64 * 1024)
+    parameters: JsonObject | None = Field(default=None, description="a JSON schema; none: no arguments")
+    strict: bool | None = Field(default=None, description="accepted; required and named calls are enforced")
+
+
+class NamedFunctionChoice(StrictModel):
+    type: Literal["function"]
+    name: Text = Field(min_length=1, max_length=64)
+
+
+def _tool_choice_kind(value) -> str | None:
+    if isinstance(value, str):
+        return "responses-choice-mode"
+    return "responses-choice-function" if isinstance(value, dict) else None
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("responses-choice-mode")]
+    | Annotated[NamedFunctionChoice, Tag("responses-choice-function")],
+    Discriminator(
+        _tool_choice_kind,
+        custom_error_type="tool_choice_type",
+        custom_error_message="must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+    ),
+]
+
+
+class TextFormat(StrictModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(StrictModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(StrictModel):
+    """The Responses API's flat json_schema format (the chat API nests it under "json_schema")."""
+
+    type: Literal["json_schema"]
+    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    schema_: JsonObject = Field(alias="schema")
+    description: Text | None = None
+    strict: bool | None = Field(default=None, description="accepted; the schema is always enforced")
+
+
+_FORMATS = {"text": TextFormat, "json_object": JsonObjectFormat, "json_schema": JsonSchemaFormat}
+
+
+class _UnknownFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+Format = Annotated[
+    Annotated[TextFormat, Tag("text-format")]
+    | Annotated[JsonObjectFormat, Tag("json_object-format")]
+    | Annotated[JsonSchemaFormat, Tag("json_schema-format")]
+    | Annotated[_UnknownFormat, Tag("unknown-format")],
+    Discriminator(lambda value: _type_tag(value, _FORMATS, "format")),
+]
+
+
+class TextConfig(StrictModel):
+    format: Format | None = None
+    verbosity: Literal["low", "medium", "high"] | None = Field(
+        default=None, description="accepted and ignored"
+    )
+
+
+class ReasoningConfig(StrictModel):
+    """Accepted: a --reasoning-parser splits the thinking of models that think; effort is not enforced."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class StreamOptions(StrictModel):
+    include_obfuscation: bool | None = Field(default=None, description="accepted; events are not padded")
+
+
+def _input_kind(value) -> str | None:
+    if isinstance(value, str):
+        return "input-text"
+    return "input-items" if isinstance(value, list) else None
+
+
+# A string is one user message, a list holds items: only that branch's errors are reported.
+Input = Annotated[
+    Annotated[Text, Tag("input-text")]
+    | Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS), Tag("input-items")],
+    Discriminator(
+        _input_kind,
+        custom_error_type="input_type",
+        custom_error_message="must be a string or a list of input items",
+    ),
+]
+RESPONSES_TAGS = frozenset(
+    {f"{kind}-part" for kind in _PARTS}
+    | {f"{kind}-item" for kind in _ITEMS}
+    | {f"{kind}-format" for kind in _FORMATS}
+    | {"unknown-part", "unknown-item", "unknown-format", "responses-choice-mode", "responses-choice-function"}
+    | {"input-text", "input-items", "text-value", "list-value"}
+)
+
+
+class ResponsesRequest(StrictModel):
+    """POST /v1/responses: OpenAI's fields, then vLLM's sampling extras (as on the chat route)."""
+
+    model: Text | None = Field(default=None, description="the served model name (optional)")
+    input: Input
+    instructions: Text | None = Field(default=None, description="a system message; not carried over")
+    previous_response_id: ItemId | None = None
+    store: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_output_tokens: PositiveTokens | None = Field(default=None, description="default: up to the context")
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="default 1.0")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = Field(
+        default=None, description="default: auto when the server enables it and tools are given, else none"
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="false: one call at most")
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    metadata: Annotated[dict[str, Annotated[Text, Field(max_length=512)]], Field(max_length=16)] | None = None
+    user: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
+    truncation: Literal["disabled"] | None = Field(default=None, description="'auto' is not supported")
+    background: Literal[False] | None = Field(default=None, description="background mode is not supported")
+    include: Annotated[list[Text], Field(max_length=16)] | None = Field(
+        default=None, description="accepted; nothing extra is included"
+    )
+    service_tier: Literal["auto", "default"] | None = None
+    prompt_cache_key: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
+    safety_identifier: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
+    # vLLM's extras
+    seed: Seed | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)
+
+
+# -- the response -------------------------------------------------------------------------------------
+
+
+class OutputTextPart(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[dict[str, Any]] = Field(default_factory=list)
+    logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: ItemStatus = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputTextPart]
+
+
+class FunctionCallOutput(BaseModel):
+    """A call the model made (a `function_call` output item)."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus = "completed"
+
+
+class ReasoningTextPart(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOutput(BaseModel):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningTextPart]
+    status: ItemStatus = "completed"
+
+
+OutputItem = OutputMessage | FunctionCallOutput | ReasoningOutput
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class Response(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: dict[str, Any] | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None, "summary": None})
+    store: bool = True
+    temperature: float = 1.0
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: Any = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_p: float = 1.0
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True

@@ -1,0 +1,154 @@
+"""The Responses API's typed event stream (`event: <type>` then `data: <json>`, each with a
+`sequence_number` counting from 0; no `[DONE]`):
+
+  response.created, response.in_progress
+  per output item, in order:
+    response.output_item.added
+    a message:   response.content_part.added, response.output_text.delta..., response.output_text.done,
+                 response.content_part.done
+    reasoning:   response.content_part.added, response.reasoning_text.delta..., response.reasoning_text.done,
+                 response.content_part.done
+    a call:      response.function_call_arguments.delta..., response.function_call_arguments.done
+    response.output_item.done
+  response.completed (or response.incomplete, as OpenAI ends a response cut by max_output_tokens)
+
+An error after the headers is an `error` event, and the stream ends. The items streamed are the
+items of the final response object (`OutputStream.items`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from xlaserve.entrypoints.openai.responses_protocol import (
+    FunctionCallOutput,
+    OutputItem,
+    OutputMessage,
+    OutputTextPart,
+    ReasoningOutput,
+    ReasoningTextPart,
+)
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class EventWriter:
+    """Server-sent events numbered in the order written."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, kind: str, **fields) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class OutputStream:
+    """Output items as events, from the chat path's ChoiceDeltas: thinking opens a reasoning item,
+    answer text a message item, each call's first delta a function_call item; a new item closes the
+    open one."""
+
+    def __init__(self, write: EventWriter):
+        self.write = write
+        self.items: list[OutputItem] = []  # every item opened, in output order
+        self._open: OutputItem | None = None
+        self._text = ""  # the open item's text, or a call's arguments
+
+    def feed(self, delta: ChoiceDelta) -> list[str]:
+        events = []
+        if delta.reasoning:
+            events += self._add_text("reasoning", delta.reasoning)
+        if delta.content:
+            events += self._add_text("message", delta.content)
+        for call in delta.tool_calls:
+            if call.id is not None:
+                events += self.close("completed")
+                item = FunctionCallOutput(
+                    id=item_id("fc"), call_id=call.id, name=call.function.name or "", arguments="",
+                    status="in_progress",
+                )  # fmt: skip
+                events += self._open_item(item)
+            pieces = call.function.arguments
+            if pieces and isinstance(self._open, FunctionCallOutput):
+                self._text += pieces
+                index = len(self.items) - 1
+                events.append(
+                    self.write(
+                        "response.function_call_arguments.delta",
+                        item_id=self._open.id,
+                        output_index=index,
+                        delta=pieces,
+                    )  # fmt: skip
+                )
+        return events
+
+    def finish(self, status: str) -> list[str]:
+        """Close the open item with `status` ("completed", or "incomplete" when cut); a response
+        without any output gets an empty message, as the non-streamed answer does."""
+        events = [] if self.items else self._add_text("message", "")
+        return events + self.close(status)
+
+    def close(self, status: str) -> list[str]:
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        index = len(self.items) - 1
+        text, self._text = self._text, ""
+        events = []
+        if isinstance(item, FunctionCallOutput):
+            item.arguments = text
+            done = {"item_id": item.id, "output_index": index}
+            events.append(
+                self.write("response.function_call_arguments.done", **done, name=item.name, arguments=text)
+            )
+        else:
+            is_message = isinstance(item, OutputMessage)
+            part = OutputTextPart(text=text) if is_message else ReasoningTextPart(text=text)
+            item.content = [part]
+            where = {"item_id": item.id, "output_index": index, "content_index": 0}
+            if is_message:
+                events.append(self.write("response.output_text.done", **where, text=text, logprobs=[]))
+            else:
+                events.append(self.write("response.reasoning_text.done", **where, text=text))
+            events.append(self.write("response.content_part.done", **where, part=part.model_dump()))
+        item.status = status
+        events.append(self.write("response.output_item.done", output_index=index, item=item.model_dump()))
+        return events
+
+    def _open_item(self, item: OutputItem) -> list[str]:
+        self._open = item
+        self.items.append(item)
+        index = len(self.items) - 1
+        events = [self.write("response.output_item.added", output_index=index, item=item.model_dump())]
+        if isinstance(item, FunctionCallOutput):
+            return events
+        part = OutputTextPart(text="") if isinstance(item, OutputMessage) else ReasoningTextPart(text="")
+        where = {"item_id": item.id, "output_index": index, "content_index": 0}
+        events.append(self.write("response.content_part.added", **where, part=part.model_dump()))
+        return events
+
+    def _add_text(self, kind: str, text: str) -> list[str]:
+        events = []
+        is_message = kind == "message"
+        wanted = OutputMessage if is_message else ReasoningOutput
+        if not isinstance(self._open, wanted):
+            events += self.close("completed")
+            if is_message:
+                item = OutputMessage(id=item_id("msg"), status="in_progress", content=[])
+            else:
+                item = ReasoningOutput(id=item_id("rs"), status="in_progress", content=[])
+            events += self._open_item(item)
+        if text:
+            self._text += text
+            where = {"item_id": self._open.id, "output_index": len(self.items) - 1, "content_index": 0}
+            if is_message:
+                events.append(self.write("response.output_text.delta", **where, delta=text, logprobs=[]))
+            else:
+                events.append(self.write("response.reasoning_text.delta", **where, delta=text))
+        return events

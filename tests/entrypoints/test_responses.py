@@ -1,0 +1,395 @@
+"""OpenAI's Responses API through `xlaserve serve` (the session's SmolLM2 server, hermes tool parser,
+auto tool choice on) and the official `openai` client: answers equal to the chat route's for the
+same conversation, the typed event stream in its documented order, function-call round trips,
+json_schema formats, the store (previous_response_id, retrieve, delete, eviction) and the errors."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from helpers.server_harness import MAX_STORED_RESPONSES, MODEL_NAME
+from xlaserve.entrypoints.openai.responses import answer_turn, output_items
+from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
+from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta, ParsedChoice
+from xlaserve.entrypoints.serving.tool_parsers import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}
+]
+ASK = "What will the weather be in Paris for the next 3 days?"
+QUESTION = "Name three colors."
+INSTRUCTIONS = "Answer briefly."
+GREEDY = {"temperature": 0.0, "max_output_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+
+
+def _create(client, **fields):
+    return client.responses.create(model=MODEL_NAME, **{**GREEDY, **fields})
+
+
+def _post(server, body: dict, path: str = "/v1/responses", method: str = "POST") -> httpx.Response:
+    return httpx.request(method, server.url + path, json=body, headers=server.headers, timeout=300)
+
+
+def _prompt_ids(server, messages: list[dict]) -> list[int]:
+    response = httpx.post(server.url + "/tokenize", json={"messages": messages}, headers=server.headers)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+def _chat(server, messages: list[dict], max_tokens: int) -> dict:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    response = _post(server, body, "/v1/chat/completions")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_greedy_text_and_usage_equal_the_chat_route(server, client):
+    response = _create(client, instructions=INSTRUCTIONS, input=QUESTION)
+    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
+    chat = _chat(server, messages, GREEDY["max_output_tokens"])
+    choice = chat["choices"][0]
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == MODEL_NAME
+    assert [item.type for item in response.output] == ["message"]
+    assert response.output_text == choice["message"]["content"] and response.output_text
+    assert response.usage.input_tokens == chat["usage"]["prompt_tokens"] == len(_prompt_ids(server, messages))
+    assert response.usage.output_tokens == chat["usage"]["completion_tokens"]
+    assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+    is_cut = choice["finish_reason"] == "length"
+    assert response.status == ("incomplete" if is_cut else "completed")
+    # The same conversation as items (a developer message, input_text parts) is the same prompt.
+    items = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": INSTRUCTIONS}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Name three "},
+                                     {"type": "input_text", "text": "colors."}]},
+    ]  # fmt: skip
+    as_items = _create(client, input=items, store=False)
+    assert as_items.output_text == response.output_text
+    assert as_items.usage.input_tokens == response.usage.input_tokens
+
+
+def test_max_output_tokens_makes_it_incomplete(client):
+    response = _create(client, input=QUESTION, max_output_tokens=2, store=False)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 2
+    (message,) = response.output
+    assert message.status == "incomplete" and message.content[0].type == "output_text"
+
+
+def _events(server, body: dict) -> list[dict]:
+    """Every event of a streamed response, checked for its `event:` line and its sequence_number."""
+    events = []
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/responses",
+        json={**body, "stream": True},
+        headers=server.headers,
+        timeout=300,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: ") :])
+                assert data["type"] == name and data["sequence_number"] == len(events)
+                events.append(data)
+    return events
+
+
+def test_stream_event_order_and_deltas(server, client):
+    body = {"model": MODEL_NAME, "input": QUESTION, "instructions": INSTRUCTIONS, **GREEDY}
+    events = _events(server, body)
+    kinds = [e["type"] for e in events]
+    num_deltas = kinds.count("response.output_text.delta")
+    assert num_deltas >= 1
+    final = (
+        "response.incomplete" if events[-1]["response"]["status"] == "incomplete" else "response.completed"
+    )
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * num_deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        final,
+    ]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    response = events[-1]["response"]
+    assert done["text"] == text == response["output"][0]["content"][0]["text"]
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["id"] == response["id"]
+    assert events[2]["item"]["id"] == done["item_id"] == response["output"][0]["id"]
+    # The streamed answer is the one-shot answer, and the stored one.
+    assert text == _create(client, input=QUESTION, instructions=INSTRUCTIONS, store=False).output_text
+    assert client.responses.retrieve(response["id"]).output_text == text
+    # The openai client reads the same stream into its typed events.
+    streamed = client.responses.create(
+        model=MODEL_NAME, input=QUESTION, instructions=INSTRUCTIONS, stream=True, **GREEDY
+    )
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == text
+
+
+def _check_call(item) -> dict:
+    assert item.type == "function_call" and item.name == "get_weather" and item.status == "completed"
+    assert item.call_id and item.id.startswith("fc_")
+    arguments = json.loads(item.arguments)
+    jsonschema.validate(arguments, WEATHER)
+    return arguments
+
+
+def test_function_call_round_trip(server, client):
+    first = _create(
+        client,
+        input=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+    )
+    assert first.status == "completed" and [item.type for item in first.output] == ["function_call"]
+    (call,) = first.output
+    _check_call(call)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"forecast": "sunny"}'}
+    # Continued by id: the call is in the stored history, so its output may answer it.
+    by_id = _create(client, previous_response_id=first.id, input=[result], tools=TOOLS, tool_choice="none")
+    assert [item.type for item in by_id.output] == ["message"] and by_id.output_text
+    # The same turn sent whole, the previous output as items: the same prompt, the same answer.
+    items = [
+        {"role": "user", "content": ASK},
+        *[i.model_dump(exclude_none=True) for i in first.output],
+        result,
+    ]
+    whole = _create(client, input=items, tools=TOOLS, tool_choice="none", store=False)
+    assert whole.usage.input_tokens == by_id.usage.input_tokens
+    assert whole.output_text == by_id.output_text
+
+
+def test_named_function_streams_argument_events(server):
+    body = {
+        "model": MODEL_NAME, "input": ASK, "tools": TOOLS, "temperature": 0, "max_output_tokens": 40,
+        "tool_choice": {"type": "function", "name": "get_weather"}, "store": False,
+    }  # fmt: skip
+    events = _events(server, body)
+    kinds = [e["type"] for e in events]
+    num_deltas = kinds.count("response.function_call_arguments.delta")
+    assert num_deltas >= 1
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        *["response.function_call_arguments.delta"] * num_deltas,
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    arguments = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    done = events[-3]
+    assert done["arguments"] == arguments and done["name"] == "get_weather"
+    jsonschema.validate(json.loads(arguments), WEATHER)
+    item = events[-1]["response"]["output"][0]
+    assert item["arguments"] == arguments and item["call_id"] == events[2]["item"]["call_id"]
+
+
+def test_json_schema_format_validates(client):
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
+            "population_millions": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "population_millions"],
+        "additionalProperties": False,
+    }
+    text = {"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}}
+    response = _create(client, input="Describe Paris as JSON.", text=text, max_output_tokens=60, store=False)
+    assert response.status == "completed", response.output_text
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text.format.type == "json_schema" and response.text.format.name == "city"
+
+
+def test_previous_response_id_carries_the_history(server, client):
+    first = _create(client, input="My name is Ada.", instructions=INSTRUCTIONS, max_output_tokens=6)
+    second = _create(client, input="What is my name?", previous_response_id=first.id, max_output_tokens=4)
+    # The instructions are not carried over, the first answer is.
+    history = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    assert second.usage.input_tokens == len(_prompt_ids(server, history))
+    alone = _prompt_ids(server, history[-1:])
+    assert second.usage.input_tokens > len(alone)
+    assert second.previous_response_id == first.id
+    third = _create(client, input="And again?", previous_response_id=second.id, max_output_tokens=2)
+    history += [
+        {"role": "assistant", "content": second.output_text},
+        {"role": "user", "content": "And again?"},
+    ]
+    assert third.usage.input_tokens == len(_prompt_ids(server, history))
+
+
+def test_retrieve_delete_and_not_stored(server, client):
+    response = _create(client, input=QUESTION, max_output_tokens=2, metadata={"run": "7"})
+    again = client.responses.retrieve(response.id)
+    assert again.id == response.id and again.output_text == response.output_text
+    assert again.usage == response.usage and again.metadata == {"run": "7"}
+    client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+    for method in ("GET", "DELETE"):
+        raw = httpx.request(method, f"{server.url}/v1/responses/{response.id}", headers=server.headers)
+        assert raw.status_code == 404
+        error = raw.json()["error"]
+        assert error["type"] == "not_found_error" and error["code"] == "response_not_found"
+        assert response.id in error["message"]
+    unstored = _create(client, input=QUESTION, max_output_tokens=1, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    raw = _post(server, {"input": "Hi", "previous_response_id": unstored.id})
+    assert raw.status_code == 404 and raw.json()["error"]["param"] == "previous_response_id"
+
+
+def test_store_evicts_the_least_recently_used(server, client):
+    """The session server keeps MAX_STORED_RESPONSES: one more evicts the oldest not read since."""
+    oldest = _create(client, input="Hi", max_output_tokens=1)
+    kept = _create(client, input="Hi", max_output_tokens=1)
+    for _ in range(MAX_STORED_RESPONSES - 2):
+        _create(client, input="Hi", max_output_tokens=1)
+    client.responses.retrieve(oldest.id)  # a read is a use: `kept` is now the least recently used
+    _create(client, input="Hi", max_output_tokens=1)
+    assert client.responses.retrieve(oldest.id).id == oldest.id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+
+
+def test_store_unit():
+    store = ResponseStore(2)
+    for name in "abc":
+        store.put(name, StoredResponse({"id": name}, []))
+    assert store.get("a") is None and len(store) == 2
+    store.get("b")
+    store.put("d", StoredResponse({"id": "d"}, []))
+    assert store.get("c") is None and store.get("b") is not None
+    assert store.delete("b") and not store.delete("b")
+    off = ResponseStore(0)
+    off.put("a", StoredResponse({}, []))
+    assert off.get("a") is None
+    with pytest.raises(ValueError, match="max-stored-responses"):
+        ResponseStore(-1)
+
+
+ERROR_CASES = [  # (body over {"input": QUESTION}, status, param, words the message holds)
+    ({"max_output_tokens": 10_000}, 400, "max_output_tokens", "512"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice.name", "nope"),
+    ({"tool_choice": "required"}, 400, "tool_choice", "tools"),
+    ({"input": [{"type": "image", "url": "x"}]}, 400, "input[0].type", "function_call"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+     "input[0].content[0].type", "input_text"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, 400,
+     "input[0].call_id", "call_9"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, 400,
+     "input[0].arguments", "JSON object"),
+    ({"input": []}, 400, "input", "empty"),
+    ({"previous_response_id": "resp_nothing"}, 404, "previous_response_id", "resp_nothing"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "foo"}}}}, 400,
+     "text.format.schema", "text.format.schema"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "foo"}}], "tool_choice": "required"},
+     400, "tools[0].parameters", "tools[0].parameters"),
+    ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type", "function"),
+    ({"truncation": "auto"}, 400, "truncation", "disabled"),
+    ({"background": True}, 400, "background", ""),
+    ({"top_logprobs": 2}, 400, "top_logprobs", "top_logprobs"),
+    ({"model": "gpt-5"}, 404, "model", "gpt-5"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields, status, param, words", ERROR_CASES, ids=[c[2] for c in ERROR_CASES])
+def test_errors_name_the_field(server, fields, status, param, words):
+    response = _post(server, {"input": QUESTION, "max_output_tokens": 1, "store": False, **fields})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert words in error["message"], error
+
+
+def test_reasoning_then_text_then_call_stream_as_items():
+    """What a --reasoning-parser gives (the session server has none): thinking, then the answer, then a
+    call, each its own item, in order, and the whole answer's items in the same order."""
+    write = EventWriter()
+    stream = OutputStream(write)
+    call = DeltaToolCall(0, DeltaFunctionCall("get_weather", '{"city": '), id="call_1", type="function")
+    events = [
+        *stream.feed(ChoiceDelta(reasoning="Let me ")),
+        *stream.feed(ChoiceDelta(reasoning="think.", content="Sure.")),
+        *stream.feed(ChoiceDelta(tool_calls=[call])),
+        *stream.feed(ChoiceDelta(tool_calls=[DeltaToolCall(0, DeltaFunctionCall(None, '"Paris"}'))])),
+        *stream.finish("completed"),
+    ]
+    payloads = [json.loads(event.split("data: ", 1)[1]) for event in events]
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    assert [p["type"] for p in payloads] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    assert [p["output_index"] for p in payloads if p["type"] == "response.output_item.done"] == [0, 1, 2]
+    reasoning, message, function_call = (item.model_dump() for item in stream.items)
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [
+        {"type": "reasoning_text", "text": "Let me think."}
+    ]
+    assert message["content"][0]["text"] == "Sure." and message["status"] == "completed"
+    assert function_call["arguments"] == '{"city": "Paris"}' and function_call["call_id"] == "call_1"
+    whole = output_items(
+        ParsedChoice(
+            "Let me think.",
+            "Sure.",
+            [ToolCall(FunctionCall("get_weather", '{"city": "Paris"}'), id="call_1")],
+        ),
+        "completed",
+    )
+    assert [item.type for item in whole] == ["reasoning", "message", "function_call"]
+    turn = answer_turn(whole)
+    assert (
+        turn["content"] == "Sure." and turn["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    )
