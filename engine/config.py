@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 
 # The argument spec and the speculative config have their own modules; callers import them from here.
 from xlaserve.config_args import ARG_KEY, Arg, arg, not_a_flag  # noqa: F401 (Arg: re-exported)
+from xlaserve.pooling_params import CONVERT_TYPES, PoolerConfig
 from xlaserve.speculative_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig  # noqa: F401
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
 _ATTENTION_BACKENDS = ("auto", "reference", "pallas", "jax-triton")
 _LOAD_FORMATS = ("auto", "dummy")
+RUNNER_TYPES = ("generate", "pooling")
 # vLLM's names. int8/fp8: quantize a float checkpoint at load; gguf: keep a GGUF's quantized tensors;
 # a checkpoint quantized at release (config.json's quantization_config) needs no flag.
 QUANTIZATION_METHODS = ("int8", "fp8", "gguf", "compressed-tensors")
@@ -85,7 +87,41 @@ class ModelConfig:
         ),
     )
 
+    # vLLM's runner: generate (sample tokens) or pooling (embeddings, classes, scores: the prompt's
+    # hidden states pooled, no decoding; worker/pooler.py, README "Pooling models").
+    runner: str = field(
+        default="generate",
+        metadata=arg(
+            "generate: sample tokens; pooling: embed, classify or score prompts", choices=RUNNER_TYPES
+        ),
+    )
+    convert: str = field(
+        default="auto",
+        metadata=arg(
+            "what a pooling runner computes (auto: classify for a *ForSequenceClassification checkpoint, "
+            "else embed)",
+            choices=CONVERT_TYPES,
+        ),
+    )
+    # A PoolerConfig; a dict or its JSON text (the flag) is converted.
+    pooler_config: PoolerConfig | None = field(
+        default=None,
+        metadata=arg(
+            'a pooling runner\'s defaults, as JSON: {"pooling_type": "LAST"|"MEAN"|"CLS"|"ALL", '
+            '"normalize": true, "dimensions": 256, "activation": true}'
+        ),
+    )
+
     def __post_init__(self):
+        object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+        _require(self.runner in RUNNER_TYPES, f"runner must be one of {RUNNER_TYPES}, got {self.runner!r}")
+        _require(
+            self.convert in CONVERT_TYPES, f"convert must be one of {CONVERT_TYPES}, got {self.convert!r}"
+        )
+        _require(
+            self.runner == "pooling" or (self.convert == "auto" and self.pooler_config is None),
+            f"convert and pooler_config need runner='pooling' (runner={self.runner!r})",
+        )
         _require(
             self.quantization is None or self.quantization in QUANTIZATION_METHODS,
             f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}",
@@ -99,6 +135,13 @@ class ModelConfig:
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1, got {self.max_model_len}",
         )
+
+    @property
+    def pooling_type(self) -> str:
+        """A pooling runner's pooling (pooler_config's, else ALL for reward models, LAST otherwise)."""
+        if self.pooler_config is not None and self.pooler_config.pooling_type is not None:
+            return self.pooler_config.pooling_type
+        return "ALL" if self.convert == "reward" else "LAST"
 
 
 @dataclass(frozen=True)
@@ -354,6 +397,17 @@ class EngineConfig:
             self.speculative is None or self.scheduler.async_scheduling is not True,
             "async_scheduling cannot be combined with speculative_config; turn one of them off",
         )
+        if self.model.runner == "pooling":
+            _require(
+                self.speculative is None, "runner='pooling' never decodes: speculative_config does not apply"
+            )
+            _require(self.parallel.nnodes == 1, "runner='pooling' runs on one host (nnodes=1)")
+            if self.cache.enable_prefix_caching and self.model.pooling_type != "LAST":
+                # A cached prefix's tokens are not computed again, and pooling over them needs their
+                # hidden states: only LAST pooling (the last token is always computed) may skip them.
+                object.__setattr__(
+                    self, "cache", dataclasses.replace(self.cache, enable_prefix_caching=False)
+                )
 
     def async_scheduling_off_reason(self) -> str | None:
         """Why async scheduling cannot run with this configuration (None: it can)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # One position's logprobs as the engine core sends them: token ids and logprobs with the sampled
 # (or actual prompt) token first, then the top-n tokens in descending order, and the 1-based rank
@@ -150,3 +151,58 @@ class RequestOutput:
             f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens}, "
             f"metrics={self.metrics})"
         )
+
+
+# -- pooling models (runner="pooling"): vLLM's output types -----------------------------------------
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's raw result: a vector (or, ALL pooling, one row per prompt token)."""
+
+    data: Any
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's result (`outputs`: one of the outputs above), in the order of the prompts."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """`outputs` is an EmbeddingOutput."""
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """`outputs` is a ClassificationOutput."""
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """`outputs` is a ScoringOutput."""

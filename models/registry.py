@@ -19,6 +19,7 @@ from xlaserve.models.phi3 import Phi3ForCausalLM
 from xlaserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
+_SEQ_CLS = "ForSequenceClassification"
 # A config.json that names no architecture (llama.cpp-era conversions) is read as Llama's.
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"
 
@@ -54,7 +55,11 @@ def register_model(architecture: str, model_class: type[CausalLM]) -> None:
 
 
 def get_model_class(architecture: str) -> type[CausalLM]:
-    """The model class for an HF architecture; an unknown one lists the supported ones."""
+    """The model class for an HF architecture; an unknown one lists the supported ones. A
+    *ForSequenceClassification decoder is its *ForCausalLM backbone (its `score` head is applied by
+    a pooling engine, engine/worker/pooler.py)."""
+    if architecture.endswith(_SEQ_CLS) and architecture[: -len(_SEQ_CLS)] + "ForCausalLM" in _MODELS:
+        architecture = architecture[: -len(_SEQ_CLS)] + "ForCausalLM"
     try:
         return _MODELS[architecture]
     except KeyError:

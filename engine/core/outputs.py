@@ -31,6 +31,8 @@ class ScheduledRequest:
     # Index among the request's outputs of the token this step samples (placeholders included): the
     # sampler's key and min_tokens read it.
     sample_index: int = field(init=False)
+    # A pooling request whose prompt this step completes: the runner returns its pooled output.
+    is_pooling: bool = field(init=False)
 
     def __post_init__(self):
         req = self.request
@@ -38,7 +40,10 @@ class ScheduledRequest:
             self.num_computed_tokens = req.num_computed_tokens
         end = self.num_computed_tokens + self.num_new_tokens
         num_known = req.num_tokens + len(self.spec_token_ids)  # drafts ride as known ids
-        self.is_sampling = end == num_known + req.num_output_placeholders
+        is_last = end == num_known + req.num_output_placeholders
+        # A pooling request never samples (so never holds a placeholder): its last chunk pools.
+        self.is_sampling = is_last and req.pooling_params is None
+        self.is_pooling = is_last and req.pooling_params is not None
         self.prev_sampled_row = req.last_sampled_row if end > num_known else -1
         self.sample_index = req.num_output_tokens + req.num_output_placeholders
 
@@ -82,6 +87,9 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Requests whose part of the step's host work raised: the scheduler finishes them with an error.
     failed_req_ids: set[str] = field(default_factory=set)
+    # Pooling requests whose prompt the step completed: their pooled output (a float32 vector, or a
+    # [num_prompt_tokens, D] matrix for ALL pooling), as worker/pooler.py computed it.
+    pooler_output: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,6 +106,8 @@ class EngineCoreOutput:
     # Finished (STOP) because the last token completed the request's grammar: that token is text,
     # where a STOP otherwise ends on EOS or a stop token id, whose text is left out.
     is_grammar_complete: bool = False
+    # A pooling request's result (it finishes with it): ModelRunnerOutput.pooler_output's.
+    pooling_output: Any = None
 
     @property
     def is_finished(self) -> bool:

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from xlaserve.lora_request import LoRARequest
+from xlaserve.pooling_params import PoolingParams
 from xlaserve.sampling_params import SamplingParams
 
 
@@ -101,6 +102,7 @@ class Request:
         sampling_seed: int = 0,
         parent_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ):
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -121,6 +123,9 @@ class Request:
         # A field, not a naming convention: a user's id may contain any character.
         self.parent_id = parent_id
         self.lora_request = lora_request  # the adapter it runs with; None: the base model
+        # A pooling request (runner="pooling"): it never samples, and finishes when its prompt is
+        # computed, with the pooled hidden states the runner returns (worker/pooler.py).
+        self.pooling_params = pooling_params
 
         # Append only through append_output_token_ids, which keeps both lists in step.
         self.output_token_ids: list[int] = []

@@ -336,6 +336,12 @@ class Scheduler:
                 outputs.append(self._finish_with_error(request, scheduled.num_computed_tokens))
                 num_finished += 1
                 continue
+            if scheduled.is_pooling:
+                outputs.append(
+                    self._finish_pooling(request, model_runner_output.pooler_output.get(request_id))
+                )
+                num_finished += 1
+                continue
             # A request preempted after its prompt was done recomputes the prompt: its prompt
             # logprobs were already reported, so the repeat is dropped.
             has_reported_prompt = request.num_output_tokens > 0
@@ -400,6 +406,21 @@ class Scheduler:
             [],
             finish_reason=FinishReason.ERROR,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def _finish_pooling(self, request: Request, pooled) -> EngineCoreOutput:
+        """A pooling request's prompt is computed: it finishes with its pooled output (an error if the
+        runner returned none)."""
+        if pooled is None:
+            return self._finish_with_error(request)
+        request.status = RequestStatus.FINISHED_STOPPED
+        self._free_request(request)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            finish_reason=FinishReason.STOP,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            pooling_output=pooled,
         )
 
     # -- metrics ------------------------------------------------------------------------------

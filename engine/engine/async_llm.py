@@ -23,6 +23,8 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 
+import numpy as np
+
 from xlaserve.config import EngineConfig
 from xlaserve.core.limits import RequestLimits
 from xlaserve.engine.core_client import EngineCoreClient, EngineDeadError, cancel_quietly
@@ -48,6 +50,7 @@ from xlaserve.engine.request_stream import (
 from xlaserve.engine.supervisor import CoreSupervisor, EngineState, RestartPolicy
 from xlaserve.lora_request import LoRARequest
 from xlaserve.outputs import RequestOutput
+from xlaserve.pooling_params import PoolingParams
 from xlaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -124,6 +127,10 @@ class AsyncLLM:
         self.metrics = EngineMetrics()
         self.finish_reason_counts: collections.Counter[str] = collections.Counter()
         self._streams: dict[str, asyncio.Queue] = {}
+        # runner="pooling": each pooling request's future, resolved with its pooled output (`encode`).
+        self._pooling: dict[str, asyncio.Future] = {}
+        self.pooling_task: str | None = None  # the model's (embed, classify, reward); None: generate
+        self.hidden_size = 0
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._is_asleep = False  # set by sleep() / wake_up(): a request meanwhile is refused here
@@ -164,6 +171,7 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.num_usable_blocks = ready.num_usable_blocks
         self.lora_slots = (ready.lora_layout, ready.lora_layer_stacks)  # (None, None): LoRA off
+        self.pooling_task, self.hidden_size = ready.pooling_task, ready.hidden_size
         self.metrics.record_engine(ready.weight_bytes, ready.num_kv_blocks)
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -172,6 +180,8 @@ class AsyncLLM:
             ready.eos_token_id,
             self.config.model.seed,
             RequestLimits(ready.max_model_len, self.block_size, ready.num_usable_blocks),
+            pooling_task=ready.pooling_task,
+            hidden_size=ready.hidden_size,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._attach_core()
@@ -215,7 +225,10 @@ class AsyncLLM:
 
     def get_num_unfinished_requests(self) -> int:
         """Core-level requests in flight (each of an n > 1 request's children counts)."""
-        return 0 if self.output_processor is None else self.output_processor.get_num_unfinished_requests()
+        num_generating = (
+            0 if self.output_processor is None else self.output_processor.get_num_unfinished_requests()
+        )
+        return num_generating + len(self._pooling)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -276,22 +289,14 @@ class AsyncLLM:
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Add a request now (errors are raised here, synchronously) and return its output stream."""
-        self.check_health()
-        if self._is_asleep:
+        if self.config.model.runner != "generate":
             raise InvalidRequestError(
-                "the engine is asleep (POST /sleep): POST /wake_up before sending requests"
+                f"this server runs runner={self.config.model.runner!r}: it embeds, classifies and scores "
+                "(/v1/embeddings, /pooling, /classify, /score, /rerank); generating text needs "
+                "runner='generate'",
+                "model",
             )
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        queued = self.config.scheduler.max_num_queued_reqs
-        if queued is not None:
-            limit = self.config.scheduler.max_num_seqs + queued
-            if self.get_num_unfinished_requests() + params.n > limit:
-                raise QueueFullError(
-                    f"the server is at capacity ({self.get_num_unfinished_requests()} requests in flight; "
-                    f"max_num_seqs={self.config.scheduler.max_num_seqs} running plus "
-                    f"max_num_queued_reqs={queued} waiting); retry later"
-                )
+        self._check_admission(request_id, params.n)
         self.validate(prompt_token_ids, params)
         if lora_request is not None and not self.config.lora.enable_lora:
             raise InvalidRequestError("LoRA adapters are not enabled on this server (--enable-lora)", "model")
@@ -315,6 +320,77 @@ class AsyncLLM:
             self.output_processor.abort_requests([request_id])
             raise
         return RequestStream(self, request_id, queue)
+
+    def _check_admission(self, request_id: str, num_requests: int) -> None:
+        self.check_health()
+        if self._is_asleep:
+            raise InvalidRequestError(
+                "the engine is asleep (POST /sleep): POST /wake_up before sending requests"
+            )
+        if request_id in self._streams or request_id in self._pooling:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queued = self.config.scheduler.max_num_queued_reqs
+        if queued is not None:
+            limit = self.config.scheduler.max_num_seqs + queued
+            if self.get_num_unfinished_requests() + num_requests > limit:
+                raise QueueFullError(
+                    f"the server is at capacity ({self.get_num_unfinished_requests()} requests in flight; "
+                    f"max_num_seqs={self.config.scheduler.max_num_seqs} running plus "
+                    f"max_num_queued_reqs={queued} waiting); retry later"
+                )
+
+    async def encode(
+        self, prompt_token_ids: list[int], params: PoolingParams, request_id: str, *, priority: int = 0
+    ) -> np.ndarray:
+        """A pooling request (runner="pooling"): its pooled output, float32, once its prompt is computed.
+        InvalidRequestError names the field ("input" for the prompt); a caller that is cancelled (a
+        client gone) aborts the request in the core."""
+        self._check_admission(request_id, 1)
+        try:
+            self.input_processor.validate_prompt(prompt_token_ids)
+            self.input_processor.check_fits(len(prompt_token_ids), 1)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "input") from None
+        try:
+            request = self.input_processor.make_pooling_request(
+                request_id, prompt_token_ids, params, arrival_time=time.time(), priority=priority
+            )
+        except ValueError as e:
+            raise InvalidRequestError(str(e), str(e).split(" ", 1)[0]) from None
+        future = asyncio.get_running_loop().create_future()
+        self._pooling[request_id] = future
+        try:
+            self.core.send(AddRequests([EngineCoreRequest.from_request(request)]))
+            return await future
+        finally:
+            if self._pooling.pop(request_id, None) is not None and not self.is_errored:
+                try:  # cancelled before its output came: free its blocks
+                    self.core.send(AbortRequests([request_id]))
+                except EngineDeadError:
+                    pass
+
+    def _resolve_pooling(self, output) -> bool:
+        """Hand a pooling request's output to its waiter; False for a generation request's."""
+        future = self._pooling.get(output.request_id)
+        if future is None:
+            return False
+        if output.finish_reason is not None:
+            del self._pooling[output.request_id]
+            if future.done():  # its caller was cancelled meanwhile
+                return True
+            if output.pooling_output is not None:
+                future.set_result(np.asarray(output.pooling_output, np.float32))
+            else:
+                future.set_exception(
+                    RequestFailedError(f"the pooling request finished with {output.finish_reason}")
+                )
+        return True
+
+    def _fail_pooling(self, error: BaseException, request_ids=None) -> None:
+        for request_id in list(self._pooling) if request_ids is None else request_ids:
+            future = self._pooling.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_exception(error)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a parent id stops all its children) and free its KV blocks."""
@@ -386,7 +462,10 @@ class AsyncLLM:
                 self.supervisor.core_died(client, f"the engine core failed: {message.reason}")
 
     def _process_outputs(self, message: EngineCoreOutputs) -> None:
-        processed = self.output_processor.process_outputs(message.outputs)
+        outputs = message.outputs
+        if self._pooling:
+            outputs = [o for o in outputs if not self._resolve_pooling(o)]
+        processed = self.output_processor.process_outputs(outputs)
         for output in processed.request_outputs:
             queue = self._streams.get(output.request_id)
             if queue is None:
@@ -397,6 +476,11 @@ class AsyncLLM:
         if processed.reqs_to_abort:  # finished here by a stop string
             self.core.send(AbortRequests(processed.reqs_to_abort))
         for core_id, reason in message.rejected:
+            if core_id in self._pooling:
+                self._fail_pooling(
+                    RequestFailedError(f"the engine rejected the request: {reason}"), [core_id]
+                )
+                continue
             self._fail(core_id, RequestFailedError(f"the engine rejected the request: {reason}"))
         stats = self.output_processor.drain_stats()
         self.finish_reason_counts.update(stats.finish_reasons)
@@ -413,6 +497,7 @@ class AsyncLLM:
             queue.put_nowait(error)
 
     def _fail_in_flight(self, error: EngineDeadError) -> None:
+        self._fail_pooling(error)
         for queue in self._streams.values():
             queue.put_nowait(error)
         self._streams.clear()
@@ -426,6 +511,7 @@ class AsyncLLM:
 
     def fail_all_requests(self, reason: str) -> None:
         """Abort every request in flight; each stream ends with EngineShutdownError(reason)."""
+        self._fail_pooling(EngineShutdownError(reason))
         for request_id in list(self._streams):
             queue = self._streams[request_id]
             self.abort(request_id)

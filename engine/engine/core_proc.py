@@ -216,6 +216,8 @@ def _build_engine_core(config: EngineConfig):
         num_usable_blocks=core.kv_cache_manager.num_usable_blocks,
         weight_bytes=core.runner.weight_bytes,
         num_kv_blocks=core.runner.num_blocks,
+        pooling_task=info.pooling_task,
+        hidden_size=info.hidden_size,
     )
     if core.runner.lora is not None:
         lora = core.runner.lora

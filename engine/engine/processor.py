@@ -10,6 +10,7 @@ from xlaserve.core.limits import RequestLimits, check_prompt_length
 from xlaserve.core.request import Request, child_request_id
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.lora_request import LoRARequest
+from xlaserve.pooling_params import TASKS_OF_MODEL, PoolingParams
 from xlaserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -38,8 +39,14 @@ class InputProcessor:
         eos_token_id: int | None,
         seed: int,
         limits: RequestLimits | None = None,
+        *,
+        pooling_task: str | None = None,
+        hidden_size: int = 0,
     ):
         self.tokenizer = tokenizer
+        # A pooling engine's task (worker/pooler.py; None: a generate engine) and hidden size.
+        self.pooling_task = pooling_task
+        self.hidden_size = hidden_size
         self.max_model_len = max_model_len
         self.limits = limits
         self.vocab_size = vocab_size
@@ -154,6 +161,49 @@ class InputProcessor:
                 )
             )
         return requests
+
+    # -- pooling (runner="pooling") ---------------------------------------------------------------
+
+    def validate_pooling(self, params: PoolingParams) -> None:
+        """ValueError naming the field unless this engine serves `params.task` (and its dimensions)."""
+        supported = TASKS_OF_MODEL.get(self.pooling_task, ())
+        if self.pooling_task is None:
+            raise ValueError(
+                f"pooling_task {params.task!r} needs a pooling model: this engine runs runner='generate' "
+                "(start it with runner='pooling')"
+            )
+        if params.task not in supported:
+            raise ValueError(
+                f"pooling_task {params.task!r} is not served by this {self.pooling_task} model; it serves "
+                f"{list(supported)}"
+            )
+        if params.dimensions is not None and params.dimensions > self.hidden_size:
+            raise ValueError(
+                f"dimensions must be <= {self.hidden_size} (the model's hidden size), got {params.dimensions}"
+            )
+
+    def make_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """A pooling request: the prompt is computed (in chunks when long) and pooled, never decoded.
+        Its one-token sampling budget is never used; it keeps the admission rule the same."""
+        self.validate_prompt(prompt_token_ids)
+        self.validate_pooling(params)
+        return Request(
+            request_id,
+            prompt_token_ids,
+            SamplingParams(max_tokens=1, temperature=0.0),
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time,
+            priority=priority,
+            pooling_params=params,
+        )
 
 
 def _is_token_id(value) -> bool:

@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
 from xlaserve.core.request import Request
 from xlaserve.lora_request import LoRARequest
+from xlaserve.pooling_params import PoolingParams
 from xlaserve.sampling_params import SamplingParams
 
 
@@ -30,6 +32,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_seed: int = 0
     parent_id: str | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request (runner="pooling")
 
     @classmethod
     def from_request(cls, request: Request) -> EngineCoreRequest:
@@ -44,6 +47,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
             request.sampling_seed,
             request.parent_id,
             request.lora_request,
+            request.pooling_params,
         )
 
     def to_request(self) -> Request:
@@ -58,6 +62,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
             sampling_seed=self.sampling_seed,
             parent_id=self.parent_id,
             lora_request=self.lora_request,
+            pooling_params=self.pooling_params,
         )
 
 
@@ -108,6 +113,9 @@ class EngineReady(msgspec.Struct, tag="ready"):
     # it is loaded (models/lora_adapter.py check_fits).
     lora_layout: dict[str, dict[str, list[int]]] | None = None
     lora_layer_stacks: dict[str, list[int]] | None = None
+    # runner="pooling": the model's task (embed, classify, reward) and hidden size (`dimensions`' bound).
+    pooling_task: str | None = None
+    hidden_size: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
@@ -138,8 +146,15 @@ class EngineDead(msgspec.Struct, tag="dead"):
 CoreOutput = EngineReady | EngineCoreOutputs | UtilityResult | EngineDead
 
 
+def _encode_array(obj):
+    """A pooled output (numpy, float32) as nested lists of floats: exact, and plain msgpack."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
 def make_encoder() -> msgspec.msgpack.Encoder:
-    return msgspec.msgpack.Encoder()
+    return msgspec.msgpack.Encoder(enc_hook=_encode_array)
 
 
 def make_input_decoder() -> msgspec.msgpack.Decoder:

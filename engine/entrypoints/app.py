@@ -16,6 +16,7 @@ from fastapi.responses import Response
 
 from xlaserve.entrypoints.anthropic.messages import add_routes as add_anthropic_routes
 from xlaserve.entrypoints.anthropic.protocol import ANTHROPIC_TAGS
+from xlaserve.entrypoints.openai.pooling import add_pooling_routes
 from xlaserve.entrypoints.openai.protocol import UNION_TAGS as OPENAI_TAGS
 from xlaserve.entrypoints.openai.protocol import VersionResponse
 from xlaserve.entrypoints.openai.responses_protocol import RESPONSES_TAGS
@@ -71,6 +72,7 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(render(registry), media_type=CONTENT_TYPE)
 
     add_openai_routes(app, state)
+    add_pooling_routes(app, state)
     add_anthropic_routes(app, state)
     add_lora_routes(app, state.loras)
     if state.enable_admin_api:

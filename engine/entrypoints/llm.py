@@ -1,8 +1,10 @@
-"""`LLM`: the offline Python API (`generate`, `chat`), driving an in-process EngineCore."""
+"""`LLM`: the offline Python API (`generate`, `chat`; with runner="pooling": `embed`, `classify`,
+`score`, `encode`, `reward`), driving an in-process EngineCore."""
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import time
@@ -12,13 +14,26 @@ from typing import Any
 from tqdm import tqdm
 
 from xlaserve.config import EngineConfig
+from xlaserve.core.request import FinishReason
 from xlaserve.engine.metrics import EngineMetrics, Metric
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import start_engine
+from xlaserve.entrypoints.pooling_io import cosine, pair_token_ids, score_pairs
 from xlaserve.executor import follow
 from xlaserve.lora_request import LoRARequest
-from xlaserve.outputs import RequestOutput
+from xlaserve.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from xlaserve.pooling_params import PoolingParams
 from xlaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,6 +47,16 @@ def serve_follower(model: str | None = None, **engine_args) -> None:
     config = EngineConfig.from_kwargs(model, **engine_args)
     _, core = start_engine(config)
     follow(core.runner, config.parallel)
+
+
+def _as_list(prompts) -> list:
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+
+
+def _one_score(data) -> float:
+    if data.size != 1:
+        raise ValueError(f"score needs a classifier with one label; this one has {data.size}")
+    return float(data.reshape(-1)[0])
 
 
 class LLM:
@@ -66,6 +91,8 @@ class LLM:
             model_info.vocab_size,
             model_info.eos_token_id,
             self.config.model.seed,
+            pooling_task=model_info.pooling_task,
+            hidden_size=model_info.hidden_size,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
@@ -93,6 +120,7 @@ class LLM:
         """Complete each prompt (a string, {"prompt": ...} or {"prompt_token_ids": [...]}); outputs
         come back in input order. `lora_request`: one adapter for every prompt, or one (or None: the
         base model) per prompt; needs enable_lora=True."""
+        self._require_runner("generate", "generate()")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._broadcast_params(sampling_params, len(prompts))
@@ -134,6 +162,7 @@ class LLM:
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated (n must be 1)."""
         self._require_tokenizer("stream()")
+        self._require_runner("generate", "stream()")
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"stream() takes n=1, got n={params.n}")
@@ -148,6 +177,97 @@ class LLM:
         finally:
             self.engine_core.abort_requests(added)
             self.output_processor.abort_requests(added)
+
+    # -- pooling models (runner="pooling"; README "Pooling models") -------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        pooling_task: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """The pooled output of each prompt for `pooling_task` (embed, classify, score, encode: the
+        pooled hidden states as they are, reward), as `.outputs.data` (a numpy array)."""
+        if pooling_task is None and pooling_params is None:
+            raise ValueError("pooling_task must be given (embed, classify, score, encode or reward)")
+        params = pooling_params or PoolingParams(task=pooling_task)
+        if pooling_task is not None:
+            params = dataclasses.replace(params, task=pooling_task)
+        tokenized = [self.input_processor.tokenize(p) for p in _as_list(prompts)]
+        return [
+            PoolingRequestOutput(rid, PoolingOutput(data), ids)
+            for rid, ids, data in self._pool([ids for _, ids in tokenized], params, use_tqdm)
+        ]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.outputs.embedding`), normalized unless the pooling params or
+        the engine's pooler_config say otherwise; `dimensions` keeps the first n (Matryoshka)."""
+        return [
+            EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
+            for o in self.encode(prompts, pooling_params, pooling_task="embed", use_tqdm=use_tqdm)
+        ]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """A *ForSequenceClassification model's class probabilities per prompt (`.outputs.probs`)."""
+        return [
+            ClassificationRequestOutput(
+                o.request_id, ClassificationOutput(o.outputs.data.tolist()), o.prompt_token_ids
+            )
+            for o in self.encode(prompts, pooling_params, pooling_task="classify", use_tqdm=use_tqdm)
+        ]
+
+    def reward(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """A reward model's outputs (convert="reward": every token's, unless pooler_config says)."""
+        return self.encode(prompts, pooling_params, pooling_task="reward", use_tqdm=use_tqdm)
+
+    def score(
+        self,
+        text_1: str | Sequence,
+        text_2: str | Sequence,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance of each (text_1, text_2) pair (one text_1 against each text_2, or pairwise):
+        the cosine of their embeddings for an embedding model, a cross-encoder's probability for a
+        classifier with one label. Items are strings or token id lists."""
+        pairs = score_pairs(text_1, text_2)
+        if self.input_processor.pooling_task == "classify":
+            self._require_tokenizer("score()")
+            ids = [pair_token_ids(self.tokenizer, a, b) for a, b in pairs]
+            results = self._pool(ids, PoolingParams(task="score"), use_tqdm)
+            return [ScoringRequestOutput(rid, ScoringOutput(_one_score(data)), i) for rid, i, data in results]
+        texts = [t for pair in pairs for t in pair]
+        embeddings = self.embed(
+            [{"prompt_token_ids": t} if not isinstance(t, str) else t for t in texts], use_tqdm=use_tqdm
+        )
+        return [
+            ScoringRequestOutput(
+                a.request_id,
+                ScoringOutput(cosine(a.outputs.embedding, b.outputs.embedding)),
+                a.prompt_token_ids + b.prompt_token_ids,
+            )
+            for a, b in zip(embeddings[::2], embeddings[1::2])
+        ]
 
     def get_metrics(self) -> list[Metric]:
         """Counters, gauges and histograms named like vLLM's (prefix `xlaserve:`)."""
@@ -180,6 +300,44 @@ class LLM:
         return self.engine_core.wake_up()
 
     # -- the loop -------------------------------------------------------------------------------
+
+    def _require_runner(self, runner: str, what: str) -> None:
+        if self.config.model.runner != runner:
+            raise ValueError(
+                f"{what} needs runner={runner!r}; this LLM runs runner={self.config.model.runner!r}"
+            )
+
+    def _pool(self, prompt_ids: list[list[int]], params: PoolingParams, use_tqdm: bool) -> list[tuple]:
+        """Run pooling requests to completion: [(request id, prompt ids, pooled numpy array)] in order.
+        Everything is validated before anything is added."""
+        self._require_runner("pooling", f"pooling_task {params.task!r}")
+        if self.engine_core.is_sleeping:
+            raise ValueError("the engine is asleep (sleep() was called): call wake_up() first")
+        for ids in prompt_ids:
+            self.input_processor.validate_prompt(ids)
+        self.input_processor.validate_pooling(params)
+        order: dict[str, int] = {}
+        try:
+            for i, ids in enumerate(prompt_ids):
+                rid = str(next(self._request_counter))
+                self.engine_core.add_request(self.input_processor.make_pooling_request(rid, ids, params))
+                order[rid] = i
+            results: list = [None] * len(order)
+            with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while self.engine_core.has_unfinished_requests():
+                    for output in self.engine_core.step():
+                        if output.request_id not in order or not output.is_finished:
+                            continue
+                        if output.finish_reason != FinishReason.STOP:
+                            raise RuntimeError(f"request {output.request_id} failed ({output.finish_reason})")
+                        i = order[output.request_id]
+                        results[i] = (output.request_id, prompt_ids[i], output.pooling_output)
+                        bar.update(1)
+                    self.metrics.record_scheduler(self.engine_core.make_stats())
+            return results
+        except BaseException:
+            self.engine_core.abort_requests(list(order))
+            raise
 
     def _require_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:

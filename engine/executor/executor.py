@@ -23,7 +23,12 @@ class Executor:
     def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, devices=None):
         self.config = config
         self.runner = ModelRunner(
-            config, checkpoint.hf_config, checkpoint.tensors, checkpoint.max_model_len, devices
+            config,
+            checkpoint.hf_config,
+            checkpoint.tensors,
+            checkpoint.max_model_len,
+            devices,
+            pooler=checkpoint.pooler,
         )
 
     @classmethod

@@ -19,6 +19,7 @@ from xlaserve.models.config import TransformerConfig
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.registry import model_config_from_hf
 from xlaserve.sharding import distributed
+from xlaserve.worker.pooler import Pooler, adapt_checkpoint, resolve_task
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,10 @@ class ModelInfo:
     tokenizer: Any
     vocab_size: int
     eos_token_id: int | None
+    # A pooling engine's task (embed, classify, reward; None: a generate engine) and the hidden
+    # size, the bound of a request's `dimensions`.
+    pooling_task: str | None = None
+    hidden_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class LoadedCheckpoint:
     model_config: TransformerConfig
     max_model_len: int  # the user's or the model's limit; the KV cache may lower it (EngineCore)
     info: ModelInfo
+    pooler: Pooler | None = None  # runner="pooling" (worker/pooler.py)
 
 
 def setup_compilation_cache(compilation: CompilationConfig) -> None:
@@ -97,9 +103,22 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
         skip_tokenizer_init=config.model.skip_tokenizer_init,
         quantization=config.model.quantization,
     )
-    model_config = model_config_from_hf(checkpoint.hf_config)
+    architecture = (checkpoint.hf_config.get("architectures") or [""])[0]
+    task = resolve_task(config.model, architecture)
+    # A *ForSequenceClassification decoder runs as its causal backbone; its head stays on the host.
+    hf_config, tensors, score = adapt_checkpoint(config.model, checkpoint.hf_config, checkpoint.tensors)
+    model_config = model_config_from_hf(hf_config)
     max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
+    if task == "classify" and score is None:
+        raise ValueError(
+            f"convert='classify' needs a *ForSequenceClassification checkpoint, got {architecture}"
+        )
     info = ModelInfo(
-        checkpoint.tokenizer, model_config.vocab_size, eos_token_id(checkpoint.tokenizer, model_config)
+        checkpoint.tokenizer,
+        model_config.vocab_size,
+        eos_token_id(checkpoint.tokenizer, model_config),
+        task,
+        model_config.hidden_size,
     )
-    return LoadedCheckpoint(checkpoint.hf_config, checkpoint.tensors, model_config, max_model_len, info)
+    pooler = None if task is None else Pooler.from_config(config.model, task, score)
+    return LoadedCheckpoint(hf_config, tensors, model_config, max_model_len, info, pooler)

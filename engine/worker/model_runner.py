@@ -47,6 +47,7 @@ from xlaserve.worker.input_batch import (
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from xlaserve.worker.lora_manager import LoRAManager
 from xlaserve.worker.model_loader import load_model
+from xlaserve.worker.pooler import Pooler, PoolingHook
 from xlaserve.worker.program import Program
 from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
 from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, step_bitmask, verify
@@ -124,7 +125,9 @@ class ModelRunner:
         tensors: dict[str, np.ndarray],
         max_model_len: int,
         devices=None,
+        pooler: Pooler | None = None,
     ):
+        """`pooler`: a pooling runner's (worker/pooler.py; None: a generate runner)."""
         self.config = config
         self.hf_config = hf_config  # keys the stored executables (worker/program_store.py)
         model = load_model(config, hf_config, tensors, devices)
@@ -185,10 +188,13 @@ class ModelRunner:
         self.drafter = None
         if spec is not None and spec.method == "draft_model":
             self.drafter = DraftModel(config, vocab, self.padded_vocab_size, devices)
+        # runner="pooling": the prompt's hidden states pooled on the host, beside the (unread) sampler.
+        self.pooler = pooler
         # The features' hooks into the step (worker/step_hooks.py), in the order they run.
         self.hooks: list[StepHook] = [
             *([LoRAHook(self.lora)] if self.lora is not None else []),
             *([DraftModelHook(self.drafter)] if self.drafter is not None else []),
+            *([PoolingHook(self.pooler)] if self.pooler is not None else []),
         ]
         # A draft model writes K/V for k positions past each step's tokens (slots the scheduler adds).
         self.num_lookahead_tokens = self.num_spec_tokens if self.drafter is not None else 0
@@ -380,6 +386,9 @@ class ModelRunner:
         step = self.timing.on_dispatch()
         batch = ready(inputs.batch)
         hidden, hidden_rd = self._run_forward(batch, inputs.hooks)
+        pooled = {}  # device outputs the hooks take from the hidden states (pooling)
+        for hook in self.hooks:
+            pooled |= hook.after_forward(hidden, hidden_rd, inputs.hooks[hook.name])
         if inputs.spec is None:  # no request carries drafts: sample one token per sequence
             out: SamplerOutput
             out, self.last_sampled = self._sample_fn(
@@ -398,6 +407,7 @@ class ModelRunner:
             )
             device = {"token_ids": out.token_ids, "num_accepted": out.num_accepted}
             num_accepted = out.num_accepted
+        device |= pooled
         for hook in self.hooks:  # e.g. the next step's drafts, from the tokens this one emitted
             device |= hook.after_sampling(
                 batch, out.token_ids, num_accepted, inputs.sampling, inputs.hooks[hook.name]
@@ -433,7 +443,7 @@ class ModelRunner:
         device, step = self.dispatch(inputs)
 
         def read() -> ModelRunnerOutput:
-            return make_output(scheduled, self.fetch(device, step), inputs.failed_req_ids)
+            return make_output(scheduled, self.fetch(device, step), inputs.failed_req_ids, self.hooks)
 
         return StepFuture(read, inputs.failed_req_ids)
 

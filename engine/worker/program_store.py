@@ -87,7 +87,17 @@ def _cpu_features() -> str:
 # shapes and dtypes in every key), how many KV blocks (the cache's shape is), host-side policy, and
 # the compilation cache's own switches. Every other setting keys the programs.
 _HOST_ONLY_SETTINGS = {
-    "model": ("model", "seed", "served_model_name", "load_format", "skip_tokenizer_init"),
+    # A pooling runner's programs are a generate runner's (it pools what the forward returns).
+    "model": (
+        "model",
+        "seed",
+        "served_model_name",
+        "load_format",
+        "skip_tokenizer_init",
+        "runner",
+        "convert",
+        "pooler_config",
+    ),
     "cache": (
         "enable_prefix_caching",
         "gpu_memory_utilization",

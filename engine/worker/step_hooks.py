@@ -3,8 +3,9 @@ its outputs.
 
 The runner's step (worker/model_runner.py) is one piece of code whatever is on. It asks each hook for
 the feature's host arrays of the step (`prepare`, before the batch is built, so a request the feature
-fails gets dummy rows), gives the model's forward what the hooks pass it (`forward_inputs`), and lets
-each hook add device outputs once the step's tokens are sampled (`after_sampling`). A feature that is off
+fails gets dummy rows), gives the model's forward what the hooks pass it (`forward_inputs`), lets each hook
+add device outputs from the forward's hidden states (`after_forward`) or once the step's tokens are
+sampled (`after_sampling`), and read its results on the host (`read_output`). A feature that is off
 has no hook. Speculative verification needs none: a step is always built for k verified drafts per
 request, and without speculation k is 0 (worker/spec_decode.py), so the plain step is its degenerate case.
 
@@ -38,6 +39,18 @@ class StepHook:
     def forward_inputs(self, arrays: HostArrays) -> dict:
         """Keyword arguments of the model's forward (`arrays`: `prepare`'s, on the device)."""
         return {}
+
+    def after_forward(
+        self, hidden: jax.Array, hidden_rd: jax.Array, arrays: HostArrays
+    ) -> dict[str, jax.Array]:
+        """Device outputs the feature adds from the forward's final-norm hidden states (hidden [T, D],
+        hidden_rd [R, D]: each sequence's last token's); arrays the forward already returns, so no
+        program is added (pooling: worker/pooler.py)."""
+        return {}
+
+    def read_output(self, scheduled, host: dict[str, np.ndarray], result) -> None:
+        """Read the feature's per-request results from the step's host arrays into `result` (a
+        ModelRunnerOutput); a request whose part fails is added to `result.failed_req_ids`."""
 
     def verify_inputs(self, arrays: HostArrays) -> tuple | None:
         """A proposer's q for the verifier ((q_buf [S, K, V], rows [R])), or None."""

@@ -62,10 +62,11 @@ def _read_outputs(result: ModelRunnerOutput, host: dict[str, np.ndarray], row: i
 
 
 def make_output(
-    scheduled, host: dict[str, np.ndarray], failed_req_ids: frozenset[str] = frozenset()
+    scheduled, host: dict[str, np.ndarray], failed_req_ids: frozenset[str] = frozenset(), hooks=()
 ) -> ModelRunnerOutput:
-    """Per request: the sampled id, and the logprobs it asked for, from a step's host arrays.
-    Requests in `failed_req_ids`, or whose outputs cannot be read, are reported as failed."""
+    """Per request: the sampled id, and the logprobs it asked for, from a step's host arrays, then
+    what each of `hooks` reads (a pooling request's pooled output). Requests in `failed_req_ids`, or
+    whose outputs cannot be read, are reported as failed."""
     result = ModelRunnerOutput(failed_req_ids=set(failed_req_ids))
     offset = 0
     for row, s in enumerate(scheduled):
@@ -73,10 +74,13 @@ def make_output(
             result.failed_req_ids, s, "reading its outputs", _read_outputs, result, host, row, offset, s
         )
         offset += s.num_new_tokens
+    for hook in hooks:
+        hook.read_output(scheduled, host, result)
     for rid in result.failed_req_ids:
         # Whatever was read before the failure must not reach the scheduler as a sampled token.
         result.sampled_token_ids.pop(rid, None)
         result.logprobs.pop(rid, None)
         result.prompt_logprobs.pop(rid, None)
         result.draft_token_ids.pop(rid, None)
+        result.pooler_output.pop(rid, None)
     return result

@@ -29,7 +29,7 @@ LAYERS = [
 # Plain data every layer shares (configs, sampling parameters, user-facing outputs): they import
 # no layer at all.
 BASE = {"xlaserve.config", "xlaserve.config_args", "xlaserve.speculative_config", "xlaserve.sampling_params",
-        "xlaserve.outputs", "xlaserve.lora_request"}  # fmt: skip
+        "xlaserve.outputs", "xlaserve.lora_request", "xlaserve.pooling_params"}  # fmt: skip
 
 
 def module_files() -> dict[str, Path]:

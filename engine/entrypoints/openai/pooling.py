@@ -1,0 +1,224 @@
+"""The pooling routes (runner="pooling"): OpenAI's /v1/embeddings, and vLLM's /pooling, /classify,
+/score (and /v1/score), /rerank (and /v1/rerank, /v2/rerank: Jina's and Cohere's shape).
+
+Every input becomes one pooling request (AsyncLLM.encode); all are checked before any is added, and a
+client that leaves aborts them. A server of the other runner refuses these routes (and a pooling
+server refuses generation, in AsyncLLM.add_request) with a 400 naming the runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+from fastapi import FastAPI, Request
+
+from xlaserve.entrypoints.openai.pooling_protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingData,
+    PoolingRequest,
+    PoolingResponse,
+    PoolingUsage,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+)
+from xlaserve.entrypoints.pooling_io import cosine, pair_token_ids, score_pairs
+from xlaserve.entrypoints.serving.engine_io import engine_error, new_id, require_tokenizer, tokenize_text
+from xlaserve.entrypoints.serving.errors import APIError, bad_request
+from xlaserve.entrypoints.serving.protocol import ErrorResponse
+from xlaserve.entrypoints.serving.state import ServerState, check_model
+from xlaserve.pooling_params import PoolingParams
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 415, 503)}
+
+
+def _require_pooling(state: ServerState, path: str) -> None:
+    runner = state.engine.config.model.runner
+    if runner != "pooling":
+        raise bad_request(
+            f"{path} needs a pooling model, and this server runs runner={runner!r} (start it with "
+            "--runner pooling)",
+            "model",
+            code="wrong_runner",
+        )
+
+
+def _token_ids(state: ServerState, value, add_special_tokens: bool, field: str) -> list[list[int]]:
+    """The prompts of an `input`: a string, strings, token ids, or token id lists; each checked."""
+    engine = state.engine
+    if isinstance(value, str) or (value and isinstance(value[0], str)):
+        texts = [value] if isinstance(value, str) else value
+        prompts = []
+        for i, text in enumerate(texts):
+            where = field if isinstance(value, str) else f"{field}[{i}]"
+            if not text:
+                raise bad_request(f"{where} is empty", where)
+            prompts.append(tokenize_text(engine, text, add_special_tokens, where))
+    else:
+        prompts = [value] if isinstance(value[0], int) else value
+    for i, ids in enumerate(prompts):
+        where = field if len(prompts) == 1 else f"{field}[{i}]"
+        try:
+            engine.input_processor.validate_prompt(ids)
+            engine.input_processor.check_fits(len(ids), 1)
+        except ValueError as e:
+            raise bad_request(f"{where}: {e}", where) from None
+    return prompts
+
+
+def _check_params(state: ServerState, params: PoolingParams) -> None:
+    try:
+        state.engine.input_processor.validate_pooling(params)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), field if field == "dimensions" else "model") from None
+
+
+async def _encode_all(state: ServerState, raw_request: Request, prompts, params: PoolingParams) -> list:
+    """The pooled output of each prompt, in order; a client that leaves aborts them all."""
+    _check_params(state, params)
+    prefix = new_id("pool")
+    tasks = [
+        asyncio.create_task(state.engine.encode(ids, params, f"{prefix}-{i}"))
+        for i, ids in enumerate(prompts)
+    ]
+    work = asyncio.ensure_future(asyncio.gather(*tasks))
+    disconnect = asyncio.create_task(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            raise APIError(499, "client disconnected")
+        return work.result()
+    except APIError:
+        raise
+    except Exception as e:
+        raise engine_error(e) from None
+    finally:
+        disconnect.cancel()
+        for task in tasks:
+            task.cancel()  # a request still running is aborted in the core (AsyncLLM.encode)
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _usage(prompts) -> PoolingUsage:
+    num_tokens = sum(len(ids) for ids in prompts)
+    return PoolingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+
+
+def _encoded(vector: np.ndarray, encoding_format: str):
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+async def _scores(
+    state: ServerState, raw_request: Request, pairs: list[tuple], path: str
+) -> tuple[list, list]:
+    """(a score per pair, the prompts run): a classifier's probability of the joined pair (a
+    cross-encoder), or the cosine of two embeddings."""
+    engine = state.engine
+    if engine.pooling_task == "classify":
+        tokenizer = require_tokenizer(engine, path, None)
+        prompts = [pair_token_ids(tokenizer, a, b) for a, b in pairs]
+        prompts = _token_ids(state, prompts, True, "text_2" if path == "/score" else "documents")
+        outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="score"))
+        if outputs and outputs[0].size != 1:
+            raise bad_request(
+                f"{path} needs a classifier with one label; this one has {outputs[0].size}", "model"
+            )
+        return [float(o.reshape(-1)[0]) for o in outputs], prompts
+    texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+    prompts = _token_ids(state, texts, True, "text_1" if path == "/score" else "query")
+    outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="embed"))
+    by_text = dict(zip(texts, outputs))
+    return [cosine(by_text[a], by_text[b]) for a, b in pairs], prompts
+
+
+def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/embeddings", responses=_ERRORS)
+    async def embeddings(req: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
+        _require_pooling(state, "/v1/embeddings")
+        model = check_model(state, req.model)
+        prompts = _token_ids(state, req.input, req.add_special_tokens, "input")
+        params = PoolingParams(task="embed", dimensions=req.dimensions, normalize=req.normalize)
+        outputs = await _encode_all(state, raw_request, prompts, params)
+        data = [
+            EmbeddingData(index=i, embedding=_encoded(v, req.encoding_format)) for i, v in enumerate(outputs)
+        ]
+        return EmbeddingResponse(id=new_id("embd"), model=model, data=data, usage=_usage(prompts))
+
+    @app.post("/pooling", responses=_ERRORS)
+    async def pooling(req: PoolingRequest, raw_request: Request) -> PoolingResponse:
+        _require_pooling(state, "/pooling")
+        model = check_model(state, req.model)
+        prompts = _token_ids(state, req.input, req.add_special_tokens, "input")
+        task = "reward" if state.engine.pooling_task == "reward" else "encode"
+        outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task=task))
+        data = [PoolingData(index=i, data=_encoded(v, req.encoding_format)) for i, v in enumerate(outputs)]
+        return PoolingResponse(id=new_id("pool"), model=model, data=data, usage=_usage(prompts))
+
+    @app.post("/classify", responses=_ERRORS)
+    async def classify(req: ClassificationRequest, raw_request: Request) -> ClassificationResponse:
+        _require_pooling(state, "/classify")
+        model = check_model(state, req.model)
+        prompts = _token_ids(state, req.input, req.add_special_tokens, "input")
+        outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="classify"))
+        data = [
+            ClassificationData(
+                index=i, label=f"LABEL_{int(np.argmax(v))}", probs=v.tolist(), num_classes=v.size
+            )
+            for i, v in enumerate(outputs)
+        ]
+        return ClassificationResponse(id=new_id("classify"), model=model, data=data, usage=_usage(prompts))
+
+    async def score(req: ScoreRequest, raw_request: Request) -> ScoreResponse:
+        _require_pooling(state, "/score")
+        model = check_model(state, req.model)
+        try:
+            pairs = score_pairs(req.text_1, req.text_2)
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
+        scores, prompts = await _scores(state, raw_request, pairs, "/score")
+        data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
+        return ScoreResponse(id=new_id("score"), model=model, data=data, usage=_usage(prompts))
+
+    async def rerank(req: RerankRequest, raw_request: Request) -> RerankResponse:
+        _require_pooling(state, "/rerank")
+        model = check_model(state, req.model)
+        scores, prompts = await _scores(
+            state, raw_request, [(req.query, d) for d in req.documents], "/rerank"
+        )
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        if req.top_n:
+            order = order[: req.top_n]
+        results = [
+            RerankResult(
+                index=i,
+                relevance_score=scores[i],
+                document=RerankDocument(text=req.documents[i]) if req.return_documents else None,
+            )
+            for i in order
+        ]
+        return RerankResponse(id=new_id("rerank"), model=model, usage=_usage(prompts), results=results)
+
+    for path in ("/score", "/v1/score"):
+        app.post(path, responses=_ERRORS)(score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path, responses=_ERRORS)(rerank)

@@ -1,0 +1,140 @@
+"""The pooling routes' request and response shapes (pydantic): OpenAI's /v1/embeddings, and vLLM's
+/pooling, /classify, /score and /rerank (Jina's and Cohere's shape)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from xlaserve.entrypoints.serving.protocol import StrictModel, Text, TokenId
+
+MAX_INPUTS = 256  # prompts per request: each is a sequence in the batch
+
+TextList = Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
+IdsList = Annotated[
+    list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_INPUTS)
+]
+# A string, a list of strings, token ids, or a list of token id lists (OpenAI's embeddings input).
+PoolingInput = Text | TextList | Annotated[list[TokenId], Field(min_length=1)] | IdsList
+Dimensions = Annotated[int, Field(ge=1)]
+
+
+class PoolingRequestBase(StrictModel):
+    model: Text | None = None
+    user: Text | None = None
+    priority: int = 0
+    add_special_tokens: bool = True
+
+
+class EmbeddingRequest(PoolingRequestBase):
+    input: PoolingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Dimensions | None = None
+    normalize: bool | None = None  # vLLM's extra
+
+
+class PoolingRequest(PoolingRequestBase):
+    input: PoolingInput
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class ClassificationRequest(PoolingRequestBase):
+    input: PoolingInput
+
+
+class ScoreRequest(PoolingRequestBase):
+    text_1: Text | TextList
+    text_2: Text | TextList
+
+
+class RerankRequest(PoolingRequestBase):
+    query: Text
+    documents: TextList
+    top_n: Annotated[int, Field(ge=0)] | None = None  # None or 0: every document
+    return_documents: bool = True
+
+
+class PoolingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: the float32 little-endian bytes
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: PoolingUsage
+
+
+class PoolingData(BaseModel):
+    object: Literal["pooling"] = "pooling"
+    index: int
+    data: Any  # a vector or, ALL pooling, one row per token; base64: the float32 bytes
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: PoolingUsage
+
+
+class ClassificationData(BaseModel):
+    object: Literal["classification"] = "classification"
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: PoolingUsage
+
+
+class ScoreData(BaseModel):
+    object: Literal["score"] = "score"
+    index: int
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: PoolingUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: PoolingUsage
+    results: list[RerankResult]

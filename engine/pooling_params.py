@@ -1,0 +1,106 @@
+"""Pooling models' settings (vLLM's names): the engine's `PoolerConfig` and a request's `PoolingParams`.
+
+Plain data like `SamplingParams` (config.py re-exports `PoolerConfig`). What they drive lives in
+worker/pooler.py (the host math over the hidden states a step returns) and README "Pooling models".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+# How a sequence's final-norm hidden states become one vector. LAST: the last prompt token (a
+# decoder's natural summary, and prefix caching applies); MEAN: the mean over every prompt token;
+# CLS: the first token; ALL: every token's (a matrix).
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
+# What a pooling engine computes: `runner="pooling"` with `convert` (auto: classify for a
+# *ForSequenceClassification checkpoint, embed otherwise).
+CONVERT_TYPES = ("auto", "embed", "classify", "reward")
+# What a request asks of it (vLLM's `pooling_task`): embed -> a (normalized) vector; classify ->
+# class probabilities; score -> a classifier's probabilities used as a relevance score; encode -> the
+# pooled hidden states as they are (ALL: one row per token); reward -> a reward model's raw outputs.
+POOLING_TASKS = ("embed", "classify", "score", "encode", "reward")
+# A pooling model's task -> the request tasks it serves (an embedding model scores by the cosine of
+# two embeddings, which the entry point computes).
+TASKS_OF_MODEL = {
+    "embed": ("embed", "encode"),
+    "classify": ("classify", "score", "encode"),
+    "reward": ("reward", "encode"),
+}
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's `pooler_config`: the engine's defaults for every pooling request (None: the task's).
+
+    `pooling_type` (None: LAST, or ALL for reward), `normalize` (None: on for embed), `dimensions`
+    (Matryoshka: keep the first n of each embedding, then normalize), `activation` (None: softmax for
+    classify, sigmoid when there is one label); `softmax` is vLLM's older name of `activation`."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+    activation: bool | None = None
+    softmax: bool | None = None
+
+    def __post_init__(self):
+        if isinstance(self.pooling_type, str):
+            object.__setattr__(self, "pooling_type", self.pooling_type.upper())
+        _require(
+            self.pooling_type is None or self.pooling_type in POOLING_TYPES,
+            f"pooler_config.pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}",
+        )
+        _require(
+            self.dimensions is None or (isinstance(self.dimensions, int) and self.dimensions >= 1),
+            f"pooler_config.dimensions must be an int >= 1, got {self.dimensions!r}",
+        )
+        if self.activation is None and self.softmax is not None:
+            object.__setattr__(self, "activation", self.softmax)
+
+    @classmethod
+    def parse(cls, value) -> PoolerConfig | None:
+        """A dict, its JSON text (the CLI's --pooler-config), a PoolerConfig, or None."""
+        if value is None or isinstance(value, PoolerConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"pooler_config must be a JSON object: {e}") from None
+        _require(isinstance(value, dict), f"pooler_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        _require(not unknown, f"pooler_config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """One pooling request's options (vLLM's `PoolingParams`); None: the engine's pooler_config.
+
+    `task` is set by the entry point (`LLM.embed` -> "embed", ...). `dimensions` is checked against
+    the model's hidden size at admission (the input processor), where it is known."""
+
+    task: str = "embed"
+    dimensions: int | None = None
+    normalize: bool | None = None
+    activation: bool | None = None
+
+    def __post_init__(self):
+        _require(
+            self.task in POOLING_TASKS, f"pooling_task must be one of {POOLING_TASKS}, got {self.task!r}"
+        )
+        _require(
+            self.dimensions is None
+            or (
+                isinstance(self.dimensions, int)
+                and not isinstance(self.dimensions, bool)
+                and self.dimensions >= 1
+            ),
+            f"dimensions must be an int >= 1, got {self.dimensions!r}",
+        )

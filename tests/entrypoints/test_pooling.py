@@ -1,0 +1,195 @@
+"""Pooling models offline (runner="pooling"): embeddings, classification and scores of tiny random
+decoders against Hugging Face (float32, 1e-4), chunked prefill against whole prompts (bfloat16,
+bit for bit), and the embedded SmolLM2 as a LAST-pooled embedder.
+
+The engines run enforce_eager (each compiles only the buckets it uses); the pooling server's tests
+(test_pooling_server.py) warm up under the strict compile guard: pooling adds no program to the step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from helpers.family_cases import (
+    BASE,
+    FAMILIES,
+    make_hf_model,
+    one_torch_thread,  # noqa: F401 (autouse: HF on one thread)
+    save_hf_model,
+    word_tokenizer,
+)
+from helpers.smollm2 import ENGINE_ARGS
+from xlaserve import LLM
+from xlaserve.pooling_params import PoolingParams
+
+TOL = 1e-4
+ARGS = {
+    "runner": "pooling",
+    "dtype": "float32",
+    "max_model_len": 128,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 16,  # prompts of 20-45 tokens prefill in chunks
+    "block_size": 8,
+    "kv_cache_memory": 4 * 2**20,
+    "enforce_eager": True,
+}
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)  # ids from 3: no pad (0) inside a prompt (HF's classifiers look for it)
+    return [rng.integers(3, BASE["vocab_size"], n).tolist() for n in (45, 7, 23, 1)]
+
+
+def _ids(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _hf_hidden(backbone, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return backbone(torch.tensor([ids])).last_hidden_state[0].float().numpy()
+
+
+def _normalized(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _close(actual, expected) -> None:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    assert np.abs(actual - expected).max() <= TOL * max(1.0, np.abs(expected).max())
+
+
+def _classifier(architecture: str, num_labels: int, seed: int):
+    config_class, kwargs = (
+        ("LlamaConfig", BASE) if architecture.startswith("Llama") else FAMILIES["Qwen3ForCausalLM"]
+    )
+    config = getattr(transformers, config_class)(**kwargs, num_labels=num_labels, attn_implementation="eager")
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1.0 + 0.2 * torch.randn_like(param)) if name.endswith(
+                "norm.weight"
+            ) else param.normal_(0, 0.15)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    model = make_hf_model("LlamaForCausalLM", seed=3)
+    return model, save_hf_model(model, tmp_path_factory.mktemp("llama_embed"))
+
+
+@pytest.fixture(scope="module")
+def llama_last(llama):
+    return LLM(llama[1], **ARGS)
+
+
+def test_last_pooling_matches_hf(llama, llama_last):
+    model, _ = llama
+    prompts = _prompts(0)
+    outputs = llama_last.embed(_ids(prompts), use_tqdm=False)
+    for p, out in zip(prompts, outputs):
+        assert out.prompt_token_ids == p
+        _close(out.outputs.embedding, _normalized(_hf_hidden(model.model, p)[-1]))
+    # Unnormalized, Matryoshka-truncated (then renormalized), and the raw pooled states.
+    raw = llama_last.embed(_ids(prompts[:1]), PoolingParams(normalize=False), use_tqdm=False)[0]
+    _close(raw.outputs.embedding, _hf_hidden(model.model, prompts[0])[-1])
+    short = llama_last.embed(_ids(prompts[:1]), PoolingParams(dimensions=8), use_tqdm=False)[0]
+    _close(short.outputs.embedding, _normalized(_hf_hidden(model.model, prompts[0])[-1][:8]))
+    encoded = llama_last.encode(_ids(prompts[:1]), pooling_task="encode", use_tqdm=False)[0]
+    _close(encoded.outputs.data, _hf_hidden(model.model, prompts[0])[-1])
+
+
+def test_embedding_scores_are_cosines(llama_last):
+    a, b, c = _prompts(1)[:3]
+    scores = llama_last.score(a, [b, c], use_tqdm=False)
+    ea, eb, ec = (np.array(o.outputs.embedding) for o in llama_last.embed(_ids([a, b, c]), use_tqdm=False))
+    assert [round(s.outputs.score, 5) for s in scores] == [round(float(ea @ eb), 5), round(float(ea @ ec), 5)]
+
+
+def test_bad_pooling_requests_name_the_field(llama_last):
+    p = _ids(_prompts(2)[:1])
+    with pytest.raises(ValueError, match="dimensions must be <= 48"):
+        llama_last.embed(p, PoolingParams(dimensions=49))
+    with pytest.raises(ValueError, match="pooling_task 'classify' is not served by this embed model"):
+        llama_last.classify(p)
+    with pytest.raises(ValueError, match="generate\\(\\) needs runner='generate'"):
+        llama_last.generate(p)
+    with pytest.raises(ValueError, match="prompt_token_ids must be token ids in \\[0, 101\\)"):
+        llama_last.embed([{"prompt_token_ids": [5, 101]}])
+    with pytest.raises(ValueError, match="too long"):
+        llama_last.embed([{"prompt_token_ids": [5] * 128}])
+    with pytest.raises(ValueError, match="empty"):
+        llama_last.embed([{"prompt_token_ids": []}])
+    assert not llama_last.engine_core.has_unfinished_requests()
+
+
+def test_mean_pooling_matches_hf(llama):
+    model, path = llama
+    llm = LLM(path, **ARGS, pooler_config={"pooling_type": "MEAN"})
+    assert llm.config.cache.enable_prefix_caching is False  # pooled tokens must all be computed
+    prompts = _prompts(3)
+    for p, out in zip(prompts, llm.embed(_ids(prompts), use_tqdm=False)):
+        _close(out.outputs.embedding, _normalized(_hf_hidden(model.model, p).mean(0)))
+
+
+@pytest.mark.parametrize(
+    ("architecture", "num_labels"),
+    [("Qwen3ForSequenceClassification", 1), ("LlamaForSequenceClassification", 3)],
+)
+def test_sequence_classifiers_match_hf(tmp_path, architecture, num_labels):
+    model = _classifier(architecture, num_labels, seed=5)
+    model.config.pad_token_id = 0
+    path = save_hf_model(model, tmp_path)
+    llm = LLM(path, **ARGS)
+    prompts = _prompts(4)
+    with torch.no_grad():
+        logits = [model(torch.tensor([p])).logits[0].numpy() for p in prompts]
+    raw = llm.classify(_ids(prompts), PoolingParams(activation=False), use_tqdm=False)
+    probs = llm.classify(_ids(prompts), use_tqdm=False)
+    for expected, r, pr in zip(logits, raw, probs):
+        _close(r.outputs.probs, expected)
+        activated = (
+            torch.sigmoid(torch.tensor(expected))
+            if num_labels == 1
+            else torch.softmax(torch.tensor(expected), -1)
+        )
+        _close(pr.outputs.probs, activated.numpy())
+    if num_labels == 1:  # a cross-encoder's score: the probability of the joined pair
+        tok = word_tokenizer(BASE["vocab_size"])
+        score = llm.score("w5 w6 w7", ["w8 w9", "w10"], use_tqdm=False)
+        for s, second in zip(score, ["w8 w9", "w10"]):
+            ids = tok("w5 w6 w7", text_pair=second)["input_ids"]
+            with torch.no_grad():
+                expected = torch.sigmoid(model(torch.tensor([ids])).logits[0, 0]).item()
+            assert s.prompt_token_ids == ids and abs(s.outputs.score - expected) < TOL
+    else:
+        with pytest.raises(ValueError, match="one label"):
+            llm.score("w5", "w6", use_tqdm=False)
+
+
+def test_chunked_prefill_pools_the_same_bits_in_bfloat16(llama):
+    """A prompt alone in one step, and split across steps beside another: the same embedding, bit for
+    bit (batch invariance); a prefix-cache hit (LAST pooling keeps the cache) too."""
+    _, path = llama
+    llm = LLM(path, **{**ARGS, "dtype": "bfloat16", "long_prefill_token_threshold": 0})
+    first, second = _prompts(6)[2][:10], _prompts(7)[2][:14]  # the second is split 6 + 8 beside the first
+    alone = llm.embed(_ids([second]), use_tqdm=False)[0].outputs.embedding
+    crowded = llm.embed(_ids([first, second]), use_tqdm=False)[1].outputs.embedding
+    cached = llm.embed(_ids([second]), use_tqdm=False)[0].outputs.embedding
+    assert np.array_equal(alone, crowded) and np.array_equal(alone, cached)
+
+
+def test_smollm2_as_a_last_pooled_embedder(hf_model):
+    """The embedded SmolLM2 (the session engine's shapes, so its programs are the generate engine's)."""
+    llm = LLM(**{**ENGINE_ARGS, "runner": "pooling", "enforce_eager": True, "strict_compile_guard": False})
+    texts = ["The capital of France is", "Embeddings map text to vectors."]
+    outputs = llm.embed(texts, use_tqdm=False)
+    for out in outputs:
+        assert out.outputs.hidden_size == hf_model.config.hidden_size
+        _close(out.outputs.embedding, _normalized(_hf_hidden(hf_model.model, out.prompt_token_ids)[-1]))

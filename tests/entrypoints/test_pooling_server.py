@@ -1,0 +1,130 @@
+"""The pooling routes on a real pooling server (`xlaserve serve --runner pooling`, one subprocess for the
+module, a tiny random Llama): /v1/embeddings through the official `openai` client against Hugging Face,
+/pooling, /score, /rerank (three paths), and bad input as 400s naming the field. The server warms up
+under the strict compile guard, so every answer here also proves pooling compiled nothing after it.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from helpers.family_cases import make_hf_model, one_torch_thread, save_hf_model, word_tokenizer  # noqa: F401
+from helpers.server_harness import ServerProcess
+
+TOL = 1e-4
+NAME = "tiny-embed"
+FLAGS = ["--runner", "pooling", "--served-model-name", NAME, "--max-model-len", "128",
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--block-size", "8",
+         "--kv-cache-memory", str(4 * 2**20),
+         # A template, so that chat reaches the engine, which refuses generation on a pooling runner.
+         "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory):
+    model = make_hf_model("LlamaForCausalLM", seed=3)
+    path = save_hf_model(model, tmp_path_factory.mktemp("pooling_model"))
+    proc = ServerProcess(
+        str(tmp_path_factory.mktemp("pooling-logs")),
+        str(tmp_path_factory.mktemp("pooling-cache")),
+        extra_args=FLAGS,
+        model=path,
+    )
+    proc.wait_ready()
+    yield proc, model
+    code = proc.stop()
+    assert code == 0, f"exit code {code} on SIGTERM:\n{proc.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def http(pooling_server):
+    with httpx.Client(base_url=pooling_server[0].url, timeout=120) as client:
+        yield client
+
+
+def _hf_last(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model.model(torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+
+
+def _unit(x):
+    return x / np.linalg.norm(x)
+
+
+def _close(actual, expected) -> None:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape and np.abs(actual - expected).max() <= TOL
+
+
+def test_openai_client_embeddings_match_hf(pooling_server):
+    proc, model = pooling_server
+    client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused")
+    tok = word_tokenizer(model.config.vocab_size)
+    texts = ["w5 w6 w7 w8", "w9 " * 40]  # the second prefills in three chunks
+    ids = [tok.encode(t) for t in texts]
+    floats = client.embeddings.create(model=NAME, input=texts, encoding_format="float")
+    default = client.embeddings.create(model=NAME, input=texts)  # the client asks for base64 and decodes it
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
+    for i, (f, d) in enumerate(zip(floats.data, default.data)):
+        assert f.index == i and f.embedding == d.embedding
+        _close(f.embedding, _unit(_hf_last(model, ids[i])))
+    raw = client.embeddings.create(model=NAME, input=ids[0], encoding_format="base64").data[0].embedding
+    assert np.frombuffer(base64.b64decode(raw), "<f4").tolist() == floats.data[0].embedding
+    short = client.embeddings.create(model=NAME, input=[ids[0], ids[1]], dimensions=8)
+    for i, d in enumerate(short.data):
+        _close(d.embedding, _unit(_hf_last(model, ids[i])[:8]))
+
+
+def test_pooling_score_and_rerank(pooling_server, http):
+    _, model = pooling_server
+    tok = word_tokenizer(model.config.vocab_size)
+    pooled = http.post("/pooling", json={"input": [[5, 6, 7]]}).json()
+    _close(pooled["data"][0]["data"], _hf_last(model, [5, 6, 7]))
+    query, docs = "w5 w6", ["w7 w8 w9", "w5 w6 w10", "w11"]
+    emb = {t: _unit(_hf_last(model, tok.encode(t))) for t in [query, *docs]}
+    expected = [float(emb[query] @ emb[d]) for d in docs]
+    scores = http.post("/score", json={"text_1": query, "text_2": docs}).json()
+    assert [round(d["score"], 4) for d in scores["data"]] == [round(s, 4) for s in expected]
+    order = sorted(range(3), key=lambda i: -expected[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        body = http.post(path, json={"query": query, "documents": docs, "top_n": 2}).json()
+        assert [r["index"] for r in body["results"]] == order[:2]
+        assert body["results"][0]["document"]["text"] == docs[order[0]]
+    bare = http.post("/rerank", json={"query": query, "documents": docs, "return_documents": False}).json()
+    assert len(bare["results"]) == 3 and bare["results"][0].get("document") is None
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "words"),
+    [
+        ("/v1/embeddings", {"input": ""}, "input", "empty"),
+        ("/v1/embeddings", {"input": []}, "input", None),
+        ("/v1/embeddings", {"input": ["w5", ""]}, "input[1]", "empty"),
+        ("/v1/embeddings", {"input": [5] * 128}, "input", "max_model_len=128"),
+        ("/v1/embeddings", {"input": [[5, 6], [7, 101]]}, "input[1]", "[0, 101)"),
+        ("/v1/embeddings", {"input": "w5", "dimensions": 49}, "dimensions", "<= 48"),
+        ("/v1/embeddings", {"input": "w5", "dimensions": 0}, "dimensions", None),
+        ("/v1/embeddings", {"input": "w5", "encoding_format": "int8"}, "encoding_format", None),
+        ("/classify", {"input": "w5"}, "model", "embed model"),
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "items"),
+        ("/v1/completions", {"prompt": "w5", "max_tokens": 1}, "model", "runner='pooling'"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "w5"}]},
+            "model",
+            "runner='pooling'",
+        ),
+    ],
+)
+def test_bad_input_is_400_naming_the_field(http, path, body, param, words):
+    response = http.post(path, json={"model": NAME, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert words is None or words in error["message"], error
