@@ -110,3 +110,31 @@ def test_the_config_crosses_to_the_core_process_as_built(monkeypatch):
     assert received == config
     assert received.compilation.attention_backend == "reference"
     assert received.compilation.compilation_cache_dir == "/front/end/xla"
+
+
+def test_pooling_flags_build_the_pooler_config(parser):
+    """--runner, --convert and --pooler-config (JSON) reach ModelConfig; pooling over every token turns
+    prefix caching off (a cached prefix's tokens would have no hidden states)."""
+    args = parser.parse_args(
+        [
+            "--runner",
+            "pooling",
+            "--convert",
+            "embed",
+            "--pooler-config",
+            '{"pooling_type": "mean", "dimensions": 8}',
+        ]
+    )
+    config = EngineConfig.from_kwargs(None, **engine_kwargs(args))
+    assert (config.model.runner, config.model.convert, config.model.pooling_type) == (
+        "pooling",
+        "embed",
+        "MEAN",
+    )
+    assert config.model.pooler_config.dimensions == 8
+    assert config.cache.enable_prefix_caching is False
+    assert EngineConfig.from_kwargs(None, runner="pooling").cache.enable_prefix_caching is True  # LAST
+    with pytest.raises(ValueError, match="pooler_config.pooling_type must be one of"):
+        EngineConfig.from_kwargs(None, runner="pooling", pooler_config={"pooling_type": "STEP"})
+    with pytest.raises(ValueError, match="need runner='pooling'"):
+        EngineConfig.from_kwargs(None, convert="classify")
