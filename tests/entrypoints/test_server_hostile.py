@@ -1210,3 +1210,25 @@ def test_anthropic_context_length_is_400(client):
     )
     check_anthropic_error(response, 400, "messages")
     check_still_serving(client, port)
+
+
+# The pooling routes on this generating server: refused, naming the runner (a pooling server's own
+# hostile input is sent in test_pooling_server.py, which starts one).
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/embeddings", {"input": "Hi"}),
+        ("/pooling", {"input": [1, 2]}),
+        ("/classify", {"input": ["Hi"]}),
+        ("/score", {"text_1": "a", "text_2": ["b"]}),
+        ("/v1/score", {"text_1": "a", "text_2": "b"}),
+        ("/rerank", {"query": "a", "documents": ["b"]}),
+        ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": 1}),
+        ("/v2/rerank", {"query": "a", "documents": ["b"], "return_documents": False}),
+    ],
+)
+def test_pooling_routes_on_a_generating_server_are_400_naming_the_runner(client, path, body):
+    response, port = send(client, path, {"model": MODEL_NAME, **body})
+    error = check_error(response, 400, "model")
+    assert "runner='generate'" in error["message"] and "--runner pooling" in error["message"]
+    check_still_serving(client, port)
