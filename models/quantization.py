@@ -2,7 +2,8 @@
 
 A quantized projection stores its kernel [.., in, out] as int8 or float8_e4m3fn, with float32
 scales beside it as another parameter, `kernel_scale`: [.., out] per output channel (symmetric:
-scale = max|w| over the input axis / the dtype's max), or [.., in / 128, out / 128] per block for
+scale = max|w| over the input axis / the dtype's max; float8: the scale of least rounding error in the
+octave above that, models/fp8_scales.py), or [.., in / 128, out / 128] per block for
 checkpoints released that way (DeepSeek-V3's FP8). The step dequantizes inside the jitted matmul
 (`kernels/dtype_ops.matmul`): the weight is converted to the compute dtype in the dot and the
 accumulator multiplied by the per-channel scale, so device memory holds one byte per weight.
@@ -29,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels.dtype_ops import as_words, dequantize, from_words, matmul, unpack_int4
+from xlaserve.models.fp8_scales import fp8_channel_scales
 
 # --quantization -> the kernel's storage dtype.
 QUANT_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
@@ -144,17 +146,22 @@ def _expand_blocks(scale: np.ndarray, shape: tuple[int, ...], block=None) -> np.
 def quantize_array(w: np.ndarray, scheme: QuantScheme) -> QuantizedTensor:
     """[.., in, out] float -> symmetric quantization in `scheme.dtype` with one scale per block
     (per output channel: blocks of [in, 1]): scale = max |w| over the block / the dtype's largest
-    value. Zeros, when the scheme has them, are 0."""
+    value; float8 per output channel: the scale of least rounding error in one octave above that
+    (models/fp8_scales.py). Zeros, when the scheme has them, are 0."""
     dtype = jnp.dtype(scheme.dtype)
     w = np.asarray(w, np.float32)
     *lead, din, dout = w.shape
     bi, bo = scheme.block_of(w.shape)
-    padded = np.zeros((*lead, -(-din // bi) * bi, -(-dout // bo) * bo), np.float32)
-    padded[..., :din, :dout] = np.abs(w)
-    blocks = padded.reshape(*lead, padded.shape[-2] // bi, bi, padded.shape[-1] // bo, bo)
-    scale = blocks.max(axis=(-3, -1)) / dtype_max(dtype)
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = w / _expand_blocks(scale, w.shape, (bi, bo))
+    if scheme.block is None and not jnp.issubdtype(dtype, jnp.integer):
+        scale = fp8_channel_scales(w, dtype)
+    else:
+        padded = np.zeros((*lead, -(-din // bi) * bi, -(-dout // bo) * bo), np.float32)
+        padded[..., :din, :dout] = np.abs(w)
+        blocks = padded.reshape(*lead, padded.shape[-2] // bi, bi, padded.shape[-1] // bo, bo)
+        scale = blocks.max(axis=(-3, -1)) / dtype_max(dtype)
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    # Per channel the scales broadcast ([.., 1, out]); blocks are repeated out to the weight's shape.
+    q = w / (scale if scheme.block is None else _expand_blocks(scale, w.shape, (bi, bo)))
     if jnp.issubdtype(dtype, jnp.integer):
         q = np.clip(np.rint(q), -dtype_max(dtype), dtype_max(dtype))
     zero = np.zeros_like(scale) if scheme.has_zero else None

@@ -106,6 +106,39 @@ def test_quantize_array_round_trips_within_half_a_step(block):
     assert np.abs(f8.dequantized() - w).max() <= 2**-4 * np.abs(w).max()  # 3 mantissa bits
 
 
+def test_fp8_channel_scales_are_the_least_error_candidates():
+    """fp8's per-channel scales (models/fp8_scales.py), read from one histogram per channel, against
+    quantizing with each of the 32 candidate scales: the chosen one's true error is within 5% of the
+    best candidate's in every channel (2.9% measured: a weight's error is read at its bucket's
+    centre), 0.5% in total (0.12%), and the total is >= 10% below max / 448's (21% measured here)."""
+    from xlaserve.models.fp8_scales import NUM_CANDIDATES, fp8_channel_scales
+
+    rng = np.random.default_rng(0)
+    # Heavy-tailed, as trained weights are, rounded to bfloat16; [stack, in, out], one zero channel.
+    w = (rng.laplace(size=(2, 300, 48)) * 0.02).astype(ml_dtypes.bfloat16).astype(np.float32)
+    w[1, :, 5] = 0.0
+
+    def channel_error(scale):
+        back = (w / scale).astype(FP8).astype(np.float32) * scale
+        return np.square(back - w).sum(axis=-2)  # [stack, out]
+
+    scale = fp8_channel_scales(w, FP8)
+    base = np.abs(w).max(axis=-2, keepdims=True) / 448
+    assert scale.shape == (2, 1, 48) and scale.dtype == np.float32
+    assert np.abs(w / scale).max() <= 448 * (1 + 1e-6)  # never past float8's largest value
+    candidates = [np.where(base > 0, base, 1) * 2 ** (j / NUM_CANDIDATES) for j in range(NUM_CANDIDATES)]
+    best = np.min([channel_error(c) for c in candidates], axis=0)
+    chosen = channel_error(scale)
+    assert np.all(chosen <= best * 1.05) and chosen.sum() <= best.sum() * 1.005
+    assert chosen.sum() <= 0.9 * channel_error(np.where(base > 0, base, 1)).sum()
+    # Through quantize_array: float8 per channel uses them; int8 and float8 blocks keep max / dtype max.
+    np.testing.assert_array_equal(quantize_array(w, QuantScheme(jnp.float8_e4m3fn)).scale, scale)
+    int8_scale = np.abs(w).max(-2, keepdims=True) / 127
+    np.testing.assert_allclose(
+        quantize_array(w, QuantScheme(jnp.int8)).scale, np.where(base > 0, int8_scale, 1)
+    )
+
+
 def test_scales_shard_like_their_kernel_outputs():
     # o_proj is row-parallel ([q_heads, embed]); its per-channel scales split like its outputs.
     assert param_logical_axes(("layers", "self_attn", "q_proj", "kernel_scale"), 3, is_stacked=True) == (
