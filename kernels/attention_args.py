@@ -15,6 +15,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from xlaserve.kernels import invariant
+
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MIN_DOT_ROWS = 16  # Triton's tl.dot needs at least 16 rows and columns
 DEFAULT_BLOCK_KV = 64
@@ -24,6 +26,16 @@ DEFAULT_NUM_STAGES = 2
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def program_rows(num_tokens: int, num_padded_seqs: int) -> int:
+    """Query rows (tokens x heads) per attention program: 16 for decode-sized steps (T <= R), 64
+    otherwise. With batch invariance on (kernels/invariant.py), 64 for every step: a tile's shape picks
+    the tensor-core instruction (and so how a row's dot is summed), and a token decoded must get the
+    bits it gets inside a prefill chunk. Decode is bound by reading the KV cache, not by the idle rows."""
+    if invariant.enabled():
+        return 64
+    return MIN_DOT_ROWS if num_tokens <= num_padded_seqs else 64
 
 
 def num_q_blocks(num_tokens: int, num_padded_seqs: int, block_q: int) -> int:
@@ -54,10 +66,10 @@ class Tiling:
         num_kv_splits: int | None = None,
     ) -> Tiling:
         """Fill in defaults: 16 rows per program for decode-sized steps (T <= R: mostly one token per
-        sequence), 64 when prefill chunks may be present; 64 context tokens per loop step; no split."""
+        sequence), 64 when prefill chunks may be present; 64 context tokens per loop step; no split.
+        With batch invariance on, 64 rows always (`program_rows`)."""
         if block_q is None:
-            rows = MIN_DOT_ROWS if num_tokens <= num_padded_seqs else 64
-            block_q = max(1, rows // next_power_of_2(group))
+            block_q = max(1, program_rows(num_tokens, num_padded_seqs) // next_power_of_2(group))
         tiling = Tiling(
             block_q,
             DEFAULT_BLOCK_KV if block_kv is None else block_kv,

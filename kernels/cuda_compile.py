@@ -186,6 +186,33 @@ def compile_mla(shape: MLAShape, arch: int = 90) -> CompiledKernel:
     return compiled
 
 
+@dataclasses.dataclass(frozen=True)
+class MatmulShape:
+    """One dot of a step: [num_rows, in_dim] x [in_dim, out_dim]."""
+
+    name: str
+    num_rows: int
+    in_dim: int
+    out_dim: int
+    dtype: str = "bfloat16"
+
+
+MATMUL_SHAPES = (
+    MatmulShape("llama-3.2-1b gate/up, 64 rows, bf16", 64, 2048, 16384),
+    MatmulShape("llama-3.2-1b lm head, 16 rows, bf16", 16, 2048, 128256),
+)
+
+
+def compile_matmul(shape: MatmulShape, arch: int = 90) -> CompiledKernel:
+    """Compile the batch-invariant matmul (kernels/invariant_matmul.py) for `shape` and `arch`."""
+    from xlaserve.kernels.invariant_matmul import invariant_matmul
+
+    s, sd = shape, jax.ShapeDtypeStruct
+    args = (sd((s.num_rows, s.in_dim), s.dtype), sd((s.in_dim, s.out_dim), s.dtype))
+    [compiled] = compile_pallas(invariant_matmul, *args, arch=arch)
+    return compiled
+
+
 def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> CompiledKernel:
     """Compile the 'pallas' or 'triton' attention kernel for `shape` and `arch`."""
     import functools
@@ -258,13 +285,13 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m xlaserve.kernels.cuda_compile [--kernel pallas|triton|mla|all] [--arch 90]
+    """`python -m xlaserve.kernels.cuda_compile [--kernel pallas|triton|mla|matmul|all] [--arch 90]
     [--shape decode]`: compile the kernels for SHAPES; prints one line per kernel and shape, exits 1
     if any fails."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--kernel", choices=("pallas", "triton", "mla", "all"), default="all")
+    parser.add_argument("--kernel", choices=("pallas", "triton", "mla", "matmul", "all"), default="all")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--shape", action="append", help="only shapes whose name contains this (repeatable)")
     args = parser.parse_args(argv)
@@ -272,21 +299,22 @@ def main(argv: list[str] | None = None) -> int:
         print("TRITON_INTERPRET=1 makes Triton interpret instead of compile: unset it")
         return 1
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
-    kernels = ("pallas", "triton", "mla") if args.kernel == "all" else (args.kernel,)
+    kernels = ("pallas", "triton", "mla", "matmul") if args.kernel == "all" else (args.kernel,)
+    shapes = {"mla": MLA_SHAPES, "matmul": MATMUL_SHAPES}
+    compile_one = {"mla": compile_mla, "matmul": compile_matmul}
     failed = 0
     for kernel in kernels:
-        for shape in MLA_SHAPES if kernel == "mla" else SHAPES:
+        for shape in shapes.get(kernel, SHAPES):
             if args.shape and not any(part in shape.name for part in args.shape):
                 continue
             if kernel == "triton" and shape.num_kv_splits > 1:
                 continue  # split-KV is a Pallas-only variant
             t0 = time.perf_counter()
             try:
-                c = (
-                    compile_mla(shape, args.arch)
-                    if kernel == "mla"
-                    else compile_attention(kernel, shape, args.arch)
-                )
+                if kernel in compile_one:
+                    c = compile_one[kernel](shape, args.arch)
+                else:
+                    c = compile_attention(kernel, shape, args.arch)
                 print(
                     f"ok   {kernel:6s} sm_{args.arch} {shape.name}: shared {c.shared_bytes} B, "
                     f"{c.num_warps} warps, {c.num_stages} stages, {c.ptx_chars} PTX chars "

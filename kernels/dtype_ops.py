@@ -21,6 +21,8 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   (batch invariance, kernels/invariant.py), and a batch-1 step is no slower (16 rows cost what 4 do:
   the weights' reads dominate); by an int8 weight, one row is split exactly into two int8 rows instead
   and multiplied in integers (`split_int8_matmul`);
+- on a GPU with batch invariance on, a plain dot goes to the fixed-tile Pallas kernel of
+  `invariant_matmul.py` (cuBLAS picks tiles and split-K by the number of rows);
 - a quantized weight's convert is not fused into the dot by XLA CPU: a wide one (the LM head) is
   multiplied a chunk of columns at a time (`by_column_chunks`); a few rows (a batch-1 decode) by
   int8 or 4-bit codes with per-group scales go to a C++ op that widens each code in registers
@@ -32,7 +34,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from xlaserve.kernels import cpu_ops
+from xlaserve.kernels import cpu_ops, invariant
+from xlaserve.kernels.attention_args import SUPPORTED_DTYPES
+from xlaserve.kernels.invariant_matmul import invariant_matmul
 
 
 def is_16bit_float(dtype) -> bool:
@@ -112,6 +116,8 @@ def matmul(
         return by_column_chunks(x, w, out_dtype, scale, zero, block, packed)
     if packed:
         return packed_matmul(x, w, scale, zero, block).astype(out_dtype)
+    if scale is None and _invariant_on_gpu(x, w):
+        return invariant_matmul(x, w, out_dtype)
     if scale is None:
         return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
     if scale.shape[-2] == 1 and zero is None and w.dtype == jnp.float8_e4m3fn and has_native_fp8():
@@ -138,6 +144,19 @@ def convert_weight(w: jax.Array, dtype) -> jax.Array:
     small = jax.lax.bitcast_convert_type(mantissa.astype(jnp.float32) * 2.0**-9, jnp.uint32) >> 16
     bits = jnp.where(exponent == 0, small.astype(jnp.uint16) | sign, normal)
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def _invariant_on_gpu(x: jax.Array, w: jax.Array) -> bool:
+    """On a GPU with batch invariance on, a plain dot goes to the fixed-tile Pallas kernel: cuBLAS and
+    XLA's Triton GEMMs pick tiles and split-K by the number of rows (kernels/invariant_matmul.py)."""
+    return (
+        invariant.enabled()
+        and jax.default_backend() == "gpu"
+        and x.ndim >= 2
+        and w.ndim == 2
+        and jnp.dtype(x.dtype) == jnp.dtype(w.dtype)
+        and jnp.dtype(x.dtype) in SUPPORTED_DTYPES
+    )
 
 
 # The fewest rows a 16-bit dot has on CPU (the module docstring says why): past every threshold measured.

@@ -31,6 +31,7 @@ from xlaserve.kernels.attention_args import (
     check_power_of_2,
     next_power_of_2,
     num_q_blocks,
+    program_rows,
     validate_step_metadata,
 )
 from xlaserve.kernels.pallas_blocks import (
@@ -137,7 +138,7 @@ def _validate(
         )
     validate_step_metadata(kv_lens, block_tables, query_start_loc, num_seqs, sm_scale=sm_scale)
     num_padded_seqs = block_tables.shape[0]
-    rows = MIN_DOT_ROWS if num_tokens <= num_padded_seqs else 64  # decode-sized steps: one token a program
+    rows = program_rows(num_tokens, num_padded_seqs)
     if block_h is None:
         block_h = min(next_power_of_2(num_heads), rows)
     check_power_of_2("block_h", block_h, minimum=1)
