@@ -1,6 +1,6 @@
-"""The server's FastAPI app: OpenAI's routes (openai/), Anthropic's /v1/messages (anthropic/), the LoRA
-adapter routes, the admin routes with --enable-admin-api (serving/admin.py), plus /health, /version and
-/metrics.
+"""The server's FastAPI app: OpenAI's routes (openai/), Anthropic's /v1/messages (anthropic/),
+SageMaker's /ping and /invocations (sagemaker.py), the LoRA adapter routes, the admin routes with
+--enable-admin-api (serving/admin.py), plus /health, /version and /metrics.
 
 This is the one module that knows both APIs: each API package imports only the shared serving code
 (serving/), so either can change, or be left out, without touching the other.
@@ -21,6 +21,7 @@ from xlaserve.entrypoints.openai.protocol import UNION_TAGS as OPENAI_TAGS
 from xlaserve.entrypoints.openai.protocol import VersionResponse
 from xlaserve.entrypoints.openai.responses_protocol import RESPONSES_TAGS
 from xlaserve.entrypoints.openai.routes import add_routes as add_openai_routes
+from xlaserve.entrypoints.sagemaker import add_sagemaker_routes
 from xlaserve.entrypoints.serving.admin import add_admin_routes
 from xlaserve.entrypoints.serving.engine_io import ENGINE_DEAD_MESSAGE
 from xlaserve.entrypoints.serving.errors import APIError, install_error_handlers
@@ -74,6 +75,7 @@ def build_app(state: ServerState) -> FastAPI:
     add_openai_routes(app, state)
     add_pooling_routes(app, state)
     add_anthropic_routes(app, state)
+    add_sagemaker_routes(app, state)
     add_lora_routes(app, state.loras)
     if state.enable_admin_api:
         add_admin_routes(app, state)

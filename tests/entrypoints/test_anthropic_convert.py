@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import pytest
+from pydantic_core import from_json
 
 from xlaserve.engine.core_client import EngineDeadError
 from xlaserve.entrypoints.anthropic.convert import to_chat_request
@@ -19,7 +20,7 @@ from xlaserve.entrypoints.anthropic.streaming import _Blocks, event_stream
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
-from xlaserve.entrypoints.serving.tool_parsers import NamedToolParser, get_tool_parser
+from xlaserve.entrypoints.serving.tool_parsers import NamedToolParser, RequiredToolParser, get_tool_parser
 from xlaserve.outputs import CompletionOutput, RequestOutput
 
 WEATHER = {
@@ -132,7 +133,36 @@ BAD = [
      "tools[0].input_schema"),
     ([HI], {"tool_choice": {"type": "any"}}, "tool_choice"),
     ([HI], {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "other"}}, "tool_choice.name"),
+    ([HI], {"output_config": {"format": {"type": "json_schema", "schema": {"type": "foo"}}}},
+     "output_config.format.schema"),
+    ([HI], {"output_config": {"format": {"type": "json_schema", "schema": {"$ref": "#/nowhere"}}}},
+     "output_config.format.schema"),
+    ([HI], {"tools": [WEATHER], "tool_choice": {"type": "any"},
+            "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "output_config.format"),
 ]  # fmt: skip
+
+
+def test_output_config_format_is_a_json_schema_response_format():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    chat = to_chat_request(request([HI], output_config={"format": {"type": "json_schema", "schema": schema}}))
+    assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == schema
+    assert to_chat_request(request([HI], output_config={"effort": "low"})).response_format is None
+
+
+@pytest.mark.parametrize(
+    "thinking, enable_thinking",
+    [
+        (None, None),
+        ({"type": "enabled", "budget_tokens": 1024}, True),
+        ({"type": "adaptive"}, True),
+        ({"type": "disabled"}, False),
+    ],
+)
+def test_thinking_is_the_templates_enable_thinking(thinking, enable_thinking):
+    chat = to_chat_request(request([HI], **({} if thinking is None else {"thinking": thinking})))
+    kwargs = chat.chat_template_kwargs or {}
+    assert kwargs.get("enable_thinking") is enable_thinking
 
 
 @pytest.mark.parametrize("messages, fields, param", BAD, ids=[p for _, _, p in BAD])
@@ -182,13 +212,84 @@ def test_output_read_whole_and_streamed_gives_the_same_blocks():
     assert json.loads("".join(p.text for p in calls)) == {"city": "Paris"}
 
 
+def _forced(tool_parser, reasoning=None) -> ChoiceReader:
+    return ChoiceReader(ChoiceParser(reasoning, tool_parser, None), is_forced=True)
+
+
+def _streamed(reader: ChoiceReader, output: str, size: int = 5) -> list[dict]:
+    """The blocks a client accumulates from the reader's pieces of `output`, fed `size` characters at a
+    time (as Anthropic's SDK does: a call's input is the partial parse of its JSON)."""
+    blocks: list[dict] = []
+    pieces = [p for i in range(0, len(output), size) for p in reader.feed(output[i : i + size])]
+    for piece in pieces + reader.flush():
+        if piece.kind == "tool_use" and piece.id is not None:
+            blocks.append({"type": "tool_use", "name": piece.name, "json": piece.text})
+        elif blocks and blocks[-1]["type"] == piece.kind:
+            blocks[-1]["json" if piece.kind == "tool_use" else piece.kind] += piece.text
+        else:
+            blocks.append({"type": piece.kind, piece.kind: piece.text})
+    for block in blocks:
+        if block["type"] == "tool_use":
+            text = block.pop("json")
+            block["input"] = from_json(text, allow_partial=True) if text else {}
+    return blocks
+
+
+def _dumped(blocks) -> list[dict]:
+    return [b.model_dump(exclude={"id", "signature"}) for b in blocks]
+
+
 def test_forced_call_output_is_a_tool_use_block():
-    reader = ChoiceReader(ChoiceParser(None, NamedToolParser("get_weather"), None))
-    (block,) = reader.blocks('{"city": "Oslo"}')
+    (block,) = _forced(NamedToolParser("get_weather")).blocks('{"city": "Oslo"}')
     assert (block.type, block.name, block.input) == ("tool_use", "get_weather", {"city": "Oslo"})
-    # Cut off mid-call (max_tokens): nothing to run, the text comes back as text.
-    (cut,) = ChoiceReader(ChoiceParser(None, NamedToolParser("get_weather"), None)).blocks('{"city": "Os')
-    assert cut.type == "text" and cut.text == '{"city": "Os'
+
+
+NAMED_CUTS = ['{"city": "Os', '{"city": "Oslo", "un', "{", "", " "]
+REQUIRED = (
+    '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
+    '{"name": "get_time", "parameters": {"city": "Lima"}}]'
+)
+REQUIRED_CUTS = [REQUIRED[:n] for n in (3, 12, 30, 50, 57, 64, 80, 90, 100, len(REQUIRED) - 1)]
+
+
+@pytest.mark.parametrize("output", NAMED_CUTS)
+def test_forced_named_call_cut_by_max_tokens_is_a_tool_use_block_streamed_or_not(output):
+    """Cut off mid-call: a tool_use block whose input is what the SDK reads from the streamed JSON; never
+    a text block of raw JSON. A stream gives the same blocks."""
+    whole = _forced(NamedToolParser("get_weather")).blocks(output)
+    assert all(b.type == "tool_use" for b in whole)
+    assert _dumped(whole) == _streamed(_forced(NamedToolParser("get_weather")), output)
+
+
+@pytest.mark.parametrize("output", REQUIRED_CUTS, ids=[str(len(o)) for o in REQUIRED_CUTS])
+def test_forced_any_cut_by_max_tokens_is_tool_use_blocks_only(output):
+    """tool_choice any, its call list cut anywhere: tool_use blocks only (the issue's text block of raw
+    call JSON before the calls is gone), the same streamed."""
+    whole = _forced(RequiredToolParser()).blocks(output)
+    assert all(b.type == "tool_use" for b in whole), _dumped(whole)
+    assert _dumped(whole) == _streamed(_forced(RequiredToolParser()), output)
+    names = [b.name for b in whole]
+    assert names == ["get_weather", "get_time"][: len(names)]
+    assert all(
+        b.input.items() <= {"city": "Oslo" if b.name == "get_weather" else "Lima"}.items() for b in whole
+    )
+    complete = _forced(RequiredToolParser()).blocks(REQUIRED)
+    assert [(b.name, b.input) for b in complete] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {"city": "Lima"}),
+    ]
+
+
+def test_forced_call_keeps_the_thinking_before_it():
+    reasoning = get_reasoning_parser("deepseek_r1")(ThinkTokenizer(), prompt_token_ids=[1, 10])
+    output = 'Oslo it is.</think>{"city": "Oslo"}'
+    whole = _forced(NamedToolParser("get_weather"), reasoning).blocks(output)
+    assert _dumped(whole) == [
+        {"type": "thinking", "thinking": "Oslo it is."},
+        {"type": "tool_use", "name": "get_weather", "input": {"city": "Oslo"}},
+    ]
+    reasoning = get_reasoning_parser("deepseek_r1")(ThinkTokenizer(), prompt_token_ids=[1, 10])
+    assert _streamed(_forced(NamedToolParser("get_weather"), reasoning), output) == _dumped(whole)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
 """Anthropic's Messages API through `xlaserve serve` (the session's SmolLM2 server) and the official
-`anthropic` client: results, usage against count_tokens and /tokenize, stop reasons, the event stream
-in its documented order and the client's own stream helpers, and the API key in either header."""
+`anthropic` client (2.16: sampling fields go in extra_body): results, usage against count_tokens and
+/tokenize, stop reasons, the event stream in its documented order and the client's own stream helpers,
+the API key in either header, output_config's structured output, thinking on a server without a
+reasoning parser, and forced tool choices answered with tool_use blocks only, streamed or not."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from pydantic import BaseModel
 
 from helpers.server_harness import MODEL_NAME
 
@@ -270,3 +273,84 @@ def test_auto_tool_choice_stream_and_message_agree(client):
         assert whole.stop_reason == "tool_use" and "<tool_call>" in unread.content[0].text
     else:
         assert blocks(unread) == blocks(whole)
+
+
+@pytest.mark.parametrize("max_tokens", [20, 40])
+def test_forced_any_cut_by_max_tokens_is_tool_use_blocks_streamed_or_not(client, max_tokens):
+    """tool_choice any whose call list max_tokens cuts: tool_use blocks only (never a text block of the
+    call's raw JSON before them), stop reason max_tokens, and the stream's accumulated message (the
+    SDK's partial parse of each input) is the message."""
+    choice = {"type": "any"}
+    fields = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": choice, "max_tokens": max_tokens}
+    whole = _create(client, **fields)
+    assert whole.content and all(block.type == "tool_use" for block in whole.content), whole
+    assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == max_tokens
+    with client.messages.stream(model=MODEL_NAME, extra_body=GREEDY, **fields) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.model_dump(exclude={"id", "content"}) == whole.model_dump(exclude={"id", "content"})
+    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [
+        b.model_dump(exclude={"id"}) for b in whole.content
+    ]
+
+
+# -- output_config.format (structured output) and thinking ---------------------------------------------
+
+COLORS = {
+    "type": "object",
+    "properties": {
+        "colors": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 12},
+            "minItems": 3,
+            "maxItems": 3,
+        },
+    },
+    "required": ["colors"],
+    "additionalProperties": False,
+}
+COLORS_FORMAT = {"format": {"type": "json_schema", "schema": COLORS}}
+
+
+def test_output_config_format_answers_schema_valid_json(client):
+    message = _create(client, messages=QUESTION, max_tokens=96, output_config=COLORS_FORMAT)
+    assert [block.type for block in message.content] == ["text"] and message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(message.content[0].text), COLORS)
+    with client.messages.stream(
+        model=MODEL_NAME, extra_body=GREEDY, messages=QUESTION, max_tokens=96, output_config=COLORS_FORMAT
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
+    # The format constrains the answer, not the prompt.
+    counted = client.messages.count_tokens(model=MODEL_NAME, messages=QUESTION, output_config=COLORS_FORMAT)
+    assert counted.input_tokens == message.usage.input_tokens
+
+
+class Capital(BaseModel):
+    city: str
+    country: str
+
+
+def test_sdk_parse_with_a_pydantic_output_format(client):
+    """messages.parse(output_format=Model): the SDK sends the model's schema as output_config.format and
+    parses the answer back into the model."""
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    message = client.messages.parse(
+        model=MODEL_NAME, extra_body=GREEDY, max_tokens=48, messages=ask, output_format=Capital
+    )
+    assert message.stop_reason == "end_turn", message
+    assert isinstance(message.parsed_output, Capital) and message.parsed_output.city
+
+
+def test_thinking_on_a_server_without_reasoning_parser_is_the_plain_answer(client):
+    """This server has no --reasoning-parser: thinking enabled is accepted, and the answer is what the
+    request without it gets (no thinking block; SmolLM2's template has no enable_thinking)."""
+    plain = _create(client, messages=QUESTION, max_tokens=16)
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    message = _create(client, messages=QUESTION, max_tokens=16, thinking=thinking)
+    assert [block.type for block in message.content] == ["text"]
+    assert message.model_dump(exclude={"id"}) == plain.model_dump(exclude={"id"})
+    with client.messages.stream(
+        model=MODEL_NAME, extra_body=GREEDY, messages=QUESTION, max_tokens=16, thinking={"type": "adaptive"}
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.model_dump(exclude={"id"}) == plain.model_dump(exclude={"id"})

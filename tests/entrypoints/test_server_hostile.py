@@ -1122,6 +1122,26 @@ ANTHROPIC_BAD = [
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "other"}}, "tool_choice.name"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "any", "disable_parallel_tool_use": "yes"}},
      "tool_choice.disable_parallel_tool_use"),
+    # output_config (structured output) and thinking, as the current SDK sends them.
+    ({"output_config": "json"}, "output_config"),
+    ({"output_config": {"mode": "json"}}, "output_config.mode"),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ({"output_config": {"format": "json"}}, "output_config.format"),
+    ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": "{}"}}}, "output_config.format.schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "foo"}}}},
+     "output_config.format.schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"$ref": "#/nowhere"}}}},
+     "output_config.format.schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}, "name": "x"}}},
+     "output_config.format.name"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+      "tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}}, "output_config.format"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking"),
+    ({"thinking": {"type": "adaptive", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024, "display": "loud"}}, "thinking"),
+    ({"thinking": "enabled"}, "thinking"),
 ]  # fmt: skip
 
 
@@ -1155,6 +1175,8 @@ ANTHROPIC_TEXT_FIELDS = [  # a body with "@" where the bad text goes, the field 
     ({"tools": [{"name": "x", "description": "@", "input_schema": {"type": "object"}}]},
      "tools[0].description"),
     ({"tools": [{"name": "x", "input_schema": {"enum": ["@"]}}]}, "tools[0].input_schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"enum": ["@"]}}}},
+     "output_config.format.schema"),
 ]  # fmt: skip
 
 
@@ -1232,3 +1254,108 @@ def test_pooling_routes_on_a_generating_server_are_400_naming_the_runner(client,
     error = check_error(response, 400, "model")
     assert "runner='generate'" in error["message"] and "--runner pooling" in error["message"]
     check_still_serving(client, port)
+
+
+def test_anthropic_structured_output_stream_refused_before_it_starts(client):
+    """A bad output format on a streamed request is a plain 400, not an event stream."""
+    fields = {"stream": True, "output_config": {"format": {"type": "json_schema", "schema": {"type": "foo"}}}}
+    response, port = send(client, MESSAGES, {**ANTHROPIC_BODY, **fields})
+    check_anthropic_error(response, 400, "output_config.format.schema")
+    check_still_serving(client, port)
+
+
+# -- SageMaker's routes (/ping, /invocations) ---------------------------------------------------------
+
+INVOCATIONS = "/invocations"
+INVOCATION_CASES = [  # (body, the param named, the status); the shape picks chat or completions
+    ({}, None, 400),
+    ({"input": "Hi"}, None, 400),
+    ({"text": "Hi", "max_tokens": 1}, None, 400),
+    ({"messages": "Hi"}, "messages", 400),
+    ({"messages": []}, "messages", 400),
+    ({"messages": None}, "messages", 400),
+    ({"messages": [{"role": "user", "content": 5}], "max_tokens": 1}, "messages[0].content", 400),
+    ({"messages": CHAT, "max_tokens": 0}, "max_tokens", 400),
+    ({"messages": CHAT, "max_tokens": 10_000}, "max_tokens", 400),
+    ({"messages": CHAT, "max_tokens": 10_000, "stream": True}, "max_tokens", 400),
+    ({"messages": CHAT, "temperature": "hot"}, "temperature", 400),
+    ({"messages": CHAT, "prompt": "Hi"}, "prompt", 400),
+    ({"messages": CHAT, "tool_choice": "required"}, "tool_choice", 400),
+    ({"messages": CHAT, "response_format": {"type": "json_schema",
+                                            "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema", 400),
+    ({"prompt": 5}, "prompt", 400),
+    ({"prompt": None}, "prompt", 400),
+    ({"prompt": [[-1]]}, "prompt", 400),
+    ({"prompt": "Hi", "n": 0}, "n", 400),
+    ({"prompt": "Hi", "logprobs": 100}, "logprobs", 400),
+    ({"prompt": "Hi", "unknown": 1}, "unknown", 400),
+    ({"prompt": "word " * 100_000}, "prompt", 400),
+    ({"prompt": "Hi", "model": "gpt-nothing"}, "model", 404),
+    ({"messages": CHAT, "model": "gpt-nothing"}, "model", 404),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "body, param, status", INVOCATION_CASES, ids=[json.dumps(b)[:60] for b, _, _ in INVOCATION_CASES]
+)
+def test_invocations_bad_request_names_the_field(client, body, param, status):
+    response, port = send(client, INVOCATIONS, body)
+    error = check_error(response, status)
+    assert error["param"] == param, error
+    if param is None:
+        assert "'messages'" in error["message"] and "'prompt'" in error["message"]
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize("name", list(BAD_BODIES))
+def test_invocations_bad_body_is_400(client, name):
+    response, port = send(
+        client, INVOCATIONS, content=BAD_BODIES[name], headers={"Content-Type": "application/json"}
+    )
+    check_error(response, 400)
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "ab@"}, "prompt"),
+        ({"messages": [{"role": "user", "content": "@"}], "max_tokens": 1}, "messages[0].content"),
+        ({"prompt": "Hi", "stop": ["@"]}, "stop"),
+    ],
+)
+@pytest.mark.parametrize("raw", list(BAD_TEXT.values()), ids=list(BAD_TEXT))
+def test_invocations_invalid_unicode_is_400_naming_the_field(client, body, param, raw):
+    response, port = send(
+        client, INVOCATIONS, content=body_with(body, raw), headers={"Content-Type": "application/json"}
+    )
+    error = check_error(response, 400)
+    assert error["param"] == param and error["code"] == "invalid_unicode", error
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize(
+    "method, path, status",
+    [("GET", INVOCATIONS, 405), ("PUT", INVOCATIONS, 405), ("DELETE", "/ping", 405), ("PUT", "/ping", 405)],
+)
+def test_sagemaker_wrong_method_is_405(client, method, path, status):
+    response, port = send(client, path, method=method, content=b"")
+    check_error(response, status)
+    check_still_serving(client, port)
+
+
+def test_invocations_needs_the_key_and_json(client):
+    body = {"prompt": "Hi", "max_tokens": 1}
+    response, port = send(client, INVOCATIONS, body, headers={"Authorization": "Bearer nope"})
+    check_error(response, 401)
+    check_still_serving(client, port)
+    response, port = send(
+        client, INVOCATIONS, content=json.dumps(body).encode(), headers={"Content-Type": "text/plain"}
+    )
+    assert check_error(response, 415)["code"] == "invalid_content_type"
+    check_still_serving(client, port)
+    response, port = send(client, INVOCATIONS, {**body, "max_tokens": 1})
+    assert response.status_code == 200 and response.json()["object"] == "text_completion"
+    ping = httpx.get(str(client.base_url) + "/ping")
+    assert ping.status_code == 200

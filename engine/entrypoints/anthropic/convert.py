@@ -6,10 +6,12 @@ Anthropic's shapes map onto OpenAI's: `system` is the first message; an assistan
 are its `tool_calls` (the input as JSON text), thinking its `reasoning_content`; each tool_result is a
 `tool` message; tool_choice auto/any/tool/none is "auto"/"required"/a named function/"none", and
 disable_parallel_tool_use is parallel_tool_calls=false; a final assistant message is a prefill
-(continue_final_message). What the chat request's schema would name by OpenAI's fields is checked here
+(continue_final_message); output_config.format is a json_schema response_format; thinking is the
+template's enable_thinking. What the chat request's schema would name by OpenAI's fields is checked here
 first, each a 400 naming Anthropic's: a block in the wrong role, a tool_result whose tool_use_id no
 earlier tool_use has, a repeated tool_use id or tool name, a tool_choice naming a tool not given, an
-input_schema that is not an object's or that llguidance cannot compile.
+input_schema or output_config.format.schema that llguidance cannot compile (or an input_schema that
+is not an object's), an output format beside a forced tool_choice.
 """
 
 from __future__ import annotations
@@ -58,9 +60,19 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         )
         if getattr(choice, "disable_parallel_tool_use", False):
             body["parallel_tool_calls"] = False
-    if req.thinking is not None and req.thinking.type == "disabled":
-        # Templates that think by default (Qwen3's) close the thinking when told so.
-        body["chat_template_kwargs"] = {"enable_thinking": False}
+    if req.thinking is not None:
+        # Templates that think by default (Qwen3's) close the thinking when told so; others ignore it.
+        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+    output_format = req.output_config.format if req.output_config is not None else None
+    if output_format is not None:
+        if choice is not None and choice.type in ("any", "tool"):
+            raise bad_request(
+                f"output_config.format cannot be combined with tool_choice of type {choice.type!r}: "
+                "both constrain the whole answer",
+                "output_config.format",
+            )
+        json_schema = {"name": "output", "schema": _output_schema(output_format.schema_)}
+        body["response_format"] = {"type": "json_schema", "json_schema": json_schema}
     if isinstance(req, MessagesRequest):
         sampling = {
             "max_tokens": req.max_tokens,
@@ -193,6 +205,16 @@ def input_schema(tool: ToolParam, i: int) -> dict:
             f"{param} must describe an object ('type': 'object'), got {schema['type']!r}", param
         )
     schema = {"type": "object", **schema}
+    try:
+        check_grammar(StructuredOutputsParams(json=schema))
+    except StructuredOutputsError as e:
+        raise bad_request(f"{param} {e.reason}", param) from None
+    return schema
+
+
+def _output_schema(schema: dict) -> dict:
+    """output_config.format.schema, checked: llguidance compiles it."""
+    param = "output_config.format.schema"
     try:
         check_grammar(StructuredOutputsParams(json=schema))
     except StructuredOutputsError as e:

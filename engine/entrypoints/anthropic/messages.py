@@ -89,10 +89,10 @@ def _prompt(
 def _sampling_params(
     state: ServerState, chat: ChatCompletionRequest, plan: ToolPlan, ids: list[int]
 ) -> SamplingParams:
-    """As the chat route makes them: the tool plan's grammar, applied once the thinking ends, and special
-    tokens kept when the tool parser's tags are special tokens."""
+    """As the chat route makes them: the tool plan's grammar (or output_config.format's), applied once the
+    thinking ends, and special tokens kept when the tool parser's tags are special tokens."""
     params = make_sampling_params(chat, chat.max_tokens, None)
-    spec = plan.structured_outputs
+    spec = plan.structured_outputs or params.structured_outputs
     reasoning = _reasoning_parser(state, ids)
     if spec is not None and reasoning is not None and not reasoning.is_reasoning_end(ids):
         spec = dataclasses.replace(spec, reasoning_end_token_id=reasoning.end_token_id)
@@ -113,7 +113,8 @@ async def create_message(state: ServerState, req: MessagesRequest, raw_request: 
     check_context(state.engine, len(ids), req.max_tokens, "messages")
     params = _sampling_params(state, chat, plan, ids)
     tool_parser = make_tool_parser(plan, state.tool_parser_cls, state.engine.tokenizer)
-    reader = ChoiceReader(ChoiceParser(_reasoning_parser(state, ids), tool_parser, chat))
+    is_forced = plan.choice in ("required", "named")
+    reader = ChoiceReader(ChoiceParser(_reasoning_parser(state, ids), tool_parser, chat), is_forced)
     request_id = new_id("msg").replace("-", "_")
     try:
         stream = state.engine.add_request(

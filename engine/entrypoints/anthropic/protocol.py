@@ -178,8 +178,32 @@ class ThinkingEnabled(StrictModel):
     budget_tokens: int = Field(ge=1, le=2**31 - 1, description="accepted; the thinking is not cut")
 
 
+class ThinkingAdaptive(StrictModel):
+    """The model decides how much to think: here as "enabled" without a budget."""
+
+    type: Literal["adaptive"]
+
+
 class ThinkingDisabled(StrictModel):
     type: Literal["disabled"]
+
+
+Thinking = Annotated[ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled, Field(discriminator="type")]
+
+
+class JsonOutputFormat(StrictModel):
+    """Structured output: the answer is JSON that validates against `schema` (the structured-output
+    backend constrains every token)."""
+
+    type: Literal["json_schema"]
+    schema_: JsonObject = Field(alias="schema")
+
+
+class OutputConfig(StrictModel):
+    format: JsonOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = Field(
+        default=None, description="accepted and ignored"
+    )
 
 
 class CountTokensRequest(StrictModel):
@@ -190,10 +214,12 @@ class CountTokensRequest(StrictModel):
     system: TextBlocks | None = None
     tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
-    thinking: Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")] | None = Field(
+    thinking: Thinking | None = Field(
         default=None,
-        description='"disabled": the template is rendered with enable_thinking=false (Qwen3 and the like)',
+        description='the template is rendered with enable_thinking true ("enabled", "adaptive") or false '
+        '("disabled"); the --reasoning-parser, if any, splits the thinking into a thinking block',
     )
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
