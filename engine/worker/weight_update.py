@@ -9,6 +9,14 @@ name and shape is checked before anything changes: an unknown name or a wrong sh
 naming the weight and both shapes, and the engine keeps its weights. Only parameters change, into
 arrays of the same shapes, dtypes and shardings, so no program recompiles.
 
+An engine that quantizes at load (`quantization="int8"|"fp8"`) quantizes the new float weights as the
+load does (models/quantization.py: `quantized_parts`, per layer, on the host: int8's max/127 per
+channel, fp8's least-error scale search, the tables in int8 under fp8), so its kernels and scales are
+the bits a fresh engine on the new checkpoint holds. An engine whose weights arrived quantized (a
+checkpoint released in FP8, a GGUF's blocks under `quantization="gguf"`) is refused: its scales are
+the checkpoint's, and float weights could only be requantized into another format than a fresh
+engine on the new checkpoint would hold.
+
 `sleep(runner, level)` deletes the KV cache's device buffers (level 2: the weights too, kept on the
 host) and `wake_up(runner)` allocates and places them again; what a slept cache held is gone, so the
 core resets its prefix cache.
@@ -27,7 +35,8 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels.dtype_ops import is_16bit_float
-from xlaserve.models.quantization import SCALE, ZERO
+from xlaserve.models.prequantized import quantization_scheme
+from xlaserve.models.quantization import SCALE, ZERO, QuantScheme, is_quantized_kernel, quantized_parts
 from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import _flatten, _unflatten, hf_name
 from xlaserve.sharding.kv_heads import replicate_kv_heads
@@ -80,15 +89,12 @@ def _our_layout(array, path: tuple[str, ...]):
 def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     """Replace the runner's parameters named in `weights` (the module docstring); -> the names
     updated. Nothing changes unless every name and shape checks out. A MoE layer's experts are
-    rewritten into one stack by the family, so they are updated together."""
+    rewritten into one stack by the family, so they are updated together. An engine that quantizes
+    at load quantizes them as the load does; one whose checkpoint came quantized is refused."""
     updates = _as_dict(weights)
     if not updates:
         return []
-    if runner.config.model.quantization is not None:
-        raise ValueError(
-            f"update_weights: this engine keeps its weights quantized ({runner.config.model.quantization}); "
-            "updating them in place is not supported yet: start an engine on the new checkpoint"
-        )
+    scheme = _quantized_at_load(runner.config.model.quantization, runner.hf_config)
     hf_cfg = model_config_from_hf(runner.hf_config)
     model_class = get_model_class(hf_cfg.architecture)
     tp = runner.config.parallel.tensor_parallel_size
@@ -102,8 +108,10 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     for name, array in updates.items():
         # A jax array (a trainer's, on its own mesh) stays on the devices: resharded there, never
         # fetched, unless a rewrite below needs the host (KV heads repeated, the vocabulary padded, a
-        # MoE layer's experts stacked).
-        array = array if isinstance(array, jax.Array) else np.asarray(array)
+        # MoE layer's experts stacked) or the kernel is kept quantized (quantized on the host, as
+        # the load does: `_quantized`).
+        is_quantized = name in targets and is_quantized_kernel(targets[name][0], flat)
+        array = array if isinstance(array, jax.Array) and not is_quantized else np.asarray(array)
         if tied and name == "lm_head.weight":
             raise ValueError("weights: lm_head.weight is tied to model.embed_tokens.weight here: update that")
         if name in targets:  # a name only the family's rewrite makes (MoE experts) is checked after it
@@ -133,6 +141,10 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
         if value.shape != tuple(shape):
             raise ValueError(f"weights: {name!r} has shape {value.shape} here, the model's is {tuple(shape)}")
         writes.setdefault(path, []).append((index, value))
+    for path in [p for p in writes if is_quantized_kernel(p, flat)]:
+        for index, value in writes.pop(path):
+            for part_path, part in _quantized(path, index, value, flat, scheme).items():
+                writes.setdefault(part_path, []).append((index, part))
     new_flat = dict(flat)
     for path, parts in writes.items():
         new_flat[path] = _write(flat[path], parts, runner.dtype)
@@ -145,6 +157,43 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     runner.set_params(params, head_dv)
     logger.info("updated %d weights (%d parameters)", len(updates), len(writes))
     return sorted(updates)
+
+
+def _quantized_at_load(method: str | None, hf_config: dict) -> QuantScheme | None:
+    """The scheme an engine started with `--quantization method` on a checkpoint of `hf_config`
+    quantizes float weights in (None: its weights are float); ValueError where its weights arrived
+    quantized (the module docstring)."""
+    if method == "gguf":
+        raise ValueError(
+            "update_weights: this engine keeps a GGUF's own quantized blocks (quantization='gguf'); "
+            "float weights cannot be put back into llama.cpp's codes as the file held them: start an "
+            "engine on the new file, or run this one without quantization='gguf' (or with 'int8'/'fp8')"
+        )
+    scheme, _ = quantization_scheme(method, hf_config, {})
+    if scheme is not None and scheme.checkpoint_only:
+        raise ValueError(
+            f"update_weights: this engine's weights came quantized from its checkpoint ({scheme.describe()}, "
+            "config.json's quantization_config), with the checkpoint's own scales; updating them in place "
+            "is not supported: start an engine on the new checkpoint, or start this one from float weights "
+            "with quantization='int8' or 'fp8', which quantizes updates as it loads"
+        )
+    return scheme
+
+
+def _quantized(path, index, value, flat, scheme: QuantScheme) -> dict[tuple[str, ...], np.ndarray]:
+    """One float kernel (a layer's, or a whole one), [.., in, out], as the load stores it: its codes
+    and scales (models/quantization.py: `quantized_parts`, the loader's own function, on the host;
+    a jax array is fetched for it)."""
+    parts = quantized_parts(path, [np.asarray(value)], False, flat, scheme)
+    for part_path, part in parts.items():
+        old = flat[part_path]
+        shape = tuple(old.shape[1:] if index is not None else old.shape)
+        if part.shape != shape or part.dtype != old.dtype:  # the scheme is the load's: never expected
+            raise ValueError(
+                f"weights: {'.'.join(part_path)} quantized to {part.shape} {part.dtype}, "
+                f"the model holds {shape} {old.dtype}"
+            )
+    return parts
 
 
 def update_weights_from_path(runner, path: str) -> list[str]:

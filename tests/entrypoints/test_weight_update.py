@@ -2,16 +2,21 @@
 fresh engine on the updated checkpoint token for token and logprob for logprob (bfloat16: batch
 invariance makes that exact), in one call or in parts, from arrays or from a path, with nothing
 compiled after warm-up; a refused update names the weight and both shapes and changes nothing;
-`sleep` / `wake_up` hand the device memory back and restore the same outputs."""
+`sleep` / `wake_up` hand the device memory back and restore the same outputs. An engine that quantizes
+at load (int8, fp8) quantizes an update as its load does: the same bits as a fresh quantized engine."""
 
 from __future__ import annotations
 
+import shutil
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from xlaserve import LLM, SamplingParams
 from xlaserve.worker.compile_guard import num_compiles
+from xlaserve.worker.weight_update import update_weights
 
 ARGS = {
     "dtype": "bfloat16",
@@ -139,3 +144,56 @@ def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(llm, expecte
     assert numbers(llm) == expected[0]
     with pytest.raises(ValueError, match="not asleep"):
         llm.wake_up()
+
+
+# A partial update: the quantized table, one layer of a quantized stack, another's, a float norm.
+SOME = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.1.mlp.down_proj.weight",
+    "model.norm.weight",
+)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_a_quantized_engine_quantizes_an_update_as_its_load_does(dirs, quantization, tmp_path):
+    import jax.numpy as jnp
+
+    a, b = dirs
+    args = ARGS | {"quantization": quantization}
+    mixed = shutil.copytree(b, tmp_path / "mixed")  # B with SOME of A's tensors
+    old, new = tensors(a), tensors(b)
+    save_file(new | {n: old[n] for n in SOME}, f"{mixed}/model.safetensors", metadata={"format": "pt"})
+    fresh_b, fresh_mixed = (numbers(LLM(d, **args)) for d in (b, mixed))
+    llm = LLM(a, **args)
+    on_a = numbers(llm)
+    assert on_a != fresh_b != fresh_mixed
+    # One of them a jax array (fetched: quantized on the host, as the load does).
+    some = {n: old[n] for n in SOME} | {SOME[1]: jnp.asarray(old[SOME[1]])}
+    compiles = num_compiles()
+    assert llm.update_weights(new) == sorted(new)
+    assert numbers(llm) == fresh_b  # token ids and logprobs, bit for bit
+    assert llm.update_weights(some) == sorted(SOME)
+    assert numbers(llm) == fresh_mixed
+    assert num_compiles() == compiles and llm.engine_core.runner.guard.num_unexpected == 0
+    wrong = np.zeros((48, 49), np.float32)
+    with pytest.raises(ValueError, match=r"q_proj.weight.*\(48, 49\).*\(48, 48\)"):
+        llm.update_weights({SOME[2]: old[SOME[2]], "model.layers.1.self_attn.q_proj.weight": wrong})
+    llm.update_weights_from_path(a)
+    assert numbers(llm) == on_a
+
+
+@pytest.mark.parametrize(
+    ("method", "hf_config", "why"),
+    [
+        (None, {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "came"),
+        ("fp8", {"quantization_config": {"quant_method": "fp8"}}, "came quantized from its checkpoint"),
+        ("gguf", {}, "GGUF's own quantized blocks"),
+    ],
+    ids=["fp8-blocks", "fp8-per-tensor", "gguf"],
+)
+def test_an_engine_whose_weights_arrived_quantized_refuses_updates(method, hf_config, why):
+    config = SimpleNamespace(model=SimpleNamespace(quantization=method))
+    runner = SimpleNamespace(config=config, hf_config=hf_config)  # refused before its weights are read
+    with pytest.raises(ValueError, match=why):
+        update_weights(runner, {"model.norm.weight": np.ones(48, np.float32)})
