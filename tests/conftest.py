@@ -66,3 +66,45 @@ def hf_model():
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     )
     return model.eval()
+
+
+# -- running the suite on two workers (pytest-xdist, `-n 2 --dist loadgroup`: .ci/run) ------------------
+# Each worker is its own process with its own session fixtures, so a fixture two workers both use is
+# built twice (an engine's warm-up compiles, a server's start). Tests therefore go to workers by
+# group: a module's tests stay together (its module fixtures are built once), and a module that uses
+# one of the session's expensive fixtures joins that fixture's group, so each is built once. A module
+# using fixtures of two groups joins the first (test_server.py: the server's, building its own `llm`):
+# merging the groups would leave one worker with most of the suite.
+SHARED_FIXTURE_GROUPS = {  # group -> its fixtures, in the order a module picks its group
+    "server": {"server"},
+    "smollm2": {"llm", "llm_bf16", "hf_model"},
+    "fake-mesh": {"tp_worker"},
+}
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def _module_groups(items) -> dict[str, str | None]:
+    """module path -> the shared-fixture group it joins (None: its own)."""
+    fixtures: dict[str, set[str]] = {}
+    for item in items:
+        fixtures.setdefault(_module(item), set()).update(item.fixturenames)
+    return {
+        module: next((g for g, names in SHARED_FIXTURE_GROUPS.items() if names & used), None)
+        for module, used in fixtures.items()
+    }
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
+def pytest_collection_modifyitems(config, items):
+    if not getattr(config.option, "loadgroup", False):
+        return  # one process, or xdist's other schedules: nothing to group
+    groups = _module_groups(items)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[_module(item)] or _module(item)))
+    # Workers take groups in collection order: the shared-fixture groups (the longest) first, so
+    # that the short modules fill in beside them at the end.
+    order = list(SHARED_FIXTURE_GROUPS)
+    items.sort(key=lambda item: order.index(g) if (g := groups[_module(item)]) else len(order))

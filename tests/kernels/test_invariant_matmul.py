@@ -5,16 +5,14 @@ fixed tiles under invariance."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers.cuda_compile_run import compile_in_subprocess
 from xlaserve.kernels import dtype_ops
 from xlaserve.kernels.attention_args import Tiling
 from xlaserve.kernels.invariant import batch_invariance
@@ -129,21 +127,5 @@ def test_compiled_on_gpu_is_invariant_and_matches_reference():
 
 def test_compiles_to_sm90_cubin():
     """Triton's compiler and ptxas take the lowered kernel to a cubin (Llama-3.2-1B's LM head)."""
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("compiling for sm_90 on CPU needs the triton package (the test extra)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run(
-        [sys.executable, "-m", "xlaserve.kernels.cuda_compile", "--kernel", "matmul", "--shape", "lm head"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=root,
-        check=False,
-    )
-    assert result.returncode == 0 and result.stdout.count("ok   matmul sm_90") == 1, (
-        result.stdout + result.stderr
-    )
+    out = compile_in_subprocess("matmul", "lm head")
+    assert out.count("ok   matmul sm_90") == 1, out

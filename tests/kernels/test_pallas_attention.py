@@ -10,12 +10,9 @@ writes shows up as NaN, and the wrapper must zero the rows of padding tokens its
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import re
-import subprocess
-import sys
 from functools import partial
 
 import jax
@@ -32,6 +29,7 @@ from helpers.attention_cases import (
     run_case,
     tolerance,
 )
+from helpers.cuda_compile_run import compile_in_subprocess
 from xlaserve.kernels import (
     ragged_paged_attention as pallas,
 )  # the module (the package exports no function of that name)
@@ -160,32 +158,9 @@ def test_split_kv_lowers_for_cuda():
     assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
 
 
-def compile_in_subprocess(kernel: str) -> str:
-    """Run `python -m xlaserve.kernels.cuda_compile` for `kernel` on two shapes (a Llama-3-8B decode
-    step; GQA 3 with a window and a soft-cap), in a fresh process: Triton compiles or interprets per process,
-    depending on TRITON_INTERPRET when it is first imported."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("compiling for sm_90 on CPU needs the triton package (the test extra)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "xlaserve.kernels.cuda_compile",
-        "--kernel",
-        kernel,
-        "--shape",
-        "decode",
-        "--shape",
-        "window + cap",
-    ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
-
-
 def test_compiles_to_sm90_cubin():
     """Triton's own compiler (the `triton` package, with ptxas) takes the lowered kernel to a cubin."""
-    out = compile_in_subprocess("pallas")
+    out = compile_in_subprocess("pallas", "decode", "window + cap")
     assert out.count("ok   pallas sm_90") == 3, out  # decode, decode with 4 KV splits, window + cap
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers.cuda_compile_run import compile_in_subprocess
 from xlaserve.kernels.mla import mla_paged_attention
 from xlaserve.kernels.ragged_paged_mla import ragged_paged_mla
 from xlaserve.kernels.synthetic import StepShape, synthetic_step
@@ -94,27 +95,8 @@ def test_lowers_for_cuda_through_triton():
 
 def test_compiles_to_sm90_cubin():
     """Triton's compiler and ptxas take the lowered kernel to a cubin (DeepSeek-V3 shapes at TP 8)."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("compiling for sm_90 on CPU needs the triton package (the test extra)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run(
-        [sys.executable, "-m", "xlaserve.kernels.cuda_compile", "--kernel", "mla", "--shape", "decode"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=root,
-        check=False,
-    )
-    assert result.returncode == 0 and result.stdout.count("ok   mla    sm_90") == 1, (
-        result.stdout + result.stderr
-    )
+    out = compile_in_subprocess("mla", "decode")
+    assert out.count("ok   mla    sm_90") == 1, out
 
 
 @pytest.mark.slow  # two engines, about 30 s

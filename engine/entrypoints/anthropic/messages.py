@@ -33,6 +33,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     engine_error,
     make_sampling_params,
     new_id,
+    submit,
     tokenize_text,
 )
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
@@ -116,14 +117,7 @@ async def create_message(state: ServerState, req: MessagesRequest, raw_request: 
     is_forced = plan.choice in ("required", "named")
     reader = ChoiceReader(ChoiceParser(_reasoning_parser(state, ids), tool_parser, chat), is_forced)
     request_id = new_id("msg").replace("-", "_")
-    try:
-        stream = state.engine.add_request(
-            ids, params, request_id, prompt=text, output_kind="delta" if req.stream else "final"
-        )
-    except Exception as e:  # noqa: BLE001 - every failure becomes an API error
-        raise engine_error(e) from None
-    if state.log_requests:
-        logger.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
+    stream = submit(state, ids, params, request_id, stream=req.stream, prompt=text)
     if req.stream:
         return StreamingResponse(
             event_stream(request_id, model, stream, len(ids), reader), media_type="text/event-stream"

@@ -39,6 +39,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     make_sampling_params,
     merge_streams,
     new_id,
+    submit,
     tokenize_text,
 )
 from xlaserve.entrypoints.serving.errors import bad_request
@@ -172,21 +173,17 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     params = chat_sampling_params(state, req, plan, ids, max_tokens)
     request_id = new_id("chatcmpl")
-    try:
-        stream = state.engine.add_request(
-            ids,
-            params,
-            request_id,
-            prompt=text,
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-            output_kind="delta" if req.stream else "final",
-            lora_request=state.lora_request(req.model),
-        )
-    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
-        raise engine_error(e) from None
-    if state.log_requests:
-        logger.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
+    stream = submit(
+        state,
+        ids,
+        params,
+        request_id,
+        stream=req.stream,
+        prompt=text,
+        priority=req.priority,
+        cache_salt=req.cache_salt,
+        lora_request=state.lora_request(req.model),
+    )
     created = int(time.time())
     parsers = [choice_parser(state, req, plan, ids) for _ in range(req.n)]
     if req.stream:

@@ -61,19 +61,24 @@ class PoolingUsage(BaseModel):
     total_tokens: int = 0
 
 
+class PoolingList(BaseModel):
+    """What every pooling route's answer shares: a list object (`data` in each subclass) and its usage."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: PoolingUsage
+
+
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
     embedding: list[float] | str  # base64: the float32 little-endian bytes
 
 
-class EmbeddingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class EmbeddingResponse(PoolingList):
     data: list[EmbeddingData]
-    usage: PoolingUsage
 
 
 class PoolingData(BaseModel):
@@ -82,13 +87,8 @@ class PoolingData(BaseModel):
     data: Any  # a vector or, ALL pooling, one row per token; base64: the float32 bytes
 
 
-class PoolingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class PoolingResponse(PoolingList):
     data: list[PoolingData]
-    usage: PoolingUsage
 
 
 class ClassificationData(BaseModel):
@@ -99,13 +99,8 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
-class ClassificationResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ClassificationResponse(PoolingList):
     data: list[ClassificationData]
-    usage: PoolingUsage
 
 
 class ScoreData(BaseModel):
@@ -114,13 +109,8 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(PoolingList):
     data: list[ScoreData]
-    usage: PoolingUsage
 
 
 class RerankDocument(BaseModel):

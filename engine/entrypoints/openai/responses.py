@@ -43,6 +43,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     collect_final,
     engine_error,
     merge_streams,
+    submit,
     tokenize_text,
 )
 from xlaserve.entrypoints.serving.errors import APIError
@@ -212,21 +213,17 @@ async def create_response(
         raise rename_error(e) from None
     parser = choice_parser(state, chat, plan, ids)
     request_id = item_id("resp")
-    try:
-        stream = state.engine.add_request(
-            ids,
-            params,
-            request_id,
-            prompt=text,
-            priority=chat.priority,
-            cache_salt=chat.cache_salt,
-            output_kind="delta" if req.stream else "final",
-            lora_request=state.lora_request(req.model),
-        )
-    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
-        raise engine_error(e) from None
-    if state.log_requests:
-        logger.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
+    stream = submit(
+        state,
+        ids,
+        params,
+        request_id,
+        stream=req.stream,
+        prompt=text,
+        priority=chat.priority,
+        cache_salt=chat.cache_salt,
+        lora_request=state.lora_request(req.model),
+    )
     shell = _shell(req, plan, request_id, model)
     saved = _Saver(store, req.store, conversation)
     if req.stream:

@@ -22,6 +22,7 @@ from xlaserve.engine.async_llm import (
 )
 from xlaserve.entrypoints.serving.errors import APIError, bad_request, internal_error, param_of_value_error
 from xlaserve.entrypoints.serving.protocol import SamplingFields
+from xlaserve.entrypoints.serving.state import ServerState
 from xlaserve.entrypoints.serving.structured_outputs import structured_outputs_of
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
@@ -137,6 +138,23 @@ def engine_error(error: BaseException) -> APIError:
         return bad_request(str(error), param_of_value_error(error, _SAMPLING_FIELDS))
     logger.error("request failed: %s: %s", type(error).__name__, error)
     return internal_error()
+
+
+def submit(
+    state: ServerState, ids: list[int], params: SamplingParams, request_id: str, *, stream: bool, **kwargs
+) -> RequestStream:
+    """One prompt into the engine (`kwargs`: AsyncLLM.add_request's prompt, priority, cache_salt,
+    lora_request), its outputs as deltas when the route streams; an engine failure is an API error,
+    and the request is logged unless --disable-log-requests."""
+    try:
+        request_stream = state.engine.add_request(
+            ids, params, request_id, output_kind="delta" if stream else "final", **kwargs
+        )
+    except Exception as e:  # noqa: BLE001 - every failure becomes an API error
+        raise engine_error(e) from None
+    if state.log_requests:
+        logger.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
+    return request_stream
 
 
 def check_finish(output: RequestOutput) -> None:
