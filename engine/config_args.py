@@ -7,6 +7,7 @@ into a flag, with the type from the field's annotation.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 ARG_KEY = "arg"  # the key of a field's `Arg` in its dataclass field metadata
@@ -40,3 +41,16 @@ def arg(help: str, **spec) -> dict:
 def not_a_flag(where: str) -> dict:
     """Field metadata for a field with no engine flag (`where`: what sets it)."""
     return {ARG_KEY: Arg(where, is_flag=False)}
+
+
+def json_object(value, name: str) -> dict:
+    """A nested config's value as a dict: a dict as it is, its JSON text (the CLI's flag) parsed; anything
+    else a ValueError naming `name` (speculative_config, pooler_config)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return value

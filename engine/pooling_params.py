@@ -6,8 +6,9 @@ worker/pooler.py (the host math over the hidden states a step returns) and READM
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+
+from xlaserve.config_args import json_object
 
 # How a sequence's final-norm hidden states become one vector. LAST: the last prompt token (a
 # decoder's natural summary, and prefix caching applies); MEAN: the mean over every prompt token;
@@ -67,12 +68,7 @@ class PoolerConfig:
         """A dict, its JSON text (the CLI's --pooler-config), a PoolerConfig, or None."""
         if value is None or isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config must be a JSON object: {e}") from None
-        _require(isinstance(value, dict), f"pooler_config must be a JSON object, got {value!r}")
+        value = json_object(value, "pooler_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         _require(not unknown, f"pooler_config: unknown keys {unknown}; known: {sorted(known)}")

@@ -6,9 +6,10 @@ live in core/spec_decode.py and worker/draft_model.py, the design in SPEC_DECODE
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
+
+from xlaserve.config_args import json_object
 
 _SPEC_METHODS = ("ngram", "draft_model")
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
@@ -71,12 +72,7 @@ class SpeculativeConfig:
         """A dict, its JSON text (the CLI's --speculative-config), a SpeculativeConfig, or None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
-        _require(isinstance(value, dict), f"speculative_config must be a JSON object, got {value!r}")
+        value = json_object(value, "speculative_config")
         unknown = sorted(set(value) - set(_SPEC_KEYS))
         _require(not unknown, f"speculative_config: unknown field(s) {unknown}; known: {list(_SPEC_KEYS)}")
         _require("method" in value, f"speculative_config.method is required (one of {_SPEC_METHODS})")
