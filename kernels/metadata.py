@@ -58,6 +58,9 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     cache_class: type = KVCache
+    # A model that keeps no KV (an encoder: models/encoder.py) has a placeholder cache whose blocks only
+    # count the tokens in flight: this many tokens' worth, whatever the memory budget.
+    fixed_num_tokens: int | None = None
 
     @property
     def num_arrays(self) -> int:

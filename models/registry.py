@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from xlaserve.models.bert import BertModel, RobertaModel
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -35,11 +36,23 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertModel,
+    "RobertaModel": RobertaModel,
+    "RobertaForSequenceClassification": RobertaModel,
+    "XLMRobertaModel": RobertaModel,
+    "XLMRobertaForSequenceClassification": RobertaModel,
 }
 
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def is_encoder_only(architecture: str) -> bool:
+    """Whether `architecture` is an encoder (bidirectional, no KV cache kept: runner="pooling" only)."""
+    return getattr(_MODELS.get(architecture), "is_encoder_only", False)
 
 
 def register_model(architecture: str, model_class: type[CausalLM]) -> None:

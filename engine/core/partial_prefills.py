@@ -22,11 +22,15 @@ class PartialPrefills:
     max_num: int
     max_long: int
     threshold: int  # 0: chunks are not capped and no prompt counts as long
+    # No chunks (an encoder-only model, whose tokens attend to later ones): all missing tokens, or none.
+    is_whole: bool = False
     num: int = 0
     num_long: int = 0
 
     def chunk(self, num_missing: int, token_budget: int) -> int:
         """Tokens to schedule for a request missing `num_missing`; 0 when it must wait this step."""
+        if self.is_whole:
+            return num_missing if num_missing <= token_budget else 0
         num_new_tokens = min(num_missing, token_budget)
         if self.threshold:
             num_new_tokens = min(num_new_tokens, self.threshold)

@@ -57,6 +57,7 @@ class Scheduler:
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         max_loras: int | None = None,
+        enable_chunked_prefill: bool = True,
     ):
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(
@@ -74,6 +75,8 @@ class Scheduler:
         # Schedule while the previous step runs: its sampled tokens are placeholders (module doc).
         self.async_scheduling = async_scheduling
         self.max_loras = max_loras  # None: LoRA off, no limit
+        # Off for an encoder-only model: each prompt runs whole in one step (it attends both ways).
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
         self.limits = RequestLimits(
@@ -133,7 +136,10 @@ class Scheduler:
         output = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         prefills = PartialPrefills(
-            self.max_num_partial_prefills, self.max_long_partial_prefills, self.long_prefill_token_threshold
+            self.max_num_partial_prefills,
+            self.max_long_partial_prefills,
+            self.long_prefill_token_threshold,
+            is_whole=not self.enable_chunked_prefill,
         )
         token_budget = self._schedule_running(output, prefills)
         # After a preemption the blocks are short: admitting new work would only thrash.

@@ -54,8 +54,14 @@ class EngineCore:
         if max_model_len != executor.max_model_len:
             executor.set_max_model_len(max_model_len)
         self.max_model_len = max_model_len
+        # A pooling model that reads every prompt token (MEAN/CLS/ALL, an encoder) caches no prefix, and
+        # an encoder's prompt runs whole in one step (worker/pooler.py).
+        pooler = executor.runner.pooler
         self.kv_cache_manager = KVCacheManager(
-            config.cache.block_size, executor.num_kv_blocks, config.cache.enable_prefix_caching, max_model_len
+            config.cache.block_size,
+            executor.num_kv_blocks,
+            config.cache.enable_prefix_caching and (pooler is None or pooler.is_prefix_cacheable),
+            max_model_len,
         )
         self.async_scheduling = config.is_async_scheduling
         if config.scheduler.async_scheduling is not False and not self.async_scheduling:
@@ -72,6 +78,7 @@ class EngineCore:
             # slots for them are allocated ahead when free (worker/draft_model.py).
             num_lookahead_tokens=executor.num_lookahead_tokens,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+            enable_chunked_prefill=pooler is None or not pooler.is_encoder,
         )
         # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
         self.proposer = make_proposer(spec, max_model_len)
@@ -81,6 +88,8 @@ class EngineCore:
         executor.start()  # warm-up compiles; a multi-host executor then waits for its followers
         # The step dispatched but not yet applied (async scheduling): at most one.
         self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
+        # Between begin_step and finish_step: the step dispatched and the outputs applied so far.
+        self._begun: tuple[SchedulerOutput, StepFuture, list[EngineCoreOutput]] | None = None
         self._last_runner_output = None  # the last step applied: a draft model's drafts ride in it
         self.sleep_level = 0  # 1: the KV cache freed, 2: and the weights (sleep / wake_up)
 
@@ -116,6 +125,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule which requests get how many tokens, run them, and report what changed (with async
         scheduling, what changed in the previous step, which ran while this one was scheduled)."""
+        self.begin_step()
+        return self.finish_step()
+
+    def begin_step(self) -> None:
+        """Schedule a step and dispatch it, without waiting for the device: data-parallel ranks
+        (dp_engine.py) all begin their steps before any finishes, so their devices run together."""
         self.structured_output.wait_before_schedule()  # returns at once when no grammar compiles
         outputs = []
         if self._in_flight is not None and self.scheduler.needs_known_tokens():
@@ -126,6 +141,12 @@ class EngineCore:
             scheduler_output.scheduled, self._num_verified_positions
         )
         future = self.executor.execute_async(scheduler_output.scheduled, grammar_bitmask)
+        self._begun = (scheduler_output, future, outputs)
+
+    def finish_step(self) -> list[EngineCoreOutput]:
+        """Apply what `begin_step` left to apply: the step before it (async scheduling) or itself."""
+        scheduler_output, future, outputs = self._begun
+        self._begun = None
         outputs += self._update_in_flight()
         self._in_flight = (scheduler_output, future)
         # Kept in flight only while the next step can use it: a request that failed while the step

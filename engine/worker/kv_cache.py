@@ -27,6 +27,8 @@ def num_kv_blocks(cache: CacheConfig, kv_spec: KVCacheSpec, dtype, extra_bytes_p
     `extra_bytes_per_block`: another cache indexed by the same block ids (a draft model's) shares it."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
+    if kv_spec.fixed_num_tokens is not None:  # a placeholder cache (an encoder's): 1 + the null block
+        return -(-kv_spec.fixed_num_tokens // cache.block_size) + 1
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
     elif jax.default_backend() == "cpu":

@@ -9,6 +9,7 @@ engine keeps only its `ModelInfo` (the weights are dropped once the runners hold
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,9 @@ import jax
 from xlaserve.config import CompilationConfig, EngineConfig
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.loader import load_checkpoint
-from xlaserve.models.registry import model_config_from_hf
+from xlaserve.models.model_path import resolve_model_path
+from xlaserve.models.registry import is_encoder_only, model_config_from_hf
+from xlaserve.models.sentence_transformers import read_pooling_defaults
 from xlaserve.sharding import distributed
 from xlaserve.worker.pooler import Pooler, adapt_checkpoint, resolve_task
 
@@ -105,11 +108,16 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
     )
     architecture = (checkpoint.hf_config.get("architectures") or [""])[0]
     task = resolve_task(config.model, architecture)
-    # A *ForSequenceClassification decoder runs as its causal backbone; its head stays on the host.
-    hf_config, tensors, score = adapt_checkpoint(config.model, checkpoint.hf_config, checkpoint.tensors)
+    # A *ForSequenceClassification model runs as its backbone; its head stays on the host.
+    hf_config, tensors, head = adapt_checkpoint(config.model, checkpoint.hf_config, checkpoint.tensors)
+    is_encoder = is_encoder_only(hf_config["architectures"][0]) if hf_config.get("architectures") else False
+    if is_encoder:
+        hf_config = _encoder_config(config, hf_config, checkpoint.tokenizer)
     model_config = model_config_from_hf(hf_config)
     max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
-    if task == "classify" and score is None:
+    if is_encoder:
+        max_model_len = _whole_prompt_len(config, max_model_len)
+    if task == "classify" and head is None:
         raise ValueError(
             f"convert='classify' needs a *ForSequenceClassification checkpoint, got {architecture}"
         )
@@ -120,5 +128,46 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
         task,
         model_config.hidden_size,
     )
-    pooler = None if task is None else Pooler.from_config(config.model, task, score)
+    pooler = None
+    if task is not None:
+        path = resolve_model_path(config.model.model)
+        defaults = read_pooling_defaults(path) if os.path.isdir(path) else {}
+        pooler = Pooler.from_config(config.model, task, head, is_encoder=is_encoder, model_defaults=defaults)
     return LoadedCheckpoint(hf_config, tensors, model_config, max_model_len, info, pooler)
+
+
+def _encoder_config(config: EngineConfig, hf_config: dict, tokenizer) -> dict:
+    """An encoder-only model's config.json, checked against the engine and told its tokenizer's
+    separator (a cross-encoder's pair: token types, models/encoder.py)."""
+    architecture = hf_config["architectures"][0]
+    if config.model.runner != "pooling":
+        raise ValueError(f"{architecture} is an encoder-only model: start the engine with runner='pooling'")
+    if config.parallel.tensor_parallel_size > 1 or config.model.quantization or config.lora.enable_lora:
+        raise ValueError(
+            f"{architecture} (encoder-only) runs with tensor_parallel_size=1, no quantization and no LoRA"
+        )
+    sep = getattr(tokenizer, "sep_token_id", None)
+    if hf_config.get("sep_token_id") is None and sep is not None:
+        hf_config = {**hf_config, "sep_token_id": sep}
+    return hf_config
+
+
+def _whole_prompt_len(config: EngineConfig, max_model_len: int) -> int:
+    """An encoder computes each prompt whole in one step: max_model_len <= max_num_batched_tokens (the
+    model's own limit is lowered to it; a user's larger one is an error naming both)."""
+    budget = config.scheduler.max_num_batched_tokens
+    if max_model_len <= budget:
+        return max_model_len
+    if config.model.max_model_len is not None:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) exceeds max_num_batched_tokens ({budget}): an encoder-only "
+            "model computes each prompt whole in one step; raise max_num_batched_tokens or lower "
+            "max_model_len"
+        )
+    logger.warning(
+        "max_model_len lowered from %d to max_num_batched_tokens (%d): an encoder computes "
+        "each prompt in one step",
+        max_model_len,
+        budget,
+    )
+    return budget

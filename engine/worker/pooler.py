@@ -1,7 +1,8 @@
 """Pooling: a runner output beside sampling (README "Pooling models").
 
 A pooling request runs through the same scheduler and the same compiled step as a generation
-request (chunked prefill of a long prompt, the paged KV cache), but never samples: the step's
+request (a decoder: chunked prefill of a long prompt, the paged KV cache; an encoder: each prompt whole
+in one step, nothing cached, models/encoder.py), but never samples: the step's
 forward already returns the final-norm hidden states (every token's [T, D], and each sequence's
 last token's [R, D]), and `PoolingHook` brings the ones a pooling request needs to the host: the
 last token's for LAST pooling, every computed token's otherwise, kept per request by position
@@ -9,7 +10,7 @@ until its prompt is complete. No program is added: the compile guard stays as it
 
 The rest is host math in float32 numpy, once per request when its prompt completes (`Pooler`):
 pool (LAST, MEAN, CLS, ALL), then the task's head: embed -> Matryoshka truncation and L2
-normalization; classify / score -> the *ForSequenceClassification `score` head, softmax (sigmoid
+normalization; classify / score -> the *ForSequenceClassification head (`ClassifierHead`), softmax (sigmoid
 for one label); encode -> the pooled states as they are; reward -> the head's raw outputs. MEAN is
 taken over the whole prompt's rows at once, so a chunked prompt pools the same bits as a whole one.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from xlaserve.config import ModelConfig
+from xlaserve.models.bert import is_encoder_classifier, split_classifier
 from xlaserve.worker.input_batch import isolate_failures
 from xlaserve.worker.step_hooks import HostArrays, StepHook
 
@@ -40,23 +42,51 @@ def resolve_task(model_config: ModelConfig, architecture: str) -> str | None:
 
 def adapt_checkpoint(
     model_config: ModelConfig, hf_config: dict, tensors
-) -> tuple[dict, Any, np.ndarray | None]:
-    """A *ForSequenceClassification decoder as its causal backbone plus its `score` head:
-    (hf_config naming the *ForCausalLM class, with a tied LM head, which the pooling runner's unused
-    sampler reads; the tensors without `score.weight`; that weight [num_labels, D] float32, or None)."""
+) -> tuple[dict, Any, ClassifierHead | None]:
+    """A *ForSequenceClassification checkpoint as its backbone plus its head, which the pooler
+    applies on the host: a decoder's `score` [num_labels, D] (hf_config then names the *ForCausalLM
+    class, with a tied LM head, which the pooling runner's unused sampler reads); an encoder's
+    dense -> tanh -> out layers (hf_config names its *Model backbone). Others as they are, head None."""
     architectures = hf_config.get("architectures") or []
     if not architectures or not architectures[0].endswith(_SEQ_CLS_SUFFIX):
         return hf_config, tensors, None
     architecture = architectures[0]
     if model_config.runner != "pooling":
         raise ValueError(f"{architecture} is a classifier: start the engine with runner='pooling'")
+    if is_encoder_classifier(architecture):
+        if not isinstance(tensors, dict):
+            raise ValueError(f"{architecture}: load it from its Hugging Face directory (safetensors)")
+        hf_config, tensors, head = split_classifier(hf_config, tensors)
+        return hf_config, tensors, ClassifierHead(**head)
     if not isinstance(tensors, dict) or "score.weight" not in tensors:
         raise ValueError(f"{architecture}: the checkpoint has no score.weight (a classifier's head)")
     tensors = dict(tensors)
     score = np.asarray(tensors.pop("score.weight"), np.float32)
     tensors.pop("lm_head.weight", None)
     causal = architecture[: -len(_SEQ_CLS_SUFFIX)] + "ForCausalLM"
-    return {**hf_config, "architectures": [causal], "tie_word_embeddings": True}, tensors, score
+    hf_config = {**hf_config, "architectures": [causal], "tie_word_embeddings": True}
+    return hf_config, tensors, ClassifierHead(out_weight=score)
+
+
+@dataclass(frozen=True)
+class ClassifierHead:
+    """A sequence classifier's head on a pooled state, float32 on the host: `dense` -> tanh (an
+    encoder's pooler or RoBERTa's head; absent for a decoder's `score`), then `out` [num_labels, D]."""
+
+    out_weight: np.ndarray  # [num_labels, D]
+    out_bias: np.ndarray | None = None  # [num_labels]
+    dense_weight: np.ndarray | None = None  # [D, D] (HF's [out, in])
+    dense_bias: np.ndarray | None = None  # [D]
+
+    @property
+    def num_labels(self) -> int:
+        return self.out_weight.shape[0]
+
+    def __call__(self, pooled: np.ndarray) -> np.ndarray:  # [.., D] -> [.., num_labels]
+        if self.dense_weight is not None:
+            pooled = np.tanh(pooled @ self.dense_weight.T + self.dense_bias)
+        logits = pooled @ self.out_weight.T
+        return logits if self.out_bias is None else logits + self.out_bias
 
 
 @dataclass(frozen=True)
@@ -69,19 +99,51 @@ class Pooler:
     normalize: bool | None
     dimensions: int | None
     activation: bool | None
-    score: np.ndarray | None  # [num_labels, D] float32: a classifier's head
+    head: ClassifierHead | None  # a classifier's (adapt_checkpoint)
+    # An encoder (models/encoder.py): each prompt computed whole in one step, no prefix cached.
+    is_encoder: bool = False
 
     @classmethod
-    def from_config(cls, model_config: ModelConfig, task: str, score: np.ndarray | None) -> Pooler:
+    def from_config(
+        cls,
+        model_config: ModelConfig,
+        task: str,
+        head: ClassifierHead | None,
+        *,
+        is_encoder: bool = False,
+        model_defaults: dict | None = None,
+    ) -> Pooler:
+        """The user's pooler_config over `model_defaults` (a sentence-transformers directory's:
+        models/sentence_transformers.py) over the model's own (CLS for an encoder; else LAST, ALL
+        for reward)."""
         pc = model_config.pooler_config
+        defaults = model_defaults or {}
+        pooling_type = next(
+            t
+            for t in (
+                None if pc is None else pc.pooling_type,
+                defaults.get("pooling_type"),
+                "CLS" if is_encoder else None,
+                model_config.pooling_type,
+            )
+            if t is not None
+        )
+        normalize = None if pc is None else pc.normalize
         return cls(
             task,
-            model_config.pooling_type,
-            None if pc is None else pc.normalize,
+            pooling_type,
+            defaults.get("normalize") if normalize is None else normalize,
             None if pc is None else pc.dimensions,
             None if pc is None else pc.activation,
-            score,
+            head,
+            is_encoder,
         )
+
+    @property
+    def is_prefix_cacheable(self) -> bool:
+        """Whether a cached prefix may skip computing tokens: only a decoder's LAST pooling reads none
+        of them (an encoder's every state depends on the whole prompt)."""
+        return not self.is_encoder and self.pooling_type == "LAST"
 
     def pool(self, rows: np.ndarray) -> np.ndarray:
         """rows [P, D] (every prompt token's hidden state; LAST: the last token's alone, [1, D])."""
@@ -99,8 +161,8 @@ class Pooler:
         task = params.task
         if task == "encode":
             return pooled
-        if self.score is not None and task != "embed":
-            pooled = pooled @ self.score.T  # [.., num_labels]
+        if self.head is not None and task != "embed":
+            pooled = self.head(pooled)  # [.., num_labels]
         if task in ("classify", "score"):
             activation = _first(params.activation, self.activation, True)
             if not activation:

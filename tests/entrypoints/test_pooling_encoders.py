@@ -1,0 +1,202 @@
+"""Encoder-only pooling models offline (models/encoder.py, models/bert.py): tiny random BERT and
+XLM-RoBERTa embedders and cross-encoders against Hugging Face (float32, 1e-4), a sentence-transformers
+directory's defaults, whole-prompt scheduling, the limits, and batch invariance in bfloat16.
+
+Engines run enforce_eager (each compiles only the buckets it uses) and are shared per module."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from helpers.family_cases import one_torch_thread  # noqa: F401 (autouse: HF on one thread)
+from xlaserve import LLM
+from xlaserve.pooling_params import PoolingParams
+
+TOL = 1e-4
+VOCAB = 64
+SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+ARGS = {
+    "runner": "pooling",
+    "dtype": "float32",
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 64,  # the prompts below (5-42 tokens) never fit two by two: no chunks
+    "block_size": 8,
+    "enforce_eager": True,
+}
+# Lengths (with [CLS] and [SEP]): 5, 42, 3, 30 and 20 tokens.
+TEXTS = [
+    " ".join(f"w{5 + (7 * i + j) % (VOCAB - 5)}" for j in range(n)) for i, n in enumerate((3, 40, 1, 28, 18))
+]
+
+
+def _bert_tokenizer(directory) -> transformers.PreTrainedTokenizerFast:
+    """A WordPiece tokenizer over [PAD] [UNK] [CLS] [SEP] [MASK] w5 .. w63, saved to `directory`."""
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(5, VOCAB)]
+    path = os.path.join(directory, "vocab.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(vocab) + "\n")
+    tokenizer = transformers.BertTokenizerFast(vocab_file=path, do_lower_case=False)
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def _save(model, directory):
+    """`model` with weights large enough to matter (LayerNorm scales around 1), and a tokenizer."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    model.eval().save_pretrained(directory)
+    return model, _bert_tokenizer(directory), str(directory)
+
+
+def _make(tmp_path_factory, name: str, config_class: str, architecture: str, seed: int, **overrides):
+    config = getattr(transformers, config_class)(
+        vocab_size=VOCAB, max_position_embeddings=66, **SIZES, **overrides, attn_implementation="eager"
+    )
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    return _save(getattr(transformers, architecture)(config), tmp_path_factory.mktemp(name))
+
+
+def _close(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    diff = float(np.abs(actual - expected).max())
+    assert diff <= TOL * max(1.0, np.abs(expected).max())
+    return diff
+
+
+def _hidden(model, tokenizer, text, text_pair=None) -> np.ndarray:
+    enc = tokenizer(text, text_pair=text_pair, return_tensors="pt")
+    with torch.no_grad():
+        return model(**enc).last_hidden_state[0].numpy()
+
+
+def _normalized(x):
+    return x / np.linalg.norm(x)
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return _make(tmp_path_factory, "bert", "BertConfig", "BertModel", seed=0)
+
+
+@pytest.fixture(scope="module")
+def bert_llm(bert):
+    return LLM(bert[2], **ARGS)
+
+
+def test_bert_cls_embeddings_match_hf(bert, bert_llm):
+    """CLS pooling (a BERT's default), normalized; prompts whole in one step beside others."""
+    model, tokenizer, _ = bert
+    assert bert_llm.engine_core.runner.pooler.pooling_type == "CLS"
+    outputs = bert_llm.embed(TEXTS, use_tqdm=False)
+    for text, out in zip(TEXTS, outputs):
+        assert out.prompt_token_ids == tokenizer(text)["input_ids"]
+        _close(out.outputs.embedding, _normalized(_hidden(model, tokenizer, text)[0]))
+    raw = bert_llm.encode(TEXTS[:2], pooling_task="encode", use_tqdm=False)
+    for text, out in zip(TEXTS[:2], raw):
+        _close(out.outputs.data, _hidden(model, tokenizer, text)[0])
+
+
+def test_bert_mean_pooling_matches_hf(bert):
+    model, tokenizer, path = bert
+    llm = LLM(path, **ARGS, pooler_config={"pooling_type": "MEAN", "normalize": False})
+    for text, out in zip(TEXTS, llm.embed(TEXTS, use_tqdm=False)):
+        _close(out.outputs.embedding, _hidden(model, tokenizer, text).mean(0))
+
+
+def test_encoder_limits_name_the_field(bert, bert_llm):
+    too_long = [{"prompt_token_ids": [2] + [5] * 64 + [3]}]
+    with pytest.raises(ValueError, match="too long"):
+        bert_llm.embed(too_long)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(bert[2], **{**ARGS, "max_model_len": 66, "max_num_batched_tokens": 32})
+    assert not bert_llm.engine_core.has_unfinished_requests()
+
+
+def test_bert_cross_encoder_scores_match_hf(tmp_path_factory):
+    """BertForSequenceClassification with one label: pooler -> classifier on [CLS], sigmoid; the
+    pair's second text has token type 1 (after the first [SEP])."""
+    model, tokenizer, path = _make(
+        tmp_path_factory, "bert_ce", "BertConfig", "BertForSequenceClassification", seed=1, num_labels=1
+    )
+    llm = LLM(path, **ARGS)
+    query, documents = TEXTS[0], TEXTS[1:4]
+    for doc, out in zip(documents, llm.score(query, documents, use_tqdm=False)):
+        enc = tokenizer(query, text_pair=doc, return_tensors="pt")
+        with torch.no_grad():
+            expected = torch.sigmoid(model(**enc).logits[0, 0]).item()
+        assert out.prompt_token_ids == enc["input_ids"][0].tolist()
+        assert abs(out.outputs.score - expected) < TOL
+
+
+def test_xlm_roberta_classifier_matches_hf(tmp_path_factory):
+    """XLMRobertaForSequenceClassification (3 labels): positions from pad_token_id + 1, RoBERTa's
+    dense -> tanh -> out_proj head; raw logits and softmax."""
+    model, tokenizer, path = _make(
+        tmp_path_factory,
+        "xlmr_cls",
+        "XLMRobertaConfig",
+        "XLMRobertaForSequenceClassification",
+        seed=2,
+        num_labels=3,
+        pad_token_id=0,
+        type_vocab_size=1,
+    )
+    llm = LLM(path, **ARGS)
+    raw = llm.classify(TEXTS, PoolingParams(activation=False), use_tqdm=False)
+    probs = llm.classify(TEXTS, use_tqdm=False)
+    for text, r, p in zip(TEXTS, raw, probs):
+        with torch.no_grad():
+            logits = model(**tokenizer(text, return_tensors="pt")).logits[0]
+        _close(r.outputs.probs, logits.numpy())
+        _close(p.outputs.probs, torch.softmax(logits, -1).numpy())
+
+
+def test_sentence_transformers_defaults(tmp_path_factory):
+    """An XLM-RoBERTa (bge-m3 style) sentence-transformers directory: MEAN pooling from
+    1_Pooling/config.json, normalized by its Normalize module; max_model_len 64 (66 positions less
+    pad_token_id + 1)."""
+    model, tokenizer, path = _make(
+        tmp_path_factory,
+        "xlmr_st",
+        "XLMRobertaConfig",
+        "XLMRobertaModel",
+        seed=3,
+        pad_token_id=0,
+        type_vocab_size=1,
+    )
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    os.makedirs(os.path.join(path, "1_Pooling"))
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}, f)
+    llm = LLM(path, **ARGS)
+    pooler = llm.engine_core.runner.pooler
+    assert (pooler.pooling_type, pooler.normalize, llm.engine_core.max_model_len) == ("MEAN", True, 64)
+    for text, out in zip(TEXTS, llm.embed(TEXTS, use_tqdm=False)):
+        _close(out.outputs.embedding, _normalized(_hidden(model, tokenizer, text).mean(0)))
+
+
+def test_pooled_bits_alone_and_batched_in_bfloat16(bert):
+    """A prompt alone (bucket 32) and at offset 5 among others (bucket 64): the same embedding, bit
+    for bit."""
+    llm = LLM(bert[2], **{**ARGS, "dtype": "bfloat16"})
+    alone = llm.embed(TEXTS[3:4], use_tqdm=False)[0].outputs.embedding
+    batched = llm.embed([TEXTS[0], TEXTS[3], TEXTS[2]], use_tqdm=False)[1].outputs.embedding
+    assert np.array_equal(alone, batched)
