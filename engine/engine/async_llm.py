@@ -131,6 +131,7 @@ class AsyncLLM:
         self._pooling: dict[str, asyncio.Future] = {}
         self.pooling_task: str | None = None  # the model's (embed, classify, reward); None: generate
         self.hidden_size = 0
+        self.id2label: list[str] = []  # a classifier's label names by index (HTTP /classify's `label`)
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._is_asleep = False  # set by sleep() / wake_up(): a request meanwhile is refused here
@@ -172,6 +173,7 @@ class AsyncLLM:
         self.num_usable_blocks = ready.num_usable_blocks
         self.lora_slots = (ready.lora_layout, ready.lora_layer_stacks)  # (None, None): LoRA off
         self.pooling_task, self.hidden_size = ready.pooling_task, ready.hidden_size
+        self.id2label = ready.id2label
         self.metrics.record_engine(ready.weight_bytes, ready.num_kv_blocks)
         self.input_processor = InputProcessor(
             self.tokenizer,

@@ -218,6 +218,7 @@ def _build_engine_core(config: EngineConfig):
         num_kv_blocks=core.runner.num_blocks,
         pooling_task=info.pooling_task,
         hidden_size=info.hidden_size,
+        id2label=list(info.id2label),
     )
     if core.runner.lora is not None:
         lora = core.runner.lora

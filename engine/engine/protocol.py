@@ -116,6 +116,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     # runner="pooling": the model's task (embed, classify, reward) and hidden size (`dimensions`' bound).
     pooling_task: str | None = None
     hidden_size: int = 0
+    id2label: list[str] = msgspec.field(default_factory=list)  # a classifier's label names by index
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs"):

@@ -40,6 +40,8 @@ class ModelInfo:
     # size, the bound of a request's `dimensions`.
     pooling_task: str | None = None
     hidden_size: int = 0
+    # A classifier's label names by index (config.json's id2label; HTTP /classify's `label`).
+    id2label: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
         eos_token_id(checkpoint.tokenizer, model_config),
         task,
         model_config.hidden_size,
+        () if head is None else _labels(checkpoint.hf_config, head.num_labels),
     )
     pooler = None
     if task is not None:
@@ -134,6 +137,12 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
         defaults = read_pooling_defaults(path) if os.path.isdir(path) else {}
         pooler = Pooler.from_config(config.model, task, head, is_encoder=is_encoder, model_defaults=defaults)
     return LoadedCheckpoint(hf_config, tensors, model_config, max_model_len, info, pooler)
+
+
+def _labels(hf_config: dict, num_labels: int) -> tuple[str, ...]:
+    """config.json's id2label as names by index ({"0": "negative", ...}), LABEL_i where it says none."""
+    names = {int(k): str(v) for k, v in (hf_config.get("id2label") or {}).items()}
+    return tuple(names.get(i, f"LABEL_{i}") for i in range(num_labels))
 
 
 def _encoder_config(config: EngineConfig, hf_config: dict, tokenizer) -> dict:

@@ -12,15 +12,13 @@ import os
 import numpy as np
 import pytest
 import torch
-import transformers
 
+from helpers.encoder_cases import VOCAB, make_encoder
 from helpers.family_cases import one_torch_thread  # noqa: F401 (autouse: HF on one thread)
 from xlaserve import LLM
 from xlaserve.pooling_params import PoolingParams
 
 TOL = 1e-4
-VOCAB = 64
-SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 ARGS = {
     "runner": "pooling",
     "dtype": "float32",
@@ -33,38 +31,6 @@ ARGS = {
 TEXTS = [
     " ".join(f"w{5 + (7 * i + j) % (VOCAB - 5)}" for j in range(n)) for i, n in enumerate((3, 40, 1, 28, 18))
 ]
-
-
-def _bert_tokenizer(directory) -> transformers.PreTrainedTokenizerFast:
-    """A WordPiece tokenizer over [PAD] [UNK] [CLS] [SEP] [MASK] w5 .. w63, saved to `directory`."""
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(5, VOCAB)]
-    path = os.path.join(directory, "vocab.txt")
-    with open(path, "w") as f:
-        f.write("\n".join(vocab) + "\n")
-    tokenizer = transformers.BertTokenizerFast(vocab_file=path, do_lower_case=False)
-    tokenizer.save_pretrained(directory)
-    return tokenizer
-
-
-def _save(model, directory):
-    """`model` with weights large enough to matter (LayerNorm scales around 1), and a tokenizer."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "LayerNorm.weight" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.15)
-    model.eval().save_pretrained(directory)
-    return model, _bert_tokenizer(directory), str(directory)
-
-
-def _make(tmp_path_factory, name: str, config_class: str, architecture: str, seed: int, **overrides):
-    config = getattr(transformers, config_class)(
-        vocab_size=VOCAB, max_position_embeddings=66, **SIZES, **overrides, attn_implementation="eager"
-    )
-    config.architectures = [architecture]
-    torch.manual_seed(seed)
-    return _save(getattr(transformers, architecture)(config), tmp_path_factory.mktemp(name))
 
 
 def _close(actual, expected) -> float:
@@ -87,7 +53,7 @@ def _normalized(x):
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
-    return _make(tmp_path_factory, "bert", "BertConfig", "BertModel", seed=0)
+    return make_encoder(tmp_path_factory, "bert", "BertConfig", "BertModel", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +93,7 @@ def test_encoder_limits_name_the_field(bert, bert_llm):
 def test_bert_cross_encoder_scores_match_hf(tmp_path_factory):
     """BertForSequenceClassification with one label: pooler -> classifier on [CLS], sigmoid; the
     pair's second text has token type 1 (after the first [SEP])."""
-    model, tokenizer, path = _make(
+    model, tokenizer, path = make_encoder(
         tmp_path_factory, "bert_ce", "BertConfig", "BertForSequenceClassification", seed=1, num_labels=1
     )
     llm = LLM(path, **ARGS)
@@ -143,7 +109,7 @@ def test_bert_cross_encoder_scores_match_hf(tmp_path_factory):
 def test_xlm_roberta_classifier_matches_hf(tmp_path_factory):
     """XLMRobertaForSequenceClassification (3 labels): positions from pad_token_id + 1, RoBERTa's
     dense -> tanh -> out_proj head; raw logits and softmax."""
-    model, tokenizer, path = _make(
+    model, tokenizer, path = make_encoder(
         tmp_path_factory,
         "xlmr_cls",
         "XLMRobertaConfig",
@@ -167,7 +133,7 @@ def test_sentence_transformers_defaults(tmp_path_factory):
     """An XLM-RoBERTa (bge-m3 style) sentence-transformers directory: MEAN pooling from
     1_Pooling/config.json, normalized by its Normalize module; max_model_len 64 (66 positions less
     pad_token_id + 1)."""
-    model, tokenizer, path = _make(
+    model, tokenizer, path = make_encoder(
         tmp_path_factory,
         "xlmr_st",
         "XLMRobertaConfig",
@@ -194,9 +160,9 @@ def test_sentence_transformers_defaults(tmp_path_factory):
 
 
 def test_pooled_bits_alone_and_batched_in_bfloat16(bert):
-    """A prompt alone (bucket 32) and at offset 5 among others (bucket 64): the same embedding, bit
+    """A prompt alone (bucket 16) and at offset 5 among others (bucket 32): the same embedding, bit
     for bit."""
     llm = LLM(bert[2], **{**ARGS, "dtype": "bfloat16"})
-    alone = llm.embed(TEXTS[3:4], use_tqdm=False)[0].outputs.embedding
-    batched = llm.embed([TEXTS[0], TEXTS[3], TEXTS[2]], use_tqdm=False)[1].outputs.embedding
+    alone = llm.embed(TEXTS[2:3], use_tqdm=False)[0].outputs.embedding
+    batched = llm.embed([TEXTS[0], TEXTS[2], TEXTS[4]], use_tqdm=False)[1].outputs.embedding
     assert np.array_equal(alone, batched)

@@ -180,9 +180,13 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
         model = check_model(state, req.model)
         prompts = _token_ids(state, req.input, req.add_special_tokens, "input")
         outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="classify"))
+        labels = state.engine.id2label  # config.json's id2label, by index
         data = [
             ClassificationData(
-                index=i, label=f"LABEL_{int(np.argmax(v))}", probs=v.tolist(), num_classes=v.size
+                index=i,
+                label=labels[k] if (k := int(np.argmax(v))) < len(labels) else f"LABEL_{k}",
+                probs=v.tolist(),
+                num_classes=v.size,
             )
             for i, v in enumerate(outputs)
         ]

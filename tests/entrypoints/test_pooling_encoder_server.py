@@ -1,0 +1,88 @@
+"""An encoder-only cross-encoder on a real pooling server (`xlaserve serve --runner pooling`, one
+subprocess for the module, a tiny random BertForSequenceClassification): /rerank scores against Hugging
+Face, /classify's `label` from config.json's id2label, and a prompt over max_model_len as a 400 naming
+the field. The server warms up under the strict compile guard: the encoder compiles nothing after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+import torch
+
+from helpers.encoder_cases import make_encoder
+from helpers.family_cases import one_torch_thread  # noqa: F401 (autouse: HF on one thread)
+from helpers.server_harness import ServerProcess
+
+TOL = 1e-4
+NAME = "tiny-cross-encoder"
+FLAGS = ["--runner", "pooling", "--served-model-name", NAME, "--max-model-len", "32",
+         "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--block-size", "8"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def encoder_server(tmp_path_factory):
+    model, tokenizer, path = make_encoder(
+        tmp_path_factory,
+        "bert_ce_server",
+        "BertConfig",
+        "BertForSequenceClassification",
+        seed=4,
+        num_labels=1,
+    )
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump({**config, "id2label": {"0": "relevant"}, "label2id": {"relevant": 0}}, f)
+    proc = ServerProcess(
+        str(tmp_path_factory.mktemp("encoder-logs")),
+        str(tmp_path_factory.mktemp("encoder-cache")),
+        extra_args=FLAGS,
+        model=path,
+    )
+    proc.wait_ready()
+    with httpx.Client(base_url=proc.url, timeout=120) as client:
+        yield client, model, tokenizer
+    code = proc.stop()
+    assert code == 0, f"exit code {code} on SIGTERM:\n{proc.log_tail()}"
+
+
+def _hf_score(model, tokenizer, query: str, document: str) -> float:
+    with torch.no_grad():
+        return torch.sigmoid(
+            model(**tokenizer(query, text_pair=document, return_tensors="pt")).logits[0, 0]
+        ).item()
+
+
+def test_rerank_matches_hf(encoder_server):
+    http, model, tokenizer = encoder_server
+    query, documents = "w5 w6 w7", ["w8 w9", "w10 w11 w12 w13 w14", "w20"]
+    response = http.post("/rerank", json={"model": NAME, "query": query, "documents": documents})
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert len(results) == 3
+    for r in results:
+        assert abs(r["relevance_score"] - _hf_score(model, tokenizer, query, documents[r["index"]])) < TOL
+
+
+def test_classify_labels_come_from_id2label(encoder_server):
+    http, model, tokenizer = encoder_server
+    response = http.post("/classify", json={"model": NAME, "input": ["w5 w6", "w7"]})
+    assert response.status_code == 200, response.text
+    for item, text in zip(response.json()["data"], ["w5 w6", "w7"]):
+        assert item["label"] == "relevant" and item["num_classes"] == 1
+        with torch.no_grad():
+            logit = model(**tokenizer(text, return_tensors="pt")).logits[0, 0]
+        assert abs(item["probs"][0] - torch.sigmoid(logit).item()) < TOL
+
+
+def test_prompt_over_max_model_len_is_400(encoder_server):
+    http, _, _ = encoder_server
+    response = http.post("/classify", json={"model": NAME, "input": " ".join(["w5"] * 40)})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input" and "max_model_len=32" in error["message"], error
