@@ -90,3 +90,25 @@ def test_a_missing_pooled_output_finishes_with_an_error():
     outputs, _ = run(scheduler, pooled=lambda s: None)
     assert outputs["lost"][0].finish_reason == FinishReason.ERROR
     assert request.status == RequestStatus.FINISHED_ERROR and not scheduler.requests
+
+
+def test_encoder_prompts_run_whole_in_one_step():
+    """enable_chunked_prefill=False (an encoder-only model): a prompt that does not fit what is left of
+    a step waits for the next instead of being split, and a shorter one behind it may go first."""
+    config = SimpleNamespace(
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        policy="fcfs",
+        long_prefill_token_threshold=2,  # ignored: no chunks at all
+        max_num_partial_prefills=4,
+        max_long_partial_prefills=4,
+    )
+    cache = SimpleNamespace(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    scheduler = Scheduler(
+        config, cache, 8, KVCacheManager(BLOCK_SIZE, 32, False, 8), enable_chunked_prefill=False
+    )
+    for rid, n in (("a", 5), ("b", 6), ("c", 3)):
+        scheduler.add_request(pooling_request(rid, n))
+    outputs, rows = run(scheduler)
+    assert [step for step in rows if step] == [[("a", 5), ("c", 3)], [("b", 6)]]
+    assert sorted(outputs) == ["a", "b", "c"]
