@@ -2,8 +2,11 @@
 
 Each data-parallel rank is a full EngineCore (its own scheduler, KV cache and device group of
 tensor_parallel_size devices); requests go to the least loaded rank. We chose this over one SPMD
-program with the batch sharded because ranks then never wait for each other: each schedules,
-preempts and caches prefixes on its own, and a long prefill on one rank does not stall the others.
+program with the batch sharded because each rank then schedules, preempts and caches prefixes on its
+own. One host thread steps them all: each step, every rank schedules and dispatches before any
+waits for its results, so the ranks' devices run together (EngineCore.begin_step / finish_step).
+The step still ends with the slowest rank's, so a long prefill on one rank delays the others' next
+step, as it would in one SPMD program.
 """
 
 from __future__ import annotations
@@ -80,10 +83,25 @@ class DataParallelEngineCore:
         return sum(r.get_num_unfinished_requests() for r in self.ranks)
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step of every rank with work. Every rank dispatches before any waits for its device
+        (jax dispatch returns before the step has run), so the ranks' steps run at the same time and
+        one rank's host work overlaps the others' device work."""
+        stepping = [rank for rank in self.ranks if rank.has_unfinished_requests()]
+        begun: list[EngineCore] = []
         outputs: list[EngineCoreOutput] = []
-        for rank in self.ranks:
-            if rank.has_unfinished_requests():
-                outputs += rank.step()
+        error: BaseException | None = None
+        try:
+            for rank in stepping:
+                rank.begin_step()
+                begun.append(rank)
+        finally:  # a rank that failed to begin raises after the others finished: none is left half-stepped
+            for rank in begun:
+                try:
+                    outputs += rank.finish_step()
+                except BaseException as e:  # the first error raises once every rank has finished
+                    error = error or e
+        if error is not None:
+            raise error
         for output in outputs:
             if output.finish_reason is not None:
                 self._rank_of.pop(output.request_id, None)

@@ -407,6 +407,13 @@ def lora(model_dir: str, arg: dict) -> list:
     return lora_main(model_dir, arg["adapter_dir"], arg["sizes"])
 
 
+def data_parallel(model_dir: str, layouts: list[dict]) -> list:
+    """See helpers/dp_tp_worker.py."""
+    from dp_tp_worker import main as dp_main  # beside this file, on sys.path as the script's folder
+
+    return dp_main(model_dir, layouts)
+
+
 MODES = {
     "generate": generate,
     "hlo": hlo,
@@ -418,6 +425,7 @@ MODES = {
     "generate_ids": generate_ids,
     "speculative": speculative,
     "lora": lora,
+    "data_parallel": data_parallel,
     "update_weights": update_weights,
     "update_weights_on_mesh": update_weights_on_mesh,
 }

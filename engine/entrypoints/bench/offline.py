@@ -11,7 +11,7 @@ backends first run one untimed request (the first prompt, WARM_UP_OUTPUT_LEN tok
 Every xlaserve run reports, per step, the host's idle time (blocked on the device's results) and
 the device's (done with a step, waiting for the host to dispatch the next one). `--compare-async`
 runs the workload twice on the same engine, synchronous then with async scheduling, for a paired
-ratio.
+ratio; `-dp N --compare-data-parallel` alternates N data-parallel ranks with one (bench/data_parallel.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import statistics
 import time
 
 from xlaserve.entrypoints.arg_utils import engine_kwargs
-from xlaserve.entrypoints.bench import speculative
+from xlaserve.entrypoints.bench import data_parallel, speculative
 from xlaserve.entrypoints.bench.lora import bench_lora, is_lora_bench, parse_ranks, print_lora
 
 logger = logging.getLogger(__name__)
@@ -251,9 +251,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batch = args.bench == "throughput"
     num_prompts = args.num_prompts or (64 if batch else 8)
     kwargs = engine_kwargs(args)
-    llm = LLM(
-        args.model, **{k: v for k, v in kwargs.items() if not k.endswith(("lora", "loras", "lora_rank"))}
-    )
+    llm_kwargs = {k: v for k, v in kwargs.items() if not k.endswith(("lora", "loras", "lora_rank"))}
+    llm = LLM(args.model, **llm_kwargs)
     if args.input_len is None:
         make_workload = speculative.copy_workload if args.workload == "copy" else workload
         prompts = _prompts(llm.tokenizer, make_workload(num_prompts))
@@ -280,6 +279,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         del llm  # bench_lora keeps it and builds the LoRA engine next to it
         results["lora_bench"] = bench_lora(args, kwargs, prompts, run_xlaserve, batch, engines)
         results["xlaserve"] = results["lora_bench"]["lora"]
+    elif args.compare_data_parallel:
+        if len(getattr(llm.engine_core, "ranks", [])) < 2:
+            raise SystemExit("--compare-data-parallel needs --data-parallel-size 2 or more")
+        single = LLM(args.model, **{**llm_kwargs, "data_parallel_size": 1})
+        results["data_parallel"] = data_parallel.run_paired(
+            llm, single, run_xlaserve, prompts, args.output_len, batch, args.data_parallel_rounds
+        )
+        results["xlaserve"] = results["data_parallel"]["data_parallel"][-1]
     elif args.compare_async:
         results["xlaserve_sync"] = run_xlaserve(llm, prompts, args.output_len, batch, async_scheduling=False)
         results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch, async_scheduling=True)
@@ -340,6 +347,8 @@ def _print(results: dict) -> None:
         speculative.print_acceptance(r.get("speculative", {}))
     if "paired" in results:
         speculative.print_paired(results["paired"])
+    if "data_parallel" in results:
+        data_parallel.print_paired(results["data_parallel"])
     if "ratio_async_over_sync_output_throughput" in results:
         print(
             f"async / sync: output throughput {results['ratio_async_over_sync_output_throughput']:.2f}x, "
@@ -382,6 +391,18 @@ def add_parser(sub, add_engine_args):
             "--compare-async",
             action="store_true",
             help="run the workload twice on one engine, synchronous then with async scheduling (paired)",
+        )
+        b.add_argument(
+            "--compare-data-parallel",
+            action="store_true",
+            help="with --data-parallel-size N: also build a one-rank engine and alternate the two on the "
+            "workload (paired rounds), reporting the throughput ratio",
+        )
+        b.add_argument(
+            "--data-parallel-rounds",
+            type=int,
+            default=2,
+            help="with --compare-data-parallel: paired rounds, the order turning each round",
         )
         b.add_argument(
             "--workload",

@@ -1,0 +1,62 @@
+"""The "data_parallel" case of helpers/tp_worker.py (fake CPU devices): one workload on one rank and on
+two, which step together (every rank dispatches before any waits). Per layout: each completion's token
+ids, the requests running in the middle of a stream (summed over the ranks), whether an abort gave
+every KV block back, and the steps each rank ran."""
+
+
+def main(model_dir: str, layouts: list[dict]) -> list:
+    from xlaserve import LLM, SamplingParams
+
+    prompts = [
+        "The capital of France is",
+        "def f(x):",
+        "One two three four five six seven",
+        "Hi",
+        "Write a haiku about the sea.",
+        "Count to ten: one, two,",
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    # Penalties read the output ids: their rank steps synchronously while the other stays async.
+    penalized = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, presence_penalty=0.8)
+    # n > 1: seeded children, kept on one rank.
+    children = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=8, ignore_eos=True)
+    params = [greedy, penalized, children, greedy, greedy, penalized]
+    results = []
+    for layout in layouts:
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            max_model_len=128,
+            max_num_batched_tokens=16,  # buckets 1, 4, 16: few compiles
+            max_num_seqs=4,
+            kv_cache_memory=2**23,
+            enforce_eager=True,  # compile only the buckets this short run uses
+            **layout,
+        )
+        core = llm.engine_core
+        ranks = getattr(core, "ranks", [core])
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        free = [r.kv_cache_manager.num_free_blocks for r in ranks]
+        stream = llm.stream(
+            "Tell me a long story about a dragon.", SamplingParams(temperature=0.0, max_tokens=30)
+        )
+        streamed = [next(stream) for _ in range(3)]
+        num_running = core.make_stats().num_running
+        stream.close()  # aborts the request mid-stream
+        results.append(
+            {
+                "layout": layout,
+                "tokens": [[list(c.token_ids) for c in o.outputs] for o in outs],
+                "streamed": streamed,
+                "num_running_mid_stream": num_running,
+                "abort_freed_all": not core.has_unfinished_requests()
+                and [r.kv_cache_manager.num_free_blocks for r in ranks] == free,
+                "steps_per_rank": [r.runner.num_steps for r in ranks],
+                # The engine goes on serving after the abort.
+                "after_abort": list(
+                    llm.generate(prompts[:2], greedy, use_tqdm=False)[1].outputs[0].token_ids
+                ),
+            }
+        )
+        del llm
+    return results
