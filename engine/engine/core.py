@@ -129,8 +129,8 @@ class EngineCore:
         return self.finish_step()
 
     def begin_step(self) -> None:
-        """Schedule a step and dispatch it, without waiting for the device: data-parallel ranks
-        (dp_engine.py) all begin their steps before any finishes, so their devices run together."""
+        """Schedule a step and dispatch it, without waiting for the device (`step` is this, then
+        `finish_step`; a caller may do other host work in between)."""
         self.structured_output.wait_before_schedule()  # returns at once when no grammar compiles
         outputs = []
         if self._in_flight is not None and self.scheduler.needs_known_tokens():

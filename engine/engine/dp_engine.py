@@ -3,14 +3,14 @@
 Each data-parallel rank is a full EngineCore (its own scheduler, KV cache and device group of
 tensor_parallel_size devices); requests go to the least loaded rank. We chose this over one SPMD
 program with the batch sharded because each rank then schedules, preempts and caches prefixes on its
-own. One host thread steps them all: each step, every rank schedules and dispatches before any
-waits for its results, so the ranks' devices run together (EngineCore.begin_step / finish_step).
-The step still ends with the slowest rank's, so a long prefill on one rank delays the others' next
-step, as it would in one SPMD program.
+own. Each step runs every rank's EngineCore.step in a thread of its own, so the ranks' steps run at
+the same time; the step returns with the slowest rank's, so a long prefill on one rank delays the
+others' next step (as in one SPMD program), and their host work shares one interpreter's GIL.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 
 from xlaserve.config import EngineConfig
@@ -48,6 +48,7 @@ class DataParallelEngineCore:
         self._rank_of: dict[str, int] = {}
         # n > 1: (the rank of the first child, children added so far) until the last is added.
         self._rank_of_parent: dict[str, tuple[int, int]] = {}
+        self._threads = concurrent.futures.ThreadPoolExecutor(len(ranks), thread_name_prefix="xlaserve-dp")
 
     @property
     def kv_cache_manager(self):
@@ -83,25 +84,16 @@ class DataParallelEngineCore:
         return sum(r.get_num_unfinished_requests() for r in self.ranks)
 
     def step(self) -> list[EngineCoreOutput]:
-        """One step of every rank with work. Every rank dispatches before any waits for its device
-        (jax dispatch returns before the step has run), so the ranks' steps run at the same time and
-        one rank's host work overlaps the others' device work."""
-        stepping = [rank for rank in self.ranks if rank.has_unfinished_requests()]
-        begun: list[EngineCore] = []
+        """One step of every rank with work, each rank in its own thread, as vLLM runs one engine-core
+        process per rank: XLA releases the GIL while it runs a step (and jax on CPU runs much of a
+        step inside the dispatching call), so one rank's step runs while another's host schedules,
+        prepares or applies. The call returns when every rank has finished; the first rank's error
+        (in rank order) raises then, so none is left mid-step."""
+        stepping = [self._threads.submit(rank.step) for rank in self.ranks if rank.has_unfinished_requests()]
+        concurrent.futures.wait(stepping)
         outputs: list[EngineCoreOutput] = []
-        error: BaseException | None = None
-        try:
-            for rank in stepping:
-                rank.begin_step()
-                begun.append(rank)
-        finally:  # a rank that failed to begin raises after the others finished: none is left half-stepped
-            for rank in begun:
-                try:
-                    outputs += rank.finish_step()
-                except BaseException as e:  # the first error raises once every rank has finished
-                    error = error or e
-        if error is not None:
-            raise error
+        for future in stepping:
+            outputs += future.result()
         for output in outputs:
             if output.finish_reason is not None:
                 self._rank_of.pop(output.request_id, None)
@@ -148,6 +140,7 @@ class DataParallelEngineCore:
     def shutdown(self) -> None:
         for rank in self.ranks:
             rank.shutdown()
+        self._threads.shutdown()
 
 
 def _sum_spec_stats(per_rank: list[SpecDecodingStats | None]) -> SpecDecodingStats | None:

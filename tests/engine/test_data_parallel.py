@@ -1,9 +1,12 @@
-"""Data-parallel ranks step together (issue 28): every rank dispatches its step before any waits for
-its device, an error in one rank surfaces once the others have finished their step, and on fake CPU
-devices two ranks give the same greedy ids as one, with n > 1 children, a synchronous (penalized) rank
-beside an async one, an abort, and stats summed over the ranks."""
+"""Data-parallel ranks step together (issue 28): each rank's step runs in a thread of its own, an
+error in one rank surfaces once the others have finished their step, and on fake CPU devices two
+ranks give the same greedy ids as one, with n > 1 children, a synchronous (penalized) rank beside
+an async one, an abort, and stats summed over the ranks."""
 
 from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,49 +14,48 @@ from xlaserve.engine.dp_engine import DataParallelEngineCore
 
 
 class FakeRank:
-    """EngineCore's step interface, recording the order of calls in `log`."""
+    """EngineCore's step interface; `step` waits at `barrier` (every rank stepping must reach it)."""
 
-    def __init__(self, name: str, log: list, has_work: bool = True, fail_in: str | None = None):
-        self.name, self.log, self.has_work, self.fail_in = name, log, has_work, fail_in
+    def __init__(self, name: str, barrier=None, has_work: bool = True, fails: bool = False):
+        self.name, self.barrier, self.has_work, self.fails = name, barrier, has_work, fails
         self.max_model_len = 128
-        self.num_finished = 0
+        self.num_steps = 0
 
     def has_unfinished_requests(self) -> bool:
         return self.has_work
 
-    def begin_step(self) -> None:
-        self.log.append(("begin", self.name))
-        if self.fail_in == "begin":
-            raise RuntimeError(f"{self.name} failed to begin")
+    def shutdown(self) -> None:
+        pass
 
-    def finish_step(self) -> list:
-        self.log.append(("finish", self.name))
-        self.num_finished += 1
-        if self.fail_in == "finish":
-            raise RuntimeError(f"{self.name} failed to finish")
-        return []
-
-
-def test_every_rank_dispatches_before_any_waits():
-    log = []
-    core = DataParallelEngineCore(
-        [FakeRank("a", log), FakeRank("idle", log, has_work=False), FakeRank("b", log)]
-    )
-    assert core.step() == []
-    assert log == [("begin", "a"), ("begin", "b"), ("finish", "a"), ("finish", "b")]
+    def step(self) -> list:
+        if self.barrier is not None:
+            self.barrier.wait()  # a timeout (BrokenBarrierError) unless the others step meanwhile
+        if self.fails:
+            raise RuntimeError(f"{self.name} failed")
+        self.num_steps += 1
+        return [SimpleNamespace(request_id=self.name, finish_reason=None)]
 
 
-@pytest.mark.parametrize("fail_in", ["begin", "finish"])
-def test_an_error_in_one_rank_surfaces_after_the_others_finish(fail_in):
-    log = []
-    ranks = [FakeRank("a", log), FakeRank("b", log, fail_in=fail_in), FakeRank("c", log)]
+def test_ranks_step_at_the_same_time():
+    barrier = threading.Barrier(2, timeout=10)
+    ranks = [FakeRank("a", barrier), FakeRank("idle", has_work=False), FakeRank("b", barrier)]
     core = DataParallelEngineCore(ranks)
-    with pytest.raises(RuntimeError, match=f"b failed to {fail_in}"):
+    assert [o.request_id for o in core.step()] == ["a", "b"]  # in rank order
+    assert [r.num_steps for r in ranks] == [1, 0, 1]
+    core.shutdown()
+
+
+def test_an_error_in_one_rank_surfaces_after_the_others_finish():
+    gate = threading.Event()
+    slow = FakeRank("slow")
+    slow.step = lambda: gate.wait(10) and FakeRank.step(slow)  # finishes after "bad" has raised
+    ranks = [FakeRank("bad", fails=True), slow]
+    core = DataParallelEngineCore(ranks)
+    threading.Timer(0.2, gate.set).start()
+    with pytest.raises(RuntimeError, match="bad failed"):
         core.step()
-    if fail_in == "begin":  # c never began; a, which had dispatched, is not left half-stepped
-        assert log == [("begin", "a"), ("begin", "b"), ("finish", "a")]
-    else:
-        assert [r.num_finished for r in ranks] == [1, 1, 1]
+    assert slow.num_steps == 1  # the step call returned only after every rank's step
+    core.shutdown()
 
 
 def test_two_ranks_match_one(tp_worker, tiny_llama_2kv):
@@ -67,8 +69,6 @@ def test_two_ranks_match_one(tp_worker, tiny_llama_2kv):
 
 
 def test_bench_pairs_alternate_and_report_the_median_ratio():
-    from types import SimpleNamespace
-
     from xlaserve.entrypoints.bench.data_parallel import run_paired
 
     dp = SimpleNamespace(engine_core=SimpleNamespace(ranks=[0, 1]), tok_s=[300.0, 200.0, 330.0])
