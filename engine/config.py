@@ -11,6 +11,7 @@ the annotation. `SpeculativeConfig` lives in speculative_config.py; both are re-
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -167,8 +168,31 @@ class CacheConfig:
             choices=KV_CACHE_DTYPES,
         ),
     )
+    # GiB of host memory for blocks the device prefix cache evicts, loaded back on a later prefix hit
+    # (core/kv_offload.py, worker/kv_offload.py; README "KV cache offload"). None: off.
+    kv_offloading_size: float | None = field(
+        default=None,
+        metadata=arg(
+            "GiB of host memory holding KV blocks evicted from the device cache, reloaded on a prefix "
+            "hit (default: off)"
+        ),
+    )
 
     def __post_init__(self):
+        _require(
+            self.kv_offloading_size is None
+            or (
+                isinstance(self.kv_offloading_size, (int, float))
+                and not isinstance(self.kv_offloading_size, bool)
+                and 0 < self.kv_offloading_size < math.inf
+            ),
+            f"kv_offloading_size must be a number of GiB > 0, got {self.kv_offloading_size!r}",
+        )
+        _require(
+            self.kv_offloading_size is None or self.enable_prefix_caching,
+            "kv_offloading_size needs enable_prefix_caching: the host tier holds the blocks the prefix "
+            "cache evicts, under their hashes",
+        )
         _require(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
@@ -391,6 +415,14 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self):
+        if self.cache.kv_offloading_size is not None:
+            # The transfers ride beside the step on one process; a draft model's own cache (indexed by
+            # the same block ids) is not offloaded.
+            _require(self.parallel.nnodes == 1, "kv_offloading_size runs on one host (nnodes=1)")
+            _require(
+                self.speculative is None or self.speculative.method != "draft_model",
+                "kv_offloading_size cannot be combined with a draft model (its KV cache is not offloaded)",
+            )
         # Speculative decoding runs on the synchronous step: the next step's drafts come from this
         # step's accepted tokens, which async scheduling would not have yet.
         _require(

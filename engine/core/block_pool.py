@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -27,6 +27,10 @@ def hash_block_tokens(
     if extra_keys is not None:
         hasher.update(repr(tuple(extra_keys)).encode())
     return hasher.digest()
+
+
+def _ignore_eviction(block_hash: bytes, block_id: int) -> None:
+    pass
 
 
 class KVCacheBlock:
@@ -111,9 +115,17 @@ class BlockPool:
     Block 0 is the null block: never allocated and never freed; padding tokens write there,
     so a padded batch can never corrupt a live block. A freed block keeps its hash until it is
     reused, so a later request with the same prefix can still hit it.
+
+    `on_evict(block_hash, block_id)`: called when a cached block is taken for reuse, before anything
+    overwrites it (a KV connector copies it to the host tier: core/kv_offload.py).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        on_evict: Callable[[bytes, int], None] | None = None,
+    ):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -122,6 +134,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.on_evict = on_evict or _ignore_eviction
 
     @property
     def num_usable_blocks(self) -> int:
@@ -146,6 +159,8 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             assert block.ref_cnt == 0, f"{block} was in the free queue while referenced"
+            if block.block_hash is not None:
+                self.on_evict(block.block_hash, block.block_id)
             self._uncache_block(block)
             block.ref_cnt = 1
             blocks.append(block)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from xlaserve.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
@@ -44,8 +44,14 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, block_size: int, num_blocks: int, enable_caching: bool = True, max_model_len: int = 2048
+        self,
+        block_size: int,
+        num_blocks: int,
+        enable_caching: bool = True,
+        max_model_len: int = 2048,
+        on_evict: Callable[[bytes, int], None] | None = None,
     ):
+        """`on_evict`: BlockPool's eviction listener (a KV connector's `on_block_evicted`)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -53,7 +59,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
         self.prefix_cache_stats = PrefixCacheStats()
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already in the prefix-cache index.

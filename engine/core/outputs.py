@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xlaserve.core.kv_cache_manager import PrefixCacheStats
+from xlaserve.core.kv_connector import KVConnectorMetadata, KVTransferStats
 from xlaserve.core.request import FinishReason, Request
 from xlaserve.core.spec_decode import SpecDecodingStats
 
@@ -67,6 +68,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)  # freed since the last step
+    # The KV connector's transfers around this step (core/kv_connector.py); None: nothing to move.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -90,6 +93,8 @@ class ModelRunnerOutput:
     # Pooling requests whose prompt the step completed: their pooled output (a float32 vector, or a
     # [num_prompt_tokens, D] matrix for ALL pooling), as worker/pooler.py computed it.
     pooler_output: dict[str, Any] = field(default_factory=dict)
+    # The KV connector's worker-side stats of the step (seconds spent moving blocks); None: no connector.
+    kv_connector_stats: KVTransferStats | None = None
 
 
 @dataclass
@@ -124,3 +129,4 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_stats: PrefixCacheStats
     spec_decoding_stats: SpecDecodingStats | None = None  # since the previous snapshot; None: off
+    kv_transfer_stats: KVTransferStats | None = None  # a KV connector's, since the previous one; None: off

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from xlaserve.core.kv_cache_manager import KVCacheManager
+from xlaserve.core.kv_connector import KVConnectorScheduler
 from xlaserve.core.limits import RequestLimits
 from xlaserve.core.outputs import (
     EngineCoreOutput,
@@ -58,6 +59,7 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         max_loras: int | None = None,
         enable_chunked_prefill: bool = True,
+        kv_connector: KVConnectorScheduler | None = None,
     ):
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(
@@ -94,6 +96,8 @@ class Scheduler:
         self.spec_decoding_stats = SpecDecodingStats(num_spec_tokens)
         # Slots past the scheduled tokens a step may write (a draft model's proposals: vLLM's name).
         self.num_lookahead_tokens = num_lookahead_tokens
+        # K/V from outside the device cache (core/kv_connector.py); the base class: none.
+        self.kv_connector = kv_connector or KVConnectorScheduler()
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -146,6 +150,7 @@ class Scheduler:
         if not output.preempted_req_ids:
             self._schedule_waiting(output, token_budget, prefills)
         output.total_num_scheduled_tokens = sum(s.num_new_tokens for s in output.scheduled)
+        output.kv_connector_metadata = self.kv_connector.build_connector_meta(len(output.scheduled))
         if self.async_scheduling:
             # Rows are final only now (a preemption removes scheduled rows): each sampled token is a
             # placeholder until this step's output arrives, found on the device at its row.
@@ -256,12 +261,15 @@ class Scheduler:
                 index += 1  # its adapter waits for a slot; a request of a running adapter may go
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_missing = request.num_tokens - num_hit_tokens
+            # Tokens after the device hit that a connector loads before the step (host offload): they
+            # get blocks like the tokens computed, and count as computed.
+            num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+            num_missing = request.num_tokens - num_hit_tokens - num_external
             num_new_tokens = prefills.chunk(num_missing, token_budget)
             if num_new_tokens == 0:
                 index += 1  # the partial-prefill slots are taken: a shorter prompt behind may fit whole
                 continue
-            if self._allocate_slots(request, num_new_tokens, hit_blocks) is None:
+            if self._allocate_slots(request, num_external + num_new_tokens, hit_blocks) is None:
                 if not self.running:
                     # No request holds a block, yet this one does not fit: it never will.
                     self.waiting.pop(index)
@@ -272,9 +280,12 @@ class Scheduler:
             prefills.add(num_missing, num_new_tokens)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            self.kv_connector.update_state_after_alloc(
+                request, self.kv_cache_manager.get_block_ids(request.request_id), num_hit_tokens, num_external
+            )
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.num_computed_tokens = num_hit_tokens
+                request.num_cached_tokens = num_hit_tokens + num_external
+            request.num_computed_tokens = num_hit_tokens + num_external
             token_budget -= self._add_scheduled(request, num_new_tokens, output)
 
     def _fits_lora_slots(self, request: Request) -> bool:
@@ -324,6 +335,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish requests that stopped, and report what changed."""
         outputs, self._error_outputs = self._error_outputs, []
+        self.kv_connector.update_connector_output(model_runner_output.kv_connector_stats)
         num_finished = 0
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
@@ -440,6 +452,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
             spec_decoding_stats=self._take_spec_decoding_stats(),
+            kv_transfer_stats=self.kv_connector.make_stats(),
         )
 
     def _take_spec_decoding_stats(self) -> SpecDecodingStats | None:
@@ -449,7 +462,8 @@ class Scheduler:
         return stats
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix."""
+        """Forget every cached prefix, on the device and in a connector's tier."""
+        self.kv_connector.reset()
         return self.kv_cache_manager.reset_prefix_cache()
 
 

@@ -13,6 +13,7 @@ import logging
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import KVCacheManager
+from xlaserve.core.kv_offload import make_kv_connector_scheduler
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
@@ -57,11 +58,15 @@ class EngineCore:
         # A pooling model that reads every prompt token (MEAN/CLS/ALL, an encoder) caches no prefix, and
         # an encoder's prompt runs whole in one step (worker/pooler.py).
         pooler = executor.runner.pooler
+        # K/V kept outside the device cache (host offload: core/kv_offload.py), or the base class (none);
+        # it hears of every block the prefix cache evicts.
+        self.kv_connector = make_kv_connector_scheduler(config.cache, executor.runner.kv_bytes_per_block())
         self.kv_cache_manager = KVCacheManager(
             config.cache.block_size,
             executor.num_kv_blocks,
             config.cache.enable_prefix_caching and (pooler is None or pooler.is_prefix_cacheable),
             max_model_len,
+            on_evict=self.kv_connector.on_block_evicted,
         )
         self.async_scheduling = config.is_async_scheduling
         if config.scheduler.async_scheduling is not False and not self.async_scheduling:
@@ -79,6 +84,7 @@ class EngineCore:
             num_lookahead_tokens=executor.num_lookahead_tokens,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             enable_chunked_prefill=pooler is None or not pooler.is_encoder,
+            kv_connector=self.kv_connector,
         )
         # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
         self.proposer = make_proposer(spec, max_model_len)
@@ -140,7 +146,9 @@ class EngineCore:
         grammar_bitmask = self.structured_output.grammar_bitmask(
             scheduler_output.scheduled, self._num_verified_positions
         )
-        future = self.executor.execute_async(scheduler_output.scheduled, grammar_bitmask)
+        future = self.executor.execute_async(
+            scheduler_output.scheduled, grammar_bitmask, scheduler_output.kv_connector_metadata
+        )
         self._begun = (scheduler_output, future, outputs)
 
     def finish_step(self) -> list[EngineCoreOutput]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from xlaserve.core.kv_connector import KVTransferStats
 from xlaserve.core.spec_decode import SpecDecodingStats
 
 PREFIX = "xlaserve:"
@@ -110,6 +111,8 @@ class EngineMetrics:
         self._last_preemptions = 0
         # Speculative decoding's counters (vLLM's spec_decode_*), once a core reports them (None: off).
         self.spec_decoding: SpecDecodingStats | None = None
+        # A KV connector's totals (host offload), once a core reports them (None: no connector).
+        self.kv_transfer: KVTransferStats | None = None
         # The server's alone (the offline LLM has no core process), so it is not in snapshot().
         self.num_core_restarts = 0
 
@@ -126,6 +129,33 @@ class EngineMetrics:
             if self.spec_decoding is None:
                 self.spec_decoding = SpecDecodingStats(spec.num_spec_tokens)
             self.spec_decoding.add(spec)
+        transfer = stats.kv_transfer_stats
+        if transfer is not None:
+            if self.kv_transfer is None:
+                self.kv_transfer = KVTransferStats()
+            self.kv_transfer.add(transfer)
+
+    def kv_offload_counters(self) -> list[Counter]:
+        """Host offload's counters in vLLM's names (none without a connector): prompt tokens asked of
+        the host tier past the device hit and those it served (external_prefix_cache_*), and the bytes
+        and seconds of the copies each way (kv_offload_total_*, by transfer_type)."""
+        t = self.kv_transfer
+        if t is None:
+            return []
+        ways = (
+            ("device_to_host", t.bytes_saved, t.save_seconds),
+            ("host_to_device", t.bytes_loaded, t.load_seconds),
+        )
+        counters = [
+            Counter(PREFIX + "external_prefix_cache_queries", value=t.num_queries),
+            Counter(PREFIX + "external_prefix_cache_hits", value=t.num_hits),
+        ]
+        for way, num_bytes, seconds in ways:
+            counters.append(
+                Counter(PREFIX + "kv_offload_total_bytes", {"transfer_type": way}, value=num_bytes)
+            )
+            counters.append(Counter(PREFIX + "kv_offload_total_time", {"transfer_type": way}, value=seconds))
+        return counters
 
     def spec_decode_counters(self) -> list[Counter]:
         """vLLM's spec_decode_* counters (none while speculative decoding is off)."""
@@ -165,4 +195,4 @@ class EngineMetrics:
         metrics: list[Metric] = [Counter(PREFIX + k, value=v) for k, v in self.counters.items()]
         metrics += [Gauge(PREFIX + k, value=v) for k, v in self.gauges.items()]
         metrics += [h.record(PREFIX + k) for k, h in self.histograms.items()]
-        return metrics + self.spec_decode_counters()
+        return metrics + self.spec_decode_counters() + self.kv_offload_counters()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from xlaserve.config import EngineConfig
+from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
 from xlaserve.worker import weight_update
 from xlaserve.worker.loading import LoadedCheckpoint, load_for_engine
@@ -71,10 +72,14 @@ class Executor:
         return self.runner.execute(scheduled, grammar_bitmask)
 
     def execute_async(
-        self, scheduled: list[ScheduledRequest], grammar_bitmask: np.ndarray | None = None
+        self,
+        scheduled: list[ScheduledRequest],
+        grammar_bitmask: np.ndarray | None = None,
+        kv_connector_metadata: KVConnectorMetadata | None = None,
     ) -> StepFuture:
-        """Dispatch one step; its outputs come from the future's `result()` (async scheduling)."""
-        return self.runner.execute_async(scheduled, grammar_bitmask)
+        """Dispatch one step; its outputs come from the future's `result()` (async scheduling).
+        `kv_connector_metadata`: the KV connector's transfers before the step (core/kv_connector.py)."""
+        return self.runner.execute_async(scheduled, grammar_bitmask, kv_connector_metadata)
 
     # -- the research stack: new weights, device memory handed back (worker/weight_update.py) --------
 

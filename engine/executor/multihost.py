@@ -123,10 +123,14 @@ class MultiHostExecutor(Executor):
         return make_output(scheduled, host, inputs.failed_req_ids)
 
     def execute_async(
-        self, scheduled: list[ScheduledRequest], grammar_bitmask: np.ndarray | None = None
+        self,
+        scheduled: list[ScheduledRequest],
+        grammar_bitmask: np.ndarray | None = None,
+        kv_connector_metadata=None,
     ) -> StepFuture:
         """Synchronous here (EngineConfig turns async scheduling off for several processes): the
-        followers' checksums are checked before the next step is sent."""
+        followers' checksums are checked before the next step is sent. No KV connector runs on several
+        hosts (EngineConfig refuses it): `kv_connector_metadata` is always None."""
         return StepFuture.done(self.execute(scheduled, grammar_bitmask))
 
     def update_weights(self, weights) -> list[str]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.kernels import AttentionMetadata
 from xlaserve.worker.sampler import BITS_PER_WORD, SamplingTensors
 from xlaserve.worker.spec_decode import SpecInputs
@@ -264,6 +265,9 @@ class StepInputs:
     spec: SpecInputs | None = None  # speculative drafts to verify, when some request has any
     # Each feature hook's host arrays, by hook name (worker/step_hooks.py): {} with no feature on.
     hooks: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    # The KV connector's transfers before the step (core/kv_connector.py); process 0's alone, never sent
+    # (EngineConfig refuses a connector on several hosts).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     def to_bytes(self) -> bytes:
         arrays = {f"batch.{k}": v for k, v in _fields(self.batch).items() if v is not None}

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.config import EngineConfig
+from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
 from xlaserve.kernels.invariant import traced_with
@@ -45,6 +46,7 @@ from xlaserve.worker.input_batch import (
     sampling_tensors,
 )
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from xlaserve.worker.kv_offload import make_kv_connector_worker
 from xlaserve.worker.lora_manager import LoRAManager
 from xlaserve.worker.model_loader import load_model
 from xlaserve.worker.pooler import Pooler, PoolingHook
@@ -205,6 +207,9 @@ class ModelRunner:
             extra_bytes_per_block=0 if self.drafter is None else self.drafter.bytes_per_block(),
         )
         self.kv_cache = self.allocate_kv_cache()
+        # Copies between the cache and K/V held elsewhere, before each step (core/kv_connector.py): host
+        # offload's (worker/kv_offload.py), or the base class, which moves nothing.
+        self.kv_connector = make_kv_connector_worker(config.cache, self.kv_bytes_per_block(), self.num_blocks)
         sched = config.scheduler
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, sched.max_num_seqs, self.padded_vocab_size)
@@ -263,6 +268,7 @@ class ModelRunner:
         """Compile every token bucket and every sampler variant, then arm the compile guard
         (worker/warm_up.py)."""
         compile_all(self)
+        self.kv_cache = self.kv_connector.warm_up(self.kv_cache)
         self.guard.arm()
 
     def _num_seqs_for(self, num_tokens: int) -> int:
@@ -327,9 +333,15 @@ class ModelRunner:
         hidden, hidden_rd, self.kv_cache = self.forward(self.kv_cache, batch, hook_arrays)
         return hidden, hidden_rd
 
-    def prepare(self, scheduled, grammar_bitmask: np.ndarray | None = None) -> StepInputs:
+    def prepare(
+        self,
+        scheduled,
+        grammar_bitmask: np.ndarray | None = None,
+        kv_connector_metadata: KVConnectorMetadata | None = None,
+    ) -> StepInputs:
         """The host arrays of one step (the part process 0 computes and sends to the others).
         `grammar_bitmask` [len(scheduled), W] int32: the tokens each row may sample, or None.
+        `kv_connector_metadata`: the KV connector's transfers before the step (None: none).
 
         Each request's part is built in isolation: one that raises is listed in `failed_req_ids`
         and its rows become dummies, so a bad request fails alone instead of taking the engine down.
@@ -372,6 +384,7 @@ class ModelRunner:
             failed_req_ids=frozenset(failed),
             spec=spec if has_drafts else None,
             hooks=hook_arrays,
+            kv_connector_metadata=kv_connector_metadata,
         )
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
@@ -384,6 +397,10 @@ class ModelRunner:
         ready = self.placement.step_inputs
         self.guard.begin()
         step = self.timing.on_dispatch()
+        # Blocks evicted by this step's allocations are copied out before it overwrites them, then blocks
+        # found outside the device are copied in before attention reads them.
+        self.kv_connector.save_kv(self.kv_cache, inputs.kv_connector_metadata)
+        self.kv_cache = self.kv_connector.load_kv(self.kv_cache, inputs.kv_connector_metadata)
         batch = ready(inputs.batch)
         hidden, hidden_rd = self._run_forward(batch, inputs.hooks)
         pooled = {}  # device outputs the hooks take from the hidden states (pooling)
@@ -430,20 +447,30 @@ class ModelRunner:
         self.timing.on_read(step, time.perf_counter() - t0)
         return host
 
-    def execute(self, scheduled, grammar_bitmask: np.ndarray | None = None) -> ModelRunnerOutput:
+    def execute(
+        self, scheduled, grammar_bitmask: np.ndarray | None = None, kv_connector_metadata=None
+    ) -> ModelRunnerOutput:
         """Run one step for `scheduled` (a list of ScheduledRequest) in this process alone."""
-        return self.execute_async(scheduled, grammar_bitmask).result()
+        return self.execute_async(scheduled, grammar_bitmask, kv_connector_metadata).result()
 
-    def execute_async(self, scheduled, grammar_bitmask: np.ndarray | None = None) -> StepFuture:
+    def execute_async(
+        self,
+        scheduled,
+        grammar_bitmask: np.ndarray | None = None,
+        kv_connector_metadata: KVConnectorMetadata | None = None,
+    ) -> StepFuture:
         """Prepare and dispatch one step; its outputs are read when the future's `result()` is asked.
-        Rows whose last id the previous step sampled read it from `last_sampled` on the device."""
+        Rows whose last id the previous step sampled read it from `last_sampled` on the device.
+        (A step that schedules nothing has no KV transfers: the scheduler keeps them for the next.)"""
         if not scheduled:
             return StepFuture.done(ModelRunnerOutput())
-        inputs = self.prepare(scheduled, grammar_bitmask)
+        inputs = self.prepare(scheduled, grammar_bitmask, kv_connector_metadata)
         device, step = self.dispatch(inputs)
 
         def read() -> ModelRunnerOutput:
-            return make_output(scheduled, self.fetch(device, step), inputs.failed_req_ids, self.hooks)
+            output = make_output(scheduled, self.fetch(device, step), inputs.failed_req_ids, self.hooks)
+            output.kv_connector_stats = self.kv_connector.take_stats()
+            return output
 
         return StepFuture(read, inputs.failed_req_ids)
 

@@ -38,6 +38,11 @@ _DOCS = {
     "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens proposed.",
     "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
     "spec_decode_num_accepted_tokens_per_pos": "Speculative decoding: drafts accepted at each position.",
+    "external_prefix_cache_queries": "KV offload: prompt tokens asked of the host tier after the device "
+    "prefix hit.",
+    "external_prefix_cache_hits": "KV offload: prompt tokens loaded from the host tier instead of computed.",
+    "kv_offload_total_bytes": "KV offload: bytes copied between the device cache and the host tier.",
+    "kv_offload_total_time": "KV offload: seconds spent copying between the device cache and the host tier.",
 }
 
 
@@ -73,7 +78,8 @@ class EngineCollector:
             family.add_metric(values, value)
             yield family
         families: dict[str, CounterMetricFamily] = {}
-        for counter in metrics.spec_decode_counters():  # one family per name, a series per position
+        # One family per name, a series per position (speculative decoding) or per transfer direction.
+        for counter in metrics.spec_decode_counters() + metrics.kv_offload_counters():
             name = counter.name.removeprefix(PREFIX)
             if name not in families:
                 extra = list(counter.labels)

@@ -1,0 +1,119 @@
+"""The KV connector: how K/V held outside the device cache reaches a step, in vLLM's KVConnectorBase_V1 shape.
+
+Two halves, as in vLLM. The scheduler's half (`KVConnectorScheduler`) answers, for a request being
+admitted, how many prompt tokens past the device prefix hit an outside source holds
+(`get_num_new_matched_tokens`); the scheduler then allocates device blocks for them as if they were
+computed, tells the connector which blocks they are (`update_state_after_alloc`), and at the end of
+`schedule()` asks for the step's transfer plan (`build_connector_meta`). The worker's half
+(`KVConnectorWorker`) carries that plan out around the step: `save_kv` copies blocks out of the device
+cache, `load_kv` copies blocks into it, both before the forward can overwrite or read them.
+
+With no connector configured both halves are these base classes, whose methods do nothing: the
+scheduler and the runner call them at the same fixed points whatever is on (no feature branch). Host
+offload (core/kv_offload.py, worker/kv_offload.py) is one connector; disaggregated prefill would be another.
+Plain data and plain Python: no jax here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from xlaserve.core.request import Request
+
+
+def _no_ids() -> np.ndarray:
+    return np.zeros(0, np.int32)
+
+
+@dataclass
+class KVConnectorMetadata:
+    """One step's transfers, decided by the scheduler's half and carried out by the worker's.
+
+    Saves run before loads (a block evicted and reallocated in the same step is read before it is
+    written), and both before the step's forward. Block ids are the device cache's (layer 0's, as in
+    a block table); slots index the connector's own storage (host blocks, for offload)."""
+
+    save_block_ids: np.ndarray = field(default_factory=_no_ids)  # [S] int32: device blocks to copy out
+    save_slots: np.ndarray = field(default_factory=_no_ids)  # [S] int32: where each goes
+    load_block_ids: np.ndarray = field(default_factory=_no_ids)  # [L] int32: device blocks to fill
+    load_slots: np.ndarray = field(default_factory=_no_ids)  # [L] int32: where each comes from
+
+    @property
+    def is_empty(self) -> bool:
+        return not (len(self.save_block_ids) or len(self.load_block_ids))
+
+
+@dataclass
+class KVTransferStats:
+    """What a connector moved, since the previous snapshot (tokens, bytes, seconds)."""
+
+    num_queries: int = 0  # prompt tokens asked of the outside source (past the device hit)
+    num_hits: int = 0  # of those, tokens it provided (vLLM's external_prefix_cache_hits)
+    num_blocks_saved: int = 0
+    num_blocks_loaded: int = 0
+    bytes_saved: int = 0  # device -> outside
+    bytes_loaded: int = 0  # outside -> device
+    save_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+    def add(self, other: KVTransferStats) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class KVConnectorScheduler:
+    """The scheduler's half; this base is the connector that is off (nothing outside the device)."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Prompt tokens past the first `num_computed_tokens` (the device prefix hit) that the outside
+        source can provide: whole blocks, leaving at least the last prompt token to compute. No side
+        effect: the request may still fail to get its blocks."""
+        return 0
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_computed_tokens: int, num_external_tokens: int
+    ) -> None:
+        """The request got its blocks (`block_ids`, its whole table): the `num_external_tokens` after the
+        first `num_computed_tokens` are to be loaded into them before this step."""
+
+    def on_block_evicted(self, block_hash: bytes, block_id: int) -> None:
+        """The device prefix cache is reusing `block_id`, whose K/V was the prefix `block_hash`: the
+        step being scheduled overwrites it (BlockPool's eviction listener)."""
+
+    def build_connector_meta(self, num_scheduled_requests: int) -> KVConnectorMetadata | None:
+        """The transfers of the step just scheduled (None: none). A step that schedules nothing runs
+        nothing, so a connector keeps what it has for the next one."""
+        return None
+
+    def update_connector_output(self, stats: KVTransferStats | None) -> None:
+        """The worker's half's stats of a step (from ModelRunnerOutput)."""
+
+    def make_stats(self) -> KVTransferStats | None:
+        """Counters since the previous call (None: no connector)."""
+        return None
+
+    def reset(self) -> None:
+        """Forget everything held outside the device (the weights changed: that K/V is stale)."""
+
+
+class KVConnectorWorker:
+    """The worker's half; this base is the connector that is off. `kv_cache` is the runner's cache
+    pytree (each array [num_layers * num_blocks, block_size, ...]); methods that write it donate it
+    and return the new one."""
+
+    def save_kv(self, kv_cache, metadata: KVConnectorMetadata | None) -> None:
+        """Start copying metadata.save_block_ids out of `kv_cache` (the step has not written them yet)."""
+
+    def load_kv(self, kv_cache, metadata: KVConnectorMetadata | None):
+        """`kv_cache` with metadata.load_block_ids filled from the connector's storage."""
+        return kv_cache
+
+    def take_stats(self) -> KVTransferStats | None:
+        """Bytes and seconds since the previous call (None: no connector)."""
+        return None
+
+    def warm_up(self, kv_cache):
+        """Compile the transfer programs before the compile guard arms; returns the cache."""
+        return kv_cache

@@ -1,0 +1,173 @@
+"""Host offload, the scheduler's half: which prefixes the host tier holds, and each step's transfers.
+
+Blocks the device prefix cache evicts are copied to host memory (`kv_offloading_size` GiB of numpy
+arrays, worker/kv_offload.py) under the same chained block hashes that index the device cache, so a
+hash still names one prefix of one tenant: the cache salt and the LoRA adapter enter the first block's
+hash (core/kv_cache_manager.py), and one tenant can never read another's blocks. A new request that
+hits the device cache for its first n blocks asks the host tier for the blocks after them; those it
+finds get device blocks and are loaded before the step, and count as computed (and in
+`num_cached_tokens`).
+
+This half is bookkeeping only: host slots by hash, least recently used first out. The bytes live with
+the worker, which receives (device block, host slot) pairs in each step's KVConnectorMetadata.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from xlaserve.config import CacheConfig
+from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorScheduler, KVTransferStats
+from xlaserve.core.request import Request
+
+GIB = 2**30
+
+
+def num_host_blocks(kv_offloading_size: float, bytes_per_block: int) -> int:
+    """Host blocks `kv_offloading_size` GiB holds; ValueError naming the field when not even one."""
+    num_blocks = int(kv_offloading_size * GIB // bytes_per_block)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_offloading_size ({kv_offloading_size} GiB) holds no KV block of {bytes_per_block} bytes; "
+            f"raise it to at least {bytes_per_block / GIB:.3g}"
+        )
+    return num_blocks
+
+
+class HostBlockIndex:
+    """Host slots by block hash, least recently used first: a bounded LRU with O(1) lookups.
+
+    A slot being loaded this step is pinned, so a save in the same step cannot take it over."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
+        self.free_slots = list(range(num_blocks - 1, -1, -1))  # popped from the end: slot 0 first
+        self.pinned: set[int] = set()
+        self.num_evicted = 0
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.slot_of
+
+    def num_leading_hits(self, block_hashes: list[bytes]) -> int:
+        """How many of `block_hashes`, from the first, the tier holds."""
+        num_hits = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.slot_of:
+                break
+            num_hits += 1
+        return num_hits
+
+    def take_for_load(self, block_hash: bytes) -> int:
+        """The hash's slot, marked most recently used and pinned until `unpin_all`."""
+        self.slot_of.move_to_end(block_hash)
+        slot = self.slot_of[block_hash]
+        self.pinned.add(slot)
+        return slot
+
+    def allocate(self, block_hash: bytes) -> int | None:
+        """A slot for a new hash (evicting the least recently used unpinned one when full); None when
+        every slot is pinned."""
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            victim = next((h for h, s in self.slot_of.items() if s not in self.pinned), None)
+            if victim is None:
+                return None
+            slot = self.slot_of.pop(victim)
+            self.num_evicted += 1
+        self.slot_of[block_hash] = slot
+        return slot
+
+    def unpin_all(self) -> None:
+        self.pinned.clear()
+
+    def clear(self) -> None:
+        self.slot_of.clear()
+        self.free_slots = list(range(self.num_blocks - 1, -1, -1))
+        self.pinned.clear()
+
+
+class OffloadingConnectorScheduler(KVConnectorScheduler):
+    """Evicted device blocks go to the host tier; host hits after a device hit come back."""
+
+    def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int):
+        self.index = HostBlockIndex(num_blocks)
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
+        self._evicted: dict[bytes, int] = {}  # hash -> device block, not yet saved
+        # device block -> host slot, this step (a later load into the same block wins)
+        self._loads: dict[int, int] = {}
+        self.stats = KVTransferStats()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        # Device hits are whole blocks, and the last prompt token is always computed (its logits).
+        # request.block_hashes is empty where the device cache skipped the request (prompt logprobs,
+        # caching off): then nothing is offered here either.
+        first = num_computed_tokens // self.block_size
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.index.num_leading_hits(request.block_hashes[first:max_blocks]) * self.block_size
+
+    def update_state_after_alloc(self, request, block_ids, num_computed_tokens, num_external_tokens) -> None:
+        self.stats.num_queries += request.num_tokens - num_computed_tokens
+        self.stats.num_hits += num_external_tokens
+        first = num_computed_tokens // self.block_size
+        for index in range(first, first + num_external_tokens // self.block_size):
+            self._loads[block_ids[index]] = self.index.take_for_load(request.block_hashes[index])
+
+    def on_block_evicted(self, block_hash: bytes, block_id: int) -> None:
+        # Already on the host (loaded from there, or saved before): touching it is enough.
+        if block_hash in self.index:
+            self.index.slot_of.move_to_end(block_hash)
+        else:
+            self._evicted[block_hash] = block_id
+
+    def build_connector_meta(self, num_scheduled_requests: int) -> KVConnectorMetadata | None:
+        if not num_scheduled_requests:
+            return None  # nothing runs, nothing is overwritten: the saves wait for the next step
+        save_ids, save_slots = [], []
+        for block_hash, block_id in self._evicted.items():
+            slot = self.index.allocate(block_hash)  # loads of this step stay pinned
+            if slot is not None:
+                save_ids.append(block_id)
+                save_slots.append(slot)
+        self.index.unpin_all()
+        meta = KVConnectorMetadata(
+            save_block_ids=np.asarray(save_ids, np.int32),
+            save_slots=np.asarray(save_slots, np.int32),
+            load_block_ids=np.fromiter(self._loads.keys(), np.int32, len(self._loads)),
+            load_slots=np.fromiter(self._loads.values(), np.int32, len(self._loads)),
+        )
+        self._evicted, self._loads = {}, {}
+        self.stats.num_blocks_saved += len(save_ids)
+        self.stats.num_blocks_loaded += len(meta.load_block_ids)
+        self.stats.bytes_saved += len(save_ids) * self.bytes_per_block
+        self.stats.bytes_loaded += len(meta.load_block_ids) * self.bytes_per_block
+        return None if meta.is_empty else meta
+
+    def update_connector_output(self, stats: KVTransferStats | None) -> None:
+        if stats is not None:  # the worker's seconds; bytes and blocks are counted here
+            self.stats.save_seconds += stats.save_seconds
+            self.stats.load_seconds += stats.load_seconds
+
+    def make_stats(self) -> KVTransferStats:
+        stats, self.stats = self.stats, KVTransferStats()
+        return stats
+
+    def reset(self) -> None:
+        self.index.clear()
+        self._evicted.clear()
+
+
+def make_kv_connector_scheduler(cache: CacheConfig, bytes_per_block: int) -> KVConnectorScheduler:
+    """The scheduler's half of the configured connector: host offload, or the base class (off)."""
+    if cache.kv_offloading_size is None:
+        return KVConnectorScheduler()
+    return OffloadingConnectorScheduler(
+        num_host_blocks(cache.kv_offloading_size, bytes_per_block), cache.block_size, bytes_per_block
+    )

@@ -1,0 +1,131 @@
+"""Host offload's scheduler half (issue 35): the host tier's LRU index and the transfer plans built from
+the device cache's evictions (host only, no jax)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from xlaserve.core.kv_cache_manager import KVCacheManager
+from xlaserve.core.kv_offload import GIB, HostBlockIndex, OffloadingConnectorScheduler, num_host_blocks
+from xlaserve.core.request import Request
+from xlaserve.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+_request_ids = itertools.count()
+
+
+def _request(tokens, salt=None) -> Request:
+    return Request(f"r{next(_request_ids)}", tokens, SamplingParams(max_tokens=4), cache_salt=salt)
+
+
+def test_index_is_a_bounded_lru_that_spares_pinned_slots():
+    index = HostBlockIndex(3)
+    slots = [index.allocate(h) for h in (b"a", b"b", b"c")]
+    assert sorted(slots) == [0, 1, 2]
+    assert index.take_for_load(b"a") == slots[0]  # most recently used now, and pinned
+    assert index.allocate(b"d") == slots[1]  # b: the least recently used
+    assert b"b" not in index and len(index) == 3 and index.num_evicted == 1
+    index.take_for_load(b"c")
+    index.take_for_load(b"d")
+    assert index.allocate(b"e") is None  # every slot pinned: the save is dropped, nothing overwritten
+    index.unpin_all()
+    assert index.allocate(b"e") == slots[0]  # a
+    assert index.num_leading_hits([b"c", b"d", b"a", b"e"]) == 2
+
+
+def test_size_in_blocks_and_a_size_too_small_is_named():
+    assert num_host_blocks(1.0, 2**20) == 1024
+    with pytest.raises(ValueError, match=r"kv_offloading_size \(1e-09 GiB\) holds no KV block"):
+        num_host_blocks(1e-9, 4096)
+    assert GIB == 2**30
+
+
+def _setup(num_host=8, num_blocks=7):
+    connector = OffloadingConnectorScheduler(num_host, BLOCK_SIZE, bytes_per_block=100)
+    manager = KVCacheManager(BLOCK_SIZE, num_blocks, True, 64, on_evict=connector.on_block_evicted)
+    return connector, manager
+
+
+def _fill(manager, request):
+    """Compute the request's prompt (as a scheduler would), then finish it."""
+    manager.get_computed_blocks(request)
+    assert manager.allocate_slots(request, request.num_tokens) is not None
+    request.num_computed_tokens = request.num_tokens
+    manager.free(request)
+
+
+def _host_hit(connector, manager, request) -> int:
+    """What the scheduler asks: the device hit (which hashes the request's blocks), then the host's."""
+    _, num_hit = manager.get_computed_blocks(request)
+    return connector.get_num_new_matched_tokens(request, num_hit)
+
+
+def test_evicted_blocks_are_planned_as_saves_and_hits_come_back_as_loads():
+    connector, manager = _setup()
+    prompt = list(range(10, 23))  # 13 tokens: 3 full blocks
+    _fill(manager, _request(prompt))
+    assert connector.build_connector_meta(1) is None  # nothing evicted yet
+    _fill(manager, _request(list(range(50, 73))))  # 6 blocks: evicts all three
+    assert connector.build_connector_meta(0) is None  # an empty step keeps its saves for the next
+    meta = connector.build_connector_meta(1)
+    assert len(meta.save_block_ids) == 3 and len(set(meta.save_slots.tolist())) == 3
+
+    again = _request(prompt)
+    hit_blocks, num_hit = manager.get_computed_blocks(again)
+    assert num_hit == 0  # gone from the device
+    assert connector.get_num_new_matched_tokens(again, 0) == 12
+    assert _host_hit(connector, manager, _request(prompt, salt="other")) == 0
+    assert _host_hit(connector, manager, _request(prompt[:8])) == 4  # 8 would leave no token to compute
+    assert _host_hit(connector, manager, _request(prompt[:9])) == 8
+    saved_slots = meta.save_slots.tolist()
+    manager.allocate_slots(again, 13)  # evicts the second prompt's blocks: saved in this step's plan
+    connector.update_state_after_alloc(again, manager.get_block_ids(again.request_id), 0, 12)
+    meta = connector.build_connector_meta(1)
+    assert meta.load_block_ids.tolist() == manager.get_block_ids(again.request_id)[:3]
+    # The slots the first saves wrote are the ones the loads read, and the new saves take others.
+    assert sorted(meta.load_slots.tolist()) == sorted(saved_slots)
+    assert not set(meta.save_slots.tolist()) & set(saved_slots)
+    manager.free(again)
+    stats = connector.make_stats()
+    assert (stats.num_hits, stats.num_queries, stats.bytes_saved, stats.bytes_loaded) == (12, 13, 600, 300)
+
+
+def test_a_block_already_on_the_host_is_not_saved_again_and_reset_forgets():
+    connector, manager = _setup()
+    prompt = list(range(10, 23))
+    _fill(manager, _request(prompt))
+    _fill(manager, _request(list(range(50, 73))))
+    connector.build_connector_meta(1)
+    # Loaded back, computed on, finished, and evicted again: the host copy is touched, not rewritten.
+    again = _request(prompt)
+    manager.get_computed_blocks(again)
+    manager.allocate_slots(again, 13)
+    connector.update_state_after_alloc(again, manager.get_block_ids(again.request_id), 0, 12)
+    connector.build_connector_meta(1)
+    host_slots = [connector.index.slot_of[h] for h in again.block_hashes[:3]]
+    manager.free(again)
+    _fill(manager, _request(list(range(80, 103))))  # evicts the prompt's blocks again
+    meta = connector.build_connector_meta(1)
+    assert [connector.index.slot_of[h] for h in again.block_hashes[:3]] == host_slots
+    assert not set(meta.save_slots.tolist()) & set(host_slots)
+    connector.reset()
+    assert len(connector.index) == 0
+    assert _host_hit(connector, manager, _request(prompt)) == 0
+
+
+def test_two_loads_into_one_block_in_a_step_keep_the_later():
+    connector, _ = _setup()
+    for h in (b"x", b"y"):
+        connector.index.allocate(h)
+    request = _request(list(range(8)))
+    request.block_hashes[:] = [b"x"]
+    connector.update_state_after_alloc(request, [5, 6], 0, 4)
+    request.block_hashes[:] = [b"y"]
+    connector.update_state_after_alloc(request, [5, 6], 0, 4)
+    meta = connector.build_connector_meta(1)
+    assert meta.load_block_ids.tolist() == [5]
+    assert meta.load_slots.tolist() == [connector.index.slot_of[b"y"]]
+    assert np.asarray(meta.save_block_ids).size == 0
