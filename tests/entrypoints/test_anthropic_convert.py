@@ -213,7 +213,7 @@ def test_output_read_whole_and_streamed_gives_the_same_blocks():
 
 
 def _forced(tool_parser, reasoning=None) -> ChoiceReader:
-    return ChoiceReader(ChoiceParser(reasoning, tool_parser, None), is_forced=True)
+    return ChoiceReader(ChoiceParser(reasoning, tool_parser, None, is_forced=True))
 
 
 def _streamed(reader: ChoiceReader, output: str, size: int = 5) -> list[dict]:

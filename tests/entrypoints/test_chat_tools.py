@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
 from xlaserve.entrypoints.arg_utils import add_tool_args, tool_options
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, make_tool_parser
+from xlaserve.entrypoints.serving.chat_path import choice_parser
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
@@ -147,3 +149,70 @@ def test_server_flags(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     options = tool_options(_args("--enable-auto-tool-choice", model=str(tmp_path)))
     assert options["tool_parser_cls"] is HermesToolParser  # Qwen2's default
+
+
+# -- a forced tool choice: calls only, a stream and a one-shot answer alike -------------------------
+
+REQUIRED_OUTPUT = (
+    '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "ping", "parameters": {}}]'
+)
+FORCED_CUTS = [
+    ("required", REQUIRED_OUTPUT[:n]) for n in (0, 3, 12, 30, 44, 56, 70, 80, 90, len(REQUIRED_OUTPUT) - 1)
+] + [("named", text) for text in ('{"city": "Os', '{"city": "Oslo"', "{", " ", '{"city": "Oslo"}')]
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _forced_parser(choice, reasoning=None) -> ChoiceParser:
+    """The factory every chat-path route uses (serving/chat_path.py), on a stand-in server."""
+    state = SimpleNamespace(
+        tool_parser_cls=HermesToolParser,
+        reasoning_parser_cls=reasoning,
+        engine=SimpleNamespace(tokenizer=None),
+    )
+    tool_choice = "required" if choice == "required" else NAMED_WEATHER
+    req = request(tools=TOOLS, tool_choice=tool_choice)
+    return choice_parser(state, req, plan_tools(req, False), [])
+
+
+def _accumulated(parser: ChoiceParser, output: str, size: int = 4):
+    """(content, [(name, arguments)]) as a client accumulates the stream of `output`."""
+    deltas = [parser.feed(output[i : i + size]) for i in range(0, len(output), size)] + [parser.finish()]
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.content or ""
+        for tc in delta.tool_calls:
+            calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+    return content or None, [tuple(c) for c in calls.values()]
+
+
+@pytest.mark.parametrize("choice, output", FORCED_CUTS, ids=[f"{c}-{len(o)}" for c, o in FORCED_CUTS])
+def test_forced_choice_is_calls_only_and_one_shot_equals_the_stream(choice, output):
+    """tool_choice required / named, the output cut anywhere (max_tokens): no content, ever (never the
+    call list's raw JSON as text), and the one-shot parse is what a client accumulates from the stream,
+    a cut call's arguments as far as they went."""
+    whole = _forced_parser(choice).parse(output)
+    content, calls = _accumulated(_forced_parser(choice), output)
+    assert whole.content is None and content is None
+    assert [(c.function.name, c.function.arguments) for c in whole.tool_calls] == calls
+    assert len({c.id for c in whole.tool_calls}) == len(whole.tool_calls)
+    if output == REQUIRED_OUTPUT[:90]:  # the second call's arguments begun, not ended
+        assert calls == [("get_weather", '{"city": "Oslo"}'), ("ping", "{")]
+
+
+def test_forced_choice_keeps_the_thinking():
+    reasoning = get_reasoning_parser("deepseek_r1")
+    output = 'Oslo.</think>{"city": "Oslo"}'
+    whole = _forced_parser("named", reasoning).parse(output)
+    assert whole.reasoning == "Oslo." and whole.content is None
+    assert [(c.function.name, c.function.arguments) for c in whole.tool_calls] == [
+        ("get_weather", '{"city": "Oslo"}')
+    ]
+
+
+def test_auto_choice_is_not_forced():
+    req = request(tools=TOOLS, tool_choice="auto")
+    state = SimpleNamespace(
+        tool_parser_cls=HermesToolParser, reasoning_parser_cls=None, engine=SimpleNamespace(tokenizer=None)
+    )
+    parser = choice_parser(state, req, plan_tools(req, True), [])
+    assert not parser.is_forced and parser.parse("Hello.").content == "Hello."

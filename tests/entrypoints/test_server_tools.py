@@ -120,6 +120,19 @@ def test_stream_agrees_with_one_shot(client, tool_choice):
     assert finish == one_shot.finish_reason
 
 
+@pytest.mark.parametrize(("tool_choice", "max_tokens"), [("required", 28), (NAMED_WEATHER, 8)])
+def test_forced_call_cut_by_max_tokens_is_length_streamed_or_not(client, tool_choice, max_tokens):
+    """A forced call list that max_tokens cuts: calls only (never its raw JSON as content), the cut
+    call's arguments as far as they went, finish_reason "length"; the stream accumulates to the same."""
+    kwargs = dict(messages=ASK, tools=TOOLS, tool_choice=tool_choice, temperature=0.0, max_tokens=max_tokens)
+    one_shot = client.chat.completions.create(model=MODEL_NAME, **kwargs).choices[0]
+    content, calls, finish = streamed(client, **kwargs)
+    assert one_shot.finish_reason == finish == "length"
+    assert one_shot.message.content is None and not content
+    assert calls == [(c.function.name, c.function.arguments) for c in one_shot.message.tool_calls]
+    assert calls and calls[0][0] == "get_weather", one_shot
+
+
 def test_round_trip(server, client):
     """Call, tool result, final answer; the assistant message goes back as the client got it."""
     first = client.chat.completions.create(

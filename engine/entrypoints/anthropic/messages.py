@@ -5,7 +5,6 @@ it by the path)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from fastapi import FastAPI, Request
@@ -24,14 +23,13 @@ from xlaserve.entrypoints.anthropic.protocol import (
 )
 from xlaserve.entrypoints.anthropic.reading import ChoiceReader
 from xlaserve.entrypoints.anthropic.streaming import event_stream
-from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, make_tool_parser
+from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
     collect_final,
     engine_error,
-    make_sampling_params,
     new_id,
     submit,
     tokenize_text,
@@ -39,7 +37,6 @@ from xlaserve.entrypoints.serving.engine_io import (
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 from xlaserve.entrypoints.serving.tools import ToolPlan, plan_tools
-from xlaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("xlaserve.entrypoints.anthropic")
 
@@ -87,35 +84,12 @@ def _prompt(
     return chat, plan, text, tokenize_text(state.engine, text, False, "messages")
 
 
-def _sampling_params(
-    state: ServerState, chat: ChatCompletionRequest, plan: ToolPlan, ids: list[int]
-) -> SamplingParams:
-    """As the chat route makes them: the tool plan's grammar (or output_config.format's), applied once the
-    thinking ends, and special tokens kept when the tool parser's tags are special tokens."""
-    params = make_sampling_params(chat, chat.max_tokens, None)
-    spec = plan.structured_outputs or params.structured_outputs
-    reasoning = _reasoning_parser(state, ids)
-    if spec is not None and reasoning is not None and not reasoning.is_reasoning_end(ids):
-        spec = dataclasses.replace(spec, reasoning_end_token_id=reasoning.end_token_id)
-    parser = state.tool_parser_cls
-    keeps_special = plan.choice == "auto" and parser is not None and parser.keeps_special_tokens
-    return dataclasses.replace(params, structured_outputs=spec, skip_special_tokens=not keeps_special)
-
-
-def _reasoning_parser(state: ServerState, ids: list[int]):
-    if state.reasoning_parser_cls is None:
-        return None
-    return state.reasoning_parser_cls(state.engine.tokenizer, prompt_token_ids=ids)
-
-
 async def create_message(state: ServerState, req: MessagesRequest, raw_request: Request):
     model = check_model(state, req.model)
     chat, plan, text, ids = _prompt(state, req)
     check_context(state.engine, len(ids), req.max_tokens, "messages")
-    params = _sampling_params(state, chat, plan, ids)
-    tool_parser = make_tool_parser(plan, state.tool_parser_cls, state.engine.tokenizer)
-    is_forced = plan.choice in ("required", "named")
-    reader = ChoiceReader(ChoiceParser(_reasoning_parser(state, ids), tool_parser, chat), is_forced)
+    params = chat_sampling_params(state, chat, plan, ids, chat.max_tokens)
+    reader = ChoiceReader(choice_parser(state, chat, plan, ids))
     request_id = new_id("msg").replace("-", "_")
     stream = submit(state, ids, params, request_id, stream=req.stream, prompt=text)
     if req.stream:

@@ -2,11 +2,10 @@
 the answer) as Anthropic content: thinking, text and tool_use blocks whole, or pieces of them as the
 stream goes.
 
-With a forced tool_choice (any, or a named tool) the content is the thinking and tool_use blocks only:
-the grammar makes the answer a call list, so text there is only call JSON the parser could not take
-(a call cut by max_tokens), never words for the user. The message is then assembled from the stream's
-own pieces, each call's input read from its JSON as Anthropic's SDK reads a stream (the partial parse
-of a cut call), so a stream and a message always agree."""
+With a forced tool_choice (any, or a named tool) the parser is forced (serving/chat_path.py): the content
+is the thinking and tool_use blocks only, the calls as the stream's own pieces put together, and each
+call's input read from its JSON as Anthropic's SDK reads a stream (the partial parse of a cut call), so a
+stream and a message always agree."""
 
 from __future__ import annotations
 
@@ -23,18 +22,21 @@ logger = logging.getLogger("xlaserve.entrypoints.anthropic")
 
 
 class ChoiceReader:
-    def __init__(self, parser: ChoiceParser, is_forced: bool = False):
+    def __init__(self, parser: ChoiceParser):
         self.parser = parser
-        self.is_forced = is_forced  # tool_choice any or tool: no text blocks
 
     def blocks(self, text: str) -> list[ResponseBlock]:
         """The whole output as blocks: thinking, then text, then each call."""
-        if self.is_forced:
-            return _assembled(self.feed(text) + self.flush())
         parsed = self.parser.parse(text)
         blocks: list[ResponseBlock] = []
         if parsed.reasoning:
             blocks.append(ThinkingBlock(thinking=parsed.reasoning))
+        if self.parser.is_forced:
+            calls = [
+                ToolUseBlock(id=c.id, name=c.function.name, input=_partial_object(c.function.arguments))
+                for c in parsed.tool_calls
+            ]
+            return blocks + calls
         content = parsed.content or ""
         calls = []
         for call in parsed.tool_calls:
@@ -48,35 +50,10 @@ class ChoiceReader:
         return blocks + calls
 
     def feed(self, delta: str) -> list[Piece]:
-        return self._kept(_pieces(self.parser.feed(delta))) if delta else []
+        return _pieces(self.parser.feed(delta)) if delta else []
 
     def flush(self) -> list[Piece]:
-        return self._kept(_pieces(self.parser.finish()))
-
-    def _kept(self, pieces: list[Piece]) -> list[Piece]:
-        return [p for p in pieces if p.kind != "text"] if self.is_forced else pieces
-
-
-def _assembled(pieces: list[Piece]) -> list[ResponseBlock]:
-    """Blocks as a client accumulates the stream of `pieces`: each call's input is the partial parse of
-    its JSON text (what Anthropic's SDK does with input_json_delta), complete or cut."""
-    blocks: list[ResponseBlock] = []
-    arguments: list[str] = []  # per ToolUseBlock in blocks, its JSON text so far
-    for piece in pieces:
-        if piece.kind == "thinking":
-            if blocks and isinstance(blocks[-1], ThinkingBlock):
-                blocks[-1].thinking += piece.text
-            else:
-                blocks.append(ThinkingBlock(thinking=piece.text))
-        elif piece.kind == "tool_use" and piece.id is not None:
-            blocks.append(ToolUseBlock(id=piece.id, name=piece.name, input={}))
-            arguments.append(piece.text)
-        elif piece.kind == "tool_use" and arguments:
-            arguments[-1] += piece.text
-    calls = [b for b in blocks if isinstance(b, ToolUseBlock)]
-    for call, text in zip(calls, arguments, strict=True):
-        call.input = _partial_object(text)
-    return blocks
+        return _pieces(self.parser.finish())
 
 
 def _partial_object(text: str) -> dict:

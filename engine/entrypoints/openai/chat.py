@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -29,14 +28,14 @@ from xlaserve.entrypoints.openai.tool_protocol import (
     FunctionCallOut,
     ToolCallOut,
 )
-from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta, ChoiceParser, make_tool_parser
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta, ChoiceParser
+from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
     collect_final,
     engine_error,
-    make_sampling_params,
     merge_streams,
     new_id,
     submit,
@@ -44,9 +43,8 @@ from xlaserve.entrypoints.serving.engine_io import (
 )
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
-from xlaserve.entrypoints.serving.reasoning import ReasoningParser
 from xlaserve.entrypoints.serving.state import ServerState, check_model
-from xlaserve.entrypoints.serving.tools import ToolPlan, plan_tools
+from xlaserve.entrypoints.serving.tools import plan_tools
 from xlaserve.outputs import CompletionOutput, Logprob
 
 logger = logging.getLogger("xlaserve.entrypoints.openai")
@@ -91,43 +89,6 @@ def _usage(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
         total_tokens=num_prompt + num_generated,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
     )
-
-
-def _reasoning_parser(state: ServerState, prompt_ids: list[int]) -> ReasoningParser | None:
-    if state.reasoning_parser_cls is None:
-        return None
-    return state.reasoning_parser_cls(state.engine.tokenizer, prompt_token_ids=prompt_ids)
-
-
-def chat_sampling_params(
-    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan, ids: list[int], max_tokens
-):
-    """The request's SamplingParams, with the grammar of its tool plan, gated by the reasoning parser
-    (structured output applies to the answer: it starts once the thinking has ended), and special
-    tokens kept when the tool parser's tags are special tokens."""
-    top_n = (req.top_logprobs or 0) if req.logprobs else None
-    params = make_sampling_params(req, max_tokens, top_n)
-    changes = {}
-    spec = plan.structured_outputs or params.structured_outputs
-    reasoning = _reasoning_parser(state, ids)
-    if spec is not None and reasoning is not None and not reasoning.is_reasoning_end(ids):
-        spec = dataclasses.replace(spec, reasoning_end_token_id=reasoning.end_token_id)
-    if spec is not params.structured_outputs:
-        changes["structured_outputs"] = spec
-    if (
-        plan.choice == "auto"
-        and state.tool_parser_cls is not None
-        and state.tool_parser_cls.keeps_special_tokens
-    ):
-        changes["skip_special_tokens"] = False
-    return dataclasses.replace(params, **changes) if changes else params
-
-
-def choice_parser(
-    state: ServerState, req: ChatCompletionRequest, plan: ToolPlan, ids: list[int]
-) -> ChoiceParser:
-    tools = make_tool_parser(plan, state.tool_parser_cls, state.engine.tokenizer)
-    return ChoiceParser(_reasoning_parser(state, ids), tools, req)
 
 
 def _finish_reason(finish_reason: str | None, num_calls: int) -> str | None:

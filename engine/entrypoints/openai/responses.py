@@ -17,7 +17,6 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from xlaserve.entrypoints.openai.chat import chat_sampling_params, choice_parser
 from xlaserve.entrypoints.openai.responses_convert import input_turns, rename_error, to_chat_request
 from xlaserve.entrypoints.openai.responses_protocol import (
     DeletedResponse,
@@ -36,6 +35,7 @@ from xlaserve.entrypoints.openai.responses_protocol import (
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream, item_id
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, ParsedChoice
+from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,

@@ -7,6 +7,12 @@ The reasoning parser sees the whole text; the tool parser sees only the answer. 
 of text goes through both, and what they send is the chunk's delta; at the end `finish` releases what
 they held back (a possible tag). A parser that fails is logged and its text passed on as content:
 the stream never breaks.
+
+Forced (tool_choice "required" or a named function: a grammar made the answer a call list), a choice
+has no content: the only text the tool parser could leave is call JSON it could not take (a call cut
+by max_tokens), never words for the user. Its one-shot parse is then the stream's own pieces put
+together, so a stream and a one-shot answer agree, a cut call included (its arguments as far as they
+were streamed).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 from xlaserve.entrypoints.serving.reasoning import ReasoningParser
 from xlaserve.entrypoints.serving.tool_parsers import (
     DeltaToolCall,
+    FunctionCall,
     NamedToolParser,
     RequiredToolParser,
     ToolCall,
@@ -59,12 +66,20 @@ def make_tool_parser(
 
 
 class ChoiceParser:
-    """Per choice: `parse(text)` once, or `feed(delta)` per piece then `finish()`."""
+    """Per choice: `parse(text)` once, or `feed(delta)` per piece then `finish()`. is_forced: the
+    answer is calls only (no content, see above)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, request: Any = None):
+    def __init__(
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolParser | None,
+        request: Any = None,
+        is_forced: bool = False,
+    ):
         self.reasoning = reasoning
         self.tools = tools
         self.request = request
+        self.is_forced = is_forced
         self._text = ""
         self._answer = ""  # the content part so far, what the tool parser reads
 
@@ -73,6 +88,8 @@ class ChoiceParser:
         return self.tools.num_calls_sent if self.tools is not None else 0
 
     def parse(self, text: str) -> ParsedChoice:
+        if self.is_forced:
+            return _assembled([self.feed(text), self.finish()])
         reasoning, content = None, text
         if self.reasoning is not None:
             try:
@@ -89,6 +106,17 @@ class ChoiceParser:
         return ParsedChoice(reasoning, extracted.content, extracted.tool_calls)
 
     def feed(self, delta_text: str) -> ChoiceDelta:
+        return self._kept(self._feed(delta_text))
+
+    def finish(self) -> ChoiceDelta:
+        return self._kept(self._finish())
+
+    def _kept(self, delta: ChoiceDelta) -> ChoiceDelta:
+        if self.is_forced and delta.content is not None:
+            delta.content = None
+        return delta
+
+    def _feed(self, delta_text: str) -> ChoiceDelta:
         previous, self._text = self._text, self._text + delta_text
         if self.reasoning is None:
             return self._answer_delta(None, delta_text)
@@ -102,7 +130,7 @@ class ChoiceParser:
             return ChoiceDelta()
         return self._answer_delta(news.reasoning, news.content)
 
-    def finish(self) -> ChoiceDelta:
+    def _finish(self) -> ChoiceDelta:
         reasoning = content = None
         if self.reasoning is not None:
             try:
@@ -137,3 +165,18 @@ class ChoiceParser:
         if news is None:
             return ChoiceDelta(reasoning)
         return ChoiceDelta(reasoning, news.content, list(news.tool_calls))
+
+
+def _assembled(deltas: list[ChoiceDelta]) -> ParsedChoice:
+    """A choice as a client accumulates the stream of `deltas`: the thinking joined, each call's
+    arguments its pieces joined (complete, or as far as they went when the output was cut)."""
+    reasoning = "".join(d.reasoning or "" for d in deltas) or None
+    calls: dict[int, ToolCall] = {}
+    for delta in deltas:
+        for piece in delta.tool_calls:
+            if piece.id is not None:
+                function = FunctionCall(piece.function.name or "", piece.function.arguments or "")
+                calls[piece.index] = ToolCall(function, id=piece.id)
+            elif piece.index in calls:
+                calls[piece.index].function.arguments += piece.function.arguments or ""
+    return ParsedChoice(reasoning, None, list(calls.values()))

@@ -47,6 +47,11 @@ class ToolPlan:
     function_name: str | None = None  # "named": the function
     structured_outputs: StructuredOutputsParams | None = None  # "required" and "named": the grammar
 
+    @property
+    def is_forced(self) -> bool:
+        """The answer is calls only (a grammar makes it so)."""
+        return self.choice in ("required", "named")
+
 
 def plan_tools(req: ChatCompletionRequest, enable_auto_tool_choice: bool) -> ToolPlan:
     """The request's tool_choice, checked against its tools and the server (a 400 naming the field)."""
