@@ -45,14 +45,20 @@ def add_parser(sub, add_engine_args) -> None:
     g.add_argument(
         "--api-key",
         default=os.environ.get("XLASERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and the admin routes "
-        "(also XLASERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /tokenizer_info, /detokenize and "
+        "the admin routes (also XLASERVE_API_KEY)",
     )
     g.add_argument(
         "--enable-admin-api",
         action="store_true",
         help="serve POST /update_weights_from_disk, /sleep, /wake_up, /reset_prefix_cache and GET "
         "/is_sleeping (needs --api-key)",
+    )
+    g.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (lm-eval's "
+        "local-completions tokenizes through it; behind --api-key)",
     )
     g.add_argument(
         "--served-model-name",
@@ -230,6 +236,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         api_key=args.api_key,
         enable_admin_api=args.enable_admin_api,
         max_stored_responses=args.max_stored_responses,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         **args.tool_options,
         loras=loras,
     )

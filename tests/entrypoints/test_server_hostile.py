@@ -707,6 +707,9 @@ ROUTE_CASES = [
     ("GET", "/v1/responses/%FF%00", 404),
     ("DELETE", "/v1/responses/%ED%A0%80", 404),
     ("GET", "/v1/responses/" + "r" * 8000, 404),
+    ("POST", "/tokenizer_info", 405),
+    ("DELETE", "/tokenizer_info", 405),
+    ("GET", "/tokenizer_info/%FF%00", 404),
 ]
 
 
@@ -723,6 +726,19 @@ def test_models_ignore_hostile_extras(client):
     """A GET with a body, a query string of junk: /v1/models answers as usual."""
     response, port = send(client, "/v1/models?%FF=%00&x=" + "y" * 2000, method="GET", content=b"\xff" * 1000)
     assert response.status_code == 200 and response.json()["data"][0]["id"] == MODEL_NAME
+    check_still_serving(client, port)
+
+
+def test_tokenizer_info_ignores_hostile_extras_and_needs_the_key(client):
+    """GET /tokenizer_info (on with --enable-tokenizer-info-endpoint): junk in the query and body is
+    ignored; without the key, a 401."""
+    response, port = send(
+        client, "/tokenizer_info?%FF=%00&x=" + "y" * 2000, method="GET", content=b"\xff" * 99
+    )
+    assert response.status_code == 200 and response.json()["eos_token"] == "<|im_end|>"
+    check_still_serving(client, port)
+    response, port = send(client, "/tokenizer_info", method="GET", headers={"Authorization": "Bearer nope"})
+    check_error(response, 401)
     check_still_serving(client, port)
 
 

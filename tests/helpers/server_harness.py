@@ -27,13 +27,14 @@ STOP_TIMEOUT_S = 60
 # The session server's Responses API store: small, so a test can fill it.
 MAX_STORED_RESPONSES = 12
 # Flags of the session's server beyond the engine's: tool calls read in hermes' format (SmolLM2 writes
-# a list of calls between <tool_call> tags).
+# a list of calls between <tool_call> tags); GET /tokenizer_info served.
 SESSION_SERVER_FLAGS = [
     "--enable-auto-tool-choice",
     "--tool-call-parser",
     "hermes",
     "--max-stored-responses",
     str(MAX_STORED_RESPONSES),
+    "--enable-tokenizer-info-endpoint",
 ]
 
 

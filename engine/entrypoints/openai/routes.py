@@ -1,5 +1,6 @@
 """OpenAI's routes (and vLLM's beside them): /v1/models, /v1/completions, /v1/chat/completions,
-/tokenize and /detokenize, /v1/responses (responses.py), added to the server's app (entrypoints/app.py)."""
+/tokenize and /detokenize, /tokenizer_info (with --enable-tokenizer-info-endpoint), /v1/responses
+(responses.py), added to the server's app (entrypoints/app.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from xlaserve.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from xlaserve.entrypoints.openai.responses import add_responses_routes
+from xlaserve.entrypoints.openai.tokenizer_info import TokenizerInfoResponse, tokenizer_info
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import require_tokenizer, tokenize_text
 from xlaserve.entrypoints.serving.errors import bad_request
@@ -111,3 +113,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(f"tokens must be in [0, {engine.vocab_size}), got {bad[:4]}", "tokens")
         tokenizer = require_tokenizer(engine, "/detokenize", "tokens")
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+
+    if state.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info", responses=_errors(400, 401))
+        async def get_tokenizer_info() -> TokenizerInfoResponse:
+            """The tokenizer's configuration and chat template (vLLM's; lm-eval tokenizes with it)."""
+            tokenizer = require_tokenizer(engine, "/tokenizer_info", None)
+            return TokenizerInfoResponse(**tokenizer_info(tokenizer, state.chat_template))

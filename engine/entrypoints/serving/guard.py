@@ -27,7 +27,7 @@ MAX_BODY_BYTES = 32 * 2**20
 MAX_HEADER_BYTES = 16 * 2**10
 # The admin routes (serving/admin.py): served only with a key, and always behind it.
 ADMIN_PATHS = ("/update_weights_from_disk", "/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache")
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations", *ADMIN_PATHS)
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/tokenizer_info", "/detokenize", "/invocations", *ADMIN_PATHS)
 
 
 class _BodyTooLarge(Exception):

@@ -29,6 +29,7 @@ class ServerState:
     loras: LoRARegistry | None = None  # with --enable-lora: the adapters, by name
     enable_admin_api: bool = False  # --enable-admin-api (with --api-key): serving/admin.py's routes
     max_stored_responses: int = 1000  # --max-stored-responses: the Responses API's LRU store
+    enable_tokenizer_info_endpoint: bool = False  # --enable-tokenizer-info-endpoint: GET /tokenizer_info
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model."""
