@@ -19,6 +19,7 @@ import copy
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Iterable
 
@@ -170,6 +171,8 @@ class StructuredOutputManager:
         self._compiled: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
         self._compiling: set[concurrent.futures.Future] = set()
         self._mask_executor: llguidance.LLExecutor | None = None
+        # Data-parallel ranks step in threads of their own (dp_engine.py), each calling grammar_bitmask.
+        self._mask_executor_lock = threading.Lock()
         self._last_schedule_time: float | None = None
 
     def add_request(self, request: Request) -> None:
@@ -254,8 +257,9 @@ class StructuredOutputManager:
             return None
         width = bitmask_width(self._ll_tokenizer.result().vocab_size)  # built: a matcher exists
         bitmask = np.full((len(scheduled) * num_positions, width), -1, np.int32)
-        if self._mask_executor is None:
-            self._mask_executor = llguidance.LLExecutor()
+        with self._mask_executor_lock:
+            if self._mask_executor is None:
+                self._mask_executor = llguidance.LLExecutor()
         # llguidance fills the rows in parallel (without the GIL), in place; with drafts, each matcher
         # walks them, writing the mask before each one and after the last (stopping at one it rejects),
         # and rolls back to where it was.
