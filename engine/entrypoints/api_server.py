@@ -20,6 +20,7 @@ import signal
 from xlaserve.config import EngineConfig
 from xlaserve.entrypoints.arg_utils import (
     add_tool_args,
+    auto_tool_choice,
     engine_config,
     parse_lora_modules,
     run_follower_if_needed,
@@ -169,6 +170,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--lora-modules needs --enable-lora")
     chat_template = load_chat_template(args.chat_template)
     args.tool_options = tool_options(args)  # bad names fail before the engine starts
+    logger.info(auto_tool_choice(args).log_line())
     return asyncio.run(_serve(args, config, chat_template))
 
 

@@ -146,13 +146,14 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model decide when to call tools (tool_choice "auto"); its calls are read by '
-        "--tool-call-parser",
+        "--tool-call-parser. On by default when the model's family has a known parser",
     )
     g.add_argument(
         "--tool-call-parser",
         default=None,
         metavar="NAME",
-        help="how the model writes tool calls: hermes, llama3_json, mistral (default: from the model family)",
+        help="how the model writes tool calls: hermes, llama3_json, mistral (default: from the model "
+        'family); "none": no parser, auto tool choice off',
     )
     g.add_argument(
         "--reasoning-parser",
@@ -171,17 +172,53 @@ def _model_type(model: str | None) -> str | None:
         return json.load(f).get("model_type")
 
 
-def tool_options(args: argparse.Namespace) -> dict:
-    """The flags of `add_tool_args` as ServerState fields (parser classes); ValueError on a bad name."""
+@dataclasses.dataclass(frozen=True)
+class ToolChoiceSetting:
+    """The server's auto tool choice, decided at start from the flags and the model's family."""
+
+    enable_auto_tool_choice: bool
+    tool_call_parser: str | None  # the parser's name; None: calls are never parsed from free text
+    reason: str  # why, for the start-up log
+
+    def log_line(self) -> str:
+        state = f"on, parser {self.tool_call_parser}" if self.enable_auto_tool_choice else "off"
+        return f"auto tool choice {state} ({self.reason})"
+
+
+def auto_tool_choice(args: argparse.Namespace) -> ToolChoiceSetting:
+    """vLLM's flags as vLLM reads them (--enable-auto-tool-choice with --tool-call-parser NAME; a
+    parser named alone reads only forced calls), and beyond vLLM: with neither flag, auto tool choice is
+    on when the model's family has a known parser (clients such as pydantic-ai, litellm and the Agents
+    SDK send tool_choice "auto" whenever they send tools). `--tool-call-parser none` turns that off."""
     name = args.tool_call_parser
-    if name is None and args.enable_auto_tool_choice:
-        name = default_tool_parser(_model_type(args.model))
-        if name is None:
+    if name == "none":
+        if args.enable_auto_tool_choice:
+            raise ValueError("--enable-auto-tool-choice needs a parser: --tool-call-parser none turns it off")
+        return ToolChoiceSetting(False, None, "--tool-call-parser none")
+    if name is not None:
+        get_tool_parser(name)  # a bad name fails at once
+        return ToolChoiceSetting(args.enable_auto_tool_choice, name, f"--tool-call-parser {name}")
+    family = _model_type(args.model)
+    default = default_tool_parser(family)
+    if default is None:
+        if args.enable_auto_tool_choice:
             raise ValueError(
                 "--enable-auto-tool-choice needs --tool-call-parser: this model's family has no default"
             )
+        model = f"model family {family!r}" if family else "a model without an HF model_type"
+        why = f"{model} has no known tool call parser: --enable-auto-tool-choice --tool-call-parser NAME"
+        return ToolChoiceSetting(False, None, why)
+    flag = "--enable-auto-tool-choice" if args.enable_auto_tool_choice else "by default"
+    why = f"{flag}: model family {family!r} writes {default}'s format; --tool-call-parser none turns it off"
+    return ToolChoiceSetting(True, default, why)
+
+
+def tool_options(args: argparse.Namespace) -> dict:
+    """The flags of `add_tool_args` as ServerState fields (parser classes); ValueError on a bad name."""
+    setting = auto_tool_choice(args)
+    name = setting.tool_call_parser
     return {
-        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "enable_auto_tool_choice": setting.enable_auto_tool_choice,
         "tool_parser_cls": get_tool_parser(name) if name is not None else None,
         "reasoning_parser_cls": get_reasoning_parser(args.reasoning_parser)
         if args.reasoning_parser

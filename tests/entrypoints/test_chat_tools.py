@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from xlaserve.entrypoints.arg_utils import add_tool_args, tool_options
+from xlaserve.entrypoints.arg_utils import add_tool_args, auto_tool_choice, tool_options
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, make_tool_parser
 from xlaserve.entrypoints.serving.chat_path import choice_parser
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
-from xlaserve.entrypoints.serving.tool_parsers import HermesToolParser
+from xlaserve.entrypoints.serving.tool_parsers import HermesToolParser, get_tool_parser
 from xlaserve.entrypoints.serving.tools import plan_tools, tools_in_system_prompt
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -216,3 +216,42 @@ def test_auto_choice_is_not_forced():
     )
     parser = choice_parser(state, req, plan_tools(req, True), [])
     assert not parser.is_forced and parser.parse("Hello.").content == "Hello."
+
+
+# -- auto tool choice at start: on by default where the model's family has a known parser ----------
+
+
+@pytest.mark.parametrize(
+    ("flags", "model_type", "auto", "parser"),
+    [
+        ((), "qwen3", True, "hermes"),  # the family's parser, no flag needed
+        ((), "mistral", True, "mistral"),
+        (("--tool-call-parser", "none"), "qwen3", False, None),  # turned off
+        ((), "gpt2", False, None),  # no known parser: off, as before
+        ((), None, False, None),  # the embedded model, GGUF files
+        # vLLM's flags as before
+        (("--enable-auto-tool-choice",), "qwen2", True, "hermes"),
+        (("--enable-auto-tool-choice", "--tool-call-parser", "mistral"), "qwen3", True, "mistral"),
+        (("--tool-call-parser", "hermes"), "qwen3", False, "hermes"),  # named alone: forced calls only
+        (("--tool-call-parser", "hermes"), None, False, "hermes"),
+    ],
+)
+def test_auto_tool_choice_at_start(tmp_path, flags, model_type, auto, parser):
+    model = None
+    if model_type is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+        model = str(tmp_path)
+    setting = auto_tool_choice(_args(*flags, model=model))
+    assert (setting.enable_auto_tool_choice, setting.tool_call_parser) == (auto, parser)
+    line = setting.log_line()
+    assert line.startswith(f"auto tool choice {'on, parser ' + parser if auto else 'off'}"), line
+    if auto and not flags:
+        assert "by default" in line and "--tool-call-parser none" in line
+    options = tool_options(_args(*flags, model=model))
+    assert options["enable_auto_tool_choice"] is auto
+    assert options["tool_parser_cls"] is (None if parser is None else get_tool_parser(parser))
+
+
+def test_tool_call_parser_none_with_the_auto_flag_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="--tool-call-parser none turns it off"):
+        auto_tool_choice(_args("--enable-auto-tool-choice", "--tool-call-parser", "none"))

@@ -106,19 +106,21 @@ def test_structured_output_starts_after_the_thinking(client):
     assert direct.choices[0].finish_reason == "stop"
 
 
-def test_auto_tool_choice_needs_the_flag(thinking_server, client):
+def test_auto_tool_choice_is_on_by_default_for_the_family(thinking_server, client):
+    """This server runs without --enable-auto-tool-choice: a Qwen3's calls are hermes', so auto tool choice
+    is on by default with that parser, and says so at start. tool_choice "auto", or tools without a
+    tool_choice (as pydantic-ai, litellm and the Agents SDK send them), are answered, not a 400."""
+    with open(thinking_server.log_path, errors="replace") as f:
+        assert "auto tool choice on, parser hermes (by default" in f.read()
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(
-            model="tiny", messages=CHAT, tools=[tool], tool_choice="auto", **GREEDY
-        )
-    assert error.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in error.value.message
-    # without tool_choice, tools mean "none" on this server: the tools are in the prompt, no call is read
-    answer = client.chat.completions.create(model="tiny", messages=CHAT, tools=[tool], **GREEDY).choices[0]
-    assert answer.finish_reason == "length" and not answer.message.tool_calls
+    for choice in ({"tool_choice": "auto"}, {}):
+        answer = client.chat.completions.create(model="tiny", messages=CHAT, tools=[tool], **choice, **GREEDY)
+        assert answer.choices[0].finish_reason in ("length", "stop", "tool_calls")
     prompt = httpx.post(thinking_server.url + "/tokenize", json={"messages": CHAT, "tools": [tool]}).json()
     text = httpx.post(thinking_server.url + "/detokenize", json={"tokens": prompt["tokens"]}).json()["prompt"]
     assert "<tools>" in text and '"name": "f"' in text
+    # --enable-tokenizer-info-endpoint is off here: the route does not exist
+    assert httpx.get(thinking_server.url + "/tokenizer_info").status_code == 404
 
 
 def test_anthropic_messages_give_a_thinking_block(thinking_server):
