@@ -48,6 +48,7 @@ class DataParallelEngineCore:
         self._rank_of: dict[str, int] = {}
         # n > 1: (the rank of the first child, children added so far) until the last is added.
         self._rank_of_parent: dict[str, tuple[int, int]] = {}
+        # One thread per rank, in which `step` runs that rank's EngineCore.step.
         self._threads = concurrent.futures.ThreadPoolExecutor(len(ranks), thread_name_prefix="xlaserve-dp")
 
     @property
