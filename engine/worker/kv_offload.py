@@ -17,6 +17,9 @@ reloaded is bit-identical to the one evicted.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import mmap
 import time
 
 import jax
@@ -26,6 +29,8 @@ import numpy as np
 from xlaserve.config import CacheConfig
 from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker, KVTransferStats
 from xlaserve.core.kv_offload import num_host_blocks
+
+logger = logging.getLogger(__name__)
 
 # Blocks per transfer program call (the programs' fixed shape): a step moving more calls them again.
 TRANSFER_CHUNK_BLOCKS = 16
@@ -52,6 +57,21 @@ def _scatter_blocks(num_blocks: int, kv_cache, block_ids, blocks):
     rows = _cache_rows(block_ids, num_layers, num_blocks)
     new = [a.at[rows].set(b.reshape(-1, *a.shape[1:]).astype(a.dtype)) for a, b in zip(leaves, blocks)]
     return jax.tree.unflatten(treedef, new)
+
+
+def _host_array(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Zeroed host memory, its pages faulted in now rather than by the saves that first write them
+    (measured here: first writes at 0.24 GB/s, rewrites at 15 GB/s), on transparent huge pages where the
+    OS offers them (a third of the faulting time)."""
+    dtype = np.dtype(dtype)
+    num_bytes = max(int(np.prod(shape)) * dtype.itemsize, 1)
+    memory = mmap.mmap(-1, num_bytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            memory.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(memory, np.uint8, count=num_bytes)
+    raw[:] = 0  # fault every page in
+    return raw[: int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def _padded(ids: np.ndarray) -> np.ndarray:
@@ -84,8 +104,15 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         )
 
     def _ensure_host(self, shapes_dtypes) -> None:
-        if self.host is None:  # zeros: the OS maps the pages as they are first written
-            self.host = [np.zeros((self.num_host_blocks, *s[1:]), dtype) for s, dtype in shapes_dtypes]
+        if self.host is None:
+            t0 = time.perf_counter()
+            self.host = [_host_array((self.num_host_blocks, *s[1:]), dtype) for s, dtype in shapes_dtypes]
+            logger.info(
+                "KV offload: host tier of %d blocks (%.1f MiB) in %.2f s",
+                self.num_host_blocks,
+                self.host_bytes / 2**20,
+                time.perf_counter() - t0,
+            )
 
     @property
     def host_bytes(self) -> int:
@@ -99,7 +126,10 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         for start in range(0, len(metadata.save_block_ids), TRANSFER_CHUNK_BLOCKS):
             ids = metadata.save_block_ids[start : start + TRANSFER_CHUNK_BLOCKS]
             slots = metadata.save_slots[start : start + TRANSFER_CHUNK_BLOCKS]
-            self._pending.append((self._gather_fn(kv_cache, _padded(ids)), slots))
+            gathered = self._gather_fn(kv_cache, _padded(ids))
+            for array in gathered:  # the copy to the host starts now, overlapping the step
+                array.copy_to_host_async()
+            self._pending.append((gathered, slots))
 
     def flush(self) -> None:
         """Bring every gathered block to its host slot (blocks until the gathers are computed)."""
