@@ -91,7 +91,7 @@ class KVCacheManager:
         token must still run through the model to produce logits. Requests asking for prompt
         logprobs skip the cache: those need logits for every prompt token.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or skips_prefix_cache(request):
             return [], 0
         self._update_block_hashes(request)
         max_num_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -203,6 +203,12 @@ class KVCacheManager:
             block_hashes.append(
                 hash_block_tokens(parent_hash, tokens[start : start + self.block_size], extra_keys)
             )
+
+
+def skips_prefix_cache(request: Request) -> bool:
+    """A request whose prompt must all run through the model: prompt logprobs need every position's
+    logits. No cached K/V serves it, from the device or any other tier."""
+    return request.sampling_params.prompt_logprobs is not None
 
 
 def _first_block_keys(request: Request) -> tuple | None:

@@ -19,6 +19,7 @@ from collections import OrderedDict
 import numpy as np
 
 from xlaserve.config import CacheConfig
+from xlaserve.core.kv_cache_manager import skips_prefix_cache
 from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorScheduler, KVTransferStats
 from xlaserve.core.request import Request
 
@@ -107,8 +108,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         # Device hits are whole blocks, and the last prompt token is always computed (its logits).
-        # request.block_hashes is empty where the device cache skipped the request (prompt logprobs,
-        # caching off): then nothing is offered here either.
+        # Where the device cache serves the request nothing (prompt logprobs), neither does this tier.
+        if skips_prefix_cache(request):
+            return 0
         first = num_computed_tokens // self.block_size
         max_blocks = (request.num_tokens - 1) // self.block_size
         return self.index.num_leading_hits(request.block_hashes[first:max_blocks]) * self.block_size

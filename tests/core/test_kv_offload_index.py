@@ -80,6 +80,10 @@ def test_evicted_blocks_are_planned_as_saves_and_hits_come_back_as_loads():
     assert _host_hit(connector, manager, _request(prompt, salt="other")) == 0
     assert _host_hit(connector, manager, _request(prompt[:8])) == 4  # 8 would leave no token to compute
     assert _host_hit(connector, manager, _request(prompt[:9])) == 8
+    # Prompt logprobs need every position's logits: hashed (as after a preemption), still no hit.
+    wants_logprobs = Request("lp", prompt, SamplingParams(max_tokens=4, prompt_logprobs=1))
+    wants_logprobs.block_hashes[:] = again.block_hashes
+    assert connector.get_num_new_matched_tokens(wants_logprobs, 0) == 0
     saved_slots = meta.save_slots.tolist()
     manager.allocate_slots(again, 13)  # evicts the second prompt's blocks: saved in this step's plan
     connector.update_state_after_alloc(again, manager.get_block_ids(again.request_id), 0, 12)
