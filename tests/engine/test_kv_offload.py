@@ -4,6 +4,7 @@ num_cached_tokens; cache salts keep tenants apart; no block leaks; bad sizes are
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import numpy as np
@@ -13,6 +14,7 @@ from helpers.family_cases import make_hf_model, save_hf_model
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
 from xlaserve.core.request import Request
+from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs
 
 BLOCK = 8
 # 11 usable blocks of 8 tokens: three 40-token prompts (6 blocks each with their outputs) cannot all
@@ -161,3 +163,15 @@ def test_kv_offloading_size_needs_what_it_builds_on():
         EngineConfig.from_kwargs(kv_offloading_size=1, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_size runs on one host"):
         EngineConfig.from_kwargs(kv_offloading_size=1, nnodes=2, master_addr="127.0.0.1")
+
+
+def test_the_flag_reads_gib_and_refuses_what_is_not_a_number(capsys):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--kv-offloading-size", "0.5"]))
+    assert EngineConfig.from_kwargs(**kwargs).cache.kv_offloading_size == 0.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-offloading-size", "lots"])
+    assert "--kv-offloading-size" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kv_offloading_size must be a number of GiB > 0, got -2.0"):
+        EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args(["--kv-offloading-size", "-2"])))
