@@ -8,6 +8,9 @@ waiting ones are admitted while the budget, `max_num_seqs` and the free KV block
 When a running request cannot get blocks, another is preempted by recompute: its blocks are
 freed and it later recomputes prompt + outputs (usually hitting its own cached prefix).
 
+A waiting request's prompt may also be served past its device prefix hit by a KV connector (host
+offload: core/kv_connector.py): those tokens get blocks, are loaded before the step and count as computed.
+
 So that one long prompt cannot hold the others hostage, prefill chunks are capped and only a few
 prompts are prefilled across steps at once (core/partial_prefills.py).
 

@@ -10,9 +10,11 @@ the last step's sampled ids on the device (`last_sampled`, padded to max_num_seq
 bucket reads one shape), and the forward substitutes them where the next batch's `prev_rows` point:
 a token sampled in step N feeds step N+1 without a round trip through the host.
 
-Features (LoRA, a draft model) reach the step through hooks (worker/step_hooks.py): the step below is
-the same code whether they are on or off. Every step is built for k verified drafts per request (k = 0
-without speculative decoding), so a step verifies when some request carries drafts and samples otherwise.
+Features (LoRA, a draft model) reach the step through hooks (worker/step_hooks.py), and K/V held outside
+the device cache (host offload) through the KV connector (core/kv_connector.py), which copies blocks out
+and in before the forward: the step below is the same code whether they are on or off. Every step is
+built for k verified drafts per request (k = 0 without speculative decoding), so a step verifies when
+some request carries drafts and samples otherwise.
 """
 
 from __future__ import annotations
