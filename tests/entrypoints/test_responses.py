@@ -216,14 +216,15 @@ def test_named_function_streams_argument_events(server):
 
 
 def test_forced_call_cut_by_max_output_tokens_is_calls_only_streamed_or_not(server, client):
-    """tool_choice required cut by max_output_tokens (the chat path's forced parser): function_call items
-    only, the cut call's arguments as far as they went, the same in the stream's final response."""
-    fields = {"input": ASK, "tools": TOOLS, "tool_choice": "required", "store": False}
-    whole = _create(client, **fields, max_output_tokens=28)
+    """A named tool_choice cut by max_output_tokens (the chat path's forced parser): a function_call item
+    only, its arguments as far as they went, the same in the stream's final response."""
+    choice = {"type": "function", "name": "get_weather"}
+    fields = {"input": ASK, "tools": TOOLS, "tool_choice": choice, "store": False}
+    whole = _create(client, **fields, max_output_tokens=8)
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     calls = [(item.type, item.name, item.arguments) for item in whole.output]
-    assert calls and all(kind == "function_call" for kind, _, _ in calls), whole.output
-    body = {"model": MODEL_NAME, **fields, "temperature": 0, "max_output_tokens": 28}
+    assert len(calls) == 1 and calls[0][:2] == ("function_call", "get_weather"), whole.output
+    body = {"model": MODEL_NAME, **fields, "temperature": 0, "max_output_tokens": 8}
     final = _events(server, body)[-1]
     assert final["type"] == "response.incomplete"
     assert [(i["type"], i["name"], i["arguments"]) for i in final["response"]["output"]] == calls
