@@ -94,8 +94,6 @@ class EngineCore:
         executor.start()  # warm-up compiles; a multi-host executor then waits for its followers
         # The step dispatched but not yet applied (async scheduling): at most one.
         self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
-        # Between begin_step and finish_step: the step dispatched and the outputs applied so far.
-        self._begun: tuple[SchedulerOutput, StepFuture, list[EngineCoreOutput]] | None = None
         self._last_runner_output = None  # the last step applied: a draft model's drafts ride in it
         self.sleep_level = 0  # 1: the KV cache freed, 2: and the weights (sleep / wake_up)
 
@@ -131,12 +129,6 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule which requests get how many tokens, run them, and report what changed (with async
         scheduling, what changed in the previous step, which ran while this one was scheduled)."""
-        self.begin_step()
-        return self.finish_step()
-
-    def begin_step(self) -> None:
-        """Schedule a step and dispatch it, without waiting for the device (`step` is this, then
-        `finish_step`; a caller may do other host work in between)."""
         self.structured_output.wait_before_schedule()  # returns at once when no grammar compiles
         outputs = []
         if self._in_flight is not None and self.scheduler.needs_known_tokens():
@@ -149,12 +141,6 @@ class EngineCore:
         future = self.executor.execute_async(
             scheduler_output.scheduled, grammar_bitmask, scheduler_output.kv_connector_metadata
         )
-        self._begun = (scheduler_output, future, outputs)
-
-    def finish_step(self) -> list[EngineCoreOutput]:
-        """Apply what `begin_step` left to apply: the step before it (async scheduling) or itself."""
-        scheduler_output, future, outputs = self._begun
-        self._begun = None
         outputs += self._update_in_flight()
         self._in_flight = (scheduler_output, future)
         # Kept in flight only while the next step can use it: a request that failed while the step
