@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,8 +14,13 @@ import pytest
 from helpers.family_cases import make_hf_model, save_hf_model
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
+from xlaserve.core.kv_cache_manager import PrefixCacheStats
+from xlaserve.core.kv_connector import KVTransferStats
+from xlaserve.core.outputs import SchedulerStats
 from xlaserve.core.request import Request
+from xlaserve.engine.metrics import EngineMetrics
 from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs
+from xlaserve.entrypoints.serving.metrics import make_registry, render
 
 BLOCK = 8
 # 11 usable blocks of 8 tokens: three 40-token prompts (6 blocks each with their outputs) cannot all
@@ -175,3 +181,28 @@ def test_the_flag_reads_gib_and_refuses_what_is_not_a_number(capsys):
     assert "--kv-offloading-size" in capsys.readouterr().err
     with pytest.raises(ValueError, match="kv_offloading_size must be a number of GiB > 0, got -2.0"):
         EngineConfig.from_kwargs(**engine_kwargs(parser.parse_args(["--kv-offloading-size", "-2"])))
+
+
+def test_metrics_reach_prometheus_by_transfer_type():
+    metrics = EngineMetrics()
+    for _ in range(2):  # counters add up across snapshots
+        transfer = KVTransferStats(
+            num_queries=40, num_hits=32, bytes_saved=9216, bytes_loaded=4608, load_seconds=0.25
+        )
+        metrics.record_scheduler(SchedulerStats(0, 0, 0.0, 0, PrefixCacheStats(), kv_transfer_stats=transfer))
+    engine = SimpleNamespace(metrics=metrics, finish_reason_counts={})
+    text = render(make_registry(engine, "tiny")).decode()
+    assert 'xlaserve:external_prefix_cache_hits_total{model_name="tiny"} 64.0' in text
+    assert 'xlaserve:external_prefix_cache_queries_total{model_name="tiny"} 80.0' in text
+    series = 'xlaserve:kv_offload_total_bytes_total{model_name="tiny",transfer_type="%s"} %s'
+    assert series % ("host_to_device", "9216.0") in text
+    assert series % ("device_to_host", "18432.0") in text
+    assert (
+        'xlaserve:kv_offload_total_time_total{model_name="tiny",transfer_type="host_to_device"} 0.5' in text
+    )
+    assert (
+        "kv_offload"
+        not in render(
+            make_registry(SimpleNamespace(metrics=EngineMetrics(), finish_reason_counts={}), "m")
+        ).decode()
+    )
