@@ -183,8 +183,28 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         return kv_cache
 
 
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def make_kv_connector_worker(cache: CacheConfig, bytes_per_block: int, num_blocks: int) -> KVConnectorWorker:
-    """The worker's half of the configured connector: host offload, or the base class (off)."""
+    """The worker's half of the configured connector: host offload, or the base class (off). A host tier
+    larger than the memory available now is a ValueError naming the field, not an OOM kill mid-start."""
     if cache.kv_offloading_size is None:
         return KVConnectorWorker()
-    return OffloadingConnectorWorker(num_host_blocks(cache.kv_offloading_size, bytes_per_block), num_blocks)
+    num_host = num_host_blocks(cache.kv_offloading_size, bytes_per_block)
+    available = available_host_bytes()
+    if available is not None and num_host * bytes_per_block > available:
+        raise ValueError(
+            f"kv_offloading_size ({cache.kv_offloading_size} GiB) is more than the host memory available "
+            f"({available / 2**30:.1f} GiB); lower it"
+        )
+    return OffloadingConnectorWorker(num_host, num_blocks)

@@ -7,10 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.core.kv_connector import KVConnectorMetadata
+from xlaserve.config import CacheConfig
+from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker
 from xlaserve.kernels import KVCache
 from xlaserve.worker.compile_guard import CompileGuard
-from xlaserve.worker.kv_offload import TRANSFER_CHUNK_BLOCKS, OffloadingConnectorWorker
+from xlaserve.worker.kv_offload import (
+    TRANSFER_CHUNK_BLOCKS,
+    OffloadingConnectorWorker,
+    available_host_bytes,
+    make_kv_connector_worker,
+)
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 2, 40, 4, 2, 3
 
@@ -53,3 +59,17 @@ def test_blocks_round_trip_bit_for_bit_with_no_compile_after_warm_up(dtype):
     stats = worker.take_stats()
     assert stats.save_seconds > 0 and stats.load_seconds > 0
     assert worker.host_bytes == 24 * NUM_LAYERS * BLOCK_SIZE * HEADS * DIM * 2 * jnp.dtype(dtype).itemsize
+
+
+def test_a_tier_larger_than_the_host_memory_is_refused_naming_the_field():
+    available = available_host_bytes()
+    if available is None:
+        pytest.skip("no /proc/meminfo")
+    too_big = CacheConfig(kv_offloading_size=2 * available / 2**30)
+    with pytest.raises(ValueError, match=r"kv_offloading_size \(.* GiB\) is more than the host memory"):
+        make_kv_connector_worker(too_big, bytes_per_block=4608, num_blocks=12)
+    small = make_kv_connector_worker(
+        CacheConfig(kv_offloading_size=2**-20), bytes_per_block=256, num_blocks=12
+    )
+    assert small.num_host_blocks == 4
+    assert type(make_kv_connector_worker(CacheConfig(), 256, 12)) is KVConnectorWorker
