@@ -24,7 +24,7 @@ FLAGS = ["--runner", "pooling", "--served-model-name", NAME, "--max-model-len", 
 
 
 @pytest.fixture(scope="module")
-def encoder_server(tmp_path_factory):
+def encoder_server(tmp_path_factory, server_cache_dir):
     model, tokenizer, path = make_encoder(
         tmp_path_factory,
         "bert_ce_server",
@@ -40,7 +40,7 @@ def encoder_server(tmp_path_factory):
         json.dump({**config, "id2label": {"0": "relevant"}, "label2id": {"relevant": 0}}, f)
     proc = ServerProcess(
         str(tmp_path_factory.mktemp("encoder-logs")),
-        str(tmp_path_factory.mktemp("encoder-cache")),
+        server_cache_dir,
         extra_args=FLAGS,
         model=path,
     )

@@ -27,12 +27,12 @@ FLAGS = ["--runner", "pooling", "--served-model-name", NAME, "--max-model-len", 
 
 
 @pytest.fixture(scope="module")
-def pooling_server(tmp_path_factory):
+def pooling_server(tmp_path_factory, server_cache_dir):
     model = make_hf_model("LlamaForCausalLM", seed=3)
     path = save_hf_model(model, tmp_path_factory.mktemp("pooling_model"))
     proc = ServerProcess(
         str(tmp_path_factory.mktemp("pooling-logs")),
-        str(tmp_path_factory.mktemp("pooling-cache")),
+        server_cache_dir,
         extra_args=FLAGS,
         model=path,
     )

@@ -1,0 +1,194 @@
+"""Tensor parallelism across two processes (jax.distributed over loopback, 4 fake CPU devices each):
+`xlaserve generate` and `xlaserve serve` with TP 8 over 2 x 4 devices answer as one process on one
+device does, and a follower whose step diverges stops the engine with a clear error.
+
+These cases start their own processes, not the session's fake-mesh worker (helpers/tp_run.py): apart
+from test_sharding.py they are scheduled beside it on the other xdist worker (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _generated_text(stdout: str) -> str:
+    # gloo's C++ logging shares stdout; the generated text is the last other line.
+    return [line for line in stdout.splitlines() if not line.startswith("[Gloo]")][-1]
+
+
+CLI = [sys.executable, "-m", "xlaserve.entrypoints.cli", "--log-level", "WARNING"]
+
+
+def _generate_args(model: str) -> list[str]:
+    return [
+        "generate",
+        "The capital of France is",
+        "--model",
+        model,
+        "--raw",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        "--max-model-len",
+        "128",
+        "--max-num-batched-tokens",
+        "32",
+        "--max-num-seqs",
+        "4",
+        "--kv-cache-memory",
+        str(2**23),
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_process_text(tiny_llama_2kv) -> str:
+    """What `xlaserve generate` writes in one process on one device: both two-process cases' reference."""
+    single = subprocess.run(
+        CLI + _generate_args(tiny_llama_2kv),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, XLA_FLAGS=""),
+        check=False,
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    return _generated_text(single.stdout)
+
+
+@pytest.mark.slow
+def test_two_processes_tensor_parallel_8_match_one_process(tiny_llama_2kv, one_process_text):
+    args = _generate_args(tiny_llama_2kv)
+    port = _free_port()
+    multi = ["-tp", "8", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    follower = subprocess.Popen(
+        CLI + args + multi + ["--node-rank", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    leader = subprocess.run(
+        CLI + args + multi + ["--node-rank", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    _, follower_err = follower.communicate(timeout=120)
+    assert leader.returncode == 0, leader.stderr[-3000:]
+    assert follower.returncode == 0, follower_err[-3000:]  # released cleanly by process 0
+    assert _generated_text(leader.stdout) == one_process_text
+    assert _generated_text(leader.stdout).strip()
+
+
+def test_divergent_follower_stops_the_engine_with_a_clear_error():
+    import threading
+
+    from xlaserve.executor.multihost import StepReceiver, StepSender
+    from xlaserve.worker.input_batch import StepInputs, build_step_batch, sampling_tensors
+
+    port = _free_port()
+    received = []
+
+    def follower():
+        receiver = StepReceiver("127.0.0.1", port, node_rank=1)
+        while (inputs := receiver.recv()) is not None:
+            received.append(inputs)
+            receiver.report(np.array([7, 7], np.int32))  # not what process 0 sampled
+        receiver.close()
+
+    thread = threading.Thread(target=follower)
+    thread.start()
+    sender = StepSender("127.0.0.1", port, num_followers=1, timeout_s=30)
+    inputs = StepInputs(build_step_batch([], 16, 16, 4, 16), sampling_tensors([], 16, 32, False), False, None)
+    sender.send(inputs)
+    with pytest.raises(RuntimeError, match="divergence at step 0: process 1"):
+        sender.check(np.array([1, 2], np.int32))
+    sender.close()
+    thread.join(timeout=30)
+    assert len(received) == 1 and received[0].batch.input_ids.shape == (16,)
+
+
+@pytest.mark.slow
+def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text, tmp_path):
+    """`xlaserve serve` across two processes (TP 8 over 2 x 4 devices): the OpenAI API answers from
+    process 0 as one process would, and SIGTERM on process 0 releases process 1."""
+    import openai
+
+    from helpers.server_harness import ServerProcess
+
+    port = _free_port()
+    multi = ["-tp", "8", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    # The smallest buckets that hold the one request (its warm-up, in both processes, compiles every
+    # program: token buckets 1, 4, 16 and request bucket 1, 10 programs instead of 32 and 4's 16).
+    engine = [
+        "--max-model-len",
+        "128",
+        "--max-num-batched-tokens",
+        "16",
+        "--max-num-seqs",
+        "1",
+        "--dtype",
+        "float32",
+    ]
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    follower = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "xlaserve.entrypoints.cli",
+            "serve",
+            tiny_llama_2kv,
+            *engine,
+            *multi,
+            "--node-rank",
+            "1",
+            "--kv-cache-memory",
+            str(2**23),
+        ],
+        env=dict(os.environ, **env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    leader = ServerProcess(
+        str(tmp_path),
+        str(tmp_path / "cache"),
+        [*engine, *multi, "--node-rank", "0"],
+        model=tiny_llama_2kv,
+        env=env,
+    )
+    try:
+        leader.wait_ready()
+        client = openai.OpenAI(base_url=leader.url + "/v1", api_key="unused")
+        served = (
+            client.completions.create(
+                model=tiny_llama_2kv, prompt="The capital of France is", max_tokens=8, temperature=0
+            )
+            .choices[0]
+            .text
+        )
+    finally:
+        code = leader.stop()
+    _, follower_err = follower.communicate(timeout=120)
+    assert code == 0, leader.log_tail()
+    assert follower.returncode == 0, follower_err[-3000:]
+    assert served.strip() and served == one_process_text
