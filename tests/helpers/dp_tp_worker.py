@@ -4,8 +4,9 @@ ids, the requests running in the middle of a stream (summed over the ranks), whe
 every KV block back, and the steps each rank ran."""
 
 
-def main(model_dir: str, layouts: list[dict]) -> list:
-    from xlaserve import LLM, SamplingParams
+def main(model_dir: str, layouts: list[dict], small_llm) -> list:
+    """`small_llm`: tp_worker.py's engine factory."""
+    from xlaserve import SamplingParams
 
     prompts = [
         "The capital of France is",
@@ -23,16 +24,7 @@ def main(model_dir: str, layouts: list[dict]) -> list:
     params = [greedy, penalized, children, greedy, greedy, penalized]
     results = []
     for layout in layouts:
-        llm = LLM(
-            model_dir,
-            dtype="float32",
-            max_model_len=128,
-            max_num_batched_tokens=16,  # buckets 1, 4, 16: few compiles
-            max_num_seqs=4,
-            kv_cache_memory=2**23,
-            enforce_eager=True,  # compile only the buckets this short run uses
-            **layout,
-        )
+        llm = small_llm(model_dir, layout, max_num_batched_tokens=16)  # buckets 1, 4, 16
         core = llm.engine_core
         ranks = getattr(core, "ranks", [core])
         outs = llm.generate(prompts, params, use_tqdm=False)

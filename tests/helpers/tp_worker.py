@@ -210,25 +210,31 @@ def fused_shards(model_dir: str, layouts: list[dict]) -> list:
     return results
 
 
+def small_llm(model_dir: str, layout: dict, **overrides):
+    """The cases' engine on `layout`: float32, short sequences, few buckets, compiled only as used."""
+    from xlaserve import LLM
+
+    args = {
+        "dtype": "float32",
+        "max_model_len": 128,
+        "max_num_batched_tokens": 32,
+        "max_num_seqs": 4,
+        "kv_cache_memory": 2**23,
+        "enforce_eager": True,  # compile only the buckets the case's short run uses
+    }
+    return LLM(model_dir, **{**args, **overrides, **layout})
+
+
 def generate_ids(model_dir: str, arg: dict) -> list:
     """Generate from token-id prompts under each layout, once per sampling-parameter set: the tokens,
     every (id, logprob) of the sampled logprobs, and every id of the prompt logprobs.
     arg: {"layouts", "prompts", "params": [SamplingParams kwargs, ...]}."""
-    from xlaserve import LLM, SamplingParams
+    from xlaserve import SamplingParams
 
     prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
     results = []
     for layout in arg["layouts"]:
-        llm = LLM(
-            model_dir,
-            dtype="float32",
-            max_model_len=128,
-            max_num_batched_tokens=32,
-            max_num_seqs=4,
-            kv_cache_memory=2**23,
-            enforce_eager=True,
-            **layout,
-        )
+        llm = small_llm(model_dir, layout)
         runs = []
         for kwargs in arg["params"]:
             params = SamplingParams(**kwargs)
@@ -258,7 +264,7 @@ def speculative(model_dir: str, arg: dict) -> list:
     """Greedy tokens from token-id prompts under each layout (a layout may carry a speculative_config;
     a draft "model" of "self" is the target itself), with the speculative counters.
     arg: {"layouts", "prompts", "max_tokens"}."""
-    from xlaserve import LLM, SamplingParams
+    from xlaserve import SamplingParams
 
     prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
     params = SamplingParams(temperature=0.0, max_tokens=arg["max_tokens"], ignore_eos=True)
@@ -267,16 +273,7 @@ def speculative(model_dir: str, arg: dict) -> list:
         spec = layout.get("speculative_config")
         if spec is not None and spec.get("model") == "self":
             layout = {**layout, "speculative_config": {**spec, "model": model_dir}}
-        llm = LLM(
-            model_dir,
-            dtype="float32",
-            max_model_len=128,
-            max_num_batched_tokens=16,
-            max_num_seqs=4,
-            kv_cache_memory=2**22,
-            enforce_eager=True,  # compile only what this short run uses
-            **layout,
-        )
+        llm = small_llm(model_dir, layout, max_num_batched_tokens=16, kv_cache_memory=2**22)
         outs = llm.generate(prompts, params, use_tqdm=False)
         metrics = {
             m.name.removeprefix("xlaserve:spec_decode_"): m.value
@@ -297,22 +294,13 @@ def speculative(model_dir: str, arg: dict) -> list:
 
 def generate(model_dir: str, layouts: list[dict]) -> list:
     """Greedy tokens and top logprobs of four text prompts under each layout."""
-    from xlaserve import LLM, SamplingParams
+    from xlaserve import SamplingParams
 
     prompts = ["The capital of France is", "def f(x):", "One two three four five six seven", "Hi"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
     results = []
     for layout in layouts:
-        llm = LLM(
-            model_dir,
-            dtype="float32",
-            max_model_len=128,
-            max_num_batched_tokens=32,
-            max_num_seqs=4,
-            kv_cache_memory=2**23,
-            enforce_eager=True,  # compile only the buckets this short run uses
-            **layout,
-        )
+        llm = small_llm(model_dir, layout)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append(
             {
@@ -411,7 +399,7 @@ def data_parallel(model_dir: str, layouts: list[dict]) -> list:
     """See helpers/dp_tp_worker.py."""
     from dp_tp_worker import main as dp_main  # beside this file, on sys.path as the script's folder
 
-    return dp_main(model_dir, layouts)
+    return dp_main(model_dir, layouts, small_llm)
 
 
 MODES = {
