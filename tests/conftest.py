@@ -86,11 +86,16 @@ def _module(item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-def _module_groups(items) -> dict[str, str | None]:
-    """module path -> the shared-fixture group it joins (None: its own)."""
+def _module_fixtures(items) -> dict[str, set[str]]:
+    """module path -> every fixture its tests use."""
     fixtures: dict[str, set[str]] = {}
     for item in items:
         fixtures.setdefault(_module(item), set()).update(item.fixturenames)
+    return fixtures
+
+
+def _module_groups(fixtures: dict[str, set[str]]) -> dict[str, str | None]:
+    """module path -> the shared-fixture group it joins (None: its own)."""
     return {
         module: next((g for g, names in SHARED_FIXTURE_GROUPS.items() if names & used), None)
         for module, used in fixtures.items()
@@ -101,10 +106,21 @@ def _module_groups(items) -> dict[str, str | None]:
 def pytest_collection_modifyitems(config, items):
     if not getattr(config.option, "loadgroup", False):
         return  # one process, or xdist's other schedules: nothing to group
-    groups = _module_groups(items)
+    fixtures = _module_fixtures(items)
+    groups = _module_groups(fixtures)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[_module(item)] or _module(item)))
     # Workers take groups in collection order: the shared-fixture groups (the longest) first, so
-    # that the short modules fill in beside them at the end.
+    # that the short modules fill in beside them at the end. Within the SmolLM2 group, the modules
+    # that do not build `llm` go first: the session server (started at the same moment on the other
+    # worker) compiles the same 24 programs into the suite's shared program store meanwhile, and
+    # `llm` then loads them (~4 s) instead of compiling them a second time.
     order = list(SHARED_FIXTURE_GROUPS)
-    items.sort(key=lambda item: order.index(g) if (g := groups[_module(item)]) else len(order))
+
+    def position(item) -> tuple[int, int]:
+        group = groups[_module(item)]
+        if group is None:
+            return len(order), 0
+        return order.index(group), int(group == "smollm2" and "llm" in fixtures[_module(item)])
+
+    items.sort(key=position)
