@@ -15,7 +15,7 @@ import torch
 
 from helpers.encoder_cases import make_encoder
 from helpers.family_cases import one_torch_thread  # noqa: F401 (autouse: HF on one thread)
-from helpers.server_harness import ServerProcess
+from helpers.server_harness import running_server
 
 TOL = 1e-4
 NAME = "tiny-cross-encoder"
@@ -38,17 +38,10 @@ def encoder_server(tmp_path_factory, server_cache_dir):
         config = json.load(f)
     with open(config_path, "w") as f:
         json.dump({**config, "id2label": {"0": "relevant"}, "label2id": {"relevant": 0}}, f)
-    proc = ServerProcess(
-        str(tmp_path_factory.mktemp("encoder-logs")),
-        server_cache_dir,
-        extra_args=FLAGS,
-        model=path,
-    )
-    proc.wait_ready()
-    with httpx.Client(base_url=proc.url, timeout=120) as client:
-        yield client, model, tokenizer
-    code = proc.stop()
-    assert code == 0, f"exit code {code} on SIGTERM:\n{proc.log_tail()}"
+    logs = str(tmp_path_factory.mktemp("encoder-logs"))
+    with running_server(logs, server_cache_dir, extra_args=FLAGS, model=path) as proc:
+        with httpx.Client(base_url=proc.url, timeout=120) as client:
+            yield client, model, tokenizer
 
 
 def _hf_score(model, tokenizer, query: str, document: str) -> float:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers.family_cases import make_hf_model, one_torch_thread, save_hf_model, word_tokenizer  # noqa: F401
-from helpers.server_harness import ServerProcess
+from helpers.server_harness import running_server
 
 TOL = 1e-4
 NAME = "tiny-embed"
@@ -30,16 +30,9 @@ FLAGS = ["--runner", "pooling", "--served-model-name", NAME, "--max-model-len", 
 def pooling_server(tmp_path_factory, server_cache_dir):
     model = make_hf_model("LlamaForCausalLM", seed=3)
     path = save_hf_model(model, tmp_path_factory.mktemp("pooling_model"))
-    proc = ServerProcess(
-        str(tmp_path_factory.mktemp("pooling-logs")),
-        server_cache_dir,
-        extra_args=FLAGS,
-        model=path,
-    )
-    proc.wait_ready()
-    yield proc, model
-    code = proc.stop()
-    assert code == 0, f"exit code {code} on SIGTERM:\n{proc.log_tail()}"
+    logs = str(tmp_path_factory.mktemp("pooling-logs"))
+    with running_server(logs, server_cache_dir, extra_args=FLAGS, model=path) as proc:
+        yield proc, model
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ one starts faster than the first.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -156,6 +157,16 @@ def pid_alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, just not yet reaped
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@contextlib.contextmanager
+def running_server(log_dir: str, cache_dir: str, **kwargs):
+    """A started ServerProcess (kwargs as its own); on exit SIGTERM must stop it with code 0."""
+    proc = ServerProcess(log_dir, cache_dir, **kwargs)
+    proc.wait_ready()
+    yield proc
+    code = proc.stop()
+    assert code == 0, f"exit code {code} on SIGTERM:\n{proc.log_tail()}"
 
 
 @pytest.fixture(scope="session")
