@@ -19,10 +19,7 @@ from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
 from xlaserve.core.spec_decode import make_proposer
 from xlaserve.engine.structured_output import StructuredOutputManager
-from xlaserve.executor import Executor
-from xlaserve.worker.kv_cache import fit_max_model_len
-from xlaserve.worker.model_runner import ModelRunner
-from xlaserve.worker.step_future import StepFuture
+from xlaserve.executor import Executor, StepFuture
 
 logger = logging.getLogger(__name__)
 
@@ -38,33 +35,26 @@ class EngineCore:
         executor: Executor,
         structured_output: StructuredOutputManager | None = None,
     ):
-        """`executor` holds the model (xlaserve.executor.make_executor): the core asks it for the
-        KV cache's size and hands it each step."""
+        """`executor` holds the model (xlaserve.executor.make_executor) and is the core's only door to
+        the devices: the core asks it for the KV cache's size, the limits and checks that depend on the
+        model, and hands it each step."""
         self.config = config
         self.executor = executor
         # Without a manager (no tokenizer) a constrained request is refused, never run unconstrained.
         self.structured_output = structured_output or StructuredOutputManager()
         # Only now is the cache's size known: a context it cannot hold is an error (or, when the user
         # left max_model_len to the model, lowered) here, at start, not a rejection of every request.
-        max_model_len = fit_max_model_len(
-            executor.max_model_len,
-            executor.num_kv_blocks - 1,  # the null block holds no request's tokens
-            config.cache.block_size,
-            is_user_set=config.model.max_model_len is not None,
-        )
-        if max_model_len != executor.max_model_len:
-            executor.set_max_model_len(max_model_len)
+        max_model_len = executor.fit_max_model_len(is_user_set=config.model.max_model_len is not None)
         self.max_model_len = max_model_len
-        # A pooling model that reads every prompt token (MEAN/CLS/ALL, an encoder) caches no prefix, and
-        # an encoder's prompt runs whole in one step (worker/pooler.py).
-        pooler = executor.runner.pooler
         # K/V kept outside the device cache (host offload: core/kv_offload.py), or the base class (none);
         # it hears of every block the prefix cache evicts.
-        self.kv_connector = make_kv_connector_scheduler(config.cache, executor.runner.kv_bytes_per_block())
+        self.kv_connector = make_kv_connector_scheduler(config.cache, executor.kv_bytes_per_block)
+        # A pooling model that reads every prompt token (MEAN/CLS/ALL, an encoder) caches no prefix, and
+        # an encoder's prompt runs whole in one step (worker/pooler.py).
         self.kv_cache_manager = KVCacheManager(
             config.cache.block_size,
             executor.num_kv_blocks,
-            config.cache.enable_prefix_caching and (pooler is None or pooler.is_prefix_cacheable),
+            config.cache.enable_prefix_caching and executor.is_prefix_cacheable,
             max_model_len,
             on_evict=self.kv_connector.on_block_evicted,
         )
@@ -83,7 +73,7 @@ class EngineCore:
             # slots for them are allocated ahead when free (worker/draft_model.py).
             num_lookahead_tokens=executor.num_lookahead_tokens,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
-            enable_chunked_prefill=pooler is None or not pooler.is_encoder,
+            enable_chunked_prefill=not executor.is_encoder,
             kv_connector=self.kv_connector,
         )
         # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
@@ -98,7 +88,9 @@ class EngineCore:
         self.sleep_level = 0  # 1: the KV cache freed, 2: and the weights (sleep / wake_up)
 
     @property
-    def runner(self) -> ModelRunner:
+    def runner(self):
+        """The executor's model runner, for tests and benchmarks that inspect it (compile counts, the
+        programs, timings); the core itself never calls it."""
         return self.executor.runner
 
     def add_request(self, request: Request) -> None:
@@ -113,9 +105,7 @@ class EngineCore:
 
     def check_lora(self, lora_request) -> None:
         """ValueError (naming the adapter and the field) unless LoRA is on and the adapter is servable."""
-        if self.runner.lora is None:
-            raise ValueError("lora_request: LoRA is not enabled (start the engine with enable_lora=True)")
-        self.runner.lora.check(lora_request)
+        self.executor.check_lora(lora_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -214,14 +214,15 @@ def _build_engine_core(config: EngineConfig):
         eos_token_id=info.eos_token_id,
         block_size=config.cache.block_size,
         num_usable_blocks=core.kv_cache_manager.num_usable_blocks,
-        weight_bytes=core.runner.weight_bytes,
-        num_kv_blocks=core.runner.num_blocks,
+        weight_bytes=core.executor.weight_bytes,
+        num_kv_blocks=core.executor.num_kv_blocks,
         pooling_task=info.pooling_task,
         hidden_size=info.hidden_size,
         id2label=list(info.id2label),
     )
-    if core.runner.lora is not None:
-        lora = core.runner.lora
-        ready.lora_layout = {s: {m: list(shape) for m, shape in ms.items()} for s, ms in lora.layout.items()}
-        ready.lora_layer_stacks = {s: [r.start, r.stop] for s, r in lora.layer_stacks.items()}
+    lora_slots = core.executor.lora_slots()
+    if lora_slots is not None:
+        layout, layer_stacks = lora_slots
+        ready.lora_layout = {s: {m: list(shape) for m, shape in ms.items()} for s, ms in layout.items()}
+        ready.lora_layer_stacks = {s: [r.start, r.stop] for s, r in layer_stacks.items()}
     return core, ready

@@ -56,6 +56,11 @@ class DataParallelEngineCore:
         return self.ranks[0].kv_cache_manager
 
     @property
+    def executor(self):
+        """Rank 0's executor: what the ranks' (equal) executors report (weights, blocks, LoRA slots)."""
+        return self.ranks[0].executor
+
+    @property
     def runner(self):
         return self.ranks[0].runner
 

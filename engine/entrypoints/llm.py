@@ -96,7 +96,8 @@ class LLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
-        self.metrics.record_engine(self.engine_core.runner.weight_bytes, self.engine_core.runner.num_blocks)
+        executor = self.engine_core.executor
+        self.metrics.record_engine(executor.weight_bytes, executor.num_kv_blocks)
         self._request_counter = itertools.count()
 
     def shutdown(self) -> None:

@@ -10,6 +10,7 @@ from xlaserve.config import EngineConfig
 from xlaserve.executor.executor import Executor
 from xlaserve.executor.multihost import MultiHostExecutor, follow
 from xlaserve.worker.loading import LoadedCheckpoint, ModelInfo
+from xlaserve.worker.step_future import StepFuture
 
 
 def executor_class(config: EngineConfig) -> type[Executor]:
@@ -50,6 +51,7 @@ __all__ = [
     "LoadedCheckpoint",
     "ModelInfo",
     "MultiHostExecutor",
+    "StepFuture",
     "device_groups",
     "executor_class",
     "follow",

@@ -12,18 +12,26 @@ import numpy as np
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
+from xlaserve.lora_request import LoRARequest
 from xlaserve.worker import weight_update
+from xlaserve.worker.kv_cache import fit_max_model_len
 from xlaserve.worker.loading import LoadedCheckpoint, load_for_engine
 from xlaserve.worker.model_runner import ModelRunner
 from xlaserve.worker.step_future import StepFuture
 
 
 class Executor:
-    """One process drives every device of the engine: a step goes straight to its model runner."""
+    """One process drives every device of the engine: a step goes straight to its model runner.
+
+    Everything the engine core asks of the devices is a method or property here (capacities, limits,
+    LoRA checks, what the pooler allows, steps, the research stack): the core never sees a runner, so
+    an executor that runs the model differently (pipeline stages) fits behind the same interface."""
+
+    runner_class = ModelRunner
 
     def __init__(self, config: EngineConfig, checkpoint: LoadedCheckpoint, devices=None):
         self.config = config
-        self.runner = ModelRunner(
+        self.runner = self.runner_class(
             config,
             checkpoint.hf_config,
             checkpoint.tensors,
@@ -56,6 +64,56 @@ class Executor:
     def set_max_model_len(self, max_model_len: int) -> None:
         """Lower the context to what the KV cache holds (the engine core decides)."""
         self.runner.set_max_model_len(max_model_len)
+
+    def fit_max_model_len(self, *, is_user_set: bool) -> int:
+        """The context the KV cache can serve (worker/kv_cache.fit_max_model_len: a user's length it
+        cannot hold is a ValueError naming both numbers; the model's own is lowered), applied here."""
+        max_model_len = fit_max_model_len(
+            self.max_model_len,
+            self.num_kv_blocks - 1,  # the null block holds no request's tokens
+            self.config.cache.block_size,
+            is_user_set=is_user_set,
+        )
+        if max_model_len != self.max_model_len:
+            self.set_max_model_len(max_model_len)
+        return max_model_len
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Device bytes of one block id across every layer (sizes a KV connector's host tier)."""
+        return self.runner.kv_bytes_per_block()
+
+    @property
+    def weight_bytes(self) -> int:
+        """The weights' bytes on the devices (the /metrics gauge xlaserve:model_weight_bytes)."""
+        return self.runner.weight_bytes
+
+    # -- what a pooling model allows (worker/pooler.py); a generate model has no pooler -----------
+
+    @property
+    def is_prefix_cacheable(self) -> bool:
+        """False for a pooler that reads every prompt token's hidden state (MEAN/CLS/ALL, encoders)."""
+        pooler = self.runner.pooler
+        return pooler is None or pooler.is_prefix_cacheable
+
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder's prompt runs whole in one step (no chunked prefill)."""
+        return self.runner.pooler is not None and self.runner.pooler.is_encoder
+
+    # -- LoRA (worker/lora_manager.py) ---------------------------------------------------------------
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError (naming the adapter and the field) unless LoRA is on and the adapter is servable."""
+        if self.runner.lora is None:
+            raise ValueError("lora_request: LoRA is not enabled (start the engine with enable_lora=True)")
+        self.runner.lora.check(lora_request)
+
+    def lora_slots(self) -> tuple[dict, dict] | None:
+        """(the slots' layout {stack: {module: shape}}, {stack: range of HF layers}) with LoRA on, for
+        the front end to refuse an adapter the model cannot take; None with LoRA off."""
+        lora = self.runner.lora
+        return None if lora is None else (lora.layout, lora.layer_stacks)
 
     def start(self) -> None:
         """Compile every step program (unless enforce_eager), before the first request."""
