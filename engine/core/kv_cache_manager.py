@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from xlaserve.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from xlaserve.core.kv_cache_coordinator import KVCacheCoordinator
+from xlaserve.core.kv_cache_spec import (
+    KVCacheGroup,
+    context_blocks,
+    full_attention_groups,
+    prefix_caching_off_reason,
+)
 from xlaserve.core.limits import cdiv
 from xlaserve.core.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,20 +60,45 @@ class KVCacheManager:
         enable_caching: bool = True,
         max_model_len: int = 2048,
         on_evict: Callable[[bytes, int], None] | None = None,
+        kv_cache_groups: Sequence[KVCacheGroup] | None = None,
     ):
-        """`on_evict`: BlockPool's eviction listener (a KV connector's `on_block_evicted`)."""
+        """`on_evict`: BlockPool's eviction listener (a KV connector's `on_block_evicted`).
+        `kv_cache_groups`: the model's layer groups (core/kv_cache_spec.py); None: one full-attention
+        group. A group that keeps a state turns prefix caching off (logged)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        groups = tuple(kv_cache_groups or full_attention_groups(block_size, 1))
+        for group in groups:
+            if group.spec.block_size != block_size:
+                raise ValueError(
+                    f"kv_cache_groups: a group's block_size ({group.spec.block_size}) must equal "
+                    f"block_size ({block_size})"
+                )
+        off_reason = prefix_caching_off_reason(groups)
+        if enable_caching and off_reason is not None:
+            logger.info("%s", off_reason)
+            enable_caching = False
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
+        self.coordinator = KVCacheCoordinator(groups, self.block_pool)
+        self.kv_cache_groups = groups
+        # Blocks of block_size tokens one request's context may span (a state-only model: any length).
+        self.num_context_blocks = context_blocks(groups, self.num_usable_blocks, max_model_len)
         self.prefix_cache_stats = PrefixCacheStats()
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request are already in the prefix-cache index.
-        self.num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """The first group's blocks per request (a one-group model's only ones)."""
+        return self.coordinator.managers[0].req_to_blocks
+
+    @property
+    def num_cached_blocks(self) -> dict[str, int]:
+        """How many leading blocks of each request (first group) are in the prefix-cache index."""
+        return self.coordinator.managers[0].num_cached_blocks
 
     @property
     def usage(self) -> float:
@@ -92,18 +127,13 @@ class KVCacheManager:
         logprobs skip the cache: those need logits for every prompt token.
         """
         if not self.enable_caching or skips_prefix_cache(request):
-            return [], 0
+            return self._from_groups(tuple([] for _ in self.kv_cache_groups)), 0
         self._update_block_hashes(request)
-        max_num_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hit_blocks = []
-        for block_hash in request.block_hashes[:max_num_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hit_blocks.append(block)
-        num_hit_tokens = len(hit_blocks) * self.block_size
+        max_num_hit_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        hits = self.coordinator.find_longest_cache_hit(request.block_hashes, max_num_hit_blocks)
+        num_hit_tokens = len(hits[0]) * self.block_size
         self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
-        return hit_blocks, num_hit_tokens
+        return self._from_groups(hits), num_hit_tokens
 
     def allocate_slots(
         self,
@@ -127,8 +157,8 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        hits = self._to_groups(new_computed_blocks)
+        num_computed_tokens = request.num_computed_tokens + len(hits[0]) * self.block_size
         num_total_tokens = num_computed_tokens + num_new_tokens
         num_slots = num_total_tokens + num_lookahead_tokens
         if num_slots > self.max_blocks_per_seq * self.block_size:
@@ -136,26 +166,18 @@ class KVCacheManager:
                 f"request {request.request_id!r} needs {num_slots} token slots, "
                 f"more than max_model_len ({self.max_model_len}) allows"
             )
-        num_new_blocks = self.blocks_needed(num_slots) - len(blocks) - len(new_computed_blocks)
-        # A hit on a free block takes it off the free queue, so it counts against the free blocks.
-        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if max(num_new_blocks, 0) + num_evictable_hits > self.num_free_blocks:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        coordinator = self.coordinator
+        # A sliding window's blocks that no query reads again go back first: they count as free below.
+        coordinator.remove_dead_blocks(request.request_id, request.num_computed_tokens)
+        if coordinator.num_blocks_to_allocate(request.request_id, num_slots, hits) > self.num_free_blocks:
             return None
-
-        self.block_pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        blocks.extend(new_blocks)
+        new_blocks = coordinator.allocate(request.request_id, num_slots, hits)
 
         if self.enable_caching:
-            num_cached = max(self.num_cached_blocks.get(request.request_id, 0), len(new_computed_blocks))
             num_full_blocks = min(num_total_tokens, request.num_tokens) // self.block_size
             self._update_block_hashes(request)
-            self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full_blocks)
-            self.num_cached_blocks[request.request_id] = max(num_cached, num_full_blocks)
-        return new_blocks
+            coordinator.cache_blocks(request.request_id, request.block_hashes, len(hits[0]), num_full_blocks)
+        return self._from_groups(new_blocks)
 
     def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
         """Release the request's blocks, tail first so a sequence's tail is evicted before its head.
@@ -164,19 +186,35 @@ class KVCacheManager:
         (preempted in the same step), only that many tokens' blocks hold real K/V; blocks past
         them leave the prefix-cache index so nobody hits unwritten slots.
         """
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        if num_valid_tokens is not None:
-            self.block_pool.uncache_blocks(blocks[num_valid_tokens // self.block_size :])
-        self.block_pool.free_blocks(reversed(blocks))
+        self.coordinator.free(request.request_id, num_valid_tokens)
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's blocks, in token order."""
         return self.req_to_blocks.get(request_id, [])
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table: block ids in token order."""
-        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+        """The request's block table: block ids in token order (the first group's; the step carries
+        one table until per-group tables reach the runner)."""
+        return self.coordinator.managers[0].block_ids(request_id)
+
+    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table in every group, in `kv_cache_groups` order."""
+        return tuple(manager.block_ids(request_id) for manager in self.coordinator.managers)
+
+    def _to_groups(self, blocks) -> tuple[Sequence[KVCacheBlock], ...]:
+        if isinstance(blocks, GroupedBlocks):
+            return blocks.groups
+        if len(self.kv_cache_groups) == 1:
+            return (blocks,)
+        if blocks:
+            raise ValueError(
+                "new_computed_blocks of a model with several KV cache groups must be GroupedBlocks"
+            )
+        return tuple(() for _ in self.kv_cache_groups)
+
+    def _from_groups(self, groups: tuple[list[KVCacheBlock], ...]):
+        """One group: its list, as the scheduler has always received it; several: `GroupedBlocks`."""
+        return groups[0] if len(groups) == 1 else GroupedBlocks(groups)
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Snapshot the prefix-cache stats and start counting afresh."""
@@ -203,6 +241,20 @@ class KVCacheManager:
             block_hashes.append(
                 hash_block_tokens(parent_hash, tokens[start : start + self.block_size], extra_keys)
             )
+
+
+class GroupedBlocks:
+    """Blocks of every group (a model with several): `len()` counts the first group's, which is the
+    hit length in blocks the scheduler reads (every cacheable group hits the same prefix)."""
+
+    def __init__(self, groups: tuple[list[KVCacheBlock], ...]):
+        self.groups = groups
+
+    def __len__(self) -> int:
+        return len(self.groups[0])
+
+    def __repr__(self) -> str:
+        return f"GroupedBlocks({self.groups!r})"
 
 
 def skips_prefix_cache(request: Request) -> bool:

@@ -84,8 +84,9 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
+        # A state-only model's request holds one slot whatever its length: num_context_blocks says so.
         self.limits = RequestLimits(
-            max_model_len, kv_cache_manager.block_size, kv_cache_manager.num_usable_blocks
+            max_model_len, kv_cache_manager.block_size, kv_cache_manager.num_context_blocks
         )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # in admission order (core/policy.py)

@@ -1,0 +1,114 @@
+"""What each kind of layer keeps per request, as the host's block bookkeeping sees it (no jax).
+
+A model's layers fall into groups; the layers of a group share one block table, so the host tracks
+blocks per group, not per layer. Each group has a spec saying how many blocks a request of n tokens
+holds and whether those blocks can serve another request with the same prefix (vLLM's
+`KVCacheSpec`; here `CacheGroupSpec`, apart from the device-side `kernels.KVCacheSpec`). All groups
+draw their blocks from one `BlockPool`: a block id indexes the cache arrays of whichever group holds it.
+
+- `FullAttentionSpec`: every token's K/V, a block per `block_size` tokens (MLA's latent cache is
+  this kind too: its arrays differ, its bookkeeping does not).
+- `SlidingWindowSpec`: as full attention, but a query sees only the last `sliding_window` keys, so
+  blocks that fell out of the window are returned to the pool while the request runs.
+- `StateSpec`: a linear-attention or SSM layer (Mamba2's conv state and SSM state): a fixed-size
+  state per request, whatever its length. One block (the request's state slot) for the request's
+  whole life, overwritten in place by each step, freed with the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xlaserve.core.limits import cdiv
+
+
+@dataclass(frozen=True)
+class CacheGroupSpec:
+    """The bookkeeping every kind shares: a block per `block_size` tokens, cacheable by prefix."""
+
+    block_size: int  # tokens per block (the engine's, for every group)
+
+    # Blocks hold the K/V of the tokens they cover, so equal prefixes mean equal blocks.
+    is_prefix_cacheable = True
+    holds_state = False
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def num_blocks(self, num_tokens: int) -> int:
+        """Blocks a request with `num_tokens` token slots holds."""
+        return cdiv(num_tokens, self.block_size)
+
+    def num_dead_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks no future query reads: none, with full attention."""
+        return 0
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(CacheGroupSpec):
+    """Every token's K/V (or MLA's latent) stays readable for the request's life."""
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(CacheGroupSpec):
+    sliding_window: int = 0  # keys a query sees, itself included
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def num_dead_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks whose every key lies before the window of the next query (position
+        `num_computed_tokens`, which sees keys from num_computed_tokens - sliding_window + 1 on);
+        later queries see even less, so these blocks are never read again."""
+        first_visible = max(num_computed_tokens - self.sliding_window + 1, 0)
+        return first_visible // self.block_size
+
+
+@dataclass(frozen=True)
+class StateSpec(CacheGroupSpec):
+    """A recurrent state per request. `block_size` is still the engine's: the block table the runner
+    receives repeats the request's one slot once per block_size tokens, so the step's arrays keep the
+    shape they have for attention and a state layer reads the slot from the table's first column."""
+
+    # A state summarizes every token before it; reusing it needs a snapshot at the very position of
+    # the hit (vLLM keeps them at block boundaries), which this cache does not take yet.
+    is_prefix_cacheable = False
+    holds_state = True
+
+    def num_blocks(self, num_tokens: int) -> int:
+        return 1 if num_tokens > 0 else 0
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table, and the spec of their kind."""
+
+    spec: CacheGroupSpec
+    layer_ids: tuple[int, ...]
+
+
+def full_attention_groups(block_size: int, num_layers: int) -> tuple[KVCacheGroup, ...]:
+    """Today's models: every layer in one full-attention group."""
+    return (KVCacheGroup(FullAttentionSpec(block_size), tuple(range(num_layers))),)
+
+
+def prefix_caching_off_reason(groups: tuple[KVCacheGroup, ...]) -> str | None:
+    """Why a model's cache cannot serve prefix hits, or None when it can."""
+    kinds = sorted({type(g.spec).__name__ for g in groups if not g.spec.is_prefix_cacheable})
+    if not kinds:
+        return None
+    return (
+        f"prefix caching is off: the model has layers that keep a recurrent state ({', '.join(kinds)}), "
+        "and state snapshots at block boundaries are not implemented yet"
+    )
+
+
+def context_blocks(groups: tuple[KVCacheGroup, ...], num_usable_blocks: int, max_model_len: int) -> int:
+    """Blocks of the engine's block_size that one request's context may span: the usable blocks,
+    unless every group keeps a state, whose one slot holds any length (then max_model_len's)."""
+    if groups and all(g.spec.holds_state for g in groups):
+        return max(num_usable_blocks, cdiv(max_model_len, groups[0].spec.block_size))
+    return num_usable_blocks
