@@ -285,6 +285,14 @@ class ParallelConfig:
     data_parallel_size: int = field(
         default=1, metadata=arg("engine cores side by side, each on its own devices", aliases=("-dp",))
     )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=arg(
+            "pipeline stages: the layers split into this many contiguous stages, each on its own "
+            "tensor_parallel_size devices",
+            aliases=("-pp",),
+        ),
+    )
     enable_expert_parallel: bool = field(
         default=False, metadata=arg("shard a MoE's experts over the tensor-parallel devices")
     )
@@ -305,6 +313,21 @@ class ParallelConfig:
         _require(
             self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}"
         )
+        _require(
+            self.pipeline_parallel_size >= 1,
+            f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}",
+        )
+        # Not yet: stages across processes, and data-parallel ranks each of several stages.
+        if self.pipeline_parallel_size > 1:
+            _require(
+                self.nnodes == 1,
+                f"pipeline_parallel_size={self.pipeline_parallel_size} runs on one host for now (nnodes=1)",
+            )
+            _require(
+                self.data_parallel_size == 1,
+                f"pipeline_parallel_size={self.pipeline_parallel_size} cannot be combined with "
+                f"data_parallel_size={self.data_parallel_size} yet",
+            )
         _require(self.nnodes >= 1, f"nnodes must be >= 1, got {self.nnodes}")
         _require(
             0 <= self.node_rank < self.nnodes,
@@ -423,6 +446,15 @@ class EngineConfig:
                 self.speculative is None or self.speculative.method != "draft_model",
                 "kv_offloading_size cannot be combined with a draft model (its KV cache is not offloaded)",
             )
+        pp = self.parallel.pipeline_parallel_size
+        if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet
+            for is_set, what in (
+                (self.speculative is not None, "speculative_config"),
+                (self.lora.enable_lora, "enable_lora"),
+                (self.model.runner == "pooling", "runner='pooling'"),
+                (self.cache.kv_offloading_size is not None, "kv_offloading_size"),
+            ):
+                _require(not is_set, f"pipeline_parallel_size={pp} cannot be combined with {what} yet")
         # Speculative decoding runs on the synchronous step: the next step's drafts come from this
         # step's accepted tokens, which async scheduling would not have yet.
         _require(

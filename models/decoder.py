@@ -15,6 +15,7 @@ and V, or MLA's latent), so a family with another cache (DeepSeek) reuses this b
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import jax
@@ -109,19 +110,43 @@ class DecoderOnlyLM(nnx.Module):
         md: AttentionMetadata,
         lora: LoRABatch | None = None,  # adapter slots and each token's slot (models/lora.py)
     ):  # -> (hidden [T, D], updated cache)
-        cfg = self.cfg
+        x, kv_cache = self.run_layers(self.embed(input_ids), positions, kv_cache, md, lora)
+        return self.norm(x), kv_cache
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:  # [T] -> [T, D]
         x = self.embed_tokens(input_ids)
-        if cfg.embed_scale != 1.0:  # Gemma; the scale is rounded to the weights' dtype, as HF does
-            x = x * jnp.asarray(cfg.embed_scale, x.dtype)
-        # Every array of the cache is [num_layers * num_blocks, block_size, ...].
+        if self.cfg.embed_scale != 1.0:  # Gemma; the scale is rounded to the weights' dtype, as HF does
+            x = x * jnp.asarray(self.cfg.embed_scale, x.dtype)
+        return x
+
+    def run_layers(
+        self,
+        x: jax.Array,  # [T, D]
+        positions: jax.Array,  # [T]
+        kv_cache,
+        md: AttentionMetadata,
+        lora: LoRABatch | None = None,
+        layers: range | None = None,
+    ):  # -> (x [T, D], updated cache)
+        """x through the decoder layers `layers` (None: all of them). A pipeline stage runs its own
+        contiguous range (worker/pipeline_stage.py): its stacks hold only those layers' weights (each
+        stack sliced to its overlap with the range) and `kv_cache` only their blocks, so each layer's
+        block offset counts from the range's first layer."""
+        cfg = self.cfg
+        layers = range(cfg.num_layers) if layers is None else layers
+        # Every array of the cache is [len(layers) * num_blocks, block_size, ...].
         cache_array = jax.tree.leaves(kv_cache)[0]
-        num_blocks = cache_array.shape[0] // cfg.num_layers
+        num_blocks = cache_array.shape[0] // len(layers)
         block_size = cache_array.shape[1]
         specs = layer_specs(cfg)
+        specs = dataclasses.replace(specs, index=specs.index - np.int32(layers.start))
         md = with_shared_rope(cfg, positions, md)  # once per step, not in every layer
         slot_mask = None if lora is None else lora.slot_mask()  # once per step, for every layer
-        for name, layers in self.layer_stacks(cfg).items():
-            stack_specs = jax.tree.map(lambda a, l=layers: jnp.asarray(a[l.start : l.stop]), specs)
+        for name, stack_layers in self.layer_stacks(cfg).items():
+            start, stop = max(stack_layers.start, layers.start), min(stack_layers.stop, layers.stop)
+            if start >= stop:  # none of this stack's layers in the range (its weights: an empty slice)
+                continue
+            stack_specs = jax.tree.map(lambda a, lo=start, hi=stop: jnp.asarray(a[lo:hi]), specs)
             stack_lora = None if lora is None else (lora.stacks[name], slot_mask)
             x, kv_cache = _run_stack(
                 getattr(self, name),
@@ -134,7 +159,7 @@ class DecoderOnlyLM(nnx.Module):
                 block_size,
                 stack_lora,
             )
-        return self.norm(x), kv_cache
+        return x, kv_cache
 
     def compute_logits(self, hidden: jax.Array, head_dv: jax.Array | None = None) -> jax.Array:
         """[N, D] -> [N, V] float32. `head_dv`: the LM head's weight as [D, V], when the caller keeps

@@ -7,6 +7,7 @@ attention backend (run per device over the KV-head shards under tensor paralleli
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from xlaserve.config import EngineConfig
 from xlaserve.kernels import AttentionBackend, KVCacheSpec, MLACache, cpu_ops, get_attention_backend
 from xlaserve.kernels.dtype_ops import is_16bit_float, stacks_as_words
 from xlaserve.models.config import TransformerConfig
+from xlaserve.models.loader import DummyWeights
 from xlaserve.models.prequantized import quantization_scheme
 from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class, model_config_from_hf
@@ -29,6 +31,7 @@ from xlaserve.sharding import Placement, make_mesh
 from xlaserve.sharding.attention import shard_attention_over_kv_heads
 from xlaserve.sharding.kv_heads import replicate_kv_heads
 from xlaserve.sharding.vocab import pad_vocab, padded_vocab_size
+from xlaserve.worker.pipeline_stage import StageLayout, slice_to_stage, stage_place
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +79,15 @@ class LoadedModel:
 
 
 def load_model(
-    config: EngineConfig, hf_config: dict, tensors: dict[str, np.ndarray], devices=None
+    config: EngineConfig,
+    hf_config: dict,
+    tensors: dict[str, np.ndarray],
+    devices=None,
+    stage: StageLayout | None = None,
 ) -> LoadedModel:
-    """Build the model of `hf_config` from `tensors` and place its parameters on `devices`."""
+    """Build the model of `hf_config` from `tensors` and place its parameters on `devices`. `stage`: a
+    pipeline stage's layers (worker/pipeline_stage.py): only its weights are placed, and its KV cache
+    spec counts only its layers."""
     dtype, why = resolve_dtype(config.model.dtype)
     logger.info("computing in %s (%s)", dtype.name, why)
     parallel = config.parallel
@@ -95,6 +104,8 @@ def load_model(
     tensors = pad_vocab(tensors, model_config.vocab_size, padded_vocab)
     model_shape = model_config.replace(vocab_size=padded_vocab)
     kv_spec = model_class.kv_cache_spec(model_config)  # K and V, or MLA's one latent cache
+    if stage is not None:
+        kv_spec = dataclasses.replace(kv_spec, num_layers=len(stage.layers))
     backend = get_attention_backend(config.compilation.attention_backend, mla=kv_spec.cache_class is MLACache)
     if config.cache.kv_cache_dtype != "auto":
         if kv_spec.cache_class is MLACache:
@@ -122,16 +133,23 @@ def load_model(
     if scheme is not None:
         logger.info("weights kept quantized on the device: %s", scheme.describe())
     t0 = time.perf_counter()
+    place = placement.place_param
+    if stage is not None:
+        stacks = model_class.layer_stacks(model_config)
+        stage_args = (stage, stacks, model_config.tie_word_embeddings, placement.replicated)
+        place = stage_place(place, *stage_args)
     graphdef, params = load_params(
         model_class,
         model_shape,
         tensors,
         dtype=dtype,
         make_model=lambda: model_class(model_shape, backend, dtype=dtype, rngs=nnx.Rngs(0)),
-        place=placement.place_param,
+        place=place,
         sharding=placement.param_sharding,
         quantization=scheme,
     )
+    if stage is not None and isinstance(tensors, DummyWeights):  # drawn whole: cut to the stage
+        params = slice_to_stage(params, *stage_args)
     logger.info(
         "placed %s weights in %.2fs: %.1f MiB",
         model_class.__name__,
@@ -145,7 +163,8 @@ def load_model(
         # transposed copy, made once, costs the table's memory again (kernels/dtype_ops.py).
         # A quantized table is already stored [D, V] (models/layers.py: Embedding): no copy.
         embedding = nnx.merge(graphdef, params).embed_tokens
-        if model_config.tie_word_embeddings and tp == 1 and embedding.kernel_scale is None:
+        is_head = stage is None or stage.is_last  # a pipeline's other stages hold no head
+        if model_config.tie_word_embeddings and tp == 1 and embedding.kernel_scale is None and is_head:
             head_dv = jax.jit(lambda table: table.T)(embedding.weight[...])
         params = stacks_as_words(params, tuple(model_class.layer_stacks(model_config)))
     num_weight_bytes = weight_bytes(params) + (0 if head_dv is None else weight_bytes(head_dv))

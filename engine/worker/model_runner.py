@@ -50,7 +50,7 @@ from xlaserve.worker.input_batch import (
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from xlaserve.worker.kv_offload import make_kv_connector_worker
 from xlaserve.worker.lora_manager import LoRAManager
-from xlaserve.worker.model_loader import load_model
+from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.pooler import Pooler, PoolingHook
 from xlaserve.worker.program import Program
 from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
@@ -134,7 +134,7 @@ class ModelRunner:
         """`pooler`: a pooling runner's (worker/pooler.py; None: a generate runner)."""
         self.config = config
         self.hf_config = hf_config  # keys the stored executables (worker/program_store.py)
-        model = load_model(config, hf_config, tensors, devices)
+        model = self._load_model(config, hf_config, tensors, devices)
         self.model_config = model.model_config
         # The logits' width (>= model_config.vocab_size): the [R, V] sampling tensors match it.
         self.padded_vocab_size = model.padded_vocab_size
@@ -227,6 +227,11 @@ class ModelRunner:
         # like the sampler's output (committed, replicated), so the forward that warm-up compiles with it
         # is the one every later step calls with the sampler's ids (a host array would key apart).
         self.last_sampled = self.placement.zeros((self.max_num_seqs,), np.int32, self.placement.replicated)
+
+    def _load_model(self, config: EngineConfig, hf_config: dict, tensors, devices) -> LoadedModel:
+        """The model on `devices` (a pipelined runner loads one stage per device group instead:
+        worker/pipeline_runner.py)."""
+        return load_model(config, hf_config, tensors, devices)
 
     @property
     def num_steps(self) -> int:

@@ -1,0 +1,171 @@
+"""PipelineRunner: the model runner of a pipelined engine on one host (pipeline_parallel_size > 1).
+
+The layers split into contiguous stages (worker/pipeline_stage.py), each placed on its own group of
+tensor_parallel_size devices (a sub-mesh: tensor parallelism works within a stage as it does in one
+ModelRunner) with only its layers' weights and KV cache. Each stage is one jitted program over its
+devices (MPMD, as vLLM runs one worker per stage; not one SPMD program over a `pp` mesh axis, whose
+stages would wait on each other's collectives): stage 0 embeds, every stage runs its layers, the last
+also applies the final norm and gathers the sampled rows. The hidden states go from one stage's
+devices to the next with `jax.device_put`, a device-to-device copy that JAX dispatches
+asynchronously like the programs themselves, so the host returns from a step's dispatch before the
+first stage has finished. The last stage's devices then run the sampler, unchanged.
+
+Everything else is the ModelRunner's: the host batch, the buckets, warm-up, the compile guard, the
+sampler and prompt-logprob programs (on the last stage), async scheduling's `last_sampled` (copied to
+stage 0's devices each step). Each stage computes what the single-device forward computes for its
+layers, in the same order, so a pipeline's tokens and logprobs are bitwise those of one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xlaserve.config import EngineConfig
+from xlaserve.kernels import KVCache
+from xlaserve.kernels.invariant import traced_with
+from xlaserve.worker.input_batch import StepBatch
+from xlaserve.worker.kv_cache import allocate_kv_cache
+from xlaserve.worker.model_loader import LoadedModel, load_model
+from xlaserve.worker.model_runner import ModelRunner
+from xlaserve.worker.pipeline_stage import StageLayout, split_layers, stage_devices
+from xlaserve.worker.program import Program
+
+logger = logging.getLogger(__name__)
+
+
+def _stage_forward(
+    graphdef, stage: StageLayout, params, kv_cache, x, prev_ids, prev_rows, positions, logits_indices, md
+):
+    """One stage of the forward. Stage 0 takes the token ids (x [T]; where prev_rows >= 0 the id is the
+    previous step's, read from prev_ids [S]) and embeds them; the others take the hidden states x
+    [T, D]. A middle stage returns (x, kv_cache); the last (hidden [T, D], hidden of each sequence's
+    sampled position [R, D], kv_cache), as ModelRunner's forward does."""
+    model = nnx.merge(graphdef, params)
+    if stage.is_first:
+        x = model.embed(jnp.where(prev_rows >= 0, prev_ids[jnp.maximum(prev_rows, 0)], x))
+    x, kv_cache = model.run_layers(x, positions, kv_cache, md, layers=stage.layers)
+    if not stage.is_last:
+        return x, kv_cache
+    hidden = model.norm(x)
+    return hidden, hidden[logits_indices], kv_cache
+
+
+@dataclasses.dataclass
+class PipelineStage:
+    """One stage: its layers, its model on its devices, and its program."""
+
+    layout: StageLayout
+    model: LoadedModel
+    forward: Program
+
+
+class PipelineRunner(ModelRunner):
+    """A ModelRunner whose forward runs stage by stage; `kv_cache` is the list of the stages' caches."""
+
+    def _load_model(self, config: EngineConfig, hf_config: dict, tensors, devices) -> LoadedModel:
+        """Load every stage on its devices; the runner's own model is the last stage's (its head is the
+        sampler's), with the weights of all stages counted and the KV spec of the stage with the most
+        layers, so the blocks the budget gives each stage fit every stage."""
+        parallel = config.parallel
+        num_stages = parallel.pipeline_parallel_size
+        devices = list(jax.devices() if devices is None else devices)
+        groups = stage_devices(devices, parallel.tensor_parallel_size, num_stages)
+        num_layers = hf_config.get("num_hidden_layers")
+        layouts = split_layers(num_layers, num_stages)
+        invariant = partial(traced_with, config.model.batch_invariant)
+        self.stages = []
+        for layout, group in zip(layouts, groups):
+            model = load_model(config, hf_config, tensors, group, stage=layout)
+            fn = jax.jit(
+                invariant(partial(_stage_forward, model.graphdef, layout)), donate_argnames=("kv_cache",)
+            )
+            self.stages.append(PipelineStage(layout, model, Program(f"pp_stage{layout.index}", fn, 2)))
+            logger.info(
+                "pipeline stage %d: layers %d-%d on devices %s",
+                layout.index,
+                layout.layers.start,
+                layout.layers.stop - 1,
+                [d.id for d in group],
+            )
+        largest = max(self.stages, key=lambda s: len(s.layout.layers)).model
+        return dataclasses.replace(
+            self.stages[-1].model,
+            kv_spec=largest.kv_spec,
+            weight_bytes=sum(s.model.weight_bytes for s in self.stages),
+        )
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # What warm-up compiles as "the forward", through the engine's program store, is the last
+        # stage's; the stages before it are compiled by `warm_up` here.
+        self._forward_fn = self.stages[-1].forward
+
+    def allocate_kv_cache(self) -> list[KVCache]:
+        """Each stage's zeroed cache of num_blocks, on its devices, holding its layers only."""
+        return [
+            allocate_kv_cache(
+                s.model.kv_spec,
+                self.num_blocks,
+                self.block_size,
+                self.backend.cache_dtype(self.dtype),
+                s.model.placement,
+            )
+            for s in self.stages
+        ]
+
+    def _stage_args(self, index: int, kv_cache: list, x, batch: StepBatch) -> tuple:
+        stage = self.stages[index]
+        prev = (None, None)
+        if stage.layout.is_first:  # the previous step's sampled ids, from the last stage's devices
+            prev = (jax.device_put(self.last_sampled, stage.model.placement.replicated), batch.prev_rows)
+        return (
+            stage.model.params,
+            kv_cache[index],
+            x,
+            *prev,
+            batch.positions,
+            batch.logits_indices,
+            batch.md,
+        )
+
+    def _hidden_struct(self, index: int, out_info) -> jax.ShapeDtypeStruct:
+        """Stage `index`'s input as it arrives from the stage before (copied to its devices, whole)."""
+        return jax.ShapeDtypeStruct(
+            out_info.shape, out_info.dtype, sharding=self.stages[index].model.placement.replicated
+        )
+
+    def _forward_args(self, kv_cache, batch: StepBatch, hook_arrays: dict) -> tuple:
+        """The last stage's arguments, for warm-up (a shape struct stands for the hidden states)."""
+        x = self._last_stage_inputs[batch.input_ids.shape[0]]
+        return self._stage_args(len(self.stages) - 1, kv_cache, x, batch)
+
+    def warm_up(self) -> None:
+        """Compile every stage but the last for each token bucket (stage by stage: a stage's input is the
+        one before's output), then the ModelRunner's warm-up: the last stage and the samplers."""
+        self._last_stage_inputs = {}
+        for num_tokens in self.token_buckets:
+            batch = self._build_batch([], num_tokens)
+            x = batch.input_ids
+            for index, stage in enumerate(self.stages[:-1]):
+                args = self._stage_args(index, self.kv_cache, x, batch)
+                compiled = stage.forward.lower(*args).compile()
+                stage.forward.add(args, {}, compiled)
+                x = self._hidden_struct(index + 1, compiled.out_info[0])
+            self._last_stage_inputs[num_tokens] = x
+        super().warm_up()
+
+    def _run_forward(self, batch: StepBatch, hook_arrays: dict) -> tuple[jax.Array, jax.Array]:
+        """Stage by stage, each on its own devices; the hidden states are copied to the next stage's."""
+        x = batch.input_ids
+        for index, stage in enumerate(self.stages):
+            if index:
+                x = jax.device_put(x, stage.model.placement.replicated)
+            out = stage.forward(*self._stage_args(index, self.kv_cache, x, batch))
+            x, self.kv_cache[index] = out[0], out[-1]
+        return out[0], out[1]

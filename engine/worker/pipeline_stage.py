@@ -1,0 +1,119 @@
+"""Pipeline stages: which layers each stage holds, and how a stage's weights are cut from the checkpoint.
+
+The layers split into `pipeline_parallel_size` contiguous ranges (as vLLM's `get_pp_indices`: the
+remainder goes one layer each to the stages before the last, which also holds the LM head). Stage 0
+also holds the embedding, the last stage the final norm and the LM head (and the embedding again
+when the head is tied to it). A module a stage does not run
+is kept as an empty placeholder array (vLLM's `PPMissingLayer`): the stage's model has the full
+model's structure, so one graph definition and the family's own code run every stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """One stage of a pipeline: its decoder layers (HF indices) and its place in the pipeline."""
+
+    index: int
+    num_stages: int
+    layers: range
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def holds(self, module: str, tie_word_embeddings: bool) -> bool:
+        """Whether this stage runs the top-level, unstacked module `module`."""
+        if module == "embed_tokens":
+            return self.is_first or (self.is_last and tie_word_embeddings)
+        if module in ("norm", "lm_head"):
+            return self.is_last
+        return True  # anything else a family adds at the top is kept on every stage
+
+    def stack_slice(self, stack: range) -> slice:
+        """The part of a layer stack holding `stack`'s HF layers that falls in this stage (maybe empty)."""
+        start = max(stack.start, self.layers.start)
+        stop = max(start, min(stack.stop, self.layers.stop))
+        return slice(start - stack.start, stop - stack.start)
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[StageLayout]:
+    """Contiguous stages of near-equal size, one layer more on each of the `remainder` stages before the
+    last (ValueError naming pipeline_parallel_size when a stage would be left without a layer)."""
+    if num_stages > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={num_stages} exceeds the model's {num_layers} layers "
+            "(each stage needs at least one)"
+        )
+    size, remainder = divmod(num_layers, num_stages)
+    larger = range(num_stages - 1 - remainder, num_stages - 1)
+    stages, start = [], 0
+    for index in range(num_stages):
+        stop = start + size + (index in larger)
+        stages.append(StageLayout(index, num_stages, range(start, stop)))
+        start = stop
+    return stages
+
+
+def stage_devices(devices: list, tensor_parallel_size: int, num_stages: int) -> list[list]:
+    """Each stage's tensor_parallel_size devices, in order (ValueError naming both sizes when too few)."""
+    needed = tensor_parallel_size * num_stages
+    if needed > len(devices):
+        raise ValueError(
+            f"pipeline_parallel_size={num_stages} x tensor_parallel_size={tensor_parallel_size} needs "
+            f"{needed} devices, {len(devices)} available"
+        )
+    return [devices[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(num_stages)]
+
+
+def placeholder(ndim: int, dtype, sharding) -> jax.Array:
+    """An empty array standing in for a weight this stage does not hold (never read)."""
+    return jax.device_put(np.zeros((0,) * ndim, dtype), sharding)
+
+
+def stage_place(
+    place: Callable[[tuple[str, ...], np.ndarray], jax.Array],
+    layout: StageLayout,
+    stacks: dict[str, range],
+    tie_word_embeddings: bool,
+    replicated,
+) -> Callable[[tuple[str, ...], np.ndarray], jax.Array]:
+    """`place` for one stage: a stacked weight is cut to the stage's layers on the host before it is
+    placed, a module the stage does not run becomes a placeholder, so only the stage's own weights
+    ever reach its devices."""
+
+    def placed(path: tuple[str, ...], array: np.ndarray) -> jax.Array:
+        if path[0] in stacks:
+            return place(path, array[layout.stack_slice(stacks[path[0]])])
+        if not layout.holds(path[0], tie_word_embeddings):
+            return placeholder(array.ndim, array.dtype, replicated)
+        return place(path, array)
+
+    return placed
+
+
+def slice_to_stage(
+    params, layout: StageLayout, stacks: dict[str, range], tie_word_embeddings: bool, replicated
+):
+    """A whole model's placed params cut to one stage (dummy weights, drawn whole on the devices)."""
+
+    def cut(path, leaf):
+        top = str(getattr(path[0], "key", path[0]))
+        if top in stacks:
+            return leaf[layout.stack_slice(stacks[top])]
+        if not layout.holds(top, tie_word_embeddings):
+            return placeholder(leaf.ndim, leaf.dtype, replicated)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(cut, params)
