@@ -10,6 +10,7 @@ import pytest
 # The server tests' session fixtures (a real `xlaserve serve` subprocess): see helpers/server_harness.py.
 from helpers.server_harness import server, server_cache_dir  # noqa: F401
 from helpers.smollm2 import ENGINE_ARGS, smollm2_gguf_path
+from helpers.suite_profile import register as register_suite_profile
 
 # The fake-mesh tests' session worker (8 fake CPU devices) and tiny models: see helpers/tp_run.py.
 from helpers.tp_run import tiny_llama_2kv, tiny_llama_257, tp_worker  # noqa: F401
@@ -23,6 +24,10 @@ os.environ.setdefault("XLASERVE_CACHE_ROOT", tempfile.mkdtemp(prefix="xlaserve-t
 # it early: without a GPU, the Triton kernel's numerics tests need the interpreter from the start.
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    register_suite_profile(config)  # XLASERVE_SUITE_PROFILE=folder: per-test CPU and compile times
 
 
 @pytest.fixture(scope="session")

@@ -395,7 +395,17 @@ class AsyncLLM:
                 future.set_exception(error)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request (a parent id stops all its children) and free its KV blocks."""
+        """Stop a request (a parent id stops all its children) and free its KV blocks. A stream still
+        being read ends with a final output whose finish_reason is "abort" (vLLM's), carrying what
+        was generated since the previous output."""
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            for output in self.output_processor.abort_outputs(request_id):
+                queue.put_nowait(output)
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        """abort() without the final output: the stream is about to end with an error instead."""
         self._streams.pop(request_id, None)
         core_ids = self.output_processor.abort_requests([request_id])
         if core_ids:
@@ -494,7 +504,7 @@ class AsyncLLM:
         state = self.output_processor.request_states.get(core_id)
         request_id = state.parent.request_id if state is not None and state.parent is not None else core_id
         queue = self._streams.get(request_id)
-        self.abort(request_id)
+        self._abort(request_id)
         if queue is not None:
             queue.put_nowait(error)
 
@@ -516,7 +526,7 @@ class AsyncLLM:
         self._fail_pooling(EngineShutdownError(reason))
         for request_id in list(self._streams):
             queue = self._streams[request_id]
-            self.abort(request_id)
+            self._abort(request_id)
             queue.put_nowait(EngineShutdownError(reason))
 
     async def shutdown(self, timeout: float = 5.0) -> None:

@@ -335,6 +335,20 @@ class OutputProcessor:
             self.parent_requests.pop(request_id, None)
         return removed
 
+    def abort_outputs(self, request_id: str) -> list[RequestOutput]:
+        """The outputs that end `request_id` (a parent's children included) with finish_reason "abort",
+        before abort_requests forgets them: in delta mode what is new since the last output, in final
+        mode everything generated so far (a parent's once all its n have ended)."""
+        parent = self.parent_requests.get(request_id)
+        child_ids = sorted(parent.child_ids) if parent is not None else [request_id]
+        outputs = []
+        for child_id in child_ids:
+            state = self.request_states.get(child_id)
+            output = None if state is None else state.make_request_output("abort", None, has_news=False)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
     def get_num_unfinished_requests(self) -> int:
         """Core-level requests still tracked (each child of an n > 1 request counts)."""
         return len(self.request_states)

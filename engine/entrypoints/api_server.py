@@ -96,6 +96,13 @@ def add_parser(sub, add_engine_args) -> None:
         help="keep at most N responses of /v1/responses in memory (store: true), least recently used "
         "dropped first; 0: store none",
     )
+    g.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve gRPC (xlaserve.v1.Generation, health, reflection) on this port, same host and "
+        "API key; needs the grpc extra",
+    )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     add_tool_args(p)
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -160,6 +167,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-admin-api needs --api-key (or XLASERVE_API_KEY): its routes swap weights")
     if args.max_stored_responses < 0:
         raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
+    if args.grpc_port is not None and not 0 < args.grpc_port < 65536:
+        raise ValueError(f"--grpc-port must be in [1, 65535], got {args.grpc_port}")
+    if args.grpc_port is not None and args.grpc_port == args.port:
+        raise ValueError(f"--grpc-port ({args.grpc_port}) must differ from --port")
+    if args.grpc_port is not None:
+        from xlaserve.entrypoints.grpc.protos import protos_and_services
+
+        protos_and_services()  # a missing grpc extra fails before the engine starts
     if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 0:
         raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
     # Built once, here (bad flags fail before anything loads), and sent as it is to the engine core.
@@ -254,6 +269,15 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     server = uvicorn.Server(config)
+    grpc_server = None
+    if args.grpc_port is not None:
+        from xlaserve.entrypoints.grpc.server import start_grpc_server
+
+        try:
+            grpc_server = await start_grpc_server(state, args.host, args.grpc_port)
+        except OSError:
+            await engine.shutdown()
+            raise
     grace = asyncio.create_task(_end_after_grace(server, engine, args.shutdown_timeout))
     watchdog = asyncio.create_task(_exit_when_engine_fails(server, engine))
     try:
@@ -261,6 +285,8 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
     finally:
         grace.cancel()
         watchdog.cancel()
+        if grpc_server is not None:  # its streams end with the engine's requests (_end_after_grace)
+            await grpc_server.stop(grace=1.0)
         logger.info("stopping the engine core")
         await engine.shutdown()
     if engine.failed.is_set():

@@ -207,6 +207,26 @@ def test_abort_requests(processor, tokenizer):
     assert processor.abort_requests(["solo"]) == ["solo"] and not processor.has_unfinished_requests()
 
 
+def test_abort_outputs_end_the_stream_with_abort(processor, tokenizer):
+    """An aborted request's last output (vLLM's): delta mode carries only what was not yet sent, final
+    mode all the text so far; a parent's final output waits for all its children."""
+    _add(processor, tokenizer, "d", output_kind="delta")
+    _add(processor, tokenizer, "f")
+    ids = tokenizer.encode("one two")
+    _step(processor, EngineCoreOutput("d", ids), EngineCoreOutput("f", ids))
+    (delta,) = processor.abort_outputs("d")
+    assert delta.finished and delta.outputs[0].finish_reason == "abort" and delta.outputs[0].token_ids == []
+    (final,) = processor.abort_outputs("f")
+    assert final.finished and final.outputs[0].text == "one two" and final.outputs[0].finish_reason == "abort"
+    processor.add_parent_request("p", 2)
+    for index in range(2):
+        _add(processor, tokenizer, f"{index}_p", parent_id="p", index=index)
+    _step(processor, EngineCoreOutput("1_p", ids, FinishReason.LENGTH))
+    (parent,) = processor.abort_outputs("p")
+    assert [(c.index, c.finish_reason) for c in parent.outputs] == [(0, "abort"), (1, "length")]
+    assert processor.abort_outputs("missing") == []
+
+
 def test_iteration_stats(processor, tokenizer):
     prompt_ids = _add(processor, tokenizer, arrival_time=10.0)
     ids = tokenizer.encode("x y z")

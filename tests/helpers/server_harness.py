@@ -28,7 +28,8 @@ STOP_TIMEOUT_S = 60
 # The session server's Responses API store: small, so a test can fill it.
 MAX_STORED_RESPONSES = 12
 # Flags of the session's server beyond the engine's: tool calls read in hermes' format (SmolLM2 writes
-# a list of calls between <tool_call> tags); GET /tokenizer_info served.
+# a list of calls between <tool_call> tags); GET /tokenizer_info served. It serves gRPC too (its port:
+# ServerProcess.grpc_port).
 SESSION_SERVER_FLAGS = [
     "--enable-auto-tool-choice",
     "--tool-call-parser",
@@ -73,8 +74,10 @@ class ServerProcess:
         api_key: str | None = None,
         model: str = MODEL_NAME,
         env: dict[str, str] | None = None,
+        grpc: bool = False,
     ):
         self.port = _free_port()
+        self.grpc_port = _free_port() if grpc else None
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
@@ -92,6 +95,8 @@ class ServerProcess:
         ]
         if api_key:
             command += ["--api-key", api_key]
+        if self.grpc_port is not None:
+            command += ["--grpc-port", str(self.grpc_port)]
         env = {
             **os.environ,
             **(env or {}),
@@ -191,6 +196,7 @@ def server(tmp_path_factory, server_cache_dir):
         extra_args=SESSION_SERVER_FLAGS,
         api_key=API_KEY,
         env={"XLASERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+        grpc=True,
     )
     proc.wait_ready()
     core_pid = proc.core_pid()
