@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 
@@ -58,6 +59,8 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     cache_class: type = KVCache
+    # The host's bookkeeping kind of these layers (worker/kv_cache_groups.py; a state cache: "state").
+    layer_kind: ClassVar[str] = "full_attention"
     # A model that keeps no KV (an encoder: models/encoder.py) has a placeholder cache whose blocks only
     # count the tokens in flight: this many tokens' worth, whatever the memory budget.
     fixed_num_tokens: int | None = None

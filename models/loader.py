@@ -140,8 +140,9 @@ def complete_config(config: dict[str, Any]) -> dict[str, Any]:
     rope = read_rope_parameters(config)
     config.setdefault("rope_theta", rope.theta)
     config.setdefault("rope_scaling", rope.scaling)
-    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    if "num_attention_heads" in config:  # a state-space model (Mamba2) has no attention heads
+        config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+        config.setdefault("num_key_value_heads", config["num_attention_heads"])
     config.setdefault("rms_norm_eps", 1e-6)
     config.setdefault("max_position_embeddings", 2048)
     config.setdefault("tie_word_embeddings", False)

@@ -14,6 +14,7 @@ from xlaserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalL
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from xlaserve.models.interfaces import CAUSAL_LM_MEMBERS, CausalLM
 from xlaserve.models.llama import LlamaForCausalLM
+from xlaserve.models.mamba2 import Mamba2ForCausalLM
 from xlaserve.models.mistral import MistralForCausalLM
 from xlaserve.models.mixtral import MixtralForCausalLM
 from xlaserve.models.phi3 import Phi3ForCausalLM
@@ -36,6 +37,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    # State-space: a state slot per request instead of K/V (kernels/ssd.py, core/kv_cache_spec.py).
+    "Mamba2ForCausalLM": Mamba2ForCausalLM,
     # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.
     "BertModel": BertModel,
     "BertForSequenceClassification": BertModel,

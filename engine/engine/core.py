@@ -57,6 +57,7 @@ class EngineCore:
             config.cache.enable_prefix_caching and executor.is_prefix_cacheable,
             max_model_len,
             on_evict=self.kv_connector.on_block_evicted,
+            kv_cache_groups=executor.kv_cache_groups,
         )
         self.async_scheduling = config.is_async_scheduling
         if config.scheduler.async_scheduling is not False and not self.async_scheduling:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from xlaserve.config import EngineConfig
+from xlaserve.core.kv_cache_spec import KVCacheGroup, context_blocks
 from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
 from xlaserve.lora_request import LoRARequest
@@ -70,13 +71,19 @@ class Executor:
         cannot hold is a ValueError naming both numbers; the model's own is lowered), applied here."""
         max_model_len = fit_max_model_len(
             self.max_model_len,
-            self.num_kv_blocks - 1,  # the null block holds no request's tokens
+            # The null block holds no request's tokens; a state-only model's one slot holds any length.
+            context_blocks(self.kv_cache_groups, self.num_kv_blocks - 1, self.max_model_len),
             self.config.cache.block_size,
             is_user_set=is_user_set,
         )
         if max_model_len != self.max_model_len:
             self.set_max_model_len(max_model_len)
         return max_model_len
+
+    @property
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The model's layer groups and their kinds, for the KV cache manager (core/kv_cache_spec.py)."""
+        return self.runner.kv_cache_groups
 
     @property
     def kv_bytes_per_block(self) -> int:

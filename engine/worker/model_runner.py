@@ -48,6 +48,7 @@ from xlaserve.worker.input_batch import (
     sampling_tensors,
 )
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from xlaserve.worker.kv_cache_groups import kv_cache_groups
 from xlaserve.worker.kv_offload import make_kv_connector_worker
 from xlaserve.worker.lora_manager import LoRAManager
 from xlaserve.worker.model_loader import LoadedModel, load_model
@@ -160,6 +161,8 @@ class ModelRunner:
         )
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
+        # The host's KV cache groups (core/kv_cache_spec.py), from the model's cache spec.
+        self.kv_cache_groups = kv_cache_groups(self.kv_spec, self.block_size)
         # Each a Program (worker/program.py): a step calls the executable warm-up loaded or compiled
         # for its shapes; the weights (and the KV cache) lead, outside the per-call signature. Each
         # traces under the engine's batch invariance (kernels/invariant.py).

@@ -1,0 +1,216 @@
+"""Mamba2 (state-space duality): every layer a gated SSM mixer over a per-request state, no attention.
+
+A layer is x + mixer(norm(x)); the mixer projects x to a gate z, the conv input xBC and a time step
+per head, runs a causal depthwise conv (kernel K) over xBC, splits it into x [H, P], B and C [G, N],
+and scans h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T, y_t = C_t . h_t + D x_t (kernels/ssd.py);
+then y is normed with the gate (RMS over each of G groups of channels) and projected back.
+
+The cache is `MambaCache`: per layer and state slot, the last K - 1 conv inputs and the SSM state
+[H, P, N]. A request's slot is its one block id (core/kv_cache_spec.py `StateSpec`), read from the
+first column of its block table; the step reads each sequence's state, advances it over the
+sequence's new tokens, and writes it back in place. A sequence whose first new token is at
+position 0 (a new request, or one recomputed after preemption) enters with zero state.
+
+Hugging Face names the backbone `backbone` (embeddings, layers, norm_f); `prepare_hf_tensors`
+renames it to the shared decoder's `model` (embed_tokens, layers, norm), whose scan runs the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xlaserve.kernels import AttentionBackend, AttentionMetadata
+from xlaserve.kernels.ssd import MambaCache, StateCacheSpec, ragged_causal_conv1d, ragged_ssd
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.decoder import DecoderOnlyLM
+from xlaserve.models.layers import LayerSpec, Linear, RMSNorm
+
+# Chunks of the SSD scan: the [chunks, Q, Q, H] intra-chunk tensor grows with Q squared, and the
+# result is exact for any Q (only the float rounding differs), so long configured chunks are capped.
+MAX_CHUNK_SIZE = 64
+
+
+@dataclass(frozen=True)
+class Mamba2Config(TransformerConfig):
+    """Mamba2's config.json; `num_heads` and `head_dim` are the SSM's (H, P), `intermediate_size` its
+    inner width (expand * hidden_size = H * P). No RoPE (partial_rotary_factor 0)."""
+
+    state_size: int = 128  # N
+    n_groups: int = 1  # G: B and C are shared by H / G heads each
+    conv_kernel: int = 4  # K
+    chunk_size: int = 256
+    use_conv_bias: bool = True
+    use_bias: bool = False  # in_proj and out_proj
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.intermediate_size != self.num_heads * self.head_dim:
+            raise ValueError(
+                f"num_heads * head_dim ({self.num_heads * self.head_dim}) must equal expand * hidden_size "
+                f"({self.intermediate_size})"
+            )
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        eos = hf.get("eos_token_id")
+        limit = hf.get("time_step_limit") or (0.0, float("inf"))
+        return dict(
+            architecture=(hf.get("architectures") or [""])[0],
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=int(hf.get("expand", 2) * hf["hidden_size"]),
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_heads"],
+            num_kv_heads=hf["num_heads"],
+            head_dim=hf["head_dim"],
+            rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            rope_theta=10000.0,
+            rope_scaling=None,
+            # A state holds any length: the context is bounded by max_model_len alone.
+            max_position_embeddings=hf.get("max_position_embeddings") or 2**20,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
+            hidden_act=hf.get("hidden_act") or "silu",
+            partial_rotary_factor=0.0,
+            state_size=hf.get("state_size", 128),
+            n_groups=hf.get("n_groups", 1),
+            conv_kernel=hf.get("conv_kernel", 4),
+            chunk_size=hf.get("chunk_size", 256),
+            use_conv_bias=bool(hf.get("use_conv_bias", True)),
+            use_bias=bool(hf.get("use_bias", False)),
+            time_step_limit=(_read_float(limit[0]), _read_float(limit[1])),
+        )
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: x, B and C."""
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+
+def _read_float(value) -> float:
+    """A float of config.json, where transformers writes infinity as {"__float__": "Infinity"}."""
+    if isinstance(value, dict):
+        value = value.get("__float__")
+    return float("inf") if value is None else float(value)
+
+
+class DepthwiseConv1d(nnx.Module):
+    """Hugging Face's grouped Conv1d parameters as they are stored: weight [C, 1, K], bias [C]."""
+
+    def __init__(self, channels: int, kernel: int, *, use_bias: bool, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jax.nn.initializers.normal(0.1)(rngs.params(), (channels, 1, kernel), dtype))
+        self.bias = nnx.Param(jnp.zeros((channels,), dtype)) if use_bias else None
+
+
+class GatedRMSNorm(nnx.Module):
+    """y * silu(z), RMS-normed over each group of channels in float32, then scaled (HF's
+    MambaRMSNormGated with norm_before_gate=False)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.group_size = group_size
+        self.eps = eps
+
+    def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:  # [T, D] each -> [T, D] in z's dtype
+        h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        groups = h.reshape(h.shape[0], -1, self.group_size)
+        groups = groups * jax.lax.rsqrt(jnp.mean(groups * groups, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * groups.reshape(h.shape).astype(z.dtype)
+
+
+class Mamba2Mixer(nnx.Module):
+    def __init__(self, cfg: Mamba2Config, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        inner, heads = cfg.intermediate_size, cfg.num_heads
+        self.in_proj = Linear(
+            cfg.hidden_size, inner + cfg.conv_dim + heads, use_bias=cfg.use_bias, dtype=dtype, rngs=rngs
+        )
+        self.conv1d = DepthwiseConv1d(
+            cfg.conv_dim, cfg.conv_kernel, use_bias=cfg.use_conv_bias, dtype=dtype, rngs=rngs
+        )
+        self.dt_bias = nnx.Param(jnp.zeros((heads,), dtype))
+        self.A_log = nnx.Param(jnp.zeros((heads,), dtype))
+        self.D = nnx.Param(jnp.ones((heads,), dtype))
+        self.norm = GatedRMSNorm(inner, inner // cfg.n_groups, cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(inner, cfg.hidden_size, use_bias=cfg.use_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, cache: MambaCache, md: AttentionMetadata
+    ) -> tuple[jax.Array, MambaCache]:  # x [T, D]
+        cfg = self.cfg
+        num_tokens = x.shape[0]
+        inner, heads, groups, n = cfg.intermediate_size, cfg.num_heads, cfg.n_groups, cfg.state_size
+        gate, xbc, dt = jnp.split(self.in_proj(x), [inner, inner + cfg.conv_dim], axis=-1)
+        qsl = md.query_start_loc
+        slots = md.block_tables[:, 0]  # [R]: each sequence's state slot among this layer's rows
+        num_new = qsl[1:] - qsl[:-1]
+        is_fresh = (md.kv_lens - num_new) == 0  # [R]: starts at position 0, so no earlier state
+        conv_in = jnp.where(is_fresh[:, None, None], 0, cache.conv[slots, 0])  # [R, K - 1, conv_dim]
+        ssm_in = jnp.where(is_fresh[:, None, None, None], 0, cache.ssm[slots])  # [R, H, P, N]
+        bias = None if self.conv1d.bias is None else self.conv1d.bias[...]
+        xbc, conv_out = ragged_causal_conv1d(xbc, self.conv1d.weight[...][:, 0], bias, conv_in, qsl)
+        xbc = jax.nn.silu(xbc.astype(jnp.float32)).astype(x.dtype)
+        xs, b, c = jnp.split(xbc, [inner, inner + groups * n], axis=-1)
+        dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        dt = jnp.clip(dt, *cfg.time_step_limit)
+        y, ssm_out = ragged_ssd(
+            xs.reshape(num_tokens, heads, cfg.head_dim),
+            dt,
+            -jnp.exp(self.A_log[...].astype(jnp.float32)),
+            b.reshape(num_tokens, groups, n),
+            c.reshape(num_tokens, groups, n),
+            self.D[...].astype(jnp.float32),
+            qsl,
+            ssm_in.astype(jnp.float32),
+            chunk_size=min(cfg.chunk_size, MAX_CHUNK_SIZE, num_tokens),
+        )
+        y = self.norm(y.reshape(num_tokens, inner), gate)
+        cache = MambaCache(
+            conv=cache.conv.at[slots, 0].set(conv_out.astype(cache.conv.dtype)),
+            ssm=cache.ssm.at[slots].set(ssm_out.astype(cache.ssm.dtype)),
+        )
+        return self.out_proj(y.astype(x.dtype)), cache
+
+
+class Mamba2Layer(nnx.Module):
+    """x + mixer(norm(x))."""
+
+    def __init__(self, cfg: Mamba2Config, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mixer = Mamba2Mixer(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, cache: MambaCache, md: AttentionMetadata, spec: LayerSpec):
+        h, cache = self.mixer(self.norm(x), cache, md)
+        return x + h, cache
+
+
+class Mamba2ForCausalLM(DecoderOnlyLM):
+    config_class = Mamba2Config
+    layer_class = Mamba2Layer
+
+    @classmethod
+    def kv_cache_spec(cls, cfg: Mamba2Config) -> StateCacheSpec:
+        """A state slot per request: the conv inputs and the SSM state of every layer."""
+        return StateCacheSpec(
+            cfg.num_layers, cfg.conv_kernel, cfg.conv_dim, cfg.num_heads, cfg.head_dim, cfg.state_size
+        )
+
+    @classmethod
+    def prepare_hf_tensors(cls, cfg: Mamba2Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`backbone.*` -> the shared decoder's `model.*` names."""
+        renamed = {}
+        for name, tensor in tensors.items():
+            name = name.replace("backbone.embeddings.", "model.embed_tokens.")
+            name = name.replace("backbone.norm_f.", "model.norm.").replace("backbone.", "model.")
+            renamed[name] = tensor
+        return renamed
