@@ -11,6 +11,7 @@ the annotation. `SpeculativeConfig` lives in speculative_config.py; both are re-
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -112,9 +113,18 @@ class ModelConfig:
             '"normalize": true, "dimensions": 256, "activation": true}'
         ),
     )
+    # vLLM's flag: images a prompt may carry (a vision-language model; engine/engine/mm_processor.py),
+    # as JSON text or a dict; None: DEFAULT_IMAGES_PER_PROMPT. Checked where the config is built.
+    limit_mm_per_prompt: str | None = field(
+        default=None,
+        metadata=arg('images per prompt of a vision-language model, as JSON: {"image": 2} (default 8)'),
+    )
 
     def __post_init__(self):
         object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+        if isinstance(self.limit_mm_per_prompt, dict):  # kept as JSON text: the config stays hashable
+            object.__setattr__(self, "limit_mm_per_prompt", json.dumps(self.limit_mm_per_prompt))
+        parse_mm_limits(self.limit_mm_per_prompt)  # a bad value is an error at start
         _require(self.runner in RUNNER_TYPES, f"runner must be one of {RUNNER_TYPES}, got {self.runner!r}")
         _require(
             self.convert in CONVERT_TYPES, f"convert must be one of {CONVERT_TYPES}, got {self.convert!r}"
@@ -528,3 +538,27 @@ CONFIG_GROUPS: dict[str, type] = {
     "compilation": CompilationConfig,
     "lora": LoRAConfig,
 }
+
+
+# Images per prompt when --limit-mm-per-prompt does not say (vLLM's flag; JSON like '{"image": 2}').
+DEFAULT_IMAGES_PER_PROMPT = 8
+
+
+def parse_mm_limits(value) -> dict[str, int]:
+    """--limit-mm-per-prompt's JSON text (or a dict) -> {"image": n}; ValueError naming the field."""
+    if value is None:
+        return {"image": DEFAULT_IMAGES_PER_PROMPT}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f'limit_mm_per_prompt must be JSON like {{"image": 2}}, got {value!r}') from None
+    if not isinstance(value, dict):
+        raise ValueError(f'limit_mm_per_prompt must be an object like {{"image": 2}}, got {value!r}')
+    unknown = sorted(set(value) - {"image"})
+    if unknown:
+        raise ValueError(f"limit_mm_per_prompt: modalities {unknown} are not supported; supported: ['image']")
+    count = value.get("image", DEFAULT_IMAGES_PER_PROMPT)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"limit_mm_per_prompt.image must be an integer >= 0, got {count!r}")
+    return {"image": count}

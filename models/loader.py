@@ -136,6 +136,11 @@ def complete_config(config: dict[str, Any]) -> dict[str, Any]:
     `rope_parameters` instead of `rope_theta` / `rope_scaling` (nested per layer type when those
     differ); both spellings are made available, the global layers' values at the top level.
     """
+    if isinstance(config.get("text_config"), dict):
+        # A vision-language model (LLaVA): its decoder's fields, completed, also read at the top level
+        # by whatever asks any model's config (the vocabulary, the context length, EOS).
+        text = complete_config(config["text_config"])
+        return {**text, **config, "text_config": text}
     config = {**_family_defaults(config), **config}
     rope = read_rope_parameters(config)
     config.setdefault("rope_theta", rope.theta)

@@ -14,6 +14,7 @@ from xlaserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalL
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from xlaserve.models.interfaces import CAUSAL_LM_MEMBERS, CausalLM
 from xlaserve.models.llama import LlamaForCausalLM
+from xlaserve.models.llava import LlavaForConditionalGeneration
 from xlaserve.models.mamba2 import Mamba2ForCausalLM
 from xlaserve.models.mistral import MistralForCausalLM
 from xlaserve.models.mixtral import MixtralForCausalLM
@@ -39,6 +40,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     # State-space: a state slot per request instead of K/V (kernels/ssd.py, core/kv_cache_spec.py).
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
+    # Vision-language: images encoded by their own program, merged at their placeholders (models/llava.py).
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.
     "BertModel": BertModel,
     "BertForSequenceClassification": BertModel,

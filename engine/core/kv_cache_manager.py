@@ -15,6 +15,7 @@ from xlaserve.core.kv_cache_spec import (
     prefix_caching_off_reason,
 )
 from xlaserve.core.limits import cdiv
+from xlaserve.core.multimodal import mm_block_keys
 from xlaserve.core.request import Request
 
 logger = logging.getLogger(__name__)
@@ -238,6 +239,9 @@ class KVCacheManager:
             # later hash. Keys of the base model without a salt stay as they were.
             extra_keys = _first_block_keys(request) if index == 0 else None
             start = index * self.block_size
+            # The content hash of each image whose placeholders the block holds (core/multimodal.py).
+            mm_keys = mm_block_keys(request.mm_features, start, start + self.block_size)
+            extra_keys = ((extra_keys or ()) + mm_keys) or None
             block_hashes.append(
                 hash_block_tokens(parent_hash, tokens[start : start + self.block_size], extra_keys)
             )

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.lora_request import LoRARequest
 from xlaserve.pooling_params import PoolingParams
 from xlaserve.sampling_params import SamplingParams
@@ -103,6 +104,7 @@ class Request:
         parent_id: str | None = None,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
     ):
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -126,6 +128,10 @@ class Request:
         # A pooling request (runner="pooling"): it never samples, and finishes when its prompt is
         # computed, with the pooled hidden states the runner returns (worker/pooler.py).
         self.pooling_params = pooling_params
+        # Its images, in prompt order (core/multimodal.py), and the encoder cache slot of each one its
+        # scheduled tokens reached (core/encoder_cache_manager.py sets it; index -> slot).
+        self.mm_features = list(mm_features)
+        self.encoder_slots: dict[int, int] = {}
 
         # Append only through append_output_token_ids, which keeps both lists in step.
         self.output_token_ids: list[int] = []

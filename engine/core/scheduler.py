@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from xlaserve.core.encoder_cache_manager import EncoderCacheManager
 from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.kv_connector import KVConnectorScheduler
 from xlaserve.core.limits import RequestLimits
@@ -63,6 +64,7 @@ class Scheduler:
         max_loras: int | None = None,
         enable_chunked_prefill: bool = True,
         kv_connector: KVConnectorScheduler | None = None,
+        encoder_cache: EncoderCacheManager | None = None,
     ):
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(
@@ -102,6 +104,8 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         # K/V from outside the device cache (core/kv_connector.py); the base class: none.
         self.kv_connector = kv_connector or KVConnectorScheduler()
+        # Images' encoder outputs on the device (core/encoder_cache_manager.py); none: a text-only model.
+        self.encoder_cache = encoder_cache or EncoderCacheManager()
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -143,6 +147,7 @@ class Scheduler:
         """Pick this step's requests and token counts; advances their num_computed_tokens."""
         output = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
+        self.encoder_cache.begin_step()
         prefills = PartialPrefills(
             self.max_num_partial_prefills,
             self.max_long_partial_prefills,
@@ -190,6 +195,7 @@ class Scheduler:
             num_new_tokens = prefills.chunk(num_missing, token_budget) if num_missing > 0 else 0
             if self._is_at_limit(request):
                 num_new_tokens = 0
+            num_new_tokens = self.encoder_cache.fit(request, request.num_computed_tokens, num_new_tokens)
             if num_new_tokens <= 0:
                 index += 1
                 continue
@@ -213,6 +219,7 @@ class Scheduler:
                     index -= 1
             if is_dropped:
                 continue  # the next request slid into `index`
+            self.encoder_cache.allocate(request, request.num_computed_tokens, num_new_tokens)
             prefills.add(num_missing, num_new_tokens)
             token_budget -= self._add_scheduled(request, num_new_tokens, output, spec_token_ids)
             index += 1
@@ -270,6 +277,7 @@ class Scheduler:
             num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
             num_missing = request.num_tokens - num_hit_tokens - num_external
             num_new_tokens = prefills.chunk(num_missing, token_budget)
+            num_new_tokens = self.encoder_cache.fit(request, request.num_tokens - num_missing, num_new_tokens)
             if num_new_tokens == 0:
                 index += 1  # the partial-prefill slots are taken: a shorter prompt behind may fit whole
                 continue
@@ -281,6 +289,7 @@ class Scheduler:
                     continue
                 break  # head-of-line: later requests wait their turn
             self.waiting.pop(index)
+            self.encoder_cache.allocate(request, request.num_tokens - num_missing, num_new_tokens)
             prefills.add(num_missing, num_new_tokens)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -323,6 +332,7 @@ class Scheduler:
             num_valid_tokens = scheduled.num_computed_tokens
             num_returned_tokens = scheduled.num_new_tokens
         self.kv_cache_manager.free(victim, num_valid_tokens=num_valid_tokens)
+        self.encoder_cache.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.spec_token_ids = []
         victim.num_computed_tokens = 0
@@ -416,6 +426,7 @@ class Scheduler:
     def _free_request(self, request: Request, num_valid_tokens: int | None = None) -> None:
         request.num_output_placeholders, request.last_sampled_row = 0, -1  # in flight, they are dropped
         self.kv_cache_manager.free(request, num_valid_tokens=num_valid_tokens)
+        self.encoder_cache.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 

@@ -29,6 +29,7 @@ from xlaserve.config import EngineConfig
 from xlaserve.core.limits import RequestLimits
 from xlaserve.engine.core_client import EngineCoreClient, EngineDeadError, cancel_quietly
 from xlaserve.engine.metrics import EngineMetrics
+from xlaserve.engine.mm_processor import MultiModalProcessor
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor
 from xlaserve.engine.protocol import (
@@ -184,6 +185,9 @@ class AsyncLLM:
             RequestLimits(ready.max_model_len, self.block_size, ready.num_usable_blocks),
             pooling_task=ready.pooling_task,
             hidden_size=ready.hidden_size,
+            mm_processor=MultiModalProcessor.for_model(
+                self.model, self.tokenizer, self.config.model.limit_mm_per_prompt
+            ),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._attach_core()
@@ -289,6 +293,7 @@ class AsyncLLM:
         cache_salt=None,
         output_kind="delta",
         lora_request: LoRARequest | None = None,
+        mm_features=(),
     ) -> RequestStream:
         """Add a request now (errors are raised here, synchronously) and return its output stream."""
         if self.config.model.runner != "generate":
@@ -311,6 +316,7 @@ class AsyncLLM:
             priority=priority,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            mm_features=mm_features,  # a vision-language prompt's images (engine/engine/mm_processor.py)
         )
         self.output_processor.add_requests(request_id, requests, prompt, prompt_token_ids, now, output_kind)
         queue: asyncio.Queue = asyncio.Queue()

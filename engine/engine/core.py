@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from xlaserve.config import EngineConfig
+from xlaserve.core.encoder_cache_manager import EncoderCacheManager
 from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.kv_offload import make_kv_connector_scheduler
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
@@ -76,6 +77,7 @@ class EngineCore:
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             enable_chunked_prefill=not executor.is_encoder,
             kv_connector=self.kv_connector,
+            encoder_cache=EncoderCacheManager(executor.encoder_cache_layout),
         )
         # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
         self.proposer = make_proposer(spec, max_model_len)

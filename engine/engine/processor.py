@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from xlaserve.core.limits import RequestLimits, check_prompt_length
+from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.core.request import Request, child_request_id
+from xlaserve.engine.mm_processor import MultiModalProcessor
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.lora_request import LoRARequest
 from xlaserve.pooling_params import TASKS_OF_MODEL, PoolingParams
@@ -42,8 +45,11 @@ class InputProcessor:
         *,
         pooling_task: str | None = None,
         hidden_size: int = 0,
+        mm_processor: MultiModalProcessor | None = None,
     ):
         self.tokenizer = tokenizer
+        # A vision-language model's processor (engine/engine/mm_processor.py); None: text only.
+        self.mm_processor = mm_processor
         # A pooling engine's task (worker/pooler.py; None: a generate engine) and hidden size.
         self.pooling_task = pooling_task
         self.hidden_size = hidden_size
@@ -65,6 +71,27 @@ class InputProcessor:
             f"prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got "
             f"{type(prompt).__name__}"
         )
+
+    def process(
+        self, prompt: PromptType, *, add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int], list[MultiModalFeature]]:
+        """(text or None, token ids, images): `tokenize`, or for a prompt with `multi_modal_data`
+        ({"prompt": text with one placeholder per image, "multi_modal_data": {"image": image | list}})
+        the model's processor: placeholders expanded, images as features."""
+        if not (isinstance(prompt, dict) and prompt.get("multi_modal_data")):
+            return (*self.tokenize(prompt), [])
+        data = prompt["multi_modal_data"]
+        if self.mm_processor is None:
+            raise ValueError("multi_modal_data: this model takes text only")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data must be {{'image': image or list}}, got keys {list(data)}")
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError("multi_modal_data needs the prompt as text ({'prompt': str}), with placeholders")
+        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        ids, features = self.mm_processor.process(
+            prompt["prompt"], list(images), add_special_tokens=add_special_tokens
+        )
+        return prompt["prompt"], ids, features
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -131,6 +158,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
     ) -> list[Request]:
         """One Request, or n children of parent `request_id` for n > 1 (sharing the prompt's blocks
         through the prefix cache)."""
@@ -158,6 +186,7 @@ class InputProcessor:
                     sampling_seed=seed,
                     parent_id=request_id if is_parent else None,
                     lora_request=lora_request,
+                    mm_features=mm_features,
                 )
             )
         return requests

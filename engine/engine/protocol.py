@@ -12,11 +12,32 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
 from xlaserve.core.request import Request
 from xlaserve.lora_request import LoRARequest
 from xlaserve.pooling_params import PoolingParams
 from xlaserve.sampling_params import SamplingParams
+
+
+class ImageFeature(msgspec.Struct, array_like=True):
+    """A `MultiModalFeature` on the wire: its pixels as float32 bytes of `shape`."""
+
+    modality: str
+    mm_hash: str
+    offset: int
+    length: int
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def from_feature(cls, f: MultiModalFeature) -> ImageFeature:
+        pixels = np.ascontiguousarray(f.data, np.float32)
+        return cls(f.modality, f.mm_hash, f.offset, f.length, list(pixels.shape), pixels.tobytes())
+
+    def to_feature(self) -> MultiModalFeature:
+        pixels = np.frombuffer(self.data, np.float32).reshape(self.shape)
+        return MultiModalFeature(self.modality, self.mm_hash, self.offset, self.length, pixels)
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -33,6 +54,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     parent_id: str | None = None
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None  # a pooling request (runner="pooling")
+    mm_features: list[ImageFeature] = msgspec.field(default_factory=list)  # a vision-language prompt's images
 
     @classmethod
     def from_request(cls, request: Request) -> EngineCoreRequest:
@@ -48,6 +70,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
             request.parent_id,
             request.lora_request,
             request.pooling_params,
+            [ImageFeature.from_feature(f) for f in request.mm_features],
         )
 
     def to_request(self) -> Request:
@@ -63,6 +86,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
             parent_id=self.parent_id,
             lora_request=self.lora_request,
             pooling_params=self.pooling_params,
+            mm_features=[f.to_feature() for f in self.mm_features],
         )
 
 

@@ -18,6 +18,7 @@ import os
 import signal
 
 from xlaserve.config import EngineConfig
+from xlaserve.engine.media import MediaPolicy
 from xlaserve.entrypoints.arg_utils import (
     add_tool_args,
     auto_tool_choice,
@@ -104,6 +105,17 @@ def add_parser(sub, add_engine_args) -> None:
         "API key; needs the grpc extra",
     )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="image parts may name file:// URLs under this directory (default: none may)",
+    )
+    g.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=[],
+        help="hosts whose http(s):// image URLs the server downloads (default: none; data: URLs always work)",
+    )
     add_tool_args(p)
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument(
@@ -254,6 +266,9 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         enable_admin_api=args.enable_admin_api,
         max_stored_responses=args.max_stored_responses,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        media_policy=MediaPolicy(
+            args.allowed_local_media_path, tuple(d.lower() for d in args.allowed_media_domains)
+        ),
         **args.tool_options,
         loras=loras,
     )

@@ -15,7 +15,9 @@ from tqdm import tqdm
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.request import FinishReason
+from xlaserve.engine.media import MediaPolicy, load_image
 from xlaserve.engine.metrics import EngineMetrics, Metric
+from xlaserve.engine.mm_processor import MultiModalProcessor, flatten_content
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import start_engine
@@ -93,6 +95,9 @@ class LLM:
             self.config.model.seed,
             pooling_task=model_info.pooling_task,
             hidden_size=model_info.hidden_size,
+            mm_processor=MultiModalProcessor.for_model(
+                self.config.model.model, self.tokenizer, self.config.model.limit_mm_per_prompt
+            ),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
@@ -118,21 +123,28 @@ class LLM:
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt (a string, {"prompt": ...} or {"prompt_token_ids": [...]}); outputs
-        come back in input order. `lora_request`: one adapter for every prompt, or one (or None: the
-        base model) per prompt; needs enable_lora=True."""
-        self._require_runner("generate", "generate()")
+        """Complete each prompt (a string, {"prompt": ...} or {"prompt_token_ids": [...]}; for a
+        vision-language model {"prompt": text with a placeholder per image, "multi_modal_data":
+        {"image": PIL.Image | list}}); outputs come back in input order. `lora_request`: one adapter for
+        every prompt, or one (or None: the base model) per prompt; needs enable_lora=True."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params = self._broadcast_params(sampling_params, len(prompts))
-        loras = self._broadcast_loras(lora_request, len(prompts))
-        tokenized = [self.input_processor.tokenize(p) for p in prompts]
-        for (_, ids), p in zip(tokenized, params):  # validate everything before adding anything
+        tokenized = [self.input_processor.process(p) for p in prompts]
+        return self._generate(
+            tokenized, sampling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request
+        )
+
+    def _generate(self, tokenized, sampling_params, *, use_tqdm, priority=None, lora_request=None):
+        """`tokenized`: (text, ids, images) per prompt (InputProcessor.process)."""
+        self._require_runner("generate", "generate()")
+        params = self._broadcast_params(sampling_params, len(tokenized))
+        loras = self._broadcast_loras(lora_request, len(tokenized))
+        for (_, ids, _), p in zip(tokenized, params):  # validate everything before adding anything
             self.input_processor.validate_prompt(ids)
             self.input_processor.validate_params(p)
         for lora in {lora for lora in loras if lora is not None}:
             self.engine_core.check_lora(lora)
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        priorities = list(priority) if priority is not None else [0] * len(tokenized)
         return self._run(tokenized, params, priorities, use_tqdm, loras)
 
     def chat(
@@ -145,20 +157,26 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        """Generate replies to one conversation or a list of them, through the model's chat template.
+        A vision-language model takes OpenAI's content parts: `image_url` (a data: URL) and `image_pil`
+        (a PIL.Image) beside `text`."""
         self._require_tokenizer("chat()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
+        mm = self.input_processor.mm_processor
         for conversation in conversations:
+            conversation, images = flatten_content(
+                conversation, mm and mm.placeholder, lambda url, field: load_image(url, MediaPolicy(), field)
+            )
             text = self.tokenizer.apply_chat_template(
                 conversation,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
             )
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+            prompt = {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+            prompts.append(self.input_processor.process(prompt, add_special_tokens=False))
+        return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated (n must be 1)."""
@@ -376,9 +394,9 @@ class LLM:
         order: dict[str, int] = {}
         added: list[str] = []
         try:
-            for i, ((text, ids), p, prio, lora) in enumerate(zip(tokenized, params, priorities, loras)):
+            for i, ((text, ids, mm), p, prio, lora) in enumerate(zip(tokenized, params, priorities, loras)):
                 request_id = str(next(self._request_counter))
-                added += self._add_request(request_id, text, ids, p, prio, lora_request=lora)
+                added += self._add_request(request_id, text, ids, p, prio, lora_request=lora, mm_features=mm)
                 order[request_id] = i
             results: list[RequestOutput | None] = [None] * len(order)
             with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -403,10 +421,17 @@ class LLM:
         priority: int,
         output_kind: str = "final",
         lora_request: LoRARequest | None = None,
+        mm_features=(),
     ) -> list[str]:
         now = time.time()
         requests = self.input_processor.make_requests(
-            request_id, ids, params, arrival_time=now, priority=priority, lora_request=lora_request
+            request_id,
+            ids,
+            params,
+            arrival_time=now,
+            priority=priority,
+            lora_request=lora_request,
+            mm_features=mm_features,
         )
         self.output_processor.add_requests(request_id, requests, text, ids, now, output_kind)
         for request in requests:

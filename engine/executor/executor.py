@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from xlaserve.config import EngineConfig
+from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
 from xlaserve.core.kv_cache_spec import KVCacheGroup, context_blocks
 from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
@@ -107,6 +108,11 @@ class Executor:
     def is_encoder(self) -> bool:
         """An encoder's prompt runs whole in one step (no chunked prefill)."""
         return self.runner.pooler is not None and self.runner.pooler.is_encoder
+
+    @property
+    def encoder_cache_layout(self) -> EncoderCacheLayout | None:
+        """The device's encoder cache of a vision-language model (worker/mm_encoder.py); None: text only."""
+        return self.runner.encoder_cache_layout
 
     # -- LoRA (worker/lora_manager.py) ---------------------------------------------------------------
 

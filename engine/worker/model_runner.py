@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.config import EngineConfig
+from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
 from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
@@ -51,6 +52,7 @@ from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_
 from xlaserve.worker.kv_cache_groups import kv_cache_groups
 from xlaserve.worker.kv_offload import make_kv_connector_worker
 from xlaserve.worker.lora_manager import LoRAManager
+from xlaserve.worker.mm_encoder import make_mm_hook
 from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.pooler import Pooler, PoolingHook
 from xlaserve.worker.program import Program
@@ -162,7 +164,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         # The host's KV cache groups (core/kv_cache_spec.py), from the model's cache spec.
-        self.kv_cache_groups = kv_cache_groups(self.kv_spec, self.block_size)
+        self.kv_cache_groups = kv_cache_groups(self.kv_spec, self.model_config, config)
         # Each a Program (worker/program.py): a step calls the executable warm-up loaded or compiled
         # for its shapes; the weights (and the KV cache) lead, outside the per-call signature. Each
         # traces under the engine's batch invariance (kernels/invariant.py).
@@ -203,6 +205,10 @@ class ModelRunner:
             *([DraftModelHook(self.drafter)] if self.drafter is not None else []),
             *([PoolingHook(self.pooler)] if self.pooler is not None else []),
         ]
+        # A vision-language model's images: encoded into a device cache, merged at their placeholders.
+        self.mm_encoder = make_mm_hook(self)
+        if self.mm_encoder is not None:
+            self.hooks.append(self.mm_encoder)
         # A draft model writes K/V for k positions past each step's tokens (slots the scheduler adds).
         self.num_lookahead_tokens = self.num_spec_tokens if self.drafter is not None else 0
         self.num_blocks = num_kv_blocks(
@@ -268,6 +274,11 @@ class ModelRunner:
         program takes them as arguments, so nothing recompiles."""
         self.params = params
         self.head_params = (params, head_dv)
+
+    @property
+    def encoder_cache_layout(self) -> EncoderCacheLayout | None:
+        """The device encoder cache's slots (worker/mm_encoder.py); None: a text-only model."""
+        return None if self.mm_encoder is None else self.mm_encoder.layout
 
     def kv_bytes_per_block(self) -> int:
         return bytes_per_block(self.kv_spec, self.block_size, self.backend.cache_dtype(self.dtype))

@@ -42,6 +42,12 @@ from xlaserve.entrypoints.serving.engine_io import (
     tokenize_text,
 )
 from xlaserve.entrypoints.serving.errors import bad_request
+from xlaserve.entrypoints.serving.multimodal import (
+    check_image_parts,
+    image_parts,
+    load_images,
+    process_images,
+)
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 from xlaserve.entrypoints.serving.tools import plan_tools
@@ -120,6 +126,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     plan = plan_tools(req, state.enable_auto_tool_choice)
+    parts = image_parts(req.messages)
+    check_image_parts(state, parts)  # before any image is read
+    images = await load_images(state, parts) if parts else []
     text = apply_chat_template(
         state,
         req.messages,
@@ -128,7 +137,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         req.tools,
         req.chat_template_kwargs,
     )
-    ids = tokenize_text(state.engine, text, False, "messages")
+    mm_features = []
+    if images:
+        ids, mm_features = await process_images(state, text, images)
+    else:
+        ids = tokenize_text(state.engine, text, False, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     check_context(state.engine, len(ids), max_tokens, "messages")
     top_n = (req.top_logprobs or 0) if req.logprobs else None
@@ -144,6 +157,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         priority=req.priority,
         cache_salt=req.cache_salt,
         lora_request=state.lora_request(req.model),
+        mm_features=mm_features,
     )
     created = int(time.time())
     parsers = [choice_parser(state, req, plan, ids) for _ in range(req.n)]

@@ -154,6 +154,23 @@ class TextContentPart(StrictModel):
     text: Text
 
 
+class ImageURL(StrictModel):
+    url: str = Field(
+        max_length=32 * 1024 * 1024, description="a data: URL, or an allowed file:// or http(s):// URL"
+    )
+    detail: Literal["auto", "low", "high"] | None = None  # accepted (OpenAI's); the processor decides
+
+
+class ImageURLContentPart(StrictModel):
+    """An image for a vision-language model (engine/engine/media.py: where it may come from)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageURLContentPart, Field(discriminator="type")]
+
+
 # OpenAI's function names: what a call's "name" may hold.
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_TOOLS = 128
@@ -174,7 +191,7 @@ class ToolCallParam(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = Field(default=None, max_length=256)
     tool_calls: Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)] | None = None  # assistant
     tool_call_id: Text | None = Field(default=None, min_length=1, max_length=256)  # tool: the call answered

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from xlaserve.engine.async_llm import AsyncLLM
+from xlaserve.engine.media import MediaPolicy
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.lora import LoRARegistry
 from xlaserve.entrypoints.serving.reasoning import ReasoningParser
@@ -30,6 +31,8 @@ class ServerState:
     enable_admin_api: bool = False  # --enable-admin-api (with --api-key): serving/admin.py's routes
     max_stored_responses: int = 1000  # --max-stored-responses: the Responses API's LRU store
     enable_tokenizer_info_endpoint: bool = False  # --enable-tokenizer-info-endpoint: GET /tokenizer_info
+    # Where image parts' URLs may point (--allowed-local-media-path, --allowed-media-domains).
+    media_policy: MediaPolicy = field(default_factory=MediaPolicy)
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model."""

@@ -1,0 +1,136 @@
+"""Images from requests: where they may come from, and how large they may be, checked before decoding.
+
+An image part's URL is a `data:` URL (base64), a `file://` path under the allowed local directory, or an
+`http(s)://` URL whose host the server allows (`--allowed-media-domains`); anything else is refused.
+Pillow reads an image's size from its header without decoding the pixels, so a 10k x 10k image (or a
+few bytes claiming to be one) is refused by `MAX_IMAGE_PIXELS` before any pixel memory is taken.
+Every refusal is a `MediaError` naming the request's field. Blocking work (decoding, reading files):
+the server calls these from a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+
+from PIL import Image, UnidentifiedImageError
+
+# 40 megapixels (e.g. 8000 x 5000): well past any vision encoder's input, far under Pillow's own
+# decompression-bomb bound (~89M), and ~120 MB as RGB once decoded.
+MAX_IMAGE_PIXELS = 40_000_000
+# Smaller images are refused: Hugging Face's processors guess the channel axis from the array's shape,
+# and a side of 1 or 3 pixels reads as a channel axis.
+MIN_IMAGE_SIDE = 4
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an encoded image (data URL, file or download)
+_FETCH_TIMEOUT_S = 10.0
+
+
+class MediaError(ValueError):
+    """An image a request cannot use; `field` names it (e.g. messages[0].content[1].image_url)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Where images may come from (vLLM's --allowed-local-media-path and --allowed-media-domains)."""
+
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+
+
+def load_image(url: str, policy: MediaPolicy, field: str) -> Image.Image:
+    """The RGB image an image part's URL names (module doc: which URLs, which sizes)."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        data = _data_url_bytes(url, field)
+    elif scheme == "file":
+        data = _file_bytes(url, policy, field)
+    elif scheme in ("http", "https"):
+        data = _fetch(url, policy, field)
+    else:
+        raise MediaError(
+            "the image URL must be a data: URL (base64), or an allowed file:// or http(s):// URL", field
+        )
+    return decode_image(data, field)
+
+
+def decode_image(data: bytes, field: str) -> Image.Image:
+    """Encoded bytes -> an RGB image; its size is checked from the header before the pixels are decoded."""
+    try:
+        image = Image.open(io.BytesIO(data))  # reads the header only
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise MediaError(
+            "the data is not an image Pillow can read (PNG, JPEG, WebP, GIF, ...)", field
+        ) from None
+    return check_image(image, field, decode=True)
+
+
+def check_image(image: Image.Image, field: str, *, decode: bool = False) -> Image.Image:
+    """`image` (a PIL image) within the size limits, as RGB; `decode`: its pixels are read here."""
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise MediaError(
+            f"the image is {width}x{height} ({width * height} pixels); at most {MAX_IMAGE_PIXELS} pixels",
+            field,
+        )
+    if min(width, height) < MIN_IMAGE_SIDE:
+        raise MediaError(
+            f"the image is {width}x{height}; each side must be at least {MIN_IMAGE_SIDE} pixels", field
+        )
+    try:
+        if decode:
+            image.load()
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        raise MediaError("the image data is corrupt or truncated", field) from None
+
+
+def _data_url_bytes(url: str, field: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.lower().endswith(";base64"):
+        raise MediaError("a data URL must be data:<media type>;base64,<data>", field)
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise MediaError(f"the image is larger than {MAX_IMAGE_BYTES} bytes", field)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError("the data URL's payload is not valid base64", field) from None
+
+
+def _file_bytes(url: str, policy: MediaPolicy, field: str) -> bytes:
+    root = policy.allowed_local_media_path
+    if root is None:
+        raise MediaError("file:// URLs are refused: the server has no --allowed-local-media-path", field)
+    path = os.path.realpath(urllib.parse.unquote(urllib.parse.urlparse(url).path))
+    root = os.path.realpath(root)
+    if os.path.commonpath([path, root]) != root:
+        raise MediaError("the file is outside --allowed-local-media-path", field)
+    try:
+        if os.path.getsize(path) > MAX_IMAGE_BYTES:
+            raise MediaError(f"the image is larger than {MAX_IMAGE_BYTES} bytes", field)
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        raise MediaError("the file cannot be read", field) from None
+
+
+def _fetch(url: str, policy: MediaPolicy, field: str) -> bytes:
+    host = (urllib.parse.urlparse(url).hostname or "").lower()
+    if host not in policy.allowed_media_domains:
+        raise MediaError(f"the host {host!r} is not in --allowed-media-domains", field)
+    try:
+        with urllib.request.urlopen(url, timeout=_FETCH_TIMEOUT_S) as response:  # noqa: S310 - allow-listed
+            data = response.read(MAX_IMAGE_BYTES + 1)
+    except OSError:
+        raise MediaError("the image could not be downloaded", field) from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise MediaError(f"the image is larger than {MAX_IMAGE_BYTES} bytes", field)
+    return data

@@ -1,0 +1,167 @@
+"""A vision-language model's inputs, made in the front end with the model's own Hugging Face processor.
+
+The prompt's text holds one image placeholder (`<image>` for LLaVA) per image; the processor expands
+each into the model's `tokens_per_image` image tokens and turns the images into pixel values. Each image
+becomes a `MultiModalFeature` (core/multimodal.py): where its tokens sit, its pixels and their content
+hash. Chat messages' content parts are flattened to text with a placeholder where each image was
+(`flatten_content`), so any chat template renders them. No jax; the engine core's step never decodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import numpy as np
+from PIL import Image
+
+from xlaserve.config import parse_mm_limits
+from xlaserve.core.multimodal import MultiModalFeature, hash_pixels
+from xlaserve.engine.media import MediaError, check_image
+
+# Architectures whose images this processor prepares (the registry's vision-language families).
+VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+
+
+class MultiModalProcessor:
+    def __init__(self, hf_processor, image_token_id: int, tokens_per_image: int, max_images: int):
+        self.hf_processor = hf_processor
+        self.placeholder = hf_processor.image_token  # the text standing for one image, e.g. "<image>"
+        self.image_token_id = image_token_id
+        self.tokens_per_image = tokens_per_image
+        self.max_images = max_images
+
+    @classmethod
+    def for_model(cls, model: str | None, tokenizer, limit_mm_per_prompt=None) -> MultiModalProcessor | None:
+        """The processor of a vision-language model's directory; None for a text-only model (or a
+        .gguf file, the embedded model, no tokenizer)."""
+        model_dir = os.path.expanduser(model) if model else None
+        config_path = (
+            os.path.join(model_dir, "config.json") if model_dir and os.path.isdir(model_dir) else None
+        )
+        if config_path is None or not os.path.exists(config_path) or tokenizer is None:
+            return None
+        with open(config_path) as f:
+            hf_config = json.load(f)
+        if (hf_config.get("architectures") or [""])[0] not in VISION_LANGUAGE_ARCHITECTURES:
+            return None
+        processor = _llava_processor(model_dir, tokenizer)
+        vision = hf_config["vision_config"]
+        num_patches = (vision["image_size"] // vision["patch_size"]) ** 2
+        keeps_cls = hf_config.get("vision_feature_select_strategy", "default") == "full"
+        image_token_id = hf_config.get("image_token_index", hf_config.get("image_token_id"))
+        limits = parse_mm_limits(limit_mm_per_prompt)
+        return cls(processor, image_token_id, num_patches + int(keeps_cls), limits["image"])
+
+    def process(
+        self,
+        text: str,
+        images: list,
+        *,
+        add_special_tokens: bool = True,
+        field: str = "multi_modal_data.image",
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """(the prompt's ids with each placeholder expanded, one feature per image, in order)."""
+        if len(images) > self.max_images:
+            raise ValueError(
+                f"{field}: {len(images)} images in one prompt; at most {self.max_images} "
+                "(--limit-mm-per-prompt)"
+            )
+        images = [
+            check_image(_as_pil(image, f"{field}[{i}]"), f"{field}[{i}]") for i, image in enumerate(images)
+        ]
+        num_placeholders = text.count(self.placeholder)
+        if num_placeholders != len(images):
+            raise ValueError(
+                f"{field}: the prompt has {num_placeholders} {self.placeholder} placeholders for "
+                f"{len(images)} images"
+            )
+        out = self.hf_processor(
+            text=text, images=images or None, return_tensors="np", add_special_tokens=add_special_tokens
+        )
+        ids = out["input_ids"][0].astype(np.int64)
+        n = self.tokens_per_image
+        positions = np.flatnonzero(ids == self.image_token_id)
+        if len(positions) != n * len(images):  # the text itself spelled the image token
+            raise ValueError(f"{field}: the prompt's text holds image tokens of its own")
+        features = []
+        for i in range(len(images)):
+            offset = int(positions[i * n])
+            if positions[i * n + n - 1] != offset + n - 1:
+                raise ValueError(f"{field}: image {i}'s tokens are not contiguous")
+            pixels = np.asarray(out["pixel_values"][i], np.float32)  # [C, H, W]
+            features.append(MultiModalFeature("image", hash_pixels(pixels), offset, n, pixels))
+        return ids.tolist(), features
+
+
+def _as_pil(image, field: str):
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, np.ndarray) and image.ndim == 3 and image.dtype == np.uint8:
+        return Image.fromarray(image)
+    raise MediaError("an image must be a PIL.Image or a uint8 numpy array [H, W, C]", field)
+
+
+def _llava_processor(model_dir: str, tokenizer):
+    """LlavaProcessor over a Pillow image processor (transformers' torchvision one is not used)."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    settings = {}
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                settings |= json.load(f)
+    image_settings = settings.pop("image_processor", None) or settings
+    skip = ("image_processor_type", "processor_class", "_processor_class", "auto_map")
+    image_processor = CLIPImageProcessorPil(**{k: v for k, v in image_settings.items() if k not in skip})
+    kwargs = {
+        k: settings[k]
+        for k in (
+            "patch_size",
+            "vision_feature_select_strategy",
+            "num_additional_image_tokens",
+            "image_token",
+        )
+        if k in settings
+    }
+    return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, **kwargs)
+
+
+def flatten_content(
+    messages: list[dict], placeholder: str | None, load: Callable[[str, str], object], field: str = "messages"
+) -> tuple[list[dict], list]:
+    """OpenAI chat messages whose content may be a list of parts -> (messages with text content, images).
+
+    Text parts are joined; each `image_url` part becomes `placeholder` + a newline, and `load(url,
+    part_field)` its image. `placeholder` None (a text-only model): an image part is a ValueError
+    naming it."""
+    out, images = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        pieces = []
+        for j, part in enumerate(content):
+            part_field = f"{field}[{i}].content[{j}]"
+            kind = part.get("type")
+            if kind == "text":
+                pieces.append(part.get("text", ""))
+            elif kind in ("image_url", "image_pil"):
+                if placeholder is None:
+                    raise MediaError(
+                        "this model takes text only: image parts are not supported", f"{part_field}"
+                    )
+                if kind == "image_pil":
+                    images.append(part["image_pil"])
+                else:
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    images.append(load(str(url), f"{part_field}.image_url"))
+                pieces.append(placeholder + "\n")
+            else:
+                raise MediaError(f"unsupported content part type {kind!r}", f"{part_field}.type")
+        out.append({**message, "content": "".join(pieces)})
+    return out, images

@@ -1,0 +1,167 @@
+"""Images through the real server: /v1/chat/completions with `image_url` parts (the official openai
+client, data URLs) against Hugging Face's LLaVA, and hostile images, each a 400 in OpenAI's error shape
+naming the part, the server serving afterwards. One module server: a tiny LLaVA, float32, two buckets,
+at most 2 images per prompt, file:// allowed under one directory, one allowed (unreachable) domain."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import httpx
+import openai
+import pytest
+from test_server_hostile import check_error, check_still_serving, send
+
+from helpers.server_harness import MODEL_NAME, running_server
+from helpers.tiny_vlm import data_url, random_image, save_tiny_llava
+
+NAME = "tiny-llava"
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("media")
+    random_image(7).save(path / "cat.png")
+    return path
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, server_cache_dir, media_dir):
+    model = save_tiny_llava(str(tmp_path_factory.mktemp("tiny-llava-server")))
+    flags = ["--served-model-name", NAME, "--max-model-len", "128", "--max-num-seqs", "4",
+             "--max-num-batched-tokens", "32", "--block-size", "16", "--kv-cache-memory", str(2**22),
+             "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path", str(media_dir),
+             "--allowed-media-domains", "images.example.com"]  # fmt: skip
+    with running_server(
+        str(tmp_path_factory.mktemp("vlm-logs")), server_cache_dir, extra_args=flags, model=model
+    ) as proc:
+        with httpx.Client(base_url=proc.url, timeout=120) as client:
+            yield proc, client, model
+
+
+def _chat(*parts, model=NAME):
+    content = [{"type": "text", "text": "What is it? "}, *parts]
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _hf_tokens(model_dir: str, image) -> list[int]:
+    import torch
+    import transformers
+
+    from xlaserve.engine.mm_processor import MultiModalProcessor
+
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = MultiModalProcessor.for_model(
+        model_dir, transformers.AutoTokenizer.from_pretrained(model_dir)
+    )
+    text = processor.hf_processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is it? <image>\n"}], add_generation_prompt=True, tokenize=False
+    )
+    inputs = processor.hf_processor(text=text, images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=4, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_openai_client_sends_a_data_url_image(vlm):
+    proc, _, model_dir = vlm
+    image = random_image(5)
+    client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none")
+    response = client.chat.completions.create(**_chat(_image(data_url(image))))
+    assert response.choices[0].finish_reason == "length"
+    hf_text = _decode(model_dir, _hf_tokens(model_dir, image))
+    assert response.choices[0].message.content == hf_text
+    assert response.usage.prompt_tokens > 16  # the 16 image tokens are counted
+
+
+def _decode(model_dir: str, ids: list[int]) -> str:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model_dir).decode(ids, skip_special_tokens=True)
+
+
+def test_a_local_file_under_the_allowed_path_is_read(vlm, media_dir):
+    _, client, _ = vlm
+    response = client.post("/v1/chat/completions", json=_chat(_image((media_dir / "cat.png").as_uri())))
+    assert response.status_code == 200, response.text
+
+
+def _huge_png_header(width: int, height: int) -> bytes:
+    """A few hundred bytes of PNG whose header claims width x height (Pillow reads the size lazily)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\x00" * 64)  # the first rows' start; the rest is never there
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def _truncated_png() -> bytes:
+    buffer = io.BytesIO()
+    random_image(3).save(buffer, format="PNG")
+    return buffer.getvalue()[:80]
+
+
+def _b64(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+PART = "messages[0].content[1].image_url"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("data:image/png;base64,!!!not-base64", "not valid base64"),
+        (_b64(b"plain text, not an image at all"), "not an image"),
+        (_b64(_huge_png_header(10_000, 10_000)), "at most 40000000 pixels"),
+        (_b64(_truncated_png()), "corrupt or truncated"),
+        ("https://evil.example.net/cat.png", "not in --allowed-media-domains"),
+        ("file:///etc/passwd", "outside --allowed-local-media-path"),
+        ("ftp://images.example.com/cat.png", "must be a data: URL"),
+    ],
+)
+def test_hostile_images_are_a_400_naming_the_part(vlm, url, message):
+    _, client, _ = vlm
+    response, port = send(client, "/v1/chat/completions", _chat(_image(url)))
+    error = check_error(response, 400, PART)
+    assert message in error["message"]
+    check_still_serving(client, port)
+
+
+def test_a_1x1_image_is_refused(vlm):
+    _, client, _ = vlm
+    response, port = send(client, "/v1/chat/completions", _chat(_image(data_url(random_image(1, (1, 1))))))
+    assert "at least 4 pixels" in check_error(response, 400, PART)["message"]
+    check_still_serving(client, port)
+
+
+def test_more_images_than_the_limit_are_refused(vlm):
+    _, client, _ = vlm
+    url = data_url(random_image(2))
+    response, port = send(client, "/v1/chat/completions", _chat(_image(url), _image(url), _image(url)))
+    error = check_error(response, 400, "messages[0].content[3].image_url")
+    assert "at most 2 (--limit-mm-per-prompt)" in error["message"]
+    check_still_serving(client, port)
+
+
+def test_an_image_part_to_a_text_only_model_is_refused(server):
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as client:
+        response, port = send(
+            client, "/v1/chat/completions", _chat(_image(data_url(random_image(2))), model=MODEL_NAME)
+        )
+        assert "takes text only" in check_error(response, 400, PART)["message"]
+        check_still_serving(client, port)

@@ -1,0 +1,100 @@
+"""A tiny random LLaVA (CLIP vision tower, projector, Llama) with its processor, written offline.
+
+The images are 32x32 (patches of 8: 16 image tokens each), the vocabulary the small byte-level one
+plus `<image>`: cheap programs, so a test engine warms up in seconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+
+import numpy as np
+
+IMAGE_SIZE = 32
+TOKENS_PER_IMAGE = 16
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def save_tiny_llava(directory: str, *, seed: int = 0) -> str:
+    """A random LlavaForConditionalGeneration (float32 safetensors), its tokenizer and LlavaProcessor
+    (CLIPImageProcessorPil) in `directory`."""
+    import torch
+    import transformers
+
+    from helpers.tiny_models import small_byte_tokenizer
+
+    tokenizer = small_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=8,
+        projection_dim=32,
+    )
+    text = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token_id,
+        image_seq_length=TOKENS_PER_IMAGE,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so logits are not all near-ties
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    processor = make_processor(tokenizer)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def make_processor(tokenizer):
+    import transformers
+
+    image_processor = transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    return transformers.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def random_image(seed: int, size: tuple[int, int] = (40, 48)):
+    """A PIL image of noise (width, height)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def data_url(image, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
