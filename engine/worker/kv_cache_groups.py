@@ -3,24 +3,51 @@
 The model class says what its cache arrays are (`kv_cache_spec`: K and V, MLA's latent, or a state
 per slot); the scheduler's bookkeeping needs only each group's kind (core/kv_cache_spec.py). This is
 the one place that maps the first onto the second, so neither the runner nor the core branches on a
-model's layer kinds.
+model's layer kinds, and where what a kind cannot do yet is refused, by the field that asks for it.
 """
 
 from __future__ import annotations
 
-from xlaserve.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup, StateSpec
+from xlaserve.config import EngineConfig
+from xlaserve.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, StateSpec
+from xlaserve.models.config import TransformerConfig
 
-# Device spec `layer_kind` -> the core's group spec class.
-_GROUP_SPECS = {"full_attention": FullAttentionSpec, "state": StateSpec}
 
-
-def kv_cache_groups(kv_spec, block_size: int) -> tuple[KVCacheGroup, ...]:
-    """One group of every layer, of the kind the model's cache spec declares."""
-    try:
-        spec_class = _GROUP_SPECS[kv_spec.layer_kind]
-    except KeyError:
+def kv_cache_groups(
+    kv_spec, model_config: TransformerConfig, config: EngineConfig
+) -> tuple[KVCacheGroup, ...]:
+    """One group of every layer, of the kind the model's cache spec declares. Attention layers that
+    all slide by one window form a sliding-window group, whose blocks behind the window go back to
+    the pool. (Layers of mixed kinds, Gemma's, stay one full-attention group: each kind's block table
+    reaching the step is a later change.)"""
+    block_size = config.cache.block_size
+    layers = tuple(range(kv_spec.num_layers))
+    if kv_spec.layer_kind == "state":
+        _check_state_features(config)
+        return (KVCacheGroup(StateSpec(block_size), layers),)
+    if kv_spec.layer_kind != "full_attention":
         raise ValueError(
-            f"kv_cache_spec.layer_kind {kv_spec.layer_kind!r} is not supported: expected one of "
-            f"{sorted(_GROUP_SPECS)}"
-        ) from None
-    return (KVCacheGroup(spec_class(block_size), tuple(range(kv_spec.num_layers))),)
+            f"kv_cache_spec.layer_kind {kv_spec.layer_kind!r} is not supported: "
+            "expected 'full_attention' or 'state'"
+        )
+    windows = set(model_config.layer_sliding_windows)
+    # A draft model reads the same block table with layers of its own, which may not slide.
+    has_draft_model = config.speculative is not None and config.speculative.method == "draft_model"
+    if len(windows) == 1 and None not in windows and not has_draft_model:
+        return (KVCacheGroup(SlidingWindowSpec(block_size, sliding_window=windows.pop()), layers),)
+    return (KVCacheGroup(FullAttentionSpec(block_size), layers),)
+
+
+def _check_state_features(config: EngineConfig) -> None:
+    """What a recurrent state cannot serve yet: rejected drafts (their state would need rolling back)
+    and a float8 cache (the state is kept in the model's dtype)."""
+    if config.speculative is not None:
+        raise ValueError(
+            "speculative_config: speculative decoding is not supported for models with state-space "
+            "layers (a rejected draft's state is not rolled back yet); remove speculative_config"
+        )
+    if config.cache.kv_cache_dtype != "auto":
+        raise ValueError(
+            f"kv_cache_dtype={config.cache.kv_cache_dtype!r} is not supported for models with state-space "
+            "layers; use kv_cache_dtype='auto'"
+        )

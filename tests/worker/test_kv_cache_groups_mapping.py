@@ -1,0 +1,44 @@
+"""worker/kv_cache_groups.py: a model's cache spec and layers -> the core's KV cache groups, and what a
+state-keeping model refuses by the field that asks for it (no engine is built)."""
+
+from __future__ import annotations
+
+import pytest
+
+from xlaserve.config import EngineConfig
+from xlaserve.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, StateSpec
+from xlaserve.models.loader import complete_config
+from xlaserve.models.registry import get_model_class, model_config_from_hf
+from xlaserve.worker.kv_cache_groups import kv_cache_groups
+
+ATTENTION = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 3,
+             "num_attention_heads": 2}  # fmt: skip
+MAMBA2 = {"architectures": ["Mamba2ForCausalLM"], "vocab_size": 64, "hidden_size": 16, "expand": 2,
+          "num_heads": 4, "head_dim": 8, "state_size": 4, "n_groups": 1, "num_hidden_layers": 2}  # fmt: skip
+
+
+def groups_of(hf: dict, **engine_kwargs):
+    model_config = model_config_from_hf(complete_config(dict(hf)))
+    kv_spec = get_model_class(model_config.architecture or "LlamaForCausalLM").kv_cache_spec(model_config)
+    return kv_cache_groups(
+        kv_spec, model_config, EngineConfig.from_kwargs(None, block_size=8, **engine_kwargs)
+    )
+
+
+def test_layer_kinds_map_to_group_specs():
+    (llama,) = groups_of({**ATTENTION, "architectures": ["LlamaForCausalLM"]})
+    assert llama.spec == FullAttentionSpec(8) and llama.layer_ids == (0, 1, 2)
+    mistral = {**ATTENTION, "architectures": ["MistralForCausalLM"], "sliding_window": 12}
+    assert groups_of(mistral)[0].spec == SlidingWindowSpec(8, sliding_window=12)
+    # Gemma 2's layers alternate: one table for both kinds, so nothing is freed yet.
+    gemma = {**ATTENTION, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 12}
+    assert groups_of(gemma)[0].spec == FullAttentionSpec(8)
+    (mamba,) = groups_of(MAMBA2)
+    assert mamba.spec == StateSpec(8) and mamba.layer_ids == (0, 1)
+
+
+def test_a_state_model_refuses_speculation_and_a_float8_cache():
+    with pytest.raises(ValueError, match="speculative_config"):
+        groups_of(MAMBA2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+        groups_of(MAMBA2, kv_cache_dtype="fp8")
