@@ -124,16 +124,19 @@ def ragged_ssd(
     initial_states: jax.Array,  # [R, H, P, N] float32
     *,
     chunk_size: int,
+    chunk_terms=None,
 ) -> tuple[jax.Array, jax.Array]:
     """y_t = C_t . h_t + D x_t with h_t = exp(dt_t a) h_{t-1} + dt_t B_t x_t^T, per sequence.
     Returns (y [T, H, P] float32, final states [R, H, P, N] float32). A decode step (at most one
-    token per sequence) runs the recurrent form; any other the chunked scan."""
+    token per sequence) runs the recurrent form; any other the chunked scan, whose per-chunk part is
+    `chunk_terms` (`chunk_terms_reference`, or the Pallas kernel's: kernels/ssd_pallas.py)."""
+    chunk_terms = chunk_terms or chunk_terms_reference
     num_new = query_start_loc[1:] - query_start_loc[:-1]
     args = (x, dt, a, b, c, d, query_start_loc, initial_states)
     return jax.lax.cond(
         jnp.max(num_new) <= 1,
         lambda *xs: _recurrent(*xs),
-        lambda *xs: _chunked(*xs, chunk_size=chunk_size),
+        lambda *xs: _chunked(*xs, chunk_size=chunk_size, chunk_terms=chunk_terms),
         *args,
     )
 
@@ -158,7 +161,26 @@ def _recurrent(x, dt, a, b, c, d, query_start_loc, initial_states):
     return y, final
 
 
-def _chunked(x, dt, a, b, c, d, query_start_loc, initial_states, *, chunk_size):
+def chunk_terms_reference(
+    xdt: jax.Array,  # [C, Q, H, P]: x * dt
+    cum: jax.Array,  # [C, Q, H]: cumulative dt * a from the chunk's start
+    bh: jax.Array,  # [C, Q, H, N]
+    ch: jax.Array,  # [C, Q, H, N]
+) -> tuple[jax.Array, jax.Array]:
+    """Each chunk on its own (the part the Pallas kernel computes: kernels/ssd_pallas.py):
+    (y within the chunk [C, Q, H, P], the chunk's contribution to the state at its end [C, H, P, N]).
+    y_q = sum_{s <= q} (C_q . B_s) exp(cum_q - cum_s) dt_s x_s."""
+    q = xdt.shape[1]
+    causal = jnp.tril(jnp.ones((q, q), bool))[None, :, :, None]
+    seg = cum[:, :, None, :] - cum[:, None, :, :]  # [C, Q(q), Q(s), H]
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, seg, -jnp.inf)), 0.0)
+    scores = jnp.einsum("cqhn,cshn->cqsh", ch, bh) * decay
+    y = jnp.einsum("cqsh,cshp->cqhp", scores, xdt)
+    to_end = jnp.exp(cum[:, -1:, :] - cum)  # [C, Q, H]
+    return y, jnp.einsum("cqhn,cqh,cqhp->chpn", bh, to_end, xdt)
+
+
+def _chunked(x, dt, a, b, c, d, query_start_loc, initial_states, *, chunk_size, chunk_terms):
     num_tokens, num_heads, head_dim = x.shape
     num_seqs = initial_states.shape[0]
     q = chunk_size
@@ -178,18 +200,7 @@ def _chunked(x, dt, a, b, c, d, query_start_loc, initial_states, *, chunk_size):
     is_first = jnp.zeros((num_chunks,), bool).at[chunk].max(local < q)
 
     cum = jnp.cumsum(dt32 * a[None, None, :], axis=1)  # [C, Q, H]: log-decay from the chunk's start
-    xdt = x32 * dt32[..., None]
-    # Within a chunk: y_q += sum_{s <= q} (C_q . B_s) exp(cum_q - cum_s) dt_s x_s.
-    causal = jnp.tril(jnp.ones((q, q), bool))
-    seg = cum[:, :, None, :] - cum[:, None, :, :]  # [C, Q(q), Q(s), H]
-    decay = jnp.where(
-        causal[None, :, :, None], jnp.exp(jnp.where(causal[None, :, :, None], seg, -jnp.inf)), 0.0
-    )
-    scores = jnp.einsum("cqhn,cshn->cqsh", ch, bh) * decay
-    y = jnp.einsum("cqsh,cshp->cqhp", scores, xdt)
-    # Each chunk's own contribution to the state at its end, and its total decay.
-    to_end = jnp.exp(cum[:, -1:, :] - cum)  # [C, Q, H]
-    local_states = jnp.einsum("cqhn,cqh,cqhp->chpn", bh, to_end, xdt)
+    y, local_states = chunk_terms(x32 * dt32[..., None], cum, bh, ch)
     chunk_decay = jnp.exp(cum[:, -1, :])  # [C, H]
     entering = jnp.concatenate([initial_states.astype(jnp.float32), jnp.zeros_like(initial_states[:1])])
 

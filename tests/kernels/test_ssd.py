@@ -1,13 +1,19 @@
 """Mamba2's ragged conv and SSD scan (kernels/ssd.py) against a float64 numpy recurrence, token by
-token per sequence: chunked (sequences cut mid-chunk, entering states, padding) and decode steps."""
+token per sequence: chunked (sequences cut mid-chunk, entering states, padding) and decode steps;
+and the Pallas per-chunk kernel (kernels/ssd_pallas.py) in interpret mode."""
 
 from __future__ import annotations
 
+import functools
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.kernels.ssd import ragged_causal_conv1d, ragged_ssd
+from xlaserve.kernels.ssd import chunk_terms_reference, ragged_causal_conv1d, ragged_ssd
+from xlaserve.kernels.ssd_pallas import ssd_chunk_terms
 
 H, P, G, N, K, CD = 4, 3, 2, 5, 4, 7
 
@@ -89,3 +95,36 @@ def test_conv_reads_the_state_before_the_step():
     rout, rstate = numpy_conv(x, w, bias, state, qsl)
     np.testing.assert_allclose(np.asarray(out)[: qsl[-1]], rout[: qsl[-1]], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(new_state), rstate, rtol=1e-6, atol=1e-6)
+
+
+def test_pallas_chunk_kernel_matches_the_reference_in_interpret_mode():
+    """The per-chunk kernel against `chunk_terms_reference`, alone and inside the ragged scan."""
+    rng = np.random.default_rng(5)
+    num_chunks, q = 3, 8
+    xdt = rng.normal(size=(num_chunks, q, H, P))
+    cum = np.cumsum(-rng.uniform(0.05, 1.0, (num_chunks, q, H)), axis=1)
+    bh, ch = rng.normal(size=(2, num_chunks, q, H, N))
+    args = [jnp.asarray(v, jnp.float32) for v in (xdt, cum, bh, ch)]
+    for ours, ref in zip(ssd_chunk_terms(*args, interpret=True), chunk_terms_reference(*args)):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cum has shape"):
+        ssd_chunk_terms(args[0], args[1][:, :4], args[2], args[3], interpret=True)
+    k = case([11, 1, 9, 0, 0], 32, seed=5)
+    y, final = ragged_ssd(
+        *(jnp.asarray(k[n], jnp.float32) for n in ("x", "dt", "a", "b", "c", "d")),
+        jnp.asarray(k["qsl"]),
+        jnp.asarray(k["init"], jnp.float32),
+        chunk_size=8,
+        chunk_terms=functools.partial(ssd_chunk_terms, interpret=True),
+    )
+    ry, rfinal = numpy_ssd(*(k[n] for n in ("x", "dt", "a", "b", "c", "d", "qsl", "init")))
+    np.testing.assert_allclose(np.asarray(y)[:21], ry[:21], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(final), rfinal, rtol=2e-5, atol=2e-5)
+
+
+def test_pallas_chunk_kernel_lowers_to_one_triton_call():
+    """Mamba2-130m's chunk shapes (Q 64, P 64, N 128, 24 heads) lower for CUDA on this CPU machine."""
+    shapes = [(4, 64, 24, 64), (4, 64, 24), (4, 64, 24, 128), (4, 64, 24, 128)]
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
+    text = jax.jit(ssd_chunk_terms).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
