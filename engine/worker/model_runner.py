@@ -274,6 +274,8 @@ class ModelRunner:
         program takes them as arguments, so nothing recompiles."""
         self.params = params
         self.head_params = (params, head_dv)
+        if self.mm_encoder is not None:  # images encoded by the old weights are encoded again
+            self.mm_encoder.slot_contents.clear()
 
     @property
     def encoder_cache_layout(self) -> EncoderCacheLayout | None:

@@ -97,6 +97,7 @@ _HOST_ONLY_SETTINGS = {
         "runner",
         "convert",
         "pooler_config",
+        "limit_mm_per_prompt",  # the front end's bound on a prompt's images
     ),
     "cache": (
         "enable_prefix_caching",

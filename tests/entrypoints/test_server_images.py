@@ -16,7 +16,7 @@ import pytest
 from test_server_hostile import check_error, check_still_serving, send
 
 from helpers.server_harness import MODEL_NAME, running_server
-from helpers.tiny_vlm import data_url, random_image, save_tiny_llava
+from helpers.tiny_vlm import ENGINE_ARGS, data_url, random_image, save_tiny_llava
 
 NAME = "tiny-llava"
 
@@ -31,10 +31,11 @@ def media_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory, server_cache_dir, media_dir):
     model = save_tiny_llava(str(tmp_path_factory.mktemp("tiny-llava-server")))
-    flags = ["--served-model-name", NAME, "--max-model-len", "128", "--max-num-seqs", "4",
-             "--max-num-batched-tokens", "32", "--block-size", "16", "--kv-cache-memory", str(2**22),
-             "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path", str(media_dir),
+    flags = ["--served-model-name", NAME, "--limit-mm-per-prompt", '{"image": 2}',
+             "--allowed-local-media-path", str(media_dir),
              "--allowed-media-domains", "images.example.com"]  # fmt: skip
+    for key, value in ENGINE_ARGS.items():  # the offline test's engine (tests/models/test_llava.py)
+        flags += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
     with running_server(
         str(tmp_path_factory.mktemp("vlm-logs")), server_cache_dir, extra_args=flags, model=model
     ) as proc:

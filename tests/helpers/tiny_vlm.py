@@ -13,6 +13,18 @@ import os
 import numpy as np
 
 IMAGE_SIZE = 32
+# The engine the tests run it on (offline and served): float32, steps of 16 tokens (buckets 1, 4, 16),
+# one sequence (one sampler bucket), chunks not capped below the step; nothing compiles after warm-up.
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "max_model_len": 128,
+    "max_num_batched_tokens": 16,
+    "max_num_seqs": 1,
+    "long_prefill_token_threshold": 0,
+    "block_size": 16,
+    "kv_cache_memory": 2**22,
+    "strict_compile_guard": True,
+}
 TOKENS_PER_IMAGE = 16
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -1,16 +1,17 @@
 """LLaVA end to end, offline: a tiny random LlavaForConditionalGeneration against Hugging Face's, the
 encoder cache and image-aware prefix caching. One engine for the module (float32, two token buckets,
-strict compile guard: nothing compiles after warm-up, images included)."""
+strict compile guard: nothing compiles after warm-up, images included). A prompt's chunks are 16
+tokens, so an image's placeholders span two of them."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from helpers.tiny_vlm import TOKENS_PER_IMAGE, data_url, random_image, save_tiny_llava
+from helpers.tiny_vlm import ENGINE_ARGS, TOKENS_PER_IMAGE, data_url, random_image, save_tiny_llava
 from xlaserve import LLM, SamplingParams
 
-BLOCK = 16
+BLOCK = ENGINE_ARGS["block_size"]
 # Text before the image long enough for one whole block of text only.
 PROMPT = "The quick brown fox jumps over the lazy dog 0123456789. <image> What is it?"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -23,17 +24,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=128,
-        max_num_batched_tokens=32,  # a prompt with an image runs in two chunks
-        max_num_seqs=4,
-        block_size=BLOCK,
-        kv_cache_memory=2**22,
-        strict_compile_guard=True,
-        async_scheduling=False,
-    )
+    # The settings of test_server_images.py's server, so that whichever starts second loads the
+    # programs the first stored (tests/helpers/server_harness.py: the suite's program store).
+    return LLM(model_dir, **ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")
