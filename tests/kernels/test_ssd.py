@@ -16,6 +16,9 @@ from xlaserve.kernels.ssd import chunk_terms_reference, ragged_causal_conv1d, ra
 from xlaserve.kernels.ssd_pallas import ssd_chunk_terms
 
 H, P, G, N, K, CD = 4, 3, 2, 5, 4, 7
+# Jitted whole: op by op, each of their small ops would compile on its own (seconds under load).
+ssd = jax.jit(ragged_ssd, static_argnames=("chunk_size", "chunk_terms"))
+conv = jax.jit(ragged_causal_conv1d)
 
 
 def numpy_ssd(x, dt, a, b, c, d, qsl, init):
@@ -60,17 +63,18 @@ def case(lengths, num_tokens, seed):
     )
 
 
+# One shape (32 tokens, 5 sequences) for all three: one compile.
 @pytest.mark.parametrize(
-    "lengths,num_tokens",
+    "lengths",
     [
-        ([11, 1, 9, 0, 0], 32),  # cut mid-chunk, a decode row, padding sequences and tokens
-        ([20], 32),  # one sequence over three chunks
-        ([1, 1, 1, 0], 16),  # decode: the recurrent form
+        [11, 1, 9, 0, 0],  # cut mid-chunk, a decode row, padding sequences and tokens
+        [20, 0, 0, 0, 0],  # one sequence over three chunks
+        [1, 1, 1, 0, 0],  # decode: the recurrent form
     ],
 )
-def test_ssd_matches_float64_recurrence(lengths, num_tokens):
-    k = case(lengths, num_tokens, seed=len(lengths))
-    y, final = ragged_ssd(
+def test_ssd_matches_float64_recurrence(lengths):
+    k = case(lengths, 32, seed=sum(lengths))
+    y, final = ssd(
         *(jnp.asarray(k[n], jnp.float32) for n in ("x", "dt", "a", "b", "c", "d")),
         jnp.asarray(k["qsl"]),
         jnp.asarray(k["init"], jnp.float32),
@@ -89,9 +93,7 @@ def test_conv_reads_the_state_before_the_step():
     x = rng.normal(size=(num_tokens, CD))
     w, bias = rng.normal(size=(CD, K)), rng.normal(size=CD)
     state = rng.normal(size=(len(lengths), K - 1, CD))
-    out, new_state = ragged_causal_conv1d(
-        *(jnp.asarray(v, jnp.float32) for v in (x, w, bias, state)), jnp.asarray(qsl)
-    )
+    out, new_state = conv(*(jnp.asarray(v, jnp.float32) for v in (x, w, bias, state)), jnp.asarray(qsl))
     rout, rstate = numpy_conv(x, w, bias, state, qsl)
     np.testing.assert_allclose(np.asarray(out)[: qsl[-1]], rout[: qsl[-1]], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(new_state), rstate, rtol=1e-6, atol=1e-6)
@@ -110,7 +112,7 @@ def test_pallas_chunk_kernel_matches_the_reference_in_interpret_mode():
     with pytest.raises(ValueError, match="cum has shape"):
         ssd_chunk_terms(args[0], args[1][:, :4], args[2], args[3], interpret=True)
     k = case([11, 1, 9, 0, 0], 32, seed=5)
-    y, final = ragged_ssd(
+    y, final = ssd(
         *(jnp.asarray(k[n], jnp.float32) for n in ("x", "dt", "a", "b", "c", "d")),
         jnp.asarray(k["qsl"]),
         jnp.asarray(k["init"], jnp.float32),
