@@ -39,8 +39,9 @@ def kv_cache_groups(
 
 
 def _check_state_features(config: EngineConfig) -> None:
-    """What a recurrent state cannot serve yet: rejected drafts (their state would need rolling back)
-    and a float8 cache (the state is kept in the model's dtype)."""
+    """What a recurrent state cannot serve yet: rejected drafts (their state would need rolling back),
+    a float8 cache (the state is kept in the model's dtype), and a host tier (it holds prefix-cached
+    K/V blocks, and a state model caches no prefix)."""
     if config.speculative is not None:
         raise ValueError(
             "speculative_config: speculative decoding is not supported for models with state-space "
@@ -50,4 +51,9 @@ def _check_state_features(config: EngineConfig) -> None:
         raise ValueError(
             f"kv_cache_dtype={config.cache.kv_cache_dtype!r} is not supported for models with state-space "
             "layers; use kv_cache_dtype='auto'"
+        )
+    if config.cache.kv_offloading_size:
+        raise ValueError(
+            "kv_offloading_size: KV offload to host memory is not supported for models with state-space "
+            "layers (they cache no prefix, so the host tier would never be read); leave it unset"
         )
