@@ -402,6 +402,13 @@ def data_parallel(model_dir: str, layouts: list[dict]) -> list:
     return dp_main(model_dir, layouts, small_llm)
 
 
+def pipeline(_model_dir: str, arg: dict) -> dict:
+    """See helpers/pp_worker.py."""
+    from pp_worker import main as pp_main  # beside this file, on sys.path as the script's folder
+
+    return pp_main(arg, small_llm)
+
+
 MODES = {
     "generate": generate,
     "hlo": hlo,
@@ -414,6 +421,7 @@ MODES = {
     "speculative": speculative,
     "lora": lora,
     "data_parallel": data_parallel,
+    "pipeline": pipeline,
     "update_weights": update_weights,
     "update_weights_on_mesh": update_weights_on_mesh,
 }

@@ -1,0 +1,80 @@
+"""The "pipeline" case of helpers/tp_worker.py (8 fake CPU devices): every pipeline-parallel layout of
+tests/sharding/test_pipeline_parallel.py in one call, so its engines share the process's start.
+
+Per model and layout: the greedy ids and every (id, logprob) of the top-2 logprobs of a few token-id
+prompts. For one layout per model (`guarded`), the engine is warmed up with the strict compile guard
+and reports the compiles after warm-up (none allowed), and what each stage holds: its devices, its
+layers' weights, its KV cache, and which of the embedding, final norm and LM head it keeps."""
+
+import time
+
+PROMPTS = [[5, 17, 33, 4, 60, 8, 21, 90, 13], [200, 9, 31, 250, 2], [44, 120, 7]]
+
+
+def _stage_report(runner) -> list:
+    """What each stage holds (placeholders are empty arrays)."""
+    import jax
+
+    report = []
+    for stage, cache in zip(runner.stages, runner.kv_cache):
+        params = stage.model.params
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+
+        def sizes(top: str) -> list:
+            return [int(x.size) for path, x in leaves if str(getattr(path[0], "key", "")) == top]
+
+        stacked = [x for path, x in leaves if str(getattr(path[0], "key", "")) == "layers"]
+        report.append(
+            {
+                "devices": sorted(d.id for d in stage.model.mesh.devices.flat),
+                "num_layers": sorted({int(x.shape[0]) for x in stacked}),
+                "layer_devices": sorted({d.id for x in stacked for d in x.devices()}),
+                "has_embedding": any(sizes("embed_tokens")),
+                "has_norm": any(sizes("norm")),
+                "has_lm_head": any(sizes("lm_head")),
+                "kv_rows": [int(a.shape[0]) for a in jax.tree.leaves(cache)],
+                "num_blocks": runner.num_blocks,
+            }
+        )
+    return report
+
+
+def main(arg: dict, small_llm) -> dict:
+    """arg: {"models": {name: directory}, "layouts": {name: [layout, ...]}, "guarded": {name: layout}};
+    returns {name: [result per layout]}. `small_llm`: tp_worker.py's engine factory."""
+    from xlaserve import SamplingParams
+    from xlaserve.worker.compile_guard import num_compiles
+
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    # One sequence a step: a prompt's forward in bucket 16, its decode steps in bucket 1, one sampler
+    # program (the fewest programs per engine).
+    shape = {"max_num_batched_tokens": 16, "max_num_seqs": 1}
+    results = {}
+    for name, model_dir in arg["models"].items():
+        results[name] = []
+        for layout in arg["layouts"][name]:
+            guarded = layout == arg["guarded"].get(name)
+            extra = {"enforce_eager": False, "strict_compile_guard": True} if guarded else {}
+            t0 = time.perf_counter()
+            llm = small_llm(model_dir, layout, **shape, **extra)
+            compiles = num_compiles()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            result = {
+                "layout": layout,
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "logprobs": [
+                    [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]
+                    for o in outs
+                ],
+            }
+            if guarded:
+                runner = llm.engine_core.runner
+                result["compiles_after_warm_up"] = num_compiles() - compiles
+                result["num_steps"] = runner.num_steps
+                result["stages"] = _stage_report(runner)
+                result["num_layers"] = llm.engine_core.runner.model_config.num_layers
+            results[name].append(result)
+            result["seconds"] = round(time.perf_counter() - t0, 1)
+            del llm
+    return results
