@@ -104,6 +104,9 @@ def add_parser(sub, add_engine_args) -> None:
         help="also serve gRPC (xlaserve.v1.Generation, health, reflection) on this port, same host and "
         "API key; needs the grpc extra",
     )
+    g.add_argument(
+        "--disable-playground", action="store_true", help="do not serve the chat playground page at GET /"
+    )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     g.add_argument(
         "--allowed-local-media-path",
@@ -266,6 +269,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         enable_admin_api=args.enable_admin_api,
         max_stored_responses=args.max_stored_responses,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_playground=not args.disable_playground,
         media_policy=MediaPolicy(
             args.allowed_local_media_path, tuple(d.lower() for d in args.allowed_media_domains)
         ),

@@ -1,6 +1,7 @@
 """The server's FastAPI app: OpenAI's routes (openai/), Anthropic's /v1/messages (anthropic/),
 SageMaker's /ping and /invocations (sagemaker.py), the LoRA adapter routes, the admin routes with
---enable-admin-api (serving/admin.py), plus /health, /version and /metrics.
+--enable-admin-api (serving/admin.py), the chat playground at / (playground.py), plus /health, /version
+and /metrics.
 
 This is the one module that knows both APIs: each API package imports only the shared serving code
 (serving/), so either can change, or be left out, without touching the other.
@@ -21,6 +22,7 @@ from xlaserve.entrypoints.openai.protocol import UNION_TAGS as OPENAI_TAGS
 from xlaserve.entrypoints.openai.protocol import VersionResponse
 from xlaserve.entrypoints.openai.responses_protocol import RESPONSES_TAGS
 from xlaserve.entrypoints.openai.routes import add_routes as add_openai_routes
+from xlaserve.entrypoints.playground import add_playground_route
 from xlaserve.entrypoints.sagemaker import add_sagemaker_routes
 from xlaserve.entrypoints.serving.admin import add_admin_routes
 from xlaserve.entrypoints.serving.engine_io import ENGINE_DEAD_MESSAGE
@@ -79,6 +81,8 @@ def build_app(state: ServerState) -> FastAPI:
     add_lora_routes(app, state.loras)
     if state.enable_admin_api:
         add_admin_routes(app, state)
+    if state.enable_playground:
+        add_playground_route(app)
     app.openapi = lambda: _openapi(app)
     return app
 

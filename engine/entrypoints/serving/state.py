@@ -31,6 +31,7 @@ class ServerState:
     enable_admin_api: bool = False  # --enable-admin-api (with --api-key): serving/admin.py's routes
     max_stored_responses: int = 1000  # --max-stored-responses: the Responses API's LRU store
     enable_tokenizer_info_endpoint: bool = False  # --enable-tokenizer-info-endpoint: GET /tokenizer_info
+    enable_playground: bool = True  # GET /: the chat page (off with --disable-playground)
     # Where image parts' URLs may point (--allowed-local-media-path, --allowed-media-domains).
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)
 
