@@ -417,10 +417,10 @@ def test_directory_without_weights_is_rejected(tmp_path):
 # since served, was the first; RWKV's has the same shape).
 UNSUPPORTED_CONFIGS = {
     "RwkvForCausalLM": {"model_type": "rwkv", "hidden_size": 64, "num_hidden_layers": 2},
-    "LlavaForConditionalGeneration": {
-        "model_type": "llava",
-        "text_config": {"model_type": "llama", "hidden_size": 64},
-        "vision_config": {"model_type": "clip_vision_model"},
+    "Qwen2VLForConditionalGeneration": {
+        "model_type": "qwen2_vl",
+        "text_config": {"model_type": "qwen2_vl_text", "hidden_size": 64},
+        "vision_config": {"model_type": "qwen2_vl"},
     },
 }
 
