@@ -38,6 +38,7 @@ from xlaserve.kernels import reference
 from xlaserve.kernels.attention_args import validate_attention_args
 from xlaserve.kernels.dtype_ops import word_dtype
 from xlaserve.kernels.mla import mla_paged_attention
+from xlaserve.kernels.ssd import chunk_terms_reference
 from xlaserve.kernels.synthetic import StepShape, synthetic_step
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ class AttentionBackend:
 
     # --kv-cache-dtype fp8/fp8_e4m3/fp8_e5m2: the float8 dtype K and V are stored in (scale 1.0).
     kv_cache_dtype: jnp.dtype | None = None
+    # Mamba2's per-chunk SSD part (kernels/ssd.py `chunk_terms_reference`'s signature): the Pallas
+    # kernel's when 'pallas' is asked for by name; `auto` keeps the reference until it is checked on a GPU.
+    ssd_chunk_terms: Callable = chunk_terms_reference
 
     def cache_dtype(self, dtype):
         """The dtype the K/V cache of a model computing in `dtype` is stored in."""
@@ -193,9 +197,15 @@ def select_backend(
         )
     if name in kernels:
         attention, how = kernels[name](platform)
-        return AttentionBackend(
+        backend = AttentionBackend(
             name, attention, reference.write_kv, f"asked for by name; {how}", _mla_kernel(platform)
         )
+        if name == "pallas":  # imported here, like the attention kernel (_load_pallas)
+            from xlaserve.kernels.ssd_pallas import ssd_chunk_terms
+
+            chunk_terms = functools.partial(ssd_chunk_terms, interpret=platform not in GPU_PLATFORMS)
+            backend = dataclasses.replace(backend, ssd_chunk_terms=chunk_terms)
+        return backend
     raise ValueError(f"attention_backend must be one of {('auto', 'reference', *kernels)}, got {name!r}")
 
 

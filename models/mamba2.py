@@ -129,8 +129,9 @@ class GatedRMSNorm(nnx.Module):
 
 
 class Mamba2Mixer(nnx.Module):
-    def __init__(self, cfg: Mamba2Config, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: Mamba2Config, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.chunk_terms = backend.ssd_chunk_terms  # the reference, or the Pallas kernel (kernels/backend.py)
         inner, heads = cfg.intermediate_size, cfg.num_heads
         self.in_proj = Linear(
             cfg.hidden_size, inner + cfg.conv_dim + heads, use_bias=cfg.use_bias, dtype=dtype, rngs=rngs
@@ -173,6 +174,7 @@ class Mamba2Mixer(nnx.Module):
             qsl,
             ssm_in.astype(jnp.float32),
             chunk_size=min(cfg.chunk_size, MAX_CHUNK_SIZE, num_tokens),
+            chunk_terms=self.chunk_terms,
         )
         y = self.norm(y.reshape(num_tokens, inner), gate)
         cache = MambaCache(
@@ -187,7 +189,7 @@ class Mamba2Layer(nnx.Module):
 
     def __init__(self, cfg: Mamba2Config, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mixer = Mamba2Mixer(cfg, dtype=dtype, rngs=rngs)
+        self.mixer = Mamba2Mixer(cfg, backend, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, cache: MambaCache, md: AttentionMetadata, spec: LayerSpec):
         h, cache = self.mixer(self.norm(x), cache, md)

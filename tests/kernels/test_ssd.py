@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from xlaserve.kernels.backend import select_backend
 from xlaserve.kernels.ssd import chunk_terms_reference, ragged_causal_conv1d, ragged_ssd
 from xlaserve.kernels.ssd_pallas import ssd_chunk_terms
 
@@ -130,3 +131,14 @@ def test_pallas_chunk_kernel_lowers_to_one_triton_call():
     args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
     text = jax.jit(ssd_chunk_terms).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
+
+
+def test_the_pallas_backend_carries_the_chunk_kernel():
+    """Asked for by name, 'pallas' gives Mamba2 the chunk kernel (interpret mode on CPU); the reference
+    and auto keep the jnp chunk terms."""
+    pallas = select_backend("pallas", "cpu")
+    assert pallas.ssd_chunk_terms.func is ssd_chunk_terms and pallas.ssd_chunk_terms.keywords == {
+        "interpret": True
+    }
+    assert select_backend("reference", "cpu").ssd_chunk_terms is chunk_terms_reference
+    assert select_backend("auto", "cpu").ssd_chunk_terms is chunk_terms_reference
