@@ -174,7 +174,13 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
             )
-            prompt = {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+            if images:
+                prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+            else:  # the template wrote the special tokens it wants
+                prompt = {
+                    "prompt": text,
+                    "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+                }
             prompts.append(self.input_processor.process(prompt, add_special_tokens=False))
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 

@@ -129,4 +129,9 @@ class MultiModalHook(StepHook):
 def make_mm_hook(runner) -> MultiModalHook | None:
     """The hook of a vision-language model; None for a text-only one."""
     n = tokens_per_image(runner.model_config)
+    if n and runner.config.parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            "pipeline_parallel_size must be 1 for a vision-language model (its images are merged on the "
+            f"first stage, which is not built yet), got {runner.config.parallel.pipeline_parallel_size}"
+        )
     return MultiModalHook(runner, n) if n else None
