@@ -1,0 +1,90 @@
+"""Pipeline stages on the host: how the layers and devices split, what each stage keeps, the flag, and
+the configurations refused by name (the device side: tests/sharding/test_pipeline_parallel.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from xlaserve.config import EngineConfig
+from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs
+from xlaserve.worker.pipeline_stage import StageLayout, split_layers, stage_devices
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "num_stages", "sizes"),
+    # As vLLM's get_pp_indices: the remainder one layer each to the stages before the last.
+    [(4, 2, [2, 2]), (5, 2, [3, 2]), (7, 4, [2, 2, 2, 1]), (10, 4, [2, 3, 3, 2]), (30, 4, [7, 8, 8, 7])],
+)
+def test_layers_split_into_contiguous_stages(num_layers, num_stages, sizes):
+    stages = split_layers(num_layers, num_stages)
+    assert [len(s.layers) for s in stages] == sizes
+    assert [i for s in stages for i in s.layers] == list(range(num_layers))
+    assert [(s.is_first, s.is_last) for s in stages][0] == (True, num_stages == 1)
+    assert stages[-1].is_last and not stages[-1].is_first
+
+
+def test_more_stages_than_layers_is_an_error_naming_the_field():
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=5 exceeds the model's 4 layers"):
+        split_layers(4, 5)
+
+
+def test_each_stage_gets_its_own_tensor_parallel_devices():
+    assert stage_devices(list(range(8)), 2, 3) == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(
+        ValueError, match=r"pipeline_parallel_size=4 x tensor_parallel_size=2 needs 8 devices, 6"
+    ):
+        stage_devices(list(range(6)), 2, 4)
+
+
+def test_a_stage_keeps_its_part_of_each_stack_and_the_modules_it_runs():
+    first, middle, last = split_layers(6, 3)  # layers 0-1, 2-3, 4-5
+    # DeepSeek-like stacks: one dense layer, then the rest; which of each stack's layers a stage keeps.
+    dense, moe = range(0, 1), range(1, 6)
+
+    def kept(stage, stack):
+        return list(stack)[stage.stack_slice(stack)]
+
+    assert (kept(first, dense), kept(first, moe)) == ([0], [1])
+    assert (kept(middle, dense), kept(middle, moe)) == ([], [2, 3])
+    assert (kept(last, dense), kept(last, moe)) == ([], [4, 5])
+    assert [first.holds(m, False) for m in ("embed_tokens", "norm", "lm_head")] == [True, False, False]
+    assert [middle.holds(m, False) for m in ("embed_tokens", "norm", "lm_head")] == [False, False, False]
+    assert [last.holds(m, False) for m in ("embed_tokens", "norm", "lm_head")] == [False, True, True]
+    assert last.holds("embed_tokens", True)  # a tied head reads the embedding on the last stage
+    assert StageLayout(0, 1, range(4)).holds("lm_head", False)  # one stage runs everything
+
+
+def test_the_flag_and_its_short_form_reach_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv in (["--pipeline-parallel-size", "2"], ["-pp", "2"]):
+        config = EngineConfig.from_kwargs(None, **engine_kwargs(parser.parse_args(argv)))
+        assert config.parallel.pipeline_parallel_size == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1, got 0"),
+        (
+            {"data_parallel_size": 2},
+            "pipeline_parallel_size=2 cannot be combined with data_parallel_size=2 yet",
+        ),
+        ({"nnodes": 2}, r"pipeline_parallel_size=2 runs on one host for now \(nnodes=1\)"),
+        ({"enable_lora": True}, "pipeline_parallel_size=2 cannot be combined with enable_lora yet"),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            "pipeline_parallel_size=2 cannot be combined with speculative_config yet",
+        ),
+        ({"runner": "pooling"}, "pipeline_parallel_size=2 cannot be combined with runner='pooling' yet"),
+        (
+            {"kv_offloading_size": 1.0},
+            "pipeline_parallel_size=2 cannot be combined with kv_offloading_size yet",
+        ),
+    ],
+)
+def test_what_pipelines_do_not_run_yet_is_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs(None, **{"pipeline_parallel_size": 2, **kwargs})
