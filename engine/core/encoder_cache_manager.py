@@ -6,8 +6,10 @@ rows each (worker/mm_encoder.py); this manager decides which image lives in whic
 encoded once and read by every chunk of its prompt and by every later request that sends it again.
 
 - A request references the images its scheduled tokens reach, from the step that first reaches an
-  image's placeholders until the request finishes or is preempted; a slot referenced by anyone is never
-  reassigned.
+  image's placeholders until a later chunk starts past them (or the request finishes or is preempted);
+  a slot referenced by anyone is never reassigned. (Async scheduling: the step still in flight may read
+  a slot the next step reassigns; the device runs the next step's encode after it, as the cache array
+  is donated to it.)
 - An image nobody references stays cached (a hit for the next request with it) until its slot is
   needed: unreferenced slots are reassigned least recently used first.
 - A step encodes at most `max_items_per_step` images (the encoder program's largest bucket), so a
@@ -84,6 +86,8 @@ class EncoderCacheManager:
         """Reference every image that positions [start, start + num_new_tokens) reach, giving a slot
         to each one not cached (`fit` said they fit); sets `request.encoder_slots`."""
         stop = start + num_new_tokens
+        for index in [i for i in request.encoder_slots if request.mm_features[i].end <= start]:
+            self._release(request, index)  # computed: its slot may go to another image
         reached = [
             (index, f)
             for index, f in enumerate(request.mm_features)
@@ -105,16 +109,19 @@ class EncoderCacheManager:
 
     def free(self, request: Request) -> None:
         """Drop the request's references (finished or preempted); unreferenced images stay cached."""
-        for index in request.encoder_slots:
-            mm_hash = request.mm_features[index].mm_hash
-            holders = self._refs.get(mm_hash)
-            if holders is None:
-                continue
-            holders.discard(request.request_id)
-            if not holders:
-                del self._refs[mm_hash]
-                self._unreferenced[mm_hash] = None
-        request.encoder_slots = {}
+        for index in list(request.encoder_slots):
+            self._release(request, index)
+
+    def _release(self, request: Request, index: int) -> None:
+        del request.encoder_slots[index]
+        mm_hash = request.mm_features[index].mm_hash
+        holders = self._refs.get(mm_hash)
+        if holders is None:
+            return
+        holders.discard(request.request_id)
+        if not holders:
+            del self._refs[mm_hash]
+            self._unreferenced[mm_hash] = None
 
     def make_stats(self) -> EncoderCacheStats:
         """Snapshot the counters and start counting afresh."""

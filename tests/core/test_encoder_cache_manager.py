@@ -44,7 +44,7 @@ def test_an_image_is_encoded_once_and_its_slot_kept_while_referenced():
     manager.free(b)
     manager.begin_step()
     assert _schedule(manager, c, 2 + N, 5) == 5  # "x" unreferenced: its slot goes to "z"
-    assert c.encoder_slots == {0: 1, 1: 0}
+    assert c.encoder_slots == {1: 0}  # "y" (slot 1) is computed: released, cached
 
 
 def test_a_step_encodes_at_most_its_budget():
@@ -69,3 +69,16 @@ def test_block_hashes_cover_the_images_in_each_block():
     text_only = Request("t", [1] * 9, SamplingParams(max_tokens=1))
     KVCacheManager(block_size=4, num_blocks=16, max_model_len=64).get_computed_blocks(text_only)
     assert text_only.block_hashes[0] == x[0]  # a text block hashes as it always did
+
+
+def test_a_chunk_past_an_image_releases_it():
+    manager = EncoderCacheManager(EncoderCacheLayout(num_slots=1, tokens_per_item=N, max_items_per_step=1))
+    a, b = _request("a", ["x"]), _request("b", ["y"])
+    manager.begin_step()
+    assert _schedule(manager, a, 0, 2 + N) == 2 + N
+    manager.begin_step()
+    assert _schedule(manager, b, 0, 3) == 2  # "x" holds the only slot
+    manager.begin_step()
+    assert _schedule(manager, a, 2 + N, 1) == 1  # past "x": released
+    assert a.encoder_slots == {}
+    assert _schedule(manager, b, 2, 1) == 1 and b.encoder_slots == {0: 0}

@@ -14,15 +14,17 @@ import numpy as np
 
 IMAGE_SIZE = 32
 # The engine the tests run it on (offline and served): float32, steps of 16 tokens (buckets 1, 4, 16),
-# one sequence (one sampler bucket), chunks not capped below the step; nothing compiles after warm-up.
+# chunks not capped below the step, 10 KV blocks of 16 tokens (8 KiB each: 2 layers x K, V x 4 heads x
+# 8 dims x float32; block 0 is the null block), so four prompts with images at once preempt each other;
+# nothing compiles after warm-up.
 ENGINE_ARGS = {
     "dtype": "float32",
     "max_model_len": 128,
     "max_num_batched_tokens": 16,
-    "max_num_seqs": 1,
+    "max_num_seqs": 4,
     "long_prefill_token_threshold": 0,
     "block_size": 16,
-    "kv_cache_memory": 2**22,
+    "kv_cache_memory": 10 * 8192,
     "strict_compile_guard": True,
 }
 TOKENS_PER_IMAGE = 16

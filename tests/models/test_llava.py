@@ -111,6 +111,24 @@ def test_the_same_image_twice_hits_the_prefix_cache_and_the_encoder_cache(llm):
     assert (stats.num_encoded, stats.num_hits) == (1, 1)
 
 
+def test_preempted_requests_with_images_match_their_runs_alone(llm):
+    """Four prompts with images at once need more KV blocks than the cache holds: they preempt each
+    other, recompute with their images from the encoder cache, and end as each does alone."""
+    prompts = [
+        _mm(f"Item {i}: <image> describe it in detail please.", random_image(40 + i)) for i in range(4)
+    ]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    scheduler, encoder = llm.engine_core.scheduler, llm.engine_core.runner.mm_encoder
+    preemptions, encoded = scheduler.num_preemptions_total, encoder.num_encoded
+    together = llm.generate(prompts, params, use_tqdm=False)
+    num_preempted = scheduler.num_preemptions_total - preemptions
+    assert num_preempted > 0
+    # Once each, but for a preempted request whose image lost its slot meanwhile (never per chunk).
+    assert 4 <= encoder.num_encoded - encoded <= 4 + num_preempted
+    alone = [llm.generate(prompt, params, use_tqdm=False)[0] for prompt in prompts]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+
+
 def test_chat_with_a_data_url_image_part(llm, hf):
     image = random_image(30)
     messages = [
