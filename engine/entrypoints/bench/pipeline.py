@@ -30,7 +30,7 @@ def _micro_batches(runner, batch, in_flight: int, num: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from xlaserve import LLM
+    from xlaserve.entrypoints.llm import LLM
 
     parser = argparse.ArgumentParser(prog="python -m xlaserve.entrypoints.bench.pipeline")
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
