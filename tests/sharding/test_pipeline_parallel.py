@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow  # five engines in the fake-mesh worker, one warmed up (~2 min here)
+
 PP1, PP2, PP4 = {}, {"pipeline_parallel_size": 2}, {"pipeline_parallel_size": 4}
 PP2_TP2 = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}
 # Each engine compiles its own programs (each stage's forward per bucket, ~2-4 s each on this machine):
