@@ -29,6 +29,7 @@ from flax import nnx
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import KVCache
 from xlaserve.kernels.invariant import traced_with
+from xlaserve.models.registry import model_config_from_hf
 from xlaserve.worker.input_batch import StepBatch
 from xlaserve.worker.kv_cache import allocate_kv_cache
 from xlaserve.worker.model_loader import LoadedModel, load_model
@@ -76,8 +77,7 @@ class PipelineRunner(ModelRunner):
         num_stages = parallel.pipeline_parallel_size
         devices = list(jax.devices() if devices is None else devices)
         groups = stage_devices(devices, parallel.tensor_parallel_size, num_stages)
-        num_layers = hf_config.get("num_hidden_layers")
-        layouts = split_layers(num_layers, num_stages)
+        layouts = split_layers(model_config_from_hf(hf_config).num_layers, num_stages)
         invariant = partial(traced_with, config.model.batch_invariant)
         self.stages = []
         for layout, group in zip(layouts, groups):
@@ -105,6 +105,7 @@ class PipelineRunner(ModelRunner):
         # What warm-up compiles as "the forward", through the engine's program store, is the last
         # stage's; the stages before it are compiled by `warm_up` here.
         self._forward_fn = self.stages[-1].forward
+        self._last_stage_inputs: dict[int, jax.ShapeDtypeStruct] = {}  # per token bucket, by warm_up
 
     def allocate_kv_cache(self) -> list[KVCache]:
         """Each stage's zeroed cache of num_blocks, on its devices, holding its layers only."""
@@ -142,13 +143,15 @@ class PipelineRunner(ModelRunner):
 
     def _forward_args(self, kv_cache, batch: StepBatch, hook_arrays: dict) -> tuple:
         """The last stage's arguments, for warm-up (a shape struct stands for the hidden states)."""
-        x = self._last_stage_inputs[batch.input_ids.shape[0]]
+        num_tokens = batch.input_ids.shape[0]
+        if num_tokens not in self._last_stage_inputs:
+            raise RuntimeError(f"the last stage's input for bucket {num_tokens} is known after warm_up only")
+        x = self._last_stage_inputs[num_tokens]
         return self._stage_args(len(self.stages) - 1, kv_cache, x, batch)
 
     def warm_up(self) -> None:
         """Compile every stage but the last for each token bucket (stage by stage: a stage's input is the
         one before's output), then the ModelRunner's warm-up: the last stage and the samplers."""
-        self._last_stage_inputs = {}
         for num_tokens in self.token_buckets:
             batch = self._build_batch([], num_tokens)
             x = batch.input_ids
