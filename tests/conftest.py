@@ -8,7 +8,7 @@ import tempfile
 import pytest
 
 # The server tests' session fixtures (a real `xlaserve serve` subprocess): see helpers/server_harness.py.
-from helpers.server_harness import server, server_cache_dir  # noqa: F401
+from helpers.server_harness import dead_tool_server_address, mcp_tool_server, server, server_cache_dir  # noqa: F401
 from helpers.smollm2 import ENGINE_ARGS, smollm2_gguf_path
 from helpers.suite_profile import register as register_suite_profile
 

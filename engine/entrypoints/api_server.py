@@ -105,6 +105,14 @@ def add_parser(sub, add_engine_args) -> None:
         "API key; needs the grpc extra",
     )
     g.add_argument(
+        "--tool-server",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="an MCP server /v1/responses may call for `mcp` tools (repeatable, or comma-separated); a "
+        "request's server_url elsewhere is a 400",
+    )
+    g.add_argument(
         "--disable-playground", action="store_true", help="do not serve the chat playground page at GET /"
     )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
@@ -133,6 +141,18 @@ def add_parser(sub, add_engine_args) -> None:
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM",
     )
     p.set_defaults(func=cmd_serve)
+
+
+def parse_tool_servers(values: list[str]) -> list[str]:
+    """--tool-server values (each one or comma-separated HOST:PORT) as 'host:port' strings."""
+    servers = []
+    for value in values:
+        for entry in filter(None, (part.strip() for part in value.split(","))):
+            host, sep, port = entry.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--tool-server: {entry!r} is not HOST:PORT")
+            servers.append(f"{host.strip('[]')}:{int(port)}")
+    return servers
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -190,6 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from xlaserve.entrypoints.grpc.protos import protos_and_services
 
         protos_and_services()  # a missing grpc extra fails before the engine starts
+    args.tool_servers = parse_tool_servers(args.tool_server)
     if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 0:
         raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
     # Built once, here (bad flags fail before anything loads), and sent as it is to the engine core.
@@ -270,6 +291,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         max_stored_responses=args.max_stored_responses,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_playground=not args.disable_playground,
+        tool_servers=args.tool_servers,
         media_policy=MediaPolicy(
             args.allowed_local_media_path, tuple(d.lower() for d in args.allowed_media_domains)
         ),

@@ -187,13 +187,32 @@ def server_cache_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, server_cache_dir):
+def mcp_tool_server():
+    """An MCP server the session's server may call (--tool-server), started before it."""
+    from helpers.mcp_server import ToolServer
+
+    tool_server = ToolServer()
+    yield tool_server
+    tool_server.stop()
+
+
+@pytest.fixture(scope="session")
+def dead_tool_server_address() -> str:
+    """A --tool-server entry of the session's server where nothing listens."""
+    from helpers.mcp_server import free_port
+
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, server_cache_dir, mcp_tool_server, dead_tool_server_address):
     """The session's server (with an API key); at teardown SIGTERM must stop it and its core cleanly."""
     # Runtime LoRA updating on (LoRA itself off): the hostile-input suite reaches those endpoints too.
+    tool_servers = ["--tool-server", f"{mcp_tool_server.address},{dead_tool_server_address}"]
     proc = ServerProcess(
         str(tmp_path_factory.mktemp("server-logs")),
         server_cache_dir,
-        extra_args=SESSION_SERVER_FLAGS,
+        extra_args=SESSION_SERVER_FLAGS + tool_servers,
         api_key=API_KEY,
         env={"XLASERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"},
         grpc=True,

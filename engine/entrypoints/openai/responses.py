@@ -17,6 +17,12 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from xlaserve.entrypoints.openai.mcp_tools import (
+    MAX_MCP_ROUNDS,
+    McpSession,
+    mcp_tools_of,
+    request_function_names,
+)
 from xlaserve.entrypoints.openai.responses_convert import input_turns, rename_error, to_chat_request
 from xlaserve.entrypoints.openai.responses_protocol import (
     DeletedResponse,
@@ -202,15 +208,10 @@ async def create_response(
     if req.previous_response_id is not None:
         history = _stored(store, req.previous_response_id, "previous_response_id").conversation
     conversation = history + input_turns(req, history)
-    chat = to_chat_request(req, conversation)
-    try:
-        plan = plan_tools(chat, state.enable_auto_tool_choice)
-        text = apply_chat_template(state, chat.messages, True, False, chat.tools)
-        ids = tokenize_text(state.engine, text, False, "input")
-        check_context(state.engine, len(ids), chat.max_tokens, "input")
-        params = chat_sampling_params(state, chat, plan, ids, chat.max_tokens)
-    except APIError as e:
-        raise rename_error(e) from None
+    mcp_tools = mcp_tools_of(req, state.tool_servers)
+    if mcp_tools:
+        return await _create_with_mcp(state, store, req, raw_request, model, conversation, mcp_tools)
+    chat, plan, text, ids, params = _prepare(state, req, conversation)
     parser = choice_parser(state, chat, plan, ids)
     request_id = item_id("resp")
     stream = submit(
@@ -244,6 +245,85 @@ async def create_response(
     )
     response = _finished(shell, items, usage, completion.finish_reason)
     saved(response)
+    return response
+
+
+def _prepare(
+    state: ServerState, req: ResponsesRequest, conversation: list[dict], mcp_functions=(), tool_choice=None
+):
+    """The chat path's request, tool plan, prompt text, prompt ids and SamplingParams for one model turn
+    (errors named as the Responses request has them)."""
+    chat = to_chat_request(req, conversation, mcp_functions, tool_choice)
+    try:
+        plan = plan_tools(chat, state.enable_auto_tool_choice)
+        text = apply_chat_template(state, chat.messages, True, False, chat.tools)
+        ids = tokenize_text(state.engine, text, False, "input")
+        check_context(state.engine, len(ids), chat.max_tokens, "input")
+        params = chat_sampling_params(state, chat, plan, ids, chat.max_tokens)
+    except APIError as e:
+        raise rename_error(e) from None
+    return chat, plan, text, ids, params
+
+
+async def _create_with_mcp(
+    state, store, req: ResponsesRequest, raw_request, model: str, conversation, mcp_tools
+):
+    """A response whose model may call MCP tools: up to MAX_MCP_ROUNDS model turns; after each turn
+    that called them, their outputs join the conversation and the model goes on (the last turn may not
+    call). Output: the servers' mcp_list_tools items, an mcp_call item per call, then the last turn's."""
+    response_id = item_id("resp")
+    totals = [0, 0, 0]  # prompt, generated and cached tokens over every turn
+    reasoning = ""
+    async with McpSession(mcp_tools, request_function_names(req)) as session:
+        items: list = list(session.list_items)
+        for turn in range(MAX_MCP_ROUNDS):
+            choice = "none" if turn == MAX_MCP_ROUNDS - 1 else (None if turn == 0 else "auto")
+            chat, plan, text, ids, params = _prepare(state, req, conversation, session.functions, choice)
+            if turn == 0:
+                first_plan = plan
+            parser = choice_parser(state, chat, plan, ids)
+            kwargs = {"prompt": text, "priority": chat.priority, "cache_salt": chat.cache_salt}
+            stream = submit(state, ids, params, f"{response_id}-{turn}", stream=False, **kwargs)
+            try:
+                (output,) = await collect_final(raw_request, [stream])
+            except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
+                raise engine_error(e) from None
+            check_finish(output)
+            (completion,) = output.outputs
+            parsed = parser.parse(completion.text)
+            for i, count in enumerate((len(ids), len(completion.token_ids), output.num_cached_tokens)):
+                totals[i] += count
+            reasoning += parsed.reasoning or ""
+            mcp_calls = [c for c in parsed.tool_calls if session.is_mcp(c.function.name)]
+            if not mcp_calls or completion.finish_reason == "length":
+                break
+            calls = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in mcp_calls
+            ]
+            conversation = [
+                *conversation,
+                {"role": "assistant", "content": parsed.content or None, "tool_calls": calls},
+            ]
+            for call in mcp_calls:
+                item = await session.call(call.function.name, call.function.arguments)
+                items.append(item)
+                result = item.output if item.error is None else f"error: {item.error}"
+                conversation.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            if len(mcp_calls) < len(parsed.tool_calls):  # the client's own calls end the response
+                parsed.content = None
+                break
+    # MCP calls left in the last turn were not made (cut by max_output_tokens): not the client's to make.
+    parsed.tool_calls = [c for c in parsed.tool_calls if not session.is_mcp(c.function.name)]
+    status = "incomplete" if completion.finish_reason == "length" else "completed"
+    items += output_items(parsed, status)
+    usage = _usage(state, totals[0], totals[1], totals[2], reasoning)
+    response = _finished(_shell(req, first_plan, response_id, model), items, usage, completion.finish_reason)
+    _Saver(store, req.store, conversation)(response)
     return response
 
 

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from xlaserve.entrypoints.openai.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
+    FunctionTool,
     JsonSchemaFormat,
     MessageItem,
     ReasoningItem,
@@ -111,21 +112,28 @@ def _check_arguments(arguments: str, param: str) -> None:
         raise bad_request("must be a JSON object, as text", param)
 
 
-def to_chat_request(req: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
+def to_chat_request(
+    req: ResponsesRequest, conversation: list[dict], mcp_functions: list[dict] = (), tool_choice=None
+) -> ChatCompletionRequest:
     """The chat request for `conversation` (the earlier turns and this input's) under the request's
-    instructions, tools, format and sampling fields."""
+    instructions, tools, format and sampling fields. `mcp_functions`: the MCP servers' tools, offered
+    as functions beside the request's own (mcp_tools.py); `tool_choice`: this round's, over the
+    request's."""
     if not conversation:
         raise bad_request("input is empty: send a string or at least one item", "input")
     messages = list(conversation)
     if req.instructions is not None:
         messages.insert(0, {"role": "system", "content": req.instructions})
     body: dict = {"messages": messages}
-    if req.tools:
-        body["tools"] = [
-            {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
-            for tool in req.tools
-        ]
-    choice = req.tool_choice
+    functions = [
+        tool.model_dump(exclude_none=True, exclude={"type"})
+        for tool in req.tools or ()
+        if isinstance(tool, FunctionTool)
+    ]
+    functions += mcp_functions
+    if functions:
+        body["tools"] = [{"type": "function", "function": function} for function in functions]
+    choice = req.tool_choice if tool_choice is None else tool_choice
     if choice is not None:
         body["tool_choice"] = (
             choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice.name}}

@@ -176,6 +176,38 @@ class FunctionTool(StrictModel):
     strict: bool | None = Field(default=None, description="accepted; required and named calls are enforced")
 
 
+class McpTool(StrictModel):
+    """A remote MCP server's tools (OpenAI's `mcp` tool): the server lists them, offers them to the model
+    as functions and calls them itself, over streamable HTTP. Only servers named by --tool-server."""
+
+    type: Literal["mcp"]
+    server_label: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    server_url: Text = Field(min_length=1, max_length=2048, description="http(s)://HOST:PORT/path")
+    server_description: Text | None = Field(default=None, max_length=4096)
+    allowed_tools: (
+        Annotated[list[Annotated[Text, Field(pattern=FUNCTION_NAME_PATTERN)]], Field(max_length=MAX_TOOLS)]
+        | None
+    ) = None
+    require_approval: Literal["never"] | None = Field(
+        default=None, description="only 'never': calls are made without asking the client first"
+    )
+
+
+_TOOLS = {"function": FunctionTool, "mcp": McpTool}
+
+
+class _UnknownTool(StrictModel):
+    type: Literal["function", "mcp"]
+
+
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("function-tool")]
+    | Annotated[McpTool, Tag("mcp-tool")]
+    | Annotated[_UnknownTool, Tag("unknown-tool")],
+    Discriminator(lambda value: _type_tag(value, _TOOLS, "tool")),
+]
+
+
 class NamedFunctionChoice(StrictModel):
     type: Literal["function"]
     name: Text = Field(min_length=1, max_length=64)
@@ -271,7 +303,9 @@ RESPONSES_TAGS = frozenset(
     {f"{kind}-part" for kind in _PARTS}
     | {f"{kind}-item" for kind in _ITEMS}
     | {f"{kind}-format" for kind in _FORMATS}
-    | {"unknown-part", "unknown-item", "unknown-format", "responses-choice-mode", "responses-choice-function"}
+    | {f"{kind}-tool" for kind in _TOOLS}
+    | {"unknown-part", "unknown-item", "unknown-format", "unknown-tool"}
+    | {"responses-choice-mode", "responses-choice-function"}
     | {"input-text", "input-items", "text-value", "list-value"}
 )
 
@@ -289,7 +323,7 @@ class ResponsesRequest(StrictModel):
     max_output_tokens: PositiveTokens | None = Field(default=None, description="default: up to the context")
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="default 1.0")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = Field(
         default=None, description="default: auto when the server enables it and tools are given, else none"
     )
@@ -363,7 +397,36 @@ class ReasoningOutput(BaseModel):
     status: ItemStatus = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallOutput | ReasoningOutput
+class McpToolInfo(BaseModel):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    annotations: dict[str, Any] | None = None
+
+
+class McpListToolsOutput(BaseModel):
+    """The tools an MCP server offered (an `mcp_list_tools` output item), allowed_tools applied."""
+
+    type: Literal["mcp_list_tools"] = "mcp_list_tools"
+    id: str
+    server_label: str
+    tools: list[McpToolInfo]
+
+
+class McpCallOutput(BaseModel):
+    """A call of an MCP server's tool the server made for the model (an `mcp_call` output item)."""
+
+    type: Literal["mcp_call"] = "mcp_call"
+    id: str
+    server_label: str
+    name: str
+    arguments: str
+    output: str | None = None
+    error: str | None = None
+    status: ItemStatus = "completed"
+
+
+OutputItem = OutputMessage | FunctionCallOutput | ReasoningOutput | McpListToolsOutput | McpCallOutput
 
 
 class InputTokensDetails(BaseModel):

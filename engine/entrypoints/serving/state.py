@@ -32,6 +32,7 @@ class ServerState:
     max_stored_responses: int = 1000  # --max-stored-responses: the Responses API's LRU store
     enable_tokenizer_info_endpoint: bool = False  # --enable-tokenizer-info-endpoint: GET /tokenizer_info
     enable_playground: bool = True  # GET /: the chat page (off with --disable-playground)
+    tool_servers: list[str] = field(default_factory=list)  # --tool-server: MCP servers' host:port
     # Where image parts' URLs may point (--allowed-local-media-path, --allowed-media-domains).
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)
 

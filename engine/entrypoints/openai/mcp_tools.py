@@ -1,0 +1,193 @@
+"""Remote MCP tools in the Responses API (`{"type": "mcp", "server_label", "server_url", ...}`): the
+server lists each MCP server's tools, offers them to the model as functions, and calls the ones the
+model picks with the official `mcp` client over streamable HTTP, feeding the results back.
+
+Only the servers named by `--tool-server HOST:PORT` may be reached: any other `server_url` is a 400
+before a connection is made, so no request can make this server fetch an arbitrary URL. Listing and
+each call are bounded by MCP_TIMEOUT_S; an MCP server that cannot be listed is a 424 (OpenAI's answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from urllib.parse import urlsplit
+
+from xlaserve.entrypoints.openai.responses_protocol import (
+    FunctionTool,
+    McpCallOutput,
+    McpListToolsOutput,
+    McpTool,
+    McpToolInfo,
+    ResponsesRequest,
+)
+from xlaserve.entrypoints.openai.responses_stream import item_id
+from xlaserve.entrypoints.serving.errors import APIError, bad_request
+
+logger = logging.getLogger("xlaserve.entrypoints.openai")
+
+MCP_TIMEOUT_S = 30.0
+# Model turns of one response: the last one may not call (tool_choice "none"), so it answers in text.
+MAX_MCP_ROUNDS = 4
+_MAX_OUTPUT_CHARS = 64 * 1024  # a tool's output fed back to the model (and shown), cut past this
+
+
+def _host_port(url: str) -> str | None:
+    """'host:port' of an http(s) URL (the scheme's default port when none is given); None otherwise."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        return None
+    return f"{parts.hostname}:{port}"
+
+
+def mcp_tools_of(req: ResponsesRequest, tool_servers: list[str]) -> list[tuple[int, McpTool]]:
+    """The request's MCP tools with their indices, each checked against --tool-server (a 400 naming
+    `tools[i].server_url` otherwise); streaming with MCP tools is a 400 naming `stream`."""
+    found = [(i, tool) for i, tool in enumerate(req.tools or ()) if isinstance(tool, McpTool)]
+    if not found:
+        return []
+    if req.stream:
+        raise bad_request(
+            "responses with mcp tools are not streamed yet: send stream: false", "stream", code="unsupported"
+        )
+    allowed = set(tool_servers)
+    labels = set()
+    for i, tool in found:
+        where = f"tools[{i}].server_url"
+        address = _host_port(tool.server_url)
+        if address is None:
+            raise bad_request("must be an http:// or https:// URL with a host", where)
+        if address not in allowed:
+            names = ", ".join(sorted(allowed)) if allowed else "none (start it with --tool-server HOST:PORT)"
+            raise bad_request(
+                f"{address} is not an MCP server this server may call; allowed: {names}",
+                where,
+                code="mcp_denied",
+            )
+        if tool.server_label in labels:
+            raise bad_request(f"server_label {tool.server_label!r} is used twice", f"tools[{i}].server_label")
+        labels.add(tool.server_label)
+    return found
+
+
+def _text_of(result) -> str:
+    """An MCP tool result's content as text: its text parts joined, any other part as its JSON."""
+    pieces = []
+    for part in result.content or ():
+        text = getattr(part, "text", None)
+        pieces.append(text if isinstance(text, str) else part.model_dump_json(exclude_none=True))
+    text = "\n".join(pieces)
+    return text if len(text) <= _MAX_OUTPUT_CHARS else text[:_MAX_OUTPUT_CHARS] + "..."
+
+
+class McpSession:
+    """One response's connections to its MCP servers (async context manager): the listed tools as
+    `list_items` (mcp_list_tools output items) and `functions` (for the model), and `call()`."""
+
+    def __init__(self, tools: list[tuple[int, McpTool]], request_functions: set[str]):
+        self.tools = tools
+        self.request_functions = request_functions
+        self.list_items: list[McpListToolsOutput] = []
+        self.functions: list[dict] = []
+        self._routes: dict[str, tuple[str, object]] = {}  # tool name -> (server label, client)
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> McpSession:
+        try:  # the mcp extra: imported only when a request uses MCP tools
+            from mcp import Client
+        except ImportError:
+            raise APIError(
+                400,
+                "this server has no MCP client installed (pip install 'xlaserve[mcp]')",
+                param=f"tools[{self.tools[0][0]}]",
+                code="unsupported",
+            ) from None
+        try:
+            for i, tool in self.tools:
+                try:
+                    async with asyncio.timeout(MCP_TIMEOUT_S):
+                        client = await self._stack.enter_async_context(
+                            Client(tool.server_url, read_timeout_seconds=MCP_TIMEOUT_S)
+                        )
+                        listed = (await client.list_tools()).tools
+                except Exception as e:  # noqa: BLE001 - any failure to reach or list is the same 424
+                    logger.warning(
+                        "MCP server %s (%s) could not be listed: %r", tool.server_label, tool.server_url, e
+                    )
+                    raise APIError(
+                        424,
+                        f"the tools of MCP server {tool.server_label!r} could not be listed "
+                        f"({type(e).__name__})",
+                        param=f"tools[{i}].server_url",
+                        code="mcp_list_tools_failed",
+                    ) from None
+                self._add(i, tool, client, listed)
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    def _add(self, i: int, tool: McpTool, client, listed) -> None:
+        allowed = None if tool.allowed_tools is None else set(tool.allowed_tools)
+        infos = []
+        for entry in listed:
+            if allowed is not None and entry.name not in allowed:
+                continue
+            if entry.name in self._routes or entry.name in self.request_functions:
+                raise bad_request(
+                    f"the MCP server {tool.server_label!r} offers a tool named {entry.name!r}, as another "
+                    "tool does: leave one out with allowed_tools",
+                    f"tools[{i}].allowed_tools",
+                )
+            self._routes[entry.name] = (tool.server_label, client)
+            infos.append(
+                McpToolInfo(name=entry.name, description=entry.description, input_schema=entry.input_schema)
+            )
+            function = {"name": entry.name, "parameters": entry.input_schema}
+            if entry.description:
+                function["description"] = entry.description
+            self.functions.append(function)
+        self.list_items.append(
+            McpListToolsOutput(id=item_id("mcpl"), server_label=tool.server_label, tools=infos)
+        )
+
+    async def __aexit__(self, *exc) -> None:
+        await self._stack.aclose()
+
+    def is_mcp(self, name: str) -> bool:
+        return name in self._routes
+
+    async def call(self, name: str, arguments: str) -> McpCallOutput:
+        """Call tool `name` with `arguments` (JSON text); its output, or the error, as an mcp_call item."""
+        label, client = self._routes[name]
+        item = McpCallOutput(id=item_id("mcp"), server_label=label, name=name, arguments=arguments)
+        try:
+            args = json.loads(arguments)
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            item.error, item.status = "the arguments are not a JSON object", "incomplete"
+            return item
+        try:
+            async with asyncio.timeout(MCP_TIMEOUT_S):
+                result = await client.call_tool(name, args)
+        except Exception as e:  # noqa: BLE001 - the model sees that the call failed, the response goes on
+            logger.warning("MCP tool %s on %s failed: %r", name, label, e)
+            item.error, item.status = f"the call failed ({type(e).__name__})", "incomplete"
+            return item
+        text = _text_of(result)
+        if result.is_error:
+            item.error = text or "the tool reported an error"
+        else:
+            item.output = text
+        return item
+
+
+def request_function_names(req: ResponsesRequest) -> set[str]:
+    return {tool.name for tool in req.tools or () if isinstance(tool, FunctionTool)}

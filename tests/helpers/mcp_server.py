@@ -1,0 +1,68 @@
+"""A real MCP server (the `mcp` package's MCPServer over streamable HTTP, uvicorn in a thread) for the
+Responses API's MCP tests: its tools are deterministic and it records every call and every HTTP
+request, so a test can tell what the xlaserve server asked of it, and that it asked nothing."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+def tide_table(port: str) -> str:
+    """High tide times for a port (the tool's answer, also the tests' expectation)."""
+    return f"High tide at {port}: 06:12 and 18:40."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ToolServer:
+    def __init__(self, name: str = "tides"):
+        import uvicorn
+        from mcp.server.mcpserver import MCPServer
+
+        self.calls: list[tuple[str, dict]] = []
+        self.num_requests = 0
+        server = MCPServer(name)
+
+        @server.tool(name="tide_table")
+        def tide_table_tool(port: str) -> str:
+            """High tide times for a port."""
+            self.calls.append(("tide_table", {"port": port}))
+            return tide_table(port)
+
+        @server.tool()
+        def launch_codes() -> str:
+            """Never offered: allowed_tools leaves it out."""
+            self.calls.append(("launch_codes", {}))
+            return "0000"
+
+        app = server.streamable_http_app()
+
+        async def counting(scope, receive, send):
+            if scope["type"] == "http":
+                self.num_requests += 1
+            await app(scope, receive, send)
+
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.address}/mcp"
+        config = uvicorn.Config(
+            counting, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the MCP test server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
