@@ -102,6 +102,11 @@ class PipelineRunner(ModelRunner):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # The stages pass no hook's model inputs (LoRA's adapters, a vision model's image embeddings):
+        # a feature that rides on them would be skipped silently, so it is refused here by name.
+        if self.hooks:
+            names = ", ".join(hook.name for hook in self.hooks)
+            raise ValueError(f"pipeline_parallel_size > 1 does not run the step hooks {names} yet")
         # What warm-up compiles as "the forward", through the engine's program store, is the last
         # stage's; the stages before it are compiled by `warm_up` here.
         self._forward_fn = self.stages[-1].forward
