@@ -231,13 +231,7 @@ async def create_response(
         return StreamingResponse(
             _events(state, shell, stream, len(ids), parser, saved), media_type="text/event-stream"
         )
-    try:
-        (output,) = await collect_final(raw_request, [stream])
-    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
-        raise engine_error(e) from None
-    check_finish(output)
-    (completion,) = output.outputs
-    parsed = parser.parse(completion.text)
+    output, completion, parsed = await _answer(raw_request, stream, parser)
     status = "incomplete" if completion.finish_reason == "length" else "completed"
     items = output_items(parsed, status)
     usage = _usage(
@@ -246,6 +240,17 @@ async def create_response(
     response = _finished(shell, items, usage, completion.finish_reason)
     saved(response)
     return response
+
+
+async def _answer(raw_request, stream, parser: ChoiceParser):
+    """The stream's final output, its one completion, and that completion parsed."""
+    try:
+        (output,) = await collect_final(raw_request, [stream])
+    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
+        raise engine_error(e) from None
+    check_finish(output)
+    (completion,) = output.outputs
+    return output, completion, parser.parse(completion.text)
 
 
 def _prepare(
@@ -283,14 +288,9 @@ async def _create_with_mcp(
                 first_plan = plan
             parser = choice_parser(state, chat, plan, ids)
             kwargs = {"prompt": text, "priority": chat.priority, "cache_salt": chat.cache_salt}
+            kwargs["lora_request"] = state.lora_request(req.model)
             stream = submit(state, ids, params, f"{response_id}-{turn}", stream=False, **kwargs)
-            try:
-                (output,) = await collect_final(raw_request, [stream])
-            except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
-                raise engine_error(e) from None
-            check_finish(output)
-            (completion,) = output.outputs
-            parsed = parser.parse(completion.text)
+            output, completion, parsed = await _answer(raw_request, stream, parser)
             for i, count in enumerate((len(ids), len(completion.token_ids), output.num_cached_tokens)):
                 totals[i] += count
             reasoning += parsed.reasoning or ""
