@@ -93,6 +93,43 @@ def _decode(model_dir: str, ids: list[int]) -> str:
     return transformers.AutoTokenizer.from_pretrained(model_dir).decode(ids, skip_special_tokens=True)
 
 
+def _anthropic(*blocks, max_tokens=4):
+    content = [{"type": "text", "text": "What is it? "}, *blocks]
+    return {
+        "model": NAME,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": content}],
+    }
+
+
+def _anthropic_image(image) -> dict:
+    data = data_url(image).split(",", 1)[1]
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+
+
+def test_anthropic_image_blocks_answer_as_the_chat_route_does(vlm):
+    _, client, _ = vlm
+    image = random_image(6)
+    chat = client.post("/v1/chat/completions", json=_chat(_image(data_url(image))))
+    response = client.post("/v1/messages", json=_anthropic(_anthropic_image(image)))
+    assert response.status_code == 200, response.text
+    assert response.json()["content"][0]["text"] == chat.json()["choices"][0]["message"]["content"]
+    body = _anthropic(_anthropic_image(image))
+    counted = client.post("/v1/messages/count_tokens", json={"model": NAME, "messages": body["messages"]})
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+    refused = client.post(
+        "/v1/messages",
+        json=_anthropic(
+            {"type": "image", "source": {"type": "url", "url": "https://evil.example.net/x.png"}}
+        ),
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert "messages[0].content[1].source" in refused.json()["error"]["message"]
+
+
 def test_a_local_file_under_the_allowed_path_is_read(vlm, media_dir):
     _, client, _ = vlm
     response = client.post("/v1/chat/completions", json=_chat(_image((media_dir / "cat.png").as_uri())))

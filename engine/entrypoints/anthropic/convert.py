@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.entrypoints.anthropic.protocol import (
     CountTokensRequest,
+    ImageBlockParam,
     MessageParam,
     MessagesRequest,
     TextBlockParam,
@@ -136,8 +137,8 @@ def _assistant_turn(message: MessageParam, i: int, tool_use_ids: set[str]) -> di
                     },
                 }
             )
-        elif isinstance(block, ToolResultBlockParam):
-            raise bad_request(f"{where}: tool_result blocks belong in user messages", where)
+        elif isinstance(block, (ToolResultBlockParam, ImageBlockParam)):
+            raise bad_request(f"{where}: {block.type} blocks belong in user messages", where)
         # redacted_thinking: opaque data from Anthropic's own models; nothing a template can show.
     turn: dict = {"role": "assistant", "content": "".join(text)}
     if reasoning:
@@ -155,6 +156,8 @@ def _user_turns(message: MessageParam, i: int, tool_use_ids: set[str]) -> list[d
         where = f"messages[{i}].content[{j}]"
         if isinstance(block, TextBlockParam):
             text.append(block.text)
+        elif isinstance(block, ImageBlockParam):  # an OpenAI image part (serving/multimodal.py loads it)
+            text.append({"type": "image_url", "image_url": {"url": _image_url(block)}})
         elif isinstance(block, ToolResultBlockParam):
             if block.tool_use_id not in tool_use_ids:
                 raise bad_request(
@@ -163,7 +166,7 @@ def _user_turns(message: MessageParam, i: int, tool_use_ids: set[str]) -> list[d
                     f"{where}.tool_use_id",
                 )
             if text:
-                turns.append({"role": "user", "content": "".join(text)})
+                turns.append({"role": "user", "content": _user_content(text)})
                 text = []
             content = _joined(block.content or [])
             if block.is_error:
@@ -172,8 +175,30 @@ def _user_turns(message: MessageParam, i: int, tool_use_ids: set[str]) -> list[d
         else:
             raise bad_request(f"{where}: {block.type} blocks belong in assistant messages", where)
     if text or not turns:
-        turns.append({"role": "user", "content": "".join(text)})
+        turns.append({"role": "user", "content": _user_content(text)})
     return turns
+
+
+def _image_url(block: ImageBlockParam) -> str:
+    source = block.source
+    return f"data:{source.media_type};base64,{source.data}" if source.type == "base64" else source.url
+
+
+def _user_content(pieces: list) -> str | list[dict]:
+    """Text pieces joined; with images among them, OpenAI content parts in the order sent."""
+    if all(isinstance(p, str) for p in pieces):
+        return "".join(pieces)
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in pieces]
+
+
+def image_fields(req: CountTokensRequest) -> list[str]:
+    """Anthropic's field of each image block, in the order `to_chat_request` turns them into parts."""
+    return [
+        f"messages[{i}].content[{j}].source"
+        for i, message in enumerate(req.messages)
+        for j, block in enumerate(message.content)
+        if isinstance(block, ImageBlockParam)
+    ]
 
 
 def _function_tools(tools: list[ToolParam] | None) -> list[dict] | None:

@@ -10,7 +10,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from xlaserve.entrypoints.anthropic.convert import to_chat_request
+from xlaserve.entrypoints.anthropic.convert import image_fields, to_chat_request
 from xlaserve.entrypoints.anthropic.output import stop_reason
 from xlaserve.entrypoints.anthropic.protocol import (
     AnthropicErrorResponse,
@@ -33,6 +33,12 @@ from xlaserve.entrypoints.serving.engine_io import (
     new_id,
     submit,
     tokenize_text,
+)
+from xlaserve.entrypoints.serving.multimodal import (
+    check_image_parts,
+    image_parts,
+    load_images,
+    process_images,
 )
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.state import ServerState, check_model
@@ -63,16 +69,20 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages/count_tokens", responses=_errors(400, 401, 404, 413, 415))
     async def count_tokens(request: CountTokensRequest) -> CountTokensResponse:
         check_model(state, request.model)
-        ids = _prompt(state, request)[3]
+        ids = (await _prompt(state, request))[3]
         return CountTokensResponse(input_tokens=len(ids))
 
 
-def _prompt(
+async def _prompt(
     state: ServerState, req: CountTokensRequest
-) -> tuple[ChatCompletionRequest, ToolPlan, str, list[int]]:
-    """The request on the chat path: as a chat request, its tool plan, the rendered prompt and its ids."""
+) -> tuple[ChatCompletionRequest, ToolPlan, str, list[int], list]:
+    """The request on the chat path: as a chat request, its tool plan, the rendered prompt, its ids and
+    its images' features (a vision-language model: serving/multimodal.py, 400s naming the block)."""
     chat = to_chat_request(req)
     plan = plan_tools(chat, state.enable_auto_tool_choice)
+    parts = [(field, url) for (_, url), field in zip(image_parts(chat.messages), image_fields(req))]
+    check_image_parts(state, parts)
+    images = await load_images(state, parts) if parts else []
     text = apply_chat_template(
         state,
         chat.messages,
@@ -81,17 +91,19 @@ def _prompt(
         chat.tools,
         chat.chat_template_kwargs,
     )
-    return chat, plan, text, tokenize_text(state.engine, text, False, "messages")
+    if images:
+        return chat, plan, text, *(await process_images(state, text, images))
+    return chat, plan, text, tokenize_text(state.engine, text, False, "messages"), []
 
 
 async def create_message(state: ServerState, req: MessagesRequest, raw_request: Request):
     model = check_model(state, req.model)
-    chat, plan, text, ids = _prompt(state, req)
+    chat, plan, text, ids, mm_features = await _prompt(state, req)
     check_context(state.engine, len(ids), req.max_tokens, "messages")
     params = chat_sampling_params(state, chat, plan, ids, chat.max_tokens)
     reader = ChoiceReader(choice_parser(state, chat, plan, ids))
     request_id = new_id("msg").replace("-", "_")
-    stream = submit(state, ids, params, request_id, stream=req.stream, prompt=text)
+    stream = submit(state, ids, params, request_id, stream=req.stream, prompt=text, mm_features=mm_features)
     if req.stream:
         return StreamingResponse(
             event_stream(request_id, model, stream, len(ids), reader), media_type="text/event-stream"

@@ -74,19 +74,39 @@ class RedactedThinkingBlockParam(StrictModel):
     data: Text
 
 
+class Base64ImageSource(StrictModel):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str = Field(max_length=32 * 1024 * 1024)
+
+
+class URLImageSource(StrictModel):
+    type: Literal["url"]
+    url: str = Field(max_length=8192)
+
+
+class ImageBlockParam(StrictModel):
+    """An image for a vision-language model (engine/engine/media.py: where it may come from)."""
+
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+
 _BLOCKS = {
     "text": TextBlockParam,
     "tool_use": ToolUseBlockParam,
     "tool_result": ToolResultBlockParam,
     "thinking": ThinkingBlockParam,
     "redacted_thinking": RedactedThinkingBlockParam,
+    "image": ImageBlockParam,
 }
 
 
 class _UnknownBlock(StrictModel):
     """What a block of another type is checked against: its `type` fails, listing the known ones."""
 
-    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
+    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image"]
 
 
 def _type_tag(value, kinds, suffix: str) -> str:
@@ -106,6 +126,7 @@ ContentBlock = Annotated[
     | Annotated[ToolResultBlockParam, Tag("tool_result-block")]
     | Annotated[ThinkingBlockParam, Tag("thinking-block")]
     | Annotated[RedactedThinkingBlockParam, Tag("redacted_thinking-block")]
+    | Annotated[ImageBlockParam, Tag("image-block")]
     | Annotated[_UnknownBlock, Tag("unknown-block")],
     Discriminator(_block_tag),
 ]
