@@ -1,12 +1,14 @@
 """The pooling routes on a real pooling server (`xlaserve serve --runner pooling`, one subprocess for the
 module, a tiny random Llama): /v1/embeddings through the official `openai` client against Hugging Face,
-/pooling, /score, /rerank (three paths), and bad input as 400s naming the field. The server warms up
+/pooling, /score, /rerank (three paths), chat-style input (`messages`) against its rendered template,
+and bad input (the chat fields' wrong types among it) as 400s naming the field. The server warms up
 under the strict compile guard, so every answer here also proves pooling compiled nothing after it.
 """
 
 from __future__ import annotations
 
 import base64
+import re
 
 import httpx
 import numpy as np
@@ -91,6 +93,101 @@ def test_pooling_score_and_rerank(pooling_server, http):
         assert body["results"][0]["document"]["text"] == docs[order[0]]
     bare = http.post("/rerank", json={"query": query, "documents": docs, "return_documents": False}).json()
     assert len(bare["results"]) == 3 and bare["results"][0].get("document") is None
+
+
+# What a client-facing message must never show (as test_server_hostile.py's INTERNALS).
+INTERNALS = re.compile(r"Traceback|\w+(Request|Error|Exception)\b|\bpid\b|/work/|\.py\b")
+CHAT = [{"role": "system", "content": "w5 w6 "}, {"role": "user", "content": "w7 w8 w9"}]
+
+
+def test_messages_embed_as_their_rendered_template(http):
+    # The suite's template joins the contents: "w5 w6 w7 w8 w9"; /tokenize renders it as the routes do.
+    ids = http.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": False}).json()["tokens"]
+    assert ids == [5, 6, 7, 8, 9]
+    for path, key in (("/v1/embeddings", "embedding"), ("/pooling", "data")):
+        chat = http.post(path, json={"messages": CHAT}).json()
+        as_ids = http.post(path, json={"input": ids}).json()
+        as_text = http.post(path, json={"input": "w5 w6 w7 w8 w9", "add_special_tokens": False}).json()
+        assert chat["data"][0][key] == as_ids["data"][0][key] == as_text["data"][0][key]
+        assert chat["usage"]["prompt_tokens"] == len(ids)
+    prefill = {"messages": [*CHAT, {"role": "assistant", "content": " w10"}], "continue_final_message": True}
+    ids = http.post("/tokenize", json={**prefill, "add_generation_prompt": False}).json()["tokens"]
+    assert ids == [5, 6, 7, 8, 9, 10]
+    continued = http.post("/v1/embeddings", json=prefill).json()["data"][0]["embedding"]
+    assert continued == http.post("/v1/embeddings", json={"input": ids}).json()["data"][0]["embedding"]
+
+
+# vLLM's chat-style fields, with the wrong JSON types the hostile suite sends (test_server_hostile.py).
+CHAT_FIELD_TYPES = {
+    "messages": ["w5", 5, True, {"role": "user", "content": "w5"}],
+    "add_generation_prompt": ["yes", 1, [True], {"value": True}],
+    "continue_final_message": ["yes", 1, [True], {"value": True}],
+    "add_special_tokens": ["yes", 1, [True], {"value": True}],
+    "chat_template_kwargs": ["x", 5, True, [{}]],
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])
+def test_chat_fields_of_the_wrong_type_are_400_naming_them(http, path):
+    for field, values in CHAT_FIELD_TYPES.items():
+        for value in values:
+            response = http.post(path, json={"messages": CHAT, field: value})
+            assert response.status_code == 400, (field, value, response.text)
+            error = response.json()["error"]
+            assert error["param"] == field and not INTERNALS.search(error["message"]), (field, value, error)
+
+
+def _image_part():
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "words"),
+    [
+        ("/v1/embeddings", {"input": "w5", "messages": CHAT}, "messages", "not both"),
+        ("/pooling", {"input": [5], "messages": CHAT}, "messages", "not both"),
+        ("/v1/embeddings", {}, "input", "messages"),
+        ("/pooling", {"encoding_format": "float"}, "input", "messages"),
+        ("/v1/embeddings", {"messages": []}, "messages", None),
+        ("/v1/embeddings", {"messages": [{"role": "robot", "content": "w5"}]}, "messages[0].role", None),
+        ("/pooling", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
+        ("/v1/embeddings", {"messages": [{"role": "user"}]}, "messages", "empty"),
+        ("/v1/embeddings", {"messages": [{"role": "user", "text": "w5"}]}, "messages[0].text", None),
+        ("/v1/embeddings", {"messages": [{"role": "user", "content": "w5 " * 128}]}, "messages", "128"),
+        (
+            "/v1/embeddings",
+            {"messages": [{"role": "user", "content": [_image_part()]}]},
+            "messages[0].content[0].image_url",
+            "text messages only",
+        ),
+        (
+            "/v1/embeddings",
+            {"messages": CHAT, "continue_final_message": True},
+            "continue_final_message",
+            None,
+        ),
+        (
+            "/pooling",
+            {"messages": CHAT, "add_generation_prompt": True, "continue_final_message": True},
+            "continue_final_message",
+            None,
+        ),
+        (
+            "/v1/embeddings",
+            {"input": "w5", "add_generation_prompt": False},
+            "add_generation_prompt",
+            "messages",
+        ),
+        ("/pooling", {"input": "w5", "chat_template_kwargs": {}}, "chat_template_kwargs", "messages"),
+        ("/v1/embeddings", {"messages": CHAT, "dimensions": 49}, "dimensions", "<= 48"),
+    ],
+)
+def test_bad_messages_are_400_naming_the_field(http, path, body, param, words):
+    response = http.post(path, json={"model": NAME, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and not INTERNALS.search(error["message"]), error
+    assert words is None or words in error["message"], error
 
 
 @pytest.mark.parametrize(

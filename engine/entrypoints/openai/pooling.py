@@ -1,6 +1,9 @@
 """The pooling routes (runner="pooling"): OpenAI's /v1/embeddings, and vLLM's /pooling, /classify,
 /score (and /v1/score), /rerank (and /v1/rerank, /v2/rerank: Jina's and Cohere's shape).
 
+/v1/embeddings and /pooling take `messages` (vLLM's chat-style input) instead of `input`: rendered with
+the chat template as /tokenize renders them, tokenized, and embedded like a prompt of those ids.
+
 Every input becomes one pooling request (AsyncLLM.encode); all are checked before any is added, and a
 client that leaves aborts them. A server of the other runner refuses these routes (and a pooling
 server refuses generation, in AsyncLLM.add_request) with a 400 naming the runner.
@@ -15,6 +18,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 
 from xlaserve.entrypoints.openai.pooling_protocol import (
+    ChatInputFields,
     ClassificationData,
     ClassificationRequest,
     ClassificationResponse,
@@ -34,8 +38,10 @@ from xlaserve.entrypoints.openai.pooling_protocol import (
     ScoreResponse,
 )
 from xlaserve.entrypoints.pooling_io import cosine, pair_token_ids, score_pairs
+from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import engine_error, new_id, require_tokenizer, tokenize_text
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
+from xlaserve.entrypoints.serving.multimodal import image_parts
 from xlaserve.entrypoints.serving.protocol import ErrorResponse
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 from xlaserve.pooling_params import PoolingParams
@@ -75,6 +81,39 @@ def _token_ids(state: ServerState, value, add_special_tokens: bool, field: str) 
         except ValueError as e:
             raise bad_request(f"{where}: {e}", where) from None
     return prompts
+
+
+_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
+def _input_prompts(state: ServerState, req: ChatInputFields) -> list[list[int]]:
+    """The prompts of a request that sends `input` or `messages` (exactly one): a chat is rendered with
+    the chat template (add_generation_prompt false by default, as vLLM's) and is one prompt."""
+    if req.messages is None:
+        if req.input is None:
+            raise bad_request("'input' is a required property (or 'messages': a chat to embed)", "input")
+        for field in _CHAT_FIELDS:
+            if getattr(req, field) is not None:
+                raise bad_request(f"{field} applies to messages; this request sends input", field)
+        add_special_tokens = True if req.add_special_tokens is None else req.add_special_tokens
+        return _token_ids(state, req.input, add_special_tokens, "input")
+    if req.input is not None:
+        raise bad_request("send input or messages, not both", "messages")
+    images = image_parts(req.messages)
+    if images:
+        raise bad_request("the pooling routes take text messages only, not images", images[0][0])
+    text = apply_chat_template(
+        state,
+        req.messages,
+        bool(req.add_generation_prompt),
+        bool(req.continue_final_message),
+        None,
+        req.chat_template_kwargs,
+    )
+    ids = tokenize_text(state.engine, text, bool(req.add_special_tokens), "messages")
+    if not ids:
+        raise bad_request("the messages render to an empty prompt (0 tokens)", "messages")
+    return _token_ids(state, [ids], False, "messages")
 
 
 def _check_params(state: ServerState, params: PoolingParams) -> None:
@@ -156,7 +195,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
     async def embeddings(req: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
         _require_pooling(state, "/v1/embeddings")
         model = check_model(state, req.model)
-        prompts = _token_ids(state, req.input, req.add_special_tokens, "input")
+        prompts = _input_prompts(state, req)
         params = PoolingParams(task="embed", dimensions=req.dimensions, normalize=req.normalize)
         outputs = await _encode_all(state, raw_request, prompts, params)
         data = [
@@ -168,7 +207,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
     async def pooling(req: PoolingRequest, raw_request: Request) -> PoolingResponse:
         _require_pooling(state, "/pooling")
         model = check_model(state, req.model)
-        prompts = _token_ids(state, req.input, req.add_special_tokens, "input")
+        prompts = _input_prompts(state, req)
         task = "reward" if state.engine.pooling_task == "reward" else "encode"
         outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task=task))
         data = [PoolingData(index=i, data=_encoded(v, req.encoding_format)) for i, v in enumerate(outputs)]

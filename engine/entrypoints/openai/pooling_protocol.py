@@ -1,5 +1,9 @@
 """The pooling routes' request and response shapes (pydantic): OpenAI's /v1/embeddings, and vLLM's
-/pooling, /classify, /score and /rerank (Jina's and Cohere's shape)."""
+/pooling, /classify, /score and /rerank (Jina's and Cohere's shape).
+
+/v1/embeddings and /pooling take vLLM's chat-style input too: `messages` instead of `input`, rendered
+with the chat template (vLLM's EmbeddingChatRequest; one request model holds both, and the route
+checks that exactly one is sent)."""
 
 from __future__ import annotations
 
@@ -8,9 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from xlaserve.entrypoints.serving.protocol import StrictModel, Text, TokenId
+from xlaserve.entrypoints.serving.protocol import ChatMessage, JsonObject, StrictModel, Text, TokenId
 
 MAX_INPUTS = 256  # prompts per request: each is a sequence in the batch
+MAX_MESSAGES = 1024  # a chat's messages: rendered into one prompt, which max_model_len bounds anyway
 
 TextList = Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
 IdsList = Annotated[
@@ -28,15 +33,26 @@ class PoolingRequestBase(StrictModel):
     add_special_tokens: bool = True
 
 
-class EmbeddingRequest(PoolingRequestBase):
-    input: PoolingInput
+class ChatInputFields(StrictModel):
+    """`input`, or vLLM's chat-style input: `messages` rendered with the chat template, then embedded
+    like a prompt. The chat fields' None is vLLM's default (false), and is not sent with `input`;
+    add_special_tokens' None is true for `input`, false for `messages` (the template adds its own)."""
+
+    input: PoolingInput | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: JsonObject | None = None
+    add_special_tokens: bool | None = None
+
+
+class EmbeddingRequest(ChatInputFields, PoolingRequestBase):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Dimensions | None = None
     normalize: bool | None = None  # vLLM's extra
 
 
-class PoolingRequest(PoolingRequestBase):
-    input: PoolingInput
+class PoolingRequest(ChatInputFields, PoolingRequestBase):
     encoding_format: Literal["float", "base64"] = "float"
 
 
