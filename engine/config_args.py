@@ -1,6 +1,6 @@
 """How an engine argument reads on the command line, declared beside its config field.
 
-Each config field (config.py) carries an `Arg` in its metadata: plain data, so the flag's help cannot
+Each config field (config/) carries an `Arg` in its metadata: plain data, so the flag's help cannot
 drift from the field and the config imports nothing of argparse. entrypoints/arg_utils.py turns it
 into a flag, with the type from the field's annotation.
 """

@@ -1,6 +1,6 @@
 """Pooling models' settings (vLLM's names): the engine's `PoolerConfig` and a request's `PoolingParams`.
 
-Plain data like `SamplingParams` (config.py re-exports `PoolerConfig`). What they drive lives in
+Plain data like `SamplingParams` (the engine config holds a `PoolerConfig`). What they drive lives in
 worker/pooler.py (the host math over the hidden states a step returns) and README "Pooling models".
 """
 

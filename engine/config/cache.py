@@ -1,0 +1,81 @@
+"""The KV cache: block size, memory budget, prefix caching, host offload and cache dtype."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from xlaserve.config.checks import require
+from xlaserve.config_args import arg
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata=arg("tokens per KV cache block (8, 16, 32, 64 or 128)"))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=arg("reuse the KV blocks of a shared prompt prefix (default: on)")
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=arg("the share of device memory the engine may use, weights included (GPU)")
+    )
+    # Bytes for the KV cache, on any platform. Unset: 512 MiB on CPU (`_DEFAULT_CPU_KV_CACHE_MEMORY`
+    # in worker/model_runner.py); on GPU, gpu_memory_utilization of the device's memory, less what is in use.
+    kv_cache_memory: int | None = field(default=None, metadata=arg("KV cache budget in bytes (CPU)"))
+    num_gpu_blocks_override: int | None = field(
+        default=None, metadata=arg("KV cache blocks, whatever the memory budget (tests, benchmarks)")
+    )
+    # auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per value, twice the blocks.
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=arg(
+            "KV cache storage; fp8: one byte per value, twice the blocks (default: auto, the model's dtype)",
+            choices=KV_CACHE_DTYPES,
+        ),
+    )
+    # GiB of host memory for blocks the device prefix cache evicts, loaded back on a later prefix hit
+    # (core/kv_offload.py, worker/kv_offload.py; README "KV cache offload"). None: off.
+    kv_offloading_size: float | None = field(
+        default=None,
+        metadata=arg(
+            "GiB of host memory holding KV blocks evicted from the device cache, reloaded on a prefix "
+            "hit (default: off)"
+        ),
+    )
+
+    def __post_init__(self):
+        require(
+            self.kv_offloading_size is None
+            or (
+                isinstance(self.kv_offloading_size, (int, float))
+                and not isinstance(self.kv_offloading_size, bool)
+                and 0 < self.kv_offloading_size < math.inf
+            ),
+            f"kv_offloading_size must be a number of GiB > 0, got {self.kv_offloading_size!r}",
+        )
+        require(
+            self.kv_offloading_size is None or self.enable_prefix_caching,
+            "kv_offloading_size needs enable_prefix_caching: the host tier holds the blocks the prefix "
+            "cache evicts, under their hashes",
+        )
+        require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
+        require(
+            self.block_size in (8, 16, 32, 64, 128),
+            f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}",
+        )
+        require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        require(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
+            f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
+        )
+        require(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+            f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}",
+        )

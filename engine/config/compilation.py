@@ -1,0 +1,64 @@
+"""Compilation: the attention backend, the persistent XLA cache, warm-up and the compile guard."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from xlaserve.config.checks import require
+from xlaserve.config_args import arg
+
+_ATTENTION_BACKENDS = ("auto", "reference", "pallas", "jax-triton")
+
+
+def default_compilation_cache_dir() -> str:
+    """XLASERVE_COMPILATION_CACHE_DIR, else <XLASERVE_CACHE_ROOT, or ~/.cache/xlaserve>/xla."""
+    explicit = os.environ.get("XLASERVE_COMPILATION_CACHE_DIR")
+    if explicit:
+        return explicit
+    root = os.environ.get("XLASERVE_CACHE_ROOT") or os.path.join(
+        os.path.expanduser("~"), ".cache", "xlaserve"
+    )
+    return os.path.join(root, "xla")
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    # The environment-derived defaults are read where the config is built: the front end, whose
+    # config the engine core process receives whole.
+    attention_backend: str = field(
+        default_factory=lambda: os.environ.get("XLASERVE_ATTENTION_BACKEND", "auto"),
+        metadata=arg("also XLASERVE_ATTENTION_BACKEND", choices=_ATTENTION_BACKENDS),
+    )
+    # The persistent XLA compilation cache: on by default, so a second start loads its programs
+    # instead of compiling them. Several processes may share it (JAX locks it), and it is bounded:
+    # past compilation_cache_max_size bytes the least recently used programs go.
+    compilation_cache_dir: str | None = field(
+        default_factory=lambda: default_compilation_cache_dir(),
+        metadata=arg(
+            "persistent XLA compilation cache (default ~/.cache/xlaserve/xla; XLASERVE_CACHE_ROOT moves it)"
+        ),
+    )
+    disable_compilation_cache: bool = field(
+        default_factory=lambda: os.environ.get("XLASERVE_DISABLE_COMPILATION_CACHE", "") not in ("", "0"),
+        metadata=arg(
+            "compile every program at start, caching nothing (also XLASERVE_DISABLE_COMPILATION_CACHE=1)"
+        ),
+    )
+    compilation_cache_max_size: int = field(default=4 * 2**30, metadata=arg("bytes (default: 4 GiB)"))
+    strict_compile_guard: bool = field(  # raise (instead of warn) if anything compiles after warm-up
+        default=False, metadata=arg("fail a step that compiles after warm-up (default: warn)")
+    )
+    enforce_eager: bool = field(  # skip warm-up (compile buckets lazily)
+        default=False, metadata=arg("skip warm-up compiles")
+    )
+
+    def __post_init__(self):
+        require(
+            self.compilation_cache_max_size > 0,
+            f"compilation_cache_max_size must be > 0 bytes, got {self.compilation_cache_max_size}",
+        )
+        require(
+            self.attention_backend in _ATTENTION_BACKENDS,
+            f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )

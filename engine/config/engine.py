@@ -1,0 +1,126 @@
+"""The engine's whole configuration (EngineConfig): the groups above, checked against each other."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from xlaserve.config.cache import CacheConfig
+from xlaserve.config.checks import require
+from xlaserve.config.compilation import CompilationConfig
+from xlaserve.config.lora import LoRAConfig
+from xlaserve.config.model import ModelConfig
+from xlaserve.config.parallel import ParallelConfig
+from xlaserve.config.scheduler import SchedulerConfig
+from xlaserve.config_args import ARG_KEY, arg
+from xlaserve.speculative_config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    compilation: CompilationConfig
+    speculative: SpeculativeConfig | None = field(
+        default=None,
+        metadata=arg(
+            'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (engine/SPEC_DECODE.md)',
+            flag="--speculative-config",
+        ),
+    )
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self):
+        if self.cache.kv_offloading_size is not None:
+            # The transfers ride beside the step on one process; a draft model's own cache (indexed by
+            # the same block ids) is not offloaded.
+            require(self.parallel.nnodes == 1, "kv_offloading_size runs on one host (nnodes=1)")
+            require(
+                self.speculative is None or self.speculative.method != "draft_model",
+                "kv_offloading_size cannot be combined with a draft model (its KV cache is not offloaded)",
+            )
+        pp = self.parallel.pipeline_parallel_size
+        if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet
+            for is_set, what in (
+                (self.speculative is not None, "speculative_config"),
+                (self.lora.enable_lora, "enable_lora"),
+                (self.model.runner == "pooling", "runner='pooling'"),
+                (self.cache.kv_offloading_size is not None, "kv_offloading_size"),
+            ):
+                require(not is_set, f"pipeline_parallel_size={pp} cannot be combined with {what} yet")
+        # Speculative decoding runs on the synchronous step: the next step's drafts come from this
+        # step's accepted tokens, which async scheduling would not have yet.
+        require(
+            self.speculative is None or self.scheduler.async_scheduling is not True,
+            "async_scheduling cannot be combined with speculative_config; turn one of them off",
+        )
+        if self.model.runner == "pooling":
+            require(
+                self.speculative is None, "runner='pooling' never decodes: speculative_config does not apply"
+            )
+            require(self.parallel.nnodes == 1, "runner='pooling' runs on one host (nnodes=1)")
+            if self.cache.enable_prefix_caching and self.model.pooling_type != "LAST":
+                # A cached prefix's tokens are not computed again, and pooling over them needs their
+                # hidden states: only LAST pooling (the last token is always computed) may skip them.
+                object.__setattr__(
+                    self, "cache", dataclasses.replace(self.cache, enable_prefix_caching=False)
+                )
+
+    def async_scheduling_off_reason(self) -> str | None:
+        """Why async scheduling cannot run with this configuration (None: it can)."""
+        if self.parallel.nnodes > 1:
+            return "the multi-host executor runs each step synchronously (followers check every step)"
+        if self.speculative is not None:
+            return "speculative decoding proposes drafts from the accepted ids, known only after a step"
+        return None
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Drafts verified per request and step: speculative_config's k, 0 without speculation. A
+        step then reads 1 + k positions per request (the scheduler's slots, the runner's verification,
+        the grammar masks)."""
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
+
+    @property
+    def is_async_scheduling(self) -> bool:
+        """Async scheduling is asked for (or left to its default, on) and possible here."""
+        return self.scheduler.async_scheduling is not False and self.async_scheduling_off_reason() is None
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> EngineConfig:
+        """Split vLLM-named keyword arguments among the sub-configs; unknown names are an error. A
+        field is known by its name and by its flag's (`scheduling_policy` for `policy`)."""
+        parts: dict[str, dict] = {name: {} for name in CONFIG_GROUPS}
+        parts["model"]["model"] = model
+        names: dict[str, tuple[str, str]] = {}
+        for group, klass in CONFIG_GROUPS.items():
+            for f in dataclasses.fields(klass):
+                names[f.name] = (group, f.name)
+                spec = f.metadata.get(ARG_KEY)
+                if spec is not None:
+                    names.setdefault(spec.kwarg_for(f.name), (group, f.name))
+        speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
+        for key, value in kwargs.items():
+            if key not in names:
+                raise TypeError(f"unknown engine argument {key!r}; known: {sorted(names)}")
+            group, name = names[key]
+            parts[group][name] = value
+        return cls(
+            **{group: CONFIG_GROUPS[group](**parts[group]) for group in CONFIG_GROUPS},
+            speculative=speculative,
+        )
+
+
+# The sub-configs by their `EngineConfig` field name: what `from_kwargs` splits arguments among and
+# what entrypoints/arg_utils.py reads flags from.
+CONFIG_GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "compilation": CompilationConfig,
+    "lora": LoRAConfig,
+}

@@ -1,0 +1,162 @@
+"""The model to serve: its checkpoint, dtype, tokenizer, runner, quantization and limits."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from xlaserve.config.checks import require
+from xlaserve.config_args import arg, not_a_flag
+from xlaserve.pooling_params import CONVERT_TYPES, PoolerConfig
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_LOAD_FORMATS = ("auto", "dummy")
+RUNNER_TYPES = ("generate", "pooling")
+
+
+# vLLM's names. int8/fp8: quantize a float checkpoint at load; gguf: keep a GGUF's quantized tensors;
+# a checkpoint quantized at release (config.json's quantization_config) needs no flag.
+QUANTIZATION_METHODS = ("int8", "fp8", "gguf", "compressed-tensors")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # None or "smollm2": the embedded default model
+    model: str | None = field(
+        default=None, metadata=arg("HF directory, .gguf file, or 'smollm2' (the default)")
+    )
+    # auto: bfloat16 where the device computes it natively, else float32
+    dtype: str = field(
+        default="auto",
+        metadata=arg("weights and activations (auto: bfloat16 where native, else float32)", choices=_DTYPES),
+    )
+    max_model_len: int | None = field(
+        default=None, metadata=arg("the longest prompt + output (default: the model's own limit)")
+    )
+    seed: int = field(default=0, metadata=arg("the seed of requests without one (and of dummy weights)"))
+    served_model_name: str | None = field(
+        default=None, metadata=not_a_flag("the server's --served-model-name (several names)")
+    )
+    load_format: str = field(
+        default="auto",
+        metadata=arg(
+            "dummy: random weights; config and tokenizer from the --model directory (benchmarks)",
+            choices=_LOAD_FORMATS,
+        ),
+    )
+    # No tokenizer (the directory need not have one): prompts are token ids, outputs token ids only.
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata=arg("load no tokenizer: prompts must be token ids, outputs carry token ids and no text"),
+    )
+    # A request's token ids and logprobs independent of its batch (kernels/invariant.py; README "Batch
+    # invariance"). Read where the config is built (the front end), like the attention backend's.
+    batch_invariant: bool = field(
+        default_factory=lambda: (
+            os.environ.get("XLASERVE_BATCH_INVARIANT", "1").lower() not in ("0", "false", "no", "off")
+        ),
+        metadata=arg(
+            "a request's tokens and logprobs the same bits whatever runs beside it (default on; also "
+            "XLASERVE_BATCH_INVARIANT=0)"
+        ),
+    )
+    # QUANTIZATION_METHODS; None: as the checkpoint is (models/quantization.py, models/prequantized.py)
+    quantization: str | None = field(
+        default=None,
+        metadata=arg(
+            "weights kept quantized on the device: int8 or fp8 (per-channel scales, quantized at load); "
+            "gguf: a quantized GGUF's own blocks. A checkpoint released quantized needs no flag",
+            aliases=("-q",),
+            choices=QUANTIZATION_METHODS,
+        ),
+    )
+
+    # vLLM's runner: generate (sample tokens) or pooling (embeddings, classes, scores: the prompt's
+    # hidden states pooled, no decoding; worker/pooler.py, README "Pooling models").
+    runner: str = field(
+        default="generate",
+        metadata=arg(
+            "generate: sample tokens; pooling: embed, classify or score prompts", choices=RUNNER_TYPES
+        ),
+    )
+    convert: str = field(
+        default="auto",
+        metadata=arg(
+            "what a pooling runner computes (auto: classify for a *ForSequenceClassification checkpoint, "
+            "else embed)",
+            choices=CONVERT_TYPES,
+        ),
+    )
+    # A PoolerConfig; a dict or its JSON text (the flag) is converted.
+    pooler_config: PoolerConfig | None = field(
+        default=None,
+        metadata=arg(
+            'a pooling runner\'s defaults, as JSON: {"pooling_type": "LAST"|"MEAN"|"CLS"|"ALL", '
+            '"normalize": true, "dimensions": 256, "activation": true}'
+        ),
+    )
+    # vLLM's flag: images a prompt may carry (a vision-language model; engine/engine/mm_processor.py),
+    # as JSON text or a dict; None: DEFAULT_IMAGES_PER_PROMPT. Checked where the config is built.
+    limit_mm_per_prompt: str | None = field(
+        default=None,
+        metadata=arg('images per prompt of a vision-language model, as JSON: {"image": 2} (default 8)'),
+    )
+
+    def __post_init__(self):
+        object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+        if isinstance(self.limit_mm_per_prompt, dict):  # kept as JSON text: the config stays hashable
+            object.__setattr__(self, "limit_mm_per_prompt", json.dumps(self.limit_mm_per_prompt))
+        parse_mm_limits(self.limit_mm_per_prompt)  # a bad value is an error at start
+        require(self.runner in RUNNER_TYPES, f"runner must be one of {RUNNER_TYPES}, got {self.runner!r}")
+        require(
+            self.convert in CONVERT_TYPES, f"convert must be one of {CONVERT_TYPES}, got {self.convert!r}"
+        )
+        require(
+            self.runner == "pooling" or (self.convert == "auto" and self.pooler_config is None),
+            f"convert and pooler_config need runner='pooling' (runner={self.runner!r})",
+        )
+        require(
+            self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+            f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}",
+        )
+        require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        require(
+            self.load_format in _LOAD_FORMATS,
+            f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}",
+        )
+        require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be >= 1, got {self.max_model_len}",
+        )
+
+    @property
+    def pooling_type(self) -> str:
+        """A pooling runner's pooling (pooler_config's, else ALL for reward models, LAST otherwise)."""
+        if self.pooler_config is not None and self.pooler_config.pooling_type is not None:
+            return self.pooler_config.pooling_type
+        return "ALL" if self.convert == "reward" else "LAST"
+
+
+# Images per prompt when --limit-mm-per-prompt does not say (vLLM's flag; JSON like '{"image": 2}').
+DEFAULT_IMAGES_PER_PROMPT = 8
+
+
+def parse_mm_limits(value) -> dict[str, int]:
+    """--limit-mm-per-prompt's JSON text (or a dict) -> {"image": n}; ValueError naming the field."""
+    if value is None:
+        return {"image": DEFAULT_IMAGES_PER_PROMPT}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f'limit_mm_per_prompt must be JSON like {{"image": 2}}, got {value!r}') from None
+    if not isinstance(value, dict):
+        raise ValueError(f'limit_mm_per_prompt must be an object like {{"image": 2}}, got {value!r}')
+    unknown = sorted(set(value) - {"image"})
+    if unknown:
+        raise ValueError(f"limit_mm_per_prompt: modalities {unknown} are not supported; supported: ['image']")
+    count = value.get("image", DEFAULT_IMAGES_PER_PROMPT)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"limit_mm_per_prompt.image must be an integer >= 0, got {count!r}")
+    return {"image": count}

@@ -1,0 +1,71 @@
+"""Parallelism: tensor, expert, data and pipeline parallel sizes, hosts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xlaserve.config.checks import require
+from xlaserve.config_args import arg
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = field(
+        default=1, metadata=arg("devices one model is sharded over", aliases=("-tp",))
+    )
+    data_parallel_size: int = field(
+        default=1, metadata=arg("engine cores side by side, each on its own devices", aliases=("-dp",))
+    )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=arg(
+            "pipeline stages: the layers split into this many contiguous stages, each on its own "
+            "tensor_parallel_size devices",
+            aliases=("-pp",),
+        ),
+    )
+    enable_expert_parallel: bool = field(
+        default=False, metadata=arg("shard a MoE's experts over the tensor-parallel devices")
+    )
+    # Multi-host (vLLM's multi-node names): one process per host, jax.distributed across them.
+    nnodes: int = field(default=1, metadata=arg("processes (hosts) of a multi-host engine"))
+    node_rank: int = field(default=0, metadata=arg("this process's rank; 0 runs the front end"))
+    master_addr: str = field(
+        default="127.0.0.1", metadata=arg("address of process 0 (jax.distributed coordinator)")
+    )
+    # jax.distributed's coordinator; the step channel uses master_port + 1
+    master_port: int = field(default=29500, metadata=arg("coordinator port; the step channel uses +1"))
+
+    def __post_init__(self):
+        require(
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
+        )
+        require(
+            self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}"
+        )
+        require(
+            self.pipeline_parallel_size >= 1,
+            f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}",
+        )
+        # Not yet: stages across processes, and data-parallel ranks each of several stages.
+        if self.pipeline_parallel_size > 1:
+            require(
+                self.nnodes == 1,
+                f"pipeline_parallel_size={self.pipeline_parallel_size} runs on one host for now (nnodes=1)",
+            )
+            require(
+                self.data_parallel_size == 1,
+                f"pipeline_parallel_size={self.pipeline_parallel_size} cannot be combined with "
+                f"data_parallel_size={self.data_parallel_size} yet",
+            )
+        require(self.nnodes >= 1, f"nnodes must be >= 1, got {self.nnodes}")
+        require(
+            0 <= self.node_rank < self.nnodes,
+            f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}",
+        )
+        require(
+            self.nnodes == 1 or self.data_parallel_size == 1,
+            f"data_parallel_size={self.data_parallel_size} with nnodes={self.nnodes} is not supported; "
+            "use tensor parallelism across hosts",
+        )

@@ -1,0 +1,72 @@
+"""The scheduler: token and sequence budgets per step, chunked prefill, policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xlaserve.config.checks import require
+from xlaserve.config_args import arg, not_a_flag
+
+_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=64, metadata=arg("requests in one step (default: 64)"))
+    max_num_batched_tokens: int = field(default=512, metadata=arg("tokens in one step (default: 512)"))
+    policy: str = field(
+        default="fcfs",
+        metadata=arg(
+            "who is admitted (and preempted) first: fcfs, or priority (a request's priority, then arrival)",
+            flag="--scheduling-policy",
+            choices=_POLICIES,
+        ),
+    )
+    max_num_queued_reqs: int | None = field(  # bound on waiting requests (server: 503 past it)
+        default=None, metadata=not_a_flag("the server's --max-num-queued-reqs")
+    )
+    # Fairness under long prompts (vLLM's names). A prefill chunk is capped at the threshold (None:
+    # a quarter of max_num_batched_tokens; 0: no cap) and at most max_num_partial_prefills prompts
+    # (max_long_partial_prefills of them longer than the threshold) are prefilled across steps at
+    # once, so partial prefills take at most half of each step's budget by default: the other half
+    # always serves decodes and short prompts, whose first token then comes within a step or two.
+    long_prefill_token_threshold: int | None = field(
+        default=None,
+        metadata=arg(
+            "cap on a prompt's prefill chunk per step, so one long prompt cannot take a whole step "
+            "(default: max_num_batched_tokens / 4; 0: no cap)"
+        ),
+    )
+    max_num_partial_prefills: int = field(
+        default=2, metadata=arg("prompts prefilled across steps at once (default: 2)")
+    )
+    max_long_partial_prefills: int = field(
+        default=2, metadata=arg("of those, prompts longer than the threshold (default: 2)")
+    )
+    # vLLM's async scheduling: the host schedules step N+1 while the device runs step N (None: on
+    # wherever the executor supports it, i.e. one process; the engine core logs why where not).
+    async_scheduling: bool | None = field(
+        default=None,
+        metadata=arg("schedule step N+1 while the device runs step N (default: on where supported)"),
+    )
+
+    def __post_init__(self):
+        require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        require(
+            self.max_num_batched_tokens >= 16,
+            f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens}",
+        )
+        require(self.policy in _POLICIES, f"policy must be one of {_POLICIES}, got {self.policy!r}")
+        require(
+            self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
+            f"long_prefill_token_threshold must be >= 0 (0: no cap), got {self.long_prefill_token_threshold}",
+        )
+        require(
+            self.max_num_partial_prefills >= 1,
+            f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}",
+        )
+        require(
+            1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills,
+            f"max_long_partial_prefills must be in [1, max_num_partial_prefills="
+            f"{self.max_num_partial_prefills}], got {self.max_long_partial_prefills}",
+        )
