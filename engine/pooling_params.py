@@ -12,8 +12,9 @@ from xlaserve.config_args import json_object
 
 # How a sequence's final-norm hidden states become one vector. LAST: the last prompt token (a
 # decoder's natural summary, and prefix caching applies); MEAN: the mean over every prompt token;
-# CLS: the first token; ALL: every token's (a matrix).
-POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
+# CLS: the first token; ALL: every token's (a matrix); STEP (a process reward model's): the rows at the
+# prompt's `step_tag_id` tokens (every row without one), their columns cut to `returned_token_ids`.
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
 # What a pooling engine computes: `runner="pooling"` with `convert` (auto: classify for a
 # *ForSequenceClassification checkpoint, embed otherwise).
 CONVERT_TYPES = ("auto", "embed", "classify", "reward")
@@ -30,6 +31,10 @@ TASKS_OF_MODEL = {
 }
 
 
+def _is_index(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
@@ -41,13 +46,18 @@ class PoolerConfig:
 
     `pooling_type` (None: LAST, or ALL for reward), `normalize` (None: on for embed), `dimensions`
     (Matryoshka: keep the first n of each embedding, then normalize), `activation` (None: softmax for
-    classify, sigmoid when there is one label); `softmax` is vLLM's older name of `activation`."""
+    classify, sigmoid when there is one label); `softmax` is vLLM's older name of `activation`.
+    STEP pooling only: `step_tag_id` (the token marking a step's end: the rows kept; None: every row)
+    and `returned_token_ids` (the output's columns kept, in that order: a reward head's labels, or
+    hidden dims; None: all), checked against the output's width when the engine loads the model."""
 
     pooling_type: str | None = None
     normalize: bool | None = None
     dimensions: int | None = None
     activation: bool | None = None
     softmax: bool | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.pooling_type, str):
@@ -62,6 +72,22 @@ class PoolerConfig:
         )
         if self.activation is None and self.softmax is not None:
             object.__setattr__(self, "activation", self.softmax)
+        _require(
+            self.step_tag_id is None or _is_index(self.step_tag_id),
+            f"pooler_config.step_tag_id must be a token id (an int >= 0), got {self.step_tag_id!r}",
+        )
+        ids = self.returned_token_ids
+        _require(
+            ids is None or (isinstance(ids, (list, tuple)) and len(ids) > 0 and all(map(_is_index, ids))),
+            f"pooler_config.returned_token_ids must be a non-empty list of ints >= 0, got {ids!r}",
+        )
+        if ids is not None:
+            object.__setattr__(self, "returned_token_ids", tuple(ids))
+        for name in ("step_tag_id", "returned_token_ids"):
+            _require(
+                getattr(self, name) is None or self.pooling_type == "STEP",
+                f"pooler_config.{name} needs pooling_type 'STEP', got pooling_type={self.pooling_type!r}",
+            )
 
     @classmethod
     def parse(cls, value) -> PoolerConfig | None:

@@ -135,7 +135,14 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
     if task is not None:
         path = resolve_model_path(config.model.model)
         defaults = read_pooling_defaults(path) if os.path.isdir(path) else {}
-        pooler = Pooler.from_config(config.model, task, head, is_encoder=is_encoder, model_defaults=defaults)
+        pooler = Pooler.from_config(
+            config.model,
+            task,
+            head,
+            is_encoder=is_encoder,
+            model_defaults=defaults,
+            hidden_size=model_config.hidden_size,
+        )
     return LoadedCheckpoint(hf_config, tensors, model_config, max_model_len, info, pooler)
 
 

@@ -9,10 +9,12 @@ last token's for LAST pooling, every computed token's otherwise, kept per reques
 until its prompt is complete. No program is added: the compile guard stays as it was.
 
 The rest is host math in float32 numpy, once per request when its prompt completes (`Pooler`):
-pool (LAST, MEAN, CLS, ALL), then the task's head: embed -> Matryoshka truncation and L2
-normalization; classify / score -> the *ForSequenceClassification head (`ClassifierHead`), softmax (sigmoid
-for one label); encode -> the pooled states as they are; reward -> the head's raw outputs. MEAN is
-taken over the whole prompt's rows at once, so a chunked prompt pools the same bits as a whole one.
+pool (LAST, MEAN, CLS, ALL; STEP: ALL's rows at the prompt's step tags, then, after the head, the
+columns `returned_token_ids` names, as vLLM's StepPooler), then the task's head: embed -> Matryoshka
+truncation and L2 normalization; classify / score -> the *ForSequenceClassification head
+(`ClassifierHead`), softmax (sigmoid for one label); encode -> the pooled states as they are; reward ->
+the head's raw outputs. MEAN is taken over the whole prompt's rows at once, so a chunked prompt pools
+the same bits as a whole one.
 """
 
 from __future__ import annotations
@@ -95,13 +97,16 @@ class Pooler:
     output."""
 
     task: str  # the model's: embed, classify or reward
-    pooling_type: str  # LAST, MEAN, CLS, ALL
+    pooling_type: str  # LAST, MEAN, CLS, ALL, STEP
     normalize: bool | None
     dimensions: int | None
     activation: bool | None
     head: ClassifierHead | None  # a classifier's (adapt_checkpoint)
     # An encoder (models/encoder.py): each prompt computed whole in one step, no prefix cached.
     is_encoder: bool = False
+    # STEP pooling: the token whose rows are kept (None: every row), the output's columns kept (None: all).
+    step_tag_id: int | None = None
+    returned_token_ids: tuple[int, ...] | None = None
 
     @classmethod
     def from_config(
@@ -112,10 +117,12 @@ class Pooler:
         *,
         is_encoder: bool = False,
         model_defaults: dict | None = None,
+        hidden_size: int | None = None,
     ) -> Pooler:
         """The user's pooler_config over `model_defaults` (a sentence-transformers directory's:
         models/sentence_transformers.py) over the model's own (CLS for an encoder; else LAST, ALL
-        for reward)."""
+        for reward). `hidden_size` bounds STEP's returned_token_ids where the task's output is the
+        hidden states (a head's output: its labels bound them)."""
         pc = model_config.pooler_config
         defaults = model_defaults or {}
         pooling_type = next(
@@ -129,6 +136,13 @@ class Pooler:
             if t is not None
         )
         normalize = None if pc is None else pc.normalize
+        returned = None if pc is None else pc.returned_token_ids
+        width = head.num_labels if head is not None and task != "embed" else hidden_size
+        if returned is not None and width is not None and max(returned) >= width:
+            raise ValueError(
+                f"pooler_config.returned_token_ids must be < {width} (the width of this {task} model's "
+                f"output), got {list(returned)}"
+            )
         return cls(
             task,
             pooling_type,
@@ -137,6 +151,8 @@ class Pooler:
             None if pc is None else pc.activation,
             head,
             is_encoder,
+            None if pc is None else pc.step_tag_id,
+            returned,
         )
 
     @property
@@ -145,8 +161,13 @@ class Pooler:
         of them (an encoder's every state depends on the whole prompt)."""
         return not self.is_encoder and self.pooling_type == "LAST"
 
-    def pool(self, rows: np.ndarray) -> np.ndarray:
-        """rows [P, D] (every prompt token's hidden state; LAST: the last token's alone, [1, D])."""
+    def pool(self, rows: np.ndarray, prompt_token_ids=None) -> np.ndarray:
+        """rows [P, D] (every prompt token's hidden state; LAST: the last token's alone, [1, D]);
+        STEP: the rows at the prompt's step_tag_id tokens, [num_steps, D]."""
+        if self.pooling_type == "STEP":
+            if self.step_tag_id is None:
+                return rows
+            return rows[np.asarray(prompt_token_ids) == self.step_tag_id]
         if self.pooling_type == "MEAN":
             return rows.mean(axis=0, dtype=np.float32)
         if self.pooling_type == "CLS":
@@ -155,14 +176,17 @@ class Pooler:
             return rows
         return rows[-1]
 
-    def finish(self, params, rows: np.ndarray) -> np.ndarray:
-        """One request's output from its hidden states rows [P, D] float32 and its PoolingParams."""
-        pooled = self.pool(rows)
+    def finish(self, params, rows: np.ndarray, prompt_token_ids=None) -> np.ndarray:
+        """One request's output from its hidden states rows [P, D] float32, its PoolingParams and
+        (STEP pooling) its prompt's token ids [P]."""
+        pooled = self.pool(rows, prompt_token_ids)
         task = params.task
+        if self.head is not None and task not in ("embed", "encode"):
+            pooled = self.head(pooled)  # [.., num_labels]
+        if self.returned_token_ids is not None:  # STEP: after the head, whose labels they name
+            pooled = pooled[..., list(self.returned_token_ids)]
         if task == "encode":
             return pooled
-        if self.head is not None and task != "embed":
-            pooled = self.head(pooled)  # [.., num_labels]
         if task in ("classify", "score"):
             activation = _first(params.activation, self.activation, True)
             if not activation:
@@ -246,4 +270,6 @@ class PoolingHook(StepHook):
         rows[start : start + n] = hidden[offset : offset + n]
         if s.is_pooling:
             del self._rows[req.request_id]
-            result.pooler_output[req.request_id] = self.pooler.finish(req.pooling_params, rows)
+            result.pooler_output[req.request_id] = self.pooler.finish(
+                req.pooling_params, rows, req.prompt_token_ids
+            )

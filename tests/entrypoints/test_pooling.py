@@ -23,7 +23,9 @@ from helpers.family_cases import (
 )
 from helpers.smollm2 import ENGINE_ARGS
 from xlaserve import LLM
-from xlaserve.pooling_params import PoolingParams
+from xlaserve.config import ModelConfig
+from xlaserve.pooling_params import PoolerConfig, PoolingParams
+from xlaserve.worker.pooler import ClassifierHead, Pooler
 
 TOL = 1e-4
 ARGS = {
@@ -171,6 +173,43 @@ def test_sequence_classifiers_match_hf(tmp_path, architecture, num_labels):
     else:
         with pytest.raises(ValueError, match="one label"):
             llm.score("w5", "w6", use_tqdm=False)
+
+
+def test_step_pooling_keeps_the_step_tags_rows_and_the_returned_columns(tmp_path):
+    """A process reward model (vLLM's STEP pooling): the score head's outputs at the prompt's step tags,
+    cut to returned_token_ids, against numpy on Hugging Face's hidden states; encode cuts the hidden
+    states the same way. The Llama shapes of the tests above: their compiled programs serve it."""
+    model = _classifier("LlamaForSequenceClassification", 3, seed=6)
+    step, returned = 7, [2, 0]
+    config = {"pooling_type": "STEP", "step_tag_id": step, "returned_token_ids": returned}
+    llm = LLM(save_hf_model(model, tmp_path), **ARGS, convert="reward", pooler_config=config)
+    assert llm.config.cache.enable_prefix_caching is False  # the steps' rows must all be computed
+    prompts = [[5, 9, step, 11, 12, step, 4] * 4, [5, 6, 8], [step]]  # the first prefills in chunks
+    rewards = llm.reward(_ids(prompts), use_tqdm=False)
+    hidden = llm.encode(_ids(prompts), pooling_task="encode", use_tqdm=False)
+    for p, reward, states in zip(prompts, rewards, hidden):
+        hf = _hf_hidden(model.model, p)[np.asarray(p) == step]  # [num_steps, D]
+        with torch.no_grad():
+            logits = model.score(torch.from_numpy(hf)).numpy()  # [num_steps, 3]
+        assert reward.outputs.data.shape == (p.count(step), len(returned))
+        assert states.outputs.data.shape == (p.count(step), len(returned))
+        if p.count(step):  # a prompt without a step tag: no rows
+            _close(reward.outputs.data, logits[:, returned])
+            _close(states.outputs.data, hf[:, returned])
+
+
+def test_step_pooling_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="step_tag_id needs pooling_type 'STEP', got pooling_type='ALL'"):
+        PoolerConfig(pooling_type="ALL", step_tag_id=7)
+    with pytest.raises(ValueError, match="returned_token_ids must be a non-empty list of ints >= 0"):
+        PoolerConfig(pooling_type="STEP", returned_token_ids=[1, -1])
+    with pytest.raises(ValueError, match="step_tag_id must be a token id"):
+        PoolerConfig(pooling_type="STEP", step_tag_id=True)
+    head = ClassifierHead(out_weight=np.zeros((3, 48), np.float32))
+    config = ModelConfig(runner="pooling", pooler_config={"pooling_type": "STEP", "returned_token_ids": [3]})
+    with pytest.raises(ValueError, match="returned_token_ids must be < 3 \\(the width of this reward"):
+        Pooler.from_config(config, "reward", head, hidden_size=48)
+    assert Pooler.from_config(config, "embed", None, hidden_size=48).returned_token_ids == (3,)
 
 
 def test_chunked_prefill_pools_the_same_bits_in_bfloat16(llama):
