@@ -23,21 +23,16 @@ import dataclasses
 import logging
 import math
 import time
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
 from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
-from xlaserve.kernels.invariant import traced_with
 from xlaserve.models.registry import get_model_class
-from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
 from xlaserve.worker.compile_guard import CompileGuard
 from xlaserve.worker.draft_model import DraftModel
@@ -55,61 +50,15 @@ from xlaserve.worker.lora_manager import LoRAManager
 from xlaserve.worker.mm_encoder import make_mm_hook
 from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.pooler import Pooler, PoolingHook
-from xlaserve.worker.program import Program
-from xlaserve.worker.sampler import SamplerOutput, prompt_logprobs, sample
-from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, step_bitmask, verify
+from xlaserve.worker.sampler import SamplerOutput
+from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, step_bitmask
 from xlaserve.worker.step_future import StepFuture, StepTiming
 from xlaserve.worker.step_hooks import DraftModelHook, LoRAHook, StepHook
 from xlaserve.worker.step_output import make_output, to_host
+from xlaserve.worker.step_programs import make_step_programs
 from xlaserve.worker.warm_up import compile_all
 
 logger = logging.getLogger(__name__)
-
-# The device functions of a step. The runner jits each once with its graphdef bound (a closure,
-# not a static argument: hashing a model's graphdef costs ~0.3 ms on every call).
-
-
-def _forward(
-    graphdef, params, kv_cache, input_ids, prev_ids, prev_rows, positions, logits_indices, md, model_inputs
-):
-    """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache).
-    prev_ids [S]: the previous step's sampled ids, still on the device; prev_rows [T]: where >= 0, the
-    row of prev_ids that is this token's id (async scheduling). `model_inputs`: the hooks' keyword
-    arguments of the model (LoRA's `lora=`); empty, the program is the base model's."""
-    input_ids = jnp.where(prev_rows >= 0, prev_ids[jnp.maximum(prev_rows, 0)], input_ids)
-    model = nnx.merge(graphdef, params)
-    hidden, kv_cache = model(input_ids, positions, kv_cache, md, **model_inputs)
-    return hidden, hidden[logits_indices], kv_cache
-
-
-def _logits(graphdef, vocab_size, head_params, hidden):
-    """[N, D] -> [N, V_padded] float32, padding ids at -inf (sharding/vocab.py): never sampled, never
-    in logprobs. `head_params`: (the model's params, the LM head as [D, V] or None)."""
-    params, head_dv = head_params
-    return mask_padded_vocab(nnx.merge(graphdef, params).compute_logits(hidden, head_dv), vocab_size)
-
-
-def _sample(graphdef, vocab_size, num_ids, params, hidden_rd, st, *, with_logprobs):
-    """-> (SamplerOutput, the sampled ids padded to [num_ids] for the next step's forward)."""
-    num_seqs = st.temperature.shape[0]
-    if hidden_rd.shape[0] != num_seqs:  # speculative decoding gathers K + 1 rows per sequence: the first
-        hidden_rd = hidden_rd.reshape(num_seqs, -1, hidden_rd.shape[-1])[:, 0]
-    logits = _logits(graphdef, vocab_size, params, hidden_rd)
-    out = sample(logits, st, with_logprobs=with_logprobs)
-    return out, jnp.pad(out.token_ids, (0, num_ids - out.token_ids.shape[0]))
-
-
-def _verify(graphdef, vocab_size, params, hidden_rd, st, spec: SpecInputs, draft_q, *, with_logprobs):
-    """Speculative decoding: logits at each request's K + 1 verified positions (hidden_rd
-    [R * (K + 1), D], gathered by the forward at spec.verify_indices), then rejection sampling.
-    `draft_q`: a draft model's (q_buf [S, K, V], rows [R]) (worker/draft_model.py), or None (n-gram)."""
-    logits = _logits(graphdef, vocab_size, params, hidden_rd)
-    draft_probs = None if draft_q is None else draft_q[0][draft_q[1]]
-    return verify(logits, st, spec, with_logprobs=with_logprobs, draft_probs=draft_probs)
-
-
-def _prompt_logprobs(graphdef, vocab_size, params, hidden, target_ids):
-    return prompt_logprobs(_logits(graphdef, vocab_size, params, hidden), target_ids)
 
 
 def _fill_prompt_targets(prompt_targets: np.ndarray, offset: int, s) -> None:
@@ -165,32 +114,15 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         # The host's KV cache groups (core/kv_cache_spec.py), from the model's cache spec.
         self.kv_cache_groups = kv_cache_groups(self.kv_spec, self.model_config, config)
-        # Each a Program (worker/program.py): a step calls the executable warm-up loaded or compiled
-        # for its shapes; the weights (and the KV cache) lead, outside the per-call signature. Each
-        # traces under the engine's batch invariance (kernels/invariant.py).
-        invariant = partial(traced_with, config.model.batch_invariant)
-        self._forward_fn = Program(
-            "forward",
-            jax.jit(invariant(partial(_forward, self.graphdef)), donate_argnames=("kv_cache",)),
-            num_fixed_args=2,
-        )
+        # The step's device functions as Programs (worker/step_programs.py), jitted with the graphdef bound.
         vocab = self.model_config.vocab_size
-        # `with_logprobs` is traced (a runtime flag), not static: warm-up compiles 4 sampler programs
-        # per request bucket (penalties x grammar), not 8 (sampler.py).
-        self._sample_fn = Program(
-            "sample",
-            jax.jit(invariant(partial(_sample, self.graphdef, vocab, config.scheduler.max_num_seqs))),
+        programs = make_step_programs(
+            self.graphdef, vocab, config.scheduler.max_num_seqs, config.model.batch_invariant
         )
-        self._prompt_logprobs_fn = Program(
-            "prompt_logprobs", jax.jit(invariant(partial(_prompt_logprobs, self.graphdef, vocab)))
-        )
+        self._forward_fn, self._sample_fn = programs.forward, programs.sample
+        self._prompt_logprobs_fn, self._verify_fn = programs.prompt_logprobs, programs.verify
         spec = config.speculative
         self.num_spec_tokens = config.num_spec_tokens
-        self._verify_fn = Program(
-            "verify",
-            jax.jit(invariant(partial(_verify, self.graphdef, vocab)), static_argnames=("with_logprobs",)),
-            static_argnames=("with_logprobs",),
-        )
         self.num_programs_loaded = self.num_programs_compiled = 0  # by warm-up, from disk or compiled
 
         # Speculative decoding's draft model (worker/draft_model.py): its cache shares the block ids.

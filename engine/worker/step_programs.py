@@ -1,0 +1,97 @@
+"""The device functions of a step (the model forward, the sampler, speculative verification, prompt
+logprobs) and the Programs a runner calls them through.
+
+Each is jitted once per runner with its graphdef bound (a closure, not a static argument: hashing a
+model's graphdef costs ~0.3 ms on every call), and traces under the engine's batch invariance
+(kernels/invariant.py). A Program (worker/program.py) calls the executable warm-up loaded or compiled
+for its shapes; the weights (and the KV cache) lead, outside the per-call signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from xlaserve.kernels.invariant import traced_with
+from xlaserve.sharding.vocab import mask_padded_vocab
+from xlaserve.worker.program import Program
+from xlaserve.worker.sampler import prompt_logprobs, sample
+from xlaserve.worker.spec_decode import SpecInputs, verify
+
+
+def _forward(
+    graphdef, params, kv_cache, input_ids, prev_ids, prev_rows, positions, logits_indices, md, model_inputs
+):
+    """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache).
+    prev_ids [S]: the previous step's sampled ids, still on the device; prev_rows [T]: where >= 0, the
+    row of prev_ids that is this token's id (async scheduling). `model_inputs`: the hooks' keyword
+    arguments of the model (LoRA's `lora=`); empty, the program is the base model's."""
+    input_ids = jnp.where(prev_rows >= 0, prev_ids[jnp.maximum(prev_rows, 0)], input_ids)
+    model = nnx.merge(graphdef, params)
+    hidden, kv_cache = model(input_ids, positions, kv_cache, md, **model_inputs)
+    return hidden, hidden[logits_indices], kv_cache
+
+
+def _logits(graphdef, vocab_size, head_params, hidden):
+    """[N, D] -> [N, V_padded] float32, padding ids at -inf (sharding/vocab.py): never sampled, never
+    in logprobs. `head_params`: (the model's params, the LM head as [D, V] or None)."""
+    params, head_dv = head_params
+    return mask_padded_vocab(nnx.merge(graphdef, params).compute_logits(hidden, head_dv), vocab_size)
+
+
+def _sample(graphdef, vocab_size, num_ids, params, hidden_rd, st, *, with_logprobs):
+    """-> (SamplerOutput, the sampled ids padded to [num_ids] for the next step's forward)."""
+    num_seqs = st.temperature.shape[0]
+    if hidden_rd.shape[0] != num_seqs:  # speculative decoding gathers K + 1 rows per sequence: the first
+        hidden_rd = hidden_rd.reshape(num_seqs, -1, hidden_rd.shape[-1])[:, 0]
+    logits = _logits(graphdef, vocab_size, params, hidden_rd)
+    out = sample(logits, st, with_logprobs=with_logprobs)
+    return out, jnp.pad(out.token_ids, (0, num_ids - out.token_ids.shape[0]))
+
+
+def _verify(graphdef, vocab_size, params, hidden_rd, st, spec: SpecInputs, draft_q, *, with_logprobs):
+    """Speculative decoding: logits at each request's K + 1 verified positions (hidden_rd
+    [R * (K + 1), D], gathered by the forward at spec.verify_indices), then rejection sampling.
+    `draft_q`: a draft model's (q_buf [S, K, V], rows [R]) (worker/draft_model.py), or None (n-gram)."""
+    logits = _logits(graphdef, vocab_size, params, hidden_rd)
+    draft_probs = None if draft_q is None else draft_q[0][draft_q[1]]
+    return verify(logits, st, spec, with_logprobs=with_logprobs, draft_probs=draft_probs)
+
+
+def _prompt_logprobs(graphdef, vocab_size, params, hidden, target_ids):
+    return prompt_logprobs(_logits(graphdef, vocab_size, params, hidden), target_ids)
+
+
+@dataclass(frozen=True)
+class StepPrograms:
+    forward: Program  # the KV cache donated, updated in place
+    sample: Program
+    prompt_logprobs: Program
+    verify: Program
+
+
+def make_step_programs(graphdef, vocab_size: int, max_num_seqs: int, batch_invariant: bool) -> StepPrograms:
+    """The four programs of a step for the model `graphdef` (its real, unpadded `vocab_size`)."""
+    invariant = partial(traced_with, batch_invariant)
+    return StepPrograms(
+        forward=Program(
+            "forward",
+            jax.jit(invariant(partial(_forward, graphdef)), donate_argnames=("kv_cache",)),
+            num_fixed_args=2,
+        ),
+        # `with_logprobs` is traced (a runtime flag), not static: warm-up compiles 4 sampler programs
+        # per request bucket (penalties x grammar), not 8 (sampler.py).
+        sample=Program("sample", jax.jit(invariant(partial(_sample, graphdef, vocab_size, max_num_seqs)))),
+        prompt_logprobs=Program(
+            "prompt_logprobs", jax.jit(invariant(partial(_prompt_logprobs, graphdef, vocab_size)))
+        ),
+        verify=Program(
+            "verify",
+            jax.jit(invariant(partial(_verify, graphdef, vocab_size)), static_argnames=("with_logprobs",)),
+            static_argnames=("with_logprobs",),
+        ),
+    )
