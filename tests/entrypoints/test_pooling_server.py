@@ -8,6 +8,7 @@ under the strict compile guard, so every answer here also proves pooling compile
 from __future__ import annotations
 
 import base64
+import json
 import re
 
 import httpx
@@ -180,10 +181,26 @@ def _image_part():
         ),
         ("/pooling", {"input": "w5", "chat_template_kwargs": {}}, "chat_template_kwargs", "messages"),
         ("/v1/embeddings", {"messages": CHAT, "dimensions": 49}, "dimensions", "<= 48"),
+        ("/pooling", {"messages": [5]}, "messages[0]", None),
+        (
+            "/v1/embeddings",
+            {"messages": [{"role": "user", "content": "w5 \ud800"}]},
+            "messages[0].content",
+            "Unicode",
+        ),
+        (
+            "/pooling",
+            {"messages": CHAT, "chat_template_kwargs": {"x": "\ud800"}},
+            "chat_template_kwargs",
+            "Unicode",
+        ),
+        ("/v1/embeddings", {"messages": [{"role": "user", "content": "w5"}] * 1025}, "messages", "1024"),
     ],
 )
 def test_bad_messages_are_400_naming_the_field(http, path, body, param, words):
-    response = http.post(path, json={"model": NAME, **body})
+    # json.dumps escapes a lone surrogate (httpx's json= cannot encode one)
+    body = json.dumps({"model": NAME, **body})
+    response = http.post(path, content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and not INTERNALS.search(error["message"]), error

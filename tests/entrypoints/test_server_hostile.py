@@ -1257,6 +1257,8 @@ def test_anthropic_context_length_is_400(client):
     [
         ("/v1/embeddings", {"input": "Hi"}),
         ("/pooling", {"input": [1, 2]}),
+        ("/v1/embeddings", {"messages": CHAT}),
+        ("/pooling", {"messages": CHAT, "add_generation_prompt": False}),
         ("/classify", {"input": ["Hi"]}),
         ("/score", {"text_1": "a", "text_2": ["b"]}),
         ("/v1/score", {"text_1": "a", "text_2": "b"}),
