@@ -92,8 +92,9 @@ class ModelConfig:
     pooler_config: PoolerConfig | None = field(
         default=None,
         metadata=arg(
-            'a pooling runner\'s defaults, as JSON: {"pooling_type": "LAST"|"MEAN"|"CLS"|"ALL", '
-            '"normalize": true, "dimensions": 256, "activation": true}'
+            'a pooling runner\'s defaults, as JSON: {"pooling_type": "LAST"|"MEAN"|"CLS"|"ALL"|"STEP", '
+            '"normalize": true, "dimensions": 256, "activation": true}; STEP also "step_tag_id": 12902, '
+            '"returned_token_ids": [1, 0]'
         ),
     )
     # vLLM's flag: images a prompt may carry (a vision-language model; engine/engine/mm_processor.py),
