@@ -31,6 +31,7 @@ from xlaserve.engine.core_client import EngineCoreClient, EngineDeadError, cance
 from xlaserve.engine.metrics import EngineMetrics
 from xlaserve.engine.mm_processor import MultiModalProcessor
 from xlaserve.engine.output_processor import OutputProcessor
+from xlaserve.engine.pooling_waiters import PoolingWaiters
 from xlaserve.engine.processor import InputProcessor
 from xlaserve.engine.protocol import (
     AbortRequests,
@@ -129,7 +130,7 @@ class AsyncLLM:
         self.finish_reason_counts: collections.Counter[str] = collections.Counter()
         self._streams: dict[str, asyncio.Queue] = {}
         # runner="pooling": each pooling request's future, resolved with its pooled output (`encode`).
-        self._pooling: dict[str, asyncio.Future] = {}
+        self._pooling = PoolingWaiters()
         self.pooling_task: str | None = None  # the model's (embed, classify, reward); None: generate
         self.hidden_size = 0
         self.id2label: list[str] = []  # a classifier's label names by index (HTTP /classify's `label`)
@@ -365,40 +366,16 @@ class AsyncLLM:
             )
         except ValueError as e:
             raise InvalidRequestError(str(e), str(e).split(" ", 1)[0]) from None
-        future = asyncio.get_running_loop().create_future()
-        self._pooling[request_id] = future
+        future = self._pooling.add(request_id)
         try:
             self.core.send(AddRequests([EngineCoreRequest.from_request(request)]))
             return await future
         finally:
-            if self._pooling.pop(request_id, None) is not None and not self.is_errored:
+            if self._pooling.discard(request_id) and not self.is_errored:
                 try:  # cancelled before its output came: free its blocks
                     self.core.send(AbortRequests([request_id]))
                 except EngineDeadError:
                     pass
-
-    def _resolve_pooling(self, output) -> bool:
-        """Hand a pooling request's output to its waiter; False for a generation request's."""
-        future = self._pooling.get(output.request_id)
-        if future is None:
-            return False
-        if output.finish_reason is not None:
-            del self._pooling[output.request_id]
-            if future.done():  # its caller was cancelled meanwhile
-                return True
-            if output.pooling_output is not None:
-                future.set_result(np.asarray(output.pooling_output, np.float32))
-            else:
-                future.set_exception(
-                    RequestFailedError(f"the pooling request finished with {output.finish_reason}")
-                )
-        return True
-
-    def _fail_pooling(self, error: BaseException, request_ids=None) -> None:
-        for request_id in list(self._pooling) if request_ids is None else request_ids:
-            future = self._pooling.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_exception(error)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a parent id stops all its children) and free its KV blocks. A stream still
@@ -482,7 +459,7 @@ class AsyncLLM:
     def _process_outputs(self, message: EngineCoreOutputs) -> None:
         outputs = message.outputs
         if self._pooling:
-            outputs = [o for o in outputs if not self._resolve_pooling(o)]
+            outputs = [o for o in outputs if not self._pooling.resolve(o)]
         processed = self.output_processor.process_outputs(outputs)
         for output in processed.request_outputs:
             queue = self._streams.get(output.request_id)
@@ -494,12 +471,11 @@ class AsyncLLM:
         if processed.reqs_to_abort:  # finished here by a stop string
             self.core.send(AbortRequests(processed.reqs_to_abort))
         for core_id, reason in message.rejected:
+            error = RequestFailedError(f"the engine rejected the request: {reason}")
             if core_id in self._pooling:
-                self._fail_pooling(
-                    RequestFailedError(f"the engine rejected the request: {reason}"), [core_id]
-                )
-                continue
-            self._fail(core_id, RequestFailedError(f"the engine rejected the request: {reason}"))
+                self._pooling.fail(error, [core_id])
+            else:
+                self._fail(core_id, error)
         stats = self.output_processor.drain_stats()
         self.finish_reason_counts.update(stats.finish_reasons)
         self.metrics.record_iteration(stats)
@@ -515,7 +491,7 @@ class AsyncLLM:
             queue.put_nowait(error)
 
     def _fail_in_flight(self, error: EngineDeadError) -> None:
-        self._fail_pooling(error)
+        self._pooling.fail(error)
         for queue in self._streams.values():
             queue.put_nowait(error)
         self._streams.clear()
@@ -529,7 +505,7 @@ class AsyncLLM:
 
     def fail_all_requests(self, reason: str) -> None:
         """Abort every request in flight; each stream ends with EngineShutdownError(reason)."""
-        self._fail_pooling(EngineShutdownError(reason))
+        self._pooling.fail(EngineShutdownError(reason))
         for request_id in list(self._streams):
             queue = self._streams[request_id]
             self._abort(request_id)
