@@ -15,14 +15,8 @@ import json
 import logging
 from urllib.parse import urlsplit
 
-from xlaserve.entrypoints.openai.responses_protocol import (
-    FunctionTool,
-    McpCallOutput,
-    McpListToolsOutput,
-    McpTool,
-    McpToolInfo,
-    ResponsesRequest,
-)
+from xlaserve.entrypoints.openai.responses_output import McpCallOutput, McpListToolsOutput, McpToolInfo
+from xlaserve.entrypoints.openai.responses_protocol import FunctionTool, McpTool, ResponsesRequest
 from xlaserve.entrypoints.openai.responses_stream import item_id
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
 

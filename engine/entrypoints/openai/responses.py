@@ -24,7 +24,7 @@ from xlaserve.entrypoints.openai.mcp_tools import (
     request_function_names,
 )
 from xlaserve.entrypoints.openai.responses_convert import input_turns, rename_error, to_chat_request
-from xlaserve.entrypoints.openai.responses_protocol import (
+from xlaserve.entrypoints.openai.responses_output import (
     DeletedResponse,
     FunctionCallOutput,
     IncompleteDetails,
@@ -35,9 +35,9 @@ from xlaserve.entrypoints.openai.responses_protocol import (
     ReasoningOutput,
     ReasoningTextPart,
     Response,
-    ResponsesRequest,
     ResponseUsage,
 )
+from xlaserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream, item_id
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, ParsedChoice

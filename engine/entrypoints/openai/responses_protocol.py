@@ -1,6 +1,6 @@
-"""OpenAI's Responses API shapes (pydantic): the request of POST /v1/responses, strict like the chat
-request (unknown fields, wrong JSON types and invalid Unicode are 400s naming the field), and the
-response object and its output items as OpenAI documents them.
+"""OpenAI's Responses API request (pydantic): POST /v1/responses, strict like the chat request (unknown
+fields, wrong JSON types and invalid Unicode are 400s naming the field). The response object and its
+output items are responses_output.py.
 
 `input` is a string (one user message) or a list of items: messages (role user, system, developer or
 assistant; content a string or `input_text`/`output_text` parts), `function_call` (a call the model made
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag
 
 from xlaserve.entrypoints.serving.protocol import (
     FUNCTION_NAME_PATTERN,
@@ -353,129 +353,3 @@ class ResponsesRequest(StrictModel):
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)
-
-
-# -- the response -------------------------------------------------------------------------------------
-
-
-class OutputTextPart(BaseModel):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[dict[str, Any]] = Field(default_factory=list)
-    logprobs: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class OutputMessage(BaseModel):
-    type: Literal["message"] = "message"
-    id: str
-    status: ItemStatus = "completed"
-    role: Literal["assistant"] = "assistant"
-    content: list[OutputTextPart]
-
-
-class FunctionCallOutput(BaseModel):
-    """A call the model made (a `function_call` output item)."""
-
-    type: Literal["function_call"] = "function_call"
-    id: str
-    call_id: str
-    name: str
-    arguments: str
-    status: ItemStatus = "completed"
-
-
-class ReasoningTextPart(BaseModel):
-    type: Literal["reasoning_text"] = "reasoning_text"
-    text: str
-
-
-class ReasoningOutput(BaseModel):
-    type: Literal["reasoning"] = "reasoning"
-    id: str
-    summary: list[dict[str, Any]] = Field(default_factory=list)
-    content: list[ReasoningTextPart]
-    status: ItemStatus = "completed"
-
-
-class McpToolInfo(BaseModel):
-    name: str
-    description: str | None = None
-    input_schema: dict[str, Any]
-    annotations: dict[str, Any] | None = None
-
-
-class McpListToolsOutput(BaseModel):
-    """The tools an MCP server offered (an `mcp_list_tools` output item), allowed_tools applied."""
-
-    type: Literal["mcp_list_tools"] = "mcp_list_tools"
-    id: str
-    server_label: str
-    tools: list[McpToolInfo]
-
-
-class McpCallOutput(BaseModel):
-    """A call of an MCP server's tool the server made for the model (an `mcp_call` output item)."""
-
-    type: Literal["mcp_call"] = "mcp_call"
-    id: str
-    server_label: str
-    name: str
-    arguments: str
-    output: str | None = None
-    error: str | None = None
-    status: ItemStatus = "completed"
-
-
-OutputItem = OutputMessage | FunctionCallOutput | ReasoningOutput | McpListToolsOutput | McpCallOutput
-
-
-class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0
-
-
-class ResponseUsage(BaseModel):
-    input_tokens: int
-    input_tokens_details: InputTokensDetails
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails
-    total_tokens: int
-
-
-class IncompleteDetails(BaseModel):
-    reason: Literal["max_output_tokens"]
-
-
-class Response(BaseModel):
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
-    error: dict[str, Any] | None = None
-    incomplete_details: IncompleteDetails | None = None
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    model: str
-    output: list[OutputItem] = Field(default_factory=list)
-    parallel_tool_calls: bool = True
-    previous_response_id: str | None = None
-    reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None, "summary": None})
-    store: bool = True
-    temperature: float = 1.0
-    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    tool_choice: Any = "auto"
-    tools: list[dict[str, Any]] = Field(default_factory=list)
-    top_p: float = 1.0
-    truncation: Literal["disabled"] = "disabled"
-    usage: ResponseUsage | None = None
-    user: str | None = None
-    metadata: dict[str, str] = Field(default_factory=dict)
-
-
-class DeletedResponse(BaseModel):
-    id: str
-    object: Literal["response"] = "response"
-    deleted: bool = True

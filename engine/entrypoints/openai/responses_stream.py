@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from xlaserve.entrypoints.openai.responses_protocol import (
+from xlaserve.entrypoints.openai.responses_output import (
     FunctionCallOutput,
     OutputItem,
     OutputMessage,
