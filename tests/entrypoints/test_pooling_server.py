@@ -1,5 +1,6 @@
 """The pooling routes on a real pooling server (`xlaserve serve --runner pooling`, one subprocess for the
-module, a tiny random Llama): /v1/embeddings through the official `openai` client against Hugging Face,
+module, a tiny random Llama): /v1/embeddings through the official `openai` client and LangChain's
+OpenAIEmbeddings against Hugging Face,
 /pooling, /score, /rerank (three paths), chat-style input (`messages`) against its rendered template,
 and bad input (the chat fields' wrong types among it) as 400s naming the field. The server warms up
 under the strict compile guard, so every answer here also proves pooling compiled nothing after it.
@@ -75,6 +76,29 @@ def test_openai_client_embeddings_match_hf(pooling_server):
     short = client.embeddings.create(model=NAME, input=[ids[0], ids[1]], dimensions=8)
     for i, d in enumerate(short.data):
         _close(d.embedding, _unit(_hf_last(model, ids[i])[:8]))
+
+
+def test_langchain_openai_embeddings_match_hf(pooling_server):
+    """LangChain's OpenAIEmbeddings (a RAG pipeline's embedder) pointed at the server: documents and a
+    query embed as Hugging Face's last hidden state, normalized."""
+    from langchain_openai import OpenAIEmbeddings
+
+    proc, model = pooling_server
+    embedder = OpenAIEmbeddings(
+        model=NAME,
+        base_url=proc.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        # Else it splits texts with tiktoken, whose encodings are downloaded: the server tokenizes.
+        check_embedding_ctx_length=False,
+    )
+    tok = word_tokenizer(model.config.vocab_size)
+    texts = ["w5 w6 w7 w8", "w11 w12"]
+    documents = embedder.embed_documents(texts)
+    assert len(documents) == len(texts)
+    for text, vector in zip(texts, documents, strict=True):
+        _close(vector, _unit(_hf_last(model, tok.encode(text))))
+    assert embedder.embed_query(texts[1]) == documents[1]
 
 
 def test_pooling_score_and_rerank(pooling_server, http):
