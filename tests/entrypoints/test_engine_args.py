@@ -135,6 +135,6 @@ def test_pooling_flags_build_the_pooler_config(parser):
     assert config.cache.enable_prefix_caching is False
     assert EngineConfig.from_kwargs(None, runner="pooling").cache.enable_prefix_caching is True  # LAST
     with pytest.raises(ValueError, match="pooler_config.pooling_type must be one of"):
-        EngineConfig.from_kwargs(None, runner="pooling", pooler_config={"pooling_type": "STEP"})
+        EngineConfig.from_kwargs(None, runner="pooling", pooler_config={"pooling_type": "MAX"})
     with pytest.raises(ValueError, match="need runner='pooling'"):
         EngineConfig.from_kwargs(None, convert="classify")

@@ -1105,7 +1105,7 @@ ANTHROPIC_BAD = [
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
     ({"messages": _user("Hi")}, "messages[0].content[0]"),
-    ({"messages": _user({"type": "image", "source": {}})}, "messages[0].content[0].type"),
+    ({"messages": _user({"type": "image", "source": {}})}, "messages[0].content[0].source"),
     ({"messages": _user({"type": "text", "text": 5})}, "messages[0].content[0].text"),
     ({"messages": _user({"type": "text", "text": "Hi", "extra": 1})}, "messages[0].content[0].extra"),
     ({"messages": [*CHAT, {"role": "assistant", "content": [_without(_TOOL_USE, "id")]}]},
