@@ -26,39 +26,38 @@ PROMPTS = [
     "Photosynthesis is the process by which",
     "1, 1, 2, 3, 5, 8, 13,",
 ]
-NEAR_TIE = 2e-3  # logit gap between HF's top two tokens below which a divergence is acceptable
+NEAR_TIE = 2e-3  # how far below HF's top logit our token may be (a near tie), else a mismatch
 
 
-def _hf_greedy(hf_model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
-    """HF greedy tokens and, per step, the gap between its top two logits."""
+def _hf_gaps(hf_model, prompt_ids: list[int], ours: list[int]) -> list[float]:
+    """Teacher-forced over our tokens (one forward of prompt + ours): per generated position, how far
+    our token's logit falls below HF's top logit there (0: HF's greedy choice too). Equal greedy runs are
+    exactly the all-zero case, by induction on the position; one forward instead of a decode loop."""
     import torch
 
-    tokens, gaps = [], []
     with torch.no_grad():
-        out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
-        for _ in range(num_tokens):
-            logits = out.logits[0, -1]
-            top2 = torch.topk(logits, 2)
-            tokens.append(int(top2.indices[0]))
-            gaps.append(float(top2.values[0] - top2.values[1]))
-            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens, gaps
+        logits = hf_model(torch.tensor([prompt_ids + ours[:-1]])).logits[0, len(prompt_ids) - 1 :]
+    chosen = logits[torch.arange(len(ours)), torch.tensor(ours)]
+    return (logits.max(dim=-1).values - chosen).tolist()
 
 
 @pytest.mark.slow
 def test_greedy_matches_hugging_face(llm, hf_model):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)  # all 16 in flight together
+    num_exact = 0
     for prompt, output in zip(PROMPTS, outputs):
         ours = list(output.outputs[0].token_ids)
         assert len(ours) == 32
-        theirs, gaps = _hf_greedy(hf_model, output.prompt_token_ids, 32)
-        if ours != theirs:
-            i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-            print(f"{prompt!r}: diverges at token {i}; HF top-2 logit gap there {gaps[i]:.2e}")
-            assert gaps[i] < NEAR_TIE, (
-                f"{prompt!r}: token {i} differs ({ours[i]} vs {theirs[i]}), gap {gaps[i]}"
-            )
+        gaps = _hf_gaps(hf_model, list(output.prompt_token_ids), ours)
+        # A token HF would not pick greedily is allowed only at a near tie of HF's top logits (float32
+        # sums in another order), at every position, not only the first that differs.
+        worst = max(range(len(gaps)), key=gaps.__getitem__)
+        assert gaps[worst] < NEAR_TIE, (
+            f"{prompt!r}: token {worst} ({ours[worst]}) is {gaps[worst]:.2e} below HF's top"
+        )
+        num_exact += all(g == 0 for g in gaps)
+    assert num_exact >= len(PROMPTS) - 2  # near ties are rare: most prompts match HF token for token
 
 
 def _metric(llm, name: str):
