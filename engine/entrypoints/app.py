@@ -38,7 +38,7 @@ from xlaserve.entrypoints.serving.state import ServerState
 UNION_TAGS = CHAT_TAGS | OPENAI_TAGS | RESPONSES_TAGS | ANTHROPIC_TAGS
 
 
-def _version() -> str:
+def server_version() -> str:
     try:
         return metadata.version("xlaserve")
     except metadata.PackageNotFoundError:
@@ -46,7 +46,9 @@ def _version() -> str:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="xlaserve", version=_version(), summary="OpenAI-compatible LLM server on JAX/XLA")
+    app = FastAPI(
+        title="xlaserve", version=server_version(), summary="OpenAI-compatible LLM server on JAX/XLA"
+    )
     app.state.server = state
     app.router.route_class = JSONRoute
     install_error_handlers(app, UNION_TAGS)
@@ -63,7 +65,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version() -> VersionResponse:
-        return VersionResponse(version=_version())
+        return VersionResponse(version=server_version())
 
     @app.get(
         "/metrics",

@@ -10,13 +10,13 @@ the HTTP API refuses with a 400 naming a field is INVALID_ARGUMENT here with the
 from __future__ import annotations
 
 import logging
-from importlib import metadata
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from xlaserve.engine.structured_output import check_grammar
+from xlaserve.entrypoints.app import server_version
 from xlaserve.entrypoints.grpc.protos import protos_and_services
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
@@ -25,7 +25,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     submit,
     tokenize_text,
 )
-from xlaserve.entrypoints.serving.errors import APIError, bad_request
+from xlaserve.entrypoints.serving.errors import APIError, bad_request, param_of_value_error
 from xlaserve.entrypoints.serving.state import ServerState
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams, StructuredOutputsError, StructuredOutputsParams
@@ -64,6 +64,7 @@ _OPTIONAL_FIELDS = (
     "skip_special_tokens",
 )
 _STRUCTURED_FIELDS = ("json_schema", "regex", "grammar")
+_SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 
 
 def _grpc_status(error: APIError) -> grpc.StatusCode:
@@ -101,18 +102,8 @@ def sampling_params(fields) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
-        raise bad_request(str(e), _param_of(e)) from None
-
-
-def _param_of(error: ValueError) -> str:
-    """The field a SamplingParams ValueError names, as `sampling_params.NAME`."""
-    explicit = getattr(error, "param", None)
-    if explicit:
-        return f"sampling_params.{explicit}"
-    text = str(error)
-    names = sorted(SamplingParams.__dataclass_fields__, key=len, reverse=True)
-    name = next((n for n in names if text.startswith(n)), None)
-    return "sampling_params" if name is None else f"sampling_params.{name}"
+        name = param_of_value_error(e, _SAMPLING_FIELDS)
+        raise bad_request(str(e), "sampling_params" + (f".{name}" if name else "")) from None
 
 
 class GenerationService:
@@ -189,15 +180,8 @@ class GenerationService:
             served_model_names=self.state.served_model_names,
             max_model_len=engine.max_model_len,
             vocab_size=len(tokenizer) if tokenizer is not None else 0,
-            version=_version(),
+            version=server_version(),
         )
-
-
-def _version() -> str:
-    try:
-        return metadata.version("xlaserve")
-    except metadata.PackageNotFoundError:
-        return "0.0.0"
 
 
 class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
