@@ -4,7 +4,7 @@
 - `pallas`: the Pallas kernel of `kernels/ragged_paged_attention.py`; Triton lowering on a GPU,
   interpret mode on CPU (exact but slow: for tests, not for serving).
 - `jax-triton`: the Triton kernel of `kernels/triton_attention.py` through jax-triton; needs a GPU
-  and the `cuda12` extra.
+  and the `cuda` extra (`cuda12` on CUDA 12).
 - `auto`: the reference on CPU; on a GPU the first kernel of `AUTO_GPU_ORDER` (fastest first, as
   measured by `xlaserve bench attention`, kernels/KERNELS.md) that is installed and passes a
   self-check against the reference on this device. A shape the chosen kernel does not support (a head_dim
@@ -44,7 +44,7 @@ from xlaserve.kernels.synthetic import StepShape, synthetic_step
 logger = logging.getLogger(__name__)
 
 # Kernels `auto` tries on a GPU, fastest first. Set from `xlaserve bench attention` on the target GPU;
-# until a GPU session has measured, Pallas leads because it needs no package beyond jax[cuda12].
+# until a GPU session has measured, Pallas leads because it needs no package beyond jax[cuda13].
 AUTO_GPU_ORDER = ("pallas", "jax-triton")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 KV_CACHE_FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
@@ -127,7 +127,7 @@ def _load_jax_triton(platform: str) -> tuple[Callable, str]:
         from xlaserve.kernels import triton_attention
     except ImportError as e:
         raise ValueError(
-            f"attention backend 'jax-triton' is not installed ({e}); pip install 'xlaserve[cuda12]'"
+            f"attention backend 'jax-triton' is not installed ({e}); pip install 'xlaserve[cuda]'"
         ) from e
     return triton_attention.ragged_paged_attention, "Triton kernel via jax_triton.triton_call"
 

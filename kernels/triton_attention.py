@@ -1,4 +1,4 @@
-"""Ragged paged attention as a Triton kernel, launched from JAX through jax-triton (`cuda12` extra).
+"""Ragged paged attention as a Triton kernel, launched from JAX through jax-triton (`cuda` extra).
 
 The same op, tiling and grid as the Pallas kernel (`kernels/attention_args.py`), written directly in
 Triton: a program owns `block_q` new tokens of one sequence times the query heads of one KV head,

@@ -118,7 +118,7 @@ def kernel_factories(on_gpu: bool) -> tuple[dict[str, Callable], list[str]]:
 
         from xlaserve.kernels import triton_attention
     except ImportError as e:
-        skipped.append(f"jax-triton: not installed ({e}); pip install 'xlaserve[cuda12]'")
+        skipped.append(f"jax-triton: not installed ({e}); pip install 'xlaserve[cuda]'")
     else:
         factories["jax-triton"] = lambda **t: functools.partial(triton_attention.ragged_paged_attention, **t)
     return factories, skipped
