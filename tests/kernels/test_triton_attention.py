@@ -19,7 +19,7 @@ from helpers.cuda_compile_run import compile_in_subprocess
 
 requires_gpu = pytest.mark.skipif(
     jax.default_backend() != "gpu",
-    reason="launching through jax-triton needs a CUDA GPU (and the cuda12 extra)",
+    reason="launching through jax-triton needs a CUDA GPU (and the cuda extra)",
 )
 
 
