@@ -85,6 +85,11 @@ SHARED_FIXTURE_GROUPS = {  # group -> its fixtures, in the order a module picks 
     "smollm2": {"llm", "llm_bf16", "hf_model"},
     "fake-mesh": {"tp_worker"},
 }
+# The order workers take the groups in: the longest first (last profile, wall minutes on a worker:
+# fake-mesh ~15, smollm2 ~10, server ~7). One worker takes fake-mesh, the other smollm2 and then,
+# finishing first, the server's: ~17 min of groups each at most, where server, then fake-mesh on one
+# worker made ~22 (the rest of the suite, short modules, fills in beside them).
+GROUP_ORDER = ["fake-mesh", "smollm2", "server"]
 
 
 def _module(item) -> str:
@@ -115,12 +120,12 @@ def pytest_collection_modifyitems(config, items):
     groups = _module_groups(fixtures)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[_module(item)] or _module(item)))
-    # Workers take groups in collection order: the shared-fixture groups (the longest) first, so
-    # that the short modules fill in beside them at the end. Within the SmolLM2 group, the modules
-    # that do not build `llm` go first: the session server (started at the same moment on the other
-    # worker) compiles the same 24 programs into the suite's shared program store meanwhile, and
-    # `llm` then loads them (~4 s) instead of compiling them a second time.
-    order = list(SHARED_FIXTURE_GROUPS)
+    # Workers take groups in collection order: the shared-fixture groups (the longest) first, in
+    # GROUP_ORDER, so that the short modules fill in beside them at the end. The SmolLM2 engine `llm`
+    # and the session server run the same 24 programs: whichever starts first compiles them into the
+    # suite's shared program store, the other loads them (~4 s). Within the SmolLM2 group, the
+    # modules that do not build `llm` go first.
+    order = GROUP_ORDER
 
     def position(item) -> tuple[int, int]:
         group = groups[_module(item)]
