@@ -19,7 +19,6 @@ from flax import nnx
 
 from helpers.step_fakes import prompt_chunk
 from xlaserve import LLM
-from xlaserve.kernels import KVCache
 from xlaserve.worker.input_batch import build_step_batch
 
 MAX_REL_ERR = 1e-4
@@ -240,15 +239,17 @@ def chunk_bounds(num_tokens: int, first_chunk: int, chunk: int) -> list[int]:
     return [0, *range(first_chunk, num_tokens, chunk), num_tokens]
 
 
-def engine_prefill_logits(llm: LLM, ids: list[int], first_chunk: int) -> np.ndarray:
+def engine_prefill_logits(llm: LLM, ids: list[int], first_chunk: int, block_ids=None) -> np.ndarray:
     """Logits of every prompt position, prefilled in chunks (`first_chunk` tokens, then as many as
     the engine's largest bucket holds; later chunks read earlier ones from the paged cache), on a
-    fresh cache shaped like the engine's, through the engine's compiled forward."""
+    fresh cache shaped like the engine's (K/V, or DeepSeek's latents), through the engine's compiled
+    forward. `block_ids`: the sequence's blocks (default 1, 2, ...; block 0 is the null block)."""
     runner = llm.engine_core.runner
     num_tokens = runner.token_buckets[-1]
     num_seqs = runner._num_seqs_for(num_tokens)
-    cache = KVCache(jnp.zeros_like(runner.kv_cache.k), jnp.zeros_like(runner.kv_cache.v))
-    block_ids = list(range(1, 1 + -(-len(ids) // runner.block_size)))  # block 0 is the null block
+    cache = jax.tree.map(jnp.zeros_like, runner.kv_cache)
+    if block_ids is None:
+        block_ids = list(range(1, 1 + -(-len(ids) // runner.block_size)))
     bounds = chunk_bounds(len(ids), first_chunk, num_tokens)
     logits = []
     for start, stop in itertools.pairwise(bounds):

@@ -3,9 +3,11 @@
 Each family: a random HF model (float32, a few layers, 4-8 experts with top-2, GQA where the family
 has it; DeepSeek with a dense first layer, grouped routing, small LoRA ranks, V3 with YaRN) saved as
 safetensors with a small byte-level BPE tokenizer, then
-- loaded through the registry: prefill logits within 1e-4 (max relative error) of HF's;
-- served by `LLM(dir)`: four requests in flight, prefills chunked by max_num_batched_tokens=16,
-  prefix caching on (a second pass hits the cache): 16 greedy tokens each, equal to HF's `generate`.
+- loaded through the registry by `LLM(dir)` (one engine per family, enforce_eager, both tests):
+- its compiled forward prefills a prompt in chunks into shuffled blocks: logits within 1e-4 (max
+  relative error) of HF's;
+- it serves four requests in flight, prefills chunked by max_num_batched_tokens=16, prefix caching
+  on (a second pass hits the cache): 16 greedy tokens each, equal to HF's `generate`.
 Plus the pieces alone: the ragged_dot expert path and the routers against dense numpy, the MLA
 kernel against full (unabsorbed) attention, and the expert-stacking loader's errors.
 """
@@ -21,14 +23,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers.step_fakes import prompt_chunk
-from xlaserve.kernels import get_attention_backend
+from helpers.family_cases import (
+    engine_prefill_logits,
+    one_torch_thread,  # noqa: F401 - an autouse fixture
+)
+from xlaserve import LLM, SamplingParams
 from xlaserve.kernels.mla import mla_paged_attention, write_latent
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.moe import MoEConfig, grouped_expert_mlp, route, stack_expert_tensors
 from xlaserve.models.registry import get_model_class, model_config_from_hf
-from xlaserve.models.weights import load_params
-from xlaserve.worker.input_batch import build_step_batch
 
 MAX_REL_ERR = 1e-4
 VOCAB_SIZE = 320
@@ -171,6 +174,7 @@ class Family:
     directory: str
     hf_model: object
     prompts: list[list[int]]  # 29, 41, 54 and 9 tokens; the first three share a 3-block prefix
+    llm: object  # the engine both tests of the family run (one set of compiled programs)
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +193,18 @@ def family(request, tokenizer, tmp_path_factory) -> Family:
     prefix = rng.integers(2, VOCAB_SIZE, 3 * BLOCK_SIZE).tolist()
     prompts = [prefix + rng.integers(2, VOCAB_SIZE, n).tolist() for n in (5, 17, 30)]
     prompts.append(rng.integers(2, VOCAB_SIZE, 9).tolist())
-    return Family(name, directory, hf_model, prompts)
+    llm = LLM(
+        directory,
+        max_model_len=128,
+        max_num_seqs=4,
+        dtype="float32",
+        max_num_batched_tokens=16,  # three of the prompts prefill in chunks; buckets 1, 4, 16
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+        kv_cache_memory=2 * 2**20,
+        enforce_eager=True,  # compile only the buckets these steps use
+    )
+    return Family(name, directory, hf_model, prompts, llm)
 
 
 def hf_logits(hf_model, prompt) -> np.ndarray:
@@ -225,54 +240,27 @@ def rel_err(actual, expected) -> float:
 # -- through the registry --------------------------------------------------------------------------
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
-def _logits(graphdef, params, kv_cache, input_ids, positions, md):
-    model = nnx.merge(graphdef, params)
-    hidden, _ = model(input_ids, positions, kv_cache, md)
-    return model.compute_logits(hidden)
-
-
 def test_prefill_logits_match_hugging_face(family):
+    """Loaded through the registry, prefilled by the engine's own compiled forward in chunks (11
+    tokens, then 16: later chunks read the earlier ones from the paged cache) into shuffled,
+    non-contiguous blocks."""
     checkpoint = load_checkpoint(family.directory, progress=False)
     cfg = model_config_from_hf(checkpoint.hf_config)
-    model_class = get_model_class(cfg.architecture)
-    assert model_class.__name__ == FAMILIES[family.name][1]
-    backend = get_attention_backend("reference")
-    graphdef, params = load_params(
-        model_class,
-        cfg,
-        checkpoint.tensors,
-        dtype=jnp.float32,
-        make_model=lambda: model_class(cfg, backend, dtype=jnp.float32, rngs=nnx.Rngs(0)),
-    )
-    num_tokens, num_blocks = 64, 12
-    prompt = family.prompts[2]  # 54 tokens, in shuffled non-contiguous blocks
-    blocks = np.random.default_rng(0).permutation(np.arange(1, num_blocks))[: -(-len(prompt) // BLOCK_SIZE)]
-    scheduled = prompt_chunk(prompt, 0, len(prompt), blocks.tolist())
-    batch = build_step_batch([scheduled], num_tokens, 4, num_tokens // BLOCK_SIZE, BLOCK_SIZE)
-    spec = model_class.kv_cache_spec(cfg)
-    kv_cache = spec.allocate(num_blocks, BLOCK_SIZE, lambda shape: jnp.zeros(shape, jnp.float32))
-    logits = _logits(graphdef, params, kv_cache, batch.input_ids, batch.positions, batch.md)
-    ours = np.asarray(logits)[: len(prompt)]
+    assert get_model_class(cfg.architecture).__name__ == FAMILIES[family.name][1]
+    runner = family.llm.engine_core.runner
+    assert type(nnx.merge(runner.graphdef, runner.params)).__name__ == FAMILIES[family.name][1]
+    prompt = family.prompts[2]  # 54 tokens
+    num_blocks = -(-len(prompt) // BLOCK_SIZE)
+    blocks = np.random.default_rng(0).permutation(np.arange(1, runner.num_blocks))[:num_blocks]
+    ours = engine_prefill_logits(family.llm, prompt, first_chunk=11, block_ids=blocks.tolist())
     expected = hf_logits(family.hf_model, prompt)
+    assert ours.shape == expected.shape
     assert rel_err(ours, expected) <= MAX_REL_ERR, f"{family.name}: rel err {rel_err(ours, expected):.2e}"
 
 
 @pytest.mark.slow
 def test_engine_greedy_matches_hugging_face(family):
-    from xlaserve import LLM, SamplingParams
-
-    llm = LLM(
-        family.directory,
-        max_model_len=128,
-        max_num_seqs=4,
-        dtype="float32",
-        max_num_batched_tokens=16,  # three of the prompts prefill in chunks; buckets 1, 4, 16
-        block_size=BLOCK_SIZE,
-        enable_prefix_caching=True,
-        kv_cache_memory=2 * 2**20,
-        enforce_eager=True,  # compile only the buckets these steps use
-    )
+    llm = family.llm
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     expected = hf_greedy(family.hf_model, family.prompts)
     first = llm.generate([{"prompt_token_ids": p} for p in family.prompts], params, use_tqdm=False)
@@ -478,8 +466,6 @@ def test_bfloat16_tokens_and_logprobs_are_the_same_bits_alone_and_among_companio
     tokens and logprobs alone equal, bit for bit, those it gets among 1 and 6 companions (other token
     and request buckets, steps mixing prefill chunks and decodes: routing, the grouped experts and the
     latent attention see other row counts)."""
-    from xlaserve import LLM, SamplingParams
-
     hf_model = make_hf_model(name, seed=list(FAMILIES).index(name))
     hf_model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
@@ -489,7 +475,7 @@ def test_bfloat16_tokens_and_logprobs_are_the_same_bits_alone_and_among_companio
         enforce_eager=True,
         max_model_len=128,
         max_num_seqs=8,
-        max_num_batched_tokens=32,
+        max_num_batched_tokens=16,  # token buckets 1, 4, 16; request buckets 1, 4, 8
         block_size=BLOCK_SIZE,
         kv_cache_memory=2**20,
     )
