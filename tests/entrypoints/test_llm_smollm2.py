@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.smollm2 import ENGINE_ARGS
 from xlaserve import SamplingParams
 
 PROMPTS = [
@@ -252,18 +251,15 @@ def test_metrics_are_named_like_vllm(llm):
     assert _metric(llm, "model_weight_bytes") == runner.weight_bytes > 1e8  # ~135M parameters
 
 
-@pytest.mark.slow  # a second engine, about 15 s
-def test_bfloat16_engine_tracks_float32(llm, hf_model):
+def test_bfloat16_engine_tracks_float32(llm, llm_bf16, hf_model):
     """bfloat16, the GPU default, end to end on CPU: weights and KV cache in bfloat16, prompt
     logprobs within bfloat16's error of Hugging Face's float32 ones, and the float32 engine's greedy
-    tokens where their margins are wide."""
+    tokens where their margins are wide. The session's bfloat16 engine (conftest.py; its prefix cache
+    does not serve a request for prompt logprobs), not one of its own: no second engine to build."""
     import jax
     import torch
 
-    from xlaserve import LLM
-
-    args = {**ENGINE_ARGS, "strict_compile_guard": False, "dtype": "bfloat16"}
-    bf16 = LLM(enforce_eager=True, **args)
+    bf16 = llm_bf16
     runner = bf16.engine_core.runner
     # Layer stacks are stored as their raw 16-bit words on CPU, the rest as bfloat16.
     assert {x.dtype.name for x in jax.tree.leaves(runner.params["layers"])} == {"uint16"}
