@@ -350,7 +350,10 @@ def test_route_matches_hugging_face_rule(router):
         if cfg.has_score_correction_bias
         else None
     )
-    weights, ids = route(cfg, jnp.asarray(logits), None if bias is None else jnp.asarray(bias))
+    # Jitted, as the model runs it (op by op, each jnp op would compile its own program).
+    weights, ids = jax.jit(route, static_argnums=0)(
+        cfg, jnp.asarray(logits), None if bias is None else jnp.asarray(bias)
+    )
     expected_weights, expected_ids = route_numpy(cfg, logits, bias)
     # The order of the k chosen experts is not part of the rule: compare sorted by expert id.
     order, expected_order = np.argsort(ids, axis=1), np.argsort(expected_ids, axis=1)
@@ -418,8 +421,10 @@ def test_mla_paged_attention_matches_unabsorbed_attention():
         table[np.arange(n) // block_size] * block_size + np.arange(n) % block_size
         for table, n in zip(tables, contexts)
     ]
-    cache = jnp.full((num_blocks, block_size, 1, rank + rope), np.nan, jnp.float32)  # stale slots are NaN
-    cache = write_latent(cache, jnp.asarray(np.concatenate(latents)), jnp.asarray(np.concatenate(slots)))
+    cache = np.full((num_blocks, block_size, 1, rank + rope), np.nan, np.float32)  # stale slots are NaN
+    cache = jax.jit(write_latent)(
+        jnp.asarray(cache), jnp.asarray(np.concatenate(latents)), jnp.asarray(np.concatenate(slots))
+    )
     block_tables = np.zeros((4, 8), np.int32)
     for row, table in enumerate(tables):
         block_tables[row, : len(table)] = table
