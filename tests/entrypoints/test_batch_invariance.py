@@ -44,13 +44,20 @@ def test_tokens_and_logprobs_are_the_same_bits_alone_and_in_any_crowd(llm):
     alone = [_numbers(_chat(llm, [p])[0]) for p in PROMPTS]
     stats = llm.engine_core.kv_cache_manager.prefix_cache_stats
     hits_before = stats.num_hits
-    # 1, 3 and 12 companions: request buckets of 4 and 16, decode-only and mixed steps, chunked prefills.
-    for num_companions in (1, 3, 12):
+    # The prompts two by two, then all four at once: request bucket 4, with two rows and with four.
+    # Then the four among 12 companions (16 requests, max_num_seqs): request bucket 16. Decode-only
+    # and mixed steps, chunked prefills.
+    crowds = [PROMPTS[:2], PROMPTS[2:], list(PROMPTS)]
+    crowd = _companions(12)
+    for index, prompt in enumerate(PROMPTS):
+        crowd.insert(5 * index, prompt)  # at 0, 5, 10 and 15
+    crowds.append(crowd)
+    for crowd in crowds:
+        outputs = _chat(llm, crowd)
         for index, prompt in enumerate(PROMPTS):
-            crowd = _companions(num_companions)
-            crowd.insert(index % (num_companions + 1), prompt)
-            got = _chat(llm, crowd)[crowd.index(prompt)]
-            assert _numbers(got) == alone[index], f"{prompt!r} among {num_companions} companions"
+            if prompt in crowd:
+                got = outputs[crowd.index(prompt)]
+                assert _numbers(got) == alone[index], f"{prompt!r} among {len(crowd) - 1} others"
     # The crowded runs read the lone runs' full blocks from the prefix cache (unless the engine's
     # metrics snapshot reset the counters: then some hit was counted since).
     assert llm.engine_core.kv_cache_manager.prefix_cache_stats.num_hits > 0 or stats.num_hits > hits_before
