@@ -3,16 +3,47 @@
 from __future__ import annotations
 
 import json
+import os
 
+import numpy as np
 import pytest
 
-from helpers.tiny_models import save_repeating_llama, save_tiny_llama
+from helpers.tiny_models import save_tiny_llama, small_byte_tokenizer
 from xlaserve.entrypoints import cli
+
+# The bench's workloads are chat conversations: a plain template over a 320-token byte vocabulary
+# (SmolLM2's 49,152 made every sampler program ~150x wider to compile; nothing here reads the vocab).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def save_bench_llama(directory: str, **overrides) -> str:
+    return save_tiny_llama(
+        directory, tokenizer=small_byte_tokenizer(), chat_template=CHAT_TEMPLATE, **overrides
+    )
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_bench")))
+    return save_bench_llama(str(tmp_path_factory.mktemp("tiny_llama_bench")))
+
+
+def save_repeating_llama(directory: str) -> str:
+    """helpers.tiny_models.save_repeating_llama on the byte vocabulary: a tiny Llama whose greedy answer
+    repeats the prompt's last token (attention and MLP outputs zero, tied LM head), so n-gram drafts
+    are proposed and accepted."""
+    from safetensors.numpy import load_file, save_file
+
+    save_bench_llama(directory, tie_word_embeddings=True)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    for name, value in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = np.zeros_like(value)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return directory
 
 
 @pytest.mark.parametrize("bench, num_prompts", [("throughput", 6), ("latency", 2)])
