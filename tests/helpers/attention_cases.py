@@ -107,7 +107,9 @@ def reference_attention(q, k_ctx, v_ctx, *, sm_scale, sliding_window, soft_cap):
 
 
 def _fill(rng, shape, dtype):
-    return np.asarray(jnp.asarray(rng.standard_normal(shape), dtype), np.float64)  # rounded to dtype
+    # Rounded to dtype on the host (as jnp.asarray rounds: to float32, then to dtype), not by a
+    # device convert: that would compile one program per shape.
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype).astype(np.float64)
 
 
 @dataclasses.dataclass
@@ -151,7 +153,7 @@ def build_case(
     rng = np.random.default_rng([seed, 1])
     pad_rng = np.random.default_rng([seed, 2, padding_seed])
     bs, dim, hq, hkv = lay.block_size, lay.head_dim, cfg.num_q_heads, cfg.num_kv_heads
-    dtype = jnp.dtype(cfg.dtype)
+    dtype = jnp.dtype(cfg.dtype)  # a numpy dtype (ml_dtypes' for bfloat16)
     q_scale = 3.0 if cfg.soft_cap else 1.0  # large enough scores that the cap matters
     assert sum(n for _, n in seqs) < lay.num_tokens and len(seqs) < lay.num_padded_seqs
 
@@ -276,32 +278,31 @@ def run_case(
     step = _jitted_step(attention if attention is not None else reference_op(cfg), traced_window)
     window = cfg.sliding_window
     if traced_window and window is not None:
-        window = jnp.int32(window)
+        window = np.int32(window)
+    # numpy arguments (cast on the host, exactly: the values are already rounded to dtype) and numpy
+    # results: jnp.asarray and astype would each compile a small program per shape and dtype.
     out, k_out, v_out = step(
-        jnp.asarray(case.q, dtype),
-        jnp.asarray(case.k_new, dtype),
-        jnp.asarray(case.v_new, dtype),
-        jnp.asarray(case.k_cache, dtype),
-        jnp.asarray(case.v_cache, dtype),
-        jnp.asarray(case.slot_mapping),
-        jnp.asarray(case.kv_lens),
-        jnp.asarray(case.block_tables),
-        jnp.asarray(case.query_start_loc),
-        jnp.int32(case.num_seqs),
+        case.q.astype(dtype),
+        case.k_new.astype(dtype),
+        case.v_new.astype(dtype),
+        case.k_cache.astype(dtype),
+        case.v_cache.astype(dtype),
+        case.slot_mapping,
+        case.kv_lens,
+        case.block_tables,
+        case.query_start_loc,
+        np.int32(case.num_seqs),
         sm_scale=case.sm_scale,
         sliding_window=window,
         soft_cap=cfg.soft_cap,
     )
     assert out.dtype == dtype and out.shape == case.q.shape
-    as64 = partial(np.asarray, dtype=np.float64)
     info = {"num_real_tokens": case.num_real_tokens, "contexts": case.contexts}
-    return (
-        as64(out.astype(jnp.float32)),
-        case.expected,
-        as64(k_out.astype(jnp.float32)),
-        as64(v_out.astype(jnp.float32)),
-        info,
-    )
+    return _as64(out), case.expected, _as64(k_out), _as64(v_out), info
+
+
+def _as64(x: jax.Array) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)  # bfloat16 -> float64 on the host: exact
 
 
 @cache
@@ -330,28 +331,22 @@ def run_mla_case(
     (written by `write_latent`), and the K cache is the latent cache (returned as both caches)."""
     case = build_case(cfg, seqs, seed, poison_tails=poison_tails, padding_seed=padding_seed)
     rank, dtype = cfg.latent_rank, jnp.dtype(cfg.dtype)
-    out, latent_cache = _jitted_mla_step(mla)(
-        jnp.asarray(case.q[..., :rank], dtype),
-        jnp.asarray(case.q[..., rank:], dtype),
-        jnp.asarray(case.k_new[:, 0], dtype),
-        jnp.asarray(case.k_cache, dtype),
-        jnp.asarray(case.slot_mapping),
-        jnp.asarray(case.kv_lens),
-        jnp.asarray(case.block_tables),
-        jnp.asarray(case.query_start_loc),
-        jnp.int32(case.num_seqs),
+    out, latent_cache = _jitted_mla_step(mla)(  # numpy in and out, as in run_case
+        case.q[..., :rank].astype(dtype),
+        case.q[..., rank:].astype(dtype),
+        case.k_new[:, 0].astype(dtype),
+        case.k_cache.astype(dtype),
+        case.slot_mapping,
+        case.kv_lens,
+        case.block_tables,
+        case.query_start_loc,
+        np.int32(case.num_seqs),
         sm_scale=case.sm_scale,
     )
     assert out.dtype == dtype and out.shape == (*case.q.shape[:2], rank)
-    latent_cache = np.asarray(latent_cache.astype(jnp.float32), np.float64)
+    latent_cache = _as64(latent_cache)
     info = {"num_real_tokens": case.num_real_tokens, "contexts": case.contexts}
-    return (
-        np.asarray(out.astype(jnp.float32), np.float64),
-        case.expected[..., :rank],
-        latent_cache,
-        latent_cache,
-        info,
-    )
+    return _as64(out), case.expected[..., :rank], latent_cache, latent_cache, info
 
 
 def tolerance(dtype: str) -> dict:

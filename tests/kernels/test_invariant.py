@@ -15,31 +15,57 @@ ROW_COUNTS = (1, 2, 3, 7, 8, 9, 16, 64, 257)
 # The widths the models reduce over (head_dim, hidden sizes, vocabularies). Below 16 lanes the tree is
 # one chain of adds, which XLA vectorizes across rows and LLVM may contract with a feeding multiply into
 # fused multiply-adds in one form and not the other: no width of a model is that narrow.
-@pytest.mark.parametrize("width", [64, 128, 576, 1536, 2048, 49152])
-def test_a_row_sums_to_the_same_bits_in_any_number_of_rows(width):
-    x = jnp.asarray(np.random.default_rng(width).standard_normal((max(ROW_COUNTS), width)), jnp.float32)
-    for fn in (jax.jit(lambda x: invariant_sum(x * x)), jax.jit(lambda x: invariant_sum(jnp.exp(x)))):
-        alone = np.asarray(fn(x[:1]))[0]
-        for rows in ROW_COUNTS:
-            np.testing.assert_array_equal(np.asarray(fn(x[:rows]))[0], alone, err_msg=f"{rows} rows")
+WIDTHS = (64, 128, 576, 1536, 2048, 49152)
+
+
+@jax.jit
+def _row_sums(squared: list, exponentiated: list) -> tuple[list, list]:
+    """Every width's two reductions in one program per row count (not one per width and form): each
+    operand is its own parameter, so each reduction is a fusion of its own, as it would be alone."""
+    return [invariant_sum(x * x) for x in squared], [invariant_sum(jnp.exp(x)) for x in exponentiated]
+
+
+def test_a_row_sums_to_the_same_bits_in_any_number_of_rows():
+    xs = [np.random.default_rng(w).standard_normal((max(ROW_COUNTS), w)).astype(np.float32) for w in WIDTHS]
+
+    def first_rows(rows: int) -> list[np.ndarray]:  # row 0 of each (width, form), as computed in `rows` rows
+        squared, exponentiated = _row_sums([x[:rows] for x in xs], [x[:rows] for x in xs])
+        return [np.asarray(r)[0] for r in squared + exponentiated]
+
+    alone = first_rows(1)
+    names = [f"{form} width {w}" for form in ("x * x", "exp(x)") for w in WIDTHS]
+    for rows in ROW_COUNTS:
+        for name, got, expected in zip(names, first_rows(rows), alone, strict=True):
+            np.testing.assert_array_equal(got, expected, err_msg=f"{name}, {rows} rows")
 
 
 def test_values_match_float64():
     x = np.random.default_rng(0).standard_normal((4, 3, 1000)).astype(np.float32) * 4
-    np.testing.assert_allclose(invariant_sum(jnp.asarray(x), axis=1), x.astype(np.float64).sum(1), atol=1e-5)
-    np.testing.assert_allclose(
-        invariant_mean(jnp.asarray(x), keepdims=True), x.mean(-1, keepdims=True), rtol=1e-5
-    )
     x64 = x.astype(np.float64)
     ref = x64 - x64.max(-1, keepdims=True)
     ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
-    np.testing.assert_allclose(invariant_log_softmax(jnp.asarray(x)), ref, atol=2e-5)
-    np.testing.assert_allclose(invariant_softmax(jnp.asarray(x)), np.exp(ref), atol=1e-6)
+
+    @jax.jit  # one program: run op by op, the tree's every slice and add would compile its own
+    def reductions(x):
+        return (
+            invariant_sum(x, axis=1),
+            invariant_mean(x, keepdims=True),
+            invariant_log_softmax(x),
+            invariant_softmax(x),
+        )
+
+    total, mean, log_softmax, softmax = reductions(x)
+    np.testing.assert_allclose(total, x64.sum(1), atol=1e-5)
+    np.testing.assert_allclose(mean, x.mean(-1, keepdims=True), rtol=1e-5)
+    np.testing.assert_allclose(log_softmax, ref, atol=2e-5)
+    np.testing.assert_allclose(softmax, np.exp(ref), atol=1e-6)
 
 
 def test_masked_entries_add_nothing():
     x = jnp.asarray([[0.5, -jnp.inf, 1.5, -jnp.inf]], jnp.float32)
-    np.testing.assert_allclose(invariant_softmax(x), [[1 / (1 + np.e), 0, np.e / (1 + np.e), 0]], rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.jit(invariant_softmax)(x), [[1 / (1 + np.e), 0, np.e / (1 + np.e), 0]], rtol=1e-6
+    )
 
 
 def test_switched_off_they_are_xlas_own_reductions():
@@ -59,7 +85,9 @@ def test_switched_off_they_are_xlas_own_reductions():
     assert "reduce_sum" not in {e.primitive.name for e in on.eqns}
     traced_off = jax.make_jaxpr(traced_with(False, lambda x: invariant_sum(x * x)))(x)
     assert "reduce_sum" in {e.primitive.name for e in traced_off.eqns}
-    np.testing.assert_allclose(jax.jit(traced_with(False, invariant_sum))(x), invariant_sum(x), atol=1e-4)
+    np.testing.assert_allclose(
+        jax.jit(traced_with(False, invariant_sum))(x), jax.jit(invariant_sum)(x), atol=1e-4
+    )
 
 
 def _long_prompt_step(ctx: int, chunks: list[int]):
@@ -71,10 +99,10 @@ def _long_prompt_step(ctx: int, chunks: list[int]):
     q, k, v, _, tables, _, _ = synthetic_step(
         StepShape(seqs=((ctx, ctx),), num_q_heads=9, num_kv_heads=3, head_dim=64), seed=3
     )
-    steps, start = [], 0
+    q, steps, start = np.asarray(q), [], 0  # sliced on the host: a device slice compiles per shape
     for n in chunks:
-        loc = jnp.asarray([0, n], jnp.int32)
-        steps.append((q[start : start + n], jnp.asarray([start + n], jnp.int32), loc))
+        loc = np.asarray([0, n], np.int32)
+        steps.append((q[start : start + n], np.asarray([start + n], np.int32), loc))
         start += n
     return (as_words(k), as_words(v), tables), steps
 
