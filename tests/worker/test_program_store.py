@@ -131,28 +131,41 @@ def test_a_program_in_xlas_persistent_cache_is_stored_from_a_fresh_compile(tmp_p
     assert float(result.stdout.split()[-1]) == 64 * 32 * 128
 
 
+# One fresh process starts each engine named in argv[2] in turn (so a tensor-parallel engine's start and a
+# single-device one's share the process's start-up: its imports are most of a tiny engine's start).
 _START = """
-import json, sys
+import gc, json, sys
 from xlaserve import LLM, SamplingParams
 from xlaserve.worker.compile_guard import num_compiles
-llm = LLM(sys.argv[1], dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=1,
-          kv_cache_memory=2**22, strict_compile_guard=True, **json.loads(sys.argv[2]))
-runner = llm.engine_core.runner
-before = num_compiles()
-outputs = llm.generate(["hello there", "one two three four five six seven"],
-                       SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
-print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outputs], "loaded": runner.num_programs_loaded,
-                  "compiled": runner.num_programs_compiled, "compiles_after": num_compiles() - before}))
-llm.shutdown()
+results = {}
+for name, engine_args in json.loads(sys.argv[2]).items():
+    llm = LLM(sys.argv[1], dtype="float32", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=1,
+              kv_cache_memory=2**22, strict_compile_guard=True, **engine_args)
+    runner = llm.engine_core.runner
+    before = num_compiles()
+    outputs = llm.generate(["hello there", "one two three four five six seven"],
+                           SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    results[name] = {"tokens": [o.outputs[0].token_ids for o in outputs],
+                     "loaded": runner.num_programs_loaded, "compiled": runner.num_programs_compiled,
+                     "compiles_after": num_compiles() - before}
+    llm.shutdown()
+    del llm, runner
+    gc.collect()
+print(json.dumps(results))
 """
+# A single-device engine and one on two of eight (fake CPU) devices, in every process.
+ENGINES = {"single": {}, "tp2": {"tensor_parallel_size": 2}}
 
 
-def _start(model: str, cache_root: str, xla_flags: str = "", **engine_args) -> dict:
-    env = dict(os.environ, XLASERVE_CACHE_ROOT=cache_root, XLA_FLAGS=xla_flags)
+def _start(model: str, cache_root: str) -> dict:
+    """Every engine of ENGINES started in one fresh process -> {name: its figures}."""
+    env = dict(
+        os.environ, XLASERVE_CACHE_ROOT=cache_root, XLA_FLAGS="--xla_force_host_platform_device_count=8"
+    )
     env.pop("XLASERVE_COMPILATION_CACHE_DIR", None)
     env.pop("XLASERVE_DISABLE_COMPILATION_CACHE", None)
     result = subprocess.run(
-        [sys.executable, "-c", _START, model, json.dumps(engine_args)],
+        [sys.executable, "-c", _START, model, json.dumps(ENGINES)],
         env=env,
         capture_output=True,
         text=True,
@@ -162,19 +175,16 @@ def _start(model: str, cache_root: str, xla_flags: str = "", **engine_args) -> d
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # three engine starts in fresh processes (~30 s of CPU)
-def test_second_start_in_a_fresh_process_loads_every_program(tmp_path):
+@pytest.fixture(scope="module")
+def starts(tmp_path_factory) -> dict:
+    """A cold start, a warm one, then one after two stored entries were damaged: three processes."""
+    tmp_path = tmp_path_factory.mktemp("program_store")
     # A 320-token vocabulary: SmolLM2's 49,152 made every sampler program ~150x wider to compile.
     model = save_tiny_llama(str(tmp_path / "model"), tokenizer=small_byte_tokenizer())
     cache_root = str(tmp_path / "cache")
     cold = _start(model, cache_root)
-    assert cold["loaded"] == 0 and cold["compiled"] > 0
     warm = _start(model, cache_root)
-    # Every program the cold start compiled, loaded instead; none compiled at warm-up or after it.
-    assert warm["loaded"] == cold["compiled"] and warm["compiled"] == 0
-    assert warm["compiles_after"] == 0 and warm["tokens"] == cold["tokens"]
-
-    # One truncated entry and one holding another's executable: those two compile, the rest load.
+    # One truncated entry and one holding another's executable.
     entries = _entries(os.path.join(cache_root, "xla", "executables"))
     with open(entries[0], "rb") as f:
         first = f.read()
@@ -182,17 +192,30 @@ def test_second_start_in_a_fresh_process_loads_every_program(tmp_path):
         f.write(first[: len(first) // 2])
     with open(entries[1], "wb") as f:
         f.write(first)
-    damaged = _start(model, cache_root)
-    assert damaged["compiled"] == 2 and damaged["loaded"] == cold["compiled"] - 2
-    assert damaged["compiles_after"] == 0 and damaged["tokens"] == cold["tokens"]
+    return {"cold": cold, "warm": warm, "damaged": _start(model, cache_root)}
 
 
-@pytest.mark.slow  # two tensor-parallel engine starts in fresh processes
-def test_a_tensor_parallel_engine_loads_its_programs_onto_its_own_devices(tmp_path):
+@pytest.mark.slow  # three fresh processes, each starting two engines
+def test_second_start_in_a_fresh_process_loads_every_program(starts):
+    cold, warm = starts["cold"]["single"], starts["warm"]["single"]
+    assert cold["loaded"] == 0 and cold["compiled"] > 0
+    # Every program the cold start compiled, loaded instead; none compiled at warm-up or after it.
+    assert warm["loaded"] == cold["compiled"] and warm["compiled"] == 0
+    assert warm["compiles_after"] == 0 and warm["tokens"] == cold["tokens"]
+
+    # The two damaged entries compile (whichever engine's they were), every other entry loads.
+    damaged = starts["damaged"]
+    assert sum(d["compiled"] for d in damaged.values()) == 2
+    num_stored = sum(c["compiled"] for c in starts["cold"].values())
+    assert sum(d["loaded"] for d in damaged.values()) == num_stored - 2
+    for name, d in damaged.items():
+        assert d["compiles_after"] == 0 and d["tokens"] == starts["cold"][name]["tokens"], name
+
+
+@pytest.mark.slow  # the tensor-parallel engine of the processes above
+def test_a_tensor_parallel_engine_loads_its_programs_onto_its_own_devices(starts):
     """Two of eight devices: each executable is loaded onto the mesh it was compiled for, in order."""
-    model = save_tiny_llama(str(tmp_path / "model"), tokenizer=small_byte_tokenizer())
-    cache_root, flags = str(tmp_path / "cache"), "--xla_force_host_platform_device_count=8"
-    cold = _start(model, cache_root, flags, tensor_parallel_size=2)
-    warm = _start(model, cache_root, flags, tensor_parallel_size=2)
+    cold, warm = starts["cold"]["tp2"], starts["warm"]["tp2"]
+    assert cold["loaded"] == 0
     assert warm["loaded"] == cold["compiled"] > 0 and warm["compiled"] == 0
     assert warm["compiles_after"] == 0 and warm["tokens"] == cold["tokens"]
