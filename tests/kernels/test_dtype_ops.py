@@ -93,10 +93,6 @@ def test_one_or_two_16bit_rows_dot_as_four_on_cpu(num_rows):
     np.testing.assert_array_equal(got, np.asarray(matmul(many, w, jnp.float32))[:num_rows])
 
 
-def _compiled_hlo(fn, *args) -> str:
-    return jax.jit(fn).lower(*args).compile().as_text()
-
-
 @ON_CPU
 def test_one_row_by_an_int8_weight_is_an_integer_dot_as_exact_as_the_row(monkeypatch):
     # XLA's forms, where the C++ op (kernels/cpu_ops.py: test_cpu_ops.py) is not built.
@@ -111,11 +107,13 @@ def test_one_row_by_an_int8_weight_is_an_integer_dot_as_exact_as_the_row(monkeyp
     x = jnp.asarray(x64, jnp.bfloat16)
     w = jnp.asarray(rng.integers(-127, 128, size=(k, n)), jnp.int8)
     scale = jnp.asarray(rng.uniform(1e-3, 1e-2, size=(1, n)), jnp.float32)
-    hlo = _compiled_hlo(lambda x, w, s: matmul(x, w, jnp.float32, scale=s), x, w, scale)
+    # The program whose text is read is the one that runs (eager, every op would compile its own).
+    step = jax.jit(lambda x, w, s: matmul(x, w, jnp.float32, scale=s)).lower(x, w, scale).compile()
+    hlo = step.as_text()
     dots = [line for line in hlo.splitlines() if " dot(" in line]
     assert dots and all(f"= s32[2,{n}]" in line for line in dots), dots  # int8 x int8 -> int32
     assert f"bf16[{k},{n}]" not in hlo and f"f32[{k},{n}]" not in hlo  # the weight is never converted
-    got = np.asarray(matmul(x, w, jnp.float32, scale=scale), np.float64)
+    got = np.asarray(step(x, w, scale), np.float64)
     xs = np.asarray(x, np.float64)
     ws = np.asarray(w, np.float64) * np.asarray(scale, np.float64)
     want = xs @ ws
@@ -125,9 +123,9 @@ def test_one_row_by_an_int8_weight_is_an_integer_dot_as_exact_as_the_row(monkeyp
     assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
     # Elements at >= s / 2 are represented exactly: then only float32 rounding remains.
     big = jnp.asarray(np.sign(x64) * rng.uniform(0.5, 1.0, size=(1, k)) * 100, jnp.bfloat16)
-    got = np.asarray(matmul(big, w, jnp.float32, scale=scale), np.float64)
+    got = np.asarray(step(big, w, scale), np.float64)
     np.testing.assert_allclose(got, np.asarray(big, np.float64) @ ws, rtol=1e-6, atol=1e-5)
-    zero_row = np.asarray(matmul(jnp.zeros((1, k), jnp.bfloat16), w, jnp.float32, scale=scale))
+    zero_row = np.asarray(step(jnp.zeros((1, k), jnp.bfloat16), w, scale))
     assert np.all(zero_row == 0)
 
 
@@ -163,10 +161,11 @@ def test_a_wide_quantized_weight_is_multiplied_a_chunk_of_columns_at_a_time(monk
         def f(x, wq, s, z, block=block, is_packed=is_packed):
             return matmul(x, wq, jnp.float32, scale=s, zero=z, block=block, packed=is_packed)
 
-        hlo = _compiled_hlo(f, x, wq, s, z)
+        step = jax.jit(f).lower(x, wq, s, z).compile()  # inspected and run: one compile
+        hlo = step.as_text()
         assert f"bf16[{k},{n}]" not in hlo and f"bf16[{k // 2},{n}]" not in hlo, name
         assert "while" in hlo, name  # the loop over chunks
-        got = np.asarray(f(x, wq, s, z), np.float64)
+        got = np.asarray(step(x, wq, s, z), np.float64)
         np.testing.assert_allclose(got, xs @ dense, rtol=1e-5, atol=1e-4, err_msg=name)
 
 
