@@ -15,7 +15,7 @@ from helpers.tiny_models import save_tiny_thinking_model
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
 from xlaserve.models.loader import load_tokenizer
 
-pytestmark = pytest.mark.slow  # a second server (a tiny model, but every bucket compiles)
+pytestmark = pytest.mark.slow  # a server of its own (a tiny model)
 
 CHAT = [{"role": "user", "content": "Is 17 prime?"}]
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
@@ -28,8 +28,10 @@ def thinking_server(tmp_path_factory, server_cache_dir):
     proc = ServerProcess(
         str(tmp_path_factory.mktemp("thinking-logs")),
         server_cache_dir,
-        # few buckets (the prompts are short): fewer programs to compile at start
+        # Few buckets (the prompts are short), and no warm-up (nothing here is about it): only the
+        # programs the requests below run are compiled, when they first run.
         extra_args=[
+            "--enforce-eager",
             "--reasoning-parser",
             "qwen3",
             "--served-model-name",
