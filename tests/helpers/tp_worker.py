@@ -7,28 +7,20 @@ import gc
 import json
 import os
 import sys
+import time
 import traceback
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 
 def hlo(model_dir: str, layout: dict) -> list:
-    """The collectives of the compiled forward of one bucket."""
+    """The collectives of the compiled forward of one bucket: 32, which the cases' prefills of more than
+    16 tokens run, so that after a `generate` case on the same model and layout (small_llm's settings)
+    the program loads from the persistent compilation cache instead of compiling."""
     import re
 
-    from xlaserve import LLM
-
-    llm = LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=128,
-        max_num_batched_tokens=32,
-        max_num_seqs=4,
-        enforce_eager=True,
-        kv_cache_memory=2**23,
-        **layout,
-    )
-    text = llm.engine_core.runner.compiled_forward_text(16)
+    llm = small_llm(model_dir, layout)
+    text = llm.engine_core.runner.compiled_forward_text(32)
     ops = re.findall(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)\(", text)
     return [[shape, op] for shape, op in ops]
 
@@ -427,13 +419,52 @@ MODES = {
 }
 
 
+class _CaseProfile:
+    """Under XLASERVE_SUITE_PROFILE (helpers/suite_profile.py), each case's wall and CPU time and XLA
+    compiles in this process, one line per case in <folder>/tp-worker.jsonl (the suite's profile counts
+    this process's CPU only when it exits, and never its compiles)."""
+
+    def __init__(self, folder: str) -> None:
+        import jax.monitoring
+
+        os.makedirs(folder, exist_ok=True)
+        self._out = open(os.path.join(folder, "tp-worker.jsonl"), "a")
+        self.compiles, self.compile_s = 0, 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.compiles += 1
+            self.compile_s += duration
+
+    def record(self, request: dict, wall_s: float, cpu_s: float, compiles: int, compile_s: float) -> None:
+        name = f"tp_worker.py::{request['mode']}[{os.path.basename(request['model_dir'])}]"
+        record = {"nodeid": name, "phase": "case", "wall_s": round(wall_s, 3), "cpu_s": round(cpu_s, 3)}
+        record |= {"compiles": compiles, "compile_s": round(compile_s, 3)}
+        self._out.write(json.dumps(record) + "\n")
+        self._out.flush()
+
+
+_profile: _CaseProfile | None = None
+
+
 def answer(request: dict) -> dict:
+    global _profile
+    if _profile is None and os.environ.get("XLASERVE_SUITE_PROFILE"):
+        _profile = _CaseProfile(os.environ["XLASERVE_SUITE_PROFILE"])
+    start = (time.perf_counter(), sum(os.times()[:2]), _profile.compiles if _profile else 0)
+    start_compile_s = _profile.compile_s if _profile else 0.0
     try:
         return {"ok": MODES[request["mode"]](request["model_dir"], request["arg"])}
     except Exception:
         return {"error": traceback.format_exc()}
     finally:
         gc.collect()  # the case's engines and their device buffers go before the next case starts
+        if _profile is not None:
+            wall, cpu = time.perf_counter() - start[0], sum(os.times()[:2]) - start[1]
+            _profile.record(
+                request, wall, cpu, _profile.compiles - start[2], _profile.compile_s - start_compile_s
+            )
 
 
 def serve() -> None:

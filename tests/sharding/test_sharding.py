@@ -18,12 +18,14 @@ def assert_same_as_first(results):
 
 
 def test_tensor_and_data_parallel_match_one_device(tp_worker, tiny_llama_2kv):
+    # Each layout is an engine compiling its own programs (a data-parallel one, per rank). TP 4 and 8
+    # repeat the 2 KV heads; TP 2 x DP 2 is tensor parallelism inside each data-parallel rank. Plain TP 2
+    # (one KV head a device) is test_sharding_rules.py's odd-vocabulary case (a Llama of 2 KV heads,
+    # logprobs within 1e-5), plain DP 2 test_data_parallel.py's two ranks (the same ids as one).
     layouts = [
         {},
-        {"tensor_parallel_size": 2},
         {"tensor_parallel_size": 4},
         {"tensor_parallel_size": 8},
-        {"data_parallel_size": 2},
         {"tensor_parallel_size": 2, "data_parallel_size": 2},
     ]
     assert_same_as_first(tp_worker.run("generate", tiny_llama_2kv, layouts))
@@ -136,9 +138,9 @@ def tiny_deepseek(tmp_path_factory):
 
 def test_deepseek_mla_tensor_parallel_matches_one_device(tp_worker, tiny_deepseek):
     # With `pallas`, the MLA kernel runs per device on its heads over the replicated latent cache.
+    # TP 4 (one head a device) without the kernel, TP 2 with it.
     layouts = [
         {},
-        {"tensor_parallel_size": 2},
         {"tensor_parallel_size": 4},
         {"tensor_parallel_size": 2, "attention_backend": "pallas"},
     ]
