@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.family_cases import make_hf_model, prompts, save_hf_model
+from helpers.family_cases import make_hf_model, save_hf_model
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.orbax_checkpoint import ConvertedParams
 from xlaserve.models.phi3 import group_qkv_by_kv_head
@@ -141,12 +141,16 @@ def test_phi3_fused_projections_split_by_head(tp_worker, tiny_phi3):
 
 def test_phi3_tensor_parallel_matches_one_device_and_gathers_no_weight(tp_worker, tiny_phi3):
     greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 3}
+    # Four prompts of 29 tokens in all: one prefill step (token bucket 32, the one the HLO below is
+    # read from), then decode steps of bucket 4: the fewest programs per engine.
+    rng = np.random.default_rng(5)
+    prompt_ids = [rng.integers(3, 101, n).tolist() for n in (9, 7, 5, 8)]
     results = tp_worker.run(
         "generate_ids",
         tiny_phi3,
         {
             "layouts": [{}, {"tensor_parallel_size": 2}, {"tensor_parallel_size": 4}],
-            "prompts": prompts(101, seed=5),
+            "prompts": prompt_ids,
             "params": [greedy],
         },
     )
