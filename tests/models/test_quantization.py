@@ -382,14 +382,14 @@ def test_engine_args_name_the_field_and_the_choices():
 def test_int8_table_and_head_under_tensor_parallelism_match_one_device(tp_worker, tiny_llama_257):
     """The quantized embedding table ([D, V], per-row scales) split over the vocabulary, padded from
     257 to 320 rows under TP 2: the greedy tokens and logprobs of one device."""
-    from helpers.family_cases import prompts
-
     greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True, "logprobs": 3}
     layouts = [{"quantization": "int8"}, {"quantization": "int8", "tensor_parallel_size": 2}]
+    # Four prompts of 29 tokens in all: one prefill step (token bucket 32), then decode steps of
+    # bucket 4: the fewest programs per engine.
+    rng = np.random.default_rng(5)
+    prompt_ids = [rng.integers(3, 257, n).tolist() for n in (9, 7, 5, 8)]
     results = tp_worker.run(
-        "generate_ids",
-        tiny_llama_257,
-        {"layouts": layouts, "prompts": prompts(257, seed=5), "params": [greedy]},
+        "generate_ids", tiny_llama_257, {"layouts": layouts, "prompts": prompt_ids, "params": [greedy]}
     )
     one, two = (r["runs"][0] for r in results)
     assert one["tokens"] == two["tokens"]
