@@ -70,6 +70,7 @@ R1_TEMPLATE = (
     "{% else %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
 )
+LONG_TOKENS = 4000  # the priority test's running request: cancelled once the others queue
 R1_ANSWER = ["Seventeen has no divisor", " but one and itself.", "</think>", "Yes, 17 is prime."]
 
 
@@ -98,6 +99,7 @@ def llama3_server(tmp_path_factory, server_cache_dir):
     flags = [
         "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice", "--scheduling-policy", "priority",
         "--speculative-config", json.dumps(spec), "--max-num-seqs", "1",
+        "--max-model-len", str(LONG_TOKENS + 64),
     ]  # fmt: skip
     proc = _start(tmp_path_factory, server_cache_dir, "llama3", model, flags)
     yield proc
@@ -230,10 +232,11 @@ def test_llama3_ngram_speculation_through_serve(llama3_server):
 
 def test_priority_through_the_api(llama3_server):
     """One sequence at a time: while a long request runs, a request of priority 5 and then one of
-    priority -5 queue; the urgent one (lower value, as in vLLM) runs first, though it came second."""
+    priority -5 queue; when the long one is cancelled, the urgent one (lower value, as in vLLM) runs
+    first, though it came second."""
     client = client_of(llama3_server)
     finished: list[str] = []
-    started = threading.Event()
+    started, cancel = threading.Event(), threading.Event()
 
     def run(name: str, priority: int, max_tokens: int) -> None:
         stream = client.completions.create(
@@ -242,6 +245,9 @@ def test_priority_through_the_api(llama3_server):
         )  # fmt: skip
         for _ in stream:
             started.set()
+            if cancel.is_set():  # the client goes away: the server aborts the request
+                stream.close()
+                break
         finished.append(name)
 
     def wait_for(name: str, value: float) -> None:
@@ -250,7 +256,8 @@ def test_priority_through_the_api(llama3_server):
             assert time.monotonic() < deadline, f"xlaserve:{name} never reached {value}"
             time.sleep(0.05)
 
-    threads = [threading.Thread(target=run, args=("long", 0, 400))]
+    # Long enough to outlast the queueing below on a loaded machine (n-gram drafts speed it up).
+    threads = [threading.Thread(target=run, args=("long", 0, LONG_TOKENS))]
     threads[0].start()
     assert started.wait(120)
     wait_for("num_requests_running", 1)
@@ -259,6 +266,7 @@ def test_priority_through_the_api(llama3_server):
         threads[-1].start()
         wait_for("num_requests_waiting", num_waiting)
     assert finished == []  # the long request still runs: both others queued behind it
+    cancel.set()
     for thread in threads:
         thread.join(300)
     assert finished == ["long", "urgent", "later"]

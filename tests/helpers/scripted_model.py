@@ -68,7 +68,7 @@ def save_scripted_llama(
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=8192,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
