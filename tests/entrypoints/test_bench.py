@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 
-import numpy as np
 import pytest
 
-from helpers.tiny_models import save_tiny_llama, small_byte_tokenizer
+from helpers.tiny_models import save_repeating_llama, save_tiny_llama, small_byte_tokenizer
 from xlaserve.entrypoints import cli
 
 # The bench's workloads are chat conversations: a plain template over a 320-token byte vocabulary
@@ -28,22 +26,6 @@ def save_bench_llama(directory: str, **overrides) -> str:
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return save_bench_llama(str(tmp_path_factory.mktemp("tiny_llama_bench")))
-
-
-def save_repeating_llama(directory: str) -> str:
-    """helpers.tiny_models.save_repeating_llama on the byte vocabulary: a tiny Llama whose greedy answer
-    repeats the prompt's last token (attention and MLP outputs zero, tied LM head), so n-gram drafts
-    are proposed and accepted."""
-    from safetensors.numpy import load_file, save_file
-
-    save_bench_llama(directory, tie_word_embeddings=True)
-    path = os.path.join(directory, "model.safetensors")
-    tensors = load_file(path)
-    for name, value in tensors.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[name] = np.zeros_like(value)
-    save_file(tensors, path, metadata={"format": "pt"})
-    return directory
 
 
 @pytest.mark.parametrize("bench, num_prompts", [("throughput", 6), ("latency", 2)])
@@ -135,7 +117,10 @@ def test_speculative_bench_reports_acceptance_and_the_paired_ratio(tmp_path):
     are proposed and, once the answer's own run of tokens is the longest match, accepted: the counts
     must be positive (a random model may answer without repeating a token, and then nothing is
     drafted and every check of the figures passes on zeros)."""
-    model = save_repeating_llama(str(tmp_path / "repeating_llama"))
+    # attention and MLP outputs zero, tied head: its greedy answer repeats the prompt's last token
+    model = save_repeating_llama(
+        str(tmp_path / "repeating_llama"), tokenizer=small_byte_tokenizer(), chat_template=CHAT_TEMPLATE
+    )
     out = tmp_path / "bench.json"
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
     argv = ["bench", "latency", "--model", model, "--num-prompts", "2", "--output-len", "12",

@@ -62,15 +62,16 @@ def save_tiny_model(
     return directory
 
 
-def save_repeating_llama(directory: str, *, seed: int = 0) -> str:
+def save_repeating_llama(directory: str, *, seed: int = 0, **overrides) -> str:
     """A tiny Llama whose greedy answer repeats the prompt's last token, over and over: its attention
     and MLP outputs are zero, so the last position's hidden state is that token's embedding, and the
     tied LM head scores the token itself far above any other (a random vector's square against its
     dot products with the others). Where a test needs n-gram drafts to happen, and be accepted, this
-    model guarantees them; a random one may answer without repeating any token."""
+    model guarantees them; a random one may answer without repeating any token. `overrides` go to
+    save_tiny_model (another `tokenizer`, a `chat_template`)."""
     from safetensors.numpy import load_file, save_file
 
-    save_tiny_llama(directory, seed=seed, tie_word_embeddings=True)
+    save_tiny_llama(directory, seed=seed, **{**overrides, "tie_word_embeddings": True})
     path = os.path.join(directory, "model.safetensors")
     tensors = load_file(path)
     for name, value in tensors.items():
