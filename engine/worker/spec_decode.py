@@ -199,11 +199,13 @@ def verify(
     st: SamplingTensors,
     spec: SpecInputs,
     *,
-    with_logprobs: bool,
+    with_logprobs: bool | jax.Array,
     draft_probs: jax.Array | None = None,
 ) -> VerifyOutput:
     """logits [R * (K + 1), V] float32 at the verified positions, st per request ([R]); draft_probs
-    [R, K, V]: the q each draft was drawn from (a draft model), None for deterministic (n-gram) drafts."""
+    [R, K, V]: the q each draft was drawn from (a draft model), None for deterministic (n-gram) drafts.
+    `with_logprobs` as sample()'s: a Python bool picks the program, a traced one is a runtime flag
+    (zeros when off), so one verify program serves both."""
     num_rows, num_spec = spec.draft_ids.shape
     st = _per_position(st, spec.draft_ids)
     if st.allowed_token_bitmask is not None:
@@ -211,17 +213,32 @@ def verify(
     token_ids, num_accepted, emitted = rejection_sample(
         logits, st, spec.draft_ids, spec.num_drafts, draft_probs
     )
-    if not with_logprobs:
+    if isinstance(with_logprobs, bool) and not with_logprobs:
         return VerifyOutput(token_ids, num_accepted, None, None, None)
-    # Logprobs of the raw distribution (after the grammar's mask), one entry per emitted position.
-    logprobs = invariant_log_softmax(logits, axis=-1)
-    top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     flat_emitted = emitted.reshape(-1, 1)
-    emitted_lp = jnp.take_along_axis(logprobs, flat_emitted, axis=-1)
-    rank = 1 + jnp.sum(logprobs > emitted_lp, axis=-1).astype(jnp.int32)
-    ids = jnp.concatenate([flat_emitted, top_ids.astype(jnp.int32)], axis=-1)
-    vals = jnp.concatenate([emitted_lp, top_vals], axis=-1)
+    if isinstance(with_logprobs, bool):
+        ids, vals, rank = _emitted_logprobs(logits, flat_emitted)
+    else:
+        ids, vals, rank = jax.lax.cond(
+            with_logprobs, _emitted_logprobs, _no_emitted_logprobs, logits, flat_emitted
+        )
     shape = (num_rows, num_spec + 1, 1 + MAX_LOGPROBS)
     return VerifyOutput(
         token_ids, num_accepted, ids.reshape(shape), vals.reshape(shape), rank.reshape(num_rows, -1)
     )
+
+
+def _emitted_logprobs(logits: jax.Array, flat_emitted: jax.Array):
+    """Logprobs of the raw distribution (after the grammar's mask), one entry per emitted position:
+    (ids [N, 1 + n]: the emitted token first, then the top n; vals; rank [N])."""
+    logprobs = invariant_log_softmax(logits, axis=-1)
+    top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    emitted_lp = jnp.take_along_axis(logprobs, flat_emitted, axis=-1)
+    rank = 1 + jnp.sum(logprobs > emitted_lp, axis=-1).astype(jnp.int32)
+    ids = jnp.concatenate([flat_emitted, top_ids.astype(jnp.int32)], axis=-1)
+    return ids, jnp.concatenate([emitted_lp, top_vals], axis=-1), rank
+
+
+def _no_emitted_logprobs(logits: jax.Array, flat_emitted: jax.Array):
+    zeros = jnp.zeros((flat_emitted.shape[0], 1 + MAX_LOGPROBS), jnp.int32)
+    return zeros, zeros.astype(jnp.float32), jnp.zeros(flat_emitted.shape[0], jnp.int32)

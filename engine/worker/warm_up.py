@@ -75,7 +75,7 @@ def compile_all(runner) -> None:
                 st = ready(sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask))
                 args = (runner.head_params, hidden_rd, st)
                 jobs.append(pool.submit(prepare, runner._sample_fn, args, {"with_logprobs": False}))
-                if runner.num_spec_tokens:  # the same variants verifying drafts (logprobs static)
+                if runner.num_spec_tokens:  # the same variants verifying drafts (logprobs a runtime flag too)
                     spec = ready(build_spec_inputs([], num_seqs, runner.num_spec_tokens))
                     if with_grammar:  # one mask per verified position
                         bitmask = np.zeros((0, runner.num_spec_tokens + 1, 1), np.int32)
@@ -89,10 +89,7 @@ def compile_all(runner) -> None:
                         spec,
                         runner._verify_q(hook_arrays[num_tokens]),
                     )
-                    for with_logprobs in (False, True):
-                        jobs.append(
-                            pool.submit(prepare, runner._verify_fn, args, {"with_logprobs": with_logprobs})
-                        )
+                    jobs.append(pool.submit(prepare, runner._verify_fn, args, {"with_logprobs": False}))
         results = [f.result() for f in forwards.values()] + [job.result() for job in jobs]
     if hook_programs:  # compiled each start (XLA's cache may hold them)
         with _compile_pool() as pool:

@@ -160,6 +160,19 @@ def test_penalties_count_the_drafts_before_each_position_and_logprobs_follow_the
     assert ids[0, 0] == 3 and ids[1, 0] == int(out.token_ids[0])
     raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), -1))
     np.testing.assert_allclose(np.asarray(out.logprobs[0])[:2, 0], [raw[0, 3], raw[1, ids[1, 0]]], rtol=1e-5)
+    # The runner's form: one program, logprobs a runtime flag. On: the static program's bits; off: zeros,
+    # and the same tokens.
+    runtime = jax.jit(verify)
+    on, off = (runtime(jnp.asarray(logits), st, spec, with_logprobs=flag) for flag in (True, False))
+    for a, b in ((on.logprob_token_ids, out.logprob_token_ids), (on.logprobs, out.logprobs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(on.sampled_rank), np.asarray(out.sampled_rank))
+    assert not np.asarray(off.logprobs).any() and not np.asarray(off.logprob_token_ids).any()
+    assert np.asarray(off.token_ids).tolist() == np.asarray(out.token_ids).tolist()
+    programs = {
+        runtime.lower(jnp.asarray(logits), st, spec, with_logprobs=f).as_text() for f in (True, False)
+    }
+    assert len(programs) == 1  # the flag does not pick a second program
 
 
 def test_build_spec_inputs_points_at_each_requests_last_token_and_drafts():
