@@ -137,14 +137,20 @@ def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool | jax.
         return jnp.where(is_greedy, greedy_ids, _draw(_filter(tempered, st), st))
 
     token_ids = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_ids, random_ids, logits)
+    logprobs = logprobs_if(with_logprobs, raw, token_ids)
+    return SamplerOutput(token_ids, *(logprobs or (None, None, None)))
+
+
+def logprobs_if(with_logprobs: bool | jax.Array, raw: jax.Array, token_ids: jax.Array):
+    """_token_logprobs(raw, token_ids) as the caller's `with_logprobs` asks: a Python bool picks the
+    program (None when off); a traced one is a runtime flag (a lax.cond, zeros when off). The sampler
+    and speculative verification both run it."""
     if isinstance(with_logprobs, bool):
-        if not with_logprobs:
-            return SamplerOutput(token_ids, None, None, None)
-        return SamplerOutput(token_ids, *_logprobs(raw, token_ids))
-    return SamplerOutput(token_ids, *jax.lax.cond(with_logprobs, _logprobs, _no_logprobs, raw, token_ids))
+        return _token_logprobs(raw, token_ids) if with_logprobs else None
+    return jax.lax.cond(with_logprobs, _token_logprobs, _no_token_logprobs, raw, token_ids)
 
 
-def _logprobs(raw: jax.Array, token_ids: jax.Array):
+def _token_logprobs(raw: jax.Array, token_ids: jax.Array):
     """The sampled token's logprob, then the top MAX_LOGPROBS: (ids [R, 1 + n], vals, rank [R])."""
     logprobs = invariant_log_softmax(raw, axis=-1)
     top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
@@ -155,7 +161,7 @@ def _logprobs(raw: jax.Array, token_ids: jax.Array):
     return ids, vals, rank
 
 
-def _no_logprobs(raw: jax.Array, token_ids: jax.Array):
+def _no_token_logprobs(raw: jax.Array, token_ids: jax.Array):
     num_rows = raw.shape[0]
     zeros = jnp.zeros((num_rows, 1 + MAX_LOGPROBS), jnp.int32)
     return zeros, zeros.astype(jnp.float32), jnp.zeros(num_rows, jnp.int32)
@@ -163,9 +169,4 @@ def _no_logprobs(raw: jax.Array, token_ids: jax.Array):
 
 def prompt_logprobs(logits: jax.Array, target_ids: jax.Array):
     """Logprobs of each position's next prompt token. logits [T, V], target_ids [T] -> like sample()."""
-    logprobs = invariant_log_softmax(logits, axis=-1)
-    top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-    target_lp = jnp.take_along_axis(logprobs, target_ids[:, None], axis=-1)
-    rank = 1 + jnp.sum(logprobs > target_lp, axis=-1).astype(jnp.int32)
-    ids = jnp.concatenate([target_ids[:, None], top_ids.astype(jnp.int32)], axis=-1)
-    return ids, jnp.concatenate([target_lp, top_vals], axis=-1), rank
+    return _token_logprobs(logits, target_ids)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaserve.kernels.invariant import invariant_log_softmax, invariant_softmax
+from xlaserve.kernels.invariant import invariant_softmax
 from xlaserve.worker.sampler import (
     _GREEDY_EPS,
     MAX_LOGPROBS,
@@ -31,6 +31,7 @@ from xlaserve.worker.sampler import (
     _filter,
     apply_penalties,
     apply_token_bitmask,
+    logprobs_if,
 )
 
 _ACCEPT_TAG = 1
@@ -213,32 +214,12 @@ def verify(
     token_ids, num_accepted, emitted = rejection_sample(
         logits, st, spec.draft_ids, spec.num_drafts, draft_probs
     )
-    if isinstance(with_logprobs, bool) and not with_logprobs:
+    # Logprobs of the raw distribution (after the grammar's mask), one entry per emitted position.
+    logprobs = logprobs_if(with_logprobs, logits, emitted.reshape(-1))
+    if logprobs is None:
         return VerifyOutput(token_ids, num_accepted, None, None, None)
-    flat_emitted = emitted.reshape(-1, 1)
-    if isinstance(with_logprobs, bool):
-        ids, vals, rank = _emitted_logprobs(logits, flat_emitted)
-    else:
-        ids, vals, rank = jax.lax.cond(
-            with_logprobs, _emitted_logprobs, _no_emitted_logprobs, logits, flat_emitted
-        )
+    ids, vals, rank = logprobs
     shape = (num_rows, num_spec + 1, 1 + MAX_LOGPROBS)
     return VerifyOutput(
         token_ids, num_accepted, ids.reshape(shape), vals.reshape(shape), rank.reshape(num_rows, -1)
     )
-
-
-def _emitted_logprobs(logits: jax.Array, flat_emitted: jax.Array):
-    """Logprobs of the raw distribution (after the grammar's mask), one entry per emitted position:
-    (ids [N, 1 + n]: the emitted token first, then the top n; vals; rank [N])."""
-    logprobs = invariant_log_softmax(logits, axis=-1)
-    top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-    emitted_lp = jnp.take_along_axis(logprobs, flat_emitted, axis=-1)
-    rank = 1 + jnp.sum(logprobs > emitted_lp, axis=-1).astype(jnp.int32)
-    ids = jnp.concatenate([flat_emitted, top_ids.astype(jnp.int32)], axis=-1)
-    return ids, jnp.concatenate([emitted_lp, top_vals], axis=-1), rank
-
-
-def _no_emitted_logprobs(logits: jax.Array, flat_emitted: jax.Array):
-    zeros = jnp.zeros((flat_emitted.shape[0], 1 + MAX_LOGPROBS), jnp.int32)
-    return zeros, zeros.astype(jnp.float32), jnp.zeros(flat_emitted.shape[0], jnp.int32)
