@@ -24,6 +24,7 @@ import pytest
 
 from helpers.scripted_model import save_scripted_llama
 from helpers.server_harness import ServerProcess
+from helpers.tiny_models import FAST_COMPILE_XLA_FLAGS
 
 pytestmark = pytest.mark.slow  # three servers of their own (tiny models)
 
@@ -74,13 +75,14 @@ LONG_TOKENS = 4000  # the priority test's running request: cancelled once the ot
 R1_ANSWER = ["Seventeen has no divisor", " but one and itself.", "</think>", "Yes, 17 is prime."]
 
 
-def _start(tmp_path_factory, cache_dir, name, model, flags, env=None) -> ServerProcess:
+def _start(tmp_path_factory, cache_dir, name, model, flags, device_count=1) -> ServerProcess:
+    xla_flags = f"--xla_force_host_platform_device_count={device_count} {FAST_COMPILE_XLA_FLAGS}"
     proc = ServerProcess(
         str(tmp_path_factory.mktemp(f"{name}-logs")),
         cache_dir,
         extra_args=SERVER_FLAGS + flags,
         model=model,
-        env=env,
+        env={"XLA_FLAGS": xla_flags},  # a tiny model: compile fast (helpers/tiny_models.py)
     )
     proc.wait_ready()
     return proc
@@ -131,8 +133,7 @@ def mistral_server(tmp_path_factory, server_cache_dir):
         "--max-num-seqs",
         "1",
     ]
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    proc = _start(tmp_path_factory, server_cache_dir, "mistral", model, flags, env=env)
+    proc = _start(tmp_path_factory, server_cache_dir, "mistral", model, flags, device_count=2)
     yield proc
     assert proc.stop() == 0, proc.log_tail()
 

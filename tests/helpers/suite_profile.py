@@ -69,11 +69,41 @@ class SuiteProfile:
         yield from self._measure(item, "teardown")
 
 
+def log_compiled_modules(folder: str) -> None:
+    """With XLASERVE_SUITE_PROFILE_HLO=1 too: one line per XLA compile in this process, in
+    `<folder>/hlo-<pid>.jsonl`, with a digest of the module's text, its name, its device count and its
+    compile time, so that `report` can say how much compile time went to programs compiled before."""
+    import hashlib
+
+    from jax._src import compiler
+
+    original = compiler.backend_compile_and_load
+    out = open(os.path.join(folder, f"hlo-{os.getpid()}.jsonl"), "a")
+
+    def logged(backend, module, executable_devices, options, host_callbacks):
+        t0 = time.perf_counter()
+        result = original(backend, module, executable_devices, options, host_callbacks)
+        text = module.operation.get_asm(enable_debug_info=False)
+        record = {
+            "hash": hashlib.sha256(f"{len(executable_devices)}|{text}".encode()).hexdigest()[:16],
+            "name": str(module.operation.attributes["sym_name"]).strip('"'),
+            "devices": len(executable_devices),
+            "s": round(time.perf_counter() - t0, 3),
+        }
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+        return result
+
+    compiler.backend_compile_and_load = logged
+
+
 def register(config) -> None:
     folder = os.environ.get("XLASERVE_SUITE_PROFILE")
     if folder:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         config.pluginmanager.register(SuiteProfile(folder, worker), "xlaserve-suite-profile")
+        if os.environ.get("XLASERVE_SUITE_PROFILE_HLO"):
+            log_compiled_modules(folder)
 
 
 def report(folder: str, top: int = 40) -> str:
@@ -81,6 +111,8 @@ def report(folder: str, top: int = 40) -> str:
     by_module: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
     by_test: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
     for name in sorted(os.listdir(folder)):
+        if name.startswith("hlo-"):
+            continue
         with open(os.path.join(folder, name)) as f:
             for line in f:
                 r = json.loads(line)
@@ -100,7 +132,35 @@ def report(folder: str, top: int = 40) -> str:
         lines.append(f"{'cpu_s':>8} {'wall_s':>8} {'compiles':>8} {'compile_s':>9}  name")
         for key, row in sorted(table.items(), key=lambda kv: -kv[1][1])[:top]:
             lines.append(f"{row[1]:8.1f} {row[0]:8.1f} {int(row[2]):8d} {row[3]:9.1f}  {key}")
-    return "\n".join(lines)
+    return "\n".join(lines + _repeated_compiles(folder))
+
+
+def _repeated_compiles(folder: str) -> list[str]:
+    """The compiles of a module already compiled elsewhere in the run (same text, same device count):
+    what a store keyed by the program's text would have loaded instead."""
+    seen: dict[str, int] = defaultdict(int)
+    repeat_s: dict[str, float] = defaultdict(float)
+    total, total_s, repeats, saved_s = 0, 0.0, 0, 0.0
+    for name in sorted(os.listdir(folder)):
+        if not name.startswith("hlo-"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                r = json.loads(line)
+                total, total_s = total + 1, total_s + r["s"]
+                if seen[r["hash"]]:
+                    repeats, saved_s = repeats + 1, saved_s + r["s"]
+                    repeat_s[r["name"]] += r["s"]
+                seen[r["hash"]] += 1
+    if not total:
+        return []
+    lines = [
+        f"== repeated compiles: {repeats} of {total} compiles ({saved_s / 60:.1f} of {total_s / 60:.1f} min) "
+        "compiled a module's text compiled before in the run; by program name:"
+    ]
+    for name, s in sorted(repeat_s.items(), key=lambda kv: -kv[1])[:15]:
+        lines.append(f"{s:8.1f}  {name}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ class TPWorker:
         os.close(fd)
 
     def _start(self) -> None:
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        env = dict(os.environ, XLA_FLAGS="")  # the worker sets its own (tp_worker.py)
         # stderr goes to a file in append mode: it never fills up and blocks the worker, and the
         # tail written during one case can be read back for its failure message.
         with open(self._log_path, "ab") as log:

@@ -10,7 +10,9 @@ import sys
 import time
 import traceback
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# Tiny models on 8 fake devices, compiled at XLA's backend optimization level 0: the cases' CPU fell
+# 661 -> 432 s (helpers/tiny_models.FAST_COMPILE_XLA_FLAGS says why; set here before jax imports).
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 
 
 def hlo(model_dir: str, layout: dict) -> list:
@@ -431,6 +433,10 @@ class _CaseProfile:
         self._out = open(os.path.join(folder, "tp-worker.jsonl"), "a")
         self.compiles, self.compile_s = 0, 0.0
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        if os.environ.get("XLASERVE_SUITE_PROFILE_HLO"):
+            from suite_profile import log_compiled_modules  # beside this file
+
+            log_compiled_modules(folder)
 
     def _on_event(self, event: str, duration: float, **_) -> None:
         if event == "/jax/core/compile/backend_compile_duration":

@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+from helpers.tiny_models import FAST_COMPILE_XLA_FLAGS
+
 
 def _free_port() -> int:
     import socket
@@ -29,6 +31,7 @@ def _generated_text(stdout: str) -> str:
 
 
 CLI = [sys.executable, "-m", "xlaserve.entrypoints.cli", "--log-level", "WARNING"]
+FAST_COMPILE = FAST_COMPILE_XLA_FLAGS  # tiny models: see helpers/tiny_models.py
 
 
 def _generate_args(model: str) -> list[str]:
@@ -64,7 +67,7 @@ def one_process_text(tiny_llama_2kv) -> str:
         capture_output=True,
         text=True,
         timeout=600,
-        env=dict(os.environ, XLA_FLAGS=""),
+        env=dict(os.environ, XLA_FLAGS=FAST_COMPILE),
         check=False,
     )
     assert single.returncode == 0, single.stderr[-3000:]
@@ -76,7 +79,7 @@ def test_two_processes_tensor_parallel_8_match_one_process(tiny_llama_2kv, one_p
     args = _generate_args(tiny_llama_2kv)
     port = _free_port()
     multi = ["-tp", "8", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}")
     follower = subprocess.Popen(
         CLI + args + multi + ["--node-rank", "1"],
         env=env,
@@ -149,7 +152,7 @@ def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text
         "--dtype",
         "float32",
     ]
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}"}
     follower = subprocess.Popen(
         [
             sys.executable,
