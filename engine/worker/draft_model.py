@@ -177,6 +177,7 @@ class DraftModel:
                 partial(_draft_step, model.graphdef, vocab_size, self.block_size, self.num_spec_tokens),
             ),
             donate_argnames=("kv_cache", "q_buf"),
+            compiler_options=config.compilation.compiler_options(),
         )
         # Each request's row in the last step that proposed for it: where its q waits in q_buf.
         self._prev_rows: dict[str, int] = {}

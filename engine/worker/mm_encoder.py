@@ -62,6 +62,7 @@ class MultiModalHook(StepHook):
             partial(_encode, runner.graphdef, tokens_per_item),
             donate_argnames=("cache",),
             out_shardings=self.cache.sharding,
+            compiler_options=runner.config.compilation.compiler_options(),
         )
         self.slot_contents: dict[int, str] = {}  # slot -> the mm_hash encoded there
         self.num_encoded = 0  # images encoded on the device (tests, metrics)

@@ -117,7 +117,11 @@ class ModelRunner:
         # The step's device functions as Programs (worker/step_programs.py), jitted with the graphdef bound.
         vocab = self.model_config.vocab_size
         programs = make_step_programs(
-            self.graphdef, vocab, config.scheduler.max_num_seqs, config.model.batch_invariant
+            self.graphdef,
+            vocab,
+            config.scheduler.max_num_seqs,
+            config.model.batch_invariant,
+            config.compilation.compiler_options(),
         )
         self._forward_fn, self._sample_fn = programs.forward, programs.sample
         self._prompt_logprobs_fn, self._verify_fn = programs.prompt_logprobs, programs.verify

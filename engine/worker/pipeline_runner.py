@@ -83,7 +83,9 @@ class PipelineRunner(ModelRunner):
         for layout, group in zip(layouts, groups):
             model = load_model(config, hf_config, tensors, group, stage=layout)
             fn = jax.jit(
-                invariant(partial(_stage_forward, model.graphdef, layout)), donate_argnames=("kv_cache",)
+                invariant(partial(_stage_forward, model.graphdef, layout)),
+                donate_argnames=("kv_cache",),
+                compiler_options=config.compilation.compiler_options(),
             )
             self.stages.append(PipelineStage(layout, model, Program(f"pp_stage{layout.index}", fn, 2)))
             logger.info(

@@ -74,21 +74,25 @@ class StepPrograms:
     verify: Program
 
 
-def make_step_programs(graphdef, vocab_size: int, max_num_seqs: int, batch_invariant: bool) -> StepPrograms:
-    """The four programs of a step for the model `graphdef` (its real, unpadded `vocab_size`)."""
+def make_step_programs(
+    graphdef, vocab_size: int, max_num_seqs: int, batch_invariant: bool, compiler_options: dict | None = None
+) -> StepPrograms:
+    """The four programs of a step for the model `graphdef` (its real, unpadded `vocab_size`), compiled
+    with `compiler_options` (CompilationConfig.compiler_options: the engine's optimization level)."""
     invariant = partial(traced_with, batch_invariant)
+    jit = partial(jax.jit, compiler_options=compiler_options)
     return StepPrograms(
         forward=Program(
             "forward",
-            jax.jit(invariant(partial(_forward, graphdef)), donate_argnames=("kv_cache",)),
+            jit(invariant(partial(_forward, graphdef)), donate_argnames=("kv_cache",)),
             num_fixed_args=2,
         ),
         # `with_logprobs` is traced (a runtime flag), not static: warm-up compiles 4 sampler programs
         # per request bucket (penalties x grammar), not 8 (sampler.py).
-        sample=Program("sample", jax.jit(invariant(partial(_sample, graphdef, vocab_size, max_num_seqs)))),
+        sample=Program("sample", jit(invariant(partial(_sample, graphdef, vocab_size, max_num_seqs)))),
         prompt_logprobs=Program(
-            "prompt_logprobs", jax.jit(invariant(partial(_prompt_logprobs, graphdef, vocab_size)))
+            "prompt_logprobs", jit(invariant(partial(_prompt_logprobs, graphdef, vocab_size)))
         ),
         # The same for verification: 4 verify programs per request bucket, not 8 (spec_decode.py).
-        verify=Program("verify", jax.jit(invariant(partial(_verify, graphdef, vocab_size)))),
+        verify=Program("verify", jit(invariant(partial(_verify, graphdef, vocab_size)))),
     )

@@ -75,6 +75,26 @@ def test_flags_round_trip_into_the_config(parser):
     assert config.lora == default.lora
 
 
+def test_optimization_level_reaches_every_step_program(parser):
+    """-O (vLLM's spelling) sets XLA's backend optimization level of the engine's programs: the step's
+    four jitted functions carry it to their compiles; unset, they carry nothing (XLA's own level)."""
+    from xlaserve.worker.step_programs import make_step_programs
+
+    config = EngineConfig.from_kwargs(None, **engine_kwargs(parser.parse_args(["-O", "0"])))
+    assert config.compilation.compiler_options() == {"xla_backend_optimization_level": 0}
+    assert EngineConfig.from_kwargs(None).compilation.compiler_options() is None
+    with pytest.raises(ValueError, match="optimization_level must be 0, 1, 2 or 3, got 4"):
+        EngineConfig.from_kwargs(None, optimization_level=4)
+
+    def carried(options) -> list:  # what each program's jax.jit passes its compiles
+        programs = make_step_programs(None, 8, 2, False, options)
+        jitted = [programs.forward, programs.sample, programs.prompt_logprobs, programs.verify]
+        return [p.jitted._jit_info.compiler_options_kvs for p in jitted]
+
+    assert carried(config.compilation.compiler_options()) == [(("xla_backend_optimization_level", 0),)] * 4
+    assert carried(None) == [()] * 4
+
+
 def test_every_flag_names_an_engine_argument(parser):
     """Each flag's dest is a keyword `from_kwargs` accepts (its field's default passes through)."""
     for group, f in engine_arg_fields():

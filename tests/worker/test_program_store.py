@@ -95,6 +95,8 @@ def test_the_switch_that_turns_the_compilation_cache_off_turns_the_store_off(tmp
         return ProgramStore.for_engine(config, {"model_type": "llama"}, devices).fingerprint
 
     assert fingerprint(max_num_seqs=3) != store.fingerprint != fingerprint(attention_backend="pallas")
+    # A program compiled at another optimization level is never loaded for this one.
+    assert fingerprint(optimization_level=0) != store.fingerprint != fingerprint(optimization_level=3)
     assert fingerprint(kv_cache_memory=2**22, seed=5, strict_compile_guard=True) == store.fingerprint
 
 
