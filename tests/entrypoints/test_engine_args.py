@@ -80,7 +80,7 @@ def test_optimization_level_reaches_every_step_program(parser):
     four jitted functions carry it to their compiles; unset, they carry nothing (XLA's own level)."""
     from xlaserve.worker.step_programs import make_step_programs
 
-    config = EngineConfig.from_kwargs(None, **engine_kwargs(parser.parse_args(["-O", "0"])))
+    config = EngineConfig.from_kwargs(None, **engine_kwargs(parser.parse_args(["-O0"])))
     assert config.compilation.compiler_options() == {"xla_backend_optimization_level": 0}
     assert EngineConfig.from_kwargs(None).compilation.compiler_options() is None
     with pytest.raises(ValueError, match="optimization_level must be 0, 1, 2 or 3, got 4"):
