@@ -8,6 +8,11 @@ shardings: the weights are arguments, so their shapes and dtypes key it, not the
 that matches loads; anything else (no entry, a corrupt or truncated file, a checksum or key that does
 not match, a load that raises) compiles as before and writes the entry anew.
 
+On a miss, warm-up lowers the program and asks again by its second key: the lowered text on this
+machine (`text_key`). Engines of other settings, or another checkpoint of the same shapes, that run
+the same program share its entry: the sampler programs of two engines that differ in their request
+buckets or speculative decoding, an engine whose settings changed. A compile is stored under both keys.
+
 Several processes may share the directory: an entry is written to a temporary file and renamed into
 place (readers see a whole file or none), and a reader whose file is evicted meanwhile still reads it.
 Past `max_bytes` the least recently used entries go. Entries are pickles of executables, trusted like
@@ -132,12 +137,11 @@ def program_settings(config: EngineConfig) -> dict:
     return settings
 
 
-def engine_fingerprint(config: EngineConfig, hf_config: dict, devices) -> str:
-    """Everything outside a program's arguments that may change what it computes or where it runs.
-    Not the checkpoint's files: the weights are arguments, so a checkpoint of the same config and
-    shapes elsewhere (a re-download, a test's temporary copy) runs the same programs."""
+def machine_fingerprint(config: EngineConfig, devices) -> dict:
+    """What outside a program's text may change how it compiles or where it runs: xlaserve and jax,
+    the devices and the CPU, XLA_FLAGS and the engine's compile options, the CPU ops registered."""
     backend = devices[0].client
-    parts = {
+    return {
         "format": _MAGIC.decode(),
         "xlaserve": _source_digest(),
         "python": sys.version,
@@ -147,6 +151,7 @@ def engine_fingerprint(config: EngineConfig, hf_config: dict, devices) -> str:
         "devices": [[d.id, d.device_kind, d.process_index] for d in devices],
         "cpu": _cpu_features(),
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_ENABLE_X64")},
+        "compiler_options": config.compilation.compiler_options(),
         # Whether the CPU ops are in the programs (and registered before any of them loads). Only a
         # bfloat16 engine's attention calls its op: a float32 one must not build it to key its programs.
         "cpu_ops": backend.platform == "cpu"
@@ -157,9 +162,15 @@ def engine_fingerprint(config: EngineConfig, hf_config: dict, devices) -> str:
         and cpu_ops.available(cpu_ops.QUANTIZED_TARGET),
         "x64": bool(jax.config.jax_enable_x64),
         "matmul_precision": str(jax.config.jax_default_matmul_precision),
-        "hf_config": hf_config,
-        "engine": program_settings(config),
     }
+
+
+def engine_fingerprint(config: EngineConfig, hf_config: dict, devices) -> str:
+    """Everything outside a program's arguments that may change what it computes or where it runs.
+    Not the checkpoint's files: the weights are arguments, so a checkpoint of the same config and
+    shapes elsewhere (a re-download, a test's temporary copy) runs the same programs."""
+    parts = machine_fingerprint(config, devices)
+    parts |= {"hf_config": hf_config, "engine": program_settings(config)}
     return _sha256(json.dumps(parts, sort_keys=True, default=repr))
 
 
@@ -179,10 +190,11 @@ def abstract_signature(args: tuple, kwargs: dict) -> str:
 class ProgramStore:
     """Serialized executables in `directory`, at most `max_bytes` of them."""
 
-    def __init__(self, directory: str, max_bytes: int, fingerprint: str):
+    def __init__(self, directory: str, max_bytes: int, fingerprint: str, machine: str | None = None):
         self.directory = directory
         self.max_bytes = max_bytes
         self.fingerprint = fingerprint
+        self.machine = fingerprint if machine is None else machine  # keys text_key
         os.makedirs(directory, exist_ok=True)
 
     @classmethod
@@ -196,14 +208,22 @@ class ProgramStore:
             return None
         directory = os.path.join(compilation.compilation_cache_dir, "executables")
         fingerprint = engine_fingerprint(config, hf_config, devices)
+        machine = _sha256(json.dumps(machine_fingerprint(config, devices), sort_keys=True, default=repr))
         try:
-            return cls(directory, compilation.compilation_cache_max_size, fingerprint)
+            return cls(directory, compilation.compilation_cache_max_size, fingerprint, machine)
         except OSError as e:  # a read-only or missing home: start anyway, compiling as before
             logger.warning("no store of compiled programs at %s (%s): warm-up compiles them", directory, e)
             return None
 
     def key(self, name: str, args: tuple, kwargs: dict) -> str:
         return _sha256(self.fingerprint, name, abstract_signature(args, kwargs))
+
+    def text_key(self, lowered, args: tuple, kwargs: dict) -> str:
+        """The second key of a program: its lowered text and compile options on this machine, so that
+        engines of other settings (or models) running the same program share it (every tiny model's
+        sampler on one vocabulary and hidden size, an engine with and without speculative decoding).
+        The abstract signature adds what the text does not say: the arguments' Python tree."""
+        return _sha256(self.machine, "text", abstract_signature(args, kwargs), lowered.as_text())
 
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, key + _SUFFIX)
@@ -250,16 +270,30 @@ class ProgramStore:
             pass
         return executable
 
-    def save(self, key: str, compiled) -> bool:
-        """Store `compiled` (a jax.stages.Compiled) under `key`; False if it cannot be serialized."""
+    def save(self, compiled, *keys: str) -> bool:
+        """Store `compiled` (a jax.stages.Compiled) under each of `keys`; False if it cannot be
+        serialized or written."""
         try:
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
             device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
-            payload = (key, blob, in_tree, out_tree, device_ids)
-            payload = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
             logger.info("program not stored ahead of time (%s)", e)
             return False
+        return all([self._write(key, (key, blob, in_tree, out_tree, device_ids)) for key in keys])
+
+    def copy(self, from_key: str, key: str) -> bool:
+        """Store the entry of `from_key` (just loaded) under `key` too."""
+        try:
+            with open(self._path(from_key), "rb") as f:
+                payload = f.read()[len(_MAGIC) + _DIGEST_BYTES :]
+            _, *parts = pickle.loads(payload)
+        except Exception as e:  # evicted or replaced meanwhile: the next start looks it up again
+            logger.info("program not stored under its settings' key (%s)", e)
+            return False
+        return self._write(key, (key, *parts))
+
+    def _write(self, key: str, entry: tuple) -> bool:
+        payload = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
         data = _MAGIC + hashlib.sha256(payload).digest() + payload
         temp = None
         try:

@@ -135,15 +135,28 @@ def _shape_struct(info) -> jax.ShapeDtypeStruct:
 
 
 def _load_or_compile(store: ProgramStore | None, program: Program, args: tuple, kwargs: dict):
-    """-> (the executable for (args, kwargs), whether it was loaded), routed to by `program`."""
+    """-> (the executable for (args, kwargs), whether it was loaded), routed to by `program`.
+
+    The store is asked twice: by the engine's settings and the abstract arguments (no tracing), then,
+    on a miss, by the lowered program's text, which another engine (other settings, another checkpoint
+    of the model's shapes) may have stored; a compile is stored under both keys."""
     call_kwargs = {k: v for k, v in kwargs.items() if k not in program.static_argnames}
-    key = None if store is None else store.key(program.name, args, kwargs)
-    executable = None if store is None else store.load(key, args, call_kwargs)
-    is_loaded = executable is not None
-    if not is_loaded:
-        executable = program.lower(*args, **kwargs).compile()
-        if store is not None:
-            store.save(key, executable)
+    if store is None:
+        executable, is_loaded = program.lower(*args, **kwargs).compile(), False
+    else:
+        key = store.key(program.name, args, kwargs)
+        executable = store.load(key, args, call_kwargs)
+        is_loaded = executable is not None
+        if not is_loaded:
+            lowered = program.lower(*args, **kwargs)
+            text_key = store.text_key(lowered, args, kwargs)
+            executable = store.load(text_key, args, call_kwargs)
+            is_loaded = executable is not None
+            if is_loaded:
+                store.copy(text_key, key)  # the next start of these settings finds it without lowering
+            else:
+                executable = lowered.compile()
+                store.save(executable, key, text_key)
     program.add(args, kwargs, executable)
     return executable, is_loaded
 

@@ -16,6 +16,7 @@ import pytest
 
 from helpers.tiny_models import save_tiny_llama, small_byte_tokenizer
 from xlaserve.config import EngineConfig
+from xlaserve.worker.compile_guard import num_compiles
 from xlaserve.worker.program import Program
 from xlaserve.worker.program_store import ProgramStore
 from xlaserve.worker.warm_up import _load_or_compile
@@ -40,7 +41,7 @@ def test_store_loads_what_it_saved_and_compiles_past_a_bad_entry(tmp_path):
     args = (params, x)
     expected = np.arange(4) * 6.0 + 1
     _, is_loaded = _load_or_compile(store, _program(), args, {"scale": 3.0})
-    assert not is_loaded and len(_entries(str(tmp_path))) == 1
+    assert not is_loaded and len(_entries(str(tmp_path))) == 2  # under its settings' key and its text's
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]  # written, then renamed
 
     program = _program()
@@ -51,11 +52,18 @@ def test_store_loads_what_it_saved_and_compiles_past_a_bad_entry(tmp_path):
     np.testing.assert_allclose(program(params, x, scale=1.0), np.arange(4) * 2.0 + 1)
     assert len(program.executables) == 1
 
-    # Another fingerprint (another jax, model, engine config...) keys apart: compiled, stored beside.
+    # Another machine fingerprint (another jax, device, XLA_FLAGS...) keys apart: compiled, stored beside.
     other = ProgramStore(str(tmp_path), max_bytes=2**30, fingerprint="other")
     assert not _load_or_compile(other, _program(), args, {"scale": 3.0})[1]
     first = store._path(store.key("affine", args, {"scale": 3.0}))
     second = other._path(other.key("affine", args, {"scale": 3.0}))
+
+    def remove_text_entries():  # out of the way of what follows: the first keys' entries alone
+        for path in _entries(str(tmp_path)):
+            if path not in (first, second):
+                os.remove(path)
+
+    remove_text_entries()
     assert _entries(str(tmp_path)) == sorted([first, second])
 
     # An entry holding another key's executable, a truncated one, a zeroed one: each compiles, and the
@@ -65,6 +73,7 @@ def test_store_loads_what_it_saved_and_compiles_past_a_bad_entry(tmp_path):
     for damaged in (good, good[:-100], good[:40] + bytes(len(good) - 40)):
         with open(second, "wb") as f:
             f.write(damaged)
+        remove_text_entries()
         program = _program()
         assert not _load_or_compile(other, program, args, {"scale": 3.0})[1]
         np.testing.assert_allclose(program(params, x, scale=3.0), expected)
@@ -75,6 +84,30 @@ def test_store_loads_what_it_saved_and_compiles_past_a_bad_entry(tmp_path):
     small = ProgramStore(str(tmp_path), max_bytes=os.path.getsize(second), fingerprint="test")
     small.evict()
     assert _entries(str(tmp_path)) == [second]
+
+
+def test_engines_of_other_settings_share_a_program_by_its_text(tmp_path):
+    """Two engines whose settings differ (their first keys) but that run the same program on one machine:
+    the second loads it by its lowered text and stores it under its own key as well; a program whose text
+    differs compiles."""
+    params = {"w": jnp.full(4, 2.0), "b": jnp.ones(4)}
+    args, x = (params, np.arange(4, dtype=np.float32)), np.arange(4, dtype=np.float32)
+    first = ProgramStore(str(tmp_path), max_bytes=2**30, fingerprint="settings A", machine="this machine")
+    second = ProgramStore(str(tmp_path), max_bytes=2**30, fingerprint="settings B", machine="this machine")
+    assert not _load_or_compile(first, _program(), args, {"scale": 3.0})[1]
+    program, before = _program(), num_compiles()
+    assert _load_or_compile(second, program, args, {"scale": 3.0})[1]  # loaded: nothing compiled
+    assert num_compiles() == before
+    np.testing.assert_allclose(program(params, x, scale=3.0), np.arange(4) * 6.0 + 1)
+    own = second._path(second.key("affine", args, {"scale": 3.0}))
+    assert own in _entries(str(tmp_path)) and len(_entries(str(tmp_path))) == 3
+    assert second.load(second.key("affine", args, {"scale": 3.0}), args, {}) is not None
+    # Another static value is another program text: compiled.
+    assert not _load_or_compile(second, _program(), args, {"scale": 2.0})[1]
+    # Another machine (XLA_FLAGS, devices, the engine's compile options...; the settings' key has it too):
+    # compiled.
+    elsewhere = ProgramStore(str(tmp_path), max_bytes=2**30, fingerprint="B elsewhere", machine="elsewhere")
+    assert not _load_or_compile(elsewhere, _program(), args, {"scale": 3.0})[1]
 
 
 def test_the_switch_that_turns_the_compilation_cache_off_turns_the_store_off(tmp_path):
@@ -177,6 +210,16 @@ def _start(model: str, cache_root: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _executable_of(path: str) -> bytes:
+    """A stored entry's serialized executable (the same under both of a program's keys)."""
+    import pickle
+
+    from xlaserve.worker.program_store import _DIGEST_BYTES, _MAGIC
+
+    with open(path, "rb") as f:
+        return pickle.loads(f.read()[len(_MAGIC) + _DIGEST_BYTES :])[1]
+
+
 @pytest.fixture(scope="module")
 def starts(tmp_path_factory) -> dict:
     """A cold start, a warm one, then one after two stored entries were damaged: three processes."""
@@ -186,14 +229,21 @@ def starts(tmp_path_factory) -> dict:
     cache_root = str(tmp_path / "cache")
     cold = _start(model, cache_root)
     warm = _start(model, cache_root)
-    # One truncated entry and one holding another's executable.
-    entries = _entries(os.path.join(cache_root, "xla", "executables"))
-    with open(entries[0], "rb") as f:
-        first = f.read()
-    with open(entries[0], "wb") as f:
-        f.write(first[: len(first) // 2])
-    with open(entries[1], "wb") as f:
-        f.write(first)
+    # Two programs damaged under both their keys (the settings' and the text's): one truncated, one
+    # holding the other's executable.
+    by_program: dict[bytes, list[str]] = {}
+    for path in _entries(os.path.join(cache_root, "xla", "executables")):
+        by_program.setdefault(_executable_of(path), []).append(path)
+    first, second = list(by_program)[:2]
+    assert all(len(paths) == 2 for paths in by_program.values())  # each under its two keys
+    with open(by_program[first][0], "rb") as f:
+        good = f.read()
+    for path in by_program[first]:
+        with open(path, "wb") as f:
+            f.write(good[: len(good) // 2])
+    for path in by_program[second]:
+        with open(path, "wb") as f:
+            f.write(good)
     return {"cold": cold, "warm": warm, "damaged": _start(model, cache_root)}
 
 
