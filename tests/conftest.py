@@ -5,7 +5,16 @@ from __future__ import annotations
 import os
 import tempfile
 
-import pytest
+# Before anything imports jax: this process and its subprocesses compile at XLA's backend optimization
+# level 0 (helpers/tiny_models.FAST_COMPILE_XLA_FLAGS): the suite's tiny models and kernel tests spend
+# nearly all their time compiling. Engines on SmolLM2, whose steps dominate their tests, ask for XLA's
+# default level themselves (helpers/smollm2.ENGINE_ARGS: optimization_level=2).
+from helpers.tiny_models import FAST_COMPILE_XLA_FLAGS
+
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_XLA_FLAGS}".strip()
+
+import pytest  # noqa: E402
 
 # The server tests' session fixtures (a real `xlaserve serve` subprocess): see helpers/server_harness.py.
 from helpers.server_harness import dead_tool_server_address, mcp_tool_server, server, server_cache_dir  # noqa: F401

@@ -63,6 +63,7 @@ def _measure(extra: dict) -> tuple:
         max_num_batched_tokens=512,
         kv_cache_memory=32 * 2**20,
         enforce_eager=True,  # compile only the buckets these steps use
+        optimization_level=2,  # SmolLM2's steps dominate: XLA's default level (tests/conftest.py)
         **extra,
     )
     return perplexity(llm), _metric(llm, "model_weight_bytes"), _metric(llm, "num_kv_blocks")
