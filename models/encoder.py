@@ -36,19 +36,21 @@ TOKENS_IN_FLIGHT = 1 << 16
 
 
 class LayerNorm(nnx.Module):
-    """(x - mean) / sqrt(var + eps) * weight + bias, in float32 with order-fixed sums."""
+    """(x - mean) / sqrt(var + eps) * weight (+ bias), in float32 with order-fixed sums."""
 
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, use_bias: bool = True):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype)) if use_bias else None
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, D]
         x32 = x.astype(jnp.float32)
         centred = x32 - invariant_mean(x32, keepdims=True)
         var = invariant_mean(centred * centred, keepdims=True)
-        y = centred * jax.lax.rsqrt(var + self.eps)
-        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+        y = centred * jax.lax.rsqrt(var + self.eps) * self.weight[...].astype(jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
 
 
 class Table(nnx.Module):
@@ -68,16 +70,22 @@ def bidirectional_attention(
     seq_start: jax.Array,  # [T] int32: the flat index of each token's sequence's first token
     seq_len: jax.Array,  # [T] int32: that sequence's length (0 for padding tokens)
     scale: float,
+    half_window: jax.Array | int | None = None,
 ) -> jax.Array:  # [T, H, Dh] in q's dtype
-    """Each token attends to every token of its own sequence (module docstring: the chunk order)."""
+    """Each token attends to every token of its own sequence (module docstring: the chunk order), or
+    with `half_window` to those at most that many positions away on either side (ModernBERT's local
+    layers). Chunks wholly outside a token's window add nothing, as chunks past its sequence's end."""
     num_tokens = q.shape[0]
     q32 = q.astype(jnp.float32)
     offsets = jnp.arange(KEY_CHUNK, dtype=jnp.int32)
+    own = jnp.arange(num_tokens, dtype=jnp.int32) - seq_start  # each token's position in its sequence
 
     def chunk(c, carry):
         m, l, acc = carry  # [T, H], [T, H], [T, H, Dh]
         rel = c * KEY_CHUNK + offsets  # [C] positions in the sequence
         visible = rel[None, :] < seq_len[:, None]  # [T, C]
+        if half_window is not None:
+            visible &= jnp.abs(rel[None, :] - own[:, None]) <= half_window
         idx = jnp.where(visible, seq_start[:, None] + rel[None, :], 0)
         k_c = take_rows(k, idx).astype(jnp.float32)  # [T, C, H, Dh]
         v_c = take_rows(v, idx).astype(jnp.float32)

@@ -18,6 +18,7 @@ from xlaserve.models.llava import LlavaForConditionalGeneration
 from xlaserve.models.mamba2 import Mamba2ForCausalLM
 from xlaserve.models.mistral import MistralForCausalLM
 from xlaserve.models.mixtral import MixtralForCausalLM
+from xlaserve.models.modernbert import ModernBertModel
 from xlaserve.models.phi3 import Phi3ForCausalLM
 from xlaserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -49,6 +50,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "RobertaForSequenceClassification": RobertaModel,
     "XLMRobertaModel": RobertaModel,
     "XLMRobertaForSequenceClassification": RobertaModel,
+    "ModernBertModel": ModernBertModel,
 }
 
 

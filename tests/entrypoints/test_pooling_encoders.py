@@ -1,6 +1,7 @@
-"""Encoder-only pooling models offline (models/encoder.py, models/bert.py): tiny random BERT and
-XLM-RoBERTa embedders and cross-encoders against Hugging Face (float32, 1e-4), a sentence-transformers
-directory's defaults, whole-prompt scheduling, the limits, and batch invariance in bfloat16.
+"""Encoder-only pooling models offline (models/encoder.py, bert.py, modernbert.py): tiny random BERT,
+ModernBERT and XLM-RoBERTa embedders and cross-encoders against Hugging Face (float32, 1e-4), a
+sentence-transformers directory's defaults, whole-prompt scheduling, the limits, and batch invariance
+in bfloat16.
 
 Engines run enforce_eager (each compiles only the buckets it uses) and are shared per module."""
 
@@ -127,6 +128,44 @@ def test_xlm_roberta_classifier_matches_hf(tmp_path_factory):
             logits = model(**tokenizer(text, return_tensors="pt")).logits[0]
         _close(r.outputs.probs, logits.numpy())
         _close(p.outputs.probs, torch.softmax(logits, -1).numpy())
+
+
+def test_modernbert_embeddings_match_hf(tmp_path_factory):
+    """ModernBertModel: pre-norm layers without biases, rotary positions, a global layer then a local
+    one whose window (4 positions either side) masks most keys of these 20-42-token prompts, GeGLU, a
+    final norm. CLS (its default) and MEAN pooling against Hugging Face's last hidden state."""
+    model, tokenizer, path = make_encoder(
+        tmp_path_factory,
+        "modernbert",
+        "ModernBertConfig",
+        "ModernBertModel",
+        seed=3,
+        local_attention=8,
+        global_attn_every_n_layers=2,
+        pad_token_id=0,
+        cls_token_id=2,
+        sep_token_id=3,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+
+    def hidden(text):
+        enc = tokenizer(text, return_tensors="pt")
+        with torch.no_grad():
+            return model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state[
+                0
+            ]
+
+    cls_llm = LLM(path, **ARGS)
+    assert cls_llm.engine_core.runner.pooler.pooling_type == "CLS"
+    mean_llm = LLM(path, **ARGS, pooler_config={"pooling_type": "MEAN", "normalize": False})
+    for text, cls, mean in zip(
+        TEXTS, cls_llm.embed(TEXTS, use_tqdm=False), mean_llm.embed(TEXTS, use_tqdm=False)
+    ):
+        expected = hidden(text).numpy()
+        _close(cls.outputs.embedding, _normalized(expected[0]))
+        _close(mean.outputs.embedding, expected.mean(0))
 
 
 def test_sentence_transformers_defaults(tmp_path_factory):

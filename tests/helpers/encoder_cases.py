@@ -1,4 +1,4 @@
-"""Tiny random encoder-only models (BERT, XLM-RoBERTa) saved offline with a WordPiece tokenizer
+"""Tiny random encoder-only models (BERT, XLM-RoBERTa, ModernBERT) saved offline with a WordPiece tokenizer
 over [PAD] [UNK] [CLS] [SEP] [MASK] w5 .. w63: the pooling tests' checkpoints."""
 
 from __future__ import annotations
