@@ -192,3 +192,29 @@ def _our_name(short: str) -> str:
     if len(parts) == 3 and parts[0] == "layers" and parts[2] in _LAYER:
         return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{leaf}"
     return short
+
+
+def split_classifier(hf_config: dict, tensors: dict) -> tuple[dict, dict, dict]:
+    """ModernBertForSequenceClassification -> (hf_config naming the backbone, the backbone's tensors,
+    the head's arguments for the pooler's ClassifierHead): dense (bias if `classifier_bias`) ->
+    `classifier_activation` -> LayerNorm -> classifier, on the state that `classifier_pooling` (cls or
+    mean) pools."""
+    names = {"dense_weight": "head.dense.weight", "norm_weight": "head.norm.weight"}
+    names["out_weight"] = "classifier.weight"
+    optional = {"dense_bias": "head.dense.bias", "norm_bias": "head.norm.bias", "out_bias": "classifier.bias"}
+    missing = [n for n in names.values() if n not in tensors]
+    if missing:
+        raise ValueError(f"ModernBertForSequenceClassification: the checkpoint lacks its head's {missing}")
+    pooling = hf_config.get("classifier_pooling", "cls")
+    if pooling not in ("cls", "mean"):
+        raise ValueError(f"ModernBERT's classifier_pooling must be 'cls' or 'mean', got {pooling!r}")
+    tensors = dict(tensors)
+    head = {key: np.asarray(tensors.pop(name), np.float32) for key, name in names.items()}
+    present = {key: name for key, name in optional.items() if name in tensors}
+    head |= {key: np.asarray(tensors.pop(name), np.float32) for key, name in present.items()}
+    head |= {
+        "dense_activation": hf_config.get("classifier_activation") or "gelu",
+        "norm_eps": hf_config.get("norm_eps", 1e-5),
+        "pooling_type": pooling.upper(),
+    }
+    return {**hf_config, "architectures": ["ModernBertModel"]}, tensors, head

@@ -51,6 +51,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "XLMRobertaModel": RobertaModel,
     "XLMRobertaForSequenceClassification": RobertaModel,
     "ModernBertModel": ModernBertModel,
+    "ModernBertForSequenceClassification": ModernBertModel,
 }
 
 

@@ -19,12 +19,14 @@ the same bits as a whole one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from xlaserve.config import ModelConfig
+from xlaserve.models import modernbert
 from xlaserve.models.bert import is_encoder_classifier, split_classifier
 from xlaserve.worker.input_batch import isolate_failures
 from xlaserve.worker.step_hooks import HostArrays, StepHook
@@ -55,10 +57,13 @@ def adapt_checkpoint(
     architecture = architectures[0]
     if model_config.runner != "pooling":
         raise ValueError(f"{architecture} is a classifier: start the engine with runner='pooling'")
-    if is_encoder_classifier(architecture):
+    encoder_split = _ENCODER_CLASSIFIERS.get(architecture) or (
+        split_classifier if is_encoder_classifier(architecture) else None
+    )
+    if encoder_split is not None:
         if not isinstance(tensors, dict):
             raise ValueError(f"{architecture}: load it from its Hugging Face directory (safetensors)")
-        hf_config, tensors, head = split_classifier(hf_config, tensors)
+        hf_config, tensors, head = encoder_split(hf_config, tensors)
         return hf_config, tensors, ClassifierHead(**head)
     if not isinstance(tensors, dict) or "score.weight" not in tensors:
         raise ValueError(f"{architecture}: the checkpoint has no score.weight (a classifier's head)")
@@ -70,15 +75,40 @@ def adapt_checkpoint(
     return hf_config, tensors, ClassifierHead(out_weight=score)
 
 
+# An encoder classifier's head whose layout is not BERT's: its own split (models/<family>.py).
+_ENCODER_CLASSIFIERS = {"ModernBertForSequenceClassification": modernbert.split_classifier}
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:  # the exact (erf) form, Hugging Face's "gelu"
+    return 0.5 * x * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(x / math.sqrt(2.0)))
+
+
+_HEAD_ACTIVATIONS = {"tanh": np.tanh, "gelu": _gelu}
+
+
 @dataclass(frozen=True)
 class ClassifierHead:
-    """A sequence classifier's head on a pooled state, float32 on the host: `dense` -> tanh (an
-    encoder's pooler or RoBERTa's head; absent for a decoder's `score`), then `out` [num_labels, D]."""
+    """A sequence classifier's head on a pooled state, float32 on the host: `dense` -> its activation
+    (tanh: an encoder's pooler or RoBERTa's head; GELU then a LayerNorm: ModernBERT's; absent for a
+    decoder's `score`), then `out` [num_labels, D]. `pooling_type`: the pooling the head was trained on,
+    when the model says (ModernBERT's classifier_pooling)."""
 
     out_weight: np.ndarray  # [num_labels, D]
     out_bias: np.ndarray | None = None  # [num_labels]
     dense_weight: np.ndarray | None = None  # [D, D] (HF's [out, in])
     dense_bias: np.ndarray | None = None  # [D]
+    dense_activation: str = "tanh"
+    norm_weight: np.ndarray | None = None  # [D]: a LayerNorm after the activation
+    norm_bias: np.ndarray | None = None
+    norm_eps: float = 1e-5
+    pooling_type: str | None = None
+
+    def __post_init__(self):
+        if self.dense_activation not in _HEAD_ACTIVATIONS:
+            raise ValueError(
+                f"classifier activation {self.dense_activation!r} is not supported: "
+                f"expected one of {sorted(_HEAD_ACTIVATIONS)}"
+            )
 
     @property
     def num_labels(self) -> int:
@@ -86,7 +116,16 @@ class ClassifierHead:
 
     def __call__(self, pooled: np.ndarray) -> np.ndarray:  # [.., D] -> [.., num_labels]
         if self.dense_weight is not None:
-            pooled = np.tanh(pooled @ self.dense_weight.T + self.dense_bias)
+            pooled = pooled @ self.dense_weight.T
+            if self.dense_bias is not None:
+                pooled = pooled + self.dense_bias
+            pooled = _HEAD_ACTIVATIONS[self.dense_activation](pooled).astype(np.float32)
+        if self.norm_weight is not None:
+            centred = pooled - pooled.mean(axis=-1, keepdims=True)
+            var = (centred * centred).mean(axis=-1, keepdims=True)
+            pooled = centred / np.sqrt(var + self.norm_eps) * self.norm_weight
+            if self.norm_bias is not None:
+                pooled = pooled + self.norm_bias
         logits = pooled @ self.out_weight.T
         return logits if self.out_bias is None else logits + self.out_bias
 
@@ -130,6 +169,7 @@ class Pooler:
             for t in (
                 None if pc is None else pc.pooling_type,
                 defaults.get("pooling_type"),
+                None if head is None else head.pooling_type,
                 "CLS" if is_encoder else None,
                 model_config.pooling_type,
             )

@@ -130,6 +130,17 @@ def test_xlm_roberta_classifier_matches_hf(tmp_path_factory):
         _close(p.outputs.probs, torch.softmax(logits, -1).numpy())
 
 
+MODERNBERT = dict(
+    local_attention=8,  # a window of 4 positions either side on the local layer
+    global_attn_every_n_layers=2,  # layer 0 global, layer 1 local
+    pad_token_id=0,
+    cls_token_id=2,
+    sep_token_id=3,
+    bos_token_id=2,
+    eos_token_id=3,
+)
+
+
 def test_modernbert_embeddings_match_hf(tmp_path_factory):
     """ModernBertModel: pre-norm layers without biases, rotary positions, a global layer then a local
     one whose window (4 positions either side) masks most keys of these 20-42-token prompts, GeGLU, a
@@ -140,13 +151,7 @@ def test_modernbert_embeddings_match_hf(tmp_path_factory):
         "ModernBertConfig",
         "ModernBertModel",
         seed=3,
-        local_attention=8,
-        global_attn_every_n_layers=2,
-        pad_token_id=0,
-        cls_token_id=2,
-        sep_token_id=3,
-        bos_token_id=2,
-        eos_token_id=3,
+        **MODERNBERT,
     )
     assert model.config.layer_types == ["full_attention", "sliding_attention"]
 
@@ -166,6 +171,32 @@ def test_modernbert_embeddings_match_hf(tmp_path_factory):
         expected = hidden(text).numpy()
         _close(cls.outputs.embedding, _normalized(expected[0]))
         _close(mean.outputs.embedding, expected.mean(0))
+
+
+def test_modernbert_classifier_matches_hf(tmp_path_factory):
+    """ModernBertForSequenceClassification (3 labels, classifier_pooling "mean"): the head (dense ->
+    GELU -> LayerNorm -> classifier) on the host, on the MEAN-pooled state its config names; raw logits
+    and softmax."""
+    model, tokenizer, path = make_encoder(
+        tmp_path_factory,
+        "modernbert_cls",
+        "ModernBertConfig",
+        "ModernBertForSequenceClassification",
+        seed=4,
+        num_labels=3,
+        classifier_pooling="mean",
+        **MODERNBERT,
+    )
+    llm = LLM(path, **ARGS)
+    assert llm.engine_core.runner.pooler.pooling_type == "MEAN"
+    raw = llm.classify(TEXTS, PoolingParams(activation=False), use_tqdm=False)
+    probs = llm.classify(TEXTS, use_tqdm=False)
+    for text, r, p in zip(TEXTS, raw, probs):
+        enc = tokenizer(text, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits[0]
+        _close(r.outputs.probs, logits.numpy())
+        _close(p.outputs.probs, torch.softmax(logits, -1).numpy())
 
 
 def test_sentence_transformers_defaults(tmp_path_factory):
