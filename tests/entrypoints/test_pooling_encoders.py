@@ -236,3 +236,25 @@ def test_pooled_bits_alone_and_batched_in_bfloat16(bert):
     alone = llm.embed(TEXTS[2:3], use_tqdm=False)[0].outputs.embedding
     batched = llm.embed([TEXTS[0], TEXTS[2], TEXTS[4]], use_tqdm=False)[1].outputs.embedding
     assert np.array_equal(alone, batched)
+
+
+def test_pooling_bench_pairs_the_engine_with_hf(bert, tmp_path):
+    """`xlaserve bench throughput --runner pooling --backend hf`: both backends pool the same token ids
+    (the chat workload's user turns, tokenized by the model's tokenizer), the ratio is of their
+    sequences/s, and the pooled states agree (a fast wrong answer is not a result)."""
+    import json
+
+    from xlaserve.entrypoints import cli
+
+    out = tmp_path / "pooling.json"
+    engine = ["--runner", "pooling", "--dtype", "float32", "--max-num-seqs", "4", "--max-num-batched-tokens",
+              "64", "--block-size", "8", "--enforce-eager"]  # fmt: skip
+    argv = ["bench", "throughput", "--model", bert[2], "--backend", "hf", "--num-prompts", "6"]
+    assert cli.main([*argv, *engine, "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    ours, theirs = report["xlaserve"], report["hf"]
+    assert (report["task"], report["pooling_type"]) == ("embed", "CLS")
+    assert ours["num_requests"] == theirs["num_requests"] == 6
+    assert ours["input_tokens"] == theirs["input_tokens"] > 6 * 3
+    assert report["ratio_requests_per_s"] == pytest.approx(ours["requests_per_s"] / theirs["requests_per_s"])
+    assert report["max_abs_diff"] < TOL

@@ -12,6 +12,8 @@ Every xlaserve run reports, per step, the host's idle time (blocked on the devic
 the device's (done with a step, waiting for the host to dispatch the next one). `--compare-async`
 runs the workload twice on the same engine, synchronous then with async scheduling, for a paired
 ratio; `-dp N --compare-data-parallel` alternates N data-parallel ranks with one (bench/data_parallel.py).
+`--runner pooling` times a pooling engine's sequences/s instead, beside Hugging Face's `AutoModel` with
+`--backend hf` (bench/pooling.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import statistics
 import time
 
 from xlaserve.entrypoints.arg_utils import engine_kwargs
-from xlaserve.entrypoints.bench import data_parallel, speculative
+from xlaserve.entrypoints.bench import data_parallel, pooling, speculative
 from xlaserve.entrypoints.bench.lora import bench_lora, is_lora_bench, parse_ranks, print_lora
 
 logger = logging.getLogger(__name__)
@@ -253,6 +255,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     llm_kwargs = {k: v for k, v in kwargs.items() if not k.endswith(("lora", "loras", "lora_rank"))}
     llm = LLM(args.model, **llm_kwargs)
+    if kwargs.get("runner") == "pooling":
+        return _bench_pooling(args, llm, num_prompts)
     if args.input_len is None:
         make_workload = speculative.copy_workload if args.workload == "copy" else workload
         prompts = _prompts(llm.tokenizer, make_workload(num_prompts))
@@ -310,6 +314,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _print(results)
     if "lora_bench" in results:
         print_lora(results)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _bench_pooling(args: argparse.Namespace, llm, num_prompts: int) -> int:
+    """`--runner pooling`: sequences/s of the engine's pooling, and Hugging Face's (bench/pooling.py).
+    Without --input-len the prompts are the chat workload's user turns, tokenized as the model's
+    tokenizer does (an encoder's [CLS] ... [SEP]; no chat template)."""
+    if args.input_len is None:
+        texts = [conversation[-1]["content"] for conversation in workload(num_prompts)]
+        prompts = [{"prompt_token_ids": llm.tokenizer(t)["input_ids"]} for t in texts]
+    else:
+        from xlaserve.engine.detokenizer import special_token_ids
+
+        vocab = min(len(llm.tokenizer), llm.input_processor.vocab_size)
+        prompts = random_prompts(num_prompts, args.input_len, vocab, special_token_ids(llm.tokenizer))
+    batch_size = llm.engine_core.runner.config.scheduler.max_num_seqs
+    results = {"bench": args.bench, "num_prompts": num_prompts, "input_len": args.input_len}
+    results |= pooling.bench(llm, args.model, prompts, args.backend, batch_size)
+    pooling.print_results(results)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)
