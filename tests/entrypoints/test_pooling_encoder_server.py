@@ -1,7 +1,8 @@
 """An encoder-only cross-encoder on a real pooling server (`xlaserve serve --runner pooling`, one
 subprocess for the module, a tiny random BertForSequenceClassification): /rerank scores against Hugging
-Face, /classify's `label` from config.json's id2label, and a prompt over max_model_len as a 400 naming
-the field. The server warms up under the strict compile guard: the encoder compiles nothing after it.
+Face, /classify's `label` from config.json's id2label, /classify's chat-style input (`messages`) and its
+bad forms, and a prompt over max_model_len as a 400 naming the field. The server warms up under the
+strict compile guard: the encoder compiles nothing after it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from helpers.server_harness import running_server
 TOL = 1e-4
 NAME = "tiny-cross-encoder"
 FLAGS = ["--runner", "pooling", "--served-model-name", NAME, "--max-model-len", "32",
-         "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--block-size", "8"]  # fmt: skip
+         "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--block-size", "8",
+         # A template for /classify's chat-style input: [CLS], the contents joined, [SEP].
+         "--chat-template", "[CLS]{% for m in messages %} {{ m['content'] }}{% endfor %} [SEP]"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +74,44 @@ def test_classify_labels_come_from_id2label(encoder_server):
         with torch.no_grad():
             logit = model(**tokenizer(text, return_tensors="pt")).logits[0, 0]
         assert abs(item["probs"][0] - torch.sigmoid(logit).item()) < TOL
+
+
+CHAT = [{"role": "system", "content": "w5 w6"}, {"role": "user", "content": "w7 w8"}]
+
+
+def test_classify_takes_messages_as_their_rendered_template(encoder_server):
+    """vLLM's chat-style /classify: `messages` rendered with the chat template (as /tokenize renders
+    them) classify as the same token ids sent as `input`."""
+    http, model, tokenizer = encoder_server
+    ids = http.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": False}).json()["tokens"]
+    assert ids == tokenizer("w5 w6 w7 w8")["input_ids"]  # [CLS] w5 w6 w7 w8 [SEP]
+    chat = http.post("/classify", json={"model": NAME, "messages": CHAT})
+    assert chat.status_code == 200, chat.text
+    as_ids = http.post("/classify", json={"model": NAME, "input": ids}).json()
+    assert chat.json()["data"][0]["probs"] == as_ids["data"][0]["probs"]
+    assert chat.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"input": "w5", "messages": CHAT}, "messages", "not both"),
+        ({}, "input", "messages"),
+        ({"messages": []}, "messages", None),
+        ({"messages": [{"role": "robot", "content": "w5"}]}, "messages[0].role", None),
+        ({"input": "w5", "add_generation_prompt": True}, "add_generation_prompt", "messages"),
+        ({"messages": CHAT, "chat_template_kwargs": 5}, "chat_template_kwargs", None),
+        ({"messages": [{"role": "user", "content": "w5 " * 40}]}, "messages", "max_model_len=32"),
+    ],
+)
+def test_bad_classify_messages_are_400_naming_the_field(encoder_server, body, param, words):
+    http, _, _ = encoder_server
+    response = http.post("/classify", json={"model": NAME, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert words is None or words in error["message"], error
+    assert http.get("/health").status_code == 200
 
 
 def test_prompt_over_max_model_len_is_400(encoder_server):

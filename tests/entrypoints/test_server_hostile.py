@@ -1260,6 +1260,7 @@ def test_anthropic_context_length_is_400(client):
         ("/v1/embeddings", {"messages": CHAT}),
         ("/pooling", {"messages": CHAT, "add_generation_prompt": False}),
         ("/classify", {"input": ["Hi"]}),
+        ("/classify", {"messages": CHAT}),
         ("/score", {"text_1": "a", "text_2": ["b"]}),
         ("/v1/score", {"text_1": "a", "text_2": "b"}),
         ("/rerank", {"query": "a", "documents": ["b"]}),

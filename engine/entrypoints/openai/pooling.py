@@ -1,8 +1,8 @@
 """The pooling routes (runner="pooling"): OpenAI's /v1/embeddings, and vLLM's /pooling, /classify,
 /score (and /v1/score), /rerank (and /v1/rerank, /v2/rerank: Jina's and Cohere's shape).
 
-/v1/embeddings and /pooling take `messages` (vLLM's chat-style input) instead of `input`: rendered with
-the chat template as /tokenize renders them, tokenized, and embedded like a prompt of those ids.
+/v1/embeddings, /pooling and /classify take `messages` (vLLM's chat-style input) instead of `input`:
+rendered with the chat template as /tokenize renders them, tokenized, and pooled like a prompt of those ids.
 
 Every input becomes one pooling request (AsyncLLM.encode); all are checked before any is added, and a
 client that leaves aborts them. A server of the other runner refuses these routes (and a pooling
@@ -217,7 +217,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
     async def classify(req: ClassificationRequest, raw_request: Request) -> ClassificationResponse:
         _require_pooling(state, "/classify")
         model = check_model(state, req.model)
-        prompts = _token_ids(state, req.input, req.add_special_tokens, "input")
+        prompts = _input_prompts(state, req)
         outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="classify"))
         labels = state.engine.id2label  # config.json's id2label, by index
         data = [

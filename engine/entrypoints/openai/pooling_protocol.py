@@ -1,9 +1,9 @@
 """The pooling routes' request and response shapes (pydantic): OpenAI's /v1/embeddings, and vLLM's
 /pooling, /classify, /score and /rerank (Jina's and Cohere's shape).
 
-/v1/embeddings and /pooling take vLLM's chat-style input too: `messages` instead of `input`, rendered
-with the chat template (vLLM's EmbeddingChatRequest; one request model holds both, and the route
-checks that exactly one is sent)."""
+/v1/embeddings, /pooling and /classify take vLLM's chat-style input too: `messages` instead of `input`,
+rendered with the chat template (vLLM's EmbeddingChatRequest and ClassificationChatRequest; one request
+model holds both, and the route checks that exactly one is sent)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ class PoolingRequest(ChatInputFields, PoolingRequestBase):
     encoding_format: Literal["float", "base64"] = "float"
 
 
-class ClassificationRequest(PoolingRequestBase):
-    input: PoolingInput
+class ClassificationRequest(ChatInputFields, PoolingRequestBase):
+    pass
 
 
 class ScoreRequest(PoolingRequestBase):
