@@ -259,3 +259,23 @@ def test_bad_input_is_400_naming_the_field(http, path, body, param, words):
     error = response.json()["error"]
     assert error["param"] == param, error
     assert words is None or words in error["message"], error
+
+
+def test_bench_serve_loads_the_embeddings_route(pooling_server, tmp_path):
+    """`xlaserve bench serve --backend openai-embeddings`: every prompt embedded once (after one untimed
+    request), the input tokens counted from the server's usage, the latency percentiles end to end."""
+    from xlaserve.entrypoints import cli
+    from xlaserve.entrypoints.bench.offline import workload
+
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--base-url", pooling_server[0].url, "--backend", "openai-embeddings",
+            "--model", NAME, "--num-prompts", "4", "--max-concurrency", "2",
+            "--output-json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert (run["num_requests"], run["num_failed"], run["max_concurrency"]) == (4, 0, 2)
+    texts = [messages[-1]["content"] for messages in workload(4)]
+    with httpx.Client(base_url=pooling_server[0].url, timeout=120) as http:
+        tokens = sum(len(http.post("/tokenize", json={"prompt": t}).json()["tokens"]) for t in texts)
+    assert run["input_tokens_per_s"] == pytest.approx(tokens / run["elapsed_s"])
+    assert run["e2e_s"]["p50"] > 0 and run["ttft_s"] == {} and run["output_tokens_per_s"] == 0

@@ -11,6 +11,10 @@ schema (so each compiles: nothing is served from the grammar cache) and one long
 reported apart from the rest's. Several loads (`--max-concurrency 1,4,16`)
 make a sweep; `--plot FILE.png` draws the latency percentiles against load (needs matplotlib:
 `pip install xlaserve[bench]`).
+
+`--backend openai-embeddings` (vLLM's name) loads a pooling server instead: each request embeds one
+prompt (the workload's user turn) on /v1/embeddings; reported: requests/s, input tokens/s and the
+end-to-end latency percentiles (nothing streams, so no TTFT, TPOT or ITL).
 """
 
 from __future__ import annotations
@@ -114,9 +118,28 @@ async def _one_request(client, url: str, headers: dict, body: dict) -> RequestRe
     return result
 
 
+async def _one_embedding(client, url: str, headers: dict, body: dict) -> RequestResult:
+    """One /v1/embeddings request, not streamed: its latency is its end to end."""
+    result = RequestResult(start=time.perf_counter())
+    try:
+        response = await client.post(url, json=body, headers=headers)
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {response.text[:200]!r}"
+            return result
+        reply = response.json()
+        result.e2e = time.perf_counter() - result.start
+        result.prompt_tokens = reply["usage"]["prompt_tokens"]
+        result.is_ok = bool(reply["data"]) and bool(reply["data"][0]["embedding"])
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal to the run
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
 async def run_load(args, conversations, *, max_concurrency: int | None, request_rate: float) -> dict:
     import httpx
 
+    if args.backend == "openai-embeddings":
+        return await _run_embeddings(args, conversations, max_concurrency, request_rate)
     url = args.base_url.rstrip("/") + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = asyncio.Semaphore(max_concurrency or len(conversations))
@@ -164,6 +187,37 @@ async def run_load(args, conversations, *, max_concurrency: int | None, request_
     return summarize(results, elapsed, max_concurrency, request_rate)
 
 
+async def _run_embeddings(args, conversations, max_concurrency: int | None, request_rate: float) -> dict:
+    """The load on /v1/embeddings: one request per conversation's user turn, after one untimed."""
+    import httpx
+
+    url = args.base_url.rstrip("/") + "/v1/embeddings"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    bodies = [{"model": args.model, "input": messages[-1]["content"]} for messages in conversations]
+    limit = asyncio.Semaphore(max_concurrency or len(bodies))
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=max_concurrency or len(bodies))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+
+        async def limited(body):
+            async with limit:
+                return await _one_embedding(client, url, headers, body)
+
+        await _one_embedding(client, url, headers, bodies[0])  # touch: connections, first-request costs
+        tasks, start = [], time.perf_counter()
+        for body in bodies:
+            tasks.append(asyncio.create_task(limited(body)))
+            if math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    summary = summarize(results, elapsed, max_concurrency, request_rate)
+    for key in ("ttft_s", "ttft_s_structured", "ttft_s_unstructured", "tpot_s", "itl_s"):
+        summary[key] = {}  # nothing streams
+    summary["input_tokens_per_s"] = sum(r.prompt_tokens for r in results if r.is_ok) / elapsed
+    return summary
+
+
 def summarize(results: list[RequestResult], elapsed: float, max_concurrency, request_rate) -> dict:
     ok = [r for r in results if r.is_ok]
     num_out = sum(r.output_tokens for r in ok)
@@ -191,18 +245,23 @@ def summarize(results: list[RequestResult], elapsed: float, max_concurrency, req
 
 def _print(run: dict, num_prompts: int, output_len: int) -> None:
     load = f"max concurrency {run['max_concurrency']}" if run["max_concurrency"] else "no concurrency limit"
-    print(
-        f"\n== bench serve: {num_prompts} prompts x {output_len} tokens, {load}, "
-        f"request rate {run['request_rate']} =="
+    what = (
+        f"{num_prompts} prompts embedded"
+        if "input_tokens_per_s" in run
+        else f"{num_prompts} prompts x {output_len} tokens"
     )
+    print(f"\n== bench serve: {what}, {load}, request rate {run['request_rate']} ==")
     print(
         f"requests: {run['num_requests'] - run['num_failed']} ok, {run['num_failed']} failed "
         f"{run['errors'] or ''}"
     )
-    print(
-        f"throughput: {run['requests_per_s']:.2f} req/s, {run['output_tokens_per_s']:.1f} output tok/s, "
-        f"{run['total_tokens_per_s']:.1f} total tok/s"
-    )
+    if "input_tokens_per_s" in run:  # embeddings
+        print(f"throughput: {run['requests_per_s']:.2f} req/s, {run['input_tokens_per_s']:.1f} input tok/s")
+    else:
+        print(
+            f"throughput: {run['requests_per_s']:.2f} req/s, {run['output_tokens_per_s']:.1f} output tok/s, "
+            f"{run['total_tokens_per_s']:.1f} total tok/s"
+        )
     rows = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")]
     if run["num_structured"]:
         print(f"{run['num_structured']} requests with a JSON schema (response_format)")
@@ -260,6 +319,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         runs.append(run)
     results = {
         "bench": "serve",
+        "backend": args.backend,
         "base_url": args.base_url,
         "num_prompts": args.num_prompts,
         "output_len": args.output_len,
@@ -280,6 +340,12 @@ def add_serve_parser(bench_sub) -> None:
     b.add_argument("--base-url", default="http://127.0.0.1:8000")
     b.add_argument("--model", default=None, help="the served model name (default: the server's)")
     b.add_argument("--api-key", default=None)
+    b.add_argument(
+        "--backend",
+        choices=["openai-chat", "openai-embeddings"],
+        default="openai-chat",
+        help="openai-embeddings: one prompt per /v1/embeddings request (a pooling server)",
+    )
     b.add_argument("--num-prompts", type=int, default=64)
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument(
