@@ -111,6 +111,16 @@ def bidirectional_attention(
     return out.astype(q.dtype)
 
 
+def sequence_bounds(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Per token of the step: the flat index of its sequence's first token, and that sequence's length
+    (0 for the bucket's padding tokens): what `bidirectional_attention` bounds each token's keys by."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    qsl = md.query_start_loc
+    seq = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right"), qsl.shape[0] - 2)
+    seq_start = qsl[seq]
+    return seq_start, jnp.where(t < qsl[md.num_seqs], qsl[seq + 1] - seq_start, 0)
+
+
 class EncoderLayer(nnx.Module):
     """BERT's post-norm layer: x = LN(x + attn(x)); x = LN(x + down(act(up(x))))."""
 
@@ -185,13 +195,7 @@ class EncoderOnlyLM(nnx.Module):
         a whole prompt (the scheduler's promise): `positions` count from 0 within each."""
         if lora is not None:
             raise ValueError("LoRA adapters are not supported on encoder-only models")
-        num_tokens = input_ids.shape[0]
-        t = jnp.arange(num_tokens, dtype=jnp.int32)
-        qsl = md.query_start_loc
-        seq = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right"), qsl.shape[0] - 2)
-        is_real = t < qsl[md.num_seqs]
-        seq_start = qsl[seq]
-        seq_len = jnp.where(is_real, qsl[seq + 1] - seq_start, 0)
+        seq_start, seq_len = sequence_bounds(md, input_ids.shape[0])
         x = self.embed_tokens(input_ids)
         x = x + self.embed_positions(self.position_ids(input_ids, positions, seq_start))
         x = x + self.embed_types(self.token_type_ids(input_ids, seq_start))

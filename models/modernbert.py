@@ -20,7 +20,7 @@ from flax import nnx
 
 from xlaserve.kernels.dtype_ops import scan
 from xlaserve.models.config import TransformerConfig
-from xlaserve.models.encoder import EncoderOnlyLM, LayerNorm, bidirectional_attention
+from xlaserve.models.encoder import EncoderOnlyLM, LayerNorm, bidirectional_attention, sequence_bounds
 from xlaserve.models.layers import Embedding, Linear, activation
 from xlaserve.models.rope import apply_rope, base_inv_freq
 
@@ -155,12 +155,7 @@ class ModernBertModel(EncoderOnlyLM):
         """-> (hidden [T, D] after the final norm, kv_cache untouched); as EncoderOnlyLM's."""
         if lora is not None:
             raise ValueError("LoRA adapters are not supported on encoder-only models")
-        num_tokens = input_ids.shape[0]
-        t = jnp.arange(num_tokens, dtype=jnp.int32)
-        qsl = md.query_start_loc
-        seq = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right"), qsl.shape[0] - 2)
-        seq_start = qsl[seq]
-        seq_len = jnp.where(t < qsl[md.num_seqs], qsl[seq + 1] - seq_start, 0)
+        seq_start, seq_len = sequence_bounds(md, input_ids.shape[0])
         x = self.embed_norm(self.embed_tokens(input_ids))
         layer_def, layer_state = nnx.split(self.layers)
         kinds = tuple(jnp.asarray(a) for a in self.layer_kinds(self.cfg))
