@@ -38,3 +38,20 @@ def test_generate_defaults_to_one_sequence_and_128_token_steps():
 def test_flags_the_user_sets_win(argv, seqs, tokens):
     kwargs = kwargs_for(*argv)
     assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (seqs, tokens)
+
+
+def test_generate_leaves_the_fast_exit_to_the_console_script(tmp_path, capsys, monkeypatch):
+    """In process, `main(["generate", ...])` returns its code (a Python caller keeps its process) and
+    marks the exit without teardown that the console script (`run`) then takes. (The console script
+    itself runs in test_multihost.py and test_compilation_cache.py: exit code 0, the text on stdout.)"""
+    from helpers.tiny_models import save_tiny_llama, small_byte_tokenizer
+    from xlaserve.entrypoints import cli
+
+    model = save_tiny_llama(str(tmp_path / "model"), tokenizer=small_byte_tokenizer())
+    monkeypatch.setattr(cli, "_exit_without_teardown", False)
+    argv = ["--log-level", "WARNING", "generate", "hi", "--model", model, "--raw", "--max-tokens", "2",
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
+            "--kv-cache-memory", str(2**22)]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert cli._exit_without_teardown is True
+    assert capsys.readouterr().out.endswith("\n")
