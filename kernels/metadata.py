@@ -23,6 +23,10 @@ class AttentionMetadata:
     block_tables: jax.Array  # [R, max_blocks_per_seq] int32
     query_start_loc: jax.Array  # [R + 1] int32
     num_seqs: jax.Array  # [] int32
+    # [R] int32: each sequence's state slot, which a hybrid model's linear-attention layers read and write
+    # (core/kv_cache_spec.py StateSpec with its own pool); 0, the null slot, for padding. The host
+    # always sends it (None only in metadata built on the device, a draft model's).
+    state_slots: jax.Array | None = None
     # cos and sin of the rotary angles, [T, 1, rotary_dim // 2] float32 each, when every layer rotates
     # alike: set once per step by the model (models/decoder.py) before its layer scan, never by the host.
     rope: tuple[jax.Array, jax.Array] | None = None

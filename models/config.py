@@ -48,6 +48,7 @@ class TransformerConfig:
     sliding_window: int | None = None  # keys visible to a query on a sliding layer, itself included
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all full
     local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma3), unscaled
+    attn_output_gate: bool = False  # q_proj also gives a gate per head: out * sigmoid(gate) (Qwen3.5)
 
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:

@@ -172,7 +172,8 @@ class Attention(nnx.Module):
 
     def init_projections(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs) -> None:
         d, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.q_proj = Linear(d, cfg.num_heads * hd, use_bias=bias, dtype=dtype, rngs=rngs)
+        q_width = cfg.num_heads * hd * (2 if cfg.attn_output_gate else 1)  # each head's query, then its gate
+        self.q_proj = Linear(d, q_width, use_bias=bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d, cfg.num_kv_heads * hd, use_bias=bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d, cfg.num_kv_heads * hd, use_bias=bias, dtype=dtype, rngs=rngs)
 
@@ -191,6 +192,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         num_tokens = x.shape[0]
         q, k, v = self.project_qkv(x)
+        gate = None
+        if cfg.attn_output_gate:
+            q, gate = jnp.split(q.reshape(num_tokens, cfg.num_heads, 2 * cfg.head_dim), 2, axis=-1)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -214,6 +218,8 @@ class Attention(nnx.Module):
             soft_cap=cfg.attn_logit_softcap,
         )
         out = out.reshape(num_tokens, -1)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(out), KVCache(k_cache, v_cache)
 
 

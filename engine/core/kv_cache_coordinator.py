@@ -88,14 +88,18 @@ class GroupBlocks:
 
 
 class KVCacheCoordinator:
-    """Every group's blocks for every request; allocations are all-or-nothing across groups."""
+    """Every group's blocks for every request; allocations are all-or-nothing across groups. A state
+    group with `num_slots` draws from a pool of its own (a hybrid model's state slots)."""
 
     def __init__(self, groups: Sequence[KVCacheGroup], pool: BlockPool):
         if not groups:
             raise ValueError("kv_cache_groups must name at least one group")
         self.groups = tuple(groups)
         self.pool = pool
-        self.managers = [GroupBlocks(group.spec, pool, index) for index, group in enumerate(self.groups)]
+        self.managers = [
+            GroupBlocks(group.spec, _group_pool(group.spec, pool), index)
+            for index, group in enumerate(self.groups)
+        ]
 
     @property
     def num_groups(self) -> int:
@@ -112,9 +116,22 @@ class KVCacheCoordinator:
         (a hit on a block with no owner takes it off the free queue)."""
         total = 0
         for manager, group_hits in zip(self.managers, hits):
-            total += manager.num_new_blocks(request_id, num_slots, len(group_hits))
+            num_new = manager.num_new_blocks(request_id, num_slots, len(group_hits))
+            if manager.pool is not self.pool:  # its own slots: none free means no allocation now
+                if num_new > manager.pool.get_num_free_blocks():
+                    return self.pool.num_blocks + 1
+                continue
+            total += num_new
             total += sum(1 for block in group_hits if block.ref_cnt == 0)
         return total
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's state slot in the first group that keeps a state (0, the null slot, if none)."""
+        for manager in self.managers:
+            if manager.spec.holds_state:
+                blocks = manager.req_to_blocks.get(request_id)
+                return blocks[0].block_id if blocks else 0
+        return 0
 
     def allocate(
         self, request_id: str, num_slots: int, hits: Sequence[Sequence[KVCacheBlock]]
@@ -158,6 +175,12 @@ class KVCacheCoordinator:
                 blocks, group_hashes(block_hashes, manager.group_id), num_cached, num_full_blocks
             )
             manager.num_cached_blocks[request_id] = max(num_cached, num_full_blocks)
+
+
+def _group_pool(spec: CacheGroupSpec, shared: BlockPool) -> BlockPool:
+    """The pool a group draws from: its own when its spec sizes one (a hybrid model's state slots)."""
+    num_slots = getattr(spec, "num_slots", None)
+    return shared if num_slots is None else BlockPool(num_slots, enable_caching=False)
 
 
 class _KeyedHashes(Sequence):

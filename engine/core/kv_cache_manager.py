@@ -198,6 +198,10 @@ class KVCacheManager:
         one table until per-group tables reach the runner)."""
         return self.coordinator.managers[0].block_ids(request_id)
 
+    def get_state_slot(self, request_id: str) -> int:
+        """The request's state slot (a state group's one block), 0 for a model without state layers."""
+        return self.coordinator.state_slot(request_id)
+
     def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table in every group, in `kv_cache_groups` order."""
         return tuple(manager.block_ids(request_id) for manager in self.coordinator.managers)

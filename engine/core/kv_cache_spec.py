@@ -12,7 +12,10 @@ draw their blocks from one `BlockPool`: a block id indexes the cache arrays of w
   blocks that fell out of the window are returned to the pool while the request runs.
 - `StateSpec`: a linear-attention or SSM layer (Mamba2's conv state and SSM state): a fixed-size
   state per request, whatever its length. One block (the request's state slot) for the request's
-  whole life, overwritten in place by each step, freed with the request.
+  whole life, overwritten in place by each step, freed with the request. A state-only model draws
+  its slots from the shared pool; a hybrid model's state group (`num_slots` set: Qwen3.5's linear
+  attention beside its attention layers) has a pool of its own, one slot per request that can run,
+  since a slot is as large as hundreds of K/V blocks and cannot share their page size.
 """
 
 from __future__ import annotations
@@ -73,10 +76,18 @@ class StateSpec(CacheGroupSpec):
     receives repeats the request's one slot once per block_size tokens, so the step's arrays keep the
     shape they have for attention and a state layer reads the slot from the table's first column."""
 
+    # Slots in the group's own pool (the null slot included), or None: slots are blocks of the shared pool.
+    num_slots: int | None = None
+
     # A state summarizes every token before it; reusing it needs a snapshot at the very position of
     # the hit (vLLM keeps them at block boundaries), which this cache does not take yet.
     is_prefix_cacheable = False
     holds_state = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_slots is not None and self.num_slots < 2:
+            raise ValueError(f"num_slots must be >= 2 (slot 0 is the null slot), got {self.num_slots}")
 
     def num_blocks(self, num_tokens: int) -> int:
         return 1 if num_tokens > 0 else 0

@@ -25,6 +25,7 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     num_computed_tokens: int = -1  # before this step; -1: read it from the request
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified by this step
+    state_slot: int = 0  # a hybrid model's state slot for its linear-attention layers (0: none)
     is_sampling: bool = field(init=False)  # the step reaches the last token, so it samples
     # Async scheduling: the last token this step computes was sampled by the step still in flight;
     # its id is read on the device from that step's sampled ids, at this row (-1: every id is known).

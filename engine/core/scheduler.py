@@ -312,9 +312,16 @@ class Scheduler:
     def _add_scheduled(
         self, request: Request, num_new_tokens: int, output: SchedulerOutput, spec_token_ids=()
     ) -> int:
-        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        manager = self.kv_cache_manager
+        block_ids = manager.get_block_ids(request.request_id)
         output.scheduled.append(
-            ScheduledRequest(request, num_new_tokens, block_ids, spec_token_ids=list(spec_token_ids))
+            ScheduledRequest(
+                request,
+                num_new_tokens,
+                block_ids,
+                spec_token_ids=list(spec_token_ids),
+                state_slot=manager.get_state_slot(request.request_id),
+            )
         )
         # Advanced now, not after the step: the K/V is as good as written once scheduled.
         request.num_computed_tokens += num_new_tokens

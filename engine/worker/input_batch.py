@@ -57,7 +57,8 @@ def build_step_batch(
     kv_lens = np.zeros(num_seqs, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
     block_tables = np.zeros((num_seqs, max_blocks_per_seq), np.int32)
-    arrays = (input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows)
+    state_slots = np.zeros(num_seqs, np.int32)
+    arrays = (input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows, state_slots)
     offset = 0
     for row, s in enumerate(scheduled):
         n = s.num_new_tokens
@@ -78,6 +79,7 @@ def build_step_batch(
         block_tables=block_tables,
         query_start_loc=query_start_loc,
         num_seqs=np.int32(len(scheduled)),
+        state_slots=state_slots,
     )
     return StepBatch(input_ids, positions, logits_indices, prev_rows, md, num_seqs)
 
@@ -97,10 +99,11 @@ def isolate_failures(failed: set[str], s, what: str, fill, *args) -> bool:
 
 
 def _fill_row(arrays, row: int, offset: int, s, block_size: int) -> None:
-    input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows = arrays
+    input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows, state_slots = arrays
     start, n = s.num_computed_tokens, s.num_new_tokens
     block_ids = np.asarray(s.block_ids, np.int32)
     block_tables[row, : len(block_ids)] = block_ids
+    state_slots[row] = s.state_slot
     known = s.token_ids  # speculative drafts last
     if len(known) < n:  # the last id is the previous step's sample, still on the device
         if s.prev_sampled_row < 0 or len(known) != n - 1:
@@ -116,8 +119,9 @@ def _fill_row(arrays, row: int, offset: int, s, block_size: int) -> None:
 def _blank_row(arrays, row: int, offset: int, n: int) -> None:
     """A failed request's rows: n tokens at positions 0..n-1 whose K/V goes to, and whose context is
     read from, the null block only; their outputs are discarded."""
-    input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows = arrays
+    input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows, state_slots = arrays
     block_tables[row] = 0
+    state_slots[row] = 0
     prev_rows[offset : offset + n] = -1
     input_ids[offset : offset + n] = 0
     positions[offset : offset + n] = np.arange(n, dtype=np.int32)

@@ -38,6 +38,9 @@ def num_kv_blocks(cache: CacheConfig, kv_spec: KVCacheSpec, dtype, extra_bytes_p
         limit = stats.get("bytes_limit", 0)
         budget = int(limit * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
     block_bytes = bytes_per_block(kv_spec, cache.block_size, dtype) + extra_bytes_per_block
+    fixed_bytes = getattr(kv_spec, "fixed_bytes", None)  # a hybrid model's state slots come first
+    if fixed_bytes is not None:
+        budget -= fixed_bytes(jnp.dtype(dtype).itemsize)
     num_blocks = budget // block_bytes
     if num_blocks < 2:
         raise ValueError(
@@ -88,4 +91,6 @@ def allocate_kv_cache(
     sharding = placement.kv_cache_sharding()
     if kv_spec.num_kv_heads % placement.mesh.shape["tensor"]:
         sharding = placement.replicated
-    return kv_spec.allocate(num_blocks, block_size, lambda shape: placement.zeros(shape, dtype, sharding))
+    return kv_spec.allocate(
+        num_blocks, block_size, lambda shape, array_dtype=dtype: placement.zeros(shape, array_dtype, sharding)
+    )

@@ -25,10 +25,16 @@ def kv_cache_groups(
     if kv_spec.layer_kind == "state":
         _check_state_features(config)
         return (KVCacheGroup(StateSpec(block_size), layers),)
+    if kv_spec.layer_kind == "hybrid":  # attention's blocks first: group 0 is the step's block table
+        _check_state_features(config)
+        return (
+            KVCacheGroup(FullAttentionSpec(block_size), kv_spec.attention_layers),
+            KVCacheGroup(StateSpec(block_size, num_slots=kv_spec.num_state_slots), kv_spec.state_layers),
+        )
     if kv_spec.layer_kind != "full_attention":
         raise ValueError(
             f"kv_cache_spec.layer_kind {kv_spec.layer_kind!r} is not supported: "
-            "expected 'full_attention' or 'state'"
+            "expected 'full_attention', 'state' or 'hybrid'"
         )
     windows = set(model_config.layer_sliding_windows)
     # A draft model reads the same block table with layers of its own, which may not slide.

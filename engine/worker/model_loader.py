@@ -106,6 +106,8 @@ def load_model(
     kv_spec = model_class.kv_cache_spec(model_config)  # K and V, or MLA's one latent cache
     if stage is not None:
         kv_spec = dataclasses.replace(kv_spec, num_layers=len(stage.layers))
+    if hasattr(kv_spec, "with_state_slots"):  # a hybrid model: a state slot per request that can run
+        kv_spec = kv_spec.with_state_slots(config.scheduler.max_num_seqs + 1)
     backend = get_attention_backend(config.compilation.attention_backend, mla=kv_spec.cache_class is MLACache)
     if config.cache.kv_cache_dtype != "auto":
         if kv_spec.cache_class is MLACache:

@@ -16,5 +16,6 @@ def prompt_chunk(ids, num_computed: int, num_new: int, block_ids) -> SimpleNames
         num_computed_tokens=num_computed,
         num_new_tokens=num_new,
         block_ids=list(block_ids),
+        state_slot=0,  # no state layers
         prev_sampled_row=-1,
     )

@@ -1,0 +1,222 @@
+"""The gated delta rule (Gated DeltaNet: Qwen3.5, Qwen3-Next) over a flat ragged batch, and the cache
+of a hybrid model whose layers are either attention (paged K/V) or linear attention (a state slot).
+
+The reference path (pure jnp, the spec and the CPU path). Per value head, a state S [Dk, Dv] is
+decayed and corrected token by token (Yang et al., 2024):
+
+    S_t = exp(g_t) S_{t-1};  S_t += beta_t k_t (v_t - k_t^T S_t)^T;  o_t = S_t^T q_t
+
+with q and k L2-normalized and q scaled by Dk^-0.5. Tokens of R sequences are packed as for attention
+(`query_start_loc` [R + 1]; tokens past its end are padding); each sequence enters with its state from
+earlier steps (zero at position 0) and leaves with the state after its last new token.
+
+A step of prefills runs the chunked form: each sequence cut every Q tokens from its own start (as in
+kernels/ssd.py), a chunk's Q delta updates condensed into matmuls by the UT transform (a unit lower
+triangular solve), and a scan over chunks carrying S. A decode step (at most one token per sequence)
+runs the recurrence itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from xlaserve.kernels.ssd import token_sequences
+
+L2NORM_EPS = 1e-6  # Hugging Face's and the FLA library's
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis, in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def ragged_gated_delta_rule(
+    q: jax.Array,  # [T, Hk, Dk]
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]; value head h reads key head h // (Hv / Hk)
+    g: jax.Array,  # [T, Hv]: the log of each token's decay (<= 0)
+    beta: jax.Array,  # [T, Hv]: each token's write strength, in (0, 1)
+    query_start_loc: jax.Array,  # [R + 1]
+    initial_states: jax.Array,  # [R, Hv, Dk, Dv] float32
+    *,
+    chunk_size: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (o [T, Hv, Dv] float32, final states [R, Hv, Dk, Dv] float32). q and k are normalized
+    here (Hugging Face's use_qk_l2norm_in_kernel)."""
+    num_heads = v.shape[1]
+    q = jnp.repeat(l2_normalize(q), num_heads // q.shape[1], axis=1) * (q.shape[-1] ** -0.5)
+    k = jnp.repeat(l2_normalize(k), num_heads // k.shape[1], axis=1)
+    args = (q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32))
+    num_new = query_start_loc[1:] - query_start_loc[:-1]
+    return jax.lax.cond(
+        jnp.max(num_new) <= 1,
+        lambda *xs: _recurrent(*xs),
+        lambda *xs: _chunked(*xs, chunk_size=chunk_size),
+        *args,
+        query_start_loc,
+        initial_states.astype(jnp.float32),
+    )
+
+
+def _recurrent(q, k, v, g, beta, query_start_loc, initial_states):
+    """One token per sequence: the recurrence itself."""
+    num_tokens = q.shape[0]
+    seq, _ = token_sequences(query_start_loc, num_tokens)
+    states = jnp.concatenate([initial_states, jnp.zeros_like(initial_states[:1])])  # row R: padding's
+    s = states[seq] * jnp.exp(g)[:, :, None, None]  # [T, H, Dk, Dv]
+    delta = (v - jnp.einsum("thkv,thk->thv", s, k)) * beta[..., None]
+    s = s + k[..., None] * delta[:, :, None, :]
+    o = jnp.einsum("thkv,thk->thv", s, q)
+    num_new = query_start_loc[1:] - query_start_loc[:-1]
+    first = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)
+    final = jnp.where((num_new > 0)[:, None, None, None], s[first], initial_states)
+    return o, final
+
+
+def chunk_terms_reference(q, k, v, g, beta):
+    """Each chunk on its own, [C, Q, H, ...] in: the parts of the chunk's output and state update that
+    do not depend on the state it enters with. Returns, per chunk and head ([C, H, ...]):
+    u = T (beta v) and w = T (beta exp(cum) k), where T = (I + strictly_lower(beta k k^T * decay))^-1
+    (the UT transform: the chunk's delta updates applied at once); the intra-chunk scores
+    (q k^T * decay, causal); q and k decayed to the chunk's start and end; the chunk's total decay."""
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [C, H, Q, D]
+    cum = jnp.cumsum(jnp.swapaxes(g, 1, 2), axis=-1)  # [C, H, Q]: log-decay from the chunk's start
+    beta = jnp.swapaxes(beta, 1, 2)[..., None]  # [C, H, Q, 1]
+    size = q.shape[2]
+    causal = jnp.tril(jnp.ones((size, size), bool))
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf)), 0.0)
+    k_beta = k * beta
+    system = jnp.where(jnp.tril(causal, -1), (k_beta @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+    system = system + jnp.eye(size, dtype=system.dtype)
+
+    def solve(rhs):
+        return jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+
+    u = solve(v * beta)
+    w = solve(k_beta * jnp.exp(cum)[..., None])
+    scores = (q @ jnp.swapaxes(k, -1, -2)) * decay
+    q_in = q * jnp.exp(cum)[..., None]  # reads the entering state
+    k_out = k * jnp.exp(cum[..., -1:] - cum)[..., None]  # writes the leaving state
+    return u, w, scores, q_in, k_out, jnp.exp(cum[..., -1])
+
+
+def _chunked(q, k, v, g, beta, query_start_loc, initial_states, *, chunk_size):
+    num_tokens, num_heads, _ = v.shape
+    num_seqs = initial_states.shape[0]
+    size = chunk_size
+    num_chunks = num_tokens // size + num_seqs + 1  # each sequence (and the padding) adds <= 1 partial chunk
+    seq, local = token_sequences(query_start_loc, num_tokens)
+    chunk = jnp.cumsum((local % size == 0).astype(jnp.int32)) - 1  # [T]
+    offset = local % size
+
+    def to_chunks(x):  # [T, ...] -> [num_chunks, Q, ...]; empty slots zero (no decay, no write)
+        return jnp.zeros((num_chunks, size, *x.shape[1:]), x.dtype).at[chunk, offset].set(x)
+
+    u, w, scores, q_in, k_out, chunk_decay = chunk_terms_reference(*(to_chunks(x) for x in (q, k, v, g, beta)))
+    chunk_seq = jnp.full((num_chunks,), num_seqs, jnp.int32).at[chunk].set(seq)
+    is_first = jnp.zeros((num_chunks,), bool).at[chunk].max(local < size)
+    entering = jnp.concatenate([initial_states, jnp.zeros_like(initial_states[:1])])
+
+    def step(prev, xs):
+        first, sq, u, w, scores, q_in, k_out, decay = xs
+        s = jnp.where(first, entering[sq], prev)  # [H, Dk, Dv]
+        v_new = u - w @ s  # [H, Q, Dv]: what the state does not already predict
+        o = q_in @ s + scores @ v_new
+        s = s * decay[:, None, None] + jnp.swapaxes(k_out, -1, -2) @ v_new
+        return s, (o, s)
+
+    _, (o, ends) = jax.lax.scan(
+        step,
+        jnp.zeros(initial_states.shape[1:], jnp.float32),
+        (is_first, chunk_seq, u, w, scores, q_in, k_out, chunk_decay),
+    )
+    o_tokens = jnp.swapaxes(o, 1, 2)[chunk, offset]  # [T, H, Dv]
+    num_new = query_start_loc[1:] - query_start_loc[:-1]
+    last = jnp.clip(query_start_loc[1:] - 1, 0, num_tokens - 1)
+    final = jnp.where((num_new > 0)[:, None, None, None], ends[chunk[last]], initial_states)
+    return o_tokens, final
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridCache:
+    """A hybrid model's cache, donated each step: paged K/V for its attention layers (block ids of the
+    shared pool, as `KVCache`), and a state per slot for its linear-attention layers (slot ids of the
+    state group's own pool)."""
+
+    k: jax.Array  # [num_attention_layers * num_blocks, block_size, num_kv_heads, head_dim]
+    v: jax.Array
+    conv: jax.Array  # [num_state_layers * num_slots, 1, K - 1, conv_dim]: the last K - 1 conv inputs
+    recurrent: jax.Array  # [num_state_layers * num_slots, Hv, Dk, Dv] float32
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridCacheSpec:
+    """The device arrays of a model mixing attention and linear-attention layers (Qwen3.5). The pool's
+    block ids size the K/V (`bytes_per_block`); the state slots, one per request that can run, are a
+    fixed cost taken from the budget first (`fixed_bytes`). The engine sets `num_state_slots`
+    (`with_state_slots`: max_num_seqs + the null slot). The recurrent state stays float32 whatever
+    the model's dtype, as Hugging Face keeps it."""
+
+    attention_layers: tuple[int, ...]  # the model's layer ids, in order
+    state_layers: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    conv_kernel: int  # K
+    conv_dim: int
+    num_state_heads: int  # Hv
+    key_head_dim: int  # Dk
+    value_head_dim: int  # Dv
+    num_state_slots: int = 0
+    cache_class: type = HybridCache
+    fixed_num_tokens: int | None = None
+    layer_kind = "hybrid"  # the host's bookkeeping kind (worker/kv_cache_groups.py)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.attention_layers) + len(self.state_layers)
+
+    @property
+    def num_arrays(self) -> int:
+        return 4
+
+    def with_state_slots(self, num_slots: int) -> HybridCacheSpec:
+        return dataclasses.replace(self, num_state_slots=num_slots)
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """The K (and V) array's."""
+        return (len(self.attention_layers) * num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        rows = len(self.state_layers) * self.num_state_slots
+        return (
+            (rows, 1, self.conv_kernel - 1, self.conv_dim),
+            (rows, self.num_state_heads, self.key_head_dim, self.value_head_dim),
+        )
+
+    def bytes_per_block(self, block_size: int, itemsize: int) -> int:
+        """Bytes of one block id: K and V of every attention layer."""
+        return 2 * len(self.attention_layers) * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def fixed_bytes(self, itemsize: int) -> int:
+        """Bytes of the state slots, whatever the number of blocks."""
+        conv, recurrent = self.state_shapes()
+        return _size(conv) * itemsize + _size(recurrent) * 4
+
+    def allocate(self, num_blocks: int, block_size: int, zeros) -> HybridCache:
+        if self.num_state_slots < 2:
+            raise ValueError(f"num_state_slots must be >= 2 (slot 0 is the null slot), got {self.num_state_slots}")
+        conv, recurrent = self.state_shapes()
+        kv = self.shape(num_blocks, block_size)
+        return HybridCache(zeros(kv), zeros(kv), zeros(conv), zeros(recurrent, jnp.float32))
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,296 @@
+"""Qwen3.5 (text): gated DeltaNet linear attention in most layers, gated full attention in the rest.
+
+Layers follow a period (config.json's `layer_types`; Qwen3.5's: three linear-attention layers, then
+one full-attention layer). Every layer is x + mixer(norm(x)), then x + mlp(norm(x)), with
+zero-centred RMSNorms (scale 1 + w). The mixers:
+
+- Gated DeltaNet (`GatedDeltaNet`): x projects to q, k, v (through a causal depthwise conv and silu),
+  a gate z, a write strength beta = sigmoid(b) and a decay g = -exp(A_log) softplus(a + dt_bias) per
+  value head; the gated delta rule (kernels/gated_delta.py) runs over a state [Dk, Dv] per value
+  head; its output is RMS-normed per head, times silu(z), and projected back.
+- Attention: the shared `Attention` with q/k RMSNorm, partial RoPE (a quarter of head_dim) and an
+  output gate (q_proj also gives a gate per head: out * sigmoid(gate)).
+
+The cache is a `HybridCache`: paged K/V for the attention layers (the step's block table), and per
+state slot (the step's `state_slots`: core/kv_cache_spec.py StateSpec with a pool of its own) each
+linear layer's last K - 1 conv inputs and its float32 recurrent state, zeroed for a sequence that
+starts at position 0 and written back in place. The layers are two stacks (linear, attention), run
+under one scan over periods: each step of the scan runs one period's layers in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
+from xlaserve.kernels.dtype_ops import scan
+from xlaserve.kernels.gated_delta import HybridCache, HybridCacheSpec, ragged_gated_delta_rule
+from xlaserve.kernels.invariant import invariant_mean
+from xlaserve.kernels.ssd import ragged_causal_conv1d
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.decoder import DecoderOnlyLM
+from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, Linear, RMSNorm, layer_specs, with_shared_rope
+from xlaserve.models.mamba2 import DepthwiseConv1d
+
+LINEAR, FULL = "linear_attention", "full_attention"
+CHUNK_SIZE = 64  # the delta rule's chunks (Hugging Face's and FLA's)
+
+
+@dataclass(frozen=True)
+class Qwen3_5Config(TransformerConfig):
+    """Qwen3.5's text config: `mixer_types` is config.json's `layer_types` (which mixer each layer
+    has; the base class's `layer_types` is about sliding windows, which Qwen3.5 has none of)."""
+
+    mixer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 16  # Hk
+    linear_num_value_heads: int = 32  # Hv
+    linear_key_head_dim: int = 128  # Dk
+    linear_value_head_dim: int = 128  # Dv
+    linear_conv_kernel_dim: int = 4  # K
+
+    def __post_init__(self):
+        super().__post_init__()
+        if len(self.mixer_types) != self.num_layers or set(self.mixer_types) - {LINEAR, FULL}:
+            raise ValueError(
+                f"layer_types must give each of the {self.num_layers} layers {LINEAR!r} or {FULL!r}, "
+                f"got {list(self.mixer_types)}"
+            )
+        period = self.period
+        if self.mixer_types != period * (self.num_layers // len(period)):
+            raise ValueError(
+                f"layer_types must repeat one period of linear-attention layers ending in a full-attention "
+                f"layer, got {list(self.mixer_types)}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        fields = super().fields_from_hf(hf)
+        num_layers = hf["num_hidden_layers"]
+        interval = hf.get("full_attention_interval", 4)
+        mixers = hf.get("layer_types") or [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+        return {
+            **fields,
+            "qk_norm": True,
+            "norm_offset": 1.0,
+            "attn_output_gate": True,
+            "mixer_types": tuple(mixers),
+            "linear_num_key_heads": hf["linear_num_key_heads"],
+            "linear_num_value_heads": hf["linear_num_value_heads"],
+            "linear_key_head_dim": hf["linear_key_head_dim"],
+            "linear_value_head_dim": hf["linear_value_head_dim"],
+            "linear_conv_kernel_dim": hf.get("linear_conv_kernel_dim", 4),
+        }
+
+    @property
+    def period(self) -> tuple[str, ...]:
+        """The layer kinds up to and including the first full-attention layer."""
+        end = self.mixer_types.index(FULL) + 1 if FULL in self.mixer_types else len(self.mixer_types)
+        return self.mixer_types[:end]
+
+    def layer_ids(self, kind: str) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.mixer_types) if t == kind)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+
+class GatedRMSNorm(nnx.Module):
+    """Per value head: weight * RMS-norm(o) in o's dtype, times silu(z) in float32 (Hugging Face's
+    Qwen3_5RMSNormGated: the norm before the gate)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, o: jax.Array, z: jax.Array) -> jax.Array:  # [.., Dv] each
+        o32 = o.astype(jnp.float32)
+        o32 = o32 * jax.lax.rsqrt(invariant_mean(o32 * o32, keepdims=True) + self.eps)
+        h = self.weight[...] * o32.astype(o.dtype)
+        return (h.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: Qwen3_5Config, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, heads = cfg.hidden_size, cfg.linear_num_value_heads
+        self.in_proj_qkv = Linear(d, cfg.conv_dim, dtype=dtype, rngs=rngs)
+        self.in_proj_z = Linear(d, cfg.value_dim, dtype=dtype, rngs=rngs)
+        self.in_proj_b = Linear(d, heads, dtype=dtype, rngs=rngs)
+        self.in_proj_a = Linear(d, heads, dtype=dtype, rngs=rngs)
+        self.conv1d = DepthwiseConv1d(cfg.conv_dim, cfg.linear_conv_kernel_dim, use_bias=False, dtype=dtype, rngs=rngs)
+        self.dt_bias = nnx.Param(jnp.ones((heads,), dtype))
+        self.A_log = nnx.Param(jnp.zeros((heads,), dtype))
+        self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(cfg.value_dim, d, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, cache: HybridCache, md: AttentionMetadata, rows: jax.Array
+    ) -> tuple[jax.Array, HybridCache]:  # x [T, D]; rows [R]: each sequence's row in the state arrays
+        cfg = self.cfg
+        num_tokens = x.shape[0]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        qsl = md.query_start_loc
+        num_new = qsl[1:] - qsl[:-1]
+        is_fresh = (md.kv_lens - num_new) == 0  # [R]: starts at position 0, so no earlier state
+        conv_in = jnp.where(is_fresh[:, None, None], 0, cache.conv[rows, 0])  # [R, K - 1, conv_dim]
+        state_in = jnp.where(is_fresh[:, None, None, None], 0, cache.recurrent[rows])  # [R, Hv, Dk, Dv]
+        qkv, conv_out = ragged_causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[...][:, 0], None, conv_in, qsl)
+        qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
+        q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        beta = jax.nn.sigmoid(self.in_proj_b(x))
+        a = self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
+        o, state_out = ragged_gated_delta_rule(
+            q.reshape(num_tokens, hk, dk),
+            k.reshape(num_tokens, hk, dk),
+            v.reshape(num_tokens, hv, dv),
+            g,
+            beta,
+            qsl,
+            state_in,
+            chunk_size=min(CHUNK_SIZE, num_tokens),
+        )
+        z = self.in_proj_z(x).reshape(num_tokens, hv, dv)
+        o = self.norm(o.astype(x.dtype), z).reshape(num_tokens, cfg.value_dim)
+        cache = HybridCache(
+            k=cache.k,
+            v=cache.v,
+            conv=cache.conv.at[rows, 0].set(conv_out.astype(cache.conv.dtype)),
+            recurrent=cache.recurrent.at[rows].set(state_out),
+        )
+        return self.out_proj(o), cache
+
+
+class _Qwen3_5Layer(nnx.Module):
+    """The norms and MLP every layer has; the mixer is the subclass's."""
+
+    supports_lora = False
+
+    def __init__(self, cfg: Qwen3_5Config, *, dtype):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0, dtype=dtype)
+
+    def finish(self, x: jax.Array, h: jax.Array) -> jax.Array:
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5LinearLayer(_Qwen3_5Layer):
+    def __init__(self, cfg: Qwen3_5Config, *, dtype, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype)
+        self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = GatedMLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, cache: HybridCache, md: AttentionMetadata, rows: jax.Array):
+        h, cache = self.linear_attn(self.input_layernorm(x), cache, md, rows)
+        return self.finish(x, h), cache
+
+
+class Qwen3_5AttentionLayer(_Qwen3_5Layer):
+    def __init__(self, cfg: Qwen3_5Config, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype)
+        self.self_attn = Attention(cfg, backend, dtype=dtype, rngs=rngs)
+        self.mlp = GatedMLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, cache: HybridCache, md: AttentionMetadata, spec: LayerSpec):
+        h, kv = self.self_attn(self.input_layernorm(x), positions, KVCache(cache.k, cache.v), md, spec)
+        return self.finish(x, h), HybridCache(kv.k, kv.v, cache.conv, cache.recurrent)
+
+
+class Qwen3_5ForCausalLM(DecoderOnlyLM):
+    config_class = Qwen3_5Config
+
+    @classmethod
+    def kv_cache_spec(cls, cfg: Qwen3_5Config) -> HybridCacheSpec:
+        return HybridCacheSpec(
+            attention_layers=cfg.layer_ids(FULL),
+            state_layers=cfg.layer_ids(LINEAR),
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            conv_kernel=cfg.linear_conv_kernel_dim,
+            conv_dim=cfg.conv_dim,
+            num_state_heads=cfg.linear_num_value_heads,
+            key_head_dim=cfg.linear_key_head_dim,
+            value_head_dim=cfg.linear_value_head_dim,
+        )
+
+    @classmethod
+    def layer_stacks(cls, cfg: Qwen3_5Config) -> dict[str, tuple[int, ...]]:
+        """Two stacks, each layer under Hugging Face's `model.layers.{i}` of its own id."""
+        return {"linear_layers": cfg.layer_ids(LINEAR), "attention_layers": cfg.layer_ids(FULL)}
+
+    @classmethod
+    def make_layer(cls, cfg, backend: AttentionBackend, stack: str, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        if stack == "linear_layers":
+            return Qwen3_5LinearLayer(cfg, dtype=dtype, rngs=rngs)
+        return Qwen3_5AttentionLayer(cfg, backend, dtype=dtype, rngs=rngs)
+
+    def run_layers(self, x, positions, kv_cache: HybridCache, md: AttentionMetadata, lora=None, layers=None):
+        cfg = self.cfg
+        if lora is not None:
+            raise ValueError(f"LoRA adapters are not supported for {cfg.architecture}")
+        if layers is not None and layers != range(cfg.num_layers):
+            raise ValueError(f"pipeline stages are not supported for {cfg.architecture}")
+        period = cfg.period
+        num_periods = cfg.num_layers // len(period)
+        num_linear, num_attention = period.count(LINEAR), period.count(FULL)
+        num_blocks = kv_cache.k.shape[0] // max(num_periods * num_attention, 1)
+        block_size = kv_cache.k.shape[1]
+        num_slots = kv_cache.conv.shape[0] // max(num_periods * num_linear, 1)
+        md = with_shared_rope(cfg, positions, md)  # once per step, for every attention layer
+
+        def per_period(tree, per: int):  # [num_periods * per, ...] -> [num_periods, per, ...]
+            return jax.tree.map(lambda a: a.reshape(num_periods, per, *a.shape[1:]), tree)
+
+        linear_def, linear_state = nnx.split(self.linear_layers)
+        attention_def, attention_state = nnx.split(self.attention_layers)
+        specs = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[list(cfg.layer_ids(FULL))]), layer_specs(cfg))
+        xs = (
+            per_period(linear_state, num_linear),
+            per_period(attention_state, num_attention),
+            per_period(specs, num_attention),
+            jnp.arange(num_periods, dtype=jnp.int32),
+        )
+
+        def body(carry, xs):
+            x, cache = carry
+            linear, attention, spec, p = xs
+            i_linear = i_attention = 0
+            for kind in period:
+                if kind == LINEAR:
+                    layer = nnx.merge(linear_def, jax.tree.map(lambda a, i=i_linear: a[i], linear))
+                    rows = (p * num_linear + i_linear) * num_slots + md.state_slots
+                    x, cache = layer(x, cache, md, rows)
+                    i_linear += 1
+                else:
+                    layer = nnx.merge(attention_def, jax.tree.map(lambda a, i=i_attention: a[i], attention))
+                    layer_spec = jax.tree.map(lambda a, i=i_attention: a[i], spec)
+                    md_layer = md.for_layer(p * num_attention + i_attention, num_blocks, block_size)
+                    x, cache = layer(x, positions, cache, md_layer, layer_spec)
+                    i_attention += 1
+            return (x, cache), None
+
+        (x, kv_cache), _ = scan(body, (x, kv_cache), xs, words_of=x.dtype)
+        return x, kv_cache

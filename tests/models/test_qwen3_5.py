@@ -1,0 +1,118 @@
+"""Qwen3_5ForCausalLM (text) against Hugging Face's torch path (no flash-linear-attention), float32.
+
+A tiny random Qwen3.5 of two periods (linear attention, full attention, twice: the scan over periods
+offsets both the K/V blocks and the state rows), 4 value heads over 2 key heads, partial RoPE, the
+attention output gate, saved as safetensors and served by `LLM`: prompt logprobs of prompts prefilled
+in chunks of 16 (the delta rule's state and the conv inputs carried across chunks), 16 greedy tokens
+of four requests in flight, and a request preempted mid-decode and recomputed into a state slot
+that still holds another request's state: all as Hugging Face's. The cache has two groups: the
+attention layers' blocks, and a state slot per request from a pool of max_num_seqs + 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from helpers.family_cases import (
+    ENGINE_ARGS,
+    NUM_GREEDY,
+    hf_greedy,
+    hf_logits,
+    one_torch_thread,  # noqa: F401 - an autouse fixture
+    prompts,
+    randomize_weights,
+    save_hf_model,
+)
+from xlaserve import LLM, SamplingParams
+from xlaserve.core.outputs import SchedulerOutput
+from xlaserve.core.request import Request
+
+VOCAB = 101
+CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention"] * 2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    config = transformers.Qwen3_5TextConfig(**CONFIG)
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    torch.manual_seed(0)
+    # Zero-centred norms (1 + w); the gated norm of the linear attention scales by w itself.
+    return randomize_weights(transformers.Qwen3_5ForCausalLM(config).eval(), norm_center=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm(hf_model, tmp_path_factory) -> LLM:
+    # Synchronous steps, so the preemption test can drop a request between two of them.
+    return LLM(
+        save_hf_model(hf_model, tmp_path_factory.mktemp("qwen3_5")), **ENGINE_ARGS, async_scheduling=False
+    )
+
+
+def test_attention_blocks_and_a_state_slot_pool(llm):
+    manager = llm.engine_core.kv_cache_manager
+    assert not manager.enable_caching  # asked for, turned off: a state cannot serve a prefix hit
+    groups = manager.kv_cache_groups
+    assert [(type(g.spec).__name__, g.layer_ids) for g in groups] == [
+        ("FullAttentionSpec", (1, 3)),
+        ("StateSpec", (0, 2)),
+    ]
+    state_pool = manager.coordinator.managers[1].pool
+    assert state_pool is not manager.block_pool and state_pool.num_blocks == ENGINE_ARGS["max_num_seqs"] + 1
+
+
+def test_greedy_tokens_and_prompt_logprobs_match_hugging_face(llm, hf_model):
+    batch = prompts(VOCAB, seed=2)  # 21-45 tokens: prefilled in chunks of 16, four in flight
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf_model, p) for p in batch]
+    for ids, out in zip(batch, outputs):
+        ours = np.array([entry[t].logprob for t, entry in zip(ids[1:], out.prompt_logprobs[1:])])
+        expected = torch.log_softmax(torch.tensor(hf_logits(hf_model, ids)), -1).numpy()
+        np.testing.assert_allclose(ours, expected[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-4)
+    manager = llm.engine_core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks  # every block back
+    assert manager.coordinator.managers[1].pool.get_num_free_blocks() == ENGINE_ARGS["max_num_seqs"]
+
+
+def test_preempted_request_recomputes_the_same_tokens(llm, hf_model):
+    """Preempted after 5 tokens (its blocks and slot freed), taken up again from position 0 in a slot
+    whose old state the step must ignore: the same 16 tokens as one uninterrupted run."""
+    core = llm.engine_core
+    first, other = prompts(VOCAB, seed=3)[1], prompts(VOCAB, seed=3)[3]
+    core.add_request(Request("other", other, GREEDY, eos_token_id=2))
+    core.add_request(Request("victim", first, GREEDY, eos_token_id=2))
+    tokens: dict[str, list[int]] = {"other": [], "victim": []}
+    is_preempted = False
+    while core.has_unfinished_requests():
+        for output in core.step():
+            tokens[output.request_id] += output.new_token_ids
+        if not is_preempted and len(tokens["victim"]) == 5:
+            scheduler = core.scheduler
+            victim = next(i for i, r in enumerate(scheduler.running) if r.request_id == "victim")
+            scheduler._preempt(victim, SchedulerOutput())
+            is_preempted = True
+    assert is_preempted and core.scheduler.num_preemptions_total >= 1
+    assert tokens == {"other": hf_greedy(hf_model, other), "victim": hf_greedy(hf_model, first)}
