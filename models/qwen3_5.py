@@ -294,3 +294,19 @@ class Qwen3_5ForCausalLM(DecoderOnlyLM):
 
         (x, kv_cache), _ = scan(body, (x, kv_cache), xs, words_of=x.dtype)
         return x, kv_cache
+
+
+class Qwen3_5TextOfConditionalGeneration(Qwen3_5ForCausalLM):
+    """A Qwen3.5 release (`Qwen3_5ForConditionalGeneration`: the vision-language checkpoint every
+    Qwen3.5 size ships as) served on text: its decoder (`model.language_model.*`, config.json's
+    text_config) is `Qwen3_5ForCausalLM`; the vision tower (`model.visual.*`) and the multi-token
+    prediction layers (`mtp.*`) are not loaded. A text-only position is the same on mRoPE's three
+    axes, so the rotation is plain RoPE's. Image inputs are not served on this path (issue 33)."""
+
+    @classmethod
+    def prepare_hf_tensors(cls, cfg: Qwen3_5Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {
+            name.replace("model.language_model.", "model.", 1): tensor
+            for name, tensor in tensors.items()
+            if not name.startswith(("model.visual.", "mtp."))
+        }

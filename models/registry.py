@@ -21,7 +21,7 @@ from xlaserve.models.mixtral import MixtralForCausalLM
 from xlaserve.models.modernbert import ModernBertModel
 from xlaserve.models.phi3 import Phi3ForCausalLM
 from xlaserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
-from xlaserve.models.qwen3_5 import Qwen3_5ForCausalLM
+from xlaserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextOfConditionalGeneration
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _SEQ_CLS = "ForSequenceClassification"
@@ -44,6 +44,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     # Hybrid: linear-attention layers (a state slot) beside attention layers (paged K/V): models/qwen3_5.py.
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5TextOfConditionalGeneration,  # its text decoder only
     # Vision-language: images encoded by their own program, merged at their placeholders (models/llava.py).
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.

@@ -105,6 +105,11 @@ def load_model(
     model_shape = model_config.replace(vocab_size=padded_vocab)
     kv_spec = model_class.kv_cache_spec(model_config)  # K and V, or MLA's one latent cache
     if stage is not None:
+        if kv_spec.layer_kind == "hybrid":
+            raise ValueError(
+                f"pipeline_parallel_size: {model_config.architecture} (attention and linear-attention layers) "
+                "cannot be split into pipeline stages yet; use pipeline_parallel_size=1"
+            )
         kv_spec = dataclasses.replace(kv_spec, num_layers=len(stage.layers))
     if hasattr(kv_spec, "with_state_slots"):  # a hybrid model: a state slot per request that can run
         kv_spec = kv_spec.with_state_slots(config.scheduler.max_num_seqs + 1)

@@ -25,6 +25,7 @@ from helpers.family_cases import (
     prompts,
     randomize_weights,
     save_hf_model,
+    word_tokenizer,
 )
 from xlaserve import LLM, SamplingParams
 from xlaserve.core.outputs import SchedulerOutput
@@ -116,3 +117,31 @@ def test_preempted_request_recomputes_the_same_tokens(llm, hf_model):
             is_preempted = True
     assert is_preempted and core.scheduler.num_preemptions_total >= 1
     assert tokens == {"other": hf_greedy(hf_model, other), "victim": hf_greedy(hf_model, first)}
+
+
+def test_a_vision_language_release_serves_its_text_decoder(tmp_path):
+    """Qwen3.5 ships as Qwen3_5ForConditionalGeneration: its decoder under model.language_model, a
+    vision tower and config.json's text_config. On text, the same greedy tokens as Hugging Face's
+    vision-language model (the tower is not loaded)."""
+    text = {k: v for k, v in CONFIG.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=16,
+    )
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, eos_token_id=2, pad_token_id=0)
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    torch.manual_seed(1)
+    hf = randomize_weights(transformers.Qwen3_5ForConditionalGeneration(config).eval(), norm_center=0.0)
+    hf.save_pretrained(tmp_path)
+    word_tokenizer(VOCAB).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), **ENGINE_ARGS)
+    batch = prompts(VOCAB, seed=4)[:2]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p) for p in batch]
