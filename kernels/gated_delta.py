@@ -14,6 +14,12 @@ A step of prefills runs the chunked form: each sequence cut every Q tokens from 
 kernels/ssd.py), a chunk's Q delta updates condensed into matmuls by the UT transform (a unit lower
 triangular solve), and a scan over chunks carrying S. A decode step (at most one token per sequence)
 runs the recurrence itself.
+
+With batch invariance on (kernels/invariant.py, the default), both give way to the recurrence run
+token by token: iteration j advances every sequence by its j-th new token, with elementwise ops and
+fixed-order sums only, so a token's bits depend on its own sequence alone: not on its companions,
+the step's bucket, or where its prompt was cut into chunks. It costs a loop of as many iterations as
+the step's longest sequence has new tokens (one for a decode step).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from xlaserve.kernels.invariant import enabled as invariance_enabled
+from xlaserve.kernels.invariant import invariant_sum
 from xlaserve.kernels.ssd import token_sequences
 
 L2NORM_EPS = 1e-6  # Hugging Face's and the FLA library's
@@ -31,7 +39,7 @@ L2NORM_EPS = 1e-6  # Hugging Face's and the FLA library's
 def l2_normalize(x: jax.Array) -> jax.Array:
     """x / sqrt(sum(x^2) + eps) over the last axis, in float32."""
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+    return x * jax.lax.rsqrt(invariant_sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
 def ragged_gated_delta_rule(
@@ -51,6 +59,8 @@ def ragged_gated_delta_rule(
     q = jnp.repeat(l2_normalize(q), num_heads // q.shape[1], axis=1) * (q.shape[-1] ** -0.5)
     k = jnp.repeat(l2_normalize(k), num_heads // k.shape[1], axis=1)
     args = (q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32))
+    if invariance_enabled():
+        return _token_by_token(*args, query_start_loc, initial_states.astype(jnp.float32))
     num_new = query_start_loc[1:] - query_start_loc[:-1]
     return jax.lax.cond(
         jnp.max(num_new) <= 1,
@@ -60,6 +70,29 @@ def ragged_gated_delta_rule(
         query_start_loc,
         initial_states.astype(jnp.float32),
     )
+
+
+def _token_by_token(q, k, v, g, beta, query_start_loc, initial_states):
+    """The recurrence, one token of every sequence per iteration, in an order fixed per token."""
+    num_tokens = q.shape[0]
+    starts = query_start_loc[:-1]
+    num_new = query_start_loc[1:] - starts  # [R]
+
+    def advance(j, carry):
+        s, o = carry  # [R, H, Dk, Dv], [T, H, Dv]
+        is_live = j < num_new
+        t = jnp.clip(starts + j, 0, num_tokens - 1)
+        qt, kt, vt, gt, bt = q[t], k[t], v[t], g[t], beta[t]
+        s_new = s * jnp.exp(gt)[:, :, None, None]
+        delta = (vt - invariant_sum(s_new * kt[..., None], axis=2)) * bt[..., None]
+        s_new = s_new + kt[..., None] * delta[:, :, None, :]
+        ot = invariant_sum(s_new * qt[..., None], axis=2)
+        s = jnp.where(is_live[:, None, None, None], s_new, s)
+        return s, o.at[jnp.where(is_live, starts + j, num_tokens)].set(ot, mode="drop")
+
+    o = jnp.zeros(v.shape, jnp.float32)
+    final, o = jax.lax.fori_loop(0, jnp.max(num_new), advance, (initial_states, o))
+    return o, final
 
 
 def _recurrent(q, k, v, g, beta, query_start_loc, initial_states):
@@ -88,7 +121,9 @@ def chunk_terms_reference(q, k, v, g, beta):
     beta = jnp.swapaxes(beta, 1, 2)[..., None]  # [C, H, Q, 1]
     size = q.shape[2]
     causal = jnp.tril(jnp.ones((size, size), bool))
-    decay = jnp.where(causal, jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf)), 0.0)
+    decay = jnp.where(
+        causal, jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf)), 0.0
+    )
     k_beta = k * beta
     system = jnp.where(jnp.tril(causal, -1), (k_beta @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
     system = system + jnp.eye(size, dtype=system.dtype)
@@ -116,7 +151,9 @@ def _chunked(q, k, v, g, beta, query_start_loc, initial_states, *, chunk_size):
     def to_chunks(x):  # [T, ...] -> [num_chunks, Q, ...]; empty slots zero (no decay, no write)
         return jnp.zeros((num_chunks, size, *x.shape[1:]), x.dtype).at[chunk, offset].set(x)
 
-    u, w, scores, q_in, k_out, chunk_decay = chunk_terms_reference(*(to_chunks(x) for x in (q, k, v, g, beta)))
+    u, w, scores, q_in, k_out, chunk_decay = chunk_terms_reference(
+        *(to_chunks(x) for x in (q, k, v, g, beta))
+    )
     chunk_seq = jnp.full((num_chunks,), num_seqs, jnp.int32).at[chunk].set(seq)
     is_first = jnp.zeros((num_chunks,), bool).at[chunk].max(local < size)
     entering = jnp.concatenate([initial_states, jnp.zeros_like(initial_states[:1])])
@@ -209,7 +246,9 @@ class HybridCacheSpec:
 
     def allocate(self, num_blocks: int, block_size: int, zeros) -> HybridCache:
         if self.num_state_slots < 2:
-            raise ValueError(f"num_state_slots must be >= 2 (slot 0 is the null slot), got {self.num_state_slots}")
+            raise ValueError(
+                f"num_state_slots must be >= 2 (slot 0 is the null slot), got {self.num_state_slots}"
+            )
         conv, recurrent = self.state_shapes()
         kv = self.shape(num_blocks, block_size)
         return HybridCache(zeros(kv), zeros(kv), zeros(conv), zeros(recurrent, jnp.float32))

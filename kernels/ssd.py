@@ -101,7 +101,13 @@ def ragged_causal_conv1d(
     from_step = x[jnp.clip(jnp.arange(num_tokens)[:, None] - lags[None, :], 0, num_tokens - 1)]
     from_state = state[seq[:, None], jnp.clip(k - 1 + back, 0, k - 2)]
     window = jnp.where((back >= 0)[..., None], from_step, from_state)  # [T, K, Cd]
-    out = jnp.einsum("tkc,ck->tc", window.astype(jnp.float32), weight[:, ::-1].astype(jnp.float32))
+    # The taps added in a fixed order (an einsum's order would follow the step's shape): each token's
+    # bits depend on its own window alone, which batch invariance needs (kernels/invariant.py).
+    taps = weight[:, ::-1].astype(jnp.float32)  # [Cd, K]: tap `lag` multiplies input t - lag
+    window = window.astype(jnp.float32)
+    out = window[:, 0] * taps[:, 0]
+    for lag in range(1, k):
+        out = out + window[:, lag] * taps[:, lag]
     if bias is not None:
         out = out + bias.astype(jnp.float32)
     # The new state: the last K - 1 of (old state ++ new inputs).

@@ -35,7 +35,15 @@ from xlaserve.kernels.invariant import invariant_mean
 from xlaserve.kernels.ssd import ragged_causal_conv1d
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
-from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, Linear, RMSNorm, layer_specs, with_shared_rope
+from xlaserve.models.layers import (
+    Attention,
+    GatedMLP,
+    LayerSpec,
+    Linear,
+    RMSNorm,
+    layer_specs,
+    with_shared_rope,
+)
 from xlaserve.models.mamba2 import DepthwiseConv1d
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -78,7 +86,9 @@ class Qwen3_5Config(TransformerConfig):
         fields = super().fields_from_hf(hf)
         num_layers = hf["num_hidden_layers"]
         interval = hf.get("full_attention_interval", 4)
-        mixers = hf.get("layer_types") or [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+        mixers = hf.get("layer_types") or [
+            FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)
+        ]
         return {
             **fields,
             "qk_norm": True,
@@ -138,7 +148,9 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj_z = Linear(d, cfg.value_dim, dtype=dtype, rngs=rngs)
         self.in_proj_b = Linear(d, heads, dtype=dtype, rngs=rngs)
         self.in_proj_a = Linear(d, heads, dtype=dtype, rngs=rngs)
-        self.conv1d = DepthwiseConv1d(cfg.conv_dim, cfg.linear_conv_kernel_dim, use_bias=False, dtype=dtype, rngs=rngs)
+        self.conv1d = DepthwiseConv1d(
+            cfg.conv_dim, cfg.linear_conv_kernel_dim, use_bias=False, dtype=dtype, rngs=rngs
+        )
         self.dt_bias = nnx.Param(jnp.ones((heads,), dtype))
         self.A_log = nnx.Param(jnp.zeros((heads,), dtype))
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype=dtype)
@@ -156,7 +168,9 @@ class GatedDeltaNet(nnx.Module):
         is_fresh = (md.kv_lens - num_new) == 0  # [R]: starts at position 0, so no earlier state
         conv_in = jnp.where(is_fresh[:, None, None], 0, cache.conv[rows, 0])  # [R, K - 1, conv_dim]
         state_in = jnp.where(is_fresh[:, None, None, None], 0, cache.recurrent[rows])  # [R, Hv, Dk, Dv]
-        qkv, conv_out = ragged_causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[...][:, 0], None, conv_in, qsl)
+        qkv, conv_out = ragged_causal_conv1d(
+            self.in_proj_qkv(x), self.conv1d.weight[...][:, 0], None, conv_in, qsl
+        )
         qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
         q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         beta = jax.nn.sigmoid(self.in_proj_b(x))
@@ -266,7 +280,9 @@ class Qwen3_5ForCausalLM(DecoderOnlyLM):
 
         linear_def, linear_state = nnx.split(self.linear_layers)
         attention_def, attention_state = nnx.split(self.attention_layers)
-        specs = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[list(cfg.layer_ids(FULL))]), layer_specs(cfg))
+        specs = jax.tree.map(
+            lambda a: jnp.asarray(np.asarray(a)[list(cfg.layer_ids(FULL))]), layer_specs(cfg)
+        )
         xs = (
             per_period(linear_state, num_linear),
             per_period(attention_state, num_attention),

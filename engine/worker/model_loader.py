@@ -107,8 +107,8 @@ def load_model(
     if stage is not None:
         if kv_spec.layer_kind == "hybrid":
             raise ValueError(
-                f"pipeline_parallel_size: {model_config.architecture} (attention and linear-attention layers) "
-                "cannot be split into pipeline stages yet; use pipeline_parallel_size=1"
+                f"pipeline_parallel_size: {model_config.architecture} (attention and linear-attention "
+                "layers) cannot be split into pipeline stages yet; use pipeline_parallel_size=1"
             )
         kv_spec = dataclasses.replace(kv_spec, num_layers=len(stage.layers))
     if hasattr(kv_spec, "with_state_slots"):  # a hybrid model: a state slot per request that can run

@@ -1,7 +1,8 @@
 """The gated delta rule over a ragged batch (kernels/gated_delta.py) against the recurrence itself in
 float64 numpy, token by token per sequence: the chunked form (sequences cut mid-chunk, entering
 states, padding sequences and tokens, grouped value heads) and the recurrent form of a decode step;
-and against Hugging Face's own torch chunked implementation for one sequence."""
+against Hugging Face's own torch chunked implementation for one sequence; and, with batch invariance
+on, the token-by-token form's bits for a sequence alone, among companions, and cut into two steps."""
 
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ import pytest
 import torch
 
 from xlaserve.kernels.gated_delta import ragged_gated_delta_rule
+from xlaserve.kernels.invariant import traced_with
 
 HK, HV, DK, DV = 2, 4, 6, 5
-rule = jax.jit(ragged_gated_delta_rule, static_argnames=("chunk_size",))
+# The invariance switch is read when the function is traced: one jitted function per setting.
+RULES = {
+    on: jax.jit(traced_with(on, ragged_gated_delta_rule), static_argnames=("chunk_size",))
+    for on in (True, False)
+}
 
 
 def numpy_rule(q, k, v, g, beta, qsl, init):
@@ -53,8 +59,8 @@ def case(lengths, num_tokens, seed):
     )
 
 
-def run(k, chunk_size=8):
-    o, final = rule(
+def run(k, chunk_size=8, invariant=False):
+    o, final = RULES[invariant](
         *(jnp.asarray(k[n], jnp.float32) for n in ("q", "k", "v", "g", "beta")),
         jnp.asarray(k["qsl"]),
         jnp.asarray(k["init"], jnp.float32),
@@ -63,7 +69,8 @@ def run(k, chunk_size=8):
     return np.asarray(o), np.asarray(final)
 
 
-# One shape (32 tokens, 5 sequences) for all three: one compile.
+# One shape (32 tokens, 5 sequences) for all three: one compile per form.
+@pytest.mark.parametrize("invariant", [False, True], ids=["chunked-or-recurrent", "token-by-token"])
 @pytest.mark.parametrize(
     "lengths",
     [
@@ -72,9 +79,9 @@ def run(k, chunk_size=8):
         [1, 1, 1, 1, 0],  # decode: the recurrent form
     ],
 )
-def test_rule_matches_float64_recurrence(lengths):
+def test_rule_matches_float64_recurrence(lengths, invariant):
     k = case(lengths, 32, seed=sum(lengths))
-    o, final = run(k)
+    o, final = run(k, invariant=invariant)
     ro, rfinal = numpy_rule(*(k[n] for n in ("q", "k", "v", "g", "beta", "qsl", "init")))
     n = k["qsl"][-1]
     np.testing.assert_allclose(o[:n], ro[:n], rtol=1e-5, atol=1e-5)
@@ -101,3 +108,27 @@ def test_rule_matches_hugging_face_chunked_torch():
     )
     np.testing.assert_allclose(o[:25], ho[0].numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(final[0], hfinal[0].numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_token_by_token_bits_do_not_depend_on_companions_or_steps():
+    """Sequence A (13 tokens) alone in a step of 16 tokens; among three others in a step of 32; and cut
+    into steps of 5 and 8 tokens (the second entering with the first's state): the same float32 bits."""
+    a = case([13, 0, 0, 0, 0], 16, seed=3)
+    crowd = case([4, 13, 9, 1, 0], 32, seed=4)
+    for name in ("q", "k", "v", "g", "beta"):
+        crowd[name][4:17] = a[name][:13]
+    crowd["init"][1] = a["init"][0]
+    alone_o, alone_final = run(a, invariant=True)
+    crowd_o, crowd_final = run(crowd, invariant=True)
+    assert np.array_equal(crowd_o[4:17], alone_o[:13]) and np.array_equal(crowd_final[1], alone_final[0])
+    first = {n: v.copy() for n, v in a.items()}
+    first["qsl"] = np.array([0, 5, 5, 5, 5, 5], np.int32)
+    o1, final1 = run(first, invariant=True)
+    second = {
+        n: np.roll(v, -5, axis=0) if n in ("q", "k", "v", "g", "beta") else v.copy() for n, v in a.items()
+    }
+    second["qsl"] = np.array([0, 8, 8, 8, 8, 8], np.int32)
+    second["init"] = final1.astype(np.float64)  # the state the first step left (float32 values)
+    o2, final2 = run(second, invariant=True)
+    assert np.array_equal(np.concatenate([o1[:5], o2[:8]]), alone_o[:13])
+    assert np.array_equal(final2[0], alone_final[0])

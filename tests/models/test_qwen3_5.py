@@ -135,7 +135,9 @@ def test_a_vision_language_release_serves_its_text_decoder(tmp_path):
         temporal_patch_size=2,
         num_position_embeddings=16,
     )
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, eos_token_id=2, pad_token_id=0)
+    config = transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision, eos_token_id=2, pad_token_id=0
+    )
     config.architectures = ["Qwen3_5ForConditionalGeneration"]
     torch.manual_seed(1)
     hf = randomize_weights(transformers.Qwen3_5ForConditionalGeneration(config).eval(), norm_center=0.0)
@@ -145,3 +147,39 @@ def test_a_vision_language_release_serves_its_text_decoder(tmp_path):
     batch = prompts(VOCAB, seed=4)[:2]
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p) for p in batch]
+
+
+def test_bfloat16_tokens_and_logprobs_are_the_same_bits_alone_and_among_companions(hf_model, tmp_path):
+    """Batch invariance through the linear attention at the dtype users run: a request's greedy tokens
+    and logprobs alone equal, bit for bit, those it gets among 1 and 6 companions (other token and
+    request buckets, its prompt cut into other chunks, steps mixing prefill chunks and decodes: the
+    delta rule runs token by token, kernels/gated_delta.py). At these tiny widths the chunked form
+    happens to round alike once cast to bfloat16; tests/kernels/test_gated_delta.py shows, in float32,
+    the bits it would change and the token-by-token form keeps."""
+    llm = LLM(
+        save_hf_model(hf_model, tmp_path),
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,  # token buckets 1, 4, 16; request buckets 1, 4, 8
+        block_size=8,
+        kv_cache_memory=2**20,
+    )
+    rng = np.random.default_rng(7)
+    batch = [rng.integers(3, VOCAB, n).tolist() for n in (21, 6, 40, 13, 27, 9, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def numbers(requests: list[list[int]]):
+        outs = llm.generate([{"prompt_token_ids": p} for p in requests], params, use_tqdm=False)
+        return [
+            (
+                o.outputs[0].token_ids,
+                [sorted((i, lp.logprob) for i, lp in e.items()) for e in o.outputs[0].logprobs],
+            )
+            for o in outs
+        ]
+
+    alone = numbers(batch[:1])[0]
+    assert numbers(batch[:2])[0] == alone
+    assert numbers(batch[1:4] + batch[:1] + batch[4:])[3] == alone
