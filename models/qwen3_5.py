@@ -200,7 +200,7 @@ class GatedDeltaNet(nnx.Module):
 class _Qwen3_5Layer(nnx.Module):
     """The norms and MLP every layer has; the mixer is the subclass's."""
 
-    supports_lora = False
+    mlp_class: type[nnx.Module] = GatedMLP  # Qwen3-Next: its mixture of experts
 
     def __init__(self, cfg: Qwen3_5Config, *, dtype):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0, dtype=dtype)
@@ -215,7 +215,7 @@ class Qwen3_5LinearLayer(_Qwen3_5Layer):
     def __init__(self, cfg: Qwen3_5Config, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype)
         self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
-        self.mlp = GatedMLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = type(self).mlp_class(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cache: HybridCache, md: AttentionMetadata, rows: jax.Array):
         h, cache = self.linear_attn(self.input_layernorm(x), cache, md, rows)
@@ -226,7 +226,7 @@ class Qwen3_5AttentionLayer(_Qwen3_5Layer):
     def __init__(self, cfg: Qwen3_5Config, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype)
         self.self_attn = Attention(cfg, backend, dtype=dtype, rngs=rngs)
-        self.mlp = GatedMLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = type(self).mlp_class(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, cache: HybridCache, md: AttentionMetadata, spec: LayerSpec):
         h, kv = self.self_attn(self.input_layernorm(x), positions, KVCache(cache.k, cache.v), md, spec)
@@ -235,6 +235,8 @@ class Qwen3_5AttentionLayer(_Qwen3_5Layer):
 
 class Qwen3_5ForCausalLM(DecoderOnlyLM):
     config_class = Qwen3_5Config
+    linear_layer_class: type[nnx.Module] = Qwen3_5LinearLayer
+    attention_layer_class: type[nnx.Module] = Qwen3_5AttentionLayer
 
     @classmethod
     def kv_cache_spec(cls, cfg: Qwen3_5Config) -> HybridCacheSpec:
@@ -258,8 +260,8 @@ class Qwen3_5ForCausalLM(DecoderOnlyLM):
     @classmethod
     def make_layer(cls, cfg, backend: AttentionBackend, stack: str, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         if stack == "linear_layers":
-            return Qwen3_5LinearLayer(cfg, dtype=dtype, rngs=rngs)
-        return Qwen3_5AttentionLayer(cfg, backend, dtype=dtype, rngs=rngs)
+            return cls.linear_layer_class(cfg, dtype=dtype, rngs=rngs)
+        return cls.attention_layer_class(cfg, backend, dtype=dtype, rngs=rngs)
 
     def run_layers(self, x, positions, kv_cache: HybridCache, md: AttentionMetadata, lora=None, layers=None):
         cfg = self.cfg

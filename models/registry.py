@@ -23,6 +23,7 @@ from xlaserve.models.phi3 import Phi3ForCausalLM
 from xlaserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from xlaserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextOfConditionalGeneration
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from xlaserve.models.qwen3_next import Qwen3NextForCausalLM
 
 _SEQ_CLS = "ForSequenceClassification"
 # A config.json that names no architecture (llama.cpp-era conversions) is read as Llama's.
@@ -45,6 +46,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     # Hybrid: linear-attention layers (a state slot) beside attention layers (paged K/V): models/qwen3_5.py.
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5TextOfConditionalGeneration,  # its text decoder only
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # Qwen3.5's layers with a mixture of experts
     # Vision-language: images encoded by their own program, merged at their placeholders (models/llava.py).
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.

@@ -183,3 +183,34 @@ def test_bfloat16_tokens_and_logprobs_are_the_same_bits_alone_and_among_companio
     alone = numbers(batch[:1])[0]
     assert numbers(batch[:2])[0] == alone
     assert numbers(batch[1:4] + batch[:1] + batch[4:])[3] == alone
+
+
+NEXT = dict(
+    CONFIG,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    norm_topk_prob=True,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+)
+
+
+def test_qwen3_next_matches_hugging_face(tmp_path):
+    """Qwen3-Next: the same hybrid layers with its fused DeltaNet projections (regrouped per key head
+    at load) and a mixture of experts with a gated shared expert in every layer: greedy tokens and
+    prompt logprobs of chunked requests in flight, as Hugging Face's."""
+    config = transformers.Qwen3NextConfig(**NEXT)
+    config.architectures = ["Qwen3NextForCausalLM"]
+    torch.manual_seed(2)
+    hf = randomize_weights(transformers.Qwen3NextForCausalLM(config).eval(), norm_center=0.0)
+    llm = LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+    batch = prompts(VOCAB, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p) for p in batch]
+    for ids, out in zip(batch, outputs):
+        ours = np.array([entry[t].logprob for t, entry in zip(ids[1:], out.prompt_logprobs[1:])])
+        expected = torch.log_softmax(torch.tensor(hf_logits(hf, ids)), -1).numpy()
+        np.testing.assert_allclose(ours, expected[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-4)

@@ -1,0 +1,116 @@
+"""Qwen3-Next (80B-A3B): Qwen3.5's hybrid layers (models/qwen3_5.py) with a mixture of experts.
+
+The mixers are Qwen3.5's: gated DeltaNet in three of every four layers, gated full attention in the
+fourth. Hugging Face stores the DeltaNet's projections fused per key head (`in_proj_qkvz`: for each
+key head its q, k, and its value heads' v and z; `in_proj_ba`: its value heads' b and a);
+`prepare_hf_tensors` regroups them into Qwen3.5's separate projections, so the layer is the same
+module. Every layer's MLP is a sparse mixture: softmax routing over the experts, top k, renormalized
+when `norm_topk_prob`, plus a shared expert scaled by sigmoid(shared_expert_gate(x)) per token.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from xlaserve.models.layers import GatedMLP, Linear
+from xlaserve.models.moe import MoEConfig, SparseMoeBlock, stack_expert_tensors
+from xlaserve.models.qwen3_5 import (
+    Qwen3_5AttentionLayer,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5LinearLayer,
+)
+
+_FUSED_DELTANET = re.compile(r"^(?P<layer>.+\.layers\.\d+\.linear_attn)\.in_proj_(?P<which>qkvz|ba)\.weight$")
+
+
+@dataclass(frozen=True)
+class Qwen3NextConfig(MoEConfig, Qwen3_5Config):
+    """Qwen3.5's hybrid layers plus the MoE routing and the gated shared expert's width."""
+
+    shared_expert_intermediate_size: int = 0
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        if hf.get("mlp_only_layers") or (hf.get("decoder_sparse_step") or 1) != 1:
+            raise ValueError(
+                f"Qwen3-Next with dense layers (mlp_only_layers={hf.get('mlp_only_layers')}, "
+                f"decoder_sparse_step={hf.get('decoder_sparse_step')}) is not supported: every layer "
+                "must be sparse, as in the released models"
+            )
+        return {
+            **super().fields_from_hf(hf),
+            "num_experts": hf["num_experts"],
+            "shared_expert_intermediate_size": hf["shared_expert_intermediate_size"],
+        }
+
+
+class GatedSharedExpertMoeBlock(SparseMoeBlock):
+    """The routed experts plus one shared expert, its output scaled per token by
+    sigmoid(shared_expert_gate(x)) (Hugging Face's Qwen3NextSparseMoeBlock)."""
+
+    def __init__(self, cfg: Qwen3NextConfig, *, dtype, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype, rngs=rngs)  # no `shared_experts`: n_shared_experts is 0
+        shared = cfg.replace(intermediate_size=cfg.shared_expert_intermediate_size)
+        self.shared_expert = GatedMLP(shared, dtype=dtype, rngs=rngs)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
+        return super().__call__(x) + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class Qwen3NextLinearLayer(Qwen3_5LinearLayer):
+    mlp_class = GatedSharedExpertMoeBlock
+
+
+class Qwen3NextAttentionLayer(Qwen3_5AttentionLayer):
+    mlp_class = GatedSharedExpertMoeBlock
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    config_class = Qwen3NextConfig
+    linear_layer_class = Qwen3NextLinearLayer
+    attention_layer_class = Qwen3NextAttentionLayer
+
+    @classmethod
+    def prepare_hf_tensors(
+        cls, cfg: Qwen3NextConfig, tensors: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The fused DeltaNet projections regrouped as Qwen3.5's; the experts stacked."""
+        out = {}
+        for name, tensor in tensors.items():
+            m = _FUSED_DELTANET.match(name)
+            if m is None:
+                out[name] = tensor
+            elif m["which"] == "qkvz":
+                qkv, z = _split_qkvz(cfg, np.asarray(tensor))
+                out[f"{m['layer']}.in_proj_qkv.weight"], out[f"{m['layer']}.in_proj_z.weight"] = qkv, z
+            else:
+                b, a = _split_ba(cfg, np.asarray(tensor))
+                out[f"{m['layer']}.in_proj_b.weight"], out[f"{m['layer']}.in_proj_a.weight"] = b, a
+        return stack_expert_tensors(out, cfg.num_experts)
+
+
+def _split_qkvz(cfg: Qwen3NextConfig, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[Hk * (2 Dk + 2 r Dv), D], per key head (q, k, v of its r value heads, z of them) -> the rows
+    of q, k and v for all heads (in_proj_qkv), and of z (in_proj_z)."""
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    rdv = cfg.linear_num_value_heads // hk * cfg.linear_value_head_dim
+    per_head = weight.reshape(hk, 2 * dk + 2 * rdv, -1)
+    q, k, v, z = np.split(per_head, [dk, 2 * dk, 2 * dk + rdv], axis=1)
+    flat = [part.reshape(-1, weight.shape[-1]) for part in (q, k, v, z)]
+    return np.concatenate(flat[:3]), flat[3]
+
+
+def _split_ba(cfg: Qwen3NextConfig, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[Hk * 2r, D], per key head (b, a of its r value heads) -> b's rows, a's rows."""
+    hk = cfg.linear_num_key_heads
+    r = cfg.linear_num_value_heads // hk
+    b, a = np.split(weight.reshape(hk, 2 * r, -1), 2, axis=1)
+    return b.reshape(-1, weight.shape[-1]), a.reshape(-1, weight.shape[-1])
