@@ -40,7 +40,16 @@ def num_kv_blocks(cache: CacheConfig, kv_spec: KVCacheSpec, dtype, extra_bytes_p
     block_bytes = bytes_per_block(kv_spec, cache.block_size, dtype) + extra_bytes_per_block
     fixed_bytes = getattr(kv_spec, "fixed_bytes", None)  # a hybrid model's state slots come first
     if fixed_bytes is not None:
-        budget -= fixed_bytes(jnp.dtype(dtype).itemsize)
+        state_bytes = fixed_bytes(jnp.dtype(dtype).itemsize)
+        if state_bytes + 2 * block_bytes > budget:
+            raise ValueError(
+                f"the state slots of {kv_spec.num_state_slots - 1} requests (max_num_seqs, each "
+                f"{state_bytes // (kv_spec.num_state_slots - 1)} bytes of linear-attention state) take "
+                f"{state_bytes} bytes of the KV cache budget of {budget} bytes, leaving too little for "
+                "attention blocks; lower max_num_seqs (--max-num-seqs) or raise kv_cache_memory/"
+                "gpu_memory_utilization"
+            )
+        budget -= state_bytes
     num_blocks = budget // block_bytes
     if num_blocks < 2:
         raise ValueError(

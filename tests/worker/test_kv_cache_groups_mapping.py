@@ -44,3 +44,31 @@ def test_a_state_model_refuses_speculation_a_float8_cache_and_a_host_tier():
         groups_of(MAMBA2, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_offloading_size"):
         groups_of(MAMBA2, kv_offloading_size=1.0)
+
+
+QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 64, "hidden_size": 16,
+           "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "head_dim": 8,
+           "layer_types": ["linear_attention", "full_attention"] * 2, "linear_num_key_heads": 1,
+           "linear_num_value_heads": 2, "linear_key_head_dim": 4, "linear_value_head_dim": 4}  # fmt: skip
+
+
+def test_a_hybrid_model_has_attention_blocks_and_a_state_slot_pool_paid_first():
+    """Qwen3.5: the attention layers' group first (the step's block table), then the linear layers'
+    state group with max_num_seqs + 1 slots of its own; the slots' bytes leave the budget before any
+    block is counted, and a budget they do not leave room in is refused naming max_num_seqs."""
+    from xlaserve.worker.kv_cache import num_kv_blocks
+
+    model_config = model_config_from_hf(complete_config(dict(QWEN3_5)))
+    spec = get_model_class("Qwen3_5ForCausalLM").kv_cache_spec(model_config).with_state_slots(5)
+    config = EngineConfig.from_kwargs(None, block_size=8, max_num_seqs=4, kv_cache_memory=2**16)
+    attention, state = kv_cache_groups(spec, model_config, config)
+    assert attention.spec == FullAttentionSpec(8) and attention.layer_ids == (1, 3)
+    assert state.spec == StateSpec(8, num_slots=5) and state.layer_ids == (0, 2)
+    # Per slot and linear layer: conv inputs (3 x 16 float32: q, k, v) and the state (2 x 4 x 4 float32).
+    state_bytes = 5 * 2 * (3 * 16 * 4 + 2 * 4 * 4 * 4)
+    block_bytes = 2 * 2 * 8 * 1 * 8 * 4  # K and V of two attention layers
+    assert num_kv_blocks(config.cache, spec, "float32") == (2**16 - state_bytes) // block_bytes
+    small = EngineConfig.from_kwargs(None, block_size=8, kv_cache_memory=state_bytes + block_bytes).cache
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        num_kv_blocks(small, spec, "float32")
