@@ -2,7 +2,7 @@
 
 Layers follow a period (config.json's `layer_types`; Qwen3.5's: three linear-attention layers, then
 one full-attention layer). Every layer is x + mixer(norm(x)), then x + mlp(norm(x)), with
-zero-centred RMSNorms (scale 1 + w). The mixers:
+zero-centred RMSNorms (scale 1 + w), under the hybrid backbone of models/hybrid.py. The mixers:
 
 - Gated DeltaNet (`GatedDeltaNet`): x projects to q, k, v (through a causal depthwise conv and silu),
   a gate z, a write strength beta = sigmoid(b) and a decay g = -exp(A_log) softplus(a + dt_bias) per
@@ -14,8 +14,7 @@ zero-centred RMSNorms (scale 1 + w). The mixers:
 The cache is a `HybridCache`: paged K/V for the attention layers (the step's block table), and per
 state slot (the step's `state_slots`: core/kv_cache_spec.py StateSpec with a pool of its own) each
 linear layer's last K - 1 conv inputs and its float32 recurrent state, zeroed for a sequence that
-starts at position 0 and written back in place. The layers are two stacks (linear, attention), run
-under one scan over periods: each step of the scan runs one period's layers in order.
+starts at position 0 and written back in place.
 """
 
 from __future__ import annotations
@@ -29,33 +28,21 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
-from xlaserve.kernels.dtype_ops import scan
-from xlaserve.kernels.gated_delta import HybridCache, HybridCacheSpec, ragged_gated_delta_rule
+from xlaserve.kernels.gated_delta import ragged_gated_delta_rule
+from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
 from xlaserve.kernels.invariant import invariant_mean
 from xlaserve.kernels.ssd import ragged_causal_conv1d
-from xlaserve.models.config import TransformerConfig
-from xlaserve.models.decoder import DecoderOnlyLM
-from xlaserve.models.layers import (
-    Attention,
-    GatedMLP,
-    LayerSpec,
-    Linear,
-    RMSNorm,
-    layer_specs,
-    with_shared_rope,
-)
+from xlaserve.models.hybrid import FULL, LINEAR, HybridConfig, HybridDecoderLM
+from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, Linear, RMSNorm
 from xlaserve.models.mamba2 import DepthwiseConv1d
 
-LINEAR, FULL = "linear_attention", "full_attention"
 CHUNK_SIZE = 64  # the delta rule's chunks (Hugging Face's and FLA's)
 
 
 @dataclass(frozen=True)
-class Qwen3_5Config(TransformerConfig):
-    """Qwen3.5's text config: `mixer_types` is config.json's `layer_types` (which mixer each layer
-    has; the base class's `layer_types` is about sliding windows, which Qwen3.5 has none of)."""
+class Qwen3_5Config(HybridConfig):
+    """Qwen3.5's text config: Gated DeltaNet's widths beside the attention's."""
 
-    mixer_types: tuple[str, ...] = ()
     linear_num_key_heads: int = 16  # Hk
     linear_num_value_heads: int = 32  # Hv
     linear_key_head_dim: int = 128  # Dk
@@ -64,17 +51,6 @@ class Qwen3_5Config(TransformerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if len(self.mixer_types) != self.num_layers or set(self.mixer_types) - {LINEAR, FULL}:
-            raise ValueError(
-                f"layer_types must give each of the {self.num_layers} layers {LINEAR!r} or {FULL!r}, "
-                f"got {list(self.mixer_types)}"
-            )
-        period = self.period
-        if self.mixer_types != period * (self.num_layers // len(period)):
-            raise ValueError(
-                f"layer_types must repeat one period of linear-attention layers ending in a full-attention "
-                f"layer, got {list(self.mixer_types)}"
-            )
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(
                 f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
@@ -83,33 +59,17 @@ class Qwen3_5Config(TransformerConfig):
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
-        fields = super().fields_from_hf(hf)
-        num_layers = hf["num_hidden_layers"]
-        interval = hf.get("full_attention_interval", 4)
-        mixers = hf.get("layer_types") or [
-            FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)
-        ]
         return {
-            **fields,
+            **super().fields_from_hf(hf),
             "qk_norm": True,
             "norm_offset": 1.0,
             "attn_output_gate": True,
-            "mixer_types": tuple(mixers),
             "linear_num_key_heads": hf["linear_num_key_heads"],
             "linear_num_value_heads": hf["linear_num_value_heads"],
             "linear_key_head_dim": hf["linear_key_head_dim"],
             "linear_value_head_dim": hf["linear_value_head_dim"],
             "linear_conv_kernel_dim": hf.get("linear_conv_kernel_dim", 4),
         }
-
-    @property
-    def period(self) -> tuple[str, ...]:
-        """The layer kinds up to and including the first full-attention layer."""
-        end = self.mixer_types.index(FULL) + 1 if FULL in self.mixer_types else len(self.mixer_types)
-        return self.mixer_types[:end]
-
-    def layer_ids(self, kind: str) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.mixer_types) if t == kind)
 
     @property
     def key_dim(self) -> int:
@@ -212,7 +172,7 @@ class _Qwen3_5Layer(nnx.Module):
 
 
 class Qwen3_5LinearLayer(_Qwen3_5Layer):
-    def __init__(self, cfg: Qwen3_5Config, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: Qwen3_5Config, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype)
         self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
         self.mlp = type(self).mlp_class(cfg, dtype=dtype, rngs=rngs)
@@ -233,7 +193,7 @@ class Qwen3_5AttentionLayer(_Qwen3_5Layer):
         return self.finish(x, h), HybridCache(kv.k, kv.v, cache.conv, cache.recurrent)
 
 
-class Qwen3_5ForCausalLM(DecoderOnlyLM):
+class Qwen3_5ForCausalLM(HybridDecoderLM):
     config_class = Qwen3_5Config
     linear_layer_class: type[nnx.Module] = Qwen3_5LinearLayer
     attention_layer_class: type[nnx.Module] = Qwen3_5AttentionLayer
@@ -247,71 +207,8 @@ class Qwen3_5ForCausalLM(DecoderOnlyLM):
             head_dim=cfg.head_dim,
             conv_kernel=cfg.linear_conv_kernel_dim,
             conv_dim=cfg.conv_dim,
-            num_state_heads=cfg.linear_num_value_heads,
-            key_head_dim=cfg.linear_key_head_dim,
-            value_head_dim=cfg.linear_value_head_dim,
+            recurrent_shape=(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
         )
-
-    @classmethod
-    def layer_stacks(cls, cfg: Qwen3_5Config) -> dict[str, tuple[int, ...]]:
-        """Two stacks, each layer under Hugging Face's `model.layers.{i}` of its own id."""
-        return {"linear_layers": cfg.layer_ids(LINEAR), "attention_layers": cfg.layer_ids(FULL)}
-
-    @classmethod
-    def make_layer(cls, cfg, backend: AttentionBackend, stack: str, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
-        if stack == "linear_layers":
-            return cls.linear_layer_class(cfg, dtype=dtype, rngs=rngs)
-        return cls.attention_layer_class(cfg, backend, dtype=dtype, rngs=rngs)
-
-    def run_layers(self, x, positions, kv_cache: HybridCache, md: AttentionMetadata, lora=None, layers=None):
-        cfg = self.cfg
-        if lora is not None:
-            raise ValueError(f"LoRA adapters are not supported for {cfg.architecture}")
-        if layers is not None and layers != range(cfg.num_layers):
-            raise ValueError(f"pipeline stages are not supported for {cfg.architecture}")
-        period = cfg.period
-        num_periods = cfg.num_layers // len(period)
-        num_linear, num_attention = period.count(LINEAR), period.count(FULL)
-        num_blocks = kv_cache.k.shape[0] // max(num_periods * num_attention, 1)
-        block_size = kv_cache.k.shape[1]
-        num_slots = kv_cache.conv.shape[0] // max(num_periods * num_linear, 1)
-        md = with_shared_rope(cfg, positions, md)  # once per step, for every attention layer
-
-        def per_period(tree, per: int):  # [num_periods * per, ...] -> [num_periods, per, ...]
-            return jax.tree.map(lambda a: a.reshape(num_periods, per, *a.shape[1:]), tree)
-
-        linear_def, linear_state = nnx.split(self.linear_layers)
-        attention_def, attention_state = nnx.split(self.attention_layers)
-        specs = jax.tree.map(
-            lambda a: jnp.asarray(np.asarray(a)[list(cfg.layer_ids(FULL))]), layer_specs(cfg)
-        )
-        xs = (
-            per_period(linear_state, num_linear),
-            per_period(attention_state, num_attention),
-            per_period(specs, num_attention),
-            jnp.arange(num_periods, dtype=jnp.int32),
-        )
-
-        def body(carry, xs):
-            x, cache = carry
-            linear, attention, spec, p = xs
-            i_linear = i_attention = 0
-            for kind in period:
-                if kind == LINEAR:
-                    layer = nnx.merge(linear_def, jax.tree.map(lambda a, i=i_linear: a[i], linear))
-                    rows = (p * num_linear + i_linear) * num_slots + md.state_slots
-                    x, cache = layer(x, cache, md, rows)
-                    i_linear += 1
-                else:
-                    layer = nnx.merge(attention_def, jax.tree.map(lambda a, i=i_attention: a[i], attention))
-                    layer_spec = jax.tree.map(lambda a, i=i_attention: a[i], spec)
-                    md_layer = md.for_layer(p * num_attention + i_attention, num_blocks, block_size)
-                    x, cache = layer(x, positions, cache, md_layer, layer_spec)
-                    i_attention += 1
-            return (x, cache), None
-
-        (x, kv_cache), _ = scan(body, (x, kv_cache), xs, words_of=x.dtype)
-        return x, kv_cache
 
 
 class Qwen3_5TextOfConditionalGeneration(Qwen3_5ForCausalLM):

@@ -1,0 +1,93 @@
+"""The cache of a hybrid model, whose layers are either attention (paged K/V, by block id) or a
+recurrent mixer (a state per request, by slot id): Qwen3.5's Gated DeltaNet, Granite 4.0-H's Mamba2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridCache:
+    """A hybrid model's cache, donated each step: paged K/V for its attention layers (block ids of the
+    shared pool, as `KVCache`), and a state per slot for its linear-attention layers (slot ids of the
+    state group's own pool)."""
+
+    k: jax.Array  # [num_attention_layers * num_blocks, block_size, num_kv_heads, head_dim]
+    v: jax.Array
+    conv: jax.Array  # [num_state_layers * num_slots, 1, K - 1, conv_dim]: the last K - 1 conv inputs
+    recurrent: jax.Array  # [num_state_layers * num_slots, *recurrent_shape] float32
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridCacheSpec:
+    """The device arrays of a model mixing attention and linear-attention layers (Qwen3.5). The pool's
+    block ids size the K/V (`bytes_per_block`); the state slots, one per request that can run, are a
+    fixed cost taken from the budget first (`fixed_bytes`). The engine sets `num_state_slots`
+    (`with_state_slots`: max_num_seqs + the null slot). The recurrent state stays float32 whatever
+    the model's dtype, as Hugging Face keeps it."""
+
+    attention_layers: tuple[int, ...]  # the model's layer ids, in order
+    state_layers: tuple[int, ...]
+    num_kv_heads: int
+    head_dim: int
+    conv_kernel: int  # K
+    conv_dim: int
+    recurrent_shape: tuple[
+        int, int, int
+    ]  # one layer's state: Gated DeltaNet's [Hv, Dk, Dv], Mamba2's [H, P, N]
+    num_state_slots: int = 0
+    cache_class: type = HybridCache
+    fixed_num_tokens: int | None = None
+    layer_kind = "hybrid"  # the host's bookkeeping kind (worker/kv_cache_groups.py)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.attention_layers) + len(self.state_layers)
+
+    @property
+    def num_arrays(self) -> int:
+        return 4
+
+    def with_state_slots(self, num_slots: int) -> HybridCacheSpec:
+        return dataclasses.replace(self, num_state_slots=num_slots)
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """The K (and V) array's."""
+        return (len(self.attention_layers) * num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        rows = len(self.state_layers) * self.num_state_slots
+        return (
+            (rows, 1, self.conv_kernel - 1, self.conv_dim),
+            (rows, *self.recurrent_shape),
+        )
+
+    def bytes_per_block(self, block_size: int, itemsize: int) -> int:
+        """Bytes of one block id: K and V of every attention layer."""
+        return 2 * len(self.attention_layers) * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def fixed_bytes(self, itemsize: int) -> int:
+        """Bytes of the state slots, whatever the number of blocks."""
+        conv, recurrent = self.state_shapes()
+        return _size(conv) * itemsize + _size(recurrent) * 4
+
+    def allocate(self, num_blocks: int, block_size: int, zeros) -> HybridCache:
+        if self.num_state_slots < 2:
+            raise ValueError(
+                f"num_state_slots must be >= 2 (slot 0 is the null slot), got {self.num_state_slots}"
+            )
+        conv, recurrent = self.state_shapes()
+        kv = self.shape(num_blocks, block_size)
+        return HybridCache(zeros(kv), zeros(kv), zeros(conv), zeros(recurrent, jnp.float32))
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,143 @@
+"""The backbone of hybrid models: attention layers beside recurrent ones (Qwen3.5's Gated DeltaNet,
+Granite 4.0-H's Mamba2), each layer one or the other.
+
+config.json's `layer_types` says which mixer each layer has (`HybridConfig.mixer_types`; the base
+class's `layer_types` is about sliding windows). The layers repeat a period (Qwen3.5: three linear
+layers, then an attention layer; Granite 4.0-H: attention as the sixth of every ten), so they form
+two stacks, `linear_layers` and `attention_layers` (each layer under Hugging Face's
+`model.layers.{i}` of its own id), run under one `lax.scan` over periods: each step of the scan runs
+one period's layers in order, slicing each from its stack. The cache is a `HybridCache`
+(kernels/hybrid_cache.py): an attention layer reads and writes its K/V by block id (the step's block
+table), a recurrent layer its state by slot (the step's `state_slots`).
+
+A family gives its config class (a `HybridConfig`), its two layer classes and its cache spec:
+
+    linear layer:    layer(x, cache, md, rows) -> (x, cache); rows [R]: each sequence's state row
+    attention layer: layer(x, positions, cache, md, spec) -> (x, cache); md offset to its blocks
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xlaserve.kernels import AttentionBackend, AttentionMetadata
+from xlaserve.kernels.dtype_ops import scan
+from xlaserve.kernels.hybrid_cache import HybridCache
+from xlaserve.models.config import TransformerConfig
+from xlaserve.models.decoder import DecoderOnlyLM
+from xlaserve.models.layers import layer_specs, with_shared_rope
+
+LINEAR, FULL = "linear_attention", "full_attention"
+# config.json spellings of each kind (Granite 4.0-H's checkpoints write "mamba" and "attention").
+_KIND_SPELLINGS = {"linear_attention": LINEAR, "mamba": LINEAR, "full_attention": FULL, "attention": FULL}
+
+
+@dataclass(frozen=True)
+class HybridConfig(TransformerConfig):
+    mixer_types: tuple[str, ...] = ()  # per layer LINEAR (a recurrent mixer) or FULL (attention)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if len(self.mixer_types) != self.num_layers or set(self.mixer_types) - {LINEAR, FULL}:
+            raise ValueError(
+                f"layer_types must give each of the {self.num_layers} layers a recurrent mixer "
+                f"({LINEAR!r}) or attention ({FULL!r}), got {list(self.mixer_types)}"
+            )
+        if FULL not in self.mixer_types or LINEAR not in self.mixer_types:
+            raise ValueError(
+                f"layer_types must mix {LINEAR!r} and {FULL!r} layers, got {list(self.mixer_types)}"
+            )
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        fields = super().fields_from_hf(hf)
+        num_layers = hf["num_hidden_layers"]
+        kinds = hf.get("layer_types") or hf.get("layers_block_type")
+        if not kinds:  # Qwen3.5's default: attention every full_attention_interval layers
+            interval = hf.get("full_attention_interval", 4)
+            kinds = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+        unknown = sorted(set(kinds) - set(_KIND_SPELLINGS))
+        if unknown:
+            raise ValueError(f"layer_types {unknown} are not supported: expected {sorted(_KIND_SPELLINGS)}")
+        return {**fields, "mixer_types": tuple(_KIND_SPELLINGS[k] for k in kinds)}
+
+    @property
+    def period(self) -> tuple[str, ...]:
+        """The shortest run of layer kinds that the layers repeat."""
+        kinds, n = self.mixer_types, self.num_layers
+        return next(kinds[:p] for p in range(1, n + 1) if n % p == 0 and kinds == kinds[:p] * (n // p))
+
+    def layer_ids(self, kind: str) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.mixer_types) if t == kind)
+
+
+class HybridDecoderLM(DecoderOnlyLM):
+    config_class: ClassVar[type[HybridConfig]] = HybridConfig
+    linear_layer_class: ClassVar[type[nnx.Module]]
+    attention_layer_class: ClassVar[type[nnx.Module]]
+
+    @classmethod
+    def layer_stacks(cls, cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
+        """Two stacks, each layer under Hugging Face's `model.layers.{i}` of its own id."""
+        return {"linear_layers": cfg.layer_ids(LINEAR), "attention_layers": cfg.layer_ids(FULL)}
+
+    @classmethod
+    def make_layer(cls, cfg, backend: AttentionBackend, stack: str, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        if stack == "linear_layers":
+            return cls.linear_layer_class(cfg, backend, dtype=dtype, rngs=rngs)
+        return cls.attention_layer_class(cfg, backend, dtype=dtype, rngs=rngs)
+
+    def run_layers(self, x, positions, kv_cache: HybridCache, md: AttentionMetadata, lora=None, layers=None):
+        cfg = self.cfg
+        if lora is not None:
+            raise ValueError(f"LoRA adapters are not supported for {cfg.architecture}")
+        if layers is not None and layers != range(cfg.num_layers):
+            raise ValueError(f"pipeline stages are not supported for {cfg.architecture}")
+        period = cfg.period
+        num_periods = cfg.num_layers // len(period)
+        num_linear, num_attention = period.count(LINEAR), period.count(FULL)
+        num_blocks = kv_cache.k.shape[0] // (num_periods * num_attention)
+        block_size = kv_cache.k.shape[1]
+        num_slots = kv_cache.conv.shape[0] // (num_periods * num_linear)
+        md = with_shared_rope(cfg, positions, md)  # once per step, for every attention layer
+
+        def per_period(tree, per: int):  # [num_periods * per, ...] -> [num_periods, per, ...]
+            return jax.tree.map(lambda a: a.reshape(num_periods, per, *a.shape[1:]), tree)
+
+        linear_def, linear_state = nnx.split(self.linear_layers)
+        attention_def, attention_state = nnx.split(self.attention_layers)
+        attention_ids = list(cfg.layer_ids(FULL))
+        specs = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[attention_ids]), layer_specs(cfg))
+        xs = (
+            per_period(linear_state, num_linear),
+            per_period(attention_state, num_attention),
+            per_period(specs, num_attention),
+            jnp.arange(num_periods, dtype=jnp.int32),
+        )
+
+        def body(carry, xs):
+            x, cache = carry
+            linear, attention, spec, p = xs
+            i_linear = i_attention = 0
+            for kind in period:
+                if kind == LINEAR:
+                    layer = nnx.merge(linear_def, jax.tree.map(lambda a, i=i_linear: a[i], linear))
+                    rows = (p * num_linear + i_linear) * num_slots + md.state_slots
+                    x, cache = layer(x, cache, md, rows)
+                    i_linear += 1
+                else:
+                    layer = nnx.merge(attention_def, jax.tree.map(lambda a, i=i_attention: a[i], attention))
+                    layer_spec = jax.tree.map(lambda a, i=i_attention: a[i], spec)
+                    md_layer = md.for_layer(p * num_attention + i_attention, num_blocks, block_size)
+                    x, cache = layer(x, positions, cache, md_layer, layer_spec)
+                    i_attention += 1
+            return (x, cache), None
+
+        (x, kv_cache), _ = scan(body, (x, kv_cache), xs, words_of=x.dtype)
+        return x, kv_cache
