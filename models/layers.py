@@ -200,10 +200,13 @@ class Attention(nnx.Module):
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos_sin = md.rope  # computed once per step when every layer rotates alike (`with_shared_rope`)
-        if cos_sin is None:
-            cos_sin = rope_cos_sin(rope_angles_of(cfg, positions, md, spec.rope_inv_freq), spec.rope_scale)
-        q, k = rotate_halves(q, cos_sin), rotate_halves(k, cos_sin)
+        if cfg.rotary_dim:  # none: no position embedding at all (Granite 4.0-H's NoPE attention)
+            cos_sin = md.rope  # computed once per step when every layer rotates alike (`with_shared_rope`)
+            if cos_sin is None:
+                cos_sin = rope_cos_sin(
+                    rope_angles_of(cfg, positions, md, spec.rope_inv_freq), spec.rope_scale
+                )
+            q, k = rotate_halves(q, cos_sin), rotate_halves(k, cos_sin)
         k_cache, v_cache = self.backend.write_kv(kv_cache.k, kv_cache.v, k, v, md.slot_mapping)
         out = self.backend.attention(
             q,

@@ -146,14 +146,17 @@ class Mamba2Mixer(nnx.Module):
         self.out_proj = Linear(inner, cfg.hidden_size, use_bias=cfg.use_bias, dtype=dtype, rngs=rngs)
 
     def __call__(
-        self, x: jax.Array, cache: MambaCache, md: AttentionMetadata
+        self, x: jax.Array, cache: MambaCache, md: AttentionMetadata, slots: jax.Array | None = None
     ) -> tuple[jax.Array, MambaCache]:  # x [T, D]
+        """`slots` [R]: each sequence's row in the cache arrays; None: the block table's first column
+        (Mamba2's own cache, whose one state group presents the slot as the table)."""
         cfg = self.cfg
         num_tokens = x.shape[0]
         inner, heads, groups, n = cfg.intermediate_size, cfg.num_heads, cfg.n_groups, cfg.state_size
         gate, xbc, dt = jnp.split(self.in_proj(x), [inner, inner + cfg.conv_dim], axis=-1)
         qsl = md.query_start_loc
-        slots = md.block_tables[:, 0]  # [R]: each sequence's state slot among this layer's rows
+        if slots is None:
+            slots = md.block_tables[:, 0]  # [R]: each sequence's state slot among this layer's rows
         num_new = qsl[1:] - qsl[:-1]
         is_fresh = (md.kv_lens - num_new) == 0  # [R]: starts at position 0, so no earlier state
         conv_in = jnp.where(is_fresh[:, None, None], 0, cache.conv[slots, 0])  # [R, K - 1, conv_dim]

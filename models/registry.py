@@ -12,6 +12,7 @@ from xlaserve.models.bert import BertModel, RobertaModel
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from xlaserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from xlaserve.models.interfaces import CAUSAL_LM_MEMBERS, CausalLM
 from xlaserve.models.llama import LlamaForCausalLM
 from xlaserve.models.llava import LlavaForConditionalGeneration
@@ -47,6 +48,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5TextOfConditionalGeneration,  # its text decoder only
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # Qwen3.5's layers with a mixture of experts
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Mamba2 layers beside attention
     # Vision-language: images encoded by their own program, merged at their placeholders (models/llava.py).
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.

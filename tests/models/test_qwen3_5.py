@@ -214,3 +214,51 @@ def test_qwen3_next_matches_hugging_face(tmp_path):
         ours = np.array([entry[t].logprob for t, entry in zip(ids[1:], out.prompt_logprobs[1:])])
         expected = torch.log_softmax(torch.tensor(hf_logits(hf, ids)), -1).numpy()
         np.testing.assert_allclose(ours, expected[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-4)
+
+
+GRANITE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=16,
+    shared_intermediate_size=24,
+    num_hidden_layers=4,
+    layer_types=["mamba", "attention", "mamba", "attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    mamba_n_heads=8,
+    mamba_d_head=8,
+    mamba_d_state=8,
+    mamba_n_groups=2,
+    mamba_d_conv=4,
+    mamba_chunk_size=8,
+    embedding_multiplier=2.0,
+    logits_scaling=3.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+@pytest.mark.parametrize("position_embedding_type", ["rope", None], ids=["rope", "nope"])
+def test_granite_4_hybrid_matches_hugging_face(position_embedding_type, tmp_path):
+    """Granite 4.0-H: Mamba2 layers beside attention layers (RoPE, or none), experts and a shared MLP
+    in every layer, Granite's embedding, residual, attention and logit scalings: greedy tokens and
+    prompt logprobs of chunked requests in flight, as Hugging Face's."""
+    config = transformers.GraniteMoeHybridConfig(**GRANITE, position_embedding_type=position_embedding_type)
+    config.architectures = ["GraniteMoeHybridForCausalLM"]
+    torch.manual_seed(3)
+    hf = randomize_weights(transformers.GraniteMoeHybridForCausalLM(config).eval())
+    llm = LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+    batch = prompts(VOCAB, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p) for p in batch]
+    for ids, out in zip(batch, outputs):
+        ours = np.array([entry[t].logprob for t, entry in zip(ids[1:], out.prompt_logprobs[1:])])
+        expected = torch.log_softmax(torch.tensor(hf_logits(hf, ids)), -1).numpy()
+        np.testing.assert_allclose(ours, expected[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-4)
