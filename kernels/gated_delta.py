@@ -111,7 +111,7 @@ def chunk_terms_reference(q, k, v, g, beta):
     """Each chunk on its own, [C, Q, H, ...] in: the parts of the chunk's output and state update that
     do not depend on the state it enters with. Returns, per chunk and head ([C, H, ...]):
     u = T (beta v) and w = T (beta exp(cum) k), where T = (I + strictly_lower(beta k k^T * decay))^-1
-    (the UT transform: the chunk's delta updates applied at once); the intra-chunk scores
+    (the UT transform: the chunk's delta updates applied at once, T by forward substitution); the intra-chunk scores
     (q k^T * decay, causal); q and k decayed to the chunk's start and end; the chunk's total decay."""
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [C, H, Q, D]
     cum = jnp.cumsum(jnp.swapaxes(g, 1, 2), axis=-1)  # [C, H, Q]: log-decay from the chunk's start
@@ -122,18 +122,30 @@ def chunk_terms_reference(q, k, v, g, beta):
         causal, jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf)), 0.0
     )
     k_beta = k * beta
-    system = jnp.where(jnp.tril(causal, -1), (k_beta @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
-    system = system + jnp.eye(size, dtype=system.dtype)
-
-    def solve(rhs):
-        return jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
-
-    u = solve(v * beta)
-    w = solve(k_beta * jnp.exp(cum)[..., None])
+    inverse = _unit_lower_inverse(
+        jnp.where(jnp.tril(causal, -1), (k_beta @ jnp.swapaxes(k, -1, -2)) * decay, 0.0)
+    )
+    u = inverse @ (v * beta)
+    w = inverse @ (k_beta * jnp.exp(cum)[..., None])
     scores = (q @ jnp.swapaxes(k, -1, -2)) * decay
     q_in = q * jnp.exp(cum)[..., None]  # reads the entering state
     k_out = k * jnp.exp(cum[..., -1:] - cum)[..., None]  # writes the leaving state
     return u, w, scores, q_in, k_out, jnp.exp(cum[..., -1])
+
+
+def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
+    """(I + lower)^-1 for strictly lower triangular `lower` [.., Q, Q], by forward substitution: row i
+    of -(I + L)^-1 + I is -L_i - sum_j L_ij (row j), rows j < i final when row i is computed (Hugging
+    Face's export path; `jax.scipy.linalg.solve_triangular` in XLA's CPU runtime did not return within
+    two minutes at Qwen3.5's shapes: 6 chunks x 16 heads of 64 x 64, jax 0.10.2)."""
+    size = lower.shape[-1]
+
+    def row(i, acc):
+        r = acc[..., i, :]  # [.., Q]: entries j < i only
+        return acc.at[..., i, :].set(r + jnp.einsum("...j,...jc->...c", r, acc))
+
+    acc = jax.lax.fori_loop(1, size, row, -lower)
+    return acc + jnp.eye(size, dtype=lower.dtype)
 
 
 def _chunked(q, k, v, g, beta, query_start_loc, initial_states, *, chunk_size):
