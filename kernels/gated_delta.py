@@ -111,8 +111,9 @@ def chunk_terms_reference(q, k, v, g, beta):
     """Each chunk on its own, [C, Q, H, ...] in: the parts of the chunk's output and state update that
     do not depend on the state it enters with. Returns, per chunk and head ([C, H, ...]):
     u = T (beta v) and w = T (beta exp(cum) k), where T = (I + strictly_lower(beta k k^T * decay))^-1
-    (the UT transform: the chunk's delta updates applied at once, T by forward substitution); the intra-chunk scores
-    (q k^T * decay, causal); q and k decayed to the chunk's start and end; the chunk's total decay."""
+    (the UT transform: the chunk's delta updates applied at once, T by forward substitution); the
+    intra-chunk scores (q k^T * decay, causal); q and k decayed to the chunk's start and end; the
+    chunk's total decay."""
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [C, H, Q, D]
     cum = jnp.cumsum(jnp.swapaxes(g, 1, 2), axis=-1)  # [C, H, Q]: log-decay from the chunk's start
     beta = jnp.swapaxes(beta, 1, 2)[..., None]  # [C, H, Q, 1]
