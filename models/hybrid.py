@@ -4,9 +4,9 @@ Granite 4.0-H's Mamba2), each layer one or the other.
 config.json's `layer_types` says which mixer each layer has (`HybridConfig.mixer_types`; the base
 class's `layer_types` is about sliding windows). The layers repeat a period (Qwen3.5: three linear
 layers, then an attention layer; Granite 4.0-H: attention as the sixth of every ten), so they form
-two stacks, `linear_layers` and `attention_layers` (each layer under Hugging Face's
-`model.layers.{i}` of its own id), run under one `lax.scan` over periods: each step of the scan runs
-one period's layers in order, slicing each from its stack. The cache is a `HybridCache`
+one stack per position in the period (`linear_layers_0`, ..., `attention_layers_0`, ...: each layer
+under Hugging Face's `model.layers.{i}` of its own id), run under one `lax.scan` over periods: each
+step of the scan runs one period's layers in order, one from each stack. The cache is a `HybridCache`
 (kernels/hybrid_cache.py): an attention layer reads and writes its K/V by block id (the step's block
 table), a recurrent layer its state by slot (the step's `state_slots`).
 
@@ -36,6 +36,7 @@ from xlaserve.models.layers import layer_specs, with_shared_rope
 LINEAR, FULL = "linear_attention", "full_attention"
 # config.json spellings of each kind (Granite 4.0-H's checkpoints write "mamba" and "attention").
 _KIND_SPELLINGS = {"linear_attention": LINEAR, "mamba": LINEAR, "full_attention": FULL, "attention": FULL}
+_STACK_PREFIX = {LINEAR: "linear_layers", FULL: "attention_layers"}
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,20 @@ class HybridDecoderLM(DecoderOnlyLM):
 
     @classmethod
     def layer_stacks(cls, cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
-        """Two stacks, each layer under Hugging Face's `model.layers.{i}` of its own id."""
-        return {"linear_layers": cfg.layer_ids(LINEAR), "attention_layers": cfg.layer_ids(FULL)}
+        """One stack per position in the period (`linear_layers_0`, ..., `attention_layers_0`, ...),
+        each holding that position's layer of every period: the scan over periods slices one layer
+        from each stack, as the plain decoder's scan slices its one stack."""
+        period, num_periods = cfg.period, cfg.num_layers // len(cfg.period)
+        stacks, counts = {}, {LINEAR: 0, FULL: 0}
+        for j, kind in enumerate(period):
+            name = f"{_STACK_PREFIX[kind]}_{counts[kind]}"
+            counts[kind] += 1
+            stacks[name] = tuple(p * len(period) + j for p in range(num_periods))
+        return stacks
 
     @classmethod
     def make_layer(cls, cfg, backend: AttentionBackend, stack: str, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
-        if stack == "linear_layers":
+        if stack.startswith(_STACK_PREFIX[LINEAR]):
             return cls.linear_layer_class(cfg, backend, dtype=dtype, rngs=rngs)
         return cls.attention_layer_class(cfg, backend, dtype=dtype, rngs=rngs)
 
@@ -106,38 +115,30 @@ class HybridDecoderLM(DecoderOnlyLM):
         block_size = kv_cache.k.shape[1]
         num_slots = kv_cache.conv.shape[0] // (num_periods * num_linear)
         md = with_shared_rope(cfg, positions, md)  # once per step, for every attention layer
-
-        def per_period(tree, per: int):  # [num_periods * per, ...] -> [num_periods, per, ...]
-            return jax.tree.map(lambda a: a.reshape(num_periods, per, *a.shape[1:]), tree)
-
-        linear_def, linear_state = nnx.split(self.linear_layers)
-        attention_def, attention_state = nnx.split(self.attention_layers)
-        attention_ids = list(cfg.layer_ids(FULL))
-        specs = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[attention_ids]), layer_specs(cfg))
-        xs = (
-            per_period(linear_state, num_linear),
-            per_period(attention_state, num_attention),
-            per_period(specs, num_attention),
-            jnp.arange(num_periods, dtype=jnp.int32),
+        stacks = self.layer_stacks(cfg)
+        defs, states = zip(*(nnx.split(getattr(self, name)) for name in stacks))
+        all_specs = layer_specs(cfg)
+        specs = tuple(
+            jax.tree.map(lambda a, ids=list(ids): jnp.asarray(np.asarray(a)[ids]), all_specs)
+            for ids in stacks.values()
         )
 
         def body(carry, xs):
             x, cache = carry
-            linear, attention, spec, p = xs
+            states, specs, p = xs
             i_linear = i_attention = 0
-            for kind in period:
+            for j, kind in enumerate(period):
+                layer = nnx.merge(defs[j], states[j])
                 if kind == LINEAR:
-                    layer = nnx.merge(linear_def, jax.tree.map(lambda a, i=i_linear: a[i], linear))
                     rows = (p * num_linear + i_linear) * num_slots + md.state_slots
                     x, cache = layer(x, cache, md, rows)
                     i_linear += 1
                 else:
-                    layer = nnx.merge(attention_def, jax.tree.map(lambda a, i=i_attention: a[i], attention))
-                    layer_spec = jax.tree.map(lambda a, i=i_attention: a[i], spec)
                     md_layer = md.for_layer(p * num_attention + i_attention, num_blocks, block_size)
-                    x, cache = layer(x, positions, cache, md_layer, layer_spec)
+                    x, cache = layer(x, positions, cache, md_layer, specs[j])
                     i_attention += 1
             return (x, cache), None
 
+        xs = (states, specs, jnp.arange(num_periods, dtype=jnp.int32))
         (x, kv_cache), _ = scan(body, (x, kv_cache), xs, words_of=x.dtype)
         return x, kv_cache
