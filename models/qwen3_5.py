@@ -220,8 +220,13 @@ class Qwen3_5TextOfConditionalGeneration(Qwen3_5ForCausalLM):
 
     @classmethod
     def prepare_hf_tensors(cls, cfg: Qwen3_5Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {
-            name.replace("model.language_model.", "model.", 1): tensor
-            for name, tensor in tensors.items()
-            if not name.startswith(("model.visual.", "mtp."))
-        }
+        return super().prepare_hf_tensors(cfg, text_decoder_tensors(tensors))
+
+
+def text_decoder_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A Qwen3.5 vision-language checkpoint's decoder tensors under the text model's names."""
+    return {
+        name.replace("model.language_model.", "model.", 1): tensor
+        for name, tensor in tensors.items()
+        if not name.startswith(("model.visual.", "mtp."))
+    }

@@ -1,11 +1,13 @@
-"""Qwen3-Next (80B-A3B): Qwen3.5's hybrid layers (models/qwen3_5.py) with a mixture of experts.
+"""Qwen3-Next (80B-A3B) and Qwen3.5-MoE: Qwen3.5's hybrid layers (models/qwen3_5.py) with a mixture of
+experts.
 
 The mixers are Qwen3.5's: gated DeltaNet in three of every four layers, gated full attention in the
-fourth. Hugging Face stores the DeltaNet's projections fused per key head (`in_proj_qkvz`: for each
-key head its q, k, and its value heads' v and z; `in_proj_ba`: its value heads' b and a);
+fourth. Qwen3-Next's checkpoints store the DeltaNet's projections fused per key head (`in_proj_qkvz`:
+for each key head its q, k, and its value heads' v and z; `in_proj_ba`: its value heads' b and a);
 `prepare_hf_tensors` regroups them into Qwen3.5's separate projections, so the layer is the same
-module. Every layer's MLP is a sparse mixture: softmax routing over the experts, top k, renormalized
-when `norm_topk_prob`, plus a shared expert scaled by sigmoid(shared_expert_gate(x)) per token.
+module (Qwen3.5-MoE stores them unfused, as Qwen3.5 does). Every layer's MLP is a sparse mixture:
+softmax routing over the experts, top k, renormalized when `norm_topk_prob`, plus a shared expert
+scaled by sigmoid(shared_expert_gate(x)) per token.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from xlaserve.models.qwen3_5 import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
     Qwen3_5LinearLayer,
+    text_decoder_tensors,
 )
 
 _FUSED_DELTANET = re.compile(r"^(?P<layer>.+\.layers\.\d+\.linear_attn)\.in_proj_(?P<which>qkvz|ba)\.weight$")
@@ -95,6 +98,17 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
                 b, a = _split_ba(cfg, np.asarray(tensor))
                 out[f"{m['layer']}.in_proj_b.weight"], out[f"{m['layer']}.in_proj_a.weight"] = b, a
         return stack_expert_tensors(out, cfg.num_experts)
+
+
+class Qwen3_5MoeTextOfConditionalGeneration(Qwen3NextForCausalLM):
+    """A Qwen3.5-MoE release (`Qwen3_5MoeForConditionalGeneration`) served on text, as
+    `Qwen3_5TextOfConditionalGeneration` serves a dense one: its decoder only."""
+
+    @classmethod
+    def prepare_hf_tensors(
+        cls, cfg: Qwen3NextConfig, tensors: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        return super().prepare_hf_tensors(cfg, text_decoder_tensors(tensors))
 
 
 def _split_qkvz(cfg: Qwen3NextConfig, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ from xlaserve.models.phi3 import Phi3ForCausalLM
 from xlaserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from xlaserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextOfConditionalGeneration
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
-from xlaserve.models.qwen3_next import Qwen3NextForCausalLM
+from xlaserve.models.qwen3_next import Qwen3_5MoeTextOfConditionalGeneration, Qwen3NextForCausalLM
 
 _SEQ_CLS = "ForSequenceClassification"
 # A config.json that names no architecture (llama.cpp-era conversions) is read as Llama's.
@@ -48,6 +48,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5TextOfConditionalGeneration,  # its text decoder only
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # Qwen3.5's layers with a mixture of experts
+    "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,  # the same, its DeltaNet projections unfused
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOfConditionalGeneration,  # its text decoder only
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Mamba2 layers beside attention
     # Vision-language: images encoded by their own program, merged at their placeholders (models/llava.py).
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,

@@ -262,3 +262,17 @@ def test_granite_4_hybrid_matches_hugging_face(position_embedding_type, tmp_path
         ours = np.array([entry[t].logprob for t, entry in zip(ids[1:], out.prompt_logprobs[1:])])
         expected = torch.log_softmax(torch.tensor(hf_logits(hf, ids)), -1).numpy()
         np.testing.assert_allclose(ours, expected[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-4)
+
+
+def test_qwen3_5_moe_matches_hugging_face(tmp_path):
+    """Qwen3.5-MoE: Qwen3.5's unfused DeltaNet projections with Qwen3-Next's experts and gated shared
+    expert: greedy tokens of chunked requests in flight, as Hugging Face's."""
+    fields = {k: v for k, v in NEXT.items() if k != "norm_topk_prob"}  # always renormalized
+    config = transformers.Qwen3_5MoeTextConfig(**fields)
+    config.architectures = ["Qwen3_5MoeForCausalLM"]
+    torch.manual_seed(4)
+    hf = randomize_weights(transformers.Qwen3_5MoeForCausalLM(config).eval(), norm_center=0.0)
+    llm = LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+    batch = prompts(VOCAB, seed=7)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p) for p in batch]
