@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from xlaserve.kernels.invariant import enabled as invariance_enabled
 from xlaserve.kernels.invariant import invariant_sum
-from xlaserve.kernels.ssd import token_sequences
+from xlaserve.kernels.ssd import SequenceChunks, token_sequences
 
 L2NORM_EPS = 1e-6  # Hugging Face's and the FLA library's
 
@@ -150,22 +150,11 @@ def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
 
 
 def _chunked(q, k, v, g, beta, query_start_loc, initial_states, *, chunk_size):
-    num_tokens, num_heads, _ = v.shape
-    num_seqs = initial_states.shape[0]
-    size = chunk_size
-    num_chunks = num_tokens // size + num_seqs + 1  # each sequence (and the padding) adds <= 1 partial chunk
-    seq, local = token_sequences(query_start_loc, num_tokens)
-    chunk = jnp.cumsum((local % size == 0).astype(jnp.int32)) - 1  # [T]
-    offset = local % size
-
-    def to_chunks(x):  # [T, ...] -> [num_chunks, Q, ...]; empty slots zero (no decay, no write)
-        return jnp.zeros((num_chunks, size, *x.shape[1:]), x.dtype).at[chunk, offset].set(x)
-
+    num_tokens = v.shape[0]
+    chunks = SequenceChunks.of(query_start_loc, num_tokens, chunk_size)
     u, w, scores, q_in, k_out, chunk_decay = chunk_terms_reference(
-        *(to_chunks(x) for x in (q, k, v, g, beta))
+        *(chunks.gather(x) for x in (q, k, v, g, beta))
     )
-    chunk_seq = jnp.full((num_chunks,), num_seqs, jnp.int32).at[chunk].set(seq)
-    is_first = jnp.zeros((num_chunks,), bool).at[chunk].max(local < size)
     entering = jnp.concatenate([initial_states, jnp.zeros_like(initial_states[:1])])
 
     def step(prev, xs):
@@ -179,10 +168,10 @@ def _chunked(q, k, v, g, beta, query_start_loc, initial_states, *, chunk_size):
     _, (o, ends) = jax.lax.scan(
         step,
         jnp.zeros(initial_states.shape[1:], jnp.float32),
-        (is_first, chunk_seq, u, w, scores, q_in, k_out, chunk_decay),
+        (chunks.is_first, chunks.chunk_seq, u, w, scores, q_in, k_out, chunk_decay),
     )
-    o_tokens = jnp.swapaxes(o, 1, 2)[chunk, offset]  # [T, H, Dv]
+    o_tokens = chunks.scatter(jnp.swapaxes(o, 1, 2))  # [T, H, Dv]
     num_new = query_start_loc[1:] - query_start_loc[:-1]
     last = jnp.clip(query_start_loc[1:] - 1, 0, num_tokens - 1)
-    final = jnp.where((num_new > 0)[:, None, None, None], ends[chunk[last]], initial_states)
+    final = jnp.where((num_new > 0)[:, None, None, None], ends[chunks.chunk[last]], initial_states)
     return o_tokens, final

@@ -186,24 +186,51 @@ def chunk_terms_reference(
     return y, jnp.einsum("cqhn,cqh,cqhp->chpn", bh, to_end, xdt)
 
 
+@dataclasses.dataclass(frozen=True)
+class SequenceChunks:
+    """A step's tokens cut into chunks of Q, each sequence from its own start, so a chunk belongs to
+    one sequence (the padding tokens' chunks to none, sequence R): at most T // Q + R + 1 chunks."""
+
+    chunk: jax.Array  # [T]: each token's chunk
+    offset: jax.Array  # [T]: its slot in the chunk
+    chunk_seq: jax.Array  # [C]: each chunk's sequence (R: padding or unused)
+    is_first: jax.Array  # [C]: the chunk starts its sequence's tokens in this step
+    num_chunks: int
+    size: int
+
+    @classmethod
+    def of(cls, query_start_loc: jax.Array, num_tokens: int, size: int) -> SequenceChunks:
+        num_seqs = query_start_loc.shape[0] - 1
+        num_chunks = num_tokens // size + num_seqs + 1  # each sequence (and the padding) adds <= 1 partial
+        seq, local = token_sequences(query_start_loc, num_tokens)
+        chunk = jnp.cumsum((local % size == 0).astype(jnp.int32)) - 1
+        return cls(
+            chunk=chunk,
+            offset=local % size,
+            chunk_seq=jnp.full((num_chunks,), num_seqs, jnp.int32).at[chunk].set(seq),
+            is_first=jnp.zeros((num_chunks,), bool).at[chunk].max(local < size),
+            num_chunks=num_chunks,
+            size=size,
+        )
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        """[T, ...] -> [C, Q, ...]; empty slots zero (for both scans: no decay, no input)."""
+        return (
+            jnp.zeros((self.num_chunks, self.size, *x.shape[1:]), x.dtype).at[self.chunk, self.offset].set(x)
+        )
+
+    def scatter(self, y: jax.Array) -> jax.Array:
+        """[C, Q, ...] -> [T, ...]: each token's slot."""
+        return y[self.chunk, self.offset]
+
+
 def _chunked(x, dt, a, b, c, d, query_start_loc, initial_states, *, chunk_size, chunk_terms):
     num_tokens, num_heads, head_dim = x.shape
-    num_seqs = initial_states.shape[0]
-    q = chunk_size
-    num_chunks = num_tokens // q + num_seqs + 1  # each sequence (and the padding) adds <= 1 partial chunk
-    seq, local = token_sequences(query_start_loc, num_tokens)
-    chunk = jnp.cumsum((local % q == 0).astype(jnp.int32)) - 1  # [T]
-    offset = local % q
-
-    def to_chunks(v):  # [T, ...] -> [num_chunks, Q, ...], empty slots zero (dt 0: no decay, no input)
-        return jnp.zeros((num_chunks, q, *v.shape[1:]), v.dtype).at[chunk, offset].set(v)
-
-    x32 = to_chunks(x.astype(jnp.float32))  # [C, Q, H, P]
-    dt32 = to_chunks(dt.astype(jnp.float32))  # [C, Q, H]
-    bh = to_chunks(_heads(b, num_heads).astype(jnp.float32))  # [C, Q, H, N]
-    ch = to_chunks(_heads(c, num_heads).astype(jnp.float32))
-    chunk_seq = jnp.full((num_chunks,), num_seqs, jnp.int32).at[chunk].set(seq)
-    is_first = jnp.zeros((num_chunks,), bool).at[chunk].max(local < q)
+    chunks = SequenceChunks.of(query_start_loc, num_tokens, chunk_size)
+    x32 = chunks.gather(x.astype(jnp.float32))  # [C, Q, H, P]
+    dt32 = chunks.gather(dt.astype(jnp.float32))  # [C, Q, H]
+    bh = chunks.gather(_heads(b, num_heads).astype(jnp.float32))  # [C, Q, H, N]
+    ch = chunks.gather(_heads(c, num_heads).astype(jnp.float32))
 
     cum = jnp.cumsum(dt32 * a[None, None, :], axis=1)  # [C, Q, H]: log-decay from the chunk's start
     y, local_states = chunk_terms(x32 * dt32[..., None], cum, bh, ch)
@@ -218,12 +245,12 @@ def _chunked(x, dt, a, b, c, d, query_start_loc, initial_states, *, chunk_size, 
     _, (starts, ends) = jax.lax.scan(
         carry_state,
         jnp.zeros((num_heads, head_dim, initial_states.shape[-1]), jnp.float32),
-        (is_first, chunk_seq, chunk_decay, local_states),
+        (chunks.is_first, chunks.chunk_seq, chunk_decay, local_states),
     )
     # From the chunk's entering state: y_q += exp(cum_q) C_q . start.
     y = y + jnp.einsum("cqhn,chpn->cqhp", ch, starts) * jnp.exp(cum)[..., None]
-    y_tokens = y[chunk, offset] + d[None, :, None] * x.astype(jnp.float32)
+    y_tokens = chunks.scatter(y) + d[None, :, None] * x.astype(jnp.float32)
     num_new = query_start_loc[1:] - query_start_loc[:-1]
     last = jnp.clip(query_start_loc[1:] - 1, 0, num_tokens - 1)
-    final = jnp.where((num_new > 0)[:, None, None, None], ends[chunk[last]], initial_states)
+    final = jnp.where((num_new > 0)[:, None, None, None], ends[chunks.chunk[last]], initial_states)
     return y_tokens, final

@@ -214,6 +214,43 @@ def hf_greedy(model, ids: list[int]) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
+def assert_greedy_and_prompt_logprobs_match(llm: LLM, hf_model, batch: list[list[int]]) -> None:
+    """`llm`'s greedy tokens (NUM_GREEDY of each prompt, all in flight) equal `hf_model`'s, and its
+    prompt logprobs equal HF's log-softmax within 1e-4."""
+    from xlaserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf_model, p) for p in batch]
+    for ids, out in zip(batch, outputs):
+        ours = np.array([entry[t].logprob for t, entry in zip(ids[1:], out.prompt_logprobs[1:])])
+        expected = torch.log_softmax(torch.tensor(hf_logits(hf_model, ids)), -1).numpy()
+        np.testing.assert_allclose(ours, expected[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-4)
+
+
+def tokens_with_a_preemption(llm: LLM, victim: list[int], other: list[int], params) -> dict[str, list[int]]:
+    """Greedy tokens of two requests run step by step (`llm` with async_scheduling off), the "victim"
+    preempted once it has 5 tokens (its blocks freed; recomputed from position 0 later)."""
+    from xlaserve.core.outputs import SchedulerOutput
+    from xlaserve.core.request import Request
+
+    core = llm.engine_core
+    core.add_request(Request("other", other, params, eos_token_id=2))
+    core.add_request(Request("victim", victim, params, eos_token_id=2))
+    tokens: dict[str, list[int]] = {"other": [], "victim": []}
+    is_preempted = False
+    while core.has_unfinished_requests():
+        for output in core.step():
+            tokens[output.request_id] += output.new_token_ids
+        if not is_preempted and len(tokens["victim"]) == 5:
+            scheduler = core.scheduler
+            index = next(i for i, r in enumerate(scheduler.running) if r.request_id == "victim")
+            scheduler._preempt(index, SchedulerOutput())
+            is_preempted = True
+    assert is_preempted and core.scheduler.num_preemptions_total >= 1
+    return tokens
+
+
 def rel_err(actual, expected) -> float:
     return float(np.abs(actual - expected).max() / np.abs(expected).max())
 

@@ -10,7 +10,6 @@ The cache is one state slot per request, prefix caching off (core/kv_cache_spec.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -18,16 +17,15 @@ import transformers
 from helpers.family_cases import (
     ENGINE_ARGS,
     NUM_GREEDY,
+    assert_greedy_and_prompt_logprobs_match,
     hf_greedy,
-    hf_logits,
     one_torch_thread,  # noqa: F401 - an autouse fixture
     prompts,
     randomize_weights,
     save_hf_model,
+    tokens_with_a_preemption,
 )
 from xlaserve import LLM, SamplingParams
-from xlaserve.core.outputs import SchedulerOutput
-from xlaserve.core.request import Request
 
 VOCAB = 101
 CONFIG = dict(
@@ -73,32 +71,13 @@ def test_one_state_slot_per_request_and_no_prefix_cache(llm):
 
 
 def test_greedy_tokens_and_prompt_logprobs_match_hugging_face(llm, hf_model):
-    batch = prompts(VOCAB, seed=2)  # 21-45 tokens: prefilled in chunks of 16, four in flight
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf_model, p) for p in batch]
-    for ids, out in zip(batch, outputs):
-        ours = np.array([entry[t].logprob for t, entry in zip(ids[1:], out.prompt_logprobs[1:])])
-        expected = torch.log_softmax(torch.tensor(hf_logits(hf_model, ids)), -1).numpy()
-        np.testing.assert_allclose(ours, expected[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-4)
+    # 21-45 tokens: prefilled in chunks of 16, four in flight
+    assert_greedy_and_prompt_logprobs_match(llm, hf_model, prompts(VOCAB, seed=2))
 
 
 def test_preempted_request_recomputes_the_same_tokens(llm, hf_model):
     """Preempted after 5 tokens (its slot freed), taken up again from position 0 in a slot whose old
     state the step must ignore: the same 16 tokens as one uninterrupted run."""
-    core = llm.engine_core
     first, other = prompts(VOCAB, seed=3)[1], prompts(VOCAB, seed=3)[3]
-    core.add_request(Request("other", other, GREEDY, eos_token_id=2))
-    core.add_request(Request("victim", first, GREEDY, eos_token_id=2))
-    tokens: dict[str, list[int]] = {"other": [], "victim": []}
-    is_preempted = False
-    while core.has_unfinished_requests():
-        for output in core.step():
-            tokens[output.request_id] += output.new_token_ids
-        if not is_preempted and len(tokens["victim"]) == 5:
-            scheduler = core.scheduler
-            victim = next(i for i, r in enumerate(scheduler.running) if r.request_id == "victim")
-            scheduler._preempt(victim, SchedulerOutput())
-            is_preempted = True
-    assert is_preempted and core.scheduler.num_preemptions_total >= 1
+    tokens = tokens_with_a_preemption(llm, first, other, GREEDY)
     assert tokens == {"other": hf_greedy(hf_model, other), "victim": hf_greedy(hf_model, first)}
