@@ -5,6 +5,7 @@ recurrent mixer (a state per request, by slot id): Qwen3.5's Gated DeltaNet, Gra
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ class HybridCacheSpec:
     """The device arrays of a model mixing attention and linear-attention layers (Qwen3.5). The pool's
     block ids size the K/V (`bytes_per_block`); the state slots, one per request that can run, are a
     fixed cost taken from the budget first (`fixed_bytes`). The engine sets `num_state_slots`
-    (`with_state_slots`: max_num_seqs + the null slot). The recurrent state stays float32 whatever
+    (`with_max_num_seqs`: max_num_seqs + the null slot). The recurrent state stays float32 whatever
     the model's dtype, as Hugging Face keeps it."""
 
     attention_layers: tuple[int, ...]  # the model's layer ids, in order
@@ -53,8 +54,9 @@ class HybridCacheSpec:
     def num_arrays(self) -> int:
         return 4
 
-    def with_state_slots(self, num_slots: int) -> HybridCacheSpec:
-        return dataclasses.replace(self, num_state_slots=num_slots)
+    def with_max_num_seqs(self, max_num_seqs: int) -> HybridCacheSpec:
+        """A state slot per request that can run, and the null slot."""
+        return dataclasses.replace(self, num_state_slots=max_num_seqs + 1)
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """The K (and V) array's."""
@@ -74,7 +76,7 @@ class HybridCacheSpec:
     def fixed_bytes(self, itemsize: int) -> int:
         """Bytes of the state slots, whatever the number of blocks."""
         conv, recurrent = self.state_shapes()
-        return _size(conv) * itemsize + _size(recurrent) * 4
+        return math.prod(conv) * itemsize + math.prod(recurrent) * 4
 
     def allocate(self, num_blocks: int, block_size: int, zeros) -> HybridCache:
         if self.num_state_slots < 2:
@@ -84,10 +86,3 @@ class HybridCacheSpec:
         conv, recurrent = self.state_shapes()
         kv = self.shape(num_blocks, block_size)
         return HybridCache(zeros(kv), zeros(kv), zeros(conv), zeros(recurrent, jnp.float32))
-
-
-def _size(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -76,6 +76,15 @@ class KVCacheSpec:
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         return (self.num_layers * num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
+    def with_max_num_seqs(self, max_num_seqs: int):
+        """The spec for an engine running up to `max_num_seqs` requests: the same (its blocks are
+        sized by the budget alone)."""
+        return self
+
+    def fixed_bytes(self, itemsize: int) -> int:
+        """Bytes taken from the budget before blocks are counted: none."""
+        return 0
+
     def bytes_per_block(self, block_size: int, itemsize: int) -> int:
         """Bytes of one block id across all layers and arrays."""
         return self.num_arrays * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize

@@ -58,6 +58,15 @@ class StateCacheSpec:
             (rows, self.num_heads, self.head_dim, self.state_size),
         )
 
+    def with_max_num_seqs(self, max_num_seqs: int):
+        """The spec for an engine running up to `max_num_seqs` requests: the same (its blocks are
+        sized by the budget alone)."""
+        return self
+
+    def fixed_bytes(self, itemsize: int) -> int:
+        """Bytes taken from the budget before blocks are counted: none."""
+        return 0
+
     def bytes_per_block(self, block_size: int, itemsize: int) -> int:
         """Bytes of one slot across all layers (whatever the block size: a slot holds any length)."""
         conv, ssm = self.shapes(1)
@@ -80,6 +89,16 @@ def token_sequences(query_start_loc: jax.Array, num_tokens: int) -> tuple[jax.Ar
     # Empty (padding) sequences are skipped: a token belongs to the last start at or before it.
     seq = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
     return seq, t - query_start_loc[seq]
+
+
+def entering_states(md, rows: jax.Array, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Each sequence's rows of the state `arrays` ([rows, ...] each -> [R, ...]) as it enters the step:
+    zero for a sequence whose first new token is at position 0 (a new request, or one recomputed
+    after preemption: its slot may still hold another request's state). `md`: the step's
+    AttentionMetadata."""
+    qsl = md.query_start_loc
+    is_fresh = (md.kv_lens - (qsl[1:] - qsl[:-1])) == 0  # [R]
+    return tuple(jnp.where(is_fresh.reshape(-1, *(1,) * (a.ndim - 1)), 0, a[rows]) for a in arrays)
 
 
 def ragged_causal_conv1d(

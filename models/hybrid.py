@@ -117,10 +117,12 @@ class HybridDecoderLM(DecoderOnlyLM):
         md = with_shared_rope(cfg, positions, md)  # once per step, for every attention layer
         stacks = self.layer_stacks(cfg)
         defs, states = zip(*(nnx.split(getattr(self, name)) for name in stacks))
-        all_specs = layer_specs(cfg)
+        all_specs = layer_specs(cfg)  # what an attention layer reads per layer (a recurrent one: nothing)
         specs = tuple(
             jax.tree.map(lambda a, ids=list(ids): jnp.asarray(np.asarray(a)[ids]), all_specs)
-            for ids in stacks.values()
+            if kind == FULL
+            else None
+            for kind, ids in zip(period, stacks.values())
         )
 
         def body(carry, xs):

@@ -26,7 +26,13 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata
-from xlaserve.kernels.ssd import MambaCache, StateCacheSpec, ragged_causal_conv1d, ragged_ssd
+from xlaserve.kernels.ssd import (
+    MambaCache,
+    StateCacheSpec,
+    entering_states,
+    ragged_causal_conv1d,
+    ragged_ssd,
+)
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import LayerSpec, Linear, RMSNorm
@@ -157,10 +163,9 @@ class Mamba2Mixer(nnx.Module):
         qsl = md.query_start_loc
         if slots is None:
             slots = md.block_tables[:, 0]  # [R]: each sequence's state slot among this layer's rows
-        num_new = qsl[1:] - qsl[:-1]
-        is_fresh = (md.kv_lens - num_new) == 0  # [R]: starts at position 0, so no earlier state
-        conv_in = jnp.where(is_fresh[:, None, None], 0, cache.conv[slots, 0])  # [R, K - 1, conv_dim]
-        ssm_in = jnp.where(is_fresh[:, None, None, None], 0, cache.ssm[slots])  # [R, H, P, N]
+        conv_in, ssm_in = entering_states(
+            md, slots, cache.conv[:, 0], cache.ssm
+        )  # [R, K-1, Cd], [R, H, P, N]
         bias = None if self.conv1d.bias is None else self.conv1d.bias[...]
         xbc, conv_out = ragged_causal_conv1d(xbc, self.conv1d.weight[...][:, 0], bias, conv_in, qsl)
         xbc = jax.nn.silu(xbc.astype(jnp.float32)).astype(x.dtype)

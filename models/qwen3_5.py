@@ -31,7 +31,7 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.kernels.gated_delta import ragged_gated_delta_rule
 from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
 from xlaserve.kernels.invariant import invariant_mean
-from xlaserve.kernels.ssd import ragged_causal_conv1d
+from xlaserve.kernels.ssd import entering_states, ragged_causal_conv1d
 from xlaserve.models.hybrid import FULL, LINEAR, HybridConfig, HybridDecoderLM
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, Linear, RMSNorm
 from xlaserve.models.mamba2 import DepthwiseConv1d
@@ -124,10 +124,9 @@ class GatedDeltaNet(nnx.Module):
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         qsl = md.query_start_loc
-        num_new = qsl[1:] - qsl[:-1]
-        is_fresh = (md.kv_lens - num_new) == 0  # [R]: starts at position 0, so no earlier state
-        conv_in = jnp.where(is_fresh[:, None, None], 0, cache.conv[rows, 0])  # [R, K - 1, conv_dim]
-        state_in = jnp.where(is_fresh[:, None, None, None], 0, cache.recurrent[rows])  # [R, Hv, Dk, Dv]
+        conv_in, state_in = entering_states(
+            md, rows, cache.conv[:, 0], cache.recurrent
+        )  # [R, K-1, Cd], [R, Hv, Dk, Dv]
         qkv, conv_out = ragged_causal_conv1d(
             self.in_proj_qkv(x), self.conv1d.weight[...][:, 0], None, conv_in, qsl
         )

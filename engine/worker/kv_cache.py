@@ -38,18 +38,14 @@ def num_kv_blocks(cache: CacheConfig, kv_spec: KVCacheSpec, dtype, extra_bytes_p
         limit = stats.get("bytes_limit", 0)
         budget = int(limit * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
     block_bytes = bytes_per_block(kv_spec, cache.block_size, dtype) + extra_bytes_per_block
-    fixed_bytes = getattr(kv_spec, "fixed_bytes", None)  # a hybrid model's state slots come first
-    if fixed_bytes is not None:
-        state_bytes = fixed_bytes(jnp.dtype(dtype).itemsize)
-        if state_bytes + 2 * block_bytes > budget:
-            raise ValueError(
-                f"the state slots of {kv_spec.num_state_slots - 1} requests (max_num_seqs, each "
-                f"{state_bytes // (kv_spec.num_state_slots - 1)} bytes of linear-attention state) take "
-                f"{state_bytes} bytes of the KV cache budget of {budget} bytes, leaving too little for "
-                "attention blocks; lower max_num_seqs (--max-num-seqs) or raise kv_cache_memory/"
-                "gpu_memory_utilization"
-            )
-        budget -= state_bytes
+    fixed_bytes = kv_spec.fixed_bytes(jnp.dtype(dtype).itemsize)  # a hybrid model's state slots come first
+    if fixed_bytes and fixed_bytes + 2 * block_bytes > budget:
+        raise ValueError(
+            f"the per-request state of max_num_seqs requests takes {fixed_bytes} bytes of the KV cache "
+            f"budget of {budget} bytes, leaving too little for attention blocks; lower max_num_seqs "
+            "(--max-num-seqs) or raise kv_cache_memory/gpu_memory_utilization"
+        )
+    budget -= fixed_bytes
     num_blocks = budget // block_bytes
     if num_blocks < 2:
         raise ValueError(

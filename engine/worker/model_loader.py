@@ -111,8 +111,7 @@ def load_model(
                 "layers) cannot be split into pipeline stages yet; use pipeline_parallel_size=1"
             )
         kv_spec = dataclasses.replace(kv_spec, num_layers=len(stage.layers))
-    if hasattr(kv_spec, "with_state_slots"):  # a hybrid model: a state slot per request that can run
-        kv_spec = kv_spec.with_state_slots(config.scheduler.max_num_seqs + 1)
+    kv_spec = kv_spec.with_max_num_seqs(config.scheduler.max_num_seqs)  # a hybrid model's state slots
     backend = get_attention_backend(config.compilation.attention_backend, mla=kv_spec.cache_class is MLACache)
     if config.cache.kv_cache_dtype != "auto":
         if kv_spec.cache_class is MLACache:

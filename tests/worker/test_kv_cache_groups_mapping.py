@@ -60,7 +60,7 @@ def test_a_hybrid_model_has_attention_blocks_and_a_state_slot_pool_paid_first():
     from xlaserve.worker.kv_cache import num_kv_blocks
 
     model_config = model_config_from_hf(complete_config(dict(QWEN3_5)))
-    spec = get_model_class("Qwen3_5ForCausalLM").kv_cache_spec(model_config).with_state_slots(5)
+    spec = get_model_class("Qwen3_5ForCausalLM").kv_cache_spec(model_config).with_max_num_seqs(4)
     config = EngineConfig.from_kwargs(None, block_size=8, max_num_seqs=4, kv_cache_memory=2**16)
     attention, state = kv_cache_groups(spec, model_config, config)
     assert attention.spec == FullAttentionSpec(8) and attention.layer_ids == (1, 3)
