@@ -135,6 +135,7 @@ def validate_attention_args(
     sm_scale,
     sliding_window,
     soft_cap,
+    sinks=None,
 ) -> None:
     """Check the shapes, dtypes and static values of a ragged paged attention call; errors name them."""
     if len(q.shape) != 3 or q.shape[0] < 1:
@@ -175,6 +176,18 @@ def validate_attention_args(
         )
     if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0):
         raise ValueError(f"soft_cap must be None or a float > 0, got {soft_cap!r}")
+    check_sinks(sinks, num_q_heads)
+
+
+def check_sinks(sinks, num_q_heads: int) -> None:
+    """Attention sinks (gpt-oss): None, or one logit per query head, a float array [num_q_heads]."""
+    if sinks is None:
+        return
+    if tuple(jnp.shape(sinks)) != (num_q_heads,) or not jnp.issubdtype(jnp.result_type(sinks), jnp.floating):
+        raise ValueError(
+            f"sinks must be None or a float array [num_q_heads={num_q_heads}], got shape "
+            f"{tuple(jnp.shape(sinks))} dtype {jnp.result_type(sinks)}"
+        )
 
 
 def prepare_kernel_call(
@@ -194,6 +207,7 @@ def prepare_kernel_call(
     num_warps,
     num_stages,
     num_kv_splits=None,
+    sinks=None,
 ) -> tuple[tuple, dict]:
     """The prologue both kernels share: validate, pick the tiling, and split the call into the
     dynamic operands and the static keywords of the private kernel body."""
@@ -208,6 +222,7 @@ def prepare_kernel_call(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        sinks=sinks,
     )
     num_tokens, num_q_heads, _ = q.shape
     tiling = Tiling.resolve(
@@ -229,10 +244,14 @@ def prepare_kernel_call(
         query_start_loc,
         jnp.asarray(num_seqs, jnp.int32),
         jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32),
+        # One logit per query head that every query's softmax counts in its denominator (a key whose
+        # value is zero); zeros and unread when there are none.
+        jnp.zeros((num_q_heads,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32),
     )
     statics = {
         "sm_scale": float(sm_scale),
         "has_window": sliding_window is not None,
+        "has_sinks": sinks is not None,
         "soft_cap": None if soft_cap is None else float(soft_cap),
         "tiling": tiling,
     }

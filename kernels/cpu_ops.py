@@ -166,9 +166,11 @@ def paged_attention(
     active_n: jax.Array,  # [N] bool: inactive queries give zeros
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    sinks_hg: jax.Array | None = None,  # [kv_heads, group] float32: each query head's sink logit
 ) -> jax.Array:  # [N, kv_heads, group, head_dim] float32
     """Each query over its own table's pages, softmax in float32: the reference's `per_query`."""
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
+    sinks = jnp.zeros((1,), jnp.float32) if sinks_hg is None else sinks_hg.astype(jnp.float32).reshape(-1)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_nhgd.shape, jnp.float32))
     return call(
         q_nhgd.astype(jnp.float32),
@@ -178,7 +180,9 @@ def paged_attention(
         position_n.astype(jnp.int32),
         active_n.astype(jnp.int32),
         window,
+        sinks,
         soft_cap=np.float32(soft_cap or 0.0),
+        has_sinks=sinks_hg is not None,
     )
 
 

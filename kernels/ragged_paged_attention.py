@@ -48,6 +48,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     interpret: bool = False,
     block_q: int | None = None,
     block_kv: int | None = None,
@@ -60,7 +61,8 @@ def ragged_paged_attention(
     Same contract as `kernels.reference.ragged_paged_attention`: tokens past
     ``query_start_loc[num_seqs]`` are padding and get zeros; ``sliding_window`` w (an int, or an
     int32 scalar array: a per-layer window under the layer scan) lets a query at position p see keys
-    at positions > p - w; ``soft_cap`` c maps scores s to c * tanh(s / c).
+    at positions > p - w; ``soft_cap`` c maps scores s to c * tanh(s / c); ``sinks`` [num_q_heads]
+    (gpt-oss) adds exp(sink) of each head to its softmax's denominator.
     Block-table entries a context reaches must be valid block ids (padding entries: the null block).
 
     Tuning (static; None picks the default): ``block_q`` new tokens per program (a power of two),
@@ -85,13 +87,14 @@ def ragged_paged_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         num_kv_splits=num_kv_splits,
+        sinks=sinks,
     )
     return _ragged_paged_attention(*operands, **statics, interpret=interpret)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "has_window", "soft_cap", "interpret", "tiling"),
+    static_argnames=("sm_scale", "has_window", "has_sinks", "soft_cap", "interpret", "tiling"),
 )
 def _ragged_paged_attention(
     q,
@@ -102,9 +105,11 @@ def _ragged_paged_attention(
     query_start_loc,
     num_seqs,
     sliding_window,
+    sinks,
     *,
     sm_scale,
     has_window,
+    has_sinks,
     soft_cap,
     interpret,
     tiling,
@@ -123,6 +128,8 @@ def _ragged_paged_attention(
         _kernel,
         sm_scale=sm_scale,
         has_window=has_window,
+        # With split-KV the sinks join when the splits are merged, below: each split's softmax is partial.
+        has_sinks=has_sinks and splits == 1,
         soft_cap=soft_cap,
         block_q=tiling.block_q,
         block_kv=tiling.block_kv,
@@ -148,6 +155,7 @@ def _ragged_paged_attention(
     )(
         num_seqs.reshape(1),
         sliding_window.reshape(1),
+        sinks,
         kv_lens,
         query_start_loc,
         block_tables,
@@ -159,10 +167,12 @@ def _ragged_paged_attention(
     if splits > 1:
         parts, lse = out
         lse_max = jnp.max(lse, axis=0)  # a real token sees itself, so some split's lse is finite
-        weights = jnp.exp(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))  # an empty split weighs 0
-        out = (jnp.sum(weights[..., None] * parts, axis=0) / jnp.sum(weights, axis=0)[..., None]).astype(
-            q.dtype
-        )
+        lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+        weights = jnp.exp(lse - lse_max)  # an empty split weighs 0
+        total = jnp.sum(weights, axis=0)  # [T, Hq]
+        if has_sinks:
+            total = total + jnp.exp(sinks[None, :] - lse_max)
+        out = (jnp.sum(weights[..., None] * parts, axis=0) / total[..., None]).astype(q.dtype)
     # No program writes the rows of padding tokens: they are undefined until zeroed here.
     is_real = jnp.arange(num_tokens) < query_start_loc[num_seqs]
     return jnp.where(is_real[:, None, None], out, jnp.zeros((), out.dtype))
@@ -171,6 +181,7 @@ def _ragged_paged_attention(
 def _kernel(
     num_seqs_ref,  # [1]
     sliding_window_ref,  # [1]: read only if has_window
+    sinks_ref,  # [num_q_heads] float32: read only if has_sinks
     kv_lens_ref,  # [R]
     query_start_loc_ref,  # [R + 1]
     block_tables_ref,  # [R, max_blocks_per_seq]
@@ -181,6 +192,7 @@ def _kernel(
     *lse_ref,  # with splits: float32 [splits, T, num_q_heads]
     sm_scale: float,
     has_window: bool,
+    has_sinks: bool,
     soft_cap: float | None,
     block_q: int,
     block_kv: int,
@@ -249,6 +261,9 @@ def _kernel(
             return online_softmax_step(carry, jnp.where(visible, s, -jnp.inf), v)
 
         init = online_softmax_init(num_rows, head_dim)
+        if has_sinks:  # the sink as a first key of value zero: the max starts at its logit, the sum at 1
+            sink = plgpu.load(sinks_ref.at[kv_head * group + g], mask=row_is_mine, other=0.0)  # [rows, 1]
+            init = (sink, jnp.ones_like(init[1]), init[2])
         first_tile = first_pos // block_kv
         last_tile = (last_pos + block_kv - 1) // block_kv
         if splits > 1:  # this program's share of the tiles; a share may be empty

@@ -117,6 +117,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK,
     tile_queries: int = DEFAULT_TILE_QUERIES,
     tile_kv_tokens: int = DEFAULT_TILE_KV_TOKENS,
@@ -129,6 +130,8 @@ def ragged_paged_attention(
     Tokens past ``query_start_loc[num_seqs]`` are padding: their output is zero.
     ``sliding_window`` w lets a query at position p see keys at positions > p - w.
     ``soft_cap`` c maps scores s to c * tanh(s / c) before the softmax.
+    ``sinks`` [num_q_heads] (gpt-oss): each head's softmax counts exp(sink) in its denominator, as if
+    a key of value zero were always visible (a query may then attend to "nothing").
     The other keywords only choose how the work is split (see the module docstring).
     ``kv_dtype``: the float8 dtype a uint8 cache's words hold (`--kv-cache-dtype fp8`; default e4m3).
     """
@@ -145,7 +148,8 @@ def ragged_paged_attention(
     value_dtype = q.dtype if k_cache.dtype == jnp.uint16 else k_cache.dtype
     if k_cache.dtype == jnp.uint8:  # a float8 cache stored as words: pages seen as float8, then widened
         value_dtype = jnp.dtype(kv_dtype or FP8_E4M3)
-    attend = _Attend(k_cache, v_cache, sliding_window, soft_cap, value_dtype)
+    sinks_kg = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+    attend = _Attend(k_cache, v_cache, sliding_window, soft_cap, value_dtype, sinks_kg)
 
     seq, position, is_real = token_positions(num_tokens, kv_lens, query_start_loc, num_seqs)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -203,11 +207,22 @@ def _round_up(n: int, multiple: int) -> int:
 class _Attend:
     """Online-softmax attention over page chunks of one layer's cache, for a set of queries."""
 
-    def __init__(self, k_cache, v_cache, sliding_window, soft_cap, value_dtype):
+    def __init__(self, k_cache, v_cache, sliding_window, soft_cap, value_dtype, sinks_kg=None):
         self.k_cache, self.v_cache = k_cache, v_cache
         self.value_dtype = value_dtype
         self.block_size = k_cache.shape[1]
         self.sliding_window, self.soft_cap = sliding_window, soft_cap
+        self.sinks_kg = sinks_kg  # [kv_heads, group] float32, or None
+
+    def init(self, shape, head_dim, sink_rows=None):
+        """The running (max, sum, accumulator) of rows `shape` before any key: -inf, 0, 0; with sinks,
+        each row's sink logit and exp(0) = 1, the sink being a first key of value zero.
+        `sink_rows(sinks_kg)` lays the [kv_heads, group] sinks out as the rows (default: trailing)."""
+        m, l, acc = _init(shape, head_dim)
+        if self.sinks_kg is None:
+            return m, l, acc
+        sinks = self.sinks_kg if sink_rows is None else sink_rows(self.sinks_kg)
+        return jnp.broadcast_to(sinks, shape), jnp.ones(shape, jnp.float32), acc
 
     def chunk_range(self, first_position, last_position, chunk_len):
         """Loop bounds over chunks of chunk_len keys covering what queries at positions in
@@ -271,6 +286,7 @@ class _Attend:
                 active_nf.reshape(-1),
                 self.sliding_window,
                 self.soft_cap,
+                self.sinks_kg,
             )
             return out.reshape(n, f, num_kv_heads, group, head_dim)
         chunk_len = pages_per_chunk * self.block_size
@@ -290,7 +306,7 @@ class _Attend:
             mask = visible[:, :, None, None, :]
             return self.update(carry, s, mask, lambda p: jnp.einsum("nfkgs,nskd->nfkgd", p, v))
 
-        carry = jax.lax.fori_loop(start, stop, chunk, _init((n, f, num_kv_heads, group), head_dim))
+        carry = jax.lax.fori_loop(start, stop, chunk, self.init((n, f, num_kv_heads, group), head_dim))
         return _normalize(carry)
 
     def _folded(self, q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, start, stop):
@@ -326,7 +342,8 @@ class _Attend:
                 lambda p: jnp.einsum("nhs,nsc->nhc", p.astype(dtype), v, preferred_element_type=jnp.float32),
             )
 
-        m, l, acc = jax.lax.fori_loop(start, stop, chunk, _init((n, rows), width))
+        init = self.init((n, rows), width, lambda s_kg: jnp.broadcast_to(s_kg, (f, *s_kg.shape)).reshape(-1))
+        m, l, acc = jax.lax.fori_loop(start, stop, chunk, init)
         acc_nfkgjd = acc.reshape(n, f, num_kv_heads, group, num_kv_heads, head_dim)
         acc_nfkgd = jnp.einsum("nfkgjd,kj->nfkgd", acc_nfkgjd, eye)  # keep the k' = k blocks
         return _normalize((m, l.reshape(n, f, num_kv_heads, group), acc_nfkgd))
@@ -367,7 +384,11 @@ class _Attend:
                 s = jnp.einsum("kmd,ksd->kms", q_kmd, k)
                 return self.update(carry, s, mask, lambda p: jnp.einsum("kms,ksd->kmd", p, v))
 
-            init = _init((num_kv_heads, group * tile_queries), head_dim)
+            init = self.init(
+                (num_kv_heads, group * tile_queries),
+                head_dim,
+                lambda s_kg: jnp.repeat(s_kg, tile_queries, axis=1),  # rows (g, q) of each KV head
+            )
             out_kmd = _normalize(jax.lax.fori_loop(start, stop, chunk, init))
             out_qkgd = out_kmd.reshape(num_kv_heads, group, tile_queries, head_dim).transpose(2, 0, 1, 3)
             old = jax.lax.dynamic_slice_in_dim(out_pad, q_start, tile_queries)

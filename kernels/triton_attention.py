@@ -26,6 +26,7 @@ from xlaserve.kernels.attention_args import Tiling, next_power_of_2, num_q_block
 def _attention_kernel(
     num_seqs_ptr,  # [1] int32
     sliding_window_ptr,  # [1] int32: read only if HAS_WINDOW
+    sinks_ptr,  # [NUM_Q_HEADS] float32: read only if HAS_SINKS
     kv_lens_ptr,  # [R] int32
     query_start_loc_ptr,  # [R + 1] int32
     block_tables_ptr,  # [R, MAX_BLOCKS] int32
@@ -35,6 +36,7 @@ def _attention_kernel(
     o_ptr,  # [T, NUM_Q_HEADS, HEAD_DIM]
     SM_SCALE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     SOFT_CAP: tl.constexpr,  # 0.0: none
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -88,6 +90,9 @@ def _attention_kernel(
         m = tl.full([BLOCK_Q * PADDED_GROUP], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_Q * PADDED_GROUP], tl.float32)
         acc = tl.zeros([BLOCK_Q * PADDED_GROUP, HEAD_DIM], tl.float32)
+        if HAS_SINKS:  # the sink as a first key of value zero: the max starts at its logit, the sum at 1
+            m = tl.load(sinks_ptr + kv_head * GROUP + g, mask=is_mine, other=0.0)
+            l = tl.full([BLOCK_Q * PADDED_GROUP], 1.0, tl.float32)
         for i in range(first_pos // BLOCK_KV, (last_pos + BLOCK_KV - 1) // BLOCK_KV):
             kv_pos = i * BLOCK_KV + tl.arange(0, BLOCK_KV)
             in_context = kv_pos < kv_len
@@ -150,6 +155,7 @@ def kernel_params(
     has_window,
     soft_cap,
     tiling: Tiling,
+    has_sinks: bool = False,
     interpreted: bool = False,
 ) -> tuple[tuple[int, int], dict]:
     """-> (grid, constexpr parameters) of one launch."""
@@ -161,6 +167,7 @@ def kernel_params(
     params = {
         "SM_SCALE": float(sm_scale),
         "HAS_WINDOW": bool(has_window),
+        "HAS_SINKS": bool(has_sinks),
         "SOFT_CAP": float(soft_cap or 0.0),
         "NUM_Q_HEADS": num_q_heads,
         "NUM_KV_HEADS": num_kv_heads,
@@ -195,13 +202,14 @@ def launch_kernel(
     sm_scale,
     sliding_window=None,
     soft_cap=None,
+    sinks=None,
     tiling: Tiling,
     dtype,
 ) -> None:
     """Launch `kernel` on tensors Triton takes directly (torch on GPU, or torch on CPU under the
     interpreter), writing `out` [T, Hq, D]. `num_seqs` and `sliding_window` (when not None) are [1]
-    int32 tensors; `dtype` is q's dtype as a JAX dtype. Rows of padding tokens are left as they were
-    (the JAX wrapper zeroes them)."""
+    int32 tensors, `sinks` (when not None) a [Hq] float32 one; `dtype` is q's dtype as a JAX dtype.
+    Rows of padding tokens are left as they were (the JAX wrapper zeroes them)."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     grid, params = kernel_params(
         tuple(q.shape),
@@ -212,6 +220,7 @@ def launch_kernel(
         has_window=sliding_window is not None,
         soft_cap=soft_cap,
         tiling=tiling,
+        has_sinks=sinks is not None,
         interpreted=not isinstance(kernel, triton.runtime.JITFunction),
     )
     k_rows = k_cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
@@ -219,6 +228,7 @@ def launch_kernel(
     kernel[grid](
         num_seqs,
         num_seqs if sliding_window is None else sliding_window,
+        q if sinks is None else sinks,  # any tensor where there are none: never read
         kv_lens,
         query_start_loc,
         block_tables,
@@ -244,6 +254,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     interpret: bool = False,
     block_q: int | None = None,
     block_kv: int | None = None,
@@ -272,11 +283,12 @@ def ragged_paged_attention(
         block_kv=block_kv,
         num_warps=num_warps,
         num_stages=num_stages,
+        sinks=sinks,
     )
     return _ragged_paged_attention(*operands, **statics)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "soft_cap", "tiling"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "has_window", "has_sinks", "soft_cap", "tiling"))
 def _ragged_paged_attention(
     q,
     k_cache,
@@ -286,9 +298,11 @@ def _ragged_paged_attention(
     query_start_loc,
     num_seqs,
     sliding_window,
+    sinks,
     *,
     sm_scale,
     has_window,
+    has_sinks,
     soft_cap,
     tiling,
 ):
@@ -305,10 +319,12 @@ def _ragged_paged_attention(
         has_window=has_window,
         soft_cap=soft_cap,
         tiling=tiling,
+        has_sinks=has_sinks,
     )
     out = jax_triton.triton_call(
         num_seqs.reshape(1),
         sliding_window.reshape(1),
+        sinks,
         kv_lens,
         query_start_loc,
         block_tables,

@@ -48,8 +48,9 @@ inline float ExpNonPositive(float x) {
 }
 
 // Each of `rows` score rows of `len` in place -> exp(s - max), its sum in total[row] (0 where nothing
-// is visible: the output stays zero).
-inline void Softmax(float* scores, int64_t rows, int64_t len, float* total) {
+// is visible: the output stays zero). With `sinks` (one logit per row, gpt-oss), each row's sink is a
+// further key of value zero: it takes part in the max and adds exp(sink - max) to the sum.
+inline void Softmax(float* scores, int64_t rows, int64_t len, float* total, const float* sinks) {
   for (int64_t row = 0; row < rows; ++row) {
     float* sg = scores + row * len;
     float m = -std::numeric_limits<float>::infinity();
@@ -57,6 +58,10 @@ inline void Softmax(float* scores, int64_t rows, int64_t len, float* total) {
     total[row] = 0.0f;
     if (!std::isfinite(m)) continue;
     float l = 0.0f;
+    if (sinks != nullptr) {
+      m = std::max(m, sinks[row]);
+      l = ExpNonPositive(sinks[row] - m);
+    }
 #pragma omp simd reduction(+ : l)
     for (int64_t t = 0; t < len; ++t) {
       sg[t] = ExpNonPositive(sg[t] - m);
@@ -75,6 +80,7 @@ struct Problem {
   const int32_t* active;     // [N]: 0 -> output zeros
   int64_t window;            // > 0: keys at positions > position - window only
   float soft_cap;            // > 0: scores s -> cap * tanh(s / cap)
+  const float* sinks;        // [H, G] sink logits, or nullptr
   int64_t num_queries, num_heads, group, head_dim, block_size, max_blocks, num_blocks;
   float* out;  // [N, H, G, D]
 };
@@ -143,7 +149,7 @@ void AttendOne(const Problem& p, int64_t task, std::vector<float>& scores, std::
     }
   });
   float total[64];  // group sizes are small (query heads per KV head)
-  Softmax(scores.data(), g_count, len, total);
+  Softmax(scores.data(), g_count, len, total, p.sinks == nullptr ? nullptr : p.sinks + h * g_count);
   for_each_row(p.v, [&](int64_t t, const uint16_t* value) {
 #pragma omp simd
     for (int64_t j = 0; j < d; ++j) r[j] = Bf16ToF32(value[j]);
@@ -226,7 +232,7 @@ void AttendQueryFixed(const Problem& p, int64_t i, std::vector<float>& scores) {
     });
   }
   float total[kMaxKvHeads * G];
-  Softmax(scores.data(), heads * G, len, total);
+  Softmax(scores.data(), heads * G, len, total, p.sinks);
   Vec acc[kMaxKvHeads][G][C] = {};
   for (int64_t h = 0; h < heads; ++h) {
     Vec ah[G][C] = {};  // in registers over the rows
@@ -279,7 +285,8 @@ AttendFn FixedFor(int64_t head_dim, int64_t group, int64_t num_heads) {
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U16> k_cache,
                               ffi::Buffer<ffi::U16> v_cache, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> active,
-                              ffi::Buffer<ffi::S32> window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks, float soft_cap,
+                              bool has_sinks, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = tables.dimensions();
@@ -292,9 +299,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     return ffi::Error::InvalidArgument("paged_attention: mismatched q, cache and table shapes");
   }
   if (qd[2] > 64) return ffi::Error::InvalidArgument("paged_attention: more than 64 query heads per KV head");
+  if (has_sinks && sinks.element_count() != static_cast<size_t>(qd[1] * qd[2])) {
+    return ffi::Error::InvalidArgument("paged_attention: sinks must hold one logit per query head");
+  }
   const Problem problem{q.typed_data(),   k_cache.typed_data(), v_cache.typed_data(),
                         tables.typed_data(), positions.typed_data(), active.typed_data(),
                         window.typed_data()[0], soft_cap,
+                        has_sinks ? sinks.typed_data() : nullptr,
                         qd[0], qd[1], qd[2], qd[3], kd[1], td[1], kd[0], out->typed_data()};
   const AttendFn fixed = FixedFor(qd[3], qd[2], qd[1]);
   const int64_t num_tasks = fixed != nullptr ? qd[0] : qd[0] * qd[1];  // per query, or per (query, head)
@@ -321,5 +332,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("soft_cap")
+                                  .Attr<bool>("has_sinks")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -42,6 +42,7 @@ class AttnConfig:
     dtype: str = "float32"
     sliding_window: int | None = None
     soft_cap: float | None = None
+    sinks: bool = False  # one sink logit per query head (gpt-oss)
     layout: Layout = Layout()
     tokens_per_chunk: int = 64  # the reference's page chunk
     # MLA (DeepSeek): one KV head of kv_lora_rank + rope_dim numbers whose first latent_rank (the
@@ -54,7 +55,9 @@ CONFIGS = {
     "gqa2": AttnConfig(4, 2),
     "gqa8_window": AttnConfig(8, 1, sliding_window=21),
     "gqa2_window_cap": AttnConfig(4, 2, sliding_window=5, soft_cap=2.0),
+    "gqa2_window_sinks": AttnConfig(4, 2, sliding_window=21, sinks=True),
     "bfloat16": AttnConfig(4, 2, dtype="bfloat16"),
+    "bfloat16_sinks": AttnConfig(4, 2, dtype="bfloat16", sinks=True),
     # A block size that divides neither the chunk nor the contexts, one page per chunk.
     "block5_chunk1": AttnConfig(
         8, 2, layout=Layout(block_size=5, max_blocks_per_seq=41, num_blocks=160), tokens_per_chunk=5
@@ -85,8 +88,9 @@ MLA_CONFIGS = {
 }
 
 
-def reference_attention(q, k_ctx, v_ctx, *, sm_scale, sliding_window, soft_cap):
-    """One sequence in float64: q [n, Hq, D] are the last n positions of k_ctx/v_ctx [L, Hkv, D]."""
+def reference_attention(q, k_ctx, v_ctx, *, sm_scale, sliding_window, soft_cap, sinks=None):
+    """One sequence in float64: q [n, Hq, D] are the last n positions of k_ctx/v_ctx [L, Hkv, D].
+    `sinks` [Hq]: a further logit per head in the softmax's denominator (HF's gpt-oss eager path)."""
     q, k_ctx, v_ctx = (np.asarray(x, np.float64) for x in (q, k_ctx, v_ctx))
     n, num_q_heads, _ = q.shape
     context_len, num_kv_heads, _ = k_ctx.shape
@@ -101,8 +105,12 @@ def reference_attention(q, k_ctx, v_ctx, *, sm_scale, sliding_window, soft_cap):
     if sliding_window is not None:
         visible &= kv_pos > q_pos - sliding_window
     scores = np.where(visible[None], scores, -np.inf)
+    if sinks is not None:
+        scores = np.concatenate([scores, np.broadcast_to(sinks[:, None, None], (num_q_heads, n, 1))], -1)
     probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
     probs /= probs.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        probs = probs[..., :-1]  # the sink's value is zero
     return np.einsum("hnl,hld->nhd", probs, v_hld)
 
 
@@ -130,6 +138,7 @@ class Case:
     expected: np.ndarray  # [T, Hq, D] float64; padding rows 0
     num_real_tokens: int
     contexts: list  # per sequence: (blocks, k_ctx, v_ctx)
+    sinks: np.ndarray | None = None  # [Hq] float32 when cfg.sinks
 
     @property
     def sm_scale(self) -> float:
@@ -176,6 +185,8 @@ def build_case(
     k_new = _fill(pad_rng, (lay.num_tokens, hkv, dim), dtype)
     v_new = _fill(pad_rng, (lay.num_tokens, hkv, dim), dtype)
     expected = np.zeros((lay.num_tokens, hq, dim))
+    # Sink logits around the scores' scale, so that some heads give the sink most of the weight.
+    sinks = (2.0 * rng.standard_normal(hq)).astype(np.float32) if cfg.sinks else None
     contexts = []
     offset = 0
     for row, (context_len, n) in enumerate(seqs):
@@ -206,6 +217,7 @@ def build_case(
             sm_scale=dim**-0.5,
             sliding_window=cfg.sliding_window,
             soft_cap=cfg.soft_cap,
+            sinks=None if sinks is None else sinks.astype(np.float64),
         )
         contexts.append((blocks, k_ctx, v_ctx))
         offset += n
@@ -232,6 +244,7 @@ def build_case(
         expected,
         offset,
         contexts,
+        sinks,
     )
 
 
@@ -295,6 +308,7 @@ def run_case(
         sm_scale=case.sm_scale,
         sliding_window=window,
         soft_cap=cfg.soft_cap,
+        **({} if case.sinks is None else {"sinks": case.sinks}),
     )
     assert out.dtype == dtype and out.shape == case.q.shape
     info = {"num_real_tokens": case.num_real_tokens, "contexts": case.contexts}

@@ -112,6 +112,7 @@ def run_interpreted(cfg: AttnConfig, seqs, seed: int, **case_kw):
         sm_scale=case.sm_scale,
         sliding_window=None if cfg.sliding_window is None else ints([cfg.sliding_window]),
         soft_cap=cfg.soft_cap,
+        sinks=None if case.sinks is None else torch.tensor(case.sinks),
         tiling=tiling,
         dtype=cfg.dtype,
     )
@@ -155,6 +156,8 @@ def attention_bad_arguments(op: Callable):
         ({"sm_scale": 0.0}, "sm_scale"),
         ({"sliding_window": 0}, "sliding_window must be >= 1"),
         ({"soft_cap": -1.0}, "soft_cap"),
+        ({"sinks": jnp.zeros(3, jnp.float32)}, "sinks must be None or a float array [num_q_heads=4]"),
+        ({"sinks": jnp.zeros(4, jnp.int32)}, "sinks must be None or a float array"),
         ({"block_q": 3}, "block_q must be a power of two"),
         ({"block_kv": 8}, "block_kv must be a power of two >= 16"),
     ]

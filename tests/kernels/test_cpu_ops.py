@@ -36,8 +36,10 @@ CPU_CONFIGS = {
     "smollm2": _config(9, 3, 64),
     "d128_gqa4_cap": _config(8, 2, 128, soft_cap=2.0),
     "d64_mha_window": _config(2, 2, 64, sliding_window=21),
+    "d64_gqa4_window_sinks": _config(8, 2, 64, sliding_window=21, sinks=True),  # gpt-oss's layers
     # No compiled-in form (head_dim 16, group 5): the generic loop, one task per (query, KV head).
     "generic_gqa5": _config(10, 2, 16, sliding_window=9),
+    "generic_gqa5_sinks": _config(10, 2, 16, sinks=True),
     # A block size that divides neither the contexts nor 16.
     "block5": _config(6, 2, 64, layout={"block_size": 5, "max_blocks_per_seq": 41, "num_blocks": 160}),
 }

@@ -102,11 +102,12 @@ def test_tilings_agree(tiling):
 
 @pytest.mark.parametrize("batch", ["decode", "mixed"])
 @pytest.mark.parametrize("num_kv_splits", [2, 7])
-@pytest.mark.parametrize("config", ["gqa2", "gqa8_window"])
+@pytest.mark.parametrize("config", ["gqa2", "gqa8_window", "gqa2_window_sinks"])
 def test_split_kv_matches_float64_reference(config, num_kv_splits, batch):
     """Split-KV: each query block's context tiles shared out over programs, partial softmaxes merged
     by log-sum-exp. 7 splits of a 13-tile context (200 tokens) leave the last split short; a short
-    context or a sliding window (gqa8_window: 21 tokens) leaves splits empty."""
+    context or a sliding window (gqa8_window: 21 tokens) leaves splits empty. Sinks join at the merge
+    (counted once, not once per split)."""
     cfg = CONFIGS[config]
     seqs = BATCHES[batch](cfg.layout.block_size)
     op = _tiled_op(block_kv=16, num_kv_splits=num_kv_splits)
@@ -147,6 +148,16 @@ def test_lowers_for_cuda(config):
         pallas.ragged_paged_attention, sm_scale=0.1, sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap
     )
     text = jax.jit(fn).trace(*_args(cfg)).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_sinks_lower_for_cuda(num_kv_splits):
+    """gpt-oss's sinks: one more (float32) operand of the same single Triton call."""
+    cfg = KERNEL_CONFIGS["bfloat16"]
+    fn = partial(pallas.ragged_paged_attention, sm_scale=0.1, sliding_window=21, num_kv_splits=num_kv_splits)
+    sinks = jax.ShapeDtypeStruct((cfg.num_q_heads,), jnp.float32)
+    text = jax.jit(fn).trace(*_args(cfg), sinks=sinks).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
 
 
