@@ -49,6 +49,7 @@ class TransformerConfig:
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all full
     local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma3), unscaled
     attn_output_gate: bool = False  # q_proj also gives a gate per head: out * sigmoid(gate) (Qwen3.5)
+    attention_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss)
 
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:

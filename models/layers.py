@@ -156,7 +156,8 @@ class Attention(nnx.Module):
 
     From cfg: biases on q/k/v (attention_bias) and on o_proj (attention_out_bias), an RMSNorm over
     each head of q and k before RoPE (qk_norm: Qwen3, Gemma3), the score scale
-    (query_pre_attn_scalar), score soft-capping, partial RoPE. Per layer, from `spec`: the RoPE
+    (query_pre_attn_scalar), score soft-capping, partial RoPE, an output gate (Qwen3.5), a sink
+    logit per head (gpt-oss: the softmax may give weight to no key). Per layer, from `spec`: the RoPE
     frequencies and the sliding window. A family with fused projections overrides `project_qkv`.
     """
 
@@ -169,6 +170,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, offset=cfg.norm_offset, dtype=dtype)
+        self.sinks = nnx.Param(jnp.zeros((cfg.num_heads,), dtype)) if cfg.attention_sinks else None
 
     def init_projections(self, cfg: TransformerConfig, *, dtype, rngs: nnx.Rngs) -> None:
         d, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
@@ -219,6 +221,7 @@ class Attention(nnx.Module):
             sm_scale=cfg.attention_scale,
             sliding_window=_sliding_window(cfg, spec),
             soft_cap=cfg.attn_logit_softcap,
+            **({} if self.sinks is None else {"sinks": self.sinks[...].astype(jnp.float32)}),
         )
         out = out.reshape(num_tokens, -1)
         if gate is not None:

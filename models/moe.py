@@ -126,6 +126,10 @@ def route(
 # -- experts ---------------------------------------------------------------------------------------
 
 
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
 def grouped_expert_mlp(
     x: jax.Array,  # [T, D]
     weights: jax.Array,  # [T, K] routing weights
@@ -133,12 +137,16 @@ def grouped_expert_mlp(
     w_gate: jax.Array,  # [E, D, F]
     w_up: jax.Array,  # [E, D, F]
     w_down: jax.Array,  # [E, F, D]
+    *,
+    glu=swiglu,  # (gate, up) -> the down projection's input
+    biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,  # [E, F], [E, F], [E, D] (gpt-oss)
 ) -> jax.Array:  # [T, D]
-    """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = expert_ids[t, k].
+    """sum_k weights[t, k] * down_e(glu(gate_e(x_t), up_e(x_t))) with e = expert_ids[t, k].
 
     The T*K (token, expert) pairs are sorted by expert, so `group_sizes[e]` consecutive rows belong
-    to expert e and each projection is one `ragged_dot`; the results are unsorted and summed over k
-    in a fixed order (deterministic, unlike a scatter-add).
+    to expert e and each projection is one `ragged_dot` (plus, with `biases`, each row's expert's
+    bias); the results are unsorted and summed over k in a fixed order (deterministic, unlike a
+    scatter-add).
     """
     num_tokens, top_k = expert_ids.shape
     num_experts = w_gate.shape[0]
@@ -148,32 +156,42 @@ def grouped_expert_mlp(
     x_sorted = x[order // top_k]  # [T*K, D]
     gate = jax.lax.ragged_dot(x_sorted, w_gate, group_sizes)
     up = jax.lax.ragged_dot(x_sorted, w_up, group_sizes)
-    out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [T*K, D]
+    if biases is not None:
+        sorted_ids = flat_ids[order]  # [T*K]: each row's expert
+        gate, up = gate + biases[0][sorted_ids], up + biases[1][sorted_ids]
+    out_sorted = jax.lax.ragged_dot(glu(gate, up), w_down, group_sizes)  # [T*K, D]
+    if biases is not None:
+        out_sorted = out_sorted + biases[2][sorted_ids]
     out_pairs = jnp.zeros_like(out_sorted).at[order].set(out_sorted)  # back to [t, k] order
     out_tkd = out_pairs.reshape(num_tokens, top_k, -1).astype(jnp.float32)
     return jnp.einsum("tkd,tk->td", out_tkd, weights.astype(jnp.float32)).astype(x.dtype)
 
 
 class Router(nnx.Module):
-    """The router ("gate"): logits = x @ W in float32, W stored [D, E]; DeepSeek V3's score bias."""
+    """The router ("gate"): logits = x @ W (+ b, gpt-oss) in float32, W stored [D, E]; DeepSeek V3's
+    score bias."""
 
-    def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs, use_bias: bool = False):
         init = jax.nn.initializers.normal(0.02)
         self.kernel = nnx.Param(init(rngs.params(), (cfg.hidden_size, cfg.num_experts), dtype))
+        self.bias = nnx.Param(jnp.zeros((cfg.num_experts,), dtype)) if use_bias else None
         self.e_score_correction_bias = (
             nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32)) if cfg.has_score_correction_bias else None
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, E] float32
-        return x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32)
+        logits = x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32)
+        return logits if self.bias is None else logits + self.bias[...].astype(jnp.float32)
 
 
 class ExpertLinear(QuantizedKernel, nnx.Module):
-    """One [in, out] matrix per expert, stacked: kernel [E, in, out] (quantizable: scales [E, out])."""
+    """One [in, out] matrix per expert, stacked: kernel [E, in, out] (quantizable: scales [E, out]),
+    and with `use_bias` a bias per expert, [E, out]."""
 
-    def __init__(self, num_experts: int, din: int, dout: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, num_experts: int, din: int, dout: int, *, dtype, rngs: nnx.Rngs, use_bias=False):
         init = jax.nn.initializers.normal(0.02)
         self.kernel = nnx.Param(init(rngs.params(), (num_experts, din, dout), dtype))
+        self.bias = nnx.Param(jnp.zeros((num_experts, dout), dtype)) if use_bias else None
 
 
 class SparseMoeBlock(nnx.Module):

@@ -21,6 +21,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from xlaserve.models.mxfp4 import decode_mxfp4_tensors
 from xlaserve.models.quantization import QUANT_DTYPES, QuantizedTensor, QuantScheme
 
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -54,10 +55,12 @@ def quantization_scheme(
     elif kind == "compressed-tensors":
         scheme = QuantScheme(QUANT_DTYPES["fp8"], checkpoint_only=True)
         tensors = _compressed_tensors(config, tensors)
+    elif kind == "mxfp4":  # gpt-oss's experts: decoded to bfloat16 here (no 4-bit matmul), then as asked
+        return QuantScheme.from_method(method), decode_mxfp4_tensors(tensors)
     else:
         raise ValueError(
             f"quantization_config.quant_method={kind!r} is not supported: expected 'fp8' (block or "
-            "per-tensor scales) or 'compressed-tensors' (8-bit float weights)"
+            "per-tensor scales), 'compressed-tensors' (8-bit float weights) or 'mxfp4' (decoded at load)"
         )
     if method == "int8":
         scheme = QuantScheme.from_method(method)  # requantized from the dequantized weights

@@ -12,6 +12,7 @@ from xlaserve.models.bert import BertModel, RobertaModel
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from xlaserve.models.gpt_oss import GptOssForCausalLM
 from xlaserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from xlaserve.models.interfaces import CAUSAL_LM_MEMBERS, CausalLM
 from xlaserve.models.llama import LlamaForCausalLM
@@ -42,6 +43,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    # Attention sinks, alternating sliding/full layers, biased experts (models/gpt_oss.py).
+    "GptOssForCausalLM": GptOssForCausalLM,
     # State-space: a state slot per request instead of K/V (kernels/ssd.py, core/kv_cache_spec.py).
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     # Hybrid: linear-attention layers (a state slot) beside attention layers (paged K/V): models/qwen3_5.py.

@@ -38,13 +38,25 @@ def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> Atte
     kernel = backend.attention
 
     def attention(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sliding_window=None, **kw
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        *,
+        sliding_window=None,
+        sinks=None,
+        **kw,
     ):
         # A traced window (a per-layer value under the layer scan) enters as a replicated operand;
-        # None and Python ints stay static.
+        # None and Python ints stay static. Sinks (one per query head) are split like the query heads.
         traced_window = isinstance(sliding_window, jax.Array)
 
-        def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *window):
+        def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *extra):
+            extra = list(extra)
+            local_sinks = extra.pop(0) if sinks is not None else None
             return kernel(
                 q,
                 k_cache,
@@ -53,13 +65,17 @@ def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> Atte
                 block_tables,
                 query_start_loc,
                 num_seqs,
-                sliding_window=window[0] if traced_window else sliding_window,
+                sliding_window=extra[0] if traced_window else sliding_window,
+                **({} if sinks is None else {"sinks": local_sinks}),
                 **kw,
             )
 
         operands = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
-        operands += (sliding_window,) if traced_window else ()
-        in_specs = (heads, cache, cache) + (replicated,) * (len(operands) - 3)
+        in_specs = (heads, cache, cache) + (replicated,) * 4
+        if sinks is not None:
+            operands, in_specs = operands + (sinks,), in_specs + (PartitionSpec(axis),)
+        if traced_window:
+            operands, in_specs = operands + (sliding_window,), in_specs + (replicated,)
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*operands)
 
     mla_kernel = backend.mla_attention

@@ -52,6 +52,11 @@ PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("experts_up", "kernel"): ("expert", "embed", "expert_mlp"),
     ("experts_down", "kernel"): ("expert", "expert_mlp", "embed"),
     ("gate", "kernel"): ("embed", "router"),
+    # gpt-oss: biases per expert, split like the experts' outputs; a sink logit per query head.
+    ("experts_gate", "bias"): ("expert", "expert_mlp"),
+    ("experts_up", "bias"): ("expert", "expert_mlp"),
+    ("experts_down", "bias"): ("expert", "embed"),
+    ("self_attn", "sinks"): ("q_heads",),
 }
 
 # Parameters beside a quantized kernel (models/quantization.py), sharded by the kernel's rule.

@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE and DeepSeek V2/V3 against Hugging Face, on tiny random checkpoints.
+"""Mixtral, Qwen3-MoE, gpt-oss and DeepSeek V2/V3 against Hugging Face, on tiny random checkpoints.
 
 Each family: a random HF model (float32, a few layers, 4-8 experts with top-2, GQA where the family
 has it; DeepSeek with a dense first layer, grouped routing, small LoRA ranks, V3 with YaRN) saved as
@@ -90,6 +90,32 @@ FAMILIES = {
             num_experts=8,
             num_experts_per_tok=2,
             norm_topk_prob=True,
+        ),
+    ),
+    # Sinks, a sliding layer (8 tokens: the 54-token prompt's queries see past it) beside a full one,
+    # biased router and experts, a clamp low enough to bind (1.5), YaRN.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
         ),
     ),
     "deepseek_v3": (

@@ -110,6 +110,30 @@ def test_moe_expert_parallel_matches_one_device(tp_worker, tiny_qwen3_moe):
 
 
 @pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory):
+    from helpers.tiny_models import save_tiny_model, small_byte_tokenizer
+
+    return save_tiny_model(
+        str(tmp_path_factory.mktemp("tiny_gpt_oss")),
+        "GptOss",
+        tokenizer=small_byte_tokenizer(),
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=8,
+    )
+
+
+def test_gpt_oss_sinks_and_biased_experts_under_tensor_parallelism(tp_worker, tiny_gpt_oss):
+    # The sinks split like the query heads (into the attention's shard_map with them: 2 heads a rank),
+    # whole experts to ranks with their biases. (Without expert parallelism each expert's MLP and its
+    # biases split instead: qwen3_moe's TP 2 case above runs that path, bias aside.)
+    layouts = [{}, {"tensor_parallel_size": 4, "enable_expert_parallel": True}]
+    assert_same_as_first(tp_worker.run("generate", tiny_gpt_oss, layouts))
+
+
+@pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
     from helpers.tiny_models import save_tiny_model
 
