@@ -38,7 +38,8 @@ def chat_sampling_params(
 ) -> SamplingParams:
     """The request's SamplingParams, with the grammar of its tool plan (or its own response_format),
     gated by the reasoning parser (structured output applies to the answer: it starts once the
-    thinking has ended), and special tokens kept when the tool parser's tags are special tokens."""
+    thinking has ended), and special tokens kept when the tool or reasoning parser's tags are special
+    tokens."""
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     params = make_sampling_params(req, max_tokens, top_n)
     changes = {}
@@ -50,6 +51,8 @@ def chat_sampling_params(
         changes["structured_outputs"] = spec
     tool_parser_cls = state.tool_parser_cls
     if plan.choice == "auto" and tool_parser_cls is not None and tool_parser_cls.keeps_special_tokens:
+        changes["skip_special_tokens"] = False
+    if reasoning is not None and reasoning.keeps_special_tokens:  # its markers are special tokens
         changes["skip_special_tokens"] = False
     return dataclasses.replace(params, **changes) if changes else params
 

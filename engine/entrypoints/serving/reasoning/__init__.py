@@ -8,9 +8,10 @@ from xlaserve.entrypoints.serving.reasoning.base import (
     ReasoningDelta,
     ReasoningParser,
 )
+from xlaserve.entrypoints.serving.reasoning.harmony import GptOssReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GptOssReasoningParser)
 }
 
 

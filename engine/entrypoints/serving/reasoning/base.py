@@ -33,12 +33,13 @@ class ReasoningParser:
     start_tag: ClassVar[str] = "<think>"
     end_tag: ClassVar[str] = "</think>"
     starts_open: ClassVar[bool]  # the output starts inside the thinking when the prompt does not say
+    keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens: keep them in the text
 
     def __init__(self, tokenizer: Any = None, *, prompt_token_ids: list[int] | None = None):
         self.start_token_id = self.end_token_id = None
         if tokenizer is not None:
-            self.start_token_id = _token_id(tokenizer, self.start_tag)
-            self.end_token_id = _token_id(tokenizer, self.end_tag)
+            self.start_token_id = single_token_id(tokenizer, self.start_tag)
+            self.end_token_id = single_token_id(tokenizer, self.end_tag)
             if self.end_token_id is None:
                 raise ValueError(
                     f"the {self.name} reasoning parser needs {self.end_tag!r} as one token of the "
@@ -101,7 +102,7 @@ class ReasoningParser:
         return delta if delta.reasoning or delta.content else None
 
 
-def _token_id(tokenizer: Any, token: str) -> int | None:
+def single_token_id(tokenizer: Any, token: str) -> int | None:
     """The id of `token` if the vocabulary has it as one token (a lookup, not a copy of the vocabulary:
     this runs per request)."""
     if hasattr(tokenizer, "convert_tokens_to_ids"):

@@ -24,9 +24,10 @@ from xlaserve.entrypoints.serving.tool_parsers.forced import NamedToolParser, Re
 from xlaserve.entrypoints.serving.tool_parsers.hermes import HermesToolParser
 from xlaserve.entrypoints.serving.tool_parsers.llama3_json import Llama3JsonToolParser
 from xlaserve.entrypoints.serving.tool_parsers.mistral import MistralToolParser
+from xlaserve.entrypoints.serving.tool_parsers.gpt_oss import OpenAIToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, OpenAIToolParser)
 }
 # HF model_type -> the format its instruction-tuned models write.
 _FAMILY_PARSERS = {
@@ -37,6 +38,7 @@ _FAMILY_PARSERS = {
     "llama": "llama3_json",
     "mistral": "mistral",
     "mixtral": "mistral",
+    "gpt_oss": "openai",
 }
 
 
