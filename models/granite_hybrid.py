@@ -31,7 +31,7 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
 from xlaserve.kernels.ssd import MambaCache
 from xlaserve.models.config import TransformerConfig
-from xlaserve.models.hybrid import FULL, LINEAR, HybridConfig, HybridDecoderLM
+from xlaserve.models.hybrid import HybridConfig, HybridDecoderLM
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
 from xlaserve.models.mamba2 import Mamba2Config, Mamba2Mixer, _read_float
 from xlaserve.models.moe import MoEConfig, SparseMoeBlock
@@ -174,8 +174,8 @@ class GraniteMoeHybridForCausalLM(HybridDecoderLM):
     def kv_cache_spec(cls, cfg: GraniteHybridConfig) -> HybridCacheSpec:
         mamba = cfg.mamba
         return HybridCacheSpec(
-            attention_layers=cfg.layer_ids(FULL),
-            state_layers=cfg.layer_ids(LINEAR),
+            attention_layers=cfg.attention_layer_ids,
+            state_layers=cfg.state_layer_ids,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             conv_kernel=mamba.conv_kernel,

@@ -1,5 +1,6 @@
 """The backbone of hybrid models: attention layers beside recurrent ones (Qwen3.5's Gated DeltaNet,
-Granite 4.0-H's Mamba2), each layer one or the other.
+Granite 4.0-H's Mamba2), each layer one or the other, or both side by side (Falcon-H1's parallel
+layers: attention and Mamba2 on the same input, summed).
 
 config.json's `layer_types` says which mixer each layer has (`HybridConfig.mixer_types`; the base
 class's `layer_types` is about sliding windows). The layers repeat a period (Qwen3.5: three linear
@@ -10,10 +11,12 @@ step of the scan runs one period's layers in order, one from each stack. The cac
 (kernels/hybrid_cache.py): an attention layer reads and writes its K/V by block id (the step's block
 table), a recurrent layer its state by slot (the step's `state_slots`).
 
-A family gives its config class (a `HybridConfig`), its two layer classes and its cache spec:
+A family gives its config class (a `HybridConfig`), its layer classes and its cache spec:
 
     linear layer:    layer(x, cache, md, rows) -> (x, cache); rows [R]: each sequence's state row
     attention layer: layer(x, positions, cache, md, spec) -> (x, cache); md offset to its blocks
+    parallel layer:  layer(x, positions, cache, md, spec, rows) -> (x, cache): both
+A parallel layer counts as an attention layer (its K/V) and as a recurrent one (its state slot).
 """
 
 from __future__ import annotations
@@ -33,24 +36,33 @@ from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import layer_specs, with_shared_rope
 
-LINEAR, FULL = "linear_attention", "full_attention"
-# config.json spellings of each kind (Granite 4.0-H's checkpoints write "mamba" and "attention").
-_KIND_SPELLINGS = {"linear_attention": LINEAR, "mamba": LINEAR, "full_attention": FULL, "attention": FULL}
-_STACK_PREFIX = {LINEAR: "linear_layers", FULL: "attention_layers"}
+LINEAR, FULL, PARALLEL = "linear_attention", "full_attention", "parallel"
+# config.json spellings of each kind (Granite 4.0-H's checkpoints write "mamba" and "attention",
+# Falcon-H1's "hybrid").
+_KIND_SPELLINGS = {
+    "linear_attention": LINEAR,
+    "mamba": LINEAR,
+    "full_attention": FULL,
+    "attention": FULL,
+    "hybrid": PARALLEL,
+}
+_STACK_PREFIX = {LINEAR: "linear_layers", FULL: "attention_layers", PARALLEL: "parallel_layers"}
+_HAS_ATTENTION, _HAS_STATE = (FULL, PARALLEL), (LINEAR, PARALLEL)
 
 
 @dataclass(frozen=True)
 class HybridConfig(TransformerConfig):
-    mixer_types: tuple[str, ...] = ()  # per layer LINEAR (a recurrent mixer) or FULL (attention)
+    mixer_types: tuple[str, ...] = ()  # per layer LINEAR (a recurrent mixer), FULL (attention) or PARALLEL
 
     def __post_init__(self):
         super().__post_init__()
-        if len(self.mixer_types) != self.num_layers or set(self.mixer_types) - {LINEAR, FULL}:
+        kinds = set(self.mixer_types)
+        if len(self.mixer_types) != self.num_layers or kinds - {LINEAR, FULL, PARALLEL}:
             raise ValueError(
                 f"layer_types must give each of the {self.num_layers} layers a recurrent mixer "
-                f"({LINEAR!r}) or attention ({FULL!r}), got {list(self.mixer_types)}"
+                f"({LINEAR!r}), attention ({FULL!r}) or both ({PARALLEL!r}), got {list(self.mixer_types)}"
             )
-        if FULL not in self.mixer_types or LINEAR not in self.mixer_types:
+        if PARALLEL not in kinds and (FULL not in kinds or LINEAR not in kinds):
             raise ValueError(
                 f"layer_types must mix {LINEAR!r} and {FULL!r} layers, got {list(self.mixer_types)}"
             )
@@ -74,14 +86,22 @@ class HybridConfig(TransformerConfig):
         kinds, n = self.mixer_types, self.num_layers
         return next(kinds[:p] for p in range(1, n + 1) if n % p == 0 and kinds == kinds[:p] * (n // p))
 
-    def layer_ids(self, kind: str) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.mixer_types) if t == kind)
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        """The layers with K/V in the cache: attention and parallel ones."""
+        return tuple(i for i, t in enumerate(self.mixer_types) if t in _HAS_ATTENTION)
+
+    @property
+    def state_layer_ids(self) -> tuple[int, ...]:
+        """The layers with a state slot: recurrent and parallel ones."""
+        return tuple(i for i, t in enumerate(self.mixer_types) if t in _HAS_STATE)
 
 
 class HybridDecoderLM(DecoderOnlyLM):
     config_class: ClassVar[type[HybridConfig]] = HybridConfig
     linear_layer_class: ClassVar[type[nnx.Module]]
     attention_layer_class: ClassVar[type[nnx.Module]]
+    parallel_layer_class: ClassVar[type[nnx.Module]]
 
     @classmethod
     def layer_stacks(cls, cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
@@ -89,7 +109,7 @@ class HybridDecoderLM(DecoderOnlyLM):
         each holding that position's layer of every period: the scan over periods slices one layer
         from each stack, as the plain decoder's scan slices its one stack."""
         period, num_periods = cfg.period, cfg.num_layers // len(cfg.period)
-        stacks, counts = {}, {LINEAR: 0, FULL: 0}
+        stacks, counts = {}, {LINEAR: 0, FULL: 0, PARALLEL: 0}
         for j, kind in enumerate(period):
             name = f"{_STACK_PREFIX[kind]}_{counts[kind]}"
             counts[kind] += 1
@@ -100,6 +120,8 @@ class HybridDecoderLM(DecoderOnlyLM):
     def make_layer(cls, cfg, backend: AttentionBackend, stack: str, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
         if stack.startswith(_STACK_PREFIX[LINEAR]):
             return cls.linear_layer_class(cfg, backend, dtype=dtype, rngs=rngs)
+        if stack.startswith(_STACK_PREFIX[PARALLEL]):
+            return cls.parallel_layer_class(cfg, backend, dtype=dtype, rngs=rngs)
         return cls.attention_layer_class(cfg, backend, dtype=dtype, rngs=rngs)
 
     def run_layers(self, x, positions, kv_cache: HybridCache, md: AttentionMetadata, lora=None, layers=None):
@@ -110,7 +132,8 @@ class HybridDecoderLM(DecoderOnlyLM):
             raise ValueError(f"pipeline stages are not supported for {cfg.architecture}")
         period = cfg.period
         num_periods = cfg.num_layers // len(period)
-        num_linear, num_attention = period.count(LINEAR), period.count(FULL)
+        num_linear = sum(kind in _HAS_STATE for kind in period)
+        num_attention = sum(kind in _HAS_ATTENTION for kind in period)
         num_blocks = kv_cache.k.shape[0] // (num_periods * num_attention)
         block_size = kv_cache.k.shape[1]
         num_slots = kv_cache.conv.shape[0] // (num_periods * num_linear)
@@ -120,7 +143,7 @@ class HybridDecoderLM(DecoderOnlyLM):
         all_specs = layer_specs(cfg)  # what an attention layer reads per layer (a recurrent one: nothing)
         specs = tuple(
             jax.tree.map(lambda a, ids=list(ids): jnp.asarray(np.asarray(a)[ids]), all_specs)
-            if kind == FULL
+            if kind in _HAS_ATTENTION
             else None
             for kind, ids in zip(period, stacks.values())
         )
@@ -131,14 +154,16 @@ class HybridDecoderLM(DecoderOnlyLM):
             i_linear = i_attention = 0
             for j, kind in enumerate(period):
                 layer = nnx.merge(defs[j], states[j])
+                rows = (p * num_linear + i_linear) * num_slots + md.state_slots  # its state rows
+                md_layer = md.for_layer(p * num_attention + i_attention, num_blocks, block_size)
                 if kind == LINEAR:
-                    rows = (p * num_linear + i_linear) * num_slots + md.state_slots
                     x, cache = layer(x, cache, md, rows)
-                    i_linear += 1
-                else:
-                    md_layer = md.for_layer(p * num_attention + i_attention, num_blocks, block_size)
+                elif kind == FULL:
                     x, cache = layer(x, positions, cache, md_layer, specs[j])
-                    i_attention += 1
+                else:
+                    x, cache = layer(x, positions, cache, md_layer, specs[j], rows)
+                i_linear += kind in _HAS_STATE
+                i_attention += kind in _HAS_ATTENTION
             return (x, cache), None
 
         xs = (states, specs, jnp.arange(num_periods, dtype=jnp.int32))

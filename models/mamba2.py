@@ -37,6 +37,7 @@ from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import LayerSpec, Linear, RMSNorm
 
+GATE_NORMS = ("after_gate", "before_gate", "none")
 # Chunks of the SSD scan: the [chunks, Q, Q, H] intra-chunk tensor grows with Q squared, and the
 # result is exact for any Q (only the float rounding differs), so long configured chunks are capped.
 MAX_CHUNK_SIZE = 64
@@ -54,6 +55,9 @@ class Mamba2Config(TransformerConfig):
     use_conv_bias: bool = True
     use_bias: bool = False  # in_proj and out_proj
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    # The output's gate: RMS-normed after the gate (Mamba2's), normed before it, or no norm at all
+    # (Falcon-H1's `mamba_rms_norm` false: y * silu(z), no norm weight in the checkpoint).
+    gate_norm: str = "after_gate"
 
     def __post_init__(self):
         super().__post_init__()
@@ -64,6 +68,8 @@ class Mamba2Config(TransformerConfig):
             )
         if self.num_heads % self.n_groups:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
+        if self.gate_norm not in GATE_NORMS:
+            raise ValueError(f"gate_norm must be one of {GATE_NORMS}, got {self.gate_norm!r}")
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
@@ -120,18 +126,30 @@ class DepthwiseConv1d(nnx.Module):
 
 class GatedRMSNorm(nnx.Module):
     """y * silu(z), RMS-normed over each group of channels in float32, then scaled (HF's
-    MambaRMSNormGated with norm_before_gate=False)."""
+    MambaRMSNormGated with norm_before_gate=False); with `before_gate`, y normed and scaled, then
+    times silu(z) (Falcon-H1's norm_before_gate=True)."""
 
-    def __init__(self, dim: int, group_size: int, eps: float, *, dtype):
+    def __init__(self, dim: int, group_size: int, eps: float, *, dtype, before_gate: bool = False):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.group_size = group_size
         self.eps = eps
+        self.before_gate = before_gate
 
     def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:  # [T, D] each -> [T, D] in z's dtype
-        h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        gate = jax.nn.silu(z.astype(jnp.float32))
+        h = y.astype(jnp.float32) if self.before_gate else y.astype(jnp.float32) * gate
         groups = h.reshape(h.shape[0], -1, self.group_size)
         groups = groups * jax.lax.rsqrt(jnp.mean(groups * groups, axis=-1, keepdims=True) + self.eps)
+        if self.before_gate:
+            return (self.weight[...].astype(jnp.float32) * groups.reshape(h.shape) * gate).astype(z.dtype)
         return self.weight[...] * groups.reshape(h.shape).astype(z.dtype)
+
+
+class SiluGate(nnx.Module):
+    """y * silu(z) with no norm (Falcon-H1 without `mamba_rms_norm`)."""
+
+    def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
+        return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(z.dtype)
 
 
 class Mamba2Mixer(nnx.Module):
@@ -148,8 +166,18 @@ class Mamba2Mixer(nnx.Module):
         self.dt_bias = nnx.Param(jnp.zeros((heads,), dtype))
         self.A_log = nnx.Param(jnp.zeros((heads,), dtype))
         self.D = nnx.Param(jnp.ones((heads,), dtype))
-        self.norm = GatedRMSNorm(inner, inner // cfg.n_groups, cfg.rms_norm_eps, dtype=dtype)
+        if cfg.gate_norm == "none":
+            self.norm = SiluGate()
+        else:
+            before = cfg.gate_norm == "before_gate"
+            self.norm = GatedRMSNorm(
+                inner, inner // cfg.n_groups, cfg.rms_norm_eps, dtype=dtype, before_gate=before
+            )
         self.out_proj = Linear(inner, cfg.hidden_size, use_bias=cfg.use_bias, dtype=dtype, rngs=rngs)
+
+    def project_in(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, inner + conv_dim + heads]
+        """The gate z, the conv input xBC and the time steps, in that order (a family may scale them)."""
+        return self.in_proj(x)
 
     def __call__(
         self, x: jax.Array, cache: MambaCache, md: AttentionMetadata, slots: jax.Array | None = None
@@ -159,7 +187,7 @@ class Mamba2Mixer(nnx.Module):
         cfg = self.cfg
         num_tokens = x.shape[0]
         inner, heads, groups, n = cfg.intermediate_size, cfg.num_heads, cfg.n_groups, cfg.state_size
-        gate, xbc, dt = jnp.split(self.in_proj(x), [inner, inner + cfg.conv_dim], axis=-1)
+        gate, xbc, dt = jnp.split(self.project_in(x), [inner, inner + cfg.conv_dim], axis=-1)
         qsl = md.query_start_loc
         if slots is None:
             slots = md.block_tables[:, 0]  # [R]: each sequence's state slot among this layer's rows

@@ -11,6 +11,7 @@ from typing import Any
 from xlaserve.models.bert import BertModel, RobertaModel
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from xlaserve.models.falcon_h1 import FalconH1ForCausalLM
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from xlaserve.models.gpt_oss import GptOssForCausalLM
 from xlaserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
@@ -54,6 +55,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,  # the same, its DeltaNet projections unfused
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOfConditionalGeneration,  # its text decoder only
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Mamba2 layers beside attention
+    "FalconH1ForCausalLM": FalconH1ForCausalLM,  # Mamba2 and attention side by side in every layer
     # Vision-language: images encoded by their own program, merged at their placeholders (models/llava.py).
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.

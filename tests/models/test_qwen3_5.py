@@ -242,3 +242,55 @@ def test_qwen3_5_moe_matches_hugging_face(tmp_path):
     batch = prompts(VOCAB, seed=7)
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p) for p in batch]
+
+
+FALCON_H1 = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    mamba_d_ssm=32,  # not expand * hidden_size (64): the mixer's own width
+    mamba_n_heads=4,
+    mamba_d_state=8,
+    mamba_n_groups=2,
+    mamba_d_conv=4,
+    mamba_chunk_size=8,
+    # muP multipliers, none of them 1, so that each one shows.
+    embedding_multiplier=2.0,
+    lm_head_multiplier=0.5,
+    key_multiplier=0.7,
+    attention_in_multiplier=1.3,
+    attention_out_multiplier=0.8,
+    ssm_in_multiplier=1.2,
+    ssm_out_multiplier=0.9,
+    ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+    mlp_multipliers=[1.5, 0.6],
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+@pytest.mark.parametrize(
+    "gate_norm",
+    [{"mamba_rms_norm": True, "mamba_norm_before_gate": True}, {"mamba_rms_norm": False}],
+    ids=["rms_norm_before_gate", "no_norm"],
+)
+def test_falcon_h1_matches_hugging_face(gate_norm, tmp_path):
+    """Falcon-H1: Mamba2 and attention side by side in every layer (each layer has K/V blocks and a
+    state slot), with its muP multipliers and the mixer's gated norm (before the gate) or none:
+    greedy tokens and prompt logprobs of chunked requests in flight, as Hugging Face's."""
+    config = transformers.FalconH1Config(**FALCON_H1, **gate_norm)
+    config.architectures = ["FalconH1ForCausalLM"]
+    torch.manual_seed(5)
+    hf = randomize_weights(transformers.FalconH1ForCausalLM(config).eval())
+    llm = LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+    groups = llm.engine_core.kv_cache_manager.kv_cache_groups
+    assert [(type(g.spec).__name__, g.layer_ids) for g in groups] == [
+        ("FullAttentionSpec", (0, 1)),
+        ("StateSpec", (0, 1)),
+    ]
+    assert_greedy_and_prompt_logprobs_match(llm, hf, prompts(VOCAB, seed=8))

@@ -21,10 +21,10 @@ from xlaserve.entrypoints.serving.tool_parsers.base import (
     make_tool_call_id,
 )
 from xlaserve.entrypoints.serving.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from xlaserve.entrypoints.serving.tool_parsers.gpt_oss import OpenAIToolParser
 from xlaserve.entrypoints.serving.tool_parsers.hermes import HermesToolParser
 from xlaserve.entrypoints.serving.tool_parsers.llama3_json import Llama3JsonToolParser
 from xlaserve.entrypoints.serving.tool_parsers.mistral import MistralToolParser
-from xlaserve.entrypoints.serving.tool_parsers.gpt_oss import OpenAIToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, OpenAIToolParser)
