@@ -3,7 +3,8 @@
 The prompt ends with `<|start|>assistant`; the model then writes one or more messages:
 
     <|channel|>analysis<|message|>The user wants the weather.<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>
+    {"city": "Paris"}<|call|>   (one line in the text; cut here)
 
 or, answering, `...<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>`. A message's
 header (up to `<|message|>`) names its channel (analysis: the thinking; final: the answer; commentary:

@@ -1,6 +1,7 @@
 """gpt-oss's tool calls (vLLM's `openai` parser): harmony messages addressed to a function.
 
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>
+    {"city": "Paris"}<|call|>   (one line in the text; cut here)
 
 Each message whose recipient is `functions.NAME` is a call of NAME with its body as the arguments
 (serving/harmony.py reads the messages); it is announced once its header has ended and its body has
