@@ -130,6 +130,7 @@ class AttentionShape:
     num_blocks: int = 4096
     max_blocks_per_seq: int = 256
     num_kv_splits: int = 1  # the Pallas kernel's split-KV variant (not in the Triton kernel)
+    sinks: bool = False  # a sink logit per query head (gpt-oss)
 
 
 SHAPES = (
@@ -140,6 +141,17 @@ SHAPES = (
         "smollm2 mixed + window + cap, bf16", 128, 16, 9, 3, 64, "bfloat16", sliding_window=64, soft_cap=30.0
     ),
     AttentionShape("smollm2 mixed, f32", 128, 16, 9, 3, 64, "float32"),  # exact (IEEE) dots: slow to compile
+    AttentionShape(
+        "gpt-oss-20b mixed, sliding + sinks, bf16",
+        128,
+        16,
+        64,
+        8,
+        64,
+        "bfloat16",
+        sliding_window=128,
+        sinks=True,
+    ),
 )
 
 
@@ -244,6 +256,9 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
             soft_cap=s.soft_cap,
             num_kv_splits=s.num_kv_splits,
         )
+        if s.sinks:  # one more traced operand
+            args += (sd((s.num_q_heads,), jnp.float32),)
+            fn = functools.partial(lambda f, *a: f(*a[:-1], sinks=a[-1]), fn)
         [compiled] = compile_pallas(fn, *args, arch=arch)
         return compiled
     if kernel == "triton":
@@ -261,18 +276,13 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
             has_window=s.sliding_window is not None,
             soft_cap=s.soft_cap,
             tiling=tiling,
+            has_sinks=s.sinks,
         )
         element = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[s.dtype]
-        ints = (
-            "num_seqs_ptr",
-            "sliding_window_ptr",
-            "kv_lens_ptr",
-            "query_start_loc_ptr",
-            "block_tables_ptr",
-        )
-        signature = {p: "*i32" for p in ints} | {
-            p: f"*{element}" for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")
-        }
+        # In the kernel's parameter order.
+        signature = {"num_seqs_ptr": "*i32", "sliding_window_ptr": "*i32", "sinks_ptr": "*fp32"}
+        signature |= {p: "*i32" for p in ("kv_lens_ptr", "query_start_loc_ptr", "block_tables_ptr")}
+        signature |= {p: f"*{element}" for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
         return compile_triton(
             triton.runtime.JITFunction(triton_attention._attention_kernel),
             signature,
