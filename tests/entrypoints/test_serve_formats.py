@@ -9,6 +9,9 @@ the family's model writes), driven by the official openai client.
 - Mistral's format through `--tool-call-parser mistral` (two calls after [TOOL_CALLS]), on
   `--data-parallel-size 2` (two fake CPU devices: two requests run at once, one per rank).
 - DeepSeek-R1's format through `--reasoning-parser deepseek_r1` (the template opens the thinking).
+- gpt-oss's harmony format through `--reasoning-parser openai_gptoss --tool-call-parser openai`: its
+  markers are special tokens, kept in the text the parsers read (the script is one call message: a
+  script's token occurs once, and harmony repeats its markers from message to message).
 """
 
 from __future__ import annotations
@@ -71,6 +74,19 @@ R1_TEMPLATE = (
     "{% else %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
 )
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+HARMONY_ANSWER = [
+    "<|channel|>",
+    "commentary to=functions.get_weather ",
+    "<|constrain|>",
+    "json",
+    "<|message|>",
+    '{"city": "Paris"}',
+]  # then EOS: <|call|> is a stop token, not in the text
+HARMONY_SPECIAL = ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|constrain|>", "<|call|>"]
 LONG_TOKENS = 4000  # the priority test's running request: cancelled once the others queue
 R1_ANSWER = ["Seventeen has no divisor", " but one and itself.", "</think>", "Yes, 17 is prime."]
 
@@ -149,6 +165,26 @@ def r1_server(tmp_path_factory, server_cache_dir):
         bos_token="<｜begin▁of▁sentence｜>",
     )
     proc = _start(tmp_path_factory, server_cache_dir, "r1", model, ["--reasoning-parser", "deepseek_r1"])
+    yield proc
+    assert proc.stop() == 0, proc.log_tail()
+
+
+@pytest.fixture(scope="module")
+def harmony_server(tmp_path_factory, server_cache_dir):
+    model = save_scripted_llama(
+        str(tmp_path_factory.mktemp("harmony")),
+        chat_template=HARMONY_TEMPLATE,
+        answer=HARMONY_ANSWER,
+        special_tokens=HARMONY_SPECIAL,
+    )
+    flags = [
+        "--reasoning-parser",
+        "openai_gptoss",
+        "--tool-call-parser",
+        "openai",
+        "--enable-auto-tool-choice",
+    ]
+    proc = _start(tmp_path_factory, server_cache_dir, "harmony", model, flags)
     yield proc
     assert proc.stop() == 0, proc.log_tail()
 
@@ -349,3 +385,33 @@ def test_deepseek_r1_reasoning_streamed_and_not(r1_server):
         None,
         "length",
     )
+
+
+# -- gpt-oss: harmony (openai_gptoss reasoning, openai tool calls) ----------------------------------------
+
+
+def test_harmony_tool_call_streamed_and_not(harmony_server):
+    client = client_of(harmony_server)
+    kwargs = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER],
+        "temperature": 0.0,
+        "max_tokens": 16,
+    }
+    answer = client.chat.completions.create(**kwargs).choices[0]
+    assert answer.finish_reason == "tool_calls"
+    assert (answer.message.content, getattr(answer.message, "reasoning_content", None)) == (None, None)
+    [call] = answer.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    [(_, name, arguments)], content, finish = streamed_calls(client, **kwargs)
+    assert (name, json.loads(arguments), content, finish) == (
+        "get_weather",
+        {"city": "Paris"},
+        None,
+        "tool_calls",
+    )
+    # Without tools the same text is the call's markup, special tokens and all, as content.
+    no_tools = {k: v for k, v in kwargs.items() if k != "tools"}
+    plain = client.chat.completions.create(**no_tools).choices[0].message.content
+    assert plain == "".join(HARMONY_ANSWER)
