@@ -16,6 +16,7 @@ from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from xlaserve.models.gpt_oss import GptOssForCausalLM
 from xlaserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from xlaserve.models.interfaces import CAUSAL_LM_MEMBERS, CausalLM
+from xlaserve.models.jamba import JambaForCausalLM
 from xlaserve.models.llama import LlamaForCausalLM
 from xlaserve.models.llava import LlavaForConditionalGeneration
 from xlaserve.models.mamba2 import Mamba2ForCausalLM
@@ -56,6 +57,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOfConditionalGeneration,  # its text decoder only
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Mamba2 layers beside attention
     "FalconH1ForCausalLM": FalconH1ForCausalLM,  # Mamba2 and attention side by side in every layer
+    "JambaForCausalLM": JambaForCausalLM,  # Mamba (v1) layers beside attention, experts every other layer
     # Vision-language: images encoded by their own program, merged at their placeholders (models/llava.py).
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.

@@ -294,3 +294,48 @@ def test_falcon_h1_matches_hugging_face(gate_norm, tmp_path):
         ("StateSpec", (0, 1)),
     ]
     assert_greedy_and_prompt_logprobs_match(llm, hf, prompts(VOCAB, seed=8))
+
+
+JAMBA = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attn_layer_period=4,
+    attn_layer_offset=1,  # mamba, attention, mamba, mamba
+    expert_layer_period=2,
+    expert_layer_offset=1,  # experts in layers 1 and 3: each mixer with either feed-forward
+    num_experts=4,
+    num_experts_per_tok=2,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_dt_rank=4,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def test_jamba_matches_hugging_face(tmp_path):
+    """Jamba: Mamba (v1: the selective scan over a [D, N] state per slot, with dt/B/C norms) beside
+    NoPE attention, experts (softmax over all, top k not renormalized) in every other layer, a SwiGLU
+    MLP in the rest: greedy tokens and prompt logprobs of chunked requests in flight, as HF's."""
+    config = transformers.JambaConfig(**JAMBA)
+    config.architectures = ["JambaForCausalLM"]
+    torch.manual_seed(6)
+    hf = randomize_weights(transformers.JambaForCausalLM(config).eval())
+    with torch.no_grad():  # HF's A_log: log(1..N) per channel; random ones would make A tiny or huge
+        for layer in hf.model.layers:
+            if hasattr(layer, "mamba"):
+                layer.mamba.A_log.copy_(torch.log(torch.arange(1.0, 9.0)).expand(64, -1))
+    llm = LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+    groups = llm.engine_core.kv_cache_manager.kv_cache_groups
+    assert [(type(g.spec).__name__, g.layer_ids) for g in groups] == [
+        ("FullAttentionSpec", (1,)),
+        ("StateSpec", (0, 2, 3)),
+    ]
+    assert_greedy_and_prompt_logprobs_match(llm, hf, prompts(VOCAB, seed=9))
