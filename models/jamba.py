@@ -7,30 +7,28 @@ feed-forward of every `expert_layer_period`-th layer from `expert_layer_offset` 
 (a softmax over all experts, the top k kept with their weights as they are), a SwiGLU MLP elsewhere.
 The layers repeat with the period of both patterns together, one stack per position in it.
 
-The Mamba mixer: in_proj gives x and the gate z; a causal depthwise conv and silu over x; x_proj
-gives the time step's low-rank input, B and C, each RMS-normed (Jamba's addition); dt_proj widens the
-time step, softplus; the selective scan (kernels/selective_scan.py) over the state [D, N] in the
-layer's state slot; y * silu(z); out_proj.
+The Mamba layers are Mamba (v1)'s mixer (models/mamba.py) with RMS norms on the time step, B and C
+(Jamba's addition), their conv inputs and [D, 1, N] state in the layer's state slot.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
-from xlaserve.kernels.selective_scan import ragged_selective_scan
-from xlaserve.kernels.ssd import entering_states, ragged_causal_conv1d
+from xlaserve.kernels.ssd import MambaCache
+from xlaserve.models.config import TransformerConfig
 from xlaserve.models.hybrid import LINEAR, HybridConfig, HybridDecoderLM
-from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, Linear, RMSNorm
-from xlaserve.models.mamba2 import DepthwiseConv1d
+from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
+from xlaserve.models.mamba import MambaConfig, MambaMixer
 from xlaserve.models.moe import MoEConfig, SparseMoeBlock, stack_expert_tensors
 
 
@@ -87,56 +85,19 @@ class JambaConfig(MoEConfig, HybridConfig):
     def mamba_inner(self) -> int:
         return self.mamba_expand * self.hidden_size
 
-
-class JambaMambaMixer(nnx.Module):
-    def __init__(self, cfg: JambaConfig, *, dtype, rngs: nnx.Rngs):
-        inner, n, rank = cfg.mamba_inner, cfg.mamba_d_state, cfg.mamba_dt_rank
-        self.in_proj = Linear(
-            cfg.hidden_size, 2 * inner, use_bias=cfg.mamba_proj_bias, dtype=dtype, rngs=rngs
+    @property
+    def mamba(self) -> MambaConfig:
+        """The Mamba mixer's config: the shared fields, its widths, and the time step, B and C norms."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(TransformerConfig)}
+        return MambaConfig(
+            **{**shared, "intermediate_size": self.mamba_inner},
+            state_size=self.mamba_d_state,
+            conv_kernel=self.mamba_d_conv,
+            time_step_rank=self.mamba_dt_rank,
+            use_conv_bias=self.mamba_conv_bias,
+            use_bias=self.mamba_proj_bias,
+            bc_norms=True,
         )
-        self.conv1d = DepthwiseConv1d(
-            inner, cfg.mamba_d_conv, use_bias=cfg.mamba_conv_bias, dtype=dtype, rngs=rngs
-        )
-        self.x_proj = Linear(inner, rank + 2 * n, dtype=dtype, rngs=rngs)
-        self.dt_proj = Linear(rank, inner, use_bias=True, dtype=dtype, rngs=rngs)
-        self.dt_layernorm = RMSNorm(rank, cfg.rms_norm_eps, dtype=dtype)
-        self.b_layernorm = RMSNorm(n, cfg.rms_norm_eps, dtype=dtype)
-        self.c_layernorm = RMSNorm(n, cfg.rms_norm_eps, dtype=dtype)
-        self.A_log = nnx.Param(jnp.zeros((inner, n), dtype))
-        self.D = nnx.Param(jnp.ones((inner,), dtype))
-        self.out_proj = Linear(inner, cfg.hidden_size, use_bias=cfg.mamba_proj_bias, dtype=dtype, rngs=rngs)
-        self.sizes = (rank, n)
-
-    def __call__(self, x: jax.Array, cache: HybridCache, md: AttentionMetadata, rows: jax.Array):
-        rank, n = self.sizes
-        xs, z = jnp.split(self.in_proj(x), 2, axis=-1)  # [T, D] each
-        conv_in, state_in = entering_states(md, rows, cache.conv[:, 0], cache.recurrent)
-        bias = None if self.conv1d.bias is None else self.conv1d.bias[...]
-        xs, conv_out = ragged_causal_conv1d(
-            xs, self.conv1d.weight[...][:, 0], bias, conv_in, md.query_start_loc
-        )
-        xs = jax.nn.silu(xs.astype(jnp.float32)).astype(x.dtype)
-        t, b, c = jnp.split(self.x_proj(xs), [rank, rank + n], axis=-1)
-        t, b, c = self.dt_layernorm(t), self.b_layernorm(b), self.c_layernorm(c)
-        dt = jax.nn.softplus(self.dt_proj(t, jnp.float32))  # its bias inside: softplus(W t + b)
-        y, state_out = ragged_selective_scan(
-            xs,
-            dt,
-            -jnp.exp(self.A_log[...].astype(jnp.float32)),
-            b,
-            c,
-            self.D[...].astype(jnp.float32),
-            md.query_start_loc,
-            state_in[:, :, 0],
-        )
-        y = (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
-        cache = HybridCache(
-            cache.k,
-            cache.v,
-            cache.conv.at[rows, 0].set(conv_out.astype(cache.conv.dtype)),
-            cache.recurrent.at[rows].set(state_out[:, :, None]),
-        )
-        return self.out_proj(y), cache
 
 
 class _JambaLayer(nnx.Module):
@@ -156,11 +117,11 @@ class _JambaLayer(nnx.Module):
 class JambaMambaLayer(_JambaLayer):
     def __init__(self, cfg: JambaConfig, is_moe: bool, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg, is_moe, dtype=dtype, rngs=rngs)
-        self.mamba = JambaMambaMixer(cfg, dtype=dtype, rngs=rngs)
+        self.mamba = MambaMixer(cfg.mamba, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cache: HybridCache, md: AttentionMetadata, rows: jax.Array):
-        h, cache = self.mamba(self.input_layernorm(x), cache, md, rows)
-        return self.finish(x, h), cache
+        h, state = self.mamba(self.input_layernorm(x), MambaCache(cache.conv, cache.recurrent), md, rows)
+        return self.finish(x, h), HybridCache(cache.k, cache.v, state.conv, state.ssm)
 
 
 class JambaAttentionLayer(_JambaLayer):

@@ -19,6 +19,7 @@ from xlaserve.models.interfaces import CAUSAL_LM_MEMBERS, CausalLM
 from xlaserve.models.jamba import JambaForCausalLM
 from xlaserve.models.llama import LlamaForCausalLM
 from xlaserve.models.llava import LlavaForConditionalGeneration
+from xlaserve.models.mamba import MambaForCausalLM
 from xlaserve.models.mamba2 import Mamba2ForCausalLM
 from xlaserve.models.mistral import MistralForCausalLM
 from xlaserve.models.mixtral import MixtralForCausalLM
@@ -48,6 +49,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     # Attention sinks, alternating sliding/full layers, biased experts (models/gpt_oss.py).
     "GptOssForCausalLM": GptOssForCausalLM,
     # State-space: a state slot per request instead of K/V (kernels/ssd.py, core/kv_cache_spec.py).
+    "MambaForCausalLM": MambaForCausalLM,  # Mamba (v1): the selective scan, kernels/selective_scan.py
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     # Hybrid: linear-attention layers (a state slot) beside attention layers (paged K/V): models/qwen3_5.py.
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,

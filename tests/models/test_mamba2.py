@@ -81,3 +81,30 @@ def test_preempted_request_recomputes_the_same_tokens(llm, hf_model):
     first, other = prompts(VOCAB, seed=3)[1], prompts(VOCAB, seed=3)[3]
     tokens = tokens_with_a_preemption(llm, first, other, GREEDY)
     assert tokens == {"other": hf_greedy(hf_model, other), "victim": hf_greedy(hf_model, first)}
+
+
+def test_mamba_v1_matches_hugging_face(tmp_path):
+    """MambaForCausalLM (v1): the selective scan over a [D, N] state per channel (kernels/
+    selective_scan.py) in Mamba2's cache layout (a head per channel), tied embeddings: greedy tokens
+    and prompt logprobs of chunked requests in flight, as Hugging Face's."""
+    config = transformers.MambaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        state_size=8,
+        num_hidden_layers=2,
+        expand=2,
+        conv_kernel=4,
+        time_step_rank=4,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    config.architectures = ["MambaForCausalLM"]
+    torch.manual_seed(1)
+    hf = randomize_weights(transformers.MambaForCausalLM(config).eval())
+    with torch.no_grad():  # HF's A_log: log(1..N) per channel; random ones would make A tiny or huge
+        for layer in hf.backbone.layers:
+            layer.mixer.A_log.copy_(torch.log(torch.arange(1.0, 9.0)).expand(64, -1))
+    llm = LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+    assert [type(g.spec).__name__ for g in llm.engine_core.kv_cache_manager.kv_cache_groups] == ["StateSpec"]
+    assert_greedy_and_prompt_logprobs_match(llm, hf, prompts(VOCAB, seed=3))
