@@ -152,14 +152,14 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         default=None,
         metavar="NAME",
-        help="how the model writes tool calls: hermes, llama3_json, mistral (default: from the model "
-        'family); "none": no parser, auto tool choice off',
+        help="how the model writes tool calls: hermes, llama3_json, mistral, openai (gpt-oss's harmony) "
+        '(default: from the model family); "none": no parser, auto tool choice off',
     )
     g.add_argument(
         "--reasoning-parser",
         default=None,
         metavar="NAME",
-        help="split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3",
+        help="split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3, openai_gptoss",
     )
 
 
