@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from xlaserve.kernels import reference
 from xlaserve.kernels.attention_args import validate_attention_args
 from xlaserve.kernels.dtype_ops import word_dtype
+from xlaserve.kernels.gated_delta import chunk_terms_reference as delta_chunk_terms_reference
 from xlaserve.kernels.mla import mla_paged_attention
 from xlaserve.kernels.ssd import chunk_terms_reference
 from xlaserve.kernels.synthetic import StepShape, synthetic_step
@@ -67,6 +68,8 @@ class AttentionBackend:
     # Mamba2's per-chunk SSD part (kernels/ssd.py `chunk_terms_reference`'s signature): the Pallas
     # kernel's when 'pallas' is asked for by name; `auto` keeps the reference until it is checked on a GPU.
     ssd_chunk_terms: Callable = chunk_terms_reference
+    # The gated delta rule's per-chunk part (Qwen3.5, kernels/gated_delta.py's chunked form), likewise.
+    delta_chunk_terms: Callable = delta_chunk_terms_reference
 
     def cache_dtype(self, dtype):
         """The dtype the K/V cache of a model computing in `dtype` is stored in."""
@@ -201,10 +204,15 @@ def select_backend(
             name, attention, reference.write_kv, f"asked for by name; {how}", _mla_kernel(platform)
         )
         if name == "pallas":  # imported here, like the attention kernel (_load_pallas)
+            from xlaserve.kernels.gated_delta_pallas import delta_chunk_terms
             from xlaserve.kernels.ssd_pallas import ssd_chunk_terms
 
-            chunk_terms = functools.partial(ssd_chunk_terms, interpret=platform not in GPU_PLATFORMS)
-            backend = dataclasses.replace(backend, ssd_chunk_terms=chunk_terms)
+            interpret = platform not in GPU_PLATFORMS
+            backend = dataclasses.replace(
+                backend,
+                ssd_chunk_terms=functools.partial(ssd_chunk_terms, interpret=interpret),
+                delta_chunk_terms=functools.partial(delta_chunk_terms, interpret=interpret),
+            )
         return backend
     raise ValueError(f"attention_backend must be one of {('auto', 'reference', *kernels)}, got {name!r}")
 

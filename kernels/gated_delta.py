@@ -49,9 +49,11 @@ def ragged_gated_delta_rule(
     initial_states: jax.Array,  # [R, Hv, Dk, Dv] float32
     *,
     chunk_size: int,
+    chunk_terms=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (o [T, Hv, Dv] float32, final states [R, Hv, Dk, Dv] float32). q and k are normalized
-    here (Hugging Face's use_qk_l2norm_in_kernel)."""
+    here (Hugging Face's use_qk_l2norm_in_kernel). `chunk_terms`: the chunked form's per-chunk part,
+    `chunk_terms_reference` (None) or the Pallas kernel's (kernels/gated_delta_pallas.py)."""
     num_heads = v.shape[1]
     q = jnp.repeat(l2_normalize(q), num_heads // q.shape[1], axis=1) * (q.shape[-1] ** -0.5)
     k = jnp.repeat(l2_normalize(k), num_heads // k.shape[1], axis=1)
@@ -62,7 +64,7 @@ def ragged_gated_delta_rule(
     return jax.lax.cond(
         jnp.max(num_new) <= 1,
         lambda *xs: _recurrent(*xs),
-        lambda *xs: _chunked(*xs, chunk_size=chunk_size),
+        lambda *xs: _chunked(*xs, chunk_size=chunk_size, chunk_terms=chunk_terms or chunk_terms_reference),
         *args,
         query_start_loc,
         initial_states.astype(jnp.float32),
@@ -149,12 +151,10 @@ def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
     return acc + jnp.eye(size, dtype=lower.dtype)
 
 
-def _chunked(q, k, v, g, beta, query_start_loc, initial_states, *, chunk_size):
+def _chunked(q, k, v, g, beta, query_start_loc, initial_states, *, chunk_size, chunk_terms):
     num_tokens = v.shape[0]
     chunks = SequenceChunks.of(query_start_loc, num_tokens, chunk_size)
-    u, w, scores, q_in, k_out, chunk_decay = chunk_terms_reference(
-        *(chunks.gather(x) for x in (q, k, v, g, beta))
-    )
+    u, w, scores, q_in, k_out, chunk_decay = chunk_terms(*(chunks.gather(x) for x in (q, k, v, g, beta)))
     entering = jnp.concatenate([initial_states, jnp.zeros_like(initial_states[:1])])
 
     def step(prev, xs):

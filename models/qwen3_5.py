@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
-from xlaserve.kernels.gated_delta import ragged_gated_delta_rule
+from xlaserve.kernels.gated_delta import chunk_terms_reference, ragged_gated_delta_rule
 from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
 from xlaserve.kernels.invariant import invariant_mean
 from xlaserve.kernels.ssd import entering_states, ragged_causal_conv1d
@@ -101,7 +101,9 @@ class GatedRMSNorm(nnx.Module):
 
 
 class GatedDeltaNet(nnx.Module):
-    def __init__(self, cfg: Qwen3_5Config, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: Qwen3_5Config, *, dtype, rngs: nnx.Rngs, chunk_terms=chunk_terms_reference):
+        # The chunked form's per-chunk part: the reference, or the Pallas kernel (kernels/backend.py).
+        self.chunk_terms = chunk_terms
         self.cfg = cfg
         d, heads = cfg.hidden_size, cfg.linear_num_value_heads
         self.in_proj_qkv = Linear(d, cfg.conv_dim, dtype=dtype, rngs=rngs)
@@ -144,6 +146,7 @@ class GatedDeltaNet(nnx.Module):
             qsl,
             state_in,
             chunk_size=min(CHUNK_SIZE, num_tokens),
+            chunk_terms=self.chunk_terms,
         )
         z = self.in_proj_z(x).reshape(num_tokens, hv, dv)
         o = self.norm(o.astype(x.dtype), z).reshape(num_tokens, cfg.value_dim)
@@ -173,7 +176,7 @@ class _Qwen3_5Layer(nnx.Module):
 class Qwen3_5LinearLayer(_Qwen3_5Layer):
     def __init__(self, cfg: Qwen3_5Config, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg, dtype=dtype)
-        self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+        self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs, chunk_terms=backend.delta_chunk_terms)
         self.mlp = type(self).mlp_class(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cache: HybridCache, md: AttentionMetadata, rows: jax.Array):

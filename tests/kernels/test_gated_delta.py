@@ -132,3 +132,62 @@ def test_token_by_token_bits_do_not_depend_on_companions_or_steps():
     o2, final2 = run(second, invariant=True)
     assert np.array_equal(np.concatenate([o1[:5], o2[:8]]), alone_o[:13])
     assert np.array_equal(final2[0], alone_final[0])
+
+
+# -- the Pallas per-chunk kernel (kernels/gated_delta_pallas.py) -------------------------------------
+
+
+def test_pallas_chunk_kernel_matches_the_reference_in_interpret_mode():
+    """The per-chunk kernel (its UT inverse as a product of squarings) against `chunk_terms_reference`
+    (forward substitution), alone and inside the ragged rule against the float64 recurrence."""
+    import functools
+
+    from xlaserve.kernels.gated_delta import chunk_terms_reference
+    from xlaserve.kernels.gated_delta_pallas import delta_chunk_terms
+
+    rng = np.random.default_rng(7)
+    num_chunks, q = 3, 8
+    args = [
+        rng.normal(size=(num_chunks, q, HV, DK)) * 0.5,
+        rng.normal(size=(num_chunks, q, HV, DK)) * 0.5,
+        rng.normal(size=(num_chunks, q, HV, DV)),
+        -rng.uniform(0.01, 1.5, (num_chunks, q, HV)),
+        rng.uniform(0.05, 0.95, (num_chunks, q, HV)),
+    ]
+    args = [jnp.asarray(a, jnp.float32) for a in args]
+    for ours, ref in zip(delta_chunk_terms(*args, interpret=True), chunk_terms_reference(*args), strict=True):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="g has shape"):
+        delta_chunk_terms(*args[:3], args[3][:, :4], args[4], interpret=True)
+    k = case([11, 1, 9, 0, 0], 32, seed=21)
+    o, final = jax.jit(
+        traced_with(False, ragged_gated_delta_rule), static_argnames=("chunk_size", "chunk_terms")
+    )(
+        *(jnp.asarray(k[n], jnp.float32) for n in ("q", "k", "v", "g", "beta")),
+        jnp.asarray(k["qsl"]),
+        jnp.asarray(k["init"], jnp.float32),
+        chunk_size=8,
+        chunk_terms=functools.partial(delta_chunk_terms, interpret=True),
+    )
+    ro, rfinal = numpy_rule(*(k[n] for n in ("q", "k", "v", "g", "beta", "qsl", "init")))
+    np.testing.assert_allclose(np.asarray(o)[:21], ro[:21], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(final), rfinal, rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_chunk_kernel_lowers_to_one_triton_call():
+    """Qwen3.5's chunk shapes (Q 64, Dk = Dv = 128, 16 value heads) lower for CUDA on this CPU machine,
+    and 'pallas' by name hands the kernel to the DeltaNet layers (interpret mode on CPU)."""
+    import re
+
+    from xlaserve.kernels.backend import select_backend
+    from xlaserve.kernels.gated_delta import chunk_terms_reference
+    from xlaserve.kernels.gated_delta_pallas import delta_chunk_terms
+
+    shapes = [(4, 64, 16, 128)] * 3 + [(4, 64, 16)] * 2
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
+    text = jax.jit(delta_chunk_terms).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
+    pallas = select_backend("pallas", "cpu")
+    assert pallas.delta_chunk_terms.func is delta_chunk_terms
+    assert pallas.delta_chunk_terms.keywords == {"interpret": True}
+    assert select_backend("auto", "cpu").delta_chunk_terms is chunk_terms_reference
