@@ -15,6 +15,7 @@ proof, that XLA will compile the kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 import time
@@ -294,14 +295,46 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
     raise ValueError(f"kernel must be 'pallas' or 'triton', got {kernel!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class ChunkShape:
+    """A recurrent layer's per-chunk kernel: Mamba2's SSD ("ssd") or Qwen3.5's gated delta ("delta")."""
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]  # the kernel's float32 operands
+
+
+CHUNK_SHAPES = {
+    "ssd": (
+        ChunkShape(
+            "mamba2-130m chunk, f32", ((4, 64, 24, 64), (4, 64, 24), (4, 64, 24, 128), (4, 64, 24, 128))
+        ),
+    ),
+    "delta": (ChunkShape("qwen3.5 chunk, f32", ((4, 64, 16, 128),) * 3 + ((4, 64, 16),) * 2),),
+}
+
+
+def compile_chunk(kernel: str, shape: ChunkShape, arch: int = 90) -> CompiledKernel:
+    """Compile the 'ssd' or 'delta' per-chunk Pallas kernel for `shape` and `arch`."""
+    import jax.numpy as jnp
+
+    if kernel == "ssd":
+        from xlaserve.kernels.ssd_pallas import ssd_chunk_terms as fn
+    else:
+        from xlaserve.kernels.gated_delta_pallas import delta_chunk_terms as fn
+    [compiled] = compile_pallas(fn, *(jax.ShapeDtypeStruct(s, jnp.float32) for s in shape.shapes), arch=arch)
+    return compiled
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m xlaserve.kernels.cuda_compile [--kernel pallas|triton|mla|matmul|all] [--arch 90]
+    """`python -m xlaserve.kernels.cuda_compile [--kernel pallas|triton|mla|matmul|ssd|delta|all] [--arch 90]
     [--shape decode]`: compile the kernels for SHAPES; prints one line per kernel and shape, exits 1
     if any fails."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--kernel", choices=("pallas", "triton", "mla", "matmul", "all"), default="all")
+    parser.add_argument(
+        "--kernel", choices=("pallas", "triton", "mla", "matmul", "ssd", "delta", "all"), default="all"
+    )
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--shape", action="append", help="only shapes whose name contains this (repeatable)")
     args = parser.parse_args(argv)
@@ -309,9 +342,14 @@ def main(argv: list[str] | None = None) -> int:
         print("TRITON_INTERPRET=1 makes Triton interpret instead of compile: unset it")
         return 1
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
-    kernels = ("pallas", "triton", "mla", "matmul") if args.kernel == "all" else (args.kernel,)
-    shapes = {"mla": MLA_SHAPES, "matmul": MATMUL_SHAPES}
-    compile_one = {"mla": compile_mla, "matmul": compile_matmul}
+    all_kernels = ("pallas", "triton", "mla", "matmul", "ssd", "delta")
+    kernels = all_kernels if args.kernel == "all" else (args.kernel,)
+    shapes = {"mla": MLA_SHAPES, "matmul": MATMUL_SHAPES, **CHUNK_SHAPES}
+    compile_one = {
+        "mla": compile_mla,
+        "matmul": compile_matmul,
+        **{k: functools.partial(compile_chunk, k) for k in CHUNK_SHAPES},
+    }
     failed = 0
     for kernel in kernels:
         for shape in shapes.get(kernel, SHAPES):
