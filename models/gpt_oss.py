@@ -36,6 +36,8 @@ class GptOssConfig(MoEConfig):
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        # The releases' config.json also spells the top k `experts_per_token` (OpenAI's own name).
+        hf = {**hf, "num_experts_per_tok": hf.get("num_experts_per_tok") or hf.get("experts_per_token")}
         fields = super().fields_from_hf(hf)
         return {
             **fields,
