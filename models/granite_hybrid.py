@@ -31,7 +31,7 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
 from xlaserve.kernels.ssd import MambaCache
 from xlaserve.models.config import TransformerConfig
-from xlaserve.models.hybrid import HybridConfig, HybridDecoderLM
+from xlaserve.models.hybrid import HybridConfig, HybridDecoderLM, hybrid_cache_spec
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
 from xlaserve.models.mamba2 import Mamba2Config, Mamba2Mixer, _read_float
 from xlaserve.models.moe import MoEConfig, SparseMoeBlock
@@ -173,11 +173,8 @@ class GraniteMoeHybridForCausalLM(HybridDecoderLM):
     @classmethod
     def kv_cache_spec(cls, cfg: GraniteHybridConfig) -> HybridCacheSpec:
         mamba = cfg.mamba
-        return HybridCacheSpec(
-            attention_layers=cfg.attention_layer_ids,
-            state_layers=cfg.state_layer_ids,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
+        return hybrid_cache_spec(
+            cfg,
             conv_kernel=mamba.conv_kernel,
             conv_dim=mamba.conv_dim,
             recurrent_shape=(mamba.num_heads, mamba.head_dim, mamba.state_size),

@@ -31,7 +31,7 @@ from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata
 from xlaserve.kernels.dtype_ops import scan
-from xlaserve.kernels.hybrid_cache import HybridCache
+from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import layer_specs, with_shared_rope
@@ -95,6 +95,22 @@ class HybridConfig(TransformerConfig):
     def state_layer_ids(self) -> tuple[int, ...]:
         """The layers with a state slot: recurrent and parallel ones."""
         return tuple(i for i, t in enumerate(self.mixer_types) if t in _HAS_STATE)
+
+
+def hybrid_cache_spec(
+    cfg: HybridConfig, *, conv_kernel: int, conv_dim: int, recurrent_shape
+) -> HybridCacheSpec:
+    """The cache of `cfg`'s attention and state layers: the families differ only in their mixer's conv
+    and recurrent state."""
+    return HybridCacheSpec(
+        attention_layers=cfg.attention_layer_ids,
+        state_layers=cfg.state_layer_ids,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        conv_kernel=conv_kernel,
+        conv_dim=conv_dim,
+        recurrent_shape=tuple(recurrent_shape),
+    )
 
 
 class HybridDecoderLM(DecoderOnlyLM):

@@ -26,7 +26,7 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
 from xlaserve.kernels.ssd import MambaCache
 from xlaserve.models.config import TransformerConfig
-from xlaserve.models.hybrid import LINEAR, HybridConfig, HybridDecoderLM
+from xlaserve.models.hybrid import LINEAR, HybridConfig, HybridDecoderLM, hybrid_cache_spec
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
 from xlaserve.models.mamba import MambaConfig, MambaMixer
 from xlaserve.models.moe import MoEConfig, SparseMoeBlock, stack_expert_tensors
@@ -147,11 +147,8 @@ class JambaForCausalLM(HybridDecoderLM):
 
     @classmethod
     def kv_cache_spec(cls, cfg: JambaConfig) -> HybridCacheSpec:
-        return HybridCacheSpec(
-            attention_layers=cfg.attention_layer_ids,
-            state_layers=cfg.state_layer_ids,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
+        return hybrid_cache_spec(
+            cfg,
             conv_kernel=cfg.mamba_d_conv,
             conv_dim=cfg.mamba_inner,
             # Mamba2's [H, P, N] layout with a head per channel (P = 1): the cache's arrays are all 4-D.

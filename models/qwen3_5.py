@@ -32,7 +32,7 @@ from xlaserve.kernels.gated_delta import chunk_terms_reference, ragged_gated_del
 from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
 from xlaserve.kernels.invariant import invariant_mean
 from xlaserve.kernels.ssd import entering_states, ragged_causal_conv1d
-from xlaserve.models.hybrid import HybridConfig, HybridDecoderLM
+from xlaserve.models.hybrid import HybridConfig, HybridDecoderLM, hybrid_cache_spec
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, Linear, RMSNorm
 from xlaserve.models.mamba2 import DepthwiseConv1d
 
@@ -202,11 +202,8 @@ class Qwen3_5ForCausalLM(HybridDecoderLM):
 
     @classmethod
     def kv_cache_spec(cls, cfg: Qwen3_5Config) -> HybridCacheSpec:
-        return HybridCacheSpec(
-            attention_layers=cfg.attention_layer_ids,
-            state_layers=cfg.state_layer_ids,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
+        return hybrid_cache_spec(
+            cfg,
             conv_kernel=cfg.linear_conv_kernel_dim,
             conv_dim=cfg.conv_dim,
             recurrent_shape=(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
