@@ -1,10 +1,12 @@
 """C++ XLA FFI ops for CPU, where XLA's own code generation is the bottleneck (`kernels/cpu/*.cc`).
 
 - `paged_attention`: paged attention of single queries (the reference backend's decode, few and
-  short paths on a bfloat16 cache). XLA's CPU backend cannot fuse a gather of pages into a dot, and
-  a decode's per-sequence dots (9 query rows against a chunk of keys) are too small for its dot
-  library: the jnp path took ~1.6 ms per layer at batch 64 on SmolLM2, a third of the step. The op
-  reads every key and value row once from its page, in float32, one task per query.
+  short paths on a bfloat16 or a float32 cache: one handler each). XLA's CPU backend cannot fuse a
+  gather of pages into a dot, and a decode's per-sequence dots (9 query rows against a chunk of keys)
+  are too small for its dot library: the jnp path took ~1.6 ms per layer at batch 64 on SmolLM2, a
+  third of the step. The op reads every key and value row once from its page, in float32, one task
+  per query. Its programs are also far smaller: a float32 engine's step compiled in about half the
+  time of the jnp paths' (tiny models, where compiling is most of the work: tests).
 - `quantized_matmul`: a few rows (a batch-1 decode) times a weight quantized with group scales
   (GGUF's Q8_0, Q4_0, Q4_1, the K-quants as decoded; int8 per channel). XLA converts such a weight to
   a bfloat16 copy before its dot, never fused; the op widens each code in registers.
@@ -42,11 +44,13 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-TARGET = "xlaserve_paged_attention"  # the attention op's name in a compiled program
+TARGET = "xlaserve_paged_attention"  # the attention op's name in a compiled program (bfloat16 cache)
+F32_TARGET = "xlaserve_paged_attention_f32"  # the same op on a float32 cache
 QUANTIZED_TARGET = "xlaserve_quantized_matmul"
 # Target name -> (source in kernels/cpu, the handler's symbol).
 _OPS = {
     TARGET: ("paged_attention.cc", "XlaservePagedAttention"),
+    F32_TARGET: ("paged_attention.cc", "XlaservePagedAttentionF32"),
     QUANTIZED_TARGET: ("quantized_matmul.cc", "XlaserveQuantizedMatmul"),
 }
 SOURCE_DIR = Path(__file__).parent / "cpu"
@@ -122,7 +126,14 @@ def prepare_in_background(*targets: str) -> None:
 def targets_called_by(serialized: bytes) -> list[str]:
     """The ops of this module a serialized executable calls (their names are in its bytes): a stored
     program must find them registered before it is loaded."""
-    return [target for target in _OPS if target.encode() in serialized]
+
+    # A name that is another's prefix (the bfloat16 attention op's, of the float32 one's) counts only
+    # where it occurs apart from the longer name.
+    def occurrences(target: str) -> int:
+        longer = [t for t in _OPS if t != target and t.startswith(target)]
+        return serialized.count(target.encode()) - sum(serialized.count(t.encode()) for t in longer)
+
+    return [target for target in _OPS if occurrences(target) > 0]
 
 
 _LOCK = threading.Lock()
@@ -148,18 +159,24 @@ def _register_once(target: str) -> bool:
 
 def usable(cache: jax.Array, value_dtype) -> bool:
     """The handler serves this trace: a CPU default backend, a bfloat16 cache stored as uint16 words
-    (the reference backend's on CPU), and the library available."""
-    return (
-        cache.dtype == jnp.uint16
-        and jnp.dtype(value_dtype) == jnp.bfloat16
-        and jax.default_backend() == "cpu"
-        and available()
-    )
+    (the reference backend's on CPU) or a float32 cache, and the library available."""
+    return jax.default_backend() == "cpu" and _attention_target(cache, value_dtype) is not None
+
+
+def _attention_target(cache: jax.Array, value_dtype) -> str | None:
+    """The attention op's target for this cache, if it has one and it is available."""
+    if cache.dtype == jnp.uint16 and jnp.dtype(value_dtype) == jnp.bfloat16:
+        target = TARGET
+    elif cache.dtype == jnp.float32 and jnp.dtype(value_dtype) == jnp.float32:
+        target = F32_TARGET
+    else:
+        return None
+    return target if available(target) else None
 
 
 def paged_attention(
     q_nhgd: jax.Array,  # [N, kv_heads, group, head_dim] float32, already scaled
-    k_cache: jax.Array,  # [num_blocks, block_size, kv_heads, head_dim] uint16 words of bfloat16
+    k_cache: jax.Array,  # [num_blocks, block_size, kv_heads, head_dim] uint16 words of bfloat16, or float32
     v_cache: jax.Array,  # same
     tables_np: jax.Array,  # [N, max_blocks] int32: each query's sequence's pages
     position_n: jax.Array,  # [N] int32: each query sees keys at positions <= its own
@@ -171,7 +188,8 @@ def paged_attention(
     """Each query over its own table's pages, softmax in float32: the reference's `per_query`."""
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
     sinks = jnp.zeros((1,), jnp.float32) if sinks_hg is None else sinks_hg.astype(jnp.float32).reshape(-1)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_nhgd.shape, jnp.float32))
+    target = F32_TARGET if k_cache.dtype == jnp.float32 else TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q_nhgd.shape, jnp.float32))
     return call(
         q_nhgd.astype(jnp.float32),
         k_cache,

@@ -152,11 +152,13 @@ def machine_fingerprint(config: EngineConfig, devices) -> dict:
         "cpu": _cpu_features(),
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_ENABLE_X64")},
         "compiler_options": config.compilation.compiler_options(),
-        # Whether the CPU ops are in the programs (and registered before any of them loads). Only a
-        # bfloat16 engine's attention calls its op: a float32 one must not build it to key its programs.
+        # Whether the CPU ops are in the programs (and registered before any of them loads): a bfloat16
+        # engine's attention calls one handler, a float32 engine's the other.
         "cpu_ops": backend.platform == "cpu"
-        and resolve_dtype(config.model.dtype)[0] == jnp.bfloat16
-        and cpu_ops.available(),
+        and resolve_dtype(config.model.dtype)[0] in (jnp.bfloat16, jnp.float32)
+        and cpu_ops.available(
+            cpu_ops.TARGET if resolve_dtype(config.model.dtype)[0] == jnp.bfloat16 else cpu_ops.F32_TARGET
+        ),
         "cpu_quantized_ops": backend.platform == "cpu"
         and config.model.quantization is not None
         and cpu_ops.available(cpu_ops.QUANTIZED_TARGET),

@@ -1,4 +1,5 @@
-// Paged attention of single queries on CPU, for the reference backend's 16-bit cache (uint16 words).
+// Paged attention of single queries on CPU, for the reference backend's bfloat16 cache (uint16 words)
+// and its float32 cache (one handler each, from the same templates).
 //
 // XLA's CPU backend has no fused gather-and-dot: the jnp reference gathers each chunk of pages into a
 // temporary and runs batched dots too small for its dot library (9 rows per sequence), ~1.6 ms per
@@ -20,12 +21,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float Bf16ToF32(uint16_t word) {
+inline float ToF32(uint16_t word) {  // a bfloat16's bits
   uint32_t bits = static_cast<uint32_t>(word) << 16;
   float value;
   std::memcpy(&value, &bits, sizeof(value));
   return value;
 }
+
+inline float ToF32(float value) { return value; }
 
 // exp(x) for x <= 0 (a score minus its row's max), written so that the compiler vectorizes a loop of
 // it: glibc's expf is a scalar call (~10 ns: 0.9 ms of a batch-64 decode layer spent in it). 2^n by
@@ -71,10 +74,12 @@ inline void Softmax(float* scores, int64_t rows, int64_t len, float* total, cons
   }
 }
 
+// T: a cache element, uint16_t (bfloat16 words) or float.
+template <typename T>
 struct Problem {
   const float* q;         // [N, H, G, D], already scaled
-  const uint16_t* k;      // [num_blocks, block_size, H, D] bfloat16 words
-  const uint16_t* v;      // same
+  const T* k;             // [num_blocks, block_size, H, D]
+  const T* v;             // same
   const int32_t* tables;  // [N, max_blocks]
   const int32_t* positions;  // [N]: the query's position; it sees keys at positions <= it
   const int32_t* active;     // [N]: 0 -> output zeros
@@ -86,7 +91,8 @@ struct Problem {
 };
 
 // The positions query i sees, [first, last]: its window, clipped to its table. False if none.
-inline bool VisibleRange(const Problem& p, int64_t i, int64_t* first, int64_t* last) {
+template <typename T>
+inline bool VisibleRange(const Problem<T>& p, int64_t i, int64_t* first, int64_t* last) {
   if (!p.active[i]) return false;
   const int64_t position = p.positions[i];
   *first = p.window > 0 ? std::max<int64_t>(0, position - p.window + 1) : 0;
@@ -98,8 +104,8 @@ inline bool VisibleRange(const Problem& p, int64_t i, int64_t* first, int64_t* l
 // pointer to the row's word `offset`), page by page (no division per key); a page id outside the
 // cache is skipped, never read. Pages are scattered: the hardware prefetcher stops at each one's end,
 // so with `prefetch` the next page is asked for while this one is used.
-template <typename Visit>
-void ForEachRow(const Problem& p, const int32_t* table, int64_t first, int64_t last, const uint16_t* cache,
+template <typename T, typename Visit>
+void ForEachRow(const Problem<T>& p, const int32_t* table, int64_t first, int64_t last, const T* cache,
                 int64_t offset, bool prefetch, Visit&& visit) {
   const int64_t bs = p.block_size, row_stride = p.num_heads * p.head_dim, last_page = last / bs;
   for (int64_t page_index = first / bs; page_index <= last_page; ++page_index) {
@@ -108,19 +114,20 @@ void ForEachRow(const Problem& p, const int32_t* table, int64_t first, int64_t l
       const int64_t next = table[page_index + 1];
       if (next >= 0 && next < p.num_blocks) {
         const char* bytes = reinterpret_cast<const char*>(cache + next * bs * row_stride);
-        for (int64_t b = 0; b < bs * row_stride * 2; b += 64) __builtin_prefetch(bytes + b);
+        for (int64_t b = 0; b < bs * row_stride * int64_t(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
       }
     }
     if (page < 0 || page >= p.num_blocks) continue;
     const int64_t lo = std::max(first, page_index * bs), hi = std::min(last, page_index * bs + bs - 1);
-    const uint16_t* base = cache + page * bs * row_stride + offset;
+    const T* base = cache + page * bs * row_stride + offset;
     for (int64_t t = lo; t <= hi; ++t) visit(t - first, base + (t - page_index * bs) * row_stride);
   }
 }
 
 // One query's G heads sharing KV head h: scores for every visible key, softmax, weighted values.
 // Keys are walked page by page (no division per key); a row is widened to float32 once for all G.
-void AttendOne(const Problem& p, int64_t task, std::vector<float>& scores, std::vector<float>& row) {
+template <typename T>
+void AttendOne(const Problem<T>& p, int64_t task, std::vector<float>& scores, std::vector<float>& row) {
   const int64_t i = task / p.num_heads, h = task % p.num_heads;
   const int64_t g_count = p.group, d = p.head_dim;
   float* out = p.out + (i * p.num_heads + h) * g_count * d;
@@ -133,12 +140,12 @@ void AttendOne(const Problem& p, int64_t task, std::vector<float>& scores, std::
   scores.assign(g_count * len, -std::numeric_limits<float>::infinity());
   row.resize(d);
   float* r = row.data();
-  auto for_each_row = [&](const uint16_t* cache, auto&& visit) {
+  auto for_each_row = [&](const T* cache, auto&& visit) {
     ForEachRow(p, table, first, last, cache, h * d, false, visit);
   };
-  for_each_row(p.k, [&](int64_t t, const uint16_t* key) {
+  for_each_row(p.k, [&](int64_t t, const T* key) {
 #pragma omp simd
-    for (int64_t j = 0; j < d; ++j) r[j] = Bf16ToF32(key[j]);
+    for (int64_t j = 0; j < d; ++j) r[j] = ToF32(key[j]);
     for (int64_t g = 0; g < g_count; ++g) {
       const float* qg = q + g * d;
       float s = 0.0f;
@@ -150,9 +157,9 @@ void AttendOne(const Problem& p, int64_t task, std::vector<float>& scores, std::
   });
   float total[64];  // group sizes are small (query heads per KV head)
   Softmax(scores.data(), g_count, len, total, p.sinks == nullptr ? nullptr : p.sinks + h * g_count);
-  for_each_row(p.v, [&](int64_t t, const uint16_t* value) {
+  for_each_row(p.v, [&](int64_t t, const T* value) {
 #pragma omp simd
-    for (int64_t j = 0; j < d; ++j) r[j] = Bf16ToF32(value[j]);
+    for (int64_t j = 0; j < d; ++j) r[j] = ToF32(value[j]);
     for (int64_t g = 0; g < g_count; ++g) {
       const float w = scores[g * len + t];
       float* og = out + g * d;
@@ -184,6 +191,12 @@ inline Vec Load(const uint16_t* words) {
   return v;
 }
 
+inline Vec Load(const float* values) {
+  Vec v;
+  std::memcpy(&v, values, sizeof(v));
+  return v;
+}
+
 // The 16 lanes summed as a tree (4 shuffles and adds; a lane-by-lane loop is 15 dependent adds, and
 // it ran once per key and query head: most of a decode's time).
 inline float Sum(Vec v) {
@@ -198,8 +211,8 @@ inline float Sum(Vec v) {
 // read in one go, so a page streams through the cache in order.
 constexpr int kMaxKvHeads = 16;
 
-template <int D, int G>
-void AttendQueryFixed(const Problem& p, int64_t i, std::vector<float>& scores) {
+template <typename T, int D, int G>
+void AttendQueryFixed(const Problem<T>& p, int64_t i, std::vector<float>& scores) {
   constexpr int C = D / 16;
   const int64_t heads = p.num_heads;
   float* out = p.out + i * heads * G * D;
@@ -210,7 +223,7 @@ void AttendQueryFixed(const Problem& p, int64_t i, std::vector<float>& scores) {
   const int32_t* table = p.tables + i * p.max_blocks;
   const float* q = p.q + i * heads * G * D;
   scores.assign(heads * G * len, -std::numeric_limits<float>::infinity());  // [H, G, len]
-  auto for_each_row = [&](const uint16_t* cache, bool prefetch, auto&& visit) {
+  auto for_each_row = [&](const T* cache, bool prefetch, auto&& visit) {
     ForEachRow(p, table, first, last, cache, 0, prefetch, visit);
   };
   // Head by head, so that its G x D query stays in registers over the rows (the rows of the first head
@@ -219,7 +232,7 @@ void AttendQueryFixed(const Problem& p, int64_t i, std::vector<float>& scores) {
     Vec qv[G][C];
     std::memcpy(qv, q + h * G * D, sizeof(qv));
     float* sh = scores.data() + h * G * len;
-    for_each_row(p.k, h == 0, [&](int64_t t, const uint16_t* keys) {
+    for_each_row(p.k, h == 0, [&](int64_t t, const T* keys) {
       Vec k[C];
       for (int c = 0; c < C; ++c) k[c] = Load(keys + h * D + 16 * c);
       for (int g = 0; g < G; ++g) {
@@ -237,7 +250,7 @@ void AttendQueryFixed(const Problem& p, int64_t i, std::vector<float>& scores) {
   for (int64_t h = 0; h < heads; ++h) {
     Vec ah[G][C] = {};  // in registers over the rows
     const float* sh = scores.data() + h * G * len;
-    for_each_row(p.v, h == 0, [&](int64_t t, const uint16_t* values) {
+    for_each_row(p.v, h == 0, [&](int64_t t, const T* values) {
       Vec v[C];
       for (int c = 0; c < C; ++c) v[c] = Load(values + h * D + 16 * c);
       for (int g = 0; g < G; ++g) {
@@ -258,32 +271,36 @@ void AttendQueryFixed(const Problem& p, int64_t i, std::vector<float>& scores) {
   }
 }
 
-using AttendFn = void (*)(const Problem&, int64_t, std::vector<float>&);
+template <typename T>
+using AttendFn = void (*)(const Problem<T>&, int64_t, std::vector<float>&);
 
-template <int D>
-AttendFn FixedFor(int64_t group) {
+template <typename T, int D>
+AttendFn<T> FixedFor(int64_t group) {
   switch (group) {
-    case 1: return AttendQueryFixed<D, 1>;
-    case 2: return AttendQueryFixed<D, 2>;
-    case 3: return AttendQueryFixed<D, 3>;
-    case 4: return AttendQueryFixed<D, 4>;
-    case 6: return AttendQueryFixed<D, 6>;
-    case 8: return AttendQueryFixed<D, 8>;
+    case 1: return AttendQueryFixed<T, D, 1>;
+    case 2: return AttendQueryFixed<T, D, 2>;
+    case 3: return AttendQueryFixed<T, D, 3>;
+    case 4: return AttendQueryFixed<T, D, 4>;
+    case 6: return AttendQueryFixed<T, D, 6>;
+    case 8: return AttendQueryFixed<T, D, 8>;
     default: return nullptr;
   }
 }
 
-AttendFn FixedFor(int64_t head_dim, int64_t group, int64_t num_heads) {
+template <typename T>
+AttendFn<T> FixedFor(int64_t head_dim, int64_t group, int64_t num_heads) {
   if (num_heads > kMaxKvHeads) return nullptr;
   switch (head_dim) {
-    case 64: return FixedFor<64>(group);
-    case 128: return FixedFor<128>(group);
+    case 64: return FixedFor<T, 64>(group);
+    case 128: return FixedFor<T, 128>(group);
     default: return nullptr;
   }
 }
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U16> k_cache,
-                              ffi::Buffer<ffi::U16> v_cache, ffi::Buffer<ffi::S32> tables,
+// T: the cache's element; DT: its FFI type.
+template <typename T, ffi::DataType DT>
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<DT> k_cache,
+                              ffi::Buffer<DT> v_cache, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> active,
                               ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks, float soft_cap,
                               bool has_sinks, ffi::ResultBuffer<ffi::F32> out) {
@@ -302,12 +319,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   if (has_sinks && sinks.element_count() != static_cast<size_t>(qd[1] * qd[2])) {
     return ffi::Error::InvalidArgument("paged_attention: sinks must hold one logit per query head");
   }
-  const Problem problem{q.typed_data(),   k_cache.typed_data(), v_cache.typed_data(),
+  const Problem<T> problem{q.typed_data(),   k_cache.typed_data(), v_cache.typed_data(),
                         tables.typed_data(), positions.typed_data(), active.typed_data(),
                         window.typed_data()[0], soft_cap,
                         has_sinks ? sinks.typed_data() : nullptr,
                         qd[0], qd[1], qd[2], qd[3], kd[1], td[1], kd[0], out->typed_data()};
-  const AttendFn fixed = FixedFor(qd[3], qd[2], qd[1]);
+  const AttendFn<T> fixed = FixedFor<T>(qd[3], qd[2], qd[1]);
   const int64_t num_tasks = fixed != nullptr ? qd[0] : qd[0] * qd[1];  // per query, or per (query, head)
   xlaserve::ParallelFor(pool, num_tasks, [problem, fixed](int64_t task) {
     thread_local std::vector<float> scores, row;
@@ -322,17 +339,23 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttention, PagedAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("soft_cap")
-                                  .Attr<bool>("has_sinks")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// The bfloat16 cache's handler and the float32 cache's (kernels/cpu_ops.py: TARGET, F32_TARGET).
+#define XLASERVE_PAGED_ATTENTION_BINDING(DT)       \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::ThreadPool>()                      \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Arg<ffi::Buffer<DT>>()                      \
+      .Arg<ffi::Buffer<DT>>()                      \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()                \
+      .Attr<float>("soft_cap")                     \
+      .Attr<bool>("has_sinks")                     \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttention, (PagedAttentionImpl<uint16_t, ffi::U16>),
+                              XLASERVE_PAGED_ATTENTION_BINDING(ffi::U16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePagedAttentionF32, (PagedAttentionImpl<float, ffi::F32>),
+                              XLASERVE_PAGED_ATTENTION_BINDING(ffi::F32));

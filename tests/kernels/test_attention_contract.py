@@ -38,10 +38,12 @@ from helpers.attention_cases import (
     run_mla_case,
     tolerance,
 )
+from xlaserve.kernels import cpu_ops
 from xlaserve.kernels import ragged_paged_attention as pallas
 from xlaserve.kernels.attention_args import Tiling
 from xlaserve.kernels.mla import mla_paged_attention
 from xlaserve.kernels.ragged_paged_mla import ragged_paged_mla
+from xlaserve.kernels.reference import ragged_paged_attention
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -211,7 +213,33 @@ PALLAS_OP = partial(pallas.ragged_paged_attention, interpret=True)  # one object
 MLA_KERNEL_OP = partial(ragged_paged_mla, interpret=True)
 ATTENTION_STALE_CONFIGS = ("gqa2", "gqa8_window")
 
+
+def _reference_jnp(tokens_per_chunk: int) -> Callable:
+    """The reference's jnp paths alone: its own object (its own jitted steps), always run, and so
+    traced, with the CPU op off."""
+    op = _reference_jnp_op(tokens_per_chunk)
+
+    def run(cfg, *args, **kw):
+        saved = os.environ.get(cpu_ops.DISABLE_ENV)
+        os.environ[cpu_ops.DISABLE_ENV] = "0"
+        try:
+            return run_case(cfg, *args, attention=op, **kw)
+        finally:
+            if saved is None:
+                os.environ.pop(cpu_ops.DISABLE_ENV)
+            else:
+                os.environ[cpu_ops.DISABLE_ENV] = saved
+
+    return run
+
+
+@cache
+def _reference_jnp_op(tokens_per_chunk: int) -> Callable:
+    return partial(ragged_paged_attention, tokens_per_chunk=tokens_per_chunk)
+
+
 BACKENDS = {
+    # On CPU the reference calls the C++ op (kernels/cpu_ops.py) for a bfloat16 or float32 cache.
     "reference": Backend(
         run=lambda cfg, *args, **kw: run_case(cfg, *args, attention=reference_op(cfg), **kw),
         configs=CONFIGS,
@@ -219,6 +247,14 @@ BACKENDS = {
         stale_configs=ATTENTION_STALE_CONFIGS,
         # Its loop runs to the longest context in the step, so alone it runs fewer (masked) chunks:
         # XLA makes no promise that those leave the sums bit-identical.
+        alone_tolerance={"rtol": 1e-6, "atol": 1e-6},
+    ),
+    # The specification itself, the jnp paths (other platforms, float8 and float16 caches, no compiler).
+    "reference-jnp": Backend(
+        run=lambda cfg, *args, **kw: _reference_jnp(cfg.tokens_per_chunk)(cfg, *args, **kw),
+        configs=CONFIGS,
+        probe_config="gqa2",
+        stale_configs=ATTENTION_STALE_CONFIGS,
         alone_tolerance={"rtol": 1e-6, "atol": 1e-6},
     ),
     "pallas": Backend(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from functools import partial
 
 import jax
@@ -26,9 +27,9 @@ pytestmark = pytest.mark.skipif(
 _SMALL = Layout(num_tokens=128, num_padded_seqs=8, max_blocks_per_seq=16, num_blocks=96)
 
 
-def _config(q_heads, kv_heads, head_dim, **kw) -> AttnConfig:
+def _config(q_heads, kv_heads, head_dim, dtype="bfloat16", **kw) -> AttnConfig:
     layout = dataclasses.replace(_SMALL, head_dim=head_dim, **kw.pop("layout", {}))
-    return AttnConfig(q_heads, kv_heads, dtype="bfloat16", layout=layout, **kw)
+    return AttnConfig(q_heads, kv_heads, dtype=dtype, layout=layout, **kw)
 
 
 CPU_CONFIGS = {
@@ -42,12 +43,17 @@ CPU_CONFIGS = {
     "generic_gqa5_sinks": _config(10, 2, 16, sinks=True),
     # A block size that divides neither the contexts nor 16.
     "block5": _config(6, 2, 64, layout={"block_size": 5, "max_blocks_per_seq": 41, "num_blocks": 160}),
+    # A float32 cache (the float32 engines: Hugging Face parity), compiled-in and generic forms.
+    "float32_smollm2": _config(9, 3, 64, dtype="float32"),
+    "float32_generic_window_sinks": _config(10, 2, 16, dtype="float32", sliding_window=9, sinks=True),
 }
 
 
 def _on_words(q, k_cache, v_cache, *args, **kwargs):
-    """The reference backend's layout: the bfloat16 cache held as its uint16 words."""
-    return ragged_paged_attention(q, as_words(k_cache), as_words(v_cache), *args, **kwargs)
+    """The reference backend's layout: a bfloat16 cache held as its uint16 words (float32 as it is)."""
+    if k_cache.dtype == jnp.bfloat16:
+        k_cache, v_cache = as_words(k_cache), as_words(v_cache)
+    return ragged_paged_attention(q, k_cache, v_cache, *args, **kwargs)
 
 
 _ATTENTION = partial(_on_words, few_queries=8)
@@ -82,18 +88,26 @@ def _compiled(attention, cfg):
     return jax.jit(partial(attention, sm_scale=0.125)).lower(*args).compile().as_text()
 
 
-def test_words_cache_calls_the_op_and_other_caches_do_not():
+def _targets(hlo: str) -> set[str]:
+    return set(re.findall(r'custom_call_target="(xlaserve_[a-z0-9_]+)"', hlo))
+
+
+def test_words_and_float32_caches_call_their_op_and_others_do_not():
     cfg = CPU_CONFIGS["smollm2"]
-    assert cpu_ops.TARGET in _compiled(ragged_paged_attention, cfg)
-    # A float32 cache (the float32 engines, HF parity) keeps the jnp paths.
-    f32 = partial(ragged_paged_attention, sm_scale=0.125)
+    assert _targets(_compiled(ragged_paged_attention, cfg)) == {cpu_ops.TARGET}
     lay = cfg.layout
-    cache = jnp.zeros((lay.num_blocks, lay.block_size, cfg.num_kv_heads, lay.head_dim), jnp.float32)
-    hlo = jax.jit(f32).lower(
-        jnp.zeros((8, cfg.num_q_heads, lay.head_dim), jnp.float32), cache, cache, jnp.ones(8, jnp.int32),
-        jnp.zeros((8, lay.max_blocks_per_seq), jnp.int32), jnp.arange(9, dtype=jnp.int32), jnp.int32(8),
-    ).compile().as_text()  # fmt: skip
-    assert cpu_ops.TARGET not in hlo
+
+    def hlo(q_dtype, cache_dtype):
+        cache = jnp.zeros((lay.num_blocks, lay.block_size, cfg.num_kv_heads, lay.head_dim), cache_dtype)
+        return jax.jit(partial(ragged_paged_attention, sm_scale=0.125)).lower(
+            jnp.zeros((8, cfg.num_q_heads, lay.head_dim), q_dtype), cache, cache, jnp.ones(8, jnp.int32),
+            jnp.zeros((8, lay.max_blocks_per_seq), jnp.int32), jnp.arange(9, dtype=jnp.int32), jnp.int32(8),
+        ).compile().as_text()  # fmt: skip
+
+    # A float32 cache (the float32 engines, HF parity) calls the op's float32 handler; a float16
+    # cache (uint16 words of float16) keeps the jnp paths.
+    assert _targets(hlo(jnp.float32, jnp.float32)) == {cpu_ops.F32_TARGET}
+    assert _targets(hlo(jnp.float16, jnp.uint16)) == set()
 
 
 def test_turned_off_the_jnp_paths_give_the_same_numbers(monkeypatch):
