@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -95,9 +96,15 @@ def run_engine_core(
     )
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     _use_thread_lock_for_tqdm()
+    # What lives as long as the process (the modules imported so far; after start-up the model, its
+    # programs and caches) is moved out of the cyclic collector's reach, so its full collections scan
+    # only what start-up and then the serving loop allocate (as vLLM's engine core does).
+    gc.freeze()
     proc = None
     try:
         proc = EngineCoreProc(config, input_address, output_address)
+        gc.collect()
+        gc.freeze()
         proc.run_busy_loop()
     except _ShutdownRequested:
         logger.info("engine core: shutting down")
