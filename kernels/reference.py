@@ -20,9 +20,10 @@ path's work at batch 64):
   matmuls and the pages are read once per tile instead of once per token. Gathering per token
   made an 8,000-token prefill on CPU read ~T x context keys per layer and step.
 
-On CPU with a bfloat16 cache (stored as uint16 words), the decode, few and short paths call one C++
-op instead (`kernels/cpu_ops.py`: every key row read once from its page, in float32); the jnp
-paths stay the specification and serve everywhere else (a float32 or float8 cache, no compiler).
+On CPU with a bfloat16 cache (stored as uint16 words) or a float32 one, the decode, few and short
+paths call one C++ op instead (`kernels/cpu_ops.py`: every key row read once from its page, in
+float32); the jnp paths stay the specification and serve everywhere else (a float16 or float8
+cache, other platforms, no compiler).
 
 Batch invariance (kernels/invariant.py, on by default): with the C++ op there, the long path is not
 taken either, so every query of every step is the op's one per-query reduction (its keys in position
