@@ -132,14 +132,18 @@ class ServerProcess:
     def core_pid(self) -> int | None:
         """The engine core process: the server's child started by multiprocessing's spawn."""
         for task in os.listdir(f"/proc/{self.proc.pid}/task"):
-            with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
-                for pid in map(int, f.read().split()):
-                    try:
-                        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                            if b"spawn_main" in cmdline.read():
-                                return pid
-                    except FileNotFoundError:
-                        continue
+            try:
+                with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
+                    children = [int(pid) for pid in f.read().split()]
+            except FileNotFoundError:  # the thread ended since the listing
+                continue
+            for pid in children:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                        if b"spawn_main" in cmdline.read():
+                            return pid
+                except FileNotFoundError:
+                    continue
         return None
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
