@@ -47,11 +47,11 @@ logger = logging.getLogger(__name__)
 TARGET = "xlaserve_paged_attention"  # the attention op's name in a compiled program (bfloat16 cache)
 F32_TARGET = "xlaserve_paged_attention_f32"  # the same op on a float32 cache
 QUANTIZED_TARGET = "xlaserve_quantized_matmul"
-# Target name -> (source in kernels/cpu, the handler's symbol).
+# Target name -> (source in kernels/cpu, the handler's symbol, the compiler's defines for its build).
 _OPS = {
-    TARGET: ("paged_attention.cc", "XlaservePagedAttention"),
-    F32_TARGET: ("paged_attention.cc", "XlaservePagedAttentionF32"),
-    QUANTIZED_TARGET: ("quantized_matmul.cc", "XlaserveQuantizedMatmul"),
+    TARGET: ("paged_attention.cc", "XlaservePagedAttention", ()),
+    F32_TARGET: ("paged_attention.cc", "XlaservePagedAttentionF32", ("-DXLASERVE_F32_CACHE",)),
+    QUANTIZED_TARGET: ("quantized_matmul.cc", "XlaserveQuantizedMatmul", ()),
 }
 SOURCE_DIR = Path(__file__).parent / "cpu"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -80,9 +80,10 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str, target: str) -> Path:
     """`target`'s library, compiled unless this source, flags, compiler, jaxlib and CPU built it before."""
-    source = SOURCE_DIR / _OPS[target][0]
+    source, _, defines = _OPS[target]
+    source = SOURCE_DIR / source
     texts = [source.read_text(), *(h.read_text() for h in sorted(SOURCE_DIR.glob("*.h")))]
-    key = "\0".join([*texts, " ".join(FLAGS), compiler, jaxlib.__version__, _cpu_flags()])
+    key = "\0".join([*texts, " ".join(FLAGS + defines), compiler, jaxlib.__version__, _cpu_flags()])
     library = _cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24] / f"lib{source.stem}.so"
     if library.exists():
         return library
@@ -91,7 +92,7 @@ def _build(compiler: str, target: str) -> Path:
     fd, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", partial]
+        command = [compiler, *FLAGS, *defines, f"-I{jax.ffi.include_dir()}", str(source), "-o", partial]
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(partial, library)  # atomic: another process sees the whole library or none
     finally:
