@@ -18,14 +18,14 @@ def assert_same_as_first(results):
 
 
 def test_tensor_and_data_parallel_match_one_device(tp_worker, tiny_llama_2kv):
-    # Each layout is an engine compiling its own programs (a data-parallel one, per rank). TP 4 and 8
-    # repeat the 2 KV heads; TP 2 x DP 2 is tensor parallelism inside each data-parallel rank. Plain TP 2
-    # (one KV head a device) is test_sharding_rules.py's odd-vocabulary case (a Llama of 2 KV heads,
-    # logprobs within 1e-5), plain DP 2 test_data_parallel.py's two ranks (the same ids as one).
+    # Each layout is an engine compiling its own programs (a data-parallel one, per rank). TP 4 repeats
+    # the 2 KV heads; TP 2 x DP 2 is tensor parallelism inside each data-parallel rank. Plain TP 2 (one
+    # KV head a device) is test_sharding_rules.py's odd-vocabulary case (a Llama of 2 KV heads, logprobs
+    # within 1e-5), plain DP 2 test_data_parallel.py's two ranks (the same ids as one), TP 8 (each KV
+    # head on 4 devices) test_multihost.py's two processes of 4 devices (the same text as one device).
     layouts = [
         {},
         {"tensor_parallel_size": 4},
-        {"tensor_parallel_size": 8},
         {"tensor_parallel_size": 2, "data_parallel_size": 2},
     ]
     assert_same_as_first(tp_worker.run("generate", tiny_llama_2kv, layouts))
