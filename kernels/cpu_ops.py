@@ -44,8 +44,10 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-TARGET = "xlaserve_paged_attention"  # the attention op's name in a compiled program (bfloat16 cache)
-F32_TARGET = "xlaserve_paged_attention_f32"  # the same op on a float32 cache
+# The attention op's names in a compiled program, one per cache dtype (neither a prefix of the other:
+# `targets_called_by` finds them by name).
+TARGET = "xlaserve_paged_attention_bf16"  # a bfloat16 cache, stored as uint16 words
+F32_TARGET = "xlaserve_paged_attention_f32"  # a float32 cache
 QUANTIZED_TARGET = "xlaserve_quantized_matmul"
 # Target name -> (source in kernels/cpu, the handler's symbol, the compiler's defines for its build).
 _OPS = {
@@ -127,14 +129,7 @@ def prepare_in_background(*targets: str) -> None:
 def targets_called_by(serialized: bytes) -> list[str]:
     """The ops of this module a serialized executable calls (their names are in its bytes): a stored
     program must find them registered before it is loaded."""
-
-    # A name that is another's prefix (the bfloat16 attention op's, of the float32 one's) counts only
-    # where it occurs apart from the longer name.
-    def occurrences(target: str) -> int:
-        longer = [t for t in _OPS if t != target and t.startswith(target)]
-        return serialized.count(target.encode()) - sum(serialized.count(t.encode()) for t in longer)
-
-    return [target for target in _OPS if occurrences(target) > 0]
+    return [target for target in _OPS if target.encode() in serialized]
 
 
 _LOCK = threading.Lock()
@@ -158,21 +153,19 @@ def _register_once(target: str) -> bool:
     return True
 
 
+def attention_target(value_dtype) -> str | None:
+    """The attention op's handler for a cache of `value_dtype` (bfloat16, held as uint16 words by the
+    reference backend, or float32), or None: the jnp paths serve it."""
+    return {jnp.dtype(jnp.bfloat16): TARGET, jnp.dtype(jnp.float32): F32_TARGET}.get(jnp.dtype(value_dtype))
+
+
 def usable(cache: jax.Array, value_dtype) -> bool:
-    """The handler serves this trace: a CPU default backend, a bfloat16 cache stored as uint16 words
-    (the reference backend's on CPU) or a float32 cache, and the library available."""
-    return jax.default_backend() == "cpu" and _attention_target(cache, value_dtype) is not None
-
-
-def _attention_target(cache: jax.Array, value_dtype) -> str | None:
-    """The attention op's target for this cache, if it has one and it is available."""
-    if cache.dtype == jnp.uint16 and jnp.dtype(value_dtype) == jnp.bfloat16:
-        target = TARGET
-    elif cache.dtype == jnp.float32 and jnp.dtype(value_dtype) == jnp.float32:
-        target = F32_TARGET
-    else:
-        return None
-    return target if available(target) else None
+    """The handler serves this trace: a CPU default backend, a cache the op reads (bfloat16 words or
+    float32: `attention_target`) and its library available."""
+    target = attention_target(value_dtype)
+    stored = jnp.uint16 if target == TARGET else jnp.float32
+    on_cpu = jax.default_backend() == "cpu"
+    return on_cpu and target is not None and cache.dtype == stored and available(target)
 
 
 def paged_attention(
@@ -189,7 +182,7 @@ def paged_attention(
     """Each query over its own table's pages, softmax in float32: the reference's `per_query`."""
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
     sinks = jnp.zeros((1,), jnp.float32) if sinks_hg is None else sinks_hg.astype(jnp.float32).reshape(-1)
-    target = F32_TARGET if k_cache.dtype == jnp.float32 else TARGET
+    target = F32_TARGET if k_cache.dtype == jnp.float32 else TARGET  # uint16: bfloat16's words
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q_nhgd.shape, jnp.float32))
     return call(
         q_nhgd.astype(jnp.float32),

@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import jaxlib
 from jax.experimental import serialize_executable
 
@@ -152,13 +151,11 @@ def machine_fingerprint(config: EngineConfig, devices) -> dict:
         "cpu": _cpu_features(),
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_ENABLE_X64")},
         "compiler_options": config.compilation.compiler_options(),
-        # Whether the CPU ops are in the programs (and registered before any of them loads): a bfloat16
-        # engine's attention calls one handler, a float32 engine's the other.
+        # Whether the CPU attention op is in the programs (and registered before any of them loads):
+        # the handler of the engine's dtype, if it has one.
         "cpu_ops": backend.platform == "cpu"
-        and resolve_dtype(config.model.dtype)[0] in (jnp.bfloat16, jnp.float32)
-        and cpu_ops.available(
-            cpu_ops.TARGET if resolve_dtype(config.model.dtype)[0] == jnp.bfloat16 else cpu_ops.F32_TARGET
-        ),
+        and (target := cpu_ops.attention_target(resolve_dtype(config.model.dtype)[0])) is not None
+        and cpu_ops.available(target),
         "cpu_quantized_ops": backend.platform == "cpu"
         and config.model.quantization is not None
         and cpu_ops.available(cpu_ops.QUANTIZED_TARGET),

@@ -12,7 +12,7 @@ import numpy as np
 # logprobs, collectives) does not depend on it. Engines on SmolLM2, whose steps dominate, keep XLA's
 # default: at level 0 its modules took ~30% more CPU. helpers/tp_worker.py sets the same level.
 FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
-# The suite's processes' gc thresholds (tests/conftest.py says why); tp_worker.py repeats them.
+# The suite's processes' gc thresholds (tests/conftest.py and helpers/tp_worker.py set them).
 GC_THRESHOLDS = (20_000, 50, 100)
 
 

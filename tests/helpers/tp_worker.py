@@ -13,9 +13,11 @@ import traceback
 # Tiny models on 8 fake devices, compiled at XLA's backend optimization level 0: the cases' CPU fell
 # 661 -> 432 s (helpers/tiny_models.FAST_COMPILE_XLA_FLAGS says why; set here before jax imports).
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-# Rarer cyclic collections over a large heap: helpers/tiny_models.GC_THRESHOLDS (not imported here:
-# that module imports torch). Each case ends with a full collection (answer()).
-gc.set_threshold(20_000, 50, 100)
+# Rarer cyclic collections over a large heap (tests/conftest.py says why). Each case ends with a full
+# collection (answer()). tiny_models (beside this file, on sys.path as the script's folder) imports numpy.
+from tiny_models import GC_THRESHOLDS  # noqa: E402
+
+gc.set_threshold(*GC_THRESHOLDS)
 
 
 def hlo(model_dir: str, layout: dict) -> list:

@@ -220,15 +220,9 @@ def _reference_jnp(tokens_per_chunk: int) -> Callable:
     op = _reference_jnp_op(tokens_per_chunk)
 
     def run(cfg, *args, **kw):
-        saved = os.environ.get(cpu_ops.DISABLE_ENV)
-        os.environ[cpu_ops.DISABLE_ENV] = "0"
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(cpu_ops.DISABLE_ENV, "0")
             return run_case(cfg, *args, attention=op, **kw)
-        finally:
-            if saved is None:
-                os.environ.pop(cpu_ops.DISABLE_ENV)
-            else:
-                os.environ[cpu_ops.DISABLE_ENV] = saved
 
     return run
 
