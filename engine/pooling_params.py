@@ -20,13 +20,18 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
 CONVERT_TYPES = ("auto", "embed", "classify", "reward")
 # What a request asks of it (vLLM's `pooling_task`): embed -> a (normalized) vector; classify ->
 # class probabilities; score -> a classifier's probabilities used as a relevance score; encode -> the
-# pooled hidden states as they are (ALL: one row per token); reward -> a reward model's raw outputs.
-POOLING_TASKS = ("embed", "classify", "score", "encode", "reward")
+# pooled hidden states as they are (ALL: one row per token); reward -> a reward model's raw outputs;
+# token_embed / token_classify -> embed's and classify's output for every prompt token (one row
+# each, whatever the engine's pooling_type).
+POOLING_TASKS = ("embed", "classify", "score", "encode", "reward", "token_embed", "token_classify")
+TOKEN_TASKS = ("token_embed", "token_classify")
 # A pooling model's task -> the request tasks it serves (an embedding model scores by the cosine of
-# two embeddings, which the entry point computes).
+# two embeddings, which the entry point computes). token_classify: a *ForTokenClassification
+# checkpoint (its head is trained on every token's state).
 TASKS_OF_MODEL = {
-    "embed": ("embed", "encode"),
-    "classify": ("classify", "score", "encode"),
+    "embed": ("embed", "token_embed", "encode"),
+    "classify": ("classify", "score", "token_classify", "encode"),
+    "token_classify": ("token_classify", "encode"),
     "reward": ("reward", "encode"),
 }
 
@@ -38,6 +43,22 @@ def _is_index(value) -> bool:
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
+
+
+def _check_step_settings(obj, prefix: str) -> None:
+    """STEP pooling's `step_tag_id` (a token id) and `returned_token_ids` (a non-empty list of ids,
+    stored as a tuple), on a PoolerConfig or a PoolingParams."""
+    _require(
+        obj.step_tag_id is None or _is_index(obj.step_tag_id),
+        f"{prefix}step_tag_id must be a token id (an int >= 0), got {obj.step_tag_id!r}",
+    )
+    ids = obj.returned_token_ids
+    _require(
+        ids is None or (isinstance(ids, (list, tuple)) and len(ids) > 0 and all(map(_is_index, ids))),
+        f"{prefix}returned_token_ids must be a non-empty list of ints >= 0, got {ids!r}",
+    )
+    if ids is not None:
+        object.__setattr__(obj, "returned_token_ids", tuple(ids))
 
 
 @dataclass(frozen=True)
@@ -72,17 +93,7 @@ class PoolerConfig:
         )
         if self.activation is None and self.softmax is not None:
             object.__setattr__(self, "activation", self.softmax)
-        _require(
-            self.step_tag_id is None or _is_index(self.step_tag_id),
-            f"pooler_config.step_tag_id must be a token id (an int >= 0), got {self.step_tag_id!r}",
-        )
-        ids = self.returned_token_ids
-        _require(
-            ids is None or (isinstance(ids, (list, tuple)) and len(ids) > 0 and all(map(_is_index, ids))),
-            f"pooler_config.returned_token_ids must be a non-empty list of ints >= 0, got {ids!r}",
-        )
-        if ids is not None:
-            object.__setattr__(self, "returned_token_ids", tuple(ids))
+        _check_step_settings(self, "pooler_config.")
         for name in ("step_tag_id", "returned_token_ids"):
             _require(
                 getattr(self, name) is None or self.pooling_type == "STEP",
@@ -106,14 +117,19 @@ class PoolingParams:
     """One pooling request's options (vLLM's `PoolingParams`); None: the engine's pooler_config.
 
     `task` is set by the entry point (`LLM.embed` -> "embed", ...). `dimensions` is checked against
-    the model's hidden size at admission (the input processor), where it is known."""
+    the model's hidden size at admission (the input processor), where it is known. `step_tag_id` and
+    `returned_token_ids` (vLLM's) override the engine's STEP pooling settings for this request: an
+    engine started with pooling_type STEP only, the ids bounded by the output's width at admission."""
 
     task: str = "embed"
     dimensions: int | None = None
     normalize: bool | None = None
     activation: bool | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        _check_step_settings(self, "")
         _require(
             self.task in POOLING_TASKS, f"pooling_task must be one of {POOLING_TASKS}, got {self.task!r}"
         )

@@ -139,21 +139,31 @@ _CLASSIFIERS = {
 }
 
 
+# A *ForTokenClassification encoder: one linear layer, `classifier`, on every token's hidden state
+# (its backbone built without the pooler).
+_TOKEN_CLASSIFIERS = {
+    "BertForTokenClassification": "BertModel",
+    "RobertaForTokenClassification": "RobertaModel",
+    "XLMRobertaForTokenClassification": "XLMRobertaModel",
+}
+
+
 def is_encoder_classifier(architecture: str) -> bool:
-    return architecture in _CLASSIFIERS
+    return architecture in _CLASSIFIERS or architecture in _TOKEN_CLASSIFIERS
 
 
 def split_classifier(hf_config: dict, tensors: dict) -> tuple[dict, dict, dict[str, np.ndarray]]:
     """(hf_config naming the backbone, the backbone's tensors, the head as float32 arrays
-    `dense_weight` [D, D], `dense_bias` [D], `out_weight` [num_labels, D], `out_bias` [num_labels])."""
+    `dense_weight` [D, D], `dense_bias` [D] (a sequence classifier's), `out_weight` [num_labels, D],
+    `out_bias` [num_labels])."""
     architecture = hf_config["architectures"][0]
-    backbone, dense, out = _CLASSIFIERS[architecture]
-    names = {
-        "dense_weight": f"{dense}.weight",
-        "dense_bias": f"{dense}.bias",
-        "out_weight": f"{out}.weight",
-        "out_bias": f"{out}.bias",
-    }
+    if architecture in _TOKEN_CLASSIFIERS:
+        backbone, dense, out = _TOKEN_CLASSIFIERS[architecture], None, "classifier"
+    else:
+        backbone, dense, out = _CLASSIFIERS[architecture]
+    names = {"out_weight": f"{out}.weight", "out_bias": f"{out}.bias"}
+    if dense is not None:
+        names |= {"dense_weight": f"{dense}.weight", "dense_bias": f"{dense}.bias"}
     missing = [n for n in names.values() if n not in tensors]
     if missing:
         raise ValueError(f"{architecture}: the checkpoint lacks its classifier head's {missing}")

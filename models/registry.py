@@ -30,7 +30,8 @@ from xlaserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextOfConditional
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from xlaserve.models.qwen3_next import Qwen3_5MoeTextOfConditionalGeneration, Qwen3NextForCausalLM
 
-_SEQ_CLS = "ForSequenceClassification"
+# A decoder classifier's suffixes: the class is its *ForCausalLM backbone's (the head runs on the host).
+_CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification")
 # A config.json that names no architecture (llama.cpp-era conversions) is read as Llama's.
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"
 
@@ -65,10 +66,13 @@ _MODELS: dict[str, type[CausalLM]] = {
     # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.
     "BertModel": BertModel,
     "BertForSequenceClassification": BertModel,
+    "BertForTokenClassification": BertModel,
     "RobertaModel": RobertaModel,
     "RobertaForSequenceClassification": RobertaModel,
+    "RobertaForTokenClassification": RobertaModel,
     "XLMRobertaModel": RobertaModel,
     "XLMRobertaForSequenceClassification": RobertaModel,
+    "XLMRobertaForTokenClassification": RobertaModel,
     "ModernBertModel": ModernBertModel,
     "ModernBertForSequenceClassification": ModernBertModel,
 }
@@ -97,10 +101,12 @@ def register_model(architecture: str, model_class: type[CausalLM]) -> None:
 
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The model class for an HF architecture; an unknown one lists the supported ones. A
-    *ForSequenceClassification decoder is its *ForCausalLM backbone (its `score` head is applied by
-    a pooling engine, engine/worker/pooler.py)."""
-    if architecture.endswith(_SEQ_CLS) and architecture[: -len(_SEQ_CLS)] + "ForCausalLM" in _MODELS:
-        architecture = architecture[: -len(_SEQ_CLS)] + "ForCausalLM"
+    *ForSequenceClassification or *ForTokenClassification decoder is its *ForCausalLM backbone (its
+    `score` head is applied by a pooling engine, engine/worker/pooler.py)."""
+    for suffix in _CLASSIFIER_SUFFIXES:
+        causal = architecture[: -len(suffix)] + "ForCausalLM"
+        if architecture.endswith(suffix) and causal in _MODELS:
+            architecture = causal
     try:
         return _MODELS[architecture]
     except KeyError:

@@ -43,6 +43,27 @@ class CacheConfig:
             "hit (default: off)"
         ),
     )
+    # A disk tier below the host tier: blocks the host tier evicts go to files in this directory, and a
+    # prefix hit there loads them straight to the device. None: off. Its size in GiB (None: four times
+    # the host tier's).
+    kv_offloading_disk_path: str | None = field(
+        default=None,
+        metadata=arg(
+            "a directory for a disk tier of KV blocks evicted from the host tier (needs "
+            "--kv-offloading-size; default: none)"
+        ),
+    )
+    kv_offloading_disk_size: float | None = field(
+        default=None,
+        metadata=arg("GiB of the disk tier (default: 4x --kv-offloading-size)"),
+    )
+
+    @property
+    def disk_tier_size(self) -> float | None:
+        """GiB of the disk tier (None: no disk tier)."""
+        if self.kv_offloading_disk_path is None:
+            return None
+        return self.kv_offloading_disk_size or 4 * self.kv_offloading_size
 
     def __post_init__(self):
         require(
@@ -58,6 +79,24 @@ class CacheConfig:
             self.kv_offloading_size is None or self.enable_prefix_caching,
             "kv_offloading_size needs enable_prefix_caching: the host tier holds the blocks the prefix "
             "cache evicts, under their hashes",
+        )
+        for name in ("kv_offloading_disk_path", "kv_offloading_disk_size"):
+            require(
+                getattr(self, name) is None or self.kv_offloading_size is not None,
+                f"{name} needs kv_offloading_size: the disk tier holds what the host tier evicts",
+            )
+        require(
+            self.kv_offloading_disk_size is None or self.kv_offloading_disk_path is not None,
+            "kv_offloading_disk_size needs kv_offloading_disk_path (the directory of the disk tier)",
+        )
+        require(
+            self.kv_offloading_disk_size is None
+            or (
+                isinstance(self.kv_offloading_disk_size, (int, float))
+                and not isinstance(self.kv_offloading_disk_size, bool)
+                and 0 < self.kv_offloading_disk_size < math.inf
+            ),
+            f"kv_offloading_disk_size must be a number of GiB > 0, got {self.kv_offloading_disk_size!r}",
         )
         require(
             self.kv_cache_dtype in KV_CACHE_DTYPES,

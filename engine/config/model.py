@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from xlaserve.config.checks import require
-from xlaserve.config_args import arg, not_a_flag
+from xlaserve.config_args import arg, json_object, not_a_flag
 from xlaserve.pooling_params import CONVERT_TYPES, PoolerConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -97,6 +97,16 @@ class ModelConfig:
             '"returned_token_ids": [1, 0]'
         ),
     )
+    # vLLM's hf_overrides: keys merged over the checkpoint's config.json when it loads (e.g. a Qwen3
+    # reranker read as a sequence classifier: README "Pooling models"). Kept as JSON text (the config
+    # stays hashable); a dict is converted.
+    hf_overrides: str | None = field(
+        default=None,
+        metadata=arg(
+            "keys merged over the checkpoint's config.json, as JSON: "
+            '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}'
+        ),
+    )
     # vLLM's flag: images a prompt may carry (a vision-language model; engine/engine/mm_processor.py),
     # as JSON text or a dict; None: DEFAULT_IMAGES_PER_PROMPT. Checked where the config is built.
     limit_mm_per_prompt: str | None = field(
@@ -109,6 +119,9 @@ class ModelConfig:
         if isinstance(self.limit_mm_per_prompt, dict):  # kept as JSON text: the config stays hashable
             object.__setattr__(self, "limit_mm_per_prompt", json.dumps(self.limit_mm_per_prompt))
         parse_mm_limits(self.limit_mm_per_prompt)  # a bad value is an error at start
+        if self.hf_overrides is not None:
+            overrides = json_object(self.hf_overrides, "hf_overrides")
+            object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
         require(self.runner in RUNNER_TYPES, f"runner must be one of {RUNNER_TYPES}, got {self.runner!r}")
         require(
             self.convert in CONVERT_TYPES, f"convert must be one of {CONVERT_TYPES}, got {self.convert!r}"
@@ -130,6 +143,10 @@ class ModelConfig:
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1, got {self.max_model_len}",
         )
+
+    @property
+    def hf_overrides_dict(self) -> dict:
+        return {} if self.hf_overrides is None else json.loads(self.hf_overrides)
 
     @property
     def pooling_type(self) -> str:

@@ -17,6 +17,7 @@ from xlaserve.core.kv_cache_spec import (
 from xlaserve.core.limits import cdiv
 from xlaserve.core.multimodal import mm_block_keys
 from xlaserve.core.request import Request
+from xlaserve.pooling_params import TOKEN_TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +268,12 @@ class GroupedBlocks:
 
 def skips_prefix_cache(request: Request) -> bool:
     """A request whose prompt must all run through the model: prompt logprobs need every position's
-    logits. No cached K/V serves it, from the device or any other tier."""
-    return request.sampling_params.prompt_logprobs is not None
+    logits, a token-level pooling task every position's hidden state. No cached K/V serves it, from
+    the device or any other tier."""
+    pooling = request.pooling_params
+    return request.sampling_params.prompt_logprobs is not None or (
+        pooling is not None and pooling.task in TOKEN_TASKS
+    )
 
 
 def _first_block_keys(request: Request) -> tuple | None:

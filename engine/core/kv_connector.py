@@ -33,16 +33,27 @@ class KVConnectorMetadata:
 
     Saves run before loads (a block evicted and reallocated in the same step is read before it is
     written), and both before the step's forward. Block ids are the device cache's (layer 0's, as in
-    a block table); slots index the connector's own storage (host blocks, for offload)."""
+    a block table); slots index the connector's own storage (host blocks, for offload; disk blocks, for
+    its disk tier). Demotions (host slot -> disk slot: blocks the host tier evicts) run first of all,
+    before this step's saves can land in those host slots."""
 
     save_block_ids: np.ndarray = field(default_factory=_no_ids)  # [S] int32: device blocks to copy out
     save_slots: np.ndarray = field(default_factory=_no_ids)  # [S] int32: where each goes
     load_block_ids: np.ndarray = field(default_factory=_no_ids)  # [L] int32: device blocks to fill
     load_slots: np.ndarray = field(default_factory=_no_ids)  # [L] int32: where each comes from
+    demote_host_slots: np.ndarray = field(default_factory=_no_ids)  # [M] int32: host blocks leaving
+    demote_disk_slots: np.ndarray = field(default_factory=_no_ids)  # [M] int32: where each goes
+    disk_load_block_ids: np.ndarray = field(default_factory=_no_ids)  # [K] int32: device blocks to fill
+    disk_load_slots: np.ndarray = field(default_factory=_no_ids)  # [K] int32: from these disk blocks
 
     @property
     def is_empty(self) -> bool:
-        return not (len(self.save_block_ids) or len(self.load_block_ids))
+        return not (
+            len(self.save_block_ids)
+            or len(self.load_block_ids)
+            or len(self.demote_host_slots)
+            or len(self.disk_load_block_ids)
+        )
 
 
 @dataclass
@@ -51,12 +62,19 @@ class KVTransferStats:
 
     num_queries: int = 0  # prompt tokens asked of the outside source (past the device hit)
     num_hits: int = 0  # of those, tokens it provided (vLLM's external_prefix_cache_hits)
+    num_disk_hits: int = 0  # of those, tokens a disk tier provided
     num_blocks_saved: int = 0
-    num_blocks_loaded: int = 0
+    num_blocks_loaded: int = 0  # from the host tier
+    num_blocks_demoted: int = 0  # host tier -> disk tier
+    num_blocks_loaded_from_disk: int = 0
     bytes_saved: int = 0  # device -> outside
-    bytes_loaded: int = 0  # outside -> device
+    bytes_loaded: int = 0  # host tier -> device
+    bytes_demoted: int = 0  # host tier -> disk tier
+    bytes_loaded_from_disk: int = 0  # disk tier -> device
     save_seconds: float = 0.0
     load_seconds: float = 0.0
+    demote_seconds: float = 0.0
+    disk_load_seconds: float = 0.0
 
     def add(self, other: KVTransferStats) -> None:
         for name in self.__dataclass_fields__:

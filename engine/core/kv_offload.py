@@ -8,8 +8,12 @@ hits the device cache for its first n blocks asks the host tier for the blocks a
 finds get device blocks and are loaded before the step, and count as computed (and in
 `num_cached_tokens`).
 
-This half is bookkeeping only: host slots by hash, least recently used first out. The bytes live with
-the worker, which receives (device block, host slot) pairs in each step's KVConnectorMetadata.
+With a disk tier (`kv_offloading_disk_path`), a block the host tier evicts is demoted to a disk slot
+(its own index, least recently used first out, under the same hash) instead of dropped; a prefix's
+blocks may then come from either tier, in order, and a disk hit loads straight to the device.
+
+This half is bookkeeping only: host (and disk) slots by hash, least recently used first out. The bytes
+live with the worker, which receives (device block, slot) pairs in each step's KVConnectorMetadata.
 """
 
 from __future__ import annotations
@@ -26,26 +30,30 @@ from xlaserve.core.request import Request
 GIB = 2**30
 
 
-def num_host_blocks(kv_offloading_size: float, bytes_per_block: int) -> int:
-    """Host blocks `kv_offloading_size` GiB holds; ValueError naming the field when not even one."""
-    num_blocks = int(kv_offloading_size * GIB // bytes_per_block)
+def num_host_blocks(size: float, bytes_per_block: int, field: str = "kv_offloading_size") -> int:
+    """Blocks `size` GiB holds (a tier's); ValueError naming the field when not even one."""
+    num_blocks = int(size * GIB // bytes_per_block)
     if num_blocks < 1:
         raise ValueError(
-            f"kv_offloading_size ({kv_offloading_size} GiB) holds no KV block of {bytes_per_block} bytes; "
+            f"{field} ({size} GiB) holds no KV block of {bytes_per_block} bytes; "
             f"raise it to at least {bytes_per_block / GIB:.3g}"
         )
     return num_blocks
 
 
 class HostBlockIndex:
-    """Host slots by block hash, least recently used first: a bounded LRU with O(1) lookups.
+    """A tier's slots (host, or disk) by block hash, least recently used first: a bounded LRU with O(1)
+    lookups.
 
-    A slot being loaded this step is pinned, so a save in the same step cannot take it over."""
+    A slot being loaded this step is pinned, so a save in the same step cannot take it over.
+    `on_evict(block_hash, slot)` hears of each eviction before its slot is reused (a disk tier's
+    demotion)."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_evict=None):
         self.num_blocks = num_blocks
+        self.on_evict = on_evict
         self.slot_of: OrderedDict[bytes, int] = OrderedDict()  # LRU first
-        self.free_slots = list(range(num_blocks - 1, -1, -1))  # popped from the end: slot 0 first
+        self.num_used = 0  # slots 0 .. num_used - 1 have been given out (a disk tier's may be millions)
         self.pinned: set[int] = set()
         self.num_evicted = 0
 
@@ -74,14 +82,17 @@ class HostBlockIndex:
     def allocate(self, block_hash: bytes) -> int | None:
         """A slot for a new hash (evicting the least recently used unpinned one when full); None when
         every slot is pinned."""
-        if self.free_slots:
-            slot = self.free_slots.pop()
+        if self.num_used < self.num_blocks:
+            slot = self.num_used
+            self.num_used += 1
         else:
             victim = next((h for h, s in self.slot_of.items() if s not in self.pinned), None)
             if victim is None:
                 return None
             slot = self.slot_of.pop(victim)
             self.num_evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(victim, slot)
         self.slot_of[block_hash] = slot
         return slot
 
@@ -90,21 +101,42 @@ class HostBlockIndex:
 
     def clear(self) -> None:
         self.slot_of.clear()
-        self.free_slots = list(range(self.num_blocks - 1, -1, -1))
+        self.num_used = 0
         self.pinned.clear()
 
 
 class OffloadingConnectorScheduler(KVConnectorScheduler):
-    """Evicted device blocks go to the host tier; host hits after a device hit come back."""
+    """Evicted device blocks go to the host tier (and what it evicts to the disk tier, when there is
+    one); hits after a device hit come back from either."""
 
-    def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int):
-        self.index = HostBlockIndex(num_blocks)
+    def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int, num_disk_blocks: int = 0):
+        self.index = HostBlockIndex(num_blocks, on_evict=self._demote if num_disk_blocks else None)
+        self.disk = HostBlockIndex(num_disk_blocks) if num_disk_blocks else None
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
         self._evicted: dict[bytes, int] = {}  # hash -> device block, not yet saved
-        # device block -> host slot, this step (a later load into the same block wins)
+        # device block -> host (or disk) slot, this step (a later load into the same block wins)
         self._loads: dict[int, int] = {}
+        self._disk_loads: dict[int, int] = {}
+        self._demotes: list[tuple[int, int]] = []  # (host slot, disk slot), this step
+        self._saving: set[bytes] = set()  # hashes given host slots this step (their bytes land later)
         self.stats = KVTransferStats()
+
+    def _held(self, block_hash: bytes) -> bool:
+        return block_hash in self.index or (self.disk is not None and block_hash in self.disk)
+
+    def _demote(self, block_hash: bytes, host_slot: int) -> None:
+        """The host tier evicts `block_hash` from `host_slot`: copy it to the disk tier (unless the disk
+        already holds it, or every disk slot is being loaded this step: then it is dropped). A block
+        saved this very step is not on the host yet: it is dropped too."""
+        if block_hash in self._saving:
+            return
+        if block_hash in self.disk:
+            self.disk.slot_of.move_to_end(block_hash)
+            return
+        disk_slot = self.disk.allocate(block_hash)
+        if disk_slot is not None:
+            self._demotes.append((host_slot, disk_slot))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         # Device hits are whole blocks, and the last prompt token is always computed (its logits).
@@ -113,19 +145,33 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             return 0
         first = num_computed_tokens // self.block_size
         max_blocks = (request.num_tokens - 1) // self.block_size
-        return self.index.num_leading_hits(request.block_hashes[first:max_blocks]) * self.block_size
+        num_hits = 0
+        for block_hash in request.block_hashes[first:max_blocks]:  # from either tier, in order
+            if not self._held(block_hash):
+                break
+            num_hits += 1
+        return num_hits * self.block_size
 
     def update_state_after_alloc(self, request, block_ids, num_computed_tokens, num_external_tokens) -> None:
         self.stats.num_queries += request.num_tokens - num_computed_tokens
         self.stats.num_hits += num_external_tokens
         first = num_computed_tokens // self.block_size
         for index in range(first, first + num_external_tokens // self.block_size):
-            self._loads[block_ids[index]] = self.index.take_for_load(request.block_hashes[index])
+            block_hash, block_id = request.block_hashes[index], block_ids[index]
+            if block_hash in self.index:
+                self._loads[block_id] = self.index.take_for_load(block_hash)
+                self._disk_loads.pop(block_id, None)
+            else:
+                self._disk_loads[block_id] = self.disk.take_for_load(block_hash)
+                self._loads.pop(block_id, None)
+                self.stats.num_disk_hits += self.block_size
 
     def on_block_evicted(self, block_hash: bytes, block_id: int) -> None:
-        # Already on the host (loaded from there, or saved before): touching it is enough.
+        # Already held (loaded from a tier, or saved before): touching it is enough.
         if block_hash in self.index:
             self.index.slot_of.move_to_end(block_hash)
+        elif self.disk is not None and block_hash in self.disk:
+            self.disk.slot_of.move_to_end(block_hash)
         else:
             self._evicted[block_hash] = block_id
 
@@ -134,28 +180,44 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             return None  # nothing runs, nothing is overwritten: the saves wait for the next step
         save_ids, save_slots = [], []
         for block_hash, block_id in self._evicted.items():
-            slot = self.index.allocate(block_hash)  # loads of this step stay pinned
+            slot = self.index.allocate(block_hash)  # loads of this step stay pinned; may demote
             if slot is not None:
                 save_ids.append(block_id)
                 save_slots.append(slot)
+                self._saving.add(block_hash)
+        self._saving.clear()
         self.index.unpin_all()
+        if self.disk is not None:
+            self.disk.unpin_all()
+        demotes = np.asarray(self._demotes, np.int32).reshape(-1, 2)
         meta = KVConnectorMetadata(
             save_block_ids=np.asarray(save_ids, np.int32),
             save_slots=np.asarray(save_slots, np.int32),
             load_block_ids=np.fromiter(self._loads.keys(), np.int32, len(self._loads)),
             load_slots=np.fromiter(self._loads.values(), np.int32, len(self._loads)),
+            demote_host_slots=demotes[:, 0].copy(),
+            demote_disk_slots=demotes[:, 1].copy(),
+            disk_load_block_ids=np.fromiter(self._disk_loads.keys(), np.int32, len(self._disk_loads)),
+            disk_load_slots=np.fromiter(self._disk_loads.values(), np.int32, len(self._disk_loads)),
         )
-        self._evicted, self._loads = {}, {}
-        self.stats.num_blocks_saved += len(save_ids)
-        self.stats.num_blocks_loaded += len(meta.load_block_ids)
-        self.stats.bytes_saved += len(save_ids) * self.bytes_per_block
-        self.stats.bytes_loaded += len(meta.load_block_ids) * self.bytes_per_block
+        self._evicted, self._loads, self._disk_loads, self._demotes = {}, {}, {}, []
+        s = self.stats
+        s.num_blocks_saved += len(save_ids)
+        s.num_blocks_loaded += len(meta.load_block_ids)
+        s.num_blocks_demoted += len(meta.demote_host_slots)
+        s.num_blocks_loaded_from_disk += len(meta.disk_load_block_ids)
+        s.bytes_saved += len(save_ids) * self.bytes_per_block
+        s.bytes_loaded += len(meta.load_block_ids) * self.bytes_per_block
+        s.bytes_demoted += len(meta.demote_host_slots) * self.bytes_per_block
+        s.bytes_loaded_from_disk += len(meta.disk_load_block_ids) * self.bytes_per_block
         return None if meta.is_empty else meta
 
     def update_connector_output(self, stats: KVTransferStats | None) -> None:
         if stats is not None:  # the worker's seconds; bytes and blocks are counted here
             self.stats.save_seconds += stats.save_seconds
             self.stats.load_seconds += stats.load_seconds
+            self.stats.demote_seconds += stats.demote_seconds
+            self.stats.disk_load_seconds += stats.disk_load_seconds
 
     def make_stats(self) -> KVTransferStats:
         stats, self.stats = self.stats, KVTransferStats()
@@ -163,13 +225,20 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def reset(self) -> None:
         self.index.clear()
+        if self.disk is not None:
+            self.disk.clear()
         self._evicted.clear()
+        self._demotes.clear()
 
 
 def make_kv_connector_scheduler(cache: CacheConfig, bytes_per_block: int) -> KVConnectorScheduler:
     """The scheduler's half of the configured connector: host offload, or the base class (off)."""
     if cache.kv_offloading_size is None:
         return KVConnectorScheduler()
+    disk_size = cache.disk_tier_size
     return OffloadingConnectorScheduler(
-        num_host_blocks(cache.kv_offloading_size, bytes_per_block), cache.block_size, bytes_per_block
+        num_host_blocks(cache.kv_offloading_size, bytes_per_block),
+        cache.block_size,
+        bytes_per_block,
+        0 if disk_size is None else num_host_blocks(disk_size, bytes_per_block, "kv_offloading_disk_size"),
     )

@@ -186,6 +186,8 @@ class AsyncLLM:
             RequestLimits(ready.max_model_len, self.block_size, ready.num_usable_blocks),
             pooling_task=ready.pooling_task,
             hidden_size=ready.hidden_size,
+            pooling_type=self.config.model.pooling_type,
+            num_labels=len(ready.id2label),
             mm_processor=MultiModalProcessor.for_model(
                 self.model, self.tokenizer, self.config.model.limit_mm_per_prompt
             ),

@@ -137,18 +137,24 @@ class EngineMetrics:
 
     def kv_offload_counters(self) -> list[Counter]:
         """Host offload's counters in vLLM's names (none without a connector): prompt tokens asked of
-        the host tier past the device hit and those it served (external_prefix_cache_*), and the bytes
-        and seconds of the copies each way (kv_offload_total_*, by transfer_type)."""
+        the offload tiers past the device hit and those they served (external_prefix_cache_*; by tier,
+        kv_offload_hits), and the bytes and seconds of the copies each way (kv_offload_total_*, by
+        transfer_type: device_to_host, host_to_device, and with a disk tier host_to_disk,
+        disk_to_device)."""
         t = self.kv_transfer
         if t is None:
             return []
         ways = (
             ("device_to_host", t.bytes_saved, t.save_seconds),
             ("host_to_device", t.bytes_loaded, t.load_seconds),
+            ("host_to_disk", t.bytes_demoted, t.demote_seconds),
+            ("disk_to_device", t.bytes_loaded_from_disk, t.disk_load_seconds),
         )
         counters = [
             Counter(PREFIX + "external_prefix_cache_queries", value=t.num_queries),
             Counter(PREFIX + "external_prefix_cache_hits", value=t.num_hits),
+            Counter(PREFIX + "kv_offload_hits", {"tier": "host"}, value=t.num_hits - t.num_disk_hits),
+            Counter(PREFIX + "kv_offload_hits", {"tier": "disk"}, value=t.num_disk_hits),
         ]
         for way, num_bytes, seconds in ways:
             counters.append(

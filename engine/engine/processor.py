@@ -45,6 +45,8 @@ class InputProcessor:
         *,
         pooling_task: str | None = None,
         hidden_size: int = 0,
+        pooling_type: str = "LAST",
+        num_labels: int = 0,
         mm_processor: MultiModalProcessor | None = None,
     ):
         self.tokenizer = tokenizer
@@ -53,6 +55,10 @@ class InputProcessor:
         # A pooling engine's task (worker/pooler.py; None: a generate engine) and hidden size.
         self.pooling_task = pooling_task
         self.hidden_size = hidden_size
+        # The engine's pooling (pooler_config's: a request's STEP settings need STEP) and a classifier's
+        # number of labels (0: no head), the width of its head's outputs.
+        self.pooling_type = pooling_type
+        self.num_labels = num_labels
         self.max_model_len = max_model_len
         self.limits = limits
         self.vocab_size = vocab_size
@@ -210,6 +216,21 @@ class InputProcessor:
             raise ValueError(
                 f"dimensions must be <= {self.hidden_size} (the model's hidden size), got {params.dimensions}"
             )
+        for name in ("step_tag_id", "returned_token_ids"):
+            if getattr(params, name) is not None and self.pooling_type != "STEP":
+                raise ValueError(
+                    f"{name} needs an engine started with pooling_type 'STEP' (pooler_config); this one "
+                    f"pools {self.pooling_type}"
+                )
+        if params.returned_token_ids is not None:
+            # The columns of the head's outputs (its labels), or of the hidden states where no head runs.
+            headless = not self.num_labels or params.task in ("embed", "token_embed", "encode")
+            width = self.hidden_size if headless else self.num_labels
+            if max(params.returned_token_ids) >= width:
+                raise ValueError(
+                    f"returned_token_ids must be < {width} (the width of this {params.task} output), "
+                    f"got {list(params.returned_token_ids)}"
+                )
 
     def make_pooling_request(
         self,

@@ -70,6 +70,12 @@ def add_parser(sub, add_engine_args) -> None:
     )
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat template sent in a request's `chat_template` (refused otherwise: a template "
+        "is code the server runs, in Jinja's sandbox)",
+    )
+    g.add_argument(
         "--max-num-queued-reqs",
         type=int,
         default=None,
@@ -285,6 +291,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         engine=engine,
         served_model_names=served_model_names,
         chat_template=chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
         log_requests=not args.disable_log_requests,
         api_key=args.api_key,
         enable_admin_api=args.enable_admin_api,

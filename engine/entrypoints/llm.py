@@ -95,6 +95,8 @@ class LLM:
             self.config.model.seed,
             pooling_task=model_info.pooling_task,
             hidden_size=model_info.hidden_size,
+            pooling_type=self.config.model.pooling_type,
+            num_labels=len(model_info.id2label),
             mm_processor=MultiModalProcessor.for_model(
                 self.config.model.model, self.tokenizer, self.config.model.limit_mm_per_prompt
             ),
@@ -208,19 +210,31 @@ class LLM:
     def encode(
         self,
         prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | None = None,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         pooling_task: str | None = None,
         use_tqdm: bool = True,
     ) -> list[PoolingRequestOutput]:
         """The pooled output of each prompt for `pooling_task` (embed, classify, score, encode: the
-        pooled hidden states as they are, reward), as `.outputs.data` (a numpy array)."""
+        pooled hidden states as they are, reward; token_embed, token_classify: a row per prompt
+        token), as `.outputs.data` (a numpy array). `pooling_params`: one for every prompt, or one
+        each (as vLLM's), each with its own task unless `pooling_task` sets them all."""
         if pooling_task is None and pooling_params is None:
-            raise ValueError("pooling_task must be given (embed, classify, score, encode or reward)")
-        params = pooling_params or PoolingParams(task=pooling_task)
-        if pooling_task is not None:
-            params = dataclasses.replace(params, task=pooling_task)
+            raise ValueError(
+                "pooling_task must be given (embed, classify, score, encode, reward, token_embed or "
+                "token_classify)"
+            )
         tokenized = [self.input_processor.tokenize(p) for p in _as_list(prompts)]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams(task=pooling_task)] * len(tokenized)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(tokenized):
+                raise ValueError(
+                    f"pooling_params: {len(params)} given for {len(tokenized)} prompts (one, or one each)"
+                )
+        if pooling_task is not None:
+            params = [dataclasses.replace(p, task=pooling_task) for p in params]
         return [
             PoolingRequestOutput(rid, PoolingOutput(data), ids)
             for rid, ids, data in self._pool([ids for _, ids in tokenized], params, use_tqdm)
@@ -332,20 +346,25 @@ class LLM:
                 f"{what} needs runner={runner!r}; this LLM runs runner={self.config.model.runner!r}"
             )
 
-    def _pool(self, prompt_ids: list[list[int]], params: PoolingParams, use_tqdm: bool) -> list[tuple]:
+    def _pool(
+        self, prompt_ids: list[list[int]], params: PoolingParams | list[PoolingParams], use_tqdm: bool
+    ) -> list[tuple]:
         """Run pooling requests to completion: [(request id, prompt ids, pooled numpy array)] in order.
-        Everything is validated before anything is added."""
-        self._require_runner("pooling", f"pooling_task {params.task!r}")
+        `params`: one for all, or one per prompt. Everything is validated before anything is added."""
+        if isinstance(params, PoolingParams):
+            params = [params] * len(prompt_ids)
+        self._require_runner("pooling", f"pooling_task {params[0].task!r}" if params else "pooling")
         if self.engine_core.is_sleeping:
             raise ValueError("the engine is asleep (sleep() was called): call wake_up() first")
         for ids in prompt_ids:
             self.input_processor.validate_prompt(ids)
-        self.input_processor.validate_pooling(params)
+        for p in params:
+            self.input_processor.validate_pooling(p)
         order: dict[str, int] = {}
         try:
-            for i, ids in enumerate(prompt_ids):
+            for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=True)):
                 rid = str(next(self._request_counter))
-                self.engine_core.add_request(self.input_processor.make_pooling_request(rid, ids, params))
+                self.engine_core.add_request(self.input_processor.make_pooling_request(rid, ids, p))
                 order[rid] = i
             results: list = [None] * len(order)
             with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:

@@ -13,6 +13,12 @@ always write), so a step's transfers never compile anything after warm-up:
 Both run before the step's forward: a block saved is read before the step reuses it, a block loaded
 is in place before attention reads it. The bytes are copied as they are (bfloat16, fp8): a block
 reloaded is bit-identical to the one evicted.
+
+A disk tier (`DiskTier`) is the same layout in files under `kv_offloading_disk_path`, memory-mapped:
+blocks the host tier evicts are copied there from their host slots (before this step's saves can
+land in them), and a disk hit is read from the file into the load program's staging like a host one.
+The files are this process's alone, unlinked once mapped: nothing is left on disk after it exits, and
+a restarted engine starts with an empty tier.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import os
+import shutil
+import tempfile
 import time
 
 import jax
@@ -74,6 +83,42 @@ def _host_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[: int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
 
 
+class DiskTier:
+    """`num_blocks` blocks in files under `path`, one memory-mapped array per cache array (as the host
+    tier's: [num_blocks, L, block_size, ...]), created at the first use (when the shapes are known)."""
+
+    def __init__(self, path: str, num_blocks: int):
+        self.path = path
+        self.num_blocks = num_blocks
+        self.arrays: list[np.ndarray] | None = None
+
+    def ensure(self, shapes_dtypes) -> None:
+        if self.arrays is not None:
+            return
+        t0 = time.perf_counter()
+        self.arrays = []
+        for shape, dtype in shapes_dtypes:
+            with tempfile.NamedTemporaryFile(dir=self.path, prefix="xlaserve-kv-", delete=False) as f:
+                name = f.name
+            try:
+                self.arrays.append(
+                    np.memmap(name, dtype=dtype, mode="w+", shape=(self.num_blocks, *shape[1:]))
+                )
+            finally:
+                os.unlink(name)  # the mapping stays; the file goes with the process
+        logger.info(
+            "KV offload: disk tier of %d blocks (%.1f MiB) under %s in %.2f s",
+            self.num_blocks,
+            self.nbytes / 2**20,
+            self.path,
+            time.perf_counter() - t0,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.arrays is None else sum(a.nbytes for a in self.arrays)
+
+
 def _padded(ids: np.ndarray) -> np.ndarray:
     out = np.zeros(TRANSFER_CHUNK_BLOCKS, np.int32)  # block 0: the null block
     out[: len(ids)] = ids
@@ -83,10 +128,11 @@ def _padded(ids: np.ndarray) -> np.ndarray:
 class OffloadingConnectorWorker(KVConnectorWorker):
     """The host tier's arrays and the two transfer programs."""
 
-    def __init__(self, num_host_blocks: int, num_blocks: int):
+    def __init__(self, num_host_blocks: int, num_blocks: int, disk: DiskTier | None = None):
         self.num_host_blocks = num_host_blocks
         self.num_blocks = num_blocks  # the device cache's, null block included
         self.host: list[np.ndarray] | None = None  # per cache array [num_host_blocks, L, block_size, ...]
+        self.disk = disk
         # Gathers dispatched, not yet on the host: (device arrays, host slots).
         self._pending: list[tuple[tuple[jax.Array, ...], np.ndarray]] = []
         self._gather_fn = self._scatter_fn = None
@@ -107,6 +153,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         if self.host is None:
             t0 = time.perf_counter()
             self.host = [_host_array((self.num_host_blocks, *s[1:]), dtype) for s, dtype in shapes_dtypes]
+            if self.disk is not None:
+                self.disk.ensure(shapes_dtypes)
             logger.info(
                 "KV offload: host tier of %d blocks (%.1f MiB) in %.2f s",
                 self.num_host_blocks,
@@ -120,6 +168,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
 
     def save_kv(self, kv_cache, metadata: KVConnectorMetadata | None) -> None:
         self.flush()  # the previous steps' saves land first: this step's loads may read them
+        if metadata is not None and len(metadata.demote_host_slots):
+            self._demote(metadata.demote_host_slots, metadata.demote_disk_slots)
         if metadata is None or not len(metadata.save_block_ids):
             return
         self._programs(kv_cache)
@@ -144,23 +194,44 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self._pending = []
         self.stats.save_seconds += time.perf_counter() - t0
 
-    def load_kv(self, kv_cache, metadata: KVConnectorMetadata | None):
-        if metadata is None or not len(metadata.load_block_ids):
-            return kv_cache
-        assert self.host is not None, "a load from a host tier nothing was saved to"
-        self._programs(kv_cache)
+    def _demote(self, host_slots: np.ndarray, disk_slots: np.ndarray) -> None:
+        """Host slots -> disk slots (blocks the host tier evicts), before saves reuse the host slots."""
+        assert self.host is not None and self.disk is not None, "a demotion without both tiers"
         t0 = time.perf_counter()
-        for start in range(0, len(metadata.load_block_ids), TRANSFER_CHUNK_BLOCKS):
-            ids = metadata.load_block_ids[start : start + TRANSFER_CHUNK_BLOCKS]
-            slots = metadata.load_slots[start : start + TRANSFER_CHUNK_BLOCKS]
+        for host, disk in zip(self.host, self.disk.arrays):
+            disk[disk_slots] = host[host_slots]
+        self.stats.demote_seconds += time.perf_counter() - t0
+
+    def load_kv(self, kv_cache, metadata: KVConnectorMetadata | None):
+        if metadata is None:
+            return kv_cache
+        if len(metadata.load_block_ids):
+            assert self.host is not None, "a load from a host tier nothing was saved to"
+            t0 = time.perf_counter()
+            kv_cache = self._load(kv_cache, self.host, metadata.load_block_ids, metadata.load_slots)
+            self.stats.load_seconds += time.perf_counter() - t0
+        if len(metadata.disk_load_block_ids):
+            assert self.disk is not None and self.disk.arrays is not None, "a load from no disk tier"
+            t0 = time.perf_counter()
+            kv_cache = self._load(
+                kv_cache, self.disk.arrays, metadata.disk_load_block_ids, metadata.disk_load_slots
+            )
+            self.stats.disk_load_seconds += time.perf_counter() - t0
+        return kv_cache
+
+    def _load(self, kv_cache, tier: list[np.ndarray], block_ids: np.ndarray, slots_all: np.ndarray):
+        """`kv_cache` with `block_ids` filled from the tier's `slots_all` (host arrays or disk maps)."""
+        self._programs(kv_cache)
+        for start in range(0, len(block_ids), TRANSFER_CHUNK_BLOCKS):
+            ids = block_ids[start : start + TRANSFER_CHUNK_BLOCKS]
+            slots = slots_all[start : start + TRANSFER_CHUNK_BLOCKS]
             blocks = []
-            for buffer in self.host:
+            for buffer in tier:
                 staged = np.zeros((TRANSFER_CHUNK_BLOCKS, *buffer.shape[1:]), buffer.dtype)
                 staged[: len(slots)] = buffer[slots]
                 blocks.append(jax.device_put(staged))
-            jax.block_until_ready(blocks)  # the copy is what load_seconds measures, not the scatter
+            jax.block_until_ready(blocks)  # the copy is what the seconds measure, not the scatter
             kv_cache = self._scatter_fn(kv_cache, _padded(ids), tuple(blocks))
-        self.stats.load_seconds += time.perf_counter() - t0
         return kv_cache
 
     def take_stats(self) -> KVTransferStats:
@@ -207,4 +278,23 @@ def make_kv_connector_worker(cache: CacheConfig, bytes_per_block: int, num_block
             f"kv_offloading_size ({cache.kv_offloading_size} GiB) is more than the host memory available "
             f"({available / 2**30:.1f} GiB); lower it"
         )
-    return OffloadingConnectorWorker(num_host, num_blocks)
+    disk = None
+    if cache.kv_offloading_disk_path is not None:
+        disk = DiskTier(cache.kv_offloading_disk_path, disk_tier_blocks(cache, bytes_per_block))
+    return OffloadingConnectorWorker(num_host, num_blocks, disk)
+
+
+def disk_tier_blocks(cache: CacheConfig, bytes_per_block: int) -> int:
+    """The disk tier's blocks; ValueError naming the field for a path that is not a writable directory
+    or a size past its free space."""
+    path = cache.kv_offloading_disk_path
+    if not os.path.isdir(path) or not os.access(path, os.W_OK):
+        raise ValueError(f"kv_offloading_disk_path ({path!r}) must be a writable directory")
+    num_disk = num_host_blocks(cache.disk_tier_size, bytes_per_block, "kv_offloading_disk_size")
+    free = shutil.disk_usage(path).free
+    if num_disk * bytes_per_block > free:
+        raise ValueError(
+            f"kv_offloading_disk_size ({cache.disk_tier_size} GiB) is more than the free space under "
+            f"{path!r} ({free / 2**30:.1f} GiB); lower it"
+        )
+    return num_disk

@@ -108,10 +108,13 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
         skip_tokenizer_init=config.model.skip_tokenizer_init,
         quantization=config.model.quantization,
     )
-    architecture = (checkpoint.hf_config.get("architectures") or [""])[0]
+    original_config = {**checkpoint.hf_config, **config.model.hf_overrides_dict}  # vLLM's hf_overrides
+    architecture = (original_config.get("architectures") or [""])[0]
     task = resolve_task(config.model, architecture)
-    # A *ForSequenceClassification model runs as its backbone; its head stays on the host.
-    hf_config, tensors, head = adapt_checkpoint(config.model, checkpoint.hf_config, checkpoint.tensors)
+    # A *ForSequenceClassification (or token) model runs as its backbone; its head stays on the host.
+    hf_config, tensors, head = adapt_checkpoint(
+        config.model, original_config, checkpoint.tensors, checkpoint.tokenizer
+    )
     is_encoder = is_encoder_only(hf_config["architectures"][0]) if hf_config.get("architectures") else False
     if is_encoder:
         hf_config = _encoder_config(config, hf_config, checkpoint.tokenizer)
@@ -119,9 +122,10 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
     max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
     if is_encoder:
         max_model_len = _whole_prompt_len(config, max_model_len)
-    if task == "classify" and head is None:
+    if task in ("classify", "token_classify") and head is None:
         raise ValueError(
-            f"convert='classify' needs a *ForSequenceClassification checkpoint, got {architecture}"
+            f"convert={task!r} needs a *ForSequenceClassification or *ForTokenClassification "
+            f"checkpoint, got {architecture}"
         )
     info = ModelInfo(
         checkpoint.tokenizer,
@@ -129,7 +133,7 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
         eos_token_id(checkpoint.tokenizer, model_config),
         task,
         model_config.hidden_size,
-        () if head is None else _labels(checkpoint.hf_config, head.num_labels),
+        () if head is None else _labels(original_config, head.num_labels),
     )
     pooler = None
     if task is not None:

@@ -28,31 +28,44 @@ import numpy as np
 from xlaserve.config import ModelConfig
 from xlaserve.models import modernbert
 from xlaserve.models.bert import is_encoder_classifier, split_classifier
+from xlaserve.pooling_params import TOKEN_TASKS
 from xlaserve.worker.input_batch import isolate_failures
 from xlaserve.worker.step_hooks import HostArrays, StepHook
 
 _SEQ_CLS_SUFFIX = "ForSequenceClassification"
+_TOKEN_CLS_SUFFIX = "ForTokenClassification"
 
 
 def resolve_task(model_config: ModelConfig, architecture: str) -> str | None:
     """What a pooling engine computes (None: a generate engine): `convert`, or for auto, classify
-    for a *ForSequenceClassification checkpoint and embed otherwise."""
+    for a *ForSequenceClassification checkpoint, token_classify for a *ForTokenClassification one,
+    and embed otherwise."""
     if model_config.runner != "pooling":
         return None
     if model_config.convert != "auto":
         return model_config.convert
+    if architecture.endswith(_TOKEN_CLS_SUFFIX):
+        return "token_classify"
     return "classify" if architecture.endswith(_SEQ_CLS_SUFFIX) else "embed"
 
 
+def _classifier_suffix(architecture: str) -> str | None:
+    return next((x for x in (_SEQ_CLS_SUFFIX, _TOKEN_CLS_SUFFIX) if architecture.endswith(x)), None)
+
+
 def adapt_checkpoint(
-    model_config: ModelConfig, hf_config: dict, tensors
+    model_config: ModelConfig, hf_config: dict, tensors, tokenizer=None
 ) -> tuple[dict, Any, ClassifierHead | None]:
-    """A *ForSequenceClassification checkpoint as its backbone plus its head, which the pooler
-    applies on the host: a decoder's `score` [num_labels, D] (hf_config then names the *ForCausalLM
-    class, with a tied LM head, which the pooling runner's unused sampler reads); an encoder's
-    dense -> tanh -> out layers (hf_config names its *Model backbone). Others as they are, head None."""
+    """A *ForSequenceClassification or *ForTokenClassification checkpoint as its backbone plus its
+    head, which the pooler applies on the host: a decoder's `score` [num_labels, D] (a token
+    classifier's with its bias; hf_config then names the *ForCausalLM class, with a tied LM head,
+    which the pooling runner's unused sampler reads); an encoder's dense -> tanh -> out layers, or a
+    token classifier's one `classifier` layer (hf_config names its *Model backbone). Others as they
+    are, head None. A decoder without `score` whose config has vLLM's `classifier_from_token` (a
+    causal LM read as a classifier through hf_overrides): `_score_from_tokens`."""
     architectures = hf_config.get("architectures") or []
-    if not architectures or not architectures[0].endswith(_SEQ_CLS_SUFFIX):
+    suffix = _classifier_suffix(architectures[0]) if architectures else None
+    if suffix is None:
         return hf_config, tensors, None
     architecture = architectures[0]
     if model_config.runner != "pooling":
@@ -65,14 +78,49 @@ def adapt_checkpoint(
             raise ValueError(f"{architecture}: load it from its Hugging Face directory (safetensors)")
         hf_config, tensors, head = encoder_split(hf_config, tensors)
         return hf_config, tensors, ClassifierHead(**head)
+    if isinstance(tensors, dict) and "score.weight" not in tensors and hf_config.get("classifier_from_token"):
+        tensors = {**tensors, "score.weight": _score_from_tokens(architecture, hf_config, tensors, tokenizer)}
     if not isinstance(tensors, dict) or "score.weight" not in tensors:
         raise ValueError(f"{architecture}: the checkpoint has no score.weight (a classifier's head)")
     tensors = dict(tensors)
     score = np.asarray(tensors.pop("score.weight"), np.float32)
+    bias = tensors.pop("score.bias", None)  # a token classifier's (HF: token_classification_bias)
     tensors.pop("lm_head.weight", None)
-    causal = architecture[: -len(_SEQ_CLS_SUFFIX)] + "ForCausalLM"
+    causal = architecture[: -len(suffix)] + "ForCausalLM"
     hf_config = {**hf_config, "architectures": [causal], "tie_word_embeddings": True}
-    return hf_config, tensors, ClassifierHead(out_weight=score)
+    return (
+        hf_config,
+        tensors,
+        ClassifierHead(out_weight=score, out_bias=None if bias is None else np.asarray(bias, np.float32)),
+    )
+
+
+def _score_from_tokens(architecture: str, hf_config: dict, tensors: dict, tokenizer) -> np.ndarray:
+    """vLLM's `classifier_from_token`: a causal LM's LM-head rows of those tokens as a classifier's
+    `score` [num_tokens, D], one label per token (their logits); with `is_original_qwen3_reranker`
+    (two tokens, "no" then "yes"), the one label yes - no, whose sigmoid is the two-way softmax's
+    "yes" (Qwen3-Reranker's relevance)."""
+    tokens = hf_config["classifier_from_token"]
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"hf_overrides.classifier_from_token must be a list of tokens, got {tokens!r}")
+    if tokenizer is None:
+        raise ValueError("hf_overrides.classifier_from_token needs the model's tokenizer")
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    unknown = [t for t, i in zip(tokens, ids) if i is None or i == tokenizer.unk_token_id]
+    if unknown:
+        raise ValueError(f"hf_overrides.classifier_from_token: {unknown} are not tokens of this tokenizer")
+    head = tensors.get("lm_head.weight")
+    if head is None:  # a tied head: the embedding's rows
+        head = tensors["model.embed_tokens.weight"]
+    rows = np.asarray(np.asarray(head)[ids], np.float32)
+    if hf_config.get("is_original_qwen3_reranker"):
+        if len(ids) != 2:
+            raise ValueError(
+                f"{architecture}: is_original_qwen3_reranker needs two classifier_from_token (no, yes), "
+                f"got {tokens}"
+            )
+        return rows[1:] - rows[:1]
+    return rows
 
 
 # An encoder classifier's head whose layout is not BERT's: its own split (models/<family>.py).
@@ -201,13 +249,17 @@ class Pooler:
         of them (an encoder's every state depends on the whole prompt)."""
         return not self.is_encoder and self.pooling_type == "LAST"
 
-    def pool(self, rows: np.ndarray, prompt_token_ids=None) -> np.ndarray:
+    def needs_every_row(self, params) -> bool:
+        """Whether a request's output reads every prompt token's hidden state (else the last one's)."""
+        return self.pooling_type != "LAST" or params.task in TOKEN_TASKS
+
+    def pool(self, rows: np.ndarray, prompt_token_ids=None, step_tag_id: int | None = None) -> np.ndarray:
         """rows [P, D] (every prompt token's hidden state; LAST: the last token's alone, [1, D]);
-        STEP: the rows at the prompt's step_tag_id tokens, [num_steps, D]."""
+        STEP: the rows at the prompt's `step_tag_id` tokens (None: every row), [num_steps, D]."""
         if self.pooling_type == "STEP":
-            if self.step_tag_id is None:
+            if step_tag_id is None:
                 return rows
-            return rows[np.asarray(prompt_token_ids) == self.step_tag_id]
+            return rows[np.asarray(prompt_token_ids) == step_tag_id]
         if self.pooling_type == "MEAN":
             return rows.mean(axis=0, dtype=np.float32)
         if self.pooling_type == "CLS":
@@ -218,16 +270,21 @@ class Pooler:
 
     def finish(self, params, rows: np.ndarray, prompt_token_ids=None) -> np.ndarray:
         """One request's output from its hidden states rows [P, D] float32, its PoolingParams and
-        (STEP pooling) its prompt's token ids [P]."""
-        pooled = self.pool(rows, prompt_token_ids)
+        (STEP pooling) its prompt's token ids [P]. A token task's rows are its output's, one per token,
+        whatever the pooling; STEP's settings are the request's, else the engine's."""
         task = params.task
-        if self.head is not None and task not in ("embed", "encode"):
+        if task in TOKEN_TASKS:
+            pooled = rows
+        else:
+            pooled = self.pool(rows, prompt_token_ids, _first(params.step_tag_id, self.step_tag_id))
+        if self.head is not None and task not in ("embed", "token_embed", "encode"):
             pooled = self.head(pooled)  # [.., num_labels]
-        if self.returned_token_ids is not None:  # STEP: after the head, whose labels they name
-            pooled = pooled[..., list(self.returned_token_ids)]
+        returned = _first(params.returned_token_ids, self.returned_token_ids)
+        if returned is not None and task not in TOKEN_TASKS:  # STEP: after the head, its labels
+            pooled = pooled[..., list(returned)]
         if task == "encode":
             return pooled
-        if task in ("classify", "score"):
+        if task in ("classify", "score", "token_classify"):
             activation = _first(params.activation, self.activation, True)
             if not activation:
                 return pooled
@@ -235,7 +292,7 @@ class Pooler:
                 return 1.0 / (1.0 + np.exp(-pooled))
             shifted = np.exp(pooled - pooled.max(axis=-1, keepdims=True))
             return shifted / shifted.sum(axis=-1, keepdims=True)
-        if task == "embed":
+        if task in ("embed", "token_embed"):
             dimensions = _first(params.dimensions, self.dimensions, None)
             if dimensions is not None:
                 pooled = pooled[..., :dimensions]
@@ -262,18 +319,23 @@ class PoolingHook(StepHook):
         # a preempted request recomputes into the same rows).
         self._rows: dict[str, tuple[Any, np.ndarray]] = {}
 
-    @property
-    def is_last(self) -> bool:
-        return self.pooler.pooling_type == "LAST"
-
     def prepare(self, scheduled, num_tokens, num_seqs, failed) -> HostArrays:
         # Rows of a request that finished without completing its prompt (aborted, failed) go.
         for rid in [rid for rid, (req, _) in self._rows.items() if req.is_finished]:
             del self._rows[rid]
-        return {}
+        # Every token's states come to the host only in a step where some request reads them (LAST
+        # pooling reads the last token's alone, unless a token task asks).
+        every_row = any(
+            self.pooler.needs_every_row(s.request.pooling_params)
+            for s in scheduled
+            if s.request.pooling_params is not None
+        )
+        return {"every_row": np.asarray(every_row)}
 
     def after_forward(self, hidden, hidden_rd, arrays) -> dict:
-        return {"pool_last": hidden_rd} if self.is_last else {"pool_hidden": hidden}
+        if arrays.get("every_row", False):
+            return {"pool_last": hidden_rd, "pool_hidden": hidden}
+        return {"pool_last": hidden_rd}
 
     def read_output(self, scheduled, host: dict[str, np.ndarray], result) -> None:
         offset = 0
@@ -294,7 +356,7 @@ class PoolingHook(StepHook):
 
     def _read(self, host, row: int, offset: int, s, result) -> None:
         req = s.request
-        if self.is_last:
+        if not self.pooler.needs_every_row(req.pooling_params):
             if s.is_pooling:
                 last = np.asarray(host["pool_last"][row : row + 1], np.float32)
                 result.pooler_output[req.request_id] = self.pooler.finish(req.pooling_params, last)

@@ -133,3 +133,50 @@ def test_two_loads_into_one_block_in_a_step_keep_the_later():
     assert meta.load_block_ids.tolist() == [5]
     assert meta.load_slots.tolist() == [connector.index.slot_of[b"y"]]
     assert np.asarray(meta.save_block_ids).size == 0
+
+
+def test_the_disk_tier_takes_what_the_host_tier_evicts_and_serves_hits_in_order():
+    """Host tier of 2 blocks, disk tier of 4: the host tier's least recently used block is demoted
+    (host slot -> disk slot, planned before the save that reuses the host slot), a hit reads each block
+    from the tier that holds it, and a block saved in the same step is never demoted (its bytes are not
+    on the host yet)."""
+    connector = OffloadingConnectorScheduler(2, BLOCK_SIZE, bytes_per_block=100, num_disk_blocks=4)
+    metas = []
+    for block_hash, block_id in ((b"a", 1), (b"b", 2), (b"c", 3)):  # one eviction a step
+        connector.on_block_evicted(block_hash, block_id)
+        metas.append(connector.build_connector_meta(1))
+    slot_a = metas[0].save_slots.tolist()[0]
+    assert metas[1].demote_host_slots.size == 0
+    assert metas[2].demote_host_slots.tolist() == [slot_a] and metas[2].save_slots.tolist() == [slot_a]
+    assert metas[2].demote_disk_slots.tolist() == [connector.disk.slot_of[b"a"]]
+    assert b"a" not in connector.index and b"b" in connector.index and b"c" in connector.index
+
+    request = _request(list(range(13)))
+    request.block_hashes[:] = [b"a", b"b", b"c"]
+    assert connector.get_num_new_matched_tokens(request, 0) == 12  # a from disk, b and c from the host
+    request.block_hashes[:] = [b"a", b"x", b"c"]
+    assert connector.get_num_new_matched_tokens(request, 0) == 4  # leading hits only
+    request.block_hashes[:] = [b"a", b"b", b"c"]
+    connector.update_state_after_alloc(request, [4, 5, 6, 7], 0, 12)
+    meta = connector.build_connector_meta(1)
+    assert meta.disk_load_block_ids.tolist() == [4]
+    assert meta.disk_load_slots.tolist() == [connector.disk.slot_of[b"a"]]
+    assert dict(zip(meta.load_block_ids.tolist(), meta.load_slots.tolist())) == {
+        5: connector.index.slot_of[b"b"],
+        6: connector.index.slot_of[b"c"],
+    }
+    stats = connector.make_stats()
+    assert (stats.num_hits, stats.num_disk_hits) == (12, 4)
+    assert (stats.num_blocks_demoted, stats.bytes_demoted, stats.bytes_loaded_from_disk) == (1, 100, 100)
+    # Evicted from the device again: a block a tier holds is touched, not saved or demoted again.
+    connector.on_block_evicted(b"a", 4)
+    assert connector.build_connector_meta(1) is None
+
+    fresh = OffloadingConnectorScheduler(2, BLOCK_SIZE, bytes_per_block=100, num_disk_blocks=4)
+    for block_hash, block_id in ((b"a", 1), (b"b", 2), (b"c", 3)):  # all in one step
+        fresh.on_block_evicted(block_hash, block_id)
+    meta = fresh.build_connector_meta(1)
+    assert len(meta.save_block_ids) == 3 and meta.demote_host_slots.size == 0
+    assert b"a" not in fresh.disk and len(fresh.index) == 2
+    connector.reset()
+    assert len(connector.disk) == 0 and connector.get_num_new_matched_tokens(request, 0) == 0

@@ -1,11 +1,13 @@
-"""KV cache offload to host memory (issue 35) on a tiny random Llama: a prefix the device cache evicted
-comes back from the host tier with the same tokens (and logprobs, bit for bit), counted in
-num_cached_tokens; cache salts keep tenants apart; no block leaks; bad sizes are refused."""
+"""KV cache offload to host memory and disk (issue 35) on a tiny random Llama: a prefix the device cache
+evicted comes back from the host tier (or, evicted from there too, from the disk tier) with the same
+tokens (and logprobs, bit for bit), counted in num_cached_tokens; cache salts keep tenants apart; no
+block leaks; bad sizes and paths are refused."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -156,6 +158,68 @@ def test_bfloat16_reloaded_blocks_are_bit_identical(model_dir):
     for a, b in zip(lps, lps_again, strict=True):
         assert a == b  # every logprob, bit for bit
     llm.shutdown()
+
+
+def test_a_prefix_the_host_tier_evicted_comes_back_from_the_disk_tier(model_dir, tmp_path):
+    """A host tier of 2 blocks, a disk tier under tmp_path: the first prompt's blocks, evicted from
+    the device and then from the host tier, come back from the disk (and the host) with the same
+    tokens and logprobs, bit for bit (bfloat16); the tier's files are unlinked once mapped."""
+    block_bytes = 4608 // 2  # bfloat16
+    llm = LLM(
+        model_dir,
+        kv_offloading_size=2 * block_bytes / 2**30,
+        kv_offloading_disk_path=str(tmp_path),
+        kv_offloading_disk_size=64 * block_bytes / 2**30,
+        **dict(ENGINE_ARGS, dtype="bfloat16"),
+    )
+    assert llm.engine_core.kv_connector.bytes_per_block == block_bytes
+    prompts = _prompts(seed=6)
+    results = _sequence(llm, prompts, logprobs=2)
+    (ids, lps, cached), (ids_again, lps_again, cached_again) = results[0], results[3]
+    assert cached == 0 and cached_again == 32
+    assert ids_again == ids and lps_again == lps
+    assert os.listdir(tmp_path) == []
+    assert llm.engine_core.runner.kv_connector.disk.nbytes == 64 * block_bytes
+    llm._step()
+    metrics = _metrics(llm)
+    disk_hits = metrics[("xlaserve:kv_offload_hits", ("disk",))]
+    assert disk_hits > 0 and disk_hits + metrics[("xlaserve:kv_offload_hits", ("host",))] == 32
+    assert (
+        metrics[("xlaserve:kv_offload_total_bytes", ("disk_to_device",))] == disk_hits // BLOCK * block_bytes
+    )
+    assert metrics[("xlaserve:kv_offload_total_bytes", ("host_to_disk",))] >= disk_hits // BLOCK * block_bytes
+    other = _run(llm, prompts[0], salt="tenant-b")
+    assert other[2] == 0  # another tenant's salt: nothing from any tier
+    _assert_all_free(llm)
+    llm.shutdown()
+
+
+def test_disk_tier_settings_are_checked(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="kv_offloading_disk_path needs kv_offloading_size"):
+        EngineConfig.from_kwargs(kv_offloading_disk_path=str(tmp_path))
+    with pytest.raises(ValueError, match="kv_offloading_disk_size needs kv_offloading_disk_path"):
+        EngineConfig.from_kwargs(kv_offloading_size=1, kv_offloading_disk_size=2)
+    with pytest.raises(ValueError, match="kv_offloading_disk_size must be a number of GiB > 0"):
+        EngineConfig.from_kwargs(
+            kv_offloading_size=1, kv_offloading_disk_path=str(tmp_path), kv_offloading_disk_size=-1
+        )
+    config = EngineConfig.from_kwargs(kv_offloading_size=0.5, kv_offloading_disk_path=str(tmp_path))
+    assert config.cache.disk_tier_size == 2.0  # four times the host tier's
+    with pytest.raises(ValueError, match="kv_offloading_disk_path .* must be a writable directory"):
+        LLM(
+            model_dir,
+            kv_offloading_size=OFFLOAD_GIB,
+            kv_offloading_disk_path=str(tmp_path / "missing"),
+            **ENGINE_ARGS,
+        )
+    with pytest.raises(ValueError, match="kv_offloading_disk_size .* is more than the free space"):
+        LLM(
+            model_dir,
+            kv_offloading_size=OFFLOAD_GIB,
+            kv_offloading_disk_path=str(tmp_path),
+            kv_offloading_disk_size=2.0**40,
+            **ENGINE_ARGS,
+        )
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "2"])

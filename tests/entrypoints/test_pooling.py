@@ -107,6 +107,27 @@ def test_last_pooling_matches_hf(llama, llama_last):
     _close(encoded.outputs.data, _hf_hidden(model.model, prompts[0])[-1])
 
 
+def test_token_embeddings_match_hf_and_skip_the_prefix_cache(llama, llama_last):
+    """token_embed: every prompt token's embedding (normalized rows, Matryoshka per row) from the
+    LAST-pooled engine, beside plain embeddings in the same steps (a PoolingParams per prompt); a
+    prompt whose prefix the cache holds (embedded just before) is computed whole, every row there."""
+    model, _ = llama
+    prompts = _prompts(8)
+    llama_last.embed(_ids(prompts[:1]), use_tqdm=False)  # its blocks now in the prefix cache
+    params = [
+        PoolingParams(task="token_embed"),
+        PoolingParams(task="embed"),
+        PoolingParams(task="token_embed", dimensions=8),
+        PoolingParams(task="embed", dimensions=8),
+    ]
+    outputs = llama_last.encode(_ids(prompts), params, use_tqdm=False)
+    for p, pp, out in zip(prompts, params, outputs):
+        hf = _hf_hidden(model.model, p)[:, : pp.dimensions]
+        _close(out.outputs.data, _normalized(hf) if pp.task == "token_embed" else _normalized(hf[-1]))
+    with pytest.raises(ValueError, match="pooling_params: 2 given for 4 prompts"):
+        llama_last.encode(_ids(prompts), params[:2])
+
+
 def test_embedding_scores_are_cosines(llama_last):
     a, b, c = _prompts(1)[:3]
     scores = llama_last.score(a, [b, c], use_tqdm=False)
@@ -120,6 +141,10 @@ def test_bad_pooling_requests_name_the_field(llama_last):
         llama_last.embed(p, PoolingParams(dimensions=49))
     with pytest.raises(ValueError, match="pooling_task 'classify' is not served by this embed model"):
         llama_last.classify(p)
+    with pytest.raises(ValueError, match="pooling_task 'token_classify' is not served by this embed model"):
+        llama_last.encode(p, pooling_task="token_classify")
+    with pytest.raises(ValueError, match="step_tag_id needs an engine started with pooling_type 'STEP'"):
+        llama_last.embed(p, PoolingParams(step_tag_id=5))
     with pytest.raises(ValueError, match="generate\\(\\) needs runner='generate'"):
         llama_last.generate(p)
     with pytest.raises(ValueError, match="prompt_token_ids must be token ids in \\[0, 101\\)"):
@@ -175,6 +200,59 @@ def test_sequence_classifiers_match_hf(tmp_path, architecture, num_labels):
             llm.score("w5", "w6", use_tqdm=False)
 
 
+def test_qwen3_reranker_layout_scores_with_its_yes_and_no_tokens(tmp_path):
+    """Qwen3-Reranker's layout (a Qwen3ForCausalLM that answers "yes" or "no"), read as a one-label
+    sequence classifier through vLLM's hf_overrides: its score is the two-way softmax of the last
+    token's "no" and "yes" logits (here w8 and w9), against Hugging Face's causal LM."""
+    model = make_hf_model("Qwen3ForCausalLM", seed=12)
+    overrides = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": ["w8", "w9"],
+        "is_original_qwen3_reranker": True,
+    }
+    llm = LLM(save_hf_model(model, tmp_path), **ARGS, hf_overrides=overrides)
+    assert llm.input_processor.pooling_task == "classify"
+    tok = word_tokenizer(BASE["vocab_size"])
+    no, yes = tok.convert_tokens_to_ids(["w8", "w9"])
+    docs = ["w8 w9 w10", "w11 w12", "w13"]
+    for doc, out in zip(docs, llm.score("w5 w6 w7", docs, use_tqdm=False)):
+        ids = tok("w5 w6 w7", text_pair=doc)["input_ids"]
+        with torch.no_grad():
+            last = model(torch.tensor([ids])).logits[0, -1]
+        assert out.prompt_token_ids == ids
+        assert abs(out.outputs.score - torch.softmax(last[[no, yes]], -1)[1].item()) < TOL
+    with pytest.raises(ValueError, match="classifier_from_token: \\['w9999'\\] are not tokens"):
+        LLM(tmp_path, **ARGS, hf_overrides={**overrides, "classifier_from_token": ["w8", "w9999"]})
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        LLM(tmp_path, **ARGS, hf_overrides="[1]")
+
+
+def test_token_classifiers_match_hf(tmp_path):
+    """A *ForTokenClassification decoder (Hugging Face's generic one: `score` with its bias on every
+    token's state): per-token logits and probabilities; a sequence classifier's token_classify is its
+    head on every token's state."""
+    model = _classifier("Qwen3ForTokenClassification", 4, seed=9)
+    llm = LLM(save_hf_model(model, tmp_path / "token"), **ARGS)
+    assert llm.input_processor.pooling_task == "token_classify"
+    prompts = _prompts(10)
+    raw = llm.encode(_ids(prompts), PoolingParams(task="token_classify", activation=False), use_tqdm=False)
+    probs = llm.encode(_ids(prompts), pooling_task="token_classify", use_tqdm=False)
+    for p, r, pr in zip(prompts, raw, probs):
+        with torch.no_grad():
+            logits = model(torch.tensor([p])).logits[0]
+        assert r.outputs.data.shape == (len(p), 4)
+        _close(r.outputs.data, logits.numpy())
+        _close(pr.outputs.data, torch.softmax(logits, -1).numpy())
+    with pytest.raises(ValueError, match="pooling_task 'classify' is not served by this token_classify"):
+        llm.classify(_ids(prompts[:1]))
+    seq = _classifier("LlamaForSequenceClassification", 3, seed=11)
+    seq_llm = LLM(save_hf_model(seq, tmp_path / "seq"), **ARGS)
+    out = seq_llm.encode(_ids(prompts[:1]), pooling_task="token_classify", use_tqdm=False)[0]
+    with torch.no_grad():
+        logits = seq.score(seq.model(torch.tensor([prompts[0]])).last_hidden_state[0])
+    _close(out.outputs.data, torch.softmax(logits, -1).numpy())
+
+
 def test_step_pooling_keeps_the_step_tags_rows_and_the_returned_columns(tmp_path):
     """A process reward model (vLLM's STEP pooling): the score head's outputs at the prompt's step tags,
     cut to returned_token_ids, against numpy on Hugging Face's hidden states; encode cuts the hidden
@@ -196,6 +274,19 @@ def test_step_pooling_keeps_the_step_tags_rows_and_the_returned_columns(tmp_path
         if p.count(step):  # a prompt without a step tag: no rows
             _close(reward.outputs.data, logits[:, returned])
             _close(states.outputs.data, hf[:, returned])
+    # A request's own STEP settings (vLLM's PoolingParams.step_tag_id, returned_token_ids) over the
+    # engine's: another tag, another column.
+    other = PoolingParams(task="reward", step_tag_id=11, returned_token_ids=[1])
+    out = llm.reward(_ids(prompts[:1]), other, use_tqdm=False)[0]
+    hf = _hf_hidden(model.model, prompts[0])[np.asarray(prompts[0]) == 11]
+    with torch.no_grad():
+        logits = model.score(torch.from_numpy(hf)).numpy()
+    assert out.outputs.data.shape == (4, 1)
+    _close(out.outputs.data, logits[:, [1]])
+    with pytest.raises(ValueError, match="returned_token_ids must be < 3 \\(the width of this reward"):
+        llm.reward(_ids(prompts[:1]), PoolingParams(task="reward", returned_token_ids=[3]))
+    with pytest.raises(ValueError, match="returned_token_ids must be a non-empty list"):
+        PoolingParams(task="reward", returned_token_ids=[])
 
 
 def test_step_pooling_settings_are_checked(tmp_path):

@@ -130,6 +130,27 @@ def test_xlm_roberta_classifier_matches_hf(tmp_path_factory):
         _close(p.outputs.probs, torch.softmax(logits, -1).numpy())
 
 
+def test_bert_token_classifier_and_token_embeddings_match_hf(tmp_path_factory, bert, bert_llm):
+    """BertForTokenClassification (5 labels): its `classifier` on every token's state (no pooler),
+    per-token logits and softmax; and a BERT embedder's token_embed, one normalized row a token."""
+    model, tokenizer, path = make_encoder(
+        tmp_path_factory, "bert_tok", "BertConfig", "BertForTokenClassification", seed=3, num_labels=5
+    )
+    llm = LLM(path, **ARGS)
+    raw = llm.encode(TEXTS, PoolingParams(task="token_classify", activation=False), use_tqdm=False)
+    probs = llm.encode(TEXTS, pooling_task="token_classify", use_tqdm=False)
+    for text, r, p in zip(TEXTS, raw, probs):
+        with torch.no_grad():
+            logits = model(**tokenizer(text, return_tensors="pt")).logits[0]
+        assert r.outputs.data.shape == (len(tokenizer(text)["input_ids"]), 5)
+        _close(r.outputs.data, logits.numpy())
+        _close(p.outputs.data, torch.softmax(logits, -1).numpy())
+    embedder, embed_tokenizer, _ = bert
+    for text, out in zip(TEXTS[:2], bert_llm.encode(TEXTS[:2], pooling_task="token_embed", use_tqdm=False)):
+        hidden = _hidden(embedder, embed_tokenizer, text)
+        _close(out.outputs.data, hidden / np.linalg.norm(hidden, axis=-1, keepdims=True))
+
+
 MODERNBERT = dict(
     local_attention=8,  # a window of 4 positions either side on the local layer
     global_attn_every_n_layers=2,  # layer 0 global, layer 1 local

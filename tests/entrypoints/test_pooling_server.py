@@ -1,8 +1,9 @@
 """The pooling routes on a real pooling server (`xlaserve serve --runner pooling`, one subprocess for the
 module, a tiny random Llama): /v1/embeddings through the official `openai` client and LangChain's
 OpenAIEmbeddings against Hugging Face,
-/pooling, /score, /rerank (three paths), chat-style input (`messages`) against its rendered template,
-and bad input (the chat fields' wrong types among it) as 400s naming the field. The server warms up
+/pooling (its tasks: token_embed's rows against Hugging Face), /score, /rerank (three paths), chat-style
+input (`messages`) against its rendered template (a request's own `chat_template` too, which this server
+trusts), and bad input (the chat fields' wrong types among it) as 400s naming the field. The server warms up
 under the strict compile guard, so every answer here also proves pooling compiled nothing after it.
 """
 
@@ -27,7 +28,8 @@ FLAGS = ["--runner", "pooling", "--served-model-name", NAME, "--max-model-len", 
          "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--block-size", "8",
          "--kv-cache-memory", str(4 * 2**20),
          # A template, so that chat reaches the engine, which refuses generation on a pooling runner.
-         "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"]  # fmt: skip
+         "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+         "--trust-request-chat-template"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +122,49 @@ def test_pooling_score_and_rerank(pooling_server, http):
     assert len(bare["results"]) == 3 and bare["results"][0].get("document") is None
 
 
+def test_pooling_tasks(pooling_server, http):
+    """/pooling's `task`: token_embed gives a normalized row per token (computed whole, though a
+    prefix of it is cached), encode the last token's state; a task this embedder does not serve is a
+    400 naming `task`."""
+    _, model = pooling_server
+    ids = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # two chunks of 16
+    http.post("/v1/embeddings", json={"input": ids})  # its first blocks now in the prefix cache
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([ids])).last_hidden_state[0].numpy()
+    rows = http.post("/pooling", json={"input": ids, "task": "token_embed"}).json()["data"][0]["data"]
+    _close(rows, hidden / np.linalg.norm(hidden, axis=-1, keepdims=True))
+    short = http.post("/pooling", json={"input": ids, "task": "token_embed", "dimensions": 4}).json()
+    _close(short["data"][0]["data"], hidden[:, :4] / np.linalg.norm(hidden[:, :4], axis=-1, keepdims=True))
+    encoded = http.post("/pooling", json={"input": ids, "task": "encode"}).json()["data"][0]["data"]
+    _close(encoded, hidden[-1])
+    packed = http.post("/pooling", json={"input": ids, "task": "token_embed", "encoding_format": "base64"})
+    flat = np.frombuffer(base64.b64decode(packed.json()["data"][0]["data"]), "<f4")
+    assert flat.tolist() == np.asarray(rows, np.float32).reshape(-1).tolist()
+    for task in ("classify", "token_classify", "reward"):
+        response = http.post("/pooling", json={"input": ids, "task": task})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "task", response.text
+        assert (
+            f"pooling_task '{task}' is not served by this embed model" in response.json()["error"]["message"]
+        )
+
+
+def test_a_requests_own_chat_template(http):
+    """`chat_template` in a request (this server runs --trust-request-chat-template): /tokenize,
+    /v1/embeddings and /pooling render the messages with it; a template that does not parse is a 400
+    naming it."""
+    template = "{% for m in messages %}{{ m['content'] }} w11 {% endfor %}"
+    ids = http.post("/tokenize", json={"messages": CHAT, "chat_template": template}).json()["tokens"]
+    assert ids == [5, 6, 11, 7, 8, 9, 11]
+    for path, key in (("/v1/embeddings", "embedding"), ("/pooling", "data")):
+        own = http.post(path, json={"messages": CHAT, "chat_template": template}).json()
+        assert own["data"][0][key] == http.post(path, json={"input": ids}).json()["data"][0][key]
+    for path in ("/tokenize", "/v1/embeddings"):
+        response = http.post(path, json={"messages": CHAT, "chat_template": "{% for m in messages %}"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "chat_template" and "not a valid Jinja template" in error["message"]
+
+
 # What a client-facing message must never show (as test_server_hostile.py's INTERNALS).
 INTERNALS = re.compile(r"Traceback|\w+(Request|Error|Exception)\b|\bpid\b|/work/|\.py\b")
 CHAT = [{"role": "system", "content": "w5 w6 "}, {"role": "user", "content": "w7 w8 w9"}]
@@ -149,6 +194,7 @@ CHAT_FIELD_TYPES = {
     "continue_final_message": ["yes", 1, [True], {"value": True}],
     "add_special_tokens": ["yes", 1, [True], {"value": True}],
     "chat_template_kwargs": ["x", 5, True, [{}]],
+    "chat_template": [5, True, ["x"], {"name": "x"}, ""],
 }
 
 
@@ -204,6 +250,7 @@ def _image_part():
             "messages",
         ),
         ("/pooling", {"input": "w5", "chat_template_kwargs": {}}, "chat_template_kwargs", "messages"),
+        ("/v1/embeddings", {"input": "w5", "chat_template": "{{ 1 }}"}, "chat_template", "messages"),
         ("/v1/embeddings", {"messages": CHAT, "dimensions": 49}, "dimensions", "<= 48"),
         ("/pooling", {"messages": [5]}, "messages[0]", None),
         (
@@ -243,6 +290,9 @@ def test_bad_messages_are_400_naming_the_field(http, path, body, param, words):
         ("/v1/embeddings", {"input": "w5", "dimensions": 0}, "dimensions", None),
         ("/v1/embeddings", {"input": "w5", "encoding_format": "int8"}, "encoding_format", None),
         ("/classify", {"input": "w5"}, "model", "embed model"),
+        ("/pooling", {"input": "w5", "task": "bogus"}, "task", None),
+        ("/pooling", {"input": "w5", "task": "score"}, "task", None),
+        ("/pooling", {"input": "w5", "task": "token_embed", "dimensions": 0}, "dimensions", None),
         ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "items"),
         ("/v1/completions", {"prompt": "w5", "max_tokens": 1}, "model", "runner='pooling'"),
         (

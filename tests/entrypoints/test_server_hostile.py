@@ -186,12 +186,13 @@ FIELD_TYPES = {
             "continue_final_message",
             "parallel_tool_calls",
         ],
+        "string": [*_SAMPLING["string"], "chat_template"],
         "object": [*_SAMPLING["object"], "chat_template_kwargs"],
     },
     "tokenize": {"boolean": ["add_special_tokens"], "string": ["model"]},
     "tokenize-chat": {
         "boolean": ["add_special_tokens", "add_generation_prompt", "continue_final_message"],
-        "string": ["model"],
+        "string": ["model", "chat_template"],
     },
     "detokenize": {"string": ["model"]},
     "load-lora": {"string": ["lora_name", "lora_path"]},
@@ -506,6 +507,10 @@ TOOL_CASES = [
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
     ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs.chat_template"),
     ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs.not a name"),
+    # A request's own template: this server does not trust them (--trust-request-chat-template).
+    ({"chat_template": "{{ messages[0].content }}"}, "chat_template"),
+    ({"chat_template": ""}, "chat_template"),
+    ({"chat_template": "x" * 65537}, "chat_template"),
     ({"functions": [{"name": "f"}]}, "functions"),
 ]  # fmt: skip
 

@@ -136,6 +136,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         req.continue_final_message,
         req.tools,
         req.chat_template_kwargs,
+        req.chat_template,
     )
     mm_features = []
     if images:

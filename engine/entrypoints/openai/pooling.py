@@ -83,7 +83,7 @@ def _token_ids(state: ServerState, value, add_special_tokens: bool, field: str) 
     return prompts
 
 
-_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template")
 
 
 def _input_prompts(state: ServerState, req: ChatInputFields) -> list[list[int]]:
@@ -109,6 +109,7 @@ def _input_prompts(state: ServerState, req: ChatInputFields) -> list[list[int]]:
         bool(req.continue_final_message),
         None,
         req.chat_template_kwargs,
+        req.chat_template,
     )
     ids = tokenize_text(state.engine, text, bool(req.add_special_tokens), "messages")
     if not ids:
@@ -116,12 +117,14 @@ def _input_prompts(state: ServerState, req: ChatInputFields) -> list[list[int]]:
     return _token_ids(state, [ids], False, "messages")
 
 
-def _check_params(state: ServerState, params: PoolingParams) -> None:
+def _check_params(state: ServerState, params: PoolingParams, task_field: str = "model") -> None:
+    """A 400 naming the field unless the engine serves `params`: a task it does not serve names
+    `task_field` (the request's `task` where it sent one, else the model)."""
     try:
         state.engine.input_processor.validate_pooling(params)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
-        raise bad_request(str(e), field if field == "dimensions" else "model") from None
+        raise bad_request(str(e), task_field if field == "pooling_task" else field) from None
 
 
 async def _encode_all(state: ServerState, raw_request: Request, prompts, params: PoolingParams) -> list:
@@ -208,8 +211,12 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
         _require_pooling(state, "/pooling")
         model = check_model(state, req.model)
         prompts = _input_prompts(state, req)
-        task = "reward" if state.engine.pooling_task == "reward" else "encode"
-        outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task=task))
+        task = req.task or ("reward" if state.engine.pooling_task == "reward" else "encode")
+        params = PoolingParams(
+            task=task, dimensions=req.dimensions, normalize=req.normalize, activation=req.activation
+        )
+        _check_params(state, params, "task")
+        outputs = await _encode_all(state, raw_request, prompts, params)
         data = [PoolingData(index=i, data=_encoded(v, req.encoding_format)) for i, v in enumerate(outputs)]
         return PoolingResponse(id=new_id("pool"), model=model, data=data, usage=_usage(prompts))
 

@@ -12,7 +12,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from xlaserve.entrypoints.serving.protocol import ChatMessage, JsonObject, StrictModel, Text, TokenId
+from xlaserve.entrypoints.serving.protocol import (
+    CHAT_TEMPLATE_HELP,
+    ChatMessage,
+    ChatTemplate,
+    JsonObject,
+    StrictModel,
+    Text,
+    TokenId,
+)
 
 MAX_INPUTS = 256  # prompts per request: each is a sequence in the batch
 MAX_MESSAGES = 1024  # a chat's messages: rendered into one prompt, which max_model_len bounds anyway
@@ -43,6 +51,7 @@ class ChatInputFields(StrictModel):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: JsonObject | None = None
+    chat_template: ChatTemplate | None = Field(default=None, description=CHAT_TEMPLATE_HELP)
     add_special_tokens: bool | None = None
 
 
@@ -53,7 +62,15 @@ class EmbeddingRequest(ChatInputFields, PoolingRequestBase):
 
 
 class PoolingRequest(ChatInputFields, PoolingRequestBase):
+    """vLLM's /pooling: `task` (None: the model's own output, `reward` for a reward model, else
+    `encode`: the pooled hidden states), and the embed and classify tasks' settings. A token task's
+    output has one row per prompt token (base64: the rows' floats one after another)."""
+
     encoding_format: Literal["float", "base64"] = "float"
+    task: Literal["embed", "classify", "encode", "reward", "token_embed", "token_classify"] | None = None
+    dimensions: Dimensions | None = None
+    normalize: bool | None = None
+    activation: bool | None = None
 
 
 class ClassificationRequest(ChatInputFields, PoolingRequestBase):

@@ -10,8 +10,10 @@ from pydantic import BaseModel, Discriminator, Field, Tag, model_serializer
 
 from xlaserve.entrypoints.openai.tool_protocol import DeltaToolCallOut, ToolCallOut, without_nones
 from xlaserve.entrypoints.serving.protocol import (
+    CHAT_TEMPLATE_HELP,
     MAX_TOOLS,
     ChatMessage,
+    ChatTemplate,
     ChatTool,
     JsonObject,
     PositiveTokens,
@@ -48,6 +50,7 @@ class TokenizeChatRequest(StrictModel):
     add_special_tokens: bool = False
     tools: Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     chat_template_kwargs: JsonObject | None = None
+    chat_template: ChatTemplate | None = Field(default=None, description=CHAT_TEMPLATE_HELP)
 
 
 def _tokenize_kind(body) -> str:

@@ -98,6 +98,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 request.continue_final_message,
                 request.tools,
                 request.chat_template_kwargs,
+                request.chat_template,
             )
             param = "messages"
         else:

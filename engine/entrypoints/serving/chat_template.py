@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from xlaserve.entrypoints.serving.engine_io import require_tokenizer
 from xlaserve.entrypoints.serving.errors import bad_request
@@ -58,9 +58,19 @@ def apply_chat_template(
     continue_final_message: bool,
     tools: list[ChatTool] | None = None,
     chat_template_kwargs: dict | None = None,
+    request_template: str | None = None,
 ) -> str:
+    """The prompt text of `messages`, rendered with the request's own template (`request_template`:
+    only on a server started with --trust-request-chat-template), else the server's --chat-template,
+    else the tokenizer's."""
     tokenizer = require_tokenizer(state.engine, "the chat template", "messages")
-    template = state.chat_template or getattr(tokenizer, "chat_template", None)
+    if request_template is not None and not state.trust_request_chat_template:
+        raise bad_request(
+            "chat_template: this server renders no chat template sent with a request; start it with "
+            "--trust-request-chat-template to allow them",
+            "chat_template",
+        )
+    template = request_template or state.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise bad_request(
             "this model has no chat template; start the server with --chat-template", "messages"
@@ -83,13 +93,15 @@ def apply_chat_template(
         return tokenizer.apply_chat_template(
             chat,
             tools=tool_dicts if takes_tools else None,
-            chat_template=state.chat_template,
+            chat_template=template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             **extra,
         )
     except Exception as e:  # noqa: BLE001 - the template's raise_exception(), or a template bug
+        if request_template is not None and isinstance(e, TemplateSyntaxError):
+            raise bad_request(f"chat_template is not a valid Jinja template: {e}", "chat_template") from None
         if type(e) is TemplateError:  # raise_exception(message): the template's words, meant for users
             raise bad_request(f"the chat template rejects these messages: {e}", "messages") from None
         logger.warning("the chat template failed: %s: %s", type(e).__name__, e)

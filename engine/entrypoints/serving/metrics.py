@@ -38,11 +38,13 @@ _DOCS = {
     "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens proposed.",
     "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
     "spec_decode_num_accepted_tokens_per_pos": "Speculative decoding: drafts accepted at each position.",
-    "external_prefix_cache_queries": "KV offload: prompt tokens asked of the host tier after the device "
-    "prefix hit.",
-    "external_prefix_cache_hits": "KV offload: prompt tokens loaded from the host tier instead of computed.",
-    "kv_offload_total_bytes": "KV offload: bytes copied between the device cache and the host tier.",
-    "kv_offload_total_time": "KV offload: seconds spent copying between the device cache and the host tier.",
+    "external_prefix_cache_queries": "KV offload: prompt tokens asked of the offload tiers after the "
+    "device prefix hit.",
+    "external_prefix_cache_hits": "KV offload: prompt tokens loaded from an offload tier, not computed.",
+    "kv_offload_hits": "KV offload: prompt tokens loaded instead of computed, by tier (host, disk).",
+    "kv_offload_total_bytes": "KV offload: bytes copied between the device cache and the offload tiers.",
+    "kv_offload_total_time": "KV offload: seconds spent copying between the device cache and the offload "
+    "tiers.",
 }
 
 

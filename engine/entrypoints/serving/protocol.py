@@ -69,6 +69,13 @@ def _check_json_unicode(value):
 
 Text = Annotated[str, AfterValidator(_check_unicode)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_check_json_unicode)]
+# A request's own chat template (vLLM's `chat_template` field; the server must trust such templates:
+# --trust-request-chat-template). Bounded like a prompt's text, not by the template's work.
+MAX_CHAT_TEMPLATE_CHARS = 65536
+ChatTemplate = Annotated[
+    str, Field(min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS), AfterValidator(_check_unicode)
+]
+CHAT_TEMPLATE_HELP = "a Jinja chat template for this request (the server needs --trust-request-chat-template)"
 PositiveTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, Field(ge=-_INT64, le=_INT64 - 1)]
@@ -247,6 +254,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: JsonObject | None = Field(
         default=None, description='extra variables for the chat template, e.g. {"enable_thinking": false}'
     )
+    chat_template: ChatTemplate | None = Field(default=None, description=CHAT_TEMPLATE_HELP)
     max_completion_tokens: PositiveTokens | None = None
     max_tokens: PositiveTokens | None = Field(default=None, description="deprecated: max_completion_tokens")
     logprobs: bool = False

@@ -20,6 +20,8 @@ class ServerState:
     engine: AsyncLLM
     served_model_names: list[str]
     chat_template: str | None = None
+    # --trust-request-chat-template: a request's own `chat_template` is rendered (else a 400).
+    trust_request_chat_template: bool = False
     log_requests: bool = True
     api_key: str | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
