@@ -325,6 +325,8 @@ ERROR_CASES = [  # (body over {"input": QUESTION}, status, param, words the mess
     ({"tool_choice": "required"}, 400, "tool_choice", "tools"),
     ({"input": [{"type": "image", "url": "x"}]}, 400, "input[0].type", "function_call"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+     "input[0].content[0].image_url", "text only"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, 400,
      "input[0].content[0].type", "input_text"),
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, 400,
      "input[0].call_id", "call_9"),

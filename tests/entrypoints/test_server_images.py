@@ -130,6 +130,58 @@ def test_anthropic_image_blocks_answer_as_the_chat_route_does(vlm):
     assert "messages[0].content[1].source" in refused.json()["error"]["message"]
 
 
+def test_responses_input_image_answers_as_the_chat_route_does(vlm):
+    """The Responses API's `input_image` (the official client's `responses.create`): the same greedy
+    text and prompt tokens as the chat route's image_url part; a follow-up through previous_response_id
+    carries the image along; file_id, an image outside a user message and a refused URL are 400s naming
+    the part."""
+    proc, client, _ = vlm
+    image = data_url(random_image(8))
+    chat = client.post("/v1/chat/completions", json=_chat(_image(image))).json()
+    sdk = openai.OpenAI(base_url=proc.url + "/v1", api_key="none")
+    content = [{"type": "input_text", "text": "What is it? "}, {"type": "input_image", "image_url": image}]
+    response = sdk.responses.create(
+        model=NAME, input=[{"role": "user", "content": content}], max_output_tokens=4, temperature=0
+    )
+    assert response.output_text == chat["choices"][0]["message"]["content"]
+    assert response.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    follow = sdk.responses.create(
+        model=NAME, input="And now?", previous_response_id=response.id, max_output_tokens=2, temperature=0
+    )
+    assert follow.usage.input_tokens > response.usage.input_tokens + response.usage.output_tokens
+    cases = [
+        (
+            {"type": "input_image", "file_id": "file-123"},
+            "user",
+            "input[0].content[1].image_url",
+            "Files API",
+        ),
+        ({"type": "input_image", "image_url": image}, "assistant", "input[0].content[1]", "user message"),
+        (
+            {"type": "input_image", "image_url": "https://evil.example.net/x.png"},
+            "user",
+            "input[0].content[1].image_url",
+            None,
+        ),
+        (
+            {"type": "input_image", "image_url": image, "detail": "huge"},
+            "user",
+            "input[0].content[1].detail",
+            None,
+        ),
+    ]
+    for part, role, param, words in cases:
+        body = {
+            "model": NAME,
+            "input": [{"role": role, "content": [content[0], part]}],
+            "max_output_tokens": 2,
+        }
+        refused = client.post("/v1/responses", json=body)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == param and (words is None or words in error["message"]), error
+
+
 def test_a_local_file_under_the_allowed_path_is_read(vlm, media_dir):
     _, client, _ = vlm
     response = client.post("/v1/chat/completions", json=_chat(_image((media_dir / "cat.png").as_uri())))

@@ -23,7 +23,12 @@ from xlaserve.entrypoints.openai.mcp_tools import (
     mcp_tools_of,
     request_function_names,
 )
-from xlaserve.entrypoints.openai.responses_convert import input_turns, rename_error, to_chat_request
+from xlaserve.entrypoints.openai.responses_convert import (
+    image_fields,
+    input_turns,
+    rename_error,
+    to_chat_request,
+)
 from xlaserve.entrypoints.openai.responses_output import (
     DeletedResponse,
     FunctionCallOutput,
@@ -53,6 +58,12 @@ from xlaserve.entrypoints.serving.engine_io import (
     tokenize_text,
 )
 from xlaserve.entrypoints.serving.errors import APIError
+from xlaserve.entrypoints.serving.multimodal import (
+    check_image_parts,
+    image_parts,
+    load_images,
+    process_images,
+)
 from xlaserve.entrypoints.serving.protocol import ErrorResponse
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 from xlaserve.entrypoints.serving.tools import ToolPlan, plan_tools
@@ -208,10 +219,11 @@ async def create_response(
     if req.previous_response_id is not None:
         history = _stored(store, req.previous_response_id, "previous_response_id").conversation
     conversation = history + input_turns(req, history)
+    fields = image_fields(req, history)
     mcp_tools = mcp_tools_of(req, state.tool_servers)
     if mcp_tools:
-        return await _create_with_mcp(state, store, req, raw_request, model, conversation, mcp_tools)
-    chat, plan, text, ids, params = _prepare(state, req, conversation)
+        return await _create_with_mcp(state, store, req, raw_request, model, conversation, fields, mcp_tools)
+    chat, plan, text, ids, params, mm_features = await _prepare(state, req, conversation, fields)
     parser = choice_parser(state, chat, plan, ids)
     request_id = item_id("resp")
     stream = submit(
@@ -224,6 +236,7 @@ async def create_response(
         priority=chat.priority,
         cache_salt=chat.cache_salt,
         lora_request=state.lora_request(req.model),
+        mm_features=mm_features,
     )
     shell = _shell(req, plan, request_id, model)
     saved = _Saver(store, req.store, conversation)
@@ -253,25 +266,37 @@ async def _answer(raw_request, stream, parser: ChoiceParser):
     return output, completion, parser.parse(completion.text)
 
 
-def _prepare(
-    state: ServerState, req: ResponsesRequest, conversation: list[dict], mcp_functions=(), tool_choice=None
+async def _prepare(
+    state: ServerState,
+    req: ResponsesRequest,
+    conversation: list[dict],
+    fields: list[str],
+    mcp_functions=(),
+    tool_choice=None,
 ):
-    """The chat path's request, tool plan, prompt text, prompt ids and SamplingParams for one model turn
-    (errors named as the Responses request has them)."""
+    """The chat path's request, tool plan, prompt text, prompt ids, SamplingParams and image features
+    for one model turn (errors named as the Responses request has them; an image's by `fields`, the
+    Responses field of each image part in order: responses_convert.image_fields)."""
     chat = to_chat_request(req, conversation, mcp_functions, tool_choice)
+    parts = [(field, url) for (_, url), field in zip(image_parts(chat.messages), fields, strict=True)]
     try:
+        check_image_parts(state, parts)  # before any image is read
+        images = await load_images(state, parts) if parts else []
         plan = plan_tools(chat, state.enable_auto_tool_choice)
         text = apply_chat_template(state, chat.messages, True, False, chat.tools)
-        ids = tokenize_text(state.engine, text, False, "input")
+        if images:
+            ids, mm_features = await process_images(state, text, images)
+        else:
+            ids, mm_features = tokenize_text(state.engine, text, False, "input"), []
         check_context(state.engine, len(ids), chat.max_tokens, "input")
         params = chat_sampling_params(state, chat, plan, ids, chat.max_tokens)
     except APIError as e:
         raise rename_error(e) from None
-    return chat, plan, text, ids, params
+    return chat, plan, text, ids, params, mm_features
 
 
 async def _create_with_mcp(
-    state, store, req: ResponsesRequest, raw_request, model: str, conversation, mcp_tools
+    state, store, req: ResponsesRequest, raw_request, model: str, conversation, fields, mcp_tools
 ):
     """A response whose model may call MCP tools: up to MAX_MCP_ROUNDS model turns; after each turn
     that called them, their outputs join the conversation and the model goes on (the last turn may not
@@ -283,11 +308,14 @@ async def _create_with_mcp(
         items: list = list(session.list_items)
         for turn in range(MAX_MCP_ROUNDS):
             choice = "none" if turn == MAX_MCP_ROUNDS - 1 else (None if turn == 0 else "auto")
-            chat, plan, text, ids, params = _prepare(state, req, conversation, session.functions, choice)
+            chat, plan, text, ids, params, mm_features = await _prepare(
+                state, req, conversation, fields, session.functions, choice
+            )
             if turn == 0:
                 first_plan = plan
             parser = choice_parser(state, chat, plan, ids)
             kwargs = {"prompt": text, "priority": chat.priority, "cache_salt": chat.cache_salt}
+            kwargs["mm_features"] = mm_features
             kwargs["lora_request"] = state.lora_request(req.model)
             stream = submit(state, ids, params, f"{response_id}-{turn}", stream=False, **kwargs)
             output, completion, parsed = await _answer(raw_request, stream, parser)

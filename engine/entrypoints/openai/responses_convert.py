@@ -22,6 +22,7 @@ from xlaserve.entrypoints.openai.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
+    InputImage,
     JsonSchemaFormat,
     MessageItem,
     ReasoningItem,
@@ -71,10 +72,7 @@ def input_turns(req: ResponsesRequest, history: list[dict]) -> list[dict]:
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         if isinstance(item, MessageItem):
-            content = item.content
-            if not isinstance(content, str):
-                content = "".join(part.text for part in content)
-            turns.append({"role": item.role, "content": content})
+            turns.append({"role": item.role, "content": _message_content(item, where)})
         elif isinstance(item, FunctionCallItem):
             _check_arguments(item.arguments, f"{where}.arguments")
             if item.call_id in call_ids:
@@ -101,6 +99,48 @@ def input_turns(req: ResponsesRequest, history: list[dict]) -> list[dict]:
         elif isinstance(item, ReasoningItem):
             continue  # a model's earlier thinking: templates leave it out
     return turns
+
+
+def _message_content(item: MessageItem, where: str) -> str | list[dict]:
+    """A message's content for the chat path: its text, or, with images (a user's only), the chat's
+    text and image_url parts in order."""
+    content = item.content
+    if isinstance(content, str):
+        return content
+    if not any(isinstance(part, InputImage) for part in content):
+        return "".join(part.text for part in content)
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, InputImage):
+            parts.append({"type": "text", "text": part.text})
+            continue
+        field = f"{where}.content[{j}]"
+        if item.role != "user":
+            raise bad_request(f"an input_image belongs in a user message, not the {item.role}'s", field)
+        if part.image_url is None:
+            what = "file_id: this server has no Files API" if part.file_id is not None else "no image_url"
+            raise bad_request(f"{what}; send the image as image_url (a data: URL)", f"{field}.image_url")
+        parts.append({"type": "image_url", "image_url": {"url": part.image_url, "detail": part.detail}})
+    return parts
+
+
+def image_fields(req: ResponsesRequest, history: list[dict]) -> list[str]:
+    """The Responses field of each image part of `history + input_turns(req, history)`, in order: an
+    image of an earlier turn is the stored response's (`previous_response_id`)."""
+    earlier = sum(
+        1 for turn in history if isinstance(turn.get("content"), list) for p in turn["content"]
+        if p.get("type") == "image_url"
+    )  # fmt: skip
+    fields = ["previous_response_id"] * earlier
+    if isinstance(req.input, list):
+        for i, item in enumerate(req.input):
+            if isinstance(item, MessageItem) and isinstance(item.content, list):
+                fields += [
+                    f"input[{i}].content[{j}].image_url"
+                    for j, part in enumerate(item.content)
+                    if isinstance(part, InputImage)
+                ]
+    return fields
 
 
 def _check_arguments(arguments: str, param: str) -> None:

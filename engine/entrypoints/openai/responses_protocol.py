@@ -3,7 +3,8 @@ fields, wrong JSON types and invalid Unicode are 400s naming the field). The res
 output items are responses_output.py.
 
 `input` is a string (one user message) or a list of items: messages (role user, system, developer or
-assistant; content a string or `input_text`/`output_text` parts), `function_call` (a call the model made
+assistant; content a string or `input_text`/`output_text` parts, and `input_image` parts in a user
+message), `function_call` (a call the model made
 earlier), `function_call_output` (its result) and `reasoning` (accepted when a client sends its output
 back; not shown to the model). Items, parts, tools and text formats are told apart by `type` through
 tags that error locations drop (`RESPONSES_TAGS`), so an error names `input[2].call_id`, not a branch.
@@ -58,16 +59,28 @@ class OutputText(StrictModel):
     logprobs: list[dict[str, Any]] | None = Field(default=None, description="accepted and ignored")
 
 
-_PARTS = {"input_text": InputText, "output_text": OutputText}
+class InputImage(StrictModel):
+    """An image in a user message (a vision-language model): `image_url` a data: URL, or an http(s) or
+    file: URL where the server allows it (--allowed-media-domains, --allowed-local-media-path).
+    `file_id` (OpenAI's Files API) is not served here: a 400 naming it."""
+
+    type: Literal["input_image"]
+    image_url: Text | None = None
+    file_id: Text | None = None
+    detail: Literal["low", "high", "auto"] = "auto"
+
+
+_PARTS = {"input_text": InputText, "output_text": OutputText, "input_image": InputImage}
 
 
 class _UnknownPart(StrictModel):
-    type: Literal["input_text", "output_text"]
+    type: Literal["input_text", "output_text", "input_image"]
 
 
 ContentPart = Annotated[
     Annotated[InputText, Tag("input_text-part")]
     | Annotated[OutputText, Tag("output_text-part")]
+    | Annotated[InputImage, Tag("input_image-part")]
     | Annotated[_UnknownPart, Tag("unknown-part")],
     Discriminator(lambda value: _type_tag(value, _PARTS, "part")),
 ]
