@@ -182,6 +182,33 @@ def test_responses_input_image_answers_as_the_chat_route_does(vlm):
         assert error["param"] == param and (words is None or words in error["message"]), error
 
 
+def test_bench_serve_sends_images(vlm, tmp_path):
+    """`xlaserve bench serve --images-per-request 2`: every request answered, each prompt two images'
+    placeholders longer than the text-only workload's (16 tokens an image here), the images/s counted."""
+    import json
+
+    from xlaserve.entrypoints import cli
+
+    proc, _, _ = vlm
+    runs = {}
+    for images in (0, 2):
+        out = tmp_path / f"serve-{images}.json"
+        argv = ["bench", "serve", "--base-url", proc.url, "--model", NAME, "--num-prompts", "2",
+                "--output-len", "2", "--max-concurrency", "2", "--images-per-request", str(images),
+                "--image-size", "40x48", "--output-json", str(out)]  # fmt: skip
+        assert cli.main(argv) == 0
+        runs[images] = json.loads(out.read_text())["runs"][0]
+    plain, imaged = runs[0], runs[2]
+    assert (imaged["num_requests"], imaged["num_failed"]) == (2, 0)
+    assert imaged["images_per_s"] == pytest.approx(4 / imaged["elapsed_s"])
+    # total tokens per second x elapsed: the prompts' and outputs' tokens; the images add 2 x 16 each.
+    extra = (
+        imaged["total_tokens_per_s"] * imaged["elapsed_s"] - plain["total_tokens_per_s"] * plain["elapsed_s"]
+    )
+    assert extra == pytest.approx(2 * 2 * 16, abs=2 * 2 * 2)  # each image also adds its newline
+    assert "images_per_s" not in plain
+
+
 def test_a_local_file_under_the_allowed_path_is_read(vlm, media_dir):
     _, client, _ = vlm
     response = client.post("/v1/chat/completions", json=_chat(_image((media_dir / "cat.png").as_uri())))

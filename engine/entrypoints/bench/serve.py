@@ -12,6 +12,11 @@ reported apart from the rest's. Several loads (`--max-concurrency 1,4,16`)
 make a sweep; `--plot FILE.png` draws the latency percentiles against load (needs matplotlib:
 `pip install xlaserve[bench]`).
 
+`--images-per-request N` loads a vision-language server: each request's user turn also carries N images
+of `--image-size WxH` (random pixels, a PNG data URL each, different for every request and image, so the
+encoder cache serves none of them; vLLM's random-mm dataset in one flag), made before the clock starts;
+the report adds images/s.
+
 `--backend openai-embeddings` (vLLM's name) loads a pooling server instead: each request embeds one
 prompt (the workload's user turn) on /v1/embeddings; reported: requests/s, input tokens/s and the
 end-to-end latency percentiles (nothing streams, so no TTFT, TPOT or ITL).
@@ -135,11 +140,55 @@ async def _one_embedding(client, url: str, headers: dict, body: dict) -> Request
     return result
 
 
+def image_parts(index: int, num_images: int, size: tuple[int, int]) -> list[dict]:
+    """Request `index`'s image_url parts: `num_images` PNGs of random pixels (width, height), each its
+    own (seeded by the request and the image), as data URLs."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    parts = []
+    for j in range(num_images):
+        rng = np.random.default_rng((index, j))
+        pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
+def with_images(conversations: list, num_images: int, size: tuple[int, int]) -> list:
+    """The conversations, each last (user) turn's content as its text then its images."""
+    if not num_images:
+        return conversations
+    out = []
+    for index, messages in enumerate(conversations):
+        *earlier, last = messages
+        content = [{"type": "text", "text": last["content"]}, *image_parts(index, num_images, size)]
+        out.append([*earlier, {**last, "content": content}])
+    return out
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """--image-size "WxH" -> (width, height)."""
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--image-size must be WIDTHxHEIGHT (e.g. 336x336), got {text!r}") from None
+    if width < 1 or height < 1:
+        raise SystemExit(f"--image-size must be positive, got {text!r}")
+    return width, height
+
+
 async def run_load(args, conversations, *, max_concurrency: int | None, request_rate: float) -> dict:
     import httpx
 
     if args.backend == "openai-embeddings":
         return await _run_embeddings(args, conversations, max_concurrency, request_rate)
+    num_images = getattr(args, "images_per_request", 0)
     url = args.base_url.rstrip("/") + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = asyncio.Semaphore(max_concurrency or len(conversations))
@@ -184,7 +233,11 @@ async def run_load(args, conversations, *, max_concurrency: int | None, request_
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
-    return summarize(results, elapsed, max_concurrency, request_rate)
+    run = summarize(results, elapsed, max_concurrency, request_rate)
+    if num_images:
+        run["images_per_request"] = num_images
+        run["images_per_s"] = num_images * sum(r.is_ok for r in results) / elapsed
+    return run
 
 
 async def _run_embeddings(args, conversations, max_concurrency: int | None, request_rate: float) -> dict:
@@ -262,6 +315,8 @@ def _print(run: dict, num_prompts: int, output_len: int) -> None:
             f"throughput: {run['requests_per_s']:.2f} req/s, {run['output_tokens_per_s']:.1f} output tok/s, "
             f"{run['total_tokens_per_s']:.1f} total tok/s"
         )
+    if "images_per_s" in run:
+        print(f"images: {run['images_per_request']} a request, {run['images_per_s']:.2f} images/s")
     rows = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")]
     if run["num_structured"]:
         print(f"{run['num_structured']} requests with a JSON schema (response_format)")
@@ -308,7 +363,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if not 0.0 <= args.structured_output_ratio <= 1.0:
         raise SystemExit(f"--structured-output-ratio must be in [0, 1], got {args.structured_output_ratio}")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
-    conversations = workload(args.num_prompts)
+    if args.images_per_request < 0:
+        raise SystemExit(f"--images-per-request must be >= 0, got {args.images_per_request}")
+    if args.images_per_request and args.backend != "openai-chat":
+        raise SystemExit("--images-per-request needs --backend openai-chat (a vision-language server)")
+    conversations = with_images(
+        workload(args.num_prompts), args.images_per_request, parse_size(args.image_size)
+    )
     concurrencies = _values(args.max_concurrency, int) or [None]
     rates = _values(args.request_rate, float) or [math.inf]
     loads = [(c, r) for c in concurrencies for r in rates]
@@ -324,6 +385,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         "num_prompts": args.num_prompts,
         "output_len": args.output_len,
         "structured_output_ratio": args.structured_output_ratio,
+        "images_per_request": args.images_per_request,
+        "image_size": args.image_size,
         "runs": runs,
     }
     if args.output_json:
@@ -364,6 +427,13 @@ def add_serve_parser(bench_sub) -> None:
         default=0.0,
         help="the share of requests sent with a JSON schema (response_format), 0 to 1",
     )
+    b.add_argument(
+        "--images-per-request",
+        type=int,
+        default=0,
+        help="images in each request's user turn (a vision-language server; random pixels, PNG data URLs)",
+    )
+    b.add_argument("--image-size", default="336x336", help="WIDTHxHEIGHT of --images-per-request's images")
     b.add_argument("--seed", type=int, default=0, help="of the Poisson arrival times")
     b.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     b.add_argument("--output-json", default=None)
