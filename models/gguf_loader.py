@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from xlaserve.models.gguf_quant import KEPT_TYPES, decode_blocks, permute_rows
+from xlaserve.models.gguf_quant import dequantize as fast_dequantize
 from xlaserve.models.gguf_reader import open_gguf, read_gguf_metadata  # noqa: F401 (re-exported: moved there)
 from xlaserve.models.quantization import QuantizedTensor
 
@@ -212,7 +213,9 @@ def load_gguf_tensors(
         elif keep_quantized and t.tensor_type in KEPT_TYPES and len(shape) == 2 and name is not None:
             values = decode_blocks(t.data, t.tensor_type, shape)
         else:
-            values = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+            fast = fast_dequantize(t.data, t.tensor_type)  # Q8_0 / Q4_0 / Q4_1, as gguf's bit for bit
+            values = dequantize(t.data, t.tensor_type) if fast is None else fast
+            values = values.astype(np.float32, copy=False).reshape(shape)
         if name is None:
             hf_config["rope_scaling"] = _llama3_rope_scaling(values, hf_config)
             continue

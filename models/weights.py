@@ -171,10 +171,10 @@ def load_params(
                 flat[part_path] = place(part_path, part)
             continue
         arrays = [a.dequantized() if isinstance(a, QuantizedTensor) else a for a in arrays]
-        array = np.stack(arrays) if is_stacked else arrays[0]
+        array = _assemble(names, arrays, dtype, is_stacked)
         if array.shape != spec.shape:
             raise ValueError(f"tensor {names[0]} has shape {array.shape}, the model expects {spec.shape}")
-        flat[path] = place(path, np.asarray(array, dtype=dtype))
+        flat[path] = place(path, array)
     unexpected = sorted(
         n
         for n in tensors
@@ -195,6 +195,23 @@ def _our_layout(tensor, path: tuple[str, ...]):
     if path[-1] != "kernel":
         return tensor
     return tensor.transposed() if isinstance(tensor, QuantizedTensor) else np.swapaxes(tensor, -1, -2)
+
+
+def _assemble(names: list[str], arrays: list[np.ndarray], dtype, stacked: bool) -> np.ndarray:
+    """`arrays` (our layout: a kernel is a transposed view of the checkpoint's) as one C-contiguous
+    array of `dtype`, stacked along a new first axis when `stacked`. Each is cast in its own memory
+    order first, then moved into place: a transposed view cast as it is reads with a stride (measured on
+    SmolLM2's 30 stacked [576, 1536] kernels to bfloat16: 0.46 s through np.stack then a cast, 0.04 s
+    this way)."""
+    if not stacked:
+        return np.ascontiguousarray(np.asarray(arrays[0]).astype(dtype, order="K", copy=False))
+    shape = np.shape(arrays[0])
+    out = np.empty((len(arrays), *shape), dtype)
+    for i, (name, array) in enumerate(zip(names, arrays)):
+        if np.shape(array) != shape:
+            raise ValueError(f"tensor {name} has shape {np.shape(array)}, unlike {names[0]}'s {shape}")
+        out[i] = np.asarray(array).astype(dtype, order="K", copy=False)
+    return out
 
 
 def _check_shape(name: str, array: np.ndarray, shape: tuple[int, ...]) -> None:

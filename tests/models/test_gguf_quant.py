@@ -24,6 +24,7 @@ from helpers.smollm2 import smollm2_gguf_path
 from xlaserve.kernels.dtype_ops import dequantize as device_dequantize
 from xlaserve.kernels.dtype_ops import unpack_int4
 from xlaserve.models.gguf_quant import GGUF_SCHEME, decode_blocks, gguf_scheme
+from xlaserve.models.gguf_quant import dequantize as fast_dequantize
 from xlaserve.models.quantization import QuantizedTensor, pack_int4, weight_bytes
 
 
@@ -52,6 +53,10 @@ def test_blocks_decode_to_the_gguf_packages_dequantization(kind):
     # As the loader places it ([in, out], blocks of 32 inputs): the same matrix.
     np.testing.assert_array_equal(kept.transposed().dequantized(), kept.dequantized().T)
     assert gguf_scheme({"w": kept}) == (replace(GGUF_SCHEME, scale_dtype=jnp.dtype(jnp.float16)), {"w": kept})
+    # The loader's own dequantization (models/gguf_quant.dequantize): gguf's bits, every one.
+    fast = fast_dequantize(raw, tensor_type)
+    assert fast.dtype == np.float32 and fast.shape == (w.size,)
+    np.testing.assert_array_equal(fast.view(np.uint32), want.reshape(-1).view(np.uint32))
 
 
 def test_embedded_smollm2_q4_1_and_q8_0_tensors_are_bit_exact_packed():
