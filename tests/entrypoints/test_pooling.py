@@ -187,6 +187,12 @@ def test_sequence_classifiers_match_hf(tmp_path, architecture, num_labels):
             else torch.softmax(torch.tensor(expected), -1)
         )
         _close(pr.outputs.probs, activated.numpy())
+    # token_classify: the sequence classifier's head on every token's state (softmax or sigmoid per row).
+    rows = llm.encode(_ids(prompts[:1]), pooling_task="token_classify", use_tqdm=False)[0].outputs.data
+    with torch.no_grad():
+        logits = model.score(model.model(torch.tensor([prompts[0]])).last_hidden_state[0])
+    activate = torch.sigmoid if num_labels == 1 else (lambda x: torch.softmax(x, -1))
+    _close(rows, activate(logits).numpy())
     if num_labels == 1:  # a cross-encoder's score: the probability of the joined pair
         tok = word_tokenizer(BASE["vocab_size"])
         score = llm.score("w5 w6 w7", ["w8 w9", "w10"], use_tqdm=False)
@@ -229,8 +235,7 @@ def test_qwen3_reranker_layout_scores_with_its_yes_and_no_tokens(tmp_path):
 
 def test_token_classifiers_match_hf(tmp_path):
     """A *ForTokenClassification decoder (Hugging Face's generic one: `score` with its bias on every
-    token's state): per-token logits and probabilities; a sequence classifier's token_classify is its
-    head on every token's state."""
+    token's state): per-token logits and probabilities."""
     model = _classifier("Qwen3ForTokenClassification", 4, seed=9)
     llm = LLM(save_hf_model(model, tmp_path / "token"), **ARGS)
     assert llm.input_processor.pooling_task == "token_classify"
@@ -245,12 +250,6 @@ def test_token_classifiers_match_hf(tmp_path):
         _close(pr.outputs.data, torch.softmax(logits, -1).numpy())
     with pytest.raises(ValueError, match="pooling_task 'classify' is not served by this token_classify"):
         llm.classify(_ids(prompts[:1]))
-    seq = _classifier("LlamaForSequenceClassification", 3, seed=11)
-    seq_llm = LLM(save_hf_model(seq, tmp_path / "seq"), **ARGS)
-    out = seq_llm.encode(_ids(prompts[:1]), pooling_task="token_classify", use_tqdm=False)[0]
-    with torch.no_grad():
-        logits = seq.score(seq.model(torch.tensor([prompts[0]])).last_hidden_state[0])
-    _close(out.outputs.data, torch.softmax(logits, -1).numpy())
 
 
 def test_step_pooling_keeps_the_step_tags_rows_and_the_returned_columns(tmp_path):

@@ -1,6 +1,6 @@
-"""Tensor parallelism across two processes (jax.distributed over loopback, 4 fake CPU devices each):
-`xlaserve generate` and `xlaserve serve` with TP 8 over 2 x 4 devices answer as one process on one
-device does, and a follower whose step diverges stops the engine with a clear error.
+"""Tensor parallelism across two processes (jax.distributed over loopback): `xlaserve generate` with TP 2
+over 2 x 1 devices and `xlaserve serve` with TP 8 over 2 x 4 fake CPU devices answer as one process on
+one device does, and a follower whose step diverges stops the engine with a clear error.
 
 These cases start their own processes, not the session's fake-mesh worker (helpers/tp_run.py): apart
 from test_sharding.py they are scheduled beside it on the other xdist worker (tests/conftest.py)."""
@@ -75,11 +75,13 @@ def one_process_text(tiny_llama_2kv) -> str:
 
 
 @pytest.mark.slow
-def test_two_processes_tensor_parallel_8_match_one_process(tiny_llama_2kv, one_process_text):
+def test_two_processes_tensor_parallel_2_match_one_process(tiny_llama_2kv, one_process_text):
+    """`xlaserve generate` across two processes of one device each (TP 2: the two KV heads split
+    between the processes; the server case below runs TP 8 over 2 x 4 devices)."""
     args = _generate_args(tiny_llama_2kv)
     port = _free_port()
-    multi = ["-tp", "8", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}")
+    multi = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")
     follower = subprocess.Popen(
         CLI + args + multi + ["--node-rank", "1"],
         env=env,
