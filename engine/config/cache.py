@@ -66,15 +66,9 @@ class CacheConfig:
         return self.kv_offloading_disk_size or 4 * self.kv_offloading_size
 
     def __post_init__(self):
-        require(
-            self.kv_offloading_size is None
-            or (
-                isinstance(self.kv_offloading_size, (int, float))
-                and not isinstance(self.kv_offloading_size, bool)
-                and 0 < self.kv_offloading_size < math.inf
-            ),
-            f"kv_offloading_size must be a number of GiB > 0, got {self.kv_offloading_size!r}",
-        )
+        for name in ("kv_offloading_size", "kv_offloading_disk_size"):
+            value = getattr(self, name)
+            require(value is None or _is_gib(value), f"{name} must be a number of GiB > 0, got {value!r}")
         require(
             self.kv_offloading_size is None or self.enable_prefix_caching,
             "kv_offloading_size needs enable_prefix_caching: the host tier holds the blocks the prefix "
@@ -88,15 +82,6 @@ class CacheConfig:
         require(
             self.kv_offloading_disk_size is None or self.kv_offloading_disk_path is not None,
             "kv_offloading_disk_size needs kv_offloading_disk_path (the directory of the disk tier)",
-        )
-        require(
-            self.kv_offloading_disk_size is None
-            or (
-                isinstance(self.kv_offloading_disk_size, (int, float))
-                and not isinstance(self.kv_offloading_disk_size, bool)
-                and 0 < self.kv_offloading_disk_size < math.inf
-            ),
-            f"kv_offloading_disk_size must be a number of GiB > 0, got {self.kv_offloading_disk_size!r}",
         )
         require(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
@@ -118,3 +103,8 @@ class CacheConfig:
             self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
             f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}",
         )
+
+
+def _is_gib(value) -> bool:
+    """A size in GiB: a finite number > 0 (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
