@@ -36,6 +36,14 @@ TASKS_OF_MODEL = {
 }
 
 
+def output_width(task: str, num_labels: int, hidden_size: int | None) -> int | None:
+    """The width of a `task`'s output rows (what STEP's returned_token_ids index): a classifier head's
+    labels where the head runs (num_labels > 0; not for embed, token_embed or encode), else the hidden
+    states'."""
+    headless = not num_labels or task in ("embed", "token_embed", "encode")
+    return hidden_size if headless else num_labels
+
+
 def _is_index(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

@@ -19,6 +19,7 @@ live with the worker, which receives (device block, slot) pairs in each step's K
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import takewhile
 
 import numpy as np
 
@@ -145,12 +146,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             return 0
         first = num_computed_tokens // self.block_size
         max_blocks = (request.num_tokens - 1) // self.block_size
-        num_hits = 0
-        for block_hash in request.block_hashes[first:max_blocks]:  # from either tier, in order
-            if not self._held(block_hash):
-                break
-            num_hits += 1
-        return num_hits * self.block_size
+        held = takewhile(self._held, request.block_hashes[first:max_blocks])  # either tier, in order
+        return sum(1 for _ in held) * self.block_size
 
     def update_state_after_alloc(self, request, block_ids, num_computed_tokens, num_external_tokens) -> None:
         self.stats.num_queries += request.num_tokens - num_computed_tokens

@@ -13,7 +13,7 @@ from xlaserve.core.request import Request, child_request_id
 from xlaserve.engine.mm_processor import MultiModalProcessor
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.lora_request import LoRARequest
-from xlaserve.pooling_params import TASKS_OF_MODEL, PoolingParams
+from xlaserve.pooling_params import TASKS_OF_MODEL, PoolingParams, output_width
 from xlaserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -223,9 +223,7 @@ class InputProcessor:
                     f"pools {self.pooling_type}"
                 )
         if params.returned_token_ids is not None:
-            # The columns of the head's outputs (its labels), or of the hidden states where no head runs.
-            headless = not self.num_labels or params.task in ("embed", "token_embed", "encode")
-            width = self.hidden_size if headless else self.num_labels
+            width = output_width(params.task, self.num_labels, self.hidden_size)
             if max(params.returned_token_ids) >= width:
                 raise ValueError(
                     f"returned_token_ids must be < {width} (the width of this {params.task} output), "

@@ -293,7 +293,7 @@ class LLM:
         if self.input_processor.pooling_task == "classify":
             self._require_tokenizer("score()")
             ids = [pair_token_ids(self.tokenizer, a, b) for a, b in pairs]
-            results = self._pool(ids, PoolingParams(task="score"), use_tqdm)
+            results = self._pool(ids, [PoolingParams(task="score")] * len(ids), use_tqdm)
             return [ScoringRequestOutput(rid, ScoringOutput(_one_score(data)), i) for rid, i, data in results]
         texts = [t for pair in pairs for t in pair]
         embeddings = self.embed(
@@ -346,19 +346,15 @@ class LLM:
                 f"{what} needs runner={runner!r}; this LLM runs runner={self.config.model.runner!r}"
             )
 
-    def _pool(
-        self, prompt_ids: list[list[int]], params: PoolingParams | list[PoolingParams], use_tqdm: bool
-    ) -> list[tuple]:
-        """Run pooling requests to completion: [(request id, prompt ids, pooled numpy array)] in order.
-        `params`: one for all, or one per prompt. Everything is validated before anything is added."""
-        if isinstance(params, PoolingParams):
-            params = [params] * len(prompt_ids)
+    def _pool(self, prompt_ids: list[list[int]], params: list[PoolingParams], use_tqdm: bool) -> list[tuple]:
+        """Run pooling requests to completion: [(request id, prompt ids, pooled numpy array)] in order,
+        `params[i]` for prompt i. Everything is validated before anything is added."""
         self._require_runner("pooling", f"pooling_task {params[0].task!r}" if params else "pooling")
         if self.engine_core.is_sleeping:
             raise ValueError("the engine is asleep (sleep() was called): call wake_up() first")
         for ids in prompt_ids:
             self.input_processor.validate_prompt(ids)
-        for p in params:
+        for p in {id(p): p for p in params}.values():  # a shared PoolingParams once
             self.input_processor.validate_pooling(p)
         order: dict[str, int] = {}
         try:

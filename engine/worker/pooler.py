@@ -28,7 +28,7 @@ import numpy as np
 from xlaserve.config import ModelConfig
 from xlaserve.models import modernbert
 from xlaserve.models.bert import is_encoder_classifier, split_classifier
-from xlaserve.pooling_params import TOKEN_TASKS
+from xlaserve.pooling_params import TOKEN_TASKS, output_width
 from xlaserve.worker.input_batch import isolate_failures
 from xlaserve.worker.step_hooks import HostArrays, StepHook
 
@@ -225,7 +225,7 @@ class Pooler:
         )
         normalize = None if pc is None else pc.normalize
         returned = None if pc is None else pc.returned_token_ids
-        width = head.num_labels if head is not None and task != "embed" else hidden_size
+        width = output_width(task, 0 if head is None else head.num_labels, hidden_size)
         if returned is not None and width is not None and max(returned) >= width:
             raise ValueError(
                 f"pooler_config.returned_token_ids must be < {width} (the width of this {task} model's "
@@ -323,19 +323,19 @@ class PoolingHook(StepHook):
         # Rows of a request that finished without completing its prompt (aborted, failed) go.
         for rid in [rid for rid, (req, _) in self._rows.items() if req.is_finished]:
             del self._rows[rid]
-        # Every token's states come to the host only in a step where some request reads them (LAST
-        # pooling reads the last token's alone, unless a token task asks).
-        every_row = any(
+        # A step brings to the host only the states its pooling requests read: every token's for one
+        # that pools over them (or a token task), each sequence's last token's for one that pools LAST.
+        every = [
             self.pooler.needs_every_row(s.request.pooling_params)
             for s in scheduled
             if s.request.pooling_params is not None
-        )
-        return {"every_row": np.asarray(every_row)}
+        ]
+        return {"every_row": np.asarray(any(every)), "last_row": np.asarray(not all(every))}
 
     def after_forward(self, hidden, hidden_rd, arrays) -> dict:
-        if arrays.get("every_row", False):
-            return {"pool_last": hidden_rd, "pool_hidden": hidden}
-        return {"pool_last": hidden_rd}
+        wanted = {"pool_hidden": (arrays.get("every_row", False), hidden)}
+        wanted["pool_last"] = (arrays.get("last_row", False), hidden_rd)
+        return {name: array for name, (is_read, array) in wanted.items() if is_read}
 
     def read_output(self, scheduled, host: dict[str, np.ndarray], result) -> None:
         offset = 0

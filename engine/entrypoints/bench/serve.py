@@ -140,7 +140,7 @@ async def _one_embedding(client, url: str, headers: dict, body: dict) -> Request
     return result
 
 
-def image_parts(index: int, num_images: int, size: tuple[int, int]) -> list[dict]:
+def random_image_parts(index: int, num_images: int, size: tuple[int, int]) -> list[dict]:
     """Request `index`'s image_url parts: `num_images` PNGs of random pixels (width, height), each its
     own (seeded by the request and the image), as data URLs."""
     import base64
@@ -167,7 +167,7 @@ def with_images(conversations: list, num_images: int, size: tuple[int, int]) -> 
     out = []
     for index, messages in enumerate(conversations):
         *earlier, last = messages
-        content = [{"type": "text", "text": last["content"]}, *image_parts(index, num_images, size)]
+        content = [{"type": "text", "text": last["content"]}, *random_image_parts(index, num_images, size)]
         out.append([*earlier, {**last, "content": content}])
     return out
 
