@@ -298,7 +298,9 @@ def test_priority_through_the_api(llama3_server):
     threads[0].start()
     assert started.wait(120)
     wait_for("num_requests_running", 1)
-    for args, num_waiting in ((("later", 5, 4), 1), (("urgent", -5, 4), 2)):
+    # 32 tokens each: the order is read as the client threads finish, and a thread woken late on a
+    # loaded machine must not let a 4-token request run and finish before it notices (seen once).
+    for args, num_waiting in ((("later", 5, 32), 1), (("urgent", -5, 32), 2)):
         threads.append(threading.Thread(target=run, args=args))
         threads[-1].start()
         wait_for("num_requests_waiting", num_waiting)
