@@ -142,6 +142,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestStateStats | None = field(default=None)
+    # A KV connector's, when the request finished: a disaggregated-prefill producer's say where a
+    # consumer fetches the prompt's blocks (pass them as SamplingParams.extra_args["kv_transfer_params"]).
+    kv_transfer_params: dict | None = None
 
     def __repr__(self) -> str:
         return (

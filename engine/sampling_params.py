@@ -209,9 +209,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's extra_args: what a connector or plug-in reads. "kv_transfer_params" (disaggregated
+    # prefill, README "Disaggregated prefill"): {"do_remote_decode": true} asks a producer to run the
+    # prefill only and keep the blocks for a consumer; the response's kv_transfer_params, sent to the
+    # consumer, make it fetch them ({"do_remote_prefill": true, "remote_host", "remote_port",
+    # "remote_request_id"}).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self):
         self._normalize()
+        self._validate_extra_args()
         self._validate_sampling()
         self._validate_lengths()
         self._validate_logprobs()
@@ -237,6 +244,43 @@ class SamplingParams:
             so is None or isinstance(so, StructuredOutputsParams),
             f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}",
         )
+
+    def _validate_extra_args(self) -> None:
+        _require(
+            self.extra_args is None or isinstance(self.extra_args, dict),
+            f"extra_args must be an object, got {type(self.extra_args).__name__}",
+        )
+        params = self.kv_transfer_params
+        if params is None:
+            return
+        _require(isinstance(params, dict), "kv_transfer_params must be an object")
+        for name in ("do_remote_decode", "do_remote_prefill"):
+            _require(isinstance(params.get(name, False), bool), f"kv_transfer_params.{name} must be a bool")
+        if params.get("do_remote_decode"):
+            _require(
+                not params.get("do_remote_prefill"),
+                "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true",
+            )
+            _require(self.n == 1, f"kv_transfer_params.do_remote_decode needs n=1, got n={self.n}")
+        if params.get("do_remote_prefill"):
+            host, port, rid = (params.get(k) for k in ("remote_host", "remote_port", "remote_request_id"))
+            _require(
+                isinstance(host, str) and 0 < len(host) <= 255,
+                f"kv_transfer_params.remote_host must be a host name, got {host!r}",
+            )
+            _require(
+                _is_int(port) and 1 <= port <= 65535,
+                f"kv_transfer_params.remote_port must be in [1, 65535], got {port!r}",
+            )
+            _require(
+                isinstance(rid, str) and 0 < len(rid) <= 256,
+                f"kv_transfer_params.remote_request_id must be a string of 1 to 256 characters, got {rid!r}",
+            )
+
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        """extra_args["kv_transfer_params"] (None: none)."""
+        return None if self.extra_args is None else self.extra_args.get("kv_transfer_params")
 
     def _validate_sampling(self) -> None:
         _require(_is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from xlaserve.config.cache import KV_CACHE_DTYPES, CacheConfig
 from xlaserve.config.compilation import CompilationConfig, default_compilation_cache_dir
 from xlaserve.config.engine import CONFIG_GROUPS, EngineConfig
+from xlaserve.config.kv_transfer import KV_ROLES, KVTransferConfig
 from xlaserve.config.lora import LoRAConfig
 from xlaserve.config.model import (
     DEFAULT_IMAGES_PER_PROMPT,
@@ -39,6 +40,8 @@ __all__ = [
     "DEFAULT_IMAGES_PER_PROMPT",
     "EngineConfig",
     "KV_CACHE_DTYPES",
+    "KV_ROLES",
+    "KVTransferConfig",
     "LoRAConfig",
     "MAX_SPECULATIVE_TOKENS",
     "ModelConfig",

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from xlaserve.config.checks import require
+from xlaserve.config.kv_transfer import KVTransferConfig
 from xlaserve.config_args import arg
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -65,7 +66,31 @@ class CacheConfig:
             return None
         return self.kv_offloading_disk_size or 4 * self.kv_offloading_size
 
+    # Disaggregated prefill (vLLM's --kv-transfer-config): the connector, this engine's role and the
+    # producer's address, as JSON (config/kv_transfer.py). Kept as JSON text: the config stays hashable.
+    kv_transfer_config: str | None = field(
+        default=None,
+        metadata=arg(
+            'disaggregated prefill, as JSON: {"kv_connector": "JaxConnector", "kv_role": '
+            '"kv_producer"|"kv_consumer"|"kv_both", "kv_ip": "127.0.0.1", "kv_port": 14579} '
+            '(README "Disaggregated prefill"; default: off)'
+        ),
+    )
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """kv_transfer_config parsed (None: off)."""
+        return None if self.kv_transfer_config is None else KVTransferConfig.parse(self.kv_transfer_config)
+
     def __post_init__(self):
+        if self.kv_transfer_config is not None:
+            parsed = KVTransferConfig.parse(self.kv_transfer_config)  # a bad value is an error at start
+            object.__setattr__(self, "kv_transfer_config", parsed.to_json())
+            require(
+                self.kv_offloading_size is None,
+                "kv_transfer_config cannot be combined with kv_offloading_size yet (one KV connector per "
+                "engine)",
+            )
         for name in ("kv_offloading_size", "kv_offloading_disk_size"):
             value = getattr(self, name)
             require(value is None or _is_gib(value), f"{name} must be a number of GiB > 0, got {value!r}")

@@ -42,6 +42,17 @@ class EngineConfig:
                 self.speculative is None or self.speculative.method != "draft_model",
                 "kv_offloading_size cannot be combined with a draft model (its KV cache is not offloaded)",
             )
+        if self.cache.kv_transfer_config is not None:
+            # The block server and the loads ride beside the step on one process, as offload's do.
+            require(self.parallel.nnodes == 1, "kv_transfer_config runs on one host (nnodes=1)")
+            require(
+                self.model.runner != "pooling",
+                "kv_transfer_config needs a generating model (runner='generate')",
+            )
+            require(
+                self.speculative is None or self.speculative.method != "draft_model",
+                "kv_transfer_config cannot be combined with a draft model (its KV cache is not transferred)",
+            )
         pp = self.parallel.pipeline_parallel_size
         if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet
             for is_set, what in (
@@ -49,6 +60,7 @@ class EngineConfig:
                 (self.lora.enable_lora, "enable_lora"),
                 (self.model.runner == "pooling", "runner='pooling'"),
                 (self.cache.kv_offloading_size is not None, "kv_offloading_size"),
+                (self.cache.kv_transfer_config is not None, "kv_transfer_config"),
             ):
                 require(not is_set, f"pipeline_parallel_size={pp} cannot be combined with {what} yet")
         # Speculative decoding runs on the synchronous step: the next step's drafts come from this

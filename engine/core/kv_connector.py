@@ -10,12 +10,14 @@ cache, `load_kv` copies blocks into it, both before the forward can overwrite or
 
 With no connector configured both halves are these base classes, whose methods do nothing: the
 scheduler and the runner call them at the same fixed points whatever is on (no feature branch). Host
-offload (core/kv_offload.py, worker/kv_offload.py) is one connector; disaggregated prefill would be another.
+offload (core/kv_offload.py, worker/kv_offload.py) is one connector; disaggregated prefill
+(core/kv_transfer.py, worker/kv_transfer.py) another.
 Plain data and plain Python: no jax here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +47,13 @@ class KVConnectorMetadata:
     demote_disk_slots: np.ndarray = field(default_factory=_no_ids)  # [M] int32: where each goes
     disk_load_block_ids: np.ndarray = field(default_factory=_no_ids)  # [K] int32: device blocks to fill
     disk_load_slots: np.ndarray = field(default_factory=_no_ids)  # [K] int32: from these disk blocks
+    # Disaggregated prefill (core/kv_transfer.py). A consumer's loads carry their bytes: per cache array,
+    # [J, bytes per block] uint8 rows (a producer's blocks), written at inline_load_block_ids.
+    inline_load_block_ids: np.ndarray = field(default_factory=_no_ids)  # [J] int32
+    inline_blocks: tuple[np.ndarray, ...] = ()
+    # A producer's sends, gathered after the step's forward (which completes their prompts): request
+    # id, its prompt's full blocks, and the digest of the tokens they hold (the consumer checks it).
+    sends: list[tuple[str, np.ndarray, str]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -53,6 +62,8 @@ class KVConnectorMetadata:
             or len(self.load_block_ids)
             or len(self.demote_host_slots)
             or len(self.disk_load_block_ids)
+            or len(self.inline_load_block_ids)
+            or self.sends
         )
 
 
@@ -75,6 +86,21 @@ class KVTransferStats:
     load_seconds: float = 0.0
     demote_seconds: float = 0.0
     disk_load_seconds: float = 0.0
+    # Disaggregated prefill: a producer's blocks sent, a consumer's fetches (and those that failed or
+    # timed out, after which it computed the prompt itself).
+    num_blocks_sent: int = 0
+    bytes_sent: int = 0
+    num_remote_fetches: int = 0
+    num_remote_fetch_failures: int = 0
+    num_blocks_fetched: int = 0
+    bytes_fetched: int = 0
+    fetch_seconds: float = 0.0
+
+    disaggregated: int = 0  # > 0: disaggregated prefill's stats (metrics name them apart from offload's)
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.disaggregated > 0
 
     def add(self, other: KVTransferStats) -> None:
         for name in self.__dataclass_fields__:
@@ -100,9 +126,14 @@ class KVConnectorScheduler:
         """The device prefix cache is reusing `block_id`, whose K/V was the prefix `block_hash`: the
         step being scheduled overwrites it (BlockPool's eviction listener)."""
 
-    def build_connector_meta(self, num_scheduled_requests: int) -> KVConnectorMetadata | None:
-        """The transfers of the step just scheduled (None: none). A step that schedules nothing runs
-        nothing, so a connector keeps what it has for the next one."""
+    def build_connector_meta(self, scheduled: Sequence) -> KVConnectorMetadata | None:
+        """The transfers of the step just scheduled (`scheduled`: its ScheduledRequests; None: none). A
+        step that schedules nothing runs nothing, so a connector keeps what it has for the next one."""
+        return None
+
+    def request_finished(self, request: Request) -> dict | None:
+        """A request finished: the kv_transfer_params its output carries (a producer's: where a
+        consumer fetches its blocks), or None."""
         return None
 
     def update_connector_output(self, stats: KVTransferStats | None) -> None:
@@ -132,6 +163,12 @@ class KVConnectorWorker:
         """Bytes and seconds since the previous call (None: no connector)."""
         return None
 
+    def save_kv_after_forward(self, kv_cache, metadata: KVConnectorMetadata | None) -> None:
+        """Start copying out blocks the step's forward has just written (a producer's sends)."""
+
     def warm_up(self, kv_cache):
         """Compile the transfer programs before the compile guard arms; returns the cache."""
         return kv_cache
+
+    def close(self) -> None:
+        """Release sockets and threads (the engine shuts down)."""

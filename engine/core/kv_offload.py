@@ -23,7 +23,6 @@ from itertools import takewhile
 
 import numpy as np
 
-from xlaserve.config import CacheConfig
 from xlaserve.core.kv_cache_manager import skips_prefix_cache
 from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorScheduler, KVTransferStats
 from xlaserve.core.request import Request
@@ -172,8 +171,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         else:
             self._evicted[block_hash] = block_id
 
-    def build_connector_meta(self, num_scheduled_requests: int) -> KVConnectorMetadata | None:
-        if not num_scheduled_requests:
+    def build_connector_meta(self, scheduled) -> KVConnectorMetadata | None:
+        if not scheduled:
             return None  # nothing runs, nothing is overwritten: the saves wait for the next step
         save_ids, save_slots = [], []
         for block_hash, block_id in self._evicted.items():
@@ -226,16 +225,3 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             self.disk.clear()
         self._evicted.clear()
         self._demotes.clear()
-
-
-def make_kv_connector_scheduler(cache: CacheConfig, bytes_per_block: int) -> KVConnectorScheduler:
-    """The scheduler's half of the configured connector: host offload, or the base class (off)."""
-    if cache.kv_offloading_size is None:
-        return KVConnectorScheduler()
-    disk_size = cache.disk_tier_size
-    return OffloadingConnectorScheduler(
-        num_host_blocks(cache.kv_offloading_size, bytes_per_block),
-        cache.block_size,
-        bytes_per_block,
-        0 if disk_size is None else num_host_blocks(disk_size, bytes_per_block, "kv_offloading_disk_size"),
-    )

@@ -114,6 +114,8 @@ class EngineCoreOutput:
     is_grammar_complete: bool = False
     # A pooling request's result (it finishes with it): ModelRunnerOutput.pooler_output's.
     pooling_output: Any = None
+    # A KV connector's, on the finished output (a producer's: where its prompt's blocks are served).
+    kv_transfer_params: dict | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -125,6 +125,9 @@ class Request:
         # A field, not a naming convention: a user's id may contain any character.
         self.parent_id = parent_id
         self.lora_request = lora_request  # the adapter it runs with; None: the base model
+        # Disaggregated prefill: the prompt's K/V a producer sent (core/kv_transfer.py's RemoteKV),
+        # until the step that loads it; None: none (or already loaded).
+        self.remote_kv = None
         # A pooling request (runner="pooling"): it never samples, and finishes when its prompt is
         # computed, with the pooled hidden states the runner returns (worker/pooler.py).
         self.pooling_params = pooling_params

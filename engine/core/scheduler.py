@@ -159,7 +159,7 @@ class Scheduler:
         if not output.preempted_req_ids:
             self._schedule_waiting(output, token_budget, prefills)
         output.total_num_scheduled_tokens = sum(s.num_new_tokens for s in output.scheduled)
-        output.kv_connector_metadata = self.kv_connector.build_connector_meta(len(output.scheduled))
+        output.kv_connector_metadata = self.kv_connector.build_connector_meta(output.scheduled)
         if self.async_scheduling:
             # Rows are final only now (a preemption removes scheduled rows): each sampled token is a
             # placeholder until this step's output arrives, found on the device at its row.
@@ -390,6 +390,10 @@ class Scheduler:
             prompt_logprobs = None
             if not has_reported_prompt:
                 prompt_logprobs = model_runner_output.prompt_logprobs.get(request_id)
+            kv_transfer_params = None
+            if request.is_finished:
+                kv_transfer_params = self._free_request(request)
+                num_finished += 1
             if new_token_ids or prompt_logprobs is not None:
                 outputs.append(
                     EngineCoreOutput(
@@ -401,11 +405,9 @@ class Scheduler:
                         new_prompt_logprobs=prompt_logprobs,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         is_grammar_complete=is_grammar_complete(request),
+                        kv_transfer_params=kv_transfer_params,
                     )
                 )
-            if request.is_finished:
-                self._free_request(request)
-                num_finished += 1
         if num_finished:
             self.running = [r for r in self.running if not r.is_finished]
             self.waiting = [r for r in self.waiting if not r.is_finished]
@@ -430,12 +432,15 @@ class Scheduler:
             self.spec_decoding_stats.observe(num_drafts, len(accepted))
         return request.output_token_ids[-num_appended:]
 
-    def _free_request(self, request: Request, num_valid_tokens: int | None = None) -> None:
+    def _free_request(self, request: Request, num_valid_tokens: int | None = None) -> dict | None:
+        """Free a finished request's blocks; returns the kv_transfer_params its output carries (a KV
+        connector's, e.g. where a producer serves its prompt's blocks)."""
         request.num_output_placeholders, request.last_sampled_row = 0, -1  # in flight, they are dropped
         self.kv_cache_manager.free(request, num_valid_tokens=num_valid_tokens)
         self.encoder_cache.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        return self.kv_connector.request_finished(request)
 
     def _finish_with_error(self, request: Request, num_valid_tokens: int | None = None) -> EngineCoreOutput:
         """Fail one request (the others go on): free its blocks and return the news for its client."""

@@ -14,11 +14,12 @@ import logging
 from xlaserve.config import EngineConfig
 from xlaserve.core.encoder_cache_manager import EncoderCacheManager
 from xlaserve.core.kv_cache_manager import KVCacheManager
-from xlaserve.core.kv_offload import make_kv_connector_scheduler
+from xlaserve.core.kv_transfer import make_kv_connector_scheduler
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
 from xlaserve.core.spec_decode import make_proposer
+from xlaserve.engine.kv_fetch import RemotePrefills
 from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.executor import Executor, StepFuture
 
@@ -50,6 +51,11 @@ class EngineCore:
         # K/V kept outside the device cache (host offload: core/kv_offload.py), or the base class (none);
         # it hears of every block the prefix cache evicts.
         self.kv_connector = make_kv_connector_scheduler(config.cache, executor.kv_bytes_per_block)
+        # Disaggregated prefill's consumer: requests wait here while their prompt's blocks are fetched
+        # from a producer (engine/engine/kv_fetch.py), then join the scheduler with them.
+        self.remote_prefills = RemotePrefills(
+            config.cache.kv_transfer, config.cache.block_size, executor.kv_bytes_per_block
+        )
         # A pooling model that reads every prompt token (MEAN/CLS/ALL, an encoder) caches no prefix, and
         # an encoder's prompt runs whole in one step (worker/pooler.py).
         self.kv_cache_manager = KVCacheManager(
@@ -104,25 +110,31 @@ class EngineCore:
         if request.lora_request is not None:
             self.check_lora(request.lora_request)  # a bad adapter fails here, not in a step
         self.structured_output.add_request(request)
-        self.scheduler.add_request(request)
+        if self.remote_prefills.wants(request):
+            self.remote_prefills.submit(request)
+        else:
+            self.scheduler.add_request(request)
 
     def check_lora(self, lora_request) -> None:
         """ValueError (naming the adapter and the field) unless LoRA is on and the adapter is servable."""
         self.executor.check_lora(lora_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self.remote_prefills.abort(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or len(self.remote_prefills) > 0
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
+        return self.scheduler.get_num_unfinished_requests() + len(self.remote_prefills)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule which requests get how many tokens, run them, and report what changed (with async
         scheduling, what changed in the previous step, which ran while this one was scheduled)."""
         self.structured_output.wait_before_schedule()  # returns at once when no grammar compiles
+        for request in self.remote_prefills.take_ready():  # their blocks arrived (or will be computed)
+            self.scheduler.add_request(request)
         outputs = []
         if self._in_flight is not None and self.scheduler.needs_known_tokens():
             # A synchronous step: penalties or a grammar need the ids still on the device.
@@ -144,8 +156,11 @@ class EngineCore:
             self.proposer.propose(self.scheduler.running, self._last_runner_output)
             # Grammars cut their drafts; a draft model's sampled drafts keep their first rejected one.
             self.structured_output.check_drafts(self.scheduler.running, keep_rejected=self._is_draft_sampled)
-        if scheduler_output.is_empty:  # whatever is unfinished waits for its grammar
-            self.structured_output.wait_for_grammars(_GRAMMAR_WAIT_S)
+        if scheduler_output.is_empty:  # whatever is unfinished waits for its grammar, or its blocks
+            if len(self.remote_prefills):
+                self.remote_prefills.wait(_GRAMMAR_WAIT_S)
+            else:
+                self.structured_output.wait_for_grammars(_GRAMMAR_WAIT_S)
         return outputs
 
     def _update_in_flight(self) -> list[EngineCoreOutput]:
@@ -166,7 +181,10 @@ class EngineCore:
         self.async_scheduling = self.scheduler.async_scheduling = enabled
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        if stats.kv_transfer_stats is not None:
+            stats.kv_transfer_stats.add(self.remote_prefills.make_stats())
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -224,5 +242,6 @@ class EngineCore:
         return self.sleep_level > 0
 
     def shutdown(self) -> None:
+        self.remote_prefills.shutdown()
         self.executor.shutdown()
         self.structured_output.shutdown()

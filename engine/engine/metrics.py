@@ -135,8 +135,9 @@ class EngineMetrics:
                 self.kv_transfer = KVTransferStats()
             self.kv_transfer.add(transfer)
 
-    def kv_offload_counters(self) -> list[Counter]:
-        """Host offload's counters in vLLM's names (none without a connector): prompt tokens asked of
+    def kv_connector_counters(self) -> list[Counter]:
+        """A KV connector's counters (none without one): disaggregated prefill's, or host offload's, in
+        vLLM's names: prompt tokens asked of
         the offload tiers past the device hit and those they served (external_prefix_cache_*; by tier,
         kv_offload_hits), and the bytes and seconds of the copies each way (kv_offload_total_*, by
         transfer_type: device_to_host, host_to_device, and with a disk tier host_to_disk,
@@ -144,6 +145,8 @@ class EngineMetrics:
         t = self.kv_transfer
         if t is None:
             return []
+        if t.is_disaggregated:
+            return self._kv_transfer_counters(t)
         ways = (
             ("device_to_host", t.bytes_saved, t.save_seconds),
             ("host_to_device", t.bytes_loaded, t.load_seconds),
@@ -161,6 +164,34 @@ class EngineMetrics:
                 Counter(PREFIX + "kv_offload_total_bytes", {"transfer_type": way}, value=num_bytes)
             )
             counters.append(Counter(PREFIX + "kv_offload_total_time", {"transfer_type": way}, value=seconds))
+        return counters
+
+    @staticmethod
+    def _kv_transfer_counters(t: KVTransferStats) -> list[Counter]:
+        """Disaggregated prefill's: prompt tokens a consumer loaded from producers
+        (external_prefix_cache_*), its fetches by outcome (loaded, or recomputed after a failure), and
+        the bytes and seconds each way (kv_transfer_total_*: sent, fetched, loaded)."""
+        counters = [
+            Counter(PREFIX + "external_prefix_cache_queries", value=t.num_queries),
+            Counter(PREFIX + "external_prefix_cache_hits", value=t.num_hits),
+            Counter(
+                PREFIX + "kv_transfer_fetches",
+                {"outcome": "loaded"},
+                value=t.num_remote_fetches - t.num_remote_fetch_failures,
+            ),
+            Counter(
+                PREFIX + "kv_transfer_fetches", {"outcome": "recomputed"}, value=t.num_remote_fetch_failures
+            ),
+        ]
+        for way, num_bytes, seconds in (
+            ("sent", t.bytes_sent, t.save_seconds),
+            ("fetched", t.bytes_fetched, t.fetch_seconds),
+            ("loaded", t.bytes_loaded, t.load_seconds),
+        ):
+            counters.append(
+                Counter(PREFIX + "kv_transfer_total_bytes", {"transfer_type": way}, value=num_bytes)
+            )
+            counters.append(Counter(PREFIX + "kv_transfer_total_time", {"transfer_type": way}, value=seconds))
         return counters
 
     def spec_decode_counters(self) -> list[Counter]:
@@ -201,4 +232,4 @@ class EngineMetrics:
         metrics: list[Metric] = [Counter(PREFIX + k, value=v) for k, v in self.counters.items()]
         metrics += [Gauge(PREFIX + k, value=v) for k, v in self.gauges.items()]
         metrics += [h.record(PREFIX + k) for k, h in self.histograms.items()]
-        return metrics + self.spec_decode_counters() + self.kv_offload_counters()
+        return metrics + self.spec_decode_counters() + self.kv_connector_counters()

@@ -167,4 +167,5 @@ class Executor:
         return weight_update.wake_up(self.runner)
 
     def shutdown(self) -> None:
-        """Release whatever the executor holds besides the runner (nothing, in one process)."""
+        """Release what the runner holds outside the device (a KV connector's sockets)."""
+        self.runner.kv_connector.close()

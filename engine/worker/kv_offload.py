@@ -68,6 +68,19 @@ def _scatter_blocks(num_blocks: int, kv_cache, block_ids, blocks):
     return jax.tree.unflatten(treedef, new)
 
 
+def transfer_programs(kv_cache, num_blocks: int):
+    """(gather, scatter), jitted for `kv_cache`'s layout: gather(cache, ids) -> `_gather_blocks`'s arrays;
+    scatter(cache, ids, blocks) -> the cache (donated) with the blocks written, placed as it was."""
+    shardings = jax.tree.map(lambda a: a.sharding, kv_cache)
+    gather = jax.jit(lambda cache, ids: _gather_blocks(num_blocks, cache, ids))
+    scatter = jax.jit(
+        lambda cache, ids, blocks: _scatter_blocks(num_blocks, cache, ids, blocks),
+        donate_argnums=0,
+        out_shardings=shardings,
+    )
+    return gather, scatter
+
+
 def _host_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     """Zeroed host memory, its pages faulted in now rather than by the saves that first write them
     (measured here: first writes at 0.24 GB/s, rewrites at 15 GB/s), on transparent huge pages where the
@@ -119,7 +132,7 @@ class DiskTier:
         return 0 if self.arrays is None else sum(a.nbytes for a in self.arrays)
 
 
-def _padded(ids: np.ndarray) -> np.ndarray:
+def padded_ids(ids: np.ndarray) -> np.ndarray:
     out = np.zeros(TRANSFER_CHUNK_BLOCKS, np.int32)  # block 0: the null block
     out[: len(ids)] = ids
     return out
@@ -139,15 +152,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self.stats = KVTransferStats()
 
     def _programs(self, kv_cache) -> None:
-        if self._gather_fn is not None:
-            return
-        shardings = jax.tree.map(lambda a: a.sharding, kv_cache)
-        self._gather_fn = jax.jit(lambda cache, ids: _gather_blocks(self.num_blocks, cache, ids))
-        self._scatter_fn = jax.jit(
-            lambda cache, ids, blocks: _scatter_blocks(self.num_blocks, cache, ids, blocks),
-            donate_argnums=0,
-            out_shardings=shardings,
-        )
+        if self._gather_fn is None:
+            self._gather_fn, self._scatter_fn = transfer_programs(kv_cache, self.num_blocks)
 
     def _ensure_host(self, shapes_dtypes) -> None:
         if self.host is None:
@@ -176,7 +182,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         for start in range(0, len(metadata.save_block_ids), TRANSFER_CHUNK_BLOCKS):
             ids = metadata.save_block_ids[start : start + TRANSFER_CHUNK_BLOCKS]
             slots = metadata.save_slots[start : start + TRANSFER_CHUNK_BLOCKS]
-            gathered = self._gather_fn(kv_cache, _padded(ids))
+            gathered = self._gather_fn(kv_cache, padded_ids(ids))
             for array in gathered:  # the copy to the host starts now, overlapping the step
                 array.copy_to_host_async()
             self._pending.append((gathered, slots))
@@ -231,7 +237,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
                 staged[: len(slots)] = buffer[slots]
                 blocks.append(jax.device_put(staged))
             jax.block_until_ready(blocks)  # the copy is what the seconds measure, not the scatter
-            kv_cache = self._scatter_fn(kv_cache, _padded(ids), tuple(blocks))
+            kv_cache = self._scatter_fn(kv_cache, padded_ids(ids), tuple(blocks))
         return kv_cache
 
     def take_stats(self) -> KVTransferStats:
@@ -241,7 +247,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
     def warm_up(self, kv_cache):
         """Run both programs once on the null block (compiling them), and size the host tier."""
         self._programs(kv_cache)
-        ids = _padded(np.zeros(0, np.int32))
+        ids = padded_ids(np.zeros(0, np.int32))
         leaves = jax.tree.leaves(kv_cache)
         num_layers = leaves[0].shape[0] // self.num_blocks
         shapes = [((TRANSFER_CHUNK_BLOCKS, num_layers, *a.shape[1:]), np.dtype(a.dtype)) for a in leaves]
@@ -264,24 +270,6 @@ def available_host_bytes() -> int | None:
     except OSError:
         pass
     return None
-
-
-def make_kv_connector_worker(cache: CacheConfig, bytes_per_block: int, num_blocks: int) -> KVConnectorWorker:
-    """The worker's half of the configured connector: host offload, or the base class (off). A host tier
-    larger than the memory available now is a ValueError naming the field, not an OOM kill mid-start."""
-    if cache.kv_offloading_size is None:
-        return KVConnectorWorker()
-    num_host = num_host_blocks(cache.kv_offloading_size, bytes_per_block)
-    available = available_host_bytes()
-    if available is not None and num_host * bytes_per_block > available:
-        raise ValueError(
-            f"kv_offloading_size ({cache.kv_offloading_size} GiB) is more than the host memory available "
-            f"({available / 2**30:.1f} GiB); lower it"
-        )
-    disk = None
-    if cache.kv_offloading_disk_path is not None:
-        disk = DiskTier(cache.kv_offloading_disk_path, disk_tier_blocks(cache, bytes_per_block))
-    return OffloadingConnectorWorker(num_host, num_blocks, disk)
 
 
 def disk_tier_blocks(cache: CacheConfig, bytes_per_block: int) -> int:

@@ -45,7 +45,7 @@ from xlaserve.worker.input_batch import (
 )
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
 from xlaserve.worker.kv_cache_groups import kv_cache_groups
-from xlaserve.worker.kv_offload import make_kv_connector_worker
+from xlaserve.worker.kv_transfer import make_kv_connector_worker
 from xlaserve.worker.lora_manager import LoRAManager
 from xlaserve.worker.mm_encoder import make_mm_hook
 from xlaserve.worker.model_loader import LoadedModel, load_model
@@ -362,6 +362,8 @@ class ModelRunner:
         self.kv_cache = self.kv_connector.load_kv(self.kv_cache, inputs.kv_connector_metadata)
         batch = ready(inputs.batch)
         hidden, hidden_rd = self._run_forward(batch, inputs.hooks)
+        # Blocks this forward completed that leave the device (a producer's prompt blocks).
+        self.kv_connector.save_kv_after_forward(self.kv_cache, inputs.kv_connector_metadata)
         pooled = {}  # device outputs the hooks take from the hidden states (pooling)
         for hook in self.hooks:
             pooled |= hook.after_forward(hidden, hidden_rd, inputs.hooks[hook.name])

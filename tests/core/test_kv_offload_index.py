@@ -67,10 +67,10 @@ def test_evicted_blocks_are_planned_as_saves_and_hits_come_back_as_loads():
     connector, manager = _setup()
     prompt = list(range(10, 23))  # 13 tokens: 3 full blocks
     _fill(manager, _request(prompt))
-    assert connector.build_connector_meta(1) is None  # nothing evicted yet
+    assert connector.build_connector_meta([None]) is None  # nothing evicted yet
     _fill(manager, _request(list(range(50, 73))))  # 6 blocks: evicts all three
-    assert connector.build_connector_meta(0) is None  # an empty step keeps its saves for the next
-    meta = connector.build_connector_meta(1)
+    assert connector.build_connector_meta([]) is None  # an empty step keeps its saves for the next
+    meta = connector.build_connector_meta([None])
     assert len(meta.save_block_ids) == 3 and len(set(meta.save_slots.tolist())) == 3
 
     again = _request(prompt)
@@ -87,7 +87,7 @@ def test_evicted_blocks_are_planned_as_saves_and_hits_come_back_as_loads():
     saved_slots = meta.save_slots.tolist()
     manager.allocate_slots(again, 13)  # evicts the second prompt's blocks: saved in this step's plan
     connector.update_state_after_alloc(again, manager.get_block_ids(again.request_id), 0, 12)
-    meta = connector.build_connector_meta(1)
+    meta = connector.build_connector_meta([None])
     assert meta.load_block_ids.tolist() == manager.get_block_ids(again.request_id)[:3]
     # The slots the first saves wrote are the ones the loads read, and the new saves take others.
     assert sorted(meta.load_slots.tolist()) == sorted(saved_slots)
@@ -102,17 +102,17 @@ def test_a_block_already_on_the_host_is_not_saved_again_and_reset_forgets():
     prompt = list(range(10, 23))
     _fill(manager, _request(prompt))
     _fill(manager, _request(list(range(50, 73))))
-    connector.build_connector_meta(1)
+    connector.build_connector_meta([None])
     # Loaded back, computed on, finished, and evicted again: the host copy is touched, not rewritten.
     again = _request(prompt)
     manager.get_computed_blocks(again)
     manager.allocate_slots(again, 13)
     connector.update_state_after_alloc(again, manager.get_block_ids(again.request_id), 0, 12)
-    connector.build_connector_meta(1)
+    connector.build_connector_meta([None])
     host_slots = [connector.index.slot_of[h] for h in again.block_hashes[:3]]
     manager.free(again)
     _fill(manager, _request(list(range(80, 103))))  # evicts the prompt's blocks again
-    meta = connector.build_connector_meta(1)
+    meta = connector.build_connector_meta([None])
     assert [connector.index.slot_of[h] for h in again.block_hashes[:3]] == host_slots
     assert not set(meta.save_slots.tolist()) & set(host_slots)
     connector.reset()
@@ -129,7 +129,7 @@ def test_two_loads_into_one_block_in_a_step_keep_the_later():
     connector.update_state_after_alloc(request, [5, 6], 0, 4)
     request.block_hashes[:] = [b"y"]
     connector.update_state_after_alloc(request, [5, 6], 0, 4)
-    meta = connector.build_connector_meta(1)
+    meta = connector.build_connector_meta([None])
     assert meta.load_block_ids.tolist() == [5]
     assert meta.load_slots.tolist() == [connector.index.slot_of[b"y"]]
     assert np.asarray(meta.save_block_ids).size == 0
@@ -144,7 +144,7 @@ def test_the_disk_tier_takes_what_the_host_tier_evicts_and_serves_hits_in_order(
     metas = []
     for block_hash, block_id in ((b"a", 1), (b"b", 2), (b"c", 3)):  # one eviction a step
         connector.on_block_evicted(block_hash, block_id)
-        metas.append(connector.build_connector_meta(1))
+        metas.append(connector.build_connector_meta([None]))
     slot_a = metas[0].save_slots.tolist()[0]
     assert metas[1].demote_host_slots.size == 0
     assert metas[2].demote_host_slots.tolist() == [slot_a] and metas[2].save_slots.tolist() == [slot_a]
@@ -158,7 +158,7 @@ def test_the_disk_tier_takes_what_the_host_tier_evicts_and_serves_hits_in_order(
     assert connector.get_num_new_matched_tokens(request, 0) == 4  # leading hits only
     request.block_hashes[:] = [b"a", b"b", b"c"]
     connector.update_state_after_alloc(request, [4, 5, 6, 7], 0, 12)
-    meta = connector.build_connector_meta(1)
+    meta = connector.build_connector_meta([None])
     assert meta.disk_load_block_ids.tolist() == [4]
     assert meta.disk_load_slots.tolist() == [connector.disk.slot_of[b"a"]]
     assert dict(zip(meta.load_block_ids.tolist(), meta.load_slots.tolist())) == {
@@ -170,12 +170,12 @@ def test_the_disk_tier_takes_what_the_host_tier_evicts_and_serves_hits_in_order(
     assert (stats.num_blocks_demoted, stats.bytes_demoted, stats.bytes_loaded_from_disk) == (1, 100, 100)
     # Evicted from the device again: a block a tier holds is touched, not saved or demoted again.
     connector.on_block_evicted(b"a", 4)
-    assert connector.build_connector_meta(1) is None
+    assert connector.build_connector_meta([None]) is None
 
     fresh = OffloadingConnectorScheduler(2, BLOCK_SIZE, bytes_per_block=100, num_disk_blocks=4)
     for block_hash, block_id in ((b"a", 1), (b"b", 2), (b"c", 3)):  # all in one step
         fresh.on_block_evicted(block_hash, block_id)
-    meta = fresh.build_connector_meta(1)
+    meta = fresh.build_connector_meta([None])
     assert len(meta.save_block_ids) == 3 and meta.demote_host_slots.size == 0
     assert b"a" not in fresh.disk and len(fresh.index) == 2
     connector.reset()

@@ -15,8 +15,8 @@ from xlaserve.worker.kv_offload import (
     TRANSFER_CHUNK_BLOCKS,
     OffloadingConnectorWorker,
     available_host_bytes,
-    make_kv_connector_worker,
 )
+from xlaserve.worker.kv_transfer import make_kv_connector_worker
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 2, 40, 4, 2, 3
 

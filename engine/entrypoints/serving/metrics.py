@@ -38,13 +38,18 @@ _DOCS = {
     "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens proposed.",
     "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
     "spec_decode_num_accepted_tokens_per_pos": "Speculative decoding: drafts accepted at each position.",
-    "external_prefix_cache_queries": "KV offload: prompt tokens asked of the offload tiers after the "
-    "device prefix hit.",
-    "external_prefix_cache_hits": "KV offload: prompt tokens loaded from an offload tier, not computed.",
+    "external_prefix_cache_queries": "KV connector: prompt tokens asked of an outside source (offload "
+    "tiers, a producer) after the device prefix hit.",
+    "external_prefix_cache_hits": "KV connector: prompt tokens loaded from an outside source, not computed.",
     "kv_offload_hits": "KV offload: prompt tokens loaded instead of computed, by tier (host, disk).",
     "kv_offload_total_bytes": "KV offload: bytes copied between the device cache and the offload tiers.",
     "kv_offload_total_time": "KV offload: seconds spent copying between the device cache and the offload "
     "tiers.",
+    "kv_transfer_fetches": "Disaggregated prefill: a consumer's fetches of prompt blocks, by outcome "
+    "(loaded, or recomputed after the producer failed or timed out).",
+    "kv_transfer_total_bytes": "Disaggregated prefill: bytes of prompt blocks sent, fetched and loaded.",
+    "kv_transfer_total_time": "Disaggregated prefill: seconds spent sending, fetching and loading prompt "
+    "blocks.",
 }
 
 
@@ -81,7 +86,7 @@ class EngineCollector:
             yield family
         families: dict[str, CounterMetricFamily] = {}
         # One family per name, a series per position (speculative decoding) or per transfer direction.
-        for counter in metrics.spec_decode_counters() + metrics.kv_offload_counters():
+        for counter in metrics.spec_decode_counters() + metrics.kv_connector_counters():
             name = counter.name.removeprefix(PREFIX)
             if name not in families:
                 extra = list(counter.labels)

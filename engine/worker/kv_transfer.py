@@ -1,0 +1,247 @@
+"""Disaggregated prefill, the worker's half: a producer's block server, a consumer's loads
+(core/kv_transfer.py has the flow and the wire).
+
+A producer gathers each send's blocks (all layers) right after the forward that completes the prompt,
+in `TRANSFER_CHUNK_BLOCKS`-block calls of the offload's gather program, and starts their copy to the
+host; its block server (a thread with a ZMQ ROUTER on `kv_ip:kv_port`) brings them to the host when a
+consumer first asks, and answers chunk by chunk. A consumer's loads arrive with their bytes in the
+step's metadata and are scattered into the cache before the forward, as host offload's are. The bytes
+are the cache's own (bfloat16, fp8): a block loaded is bit-identical to the one the producer computed,
+and the two sides may shard the cache differently (the gather brings whole blocks to the host, the
+scatter places them as the consumer's cache is placed).
+
+This module also builds the configured connector's worker half (`make_kv_connector_worker`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+import zmq
+
+from xlaserve.config import CacheConfig, KVTransferConfig
+from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker, KVTransferStats
+from xlaserve.core.kv_offload import num_host_blocks
+from xlaserve.core.kv_transfer import GET, encode_header
+from xlaserve.worker.kv_offload import (
+    TRANSFER_CHUNK_BLOCKS,
+    DiskTier,
+    OffloadingConnectorWorker,
+    available_host_bytes,
+    disk_tier_blocks,
+    padded_ids,
+    transfer_programs,
+)
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+
+
+@dataclass
+class _Send:
+    """One request's blocks, gathered on the device; on the host once a consumer first asks."""
+
+    num_blocks: int
+    digest: str
+    created: float
+    gathered: list[tuple[jax.Array, ...]] = field(default_factory=list)  # per gather call
+    rows: list[np.ndarray] | None = None  # per cache array [num_blocks, bytes per block] uint8
+
+    def host_rows(self) -> list[np.ndarray]:
+        if self.rows is None:
+            per_array = zip(*self.gathered) if self.gathered else ()
+            rows = []
+            for parts in per_array:
+                blocks = np.concatenate([np.asarray(p) for p in parts])[: self.num_blocks]
+                rows.append(np.ascontiguousarray(blocks).view(np.uint8).reshape(self.num_blocks, -1))
+            self.rows, self.gathered = rows, []
+        return self.rows
+
+
+class BlockServer:
+    """A producer's sends, served to consumers from a ZMQ ROUTER on its own thread."""
+
+    def __init__(self, config: KVTransferConfig, block_size: int):
+        self.config = config
+        self.block_size = block_size
+        self._sends: dict[str, _Send] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        address = f"tcp://{config.kv_ip}:{config.kv_port}"
+        try:
+            self._socket.bind(address)
+        except zmq.ZMQError as e:
+            self._socket.close()
+            raise ValueError(
+                f"kv_transfer_config: cannot serve KV blocks on {address} (kv_ip, kv_port): {e}"
+            ) from None
+        self._thread = threading.Thread(target=self._serve, name="xlaserve-kv-server", daemon=True)
+        self._thread.start()
+        logger.info("disaggregated prefill: serving KV blocks on %s", address)
+
+    def add(self, request_id: str, send: _Send) -> None:
+        with self._lock:
+            self._sends[request_id] = send
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sends)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(_POLL_MS):
+                    frames = self._socket.recv_multipart()
+                    self._socket.send_multipart([frames[0], *self._answer(frames[1:])])
+                self._expire()
+        finally:
+            self._socket.close()
+
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        if len(frames) != 4 or frames[0] != GET:
+            return [encode_header(status="error", error="malformed request")]
+        request_id, digest, chunk = frames[1].decode(), frames[2].decode(), int(frames[3])
+        with self._lock:
+            send = self._sends.get(request_id)
+        if send is None:
+            return [encode_header(status="missing", error=f"no blocks held for request {request_id!r}")]
+        if send.digest != digest:
+            return [encode_header(status="mismatch", error="the prompt differs from the one prefilled")]
+        rows = send.host_rows()
+        per_chunk = self.config.chunk_blocks
+        num_chunks = max(1, -(-send.num_blocks // per_chunk))
+        start = min(chunk * per_chunk, send.num_blocks)
+        stop = min(start + per_chunk, send.num_blocks)
+        if chunk + 1 >= num_chunks:  # the last chunk: the consumer has everything
+            with self._lock:
+                self._sends.pop(request_id, None)
+        header = encode_header(
+            status="ok",
+            num_blocks=send.num_blocks,
+            num_chunks=num_chunks,
+            block_size=self.block_size,
+            block_bytes=[r.shape[1] for r in rows],
+        )
+        return [header, *(memoryview(r[start:stop]) for r in rows)]
+
+    def _expire(self) -> None:
+        deadline = time.monotonic() - self.config.send_ttl_s
+        with self._lock:
+            stale = [rid for rid, s in self._sends.items() if s.created < deadline]
+            for rid in stale:
+                del self._sends[rid]
+        if stale:
+            logger.warning("disaggregated prefill: blocks of %d request(s) expired unfetched", len(stale))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+class DisaggConnectorWorker(KVConnectorWorker):
+    def __init__(self, config: KVTransferConfig, num_blocks: int, block_size: int):
+        self.config = config
+        self.num_blocks = num_blocks  # the device cache's, null block included
+        self.server = BlockServer(config, block_size) if config.is_producer else None
+        self._gather_fn = self._scatter_fn = None
+        self.stats = KVTransferStats()
+
+    def _programs(self, kv_cache) -> None:
+        if self._gather_fn is None:
+            self._gather_fn, self._scatter_fn = transfer_programs(kv_cache, self.num_blocks)
+
+    def save_kv_after_forward(self, kv_cache, metadata: KVConnectorMetadata | None) -> None:
+        if metadata is None or not metadata.sends:
+            return
+        t0 = time.perf_counter()
+        self._programs(kv_cache)
+        for request_id, block_ids, digest in metadata.sends:
+            send = _Send(len(block_ids), digest, time.monotonic())
+            for start in range(0, len(block_ids), TRANSFER_CHUNK_BLOCKS):
+                gathered = self._gather_fn(
+                    kv_cache, padded_ids(block_ids[start : start + TRANSFER_CHUNK_BLOCKS])
+                )
+                for array in gathered:  # the copy to the host starts now, overlapping the next step
+                    array.copy_to_host_async()
+                send.gathered.append(gathered)
+            self.server.add(request_id, send)
+        self.stats.save_seconds += time.perf_counter() - t0
+
+    def load_kv(self, kv_cache, metadata: KVConnectorMetadata | None):
+        if metadata is None or not len(metadata.inline_load_block_ids):
+            return kv_cache
+        t0 = time.perf_counter()
+        self._programs(kv_cache)
+        leaves = jax.tree.leaves(kv_cache)
+        num_layers = leaves[0].shape[0] // self.num_blocks
+        # A producer's rows, as the cache's own blocks [J, L, block_size, ...].
+        blocks = [
+            rows.view(leaf.dtype).reshape(len(rows), num_layers, *leaf.shape[1:])
+            for rows, leaf in zip(metadata.inline_blocks, leaves)
+        ]
+        ids_all = metadata.inline_load_block_ids
+        for start in range(0, len(ids_all), TRANSFER_CHUNK_BLOCKS):
+            ids = ids_all[start : start + TRANSFER_CHUNK_BLOCKS]
+            staged = []
+            for array in blocks:
+                chunk = np.zeros((TRANSFER_CHUNK_BLOCKS, *array.shape[1:]), array.dtype)
+                chunk[: len(ids)] = array[start : start + len(ids)]
+                staged.append(jax.device_put(chunk))
+            kv_cache = self._scatter_fn(kv_cache, padded_ids(ids), tuple(staged))
+        self.stats.load_seconds += time.perf_counter() - t0
+        return kv_cache
+
+    def take_stats(self) -> KVTransferStats:
+        stats, self.stats = self.stats, KVTransferStats()
+        return stats
+
+    def warm_up(self, kv_cache):
+        """Compile the gather and the scatter on the null block (as offload's warm-up does)."""
+        self._programs(kv_cache)
+        ids = padded_ids(np.zeros(0, np.int32))
+        leaves = jax.tree.leaves(kv_cache)
+        num_layers = leaves[0].shape[0] // self.num_blocks
+        for _ in range(2):  # the second call sees the cache as a step leaves it
+            zeros = tuple(
+                jax.device_put(np.zeros((TRANSFER_CHUNK_BLOCKS, num_layers, *a.shape[1:]), a.dtype))
+                for a in leaves
+            )
+            kv_cache = self._scatter_fn(kv_cache, ids, zeros)
+        jax.block_until_ready(self._gather_fn(kv_cache, ids))
+        return kv_cache
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def make_kv_connector_worker(cache: CacheConfig, bytes_per_block: int, num_blocks: int) -> KVConnectorWorker:
+    """The worker's half of the configured connector: disaggregated prefill's, host offload, or the base
+    class (off). A host tier larger than the memory available now is a ValueError naming the field, not
+    an OOM kill mid-start."""
+    if cache.kv_transfer is not None:
+        return DisaggConnectorWorker(cache.kv_transfer, num_blocks, cache.block_size)
+    if cache.kv_offloading_size is None:
+        return KVConnectorWorker()
+    num_host = num_host_blocks(cache.kv_offloading_size, bytes_per_block)
+    available = available_host_bytes()
+    if available is not None and num_host * bytes_per_block > available:
+        raise ValueError(
+            f"kv_offloading_size ({cache.kv_offloading_size} GiB) is more than the host memory available "
+            f"({available / 2**30:.1f} GiB); lower it"
+        )
+    disk = None
+    if cache.kv_offloading_disk_path is not None:
+        disk = DiskTier(cache.kv_offloading_disk_path, disk_tier_blocks(cache, bytes_per_block))
+    return OffloadingConnectorWorker(num_host, num_blocks, disk)

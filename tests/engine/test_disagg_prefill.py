@@ -1,0 +1,247 @@
+"""Disaggregated prefill (issue 35) on a tiny random Llama, three engines in one process over loopback
+ZMQ: a producer runs the prompt and serves its blocks, a consumer fetches them and decodes with the
+same tokens (and logprobs, bit for bit) as one engine alone; a producer that stops answering mid-
+transfer, a request it never held and a prompt that differs leave the consumer computing the prompt
+itself, nothing lost; bad settings and params are refused naming the field."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from helpers.family_cases import make_hf_model, save_hf_model
+from xlaserve import LLM, SamplingParams
+from xlaserve.config import EngineConfig
+from xlaserve.core.kv_transfer import decode_header, encode_header
+
+BLOCK = 8
+ENGINE_ARGS = {
+    "max_model_len": 96,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 32,
+    "block_size": BLOCK,
+    "num_gpu_blocks_override": 40,
+    "enforce_eager": True,
+}
+_DTYPE = ["float32"]  # the engines' dtype now (the module's fixture is parametrized by it)
+DECODE = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _transfer(role: str, port: int, **extra) -> dict:
+    config = {"kv_connector": "JaxConnector", "kv_role": role, "kv_ip": "127.0.0.1", "kv_port": port}
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return {"kv_transfer_config": config}
+
+
+def _with_params(params: dict | None, base: SamplingParams = DECODE) -> SamplingParams:
+    fields = {k: getattr(base, k) for k in ("max_tokens", "temperature", "logprobs")}
+    return SamplingParams(**fields, extra_args=None if params is None else {"kv_transfer_params": params})
+
+
+def _prompts(seed: int, lengths=(70, 21, 9)) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(3, 101, n).tolist()} for n in lengths]
+
+
+def _assert_all_free(llm: LLM) -> None:
+    manager = llm.engine_core.kv_cache_manager
+    assert not manager.req_to_blocks
+    assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def _metrics(llm: LLM) -> dict:
+    llm._step()  # records the engine's stats into its metrics
+    return {(m.name, tuple(m.labels.values())): getattr(m, "value", None) for m in llm.get_metrics()}
+
+
+def _fetches(llm: LLM) -> tuple[int, int]:
+    """(loaded, recomputed): the consumer's fetches so far, by outcome."""
+    m = _metrics(llm)
+    return tuple(m[("xlaserve:kv_transfer_fetches", (o,))] for o in ("loaded", "recomputed"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_model(make_hf_model("LlamaForCausalLM", seed=7), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engines(request, model_dir):
+    """(reference, producer, consumer) of one dtype; the consumer gives up on a chunk after 1 s."""
+    args = dict(ENGINE_ARGS, dtype=request.param)
+    _DTYPE[0] = request.param
+    port = _free_port()
+    reference = LLM(model_dir, **args)
+    # chunk_blocks=2: the 70-token prompt's 8 blocks travel in four chunks.
+    producer = LLM(model_dir, **args, **_transfer("kv_producer", port, chunk_blocks=2))
+    consumer = LLM(model_dir, **args, **_transfer("kv_consumer", _free_port(), timeout_s=1.0))
+    yield reference, producer, consumer
+    for llm in (reference, producer, consumer):
+        llm.shutdown()
+
+
+def _completion(out):
+    """Token ids, and in bfloat16 (batch invariance's dtype: README "Batch invariance") every logprob;
+    a float32 run's reductions are not batch-invariant, and the consumer's batches differ from the
+    reference's (its requests join as their fetches end)."""
+    c = out.outputs[0]
+    if _DTYPE[0] != "bfloat16":
+        return c.token_ids
+    return c.token_ids, [{k: v.logprob for k, v in step.items()} for step in c.logprobs]
+
+
+def test_consumer_decodes_from_the_producers_blocks_like_one_engine(engines):
+    reference, producer, consumer = engines
+    prompts = _prompts(seed=1)
+    expected = [_completion(o) for o in reference.generate(prompts, DECODE, use_tqdm=False)]
+    prefilled = producer.generate(
+        prompts,
+        _with_params({"do_remote_decode": True}, SamplingParams(max_tokens=1, temperature=0.0)),
+        use_tqdm=False,
+    )
+    assert producer.engine_core.runner.kv_connector.server is not None
+    params = [o.kv_transfer_params for o in prefilled]
+    port = producer.engine_core.config.cache.kv_transfer.kv_port
+    for p, o in zip(params, prefilled):
+        assert p["do_remote_prefill"] is True and p["remote_request_id"] == o.request_id
+        assert p["remote_host"] == "127.0.0.1" and p["remote_port"] == port
+    outs = consumer.generate(prompts, [_with_params(p) for p in params], use_tqdm=False)
+    got = [_completion(o) for o in outs]
+    assert got == expected  # token for token (and in bfloat16 every logprob, bit for bit)
+    # Every full block before the last prompt token came from the producer.
+    lengths = [len(p["prompt_token_ids"]) for p in prompts]
+    assert [o.num_cached_tokens for o in outs] == [(n - 1) // BLOCK * BLOCK for n in lengths]
+    assert _fetches(consumer) == (3, 0)
+    num_bytes = sum((n - 1) // BLOCK for n in lengths) * consumer.engine_core.executor.kv_bytes_per_block
+    sent, got = _metrics(producer), _metrics(consumer)
+    assert got[("xlaserve:external_prefix_cache_hits", ())] == sum(o.num_cached_tokens for o in outs)
+    assert got[("xlaserve:kv_transfer_total_bytes", ("fetched",))] == num_bytes
+    assert got[("xlaserve:kv_transfer_total_bytes", ("loaded",))] == num_bytes
+    assert sent[("xlaserve:kv_transfer_total_bytes", ("sent",))] == num_bytes
+    assert len(producer.engine_core.runner.kv_connector.server) == 0  # fetched: the copies are freed
+    for llm in engines:
+        _assert_all_free(llm)
+
+
+class _StallingProducer:
+    """A producer's socket that answers the first chunk of anything, then never again."""
+
+    def __init__(self, port: int, block_bytes: list[int], num_blocks: int):
+        self.context = zmq.Context.instance()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(f"tcp://127.0.0.1:{port}")
+        self.block_bytes, self.num_blocks = block_bytes, num_blocks
+        self.asked: list[int] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.stop = threading.Event()
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            if not self.socket.poll(50):
+                continue
+            ident, _, _, _, chunk = self.socket.recv_multipart()
+            self.asked.append(int(chunk))
+            if int(chunk) == 0:
+                header = encode_header(status="ok", num_blocks=self.num_blocks, num_chunks=4,
+                                       block_size=BLOCK, block_bytes=self.block_bytes)  # fmt: skip
+                rows = [np.zeros((2, n), np.uint8).tobytes() for n in self.block_bytes]
+                self.socket.send_multipart([ident, header, *rows])
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        self.socket.close()
+
+
+def test_a_producer_gone_mid_transfer_leaves_the_consumer_computing(engines):
+    reference, producer, consumer = engines
+    prompt = _prompts(seed=2, lengths=(70,))[0]
+    expected = _completion(reference.generate([prompt], DECODE, use_tqdm=False)[0])
+    bytes_per_block = consumer.engine_core.executor.kv_bytes_per_block
+    port = _free_port()
+    stalling = _StallingProducer(port, [bytes_per_block // 2, bytes_per_block // 2], num_blocks=8)
+    try:
+        params = {
+            "do_remote_prefill": True,
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            "remote_request_id": "gone",
+        }
+        out = consumer.generate([prompt], _with_params(params), use_tqdm=False)[0]
+    finally:
+        stalling.close()
+    assert stalling.asked == [0, 1]  # one chunk at a time: the second was asked for, never answered
+    assert _completion(out) == expected
+    assert out.num_cached_tokens == 0
+    assert _fetches(consumer) == (3, 1)  # the first test's three, and this one
+    _assert_all_free(consumer)
+
+
+def test_unknown_requests_and_other_prompts_are_computed_locally(engines):
+    reference, producer, consumer = engines
+    first, other = _prompts(seed=3, lengths=(40, 40))
+    prefilled = producer.generate(
+        [first], _with_params({"do_remote_decode": True}, SamplingParams(max_tokens=1)), use_tqdm=False
+    )[0]
+    params = prefilled.kv_transfer_params
+    unknown = dict(params, remote_request_id="never-prefilled")
+    expected = [_completion(o) for o in reference.generate([other, first], DECODE, use_tqdm=False)]
+    # Another prompt under the first's id: the digest differs, the producer refuses it.
+    outs = consumer.generate([other, first], [_with_params(params), _with_params(unknown)], use_tqdm=False)
+    assert [_completion(o) for o in outs] == expected
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert _fetches(consumer) == (3, 3)
+    # The producer still holds the first prompt's blocks (a mismatch frees nothing); they are fetched now.
+    out = consumer.generate([first], _with_params(params), use_tqdm=False)[0]
+    assert _completion(out) == expected[1] and out.num_cached_tokens == 32
+    _assert_all_free(consumer)
+
+
+def test_settings_and_params_are_checked(model_dir):
+    with pytest.raises(ValueError, match="kv_transfer_config.kv_role must be one of"):
+        EngineConfig.from_kwargs(kv_transfer_config={"kv_role": "kv_sender"})
+    with pytest.raises(ValueError, match=r"kv_transfer_config: unknown field\(s\) \['kv_buffer'\]"):
+        EngineConfig.from_kwargs(kv_transfer_config={"kv_role": "kv_both", "kv_buffer": 1})
+    with pytest.raises(ValueError, match="kv_transfer_config.kv_port must be in"):
+        EngineConfig.from_kwargs(kv_transfer_config='{"kv_role": "kv_both", "kv_port": 70000}')
+    with pytest.raises(ValueError, match="kv_connector_extra_config.timeout_s must be in"):
+        EngineConfig.from_kwargs(
+            kv_transfer_config={"kv_role": "kv_both", "kv_connector_extra_config": {"timeout_s": 0}}
+        )
+    with pytest.raises(ValueError, match="cannot be combined with kv_offloading_size"):
+        EngineConfig.from_kwargs(kv_transfer_config={"kv_role": "kv_both"}, kv_offloading_size=1)
+    with pytest.raises(ValueError, match="kv_transfer_params.remote_port must be in"):
+        _with_params(
+            {"do_remote_prefill": True, "remote_host": "h", "remote_port": 0, "remote_request_id": "r"}
+        )
+    with pytest.raises(ValueError, match="kv_transfer_params.remote_host must be"):
+        _with_params({"do_remote_prefill": True, "remote_port": 1, "remote_request_id": "r"})
+    with pytest.raises(ValueError, match="do_remote_decode needs n=1"):
+        SamplingParams(n=2, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    with pytest.raises(ValueError, match="kv_transfer_params.do_remote_decode must be a bool"):
+        SamplingParams(extra_args={"kv_transfer_params": {"do_remote_decode": "yes"}})
+    # A port another producer holds: refused at start, naming the fields.
+    holder = zmq.Context.instance().socket(zmq.ROUTER)
+    port = _free_port()
+    holder.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with pytest.raises(
+            ValueError, match=r"cannot serve KV blocks on tcp://127.0.0.1:\d+ \(kv_ip, kv_port\)"
+        ):
+            LLM(model_dir, **dict(ENGINE_ARGS, dtype="float32"), **_transfer("kv_producer", port))
+    finally:
+        holder.close(linger=0)
+    assert decode_header(encode_header(status="ok")) == {"status": "ok"}
