@@ -191,6 +191,7 @@ class AsyncLLM:
             mm_processor=MultiModalProcessor.for_model(
                 self.model, self.tokenizer, self.config.model.limit_mm_per_prompt
             ),
+            kv_transfer=self.config.cache.kv_transfer,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._attach_core()

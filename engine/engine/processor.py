@@ -7,6 +7,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from xlaserve.config import KVTransferConfig
 from xlaserve.core.limits import RequestLimits, check_prompt_length
 from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.core.request import Request, child_request_id
@@ -48,8 +49,11 @@ class InputProcessor:
         pooling_type: str = "LAST",
         num_labels: int = 0,
         mm_processor: MultiModalProcessor | None = None,
+        kv_transfer: KVTransferConfig | None = None,
     ):
         self.tokenizer = tokenizer
+        # Disaggregated prefill's role (None: off): which kv_transfer_params a request may carry.
+        self.kv_transfer = kv_transfer
         # A vision-language model's processor (engine/engine/mm_processor.py); None: text only.
         self.mm_processor = mm_processor
         # A pooling engine's task (worker/pooler.py; None: a generate engine) and hidden size.
@@ -145,6 +149,20 @@ class InputProcessor:
             value = getattr(params, name, None)
             if value:
                 self._check_token_ids(name, _flat_token_ids(value))
+        self._check_kv_transfer(params.kv_transfer_params or {})
+
+    def _check_kv_transfer(self, kv_params: dict) -> None:
+        """A request asking to prefill for a consumer needs a producer, one naming a producer a consumer."""
+        transfer = self.kv_transfer
+        for name, role, is_role in (
+            ("do_remote_decode", "kv_producer", transfer is not None and transfer.is_producer),
+            ("do_remote_prefill", "kv_consumer", transfer is not None and transfer.is_consumer),
+        ):
+            if kv_params.get(name) and not is_role:
+                raise ValueError(
+                    f"kv_transfer_params.{name} needs an engine started as a {role} (or kv_both): "
+                    f'--kv-transfer-config \'{{"kv_connector": "JaxConnector", "kv_role": "{role}"}}\''
+                )
 
     def _check_token_ids(self, name: str, token_ids) -> None:
         bad = [t for t in token_ids if not (_is_token_id(t) and 0 <= t < self.vocab_size)]

@@ -100,6 +100,7 @@ class LLM:
             mm_processor=MultiModalProcessor.for_model(
                 self.config.model.model, self.tokenizer, self.config.model.limit_mm_per_prompt
             ),
+            kv_transfer=self.config.cache.kv_transfer,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()

@@ -168,7 +168,7 @@ _SAMPLING = {
     ],
     "boolean": ["stream", "echo", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"],
     "string": ["model", "user", "cache_salt"],
-    "object": ["response_format", "structured_outputs"],
+    "object": ["response_format", "structured_outputs", "kv_transfer_params"],
 }
 FIELD_TYPES = {
     "completions": {
@@ -307,6 +307,20 @@ STRUCTURE_CASES = [
      "structured_outputs.disable_any_whitespace"),
     ("completions", {"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp"),
     ("chat", {"structured_outputs": {"choice": None, "json": None}}, "structured_outputs"),
+    # Disaggregated prefill's params (this server is neither producer nor consumer): member by member,
+    # then what only a producer or a consumer may be asked.
+    ("completions", {"kv_transfer_params": {"do_remote_decode": "yes"}}, "kv_transfer_params.do_remote_decode"),
+    ("completions", {"kv_transfer_params": {"remote_port": "1"}}, "kv_transfer_params.remote_port"),
+    ("completions", {"kv_transfer_params": {"remote_port": 0}}, "kv_transfer_params.remote_port"),
+    ("completions", {"kv_transfer_params": {"remote_host": ""}}, "kv_transfer_params.remote_host"),
+    ("completions", {"kv_transfer_params": {"remote_request_id": "r" * 257}},
+     "kv_transfer_params.remote_request_id"),
+    ("completions", {"kv_transfer_params": {"remote_engine": "x"}}, "kv_transfer_params.remote_engine"),
+    ("completions", {"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
+    ("chat", {"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+    ("completions", {"kv_transfer_params": {"do_remote_decode": True}, "n": 2}, "kv_transfer_params"),
+    ("completions", {"kv_transfer_params": {"do_remote_decode": True}, "prompt": ["a", "b"]},
+     "kv_transfer_params"),
 ]  # fmt: skip
 
 

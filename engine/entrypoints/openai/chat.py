@@ -196,6 +196,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         model=model,
         choices=choices,
         usage=_usage(len(ids), num_generated, output.num_cached_tokens),
+        kv_transfer_params=output.kv_transfer_params,
     )
 
 

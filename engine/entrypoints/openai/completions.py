@@ -140,6 +140,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     prompts = _prompts(state, req)
     for _, ids in prompts:
         check_context(state.engine, len(ids), req.max_tokens, "prompt")
+    if req.kv_transfer_params is not None and len(prompts) > 1:
+        raise bad_request(
+            f"kv_transfer_params needs a single prompt (the blocks of one), got {len(prompts)} prompts",
+            "kv_transfer_params",
+        )
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = make_sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
     request_id = new_id("cmpl")
@@ -194,6 +199,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         model=model,
         choices=choices,
         usage=_usage(num_prompt_tokens, num_generated, num_cached),
+        kv_transfer_params=finals[0].kv_transfer_params,
     )
 
 

@@ -123,6 +123,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # A disaggregated-prefill producer's: where a consumer fetches the prompt's blocks (vLLM's).
+    kv_transfer_params: dict | None = None
 
 
 class TopLogprob(BaseModel):
@@ -161,6 +163,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    # A disaggregated-prefill producer's: where a consumer fetches the prompt's blocks (vLLM's).
+    kv_transfer_params: dict | None = None
 
 
 class DeltaMessage(BaseModel):

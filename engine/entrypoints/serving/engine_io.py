@@ -66,9 +66,16 @@ def make_sampling_params(
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             skip_special_tokens=req.skip_special_tokens,
             structured_outputs=structured_outputs,
+            extra_args=_extra_args(req),
         )
     except ValueError as e:
         raise bad_request(str(e), param_of_value_error(e, _SAMPLING_FIELDS)) from None
+
+
+def _extra_args(req: SamplingFields) -> dict | None:
+    if req.kv_transfer_params is None:
+        return None
+    return {"kv_transfer_params": req.kv_transfer_params.model_dump(exclude_none=True)}
 
 
 def require_tokenizer(engine: AsyncLLM, what: str, param: str | None):

@@ -122,6 +122,18 @@ class StructuredOutputsFields(StrictModel):
     whitespace_pattern: Text | None = None
 
 
+class KVTransferParams(StrictModel):
+    """vLLM's `kv_transfer_params` (disaggregated prefill; README "Disaggregated prefill"): a router
+    asks a producer to prefill only (`do_remote_decode`), then sends the producer's answer's params to
+    a consumer (`do_remote_prefill`, naming where the prompt's blocks are)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_host: Text | None = Field(default=None, min_length=1, max_length=255)
+    remote_port: int | None = Field(default=None, ge=1, le=65535)
+    remote_request_id: Text | None = Field(default=None, min_length=1, max_length=256)
+
+
 class SamplingFields(StrictModel):
     """Fields common to /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
@@ -154,6 +166,7 @@ class SamplingFields(StrictModel):
     )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class TextContentPart(StrictModel):
