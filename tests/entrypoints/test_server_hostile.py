@@ -309,7 +309,8 @@ STRUCTURE_CASES = [
     ("chat", {"structured_outputs": {"choice": None, "json": None}}, "structured_outputs"),
     # Disaggregated prefill's params (this server is neither producer nor consumer): member by member,
     # then what only a producer or a consumer may be asked.
-    ("completions", {"kv_transfer_params": {"do_remote_decode": "yes"}}, "kv_transfer_params.do_remote_decode"),
+    ("completions", {"kv_transfer_params": {"do_remote_decode": "yes"}},
+     "kv_transfer_params.do_remote_decode"),
     ("completions", {"kv_transfer_params": {"remote_port": "1"}}, "kv_transfer_params.remote_port"),
     ("completions", {"kv_transfer_params": {"remote_port": 0}}, "kv_transfer_params.remote_port"),
     ("completions", {"kv_transfer_params": {"remote_host": ""}}, "kv_transfer_params.remote_host"),
