@@ -141,6 +141,24 @@ def test_bad_requests_pass_through_the_router_as_400(servers):
     assert response.status_code == 400 and "not JSON" in response.json()["error"]["message"]
 
 
+def test_bench_serve_measures_the_router_against_one_server(servers, tmp_path):
+    """`bench serve --peer-base-url`: a mixed load (long and short prompts) through the router and on
+    the producer alone, with ratios; every routed request's blocks were loaded on the consumer."""
+    producer, consumer, router = servers
+    before = _fetches(consumer)
+    out = tmp_path / "bench.json"
+    subprocess.run(
+        [*_command(), "bench", "serve", "--base-url", router.url, "--peer-base-url", producer.url,
+         "--num-prompts", "4", "--output-len", "4", "--long-prompt-ratio", "0.5", "--long-prompt-len", "30",
+         "--output-json", str(out)],
+        check=True, timeout=300,
+    )  # fmt: skip
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["num_failed"] == 0 and run["peer"]["num_failed"] == 0 and run["num_long"] == 2
+    assert {"ttft_s_long_p50", "tpot_s_short_p50", "output_tokens_per_s"} <= set(run["vs_peer"])
+    assert _fetches(consumer)["loaded"] - before["loaded"] == 5  # the four requests and the warm-up one
+
+
 def test_a_killed_producer_leaves_the_consumer_computing_and_the_router_routing(servers):
     producer, consumer, router = servers
     prompt = "B " + PROMPT

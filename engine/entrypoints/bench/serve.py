@@ -17,6 +17,14 @@ of `--image-size WxH` (random pixels, a PNG data URL each, different for every r
 encoder cache serves none of them; vLLM's random-mm dataset in one flag), made before the clock starts;
 the report adds images/s.
 
+`--long-prompt-ratio R` mixes long prompts in (that share of the requests, spread evenly, each with a
+context of `--long-prompt-len` words of its own, so no prefix cache serves it): TTFT and TPOT are then
+also reported for the long and the short requests apart, the short requests' TPOT being what long
+prefills cost the decodes beside them (disaggregated prefill's measure: README "Disaggregated
+prefill"). `--peer-base-url URL` runs every load on a second server too, right after, and reports the
+first's p50 TTFT, TPOT and throughput as ratios of the peer's (e.g. a router in front of a producer
+and a consumer against one server).
+
 `--backend openai-embeddings` (vLLM's name) loads a pooling server instead: each request embeds one
 prompt (the workload's user turn) on /v1/embeddings; reported: requests/s, input tokens/s and the
 end-to-end latency percentiles (nothing streams, so no TTFT, TPOT or ITL).
@@ -41,6 +49,7 @@ PERCENTILES = (50, 90, 99)
 @dataclass
 class RequestResult:
     is_structured: bool = False
+    is_long: bool = False
     is_ok: bool = False
     error: str = ""
     start: float = 0.0
@@ -64,6 +73,28 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def is_structured(index: int, ratio: float) -> bool:
     """Whether request `index` carries a schema: `ratio` of the requests, spread evenly."""
     return math.floor((index + 1) * ratio) > math.floor(index * ratio)
+
+
+def long_context(index: int, num_words: int) -> str:
+    """A context of `num_words` words unique to request `index` (its first words name it)."""
+    words = [f"Document {index}."] + [_FILLER[(index + j) % len(_FILLER)] for j in range(num_words - 2)]
+    return " ".join(words) + "\n\n"
+
+
+_FILLER = (
+    "the river runs past old mills and quiet farms toward a harbor where ships wait for the tide".split()
+)
+
+
+def with_long_prompts(conversations: list, ratio: float, num_words: int) -> list:
+    """`ratio` of the conversations (spread evenly) with a long context before their user turn."""
+    out = []
+    for index, messages in enumerate(conversations):
+        if is_structured(index, ratio):
+            turn = messages[-1]
+            messages = [*messages[:-1], dict(turn, content=long_context(index, num_words) + turn["content"])]
+        out.append(messages)
+    return out
 
 
 def bench_schema(index: int) -> dict:
@@ -91,7 +122,11 @@ def bench_schema(index: int) -> dict:
 
 
 async def _one_request(client, url: str, headers: dict, body: dict) -> RequestResult:
-    result = RequestResult(is_structured="response_format" in body, start=time.perf_counter())
+    content = body["messages"][-1]["content"]
+    is_long = isinstance(content, str) and content.startswith("Document ")
+    result = RequestResult(
+        is_structured="response_format" in body, is_long=is_long, start=time.perf_counter()
+    )
     last = result.start
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
@@ -271,6 +306,10 @@ async def _run_embeddings(args, conversations, max_concurrency: int | None, requ
     return summary
 
 
+def _with_tpot(results: list[RequestResult]):
+    return [(r, (r.e2e - r.ttft) / (r.output_tokens - 1)) for r in results if r.output_tokens > 1]
+
+
 def summarize(results: list[RequestResult], elapsed: float, max_concurrency, request_rate) -> dict:
     ok = [r for r in results if r.is_ok]
     num_out = sum(r.output_tokens for r in ok)
@@ -291,6 +330,11 @@ def summarize(results: list[RequestResult], elapsed: float, max_concurrency, req
         "ttft_s_structured": percentiles([r.ttft for r in ok if r.is_structured]),
         "ttft_s_unstructured": percentiles([r.ttft for r in ok if not r.is_structured]),
         "tpot_s": percentiles(tpots),
+        "num_long": sum(r.is_long for r in results),
+        "ttft_s_long": percentiles([r.ttft for r in ok if r.is_long]),
+        "ttft_s_short": percentiles([r.ttft for r in ok if not r.is_long]),
+        "tpot_s_long": percentiles([t for r, t in _with_tpot(ok) if r.is_long]),
+        "tpot_s_short": percentiles([t for r, t in _with_tpot(ok) if not r.is_long]),
         "itl_s": percentiles([x for r in ok for x in r.itls]),
         "e2e_s": percentiles([r.e2e for r in ok]),
     }
@@ -321,6 +365,10 @@ def _print(run: dict, num_prompts: int, output_len: int) -> None:
     if run["num_structured"]:
         print(f"{run['num_structured']} requests with a JSON schema (response_format)")
         rows[1:1] = [("ttft_s_structured", "TTFT schema"), ("ttft_s_unstructured", "TTFT no schema")]
+    if run.get("num_long"):
+        print(f"{run['num_long']} requests with a long prompt")
+        rows[1:1] = [("ttft_s_long", "TTFT long"), ("ttft_s_short", "TTFT short")]
+        rows[-2:-2] = [("tpot_s_long", "TPOT long"), ("tpot_s_short", "TPOT short")]
     for key, name in rows:
         p = run[key]
         if p:
@@ -367,9 +415,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"--images-per-request must be >= 0, got {args.images_per_request}")
     if args.images_per_request and args.backend != "openai-chat":
         raise SystemExit("--images-per-request needs --backend openai-chat (a vision-language server)")
+    if not 0.0 <= args.long_prompt_ratio <= 1.0:
+        raise SystemExit(f"--long-prompt-ratio must be in [0, 1], got {args.long_prompt_ratio}")
     conversations = with_images(
         workload(args.num_prompts), args.images_per_request, parse_size(args.image_size)
     )
+    conversations = with_long_prompts(conversations, args.long_prompt_ratio, args.long_prompt_len)
     concurrencies = _values(args.max_concurrency, int) or [None]
     rates = _values(args.request_rate, float) or [math.inf]
     loads = [(c, r) for c in concurrencies for r in rates]
@@ -377,6 +428,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     for max_concurrency, rate in loads:
         run = asyncio.run(run_load(args, conversations, max_concurrency=max_concurrency, request_rate=rate))
         _print(run, args.num_prompts, args.output_len)
+        if args.peer_base_url:
+            peer_args = argparse.Namespace(**{**vars(args), "base_url": args.peer_base_url})
+            peer = asyncio.run(
+                run_load(peer_args, conversations, max_concurrency=max_concurrency, request_rate=rate)
+            )
+            print(f"-- peer {args.peer_base_url} --")
+            _print(peer, args.num_prompts, args.output_len)
+            run["peer"] = peer
+            run["vs_peer"] = peer_ratios(run, peer)
+            print("vs peer (this / peer): " + ", ".join(f"{k} {v:.3f}" for k, v in run["vs_peer"].items()))
         runs.append(run)
     results = {
         "bench": "serve",
@@ -387,6 +448,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         "structured_output_ratio": args.structured_output_ratio,
         "images_per_request": args.images_per_request,
         "image_size": args.image_size,
+        "long_prompt_ratio": args.long_prompt_ratio,
+        "long_prompt_len": args.long_prompt_len,
+        "peer_base_url": args.peer_base_url,
         "runs": runs,
     }
     if args.output_json:
@@ -396,6 +460,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         plot(runs, args.plot)
         print(f"plot: {args.plot}")
     return 0 if all(r["num_failed"] == 0 for r in runs) else 1
+
+
+def peer_ratios(run: dict, peer: dict) -> dict[str, float]:
+    """This run's p50 latencies and throughput as ratios of the peer's (latency < 1: this is faster)."""
+    ratios = {"output_tokens_per_s": run["output_tokens_per_s"] / max(peer["output_tokens_per_s"], 1e-9)}
+    for key in ("ttft_s", "tpot_s", "ttft_s_long", "ttft_s_short", "tpot_s_short"):
+        if run.get(key) and peer.get(key):
+            ratios[f"{key}_p50"] = run[key]["p50"] / max(peer[key]["p50"], 1e-9)
+    return ratios
 
 
 def add_serve_parser(bench_sub) -> None:
@@ -434,6 +507,18 @@ def add_serve_parser(bench_sub) -> None:
         help="images in each request's user turn (a vision-language server; random pixels, PNG data URLs)",
     )
     b.add_argument("--image-size", default="336x336", help="WIDTHxHEIGHT of --images-per-request's images")
+    b.add_argument(
+        "--long-prompt-ratio",
+        type=float,
+        default=0.0,
+        help="the share of requests with a long context of their own (--long-prompt-len words), 0 to 1",
+    )
+    b.add_argument("--long-prompt-len", type=int, default=1024, help="words of a long prompt's context")
+    b.add_argument(
+        "--peer-base-url",
+        default=None,
+        help="run every load on this server too, and report ratios against it",
+    )
     b.add_argument("--seed", type=int, default=0, help="of the Poisson arrival times")
     b.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     b.add_argument("--output-json", default=None)
