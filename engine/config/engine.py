@@ -46,6 +46,11 @@ class EngineConfig:
             # The block server and the loads ride beside the step on one process, as offload's do.
             require(self.parallel.nnodes == 1, "kv_transfer_config runs on one host (nnodes=1)")
             require(
+                self.parallel.data_parallel_size == 1,
+                "kv_transfer_config with data_parallel_size > 1 is not supported yet (one block server per "
+                "engine): start one server per rank behind the router instead",
+            )
+            require(
                 self.model.runner != "pooling",
                 "kv_transfer_config needs a generating model (runner='generate')",
             )

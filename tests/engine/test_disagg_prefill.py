@@ -221,6 +221,8 @@ def test_settings_and_params_are_checked(model_dir):
         EngineConfig.from_kwargs(
             kv_transfer_config={"kv_role": "kv_both", "kv_connector_extra_config": {"timeout_s": 0}}
         )
+    with pytest.raises(ValueError, match="kv_transfer_config with data_parallel_size > 1"):
+        EngineConfig.from_kwargs(kv_transfer_config={"kv_role": "kv_both"}, data_parallel_size=2)
     with pytest.raises(ValueError, match="cannot be combined with kv_offloading_size"):
         EngineConfig.from_kwargs(kv_transfer_config={"kv_role": "kv_both"}, kv_offloading_size=1)
     with pytest.raises(ValueError, match="kv_transfer_params.remote_port must be in"):
