@@ -103,15 +103,32 @@ class BlockServer:
             while not self._stop.is_set():
                 if poller.poll(_POLL_MS):
                     frames = self._socket.recv_multipart()
-                    self._socket.send_multipart([frames[0], *self._answer(frames[1:])])
+                    try:
+                        answer = self._answer(frames[1:])
+                    except Exception as e:  # noqa: BLE001 - one bad request never stops the server
+                        logger.exception("disaggregated prefill: a block request failed")
+                        answer = [encode_header(status="error", error=f"the producer failed: {e}")]
+                    self._socket.send_multipart([frames[0], *answer])
+                self._to_host()
                 self._expire()
         finally:
             self._socket.close()
 
+    def _to_host(self) -> None:
+        """Bring gathered sends to the host between requests, so none holds device memory while it
+        waits for its consumer (the copies started after their step: this seldom waits)."""
+        with self._lock:
+            pending = [s for s in self._sends.values() if s.rows is None]
+        for send in pending:
+            send.host_rows()
+
     def _answer(self, frames: list[bytes]) -> list[bytes]:
-        if len(frames) != 4 or frames[0] != GET:
-            return [encode_header(status="error", error="malformed request")]
-        request_id, digest, chunk = frames[1].decode(), frames[2].decode(), int(frames[3])
+        try:
+            if len(frames) != 4 or frames[0] != GET:
+                raise ValueError(f"{len(frames)} frames")
+            request_id, digest, chunk = frames[1].decode(), frames[2].decode(), int(frames[3])
+        except (ValueError, UnicodeDecodeError) as e:
+            return [encode_header(status="error", error=f"malformed request: {e}")]
         with self._lock:
             send = self._sends.get(request_id)
         if send is None:

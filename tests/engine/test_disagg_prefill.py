@@ -204,6 +204,21 @@ def test_unknown_requests_and_other_prompts_are_computed_locally(engines):
     assert [_completion(o) for o in outs] == expected
     assert [o.num_cached_tokens for o in outs] == [0, 0]
     assert _fetches(consumer) == (3, 3)
+    # Malformed requests to the block server are answered as errors; it keeps serving.
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{params['remote_port']}")
+    for frames in (
+        [b"get", b"x"],
+        [b"put", b"a", b"b", b"0"],
+        [b"get", b"a", b"b", b"zero"],
+        [b"get", b"\xff", b"b", b"0"],
+    ):
+        dealer.send_multipart(frames)
+        assert dealer.poll(5000)
+        header = decode_header(dealer.recv_multipart()[0])
+        assert header["status"] == "error" and header["error"].startswith("malformed request")
+    dealer.close()
     # The producer still holds the first prompt's blocks (a mismatch frees nothing); they are fetched now.
     out = consumer.generate([first], _with_params(params), use_tqdm=False)[0]
     assert _completion(out) == expected[1] and out.num_cached_tokens == 32
