@@ -46,8 +46,8 @@ def kv_cache_groups(
 
 def _check_state_features(config: EngineConfig) -> None:
     """What a recurrent state cannot serve yet: rejected drafts (their state would need rolling back),
-    a float8 cache (the state is kept in the model's dtype), and a host tier (it holds prefix-cached
-    K/V blocks, and a state model caches no prefix)."""
+    a float8 cache (the state is kept in the model's dtype), a host tier (it holds prefix-cached
+    K/V blocks, and a state model caches no prefix), and disaggregated prefill (blocks only)."""
     if config.speculative is not None:
         raise ValueError(
             "speculative_config: speculative decoding is not supported for models with state-space "
@@ -62,4 +62,9 @@ def _check_state_features(config: EngineConfig) -> None:
         raise ValueError(
             "kv_offloading_size: KV offload to host memory is not supported for models with state-space "
             "layers (they cache no prefix, so the host tier would never be read); leave it unset"
+        )
+    if config.cache.kv_transfer_config is not None:
+        raise ValueError(
+            "kv_transfer_config: disaggregated prefill is not supported for models with state-space "
+            "layers yet (the prompt's recurrent state would have to travel with its blocks); leave it unset"
         )

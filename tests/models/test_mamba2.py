@@ -70,6 +70,18 @@ def test_one_state_slot_per_request_and_no_prefix_cache(llm):
     assert [type(g.spec).__name__ for g in manager.kv_cache_groups] == ["StateSpec"]
 
 
+def test_features_a_state_cannot_serve_are_refused_by_name(hf_model, tmp_path):
+    path = save_hf_model(hf_model, tmp_path)
+    transfer = {"kv_connector": "JaxConnector", "kv_role": "kv_both", "kv_port": 1}
+    for kwargs, field in (
+        ({"kv_offloading_size": 0.01}, "kv_offloading_size"),
+        ({"kv_transfer_config": transfer}, "kv_transfer_config"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ):
+        with pytest.raises(ValueError, match=rf"^{field}.*not supported for models with state-space layers"):
+            LLM(path, **ENGINE_ARGS, **kwargs)
+
+
 def test_greedy_tokens_and_prompt_logprobs_match_hugging_face(llm, hf_model):
     # 21-45 tokens: prefilled in chunks of 16, four in flight
     assert_greedy_and_prompt_logprobs_match(llm, hf_model, prompts(VOCAB, seed=2))
