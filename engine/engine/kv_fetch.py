@@ -122,8 +122,8 @@ class RemotePrefills:
             socket.connect(f"tcp://{params['remote_host']}:{params['remote_port']}")
             chunks: list[list[np.ndarray]] = []
             chunk, num_chunks = 0, 1
+            request_id = params["remote_request_id"].encode()
             while chunk < num_chunks:
-                request_id = params["remote_request_id"].encode()
                 socket.send_multipart([GET, request_id, digest.encode(), str(chunk).encode()])
                 if not socket.poll(timeout_ms):
                     raise FetchError(f"chunk {chunk} not answered within {self.config.timeout_s} s")
