@@ -85,4 +85,9 @@ class HybridCacheSpec:
             )
         conv, recurrent = self.state_shapes()
         kv = self.shape(num_blocks, block_size)
-        return HybridCache(zeros(kv), zeros(kv), zeros(conv), zeros(recurrent, jnp.float32))
+        return HybridCache(
+            zeros(kv),
+            zeros(kv),
+            zeros(conv, kind="conv_state"),
+            zeros(recurrent, jnp.float32, kind="recurrent_state"),
+        )

@@ -34,7 +34,7 @@ from xlaserve.kernels.ssd import MambaCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.hybrid import HybridConfig, HybridDecoderLM, hybrid_cache_spec
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm, activation
-from xlaserve.models.mamba2 import Mamba2Config, Mamba2Mixer, _read_float
+from xlaserve.models.mamba2 import MAMBA2_TP_UNSUPPORTED, Mamba2Config, Mamba2Mixer, _read_float
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,7 @@ class FalconH1Layer(nnx.Module):
 
 
 class FalconH1ForCausalLM(HybridDecoderLM):
+    tensor_parallel_unsupported = MAMBA2_TP_UNSUPPORTED
     config_class = FalconH1Config
     parallel_layer_class = FalconH1Layer
 

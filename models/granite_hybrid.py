@@ -33,7 +33,7 @@ from xlaserve.kernels.ssd import MambaCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.hybrid import HybridConfig, HybridDecoderLM, hybrid_cache_spec
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
-from xlaserve.models.mamba2 import Mamba2Config, Mamba2Mixer, _read_float
+from xlaserve.models.mamba2 import MAMBA2_TP_UNSUPPORTED, Mamba2Config, Mamba2Mixer, _read_float
 from xlaserve.models.moe import MoEConfig, SparseMoeBlock
 
 
@@ -167,6 +167,7 @@ _SHARED = re.compile(r"^(?P<mlp>.+\.layers\.\d+\.shared_mlp)\.(?P<name>input_lin
 
 class GraniteMoeHybridForCausalLM(HybridDecoderLM):
     config_class = GraniteHybridConfig
+    tensor_parallel_unsupported = MAMBA2_TP_UNSUPPORTED
     linear_layer_class = GraniteMambaLayer
     attention_layer_class = GraniteAttentionLayer
 

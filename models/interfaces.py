@@ -25,6 +25,9 @@ class CausalLM(Protocol):
 
     # The family's config dataclass; `config_class.from_hf(hf_config)` reads config.json for it.
     config_class: ClassVar[type[TransformerConfig]]
+    # Why the family cannot be split over tensor-parallel ranks yet (None: it can; its parameters'
+    # rules are in sharding/rules.py). The loader refuses tensor_parallel_size > 1 with this reason.
+    tensor_parallel_unsupported: ClassVar[str | None]
 
     def __init__(
         self, cfg: TransformerConfig, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs

@@ -28,7 +28,7 @@ from xlaserve.kernels.ssd import MambaCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.hybrid import LINEAR, HybridConfig, HybridDecoderLM, hybrid_cache_spec
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
-from xlaserve.models.mamba import MambaConfig, MambaMixer
+from xlaserve.models.mamba import MAMBA_TP_UNSUPPORTED, MambaConfig, MambaMixer
 from xlaserve.models.moe import MoEConfig, SparseMoeBlock, stack_expert_tensors
 
 
@@ -136,6 +136,7 @@ class JambaAttentionLayer(_JambaLayer):
 
 class JambaForCausalLM(HybridDecoderLM):
     config_class = JambaConfig
+    tensor_parallel_unsupported = MAMBA_TP_UNSUPPORTED
 
     @classmethod
     def make_layer(cls, cfg: JambaConfig, backend: AttentionBackend, stack: str, *, dtype, rngs: nnx.Rngs):

@@ -140,9 +140,16 @@ class MambaLayer(nnx.Module):
         return x + h, cache
 
 
+# Why Mamba (1) families refuse tensor parallelism (models/interfaces.py `tensor_parallel_unsupported`).
+MAMBA_TP_UNSUPPORTED = (
+    "its Mamba mixers' channels have no sharding rules yet (x_proj's B, C and dt are shared by every channel)"
+)
+
+
 class MambaForCausalLM(DecoderOnlyLM):
     config_class = MambaConfig
     layer_class = MambaLayer
+    tensor_parallel_unsupported = MAMBA_TP_UNSUPPORTED
 
     @classmethod
     def kv_cache_spec(cls, cfg: MambaConfig) -> StateCacheSpec:

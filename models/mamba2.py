@@ -232,9 +232,17 @@ class Mamba2Layer(nnx.Module):
         return x + h, cache
 
 
+# Why the Mamba2 families refuse tensor parallelism (models/interfaces.py `tensor_parallel_unsupported`).
+MAMBA2_TP_UNSUPPORTED = (
+    "its Mamba2 mixers' in_proj and conv mix the heads' z, x, dt with the groups' B and C in one "
+    "projection, not yet regrouped to split by head"
+)
+
+
 class Mamba2ForCausalLM(DecoderOnlyLM):
     config_class = Mamba2Config
     layer_class = Mamba2Layer
+    tensor_parallel_unsupported = MAMBA2_TP_UNSUPPORTED
 
     @classmethod
     def kv_cache_spec(cls, cfg: Mamba2Config) -> StateCacheSpec:

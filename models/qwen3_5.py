@@ -7,7 +7,12 @@ zero-centred RMSNorms (scale 1 + w), under the hybrid backbone of models/hybrid.
 - Gated DeltaNet (`GatedDeltaNet`): x projects to q, k, v (through a causal depthwise conv and silu),
   a gate z, a write strength beta = sigmoid(b) and a decay g = -exp(A_log) softplus(a + dt_bias) per
   value head; the gated delta rule (kernels/gated_delta.py) runs over a state [Dk, Dv] per value
-  head; its output is RMS-normed per head, times silu(z), and projected back.
+  head; its output is RMS-normed per head, times silu(z), and projected back. The q, k, v
+  channels (in_proj_qkv's columns, the conv's channels and its state) are stored grouped by key head
+  (`prepare_hf_tensors`: each key head's q, k, then its value heads' v; Qwen3-Next's own order), so
+  that a contiguous split over the tensor-parallel ranks gives each rank whole key heads with their
+  value heads; z, b, a and the recurrent state split by value head, out_proj by its input
+  (sharding/rules.py).
 - Attention: the shared `Attention` with q/k RMSNorm, partial RoPE (a quarter of head_dim) and an
   output gate (q_proj also gives a gate per head: out * sigmoid(gate)).
 
@@ -19,6 +24,7 @@ starts at position 0 and written back in place.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +43,7 @@ from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, Linear, RMSNo
 from xlaserve.models.mamba2 import DepthwiseConv1d
 
 CHUNK_SIZE = 64  # the delta rule's chunks (Hugging Face's and FLA's)
+_GROUPED_BY_KEY_HEAD = re.compile(r"\.linear_attn\.(in_proj_qkv|conv1d)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,21 @@ class Qwen3_5Config(HybridConfig):
     def conv_dim(self) -> int:
         """Channels of the conv: q, k and v."""
         return 2 * self.key_dim + self.value_dim
+
+    @property
+    def channels_per_key_head(self) -> int:
+        """A key head's q, k and its value heads' v, side by side in the conv's channels."""
+        return 2 * self.linear_key_head_dim + self.value_dim // self.linear_num_key_heads
+
+
+def group_by_key_head(cfg: Qwen3_5Config, weight: np.ndarray) -> np.ndarray:
+    """Rows [q of all key heads | k of all | v of all value heads] (Hugging Face's Qwen3.5 order) ->
+    per key head [its q | its k | its value heads' v]. Depthwise, the conv computes the same per
+    channel in either order; grouped, a contiguous split is a split by key head."""
+    hk = cfg.linear_num_key_heads
+    q, k, v = np.split(weight, [cfg.key_dim, 2 * cfg.key_dim])
+    per_head = [x.reshape(hk, -1, *weight.shape[1:]) for x in (q, k, v)]
+    return np.concatenate(per_head, axis=1).reshape(weight.shape)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -133,13 +155,14 @@ class GatedDeltaNet(nnx.Module):
             self.in_proj_qkv(x), self.conv1d.weight[...][:, 0], None, conv_in, qsl
         )
         qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
-        q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        per_head = qkv.reshape(num_tokens, hk, cfg.channels_per_key_head)  # grouped by key head
+        q, k, v = jnp.split(per_head, [dk, 2 * dk], axis=-1)
         beta = jax.nn.sigmoid(self.in_proj_b(x))
         a = self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)
         o, state_out = ragged_gated_delta_rule(
-            q.reshape(num_tokens, hk, dk),
-            k.reshape(num_tokens, hk, dk),
+            q,
+            k,
             v.reshape(num_tokens, hv, dv),
             g,
             beta,
@@ -199,6 +222,14 @@ class Qwen3_5ForCausalLM(HybridDecoderLM):
     config_class = Qwen3_5Config
     linear_layer_class: type[nnx.Module] = Qwen3_5LinearLayer
     attention_layer_class: type[nnx.Module] = Qwen3_5AttentionLayer
+
+    @classmethod
+    def prepare_hf_tensors(cls, cfg: Qwen3_5Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The q, k, v rows of in_proj_qkv and of the conv regrouped by key head (`group_by_key_head`)."""
+        return {
+            name: group_by_key_head(cfg, np.asarray(t)) if _GROUPED_BY_KEY_HEAD.search(name) else t
+            for name, t in tensors.items()
+        }
 
     @classmethod
     def kv_cache_spec(cls, cfg: Qwen3_5Config) -> HybridCacheSpec:

@@ -97,7 +97,7 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
             else:
                 b, a = _split_ba(cfg, np.asarray(tensor))
                 out[f"{m['layer']}.in_proj_b.weight"], out[f"{m['layer']}.in_proj_a.weight"] = b, a
-        return stack_expert_tensors(out, cfg.num_experts)
+        return stack_expert_tensors(super().prepare_hf_tensors(cfg, out), cfg.num_experts)
 
 
 class Qwen3_5MoeTextOfConditionalGeneration(Qwen3NextForCausalLM):

@@ -10,7 +10,9 @@ communication; the block tables and lengths are replicated. The reference runs u
 could partition its jnp, but not once the decode path folds the KV heads into one dot per query
 (kernels/reference.py), where the folded query [n, (k g), (k' d)] names the sharded head axis twice
 and XLA gathers the whole cache instead. DeepSeek's latent attention is
-split the same way over its query heads, with the latent cache (one shared latent head) replicated.
+split the same way over its query heads, with the latent cache (one shared latent head) replicated,
+and Gated DeltaNet's per-chunk terms (kernels/gated_delta.py `chunk_terms`, a Pallas kernel under the
+pallas backend) over its value heads.
 """
 
 from __future__ import annotations
@@ -89,10 +91,24 @@ def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> Atte
         in_specs = (heads, heads) + (replicated,) * 5
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*operands)
 
+    delta_kernel = backend.delta_chunk_terms
+    chunk_heads = PartitionSpec(None, None, rules["linear_heads"])  # q, k, v, g, beta [C, Q, H, ..]
+    terms_heads = PartitionSpec(None, rules["linear_heads"])  # each term [C, H, ..]
+
+    def delta_chunk_terms(q, k, v, g, beta):
+        return jax.shard_map(
+            delta_kernel,
+            mesh=mesh,
+            in_specs=(chunk_heads,) * 5,
+            out_specs=(terms_heads,) * 6,
+            check_vma=False,
+        )(q, k, v, g, beta)
+
     return dataclasses.replace(
         backend,
         attention=functools.wraps(kernel)(attention),
         mla_attention=functools.wraps(mla_kernel)(mla_attention),
+        delta_chunk_terms=functools.wraps(delta_kernel)(delta_chunk_terms),
         reason=f"{backend.reason}; run per device over the {mesh.shape[axis]} shards of the KV heads "
         "(shard_map)",
     )

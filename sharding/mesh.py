@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlaserve.sharding.rules import (
     KV_CACHE_AXES,
+    STATE_CACHE_AXES,
     logical_to_mesh,
     lora_logical_axes,
     param_logical_axes,
@@ -66,6 +67,9 @@ class Placement:
             )
         if cfg.intermediate_size:
             require(cfg.intermediate_size, "intermediate_size")
+        # Gated DeltaNet splits by key head (each with its value heads: sharding/rules.py).
+        if getattr(cfg, "linear_num_key_heads", 0):
+            require(cfg.linear_num_key_heads, "linear_num_key_heads")
         num_experts = getattr(cfg, "num_experts", 0) or 0
         if num_experts and enable_expert_parallel:
             require(num_experts, "num_experts")
@@ -107,6 +111,10 @@ class Placement:
 
     def kv_cache_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, to_partition_spec(KV_CACHE_AXES, self.rules))
+
+    def state_cache_sharding(self, kind: str) -> NamedSharding:
+        """A recurrent layer's state arrays: `kind` "conv_state" or "recurrent_state"."""
+        return NamedSharding(self.mesh, to_partition_spec(STATE_CACHE_AXES[kind], self.rules))
 
     def zeros(self, shape: tuple[int, ...], dtype, sharding: NamedSharding) -> jax.Array:
         return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec
 
-# (module, parameter) -> logical axes of the parameter, without the leading stacked-layer axis.
-PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
+# (module, parameter) -> logical axes of the parameter, without the leading stacked-layer axis. A
+# key of three names, (parent, module, parameter), is looked up first: a module name several kinds of
+# layer share (a conv, an out_proj) gets its rule from the layer around it.
+PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     # The vocabulary-parallel embedding and LM head: sharding/vocab.py pads the vocabulary so it
     # splits evenly.
     ("embed_tokens", "weight"): ("vocab", "embed"),
@@ -52,11 +54,24 @@ PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("experts_up", "kernel"): ("expert", "embed", "expert_mlp"),
     ("experts_down", "kernel"): ("expert", "expert_mlp", "embed"),
     ("gate", "kernel"): ("embed", "router"),
+    ("shared_expert_gate", "kernel"): ("embed", "router"),  # Qwen3-Next's one logit per token
     # gpt-oss: biases per expert, split like the experts' outputs; a sink logit per query head.
     ("experts_gate", "bias"): ("expert", "expert_mlp"),
     ("experts_up", "bias"): ("expert", "expert_mlp"),
     ("experts_down", "bias"): ("expert", "embed"),
     ("self_attn", "sinks"): ("q_heads",),
+    # Gated DeltaNet (Qwen3.5, Qwen3-Next): split by key head, each with its value heads. q, k, v are
+    # grouped per key head in in_proj_qkv's columns and the conv's channels (models/qwen3_5.py), so a
+    # contiguous split is whole key heads; z, b, a, the decay's parameters and the recurrent state
+    # split by value head (in the same groups); out_proj is row-parallel, summed like o_proj.
+    ("in_proj_qkv", "kernel"): ("embed", "linear_heads"),
+    ("in_proj_z", "kernel"): ("embed", "linear_heads"),
+    ("in_proj_b", "kernel"): ("embed", "linear_heads"),
+    ("in_proj_a", "kernel"): ("embed", "linear_heads"),
+    ("linear_attn", "conv1d", "weight"): ("linear_heads", None, None),
+    ("linear_attn", "dt_bias"): ("linear_heads",),
+    ("linear_attn", "A_log"): ("linear_heads",),
+    ("linear_attn", "out_proj", "kernel"): ("linear_heads", "embed"),
 }
 
 # Parameters beside a quantized kernel (models/quantization.py), sharded by the kernel's rule.
@@ -64,6 +79,12 @@ QUANT_PARAMS = ("kernel_scale", "kernel_zero")
 
 # The KV cache: [num_layers * num_blocks, block_size, num_kv_heads, head_dim].
 KV_CACHE_AXES = ("blocks", None, "kv_heads", None)
+# A recurrent layer's state per slot (kernels/hybrid_cache.py, kernels/ssd.py), split like the layer:
+# its last conv inputs [rows, 1, K - 1, conv_dim] by channel, its state [rows, heads, ...] by head.
+STATE_CACHE_AXES = {
+    "conv_state": (None, None, None, "linear_heads"),
+    "recurrent_state": (None, "linear_heads", None, None),
+}
 
 
 def logical_to_mesh(enable_expert_parallel: bool) -> dict[str, str | None]:
@@ -75,6 +96,7 @@ def logical_to_mesh(enable_expert_parallel: bool) -> dict[str, str | None]:
         "q_heads": "tensor",
         "kv_heads": "tensor",
         "mlp": "tensor",
+        "linear_heads": "tensor",
         "expert": "tensor" if enable_expert_parallel else None,
         "expert_mlp": None if enable_expert_parallel else "tensor",
         "embed": None,
@@ -93,8 +115,8 @@ def param_logical_axes(
     biases of replicated projections); for a matrix the answer is None: the caller decides whether
     that is an error (under tensor parallelism it is)."""
     layer_ndim = ndim - int(is_stacked)
-    axes = PARAM_AXES.get(tuple(path[-2:]))
-    if path[-1] in QUANT_PARAMS and (kernel_axes := PARAM_AXES.get((path[-2], "kernel"))):
+    axes = _rule(path)
+    if path[-1] in QUANT_PARAMS and (kernel_axes := _rule((*path[:-1], "kernel"))):
         # A quantized kernel's scales (and zeros), [.., in / b, out / b]: split like its output
         # channels, whole along its input (one block per channel, or few blocks).
         axes = (*kernel_axes[:-2], None, kernel_axes[-1])
@@ -105,6 +127,11 @@ def param_logical_axes(
             f"parameter {'/'.join(path)} has {layer_ndim} dims per layer; its rule {axes} expects {len(axes)}"
         )
     return (None,) * (ndim - layer_ndim) + tuple(axes)
+
+
+def _rule(path: tuple[str, ...]) -> tuple[str | None, ...] | None:
+    """The rule of the parameter at `path`: by its last three names, else its last two."""
+    return PARAM_AXES.get(tuple(path[-3:])) or PARAM_AXES.get(tuple(path[-2:]))
 
 
 def lora_logical_axes(module: str, which: str) -> tuple[str | None, ...]:

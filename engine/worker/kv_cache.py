@@ -86,7 +86,8 @@ def fit_max_model_len(
 def allocate_kv_cache(
     kv_spec: KVCacheSpec, num_blocks: int, block_size: int, dtype, placement: Placement
 ) -> KVCache:
-    """The zeroed cache, sharded by KV heads (MLA's one latent head: replicated)."""
+    """The zeroed cache, sharded by KV heads (MLA's one latent head: replicated), a recurrent layer's
+    state by channel and head (sharding/rules.py STATE_CACHE_AXES)."""
     logger.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB)",
         num_blocks,
@@ -96,6 +97,10 @@ def allocate_kv_cache(
     sharding = placement.kv_cache_sharding()
     if kv_spec.num_kv_heads % placement.mesh.shape["tensor"]:
         sharding = placement.replicated
-    return kv_spec.allocate(
-        num_blocks, block_size, lambda shape, array_dtype=dtype: placement.zeros(shape, array_dtype, sharding)
-    )
+
+    def zeros(shape, array_dtype=dtype, kind: str = "kv"):
+        # kind: "kv" (K, V, MLA's latent), or a recurrent layer's "conv_state" / "recurrent_state"
+        where = sharding if kind == "kv" else placement.state_cache_sharding(kind)
+        return placement.zeros(shape, array_dtype, where)
+
+    return kv_spec.allocate(num_blocks, block_size, zeros)

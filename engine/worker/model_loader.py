@@ -94,6 +94,12 @@ def load_model(
     tp = parallel.tensor_parallel_size
     model_config = model_config_from_hf(hf_config)
     model_class = get_model_class(model_config.architecture)
+    if tp > 1 and model_class.tensor_parallel_unsupported:
+        raise ValueError(
+            f"tensor_parallel_size={tp}: {model_config.architecture} cannot be split over tensor-parallel "
+            f"ranks yet ({model_class.tensor_parallel_unsupported}); use tensor_parallel_size=1 "
+            "(data_parallel_size runs copies side by side)"
+        )
     mesh = make_mesh(tp, devices)
     stacked = tuple(model_class.layer_stacks(model_config))
     placement = Placement(mesh, model_config, parallel.enable_expert_parallel, stacked_modules=stacked)
