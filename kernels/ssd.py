@@ -45,7 +45,7 @@ class StateCacheSpec:
     cache_class: type = MambaCache
     fixed_num_tokens: int | None = None
     layer_kind = "state"  # the host's bookkeeping kind (worker/kv_cache_groups.py)
-    num_kv_heads = 1  # no head axis the cache's sharding could split: state shards are a later step
+    num_kv_heads = 1  # no K/V: the state arrays are split by sharding/rules.py STATE_CACHE_AXES
 
     @property
     def num_arrays(self) -> int:
@@ -73,7 +73,8 @@ class StateCacheSpec:
         return (_size(conv) + _size(ssm)) * itemsize
 
     def allocate(self, num_blocks: int, block_size: int, zeros) -> MambaCache:
-        return MambaCache(*(zeros(shape) for shape in self.shapes(num_blocks)))
+        conv, ssm = self.shapes(num_blocks)
+        return MambaCache(zeros(conv, kind="conv_state"), zeros(ssm, kind="recurrent_state"))
 
 
 def _size(shape: tuple[int, ...]) -> int:

@@ -144,6 +144,11 @@ class TransformerConfig:
     def replace(self, **changes) -> TransformerConfig:
         return dataclasses.replace(self, **changes)
 
+    def for_tensor_parallel(self, tensor_parallel_size: int) -> TransformerConfig:
+        """The config the model is built with under `tensor_parallel_size`: this one, unless the family
+        widens something that must split evenly (Mamba2's B and C groups, copied as KV heads are)."""
+        return self
+
 
 @dataclass(frozen=True)
 class RopeParameters:

@@ -34,7 +34,13 @@ from xlaserve.kernels.ssd import MambaCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.hybrid import HybridConfig, HybridDecoderLM, hybrid_cache_spec
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm, activation
-from xlaserve.models.mamba2 import MAMBA2_TP_UNSUPPORTED, Mamba2Config, Mamba2Mixer, _read_float
+from xlaserve.models.mamba2 import (
+    Mamba2Config,
+    Mamba2Mixer,
+    _read_float,
+    group_copies,
+    group_mamba2_tensors,
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class FalconH1Config(HybridConfig):
     mamba_d_head: int = 0
     mamba_d_state: int = 0
     mamba_n_groups: int = 1
+    mamba_group_copies: int = 1  # under tensor parallelism (Mamba2Config.group_copies)
     mamba_d_conv: int = 4
     mamba_chunk_size: int = 256
     mamba_conv_bias: bool = True
@@ -95,6 +102,9 @@ class FalconH1Config(HybridConfig):
             "mlp_multipliers": tuple(float(m) for m in hf.get("mlp_multipliers") or (1.0, 1.0)),
         }
 
+    def for_tensor_parallel(self, tensor_parallel_size: int):
+        return self.replace(mamba_group_copies=group_copies(self.mamba_n_groups, tensor_parallel_size))
+
     @property
     def mamba(self) -> Mamba2Config:
         """The Mamba2 mixer's config: the shared fields, with the SSM's heads and widths."""
@@ -110,6 +120,7 @@ class FalconH1Config(HybridConfig):
             },
             state_size=self.mamba_d_state,
             n_groups=self.mamba_n_groups,
+            group_copies=self.mamba_group_copies,
             conv_kernel=self.mamba_d_conv,
             chunk_size=self.mamba_chunk_size,
             use_conv_bias=self.mamba_conv_bias,
@@ -125,16 +136,19 @@ class FalconH1Mixer(Mamba2Mixer):
     def __init__(self, cfg: FalconH1Config, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg.mamba, backend, dtype=dtype, rngs=rngs)
         mamba = cfg.mamba
-        inner, bc = mamba.intermediate_size, mamba.n_groups * mamba.state_size
-        widths = (inner, inner, bc, bc, mamba.num_heads)  # z, x, B, C, dt
+        groups = mamba.ssm_groups
+        inner, n = mamba.intermediate_size // groups, mamba.state_size
+        widths = (inner, inner, n, n, mamba.num_heads // groups)  # per SSM group: z, x, B, C, dt
         self.in_multiplier = cfg.ssm_in_multiplier
         self.part_multipliers = tuple(zip(widths, cfg.ssm_multipliers, strict=True))
+        self.groups = groups
 
     def project_in(self, x: jax.Array) -> jax.Array:
         h = self.in_proj(x * jnp.asarray(self.in_multiplier, x.dtype))
-        # A trace-time constant: each part of the projection's output times its multiplier.
-        scale = np.concatenate([np.full(w, m, np.float32) for w, m in self.part_multipliers])
-        return h * jnp.asarray(scale, h.dtype)
+        # A trace-time constant: each part of the projection's output times its multiplier, in the
+        # projection's per-group order (models/mamba2.py group_mamba2_tensors).
+        group = np.concatenate([np.full(w, m, np.float32) for w, m in self.part_multipliers])
+        return h * jnp.asarray(np.tile(group, self.groups), h.dtype)
 
 
 class FalconH1MLP(GatedMLP):
@@ -182,7 +196,6 @@ class FalconH1Layer(nnx.Module):
 
 
 class FalconH1ForCausalLM(HybridDecoderLM):
-    tensor_parallel_unsupported = MAMBA2_TP_UNSUPPORTED
     config_class = FalconH1Config
     parallel_layer_class = FalconH1Layer
 
@@ -199,7 +212,8 @@ class FalconH1ForCausalLM(HybridDecoderLM):
     @classmethod
     def prepare_hf_tensors(cls, cfg: FalconH1Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """`model.final_layernorm` is the shared decoder's `model.norm`."""
-        return {name.replace("model.final_layernorm.", "model.norm."): t for name, t in tensors.items()}
+        renamed = {name.replace("model.final_layernorm.", "model.norm."): t for name, t in tensors.items()}
+        return group_mamba2_tensors(cfg.mamba, renamed)
 
     def compute_logits(self, hidden: jax.Array, head_dv: jax.Array | None = None) -> jax.Array:
         return super().compute_logits(hidden, head_dv) * self.cfg.lm_head_multiplier

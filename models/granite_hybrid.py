@@ -33,7 +33,13 @@ from xlaserve.kernels.ssd import MambaCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.hybrid import HybridConfig, HybridDecoderLM, hybrid_cache_spec
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
-from xlaserve.models.mamba2 import MAMBA2_TP_UNSUPPORTED, Mamba2Config, Mamba2Mixer, _read_float
+from xlaserve.models.mamba2 import (
+    Mamba2Config,
+    Mamba2Mixer,
+    _read_float,
+    group_copies,
+    group_mamba2_tensors,
+)
 from xlaserve.models.moe import MoEConfig, SparseMoeBlock
 
 
@@ -49,6 +55,7 @@ class GraniteHybridConfig(MoEConfig, HybridConfig):
     mamba_d_head: int = 0
     mamba_d_state: int = 0
     mamba_n_groups: int = 1
+    mamba_group_copies: int = 1  # under tensor parallelism (Mamba2Config.group_copies)
     mamba_d_conv: int = 4
     mamba_expand: int = 2
     mamba_chunk_size: int = 256
@@ -96,6 +103,9 @@ class GraniteHybridConfig(MoEConfig, HybridConfig):
             "time_step_limit": (_read_float(limit[0]), _read_float(limit[1])),
         }
 
+    def for_tensor_parallel(self, tensor_parallel_size: int):
+        return self.replace(mamba_group_copies=group_copies(self.mamba_n_groups, tensor_parallel_size))
+
     @property
     def mamba(self) -> Mamba2Config:
         """The Mamba2 mixer's config: the shared fields, with the SSM's heads and widths."""
@@ -111,6 +121,7 @@ class GraniteHybridConfig(MoEConfig, HybridConfig):
             },
             state_size=self.mamba_d_state,
             n_groups=self.mamba_n_groups,
+            group_copies=self.mamba_group_copies,
             conv_kernel=self.mamba_d_conv,
             chunk_size=self.mamba_chunk_size,
             use_conv_bias=self.mamba_conv_bias,
@@ -167,7 +178,6 @@ _SHARED = re.compile(r"^(?P<mlp>.+\.layers\.\d+\.shared_mlp)\.(?P<name>input_lin
 
 class GraniteMoeHybridForCausalLM(HybridDecoderLM):
     config_class = GraniteHybridConfig
-    tensor_parallel_unsupported = MAMBA2_TP_UNSUPPORTED
     linear_layer_class = GraniteMambaLayer
     attention_layer_class = GraniteAttentionLayer
 
@@ -206,7 +216,7 @@ class GraniteMoeHybridForCausalLM(HybridDecoderLM):
                     out[name] = tensor  # reported as unexpected by the loader
             else:
                 out[name] = tensor
-        return out
+        return group_mamba2_tensors(cfg.mamba, out)
 
     def compute_logits(self, hidden: jax.Array, head_dv: jax.Array | None = None) -> jax.Array:
         return super().compute_logits(hidden, head_dv) / self.cfg.logits_scaling

@@ -28,7 +28,7 @@ from xlaserve.kernels.ssd import MambaCache, StateCacheSpec, entering_states, ra
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import LayerSpec, Linear, RMSNorm
-from xlaserve.models.mamba2 import DepthwiseConv1d, Mamba2ForCausalLM
+from xlaserve.models.mamba2 import DepthwiseConv1d, rename_backbone
 
 
 @dataclass(frozen=True)
@@ -160,4 +160,4 @@ class MambaForCausalLM(DecoderOnlyLM):
 
     @classmethod
     def prepare_hf_tensors(cls, cfg: MambaConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return Mamba2ForCausalLM.prepare_hf_tensors(cfg, tensors)
+        return rename_backbone(tensors)

@@ -5,6 +5,14 @@ per head, runs a causal depthwise conv (kernel K) over xBC, splits it into x [H,
 and scans h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T, y_t = C_t . h_t + D x_t (kernels/ssd.py);
 then y is normed with the gate (RMS over each of G groups of channels) and projected back.
 
+Tensor parallelism splits the mixer by head. At load, in_proj's outputs and the conv's channels are
+regrouped per group of heads (`group_mamba2_tensors`: each group's z, x, B, C, dt side by side; the
+conv's x, B, C), so a contiguous split over the ranks gives each rank whole groups. Where there are
+more ranks than groups (Mamba2 and Granite 4.0-H ship one), each group's B and C are copied
+(`group_copies`, as KV heads are repeated) into tensor_parallel_size groups of fewer heads each:
+the same SSM, since a head reads its group's B and C either way, and every rank holds the B and C its
+heads read. The gated norm keeps the checkpoint's groups (a sum across ranks when a group spans them).
+
 The cache is `MambaCache`: per layer and state slot, the last K - 1 conv inputs and the SSM state
 [H, P, N]. A request's slot is its one block id (core/kv_cache_spec.py `StateSpec`), read from the
 first column of its block table; the step reads each sequence's state, advances it over the
@@ -17,6 +25,7 @@ renames it to the shared decoder's `model` (embed_tokens, layers, norm), whose s
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +59,9 @@ class Mamba2Config(TransformerConfig):
 
     state_size: int = 128  # N
     n_groups: int = 1  # G: B and C are shared by H / G heads each
+    # Each group's B and C copied this many times under tensor parallelism wider than n_groups
+    # (`for_tensor_parallel`): the SSM then runs on n_groups * group_copies groups (`ssm_groups`).
+    group_copies: int = 1
     conv_kernel: int = 4  # K
     chunk_size: int = 256
     use_conv_bias: bool = True
@@ -66,8 +78,11 @@ class Mamba2Config(TransformerConfig):
                 f"num_heads * head_dim ({self.num_heads * self.head_dim}) must equal expand * hidden_size "
                 f"({self.intermediate_size})"
             )
-        if self.num_heads % self.n_groups:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
+        if self.num_heads % self.ssm_groups:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups}) x the "
+                f"copies of each group ({self.group_copies})"
+            )
         if self.gate_norm not in GATE_NORMS:
             raise ValueError(f"gate_norm must be one of {GATE_NORMS}, got {self.gate_norm!r}")
 
@@ -104,9 +119,57 @@ class Mamba2Config(TransformerConfig):
         )
 
     @property
+    def ssm_groups(self) -> int:
+        """Groups of heads the SSM runs on: the checkpoint's, times their copies."""
+        return self.n_groups * self.group_copies
+
+    @property
     def conv_dim(self) -> int:
-        """Channels of the conv: x, B and C."""
-        return self.intermediate_size + 2 * self.n_groups * self.state_size
+        """Channels of the conv: x, B and C (of every copy)."""
+        return self.intermediate_size + 2 * self.ssm_groups * self.state_size
+
+    def for_tensor_parallel(self, tensor_parallel_size: int) -> Mamba2Config:
+        return self.replace(group_copies=group_copies(self.n_groups, tensor_parallel_size))
+
+
+def group_copies(n_groups: int, tensor_parallel_size: int) -> int:
+    """Copies of each B/C group so that every rank holds whole groups: tp / n_groups when tp is a
+    larger multiple of n_groups, else 1 (n_groups a multiple of tp splits as it is; other pairs are
+    refused by the placement, sharding/mesh.py)."""
+    if tensor_parallel_size > n_groups and tensor_parallel_size % n_groups == 0:
+        return tensor_parallel_size // n_groups
+    return 1
+
+
+_MAMBA2_GROUPED = re.compile(r"\.(mixer|mamba)\.(in_proj|conv1d)\.(weight|bias)$")
+
+
+def group_mamba2_tensors(cfg: Mamba2Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every Mamba2 mixer's in_proj rows ([z | x | B | C | dt], Hugging Face's order) and conv channels
+    ([x | B | C]) regrouped per SSM group: [z_g | x_g | B_g | C_g | dt_g] and [x_g | B_g | C_g] for each
+    of the `ssm_groups` groups, B and C repeated `group_copies` times (see the module docstring)."""
+    inner, n, g = cfg.intermediate_size, cfg.state_size, cfg.n_groups
+    widths = {"in_proj": (inner, inner, g * n, g * n), "conv1d": (inner, g * n)}
+    kinds = {
+        "in_proj": ("heads", "heads", "groups", "groups", "heads"),
+        "conv1d": ("heads", "groups", "groups"),
+    }
+
+    def regroup(module: str, w: np.ndarray) -> np.ndarray:
+        parts = np.split(w, np.cumsum(widths[module]))
+        per_group = [
+            np.repeat(part.reshape(g, -1, *w.shape[1:]), cfg.group_copies, axis=0)
+            if kind == "groups"
+            else part.reshape(cfg.ssm_groups, -1, *w.shape[1:])
+            for part, kind in zip(parts, kinds[module], strict=True)
+        ]
+        return np.concatenate(per_group, axis=1).reshape(-1, *w.shape[1:])
+
+    out = {}
+    for name, tensor in tensors.items():
+        m = _MAMBA2_GROUPED.search(name)
+        out[name] = tensor if m is None else regroup(m[2], np.asarray(tensor))
+    return out
 
 
 def _read_float(value) -> float:
@@ -176,7 +239,8 @@ class Mamba2Mixer(nnx.Module):
         self.out_proj = Linear(inner, cfg.hidden_size, use_bias=cfg.use_bias, dtype=dtype, rngs=rngs)
 
     def project_in(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, inner + conv_dim + heads]
-        """The gate z, the conv input xBC and the time steps, in that order (a family may scale them)."""
+        """Per SSM group its gate z, conv input xBC and time steps (`group_mamba2_tensors`; a family
+        may scale them)."""
         return self.in_proj(x)
 
     def __call__(
@@ -186,8 +250,12 @@ class Mamba2Mixer(nnx.Module):
         (Mamba2's own cache, whose one state group presents the slot as the table)."""
         cfg = self.cfg
         num_tokens = x.shape[0]
-        inner, heads, groups, n = cfg.intermediate_size, cfg.num_heads, cfg.n_groups, cfg.state_size
-        gate, xbc, dt = jnp.split(self.project_in(x), [inner, inner + cfg.conv_dim], axis=-1)
+        inner, heads, groups, n = cfg.intermediate_size, cfg.num_heads, cfg.ssm_groups, cfg.state_size
+        group_inner = inner // groups  # a group's heads' channels
+        per_group = self.project_in(x).reshape(num_tokens, groups, -1)  # [T, G, z x B C dt]
+        gate, xbc, dt = jnp.split(per_group, [group_inner, 2 * group_inner + 2 * n], axis=-1)
+        gate, dt = gate.reshape(num_tokens, inner), dt.reshape(num_tokens, heads)
+        xbc = xbc.reshape(num_tokens, cfg.conv_dim)  # the conv's channels, per group x B C
         qsl = md.query_start_loc
         if slots is None:
             slots = md.block_tables[:, 0]  # [R]: each sequence's state slot among this layer's rows
@@ -196,16 +264,16 @@ class Mamba2Mixer(nnx.Module):
         )  # [R, K-1, Cd], [R, H, P, N]
         bias = None if self.conv1d.bias is None else self.conv1d.bias[...]
         xbc, conv_out = ragged_causal_conv1d(xbc, self.conv1d.weight[...][:, 0], bias, conv_in, qsl)
-        xbc = jax.nn.silu(xbc.astype(jnp.float32)).astype(x.dtype)
-        xs, b, c = jnp.split(xbc, [inner, inner + groups * n], axis=-1)
+        xbc = jax.nn.silu(xbc.astype(jnp.float32)).astype(x.dtype).reshape(num_tokens, groups, -1)
+        xs, b, c = jnp.split(xbc, [group_inner, group_inner + n], axis=-1)  # [T, G, ..] each
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         dt = jnp.clip(dt, *cfg.time_step_limit)
         y, ssm_out = ragged_ssd(
             xs.reshape(num_tokens, heads, cfg.head_dim),
             dt,
             -jnp.exp(self.A_log[...].astype(jnp.float32)),
-            b.reshape(num_tokens, groups, n),
-            c.reshape(num_tokens, groups, n),
+            b,
+            c,
             self.D[...].astype(jnp.float32),
             qsl,
             ssm_in.astype(jnp.float32),
@@ -232,17 +300,9 @@ class Mamba2Layer(nnx.Module):
         return x + h, cache
 
 
-# Why the Mamba2 families refuse tensor parallelism (models/interfaces.py `tensor_parallel_unsupported`).
-MAMBA2_TP_UNSUPPORTED = (
-    "its Mamba2 mixers' in_proj and conv mix the heads' z, x, dt with the groups' B and C in one "
-    "projection, not yet regrouped to split by head"
-)
-
-
 class Mamba2ForCausalLM(DecoderOnlyLM):
     config_class = Mamba2Config
     layer_class = Mamba2Layer
-    tensor_parallel_unsupported = MAMBA2_TP_UNSUPPORTED
 
     @classmethod
     def kv_cache_spec(cls, cfg: Mamba2Config) -> StateCacheSpec:
@@ -253,10 +313,15 @@ class Mamba2ForCausalLM(DecoderOnlyLM):
 
     @classmethod
     def prepare_hf_tensors(cls, cfg: Mamba2Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """`backbone.*` -> the shared decoder's `model.*` names."""
-        renamed = {}
-        for name, tensor in tensors.items():
-            name = name.replace("backbone.embeddings.", "model.embed_tokens.")
-            name = name.replace("backbone.norm_f.", "model.norm.").replace("backbone.", "model.")
-            renamed[name] = tensor
-        return renamed
+        """The backbone renamed (`rename_backbone`); the mixers regrouped per SSM group."""
+        return group_mamba2_tensors(cfg, rename_backbone(tensors))
+
+
+def rename_backbone(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`backbone.*` -> the shared decoder's `model.*` names (Mamba and Mamba2 checkpoints)."""
+    renamed = {}
+    for name, tensor in tensors.items():
+        name = name.replace("backbone.embeddings.", "model.embed_tokens.")
+        name = name.replace("backbone.norm_f.", "model.norm.").replace("backbone.", "model.")
+        renamed[name] = tensor
+    return renamed

@@ -11,8 +11,8 @@ could partition its jnp, but not once the decode path folds the KV heads into on
 (kernels/reference.py), where the folded query [n, (k g), (k' d)] names the sharded head axis twice
 and XLA gathers the whole cache instead. DeepSeek's latent attention is
 split the same way over its query heads, with the latent cache (one shared latent head) replicated,
-and Gated DeltaNet's per-chunk terms (kernels/gated_delta.py `chunk_terms`, a Pallas kernel under the
-pallas backend) over its value heads.
+and the per-chunk terms of Gated DeltaNet and of Mamba2's SSD (kernels/gated_delta.py, kernels/ssd.py
+`chunk_terms`: Pallas kernels under the pallas backend) over their heads.
 """
 
 from __future__ import annotations
@@ -104,11 +104,23 @@ def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> Atte
             check_vma=False,
         )(q, k, v, g, beta)
 
+    ssd_kernel = backend.ssd_chunk_terms
+
+    def ssd_chunk_terms(xdt, cum, bh, ch):  # [C, Q, H, ..] in; y [C, Q, H, P] and states [C, H, P, N] out
+        return jax.shard_map(
+            ssd_kernel,
+            mesh=mesh,
+            in_specs=(chunk_heads,) * 4,
+            out_specs=(chunk_heads, terms_heads),
+            check_vma=False,
+        )(xdt, cum, bh, ch)
+
     return dataclasses.replace(
         backend,
         attention=functools.wraps(kernel)(attention),
         mla_attention=functools.wraps(mla_kernel)(mla_attention),
         delta_chunk_terms=functools.wraps(delta_kernel)(delta_chunk_terms),
+        ssd_chunk_terms=functools.wraps(ssd_kernel)(ssd_chunk_terms),
         reason=f"{backend.reason}; run per device over the {mesh.shape[axis]} shards of the KV heads "
         "(shard_map)",
     )

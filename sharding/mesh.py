@@ -67,9 +67,15 @@ class Placement:
             )
         if cfg.intermediate_size:
             require(cfg.intermediate_size, "intermediate_size")
-        # Gated DeltaNet splits by key head (each with its value heads: sharding/rules.py).
-        if getattr(cfg, "linear_num_key_heads", 0):
-            require(cfg.linear_num_key_heads, "linear_num_key_heads")
+        # Gated DeltaNet splits by key head (each with its value heads), Mamba2 by head: whole groups
+        # of heads a rank, a group's B and C copied when there are more ranks than groups
+        # (models/mamba2.py; a pure Mamba2's heads are num_heads, checked above).
+        for name in ("linear_num_key_heads", "mamba_n_heads"):
+            if getattr(cfg, name, 0):
+                require(getattr(cfg, name), name)
+        groups = getattr(cfg, "mamba_n_groups", 0) or getattr(cfg, "n_groups", 0)
+        if groups and groups % tp and tp % groups:
+            raise ValueError(f"tensor_parallel_size={tp} and n_groups={groups}: one must divide the other")
         num_experts = getattr(cfg, "num_experts", 0) or 0
         if num_experts and enable_expert_parallel:
             require(num_experts, "num_experts")

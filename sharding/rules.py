@@ -72,6 +72,26 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("linear_attn", "dt_bias"): ("linear_heads",),
     ("linear_attn", "A_log"): ("linear_heads",),
     ("linear_attn", "out_proj", "kernel"): ("linear_heads", "embed"),
+    # Mamba2's mixer (`mixer` in Mamba2, `mamba` in Granite 4.0-H and Falcon-H1): in_proj's outputs and
+    # the conv's channels are grouped per SSM group (models/mamba2.py), so a contiguous split is whole
+    # groups of heads with their B and C; the per-head vectors and the SSM state split by head; the
+    # gated norm's weight by channel; out_proj row-parallel. (A_log stays a replicated vector without
+    # a rule: Mamba (1)'s, under the same names, is [channels, N].)
+    **{
+        rule: axes
+        for parent in ("mixer", "mamba")
+        for rule, axes in {
+            (parent, "in_proj", "kernel"): ("embed", "linear_heads"),
+            (parent, "in_proj", "bias"): ("linear_heads",),
+            (parent, "conv1d", "weight"): ("linear_heads", None, None),
+            (parent, "conv1d", "bias"): ("linear_heads",),
+            (parent, "dt_bias"): ("linear_heads",),
+            (parent, "D"): ("linear_heads",),
+            (parent, "norm", "weight"): ("linear_heads",),
+            (parent, "out_proj", "kernel"): ("linear_heads", "embed"),
+            (parent, "out_proj", "bias"): (None,),
+        }.items()
+    },
 }
 
 # Parameters beside a quantized kernel (models/quantization.py), sharded by the kernel's rule.

@@ -104,6 +104,7 @@ def load_model(
     stacked = tuple(model_class.layer_stacks(model_config))
     placement = Placement(mesh, model_config, parallel.enable_expert_parallel, stacked_modules=stacked)
     model_config, tensors = replicate_kv_heads(model_config, tensors, tp)
+    model_config = model_config.for_tensor_parallel(tp)  # Mamba2's B and C groups copied, if needed
     # The model is built with the padded vocabulary; model_config keeps the real one (the input
     # processor's bound on token ids, the sampler's bound on what it may return).
     padded_vocab = padded_vocab_size(model_config.vocab_size, tp)

@@ -43,6 +43,49 @@ QWEN3_NEXT = dict(
     shared_expert_intermediate_size=24,
     norm_topk_prob=True,
 )
+# Mamba2 with one group of 8 heads: under TP 2 its B and C are copied into 2 groups of 4 heads.
+MAMBA2 = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    expand=2,
+    num_heads=8,
+    head_dim=8,
+    state_size=8,
+    n_groups=1,
+    conv_kernel=4,
+    chunk_size=16,
+    num_hidden_layers=2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+# Falcon-H1: attention and Mamba2 side by side in every layer, muP multipliers on in_proj's five
+# parts (regrouped with them), 2 groups: under TP 4 each is copied once (4 groups of 2 heads).
+FALCON_H1 = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    mamba_d_ssm=64,
+    mamba_n_heads=8,
+    mamba_d_head=8,
+    mamba_d_state=8,
+    mamba_n_groups=2,
+    mamba_d_conv=4,
+    mamba_chunk_size=16,
+    mamba_rms_norm=True,
+    mamba_norm_before_gate=True,
+    ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+    ssm_in_multiplier=1.2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 # Prompts of 40 and 70 tokens prefill in chunks (the worker's engines take 32 tokens a step): the
 # recurrent state and the conv inputs cross the chunks, sharded.
 PROMPT_LENGTHS = (5, 40, 19, 70)
@@ -53,7 +96,8 @@ def _save(tmp_path_factory, name: str, config_class: str, architecture: str, con
     hf_config = getattr(transformers, config_class)(**config)
     hf_config.architectures = [architecture]
     torch.manual_seed(3)
-    model = randomize_weights(getattr(transformers, architecture)(hf_config).eval(), norm_center=0.0)
+    norm_center = 0.0 if architecture.startswith("Qwen") else 1.0  # Qwen3.5's norms scale by 1 + w
+    model = randomize_weights(getattr(transformers, architecture)(hf_config).eval(), norm_center=norm_center)
     return save_hf_model(model, tmp_path_factory.mktemp(name))
 
 
@@ -87,9 +131,10 @@ def _assert_same_as_one_device(results: list[dict]) -> None:
 
 
 def test_deltanet_heads_split_over_the_mesh_match_one_device(tp_worker, tiny_qwen3_5):
-    # The reference path split by XLA (GSPMD), and the Pallas kernels (attention, the delta rule's
-    # chunk terms: interpreted here) run per device on its heads under shard_map (sharding/attention.py).
-    layouts = [{}, {"tensor_parallel_size": 4}, {"tensor_parallel_size": 2, "attention_backend": "pallas"}]
+    # One key head a rank, under the Pallas kernels (attention, the delta rule's chunk terms:
+    # interpreted here), which run per device on its heads under shard_map (sharding/attention.py).
+    # The reference path split by XLA itself: the next test's compiled program, and Qwen3-Next's TP 2.
+    layouts = [{}, {"tensor_parallel_size": 4, "attention_backend": "pallas"}]
     _assert_same_as_one_device(_generate(tp_worker, tiny_qwen3_5, layouts))
 
 
@@ -119,20 +164,28 @@ def test_qwen3_next_deltanet_and_experts_split_match_one_device(tp_worker, tiny_
     _assert_same_as_one_device(_generate(tp_worker, tiny_qwen3_next, layouts))
 
 
-def test_indivisible_key_heads_and_mamba_mixers_are_clear_errors(tp_worker, tiny_qwen3_5, tmp_path):
+def test_mamba2_groups_copied_and_split_match_one_device(tp_worker, tmp_path_factory):
+    # One group over 2 ranks (copied), under the Pallas SSD kernel (interpreted) per device too; and
+    # Falcon-H1's 2 groups over 4 ranks beside its attention heads.
+    mamba2 = _save(tmp_path_factory, "tp_mamba2", "Mamba2Config", "Mamba2ForCausalLM", MAMBA2)
+    layouts = [{}, {"tensor_parallel_size": 2, "attention_backend": "pallas"}]
+    _assert_same_as_one_device(_generate(tp_worker, mamba2, layouts))
+    falcon = _save(tmp_path_factory, "tp_falcon_h1", "FalconH1Config", "FalconH1ForCausalLM", FALCON_H1)
+    _assert_same_as_one_device(_generate(tp_worker, falcon, [{}, {"tensor_parallel_size": 4}]))
+    shards = tp_worker.run("param_shards", mamba2, {"tensor_parallel_size": 2})
+    # in_proj: per group z (32), x (32), B (8), C (8), dt (4), two groups -> 168 outputs, 84 a rank.
+    assert shards["layers/mixer/in_proj/kernel"] == [[2, 32, 168], [2, 32, 84]]
+    assert shards["layers/mixer/conv1d/weight"] == [[2, 96, 1, 4], [2, 48, 1, 4]]  # per group x, B, C
+
+
+def test_indivisible_heads_groups_and_mamba_v1_are_clear_errors(tp_worker, tiny_qwen3_5, tmp_path):
     # 8 query heads, 2 KV heads and the MLP split 8 ways; the 4 key heads do not.
     message = tp_worker.run("error", tiny_qwen3_5, {"tensor_parallel_size": 8})
     assert "tensor_parallel_size=8" in message and "linear_num_key_heads=4" in message
-    config = transformers.Mamba2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_heads=8,
-        head_dim=8,
-        state_size=8,
-        n_groups=1,
-        num_hidden_layers=2,
+    config = transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, tie_word_embeddings=True
     )
-    config.architectures = ["Mamba2ForCausalLM"]
-    mamba = save_hf_model(transformers.Mamba2ForCausalLM(config).eval(), tmp_path / "mamba2")
+    config.architectures = ["MambaForCausalLM"]
+    mamba = save_hf_model(transformers.MambaForCausalLM(config).eval(), tmp_path / "mamba")
     message = tp_worker.run("error", mamba, {"tensor_parallel_size": 2})
-    assert "tensor_parallel_size=2" in message and "Mamba2ForCausalLM" in message and "B and C" in message
+    assert "tensor_parallel_size=2" in message and "MambaForCausalLM" in message and "x_proj" in message
