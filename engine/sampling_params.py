@@ -41,6 +41,8 @@ STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", 
 MAX_SPEC_CHARS = 256 * 1024
 MAX_CHOICES = 1024
 MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema's objects and arrays (each level is recursion somewhere)
+# Tokens allowed between a reasoning end's prefix ids and its end token (gpt-oss: `<|constrain|>json`).
+REASONING_END_MAX_GAP = 16
 
 
 @dataclass(frozen=True, repr=False)
@@ -67,6 +69,11 @@ class StructuredOutputsParams:
     # The grammar starts applying after this token (a reasoning model's end of thinking, e.g. the id of
     # "</think>"); None: from the first token. The server sets it from its --reasoning-parser.
     reasoning_end_token_id: int | None = None
+    # Where one token does not end the thinking (gpt-oss's harmony format: the answer is the body of the
+    # final channel's message), these ids first (`<|channel|>final`), then within
+    # REASONING_END_MAX_GAP tokens of them reasoning_end_token_id (`<|message|>`, after an optional
+    # `<|constrain|>json`): the grammar starts after that token.
+    reasoning_end_prefix_ids: list[int] | None = None
 
     def __post_init__(self):
         if self.reasoning_end_token_id is not None and not (
@@ -76,6 +83,17 @@ class StructuredOutputsParams:
                 "reasoning_end_token_id",
                 f"must be a token id (an integer >= 0), got {self.reasoning_end_token_id!r}",
             )
+        prefix = self.reasoning_end_prefix_ids
+        if prefix is not None:
+            if not isinstance(prefix, list) or not prefix or not all(_is_int(i) and i >= 0 for i in prefix):
+                raise StructuredOutputsError(
+                    "reasoning_end_prefix_ids", f"must be a non-empty list of token ids, got {_short(prefix)}"
+                )
+            if len(prefix) > REASONING_END_MAX_GAP or self.reasoning_end_token_id is None:
+                raise StructuredOutputsError(
+                    "reasoning_end_prefix_ids",
+                    f"must hold at most {REASONING_END_MAX_GAP} ids, beside a reasoning_end_token_id",
+                )
         kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise StructuredOutputsError(

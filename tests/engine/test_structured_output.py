@@ -251,10 +251,51 @@ def test_grammar_waits_for_the_end_of_reasoning(manager, tokenizer):
     assert thinking.grammar.error is not None  # the grammar holds now
 
 
+def test_grammar_waits_for_a_header_that_ends_the_reasoning(manager, tokenizer):
+    """reasoning_end_prefix_ids (gpt-oss's `<|channel|>final`, then its `<|message|>`): the end id alone,
+    or after another prefix, keeps the tokens free; after the prefix and a few tokens (`<|constrain|>json`)
+    it starts the grammar. Speculative drafts see the same: free up to the end, the grammar after it."""
+    channel, final, constrain, message = (tokenizer.encode(t, add_special_tokens=False)[0] for t in "#f@!")
+    analysis = tokenizer.encode("a", add_special_tokens=False)[0]
+    request = constrained(
+        "harmony", regex="[0-9]+", reasoning_end_token_id=message, reasoning_end_prefix_ids=[channel, final]
+    )
+    manager.add_request(request)
+    wait_ready(request)
+    grammar = request.grammar
+    for token_id in (message, channel, analysis, message):  # an analysis message's body: still free
+        grammar.accept_token(token_id)
+        assert grammar.is_reasoning
+    assert grammar.grammar_start([channel, final, constrain, message, 5]) == 4  # drafts: after the header
+    assert grammar.grammar_start([channel, final, constrain]) == 4  # not ended in the drafts: all free
+    for token_id in (channel, final, constrain):
+        grammar.accept_token(token_id)
+        assert grammar.is_reasoning
+    grammar.accept_token(message)
+    assert not grammar.is_reasoning and grammar.grammar_start([message]) == 0
+    row = ScheduledRequest(request, 3, [1])
+    texts = [tokenizer.decode([i]) for i in allowed_ids(manager.grammar_bitmask([row])[0])]
+    assert texts and all(t.isdigit() for t in texts)
+    # A prompt that ends inside the header: the output's end id completes it.
+    spec = StructuredOutputsParams(
+        regex="[0-9]+", reasoning_end_token_id=message, reasoning_end_prefix_ids=[channel, final]
+    )
+    opened = Request("opened", [1, channel, final], SamplingParams(max_tokens=4, structured_outputs=spec))
+    manager.add_request(opened)
+    wait_ready(opened)
+    opened.grammar.accept_token(message)
+    assert not opened.grammar.is_reasoning
+
+
 def test_reasoning_end_token_id_is_checked_and_travels():
     with pytest.raises(StructuredOutputsError, match="reasoning_end_token_id must be a token id"):
         StructuredOutputsParams(regex="a", reasoning_end_token_id=-1)
-    spec = StructuredOutputsParams(regex="a", reasoning_end_token_id=7)
+    with pytest.raises(StructuredOutputsError, match="reasoning_end_prefix_ids must be a non-empty list"):
+        StructuredOutputsParams(regex="a", reasoning_end_token_id=1, reasoning_end_prefix_ids=[3, "x"])
+    with pytest.raises(StructuredOutputsError, match="beside a reasoning_end_token_id"):
+        StructuredOutputsParams(regex="a", reasoning_end_prefix_ids=[3])
+    spec = StructuredOutputsParams(regex="a", reasoning_end_token_id=7, reasoning_end_prefix_ids=[5, 6])
     request = EngineCoreRequest.from_request(Request("r", [1], SamplingParams(structured_outputs=spec)))
     decoded = make_input_decoder().decode(make_encoder().encode(AddRequests([request])))
-    assert decoded.requests[0].sampling_params.structured_outputs.reasoning_end_token_id == 7
+    travelled = decoded.requests[0].sampling_params.structured_outputs
+    assert (travelled.reasoning_end_token_id, travelled.reasoning_end_prefix_ids) == (7, [5, 6])

@@ -16,6 +16,7 @@ the family's model writes), driven by the official openai client.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -423,3 +424,39 @@ def test_harmony_tool_call_streamed_and_not(harmony_server):
     no_tools = {k: v for k, v in kwargs.items() if k != "tools"}
     plain = client.chat.completions.create(**no_tools).choices[0].message.content
     assert plain == "".join(HARMONY_ANSWER)
+    # A response_format's grammar waits for the final channel's `<|message|>`: this answer never opens
+    # it, so the grammar never starts and the text is the same (from the first token, a JSON grammar
+    # would have masked `<|channel|>` away).
+    formatted = client.chat.completions.create(**no_tools, response_format={"type": "json_object"})
+    assert formatted.choices[0].message.content == plain
+
+
+def test_harmony_grammar_starts_after_the_final_channel_header(tmp_path):
+    """Offline, a script that opens the final channel with `<|constrain|>json` in its header: the header
+    is free, the body follows the schema (the script would write "hello there"), and the request ends
+    with the grammar. The reasoning end comes from the openai_gptoss parser, as the server sets it."""
+    from xlaserve import LLM, SamplingParams, StructuredOutputsParams
+    from xlaserve.entrypoints.serving.reasoning.harmony import GptOssReasoningParser
+
+    header = ["<|channel|>", "final", "<|constrain|>", "json", "<|message|>"]
+    model = save_scripted_llama(
+        str(tmp_path / "final"),
+        chat_template=HARMONY_TEMPLATE,
+        answer=[*header, "hello there"],
+        special_tokens=HARMONY_SPECIAL,
+    )
+    llm = LLM(model, dtype="float32", max_model_len=128, kv_cache_memory=2**22, enforce_eager=True)
+    parser = GptOssReasoningParser(llm.tokenizer)
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    spec = StructuredOutputsParams(
+        json=schema,
+        reasoning_end_token_id=parser.end_token_id,
+        reasoning_end_prefix_ids=parser.end_prefix_ids,
+    )
+    messages = [{"role": "user", "content": "Is 17 prime?"}]
+    free = SamplingParams(temperature=0.0, max_tokens=12, skip_special_tokens=False)
+    assert llm.chat(messages, free, use_tqdm=False)[0].outputs[0].text == "".join(header) + "hello there"
+    out = llm.chat(messages, dataclasses.replace(free, structured_outputs=spec), use_tqdm=False)
+    text = out[0].outputs[0].text
+    assert text.startswith("".join(header)) and json.loads(text[len("".join(header)) :]) in ("yes", "no")
+    assert out[0].outputs[0].finish_reason == "stop"

@@ -30,6 +30,7 @@ import numpy as np
 from xlaserve.core.outputs import ScheduledRequest
 from xlaserve.core.request import Request
 from xlaserve.engine.structured_output.grammar import grammar_source
+from xlaserve.sampling_params import REASONING_END_MAX_GAP
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,39 @@ def make_ll_tokenizer(tokenizer, vocab_size: int, eos_token_id: int | None) -> l
     return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos_token_id)
 
 
+class EndOfThinking:
+    """Where a request's thinking ends: at `end_id` (a reasoning model's `</think>`), or with `prefix`,
+    at the first `end_id` at most REASONING_END_MAX_GAP tokens after those ids (gpt-oss: the final
+    channel's `<|channel|>final`, then its `<|message|>`). `history`: the prompt's last ids (a prompt may
+    end inside the header)."""
+
+    def __init__(self, end_id: int, prefix: Iterable[int] = (), history: Iterable[int] = ()):
+        self.end_id, self.prefix = end_id, tuple(prefix)
+        self._window = len(self.prefix) + REASONING_END_MAX_GAP if self.prefix else 0
+        self._recent = list(history)[-self._window :] if self._window else []
+
+    def ends_at(self, token_ids: list[int]) -> int | None:
+        """The index among `token_ids` (next after those fed) of the id that ends the thinking, or None."""
+        for i, token_id in enumerate(token_ids):
+            if token_id == self.end_id and self._has_prefix(self._recent + list(token_ids[:i])):
+                return i
+        return None
+
+    def _has_prefix(self, history: list[int]) -> bool:
+        n = len(self.prefix)
+        if not n:
+            return True
+        tail = history[-self._window :]
+        return any(tuple(tail[j : j + n]) == self.prefix for j in range(len(tail) - n + 1))
+
+    def feed(self, token_id: int) -> bool:
+        """Advance by one sampled token; True when it ends the thinking."""
+        ended = self.ends_at([token_id]) is not None
+        if self._window:
+            self._recent = (self._recent + [token_id])[-self._window :]
+        return ended
+
+
 class RequestGrammar:
     """One request's matcher (a copy of its compiled grammar), advanced by each sampled token.
 
@@ -73,20 +107,20 @@ class RequestGrammar:
     prompt and outputs never advances it again (only sampled tokens reach `accept_token`)."""
 
     def __init__(
-        self, request_id: str, compiled: concurrent.futures.Future, reasoning_end_token_id: int | None = None
+        self, request_id: str, compiled: concurrent.futures.Future, reasoning_end: EndOfThinking | None = None
     ):
         self.request_id = request_id
         self._compiled = compiled
         self.matcher: llguidance.LLMatcher | None = None
         self.error: str | None = None
         self.is_terminated = False
-        # While set, the request is still thinking: its tokens are free, and the grammar starts after
-        # this id is sampled (structured output applies to the answer, not the reasoning).
-        self.reasoning_end_token_id = reasoning_end_token_id
+        # While set, the request is still thinking: its tokens are free, and the grammar starts after the
+        # token that ends the thinking (structured output applies to the answer, not the reasoning).
+        self.reasoning_end = reasoning_end
 
     @property
     def is_reasoning(self) -> bool:
-        return self.reasoning_end_token_id is not None
+        return self.reasoning_end is not None
 
     @property
     def is_ready(self) -> bool:
@@ -106,8 +140,8 @@ class RequestGrammar:
         len(token_ids) + 1 when they do not end the reasoning (every position is free)."""
         if not self.is_reasoning:
             return 0
-        end = self.reasoning_end_token_id
-        return token_ids.index(end) + 1 if end in token_ids else len(token_ids) + 1
+        end = self.reasoning_end.ends_at(token_ids)
+        return len(token_ids) + 1 if end is None else end + 1
 
     def num_valid_drafts(self, token_ids: list[int], keep_rejected: bool = False) -> int:
         """How many of `token_ids` (speculative drafts after the request's tokens) to keep: the prefix the
@@ -142,8 +176,8 @@ class RequestGrammar:
 
     def accept_token(self, token_id: int) -> None:
         if self.is_reasoning:
-            if token_id == self.reasoning_end_token_id:
-                self.reasoning_end_token_id = None
+            if self.reasoning_end.feed(token_id):
+                self.reasoning_end = None
             return
         if not self.matcher.consume_token(token_id):
             self.error = f"the grammar rejected token {token_id}: {self.matcher.get_error()}"
@@ -183,8 +217,12 @@ class StructuredOutputManager:
             return
         if self._ll_tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer, and this engine has none")
+        reasoning_end = None
+        if params.reasoning_end_token_id is not None:
+            prefix = params.reasoning_end_prefix_ids or ()
+            reasoning_end = EndOfThinking(params.reasoning_end_token_id, prefix, request.prompt_token_ids)
         request.grammar = RequestGrammar(
-            request.request_id, self._compile(grammar_source(params)), params.reasoning_end_token_id
+            request.request_id, self._compile(grammar_source(params)), reasoning_end
         )
 
     def _compile(self, source: str) -> concurrent.futures.Future:

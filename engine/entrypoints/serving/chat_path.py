@@ -46,7 +46,11 @@ def chat_sampling_params(
     spec = plan.structured_outputs or params.structured_outputs
     reasoning = reasoning_parser(state, ids)
     if spec is not None and reasoning is not None and not reasoning.is_reasoning_end(ids):
-        spec = dataclasses.replace(spec, reasoning_end_token_id=reasoning.end_token_id)
+        spec = dataclasses.replace(
+            spec,
+            reasoning_end_token_id=reasoning.end_token_id,
+            reasoning_end_prefix_ids=reasoning.end_prefix_ids,
+        )
     if spec is not params.structured_outputs:
         changes["structured_outputs"] = spec
     tool_parser_cls = state.tool_parser_cls

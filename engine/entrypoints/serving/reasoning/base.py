@@ -35,6 +35,10 @@ class ReasoningParser:
     starts_open: ClassVar[bool]  # the output starts inside the thinking when the prompt does not say
     keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens: keep them in the text
 
+    # Where one token does not end the thinking: the ids before end_token_id that mark it
+    # (StructuredOutputsParams.reasoning_end_prefix_ids; gpt-oss's `<|channel|>final`).
+    end_prefix_ids: list[int] | None = None
+
     def __init__(self, tokenizer: Any = None, *, prompt_token_ids: list[int] | None = None):
         self.start_token_id = self.end_token_id = None
         if tokenizer is not None:

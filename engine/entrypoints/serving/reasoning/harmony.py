@@ -21,13 +21,19 @@ class GptOssReasoningParser(ReasoningParser):
     keeps_special_tokens = True
 
     def __init__(self, tokenizer: Any = None, *, prompt_token_ids: list[int] | None = None):
-        self.start_token_id = self.end_token_id = None  # no single token ends the thinking
+        # No single token ends the thinking: the final channel's header does, `<|channel|>final`, then
+        # (after an optional `<|constrain|>json`) its `<|message|>`; structured output starts after it.
+        self.start_token_id = self.end_token_id = None
         self.tokenizer = tokenizer
-        if tokenizer is not None and single_token_id(tokenizer, CHANNEL) is None:
-            raise ValueError(
-                f"the {self.name} reasoning parser needs the harmony format's {CHANNEL!r} as one token of "
-                "the model's vocabulary; this tokenizer has none"
-            )
+        if tokenizer is not None:
+            channel, message = single_token_id(tokenizer, CHANNEL), single_token_id(tokenizer, MESSAGE)
+            if channel is None or message is None:
+                raise ValueError(
+                    f"the {self.name} reasoning parser needs the harmony format's {CHANNEL!r} and "
+                    f"{MESSAGE!r} as tokens of the model's vocabulary; this tokenizer lacks one"
+                )
+            self.end_token_id = message
+            self.end_prefix_ids = [channel, *tokenizer.encode("final", add_special_tokens=False)]
         self._sent_reasoning = self._sent_content = 0
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
