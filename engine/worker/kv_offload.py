@@ -138,22 +138,57 @@ def padded_ids(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-class OffloadingConnectorWorker(KVConnectorWorker):
-    """The host tier's arrays and the two transfer programs."""
+class BlockTransferWorker(KVConnectorWorker):
+    """What a connector that moves whole blocks has: the gather and scatter programs over the cache
+    (`transfer_programs`, built on first use), compiled by `warm_up` on the null block, and its
+    counters (`take_stats`). Host offload and disaggregated prefill (worker/kv_transfer.py) build on it."""
 
-    def __init__(self, num_host_blocks: int, num_blocks: int, disk: DiskTier | None = None):
-        self.num_host_blocks = num_host_blocks
+    def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks  # the device cache's, null block included
-        self.host: list[np.ndarray] | None = None  # per cache array [num_host_blocks, L, block_size, ...]
-        self.disk = disk
-        # Gathers dispatched, not yet on the host: (device arrays, host slots).
-        self._pending: list[tuple[tuple[jax.Array, ...], np.ndarray]] = []
         self._gather_fn = self._scatter_fn = None
         self.stats = KVTransferStats()
 
     def _programs(self, kv_cache) -> None:
         if self._gather_fn is None:
             self._gather_fn, self._scatter_fn = transfer_programs(kv_cache, self.num_blocks)
+
+    def chunk_shapes(self, kv_cache) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """Shape and dtype of one program call's blocks per cache array: [chunk, L, block_size, ...]."""
+        leaves = jax.tree.leaves(kv_cache)
+        num_layers = leaves[0].shape[0] // self.num_blocks
+        return [((TRANSFER_CHUNK_BLOCKS, num_layers, *a.shape[1:]), np.dtype(a.dtype)) for a in leaves]
+
+    def take_stats(self) -> KVTransferStats:
+        stats, self.stats = self.stats, KVTransferStats()
+        return stats
+
+    def warm_up(self, kv_cache):
+        """Run both programs once on the null block, compiling them (`_before_warm_up` first)."""
+        self._programs(kv_cache)
+        ids = padded_ids(np.zeros(0, np.int32))
+        shapes = self.chunk_shapes(kv_cache)
+        self._before_warm_up(shapes)
+        # Twice: the second call, and the gather, see the cache as every step leaves it (a program's
+        # output, placed by its out_shardings), which a freshly allocated cache may not be.
+        for _ in range(2):
+            kv_cache = self._scatter_fn(kv_cache, ids, tuple(jax.device_put(np.zeros(*s)) for s in shapes))
+        jax.block_until_ready(self._gather_fn(kv_cache, ids))
+        return kv_cache
+
+    def _before_warm_up(self, shapes) -> None:
+        """What a subclass sizes from the programs' shapes before they compile."""
+
+
+class OffloadingConnectorWorker(BlockTransferWorker):
+    """The host tier's arrays and the two transfer programs."""
+
+    def __init__(self, num_host_blocks: int, num_blocks: int, disk: DiskTier | None = None):
+        super().__init__(num_blocks)
+        self.num_host_blocks = num_host_blocks
+        self.host: list[np.ndarray] | None = None  # per cache array [num_host_blocks, L, block_size, ...]
+        self.disk = disk
+        # Gathers dispatched, not yet on the host: (device arrays, host slots).
+        self._pending: list[tuple[tuple[jax.Array, ...], np.ndarray]] = []
 
     def _ensure_host(self, shapes_dtypes) -> None:
         if self.host is None:
@@ -240,24 +275,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             kv_cache = self._scatter_fn(kv_cache, padded_ids(ids), tuple(blocks))
         return kv_cache
 
-    def take_stats(self) -> KVTransferStats:
-        stats, self.stats = self.stats, KVTransferStats()
-        return stats
-
-    def warm_up(self, kv_cache):
-        """Run both programs once on the null block (compiling them), and size the host tier."""
-        self._programs(kv_cache)
-        ids = padded_ids(np.zeros(0, np.int32))
-        leaves = jax.tree.leaves(kv_cache)
-        num_layers = leaves[0].shape[0] // self.num_blocks
-        shapes = [((TRANSFER_CHUNK_BLOCKS, num_layers, *a.shape[1:]), np.dtype(a.dtype)) for a in leaves]
-        self._ensure_host(shapes)
-        # Twice: the second call, and the gather, see the cache as every step leaves it (a program's
-        # output, placed by its out_shardings), which a freshly allocated cache may not be.
-        for _ in range(2):
-            kv_cache = self._scatter_fn(kv_cache, ids, tuple(jax.device_put(np.zeros(*s)) for s in shapes))
-        jax.block_until_ready(self._gather_fn(kv_cache, ids))
-        return kv_cache
+    def _before_warm_up(self, shapes) -> None:
+        self._ensure_host(shapes)  # the host tier sized by the programs' blocks
 
 
 def available_host_bytes() -> int | None:

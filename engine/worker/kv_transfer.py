@@ -25,17 +25,17 @@ import numpy as np
 import zmq
 
 from xlaserve.config import CacheConfig, KVTransferConfig
-from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker, KVTransferStats
+from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker
 from xlaserve.core.kv_offload import num_host_blocks
 from xlaserve.core.kv_transfer import GET, encode_header
 from xlaserve.worker.kv_offload import (
     TRANSFER_CHUNK_BLOCKS,
+    BlockTransferWorker,
     DiskTier,
     OffloadingConnectorWorker,
     available_host_bytes,
     disk_tier_blocks,
     padded_ids,
-    transfer_programs,
 )
 
 logger = logging.getLogger(__name__)
@@ -166,17 +166,11 @@ class BlockServer:
         self._thread.join(timeout=2)
 
 
-class DisaggConnectorWorker(KVConnectorWorker):
+class DisaggConnectorWorker(BlockTransferWorker):
     def __init__(self, config: KVTransferConfig, num_blocks: int, block_size: int):
+        super().__init__(num_blocks)
         self.config = config
-        self.num_blocks = num_blocks  # the device cache's, null block included
         self.server = BlockServer(config, block_size) if config.is_producer else None
-        self._gather_fn = self._scatter_fn = None
-        self.stats = KVTransferStats()
-
-    def _programs(self, kv_cache) -> None:
-        if self._gather_fn is None:
-            self._gather_fn, self._scatter_fn = transfer_programs(kv_cache, self.num_blocks)
 
     def save_kv_after_forward(self, kv_cache, metadata: KVConnectorMetadata | None) -> None:
         if metadata is None or not metadata.sends:
@@ -217,25 +211,6 @@ class DisaggConnectorWorker(KVConnectorWorker):
                 staged.append(jax.device_put(chunk))
             kv_cache = self._scatter_fn(kv_cache, padded_ids(ids), tuple(staged))
         self.stats.load_seconds += time.perf_counter() - t0
-        return kv_cache
-
-    def take_stats(self) -> KVTransferStats:
-        stats, self.stats = self.stats, KVTransferStats()
-        return stats
-
-    def warm_up(self, kv_cache):
-        """Compile the gather and the scatter on the null block (as offload's warm-up does)."""
-        self._programs(kv_cache)
-        ids = padded_ids(np.zeros(0, np.int32))
-        leaves = jax.tree.leaves(kv_cache)
-        num_layers = leaves[0].shape[0] // self.num_blocks
-        for _ in range(2):  # the second call sees the cache as a step leaves it
-            zeros = tuple(
-                jax.device_put(np.zeros((TRANSFER_CHUNK_BLOCKS, num_layers, *a.shape[1:]), a.dtype))
-                for a in leaves
-            )
-            kv_cache = self._scatter_fn(kv_cache, ids, zeros)
-        jax.block_until_ready(self._gather_fn(kv_cache, ids))
         return kv_cache
 
     def close(self) -> None:
