@@ -73,6 +73,11 @@ class Placement:
         for name in ("linear_num_key_heads", "mamba_n_heads"):
             if getattr(cfg, name, 0):
                 require(getattr(cfg, name), name)
+        vision = getattr(cfg, "vision", None)  # LLaVA's tower, and its projector over hidden_size
+        if vision is not None:
+            require(vision.num_heads, "vision_config.num_attention_heads")
+            require(vision.intermediate_size, "vision_config.intermediate_size")
+            require(cfg.hidden_size, "hidden_size")
         groups = getattr(cfg, "mamba_n_groups", 0) or getattr(cfg, "n_groups", 0)
         if groups and groups % tp and tp % groups:
             raise ValueError(f"tensor_parallel_size={tp} and n_groups={groups}: one must divide the other")

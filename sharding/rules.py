@@ -72,6 +72,18 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("linear_attn", "dt_bias"): ("linear_heads",),
     ("linear_attn", "A_log"): ("linear_heads",),
     ("linear_attn", "out_proj", "kernel"): ("linear_heads", "embed"),
+    # LLaVA's CLIP vision tower (models/llava.py): its attention and MLP split like the decoder's (q, k,
+    # v by head through the rules above, out_proj and fc2 row-parallel), the patch convolution and the
+    # position table whole; the projector column- then row-parallel over the text's hidden size.
+    ("self_attn", "out_proj", "kernel"): ("q_heads", "embed"),
+    ("fc1", "kernel"): ("embed", "mlp"),
+    ("fc1", "bias"): ("mlp",),
+    ("fc2", "kernel"): ("mlp", "embed"),
+    ("embeddings", "patch_embedding", "weight"): (None, None, None, None),
+    ("embeddings", "position_embedding", "weight"): (None, None),
+    ("multi_modal_projector", "linear_1", "kernel"): ("embed", "mlp"),
+    ("multi_modal_projector", "linear_1", "bias"): ("mlp",),
+    ("multi_modal_projector", "linear_2", "kernel"): ("mlp", "embed"),
     # Mamba2's mixer (`mixer` in Mamba2, `mamba` in Granite 4.0-H and Falcon-H1): in_proj's outputs and
     # the conv's channels are grouped per SSM group (models/mamba2.py), so a contiguous split is whole
     # groups of heads with their B and C; the per-head vectors and the SSM state split by head; the

@@ -22,8 +22,16 @@ import numpy as np
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 # Where the vocabulary lies in each tensor that has one: HF names ([V, D] both), and our paths.
-# Mamba2's checkpoints name the embedding backbone.embeddings (renamed after padding: models/mamba2.py).
-_HF_VOCAB_AXIS = {"model.embed_tokens.weight": 0, "backbone.embeddings.weight": 0, "lm_head.weight": 0}
+# Mamba2's checkpoints name the embedding backbone.embeddings (renamed after padding: models/mamba2.py),
+# LLaVA's its decoder's model.language_model.* (transformers 5) or language_model.* (4).
+_HF_VOCAB_AXIS = {
+    "model.embed_tokens.weight": 0,
+    "backbone.embeddings.weight": 0,
+    "lm_head.weight": 0,
+    "model.language_model.embed_tokens.weight": 0,
+    "language_model.model.embed_tokens.weight": 0,
+    "language_model.lm_head.weight": 0,
+}
 _OUR_VOCAB_AXIS = {("embed_tokens", "weight"): 0, ("lm_head", "kernel"): 1}
 
 

@@ -49,7 +49,7 @@ def test_bench_reports_what_it_ran(tiny_llama, tmp_path, bench, num_prompts):
         "--enforce-eager",
         "--output-json",
         str(out),
-    ] + (["--compare-async"] if bench == "throughput" else [])
+    ] + (["--compare-async"] if bench == "throughput" else ["--roofline"])
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["bench"] == bench and report["num_prompts"] == num_prompts and report["output_len"] == 5
@@ -72,6 +72,14 @@ def test_bench_reports_what_it_ran(tiny_llama, tmp_path, bench, num_prompts):
         assert report["ratio_async_over_sync_output_throughput"] == pytest.approx(
             r["output_tokens_per_s"] / sync["output_tokens_per_s"]
         )
+    else:  # --roofline: TPOT over the weights' bytes read at the measured copy bandwidth
+        roof = report["roofline"]
+        assert roof["tpot_s"] == r["tpot_s"]["mean"] and roof["copy_bandwidth_bytes_per_s"] > 0
+        assert roof["weight_read_s"] == pytest.approx(
+            roof["weight_bytes"] / roof["copy_bandwidth_bytes_per_s"]
+        )
+        assert roof["ratio"] == pytest.approx(roof["tpot_s"] / roof["weight_read_s"])
+        assert roof["target"] == 1.15 and roof["met"] is False  # judged on a GPU only
 
 
 def test_random_prompts_have_the_asked_length_and_no_special_tokens(tiny_llama, tmp_path):

@@ -46,6 +46,9 @@ class FakeTokenizer:
     def get_vocab(self):
         return {"<|channel|>": 5, "<|message|>": 6, "<|start|>": 7}
 
+    def encode(self, text, add_special_tokens=False):
+        return [{"final": 2}[text]]
+
 
 def _parsers():
     reasoning = get_reasoning_parser("openai_gptoss")(FakeTokenizer())
@@ -114,6 +117,8 @@ def test_reasoning_end_and_registry():
     assert not parser.is_reasoning_end(prompt)
     assert not parser.is_reasoning_end(prompt + [5, 3, 6, 4])
     assert parser.is_reasoning_end(prompt + [5, 3, 6, 4, 7, 1, 5, 2, 6])
+    # Structured output starts after the final channel's header: `<|channel|>final`, then `<|message|>`.
+    assert (parser.end_prefix_ids, parser.end_token_id) == ([5, 2], 6)
     assert parser.keeps_special_tokens and get_tool_parser("openai").keeps_special_tokens
     assert default_tool_parser({"model_type": "gpt_oss"}) == "openai"
     with pytest.raises(ValueError, match="<\\|channel\\|>"):

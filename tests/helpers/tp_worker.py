@@ -314,6 +314,40 @@ def generate(model_dir: str, layouts: list[dict]) -> list:
     return results
 
 
+def generate_images(model_dir: str, layouts: list[dict]) -> list:
+    """A tiny LLaVA's greedy tokens and sampled logprobs for prompts with images (one, two, none), under
+    each layout: the vision tower and projector run in the encoder's program on the layout's mesh."""
+    from tiny_vlm import ENGINE_ARGS, random_image  # beside this file, on sys.path as the script's folder
+
+    from xlaserve import LLM, SamplingParams
+
+    text = "The quick brown fox jumps over the lazy dog. <image> What is it?"
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": [random_image(1)]}},
+        {"prompt": text + " <image>", "multi_modal_data": {"image": [random_image(2), random_image(3)]}},
+        {"prompt": "No image here, only text."},
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    results = []
+    for layout in layouts:
+        # Only the programs these requests run (the module's engines warm up every bucket).
+        llm = LLM(
+            model_dir, **{**ENGINE_ARGS, "strict_compile_guard": False, "enforce_eager": True, **layout}
+        )
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append(
+            {
+                "layout": layout,
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "logprobs": [
+                    [max(lp.logprob for lp in d.values()) for d in o.outputs[0].logprobs] for o in outs
+                ],
+            }
+        )
+        del llm
+    return results
+
+
 def update_weights(model_dir: str, arg: dict) -> dict:
     """arg: {"other_dir", "layout"}: an engine on `model_dir` under `layout` takes `other_dir`'s tensors
     by `update_weights` (KV heads repeated, vocabulary padded, shards placed as a load would): its
@@ -417,6 +451,7 @@ MODES = {
     "missing_rule": missing_rule,
     "fused_shards": fused_shards,
     "generate_ids": generate_ids,
+    "generate_images": generate_images,
     "speculative": speculative,
     "lora": lora,
     "data_parallel": data_parallel,

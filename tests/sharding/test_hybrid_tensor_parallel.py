@@ -1,7 +1,9 @@
-"""Tensor parallelism over Gated DeltaNet (Qwen3.5, Qwen3-Next) on fake CPU devices: the linear
-attention's key heads (each with its value heads), its conv channels and its recurrent state split
-over the ranks, against one device. The engines run in the session's fake-mesh worker
-(helpers/tp_run.py); the Hugging Face parity of the one-device engine is tests/models/test_qwen3_5.py.
+"""Tensor parallelism over recurrent mixers on fake CPU devices, against one device: Gated DeltaNet
+(Qwen3.5: key heads, each with its value heads) and Mamba2 (Falcon-H1: groups of heads with their B
+and C, copied when there are more ranks than groups), their conv channels and recurrent state split
+over the ranks. The engines run in the session's fake-mesh worker (helpers/tp_run.py); the Hugging
+Face parity of the one-device engines (Qwen3-Next's and Granite 4.0-H's regrouped projections
+included) is tests/models/test_qwen3_5.py and test_mamba2.py.
 """
 
 from __future__ import annotations
@@ -35,31 +37,6 @@ QWEN3_5 = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
-QWEN3_NEXT = dict(
-    QWEN3_5,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    shared_expert_intermediate_size=24,
-    norm_topk_prob=True,
-)
-# Mamba2 with one group of 8 heads: under TP 2 its B and C are copied into 2 groups of 4 heads.
-MAMBA2 = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    expand=2,
-    num_heads=8,
-    head_dim=8,
-    state_size=8,
-    n_groups=1,
-    conv_kernel=4,
-    chunk_size=16,
-    num_hidden_layers=2,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
 # Falcon-H1: attention and Mamba2 side by side in every layer, muP multipliers on in_proj's five
 # parts (regrouped with them), 2 groups: under TP 4 each is copied once (4 groups of 2 heads).
 FALCON_H1 = dict(
@@ -69,7 +46,7 @@ FALCON_H1 = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=8,
+    head_dim=16,  # the Pallas attention kernel's smallest
     mamba_d_ssm=64,
     mamba_n_heads=8,
     mamba_d_head=8,
@@ -106,11 +83,6 @@ def tiny_qwen3_5(tmp_path_factory):
     return _save(tmp_path_factory, "tp_qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN3_5)
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_next(tmp_path_factory):
-    return _save(tmp_path_factory, "tp_qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3_NEXT)
-
-
 def _generate(tp_worker, model_dir: str, layouts: list[dict]) -> list[dict]:
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in PROMPT_LENGTHS]
@@ -133,7 +105,7 @@ def _assert_same_as_one_device(results: list[dict]) -> None:
 def test_deltanet_heads_split_over_the_mesh_match_one_device(tp_worker, tiny_qwen3_5):
     # One key head a rank, under the Pallas kernels (attention, the delta rule's chunk terms:
     # interpreted here), which run per device on its heads under shard_map (sharding/attention.py).
-    # The reference path split by XLA itself: the next test's compiled program, and Qwen3-Next's TP 2.
+    # The reference path split by XLA itself: the next test's compiled program.
     layouts = [{}, {"tensor_parallel_size": 4, "attention_backend": "pallas"}]
     _assert_same_as_one_device(_generate(tp_worker, tiny_qwen3_5, layouts))
 
@@ -159,23 +131,17 @@ def test_deltanet_split_by_key_head_and_no_weight_gathered(tp_worker, tiny_qwen3
     assert kinds.count("all-reduce") == 5 and "all-gather" not in kinds, ops
 
 
-def test_qwen3_next_deltanet_and_experts_split_match_one_device(tp_worker, tiny_qwen3_next):
-    layouts = [{}, {"tensor_parallel_size": 2}]
-    _assert_same_as_one_device(_generate(tp_worker, tiny_qwen3_next, layouts))
-
-
 def test_mamba2_groups_copied_and_split_match_one_device(tp_worker, tmp_path_factory):
-    # One group over 2 ranks (copied), under the Pallas SSD kernel (interpreted) per device too; and
-    # Falcon-H1's 2 groups over 4 ranks beside its attention heads.
-    mamba2 = _save(tmp_path_factory, "tp_mamba2", "Mamba2Config", "Mamba2ForCausalLM", MAMBA2)
-    layouts = [{}, {"tensor_parallel_size": 2, "attention_backend": "pallas"}]
-    _assert_same_as_one_device(_generate(tp_worker, mamba2, layouts))
+    # Falcon-H1's 2 groups over 4 ranks (each copied once), its multipliers regrouped with in_proj, the
+    # attention beside it, under the Pallas kernels (attention, the SSD's chunk terms) per device.
     falcon = _save(tmp_path_factory, "tp_falcon_h1", "FalconH1Config", "FalconH1ForCausalLM", FALCON_H1)
-    _assert_same_as_one_device(_generate(tp_worker, falcon, [{}, {"tensor_parallel_size": 4}]))
-    shards = tp_worker.run("param_shards", mamba2, {"tensor_parallel_size": 2})
-    # in_proj: per group z (32), x (32), B (8), C (8), dt (4), two groups -> 168 outputs, 84 a rank.
-    assert shards["layers/mixer/in_proj/kernel"] == [[2, 32, 168], [2, 32, 84]]
-    assert shards["layers/mixer/conv1d/weight"] == [[2, 96, 1, 4], [2, 48, 1, 4]]  # per group x, B, C
+    layouts = [{}, {"tensor_parallel_size": 4, "attention_backend": "pallas"}]
+    _assert_same_as_one_device(_generate(tp_worker, falcon, layouts))
+    shards = tp_worker.run("param_shards", falcon, {"tensor_parallel_size": 4})
+    # in_proj: per group z (16), x (16), B (8), C (8), dt (2); 4 groups (2 copied twice) -> 200, 50 a rank.
+    mamba = "parallel_layers_0/mamba"
+    assert shards[f"{mamba}/in_proj/kernel"] == [[2, 32, 200], [2, 32, 50]]
+    assert shards[f"{mamba}/conv1d/weight"] == [[2, 128, 1, 4], [2, 32, 1, 4]]  # per group x, B, C
 
 
 def test_indivisible_heads_groups_and_mamba_v1_are_clear_errors(tp_worker, tiny_qwen3_5, tmp_path):

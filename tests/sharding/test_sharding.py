@@ -205,3 +205,24 @@ def test_an_engine_on_a_trainers_mesh_takes_its_arrays_device_to_device(tp_worke
     out = tp_worker.run("update_weights_on_mesh", tiny_llama_2kv, {"other_dir": other, "num_devices": 2})
     assert out["devices"] == [0, 1]
     assert out["after"] == out["fresh"] and out["after"] != out["before"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory):
+    from helpers.tiny_vlm import save_tiny_llava
+
+    return save_tiny_llava(str(tmp_path_factory.mktemp("tp_llava")))
+
+
+def test_vision_language_model_under_tensor_parallelism_matches_one_device(tp_worker, tiny_llava):
+    # LLaVA at TP 4: the CLIP tower's heads and MLP, the projector and the decoder split over the mesh,
+    # the images encoded by the sharded encoder program; prompts with one image, two, and none.
+    results = tp_worker.run("generate_images", tiny_llava, [{}, {"tensor_parallel_size": 4}])
+    assert_same_as_first(results)
+    shards = tp_worker.run("param_shards", tiny_llava, {"tensor_parallel_size": 4})
+    tower = "vision_tower/layers/0"
+    assert shards[f"{tower}/self_attn/q_proj/kernel"] == [[32, 32], [32, 8]]  # 4 heads, one a device
+    assert shards[f"{tower}/self_attn/out_proj/kernel"] == [[32, 32], [8, 32]]
+    assert shards[f"{tower}/mlp/fc1/kernel"] == [[32, 64], [32, 16]]
+    assert shards["multi_modal_projector/linear_2/kernel"] == [[64, 64], [16, 64]]
+    assert shards["vision_tower/embeddings/patch_embedding/weight"] == [[32, 3, 8, 8]] * 2  # whole

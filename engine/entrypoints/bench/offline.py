@@ -26,7 +26,7 @@ import statistics
 import time
 
 from xlaserve.entrypoints.arg_utils import engine_kwargs
-from xlaserve.entrypoints.bench import data_parallel, pooling, speculative
+from xlaserve.entrypoints.bench import data_parallel, pooling, roofline, speculative
 from xlaserve.entrypoints.bench.lora import bench_lora, is_lora_bench, parse_ranks, print_lora
 
 logger = logging.getLogger(__name__)
@@ -301,6 +301,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         results["ratio_tpot_sync_over_async"] = sync["tpot_s"]["mean"] / asyn["tpot_s"]["mean"]
     else:
         results["xlaserve"] = run_xlaserve(llm, prompts, args.output_len, batch)
+    if args.roofline:
+        results["roofline"] = roofline.measure(llm, results["xlaserve"], is_batch_1=not batch)
     if args.backend == "hf":
         hf = _load_hf(args.model, args.hf_dtype)
         results["hf_dtype"] = args.hf_dtype
@@ -314,6 +316,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _print(results)
     if "lora_bench" in results:
         print_lora(results)
+    if "roofline" in results:
+        roofline.print_roofline(results["roofline"])
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)
@@ -441,6 +445,12 @@ def add_parser(sub, add_engine_args):
             action="store_true",
             help="with --speculative-config: also run each prompt alone on the same engine without it, "
             "paired in this process, and report the TPOT ratio",
+        )
+        b.add_argument(
+            "--roofline",
+            action="store_true",
+            help="also time the weights' read at the device's copy bandwidth and report TPOT over it "
+            "(a decode step's floor; use short prompts, --input-len 16)",
         )
         b.add_argument("--output-json", default=None)
         b.add_argument(
