@@ -297,3 +297,57 @@ def engine_prefill_logits(llm: LLM, ids: list[int], first_chunk: int, block_ids=
         hidden, _, cache = runner.forward(cache, batch)
         logits.append(np.asarray(_logits(runner.graphdef, runner.params, hidden))[: stop - start])
     return np.concatenate(logits)
+
+
+HYBRID_VOCAB = 101
+# Tiny hybrid configs (tests/models/test_qwen3_5.py, tests/sharding/test_hybrid_tensor_parallel.py).
+QWEN3_5_TEXT = dict(
+    vocab_size=HYBRID_VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention"] * 2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+FALCON_H1_TEXT = dict(
+    vocab_size=HYBRID_VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    mamba_d_ssm=32,  # not expand * hidden_size (64): the mixer's own width
+    mamba_n_heads=4,
+    mamba_d_state=8,
+    mamba_n_groups=2,
+    mamba_d_conv=4,
+    mamba_chunk_size=8,
+    # muP multipliers, none of them 1, so that each one shows.
+    embedding_multiplier=2.0,
+    lm_head_multiplier=0.5,
+    key_multiplier=0.7,
+    attention_in_multiplier=1.3,
+    attention_out_multiplier=0.8,
+    ssm_in_multiplier=1.2,
+    ssm_out_multiplier=0.9,
+    ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+    mlp_multipliers=[1.5, 0.6],
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)

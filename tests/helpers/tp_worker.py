@@ -297,9 +297,14 @@ def generate(model_dir: str, layouts: list[dict]) -> list:
 
     prompts = ["The capital of France is", "def f(x):", "One two three four five six seven", "Hi"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    return _greedy_under_layouts(lambda layout: small_llm(model_dir, layout), layouts, prompts, params)
+
+
+def _greedy_under_layouts(make_llm, layouts: list[dict], prompts, params) -> list:
+    """Each layout's engine (`make_llm(layout)`, one at a time): its tokens and top logprobs."""
     results = []
     for layout in layouts:
-        llm = small_llm(model_dir, layout)
+        llm = make_llm(layout)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append(
             {
@@ -328,24 +333,9 @@ def generate_images(model_dir: str, layouts: list[dict]) -> list:
         {"prompt": "No image here, only text."},
     ]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
-    results = []
-    for layout in layouts:
-        # Only the programs these requests run (the module's engines warm up every bucket).
-        llm = LLM(
-            model_dir, **{**ENGINE_ARGS, "strict_compile_guard": False, "enforce_eager": True, **layout}
-        )
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        results.append(
-            {
-                "layout": layout,
-                "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                "logprobs": [
-                    [max(lp.logprob for lp in d.values()) for d in o.outputs[0].logprobs] for o in outs
-                ],
-            }
-        )
-        del llm
-    return results
+    # Only the programs these requests run (the module's engines warm up every bucket).
+    args = {**ENGINE_ARGS, "strict_compile_guard": False, "enforce_eager": True}
+    return _greedy_under_layouts(lambda layout: LLM(model_dir, **args, **layout), layouts, prompts, params)
 
 
 def update_weights(model_dir: str, arg: dict) -> dict:

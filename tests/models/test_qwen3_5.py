@@ -18,7 +18,9 @@ import transformers
 
 from helpers.family_cases import (
     ENGINE_ARGS,
+    FALCON_H1_TEXT,
     NUM_GREEDY,
+    QWEN3_5_TEXT,
     assert_greedy_and_prompt_logprobs_match,
     hf_greedy,
     one_torch_thread,  # noqa: F401 - an autouse fixture
@@ -31,26 +33,7 @@ from helpers.family_cases import (
 from xlaserve import LLM, SamplingParams
 
 VOCAB = 101
-CONFIG = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    layer_types=["linear_attention", "full_attention"] * 2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+CONFIG = QWEN3_5_TEXT
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True)
 
 
@@ -244,34 +227,7 @@ def test_qwen3_5_moe_matches_hugging_face(tmp_path):
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p) for p in batch]
 
 
-FALCON_H1 = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    mamba_d_ssm=32,  # not expand * hidden_size (64): the mixer's own width
-    mamba_n_heads=4,
-    mamba_d_state=8,
-    mamba_n_groups=2,
-    mamba_d_conv=4,
-    mamba_chunk_size=8,
-    # muP multipliers, none of them 1, so that each one shows.
-    embedding_multiplier=2.0,
-    lm_head_multiplier=0.5,
-    key_multiplier=0.7,
-    attention_in_multiplier=1.3,
-    attention_out_multiplier=0.8,
-    ssm_in_multiplier=1.2,
-    ssm_out_multiplier=0.9,
-    ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
-    mlp_multipliers=[1.5, 0.6],
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+FALCON_H1 = FALCON_H1_TEXT
 
 
 @pytest.mark.parametrize(

@@ -13,55 +13,28 @@ import pytest
 import torch
 import transformers
 
-from helpers.family_cases import randomize_weights, save_hf_model
+from helpers.family_cases import FALCON_H1_TEXT, HYBRID_VOCAB, QWEN3_5_TEXT, randomize_weights, save_hf_model
 
-VOCAB = 97
+VOCAB = HYBRID_VOCAB
 # Four key heads (two value heads each), so TP 4 gives each rank one key head; 8 query heads over 2
 # KV heads (repeated under TP 4). The layers alternate linear attention and full attention.
 QWEN3_5 = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    layer_types=["linear_attention", "full_attention"] * 2,
+    QWEN3_5_TEXT,
     num_attention_heads=8,
-    num_key_value_heads=2,
     head_dim=16,  # the Pallas attention kernel's smallest
     linear_num_key_heads=4,
     linear_num_value_heads=8,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
 )
 # Falcon-H1: attention and Mamba2 side by side in every layer, muP multipliers on in_proj's five
 # parts (regrouped with them), 2 groups: under TP 4 each is copied once (4 groups of 2 heads).
 FALCON_H1 = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,  # the Pallas attention kernel's smallest
+    FALCON_H1_TEXT,
+    head_dim=16,
     mamba_d_ssm=64,
     mamba_n_heads=8,
     mamba_d_head=8,
-    mamba_d_state=8,
-    mamba_n_groups=2,
-    mamba_d_conv=4,
-    mamba_chunk_size=16,
-    mamba_rms_norm=True,
+    mamba_rms_norm=True,  # the gated norm over the checkpoint's groups: each spans two ranks
     mamba_norm_before_gate=True,
-    ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
-    ssm_in_multiplier=1.2,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
 )
 # Prompts of 40 and 70 tokens prefill in chunks (the worker's engines take 32 tokens a step): the
 # recurrent state and the conv inputs cross the chunks, sharded.
