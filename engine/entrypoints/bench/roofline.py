@@ -12,16 +12,15 @@ the steps are decodes; at batch 64 the ratio shows what the batch adds on top of
 
 from __future__ import annotations
 
-import jax
-
-from xlaserve.kernels.backend import GPU_PLATFORMS
-
 BATCH_1_TARGET = 1.15  # a batch-1 decode step's time over the weights' read time, on a GPU
 
 
 def measure(llm, run: dict, is_batch_1: bool) -> dict:
     """The roofline figures of `run` (a `run_xlaserve` report) on `llm`'s device."""
+    import jax  # here, not at import: the CLI starts without jax (tests/layout/test_install.py)
+
     from xlaserve.entrypoints.bench.attention import copy_bandwidth
+    from xlaserve.kernels.backend import GPU_PLATFORMS
 
     on_gpu = jax.default_backend() in GPU_PLATFORMS
     bandwidth, how = copy_bandwidth(2**30 if on_gpu else 2**26, min_seconds=1.0 if on_gpu else 0.2)
