@@ -219,7 +219,23 @@ def _hf_shape(path, shape, stacks, cfg, hf_cfg, padded_vocab) -> tuple[int, ...]
     if cfg.num_kv_heads != hf_cfg.num_kv_heads and path[-2] in ("k_proj", "v_proj"):
         axis = 0 if path[-1] == "kernel" else -1
         shape[axis] = shape[axis] // cfg.num_kv_heads * hf_cfg.num_kv_heads
+    # Mamba2's B and C groups copied under tensor parallelism (models/mamba2.py group_copies): in_proj's
+    # outputs and the conv's channels are that much wider than the checkpoint's.
+    copied = _conv_channels(cfg) - _conv_channels(hf_cfg)
+    if copied and path[-3:-1] in (
+        ("mixer", "in_proj"),
+        ("mamba", "in_proj"),
+        ("mixer", "conv1d"),
+        ("mamba", "conv1d"),
+    ):
+        shape[0] -= copied
     return tuple(shape)
+
+
+def _conv_channels(cfg) -> int:
+    """A Mamba2 mixer's conv channels, B and C copies included (0 for a family without one)."""
+    mamba = getattr(cfg, "mamba", None)
+    return getattr(cfg if mamba is None else mamba, "conv_dim", 0)
 
 
 def _write(old: jax.Array, parts: list[tuple[int | None, object]], dtype) -> jax.Array:

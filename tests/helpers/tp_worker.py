@@ -339,15 +339,16 @@ def generate_images(model_dir: str, layouts: list[dict]) -> list:
 
 
 def update_weights(model_dir: str, arg: dict) -> dict:
-    """arg: {"other_dir", "layout"}: an engine on `model_dir` under `layout` takes `other_dir`'s tensors
-    by `update_weights` (KV heads repeated, vocabulary padded, shards placed as a load would): its
-    greedy ids, before and after, and a fresh engine's on `other_dir`."""
+    """arg: {"other_dir", "layout"[, "prompts"]}: an engine on `model_dir` under `layout` takes
+    `other_dir`'s tensors by `update_weights` (KV heads repeated, vocabulary padded, shards placed as a
+    load would): its greedy ids, before and after, and a fresh engine's on `other_dir`."""
     from safetensors.numpy import load_file
 
     from xlaserve import LLM, SamplingParams
     from xlaserve.worker.compile_guard import num_compiles
 
-    prompts = [{"prompt_token_ids": [5, 17, 33, 4, 60, 8, 21]}, {"prompt_token_ids": [200, 9, 31, 250, 2]}]
+    ids_of = arg.get("prompts", [[5, 17, 33, 4, 60, 8, 21], [200, 9, 31, 250, 2]])
+    prompts = [{"prompt_token_ids": p} for p in ids_of]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     args = dict(
         dtype="float32", max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, enforce_eager=True

@@ -42,10 +42,12 @@ PROMPT_LENGTHS = (5, 40, 19, 70)
 GREEDY = dict(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
 
 
-def _save(tmp_path_factory, name: str, config_class: str, architecture: str, config: dict) -> str:
+def _save(
+    tmp_path_factory, name: str, config_class: str, architecture: str, config: dict, seed: int = 3
+) -> str:
     hf_config = getattr(transformers, config_class)(**config)
     hf_config.architectures = [architecture]
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     norm_center = 0.0 if architecture.startswith("Qwen") else 1.0  # Qwen3.5's norms scale by 1 + w
     model = randomize_weights(getattr(transformers, architecture)(hf_config).eval(), norm_center=norm_center)
     return save_hf_model(model, tmp_path_factory.mktemp(name))
@@ -115,6 +117,16 @@ def test_mamba2_groups_copied_and_split_match_one_device(tp_worker, tmp_path_fac
     mamba = "parallel_layers_0/mamba"
     assert shards[f"{mamba}/in_proj/kernel"] == [[2, 32, 200], [2, 32, 50]]
     assert shards[f"{mamba}/conv1d/weight"] == [[2, 128, 1, 4], [2, 32, 1, 4]]  # per group x, B, C
+    # A trainer's checkpoint-shaped in_proj and conv (no copies) taken by update_weights, regrouped and
+    # copied as a load would: the tokens of a fresh engine on it.
+    other = _save(
+        tmp_path_factory, "tp_falcon_h1_b", "FalconH1Config", "FalconH1ForCausalLM", FALCON_H1, seed=4
+    )
+    layout = {"tensor_parallel_size": 4}
+    out = tp_worker.run(
+        "update_weights", falcon, {"other_dir": other, "layout": layout, "prompts": [[5, 17, 33, 60]]}
+    )
+    assert out["after"] == out["fresh"] and out["after"] != out["before"]
 
 
 def test_indivisible_heads_groups_and_mamba_v1_are_clear_errors(tp_worker, tiny_qwen3_5, tmp_path):
