@@ -10,6 +10,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from xlaserve.kernels.ssd import copy_slot_rows
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,7 @@ class HybridCacheSpec:
         int, int, int
     ]  # one layer's state: Gated DeltaNet's [Hv, Dk, Dv], Mamba2's [H, P, N]
     num_state_slots: int = 0
+    num_state_snapshots: int = 0  # of the slots, those for prefix-cache snapshots
     cache_class: type = HybridCache
     fixed_num_tokens: int | None = None
     layer_kind = "hybrid"  # the host's bookkeeping kind (worker/kv_cache_groups.py)
@@ -54,9 +57,24 @@ class HybridCacheSpec:
     def num_arrays(self) -> int:
         return 4
 
-    def with_max_num_seqs(self, max_num_seqs: int) -> HybridCacheSpec:
-        """A state slot per request that can run, and the null slot."""
-        return dataclasses.replace(self, num_state_slots=max_num_seqs + 1)
+    def with_max_num_seqs(self, max_num_seqs: int, num_state_snapshots: int = 0) -> HybridCacheSpec:
+        """A state slot per request that can run, the null slot, and `num_state_snapshots` slots for
+        the prefix cache's snapshots."""
+        return dataclasses.replace(
+            self,
+            num_state_slots=max_num_seqs + 1 + num_state_snapshots,
+            num_state_snapshots=num_state_snapshots,
+        )
+
+    def copy_state_slots(self, cache: HybridCache, src: jax.Array, dst: jax.Array) -> HybridCache:
+        """Every state layer's conv inputs and recurrent state of slot src[i] written to slot dst[i]
+        (prefix-cache snapshots); the K/V untouched."""
+        num_layers = len(self.state_layers)
+        return dataclasses.replace(
+            cache,
+            conv=copy_slot_rows(cache.conv, num_layers, src, dst),
+            recurrent=copy_slot_rows(cache.recurrent, num_layers, src, dst),
+        )
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """The K (and V) array's."""

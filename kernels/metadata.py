@@ -76,9 +76,9 @@ class KVCacheSpec:
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         return (self.num_layers * num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def with_max_num_seqs(self, max_num_seqs: int):
+    def with_max_num_seqs(self, max_num_seqs: int, num_state_snapshots: int = 0):
         """The spec for an engine running up to `max_num_seqs` requests: the same (its blocks are
-        sized by the budget alone)."""
+        sized by the budget alone; it keeps no state to snapshot)."""
         return self
 
     def fixed_bytes(self, itemsize: int) -> int:

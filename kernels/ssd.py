@@ -58,10 +58,14 @@ class StateCacheSpec:
             (rows, self.num_heads, self.head_dim, self.state_size),
         )
 
-    def with_max_num_seqs(self, max_num_seqs: int):
-        """The spec for an engine running up to `max_num_seqs` requests: the same (its blocks are
-        sized by the budget alone)."""
+    def with_max_num_seqs(self, max_num_seqs: int, num_state_snapshots: int = 0):
+        """The spec for an engine running up to `max_num_seqs` requests: the same (its slots, and the
+        prefix cache's snapshots, are blocks of the pool sized by the budget alone)."""
         return self
+
+    def copy_state_slots(self, cache: MambaCache, src: jax.Array, dst: jax.Array) -> MambaCache:
+        """Every layer's state of slot src[i] written to slot dst[i] (prefix-cache snapshots)."""
+        return MambaCache(*(copy_slot_rows(a, self.num_layers, src, dst) for a in (cache.conv, cache.ssm)))
 
     def fixed_bytes(self, itemsize: int) -> int:
         """Bytes taken from the budget before blocks are counted: none."""
@@ -75,6 +79,14 @@ class StateCacheSpec:
     def allocate(self, num_blocks: int, block_size: int, zeros) -> MambaCache:
         conv, ssm = self.shapes(num_blocks)
         return MambaCache(zeros(conv, kind="conv_state"), zeros(ssm, kind="recurrent_state"))
+
+
+def copy_slot_rows(array: jax.Array, num_layers: int, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """A state array of rows layer * num_slots + slot ([num_layers * num_slots, ...]) with every layer's
+    row of slot src[i] copied to slot dst[i]. Pairs (0, 0) pad a fixed-size list: slot 0, the null
+    slot, copied onto itself."""
+    rows = array.reshape(num_layers, array.shape[0] // num_layers, *array.shape[1:])
+    return rows.at[:, dst].set(rows[:, src]).reshape(array.shape)
 
 
 def _size(shape: tuple[int, ...]) -> int:

@@ -5,11 +5,19 @@ module turns that into blocks for each group of layers, by the group's kind (cor
 one manager per group, each holding its requests' block lists. A model with one full-attention group
 (every model before state and windowed groups) has one `GroupBlocks`, whose lists are the
 request's block table exactly as before.
+
+A state group (`StateGroupBlocks`) serves prefix hits through snapshots: a step whose chunk ends on a
+block boundary of the prompt copies the request's live slot into a snapshot slot after its forward,
+indexed under that block's hash once the step's output is applied; a later request whose prefix ends
+there gets a live slot of its own and the snapshot copied into it before its first forward (the
+`StateCopy` the step carries to the runner). A hit is then the longest prefix every group holds that
+ends where a snapshot was taken.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from xlaserve.core.block_pool import BlockPool, KVCacheBlock
 from xlaserve.core.kv_cache_spec import CacheGroupSpec, KVCacheGroup
@@ -38,6 +46,12 @@ class GroupBlocks:
         """Blocks to take from the pool so the request holds `num_slots` slots."""
         num_held = len(self.req_to_blocks.get(request_id, ()))
         return max(self.spec.num_blocks(num_slots) - num_held - num_hit_blocks, 0)
+
+    def num_pool_blocks(self, request_id: str, num_slots: int, hits: Sequence[KVCacheBlock]) -> int:
+        """Free blocks of its pool the allocation consumes: the new ones, and hits on free blocks (a
+        hit on a block with no owner takes it off the free queue)."""
+        num_new = self.num_new_blocks(request_id, num_slots, len(hits))
+        return num_new + sum(1 for block in hits if block.ref_cnt == 0)
 
     def remove_dead_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Return the blocks no later query of the request reads (a sliding window's) to the pool."""
@@ -78,13 +92,140 @@ class GroupBlocks:
 
     def block_ids(self, request_id: str) -> list[int]:
         """The block table the runner indexes by position // block_size."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def cache_blocks(
+        self, request_id: str, block_hashes: Sequence[bytes], num_hit_blocks: int, num_full_blocks: int
+    ) -> None:
+        """Index the request's blocks that are full once this step runs, under this group's keys."""
+        blocks = self.req_to_blocks[request_id]
+        num_cached = max(self.num_cached_blocks.get(request_id, 0), num_hit_blocks)
+        keyed = group_hashes(block_hashes, self.group_id)
+        self.pool.cache_full_blocks(blocks, keyed, num_cached, num_full_blocks)
+        self.num_cached_blocks[request_id] = max(num_cached, num_full_blocks)
+
+
+@dataclass
+class StateCopy:
+    """One step's copies of one request's state slots, which the runner makes around the forward:
+    `source` (a snapshot, the prefix hit) into the live slot before it, and the live slot into `target`
+    (a new snapshot of the state after `target_key`'s block) after it. Settled (`StateGroupBlocks.settle`)
+    when the step's output is applied, or dropped when the request leaves the step unrun."""
+
+    live: KVCacheBlock
+    source: KVCacheBlock | None = None
+    target: KVCacheBlock | None = None
+    target_key: bytes | None = None
+
+    @property
+    def copy_in(self) -> tuple[int, int] | None:
+        """(snapshot slot, live slot) before the forward, or None."""
+        return None if self.source is None else (self.source.block_id, self.live.block_id)
+
+    @property
+    def copy_out(self) -> tuple[int, int] | None:
+        """(live slot, snapshot slot) after the forward, or None."""
+        return None if self.target is None else (self.live.block_id, self.target.block_id)
+
+
+class StateGroupBlocks(GroupBlocks):
+    """A state group: one live slot per request, whatever its length, and snapshots of live slots at
+    block boundaries, cached in the group's pool like blocks (evicted least recently used first).
+
+    A snapshot slot is held (ref 1) from the step that fills it until that step's output is applied,
+    so nothing reuses it before the copy ran; a hit's snapshot is held the same way while it is copied.
+    Snapshots are best effort: one is taken only when it leaves a live slot for every request that may
+    still start (`spec.num_live_slots`), and never makes an allocation fail."""
+
+    def __init__(self, spec: CacheGroupSpec, pool: BlockPool, group_id: int):
+        super().__init__(spec, pool, group_id)
+        # Copies decided by allocations of the step being scheduled, until the scheduler takes them.
+        self.pending: dict[str, StateCopy] = {}
+
+    def num_new_blocks(self, request_id: str, num_slots: int, num_hit_blocks: int) -> int:
+        """A live slot, unless the request holds one (a hit's snapshot is copied, never shared)."""
+        return 1 if num_slots > 0 and request_id not in self.req_to_blocks else 0
+
+    def num_pool_blocks(self, request_id: str, num_slots: int, hits: Sequence[KVCacheBlock]) -> int:
+        num_new = self.num_new_blocks(request_id, num_slots, len(hits))
+        return num_new + (1 if hits and hits[-1].ref_cnt == 0 else 0)
+
+    def allocate(
+        self, request_id: str, num_slots: int, hit_blocks: Sequence[KVCacheBlock]
+    ) -> list[KVCacheBlock]:
+        """A live slot for a request that holds none; a hit's snapshot (`hit_blocks[-1]`: the hit
+        repeats it once per block) is held and copied into it before the step's forward."""
+        self.num_slots[request_id] = max(num_slots, self.num_slots.get(request_id, 0))
+        if not self.num_new_blocks(request_id, num_slots, 0):
+            return []
+        source = hit_blocks[-1] if hit_blocks else None
+        if source is not None:
+            self.pool.touch([source])
+        new_blocks = self.pool.get_new_blocks(1)
+        self.req_to_blocks[request_id] = new_blocks
+        if source is not None:
+            self.pending[request_id] = StateCopy(new_blocks[0], source=source)
+        return list(new_blocks)
+
+    def longest_snapshot(
+        self, block_hashes: Sequence[bytes], max_num_blocks: int
+    ) -> tuple[int, KVCacheBlock | None]:
+        """(the longest k <= max_num_blocks such that a snapshot after block k - 1 is cached, that
+        snapshot), or (0, None)."""
+        keyed = group_hashes(block_hashes, self.group_id)
+        for num_blocks in range(max_num_blocks, 0, -1):
+            block = self.pool.get_cached_block(keyed[num_blocks - 1])
+            if block is not None:
+                return num_blocks, block
+        return 0, None
+
+    def take_snapshot(self, request_id: str, block_hashes: Sequence[bytes], num_blocks: int) -> None:
+        """Copy the request's live slot, once this step's forward has run, into a snapshot of its
+        first `num_blocks` blocks (unless one is cached, or no slot is spare)."""
+        key = group_hashes(block_hashes, self.group_id)[num_blocks - 1]
+        if self.pool.get_cached_block(key) is not None or not self._has_spare_slot():
+            return
+        copy = self.pending.setdefault(request_id, StateCopy(self.req_to_blocks[request_id][0]))
+        if copy.target is None:
+            copy.target, copy.target_key = self.pool.get_new_blocks(1)[0], key
+
+    def _has_spare_slot(self) -> bool:
+        free = self.pool.get_num_free_blocks()
+        if self.spec.num_live_slots is None:  # the shared pool: keep one block for the next allocation
+            return free >= 2
+        return free - 1 >= self.spec.num_live_slots - len(self.req_to_blocks)
+
+    def take_copy(self, request_id: str) -> StateCopy | None:
+        """The copies this step makes for the request (the scheduler hands them to the runner)."""
+        return self.pending.pop(request_id, None)
+
+    def settle(self, copy: StateCopy, ran: bool) -> None:
+        """The step carrying `copy` ran (`ran`: the request's rows were real) or was dropped: release
+        the hit's snapshot, and index the new snapshot if it was written, else free it unindexed."""
+        if copy.source is not None:
+            self.pool.free_blocks([copy.source])
+        if copy.target is not None:
+            if ran and self.pool.get_cached_block(copy.target_key) is None:
+                self.pool.cache_full_blocks([copy.target], [copy.target_key], 0, 1)
+            self.pool.free_blocks([copy.target])
+
+    def free(self, request_id: str, num_valid_tokens: int | None) -> None:
+        copy = self.pending.pop(request_id, None)  # allocated, never scheduled: nothing ran
+        if copy is not None:
+            self.settle(copy, ran=False)
+        super().free(request_id, None)  # a live slot is never indexed
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The live slot once per block_size tokens: the runner's slot mapping stays in the slot's own
+        range (a state layer ignores it) and the table's first column is the slot."""
         blocks = self.req_to_blocks.get(request_id, [])
-        if self.spec.holds_state and blocks:
-            # One slot for every position: the runner's slot mapping stays in the slot's own range
-            # (a state layer ignores it) and the table's first column is the slot.
-            num_table_blocks = max(cdiv(self.num_slots.get(request_id, 0), self.spec.block_size), 1)
-            return [blocks[0].block_id] * num_table_blocks
-        return [block.block_id for block in blocks]
+        if not blocks:
+            return []
+        num_table_blocks = max(cdiv(self.num_slots.get(request_id, 0), self.spec.block_size), 1)
+        return [blocks[0].block_id] * num_table_blocks
+
+    def cache_blocks(self, request_id, block_hashes, num_hit_blocks, num_full_blocks) -> None:
+        """A live slot changes every step: only snapshots are indexed (`take_snapshot`)."""
 
 
 class KVCacheCoordinator:
@@ -97,9 +238,13 @@ class KVCacheCoordinator:
         self.groups = tuple(groups)
         self.pool = pool
         self.managers = [
-            GroupBlocks(group.spec, _group_pool(group.spec, pool), index)
+            (StateGroupBlocks if group.spec.holds_state else GroupBlocks)(
+                group.spec, _group_pool(group.spec, pool), index
+            )
             for index, group in enumerate(self.groups)
         ]
+        # The group whose live slots the step's state layers read (None: a model without one).
+        self.state_manager = next((m for m in self.managers if isinstance(m, StateGroupBlocks)), None)
 
     @property
     def num_groups(self) -> int:
@@ -116,22 +261,20 @@ class KVCacheCoordinator:
         (a hit on a block with no owner takes it off the free queue)."""
         total = 0
         for manager, group_hits in zip(self.managers, hits):
-            num_new = manager.num_new_blocks(request_id, num_slots, len(group_hits))
+            num_taken = manager.num_pool_blocks(request_id, num_slots, group_hits)
             if manager.pool is not self.pool:  # its own slots: none free means no allocation now
-                if num_new > manager.pool.get_num_free_blocks():
+                if num_taken > manager.pool.get_num_free_blocks():
                     return self.pool.num_blocks + 1
                 continue
-            total += num_new
-            total += sum(1 for block in group_hits if block.ref_cnt == 0)
+            total += num_taken
         return total
 
     def state_slot(self, request_id: str) -> int:
-        """The request's state slot in the first group that keeps a state (0, the null slot, if none)."""
-        for manager in self.managers:
-            if manager.spec.holds_state:
-                blocks = manager.req_to_blocks.get(request_id)
-                return blocks[0].block_id if blocks else 0
-        return 0
+        """The request's live state slot (0, the null slot, for a model without state layers)."""
+        if self.state_manager is None:
+            return 0
+        blocks = self.state_manager.req_to_blocks.get(request_id)
+        return blocks[0].block_id if blocks else 0
 
     def allocate(
         self, request_id: str, num_slots: int, hits: Sequence[Sequence[KVCacheBlock]]
@@ -147,40 +290,44 @@ class KVCacheCoordinator:
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_num_hit_blocks: int
-    ) -> tuple[list[KVCacheBlock], ...]:
-        """Per group, the cached blocks of the longest prefix every group holds. A group's blocks
-        are indexed under their own keys (`group_hashes`), so groups never hit each other's blocks."""
-        hits = []
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """(per group, the cached blocks of the longest prefix every group holds; the blocks of the
+        longest prefix the groups of blocks hold, which a state group may cut short). A group's blocks
+        are indexed under their own keys (`group_hashes`), so groups never hit each other's blocks. A
+        state group's hit is its snapshot, once per block of the prefix."""
+        hits: list = [None] * len(self.managers)
         num_hit = max_num_hit_blocks
-        for manager in self.managers:
+        for index, manager in enumerate(self.managers):
+            if manager is self.state_manager:
+                continue
             keyed = group_hashes(block_hashes, manager.group_id)
             group_hits = []
-            for index in range(num_hit):
-                block = self.pool.get_cached_block(keyed[index])
+            for position in range(num_hit):
+                block = manager.pool.get_cached_block(keyed[position])
                 if block is None:
                     break
                 group_hits.append(block)
             num_hit = len(group_hits)
-            hits.append(group_hits)
-        return tuple(group_hits[:num_hit] for group_hits in hits)
+            hits[index] = group_hits
+        num_prefix_blocks = num_hit
+        if self.state_manager is not None:
+            num_hit, snapshot = self.state_manager.longest_snapshot(block_hashes, num_hit)
+            hits[self.state_manager.group_id] = [snapshot] * num_hit
+        return tuple(group_hits[:num_hit] for group_hits in hits), num_prefix_blocks
 
     def cache_blocks(
         self, request_id: str, block_hashes: Sequence[bytes], num_hit_blocks: int, num_full_blocks: int
     ):
         """Index each group's blocks of the request that are full once this step runs."""
         for manager in self.managers:
-            blocks = manager.req_to_blocks[request_id]
-            num_cached = max(manager.num_cached_blocks.get(request_id, 0), num_hit_blocks)
-            self.pool.cache_full_blocks(
-                blocks, group_hashes(block_hashes, manager.group_id), num_cached, num_full_blocks
-            )
-            manager.num_cached_blocks[request_id] = max(num_cached, num_full_blocks)
+            manager.cache_blocks(request_id, block_hashes, num_hit_blocks, num_full_blocks)
 
 
 def _group_pool(spec: CacheGroupSpec, shared: BlockPool) -> BlockPool:
-    """The pool a group draws from: its own when its spec sizes one (a hybrid model's state slots)."""
+    """The pool a group draws from: its own when its spec sizes one (a hybrid model's state slots,
+    which hold snapshots when the shared pool caches prefixes)."""
     num_slots = getattr(spec, "num_slots", None)
-    return shared if num_slots is None else BlockPool(num_slots, enable_caching=False)
+    return shared if num_slots is None else BlockPool(num_slots, enable_caching=shared.enable_caching)
 
 
 class _KeyedHashes(Sequence):

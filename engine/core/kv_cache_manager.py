@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from xlaserve.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from xlaserve.core.kv_cache_coordinator import KVCacheCoordinator
-from xlaserve.core.kv_cache_spec import (
-    KVCacheGroup,
-    context_blocks,
-    full_attention_groups,
-    prefix_caching_off_reason,
-)
+from xlaserve.core.kv_cache_coordinator import KVCacheCoordinator, StateCopy
+from xlaserve.core.kv_cache_spec import KVCacheGroup, context_blocks, full_attention_groups
 from xlaserve.core.limits import cdiv
 from xlaserve.core.multimodal import mm_block_keys
 from xlaserve.core.request import Request
 from xlaserve.pooling_params import TOKEN_TASKS
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,7 +58,8 @@ class KVCacheManager:
     ):
         """`on_evict`: BlockPool's eviction listener (a KV connector's `on_block_evicted`).
         `kv_cache_groups`: the model's layer groups (core/kv_cache_spec.py); None: one full-attention
-        group. A group that keeps a state turns prefix caching off (logged)."""
+        group. A group that keeps a state caches prefixes through snapshots of its state at block
+        boundaries (core/kv_cache_coordinator.py `StateGroupBlocks`)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         groups = tuple(kv_cache_groups or full_attention_groups(block_size, 1))
@@ -76,10 +69,6 @@ class KVCacheManager:
                     f"kv_cache_groups: a group's block_size ({group.spec.block_size}) must equal "
                     f"block_size ({block_size})"
                 )
-        off_reason = prefix_caching_off_reason(groups)
-        if enable_caching and off_reason is not None:
-            logger.info("%s", off_reason)
-            enable_caching = False
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -88,6 +77,12 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
         self.coordinator = KVCacheCoordinator(groups, self.block_pool)
         self.kv_cache_groups = groups
+        # A state group's snapshots are taken where a step ends, so its prompts' chunks end on the
+        # block boundaries a later request may hit (`align_chunk`).
+        self.snapshots_states = enable_caching and self.coordinator.state_manager is not None
+        # Where a request's prefix left the cached blocks' (a branch point of the prefix tree) while the
+        # snapshots reached less: its prefill stops there once, so the next such request hits it.
+        self._branch_points: dict[str, int] = {}
         # Blocks of block_size tokens one request's context may span (a state-only model: any length).
         self.num_context_blocks = context_blocks(groups, self.num_usable_blocks, max_model_len)
         self.prefix_cache_stats = PrefixCacheStats()
@@ -132,10 +127,30 @@ class KVCacheManager:
             return self._from_groups(tuple([] for _ in self.kv_cache_groups)), 0
         self._update_block_hashes(request)
         max_num_hit_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        hits = self.coordinator.find_longest_cache_hit(request.block_hashes, max_num_hit_blocks)
+        hits, num_prefix_blocks = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, max_num_hit_blocks
+        )
         num_hit_tokens = len(hits[0]) * self.block_size
+        if num_prefix_blocks > len(hits[0]):
+            self._branch_points[request.request_id] = num_prefix_blocks * self.block_size
         self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
         return self._from_groups(hits), num_hit_tokens
+
+    def align_chunk(self, request: Request, start: int, num_new_tokens: int) -> int:
+        """The tokens of a prefill chunk from `start`, cut so that it ends where a snapshot of a state
+        group is worth taking (snapshots are taken only where a step ends): at the request's branch
+        point (the end of the prefix it shares with cached requests), at the last block boundary
+        before the prompt's last token (the longest prefix a later request can hit), else on a block
+        boundary when the chunk stops short of the prompt. Unchanged without state snapshots."""
+        if not self.snapshots_states or skips_prefix_cache(request):
+            return num_new_tokens
+        end, bs = start + num_new_tokens, self.block_size
+        last = (request.num_prompt_tokens - 1) // bs * bs
+        for stop in (self._branch_points.get(request.request_id, 0), last):
+            if start < stop < end:
+                return stop - start
+        aligned = end // bs * bs
+        return aligned - start if start < aligned and end < request.num_prompt_tokens else num_new_tokens
 
     def allocate_slots(
         self,
@@ -179,7 +194,24 @@ class KVCacheManager:
             num_full_blocks = min(num_total_tokens, request.num_tokens) // self.block_size
             self._update_block_hashes(request)
             coordinator.cache_blocks(request.request_id, request.block_hashes, len(hits[0]), num_full_blocks)
+            if (
+                self.snapshots_states
+                and num_total_tokens % self.block_size == 0
+                and 0 < num_total_tokens <= request.num_prompt_tokens
+                and not skips_prefix_cache(request)
+            ):  # the state after a block of the prompt: a later request's hit
+                num_blocks = num_total_tokens // self.block_size
+                coordinator.state_manager.take_snapshot(request.request_id, request.block_hashes, num_blocks)
         return self._from_groups(new_blocks)
+
+    def take_state_copy(self, request_id: str) -> StateCopy | None:
+        """The state-slot copies the step being scheduled makes for the request (None: none)."""
+        manager = self.coordinator.state_manager
+        return None if manager is None else manager.take_copy(request_id)
+
+    def settle_state_copy(self, copy: StateCopy, ran: bool) -> None:
+        """The step carrying `copy` ran (`ran`: with the request's real rows) or never will."""
+        self.coordinator.state_manager.settle(copy, ran)
 
     def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
         """Release the request's blocks, tail first so a sequence's tail is evicted before its head.
@@ -189,6 +221,7 @@ class KVCacheManager:
         them leave the prefix-cache index so nobody hits unwritten slots.
         """
         self.coordinator.free(request.request_id, num_valid_tokens)
+        self._branch_points.pop(request.request_id, None)
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's blocks, in token order."""
@@ -230,6 +263,9 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. after weights change)."""
         is_reset = self.block_pool.reset_prefix_cache()
+        state_manager = self.coordinator.state_manager
+        if state_manager is not None and state_manager.pool is not self.block_pool:  # its snapshots
+            state_manager.pool.reset_prefix_cache()
         if is_reset:
             self.prefix_cache_stats.is_reset = True
         return is_reset

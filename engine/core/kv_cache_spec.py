@@ -14,8 +14,11 @@ draw their blocks from one `BlockPool`: a block id indexes the cache arrays of w
   state per request, whatever its length. One block (the request's state slot) for the request's
   whole life, overwritten in place by each step, freed with the request. A state-only model draws
   its slots from the shared pool; a hybrid model's state group (`num_slots` set: Qwen3.5's linear
-  attention beside its attention layers) has a pool of its own, one slot per request that can run,
-  since a slot is as large as hundreds of K/V blocks and cannot share their page size.
+  attention beside its attention layers) has a pool of its own, one slot per request that can run
+  (and, with prefix caching, as many snapshot slots), since a slot is as large as hundreds of K/V
+  blocks and cannot share their page size. A state serves a prefix hit through a snapshot: a copy of
+  the live slot taken when a step ends on a block boundary of the prompt (core/kv_cache_coordinator.py
+  `StateGroupBlocks`), indexed under that block's hash, copied into the next request's live slot.
 """
 
 from __future__ import annotations
@@ -31,8 +34,6 @@ class CacheGroupSpec:
 
     block_size: int  # tokens per block (the engine's, for every group)
 
-    # Blocks hold the K/V of the tokens they cover, so equal prefixes mean equal blocks.
-    is_prefix_cacheable = True
     holds_state = False
 
     def __post_init__(self):
@@ -78,16 +79,31 @@ class StateSpec(CacheGroupSpec):
 
     # Slots in the group's own pool (the null slot included), or None: slots are blocks of the shared pool.
     num_slots: int | None = None
+    # Of `num_slots`, those kept for prefix-cache snapshots (the rest: a live slot per request that can
+    # run, and the null slot). A snapshot never takes a slot a live request would need.
+    num_snapshot_slots: int = 0
 
-    # A state summarizes every token before it; reusing it needs a snapshot at the very position of
-    # the hit (vLLM keeps them at block boundaries), which this cache does not take yet.
-    is_prefix_cacheable = False
+    # A state summarizes every token before it, so a prefix hit needs a snapshot taken at the very
+    # position of the hit: snapshots are taken at block boundaries (vLLM's), and a hit is the longest
+    # cached prefix that ends on one (core/kv_cache_coordinator.py `StateGroupBlocks`).
     holds_state = True
 
     def __post_init__(self):
         super().__post_init__()
         if self.num_slots is not None and self.num_slots < 2:
             raise ValueError(f"num_slots must be >= 2 (slot 0 is the null slot), got {self.num_slots}")
+        if self.num_snapshot_slots and (
+            self.num_slots is None or self.num_snapshot_slots >= self.num_slots - 1
+        ):
+            raise ValueError(
+                f"num_snapshot_slots ({self.num_snapshot_slots}) must leave a live slot in num_slots "
+                f"({self.num_slots})"
+            )
+
+    @property
+    def num_live_slots(self) -> int | None:
+        """Slots kept for running requests in the group's own pool (None: the shared pool's blocks)."""
+        return None if self.num_slots is None else self.num_slots - 1 - self.num_snapshot_slots
 
     def num_blocks(self, num_tokens: int) -> int:
         return 1 if num_tokens > 0 else 0
@@ -104,17 +120,6 @@ class KVCacheGroup:
 def full_attention_groups(block_size: int, num_layers: int) -> tuple[KVCacheGroup, ...]:
     """Today's models: every layer in one full-attention group."""
     return (KVCacheGroup(FullAttentionSpec(block_size), tuple(range(num_layers))),)
-
-
-def prefix_caching_off_reason(groups: tuple[KVCacheGroup, ...]) -> str | None:
-    """Why a model's cache cannot serve prefix hits, or None when it can."""
-    kinds = sorted({type(g.spec).__name__ for g in groups if not g.spec.is_prefix_cacheable})
-    if not kinds:
-        return None
-    return (
-        f"prefix caching is off: the model has layers that keep a recurrent state ({', '.join(kinds)}), "
-        "and state snapshots at block boundaries are not implemented yet"
-    )
 
 
 def context_blocks(groups: tuple[KVCacheGroup, ...], num_usable_blocks: int, max_model_len: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from xlaserve.core.kv_cache_coordinator import StateCopy
 from xlaserve.core.kv_cache_manager import PrefixCacheStats
 from xlaserve.core.kv_connector import KVConnectorMetadata, KVTransferStats
 from xlaserve.core.request import FinishReason, Request
@@ -26,6 +27,9 @@ class ScheduledRequest:
     num_computed_tokens: int = -1  # before this step; -1: read it from the request
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified by this step
     state_slot: int = 0  # a hybrid model's state slot for its linear-attention layers (0: none)
+    # Copies between state slots around the step's forward (a prefix hit's snapshot in, a new snapshot
+    # out: core/kv_cache_coordinator.py StateCopy); None: none.
+    state_copy: StateCopy | None = None
     is_sampling: bool = field(init=False)  # the step reaches the last token, so it samples
     # Async scheduling: the last token this step computes was sampled by the step still in flight;
     # its id is read on the device from that step's sampled ids, at this row (-1: every id is known).

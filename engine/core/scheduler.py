@@ -193,6 +193,9 @@ class Scheduler:
             request = self.running[index]
             num_missing = request.num_tokens_with_placeholders - request.num_computed_tokens
             num_new_tokens = prefills.chunk(num_missing, token_budget) if num_missing > 0 else 0
+            num_new_tokens = self.kv_cache_manager.align_chunk(
+                request, request.num_computed_tokens, num_new_tokens
+            )
             if self._is_at_limit(request):
                 num_new_tokens = 0
             num_new_tokens = self.encoder_cache.fit(request, request.num_computed_tokens, num_new_tokens)
@@ -277,6 +280,9 @@ class Scheduler:
             num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
             num_missing = request.num_tokens - num_hit_tokens - num_external
             num_new_tokens = prefills.chunk(num_missing, token_budget)
+            num_new_tokens = self.kv_cache_manager.align_chunk(
+                request, request.num_tokens - num_missing, num_new_tokens
+            )
             num_new_tokens = self.encoder_cache.fit(request, request.num_tokens - num_missing, num_new_tokens)
             if num_new_tokens == 0:
                 index += 1  # the partial-prefill slots are taken: a shorter prompt behind may fit whole
@@ -321,6 +327,7 @@ class Scheduler:
                 block_ids,
                 spec_token_ids=list(spec_token_ids),
                 state_slot=manager.get_state_slot(request.request_id),
+                state_copy=manager.take_state_copy(request.request_id),
             )
         )
         # Advanced now, not after the step: the K/V is as good as written once scheduled.
@@ -336,6 +343,8 @@ class Scheduler:
         if scheduled is not None:
             # Scheduled earlier in this step (priority policy): its new K/V will never be written.
             output.scheduled.remove(scheduled)
+            if scheduled.state_copy is not None:
+                self.kv_cache_manager.settle_state_copy(scheduled.state_copy, ran=False)
             num_valid_tokens = scheduled.num_computed_tokens
             num_returned_tokens = scheduled.num_new_tokens
         self.kv_cache_manager.free(victim, num_valid_tokens=num_valid_tokens)
@@ -360,6 +369,9 @@ class Scheduler:
         num_finished = 0
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
+            if scheduled.state_copy is not None:  # the step ran: its state snapshot is written
+                ran = request.request_id not in model_runner_output.failed_req_ids
+                self.kv_cache_manager.settle_state_copy(scheduled.state_copy, ran)
             if request.is_finished:
                 continue  # finished since the step was scheduled: what it sampled after is dropped
             if scheduled.is_sampling and self.async_scheduling:

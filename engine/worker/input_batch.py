@@ -272,6 +272,9 @@ class StepInputs:
     # The KV connector's transfers before the step (core/kv_connector.py); process 0's alone, never sent
     # (EngineConfig refuses a connector on several hosts).
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Copies between state slots (src, dst) before and after the forward: a prefix hit's snapshot in,
+    # a new snapshot out (worker/state_copies.py); None: none.
+    state_copies: tuple[np.ndarray, np.ndarray] | None = None
 
     def to_bytes(self) -> bytes:
         arrays = {f"batch.{k}": v for k, v in _fields(self.batch).items() if v is not None}
@@ -282,6 +285,8 @@ class StepInputs:
             arrays["prompt_targets"] = self.prompt_targets
         if self.spec is not None:
             arrays |= {f"spec.{k}": v for k, v in _fields(self.spec).items()}
+        if self.state_copies is not None:
+            arrays["state_copies.in"], arrays["state_copies.out"] = self.state_copies
         for name, hook_arrays in self.hooks.items():
             arrays |= {f"hook.{name}.{k}": v for k, v in hook_arrays.items()}
             arrays[f"hooks.{name}"] = np.asarray(len(hook_arrays))  # a hook with no arrays is still sent
@@ -307,6 +312,11 @@ class StepInputs:
             prompt_targets=arrays.get("prompt_targets"),
             spec=SpecInputs(**group("spec.")) if "spec.num_drafts" in arrays else None,
             hooks=hooks,
+            state_copies=(
+                (arrays["state_copies.in"], arrays["state_copies.out"])
+                if "state_copies.in" in arrays
+                else None
+            ),
         )
 
 

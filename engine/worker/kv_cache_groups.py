@@ -29,7 +29,14 @@ def kv_cache_groups(
         _check_state_features(config)
         return (
             KVCacheGroup(FullAttentionSpec(block_size), kv_spec.attention_layers),
-            KVCacheGroup(StateSpec(block_size, num_slots=kv_spec.num_state_slots), kv_spec.state_layers),
+            KVCacheGroup(
+                StateSpec(
+                    block_size,
+                    num_slots=kv_spec.num_state_slots,
+                    num_snapshot_slots=kv_spec.num_state_snapshots,
+                ),
+                kv_spec.state_layers,
+            ),
         )
     if kv_spec.layer_kind != "full_attention":
         raise ValueError(
@@ -46,8 +53,8 @@ def kv_cache_groups(
 
 def _check_state_features(config: EngineConfig) -> None:
     """What a recurrent state cannot serve yet: rejected drafts (their state would need rolling back),
-    a float8 cache (the state is kept in the model's dtype), a host tier (it holds prefix-cached
-    K/V blocks, and a state model caches no prefix), and disaggregated prefill (blocks only)."""
+    a float8 cache (the state is kept in the model's dtype), a host tier (it holds blocks, not state
+    snapshots), and disaggregated prefill (blocks only)."""
     if config.speculative is not None:
         raise ValueError(
             "speculative_config: speculative decoding is not supported for models with state-space "
@@ -61,7 +68,7 @@ def _check_state_features(config: EngineConfig) -> None:
     if config.cache.kv_offloading_size:
         raise ValueError(
             "kv_offloading_size: KV offload to host memory is not supported for models with state-space "
-            "layers (they cache no prefix, so the host tier would never be read); leave it unset"
+            "layers (the host tier holds K/V blocks, not the states' snapshots); leave it unset"
         )
     if config.cache.kv_transfer_config is not None:
         raise ValueError(

@@ -118,7 +118,12 @@ def load_model(
                 "layers) cannot be split into pipeline stages yet; use pipeline_parallel_size=1"
             )
         kv_spec = dataclasses.replace(kv_spec, num_layers=len(stage.layers))
-    kv_spec = kv_spec.with_max_num_seqs(config.scheduler.max_num_seqs)  # a hybrid model's state slots
+    # A hybrid model's state slots: one per request that can run, and as many for the prefix cache's
+    # snapshots of states at block boundaries (core/kv_cache_coordinator.py StateGroupBlocks).
+    max_num_seqs = config.scheduler.max_num_seqs
+    kv_spec = kv_spec.with_max_num_seqs(
+        max_num_seqs, max_num_seqs if config.cache.enable_prefix_caching else 0
+    )
     backend = get_attention_backend(config.compilation.attention_backend, mla=kv_spec.cache_class is MLACache)
     if config.cache.kv_cache_dtype != "auto":
         if kv_spec.cache_class is MLACache:

@@ -52,6 +52,7 @@ from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.pooler import Pooler, PoolingHook
 from xlaserve.worker.sampler import SamplerOutput
 from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, step_bitmask
+from xlaserve.worker.state_copies import StateCopier, step_state_copies
 from xlaserve.worker.step_future import StepFuture, StepTiming
 from xlaserve.worker.step_hooks import DraftModelHook, LoRAHook, StepHook
 from xlaserve.worker.step_output import make_output, to_host
@@ -154,6 +155,13 @@ class ModelRunner:
             extra_bytes_per_block=0 if self.drafter is None else self.drafter.bytes_per_block(),
         )
         self.kv_cache = self.allocate_kv_cache()
+        # A state model's prefix cache: snapshots of state slots copied around the forward (None: no state
+        # layers, or no prefix caching).
+        self.state_copier = (
+            StateCopier(self.kv_spec, config.scheduler.max_num_seqs)
+            if hasattr(self.kv_spec, "copy_state_slots") and config.cache.enable_prefix_caching
+            else None
+        )
         # Copies between the cache and K/V held elsewhere, before each step (core/kv_connector.py): host
         # offload's (worker/kv_offload.py), or the base class, which moves nothing.
         self.kv_connector = make_kv_connector_worker(config.cache, self.kv_bytes_per_block(), self.num_blocks)
@@ -228,6 +236,8 @@ class ModelRunner:
         (worker/warm_up.py)."""
         compile_all(self)
         self.kv_cache = self.kv_connector.warm_up(self.kv_cache)
+        if self.state_copier is not None:
+            self.kv_cache = self.state_copier.warm_up(self.kv_cache)
         self.guard.arm()
 
     def _num_seqs_for(self, num_tokens: int) -> int:
@@ -344,6 +354,7 @@ class ModelRunner:
             spec=spec if has_drafts else None,
             hooks=hook_arrays,
             kv_connector_metadata=kv_connector_metadata,
+            state_copies=step_state_copies(scheduled, failed) if self.state_copier is not None else None,
         )
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
@@ -361,7 +372,11 @@ class ModelRunner:
         self.kv_connector.save_kv(self.kv_cache, inputs.kv_connector_metadata)
         self.kv_cache = self.kv_connector.load_kv(self.kv_cache, inputs.kv_connector_metadata)
         batch = ready(inputs.batch)
+        if inputs.state_copies is not None:  # a prefix hit's snapshot into its live slot
+            self.kv_cache = self.state_copier.apply(self.kv_cache, inputs.state_copies[0])
         hidden, hidden_rd = self._run_forward(batch, inputs.hooks)
+        if inputs.state_copies is not None:  # the state after a block boundary, into a snapshot
+            self.kv_cache = self.state_copier.apply(self.kv_cache, inputs.state_copies[1])
         # Blocks this forward completed that leave the device (a producer's prompt blocks).
         self.kv_connector.save_kv_after_forward(self.kv_cache, inputs.kv_connector_metadata)
         pooled = {}  # device outputs the hooks take from the hidden states (pooling)

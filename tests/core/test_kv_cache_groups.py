@@ -1,10 +1,9 @@
 """KV cache groups (core/kv_cache_spec.py, kv_cache_coordinator.py): a state group holds one slot per
-request whatever its length and turns prefix caching off; a sliding-window group returns the blocks
-that fell out of the window; several groups allocate all-or-nothing from one pool."""
+request whatever its length, and caches prefixes through snapshots taken where a step ends on a block
+boundary; a sliding-window group returns the blocks that fell out of the window; several groups
+allocate all-or-nothing from one pool."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 
@@ -31,11 +30,9 @@ def run(manager: KVCacheManager, req: Request, num_new: int) -> None:
     req.num_computed_tokens += num_new
 
 
-def test_state_group_one_slot_per_request_and_no_prefix_cache(caplog):
+def test_state_group_one_slot_per_request():
     groups = (KVCacheGroup(StateSpec(BS), (0, 1)),)
-    with caplog.at_level(logging.INFO):
-        manager = KVCacheManager(BS, 4, True, max_model_len=64, kv_cache_groups=groups)
-    assert not manager.enable_caching and "prefix caching is off" in caplog.text
+    manager = KVCacheManager(BS, 4, False, max_model_len=64, kv_cache_groups=groups)
     first, second = request("a", 30), request("b", 30)
     run(manager, first, 13)  # a chunk of the prompt, then the rest, then decodes: one slot throughout
     assert manager.num_free_blocks == 2
@@ -93,3 +90,113 @@ def test_groups_allocate_together_from_one_pool():
 def test_group_block_size_must_match():
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(BS, 8, kv_cache_groups=(KVCacheGroup(FullAttentionSpec(8), (0,)),))
+
+
+def prompt(rid: str, shared: int, num_tokens: int, tail: int) -> Request:
+    """`shared` tokens every such prompt starts with, then its own (from `tail` on)."""
+    return Request(rid, [*range(3, 3 + shared), *range(tail, tail + num_tokens - shared)], SamplingParams())
+
+
+def prefill(manager: KVCacheManager, req: Request, hits=(), num_hit_tokens: int = 0):
+    """One scheduled chunk as the scheduler makes it (cut by align_chunk), run at once: its state
+    copies settled as the step's output would settle them. Returns (tokens, the StateCopy or None)."""
+    num_new = manager.align_chunk(req, num_hit_tokens, req.num_tokens - num_hit_tokens)
+    assert manager.allocate_slots(req, num_new, hits) is not None
+    req.num_computed_tokens = num_hit_tokens + num_new
+    copy = manager.take_state_copy(req.request_id)
+    if copy is not None:
+        manager.settle_state_copy(copy, ran=True)
+    return num_new, copy
+
+
+def test_state_snapshot_serves_a_later_prompt_of_a_state_only_model():
+    """Mamba2's layout: slots are blocks of the shared pool. A 30-token prompt's chunk stops at 28 (the
+    last boundary a later prompt can hit), where the live slot is copied into a snapshot; a prompt with
+    the same 28 tokens then hits it: its own live slot, the snapshot copied in before its forward."""
+    groups = (KVCacheGroup(StateSpec(BS), (0, 1)),)
+    manager = KVCacheManager(BS, 8, True, max_model_len=64, kv_cache_groups=groups)
+    first = prompt("a", 28, 30, 100)
+    num_new, copy = prefill(manager, first)
+    assert num_new == 28 and copy.copy_in is None
+    live, snapshot = copy.copy_out
+    assert manager.get_block_ids("a")[0] == live != snapshot
+    assert manager.num_free_blocks == 7 - 1  # the snapshot is free, cached: evictable
+    assert prefill(manager, first, num_hit_tokens=28)[0] == 2  # the rest: no second snapshot
+    second = prompt("b", 28, 33, 200)
+    hits, num_hit_tokens = manager.get_computed_blocks(second)
+    assert num_hit_tokens == 28 and {b.block_id for b in hits} == {snapshot}
+    num_new, copy = prefill(manager, second, hits, num_hit_tokens)
+    assert num_new == 32 - 28 and copy.copy_in == (snapshot, manager.get_state_slot("b"))
+    assert copy.copy_out is not None  # 32: its own last boundary
+    third = prompt("c", 20, 30, 300)  # shares 20 tokens: no snapshot ends inside them
+    assert manager.get_computed_blocks(third)[1] == 0
+    for req in (first, second):
+        manager.free(req)
+    assert manager.num_free_blocks == 7
+
+
+def test_hybrid_hit_is_cut_to_a_snapshot_and_the_branch_point_gets_one():
+    """Attention blocks and a state pool of its own (2 live slots, 2 snapshot slots). Two prompts
+    sharing 10 tokens: the second's attention hit (2 blocks) has no snapshot, so it hits nothing, and
+    its prefill stops at the branch point (8) for a snapshot; a third prompt then hits 8 tokens in both
+    groups. The attention blocks past the snapshot are recomputed, not hit."""
+    groups = (
+        KVCacheGroup(FullAttentionSpec(BS), (0, 2)),
+        KVCacheGroup(StateSpec(BS, num_slots=5, num_snapshot_slots=2), (1, 3)),
+    )
+    manager = KVCacheManager(BS, 32, True, max_model_len=64, kv_cache_groups=groups)
+    state_pool = manager.coordinator.state_manager.pool
+    first, second, third = (prompt(rid, 10, 19, tail) for rid, tail in (("a", 100), ("b", 200), ("c", 300)))
+    assert prefill(manager, first)[0] == 16
+    hits, num_hit_tokens = manager.get_computed_blocks(second)
+    assert num_hit_tokens == 0 and [len(g) for g in hits.groups] == [0, 0]
+    num_new, copy = prefill(manager, second)
+    assert num_new == 8 and copy.copy_out is not None
+    assert prefill(manager, second, num_hit_tokens=8)[0] == 8  # on to its own last boundary, 16
+    manager.free(first)
+    manager.free(second)
+    hits, num_hit_tokens = manager.get_computed_blocks(third)
+    assert num_hit_tokens == 8 and [len(g) for g in hits.groups] == [2, 2]
+    assert hits.groups[1][0].block_hash is not None and state_pool.get_num_free_blocks() == 4
+    num_new, copy = prefill(manager, third, hits, num_hit_tokens)
+    assert num_new == 8 and copy.copy_in[0] == hits.groups[1][0].block_id
+    assert state_pool.get_num_free_blocks() == 3  # its live slot; the snapshots are free again
+
+
+def test_snapshots_never_take_a_live_slot_and_unrun_ones_are_not_indexed():
+    groups = (
+        KVCacheGroup(FullAttentionSpec(BS), (0,)),
+        KVCacheGroup(StateSpec(BS, num_slots=4, num_snapshot_slots=1), (1,)),
+    )
+    manager = KVCacheManager(BS, 32, True, max_model_len=64, kv_cache_groups=groups)
+    first, second = prompt("a", 8, 9, 100), prompt("b", 4, 9, 200)
+    assert manager.allocate_slots(first, 8) is not None
+    copy = manager.take_state_copy("a")
+    assert copy.copy_out is not None
+    # The one spare slot holds a's snapshot until the step is settled: b's snapshot would take the live
+    # slot a third request needs, so b takes none.
+    assert manager.allocate_slots(second, 8) is not None and manager.take_state_copy("b") is None
+    manager.settle_state_copy(copy, ran=False)  # a's rows failed: its snapshot is not indexed
+    first.num_computed_tokens = 8
+    assert manager.get_computed_blocks(prompt("c", 8, 9, 300))[1] == 0
+    # Preempted before its step ran: the copies are dropped with the slots.
+    manager.free(second)
+    assert manager.allocate_slots(prompt("d", 8, 9, 400), 8) is not None
+    copy = manager.take_state_copy("d")
+    assert copy.copy_out is not None
+    manager.settle_state_copy(copy, ran=True)
+    assert manager.get_computed_blocks(prompt("e", 8, 9, 500))[1] == 8
+
+
+def test_chunks_of_a_state_model_end_on_block_boundaries():
+    groups = (KVCacheGroup(StateSpec(BS), (0,)),)
+    manager = KVCacheManager(BS, 8, True, max_model_len=64, kv_cache_groups=groups)
+    req = prompt("a", 0, 30, 100)
+    assert manager.align_chunk(req, 0, 13) == 12  # short of the prompt: down to a boundary
+    assert manager.align_chunk(req, 12, 3) == 3  # within one block: left as it is
+    assert manager.align_chunk(req, 24, 6) == 4  # up to the last boundary before the last token
+    assert manager.align_chunk(req, 28, 2) == 2
+    with_prompt_logprobs = Request("b", list(range(30)), SamplingParams(prompt_logprobs=1))
+    assert manager.align_chunk(with_prompt_logprobs, 0, 13) == 13  # never cached: never cut
+    off = KVCacheManager(BS, 8, False, max_model_len=64, kv_cache_groups=groups)
+    assert off.align_chunk(prompt("b", 0, 30, 100), 0, 13) == 13

@@ -18,7 +18,7 @@ import transformers
 from flax import nnx
 
 from helpers.step_fakes import prompt_chunk
-from xlaserve import LLM
+from xlaserve import LLM, SamplingParams
 from xlaserve.worker.input_batch import build_step_batch
 
 MAX_REL_ERR = 1e-4
@@ -217,8 +217,6 @@ def hf_greedy(model, ids: list[int]) -> list[int]:
 def assert_greedy_and_prompt_logprobs_match(llm: LLM, hf_model, batch: list[list[int]]) -> None:
     """`llm`'s greedy tokens (NUM_GREEDY of each prompt, all in flight) equal `hf_model`'s, and its
     prompt logprobs equal HF's log-softmax within 1e-4."""
-    from xlaserve import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf_model, p) for p in batch]
@@ -249,6 +247,41 @@ def tokens_with_a_preemption(llm: LLM, victim: list[int], other: list[int], para
             is_preempted = True
     assert is_preempted and core.scheduler.num_preemptions_total >= 1
     return tokens
+
+
+def prefix_hits_against_hugging_face(llm: LLM, hf_model, vocab: int) -> dict[str, int]:
+    """Four prompts run one after the other with chunks of 16 (the fixture's 4 would end on every
+    block boundary of 8): a (39 tokens), b and c sharing a's first 26 tokens, d = a's prompt and 10
+    more (a next turn). Asserts each one's greedy tokens are Hugging Face's, with logprobs within 1e-4
+    (so a hit's copied state is the state it stands for), and that no block or state slot leaks;
+    returns each one's num_cached_tokens."""
+    rng = np.random.default_rng(11)
+    shared = rng.integers(3, vocab, 26).tolist()
+    a, b, c = (shared + rng.integers(3, vocab, n).tolist() for n in (13, 9, 17))
+    d = a + rng.integers(3, vocab, 10).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True, logprobs=0)
+    cached = {}
+    scheduler = llm.engine_core.scheduler
+    threshold, scheduler.long_prefill_token_threshold = scheduler.long_prefill_token_threshold, 16
+    try:
+        for name, prompt in zip("abcd", (a, b, c, d)):
+            request_output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            out = request_output.outputs[0]
+            tokens = list(out.token_ids)
+            assert tokens == hf_greedy(hf_model, prompt), name
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+            expected = torch.log_softmax(logits.double(), -1)[torch.arange(len(tokens)), tokens].numpy()
+            actual = [entry[token].logprob for entry, token in zip(out.logprobs, tokens)]
+            np.testing.assert_allclose(actual, expected, atol=1e-4, err_msg=name)
+            cached[name] = request_output.num_cached_tokens
+    finally:
+        scheduler.long_prefill_token_threshold = threshold
+    manager = llm.engine_core.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks
+    for group in manager.coordinator.managers:
+        assert group.pool.get_num_free_blocks() == group.pool.num_usable_blocks
+    return cached
 
 
 def rel_err(actual, expected) -> float:

@@ -5,7 +5,8 @@ and served by `LLM`: prompt logprobs of a 45-token prompt prefilled in chunks of
 carried across chunks, the conv reading the previous chunk's inputs), 16 greedy tokens of four
 requests in flight (chunked prefill, then decode by the recurrent form), and a request preempted
 mid-decode and recomputed into a slot that still holds another state: all as Hugging Face's.
-The cache is one state slot per request, prefix caching off (core/kv_cache_spec.py `StateSpec`).
+The cache is one state slot per request (core/kv_cache_spec.py `StateSpec`), and prefixes are cached
+as snapshots of the state in slots of the same pool, taken where a step ends on a block boundary.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from helpers.family_cases import (
     assert_greedy_and_prompt_logprobs_match,
     hf_greedy,
     one_torch_thread,  # noqa: F401 - an autouse fixture
+    prefix_hits_against_hugging_face,
     prompts,
     randomize_weights,
     save_hf_model,
@@ -64,10 +66,18 @@ def llm(hf_model, tmp_path_factory) -> LLM:
     )
 
 
-def test_one_state_slot_per_request_and_no_prefix_cache(llm):
+def test_one_state_slot_per_request_and_snapshots_in_the_same_pool(llm):
     manager = llm.engine_core.kv_cache_manager
-    assert not manager.enable_caching
+    assert manager.enable_caching and manager.snapshots_states
     assert [type(g.spec).__name__ for g in manager.kv_cache_groups] == ["StateSpec"]
+    assert manager.coordinator.state_manager.pool is manager.block_pool
+
+
+def test_prefix_hits_through_state_snapshots_give_hugging_face_tokens(llm, hf_model):
+    """As Qwen3.5's (test_qwen3_5.py), without attention blocks to show where b's prefix leaves a's:
+    b and c hit the snapshot at 16 where a's first chunk ended, d the one at 32."""
+    cached = prefix_hits_against_hugging_face(llm, hf_model, VOCAB)
+    assert cached == {"a": 0, "b": 16, "c": 16, "d": 32}
 
 
 def test_features_a_state_cannot_serve_are_refused_by_name(hf_model, tmp_path):

@@ -6,7 +6,9 @@ attention output gate, saved as safetensors and served by `LLM`: prompt logprobs
 in chunks of 16 (the delta rule's state and the conv inputs carried across chunks), 16 greedy tokens
 of four requests in flight, and a request preempted mid-decode and recomputed into a state slot
 that still holds another request's state: all as Hugging Face's. The cache has two groups: the
-attention layers' blocks, and a state slot per request from a pool of max_num_seqs + 1.
+attention layers' blocks, and a state slot per request from a pool of 2 * max_num_seqs + 1 (the null
+slot, and as many snapshot slots as live ones: prefix caching through snapshots of the state at block
+boundaries, whose hits give Hugging Face's tokens too).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from helpers.family_cases import (
     assert_greedy_and_prompt_logprobs_match,
     hf_greedy,
     one_torch_thread,  # noqa: F401 - an autouse fixture
+    prefix_hits_against_hugging_face,
     prompts,
     randomize_weights,
     save_hf_model,
@@ -56,14 +59,16 @@ def llm(hf_model, tmp_path_factory) -> LLM:
 
 def test_attention_blocks_and_a_state_slot_pool(llm):
     manager = llm.engine_core.kv_cache_manager
-    assert not manager.enable_caching  # asked for, turned off: a state cannot serve a prefix hit
+    assert manager.enable_caching and manager.snapshots_states
     groups = manager.kv_cache_groups
     assert [(type(g.spec).__name__, g.layer_ids) for g in groups] == [
         ("FullAttentionSpec", (1, 3)),
         ("StateSpec", (0, 2)),
     ]
     state_pool = manager.coordinator.managers[1].pool
-    assert state_pool is not manager.block_pool and state_pool.num_blocks == ENGINE_ARGS["max_num_seqs"] + 1
+    max_num_seqs = ENGINE_ARGS["max_num_seqs"]
+    assert state_pool is not manager.block_pool and state_pool.num_blocks == 2 * max_num_seqs + 1
+    assert groups[1].spec.num_live_slots == max_num_seqs
 
 
 def test_greedy_tokens_and_prompt_logprobs_match_hugging_face(llm, hf_model):
@@ -71,7 +76,8 @@ def test_greedy_tokens_and_prompt_logprobs_match_hugging_face(llm, hf_model):
     assert_greedy_and_prompt_logprobs_match(llm, hf_model, prompts(VOCAB, seed=2))
     manager = llm.engine_core.kv_cache_manager
     assert manager.num_free_blocks == manager.num_usable_blocks  # every block back
-    assert manager.coordinator.managers[1].pool.get_num_free_blocks() == ENGINE_ARGS["max_num_seqs"]
+    state_pool = manager.coordinator.managers[1].pool
+    assert state_pool.get_num_free_blocks() == state_pool.num_usable_blocks  # snapshots are evictable
 
 
 def test_preempted_request_recomputes_the_same_tokens(llm, hf_model):
@@ -80,6 +86,16 @@ def test_preempted_request_recomputes_the_same_tokens(llm, hf_model):
     first, other = prompts(VOCAB, seed=3)[1], prompts(VOCAB, seed=3)[3]
     tokens = tokens_with_a_preemption(llm, first, other, GREEDY)
     assert tokens == {"other": hf_greedy(hf_model, other), "victim": hf_greedy(hf_model, first)}
+
+
+def test_prefix_hits_through_state_snapshots_give_hugging_face_tokens(llm, hf_model):
+    """Four prompts one after the other (blocks of 8, chunks of 16): a (39 tokens) is snapshotted
+    where its chunks end, 16 and 32 (its last boundary); b shares 26 tokens with it: its attention hit
+    (24) has no snapshot, so it hits 16 and stops its prefill at 24, the branch point, for one; c,
+    sharing the same 26 tokens, hits 24; d, a's prompt and more (a next turn), hits 32. Tokens and
+    logprobs as Hugging Face's (helpers/family_cases.py)."""
+    cached = prefix_hits_against_hugging_face(llm, hf_model, VOCAB)
+    assert cached == {"a": 0, "b": 16, "c": 24, "d": 32}
 
 
 def test_a_vision_language_release_serves_its_text_decoder(tmp_path):

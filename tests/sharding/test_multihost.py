@@ -7,6 +7,7 @@ from test_sharding.py they are scheduled beside it on the other xdist worker (te
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -124,12 +125,15 @@ def test_divergent_follower_stops_the_engine_with_a_clear_error():
     thread.start()
     sender = StepSender("127.0.0.1", port, num_followers=1, timeout_s=30)
     inputs = StepInputs(build_step_batch([], 16, 16, 4, 16), sampling_tensors([], 16, 32, False), False, None)
-    sender.send(inputs)
+    # A state model's prefix cache: slot copies before and after the forward travel with the step.
+    copies = (np.array([[5], [2]], np.int32), np.array([[2, 3], [6, 7]], np.int32))
+    sender.send(dataclasses.replace(inputs, state_copies=copies))
     with pytest.raises(RuntimeError, match="divergence at step 0: process 1"):
         sender.check(np.array([1, 2], np.int32))
     sender.close()
     thread.join(timeout=30)
     assert len(received) == 1 and received[0].batch.input_ids.shape == (16,)
+    assert [c.tolist() for c in received[0].state_copies] == [c.tolist() for c in copies]
 
 
 @pytest.mark.slow
