@@ -92,11 +92,17 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         """Put `block` at the tail: it will be evicted last."""
-        last = self._tail.prev_free_block
-        last.next_free_block = block
-        block.prev_free_block = last
-        block.next_free_block = self._tail
-        self._tail.prev_free_block = block
+        self._link(block, self._tail.prev_free_block, self._tail)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put `block` at the head: it is taken first (it holds nothing worth keeping)."""
+        self._link(block, self._head, self._head.next_free_block)
+
+    def _link(self, block: KVCacheBlock, before: KVCacheBlock, after: KVCacheBlock) -> None:
+        before.next_free_block = block
+        block.prev_free_block = before
+        block.next_free_block = after
+        after.prev_free_block = block
         self.num_free_blocks += 1
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
@@ -175,10 +181,12 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], *, reuse_first: bool = False) -> None:
         """Drop a reference from each block; ones reaching 0 join the free queue in the given order.
 
-        Pass blocks in the order they should be evicted (a request's tail first).
+        Pass blocks in the order they should be evicted (a request's tail first). `reuse_first`: they
+        join at the head instead, taken before any cached block is evicted (a state group's live slot,
+        whose contents no later request can hit).
         """
         for block in ordered_blocks:
             if block.is_null:
@@ -187,7 +195,10 @@ class BlockPool:
                 raise ValueError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if reuse_first:
+                    self.free_block_queue.appendleft(block)
+                else:
+                    self.free_block_queue.append(block)
 
     def cache_full_blocks(
         self,

@@ -205,15 +205,19 @@ class StateGroupBlocks(GroupBlocks):
         if copy.source is not None:
             self.pool.free_blocks([copy.source])
         if copy.target is not None:
-            if ran and self.pool.get_cached_block(copy.target_key) is None:
+            is_indexed = ran and self.pool.get_cached_block(copy.target_key) is None
+            if is_indexed:
                 self.pool.cache_full_blocks([copy.target], [copy.target_key], 0, 1)
-            self.pool.free_blocks([copy.target])
+            self.pool.free_blocks([copy.target], reuse_first=not is_indexed)
 
     def free(self, request_id: str, num_valid_tokens: int | None) -> None:
+        """Release the live slot, to be reused before any snapshot is evicted."""
         copy = self.pending.pop(request_id, None)  # allocated, never scheduled: nothing ran
         if copy is not None:
             self.settle(copy, ran=False)
-        super().free(request_id, None)  # a live slot is never indexed
+        self.num_cached_blocks.pop(request_id, None)
+        self.num_slots.pop(request_id, None)
+        self.pool.free_blocks(self.req_to_blocks.pop(request_id, []), reuse_first=True)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The live slot once per block_size tokens: the runner's slot mapping stays in the slot's own

@@ -136,21 +136,23 @@ class KVCacheManager:
         self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
         return self._from_groups(hits), num_hit_tokens
 
+    def _snapshot_points(self, request: Request) -> tuple[int, int]:
+        """Where a state group snapshots the request's state: its branch point (the end of the prefix
+        it shares with cached requests, where another request sharing it will hit), and the last block
+        boundary before its prompt's last token (the longest prefix a later request can hit: its next
+        turn). Only these two, so that a pool of few snapshot slots keeps the ones worth keeping."""
+        last = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+        return self._branch_points.get(request.request_id, 0), last
+
     def align_chunk(self, request: Request, start: int, num_new_tokens: int) -> int:
-        """The tokens of a prefill chunk from `start`, cut so that it ends where a snapshot of a state
-        group is worth taking (snapshots are taken only where a step ends): at the request's branch
-        point (the end of the prefix it shares with cached requests), at the last block boundary
-        before the prompt's last token (the longest prefix a later request can hit), else on a block
-        boundary when the chunk stops short of the prompt. Unchanged without state snapshots."""
+        """The tokens of a prefill chunk from `start`, cut at a snapshot point inside it (a snapshot is
+        taken only where a step ends). Unchanged without state snapshots."""
         if not self.snapshots_states or skips_prefix_cache(request):
             return num_new_tokens
-        end, bs = start + num_new_tokens, self.block_size
-        last = (request.num_prompt_tokens - 1) // bs * bs
-        for stop in (self._branch_points.get(request.request_id, 0), last):
-            if start < stop < end:
+        for stop in self._snapshot_points(request):
+            if start < stop < start + num_new_tokens:
                 return stop - start
-        aligned = end // bs * bs
-        return aligned - start if start < aligned and end < request.num_prompt_tokens else num_new_tokens
+        return num_new_tokens
 
     def allocate_slots(
         self,
@@ -196,8 +198,8 @@ class KVCacheManager:
             coordinator.cache_blocks(request.request_id, request.block_hashes, len(hits[0]), num_full_blocks)
             if (
                 self.snapshots_states
-                and num_total_tokens % self.block_size == 0
-                and 0 < num_total_tokens <= request.num_prompt_tokens
+                and num_total_tokens > 0
+                and num_total_tokens in self._snapshot_points(request)
                 and not skips_prefix_cache(request)
             ):  # the state after a block of the prompt: a later request's hit
                 num_blocks = num_total_tokens // self.block_size

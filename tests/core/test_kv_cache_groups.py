@@ -188,15 +188,35 @@ def test_snapshots_never_take_a_live_slot_and_unrun_ones_are_not_indexed():
     assert manager.get_computed_blocks(prompt("e", 8, 9, 500))[1] == 8
 
 
-def test_chunks_of_a_state_model_end_on_block_boundaries():
+def test_chunks_of_a_state_model_stop_at_the_last_boundary_of_the_prompt():
     groups = (KVCacheGroup(StateSpec(BS), (0,)),)
     manager = KVCacheManager(BS, 8, True, max_model_len=64, kv_cache_groups=groups)
     req = prompt("a", 0, 30, 100)
-    assert manager.align_chunk(req, 0, 13) == 12  # short of the prompt: down to a boundary
-    assert manager.align_chunk(req, 12, 3) == 3  # within one block: left as it is
+    assert manager.align_chunk(req, 0, 13) == 13  # no snapshot point inside: left as it is
+    assert manager.align_chunk(req, 12, 3) == 3
     assert manager.align_chunk(req, 24, 6) == 4  # up to the last boundary before the last token
+    assert manager.align_chunk(req, 0, 30) == 28
     assert manager.align_chunk(req, 28, 2) == 2
     with_prompt_logprobs = Request("b", list(range(30)), SamplingParams(prompt_logprobs=1))
     assert manager.align_chunk(with_prompt_logprobs, 0, 13) == 13  # never cached: never cut
     off = KVCacheManager(BS, 8, False, max_model_len=64, kv_cache_groups=groups)
     assert off.align_chunk(prompt("b", 0, 30, 100), 0, 13) == 13
+
+
+def test_freed_live_slots_are_reused_before_a_snapshot_is_evicted():
+    """Snapshots wait in the free queue (evictable); live slots freed after them go to its head, so
+    new requests take those and the snapshots survive a full pool's turnover."""
+    groups = (
+        KVCacheGroup(FullAttentionSpec(BS), (0,)),
+        KVCacheGroup(StateSpec(BS, num_slots=5, num_snapshot_slots=2), (1,)),
+    )
+    manager = KVCacheManager(BS, 64, True, max_model_len=64, kv_cache_groups=groups)
+    first, second = prompt("a", 0, 9, 100), prompt("b", 0, 13, 200)
+    for req in (first, second):
+        prefill(manager, req)
+    for req in (first, second):
+        manager.free(req)
+    for rid in ("c", "d"):  # two new live slots: the freed ones, not the snapshots
+        assert manager.allocate_slots(prompt(rid, 0, 9, 300 + len(rid)), 4) is not None
+    assert manager.get_computed_blocks(Request("f", first.prompt_token_ids + [9], SamplingParams()))[1] == 8
+    assert manager.get_computed_blocks(Request("g", second.prompt_token_ids + [9], SamplingParams()))[1] == 12

@@ -238,7 +238,10 @@ def generate_ids(model_dir: str, arg: dict) -> list:
         for kwargs in arg["params"]:
             params = SamplingParams(**kwargs)
             outs = llm.generate(prompts, params, use_tqdm=False)
-            run = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+            run = {
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "num_cached_tokens": [o.num_cached_tokens for o in outs],
+            }
             if params.logprobs is not None:
                 run["logprobs"] = [
                     [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]

@@ -75,9 +75,10 @@ def test_one_state_slot_per_request_and_snapshots_in_the_same_pool(llm):
 
 def test_prefix_hits_through_state_snapshots_give_hugging_face_tokens(llm, hf_model):
     """As Qwen3.5's (test_qwen3_5.py), without attention blocks to show where b's prefix leaves a's:
-    b and c hit the snapshot at 16 where a's first chunk ended, d the one at 32."""
+    b and c hit nothing (no snapshot ends inside their shared 26 tokens); d, a's next turn, hits a's
+    last boundary, 32."""
     cached = prefix_hits_against_hugging_face(llm, hf_model, VOCAB)
-    assert cached == {"a": 0, "b": 16, "c": 16, "d": 32}
+    assert cached == {"a": 0, "b": 0, "c": 0, "d": 32}
 
 
 def test_features_a_state_cannot_serve_are_refused_by_name(hf_model, tmp_path):

@@ -89,13 +89,13 @@ def test_preempted_request_recomputes_the_same_tokens(llm, hf_model):
 
 
 def test_prefix_hits_through_state_snapshots_give_hugging_face_tokens(llm, hf_model):
-    """Four prompts one after the other (blocks of 8, chunks of 16): a (39 tokens) is snapshotted
-    where its chunks end, 16 and 32 (its last boundary); b shares 26 tokens with it: its attention hit
-    (24) has no snapshot, so it hits 16 and stops its prefill at 24, the branch point, for one; c,
-    sharing the same 26 tokens, hits 24; d, a's prompt and more (a next turn), hits 32. Tokens and
-    logprobs as Hugging Face's (helpers/family_cases.py)."""
+    """Four prompts one after the other (blocks of 8, chunks of 16): a (39 tokens) is snapshotted at
+    its last boundary, 32; b shares 26 tokens with it: its attention hit (24) has no snapshot, so it
+    hits nothing and stops its prefill at 24, the branch point, for one; c, sharing the same 26 tokens,
+    hits 24; d, a's prompt and more (a next turn), hits 32. Tokens and logprobs as Hugging Face's
+    (helpers/family_cases.py)."""
     cached = prefix_hits_against_hugging_face(llm, hf_model, VOCAB)
-    assert cached == {"a": 0, "b": 16, "c": 24, "d": 32}
+    assert cached == {"a": 0, "b": 0, "c": 24, "d": 32}
 
 
 def test_a_vision_language_release_serves_its_text_decoder(tmp_path):

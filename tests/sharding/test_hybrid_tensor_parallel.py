@@ -58,31 +58,37 @@ def tiny_qwen3_5(tmp_path_factory):
     return _save(tmp_path_factory, "tp_qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN3_5)
 
 
-def _generate(tp_worker, model_dir: str, layouts: list[dict]) -> list[dict]:
+def _generate(tp_worker, model_dir: str, layouts: list[dict], num_runs: int = 1) -> list[dict]:
+    """Each layout's engine generates the prompts `num_runs` times: the runs after the first hit the
+    prefix cache (snapshots of the sharded state, copied into the requests' slots on every rank)."""
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in PROMPT_LENGTHS]
     return tp_worker.run(
-        "generate_ids", model_dir, {"layouts": layouts, "prompts": prompts, "params": [GREEDY]}
+        "generate_ids", model_dir, {"layouts": layouts, "prompts": prompts, "params": [GREEDY] * num_runs}
     )
 
 
 def _assert_same_as_one_device(results: list[dict]) -> None:
+    """Every run of every layout gives the one-device engine's first run."""
     base = results[0]["runs"][0]
-    for result in results[1:]:
-        run = result["runs"][0]
-        assert run["tokens"] == base["tokens"], result["layout"]
-        for ours, theirs in zip(run["logprobs"], base["logprobs"], strict=True):
-            for a, b in zip(ours, theirs, strict=True):
-                assert [i for i, _ in a] == [i for i, _ in b], result["layout"]
-                np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=2e-5)
+    for result in results:
+        for run in result["runs"]:
+            assert run["tokens"] == base["tokens"], result["layout"]
+            for ours, theirs in zip(run["logprobs"], base["logprobs"], strict=True):
+                for a, b in zip(ours, theirs, strict=True):
+                    assert [i for i, _ in a] == [i for i, _ in b], result["layout"]
+                    np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=2e-5)
 
 
 def test_deltanet_heads_split_over_the_mesh_match_one_device(tp_worker, tiny_qwen3_5):
     # One key head a rank, under the Pallas kernels (attention, the delta rule's chunk terms:
     # interpreted here), which run per device on its heads under shard_map (sharding/attention.py).
     # The reference path split by XLA itself: the next test's compiled program.
+    # Twice each: the second run's prompts hit the snapshots the first left at their last boundaries.
     layouts = [{}, {"tensor_parallel_size": 4, "attention_backend": "pallas"}]
-    _assert_same_as_one_device(_generate(tp_worker, tiny_qwen3_5, layouts))
+    results = _generate(tp_worker, tiny_qwen3_5, layouts, num_runs=2)
+    _assert_same_as_one_device(results)
+    assert [r["runs"][1]["num_cached_tokens"] for r in results] == [[0, 32, 16, 64]] * 2
 
 
 def test_deltanet_split_by_key_head_and_no_weight_gathered(tp_worker, tiny_qwen3_5):
