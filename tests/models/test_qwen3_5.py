@@ -148,9 +148,11 @@ def test_bfloat16_tokens_and_logprobs_are_the_same_bits_alone_and_among_companio
     rng = np.random.default_rng(7)
     batch = [rng.integers(3, VOCAB, n).tolist() for n in (21, 6, 40, 13, 27, 9, 33)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    num_cached = []
 
     def numbers(requests: list[list[int]]):
         outs = llm.generate([{"prompt_token_ids": p} for p in requests], params, use_tqdm=False)
+        num_cached.append([o.num_cached_tokens for o in outs])
         return [
             (
                 o.outputs[0].token_ids,
@@ -162,6 +164,9 @@ def test_bfloat16_tokens_and_logprobs_are_the_same_bits_alone_and_among_companio
     alone = numbers(batch[:1])[0]
     assert numbers(batch[:2])[0] == alone
     assert numbers(batch[1:4] + batch[:1] + batch[4:])[3] == alone
+    # The reruns start from the state snapshot the first run left at 16 tokens (prefix caching): the
+    # same bits as computing the prompt whole.
+    assert num_cached[0][0] == 0 and num_cached[1][0] == 16 and num_cached[2][3] == 16
 
 
 NEXT = dict(
