@@ -108,14 +108,27 @@ class GroupBlocks:
 @dataclass
 class StateCopy:
     """One step's copies of one request's state slots, which the runner makes around the forward:
-    `source` (a snapshot, the prefix hit) into the live slot before it, and the live slot into `target`
-    (a new snapshot of the state after `target_key`'s block) after it. Settled (`StateGroupBlocks.settle`)
-    when the step's output is applied, or dropped when the request leaves the step unrun."""
+    before it, `source` into the live slot (a prefix hit's snapshot, or the backup a rejected draft
+    restores) and the live slot into `backup` (the state entering a step that verifies drafts); after
+    it, the live slot into `target` (a new snapshot of the state after `target_key`'s block). Settled
+    (`StateGroupBlocks.settle`) when the step's output is applied, or dropped when the request leaves
+    the step unrun."""
 
     live: KVCacheBlock
     source: KVCacheBlock | None = None
     target: KVCacheBlock | None = None
     target_key: bytes | None = None
+    backup: KVCacheBlock | None = None
+
+    @property
+    def copies_before(self) -> list[tuple[int, int]]:
+        """(src, dst) slot pairs before the forward (never both: a hit is a prefill, drafts a decode)."""
+        pairs = []
+        if self.source is not None:
+            pairs.append((self.source.block_id, self.live.block_id))
+        if self.backup is not None:
+            pairs.append((self.live.block_id, self.backup.block_id))
+        return pairs
 
     @property
     def copy_in(self) -> tuple[int, int] | None:
@@ -189,6 +202,15 @@ class StateGroupBlocks(GroupBlocks):
         if copy.target is None:
             copy.target, copy.target_key = self.pool.get_new_blocks(1)[0], key
 
+    def take_backup(self, request_id: str) -> bool:
+        """A slot for the state entering a step that verifies drafts (restored if one is rejected);
+        False, taking nothing, when no slot is spare (the step then verifies no drafts)."""
+        if not self._has_spare_slot():
+            return False
+        copy = self.pending.setdefault(request_id, StateCopy(self.req_to_blocks[request_id][0]))
+        copy.backup = self.pool.get_new_blocks(1)[0]
+        return True
+
     def _has_spare_slot(self) -> bool:
         free = self.pool.get_num_free_blocks()
         if self.spec.num_live_slots is None:  # the shared pool: keep one block for the next allocation
@@ -199,11 +221,18 @@ class StateGroupBlocks(GroupBlocks):
         """The copies this step makes for the request (the scheduler hands them to the runner)."""
         return self.pending.pop(request_id, None)
 
-    def settle(self, copy: StateCopy, ran: bool) -> None:
+    def settle(self, copy: StateCopy, ran: bool, request_id: str | None = None) -> None:
         """The step carrying `copy` ran (`ran`: the request's rows were real) or was dropped: release
-        the hit's snapshot, and index the new snapshot if it was written, else free it unindexed."""
+        the hit's snapshot, and index the new snapshot if it was written, else free it unindexed.
+        `request_id`: the request rejected a draft the step verified: its backup is copied back into
+        its live slot before its next forward (which recomputes the tokens after the backup)."""
         if copy.source is not None:
             self.pool.free_blocks([copy.source])
+        if copy.backup is not None:
+            if ran and request_id is not None:
+                self.pending[request_id] = StateCopy(copy.live, source=copy.backup)
+            else:
+                self.pool.free_blocks([copy.backup], reuse_first=True)
         if copy.target is not None:
             is_indexed = ran and self.pool.get_cached_block(copy.target_key) is None
             if is_indexed:

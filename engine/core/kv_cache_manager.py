@@ -211,9 +211,16 @@ class KVCacheManager:
         manager = self.coordinator.state_manager
         return None if manager is None else manager.take_copy(request_id)
 
-    def settle_state_copy(self, copy: StateCopy, ran: bool) -> None:
-        """The step carrying `copy` ran (`ran`: with the request's real rows) or never will."""
-        self.coordinator.state_manager.settle(copy, ran)
+    def take_state_backup(self, request_id: str) -> bool:
+        """Before a step verifies the request's drafts: keep the state entering it, to restore if a
+        draft is rejected. True when kept, or when the model keeps no state; False: no slot is spare."""
+        manager = self.coordinator.state_manager
+        return manager is None or manager.take_backup(request_id)
+
+    def settle_state_copy(self, copy: StateCopy, ran: bool, restore_for: str | None = None) -> None:
+        """The step carrying `copy` ran (`ran`: with the request's real rows) or never will.
+        `restore_for`: the request id whose rejected drafts need the step's backup restored."""
+        self.coordinator.state_manager.settle(copy, ran, restore_for)
 
     def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
         """Release the request's blocks, tail first so a sequence's tail is evicted before its head.

@@ -236,7 +236,12 @@ class Scheduler:
             return []
         spec_token_ids = spec_token_ids[: token_budget - 1]
         num_new_tokens = 1 + len(spec_token_ids)
-        if spec_token_ids and self._allocate_slots(request, num_new_tokens) is not None:
+        if (
+            spec_token_ids
+            and self._allocate_slots(request, num_new_tokens) is not None
+            # A state model keeps the state entering the step, to restore if a draft is rejected.
+            and self.kv_cache_manager.take_state_backup(request.request_id)
+        ):
             return spec_token_ids
         return []
 
@@ -371,7 +376,10 @@ class Scheduler:
             request = scheduled.request
             if scheduled.state_copy is not None:  # the step ran: its state snapshot is written
                 ran = request.request_id not in model_runner_output.failed_req_ids
-                self.kv_cache_manager.settle_state_copy(scheduled.state_copy, ran)
+                restore = not request.is_finished and _rejects_drafts(scheduled, model_runner_output)
+                self.kv_cache_manager.settle_state_copy(
+                    scheduled.state_copy, ran, request.request_id if restore else None
+                )
             if request.is_finished:
                 continue  # finished since the step was scheduled: what it sampled after is dropped
             if scheduled.is_sampling and self.async_scheduling:
@@ -439,8 +447,12 @@ class Scheduler:
             if request.is_finished:
                 break
         if num_drafts:
-            # The rejected drafts' K/V is not the request's: later steps overwrite those slots.
-            request.num_computed_tokens -= num_drafts - len(accepted)
+            if _rejects_drafts(scheduled, runner_output):
+                # The state ran past the rejected drafts: the state entering the step is restored
+                # (settle_state_copy), and the step's tokens are computed again from it.
+                request.num_computed_tokens = scheduled.num_computed_tokens
+            else:  # the rejected drafts' K/V is not the request's: later steps overwrite those slots
+                request.num_computed_tokens -= num_drafts - len(accepted)
             self.spec_decoding_stats.observe(num_drafts, len(accepted))
         return request.output_token_ids[-num_appended:]
 
@@ -504,6 +516,14 @@ class Scheduler:
         """Forget every cached prefix, on the device and in a connector's tier."""
         self.kv_connector.reset()
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def _rejects_drafts(scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> bool:
+    """A state model's request rejected a draft its step verified (its state holds the rejected ones)."""
+    copy = scheduled.state_copy
+    if copy is None or copy.backup is None or scheduled.request_id not in runner_output.sampled_token_ids:
+        return False
+    return len(runner_output.accepted_token_ids.get(scheduled.request_id, ())) < len(scheduled.spec_token_ids)
 
 
 def _new_logprobs(model_runner_output: ModelRunnerOutput, scheduled: ScheduledRequest, num_tokens: int):

@@ -51,14 +51,23 @@ def kv_cache_groups(
     return (KVCacheGroup(FullAttentionSpec(block_size), layers),)
 
 
+def num_state_copy_slots(config: EngineConfig) -> int:
+    """Slots a hybrid model's state pool keeps beside the live ones: for prefix-cache snapshots and
+    speculative decoding's backups (the state entering a step that verifies drafts), max_num_seqs
+    when either is on, else none."""
+    uses_copies = config.cache.enable_prefix_caching or config.speculative is not None
+    return config.scheduler.max_num_seqs if uses_copies else 0
+
+
 def _check_state_features(config: EngineConfig) -> None:
-    """What a recurrent state cannot serve yet: rejected drafts (their state would need rolling back),
-    a float8 cache (the state is kept in the model's dtype), a host tier (it holds blocks, not state
-    snapshots), and disaggregated prefill (blocks only)."""
-    if config.speculative is not None:
+    """What a recurrent state cannot serve yet: a draft model's drafts (its K/V cache follows the
+    target's block table, which is a state model's slot), a float8 cache (the state is kept in the
+    model's dtype), a host tier (it holds blocks, not state snapshots), and disaggregated prefill
+    (blocks only)."""
+    if config.speculative is not None and config.speculative.method != "ngram":
         raise ValueError(
-            "speculative_config: speculative decoding is not supported for models with state-space "
-            "layers (a rejected draft's state is not rolled back yet); remove speculative_config"
+            f"speculative_config: method {config.speculative.method!r} is not supported for models with "
+            "state-space layers (a draft model's cache would follow their state slots); use method 'ngram'"
         )
     if config.cache.kv_cache_dtype != "auto":
         raise ValueError(

@@ -31,6 +31,7 @@ from xlaserve.sharding import Placement, make_mesh
 from xlaserve.sharding.attention import shard_attention_over_kv_heads
 from xlaserve.sharding.kv_heads import replicate_kv_heads
 from xlaserve.sharding.vocab import pad_vocab, padded_vocab_size
+from xlaserve.worker.kv_cache_groups import num_state_copy_slots
 from xlaserve.worker.pipeline_stage import StageLayout, slice_to_stage, stage_place
 
 logger = logging.getLogger(__name__)
@@ -118,12 +119,9 @@ def load_model(
                 "layers) cannot be split into pipeline stages yet; use pipeline_parallel_size=1"
             )
         kv_spec = dataclasses.replace(kv_spec, num_layers=len(stage.layers))
-    # A hybrid model's state slots: one per request that can run, and as many for the prefix cache's
-    # snapshots of states at block boundaries (core/kv_cache_coordinator.py StateGroupBlocks).
-    max_num_seqs = config.scheduler.max_num_seqs
-    kv_spec = kv_spec.with_max_num_seqs(
-        max_num_seqs, max_num_seqs if config.cache.enable_prefix_caching else 0
-    )
+    # A hybrid model's state slots: one per request that can run, and as many for copies of states
+    # (prefix-cache snapshots, drafts' backups: core/kv_cache_coordinator.py StateGroupBlocks).
+    kv_spec = kv_spec.with_max_num_seqs(config.scheduler.max_num_seqs, num_state_copy_slots(config))
     backend = get_attention_backend(config.compilation.attention_backend, mla=kv_spec.cache_class is MLACache)
     if config.cache.kv_cache_dtype != "auto":
         if kv_spec.cache_class is MLACache:

@@ -44,7 +44,7 @@ from xlaserve.worker.input_batch import (
     sampling_tensors,
 )
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
-from xlaserve.worker.kv_cache_groups import kv_cache_groups
+from xlaserve.worker.kv_cache_groups import kv_cache_groups, num_state_copy_slots
 from xlaserve.worker.kv_transfer import make_kv_connector_worker
 from xlaserve.worker.lora_manager import LoRAManager
 from xlaserve.worker.mm_encoder import make_mm_hook
@@ -155,11 +155,11 @@ class ModelRunner:
             extra_bytes_per_block=0 if self.drafter is None else self.drafter.bytes_per_block(),
         )
         self.kv_cache = self.allocate_kv_cache()
-        # A state model's prefix cache: snapshots of state slots copied around the forward (None: no state
-        # layers, or no prefix caching).
+        # A state model's copies of state slots around the forward: prefix-cache snapshots, drafts'
+        # backups (None: no state layers, or neither prefix caching nor speculative decoding).
         self.state_copier = (
             StateCopier(self.kv_spec, config.scheduler.max_num_seqs)
-            if hasattr(self.kv_spec, "copy_state_slots") and config.cache.enable_prefix_caching
+            if hasattr(self.kv_spec, "copy_state_slots") and num_state_copy_slots(config)
             else None
         )
         # Copies between the cache and K/V held elsewhere, before each step (core/kv_connector.py): host

@@ -5,9 +5,10 @@ position: the scheduler snapshots a request's live slot when a step ends on a bl
 prompt, and copies a snapshot into a later request's live slot when that request hits it
 (core/kv_cache_coordinator.py `StateGroupBlocks`). Each ScheduledRequest carries its `StateCopy`; this
 module turns a step's copies into (src, dst) slot lists and runs them on the device: the copies in
-before the forward (a hit's first step reads the copied state), the copies out after it (a snapshot
-holds the state the forward left). One jitted program, the cache donated, per power-of-two count of
-copies; the mixers and the steps without copies are untouched.
+before the forward (a hit's first step reads the copied state; a step verifying drafts keeps a backup
+of the state entering it, which a rejected draft restores before the next forward), the copies out
+after it (a snapshot holds the state the forward left). One jitted program, the cache donated, per
+power-of-two count of copies; the mixers and the steps without copies are untouched.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ def step_state_copies(scheduled, failed: set[str]) -> tuple[np.ndarray, np.ndarr
         copy = s.state_copy
         if copy is None or s.request_id in failed:
             continue
-        if copy.copy_in is not None:
-            copies_in.append(copy.copy_in)
+        copies_in.extend(copy.copies_before)
         if copy.copy_out is not None:
             copies_out.append(copy.copy_out)
     if not copies_in and not copies_out:

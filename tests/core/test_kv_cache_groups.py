@@ -220,3 +220,30 @@ def test_freed_live_slots_are_reused_before_a_snapshot_is_evicted():
         assert manager.allocate_slots(prompt(rid, 0, 9, 300 + len(rid)), 4) is not None
     assert manager.get_computed_blocks(Request("f", first.prompt_token_ids + [9], SamplingParams()))[1] == 8
     assert manager.get_computed_blocks(Request("g", second.prompt_token_ids + [9], SamplingParams()))[1] == 12
+
+
+def test_a_drafts_backup_is_restored_before_the_next_step_or_freed():
+    """A step verifying drafts copies the live slot into a backup before its forward; a rejection
+    hands the backup to the next step as a copy into the live slot, freed when that step settles. No
+    spare slot: no backup, and the scheduler verifies no drafts."""
+    groups = (
+        KVCacheGroup(FullAttentionSpec(BS), (0,)),
+        KVCacheGroup(StateSpec(BS, num_slots=4, num_snapshot_slots=1), (1,)),
+    )
+    manager = KVCacheManager(BS, 32, False, max_model_len=64, kv_cache_groups=groups)
+    state_pool = manager.coordinator.state_manager.pool
+    req = prompt("a", 0, 9, 100)
+    run(manager, req, 9)
+    live = manager.get_state_slot("a")
+    assert manager.take_state_backup("a")
+    copy = manager.take_state_copy("a")
+    ((src, backup),) = copy.copies_before
+    assert src == live and backup != live and copy.copy_out is None
+    manager.settle_state_copy(copy, ran=True, restore_for="a")  # a draft rejected
+    restore = manager.take_state_copy("a")
+    assert restore.copies_before == [(backup, live)] and state_pool.get_num_free_blocks() == 1
+    manager.settle_state_copy(restore, ran=True)
+    assert state_pool.get_num_free_blocks() == 2
+    run(manager, prompt("b", 0, 5, 200), 5)  # the last live slot
+    assert manager.take_state_backup("b")  # the one spare slot
+    assert not manager.take_state_backup("a") and manager.take_state_copy("a") is None

@@ -284,6 +284,38 @@ def prefix_hits_against_hugging_face(llm: LLM, hf_model, vocab: int) -> dict[str
     return cached
 
 
+def ngram_speculation_against_hugging_face(model_dir: str, hf_model, vocab: int) -> list[tuple[int, int]]:
+    """A state model under n-gram speculative decoding (3 drafts a step): prompts of a repeated pattern
+    (drafts proposed from the start) and random tails. Asserts every greedy token is Hugging Face's
+    and that no state slot or block leaks; returns each verification's (drafts, accepted)."""
+    from xlaserve.core.spec_decode import SpecDecodingStats
+
+    seen: list[tuple[int, int]] = []
+    observe = SpecDecodingStats.observe
+
+    def record(stats, num_draft_tokens, num_accepted_tokens):
+        seen.append((num_draft_tokens, num_accepted_tokens))
+        observe(stats, num_draft_tokens, num_accepted_tokens)
+
+    llm = LLM(model_dir, **ENGINE_ARGS, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    rng = np.random.default_rng(5)
+    batch = [
+        [*rng.integers(3, vocab, 4).tolist()] * 5 + rng.integers(3, vocab, n).tolist() for n in (1, 6, 11)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True)
+    SpecDecodingStats.observe = record
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    finally:
+        SpecDecodingStats.observe = observe
+    for prompt, output in zip(batch, outputs, strict=True):
+        assert list(output.outputs[0].token_ids) == hf_greedy(hf_model, prompt)
+    manager = llm.engine_core.kv_cache_manager
+    for group in manager.coordinator.managers:
+        assert group.pool.get_num_free_blocks() == group.pool.num_usable_blocks
+    return seen
+
+
 def rel_err(actual, expected) -> float:
     return float(np.abs(actual - expected).max() / np.abs(expected).max())
 

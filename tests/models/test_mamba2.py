@@ -20,6 +20,7 @@ from helpers.family_cases import (
     NUM_GREEDY,
     assert_greedy_and_prompt_logprobs_match,
     hf_greedy,
+    ngram_speculation_against_hugging_face,
     one_torch_thread,  # noqa: F401 - an autouse fixture
     prefix_hits_against_hugging_face,
     prompts,
@@ -91,6 +92,18 @@ def test_features_a_state_cannot_serve_are_refused_by_name(hf_model, tmp_path):
     ):
         with pytest.raises(ValueError, match=rf"^{field}.*not supported for models with state-space layers"):
             LLM(path, **ENGINE_ARGS, **kwargs)
+
+
+def test_ngram_drafts_rejected_restore_the_state_entering_the_step(hf_model, tmp_path):
+    """As Qwen3.5's (test_qwen3_5.py), with the backups drawn from the shared pool of slots (this
+    random model's outputs never follow the prompts' pattern: every verification rejects, and each
+    restores its backup); a draft model is refused by name (its K/V cache would follow the slots)."""
+    path = save_hf_model(hf_model, tmp_path)
+    seen = ngram_speculation_against_hugging_face(path, hf_model, VOCAB)
+    assert seen and all(a < n for n, a in seen), seen
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"^speculative_config: method 'draft_model' is not supported"):
+        LLM(path, **ENGINE_ARGS, speculative_config=draft)
 
 
 def test_greedy_tokens_and_prompt_logprobs_match_hugging_face(llm, hf_model):

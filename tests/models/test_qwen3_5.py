@@ -25,6 +25,7 @@ from helpers.family_cases import (
     QWEN3_5_TEXT,
     assert_greedy_and_prompt_logprobs_match,
     hf_greedy,
+    ngram_speculation_against_hugging_face,
     one_torch_thread,  # noqa: F401 - an autouse fixture
     prefix_hits_against_hugging_face,
     prompts,
@@ -96,6 +97,15 @@ def test_prefix_hits_through_state_snapshots_give_hugging_face_tokens(llm, hf_mo
     (helpers/family_cases.py)."""
     cached = prefix_hits_against_hugging_face(llm, hf_model, VOCAB)
     assert cached == {"a": 0, "b": 0, "c": 24, "d": 32}
+
+
+def test_ngram_drafts_rejected_restore_the_state_entering_the_step(hf_model, tmp_path):
+    """Speculative decoding on a hybrid model: a step verifying drafts keeps the state entering it in a
+    spare slot; when a draft is rejected, the live slot holds the state after it, so the backup is
+    copied back before the next forward, which computes the accepted tokens again. Greedy tokens as
+    Hugging Face's, with verifications that kept every draft and ones that rejected some."""
+    seen = ngram_speculation_against_hugging_face(save_hf_model(hf_model, tmp_path), hf_model, VOCAB)
+    assert any(a == n for n, a in seen) and any(a < n for n, a in seen), seen
 
 
 def test_a_vision_language_release_serves_its_text_decoder(tmp_path):
