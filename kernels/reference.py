@@ -62,8 +62,11 @@ def write_kv(
     slot_mapping: jax.Array,  # [T] int32: block_id * block_size + offset
     *,
     kv_dtype=None,
+    positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's keys and values into their cache slots (padding goes to the null block).
+    `positions` [T] (the tokens' positions) is not read here: a decode-context-parallel cache
+    (sharding/context_parallel.py) writes each token on the rank its position names.
     A float8 cache (`kv_dtype`: the float8 its uint8 words hold; default float8_e4m3fn) stores them
     with scale 1.0, saturated at the format's largest value (as vLLM's fp8 cache with no scales)."""
     block_size = k_cache.shape[1]

@@ -209,7 +209,9 @@ class Attention(nnx.Module):
                     rope_angles_of(cfg, positions, md, spec.rope_inv_freq), spec.rope_scale
                 )
             q, k = rotate_halves(q, cos_sin), rotate_halves(k, cos_sin)
-        k_cache, v_cache = self.backend.write_kv(kv_cache.k, kv_cache.v, k, v, md.slot_mapping)
+        k_cache, v_cache = self.backend.write_kv(
+            kv_cache.k, kv_cache.v, k, v, md.slot_mapping, positions=positions
+        )
         out = self.backend.attention(
             q,
             k_cache,

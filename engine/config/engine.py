@@ -58,6 +58,20 @@ class EngineConfig:
                 self.speculative is None or self.speculative.method != "draft_model",
                 "kv_transfer_config cannot be combined with a draft model (its KV cache is not transferred)",
             )
+        dcp = self.parallel.decode_context_parallel_size
+        if dcp > 1:  # what the interleaved cache (sharding/context_parallel.py) does not serve yet
+            require(
+                self.cache.block_size % dcp == 0,
+                f"block_size={self.cache.block_size} must be a multiple of decode_context_parallel_size="
+                f"{dcp} (each rank stores block_size / {dcp} of a block's tokens)",
+            )
+            for is_set, what in (
+                (self.speculative is not None and self.speculative.method == "draft_model", "a draft model"),
+                (self.cache.kv_cache_dtype != "auto", "kv_cache_dtype"),
+                (self.cache.kv_offloading_size is not None, "kv_offloading_size"),
+                (self.cache.kv_transfer_config is not None, "kv_transfer_config"),
+            ):
+                require(not is_set, f"decode_context_parallel_size={dcp} cannot be combined with {what} yet")
         pp = self.parallel.pipeline_parallel_size
         if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet
             for is_set, what in (

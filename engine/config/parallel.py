@@ -24,6 +24,14 @@ class ParallelConfig:
             aliases=("-pp",),
         ),
     )
+    decode_context_parallel_size: int = field(
+        default=1,
+        metadata=arg(
+            "decode context parallel (vLLM's DCP): each sequence's KV cache interleaved over this many "
+            "tensor-parallel ranks that would otherwise hold copies of the same KV head",
+            aliases=("-dcp",),
+        ),
+    )
     enable_expert_parallel: bool = field(
         default=False, metadata=arg("shard a MoE's experts over the tensor-parallel devices")
     )
@@ -59,6 +67,18 @@ class ParallelConfig:
                 f"pipeline_parallel_size={self.pipeline_parallel_size} cannot be combined with "
                 f"data_parallel_size={self.data_parallel_size} yet",
             )
+        dcp = self.decode_context_parallel_size
+        require(dcp >= 1, f"decode_context_parallel_size must be >= 1, got {dcp}")
+        require(
+            self.tensor_parallel_size % dcp == 0,
+            f"decode_context_parallel_size={dcp} must divide tensor_parallel_size="
+            f"{self.tensor_parallel_size} (its ranks are tensor-parallel ranks)",
+        )
+        require(
+            dcp == 1 or self.pipeline_parallel_size == 1,
+            f"decode_context_parallel_size={dcp} cannot be combined with pipeline_parallel_size="
+            f"{self.pipeline_parallel_size} yet",
+        )
         require(self.nnodes >= 1, f"nnodes must be >= 1, got {self.nnodes}")
         require(
             0 <= self.node_rank < self.nnodes,

@@ -21,10 +21,18 @@ def bytes_per_block(kv_spec: KVCacheSpec, block_size: int, dtype) -> int:
     return kv_spec.bytes_per_block(block_size, jnp.dtype(dtype).itemsize)
 
 
-def num_kv_blocks(cache: CacheConfig, kv_spec: KVCacheSpec, dtype, extra_bytes_per_block: int = 0) -> int:
+def num_kv_blocks(
+    cache: CacheConfig,
+    kv_spec: KVCacheSpec,
+    dtype,
+    extra_bytes_per_block: int = 0,
+    cache_block_size: int | None = None,
+) -> int:
     """The blocks the budget holds: `num_gpu_blocks_override`, else `kv_cache_memory` bytes, else
     (GPU) `gpu_memory_utilization` of the device's memory less what is in use, else (CPU) 512 MiB.
-    `extra_bytes_per_block`: another cache indexed by the same block ids (a draft model's) shares it."""
+    `extra_bytes_per_block`: another cache indexed by the same block ids (a draft model's) shares it.
+    `cache_block_size`: the device cache's slots per block, when fewer than the scheduler's block_size
+    (decode context parallel: a block's tokens spread over ranks)."""
     if cache.num_gpu_blocks_override is not None:
         return cache.num_gpu_blocks_override
     if kv_spec.fixed_num_tokens is not None:  # a placeholder cache (an encoder's): 1 + the null block
@@ -37,7 +45,9 @@ def num_kv_blocks(cache: CacheConfig, kv_spec: KVCacheSpec, dtype, extra_bytes_p
         stats = jax.local_devices()[0].memory_stats() or {}
         limit = stats.get("bytes_limit", 0)
         budget = int(limit * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
-    block_bytes = bytes_per_block(kv_spec, cache.block_size, dtype) + extra_bytes_per_block
+    block_bytes = (
+        bytes_per_block(kv_spec, cache_block_size or cache.block_size, dtype) + extra_bytes_per_block
+    )
     fixed_bytes = kv_spec.fixed_bytes(jnp.dtype(dtype).itemsize)  # a hybrid model's state slots come first
     if fixed_bytes and fixed_bytes + 2 * block_bytes > budget:
         raise ValueError(

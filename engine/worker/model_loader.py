@@ -29,6 +29,7 @@ from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import load_params
 from xlaserve.sharding import Placement, make_mesh
 from xlaserve.sharding.attention import shard_attention_over_kv_heads
+from xlaserve.sharding.context_parallel import check_decode_context_parallel, decode_context_parallel
 from xlaserve.sharding.kv_heads import replicate_kv_heads
 from xlaserve.sharding.vocab import pad_vocab, padded_vocab_size
 from xlaserve.worker.kv_cache_groups import num_state_copy_slots
@@ -104,6 +105,7 @@ def load_model(
     mesh = make_mesh(tp, devices)
     stacked = tuple(model_class.layer_stacks(model_config))
     placement = Placement(mesh, model_config, parallel.enable_expert_parallel, stacked_modules=stacked)
+    checkpoint_config = model_config  # its KV heads as the checkpoint has them
     model_config, tensors = replicate_kv_heads(model_config, tensors, tp)
     model_config = model_config.for_tensor_parallel(tp)  # Mamba2's B and C groups copied, if needed
     # The model is built with the padded vocabulary; model_config keeps the real one (the input
@@ -131,7 +133,12 @@ def load_model(
             )
         backend = backend.with_kv_cache_dtype(config.cache.kv_cache_dtype)
         logger.info("KV cache stored in %s (scale 1.0)", backend.kv_cache_dtype.name)
-    backend = shard_attention_over_kv_heads(backend, mesh)
+    dcp = parallel.decode_context_parallel_size
+    if dcp > 1:  # K/V interleaved over the ranks that hold copies of a KV head
+        check_decode_context_parallel(checkpoint_config, kv_spec, dcp, tp)
+        backend = decode_context_parallel(backend, mesh, dcp)
+    else:
+        backend = shard_attention_over_kv_heads(backend, mesh)
     logger.info("attention backend: %s (%s)", backend.name, backend.reason)
     if jax.default_backend() == "cpu":  # the C++ ops the programs will call, built while the weights load
         cpu_ops.prepare_in_background(

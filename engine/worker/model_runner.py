@@ -33,6 +33,7 @@ from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
 from xlaserve.models.registry import get_model_class
+from xlaserve.sharding.context_parallel import physical_slot_mapping
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
 from xlaserve.worker.compile_guard import CompileGuard
 from xlaserve.worker.draft_model import DraftModel
@@ -113,6 +114,10 @@ class ModelRunner:
         )
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
+        # Decode context parallel: each rank of a group stores block_size / dcp of a block's tokens
+        # (sharding/context_parallel.py), so the device cache's blocks are that long.
+        self.dcp = config.parallel.decode_context_parallel_size
+        self.cache_block_size = self.block_size // self.dcp
         # The host's KV cache groups (core/kv_cache_spec.py), from the model's cache spec.
         self.kv_cache_groups = kv_cache_groups(self.kv_spec, self.model_config, config)
         # The step's device functions as Programs (worker/step_programs.py), jitted with the graphdef bound.
@@ -153,6 +158,7 @@ class ModelRunner:
             self.kv_spec,
             self.backend.cache_dtype(self.dtype),
             extra_bytes_per_block=0 if self.drafter is None else self.drafter.bytes_per_block(),
+            cache_block_size=self.cache_block_size,
         )
         self.kv_cache = self.allocate_kv_cache()
         # A state model's copies of state slots around the forward: prefix-cache snapshots, drafts'
@@ -208,7 +214,7 @@ class ModelRunner:
         return allocate_kv_cache(
             self.kv_spec,
             self.num_blocks,
-            self.block_size,
+            self.cache_block_size,
             self.backend.cache_dtype(self.dtype),
             self.placement,
         )
@@ -227,7 +233,7 @@ class ModelRunner:
         return None if self.mm_encoder is None else self.mm_encoder.layout
 
     def kv_bytes_per_block(self) -> int:
-        return bytes_per_block(self.kv_spec, self.block_size, self.backend.cache_dtype(self.dtype))
+        return bytes_per_block(self.kv_spec, self.cache_block_size, self.backend.cache_dtype(self.dtype))
 
     # -- compiling ------------------------------------------------------------------------------
 
@@ -264,6 +270,9 @@ class ModelRunner:
         batch = build_step_batch(
             scheduled, num_tokens, num_seqs, self.max_blocks_per_seq, self.block_size, failed
         )
+        if self.dcp > 1:  # the owning rank's slot (its rank is the token's position mod dcp)
+            slots = physical_slot_mapping(batch.md.slot_mapping, self.block_size, self.dcp)
+            batch = dataclasses.replace(batch, md=dataclasses.replace(batch.md, slot_mapping=slots))
         spec = build_spec_inputs(scheduled, num_seqs, self.num_spec_tokens)
         return _with_verify_indices(batch, spec), spec
 

@@ -429,6 +429,44 @@ def data_parallel(model_dir: str, layouts: list[dict]) -> list:
     return dp_main(model_dir, layouts, small_llm)
 
 
+def context_parallel(model_dir: str, arg: dict) -> list:
+    """arg: {"layouts", "prompts"}: per layout, the greedy tokens and top logprobs of the prompts, run
+    twice (the second run hits the prefix cache's blocks), the engine's KV blocks, one device's shard
+    of the K cache, and the compiled forward's collectives."""
+    from xlaserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    results = []
+    for layout in arg["layouts"]:
+        llm = small_llm(model_dir, layout)
+        runs = []
+        for _ in range(2):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append(
+                {
+                    "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                    "logprobs": [
+                        [max(lp.logprob for lp in d.values()) for d in o.outputs[0].logprobs] for o in outs
+                    ],
+                    "num_cached_tokens": [o.num_cached_tokens for o in outs],
+                }
+            )
+        runner = llm.engine_core.runner
+        hlo_text = runner.compiled_forward_text(16)
+        results.append(
+            {
+                "layout": layout,
+                "runs": runs,
+                "num_blocks": runner.num_blocks,
+                "k_shard": list(runner.kv_cache.k.addressable_shards[0].data.shape),
+                "collectives": {op: hlo_text.count(f" {op}(") for op in ("all-gather", "all-reduce")},
+            }
+        )
+        del llm
+    return results
+
+
 def pipeline(_model_dir: str, arg: dict) -> dict:
     """See helpers/pp_worker.py."""
     from pp_worker import main as pp_main  # beside this file, on sys.path as the script's folder
@@ -437,6 +475,7 @@ def pipeline(_model_dir: str, arg: dict) -> dict:
 
 
 MODES = {
+    "context_parallel": context_parallel,
     "generate": generate,
     "hlo": hlo,
     "error": error,

@@ -1,0 +1,91 @@
+"""Decode context parallelism (sharding/context_parallel.py) on fake CPU devices, against one device.
+
+A tiny Llama with one KV head: under tensor parallel 4 every rank holds a copy of it and the whole
+sequence; with decode_context_parallel_size 2 (tensor parallel 2) and 4 (tensor parallel 4) the copies
+store every second or fourth token instead, and each query's attention is merged from their partial
+results. Prompts of 5 to 70 tokens prefill in chunks (queries spread over ranks' keys) and decode; the
+second run of the same prompts hits the prefix cache, whose blocks are the scheduler's as ever.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xlaserve.config import EngineConfig
+
+TP4 = {"tensor_parallel_size": 4}
+DCP2 = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
+DCP4 = {"tensor_parallel_size": 4, "decode_context_parallel_size": 4}
+PROMPT_LENGTHS = (5, 40, 19, 70)
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory) -> str:
+    from helpers.tiny_models import save_tiny_llama, small_byte_tokenizer
+
+    return save_tiny_llama(
+        str(tmp_path_factory.mktemp("dcp_llama")),
+        num_hidden_layers=2,
+        num_key_value_heads=1,
+        tokenizer=small_byte_tokenizer(),
+    )
+
+
+@pytest.fixture(scope="module")
+def results(tp_worker, one_kv_head) -> dict:
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 300, n).tolist() for n in PROMPT_LENGTHS]
+    out = tp_worker.run(
+        "context_parallel", one_kv_head, {"layouts": [{}, TP4, DCP2, DCP4], "prompts": prompts}
+    )
+    return {str(r["layout"]): r for r in out}
+
+
+def test_interleaved_kv_gives_one_devices_tokens_and_logprobs(results):
+    base = results[str({})]["runs"][0]
+    for layout in (TP4, DCP2, DCP4):
+        for run in results[str(layout)]["runs"]:
+            assert run["tokens"] == base["tokens"], layout
+            np.testing.assert_allclose(
+                np.concatenate(run["logprobs"]),
+                np.concatenate(base["logprobs"]),
+                atol=1e-4,
+                err_msg=str(layout),
+            )
+            assert run["num_cached_tokens"] in ([0] * 4, [0, 32, 16, 64]), layout
+        assert results[str(layout)]["runs"][1]["num_cached_tokens"] == [0, 32, 16, 64], layout
+
+
+def test_each_rank_stores_its_share_of_every_block(results):
+    """The same budget holds 4x the blocks at DCP 4: a rank's slice of a block of 16 tokens is 4 slots
+    (and 8 at DCP 2), its one KV head's. Only the DCP programs gather (the group's queries and partials)."""
+    tp4, dcp2, dcp4 = (results[str(layout)] for layout in (TP4, DCP2, DCP4))
+    num_blocks = tp4["num_blocks"]
+    assert (
+        tp4["k_shard"][1:3] == [16, 1] and dcp4["k_shard"][1:3] == [4, 1] and dcp2["k_shard"][1:3] == [8, 1]
+    )
+    assert abs(dcp4["num_blocks"] - 4 * num_blocks) < 4
+    assert dcp4["k_shard"][0] == 2 * dcp4["num_blocks"]  # 2 layers of blocks on every rank
+    assert tp4["collectives"]["all-gather"] == 0
+    assert dcp4["collectives"]["all-gather"] > 0 and dcp2["collectives"]["all-gather"] > 0
+
+
+def test_what_decode_context_parallel_refuses_is_named(tp_worker, tiny_llama_2kv):
+    # 2 KV heads over 4 ranks: two copies of each, not four.
+    message = tp_worker.run("error", tiny_llama_2kv, DCP4)
+    assert "decode_context_parallel_size=4" in message and "num_kv_heads x 4 = 8" in message
+    for kwargs, field in (
+        ({"tensor_parallel_size": 2, "decode_context_parallel_size": 4}, "must divide tensor_parallel_size"),
+        ({**DCP4, "block_size": 8}, None),  # 2 slots of each block on every rank
+        ({"tensor_parallel_size": 16, "decode_context_parallel_size": 16, "block_size": 8}, "block_size=8"),
+        ({**DCP2, "pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+        ({**DCP2, "kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ):
+        if field is None:
+            EngineConfig.from_kwargs(None, **kwargs)
+            continue
+        with pytest.raises(
+            ValueError, match=rf"decode_context_parallel_size.*{field}|{field}.*decode_context"
+        ):
+            EngineConfig.from_kwargs(None, **kwargs)
