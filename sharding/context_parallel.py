@@ -53,9 +53,7 @@ def check_decode_context_parallel(model_config, kv_spec, dcp: int, tensor_parall
             f"tensor_parallel_size ({tensor_parallel_size}) must be a multiple of num_kv_heads x {dcp} "
             f"= {num_kv * dcp}"
         )
-    if getattr(kv_spec, "layer_kind", "full_attention") != "full_attention" or not hasattr(
-        kv_spec, "num_kv_heads"
-    ):
+    if kv_spec.layer_kind != "full_attention":
         raise ValueError(
             f"{prefix} is not supported for {model_config.architecture} (its cache is not K and V)"
         )
