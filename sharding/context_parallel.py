@@ -133,11 +133,19 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
             last = jnp.where(position >= index, (position - index) // dcp, -1)
             value_dtype = q.dtype if k_cache.dtype == jnp.uint16 else k_cache.dtype
             partial = _partial_attention(
-                group_q, k_cache, v_cache, block_tables[seq], last, is_real, sm_scale, soft_cap, value_dtype
+                group_q[:, None],
+                k_cache,
+                v_cache,
+                block_tables[seq],
+                last,
+                is_real,
+                sm_scale,
+                soft_cap,
+                value_dtype,
             )
             # Every rank's partials, of which the group's: merged by log-sum-exp.
             m, l, acc = (
-                jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(x, axis), first, dcp) for x in partial
+                jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(x[:, 0], axis), first, dcp) for x in partial
             )
             out = _merge(m, l, acc)  # [T, d * h, D]
             mine = jax.lax.dynamic_slice_in_dim(out, index * num_local_heads, num_local_heads, axis=1)
@@ -158,10 +166,10 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
 
 
 def _partial_attention(q, k_cache, v_cache, tables, last, is_real, sm_scale, soft_cap, value_dtype):
-    """Each query [T, H, D] (every head reads the one local KV head) over its sequence's local keys
-    0..last[t] (tables [T, max_blocks]): the online softmax's (max [T, H], sum [T, H], weighted values
-    [T, H, D]) in float32, not normalized (the group merges them)."""
-    num_tokens, num_heads, head_dim = q.shape
+    """Each query [T, K, G, D] (G query heads per KV head) over its sequence's keys in slots 0..last[t]
+    of its pages (tables [T, max_blocks]; caches [rows, block_size, K, D]): the online softmax's (max
+    [T, K, G], sum [T, K, G], weighted values [T, K, G, D]) in float32, not normalized."""
+    num_tokens, num_kv_heads, group, head_dim = q.shape
     num_rows, block_size = k_cache.shape[:2]
     chunk_len = PAGES_PER_CHUNK * block_size
     max_blocks = tables.shape[1]
@@ -170,30 +178,33 @@ def _partial_attention(q, k_cache, v_cache, tables, last, is_real, sm_scale, sof
     q = q.astype(jnp.float32) * sm_scale
     stop = (jnp.max(jnp.where(is_real, last, -1)) + chunk_len) // chunk_len
 
-    def gather(cache, pages):  # pages [T, P] -> [T, P * block_size, D] float32 (the one local head)
+    def gather(cache, pages):  # pages [T, P] -> [T, P * block_size, K, D] float32
         rows = cache.reshape(num_rows, -1)[pages]
-        return from_words(rows, value_dtype).reshape(num_tokens, chunk_len, head_dim).astype(jnp.float32)
+        shape = (num_tokens, chunk_len, num_kv_heads, head_dim)
+        return from_words(rows, value_dtype).reshape(shape).astype(jnp.float32)
 
     def body(i, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(tables, i * PAGES_PER_CHUNK, PAGES_PER_CHUNK, axis=1)
         k, v = gather(k_cache, pages), gather(v_cache, pages)
         visible = (i * chunk_len + jnp.arange(chunk_len) <= last[:, None]) & is_real[:, None]  # [T, S]
-        s = jnp.einsum("thd,tsd->ths", q, k)
+        s = jnp.einsum("tkgd,tskd->tkgs", q, k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(visible[:, None, :], s, -jnp.inf)
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with nothing visible stays zero
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
-        v = jnp.where(visible[..., None], v, 0.0)  # slots past a context may hold NaN
-        return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + jnp.einsum("ths,tsd->thd", p, v)
+        v = jnp.where(visible[..., None, None], v, 0.0)  # slots past a context may hold NaN
+        acc = alpha[..., None] * acc + jnp.einsum("tkgs,tskd->tkgd", p, v)
+        return m_new, alpha * l + p.sum(axis=-1), acc
 
+    rows = (num_tokens, num_kv_heads, group)
     init = (
-        jnp.full((num_tokens, num_heads), -jnp.inf, jnp.float32),
-        jnp.zeros((num_tokens, num_heads), jnp.float32),
-        jnp.zeros((num_tokens, num_heads, head_dim), jnp.float32),
+        jnp.full(rows, -jnp.inf, jnp.float32),
+        jnp.zeros(rows, jnp.float32),
+        jnp.zeros((*rows, head_dim), jnp.float32),
     )
     return jax.lax.fori_loop(0, stop, body, init)
 
@@ -206,3 +217,86 @@ def _merge(m, l, acc):
     total = (scale * l).sum(axis=0)
     out = (scale[..., None] * acc).sum(axis=0)
     return out / jnp.where(total == 0.0, 1.0, total)[..., None]
+
+
+def check_prefill_context_parallel(model_config, kv_spec, pcp: int) -> None:
+    """ValueError naming prefill_context_parallel_size for what its attention does not serve yet."""
+    if pcp == 1:
+        return
+    prefix = f"prefill_context_parallel_size={pcp}"
+    if kv_spec.layer_kind != "full_attention" or kv_spec.cache_class.__name__ != "KVCache":
+        raise ValueError(
+            f"{prefix} is not supported for {model_config.architecture} (its cache is not K and V)"
+        )
+    if any(w is not None for w in model_config.layer_sliding_windows):
+        raise ValueError(
+            f"{prefix} is not supported with sliding-window attention ({model_config.architecture}) yet"
+        )
+    if getattr(model_config, "attention_sinks", False):
+        raise ValueError(f"{prefix} is not supported with attention sinks ({model_config.architecture}) yet")
+
+
+def prefill_context_parallel(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
+    """`backend` with attention run per device on its share of the step's tokens (the mesh's "context"
+    axis) and of the KV heads ("tensor"): each query over its sequence's whole context, which every
+    context rank's cache holds (XLA gathers the step's K/V over the axis before they are written).
+    Everything else in the step (the projections, the MLP) runs on each rank's tokens as XLA splits it
+    from the step's token ids (worker/step_programs.py `token_sharding`)."""
+    rules = logical_to_mesh(enable_expert_parallel=False)
+    tokens_heads = PartitionSpec("context", rules["kv_heads"], None)  # q and the output [T, heads, D]
+    cache = to_partition_spec(KV_CACHE_AXES, rules)  # split by KV head, whole on every context rank
+    num_ranks = mesh.shape["context"]
+
+    def attention(
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        *,
+        sm_scale,
+        soft_cap=None,
+        **kw,
+    ):
+        if kw.get("sliding_window") is not None or kw.get("sinks") is not None:
+            raise ValueError("prefill context parallelism does not serve sliding windows or sinks yet")
+
+        def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs):
+            num_local, num_heads, head_dim = q.shape
+            num_kv_heads = k_cache.shape[2]
+            first = jax.lax.axis_index("context") * num_local  # this rank's tokens in the step
+            seq, position, is_real = (
+                jax.lax.dynamic_slice_in_dim(x, first, num_local)
+                for x in token_positions(num_local * num_ranks, kv_lens, query_start_loc, num_seqs)
+            )
+            value_dtype = q.dtype if k_cache.dtype == jnp.uint16 else k_cache.dtype
+            q_tkgd = q.reshape(num_local, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            _, l, acc = _partial_attention(
+                q_tkgd,
+                k_cache,
+                v_cache,
+                block_tables[seq],
+                position,
+                is_real,
+                sm_scale,
+                soft_cap,
+                value_dtype,
+            )
+            out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+            return out.reshape(num_local, num_heads, head_dim).astype(q.dtype)
+
+        operands = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
+        in_specs = (tokens_heads, cache, cache) + (PartitionSpec(),) * 4
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens_heads, check_vma=False)(
+            *operands
+        )
+
+    return dataclasses.replace(
+        backend,
+        name=f"{backend.name}+pcp",
+        attention=attention,
+        reason=f"prefill context parallel over {num_ranks} ranks: each rank's tokens over the whole cache "
+        "(sharding/context_parallel.py)",
+    )

@@ -19,14 +19,23 @@ from xlaserve.sharding.rules import (
 )
 
 
-def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
-    """A 1-D ("tensor",) mesh over `devices` (default: all devices, local and remote)."""
+def make_mesh(tensor_parallel_size: int, devices=None, context_parallel_size: int = 1) -> Mesh:
+    """A 1-D ("tensor",) mesh over `devices` (default: all devices, local and remote); with
+    `context_parallel_size` > 1 (prefill context parallel), a ("context", "tensor") mesh: that many
+    groups of tensor_parallel_size devices, each computing its share of a step's tokens."""
     devices = list(jax.devices() if devices is None else devices)
-    if tensor_parallel_size > len(devices):
+    num_devices = tensor_parallel_size * context_parallel_size
+    if num_devices > len(devices):
         raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} exceeds the {len(devices)} available devices"
+            f"tensor_parallel_size={tensor_parallel_size} x prefill_context_parallel_size="
+            f"{context_parallel_size} exceeds the {len(devices)} available devices"
+            if context_parallel_size > 1
+            else f"tensor_parallel_size={tensor_parallel_size} exceeds the {len(devices)} available devices"
         )
-    return Mesh(np.array(devices[:tensor_parallel_size]), ("tensor",))
+    if context_parallel_size == 1:
+        return Mesh(np.array(devices[:tensor_parallel_size]), ("tensor",))
+    grid = np.array(devices[:num_devices]).reshape(context_parallel_size, tensor_parallel_size)
+    return Mesh(grid, ("context", "tensor"))
 
 
 class Placement:

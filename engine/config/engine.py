@@ -72,6 +72,15 @@ class EngineConfig:
                 (self.cache.kv_transfer_config is not None, "kv_transfer_config"),
             ):
                 require(not is_set, f"decode_context_parallel_size={dcp} cannot be combined with {what} yet")
+        pcp = self.parallel.prefill_context_parallel_size
+        if pcp > 1:  # what the token-split step (sharding/context_parallel.py) does not serve yet
+            for is_set, what in (
+                (self.speculative is not None and self.speculative.method == "draft_model", "a draft model"),
+                (self.cache.kv_cache_dtype != "auto", "kv_cache_dtype"),
+                (self.cache.kv_offloading_size is not None, "kv_offloading_size"),
+                (self.cache.kv_transfer_config is not None, "kv_transfer_config"),
+            ):
+                require(not is_set, f"prefill_context_parallel_size={pcp} cannot be combined with {what} yet")
         pp = self.parallel.pipeline_parallel_size
         if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet
             for is_set, what in (

@@ -32,6 +32,14 @@ class ParallelConfig:
             aliases=("-dcp",),
         ),
     )
+    prefill_context_parallel_size: int = field(
+        default=1,
+        metadata=arg(
+            "prefill context parallel (vLLM's PCP): each step's tokens split over this many groups of "
+            "tensor_parallel_size devices, each group holding the whole KV cache",
+            aliases=("-pcp",),
+        ),
+    )
     enable_expert_parallel: bool = field(
         default=False, metadata=arg("shard a MoE's experts over the tensor-parallel devices")
     )
@@ -79,6 +87,19 @@ class ParallelConfig:
             f"decode_context_parallel_size={dcp} cannot be combined with pipeline_parallel_size="
             f"{self.pipeline_parallel_size} yet",
         )
+        pcp = self.prefill_context_parallel_size
+        require(pcp >= 1, f"prefill_context_parallel_size must be >= 1, got {pcp}")
+        if pcp > 1:
+            for other, value in (
+                ("pipeline_parallel_size", self.pipeline_parallel_size),
+                ("decode_context_parallel_size", dcp),
+                ("data_parallel_size", self.data_parallel_size),
+                ("nnodes", self.nnodes),
+            ):
+                require(
+                    value == 1,
+                    f"prefill_context_parallel_size={pcp} cannot be combined with {other}={value} yet",
+                )
         require(self.nnodes >= 1, f"nnodes must be >= 1, got {self.nnodes}")
         require(
             0 <= self.node_rank < self.nnodes,

@@ -29,7 +29,12 @@ from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import load_params
 from xlaserve.sharding import Placement, make_mesh
 from xlaserve.sharding.attention import shard_attention_over_kv_heads
-from xlaserve.sharding.context_parallel import check_decode_context_parallel, decode_context_parallel
+from xlaserve.sharding.context_parallel import (
+    check_decode_context_parallel,
+    check_prefill_context_parallel,
+    decode_context_parallel,
+    prefill_context_parallel,
+)
 from xlaserve.sharding.kv_heads import replicate_kv_heads
 from xlaserve.sharding.vocab import pad_vocab, padded_vocab_size
 from xlaserve.worker.kv_cache_groups import num_state_copy_slots
@@ -102,7 +107,7 @@ def load_model(
             f"ranks yet ({model_class.tensor_parallel_unsupported}); use tensor_parallel_size=1 "
             "(data_parallel_size runs copies side by side)"
         )
-    mesh = make_mesh(tp, devices)
+    mesh = make_mesh(tp, devices, parallel.prefill_context_parallel_size)
     stacked = tuple(model_class.layer_stacks(model_config))
     placement = Placement(mesh, model_config, parallel.enable_expert_parallel, stacked_modules=stacked)
     checkpoint_config = model_config  # its KV heads as the checkpoint has them
@@ -133,10 +138,13 @@ def load_model(
             )
         backend = backend.with_kv_cache_dtype(config.cache.kv_cache_dtype)
         logger.info("KV cache stored in %s (scale 1.0)", backend.kv_cache_dtype.name)
-    dcp = parallel.decode_context_parallel_size
+    dcp, pcp = parallel.decode_context_parallel_size, parallel.prefill_context_parallel_size
     if dcp > 1:  # K/V interleaved over the ranks that hold copies of a KV head
         check_decode_context_parallel(checkpoint_config, kv_spec, dcp, tp)
         backend = decode_context_parallel(backend, mesh, dcp)
+    elif pcp > 1:  # each group of devices computes its share of a step's tokens
+        check_prefill_context_parallel(model_config, kv_spec, pcp)
+        backend = prefill_context_parallel(backend, mesh)
     else:
         backend = shard_attention_over_kv_heads(backend, mesh)
     logger.info("attention backend: %s (%s)", backend.name, backend.reason)

@@ -26,6 +26,7 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
@@ -122,12 +123,15 @@ class ModelRunner:
         self.kv_cache_groups = kv_cache_groups(self.kv_spec, self.model_config, config)
         # The step's device functions as Programs (worker/step_programs.py), jitted with the graphdef bound.
         vocab = self.model_config.vocab_size
+        # Prefill context parallel: a step's tokens split over the mesh's "context" axis.
+        self.pcp = config.parallel.prefill_context_parallel_size
         programs = make_step_programs(
             self.graphdef,
             vocab,
             config.scheduler.max_num_seqs,
             config.model.batch_invariant,
             config.compilation.compiler_options(),
+            token_sharding=NamedSharding(self.mesh, PartitionSpec("context")) if self.pcp > 1 else None,
         )
         self._forward_fn, self._sample_fn = programs.forward, programs.sample
         self._prompt_logprobs_fn, self._verify_fn = programs.prompt_logprobs, programs.verify
@@ -177,6 +181,8 @@ class ModelRunner:
         # A lone request verifying k drafts runs 1 + k tokens: its own bucket, not the next power of two.
         extra_buckets = (1 + self.num_spec_tokens,) if self.num_spec_tokens else ()
         self.token_buckets = make_token_buckets(sched.max_num_batched_tokens, extra_buckets)
+        if self.pcp > 1:  # every bucket splits evenly over the context ranks
+            self.token_buckets = sorted({-(-n // self.pcp) * self.pcp for n in self.token_buckets})
         self.max_num_seqs = sched.max_num_seqs
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.guard = CompileGuard(strict=config.compilation.strict_compile_guard)

@@ -24,13 +24,28 @@ from xlaserve.worker.spec_decode import SpecInputs, verify
 
 
 def _forward(
-    graphdef, params, kv_cache, input_ids, prev_ids, prev_rows, positions, logits_indices, md, model_inputs
+    graphdef,
+    token_sharding,
+    params,
+    kv_cache,
+    input_ids,
+    prev_ids,
+    prev_rows,
+    positions,
+    logits_indices,
+    md,
+    model_inputs,
 ):
     """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache).
     prev_ids [S]: the previous step's sampled ids, still on the device; prev_rows [T]: where >= 0, the
     row of prev_ids that is this token's id (async scheduling). `model_inputs`: the hooks' keyword
-    arguments of the model (LoRA's `lora=`); empty, the program is the base model's."""
+    arguments of the model (LoRA's `lora=`); empty, the program is the base model's. `token_sharding`:
+    None, or (prefill context parallel) the tokens split over the mesh's "context" axis, from which
+    XLA splits the step's work."""
     input_ids = jnp.where(prev_rows >= 0, prev_ids[jnp.maximum(prev_rows, 0)], input_ids)
+    if token_sharding is not None:
+        input_ids = jax.lax.with_sharding_constraint(input_ids, token_sharding)
+        positions = jax.lax.with_sharding_constraint(positions, token_sharding)
     model = nnx.merge(graphdef, params)
     hidden, kv_cache = model(input_ids, positions, kv_cache, md, **model_inputs)
     return hidden, hidden[logits_indices], kv_cache
@@ -75,16 +90,22 @@ class StepPrograms:
 
 
 def make_step_programs(
-    graphdef, vocab_size: int, max_num_seqs: int, batch_invariant: bool, compiler_options: dict | None = None
+    graphdef,
+    vocab_size: int,
+    max_num_seqs: int,
+    batch_invariant: bool,
+    compiler_options: dict | None = None,
+    token_sharding=None,
 ) -> StepPrograms:
     """The four programs of a step for the model `graphdef` (its real, unpadded `vocab_size`), compiled
-    with `compiler_options` (CompilationConfig.compiler_options: the engine's optimization level)."""
+    with `compiler_options` (CompilationConfig.compiler_options: the engine's optimization level).
+    `token_sharding`: the forward's tokens split over devices (prefill context parallel), or None."""
     invariant = partial(traced_with, batch_invariant)
     jit = partial(jax.jit, compiler_options=compiler_options)
     return StepPrograms(
         forward=Program(
             "forward",
-            jit(invariant(partial(_forward, graphdef)), donate_argnames=("kv_cache",)),
+            jit(invariant(partial(_forward, graphdef, token_sharding)), donate_argnames=("kv_cache",)),
             num_fixed_args=2,
         ),
         # `with_logprobs` is traced (a runtime flag), not static: warm-up compiles 4 sampler programs

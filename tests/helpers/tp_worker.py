@@ -432,7 +432,9 @@ def data_parallel(model_dir: str, layouts: list[dict]) -> list:
 def context_parallel(model_dir: str, arg: dict) -> list:
     """arg: {"layouts", "prompts"}: per layout, the greedy tokens and top logprobs of the prompts, run
     twice (the second run hits the prefix cache's blocks), the engine's KV blocks, one device's shard
-    of the K cache, and the compiled forward's collectives."""
+    of the K cache, and the compiled forward's (16-token bucket) collectives and dots' row counts."""
+    import re
+
     from xlaserve import SamplingParams
 
     prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
@@ -461,6 +463,9 @@ def context_parallel(model_dir: str, arg: dict) -> list:
                 "num_blocks": runner.num_blocks,
                 "k_shard": list(runner.kv_cache.k.addressable_shards[0].data.shape),
                 "collectives": {op: hlo_text.count(f" {op}(") for op in ("all-gather", "all-reduce")},
+                "dot_rows": sorted(
+                    {int(rows) for rows in re.findall(r"= f32\[(\d+),[^=]*? dot\(", hlo_text)}
+                ),
             }
         )
         del llm

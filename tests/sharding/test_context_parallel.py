@@ -1,10 +1,12 @@
-"""Decode context parallelism (sharding/context_parallel.py) on fake CPU devices, against one device.
+"""Context parallelism (sharding/context_parallel.py) on fake CPU devices, against one device.
 
-A tiny Llama with one KV head: under tensor parallel 4 every rank holds a copy of it and the whole
-sequence; with decode_context_parallel_size 2 (tensor parallel 2) and 4 (tensor parallel 4) the copies
-store every second or fourth token instead, and each query's attention is merged from their partial
-results. Prompts of 5 to 70 tokens prefill in chunks (queries spread over ranks' keys) and decode; the
-second run of the same prompts hits the prefix cache, whose blocks are the scheduler's as ever.
+A tiny Llama with one KV head. Decode context parallel: under tensor parallel 4 every rank holds a copy
+of the head and the whole sequence; with decode_context_parallel_size 2 (tensor parallel 2) and 4
+(tensor parallel 4) the copies store every second or fourth token instead, and each query's attention
+is merged from their partial results. Prefill context parallel 2 (alone, and with tensor parallel 2):
+each half of the devices computes half of every step's tokens. Prompts of 5 to 70 tokens prefill in
+chunks and decode; the second run of the same prompts hits the prefix cache, whose blocks are the
+scheduler's as ever.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from xlaserve.config import EngineConfig
 TP4 = {"tensor_parallel_size": 4}
 DCP2 = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
 DCP4 = {"tensor_parallel_size": 4, "decode_context_parallel_size": 4}
+PCP2 = {"prefill_context_parallel_size": 2}
+PCP2_TP2 = {"prefill_context_parallel_size": 2, "tensor_parallel_size": 2}
+LAYOUTS = [{}, TP4, DCP2, DCP4, PCP2, PCP2_TP2]
 PROMPT_LENGTHS = (5, 40, 19, 70)
 
 
@@ -36,15 +41,13 @@ def one_kv_head(tmp_path_factory) -> str:
 def results(tp_worker, one_kv_head) -> dict:
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 300, n).tolist() for n in PROMPT_LENGTHS]
-    out = tp_worker.run(
-        "context_parallel", one_kv_head, {"layouts": [{}, TP4, DCP2, DCP4], "prompts": prompts}
-    )
+    out = tp_worker.run("context_parallel", one_kv_head, {"layouts": LAYOUTS, "prompts": prompts})
     return {str(r["layout"]): r for r in out}
 
 
-def test_interleaved_kv_gives_one_devices_tokens_and_logprobs(results):
+def test_context_parallel_gives_one_devices_tokens_and_logprobs(results):
     base = results[str({})]["runs"][0]
-    for layout in (TP4, DCP2, DCP4):
+    for layout in LAYOUTS[1:]:
         for run in results[str(layout)]["runs"]:
             assert run["tokens"] == base["tokens"], layout
             np.testing.assert_allclose(
@@ -87,5 +90,34 @@ def test_what_decode_context_parallel_refuses_is_named(tp_worker, tiny_llama_2kv
             continue
         with pytest.raises(
             ValueError, match=rf"decode_context_parallel_size.*{field}|{field}.*decode_context"
+        ):
+            EngineConfig.from_kwargs(None, **kwargs)
+
+
+def test_prefill_context_parallel_splits_the_steps_tokens(results):
+    """A 16-token bucket's projections run on 8 rows a device under PCP 2 (16 on one device); the K/V
+    each rank computed are gathered before they are written (every rank's cache is whole)."""
+    assert results[str({})]["dot_rows"] == [16]
+    for layout in (PCP2, PCP2_TP2):
+        assert results[str(layout)]["dot_rows"] == [8], layout
+        assert results[str(layout)]["collectives"]["all-gather"] > 0, layout
+    assert results[str(PCP2)]["k_shard"] == results[str({})]["k_shard"]
+
+
+def test_what_prefill_context_parallel_refuses_is_named():
+    for kwargs, field in (
+        (
+            {
+                "prefill_context_parallel_size": 2,
+                "decode_context_parallel_size": 2,
+                "tensor_parallel_size": 2,
+            },
+            "decode",
+        ),
+        ({**PCP2, "data_parallel_size": 2}, "data_parallel_size"),
+        ({**PCP2, "kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"prefill_context_parallel_size=2 cannot be combined with {field}"
         ):
             EngineConfig.from_kwargs(None, **kwargs)
