@@ -1,12 +1,12 @@
 """Context parallelism (sharding/context_parallel.py) on fake CPU devices, against one device.
 
-A tiny Llama with one KV head. Decode context parallel: under tensor parallel 4 every rank holds a copy
-of the head and the whole sequence; with decode_context_parallel_size 2 (tensor parallel 2) and 4
-(tensor parallel 4) the copies store every second or fourth token instead, and each query's attention
-is merged from their partial results. Prefill context parallel 2 (alone, and with tensor parallel 2):
-each half of the devices computes half of every step's tokens. Prompts of 5 to 70 tokens prefill in
-chunks and decode; the second run of the same prompts hits the prefix cache, whose blocks are the
-scheduler's as ever.
+A tiny Llama with one KV head. Decode context parallel: under plain tensor parallelism every rank would
+hold a copy of the head and the whole sequence; with decode_context_parallel_size 2 (tensor parallel 2)
+and 4 (tensor parallel 4) the copies store every second or fourth token instead, and each query's
+attention is merged from their partial results. Prefill context parallel 2 (alone, and with tensor
+parallel 2): each half of the devices computes half of every step's tokens. Prompts of 5 to 70
+tokens prefill in chunks and decode; the second run of the same prompts hits the prefix cache, whose
+blocks are the scheduler's as ever.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ import pytest
 
 from xlaserve.config import EngineConfig
 
-TP4 = {"tensor_parallel_size": 4}
 DCP2 = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
 DCP4 = {"tensor_parallel_size": 4, "decode_context_parallel_size": 4}
 PCP2 = {"prefill_context_parallel_size": 2}
 PCP2_TP2 = {"prefill_context_parallel_size": 2, "tensor_parallel_size": 2}
-LAYOUTS = [{}, TP4, DCP2, DCP4, PCP2, PCP2_TP2]
+LAYOUTS = [{}, DCP2, DCP4, PCP2, PCP2_TP2]
 PROMPT_LENGTHS = (5, 40, 19, 70)
 
 
@@ -61,16 +60,14 @@ def test_context_parallel_gives_one_devices_tokens_and_logprobs(results):
 
 
 def test_each_rank_stores_its_share_of_every_block(results):
-    """The same budget holds 4x the blocks at DCP 4: a rank's slice of a block of 16 tokens is 4 slots
-    (and 8 at DCP 2), its one KV head's. Only the DCP programs gather (the group's queries and partials)."""
-    tp4, dcp2, dcp4 = (results[str(layout)] for layout in (TP4, DCP2, DCP4))
-    num_blocks = tp4["num_blocks"]
-    assert (
-        tp4["k_shard"][1:3] == [16, 1] and dcp4["k_shard"][1:3] == [4, 1] and dcp2["k_shard"][1:3] == [8, 1]
-    )
-    assert abs(dcp4["num_blocks"] - 4 * num_blocks) < 4
+    """A rank's slice of a block of 16 tokens is 4 slots at DCP 4 (8 at DCP 2), of its one copy of the KV
+    head: the budget holds as many blocks as on one device, where plain tensor parallel 4 (four whole
+    copies) would hold a quarter. The DCP programs gather (the group's queries and partials)."""
+    one, dcp2, dcp4 = (results[str(layout)] for layout in ({}, DCP2, DCP4))
+    assert [r["k_shard"][1:3] for r in (one, dcp2, dcp4)] == [[16, 1], [8, 1], [4, 1]]
+    assert dcp4["num_blocks"] == dcp2["num_blocks"] == one["num_blocks"]
     assert dcp4["k_shard"][0] == 2 * dcp4["num_blocks"]  # 2 layers of blocks on every rank
-    assert tp4["collectives"]["all-gather"] == 0
+    assert one["collectives"]["all-gather"] == 0
     assert dcp4["collectives"]["all-gather"] > 0 and dcp2["collectives"]["all-gather"] > 0
 
 
