@@ -430,18 +430,24 @@ def data_parallel(model_dir: str, layouts: list[dict]) -> list:
 
 
 def context_parallel(model_dir: str, arg: dict) -> list:
-    """arg: {"layouts", "prompts"}: per layout, the greedy tokens and top logprobs of the prompts, run
-    twice (the second run hits the prefix cache's blocks), the engine's KV blocks, one device's shard
-    of the K cache, and the compiled forward's (16-token bucket) collectives and dots' row counts."""
+    """arg: {"layouts", "prompts"[, "guarded": layout]}: per layout, the greedy tokens and top logprobs
+    of the prompts, run twice (the second run hits the prefix cache's blocks), the engine's KV blocks,
+    one device's shard of the K cache, and the compiled forward's (16-token bucket) collectives and dots'
+    row counts. The `guarded` layout's engine is warmed up under the strict compile guard: the programs
+    it compiles after warm-up are counted."""
     import re
 
     from xlaserve import SamplingParams
+    from xlaserve.worker.compile_guard import num_compiles
 
     prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     results = []
     for layout in arg["layouts"]:
-        llm = small_llm(model_dir, layout)
+        guarded = layout == arg.get("guarded")
+        warm = {"enforce_eager": False, "strict_compile_guard": True} if guarded else {}
+        llm = small_llm(model_dir, layout, **warm)
+        compiles = num_compiles()
         runs = []
         for _ in range(2):
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -454,6 +460,7 @@ def context_parallel(model_dir: str, arg: dict) -> list:
                     "num_cached_tokens": [o.num_cached_tokens for o in outs],
                 }
             )
+        compiles_after_warm_up = num_compiles() - compiles if guarded else None
         runner = llm.engine_core.runner
         hlo_text = runner.compiled_forward_text(16)
         results.append(
@@ -466,6 +473,7 @@ def context_parallel(model_dir: str, arg: dict) -> list:
                 "dot_rows": sorted(
                     {int(rows) for rows in re.findall(r"= f32\[(\d+),[^=]*? dot\(", hlo_text)}
                 ),
+                "compiles_after_warm_up": compiles_after_warm_up,
             }
         )
         del llm
