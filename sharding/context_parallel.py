@@ -53,18 +53,7 @@ def check_decode_context_parallel(model_config, kv_spec, dcp: int, tensor_parall
             f"tensor_parallel_size ({tensor_parallel_size}) must be a multiple of num_kv_heads x {dcp} "
             f"= {num_kv * dcp}"
         )
-    if kv_spec.layer_kind != "full_attention":
-        raise ValueError(
-            f"{prefix} is not supported for {model_config.architecture} (its cache is not K and V)"
-        )
-    if kv_spec.cache_class.__name__ != "KVCache":
-        raise ValueError(f"{prefix} is not supported for latent attention ({model_config.architecture}) yet")
-    if any(w is not None for w in model_config.layer_sliding_windows):
-        raise ValueError(
-            f"{prefix} is not supported with sliding-window attention ({model_config.architecture}) yet"
-        )
-    if getattr(model_config, "attention_sinks", False):
-        raise ValueError(f"{prefix} is not supported with attention sinks ({model_config.architecture}) yet")
+    _check_attention_kinds(prefix, model_config, kv_spec)
 
 
 def physical_slot_mapping(slot_mapping: np.ndarray, block_size: int, dcp: int) -> np.ndarray:
@@ -221,19 +210,22 @@ def _merge(m, l, acc):
 
 def check_prefill_context_parallel(model_config, kv_spec, pcp: int) -> None:
     """ValueError naming prefill_context_parallel_size for what its attention does not serve yet."""
-    if pcp == 1:
-        return
-    prefix = f"prefill_context_parallel_size={pcp}"
+    if pcp > 1:
+        _check_attention_kinds(f"prefill_context_parallel_size={pcp}", model_config, kv_spec)
+
+
+def _check_attention_kinds(prefix: str, model_config, kv_spec) -> None:
+    """What both context-parallel attentions do not serve yet: caches other than K and V (state layers,
+    latent attention), sliding windows, attention sinks."""
+    architecture = model_config.architecture
     if kv_spec.layer_kind != "full_attention" or kv_spec.cache_class.__name__ != "KVCache":
         raise ValueError(
-            f"{prefix} is not supported for {model_config.architecture} (its cache is not K and V)"
+            f"{prefix} is not supported for {architecture} yet (its cache is not K and V per head)"
         )
     if any(w is not None for w in model_config.layer_sliding_windows):
-        raise ValueError(
-            f"{prefix} is not supported with sliding-window attention ({model_config.architecture}) yet"
-        )
+        raise ValueError(f"{prefix} is not supported with sliding-window attention ({architecture}) yet")
     if getattr(model_config, "attention_sinks", False):
-        raise ValueError(f"{prefix} is not supported with attention sinks ({model_config.architecture}) yet")
+        raise ValueError(f"{prefix} is not supported with attention sinks ({architecture}) yet")
 
 
 def prefill_context_parallel(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:

@@ -149,3 +149,33 @@ def test_a_moe_model_split_by_tokens_and_no_compile_after_warm_up(tp_worker, tmp
     # The attention projections and the router split (8 rows a device); the experts' grouped matmuls
     # sort every (token, expert) pair of the step, so XLA runs them on the gathered 16 x 2 pairs.
     assert pcp["compiles_after_warm_up"] == 0 and pcp["dot_rows"] == [8, 32]
+
+
+def test_what_the_models_attention_needs_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from xlaserve.kernels import KVCache, MLACache
+    from xlaserve.sharding.context_parallel import (
+        check_decode_context_parallel,
+        check_prefill_context_parallel,
+    )
+
+    def model(**fields):
+        base = dict(
+            architecture="X", num_kv_heads=1, layer_sliding_windows=(None, None), attention_sinks=False
+        )
+        return SimpleNamespace(**{**base, **fields})
+
+    kv = SimpleNamespace(layer_kind="full_attention", cache_class=KVCache)
+    check_prefill_context_parallel(model(), kv, 2)
+    check_decode_context_parallel(model(), kv, 2, 4)
+    for config, spec, what in (
+        (model(layer_sliding_windows=(None, 128)), kv, "sliding-window"),
+        (model(attention_sinks=True), kv, "attention sinks"),
+        (model(), SimpleNamespace(layer_kind="hybrid", cache_class=KVCache), "not K and V"),
+        (model(), SimpleNamespace(layer_kind="full_attention", cache_class=MLACache), "not K and V"),
+    ):
+        with pytest.raises(ValueError, match=rf"^prefill_context_parallel_size=2 .*{what}"):
+            check_prefill_context_parallel(config, spec, 2)
+        with pytest.raises(ValueError, match=rf"^decode_context_parallel_size=2 .*{what}"):
+            check_decode_context_parallel(config, spec, 2, 4)
