@@ -77,8 +77,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
         self.coordinator = KVCacheCoordinator(groups, self.block_pool)
         self.kv_cache_groups = groups
-        # A state group's snapshots are taken where a step ends, so its prompts' chunks end on the
-        # block boundaries a later request may hit (`align_chunk`).
+        # A state group's snapshots are taken where a step ends, so a prompt's chunks are cut at its
+        # snapshot points (`_snapshot_points`, `align_chunk`).
         self.snapshots_states = enable_caching and self.coordinator.state_manager is not None
         # Where a request's prefix left the cached blocks' (a branch point of the prefix tree) while the
         # snapshots reached less: its prefill stops there once, so the next such request hits it.
