@@ -99,6 +99,26 @@ def test_prefix_hits_through_state_snapshots_give_hugging_face_tokens(llm, hf_mo
     assert cached == {"a": 0, "b": 0, "c": 24, "d": 32}
 
 
+def test_a_budget_short_of_the_snapshot_slots_keeps_fewer(llm, hf_model, tmp_path):
+    """A cache budget that holds the live slots, one snapshot slot and the blocks of one request of
+    max_model_len, but not the default max_num_seqs snapshot slots: the snapshots are halved until they
+    fit (4, 2, then 1; logged), and the engine serves, its prompt's last boundary snapshotted and hit by
+    a rerun."""
+    spec = llm.engine_core.runner.kv_spec
+    slot_bytes = spec.fixed_bytes(4) // spec.num_state_slots
+    block_bytes = spec.bytes_per_block(ENGINE_ARGS["block_size"], 4)
+    num_blocks = ENGINE_ARGS["max_model_len"] // ENGINE_ARGS["block_size"] + 1  # and the null block
+    budget = 6 * slot_bytes + num_blocks * block_bytes + block_bytes // 2  # null + 4 live + 1 snapshot
+    tight = LLM(save_hf_model(hf_model, tmp_path), **{**ENGINE_ARGS, "kv_cache_memory": budget})
+    state_pool = tight.engine_core.kv_cache_manager.coordinator.state_manager.pool
+    assert tight.engine_core.runner.kv_spec.num_state_snapshots == 1 and state_pool.num_blocks == 6
+    prompt = prompts(VOCAB, seed=6)[0]
+    for num_cached in (0, (len(prompt) - 1) // 8 * 8):
+        out = tight.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf_model, prompt)
+        assert out.num_cached_tokens == num_cached
+
+
 def test_ngram_drafts_rejected_restore_the_state_entering_the_step(hf_model, tmp_path):
     """Speculative decoding on a hybrid model: a step verifying drafts keeps the state entering it in a
     spare slot; when a draft is rejected, the live slot holds the state after it, so the backup is
