@@ -153,7 +153,7 @@ def ragged_paged_attention(
     if k_cache.dtype == jnp.uint8:  # a float8 cache stored as words: pages seen as float8, then widened
         value_dtype = jnp.dtype(kv_dtype or FP8_E4M3)
     sinks_kg = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group)
-    attend = _Attend(k_cache, v_cache, sliding_window, soft_cap, value_dtype, sinks_kg)
+    attend = PagedAttend(k_cache, v_cache, sliding_window, soft_cap, value_dtype, sinks_kg)
 
     seq, position, is_real = token_positions(num_tokens, kv_lens, query_start_loc, num_seqs)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -208,8 +208,9 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-class _Attend:
-    """Online-softmax attention over page chunks of one layer's cache, for a set of queries."""
+class PagedAttend:
+    """Online-softmax attention over page chunks of one layer's cache, for a set of queries (also the
+    per-device attention of context parallelism: sharding/context_parallel.py)."""
 
     def __init__(self, k_cache, v_cache, sliding_window, soft_cap, value_dtype, sinks_kg=None):
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -293,12 +294,24 @@ class _Attend:
                 self.sinks_kg,
             )
             return out.reshape(n, f, num_kv_heads, group, head_dim)
-        chunk_len = pages_per_chunk * self.block_size
+        if is_16bit_float(self.value_dtype) or is_8bit_float(self.value_dtype):
+            start, stop = self._loop_bounds(position_nf, active_nf, pages_per_chunk * self.block_size)
+            return self._folded(q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, start, stop)
+        return _normalize(self.partials(q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk))
+
+    def _loop_bounds(self, position_nf, active_nf, chunk_len):
         first = jnp.min(jnp.where(active_nf, position_nf, jnp.iinfo(jnp.int32).max))
         last = jnp.max(jnp.where(active_nf, position_nf, -1))
-        start, stop = self.chunk_range(first, last, chunk_len)
-        if is_16bit_float(self.value_dtype) or is_8bit_float(self.value_dtype):
-            return self._folded(q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, start, stop)
+        return self.chunk_range(first, last, chunk_len)
+
+    def partials(self, q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk):
+        """`per_sequence`'s float32 loop, stopped before the softmax is normalized: the running (max
+        [N, F, k, g], sum [N, F, k, g], weighted values [N, F, k, g, d]), which a caller holding other
+        keys elsewhere merges by log-sum-exp (decode context parallel). `tables_np` padded to a multiple
+        of pages_per_chunk pages."""
+        n, f, num_kv_heads, group, head_dim = q_nfkgd.shape
+        chunk_len = pages_per_chunk * self.block_size
+        start, stop = self._loop_bounds(position_nf, active_nf, chunk_len)
 
         def chunk(i, carry):
             pages = jax.lax.dynamic_slice_in_dim(tables_np, i * pages_per_chunk, pages_per_chunk, axis=1)
@@ -310,8 +323,7 @@ class _Attend:
             mask = visible[:, :, None, None, :]
             return self.update(carry, s, mask, lambda p: jnp.einsum("nfkgs,nskd->nfkgd", p, v))
 
-        carry = jax.lax.fori_loop(start, stop, chunk, self.init((n, f, num_kv_heads, group), head_dim))
-        return _normalize(carry)
+        return jax.lax.fori_loop(start, stop, chunk, self.init((n, f, num_kv_heads, group), head_dim))
 
     def _folded(self, q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, start, stop):
         """`per_sequence` for a 16- or 8-bit cache, with the KV heads folded into one dot per sequence.

@@ -16,15 +16,18 @@ per rank under `shard_map` over the "tensor" axis:
   local keys j <= (p - index) / d), and the partial results (max, sum, weighted values) are gathered
   and merged by log-sum-exp, each rank keeping its own query heads.
 
-The attention here is a jnp loop over page chunks (the reference path's online softmax; any attention
-backend asked for is replaced by it). Not yet: sliding windows, attention sinks, a float8 cache,
-latent attention (MLA), models with recurrent layers. The gathers run over the whole "tensor" axis
+The attention here is the reference path's (kernels/reference.py `PagedAttend`, whatever attention
+backend was asked for): prefill context parallel its per-query attention (the C++ op on CPU where it
+serves), decode context parallel its float32 online softmax stopped before the normalization, whose
+partials the group merges. Not yet: sliding windows, attention sinks, a float8 cache, latent attention
+(MLA), models with recurrent layers. The gathers run over the whole "tensor" axis
 and each rank keeps its group's part (axis_index_groups would send only the group's).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from xlaserve.kernels.backend import AttentionBackend
-from xlaserve.kernels.dtype_ops import as_words, from_words
-from xlaserve.kernels.reference import token_positions
+from xlaserve.kernels.reference import PagedAttend, token_positions, write_kv
 from xlaserve.sharding.rules import KV_CACHE_AXES, logical_to_mesh, to_partition_spec
 
 PAGES_PER_CHUNK = 4  # pages gathered per loop step of the attention
@@ -72,19 +74,11 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
     cache = to_partition_spec(KV_CACHE_AXES, rules)
     replicated = PartitionSpec()
 
-    def write_kv(k_cache, v_cache, k, v, slot_mapping, *, positions):
+    def write_kv_owned(k_cache, v_cache, k, v, slot_mapping, *, positions):
         def local(k_cache, v_cache, k, v, slot_mapping, positions):
-            index = jax.lax.axis_index(axis) % dcp
-            num_rows, block_size = k_cache.shape[:2]
-            # Tokens another rank owns go past the cache's end, where the scatter drops them.
-            slots = jnp.where(positions % dcp == index, slot_mapping, num_rows * block_size)
-            blocks, offsets = slots // block_size, slots % block_size
-
-            def write(cache, new):
-                new = as_words(new) if cache.dtype == jnp.uint16 else new.astype(cache.dtype)
-                return cache.at[blocks, offsets].set(new, mode="drop")
-
-            return write(k_cache, k), write(v_cache, v)
+            # Tokens another rank of the group owns go to the null block, as padding does.
+            is_mine = positions % dcp == jax.lax.axis_index(axis) % dcp
+            return write_kv(k_cache, v_cache, k, v, jnp.where(is_mine, slot_mapping, 0))
 
         return jax.shard_map(
             local,
@@ -94,108 +88,67 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
             check_vma=False,
         )(k_cache, v_cache, k, v, slot_mapping, positions)
 
-    def attention(
-        q,
-        k_cache,
-        v_cache,
-        kv_lens,
-        block_tables,
-        query_start_loc,
-        num_seqs,
-        *,
-        sm_scale,
-        soft_cap=None,
-        **kw,
-    ):
-        if kw.get("sliding_window") is not None or kw.get("sinks") is not None:
-            raise ValueError("decode context parallelism does not serve sliding windows or sinks yet")
-
-        def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs):
-            rank = jax.lax.axis_index(axis)
-            index, first = rank % dcp, rank - rank % dcp  # this rank in its group, the group's first
-            num_tokens, num_local_heads, head_dim = q.shape
-            # The group's query heads: every rank's, of which the group's d ranks' [T, d * h, D].
-            group_q = jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(q, axis), first, dcp)
-            group_q = group_q.transpose(1, 0, 2, 3).reshape(num_tokens, dcp * num_local_heads, head_dim)
-            seq, position, is_real = token_positions(num_tokens, kv_lens, query_start_loc, num_seqs)
-            # Local keys visible to each query: slots 0 .. last (position - index) // d; none when < 0.
-            last = jnp.where(position >= index, (position - index) // dcp, -1)
-            value_dtype = q.dtype if k_cache.dtype == jnp.uint16 else k_cache.dtype
-            partial = _partial_attention(
-                group_q[:, None],
-                k_cache,
-                v_cache,
-                block_tables[seq],
-                last,
-                is_real,
-                sm_scale,
-                soft_cap,
-                value_dtype,
-            )
-            # Every rank's partials, of which the group's: merged by log-sum-exp.
-            m, l, acc = (
-                jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(x[:, 0], axis), first, dcp) for x in partial
-            )
-            out = _merge(m, l, acc)  # [T, d * h, D]
-            mine = jax.lax.dynamic_slice_in_dim(out, index * num_local_heads, num_local_heads, axis=1)
-            return mine.astype(q.dtype)
-
-        operands = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
-        in_specs = (heads, cache, cache) + (replicated,) * 4
-        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*operands)
+    def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale, soft_cap):
+        rank = jax.lax.axis_index(axis)
+        index, first = rank % dcp, rank - rank % dcp  # this rank in its group, the group's first
+        num_tokens, num_local_heads, head_dim = q.shape
+        # The group's query heads: every rank's, of which the group's d ranks' [T, d * h, D].
+        group_q = jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(q, axis), first, dcp)
+        group_q = group_q.transpose(1, 0, 2, 3).reshape(num_tokens, 1, 1, dcp * num_local_heads, head_dim)
+        seq, position, is_real = token_positions(num_tokens, kv_lens, query_start_loc, num_seqs)
+        # Local keys visible to each query: slots 0 .. (position - index) // d; none when negative.
+        last = jnp.where(position >= index, (position - index) // dcp, -1)
+        partials = _attend(k_cache, v_cache, q.dtype, soft_cap).partials(
+            group_q.astype(jnp.float32) * sm_scale,
+            _padded_tables(block_tables[seq]),
+            last[:, None],
+            is_real[:, None],
+            PAGES_PER_CHUNK,
+        )
+        # Every rank's partials [T, 1, 1, d * h, ...], of which the group's: merged by log-sum-exp.
+        m, l, acc = (
+            jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(x[:, 0, 0], axis), first, dcp) for x in partials
+        )
+        out = _merge(m, l, acc)  # [T, d * h, D]
+        mine = jax.lax.dynamic_slice_in_dim(out, index * num_local_heads, num_local_heads, axis=1)
+        return mine.astype(q.dtype)
 
     return dataclasses.replace(
         backend,
         name=f"{backend.name}+dcp",
-        attention=attention,
-        write_kv=write_kv,
+        attention=_attention_under(mesh, heads, cache, local, "decode context parallelism"),
+        write_kv=write_kv_owned,
         reason=f"decode context parallel over {dcp} ranks per KV head: interleaved K/V, attention partials "
         "merged by log-sum-exp (sharding/context_parallel.py)",
     )
 
 
-def _partial_attention(q, k_cache, v_cache, tables, last, is_real, sm_scale, soft_cap, value_dtype):
-    """Each query [T, K, G, D] (G query heads per KV head) over its sequence's keys in slots 0..last[t]
-    of its pages (tables [T, max_blocks]; caches [rows, block_size, K, D]): the online softmax's (max
-    [T, K, G], sum [T, K, G], weighted values [T, K, G, D]) in float32, not normalized."""
-    num_tokens, num_kv_heads, group, head_dim = q.shape
-    num_rows, block_size = k_cache.shape[:2]
-    chunk_len = PAGES_PER_CHUNK * block_size
-    max_blocks = tables.shape[1]
-    padded = -(-max_blocks // PAGES_PER_CHUNK) * PAGES_PER_CHUNK
-    tables = jnp.pad(tables, ((0, 0), (0, padded - max_blocks)))
-    q = q.astype(jnp.float32) * sm_scale
-    stop = (jnp.max(jnp.where(is_real, last, -1)) + chunk_len) // chunk_len
+def _attention_under(mesh: Mesh, q_spec: PartitionSpec, cache_spec: PartitionSpec, local, what: str):
+    """The attention contract (kernels/reference.py `ragged_paged_attention`'s signature) as `local`
+    (the same operands, sm_scale and soft_cap) run per device under shard_map; q and the output split
+    by `q_spec`, the caches by `cache_spec`, the metadata whole."""
 
-    def gather(cache, pages):  # pages [T, P] -> [T, P * block_size, K, D] float32
-        rows = cache.reshape(num_rows, -1)[pages]
-        shape = (num_tokens, chunk_len, num_kv_heads, head_dim)
-        return from_words(rows, value_dtype).reshape(shape).astype(jnp.float32)
+    def attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
+        if kw.get("sliding_window") is not None or kw.get("sinks") is not None:
+            raise ValueError(f"{what} does not serve sliding windows or sinks yet")
+        body = functools.partial(local, sm_scale=kw["sm_scale"], soft_cap=kw.get("soft_cap"))
+        operands = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
+        in_specs = (q_spec, cache_spec, cache_spec) + (PartitionSpec(),) * 4
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(*operands)
 
-    def body(i, carry):
-        m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(tables, i * PAGES_PER_CHUNK, PAGES_PER_CHUNK, axis=1)
-        k, v = gather(k_cache, pages), gather(v_cache, pages)
-        visible = (i * chunk_len + jnp.arange(chunk_len) <= last[:, None]) & is_real[:, None]  # [T, S]
-        s = jnp.einsum("tkgd,tskd->tkgs", q, k)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with nothing visible stays zero
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        v = jnp.where(visible[..., None, None], v, 0.0)  # slots past a context may hold NaN
-        acc = alpha[..., None] * acc + jnp.einsum("tkgs,tskd->tkgd", p, v)
-        return m_new, alpha * l + p.sum(axis=-1), acc
+    return attention
 
-    rows = (num_tokens, num_kv_heads, group)
-    init = (
-        jnp.full(rows, -jnp.inf, jnp.float32),
-        jnp.zeros(rows, jnp.float32),
-        jnp.zeros((*rows, head_dim), jnp.float32),
-    )
-    return jax.lax.fori_loop(0, stop, body, init)
+
+def _attend(k_cache, v_cache, q_dtype, soft_cap) -> PagedAttend:
+    """The reference's paged attention over this device's cache (16-bit caches are stored as words)."""
+    value_dtype = q_dtype if k_cache.dtype == jnp.uint16 else k_cache.dtype
+    return PagedAttend(k_cache, v_cache, None, soft_cap, value_dtype)
+
+
+def _padded_tables(tables):
+    """Each query's block table, padded to whole loop steps of PAGES_PER_CHUNK pages (null pages)."""
+    padded = -(-tables.shape[1] // PAGES_PER_CHUNK) * PAGES_PER_CHUNK
+    return jnp.pad(tables, ((0, 0), (0, padded - tables.shape[1])))
 
 
 def _merge(m, l, acc):
@@ -239,56 +192,24 @@ def prefill_context_parallel(backend: AttentionBackend, mesh: Mesh) -> Attention
     cache = to_partition_spec(KV_CACHE_AXES, rules)  # split by KV head, whole on every context rank
     num_ranks = mesh.shape["context"]
 
-    def attention(
-        q,
-        k_cache,
-        v_cache,
-        kv_lens,
-        block_tables,
-        query_start_loc,
-        num_seqs,
-        *,
-        sm_scale,
-        soft_cap=None,
-        **kw,
-    ):
-        if kw.get("sliding_window") is not None or kw.get("sinks") is not None:
-            raise ValueError("prefill context parallelism does not serve sliding windows or sinks yet")
-
-        def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs):
-            num_local, num_heads, head_dim = q.shape
-            num_kv_heads = k_cache.shape[2]
-            first = jax.lax.axis_index("context") * num_local  # this rank's tokens in the step
-            seq, position, is_real = (
-                jax.lax.dynamic_slice_in_dim(x, first, num_local)
-                for x in token_positions(num_local * num_ranks, kv_lens, query_start_loc, num_seqs)
-            )
-            value_dtype = q.dtype if k_cache.dtype == jnp.uint16 else k_cache.dtype
-            q_tkgd = q.reshape(num_local, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            _, l, acc = _partial_attention(
-                q_tkgd,
-                k_cache,
-                v_cache,
-                block_tables[seq],
-                position,
-                is_real,
-                sm_scale,
-                soft_cap,
-                value_dtype,
-            )
-            out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
-            return out.reshape(num_local, num_heads, head_dim).astype(q.dtype)
-
-        operands = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
-        in_specs = (tokens_heads, cache, cache) + (PartitionSpec(),) * 4
-        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens_heads, check_vma=False)(
-            *operands
+    def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale, soft_cap):
+        num_local, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        first = jax.lax.axis_index("context") * num_local  # this rank's tokens in the step
+        seq, position, is_real = (
+            jax.lax.dynamic_slice_in_dim(x, first, num_local)
+            for x in token_positions(num_local * num_ranks, kv_lens, query_start_loc, num_seqs)
         )
+        q_tkgd = q.astype(jnp.float32).reshape(num_local, num_kv_heads, -1, head_dim) * sm_scale
+        out = _attend(k_cache, v_cache, q.dtype, soft_cap).per_query(
+            q_tkgd, _padded_tables(block_tables[seq]), position, is_real, PAGES_PER_CHUNK
+        )
+        return out.reshape(num_local, num_heads, head_dim).astype(q.dtype)
 
     return dataclasses.replace(
         backend,
         name=f"{backend.name}+pcp",
-        attention=attention,
+        attention=_attention_under(mesh, tokens_heads, cache, local, "prefill context parallelism"),
         reason=f"prefill context parallel over {num_ranks} ranks: each rank's tokens over the whole cache "
         "(sharding/context_parallel.py)",
     )
