@@ -65,6 +65,31 @@ def num_kv_blocks(
     return int(num_blocks)
 
 
+def fit_state_copy_slots(kv_spec, config, dtype, cache_block_size: int, user_max_model_len: int | None):
+    """`kv_spec` with a hybrid model's copy slots (prefix-cache snapshots, drafts' backups) halved until
+    the cache budget holds them beside the live slots and the blocks of one request of
+    `user_max_model_len` (None: two blocks; the engine then fits max_model_len to the cache): a budget
+    that served the model without them still does, with fewer snapshots (logged)."""
+    num_needed = 2
+    if user_max_model_len is not None:  # one request of it, and the null block
+        num_needed = -(-user_max_model_len // config.cache.block_size) + 1
+    while getattr(kv_spec, "num_state_snapshots", 0):
+        try:
+            if num_kv_blocks(config.cache, kv_spec, dtype, cache_block_size=cache_block_size) >= num_needed:
+                break
+        except ValueError:  # the slots leave less than two blocks: fewer slots, below
+            pass
+        fewer = kv_spec.num_state_snapshots // 2
+        logger.warning(
+            "the KV cache budget does not hold %d state snapshot slots beside the live ones and a request "
+            "of max_model_len: %d (fewer prefix-cache snapshots and drafts' backups)",
+            kv_spec.num_state_snapshots,
+            fewer,
+        )
+        kv_spec = kv_spec.with_max_num_seqs(config.scheduler.max_num_seqs, fewer)
+    return kv_spec
+
+
 def fit_max_model_len(
     max_model_len: int, num_usable_blocks: int, block_size: int, *, is_user_set: bool
 ) -> int:

@@ -45,7 +45,7 @@ from xlaserve.worker.input_batch import (
     isolate_failures,
     sampling_tensors,
 )
-from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_kv_blocks
+from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, fit_state_copy_slots, num_kv_blocks
 from xlaserve.worker.kv_cache_groups import kv_cache_groups, num_state_copy_slots
 from xlaserve.worker.kv_transfer import make_kv_connector_worker
 from xlaserve.worker.lora_manager import LoRAManager
@@ -119,7 +119,13 @@ class ModelRunner:
         # (sharding/context_parallel.py), so the device cache's blocks are that long.
         self.dcp = config.parallel.decode_context_parallel_size
         self.cache_block_size = self.block_size // self.dcp
-        self.kv_spec = self._fit_state_copy_slots(config)
+        self.kv_spec = fit_state_copy_slots(
+            self.kv_spec,
+            config,
+            self.backend.cache_dtype(self.dtype),
+            self.cache_block_size,
+            max_model_len if config.model.max_model_len is not None else None,
+        )
         # The host's KV cache groups (core/kv_cache_spec.py), from the model's cache spec.
         self.kv_cache_groups = kv_cache_groups(self.kv_spec, self.model_config, config)
         # The step's device functions as Programs (worker/step_programs.py), jitted with the graphdef bound.
@@ -193,35 +199,6 @@ class ModelRunner:
         # like the sampler's output (committed, replicated), so the forward that warm-up compiles with it
         # is the one every later step calls with the sampler's ids (a host array would key apart).
         self.last_sampled = self.placement.zeros((self.max_num_seqs,), np.int32, self.placement.replicated)
-
-    def _fit_state_copy_slots(self, config: EngineConfig):
-        """The cache spec, with a hybrid model's copy slots (prefix-cache snapshots, drafts' backups)
-        halved until the cache budget holds them beside the live slots and the blocks of one request of
-        a max_model_len the user set (else two blocks; the engine then fits max_model_len to the cache):
-        a budget that served the model without them still does, with fewer snapshots."""
-        spec = self.kv_spec
-        dtype = self.backend.cache_dtype(self.dtype)
-        num_needed = 2
-        if config.model.max_model_len is not None:  # one request of it, and the null block
-            num_needed = math.ceil(self.max_model_len / self.block_size) + 1
-        while getattr(spec, "num_state_snapshots", 0):
-            try:
-                if (
-                    num_kv_blocks(config.cache, spec, dtype, cache_block_size=self.cache_block_size)
-                    >= num_needed
-                ):
-                    break
-            except ValueError:  # the slots leave less than two blocks
-                pass  # fewer slots, below
-            fewer = spec.num_state_snapshots // 2
-            logger.warning(
-                "the KV cache budget does not hold %d state snapshot slots beside the live ones and a "
-                "request of max_model_len: %d (fewer prefix-cache snapshots and drafts' backups)",
-                spec.num_state_snapshots,
-                fewer,
-            )
-            spec = spec.with_max_num_seqs(config.scheduler.max_num_seqs, fewer)
-        return spec
 
     def _load_model(self, config: EngineConfig, hf_config: dict, tensors, devices) -> LoadedModel:
         """The model on `devices` (a pipelined runner loads one stage per device group instead:
