@@ -123,12 +123,8 @@ class StateCopy:
     @property
     def copies_before(self) -> list[tuple[int, int]]:
         """(src, dst) slot pairs before the forward (never both: a hit is a prefill, drafts a decode)."""
-        pairs = []
-        if self.source is not None:
-            pairs.append((self.source.block_id, self.live.block_id))
-        if self.backup is not None:
-            pairs.append((self.live.block_id, self.backup.block_id))
-        return pairs
+        backup = None if self.backup is None else (self.live.block_id, self.backup.block_id)
+        return [pair for pair in (self.copy_in, backup) if pair is not None]
 
     @property
     def copy_in(self) -> tuple[int, int] | None:
