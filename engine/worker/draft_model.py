@@ -150,6 +150,12 @@ class DraftModel:
             config, model=dataclasses.replace(config.model, model=spec.model, quantization=None)
         )
         model = load_model(draft_config, checkpoint.hf_config, checkpoint.tensors, devices)
+        if model.kv_spec.layer_kind != "full_attention":
+            raise ValueError(
+                f"speculative_config.model: the draft model must have attention layers only (its K/V "
+                f"cache rides the target's block table); {model.model_config.architecture} has "
+                f"{model.kv_spec.layer_kind!r} layers"
+            )
         draft_vocab = model.model_config.vocab_size
         if draft_vocab != vocab_size or model.padded_vocab_size != padded_vocab_size:
             raise ValueError(

@@ -23,10 +23,10 @@ def kv_cache_groups(
     block_size = config.cache.block_size
     layers = tuple(range(kv_spec.num_layers))
     if kv_spec.layer_kind == "state":
-        _check_state_features(config)
+        _check_state_features(config, has_attention=False)
         return (KVCacheGroup(StateSpec(block_size), layers),)
     if kv_spec.layer_kind == "hybrid":  # attention's blocks first: group 0 is the step's block table
-        _check_state_features(config)
+        _check_state_features(config, has_attention=True)
         return (
             KVCacheGroup(FullAttentionSpec(block_size), kv_spec.attention_layers),
             KVCacheGroup(
@@ -59,15 +59,16 @@ def num_state_copy_slots(config: EngineConfig) -> int:
     return config.scheduler.max_num_seqs if uses_copies else 0
 
 
-def _check_state_features(config: EngineConfig) -> None:
-    """What a recurrent state cannot serve yet: a draft model's drafts (its K/V cache follows the
-    target's block table, which is a state model's slot), a float8 cache (the state is kept in the
-    model's dtype), a host tier (it holds blocks, not state snapshots), and disaggregated prefill
-    (blocks only)."""
-    if config.speculative is not None and config.speculative.method != "ngram":
+def _check_state_features(config: EngineConfig, *, has_attention: bool) -> None:
+    """What a recurrent state cannot serve yet: a draft model's drafts on a model of state layers only
+    (the draft's K/V cache follows the target's attention block table: a hybrid's group 0; a state-only
+    model has none), a float8 cache (the state is kept in the model's dtype), a host tier (it holds
+    blocks, not state snapshots), and disaggregated prefill (blocks only)."""
+    if config.speculative is not None and config.speculative.method != "ngram" and not has_attention:
         raise ValueError(
             f"speculative_config: method {config.speculative.method!r} is not supported for models with "
-            "state-space layers (a draft model's cache would follow their state slots); use method 'ngram'"
+            "only state-space layers (a draft model's K/V cache follows the target's attention blocks, "
+            "which such a model has none of); use method 'ngram'"
         )
     if config.cache.kv_cache_dtype != "auto":
         raise ValueError(

@@ -284,10 +284,21 @@ def prefix_hits_against_hugging_face(llm: LLM, hf_model, vocab: int) -> dict[str
     return cached
 
 
-def ngram_speculation_against_hugging_face(model_dir: str, hf_model, vocab: int) -> list[tuple[int, int]]:
-    """A state model under n-gram speculative decoding (3 drafts a step): prompts of a repeated pattern
-    (drafts proposed from the start) and random tails. Asserts every greedy token is Hugging Face's
-    and that no state slot or block leaks; returns each verification's (drafts, accepted)."""
+def speculation_prompts(vocab: int) -> list[list[int]]:
+    """`speculation_against_hugging_face`'s prompts: a repeated 4-token pattern and a random tail."""
+    rng = np.random.default_rng(5)
+    return [
+        [*rng.integers(3, vocab, 4).tolist()] * 5 + rng.integers(3, vocab, n).tolist() for n in (1, 6, 11)
+    ]
+
+
+def speculation_against_hugging_face(
+    model_dir: str, hf_model, vocab: int, speculative_config: dict | None = None
+) -> list[tuple[int, int]]:
+    """A state model under speculative decoding (n-gram unless `speculative_config` says otherwise, 3
+    drafts a step): prompts of a repeated pattern (n-gram drafts proposed from the start) and random
+    tails. Asserts every greedy token is Hugging Face's and that no state slot or block leaks; returns
+    each verification's (drafts, accepted)."""
     from xlaserve.core.spec_decode import SpecDecodingStats
 
     seen: list[tuple[int, int]] = []
@@ -297,11 +308,12 @@ def ngram_speculation_against_hugging_face(model_dir: str, hf_model, vocab: int)
         seen.append((num_draft_tokens, num_accepted_tokens))
         observe(stats, num_draft_tokens, num_accepted_tokens)
 
-    llm = LLM(model_dir, **ENGINE_ARGS, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    rng = np.random.default_rng(5)
-    batch = [
-        [*rng.integers(3, vocab, 4).tolist()] * 5 + rng.integers(3, vocab, n).tolist() for n in (1, 6, 11)
-    ]
+    llm = LLM(
+        model_dir,
+        **ENGINE_ARGS,
+        speculative_config=speculative_config or {"method": "ngram", "num_speculative_tokens": 3},
+    )
+    batch = speculation_prompts(vocab)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True)
     SpecDecodingStats.observe = record
     try:

@@ -90,6 +90,40 @@ def save_repeating_llama(directory: str, *, seed: int = 0, **overrides) -> str:
     return directory
 
 
+def save_bigram_llama(directory: str, next_token: dict[int, int], *, tokenizer) -> str:
+    """A tiny Llama whose greedy next token depends on the last token alone: `next_token[t]` after t
+    (token 0 after any other). Its attention and MLP outputs are zero, so the last position's hidden
+    state is the token's embedding, here a one-hot row (hidden size >= vocabulary), and the LM head
+    maps that row to the chosen token. As a draft model, it proposes what the target did after the same
+    token: accepted where the target repeats its transitions, rejected elsewhere."""
+    from safetensors.numpy import load_file, save_file
+
+    vocab = len(tokenizer)
+    hidden = 16 * -(-vocab // 16)
+    heads = hidden // 16
+    save_tiny_llama(
+        directory,
+        tokenizer=tokenizer,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+    )
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    for name, value in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = np.zeros_like(value)
+        elif name.endswith("norm.weight"):
+            tensors[name] = np.ones_like(value)
+    tensors["model.embed_tokens.weight"] = np.eye(vocab, hidden, dtype=np.float32)
+    head = np.zeros((vocab, hidden), np.float32)
+    for token, after in next_token.items():
+        head[after, token] = 10.0
+    tensors["lm_head.weight"] = head
+    save_file(tensors, path, metadata={"format": "pt"})
+    return directory
+
+
 # A template that opens the thinking in the prompt (as DeepSeek-R1's and Qwen3 Thinking's do), or
 # closes it at once when chat_template_kwargs say {"enable_thinking": false} (as Qwen3's does).
 THINKING_TEMPLATE = (

@@ -20,12 +20,12 @@ from helpers.family_cases import (
     NUM_GREEDY,
     assert_greedy_and_prompt_logprobs_match,
     hf_greedy,
-    ngram_speculation_against_hugging_face,
     one_torch_thread,  # noqa: F401 - an autouse fixture
     prefix_hits_against_hugging_face,
     prompts,
     randomize_weights,
     save_hf_model,
+    speculation_against_hugging_face,
     tokens_with_a_preemption,
 )
 from xlaserve import LLM, SamplingParams
@@ -99,10 +99,10 @@ def test_ngram_drafts_rejected_restore_the_state_entering_the_step(hf_model, tmp
     random model's outputs never follow the prompts' pattern: every verification rejects, and each
     restores its backup); a draft model is refused by name (its K/V cache would follow the slots)."""
     path = save_hf_model(hf_model, tmp_path)
-    seen = ngram_speculation_against_hugging_face(path, hf_model, VOCAB)
+    seen = speculation_against_hugging_face(path, hf_model, VOCAB)
     assert seen and all(a < n for n, a in seen), seen
     draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match=r"^speculative_config: method 'draft_model' is not supported"):
+    with pytest.raises(ValueError, match=r"^speculative_config: method 'draft_model' is not supported.*only"):
         LLM(path, **ENGINE_ARGS, speculative_config=draft)
 
 

@@ -25,15 +25,17 @@ from helpers.family_cases import (
     QWEN3_5_TEXT,
     assert_greedy_and_prompt_logprobs_match,
     hf_greedy,
-    ngram_speculation_against_hugging_face,
     one_torch_thread,  # noqa: F401 - an autouse fixture
     prefix_hits_against_hugging_face,
     prompts,
     randomize_weights,
     save_hf_model,
+    speculation_against_hugging_face,
+    speculation_prompts,
     tokens_with_a_preemption,
     word_tokenizer,
 )
+from helpers.tiny_models import save_bigram_llama
 from xlaserve import LLM, SamplingParams
 
 VOCAB = 101
@@ -124,8 +126,26 @@ def test_ngram_drafts_rejected_restore_the_state_entering_the_step(hf_model, tmp
     spare slot; when a draft is rejected, the live slot holds the state after it, so the backup is
     copied back before the next forward, which computes the accepted tokens again. Greedy tokens as
     Hugging Face's, with verifications that kept every draft and ones that rejected some."""
-    seen = ngram_speculation_against_hugging_face(save_hf_model(hf_model, tmp_path), hf_model, VOCAB)
+    seen = speculation_against_hugging_face(save_hf_model(hf_model, tmp_path), hf_model, VOCAB)
     assert any(a == n for n, a in seen) and any(a < n for n, a in seen), seen
+
+
+def test_draft_model_drafts_on_a_hybrid_target(hf_model, tmp_path):
+    """A draft model beside a hybrid target: its K/V cache rides the target's attention block table
+    (group 0), the target's state is restored when a draft is rejected, as under n-gram. The draft is
+    a bigram Llama that follows a token with what the target did after it in its answer to the first
+    prompt, so some verifications keep every draft and others reject some. Greedy tokens as Hugging
+    Face's; a hybrid draft is refused by name."""
+    path = save_hf_model(hf_model, tmp_path / "target")
+    first = speculation_prompts(VOCAB)[0]
+    answer = first[-1:] + hf_greedy(hf_model, first)
+    next_token = dict(zip(reversed(answer[:-1]), reversed(answer[1:]), strict=True))  # earliest wins
+    draft = save_bigram_llama(str(tmp_path / "draft"), next_token, tokenizer=word_tokenizer(VOCAB))
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    seen = speculation_against_hugging_face(path, hf_model, VOCAB, spec)
+    assert any(a == n for n, a in seen) and any(a < n for n, a in seen), seen
+    with pytest.raises(ValueError, match=r"^speculative_config.model: the draft model must have attention"):
+        LLM(path, **ENGINE_ARGS, speculative_config={**spec, "model": path})
 
 
 def test_a_vision_language_release_serves_its_text_decoder(tmp_path):
