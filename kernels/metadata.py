@@ -27,6 +27,9 @@ class AttentionMetadata:
     # (core/kv_cache_spec.py StateSpec with its own pool); 0, the null slot, for padding. The host
     # always sends it (None only in metadata built on the device, a draft model's).
     state_slots: jax.Array | None = None
+    # [T] int32: how many positions past its own each token also attends to (a bidirectional span:
+    # Gemma 3's image tokens see their whole image), for models that ask for it; None otherwise.
+    attend_ahead: jax.Array | None = None
     # cos and sin of the rotary angles, [T, 1, rotary_dim // 2] float32 each, when every layer rotates
     # alike: set once per step by the model (models/decoder.py) before its layer scan, never by the host.
     rope: tuple[jax.Array, jax.Array] | None = None

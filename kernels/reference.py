@@ -128,6 +128,7 @@ def ragged_paged_attention(
     short_context: int = DEFAULT_SHORT_CONTEXT,
     few_queries: int = DEFAULT_FEW_QUERIES,
     kv_dtype=None,
+    attend_ahead: jax.Array | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Causal attention of each new token over its sequence's paged context.
 
@@ -138,6 +139,9 @@ def ragged_paged_attention(
     a key of value zero were always visible (a query may then attend to "nothing").
     The other keywords only choose how the work is split (see the module docstring).
     ``kv_dtype``: the float8 dtype a uint8 cache's words hold (`--kv-cache-dtype fp8`; default e4m3).
+    ``attend_ahead`` [T] int32: how many positions past its own a token also sees (Gemma 3's image
+    tokens see their whole image: bidirectional spans, each computed within one step); the sliding
+    window still counts back from the token's own position. Given, the C++ op is not used.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -173,7 +177,8 @@ def ragged_paged_attention(
     # attention for the two paths a decode step does not take.
     def short(out_tkgd):  # every token of a short sequence gathers its own pages ([T] wide)
         active = is_real & is_short[seq]
-        out = attend.per_query(q_tkgd, tables[seq], position, active, pages_per_chunk)
+        upper = None if attend_ahead is None else position + attend_ahead
+        out = attend.per_query(q_tkgd, tables[seq], position, active, pages_per_chunk, upper)
         return jnp.where(active[:, None, None, None], out, out_tkgd)
 
     def decode(out_tkgd):  # the one token of each decoding sequence ([R] wide)
@@ -187,12 +192,23 @@ def ragged_paged_attention(
         active_rf = is_few[:, None] & (j < q_lens[:, None])
         position_rf = kv_lens[:, None] - q_lens[:, None] + j
         q_rfkgd = q_tkgd[jnp.minimum(rows, num_tokens - 1)]
-        out_rfkgd = attend.per_sequence(q_rfkgd, tables, position_rf, active_rf, pages_per_chunk)
+        upper_rf = (
+            None if attend_ahead is None else position_rf + attend_ahead[jnp.minimum(rows, num_tokens - 1)]
+        )
+        out_rfkgd = attend.per_sequence(q_rfkgd, tables, position_rf, active_rf, pages_per_chunk, upper_rf)
         return out_tkgd.at[jnp.where(active_rf, rows, num_tokens)].set(out_rfkgd, mode="drop")
 
     def long(out_tkgd):  # tiles of one sequence's consecutive queries
         return attend.tiles(
-            q_tkgd, out_tkgd, tables, kv_lens, query_start_loc, is_long, tile_queries, pages_per_tile_chunk
+            q_tkgd,
+            out_tkgd,
+            tables,
+            kv_lens,
+            query_start_loc,
+            is_long,
+            tile_queries,
+            pages_per_tile_chunk,
+            attend_ahead,
         )
 
     out_tkgd = jnp.zeros_like(q_tkgd)
@@ -253,8 +269,10 @@ class PagedAttend:
         l = alpha * l + p.sum(axis=-1)
         return m_new, l, alpha[..., None] * acc + contract(p)
 
-    def visible(self, kv_pos, position):
-        visible = kv_pos <= position
+    def visible(self, kv_pos, position, upper=None):
+        """Keys a query at `position` sees: up to its own position (or to `upper`, a bidirectional
+        span's end), and within the sliding window back from its position."""
+        visible = kv_pos <= (position if upper is None else upper)
         if self.sliding_window is not None:
             visible &= kv_pos > position - self.sliding_window
         return visible
@@ -270,18 +288,20 @@ class PagedAttend:
         v = self.v_cache.reshape(num_blocks, -1)[pages]
         return from_words(k, self.value_dtype).reshape(shape), from_words(v, self.value_dtype).reshape(shape)
 
-    def per_query(self, q_nkgd, tables_np, position_n, active_n, pages_per_chunk):
+    def per_query(self, q_nkgd, tables_np, position_n, active_n, pages_per_chunk, upper_n=None):
         """Each of N queries over its own table's pages: -> [N, k, g, d] (inactive rows zero)."""
+        upper_nf = None if upper_n is None else upper_n[:, None]
         out = self.per_sequence(
-            q_nkgd[:, None], tables_np, position_n[:, None], active_n[:, None], pages_per_chunk
+            q_nkgd[:, None], tables_np, position_n[:, None], active_n[:, None], pages_per_chunk, upper_nf
         )
         return out[:, 0]
 
-    def per_sequence(self, q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk):
+    def per_sequence(self, q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, upper_nf=None):
         """F queries of each of N sequences over that sequence's pages, gathered once for all F:
-        -> [N, F, k, g, d] (inactive queries zero)."""
+        -> [N, F, k, g, d] (inactive queries zero). `upper_nf`: see `visible`."""
         n, f, num_kv_heads, group, head_dim = q_nfkgd.shape
-        if cpu_ops.usable(self.k_cache, self.value_dtype):  # one C++ op reads the pages in place
+        # One C++ op reads the pages in place (causal only).
+        if upper_nf is None and cpu_ops.usable(self.k_cache, self.value_dtype):
             out = cpu_ops.paged_attention(
                 q_nfkgd.reshape(n * f, num_kv_heads, group, head_dim),
                 self.k_cache,
@@ -295,29 +315,36 @@ class PagedAttend:
             )
             return out.reshape(n, f, num_kv_heads, group, head_dim)
         if is_16bit_float(self.value_dtype) or is_8bit_float(self.value_dtype):
-            start, stop = self._loop_bounds(position_nf, active_nf, pages_per_chunk * self.block_size)
-            return self._folded(q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, start, stop)
-        return _normalize(self.partials(q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk))
+            start, stop = self._loop_bounds(
+                position_nf, active_nf, pages_per_chunk * self.block_size, upper_nf
+            )
+            return self._folded(
+                q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, start, stop, upper_nf
+            )
+        return _normalize(
+            self.partials(q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, upper_nf)
+        )
 
-    def _loop_bounds(self, position_nf, active_nf, chunk_len):
+    def _loop_bounds(self, position_nf, active_nf, chunk_len, upper_nf=None):
         first = jnp.min(jnp.where(active_nf, position_nf, jnp.iinfo(jnp.int32).max))
-        last = jnp.max(jnp.where(active_nf, position_nf, -1))
+        last = jnp.max(jnp.where(active_nf, position_nf if upper_nf is None else upper_nf, -1))
         return self.chunk_range(first, last, chunk_len)
 
-    def partials(self, q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk):
+    def partials(self, q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, upper_nf=None):
         """`per_sequence`'s float32 loop, stopped before the softmax is normalized: the running (max
         [N, F, k, g], sum [N, F, k, g], weighted values [N, F, k, g, d]), which a caller holding other
         keys elsewhere merges by log-sum-exp (decode context parallel). `tables_np` padded to a multiple
         of pages_per_chunk pages."""
         n, f, num_kv_heads, group, head_dim = q_nfkgd.shape
         chunk_len = pages_per_chunk * self.block_size
-        start, stop = self._loop_bounds(position_nf, active_nf, chunk_len)
+        start, stop = self._loop_bounds(position_nf, active_nf, chunk_len, upper_nf)
+        upper = None if upper_nf is None else upper_nf[..., None]
 
         def chunk(i, carry):
             pages = jax.lax.dynamic_slice_in_dim(tables_np, i * pages_per_chunk, pages_per_chunk, axis=1)
             k, v = self.gather(pages)
             kv_pos = i * chunk_len + jnp.arange(chunk_len)
-            visible = self.visible(kv_pos, position_nf[..., None]) & active_nf[..., None]  # [n, f, s]
+            visible = self.visible(kv_pos, position_nf[..., None], upper) & active_nf[..., None]  # [n, f, s]
             s = jnp.einsum("nfkgd,nskd->nfkgs", q_nfkgd, k.astype(jnp.float32))
             v = jnp.where(visible.any(axis=1)[:, :, None, None], v.astype(jnp.float32), 0.0)
             mask = visible[:, :, None, None, :]
@@ -325,7 +352,9 @@ class PagedAttend:
 
         return jax.lax.fori_loop(start, stop, chunk, self.init((n, f, num_kv_heads, group), head_dim))
 
-    def _folded(self, q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, start, stop):
+    def _folded(
+        self, q_nfkgd, tables_np, position_nf, active_nf, pages_per_chunk, start, stop, upper_nf=None
+    ):
         """`per_sequence` for a 16- or 8-bit cache, with the KV heads folded into one dot per sequence.
 
         Contracting "nfkgd,nskd" needs (n, k) as batch dims, so XLA transposes every gathered chunk
@@ -342,12 +371,13 @@ class PagedAttend:
         dtype = jnp.bfloat16 if is_8bit_float(self.value_dtype) else self.value_dtype
         eye = jnp.eye(num_kv_heads, dtype=jnp.float32)
         q_nhc = (q_nfkgd[..., None, :] * eye[:, None, :, None]).reshape(n, rows, width).astype(dtype)
+        upper = None if upper_nf is None else upper_nf[..., None]
 
         def chunk(i, carry):
             pages = jax.lax.dynamic_slice_in_dim(tables_np, i * pages_per_chunk, pages_per_chunk, axis=1)
             k, v = (x.reshape(n, chunk_len, width).astype(dtype) for x in self.gather(pages))  # [n, s, (k d)]
             kv_pos = i * chunk_len + jnp.arange(chunk_len)
-            visible = self.visible(kv_pos, position_nf[..., None]) & active_nf[..., None]  # [n, f, s]
+            visible = self.visible(kv_pos, position_nf[..., None], upper) & active_nf[..., None]  # [n, f, s]
             s = jnp.einsum("nhc,nsc->nhs", q_nhc, k, preferred_element_type=jnp.float32)
             v = jnp.where(visible.any(axis=1)[:, :, None], v, jnp.zeros((), dtype))
             mask = jnp.broadcast_to(visible[:, :, None, :], (n, f, num_kv_heads * group, chunk_len))
@@ -365,7 +395,16 @@ class PagedAttend:
         return _normalize((m, l.reshape(n, f, num_kv_heads, group), acc_nfkgd))
 
     def tiles(
-        self, q_tkgd, out_tkgd, tables, kv_lens, query_start_loc, is_long, tile_queries, pages_per_chunk
+        self,
+        q_tkgd,
+        out_tkgd,
+        tables,
+        kv_lens,
+        query_start_loc,
+        is_long,
+        tile_queries,
+        pages_per_chunk,
+        attend_ahead=None,
     ):
         """The queries of `is_long` sequences, tile_queries at a time: -> out_tkgd with their rows set."""
         num_tokens, num_kv_heads, group, head_dim = q_tkgd.shape
@@ -376,6 +415,7 @@ class PagedAttend:
         # Slack rows after the last token, so a tile's fixed-size slice never runs off the end.
         pad = ((0, tile_queries), (0, 0), (0, 0), (0, 0))
         q_pad, out_pad = jnp.pad(q_tkgd, pad), jnp.pad(out_tkgd, pad)
+        ahead_pad = None if attend_ahead is None else jnp.pad(attend_ahead, (0, tile_queries))
         rows = jnp.arange(tile_queries)
 
         def tile(i, out_pad):
@@ -384,17 +424,24 @@ class PagedAttend:
             num_rows = jnp.minimum(tile_queries, query_start_loc[r + 1] - q_start)
             position = kv_lens[r] - query_start_loc[r + 1] + q_start + rows  # [q]
             is_row = rows < num_rows
+            upper = None
+            if ahead_pad is not None:
+                upper = position + jax.lax.dynamic_slice_in_dim(ahead_pad, q_start, tile_queries)
             # [k, (g q), d]: one plain batched matmul per KV head (measured ~30% faster on CPU than
             # contracting the [q, k, g, d] tile directly, which makes XLA transpose inside the loop).
             q_qkgd = jax.lax.dynamic_slice_in_dim(q_pad, q_start, tile_queries)
             q_kmd = q_qkgd.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * tile_queries, head_dim)
-            start, stop = self.chunk_range(position[0], position[num_rows - 1], chunk_len)
+            last = position[num_rows - 1] if upper is None else jnp.max(jnp.where(is_row, upper, -1))
+            start, stop = self.chunk_range(position[0], last, chunk_len)
 
             def chunk(j, carry):
                 pages = jax.lax.dynamic_slice_in_dim(tables[r], j * pages_per_chunk, pages_per_chunk)
                 k, v = (x.astype(jnp.float32).transpose(1, 0, 2) for x in self.gather(pages))  # [k, s, d]
                 kv_pos = j * chunk_len + jnp.arange(chunk_len)
-                visible = self.visible(kv_pos[None, :], position[:, None]) & is_row[:, None]  # [q, s]
+                row_upper = None if upper is None else upper[:, None]
+                visible = (
+                    self.visible(kv_pos[None, :], position[:, None], row_upper) & is_row[:, None]
+                )  # [q, s]
                 mask = jnp.broadcast_to(visible, (group, tile_queries, chunk_len)).reshape(1, -1, chunk_len)
                 v = jnp.where((kv_pos < kv_lens[r])[None, :, None], v, 0.0)
                 s = jnp.einsum("kmd,ksd->kms", q_kmd, k)

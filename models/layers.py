@@ -224,6 +224,7 @@ class Attention(nnx.Module):
             sliding_window=_sliding_window(cfg, spec),
             soft_cap=cfg.attn_logit_softcap,
             **({} if self.sinks is None else {"sinks": self.sinks[...].astype(jnp.float32)}),
+            **({} if md.attend_ahead is None else {"attend_ahead": md.attend_ahead}),
         )
         out = out.reshape(num_tokens, -1)
         if gate is not None:

@@ -30,7 +30,9 @@ _ACTIVATIONS = {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x)}
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """CLIP's vision tower, as config.json's `vision_config` says."""
+    """A ViT vision tower, as config.json's `vision_config` says: CLIP's (a class token, a bias-free
+    patch convolution, a norm before the layers) by default; SigLIP's (Gemma 3: no class token, a
+    patch bias, a norm after the layers) with the flags below."""
 
     hidden_size: int
     intermediate_size: int
@@ -41,6 +43,10 @@ class VisionConfig:
     num_channels: int = 3
     layer_norm_eps: float = 1e-5
     hidden_act: str = "quick_gelu"
+    class_token: bool = True
+    patch_bias: bool = False
+    pre_norm: bool = True
+    post_norm: bool = False
 
     @property
     def num_patches(self) -> int:
@@ -100,23 +106,30 @@ class VisionEmbeddings(nnx.Module):
     def __init__(self, v: VisionConfig, *, dtype, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(0.02)
         p = v.patch_size
-        # The patch convolution's weight as HF stores it, [D, C, p, p] (no bias).
-        self.patch_embedding = nnx.Dict(
-            weight=nnx.Param(init(rngs.params(), (v.hidden_size, v.num_channels, p, p), dtype))
-        )
-        self.class_embedding = nnx.Param(init(rngs.params(), (v.hidden_size,), dtype))
-        self.position_embedding = Table(v.num_patches + 1, v.hidden_size, dtype=dtype, rngs=rngs)
+        # The patch convolution's weight as HF stores it, [D, C, p, p] (a bias in SigLIP).
+        conv = {"weight": nnx.Param(init(rngs.params(), (v.hidden_size, v.num_channels, p, p), dtype))}
+        if v.patch_bias:
+            conv["bias"] = nnx.Param(jnp.zeros((v.hidden_size,), dtype))
+        self.patch_embedding = nnx.Dict(conv)
+        if v.class_token:
+            self.class_embedding = nnx.Param(init(rngs.params(), (v.hidden_size,), dtype))
+        num_positions = v.num_patches + int(v.class_token)
+        self.position_embedding = Table(num_positions, v.hidden_size, dtype=dtype, rngs=rngs)
         self.patch_size = p
+        self.class_token = v.class_token
 
-    def __call__(self, pixels: jax.Array) -> jax.Array:  # [B, C, H, W] -> [B, 1 + P, D]
+    def __call__(self, pixels: jax.Array) -> jax.Array:  # [B, C, H, W] -> [B, (1 +) P, D]
         b, c, h, w = pixels.shape
         p = self.patch_size
         patches = pixels.reshape(b, c, h // p, p, w // p, p).transpose(0, 2, 4, 1, 3, 5)
         patches = patches.reshape(b, (h // p) * (w // p), c * p * p)  # [B, P, C*p*p], row-major patches
         kernel = self.patch_embedding["weight"][...].reshape(-1, c * p * p)  # [D, C*p*p]
         x = jnp.einsum("bpk,dk->bpd", patches.astype(kernel.dtype), kernel)
-        cls = jnp.broadcast_to(self.class_embedding[...], (b, 1, x.shape[-1]))
-        x = jnp.concatenate([cls, x], axis=1)
+        if "bias" in self.patch_embedding:
+            x = x + self.patch_embedding["bias"][...]
+        if self.class_token:
+            cls = jnp.broadcast_to(self.class_embedding[...], (b, 1, x.shape[-1]))
+            x = jnp.concatenate([cls, x], axis=1)
         return x + self.position_embedding.weight[...][None]
 
 
@@ -157,18 +170,25 @@ class VisionLayer(nnx.Module):
 
 
 class VisionTower(nnx.Module):
-    """CLIP's vision transformer up to the feature layer (later layers and the post-norm unused)."""
+    """The vision transformer up to the feature layer: CLIP's (later layers and the post-norm unused)
+    or SigLIP's (every layer, then the post-norm)."""
 
     def __init__(self, v: VisionConfig, *, dtype, rngs: nnx.Rngs):
         self.embeddings = VisionEmbeddings(v, dtype=dtype, rngs=rngs)
-        self.pre_layrnorm = LayerNorm(v.hidden_size, v.layer_norm_eps, dtype=dtype)  # HF's spelling
+        if v.pre_norm:
+            self.pre_layrnorm = LayerNorm(v.hidden_size, v.layer_norm_eps, dtype=dtype)  # HF's spelling
         self.layers = nnx.List([VisionLayer(v, dtype=dtype, rngs=rngs) for _ in range(v.num_layers)])
+        if v.post_norm:
+            self.post_layernorm = LayerNorm(v.hidden_size, v.layer_norm_eps, dtype=dtype)
+        self.pre_norm, self.post_norm = v.pre_norm, v.post_norm
 
-    def __call__(self, pixels: jax.Array) -> jax.Array:  # [B, C, H, W] -> [B, 1 + P, D]
-        x = self.pre_layrnorm(self.embeddings(pixels))
+    def __call__(self, pixels: jax.Array) -> jax.Array:  # [B, C, H, W] -> [B, (1 +) P, D]
+        x = self.embeddings(pixels)
+        if self.pre_norm:
+            x = self.pre_layrnorm(x)
         for layer in self.layers:  # a few layers of one small program: unrolled
             x = layer(x)
-        return x
+        return self.post_layernorm(x) if self.post_norm else x
 
 
 class LlavaForConditionalGeneration(DecoderOnlyLM):
@@ -251,4 +271,4 @@ def _is_unused_vision(name: str, num_layers: int) -> bool:
 
 def tokens_per_image(cfg: TransformerConfig) -> int:
     """Encoder output rows per image of a vision-language config (0: a text-only model)."""
-    return cfg.tokens_per_image if isinstance(cfg, LlavaConfig) and cfg.vision is not None else 0
+    return cfg.tokens_per_image if getattr(cfg, "vision", None) is not None else 0

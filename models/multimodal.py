@@ -19,6 +19,9 @@ import jax.numpy as jnp
 class EncoderOutputs:
     cache: jax.Array  # [num_rows, D] every cached image's embeddings, in the decoder's dtype
     rows: jax.Array  # [T] int32: the row of `cache` that is token t's embedding; -1: its own
+    # [T] int32, for a model whose image tokens see their whole image (Gemma 3): positions past its own
+    # that token t also attends to (to its image's last token; 0 for text). None for causal models.
+    attend_ahead: jax.Array | None = None
 
     def merge(self, x: jax.Array) -> jax.Array:
         """x [T, D] (the token embeddings) with image placeholders replaced by their rows."""

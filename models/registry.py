@@ -13,6 +13,7 @@ from xlaserve.models.config import TransformerConfig
 from xlaserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from xlaserve.models.falcon_h1 import FalconH1ForCausalLM
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from xlaserve.models.gemma3_vl import Gemma3ForConditionalGeneration
 from xlaserve.models.gpt_oss import GptOssForCausalLM
 from xlaserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from xlaserve.models.interfaces import CAUSAL_LM_MEMBERS, CausalLM
@@ -63,6 +64,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "JambaForCausalLM": JambaForCausalLM,  # Mamba (v1) layers beside attention, experts every other layer
     # Vision-language: images encoded by their own program, merged at their placeholders (models/llava.py).
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    # Gemma 3: a SigLIP tower and pooled projector; image tokens attend to their whole image.
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.
     "BertModel": BertModel,
     "BertForSequenceClassification": BertModel,

@@ -35,6 +35,8 @@ class EncoderCacheLayout:
     num_slots: int  # images held at once
     tokens_per_item: int  # encoder output rows per image (= its placeholder tokens)
     max_items_per_step: int  # images one step may encode (the encoder program's largest bucket)
+    # An image's tokens attend to each other both ways (Gemma 3): a chunk never ends inside one.
+    bidirectional: bool = False
 
 
 @dataclass
@@ -64,9 +66,19 @@ class EncoderCacheManager:
 
     def fit(self, request: Request, start: int, num_new_tokens: int) -> int:
         """How many of positions [start, start + num_new_tokens) the request may compute this step: all,
-        or up to the first image that finds no slot or no room in the step's encoder budget."""
+        or up to the first image that finds no slot or no room in the step's encoder budget; with
+        bidirectional images, never ending inside one (up to its first token, or none this step when
+        the chunk starts inside it)."""
         if not request.mm_features:
             return num_new_tokens
+        num_new_tokens = self._fit_encodes(request, start, num_new_tokens)
+        if self.layout.bidirectional:
+            for feature in reversed(request.mm_features):  # a cut lands on an earlier image's first token
+                if feature.offset < start + num_new_tokens < feature.end:
+                    num_new_tokens = max(feature.offset - start, 0)
+        return num_new_tokens
+
+    def _fit_encodes(self, request: Request, start: int, num_new_tokens: int) -> int:
         stop = start + num_new_tokens
         reached = [f for f in request.mm_features if f.overlaps(start, stop)]
         # Cached images the chunk reaches are referenced before any slot is reassigned: not candidates.

@@ -21,7 +21,7 @@ from xlaserve.core.multimodal import MultiModalFeature, hash_pixels
 from xlaserve.engine.media import MediaError, check_image
 
 # Architectures whose images this processor prepares (the registry's vision-language families).
-VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration")
 
 
 class MultiModalProcessor:
@@ -46,12 +46,17 @@ class MultiModalProcessor:
             hf_config = json.load(f)
         if (hf_config.get("architectures") or [""])[0] not in VISION_LANGUAGE_ARCHITECTURES:
             return None
-        processor = _llava_processor(model_dir, tokenizer)
+        settings = _processor_settings(model_dir)
+        image_token_id = hf_config.get("image_token_index", hf_config.get("image_token_id"))
+        limits = parse_mm_limits(limit_mm_per_prompt)
+        if hf_config["architectures"][0] == "Gemma3ForConditionalGeneration":
+            num_tokens = hf_config.get("mm_tokens_per_image", 256)
+            processor = _gemma3_processor(settings, tokenizer, num_tokens)
+            return cls(processor, image_token_id, num_tokens, limits["image"])
+        processor = _llava_processor(settings, tokenizer)
         vision = hf_config["vision_config"]
         num_patches = (vision["image_size"] // vision["patch_size"]) ** 2
         keeps_cls = hf_config.get("vision_feature_select_strategy", "default") == "full"
-        image_token_id = hf_config.get("image_token_index", hf_config.get("image_token_id"))
-        limits = parse_mm_limits(limit_mm_per_prompt)
         return cls(processor, image_token_id, num_patches + int(keeps_cls), limits["image"])
 
     def process(
@@ -103,19 +108,40 @@ def _as_pil(image, field: str):
     raise MediaError("an image must be a PIL.Image or a uint8 numpy array [H, W, C]", field)
 
 
-def _llava_processor(model_dir: str, tokenizer):
-    """LlavaProcessor over a Pillow image processor (transformers' torchvision one is not used)."""
-    from transformers import CLIPImageProcessorPil, LlavaProcessor
+_SKIP = ("image_processor_type", "processor_class", "_processor_class", "auto_map")
 
+
+def _processor_settings(model_dir: str) -> dict:
+    """The directory's processor settings (preprocessor_config.json, processor_config.json)."""
     settings = {}
     for name in ("preprocessor_config.json", "processor_config.json"):
         path = os.path.join(model_dir, name)
         if os.path.exists(path):
             with open(path) as f:
                 settings |= json.load(f)
-    image_settings = settings.pop("image_processor", None) or settings
-    skip = ("image_processor_type", "processor_class", "_processor_class", "auto_map")
-    image_processor = CLIPImageProcessorPil(**{k: v for k, v in image_settings.items() if k not in skip})
+    return settings
+
+
+def _image_settings(settings: dict) -> dict:
+    image_settings = settings.get("image_processor") or settings
+    return {k: v for k, v in image_settings.items() if k not in _SKIP and k != "image_processor"}
+
+
+def _gemma3_processor(settings: dict, tokenizer, num_tokens: int):
+    """Gemma3Processor over its Pillow image processor, without pan-and-scan crops (one image, one
+    square of `num_tokens` tokens)."""
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+
+    image_settings = {k: v for k, v in _image_settings(settings).items() if not k.startswith("pan_and_scan")}
+    image_processor = Gemma3ImageProcessorPil(**{**image_settings, "do_pan_and_scan": False})
+    return Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=num_tokens)
+
+
+def _llava_processor(settings: dict, tokenizer):
+    """LlavaProcessor over a Pillow image processor (transformers' torchvision one is not used)."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    image_processor = CLIPImageProcessorPil(**_image_settings(settings))
     kwargs = {
         k: settings[k]
         for k in (

@@ -53,7 +53,14 @@ class MultiModalHook(StepHook):
         self.buckets = [b for b in (1, 2, 4) if b <= max_items]
         # vLLM's default encoder cache: a step's worth of tokens (here at least two steps' images).
         num_slots = max(2 * self.buckets[-1], sched.max_num_batched_tokens // tokens_per_item)
-        self.layout = EncoderCacheLayout(num_slots, tokens_per_item, self.buckets[-1])
+        # Gemma 3's image tokens see their whole image: each step also carries, per token, how far.
+        self.bidirectional = bool(getattr(cfg, "bidirectional_images", False))
+        if self.bidirectional and tokens_per_item > sched.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must hold one image's "
+                f"{tokens_per_item} tokens: they attend to each other, so they are computed in one step"
+            )
+        self.layout = EncoderCacheLayout(num_slots, tokens_per_item, self.buckets[-1], self.bidirectional)
         self.scratch_slot = num_slots
         shape = ((num_slots + 1) * tokens_per_item, cfg.hidden_size)
         placement = runner.placement
@@ -69,13 +76,16 @@ class MultiModalHook(StepHook):
 
     def prepare(self, scheduled, num_tokens, num_seqs, failed) -> dict[str, np.ndarray]:
         rows = np.full(num_tokens, -1, np.int32)
+        ahead = np.zeros(num_tokens, np.int32) if self.bidirectional else None
         to_encode: dict[int, object] = {}  # slot -> feature
         offset = 0
         for s in scheduled:
             if s.request.mm_features:
-                isolate_failures(failed, s, "placing its images", self._fill_rows, rows, offset, s, to_encode)
+                isolate_failures(
+                    failed, s, "placing its images", self._fill_rows, rows, ahead, offset, s, to_encode
+                )
             offset += s.num_new_tokens
-        arrays = {"rows": rows}
+        arrays = {"rows": rows} if ahead is None else {"rows": rows, "ahead": ahead}
         items = list(to_encode.items())
         for call, start in enumerate(range(0, len(items), self.buckets[-1])):
             chunk = items[start : start + self.buckets[-1]]
@@ -89,7 +99,7 @@ class MultiModalHook(StepHook):
         self.num_encoded += len(items)
         return arrays
 
-    def _fill_rows(self, rows: np.ndarray, offset: int, s, to_encode: dict) -> None:
+    def _fill_rows(self, rows: np.ndarray, ahead: np.ndarray | None, offset: int, s, to_encode: dict) -> None:
         request, n = s.request, self.tokens_per_item
         start, stop = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
         for index, feature in enumerate(request.mm_features):
@@ -102,6 +112,12 @@ class MultiModalHook(StepHook):
                 )
             slot = request.encoder_slots[index]  # set by the scheduler when the chunk reached it
             lo, hi = max(start, feature.offset), min(stop, feature.end)
+            if ahead is not None:  # each of the image's tokens sees up to its last one
+                if hi < feature.end:
+                    raise ValueError(
+                        f"image {index}'s tokens are cut by the step ({lo}..{hi} of {feature.end})"
+                    )
+                ahead[offset + lo - start : offset + hi - start] = feature.end - 1 - np.arange(lo, hi)
             rows[offset + lo - start : offset + hi - start] = slot * n + np.arange(
                 lo - feature.offset, hi - feature.offset, dtype=np.int32
             )
@@ -114,7 +130,7 @@ class MultiModalHook(StepHook):
         while f"pixels_{call}" in arrays:
             self.cache = self._encode_fn(params, self.cache, arrays[f"pixels_{call}"], arrays[f"dest_{call}"])
             call += 1
-        return {"mm": EncoderOutputs(self.cache, arrays["rows"])}
+        return {"mm": EncoderOutputs(self.cache, arrays["rows"], arrays.get("ahead"))}
 
     def warm_up(self, batches, num_seqs_for) -> list:
         """Each bucket's encoder program, run once into the scratch slot (the compile guard is armed

@@ -82,3 +82,21 @@ def test_a_chunk_past_an_image_releases_it():
     assert _schedule(manager, a, 2 + N, 1) == 1  # past "x": released
     assert a.encoder_slots == {}
     assert _schedule(manager, b, 2, 1) == 1 and b.encoder_slots == {0: 0}
+
+
+def test_bidirectional_images_are_never_cut_by_a_chunk():
+    """Gemma 3's image tokens attend to each other: a chunk ending inside an image ends at its first
+    token instead, or computes nothing when it started inside it; one covering the image is kept."""
+    layout = EncoderCacheLayout(num_slots=4, tokens_per_item=N, max_items_per_step=4, bidirectional=True)
+    manager = EncoderCacheManager(layout)
+    request = _request("r", ["a", "b"])  # images at [2, 2 + N) and [2 + N, 2 + 2N), back to back
+    first, second = request.mm_features
+    assert manager.fit(request, 0, first.offset + 1) == first.offset
+    assert manager.fit(request, 0, first.end) == first.end
+    assert manager.fit(request, 0, second.offset + 2) == second.offset
+    inside = first.offset + 1  # a chunk after a prefix hit inside the first image
+    assert manager.fit(request, inside, 2) == 0
+    assert manager.fit(request, inside, N) == first.end - inside  # the second image is cut off whole
+    assert manager.fit(request, inside, first.end + N - inside) == first.end + N - inside
+    causal = EncoderCacheManager(EncoderCacheLayout(num_slots=4, tokens_per_item=N, max_items_per_step=4))
+    assert causal.fit(request, 0, first.offset + 1) == first.offset + 1

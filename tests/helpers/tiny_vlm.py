@@ -84,6 +84,84 @@ def save_tiny_llava(directory: str, *, seed: int = 0) -> str:
     return directory
 
 
+GEMMA3_TOKENS_PER_IMAGE = 4  # 4 x 4 patches pooled 2 x 2
+GEMMA3_SPECIAL = {
+    "boi_token": "<start_of_image>",
+    "image_token": "<image_soft_token>",
+    "eoi_token": "<end_of_image>",
+}
+
+
+def save_tiny_gemma3(directory: str, *, seed: int = 0, sliding_window: int = 16) -> str:
+    """A random Gemma3ForConditionalGeneration (SigLIP tower, pooled projector, Gemma 3 decoder with one
+    sliding and one global layer), its tokenizer (the image tokens as Gemma 3's: `<start_of_image>` in
+    the text, expanded to `<image_soft_token>`s) and Gemma3Processor (Gemma3ImageProcessorPil)."""
+    import json
+
+    import torch
+    import transformers
+
+    from helpers.tiny_models import small_byte_tokenizer
+
+    tokenizer = small_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_SPECIAL.values())})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.save_pretrained(directory)
+    path = os.path.join(directory, "tokenizer_config.json")
+    with open(path) as f:
+        settings = json.load(f)
+    with open(path, "w") as f:  # Gemma 3's tokenizer names its image tokens (tokenizer.boi_token, ...)
+        json.dump({**settings, "extra_special_tokens": GEMMA3_SPECIAL}, f)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=8,
+    )
+    text = transformers.Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = transformers.Gemma3Config(
+        vision_config=vision,
+        text_config=text,
+        mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.convert_tokens_to_ids(GEMMA3_SPECIAL["eoi_token"]),
+        image_token_index=tokenizer.image_token_id,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so logits are not all near-ties
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(directory, safe_serialization=True)
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = transformers.Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_length=GEMMA3_TOKENS_PER_IMAGE,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(directory)
+    return directory
+
+
 def make_processor(tokenizer):
     import transformers
 
