@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.tiny_vlm import ENGINE_ARGS, GEMMA3_TOKENS_PER_IMAGE, random_image, save_tiny_gemma3
+from helpers.tiny_vlm import ENGINE_ARGS, GEMMA3_TOKENS_PER_IMAGE, data_url, random_image, save_tiny_gemma3
 from xlaserve import LLM, SamplingParams
 
 STEP = ENGINE_ARGS["max_num_batched_tokens"]
@@ -109,3 +109,26 @@ def test_a_prefix_hit_ending_inside_an_image_computes_the_rest_of_it(llm, hf):
 def test_a_causal_kernel_is_refused_by_name(model_dir):
     with pytest.raises(ValueError, match=r"^attention_backend 'pallas' does not serve Gemma 3's images"):
         LLM(model_dir, **ENGINE_ARGS, attention_backend="pallas")
+
+
+def test_chat_with_a_data_url_image_part(llm, hf):
+    """An OpenAI image part becomes Gemma 3's `<start_of_image>` in the chat template's text."""
+    image = random_image(30)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in it? "},
+                {"type": "image_url", "image_url": {"url": data_url(image)}},
+            ],
+        }
+    ]
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    text = hf[1].tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is in it? <start_of_image>\n"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    hf_tokens, hf_ids, _ = _hf(hf, text, [image])
+    assert out.prompt_token_ids == hf_ids
+    assert list(out.outputs[0].token_ids) == hf_tokens
