@@ -228,12 +228,23 @@ class PagedAttend:
     """Online-softmax attention over page chunks of one layer's cache, for a set of queries (also the
     per-device attention of context parallelism: sharding/context_parallel.py)."""
 
-    def __init__(self, k_cache, v_cache, sliding_window, soft_cap, value_dtype, sinks_kg=None):
+    def __init__(
+        self, k_cache, v_cache, sliding_window, soft_cap, value_dtype, sinks_kg=None, kv_stride=1, kv_offset=0
+    ):
         self.k_cache, self.v_cache = k_cache, v_cache
         self.value_dtype = value_dtype
         self.block_size = k_cache.shape[1]
         self.sliding_window, self.soft_cap = sliding_window, soft_cap
         self.sinks_kg = sinks_kg  # [kv_heads, group] float32, or None
+        # The sequence position of a table's slot j is j * kv_stride + kv_offset: a decode-context-parallel
+        # rank holds every kv_stride-th token from kv_offset (sharding/context_parallel.py); queries'
+        # positions are the sequence's.
+        self.kv_stride, self.kv_offset = kv_stride, kv_offset
+
+    def kv_positions(self, chunk: jax.Array, chunk_len: int) -> jax.Array:
+        """The sequence positions of loop step `chunk`'s chunk_len slots."""
+        slots = chunk * chunk_len + jnp.arange(chunk_len)
+        return slots if self.kv_stride == 1 else slots * self.kv_stride + self.kv_offset
 
     def init(self, shape, head_dim, sink_rows=None):
         """The running (max, sum, accumulator) of rows `shape` before any key: -inf, 0, 0; with sinks,
@@ -248,10 +259,14 @@ class PagedAttend:
     def chunk_range(self, first_position, last_position, chunk_len):
         """Loop bounds over chunks of chunk_len keys covering what queries at positions in
         [first_position, last_position] may see."""
+
+        def slot(position):  # the last slot at or before `position` (-1 when none)
+            return position if self.kv_stride == 1 else (position - self.kv_offset) // self.kv_stride
+
         start = 0
         if self.sliding_window is not None:
-            start = jnp.maximum(first_position - self.sliding_window + 1, 0) // chunk_len
-        return start, (last_position + chunk_len) // chunk_len
+            start = jnp.maximum(slot(first_position - self.sliding_window + 1), 0) // chunk_len
+        return start, (slot(last_position) + chunk_len) // chunk_len
 
     def update(self, carry, s, mask, contract):
         """One chunk of the online softmax: scores `s` (masked where `mask` is False, last axis the
@@ -343,7 +358,7 @@ class PagedAttend:
         def chunk(i, carry):
             pages = jax.lax.dynamic_slice_in_dim(tables_np, i * pages_per_chunk, pages_per_chunk, axis=1)
             k, v = self.gather(pages)
-            kv_pos = i * chunk_len + jnp.arange(chunk_len)
+            kv_pos = self.kv_positions(i, chunk_len)
             visible = self.visible(kv_pos, position_nf[..., None], upper) & active_nf[..., None]  # [n, f, s]
             s = jnp.einsum("nfkgd,nskd->nfkgs", q_nfkgd, k.astype(jnp.float32))
             v = jnp.where(visible.any(axis=1)[:, :, None, None], v.astype(jnp.float32), 0.0)
@@ -376,7 +391,7 @@ class PagedAttend:
         def chunk(i, carry):
             pages = jax.lax.dynamic_slice_in_dim(tables_np, i * pages_per_chunk, pages_per_chunk, axis=1)
             k, v = (x.reshape(n, chunk_len, width).astype(dtype) for x in self.gather(pages))  # [n, s, (k d)]
-            kv_pos = i * chunk_len + jnp.arange(chunk_len)
+            kv_pos = self.kv_positions(i, chunk_len)
             visible = self.visible(kv_pos, position_nf[..., None], upper) & active_nf[..., None]  # [n, f, s]
             s = jnp.einsum("nhc,nsc->nhs", q_nhc, k, preferred_element_type=jnp.float32)
             v = jnp.where(visible.any(axis=1)[:, :, None], v, jnp.zeros((), dtype))
@@ -437,7 +452,7 @@ class PagedAttend:
             def chunk(j, carry):
                 pages = jax.lax.dynamic_slice_in_dim(tables[r], j * pages_per_chunk, pages_per_chunk)
                 k, v = (x.astype(jnp.float32).transpose(1, 0, 2) for x in self.gather(pages))  # [k, s, d]
-                kv_pos = j * chunk_len + jnp.arange(chunk_len)
+                kv_pos = self.kv_positions(j, chunk_len)
                 row_upper = None if upper is None else upper[:, None]
                 visible = (
                     self.visible(kv_pos[None, :], position[:, None], row_upper) & is_row[:, None]

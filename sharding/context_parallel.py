@@ -19,15 +19,17 @@ per rank under `shard_map` over the "tensor" axis:
 The attention here is the reference path's (kernels/reference.py `PagedAttend`, whatever attention
 backend was asked for): prefill context parallel its per-query attention (the C++ op on CPU where it
 serves), decode context parallel its float32 online softmax stopped before the normalization, whose
-partials the group merges. Not yet: sliding windows, attention sinks, a float8 cache, latent attention
-(MLA), models with recurrent layers. The gathers run over the whole "tensor" axis
-and each rank keeps its group's part (axis_index_groups would send only the group's).
+partials the group merges. Sliding windows count back from each query's position over the sequence's
+positions (a DCP rank's slot j holds position j * d + its index: `PagedAttend`'s kv_stride and
+kv_offset), and attention sinks join the softmax once (under DCP on each group's first rank only).
+Not yet: a float8 cache, latent attention (MLA), models with recurrent layers. The gathers run over
+the whole "tensor" axis and each rank keeps its group's part (axis_index_groups would send only the
+group's).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -88,20 +90,27 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
             check_vma=False,
         )(k_cache, v_cache, k, v, slot_mapping, positions)
 
-    def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale, soft_cap):
+    def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
         rank = jax.lax.axis_index(axis)
         index, first = rank % dcp, rank - rank % dcp  # this rank in its group, the group's first
         num_tokens, num_local_heads, head_dim = q.shape
         # The group's query heads: every rank's, of which the group's d ranks' [T, d * h, D].
         group_q = jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(q, axis), first, dcp)
         group_q = group_q.transpose(1, 0, 2, 3).reshape(num_tokens, 1, 1, dcp * num_local_heads, head_dim)
+        sinks_kg = None
+        if kw["sinks"] is not None:  # the group's heads' sinks, counted once: on its first rank only
+            group_sinks = jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(kw["sinks"], axis), first, dcp)
+            sinks_kg = jnp.where(index == 0, group_sinks.reshape(1, -1), -jnp.inf)
         seq, position, is_real = token_positions(num_tokens, kv_lens, query_start_loc, num_seqs)
-        # Local keys visible to each query: slots 0 .. (position - index) // d; none when negative.
-        last = jnp.where(position >= index, (position - index) // dcp, -1)
-        partials = _attend(k_cache, v_cache, q.dtype, soft_cap).partials(
-            group_q.astype(jnp.float32) * sm_scale,
+        # This rank's slot j of a sequence holds its position j * d + index (the window and the causal
+        # bound are the sequence's positions: PagedAttend's kv_stride and kv_offset).
+        attend = _attend(
+            k_cache, v_cache, q.dtype, kw["soft_cap"], kw["sliding_window"], sinks_kg, dcp, index
+        )
+        partials = attend.partials(
+            group_q.astype(jnp.float32) * kw["sm_scale"],
             _padded_tables(block_tables[seq]),
-            last[:, None],
+            position[:, None],
             is_real[:, None],
             PAGES_PER_CHUNK,
         )
@@ -116,33 +125,53 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
     return dataclasses.replace(
         backend,
         name=f"{backend.name}+dcp",
-        attention=_attention_under(mesh, heads, cache, local, "decode context parallelism"),
+        attention=_attention_under(mesh, heads, cache, local),
         write_kv=write_kv_owned,
         reason=f"decode context parallel over {dcp} ranks per KV head: interleaved K/V, attention partials "
         "merged by log-sum-exp (sharding/context_parallel.py)",
     )
 
 
-def _attention_under(mesh: Mesh, q_spec: PartitionSpec, cache_spec: PartitionSpec, local, what: str):
+def _attention_under(mesh: Mesh, q_spec: PartitionSpec, cache_spec: PartitionSpec, local):
     """The attention contract (kernels/reference.py `ragged_paged_attention`'s signature) as `local`
-    (the same operands, sm_scale and soft_cap) run per device under shard_map; q and the output split
-    by `q_spec`, the caches by `cache_spec`, the metadata whole."""
+    (the same operands; keywords sm_scale, soft_cap, sliding_window, sinks) run per device under
+    shard_map; q and the output split by `q_spec`, the caches by `cache_spec`, the sinks (one per query
+    head) like q's heads, the metadata and a layer's traced window whole."""
 
     def attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
-        if kw.get("sliding_window") is not None or kw.get("sinks") is not None:
-            raise ValueError(f"{what} does not serve sliding windows or sinks yet")
-        body = functools.partial(local, sm_scale=kw["sm_scale"], soft_cap=kw.get("soft_cap"))
-        operands = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
-        in_specs = (q_spec, cache_spec, cache_spec) + (PartitionSpec(),) * 4
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(*operands)
+        window, sinks = kw.get("sliding_window"), kw.get("sinks")
+        static = {"sm_scale": kw["sm_scale"], "soft_cap": kw.get("soft_cap")}
+        operands = [q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs]
+        in_specs = [q_spec, cache_spec, cache_spec] + [PartitionSpec()] * 4
+        traced_window = window is not None and not isinstance(window, int)
+        if traced_window:  # a layer's window in the layer scan (Gemma's, gpt-oss's alternating ones)
+            operands.append(window)
+            in_specs.append(PartitionSpec())
+        if sinks is not None:
+            operands.append(sinks)
+            in_specs.append(PartitionSpec(q_spec[1]))
+
+        def body(*args):
+            extra = list(args[7:])
+            w = extra.pop(0) if traced_window else window
+            s = extra.pop(0) if sinks is not None else None
+            return local(*args[:7], sliding_window=w, sinks=s, **static)
+
+        return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=q_spec, check_vma=False)(
+            *operands
+        )
 
     return attention
 
 
-def _attend(k_cache, v_cache, q_dtype, soft_cap) -> PagedAttend:
+def _attend(
+    k_cache, v_cache, q_dtype, soft_cap, sliding_window=None, sinks_kg=None, kv_stride=1, kv_offset=0
+) -> PagedAttend:
     """The reference's paged attention over this device's cache (16-bit caches are stored as words)."""
     value_dtype = q_dtype if k_cache.dtype == jnp.uint16 else k_cache.dtype
-    return PagedAttend(k_cache, v_cache, None, soft_cap, value_dtype)
+    return PagedAttend(
+        k_cache, v_cache, sliding_window, soft_cap, value_dtype, sinks_kg, kv_stride, kv_offset
+    )
 
 
 def _padded_tables(tables):
@@ -169,16 +198,12 @@ def check_prefill_context_parallel(model_config, kv_spec, pcp: int) -> None:
 
 def _check_attention_kinds(prefix: str, model_config, kv_spec) -> None:
     """What both context-parallel attentions do not serve yet: caches other than K and V (state layers,
-    latent attention), sliding windows, attention sinks."""
+    latent attention)."""
     architecture = model_config.architecture
     if kv_spec.layer_kind != "full_attention" or kv_spec.cache_class.__name__ != "KVCache":
         raise ValueError(
             f"{prefix} is not supported for {architecture} yet (its cache is not K and V per head)"
         )
-    if any(w is not None for w in model_config.layer_sliding_windows):
-        raise ValueError(f"{prefix} is not supported with sliding-window attention ({architecture}) yet")
-    if getattr(model_config, "attention_sinks", False):
-        raise ValueError(f"{prefix} is not supported with attention sinks ({architecture}) yet")
 
 
 def prefill_context_parallel(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
@@ -192,7 +217,7 @@ def prefill_context_parallel(backend: AttentionBackend, mesh: Mesh) -> Attention
     cache = to_partition_spec(KV_CACHE_AXES, rules)  # split by KV head, whole on every context rank
     num_ranks = mesh.shape["context"]
 
-    def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale, soft_cap):
+    def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
         num_local, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         first = jax.lax.axis_index("context") * num_local  # this rank's tokens in the step
@@ -200,16 +225,17 @@ def prefill_context_parallel(backend: AttentionBackend, mesh: Mesh) -> Attention
             jax.lax.dynamic_slice_in_dim(x, first, num_local)
             for x in token_positions(num_local * num_ranks, kv_lens, query_start_loc, num_seqs)
         )
-        q_tkgd = q.astype(jnp.float32).reshape(num_local, num_kv_heads, -1, head_dim) * sm_scale
-        out = _attend(k_cache, v_cache, q.dtype, soft_cap).per_query(
-            q_tkgd, _padded_tables(block_tables[seq]), position, is_real, PAGES_PER_CHUNK
-        )
+        q_tkgd = q.astype(jnp.float32).reshape(num_local, num_kv_heads, -1, head_dim) * kw["sm_scale"]
+        sinks = kw["sinks"]
+        sinks_kg = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, -1)
+        attend = _attend(k_cache, v_cache, q.dtype, kw["soft_cap"], kw["sliding_window"], sinks_kg)
+        out = attend.per_query(q_tkgd, _padded_tables(block_tables[seq]), position, is_real, PAGES_PER_CHUNK)
         return out.reshape(num_local, num_heads, head_dim).astype(q.dtype)
 
     return dataclasses.replace(
         backend,
         name=f"{backend.name}+pcp",
-        attention=_attention_under(mesh, tokens_heads, cache, local, "prefill context parallelism"),
+        attention=_attention_under(mesh, tokens_heads, cache, local),
         reason=f"prefill context parallel over {num_ranks} ranks: each rank's tokens over the whole cache "
         "(sharding/context_parallel.py)",
     )

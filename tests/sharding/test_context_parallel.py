@@ -169,9 +169,8 @@ def test_what_the_models_attention_needs_is_refused_by_name():
     kv = SimpleNamespace(layer_kind="full_attention", cache_class=KVCache)
     check_prefill_context_parallel(model(), kv, 2)
     check_decode_context_parallel(model(), kv, 2, 4)
+    check_decode_context_parallel(model(layer_sliding_windows=(None, 128), attention_sinks=True), kv, 2, 4)
     for config, spec, what in (
-        (model(layer_sliding_windows=(None, 128)), kv, "sliding-window"),
-        (model(attention_sinks=True), kv, "attention sinks"),
         (model(), SimpleNamespace(layer_kind="hybrid", cache_class=KVCache), "not K and V"),
         (model(), SimpleNamespace(layer_kind="full_attention", cache_class=MLACache), "not K and V"),
     ):
@@ -179,3 +178,39 @@ def test_what_the_models_attention_needs_is_refused_by_name():
             check_prefill_context_parallel(config, spec, 2)
         with pytest.raises(ValueError, match=rf"^decode_context_parallel_size=2 .*{what}"):
             check_decode_context_parallel(config, spec, 2, 4)
+
+
+def test_sliding_windows_and_sinks_under_both(tp_worker, tmp_path_factory):
+    """A tiny gpt-oss (one KV head; layers alternate an 8-token window with full attention, each head
+    with its sink; experts): at DCP 2 a rank's keys are every second position, so its window is
+    counted over the sequence's positions, and the sinks join the merged softmax once; at PCP 2 each
+    rank's queries use the window and sinks as one device does. Prompts of 5 to 70 tokens: one device's
+    tokens and logprobs, before and after prefix hits."""
+    from helpers.tiny_models import save_tiny_model, small_byte_tokenizer
+
+    model = save_tiny_model(
+        str(tmp_path_factory.mktemp("cp_gpt_oss")),
+        "GptOss",
+        tokenizer=small_byte_tokenizer(),
+        num_hidden_layers=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+    )
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(3, 300, n).tolist() for n in PROMPT_LENGTHS]
+    base, *others = tp_worker.run(
+        "context_parallel", model, {"layouts": [{}, DCP2, PCP2], "prompts": prompts}
+    )
+    for other in others:
+        for run in other["runs"]:
+            assert run["tokens"] == base["runs"][0]["tokens"], other["layout"]
+            np.testing.assert_allclose(
+                np.concatenate(run["logprobs"]),
+                np.concatenate(base["runs"][0]["logprobs"]),
+                atol=1e-4,
+                err_msg=str(other["layout"]),
+            )
