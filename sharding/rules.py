@@ -84,6 +84,10 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("multi_modal_projector", "linear_1", "kernel"): ("embed", "mlp"),
     ("multi_modal_projector", "linear_1", "bias"): ("mlp",),
     ("multi_modal_projector", "linear_2", "kernel"): ("mlp", "embed"),
+    # Gemma 3's SigLIP tower (a patch bias) and its projector's one matrix [vision, text hidden]: whole
+    # (the pooled image rows are few; the decoder's embeddings are replicated anyway).
+    ("embeddings", "patch_embedding", "bias"): (None,),
+    ("multi_modal_projector", "mm_input_projection_weight"): (None, None),
     # Mamba2's mixer (`mixer` in Mamba2, `mamba` in Granite 4.0-H and Falcon-H1): in_proj's outputs and
     # the conv's channels are grouped per SSM group (models/mamba2.py), so a contiguous split is whole
     # groups of heads with their B and C; the per-head vectors and the SSM state split by head; the

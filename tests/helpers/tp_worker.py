@@ -323,16 +323,22 @@ def _greedy_under_layouts(make_llm, layouts: list[dict], prompts, params) -> lis
 
 
 def generate_images(model_dir: str, layouts: list[dict]) -> list:
-    """A tiny LLaVA's greedy tokens and sampled logprobs for prompts with images (one, two, none), under
-    each layout: the vision tower and projector run in the encoder's program on the layout's mesh."""
+    """A tiny LLaVA's (or Gemma 3's) greedy tokens and sampled logprobs for prompts with images (one,
+    two, none), under each layout: the vision tower and projector run in the encoder's program on the
+    layout's mesh."""
+    import json
+
     from tiny_vlm import ENGINE_ARGS, random_image  # beside this file, on sys.path as the script's folder
 
     from xlaserve import LLM, SamplingParams
 
-    text = "The quick brown fox jumps over the lazy dog. <image> What is it?"
+    with open(os.path.join(model_dir, "config.json")) as f:
+        gemma3 = json.load(f)["architectures"][0] == "Gemma3ForConditionalGeneration"
+    image = "<start_of_image>" if gemma3 else "<image>"
+    text = f"The quick brown fox jumps over the lazy dog. {image} What is it?"
     prompts = [
         {"prompt": text, "multi_modal_data": {"image": [random_image(1)]}},
-        {"prompt": text + " <image>", "multi_modal_data": {"image": [random_image(2), random_image(3)]}},
+        {"prompt": f"{text} {image}", "multi_modal_data": {"image": [random_image(2), random_image(3)]}},
         {"prompt": "No image here, only text."},
     ]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)

@@ -226,3 +226,12 @@ def test_vision_language_model_under_tensor_parallelism_matches_one_device(tp_wo
     assert shards[f"{tower}/mlp/fc1/kernel"] == [[32, 64], [32, 16]]
     assert shards["multi_modal_projector/linear_2/kernel"] == [[64, 64], [16, 64]]
     assert shards["vision_tower/embeddings/patch_embedding/weight"] == [[32, 3, 8, 8]] * 2  # whole
+
+
+def test_gemma3_with_images_under_tensor_parallelism_matches_one_device(tp_worker, tmp_path_factory):
+    """Gemma 3 at TP 2: the SigLIP tower split like CLIP's, the pooled projector's matrix whole, the
+    decoder's bidirectional image spans per device (the attention's `attend_ahead` is replicated)."""
+    from helpers.tiny_vlm import save_tiny_gemma3
+
+    model = save_tiny_gemma3(str(tmp_path_factory.mktemp("tp_gemma3")))
+    assert_same_as_first(tp_worker.run("generate_images", model, [{}, {"tensor_parallel_size": 2}]))
