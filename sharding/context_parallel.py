@@ -69,10 +69,13 @@ def physical_slot_mapping(slot_mapping: np.ndarray, block_size: int, dcp: int) -
 
 def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> AttentionBackend:
     """`backend` with K/V written interleaved over groups of `dcp` ranks and attention merged across
-    each group (module docstring)."""
+    each group (module docstring). On a mesh with a "context" axis (prefill context parallel too),
+    each context group attends its share of the step's tokens, the K/V of all of them written."""
     rules = logical_to_mesh(enable_expert_parallel=False)
     axis = rules["kv_heads"]
-    heads = PartitionSpec(None, axis, None)  # q, k, v [T, heads, head_dim] and the output
+    heads = PartitionSpec(None, axis, None)  # k, v [T, heads, head_dim]: every token, gathered if split
+    num_context = mesh.shape.get("context", 1)
+    q_spec = PartitionSpec("context" if num_context > 1 else None, axis, None)  # q and the output
     cache = to_partition_spec(KV_CACHE_AXES, rules)
     replicated = PartitionSpec()
 
@@ -101,7 +104,12 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
         if kw["sinks"] is not None:  # the group's heads' sinks, counted once: on its first rank only
             group_sinks = jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(kw["sinks"], axis), first, dcp)
             sinks_kg = jnp.where(index == 0, group_sinks.reshape(1, -1), -jnp.inf)
-        seq, position, is_real = token_positions(num_tokens, kv_lens, query_start_loc, num_seqs)
+        seq, position, is_real = token_positions(num_tokens * num_context, kv_lens, query_start_loc, num_seqs)
+        if num_context > 1:  # this context group's tokens
+            first_token = jax.lax.axis_index("context") * num_tokens
+            seq, position, is_real = (
+                jax.lax.dynamic_slice_in_dim(x, first_token, num_tokens) for x in (seq, position, is_real)
+            )
         # This rank's slot j of a sequence holds its position j * d + index (the window and the causal
         # bound are the sequence's positions: PagedAttend's kv_stride and kv_offset).
         attend = _attend(
@@ -125,7 +133,7 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
     return dataclasses.replace(
         backend,
         name=f"{backend.name}+dcp",
-        attention=_attention_under(mesh, heads, cache, local),
+        attention=_attention_under(mesh, q_spec, cache, local),
         write_kv=write_kv_owned,
         reason=f"decode context parallel over {dcp} ranks per KV head: interleaved K/V, attention partials "
         "merged by log-sum-exp (sharding/context_parallel.py)",

@@ -92,7 +92,6 @@ class ParallelConfig:
         if pcp > 1:
             for other, value in (
                 ("pipeline_parallel_size", self.pipeline_parallel_size),
-                ("decode_context_parallel_size", dcp),
                 ("data_parallel_size", self.data_parallel_size),
                 ("nnodes", self.nnodes),
             ):

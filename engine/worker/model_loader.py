@@ -139,8 +139,9 @@ def load_model(
         backend = backend.with_kv_cache_dtype(config.cache.kv_cache_dtype)
         logger.info("KV cache stored in %s (scale 1.0)", backend.kv_cache_dtype.name)
     dcp, pcp = parallel.decode_context_parallel_size, parallel.prefill_context_parallel_size
-    if dcp > 1:  # K/V interleaved over the ranks that hold copies of a KV head
+    if dcp > 1:  # K/V interleaved over the ranks that hold copies of a KV head (with PCP: tokens split too)
         check_decode_context_parallel(checkpoint_config, kv_spec, dcp, tp)
+        check_prefill_context_parallel(model_config, kv_spec, pcp)
         backend = decode_context_parallel(backend, mesh, dcp)
     elif pcp > 1:  # each group of devices computes its share of a step's tokens
         check_prefill_context_parallel(model_config, kv_spec, pcp)

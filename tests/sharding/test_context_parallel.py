@@ -3,8 +3,9 @@
 A tiny Llama with one KV head. Decode context parallel: under plain tensor parallelism every rank would
 hold a copy of the head and the whole sequence; with decode_context_parallel_size 2 (tensor parallel 2)
 and 4 (tensor parallel 4) the copies store every second or fourth token instead, and each query's
-attention is merged from their partial results. Prefill context parallel 2 (alone, and with tensor
-parallel 2): each half of the devices computes half of every step's tokens. Prompts of 5 to 70
+attention is merged from their partial results. Prefill context parallel 2 (alone, with tensor
+parallel 2, and with decode context parallel 2 inside each group): each half of the devices computes
+half of every step's tokens. Prompts of 5 to 70
 tokens prefill in chunks and decode; the second run of the same prompts hits the prefix cache, whose
 blocks are the scheduler's as ever.
 """
@@ -20,7 +21,8 @@ DCP2 = {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}
 DCP4 = {"tensor_parallel_size": 4, "decode_context_parallel_size": 4}
 PCP2 = {"prefill_context_parallel_size": 2}
 PCP2_TP2 = {"prefill_context_parallel_size": 2, "tensor_parallel_size": 2}
-LAYOUTS = [{}, DCP2, DCP4, PCP2, PCP2_TP2]
+PCP2_DCP2 = {**PCP2_TP2, "decode_context_parallel_size": 2}
+LAYOUTS = [{}, DCP2, DCP4, PCP2, PCP2_TP2, PCP2_DCP2]
 PROMPT_LENGTHS = (5, 40, 19, 70)
 
 
@@ -95,22 +97,17 @@ def test_prefill_context_parallel_splits_the_steps_tokens(results):
     """A 16-token bucket's projections run on 8 rows a device under PCP 2 (16 on one device); the K/V
     each rank computed are gathered before they are written (every rank's cache is whole)."""
     assert results[str({})]["dot_rows"] == [16]
-    for layout in (PCP2, PCP2_TP2):
+    for layout in (PCP2, PCP2_TP2, PCP2_DCP2):
         assert results[str(layout)]["dot_rows"] == [8], layout
         assert results[str(layout)]["collectives"]["all-gather"] > 0, layout
     assert results[str(PCP2)]["k_shard"] == results[str({})]["k_shard"]
+    # With DCP 2 inside each context group, a rank holds half of each block (interleaved) of its copy.
+    assert results[str(PCP2_DCP2)]["k_shard"][1:3] == [8, 1]
 
 
 def test_what_prefill_context_parallel_refuses_is_named():
+    EngineConfig.from_kwargs(None, **PCP2_DCP2)
     for kwargs, field in (
-        (
-            {
-                "prefill_context_parallel_size": 2,
-                "decode_context_parallel_size": 2,
-                "tensor_parallel_size": 2,
-            },
-            "decode",
-        ),
         ({**PCP2, "data_parallel_size": 2}, "data_parallel_size"),
         ({**PCP2, "kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
     ):
