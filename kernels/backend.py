@@ -70,6 +70,9 @@ class AttentionBackend:
     ssd_chunk_terms: Callable = chunk_terms_reference
     # The gated delta rule's per-chunk part (Qwen3.5, kernels/gated_delta.py's chunked form), likewise.
     delta_chunk_terms: Callable = delta_chunk_terms_reference
+    # Whether `attention` takes `attend_ahead` (tokens that also see positions past their own: Gemma 3's
+    # image spans): the reference and the Pallas kernel; not the Triton kernel, not context parallelism.
+    serves_attend_ahead: bool = False
 
     def cache_dtype(self, dtype):
         """The dtype the K/V cache of a model computing in `dtype` is stored in."""
@@ -197,11 +200,17 @@ def select_backend(
             reference.write_kv,
             "asked for by name",
             cache_words=not mla,
+            serves_attend_ahead=True,
         )
     if name in kernels:
         attention, how = kernels[name](platform)
         backend = AttentionBackend(
-            name, attention, reference.write_kv, f"asked for by name; {how}", _mla_kernel(platform)
+            name,
+            attention,
+            reference.write_kv,
+            f"asked for by name; {how}",
+            _mla_kernel(platform),
+            serves_attend_ahead=name == "pallas",
         )
         if name == "pallas":  # imported here, like the attention kernel (_load_pallas)
             from xlaserve.kernels.gated_delta_pallas import delta_chunk_terms
@@ -232,6 +241,7 @@ def _auto(
             f"auto on {platform!r}: the jnp reference "
             "(the kernels target GPUs; Pallas interpret mode is for tests)",
             cache_words=mla_self_check is None,
+            serves_attend_ahead=True,
         )
     skipped = []
     for name in auto_order:
@@ -253,16 +263,25 @@ def _auto(
         if skipped:
             reason += "; skipped " + "; ".join(skipped)
         attention = _with_reference_fallback(name, attention)
+        ahead = name == "pallas"
         if mla_self_check is None:
-            return AttentionBackend(name, attention, reference.write_kv, reason)
+            return AttentionBackend(name, attention, reference.write_kv, reason, serves_attend_ahead=ahead)
         mla_attention, mla_how = _checked_mla_kernel(platform, mla_self_check)
-        return AttentionBackend(name, attention, reference.write_kv, f"{reason}; {mla_how}", mla_attention)
+        return AttentionBackend(
+            name,
+            attention,
+            reference.write_kv,
+            f"{reason}; {mla_how}",
+            mla_attention,
+            serves_attend_ahead=ahead,
+        )
     return AttentionBackend(
         "reference",
         reference.ragged_paged_attention,
         reference.write_kv,
         f"auto on {platform!r}: no kernel passed its self-check ({'; '.join(skipped)})",
         cache_words=mla_self_check is None,
+        serves_attend_ahead=True,
     )
 
 

@@ -132,6 +132,7 @@ class AttentionShape:
     max_blocks_per_seq: int = 256
     num_kv_splits: int = 1  # the Pallas kernel's split-KV variant (not in the Triton kernel)
     sinks: bool = False  # a sink logit per query head (gpt-oss)
+    attend_ahead: bool = False  # per-token bidirectional spans (Gemma 3's images; the Pallas kernel only)
 
 
 SHAPES = (
@@ -152,6 +153,17 @@ SHAPES = (
         "bfloat16",
         sliding_window=128,
         sinks=True,
+    ),
+    AttentionShape(
+        "gemma3-4b mixed, image spans + window, bf16",
+        512,
+        16,
+        8,
+        4,
+        256,
+        "bfloat16",
+        sliding_window=1024,
+        attend_ahead=True,
     ),
 )
 
@@ -260,6 +272,9 @@ def compile_attention(kernel: str, shape: AttentionShape, arch: int = 90) -> Com
         if s.sinks:  # one more traced operand
             args += (sd((s.num_q_heads,), jnp.float32),)
             fn = functools.partial(lambda f, *a: f(*a[:-1], sinks=a[-1]), fn)
+        if s.attend_ahead:  # one more traced operand
+            args += (sd((s.num_tokens,), jnp.int32),)
+            fn = functools.partial(lambda f, *a: f(*a[:-1], attend_ahead=a[-1]), fn)
         [compiled] = compile_pallas(fn, *args, arch=arch)
         return compiled
     if kernel == "triton":
@@ -355,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         for shape in shapes.get(kernel, SHAPES):
             if args.shape and not any(part in shape.name for part in args.shape):
                 continue
-            if kernel == "triton" and shape.num_kv_splits > 1:
-                continue  # split-KV is a Pallas-only variant
+            if kernel == "triton" and (shape.num_kv_splits > 1 or shape.attend_ahead):
+                continue  # split-KV and bidirectional spans are Pallas-only variants
             t0 = time.perf_counter()
             try:
                 if kernel in compile_one:

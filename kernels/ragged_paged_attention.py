@@ -55,6 +55,7 @@ def ragged_paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     num_kv_splits: int | None = None,
+    attend_ahead: jax.Array | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]
     """Causal attention of each new token over its sequence's paged context (the Pallas kernel).
 
@@ -62,7 +63,8 @@ def ragged_paged_attention(
     ``query_start_loc[num_seqs]`` are padding and get zeros; ``sliding_window`` w (an int, or an
     int32 scalar array: a per-layer window under the layer scan) lets a query at position p see keys
     at positions > p - w; ``soft_cap`` c maps scores s to c * tanh(s / c); ``sinks`` [num_q_heads]
-    (gpt-oss) adds exp(sink) of each head to its softmax's denominator.
+    (gpt-oss) adds exp(sink) of each head to its softmax's denominator; ``attend_ahead`` [T] int32
+    lets each token also see that many positions past its own (Gemma 3's image spans).
     Block-table entries a context reaches must be valid block ids (padding entries: the null block).
 
     Tuning (static; None picks the default): ``block_q`` new tokens per program (a power of two),
@@ -89,12 +91,19 @@ def ragged_paged_attention(
         num_kv_splits=num_kv_splits,
         sinks=sinks,
     )
-    return _ragged_paged_attention(*operands, **statics, interpret=interpret)
+    if attend_ahead is not None and attend_ahead.shape != (q.shape[0],):
+        raise ValueError(
+            f"attend_ahead has shape {attend_ahead.shape}; expected ({q.shape[0]},) (one per token)"
+        )
+    ahead = jnp.zeros((1,), jnp.int32) if attend_ahead is None else attend_ahead.astype(jnp.int32)
+    return _ragged_paged_attention(
+        *operands, ahead, **statics, has_ahead=attend_ahead is not None, interpret=interpret
+    )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "has_window", "has_sinks", "soft_cap", "interpret", "tiling"),
+    static_argnames=("sm_scale", "has_window", "has_sinks", "has_ahead", "soft_cap", "interpret", "tiling"),
 )
 def _ragged_paged_attention(
     q,
@@ -106,10 +115,12 @@ def _ragged_paged_attention(
     num_seqs,
     sliding_window,
     sinks,
+    attend_ahead,
     *,
     sm_scale,
     has_window,
     has_sinks,
+    has_ahead,
     soft_cap,
     interpret,
     tiling,
@@ -130,6 +141,7 @@ def _ragged_paged_attention(
         has_window=has_window,
         # With split-KV the sinks join when the splits are merged, below: each split's softmax is partial.
         has_sinks=has_sinks and splits == 1,
+        has_ahead=has_ahead,
         soft_cap=soft_cap,
         block_q=tiling.block_q,
         block_kv=tiling.block_kv,
@@ -156,6 +168,7 @@ def _ragged_paged_attention(
         num_seqs.reshape(1),
         sliding_window.reshape(1),
         sinks,
+        attend_ahead,
         kv_lens,
         query_start_loc,
         block_tables,
@@ -182,6 +195,7 @@ def _kernel(
     num_seqs_ref,  # [1]
     sliding_window_ref,  # [1]: read only if has_window
     sinks_ref,  # [num_q_heads] float32: read only if has_sinks
+    ahead_ref,  # [T] int32: read only if has_ahead
     kv_lens_ref,  # [R]
     query_start_loc_ref,  # [R + 1]
     block_tables_ref,  # [R, max_blocks_per_seq]
@@ -193,6 +207,7 @@ def _kernel(
     sm_scale: float,
     has_window: bool,
     has_sinks: bool,
+    has_ahead: bool,
     soft_cap: float | None,
     block_q: int,
     block_kv: int,
@@ -231,6 +246,10 @@ def _kernel(
         q = plgpu.load(q_ref.at[q_index], mask=is_mine, other=0)  # [rows, head_dim]
         q_pos = kv_len - q_len + local  # [rows, 1]: absolute positions
         last_pos = jnp.minimum(kv_len - q_len + first_local + block_q, kv_len)  # one past the last query
+        upper = q_pos  # the last position each row sees
+        if has_ahead:  # a bidirectional span: rows see up to their span's last token
+            upper = q_pos + plgpu.load(ahead_ref.at[q_start + local], mask=row_is_mine, other=0)
+            last_pos = jnp.minimum(jnp.max(jnp.where(row_is_mine, upper, 0)) + 1, kv_len)
         first_pos = 0
         if has_window:
             sliding_window = sliding_window_ref[0]
@@ -255,7 +274,7 @@ def _kernel(
             s = plgpu.dot(q, k, trans_b=True, precision=mma_precision(q.dtype)) * sm_scale  # [rows, block_kv]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
-            visible = kv_pos[None, :] <= q_pos
+            visible = kv_pos[None, :] <= upper
             if has_window:
                 visible &= kv_pos[None, :] > q_pos - sliding_window
             return online_softmax_step(carry, jnp.where(visible, s, -jnp.inf), v)

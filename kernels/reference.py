@@ -183,7 +183,10 @@ def ragged_paged_attention(
 
     def decode(out_tkgd):  # the one token of each decoding sequence ([R] wide)
         last = jnp.maximum(query_start_loc[1:] - 1, 0)
-        out_rkgd = attend.per_query(q_tkgd[last], tables, kv_lens - 1, is_decode, pages_per_chunk)
+        # With attend_ahead (0 for a decode token), the same jnp path as the other rows: a token's bits
+        # do not depend on whether its step's chunk was one token long.
+        upper = None if attend_ahead is None else kv_lens - 1 + attend_ahead[last]
+        out_rkgd = attend.per_query(q_tkgd[last], tables, kv_lens - 1, is_decode, pages_per_chunk, upper)
         return out_tkgd.at[jnp.where(is_decode, last, num_tokens)].set(out_rkgd, mode="drop")
 
     def few(out_tkgd):  # up to few_queries consecutive tokens of each such sequence ([R, F] wide)

@@ -8,8 +8,8 @@ scale (Hugging Face scales the token embeddings only). In the decoder, an image'
 other both ways (Hugging Face's mask with the processor's `token_type_ids`): the worker sends, per
 token, how far past its own position it sees (`AttentionMetadata.attend_ahead`: worker/mm_encoder.py),
 and the scheduler never ends a chunk inside an image (core/encoder_cache_manager.py `fit`), so every
-image's keys are written in the step that reads them. The reference attention serves it (the Pallas
-and Triton kernels are causal only).
+image's keys are written in the step that reads them. The reference attention and the Pallas kernel
+serve it (not the Triton kernel, nor context parallelism).
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ class Gemma3ForConditionalGeneration(DecoderOnlyLM):
     def __init__(
         self, cfg: Gemma3VisionLanguageConfig, backend: AttentionBackend, *, dtype=jnp.float32, rngs
     ):
-        if backend.name != "reference":
+        if not backend.serves_attend_ahead:
             raise ValueError(
                 f"attention_backend {backend.name!r} does not serve Gemma 3's images (their tokens attend "
-                "both ways within an image; the kernels are causal only): use attention_backend='reference'"
+                "both ways within an image; this attention is causal only): use 'reference' or 'pallas'"
             )
         super().__init__(cfg, backend, dtype=dtype, rngs=rngs)
         v = cfg.vision

@@ -50,15 +50,19 @@ def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> Atte
         *,
         sliding_window=None,
         sinks=None,
+        attend_ahead=None,
         **kw,
     ):
         # A traced window (a per-layer value under the layer scan) enters as a replicated operand;
-        # None and Python ints stay static. Sinks (one per query head) are split like the query heads.
+        # None and Python ints stay static. Sinks (one per query head) are split like the query heads;
+        # attend_ahead (one per token: Gemma 3's image spans) is replicated.
         traced_window = isinstance(sliding_window, jax.Array)
 
         def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *extra):
             extra = list(extra)
             local_sinks = extra.pop(0) if sinks is not None else None
+            if attend_ahead is not None:
+                kw["attend_ahead"] = extra.pop(0)
             return kernel(
                 q,
                 k_cache,
@@ -76,6 +80,8 @@ def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> Atte
         in_specs = (heads, cache, cache) + (replicated,) * 4
         if sinks is not None:
             operands, in_specs = operands + (sinks,), in_specs + (PartitionSpec(axis),)
+        if attend_ahead is not None:
+            operands, in_specs = operands + (attend_ahead,), in_specs + (replicated,)
         if traced_window:
             operands, in_specs = operands + (sliding_window,), in_specs + (replicated,)
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*operands)

@@ -135,6 +135,7 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
         name=f"{backend.name}+dcp",
         attention=_attention_under(mesh, q_spec, cache, local),
         write_kv=write_kv_owned,
+        serves_attend_ahead=False,
         reason=f"decode context parallel over {dcp} ranks per KV head: interleaved K/V, attention partials "
         "merged by log-sum-exp (sharding/context_parallel.py)",
     )
@@ -244,6 +245,7 @@ def prefill_context_parallel(backend: AttentionBackend, mesh: Mesh) -> Attention
         backend,
         name=f"{backend.name}+pcp",
         attention=_attention_under(mesh, tokens_heads, cache, local),
+        serves_attend_ahead=False,
         reason=f"prefill context parallel over {num_ranks} ranks: each rank's tokens over the whole cache "
         "(sharding/context_parallel.py)",
     )

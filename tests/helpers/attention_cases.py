@@ -369,3 +369,60 @@ def tolerance(dtype: str) -> dict:
 
 def case_seed(*names: str) -> int:
     return zlib.crc32("/".join(names).encode())  # a different, reproducible seed per case
+
+
+def attend_ahead_case(dtype: str, *, words: bool):
+    """A call with `attend_ahead` (Gemma 3's image spans) and its float64 oracle: two sequences, one
+    with 9 cached tokens and a 5-token span in its 14-token chunk, one whose 7-token chunk starts
+    inside a span begun in the cache; a sliding window of 12 counting back from each token's own
+    position. -> (operands, keywords, expected [T, heads, dim]). `words`: a 16-bit cache stored as
+    uint16 words (the reference backend's)."""
+    rng = np.random.default_rng(3)
+    block, heads, kv_heads, dim, window = 4, 4, 2, 8, 12
+    contexts, chunks = [9, 6], [14, 7]  # cached tokens, new tokens per sequence
+    aheads = [np.zeros(n, np.int32) for n in chunks]
+    aheads[0][3:8] = np.arange(4, -1, -1)  # positions 12..16: one span
+    aheads[1][:3] = [2, 1, 0]  # positions 6..8: the rest of a span begun in the cache
+    lens = [c + n for c, n in zip(contexts, chunks, strict=True)]
+    max_blocks = max(-(-n // block) for n in lens)
+    keys = [rng.normal(size=(n, kv_heads, dim)) for n in lens]
+    values = [rng.normal(size=(n, kv_heads, dim)) for n in lens]
+    queries = [rng.normal(size=(n, heads, dim)) for n in chunks]
+    k_cache = np.zeros((1 + 2 * max_blocks, block, kv_heads, dim))
+    v_cache = np.zeros_like(k_cache)
+    tables = np.zeros((2, max_blocks), np.int32)
+    for s, n in enumerate(lens):
+        for b in range(-(-n // block)):
+            tables[s, b] = 1 + s * max_blocks + b
+            rows = slice(b * block, min(n, (b + 1) * block))
+            k_cache[tables[s, b], : rows.stop - rows.start] = keys[s][rows]
+            v_cache[tables[s, b], : rows.stop - rows.start] = values[s][rows]
+    expected = []
+    for s in range(2):
+        for i in range(chunks[s]):
+            p = contexts[s] + i
+            seen = np.arange(lens[s])
+            seen = seen[(seen <= p + aheads[s][i]) & (seen > p - window)]
+            q = queries[s][i].reshape(kv_heads, heads // kv_heads, dim)
+            scores = np.einsum("kgd,skd->kgs", q, keys[s][seen]) * dim**-0.5
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            expected.append(np.einsum("kgs,skd->kgd", probs, values[s][seen]).reshape(heads, dim))
+    jdtype = jnp.dtype(dtype)
+    cache = [jnp.asarray(c, jdtype) for c in (k_cache, v_cache)]
+    if words and dtype == "bfloat16":
+        cache = [jax.lax.bitcast_convert_type(c, jnp.uint16) for c in cache]
+    operands = (
+        jnp.asarray(np.concatenate(queries), jdtype),
+        *cache,
+        jnp.asarray(lens, jnp.int32),
+        jnp.asarray(tables),
+        jnp.asarray([0, chunks[0], sum(chunks)], jnp.int32),
+        jnp.int32(2),
+    )
+    kwargs = {
+        "sm_scale": dim**-0.5,
+        "sliding_window": window,
+        "attend_ahead": jnp.asarray(np.concatenate(aheads)),
+    }
+    return operands, kwargs, np.stack(expected)

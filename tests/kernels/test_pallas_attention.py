@@ -25,6 +25,7 @@ from helpers.attention_cases import (
     CONFIGS,
     KERNEL_CONFIGS,
     AttnConfig,
+    attend_ahead_case,
     case_seed,
     run_case,
     tolerance,
@@ -171,8 +172,24 @@ def test_split_kv_lowers_for_cuda():
 
 def test_compiles_to_sm90_cubin():
     """Triton's own compiler (the `triton` package, with ptxas) takes the lowered kernel to a cubin."""
-    out = compile_in_subprocess("pallas", "decode", "window + cap", "sinks")
-    assert out.count("ok   pallas sm_90") == 4, out  # decode, decode with 4 KV splits, window + cap, sinks
+    out = compile_in_subprocess("pallas", "decode", "window + cap", "sinks", "image spans")
+    # decode, decode with 4 KV splits, window + cap, sinks, Gemma 3's image spans
+    assert out.count("ok   pallas sm_90") == 5, out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_attend_ahead_in_interpret_mode(dtype, num_kv_splits):
+    """Gemma 3's image spans (`attend_ahead`) against the float64 oracle the reference is checked
+    with (helpers/attention_cases.py), split-KV too; and the call still lowers to one Triton call."""
+    operands, kwargs, expected = attend_ahead_case(dtype, words=False)
+    fn = partial(pallas.ragged_paged_attention, interpret=True, num_kv_splits=num_kv_splits)
+    out = fn(*operands, **kwargs)
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tol, atol=tol)
+    lowered = jax.jit(partial(pallas.ragged_paged_attention, num_kv_splits=num_kv_splits, **kwargs))
+    text = lowered.trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo.custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"]
 
 
 # -- the engine ------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from helpers.attention_cases import BATCHES, CONFIGS, case_seed, run_case, tolerance
+from helpers.attention_cases import BATCHES, CONFIGS, attend_ahead_case, case_seed, run_case, tolerance
 from xlaserve.kernels.reference import ragged_paged_attention
 
 # With the default split these cases' contexts are short, so no tile runs. These splits send every
@@ -88,57 +88,9 @@ def test_each_path_runs_under_its_own_cond(few_queries):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_attend_ahead_opens_a_span_both_ways(split, dtype):
     """`attend_ahead` (Gemma 3's images: each token of a span sees the whole span) against a float64
-    oracle on every path: two sequences, one with a cached context and a 5-token span in its chunk,
-    one whose chunk starts inside a span; a sliding window of 12 still counts back from each token's
-    own position. The 16-bit cache takes the folded path (the C++ op is causal only)."""
-    import jax
-    import jax.numpy as jnp
-
-    rng = np.random.default_rng(3)
-    block, heads, kv_heads, dim, window = 4, 4, 2, 8, 12
-    contexts, chunks = [9, 6], [14, 7]  # cached tokens, new tokens per sequence
-    aheads = [np.zeros(n, np.int32) for n in chunks]
-    aheads[0][3:8] = np.arange(4, -1, -1)  # positions 12..16: one span
-    aheads[1][:3] = [2, 1, 0]  # positions 6..8: the rest of a span begun in the cache
-    lens = [c + n for c, n in zip(contexts, chunks)]
-    max_blocks = max(-(-n // block) for n in lens)
-    keys = [rng.normal(size=(n, kv_heads, dim)) for n in lens]
-    values = [rng.normal(size=(n, kv_heads, dim)) for n in lens]
-    queries = [rng.normal(size=(n, heads, dim)) for n in chunks]
-    k_cache = np.zeros((1 + 2 * max_blocks, block, kv_heads, dim))
-    v_cache = np.zeros_like(k_cache)
-    tables = np.zeros((2, max_blocks), np.int32)
-    for s, n in enumerate(lens):
-        for b in range(-(-n // block)):
-            tables[s, b] = 1 + s * max_blocks + b
-            rows = slice(b * block, min(n, (b + 1) * block))
-            k_cache[tables[s, b], : rows.stop - rows.start] = keys[s][rows]
-            v_cache[tables[s, b], : rows.stop - rows.start] = values[s][rows]
-    expected = []
-    for s in range(2):
-        for i in range(chunks[s]):
-            p = contexts[s] + i
-            seen = np.arange(lens[s])
-            seen = seen[(seen <= p + aheads[s][i]) & (seen > p - window)]
-            q = queries[s][i].reshape(kv_heads, heads // kv_heads, dim)
-            scores = np.einsum("kgd,skd->kgs", q, keys[s][seen]) * dim**-0.5
-            probs = np.exp(scores - scores.max(-1, keepdims=True))
-            probs /= probs.sum(-1, keepdims=True)
-            expected.append(np.einsum("kgs,skd->kgd", probs, values[s][seen]).reshape(heads, dim))
-    jdtype = jnp.dtype(dtype)
-    cache = [jnp.asarray(c, jdtype) for c in (k_cache, v_cache)]
-    if dtype == "bfloat16":  # stored as words, as the reference backend keeps a 16-bit cache
-        cache = [jax.lax.bitcast_convert_type(c, jnp.uint16) for c in cache]
-    out = _SPLITS[split](
-        jnp.asarray(np.concatenate(queries), jdtype),
-        *cache,
-        jnp.asarray(lens, jnp.int32),
-        jnp.asarray(tables),
-        jnp.asarray([0, chunks[0], sum(chunks)], jnp.int32),
-        jnp.int32(2),
-        sm_scale=dim**-0.5,
-        sliding_window=window,
-        attend_ahead=jnp.asarray(np.concatenate(aheads)),
-    )
+    oracle on every path (helpers/attention_cases.py `attend_ahead_case`). The 16-bit cache is stored
+    as words and takes the folded path (the C++ op is causal only)."""
+    operands, kwargs, expected = attend_ahead_case(dtype, words=True)
+    out = _SPLITS[split](*operands, **kwargs)
     tol = 1e-5 if dtype == "float32" else 3e-2
-    np.testing.assert_allclose(np.asarray(out, np.float64), np.stack(expected), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tol, atol=tol)

@@ -106,9 +106,26 @@ def test_a_prefix_hit_ending_inside_an_image_computes_the_rest_of_it(llm, hf):
     assert other.num_cached_tokens == 0
 
 
-def test_a_causal_kernel_is_refused_by_name(model_dir):
-    with pytest.raises(ValueError, match=r"^attention_backend 'pallas' does not serve Gemma 3's images"):
-        LLM(model_dir, **ENGINE_ARGS, attention_backend="pallas")
+def test_a_causal_only_attention_is_refused_by_name(model_dir):
+    """The reference and the Pallas kernel take `attend_ahead`; an attention that does not (the Triton
+    kernel, context parallelism) is refused when the model is built, naming the backend."""
+    import dataclasses
+    import json
+
+    from flax import nnx
+
+    from xlaserve.kernels.backend import get_attention_backend
+    from xlaserve.models.gemma3_vl import Gemma3ForConditionalGeneration, Gemma3VisionLanguageConfig
+
+    with open(f"{model_dir}/config.json") as f:
+        cfg = Gemma3VisionLanguageConfig.from_hf(json.load(f))
+    assert get_attention_backend("reference").serves_attend_ahead
+    assert get_attention_backend("pallas").serves_attend_ahead
+    causal = dataclasses.replace(
+        get_attention_backend("reference"), name="jax-triton", serves_attend_ahead=False
+    )
+    with pytest.raises(ValueError, match=r"^attention_backend 'jax-triton' does not serve Gemma 3's images"):
+        Gemma3ForConditionalGeneration(cfg, causal, rngs=nnx.Rngs(0))
 
 
 def test_chat_with_a_data_url_image_part(llm, hf):
@@ -132,3 +149,33 @@ def test_chat_with_a_data_url_image_part(llm, hf):
     hf_tokens, hf_ids, _ = _hf(hf, text, [image])
     assert out.prompt_token_ids == hf_ids
     assert list(out.outputs[0].token_ids) == hf_tokens
+
+
+def test_bfloat16_bits_alone_and_among_companions(model_dir):
+    """Batch invariance with images at the dtype users run: a prompt with an image alone, then among
+    companions (with images and without: other token and request buckets, other chunk cuts, steps
+    mixing prefill chunks and decodes), then again through the prefix cache: the same greedy tokens
+    and logprobs, bit for bit. Every row of such a model takes the reference's jnp path (decode rows
+    too), so no token's bits depend on how long its step's chunk was."""
+    llm = LLM(
+        model_dir,
+        **{**ENGINE_ARGS, "dtype": "bfloat16", "kv_cache_memory": 2**20, "strict_compile_guard": False},
+        enforce_eager=True,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    mine = _mm(PROMPT, random_image(7))
+    others = [
+        _mm(SHORT, random_image(8)),
+        {"prompt": "Only text, a little longer than the others are."},
+        _mm("First <start_of_image> then <start_of_image> compare.", random_image(9), random_image(10)),
+    ]
+
+    def numbers(prompts, row):
+        o = llm.generate(prompts, params, use_tqdm=False)[row]
+        entries = [sorted((i, lp.logprob) for i, lp in e.items()) for e in o.outputs[0].logprobs]
+        return o.outputs[0].token_ids, entries, o.num_cached_tokens
+
+    tokens, logprobs, _ = numbers([mine], 0)
+    assert numbers(others[:1] + [mine], 1)[:2] == (tokens, logprobs)
+    again = numbers(others + [mine], 3)
+    assert again[:2] == (tokens, logprobs) and again[2] > 0
