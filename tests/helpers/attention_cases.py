@@ -378,7 +378,7 @@ def attend_ahead_case(dtype: str, *, words: bool):
     position. -> (operands, keywords, expected [T, heads, dim]). `words`: a 16-bit cache stored as
     uint16 words (the reference backend's)."""
     rng = np.random.default_rng(3)
-    block, heads, kv_heads, dim, window = 4, 4, 2, 8, 12
+    block, heads, kv_heads, dim, window = 4, 4, 2, 16, 12
     contexts, chunks = [9, 6], [14, 7]  # cached tokens, new tokens per sequence
     aheads = [np.zeros(n, np.int32) for n in chunks]
     aheads[0][3:8] = np.arange(4, -1, -1)  # positions 12..16: one span
