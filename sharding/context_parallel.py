@@ -16,15 +16,15 @@ per rank under `shard_map` over the "tensor" axis:
   local keys j <= (p - index) / d), and the partial results (max, sum, weighted values) are gathered
   and merged by log-sum-exp, each rank keeping its own query heads.
 
-The attention here is the reference path's (kernels/reference.py `PagedAttend`, whatever attention
-backend was asked for): prefill context parallel its per-query attention (the C++ op on CPU where it
-serves), decode context parallel its float32 online softmax stopped before the normalization, whose
-partials the group merges. Sliding windows count back from each query's position over the sequence's
-positions (a DCP rank's slot j holds position j * d + its index: `PagedAttend`'s kv_stride and
-kv_offset), and attention sinks join the softmax once (under DCP on each group's first rank only).
-Not yet: a float8 cache, latent attention (MLA), models with recurrent layers. The gathers run over
-the whole "tensor" axis and each rank keeps its group's part (axis_index_groups would send only the
-group's).
+Prefill context parallel runs the backend's own kernel (Pallas on a GPU, the reference on CPU) on each
+rank's share of the tokens, seen as a ragged batch of its own (`_rank_share`), latent attention too.
+Decode context parallel runs the reference path's float32 online softmax (kernels/reference.py
+`PagedAttend`), stopped before the normalization, whose partials the group merges; its sliding windows
+count back from each query's position over the sequence's positions (a rank's slot j holds position
+j * d + its index: `PagedAttend`'s kv_stride and kv_offset), and attention sinks join the softmax once
+(on each group's first rank only). Not yet: a float8 cache, models with recurrent layers, latent
+attention under decode context parallel. The gathers run over the whole "tensor" axis and each rank
+keeps its group's part (axis_index_groups would send only the group's).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
         # This rank's slot j of a sequence holds its position j * d + index (the window and the causal
         # bound are the sequence's positions: PagedAttend's kv_stride and kv_offset).
         attend = _attend(
-            k_cache, v_cache, q.dtype, kw["soft_cap"], kw["sliding_window"], sinks_kg, dcp, index
+            k_cache, v_cache, q.dtype, kw.get("soft_cap"), kw["sliding_window"], sinks_kg, dcp, index
         )
         partials = attend.partials(
             group_q.astype(jnp.float32) * kw["sm_scale"],
@@ -141,15 +141,35 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
     )
 
 
-def _attention_under(mesh: Mesh, q_spec: PartitionSpec, cache_spec: PartitionSpec, local):
+def _attention_under(
+    mesh: Mesh,
+    q_spec: PartitionSpec,
+    cache_spec: PartitionSpec,
+    local,
+    ahead_spec: PartitionSpec | None = None,
+):
     """The attention contract (kernels/reference.py `ragged_paged_attention`'s signature) as `local`
-    (the same operands; keywords sm_scale, soft_cap, sliding_window, sinks) run per device under
-    shard_map; q and the output split by `q_spec`, the caches by `cache_spec`, the sinks (one per query
-    head) like q's heads, the metadata and a layer's traced window whole."""
+    (the same operands and keywords) run per device under shard_map; q and the output split by
+    `q_spec`, the caches by `cache_spec`, the sinks (one per query head) like q's heads, attend_ahead
+    (one per token) by `ahead_spec` (None: not served), the metadata and a layer's traced window whole."""
 
-    def attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
-        window, sinks = kw.get("sliding_window"), kw.get("sinks")
-        static = {"sm_scale": kw["sm_scale"], "soft_cap": kw.get("soft_cap")}
+    def attention(
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        *,
+        sliding_window=None,
+        sinks=None,
+        attend_ahead=None,
+        **static,
+    ):
+        if attend_ahead is not None and ahead_spec is None:
+            raise ValueError("attend_ahead (bidirectional spans) is not served by decode context parallelism")
+        window = sliding_window
         operands = [q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs]
         in_specs = [q_spec, cache_spec, cache_spec] + [PartitionSpec()] * 4
         traced_window = window is not None and not isinstance(window, int)
@@ -159,12 +179,16 @@ def _attention_under(mesh: Mesh, q_spec: PartitionSpec, cache_spec: PartitionSpe
         if sinks is not None:
             operands.append(sinks)
             in_specs.append(PartitionSpec(q_spec[1]))
+        if attend_ahead is not None:
+            operands.append(attend_ahead)
+            in_specs.append(ahead_spec)
 
         def body(*args):
             extra = list(args[7:])
             w = extra.pop(0) if traced_window else window
             s = extra.pop(0) if sinks is not None else None
-            return local(*args[:7], sliding_window=w, sinks=s, **static)
+            a = extra.pop(0) if attend_ahead is not None else None
+            return local(*args[:7], sliding_window=w, sinks=s, attend_ahead=a, **static)
 
         return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=q_spec, check_vma=False)(
             *operands
@@ -200,9 +224,13 @@ def _merge(m, l, acc):
 
 
 def check_prefill_context_parallel(model_config, kv_spec, pcp: int) -> None:
-    """ValueError naming prefill_context_parallel_size for what its attention does not serve yet."""
-    if pcp > 1:
-        _check_attention_kinds(f"prefill_context_parallel_size={pcp}", model_config, kv_spec)
+    """ValueError naming prefill_context_parallel_size for what its attention does not serve yet: a
+    cache of recurrent states (latent attention is served: the latent cache is whole on every rank)."""
+    if pcp > 1 and kv_spec.layer_kind != "full_attention":
+        raise ValueError(
+            f"prefill_context_parallel_size={pcp} is not supported for {model_config.architecture} yet "
+            "(its cache holds recurrent states)"
+        )
 
 
 def _check_attention_kinds(prefix: str, model_config, kv_spec) -> None:
@@ -217,35 +245,58 @@ def _check_attention_kinds(prefix: str, model_config, kv_spec) -> None:
 
 def prefill_context_parallel(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
     """`backend` with attention run per device on its share of the step's tokens (the mesh's "context"
-    axis) and of the KV heads ("tensor"): each query over its sequence's whole context, which every
+    axis) and of the heads ("tensor"): each query over its sequence's whole context, which every
     context rank's cache holds (XLA gathers the step's K/V over the axis before they are written).
+    The backend's own kernel runs on a rank's tokens as a ragged batch of their own (`_rank_share`:
+    each sequence's tokens in the share, its context to the last of them), so whatever it serves
+    (the Pallas kernel on a GPU, windows, sinks, Gemma 3's spans, latent attention) it serves here.
     Everything else in the step (the projections, the MLP) runs on each rank's tokens as XLA splits it
     from the step's token ids (worker/step_programs.py `token_sharding`)."""
     rules = logical_to_mesh(enable_expert_parallel=False)
     tokens_heads = PartitionSpec("context", rules["kv_heads"], None)  # q and the output [T, heads, D]
     cache = to_partition_spec(KV_CACHE_AXES, rules)  # split by KV head, whole on every context rank
+    replicated = PartitionSpec()
     num_ranks = mesh.shape["context"]
+    kernel, mla_kernel = backend.attention, backend.mla_attention
 
     def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
-        num_local, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        first = jax.lax.axis_index("context") * num_local  # this rank's tokens in the step
-        seq, position, is_real = (
-            jax.lax.dynamic_slice_in_dim(x, first, num_local)
-            for x in token_positions(num_local * num_ranks, kv_lens, query_start_loc, num_seqs)
-        )
-        q_tkgd = q.astype(jnp.float32).reshape(num_local, num_kv_heads, -1, head_dim) * kw["sm_scale"]
-        sinks = kw["sinks"]
-        sinks_kg = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, -1)
-        attend = _attend(k_cache, v_cache, q.dtype, kw["soft_cap"], kw["sliding_window"], sinks_kg)
-        out = attend.per_query(q_tkgd, _padded_tables(block_tables[seq]), position, is_real, PAGES_PER_CHUNK)
-        return out.reshape(num_local, num_heads, head_dim).astype(q.dtype)
+        kv_lens, query_start_loc = _rank_share(kv_lens, query_start_loc, q.shape[0])
+        kw = {k: v for k, v in kw.items() if v is not None}  # what the call did not set stays unset
+        return kernel(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw)
+
+    def mla_attention(q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
+        # The query heads split by "tensor" and the tokens by "context"; the latent cache (one shared
+        # latent head) whole on every device.
+        def mla_local(q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs):
+            kv_lens, query_start_loc = _rank_share(kv_lens, query_start_loc, q_latent.shape[0])
+            return mla_kernel(
+                q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw
+            )
+
+        operands = (q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs)
+        in_specs = (tokens_heads, tokens_heads) + (replicated,) * 5
+        return jax.shard_map(
+            mla_local, mesh=mesh, in_specs=in_specs, out_specs=tokens_heads, check_vma=False
+        )(*operands)
 
     return dataclasses.replace(
         backend,
         name=f"{backend.name}+pcp",
-        attention=_attention_under(mesh, tokens_heads, cache, local),
-        serves_attend_ahead=False,
-        reason=f"prefill context parallel over {num_ranks} ranks: each rank's tokens over the whole cache "
-        "(sharding/context_parallel.py)",
+        attention=_attention_under(mesh, tokens_heads, cache, local, ahead_spec=PartitionSpec("context")),
+        mla_attention=mla_attention,
+        reason=f"prefill context parallel over {num_ranks} ranks: each rank's tokens over the whole cache, "
+        "by the backend's own kernel (sharding/context_parallel.py)",
     )
+
+
+def _rank_share(kv_lens, query_start_loc, num_local: int):
+    """The step's ragged batch as this context rank sees it: its `num_local` tokens (from
+    axis_index * num_local in the flat batch) are each sequence's tokens in that range, and a
+    sequence's context ends at the last of them. -> (kv_lens [R], query_start_loc [R + 1])."""
+    first = jax.lax.axis_index("context") * num_local
+    local_starts = jnp.clip(query_start_loc - first, 0, num_local)
+    # A sequence's last token here is flat index first + local_starts[r + 1] - 1, at position
+    # kv_len - (query_start_loc[r + 1] - that index); none here: no query reads the length.
+    kv_lens = kv_lens - query_start_loc[1:] + first + local_starts[1:]
+    has_tokens = local_starts[1:] > local_starts[:-1]
+    return jnp.where(has_tokens, kv_lens, 0), local_starts

@@ -443,6 +443,8 @@ def context_parallel(model_dir: str, arg: dict) -> list:
     it compiles after warm-up are counted."""
     import re
 
+    import jax
+
     from xlaserve import SamplingParams
     from xlaserve.worker.compile_guard import num_compiles
 
@@ -474,7 +476,10 @@ def context_parallel(model_dir: str, arg: dict) -> list:
                 "layout": layout,
                 "runs": runs,
                 "num_blocks": runner.num_blocks,
-                "k_shard": list(runner.kv_cache.k.addressable_shards[0].data.shape),
+                # One device's shard of the K cache (of the latent cache, for latent attention).
+                "k_shard": list(
+                    jax.tree_util.tree_leaves(runner.kv_cache)[0].addressable_shards[0].data.shape
+                ),
                 "collectives": {op: hlo_text.count(f" {op}(") for op in ("all-gather", "all-reduce")},
                 "dot_rows": sorted(
                     {int(rows) for rows in re.findall(r"= f32\[(\d+),[^=]*? dot\(", hlo_text)}

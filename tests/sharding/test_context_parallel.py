@@ -164,17 +164,17 @@ def test_what_the_models_attention_needs_is_refused_by_name():
         return SimpleNamespace(**{**base, **fields})
 
     kv = SimpleNamespace(layer_kind="full_attention", cache_class=KVCache)
+    latent = SimpleNamespace(layer_kind="full_attention", cache_class=MLACache)
+    hybrid = SimpleNamespace(layer_kind="hybrid", cache_class=KVCache)
     check_prefill_context_parallel(model(), kv, 2)
+    check_prefill_context_parallel(model(), latent, 2)  # the latent cache whole on every rank
     check_decode_context_parallel(model(), kv, 2, 4)
     check_decode_context_parallel(model(layer_sliding_windows=(None, 128), attention_sinks=True), kv, 2, 4)
-    for config, spec, what in (
-        (model(), SimpleNamespace(layer_kind="hybrid", cache_class=KVCache), "not K and V"),
-        (model(), SimpleNamespace(layer_kind="full_attention", cache_class=MLACache), "not K and V"),
-    ):
-        with pytest.raises(ValueError, match=rf"^prefill_context_parallel_size=2 .*{what}"):
-            check_prefill_context_parallel(config, spec, 2)
-        with pytest.raises(ValueError, match=rf"^decode_context_parallel_size=2 .*{what}"):
-            check_decode_context_parallel(config, spec, 2, 4)
+    with pytest.raises(ValueError, match=r"^prefill_context_parallel_size=2 .*recurrent states"):
+        check_prefill_context_parallel(model(), hybrid, 2)
+    for spec in (hybrid, latent):
+        with pytest.raises(ValueError, match=r"^decode_context_parallel_size=2 .*not K and V"):
+            check_decode_context_parallel(model(), spec, 2, 4)
 
 
 def test_sliding_windows_and_sinks_under_both(tp_worker, tmp_path_factory):
@@ -201,6 +201,48 @@ def test_sliding_windows_and_sinks_under_both(tp_worker, tmp_path_factory):
     prompts = [rng.integers(3, 300, n).tolist() for n in PROMPT_LENGTHS]
     base, *others = tp_worker.run(
         "context_parallel", model, {"layouts": [{}, DCP2, PCP2], "prompts": prompts}
+    )
+    for other in others:
+        for run in other["runs"]:
+            assert run["tokens"] == base["runs"][0]["tokens"], other["layout"]
+            np.testing.assert_allclose(
+                np.concatenate(run["logprobs"]),
+                np.concatenate(base["runs"][0]["logprobs"]),
+                atol=1e-4,
+                err_msg=str(other["layout"]),
+            )
+
+
+def test_latent_attention_split_by_tokens(tp_worker, tmp_path_factory):
+    """A tiny DeepSeek-V3 (latent attention, experts) at PCP 2 and PCP 2 x TP 2: each rank's tokens
+    through the MLA attention as a ragged batch of their own, over the latent cache every rank holds:
+    one device's tokens and logprobs."""
+    from helpers.tiny_models import save_tiny_model, small_byte_tokenizer
+
+    model = save_tiny_model(
+        str(tmp_path_factory.mktemp("cp_deepseek")),
+        "DeepseekV3",
+        tokenizer=small_byte_tokenizer(),
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=12,
+        q_lora_rank=32,
+    )
+    rng = np.random.default_rng(14)
+    prompts = [rng.integers(3, 300, n).tolist() for n in PROMPT_LENGTHS]
+    base, *others = tp_worker.run(
+        "context_parallel", model, {"layouts": [{}, PCP2, PCP2_TP2], "prompts": prompts}
     )
     for other in others:
         for run in other["runs"]:
