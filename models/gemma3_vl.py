@@ -27,7 +27,7 @@ from xlaserve.kernels import AttentionBackend
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.gemma import Gemma3Config, GemmaDecoderLayer
 from xlaserve.models.layers import RMSNorm
-from xlaserve.models.llava import VisionConfig, VisionTower
+from xlaserve.models.llava import VisionConfig, VisionTower, vision_language_tensor_name
 from xlaserve.models.lora import LoRABatch
 from xlaserve.models.multimodal import EncoderOutputs
 
@@ -105,7 +105,7 @@ class Gemma3ForConditionalGeneration(DecoderOnlyLM):
         (never run: Gemma 3 pools the patches itself) is dropped."""
         out = {}
         for name, tensor in tensors.items():
-            name = _our_name(name)
+            name = vision_language_tensor_name(name)
             if name.startswith("model.vision_tower.head."):
                 continue
             out[name] = tensor
@@ -144,24 +144,3 @@ class Gemma3ForConditionalGeneration(DecoderOnlyLM):
                 md = dataclasses.replace(md, attend_ahead=mm.attend_ahead)
         x, kv_cache = self.run_layers(x, positions, kv_cache, md, lora)
         return self.norm(x), kv_cache
-
-
-_RENAMES = (  # (HF prefix, ours), first match wins: transformers 5 in memory, then as saved
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.vision_tower.vision_model.", "model.vision_tower."),
-    ("vision_tower.vision_model.", "model.vision_tower."),
-    ("model.vision_tower.", "model.vision_tower."),
-    ("vision_tower.", "model.vision_tower."),
-    ("model.multi_modal_projector.", "model.multi_modal_projector."),
-    ("multi_modal_projector.", "model.multi_modal_projector."),
-)
-
-
-def _our_name(name: str) -> str:
-    for prefix, ours in _RENAMES:
-        if name.startswith(prefix):
-            name = ours + name[len(prefix) :]
-            break
-    return name.replace("model.vision_tower.encoder.layers.", "model.vision_tower.layers.")

@@ -211,7 +211,7 @@ class LlavaForConditionalGeneration(DecoderOnlyLM):
         ours; the vision layers past the feature layer and the post-norm are dropped (never run)."""
         out = {}
         for name, tensor in tensors.items():
-            name = _our_name(name)
+            name = vision_language_tensor_name(name)
             if _is_unused_vision(name, cfg.vision.num_layers):
                 continue
             out[name] = tensor
@@ -254,7 +254,9 @@ _RENAMES = (  # (HF prefix, ours), first match wins: transformers 5 in memory, t
 )
 
 
-def _our_name(name: str) -> str:
+def vision_language_tensor_name(name: str) -> str:
+    """A LLaVA-layout checkpoint's tensor name (Gemma 3's too) as ours: the decoder under `model.`, the
+    vision tower and projector under `model.vision_tower.` and `model.multi_modal_projector.`."""
     for prefix, ours in _RENAMES:
         if name.startswith(prefix):
             name = ours + name[len(prefix) :]

@@ -39,52 +39,10 @@ def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> Atte
     replicated = PartitionSpec()
     kernel = backend.attention
 
-    def attention(
-        q,
-        k_cache,
-        v_cache,
-        kv_lens,
-        block_tables,
-        query_start_loc,
-        num_seqs,
-        *,
-        sliding_window=None,
-        sinks=None,
-        attend_ahead=None,
-        **kw,
-    ):
-        # A traced window (a per-layer value under the layer scan) enters as a replicated operand;
-        # None and Python ints stay static. Sinks (one per query head) are split like the query heads;
-        # attend_ahead (one per token: Gemma 3's image spans) is replicated.
-        traced_window = isinstance(sliding_window, jax.Array)
+    def local(*operands, **kw):
+        return kernel(*operands, **{k: v for k, v in kw.items() if v is not None})
 
-        def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *extra):
-            extra = list(extra)
-            local_sinks = extra.pop(0) if sinks is not None else None
-            if attend_ahead is not None:
-                kw["attend_ahead"] = extra.pop(0)
-            return kernel(
-                q,
-                k_cache,
-                v_cache,
-                kv_lens,
-                block_tables,
-                query_start_loc,
-                num_seqs,
-                sliding_window=extra[0] if traced_window else sliding_window,
-                **({} if sinks is None else {"sinks": local_sinks}),
-                **kw,
-            )
-
-        operands = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
-        in_specs = (heads, cache, cache) + (replicated,) * 4
-        if sinks is not None:
-            operands, in_specs = operands + (sinks,), in_specs + (PartitionSpec(axis),)
-        if attend_ahead is not None:
-            operands, in_specs = operands + (attend_ahead,), in_specs + (replicated,)
-        if traced_window:
-            operands, in_specs = operands + (sliding_window,), in_specs + (replicated,)
-        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*operands)
+    attention = attention_under_shard_map(mesh, heads, cache, local, ahead_spec=replicated)
 
     mla_kernel = backend.mla_attention
 
@@ -130,3 +88,61 @@ def shard_attention_over_kv_heads(backend: AttentionBackend, mesh: Mesh) -> Atte
         reason=f"{backend.reason}; run per device over the {mesh.shape[axis]} shards of the KV heads "
         "(shard_map)",
     )
+
+
+def attention_under_shard_map(
+    mesh: Mesh,
+    q_spec: PartitionSpec,
+    cache_spec: PartitionSpec,
+    local,
+    ahead_spec: PartitionSpec | None = None,
+):
+    """The attention contract (kernels/reference.py `ragged_paged_attention`'s signature) as `local`
+    (the same operands and keywords; those the call did not set are None) run per device under
+    shard_map: q and the output split by `q_spec`, the caches by `cache_spec`, the sinks (one per query
+    head) like q's heads, attend_ahead (one per token) by `ahead_spec` (None: not served), the metadata
+    and a layer's traced window (its value under the layer scan) whole; None and int windows and the
+    other keywords stay static. Tensor parallelism's wrapper (above) and context parallelism's
+    (sharding/context_parallel.py) are this with their own specs and `local`."""
+
+    def attention(
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        *,
+        sliding_window=None,
+        sinks=None,
+        attend_ahead=None,
+        **static,
+    ):
+        if attend_ahead is not None and ahead_spec is None:
+            raise ValueError("attend_ahead (bidirectional spans) is not served by this attention")
+        operands = [q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs]
+        in_specs = [q_spec, cache_spec, cache_spec] + [PartitionSpec()] * 4
+        traced_window = isinstance(sliding_window, jax.Array)
+        extras = (
+            (traced_window, sliding_window, PartitionSpec()),
+            (sinks is not None, sinks, PartitionSpec(q_spec[1])),
+            (attend_ahead is not None, attend_ahead, ahead_spec),
+        )
+        for present, operand, spec in extras:
+            if present:
+                operands.append(operand)
+                in_specs.append(spec)
+
+        def body(*args):
+            extra = list(args[7:])
+            window = extra.pop(0) if traced_window else sliding_window
+            local_sinks = extra.pop(0) if sinks is not None else None
+            ahead = extra.pop(0) if attend_ahead is not None else None
+            return local(*args[:7], sliding_window=window, sinks=local_sinks, attend_ahead=ahead, **static)
+
+        return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=q_spec, check_vma=False)(
+            *operands
+        )
+
+    return attention

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from xlaserve.kernels.backend import AttentionBackend
 from xlaserve.kernels.reference import PagedAttend, token_positions, write_kv
+from xlaserve.sharding.attention import attention_under_shard_map
 from xlaserve.sharding.rules import KV_CACHE_AXES, logical_to_mesh, to_partition_spec
 
 PAGES_PER_CHUNK = 4  # pages gathered per loop step of the attention
@@ -133,68 +134,12 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
     return dataclasses.replace(
         backend,
         name=f"{backend.name}+dcp",
-        attention=_attention_under(mesh, q_spec, cache, local),
+        attention=attention_under_shard_map(mesh, q_spec, cache, local),
         write_kv=write_kv_owned,
         serves_attend_ahead=False,
         reason=f"decode context parallel over {dcp} ranks per KV head: interleaved K/V, attention partials "
         "merged by log-sum-exp (sharding/context_parallel.py)",
     )
-
-
-def _attention_under(
-    mesh: Mesh,
-    q_spec: PartitionSpec,
-    cache_spec: PartitionSpec,
-    local,
-    ahead_spec: PartitionSpec | None = None,
-):
-    """The attention contract (kernels/reference.py `ragged_paged_attention`'s signature) as `local`
-    (the same operands and keywords) run per device under shard_map; q and the output split by
-    `q_spec`, the caches by `cache_spec`, the sinks (one per query head) like q's heads, attend_ahead
-    (one per token) by `ahead_spec` (None: not served), the metadata and a layer's traced window whole."""
-
-    def attention(
-        q,
-        k_cache,
-        v_cache,
-        kv_lens,
-        block_tables,
-        query_start_loc,
-        num_seqs,
-        *,
-        sliding_window=None,
-        sinks=None,
-        attend_ahead=None,
-        **static,
-    ):
-        if attend_ahead is not None and ahead_spec is None:
-            raise ValueError("attend_ahead (bidirectional spans) is not served by decode context parallelism")
-        window = sliding_window
-        operands = [q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs]
-        in_specs = [q_spec, cache_spec, cache_spec] + [PartitionSpec()] * 4
-        traced_window = window is not None and not isinstance(window, int)
-        if traced_window:  # a layer's window in the layer scan (Gemma's, gpt-oss's alternating ones)
-            operands.append(window)
-            in_specs.append(PartitionSpec())
-        if sinks is not None:
-            operands.append(sinks)
-            in_specs.append(PartitionSpec(q_spec[1]))
-        if attend_ahead is not None:
-            operands.append(attend_ahead)
-            in_specs.append(ahead_spec)
-
-        def body(*args):
-            extra = list(args[7:])
-            w = extra.pop(0) if traced_window else window
-            s = extra.pop(0) if sinks is not None else None
-            a = extra.pop(0) if attend_ahead is not None else None
-            return local(*args[:7], sliding_window=w, sinks=s, attend_ahead=a, **static)
-
-        return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=q_spec, check_vma=False)(
-            *operands
-        )
-
-    return attention
 
 
 def _attend(
@@ -282,7 +227,9 @@ def prefill_context_parallel(backend: AttentionBackend, mesh: Mesh) -> Attention
     return dataclasses.replace(
         backend,
         name=f"{backend.name}+pcp",
-        attention=_attention_under(mesh, tokens_heads, cache, local, ahead_spec=PartitionSpec("context")),
+        attention=attention_under_shard_map(
+            mesh, tokens_heads, cache, local, ahead_spec=PartitionSpec("context")
+        ),
         mla_attention=mla_attention,
         reason=f"prefill context parallel over {num_ranks} ranks: each rank's tokens over the whole cache, "
         "by the backend's own kernel (sharding/context_parallel.py)",

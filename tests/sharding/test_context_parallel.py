@@ -26,6 +26,20 @@ LAYOUTS = [{}, DCP2, DCP4, PCP2, PCP2_TP2, PCP2_DCP2]
 PROMPT_LENGTHS = (5, 40, 19, 70)
 
 
+def assert_as_one_device(base: dict, others: list[dict]) -> None:
+    """Each layout's runs (the first and the prefix-cached rerun): one device's greedy tokens, its top
+    logprobs within 1e-4."""
+    for other in others:
+        for run in other["runs"]:
+            assert run["tokens"] == base["runs"][0]["tokens"], other["layout"]
+            np.testing.assert_allclose(
+                np.concatenate(run["logprobs"]),
+                np.concatenate(base["runs"][0]["logprobs"]),
+                atol=1e-4,
+                err_msg=str(other["layout"]),
+            )
+
+
 @pytest.fixture(scope="module")
 def one_kv_head(tmp_path_factory) -> str:
     from helpers.tiny_models import save_tiny_llama, small_byte_tokenizer
@@ -138,11 +152,7 @@ def test_a_moe_model_split_by_tokens_and_no_compile_after_warm_up(tp_worker, tmp
     prompts = [rng.integers(3, 300, n).tolist() for n in PROMPT_LENGTHS]
     arg = {"layouts": [{}, PCP2], "prompts": prompts, "guarded": PCP2}
     base, pcp = tp_worker.run("context_parallel", moe, arg)
-    for run in pcp["runs"]:
-        assert run["tokens"] == base["runs"][0]["tokens"]
-        np.testing.assert_allclose(
-            np.concatenate(run["logprobs"]), np.concatenate(base["runs"][0]["logprobs"]), atol=1e-4
-        )
+    assert_as_one_device(base, [pcp])
     # The attention projections and the router split (8 rows a device); the experts' grouped matmuls
     # sort every (token, expert) pair of the step, so XLA runs them on the gathered 16 x 2 pairs.
     assert pcp["compiles_after_warm_up"] == 0 and pcp["dot_rows"] == [8, 32]
@@ -202,15 +212,7 @@ def test_sliding_windows_and_sinks_under_both(tp_worker, tmp_path_factory):
     base, *others = tp_worker.run(
         "context_parallel", model, {"layouts": [{}, DCP2, PCP2], "prompts": prompts}
     )
-    for other in others:
-        for run in other["runs"]:
-            assert run["tokens"] == base["runs"][0]["tokens"], other["layout"]
-            np.testing.assert_allclose(
-                np.concatenate(run["logprobs"]),
-                np.concatenate(base["runs"][0]["logprobs"]),
-                atol=1e-4,
-                err_msg=str(other["layout"]),
-            )
+    assert_as_one_device(base, others)
 
 
 def test_latent_attention_split_by_tokens(tp_worker, tmp_path_factory):
@@ -244,12 +246,4 @@ def test_latent_attention_split_by_tokens(tp_worker, tmp_path_factory):
     base, *others = tp_worker.run(
         "context_parallel", model, {"layouts": [{}, PCP2, PCP2_TP2], "prompts": prompts}
     )
-    for other in others:
-        for run in other["runs"]:
-            assert run["tokens"] == base["runs"][0]["tokens"], other["layout"]
-            np.testing.assert_allclose(
-                np.concatenate(run["logprobs"]),
-                np.concatenate(base["runs"][0]["logprobs"]),
-                atol=1e-4,
-                err_msg=str(other["layout"]),
-            )
+    assert_as_one_device(base, others)
