@@ -64,18 +64,21 @@ class EncoderCacheManager:
         """A new step: its encoder budget is whole again."""
         self._step_encodes = set()
 
-    def fit(self, request: Request, start: int, num_new_tokens: int) -> int:
+    def fit(self, request: Request, start: int, num_new_tokens: int, token_budget: int | None = None) -> int:
         """How many of positions [start, start + num_new_tokens) the request may compute this step: all,
-        or up to the first image that finds no slot or no room in the step's encoder budget; with
-        bidirectional images, never ending inside one (up to its first token, or none this step when
-        the chunk starts inside it)."""
+        or up to the first image that finds no slot or no room in the step's encoder budget. With
+        bidirectional images a chunk never ends inside one: it runs on to the image's end when the
+        step's `token_budget` holds that (past a prefill chunk cap: an image is short, and a cap
+        below it would hold the request forever), else it stops at the image's first token (none this
+        step when the chunk starts inside it)."""
         if not request.mm_features:
             return num_new_tokens
         num_new_tokens = self._fit_encodes(request, start, num_new_tokens)
         if self.layout.bidirectional:
             for feature in reversed(request.mm_features):  # a cut lands on an earlier image's first token
                 if feature.offset < start + num_new_tokens < feature.end:
-                    num_new_tokens = max(feature.offset - start, 0)
+                    fits = token_budget is not None and feature.end - start <= token_budget
+                    num_new_tokens = feature.end - start if fits else max(feature.offset - start, 0)
         return num_new_tokens
 
     def _fit_encodes(self, request: Request, start: int, num_new_tokens: int) -> int:

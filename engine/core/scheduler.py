@@ -198,7 +198,9 @@ class Scheduler:
             )
             if self._is_at_limit(request):
                 num_new_tokens = 0
-            num_new_tokens = self.encoder_cache.fit(request, request.num_computed_tokens, num_new_tokens)
+            num_new_tokens = self.encoder_cache.fit(
+                request, request.num_computed_tokens, num_new_tokens, token_budget
+            )
             if num_new_tokens <= 0:
                 index += 1
                 continue
@@ -288,7 +290,9 @@ class Scheduler:
             num_new_tokens = self.kv_cache_manager.align_chunk(
                 request, request.num_tokens - num_missing, num_new_tokens
             )
-            num_new_tokens = self.encoder_cache.fit(request, request.num_tokens - num_missing, num_new_tokens)
+            num_new_tokens = self.encoder_cache.fit(
+                request, request.num_tokens - num_missing, num_new_tokens, token_budget
+            )
             if num_new_tokens == 0:
                 index += 1  # the partial-prefill slots are taken: a shorter prompt behind may fit whole
                 continue

@@ -98,5 +98,10 @@ def test_bidirectional_images_are_never_cut_by_a_chunk():
     assert manager.fit(request, inside, 2) == 0
     assert manager.fit(request, inside, N) == first.end - inside  # the second image is cut off whole
     assert manager.fit(request, inside, first.end + N - inside) == first.end + N - inside
+    # A chunk capped inside an image (long_prefill_token_threshold) runs on to its end when the step's
+    # budget holds it: a cap below an image's length would otherwise hold the request forever.
+    assert manager.fit(request, first.offset, 2, token_budget=N) == N
+    assert manager.fit(request, inside, 2, token_budget=N) == first.end - inside
+    assert manager.fit(request, inside, 2, token_budget=1) == 0
     causal = EncoderCacheManager(EncoderCacheLayout(num_slots=4, tokens_per_item=N, max_items_per_step=4))
     assert causal.fit(request, 0, first.offset + 1) == first.offset + 1

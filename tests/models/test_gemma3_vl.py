@@ -179,3 +179,14 @@ def test_bfloat16_bits_alone_and_among_companions(model_dir):
     assert numbers(others[:1] + [mine], 1)[:2] == (tokens, logprobs)
     again = numbers(others + [mine], 3)
     assert again[:2] == (tokens, logprobs) and again[2] > 0
+
+
+def test_a_prefill_cap_below_an_image_runs_on_to_its_end(model_dir, hf):
+    """long_prefill_token_threshold 2, under the image's 4 tokens: the chunk that reaches the image runs
+    on to its end (the step's budget holds it) instead of waiting forever; HF's tokens."""
+    args = {**ENGINE_ARGS, "long_prefill_token_threshold": 2, "strict_compile_guard": False}
+    llm = LLM(model_dir, **args, enforce_eager=True)
+    image = random_image(11)
+    hf_tokens, _, _ = _hf(hf, SHORT, [image])
+    out = llm.generate(_mm(SHORT, image), GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_tokens
