@@ -16,7 +16,7 @@ import pytest
 from test_server_hostile import check_error, check_still_serving, send
 
 from helpers.server_harness import MODEL_NAME, running_server
-from helpers.tiny_vlm import ENGINE_ARGS, data_url, random_image, save_tiny_llava
+from helpers.tiny_vlm import ENGINE_ARGS, data_url, random_image, save_tiny_gemma3, save_tiny_llava
 
 NAME = "tiny-llava"
 
@@ -58,17 +58,25 @@ def _image(url: str) -> dict:
 
 
 def _hf_tokens(model_dir: str, image) -> list[int]:
+    """Hugging Face's greedy tokens for `_chat`'s message with `image` (LLaVA's or Gemma 3's class,
+    by the checkpoint's architecture; the processor's own placeholder in the template's text)."""
+    import json
+
     import torch
     import transformers
 
     from xlaserve.engine.mm_processor import MultiModalProcessor
 
-    hf = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with open(f"{model_dir}/config.json") as f:
+        architecture = json.load(f)["architectures"][0]
+    hf = getattr(transformers, architecture).from_pretrained(model_dir, dtype=torch.float32).eval()
     processor = MultiModalProcessor.for_model(
         model_dir, transformers.AutoTokenizer.from_pretrained(model_dir)
     )
     text = processor.hf_processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is it? <image>\n"}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": f"What is it? {processor.placeholder}\n"}],
+        add_generation_prompt=True,
+        tokenize=False,
     )
     inputs = processor.hf_processor(text=text, images=[image], return_tensors="pt")
     with torch.no_grad():
@@ -85,6 +93,22 @@ def test_openai_client_sends_a_data_url_image(vlm):
     hf_text = _decode(model_dir, _hf_tokens(model_dir, image))
     assert response.choices[0].message.content == hf_text
     assert response.usage.prompt_tokens > 16  # the 16 image tokens are counted
+
+
+def test_gemma3_through_the_openai_client(tmp_path_factory, server_cache_dir):
+    """A Gemma 3 server (its images attend both ways) answers a data-URL image part as Hugging Face's
+    Gemma 3 does."""
+    model = save_tiny_gemma3(str(tmp_path_factory.mktemp("tiny-gemma3-server")))
+    flags = ["--served-model-name", "tiny-gemma3"]
+    for key, value in ENGINE_ARGS.items():
+        flags += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
+    image = random_image(12)
+    with running_server(
+        str(tmp_path_factory.mktemp("gemma3-logs")), server_cache_dir, extra_args=flags, model=model
+    ) as proc:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none")
+        response = client.chat.completions.create(**_chat(_image(data_url(image)), model="tiny-gemma3"))
+    assert response.choices[0].message.content == _decode(model, _hf_tokens(model, image))
 
 
 def _decode(model_dir: str, ids: list[int]) -> str:
