@@ -14,7 +14,6 @@ serve it (not the Triton kernel, nor context parallelism).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +23,10 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend
-from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.gemma import Gemma3Config, GemmaDecoderLayer
 from xlaserve.models.layers import RMSNorm
 from xlaserve.models.llava import VisionConfig, VisionTower, vision_language_tensor_name
-from xlaserve.models.lora import LoRABatch
-from xlaserve.models.multimodal import EncoderOutputs
+from xlaserve.models.multimodal import VisionLanguageLM
 
 
 @dataclass(frozen=True)
@@ -78,7 +75,7 @@ class Gemma3VisionLanguageConfig(Gemma3Config):
         }
 
 
-class Gemma3ForConditionalGeneration(DecoderOnlyLM):
+class Gemma3ForConditionalGeneration(VisionLanguageLM):
     config_class = Gemma3VisionLanguageConfig
     layer_class = GemmaDecoderLayer
 
@@ -127,20 +124,3 @@ class Gemma3ForConditionalGeneration(DecoderOnlyLM):
         return jnp.einsum("bnv,vd->bnd", normed, weight, preferred_element_type=jnp.float32).astype(
             weight.dtype
         )
-
-    def __call__(
-        self,
-        input_ids: jax.Array,  # [T]
-        positions: jax.Array,  # [T]
-        kv_cache,
-        md,
-        lora: LoRABatch | None = None,
-        mm: EncoderOutputs | None = None,  # the step's image rows and their spans (worker/mm_encoder.py)
-    ):  # -> (hidden [T, D], updated cache)
-        x = self.embed(input_ids)
-        if mm is not None:
-            x = mm.merge(x)
-            if mm.attend_ahead is not None:
-                md = dataclasses.replace(md, attend_ahead=mm.attend_ahead)
-        x, kv_cache = self.run_layers(x, positions, kv_cache, md, lora)
-        return self.norm(x), kv_cache

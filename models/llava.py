@@ -18,12 +18,10 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.models.config import TransformerConfig
-from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.encoder import LayerNorm, Table
 from xlaserve.models.layers import Linear, activation
 from xlaserve.models.llama import LlamaDecoderLayer
-from xlaserve.models.lora import LoRABatch
-from xlaserve.models.multimodal import EncoderOutputs
+from xlaserve.models.multimodal import VisionLanguageLM
 
 _ACTIVATIONS = {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x)}
 
@@ -60,6 +58,7 @@ class LlavaConfig(TransformerConfig):
     keeps_class_token: bool = False  # vision_feature_select_strategy "full" (else "default": dropped)
     projector_act: str = "gelu"
     projector_bias: bool = True
+    bidirectional_images: bool = False  # an image's tokens attend causally, as the text's
 
     @property
     def tokens_per_image(self) -> int:
@@ -191,7 +190,7 @@ class VisionTower(nnx.Module):
         return self.post_layernorm(x) if self.post_norm else x
 
 
-class LlavaForConditionalGeneration(DecoderOnlyLM):
+class LlavaForConditionalGeneration(VisionLanguageLM):
     config_class = LlavaConfig
     layer_class = LlamaDecoderLayer
 
@@ -225,21 +224,6 @@ class LlavaForConditionalGeneration(DecoderOnlyLM):
             features = features[:, 1:]
         proj = self.multi_modal_projector
         return proj["linear_2"](_act(cfg.projector_act)(proj["linear_1"](features)))
-
-    def __call__(
-        self,
-        input_ids: jax.Array,  # [T]
-        positions: jax.Array,  # [T]
-        kv_cache,
-        md,
-        lora: LoRABatch | None = None,
-        mm: EncoderOutputs | None = None,  # the step's image rows (worker/mm_encoder.py)
-    ):  # -> (hidden [T, D], updated cache)
-        x = self.embed(input_ids)
-        if mm is not None:
-            x = mm.merge(x)
-        x, kv_cache = self.run_layers(x, positions, kv_cache, md, lora)
-        return self.norm(x), kv_cache
 
 
 _RENAMES = (  # (HF prefix, ours), first match wins: transformers 5 in memory, then as saved (4's layout)

@@ -1,4 +1,5 @@
-"""What a vision-language model's decoder takes beside the token ids: the step's encoder outputs.
+"""Vision-language models: what their decoder takes beside the token ids (the step's encoder outputs),
+and the forward every such family shares (`VisionLanguageLM`).
 
 The worker keeps every image's encoder output in one device array, `cache` [num_slots * N, D] (N rows
 per image: worker/mm_encoder.py); a step's tokens that are image placeholders say which row replaces
@@ -12,6 +13,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from xlaserve.models.decoder import DecoderOnlyLM
+from xlaserve.models.lora import LoRABatch
 
 
 @jax.tree_util.register_dataclass
@@ -27,3 +31,31 @@ class EncoderOutputs:
         """x [T, D] (the token embeddings) with image placeholders replaced by their rows."""
         picked = jnp.take(self.cache, jnp.maximum(self.rows, 0), axis=0).astype(x.dtype)
         return jnp.where((self.rows >= 0)[:, None], picked, x)
+
+
+class VisionLanguageLM(DecoderOnlyLM):
+    """A decoder whose image placeholders' embeddings are replaced by an encoder's outputs. A family
+    (models/llava.py, models/gemma3_vl.py) builds its tower and projector and says how pixels become the
+    rows that replace an image's placeholders (`encode_images`); the engine runs that program on its own
+    (worker/mm_encoder.py) and each step passes the rows through `mm`. Whether an image's tokens see
+    each other both ways is the config's `bidirectional_images` (then `mm.attend_ahead` bounds them)."""
+
+    def encode_images(self, pixels: jax.Array) -> jax.Array:  # [B, C, H, W] -> [B, N, D_text]
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # [T]
+        positions: jax.Array,  # [T]
+        kv_cache,
+        md,
+        lora: LoRABatch | None = None,
+        mm: EncoderOutputs | None = None,  # the step's image rows and their spans (worker/mm_encoder.py)
+    ):  # -> (hidden [T, D], updated cache)
+        x = self.embed(input_ids)
+        if mm is not None:
+            x = mm.merge(x)
+            if mm.attend_ahead is not None:
+                md = dataclasses.replace(md, attend_ahead=mm.attend_ahead)
+        x, kv_cache = self.run_layers(x, positions, kv_cache, md, lora)
+        return self.norm(x), kv_cache

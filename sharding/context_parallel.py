@@ -37,7 +37,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from xlaserve.kernels.backend import AttentionBackend
-from xlaserve.kernels.reference import PagedAttend, token_positions, write_kv
+from xlaserve.kernels.paged_attend import PagedAttend
+from xlaserve.kernels.reference import token_positions, write_kv
 from xlaserve.sharding.attention import attention_under_shard_map
 from xlaserve.sharding.rules import KV_CACHE_AXES, logical_to_mesh, to_partition_spec
 

@@ -20,9 +20,6 @@ from xlaserve.config import parse_mm_limits
 from xlaserve.core.multimodal import MultiModalFeature, hash_pixels
 from xlaserve.engine.media import MediaError, check_image
 
-# Architectures whose images this processor prepares (the registry's vision-language families).
-VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration")
-
 
 class MultiModalProcessor:
     def __init__(self, hf_processor, image_token_id: int, tokens_per_image: int, max_images: int):
@@ -44,20 +41,12 @@ class MultiModalProcessor:
             return None
         with open(config_path) as f:
             hf_config = json.load(f)
-        if (hf_config.get("architectures") or [""])[0] not in VISION_LANGUAGE_ARCHITECTURES:
+        family = VISION_LANGUAGE_FAMILIES.get((hf_config.get("architectures") or [""])[0])
+        if family is None:
             return None
-        settings = _processor_settings(model_dir)
+        processor, num_tokens = family(_processor_settings(model_dir), hf_config, tokenizer)
         image_token_id = hf_config.get("image_token_index", hf_config.get("image_token_id"))
-        limits = parse_mm_limits(limit_mm_per_prompt)
-        if hf_config["architectures"][0] == "Gemma3ForConditionalGeneration":
-            num_tokens = hf_config.get("mm_tokens_per_image", 256)
-            processor = _gemma3_processor(settings, tokenizer, num_tokens)
-            return cls(processor, image_token_id, num_tokens, limits["image"])
-        processor = _llava_processor(settings, tokenizer)
-        vision = hf_config["vision_config"]
-        num_patches = (vision["image_size"] // vision["patch_size"]) ** 2
-        keeps_cls = hf_config.get("vision_feature_select_strategy", "default") == "full"
-        return cls(processor, image_token_id, num_patches + int(keeps_cls), limits["image"])
+        return cls(processor, image_token_id, num_tokens, parse_mm_limits(limit_mm_per_prompt)["image"])
 
     def process(
         self,
@@ -127,18 +116,23 @@ def _image_settings(settings: dict) -> dict:
     return {k: v for k, v in image_settings.items() if k not in _SKIP and k != "image_processor"}
 
 
-def _gemma3_processor(settings: dict, tokenizer, num_tokens: int):
+def _gemma3_processor(settings: dict, hf_config: dict, tokenizer):
     """Gemma3Processor over its Pillow image processor, without pan-and-scan crops (one image, one
-    square of `num_tokens` tokens)."""
+    square of `mm_tokens_per_image` tokens)."""
     from transformers import Gemma3ImageProcessorPil, Gemma3Processor
 
+    num_tokens = hf_config.get("mm_tokens_per_image", 256)
     image_settings = {k: v for k, v in _image_settings(settings).items() if not k.startswith("pan_and_scan")}
     image_processor = Gemma3ImageProcessorPil(**{**image_settings, "do_pan_and_scan": False})
-    return Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=num_tokens)
+    processor = Gemma3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_length=num_tokens
+    )
+    return processor, num_tokens
 
 
-def _llava_processor(settings: dict, tokenizer):
-    """LlavaProcessor over a Pillow image processor (transformers' torchvision one is not used)."""
+def _llava_processor(settings: dict, hf_config: dict, tokenizer):
+    """LlavaProcessor over a Pillow image processor (transformers' torchvision one is not used); an image
+    is one token per patch (and the class token's under the `full` feature strategy)."""
     from transformers import CLIPImageProcessorPil, LlavaProcessor
 
     image_processor = CLIPImageProcessorPil(**_image_settings(settings))
@@ -152,7 +146,19 @@ def _llava_processor(settings: dict, tokenizer):
         )
         if k in settings
     }
-    return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, **kwargs)
+    vision = hf_config["vision_config"]
+    num_patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    keeps_cls = hf_config.get("vision_feature_select_strategy", "default") == "full"
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, **kwargs)
+    return processor, num_patches + int(keeps_cls)
+
+
+# The registry's vision-language architectures: (processor settings, config.json, tokenizer) -> (the HF
+# processor, tokens per image).
+VISION_LANGUAGE_FAMILIES = {
+    "LlavaForConditionalGeneration": _llava_processor,
+    "Gemma3ForConditionalGeneration": _gemma3_processor,
+}
 
 
 def flatten_content(

@@ -54,7 +54,7 @@ class MultiModalHook(StepHook):
         # vLLM's default encoder cache: a step's worth of tokens (here at least two steps' images).
         num_slots = max(2 * self.buckets[-1], sched.max_num_batched_tokens // tokens_per_item)
         # Gemma 3's image tokens see their whole image: each step also carries, per token, how far.
-        self.bidirectional = bool(getattr(cfg, "bidirectional_images", False))
+        self.bidirectional = cfg.bidirectional_images
         if self.bidirectional and tokens_per_item > sched.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must hold one image's "
