@@ -70,7 +70,8 @@ def _cache_root() -> Path:
     return Path(root) / "cpu_kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's instruction set (/proc/cpuinfo's flags line): what a build or a probe here holds for."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -85,7 +86,7 @@ def _build(compiler: str, target: str) -> Path:
     source, _, defines = _OPS[target]
     source = SOURCE_DIR / source
     texts = [source.read_text(), *(h.read_text() for h in sorted(SOURCE_DIR.glob("*.h")))]
-    key = "\0".join([*texts, " ".join(FLAGS + defines), compiler, jaxlib.__version__, _cpu_flags()])
+    key = "\0".join([*texts, " ".join(FLAGS + defines), compiler, jaxlib.__version__, cpu_flags()])
     library = _cache_root() / hashlib.sha256(key.encode()).hexdigest()[:24] / f"lib{source.stem}.so"
     if library.exists():
         return library

@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from xlaserve.kernels import cpu_ops, invariant
+from xlaserve.kernels import cpu_ops, dot_rows, invariant
 from xlaserve.kernels.attention_args import SUPPORTED_DTYPES
 from xlaserve.kernels.invariant_matmul import invariant_matmul
 
@@ -106,12 +106,16 @@ def matmul(
         return cpu_ops.quantized_matmul(x, w, scale, zero, packed).astype(out_dtype)
     if _split_int8_on_cpu(x, w, scale, zero):
         return split_int8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
-    if _few_16bit_rows_on_cpu(x):
-        rows = x.shape[-2]
+    if _few_16bit_rows_on_cpu(x) and x.shape[-2] < (rows := _min_dot_rows(x, w, scale, packed)):
         padded = jnp.concatenate(
-            [x, jnp.zeros((*x.shape[:-2], MIN_DOT_ROWS - rows, x.shape[-1]), x.dtype)], -2
+            [x, jnp.zeros((*x.shape[:-2], rows - x.shape[-2], x.shape[-1]), x.dtype)], -2
         )
-        return matmul(padded, w, out_dtype, scale, zero, block, packed)[..., :rows, :]
+        return _matmul_rows(padded, w, out_dtype, scale, zero, block, packed)[..., : x.shape[-2], :]
+    return _matmul_rows(x, w, out_dtype, scale, zero, block, packed)
+
+
+def _matmul_rows(x, w, out_dtype, scale, zero, block, packed) -> jax.Array:
+    """`matmul` once its rows are settled."""
     if scale is not None and _wide_on_cpu(w, scale, zero):
         return by_column_chunks(x, w, out_dtype, scale, zero, block, packed)
     if packed:
@@ -159,8 +163,9 @@ def _invariant_on_gpu(x: jax.Array, w: jax.Array) -> bool:
     )
 
 
-# The fewest rows a 16-bit dot has on CPU (the module docstring says why): past every threshold measured.
-MIN_DOT_ROWS = 16
+# The fewest rows a 16-bit dot has on CPU (the module docstring says why) whatever its shape: past every
+# threshold measured. A plain dot's own, probed on this CPU, is often fewer (kernels/dot_rows.py).
+MIN_DOT_ROWS = dot_rows.SAFE_ROWS
 
 
 def _few_16bit_rows_on_cpu(x: jax.Array) -> bool:
@@ -170,6 +175,14 @@ def _few_16bit_rows_on_cpu(x: jax.Array) -> bool:
         and is_16bit_float(x.dtype)
         and jax.default_backend() == "cpu"
     )
+
+
+def _min_dot_rows(x: jax.Array, w: jax.Array, scale, packed: bool) -> int:
+    """The rows a dot of few 16-bit rows is padded to: its shape's probed rows for a plain [M, K] x [K, N]
+    dot of one dtype; the fixed bound for the rest (quantized, batched)."""
+    if x.ndim == 2 and w.ndim == 2 and scale is None and not packed and w.dtype == x.dtype:
+        return dot_rows.min_rows(x.shape[-1], w.shape[-1], x.dtype)
+    return dot_rows.FAST_ROWS if not invariant.enabled() else MIN_DOT_ROWS
 
 
 # int8 x int8 products summed in int32: |hi|, |lo|, |w| <= 128, so K < 2**31 / 128**2 = 131072 inputs

@@ -44,10 +44,13 @@ class SchedulerConfig:
         default=2, metadata=arg("of those, prompts longer than the threshold (default: 2)")
     )
     # vLLM's async scheduling: the host schedules step N+1 while the device runs step N (None: on
-    # wherever the executor supports it, i.e. one process; the engine core logs why where not).
+    # wherever the executor supports it, i.e. one process, and the devices are not the host's own CPU
+    # cores; the engine core logs why where not).
     async_scheduling: bool | None = field(
         default=None,
-        metadata=arg("schedule step N+1 while the device runs step N (default: on where supported)"),
+        metadata=arg(
+            "schedule step N+1 while the device runs step N (default: on where supported, off on CPU devices)"
+        ),
     )
 
     def __post_init__(self):

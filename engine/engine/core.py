@@ -69,6 +69,14 @@ class EngineCore:
         self.async_scheduling = config.is_async_scheduling
         if config.scheduler.async_scheduling is not False and not self.async_scheduling:
             logger.info("async scheduling off: %s", config.async_scheduling_off_reason())
+        elif config.scheduler.async_scheduling is None and executor.runs_on_host_cpu:
+            # Left to its default on a CPU: the overlap is not free there (engine/PERFORMANCE.md, "Async
+            # scheduling": the host's Python beside a step takes a core from XLA's threads, and a parallel
+            # op waits for its slowest thread); --async-scheduling still turns it on.
+            self.async_scheduling = False
+            logger.info(
+                "async scheduling off: the devices are this host's CPU cores (--async-scheduling: on)"
+            )
         spec = config.speculative
         self.scheduler = Scheduler(
             config.scheduler,

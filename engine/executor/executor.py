@@ -82,6 +82,12 @@ class Executor:
         return max_model_len
 
     @property
+    def runs_on_host_cpu(self) -> bool:
+        """The engine's devices are this host's CPU cores: the host's own work (scheduling the next
+        step) runs on the cores a step computes on."""
+        return next(iter(self.runner.mesh.devices.flat)).platform == "cpu"
+
+    @property
     def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
         """The model's layer groups and their kinds, for the KV cache manager (core/kv_cache_spec.py)."""
         return self.runner.kv_cache_groups

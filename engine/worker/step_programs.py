@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.program import Program
@@ -96,11 +97,17 @@ def make_step_programs(
     batch_invariant: bool,
     compiler_options: dict | None = None,
     token_sharding=None,
+    probe_dot_rows: bool = False,
 ) -> StepPrograms:
     """The four programs of a step for the model `graphdef` (its real, unpadded `vocab_size`), compiled
     with `compiler_options` (CompilationConfig.compiler_options: the engine's optimization level).
-    `token_sharding`: the forward's tokens split over devices (prefill context parallel), or None."""
-    invariant = partial(traced_with, batch_invariant)
+    `token_sharding`: the forward's tokens split over devices (prefill context parallel), or None.
+    `probe_dot_rows`: few-row 16-bit dots padded to their shape's probed rows (kernels/dot_rows.py: an
+    engine on one device), else to the fixed bound."""
+
+    def invariant(fn):
+        return traced_with(batch_invariant, traced_probing(probe_dot_rows, fn))
+
     jit = partial(jax.jit, compiler_options=compiler_options)
     return StepPrograms(
         forward=Program(

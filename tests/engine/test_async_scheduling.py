@@ -1,8 +1,8 @@
 """Async scheduling on SmolLM2 (float32): the engine scheduling step N+1 while step N runs streams
 exactly what it streams synchronously, for every sampling feature at once, emits nothing past a stop,
-and gives every KV block back. One engine (the shared `llm`, async by default) runs each workload in
-both modes (`set_async_scheduling`), its prefix cache reset before each run so both start alike; the
-strict compile guard proves nothing compiles after warm-up in either mode."""
+and gives every KV block back. One engine (the shared `llm`, synchronous by default on a CPU) runs each
+workload in both modes (`set_async_scheduling`), its prefix cache reset before each run so both start
+alike; the strict compile guard proves nothing compiles after warm-up in either mode."""
 
 from __future__ import annotations
 
@@ -62,9 +62,9 @@ def _view(outputs):
 @pytest.fixture(scope="module")
 def engines(llm):
     """What the tests run in both modes: the async engine, then the same synchronous."""
-    assert llm.engine_core.async_scheduling  # the default in one process
+    assert not llm.engine_core.async_scheduling  # the default where the devices are the host's CPU
     yield _InMode(llm, True), _InMode(llm, False)
-    llm.engine_core.set_async_scheduling(True)
+    llm.engine_core.set_async_scheduling(False)
 
 
 class _InMode:

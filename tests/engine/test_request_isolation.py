@@ -54,10 +54,12 @@ def _run(llm, requests):
 
 @pytest.fixture(params=["async", "sync"])
 def engine(request, llm):
-    """The shared engine with async scheduling (the default) and without: a failure is isolated in both."""
+    """The shared engine with async scheduling and without (the default on a CPU): a failure is isolated
+    in both."""
+    default = llm.engine_core.async_scheduling
     llm.engine_core.set_async_scheduling(request.param == "async")
     yield llm
-    llm.engine_core.set_async_scheduling(True)
+    llm.engine_core.set_async_scheduling(default)
 
 
 @pytest.mark.parametrize("site", list(FAULT_SITES))

@@ -71,26 +71,88 @@ def test_compiled_step_never_converts_the_whole_cache_or_weight_stack():
     assert f"= u16[{','.join(map(str, cache.shape))}]" in hlo  # the cache stays words end to end
 
 
+def _dot_rows_in(fn, *args) -> set[int]:
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    dots = [line for line in hlo.splitlines() if " dot(" in line]
+    assert dots
+    return {int(line.split("= f32[")[1].split(",")[0]) for line in dots}
+
+
+@ON_CPU
 @pytest.mark.parametrize("num_rows", [1, 2])
-def test_one_or_two_16bit_rows_dot_as_four_on_cpu(num_rows):
+def test_few_16bit_rows_dot_padded_and_keep_their_bits(num_rows):
     # XLA CPU's one-row bfloat16 dot (a matrix-vector product) is not native: a batch-1 decode step
-    # spent most of its time in the LM head; and one and two rows take kernels that round otherwise than
-    # the one every dot of 3 or more rows shares. matmul pads them to MIN_DOT_ROWS: a row has the bits
-    # it has inside a 64-row dot (batch invariance), and the values are the dot's.
+    # spent most of its time in the LM head; and a few rows take kernels that round otherwise than the
+    # one larger dots share. matmul pads them: outside an engine's trace to MIN_DOT_ROWS, in one
+    # (`probing(True)`) to the shape's probed rows, with batch invariance off to two (speed alone). A
+    # row has the bits it has inside a 64-row dot (batch invariance), and the values are the dot's.
+    from xlaserve.kernels import dot_rows, invariant
     from xlaserve.kernels.dtype_ops import MIN_DOT_ROWS
 
     rng = np.random.default_rng(0)
     many = jnp.asarray(rng.normal(size=(64, 576)), jnp.bfloat16)
     x = many[:num_rows]
     w = jnp.asarray(rng.normal(size=(576, 96)), jnp.bfloat16)
-    hlo = jax.jit(lambda x, w: matmul(x, w, jnp.float32)).lower(x, w).compile().as_text()
-    dots = [line for line in hlo.splitlines() if " dot(" in line]
-    assert dots and all(f"= f32[{MIN_DOT_ROWS},96]" in line for line in dots), dots
+
+    def plain(x, w):
+        return matmul(x, w, jnp.float32)
+
+    assert _dot_rows_in(plain, x, w) == {MIN_DOT_ROWS}
+    probed = dot_rows.probe(576, 96, "bfloat16")
+    assert _dot_rows_in(dot_rows.traced_probing(True, plain), x, w) == {max(probed, num_rows)}
+    assert _dot_rows_in(invariant.traced_with(False, plain), x, w) == {max(dot_rows.FAST_ROWS, num_rows)}
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    got = np.asarray(matmul(x, w, jnp.float32))
-    assert got.shape == (num_rows, 96)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(got, np.asarray(matmul(many, w, jnp.float32))[:num_rows])
+    full = np.asarray(matmul(many, w, jnp.float32))[:num_rows]
+    for fn in (plain, dot_rows.traced_probing(True, plain)):
+        got = np.asarray(jax.jit(fn)(x, w))
+        assert got.shape == (num_rows, 96)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(got, full)
+
+
+@ON_CPU
+@pytest.mark.parametrize("k, n", [(576, 1536), (12, 48)])
+def test_probed_rows_keep_every_rows_bits_at_every_count(k, n):
+    # The probe's promise, checked apart from it: under `probing(True)` every count of rows from 1 to
+    # 16, by the weight as stored and read transposed (a tied LM head), gives each row the bits it has
+    # among 64 rows. A probe that answered too few rows fails here on a CPU whose kernels round
+    # otherwise below its threshold (an AMX Xeon: 3 rows for SmolLM2's shapes, up to 11 for 12 x 48).
+    from xlaserve.kernels import dot_rows
+
+    rng = np.random.default_rng(1)
+    many = jnp.asarray(rng.normal(size=(64, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.bfloat16)
+    w_t = jnp.asarray(np.asarray(w, np.float32).T, jnp.bfloat16)
+    dot = jax.jit(dot_rows.traced_probing(True, lambda x, w: matmul(x, w, jnp.float32)))
+    dot_t = jax.jit(dot_rows.traced_probing(True, lambda x, w_t: matmul(x, w_t.T, jnp.float32)))
+    full, full_t = np.asarray(dot(many, w)), np.asarray(dot_t(many, w_t))
+    for m in range(1, 17):
+        np.testing.assert_array_equal(np.asarray(dot(many[:m], w)), full[:m], err_msg=f"{m} rows")
+        np.testing.assert_array_equal(np.asarray(dot_t(many[:m], w_t)), full_t[:m], err_msg=f"{m} rows, w.T")
+
+
+def test_probed_rows_are_kept_per_machine(tmp_path, monkeypatch):
+    # One probe per shape and machine: the answer is read back from the store by a fresh process (here
+    # the memo cleared), and a store written for other flags is not this machine's.
+    from xlaserve.kernels import dot_rows
+
+    monkeypatch.setenv("XLASERVE_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(dot_rows, "_memo", {})
+    calls = []
+    monkeypatch.setattr(dot_rows, "probe", lambda k, n, dtype: calls.append((k, n, dtype)) or 5)
+    with dot_rows.probing(True):
+        assert dot_rows.min_rows(40, 24, jnp.bfloat16) == 5
+        assert dot_rows.min_rows(40, 24, jnp.bfloat16) == 5
+    assert calls == [(40, 24, "bfloat16")]
+    monkeypatch.setattr(dot_rows, "_memo", {})
+    with dot_rows.probing(True):
+        assert dot_rows.min_rows(40, 24, jnp.bfloat16) == 5  # from the store
+        assert calls == [(40, 24, "bfloat16")]
+        monkeypatch.setattr(dot_rows, "_memo", {})
+        monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_other_flag=1")
+        assert dot_rows.min_rows(40, 24, jnp.bfloat16) == 5
+    assert len(calls) == 2  # another machine's (flags') answer: probed again
+    assert dot_rows.min_rows(40, 24, jnp.bfloat16) == dot_rows.SAFE_ROWS  # outside an engine's trace
 
 
 @ON_CPU
