@@ -38,7 +38,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from xlaserve.kernels.backend import AttentionBackend
 from xlaserve.kernels.paged_attend import PagedAttend
-from xlaserve.kernels.reference import token_positions, write_kv
+from xlaserve.kernels.reference import FP8_E4M3, token_positions, write_kv
 from xlaserve.sharding.attention import attention_under_shard_map
 from xlaserve.sharding.rules import KV_CACHE_AXES, logical_to_mesh, to_partition_spec
 
@@ -80,12 +80,13 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
     q_spec = PartitionSpec("context" if num_context > 1 else None, axis, None)  # q and the output
     cache = to_partition_spec(KV_CACHE_AXES, rules)
     replicated = PartitionSpec()
+    kv_dtype = backend.kv_cache_dtype  # a float8 cache (--kv-cache-dtype), or None: the model's dtype
 
     def write_kv_owned(k_cache, v_cache, k, v, slot_mapping, *, positions):
         def local(k_cache, v_cache, k, v, slot_mapping, positions):
             # Tokens another rank of the group owns go to the null block, as padding does.
             is_mine = positions % dcp == jax.lax.axis_index(axis) % dcp
-            return write_kv(k_cache, v_cache, k, v, jnp.where(is_mine, slot_mapping, 0))
+            return write_kv(k_cache, v_cache, k, v, jnp.where(is_mine, slot_mapping, 0), kv_dtype=kv_dtype)
 
         return jax.shard_map(
             local,
@@ -115,7 +116,15 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
         # This rank's slot j of a sequence holds its position j * d + index (the window and the causal
         # bound are the sequence's positions: PagedAttend's kv_stride and kv_offset).
         attend = _attend(
-            k_cache, v_cache, q.dtype, kw.get("soft_cap"), kw["sliding_window"], sinks_kg, dcp, index
+            k_cache,
+            v_cache,
+            q.dtype,
+            kw.get("soft_cap"),
+            kw["sliding_window"],
+            sinks_kg,
+            dcp,
+            index,
+            kv_dtype,
         )
         partials = attend.partials(
             group_q.astype(jnp.float32) * kw["sm_scale"],
@@ -144,10 +153,21 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
 
 
 def _attend(
-    k_cache, v_cache, q_dtype, soft_cap, sliding_window=None, sinks_kg=None, kv_stride=1, kv_offset=0
+    k_cache,
+    v_cache,
+    q_dtype,
+    soft_cap,
+    sliding_window=None,
+    sinks_kg=None,
+    kv_stride=1,
+    kv_offset=0,
+    kv_dtype=None,
 ) -> PagedAttend:
-    """The reference's paged attention over this device's cache (16-bit caches are stored as words)."""
+    """The reference's paged attention over this device's cache (16-bit caches are stored as words; a
+    float8 cache, `kv_dtype`, as uint8 words on CPU)."""
     value_dtype = q_dtype if k_cache.dtype == jnp.uint16 else k_cache.dtype
+    if k_cache.dtype == jnp.uint8:
+        value_dtype = jnp.dtype(kv_dtype or FP8_E4M3)
     return PagedAttend(
         k_cache, v_cache, sliding_window, soft_cap, value_dtype, sinks_kg, kv_stride, kv_offset
     )

@@ -480,6 +480,7 @@ def context_parallel(model_dir: str, arg: dict) -> list:
                 "k_shard": list(
                     jax.tree_util.tree_leaves(runner.kv_cache)[0].addressable_shards[0].data.shape
                 ),
+                "k_dtype": str(jax.tree_util.tree_leaves(runner.kv_cache)[0].dtype),
                 "collectives": {op: hlo_text.count(f" {op}(") for op in ("all-gather", "all-reduce")},
                 "dot_rows": sorted(
                     {int(rows) for rows in re.findall(r"= f32\[(\d+),[^=]*? dot\(", hlo_text)}

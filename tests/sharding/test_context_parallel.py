@@ -23,6 +23,9 @@ PCP2 = {"prefill_context_parallel_size": 2}
 PCP2_TP2 = {"prefill_context_parallel_size": 2, "tensor_parallel_size": 2}
 PCP2_DCP2 = {**PCP2_TP2, "decode_context_parallel_size": 2}
 LAYOUTS = [{}, DCP2, DCP4, PCP2, PCP2_TP2, PCP2_DCP2]
+# A float8 cache (--kv-cache-dtype fp8_e5m2): alone, under DCP 2, and under PCP 2 with DCP 2 in each group.
+FP8 = {"kv_cache_dtype": "fp8_e5m2"}
+FP8_LAYOUTS = [FP8, {**DCP2, **FP8}, {**PCP2_DCP2, **FP8}]
 PROMPT_LENGTHS = (5, 40, 19, 70)
 
 
@@ -56,7 +59,9 @@ def one_kv_head(tmp_path_factory) -> str:
 def results(tp_worker, one_kv_head) -> dict:
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 300, n).tolist() for n in PROMPT_LENGTHS]
-    out = tp_worker.run("context_parallel", one_kv_head, {"layouts": LAYOUTS, "prompts": prompts})
+    out = tp_worker.run(
+        "context_parallel", one_kv_head, {"layouts": LAYOUTS + FP8_LAYOUTS, "prompts": prompts}
+    )
     return {str(r["layout"]): r for r in out}
 
 
@@ -73,6 +78,26 @@ def test_context_parallel_gives_one_devices_tokens_and_logprobs(results):
             )
             assert run["num_cached_tokens"] in ([0] * 4, [0, 32, 16, 64]), layout
         assert results[str(layout)]["runs"][1]["num_cached_tokens"] == [0, 32, 16, 64], layout
+
+
+def test_a_float8_cache_under_context_parallelism_gives_one_devices_tokens(results):
+    """A float8 cache (fp8_e5m2: the format its writes and reads must both be told) under DCP 2 and under
+    PCP 2 with DCP 2: K/V written interleaved (each rank's tokens gathered under PCP) and read back as on
+    one device: its greedy tokens, its top logprobs within 1e-2, where storing float8 at all moves them
+    by ~0.2 (a value whose float32 projection differs in its last bits under tensor parallelism may
+    round to the neighbouring float8). Each rank holds its share of a block, one byte a value."""
+    base = results[str(FP8)]
+    base_lp = np.concatenate(base["runs"][0]["logprobs"])
+    float32_lp = np.concatenate(results[str({})]["runs"][0]["logprobs"])
+    assert np.abs(base_lp - float32_lp).max() > 0.05  # the float8 cache is what is compared
+    for layout in FP8_LAYOUTS[1:]:
+        for run in results[str(layout)]["runs"]:
+            assert run["tokens"] == base["runs"][0]["tokens"], layout
+            np.testing.assert_allclose(
+                np.concatenate(run["logprobs"]), base_lp, atol=1e-2, err_msg=str(layout)
+            )
+    assert [results[str(layout)]["k_shard"][1:3] for layout in FP8_LAYOUTS] == [[16, 1], [8, 1], [8, 1]]
+    assert all(results[str(layout)]["k_dtype"] == "uint8" for layout in FP8_LAYOUTS)
 
 
 def test_each_rank_stores_its_share_of_every_block(results):
@@ -96,7 +121,7 @@ def test_what_decode_context_parallel_refuses_is_named(tp_worker, tiny_llama_2kv
         ({**DCP4, "block_size": 8}, None),  # 2 slots of each block on every rank
         ({"tensor_parallel_size": 16, "decode_context_parallel_size": 16, "block_size": 8}, "block_size=8"),
         ({**DCP2, "pipeline_parallel_size": 2}, "pipeline_parallel_size"),
-        ({**DCP2, "kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({**DCP2, "kv_offloading_size": 1}, "kv_offloading_size"),
     ):
         if field is None:
             EngineConfig.from_kwargs(None, **kwargs)
@@ -123,7 +148,7 @@ def test_what_prefill_context_parallel_refuses_is_named():
     EngineConfig.from_kwargs(None, **PCP2_DCP2)
     for kwargs, field in (
         ({**PCP2, "data_parallel_size": 2}, "data_parallel_size"),
-        ({**PCP2, "kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({**PCP2, "kv_offloading_size": 1}, "kv_offloading_size"),
     ):
         with pytest.raises(
             ValueError, match=rf"prefill_context_parallel_size=2 cannot be combined with {field}"
