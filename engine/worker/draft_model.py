@@ -41,6 +41,7 @@ from flax import nnx
 
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import AttentionMetadata, KVCache
+from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import invariant_softmax, traced_with
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.sharding.vocab import mask_padded_vocab
@@ -180,7 +181,11 @@ class DraftModel:
         self._step_fn = jax.jit(
             traced_with(
                 config.model.batch_invariant,
-                partial(_draft_step, model.graphdef, vocab_size, self.block_size, self.num_spec_tokens),
+                # On one device the drafter's few-row dots take their shapes' probed rows too.
+                traced_probing(
+                    model.mesh.size == 1,
+                    partial(_draft_step, model.graphdef, vocab_size, self.block_size, self.num_spec_tokens),
+                ),
             ),
             donate_argnames=("kv_cache", "q_buf"),
             compiler_options=config.compilation.compiler_options(),

@@ -28,6 +28,7 @@ from flax import nnx
 
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import KVCache
+from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
 from xlaserve.models.registry import model_config_from_hf
 from xlaserve.worker.input_batch import StepBatch
@@ -83,7 +84,8 @@ class PipelineRunner(ModelRunner):
         for layout, group in zip(layouts, groups):
             model = load_model(config, hf_config, tensors, group, stage=layout)
             fn = jax.jit(
-                invariant(partial(_stage_forward, model.graphdef, layout)),
+                # A stage on one device: its few-row dots take their shapes' probed rows (dot_rows.py).
+                invariant(traced_probing(len(group) == 1, partial(_stage_forward, model.graphdef, layout))),
                 donate_argnames=("kv_cache",),
                 compiler_options=config.compilation.compiler_options(),
             )
