@@ -249,3 +249,24 @@ def test_hf_peer_gets_the_engines_warm_up(batch):
     timed = [((2, 4), 3)] if batch else [((1, 3), 3), ((1, 4), 3)]
     assert calls == [((1, 3), WARM_UP_OUTPUT_LEN), *timed]
     assert report["warm_up_s"] > 0 and report["num_requests"] == 2
+
+
+def test_bench_step_replays_a_decode_step_of_every_prompt(tiny_llama, tmp_path):
+    # `python -m xlaserve.entrypoints.bench.step`: a step that decoded one token for each of the 3 prompts
+    # (the 4-token bucket), replayed and profiled; its events summed per replayed step, largest first.
+    from xlaserve.entrypoints.bench import step
+
+    out = tmp_path / "step.json"
+    argv = ["--model", tiny_llama, "--num-prompts", "3", "--repeats", "3", "--max-model-len", "128"]
+    argv += ["--enforce-eager", "--trace", str(tmp_path / "trace"), "--top", "10", "--output-json", str(out)]
+    assert step.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["num_prompts"] == 3 and report["num_tokens"] == 4
+    assert report["batch_invariant"] is True
+    assert 0 < report["forward_ms"] and 0 < report["sample_ms"] and 0 < report["step_ms"]
+    events = report["events"]
+    assert len(events) == 10
+    assert [e["ms_per_step"] for e in events] == sorted((e["ms_per_step"] for e in events), reverse=True)
+    # XLA's executions of the replayed programs: the forward's and the sampler's, each step.
+    executions = next(e for e in events if e["name"] == "ThunkExecutor::Execute (wait for completion)")
+    assert executions["calls_per_step"] >= 2
