@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import hashlib
 import json
 import logging
@@ -61,13 +60,7 @@ def probing(on: bool) -> Iterator[None]:
 
 def traced_probing(on: bool, fn: Callable) -> Callable:
     """`fn` whose body (so its trace, under `jax.jit`) runs inside `probing(on)`."""
-
-    @functools.wraps(fn)
-    def under(*args, **kwargs):
-        with probing(on):
-            return fn(*args, **kwargs)
-
-    return under
+    return invariant.traced_in(probing, on, fn)
 
 
 def min_rows(k: int, n: int, dtype) -> int:

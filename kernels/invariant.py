@@ -49,15 +49,23 @@ def batch_invariance(on: bool) -> Iterator[None]:
         _ENABLED.reset(token)
 
 
-def traced_with(on: bool, fn: Callable) -> Callable:
-    """`fn` whose body (so its trace, under `jax.jit`) runs inside `batch_invariance(on)`."""
+def traced_in(
+    context: Callable[[bool], contextlib.AbstractContextManager], on: bool, fn: Callable
+) -> Callable:
+    """`fn` whose body (so its trace, under `jax.jit`, in whatever thread lowers it) runs inside
+    `context(on)`: a trace-time switch kept in a context variable (this module's, kernels/dot_rows.py's)."""
 
     @functools.wraps(fn)
     def under(*args, **kwargs):
-        with batch_invariance(on):
+        with context(on):
             return fn(*args, **kwargs)
 
     return under
+
+
+def traced_with(on: bool, fn: Callable) -> Callable:
+    """`fn` whose body (so its trace, under `jax.jit`) runs inside `batch_invariance(on)`."""
+    return traced_in(batch_invariance, on, fn)
 
 
 _LANES = 16  # the tree stops at this width; the lanes are then added one by one
