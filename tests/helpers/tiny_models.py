@@ -12,6 +12,25 @@ import numpy as np
 # logprobs, collectives) does not depend on it. Engines on SmolLM2, whose steps dominate, keep XLA's
 # default: at level 0 its modules took ~30% more CPU. helpers/tp_worker.py sets the same level.
 FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# A tiny DeepSeek-V3 (latent attention, a dense layer then grouped-routing experts): save_tiny_model's
+# overrides for "DeepseekV3", shared by the MLA kernel, tensor- and context-parallel tests.
+TINY_DEEPSEEK_V3 = {
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "num_key_value_heads": 4,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 12,
+    "q_lora_rank": 32,
+}
 # The suite's processes' gc thresholds (tests/conftest.py and helpers/tp_worker.py set them).
 GC_THRESHOLDS = (20_000, 50, 100)
 

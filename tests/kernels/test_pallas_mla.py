@@ -101,29 +101,11 @@ def test_compiles_to_sm90_cubin():
 
 @pytest.mark.slow  # two engines, about 30 s
 def test_engine_deepseek_pallas_matches_reference(tmp_path, caplog):
-    from helpers.tiny_models import save_tiny_model
+    from helpers.tiny_models import TINY_DEEPSEEK_V3, save_tiny_model
     from xlaserve import LLM, SamplingParams
 
-    model = save_tiny_model(
-        str(tmp_path),
-        "DeepseekV3",
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        num_key_value_heads=4,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        n_shared_experts=1,
-        kv_lora_rank=RANK,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=ROPE,
-        v_head_dim=12,
-        q_lora_rank=32,
-    )
+    dims = {**TINY_DEEPSEEK_V3, "kv_lora_rank": RANK, "qk_rope_head_dim": ROPE}
+    model = save_tiny_model(str(tmp_path), "DeepseekV3", n_shared_experts=1, **dims)
     prompts = ["The capital of France is", "def f(x):", "One two three four five six seven"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     runs = {}

@@ -43,6 +43,15 @@ def assert_as_one_device(base: dict, others: list[dict]) -> None:
             )
 
 
+def assert_layouts_as_one_device(tp_worker, model: str, layouts: list[dict], seed: int) -> None:
+    """`model` on one device and on each of `layouts`, the prompts of PROMPT_LENGTHS (random ids from
+    `seed`): `assert_as_one_device`."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 300, n).tolist() for n in PROMPT_LENGTHS]
+    base, *others = tp_worker.run("context_parallel", model, {"layouts": [{}, *layouts], "prompts": prompts})
+    assert_as_one_device(base, others)
+
+
 @pytest.fixture(scope="module")
 def one_kv_head(tmp_path_factory) -> str:
     from helpers.tiny_models import save_tiny_llama, small_byte_tokenizer
@@ -232,43 +241,15 @@ def test_sliding_windows_and_sinks_under_both(tp_worker, tmp_path_factory):
         num_experts_per_tok=2,
         sliding_window=8,
     )
-    rng = np.random.default_rng(13)
-    prompts = [rng.integers(3, 300, n).tolist() for n in PROMPT_LENGTHS]
-    base, *others = tp_worker.run(
-        "context_parallel", model, {"layouts": [{}, DCP2, PCP2], "prompts": prompts}
-    )
-    assert_as_one_device(base, others)
+    assert_layouts_as_one_device(tp_worker, model, [DCP2, PCP2], seed=13)
 
 
 def test_latent_attention_split_by_tokens(tp_worker, tmp_path_factory):
     """A tiny DeepSeek-V3 (latent attention, experts) at PCP 2 and PCP 2 x TP 2: each rank's tokens
     through the MLA attention as a ragged batch of their own, over the latent cache every rank holds:
     one device's tokens and logprobs."""
-    from helpers.tiny_models import save_tiny_model, small_byte_tokenizer
+    from helpers.tiny_models import TINY_DEEPSEEK_V3, save_tiny_model, small_byte_tokenizer
 
-    model = save_tiny_model(
-        str(tmp_path_factory.mktemp("cp_deepseek")),
-        "DeepseekV3",
-        tokenizer=small_byte_tokenizer(),
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        num_key_value_heads=4,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
-        v_head_dim=12,
-        q_lora_rank=32,
-    )
-    rng = np.random.default_rng(14)
-    prompts = [rng.integers(3, 300, n).tolist() for n in PROMPT_LENGTHS]
-    base, *others = tp_worker.run(
-        "context_parallel", model, {"layouts": [{}, PCP2, PCP2_TP2], "prompts": prompts}
-    )
-    assert_as_one_device(base, others)
+    directory = str(tmp_path_factory.mktemp("cp_deepseek"))
+    model = save_tiny_model(directory, "DeepseekV3", tokenizer=small_byte_tokenizer(), **TINY_DEEPSEEK_V3)
+    assert_layouts_as_one_device(tp_worker, model, [PCP2, PCP2_TP2], seed=14)

@@ -135,28 +135,14 @@ def test_gpt_oss_sinks_and_biased_experts_under_tensor_parallelism(tp_worker, ti
 
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
-    from helpers.tiny_models import save_tiny_model
+    from helpers.tiny_models import TINY_DEEPSEEK_V3, save_tiny_model
 
     return save_tiny_model(
         str(tmp_path_factory.mktemp("tiny_deepseek")),
         "DeepseekV3",
-        num_attention_heads=4,
-        num_hidden_layers=3,
-        first_k_dense_replace=1,
-        num_key_value_heads=4,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=4,
-        topk_group=2,
+        **{**TINY_DEEPSEEK_V3, "num_hidden_layers": 3, "n_routed_experts": 8, "n_group": 4, "topk_group": 2},
         n_shared_experts=1,
         routed_scaling_factor=2.5,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
-        v_head_dim=12,
-        q_lora_rank=32,
     )
 
 
