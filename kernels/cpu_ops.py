@@ -64,10 +64,14 @@ MAX_MATMUL_ROWS = 8  # kMaxRows of quantized_matmul.cc
 MAX_ROWS_PACKED, MAX_ROWS_INT8 = 8, 2
 
 
+def cache_root() -> Path:
+    """<XLASERVE_CACHE_ROOT or ~/.cache/xlaserve>: the root of engine/config.py's caches, where the
+    kernels keep what they build or probe on this machine."""
+    return Path(os.environ.get("XLASERVE_CACHE_ROOT") or Path.home() / ".cache" / "xlaserve")
+
+
 def _cache_root() -> Path:
-    """<XLASERVE_CACHE_ROOT or ~/.cache/xlaserve>/cpu_kernels: the root of engine/config.py's caches."""
-    root = os.environ.get("XLASERVE_CACHE_ROOT") or Path.home() / ".cache" / "xlaserve"
-    return Path(root) / "cpu_kernels"
+    return cache_root() / "cpu_kernels"
 
 
 def cpu_flags() -> str:

@@ -38,7 +38,7 @@ import jaxlib
 import numpy as np
 
 from xlaserve.kernels import invariant
-from xlaserve.kernels.cpu_ops import cpu_flags
+from xlaserve.kernels.cpu_ops import cache_root, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,7 @@ _same_rows = jax.jit(_same_rows_of, compiler_options={"xla_backend_optimization_
 
 
 def _store_path() -> Path:
-    root = os.environ.get("XLASERVE_CACHE_ROOT") or Path.home() / ".cache" / "xlaserve"
-    return Path(root) / "dot_rows.json"
+    return cache_root() / "dot_rows.json"
 
 
 def _machine() -> str:
