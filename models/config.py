@@ -138,6 +138,11 @@ class TransformerConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def mrope(self) -> bool:
+        """Whether the decoder rotates by multimodal positions [3, T] (Qwen2.5-VL's M-RoPE)."""
+        return False
+
+    @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
 

@@ -250,6 +250,8 @@ def with_shared_rope(cfg: TransformerConfig, positions, md: AttentionMetadata) -
     frequencies and scale (all but Gemma 3's two kinds). Computed inside a layer, XLA's CPU backend
     fused cos and sin into the rotation and evaluated them once per element of q and of k (heads x
     head_dim times each angle): ~7 ms of a batch-64 SmolLM2 step (engine/PERFORMANCE.md)."""
+    if md.rope is not None:  # the model's own (Qwen2.5-VL's multimodal positions)
+        return md
     inv_freqs, scales = layer_rope_inv_freqs(cfg), layer_rope_scales(cfg)
     if cfg.rotary_dim == 0 or not (np.all(inv_freqs == inv_freqs[0]) and np.all(scales == scales[0])):
         return md

@@ -218,6 +218,10 @@ def _read_config_json(path: str) -> dict[str, Any]:
     from xlaserve.models.registry import get_model_class, hf_architecture
 
     get_model_class(hf_architecture(config))  # ValueError for an architecture we do not serve
+    preprocessor = os.path.join(path, "preprocessor_config.json")
+    if os.path.exists(preprocessor):  # image sizes a vision-language model's buffers are sized by
+        with open(preprocessor) as f:
+            config["preprocessor_config"] = json.load(f)
     return complete_config(config)
 
 

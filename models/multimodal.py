@@ -26,6 +26,9 @@ class EncoderOutputs:
     # [T] int32, for a model whose image tokens see their whole image (Gemma 3): positions past its own
     # that token t also attends to (to its image's last token; 0 for text). None for causal models.
     attend_ahead: jax.Array | None = None
+    # [3, T] int32, for a model with multimodal rotary positions (Qwen2.5-VL): each token's temporal,
+    # height and width positions (models/qwen2_5_vl.py). None for the others.
+    mrope: jax.Array | None = None
 
     def merge(self, x: jax.Array) -> jax.Array:
         """x [T, D] (the token embeddings) with image placeholders replaced by their rows."""

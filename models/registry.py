@@ -27,6 +27,7 @@ from xlaserve.models.mixtral import MixtralForCausalLM
 from xlaserve.models.modernbert import ModernBertModel
 from xlaserve.models.phi3 import Phi3ForCausalLM
 from xlaserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from xlaserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from xlaserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextOfConditionalGeneration
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from xlaserve.models.qwen3_next import Qwen3_5MoeTextOfConditionalGeneration, Qwen3NextForCausalLM
@@ -66,6 +67,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     # Gemma 3: a SigLIP tower and pooled projector; image tokens attend to their whole image.
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    # Qwen2.5-VL: a windowed ViT over images of their own sizes; the decoder rotates by M-RoPE positions.
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.
     "BertModel": BertModel,
     "BertForSequenceClassification": BertModel,

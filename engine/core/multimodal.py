@@ -23,7 +23,9 @@ class MultiModalFeature:
     mm_hash: str  # content hash of `data` (hex), the encoder cache's and the prefix cache's key
     offset: int
     length: int
-    data: np.ndarray  # what the vision encoder runs on: pixel values [C, H, W] float32
+    data: np.ndarray  # what the vision encoder runs on: pixel values [C, H, W] float32, or patches [P, K]
+    # An image of its own size (Qwen2.5-VL): its (t, h, w) grid of patches, `data` one row per patch.
+    grid: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:

@@ -25,6 +25,8 @@ class MultiModalProcessor:
     def __init__(self, hf_processor, image_token_id: int, tokens_per_image: int, max_images: int):
         self.hf_processor = hf_processor
         self.placeholder = hf_processor.image_token  # the text standing for one image, e.g. "<image>"
+        # What a chat message's image part becomes (Qwen2.5-VL wraps its placeholder in vision marks).
+        self.chat_placeholder = getattr(hf_processor, "chat_placeholder", self.placeholder)
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image
         self.max_images = max_images
@@ -75,17 +77,26 @@ class MultiModalProcessor:
             text=text, images=images or None, return_tensors="np", add_special_tokens=add_special_tokens
         )
         ids = out["input_ids"][0].astype(np.int64)
-        n = self.tokens_per_image
+        grids = out.get("image_grid_thw")  # images of their own sizes (Qwen2.5-VL): patches per grid
+        if grids is None:
+            counts = [self.tokens_per_image] * len(images)
+            pixels = [np.asarray(out["pixel_values"][i], np.float32) for i in range(len(images))]  # [C, H, W]
+        else:
+            grids = [tuple(int(x) for x in g) for g in grids]
+            counts = [int(np.prod(g)) // self.hf_processor.merge_unit for g in grids]
+            ends = np.cumsum([int(np.prod(g)) for g in grids])
+            pixels = np.split(np.asarray(out["pixel_values"], np.float32), ends[:-1])  # [P, K] each
         positions = np.flatnonzero(ids == self.image_token_id)
-        if len(positions) != n * len(images):  # the text itself spelled the image token
+        if len(positions) != sum(counts):  # the text itself spelled the image token
             raise ValueError(f"{field}: the prompt's text holds image tokens of its own")
-        features = []
-        for i in range(len(images)):
-            offset = int(positions[i * n])
-            if positions[i * n + n - 1] != offset + n - 1:
+        features, first = [], 0
+        for i, n in enumerate(counts):
+            offset = int(positions[first])
+            if positions[first + n - 1] != offset + n - 1:
                 raise ValueError(f"{field}: image {i}'s tokens are not contiguous")
-            pixels = np.asarray(out["pixel_values"][i], np.float32)  # [C, H, W]
-            features.append(MultiModalFeature("image", hash_pixels(pixels), offset, n, pixels))
+            grid = None if grids is None else grids[i]
+            features.append(MultiModalFeature("image", hash_pixels(pixels[i]), offset, n, pixels[i], grid))
+            first += n
         return ids.tolist(), features
 
 
@@ -153,11 +164,46 @@ def _llava_processor(settings: dict, hf_config: dict, tokenizer):
     return processor, num_patches + int(keeps_cls)
 
 
+class QwenVLProcessor:
+    """Qwen2.5-VL's processor for images: Hugging Face's image processor (Qwen2VLImageProcessorPil:
+    each image resized to a multiple of 28 pixels within min/max pixels, cut into patches), and each
+    `<|image_pad|>` of the text expanded to the image's tokens (grid patches / merge_size^2), as
+    Qwen2_5_VLProcessor does (which cannot be built here: its video processor needs torchvision)."""
+
+    image_token = "<|image_pad|>"
+    chat_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def __init__(self, image_processor, tokenizer):
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.merge_unit = image_processor.merge_size**2
+
+    def __call__(self, text: str, images=None, return_tensors: str = "np", add_special_tokens: bool = True):
+        out = {}
+        if images:
+            out = dict(self.image_processor(images=images, return_tensors="np"))
+            pieces = text.split(self.image_token)
+            counts = [int(np.prod(grid)) // self.merge_unit for grid in out["image_grid_thw"]]
+            text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return {**out, "input_ids": np.asarray([ids], np.int64)}
+
+
+def _qwen2_5_vl_processor(settings: dict, hf_config: dict, tokenizer):
+    """Qwen2.5-VL's: images keep their sizes, so the tokens per image given is the most one has."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from xlaserve.models.qwen2_5_vl import max_image_tokens
+
+    image_processor = Qwen2VLImageProcessorPil(**_image_settings(settings))
+    return QwenVLProcessor(image_processor, tokenizer), max_image_tokens(settings, hf_config["vision_config"])
+
+
 # The registry's vision-language architectures: (processor settings, config.json, tokenizer) -> (the HF
-# processor, tokens per image).
+# processor, tokens per image: the most one image has).
 VISION_LANGUAGE_FAMILIES = {
     "LlavaForConditionalGeneration": _llava_processor,
     "Gemma3ForConditionalGeneration": _gemma3_processor,
+    "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl_processor,
 }
 
 

@@ -29,15 +29,18 @@ class ImageFeature(msgspec.Struct, array_like=True):
     length: int
     shape: list[int]
     data: bytes
+    grid: list[int] | None = None  # an image of its own size: its patch grid (t, h, w)
 
     @classmethod
     def from_feature(cls, f: MultiModalFeature) -> ImageFeature:
         pixels = np.ascontiguousarray(f.data, np.float32)
-        return cls(f.modality, f.mm_hash, f.offset, f.length, list(pixels.shape), pixels.tobytes())
+        grid = None if f.grid is None else list(f.grid)
+        return cls(f.modality, f.mm_hash, f.offset, f.length, list(pixels.shape), pixels.tobytes(), grid)
 
     def to_feature(self) -> MultiModalFeature:
         pixels = np.frombuffer(self.data, np.float32).reshape(self.shape)
-        return MultiModalFeature(self.modality, self.mm_hash, self.offset, self.length, pixels)
+        grid = None if self.grid is None else tuple(self.grid)
+        return MultiModalFeature(self.modality, self.mm_hash, self.offset, self.length, pixels, grid)
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -8,7 +8,11 @@ slot does not yet hold it (`slot_contents`), in batches padded to an image-count
 the forward the cache and, per token, the row that replaces its embedding (models/multimodal.py).
 So a step of text only adds nothing but a [T] int32 array, an image is encoded once however many
 chunks and requests read it, and warm-up compiles one encoder program per bucket (the compile guard
-holds). LLaVA's processor resizes every image to one size, so the count is the only bucketed shape.
+holds). LLaVA's and Gemma 3's processors resize every image to one size, so the count is the only
+bucketed shape (`MultiModalHook`). Qwen2.5-VL keeps each image's size: an image is h x w patches and
+h x w / 4 tokens, at most N (its processor's max_pixels); its images' patches are packed into one
+patch-count bucket per call (`PackedPatchesHook`), and every step also carries each token's M-RoPE
+positions [3, T] (models/qwen2_5_vl.py `mrope_positions`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from flax import nnx
 from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
 from xlaserve.models.llava import tokens_per_image
 from xlaserve.models.multimodal import EncoderOutputs
+from xlaserve.models.qwen2_5_vl import QwenVisionConfig, mrope_positions, pack_images
 from xlaserve.worker.input_batch import isolate_failures
 from xlaserve.worker.step_hooks import StepHook
 
@@ -30,11 +35,11 @@ from xlaserve.worker.step_hooks import StepHook
 MAX_ITEMS_PER_CALL = 4
 
 
-def _encode(graphdef, num_rows: int, params, cache, pixels, dest):
-    """cache [S * N, D] with images `pixels` [B, C, H, W] encoded into slots `dest` [B]."""
-    embeds = nnx.merge(graphdef, params).encode_images(pixels)  # [B, N, D]
-    rows = dest[:, None] * num_rows + jnp.arange(num_rows, dtype=jnp.int32)[None]  # [B, N]
-    return cache.at[rows.reshape(-1)].set(embeds.reshape(-1, embeds.shape[-1]).astype(cache.dtype))
+def _encode(graphdef, params, cache, dest, **inputs):
+    """cache [S * N, D] with the encoder's output rows written at rows `dest` ([B * N], or one per
+    merged token of packed patches): `inputs` are `encode_images`' (LLaVA's pixels [B, C, H, W])."""
+    embeds = nnx.merge(graphdef, params).encode_images(**inputs)
+    return cache.at[dest].set(embeds.reshape(-1, embeds.shape[-1]).astype(cache.dtype))
 
 
 class MultiModalHook(StepHook):
@@ -47,12 +52,10 @@ class MultiModalHook(StepHook):
         cfg, sched = runner.model_config, runner.config.scheduler
         self.runner = runner
         self.tokens_per_item = tokens_per_item
-        vision = cfg.vision
-        self.pixel_shape = (vision.num_channels, vision.image_size, vision.image_size)
-        max_items = max(1, min(MAX_ITEMS_PER_CALL, sched.max_num_batched_tokens // tokens_per_item))
-        self.buckets = [b for b in (1, 2, 4) if b <= max_items]
+        self.buckets = self._buckets(cfg, sched)
+        self.max_items_per_step = self._max_items_per_step()
         # vLLM's default encoder cache: a step's worth of tokens (here at least two steps' images).
-        num_slots = max(2 * self.buckets[-1], sched.max_num_batched_tokens // tokens_per_item)
+        num_slots = max(2 * self.max_items_per_step, sched.max_num_batched_tokens // tokens_per_item)
         # Gemma 3's image tokens see their whole image: each step also carries, per token, how far.
         self.bidirectional = cfg.bidirectional_images
         if self.bidirectional and tokens_per_item > sched.max_num_batched_tokens:
@@ -60,13 +63,16 @@ class MultiModalHook(StepHook):
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must hold one image's "
                 f"{tokens_per_item} tokens: they attend to each other, so they are computed in one step"
             )
-        self.layout = EncoderCacheLayout(num_slots, tokens_per_item, self.buckets[-1], self.bidirectional)
+        self.layout = EncoderCacheLayout(
+            num_slots, tokens_per_item, self.max_items_per_step, self.bidirectional
+        )
         self.scratch_slot = num_slots
         shape = ((num_slots + 1) * tokens_per_item, cfg.hidden_size)
         placement = runner.placement
         self.cache = placement.zeros(shape, runner.dtype, placement.replicated)
+        self.mrope = cfg.mrope
         self._encode_fn = jax.jit(
-            partial(_encode, runner.graphdef, tokens_per_item),
+            partial(_encode, runner.graphdef),
             donate_argnames=("cache",),
             out_shardings=self.cache.sharding,
             compiler_options=runner.config.compilation.compiler_options(),
@@ -74,28 +80,77 @@ class MultiModalHook(StepHook):
         self.slot_contents: dict[int, str] = {}  # slot -> the mm_hash encoded there
         self.num_encoded = 0  # images encoded on the device (tests, metrics)
 
+    # -- what differs between encoders: images of one size (LLaVA, Gemma 3), or packed patches ----------
+
+    def _buckets(self, cfg, sched) -> list[int]:
+        """The encoder program's buckets: images per call."""
+        max_items = max(1, min(MAX_ITEMS_PER_CALL, sched.max_num_batched_tokens // self.tokens_per_item))
+        vision = cfg.vision
+        self.pixel_shape = (vision.num_channels, vision.image_size, vision.image_size)
+        return [b for b in (1, 2, 4) if b <= max_items]
+
+    def _max_items_per_step(self) -> int:
+        return self.buckets[-1]
+
+    def _check(self, index: int, feature) -> None:
+        if feature.length != self.tokens_per_item or tuple(feature.data.shape) != self.pixel_shape:
+            raise ValueError(
+                f"image {index} has {feature.length} placeholders of pixels {feature.data.shape}; "
+                f"the model takes {self.tokens_per_item} of {self.pixel_shape}"
+            )
+
+    def _calls(self, items: list) -> list[dict[str, np.ndarray]]:
+        """The encoder calls' inputs for `items` [(slot, feature)]: images in count buckets."""
+        calls, n = [], self.tokens_per_item
+        for start in range(0, len(items), self.buckets[-1]):
+            chunk = items[start : start + self.buckets[-1]]
+            bucket = next(b for b in self.buckets if b >= len(chunk))
+            pixels = np.zeros((bucket, *self.pixel_shape), np.float32)
+            slots = np.full(bucket, self.scratch_slot, np.int32)
+            for i, (slot, feature) in enumerate(chunk):
+                pixels[i], slots[i] = feature.data, slot
+            calls.append({"pixels": pixels, "dest": self._slot_rows(slots, n)})
+        return calls
+
+    def _warm_up_inputs(self, bucket: int) -> dict[str, np.ndarray]:
+        slots = np.full(bucket, self.scratch_slot, np.int32)
+        pixels = np.zeros((bucket, *self.pixel_shape), np.float32)
+        return {"pixels": pixels, "dest": self._slot_rows(slots, self.tokens_per_item)}
+
+    @staticmethod
+    def _slot_rows(slots: np.ndarray, n: int) -> np.ndarray:
+        """The cache rows of n rows in each of `slots`, slot after slot."""
+        return (slots[:, None] * n + np.arange(n, dtype=np.int32)[None]).reshape(-1).astype(np.int32)
+
+    # -----------------------------------------------------------------------------------------------------
+
     def prepare(self, scheduled, num_tokens, num_seqs, failed) -> dict[str, np.ndarray]:
         rows = np.full(num_tokens, -1, np.int32)
         ahead = np.zeros(num_tokens, np.int32) if self.bidirectional else None
+        mrope = np.zeros((3, num_tokens), np.int32) if self.mrope else None
         to_encode: dict[int, object] = {}  # slot -> feature
         offset = 0
         for s in scheduled:
+            if mrope is not None:  # every token's, text included (models/qwen2_5_vl.py)
+                start = s.num_computed_tokens
+                mrope[:, offset : offset + s.num_new_tokens] = mrope_positions(
+                    s.request.mm_features, start, start + s.num_new_tokens, self.spatial_merge_size
+                )
             if s.request.mm_features:
                 isolate_failures(
                     failed, s, "placing its images", self._fill_rows, rows, ahead, offset, s, to_encode
                 )
             offset += s.num_new_tokens
-        arrays = {"rows": rows} if ahead is None else {"rows": rows, "ahead": ahead}
+        arrays = {"rows": rows}
+        if ahead is not None:
+            arrays["ahead"] = ahead
+        if mrope is not None:
+            arrays["mrope"] = mrope
         items = list(to_encode.items())
-        for call, start in enumerate(range(0, len(items), self.buckets[-1])):
-            chunk = items[start : start + self.buckets[-1]]
-            bucket = next(b for b in self.buckets if b >= len(chunk))
-            pixels = np.zeros((bucket, *self.pixel_shape), np.float32)
-            dest = np.full(bucket, self.scratch_slot, np.int32)
-            for i, (slot, feature) in enumerate(chunk):
-                pixels[i], dest[i] = feature.data, slot
-                self.slot_contents[slot] = feature.mm_hash
-            arrays[f"pixels_{call}"], arrays[f"dest_{call}"] = pixels, dest
+        for slot, feature in items:
+            self.slot_contents[slot] = feature.mm_hash
+        for call, inputs in enumerate(self._calls(items)):
+            arrays |= {f"encode{call}.{name}": array for name, array in inputs.items()}
         self.num_encoded += len(items)
         return arrays
 
@@ -105,11 +160,7 @@ class MultiModalHook(StepHook):
         for index, feature in enumerate(request.mm_features):
             if not feature.overlaps(start, stop):
                 continue
-            if feature.length != n or tuple(feature.data.shape) != self.pixel_shape:
-                raise ValueError(
-                    f"image {index} has {feature.length} placeholders of pixels {feature.data.shape}; "
-                    f"the model takes {n} of {self.pixel_shape}"
-                )
+            self._check(index, feature)
             slot = request.encoder_slots[index]  # set by the scheduler when the chunk reached it
             lo, hi = max(start, feature.offset), min(stop, feature.end)
             if ahead is not None:  # each of the image's tokens sees up to its last one
@@ -127,20 +178,80 @@ class MultiModalHook(StepHook):
     def forward_inputs(self, arrays) -> dict:
         params = self.runner.params
         call = 0
-        while f"pixels_{call}" in arrays:
-            self.cache = self._encode_fn(params, self.cache, arrays[f"pixels_{call}"], arrays[f"dest_{call}"])
+        while f"encode{call}.dest" in arrays:
+            prefix = f"encode{call}."
+            inputs = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+            self.cache = self._encode_fn(params, self.cache, **inputs)
             call += 1
-        return {"mm": EncoderOutputs(self.cache, arrays["rows"], arrays.get("ahead"))}
+        return {"mm": EncoderOutputs(self.cache, arrays["rows"], arrays.get("ahead"), arrays.get("mrope"))}
 
     def warm_up(self, batches, num_seqs_for) -> list:
         """Each bucket's encoder program, run once into the scratch slot (the compile guard is armed
         after this)."""
         ready = self.runner.placement.step_inputs
         for bucket in self.buckets:
-            pixels = np.zeros((bucket, *self.pixel_shape), np.float32)
-            dest = np.full(bucket, self.scratch_slot, np.int32)
-            self.cache = self._encode_fn(self.runner.params, self.cache, *ready((pixels, dest)))
+            self.cache = self._encode_fn(
+                self.runner.params, self.cache, **ready(self._warm_up_inputs(bucket))
+            )
         return []
+
+
+class PackedPatchesHook(MultiModalHook):
+    """Images of any size (Qwen2.5-VL): an image is its (t, h, w) grid of patches, packed with the
+    call's other images into the smallest patch-count bucket that holds them (powers of two up to one
+    largest image); each token's cache row comes from the host (`pack_images`), so a call writes
+    images of several sizes at once and its padding into the scratch slot."""
+
+    def _buckets(self, cfg, sched) -> list[int]:
+        vision: QwenVisionConfig = cfg.vision
+        self.vision, self.spatial_merge_size = vision, vision.spatial_merge_size
+        max_patches = self.tokens_per_item * vision.merge_unit
+        smallest = min(max_patches, 16 * vision.merge_unit)
+        buckets = [smallest]
+        while buckets[-1] < max_patches:
+            buckets.append(min(2 * buckets[-1], max_patches))
+        return buckets
+
+    def _max_items_per_step(self) -> int:
+        return MAX_ITEMS_PER_CALL
+
+    def _check(self, index: int, feature) -> None:
+        t, h, w = feature.grid
+        num_patches = t * h * w
+        if (
+            feature.length * self.vision.merge_unit != num_patches
+            or feature.length > self.tokens_per_item
+            or tuple(feature.data.shape) != (num_patches, self.vision.patch_dim)
+        ):
+            raise ValueError(
+                f"image {index} has {feature.length} placeholders for a {feature.grid} patch grid of "
+                f"pixels {feature.data.shape}; the model takes at most {self.tokens_per_item} tokens of "
+                f"{self.vision.merge_unit} patches of {self.vision.patch_dim} values each"
+            )
+
+    def _calls(self, items: list) -> list[dict[str, np.ndarray]]:
+        calls, pending, num_patches = [], [], 0
+        for slot, feature in items:
+            patches = len(feature.data)
+            if pending and num_patches + patches > self.buckets[-1]:
+                calls.append(self._pack(pending, next(b for b in self.buckets if b >= num_patches)))
+                pending, num_patches = [], 0
+            rows = slot * self.tokens_per_item + np.arange(feature.length, dtype=np.int32)
+            pending.append((feature.grid, feature.data, rows))
+            num_patches += patches
+        if pending:
+            calls.append(self._pack(pending, next(b for b in self.buckets if b >= num_patches)))
+        return calls
+
+    def _pack(self, images: list, bucket: int) -> dict[str, np.ndarray]:
+        inputs = pack_images(self.vision, images, bucket)
+        padding = inputs["dest"] < 0  # the scratch slot's rows, one each
+        scratch = self.scratch_slot * self.tokens_per_item + np.arange(len(padding)) % self.tokens_per_item
+        inputs["dest"] = np.where(padding, scratch, inputs["dest"]).astype(np.int32)
+        return inputs
+
+    def _warm_up_inputs(self, bucket: int) -> dict[str, np.ndarray]:
+        return self._pack([], bucket)
 
 
 def make_mm_hook(runner) -> MultiModalHook | None:
@@ -151,4 +262,6 @@ def make_mm_hook(runner) -> MultiModalHook | None:
             "pipeline_parallel_size must be 1 for a vision-language model (its images are merged on the "
             f"first stage, which is not built yet), got {runner.config.parallel.pipeline_parallel_size}"
         )
-    return MultiModalHook(runner, n) if n else None
+    if not n:
+        return None
+    return (PackedPatchesHook if runner.model_config.mrope else MultiModalHook)(runner, n)

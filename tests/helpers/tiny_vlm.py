@@ -190,3 +190,69 @@ def data_url(image, fmt: str = "PNG") -> str:
     buffer = io.BytesIO()
     image.save(buffer, format=fmt)
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+QWEN_VL_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Patches of 4 pixels merged 2 x 2: one token per 8 x 8 pixels, images of 64 to 16 x 16 tokens (32 x 32 to
+# 128 x 128 pixels: a 40 x 48 noise image is 5 x 6 = 30 tokens); windows of 2 x 2 tokens.
+QWEN_VL_PIXELS = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
+
+
+def save_tiny_qwen2_5_vl(directory: str, *, seed: int = 0) -> str:
+    """A random Qwen2_5_VLForConditionalGeneration (a 3-block windowed tower, the last block attending to
+    the whole image; a 2-layer Qwen2 decoder with M-RoPE), its tokenizer and Qwen2VLImageProcessorPil
+    settings (Qwen2_5_VLProcessor itself needs torchvision for its video processor)."""
+    import torch
+    import transformers
+
+    from helpers.tiny_models import small_byte_tokenizer
+
+    tokenizer = small_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_SPECIAL})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL}
+    vision = transformers.Qwen2_5_VLVisionConfig(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=16,
+        out_hidden_size=64,
+        fullatt_block_indexes=[2],
+    )
+    text = transformers.Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so logits are not all near-ties
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, **QWEN_VL_PIXELS
+    )
+    image_processor.save_pretrained(directory)
+    return directory

@@ -85,7 +85,7 @@ def apply_chat_template(
     extra = template_kwargs(chat_template_kwargs)
     takes_tools = template_takes_tools(template)
     mm = getattr(getattr(state.engine, "input_processor", None), "mm_processor", None)  # None: text only
-    chat = conversation(messages, takes_tools, mm.placeholder if mm is not None else "")
+    chat = conversation(messages, takes_tools, mm.chat_placeholder if mm is not None else "")
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     if tool_dicts and not takes_tools:
         chat = tools_in_system_prompt(chat, tool_dicts)

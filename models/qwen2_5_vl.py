@@ -1,0 +1,302 @@
+"""Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): a windowed ViT over images of any size, a 2 x 2
+patch merger, and the Qwen2 decoder with multimodal rotary positions (M-RoPE).
+
+An image keeps its own resolution (the processor rounds it to a multiple of 28 pixels within its
+min/max pixels): its patches form a (t, h, w) grid, and every 2 x 2 of them become one token, so an
+image is h * w / 4 tokens. The vision tower runs on a flat list of patches: several images packed
+into one patch bucket, each patch carrying its (row, column) for the tower's 2-D rotary embedding,
+the window and the image it belongs to (most layers attend within windows of `window_size` pixels,
+the `fullatt_block_indexes` layers within the whole image). The host lays the patches out in window
+order and says where each merged token goes (`pack_images`); the program is one per patch bucket.
+
+M-RoPE: the decoder rotates three position streams (temporal, height, width) over three sections of
+its rotary frequencies. A text token's three positions are equal; an image's tokens hold (start,
+start + row, start + column), and the text after an image resumes at start + max(rows, columns). So
+a request's positions past its prompt are its token index plus a constant delta (`mrope_positions`:
+numpy, run by the worker for every step's tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xlaserve.models.layers import Linear, RMSNorm, activation
+from xlaserve.models.llama import LlamaDecoderLayer
+from xlaserve.models.multimodal import EncoderOutputs, VisionLanguageLM
+from xlaserve.models.qwen import Qwen2Config
+from xlaserve.models.rope import base_inv_freq, rope_cos_sin, rotate_halves
+
+
+@dataclass(frozen=True)
+class QwenVisionConfig:
+    """config.json's `vision_config` of Qwen2.5-VL."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    depth: int
+    out_hidden_size: int  # the decoder's width
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112  # pixels per window side
+    fullatt_block_indexes: tuple[int, ...] = ()
+    in_channels: int = 3
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+
+    @property
+    def patch_dim(self) -> int:  # one patch's pixel values: C x T x p x p
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merge_unit(self) -> int:  # patches per token
+        return self.spatial_merge_size**2
+
+    @property
+    def window_units(self) -> int:  # tokens per window side
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+
+@dataclass(frozen=True)
+class Qwen2_5_VLConfig(Qwen2Config):
+    vision: QwenVisionConfig | None = None
+    image_token_id: int = -1
+    mrope_section: tuple[int, ...] = (16, 24, 24)  # rotary frequencies per stream (t, h, w)
+    bidirectional_images: bool = False
+    # Tokens one image may have at most: the processor's max_pixels / (patch x merge)^2 (the model
+    # directory's preprocessor_config.json, which models/loader.py reads beside config.json).
+    max_image_tokens: int = 0
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.max_image_tokens
+
+    @property
+    def mrope(self) -> bool:
+        return True
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        text = {**hf, **hf.get("text_config", {}), "architectures": hf.get("architectures")}
+        text.pop("vision_config", None)
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        vision = hf["vision_config"]
+        return {
+            **super().fields_from_hf(text),
+            "vision": QwenVisionConfig(
+                hidden_size=vision["hidden_size"],
+                intermediate_size=vision["intermediate_size"],
+                num_heads=vision["num_heads"],
+                depth=vision["depth"],
+                out_hidden_size=vision["out_hidden_size"],
+                patch_size=vision.get("patch_size", 14),
+                temporal_patch_size=vision.get("temporal_patch_size", 2),
+                spatial_merge_size=vision.get("spatial_merge_size", 2),
+                window_size=vision.get("window_size", 112),
+                fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", ())),
+                in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+                hidden_act=vision.get("hidden_act", "silu"),
+                rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            ),
+            "image_token_id": hf.get("image_token_id", -1),
+            "mrope_section": tuple(rope.get("mrope_section", (16, 24, 24))),
+            "max_image_tokens": max_image_tokens(hf.get("preprocessor_config") or {}, vision),
+        }
+
+
+def max_image_tokens(settings: dict, vision: dict) -> int:
+    """Tokens of the largest image the processor makes: its max_pixels (transformers 5 spells it
+    size.longest_edge) over the pixels of one token."""
+    settings = settings.get("image_processor") or settings
+    max_pixels = settings.get("max_pixels") or (settings.get("size") or {}).get("longest_edge") or 12845056
+    return int(max_pixels) // (vision.get("patch_size", 14) * vision.get("spatial_merge_size", 2)) ** 2
+
+
+# -- the host's side: patches in window order, and M-RoPE positions ----------------------------------
+
+
+def _window_order(grid_h: int, grid_w: int, units: int) -> tuple[np.ndarray, np.ndarray]:
+    """An image's tokens (row-major over its grid_h x grid_w tokens) in window order, and each one's
+    window number: windows of units x units tokens, row-major, the last row and column of windows cut
+    short where the grid ends."""
+    index = np.arange(grid_h * grid_w).reshape(grid_h, grid_w)
+    rows, cols = np.divmod(index, grid_w)
+    window = (rows // units) * -(-grid_w // units) + cols // units
+    window = window.reshape(-1)
+    order = np.lexsort((cols.reshape(-1), rows.reshape(-1), window))  # by window, then row-major
+    return order, window[order]
+
+
+def pack_images(
+    vision: QwenVisionConfig, images: list[tuple[tuple[int, int, int], np.ndarray, np.ndarray]], bucket: int
+) -> dict[str, np.ndarray]:
+    """The encoder program's inputs for `images` [(grid (t, h, w) in patches, patches [P, patch_dim] in
+    the processor's order, the cache row of each of its tokens [P / 4])], packed into `bucket` patches:
+    the patches in window order, their (row, column), window and image numbers (-1: padding), and the
+    cache row of each merged token (`scratch` rows for the padding: the caller's `dest` default)."""
+    m, unit = vision.spatial_merge_size, vision.merge_unit
+    patches = np.zeros((bucket, vision.patch_dim), np.float32)
+    pos = np.zeros((bucket, 2), np.int32)
+    window_ids = np.full(bucket, -1, np.int32)
+    image_ids = np.full(bucket, -1, np.int32)
+    dest = np.full(bucket // unit, -1, np.int32)
+    start, num_windows = 0, 0
+    for image, ((t, h, w), pixels, rows) in enumerate(images):
+        gh, gw = h // m, w // m
+        order, window = _window_order(gh, gw, vision.window_units)
+        order = (np.arange(t)[:, None] * gh * gw + order[None]).reshape(-1)  # frames one after another
+        window = (np.arange(t)[:, None] * (window.max() + 1) + window[None]).reshape(-1)
+        n = len(order) * unit
+        # The processor writes each token's 2 x 2 patches together, tokens row-major: move tokens whole.
+        patch_index = (order[:, None] * unit + np.arange(unit)[None]).reshape(-1)
+        patches[start : start + n] = pixels[patch_index]
+        token_rows, token_cols = np.divmod(order % (gh * gw), gw)
+        sub_rows, sub_cols = np.divmod(np.arange(unit), m)
+        pos[start : start + n, 0] = (token_rows[:, None] * m + sub_rows[None]).reshape(-1)
+        pos[start : start + n, 1] = (token_cols[:, None] * m + sub_cols[None]).reshape(-1)
+        window_ids[start : start + n] = np.repeat(window + num_windows, unit)
+        image_ids[start : start + n] = image
+        dest[start // unit : (start + n) // unit] = rows[order]
+        start, num_windows = start + n, num_windows + int(window.max()) + 1
+    return {"patches": patches, "pos": pos, "window_ids": window_ids, "image_ids": image_ids, "dest": dest}
+
+
+def image_positions(grid: tuple[int, int, int], spatial_merge_size: int) -> np.ndarray:
+    """[3, tokens] an image's M-RoPE offsets from its start: (frame, row, column) of each token."""
+    t, h, w = grid[0], grid[1] // spatial_merge_size, grid[2] // spatial_merge_size
+    frames, rows, cols = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+    return np.stack([frames.reshape(-1), rows.reshape(-1), cols.reshape(-1)])
+
+
+def mrope_positions(features, start: int, stop: int, spatial_merge_size: int) -> np.ndarray:
+    """[3, stop - start] int32: the M-RoPE positions of a request's token positions [start, stop)
+    (its prompt's images: `features`, in prompt order, each with its patch `grid`)."""
+    index = np.arange(start, stop)
+    out = np.broadcast_to(index, (3, len(index))).copy()
+    delta = 0  # where the text resumes after the images so far, less its index
+    for feature in features:
+        image = image_positions(feature.grid, spatial_merge_size)
+        begin = feature.offset + delta
+        lo, hi = max(start, feature.offset), min(stop, feature.end)
+        if lo < hi:
+            out[:, lo - start : hi - start] = begin + image[:, lo - feature.offset : hi - feature.offset]
+        delta += int(image[1:].max()) + 1 - feature.length  # text resumes past the longer side
+        after = index >= feature.end
+        out[:, after] = index[after] + delta
+    return out.astype(np.int32)
+
+
+# -- the vision tower ---------------------------------------------------------------------------------
+
+
+class VisionBlock(nnx.Module):
+    def __init__(self, v: QwenVisionConfig, *, dtype, rngs: nnx.Rngs):
+        d = v.hidden_size
+        self.norm1 = RMSNorm(d, 1e-6, dtype=dtype)
+        self.norm2 = RMSNorm(d, 1e-6, dtype=dtype)
+        self.attn = nnx.Dict(
+            qkv=Linear(d, 3 * d, use_bias=True, dtype=dtype, rngs=rngs),
+            proj=Linear(d, d, use_bias=True, dtype=dtype, rngs=rngs),
+        )
+        self.mlp = nnx.Dict(
+            gate_proj=Linear(d, v.intermediate_size, use_bias=True, dtype=dtype, rngs=rngs),
+            up_proj=Linear(d, v.intermediate_size, use_bias=True, dtype=dtype, rngs=rngs),
+            down_proj=Linear(v.intermediate_size, d, use_bias=True, dtype=dtype, rngs=rngs),
+        )
+        self.num_heads = v.num_heads
+        self.act = activation(v.hidden_act)
+
+    def __call__(self, x: jax.Array, cos_sin, mask: jax.Array) -> jax.Array:  # x [P, D], mask [P, P]
+        p, d = x.shape
+        qkv = self.attn["qkv"](self.norm1(x)).reshape(p, 3, self.num_heads, d // self.num_heads)
+        q, k, v = (qkv[:, i] for i in range(3))
+        q = rotate_halves(q.astype(jnp.float32), cos_sin).astype(x.dtype)
+        k = rotate_halves(k.astype(jnp.float32), cos_sin).astype(x.dtype)
+        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.where(mask[None], scores * (d // self.num_heads) ** -0.5, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        x = x + self.attn["proj"](jnp.einsum("hqk,khd->qhd", probs, v).reshape(p, d))
+        h = self.norm2(x)
+        mlp = self.mlp
+        return x + mlp["down_proj"](self.act(mlp["gate_proj"](h)) * mlp["up_proj"](h))
+
+
+class VisionTower(nnx.Module):
+    """Patches -> merged tokens in the decoder's width (module doc)."""
+
+    def __init__(self, v: QwenVisionConfig, *, dtype, rngs: nnx.Rngs):
+        self.patch_embed = Linear(v.patch_dim, v.hidden_size, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([VisionBlock(v, dtype=dtype, rngs=rngs) for _ in range(v.depth)])
+        merged = v.hidden_size * v.merge_unit
+        self.merger = nnx.Dict(
+            ln_q=RMSNorm(v.hidden_size, 1e-6, dtype=dtype),
+            fc1=Linear(merged, merged, use_bias=True, dtype=dtype, rngs=rngs),
+            fc2=Linear(merged, v.out_hidden_size, use_bias=True, dtype=dtype, rngs=rngs),
+        )
+        self.v = v
+
+    def __call__(self, patches, pos, window_ids, image_ids) -> jax.Array:  # -> [P / 4, D_text]
+        v = self.v
+        x = self.patch_embed(patches.astype(self.patch_embed.kernel.dtype))
+        head_dim = v.hidden_size // v.num_heads
+        inv_freq = jnp.asarray(base_inv_freq(head_dim // 2, v.rope_theta), jnp.float32)  # [head_dim / 4]
+        angles = (pos.astype(jnp.float32)[:, :, None] * inv_freq).reshape(pos.shape[0], -1)  # [P, hd / 2]
+        cos_sin = rope_cos_sin(angles)
+        # Padding patches (ids -1) see each other only: their rows are never read.
+        in_window = window_ids[:, None] == window_ids[None, :]
+        in_image = image_ids[:, None] == image_ids[None, :]
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos_sin, in_image if i in v.fullatt_block_indexes else in_window)
+        merger = self.merger
+        x = merger["ln_q"](x).reshape(-1, v.hidden_size * v.merge_unit)
+        return merger["fc2"](jax.nn.gelu(merger["fc1"](x), approximate=False))
+
+
+class Qwen2_5_VLForConditionalGeneration(VisionLanguageLM):
+    config_class = Qwen2_5_VLConfig
+    layer_class = LlamaDecoderLayer
+
+    def __init__(self, cfg: Qwen2_5_VLConfig, backend, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        super().__init__(cfg, backend, dtype=dtype, rngs=rngs)
+        self.visual = VisionTower(cfg.vision, dtype=dtype, rngs=rngs)
+
+    @classmethod
+    def prepare_hf_tensors(
+        cls, cfg: Qwen2_5_VLConfig, tensors: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """transformers 5's names (`model.language_model.*`, `model.visual.*`) or the releases' (`model.*`,
+        `visual.*`) as ours; the patch convolution as the matrix it is (its stride is its kernel)."""
+        out = {}
+        for name, tensor in tensors.items():
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model.") :]
+            elif name.startswith("visual."):
+                name = "model." + name
+            name = name.replace(".merger.mlp.0.", ".merger.fc1.").replace(".merger.mlp.2.", ".merger.fc2.")
+            if name == "model.visual.patch_embed.proj.weight":
+                name, tensor = "model.visual.patch_embed.weight", tensor.reshape(tensor.shape[0], -1)
+            out[name] = tensor
+        return out
+
+    def encode_images(self, patches, pos, window_ids, image_ids) -> jax.Array:
+        return self.visual(patches, pos, window_ids, image_ids)
+
+    def __call__(self, input_ids, positions, kv_cache, md, lora=None, mm: EncoderOutputs | None = None):
+        if mm is not None and mm.mrope is not None:  # every layer rotates by the step's M-RoPE positions
+            md = dataclasses.replace(md, rope=rope_cos_sin(self._mrope_angles(mm.mrope)))
+        return super().__call__(input_ids, positions, kv_cache, md, lora, mm)
+
+    def _mrope_angles(self, mrope: jax.Array) -> jax.Array:  # [3, T] -> [T, head_dim / 2]
+        cfg = self.cfg
+        inv_freq = base_inv_freq(cfg.rotary_dim, cfg.rope_theta)
+        stream = np.repeat(np.arange(len(cfg.mrope_section)), cfg.mrope_section)  # which stream per freq
+        picked = jnp.take(mrope, jnp.asarray(stream), axis=0).astype(jnp.float32)  # [head_dim / 2, T]
+        return (picked * jnp.asarray(inv_freq, jnp.float32)[:, None]).T
