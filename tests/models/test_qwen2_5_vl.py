@@ -1,0 +1,198 @@
+"""Qwen2.5-VL end to end, offline: a tiny random Qwen2_5_VLForConditionalGeneration against Hugging Face's.
+Images keep their own sizes (a token per 8 x 8 pixels here, at most 64 tokens: larger images are resized
+down by the processor), the tower attends within windows of 2 x 2 tokens but in its last block, and the
+decoder rotates by M-RoPE positions. One engine for the module (float32, steps of 16 tokens, so an
+image's tokens span several chunks; strict compile guard: every patch bucket compiled at warm-up)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers.tiny_vlm import ENGINE_ARGS, data_url, random_image, save_tiny_qwen2_5_vl
+from xlaserve import LLM, SamplingParams
+
+BLOCK = ENGINE_ARGS["block_size"]
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+PROMPT = f"The quick brown fox jumps over the lazy dog 0123456789. {IMAGE} What is it?"
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("tiny-qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, **{**ENGINE_ARGS, "kv_cache_memory": 24 * 8192})
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    import torch
+    import transformers
+
+    return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _hf_inputs(llm, text: str, images: list) -> dict:
+    """Hugging Face's model inputs for `text` and `images`, made by the engine's processor (the same
+    image processor and placeholder expansion as Qwen2_5_VLProcessor's)."""
+    import torch
+
+    mm = llm.input_processor.mm_processor
+    out = mm.hf_processor(text=text, images=images)
+    ids = torch.tensor(out["input_ids"])
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.tensor(out["pixel_values"]),
+        "image_grid_thw": torch.tensor(out["image_grid_thw"]),
+        "mm_token_type_ids": (ids == mm.image_token_id).long(),  # what get_rope_index reads
+    }
+
+
+def _hf_greedy(hf, inputs: dict, max_tokens: int = 8):
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        logits = hf(**inputs).logits[0].float()
+    ids = inputs["input_ids"][0]
+    logprobs = torch.log_softmax(logits, -1)[:-1].gather(1, ids[1:, None])[:, 0]
+    return out[0, len(ids) :].tolist(), ids.tolist(), logprobs.numpy()
+
+
+def _mm(text: str, *images):
+    return {"prompt": text, "multi_modal_data": {"image": list(images)}}
+
+
+def test_greedy_tokens_and_prompt_logprobs_match_hugging_face(llm, hf):
+    image = random_image(1)  # 40 x 48 pixels: 5 x 6 tokens, windows cut short at the edges
+    inputs = _hf_inputs(llm, PROMPT, [image])
+    assert inputs["image_grid_thw"].tolist() == [[1, 12, 10]]
+    hf_tokens, hf_ids, hf_logprobs = _hf_greedy(hf, inputs)
+    params = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0)
+    out = llm.generate(_mm(PROMPT, image), params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == hf_ids
+    assert list(out.outputs[0].token_ids) == hf_tokens
+    ours = np.array([entry[tid].logprob for entry, tid in zip(out.prompt_logprobs[1:], hf_ids[1:])])
+    np.testing.assert_allclose(ours, hf_logprobs, atol=2e-4)
+    assert llm.engine_core.runner.guard.num_unexpected == 0  # every patch bucket was warm
+
+
+def test_images_of_two_sizes_in_one_prompt_match_hugging_face(llm, hf):
+    """A wide image and one past max_pixels (resized down): their tokens, M-RoPE positions and the
+    text between and after them (each image moves the text's positions by its longer side)."""
+    images = [random_image(2, (64, 40)), random_image(3, (120, 90))]
+    text = f"First {IMAGE} then {IMAGE} compare."
+    inputs = _hf_inputs(llm, text, images)
+    grids = inputs["image_grid_thw"].tolist()
+    assert grids[0] == [1, 10, 16] and grids[1][1] * grids[1][2] * 16 <= 64 * 64  # resized down
+    hf_tokens, _, _ = _hf_greedy(hf, inputs)
+    out = llm.generate(_mm(text, *images), GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_tokens
+
+
+def test_mrope_positions_are_hugging_faces(llm, hf):
+    """`mrope_positions` of every prompt position, chunk by chunk, and of the tokens after the prompt,
+    against Hugging Face's get_rope_index and its decode delta."""
+    from xlaserve.models.qwen2_5_vl import mrope_positions
+
+    images = [random_image(4, (64, 40)), random_image(5, (32, 48))]
+    text = f"a {IMAGE} b c {IMAGE}"  # the prompt ends with an image: the delta is its own
+    inputs = _hf_inputs(llm, text, images)
+    expected, delta = hf.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"]
+    )
+    _, features = llm.input_processor.mm_processor.process(text, images)
+    n = inputs["input_ids"].shape[1]
+    chunks = [mrope_positions(features, start, min(start + 7, n + 3), 2) for start in range(0, n + 3, 7)]
+    ours = np.concatenate(chunks, axis=1)
+    np.testing.assert_array_equal(ours[:, :n], expected[:, 0].numpy())
+    np.testing.assert_array_equal(ours[:, n:], np.tile(np.arange(n, n + 3) + int(delta[0, 0]), (3, 1)))
+    assert int(delta[0, 0]) < 0  # images hold fewer positions than tokens
+
+
+def test_packed_images_encode_as_hugging_faces_tower(llm, hf):
+    """Three images of three sizes packed into one call: each token's row as Hugging Face's."""
+    import torch
+    from flax import nnx
+
+    from xlaserve.models.qwen2_5_vl import pack_images
+
+    runner = llm.engine_core.runner
+    model = nnx.merge(runner.graphdef, runner.params)
+    images = [random_image(6, (40, 48)), random_image(7, (32, 32)), random_image(8, (48, 40))]
+    out = llm.input_processor.mm_processor.hf_processor(text="", images=images)
+    grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
+    counts = [int(np.prod(g)) // 4 for g in grids]
+    pixels = np.split(out["pixel_values"], np.cumsum([c * 4 for c in counts])[:-1])
+    rows = np.split(np.arange(sum(counts)), np.cumsum(counts)[:-1])
+    packed = pack_images(model.cfg.vision, list(zip(grids, pixels, rows)), 320)
+    encoded = np.asarray(
+        model.encode_images(packed["patches"], packed["pos"], packed["window_ids"], packed["image_ids"])
+    )
+    ours = np.zeros((sum(counts), encoded.shape[1]), np.float32)
+    real = packed["dest"] >= 0
+    ours[packed["dest"][real]] = encoded[real]
+    with torch.no_grad():
+        expected = hf.model.get_image_features(
+            pixel_values=torch.tensor(out["pixel_values"]), image_grid_thw=torch.tensor(out["image_grid_thw"])
+        ).pooler_output
+    expected = torch.cat(list(expected)) if isinstance(expected, (list, tuple)) else expected
+    np.testing.assert_allclose(ours, expected.numpy(), atol=1e-5)
+
+
+def test_the_same_image_twice_hits_both_caches_and_another_image_neither(llm):
+    llm.reset_prefix_cache()
+    encoder = llm.engine_core.runner.mm_encoder
+    image = random_image(20)
+    encoded = encoder.num_encoded
+    first = llm.generate(_mm(PROMPT, image), GREEDY, use_tqdm=False)[0]
+    assert encoder.num_encoded == encoded + 1  # once, though its tokens span three chunks
+    again = llm.generate(_mm(PROMPT, image), GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == (len(first.prompt_token_ids) - 1) // BLOCK * BLOCK
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert encoder.num_encoded == encoded + 1
+    other = llm.generate(_mm(PROMPT, random_image(21)), GREEDY, use_tqdm=False)[0]
+    image_offset = first.prompt_token_ids.index(llm.input_processor.mm_processor.image_token_id)
+    assert other.num_cached_tokens == image_offset // BLOCK * BLOCK  # the text block only
+    assert encoder.num_encoded == encoded + 2
+
+
+def test_chat_with_a_data_url_image_part_matches_hugging_face(llm, hf, model_dir):
+    import transformers
+
+    image = random_image(30, (56, 40))
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in it? "},
+                {"type": "image_url", "image_url": {"url": data_url(image)}},
+            ],
+        }
+    ]
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"What is in it? {IMAGE}\n"}], add_generation_prompt=True, tokenize=False
+    )
+    hf_tokens, hf_ids, _ = _hf_greedy(hf, _hf_inputs(llm, text, [image]))
+    assert out.prompt_token_ids == hf_ids
+    assert list(out.outputs[0].token_ids) == hf_tokens
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        (_mm("no placeholder", random_image(1)), "0 <|image_pad|> placeholders for 1 images"),
+        (_mm(f"{IMAGE} {IMAGE}", random_image(1)), "2 <|image_pad|> placeholders for 1 images"),
+        (_mm(f"tiny {IMAGE}", random_image(1, (1, 1))), "each side must be at least"),
+    ],
+)
+def test_bad_image_prompts_are_refused_naming_the_field(llm, prompt, message):
+    with pytest.raises(ValueError, match=message.replace("|", r"\|")):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
