@@ -51,7 +51,7 @@ class MultiModalHook(StepHook):
         cfg, sched = runner.model_config, runner.config.scheduler
         self.runner = runner
         self.tokens_per_item = tokens_per_item
-        self.buckets = self._buckets(cfg, sched)
+        self.buckets = self._set_up_encoder(cfg, sched)
         self.max_items_per_step = self._max_items_per_step()
         # vLLM's default encoder cache: a step's worth of tokens (here at least two steps' images).
         num_slots = max(2 * self.max_items_per_step, sched.max_num_batched_tokens // tokens_per_item)
@@ -81,8 +81,8 @@ class MultiModalHook(StepHook):
 
     # -- what differs between encoders: images of one size (LLaVA, Gemma 3), or packed patches ----------
 
-    def _buckets(self, cfg, sched) -> list[int]:
-        """The encoder program's buckets: images per call."""
+    def _set_up_encoder(self, cfg, sched) -> list[int]:
+        """The shapes the encoder takes, and its program's buckets (here images per call)."""
         max_items = max(1, min(MAX_ITEMS_PER_CALL, sched.max_num_batched_tokens // self.tokens_per_item))
         vision = cfg.vision
         self.pixel_shape = (vision.num_channels, vision.image_size, vision.image_size)
@@ -201,7 +201,7 @@ class PackedPatchesHook(MultiModalHook):
     largest image); each token's cache row comes from the host (`pack_images`), so a call writes
     images of several sizes at once and its padding into the scratch slot."""
 
-    def _buckets(self, cfg, sched) -> list[int]:
+    def _set_up_encoder(self, cfg, sched) -> list[int]:
         vision: QwenVisionConfig = cfg.vision
         self.vision, self.spatial_merge_size = vision, vision.spatial_merge_size
         max_patches = self.tokens_per_item * vision.merge_unit

@@ -16,7 +16,14 @@ import pytest
 from test_server_hostile import check_error, check_still_serving, send
 
 from helpers.server_harness import MODEL_NAME, running_server
-from helpers.tiny_vlm import ENGINE_ARGS, data_url, random_image, save_tiny_gemma3, save_tiny_llava
+from helpers.tiny_vlm import (
+    ENGINE_ARGS,
+    data_url,
+    random_image,
+    save_tiny_gemma3,
+    save_tiny_llava,
+    save_tiny_qwen2_5_vl,
+)
 
 NAME = "tiny-llava"
 
@@ -58,8 +65,8 @@ def _image(url: str) -> dict:
 
 
 def _hf_tokens(model_dir: str, image) -> list[int]:
-    """Hugging Face's greedy tokens for `_chat`'s message with `image` (LLaVA's or Gemma 3's class,
-    by the checkpoint's architecture; the processor's own placeholder in the template's text)."""
+    """Hugging Face's greedy tokens for `_chat`'s message with `image` (the class of the checkpoint's
+    architecture; the processor's own chat placeholder in the template's text)."""
     import json
 
     import torch
@@ -74,11 +81,14 @@ def _hf_tokens(model_dir: str, image) -> list[int]:
         model_dir, transformers.AutoTokenizer.from_pretrained(model_dir)
     )
     text = processor.hf_processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"What is it? {processor.placeholder}\n"}],
+        [{"role": "user", "content": f"What is it? {processor.chat_placeholder}\n"}],
         add_generation_prompt=True,
         tokenize=False,
     )
     inputs = processor.hf_processor(text=text, images=[image], return_tensors="pt")
+    inputs = {name: torch.as_tensor(value) for name, value in inputs.items()}
+    if "image_grid_thw" in inputs:  # Qwen2.5-VL: which tokens are the image's, for its M-RoPE
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == processor.image_token_id).long()
     with torch.no_grad():
         out = hf.generate(**inputs, max_new_tokens=4, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
@@ -95,19 +105,21 @@ def test_openai_client_sends_a_data_url_image(vlm):
     assert response.usage.prompt_tokens > 16  # the 16 image tokens are counted
 
 
-def test_gemma3_through_the_openai_client(tmp_path_factory, server_cache_dir):
-    """A Gemma 3 server (its images attend both ways) answers a data-URL image part as Hugging Face's
-    Gemma 3 does."""
-    model = save_tiny_gemma3(str(tmp_path_factory.mktemp("tiny-gemma3-server")))
-    flags = ["--served-model-name", "tiny-gemma3"]
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_other_families_through_the_openai_client(tmp_path_factory, server_cache_dir, family):
+    """A Gemma 3 server (its images attend both ways) and a Qwen2.5-VL one (images of their own sizes,
+    M-RoPE) answer a data-URL image part as Hugging Face's model does."""
+    save = {"gemma3": save_tiny_gemma3, "qwen2_5_vl": save_tiny_qwen2_5_vl}[family]
+    model = save(str(tmp_path_factory.mktemp(f"tiny-{family}-server")))
+    flags = ["--served-model-name", f"tiny-{family}"]
     for key, value in ENGINE_ARGS.items():
         flags += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
     image = random_image(12)
     with running_server(
-        str(tmp_path_factory.mktemp("gemma3-logs")), server_cache_dir, extra_args=flags, model=model
+        str(tmp_path_factory.mktemp(f"{family}-logs")), server_cache_dir, extra_args=flags, model=model
     ) as proc:
         client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none")
-        response = client.chat.completions.create(**_chat(_image(data_url(image)), model="tiny-gemma3"))
+        response = client.chat.completions.create(**_chat(_image(data_url(image)), model=f"tiny-{family}"))
     assert response.choices[0].message.content == _decode(model, _hf_tokens(model, image))
 
 
