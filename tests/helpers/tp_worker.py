@@ -323,9 +323,9 @@ def _greedy_under_layouts(make_llm, layouts: list[dict], prompts, params) -> lis
 
 
 def generate_images(model_dir: str, layouts: list[dict]) -> list:
-    """A tiny LLaVA's (or Gemma 3's) greedy tokens and sampled logprobs for prompts with images (one,
-    two, none), under each layout: the vision tower and projector run in the encoder's program on the
-    layout's mesh."""
+    """A tiny LLaVA's (Gemma 3's, Qwen2.5-VL's) greedy tokens and sampled logprobs for prompts with images
+    (one, two, none), under each layout: the vision tower and projector run in the encoder's program on
+    the layout's mesh."""
     import json
 
     from tiny_vlm import ENGINE_ARGS, random_image  # beside this file, on sys.path as the script's folder
@@ -333,17 +333,21 @@ def generate_images(model_dir: str, layouts: list[dict]) -> list:
     from xlaserve import LLM, SamplingParams
 
     with open(os.path.join(model_dir, "config.json")) as f:
-        gemma3 = json.load(f)["architectures"][0] == "Gemma3ForConditionalGeneration"
-    image = "<start_of_image>" if gemma3 else "<image>"
+        architecture = json.load(f)["architectures"][0]
+    image, size = {
+        "Gemma3ForConditionalGeneration": ("<start_of_image>", (40, 48)),
+        "Qwen2_5_VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", (32, 40)),
+    }.get(architecture, ("<image>", (40, 48)))
     text = f"The quick brown fox jumps over the lazy dog. {image} What is it?"
+    two = [random_image(2, size), random_image(3, size)]
     prompts = [
-        {"prompt": text, "multi_modal_data": {"image": [random_image(1)]}},
-        {"prompt": f"{text} {image}", "multi_modal_data": {"image": [random_image(2), random_image(3)]}},
+        {"prompt": text, "multi_modal_data": {"image": [random_image(1, size)]}},
+        {"prompt": f"{text} {image}", "multi_modal_data": {"image": two}},
         {"prompt": "No image here, only text."},
     ]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     # Only the programs these requests run (the module's engines warm up every bucket).
-    args = {**ENGINE_ARGS, "strict_compile_guard": False, "enforce_eager": True}
+    args = {**ENGINE_ARGS, "strict_compile_guard": False, "enforce_eager": True, "kv_cache_memory": 24 * 8192}
     return _greedy_under_layouts(lambda layout: LLM(model_dir, **args, **layout), layouts, prompts, params)
 
 

@@ -221,3 +221,16 @@ def test_gemma3_with_images_under_tensor_parallelism_matches_one_device(tp_worke
 
     model = save_tiny_gemma3(str(tmp_path_factory.mktemp("tp_gemma3")))
     assert_same_as_first(tp_worker.run("generate_images", model, [{}, {"tensor_parallel_size": 2}]))
+
+
+def test_qwen2_5_vl_with_images_under_tensor_parallelism_matches_one_device(tp_worker, tmp_path_factory):
+    """Qwen2.5-VL at TP 2: the windowed tower's MLP and merger split by channel (its fused qkv whole),
+    the packed patches and M-RoPE positions replicated, the decoder split as Qwen2's."""
+    from helpers.tiny_vlm import save_tiny_qwen2_5_vl
+
+    model = save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("tp_qwen2_5_vl")))
+    assert_same_as_first(tp_worker.run("generate_images", model, [{}, {"tensor_parallel_size": 2}]))
+    shards = tp_worker.run("param_shards", model, {"tensor_parallel_size": 2})
+    assert shards["visual/blocks/0/mlp/gate_proj/kernel"] == [[32, 48], [32, 24]]
+    assert shards["visual/merger/fc2/kernel"] == [[128, 64], [64, 64]]
+    assert shards["visual/blocks/0/attn/qkv/kernel"] == [[32, 96]] * 2  # whole
