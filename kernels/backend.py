@@ -38,7 +38,7 @@ from xlaserve.kernels import reference
 from xlaserve.kernels.attention_args import validate_attention_args
 from xlaserve.kernels.dtype_ops import word_dtype
 from xlaserve.kernels.gated_delta import chunk_terms_reference as delta_chunk_terms_reference
-from xlaserve.kernels.mla import mla_paged_attention
+from xlaserve.kernels.mla import mla_paged_attention, write_latent
 from xlaserve.kernels.ssd import chunk_terms_reference
 from xlaserve.kernels.synthetic import StepShape, synthetic_step
 
@@ -59,6 +59,9 @@ class AttentionBackend:
     write_kv: Callable
     reason: str
     mla_attention: Callable = mla_paged_attention  # the signature of kernels/mla.py
+    # Writes the latent cache (kernels/mla.py `write_latent`'s signature, `positions` keyword included):
+    # decode context parallelism writes each token on the rank that owns it.
+    write_latent: Callable = write_latent
     # The reference stores a 16-bit float K/V cache as uint16 words: XLA's CPU backend would
     # otherwise convert the whole cache to float32 for every gather and scatter (dtype_ops.py).
     cache_words: bool = False

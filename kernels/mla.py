@@ -43,8 +43,12 @@ def write_latent(
     latent_cache: jax.Array,  # [num_blocks, block_size, 1, kv_lora_rank + rope_dim]
     latent: jax.Array,  # [T, kv_lora_rank + rope_dim]
     slot_mapping: jax.Array,  # [T] int32: block_id * block_size + offset (padding: the null block)
+    *,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
-    """Scatter this step's latents into their cache slots."""
+    """Scatter this step's latents into their cache slots. `positions` [T] (the tokens' positions) is
+    not read here: a decode-context-parallel cache (sharding/context_parallel.py) writes each token on
+    the rank its position names, as `AttentionBackend.write_latent`."""
     block_size = latent_cache.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     return latent_cache.at[blocks, offsets, 0].set(latent.astype(latent_cache.dtype))

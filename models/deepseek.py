@@ -26,7 +26,6 @@ from xlaserve.kernels import (
     AttentionMetadata,
     KVCacheSpec,
     MLACache,
-    write_latent,
 )
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import GatedMLP, LayerSpec, Linear, RMSNorm
@@ -125,6 +124,7 @@ class MLAttention(nnx.Module):
     def __init__(self, cfg: DeepseekConfig, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
         d, h = cfg.hidden_size, cfg.num_heads
         self.mla_attention = backend.mla_attention  # the jnp reference or the Pallas kernel
+        self.write_latent = backend.write_latent  # decode context parallel: only the rank's own tokens
         r, qk_dim = cfg.kv_lora_rank, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         bias = cfg.attention_bias
         if cfg.q_lora_rank is None:
@@ -168,7 +168,8 @@ class MLAttention(nnx.Module):
         compressed = self.kv_a_proj_with_mqa(x)  # [T, r + rope_dim]
         latent = self.kv_a_layernorm(compressed[:, :r])
         k_rope = self._rope(compressed[:, None, r:], positions)[:, 0]
-        cache = write_latent(kv_cache.latent, jnp.concatenate([latent, k_rope], axis=-1), md.slot_mapping)
+        new_latent = jnp.concatenate([latent, k_rope], axis=-1)  # [T, r + rope_dim]
+        cache = self.write_latent(kv_cache.latent, new_latent, md.slot_mapping, positions=positions)
 
         w_ukv = self.kv_b_proj.dequantized_kernel(x.dtype).reshape(r, h, dn + dv)  # [r, H, dn + dv]
         q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_ukv[..., :dn])  # absorb W_uk into the query

@@ -16,20 +16,29 @@ per rank under `shard_map` over the "tensor" axis:
   local keys j <= (p - index) / d), and the partial results (max, sum, weighted values) are gathered
   and merged by log-sum-exp, each rank keeping its own query heads.
 
+Latent attention (DeepSeek's MLA, kernels/mla.py) has one latent "KV head" every query head shares,
+replicated on every rank under plain tensor parallelism. Under decode context parallel it is one latent
+head per rank (`InterleavedLatentSpec`), interleaved the same way, so a group of d ranks holds d times
+the tokens in the same memory: the latents are written by `write_latent` on their owning rank, and each
+rank attends the group's absorbed queries to its own latents as attention with one shared head whose
+key is the whole latent (c, k_pe) and whose value is the latent itself (c: its k_pe part, weighted
+too, is dropped after the merge), merged across the group like K/V.
+
 Prefill context parallel runs the backend's own kernel (Pallas on a GPU, the reference on CPU) on each
 rank's share of the tokens, seen as a ragged batch of its own (`_rank_share`), latent attention too.
-Decode context parallel runs the reference path's float32 online softmax (kernels/reference.py
+Decode context parallel runs the reference path's float32 online softmax (kernels/paged_attend.py
 `PagedAttend`), stopped before the normalization, whose partials the group merges; its sliding windows
 count back from each query's position over the sequence's positions (a rank's slot j holds position
 j * d + its index: `PagedAttend`'s kv_stride and kv_offset), and attention sinks join the softmax once
-(on each group's first rank only). Not yet: a float8 cache, models with recurrent layers, latent
-attention under decode context parallel. The gathers run over the whole "tensor" axis and each rank
-keeps its group's part (axis_index_groups would send only the group's).
+(on each group's first rank only). A float8 K/V cache is written and read as its format says. Not yet:
+models with recurrent layers. The gathers run over the whole "tensor" axis and each rank keeps its
+group's part (axis_index_groups would send only the group's).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +46,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from xlaserve.kernels.backend import AttentionBackend
+from xlaserve.kernels.metadata import KVCache, KVCacheSpec
+from xlaserve.kernels.mla import MLACache, write_latent
 from xlaserve.kernels.paged_attend import PagedAttend
 from xlaserve.kernels.reference import FP8_E4M3, token_positions, write_kv
 from xlaserve.sharding.attention import attention_under_shard_map
@@ -69,10 +80,31 @@ def physical_slot_mapping(slot_mapping: np.ndarray, block_size: int, dcp: int) -
     return (blocks * (block_size // dcp) + offsets // dcp).astype(slot_mapping.dtype)
 
 
+def decode_context_parallel_cache_spec(kv_spec: KVCacheSpec, tensor_parallel_size: int) -> KVCacheSpec:
+    """The cache spec under decode context parallel: K and V as they are (their copies of a KV head
+    already one per rank); latent attention's one shared latent head, replicated under plain tensor
+    parallelism, becomes one per rank (`InterleavedLatentSpec`)."""
+    if kv_spec.cache_class is not MLACache:
+        return kv_spec
+    return InterleavedLatentSpec(kv_spec.num_layers, tensor_parallel_size, kv_spec.head_dim, MLACache)
+
+
+@dataclasses.dataclass(frozen=True)
+class InterleavedLatentSpec(KVCacheSpec):
+    """MLA's latent cache under decode context parallel: ``[num_layers * num_blocks, block_size / d,
+    tensor_parallel_size, kv_lora_rank + rope_dim]`` split over "tensor" by its head axis, so that each
+    rank's one latent head holds the tokens it owns. A block's bytes are one rank's, as plain tensor
+    parallelism's replicated latent counts one copy: the budget holds d times the blocks."""
+
+    def bytes_per_block(self, block_size: int, itemsize: int) -> int:
+        return super().bytes_per_block(block_size, itemsize) // self.num_kv_heads
+
+
 def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> AttentionBackend:
-    """`backend` with K/V written interleaved over groups of `dcp` ranks and attention merged across
-    each group (module docstring). On a mesh with a "context" axis (prefill context parallel too),
-    each context group attends its share of the step's tokens, the K/V of all of them written."""
+    """`backend` with K/V (or latents) written interleaved over groups of `dcp` ranks and attention
+    merged across each group (module docstring). On a mesh with a "context" axis (prefill context
+    parallel too), each context group attends its share of the step's tokens, the K/V of all of them
+    written."""
     rules = logical_to_mesh(enable_expert_parallel=False)
     axis = rules["kv_heads"]
     heads = PartitionSpec(None, axis, None)  # k, v [T, heads, head_dim]: every token, gathered if split
@@ -82,11 +114,17 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
     replicated = PartitionSpec()
     kv_dtype = backend.kv_cache_dtype  # a float8 cache (--kv-cache-dtype), or None: the model's dtype
 
+    def place():  # this rank's index in its group, and the group's first rank
+        rank = jax.lax.axis_index(axis)
+        return rank % dcp, rank - rank % dcp
+
+    def owned(slot_mapping, positions):
+        # Tokens another rank of the group owns go to the null block, as padding does.
+        return jnp.where(positions % dcp == place()[0], slot_mapping, 0)
+
     def write_kv_owned(k_cache, v_cache, k, v, slot_mapping, *, positions):
         def local(k_cache, v_cache, k, v, slot_mapping, positions):
-            # Tokens another rank of the group owns go to the null block, as padding does.
-            is_mine = positions % dcp == jax.lax.axis_index(axis) % dcp
-            return write_kv(k_cache, v_cache, k, v, jnp.where(is_mine, slot_mapping, 0), kv_dtype=kv_dtype)
+            return write_kv(k_cache, v_cache, k, v, owned(slot_mapping, positions), kv_dtype=kv_dtype)
 
         return jax.shard_map(
             local,
@@ -96,23 +134,52 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
             check_vma=False,
         )(k_cache, v_cache, k, v, slot_mapping, positions)
 
-    def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
-        rank = jax.lax.axis_index(axis)
-        index, first = rank % dcp, rank - rank % dcp  # this rank in its group, the group's first
+    def write_latent_owned(latent_cache, latent, slot_mapping, *, positions):
+        def local(latent_cache, latent, slot_mapping, positions):
+            return write_latent(latent_cache, latent, owned(slot_mapping, positions))
+
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(cache, replicated, replicated, replicated),
+            out_specs=cache,
+            check_vma=False,
+        )(latent_cache, latent, slot_mapping, positions)
+
+    def attend_with_group(q, attend: PagedAttend, kv_lens, block_tables, query_start_loc, num_seqs, sm_scale):
+        """This rank's query heads q [T, h, D] attended with its group's, each rank over its own slots
+        (`attend`): -> the softmax-weighted values [T, h, D] (float32)."""
+        index, first = place()
         num_tokens, num_local_heads, head_dim = q.shape
         # The group's query heads: every rank's, of which the group's d ranks' [T, d * h, D].
         group_q = jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(q, axis), first, dcp)
         group_q = group_q.transpose(1, 0, 2, 3).reshape(num_tokens, 1, 1, dcp * num_local_heads, head_dim)
-        sinks_kg = None
-        if kw["sinks"] is not None:  # the group's heads' sinks, counted once: on its first rank only
-            group_sinks = jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(kw["sinks"], axis), first, dcp)
-            sinks_kg = jnp.where(index == 0, group_sinks.reshape(1, -1), -jnp.inf)
         seq, position, is_real = token_positions(num_tokens * num_context, kv_lens, query_start_loc, num_seqs)
         if num_context > 1:  # this context group's tokens
             first_token = jax.lax.axis_index("context") * num_tokens
             seq, position, is_real = (
                 jax.lax.dynamic_slice_in_dim(x, first_token, num_tokens) for x in (seq, position, is_real)
             )
+        partials = attend.partials(
+            group_q.astype(jnp.float32) * sm_scale,
+            _padded_tables(block_tables[seq]),
+            position[:, None],
+            is_real[:, None],
+            PAGES_PER_CHUNK,
+        )
+        # Every rank's partials [T, 1, 1, d * h, ...], of which the group's: merged by log-sum-exp.
+        m, l, acc = (
+            jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(x[:, 0, 0], axis), first, dcp) for x in partials
+        )
+        out = _merge(m, l, acc)  # [T, d * h, D]
+        return jax.lax.dynamic_slice_in_dim(out, index * num_local_heads, num_local_heads, axis=1)
+
+    def local(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
+        index, first = place()
+        sinks_kg = None
+        if kw["sinks"] is not None:  # the group's heads' sinks, counted once: on its first rank only
+            group_sinks = jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(kw["sinks"], axis), first, dcp)
+            sinks_kg = jnp.where(index == 0, group_sinks.reshape(1, -1), -jnp.inf)
         # This rank's slot j of a sequence holds its position j * d + index (the window and the causal
         # bound are the sequence's positions: PagedAttend's kv_stride and kv_offset).
         attend = _attend(
@@ -126,29 +193,44 @@ def decode_context_parallel(backend: AttentionBackend, mesh: Mesh, dcp: int) -> 
             index,
             kv_dtype,
         )
-        partials = attend.partials(
-            group_q.astype(jnp.float32) * kw["sm_scale"],
-            _padded_tables(block_tables[seq]),
-            position[:, None],
-            is_real[:, None],
-            PAGES_PER_CHUNK,
+        metadata = (kv_lens, block_tables, query_start_loc, num_seqs)
+        return attend_with_group(q, attend, *metadata, kw["sm_scale"]).astype(q.dtype)
+
+    def mla_local(
+        q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, sm_scale
+    ):
+        # Latent attention is attention with one shared head whose key is the latent and the rotated key
+        # part (kernels/mla.py): PagedAttend over the rank's latents as both keys and values, the
+        # values' last rope_dim numbers (the rotated key part) weighted too and dropped after the merge.
+        lora_rank = q_latent.shape[-1]
+        attend = _attend(
+            latent_cache, latent_cache, q_latent.dtype, None, kv_stride=dcp, kv_offset=place()[0]
         )
-        # Every rank's partials [T, 1, 1, d * h, ...], of which the group's: merged by log-sum-exp.
-        m, l, acc = (
-            jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(x[:, 0, 0], axis), first, dcp) for x in partials
-        )
-        out = _merge(m, l, acc)  # [T, d * h, D]
-        mine = jax.lax.dynamic_slice_in_dim(out, index * num_local_heads, num_local_heads, axis=1)
-        return mine.astype(q.dtype)
+        q = jnp.concatenate([q_latent, q_rope], axis=-1)  # [T, h, lora_rank + rope_dim]
+        metadata = (kv_lens, block_tables, query_start_loc, num_seqs)
+        return attend_with_group(q, attend, *metadata, sm_scale)[..., :lora_rank].astype(q_latent.dtype)
+
+    def mla_attention(q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw):
+        # The query heads split by "tensor" (and the tokens by "context"), the latent cache by rank.
+        operands = (q_latent, q_rope, latent_cache, kv_lens, block_tables, query_start_loc, num_seqs)
+        return jax.shard_map(
+            functools.partial(mla_local, sm_scale=kw["sm_scale"]),
+            mesh=mesh,
+            in_specs=(q_spec, q_spec, cache) + (replicated,) * 4,
+            out_specs=q_spec,
+            check_vma=False,
+        )(*operands)
 
     return dataclasses.replace(
         backend,
         name=f"{backend.name}+dcp",
         attention=attention_under_shard_map(mesh, q_spec, cache, local),
         write_kv=write_kv_owned,
+        mla_attention=mla_attention,
+        write_latent=write_latent_owned,
         serves_attend_ahead=False,
-        reason=f"decode context parallel over {dcp} ranks per KV head: interleaved K/V, attention partials "
-        "merged by log-sum-exp (sharding/context_parallel.py)",
+        reason=f"decode context parallel over {dcp} ranks per KV head: interleaved K/V (or latents), "
+        "attention partials merged by log-sum-exp (sharding/context_parallel.py)",
     )
 
 
@@ -200,12 +282,12 @@ def check_prefill_context_parallel(model_config, kv_spec, pcp: int) -> None:
 
 
 def _check_attention_kinds(prefix: str, model_config, kv_spec) -> None:
-    """What both context-parallel attentions do not serve yet: caches other than K and V (state layers,
-    latent attention)."""
-    architecture = model_config.architecture
-    if kv_spec.layer_kind != "full_attention" or kv_spec.cache_class.__name__ != "KVCache":
+    """What decode context parallel does not interleave yet: caches other than K and V per head and
+    latent attention's latents (recurrent states)."""
+    if kv_spec.layer_kind != "full_attention" or kv_spec.cache_class not in (KVCache, MLACache):
         raise ValueError(
-            f"{prefix} is not supported for {architecture} yet (its cache is not K and V per head)"
+            f"{prefix} is not supported for {model_config.architecture} yet (its cache holds recurrent "
+            "states, not K and V per head nor latents); use decode_context_parallel_size=1"
         )
 
 

@@ -33,6 +33,7 @@ from xlaserve.sharding.context_parallel import (
     check_decode_context_parallel,
     check_prefill_context_parallel,
     decode_context_parallel,
+    decode_context_parallel_cache_spec,
     prefill_context_parallel,
 )
 from xlaserve.sharding.kv_heads import replicate_kv_heads
@@ -142,6 +143,7 @@ def load_model(
     if dcp > 1:  # K/V interleaved over the ranks that hold copies of a KV head (with PCP: tokens split too)
         check_decode_context_parallel(checkpoint_config, kv_spec, dcp, tp)
         check_prefill_context_parallel(model_config, kv_spec, pcp)
+        kv_spec = decode_context_parallel_cache_spec(kv_spec, tp)  # MLA: a latent head per rank
         backend = decode_context_parallel(backend, mesh, dcp)
     elif pcp > 1:  # each group of devices computes its share of a step's tokens
         check_prefill_context_parallel(model_config, kv_spec, pcp)

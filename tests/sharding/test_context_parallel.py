@@ -43,13 +43,14 @@ def assert_as_one_device(base: dict, others: list[dict]) -> None:
             )
 
 
-def assert_layouts_as_one_device(tp_worker, model: str, layouts: list[dict], seed: int) -> None:
+def assert_layouts_as_one_device(tp_worker, model: str, layouts: list[dict], seed: int) -> dict:
     """`model` on one device and on each of `layouts`, the prompts of PROMPT_LENGTHS (random ids from
-    `seed`): `assert_as_one_device`."""
+    `seed`): `assert_as_one_device`. -> each layout's results (the worker's), by str(layout)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 300, n).tolist() for n in PROMPT_LENGTHS]
     base, *others = tp_worker.run("context_parallel", model, {"layouts": [{}, *layouts], "prompts": prompts})
     assert_as_one_device(base, others)
+    return {str(r["layout"]): r for r in (base, *others)}
 
 
 @pytest.fixture(scope="module")
@@ -213,12 +214,12 @@ def test_what_the_models_attention_needs_is_refused_by_name():
     check_prefill_context_parallel(model(), kv, 2)
     check_prefill_context_parallel(model(), latent, 2)  # the latent cache whole on every rank
     check_decode_context_parallel(model(), kv, 2, 4)
+    check_decode_context_parallel(model(), latent, 2, 4)  # the latents interleaved like K and V
     check_decode_context_parallel(model(layer_sliding_windows=(None, 128), attention_sinks=True), kv, 2, 4)
     with pytest.raises(ValueError, match=r"^prefill_context_parallel_size=2 .*recurrent states"):
         check_prefill_context_parallel(model(), hybrid, 2)
-    for spec in (hybrid, latent):
-        with pytest.raises(ValueError, match=r"^decode_context_parallel_size=2 .*not K and V"):
-            check_decode_context_parallel(model(), spec, 2, 4)
+    with pytest.raises(ValueError, match=r"^decode_context_parallel_size=2 .*recurrent states"):
+        check_decode_context_parallel(model(), hybrid, 2, 4)
 
 
 def test_sliding_windows_and_sinks_under_both(tp_worker, tmp_path_factory):
@@ -244,12 +245,22 @@ def test_sliding_windows_and_sinks_under_both(tp_worker, tmp_path_factory):
     assert_layouts_as_one_device(tp_worker, model, [DCP2, PCP2], seed=13)
 
 
-def test_latent_attention_split_by_tokens(tp_worker, tmp_path_factory):
-    """A tiny DeepSeek-V3 (latent attention, experts) at PCP 2 and PCP 2 x TP 2: each rank's tokens
-    through the MLA attention as a ragged batch of their own, over the latent cache every rank holds:
-    one device's tokens and logprobs."""
+def test_latent_attention_split_by_tokens_and_interleaved(tp_worker, tmp_path_factory):
+    """A tiny DeepSeek-V3 (latent attention, experts) at PCP 2 and PCP 2 x TP 2 (each rank's tokens
+    through the MLA attention as a ragged batch of their own, over the latent cache every rank holds),
+    at DCP 2 and DCP 4 (the one shared latent head interleaved over the ranks: each attends the group's
+    query heads to its own latents, the partials merged by log-sum-exp), and at PCP 2 with DCP 2 in
+    each group: one device's tokens and logprobs. Under DCP a rank's latent cache holds 1/d of each
+    block's slots, so the budget that holds one device's blocks holds d times as many."""
     from helpers.tiny_models import TINY_DEEPSEEK_V3, save_tiny_model, small_byte_tokenizer
 
     directory = str(tmp_path_factory.mktemp("cp_deepseek"))
     model = save_tiny_model(directory, "DeepseekV3", tokenizer=small_byte_tokenizer(), **TINY_DEEPSEEK_V3)
-    assert_layouts_as_one_device(tp_worker, model, [PCP2, PCP2_TP2], seed=14)
+    layouts = [PCP2, PCP2_TP2, DCP2, DCP4, PCP2_DCP2]
+    results = assert_layouts_as_one_device(tp_worker, model, layouts, seed=14)
+    one, dcp2, dcp4, pcp2_dcp2 = (results[str(layout)] for layout in ({}, DCP2, DCP4, PCP2_DCP2))
+    latent_dim = TINY_DEEPSEEK_V3["kv_lora_rank"] + TINY_DEEPSEEK_V3["qk_rope_head_dim"]
+    shards = [r["k_shard"][1:] for r in (one, dcp2, dcp4, pcp2_dcp2)]
+    assert shards == [[16, 1, latent_dim], [8, 1, latent_dim], [4, 1, latent_dim], [8, 1, latent_dim]]
+    assert dcp2["num_blocks"] // 2 == dcp4["num_blocks"] // 4 == one["num_blocks"]  # the budget's floor
+    assert dcp4["collectives"]["all-gather"] > 0
