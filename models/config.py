@@ -143,6 +143,12 @@ class TransformerConfig:
         return False
 
     @property
+    def encoder_output_width(self) -> int:
+        """A vision-language model's values per image token in the encoder cache: the decoder's width
+        (Qwen3-VL: also its deepstack features, one width per layer they join)."""
+        return self.hidden_size
+
+    @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling or ())
 

@@ -128,11 +128,13 @@ class DecoderOnlyLM(nnx.Module):
         md: AttentionMetadata,
         lora: LoRABatch | None = None,
         layers: range | None = None,
+        after_layer=None,
     ):  # -> (x [T, D], updated cache)
         """x through the decoder layers `layers` (None: all of them). A pipeline stage runs its own
         contiguous range (worker/pipeline_stage.py): its stacks hold only those layers' weights (each
         stack sliced to its overlap with the range) and `kv_cache` only their blocks, so each layer's
-        block offset counts from the range's first layer."""
+        block offset counts from the range's first layer. `after_layer(x, layer_index) -> x`, when given,
+        runs after every layer inside the scan (Qwen3-VL adds image features to its first layers')."""
         cfg = self.cfg
         layers = range(cfg.num_layers) if layers is None else layers
         # Every array of the cache is [len(layers) * num_blocks, block_size, ...].
@@ -159,6 +161,7 @@ class DecoderOnlyLM(nnx.Module):
                 num_blocks,
                 block_size,
                 stack_lora,
+                after_layer,
             )
         return x, kv_cache
 
@@ -185,6 +188,7 @@ def _run_stack(
     num_blocks: int,
     block_size: int,
     lora=None,  # (LoRAWeights [num_layers_in_stack, ...], SlotMask) or None: no adapters
+    after_layer=None,  # (x, layer index) -> x, run after each layer (`run_layers`)
 ):
     """x through every layer of `stack` under one scan; each layer sees the metadata of its blocks.
     Adapter slots, when given, are scanned with the layer weights: each layer gets its own."""
@@ -199,6 +203,8 @@ def _run_stack(
         if weights is not None:  # this layer's slots, bound to its projections for this step
             bind_adapters(layer, weights, slot_mask)
         x, kv_cache = layer(x, positions, kv_cache, md_layer, spec)
+        if after_layer is not None:
+            x = after_layer(x, spec.index)
         return (x, kv_cache), None
 
     # dtype_ops.scan: 16-bit weights sliced as words on CPU, where XLA would convert the whole stack.

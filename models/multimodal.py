@@ -32,8 +32,12 @@ class EncoderOutputs:
 
     def merge(self, x: jax.Array) -> jax.Array:
         """x [T, D] (the token embeddings) with image placeholders replaced by their rows."""
-        picked = jnp.take(self.cache, jnp.maximum(self.rows, 0), axis=0).astype(x.dtype)
+        picked = self.picked()[:, : x.shape[-1]].astype(x.dtype)
         return jnp.where((self.rows >= 0)[:, None], picked, x)
+
+    def picked(self) -> jax.Array:
+        """[T, W] each token's cache row (row 0 for text: mask it with `rows >= 0`)."""
+        return jnp.take(self.cache, jnp.maximum(self.rows, 0), axis=0)
 
 
 class VisionLanguageLM(DecoderOnlyLM):
@@ -56,9 +60,16 @@ class VisionLanguageLM(DecoderOnlyLM):
         mm: EncoderOutputs | None = None,  # the step's image rows and their spans (worker/mm_encoder.py)
     ):  # -> (hidden [T, D], updated cache)
         x = self.embed(input_ids)
+        after_layer = None
         if mm is not None:
             x = mm.merge(x)
             if mm.attend_ahead is not None:
                 md = dataclasses.replace(md, attend_ahead=mm.attend_ahead)
-        x, kv_cache = self.run_layers(x, positions, kv_cache, md, lora)
+            after_layer = self.after_layer(mm)
+        x, kv_cache = self.run_layers(x, positions, kv_cache, md, lora, after_layer=after_layer)
         return self.norm(x), kv_cache
+
+    def after_layer(self, mm: EncoderOutputs):
+        """What runs after each decoder layer, from the step's image rows: nothing, or a function
+        (x, layer index) -> x (Qwen3-VL's deepstack features added to its first layers' outputs)."""
+        return None

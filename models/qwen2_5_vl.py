@@ -64,9 +64,15 @@ class QwenVisionConfig:
     def window_units(self) -> int:  # tokens per window side
         return self.window_size // self.spatial_merge_size // self.patch_size
 
+    def pack(self, images: list, bucket: int) -> dict[str, np.ndarray]:
+        """The tower's inputs for `images` packed into `bucket` patches (`pack_images`)."""
+        return pack_images(self, images, bucket)
+
 
 @dataclass(frozen=True)
-class Qwen2_5_VLConfig(Qwen2Config):
+class QwenImageFields:
+    """What a Qwen VL config adds to its decoder's (Qwen2.5-VL's Qwen2, Qwen3-VL's Qwen3)."""
+
     vision: QwenVisionConfig | None = None
     image_token_id: int = -1
     mrope_section: tuple[int, ...] = (16, 24, 24)  # rotary frequencies per stream (t, h, w)
@@ -83,33 +89,62 @@ class Qwen2_5_VLConfig(Qwen2Config):
     def mrope(self) -> bool:
         return True
 
+    @property
+    def mrope_streams(self) -> np.ndarray:
+        """[rotary_dim / 2] which position stream (0 t, 1 h, 2 w) turns each rotary frequency:
+        `mrope_section` frequencies each, in order."""
+        return np.repeat(np.arange(len(self.mrope_section)), self.mrope_section)
+
+
+@dataclass(frozen=True)
+class Qwen2_5_VLConfig(QwenImageFields, Qwen2Config):
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
-        text = {**hf, **hf.get("text_config", {}), "architectures": hf.get("architectures")}
-        text.pop("vision_config", None)
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         vision = hf["vision_config"]
         return {
-            **super().fields_from_hf(text),
+            **super().fields_from_hf(text_config(hf)),
+            **image_fields(hf, (16, 24, 24)),
             "vision": QwenVisionConfig(
-                hidden_size=vision["hidden_size"],
-                intermediate_size=vision["intermediate_size"],
-                num_heads=vision["num_heads"],
-                depth=vision["depth"],
-                out_hidden_size=vision["out_hidden_size"],
-                patch_size=vision.get("patch_size", 14),
-                temporal_patch_size=vision.get("temporal_patch_size", 2),
-                spatial_merge_size=vision.get("spatial_merge_size", 2),
+                **vision_fields(vision),
                 window_size=vision.get("window_size", 112),
                 fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", ())),
-                in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
-                hidden_act=vision.get("hidden_act", "silu"),
-                rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             ),
-            "image_token_id": hf.get("image_token_id", -1),
-            "mrope_section": tuple(rope.get("mrope_section", (16, 24, 24))),
-            "max_image_tokens": max_image_tokens(hf.get("preprocessor_config") or {}, vision),
         }
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen VL config.json's decoder settings: its text_config over the top level's."""
+    text = {**hf, **hf.get("text_config", {}), "architectures": hf.get("architectures")}
+    text.pop("vision_config", None)
+    return text
+
+
+def image_fields(hf: dict[str, Any], default_section: tuple[int, ...]) -> dict[str, Any]:
+    """The fields a Qwen VL config adds to its decoder's: image token, M-RoPE sections, image size."""
+    text = text_config(hf)
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    return {
+        "image_token_id": hf.get("image_token_id", -1),
+        "mrope_section": tuple(rope.get("mrope_section", default_section)),
+        "max_image_tokens": max_image_tokens(hf.get("preprocessor_config") or {}, hf["vision_config"]),
+    }
+
+
+def vision_fields(vision: dict[str, Any]) -> dict[str, Any]:
+    """The vision_config fields Qwen2.5-VL's and Qwen3-VL's towers share."""
+    return dict(
+        hidden_size=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"],
+        num_heads=vision["num_heads"],
+        depth=vision["depth"],
+        out_hidden_size=vision["out_hidden_size"],
+        patch_size=vision.get("patch_size", 14),
+        temporal_patch_size=vision.get("temporal_patch_size", 2),
+        spatial_merge_size=vision.get("spatial_merge_size", 2),
+        in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+        hidden_act=vision.get("hidden_act", "silu"),
+        rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+    )
 
 
 def max_image_tokens(settings: dict, vision: dict) -> int:
@@ -197,6 +232,27 @@ def mrope_positions(features, start: int, stop: int, spatial_merge_size: int) ->
 # -- the vision tower ---------------------------------------------------------------------------------
 
 
+def vision_rope(v: QwenVisionConfig, pos: jax.Array):
+    """cos and sin of the tower's 2-D rotary embedding for patches at `pos` [P, 2] (row, column): the
+    first half of each head's frequencies turned by the row, the second by the column."""
+    head_dim = v.hidden_size // v.num_heads
+    inv_freq = jnp.asarray(base_inv_freq(head_dim // 2, v.rope_theta), jnp.float32)  # [head_dim / 4]
+    return rope_cos_sin((pos.astype(jnp.float32)[:, :, None] * inv_freq).reshape(pos.shape[0], -1))
+
+
+def attend_patches(qkv: jax.Array, num_heads: int, cos_sin, mask: jax.Array) -> jax.Array:
+    """The tower's attention: qkv [P, 3D] (q, k, v one after another), q and k rotated in float32,
+    each patch attending to the patches `mask` [P, P] allows -> [P, D]."""
+    p, d = qkv.shape[0], qkv.shape[1] // 3
+    q, k, v = (qkv.reshape(p, 3, num_heads, d // num_heads)[:, i] for i in range(3))
+    q = rotate_halves(q.astype(jnp.float32), cos_sin).astype(qkv.dtype)
+    k = rotate_halves(k.astype(jnp.float32), cos_sin).astype(qkv.dtype)
+    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[None], scores * (d // num_heads) ** -0.5, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("hqk,khd->qhd", probs, v).reshape(p, d)
+
+
 class VisionBlock(nnx.Module):
     def __init__(self, v: QwenVisionConfig, *, dtype, rngs: nnx.Rngs):
         d = v.hidden_size
@@ -215,15 +271,9 @@ class VisionBlock(nnx.Module):
         self.act = activation(v.hidden_act)
 
     def __call__(self, x: jax.Array, cos_sin, mask: jax.Array) -> jax.Array:  # x [P, D], mask [P, P]
-        p, d = x.shape
-        qkv = self.attn["qkv"](self.norm1(x)).reshape(p, 3, self.num_heads, d // self.num_heads)
-        q, k, v = (qkv[:, i] for i in range(3))
-        q = rotate_halves(q.astype(jnp.float32), cos_sin).astype(x.dtype)
-        k = rotate_halves(k.astype(jnp.float32), cos_sin).astype(x.dtype)
-        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32)
-        scores = jnp.where(mask[None], scores * (d // self.num_heads) ** -0.5, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        x = x + self.attn["proj"](jnp.einsum("hqk,khd->qhd", probs, v).reshape(p, d))
+        x = x + self.attn["proj"](
+            attend_patches(self.attn["qkv"](self.norm1(x)), self.num_heads, cos_sin, mask)
+        )
         h = self.norm2(x)
         mlp = self.mlp
         return x + mlp["down_proj"](self.act(mlp["gate_proj"](h)) * mlp["up_proj"](h))
@@ -246,10 +296,7 @@ class VisionTower(nnx.Module):
     def __call__(self, patches, pos, window_ids, image_ids) -> jax.Array:  # -> [P / 4, D_text]
         v = self.v
         x = self.patch_embed(patches.astype(self.patch_embed.kernel.dtype))
-        head_dim = v.hidden_size // v.num_heads
-        inv_freq = jnp.asarray(base_inv_freq(head_dim // 2, v.rope_theta), jnp.float32)  # [head_dim / 4]
-        angles = (pos.astype(jnp.float32)[:, :, None] * inv_freq).reshape(pos.shape[0], -1)  # [P, hd / 2]
-        cos_sin = rope_cos_sin(angles)
+        cos_sin = vision_rope(v, pos)
         # Padding patches (ids -1) see each other only: their rows are never read.
         in_window = window_ids[:, None] == window_ids[None, :]
         in_image = image_ids[:, None] == image_ids[None, :]
@@ -260,18 +307,13 @@ class VisionTower(nnx.Module):
         return merger["fc2"](jax.nn.gelu(merger["fc1"](x), approximate=False))
 
 
-class Qwen2_5_VLForConditionalGeneration(VisionLanguageLM):
-    config_class = Qwen2_5_VLConfig
-    layer_class = LlamaDecoderLayer
-
-    def __init__(self, cfg: Qwen2_5_VLConfig, backend, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        super().__init__(cfg, backend, dtype=dtype, rngs=rngs)
-        self.visual = VisionTower(cfg.vision, dtype=dtype, rngs=rngs)
+class QwenVisionLanguageLM(VisionLanguageLM):
+    """What Qwen2.5-VL and Qwen3-VL share: checkpoint names, and the decoder rotating by the step's
+    M-RoPE positions. A family sets its config and layer classes and builds `self.visual`, whose
+    call takes its vision config's `pack` outputs."""
 
     @classmethod
-    def prepare_hf_tensors(
-        cls, cfg: Qwen2_5_VLConfig, tensors: dict[str, np.ndarray]
-    ) -> dict[str, np.ndarray]:
+    def prepare_hf_tensors(cls, cfg, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """transformers 5's names (`model.language_model.*`, `model.visual.*`) or the releases' (`model.*`,
         `visual.*`) as ours; the patch convolution as the matrix it is (its stride is its kernel)."""
         out = {}
@@ -281,13 +323,14 @@ class Qwen2_5_VLForConditionalGeneration(VisionLanguageLM):
             elif name.startswith("visual."):
                 name = "model." + name
             name = name.replace(".merger.mlp.0.", ".merger.fc1.").replace(".merger.mlp.2.", ".merger.fc2.")
-            if name == "model.visual.patch_embed.proj.weight":
-                name, tensor = "model.visual.patch_embed.weight", tensor.reshape(tensor.shape[0], -1)
+            name = name.replace("model.visual.patch_embed.proj.", "model.visual.patch_embed.")
+            if name == "model.visual.patch_embed.weight":
+                tensor = tensor.reshape(tensor.shape[0], -1)
             out[name] = tensor
         return out
 
-    def encode_images(self, patches, pos, window_ids, image_ids) -> jax.Array:
-        return self.visual(patches, pos, window_ids, image_ids)
+    def encode_images(self, **packed) -> jax.Array:  # the vision config's `pack` outputs, less `dest`
+        return self.visual(**packed)
 
     def __call__(self, input_ids, positions, kv_cache, md, lora=None, mm: EncoderOutputs | None = None):
         if mm is not None and mm.mrope is not None:  # every layer rotates by the step's M-RoPE positions
@@ -297,6 +340,14 @@ class Qwen2_5_VLForConditionalGeneration(VisionLanguageLM):
     def _mrope_angles(self, mrope: jax.Array) -> jax.Array:  # [3, T] -> [T, head_dim / 2]
         cfg = self.cfg
         inv_freq = base_inv_freq(cfg.rotary_dim, cfg.rope_theta)
-        stream = np.repeat(np.arange(len(cfg.mrope_section)), cfg.mrope_section)  # which stream per freq
-        picked = jnp.take(mrope, jnp.asarray(stream), axis=0).astype(jnp.float32)  # [head_dim / 2, T]
+        picked = jnp.take(mrope, jnp.asarray(cfg.mrope_streams), axis=0).astype(jnp.float32)  # [hd / 2, T]
         return (picked * jnp.asarray(inv_freq, jnp.float32)[:, None]).T
+
+
+class Qwen2_5_VLForConditionalGeneration(QwenVisionLanguageLM):
+    config_class = Qwen2_5_VLConfig
+    layer_class = LlamaDecoderLayer
+
+    def __init__(self, cfg: Qwen2_5_VLConfig, backend, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        super().__init__(cfg, backend, dtype=dtype, rngs=rngs)
+        self.visual = VisionTower(cfg.vision, dtype=dtype, rngs=rngs)

@@ -31,6 +31,7 @@ from xlaserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from xlaserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextOfConditionalGeneration
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from xlaserve.models.qwen3_next import Qwen3_5MoeTextOfConditionalGeneration, Qwen3NextForCausalLM
+from xlaserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
 # A decoder classifier's suffixes: the class is its *ForCausalLM backbone's (the head runs on the host).
 _CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification")
@@ -69,6 +70,9 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     # Qwen2.5-VL: a windowed ViT over images of their own sizes; the decoder rotates by M-RoPE positions.
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    # Qwen3-VL: a plainer tower (whole-image attention, a learned position table), DeepStack features
+    # added to the decoder's first layers, interleaved M-RoPE.
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     # Encoder-only (runner="pooling" only: models/encoder.py); a classifier's head runs on the host.
     "BertModel": BertModel,
     "BertForSequenceClassification": BertModel,

@@ -96,6 +96,13 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("attn", "qkv", "bias"): (None,),
     ("attn", "proj", "kernel"): (None, None),
     ("attn", "proj", "bias"): (None,),
+    # Qwen3-VL's (models/qwen3_vl.py): its plain MLP and mergers split like CLIP's fc1/fc2, the patch
+    # bias and the learned position table whole.
+    ("linear_fc1", "kernel"): ("embed", "mlp"),
+    ("linear_fc1", "bias"): ("mlp",),
+    ("linear_fc2", "kernel"): ("mlp", "embed"),
+    ("patch_embed", "bias"): (None,),
+    ("pos_embed", "weight"): (None, None),
     # Mamba2's mixer (`mixer` in Mamba2, `mamba` in Granite 4.0-H and Falcon-H1): in_proj's outputs and
     # the conv's channels are grouped per SSM group (models/mamba2.py), so a contiguous split is whole
     # groups of heads with their B and C; the per-head vectors and the SSM state split by head; the

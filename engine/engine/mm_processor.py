@@ -204,6 +204,7 @@ VISION_LANGUAGE_FAMILIES = {
     "LlavaForConditionalGeneration": _llava_processor,
     "Gemma3ForConditionalGeneration": _gemma3_processor,
     "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl_processor,
+    "Qwen3VLForConditionalGeneration": _qwen2_5_vl_processor,  # the same image processor and tokens
 }
 
 

@@ -26,7 +26,7 @@ from flax import nnx
 from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
 from xlaserve.models.llava import tokens_per_image
 from xlaserve.models.multimodal import EncoderOutputs
-from xlaserve.models.qwen2_5_vl import QwenVisionConfig, mrope_positions, pack_images
+from xlaserve.models.qwen2_5_vl import QwenVisionConfig, mrope_positions
 from xlaserve.worker.input_batch import isolate_failures
 from xlaserve.worker.step_hooks import StepHook
 
@@ -66,7 +66,7 @@ class MultiModalHook(StepHook):
             num_slots, tokens_per_item, self.max_items_per_step, self.bidirectional
         )
         self.scratch_slot = num_slots
-        shape = ((num_slots + 1) * tokens_per_item, cfg.hidden_size)
+        shape = ((num_slots + 1) * tokens_per_item, cfg.encoder_output_width)
         placement = runner.placement
         self.cache = placement.zeros(shape, runner.dtype, placement.replicated)
         self.mrope = cfg.mrope
@@ -243,7 +243,7 @@ class PackedPatchesHook(MultiModalHook):
         return calls
 
     def _pack(self, images: list, bucket: int) -> dict[str, np.ndarray]:
-        inputs = pack_images(self.vision, images, bucket)
+        inputs = self.vision.pack(images, bucket)
         padding = inputs["dest"] < 0  # the scratch slot's rows, one each
         scratch = self.scratch_slot * self.tokens_per_item + np.arange(len(padding)) % self.tokens_per_item
         inputs["dest"] = np.where(padding, scratch, inputs["dest"]).astype(np.int32)

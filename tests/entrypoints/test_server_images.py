@@ -23,6 +23,7 @@ from helpers.tiny_vlm import (
     save_tiny_gemma3,
     save_tiny_llava,
     save_tiny_qwen2_5_vl,
+    save_tiny_qwen3_vl,
 )
 
 NAME = "tiny-llava"
@@ -105,11 +106,13 @@ def test_openai_client_sends_a_data_url_image(vlm):
     assert response.usage.prompt_tokens > 16  # the 16 image tokens are counted
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl", "qwen3_vl"])
 def test_other_families_through_the_openai_client(tmp_path_factory, server_cache_dir, family):
     """A Gemma 3 server (its images attend both ways) and a Qwen2.5-VL one (images of their own sizes,
     M-RoPE) answer a data-URL image part as Hugging Face's model does."""
-    save = {"gemma3": save_tiny_gemma3, "qwen2_5_vl": save_tiny_qwen2_5_vl}[family]
+    save = {"gemma3": save_tiny_gemma3, "qwen2_5_vl": save_tiny_qwen2_5_vl, "qwen3_vl": save_tiny_qwen3_vl}[
+        family
+    ]
     model = save(str(tmp_path_factory.mktemp(f"tiny-{family}-server")))
     flags = ["--served-model-name", f"tiny-{family}"]
     for key, value in ENGINE_ARGS.items():

@@ -256,3 +256,64 @@ def save_tiny_qwen2_5_vl(directory: str, *, seed: int = 0) -> str:
     )
     image_processor.save_pretrained(directory)
     return directory
+
+
+def save_tiny_qwen3_vl(directory: str, *, seed: int = 0) -> str:
+    """A random Qwen3VLForConditionalGeneration (a 3-block tower with a 4 x 4 position table, DeepStack
+    features from its first two blocks added after both layers of a Qwen3 decoder with interleaved M-RoPE), with the same
+    tokens and image settings as `save_tiny_qwen2_5_vl`."""
+    import torch
+    import transformers
+
+    from helpers.tiny_models import small_byte_tokenizer
+
+    tokenizer = small_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_SPECIAL})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL}
+    vision = transformers.Qwen3VLVisionConfig(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=4,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0, 1],
+    )
+    text = transformers.Qwen3VLTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    config = transformers.Qwen3VLConfig(
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so logits are not all near-ties
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, **QWEN_VL_PIXELS
+    )
+    image_processor.save_pretrained(directory)
+    return directory

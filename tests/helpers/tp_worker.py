@@ -337,6 +337,7 @@ def generate_images(model_dir: str, layouts: list[dict]) -> list:
     image, size = {
         "Gemma3ForConditionalGeneration": ("<start_of_image>", (40, 48)),
         "Qwen2_5_VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", (32, 40)),
+        "Qwen3VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", (32, 40)),
     }.get(architecture, ("<image>", (40, 48)))
     text = f"The quick brown fox jumps over the lazy dog. {image} What is it?"
     two = [random_image(2, size), random_image(3, size)]

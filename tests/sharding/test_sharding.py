@@ -223,14 +223,23 @@ def test_gemma3_with_images_under_tensor_parallelism_matches_one_device(tp_worke
     assert_same_as_first(tp_worker.run("generate_images", model, [{}, {"tensor_parallel_size": 2}]))
 
 
-def test_qwen2_5_vl_with_images_under_tensor_parallelism_matches_one_device(tp_worker, tmp_path_factory):
-    """Qwen2.5-VL at TP 2: the windowed tower's MLP and merger split by channel (its fused qkv whole),
-    the packed patches and M-RoPE positions replicated, the decoder split as Qwen2's."""
-    from helpers.tiny_vlm import save_tiny_qwen2_5_vl
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen_vl_with_images_under_tensor_parallelism_matches_one_device(tp_worker, tmp_path_factory, family):
+    """Qwen2.5-VL and Qwen3-VL at TP 2: the tower's MLP and mergers split by channel (the fused qkv
+    whole), the packed patches, M-RoPE positions and DeepStack rows replicated, the decoder split as
+    Qwen2's and Qwen3's."""
+    from helpers import tiny_vlm
 
-    model = save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("tp_qwen2_5_vl")))
+    model = getattr(tiny_vlm, f"save_tiny_{family}")(str(tmp_path_factory.mktemp(f"tp_{family}")))
     assert_same_as_first(tp_worker.run("generate_images", model, [{}, {"tensor_parallel_size": 2}]))
     shards = tp_worker.run("param_shards", model, {"tensor_parallel_size": 2})
-    assert shards["visual/blocks/0/mlp/gate_proj/kernel"] == [[32, 48], [32, 24]]
-    assert shards["visual/merger/fc2/kernel"] == [[128, 64], [64, 64]]
+    mlp, merger = {
+        "qwen2_5_vl": ("visual/blocks/0/mlp/gate_proj/kernel", "visual/merger/fc2/kernel"),
+        "qwen3_vl": (
+            "visual/blocks/0/mlp/linear_fc1/kernel",
+            "visual/deepstack_merger_list/1/linear_fc2/kernel",
+        ),
+    }[family]
+    assert shards[mlp] == [[32, 48], [32, 24]]
+    assert shards[merger] == [[128, 64], [64, 64]]
     assert shards["visual/blocks/0/attn/qkv/kernel"] == [[32, 96]] * 2  # whole

@@ -1,15 +1,17 @@
-"""Qwen2.5-VL end to end, offline: a tiny random Qwen2_5_VLForConditionalGeneration against Hugging Face's.
+"""Qwen2.5-VL and Qwen3-VL end to end, offline: tiny random checkpoints against Hugging Face's classes.
 Images keep their own sizes (a token per 8 x 8 pixels here, at most 64 tokens: larger images are resized
-down by the processor), the tower attends within windows of 2 x 2 tokens but in its last block, and the
-decoder rotates by M-RoPE positions. One engine for the module (float32, steps of 16 tokens, so an
-image's tokens span several chunks; strict compile guard: every patch bucket compiled at warm-up)."""
+down by the processor) and the decoder rotates by M-RoPE positions; Qwen2.5-VL's tower attends within
+windows of 2 x 2 tokens but in its last block, Qwen3-VL's to the whole image, with a learned position
+table and DeepStack features added to the decoder's first two layers. One engine per family (float32,
+steps of 16 tokens, so an image's tokens span several chunks; strict compile guard: every patch bucket
+compiled at warm-up)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from helpers.tiny_vlm import ENGINE_ARGS, data_url, random_image, save_tiny_qwen2_5_vl
+from helpers.tiny_vlm import ENGINE_ARGS, data_url, random_image, save_tiny_qwen2_5_vl, save_tiny_qwen3_vl
 from xlaserve import LLM, SamplingParams
 
 BLOCK = ENGINE_ARGS["block_size"]
@@ -18,9 +20,20 @@ PROMPT = f"The quick brown fox jumps over the lazy dog 0123456789. {IMAGE} What 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
+FAMILIES = {
+    "qwen2_5_vl": (save_tiny_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": (save_tiny_qwen3_vl, "Qwen3VLForConditionalGeneration"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("tiny-qwen2_5_vl")))
+def model_dir(tmp_path_factory, family):
+    return FAMILIES[family][0](str(tmp_path_factory.mktemp(f"tiny-{family}")))
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +42,12 @@ def llm(model_dir):
 
 
 @pytest.fixture(scope="module")
-def hf(model_dir):
+def hf(model_dir, family):
     import torch
     import transformers
 
-    return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf_class = getattr(transformers, FAMILIES[family][1])
+    return hf_class.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _hf_inputs(llm, text: str, images: list) -> dict:
@@ -116,11 +130,10 @@ def test_mrope_positions_are_hugging_faces(llm, hf):
 
 
 def test_packed_images_encode_as_hugging_faces_tower(llm, hf):
-    """Three images of three sizes packed into one call: each token's row as Hugging Face's."""
+    """Three images of three sizes packed into one call: each token's row as Hugging Face's (and its
+    DeepStack features after it, Qwen3-VL's)."""
     import torch
     from flax import nnx
-
-    from xlaserve.models.qwen2_5_vl import pack_images
 
     runner = llm.engine_core.runner
     model = nnx.merge(runner.graphdef, runner.params)
@@ -130,19 +143,21 @@ def test_packed_images_encode_as_hugging_faces_tower(llm, hf):
     counts = [int(np.prod(g)) // 4 for g in grids]
     pixels = np.split(out["pixel_values"], np.cumsum([c * 4 for c in counts])[:-1])
     rows = np.split(np.arange(sum(counts)), np.cumsum(counts)[:-1])
-    packed = pack_images(model.cfg.vision, list(zip(grids, pixels, rows)), 320)
-    encoded = np.asarray(
-        model.encode_images(packed["patches"], packed["pos"], packed["window_ids"], packed["image_ids"])
-    )
+    packed = model.cfg.vision.pack(list(zip(grids, pixels, rows)), 320)
+    encoded = np.asarray(model.encode_images(**{k: v for k, v in packed.items() if k != "dest"}))
     ours = np.zeros((sum(counts), encoded.shape[1]), np.float32)
     real = packed["dest"] >= 0
     ours[packed["dest"][real]] = encoded[real]
     with torch.no_grad():
-        expected = hf.model.get_image_features(
+        features = hf.model.get_image_features(
             pixel_values=torch.tensor(out["pixel_values"]), image_grid_thw=torch.tensor(out["image_grid_thw"])
-        ).pooler_output
-    expected = torch.cat(list(expected)) if isinstance(expected, (list, tuple)) else expected
-    np.testing.assert_allclose(ours, expected.numpy(), atol=1e-5)
+        )
+    expected = [torch.cat(list(features.pooler_output))]
+    for deepstack in getattr(features, "deepstack_features", None) or []:  # Qwen3-VL's, one per layer
+        expected.append(torch.cat(list(deepstack)) if isinstance(deepstack, (list, tuple)) else deepstack)
+    expected = torch.cat(expected, dim=-1).numpy()
+    assert ours.shape == expected.shape == (sum(counts), model.cfg.encoder_output_width)
+    np.testing.assert_allclose(ours, expected, atol=1e-5)
 
 
 def test_the_same_image_twice_hits_both_caches_and_another_image_neither(llm):
