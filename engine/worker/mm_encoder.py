@@ -78,6 +78,7 @@ class MultiModalHook(StepHook):
         )
         self.slot_contents: dict[int, str] = {}  # slot -> the mm_hash encoded there
         self.num_encoded = 0  # images encoded on the device (tests, metrics)
+        self.num_encode_calls = 0  # encoder programs run (several images may share one)
 
     # -- what differs between encoders: images of one size (LLaVA, Gemma 3), or packed patches ----------
 
@@ -182,6 +183,7 @@ class MultiModalHook(StepHook):
             inputs = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
             self.cache = self._encode_fn(params, self.cache, **inputs)
             call += 1
+        self.num_encode_calls += call
         return {"mm": EncoderOutputs(self.cache, arrays["rows"], arrays.get("ahead"), arrays.get("mrope"))}
 
     def warm_up(self, batches, num_seqs_for) -> list:

@@ -211,3 +211,30 @@ def test_chat_with_a_data_url_image_part_matches_hugging_face(llm, hf, model_dir
 def test_bad_image_prompts_are_refused_naming_the_field(llm, prompt, message):
     with pytest.raises(ValueError, match=message.replace("|", r"\|")):
         llm.generate(prompt, GREEDY, use_tqdm=False)
+
+
+def test_bfloat16_an_image_request_is_the_same_alone_and_packed_with_others(model_dir):
+    """At the default dtype, with batch invariance (the default): a request's image encoded alone (its
+    own patch bucket) or packed with another image of another size in one tower call (a larger bucket),
+    its prompt among others: the same tokens and bitwise the same logprobs."""
+    args = {**ENGINE_ARGS, "dtype": "bfloat16", "kv_cache_memory": 48 * 8192, "max_num_batched_tokens": 128}
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, prompt_logprobs=0)
+    target = _mm(f"Look {IMAGE} what?", random_image(50))
+    others = [
+        _mm(f"See {IMAGE} and?", random_image(51, (64, 40))),
+        _mm(f"x {IMAGE} y", random_image(52, (32, 32))),
+    ]
+
+    def logprobs(out) -> list[float]:
+        prompt = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+        return prompt + [e[t].logprob for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+
+    alone = LLM(model_dir, **args).generate(target, params, use_tqdm=False)[0]
+    together_llm = LLM(model_dir, **args)
+    encoder = together_llm.engine_core.runner.mm_encoder
+    together = together_llm.generate([others[0], target, others[1]], params, use_tqdm=False)[1]
+    # One step: the 64 x 40 image's 160 patches alone (a bucket holds 256), the target's 120 with the
+    # 32 x 32 image's 64 in the next call.
+    assert encoder.num_encoded == 3 and encoder.num_encode_calls == 2
+    assert together.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert logprobs(together) == logprobs(alone)
