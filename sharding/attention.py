@@ -10,7 +10,8 @@ communication; the block tables and lengths are replicated. The reference runs u
 could partition its jnp, but not once the decode path folds the KV heads into one dot per query
 (kernels/reference.py), where the folded query [n, (k g), (k' d)] names the sharded head axis twice
 and XLA gathers the whole cache instead. DeepSeek's latent attention is
-split the same way over its query heads, with the latent cache (one shared latent head) replicated,
+split the same way over its query heads, with the latent cache (one shared latent head) replicated
+(interleaved over the ranks under decode context parallel: sharding/context_parallel.py),
 and the per-chunk terms of Gated DeltaNet and of Mamba2's SSD (kernels/gated_delta.py, kernels/ssd.py
 `chunk_terms`: Pallas kernels under the pallas backend) over their heads.
 """

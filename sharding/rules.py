@@ -38,7 +38,8 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("gate_up_proj", "bias"): ("mlp",),
     # Multi-head latent attention (DeepSeek): the up-projections out of the shared latents are
     # column-parallel over heads; the down-projections into them (q_a_proj, kv_a_proj_with_mqa) and
-    # the latent cache stay replicated, since every head reads the same latents.
+    # the latent cache stay replicated, since every head reads the same latents (under decode context
+    # parallel the latent cache is interleaved over the ranks instead: sharding/context_parallel.py).
     ("q_b_proj", "kernel"): ("q_lora", "q_heads"),
     ("kv_b_proj", "kernel"): ("kv_lora", "q_heads"),
     ("q_a_proj", "kernel"): ("embed", "q_lora"),

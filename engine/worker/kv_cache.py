@@ -121,7 +121,8 @@ def fit_max_model_len(
 def allocate_kv_cache(
     kv_spec: KVCacheSpec, num_blocks: int, block_size: int, dtype, placement: Placement
 ) -> KVCache:
-    """The zeroed cache, sharded by KV heads (MLA's one latent head: replicated), a recurrent layer's
+    """The zeroed cache, sharded by KV heads (MLA's one latent head: replicated, or interleaved over the
+    ranks under decode context parallel), a recurrent layer's
     state by channel and head (sharding/rules.py STATE_CACHE_AXES)."""
     logger.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB)",
