@@ -51,6 +51,7 @@ class QwenVisionConfig:
     in_channels: int = 3
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
+    tokens_per_second: float = 2.0  # a video's temporal positions per second
 
     @property
     def patch_dim(self) -> int:  # one patch's pixel values: C x T x p x p
@@ -80,6 +81,12 @@ class QwenImageFields:
     # Tokens one image may have at most: the processor's max_pixels / (patch x merge)^2 (the model
     # directory's preprocessor_config.json, which models/loader.py reads beside config.json).
     max_image_tokens: int = 0
+    video_fps: float = 2.0  # the frames per second a video's frames are taken as (the same file's `fps`)
+
+    @property
+    def video_interval(self) -> float:
+        """The temporal positions between a video's frame pairs: tokens per second x seconds a pair."""
+        return self.vision.tokens_per_second * self.vision.temporal_patch_size / self.video_fps
 
     @property
     def tokens_per_image(self) -> int:
@@ -127,6 +134,7 @@ def image_fields(hf: dict[str, Any], default_section: tuple[int, ...]) -> dict[s
         "image_token_id": hf.get("image_token_id", -1),
         "mrope_section": tuple(rope.get("mrope_section", default_section)),
         "max_image_tokens": max_image_tokens(hf.get("preprocessor_config") or {}, hf["vision_config"]),
+        "video_fps": video_fps(hf.get("preprocessor_config") or {}),
     }
 
 
@@ -144,6 +152,7 @@ def vision_fields(vision: dict[str, Any]) -> dict[str, Any]:
         in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
         hidden_act=vision.get("hidden_act", "silu"),
         rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        tokens_per_second=float(vision.get("tokens_per_second", 2.0)),
     )
 
 
@@ -153,6 +162,11 @@ def max_image_tokens(settings: dict, vision: dict) -> int:
     settings = settings.get("image_processor") or settings
     max_pixels = settings.get("max_pixels") or (settings.get("size") or {}).get("longest_edge") or 12845056
     return int(max_pixels) // (vision.get("patch_size", 14) * vision.get("spatial_merge_size", 2)) ** 2
+
+
+def video_fps(settings: dict) -> float:
+    """The frames per second a video's frames are taken as (the processor settings' `fps`; 2)."""
+    return float((settings.get("image_processor") or settings).get("fps") or 2.0)
 
 
 # -- the host's side: patches in window order, and M-RoPE positions ----------------------------------
@@ -183,8 +197,8 @@ def pack_images(
     window_ids = np.full(bucket, -1, np.int32)
     image_ids = np.full(bucket, -1, np.int32)
     dest = np.full(bucket // unit, -1, np.int32)
-    start, num_windows = 0, 0
-    for image, ((t, h, w), pixels, rows) in enumerate(images):
+    start, num_windows, num_frames = 0, 0, 0
+    for (t, h, w), pixels, rows in images:
         gh, gw = h // m, w // m
         order, window = _window_order(gh, gw, vision.window_units)
         order = (np.arange(t)[:, None] * gh * gw + order[None]).reshape(-1)  # frames one after another
@@ -198,34 +212,52 @@ def pack_images(
         pos[start : start + n, 0] = (token_rows[:, None] * m + sub_rows[None]).reshape(-1)
         pos[start : start + n, 1] = (token_cols[:, None] * m + sub_cols[None]).reshape(-1)
         window_ids[start : start + n] = np.repeat(window + num_windows, unit)
-        image_ids[start : start + n] = image
+        # The full-attention blocks attend within a frame (an image is one): Hugging Face's cu_seqlens.
+        image_ids[start : start + n] = num_frames + np.repeat(np.arange(t), n // t)
         dest[start // unit : (start + n) // unit] = rows[order]
-        start, num_windows = start + n, num_windows + int(window.max()) + 1
+        start, num_windows, num_frames = start + n, num_windows + int(window.max()) + 1, num_frames + t
     return {"patches": patches, "pos": pos, "window_ids": window_ids, "image_ids": image_ids, "dest": dest}
 
 
-def image_positions(grid: tuple[int, int, int], spatial_merge_size: int) -> np.ndarray:
-    """[3, tokens] an image's M-RoPE offsets from its start: (frame, row, column) of each token."""
+def image_positions(
+    grid: tuple[int, int, int], spatial_merge_size: int, time_interval: float = 1.0
+) -> np.ndarray:
+    """[3, tokens] an image's (or a video's) M-RoPE offsets from its start: (frame x time_interval, row,
+    column) of each token."""
     t, h, w = grid[0], grid[1] // spatial_merge_size, grid[2] // spatial_merge_size
     frames, rows, cols = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+    frames = np.floor(frames * time_interval).astype(np.int64)
     return np.stack([frames.reshape(-1), rows.reshape(-1), cols.reshape(-1)])
 
 
-def mrope_positions(features, start: int, stop: int, spatial_merge_size: int) -> np.ndarray:
+def mrope_positions(
+    features, start: int, stop: int, spatial_merge_size: int, num_prompt: int, video_interval: float = 1.0
+) -> np.ndarray:
     """[3, stop - start] int32: the M-RoPE positions of a request's token positions [start, stop)
-    (its prompt's images: `features`, in prompt order, each with its patch `grid`)."""
+    (its prompt's `num_prompt` tokens hold `features`, in prompt order, each with its patch `grid`).
+
+    In the prompt, the text after an image or video resumes past its longer side; past the prompt,
+    every token is its index plus one delta: the prompt's largest position + 1 - its length (a video's
+    frames, `video_interval` apart, may reach past the text after it)."""
     index = np.arange(start, stop)
     out = np.broadcast_to(index, (3, len(index))).copy()
     delta = 0  # where the text resumes after the images so far, less its index
+    largest = -1  # the prompt's largest position
     for feature in features:
-        image = image_positions(feature.grid, spatial_merge_size)
+        interval = video_interval if feature.modality == "video" else 1.0
+        image = image_positions(feature.grid, spatial_merge_size, interval)
         begin = feature.offset + delta
         lo, hi = max(start, feature.offset), min(stop, feature.end)
         if lo < hi:
             out[:, lo - start : hi - start] = begin + image[:, lo - feature.offset : hi - feature.offset]
+        largest = max(largest, begin + int(image.max()))
         delta += int(image[1:].max()) + 1 - feature.length  # text resumes past the longer side
         after = index >= feature.end
         out[:, after] = index[after] + delta
+    if not features or features[-1].end < num_prompt:  # the prompt ends with text
+        largest = max(largest, num_prompt - 1 + delta)
+    past = index >= num_prompt
+    out[:, past] = index[past] + largest + 1 - num_prompt
     return out.astype(np.int32)
 
 

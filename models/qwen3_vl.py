@@ -49,8 +49,8 @@ class Qwen3VisionConfig(QwenVisionConfig):
         an order), and each patch's four taps into the position table with their weights."""
         packed = pack_images(self, images, bucket)
         side = int(round(self.num_position_embeddings**0.5))
-        sizes = np.array([(h, w) for (_, h, w), _, _ in images] or [(1, 1)], np.int64)
-        size = sizes[np.maximum(packed["image_ids"], 0)]  # [P, 2] each patch's grid (h, w)
+        sizes = np.array([(h, w) for (t, h, w), _, _ in images for _ in range(t)] or [(1, 1)], np.int64)
+        size = sizes[np.maximum(packed["image_ids"], 0)]  # [P, 2] each patch's grid (h, w), by frame
         row_taps, row_weights = _bilinear_taps(packed["pos"][:, 0], size[:, 0], side)
         col_taps, col_weights = _bilinear_taps(packed["pos"][:, 1], size[:, 1], side)
         packed["pos_taps"] = (

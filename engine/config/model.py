@@ -111,7 +111,10 @@ class ModelConfig:
     # as JSON text or a dict; None: DEFAULT_IMAGES_PER_PROMPT. Checked where the config is built.
     limit_mm_per_prompt: str | None = field(
         default=None,
-        metadata=arg('images per prompt of a vision-language model, as JSON: {"image": 2} (default 8)'),
+        metadata=arg(
+            'images and videos per prompt of a vision-language model, JSON: {"image": 2, "video": 1} '
+            "(defaults 8, 1)"
+        ),
     )
 
     def __post_init__(self):
@@ -156,14 +159,17 @@ class ModelConfig:
         return "ALL" if self.convert == "reward" else "LAST"
 
 
-# Images per prompt when --limit-mm-per-prompt does not say (vLLM's flag; JSON like '{"image": 2}').
+# Images and videos per prompt when --limit-mm-per-prompt does not say (vLLM's flag; '{"image": 2}').
 DEFAULT_IMAGES_PER_PROMPT = 8
+DEFAULT_VIDEOS_PER_PROMPT = 1
 
 
 def parse_mm_limits(value) -> dict[str, int]:
-    """--limit-mm-per-prompt's JSON text (or a dict) -> {"image": n}; ValueError naming the field."""
+    """--limit-mm-per-prompt's JSON text (or a dict) -> {"image": n, "video": m}; ValueError naming the
+    field."""
+    defaults = {"image": DEFAULT_IMAGES_PER_PROMPT, "video": DEFAULT_VIDEOS_PER_PROMPT}
     if value is None:
-        return {"image": DEFAULT_IMAGES_PER_PROMPT}
+        return defaults
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -171,10 +177,13 @@ def parse_mm_limits(value) -> dict[str, int]:
             raise ValueError(f'limit_mm_per_prompt must be JSON like {{"image": 2}}, got {value!r}') from None
     if not isinstance(value, dict):
         raise ValueError(f'limit_mm_per_prompt must be an object like {{"image": 2}}, got {value!r}')
-    unknown = sorted(set(value) - {"image"})
+    unknown = sorted(set(value) - set(defaults))
     if unknown:
-        raise ValueError(f"limit_mm_per_prompt: modalities {unknown} are not supported; supported: ['image']")
-    count = value.get("image", DEFAULT_IMAGES_PER_PROMPT)
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise ValueError(f"limit_mm_per_prompt.image must be an integer >= 0, got {count!r}")
-    return {"image": count}
+        raise ValueError(
+            f"limit_mm_per_prompt: modalities {unknown} are not supported; supported: {sorted(defaults)}"
+        )
+    limits = {**defaults, **value}
+    for modality, count in limits.items():
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"limit_mm_per_prompt.{modality} must be an integer >= 0, got {count!r}")
+    return limits

@@ -22,7 +22,15 @@ from xlaserve.engine.media import MediaError, check_image
 
 
 class MultiModalProcessor:
-    def __init__(self, hf_processor, image_token_id: int, tokens_per_image: int, max_images: int):
+    def __init__(
+        self,
+        hf_processor,
+        image_token_id: int,
+        tokens_per_image: int,
+        max_images: int,
+        video_token_id: int | None = None,
+        max_videos: int = 0,
+    ):
         self.hf_processor = hf_processor
         self.placeholder = hf_processor.image_token  # the text standing for one image, e.g. "<image>"
         # What a chat message's image part becomes (Qwen2.5-VL wraps its placeholder in vision marks).
@@ -30,6 +38,10 @@ class MultiModalProcessor:
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image
         self.max_images = max_images
+        # Videos (Qwen2.5-VL's frames): the processor's `video_token`, or None for a model of images only.
+        self.video_placeholder = getattr(hf_processor, "video_token", None)
+        self.video_token_id = video_token_id
+        self.max_videos = max_videos
 
     @classmethod
     def for_model(cls, model: str | None, tokenizer, limit_mm_per_prompt=None) -> MultiModalProcessor | None:
@@ -48,56 +60,127 @@ class MultiModalProcessor:
             return None
         processor, num_tokens = family(_processor_settings(model_dir), hf_config, tokenizer)
         image_token_id = hf_config.get("image_token_index", hf_config.get("image_token_id"))
-        return cls(processor, image_token_id, num_tokens, parse_mm_limits(limit_mm_per_prompt)["image"])
+        limits = parse_mm_limits(limit_mm_per_prompt)
+        return cls(
+            processor,
+            image_token_id,
+            num_tokens,
+            limits["image"],
+            hf_config.get("video_token_id"),
+            limits["video"],
+        )
 
     def process(
         self,
         text: str,
         images: list,
+        videos: list = (),
         *,
         add_special_tokens: bool = True,
         field: str = "multi_modal_data.image",
     ) -> tuple[list[int], list[MultiModalFeature]]:
-        """(the prompt's ids with each placeholder expanded, one feature per image, in order)."""
+        """(the prompt's ids with each placeholder expanded, one feature per image and video, in prompt
+        order). A video is a list of frames (PIL images or one uint8 array [T, H, W, 3])."""
         if len(images) > self.max_images:
             raise ValueError(
                 f"{field}: {len(images)} images in one prompt; at most {self.max_images} "
                 "(--limit-mm-per-prompt)"
             )
+        video_field = field.rsplit(".", 1)[0] + ".video"
+        if videos and self.video_placeholder is None:
+            raise ValueError(f"{video_field}: this model takes images, not videos")
+        if len(videos) > self.max_videos:
+            raise ValueError(
+                f"{video_field}: {len(videos)} videos in one prompt; at most {self.max_videos} "
+                "(--limit-mm-per-prompt)"
+            )
         images = [
             check_image(_as_pil(image, f"{field}[{i}]"), f"{field}[{i}]") for i, image in enumerate(images)
         ]
-        num_placeholders = text.count(self.placeholder)
-        if num_placeholders != len(images):
-            raise ValueError(
-                f"{field}: the prompt has {num_placeholders} {self.placeholder} placeholders for "
-                f"{len(images)} images"
-            )
+        videos = [_frames(video, f"{video_field}[{i}]") for i, video in enumerate(videos)]
+        for placeholder, items, name, where in (
+            (self.placeholder, images, "images", field),
+            (self.video_placeholder, videos, "videos", video_field),
+        ):
+            num_placeholders = text.count(placeholder) if placeholder else 0
+            if num_placeholders != len(items):
+                raise ValueError(
+                    f"{where}: the prompt has {num_placeholders} {placeholder} placeholders for "
+                    f"{len(items)} {name}"
+                )
+        kwargs = {"videos": videos} if videos else {}
         out = self.hf_processor(
-            text=text, images=images or None, return_tensors="np", add_special_tokens=add_special_tokens
+            text=text,
+            images=images or None,
+            return_tensors="np",
+            add_special_tokens=add_special_tokens,
+            **kwargs,
         )
         ids = out["input_ids"][0].astype(np.int64)
-        grids = out.get("image_grid_thw")  # images of their own sizes (Qwen2.5-VL): patches per grid
-        if grids is None:
-            counts = [self.tokens_per_image] * len(images)
-            pixels = [np.asarray(out["pixel_values"][i], np.float32) for i in range(len(images))]  # [C, H, W]
-        else:
+        features = self._features(ids, out, "image", len(images), field)
+        if videos:
+            features += self._features(ids, out, "video", len(videos), video_field)
+        return ids.tolist(), sorted(features, key=lambda f: f.offset)
+
+    def _features(
+        self, ids: np.ndarray, out, modality: str, count: int, field: str
+    ) -> list[MultiModalFeature]:
+        """One feature per image (or video) of the processor's output `out`, where its tokens are."""
+        token_id = self.image_token_id if modality == "image" else self.video_token_id
+        values = out.get("pixel_values" if modality == "image" else "pixel_values_videos")
+        grids = out.get("image_grid_thw" if modality == "image" else "video_grid_thw")
+        if grids is None:  # one size for every image: a fixed count of tokens
+            counts = [self.tokens_per_image] * count
+            pixels = [np.asarray(values[i], np.float32) for i in range(count)]  # [C, H, W]
+        else:  # their own sizes (the Qwen families): patches per grid, a token per merge unit
             grids = [tuple(int(x) for x in g) for g in grids]
             counts = [int(np.prod(g)) // self.hf_processor.merge_unit for g in grids]
             ends = np.cumsum([int(np.prod(g)) for g in grids])
-            pixels = np.split(np.asarray(out["pixel_values"], np.float32), ends[:-1])  # [P, K] each
-        positions = np.flatnonzero(ids == self.image_token_id)
-        if len(positions) != sum(counts):  # the text itself spelled the image token
-            raise ValueError(f"{field}: the prompt's text holds image tokens of its own")
+            pixels = np.split(np.asarray(values, np.float32), ends[:-1])  # [P, K] each
+        positions = np.flatnonzero(ids == token_id)
+        if len(positions) != sum(counts):  # the text itself spelled the placeholder token
+            raise ValueError(f"{field}: the prompt's text holds {modality} tokens of its own")
         features, first = [], 0
         for i, n in enumerate(counts):
+            if n > self.tokens_per_image:  # an encoder-cache slot holds one largest image
+                raise ValueError(
+                    f"{field}[{i}]: {n} tokens; a {modality} may have at most {self.tokens_per_image} "
+                    "(the processor's max_pixels)"
+                )
             offset = int(positions[first])
             if positions[first + n - 1] != offset + n - 1:
-                raise ValueError(f"{field}: image {i}'s tokens are not contiguous")
+                raise ValueError(f"{field}: {modality} {i}'s tokens are not contiguous")
             grid = None if grids is None else grids[i]
-            features.append(MultiModalFeature("image", hash_pixels(pixels[i]), offset, n, pixels[i], grid))
+            features.append(MultiModalFeature(modality, hash_pixels(pixels[i]), offset, n, pixels[i], grid))
             first += n
-        return ids.tolist(), features
+        return features
+
+
+def as_videos(value) -> list:
+    """multi_modal_data's "video" as a list of videos: one video (a uint8 array [T, H, W, 3], or a list
+    of frames: PIL images or [H, W, 3] arrays) or a list of them."""
+    if isinstance(value, np.ndarray):
+        return [value]
+    value = list(value)
+    first = value[0] if value else None
+    if isinstance(first, Image.Image) or (isinstance(first, np.ndarray) and first.ndim == 3):
+        return [value]  # one video's frames
+    return value
+
+
+def _frames(video, field: str) -> list:
+    """A video's frames as PIL images: a list of PIL images or uint8 [H, W, 3] arrays, or one uint8 array
+    [T, H, W, 3]; every frame checked as an image is."""
+    if isinstance(video, np.ndarray) and video.ndim == 4:
+        video = list(video)
+    if not isinstance(video, (list, tuple)) or not video:
+        raise MediaError("a video must be a non-empty list of frames or a uint8 array [T, H, W, 3]", field)
+    frames = [check_image(_as_pil(frame, f"{field}[{t}]"), f"{field}[{t}]") for t, frame in enumerate(video)]
+    if len({frame.size for frame in frames}) > 1:
+        raise MediaError(
+            f"a video's frames must share one size, got {sorted({f.size for f in frames})}", field
+        )
+    return frames
 
 
 def _as_pil(image, field: str):
@@ -165,37 +248,80 @@ def _llava_processor(settings: dict, hf_config: dict, tokenizer):
 
 
 class QwenVLProcessor:
-    """Qwen2.5-VL's processor for images: Hugging Face's image processor (Qwen2VLImageProcessorPil:
-    each image resized to a multiple of 28 pixels within min/max pixels, cut into patches), and each
-    `<|image_pad|>` of the text expanded to the image's tokens (grid patches / merge_size^2), as
-    Qwen2_5_VLProcessor does (which cannot be built here: its video processor needs torchvision)."""
+    """The Qwen VL families' processor: Hugging Face's image processor (Qwen2VLImageProcessorPil: each
+    image resized to a multiple of patch x merge pixels within min/max pixels, cut into patches), and
+    each `<|image_pad|>` of the text expanded to the image's tokens (grid patches / merge_size^2), as
+    Qwen2_5_VLProcessor does (which cannot be built here: its video processor needs torchvision).
+
+    Videos (Qwen2.5-VL, `fps` given): each frame through the same image processor (so a video takes the
+    image settings' min/max pixels), then frames paired along time as the video processor does (the
+    last repeated to an even count): a video of F frames is F / 2 grids of the frames' patches, and its
+    `<|video_pad|>` expands to all their tokens; `second_per_grid_ts` is 2 / fps."""
 
     image_token = "<|image_pad|>"
     chat_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
 
-    def __init__(self, image_processor, tokenizer):
+    def __init__(self, image_processor, tokenizer, fps: float | None = None):
         self.image_processor, self.tokenizer = image_processor, tokenizer
         self.merge_unit = image_processor.merge_size**2
+        self.fps = fps
+        self.video_token = "<|video_pad|>" if fps is not None else None
 
-    def __call__(self, text: str, images=None, return_tensors: str = "np", add_special_tokens: bool = True):
+    def __call__(
+        self, text: str, images=None, videos=None, return_tensors: str = "np", add_special_tokens: bool = True
+    ):
         out = {}
         if images:
-            out = dict(self.image_processor(images=images, return_tensors="np"))
-            pieces = text.split(self.image_token)
-            counts = [int(np.prod(grid)) // self.merge_unit for grid in out["image_grid_thw"]]
-            text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
+            out |= self.image_processor(images=images, return_tensors="np")
+            text = self._expand(text, self.image_token, out["image_grid_thw"])
+        if videos:
+            out |= self._videos(videos)
+            text = self._expand(text, self.video_token, out["video_grid_thw"])
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         return {**out, "input_ids": np.asarray([ids], np.int64)}
 
+    def _expand(self, text: str, placeholder: str, grids) -> str:
+        pieces = text.split(placeholder)
+        counts = [int(np.prod(grid)) // self.merge_unit for grid in grids]
+        return pieces[0] + "".join(placeholder * n + piece for n, piece in zip(counts, pieces[1:]))
 
-def _qwen2_5_vl_processor(settings: dict, hf_config: dict, tokenizer):
-    """Qwen2.5-VL's: images keep their sizes, so the tokens per image given is the most one has."""
+    def _videos(self, videos: list) -> dict[str, np.ndarray]:
+        pairs = self.image_processor.temporal_patch_size
+        values, grids = [], []
+        for frames in videos:
+            frames = list(frames) + [frames[-1]] * (-len(frames) % pairs)  # the last repeated
+            out = self.image_processor(images=frames, return_tensors="np")
+            (_, h, w), channels = out["image_grid_thw"][0], self.image_processor.patch_size
+            # Each frame's patches hold it `pairs` times over ([P, C, T, p, p]): keep one, then pair.
+            per_frame = out["pixel_values"].reshape(len(frames), h * w, 3, pairs, channels, channels)[
+                :, :, :, 0
+            ]
+            grouped = per_frame.reshape(len(frames) // pairs, pairs, h * w, 3, channels, channels)
+            values.append(grouped.transpose(0, 2, 3, 1, 4, 5).reshape(len(frames) // pairs * h * w, -1))
+            grids.append((len(frames) // pairs, h, w))
+        return {
+            "pixel_values_videos": np.concatenate(values),
+            "video_grid_thw": np.asarray(grids, np.int64),
+            "second_per_grid_ts": np.full(len(videos), pairs / self.fps, np.float32),
+        }
+
+
+def _qwen_vl_processor(settings: dict, hf_config: dict, tokenizer):
+    """The Qwen VL families': images keep their sizes, so the tokens per image given is the most one
+    has; Qwen2.5-VL also takes videos (at the settings' `fps`, 2 by default; Qwen3-VL's videos carry
+    timestamps in their text, not built)."""
     from transformers import Qwen2VLImageProcessorPil
 
-    from xlaserve.models.qwen2_5_vl import max_image_tokens
+    from xlaserve.models.qwen2_5_vl import max_image_tokens, video_fps
 
-    image_processor = Qwen2VLImageProcessorPil(**_image_settings(settings))
-    return QwenVLProcessor(image_processor, tokenizer), max_image_tokens(settings, hf_config["vision_config"])
+    image_processor = Qwen2VLImageProcessorPil(
+        **{k: v for k, v in _image_settings(settings).items() if k != "fps"}
+    )
+    fps = (
+        video_fps(settings) if hf_config["architectures"][0] == "Qwen2_5_VLForConditionalGeneration" else None
+    )
+    processor = QwenVLProcessor(image_processor, tokenizer, fps)
+    return processor, max_image_tokens(settings, hf_config["vision_config"])
 
 
 # The registry's vision-language architectures: (processor settings, config.json, tokenizer) -> (the HF
@@ -203,8 +329,8 @@ def _qwen2_5_vl_processor(settings: dict, hf_config: dict, tokenizer):
 VISION_LANGUAGE_FAMILIES = {
     "LlavaForConditionalGeneration": _llava_processor,
     "Gemma3ForConditionalGeneration": _gemma3_processor,
-    "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl_processor,
-    "Qwen3VLForConditionalGeneration": _qwen2_5_vl_processor,  # the same image processor and tokens
+    "Qwen2_5_VLForConditionalGeneration": _qwen_vl_processor,
+    "Qwen3VLForConditionalGeneration": _qwen_vl_processor,
 }
 
 

@@ -11,7 +11,7 @@ from xlaserve.config import KVTransferConfig
 from xlaserve.core.limits import RequestLimits, check_prompt_length
 from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.core.request import Request, child_request_id
-from xlaserve.engine.mm_processor import MultiModalProcessor
+from xlaserve.engine.mm_processor import MultiModalProcessor, as_videos
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.lora_request import LoRARequest
 from xlaserve.pooling_params import TASKS_OF_MODEL, PoolingParams, output_width
@@ -93,13 +93,20 @@ class InputProcessor:
         data = prompt["multi_modal_data"]
         if self.mm_processor is None:
             raise ValueError("multi_modal_data: this model takes text only")
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise ValueError(f"multi_modal_data must be {{'image': image or list}}, got keys {list(data)}")
+        if not isinstance(data, dict) or not data or set(data) - {"image", "video"}:
+            raise ValueError(
+                f"multi_modal_data must be {{'image': image or list, 'video': frames or list}}, got keys "
+                f"{list(data) if isinstance(data, dict) else type(data).__name__}"
+            )
         if not isinstance(prompt.get("prompt"), str):
             raise ValueError("multi_modal_data needs the prompt as text ({'prompt': str}), with placeholders")
-        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        images = data.get("image", [])
+        images = images if isinstance(images, (list, tuple)) else [images]
         ids, features = self.mm_processor.process(
-            prompt["prompt"], list(images), add_special_tokens=add_special_tokens
+            prompt["prompt"],
+            list(images),
+            as_videos(data.get("video", [])),
+            add_special_tokens=add_special_tokens,
         )
         return prompt["prompt"], ids, features
 

@@ -169,7 +169,9 @@ class LLM:
         mm = self.input_processor.mm_processor
         for conversation in conversations:
             conversation, images = flatten_content(
-                conversation, mm and mm.chat_placeholder, lambda url, field: load_image(url, MediaPolicy(), field)
+                conversation,
+                mm and mm.chat_placeholder,
+                lambda url, field: load_image(url, MediaPolicy(), field),
             )
             text = self.tokenizer.apply_chat_template(
                 conversation,

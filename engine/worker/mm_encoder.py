@@ -134,7 +134,12 @@ class MultiModalHook(StepHook):
             if mrope is not None:  # every token's, text included (models/qwen2_5_vl.py)
                 start = s.num_computed_tokens
                 mrope[:, offset : offset + s.num_new_tokens] = mrope_positions(
-                    s.request.mm_features, start, start + s.num_new_tokens, self.spatial_merge_size
+                    s.request.mm_features,
+                    start,
+                    start + s.num_new_tokens,
+                    self.spatial_merge_size,
+                    s.request.num_prompt_tokens,
+                    self.video_interval,
                 )
             if s.request.mm_features:
                 isolate_failures(
@@ -206,6 +211,7 @@ class PackedPatchesHook(MultiModalHook):
     def _set_up_encoder(self, cfg, sched) -> list[int]:
         vision: QwenVisionConfig = cfg.vision
         self.vision, self.spatial_merge_size = vision, vision.spatial_merge_size
+        self.video_interval = cfg.video_interval
         max_patches = self.tokens_per_item * vision.merge_unit
         smallest = min(max_patches, 16 * vision.merge_unit)
         buckets = [smallest]

@@ -260,8 +260,8 @@ def save_tiny_qwen2_5_vl(directory: str, *, seed: int = 0) -> str:
 
 def save_tiny_qwen3_vl(directory: str, *, seed: int = 0) -> str:
     """A random Qwen3VLForConditionalGeneration (a 3-block tower with a 4 x 4 position table, DeepStack
-    features from its first two blocks added after both layers of a Qwen3 decoder with interleaved M-RoPE), with the same
-    tokens and image settings as `save_tiny_qwen2_5_vl`."""
+    features from its first two blocks added after both layers of a Qwen3 decoder with interleaved
+    M-RoPE), with the same tokens and image settings as `save_tiny_qwen2_5_vl`."""
     import torch
     import transformers
 

@@ -16,6 +16,7 @@ from xlaserve import LLM, SamplingParams
 
 BLOCK = ENGINE_ARGS["block_size"]
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 PROMPT = f"The quick brown fox jumps over the lazy dog 0123456789. {IMAGE} What is it?"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -50,21 +51,18 @@ def hf(model_dir, family):
     return hf_class.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _hf_inputs(llm, text: str, images: list) -> dict:
-    """Hugging Face's model inputs for `text` and `images`, made by the engine's processor (the same
-    image processor and placeholder expansion as Qwen2_5_VLProcessor's)."""
+def _hf_inputs(llm, text: str, images: list, videos: list = ()) -> dict:
+    """Hugging Face's model inputs for `text`, `images` and `videos`, made by the engine's processor (the
+    same image processor and placeholder expansion as Qwen2_5_VLProcessor's)."""
     import torch
 
     mm = llm.input_processor.mm_processor
-    out = mm.hf_processor(text=text, images=images)
+    out = mm.hf_processor(text=text, images=images, videos=list(videos) or None)
     ids = torch.tensor(out["input_ids"])
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "pixel_values": torch.tensor(out["pixel_values"]),
-        "image_grid_thw": torch.tensor(out["image_grid_thw"]),
-        "mm_token_type_ids": (ids == mm.image_token_id).long(),  # what get_rope_index reads
-    }
+    inputs = {name: torch.tensor(value) for name, value in out.items() if name != "input_ids"}
+    # What get_rope_index reads: 1 for an image's tokens, 2 for a video's.
+    types = (ids == mm.image_token_id).long() + 2 * (ids == (mm.video_token_id or -1)).long()
+    return {**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
 
 
 def _hf_greedy(hf, inputs: dict, max_tokens: int = 8):
@@ -122,7 +120,7 @@ def test_mrope_positions_are_hugging_faces(llm, hf):
     )
     _, features = llm.input_processor.mm_processor.process(text, images)
     n = inputs["input_ids"].shape[1]
-    chunks = [mrope_positions(features, start, min(start + 7, n + 3), 2) for start in range(0, n + 3, 7)]
+    chunks = [mrope_positions(features, start, min(start + 7, n + 3), 2, n) for start in range(0, n + 3, 7)]
     ours = np.concatenate(chunks, axis=1)
     np.testing.assert_array_equal(ours[:, :n], expected[:, 0].numpy())
     np.testing.assert_array_equal(ours[:, n:], np.tile(np.arange(n, n + 3) + int(delta[0, 0]), (3, 1)))
@@ -238,3 +236,73 @@ def test_bfloat16_an_image_request_is_the_same_alone_and_packed_with_others(mode
     assert encoder.num_encoded == 3 and encoder.num_encode_calls == 2
     assert together.outputs[0].token_ids == alone.outputs[0].token_ids
     assert logprobs(together) == logprobs(alone)
+
+
+def test_a_video_matches_hugging_face(llm, hf, family):
+    """Qwen2.5-VL: 5 frames (the last repeated to 6: 3 frame pairs, each its own attention segment in the
+    tower's full blocks), their temporal positions 4 apart (2 tokens a second x 2 s a pair at 2 fps), the
+    prompt ending with the video so that its last pair's temporal position sets the decode delta; an
+    image before it. Qwen3-VL refuses videos by name."""
+    frames = np.stack([np.asarray(random_image(60 + t, (40, 32))) for t in range(5)])  # [T, H, W, 3]
+    text = f"An image {IMAGE} and a video {VIDEO}"
+    prompt = {"prompt": text, "multi_modal_data": {"image": random_image(59), "video": frames}}
+    if family == "qwen3_vl":
+        with pytest.raises(ValueError, match="multi_modal_data.video: this model takes images, not videos"):
+            llm.generate(prompt, GREEDY, use_tqdm=False)
+        return
+    inputs = _hf_inputs(llm, text, [random_image(59)], [list(frames)])
+    assert inputs["video_grid_thw"].tolist() == [[3, 8, 10]]
+    hf_tokens, hf_ids, hf_logprobs = _hf_greedy(hf, inputs)
+    params = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == hf_ids
+    assert list(out.outputs[0].token_ids) == hf_tokens
+    ours = np.array([entry[tid].logprob for entry, tid in zip(out.prompt_logprobs[1:], hf_ids[1:])])
+    np.testing.assert_allclose(ours, hf_logprobs, atol=2e-4)
+
+
+def test_video_mrope_positions_and_decode_delta_are_hugging_faces(llm, hf, family):
+    """The video's temporal positions (pairs 4 apart) reach past the text after it: the decode delta
+    is the prompt's largest position + 1 - its length, as get_rope_index's."""
+    from xlaserve.models.qwen2_5_vl import mrope_positions
+
+    if family != "qwen2_5_vl":
+        pytest.skip("Qwen3-VL takes no videos")
+    frames = [random_image(70 + t, (32, 32)) for t in range(6)]  # 3 pairs of 4 x 4 tokens
+    text = f"a {VIDEO} b"
+    inputs = _hf_inputs(llm, text, [], [frames])
+    expected, delta = hf.model.get_rope_index(
+        inputs["input_ids"],
+        inputs["mm_token_type_ids"],
+        video_grid_thw=inputs["video_grid_thw"],
+        second_per_grid_ts=inputs["second_per_grid_ts"],
+    )
+    _, features = llm.input_processor.mm_processor.process(text, [], [frames])
+    n = inputs["input_ids"].shape[1]
+    ours = mrope_positions(features, 0, n + 2, 2, n, llm.engine_core.runner.model_config.video_interval)
+    np.testing.assert_array_equal(ours[:, :n], expected[:, 0].numpy())
+    np.testing.assert_array_equal(ours[:, n:], np.tile(np.arange(n, n + 2) + int(delta[0, 0]), (3, 1)))
+    assert int(expected[0, 0].max()) > int(expected[1, 0].max())  # the frames reach past the text
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"video": [random_image(1), random_image(2, (32, 32))]},
+            r"video\[0\]: a video's frames must share one size",
+        ),
+        ({"video": [[random_image(1)], [random_image(2)]]}, r"video: 2 videos in one prompt; at most 1"),
+        ({"image": random_image(1)}, r"video: the prompt has 1 <\|video_pad\|> placeholders for 0 videos"),
+        (
+            {"image": random_image(1), "video": np.zeros((4, 48, 48, 3), np.uint8)},
+            r"video\[0\]: 72 tokens; a video may have at most 64",
+        ),
+    ],
+)
+def test_bad_videos_are_refused_naming_the_field(llm, family, data, message):
+    if family != "qwen2_5_vl":
+        pytest.skip("Qwen3-VL takes no videos")
+    prompt = {"prompt": f"{IMAGE} {VIDEO}", "multi_modal_data": data}
+    with pytest.raises(ValueError, match=f"multi_modal_data.{message}"):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
