@@ -30,6 +30,7 @@ from flax import nnx
 from xlaserve.models.layers import Linear, RMSNorm, activation
 from xlaserve.models.llama import LlamaDecoderLayer
 from xlaserve.models.multimodal import EncoderOutputs, VisionLanguageLM
+from xlaserve.models.processor_settings import max_image_tokens, video_fps
 from xlaserve.models.qwen import Qwen2Config
 from xlaserve.models.rope import base_inv_freq, rope_cos_sin, rotate_halves
 
@@ -154,19 +155,6 @@ def vision_fields(vision: dict[str, Any]) -> dict[str, Any]:
         rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         tokens_per_second=float(vision.get("tokens_per_second", 2.0)),
     )
-
-
-def max_image_tokens(settings: dict, vision: dict) -> int:
-    """Tokens of the largest image the processor makes: its max_pixels (transformers 5 spells it
-    size.longest_edge) over the pixels of one token."""
-    settings = settings.get("image_processor") or settings
-    max_pixels = settings.get("max_pixels") or (settings.get("size") or {}).get("longest_edge") or 12845056
-    return int(max_pixels) // (vision.get("patch_size", 14) * vision.get("spatial_merge_size", 2)) ** 2
-
-
-def video_fps(settings: dict) -> float:
-    """The frames per second a video's frames are taken as (the processor settings' `fps`; 2)."""
-    return float((settings.get("image_processor") or settings).get("fps") or 2.0)
 
 
 # -- the host's side: patches in window order, and M-RoPE positions ----------------------------------

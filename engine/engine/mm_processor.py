@@ -19,6 +19,7 @@ from PIL import Image
 from xlaserve.config import parse_mm_limits
 from xlaserve.core.multimodal import MultiModalFeature, hash_pixels
 from xlaserve.engine.media import MediaError, check_image
+from xlaserve.models.processor_settings import image_settings, max_image_tokens, video_fps
 
 
 class MultiModalProcessor:
@@ -206,8 +207,8 @@ def _processor_settings(model_dir: str) -> dict:
 
 
 def _image_settings(settings: dict) -> dict:
-    image_settings = settings.get("image_processor") or settings
-    return {k: v for k, v in image_settings.items() if k not in _SKIP and k != "image_processor"}
+    """The image processor's constructor arguments of the settings."""
+    return {k: v for k, v in image_settings(settings).items() if k not in _SKIP and k != "image_processor"}
 
 
 def _gemma3_processor(settings: dict, hf_config: dict, tokenizer):
@@ -311,8 +312,6 @@ def _qwen_vl_processor(settings: dict, hf_config: dict, tokenizer):
     has; Qwen2.5-VL also takes videos (at the settings' `fps`, 2 by default; Qwen3-VL's videos carry
     timestamps in their text, not built)."""
     from transformers import Qwen2VLImageProcessorPil
-
-    from xlaserve.models.qwen2_5_vl import max_image_tokens, video_fps
 
     image_processor = Qwen2VLImageProcessorPil(
         **{k: v for k, v in _image_settings(settings).items() if k != "fps"}

@@ -32,8 +32,9 @@ MODEL_LOADERS = (
     "xlaserve.models.weights",
     "xlaserve.models.registry",
 )
-# The one module of models/ the front end imports: its tokenizer (text in and out, no weights).
-FRONT_END_MODELS = ("xlaserve.models.tokenizer",)
+# The modules of models/ the front end imports: its tokenizer (text in and out, no weights) and what a
+# vision-language model's processor settings say (image sizes, a video's frame rate).
+FRONT_END_MODELS = ("xlaserve.models.tokenizer", "xlaserve.models.processor_settings")
 HEAVY = ("jax", "jaxlib", "flax", "orbax", "torch")  # what the front end's tokenizer must not import
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DIR = ROOT / "engine" / "engine"

@@ -1,0 +1,28 @@
+"""What a vision-language model directory's processor settings (preprocessor_config.json) say that both
+sides need: the front end to process images and videos, the engine to size its encoder cache and place
+a video's frames in time. Plain Python (the front end imports it: no jax)."""
+
+from __future__ import annotations
+
+DEFAULT_MAX_PIXELS = 12845056  # Qwen2-VL's image processor's default (16,384 tokens of 28 x 28 pixels)
+DEFAULT_VIDEO_FPS = 2.0
+
+
+def image_settings(settings: dict) -> dict:
+    """The image processor's part of the settings (processor_config.json nests it)."""
+    return settings.get("image_processor") or settings
+
+
+def max_image_tokens(settings: dict, vision: dict) -> int:
+    """Tokens of the largest image the Qwen families' processor makes: its max_pixels (transformers 5
+    spells it size.longest_edge) over the pixels of one token (`vision`: config.json's vision_config)."""
+    settings = image_settings(settings)
+    max_pixels = (
+        settings.get("max_pixels") or (settings.get("size") or {}).get("longest_edge") or DEFAULT_MAX_PIXELS
+    )
+    return int(max_pixels) // (vision.get("patch_size", 14) * vision.get("spatial_merge_size", 2)) ** 2
+
+
+def video_fps(settings: dict) -> float:
+    """The frames per second a video's frames are taken as (the settings' `fps`; 2)."""
+    return float(image_settings(settings).get("fps") or DEFAULT_VIDEO_FPS)
