@@ -190,6 +190,8 @@ def read_rope_parameters(hf: dict[str, Any]) -> RopeParameters:
     scaling.pop("rope_theta", None)
     scaling.pop("partial_rotary_factor", None)
     rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")
+    if rope_type == "mrope":  # Qwen2-VL's older spelling: multimodal positions, the default frequencies
+        rope_type = "default"
     scaling["rope_type"] = rope_type
     if rope_type == "longrope":  # Phi3's config.json keeps it beside rope_scaling
         scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))

@@ -306,3 +306,34 @@ def test_bad_videos_are_refused_naming_the_field(llm, family, data, message):
     prompt = {"prompt": f"{IMAGE} {VIDEO}", "multi_modal_data": data}
     with pytest.raises(ValueError, match=f"multi_modal_data.{message}"):
         llm.generate(prompt, GREEDY, use_tqdm=False)
+
+
+def test_a_release_config_json_reads_as_transformers_5s():
+    """Qwen2.5-VL's released config.json (top-level decoder fields, `rope_scaling` of type "mrope",
+    transformers 4's spelling) reads as the config transformers 5 writes: M-RoPE sections, plain RoPE
+    frequencies, the processor's largest image."""
+    from xlaserve.models.qwen2_5_vl import Qwen2_5_VLConfig
+
+    release = {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 128000,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "tie_word_embeddings": True,
+        "image_token_id": 151655,
+        "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                          "out_hidden_size": 2048, "tokens_per_second": 2, "window_size": 112,
+                          "fullatt_block_indexes": [7, 15, 23, 31]},
+        "preprocessor_config": {"min_pixels": 3136, "max_pixels": 12845056},
+    }  # fmt: skip
+    cfg = Qwen2_5_VLConfig.from_hf(release)
+    assert (cfg.mrope_section, cfg.rope_scaling, cfg.rope_theta) == ((16, 24, 24), None, 1000000.0)
+    assert cfg.tie_word_embeddings and cfg.attention_bias and cfg.image_token_id == 151655
+    assert cfg.max_image_tokens == 16384 and cfg.vision.fullatt_block_indexes == (7, 15, 23, 31)
+    assert cfg.video_interval == 2.0  # 2 tokens a second x 2 frames / 2 fps
