@@ -4,15 +4,26 @@ the executor's: xlaserve/executor/multihost.py.)"""
 from __future__ import annotations
 
 import logging
+import socket
 
 import jax
 
 logger = logging.getLogger(__name__)
 
 
-def initialize(master_addr: str, master_port: int, nnodes: int, node_rank: int) -> None:
-    """jax.distributed over `nnodes` processes; on CPU the collectives go through gloo."""
+def initialize(
+    master_addr: str, master_port: int, nnodes: int, node_rank: int, cross_host_transfers: bool = False
+) -> None:
+    """jax.distributed over `nnodes` processes; on CPU the collectives go through gloo.
+
+    `cross_host_transfers`: `jax.device_put` may copy an array to another process's devices (pipeline
+    stages on different processes). The CPU backend has no transfers of its own, so JAX's DCN transfer
+    server carries them: this process listens on port master_port + 2 + node_rank (port 0 does not work:
+    the peers are told the port asked for, not the one bound)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if cross_host_transfers:
+        address = f"{_reachable_address(master_addr)}:{transfer_port(master_port, node_rank)}"
+        jax.config.update("jax_cross_host_transfer_socket_address", address)
     jax.distributed.initialize(
         coordinator_address=f"{master_addr}:{master_port}", num_processes=nnodes, process_id=node_rank
     )
@@ -23,3 +34,17 @@ def initialize(master_addr: str, master_port: int, nnodes: int, node_rank: int) 
         jax.local_device_count(),
         jax.device_count(),
     )
+
+
+def transfer_port(master_port: int, node_rank: int) -> int:
+    """The port a process receives cross-host device transfers on (after the coordinator's and the step
+    channel's)."""
+    return master_port + 2 + node_rank
+
+
+def _reachable_address(master_addr: str) -> str:
+    """This host's address on the route to process 0 (process 0's own is master_addr): the address the
+    other processes send transfers to. A UDP connect sends nothing; it only picks the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master_addr, 1))
+        return s.getsockname()[0]

@@ -49,8 +49,12 @@ class ParallelConfig:
     master_addr: str = field(
         default="127.0.0.1", metadata=arg("address of process 0 (jax.distributed coordinator)")
     )
-    # jax.distributed's coordinator; the step channel uses master_port + 1
-    master_port: int = field(default=29500, metadata=arg("coordinator port; the step channel uses +1"))
+    # jax.distributed's coordinator; the step channel uses master_port + 1, and pipeline stages on
+    # several processes receive their inputs on master_port + 2 + node_rank (sharding/distributed.py)
+    master_port: int = field(
+        default=29500,
+        metadata=arg("coordinator port; the step channel uses +1, pipeline stages' transfers +2+node_rank"),
+    )
 
     def __post_init__(self):
         require(
@@ -64,12 +68,9 @@ class ParallelConfig:
             self.pipeline_parallel_size >= 1,
             f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}",
         )
-        # Not yet: stages across processes, and data-parallel ranks each of several stages.
+        # Not yet: data-parallel ranks each of several stages. (Stages on several processes each need
+        # their devices in one process: worker/pipeline_stage.stage_devices checks that.)
         if self.pipeline_parallel_size > 1:
-            require(
-                self.nnodes == 1,
-                f"pipeline_parallel_size={self.pipeline_parallel_size} runs on one host for now (nnodes=1)",
-            )
             require(
                 self.data_parallel_size == 1,
                 f"pipeline_parallel_size={self.pipeline_parallel_size} cannot be combined with "

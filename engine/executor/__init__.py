@@ -9,16 +9,17 @@ import jax
 from xlaserve.config import EngineConfig
 from xlaserve.executor.executor import Executor
 from xlaserve.executor.multihost import MultiHostExecutor, follow
-from xlaserve.executor.pipeline import PipelineExecutor
+from xlaserve.executor.pipeline import MultiHostPipelineExecutor, PipelineExecutor
 from xlaserve.worker.loading import LoadedCheckpoint, ModelInfo
 from xlaserve.worker.step_future import StepFuture
 
 
 def executor_class(config: EngineConfig) -> type[Executor]:
-    """Multi-host on process 0 of several processes, pipelined with pipeline_parallel_size > 1, else
-    one process (a follower's steps come from `follow`, not from an engine core)."""
+    """Multi-host on process 0 of several processes (its pipelined kind with pipeline_parallel_size > 1),
+    pipelined with pipeline_parallel_size > 1, else one process (a follower's steps come from `follow`,
+    not from an engine core; a pipelined follower runs its own stages with a PipelineExecutor's runner)."""
     if config.parallel.nnodes > 1 and config.parallel.node_rank == 0:
-        return MultiHostExecutor
+        return MultiHostPipelineExecutor if config.parallel.pipeline_parallel_size > 1 else MultiHostExecutor
     if config.parallel.pipeline_parallel_size > 1:
         return PipelineExecutor
     return Executor
@@ -54,6 +55,7 @@ __all__ = [
     "LoadedCheckpoint",
     "ModelInfo",
     "MultiHostExecutor",
+    "MultiHostPipelineExecutor",
     "PipelineExecutor",
     "StepFuture",
     "device_groups",

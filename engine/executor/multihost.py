@@ -4,10 +4,13 @@ Every process holds the model's shards for its devices and runs the same jitted 
 process 0 schedules. Before each step it sends the step's host arrays (worker/input_batch.StepInputs)
 to the other processes over ZMQ; they run the step and answer with a checksum of the ids they
 sampled, so a process that diverged stops the engine with a clear error instead of hanging.
+With pipeline stages on several processes (executor/pipeline.py) only the last stage's process
+samples: the followers answer with their step's outputs instead (empty where nothing was sampled).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import zlib
 
@@ -31,6 +34,17 @@ _STOP = b""
 
 def _checksum(token_ids: np.ndarray) -> bytes:
     return zlib.crc32(np.ascontiguousarray(token_ids, np.int32).tobytes()).to_bytes(4, "little")
+
+
+def _pack(host: dict[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **host)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
 
 
 class StepSender:
@@ -69,6 +83,22 @@ class StepSender:
                 )
         self._num_steps += 1
 
+    def receive_outputs(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A pipelined step's outputs: `host` (this process's, empty unless it sampled) or the one
+        follower's that sampled (each follower answers, with its outputs or nothing)."""
+        for _ in self._peers:
+            try:
+                _, answer = self._sock.recv_multipart()
+            except zmq.Again:
+                raise RuntimeError("a follower process did not answer a step in time; stopping") from None
+            host = host or _unpack(answer)
+        if "token_ids" not in host:
+            raise RuntimeError(
+                f"no process sampled step {self._num_steps} (the last pipeline stage's should)"
+            )
+        self._num_steps += 1
+        return host
+
     def close(self) -> None:
         for peer in self._peers:
             self._sock.send_multipart([peer, _STOP])
@@ -91,6 +121,10 @@ class StepReceiver:
 
     def report(self, token_ids: np.ndarray) -> None:
         self._sock.send(_checksum(token_ids))
+
+    def send_outputs(self, host: dict[str, np.ndarray]) -> None:
+        """A pipelined step's outputs (empty where this process sampled nothing)."""
+        self._sock.send(_pack(host))
 
     def close(self) -> None:
         self._sock.close()
@@ -118,9 +152,13 @@ class MultiHostExecutor(Executor):
             return ModelRunnerOutput()
         inputs = self.runner.prepare(scheduled, grammar_bitmask)
         self.sender.send(inputs)
-        host = self.runner.run(inputs)
-        self.sender.check(host["token_ids"])
+        host = self._answered(self.runner.run(inputs))
         return make_output(scheduled, host, inputs.failed_req_ids)
+
+    def _answered(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The step's outputs, once the followers have answered: every process sampled the same ids."""
+        self.sender.check(host["token_ids"])
+        return host
 
     def execute_async(
         self,
@@ -165,8 +203,13 @@ def follow(runner: ModelRunner, parallel: ParallelConfig) -> None:
     """A process of node_rank > 0: run each step process 0 sends, until it stops."""
     receiver = StepReceiver(parallel.master_addr, step_port(parallel), parallel.node_rank)
     logger.info("process %d: following process 0's steps", parallel.node_rank)
+    is_pipelined = parallel.pipeline_parallel_size > 1
     try:
         while (inputs := receiver.recv()) is not None:
-            receiver.report(runner.run(inputs)["token_ids"])
+            host = runner.run(inputs)
+            if is_pipelined:  # the last stage's process sampled; the others ran their stages only
+                receiver.send_outputs(host)
+            else:
+                receiver.report(host["token_ids"])
     finally:
         receiver.close()

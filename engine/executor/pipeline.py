@@ -1,13 +1,19 @@
-"""The pipelined executor: one host's devices split into pipeline stages (pipeline_parallel_size > 1).
+"""The pipelined executors: the devices split into pipeline stages (pipeline_parallel_size > 1).
 
-It owns the stages through its runner (worker/pipeline_runner.py: one program per stage on its own
-tensor_parallel_size devices, the hidden states handed on device to device) and answers the engine
-core as the one-process executor does; what the stages cannot do yet is refused here by name.
+They own the stages through their runner (worker/pipeline_runner.py: one program per stage on its own
+tensor_parallel_size devices, the hidden states handed on device to device) and answer the engine
+core as the one-process executor does; what the stages cannot do yet is refused here by name. On
+several processes (nnodes > 1) process 0's is `MultiHostPipelineExecutor`: the others follow its steps
+(executor/multihost.py) with a `PipelineExecutor` of their own stages, and the last stage's process
+answers each step with what it sampled.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from xlaserve.executor.executor import Executor
+from xlaserve.executor.multihost import MultiHostExecutor
 from xlaserve.worker.pipeline_runner import PipelineRunner
 
 
@@ -24,6 +30,16 @@ class PipelineExecutor(Executor):
 
     def sleep(self, level: int):
         raise _not_pipelined("sleep")
+
+
+class MultiHostPipelineExecutor(MultiHostExecutor):
+    """Process 0 of a pipeline over several processes: it runs its own stages, and the process of the
+    last stage sends back what it sampled (update_weights and sleep: refused as across hosts)."""
+
+    runner_class = PipelineRunner
+
+    def _answered(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.sender.receive_outputs(host)
 
 
 def _not_pipelined(what: str) -> ValueError:

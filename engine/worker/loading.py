@@ -98,7 +98,12 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
     parallel = config.parallel
     if parallel.nnodes > 1:  # before anything asks jax for its devices
         distributed.initialize(
-            parallel.master_addr, parallel.master_port, parallel.nnodes, parallel.node_rank
+            parallel.master_addr,
+            parallel.master_port,
+            parallel.nnodes,
+            parallel.node_rank,
+            # Pipeline stages on different processes hand their hidden states on with jax.device_put.
+            cross_host_transfers=parallel.pipeline_parallel_size > 1,
         )
     setup_compilation_cache(config.compilation)
     checkpoint = load_checkpoint(

@@ -14,6 +14,13 @@ Everything else is the ModelRunner's: the host batch, the buckets, warm-up, the 
 sampler and prompt-logprob programs (on the last stage), async scheduling's `last_sampled` (copied to
 stage 0's devices each step). Each stage computes what the single-device forward computes for its
 layers, in the same order, so a pipeline's tokens and logprobs are bitwise those of one device.
+
+Across processes (nnodes > 1, jax.distributed): the stages are cut from the global device list, each
+inside one process, and a process loads, compiles and runs only its own stages; every process runs the
+same step (executor/multihost.py sends it). The hand-over to a stage on another process is the same
+`jax.device_put`, to that stage's devices: JAX's cross-host transfer (sharding/distributed.py turns it
+on), in which the sending process puts its array and the receiving one a stand-in of the same shape
+with no local data. Only the process of the last stage samples; it sends the outputs to process 0.
 """
 
 from __future__ import annotations
@@ -25,13 +32,15 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import KVCache
 from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
 from xlaserve.models.registry import model_config_from_hf
-from xlaserve.worker.input_batch import StepBatch
+from xlaserve.sharding import make_mesh
+from xlaserve.worker.input_batch import StepBatch, StepInputs
 from xlaserve.worker.kv_cache import allocate_kv_cache
 from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.model_runner import ModelRunner
@@ -60,11 +69,17 @@ def _stage_forward(
 
 @dataclasses.dataclass
 class PipelineStage:
-    """One stage: its layers, its model on its devices, and its program."""
+    """One stage: its layers, where its input lives, its model on its devices, and its program (model
+    and program None for a stage of another process)."""
 
     layout: StageLayout
-    model: LoadedModel
-    forward: Program
+    replicated: NamedSharding  # the stage's input, whole on each of its devices
+    model: LoadedModel | None
+    forward: Program | None
+
+    @property
+    def is_local(self) -> bool:
+        return self.model is not None
 
 
 class PipelineRunner(ModelRunner):
@@ -82,6 +97,10 @@ class PipelineRunner(ModelRunner):
         invariant = partial(traced_with, config.model.batch_invariant)
         self.stages = []
         for layout, group in zip(layouts, groups):
+            if group[0].process_index != jax.process_index():
+                mesh = make_mesh(parallel.tensor_parallel_size, group)
+                self.stages.append(PipelineStage(layout, NamedSharding(mesh, PartitionSpec()), None, None))
+                continue
             model = load_model(config, hf_config, tensors, group, stage=layout)
             fn = jax.jit(
                 # A stage on one device: its few-row dots take their shapes' probed rows (dot_rows.py).
@@ -89,7 +108,8 @@ class PipelineRunner(ModelRunner):
                 donate_argnames=("kv_cache",),
                 compiler_options=config.compilation.compiler_options(),
             )
-            self.stages.append(PipelineStage(layout, model, Program(f"pp_stage{layout.index}", fn, 2)))
+            forward = Program(f"pp_stage{layout.index}", fn, 2)
+            self.stages.append(PipelineStage(layout, model.placement.replicated, model, forward))
             logger.info(
                 "pipeline stage %d: layers %d-%d on devices %s",
                 layout.index,
@@ -97,11 +117,13 @@ class PipelineRunner(ModelRunner):
                 layout.layers.stop - 1,
                 [d.id for d in group],
             )
-        largest = max(self.stages, key=lambda s: len(s.layout.layers)).model
+        local = [s for s in self.stages if s.is_local]  # at least one (stage_devices checks)
+        # The spec of the largest stage, in every process alike (the blocks' count must agree).
+        largest = max(len(layout.layers) for layout in layouts)
         return dataclasses.replace(
-            self.stages[-1].model,
-            kv_spec=largest.kv_spec,
-            weight_bytes=sum(s.model.weight_bytes for s in self.stages),
+            local[-1].model,
+            kv_spec=dataclasses.replace(local[-1].model.kv_spec, num_layers=largest),
+            weight_bytes=sum(s.model.weight_bytes for s in local),
         )
 
     def __init__(self, *args, **kwargs):
@@ -112,12 +134,14 @@ class PipelineRunner(ModelRunner):
             names = ", ".join(hook.name for hook in self.hooks)
             raise ValueError(f"pipeline_parallel_size > 1 does not run the step hooks {names} yet")
         # What warm-up compiles as "the forward", through the engine's program store, is the last
-        # stage's; the stages before it are compiled by `warm_up` here.
+        # stage's; the stages before it are compiled by `warm_up` here. (None: the last stage and the
+        # sampler are another process's.)
         self._forward_fn = self.stages[-1].forward
         self._last_stage_inputs: dict[int, jax.ShapeDtypeStruct] = {}  # per token bucket, by warm_up
 
-    def allocate_kv_cache(self) -> list[KVCache]:
-        """Each stage's zeroed cache of num_blocks, on its devices, holding its layers only."""
+    def allocate_kv_cache(self) -> list[KVCache | None]:
+        """Each stage's zeroed cache of num_blocks, on its devices, holding its layers only (None for
+        another process's stage)."""
         return [
             allocate_kv_cache(
                 s.model.kv_spec,
@@ -126,6 +150,8 @@ class PipelineRunner(ModelRunner):
                 self.backend.cache_dtype(self.dtype),
                 s.model.placement,
             )
+            if s.is_local
+            else None
             for s in self.stages
         ]
 
@@ -144,11 +170,11 @@ class PipelineRunner(ModelRunner):
             batch.md,
         )
 
-    def _hidden_struct(self, index: int, out_info) -> jax.ShapeDtypeStruct:
-        """Stage `index`'s input as it arrives from the stage before (copied to its devices, whole)."""
-        return jax.ShapeDtypeStruct(
-            out_info.shape, out_info.dtype, sharding=self.stages[index].model.placement.replicated
-        )
+    def _hidden_struct(self, index: int, num_tokens: int) -> jax.ShapeDtypeStruct:
+        """Stage `index`'s input as it arrives from the stage before (copied to its devices, whole): the
+        hidden states [T, D] in the compute dtype, known without the stage before (another process's)."""
+        shape = (num_tokens, self.model_config.hidden_size)
+        return jax.ShapeDtypeStruct(shape, self.dtype, sharding=self.stages[index].replicated)
 
     def _forward_args(self, kv_cache, batch: StepBatch, hook_arrays: dict) -> tuple:
         """The last stage's arguments, for warm-up (a shape struct stands for the hidden states)."""
@@ -159,25 +185,63 @@ class PipelineRunner(ModelRunner):
         return self._stage_args(len(self.stages) - 1, kv_cache, x, batch)
 
     def warm_up(self) -> None:
-        """Compile every stage but the last for each token bucket (stage by stage: a stage's input is the
-        one before's output), then the ModelRunner's warm-up: the last stage and the samplers."""
+        """Compile this process's stages but the last for each token bucket, then the ModelRunner's
+        warm-up: the last stage and the samplers (where the last stage is this process's)."""
         for num_tokens in self.token_buckets:
             batch = self._build_batch([], num_tokens)
             x = batch.input_ids
             for index, stage in enumerate(self.stages[:-1]):
-                args = self._stage_args(index, self.kv_cache, x, batch)
-                compiled = stage.forward.lower(*args).compile()
-                stage.forward.add(args, {}, compiled)
-                x = self._hidden_struct(index + 1, compiled.out_info[0])
+                hidden = self._hidden_struct(index + 1, num_tokens)
+                if stage.is_local:
+                    args = self._stage_args(index, self.kv_cache, x, batch)
+                    compiled = stage.forward.lower(*args).compile()
+                    stage.forward.add(args, {}, compiled)
+                    # What another process's next stage expects is this struct, not the program's output.
+                    out = compiled.out_info[0]
+                    if (out.shape, out.dtype) != (hidden.shape, hidden.dtype):
+                        raise RuntimeError(f"stage {index} returns {out}, not the hidden states {hidden}")
+                x = hidden
             self._last_stage_inputs[num_tokens] = x
-        super().warm_up()
+        if self.stages[-1].is_local:
+            super().warm_up()
+        else:
+            self.guard.arm()
 
-    def _run_forward(self, batch: StepBatch, hook_arrays: dict) -> tuple[jax.Array, jax.Array]:
-        """Stage by stage, each on its own devices; the hidden states are copied to the next stage's."""
+    def _run_forward(self, batch: StepBatch, hook_arrays: dict) -> tuple[jax.Array, jax.Array] | None:
+        """Stage by stage, each on its own devices; the hidden states are copied to the next stage's.
+        None where the last stage is another process's."""
         x = batch.input_ids
         for index, stage in enumerate(self.stages):
             if index:
-                x = jax.device_put(x, stage.model.placement.replicated)
+                x = self._hand_on(x, index, batch.input_ids.shape[0])
+            if not stage.is_local:
+                x = None
+                continue
             out = stage.forward(*self._stage_args(index, self.kv_cache, x, batch))
             x, self.kv_cache[index] = out[0], out[-1]
-        return out[0], out[1]
+        return (out[0], out[1]) if self.stages[-1].is_local else None
+
+    def _hand_on(self, x: jax.Array | None, index: int, num_tokens: int) -> jax.Array | None:
+        """The hidden states `x` of stage index - 1 (None: another process's) onto stage `index`'s
+        devices. Between processes both call `jax.device_put`: the sender with its array, the receiver
+        with a stand-in on the sender's devices (no local data), as JAX's cross-host transfer wants."""
+        stage, before = self.stages[index], self.stages[index - 1]
+        if x is None:
+            if not stage.is_local:
+                return None  # neither end is this process's
+            struct = self._hidden_struct(index, num_tokens)
+            x = jax.make_array_from_single_device_arrays(
+                struct.shape, before.replicated, [], dtype=struct.dtype
+            )
+        return jax.device_put(x, stage.replicated)
+
+    def dispatch(self, inputs: StepInputs) -> tuple[dict[str, jax.Array], object]:
+        """A step; where the last stage is another process's, only this process's stages run (the
+        hidden states handed on) and nothing is sampled here: no outputs."""
+        if self.stages[-1].is_local:
+            return super().dispatch(inputs)
+        self.guard.begin()
+        step = self.timing.on_dispatch()
+        self._run_forward(self.placement.step_inputs(inputs.batch), inputs.hooks)
+        self.guard.check(f"a step in bucket {inputs.batch.input_ids.shape[0]}")
+        return {}, step

@@ -67,14 +67,33 @@ def split_layers(num_layers: int, num_stages: int) -> list[StageLayout]:
 
 
 def stage_devices(devices: list, tensor_parallel_size: int, num_stages: int) -> list[list]:
-    """Each stage's tensor_parallel_size devices, in order (ValueError naming both sizes when too few)."""
+    """Each stage's tensor_parallel_size devices, in order; ValueError naming both sizes when too few, when
+    a stage would span processes, or when a process (jax.distributed) would hold no stage."""
     needed = tensor_parallel_size * num_stages
     if needed > len(devices):
         raise ValueError(
             f"pipeline_parallel_size={num_stages} x tensor_parallel_size={tensor_parallel_size} needs "
             f"{needed} devices, {len(devices)} available"
         )
-    return [devices[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(num_stages)]
+    groups = [devices[i * tensor_parallel_size : (i + 1) * tensor_parallel_size] for i in range(num_stages)]
+    for index, group in enumerate(groups):
+        # A stage's program runs in one process (several processes would each have to run it, and a
+        # stage's tensor-parallel all-reduces would cross hosts): only the hand-over between stages may.
+        processes = sorted({d.process_index for d in group})
+        if len(processes) > 1:
+            raise ValueError(
+                f"pipeline_parallel_size={num_stages} x tensor_parallel_size={tensor_parallel_size}: stage "
+                f"{index}'s devices span processes {processes}; each stage must lie in one process "
+                "(tensor_parallel_size at most one process's devices, dividing them)"
+            )
+    # Every process runs the step: one without a stage would only wait on the others.
+    idle = sorted({d.process_index for d in devices} - {group[0].process_index for group in groups})
+    if idle:
+        raise ValueError(
+            f"pipeline_parallel_size={num_stages} x tensor_parallel_size={tensor_parallel_size} leaves "
+            f"process(es) {idle} without a stage: the stages must use every process's devices"
+        )
+    return groups
 
 
 def placeholder(ndim: int, dtype, sharding) -> jax.Array:

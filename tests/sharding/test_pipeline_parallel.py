@@ -3,15 +3,23 @@ stages compute what one device computes for their layers, in the same order, so 
 Qwen3-MoE: first, middle and last stages, the experts cut into stages) gives bitwise the same greedy
 ids and logprobs as PP=1; PP=2 x TP=2 (a tiny Llama) matches within 1e-4 (tensor parallelism's
 all-reduce sums in another order); each stage holds only its own weights and KV cache, on its own
-devices; nothing compiles after warm-up."""
+devices; nothing compiles after warm-up. And PP=2 over two processes (jax.distributed over loopback,
+one stage and one device each, helpers/pp_process.py) gives the one-device PP=1 run's bits too, and
+PP=2 x TP=2 over two processes of two devices each the one-host PP=2 x TP=2 run's."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 
-pytestmark = pytest.mark.slow  # four engines in the fake-mesh worker, one warmed up
+pytestmark = pytest.mark.slow  # four engines in the fake-mesh worker, one warmed up; two two-process runs
 
-PP1, PP4 = {}, {"pipeline_parallel_size": 4}
+PP1, PP2, PP4 = {}, {"pipeline_parallel_size": 2}, {"pipeline_parallel_size": 4}
 PP2_TP2 = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}
 # Each engine compiles its own programs (each stage's forward per bucket, ~2-4 s each on this machine):
 # the fewest layouts that cover 4 stages (a first, two middle and a last: PP=2's two stages are PP=4's
@@ -21,8 +29,8 @@ GUARDED = {"llama": PP2_TP2}  # warmed up under the strict compile guard
 
 
 @pytest.fixture(scope="module")
-def runs(tp_worker, tmp_path_factory):
-    """{model: [result per layout of LAYOUTS]} for a tiny Llama and a tiny Qwen3-MoE of 4 layers each."""
+def models(tmp_path_factory) -> dict[str, str]:
+    """{model: directory}: a tiny Llama and a tiny Qwen3-MoE of 4 layers each."""
     from helpers.tiny_models import save_tiny_llama, save_tiny_model, small_byte_tokenizer
 
     tokenizer = small_byte_tokenizer()  # a 320-token vocabulary: small logits and sampler programs
@@ -43,7 +51,13 @@ def runs(tp_worker, tmp_path_factory):
         moe_intermediate_size=32,
         decoder_sparse_step=1,
     )
-    arg = {"models": {"llama": llama, "qwen3_moe": moe}, "layouts": LAYOUTS, "guarded": GUARDED}
+    return {"llama": llama, "qwen3_moe": moe}
+
+
+@pytest.fixture(scope="module")
+def runs(tp_worker, models):
+    """{model: [result per layout of LAYOUTS]}."""
+    arg = {"models": models, "layouts": LAYOUTS, "guarded": GUARDED}
     return tp_worker.run("pipeline", "", arg)
 
 
@@ -88,3 +102,60 @@ def test_each_stage_holds_only_its_layers_and_nothing_compiles_after_warm_up(run
     # The embedding on the first stage, the final norm and the (untied) LM head on the last.
     assert (first["has_embedding"], first["has_norm"], first["has_lm_head"]) == (True, False, False)
     assert (last["has_embedding"], last["has_norm"], last["has_lm_head"]) == (False, True, True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_process_run(model: str, layout: dict, devices_per_process: int) -> dict:
+    """helpers/pp_process.py's two processes of `devices_per_process` CPU devices each: process 0's
+    tokens and logprobs, once both have exited cleanly (process 1 released by process 0)."""
+    from helpers.tiny_models import FAST_COMPILE_XLA_FLAGS
+
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "pp_process.py")
+    # The fake-mesh worker's flags (tp_worker.py: the references' compiles) but fewer devices.
+    flags = f"--xla_force_host_platform_device_count={devices_per_process} {FAST_COMPILE_XLA_FLAGS}"
+    env = dict(os.environ, XLA_FLAGS=flags)
+    arg = {
+        "model": model,
+        "port": _free_port(),
+        "layout": layout,
+        "shape": {"max_num_batched_tokens": 16, "max_num_seqs": 1},  # helpers/pp_worker.py's
+    }
+
+    def command(node_rank: int) -> list[str]:
+        return [sys.executable, script, json.dumps({**arg, "node_rank": node_rank})]
+
+    follower = subprocess.Popen(
+        command(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    leader = subprocess.run(command(0), env=env, capture_output=True, text=True, timeout=600, check=False)
+    _, follower_err = follower.communicate(timeout=120)
+    assert leader.returncode == 0, leader.stderr[-3000:]
+    assert follower.returncode == 0, follower_err[-3000:]
+    line = next(line for line in leader.stdout.splitlines() if "RESULT " in line)
+    return json.loads(line.split("RESULT ", 1)[1])
+
+
+def test_two_processes_pipeline_parallel_2_are_bitwise_one_device(models, runs):
+    """PP=2 across two jax.distributed processes of one CPU device each: stage 0 in process 0, stage 1
+    (and the sampler) in process 1, the hidden states handed over by JAX's cross-host device_put. Warmed
+    up under the strict compile guard in both processes: a compile after warm-up fails the run."""
+    layout = {**PP2, "enforce_eager": False, "strict_compile_guard": True}
+    result = _two_process_run(models["llama"], layout, devices_per_process=1)
+    one = runs["llama"][0]
+    assert one["layout"] == PP1
+    assert result["tokens"] == one["tokens"]
+    assert result["logprobs"] == one["logprobs"]  # every float, exactly
+
+
+def test_two_processes_pipeline_times_tensor_parallel_are_bitwise_one_host(models, runs):
+    """PP=2 x TP=2 across two processes of two devices each (a stage's all-reduces inside its process)
+    computes what the same layout computes on one host's four devices, bit for bit."""
+    result = _two_process_run(models["llama"], PP2_TP2, devices_per_process=2)
+    one_host = runs["llama"][LAYOUTS["llama"].index(PP2_TP2)]
+    assert result["tokens"] == one_host["tokens"]
+    assert result["logprobs"] == one_host["logprobs"]

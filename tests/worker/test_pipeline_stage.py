@@ -4,6 +4,7 @@ the configurations refused by name (the device side: tests/sharding/test_pipelin
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,12 +31,22 @@ def test_more_stages_than_layers_is_an_error_naming_the_field():
         split_layers(4, 5)
 
 
+def _devices(num_devices: int, per_process: int | None = None) -> list:
+    """Stand-ins for jax's global device list: `per_process` devices a process, process 0's first."""
+    per_process = per_process or num_devices
+    return [SimpleNamespace(id=i, process_index=i // per_process) for i in range(num_devices)]
+
+
+def _ids(groups: list) -> list:
+    return [[d.id for d in group] for group in groups]
+
+
 def test_each_stage_gets_its_own_tensor_parallel_devices():
-    assert stage_devices(list(range(8)), 2, 3) == [[0, 1], [2, 3], [4, 5]]
+    assert _ids(stage_devices(_devices(8), 2, 3)) == [[0, 1], [2, 3], [4, 5]]
     with pytest.raises(
         ValueError, match=r"pipeline_parallel_size=4 x tensor_parallel_size=2 needs 8 devices, 6"
     ):
-        stage_devices(list(range(6)), 2, 4)
+        stage_devices(_devices(6), 2, 4)
 
 
 def test_a_stage_keeps_its_part_of_each_stack_and_the_modules_it_runs():
@@ -72,7 +83,6 @@ def test_the_flag_and_its_short_form_reach_the_config():
             {"data_parallel_size": 2},
             "pipeline_parallel_size=2 cannot be combined with data_parallel_size=2 yet",
         ),
-        ({"nnodes": 2}, r"pipeline_parallel_size=2 runs on one host for now \(nnodes=1\)"),
         ({"enable_lora": True}, "pipeline_parallel_size=2 cannot be combined with enable_lora yet"),
         (
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
@@ -88,3 +98,22 @@ def test_the_flag_and_its_short_form_reach_the_config():
 def test_what_pipelines_do_not_run_yet_is_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_kwargs(None, **{"pipeline_parallel_size": 2, **kwargs})
+
+
+def test_stages_across_processes_are_refused_unless_each_lies_in_one_process():
+    """Several processes (jax.distributed): a stage's devices in one process, every process a stage."""
+    devices = _devices(4, per_process=2)
+    assert _ids(stage_devices(devices, 2, 2)) == [[0, 1], [2, 3]]
+    assert _ids(stage_devices(devices, 1, 4)) == [[0], [1], [2], [3]]
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2: stage 0's devices span processes \[0, 1\]"
+    ):
+        stage_devices(devices[::2] + devices[1::2], 2, 2)  # one device of each process per stage
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 x tensor_parallel_size=1 leaves process"):
+        stage_devices(devices, 1, 2)  # both stages on process 0
+
+
+def test_stages_on_several_processes_reach_the_config():
+    config = EngineConfig.from_kwargs(None, pipeline_parallel_size=2, nnodes=2, node_rank=1)
+    assert (config.parallel.pipeline_parallel_size, config.parallel.nnodes) == (2, 2)
+    assert config.async_scheduling_off_reason() is not None  # the multi-host executor's steps: synchronous
