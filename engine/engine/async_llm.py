@@ -116,10 +116,7 @@ class AsyncLLM:
     ) -> None:
         self.config = config
         policy = RestartPolicy(max_engine_restarts, engine_restart_window)
-        if self.config.parallel.nnodes > 1 and policy.max_restarts:
-            # The other hosts joined the dead core's jax.distributed group and cannot join a new one.
-            logger.info("a multi-host engine is not restarted in place: the server exits if its core dies")
-            policy = RestartPolicy(0, policy.window_s)
+        policy = policy.for_num_nodes(config.parallel.nnodes)  # a multi-host core is never restarted
         self.model = config.model.model
         self.tokenizer = None
         self.max_model_len = 0
@@ -203,10 +200,9 @@ class AsyncLLM:
         )
 
     def _attach_core(self) -> None:
-        """Read the (new) core's outputs and watch its process."""
-        client, loop = self.core, asyncio.get_running_loop()
-        self._output_task = asyncio.create_task(self._output_loop(client), name="engine-core-outputs")
-        client.watch(lambda reason: loop.call_soon_threadsafe(self.supervisor.core_died, client, reason))
+        """Read the (new) core's outputs; the supervisor watches its process."""
+        self._output_task = asyncio.create_task(self._output_loop(self.core), name="engine-core-outputs")
+        self.supervisor.watch_core()
 
     # -- state ---------------------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
 """Supervision of the engine core: a dead core is restarted, not fatal, until it keeps dying.
 
-When the core dies, the requests it held fail at once (`on_down`), new ones get EngineDeadError
-(503) while a new core starts (warm: its programs come from the store of executables), then serving resumes
-(`on_ready` reattaches the front end's output loop). A core that keeps dying (`RestartPolicy`) sets
-`failed`, and the server exits.
+When the core dies (its process ends, seen by `watch_core`'s monitor thread, or the front end
+reports a failed core with `core_died`), the requests it held fail at once (`on_down`), new ones get
+EngineDeadError (503) while a new core starts (warm: its programs come from the store of
+executables), then serving resumes (`on_ready` reattaches the front end's output loop). A core that
+keeps dying (`RestartPolicy`) sets `failed`, and the server exits; a multi-host core is never
+restarted (`RestartPolicy.for_num_nodes`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ class RestartPolicy:
             raise ValueError(f"max_engine_restarts must be >= 0, got {self.max_restarts}")
         if not self.window_s > 0:
             raise ValueError(f"engine_restart_window must be > 0 seconds, got {self.window_s}")
+
+    def for_num_nodes(self, nnodes: int) -> RestartPolicy:
+        """This policy for an engine spanning `nnodes` hosts: a multi-host core is never restarted."""
+        if nnodes > 1 and self.max_restarts:
+            # The other hosts joined the dead core's jax.distributed group and cannot join a new one.
+            logger.info("a multi-host engine is not restarted in place: the server exits if its core dies")
+            return RestartPolicy(0, self.window_s)
+        return self
 
 
 class CoreDeaths:
@@ -105,6 +115,12 @@ class CoreSupervisor:
         self.failed = asyncio.Event()
         self._restart_task: asyncio.Task | None = None
         self._is_stopping = False
+
+    def watch_core(self) -> None:
+        """Watch the live core's process: its death, noticed on the monitor's thread, is handled on
+        this event loop (`core_died`)."""
+        client, loop = self.core, asyncio.get_running_loop()
+        client.watch(lambda reason: loop.call_soon_threadsafe(self.core_died, client, reason))
 
     def core_died(self, client: EngineCoreClient, reason: str) -> None:
         """Fail what the core held, then restart it or give up. `reason` (pid, signal, exception) is

@@ -264,7 +264,8 @@ def test_hf_peer_gets_the_engines_warm_up(batch):
     from types import SimpleNamespace
 
     from helpers.family_cases import make_hf_model
-    from xlaserve.entrypoints.bench.offline import WARM_UP_OUTPUT_LEN, run_hf
+    from xlaserve.entrypoints.bench.hf_peer import run_hf
+    from xlaserve.entrypoints.bench.report import WARM_UP_OUTPUT_LEN
 
     hf = make_hf_model("LlamaForCausalLM")
     calls, generate = [], hf.generate
@@ -279,6 +280,25 @@ def test_hf_peer_gets_the_engines_warm_up(batch):
     timed = [((2, 4), 3)] if batch else [((1, 3), 3), ((1, 4), 3)]
     assert calls == [((1, 3), WARM_UP_OUTPUT_LEN), *timed]
     assert report["warm_up_s"] > 0 and report["num_requests"] == 2
+
+
+def test_bench_backend_hf_reports_the_paired_ratios(tiny_llama, tmp_path, capsys):
+    """`--backend hf`: Hugging Face's run of the same prompts beside the engine's, and their ratios."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "latency", "--model", tiny_llama, "--num-prompts", "2", "--output-len", "3",
+            "--max-model-len", "256", "--max-num-batched-tokens", "64", "--kv-cache-memory", str(2**22),
+            "--enforce-eager", "--backend", "hf", "--output-json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    r = json.loads(out.read_text())
+    ours, hf = r["xlaserve"], r["hf"]
+    assert r["hf_dtype"] == "float32" and hf["backend"] == "hf" and hf["num_requests"] == 2
+    assert hf["warm_up_s"] > 0 and hf["output_tokens_per_s"] * hf["elapsed_s"] == pytest.approx(2 * 3)
+    assert r["ratio_output_throughput"] == pytest.approx(
+        ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    )
+    assert r["ratio_tpot_hf_over_xlaserve"] == pytest.approx(hf["tpot_s"]["mean"] / ours["tpot_s"]["mean"])
+    printed = capsys.readouterr().out
+    assert "output throughput xlaserve / hf: " in printed and "TPOT hf / xlaserve: " in printed
 
 
 def test_bench_step_replays_a_decode_step_of_every_prompt(tiny_llama, tmp_path):

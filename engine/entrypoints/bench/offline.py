@@ -4,9 +4,9 @@
 seeded): long contexts, where the attention kernels matter.
 
 `--backend hf` also runs Hugging Face transformers' `generate` on the same prompts, in the same
-process, so every report carries a side-by-side ratio measured under the same conditions: both
-backends first run one untimed request (the first prompt, WARM_UP_OUTPUT_LEN tokens), reported as
-`warm_up_s`.
+process, so every report carries a side-by-side ratio measured under the same conditions
+(bench/hf_peer.py): both backends first run one untimed request (the first prompt,
+WARM_UP_OUTPUT_LEN tokens), reported as `warm_up_s`.
 
 Every xlaserve run reports, per step, the host's idle time (blocked on the device's results) and
 the device's (done with a step, waiting for the host to dispatch the next one). `--compare-async`
@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import statistics
 import time
 
 from xlaserve.entrypoints.arg_utils import engine_kwargs
-from xlaserve.entrypoints.bench import data_parallel, pooling, roofline, speculative
+from xlaserve.entrypoints.bench import data_parallel, hf_peer, pooling, roofline, speculative
 from xlaserve.entrypoints.bench.lora import bench_lora, is_lora_bench, parse_ranks, print_lora
+from xlaserve.entrypoints.bench.report import WARM_UP_OUTPUT_LEN, run_report
 
 logger = logging.getLogger(__name__)
 
@@ -64,21 +63,6 @@ def workload(num_prompts: int) -> list[list[dict]]:
         for i in range(num_prompts)
     ]
 
-
-def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-
-    def at(q):
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"mean": statistics.fmean(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
-
-
-# Both backends start with one untimed request of the first prompt and this many tokens, so neither
-# side's first-call costs (programs loaded, torch's thread pool and allocator, lazy inits) are timed.
-WARM_UP_OUTPUT_LEN = 2
 
 # -- xlaserve --------------------------------------------------------------------------------------
 
@@ -142,7 +126,7 @@ def run_xlaserve(
     ]
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
-    report = _report("xlaserve", len(outputs), num_in, num_out, elapsed, ttft, tpot)
+    report = run_report("xlaserve", len(outputs), num_in, num_out, elapsed, ttft, tpot)
     steps = sum(r.num_steps for r in runners) - steps0
     waited = sum(r.device_wait_s for r in runners) - wait0
     device_idle = sum(r.timing.device_idle_s for r in runners) - idle0
@@ -159,89 +143,6 @@ def run_xlaserve(
     if spec := speculative.acceptance(spec0, speculative.spec_counters(llm)):
         report["speculative"] = spec
     return report
-
-
-def _report(backend, num_requests, num_in, num_out, elapsed, ttft, tpot) -> dict:
-    return {
-        "backend": backend,
-        "num_requests": num_requests,
-        "elapsed_s": elapsed,
-        "requests_per_s": num_requests / elapsed,
-        "output_tokens_per_s": num_out / elapsed,
-        "total_tokens_per_s": (num_in + num_out) / elapsed,
-        "ttft_s": _percentiles(ttft),
-        "tpot_s": _percentiles(tpot),
-    }
-
-
-# -- Hugging Face transformers ---------------------------------------------------------------------
-
-
-def _load_hf(model: str | None, dtype: str = "float32"):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from xlaserve.models.loader import resolve_embedded_model_path
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    if model is None or model == "smollm2":
-        model = resolve_embedded_model_path()
-    if model.endswith(".gguf"):
-        hf = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model), gguf_file=os.path.basename(model), dtype=getattr(torch, dtype)
-        )
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
-    return hf.eval()
-
-
-def run_hf(hf, tokenizer, prompts, output_len: int, batch: bool) -> dict:
-    """The workload through `hf.generate`, after the warm-up the engine gets (WARM_UP_OUTPUT_LEN)."""
-    import torch
-
-    def generate(rows: list[list[int]], num_tokens: int = output_len) -> tuple[float, float]:
-        width = max(map(len, rows))
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            hf(input_ids=ids, attention_mask=mask)  # the prefill alone: time to first token
-            ttft = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            hf.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=num_tokens,
-                min_new_tokens=num_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-            )
-            return ttft, time.perf_counter() - t0
-
-    rows = [p["prompt_token_ids"] for p in prompts]
-    num_in = sum(map(len, rows))
-    warm_up_s = sum(generate(rows[:1], WARM_UP_OUTPUT_LEN))  # untimed: the warm-up
-    if batch:
-        ttft, elapsed = generate(rows)
-        report = _report(
-            "hf",
-            len(rows),
-            num_in,
-            len(rows) * output_len,
-            elapsed,
-            [ttft],
-            [(elapsed - ttft) / (output_len - 1)],
-        )
-        return report | {"warm_up_s": warm_up_s}
-    ttfts, tpots, total = [], [], 0.0
-    for row in rows:
-        ttft, elapsed = generate([row])
-        ttfts.append(ttft)
-        tpots.append((elapsed - ttft) / (output_len - 1))
-        total += elapsed
-    report = _report("hf", len(rows), num_in, len(rows) * output_len, total, ttfts, tpots)
-    return report | {"warm_up_s": warm_up_s}
 
 
 # -- command ---------------------------------------------------------------------------------------
@@ -304,15 +205,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.roofline:
         results["roofline"] = roofline.measure(llm, results["xlaserve"], is_batch_1=not batch)
     if args.backend == "hf":
-        hf = _load_hf(args.model, args.hf_dtype)
+        hf = hf_peer.load_hf(args.model, args.hf_dtype)
         results["hf_dtype"] = args.hf_dtype
-        results["hf"] = run_hf(hf, llm.tokenizer, prompts, args.output_len, batch)
-        results["ratio_output_throughput"] = (
-            results["xlaserve"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
-        )
-        results["ratio_tpot_hf_over_xlaserve"] = (
-            results["hf"]["tpot_s"]["mean"] / results["xlaserve"]["tpot_s"]["mean"]
-        )
+        results["hf"] = hf_peer.run_hf(hf, llm.tokenizer, prompts, args.output_len, batch)
+        results |= hf_peer.ratios(results["xlaserve"], results["hf"])
     _print(results)
     if "lora_bench" in results:
         print_lora(results)
@@ -384,9 +280,7 @@ def _print(results: dict) -> None:
             f"async / sync: output throughput {results['ratio_async_over_sync_output_throughput']:.2f}x, "
             f"TPOT sync / async {results['ratio_tpot_sync_over_async']:.2f}x"
         )
-    if "ratio_output_throughput" in results:
-        print(f"output throughput xlaserve / hf: {results['ratio_output_throughput']:.2f}x")
-        print(f"TPOT hf / xlaserve: {results['ratio_tpot_hf_over_xlaserve']:.2f}x")
+    hf_peer.print_ratios(results)
 
 
 def add_parser(sub, add_engine_args):

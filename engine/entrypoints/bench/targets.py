@@ -29,7 +29,8 @@ import os
 import time
 
 from xlaserve.entrypoints.arg_utils import engine_kwargs
-from xlaserve.entrypoints.bench.offline import _load_hf, _prompts, run_hf, run_xlaserve, workload
+from xlaserve.entrypoints.bench.hf_peer import load_hf, run_hf
+from xlaserve.entrypoints.bench.offline import _prompts, run_xlaserve, workload
 
 HF_DTYPES = ("float32", "bfloat16")
 THROUGHPUT_VS_HF = 2.0  # xlaserve default dtype / HF best, output tok/s: at least (issue 37)
@@ -104,7 +105,7 @@ def _run_engine(args, dtype: str | None, **overrides) -> dict:
 
 
 def _run_hf(args, dtype: str, tokenizer) -> dict:
-    hf = _load_hf(args.model, dtype)
+    hf = load_hf(args.model, dtype)
     prompts = _prompts(tokenizer, workload(args.num_prompts))
     latency_prompts = _prompts(tokenizer, workload(args.latency_prompts))
     result = {
