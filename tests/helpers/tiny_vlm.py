@@ -178,6 +178,19 @@ def make_processor(tokenizer):
     )
 
 
+def hf_greedy(model, inputs: dict, max_tokens: int = 8) -> tuple[list[int], list[int], np.ndarray]:
+    """Hugging Face's (greedy tokens, prompt ids, prompt logprobs [n - 1]) for a vision-language model's
+    processed `inputs` (torch tensors, batch of one)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+        logits = model(**inputs).logits[0].float()
+    ids = inputs["input_ids"][0]
+    logprobs = torch.log_softmax(logits, -1)[:-1].gather(1, ids[1:, None])[:, 0]
+    return out[0, len(ids) :].tolist(), ids.tolist(), logprobs.numpy()
+
+
 def random_image(seed: int, size: tuple[int, int] = (40, 48)):
     """A PIL image of noise (width, height)."""
     from PIL import Image
@@ -202,66 +215,41 @@ def save_tiny_qwen2_5_vl(directory: str, *, seed: int = 0) -> str:
     """A random Qwen2_5_VLForConditionalGeneration (a 3-block windowed tower, the last block attending to
     the whole image; a 2-layer Qwen2 decoder with M-RoPE), its tokenizer and Qwen2VLImageProcessorPil
     settings (Qwen2_5_VLProcessor itself needs torchvision for its video processor)."""
-    import torch
     import transformers
 
-    from helpers.tiny_models import small_byte_tokenizer
-
-    tokenizer = small_byte_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_SPECIAL})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL}
     vision = transformers.Qwen2_5_VLVisionConfig(
-        depth=3,
-        hidden_size=32,
-        intermediate_size=48,
-        num_heads=4,
-        patch_size=4,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        window_size=16,
-        out_hidden_size=64,
-        fullatt_block_indexes=[2],
+        **QWEN_VL_TOWER, window_size=16, out_hidden_size=64, fullatt_block_indexes=[2]
     )
-    text = transformers.Qwen2_5_VLTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    config = transformers.Qwen2_5_VLConfig(
-        vision_config=vision.to_dict(),
-        text_config=text.to_dict(),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # larger weights than the default init, so logits are not all near-ties
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    os.makedirs(directory, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
-    image_processor = transformers.Qwen2VLImageProcessorPil(
-        patch_size=4, merge_size=2, temporal_patch_size=2, **QWEN_VL_PIXELS
-    )
-    image_processor.save_pretrained(directory)
-    return directory
+    return _save_tiny_qwen_vl(directory, seed, "Qwen2_5_VL", vision, mrope_section=[2, 3, 3])
 
 
 def save_tiny_qwen3_vl(directory: str, *, seed: int = 0) -> str:
     """A random Qwen3VLForConditionalGeneration (a 3-block tower with a 4 x 4 position table, DeepStack
     features from its first two blocks added after both layers of a Qwen3 decoder with interleaved
     M-RoPE), with the same tokens and image settings as `save_tiny_qwen2_5_vl`."""
+    import transformers
+
+    vision = transformers.Qwen3VLVisionConfig(
+        **QWEN_VL_TOWER, out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0, 1]
+    )
+    return _save_tiny_qwen_vl(directory, seed, "Qwen3VL", vision, mrope_section=[4, 2, 2], head_dim=16)
+
+
+# The tiny towers' shared sizes: 3 blocks of width 32, patches of 4 pixels merged 2 x 2.
+QWEN_VL_TOWER = dict(
+    depth=3,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=4,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
+
+
+def _save_tiny_qwen_vl(directory: str, seed: int, family: str, vision, mrope_section: list, **text) -> str:
+    """A random `{family}ForConditionalGeneration` over `vision` and a 2-layer decoder of width 64, its
+    tokenizer (the byte-level one with Qwen's vision tokens) and image processor settings."""
     import torch
     import transformers
 
@@ -271,41 +259,29 @@ def save_tiny_qwen3_vl(directory: str, *, seed: int = 0) -> str:
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_SPECIAL})
     tokenizer.chat_template = CHAT_TEMPLATE
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL}
-    vision = transformers.Qwen3VLVisionConfig(
-        depth=3,
-        hidden_size=32,
-        intermediate_size=48,
-        num_heads=4,
-        patch_size=4,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        out_hidden_size=64,
-        num_position_embeddings=16,
-        deepstack_visual_indexes=[0, 1],
-    )
-    text = transformers.Qwen3VLTextConfig(
+    text_config = getattr(transformers, f"{family}TextConfig")(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
         max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **text,
     )
-    config = transformers.Qwen3VLConfig(
+    config = getattr(transformers, f"{family}Config")(
         vision_config=vision.to_dict(),
-        text_config=text.to_dict(),
+        text_config=text_config.to_dict(),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
     with torch.no_grad():  # larger weights than the default init, so logits are not all near-ties
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

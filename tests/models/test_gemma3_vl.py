@@ -9,7 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.tiny_vlm import ENGINE_ARGS, GEMMA3_TOKENS_PER_IMAGE, data_url, random_image, save_tiny_gemma3
+from helpers.tiny_vlm import (
+    ENGINE_ARGS,
+    GEMMA3_TOKENS_PER_IMAGE,
+    data_url,
+    hf_greedy,
+    random_image,
+    save_tiny_gemma3,
+)
 from xlaserve import LLM, SamplingParams
 
 STEP = ENGINE_ARGS["max_num_batched_tokens"]
@@ -45,18 +52,11 @@ def hf(model_dir):
 def _hf(hf, text: str, images: list, *, bidirectional: bool = True):
     """(greedy tokens, prompt ids, prompt logprobs): with the processor's token_type_ids (an image's
     tokens see each other), or without them (causal everywhere)."""
-    import torch
-
     model, processor = hf
     inputs = processor(text=text, images=images, return_tensors="pt")
     if not bidirectional:
         inputs.pop("token_type_ids")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-        logits = model(**inputs).logits[0].float()
-    ids = inputs["input_ids"][0]
-    logprobs = torch.log_softmax(logits, -1)[:-1].gather(1, ids[1:, None])[:, 0]
-    return out[0, len(ids) :].tolist(), ids.tolist(), logprobs.numpy()
+    return hf_greedy(model, inputs)
 
 
 def _mm(text: str, *images):

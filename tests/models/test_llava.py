@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.tiny_vlm import ENGINE_ARGS, TOKENS_PER_IMAGE, data_url, random_image, save_tiny_llava
+from helpers.tiny_vlm import ENGINE_ARGS, TOKENS_PER_IMAGE, data_url, hf_greedy, random_image, save_tiny_llava
 from xlaserve import LLM, SamplingParams
 
 BLOCK = ENGINE_ARGS["block_size"]
@@ -42,16 +42,8 @@ def hf(model_dir):
 
 
 def _hf_greedy(hf, text: str, images: list, max_tokens: int = 8):
-    import torch
-
     model, processor = hf
-    inputs = processor(text=text, images=images, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
-        logits = model(**inputs).logits[0].float()
-    ids = inputs["input_ids"][0]
-    logprobs = torch.log_softmax(logits, -1)[:-1].gather(1, ids[1:, None])[:, 0]
-    return out[0, len(ids) :].tolist(), ids.tolist(), logprobs.numpy()
+    return hf_greedy(model, processor(text=text, images=images, return_tensors="pt"), max_tokens)
 
 
 def _mm(text: str, *images):

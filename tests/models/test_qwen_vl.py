@@ -11,7 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.tiny_vlm import ENGINE_ARGS, data_url, random_image, save_tiny_qwen2_5_vl, save_tiny_qwen3_vl
+from helpers.tiny_vlm import (
+    ENGINE_ARGS,
+    data_url,
+    hf_greedy,
+    random_image,
+    save_tiny_qwen2_5_vl,
+    save_tiny_qwen3_vl,
+)
 from xlaserve import LLM, SamplingParams
 
 BLOCK = ENGINE_ARGS["block_size"]
@@ -65,17 +72,6 @@ def _hf_inputs(llm, text: str, images: list, videos: list = ()) -> dict:
     return {**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
 
 
-def _hf_greedy(hf, inputs: dict, max_tokens: int = 8):
-    import torch
-
-    with torch.no_grad():
-        out = hf.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
-        logits = hf(**inputs).logits[0].float()
-    ids = inputs["input_ids"][0]
-    logprobs = torch.log_softmax(logits, -1)[:-1].gather(1, ids[1:, None])[:, 0]
-    return out[0, len(ids) :].tolist(), ids.tolist(), logprobs.numpy()
-
-
 def _mm(text: str, *images):
     return {"prompt": text, "multi_modal_data": {"image": list(images)}}
 
@@ -84,7 +80,7 @@ def test_greedy_tokens_and_prompt_logprobs_match_hugging_face(llm, hf):
     image = random_image(1)  # 40 x 48 pixels: 5 x 6 tokens, windows cut short at the edges
     inputs = _hf_inputs(llm, PROMPT, [image])
     assert inputs["image_grid_thw"].tolist() == [[1, 12, 10]]
-    hf_tokens, hf_ids, hf_logprobs = _hf_greedy(hf, inputs)
+    hf_tokens, hf_ids, hf_logprobs = hf_greedy(hf, inputs)
     params = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0)
     out = llm.generate(_mm(PROMPT, image), params, use_tqdm=False)[0]
     assert out.prompt_token_ids == hf_ids
@@ -102,7 +98,7 @@ def test_images_of_two_sizes_in_one_prompt_match_hugging_face(llm, hf):
     inputs = _hf_inputs(llm, text, images)
     grids = inputs["image_grid_thw"].tolist()
     assert grids[0] == [1, 10, 16] and grids[1][1] * grids[1][2] * 16 <= 64 * 64  # resized down
-    hf_tokens, _, _ = _hf_greedy(hf, inputs)
+    hf_tokens, _, _ = hf_greedy(hf, inputs)
     out = llm.generate(_mm(text, *images), GREEDY, use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == hf_tokens
 
@@ -193,7 +189,7 @@ def test_chat_with_a_data_url_image_part_matches_hugging_face(llm, hf, model_dir
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": f"What is in it? {IMAGE}\n"}], add_generation_prompt=True, tokenize=False
     )
-    hf_tokens, hf_ids, _ = _hf_greedy(hf, _hf_inputs(llm, text, [image]))
+    hf_tokens, hf_ids, _ = hf_greedy(hf, _hf_inputs(llm, text, [image]))
     assert out.prompt_token_ids == hf_ids
     assert list(out.outputs[0].token_ids) == hf_tokens
 
@@ -252,7 +248,7 @@ def test_a_video_matches_hugging_face(llm, hf, family):
         return
     inputs = _hf_inputs(llm, text, [random_image(59)], [list(frames)])
     assert inputs["video_grid_thw"].tolist() == [[3, 8, 10]]
-    hf_tokens, hf_ids, hf_logprobs = _hf_greedy(hf, inputs)
+    hf_tokens, hf_ids, hf_logprobs = hf_greedy(hf, inputs)
     params = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0)
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     assert out.prompt_token_ids == hf_ids
