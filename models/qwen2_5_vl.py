@@ -273,27 +273,33 @@ def attend_patches(qkv: jax.Array, num_heads: int, cos_sin, mask: jax.Array) -> 
     return jnp.einsum("hqk,khd->qhd", probs, v).reshape(p, d)
 
 
+class PatchAttention(nnx.Module):
+    """The towers' attention: one fused qkv matrix, `attend_patches`, an output matrix."""
+
+    def __init__(self, d: int, num_heads: int, *, dtype, rngs: nnx.Rngs):
+        self.qkv = Linear(d, 3 * d, use_bias=True, dtype=dtype, rngs=rngs)
+        self.proj = Linear(d, d, use_bias=True, dtype=dtype, rngs=rngs)
+        self.num_heads = num_heads
+
+    def __call__(self, x: jax.Array, cos_sin, mask: jax.Array) -> jax.Array:
+        return self.proj(attend_patches(self.qkv(x), self.num_heads, cos_sin, mask))
+
+
 class VisionBlock(nnx.Module):
     def __init__(self, v: QwenVisionConfig, *, dtype, rngs: nnx.Rngs):
         d = v.hidden_size
         self.norm1 = RMSNorm(d, 1e-6, dtype=dtype)
         self.norm2 = RMSNorm(d, 1e-6, dtype=dtype)
-        self.attn = nnx.Dict(
-            qkv=Linear(d, 3 * d, use_bias=True, dtype=dtype, rngs=rngs),
-            proj=Linear(d, d, use_bias=True, dtype=dtype, rngs=rngs),
-        )
+        self.attn = PatchAttention(d, v.num_heads, dtype=dtype, rngs=rngs)
         self.mlp = nnx.Dict(
             gate_proj=Linear(d, v.intermediate_size, use_bias=True, dtype=dtype, rngs=rngs),
             up_proj=Linear(d, v.intermediate_size, use_bias=True, dtype=dtype, rngs=rngs),
             down_proj=Linear(v.intermediate_size, d, use_bias=True, dtype=dtype, rngs=rngs),
         )
-        self.num_heads = v.num_heads
         self.act = activation(v.hidden_act)
 
     def __call__(self, x: jax.Array, cos_sin, mask: jax.Array) -> jax.Array:  # x [P, D], mask [P, P]
-        x = x + self.attn["proj"](
-            attend_patches(self.attn["qkv"](self.norm1(x)), self.num_heads, cos_sin, mask)
-        )
+        x = x + self.attn(self.norm1(x), cos_sin, mask)
         h = self.norm2(x)
         mlp = self.mlp
         return x + mlp["down_proj"](self.act(mlp["gate_proj"](h)) * mlp["up_proj"](h))

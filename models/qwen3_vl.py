@@ -27,10 +27,10 @@ from xlaserve.models.llama import LlamaDecoderLayer
 from xlaserve.models.multimodal import EncoderOutputs
 from xlaserve.models.qwen import Qwen3Config
 from xlaserve.models.qwen2_5_vl import (
+    PatchAttention,
     QwenImageFields,
     QwenVisionConfig,
     QwenVisionLanguageLM,
-    attend_patches,
     image_fields,
     pack_images,
     text_config,
@@ -127,21 +127,15 @@ class VisionBlock(nnx.Module):
         d = v.hidden_size
         self.norm1 = LayerNorm(d, 1e-6, dtype=dtype)
         self.norm2 = LayerNorm(d, 1e-6, dtype=dtype)
-        self.attn = nnx.Dict(
-            qkv=Linear(d, 3 * d, use_bias=True, dtype=dtype, rngs=rngs),
-            proj=Linear(d, d, use_bias=True, dtype=dtype, rngs=rngs),
-        )
+        self.attn = PatchAttention(d, v.num_heads, dtype=dtype, rngs=rngs)
         self.mlp = nnx.Dict(
             linear_fc1=Linear(d, v.intermediate_size, use_bias=True, dtype=dtype, rngs=rngs),
             linear_fc2=Linear(v.intermediate_size, d, use_bias=True, dtype=dtype, rngs=rngs),
         )
-        self.num_heads = v.num_heads
         self.act = activation(v.hidden_act)
 
     def __call__(self, x: jax.Array, cos_sin, mask: jax.Array) -> jax.Array:
-        x = x + self.attn["proj"](
-            attend_patches(self.attn["qkv"](self.norm1(x)), self.num_heads, cos_sin, mask)
-        )
+        x = x + self.attn(self.norm1(x), cos_sin, mask)
         return x + self.mlp["linear_fc2"](self.act(self.mlp["linear_fc1"](self.norm2(x))))
 
 
