@@ -20,6 +20,12 @@ placeholder when N+1 is scheduled: it counts in `num_computed_tokens` and in
 replaces it with the real id one step late. Stops are therefore seen one step late too: what a
 request sampled after its stop is dropped, and no request is scheduled past max_tokens or
 max_model_len counting the tokens in flight. Block hashes only ever cover known ids.
+
+Pipeline micro-batches (vLLM's batch queue; `num_micro_batches` > 1, engine/engine/core.py): up to that
+many steps are in flight at once, each of other requests, so no step needs an id another one samples and
+every id is known when a step is scheduled (no placeholders). A request in a step in flight is not
+scheduled again until that step's output is applied, and each step takes its share of the requests
+(ceil(requests / num_micro_batches)), so that the next has some left to run.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         kv_connector: KVConnectorScheduler | None = None,
         encoder_cache: EncoderCacheManager | None = None,
+        num_micro_batches: int = 1,
     ):
         if kv_cache_manager.block_size != cache_config.block_size:
             raise ValueError(
@@ -106,6 +113,12 @@ class Scheduler:
         self.kv_connector = kv_connector or KVConnectorScheduler()
         # Images' encoder outputs on the device (core/encoder_cache_manager.py); none: a text-only model.
         self.encoder_cache = encoder_cache or EncoderCacheManager()
+        # Steps in flight at once, each of other requests (module doc); 1: off.
+        if num_micro_batches > 1 and async_scheduling:
+            raise ValueError("num_micro_batches > 1 schedules known ids only: async_scheduling must be off")
+        self.num_micro_batches = num_micro_batches
+        # The requests of the micro-batches in flight (scheduled, their outputs not yet applied), by id.
+        self._in_flight: dict[str, Request] = {}
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -154,10 +167,11 @@ class Scheduler:
             self.long_prefill_token_threshold,
             is_whole=not self.enable_chunked_prefill,
         )
-        token_budget = self._schedule_running(output, prefills)
+        max_seqs = self._max_seqs_this_step()
+        token_budget = self._schedule_running(output, prefills, max_seqs)
         # After a preemption the blocks are short: admitting new work would only thrash.
         if not output.preempted_req_ids:
-            self._schedule_waiting(output, token_budget, prefills)
+            self._schedule_waiting(output, token_budget, prefills, max_seqs)
         output.total_num_scheduled_tokens = sum(s.num_new_tokens for s in output.scheduled)
         output.kv_connector_metadata = self.kv_connector.build_connector_meta(output.scheduled)
         if self.async_scheduling:
@@ -167,7 +181,21 @@ class Scheduler:
                 if scheduled.is_sampling:
                     scheduled.request.num_output_placeholders += 1
                     scheduled.request.last_sampled_row = row
+        if self.num_micro_batches > 1:
+            self._in_flight.update((s.request_id, s.request) for s in output.scheduled)
         return output
+
+    def _max_seqs_this_step(self) -> int:
+        """max_num_seqs; with micro-batches, this step's share of the requests (all in one step, the
+        steps beside it would have nothing to run, and the stages nothing to overlap)."""
+        if self.num_micro_batches == 1:
+            return self.max_num_seqs
+        num_requests = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(1, -(-num_requests // self.num_micro_batches))
+
+    def is_in_flight(self, request: Request) -> bool:
+        """In a micro-batch whose output is not applied yet: its next tokens are unknown."""
+        return self._in_flight.get(request.request_id) is request
 
     def needs_known_tokens(self) -> bool:
         """Whether the step in flight must be finished before the next is scheduled: a running request
@@ -186,11 +214,14 @@ class Scheduler:
             or request.num_tokens_with_placeholders >= self.max_model_len
         )
 
-    def _schedule_running(self, output: SchedulerOutput, prefills: PartialPrefills) -> int:
+    def _schedule_running(self, output: SchedulerOutput, prefills: PartialPrefills, max_seqs: int) -> int:
         token_budget = self.max_num_batched_tokens
         index = 0
-        while index < len(self.running) and token_budget > 0:
+        while index < len(self.running) and token_budget > 0 and len(output.scheduled) < max_seqs:
             request = self.running[index]
+            if self.is_in_flight(request):
+                index += 1
+                continue
             num_missing = request.num_tokens_with_placeholders - request.num_computed_tokens
             num_new_tokens = prefills.chunk(num_missing, token_budget) if num_missing > 0 else 0
             num_new_tokens = self.kv_cache_manager.align_chunk(
@@ -262,15 +293,23 @@ class Scheduler:
         return manager.allocate_slots(request, num_new_tokens, hit_blocks)
 
     def _schedule_waiting(
-        self, output: SchedulerOutput, token_budget: int, prefills: PartialPrefills
+        self, output: SchedulerOutput, token_budget: int, prefills: PartialPrefills, max_seqs: int
     ) -> None:
         index = 0  # requests before it wait for their grammar to compile, or their prefill turn
-        while index < len(self.waiting) and token_budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            index < len(self.waiting)
+            and token_budget > 0
+            and len(self.running) < self.max_num_seqs
+            and len(output.scheduled) < max_seqs
+        ):
             request = self.waiting[index]
-            # Preempted with a token in flight (never the case once that step's output is applied,
-            # which happens before the next schedule): recomputing needs the real id.
-            if request.num_output_placeholders or (
-                request.grammar is not None and not request.grammar.is_ready
+            # Preempted with a token in flight (async: never the case once that step's output is
+            # applied, which happens before the next schedule; micro-batches: until its step's output
+            # is applied): recomputing needs the real id.
+            if (
+                request.num_output_placeholders
+                or self.is_in_flight(request)
+                or (request.grammar is not None and not request.grammar.is_ready)
             ):
                 index += 1
                 continue
@@ -378,6 +417,8 @@ class Scheduler:
         num_finished = 0
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
+            if self.is_in_flight(request):  # (an aborted request's id may be in use again)
+                del self._in_flight[request.request_id]
             if scheduled.state_copy is not None:  # the step ran: its state snapshot is written
                 ran = request.request_id not in model_runner_output.failed_req_ids
                 restore = not request.is_finished and _rejects_drafts(scheduled, model_runner_output)

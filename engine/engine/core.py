@@ -5,11 +5,17 @@ With async scheduling (vLLM V1's, on by default where the executor allows) at mo
 flight: a step schedules and dispatches step N+1, then applies step N's outputs, which the device
 computed while the host was scheduling. The ids step N sampled feed step N+1 on the device; the host
 learns them one step late (core/scheduler.py's placeholders).
+
+With pipeline micro-batches (an executor whose `max_concurrent_batches` > 1: pipeline stages on one
+host) up to that many steps stay in flight instead, each of other requests (vLLM's batch queue): a step
+dispatches step k + 1 and then waits for the oldest, so stage 0 runs step k + 1 while the later stages
+run step k. No step needs another's sampled ids, so async scheduling's placeholders are not used.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.encoder_cache_manager import EncoderCacheManager
@@ -77,6 +83,11 @@ class EngineCore:
             logger.info(
                 "async scheduling off: the devices are this host's CPU cores (--async-scheduling: on)"
             )
+        # Micro-batches replace async scheduling: each step's ids are known on the host when it is scheduled.
+        num_micro_batches = executor.max_concurrent_batches
+        if num_micro_batches > 1:
+            self.async_scheduling = False
+            logger.info("pipeline micro-batches: up to %d steps in flight", num_micro_batches)
         spec = config.speculative
         self.scheduler = Scheduler(
             config.scheduler,
@@ -92,6 +103,7 @@ class EngineCore:
             enable_chunked_prefill=not executor.is_encoder,
             kv_connector=self.kv_connector,
             encoder_cache=EncoderCacheManager(executor.encoder_cache_layout),
+            num_micro_batches=num_micro_batches,
         )
         # Speculative decoding (engine/SPEC_DECODE.md): drafts for the next step, from this one's tokens.
         self.proposer = make_proposer(spec, max_model_len)
@@ -99,8 +111,10 @@ class EngineCore:
         self._num_verified_positions = 1 + config.num_spec_tokens
         self._is_draft_sampled = spec is not None and spec.method == "draft_model"
         executor.start()  # warm-up compiles; a multi-host executor then waits for its followers
-        # The step dispatched but not yet applied (async scheduling): at most one.
-        self._in_flight: tuple[SchedulerOutput, StepFuture] | None = None
+        # The steps dispatched but not yet applied, oldest first (`max_steps_in_flight` at most).
+        self._in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
+        # The most steps of requests dispatched and not yet applied at once (tests, benchmarks).
+        self.peak_steps_in_flight = 0
         self._last_runner_output = None  # the last step applied: a draft model's drafts ride in it
         self.sleep_level = 0  # 1: the KV cache freed, 2: and the weights (sleep / wake_up)
 
@@ -137,6 +151,14 @@ class EngineCore:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests() + len(self.remote_prefills)
 
+    @property
+    def max_steps_in_flight(self) -> int:
+        """Steps dispatched and not yet applied, at most, counting the one just dispatched: the
+        micro-batches, else 2 with async scheduling (step N runs while N + 1 is dispatched), else 1."""
+        if self.scheduler.num_micro_batches > 1:
+            return self.scheduler.num_micro_batches
+        return 2 if self.async_scheduling else 1
+
     def step(self) -> list[EngineCoreOutput]:
         """Schedule which requests get how many tokens, run them, and report what changed (with async
         scheduling, what changed in the previous step, which ran while this one was scheduled)."""
@@ -144,7 +166,7 @@ class EngineCore:
         for request in self.remote_prefills.take_ready():  # their blocks arrived (or will be computed)
             self.scheduler.add_request(request)
         outputs = []
-        if self._in_flight is not None and self.scheduler.needs_known_tokens():
+        if self._in_flight and self.scheduler.needs_known_tokens():
             # A synchronous step: penalties or a grammar need the ids still on the device.
             outputs += self._update_in_flight()
         scheduler_output = self.scheduler.schedule()
@@ -154,39 +176,62 @@ class EngineCore:
         future = self.executor.execute_async(
             scheduler_output.scheduled, grammar_bitmask, scheduler_output.kv_connector_metadata
         )
-        outputs += self._update_in_flight()
-        self._in_flight = (scheduler_output, future)
-        # Kept in flight only while the next step can use it: a request that failed while the step
-        # was prepared must be finished (its blocks uncached) before anything else is scheduled.
-        if not self.async_scheduling or future.failed_req_ids or not self.scheduler.has_unfinished_requests():
-            outputs += self._update_in_flight()
+        was_idle = not self._in_flight
+        if scheduler_output.is_empty:
+            # Nothing new runs (every request the scheduler could run is in a step in flight, or waits):
+            # the engine waits for the oldest step instead of spinning.
+            outputs += self._update_in_flight(keep=len(self._in_flight) - 1)
+            self._last_runner_output = future.result()
+            outputs += self.scheduler.update_from_output(scheduler_output, self._last_runner_output)
+        else:
+            self._in_flight.append((scheduler_output, future))
+            self.peak_steps_in_flight = max(self.peak_steps_in_flight, len(self._in_flight))
+            # Kept in flight only while the next step can use them: a request that failed while the step
+            # was prepared must be finished (its blocks uncached) before anything else is scheduled.
+            is_done = future.failed_req_ids or not self.scheduler.has_unfinished_requests()
+            outputs += self._update_in_flight(keep=0 if is_done else self.max_steps_in_flight - 1)
         if self.proposer is not None:  # speculative decoding runs synchronously: every id is known
             self.proposer.propose(self.scheduler.running, self._last_runner_output)
             # Grammars cut their drafts; a draft model's sampled drafts keep their first rejected one.
             self.structured_output.check_drafts(self.scheduler.running, keep_rejected=self._is_draft_sampled)
-        if scheduler_output.is_empty:  # whatever is unfinished waits for its grammar, or its blocks
+        if scheduler_output.is_empty and was_idle:  # what is unfinished waits for its grammar, or blocks
             if len(self.remote_prefills):
                 self.remote_prefills.wait(_GRAMMAR_WAIT_S)
             else:
                 self.structured_output.wait_for_grammars(_GRAMMAR_WAIT_S)
         return outputs
 
-    def _update_in_flight(self) -> list[EngineCoreOutput]:
-        """Wait for the step in flight, if any, and apply its outputs."""
-        if self._in_flight is None:
-            return []
-        scheduler_output, future = self._in_flight
-        self._in_flight = None
-        self._last_runner_output = future.result()
-        return self.scheduler.update_from_output(scheduler_output, self._last_runner_output)
+    def _update_in_flight(self, keep: int = 0) -> list[EngineCoreOutput]:
+        """Wait for the steps in flight, oldest first, and apply their outputs until `keep` are left."""
+        outputs = []
+        while len(self._in_flight) > max(keep, 0):
+            scheduler_output, future = self._in_flight.popleft()
+            self._last_runner_output = future.result()
+            outputs += self.scheduler.update_from_output(scheduler_output, self._last_runner_output)
+        return outputs
 
     def set_async_scheduling(self, enabled: bool) -> None:
         """Turn async scheduling on or off between steps (benchmarks pair both modes on one engine);
         the step in flight, if any, is applied first and its outputs dropped: call it while idle."""
         if enabled and self.config.async_scheduling_off_reason() is not None:
             raise ValueError(f"async scheduling is not possible: {self.config.async_scheduling_off_reason()}")
+        if enabled and self.scheduler.num_micro_batches > 1:
+            raise ValueError("async scheduling is not possible: pipeline micro-batches run instead")
         self._update_in_flight()
         self.async_scheduling = self.scheduler.async_scheduling = enabled
+
+    def set_num_micro_batches(self, num: int) -> None:
+        """Keep up to `num` steps of different requests in flight (1: one at a time; benchmarks pair both
+        on one engine), at most the executor's `max_concurrent_batches`; the steps in flight are applied
+        first and their outputs dropped: call it while idle."""
+        if not 1 <= num <= max(self.executor.max_concurrent_batches, 1):
+            raise ValueError(
+                f"num_micro_batches must be in 1..{self.executor.max_concurrent_batches} here, got {num}"
+            )
+        if num > 1 and self.async_scheduling:
+            raise ValueError("micro-batches are not possible with async scheduling on")
+        self._update_in_flight()
+        self.scheduler.num_micro_batches = num
 
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()

@@ -82,6 +82,12 @@ class Executor:
         return max_model_len
 
     @property
+    def max_concurrent_batches(self) -> int:
+        """Steps of different requests worth keeping in flight at once (vLLM's name): more than one
+        where the devices run a step in parts that can overlap (pipeline stages), else 1."""
+        return 1
+
+    @property
     def runs_on_host_cpu(self) -> bool:
         """The engine's devices are this host's CPU cores: the host's own work (scheduling the next
         step) runs on the cores a step computes on."""

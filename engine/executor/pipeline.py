@@ -6,6 +6,10 @@ core as the one-process executor does; what the stages cannot do yet is refused 
 several processes (nnodes > 1) process 0's is `MultiHostPipelineExecutor`: the others follow its steps
 (executor/multihost.py) with a `PipelineExecutor` of their own stages, and the last stage's process
 answers each step with what it sampled.
+
+On one process the engine core keeps up to pipeline_parallel_size steps (micro-batches of different
+requests) in flight (`max_concurrent_batches`), so the stages of consecutive steps overlap; across
+processes one step at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ class PipelineExecutor(Executor):
     """One process drives every stage; a step runs the stages in order and samples on the last."""
 
     runner_class = PipelineRunner
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """One micro-batch per stage: while stage s runs step k, stage s - 1 runs step k + 1."""
+        return self.config.parallel.pipeline_parallel_size
 
     def update_weights(self, weights) -> list[str]:
         raise _not_pipelined("update_weights")

@@ -12,8 +12,9 @@ first stage has finished. The last stage's devices then run the sampler, unchang
 
 Everything else is the ModelRunner's: the host batch, the buckets, warm-up, the compile guard, the
 sampler and prompt-logprob programs (on the last stage), async scheduling's `last_sampled` (copied to
-stage 0's devices each step). Each stage computes what the single-device forward computes for its
-layers, in the same order, so a pipeline's tokens and logprobs are bitwise those of one device.
+stage 0's devices for a step that reads it). Each stage computes what the single-device forward
+computes for its layers, in the same order, so a pipeline's tokens and logprobs are bitwise those of
+one device.
 
 Across processes (nnodes > 1, jax.distributed): the stages are cut from the global device list, each
 inside one process, and a process loads, compiles and runs only its own stages; every process runs the
@@ -31,6 +32,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -127,6 +129,7 @@ class PipelineRunner(ModelRunner):
         )
 
     def __init__(self, *args, **kwargs):
+        self._no_prev_ids: jax.Array | None = None  # stage 0's stand-in for last_sampled (_prev_ids)
         super().__init__(*args, **kwargs)
         # The stages pass no hook's model inputs (LoRA's adapters, a vision model's image embeddings):
         # a feature that rides on them would be skipped silently, so it is refused here by name.
@@ -158,8 +161,8 @@ class PipelineRunner(ModelRunner):
     def _stage_args(self, index: int, kv_cache: list, x, batch: StepBatch) -> tuple:
         stage = self.stages[index]
         prev = (None, None)
-        if stage.layout.is_first:  # the previous step's sampled ids, from the last stage's devices
-            prev = (jax.device_put(self.last_sampled, stage.model.placement.replicated), batch.prev_rows)
+        if stage.layout.is_first:
+            prev = (self._prev_ids(stage, batch), batch.prev_rows)
         return (
             stage.model.params,
             kv_cache[index],
@@ -169,6 +172,18 @@ class PipelineRunner(ModelRunner):
             batch.logits_indices,
             batch.md,
         )
+
+    def _prev_ids(self, stage: PipelineStage, batch: StepBatch) -> jax.Array:
+        """The previous step's sampled ids [max_num_seqs], copied from the last stage's devices to stage
+        0's. A batch that reads none of them (no placeholder: synchronous steps, micro-batches) gets a
+        zeroed stand-in already there instead, so its stage 0 does not wait for the previous step's
+        sampler: the stages of consecutive steps can then overlap."""
+        placement = stage.model.placement
+        if isinstance(batch.prev_rows, np.ndarray) and not (batch.prev_rows >= 0).any():
+            if self._no_prev_ids is None:
+                self._no_prev_ids = placement.zeros((self.max_num_seqs,), np.int32, placement.replicated)
+            return self._no_prev_ids
+        return jax.device_put(self.last_sampled, placement.replicated)
 
     def _hidden_struct(self, index: int, num_tokens: int) -> jax.ShapeDtypeStruct:
         """Stage `index`'s input as it arrives from the stage before (copied to its devices, whole): the

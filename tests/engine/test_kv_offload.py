@@ -61,7 +61,7 @@ def _run(llm: LLM, prompt: list[int], salt: str | None = None, logprobs: int | N
             ids += out.new_token_ids
             lps += out.new_logprobs or []
             cached = max(cached, out.num_cached_tokens)
-    while core._in_flight is not None:  # the last step's outputs (async scheduling)
+    while core._in_flight:  # the last step's outputs (async scheduling)
         core.step()
     return ids, lps, cached
 
@@ -73,7 +73,7 @@ def _run_together(llm: LLM, prompts: list[list[int]]) -> dict[str, list[int]]:
     for i, prompt in enumerate(prompts):
         core.add_request(Request(f"t{i}", prompt, SamplingParams(max_tokens=6, temperature=0.0)))
         ids[f"t{i}"] = []
-    while core.has_unfinished_requests() or core._in_flight is not None:
+    while core.has_unfinished_requests() or core._in_flight:
         for out in core.step():
             ids[out.request_id] += out.new_token_ids
     return ids

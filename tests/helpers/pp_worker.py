@@ -41,16 +41,17 @@ def _stage_report(runner) -> list:
 
 
 def main(arg: dict, small_llm) -> dict:
-    """arg: {"models": {name: directory}, "layouts": {name: [layout, ...]}, "guarded": {name: layout}};
+    """arg: {"models": {name: directory}, "layouts": {name: [layout, ...]}, "guarded": {name: layout}},
+    optionally "shape" (the engines' max_num_batched_tokens and max_num_seqs) and "prompts" (token ids);
     returns {name: [result per layout]}. `small_llm`: tp_worker.py's engine factory."""
     from xlaserve import SamplingParams
     from xlaserve.worker.compile_guard import num_compiles
 
-    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    prompts = [{"prompt_token_ids": ids} for ids in arg.get("prompts", PROMPTS)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     # One sequence a step: a prompt's forward in bucket 16, its decode steps in bucket 1, one sampler
     # program (the fewest programs per engine).
-    shape = {"max_num_batched_tokens": 16, "max_num_seqs": 1}
+    shape = arg.get("shape", {"max_num_batched_tokens": 16, "max_num_seqs": 1})
     results = {}
     for name, model_dir in arg["models"].items():
         results[name] = []
@@ -68,6 +69,8 @@ def main(arg: dict, small_llm) -> dict:
                     [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]
                     for o in outs
                 ],
+                # The most steps (micro-batches) dispatched and not yet applied at once.
+                "peak_steps_in_flight": llm.engine_core.peak_steps_in_flight,
             }
             if guarded:
                 runner = llm.engine_core.runner

@@ -5,7 +5,9 @@ ids and logprobs as PP=1; PP=2 x TP=2 (a tiny Llama) matches within 1e-4 (tensor
 all-reduce sums in another order); each stage holds only its own weights and KV cache, on its own
 devices; nothing compiles after warm-up. And PP=2 over two processes (jax.distributed over loopback,
 one stage and one device each, helpers/pp_process.py) gives the one-device PP=1 run's bits too, and
-PP=2 x TP=2 over two processes of two devices each the one-host PP=2 x TP=2 run's."""
+PP=2 x TP=2 over two processes of two devices each the one-host PP=2 x TP=2 run's. PP=2 keeps two
+micro-batches of different requests in flight (the stages of consecutive steps overlap): several
+requests at once give PP=1's bits, where PP=1 runs them all in one batch."""
 
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ PP2_TP2 = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}
 # ends) of MoE experts, tensor parallelism inside the stages, and the compile guard.
 LAYOUTS = {"llama": [PP1, PP2_TP2], "qwen3_moe": [PP1, PP4]}
 GUARDED = {"llama": PP2_TP2}  # warmed up under the strict compile guard
+# Four requests at once (max_num_seqs=4): PP=1 runs them in one batch, PP=2 in two micro-batches of two.
+MICRO_BATCH_PROMPTS = [[5, 17, 33, 4, 60, 8, 21, 90, 13], [200, 9, 31, 250, 2], [44, 120, 7], [3, 99, 64, 12]]
+MICRO_BATCH_SHAPE = {"max_num_batched_tokens": 32, "max_num_seqs": 4}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +66,19 @@ def runs(tp_worker, models):
     return tp_worker.run("pipeline", "", arg)
 
 
+@pytest.fixture(scope="module")
+def micro_batch_runs(tp_worker, models):
+    """[PP=1, PP=2] on the tiny Llama, four requests at once."""
+    arg = {
+        "models": {"llama": models["llama"]},
+        "layouts": {"llama": [PP1, PP2]},
+        "guarded": {},
+        "shape": MICRO_BATCH_SHAPE,
+        "prompts": MICRO_BATCH_PROMPTS,
+    }
+    return tp_worker.run("pipeline", "", arg)["llama"]
+
+
 def _max_logprob_diff(a: list, b: list) -> float:
     """The largest |difference| between two runs' logprobs of the same ids at the same positions."""
     return max(
@@ -79,6 +97,18 @@ def test_pipeline_stages_are_bitwise_one_device(runs):
     assert staged["tokens"] == one["tokens"]
     assert staged["logprobs"] == one["logprobs"]  # every float, exactly
     assert len({tuple(t) for t in one["tokens"]}) == len(one["tokens"])  # the prompts differ in output
+
+
+def test_micro_batches_in_flight_are_bitwise_one_device(micro_batch_runs):
+    """Two micro-batches of two requests each were in flight at once (the engine core's count), and each
+    request's tokens and logprobs are those of PP=1, which ran all four in every step."""
+    one, staged = micro_batch_runs
+    assert (one["layout"], staged["layout"]) == (PP1, PP2)
+    assert staged["peak_steps_in_flight"] == 2
+    assert one["peak_steps_in_flight"] == 1  # synchronous on a CPU
+    assert staged["tokens"] == one["tokens"]
+    assert staged["logprobs"] == one["logprobs"]  # every float, exactly
+    assert len({tuple(t) for t in one["tokens"]}) == len(MICRO_BATCH_PROMPTS)
 
 
 def test_pipeline_times_tensor_parallel_matches_one_device(runs):
