@@ -85,6 +85,11 @@ class EngineCore:
             )
         # Micro-batches replace async scheduling: each step's ids are known on the host when it is scheduled.
         num_micro_batches = executor.max_concurrent_batches
+        if num_micro_batches > 1 and executor.runs_on_host_cpu:
+            # Stages on this host's CPU cores share them: they overlap little, and a half batch decodes
+            # almost as slowly as a whole one (engine/PERFORMANCE.md, "Pipeline micro-batches": 0.65x).
+            logger.info("pipeline micro-batches off: the stages' devices are this host's CPU cores")
+            num_micro_batches = 1
         if num_micro_batches > 1:
             self.async_scheduling = False
             logger.info("pipeline micro-batches: up to %d steps in flight", num_micro_batches)

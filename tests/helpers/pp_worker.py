@@ -60,6 +60,9 @@ def main(arg: dict, small_llm) -> dict:
             extra = {"enforce_eager": False, "strict_compile_guard": True} if guarded else {}
             t0 = time.perf_counter()
             llm = small_llm(model_dir, layout, **shape, **extra)
+            if arg.get("micro_batches") and llm.engine_core.executor.max_concurrent_batches > 1:
+                # Off by default on a CPU (the fake devices share its cores): on, to check the bits.
+                llm.engine_core.set_num_micro_batches(llm.engine_core.executor.max_concurrent_batches)
             compiles = num_compiles()
             outs = llm.generate(prompts, params, use_tqdm=False)
             result = {

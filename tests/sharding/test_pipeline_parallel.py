@@ -75,6 +75,7 @@ def micro_batch_runs(tp_worker, models):
         "guarded": {},
         "shape": MICRO_BATCH_SHAPE,
         "prompts": MICRO_BATCH_PROMPTS,
+        "micro_batches": True,
     }
     return tp_worker.run("pipeline", "", arg)["llama"]
 

@@ -9,8 +9,9 @@ round, so the machine's load hits both alike), and how long a dispatch takes to 
 
 Then the engine itself (`--requests` > 0): the same greedy requests generated with up to
 pipeline_parallel_size steps (micro-batches of different requests) in flight, as the engine core runs
-by default, and with one (`EngineCore.set_num_micro_batches(1)`): output tokens per second, time per
-step, the most steps in flight, and whether both modes gave the same tokens. Paired rounds as above.
+by default on accelerators (on a CPU it keeps one: the stages share its cores), and with one
+(`EngineCore.set_num_micro_batches(1)`): output tokens per second, time per step, the most steps in
+flight, and whether both modes gave the same tokens. Paired rounds as above.
 
 On CPU, run it with fake devices: XLA_FLAGS=--xla_force_host_platform_device_count=2 (they share the
 machine's cores, so stages can overlap only as far as one stage leaves cores idle).
