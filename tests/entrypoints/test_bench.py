@@ -174,6 +174,15 @@ def test_bench_targets_pairs_every_run_and_derives_the_ratios(tiny_llama, tmp_pa
         tp, lat = r[name]["throughput"], r[name]["latency"]
         assert tp["num_requests"] == 3 and lat["num_requests"] == 1
         assert tp["output_tokens_per_s"] * tp["elapsed_s"] == pytest.approx(3 * 4)
+    for name in ("xlaserve_default", "xlaserve_not_invariant"):  # the pair: each run twice, pooled
+        for run in ("throughput", "latency"):
+            rounds = r[name][run]["rounds"]
+            assert len(rounds) == 2
+            assert r[name][run]["elapsed_s"] == pytest.approx(
+                (rounds[0]["elapsed_s"] + rounds[1]["elapsed_s"]) / 2
+            )
+            tpot = (rounds[0]["tpot_s"]["mean"] + rounds[1]["tpot_s"]["mean"]) / 2
+            assert r[name][run]["tpot_s"]["mean"] == pytest.approx(tpot)
 
     def tok_s(name):
         return r[name]["throughput"]["output_tokens_per_s"]

@@ -35,6 +35,18 @@ def run_report(
     }
 
 
+def pooled_report(reports: list[dict]) -> dict:
+    """Runs of the same requests as one report: their mean elapsed time, the rates over it, each
+    percentile's mean (the means exactly: every run has as many requests), and the runs themselves."""
+    elapsed = statistics.fmean(r["elapsed_s"] for r in reports)
+    pooled = {**reports[0], "elapsed_s": elapsed, "rounds": reports}
+    for rate in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s"):
+        pooled[rate] = statistics.fmean(r[rate] * r["elapsed_s"] for r in reports) / elapsed
+    for times in ("ttft_s", "tpot_s"):
+        pooled[times] = {k: statistics.fmean(r[times][k] for r in reports) for k in reports[0][times]}
+    return pooled
+
+
 def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}

@@ -6,7 +6,10 @@ process are what compare. One command runs, on the same fixed chat workload (`be
 - xlaserve at its default dtype and in float32: throughput (all prompts at once), then batch-1
   latency (one prompt at a time);
 - xlaserve at its default dtype with batch invariance off (`--no-batch-invariant`), the same two runs:
-  what invariance costs, paired (issue 29: on by default while it costs at most 5% of either);
+  what invariance costs, paired (issue 29: on by default while it costs at most 5% of either). The two
+  engines are open at once and each run is made twice, A B B A, its figures pooled: this VM's slow
+  phases (the same step 1x or 1.7x minutes apart) otherwise land on one engine and read as a cost
+  or a gain of invariance;
 - Hugging Face transformers `generate` in float32 and in bfloat16, the same two runs (each engine
   warmed up first: bench/offline.py);
 
@@ -31,8 +34,10 @@ import time
 from xlaserve.entrypoints.arg_utils import engine_kwargs
 from xlaserve.entrypoints.bench.hf_peer import load_hf, run_hf
 from xlaserve.entrypoints.bench.offline import _prompts, run_xlaserve, workload
+from xlaserve.entrypoints.bench.report import pooled_report
 
 HF_DTYPES = ("float32", "bfloat16")
+RUNS = ("throughput", "latency")  # every prompt at once; one at a time
 THROUGHPUT_VS_HF = 2.0  # xlaserve default dtype / HF best, output tok/s: at least (issue 37)
 BF16_VS_F32 = 1.3  # xlaserve bfloat16 / float32, output tok/s: at least (where bfloat16 is the default)
 TPOT_VS_HF = 0.5  # xlaserve batch-1 TPOT / HF best: at most (issue 37)
@@ -81,27 +86,71 @@ def _load_average() -> float | None:
         return None
 
 
-def _run_engine(args, dtype: str | None, **overrides) -> dict:
+def _open_engine(args, dtype: str | None, **overrides):
     from xlaserve.entrypoints.llm import LLM
 
     kwargs = engine_kwargs(args) | overrides
     if dtype is not None:
         kwargs["dtype"] = dtype
-    llm = LLM(args.model, **kwargs)
-    try:
-        prompts = _prompts(llm.tokenizer, workload(args.num_prompts))
-        latency_prompts = _prompts(llm.tokenizer, workload(args.latency_prompts))
-        return {
-            "dtype": str(getattr(llm.engine_core, "ranks", [llm.engine_core])[0].runner.dtype),
-            "batch_invariant": llm.config.model.batch_invariant,
-            "throughput": run_xlaserve(llm, prompts, args.output_len, batch=True),
-            "latency": run_xlaserve(llm, latency_prompts, args.latency_output_len, batch=False),
-            "tokenizer": llm.tokenizer,
-        }
-    finally:
+    return LLM(args.model, **kwargs)
+
+
+def _measure(llm, args, run: str) -> dict:
+    """One `run` of the engine: "throughput" (every prompt at once) or "latency" (one at a time)."""
+    if run == "throughput":
+        return run_xlaserve(
+            llm, _prompts(llm.tokenizer, workload(args.num_prompts)), args.output_len, batch=True
+        )
+    prompts = _prompts(llm.tokenizer, workload(args.latency_prompts))
+    return run_xlaserve(llm, prompts, args.latency_output_len, batch=False)
+
+
+def _described(llm, runs: dict) -> dict:
+    return {
+        "dtype": str(getattr(llm.engine_core, "ranks", [llm.engine_core])[0].runner.dtype),
+        "batch_invariant": llm.config.model.batch_invariant,
+        **runs,
+        "tokenizer": llm.tokenizer,
+    }
+
+
+def _close(*engines) -> None:
+    for llm in engines:
         llm.shutdown()
-        del llm
-        gc.collect()
+    gc.collect()
+
+
+def _run_engine(args, dtype: str | None, **overrides) -> dict:
+    llm = _open_engine(args, dtype, **overrides)
+    try:
+        return _described(llm, {run: _measure(llm, args, run) for run in RUNS})
+    finally:
+        _close(llm)
+
+
+def _run_default(args) -> tuple[dict, dict | None]:
+    """The default engine's runs, and, when it is batch invariant, its twin's with invariance off: both
+    open at once and each run made twice in A B B A order, each figure pooled over its two, so that a
+    slow phase of the machine (this VM's same compiled step reads 1x or 1.7x minutes apart) lands on
+    both engines instead of on whichever ran then."""
+    default = _open_engine(args, None)
+    if not default.config.model.batch_invariant:
+        try:
+            return _described(default, {run: _measure(default, args, run) for run in RUNS}), None
+        finally:
+            _close(default)
+    engines = (default, _open_engine(args, None, batch_invariant=False))
+    try:
+        rounds = ({run: [] for run in RUNS}, {run: [] for run in RUNS})
+        for run in RUNS:
+            for i in (0, 1, 1, 0):
+                rounds[i][run].append(_measure(engines[i], args, run))
+        return tuple(
+            _described(llm, {run: pooled_report(reports) for run, reports in runs.items()})
+            for llm, runs in zip(engines, rounds)
+        )
+    finally:
+        _close(*engines)
 
 
 def _run_hf(args, dtype: str, tokenizer) -> dict:
@@ -120,13 +169,12 @@ def _run_hf(args, dtype: str, tokenizer) -> dict:
 def measure_targets(args: argparse.Namespace) -> dict:
     results: dict = {"load_average_before": _load_average(), "num_prompts": args.num_prompts}
     others = OtherProcesses()
-    default = _run_engine(args, None)
-    tokenizer = default.pop("tokenizer")
-    results["xlaserve_default"] = default
-    if default["batch_invariant"]:
-        plain = _run_engine(args, None, batch_invariant=False)
+    default, plain = _run_default(args)
+    if plain is not None:
         plain.pop("tokenizer")
         results["xlaserve_not_invariant"] = plain
+    tokenizer = default.pop("tokenizer")
+    results["xlaserve_default"] = default
     if default["dtype"] != "float32":
         f32 = _run_engine(args, "float32")
         f32.pop("tokenizer")
