@@ -8,6 +8,15 @@ DEFAULT_MAX_PIXELS = 12845056  # Qwen2-VL's image processor's default (16,384 to
 DEFAULT_VIDEO_FPS = 2.0
 
 
+def with_overrides(settings: dict, overrides: dict) -> dict:
+    """`settings` with `overrides` (--mm-processor-kwargs) over its image processor's part."""
+    if not overrides:
+        return settings
+    if "image_processor" in settings:
+        return {**settings, "image_processor": {**settings["image_processor"], **overrides}}
+    return {**settings, **overrides}
+
+
 def image_settings(settings: dict) -> dict:
     """The image processor's part of the settings (processor_config.json nests it)."""
     return settings.get("image_processor") or settings

@@ -117,8 +117,22 @@ class ModelConfig:
         ),
     )
 
+    # vLLM's flag: the image processor's settings over the model directory's (a Qwen VL model's
+    # {"max_pixels": 1003520}: its largest image, which sizes the encoder cache and the tower's buckets).
+    # Kept as JSON text; read by the front end's processor and by the worker's model config alike.
+    mm_processor_kwargs: str | None = field(
+        default=None,
+        metadata=arg(
+            "the image processor's settings over the model directory's, as JSON: "
+            '{"min_pixels": 3136, "max_pixels": 1003520}'
+        ),
+    )
+
     def __post_init__(self):
         object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+        if self.mm_processor_kwargs is not None:
+            kwargs = json_object(self.mm_processor_kwargs, "mm_processor_kwargs")
+            object.__setattr__(self, "mm_processor_kwargs", json.dumps(kwargs, sort_keys=True))
         if isinstance(self.limit_mm_per_prompt, dict):  # kept as JSON text: the config stays hashable
             object.__setattr__(self, "limit_mm_per_prompt", json.dumps(self.limit_mm_per_prompt))
         parse_mm_limits(self.limit_mm_per_prompt)  # a bad value is an error at start
@@ -150,6 +164,10 @@ class ModelConfig:
     @property
     def hf_overrides_dict(self) -> dict:
         return {} if self.hf_overrides is None else json.loads(self.hf_overrides)
+
+    @property
+    def mm_processor_kwargs_dict(self) -> dict:
+        return {} if self.mm_processor_kwargs is None else json.loads(self.mm_processor_kwargs)
 
     @property
     def pooling_type(self) -> str:

@@ -186,7 +186,10 @@ class AsyncLLM:
             pooling_type=self.config.model.pooling_type,
             num_labels=len(ready.id2label),
             mm_processor=MultiModalProcessor.for_model(
-                self.model, self.tokenizer, self.config.model.limit_mm_per_prompt
+                self.model,
+                self.tokenizer,
+                self.config.model.limit_mm_per_prompt,
+                self.config.model.mm_processor_kwargs_dict,
             ),
             kv_transfer=self.config.cache.kv_transfer,
         )

@@ -19,7 +19,7 @@ from PIL import Image
 from xlaserve.config import parse_mm_limits
 from xlaserve.core.multimodal import MultiModalFeature, hash_pixels
 from xlaserve.engine.media import MediaError, check_image
-from xlaserve.models.processor_settings import image_settings, max_image_tokens, video_fps
+from xlaserve.models.processor_settings import image_settings, max_image_tokens, video_fps, with_overrides
 
 
 class MultiModalProcessor:
@@ -45,9 +45,12 @@ class MultiModalProcessor:
         self.max_videos = max_videos
 
     @classmethod
-    def for_model(cls, model: str | None, tokenizer, limit_mm_per_prompt=None) -> MultiModalProcessor | None:
-        """The processor of a vision-language model's directory; None for a text-only model (or a
-        .gguf file, the embedded model, no tokenizer)."""
+    def for_model(
+        cls, model: str | None, tokenizer, limit_mm_per_prompt=None, mm_processor_kwargs: dict | None = None
+    ) -> MultiModalProcessor | None:
+        """The processor of a vision-language model's directory (its settings under
+        `mm_processor_kwargs`); None for a text-only model (or a .gguf file, the embedded model, no
+        tokenizer)."""
         model_dir = os.path.expanduser(model) if model else None
         config_path = (
             os.path.join(model_dir, "config.json") if model_dir and os.path.isdir(model_dir) else None
@@ -59,7 +62,8 @@ class MultiModalProcessor:
         family = VISION_LANGUAGE_FAMILIES.get((hf_config.get("architectures") or [""])[0])
         if family is None:
             return None
-        processor, num_tokens = family(_processor_settings(model_dir), hf_config, tokenizer)
+        settings = with_overrides(_processor_settings(model_dir), mm_processor_kwargs or {})
+        processor, num_tokens = family(settings, hf_config, tokenizer)
         image_token_id = hf_config.get("image_token_index", hf_config.get("image_token_id"))
         limits = parse_mm_limits(limit_mm_per_prompt)
         return cls(

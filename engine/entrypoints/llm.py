@@ -98,7 +98,10 @@ class LLM:
             pooling_type=self.config.model.pooling_type,
             num_labels=len(model_info.id2label),
             mm_processor=MultiModalProcessor.for_model(
-                self.config.model.model, self.tokenizer, self.config.model.limit_mm_per_prompt
+                self.config.model.model,
+                self.tokenizer,
+                self.config.model.limit_mm_per_prompt,
+                self.config.model.mm_processor_kwargs_dict,
             ),
             kv_transfer=self.config.cache.kv_transfer,
         )

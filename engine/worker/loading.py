@@ -19,6 +19,7 @@ from xlaserve.config import CompilationConfig, EngineConfig
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.model_path import resolve_model_path
+from xlaserve.models.processor_settings import with_overrides
 from xlaserve.models.registry import is_encoder_only, model_config_from_hf
 from xlaserve.models.sentence_transformers import read_pooling_defaults
 from xlaserve.sharding import distributed
@@ -114,6 +115,10 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
         quantization=config.model.quantization,
     )
     original_config = {**checkpoint.hf_config, **config.model.hf_overrides_dict}  # vLLM's hf_overrides
+    if config.model.mm_processor_kwargs_dict:  # what the front end's processor reads too (image sizes)
+        original_config["preprocessor_config"] = with_overrides(
+            original_config.get("preprocessor_config") or {}, config.model.mm_processor_kwargs_dict
+        )
     architecture = (original_config.get("architectures") or [""])[0]
     task = resolve_task(config.model, architecture)
     # A *ForSequenceClassification (or token) model runs as its backbone; its head stays on the host.

@@ -102,6 +102,8 @@ _HOST_ONLY_SETTINGS = {
         "convert",
         "pooler_config",
         "limit_mm_per_prompt",  # the front end's bound on a prompt's images
+        # (not mm_processor_kwargs: what it changes of a program, the encoder cache's and the tower's
+        # bucket shapes, is in its arguments' shapes, which key it anyway)
     ),
     "cache": (
         "enable_prefix_caching",

@@ -336,3 +336,24 @@ def test_a_release_config_json_reads_as_transformers_5s():
     assert cfg.tie_word_embeddings and cfg.attention_bias and cfg.image_token_id == 151655
     assert cfg.max_image_tokens == 16384 and cfg.vision.fullatt_block_indexes == (7, 15, 23, 31)
     assert cfg.video_interval == 2.0  # 2 tokens a second x 2 frames / 2 fps
+
+
+def test_mm_processor_kwargs_size_the_front_end_and_the_engine_alike(model_dir, hf):
+    """vLLM's --mm-processor-kwargs over the directory's settings: a smaller max_pixels resizes images
+    down in the front end and sizes the engine's encoder-cache slots and tower buckets to match, and the
+    tokens still match Hugging Face's with the same settings."""
+    from xlaserve.config import ModelConfig
+
+    with pytest.raises(ValueError, match="mm_processor_kwargs must be a JSON object"):
+        ModelConfig(mm_processor_kwargs="[1024]")
+    kwargs = {"max_pixels": 32 * 32}  # 16 tokens at most
+    small = LLM(model_dir, **{**ENGINE_ARGS, "kv_cache_memory": 24 * 8192, "mm_processor_kwargs": kwargs})
+    mm = small.input_processor.mm_processor
+    assert mm.tokens_per_image == small.engine_core.runner.model_config.max_image_tokens == 16
+    assert small.engine_core.runner.mm_encoder.buckets == [64]  # one bucket: 16 tokens of 4 patches
+    image = random_image(80)  # 40 x 48 pixels: 30 tokens at the directory's settings
+    out = small.generate(_mm(PROMPT, image), GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids.count(mm.image_token_id) <= 16
+    inputs = _hf_inputs(small, PROMPT, [image])
+    hf_tokens, hf_ids, _ = hf_greedy(hf, inputs)
+    assert out.prompt_token_ids == hf_ids and list(out.outputs[0].token_ids) == hf_tokens
