@@ -52,7 +52,7 @@ def _generate(llm, prompts: list, params, num_micro_batches: int) -> tuple[float
 
 def _engine_rounds(llm, args) -> str:
     """Paired rounds of the engine's generate with pipeline_parallel_size micro-batches, and with one."""
-    from xlaserve import SamplingParams
+    from xlaserve.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)
     vocab = llm.engine_core.runner.model_config.vocab_size
