@@ -32,6 +32,8 @@ from xlaserve.worker.step_hooks import StepHook
 
 # Images one encoder call takes at most (its buckets: 1, 2, 4); more in a step take several calls.
 MAX_ITEMS_PER_CALL = 4
+# The largest tower attention a packed-patch bucket may need (its dense [heads, P, P] float32 scores).
+MAX_TOWER_SCORES_BYTES = 8 * 2**30
 
 
 def _encode(graphdef, params, cache, dest, **inputs):
@@ -213,6 +215,17 @@ class PackedPatchesHook(MultiModalHook):
         self.vision, self.spatial_merge_size = vision, vision.spatial_merge_size
         self.video_interval = cfg.video_interval
         max_patches = self.tokens_per_item * vision.merge_unit
+        # The tower's attention scores are one dense [heads, patches, patches] float32 array a bucket.
+        scores = vision.num_heads * max_patches**2 * 4
+        if scores > MAX_TOWER_SCORES_BYTES:
+            largest = int((MAX_TOWER_SCORES_BYTES / (4 * vision.num_heads)) ** 0.5) // vision.merge_unit
+            pixels = largest * (vision.patch_size * vision.spatial_merge_size) ** 2
+            raise ValueError(
+                f"mm_processor_kwargs: the processor's max_pixels makes images of up to {max_patches} "
+                f"patches, whose tower attention needs {scores / 2**30:.0f} GiB (at most "
+                f"{MAX_TOWER_SCORES_BYTES / 2**30:.0f}); set --mm-processor-kwargs "
+                f"'{{\"max_pixels\": {pixels}}}' or less"
+            )
         smallest = min(max_patches, 16 * vision.merge_unit)
         buckets = [smallest]
         while buckets[-1] < max_patches:

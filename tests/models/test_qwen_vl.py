@@ -346,6 +346,9 @@ def test_mm_processor_kwargs_size_the_front_end_and_the_engine_alike(model_dir, 
 
     with pytest.raises(ValueError, match="mm_processor_kwargs must be a JSON object"):
         ModelConfig(mm_processor_kwargs="[1024]")
+    # An image of 62,500 patches: the tower's dense attention would need 58 GiB; the error says what to set.
+    with pytest.raises(ValueError, match=r'mm_processor_kwargs: .* needs 58 GiB .*\{"max_pixels": \d+\}'):
+        LLM(model_dir, **{**ENGINE_ARGS, "mm_processor_kwargs": {"max_pixels": 10**6}})
     kwargs = {"max_pixels": 32 * 32}  # 16 tokens at most
     small = LLM(model_dir, **{**ENGINE_ARGS, "kv_cache_memory": 24 * 8192, "mm_processor_kwargs": kwargs})
     mm = small.input_processor.mm_processor
