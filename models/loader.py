@@ -39,6 +39,7 @@ from xlaserve.models.model_path import (  # noqa: F401
     resolve_model_path,
 )
 from xlaserve.models.orbax_checkpoint import ConvertedParams, load_converted
+from xlaserve.models.processor_settings import read_settings
 from xlaserve.models.safetensors_loader import load_safetensors
 from xlaserve.models.tokenizer import directory_tokenizer, load_tokenizer  # noqa: F401
 
@@ -218,10 +219,9 @@ def _read_config_json(path: str) -> dict[str, Any]:
     from xlaserve.models.registry import get_model_class, hf_architecture
 
     get_model_class(hf_architecture(config))  # ValueError for an architecture we do not serve
-    preprocessor = os.path.join(path, "preprocessor_config.json")
-    if os.path.exists(preprocessor):  # image sizes a vision-language model's buffers are sized by
-        with open(preprocessor) as f:
-            config["preprocessor_config"] = json.load(f)
+    settings = read_settings(path)  # the front end's processor reads the same (image sizes, a video's fps)
+    if settings:  # what a vision-language model's buffers are sized by
+        config["preprocessor_config"] = settings
     return complete_config(config)
 
 

@@ -4,8 +4,23 @@ a video's frames in time. Plain Python (the front end imports it: no jax)."""
 
 from __future__ import annotations
 
+import json
+import os
+
 DEFAULT_MAX_PIXELS = 12845056  # Qwen2-VL's image processor's default (16,384 tokens of 28 x 28 pixels)
 DEFAULT_VIDEO_FPS = 2.0
+
+
+def read_settings(model_dir: str) -> dict:
+    """A model directory's processor settings: preprocessor_config.json, then processor_config.json
+    over it ({} when it has neither)."""
+    settings = {}
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                settings |= json.load(f)
+    return settings
 
 
 def with_overrides(settings: dict, overrides: dict) -> dict:

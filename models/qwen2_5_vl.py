@@ -231,15 +231,20 @@ def mrope_positions(
     out = np.broadcast_to(index, (3, len(index))).copy()
     delta = 0  # where the text resumes after the images so far, less its index
     largest = -1  # the prompt's largest position
-    for feature in features:
+    for feature in features:  # a decode step's tokens overlap none: only their extents are read
         interval = video_interval if feature.modality == "video" else 1.0
-        image = image_positions(feature.grid, spatial_merge_size, interval)
+        t, h, w = (
+            feature.grid[0],
+            feature.grid[1] // spatial_merge_size,
+            feature.grid[2] // spatial_merge_size,
+        )
         begin = feature.offset + delta
         lo, hi = max(start, feature.offset), min(stop, feature.end)
         if lo < hi:
+            image = image_positions(feature.grid, spatial_merge_size, interval)
             out[:, lo - start : hi - start] = begin + image[:, lo - feature.offset : hi - feature.offset]
-        largest = max(largest, begin + int(image.max()))
-        delta += int(image[1:].max()) + 1 - feature.length  # text resumes past the longer side
+        largest = max(largest, begin + max(int((t - 1) * interval), h - 1, w - 1))
+        delta += max(h, w) - feature.length  # text resumes past the longer side
         after = index >= feature.end
         out[:, after] = index[after] + delta
     if not features or features[-1].end < num_prompt:  # the prompt ends with text

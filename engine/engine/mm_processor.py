@@ -19,7 +19,13 @@ from PIL import Image
 from xlaserve.config import parse_mm_limits
 from xlaserve.core.multimodal import MultiModalFeature, hash_pixels
 from xlaserve.engine.media import MediaError, check_image
-from xlaserve.models.processor_settings import image_settings, max_image_tokens, video_fps, with_overrides
+from xlaserve.models.processor_settings import (
+    image_settings,
+    max_image_tokens,
+    read_settings,
+    video_fps,
+    with_overrides,
+)
 
 
 class MultiModalProcessor:
@@ -62,7 +68,7 @@ class MultiModalProcessor:
         family = VISION_LANGUAGE_FAMILIES.get((hf_config.get("architectures") or [""])[0])
         if family is None:
             return None
-        settings = with_overrides(_processor_settings(model_dir), mm_processor_kwargs or {})
+        settings = with_overrides(read_settings(model_dir), mm_processor_kwargs or {})
         processor, num_tokens = family(settings, hf_config, tokenizer)
         image_token_id = hf_config.get("image_token_index", hf_config.get("image_token_id"))
         limits = parse_mm_limits(limit_mm_per_prompt)
@@ -197,17 +203,6 @@ def _as_pil(image, field: str):
 
 
 _SKIP = ("image_processor_type", "processor_class", "_processor_class", "auto_map")
-
-
-def _processor_settings(model_dir: str) -> dict:
-    """The directory's processor settings (preprocessor_config.json, processor_config.json)."""
-    settings = {}
-    for name in ("preprocessor_config.json", "processor_config.json"):
-        path = os.path.join(model_dir, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                settings |= json.load(f)
-    return settings
 
 
 def _image_settings(settings: dict) -> dict:

@@ -134,14 +134,8 @@ class MultiModalHook(StepHook):
         offset = 0
         for s in scheduled:
             if mrope is not None:  # every token's, text included (models/qwen2_5_vl.py)
-                start = s.num_computed_tokens
-                mrope[:, offset : offset + s.num_new_tokens] = mrope_positions(
-                    s.request.mm_features,
-                    start,
-                    start + s.num_new_tokens,
-                    self.spatial_merge_size,
-                    s.request.num_prompt_tokens,
-                    self.video_interval,
+                isolate_failures(
+                    failed, s, "placing its M-RoPE positions", self._fill_mrope, mrope, offset, s
                 )
             if s.request.mm_features:
                 isolate_failures(
@@ -160,6 +154,17 @@ class MultiModalHook(StepHook):
             arrays |= {f"encode{call}.{name}": array for name, array in inputs.items()}
         self.num_encoded += len(items)
         return arrays
+
+    def _fill_mrope(self, mrope: np.ndarray, offset: int, s) -> None:
+        start = s.num_computed_tokens
+        mrope[:, offset : offset + s.num_new_tokens] = mrope_positions(
+            s.request.mm_features,
+            start,
+            start + s.num_new_tokens,
+            self.spatial_merge_size,
+            s.request.num_prompt_tokens,
+            self.video_interval,
+        )
 
     def _fill_rows(self, rows: np.ndarray, ahead: np.ndarray | None, offset: int, s, to_encode: dict) -> None:
         request, n = s.request, self.tokens_per_item

@@ -40,11 +40,7 @@ def save_tiny_llava(directory: str, *, seed: int = 0) -> str:
     import torch
     import transformers
 
-    from helpers.tiny_models import small_byte_tokenizer
-
-    tokenizer = small_byte_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = vlm_tokenizer(["<image>"])
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
     vision = transformers.CLIPVisionConfig(
         hidden_size=32,
@@ -101,11 +97,7 @@ def save_tiny_gemma3(directory: str, *, seed: int = 0, sliding_window: int = 16)
     import torch
     import transformers
 
-    from helpers.tiny_models import small_byte_tokenizer
-
-    tokenizer = small_byte_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_SPECIAL.values())})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = vlm_tokenizer(list(GEMMA3_SPECIAL.values()))
     os.makedirs(directory, exist_ok=True)
     tokenizer.save_pretrained(directory)
     path = os.path.join(directory, "tokenizer_config.json")
@@ -176,6 +168,22 @@ def make_processor(tokenizer):
         num_additional_image_tokens=1,
         chat_template=CHAT_TEMPLATE,
     )
+
+
+def vlm_tokenizer(special: list[str]):
+    """The small byte-level tokenizer with a model's image tokens and the tests' chat template."""
+    from helpers.tiny_models import small_byte_tokenizer
+
+    tokenizer = small_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def image_chat(image, text: str = "What is in it? ") -> list[dict]:
+    """One user message of `text` and `image` as an OpenAI data-URL image part."""
+    content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+    return [{"role": "user", "content": content}]
 
 
 def hf_greedy(model, inputs: dict, max_tokens: int = 8) -> tuple[list[int], list[int], np.ndarray]:
@@ -253,11 +261,7 @@ def _save_tiny_qwen_vl(directory: str, seed: int, family: str, vision, mrope_sec
     import torch
     import transformers
 
-    from helpers.tiny_models import small_byte_tokenizer
-
-    tokenizer = small_byte_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_SPECIAL})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = vlm_tokenizer(QWEN_VL_SPECIAL)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL}
     text_config = getattr(transformers, f"{family}TextConfig")(
         vocab_size=len(tokenizer),

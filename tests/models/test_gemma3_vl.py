@@ -12,8 +12,8 @@ import pytest
 from helpers.tiny_vlm import (
     ENGINE_ARGS,
     GEMMA3_TOKENS_PER_IMAGE,
-    data_url,
     hf_greedy,
+    image_chat,
     random_image,
     save_tiny_gemma3,
 )
@@ -131,16 +131,7 @@ def test_a_causal_only_attention_is_refused_by_name(model_dir):
 def test_chat_with_a_data_url_image_part(llm, hf):
     """An OpenAI image part becomes Gemma 3's `<start_of_image>` in the chat template's text."""
     image = random_image(30)
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "What is in it? "},
-                {"type": "image_url", "image_url": {"url": data_url(image)}},
-            ],
-        }
-    ]
-    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    out = llm.chat(image_chat(image), GREEDY, use_tqdm=False)[0]
     text = hf[1].tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is in it? <start_of_image>\n"}],
         add_generation_prompt=True,

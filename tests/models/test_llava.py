@@ -8,7 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.tiny_vlm import ENGINE_ARGS, TOKENS_PER_IMAGE, data_url, hf_greedy, random_image, save_tiny_llava
+from helpers.tiny_vlm import (
+    ENGINE_ARGS,
+    TOKENS_PER_IMAGE,
+    hf_greedy,
+    image_chat,
+    random_image,
+    save_tiny_llava,
+)
 from xlaserve import LLM, SamplingParams
 
 BLOCK = ENGINE_ARGS["block_size"]
@@ -123,16 +130,7 @@ def test_preempted_requests_with_images_match_their_runs_alone(llm):
 
 def test_chat_with_a_data_url_image_part(llm, hf):
     image = random_image(30)
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "What is in it? "},
-                {"type": "image_url", "image_url": {"url": data_url(image)}},
-            ],
-        }
-    ]
-    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    out = llm.chat(image_chat(image), GREEDY, use_tqdm=False)[0]
     text = hf[1].tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is in it? <image>\n"}], add_generation_prompt=True, tokenize=False
     )

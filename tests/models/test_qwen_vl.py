@@ -13,8 +13,8 @@ import pytest
 
 from helpers.tiny_vlm import (
     ENGINE_ARGS,
-    data_url,
     hf_greedy,
+    image_chat,
     random_image,
     save_tiny_qwen2_5_vl,
     save_tiny_qwen3_vl,
@@ -175,16 +175,7 @@ def test_chat_with_a_data_url_image_part_matches_hugging_face(llm, hf, model_dir
     import transformers
 
     image = random_image(30, (56, 40))
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "What is in it? "},
-                {"type": "image_url", "image_url": {"url": data_url(image)}},
-            ],
-        }
-    ]
-    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    out = llm.chat(image_chat(image), GREEDY, use_tqdm=False)[0]
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": f"What is in it? {IMAGE}\n"}], add_generation_prompt=True, tokenize=False
