@@ -16,6 +16,10 @@ class AttentionMetadata:
     The KV cache of all layers is one array ``[num_layers * num_blocks, block_size, kv_heads, dim]``;
     layer ``l`` owns blocks ``[l * num_blocks, (l + 1) * num_blocks)``. Block ids here are those of
     layer 0; a layer adds its offset (a scalar add, no slice of the cache is ever copied).
+
+    Layers of several windows (worker/kv_cache_groups.py `CacheLayout`) keep a table per group and
+    share cache slots: the array is ``[num_slots * num_blocks, ...]``, and layer ``l`` reads group
+    ``layer_groups[l]``'s table and slot mapping at block offset ``layer_block_offsets[l]``.
     """
 
     slot_mapping: jax.Array  # [T] int32: block_id * block_size + offset of each new token
@@ -33,13 +37,29 @@ class AttentionMetadata:
     # cos and sin of the rotary angles, [T, 1, rotary_dim // 2] float32 each, when every layer rotates
     # alike: set once per step by the model (models/decoder.py) before its layer scan, never by the host.
     rope: tuple[jax.Array, jax.Array] | None = None
+    # Layers of several windows, each window's groups with a block table of their own (None otherwise):
+    group_block_tables: jax.Array | None = None  # [G, R, max_blocks_per_seq] int32; group 0's = block_tables
+    group_slot_mappings: jax.Array | None = None  # [G, T] int32; group 0's = slot_mapping
+    layer_groups: jax.Array | None = None  # [L] int32: each layer's group
+    layer_block_offsets: jax.Array | None = None  # [L] int32: each layer's first block (its cache slot's)
 
     def for_layer(self, layer: jax.Array, num_blocks: int, block_size: int) -> AttentionMetadata:
-        offset = layer * num_blocks
+        """The metadata layer `layer` attends with: its table and slot mapping, offset to its blocks
+        (`num_blocks` a layer; unused where the layers' groups give their offsets)."""
+        md = self
+        if self.layer_block_offsets is None:
+            offset = layer * num_blocks
+        else:
+            group, offset = self.layer_groups[layer], self.layer_block_offsets[layer]
+            md = dataclasses.replace(
+                self,
+                block_tables=self.group_block_tables[group],
+                slot_mapping=self.group_slot_mappings[group],
+            )
         return dataclasses.replace(
-            self,
-            slot_mapping=self.slot_mapping + offset * block_size,
-            block_tables=self.block_tables + offset,
+            md,
+            slot_mapping=md.slot_mapping + offset * block_size,
+            block_tables=md.block_tables + offset,
         )
 
 

@@ -53,6 +53,17 @@ class SchedulerConfig:
         ),
     )
 
+    # vLLM's flag: a model whose attention layers slide by different windows (Gemma 2/3, gpt-oss) keeps
+    # one block table per window group, so blocks behind a window go back to the pool; True: one table
+    # for every layer (each layer keeps every token's K/V, as full attention does).
+    disable_hybrid_kv_cache_manager: bool = field(
+        default=False,
+        metadata=arg(
+            "one KV block table for every layer, even where some layers slide by a window (default: "
+            "a table per window group, which frees the blocks a window left behind)"
+        ),
+    )
+
     def __post_init__(self):
         require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         require(

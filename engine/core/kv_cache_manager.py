@@ -237,9 +237,17 @@ class KVCacheManager:
         return self.req_to_blocks.get(request_id, [])
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table: block ids in token order (the first group's; the step carries
-        one table until per-group tables reach the runner)."""
+        """The request's block table: block ids in token order (the first group's)."""
         return self.coordinator.managers[0].block_ids(request_id)
+
+    def get_window_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The block tables of the attention groups after the first (a model whose layers slide by
+        several windows: worker/kv_cache_groups.py `window_groups`); () for any other model."""
+        return tuple(
+            manager.block_ids(request_id)
+            for manager in self.coordinator.managers[1:]
+            if not manager.spec.holds_state
+        )
 
     def get_state_slot(self, request_id: str) -> int:
         """The request's state slot (a state group's one block), 0 for a model without state layers."""

@@ -124,7 +124,27 @@ def full_attention_groups(block_size: int, num_layers: int) -> tuple[KVCacheGrou
 
 def context_blocks(groups: tuple[KVCacheGroup, ...], num_usable_blocks: int, max_model_len: int) -> int:
     """Blocks of the engine's block_size that one request's context may span: the usable blocks,
-    unless every group keeps a state, whose one slot holds any length (then max_model_len's)."""
+    unless every group keeps a state, whose one slot holds any length (then max_model_len's), or the
+    attention layers form several groups drawing from the pool (layers of several windows): then the
+    longest context whose blocks fit, every full-attention group holding all of them and each
+    sliding-window group a window's worth."""
     if groups and all(g.spec.holds_state for g in groups):
         return max(num_usable_blocks, cdiv(max_model_len, groups[0].spec.block_size))
-    return num_usable_blocks
+    attention = [g.spec for g in groups if not g.spec.holds_state]
+    if len(attention) < 2:
+        return num_usable_blocks
+    held = [
+        cdiv(spec.sliding_window, spec.block_size) + 1 if isinstance(spec, SlidingWindowSpec) else None
+        for spec in attention
+    ]
+
+    def fits(num_blocks: int) -> bool:
+        return sum(num_blocks if h is None else min(num_blocks, h) for h in held) <= num_usable_blocks
+
+    if None not in held and fits(num_usable_blocks):  # windows alone: any length holds a window each
+        return max(num_usable_blocks, cdiv(max_model_len, attention[0].block_size))
+    low, high = 0, num_usable_blocks
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low

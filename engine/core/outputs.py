@@ -24,6 +24,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]  # the request's whole block table
+    # The tables of the other attention groups (layers of several windows: one per group after the
+    # first, which is `block_ids`); () for a model with one.
+    group_block_ids: tuple[list[int], ...] = ()
     num_computed_tokens: int = -1  # before this step; -1: read it from the request
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified by this step
     state_slot: int = 0  # a hybrid model's state slot for its linear-attention layers (0: none)

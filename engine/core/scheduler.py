@@ -373,6 +373,7 @@ class Scheduler:
                 request,
                 num_new_tokens,
                 block_ids,
+                group_block_ids=manager.get_window_block_ids(request.request_id),
                 spec_token_ids=list(spec_token_ids),
                 state_slot=manager.get_state_slot(request.request_id),
                 state_copy=manager.take_state_copy(request.request_id),

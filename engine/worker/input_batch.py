@@ -38,8 +38,12 @@ def build_step_batch(
     max_blocks_per_seq: int,
     block_size: int,
     failed: set[str] | None = None,
+    layout=None,
+    num_blocks: int = 0,
 ) -> StepBatch:
     """Pad `scheduled` (ScheduledRequest list) to `num_tokens` tokens and `num_seqs` sequences.
+    `layout`: the layers' groups when they keep several block tables (worker/kv_cache_groups.py
+    `CacheLayout`; `num_blocks` is the pool's): each group's table and slot mapping are built too.
 
     Padding tokens write to slot 0 (the null block) and belong to no sequence; padding
     sequences have kv_len 0 and start where the real tokens end, so they own no query.
@@ -52,13 +56,14 @@ def build_step_batch(
     input_ids = np.zeros(num_tokens, np.int32)
     prev_rows = np.full(num_tokens, -1, np.int32)
     positions = np.zeros(num_tokens, np.int32)
-    slot_mapping = np.zeros(num_tokens, np.int32)
     query_start_loc = np.zeros(num_seqs + 1, np.int32)
     kv_lens = np.zeros(num_seqs, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
-    block_tables = np.zeros((num_seqs, max_blocks_per_seq), np.int32)
     state_slots = np.zeros(num_seqs, np.int32)
-    arrays = (input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows, state_slots)
+    num_groups = 1 if layout is None else layout.num_groups
+    group_tables = np.zeros((num_groups, num_seqs, max_blocks_per_seq), np.int32)
+    group_slots = np.zeros((num_groups, num_tokens), np.int32)
+    arrays = (input_ids, positions, kv_lens, group_tables, group_slots, prev_rows, state_slots)
     offset = 0
     for row, s in enumerate(scheduled):
         n = s.num_new_tokens
@@ -74,13 +79,21 @@ def build_step_batch(
             _blank_row(arrays, row, int(query_start_loc[row]), scheduled[row].num_new_tokens)
     query_start_loc[len(scheduled) + 1 :] = offset
     md = AttentionMetadata(
-        slot_mapping=slot_mapping,
+        slot_mapping=group_slots[0],
         kv_lens=kv_lens,
-        block_tables=block_tables,
+        block_tables=group_tables[0],
         query_start_loc=query_start_loc,
         num_seqs=np.int32(len(scheduled)),
         state_slots=state_slots,
     )
+    if layout is not None:
+        md = dataclasses.replace(
+            md,
+            group_block_tables=group_tables,
+            group_slot_mappings=group_slots,
+            layer_groups=layout.layer_groups,
+            layer_block_offsets=layout.layer_block_offsets(num_blocks),
+        )
     return StepBatch(input_ids, positions, logits_indices, prev_rows, md, num_seqs)
 
 
@@ -99,10 +112,11 @@ def isolate_failures(failed: set[str], s, what: str, fill, *args) -> bool:
 
 
 def _fill_row(arrays, row: int, offset: int, s, block_size: int) -> None:
-    input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows, state_slots = arrays
+    input_ids, positions, kv_lens, group_tables, group_slots, prev_rows, state_slots = arrays
     start, n = s.num_computed_tokens, s.num_new_tokens
-    block_ids = np.asarray(s.block_ids, np.int32)
-    block_tables[row, : len(block_ids)] = block_ids
+    tables = (s.block_ids, *s.group_block_ids)
+    if len(tables) != len(group_tables):
+        raise ValueError(f"{len(tables)} block tables for a step of {len(group_tables)} KV cache groups")
     state_slots[row] = s.state_slot
     known = s.token_ids  # speculative drafts last
     if len(known) < n:  # the last id is the previous step's sample, still on the device
@@ -112,20 +126,23 @@ def _fill_row(arrays, row: int, offset: int, s, block_size: int) -> None:
     input_ids[offset : offset + len(known)] = known
     pos = np.arange(start, start + n, dtype=np.int32)
     positions[offset : offset + n] = pos
-    slot_mapping[offset : offset + n] = block_ids[pos // block_size] * block_size + pos % block_size
+    for group, table in enumerate(tables):
+        block_ids = np.asarray(table, np.int32)
+        group_tables[group, row, : len(block_ids)] = block_ids
+        group_slots[group, offset : offset + n] = block_ids[pos // block_size] * block_size + pos % block_size
     kv_lens[row] = start + n
 
 
 def _blank_row(arrays, row: int, offset: int, n: int) -> None:
     """A failed request's rows: n tokens at positions 0..n-1 whose K/V goes to, and whose context is
     read from, the null block only; their outputs are discarded."""
-    input_ids, positions, slot_mapping, kv_lens, block_tables, prev_rows, state_slots = arrays
-    block_tables[row] = 0
+    input_ids, positions, kv_lens, group_tables, group_slots, prev_rows, state_slots = arrays
+    group_tables[:, row] = 0
     state_slots[row] = 0
     prev_rows[offset : offset + n] = -1
     input_ids[offset : offset + n] = 0
     positions[offset : offset + n] = np.arange(n, dtype=np.int32)
-    slot_mapping[offset : offset + n] = 0
+    group_slots[:, offset : offset + n] = 0
     kv_lens[row] = n
 
 

@@ -4,22 +4,36 @@ The model class says what its cache arrays are (`kv_cache_spec`: K and V, MLA's 
 per slot); the scheduler's bookkeeping needs only each group's kind (core/kv_cache_spec.py). This is
 the one place that maps the first onto the second, so neither the runner nor the core branches on a
 model's layer kinds, and where what a kind cannot do yet is refused, by the field that asks for it.
+
+Attention layers of several windows (Gemma 2 and 3, gpt-oss: sliding layers beside full ones) form
+several groups of equal size (vLLM's hybrid KV cache manager): the layers of each window split into
+groups of as many layers as the rarest window has, each group with its own block table over the one
+pool. A block id is then a page in each of `num_slots` cache slots (not in every layer), and layer l
+reads its group's table at its slot (`CacheLayout`): a sliding group's blocks behind its window go back
+to the pool, so a long request holds its full layers' blocks and a window's worth for the others.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, StateSpec
 from xlaserve.models.config import TransformerConfig
 
+logger = logging.getLogger(__name__)
+
 
 def kv_cache_groups(
     kv_spec, model_config: TransformerConfig, config: EngineConfig
 ) -> tuple[KVCacheGroup, ...]:
-    """One group of every layer, of the kind the model's cache spec declares. Attention layers that
+    """The groups of the model's layers, of the kinds its cache spec declares. Attention layers that
     all slide by one window form a sliding-window group, whose blocks behind the window go back to
-    the pool. (Layers of mixed kinds, Gemma's, stay one full-attention group: each kind's block table
-    reaching the step is a later change.)"""
+    the pool; layers of several windows form a group per window (`window_groups`), unless a feature
+    that moves blocks by one table is on (`_one_table_reason`: then one full-attention group)."""
     block_size = config.cache.block_size
     layers = tuple(range(kv_spec.num_layers))
     if kv_spec.layer_kind == "state":
@@ -48,7 +62,90 @@ def kv_cache_groups(
     has_draft_model = config.speculative is not None and config.speculative.method == "draft_model"
     if len(windows) == 1 and None not in windows and not has_draft_model:
         return (KVCacheGroup(SlidingWindowSpec(block_size, sliding_window=windows.pop()), layers),)
+    if len(windows) > 1:
+        reason = _one_table_reason(config)
+        if reason is None:
+            return window_groups(model_config.layer_sliding_windows, block_size)
+        logger.info(
+            "one KV block table for all %d layers of %s windows: %s", len(layers), len(windows), reason
+        )
     return (KVCacheGroup(FullAttentionSpec(block_size), layers),)
+
+
+def window_groups(layer_windows, block_size: int) -> tuple[KVCacheGroup, ...]:
+    """Attention layers of several windows (None: full attention) as groups of equal size: each
+    window's layers in order, split into groups of as many layers as the rarest window has (the last of
+    a window's groups may hold fewer). Full attention's groups first: group 0's table is the step's
+    `block_tables`, which readers of the whole context (failure isolation) use."""
+    by_window: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        by_window.setdefault(window, []).append(layer)
+    size = min(len(layer_ids) for layer_ids in by_window.values())
+    groups = []
+    for window in sorted(by_window, key=lambda w: (w is not None, w or 0)):
+        spec = (
+            FullAttentionSpec(block_size)
+            if window is None
+            else SlidingWindowSpec(block_size, sliding_window=window)
+        )
+        layer_ids = by_window[window]
+        groups += [
+            KVCacheGroup(spec, tuple(layer_ids[start : start + size]))
+            for start in range(0, len(layer_ids), size)
+        ]
+    return tuple(groups)
+
+
+def _one_table_reason(config: EngineConfig) -> str | None:
+    """Why the layers of several windows must share one block table (None: they need not): the
+    features that move or read a request's blocks through one table."""
+    parallel, cache = config.parallel, config.cache
+    reasons = (
+        (config.scheduler.disable_hybrid_kv_cache_manager, "disable_hybrid_kv_cache_manager is set"),
+        (
+            config.speculative is not None and config.speculative.method == "draft_model",
+            "a draft model's cache follows the target's one table",
+        ),
+        (parallel.pipeline_parallel_size > 1, "pipeline stages split the cache by layer"),
+        (parallel.decode_context_parallel_size > 1, "decode context parallel interleaves one table's blocks"),
+        (parallel.prefill_context_parallel_size > 1, "prefill context parallel reads one table"),
+        (bool(cache.kv_offloading_size), "the host tier (kv_offloading_size) moves one table's blocks"),
+        (cache.kv_transfer_config is not None, "disaggregated prefill (kv_transfer_config) sends one table"),
+    )
+    return next((reason for applies, reason in reasons if applies), None)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Where each layer's K/V lives when the attention layers form several groups: layer l reads the
+    block table of group `layer_groups[l]` at cache slot `layer_slots[l]` (its place in its group). The
+    device cache holds `num_slots` slots of every block (kernels/metadata.py `AttentionMetadata`), not
+    one per layer."""
+
+    layer_groups: np.ndarray  # [L] int32
+    layer_slots: np.ndarray  # [L] int32
+    num_groups: int
+    num_slots: int
+
+    def layer_block_offsets(self, num_blocks: int) -> np.ndarray:
+        """[L] int32: each layer's first block in the cache arrays (its slot's)."""
+        return (self.layer_slots * num_blocks).astype(np.int32)
+
+
+def cache_layout(groups: tuple[KVCacheGroup, ...]) -> CacheLayout | None:
+    """The layout of several attention groups' layers (None: at most one attention group, whose
+    layers keep a cache slot each, in layer order)."""
+    attention = [group for group in groups if not group.spec.holds_state]
+    if len(attention) < 2:
+        return None
+    num_layers = sum(len(group.layer_ids) for group in attention)
+    layer_groups = np.zeros(num_layers, np.int32)
+    layer_slots = np.zeros(num_layers, np.int32)
+    for index, group in enumerate(attention):
+        for slot, layer in enumerate(group.layer_ids):
+            layer_groups[layer], layer_slots[layer] = index, slot
+    num_slots = max(len(group.layer_ids) for group in attention)
+    return CacheLayout(layer_groups, layer_slots, len(attention), num_slots)
 
 
 def num_state_copy_slots(config: EngineConfig) -> int:

@@ -46,7 +46,7 @@ from xlaserve.worker.input_batch import (
     sampling_tensors,
 )
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, fit_state_copy_slots, num_kv_blocks
-from xlaserve.worker.kv_cache_groups import kv_cache_groups, num_state_copy_slots
+from xlaserve.worker.kv_cache_groups import cache_layout, kv_cache_groups, num_state_copy_slots
 from xlaserve.worker.kv_transfer import make_kv_connector_worker
 from xlaserve.worker.lora_manager import LoRAManager
 from xlaserve.worker.mm_encoder import make_mm_hook
@@ -128,6 +128,11 @@ class ModelRunner:
         )
         # The host's KV cache groups (core/kv_cache_spec.py), from the model's cache spec.
         self.kv_cache_groups = kv_cache_groups(self.kv_spec, self.model_config, config)
+        # Layers of several windows: a block table per group, and a cache slot per group position
+        # rather than per layer (worker/kv_cache_groups.py); None: a slot per layer, one table.
+        self.cache_layout = cache_layout(self.kv_cache_groups)
+        if self.cache_layout is not None:
+            self.kv_spec = dataclasses.replace(self.kv_spec, num_layers=self.cache_layout.num_slots)
         # The step's device functions as Programs (worker/step_programs.py), jitted with the graphdef bound.
         vocab = self.model_config.vocab_size
         # Prefill context parallel: a step's tokens split over the mesh's "context" axis.
@@ -283,7 +288,14 @@ class ModelRunner:
         sequence (one forward program per bucket; K = 0 without speculation)."""
         num_seqs = self._num_seqs_for(num_tokens)
         batch = build_step_batch(
-            scheduled, num_tokens, num_seqs, self.max_blocks_per_seq, self.block_size, failed
+            scheduled,
+            num_tokens,
+            num_seqs,
+            self.max_blocks_per_seq,
+            self.block_size,
+            failed,
+            self.cache_layout,
+            self.num_blocks,
         )
         if self.dcp > 1:  # the owning rank's slot (its rank is the token's position mod dcp)
             slots = physical_slot_mapping(batch.md.slot_mapping, self.block_size, self.dcp)

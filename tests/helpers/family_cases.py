@@ -357,19 +357,32 @@ def engine_prefill_logits(llm: LLM, ids: list[int], first_chunk: int, block_ids=
     """Logits of every prompt position, prefilled in chunks (`first_chunk` tokens, then as many as
     the engine's largest bucket holds; later chunks read earlier ones from the paged cache), on a
     fresh cache shaped like the engine's (K/V, or DeepSeek's latents), through the engine's compiled
-    forward. `block_ids`: the sequence's blocks (default 1, 2, ...; block 0 is the null block)."""
+    forward. `block_ids`: the sequence's blocks (default 1, 2, ...; block 0 is the null block). A model
+    of several windows gives each further group of layers the blocks after the previous group's."""
     runner = llm.engine_core.runner
     num_tokens = runner.token_buckets[-1]
     num_seqs = runner._num_seqs_for(num_tokens)
     cache = jax.tree.map(jnp.zeros_like, runner.kv_cache)
     if block_ids is None:
         block_ids = list(range(1, 1 + -(-len(ids) // runner.block_size)))
+    layout = runner.cache_layout
+    num_groups = 1 if layout is None else layout.num_groups
+    last = max(block_ids) + 1
+    group_block_ids = [
+        [last + (g - 1) * len(block_ids) + i for i in range(len(block_ids))] for g in range(1, num_groups)
+    ]
     bounds = chunk_bounds(len(ids), first_chunk, num_tokens)
     logits = []
     for start, stop in itertools.pairwise(bounds):
-        scheduled = prompt_chunk(ids, start, stop - start, block_ids)
+        scheduled = prompt_chunk(ids, start, stop - start, block_ids, group_block_ids)
         batch = build_step_batch(
-            [scheduled], num_tokens, num_seqs, runner.max_blocks_per_seq, runner.block_size
+            [scheduled],
+            num_tokens,
+            num_seqs,
+            runner.max_blocks_per_seq,
+            runner.block_size,
+            layout=layout,
+            num_blocks=runner.num_blocks,
         )
         hidden, _, cache = runner.forward(cache, batch)
         logits.append(np.asarray(_logits(runner.graphdef, runner.params, hidden))[: stop - start])
