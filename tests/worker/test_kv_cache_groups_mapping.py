@@ -9,7 +9,7 @@ from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, StateSpec
 from xlaserve.models.loader import complete_config
 from xlaserve.models.registry import get_model_class, model_config_from_hf
-from xlaserve.worker.kv_cache_groups import kv_cache_groups
+from xlaserve.worker.kv_cache_groups import cache_layout, kv_cache_groups
 
 ATTENTION = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 3,
              "num_attention_heads": 2}  # fmt: skip
@@ -30,11 +30,45 @@ def test_layer_kinds_map_to_group_specs():
     assert llama.spec == FullAttentionSpec(8) and llama.layer_ids == (0, 1, 2)
     mistral = {**ATTENTION, "architectures": ["MistralForCausalLM"], "sliding_window": 12}
     assert groups_of(mistral)[0].spec == SlidingWindowSpec(8, sliding_window=12)
-    # Gemma 2's layers alternate: one table for both kinds, so nothing is freed yet.
-    gemma = {**ATTENTION, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 12}
-    assert groups_of(gemma)[0].spec == FullAttentionSpec(8)
     (mamba,) = groups_of(MAMBA2)
     assert mamba.spec == StateSpec(8) and mamba.layer_ids == (0, 1)
+
+
+GEMMA2 = {**ATTENTION, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 12}  # sliding, full, sliding
+# Gemma 3's pattern at 12 layers: five sliding, one full, twice.
+GEMMA3 = {**ATTENTION, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 12, "sliding_window": 12,
+          "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2}  # fmt: skip
+
+
+def test_layers_of_several_windows_form_equal_groups_sharing_cache_slots():
+    """vLLM's hybrid layout: each window's layers in groups as large as the rarest window's count,
+    full attention's first; a layer's cache slot is its place in its group."""
+    full, *sliding = groups_of(GEMMA2)
+    assert (full.spec, full.layer_ids) == (FullAttentionSpec(8), (1,))
+    window = SlidingWindowSpec(8, sliding_window=12)
+    assert [(g.spec, g.layer_ids) for g in sliding] == [(window, (0,)), (window, (2,))]
+    groups = groups_of(GEMMA3)
+    assert [g.layer_ids for g in groups] == [(5, 11), (0, 1), (2, 3), (4, 6), (7, 8), (9, 10)]
+    layout = cache_layout(groups)
+    assert layout.num_slots == 2 and layout.num_groups == 6
+    assert layout.layer_groups.tolist() == [1, 1, 2, 2, 3, 0, 3, 4, 4, 5, 5, 0]
+    assert layout.layer_slots.tolist() == [0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 1, 1]
+    assert layout.layer_block_offsets(100).tolist() == [0, 100, 0, 100, 0, 0, 100, 0, 100, 0, 100, 100]
+    assert cache_layout(groups_of({**ATTENTION, "architectures": ["LlamaForCausalLM"]})) is None
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        {"disable_hybrid_kv_cache_manager": True},
+        {"kv_offloading_size": 1.0},
+        {"pipeline_parallel_size": 2},
+    ],
+    ids=["flag", "host-tier", "pipeline"],
+)
+def test_features_that_move_one_table_keep_one_full_attention_group(engine_kwargs):
+    (group,) = groups_of(GEMMA3, **engine_kwargs)
+    assert group.spec == FullAttentionSpec(8) and group.layer_ids == tuple(range(12))
 
 
 def test_a_state_model_takes_ngram_drafts_and_refuses_a_float8_cache_and_a_host_tier():
