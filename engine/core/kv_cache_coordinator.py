@@ -51,7 +51,32 @@ class GroupBlocks:
         """Free blocks of its pool the allocation consumes: the new ones, and hits on free blocks (a
         hit on a block with no owner takes it off the free queue)."""
         num_new = self.num_new_blocks(request_id, num_slots, len(hits))
-        return num_new + sum(1 for block in hits if block.ref_cnt == 0)
+        return num_new + sum(1 for block in hits if block.ref_cnt == 0 and not block.is_null)
+
+    def longest_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVCacheBlock]:
+        """The blocks of the longest prefix of at most `max_num_blocks` blocks this group serves from
+        the prefix cache: every block a query after the prefix reads must be cached, so all of them
+        under full attention, a window's under a sliding window (vLLM's), whose earlier blocks are
+        the null block in the hit as they are in a running request's table."""
+        keyed = group_hashes(block_hashes, self.group_id)
+        block_size = self.spec.block_size
+        if not self.spec.num_dead_blocks(max_num_blocks * block_size):  # every block is read
+            hits = []
+            for position in range(max_num_blocks):
+                block = self.pool.get_cached_block(keyed[position])
+                if block is None:
+                    break
+                hits.append(block)
+            return hits
+        cached = [self.pool.get_cached_block(keyed[position]) for position in range(max_num_blocks)]
+        run_ends = []  # cached blocks in a row ending at each position
+        for block in cached:
+            run_ends.append(run_ends[-1] + 1 if run_ends and block is not None else int(block is not None))
+        for num_blocks in range(max_num_blocks, 0, -1):
+            first_read = self.spec.num_dead_blocks(num_blocks * block_size)
+            if run_ends[num_blocks - 1] >= num_blocks - first_read:
+                return [self.pool.null_block] * first_read + cached[first_read:num_blocks]
+        return []
 
     def remove_dead_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Return the blocks no later query of the request reads (a sliding window's) to the pool."""
@@ -326,18 +351,14 @@ class KVCacheCoordinator:
         state group's hit is its snapshot, once per block of the prefix."""
         hits: list = [None] * len(self.managers)
         num_hit = max_num_hit_blocks
-        for index, manager in enumerate(self.managers):
-            if manager is self.state_manager:
-                continue
-            keyed = group_hashes(block_hashes, manager.group_id)
-            group_hits = []
-            for position in range(num_hit):
-                block = manager.pool.get_cached_block(keyed[position])
-                if block is None:
-                    break
-                group_hits.append(block)
-            num_hit = len(group_hits)
-            hits[index] = group_hits
+        groups = [manager for manager in self.managers if manager is not self.state_manager]
+        is_agreed = False
+        while not is_agreed:  # a window's hit at a shorter length is another window: look again
+            for manager in groups:
+                hits[manager.group_id] = manager.longest_hit(block_hashes, num_hit)
+            lengths = [len(hits[manager.group_id]) for manager in groups]
+            is_agreed = min(lengths, default=num_hit) == max(lengths, default=num_hit)
+            num_hit = min(lengths, default=num_hit)
         num_prefix_blocks = num_hit
         if self.state_manager is not None:
             num_hit, snapshot = self.state_manager.longest_snapshot(block_hashes, num_hit)

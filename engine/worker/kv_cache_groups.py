@@ -58,18 +58,15 @@ def kv_cache_groups(
             "expected 'full_attention', 'state' or 'hybrid'"
         )
     windows = set(model_config.layer_sliding_windows)
-    # A draft model reads the same block table with layers of its own, which may not slide.
-    has_draft_model = config.speculative is not None and config.speculative.method == "draft_model"
-    if len(windows) == 1 and None not in windows and not has_draft_model:
+    if windows == {None}:
+        return (KVCacheGroup(FullAttentionSpec(block_size), layers),)
+    reason = _one_table_reason(config, several_windows=len(windows) > 1)
+    if reason is not None:
+        logger.info("the KV cache keeps every block of every layer's context: %s", reason)
+        return (KVCacheGroup(FullAttentionSpec(block_size), layers),)
+    if len(windows) == 1:
         return (KVCacheGroup(SlidingWindowSpec(block_size, sliding_window=windows.pop()), layers),)
-    if len(windows) > 1:
-        reason = _one_table_reason(config)
-        if reason is None:
-            return window_groups(model_config.layer_sliding_windows, block_size)
-        logger.info(
-            "one KV block table for all %d layers of %s windows: %s", len(layers), len(windows), reason
-        )
-    return (KVCacheGroup(FullAttentionSpec(block_size), layers),)
+    return window_groups(model_config.layer_sliding_windows, block_size)
 
 
 def window_groups(layer_windows, block_size: int) -> tuple[KVCacheGroup, ...]:
@@ -96,22 +93,33 @@ def window_groups(layer_windows, block_size: int) -> tuple[KVCacheGroup, ...]:
     return tuple(groups)
 
 
-def _one_table_reason(config: EngineConfig) -> str | None:
-    """Why the layers of several windows must share one block table (None: they need not): the
-    features that move or read a request's blocks through one table."""
+def _one_table_reason(config: EngineConfig, *, several_windows: bool) -> str | None:
+    """Why sliding layers must keep every block, in one table with any full layers (None: they need
+    not): features that read or move every block of a request's table (a draft model's layers, which
+    may not slide; the host tier and disaggregated prefill, which copy whole prefixes), and, for layers
+    of several windows, those that know one table only."""
     parallel, cache = config.parallel, config.cache
     reasons = (
-        (config.scheduler.disable_hybrid_kv_cache_manager, "disable_hybrid_kv_cache_manager is set"),
         (
             config.speculative is not None and config.speculative.method == "draft_model",
-            "a draft model's cache follows the target's one table",
+            "a draft model's layers read the target's table",
         ),
-        (parallel.pipeline_parallel_size > 1, "pipeline stages split the cache by layer"),
-        (parallel.decode_context_parallel_size > 1, "decode context parallel interleaves one table's blocks"),
-        (parallel.prefill_context_parallel_size > 1, "prefill context parallel reads one table"),
-        (bool(cache.kv_offloading_size), "the host tier (kv_offloading_size) moves one table's blocks"),
-        (cache.kv_transfer_config is not None, "disaggregated prefill (kv_transfer_config) sends one table"),
+        (bool(cache.kv_offloading_size), "the host tier (kv_offloading_size) copies whole prefixes"),
+        (
+            cache.kv_transfer_config is not None,
+            "disaggregated prefill (kv_transfer_config) sends whole prefixes",
+        ),
     )
+    if several_windows:
+        reasons += (
+            (config.scheduler.disable_hybrid_kv_cache_manager, "disable_hybrid_kv_cache_manager is set"),
+            (parallel.pipeline_parallel_size > 1, "pipeline stages split the cache by layer"),
+            (
+                parallel.decode_context_parallel_size > 1,
+                "decode context parallel interleaves one table's blocks",
+            ),
+            (parallel.prefill_context_parallel_size > 1, "prefill context parallel reads one table"),
+        )
     return next((reason for applies, reason in reasons if applies), None)
 
 

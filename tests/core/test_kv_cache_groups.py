@@ -286,3 +286,30 @@ def test_the_context_of_several_groups_counts_a_window_per_sliding_group():
     assert context_blocks(groups, 100, 65536) == 100 // 6  # below a window, every group holds n
     # Sliding groups alone hold any length once their windows fit.
     assert context_blocks(groups[1:], 1000, 65536) == 4096
+
+
+@pytest.mark.parametrize("window", [6, None])
+def test_a_sliding_window_hit_needs_only_its_windows_blocks(window):
+    """A later prompt hits the longest prefix whose next query's window is cached (vLLM's): a block
+    evicted from the middle of a sliding group's prefix does not cut the hit, as it does under full
+    attention; the blocks before the window are the null block, as in a running request's table."""
+    spec = FullAttentionSpec(BS) if window is None else SlidingWindowSpec(BS, sliding_window=window)
+    manager = KVCacheManager(BS, 32, True, max_model_len=128, kv_cache_groups=(KVCacheGroup(spec, (0,)),))
+    first = request("a", 40)
+    run(manager, first, 40)
+    blocks = list(manager.get_blocks("a"))
+    manager.free(first)
+    manager.block_pool.uncache_blocks([blocks[3]])  # evicted
+    later = request("b", 40)
+    hits, num_hit_tokens = manager.get_computed_blocks(later)
+    if window is None:
+        assert num_hit_tokens == 12 and hits == blocks[:3]
+        return
+    # 9 blocks at most (the last token runs); the query at 36 sees 31..36: blocks 7 and 8.
+    assert num_hit_tokens == 36
+    assert [b.block_id for b in hits] == [0] * 7 + [blocks[7].block_id, blocks[8].block_id]
+    num_free = manager.num_free_blocks
+    assert manager.allocate_slots(later, 4, hits) is not None  # 2 hits and 1 new block taken
+    assert manager.num_free_blocks == num_free - 3
+    manager.free(later)
+    assert manager.num_free_blocks == 31
