@@ -1,13 +1,13 @@
 """Bfloat16 weights packed for the CPU's batch-invariant dot (`cpu_ops.bf16_matmul`), read in place.
 
 On CPU with batch invariance on, a bfloat16 model's stacked projections (worker/model_loader.py picks
-the unquantized `Linear`s of its layer stacks) and its tied LM head are packed once at load into the
+the unquantized `Linear`s of its layer stacks) and its LM head are packed once at load into the
 op's strips (`cpu_ops.pack_for_dot`) and held as a `PackedWeight`. The layer scan (`dtype_ops.scan`)
 hands each layer its stack whole, with the layer's index, instead of a slice (XLA copied every
 layer's slice at every step), and `dtype_ops.matmul` sends x @ it to the op. Each output's sum runs in
 an order fixed by K alone, so a row has the same bits at every M: no rows are padded for XLA's dot,
-and a batch-1 step reads each weight once. The few callers that need the matrix itself (a router's
-float32 dot, MLA's absorbed projection) get it back with `astype` (`dense`).
+and a batch-1 step reads each weight once. The few callers that need the matrix itself (MLA's
+absorbed projection) get it back with `astype` (`dense`).
 """
 
 from __future__ import annotations

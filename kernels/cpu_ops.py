@@ -15,7 +15,7 @@
   vdpbf16ps over K in order (a float32 loop without AVX512-BF16), whatever the rows, tiles or
   threads, so a row has the same bits alone or among companions with no padded rows. It reads its
   layer in place from the whole stack (the index an operand): the layer scan copied every slice,
-  and XLA's dot library packed it again. SmolLM2's batch-1 step went from ~21 to ~10 ms
+  and XLA's dot library packed it again. SmolLM2's batch-1 step went from ~26 to ~11 ms
   (engine/PERFORMANCE.md, "A batch-invariant bfloat16 dot").
 
 All run from inside the jitted step like any op, their work spread over XLA's intra-op thread pool.

@@ -238,7 +238,8 @@ def pack_projections(graphdef, params, stacks: tuple[str, ...]):
         in_stack = bool(path) and path[0] in stacks and kernel.ndim == 3
         is_head = tuple(path) == ("lm_head",) and kernel.ndim == 2
         if kernel.dtype in (jnp.uint16, jnp.bfloat16) and (in_stack or is_head):
-            module.kernel = nnx.Param(cpu_dot.PackedWeight.pack(kernel))
+            module.kernel = nnx.Param(jax.block_until_ready(cpu_dot.PackedWeight.pack(kernel)))
+            kernel.delete()  # held only by the caller's old params: one weight's copy live at a time
             num_packed += 1
     logger.info("%d projections packed for the CPU's batch-invariant dot (kernels/cpu_dot.py)", num_packed)
     return nnx.split(model)

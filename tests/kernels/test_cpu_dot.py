@@ -83,7 +83,7 @@ def test_the_scan_hands_each_layer_its_stack_whole():
     assert not [
         line for line in run.lower(packed, bias).as_text().splitlines() if "slice" in line and stack in line
     ]
-    # Fed to XLA's own dot instead (the matrix itself: a router's or MLA's form), the same values.
+    # Fed to XLA's own dot instead (the matrix itself: MLA's absorbed projection), the same values.
     dense = np.asarray(
         jnp.matmul(x, packed.at(jnp.int32(3)).astype(jnp.bfloat16), preferred_element_type=jnp.float32)
     )
