@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from xlaserve.kernels import cpu_ops
-from xlaserve.kernels.cpu_dot import PackedWeight
+from xlaserve.kernels.cpu_dot import PackedWeight, usable
 from xlaserve.kernels.dtype_ops import matmul, scan
 
 pytestmark = pytest.mark.skipif(
@@ -110,3 +110,11 @@ def test_portable_loop_is_invariant_and_accurate(monkeypatch):
     assert np.all(np.abs(full - want) <= tol)
     for m in (1, 2, 7, 13):
         assert np.array_equal(np.asarray(dot(x[:m])), full[:m])
+
+
+def test_packed_only_where_the_op_serves(monkeypatch):
+    # One CPU device, bfloat16, the op built; off (`XLASERVE_CPU_KERNELS=0`) the YNNPACK path serves.
+    assert usable(jnp.bfloat16, 1)
+    assert not usable(jnp.float16, 1) and not usable(jnp.float32, 1) and not usable(jnp.bfloat16, 2)
+    monkeypatch.setenv(cpu_ops.DISABLE_ENV, "0")
+    assert not usable(jnp.bfloat16, 1)
