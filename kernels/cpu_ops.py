@@ -10,8 +10,15 @@
 - `quantized_matmul`: a few rows (a batch-1 decode) times a weight quantized with group scales
   (GGUF's Q8_0, Q4_0, Q4_1, the K-quants as decoded; int8 per channel). XLA converts such a weight to
   a bfloat16 copy before its dot, never fused; the op widens each code in registers.
+- `bf16_matmul`: x [M, K] bfloat16 times a bfloat16 weight packed at load into strips of 64 columns
+  (`pack_for_dot`; kernels/cpu_dot.py holds them), for every M: each output's sum is one chain of
+  vdpbf16ps over K in order (a float32 loop without AVX512-BF16), whatever the rows, tiles or
+  threads, so a row has the same bits alone or among companions with no padded rows. It reads its
+  layer in place from the whole stack (the index an operand): the layer scan copied every slice,
+  and XLA's dot library packed it again. SmolLM2's batch-1 step went from ~26 to ~11 ms
+  (engine/PERFORMANCE.md, "A batch-invariant bfloat16 dot").
 
-Both run from inside the jitted step like any op, their work spread over XLA's intra-op thread pool.
+All run from inside the jitted step like any op, their work spread over XLA's intra-op thread pool.
 Each is built from its source when first needed with the system's C++ compiler (`CXX`, else `g++`;
 ~2-3 s each) into `<XLASERVE_CACHE_ROOT or ~/.cache/xlaserve>/cpu_kernels/<digest>/`,
 keyed by the source, the flags, jaxlib's version and this CPU's instruction set (`-march=native`);
@@ -49,11 +56,14 @@ logger = logging.getLogger(__name__)
 TARGET = "xlaserve_paged_attention_bf16"  # a bfloat16 cache, stored as uint16 words
 F32_TARGET = "xlaserve_paged_attention_f32"  # a float32 cache
 QUANTIZED_TARGET = "xlaserve_quantized_matmul"
+BF16_MATMUL_TARGET = "xlaserve_bf16_matmul"
 # Target name -> (source in kernels/cpu, the handler's symbol, the compiler's defines for its build).
 _OPS = {
     TARGET: ("paged_attention.cc", "XlaservePagedAttention", ()),
     F32_TARGET: ("paged_attention.cc", "XlaservePagedAttentionF32", ("-DXLASERVE_F32_CACHE",)),
     QUANTIZED_TARGET: ("quantized_matmul.cc", "XlaserveQuantizedMatmul", ()),
+    # Its portable loop's float32 sums in source order: no fused multiply-adds chosen by the compiler.
+    BF16_MATMUL_TARGET: ("bf16_matmul.cc", "XlaserveBf16Matmul", ("-ffp-contract=off",)),
 }
 SOURCE_DIR = Path(__file__).parent / "cpu"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -249,3 +259,39 @@ def quantized_matmul(
         has_zero=zero is not None,
     )
     return y.reshape(*x.shape[:-1], columns)
+
+
+STRIP = 64  # columns per strip of a packed weight (kStrip of bf16_matmul.cc)
+
+
+def pack_for_dot(w: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
+    """A bfloat16 weight [..., K, N] (or its uint16 words) as `bf16_matmul` reads it: strips of 64
+    columns, each contiguous, inputs in pairs: [..., S, K' / 2, 64, 2] uint16 words with
+    out[.., s, k, c, t] = w[.., 2k + t, 64 s + c]; K and N padded with zeros to K' even and S * 64.
+    A numpy array is packed on the host (nothing compiles)."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    if w.dtype != np.uint16:
+        w = w.astype(jnp.bfloat16)
+        w = w.view(np.uint16) if xp is np else jax.lax.bitcast_convert_type(w, jnp.uint16)
+    *lead, depth, columns = w.shape
+    strips = -(-columns // STRIP)
+    pad = [(0, 0)] * len(lead) + [(0, depth % 2), (0, strips * STRIP - columns)]
+    words = xp.pad(w, pad).reshape(*lead, (depth + 1) // 2, 2, strips, STRIP)
+    n = len(lead)
+    return xp.transpose(words, (*range(n), n + 2, n, n + 3, n + 1))
+
+
+def bf16_matmul(
+    x: jax.Array,  # [M, K] bfloat16
+    strips: jax.Array,  # [L, S, K' / 2, 64, 2] uint16: a stack of packed weights (`pack_for_dot`)
+    layer: jax.Array | int,  # which of the L
+    columns: int,  # N: the weight's columns before padding
+) -> jax.Array:  # [M, N] float32
+    """x @ w[layer], each output's sum over K in an order fixed by K alone (batch invariant at every
+    M), the weight read in place from its stack."""
+    depth = strips.shape[-3] * 2
+    if x.shape[-1] != depth:  # an odd K, padded: zeros add exactly
+        x = jnp.pad(x, [(0, 0), (0, depth - x.shape[-1])])
+    out = jax.ShapeDtypeStruct((x.shape[0], strips.shape[1] * STRIP), jnp.float32)
+    y = jax.ffi.ffi_call(BF16_MATMUL_TARGET, out)(x, strips, jnp.asarray(layer, jnp.int32).reshape(1))
+    return y if y.shape[-1] == columns else y[:, :columns]

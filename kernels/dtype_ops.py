@@ -11,6 +11,8 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   array is a copy on XLA's CPU backend, so the reference backend *stores* a 16-bit KV cache as
   words (`AttentionBackend.cache_words`) and bitcasts only the pages it gathers; stacked layer
   weights are bitcast once per step (`scan`), on CPU only;
+- a bfloat16 weight packed at load (`cpu_dot.PackedWeight`: a CPU engine with batch invariance on)
+  goes to a C++ dot whose sums are ordered by K alone, read in place from its layer stack;
 - a dot of few 16-bit rows (a batch-1 decode step) takes kernels of its own: XLA CPU's matrix-vector
   path for one row, which is not native (7-10x slower than four rows for the LM head ([1, 576] x
   [576, 49152]), 2x for a projection: engine/PERFORMANCE.md), and for a few rows kernels that round
@@ -34,7 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from xlaserve.kernels import cpu_ops, dot_rows, invariant
+from xlaserve.kernels import cpu_dot, cpu_ops, dot_rows, invariant
 from xlaserve.kernels.attention_args import SUPPORTED_DTYPES
 from xlaserve.kernels.invariant_matmul import invariant_matmul
 
@@ -102,6 +104,8 @@ def matmul(
     `w` holds 4-bit codes two to a byte ([.., in / 2, out] uint8, see `unpack_int4`), multiplied as
     two half-depth dots (`packed_matmul`)."""
     out_dtype = out_dtype or x.dtype
+    if cpu_dot.is_packed(w):  # a bfloat16 weight packed at load for the CPU's invariant dot
+        return cpu_dot.matmul(x, w, out_dtype)
     if cpu_ops.quantized_usable(x, w, scale, zero, block, packed):  # a few rows: one C++ op reads the codes
         return cpu_ops.quantized_matmul(x, w, scale, zero, packed).astype(out_dtype)
     if _split_int8_on_cpu(x, w, scale, zero):
@@ -347,7 +351,24 @@ def einsum(spec: str, *operands: jax.Array) -> jax.Array:
 def scan(body, init, xs, *, words_of=None, **kwargs):
     """`jax.lax.scan` whose 16-bit float `xs` (stacked layer weights) are sliced as raw words on
     CPU (elsewhere a plain scan: a GPU slices bfloat16 natively). Leaves already stored as uint16
-    words (`stacks_as_words`) reach `body` as `words_of`, the model's 16-bit dtype."""
+    words (`stacks_as_words`) reach `body` as `words_of`, the model's 16-bit dtype. A packed stack
+    (`cpu_dot.PackedWeight`) is not sliced: it rides the loop whole, and `body` gets it with the
+    layer's index (`at`), which the CPU dot reads in place."""
+    leaves, treedef = jax.tree.flatten(xs, is_leaf=cpu_dot.is_packed)
+    packed = [a for a in leaves if cpu_dot.is_packed(a)]
+    if packed:
+        rest = [a for a in leaves if not cpu_dot.is_packed(a)]
+        length = len(packed[0].strips)
+
+        def body_in_place(carry, scanned):
+            rest_of_layer, layer = scanned
+            it = iter(rest_of_layer)
+            layer_leaves = [a.at(layer) if cpu_dot.is_packed(a) else next(it) for a in leaves]
+            return body(carry, jax.tree.unflatten(treedef, layer_leaves))
+
+        return scan(
+            body_in_place, init, (rest, jnp.arange(length, dtype=jnp.int32)), words_of=words_of, **kwargs
+        )
     dtypes = jax.tree.map(lambda a: words_of if a.dtype == jnp.uint16 and words_of else a.dtype, xs)
     if jax.default_backend() == "cpu":
         xs = jax.tree.map(as_words, xs)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.config import LoRAConfig
+from xlaserve.kernels import cpu_dot
 from xlaserve.kernels.dtype_ops import is_16bit_float, word_dtype
 from xlaserve.lora_request import LoRARequest
 from xlaserve.models.lora import LORA_TARGET_MODULES, LoRABatch, LoRAWeights
@@ -42,7 +43,8 @@ logger = logging.getLogger(__name__)
 def slot_layout(params, stack_names) -> SlotLayout:
     """stack -> module path inside a layer -> (num_layers, in, out), for every supported projection."""
     layout: SlotLayout = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    # A kernel packed for the CPU's dot (kernels/cpu_dot.py) is one leaf, with its [L, in, out] shape.
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=cpu_dot.is_packed)[0]:
         keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
         if keys[0] in stack_names and keys[-1] in ("kernel", "value") and len(leaf.shape) == 3:
             names = keys[1:-1] if keys[-1] == "kernel" else keys[1:-2]

@@ -19,9 +19,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from xlaserve.config import EngineConfig
-from xlaserve.kernels import AttentionBackend, KVCacheSpec, MLACache, cpu_ops, get_attention_backend
+from xlaserve.kernels import AttentionBackend, KVCacheSpec, MLACache, cpu_dot, cpu_ops, get_attention_backend
 from xlaserve.kernels.dtype_ops import is_16bit_float, stacks_as_words
 from xlaserve.models.config import TransformerConfig
+from xlaserve.models.layers import Linear
 from xlaserve.models.loader import DummyWeights
 from xlaserve.models.prequantized import quantization_scheme
 from xlaserve.models.quantization import weight_bytes
@@ -201,6 +202,9 @@ def load_model(
         if model_config.tie_word_embeddings and tp == 1 and embedding.kernel_scale is None and is_head:
             head_dv = jax.jit(lambda table: table.T)(embedding.weight[...])
         params = stacks_as_words(params, tuple(model_class.layer_stacks(model_config)))
+        if config.model.batch_invariant and cpu_dot.usable(dtype, mesh.devices.size):
+            graphdef, params = pack_projections(graphdef, params, stacked)
+            head_dv = None if head_dv is None else cpu_dot.PackedWeight.pack(head_dv)
     num_weight_bytes = weight_bytes(params) + (0 if head_dv is None else weight_bytes(head_dv))
     return LoadedModel(
         model_config,
@@ -215,3 +219,27 @@ def load_model(
         head_dv,
         num_weight_bytes,
     )
+
+
+def pack_projections(graphdef, params, stacks: tuple[str, ...]):
+    """(graphdef, params) with the bfloat16 kernels of the stacks' `Linear`s and of an untied LM head
+    packed for the CPU's batch-invariant dot (kernels/cpu_dot.py), read in place by the layer scan.
+    Quantized kernels keep their own paths."""
+    model = nnx.merge(graphdef, params)
+    num_packed = 0
+    for path, module in list(nnx.iter_graph(model)):
+        if (
+            not isinstance(module, Linear)
+            or module.kernel_scale is not None
+            or module.quant_dtype is not None
+        ):
+            continue
+        kernel = module.kernel[...]
+        in_stack = bool(path) and path[0] in stacks and kernel.ndim == 3
+        is_head = tuple(path) == ("lm_head",) and kernel.ndim == 2
+        if kernel.dtype in (jnp.uint16, jnp.bfloat16) and (in_stack or is_head):
+            module.kernel = nnx.Param(jax.block_until_ready(cpu_dot.PackedWeight.pack(kernel)))
+            kernel.delete()  # held only by the caller's old params: one weight's copy live at a time
+            num_packed += 1
+    logger.info("%d projections packed for the CPU's batch-invariant dot (kernels/cpu_dot.py)", num_packed)
+    return nnx.split(model)

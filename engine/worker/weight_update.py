@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlaserve.kernels import cpu_dot
 from xlaserve.kernels.dtype_ops import is_16bit_float
 from xlaserve.models.prequantized import quantization_scheme
 from xlaserve.models.quantization import SCALE, ZERO, QuantScheme, is_quantized_kernel, quantized_parts
@@ -153,7 +154,10 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     head_dv = runner.head_params[1]
     table = ("embed_tokens", "weight")
     if head_dv is not None and table in writes:  # the tied head's transposed copy (worker/model_loader.py)
-        head_dv = jax.device_put(jnp.transpose(new_flat[table]), head_dv.sharding)  # on the devices
+        if cpu_dot.is_packed(head_dv):  # packed for the CPU's dot: on the host, nothing compiled
+            head_dv = cpu_dot.PackedWeight.pack(np.asarray(new_flat[table]).T, head_dv.strips.sharding)
+        else:
+            head_dv = jax.device_put(jnp.transpose(new_flat[table]), head_dv.sharding)  # on the devices
     runner.set_params(params, head_dv)
     logger.info("updated %d weights (%d parameters)", len(updates), len(writes))
     return sorted(updates)
@@ -243,6 +247,10 @@ def _write(old: jax.Array, parts: list[tuple[int | None, object]], dtype) -> jax
     Host arrays are assembled on the host (nothing compiles); jax arrays on the devices (small
     conversion programs, once per shape), always copied: the caller's array (a trainer's parameter,
     which its next step may donate) must never become the engine's buffer."""
+    if cpu_dot.is_packed(old):  # packed for the CPU's dot (kernels/cpu_dot.py): its words, packed again
+        sharding = old.strips.sharding
+        words = _write(jax.device_put(old.words(on_host=True), sharding), parts, dtype)
+        return cpu_dot.PackedWeight.pack(np.asarray(words), sharding)
     on_device = any(isinstance(value, jax.Array) for _, value in parts)
     xp = jnp if on_device else np
     words = old.dtype == np.uint16 and is_16bit_float(dtype)  # a CPU layer stack, stored as words
@@ -294,7 +302,10 @@ def sleep(runner, level: int) -> MemoryReport:
         freed += _device_bytes((runner.params, runner.head_params[1]))
         runner.slept_params = jax.tree.map(lambda a: (np.asarray(a), a.sharding), runner.params)
         head = runner.head_params[1]
-        runner.slept_head = None if head is None else (np.asarray(head), head.sharding)
+        # A tree: the head may be packed for the CPU's dot (kernels/cpu_dot.py).
+        runner.slept_head = (
+            None if head is None else jax.tree.map(lambda a: (np.asarray(a), a.sharding), head)
+        )
         for leaf in jax.tree.leaves((runner.params, head)):
             leaf.delete()
     return MemoryReport(level, freed, time.perf_counter() - start)
@@ -308,7 +319,11 @@ def wake_up(runner) -> MemoryReport:
         params = jax.tree.map(
             lambda pair: jax.device_put(*pair), runner.slept_params, is_leaf=lambda x: isinstance(x, tuple)
         )
-        head = None if runner.slept_head is None else jax.device_put(*runner.slept_head)
+        head = None
+        if runner.slept_head is not None:
+            head = jax.tree.map(
+                lambda pair: jax.device_put(*pair), runner.slept_head, is_leaf=lambda x: isinstance(x, tuple)
+            )
         runner.slept_params = runner.slept_head = None
         runner.set_params(params, head)
         placed += _device_bytes((params, head))
