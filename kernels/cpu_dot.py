@@ -1,6 +1,6 @@
 """Bfloat16 weights packed for the CPU's batch-invariant dot (`cpu_ops.bf16_matmul`), read in place.
 
-On CPU with batch invariance on, a bfloat16 model's stacked projections (worker/model_loader.py picks
+On one CPU device, a bfloat16 model's stacked projections (worker/model_loader.py picks
 the unquantized `Linear`s of its layer stacks) and its LM head are packed once at load into the
 op's strips (`cpu_ops.pack_for_dot`) and held as a `PackedWeight`. The layer scan (`dtype_ops.scan`)
 hands each layer its stack whole, with the layer's index, instead of a slice (XLA copied every

@@ -11,7 +11,7 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   array is a copy on XLA's CPU backend, so the reference backend *stores* a 16-bit KV cache as
   words (`AttentionBackend.cache_words`) and bitcasts only the pages it gathers; stacked layer
   weights are bitcast once per step (`scan`), on CPU only;
-- a bfloat16 weight packed at load (`cpu_dot.PackedWeight`: a CPU engine with batch invariance on)
+- a bfloat16 weight packed at load (`cpu_dot.PackedWeight`: a bfloat16 engine on one CPU device)
   goes to a C++ dot whose sums are ordered by K alone, read in place from its layer stack;
 - a dot of few 16-bit rows (a batch-1 decode step) takes kernels of its own: XLA CPU's matrix-vector
   path for one row, which is not native (7-10x slower than four rows for the LM head ([1, 576] x
