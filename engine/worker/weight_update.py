@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlaserve.kernels import cpu_dot
+from xlaserve.kernels import cpu_dot, cpu_ops
 from xlaserve.kernels.dtype_ops import is_16bit_float
 from xlaserve.models.prequantized import quantization_scheme
 from xlaserve.models.quantization import SCALE, ZERO, QuantScheme, is_quantized_kernel, quantized_parts
@@ -247,10 +247,8 @@ def _write(old: jax.Array, parts: list[tuple[int | None, object]], dtype) -> jax
     Host arrays are assembled on the host (nothing compiles); jax arrays on the devices (small
     conversion programs, once per shape), always copied: the caller's array (a trainer's parameter,
     which its next step may donate) must never become the engine's buffer."""
-    if cpu_dot.is_packed(old):  # packed for the CPU's dot (kernels/cpu_dot.py): its words, packed again
-        sharding = old.strips.sharding
-        words = _write(jax.device_put(old.words(on_host=True), sharding), parts, dtype)
-        return cpu_dot.PackedWeight.pack(np.asarray(words), sharding)
+    if cpu_dot.is_packed(old):
+        return _write_packed(old, parts)
     on_device = any(isinstance(value, jax.Array) for _, value in parts)
     xp = jnp if on_device else np
     words = old.dtype == np.uint16 and is_16bit_float(dtype)  # a CPU layer stack, stored as words
@@ -277,6 +275,19 @@ def _write(old: jax.Array, parts: list[tuple[int | None, object]], dtype) -> jax
             else:
                 new[index] = stored(value, layer)
     return jax.device_put(new, old.sharding)
+
+
+def _write_packed(old: cpu_dot.PackedWeight, parts: list[tuple[int | None, object]]) -> cpu_dot.PackedWeight:
+    """`_write` for a weight packed for the CPU's dot (kernels/cpu_dot.py; one CPU device, so the host's
+    memory): the new values packed on the host and written over the layers they name, the other layers'
+    strips kept as they are. Nothing is unpacked and nothing compiles; the pack copies the caller's arrays."""
+    sharding = old.strips.sharding
+    if len(parts) == 1 and parts[0][0] is None:
+        return cpu_dot.PackedWeight.pack(np.asarray(parts[0][1]), sharding)
+    strips = np.array(old.strips)
+    for index, value in parts:
+        strips[index] = cpu_ops.pack_for_dot(np.asarray(value))
+    return dataclasses.replace(old, strips=jax.device_put(strips, sharding))
 
 
 def _layer_sharding(stack_sharding):

@@ -10,11 +10,14 @@ from __future__ import annotations
 import shutil
 from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from xlaserve import LLM, SamplingParams
+from xlaserve.kernels import cpu_dot
 from xlaserve.worker.compile_guard import num_compiles
 from xlaserve.worker.weight_update import update_weights
 
@@ -60,6 +63,11 @@ def llm(dirs):
     return LLM(dirs[0], **ARGS)
 
 
+def packed_leaves(llm: LLM) -> int:
+    leaves = jax.tree.leaves(llm.engine_core.runner.params, is_leaf=cpu_dot.is_packed)
+    return sum(cpu_dot.is_packed(x) for x in leaves)
+
+
 def tensors(directory) -> dict[str, np.ndarray]:
     return load_file(f"{directory}/model.safetensors")
 
@@ -73,8 +81,6 @@ def test_update_equals_a_fresh_engine_on_the_new_weights(llm, dirs, expected):
     # first: jnp.asarray compiles its own little programs).
     names = sorted(new)
     first, second = names[: len(names) // 2], names[len(names) // 2 :]
-    import jax.numpy as jnp
-
     on_device = [(n, jnp.asarray(new[n])) for n in second]
     before = num_compiles()
     assert llm.update_weights({n: new[n] for n in first}) == first  # numpy: placed, nothing compiled
@@ -82,6 +88,9 @@ def test_update_equals_a_fresh_engine_on_the_new_weights(llm, dirs, expected):
     # jax arrays are converted on the devices: small programs, once per shape (a trainer's next
     # update reuses them); the step programs take the new weights as arguments and never recompile.
     assert llm.update_weights(on_device) == second
+    # Where the CPU's dot is built, the projections and the head stay packed for it (kernels/cpu_dot.py):
+    # the update wrote the layers it names into their strips (weight_update._write_packed).
+    assert packed_leaves(llm) == (8 if cpu_dot.usable(jnp.bfloat16, 1) else 0)
     before = num_compiles()
     assert numbers(llm) == expected[1]
     assert num_compiles() == before
