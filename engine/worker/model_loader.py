@@ -156,6 +156,8 @@ def load_model(
         cpu_ops.prepare_in_background(
             *([cpu_ops.TARGET] if backend.cache_words and dtype == jnp.bfloat16 else []),
             *([cpu_ops.QUANTIZED_TARGET] if config.model.quantization else []),
+            # the dot the projections are packed for (kernels/cpu_dot.py `usable`)
+            *([cpu_ops.BF16_MATMUL_TARGET] if dtype == jnp.bfloat16 and mesh.devices.size == 1 else []),
         )
     if padded_vocab != model_config.vocab_size:
         logger.info(

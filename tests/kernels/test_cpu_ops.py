@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import threading
 from functools import partial
 
 import jax
@@ -170,6 +171,27 @@ def test_built_once_per_source_and_a_failed_build_falls_back(monkeypatch, tmp_pa
     assert "did not build" in caplog.text
     assert not list((tmp_path / "other").rglob("*.so"))
     assert cpu_ops.TARGET not in _compiled(ragged_paged_attention, CPU_CONFIGS["smollm2"])
+
+
+def test_each_op_builds_on_its_own_thread_at_once(monkeypatch):
+    # A cold start builds the ops the engine will call while its weights load: each on its own thread,
+    # so a slow build (the attention op's) never holds up another (the dot the weights are packed for).
+    targets = (cpu_ops.TARGET, cpu_ops.BF16_MATMUL_TARGET)
+    started = {target: threading.Event() for target in targets}
+    overlapped, done = {}, threading.Semaphore(0)
+
+    def build(compiler, target):
+        started[target].set()
+        (other,) = set(targets) - {target}
+        overlapped[target] = started[other].wait(timeout=20)  # the other's build under way meanwhile
+        done.release()
+        raise OSError("not built in this test")
+
+    monkeypatch.setattr(cpu_ops, "_build", build)
+    monkeypatch.setattr(cpu_ops, "_register_once", cpu_ops._register_once.__wrapped__)
+    cpu_ops.prepare_in_background(*targets)
+    assert all(done.acquire(timeout=60) for _ in targets)
+    assert overlapped == dict.fromkeys(targets, True)
 
 
 # (codes, group size along the inputs, scales' dtype, with zeros): int8 per output channel (one group:
