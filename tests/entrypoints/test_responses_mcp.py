@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from helpers.mcp_server import ToolServer, tide_table
-from helpers.server_harness import MODEL_NAME
+from helpers.server_harness import MODEL_NAME, metric, metrics, wait_for_metrics
 
 ASK = "When is high tide in Brest? Use the tide table."
 
@@ -60,6 +60,108 @@ def test_tools_are_listed_called_and_fed_back(server, client, mcp_tool_server):
     assert response.usage.input_tokens > (len(calls) + 1) * len(prompt_ids)
 
 
+def test_a_streamed_response_is_the_whole_ones_event_by_event(server, client, mcp_tool_server):
+    request = dict(
+        model=MODEL_NAME,
+        input=ASK,
+        tools=[mcp_tool(mcp_tool_server.url, allowed_tools=["tide_table"])],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0.0,
+        max_output_tokens=80,
+        store=False,
+    )
+    whole = client.responses.create(**request)
+    mcp_tool_server.calls.clear()
+    with client.responses.create(**request, stream=True) as stream:
+        events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    final = events[-1].response
+    # The same output as the response made whole (greedy, batch invariant), ids aside, and the
+    # items streamed are the final response's.
+    assert [_no_id(i) for i in final.output] == [_no_id(i) for i in whole.output]
+    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.model_dump() for i in done] == [i.model_dump() for i in final.output]
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == list(range(len(done)))
+    # Each item's own events, in order: the listing, then each call's arguments and the call itself.
+    listed = final.output[0]
+    assert _events_of(events, listed.id) == [
+        "response.output_item.added",
+        "response.mcp_list_tools.in_progress",
+        "response.mcp_list_tools.completed",
+        "response.output_item.done",
+    ]
+    calls = [i for i in final.output if i.type == "mcp_call"]
+    assert calls
+    for call in calls:
+        kinds = _events_of(events, call.id)
+        deltas = [
+            e.delta for e in events if e.type == "response.mcp_call_arguments.delta" and e.item_id == call.id
+        ]
+        assert kinds == [
+            "response.output_item.added",
+            *["response.mcp_call_arguments.delta"] * len(deltas),
+            "response.mcp_call_arguments.done",
+            "response.mcp_call.in_progress",
+            "response.mcp_call.completed",
+            "response.output_item.done",
+        ]
+        assert "".join(deltas) == call.arguments
+        assert call.output == tide_table(json.loads(call.arguments)["port"]) and call.status == "completed"
+    assert [(name, args) for name, args in mcp_tool_server.calls] == [
+        ("tide_table", json.loads(call.arguments)) for call in calls
+    ]
+
+
+def test_a_client_leaving_a_streamed_response_ends_its_request(server, client, mcp_tool_server):
+    request = dict(
+        model=MODEL_NAME,
+        input="Tell me a long story about the sea.",
+        tools=[mcp_tool(mcp_tool_server.url)],
+        tool_choice="none",
+        temperature=0.0,
+        max_output_tokens=250,  # the session's context is 512 tokens
+        store=False,
+    )
+    whole = client.responses.create(**request).usage.output_tokens
+    before = metrics(server)
+    stream = client.responses.create(**request, stream=True)
+    texts = 0
+    for event in stream:
+        texts += event.type == "response.output_text.delta"
+        if texts == 3:
+            break
+    busy = wait_for_metrics(server, lambda m: metric(m, "num_requests_running") == 1, "the turn running")
+    assert metric(busy, "kv_cache_usage_perc") > 0
+    stream.close()
+    idle = wait_for_metrics(server, lambda m: metric(m, "num_requests_running") == 0, "the turn aborted")
+    assert metric(idle, "kv_cache_usage_perc") == 0  # its blocks freed (prefix caching keeps none in use)
+    # Aborted, not run to its end unread (`whole`: the tokens it makes when read to its end).
+    generated = metric(idle, "generation_tokens_total") - metric(before, "generation_tokens_total")
+    assert 3 <= generated < whole, (generated, whole)
+    again = client.responses.create(
+        model=MODEL_NAME, input=ASK, tools=[mcp_tool(mcp_tool_server.url)], max_output_tokens=4
+    )
+    assert again.output[0].type == "mcp_list_tools"
+
+
+def _no_id(item) -> dict:
+    return item.model_dump(exclude={"id", "call_id"})  # both drawn at random
+
+
+def _events_of(events, item_id: str) -> list[str]:
+    """The types of the events about item `item_id`, in order."""
+    return [
+        e.type
+        for e in events
+        if getattr(e, "item_id", None) == item_id or getattr(getattr(e, "item", None), "id", None) == item_id
+    ]
+
+
 def test_a_server_outside_the_allow_list_is_never_contacted(server, client):
     outsider = ToolServer("outsider")
     try:
@@ -74,8 +176,11 @@ def test_a_server_outside_the_allow_list_is_never_contacted(server, client):
         outsider.stop()
 
 
-def test_an_allowed_server_that_is_down_is_424(server, dead_tool_server_address):
-    body = {"model": MODEL_NAME, "input": ASK, "tools": [mcp_tool(f"http://{dead_tool_server_address}/mcp")]}
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_allowed_server_that_is_down_is_424(server, dead_tool_server_address, stream):
+    # Streamed too: the tools are listed before the stream's headers go out.
+    tools = [mcp_tool(f"http://{dead_tool_server_address}/mcp")]
+    body = {"model": MODEL_NAME, "input": ASK, "tools": tools, "stream": stream}
     response = httpx.post(server.url + "/v1/responses", json=body, headers=server.headers, timeout=120)
     assert response.status_code == 424, response.text
     assert response.json()["error"]["param"] == "tools[0].server_url"
@@ -91,7 +196,7 @@ BAD = [  # (tools, other fields, the param named)
     ([mcp_tool("http://x/mcp", headers={"a": "b"})], {}, "tools[0].headers"),
     ([{"type": "mcp", "server_label": "t"}], {}, "tools[0].server_url"),
     ([{"type": "mcpx", "server_label": "t"}], {}, "tools[0].type"),
-    ([mcp_tool("http://x/mcp")], {"stream": True}, "stream"),
+    ([mcp_tool("http://x/mcp", allowed_tools=["bad name!"])], {"stream": True}, "tools[0].allowed_tools[0]"),
 ]
 
 

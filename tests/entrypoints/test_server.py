@@ -4,17 +4,13 @@ disconnects, metrics and cache isolation. The server runs once per session (see 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from helpers.server_harness import MODEL_NAME
+from helpers.server_harness import MODEL_NAME, metric, metrics, wait_for_metrics
 from xlaserve import SamplingParams
-
-POLL_DEADLINE_S = 60  # liveness bound for waiting on a metric, not a timing assertion
 
 
 @pytest.fixture(scope="module")
@@ -25,32 +21,6 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def async_client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
-
-
-def metrics(server) -> dict[tuple[str, tuple], float]:
-    """Every sample of /metrics, keyed by (name, sorted labels without model_name)."""
-    text = httpx.get(server.url + "/metrics", timeout=30).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
-            samples[(sample.name, labels)] = sample.value
-    return samples
-
-
-def metric(samples, name: str, **labels) -> float:
-    return samples[("xlaserve:" + name, tuple(sorted(labels.items())))]
-
-
-def wait_for_metrics(server, predicate, what: str) -> dict:
-    deadline = time.monotonic() + POLL_DEADLINE_S
-    while True:
-        samples = metrics(server)
-        if predicate(samples):
-            return samples
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not seen within {POLL_DEADLINE_S}s; last /metrics: {samples}")
-        time.sleep(0.2)
 
 
 def test_models_version_health(server, client):

@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.smollm2 import ENGINE_ARGS, smollm2_gguf_path
 
@@ -227,3 +228,32 @@ def server(tmp_path_factory, server_cache_dir, mcp_tool_server, dead_tool_server
     code = proc.stop()
     assert code == 0, f"exit code {code} on SIGTERM:\n{proc.log_tail()}"
     assert core_pid is not None and not pid_alive(core_pid), "the engine core outlived the server"
+
+
+POLL_DEADLINE_S = 60  # liveness bound for waiting on a metric, not a timing assertion
+
+
+def metrics(server) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, keyed by (name, sorted labels without model_name)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            samples[(sample.name, labels)] = sample.value
+    return samples
+
+
+def metric(samples, name: str, **labels) -> float:
+    return samples[("xlaserve:" + name, tuple(sorted(labels.items())))]
+
+
+def wait_for_metrics(server, predicate, what: str) -> dict:
+    deadline = time.monotonic() + POLL_DEADLINE_S
+    while True:
+        samples = metrics(server)
+        if predicate(samples):
+            return samples
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not seen within {POLL_DEADLINE_S}s; last /metrics: {samples}")
+        time.sleep(0.2)

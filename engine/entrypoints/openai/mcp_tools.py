@@ -42,14 +42,10 @@ def _host_port(url: str) -> str | None:
 
 def mcp_tools_of(req: ResponsesRequest, tool_servers: list[str]) -> list[tuple[int, McpTool]]:
     """The request's MCP tools with their indices, each checked against --tool-server (a 400 naming
-    `tools[i].server_url` otherwise); streaming with MCP tools is a 400 naming `stream`."""
+    `tools[i].server_url` otherwise)."""
     found = [(i, tool) for i, tool in enumerate(req.tools or ()) if isinstance(tool, McpTool)]
     if not found:
         return []
-    if req.stream:
-        raise bad_request(
-            "responses with mcp tools are not streamed yet: send stream: false", "stream", code="unsupported"
-        )
     allowed = set(tool_servers)
     labels = set()
     for i, tool in found:
@@ -154,33 +150,35 @@ class McpSession:
     async def __aexit__(self, *exc) -> None:
         await self._stack.aclose()
 
-    def is_mcp(self, name: str) -> bool:
-        return name in self._routes
+    def label_of(self, name: str) -> str | None:
+        """The label of the MCP server whose tool `name` is, or None (a function of the request's own)."""
+        route = self._routes.get(name)
+        return None if route is None else route[0]
 
-    async def call(self, name: str, arguments: str) -> McpCallOutput:
-        """Call tool `name` with `arguments` (JSON text); its output, or the error, as an mcp_call item."""
-        label, client = self._routes[name]
-        item = McpCallOutput(id=item_id("mcp"), server_label=label, name=name, arguments=arguments)
+    async def call(self, item: McpCallOutput) -> None:
+        """Make the call `item` names (its tool, its arguments as JSON text) and write its output, or the
+        error, into it."""
+        _, client = self._routes[item.name]
         try:
-            args = json.loads(arguments)
+            args = json.loads(item.arguments)
         except ValueError:
             args = None
         if not isinstance(args, dict):
             item.error, item.status = "the arguments are not a JSON object", "incomplete"
-            return item
+            return
         try:
             async with asyncio.timeout(MCP_TIMEOUT_S):
-                result = await client.call_tool(name, args)
+                result = await client.call_tool(item.name, args)
         except Exception as e:  # noqa: BLE001 - the model sees that the call failed, the response goes on
-            logger.warning("MCP tool %s on %s failed: %r", name, label, e)
+            logger.warning("MCP tool %s on %s failed: %r", item.name, item.server_label, e)
             item.error, item.status = f"the call failed ({type(e).__name__})", "incomplete"
-            return item
+            return
         text = _text_of(result)
         if result.is_error:
             item.error = text or "the tool reported an error"
         else:
             item.output = text
-        return item
+        item.status = "completed"
 
 
 def request_function_names(req: ResponsesRequest) -> set[str]:

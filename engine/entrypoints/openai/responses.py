@@ -54,8 +54,10 @@ from xlaserve.entrypoints.serving.engine_io import (
     collect_final,
     engine_error,
     merge_streams,
+    run_ahead,
     submit,
     tokenize_text,
+    until_disconnect,
 )
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.multimodal import (
@@ -241,9 +243,9 @@ async def create_response(
     shell = _shell(req, plan, request_id, model)
     saved = _Saver(store, req.store, conversation)
     if req.stream:
-        return StreamingResponse(
-            _events(state, shell, stream, len(ids), parser, saved), media_type="text/event-stream"
-        )
+        write = EventWriter()
+        events = _events(state, shell, stream, len(ids), parser, saved, write)
+        return StreamingResponse(_with_error_event(events, write), media_type="text/event-stream")
     output, completion, parsed = await _answer(raw_request, stream, parser)
     status = "incomplete" if completion.finish_reason == "length" else "completed"
     items = output_items(parsed, status)
@@ -298,61 +300,103 @@ async def _prepare(
 async def _create_with_mcp(
     state, store, req: ResponsesRequest, raw_request, model: str, conversation, fields, mcp_tools
 ):
-    """A response whose model may call MCP tools: up to MAX_MCP_ROUNDS model turns; after each turn
-    that called them, their outputs join the conversation and the model goes on (the last turn may not
-    call). Output: the servers' mcp_list_tools items, an mcp_call item per call, then the last turn's."""
-    response_id = item_id("resp")
-    totals = [0, 0, 0]  # prompt, generated and cached tokens over every turn
-    reasoning = ""
-    async with McpSession(mcp_tools, request_function_names(req)) as session:
-        items: list = list(session.list_items)
-        for turn in range(MAX_MCP_ROUNDS):
-            choice = "none" if turn == MAX_MCP_ROUNDS - 1 else (None if turn == 0 else "auto")
-            chat, plan, text, ids, params, mm_features = await _prepare(
-                state, req, conversation, fields, session.functions, choice
-            )
-            if turn == 0:
-                first_plan = plan
-            parser = choice_parser(state, chat, plan, ids)
-            kwargs = {"prompt": text, "priority": chat.priority, "cache_salt": chat.cache_salt}
-            kwargs["mm_features"] = mm_features
-            kwargs["lora_request"] = state.lora_request(req.model)
-            stream = submit(state, ids, params, f"{response_id}-{turn}", stream=False, **kwargs)
-            output, completion, parsed = await _answer(raw_request, stream, parser)
-            for i, count in enumerate((len(ids), len(completion.token_ids), output.num_cached_tokens)):
-                totals[i] += count
-            reasoning += parsed.reasoning or ""
-            mcp_calls = [c for c in parsed.tool_calls if session.is_mcp(c.function.name)]
-            if not mcp_calls or completion.finish_reason == "length":
-                break
-            calls = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": c.function.arguments},
-                }
-                for c in mcp_calls
-            ]
-            conversation = [
-                *conversation,
-                {"role": "assistant", "content": parsed.content or None, "tool_calls": calls},
-            ]
-            for call in mcp_calls:
-                item = await session.call(call.function.name, call.function.arguments)
-                items.append(item)
-                result = item.output if item.error is None else f"error: {item.error}"
-                conversation.append({"role": "tool", "tool_call_id": call.id, "content": result})
-            if len(mcp_calls) < len(parsed.tool_calls):  # the client's own calls end the response
-                parsed.content = None
-                break
-    # MCP calls left in the last turn were not made (cut by max_output_tokens): not the client's to make.
-    parsed.tool_calls = [c for c in parsed.tool_calls if not session.is_mcp(c.function.name)]
-    status = "incomplete" if completion.finish_reason == "length" else "completed"
-    items += output_items(parsed, status)
-    usage = _usage(state, totals[0], totals[1], totals[2], reasoning)
-    response = _finished(_shell(req, first_plan, response_id, model), items, usage, completion.finish_reason)
-    _Saver(store, req.store, conversation)(response)
-    return response
+    """A response whose model may call MCP tools (`_McpResponse`), streamed or whole. Streamed, it starts
+    once the tools are listed and the first turn is prepared, so a failure there is still an HTTP error."""
+    run = _McpResponse(state, store, req, model, conversation, fields, mcp_tools)
+    if req.stream:
+        events = await run_ahead(run.events())
+        return StreamingResponse(_with_error_event(events, run.write), media_type="text/event-stream")
+
+    async def whole() -> Response:
+        async for _ in run.events():
+            pass
+        return run.response
+
+    return await until_disconnect(raw_request, whole())
+
+
+class _McpResponse:
+    """Up to MAX_MCP_ROUNDS model turns: after each turn that called MCP tools, the server makes the
+    calls, their outputs join the conversation and the model goes on (the last turn may not call). Its
+    output: the servers' mcp_list_tools items, then each turn's items as they stream (reasoning, text, an
+    mcp_call item per MCP call, with its output), `response` once `events()` has ended. The client's own
+    calls end the response after its turn's MCP calls are made."""
+
+    def __init__(self, state, store, req: ResponsesRequest, model: str, conversation, fields, mcp_tools):
+        self.state, self.store, self.req, self.model = state, store, req, model
+        self.conversation, self.fields, self.mcp_tools = conversation, fields, mcp_tools
+        self.write = EventWriter()
+        self.response: Response | None = None
+
+    async def events(self):
+        state, req = self.state, self.req
+        response_id = item_id("resp")
+        totals = _Totals()
+        async with McpSession(self.mcp_tools, request_function_names(req)) as session:
+            items = OutputStream(self.write, session.label_of)
+            conversation = self.conversation
+            for turn in range(MAX_MCP_ROUNDS):
+                choice = "none" if turn == MAX_MCP_ROUNDS - 1 else (None if turn == 0 else "auto")
+                chat, plan, text, ids, params, mm_features = await _prepare(
+                    state, req, conversation, self.fields, session.functions, choice
+                )
+                if turn == 0:
+                    shell = _shell(req, plan, response_id, self.model)
+                    yield self.write("response.created", response=shell.model_dump())
+                    yield self.write("response.in_progress", response=shell.model_dump())
+                    for listed in session.list_items:
+                        for event in items.listed(listed):
+                            yield event
+                kwargs = {"prompt": text, "priority": chat.priority, "cache_salt": chat.cache_salt}
+                kwargs["mm_features"] = mm_features
+                kwargs["lora_request"] = state.lora_request(req.model)
+                stream = submit(state, ids, params, f"{response_id}-{turn}", stream=True, **kwargs)
+                first = len(items.items)
+                async for event in _stream_turn(stream, choice_parser(state, chat, plan, ids), items, totals):
+                    yield event
+                totals.num_prompt += len(ids)
+                turn_items = items.items[first:]
+                calls = list(items.pending)
+                answer = None  # the items of the answer's chat turn: the last turn's, once finished
+                if not calls or totals.finish_reason == "length" or turn == MAX_MCP_ROUNDS - 1:
+                    for call in calls:  # cut (or past the last round): not made, and not the client's to make
+                        yield items.not_made(call)
+                    break
+                said = "".join(p.text for i in turn_items if isinstance(i, OutputMessage) for p in i.content)
+                model_calls = [
+                    {
+                        "id": items.call_ids[c.id],
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for c in calls
+                ]
+                conversation = [
+                    *conversation,
+                    {"role": "assistant", "content": said or None, "tool_calls": model_calls},
+                ]
+                for call in calls:
+                    yield items.call_started(call)
+                    await session.call(call)
+                    for event in items.call_finished(call):
+                        yield event
+                    result = call.output if call.error is None else f"error: {call.error}"
+                    conversation.append(
+                        {"role": "tool", "tool_call_id": items.call_ids[call.id], "content": result}
+                    )
+                answer = [i for i in turn_items if isinstance(i, FunctionCallOutput)]
+                if answer:  # the client's own calls end the response; its text is in the conversation
+                    break
+        status = "incomplete" if totals.finish_reason == "length" else "completed"
+        for event in items.finish(status, since=first):
+            yield event
+        usage = _usage(state, totals.num_prompt, totals.num_generated, totals.num_cached, totals.reasoning)
+        self.response = _finished(shell, items.items, usage, totals.finish_reason)
+        _Saver(self.store, req.store, conversation)(
+            self.response, items.items[first:] if answer is None else answer
+        )
+        kind = "response.incomplete" if self.response.status == "incomplete" else "response.completed"
+        yield self.write(kind, response=self.response.model_dump())
 
 
 class _Saver:
@@ -363,47 +407,73 @@ class _Saver:
         self.is_stored = is_stored
         self.conversation = conversation
 
-    def __call__(self, response: Response) -> None:
+    def __call__(self, response: Response, answer_items=None) -> None:
+        """`answer_items`: the items of the assistant's last chat turn (by default the whole output)."""
         if self.is_stored:
-            conversation = [*self.conversation, answer_turn(response.output)]
+            answer = answer_turn(response.output if answer_items is None else answer_items)
+            conversation = [*self.conversation, answer]
             self.store.put(response.id, StoredResponse(response.model_dump(), conversation))
 
 
-async def _events(
-    state, shell: Response, stream, num_prompt_tokens: int, parser: ChoiceParser, saved: _Saver
-):
-    write = EventWriter()
-    items = OutputStream(write)
-    yield write("response.created", response=shell.model_dump())
-    yield write("response.in_progress", response=shell.model_dump())
-    num_generated = num_cached = 0
-    reasoning = ""
+class _Totals:
+    """A response's counts over its model turns, and how its last turn ended."""
+
+    def __init__(self) -> None:
+        self.num_prompt = self.num_generated = self.num_cached = 0
+        self.reasoning = ""
+        self.finish_reason: str | None = None
+
+
+async def _stream_turn(stream, parser: ChoiceParser, items: OutputStream, totals: _Totals):
+    """One model turn's outputs as events of `items` (its open item closed at the end), counted in
+    `totals`."""
     merged = merge_streams([stream])
     try:
         async for _, output in merged:
             check_finish(output)
             (completion,) = output.outputs
-            num_generated += len(completion.token_ids)
-            num_cached = output.num_cached_tokens
+            totals.num_generated += len(completion.token_ids)
+            totals.num_cached += output.num_cached_tokens if completion.finish_reason is not None else 0
             delta = parser.feed(completion.text) if completion.text else None
             events = items.feed(delta) if delta else []
-            reasoning += (delta.reasoning or "") if delta else ""
+            totals.reasoning += (delta.reasoning or "") if delta else ""
             if completion.finish_reason is not None:
                 last = parser.finish()
-                reasoning += last.reasoning or ""
+                totals.reasoning += last.reasoning or ""
+                totals.finish_reason = completion.finish_reason
                 events += items.feed(last)
-                events += items.finish("incomplete" if completion.finish_reason == "length" else "completed")
+                events += items.close("incomplete" if completion.finish_reason == "length" else "completed")
             for event in events:
                 yield event
-            if completion.finish_reason is None:
-                continue
-            usage = _usage(state, num_prompt_tokens, num_generated, num_cached, reasoning)
-            response = _finished(shell, items.items, usage, completion.finish_reason)
-            saved(response)
-            kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
-            yield write(kind, response=response.model_dump())
+    finally:
+        await merged.aclose()
+
+
+async def _with_error_event(events, write: EventWriter):
+    """`events`, and an error after the headers as an `error` event that ends the stream."""
+    try:
+        async for event in events:
+            yield event
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         error = engine_error(e)
         yield write("error", code=error.code, message=error.message, param=error.param)
-    finally:
-        await merged.aclose()
+
+
+async def _events(
+    state, shell: Response, stream, num_prompt_tokens: int, parser: ChoiceParser, saved: _Saver, write
+):
+    items = OutputStream(write)
+    yield write("response.created", response=shell.model_dump())
+    yield write("response.in_progress", response=shell.model_dump())
+    totals = _Totals()
+    totals.num_prompt = num_prompt_tokens
+    async for event in _stream_turn(stream, parser, items, totals):
+        yield event
+    status = "incomplete" if totals.finish_reason == "length" else "completed"
+    for event in items.finish(status):
+        yield event
+    usage = _usage(state, totals.num_prompt, totals.num_generated, totals.num_cached, totals.reasoning)
+    response = _finished(shell, items.items, usage, totals.finish_reason)
+    saved(response)
+    kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+    yield write(kind, response=response.model_dump())

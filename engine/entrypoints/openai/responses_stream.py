@@ -9,6 +9,10 @@
     reasoning:   response.content_part.added, response.reasoning_text.delta..., response.reasoning_text.done,
                  response.content_part.done
     a call:      response.function_call_arguments.delta..., response.function_call_arguments.done
+    an MCP call: response.mcp_call_arguments.delta..., response.mcp_call_arguments.done, and once the
+                 model's turn has ended, response.mcp_call.in_progress, the call, then
+                 response.mcp_call.completed (or .failed)
+    the tools an MCP server listed: response.mcp_list_tools.in_progress, response.mcp_list_tools.completed
     response.output_item.done
   response.completed (or response.incomplete, as OpenAI ends a response cut by max_output_tokens)
 
@@ -20,9 +24,12 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 
 from xlaserve.entrypoints.openai.responses_output import (
     FunctionCallOutput,
+    McpCallOutput,
+    McpListToolsOutput,
     OutputItem,
     OutputMessage,
     OutputTextPart,
@@ -50,12 +57,18 @@ class EventWriter:
 
 class OutputStream:
     """Output items as events, from the chat path's ChoiceDeltas: thinking opens a reasoning item,
-    answer text a message item, each call's first delta a function_call item; a new item closes the
-    open one."""
+    answer text a message item, each call's first delta a function_call item (an mcp_call item when
+    `mcp_label` names the server of its tool); a new item closes the open one.
 
-    def __init__(self, write: EventWriter):
+    An MCP call the model finished is left open in `pending` (with its model's call id in `call_ids`)
+    until the server has made it: `call_started`, then `call_finished`, or `not_made`."""
+
+    def __init__(self, write: EventWriter, mcp_label: Callable[[str], str | None] = lambda name: None):
         self.write = write
         self.items: list[OutputItem] = []  # every item opened, in output order
+        self.pending: list[McpCallOutput] = []
+        self.call_ids: dict[str, str] = {}  # an mcp_call item's id -> the model's id for the call
+        self._mcp_label = mcp_label
         self._open: OutputItem | None = None
         self._text = ""  # the open item's text, or a call's arguments
 
@@ -68,30 +81,72 @@ class OutputStream:
         for call in delta.tool_calls:
             if call.id is not None:
                 events += self.close("completed")
-                item = FunctionCallOutput(
-                    id=item_id("fc"), call_id=call.id, name=call.function.name or "", arguments="",
-                    status="in_progress",
-                )  # fmt: skip
+                name = call.function.name or ""
+                label = self._mcp_label(name)
+                if label is None:
+                    item = FunctionCallOutput(
+                        id=item_id("fc"), call_id=call.id, name=name, arguments="", status="in_progress"
+                    )
+                else:
+                    item = McpCallOutput(
+                        id=item_id("mcp"), server_label=label, name=name, arguments="", status="in_progress"
+                    )
+                    self.call_ids[item.id] = call.id
                 events += self._open_item(item)
             pieces = call.function.arguments
-            if pieces and isinstance(self._open, FunctionCallOutput):
+            if pieces and isinstance(self._open, FunctionCallOutput | McpCallOutput):
                 self._text += pieces
+                kind = "mcp_call" if isinstance(self._open, McpCallOutput) else "function_call"
                 index = len(self.items) - 1
                 events.append(
                     self.write(
-                        "response.function_call_arguments.delta",
+                        f"response.{kind}_arguments.delta",
                         item_id=self._open.id,
                         output_index=index,
                         delta=pieces,
-                    )  # fmt: skip
+                    )
                 )
         return events
 
-    def finish(self, status: str) -> list[str]:
-        """Close the open item with `status` ("completed", or "incomplete" when cut); a response
-        without any output gets an empty message, as the non-streamed answer does."""
-        events = [] if self.items else self._add_text("message", "")
+    def finish(self, status: str, since: int = 0) -> list[str]:
+        """Close the open item with `status` ("completed", or "incomplete" when cut); an answer without
+        any output (no item from `since` on: its last turn's) gets an empty message, as the non-streamed
+        answer does."""
+        events = [] if self.items[since:] else self._add_text("message", "")
         return events + self.close(status)
+
+    def listed(self, item: McpListToolsOutput) -> list[str]:
+        """The events of the tools an MCP server listed (before the model's first turn)."""
+        self.items.append(item)
+        where = {"item_id": item.id, "output_index": len(self.items) - 1}
+        added = item.model_copy(update={"tools": []}).model_dump()
+        return [
+            self.write("response.output_item.added", output_index=where["output_index"], item=added),
+            self.write("response.mcp_list_tools.in_progress", **where),
+            self.write("response.mcp_list_tools.completed", **where),
+            self._done(item),
+        ]
+
+    def call_started(self, item: McpCallOutput) -> str:
+        return self.write("response.mcp_call.in_progress", item_id=item.id, output_index=self._index(item))
+
+    def call_finished(self, item: McpCallOutput) -> list[str]:
+        """An MCP call made (`item` holds its output, or its error)."""
+        self.pending.remove(item)
+        kind = "response.mcp_call.failed" if item.error is not None else "response.mcp_call.completed"
+        return [self.write(kind, item_id=item.id, output_index=self._index(item)), self._done(item)]
+
+    def not_made(self, item: McpCallOutput) -> str:
+        """An MCP call left unmade (its turn was cut by max_output_tokens)."""
+        self.pending.remove(item)
+        item.status = "incomplete"
+        return self._done(item)
+
+    def _index(self, item: OutputItem) -> int:
+        return next(i for i, x in enumerate(self.items) if x is item)
+
+    def _done(self, item: OutputItem) -> str:
+        return self.write("response.output_item.done", output_index=self._index(item), item=item.model_dump())
 
     def close(self, status: str) -> list[str]:
         item = self._open
@@ -101,6 +156,15 @@ class OutputStream:
         index = len(self.items) - 1
         text, self._text = self._text, ""
         events = []
+        if isinstance(item, McpCallOutput):
+            item.arguments = text
+            done = {"item_id": item.id, "output_index": index}
+            events.append(self.write("response.mcp_call_arguments.done", **done, arguments=text))
+            if status == "completed":  # the server makes the call once the model's turn has ended
+                self.pending.append(item)
+                return events
+            item.status = status
+            return [*events, self._done(item)]
         if isinstance(item, FunctionCallOutput):
             item.arguments = text
             done = {"item_id": item.id, "output_index": index}
@@ -118,7 +182,7 @@ class OutputStream:
                 events.append(self.write("response.reasoning_text.done", **where, text=text))
             events.append(self.write("response.content_part.done", **where, part=part.model_dump()))
         item.status = status
-        events.append(self.write("response.output_item.done", output_index=index, item=item.model_dump()))
+        events.append(self._done(item))
         return events
 
     def _open_item(self, item: OutputItem) -> list[str]:
@@ -126,7 +190,7 @@ class OutputStream:
         self.items.append(item)
         index = len(self.items) - 1
         events = [self.write("response.output_item.added", output_index=index, item=item.model_dump())]
-        if isinstance(item, FunctionCallOutput):
+        if isinstance(item, FunctionCallOutput | McpCallOutput):
             return events
         part = OutputTextPart(text="") if isinstance(item, OutputMessage) else ReasoningTextPart(text="")
         where = {"item_id": item.id, "output_index": index, "content_index": 0}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -26,6 +27,8 @@ from xlaserve.entrypoints.serving.state import ServerState
 from xlaserve.entrypoints.serving.structured_outputs import structured_outputs_of
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger("xlaserve.entrypoints.serving")
 
@@ -229,7 +232,13 @@ async def collect_final(raw_request: Request, streams: list[RequestStream]) -> l
             await merged.aclose()
         return finals
 
-    work = asyncio.create_task(collect())
+    return await until_disconnect(raw_request, collect())
+
+
+async def until_disconnect(raw_request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result, in a task of its own; if the client goes away first, the task is cancelled
+    (what it runs aborts its requests) and the answer is a 499."""
+    work = asyncio.create_task(work)
     disconnect = asyncio.create_task(_wait_for_disconnect(raw_request))
     try:
         await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -241,3 +250,45 @@ async def collect_final(raw_request: Request, streams: list[RequestStream]) -> l
         return await work
     except asyncio.CancelledError:
         raise APIError(499, "client disconnected") from None
+
+
+async def run_ahead(items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`items` run in a task of its own, ahead of its reader. Returns once the first item is ready, so
+    that what fails before it (a request found bad only after some work) raises here, before a stream's
+    headers go out; a later failure raises from the iterator returned. Closing that iterator (the client
+    left) cancels the task, and `items` is closed in the task that opened it."""
+    queue: asyncio.Queue = asyncio.Queue()  # items, then `end` or the exception `items` raised
+    end = object()
+
+    async def pump() -> None:
+        try:
+            async for item in items:
+                queue.put_nowait((item, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait((end, e))
+            return
+        queue.put_nowait((end, None))
+
+    async def next_item():
+        item, error = await queue.get()
+        if error is not None:
+            raise error
+        return item
+
+    task = asyncio.create_task(pump())
+    try:
+        first = await next_item()
+    except BaseException:
+        task.cancel()
+        raise
+
+    async def rest() -> AsyncIterator[T]:
+        try:
+            item = first
+            while item is not end:
+                yield item
+                item = await next_item()
+        finally:
+            task.cancel()
+
+    return rest()
