@@ -162,6 +162,22 @@ def _events_of(events, item_id: str) -> list[str]:
     ]
 
 
+def test_headers_and_the_token_reach_the_mcp_server_and_are_never_echoed(server, client, mcp_tool_server):
+    first = len(mcp_tool_server.headers)
+    tool = mcp_tool(mcp_tool_server.url, headers={"X-Api-Key": "key-123"}, authorization="token-456")
+    response = client.responses.create(model=MODEL_NAME, input=ASK, tools=[tool], max_output_tokens=4)
+    seen = mcp_tool_server.headers[first:]
+    assert seen and all(h.get("x-api-key") == "key-123" for h in seen)  # every request of the session
+    assert all(h.get("authorization") == "Bearer token-456" for h in seen)
+    # Secrets stay out of the response object, streamed or stored.
+    echoed = (
+        json.dumps(response.model_dump())
+        + httpx.get(f"{server.url}/v1/responses/{response.id}", headers=server.headers).text
+    )
+    assert "key-123" not in echoed and "token-456" not in echoed
+    assert response.tools[0].server_label == "tides"
+
+
 def test_a_server_outside_the_allow_list_is_never_contacted(server, client):
     outsider = ToolServer("outsider")
     try:
@@ -193,7 +209,17 @@ BAD = [  # (tools, other fields, the param named)
     ([mcp_tool("http://x/mcp", require_approval="always")], {}, "tools[0].require_approval"),
     ([mcp_tool("http://x/mcp", server_label="a b")], {}, "tools[0].server_label"),
     ([mcp_tool("http://x/mcp", allowed_tools=["bad name!"])], {}, "tools[0].allowed_tools[0]"),
-    ([mcp_tool("http://x/mcp", headers={"a": "b"})], {}, "tools[0].headers"),
+    ([mcp_tool("http://x/mcp", headers={"X-Key": "a\r\nHost: evil"})], {}, "tools[0].headers"),
+    ([mcp_tool("http://x/mcp", headers={"bad name": "b"})], {}, "tools[0].headers"),
+    ([mcp_tool("http://x/mcp", headers={"Host": "evil"})], {}, "tools[0].headers"),
+    ([mcp_tool("http://x/mcp", headers={"X-Big": "v" * 8193})], {}, "tools[0].headers"),
+    (
+        [mcp_tool("http://x/mcp", headers={"Authorization": "a"}, authorization="b")],
+        {},
+        "tools[0].headers",
+    ),
+    ([mcp_tool("http://x/mcp", headers={f"X-{i}": "v" for i in range(33)})], {}, "tools[0].headers"),
+    ([mcp_tool("http://x/mcp", authorization="x" * 8193)], {}, "tools[0].authorization"),
     ([{"type": "mcp", "server_label": "t"}], {}, "tools[0].server_url"),
     ([{"type": "mcpx", "server_label": "t"}], {}, "tools[0].type"),
     ([mcp_tool("http://x/mcp", allowed_tools=["bad name!"])], {"stream": True}, "tools[0].allowed_tools[0]"),

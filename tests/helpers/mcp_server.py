@@ -27,6 +27,7 @@ class ToolServer:
 
         self.calls: list[tuple[str, dict]] = []
         self.num_requests = 0
+        self.headers: list[dict[str, str]] = []  # each HTTP request's, names in lower case
         server = MCPServer(name)
 
         @server.tool(name="tide_table")
@@ -46,6 +47,7 @@ class ToolServer:
         async def counting(scope, receive, send):
             if scope["type"] == "http":
                 self.num_requests += 1
+                self.headers.append({k.decode().lower(): v.decode() for k, v in scope["headers"]})
             await app(scope, receive, send)
 
         self.port = free_port()

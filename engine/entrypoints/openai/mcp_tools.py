@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from urllib.parse import urlsplit
 
 from xlaserve.entrypoints.openai.responses_output import McpCallOutput, McpListToolsOutput, McpToolInfo
@@ -23,6 +24,16 @@ from xlaserve.entrypoints.serving.errors import APIError, bad_request
 logger = logging.getLogger("xlaserve.entrypoints.openai")
 
 MCP_TIMEOUT_S = 30.0
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")  # an HTTP field name (RFC 9110's token)
+_HEADER_VALUE = re.compile(r"[^\r\n\x00]*")  # one line
+_MAX_HEADER_VALUE = 8192
+# Headers a request's `headers` may not set: the transport's own (framing, the connection, the MCP
+# session) and the proxies'.
+_TRANSPORT_HEADERS = {
+    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade", "te", "trailer",
+    "proxy-authorization", "proxy-connection", "content-type", "accept", "accept-encoding",
+    "mcp-session-id", "mcp-protocol-version", "last-event-id",
+}  # fmt: skip
 # Model turns of one response: the last one may not call (tool_choice "none"), so it answers in text.
 MAX_MCP_ROUNDS = 4
 _MAX_OUTPUT_CHARS = 64 * 1024  # a tool's output fed back to the model (and shown), cut past this
@@ -63,7 +74,28 @@ def mcp_tools_of(req: ResponsesRequest, tool_servers: list[str]) -> list[tuple[i
         if tool.server_label in labels:
             raise bad_request(f"server_label {tool.server_label!r} is used twice", f"tools[{i}].server_label")
         labels.add(tool.server_label)
+        _check_headers(tool, f"tools[{i}].headers")
     return found
+
+
+def _check_headers(tool: McpTool, where: str) -> None:
+    for name, value in (tool.headers or {}).items():
+        shown = name if len(name) <= 64 else name[:64] + "..."
+        if not _HEADER_NAME.fullmatch(name):
+            raise bad_request(f"{shown!r} is not an HTTP header name", where)
+        if len(value) > _MAX_HEADER_VALUE or not _HEADER_VALUE.fullmatch(value):
+            raise bad_request(f"header {shown!r}: one line of at most {_MAX_HEADER_VALUE} characters", where)
+        if name.lower() in _TRANSPORT_HEADERS:
+            raise bad_request(f"header {shown!r} is the transport's own and may not be set", where)
+        if name.lower() == "authorization" and tool.authorization:
+            raise bad_request("header 'Authorization' and the authorization field both set it", where)
+
+
+def _headers(tool: McpTool) -> dict[str, str]:
+    headers = dict(tool.headers or {})
+    if tool.authorization:
+        headers["Authorization"] = f"Bearer {tool.authorization}"
+    return headers
 
 
 def _text_of(result) -> str:
@@ -103,7 +135,7 @@ class McpSession:
                 try:
                     async with asyncio.timeout(MCP_TIMEOUT_S):
                         client = await self._stack.enter_async_context(
-                            Client(tool.server_url, read_timeout_seconds=MCP_TIMEOUT_S)
+                            Client(await self._transport(tool), read_timeout_seconds=MCP_TIMEOUT_S)
                         )
                         listed = (await client.list_tools()).tools
                 except Exception as e:  # noqa: BLE001 - any failure to reach or list is the same 424
@@ -122,6 +154,17 @@ class McpSession:
             await self._stack.aclose()
             raise
         return self
+
+    async def _transport(self, tool: McpTool):
+        """The server's URL, or with the request's headers, a streamable HTTP transport that sends them."""
+        headers = _headers(tool)
+        if not headers:
+            return tool.server_url
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.shared._httpx_utils import create_mcp_http_client  # the SDK's client and timeouts
+
+        http = await self._stack.enter_async_context(create_mcp_http_client(headers=headers))
+        return streamable_http_client(tool.server_url, http_client=http)
 
     def _add(self, i: int, tool: McpTool, client, listed) -> None:
         allowed = None if tool.allowed_tools is None else set(tool.allowed_tools)

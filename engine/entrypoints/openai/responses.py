@@ -42,7 +42,7 @@ from xlaserve.entrypoints.openai.responses_output import (
     Response,
     ResponseUsage,
 )
-from xlaserve.entrypoints.openai.responses_protocol import ResponsesRequest
+from xlaserve.entrypoints.openai.responses_protocol import MCP_SECRETS, ResponsesRequest
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream, item_id
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, ParsedChoice
@@ -152,7 +152,7 @@ def _shell(req: ResponsesRequest, plan: ToolPlan, request_id: str, model: str) -
             else {"type": "text"}
         },
         tool_choice=tool_choice,
-        tools=[tool.model_dump(exclude_none=True) for tool in req.tools or []],
+        tools=[tool.model_dump(exclude_none=True, exclude=MCP_SECRETS) for tool in req.tools or []],
         top_p=1.0 if req.top_p is None else req.top_p,
         user=req.user,
         metadata=req.metadata or {},

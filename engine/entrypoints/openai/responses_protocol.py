@@ -204,6 +204,18 @@ class McpTool(StrictModel):
     require_approval: Literal["never"] | None = Field(
         default=None, description="only 'never': calls are made without asking the client first"
     )
+    # Sent with every request to the MCP server (an API key, say); never echoed in the response.
+    # Each name and value is checked where the tools are read (mcp_tools.mcp_tools_of), naming the header.
+    headers: Annotated[dict[Text, Text], Field(max_length=32)] | None = None
+    authorization: Text | None = Field(
+        default=None,
+        max_length=8192,
+        pattern=r"^[^\r\n\x00]*$",
+        description="sent as 'Authorization: Bearer ...'",
+    )
+
+
+MCP_SECRETS = {"headers", "authorization"}  # an MCP tool's fields the response object leaves out
 
 
 _TOOLS = {"function": FunctionTool, "mcp": McpTool}
