@@ -36,7 +36,7 @@ def test_tools_are_listed_called_and_fed_back(server, client, mcp_tool_server):
         tool_choice="required",
         parallel_tool_calls=False,
         temperature=0.0,
-        max_output_tokens=80,
+        max_output_tokens=160,  # over every turn of the response
     )
     kinds = [item.type for item in response.output]
     # What follows the calls is the model's (SmolLM2 under auto may call again, or answer).
@@ -44,6 +44,7 @@ def test_tools_are_listed_called_and_fed_back(server, client, mcp_tool_server):
     listed = response.output[0]
     assert listed.server_label == "tides" and [t.name for t in listed.tools] == ["tide_table"]
     assert listed.tools[0].input_schema["required"] == ["port"]
+    assert listed.tools[0].annotations == {"readOnlyHint": True}  # the server's hints, as listed
     calls = [item for item in response.output if item.type == "mcp_call"]
     # Every call the model made reached the MCP server, in order, and its output is the tool's answer.
     assert [(name, args) for name, args in mcp_tool_server.calls] == [
@@ -53,6 +54,7 @@ def test_tools_are_listed_called_and_fed_back(server, client, mcp_tool_server):
         assert call.server_label == "tides" and call.name == "tide_table" and call.error is None
         assert call.output == tide_table(json.loads(call.arguments)["port"])
     assert response.status == "completed"
+    assert response.usage.output_tokens <= 160  # max_output_tokens bounds the turns together (OpenAI's)
     # Every model turn's prompt is counted: each after a call holds the one before it.
     prompt_ids = httpx.post(
         server.url + "/tokenize", json={"model": MODEL_NAME, "prompt": ASK}, headers=server.headers
@@ -77,13 +79,13 @@ def test_a_streamed_response_is_the_whole_ones_event_by_event(server, client, mc
         events = list(stream)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     kinds = [e.type for e in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{whole.status}"
     final = events[-1].response
     # The same output as the response made whole (greedy, batch invariant), ids aside, and the
     # items streamed are the final response's.
     assert [_no_id(i) for i in final.output] == [_no_id(i) for i in whole.output]
     assert final.usage.input_tokens == whole.usage.input_tokens
-    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.output_tokens == whole.usage.output_tokens <= 80
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [i.model_dump() for i in done] == [i.model_dump() for i in final.output]
     assert [e.output_index for e in events if e.type == "response.output_item.done"] == list(range(len(done)))
@@ -121,7 +123,7 @@ def test_a_client_leaving_a_streamed_response_ends_its_request(server, client, m
     request = dict(
         model=MODEL_NAME,
         input="Tell me a long story about the sea.",
-        tools=[mcp_tool(mcp_tool_server.url)],
+        tools=[mcp_tool(mcp_tool_server.url, allowed_tools=["tide_table"])],
         tool_choice="none",
         temperature=0.0,
         max_output_tokens=250,  # the session's context is 512 tokens
@@ -202,11 +204,130 @@ def test_an_allowed_server_that_is_down_is_424(server, dead_tool_server_address,
     assert response.json()["error"]["param"] == "tools[0].server_url"
 
 
+def approval_request(response):
+    (asked,) = [item for item in response.output if item.type == "mcp_approval_request"]
+    return asked
+
+
+def test_an_approved_call_waits_for_the_client_and_a_declined_one_is_never_made(
+    server, client, mcp_tool_server
+):
+    tools = [mcp_tool(mcp_tool_server.url, allowed_tools=["tide_table"], require_approval="always")]
+    mcp_tool_server.calls.clear()
+    first = client.responses.create(
+        model=MODEL_NAME,
+        input=ASK,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0.0,
+        max_output_tokens=80,
+    )
+    # The model's call is asked, not made: the response ends with it.
+    assert [item.type for item in first.output] == ["mcp_list_tools", "mcp_approval_request"]
+    asked = approval_request(first)
+    assert asked.server_label == "tides" and asked.name == "tide_table" and first.status == "completed"
+    port = json.loads(asked.arguments)["port"]
+    assert mcp_tool_server.calls == []
+
+    def answer(approve: bool, **fields):
+        item = {"type": "mcp_approval_response", "approval_request_id": asked.id, "approve": approve}
+        return client.responses.create(
+            model=MODEL_NAME,
+            previous_response_id=first.id,
+            input=[item],
+            tools=tools,
+            tool_choice="none",
+            temperature=0.0,
+            max_output_tokens=24,
+            **fields,
+        )
+
+    declined = answer(False)
+    assert mcp_tool_server.calls == [] and [i.type for i in declined.output][:1] == ["mcp_list_tools"]
+    assert not [i for i in declined.output if i.type == "mcp_call"]
+    approved = answer(True)
+    made = approved.output[1]
+    assert made.type == "mcp_call" and made.approval_request_id == asked.id
+    assert made.arguments == asked.arguments and made.output == tide_table(port) and made.error is None
+    assert mcp_tool_server.calls == [("tide_table", {"port": port})]
+    assert approved.output[-1].type == "message"  # tool_choice none: the model answers with the output
+    # Streamed, the same two answers (the second made once more), item for item.
+    with client.responses.create(
+        model=MODEL_NAME,
+        previous_response_id=first.id,
+        input=[{"type": "mcp_approval_response", "approval_request_id": asked.id, "approve": True}],
+        tools=tools,
+        tool_choice="none",
+        temperature=0.0,
+        max_output_tokens=24,
+        stream=True,
+    ) as stream:
+        events = list(stream)
+    final = events[-1].response
+    assert [_no_id(i) for i in final.output] == [_no_id(i) for i in approved.output]
+    assert _events_of(events, final.output[1].id) == [
+        "response.output_item.added",
+        "response.mcp_call_arguments.done",
+        "response.mcp_call.in_progress",
+        "response.mcp_call.completed",
+        "response.output_item.done",
+    ]
+    # An answer must name a request that waits: an unknown id, or one the stored conversation answered.
+    for previous in (first.id, approved.id):
+        body = {
+            "model": MODEL_NAME,
+            "previous_response_id": previous,
+            "input": [
+                {
+                    "type": "mcp_approval_response",
+                    "approval_request_id": "mcpr_x" if previous == first.id else asked.id,
+                    "approve": True,
+                }
+            ],
+            "tools": tools,
+        }
+        response = httpx.post(server.url + "/v1/responses", json=body, headers=server.headers, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "input[0].approval_request_id"
+    assert len(mcp_tool_server.calls) == 2
+
+
+def test_a_filter_by_read_only_hint_asks_for_the_other_tools_only(server, client, mcp_tool_server):
+    # tide_table is marked read-only by its server, set_alarm is not: only the latter waits.
+    only = {"allowed_tools": ["tide_table", "set_alarm"]}
+    tools = [mcp_tool(mcp_tool_server.url, require_approval={"never": {"read_only": True}}, **only)]
+    mcp_tool_server.calls.clear()
+    kinds = {}
+    for name in ("tide_table", "set_alarm"):
+        response = client.responses.create(
+            model=MODEL_NAME,
+            input=ASK,
+            tools=tools,
+            tool_choice={"type": "function", "name": name},
+            temperature=0.0,
+            max_output_tokens=120,
+        )
+        kinds[name] = [item.type for item in response.output][1]
+    assert kinds == {"tide_table": "mcp_call", "set_alarm": "mcp_approval_request"}
+    assert [name for name, _ in mcp_tool_server.calls] == ["tide_table"]
+
+
 BAD = [  # (tools, other fields, the param named)
     ([mcp_tool("ftp://127.0.0.1:21/mcp")], {}, "tools[0].server_url"),
     ([mcp_tool("not a url")], {}, "tools[0].server_url"),
     ([mcp_tool("http://169.254.169.254/latest/meta-data")], {}, "tools[0].server_url"),
-    ([mcp_tool("http://x/mcp", require_approval="always")], {}, "tools[0].require_approval"),
+    ([mcp_tool("http://x/mcp", require_approval="sometimes")], {}, "tools[0].require_approval"),
+    (
+        [mcp_tool("http://x/mcp", require_approval={"always": {"tool_names": ["bad name!"]}})],
+        {},
+        "tools[0].require_approval.always.tool_names[0]",
+    ),
+    (
+        [mcp_tool("http://x/mcp")],
+        {"input": [{"type": "mcp_approval_response", "approval_request_id": "mcpr_1", "approve": True}]},
+        "input[0].approval_request_id",
+    ),
     ([mcp_tool("http://x/mcp", server_label="a b")], {}, "tools[0].server_label"),
     ([mcp_tool("http://x/mcp", allowed_tools=["bad name!"])], {}, "tools[0].allowed_tools[0]"),
     ([mcp_tool("http://x/mcp", headers={"X-Key": "a\r\nHost: evil"})], {}, "tools[0].headers"),

@@ -30,11 +30,19 @@ class ToolServer:
         self.headers: list[dict[str, str]] = []  # each HTTP request's, names in lower case
         server = MCPServer(name)
 
-        @server.tool(name="tide_table")
+        from mcp.types import ToolAnnotations
+
+        @server.tool(name="tide_table", annotations=ToolAnnotations(read_only_hint=True))
         def tide_table_tool(port: str) -> str:
             """High tide times for a port."""
             self.calls.append(("tide_table", {"port": port}))
             return tide_table(port)
+
+        @server.tool(name="set_alarm")
+        def set_alarm_tool(port: str) -> str:
+            """Set an alarm before the next high tide at a port (changes state: not read-only)."""
+            self.calls.append(("set_alarm", {"port": port}))
+            return f"Alarm set for {port}."
 
         @server.tool()
         def launch_codes() -> str:

@@ -118,6 +118,7 @@ class McpSession:
         self.list_items: list[McpListToolsOutput] = []
         self.functions: list[dict] = []
         self._routes: dict[str, tuple[str, object]] = {}  # tool name -> (server label, client)
+        self._waits: set[str] = set()  # the tools whose calls wait for the client's approval
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> McpSession:
@@ -179,8 +180,17 @@ class McpSession:
                     f"tools[{i}].allowed_tools",
                 )
             self._routes[entry.name] = (tool.server_label, client)
+            if _waits_for_approval(tool.require_approval, entry):
+                self._waits.add(entry.name)
             infos.append(
-                McpToolInfo(name=entry.name, description=entry.description, input_schema=entry.input_schema)
+                McpToolInfo(
+                    name=entry.name,
+                    description=entry.description,
+                    input_schema=entry.input_schema,
+                    annotations=entry.annotations.model_dump(by_alias=True, exclude_none=True)
+                    if entry.annotations is not None
+                    else None,
+                )
             )
             function = {"name": entry.name, "parameters": entry.input_schema}
             if entry.description:
@@ -197,6 +207,9 @@ class McpSession:
         """The label of the MCP server whose tool `name` is, or None (a function of the request's own)."""
         route = self._routes.get(name)
         return None if route is None else route[0]
+
+    def needs_approval(self, name: str) -> bool:
+        return name in self._waits
 
     async def call(self, item: McpCallOutput) -> None:
         """Make the call `item` names (its tool, its arguments as JSON text) and write its output, or the
@@ -222,6 +235,28 @@ class McpSession:
         else:
             item.output = text
         item.status = "completed"
+
+
+def _waits_for_approval(rule, entry) -> bool:
+    """Whether calls of the listed tool `entry` wait for the client under `require_approval` = `rule`:
+    "always" all, "never" (or none given) none; a filter: those `always` matches wait, those `never`
+    matches do not, and the others wait unless only `always` is given. A filter matches the tools it
+    names, and with `read_only: true` those the server marks read-only (`readOnlyHint`)."""
+    if rule is None or isinstance(rule, str):
+        return rule == "always"
+
+    def matches(selection) -> bool:
+        if selection is None:
+            return False
+        annotations = getattr(entry, "annotations", None)
+        read_only = bool(getattr(annotations, "read_only_hint", None))
+        return entry.name in (selection.tool_names or ()) or bool(selection.read_only and read_only)
+
+    if matches(rule.always):
+        return True
+    if matches(rule.never):
+        return False
+    return not (rule.always is not None and rule.never is None)
 
 
 def request_function_names(req: ResponsesRequest) -> set[str]:

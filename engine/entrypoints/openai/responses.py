@@ -24,6 +24,7 @@ from xlaserve.entrypoints.openai.mcp_tools import (
     request_function_names,
 )
 from xlaserve.entrypoints.openai.responses_convert import (
+    APPROVAL,
     image_fields,
     input_turns,
     rename_error,
@@ -34,6 +35,8 @@ from xlaserve.entrypoints.openai.responses_output import (
     FunctionCallOutput,
     IncompleteDetails,
     InputTokensDetails,
+    McpApprovalRequestOutput,
+    McpCallOutput,
     OutputMessage,
     OutputTextPart,
     OutputTokensDetails,
@@ -59,7 +62,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     tokenize_text,
     until_disconnect,
 )
-from xlaserve.entrypoints.serving.errors import APIError
+from xlaserve.entrypoints.serving.errors import APIError, bad_request
 from xlaserve.entrypoints.serving.multimodal import (
     check_image_parts,
     image_parts,
@@ -275,10 +278,14 @@ async def _prepare(
     fields: list[str],
     mcp_functions=(),
     tool_choice=None,
+    budget: int | None = None,
+    later: bool = False,
 ):
     """The chat path's request, tool plan, prompt text, prompt ids, SamplingParams and image features
     for one model turn (errors named as the Responses request has them; an image's by `fields`, the
-    Responses field of each image part in order: responses_convert.image_fields)."""
+    Responses field of each image part in order: responses_convert.image_fields). A `later` turn of an
+    MCP response has `budget` tokens, what is left of max_output_tokens (None: the rest of the context),
+    cut to the room the context leaves; None comes back when no room is left."""
     chat = to_chat_request(req, conversation, mcp_functions, tool_choice)
     parts = [(field, url) for (_, url), field in zip(image_parts(chat.messages), fields, strict=True)]
     try:
@@ -290,8 +297,14 @@ async def _prepare(
             ids, mm_features = await process_images(state, text, images)
         else:
             ids, mm_features = tokenize_text(state.engine, text, False, "input"), []
-        check_context(state.engine, len(ids), chat.max_tokens, "input")
-        params = chat_sampling_params(state, chat, plan, ids, chat.max_tokens)
+        max_tokens = chat.max_tokens
+        if later:
+            room = state.engine.max_model_len - len(ids)
+            max_tokens = min(room, budget if budget is not None else room)
+            if max_tokens <= 0:
+                return None
+        check_context(state.engine, len(ids), max_tokens, "input")
+        params = chat_sampling_params(state, chat, plan, ids, max_tokens)
     except APIError as e:
         raise rename_error(e) from None
     return chat, plan, text, ids, params, mm_features
@@ -333,19 +346,28 @@ class _McpResponse:
         response_id = item_id("resp")
         totals = _Totals()
         async with McpSession(self.mcp_tools, request_function_names(req)) as session:
-            items = OutputStream(self.write, session.label_of)
-            conversation = self.conversation
+            items = OutputStream(self.write, session.label_of, session.needs_approval)
+            conversation, approved = await _answer_approvals(self.conversation, session)
             for turn in range(MAX_MCP_ROUNDS):
                 choice = "none" if turn == MAX_MCP_ROUNDS - 1 else (None if turn == 0 else "auto")
-                chat, plan, text, ids, params, mm_features = await _prepare(
-                    state, req, conversation, self.fields, session.functions, choice
+                # max_output_tokens bounds the whole response: a later turn has what the earlier left
+                left = None if req.max_output_tokens is None else req.max_output_tokens - totals.num_generated
+                prepared = await _prepare(
+                    state, req, conversation, self.fields, session.functions, choice, left, later=turn > 0
                 )
+                if prepared is None:  # no tokens left for another turn: cut, as max_output_tokens cuts
+                    totals.finish_reason = "length"
+                    break
+                chat, plan, text, ids, params, mm_features = prepared
                 if turn == 0:
                     shell = _shell(req, plan, response_id, self.model)
                     yield self.write("response.created", response=shell.model_dump())
                     yield self.write("response.in_progress", response=shell.model_dump())
                     for listed in session.list_items:
                         for event in items.listed(listed):
+                            yield event
+                    for call in approved:
+                        for event in items.made(call):
                             yield event
                 kwargs = {"prompt": text, "priority": chat.priority, "cache_salt": chat.cache_salt}
                 kwargs["mm_features"] = mm_features
@@ -357,8 +379,9 @@ class _McpResponse:
                 totals.num_prompt += len(ids)
                 turn_items = items.items[first:]
                 calls = list(items.pending)
+                asked = [i for i in turn_items if isinstance(i, McpApprovalRequestOutput)]
                 answer = None  # the items of the answer's chat turn: the last turn's, once finished
-                if not calls or totals.finish_reason == "length" or turn == MAX_MCP_ROUNDS - 1:
+                if not (calls or asked) or totals.finish_reason == "length" or turn == MAX_MCP_ROUNDS - 1:
                     for call in calls:  # cut (or past the last round): not made, and not the client's to make
                         yield items.not_made(call)
                     break
@@ -369,7 +392,8 @@ class _McpResponse:
                         "type": "function",
                         "function": {"name": c.name, "arguments": c.arguments},
                     }
-                    for c in calls
+                    for c in turn_items
+                    if isinstance(c, McpCallOutput | McpApprovalRequestOutput)
                 ]
                 conversation = [
                     *conversation,
@@ -385,8 +409,8 @@ class _McpResponse:
                         {"role": "tool", "tool_call_id": items.call_ids[call.id], "content": result}
                     )
                 answer = [i for i in turn_items if isinstance(i, FunctionCallOutput)]
-                if answer:  # the client's own calls end the response; its text is in the conversation
-                    break
+                if answer or asked:  # the client's calls, or its approvals, end the response (the text is
+                    break  # in the conversation; the calls that wait are answered by the next request)
         status = "incomplete" if totals.finish_reason == "length" else "completed"
         for event in items.finish(status, since=first):
             yield event
@@ -399,6 +423,40 @@ class _McpResponse:
         yield self.write(kind, response=self.response.model_dump())
 
 
+async def _answer_approvals(conversation: list[dict], session: McpSession):
+    """The conversation with each answer to an approval request (responses_convert.input_turns's turns
+    marked APPROVAL) filled in: an approved call made now (its mcp_call item, in the list returned),
+    a declined one refused in words the model reads."""
+    conversation = [dict(turn) for turn in conversation]
+    calls = {c["id"]: c["function"] for t in conversation for c in t.get("tool_calls") or []}
+    made = []
+    for turn in conversation:
+        if APPROVAL not in turn:
+            continue
+        answer, where = turn.pop(APPROVAL)
+        call = calls[turn["tool_call_id"]]
+        if not answer.approve:
+            turn["content"] = "The user declined this call" + (f": {answer.reason}" if answer.reason else ".")
+            continue
+        label = session.label_of(call["name"])
+        if label is None:
+            raise bad_request(
+                f"the call waits on tool {call['name']!r}, which none of this request's MCP servers offers",
+                f"{where}.approval_request_id",
+            )
+        item = McpCallOutput(
+            id=item_id("mcp"),
+            server_label=label,
+            name=call["name"],
+            arguments=call["arguments"],
+            approval_request_id=answer.approval_request_id,
+        )
+        await session.call(item)
+        turn["content"] = item.output if item.error is None else f"error: {item.error}"
+        made.append(item)
+    return conversation, made
+
+
 class _Saver:
     """Keeps a finished response and its conversation in the store when the request said `store`."""
 
@@ -408,10 +466,11 @@ class _Saver:
         self.conversation = conversation
 
     def __call__(self, response: Response, answer_items=None) -> None:
-        """`answer_items`: the items of the assistant's last chat turn (by default the whole output)."""
+        """`answer_items`: the items of the assistant's last chat turn (by default the whole output; none:
+        the conversation ends with the calls that wait for the client's approval)."""
         if self.is_stored:
-            answer = answer_turn(response.output if answer_items is None else answer_items)
-            conversation = [*self.conversation, answer]
+            items = response.output if answer_items is None else answer_items
+            conversation = [*self.conversation, answer_turn(items)] if items else list(self.conversation)
             self.store.put(response.id, StoredResponse(response.model_dump(), conversation))
 
 

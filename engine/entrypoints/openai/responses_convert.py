@@ -24,12 +24,20 @@ from xlaserve.entrypoints.openai.responses_protocol import (
     FunctionTool,
     InputImage,
     JsonSchemaFormat,
+    McpApprovalRequestItem,
+    McpApprovalResponseItem,
+    McpCallItem,
+    McpListToolsItem,
+    McpTool,
     MessageItem,
     ReasoningItem,
     ResponsesRequest,
 )
 from xlaserve.entrypoints.serving.errors import APIError, bad_request, loc_to_param
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
+
+APPROVAL = "approval"  # the key of an answer's tool turn that waits for its MCP call (`input_turns`)
+APPROVAL_PREFIX = "mcpr_"  # the ids of the mcp_approval_request items this server makes
 
 # The chat request's field names (in `param` and in messages) -> the Responses API's.
 _RENAMES = [
@@ -68,26 +76,50 @@ def input_turns(req: ResponsesRequest, history: list[dict]) -> list[dict]:
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
     call_ids = {call["id"] for turn in history for call in turn.get("tool_calls") or []}
+    answered = {turn["tool_call_id"] for turn in history if turn.get("role") == "tool"}
+    waiting = {i for i in call_ids - answered if i.startswith(APPROVAL_PREFIX)}  # approval requests
     turns: list[dict] = []
+
+    def add_call(call_id: str, name: str, arguments: str, where: str) -> None:
+        if call_id in call_ids:
+            raise bad_request(f"the call_id {call_id[:64]!r} is used twice", where)
+        call_ids.add(call_id)
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        previous = turns[-1] if turns else None
+        if previous is not None and previous["role"] == "assistant":
+            previous.setdefault("tool_calls", []).append(call)  # the calls of the answer before them
+        else:
+            turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         if isinstance(item, MessageItem):
             turns.append({"role": item.role, "content": _message_content(item, where)})
         elif isinstance(item, FunctionCallItem):
             _check_arguments(item.arguments, f"{where}.arguments")
-            if item.call_id in call_ids:
-                raise bad_request(f"the call_id {item.call_id[:64]!r} is used twice", f"{where}.call_id")
-            call_ids.add(item.call_id)
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
-            previous = turns[-1] if turns else None
-            if previous is not None and previous["role"] == "assistant":
-                previous.setdefault("tool_calls", []).append(call)  # the calls of the answer before them
-            else:
-                turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            add_call(item.call_id, item.name, item.arguments, f"{where}.call_id")
+        elif isinstance(item, McpCallItem):  # an MCP call made earlier: the call and what it gave
+            add_call(item.id, item.name, item.arguments, f"{where}.id")
+            result = item.output if item.error is None else f"error: {item.error}"
+            turns.append({"role": "tool", "tool_call_id": item.id, "content": result or ""})
+        elif isinstance(item, McpApprovalRequestItem):
+            add_call(item.id, item.name, item.arguments, f"{where}.id")
+            waiting.add(item.id)
+        elif isinstance(item, McpApprovalResponseItem):
+            rid = item.approval_request_id
+            if rid not in waiting:
+                raise bad_request(
+                    f"no mcp_approval_request {rid[:64]!r} waits for an answer here (send the response's "
+                    "previous_response_id, or the request item, before this one)",
+                    f"{where}.approval_request_id",
+                )
+            if not any(isinstance(tool, McpTool) for tool in req.tools or ()):
+                raise bad_request(
+                    "an mcp_approval_response needs the request's mcp tools: send them again", where
+                )
+            waiting.discard(rid)
+            # Its content is the call's output once the server has made it (responses.py), or the refusal.
+            turns.append({"role": "tool", "tool_call_id": rid, "content": "", APPROVAL: (item, where)})
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in call_ids:
                 raise bad_request(
@@ -96,8 +128,8 @@ def input_turns(req: ResponsesRequest, history: list[dict]) -> list[dict]:
                 )
             output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
             turns.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
-        elif isinstance(item, ReasoningItem):
-            continue  # a model's earlier thinking: templates leave it out
+        elif isinstance(item, ReasoningItem | McpListToolsItem):
+            continue  # a model's earlier thinking (templates leave it out); a listing (listed again)
     return turns
 
 

@@ -76,9 +76,28 @@ class McpCallOutput(BaseModel):
     output: str | None = None
     error: str | None = None
     status: ItemStatus = "completed"
+    approval_request_id: str | None = None  # the request the client approved, for a call that waited
 
 
-OutputItem = OutputMessage | FunctionCallOutput | ReasoningOutput | McpListToolsOutput | McpCallOutput
+class McpApprovalRequestOutput(BaseModel):
+    """A call the model made that waits for the client (an `mcp_approval_request` output item): the
+    client answers with an `mcp_approval_response` naming its id, and the server then makes it or not."""
+
+    type: Literal["mcp_approval_request"] = "mcp_approval_request"
+    id: str
+    server_label: str
+    name: str
+    arguments: str
+
+
+OutputItem = (
+    OutputMessage
+    | FunctionCallOutput
+    | ReasoningOutput
+    | McpListToolsOutput
+    | McpCallOutput
+    | McpApprovalRequestOutput
+)
 
 
 class InputTokensDetails(BaseModel):

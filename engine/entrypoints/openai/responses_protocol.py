@@ -153,16 +153,68 @@ class ReasoningItem(StrictModel):
     status: ItemStatus | None = None
 
 
+class McpListToolsItem(StrictModel):
+    """An earlier response's listing sent back: accepted, not shown to the model (the tools are listed
+    again for this response)."""
+
+    type: Literal["mcp_list_tools"]
+    id: ItemId | None = None
+    server_label: Text
+    tools: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_TOOLS)
+    error: Text | None = None
+
+
+class McpCallItem(StrictModel):
+    """An MCP call the server made earlier, sent back: the model's call and its output (or error)."""
+
+    type: Literal["mcp_call"]
+    id: ItemId
+    server_label: Text
+    name: Text = Field(pattern=FUNCTION_NAME_PATTERN)
+    arguments: Text = Field(max_length=256 * 1024)
+    output: Text | None = None
+    error: Text | None = None
+    approval_request_id: ItemId | None = None
+    status: Literal["in_progress", "completed", "incomplete", "calling", "failed"] | None = None
+
+
+class McpApprovalRequestItem(StrictModel):
+    """A call the model made that waits for the client's approval (an earlier response's output)."""
+
+    type: Literal["mcp_approval_request"]
+    id: ItemId
+    server_label: Text
+    name: Text = Field(pattern=FUNCTION_NAME_PATTERN)
+    arguments: Text = Field(max_length=256 * 1024)
+
+
+class McpApprovalResponseItem(StrictModel):
+    """The client's answer to an mcp_approval_request: approved, the server makes the call."""
+
+    type: Literal["mcp_approval_response"]
+    approval_request_id: ItemId
+    approve: bool
+    reason: Text | None = Field(default=None, max_length=4096)
+    id: ItemId | None = None
+
+
 _ITEMS = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
     "reasoning": ReasoningItem,
+    "mcp_list_tools": McpListToolsItem,
+    "mcp_call": McpCallItem,
+    "mcp_approval_request": McpApprovalRequestItem,
+    "mcp_approval_response": McpApprovalResponseItem,
 }
 
 
 class _UnknownItem(StrictModel):
-    type: Literal["message", "function_call", "function_call_output", "reasoning"]
+    type: Literal[
+        "message", "function_call", "function_call_output", "reasoning", "mcp_list_tools", "mcp_call",
+        "mcp_approval_request", "mcp_approval_response",
+    ]  # fmt: skip
 
 
 InputItem = Annotated[
@@ -170,6 +222,10 @@ InputItem = Annotated[
     | Annotated[FunctionCallItem, Tag("function_call-item")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output-item")]
     | Annotated[ReasoningItem, Tag("reasoning-item")]
+    | Annotated[McpListToolsItem, Tag("mcp_list_tools-item")]
+    | Annotated[McpCallItem, Tag("mcp_call-item")]
+    | Annotated[McpApprovalRequestItem, Tag("mcp_approval_request-item")]
+    | Annotated[McpApprovalResponseItem, Tag("mcp_approval_response-item")]
     | Annotated[_UnknownItem, Tag("unknown-item")],
     # An item without "type" is a message ({"role", "content"}: OpenAI's easy input message).
     Discriminator(lambda value: _type_tag(value, _ITEMS, "item", default="message")),
@@ -189,6 +245,32 @@ class FunctionTool(StrictModel):
     strict: bool | None = Field(default=None, description="accepted; required and named calls are enforced")
 
 
+class McpToolFilter(StrictModel):
+    """Tools by name, or those the MCP server marks read-only (its `readOnlyHint` annotation)."""
+
+    tool_names: (
+        Annotated[list[Annotated[Text, Field(pattern=FUNCTION_NAME_PATTERN)]], Field(max_length=MAX_TOOLS)]
+        | None
+    ) = None
+    read_only: bool | None = None
+
+
+class McpApprovalFilter(StrictModel):
+    """`always`: the tools whose calls wait for approval; `never`: those made at once (the rest wait)."""
+
+    always: McpToolFilter | None = None
+    never: McpToolFilter | None = None
+
+
+ApprovalRule = Annotated[
+    Annotated[Literal["never", "always"], Tag("approval-mode")]
+    | Annotated[McpApprovalFilter, Tag("approval-filter")],
+    Discriminator(
+        lambda value: "approval-mode" if isinstance(value, str) else "approval-filter",
+    ),
+]
+
+
 class McpTool(StrictModel):
     """A remote MCP server's tools (OpenAI's `mcp` tool): the server lists them, offers them to the model
     as functions and calls them itself, over streamable HTTP. Only servers named by --tool-server."""
@@ -201,8 +283,9 @@ class McpTool(StrictModel):
         Annotated[list[Annotated[Text, Field(pattern=FUNCTION_NAME_PATTERN)]], Field(max_length=MAX_TOOLS)]
         | None
     ) = None
-    require_approval: Literal["never"] | None = Field(
-        default=None, description="only 'never': calls are made without asking the client first"
+    require_approval: ApprovalRule | None = Field(
+        default=None,
+        description="which calls wait for the client's mcp_approval_response (default: never, none do)",
     )
     # Sent with every request to the MCP server (an API key, say); never echoed in the response.
     # Each name and value is checked where the tools are read (mcp_tools.mcp_tools_of), naming the header.
@@ -332,6 +415,7 @@ RESPONSES_TAGS = frozenset(
     | {"unknown-part", "unknown-item", "unknown-format", "unknown-tool"}
     | {"responses-choice-mode", "responses-choice-function"}
     | {"input-text", "input-items", "text-value", "list-value"}
+    | {"approval-mode", "approval-filter"}
 )
 
 

@@ -13,6 +13,8 @@
                  model's turn has ended, response.mcp_call.in_progress, the call, then
                  response.mcp_call.completed (or .failed)
     the tools an MCP server listed: response.mcp_list_tools.in_progress, response.mcp_list_tools.completed
+    an MCP call that waits for the client's approval (an mcp_approval_request): nothing between
+                 added and done, both sent once the model has written the call
     response.output_item.done
   response.completed (or response.incomplete, as OpenAI ends a response cut by max_output_tokens)
 
@@ -28,6 +30,7 @@ from collections.abc import Callable
 
 from xlaserve.entrypoints.openai.responses_output import (
     FunctionCallOutput,
+    McpApprovalRequestOutput,
     McpCallOutput,
     McpListToolsOutput,
     OutputItem,
@@ -63,8 +66,14 @@ class OutputStream:
     An MCP call the model finished is left open in `pending` (with its model's call id in `call_ids`)
     until the server has made it: `call_started`, then `call_finished`, or `not_made`."""
 
-    def __init__(self, write: EventWriter, mcp_label: Callable[[str], str | None] = lambda name: None):
+    def __init__(
+        self,
+        write: EventWriter,
+        mcp_label: Callable[[str], str | None] = lambda name: None,
+        waits: Callable[[str], bool] = lambda name: False,
+    ):
         self.write = write
+        self._waits = waits
         self.items: list[OutputItem] = []  # every item opened, in output order
         self.pending: list[McpCallOutput] = []
         self.call_ids: dict[str, str] = {}  # an mcp_call item's id -> the model's id for the call
@@ -87,6 +96,11 @@ class OutputStream:
                     item = FunctionCallOutput(
                         id=item_id("fc"), call_id=call.id, name=name, arguments="", status="in_progress"
                     )
+                elif self._waits(name):  # announced whole once the model has written it
+                    item = McpApprovalRequestOutput(
+                        id=item_id("mcpr"), server_label=label, name=name, arguments=""
+                    )
+                    self.call_ids[item.id] = item.id  # the id the client's approval names
                 else:
                     item = McpCallOutput(
                         id=item_id("mcp"), server_label=label, name=name, arguments="", status="in_progress"
@@ -94,7 +108,9 @@ class OutputStream:
                     self.call_ids[item.id] = call.id
                 events += self._open_item(item)
             pieces = call.function.arguments
-            if pieces and isinstance(self._open, FunctionCallOutput | McpCallOutput):
+            if pieces and isinstance(self._open, McpApprovalRequestOutput):
+                self._text += pieces
+            elif pieces and isinstance(self._open, FunctionCallOutput | McpCallOutput):
                 self._text += pieces
                 kind = "mcp_call" if isinstance(self._open, McpCallOutput) else "function_call"
                 index = len(self.items) - 1
@@ -127,6 +143,25 @@ class OutputStream:
             self._done(item),
         ]
 
+    def made(self, item: McpCallOutput) -> list[str]:
+        """The events of a call made before the model's first turn (one the client approved)."""
+        self.items.append(item)
+        added = item.model_copy(update={"output": None, "error": None, "status": "in_progress"})
+        index = len(self.items) - 1
+        kind = "response.mcp_call.failed" if item.error is not None else "response.mcp_call.completed"
+        return [
+            self.write("response.output_item.added", output_index=index, item=added.model_dump()),
+            self.write(
+                "response.mcp_call_arguments.done",
+                item_id=item.id,
+                output_index=index,
+                arguments=item.arguments,
+            ),
+            self.write("response.mcp_call.in_progress", item_id=item.id, output_index=index),
+            self.write(kind, item_id=item.id, output_index=index),
+            self._done(item),
+        ]
+
     def call_started(self, item: McpCallOutput) -> str:
         return self.write("response.mcp_call.in_progress", item_id=item.id, output_index=self._index(item))
 
@@ -156,6 +191,16 @@ class OutputStream:
         index = len(self.items) - 1
         text, self._text = self._text, ""
         events = []
+        if isinstance(item, McpApprovalRequestOutput):
+            if status != "completed":  # cut while the model wrote it: never announced, not asked
+                self.items.pop()
+                del self.call_ids[item.id]
+                return []
+            item.arguments = text
+            return [
+                self.write("response.output_item.added", output_index=index, item=item.model_dump()),
+                self._done(item),
+            ]
         if isinstance(item, McpCallOutput):
             item.arguments = text
             done = {"item_id": item.id, "output_index": index}
@@ -189,6 +234,8 @@ class OutputStream:
         self._open = item
         self.items.append(item)
         index = len(self.items) - 1
+        if isinstance(item, McpApprovalRequestOutput):
+            return []  # announced when closed, whole
         events = [self.write("response.output_item.added", output_index=index, item=item.model_dump())]
         if isinstance(item, FunctionCallOutput | McpCallOutput):
             return events
