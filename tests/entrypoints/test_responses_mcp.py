@@ -27,17 +27,22 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
 
 
-def test_tools_are_listed_called_and_fed_back(server, client, mcp_tool_server):
-    mcp_tool_server.calls.clear()
-    response = client.responses.create(
+def tide_request(url: str, max_output_tokens: int, **fields) -> dict:
+    """ASK with the tide table alone offered and a call of it required first, greedy."""
+    return dict(
         model=MODEL_NAME,
         input=ASK,
-        tools=[mcp_tool(mcp_tool_server.url, allowed_tools=["tide_table"])],
+        tools=[mcp_tool(url, allowed_tools=["tide_table"], **fields)],
         tool_choice="required",
         parallel_tool_calls=False,
         temperature=0.0,
-        max_output_tokens=160,  # over every turn of the response
+        max_output_tokens=max_output_tokens,  # over every turn of the response
     )
+
+
+def test_tools_are_listed_called_and_fed_back(server, client, mcp_tool_server):
+    mcp_tool_server.calls.clear()
+    response = client.responses.create(**tide_request(mcp_tool_server.url, 160))
     kinds = [item.type for item in response.output]
     # What follows the calls is the model's (SmolLM2 under auto may call again, or answer).
     assert kinds[0] == "mcp_list_tools" and kinds[1] == "mcp_call", kinds
@@ -63,23 +68,16 @@ def test_tools_are_listed_called_and_fed_back(server, client, mcp_tool_server):
 
 
 def test_a_streamed_response_is_the_whole_ones_event_by_event(server, client, mcp_tool_server):
-    request = dict(
-        model=MODEL_NAME,
-        input=ASK,
-        tools=[mcp_tool(mcp_tool_server.url, allowed_tools=["tide_table"])],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=0.0,
-        max_output_tokens=80,
-        store=False,
-    )
+    request = tide_request(mcp_tool_server.url, 80) | {"store": False}
     whole = client.responses.create(**request)
     mcp_tool_server.calls.clear()
     with client.responses.create(**request, stream=True) as stream:
         events = list(stream)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     kinds = [e.type for e in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{whole.status}"
+    assert (
+        kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{whole.status}"
+    )
     final = events[-1].response
     # The same output as the response made whole (greedy, batch invariant), ids aside, and the
     # items streamed are the final response's.
@@ -214,15 +212,7 @@ def test_an_approved_call_waits_for_the_client_and_a_declined_one_is_never_made(
 ):
     tools = [mcp_tool(mcp_tool_server.url, allowed_tools=["tide_table"], require_approval="always")]
     mcp_tool_server.calls.clear()
-    first = client.responses.create(
-        model=MODEL_NAME,
-        input=ASK,
-        tools=tools,
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=0.0,
-        max_output_tokens=80,
-    )
+    first = client.responses.create(**tide_request(mcp_tool_server.url, 80, require_approval="always"))
     # The model's call is asked, not made: the response ends with it.
     assert [item.type for item in first.output] == ["mcp_list_tools", "mcp_approval_request"]
     asked = approval_request(first)

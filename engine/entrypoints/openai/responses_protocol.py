@@ -164,20 +164,6 @@ class McpListToolsItem(StrictModel):
     error: Text | None = None
 
 
-class McpCallItem(StrictModel):
-    """An MCP call the server made earlier, sent back: the model's call and its output (or error)."""
-
-    type: Literal["mcp_call"]
-    id: ItemId
-    server_label: Text
-    name: Text = Field(pattern=FUNCTION_NAME_PATTERN)
-    arguments: Text = Field(max_length=256 * 1024)
-    output: Text | None = None
-    error: Text | None = None
-    approval_request_id: ItemId | None = None
-    status: Literal["in_progress", "completed", "incomplete", "calling", "failed"] | None = None
-
-
 class McpApprovalRequestItem(StrictModel):
     """A call the model made that waits for the client's approval (an earlier response's output)."""
 
@@ -186,6 +172,16 @@ class McpApprovalRequestItem(StrictModel):
     server_label: Text
     name: Text = Field(pattern=FUNCTION_NAME_PATTERN)
     arguments: Text = Field(max_length=256 * 1024)
+
+
+class McpCallItem(McpApprovalRequestItem):
+    """An MCP call the server made earlier, sent back: the model's call and its output (or error)."""
+
+    type: Literal["mcp_call"]
+    output: Text | None = None
+    error: Text | None = None
+    approval_request_id: ItemId | None = None
+    status: Literal["in_progress", "completed", "incomplete", "calling", "failed"] | None = None
 
 
 class McpApprovalResponseItem(StrictModel):
