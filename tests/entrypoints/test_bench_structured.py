@@ -6,14 +6,8 @@ from __future__ import annotations
 
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.entrypoints.bench.offline import workload
-from xlaserve.entrypoints.bench.serve import (
-    RequestResult,
-    bench_schema,
-    is_structured,
-    peer_ratios,
-    summarize,
-    with_long_prompts,
-)
+from xlaserve.entrypoints.bench.report import RequestResult, peer_ratios, serve_summary
+from xlaserve.entrypoints.bench.serve import bench_schema, is_structured, with_long_prompts
 from xlaserve.sampling_params import StructuredOutputsParams
 
 
@@ -33,7 +27,7 @@ def test_report_splits_ttft_by_schema():
         RequestResult(is_structured=i % 2 == 1, is_ok=True, ttft=0.1 * (1 + i % 2), e2e=1.0, output_tokens=4)
         for i in range(4)
     ]
-    run = summarize(results, elapsed=2.0, max_concurrency=4, request_rate=float("inf"))
+    run = serve_summary(results, elapsed=2.0, max_concurrency=4, request_rate=float("inf"))
     assert run["num_structured"] == 2
     assert run["ttft_s_structured"]["p50"] == 0.2 and run["ttft_s_unstructured"]["p50"] == 0.1
 
@@ -54,7 +48,7 @@ def test_long_prompts_are_spread_and_reported_apart():
         )
         for i in range(4)
     ]
-    run = summarize(results, elapsed=2.0, max_concurrency=4, request_rate=float("inf"))
+    run = serve_summary(results, elapsed=2.0, max_concurrency=4, request_rate=float("inf"))
     assert run["num_long"] == 2
     assert abs(run["tpot_s_short"]["p50"] - 0.01) < 1e-12 and abs(run["tpot_s_long"]["p50"] - 0.03) < 1e-12
     peer = dict(run, output_tokens_per_s=run["output_tokens_per_s"] * 2, tpot_s_short={"p50": 0.02})

@@ -39,35 +39,15 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
 
 from xlaserve.entrypoints.bench.offline import workload
-
-PERCENTILES = (50, 90, 99)
-
-
-@dataclass
-class RequestResult:
-    is_structured: bool = False
-    is_long: bool = False
-    is_ok: bool = False
-    error: str = ""
-    start: float = 0.0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    itls: list[float] = field(default_factory=list)
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    out = {"mean": sum(ordered) / len(ordered)}
-    for p in PERCENTILES:
-        out[f"p{p}"] = ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1)]
-    return out
+from xlaserve.entrypoints.bench.report import (
+    RequestResult,
+    peer_ratios,
+    plot,
+    print_serve_run,
+    serve_summary,
+)
 
 
 def is_structured(index: int, ratio: float) -> bool:
@@ -268,7 +248,7 @@ async def run_load(args, conversations, *, max_concurrency: int | None, request_
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
-    run = summarize(results, elapsed, max_concurrency, request_rate)
+    run = serve_summary(results, elapsed, max_concurrency, request_rate)
     if num_images:
         run["images_per_request"] = num_images
         run["images_per_s"] = num_images * sum(r.is_ok for r in results) / elapsed
@@ -299,108 +279,11 @@ async def _run_embeddings(args, conversations, max_concurrency: int | None, requ
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
-    summary = summarize(results, elapsed, max_concurrency, request_rate)
+    summary = serve_summary(results, elapsed, max_concurrency, request_rate)
     for key in ("ttft_s", "ttft_s_structured", "ttft_s_unstructured", "tpot_s", "itl_s"):
         summary[key] = {}  # nothing streams
     summary["input_tokens_per_s"] = sum(r.prompt_tokens for r in results if r.is_ok) / elapsed
     return summary
-
-
-def _with_tpot(results: list[RequestResult]):
-    return [(r, (r.e2e - r.ttft) / (r.output_tokens - 1)) for r in results if r.output_tokens > 1]
-
-
-def summarize(results: list[RequestResult], elapsed: float, max_concurrency, request_rate) -> dict:
-    ok = [r for r in results if r.is_ok]
-    num_out = sum(r.output_tokens for r in ok)
-    num_in = sum(r.prompt_tokens for r in ok)
-    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {
-        "max_concurrency": max_concurrency,
-        "request_rate": request_rate if math.isfinite(request_rate) else "inf",
-        "num_requests": len(results),
-        "num_failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error})[:5],
-        "elapsed_s": elapsed,
-        "requests_per_s": len(ok) / elapsed,
-        "output_tokens_per_s": num_out / elapsed,
-        "total_tokens_per_s": (num_in + num_out) / elapsed,
-        "ttft_s": percentiles([r.ttft for r in ok]),
-        "num_structured": sum(r.is_structured for r in results),
-        "ttft_s_structured": percentiles([r.ttft for r in ok if r.is_structured]),
-        "ttft_s_unstructured": percentiles([r.ttft for r in ok if not r.is_structured]),
-        "tpot_s": percentiles(tpots),
-        "num_long": sum(r.is_long for r in results),
-        "ttft_s_long": percentiles([r.ttft for r in ok if r.is_long]),
-        "ttft_s_short": percentiles([r.ttft for r in ok if not r.is_long]),
-        "tpot_s_long": percentiles([t for r, t in _with_tpot(ok) if r.is_long]),
-        "tpot_s_short": percentiles([t for r, t in _with_tpot(ok) if not r.is_long]),
-        "itl_s": percentiles([x for r in ok for x in r.itls]),
-        "e2e_s": percentiles([r.e2e for r in ok]),
-    }
-
-
-def _print(run: dict, num_prompts: int, output_len: int) -> None:
-    load = f"max concurrency {run['max_concurrency']}" if run["max_concurrency"] else "no concurrency limit"
-    what = (
-        f"{num_prompts} prompts embedded"
-        if "input_tokens_per_s" in run
-        else f"{num_prompts} prompts x {output_len} tokens"
-    )
-    print(f"\n== bench serve: {what}, {load}, request rate {run['request_rate']} ==")
-    print(
-        f"requests: {run['num_requests'] - run['num_failed']} ok, {run['num_failed']} failed "
-        f"{run['errors'] or ''}"
-    )
-    if "input_tokens_per_s" in run:  # embeddings
-        print(f"throughput: {run['requests_per_s']:.2f} req/s, {run['input_tokens_per_s']:.1f} input tok/s")
-    else:
-        print(
-            f"throughput: {run['requests_per_s']:.2f} req/s, {run['output_tokens_per_s']:.1f} output tok/s, "
-            f"{run['total_tokens_per_s']:.1f} total tok/s"
-        )
-    if "images_per_s" in run:
-        print(f"images: {run['images_per_request']} a request, {run['images_per_s']:.2f} images/s")
-    rows = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")]
-    if run["num_structured"]:
-        print(f"{run['num_structured']} requests with a JSON schema (response_format)")
-        rows[1:1] = [("ttft_s_structured", "TTFT schema"), ("ttft_s_unstructured", "TTFT no schema")]
-    if run.get("num_long"):
-        print(f"{run['num_long']} requests with a long prompt")
-        rows[1:1] = [("ttft_s_long", "TTFT long"), ("ttft_s_short", "TTFT short")]
-        rows[-2:-2] = [("tpot_s_long", "TPOT long"), ("tpot_s_short", "TPOT short")]
-    for key, name in rows:
-        p = run[key]
-        if p:
-            print(
-                f"{name:>14} ms: mean {p['mean'] * 1e3:8.1f}  "
-                + "  ".join(f"p{q} {p[f'p{q}'] * 1e3:8.1f}" for q in PERCENTILES)
-            )
-
-
-def plot(runs: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise SystemExit(f"--plot needs matplotlib: pip install 'xlaserve[bench]' ({e})") from None
-    by_rate = all(r["max_concurrency"] is None for r in runs)
-    loads = [r["request_rate"] if by_rate else r["max_concurrency"] for r in runs]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    for ax, (key, name) in zip(
-        axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
-    ):
-        for q in PERCENTILES:
-            ax.plot(loads, [r[key].get(f"p{q}", float("nan")) * 1e3 for r in runs], marker="o", label=f"p{q}")
-        ax.set_title(f"{name} (ms)")
-        ax.set_xlabel("request rate (req/s)" if by_rate else "max concurrency")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle("xlaserve bench serve: latency percentiles against load")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 def _values(text: str | None, kind) -> list:
@@ -427,14 +310,14 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     runs = []
     for max_concurrency, rate in loads:
         run = asyncio.run(run_load(args, conversations, max_concurrency=max_concurrency, request_rate=rate))
-        _print(run, args.num_prompts, args.output_len)
+        print_serve_run(run, args.num_prompts, args.output_len)
         if args.peer_base_url:
             peer_args = argparse.Namespace(**{**vars(args), "base_url": args.peer_base_url})
             peer = asyncio.run(
                 run_load(peer_args, conversations, max_concurrency=max_concurrency, request_rate=rate)
             )
             print(f"-- peer {args.peer_base_url} --")
-            _print(peer, args.num_prompts, args.output_len)
+            print_serve_run(peer, args.num_prompts, args.output_len)
             run["peer"] = peer
             run["vs_peer"] = peer_ratios(run, peer)
             print("vs peer (this / peer): " + ", ".join(f"{k} {v:.3f}" for k, v in run["vs_peer"].items()))
@@ -460,15 +343,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         plot(runs, args.plot)
         print(f"plot: {args.plot}")
     return 0 if all(r["num_failed"] == 0 for r in runs) else 1
-
-
-def peer_ratios(run: dict, peer: dict) -> dict[str, float]:
-    """This run's p50 latencies and throughput as ratios of the peer's (latency < 1: this is faster)."""
-    ratios = {"output_tokens_per_s": run["output_tokens_per_s"] / max(peer["output_tokens_per_s"], 1e-9)}
-    for key in ("ttft_s", "tpot_s", "ttft_s_long", "ttft_s_short", "tpot_s_short"):
-        if run.get(key) and peer.get(key):
-            ratios[f"{key}_p50"] = run[key]["p50"] / max(peer[key]["p50"], 1e-9)
-    return ratios
 
 
 def add_serve_parser(bench_sub) -> None:
