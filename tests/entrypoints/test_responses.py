@@ -6,13 +6,14 @@ json_schema formats, the store (previous_response_id, retrieve, delete, eviction
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from helpers.server_harness import MAX_STORED_RESPONSES, MODEL_NAME
+from helpers.server_harness import MAX_STORED_RESPONSES, MODEL_NAME, metric, metrics, wait_for_metrics
 from xlaserve.entrypoints.openai.responses import answer_turn, output_items
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
@@ -340,10 +341,63 @@ ERROR_CASES = [  # (body over {"input": QUESTION}, status, param, words the mess
      400, "tools[0].parameters", "tools[0].parameters"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type", "function"),
     ({"truncation": "auto"}, 400, "truncation", "disabled"),
-    ({"background": True}, 400, "background", ""),
+    ({"background": True}, 400, "store", "store: true"),
+    ({"background": True, "store": True, "stream": True}, 400, "stream", "stream: false"),
     ({"top_logprobs": 2}, 400, "top_logprobs", "top_logprobs"),
     ({"model": "gpt-5"}, 404, "model", "gpt-5"),
 ]  # fmt: skip
+
+
+def test_a_background_response_is_polled_to_the_answer_and_a_cancelled_one_stops(server, client):
+    foreground = client.responses.create(input=QUESTION, **GREEDY, store=False)
+    queued = client.responses.create(input=QUESTION, **GREEDY, background=True)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    done = _poll(client, queued.id)
+    # The same answer as in the foreground (greedy, batch invariant), ids aside.
+    assert done.status == "completed" and done.background
+    assert [i.model_dump(exclude={"id"}) for i in done.output] == [
+        i.model_dump(exclude={"id"}) for i in foreground.output
+    ]
+    assert done.usage.output_tokens == foreground.usage.output_tokens
+    # Cancelled while it runs: its request aborted, its blocks freed, the response `cancelled`.
+    before = metrics(server)
+    long = client.responses.create(
+        input="Tell me a long story about the sea.",
+        temperature=0.0,
+        max_output_tokens=300,
+        background=True,
+        extra_body={"ignore_eos": True},
+    )
+    wait_for_metrics(
+        server, lambda m: metric(m, "num_requests_running") == 1, "the background response running"
+    )
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    idle = wait_for_metrics(server, lambda m: metric(m, "num_requests_running") == 0, "the response aborted")
+    assert metric(idle, "kv_cache_usage_perc") == 0
+    assert metric(idle, "generation_tokens_total") - metric(before, "generation_tokens_total") < 300
+    assert client.responses.cancel(done.id).status == "completed"  # finished: returned as it is
+    # Only background responses cancel; a cancelled one has no answer to continue.
+    stored = client.responses.create(input=QUESTION, **GREEDY)
+    for body, param in [
+        (None, "response_id"),
+        ({"input": QUESTION, "previous_response_id": long.id}, "previous_response_id"),
+    ]:
+        if body is None:
+            response = httpx.post(f"{server.url}/v1/responses/{stored.id}/cancel", headers=server.headers)
+        else:
+            response = _post(server, body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+
+
+def _poll(client, response_id: str):
+    deadline = time.monotonic() + 120
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return response
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("fields, status, param, words", ERROR_CASES, ids=[c[2] for c in ERROR_CASES])

@@ -23,6 +23,7 @@ from xlaserve.entrypoints.openai.mcp_tools import (
     mcp_tools_of,
     request_function_names,
 )
+from xlaserve.entrypoints.openai.responses_background import UNFINISHED, BackgroundResponses, check_background
 from xlaserve.entrypoints.openai.responses_convert import (
     APPROVAL,
     image_fields,
@@ -82,6 +83,7 @@ def _errors(*codes: int) -> dict:
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     store = ResponseStore(state.max_stored_responses)
+    background = BackgroundResponses(store)
 
     @app.post(
         "/v1/responses",
@@ -92,24 +94,38 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         },
     )
     async def create(request: ResponsesRequest, raw_request: Request):
-        return await create_response(state, store, request, raw_request)
+        return await create_response(state, store, request, raw_request, background)
 
     @app.get("/v1/responses/{response_id}", responses=_errors(401, 404))
     async def retrieve(response_id: str) -> Response:
         return Response.model_validate(_stored(store, response_id, "response_id").response)
 
+    @app.post("/v1/responses/{response_id}/cancel", responses=_errors(400, 401, 404))
+    async def cancel(response_id: str) -> Response:
+        """Stop a background response: `cancelled` (one already finished is returned as it is)."""
+        stored = Response.model_validate(_stored(store, response_id, "response_id").response)
+        if not stored.background:
+            raise bad_request("only a background response can be cancelled", "response_id")
+        await background.cancel(response_id)
+        return Response.model_validate(_stored(store, response_id, "response_id").response)
+
     @app.delete("/v1/responses/{response_id}", responses=_errors(401, 404))
     async def delete(response_id: str) -> DeletedResponse:
         _stored(store, response_id, "response_id")
+        await background.cancel(response_id)  # a background response still running stops
         store.delete(response_id)
         return DeletedResponse(id=response_id)
 
 
 def _stored(store: ResponseStore, response_id: str, param: str) -> StoredResponse:
     entry = store.get(response_id)
+    shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
     if entry is None:
-        shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
         raise APIError(404, f"Response with id '{shown}' not found.", param=param, code="response_not_found")
+    if param == "previous_response_id" and entry.response["status"] in UNFINISHED + ("cancelled", "failed"):
+        raise bad_request(
+            f"response {shown!r} is {entry.response['status']}: it has no answer to continue", param
+        )
     return entry
 
 
@@ -159,6 +175,7 @@ def _shell(req: ResponsesRequest, plan: ToolPlan, request_id: str, model: str) -
         top_p=1.0 if req.top_p is None else req.top_p,
         user=req.user,
         metadata=req.metadata or {},
+        background=bool(req.background),
     )
 
 
@@ -217,9 +234,15 @@ def _is_object(arguments: str) -> bool:
 
 
 async def create_response(
-    state: ServerState, store: ResponseStore, req: ResponsesRequest, raw_request: Request
+    state: ServerState,
+    store: ResponseStore,
+    req: ResponsesRequest,
+    raw_request: Request,
+    background: BackgroundResponses,
 ):
     model = check_model(state, req.model)
+    if req.background:
+        check_background(req)
     history: list[dict] = []
     if req.previous_response_id is not None:
         history = _stored(store, req.previous_response_id, "previous_response_id").conversation
@@ -227,37 +250,47 @@ async def create_response(
     fields = image_fields(req, history)
     mcp_tools = mcp_tools_of(req, state.tool_servers)
     if mcp_tools:
-        return await _create_with_mcp(state, store, req, raw_request, model, conversation, fields, mcp_tools)
+        return await _create_with_mcp(
+            state, store, req, raw_request, model, conversation, fields, mcp_tools, background
+        )
     chat, plan, text, ids, params, mm_features = await _prepare(state, req, conversation, fields)
     parser = choice_parser(state, chat, plan, ids)
     request_id = item_id("resp")
-    stream = submit(
-        state,
-        ids,
-        params,
-        request_id,
-        stream=req.stream,
-        prompt=text,
-        priority=chat.priority,
-        cache_salt=chat.cache_salt,
-        lora_request=state.lora_request(req.model),
-        mm_features=mm_features,
-    )
     shell = _shell(req, plan, request_id, model)
     saved = _Saver(store, req.store, conversation)
+
+    def start():
+        return submit(
+            state,
+            ids,
+            params,
+            request_id,
+            stream=req.stream,
+            prompt=text,
+            priority=chat.priority,
+            cache_salt=chat.cache_salt,
+            lora_request=state.lora_request(req.model),
+            mm_features=mm_features,
+        )
+
+    async def whole(raw_request) -> Response:
+        output, completion, parsed = await _answer(raw_request, start(), parser)
+        status = "incomplete" if completion.finish_reason == "length" else "completed"
+        items = output_items(parsed, status)
+        usage = _usage(
+            state, len(ids), len(completion.token_ids), output.num_cached_tokens, parsed.reasoning or ""
+        )
+        response = _finished(shell, items, usage, completion.finish_reason)
+        saved(response)
+        return response
+
+    if req.background:  # answered queued; the client polls the store
+        return background.start(shell, conversation, lambda: whole(None))
     if req.stream:
         write = EventWriter()
-        events = _events(state, shell, stream, len(ids), parser, saved, write)
+        events = _events(state, shell, start(), len(ids), parser, saved, write)
         return StreamingResponse(_with_error_event(events, write), media_type="text/event-stream")
-    output, completion, parsed = await _answer(raw_request, stream, parser)
-    status = "incomplete" if completion.finish_reason == "length" else "completed"
-    items = output_items(parsed, status)
-    usage = _usage(
-        state, len(ids), len(completion.token_ids), output.num_cached_tokens, parsed.reasoning or ""
-    )
-    response = _finished(shell, items, usage, completion.finish_reason)
-    saved(response)
-    return response
+    return await whole(raw_request)
 
 
 async def _answer(raw_request, stream, parser: ChoiceParser):
@@ -311,10 +344,11 @@ async def _prepare(
 
 
 async def _create_with_mcp(
-    state, store, req: ResponsesRequest, raw_request, model: str, conversation, fields, mcp_tools
+    state, store, req: ResponsesRequest, raw_request, model: str, conversation, fields, mcp_tools, background
 ):
-    """A response whose model may call MCP tools (`_McpResponse`), streamed or whole. Streamed, it starts
-    once the tools are listed and the first turn is prepared, so a failure there is still an HTTP error."""
+    """A response whose model may call MCP tools (`_McpResponse`), streamed, whole or in the background.
+    Streamed, it starts once the tools are listed and the first turn is prepared, so a failure there is
+    still an HTTP error (in the background, the response's `failed` status)."""
     run = _McpResponse(state, store, req, model, conversation, fields, mcp_tools)
     if req.stream:
         events = await run_ahead(run.events())
@@ -325,6 +359,13 @@ async def _create_with_mcp(
             pass
         return run.response
 
+    if req.background:  # the tool plan is the first turn's, once listed: the request's until then
+        choice = req.tool_choice
+        if choice is None:
+            plan = ToolPlan("auto" if req.tools else "none")
+        else:
+            plan = ToolPlan("named", choice.name) if not isinstance(choice, str) else ToolPlan(choice)
+        return background.start(_shell(req, plan, run.response_id, model), conversation, whole)
     return await until_disconnect(raw_request, whole())
 
 
@@ -340,10 +381,11 @@ class _McpResponse:
         self.conversation, self.fields, self.mcp_tools = conversation, fields, mcp_tools
         self.write = EventWriter()
         self.response: Response | None = None
+        self.response_id = item_id("resp")
 
     async def events(self):
         state, req = self.state, self.req
-        response_id = item_id("resp")
+        response_id = self.response_id
         totals = _Totals()
         async with McpSession(self.mcp_tools, request_function_names(req)) as session:
             items = OutputStream(self.write, session.label_of, session.needs_approval)

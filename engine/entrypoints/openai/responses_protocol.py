@@ -438,7 +438,9 @@ class ResponsesRequest(StrictModel):
     metadata: Annotated[dict[str, Annotated[Text, Field(max_length=512)]], Field(max_length=16)] | None = None
     user: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     truncation: Literal["disabled"] | None = Field(default=None, description="'auto' is not supported")
-    background: Literal[False] | None = Field(default=None, description="background mode is not supported")
+    background: bool | None = Field(
+        default=None, description="answer at once, queued; generate in the server's background (poll GET)"
+    )
     include: Annotated[list[Text], Field(max_length=16)] | None = Field(
         default=None, description="accepted; nothing extra is included"
     )

@@ -235,9 +235,12 @@ async def collect_final(raw_request: Request, streams: list[RequestStream]) -> l
     return await until_disconnect(raw_request, collect())
 
 
-async def until_disconnect(raw_request: Request, work: Coroutine[Any, Any, T]) -> T:
+async def until_disconnect(raw_request: Request | None, work: Coroutine[Any, Any, T]) -> T:
     """`work`'s result, in a task of its own; if the client goes away first, the task is cancelled
-    (what it runs aborts its requests) and the answer is a 499."""
+    (what it runs aborts its requests) and the answer is a 499. No request (a background response's
+    work): `work` itself, which its caller's cancellation stops."""
+    if raw_request is None:
+        return await work
     work = asyncio.create_task(work)
     disconnect = asyncio.create_task(_wait_for_disconnect(raw_request))
     try:
