@@ -18,6 +18,7 @@ FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
 # fake-mesh worker does the same per program (helpers/tp_worker.py). Not for the suite's own process:
 # its bitwise tests (batch invariance, pipeline stages) hold for the emitters users run.
 TINY_SERVER_XLA_FLAGS = f"{FAST_COMPILE_XLA_FLAGS} --xla_cpu_use_fusion_emitters=false"
+TINY_SERVER_ENV = {"XLA_FLAGS": TINY_SERVER_XLA_FLAGS}  # ServerProcess(env=...)
 # A tiny DeepSeek-V3 (latent attention, a dense layer then grouped-routing experts): save_tiny_model's
 # overrides for "DeepseekV3", shared by the MLA kernel, tensor- and context-parallel tests.
 TINY_DEEPSEEK_V3 = {
