@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from helpers.tiny_models import save_tiny_llama, small_byte_tokenizer
+from helpers.tiny_models import TINY_PROCESS_XLA_FLAGS, save_tiny_llama, small_byte_tokenizer
 from xlaserve.config import EngineConfig
 from xlaserve.entrypoints.bench.startup import engine_flags_only
 
@@ -33,9 +33,11 @@ def test_default_location_and_switches(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow  # three engine starts of a tiny model
-def test_bench_startup_second_start_loads_every_program_from_the_cache(tmp_path):
+def test_bench_startup_second_start_loads_every_program_from_the_cache(tmp_path, monkeypatch):
     """`xlaserve bench startup`: a cold then a warm `xlaserve generate`, each in a fresh process."""
     from xlaserve.entrypoints import cli
+
+    monkeypatch.setenv("XLA_FLAGS", TINY_PROCESS_XLA_FLAGS)  # the starts' processes: a tiny model
 
     # A 320-token vocabulary: SmolLM2's 49,152 made every sampler program ~150x wider to compile.
     model = save_tiny_llama(str(tmp_path / "model"), tokenizer=small_byte_tokenizer())

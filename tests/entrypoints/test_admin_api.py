@@ -11,6 +11,7 @@ import pytest
 from test_server_hostile import BAD_TEXT, WRONG_TYPES, body_with, check_error, check_still_serving, send
 
 from helpers.server_harness import ServerProcess
+from helpers.tiny_models import TINY_PROCESS_ENV
 from xlaserve.entrypoints import cli
 
 KEY = "sk-admin-test"
@@ -27,7 +28,12 @@ def dirs(llama_checkpoints):
 def admin_server(dirs, tmp_path_factory, server_cache_dir):
     flags = ["--enable-admin-api", "--enforce-eager", "--max-model-len", "128", "--served-model-name", "tiny"]
     proc = ServerProcess(
-        str(tmp_path_factory.mktemp("logs")), server_cache_dir, flags, api_key=KEY, model=dirs[0]
+        str(tmp_path_factory.mktemp("logs")),
+        server_cache_dir,
+        flags,
+        api_key=KEY,
+        model=dirs[0],
+        env=TINY_PROCESS_ENV,
     )
     proc.wait_ready()
     yield proc

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from helpers.server_harness import ServerProcess, _command, _free_port
-from helpers.tiny_models import save_tiny_thinking_model
+from helpers.tiny_models import TINY_PROCESS_ENV, save_tiny_thinking_model
 
 BLOCK = 16
 # A long prompt: several blocks travel.
@@ -66,7 +66,11 @@ def servers(tmp_path_factory, server_cache_dir):
     model = save_tiny_thinking_model(str(tmp_path_factory.mktemp("tiny-disagg")))
     logs = str(tmp_path_factory.mktemp("disagg-logs"))
     producer = ServerProcess(
-        logs, server_cache_dir, [*TINY_FLAGS, *_transfer_flags("kv_producer", _free_port())], model=model
+        logs,
+        server_cache_dir,
+        [*TINY_FLAGS, *_transfer_flags("kv_producer", _free_port())],
+        model=model,
+        env=TINY_PROCESS_ENV,
     )
     # The consumer gives up on a silent producer after 2 s (the killed-producer test waits that long).
     consumer = ServerProcess(
@@ -74,6 +78,7 @@ def servers(tmp_path_factory, server_cache_dir):
         server_cache_dir,
         [*TINY_FLAGS, *_transfer_flags("kv_consumer", _free_port(), timeout_s=2.0)],
         model=model,
+        env=TINY_PROCESS_ENV,
     )
     producer.wait_ready()
     consumer.wait_ready()

@@ -17,6 +17,7 @@ import torch
 from helpers.encoder_cases import make_encoder
 from helpers.family_cases import one_torch_thread  # noqa: F401 (autouse: HF on one thread)
 from helpers.server_harness import running_server
+from helpers.tiny_models import TINY_PROCESS_ENV
 
 TOL = 1e-4
 NAME = "tiny-cross-encoder"
@@ -42,7 +43,7 @@ def encoder_server(tmp_path_factory, server_cache_dir):
     with open(config_path, "w") as f:
         json.dump({**config, "id2label": {"0": "relevant"}, "label2id": {"relevant": 0}}, f)
     logs = str(tmp_path_factory.mktemp("encoder-logs"))
-    with running_server(logs, server_cache_dir, extra_args=FLAGS, model=path) as proc:
+    with running_server(logs, server_cache_dir, extra_args=FLAGS, model=path, env=TINY_PROCESS_ENV) as proc:
         with httpx.Client(base_url=proc.url, timeout=120) as client:
             yield client, model, tokenizer
 

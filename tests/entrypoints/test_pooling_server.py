@@ -21,6 +21,7 @@ import torch
 
 from helpers.family_cases import make_hf_model, one_torch_thread, save_hf_model, word_tokenizer  # noqa: F401
 from helpers.server_harness import running_server
+from helpers.tiny_models import TINY_PROCESS_ENV
 
 TOL = 1e-4
 NAME = "tiny-embed"
@@ -37,7 +38,7 @@ def pooling_server(tmp_path_factory, server_cache_dir):
     model = make_hf_model("LlamaForCausalLM", seed=3)
     path = save_hf_model(model, tmp_path_factory.mktemp("pooling_model"))
     logs = str(tmp_path_factory.mktemp("pooling-logs"))
-    with running_server(logs, server_cache_dir, extra_args=FLAGS, model=path) as proc:
+    with running_server(logs, server_cache_dir, extra_args=FLAGS, model=path, env=TINY_PROCESS_ENV) as proc:
         yield proc, model
 
 

@@ -28,7 +28,7 @@ import pytest
 
 from helpers.scripted_model import save_scripted_llama
 from helpers.server_harness import ServerProcess
-from helpers.tiny_models import FAST_COMPILE_XLA_FLAGS
+from helpers.tiny_models import TINY_PROCESS_XLA_FLAGS
 
 pytestmark = pytest.mark.slow  # three servers of their own (tiny models)
 
@@ -93,7 +93,7 @@ R1_ANSWER = ["Seventeen has no divisor", " but one and itself.", "</think>", "Ye
 
 
 def _start(tmp_path_factory, cache_dir, name, model, flags, device_count=1) -> ServerProcess:
-    xla_flags = f"--xla_force_host_platform_device_count={device_count} {FAST_COMPILE_XLA_FLAGS}"
+    xla_flags = f"--xla_force_host_platform_device_count={device_count} {TINY_PROCESS_XLA_FLAGS}"
     proc = ServerProcess(
         str(tmp_path_factory.mktemp(f"{name}-logs")),
         cache_dir,

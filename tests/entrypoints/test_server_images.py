@@ -16,6 +16,7 @@ import pytest
 from test_server_hostile import check_error, check_still_serving, send
 
 from helpers.server_harness import MODEL_NAME, running_server
+from helpers.tiny_models import TINY_PROCESS_ENV
 from helpers.tiny_vlm import (
     ENGINE_ARGS,
     data_url,
@@ -44,9 +45,9 @@ def vlm(tmp_path_factory, server_cache_dir, media_dir):
              "--allowed-media-domains", "images.example.com"]  # fmt: skip
     for key, value in ENGINE_ARGS.items():  # the offline test's engine (tests/models/test_llava.py)
         flags += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
-    with running_server(
-        str(tmp_path_factory.mktemp("vlm-logs")), server_cache_dir, extra_args=flags, model=model
-    ) as proc:
+    logs = str(tmp_path_factory.mktemp("vlm-logs"))
+    # A tiny model against Hugging Face's: compile fast (helpers/tiny_models.py).
+    with running_server(logs, server_cache_dir, extra_args=flags, model=model, env=TINY_PROCESS_ENV) as proc:
         with httpx.Client(base_url=proc.url, timeout=120) as client:
             yield proc, client, model
 
@@ -118,9 +119,8 @@ def test_other_families_through_the_openai_client(tmp_path_factory, server_cache
     for key, value in ENGINE_ARGS.items():
         flags += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
     image = random_image(12)
-    with running_server(
-        str(tmp_path_factory.mktemp(f"{family}-logs")), server_cache_dir, extra_args=flags, model=model
-    ) as proc:
+    logs = str(tmp_path_factory.mktemp(f"{family}-logs"))
+    with running_server(logs, server_cache_dir, extra_args=flags, model=model, env=TINY_PROCESS_ENV) as proc:
         client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none")
         response = client.chat.completions.create(**_chat(_image(data_url(image)), model=f"tiny-{family}"))
     assert response.choices[0].message.content == _decode(model, _hf_tokens(model, image))

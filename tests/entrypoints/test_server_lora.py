@@ -18,6 +18,7 @@ import pytest
 from helpers.family_cases import make_hf_model, save_hf_model
 from helpers.lora_adapters import make_adapter
 from helpers.server_harness import ServerProcess
+from helpers.tiny_models import TINY_PROCESS_ENV
 
 peft = pytest.importorskip("peft")
 torch = pytest.importorskip("torch")
@@ -64,7 +65,11 @@ def lora_server(tmp_path_factory, server_cache_dir):
     flags += ["--max-num-batched-tokens", "16", "--max-num-seqs", "8"]
     flags += ["--lora-modules", f"a0={paths[0]}", json.dumps({"name": "a1", "path": paths[1]})]
     proc = ServerProcess(
-        str(root), server_cache_dir, flags, model=directory, env={"XLASERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+        str(root),
+        server_cache_dir,
+        flags,
+        model=directory,
+        env={"XLASERVE_ALLOW_RUNTIME_LORA_UPDATING": "1", **TINY_PROCESS_ENV},
     )
     proc.wait_ready()
     with httpx.Client(base_url=proc.url, timeout=120) as client:

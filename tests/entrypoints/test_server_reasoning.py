@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from helpers.server_harness import ServerProcess
-from helpers.tiny_models import save_tiny_thinking_model
+from helpers.tiny_models import TINY_PROCESS_ENV, save_tiny_thinking_model
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
 from xlaserve.models.loader import load_tokenizer
 
@@ -44,6 +44,7 @@ def thinking_server(tmp_path_factory, server_cache_dir):
             "256",
         ],  # fmt: skip
         model=model,
+        env=TINY_PROCESS_ENV,
     )
     proc.wait_ready()
     proc.model_dir = model

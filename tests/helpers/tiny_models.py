@@ -12,6 +12,14 @@ import numpy as np
 # logprobs, collectives) does not depend on it. Engines on SmolLM2, whose steps dominate, keep XLA's
 # default: at level 0 its modules took ~30% more CPU. helpers/tp_worker.py sets the same level.
 FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# For a process of its own (a server, an engine's start) on a tiny model, whose results are compared
+# with a reference computed apart (Hugging Face's, a scripted text) or in processes compiling alike:
+# XLA:CPU's elemental emitters for fusions too, not its newer fusion emitters, which were most of such
+# a compile (a tiny VLM server's warm-up of 17 programs: 16.5 -> 6.3 s). The fake-mesh worker does the
+# same per program (helpers/tp_worker.py). Not for the suite's own processes: their bitwise tests
+# (batch invariance, pipeline stages against one device) hold for the emitters users run.
+TINY_PROCESS_XLA_FLAGS = f"{FAST_COMPILE_XLA_FLAGS} --xla_cpu_use_fusion_emitters=false"
+TINY_PROCESS_ENV = {"XLA_FLAGS": TINY_PROCESS_XLA_FLAGS}  # ServerProcess(env=...)
 # A tiny DeepSeek-V3 (latent attention, a dense layer then grouped-routing experts): save_tiny_model's
 # overrides for "DeepseekV3", shared by the MLA kernel, tensor- and context-parallel tests.
 TINY_DEEPSEEK_V3 = {

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers.tiny_models import FAST_COMPILE_XLA_FLAGS, save_tiny_llama, small_byte_tokenizer
+from helpers.tiny_models import TINY_PROCESS_XLA_FLAGS, save_tiny_llama, small_byte_tokenizer
 from xlaserve.config import EngineConfig
 from xlaserve.worker.compile_guard import num_compiles
 from xlaserve.worker.program import Program
@@ -200,7 +200,7 @@ ENGINES = {"single": {}, "tp2": {"tensor_parallel_size": 2}}
 
 def _start(model: str, cache_root: str) -> dict:
     """Every engine of ENGINES started in one fresh process -> {name: its figures}."""
-    xla_flags = f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_XLA_FLAGS}"  # a tiny model
+    xla_flags = f"--xla_force_host_platform_device_count=8 {TINY_PROCESS_XLA_FLAGS}"  # a tiny model
     env = dict(os.environ, XLASERVE_CACHE_ROOT=cache_root, XLA_FLAGS=xla_flags)
     env.pop("XLASERVE_COMPILATION_CACHE_DIR", None)
     env.pop("XLASERVE_DISABLE_COMPILATION_CACHE", None)
