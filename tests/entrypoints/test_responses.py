@@ -342,7 +342,6 @@ ERROR_CASES = [  # (body over {"input": QUESTION}, status, param, words the mess
     ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type", "function"),
     ({"truncation": "auto"}, 400, "truncation", "disabled"),
     ({"background": True}, 400, "store", "store: true"),
-    ({"background": True, "store": True, "stream": True}, 400, "stream", "stream: false"),
     ({"top_logprobs": 2}, 400, "top_logprobs", "top_logprobs"),
     ({"model": "gpt-5"}, 404, "model", "gpt-5"),
 ]  # fmt: skip
@@ -359,6 +358,17 @@ def test_a_background_response_is_polled_to_the_answer_and_a_cancelled_one_stops
         i.model_dump(exclude={"id"}) for i in foreground.output
     ]
     assert done.usage.output_tokens == foreground.usage.output_tokens
+    # Streamed as it is made, and followed again later from any event on.
+    with client.responses.create(input=QUESTION, **GREEDY, background=True, stream=True) as stream:
+        events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:3]] == ["response.queued", "response.created", "response.in_progress"]
+    assert events[-1].type == "response.completed" and events[-1].response.background
+    assert [i.model_dump(exclude={"id"}) for i in events[-1].response.output] == [
+        i.model_dump(exclude={"id"}) for i in foreground.output
+    ]
+    again = list(client.responses.retrieve(events[0].response.id, stream=True, starting_after=2))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events[3:]]
     # Cancelled while it runs: its request aborted, its blocks freed, the response `cancelled`.
     before = metrics(server)
     long = client.responses.create(
@@ -379,14 +389,12 @@ def test_a_background_response_is_polled_to_the_answer_and_a_cancelled_one_stops
     assert client.responses.cancel(done.id).status == "completed"  # finished: returned as it is
     # Only background responses cancel; a cancelled one has no answer to continue.
     stored = client.responses.create(input=QUESTION, **GREEDY)
-    for body, param in [
-        (None, "response_id"),
-        ({"input": QUESTION, "previous_response_id": long.id}, "previous_response_id"),
+    # Only a background response's events are kept.
+    for response, param in [
+        (httpx.post(f"{server.url}/v1/responses/{stored.id}/cancel", headers=server.headers), "response_id"),
+        (_post(server, {"input": QUESTION, "previous_response_id": long.id}), "previous_response_id"),
+        (httpx.get(f"{server.url}/v1/responses/{stored.id}?stream=true", headers=server.headers), "stream"),
     ]:
-        if body is None:
-            response = httpx.post(f"{server.url}/v1/responses/{stored.id}/cancel", headers=server.headers)
-        else:
-            response = _post(server, body)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param
 

@@ -96,9 +96,22 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     async def create(request: ResponsesRequest, raw_request: Request):
         return await create_response(state, store, request, raw_request, background)
 
-    @app.get("/v1/responses/{response_id}", responses=_errors(401, 404))
-    async def retrieve(response_id: str) -> Response:
-        return Response.model_validate(_stored(store, response_id, "response_id").response)
+    @app.get(
+        "/v1/responses/{response_id}",
+        response_model=None,
+        responses={
+            200: {"model": Response, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **_errors(400, 401, 404),
+        },
+    )
+    async def retrieve(response_id: str, stream: bool = False, starting_after: int = -1):
+        """The stored response; `stream`: a background response's events after `starting_after`."""
+        stored = Response.model_validate(_stored(store, response_id, "response_id").response)
+        if not stream:
+            return stored
+        return StreamingResponse(
+            background.follow(response_id, starting_after), media_type="text/event-stream"
+        )
 
     @app.post("/v1/responses/{response_id}/cancel", responses=_errors(400, 401, 404))
     async def cancel(response_id: str) -> Response:
@@ -259,13 +272,13 @@ async def create_response(
     shell = _shell(req, plan, request_id, model)
     saved = _Saver(store, req.store, conversation)
 
-    def start():
+    def start(stream: bool):
         return submit(
             state,
             ids,
             params,
             request_id,
-            stream=req.stream,
+            stream=stream,
             prompt=text,
             priority=chat.priority,
             cache_salt=chat.cache_salt,
@@ -274,7 +287,7 @@ async def create_response(
         )
 
     async def whole(raw_request) -> Response:
-        output, completion, parsed = await _answer(raw_request, start(), parser)
+        output, completion, parsed = await _answer(raw_request, start(False), parser)
         status = "incomplete" if completion.finish_reason == "length" else "completed"
         items = output_items(parsed, status)
         usage = _usage(
@@ -284,13 +297,21 @@ async def create_response(
         saved(response)
         return response
 
-    if req.background:  # answered queued; the client polls the store
-        return background.start(shell, conversation, lambda: whole(None))
+    write = EventWriter()
+    if req.background:  # answered queued (or by its events); the client polls the store
+        events = _events(state, shell, start(True), len(ids), parser, saved, write)
+        return _background(background, shell, conversation, events, write, req.stream)
     if req.stream:
-        write = EventWriter()
-        events = _events(state, shell, start(), len(ids), parser, saved, write)
+        events = _events(state, shell, start(True), len(ids), parser, saved, write)
         return StreamingResponse(_with_error_event(events, write), media_type="text/event-stream")
     return await whole(raw_request)
+
+
+def _background(background: BackgroundResponses, shell, conversation, events, write, stream: bool):
+    queued = background.start(shell, conversation, events, write)
+    if stream:
+        return StreamingResponse(background.follow(shell.id, -1), media_type="text/event-stream")
+    return queued
 
 
 async def _answer(raw_request, stream, parser: ChoiceParser):
@@ -365,7 +386,8 @@ async def _create_with_mcp(
             plan = ToolPlan("auto" if req.tools else "none")
         else:
             plan = ToolPlan("named", choice.name) if not isinstance(choice, str) else ToolPlan(choice)
-        return background.start(_shell(req, plan, run.response_id, model), conversation, whole)
+        shell = _shell(req, plan, run.response_id, model)
+        return _background(background, shell, conversation, run.events(), run.write, req.stream)
     return await until_disconnect(raw_request, whole())
 
 
