@@ -255,7 +255,7 @@ async def create_response(
 ):
     model = check_model(state, req.model)
     if req.background:
-        check_background(req)
+        check_background(req, store)
     history: list[dict] = []
     if req.previous_response_id is not None:
         history = _stored(store, req.previous_response_id, "previous_response_id").conversation

@@ -28,10 +28,14 @@ UNFINISHED = ("queued", "in_progress")
 KEPT_RUNS = 64  # finished background responses whose events a late `GET ...?stream=true` can still read
 
 
-def check_background(req: ResponsesRequest) -> None:
+def check_background(req: ResponsesRequest, store: ResponseStore) -> None:
     if req.store is False:
         raise bad_request(
             "a background response is read from the store: send store: true (the default)", "store"
+        )
+    if store.max_size == 0:
+        raise bad_request(
+            "this server stores no responses (--max-stored-responses 0) to read back", "background"
         )
 
 
