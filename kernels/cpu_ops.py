@@ -125,7 +125,9 @@ def available(target: str = TARGET) -> bool:
     op is built only when first needed (a bfloat16 model never builds the quantized matmul)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
-    with _LOCKS[target]:
+    with _REGISTER_LOCK:
+        lock = _LOCKS.setdefault(target, threading.Lock())
+    with lock:
         return _register_once(target)
 
 
@@ -143,7 +145,7 @@ def targets_called_by(serialized: bytes) -> list[str]:
     return [target for target in _OPS if target.encode() in serialized]
 
 
-_LOCKS = {target: threading.Lock() for target in _OPS}  # one op's build never waits for another's
+_LOCKS: dict[str, threading.Lock] = {}  # one per op: one op's build never waits for another's
 _REGISTER_LOCK = threading.Lock()
 
 

@@ -727,6 +727,12 @@ ROUTE_CASES = [
     ("GET", "/v1/responses/%FF%00", 404),
     ("DELETE", "/v1/responses/%ED%A0%80", 404),
     ("GET", "/v1/responses/" + "r" * 8000, 404),
+    ("GET", "/v1/responses/resp_nothing/cancel", 405),
+    ("POST", "/v1/responses/resp_nothing/cancel", 404),
+    ("POST", "/v1/responses/%FF%00/cancel", 404),
+    ("GET", "/v1/responses/resp_nothing?stream=true&starting_after=3", 404),
+    ("GET", "/v1/responses/resp_nothing?stream=maybe", 400),
+    ("GET", "/v1/responses/resp_nothing?stream=true&starting_after=x", 400),
     ("POST", "/tokenizer_info", 405),
     ("DELETE", "/tokenizer_info", 405),
     ("GET", "/tokenizer_info/%FF%00", 404),
@@ -904,6 +910,8 @@ def test_server_still_generates(server):
 # -- the Responses API (/v1/responses) ---------------------------------------------------------------
 
 RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+_MCP_TOOL = {"type": "mcp", "server_label": "s", "server_url": "http://x/mcp"}
+_MCP_CALL = {"type": "mcp_call", "id": "mcp_1", "server_label": "s", "name": "t", "arguments": "{}"}
 _CALL_ITEM = {
     "type": "function_call",
     "call_id": "call_1",
@@ -959,7 +967,28 @@ RESPONSES_CASES = [  # (fields over the valid body, the param named, the status)
     ({"metadata": {"k": "v" * 513}}, "metadata.k", 400),
     ({"metadata": {"k": 5}}, "metadata.k", 400),
     ({"truncation": "auto"}, "truncation", 400),
-    ({"background": True}, "background", 400),
+    ({"background": True}, "store", 400),  # the base body says store: false
+    ({"background": "soon", "store": True}, "background", 400),
+    # MCP items and tools (the allow-list is checked first: no --tool-server here matches x).
+    ({"input": [{"type": "mcp_approval_response", "approval_request_id": "mcpr_1", "approve": True}]},
+     "input[0].approval_request_id", 400),
+    ({"input": [{"type": "mcp_approval_response", "approval_request_id": "mcpr_1", "approve": "yes"}]},
+     "input[0].approve", 400),
+    ({"input": [{"type": "mcp_approval_response", "approve": True}]}, "input[0].approval_request_id", 400),
+    ({"input": [{**_MCP_CALL, "name": "a b"}]}, "input[0].name", 400),
+    ({"input": [{**_MCP_CALL, "id": ""}]}, "input[0].id", 400),
+    ({"input": [{**_MCP_CALL, "type": "mcp_approval_request", "arguments": 5}]}, "input[0].arguments", 400),
+    ({"input": [_MCP_CALL, _MCP_CALL]}, "input[1].id", 400),
+    ({"input": [{"type": "mcp_list_tools", "server_label": "s", "tools": "x"}]}, "input[0].tools", 400),
+    ({"tools": [{**_MCP_TOOL, "headers": {"k": 5}}]}, "tools[0].headers.k", 400),
+    ({"tools": [{**_MCP_TOOL, "headers": {f"k{i}": "v" for i in range(33)}}]}, "tools[0].headers", 400),
+    ({"tools": [{**_MCP_TOOL, "authorization": "a\r\nb"}]}, "tools[0].authorization", 400),
+    ({"tools": [{**_MCP_TOOL, "require_approval": "later"}]}, "tools[0].require_approval", 400),
+    ({"tools": [{**_MCP_TOOL, "require_approval": {"always": {"tool_names": "t"}}}]},
+     "tools[0].require_approval.always.tool_names", 400),
+    ({"tools": [{**_MCP_TOOL, "require_approval": {"sometimes": {}}}]},
+     "tools[0].require_approval.sometimes", 400),
+    ({"tools": [_MCP_TOOL]}, "tools[0].server_url", 400),
     ({"service_tier": "flex"}, "service_tier", 400),
     ({"include": "x"}, "include", 400),
     ({"top_logprobs": 2}, "top_logprobs", 400),
