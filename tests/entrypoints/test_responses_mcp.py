@@ -7,6 +7,7 @@ connection, and the other bad tool specs are 400s naming the field."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -149,6 +150,19 @@ def test_a_client_leaving_a_streamed_response_ends_its_request(server, client, m
     assert again.output[0].type == "mcp_list_tools"
 
 
+def test_a_background_response_with_mcp_tools_is_the_foreground_one(server, client, mcp_tool_server):
+    request = tide_request(mcp_tool_server.url, 80)
+    whole = client.responses.create(**request)
+    queued = client.responses.create(**request, background=True)
+    assert queued.status == "queued" and queued.background
+    deadline = time.monotonic() + 120
+    while (done := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert [_no_id(i) for i in done.output] == [_no_id(i) for i in whole.output]
+    assert done.usage.output_tokens == whole.usage.output_tokens
+
+
 def _no_id(item) -> dict:
     return item.model_dump(exclude={"id", "call_id"})  # both drawn at random
 
@@ -242,6 +256,11 @@ def test_an_approved_call_waits_for_the_client_and_a_declined_one_is_never_made(
     assert made.arguments == asked.arguments and made.output == tide_table(port) and made.error is None
     assert mcp_tool_server.calls == [("tide_table", {"port": port})]
     assert approved.output[-1].type == "message"  # tool_choice none: the model answers with the output
+    # The conversation goes on from the approved answer (its stored turns are a valid chat).
+    follow_up = client.responses.create(
+        model=MODEL_NAME, previous_response_id=approved.id, input="Thanks.", tools=tools, max_output_tokens=8
+    )
+    assert follow_up.status in ("completed", "incomplete") and follow_up.output[-1].type == "message"
     # Streamed, the same two answers (the second made once more), item for item.
     with client.responses.create(
         model=MODEL_NAME,
