@@ -33,11 +33,12 @@ from xlaserve.entrypoints.openai.responses_protocol import (
     ReasoningItem,
     ResponsesRequest,
 )
+from xlaserve.entrypoints.openai.responses_stream import APPROVAL_REQUEST
 from xlaserve.entrypoints.serving.errors import APIError, bad_request, loc_to_param
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 
 APPROVAL = "approval"  # the key of an answer's tool turn that waits for its MCP call (`input_turns`)
-APPROVAL_PREFIX = "mcpr_"  # the ids of the mcp_approval_request items this server makes
+APPROVAL_PREFIX = f"{APPROVAL_REQUEST}_"  # the ids of the mcp_approval_request items this server makes
 
 # The chat request's field names (in `param` and in messages) -> the Responses API's.
 _RENAMES = [

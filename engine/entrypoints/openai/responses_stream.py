@@ -41,6 +41,8 @@ from xlaserve.entrypoints.openai.responses_output import (
 )
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta
 
+APPROVAL_REQUEST = "mcpr"  # the prefix of an mcp_approval_request's id
+
 
 def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -98,7 +100,7 @@ class OutputStream:
                     )
                 elif self._waits(name):  # announced whole once the model has written it
                     item = McpApprovalRequestOutput(
-                        id=item_id("mcpr"), server_label=label, name=name, arguments=""
+                        id=item_id(APPROVAL_REQUEST), server_label=label, name=name, arguments=""
                     )
                     self.call_ids[item.id] = item.id  # the id the client's approval names
                 else:
