@@ -135,9 +135,17 @@ def _stored(store: ResponseStore, response_id: str, param: str) -> StoredRespons
     shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
     if entry is None:
         raise APIError(404, f"Response with id '{shown}' not found.", param=param, code="response_not_found")
-    if param == "previous_response_id" and entry.response["status"] in UNFINISHED + ("cancelled", "failed"):
+    return entry
+
+
+def _continued(store: ResponseStore, response_id: str) -> StoredResponse:
+    """The stored response `previous_response_id` names: one with an answer to continue from."""
+    entry = _stored(store, response_id, "previous_response_id")
+    shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
+    if entry.response["status"] in UNFINISHED + ("cancelled", "failed"):
         raise bad_request(
-            f"response {shown!r} is {entry.response['status']}: it has no answer to continue", param
+            f"response {shown!r} is {entry.response['status']}: it has no answer to continue",
+            "previous_response_id",
         )
     return entry
 
@@ -258,7 +266,7 @@ async def create_response(
         check_background(req, store)
     history: list[dict] = []
     if req.previous_response_id is not None:
-        history = _stored(store, req.previous_response_id, "previous_response_id").conversation
+        history = _continued(store, req.previous_response_id).conversation
     conversation = history + input_turns(req, history)
     fields = image_fields(req, history)
     mcp_tools = mcp_tools_of(req, state.tool_servers)

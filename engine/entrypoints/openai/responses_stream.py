@@ -149,19 +149,14 @@ class OutputStream:
         """The events of a call made before the model's first turn (one the client approved)."""
         self.items.append(item)
         added = item.model_copy(update={"output": None, "error": None, "status": "in_progress"})
-        index = len(self.items) - 1
-        kind = "response.mcp_call.failed" if item.error is not None else "response.mcp_call.completed"
+        where = {"item_id": item.id, "output_index": len(self.items) - 1}
         return [
-            self.write("response.output_item.added", output_index=index, item=added.model_dump()),
             self.write(
-                "response.mcp_call_arguments.done",
-                item_id=item.id,
-                output_index=index,
-                arguments=item.arguments,
+                "response.output_item.added", output_index=where["output_index"], item=added.model_dump()
             ),
-            self.write("response.mcp_call.in_progress", item_id=item.id, output_index=index),
-            self.write(kind, item_id=item.id, output_index=index),
-            self._done(item),
+            self.write("response.mcp_call_arguments.done", **where, arguments=item.arguments),
+            self.call_started(item),
+            *self._call_ended(item),
         ]
 
     def call_started(self, item: McpCallOutput) -> str:
@@ -170,6 +165,9 @@ class OutputStream:
     def call_finished(self, item: McpCallOutput) -> list[str]:
         """An MCP call made (`item` holds its output, or its error)."""
         self.pending.remove(item)
+        return self._call_ended(item)
+
+    def _call_ended(self, item: McpCallOutput) -> list[str]:
         kind = "response.mcp_call.failed" if item.error is not None else "response.mcp_call.completed"
         return [self.write(kind, item_id=item.id, output_index=self._index(item)), self._done(item)]
 
