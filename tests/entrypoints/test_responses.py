@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from helpers.server_harness import MAX_STORED_RESPONSES, MODEL_NAME, metric, metrics, wait_for_metrics
-from xlaserve.entrypoints.openai.responses import answer_turn, output_items
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
+from xlaserve.entrypoints.openai.responses_turn import answer_turn, output_items
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta, ParsedChoice
 from xlaserve.entrypoints.serving.tool_parsers import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 

@@ -1,0 +1,258 @@
+"""What one Responses turn is made of, shared by the one-turn route (responses.py) and the MCP turn loop
+(responses_mcp.py): the turn's chat-path preparation, the response's shell and its finished form, its
+output items and usage, the streamed turn's events, and the saver that stores the answer's chat turn."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi.responses import StreamingResponse
+
+from xlaserve.entrypoints.openai.responses_background import BackgroundResponses
+from xlaserve.entrypoints.openai.responses_convert import rename_error, to_chat_request
+from xlaserve.entrypoints.openai.responses_output import (
+    FunctionCallOutput,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputMessage,
+    OutputTextPart,
+    OutputTokensDetails,
+    ReasoningOutput,
+    ReasoningTextPart,
+    Response,
+    ResponseUsage,
+)
+from xlaserve.entrypoints.openai.responses_protocol import MCP_SECRETS, ResponsesRequest
+from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
+from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream, item_id
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, ParsedChoice
+from xlaserve.entrypoints.serving.chat_path import chat_sampling_params
+from xlaserve.entrypoints.serving.chat_template import apply_chat_template
+from xlaserve.entrypoints.serving.engine_io import (
+    check_context,
+    check_finish,
+    engine_error,
+    merge_streams,
+    tokenize_text,
+)
+from xlaserve.entrypoints.serving.errors import APIError
+from xlaserve.entrypoints.serving.multimodal import (
+    check_image_parts,
+    image_parts,
+    load_images,
+    process_images,
+)
+from xlaserve.entrypoints.serving.state import ServerState
+from xlaserve.entrypoints.serving.tools import ToolPlan, plan_tools
+
+
+async def prepare_turn(
+    state: ServerState,
+    req: ResponsesRequest,
+    conversation: list[dict],
+    fields: list[str],
+    mcp_functions=(),
+    tool_choice=None,
+    budget: int | None = None,
+    later: bool = False,
+):
+    """The chat path's request, tool plan, prompt text, prompt ids, SamplingParams and image features
+    for one model turn (errors named as the Responses request has them; an image's by `fields`, the
+    Responses field of each image part in order: responses_convert.image_fields). A `later` turn of an
+    MCP response has `budget` tokens, what is left of max_output_tokens (None: the rest of the context),
+    cut to the room the context leaves; None comes back when no room is left."""
+    chat = to_chat_request(req, conversation, mcp_functions, tool_choice)
+    parts = [(field, url) for (_, url), field in zip(image_parts(chat.messages), fields, strict=True)]
+    try:
+        check_image_parts(state, parts)  # before any image is read
+        images = await load_images(state, parts) if parts else []
+        plan = plan_tools(chat, state.enable_auto_tool_choice)
+        text = apply_chat_template(state, chat.messages, True, False, chat.tools)
+        if images:
+            ids, mm_features = await process_images(state, text, images)
+        else:
+            ids, mm_features = tokenize_text(state.engine, text, False, "input"), []
+        max_tokens = chat.max_tokens
+        if later:
+            room = state.engine.max_model_len - len(ids)
+            max_tokens = min(room, budget if budget is not None else room)
+            if max_tokens <= 0:
+                return None
+        check_context(state.engine, len(ids), max_tokens, "input")
+        params = chat_sampling_params(state, chat, plan, ids, max_tokens)
+    except APIError as e:
+        raise rename_error(e) from None
+    return chat, plan, text, ids, params, mm_features
+
+
+def response_shell(req: ResponsesRequest, plan: ToolPlan, request_id: str, model: str) -> Response:
+    """The response as it stands before any output: what the request asked for, in progress."""
+    if plan.choice == "named":
+        tool_choice = {"type": "function", "name": plan.function_name}
+    else:
+        tool_choice = plan.choice
+    text_format = req.text.format if req.text is not None and req.text.format is not None else None
+    return Response(
+        id=request_id,
+        created_at=int(time.time()),
+        status="in_progress",
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        model=model,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        previous_response_id=req.previous_response_id,
+        reasoning={
+            "effort": req.reasoning.effort if req.reasoning else None,
+            "summary": req.reasoning.summary if req.reasoning else None,
+        },
+        store=req.store,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        text={
+            "format": text_format.model_dump(by_alias=True, exclude_none=True)
+            if text_format
+            else {"type": "text"}
+        },
+        tool_choice=tool_choice,
+        tools=[tool.model_dump(exclude_none=True, exclude=MCP_SECRETS) for tool in req.tools or []],
+        top_p=1.0 if req.top_p is None else req.top_p,
+        user=req.user,
+        metadata=req.metadata or {},
+        background=bool(req.background),
+    )
+
+
+def finished(response: Response, items, usage: ResponseUsage, finish_reason: str | None) -> Response:
+    is_cut = finish_reason == "length"
+    return response.model_copy(
+        update={
+            "status": "incomplete" if is_cut else "completed",
+            "incomplete_details": IncompleteDetails(reason="max_output_tokens") if is_cut else None,
+            "output": items,
+            "usage": usage,
+        }
+    )
+
+
+def response_usage(
+    state: ServerState, num_prompt: int, num_generated: int, num_cached: int, reasoning: str
+) -> ResponseUsage:
+    tokenizer = state.engine.tokenizer
+    num_reasoning = len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    return ResponseUsage(
+        input_tokens=num_prompt,
+        input_tokens_details=InputTokensDetails(cached_tokens=num_cached),
+        output_tokens=num_generated,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=min(num_reasoning, num_generated)),
+        total_tokens=num_prompt + num_generated,
+    )
+
+
+def output_items(parsed: ParsedChoice, status: str) -> list:
+    """A whole answer's items: its reasoning, its text (an empty message when there is nothing else),
+    then each call."""
+    items = []
+    if parsed.reasoning:
+        items.append(ReasoningOutput(id=item_id("rs"), content=[ReasoningTextPart(text=parsed.reasoning)]))
+    calls = [
+        FunctionCallOutput(
+            id=item_id("fc"), call_id=c.id, name=c.function.name, arguments=c.function.arguments
+        )
+        for c in parsed.tool_calls
+    ]
+    if parsed.content or not calls:
+        items.append(
+            OutputMessage(
+                id=item_id("msg"), status=status, content=[OutputTextPart(text=parsed.content or "")]
+            )
+        )
+    return items + calls
+
+
+def answer_turn(items) -> dict:
+    """The response's output as the assistant's chat turn, for a later request to continue."""
+    text = "".join(p.text for item in items if isinstance(item, OutputMessage) for p in item.content)
+    turn: dict = {"role": "assistant", "content": text}
+    calls = [
+        {"id": i.call_id, "type": "function", "function": {"name": i.name, "arguments": i.arguments}}
+        for i in items
+        if isinstance(i, FunctionCallOutput) and _is_object(i.arguments)
+    ]
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def _is_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
+
+
+class Saver:
+    """Keeps a finished response and its conversation in the store when the request said `store`."""
+
+    def __init__(self, store: ResponseStore, is_stored: bool, conversation: list[dict]):
+        self.store = store
+        self.is_stored = is_stored
+        self.conversation = conversation
+
+    def __call__(self, response: Response, answer_items=None) -> None:
+        """`answer_items`: the items of the assistant's last chat turn (by default the whole output; none:
+        the conversation ends with the calls that wait for the client's approval)."""
+        if self.is_stored:
+            items = response.output if answer_items is None else answer_items
+            conversation = [*self.conversation, answer_turn(items)] if items else list(self.conversation)
+            self.store.put(response.id, StoredResponse(response.model_dump(), conversation))
+
+
+class Totals:
+    """A response's counts over its model turns, and how its last turn ended."""
+
+    def __init__(self) -> None:
+        self.num_prompt = self.num_generated = self.num_cached = 0
+        self.reasoning = ""
+        self.finish_reason: str | None = None
+
+
+async def stream_turn(stream, parser: ChoiceParser, items: OutputStream, totals: Totals):
+    """One model turn's outputs as events of `items` (its open item closed at the end), counted in
+    `totals`."""
+    merged = merge_streams([stream])
+    try:
+        async for _, output in merged:
+            check_finish(output)
+            (completion,) = output.outputs
+            totals.num_generated += len(completion.token_ids)
+            totals.num_cached += output.num_cached_tokens if completion.finish_reason is not None else 0
+            delta = parser.feed(completion.text) if completion.text else None
+            events = items.feed(delta) if delta else []
+            totals.reasoning += (delta.reasoning or "") if delta else ""
+            if completion.finish_reason is not None:
+                last = parser.finish()
+                totals.reasoning += last.reasoning or ""
+                totals.finish_reason = completion.finish_reason
+                events += items.feed(last)
+                events += items.close("incomplete" if completion.finish_reason == "length" else "completed")
+            for event in events:
+                yield event
+    finally:
+        await merged.aclose()
+
+
+async def with_error_event(events, write: EventWriter):
+    """`events`, and an error after the headers as an `error` event that ends the stream."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
+        error = engine_error(e)
+        yield write("error", code=error.code, message=error.message, param=error.param)
+
+
+def in_background(background: BackgroundResponses, shell, conversation, events, write, stream: bool):
+    queued = background.start(shell, conversation, events, write)
+    if stream:
+        return StreamingResponse(background.follow(shell.id, -1), media_type="text/event-stream")
+    return queued
