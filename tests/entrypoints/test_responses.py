@@ -16,9 +16,9 @@ import pytest
 from helpers.server_harness import MAX_STORED_RESPONSES, MODEL_NAME, metric, metrics, wait_for_metrics
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
-from xlaserve.entrypoints.openai.responses_turn import answer_turn, output_items
-from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta, ParsedChoice
-from xlaserve.entrypoints.serving.tool_parsers import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from xlaserve.entrypoints.openai.responses_turn import answer_turn
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta
+from xlaserve.entrypoints.serving.tool_parsers import DeltaFunctionCall, DeltaToolCall
 
 WEATHER = {
     "type": "object",
@@ -86,6 +86,58 @@ def test_greedy_text_and_usage_equal_the_chat_route(server, client):
     as_items = _create(client, input=items, store=False)
     assert as_items.output_text == response.output_text
     assert as_items.usage.input_tokens == response.usage.input_tokens
+
+
+def test_output_text_logprobs_are_the_chat_routes_and_stream_alike(server, client):
+    """include message.output_text.logprobs: the message's tokens, each with its top_logprobs, equal the
+    chat route's logprobs for the same greedy request; streamed, the deltas' logprobs join into the
+    same list, and the done event and the final response hold it whole. Without `include`, none."""
+    include = {"include": ["message.output_text.logprobs"], "top_logprobs": 3}
+    response = _create(client, input=QUESTION, store=False, **include)
+    chat = _post(
+        server,
+        {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": GREEDY["max_output_tokens"],
+         "temperature": 0, "logprobs": True, "top_logprobs": 3},
+        "/v1/chat/completions",
+    ).json()  # fmt: skip
+    assert chat["choices"][0]["finish_reason"] == "stop"  # the answer ends with the stop token...
+    *expected, stop = chat["choices"][0]["logprobs"]["content"]
+    assert stop["token"] == "<|im_end|>", stop  # ...which writes no answer text: not the message's
+    (message,) = response.output
+    logprobs = [entry.model_dump() for entry in message.content[0].logprobs]
+    assert logprobs == expected and len(logprobs) == response.usage.output_tokens - 1 > 3
+    assert "".join(entry["token"] for entry in logprobs) == response.output_text
+    assert all(len(entry["top_logprobs"]) == 3 for entry in logprobs)
+    assert response.top_logprobs == 3
+    events = _events(server, {"model": MODEL_NAME, "input": QUESTION, **GREEDY, **include})
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [entry for e in deltas for entry in e["logprobs"]] == expected
+    assert all(len(e["logprobs"]) >= 1 for e in deltas)
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == expected
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == expected
+    plain = _create(client, input=QUESTION, store=False, top_logprobs=3)  # no include: no logprobs
+    assert plain.output_text == response.output_text and plain.output[0].content[0].logprobs == []
+
+
+def test_output_logprobs_skip_reasoning_calls_and_tokens_held_back():
+    """What the parser does not write as answer text takes its tokens' logprobs with it; a token whose
+    text is held back (part of a character, a tag not yet read) joins the answer text written later."""
+    stream = OutputStream(EventWriter())
+    entry = [{"token": f"t{i}", "logprob": -float(i), "bytes": [], "top_logprobs": []} for i in range(7)]
+    events = stream.feed(ChoiceDelta(reasoning="hm"), [entry[0]])
+    events += stream.feed(None, [entry[1]])  # "</think>": nothing written
+    events += stream.feed(ChoiceDelta(content="Hi"), [entry[2]])
+    events += stream.feed(None, [entry[3]])  # a held-back piece...
+    events += stream.feed(ChoiceDelta(content=" there"), [entry[4]])  # ...let out with the next token
+    call = DeltaToolCall(0, DeltaFunctionCall("get_weather", "{}"), id="call_1", type="function")
+    events += stream.feed(ChoiceDelta(tool_calls=[call]), [entry[5], entry[6]])
+    events += stream.finish("completed")
+    payloads = [json.loads(e.split("data: ", 1)[1]) for e in events]
+    deltas = [p["logprobs"] for p in payloads if p["type"] == "response.output_text.delta"]
+    assert deltas == [[entry[2]], [entry[3], entry[4]]]
+    message = next(item for item in stream.items if item.type == "message")
+    assert message.content[0].logprobs == entry[2:5] and message.content[0].text == "Hi there"
 
 
 def test_max_output_tokens_makes_it_incomplete(client):
@@ -342,7 +394,8 @@ ERROR_CASES = [  # (body over {"input": QUESTION}, status, param, words the mess
     ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type", "function"),
     ({"truncation": "auto"}, 400, "truncation", "disabled"),
     ({"background": True}, 400, "store", "store: true"),
-    ({"top_logprobs": 2}, 400, "top_logprobs", "top_logprobs"),
+    ({"top_logprobs": 21}, 400, "top_logprobs", "20"),
+    ({"include": ["file_search_call.result"]}, 400, "include[0]", "message.output_text.logprobs"),
     ({"model": "gpt-5"}, 404, "model", "gpt-5"),
 ]  # fmt: skip
 
@@ -459,16 +512,7 @@ def test_reasoning_then_text_then_call_stream_as_items():
     ]
     assert message["content"][0]["text"] == "Sure." and message["status"] == "completed"
     assert function_call["arguments"] == '{"city": "Paris"}' and function_call["call_id"] == "call_1"
-    whole = output_items(
-        ParsedChoice(
-            "Let me think.",
-            "Sure.",
-            [ToolCall(FunctionCall("get_weather", '{"city": "Paris"}'), id="call_1")],
-        ),
-        "completed",
-    )
-    assert [item.type for item in whole] == ["reasoning", "message", "function_call"]
-    turn = answer_turn(whole)
+    turn = answer_turn(stream.items)
     assert (
         turn["content"] == "Sure." and turn["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
     )

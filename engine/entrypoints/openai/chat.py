@@ -56,7 +56,9 @@ from xlaserve.outputs import CompletionOutput, Logprob
 logger = logging.getLogger("xlaserve.entrypoints.openai")
 
 
-def _chat_logprobs(state: ServerState, completion: CompletionOutput, top_n: int) -> ChatLogprobs:
+def token_logprobs(state: ServerState, completion: CompletionOutput, top_n: int) -> list[ChatTokenLogprob]:
+    """Each generated token's logprob with its `top_n` alternatives, as OpenAI's chat `logprobs.content`
+    (and the Responses API's output_text `logprobs`) hold them."""
     content = []
     entries: list[dict[int, Logprob]] = completion.logprobs or []
     for token_id, entry in zip(completion.token_ids, entries):
@@ -79,7 +81,7 @@ def _chat_logprobs(state: ServerState, completion: CompletionOutput, top_n: int)
                 ][:top_n],
             )
         )
-    return ChatLogprobs(content=content)
+    return content
 
 
 def _text(state: ServerState, token_id: int, logprob: Logprob | None) -> str:
@@ -184,7 +186,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             ChatChoice(
                 index=c.index,
                 message=message,
-                logprobs=_chat_logprobs(state, c, top_n) if top_n is not None else None,
+                logprobs=ChatLogprobs(content=token_logprobs(state, c, top_n)) if top_n is not None else None,
                 finish_reason=_finish_reason(c.finish_reason, len(parsed.tool_calls)),
                 stop_reason=c.stop_reason,
             )
@@ -244,7 +246,7 @@ async def _stream(
                 choice = ChatChunkChoice(
                     index=c.index,
                     delta=_delta_out(delta),
-                    logprobs=_chat_logprobs(state, c, top_n) if has_logprobs else None,
+                    logprobs=ChatLogprobs(content=token_logprobs(state, c, top_n)) if has_logprobs else None,
                     finish_reason=_finish_reason(c.finish_reason, parser.num_calls_sent),
                     stop_reason=c.stop_reason,
                 )

@@ -25,17 +25,15 @@ from xlaserve.entrypoints.openai.responses_turn import (
     Saver,
     Totals,
     finished,
-    in_background,
-    output_items,
     prepare_turn,
+    reply,
     response_shell,
     response_usage,
     stream_turn,
-    with_error_event,
 )
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser
 from xlaserve.entrypoints.serving.chat_path import choice_parser
-from xlaserve.entrypoints.serving.engine_io import check_finish, collect_final, engine_error, submit
+from xlaserve.entrypoints.serving.engine_io import submit
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
 from xlaserve.entrypoints.serving.protocol import ErrorResponse
 from xlaserve.entrypoints.serving.state import ServerState, check_model
@@ -135,18 +133,15 @@ async def create_response(
             state, store, req, raw_request, model, conversation, fields, mcp_tools, background
         )
     chat, plan, text, ids, params, mm_features = await prepare_turn(state, req, conversation, fields)
-    parser = choice_parser(state, chat, plan, ids)
-    request_id = item_id("resp")
-    shell = response_shell(req, plan, request_id, model)
-    saved = Saver(store, req.store, conversation)
+    shell = response_shell(req, plan, item_id("resp"), model)
 
-    def start(stream: bool):
+    def start():
         return submit(
             state,
             ids,
             params,
-            request_id,
-            stream=stream,
+            shell.id,
+            stream=True,
             prompt=text,
             priority=chat.priority,
             cache_salt=chat.cache_salt,
@@ -154,55 +149,40 @@ async def create_response(
             mm_features=mm_features,
         )
 
-    async def whole(raw_request) -> Response:
-        output, completion, parsed = await _answer(raw_request, start(False), parser)
-        status = "incomplete" if completion.finish_reason == "length" else "completed"
-        items = output_items(parsed, status)
+    parser = choice_parser(state, chat, plan, ids)
+    saved = Saver(store, req.store, conversation)
+    run = _OneTurn(state, shell, start, len(ids), parser, params.logprobs, saved)
+    return await reply(run, req, raw_request, background, shell, conversation)
+
+
+class _OneTurn:
+    """A response of one model turn (no MCP tools): its events, streamed or drained for the whole answer
+    (`response` once they have ended, stored by `saved`)."""
+
+    def __init__(
+        self, state, shell: Response, start, num_prompt_tokens: int, parser: ChoiceParser, top_n, saved
+    ):
+        self.state, self.shell, self.start = state, shell, start
+        self.num_prompt_tokens, self.parser, self.top_n, self.saved = num_prompt_tokens, parser, top_n, saved
+        self.write = EventWriter()
+        self.response: Response | None = None
+
+    async def events(self):
+        write, shell = self.write, self.shell
+        items = OutputStream(write)
+        yield write("response.created", response=shell.model_dump())
+        yield write("response.in_progress", response=shell.model_dump())
+        totals = Totals()
+        totals.num_prompt = self.num_prompt_tokens
+        async for event in stream_turn(self.state, self.start(), self.parser, items, totals, self.top_n):
+            yield event
+        status = "incomplete" if totals.finish_reason == "length" else "completed"
+        for event in items.finish(status):
+            yield event
         usage = response_usage(
-            state, len(ids), len(completion.token_ids), output.num_cached_tokens, parsed.reasoning or ""
+            self.state, totals.num_prompt, totals.num_generated, totals.num_cached, totals.reasoning
         )
-        response = finished(shell, items, usage, completion.finish_reason)
-        saved(response)
-        return response
-
-    write = EventWriter()
-    if req.background:  # answered queued (or by its events); the client polls the store
-        events = _events(state, shell, start(True), len(ids), parser, saved, write)
-        return in_background(background, shell, conversation, events, write, req.stream)
-    if req.stream:
-        events = _events(state, shell, start(True), len(ids), parser, saved, write)
-        return StreamingResponse(with_error_event(events, write), media_type="text/event-stream")
-    return await whole(raw_request)
-
-
-async def _answer(raw_request, stream, parser: ChoiceParser):
-    """The stream's final output, its one completion, and that completion parsed."""
-    try:
-        (output,) = await collect_final(raw_request, [stream])
-    except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
-        raise engine_error(e) from None
-    check_finish(output)
-    (completion,) = output.outputs
-    return output, completion, parser.parse(completion.text)
-
-
-async def _events(
-    state, shell: Response, stream, num_prompt_tokens: int, parser: ChoiceParser, saved: Saver, write
-):
-    items = OutputStream(write)
-    yield write("response.created", response=shell.model_dump())
-    yield write("response.in_progress", response=shell.model_dump())
-    totals = Totals()
-    totals.num_prompt = num_prompt_tokens
-    async for event in stream_turn(stream, parser, items, totals):
-        yield event
-    status = "incomplete" if totals.finish_reason == "length" else "completed"
-    for event in items.finish(status):
-        yield event
-    usage = response_usage(
-        state, totals.num_prompt, totals.num_generated, totals.num_cached, totals.reasoning
-    )
-    response = finished(shell, items.items, usage, totals.finish_reason)
-    saved(response)
-    kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
-    yield write(kind, response=response.model_dump())
+        self.response = finished(shell, items.items, usage, totals.finish_reason)
+        self.saved(self.response)
+        kind = "response.incomplete" if self.response.status == "incomplete" else "response.completed"
+        yield write(kind, response=self.response.model_dump())

@@ -19,6 +19,7 @@ import re
 from pydantic import ValidationError
 
 from xlaserve.entrypoints.openai.responses_protocol import (
+    OUTPUT_LOGPROBS,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
@@ -219,6 +220,8 @@ def to_chat_request(
         body["response_format"] = {"type": text_format.type}
     if req.max_output_tokens is not None:
         body["max_tokens"] = req.max_output_tokens
+    if OUTPUT_LOGPROBS in (req.include or ()):
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     fields = req.model_dump(include=set(_SAMPLING), exclude_unset=True)
     body.update({k: v for k, v in fields.items() if v is not None})
     try:

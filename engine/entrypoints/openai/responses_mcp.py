@@ -4,8 +4,6 @@ and the answers to approval requests made before the first turn (`answer_approva
 
 from __future__ import annotations
 
-from fastapi.responses import StreamingResponse
-
 from xlaserve.entrypoints.openai.mcp_tools import MAX_MCP_ROUNDS, McpSession, request_function_names
 from xlaserve.entrypoints.openai.responses_convert import APPROVAL
 from xlaserve.entrypoints.openai.responses_output import (
@@ -21,15 +19,14 @@ from xlaserve.entrypoints.openai.responses_turn import (
     Saver,
     Totals,
     finished,
-    in_background,
     prepare_turn,
+    reply,
     response_shell,
     response_usage,
     stream_turn,
-    with_error_event,
 )
 from xlaserve.entrypoints.serving.chat_path import choice_parser
-from xlaserve.entrypoints.serving.engine_io import run_ahead, submit, until_disconnect
+from xlaserve.entrypoints.serving.engine_io import submit
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.tools import ToolPlan
 
@@ -41,24 +38,15 @@ async def create_with_mcp(
     Streamed, it starts once the tools are listed and the first turn is prepared, so a failure there is
     still an HTTP error (in the background, the response's `failed` status)."""
     run = McpResponse(state, store, req, model, conversation, fields, mcp_tools)
-    if req.stream:
-        events = await run_ahead(run.events())
-        return StreamingResponse(with_error_event(events, run.write), media_type="text/event-stream")
-
-    async def whole() -> Response:
-        async for _ in run.events():
-            pass
-        return run.response
-
-    if req.background:  # the tool plan is the first turn's, once listed: the request's until then
-        choice = req.tool_choice
-        if choice is None:
-            plan = ToolPlan("auto" if req.tools else "none")
-        else:
-            plan = ToolPlan("named", choice.name) if not isinstance(choice, str) else ToolPlan(choice)
-        shell = response_shell(req, plan, run.response_id, model)
-        return in_background(background, shell, conversation, run.events(), run.write, req.stream)
-    return await until_disconnect(raw_request, whole())
+    # Queued in the background, the response shows the request's tool plan (the first turn's, once the
+    # tools are listed, replaces it).
+    choice = req.tool_choice
+    if choice is None:
+        plan = ToolPlan("auto" if req.tools else "none")
+    else:
+        plan = ToolPlan("named", choice.name) if not isinstance(choice, str) else ToolPlan(choice)
+    shell = response_shell(req, plan, run.response_id, model)
+    return await reply(run, req, raw_request, background, shell, conversation)
 
 
 class McpResponse:
@@ -108,7 +96,8 @@ class McpResponse:
                 kwargs["lora_request"] = state.lora_request(req.model)
                 stream = submit(state, ids, params, f"{response_id}-{turn}", stream=True, **kwargs)
                 first = len(items.items)
-                async for event in stream_turn(stream, choice_parser(state, chat, plan, ids), items, totals):
+                parser = choice_parser(state, chat, plan, ids)
+                async for event in stream_turn(state, stream, parser, items, totals, params.logprobs):
                     yield event
                 totals.num_prompt += len(ids)
                 turn_items = items.items[first:]

@@ -145,6 +145,7 @@ class Response(BaseModel):
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     background: bool | None = None
+    top_logprobs: int | None = None
 
 
 class DeletedResponse(BaseModel):

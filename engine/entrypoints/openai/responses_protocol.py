@@ -28,8 +28,20 @@ from xlaserve.entrypoints.serving.protocol import (
     Text,
     TokenId,
 )
+from xlaserve.sampling_params import MAX_LOGPROBS
 
 MAX_INPUT_ITEMS = 4096
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` value that adds to the response
+Includable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
 MAX_METADATA_KEYS = 16
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 ItemId = Annotated[Text, Field(min_length=1, max_length=256)]
@@ -441,8 +453,12 @@ class ResponsesRequest(StrictModel):
     background: bool | None = Field(
         default=None, description="answer at once, queued; generate in the server's background (poll GET)"
     )
-    include: Annotated[list[Text], Field(max_length=16)] | None = Field(
-        default=None, description="accepted; nothing extra is included"
+    include: Annotated[list[Includable], Field(max_length=16)] | None = Field(
+        default=None,
+        description=f"{OUTPUT_LOGPROBS!r}: the message text's token logprobs; the others add nothing",
+    )
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description=f"alternatives per token, with {OUTPUT_LOGPROBS!r}"
     )
     service_tier: Literal["auto", "default"] | None = None
     prompt_cache_key: Text | None = Field(default=None, max_length=256, description="accepted and ignored")

@@ -66,7 +66,15 @@ class OutputStream:
     `mcp_label` names the server of its tool); a new item closes the open one.
 
     An MCP call the model finished is left open in `pending` (with its model's call id in `call_ids`)
-    until the server has made it: `call_started`, then `call_finished`, or `not_made`."""
+    until the server has made it: `call_started`, then `call_finished`, or `not_made`.
+
+    Token logprobs (when the request's `include` asks for them) belong to the message text their tokens
+    wrote: a token's logprob waits until the parser lets its text out (a token may write nothing alone:
+    part of a character, text the parser holds back) and goes with the message text written then, in
+    that text's delta event and in the message's output_text part; the tokens of reasoning and of a call
+    are dropped, with those that write nothing while one is open (`</think>`, a call's markup) and the
+    stop token. A step of several tokens (speculative decoding)
+    whose text is both reasoning and answer gives all its tokens to the answer."""
 
     def __init__(
         self,
@@ -82,13 +90,23 @@ class OutputStream:
         self._mcp_label = mcp_label
         self._open: OutputItem | None = None
         self._text = ""  # the open item's text, or a call's arguments
+        self._logprobs: list[dict] = []  # the open message's tokens' logprobs
+        self._unwritten: list[dict] = []  # the logprobs of tokens whose text has not come out yet
 
-    def feed(self, delta: ChoiceDelta) -> list[str]:
+    def feed(self, delta: ChoiceDelta | None, logprobs: list[dict] = ()) -> list[str]:
+        """The events of `delta` (None: the step's tokens wrote nothing yet); `logprobs`: its tokens'."""
+        self._unwritten += logprobs
+        if delta is None:
+            if self._open is not None and not isinstance(self._open, OutputMessage):
+                self._unwritten = []  # the open item's (a reasoning's end tag, part of a call's markup)
+            return []
         events = []
         if delta.reasoning:
             events += self._add_text("reasoning", delta.reasoning)
         if delta.content:
             events += self._add_text("message", delta.content)
+        elif delta.reasoning or delta.tool_calls:  # these tokens wrote no answer
+            self._unwritten = []
         for call in delta.tool_calls:
             if call.id is not None:
                 events += self.close("completed")
@@ -218,11 +236,14 @@ class OutputStream:
             )
         else:
             is_message = isinstance(item, OutputMessage)
-            part = OutputTextPart(text=text) if is_message else ReasoningTextPart(text=text)
+            logprobs, self._logprobs = self._logprobs, []
+            part = (
+                OutputTextPart(text=text, logprobs=logprobs) if is_message else ReasoningTextPart(text=text)
+            )
             item.content = [part]
             where = {"item_id": item.id, "output_index": index, "content_index": 0}
             if is_message:
-                events.append(self.write("response.output_text.done", **where, text=text, logprobs=[]))
+                events.append(self.write("response.output_text.done", **where, text=text, logprobs=logprobs))
             else:
                 events.append(self.write("response.reasoning_text.done", **where, text=text))
             events.append(self.write("response.content_part.done", **where, part=part.model_dump()))
@@ -259,7 +280,11 @@ class OutputStream:
             self._text += text
             where = {"item_id": self._open.id, "output_index": len(self.items) - 1, "content_index": 0}
             if is_message:
-                events.append(self.write("response.output_text.delta", **where, delta=text, logprobs=[]))
+                logprobs, self._unwritten = self._unwritten, []
+                self._logprobs += logprobs
+                events.append(
+                    self.write("response.output_text.delta", **where, delta=text, logprobs=logprobs)
+                )
             else:
                 events.append(self.write("response.reasoning_text.delta", **where, delta=text))
         return events

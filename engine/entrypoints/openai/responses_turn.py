@@ -9,6 +9,7 @@ import time
 
 from fastapi.responses import StreamingResponse
 
+from xlaserve.entrypoints.openai.chat import token_logprobs
 from xlaserve.entrypoints.openai.responses_background import BackgroundResponses
 from xlaserve.entrypoints.openai.responses_convert import rename_error, to_chat_request
 from xlaserve.entrypoints.openai.responses_output import (
@@ -16,17 +17,14 @@ from xlaserve.entrypoints.openai.responses_output import (
     IncompleteDetails,
     InputTokensDetails,
     OutputMessage,
-    OutputTextPart,
     OutputTokensDetails,
-    ReasoningOutput,
-    ReasoningTextPart,
     Response,
     ResponseUsage,
 )
 from xlaserve.entrypoints.openai.responses_protocol import MCP_SECRETS, ResponsesRequest
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
-from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream, item_id
-from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, ParsedChoice
+from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
+from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser
 from xlaserve.entrypoints.serving.chat_path import chat_sampling_params
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import (
@@ -34,7 +32,9 @@ from xlaserve.entrypoints.serving.engine_io import (
     check_finish,
     engine_error,
     merge_streams,
+    run_ahead,
     tokenize_text,
+    until_disconnect,
 )
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.multimodal import (
@@ -119,6 +119,7 @@ def response_shell(req: ResponsesRequest, plan: ToolPlan, request_id: str, model
         user=req.user,
         metadata=req.metadata or {},
         background=bool(req.background),
+        top_logprobs=req.top_logprobs,
     )
 
 
@@ -146,27 +147,6 @@ def response_usage(
         output_tokens_details=OutputTokensDetails(reasoning_tokens=min(num_reasoning, num_generated)),
         total_tokens=num_prompt + num_generated,
     )
-
-
-def output_items(parsed: ParsedChoice, status: str) -> list:
-    """A whole answer's items: its reasoning, its text (an empty message when there is nothing else),
-    then each call."""
-    items = []
-    if parsed.reasoning:
-        items.append(ReasoningOutput(id=item_id("rs"), content=[ReasoningTextPart(text=parsed.reasoning)]))
-    calls = [
-        FunctionCallOutput(
-            id=item_id("fc"), call_id=c.id, name=c.function.name, arguments=c.function.arguments
-        )
-        for c in parsed.tool_calls
-    ]
-    if parsed.content or not calls:
-        items.append(
-            OutputMessage(
-                id=item_id("msg"), status=status, content=[OutputTextPart(text=parsed.content or "")]
-            )
-        )
-    return items + calls
 
 
 def answer_turn(items) -> dict:
@@ -216,9 +196,12 @@ class Totals:
         self.finish_reason: str | None = None
 
 
-async def stream_turn(stream, parser: ChoiceParser, items: OutputStream, totals: Totals):
+async def stream_turn(
+    state: ServerState, stream, parser: ChoiceParser, items: OutputStream, totals: Totals, top_n: int | None
+):
     """One model turn's outputs as events of `items` (its open item closed at the end), counted in
-    `totals`."""
+    `totals`; with `top_n` (the request's `include` asked for logprobs), each token's logprob and its
+    alternatives go to `items`, which gives the message text's tokens to the message."""
     merged = merge_streams([stream])
     try:
         async for _, output in merged:
@@ -227,7 +210,10 @@ async def stream_turn(stream, parser: ChoiceParser, items: OutputStream, totals:
             totals.num_generated += len(completion.token_ids)
             totals.num_cached += output.num_cached_tokens if completion.finish_reason is not None else 0
             delta = parser.feed(completion.text) if completion.text else None
-            events = items.feed(delta) if delta else []
+            logprobs = []
+            if top_n is not None and completion.token_ids:
+                logprobs = [entry.model_dump() for entry in token_logprobs(state, completion, top_n)]
+            events = items.feed(delta, logprobs) if delta or logprobs else []
             totals.reasoning += (delta.reasoning or "") if delta else ""
             if completion.finish_reason is not None:
                 last = parser.finish()
@@ -239,6 +225,30 @@ async def stream_turn(stream, parser: ChoiceParser, items: OutputStream, totals:
                 yield event
     finally:
         await merged.aclose()
+
+
+async def reply(
+    run, req: ResponsesRequest, raw_request, background: BackgroundResponses, shell, conversation
+):
+    """The answer to a request `run` (a response's turns: `events()`, its `write`, `response` once its
+    events have ended) serves: in the background (queued, or its events as made), streamed (once its
+    first event is ready, so a failure before it is still an HTTP error), or whole (its events drained,
+    an error as the HTTP error; the client leaving aborts it)."""
+    if req.background:  # answered queued (or by its events); the client polls the store
+        return in_background(background, shell, conversation, run.events(), run.write, req.stream)
+    if req.stream:
+        events = await run_ahead(run.events())
+        return StreamingResponse(with_error_event(events, run.write), media_type="text/event-stream")
+
+    async def whole() -> Response:
+        try:
+            async for _ in run.events():
+                pass
+        except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
+            raise engine_error(e) from None
+        return run.response
+
+    return await until_disconnect(raw_request, whole())
 
 
 async def with_error_event(events, write: EventWriter):
