@@ -1,5 +1,6 @@
 """xlaserve's engine: `from xlaserve import LLM, SamplingParams`."""
 
+from xlaserve.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
 from xlaserve.lora_request import LoRARequest
 from xlaserve.outputs import CompletionOutput, RequestOutput
 from xlaserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -21,6 +22,8 @@ def __getattr__(name):
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "CompletionOutput",
     "LoRARequest",
     "RequestOutput",

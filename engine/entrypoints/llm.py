@@ -21,6 +21,7 @@ from xlaserve.engine.mm_processor import MultiModalProcessor, flatten_content
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import start_engine
+from xlaserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from xlaserve.entrypoints.pooling_io import cosine, pair_token_ids, score_pairs
 from xlaserve.executor import follow
 from xlaserve.lora_request import LoRARequest
@@ -191,6 +192,40 @@ class LLM:
                 }
             prompts.append(self.input_processor.process(prompt, add_special_tokens=False))
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (engine/beam_search.py): each prompt's best `params.beam_width` beams, best
+        first, in input order. Every step runs all prompts' live beams together, one token each; each
+        prompt must leave room for max_tokens in the context."""
+        self._require_runner("generate", "beam_search()")
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        tokenized = [self.input_processor.process(p) for p in _as_list(prompts)]
+        loras = self._broadcast_loras(lora_request, len(tokenized))
+        for _, ids, _ in tokenized:  # every step's prompt fits, before the first runs
+            self.input_processor.validate_prompt(ids)
+            self.input_processor.check_fits(len(ids), params.max_tokens)
+        eos = self.input_processor.eos_token_id
+        searches = [BeamSearch(ids, params, eos) for _, ids, _ in tokenized]
+        step = params.step_params()
+        for _ in tqdm(range(params.max_tokens), desc="Beam search steps", disable=not use_tqdm):
+            live = [(search, i) for i, search in enumerate(searches) if not search.is_done]
+            if not live:
+                break
+            beams = [(None, beam.tokens, tokenized[i][2]) for search, i in live for beam in search.beams]
+            step_loras = [loras[i] for search, i in live for _ in search.beams]
+            outputs = iter(self._generate(beams, step, use_tqdm=False, lora_request=step_loras))
+            for search, _ in live:
+                search.advance([next(outputs).outputs[0].logprobs[0] for _ in search.beams])
+        decode = None if self.tokenizer is None else self.tokenizer.decode
+        return [search.result(decode) for search in searches]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one completion as it is generated (n must be 1)."""
