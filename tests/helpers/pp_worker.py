@@ -98,13 +98,13 @@ def _numbers(llm, prompts, params) -> dict:
 
 
 def _stage_arrays(runner) -> list[dict]:
-    """Each stage's parameters on the host, by path."""
+    """Each stage's parameters on the host, by path ("['layers']['mlp']['down_proj']['kernel']")."""
     import jax
     import numpy as np
 
     return [
         {
-            jax.tree_util.keystr(path): np.asarray(x)
+            jax.tree_util.keystr(path).removesuffix(".value"): np.asarray(x)
             for path, x in jax.tree_util.tree_leaves_with_path(s.model.params)
         }
         for s in runner.stages
