@@ -176,11 +176,10 @@ def research(arg: dict, small_llm) -> dict:
         before = _stage_arrays(runner)
         llm.update_weights({name: new[name]})
         result["touched"][name] = _changes(before, _stage_arrays(runner))
-    # The layer-3 update sits at index 1 of the last stage's stack (layers 2-3), as [in, out].
-    q = runner.stages[-1].model.params["layers"]["self_attn"]["q_proj"]["kernel"][...]
-    result["layer_3_q_is_new"] = bool(
-        np.array_equal(np.asarray(q[1]), new["model.layers.3.self_attn.q_proj.weight"].T)
-    )
+    # The layer-3 update sits at index 1 of the last stage's stack (layers 2-3), as [in, out]; fetched
+    # whole (an index would compile a program).
+    q = np.asarray(runner.stages[-1].model.params["layers"]["self_attn"]["q_proj"]["kernel"][...])
+    result["layer_3_q_is_new"] = bool(np.array_equal(q[1], new["model.layers.3.self_attn.q_proj.weight"].T))
     compiles = num_compiles()
     llm.update_weights(new)
     result["after"] = _numbers(llm, prompts, params)
