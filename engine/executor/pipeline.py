@@ -41,4 +41,3 @@ class MultiHostPipelineExecutor(MultiHostExecutor):
 
     def _answered(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.sender.receive_outputs(host)
-
