@@ -7,7 +7,10 @@ devices; nothing compiles after warm-up. And PP=2 over two processes (jax.distri
 one stage and one device each, helpers/pp_process.py) gives the one-device PP=1 run's bits too, and
 PP=2 x TP=2 over two processes of two devices each the one-host PP=2 x TP=2 run's. PP=2 keeps two
 micro-batches of different requests in flight (the stages of consecutive steps overlap): several
-requests at once give PP=1's bits, where PP=1 runs them all in one batch."""
+requests at once give PP=1's bits, where PP=1 runs them all in one batch. The research stack on that
+PP=2 engine (its programs, from the persistent compilation cache): `update_weights` routes each tensor
+to the stage holding it and equals a fresh engine on the new weights bit for bit, a refused update
+changes no stage, and sleep/wake_up at both levels restore the answers."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # four engines in the fake-mesh worker, one warmed up; two two-process runs
+pytestmark = pytest.mark.slow  # six engines in the fake-mesh worker, one warmed up; two two-process runs
 
 PP1, PP2, PP4 = {}, {"pipeline_parallel_size": 2}, {"pipeline_parallel_size": 4}
 PP2_TP2 = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}
