@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # six engines in the fake-mesh worker, one warmed up; two two-process runs
+pytestmark = pytest.mark.slow  # eight engines in the fake-mesh worker, one warmed up; two two-process runs
 
 PP1, PP2, PP4 = {}, {"pipeline_parallel_size": 2}, {"pipeline_parallel_size": 4}
 PP2_TP2 = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}
