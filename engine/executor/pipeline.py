@@ -2,10 +2,11 @@
 
 They own the stages through their runner (worker/pipeline_runner.py: one program per stage on its own
 tensor_parallel_size devices, the hidden states handed on device to device) and answer the engine
-core as the one-process executor does; what the stages cannot do yet is refused here by name. On
-several processes (nnodes > 1) process 0's is `MultiHostPipelineExecutor`: the others follow its steps
+core as the one-process executor does, the research stack included (worker/weight_update.py: a weight
+goes to the stages holding it; sleep frees every stage's cache, and at level 2 its weights). On several
+processes (nnodes > 1) process 0's is `MultiHostPipelineExecutor`: the others follow its steps
 (executor/multihost.py) with a `PipelineExecutor` of their own stages, and the last stage's process
-answers each step with what it sampled.
+answers each step with what it sampled; the research stack is refused there, as across hosts.
 
 On one process the engine core keeps up to pipeline_parallel_size steps (micro-batches of different
 requests) in flight (`max_concurrent_batches`), so the stages of consecutive steps overlap; across
@@ -31,15 +32,6 @@ class PipelineExecutor(Executor):
         """One micro-batch per stage: while stage s runs step k, stage s - 1 runs step k + 1."""
         return self.config.parallel.pipeline_parallel_size
 
-    def update_weights(self, weights) -> list[str]:
-        raise _not_pipelined("update_weights")
-
-    def update_weights_from_path(self, path: str) -> list[str]:
-        raise _not_pipelined("update_weights_from_path")
-
-    def sleep(self, level: int):
-        raise _not_pipelined("sleep")
-
 
 class MultiHostPipelineExecutor(MultiHostExecutor):
     """Process 0 of a pipeline over several processes: it runs its own stages, and the process of the
@@ -49,8 +41,3 @@ class MultiHostPipelineExecutor(MultiHostExecutor):
 
     def _answered(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.sender.receive_outputs(host)
-
-
-def _not_pipelined(what: str) -> ValueError:
-    """The research stack swaps or frees one model's arrays: the stages' are not wired to it yet."""
-    return ValueError(f"{what} is not supported with pipeline_parallel_size > 1 yet")

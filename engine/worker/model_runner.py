@@ -60,6 +60,7 @@ from xlaserve.worker.step_hooks import DraftModelHook, LoRAHook, StepHook
 from xlaserve.worker.step_output import make_output, to_host
 from xlaserve.worker.step_programs import make_step_programs
 from xlaserve.worker.warm_up import compile_all
+from xlaserve.worker.weight_update import ParamSet
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class ModelRunner:
         self.graphdef, self.params = model.graphdef, model.params
         self.weight_bytes = model.weight_bytes  # the /metrics gauge xlaserve:model_weight_bytes
         self.head_params = (model.params, model.head_dv)  # what computing logits reads
-        self.slept_params = self.slept_head = None  # the weights on the host while asleep at level 2
+        self.slept_weights = None  # the weights on the host while asleep at level 2 (worker/weight_update.py)
         # Adapter slots on the device (worker/lora_manager.py), or None: LoRA off, no hook, no cost.
         self.lora = (
             LoRAManager(
@@ -246,6 +247,16 @@ class ModelRunner:
         self.head_params = (params, head_dv)
         if self.mm_encoder is not None:  # images encoded by the old weights are encoded again
             self.mm_encoder.slot_contents.clear()
+
+    def param_sets(self) -> list[ParamSet]:
+        """The weights as the research stack updates and frees them: the whole model, one set (a
+        pipeline's runner: one per stage)."""
+        return [ParamSet(self.params, self.head_params[1])]
+
+    def set_param_sets(self, sets: list[ParamSet]) -> None:
+        """`param_sets` replaced by new ones of the same shapes, dtypes and shardings."""
+        (weights,) = sets
+        self.set_params(weights.params, weights.head_dv)
 
     @property
     def encoder_cache_layout(self) -> EncoderCacheLayout | None:

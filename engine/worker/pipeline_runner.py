@@ -48,6 +48,7 @@ from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.model_runner import ModelRunner
 from xlaserve.worker.pipeline_stage import StageLayout, split_layers, stage_devices
 from xlaserve.worker.program import Program
+from xlaserve.worker.weight_update import ParamSet
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,21 @@ class PipelineRunner(ModelRunner):
             else None
             for s in self.stages
         ]
+
+    def param_sets(self) -> list[ParamSet]:
+        """Each stage's weights (its layers; placeholders for the modules it does not run), in order:
+        the research stack routes a weight to the stages holding it (worker/weight_update.py). On one
+        process only (the executor refuses the research stack across processes)."""
+        if not all(stage.is_local for stage in self.stages):
+            raise ValueError("the research stack runs on one process's pipeline stages only")
+        return [ParamSet(s.model.params, s.model.head_dv, s.layout) for s in self.stages]
+
+    def set_param_sets(self, sets: list[ParamSet]) -> None:
+        """Each stage's new weights (`param_sets`' shapes, dtypes and shardings: nothing recompiles); the
+        runner's own are the last stage's (the sampler's head)."""
+        for stage, weights in zip(self.stages, sets, strict=True):
+            stage.model = dataclasses.replace(stage.model, params=weights.params, head_dv=weights.head_dv)
+        self.set_params(sets[-1].params, sets[-1].head_dv)
 
     def _stage_args(self, index: int, kv_cache: list, x, batch: StepBatch) -> tuple:
         stage = self.stages[index]

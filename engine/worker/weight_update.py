@@ -17,9 +17,16 @@ checkpoint released in FP8, a GGUF's blocks under `quantization="gguf"`) is refu
 the checkpoint's, and float weights could only be requantized into another format than a fresh
 engine on the new checkpoint would hold.
 
-`sleep(runner, level)` deletes the KV cache's device buffers (level 2: the weights too, kept on the
-host) and `wake_up(runner)` allocates and places them again; what a slept cache held is gone, so the
-core resets its prefix cache.
+A runner's weights are one or more `ParamSet`s (`runner.param_sets()`): a ModelRunner's whole model,
+or each pipeline stage's (worker/pipeline_runner.py: its own layers on its own devices, empty
+placeholders for the modules it does not run). A name is routed to every set that holds it: a layer's
+weight to the stage of that layer, at its index in that stage's stack; the embedding to stage 0 and,
+tied to the head, to the last stage too; the final norm and an untied head to the last. Every set's
+writes are checked before any set changes.
+
+`sleep(runner, level)` deletes the KV cache's device buffers (every stage's; level 2: the weights too,
+kept on the host) and `wake_up(runner)` allocates and places them again; what a slept cache held is
+gone, so the core resets its prefix cache.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import _flatten, _unflatten, hf_name
 from xlaserve.sharding.kv_heads import replicate_kv_heads
 from xlaserve.sharding.vocab import pad_vocab
+from xlaserve.worker.pipeline_stage import StageLayout
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +63,16 @@ class MemoryReport:
     seconds: float
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamSet:
+    """The weights one program reads, as the research stack sees them: a ModelRunner's whole model, or
+    one pipeline stage's (`stage`: its layers; the modules it does not run are empty placeholders)."""
+
+    params: nnx.State
+    head_dv: object | None = None  # the tied LM head's [D, V] copy, where this set computes logits
+    stage: StageLayout | None = None  # None: every layer and module
+
+
 def _as_dict(weights: Mapping | Iterable) -> dict[str, object]:
     items = weights.items() if isinstance(weights, Mapping) else weights
     out: dict[str, object] = {}
@@ -65,19 +83,23 @@ def _as_dict(weights: Mapping | Iterable) -> dict[str, object]:
     return out
 
 
-def _targets(model_class, cfg, flat: dict) -> dict[str, tuple[tuple[str, ...], int | None]]:
-    """Every tensor name (after the family's rewrite) -> (our parameter path, its index in the stack
-    or None); `flat`: the parameters by path."""
+def _targets(model_class, cfg, flats: list[dict], sets: list[ParamSet]) -> dict[str, list[tuple]]:
+    """Every tensor name (after the family's rewrite) -> where it lives: (the set's index, our parameter
+    path, its index in that set's stack or None) for each set holding it. `flats`: each set's
+    parameters by path."""
     stacks = model_class.layer_stacks(cfg)
-    targets = {}
-    for path in flat:
-        if path[-1] in (SCALE, ZERO):
-            continue
-        if path[0] in stacks:
-            for index, layer in enumerate(stacks[path[0]]):
-                targets[hf_name(("layers", *path[1:]), layer)] = (path, index)
-        else:
-            targets[hf_name(path, None)] = (path, None)
+    targets: dict[str, list[tuple]] = {}
+    for i, (flat, weights) in enumerate(zip(flats, sets)):
+        stage = weights.stage
+        for path in flat:
+            if path[-1] in (SCALE, ZERO):
+                continue
+            if path[0] in stacks:
+                layers = stacks[path[0]]
+                for index, layer in enumerate(layers if stage is None else layers[stage.stack_slice(layers)]):
+                    targets.setdefault(hf_name(("layers", *path[1:]), layer), []).append((i, path, index))
+            elif stage is None or stage.holds(path[0], cfg.tie_word_embeddings):  # not a placeholder
+                targets.setdefault(hf_name(path, None), []).append((i, path, None))
     return targets
 
 
@@ -89,9 +111,10 @@ def _our_layout(array, path: tuple[str, ...]):
 
 def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     """Replace the runner's parameters named in `weights` (the module docstring); -> the names
-    updated. Nothing changes unless every name and shape checks out. A MoE layer's experts are
-    rewritten into one stack by the family, so they are updated together. An engine that quantizes
-    at load quantizes them as the load does; one whose checkpoint came quantized is refused."""
+    updated. Nothing changes, on any of the runner's parameter sets, unless every name and shape checks
+    out. A MoE layer's experts are rewritten into one stack by the family, so they are updated
+    together. An engine that quantizes at load quantizes them as the load does; one whose checkpoint
+    came quantized is refused."""
     updates = _as_dict(weights)
     if not updates:
         return []
@@ -99,11 +122,12 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     hf_cfg = model_config_from_hf(runner.hf_config)
     model_class = get_model_class(hf_cfg.architecture)
     tp = runner.config.parallel.tensor_parallel_size
-    flat = _flatten(nnx.to_pure_dict(runner.params))
+    sets = runner.param_sets()
+    flats = [_flatten(nnx.to_pure_dict(weights.params)) for weights in sets]
     stacks = model_class.layer_stacks(runner.model_config)
     # The checkpoint's own shapes (before KV-head repetition and vocabulary padding): what a caller
     # holds, so the errors name them.
-    targets = _targets(model_class, runner.model_config, flat)
+    targets = _targets(model_class, runner.model_config, flats, sets)
     tied = hf_cfg.tie_word_embeddings
     host = {}
     for name, array in updates.items():
@@ -111,14 +135,15 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
         # fetched, unless a rewrite below needs the host (KV heads repeated, the vocabulary padded, a
         # MoE layer's experts stacked) or the kernel is kept quantized (quantized on the host, as
         # the load does: `_quantized`).
-        is_quantized = name in targets and is_quantized_kernel(targets[name][0], flat)
+        where = targets.get(name, [])
+        is_quantized = any(is_quantized_kernel(path, flats[i]) for i, path, _ in where)
         array = array if isinstance(array, jax.Array) and not is_quantized else np.asarray(array)
         if tied and name == "lm_head.weight":
             raise ValueError("weights: lm_head.weight is tied to model.embed_tokens.weight here: update that")
-        if name in targets:  # a name only the family's rewrite makes (MoE experts) is checked after it
-            path = targets[name][0]
+        if where:  # a name only the family's rewrite makes (MoE experts) is checked after it
+            i, path, _ = where[0]
             shape = _hf_shape(
-                path, flat[path].shape, stacks, runner.model_config, hf_cfg, runner.padded_vocab_size
+                path, flats[i][path].shape, stacks, runner.model_config, hf_cfg, runner.padded_vocab_size
             )
             if array.shape != shape:
                 raise ValueError(f"weights: {name!r} has shape {array.shape}, the model's is {shape}")
@@ -127,40 +152,59 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     _, host = replicate_kv_heads(hf_cfg, host, tp)
     host = pad_vocab(host, hf_cfg.vocab_size, runner.padded_vocab_size)
     host = model_class.prepare_hf_tensors(runner.model_config, host)
-    writes: dict[tuple[str, ...], list[tuple[int | None, np.ndarray]]] = {}
+    # Per set: path -> [(index in its stack or None, value)], every one checked before any is written.
+    writes: list[dict[tuple[str, ...], list[tuple[int | None, object]]]] = [{} for _ in sets]
     for name, array in host.items():
-        target = targets.get(name)
-        if target is None:
+        if name not in targets:
             raise ValueError(
                 f"weights: {name!r} is not a weight of this {hf_cfg.architecture} "
                 f"(e.g. {next(iter(targets))!r})"
             )
-        path, index = target
-        old = flat[path]
-        value = _our_layout(array if isinstance(array, jax.Array) else np.asarray(array), path)
-        shape = old.shape[1:] if index is not None else old.shape
-        if value.shape != tuple(shape):
-            raise ValueError(f"weights: {name!r} has shape {value.shape} here, the model's is {tuple(shape)}")
-        writes.setdefault(path, []).append((index, value))
-    for path in [p for p in writes if is_quantized_kernel(p, flat)]:
-        for index, value in writes.pop(path):
-            for part_path, part in _quantized(path, index, value, flat, scheme).items():
-                writes.setdefault(part_path, []).append((index, part))
+        for i, path, index in targets[name]:
+            old = flats[i][path]
+            value = _our_layout(array if isinstance(array, jax.Array) else np.asarray(array), path)
+            shape = old.shape[1:] if index is not None else old.shape
+            if value.shape != tuple(shape):
+                raise ValueError(
+                    f"weights: {name!r} has shape {value.shape} here, the model's is {tuple(shape)}"
+                )
+            writes[i].setdefault(path, []).append((index, value))
+    for flat, set_writes in zip(flats, writes):
+        for path in [p for p in set_writes if is_quantized_kernel(p, flat)]:
+            for index, value in set_writes.pop(path):
+                for part_path, part in _quantized(path, index, value, flat, scheme).items():
+                    set_writes.setdefault(part_path, []).append((index, part))
+    new_sets = [
+        _written(weights, flat, set_writes, runner.dtype) if set_writes else weights
+        for weights, flat, set_writes in zip(sets, flats, writes)
+    ]
+    runner.set_param_sets(new_sets)
+    logger.info(
+        "updated %d weights (%d parameters in %d of %d parameter sets)",
+        len(updates),
+        sum(map(len, writes)),
+        sum(map(bool, writes)),
+        len(sets),
+    )
+    return sorted(updates)
+
+
+def _written(weights: ParamSet, flat: dict, writes: dict, dtype) -> ParamSet:
+    """`weights` with `writes` (path -> [(index or None, value)], all checked) written in: new arrays of
+    the same shapes, dtypes and shardings, and the tied head's copy made again if the table changed."""
     new_flat = dict(flat)
     for path, parts in writes.items():
-        new_flat[path] = _write(flat[path], parts, runner.dtype)
-    params = jax.tree.map(lambda x: x, runner.params)  # the same structure (the programs' signature)
+        new_flat[path] = _write(flat[path], parts, dtype)
+    params = jax.tree.map(lambda x: x, weights.params)  # the same structure (the programs' signature)
     params.replace_by_pure_dict(_unflatten(new_flat))
-    head_dv = runner.head_params[1]
+    head_dv = weights.head_dv
     table = ("embed_tokens", "weight")
     if head_dv is not None and table in writes:  # the tied head's transposed copy (worker/model_loader.py)
         if cpu_dot.is_packed(head_dv):  # packed for the CPU's dot: on the host, nothing compiled
             head_dv = cpu_dot.PackedWeight.pack(np.asarray(new_flat[table]).T, head_dv.strips.sharding)
         else:
             head_dv = jax.device_put(jnp.transpose(new_flat[table]), head_dv.sharding)  # on the devices
-    runner.set_params(params, head_dv)
-    logger.info("updated %d weights (%d parameters)", len(updates), len(writes))
-    return sorted(updates)
+    return dataclasses.replace(weights, params=params, head_dv=head_dv)
 
 
 def _quantized_at_load(method: str | None, hf_config: dict) -> QuantScheme | None:
@@ -302,23 +346,34 @@ def _device_bytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
 
 
+def _on_host(tree):
+    """A tree's arrays as (host copy, sharding) pairs (a tree: a head may be packed for the CPU's dot,
+    kernels/cpu_dot.py; None stays None)."""
+    return jax.tree.map(lambda a: (np.asarray(a), a.sharding), tree)
+
+
+def _placed(saved):
+    """`_on_host`'s tree placed back on its devices."""
+    return jax.tree.map(lambda pair: jax.device_put(*pair), saved, is_leaf=lambda x: isinstance(x, tuple))
+
+
 def sleep(runner, level: int) -> MemoryReport:
-    """Free the KV cache's device buffers (level 2: the weights too, kept on the host)."""
+    """Free the KV cache's device buffers (every stage's; level 2: every parameter set's weights too,
+    kept on the host)."""
     start = time.perf_counter()
     freed = _device_bytes(runner.kv_cache)
     for leaf in jax.tree.leaves(runner.kv_cache):
         leaf.delete()
     runner.kv_cache = None
     if level == 2:
-        freed += _device_bytes((runner.params, runner.head_params[1]))
-        runner.slept_params = jax.tree.map(lambda a: (np.asarray(a), a.sharding), runner.params)
-        head = runner.head_params[1]
-        # A tree: the head may be packed for the CPU's dot (kernels/cpu_dot.py).
-        runner.slept_head = (
-            None if head is None else jax.tree.map(lambda a: (np.asarray(a), a.sharding), head)
-        )
-        for leaf in jax.tree.leaves((runner.params, head)):
-            leaf.delete()
+        sets = runner.param_sets()
+        freed += _device_bytes([(weights.params, weights.head_dv) for weights in sets])
+        runner.slept_weights = [
+            (weights, _on_host(weights.params), _on_host(weights.head_dv)) for weights in sets
+        ]
+        for weights in sets:
+            for leaf in jax.tree.leaves((weights.params, weights.head_dv)):
+                leaf.delete()
     return MemoryReport(level, freed, time.perf_counter() - start)
 
 
@@ -326,18 +381,14 @@ def wake_up(runner) -> MemoryReport:
     """Place back what `sleep` freed: a zeroed KV cache of the same blocks, and the weights."""
     start = time.perf_counter()
     placed = 0
-    if runner.slept_params is not None:
-        params = jax.tree.map(
-            lambda pair: jax.device_put(*pair), runner.slept_params, is_leaf=lambda x: isinstance(x, tuple)
-        )
-        head = None
-        if runner.slept_head is not None:
-            head = jax.tree.map(
-                lambda pair: jax.device_put(*pair), runner.slept_head, is_leaf=lambda x: isinstance(x, tuple)
-            )
-        runner.slept_params = runner.slept_head = None
-        runner.set_params(params, head)
-        placed += _device_bytes((params, head))
+    if runner.slept_weights is not None:
+        sets = []
+        for weights, saved_params, saved_head in runner.slept_weights:
+            params, head_dv = _placed(saved_params), _placed(saved_head)
+            sets.append(dataclasses.replace(weights, params=params, head_dv=head_dv))
+            placed += _device_bytes((params, head_dv))
+        runner.slept_weights = None
+        runner.set_param_sets(sets)
     runner.kv_cache = runner.allocate_kv_cache()
     placed += _device_bytes(runner.kv_cache)
     return MemoryReport(0, placed, time.perf_counter() - start)

@@ -3,10 +3,13 @@ fresh engine on the updated checkpoint token for token and logprob for logprob (
 invariance makes that exact), in one call or in parts, from arrays or from a path, with nothing
 compiled after warm-up; a refused update names the weight and both shapes and changes nothing;
 `sleep` / `wake_up` hand the device memory back and restore the same outputs. An engine that quantizes
-at load (int8, fp8) quantizes an update as its load does: the same bits as a fresh quantized engine."""
+at load (int8, fp8) quantizes an update as its load does: the same bits as a fresh quantized engine.
+Pipeline stages take each weight where it lives (their engines: tests/sharding/test_pipeline_parallel.py;
+here the stages' loads on this process's one device, for a tied head's copies)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from types import SimpleNamespace
 
@@ -17,8 +20,12 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from xlaserve import LLM, SamplingParams
+from xlaserve.config import EngineConfig
 from xlaserve.kernels import cpu_dot
 from xlaserve.worker.compile_guard import num_compiles
+from xlaserve.worker.model_loader import load_model
+from xlaserve.worker.pipeline_runner import PipelineRunner, PipelineStage
+from xlaserve.worker.pipeline_stage import split_layers
 from xlaserve.worker.weight_update import update_weights
 
 ARGS = {
@@ -209,3 +216,94 @@ def test_an_engine_whose_weights_arrived_quantized_refuses_updates(method, hf_co
     runner = SimpleNamespace(config=config, hf_config=hf_config)  # refused before its weights are read
     with pytest.raises(ValueError, match=why):
         update_weights(runner, {"model.norm.weight": np.ones(48, np.float32)})
+
+
+class Stages(SimpleNamespace):
+    """What the research stack reads of a PipelineRunner, its own methods included, around stages
+    loaded one after the other on this process's one device (no programs: nothing runs)."""
+
+    param_sets = PipelineRunner.param_sets
+    set_param_sets = PipelineRunner.set_param_sets
+
+    def set_params(self, params, head_dv) -> None:
+        self.head_params = (params, head_dv)
+
+
+def staged(directory, config: EngineConfig) -> Stages:
+    with open(f"{directory}/config.json") as f:
+        hf_config = json.load(f)
+    layouts = split_layers(hf_config["num_hidden_layers"], config.parallel.pipeline_parallel_size)
+    models = [load_model(config, hf_config, tensors(directory), jax.devices()[:1], stage=s) for s in layouts]
+    return Stages(
+        config=config,
+        hf_config=hf_config,
+        model_config=models[-1].model_config,
+        padded_vocab_size=models[-1].padded_vocab_size,
+        dtype=models[-1].dtype,
+        stages=[PipelineStage(layout, None, model, None) for layout, model in zip(layouts, models)],
+    )
+
+
+def host_bits(runner: Stages) -> list[dict[str, np.ndarray]]:
+    """Each stage's (parameters, tied head copy), leaf by leaf on the host, by path ("[0]['norm']..." a
+    parameter, "[1]..." the head copy, packed strips included)."""
+    return [
+        {
+            jax.tree_util.keystr(path): np.asarray(x)
+            for path, x in jax.tree.leaves_with_path((s.params, s.head_dv))
+        }
+        for s in runner.param_sets()
+    ]
+
+
+def changed(before: list[dict], after: list[dict]) -> list[set[str]]:
+    return [{k for k in old if not np.array_equal(old[k], new[k])} for old, new in zip(before, after)]
+
+
+def tied(directory, out) -> str:
+    """The checkpoint at `directory` with its LM head tied to its embedding (lm_head.weight dropped)."""
+    shutil.copytree(directory, out)
+    with open(f"{out}/config.json") as f:
+        hf_config = json.load(f)
+    with open(f"{out}/config.json", "w") as f:
+        json.dump(hf_config | {"tie_word_embeddings": True}, f)
+    weights = {n: a for n, a in tensors(directory).items() if n != "lm_head.weight"}
+    save_file(weights, f"{out}/model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
+def test_pipeline_stages_take_each_weight_where_it_lives(dirs, tmp_path):
+    """A tied Llama of 3 layers in 2 stages (layers 0-1, layer 2), bfloat16: the table lives on stage 0
+    and on the last stage, with the head's [D, V] copy there (worker/model_loader.py). An update of the
+    table writes both and the copy, nothing else; a layer goes to its stage; an update with a wrong
+    shape on the last stage's norm writes no stage; a whole checkpoint leaves every stage holding a
+    fresh load's bits."""
+    a, b = (tied(d, tmp_path / name) for d, name in zip(dirs, ("tied_a", "tied_b")))
+    config = EngineConfig.from_kwargs(a, dtype="bfloat16", pipeline_parallel_size=2)
+    runner, fresh_b = staged(a, config), staged(b, config)
+    assert [len(s.layout.layers) for s in runner.stages] == [2, 1]
+    assert runner.stages[0].model.head_dv is None and runner.stages[1].model.head_dv is not None
+    new = tensors(b)
+    start, params = host_bits(runner), [s.params for s in runner.param_sets()]
+    good = {"model.layers.0.mlp.down_proj.weight": new["model.layers.0.mlp.down_proj.weight"]}
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(49,\), the model's is \(48,\)"):
+        update_weights(runner, good | {"model.norm.weight": np.ones(49, np.float32)})
+    with pytest.raises(ValueError, match="tied to model.embed_tokens.weight"):
+        update_weights(runner, good | {"lm_head.weight": new["model.embed_tokens.weight"]})
+    assert all(s.params is p for s, p in zip(runner.param_sets(), params))  # no stage was written
+    table = {"model.embed_tokens.weight": new["model.embed_tokens.weight"]}
+    assert update_weights(runner, table) == list(table)
+    embedding = "[0]['embed_tokens']['weight'].value"
+    head_copy = {k for k in start[1] if k.startswith("[1]")}
+    assert head_copy and changed(start, host_bits(runner)) == [{embedding}, {embedding} | head_copy]
+    before = host_bits(runner)
+    update_weights(
+        runner, {"model.layers.2.self_attn.o_proj.weight": new["model.layers.2.self_attn.o_proj.weight"]}
+    )
+    o_proj = "[0]['layers']['self_attn']['o_proj']['kernel'].value"  # packed for the CPU's dot: its strips
+    assert [[k.startswith(o_proj) for k in c] for c in changed(before, host_bits(runner))] == [[], [True]]
+    update_weights(runner, new)
+    for ours, theirs in zip(host_bits(runner), host_bits(fresh_b)):
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            assert ours[key].dtype == theirs[key].dtype and np.array_equal(ours[key], theirs[key]), key

@@ -85,3 +85,122 @@ def main(arg: dict, small_llm) -> dict:
             result["seconds"] = round(time.perf_counter() - t0, 1)
             del llm
     return results
+
+
+def _numbers(llm, prompts, params) -> dict:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "logprobs": [
+            [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs] for o in outs
+        ],
+    }
+
+
+def _stage_arrays(runner) -> list[dict]:
+    """Each stage's parameters on the host, by path ("['layers']['mlp']['down_proj']['kernel']")."""
+    import jax
+    import numpy as np
+
+    return [
+        {
+            jax.tree_util.keystr(path).removesuffix(".value"): np.asarray(x)
+            for path, x in jax.tree_util.tree_leaves_with_path(s.model.params)
+        }
+        for s in runner.stages
+    ]
+
+
+def _changes(before: list[dict], after: list[dict]) -> list[dict]:
+    """Per stage, {parameter path: the indices of its stack's layers that changed ([-1]: unstacked)}."""
+    import numpy as np
+
+    changes = []
+    for old, new in zip(before, after):
+        changed = {}
+        for key, value in old.items():
+            if not np.array_equal(value, new[key]):
+                is_stack = key.startswith("['layers']")
+                changed[key] = (
+                    [i for i in range(len(value)) if not np.array_equal(value[i], new[key][i])]
+                    if is_stack
+                    else [-1]
+                )
+        changes.append(changed)
+    return changes
+
+
+def research(arg: dict, small_llm) -> dict:
+    """The research stack on a pipelined engine (`arg["layout"]`, micro-batches on, as the "pipeline"
+    case's micro-batch engine: its programs). arg: {"model", "other" (the same shapes, other weights),
+    "layout", "shape", "prompts"}. The engine on `model`: its numbers; a refused update (a wrong shape
+    on the last stage's norm beside a good stage-0 tensor; an unknown name) and the stages after it;
+    which stage and layer each of three single-tensor updates changed; its numbers after `other`'s
+    tensors, with the compiles they cost; after sleep/wake_up at levels 1 and 2 (and the bytes each
+    reported); after `update_weights_from_path(model)`. Then a fresh engine's on `other`."""
+    import jax
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from xlaserve import SamplingParams
+    from xlaserve.worker.compile_guard import num_compiles
+
+    prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+    def engine(model_dir):
+        llm = small_llm(model_dir, arg["layout"], **arg["shape"])
+        llm.engine_core.set_num_micro_batches(llm.engine_core.executor.max_concurrent_batches)
+        return llm
+
+    new = load_file(f"{arg['other']}/model.safetensors")
+    llm = engine(arg["model"])
+    runner = llm.engine_core.runner
+    result = {"executor": type(llm.engine_core.executor).__name__, "before": _numbers(llm, prompts, params)}
+    start = _stage_arrays(runner)
+    good = {"model.layers.0.mlp.down_proj.weight": new["model.layers.0.mlp.down_proj.weight"]}
+    refused = {}
+    for name, value in [
+        ("model.norm.weight", np.ones(new["model.norm.weight"].shape[0] + 1, np.float32)),
+        ("model.layers.3.self_attn.not_a_weight", new["model.layers.3.self_attn.q_proj.weight"]),
+    ]:
+        try:
+            llm.update_weights(good | {name: value})
+            refused[name] = None
+        except ValueError as e:
+            refused[name] = str(e)
+    result["refused"] = refused
+    result["changed_by_refused"] = _changes(start, _stage_arrays(runner))
+    result["touched"] = {}
+    for name in ["model.layers.3.self_attn.q_proj.weight", "model.embed_tokens.weight", "model.norm.weight"]:
+        before = _stage_arrays(runner)
+        llm.update_weights({name: new[name]})
+        result["touched"][name] = _changes(before, _stage_arrays(runner))
+    # The layer-3 update sits at index 1 of the last stage's stack (layers 2-3), as [in, out]; fetched
+    # whole (an index would compile a program).
+    q = np.asarray(runner.stages[-1].model.params["layers"]["self_attn"]["q_proj"]["kernel"][...])
+    result["layer_3_q_is_new"] = bool(np.array_equal(q[1], new["model.layers.3.self_attn.q_proj.weight"].T))
+    compiles = num_compiles()
+    llm.update_weights(new)
+    result["after"] = _numbers(llm, prompts, params)
+    result["update_compiles"] = num_compiles() - compiles
+    kv_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.kv_cache))
+    result["sleep"] = []
+    for level in (1, 2):
+        asleep = llm.sleep(level)
+        is_freed = all(x.is_deleted() for x in jax.tree.leaves([s.model.params for s in runner.stages]))
+        awake = llm.wake_up()
+        result["sleep"].append(
+            {
+                "freed": asleep.device_bytes,
+                "placed": awake.device_bytes,
+                "expected": kv_bytes + (runner.weight_bytes if level == 2 else 0),
+                "weights_deleted": is_freed,
+                "numbers": _numbers(llm, prompts, params),
+            }
+        )
+    llm.update_weights_from_path(arg["model"])
+    result["back"] = _numbers(llm, prompts, params)
+    del llm, runner
+    result["fresh"] = _numbers(engine(arg["other"]), prompts, params)
+    return result

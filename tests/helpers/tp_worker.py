@@ -504,6 +504,13 @@ def pipeline(_model_dir: str, arg: dict) -> dict:
     return pp_main(arg, small_llm)
 
 
+def pipeline_research(_model_dir: str, arg: dict) -> dict:
+    """See helpers/pp_worker.py `research`."""
+    from pp_worker import research
+
+    return research(arg, small_llm)
+
+
 MODES = {
     "context_parallel": context_parallel,
     "generate": generate,
@@ -519,6 +526,7 @@ MODES = {
     "lora": lora,
     "data_parallel": data_parallel,
     "pipeline": pipeline,
+    "pipeline_research": pipeline_research,
     "update_weights": update_weights,
     "update_weights_on_mesh": update_weights_on_mesh,
 }
@@ -560,7 +568,7 @@ class _CaseProfile:
 # alike; collectives and shapes) does not depend on the emitter. The pipeline's cases keep XLA's
 # default: their stages are compared with one device bit for bit, and with two processes compiling as
 # users do (test_pipeline_parallel.py), and under the elemental emitters a stage's bits differ.
-DEFAULT_EMITTER_MODES = {"pipeline"}
+DEFAULT_EMITTER_MODES = {"pipeline", "pipeline_research"}
 ELEMENTAL_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 _default_emitters = True
 

@@ -7,7 +7,10 @@ devices; nothing compiles after warm-up. And PP=2 over two processes (jax.distri
 one stage and one device each, helpers/pp_process.py) gives the one-device PP=1 run's bits too, and
 PP=2 x TP=2 over two processes of two devices each the one-host PP=2 x TP=2 run's. PP=2 keeps two
 micro-batches of different requests in flight (the stages of consecutive steps overlap): several
-requests at once give PP=1's bits, where PP=1 runs them all in one batch."""
+requests at once give PP=1's bits, where PP=1 runs them all in one batch. The research stack on that
+PP=2 engine (its programs, from the persistent compilation cache): `update_weights` routes each tensor
+to the stage holding it and equals a fresh engine on the new weights bit for bit, a refused update
+changes no stage, and sleep/wake_up at both levels restore the answers."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # four engines in the fake-mesh worker, one warmed up; two two-process runs
+pytestmark = pytest.mark.slow  # eight engines in the fake-mesh worker, one warmed up; two two-process runs
 
 PP1, PP2, PP4 = {}, {"pipeline_parallel_size": 2}, {"pipeline_parallel_size": 4}
 PP2_TP2 = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}
@@ -78,6 +81,29 @@ def micro_batch_runs(tp_worker, models):
         "micro_batches": True,
     }
     return tp_worker.run("pipeline", "", arg)["llama"]
+
+
+@pytest.fixture(scope="module")
+def research_run(tp_worker, models, tmp_path_factory):
+    """helpers/pp_worker.py `research`: the micro-batch case's PP=2 engine (its programs) on the tiny
+    Llama takes another tiny Llama's weights (seed 1, the same shapes), sleeps and wakes."""
+    from helpers.tiny_models import save_tiny_llama, small_byte_tokenizer
+
+    other = save_tiny_llama(
+        str(tmp_path_factory.mktemp("pp_llama_b")),
+        seed=1,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        tokenizer=small_byte_tokenizer(),
+    )
+    arg = {
+        "model": models["llama"],
+        "other": other,
+        "layout": PP2,
+        "shape": MICRO_BATCH_SHAPE,
+        "prompts": MICRO_BATCH_PROMPTS,
+    }
+    return tp_worker.run("pipeline_research", "", arg)
 
 
 def _max_logprob_diff(a: list, b: list) -> float:
@@ -190,3 +216,52 @@ def test_two_processes_pipeline_times_tensor_parallel_are_bitwise_one_host(model
     one_host = runs["llama"][LAYOUTS["llama"].index(PP2_TP2)]
     assert result["tokens"] == one_host["tokens"]
     assert result["logprobs"] == one_host["logprobs"]
+
+
+def test_update_weights_on_stages_equals_a_fresh_engine_on_the_new_weights(research_run, micro_batch_runs):
+    """PP=2 on one process takes every tensor of another checkpoint: its tokens and logprobs are then a
+    fresh PP=2 engine's on that checkpoint, bit for bit, with nothing compiled by the update or the steps
+    after it; `update_weights_from_path` brings the first checkpoint's numbers back."""
+    run = research_run
+    assert run["executor"] == "PipelineExecutor"
+    assert run["before"] == {k: micro_batch_runs[1][k] for k in ("tokens", "logprobs")}  # the same engine
+    assert run["after"]["tokens"] != run["before"]["tokens"]
+    assert run["after"] == run["fresh"]  # every token id and logprob, exactly
+    assert run["update_compiles"] == 0
+    assert run["back"] == run["before"]
+
+
+def test_a_weight_goes_to_the_stage_holding_it(research_run):
+    """Stages of layers 0-1 and 2-3: layer 3's q_proj is the last stage's stack's layer 1, the embedding
+    stage 0's, the final norm the last stage's; no other stage or layer changes."""
+    touched = research_run["touched"]
+    q_proj = "['layers']['self_attn']['q_proj']['kernel']"
+    assert [list(stage) for stage in touched["model.layers.3.self_attn.q_proj.weight"]] == [[], [q_proj]]
+    assert next(iter(touched["model.layers.3.self_attn.q_proj.weight"][1].values())) == [1]
+    assert research_run["layer_3_q_is_new"]
+    assert [list(stage) for stage in touched["model.embed_tokens.weight"]] == [
+        ["['embed_tokens']['weight']"],
+        [],
+    ]
+    assert [list(stage) for stage in touched["model.norm.weight"]] == [[], ["['norm']['weight']"]]
+
+
+def test_a_refused_update_names_the_weight_and_changes_no_stage(research_run):
+    """A wrong shape on the last stage's norm, or an unknown name, beside a good tensor of stage 0: a
+    ValueError naming the weight (and both shapes), and neither stage changes."""
+    refused = research_run["refused"]
+    assert refused["model.norm.weight"] is not None
+    assert "'model.norm.weight' has shape (65,), the model's is (64,)" in refused["model.norm.weight"]
+    assert "model.layers.3.self_attn.not_a_weight" in refused["model.layers.3.self_attn.not_a_weight"]
+    assert research_run["changed_by_refused"] == [{}, {}]
+
+
+def test_sleep_frees_every_stage_and_wake_up_restores_the_outputs(research_run):
+    """Level 1 frees both stages' KV caches, level 2 their weights too (kept on the host); after each
+    wake_up the answers are those before the sleep."""
+    level_1, level_2 = research_run["sleep"]
+    for level in (level_1, level_2):
+        assert level["freed"] == level["placed"] == level["expected"]
+        assert level["numbers"] == research_run["after"]
+    assert (level_1["weights_deleted"], level_2["weights_deleted"]) == (False, True)
+    assert level_2["freed"] > level_1["freed"]
