@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from xlaserve import BeamSearchParams
+from xlaserve import BeamSearchParams, SamplingParams
 from xlaserve.entrypoints.beam_search import BeamSearch, BeamSearchSequence, beam_score
 from xlaserve.outputs import Logprob
 
@@ -65,6 +65,18 @@ def test_a_bfloat16_search_is_the_same_beside_others(llm_bf16):
     together = llm_bf16.beam_search([OTHER, PROMPT], params)
     assert together[1] == alone and together[0].sequences[0].tokens[:5] != alone.sequences[0].tokens[:5]
     assert len({tuple(beam.tokens) for beam in alone.sequences}) == 4
+    # Each beam's logprobs are the prompt logprobs of its tokens fed back as one prompt, bit for bit.
+    for beam in alone.sequences:
+        forced = llm_bf16.generate(
+            {"prompt_token_ids": beam.tokens},
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )[0].prompt_logprobs
+        num_generated = len(beam.logprobs)  # 5, or fewer for a beam ended by EOS
+        generated = beam.tokens[-num_generated:]
+        assert [e[t].logprob for e, t in zip(forced[-num_generated:], generated)] == [
+            step[t].logprob for step, t in zip(beam.logprobs, generated)
+        ]
 
 
 def test_a_beam_ended_by_eos_ranks_by_vllms_score(llm):

@@ -28,6 +28,7 @@ from xlaserve.entrypoints.openai.tool_protocol import (
     FunctionCallOut,
     ToolCallOut,
 )
+from xlaserve.entrypoints.serving.beam_search import BeamSearchStream, beam_search_params
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta, ChoiceParser
 from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
@@ -150,18 +151,16 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     params = chat_sampling_params(state, req, plan, ids, max_tokens)
     request_id = new_id("chatcmpl")
-    stream = submit(
-        state,
-        ids,
-        params,
-        request_id,
-        stream=req.stream,
-        prompt=text,
-        priority=req.priority,
-        cache_salt=req.cache_salt,
-        lora_request=state.lora_request(req.model),
-        mm_features=mm_features,
-    )
+    kwargs = {"prompt": text, "priority": req.priority, "cache_salt": req.cache_salt}
+    kwargs |= {"lora_request": state.lora_request(req.model), "mm_features": mm_features}
+    if req.use_beam_search:
+        room = state.engine.max_model_len - len(ids) if max_tokens is None else max_tokens
+        forced = plan.structured_outputs is not None
+        stream = BeamSearchStream(
+            state, ids, beam_search_params(req, room, forced_grammar=forced), request_id, **kwargs
+        )
+    else:
+        stream = submit(state, ids, params, request_id, stream=req.stream, **kwargs)
     created = int(time.time())
     parsers = [choice_parser(state, req, plan, ids) for _ in range(req.n)]
     if req.stream:

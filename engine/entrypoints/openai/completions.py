@@ -18,6 +18,7 @@ from xlaserve.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from xlaserve.entrypoints.openai.sse import MIN_LOGPROB, SSE_DONE, sse_error, sse_event
+from xlaserve.entrypoints.serving.beam_search import BeamSearchStream, beam_search_params
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
@@ -151,17 +152,16 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     streams = []
     try:
         for i, (text, ids) in enumerate(prompts):
+            kwargs = {"prompt": text, "priority": req.priority, "cache_salt": req.cache_salt}
+            kwargs["lora_request"] = state.lora_request(req.model)
+            if req.use_beam_search:
+                room = state.engine.max_model_len - len(ids) if req.max_tokens is None else req.max_tokens
+                search = beam_search_params(req, room)
+                streams.append(BeamSearchStream(state, ids, search, f"{request_id}-{i}", **kwargs))
+                continue
+            output_kind = "delta" if req.stream else "final"
             streams.append(
-                state.engine.add_request(
-                    ids,
-                    params,
-                    f"{request_id}-{i}",
-                    prompt=text,
-                    priority=req.priority,
-                    cache_salt=req.cache_salt,
-                    output_kind="delta" if req.stream else "final",
-                    lora_request=state.lora_request(req.model),
-                )
+                state.engine.add_request(ids, params, f"{request_id}-{i}", output_kind=output_kind, **kwargs)
             )
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
         for stream in streams:

@@ -167,6 +167,12 @@ class SamplingFields(StrictModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
     kv_transfer_params: KVTransferParams | None = None
+    use_beam_search: bool = Field(
+        default=False, description="n beams (at most 10) instead of n samples (serving/beam_search.py)"
+    )
+    length_penalty: float = Field(
+        default=1.0, ge=-10.0, le=10.0, description="beam search: scores are cum_logprob / length ** this"
+    )
 
 
 class TextContentPart(StrictModel):
