@@ -227,6 +227,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the logits before sampling (token id -> bias in [-100, 100], OpenAI's range), and the only
+    # tokens that may be sampled (None: all); logprobs stay those of the raw distribution, as vLLM's.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     # vLLM's extra_args: what a connector or plug-in reads. "kv_transfer_params" (disaggregated
     # prefill, README "Disaggregated prefill"): {"do_remote_decode": true} asks a producer to run the
     # prefill only and keep the blocks for a consumer; the response's kv_transfer_params, sent to the
@@ -242,6 +246,7 @@ class SamplingParams:
         self._validate_logprobs()
         self._validate_penalties()
         self._validate_stops()
+        self._validate_token_biases()
 
     def _normalize(self) -> None:
         stop = self.stop
@@ -352,6 +357,31 @@ class SamplingParams:
                 f"stop_token_ids must be ints >= 0, got {token_id!r}",
             )
 
+    def _validate_token_biases(self) -> None:
+        bias = self.logit_bias
+        if bias is not None:
+            _require(isinstance(bias, dict), f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+            for token_id, value in bias.items():
+                _require(
+                    _is_int(token_id) and token_id >= 0,
+                    f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}",
+                )
+                _require(
+                    isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100,
+                    f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token_id}",
+                )
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            _require(
+                isinstance(allowed, list) and len(allowed) > 0,
+                f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}",
+            )
+            for token_id in allowed:
+                _require(
+                    _is_int(token_id) and token_id >= 0,
+                    f"allowed_token_ids must be ints >= 0, got {token_id!r}",
+                )
+
     @property
     def is_greedy(self) -> bool:
         """True when sampling is argmax (temperature ~ 0)."""
@@ -361,3 +391,9 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when any presence/frequency/repetition penalty changes the logits."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def has_token_biases(self) -> bool:
+        """True when a logit bias or an allowed-token list changes the logits (the sampler's [R, V]
+        bias, as the penalties)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None

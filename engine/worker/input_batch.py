@@ -187,7 +187,8 @@ def sampling_tensors(
     grammar_bitmask: np.ndarray | None = None,
 ) -> SamplingTensors:
     """Per-row sampling parameters; padding rows are greedy. The [R, V] penalty arrays are built only
-    when some row needs them (penalties, or min_tokens keeping EOS and stop ids out); the token
+    when some row needs them (penalties, a logit bias or allowed token ids, or min_tokens keeping EOS
+    and stop ids out); the token
     bitmask only when some row samples under a grammar (`grammar_bitmask`: [len(scheduled), W]).
 
     Rows of requests in (or added to) `failed` keep the padding rows' values."""
@@ -251,6 +252,12 @@ def _fill_penalty_row(penalties, row: int, s) -> None:
     )
     np.add.at(counts[row], np.asarray(req.output_token_ids, np.int64), 1)
     prompt_mask[row, req.prompt_token_ids] = True
+    if p.logit_bias:
+        bias[row, np.fromiter(p.logit_bias, np.int64)] += np.fromiter(p.logit_bias.values(), np.float32)
+    if p.allowed_token_ids is not None:  # the others (the vocabulary's padding too) never sampled
+        allowed = np.zeros(bias.shape[1], bool)
+        allowed[p.allowed_token_ids] = True
+        bias[row, ~allowed] = -np.inf
     if s.sample_index < p.min_tokens:
         banned = list(p.stop_token_ids or [])
         if req.eos_token_id is not None and not p.ignore_eos:

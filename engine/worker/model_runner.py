@@ -369,8 +369,11 @@ class ModelRunner:
         hook_arrays = self._prepare_hooks(scheduled, num_tokens, failed)
         batch, spec = self._step_batch(scheduled, num_tokens, failed)
         sampling = [s for s in scheduled if s.is_sampling]
-        with_penalties = any(s.request.sampling_params.has_penalties for s in sampling) or any(
-            s.sample_index < s.request.sampling_params.min_tokens for s in sampling
+        with_penalties = any(
+            s.request.sampling_params.has_penalties
+            or s.request.sampling_params.has_token_biases
+            or s.sample_index < s.request.sampling_params.min_tokens
+            for s in sampling
         )
         prompt_targets = None
         if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):

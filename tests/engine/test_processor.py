@@ -42,18 +42,17 @@ def test_prompt_token_ids_outside_the_vocabulary(processor, bad):
 
 @dataclasses.dataclass(frozen=True)
 class _ParamsWithIds(SamplingParams):
-    """Stands in for features that carry token ids (logit_bias, allowed ids, bad words)."""
+    """Stands in for a feature that would carry token ids (bad words) beside logit_bias and
+    allowed_token_ids."""
 
-    logit_bias: dict | None = None
-    allowed_token_ids: list | None = None
     bad_words_token_ids: list | None = None
 
 
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("logit_bias", {str(VOCAB): 1.0}),
-        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {VOCAB: 1.0}),
+        ("logit_bias", {3: -1.0, VOCAB + 7: 1.0}),
         ("allowed_token_ids", [3, VOCAB + 5]),
         ("bad_words_token_ids", [[3, 4], [VOCAB]]),
     ],
@@ -67,8 +66,29 @@ def test_every_token_id_field_is_checked(processor, field, value):
 
 def _in_range(value):
     if isinstance(value, dict):
-        return {"5": 1.0}
+        return {5: 1.0}
     return [[3]] if isinstance(value[0], list) else [3]
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids"),
+        (
+            {"logit_bias": {5: 100.5}},
+            r"logit_bias values must be numbers in \[-100, 100\], got 100.5 for token 5",
+        ),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias values must be numbers in"),
+        ({"logit_bias": {5: True}}, "logit_bias values must be numbers in"),
+        ({"logit_bias": [5]}, "logit_bias must be a dict"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+        ({"allowed_token_ids": [3, -2]}, r"allowed_token_ids must be ints >= 0, got -2"),
+    ],
+)
+def test_logit_bias_and_allowed_token_ids_are_checked(fields, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**fields)
 
 
 def test_check_fits_names_the_context_and_the_cache():

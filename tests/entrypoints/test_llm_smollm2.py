@@ -177,6 +177,28 @@ def test_penalties_change_greedy_output(llm):
     assert plain.outputs[0].token_ids != penalized.outputs[0].token_ids
 
 
+def test_logit_bias_and_allowed_token_ids_steer_greedy_sampling(llm):
+    """A bias just over the gap between the top two tokens makes the second the greedy choice (its
+    logprob stays the raw distribution's); -100 on the top token does too; allowed_token_ids keeps every
+    token in the set; and a request beside them without either is unchanged."""
+    prompt = "The capital of France is"
+    base = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, logprobs=3), use_tqdm=False)[0]
+    first = base.outputs[0].logprobs[0]
+    top, second, third = sorted(first, key=lambda t: first[t].rank)[:3]
+    gap = first[top].logprob - first[second].logprob
+    nudged = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3, logit_bias={second: gap + 0.01})
+    banned = SamplingParams(temperature=0.0, max_tokens=1, logit_bias={top: -100.0})
+    allowed = SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[third, second])
+    plain = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3)
+    outs = llm.generate([prompt] * 4, [nudged, banned, allowed, plain], use_tqdm=False)
+    (nudged_out, banned_out, allowed_out, plain_out) = (o.outputs[0] for o in outs)
+    assert nudged_out.token_ids == [second] == banned_out.token_ids
+    assert nudged_out.logprobs[0][second].logprob == pytest.approx(first[second].logprob, abs=1e-5)
+    assert nudged_out.logprobs[0][second].rank == 2  # the raw distribution's rank
+    assert allowed_out.token_ids[0] == second and set(allowed_out.token_ids) <= {second, third}
+    assert plain_out.token_ids == base.outputs[0].token_ids
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [
@@ -184,6 +206,8 @@ def test_penalties_change_greedy_output(llm):
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
+        ({"logit_bias": {1: 101}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
     ],
 )
 def test_bad_sampling_params_name_the_field(params, field):
@@ -218,12 +242,13 @@ def test_nothing_compiles_after_warm_up(llm):
     from xlaserve.worker.compile_guard import num_compiles
 
     before = num_compiles()
-    prompts = [("word " * n).strip() for n in (1, 7, 30, 90, 200)]
+    prompts = [("word " * n).strip() for n in (1, 7, 30, 90, 200, 3)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=3),
         SamplingParams(temperature=0.8, top_k=20, max_tokens=9, seed=1),
         SamplingParams(temperature=1.0, min_p=0.1, max_tokens=17, logprobs=2),
         SamplingParams(temperature=0.0, max_tokens=5, presence_penalty=0.5, prompt_logprobs=1),
+        SamplingParams(temperature=0.7, max_tokens=6, logit_bias={13: 5.0}, allowed_token_ids=[13, 14, 15]),
         SamplingParams(temperature=0.0, max_tokens=40),
     ]
     llm.generate(prompts, params, use_tqdm=False)

@@ -359,3 +359,34 @@ def test_overload_and_disconnect_soak_leaves_nothing_behind(server):
     )
     # The kept streams ran to max_tokens; a dropped one was aborted, or had just finished.
     assert finished >= 24 and finished + aborted == 48
+
+
+def _token_ids(server, text: str) -> list[int]:
+    body = {"prompt": text, "add_special_tokens": False}
+    return httpx.post(server.url + "/tokenize", json=body, headers=server.headers, timeout=60).json()[
+        "tokens"
+    ]
+
+
+def test_logit_bias_and_allowed_token_ids_through_the_client(server, client):
+    """OpenAI's logit_bias (token ids as strings): -100 on the greedy first token makes the answer start
+    otherwise; vLLM's allowed_token_ids (extra_body) keeps every token in the set."""
+    ask = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    plain = client.completions.create(**ask, logprobs=2)
+    first = plain.choices[0].logprobs.tokens[0]
+    top_two = list(plain.choices[0].logprobs.top_logprobs[0])
+    ids = {token: _token_ids(server, token) for token in top_two}
+    banned = client.completions.create(**ask, logit_bias={str(ids[first][0]): -100})
+    assert banned.choices[0].text != plain.choices[0].text
+    assert not banned.choices[0].text.startswith(first)
+    allowed = [i for token in top_two for i in ids[token]]
+    kept = client.completions.create(**ask, logprobs=1, extra_body={"allowed_token_ids": allowed})
+    assert set(kept.choices[0].logprobs.tokens) <= set(top_two)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Say yes."}],
+        max_completion_tokens=3,
+        temperature=0,
+        logit_bias={str(ids[first][0]): 100},
+    )
+    assert chat.choices[0].message.content == first * 3

@@ -176,7 +176,7 @@ _SAMPLING = {
         "use_beam_search",
     ],
     "string": ["model", "user", "cache_salt"],
-    "object": ["response_format", "structured_outputs", "kv_transfer_params"],
+    "object": ["response_format", "structured_outputs", "kv_transfer_params", "logit_bias"],
 }
 FIELD_TYPES = {
     "completions": {
@@ -384,6 +384,17 @@ RANGE_CASES = [
     ("completions", "prompt", [-1]),
     ("completions", "prompt", [2**31]),
     ("completions", "length_penalty", 10.5),
+    ("completions", "logit_bias", {"5": 100.5}),
+    ("completions", "logit_bias", {"5": -101}),
+    ("completions", "logit_bias", {"abc": 1}),
+    ("completions", "logit_bias", {"-5": 1}),
+    ("completions", "logit_bias", {"10000000": 1}),
+    ("completions", "logit_bias", {str(i): 1 for i in range(1025)}),
+    ("completions", "allowed_token_ids", []),
+    ("completions", "allowed_token_ids", [-1]),
+    ("completions", "allowed_token_ids", [10**7]),
+    ("chat", "logit_bias", {"x": 1}),
+    ("chat", "allowed_token_ids", [2**31]),
     ("chat", "messages", []),
     ("chat", "n", 65),
     ("chat", "length_penalty", -11),

@@ -69,10 +69,24 @@ def make_sampling_params(
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             skip_special_tokens=req.skip_special_tokens,
             structured_outputs=structured_outputs,
+            logit_bias=_logit_bias(req),
+            allowed_token_ids=req.allowed_token_ids,
             extra_args=_extra_args(req),
         )
     except ValueError as e:
         raise bad_request(str(e), param_of_value_error(e, _SAMPLING_FIELDS)) from None
+
+
+def _logit_bias(req: SamplingFields) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as strings) with int keys; a key that is no token id is a 400."""
+    if req.logit_bias is None:
+        return None
+    bias = {}
+    for key, value in req.logit_bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids (digits), got {key!r}", "logit_bias")
+        bias[int(key)] = value
+    return bias
 
 
 def _extra_args(req: SamplingFields) -> dict | None:

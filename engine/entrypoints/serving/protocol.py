@@ -30,7 +30,6 @@ UNSUPPORTED_FIELDS = frozenset(
     {
         "functions",
         "function_call",
-        "logit_bias",
         "suffix",
         "best_of",
         "audio",
@@ -155,6 +154,18 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
+    logit_bias: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=16)], Annotated[float, Field(ge=-100, le=100)]],
+            Field(max_length=1024),
+        ]
+        | None
+    ) = Field(
+        default=None, description="OpenAI's: token id (as a string) -> a bias in [-100, 100] on its logit"
+    )
+    allowed_token_ids: list[TokenId] | None = Field(
+        default=None, min_length=1, max_length=2**17, description="only these tokens may be sampled"
+    )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
