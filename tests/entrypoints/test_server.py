@@ -390,3 +390,62 @@ def test_logit_bias_and_allowed_token_ids_through_the_client(server, client):
         logit_bias={str(ids[first][0]): 100},
     )
     assert chat.choices[0].message.content == first * 3
+
+
+def test_token_ids_and_prompt_logprobs_for_rl_clients(server, client):
+    """vLLM's extras for trainers: `return_token_ids` (the prompt's ids and each choice's, streamed as
+    each chunk's), `return_tokens_as_token_ids` (logprobs name "token_id:{id}"), `prompt_logprobs`
+    (per prompt token; the first has none) on both routes; streamed prompt logprobs are a 400."""
+    prompt = "The capital of France is"
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True, "prompt_logprobs": 1}
+    ask = {"model": MODEL_NAME, "max_tokens": 5, "temperature": 0, "logprobs": 1}
+    answer = client.completions.create(prompt=prompt, **ask, extra_body=extra).choices[0]
+    prompt_ids = _prompt_ids(server, {"prompt": prompt})
+    assert answer.prompt_token_ids == prompt_ids and len(answer.token_ids) == 5
+    assert answer.logprobs.tokens == [f"token_id:{i}" for i in answer.token_ids]
+    assert _detokenize(server, answer.token_ids) == answer.text
+    assert answer.prompt_logprobs[0] is None and len(answer.prompt_logprobs) == len(prompt_ids)
+    echoed = client.completions.create(prompt=prompt, **{**ask, "max_tokens": 1, "logprobs": 0}, echo=True)
+    for token_id, entry, logprob in zip(
+        prompt_ids[1:], answer.prompt_logprobs[1:], echoed.choices[0].logprobs.token_logprobs[1:]
+    ):
+        assert entry[str(token_id)]["logprob"] == pytest.approx(logprob, abs=1e-6)
+    messages = [{"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_completion_tokens=6, temperature=0, extra_body=extra
+    )
+    chat_ids = _prompt_ids(server, {"messages": messages})
+    assert chat.prompt_token_ids == chat_ids and len(chat.prompt_logprobs) == len(chat_ids)
+    (choice,) = chat.choices
+    assert _detokenize(server, choice.token_ids, skip_special=True) == choice.message.content
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_completion_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].prompt_token_ids == chat_ids
+    streamed = [i for c in chunks for ch in c.choices for i in (getattr(ch, "token_ids", None) or [])]
+    assert streamed == choice.token_ids
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_completion_tokens=2, stream=True, extra_body=extra
+        )
+    assert refused.value.body["param"] == "prompt_logprobs"
+
+
+def _prompt_ids(server, body: dict) -> list[int]:
+    response = httpx.post(server.url + "/tokenize", json=body, headers=server.headers, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+def _detokenize(server, ids: list[int], skip_special: bool = False) -> str:
+    response = httpx.post(
+        server.url + "/detokenize", json={"tokens": ids}, headers=server.headers, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["prompt"]

@@ -157,7 +157,7 @@ WRONG_TYPES = {
     "object": ["x", 5, True, [{}]],
 }
 _SAMPLING = {
-    "integer": ["n", "seed", "top_k", "min_tokens", "priority"],
+    "integer": ["n", "seed", "top_k", "min_tokens", "priority", "prompt_logprobs"],
     "number": [
         "temperature",
         "top_p",
@@ -174,6 +174,8 @@ _SAMPLING = {
         "include_stop_str_in_output",
         "skip_special_tokens",
         "use_beam_search",
+        "return_token_ids",
+        "return_tokens_as_token_ids",
     ],
     "string": ["model", "user", "cache_salt"],
     "object": ["response_format", "structured_outputs", "kv_transfer_params", "logit_bias"],
@@ -242,6 +244,10 @@ def test_wrong_type_is_400_naming_the_field(client, endpoint, field, value):
 STRUCTURE_CASES = [
     ("completions", {"prompt": 5}, "prompt"),
     ("completions", {"prompt": None}, "prompt"),
+    ("completions", {"stream": True, "prompt_logprobs": 0}, "prompt_logprobs"),
+    ("chat", {"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completions", {"use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("chat", {"use_beam_search": True, "n": 11}, "n"),
     ("completions", {"prompt": {"text": "Hi"}}, "prompt"),
     ("completions", {"prompt": [True]}, "prompt"),
     ("completions", {"prompt": [1.5]}, "prompt"),
@@ -390,6 +396,9 @@ RANGE_CASES = [
     ("completions", "logit_bias", {"-5": 1}),
     ("completions", "logit_bias", {"10000000": 1}),
     ("completions", "logit_bias", {str(i): 1 for i in range(1025)}),
+    ("completions", "prompt_logprobs", 21),
+    ("completions", "prompt_logprobs", -1),
+    ("chat", "prompt_logprobs", 2**31),
     ("completions", "allowed_token_ids", []),
     ("completions", "allowed_token_ids", [-1]),
     ("completions", "allowed_token_ids", [10**7]),

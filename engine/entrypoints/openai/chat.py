@@ -8,6 +8,7 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from xlaserve.entrypoints.openai.logprobs import prompt_logprobs, token_logprobs
 from xlaserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -15,13 +16,11 @@ from xlaserve.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
-    ChatTokenLogprob,
     DeltaMessage,
     PromptTokensDetails,
-    TopLogprob,
     UsageInfo,
 )
-from xlaserve.entrypoints.openai.sse import MIN_LOGPROB, SSE_DONE, sse_error, sse_event
+from xlaserve.entrypoints.openai.sse import SSE_DONE, sse_error, sse_event
 from xlaserve.entrypoints.openai.tool_protocol import (
     DeltaFunctionCallOut,
     DeltaToolCallOut,
@@ -52,43 +51,15 @@ from xlaserve.entrypoints.serving.multimodal import (
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 from xlaserve.entrypoints.serving.tools import plan_tools
-from xlaserve.outputs import CompletionOutput, Logprob
 
 logger = logging.getLogger("xlaserve.entrypoints.openai")
 
 
-def token_logprobs(state: ServerState, completion: CompletionOutput, top_n: int) -> list[ChatTokenLogprob]:
-    """Each generated token's logprob with its `top_n` alternatives, as OpenAI's chat `logprobs.content`
-    (and the Responses API's output_text `logprobs`) hold them."""
-    content = []
-    entries: list[dict[int, Logprob]] = completion.logprobs or []
-    for token_id, entry in zip(completion.token_ids, entries):
-        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-        chosen = entry.get(token_id)
-        token = _text(state, token_id, chosen)
-        content.append(
-            ChatTokenLogprob(
-                token=token,
-                logprob=max(chosen.logprob if chosen is not None else MIN_LOGPROB, MIN_LOGPROB),
-                bytes=list(token.encode("utf-8")),
-                top_logprobs=[
-                    TopLogprob(
-                        token=(t := _text(state, tid, lp)),
-                        logprob=max(lp.logprob, MIN_LOGPROB),
-                        bytes=list(t.encode("utf-8")),
-                    )
-                    for tid, lp in ranked
-                    if (lp.rank or 0) <= top_n
-                ][:top_n],
-            )
-        )
-    return content
-
-
-def _text(state: ServerState, token_id: int, logprob: Logprob | None) -> str:
-    if logprob is not None and logprob.decoded_token is not None:
-        return logprob.decoded_token
-    return state.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+def _logprobs(state: ServerState, completion, top_n: int | None, as_ids: bool) -> ChatLogprobs | None:
+    """The chat choice's `logprobs` (None: not asked for)."""
+    if top_n is None:
+        return None
+    return ChatLogprobs(content=token_logprobs(state, completion, top_n, as_ids))
 
 
 def _usage(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
@@ -165,7 +136,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     parsers = [choice_parser(state, req, plan, ids) for _ in range(req.n)]
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, request_id, model, created, stream, len(ids), parsers),
+            _stream(state, req, request_id, model, created, stream, ids, parsers),
             media_type="text/event-stream",
         )
     try:
@@ -173,6 +144,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
         raise engine_error(e) from None
     check_finish(output)
+    as_ids = req.return_tokens_as_token_ids
     choices = []
     for c in output.outputs:
         parsed = parsers[c.index].parse(c.text)
@@ -185,7 +157,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             ChatChoice(
                 index=c.index,
                 message=message,
-                logprobs=ChatLogprobs(content=token_logprobs(state, c, top_n)) if top_n is not None else None,
+                logprobs=_logprobs(state, c, top_n, as_ids),
+                token_ids=list(c.token_ids) if req.return_token_ids else None,
                 finish_reason=_finish_reason(c.finish_reason, len(parsed.tool_calls)),
                 stop_reason=c.stop_reason,
             )
@@ -198,6 +171,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         choices=choices,
         usage=_usage(len(ids), num_generated, output.num_cached_tokens),
         kv_transfer_params=output.kv_transfer_params,
+        prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if req.prompt_logprobs is not None else None,
+        prompt_token_ids=list(output.prompt_token_ids) if req.return_token_ids else None,
     )
 
 
@@ -208,23 +183,33 @@ async def _stream(
     model: str,
     created: int,
     stream,
-    num_prompt_tokens: int,
+    prompt_ids: list[int],
     parsers: list[ChoiceParser],
 ):
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     continuous = include_usage and req.stream_options.continuous_usage_stats
     top_n = (req.top_logprobs or 0) if req.logprobs else None
+    as_ids = req.return_tokens_as_token_ids
     num_generated = num_cached = 0
 
-    def chunk(choices, usage=None) -> str:
+    def chunk(choices, usage=None, prompt_token_ids=None) -> str:
         return sse_event(
-            ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
+            ChatCompletionChunk(
+                id=request_id,
+                created=created,
+                model=model,
+                choices=choices,
+                usage=usage,
+                prompt_token_ids=prompt_token_ids,
+            )
         )
 
     merged = merge_streams([stream])
     try:
-        for index in range(req.n):
-            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        for index in range(req.n):  # the first chunk carries the prompt's ids, when asked
+            ids = prompt_ids if index == 0 and req.return_token_ids else None
+            role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            yield chunk([role], None, ids)
         async for _, output in merged:
             check_finish(output)
             num_cached = output.num_cached_tokens
@@ -240,19 +225,21 @@ async def _stream(
                         delta.tool_calls + last.tool_calls,
                     )
                 has_logprobs = top_n is not None and bool(c.token_ids)
-                if not delta and c.finish_reason is None and not has_logprobs:
+                has_ids = req.return_token_ids and bool(c.token_ids)
+                if not delta and c.finish_reason is None and not has_logprobs and not has_ids:
                     continue  # held back by a parser (a possible tag), or nothing new
                 choice = ChatChunkChoice(
                     index=c.index,
                     delta=_delta_out(delta),
-                    logprobs=ChatLogprobs(content=token_logprobs(state, c, top_n)) if has_logprobs else None,
+                    logprobs=_logprobs(state, c, top_n, as_ids) if has_logprobs else None,
+                    token_ids=list(c.token_ids) if req.return_token_ids else None,
                     finish_reason=_finish_reason(c.finish_reason, parser.num_calls_sent),
                     stop_reason=c.stop_reason,
                 )
-                usage = _usage(num_prompt_tokens, num_generated, num_cached) if continuous else None
+                usage = _usage(len(prompt_ids), num_generated, num_cached) if continuous else None
                 yield chunk([choice], usage)
         if include_usage:
-            yield chunk([], _usage(num_prompt_tokens, num_generated, num_cached))
+            yield chunk([], _usage(len(prompt_ids), num_generated, num_cached))
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         yield sse_error(e)
     finally:

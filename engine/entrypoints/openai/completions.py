@@ -8,16 +8,16 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from xlaserve.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs
 from xlaserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
     UsageInfo,
 )
-from xlaserve.entrypoints.openai.sse import MIN_LOGPROB, SSE_DONE, sse_error, sse_event
+from xlaserve.entrypoints.openai.sse import SSE_DONE, sse_error, sse_event
 from xlaserve.entrypoints.serving.beam_search import BeamSearchStream, beam_search_params
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
@@ -32,7 +32,7 @@ from xlaserve.entrypoints.serving.engine_io import (
 )
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.state import ServerState, check_model
-from xlaserve.outputs import CompletionOutput, Logprob, RequestOutput
+from xlaserve.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("xlaserve.entrypoints.openai")
 
@@ -64,55 +64,19 @@ def _prompt_text(state: ServerState, output: RequestOutput) -> str:
     return state.engine.tokenizer.decode(output.prompt_token_ids)
 
 
-def _token_text(state: ServerState, token_id: int) -> str:
-    return state.engine.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def make_completion_logprobs(
-    state: ServerState,
-    token_ids: list[int],
-    entries: list[dict[int, Logprob] | None],
-    top_n: int,
-    text_offset: int = 0,
-) -> CompletionLogprobs:
-    """OpenAI's legacy logprobs: per token its text, logprob, top-n alternatives and text offset."""
-    result = CompletionLogprobs()
-    for token_id, entry in zip(token_ids, entries):
-        chosen = entry.get(token_id) if entry else None
-        token = (
-            chosen.decoded_token
-            if chosen is not None and chosen.decoded_token is not None
-            else (_token_text(state, token_id))
-        )
-        result.tokens.append(token)
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
-        if entry is None or chosen is None:
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
-            continue
-        result.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB))
-        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-        top = {
-            lp.decoded_token or _token_text(state, tid): max(lp.logprob, MIN_LOGPROB)
-            for tid, lp in ranked
-            if (lp.rank or 0) <= top_n
-        }
-        top.setdefault(token, result.token_logprobs[-1])  # the sampled token is always listed
-        result.top_logprobs.append(top)
-    return result
-
-
 def _choice(
     state: ServerState,
     req: CompletionRequest,
     prompt_index: int,
     output: RequestOutput,
     completion: CompletionOutput,
-    echo_prompt: bool,
+    is_first: bool,
 ) -> CompletionChoice:
+    """A choice (or a streamed chunk of one: `is_first` for its first, which echoes the prompt and
+    carries the prompt's ids and logprobs when asked)."""
     text = completion.text
     logprobs = None
+    echo_prompt = req.echo and is_first
     prefix = _prompt_text(state, output) if echo_prompt else ""
     if req.logprobs is not None:
         token_ids = list(completion.token_ids)
@@ -121,13 +85,19 @@ def _choice(
             token_ids = output.prompt_token_ids + token_ids
             prompt_entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
             entries = list(prompt_entries) + entries
-        logprobs = make_completion_logprobs(state, token_ids, entries, req.logprobs)
+        logprobs = completion_logprobs(
+            state, token_ids, entries, req.logprobs, as_ids=req.return_tokens_as_token_ids
+        )
+    wants_prompt = is_first and req.prompt_logprobs is not None
     return CompletionChoice(
         index=prompt_index * req.n + completion.index,
         text=prefix + text,
         logprobs=logprobs,
         finish_reason=completion.finish_reason,
         stop_reason=completion.stop_reason,
+        prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if wants_prompt else None,
+        prompt_token_ids=list(output.prompt_token_ids) if is_first and req.return_token_ids else None,
+        token_ids=list(completion.token_ids) if req.return_token_ids else None,
     )
 
 
@@ -146,8 +116,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
             f"kv_transfer_params needs a single prompt (the blocks of one), got {len(prompts)} prompts",
             "kv_transfer_params",
         )
-    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = make_sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+    echoed_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    params = make_sampling_params(req, req.max_tokens, req.logprobs, echoed_logprobs)
     request_id = new_id("cmpl")
     streams = []
     try:
@@ -191,7 +161,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         check_finish(output)
         num_cached += output.num_cached_tokens
         for completion in output.outputs:
-            choices.append(_choice(state, req, i, output, completion, req.echo))
+            choices.append(_choice(state, req, i, output, completion, True))
             num_generated += len(completion.token_ids)
     return CompletionResponse(
         id=request_id,
@@ -223,7 +193,7 @@ async def _stream(
 ):
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     continuous = include_usage and req.stream_options.continuous_usage_stats
-    echoed: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int]] = set()  # (prompt, choice) pairs streamed
     num_generated = num_cached = 0
     merged = merge_streams(streams)
     try:
@@ -232,9 +202,9 @@ async def _stream(
             num_cached = max(num_cached, output.num_cached_tokens)
             for completion in output.outputs:
                 num_generated += len(completion.token_ids)
-                echo = req.echo and (i, completion.index) not in echoed
-                echoed.add((i, completion.index))
-                choice = _choice(state, req, i, output, completion, echo)
+                is_first = (i, completion.index) not in seen
+                seen.add((i, completion.index))
+                choice = _choice(state, req, i, output, completion, is_first)
                 if not choice.text and choice.finish_reason is None and not completion.token_ids:
                     continue
                 chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice])

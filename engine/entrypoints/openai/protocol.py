@@ -108,12 +108,31 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `return_token_ids` and `prompt_logprobs` fields: present only when the request asks for them.
+_ASKED_FOR = ("prompt_logprobs", "prompt_token_ids", "token_ids")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler):
+        return without_nones(handler, self, _ASKED_FOR)
 
 
 class CompletionResponse(BaseModel):
@@ -154,6 +173,11 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler):
+        return without_nones(handler, self, _ASKED_FOR)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -165,6 +189,12 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
     # A disaggregated-prefill producer's: where a consumer fetches the prompt's blocks (vLLM's).
     kv_transfer_params: dict | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler):
+        return without_nones(handler, self, _ASKED_FOR)
 
 
 class DeltaMessage(BaseModel):
@@ -184,6 +214,11 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler):
+        return without_nones(handler, self, _ASKED_FOR)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -193,6 +228,11 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # the first chunk's, with return_token_ids
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler):
+        return without_nones(handler, self, _ASKED_FOR)
 
 
 class CompletionChunk(BaseModel):

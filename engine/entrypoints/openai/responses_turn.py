@@ -9,7 +9,7 @@ import time
 
 from fastapi.responses import StreamingResponse
 
-from xlaserve.entrypoints.openai.chat import token_logprobs
+from xlaserve.entrypoints.openai.logprobs import token_logprobs
 from xlaserve.entrypoints.openai.responses_background import BackgroundResponses
 from xlaserve.entrypoints.openai.responses_convert import rename_error, to_chat_request
 from xlaserve.entrypoints.openai.responses_output import (

@@ -48,6 +48,10 @@ def make_sampling_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
 ) -> SamplingParams:
     structured_outputs = structured_outputs_of(req)
+    if req.prompt_logprobs is not None:  # vLLM's field, beside what echo with logprobs needs
+        if req.stream:
+            raise bad_request("prompt_logprobs are not available when stream=true", "prompt_logprobs")
+        prompt_logprobs = max(req.prompt_logprobs, prompt_logprobs or 0)
     try:
         return SamplingParams(
             n=req.n,

@@ -168,6 +168,16 @@ class SamplingFields(StrictModel):
     )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="the prompt tokens' logprobs, with this many alternatives",
+    )
+    return_tokens_as_token_ids: bool = Field(
+        default=False, description='logprobs name tokens "token_id:{id}"'
+    )
+    return_token_ids: bool = Field(default=False, description="the prompt's and each choice's token ids too")
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     cache_salt: Text | None = Field(
         default=None,
