@@ -12,7 +12,9 @@ first stage has finished. The last stage's devices then run the sampler, unchang
 
 Everything else is the ModelRunner's: the host batch, the buckets, warm-up, the compile guard, the
 sampler and prompt-logprob programs (on the last stage), async scheduling's `last_sampled` (copied to
-stage 0's devices for a step that reads it). Each stage computes what the single-device forward
+stage 0's devices for a step that reads it), the step hooks' model inputs, which a hook that
+`runs_on_stages` gives each stage for its own layers (LoRA: the adapter slots of the stage's layers, on
+its devices, worker/lora_manager.py). Each stage computes what the single-device forward
 computes for its layers, in the same order, so a pipeline's tokens and logprobs are bitwise those of
 one device.
 
