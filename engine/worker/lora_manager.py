@@ -15,6 +15,7 @@ recently used first out, so swapping an adapter back in does not read its files 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -36,6 +37,7 @@ from xlaserve.models.lora_adapter import (
     read_adapter_config,
 )
 from xlaserve.worker.input_batch import isolate_failures
+from xlaserve.worker.pipeline_stage import StageLayout
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,20 @@ def slot_layout(params, stack_names) -> SlotLayout:
     return layout
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotHolder:
+    """Where one set of slot stacks lives: a model's placed params (their projections' shapes) and
+    placement, and the pipeline stage whose layers it holds (None: every layer)."""
+
+    params: object
+    placement: object  # sharding/mesh.py Placement
+    stage: StageLayout | None = None
+
+    def layers(self, stack: range) -> slice:
+        """The part of a layer stack (its HF layers `stack`) held here."""
+        return slice(None) if self.stage is None else self.stage.stack_slice(stack)
+
+
 def _write_slot(stacks: dict[str, LoRAWeights], slot, new: dict[str, LoRAWeights]) -> dict[str, LoRAWeights]:
     """Every module's A[:, :, slot] and B[:, slot] = new's ([L, in, R] and [L, R, out])."""
     return {
@@ -65,7 +81,9 @@ def _write_slot(stacks: dict[str, LoRAWeights], slot, new: dict[str, LoRAWeights
 
 
 class LoRAManager:
-    def __init__(self, lora_config: LoRAConfig, model_class, model_config, params, dtype, placement):
+    def __init__(self, lora_config: LoRAConfig, model_class, model_config, dtype, holders: list[SlotHolder]):
+        """`holders`: one for a runner's model, one per stage for a pipeline's (in the stages' order:
+        `batch(slot_ids, stage)` indexes them)."""
         layer_class = getattr(model_class, "layer_class", None)
         if not getattr(layer_class, "supports_lora", False):
             raise ValueError(
@@ -81,7 +99,14 @@ class LoRAManager:
         self.max_cpu_loras = lora_config.num_cpu_loras
         self.layer_stacks = model_class.layer_stacks(model_config)
         self._prepare = lambda tensors: model_class.prepare_hf_tensors(model_config, tensors)
-        self.layout = slot_layout(params, tuple(self.layer_stacks))
+        # The whole model's layout (the adapters' files and the front end's checks see every layer),
+        # from the holders' projections: a stage's stacks hold only its layers, maybe none of a stack.
+        self.layout = {}
+        for holder in holders:
+            for stack, modules in slot_layout(holder.params, tuple(self.layer_stacks)).items():
+                num_layers = len(self.layer_stacks[stack])
+                for module, (_, din, dout) in modules.items():
+                    self.layout.setdefault(stack, {})[module] = (num_layers, din, dout)
         if not any(self.layout.values()):
             raise ValueError(f"enable_lora: {model_class.__name__} has no projection an adapter could target")
         # On CPU in 16 bits the slots are stored as words, like the layer stacks (kernels/dtype_ops.py).
@@ -89,19 +114,29 @@ class LoRAManager:
         self._as_words = jax.default_backend() == "cpu" and is_16bit_float(self.dtype)
         store = word_dtype(self.dtype) if self._as_words else self.dtype
         num_slots = self.max_loras  # on the device; the bookkeeping below adds slot 0, the base model
-        self.stacks: dict[str, LoRAWeights] = {}
+        self.holders = holders
+        # Per holder, stack -> its slots (the stacks it holds no layer of are left out).
+        self.stacks: list[dict[str, LoRAWeights]] = []
         self._host_dtype = np.dtype(self.dtype)
-        for stack, modules in self.layout.items():
-            a, b = {}, {}
-            for module, (num_layers, din, dout) in modules.items():
-                name = module.rsplit(".", 1)[-1]
-                a[module] = placement.zeros(
-                    (num_layers, din, num_slots, self.max_rank), store, placement.lora_sharding(name, "a")
-                )
-                b[module] = placement.zeros(
-                    (num_layers, num_slots, self.max_rank, dout), store, placement.lora_sharding(name, "b")
-                )
-            self.stacks[stack] = LoRAWeights(a, b)
+        for holder in holders:
+            stacks = {}
+            for stack, modules in self.layout.items():
+                num_layers = len(self.layer_stacks[stack][holder.layers(self.layer_stacks[stack])])
+                if not num_layers:
+                    continue
+                a, b = {}, {}
+                for module, (_, din, dout) in modules.items():
+                    name, placement = module.rsplit(".", 1)[-1], holder.placement
+                    a[module] = placement.zeros(
+                        (num_layers, din, num_slots, self.max_rank), store, placement.lora_sharding(name, "a")
+                    )
+                    b[module] = placement.zeros(
+                        (num_layers, num_slots, self.max_rank, dout),
+                        store,
+                        placement.lora_sharding(name, "b"),
+                    )
+                stacks[stack] = LoRAWeights(a, b)
+            self.stacks.append(stacks)
         self._write = jax.jit(_write_slot, donate_argnums=0)
         self._slot_owner: list[int | None] = [None] * (num_slots + 1)  # slot -> lora_int_id (0: base)
         self._slot_used: list[float] = [0.0] * (num_slots + 1)
@@ -163,7 +198,15 @@ class LoRAManager:
         return x.view(np.uint16) if self._as_words else x
 
     def _load_into_slot(self, slot: int, weights: dict | None) -> None:
-        self.stacks = self._write(self.stacks, np.int32(slot - 1), self._new_slot_values(weights))
+        """Write the adapter's slot values (None: zeros) into `slot` of every holder, each its layers'
+        part (cut on the host, as a stage's weights are)."""
+        new = self._new_slot_values(weights)
+        for i, (holder, stacks) in enumerate(zip(self.holders, self.stacks)):
+            part = {}
+            for stack in stacks:
+                layers = holder.layers(self.layer_stacks[stack])
+                part[stack] = jax.tree.map(lambda x, layers=layers: x[layers], new[stack])
+            self.stacks[i] = self._write(stacks, np.int32(slot - 1), part)
 
     # -- per step ---------------------------------------------------------------------------------
 
@@ -206,11 +249,12 @@ class LoRAManager:
     def _fill(self, slot_ids: np.ndarray, offset: int, s, needed: set[int]) -> None:
         slot_ids[offset : offset + s.num_new_tokens] = self.slot_of(s.request.lora_request, needed)
 
-    def batch(self, slot_ids) -> LoRABatch:
-        """What the forward takes: the slots and each token's slot ([T] int32)."""
-        return LoRABatch(self.stacks, slot_ids)
+    def batch(self, slot_ids, stage: int = 0) -> LoRABatch:
+        """What the forward (of pipeline stage `stage`) takes: its slots and each token's slot ([T] int32)."""
+        return LoRABatch(self.stacks[stage], slot_ids)
 
     def warm_up(self) -> None:
-        """Compile the slot update (a write of zeros into slot 1) before the compile guard arms."""
+        """Compile the slot update of every holder (a write of zeros into slot 1) before the compile
+        guard arms."""
         self._load_into_slot(1, None)
         jax.block_until_ready(self.stacks)

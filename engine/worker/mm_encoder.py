@@ -187,7 +187,7 @@ class MultiModalHook(StepHook):
             if self.slot_contents.get(slot) != feature.mm_hash and slot not in to_encode:
                 to_encode[slot] = feature
 
-    def forward_inputs(self, arrays) -> dict:
+    def forward_inputs(self, arrays, stage=0) -> dict:
         params = self.runner.params
         call = 0
         while f"encode{call}.dest" in arrays:

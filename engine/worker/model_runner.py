@@ -48,7 +48,7 @@ from xlaserve.worker.input_batch import (
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, fit_state_copy_slots, num_kv_blocks
 from xlaserve.worker.kv_cache_groups import cache_layout, kv_cache_groups, num_state_copy_slots
 from xlaserve.worker.kv_transfer import make_kv_connector_worker
-from xlaserve.worker.lora_manager import LoRAManager
+from xlaserve.worker.lora_manager import LoRAManager, SlotHolder
 from xlaserve.worker.mm_encoder import make_mm_hook
 from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.pooler import Pooler, PoolingHook
@@ -107,9 +107,8 @@ class ModelRunner:
                 config.lora,
                 get_model_class(self.model_config.architecture),
                 self.model_config,
-                model.params,
                 self.dtype,
-                self.placement,
+                self._lora_slot_holders(model),
             )
             if config.lora.enable_lora
             else None
@@ -212,6 +211,10 @@ class ModelRunner:
         """The model on `devices` (a pipelined runner loads one stage per device group instead:
         worker/pipeline_runner.py)."""
         return load_model(config, hf_config, tensors, devices)
+
+    def _lora_slot_holders(self, model: LoadedModel) -> list[SlotHolder]:
+        """Where the LoRA slots live: beside the model's weights (a pipeline's: one set per stage)."""
+        return [SlotHolder(model.params, model.placement)]
 
     @property
     def num_steps(self) -> int:
@@ -318,10 +321,17 @@ class ModelRunner:
         """An empty step's batch (warm-up, HLO inspection), ready for the device."""
         return self.placement.step_inputs(self._step_batch(scheduled, num_tokens, set())[0])
 
-    def _forward_args(self, kv_cache: KVCache, batch: StepBatch, hook_arrays: dict) -> tuple:
+    def _model_inputs(self, hook_arrays: dict, stage: int = 0, placement=None) -> dict:
+        """The hooks' keyword arguments of the model's forward, or of pipeline stage `stage`'s (its
+        devices' `placement`; None: the runner's)."""
+        ready = (placement or self.placement).step_inputs
         model_inputs = {}
         for hook in self.hooks:
-            model_inputs |= hook.forward_inputs(self.placement.step_inputs(hook_arrays[hook.name]))
+            model_inputs |= hook.forward_inputs(ready(hook_arrays[hook.name]), stage)
+        return model_inputs
+
+    def _forward_args(self, kv_cache: KVCache, batch: StepBatch, hook_arrays: dict) -> tuple:
+        model_inputs = self._model_inputs(hook_arrays)
         return (
             self.params,
             kv_cache,

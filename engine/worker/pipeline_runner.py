@@ -12,7 +12,9 @@ first stage has finished. The last stage's devices then run the sampler, unchang
 
 Everything else is the ModelRunner's: the host batch, the buckets, warm-up, the compile guard, the
 sampler and prompt-logprob programs (on the last stage), async scheduling's `last_sampled` (copied to
-stage 0's devices for a step that reads it). Each stage computes what the single-device forward
+stage 0's devices for a step that reads it), the step hooks' model inputs, which a hook that
+`runs_on_stages` gives each stage for its own layers (LoRA: the adapter slots of the stage's layers, on
+its devices, worker/lora_manager.py). Each stage computes what the single-device forward
 computes for its layers, in the same order, so a pipeline's tokens and logprobs are bitwise those of
 one device.
 
@@ -44,6 +46,7 @@ from xlaserve.models.registry import model_config_from_hf
 from xlaserve.sharding import make_mesh
 from xlaserve.worker.input_batch import StepBatch, StepInputs
 from xlaserve.worker.kv_cache import allocate_kv_cache
+from xlaserve.worker.lora_manager import SlotHolder
 from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.model_runner import ModelRunner
 from xlaserve.worker.pipeline_stage import StageLayout, split_layers, stage_devices
@@ -54,16 +57,27 @@ logger = logging.getLogger(__name__)
 
 
 def _stage_forward(
-    graphdef, stage: StageLayout, params, kv_cache, x, prev_ids, prev_rows, positions, logits_indices, md
+    graphdef,
+    stage: StageLayout,
+    params,
+    kv_cache,
+    x,
+    prev_ids,
+    prev_rows,
+    positions,
+    logits_indices,
+    md,
+    model_inputs,
 ):
     """One stage of the forward. Stage 0 takes the token ids (x [T]; where prev_rows >= 0 the id is the
     previous step's, read from prev_ids [S]) and embeds them; the others take the hidden states x
     [T, D]. A middle stage returns (x, kv_cache); the last (hidden [T, D], hidden of each sequence's
-    sampled position [R, D], kv_cache), as ModelRunner's forward does."""
+    sampled position [R, D], kv_cache), as ModelRunner's forward does. `model_inputs`: the hooks' keyword
+    arguments of `run_layers` for this stage's layers (LoRA's `lora=`: its layers' slots)."""
     model = nnx.merge(graphdef, params)
     if stage.is_first:
         x = model.embed(jnp.where(prev_rows >= 0, prev_ids[jnp.maximum(prev_rows, 0)], x))
-    x, kv_cache = model.run_layers(x, positions, kv_cache, md, layers=stage.layers)
+    x, kv_cache = model.run_layers(x, positions, kv_cache, md, layers=stage.layers, **model_inputs)
     if not stage.is_last:
         return x, kv_cache
     hidden = model.norm(x)
@@ -132,16 +146,25 @@ class PipelineRunner(ModelRunner):
     def __init__(self, *args, **kwargs):
         self._no_prev_ids: jax.Array | None = None  # stage 0's stand-in for last_sampled (_prev_ids)
         super().__init__(*args, **kwargs)
-        # The stages pass no hook's model inputs (LoRA's adapters, a vision model's image embeddings):
-        # a feature that rides on them would be skipped silently, so it is refused here by name.
-        if self.hooks:
-            names = ", ".join(hook.name for hook in self.hooks)
+        # A hook whose model inputs are not cut per stage (a draft model's, a vision model's image
+        # embeddings) would be skipped silently, so it is refused here by name. LoRA's run: each stage
+        # gets its own layers' adapter slots (`_lora_slot_holders`).
+        unstaged = [hook.name for hook in self.hooks if not hook.runs_on_stages]
+        if unstaged:
+            names = ", ".join(unstaged)
             raise ValueError(f"pipeline_parallel_size > 1 does not run the step hooks {names} yet")
         # What warm-up compiles as "the forward", through the engine's program store, is the last
         # stage's; the stages before it are compiled by `warm_up` here. (None: the last stage and the
         # sampler are another process's.)
         self._forward_fn = self.stages[-1].forward
         self._last_stage_inputs: dict[int, jax.ShapeDtypeStruct] = {}  # per token bucket, by warm_up
+
+    def _lora_slot_holders(self, model: LoadedModel) -> list[SlotHolder]:
+        """A set of LoRA slots per stage: its layers', on its devices (on one process: the slots are
+        written by host work that another process's stages would not see)."""
+        if not all(stage.is_local for stage in self.stages):
+            raise ValueError("enable_lora: LoRA is not supported on pipeline stages across processes yet")
+        return [SlotHolder(s.model.params, s.model.placement, s.layout) for s in self.stages]
 
     def allocate_kv_cache(self) -> list[KVCache | None]:
         """Each stage's zeroed cache of num_blocks, on its devices, holding its layers only (None for
@@ -174,7 +197,7 @@ class PipelineRunner(ModelRunner):
             stage.model = dataclasses.replace(stage.model, params=weights.params, head_dv=weights.head_dv)
         self.set_params(sets[-1].params, sets[-1].head_dv)
 
-    def _stage_args(self, index: int, kv_cache: list, x, batch: StepBatch) -> tuple:
+    def _stage_args(self, index: int, kv_cache: list, x, batch: StepBatch, hook_arrays: dict) -> tuple:
         stage = self.stages[index]
         prev = (None, None)
         if stage.layout.is_first:
@@ -187,6 +210,7 @@ class PipelineRunner(ModelRunner):
             batch.positions,
             batch.logits_indices,
             batch.md,
+            self._model_inputs(hook_arrays, index, stage.model.placement),
         )
 
     def _prev_ids(self, stage: PipelineStage, batch: StepBatch) -> jax.Array:
@@ -213,18 +237,19 @@ class PipelineRunner(ModelRunner):
         if num_tokens not in self._last_stage_inputs:
             raise RuntimeError(f"the last stage's input for bucket {num_tokens} is known after warm_up only")
         x = self._last_stage_inputs[num_tokens]
-        return self._stage_args(len(self.stages) - 1, kv_cache, x, batch)
+        return self._stage_args(len(self.stages) - 1, kv_cache, x, batch, hook_arrays)
 
     def warm_up(self) -> None:
         """Compile this process's stages but the last for each token bucket, then the ModelRunner's
         warm-up: the last stage and the samplers (where the last stage is this process's)."""
         for num_tokens in self.token_buckets:
             batch = self._build_batch([], num_tokens)
+            hook_arrays = self._prepare_hooks([], num_tokens, set())
             x = batch.input_ids
             for index, stage in enumerate(self.stages[:-1]):
                 hidden = self._hidden_struct(index + 1, num_tokens)
                 if stage.is_local:
-                    args = self._stage_args(index, self.kv_cache, x, batch)
+                    args = self._stage_args(index, self.kv_cache, x, batch, hook_arrays)
                     compiled = stage.forward.lower(*args).compile()
                     stage.forward.add(args, {}, compiled)
                     # What another process's next stage expects is this struct, not the program's output.
@@ -248,7 +273,7 @@ class PipelineRunner(ModelRunner):
             if not stage.is_local:
                 x = None
                 continue
-            out = stage.forward(*self._stage_args(index, self.kv_cache, x, batch))
+            out = stage.forward(*self._stage_args(index, self.kv_cache, x, batch, hook_arrays))
             x, self.kv_cache[index] = out[0], out[-1]
         return (out[0], out[1]) if self.stages[-1].is_local else None
 

@@ -31,13 +31,17 @@ class StepHook:
     """A feature's hook; every method's default adds nothing."""
 
     name = ""
+    # Whether `forward_inputs` gives each pipeline stage what its layers need: the pipelined runner
+    # (worker/pipeline_runner.py) refuses, by name, a hook that does not.
+    runs_on_stages = False
 
     def prepare(self, scheduled, num_tokens: int, num_seqs: int, failed: set[str]) -> HostArrays:
         """The feature's host arrays for one step; a request whose part fails is added to `failed`."""
         return {}
 
-    def forward_inputs(self, arrays: HostArrays) -> dict:
-        """Keyword arguments of the model's forward (`arrays`: `prepare`'s, on the device)."""
+    def forward_inputs(self, arrays: HostArrays, stage: int = 0) -> dict:
+        """Keyword arguments of the model's forward (`arrays`: `prepare`'s, on the device), or of
+        pipeline stage `stage`'s `run_layers` (hooks that `runs_on_stages`)."""
         return {}
 
     def after_forward(
@@ -73,6 +77,7 @@ class LoRAHook(StepHook):
     """Each token's adapter slot; the forward binds the slots to the projections (models/lora.py)."""
 
     name = "lora"
+    runs_on_stages = True  # each stage gets the slots of its own layers (worker/lora_manager.py)
 
     def __init__(self, manager: LoRAManager):
         self.manager = manager
@@ -80,8 +85,8 @@ class LoRAHook(StepHook):
     def prepare(self, scheduled, num_tokens, num_seqs, failed) -> HostArrays:
         return {"slot_ids": self.manager.step_slot_ids(scheduled, num_tokens, failed)}
 
-    def forward_inputs(self, arrays) -> dict:
-        return {"lora": self.manager.batch(arrays["slot_ids"])}
+    def forward_inputs(self, arrays, stage=0) -> dict:
+        return {"lora": self.manager.batch(arrays["slot_ids"], stage)}
 
     def warm_up(self, batches, num_seqs_for) -> list:
         self.manager.warm_up()

@@ -25,7 +25,7 @@ def main(model_dir: str, adapter_dir: str, sizes: list[int]) -> list:
             max_lora_rank=8,
         )
         outs = llm.generate(prompts * 2, params, use_tqdm=False, lora_request=[lora] * 3 + [None] * 3)
-        stacks = llm.engine_core.runner.lora.stacks["layers"]
+        stacks = llm.engine_core.runner.lora.stacks[0]["layers"]  # one set of slots (no pipeline)
         shards = {
             f"{which}:{module}": list(array.addressable_shards[0].data.shape)
             for which, arrays in (("a", stacks.a), ("b", stacks.b))

@@ -204,3 +204,50 @@ def research(arg: dict, small_llm) -> dict:
     del llm, runner
     result["fresh"] = _numbers(engine(arg["other"]), prompts, params)
     return result
+
+
+def lora(arg: dict, small_llm) -> list[dict]:
+    """LoRA adapters on pipeline stages. arg: {"model", "adapters": [directory, ...] (three), "layouts",
+    "guarded" (the layout warmed up under the strict compile guard), "shape", "prompts"}. Per layout,
+    with max_loras=2: the greedy numbers of the prompts on [adapter 1, adapter 2, the base model] in one
+    batch, then on [adapter 3, adapter 1, the base model] (adapter 3 takes adapter 2's slot); the
+    adapters written into slots, the compiles after warm-up (guarded), and each set of slots' A shapes
+    and devices (one set per stage)."""
+    from xlaserve import LoRARequest, SamplingParams
+    from xlaserve.worker.compile_guard import num_compiles
+
+    prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    a1, a2, a3 = (LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(arg["adapters"]))
+    lora_args = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    results = []
+    for layout in arg["layouts"]:
+        guarded = layout == arg["guarded"]
+        extra = {"enforce_eager": False, "strict_compile_guard": True} if guarded else {}
+        t0 = time.perf_counter()
+        llm = small_llm(arg["model"], layout, **arg["shape"], **lora_args, **extra)
+        manager = llm.engine_core.runner.lora
+        compiles = num_compiles()
+        result = {"layout": layout}
+        for run, loras in (("first", [a1, a2, None]), ("swapped", [a3, a1, None])):
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+            result[run] = {
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "logprobs": [
+                    [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]
+                    for o in outs
+                ],
+            }
+        result["num_loads"] = manager.num_loads
+        result["compiles_after_warm_up"] = num_compiles() - compiles if guarded else None
+        result["slots"] = [
+            {
+                module: [list(a.shape), sorted(d.id for d in a.devices())]
+                for module, a in stacks["layers"].a.items()
+            }
+            for stacks in manager.stacks
+        ]
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        results.append(result)
+        del llm, manager
+    return results

@@ -511,6 +511,13 @@ def pipeline_research(_model_dir: str, arg: dict) -> dict:
     return research(arg, small_llm)
 
 
+def pipeline_lora(_model_dir: str, arg: dict) -> list:
+    """See helpers/pp_worker.py `lora`."""
+    from pp_worker import lora as pp_lora
+
+    return pp_lora(arg, small_llm)
+
+
 MODES = {
     "context_parallel": context_parallel,
     "generate": generate,
@@ -527,6 +534,7 @@ MODES = {
     "data_parallel": data_parallel,
     "pipeline": pipeline,
     "pipeline_research": pipeline_research,
+    "pipeline_lora": pipeline_lora,
     "update_weights": update_weights,
     "update_weights_on_mesh": update_weights_on_mesh,
 }
@@ -568,7 +576,7 @@ class _CaseProfile:
 # alike; collectives and shapes) does not depend on the emitter. The pipeline's cases keep XLA's
 # default: their stages are compared with one device bit for bit, and with two processes compiling as
 # users do (test_pipeline_parallel.py), and under the elemental emitters a stage's bits differ.
-DEFAULT_EMITTER_MODES = {"pipeline", "pipeline_research"}
+DEFAULT_EMITTER_MODES = {"pipeline", "pipeline_research", "pipeline_lora"}
 ELEMENTAL_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 _default_emitters = True
 

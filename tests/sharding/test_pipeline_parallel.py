@@ -10,7 +10,9 @@ micro-batches of different requests in flight (the stages of consecutive steps o
 requests at once give PP=1's bits, where PP=1 runs them all in one batch. The research stack on that
 PP=2 engine (its programs, from the persistent compilation cache): `update_weights` routes each tensor
 to the stage holding it and equals a fresh engine on the new weights bit for bit, a refused update
-changes no stage, and sleep/wake_up at both levels restore the answers."""
+changes no stage, and sleep/wake_up at both levels restore the answers. LoRA on PP=2 (each stage holds
+its layers' adapter slots) gives PP=1's bits, two adapters and the base model in one batch, a third
+adapter swapped into a slot at run time."""
 
 from __future__ import annotations
 
@@ -34,6 +36,16 @@ GUARDED = {"llama": PP2_TP2}  # warmed up under the strict compile guard
 # Four requests at once (max_num_seqs=4): PP=1 runs them in one batch, PP=2 in two micro-batches of two.
 MICRO_BATCH_PROMPTS = [[5, 17, 33, 4, 60, 8, 21, 90, 13], [200, 9, 31, 250, 2], [44, 120, 7], [3, 99, 64, 12]]
 MICRO_BATCH_SHAPE = {"max_num_batched_tokens": 32, "max_num_seqs": 4}
+
+# LoRA: three requests in one batch (two adapters and the base model; 13 prompt tokens: one prefill step
+# in bucket 16, decode steps in bucket 4), three adapters for two slots (rank, alpha, rsLoRA, targets).
+LORA_SHAPE = {"max_num_batched_tokens": 16, "max_num_seqs": 4}
+LORA_PROMPTS = [[5, 17, 33, 4, 60], [200, 9, 31, 250], [44, 120, 7, 81]]
+LORA_ADAPTERS = [
+    (8, 16, False, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    (4, 8, False, ["q_proj", "v_proj", "down_proj"]),
+    (2, 4, True, ["o_proj", "up_proj"]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +116,32 @@ def research_run(tp_worker, models, tmp_path_factory):
         "prompts": MICRO_BATCH_PROMPTS,
     }
     return tp_worker.run("pipeline_research", "", arg)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tp_worker, models, tmp_path_factory):
+    """helpers/pp_worker.py `lora`: [PP=1, PP=2 (warmed up under the strict compile guard)] on the tiny
+    Llama with three random PEFT adapters of other ranks and targets, two slots."""
+    pytest.importorskip("peft")
+    import transformers
+
+    from helpers.lora_adapters import make_adapter
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(models["llama"]).eval()
+    adapters = []
+    for seed, (rank, alpha, use_rslora, targets) in enumerate(LORA_ADAPTERS):
+        directory = str(tmp_path_factory.mktemp(f"pp_lora_{seed}"))
+        make_adapter(base, rank, alpha, use_rslora, targets, directory, seed=seed)
+        adapters.append(directory)
+    arg = {
+        "model": models["llama"],
+        "adapters": adapters,
+        "layouts": [PP1, PP2],
+        "guarded": PP2,
+        "shape": LORA_SHAPE,
+        "prompts": LORA_PROMPTS,
+    }
+    return tp_worker.run("pipeline_lora", "", arg)
 
 
 def _max_logprob_diff(a: list, b: list) -> float:
@@ -265,3 +303,31 @@ def test_sleep_frees_every_stage_and_wake_up_restores_the_outputs(research_run):
         assert level["numbers"] == research_run["after"]
     assert (level_1["weights_deleted"], level_2["weights_deleted"]) == (False, True)
     assert level_2["freed"] > level_1["freed"]
+
+
+def test_lora_on_stages_is_bitwise_one_device(lora_runs):
+    """PP=2 with LoRA gives PP=1's tokens and logprobs bit for bit: two adapters and the base model in one
+    batch, then a third adapter written at run time into the slot of one no request uses any more (on
+    every stage). Each stage holds the slots of its own layers on its own device, and nothing compiles
+    after the PP=2 engine's warm-up."""
+    one, staged = lora_runs
+    assert (one["layout"], staged["layout"]) == (PP1, PP2)
+    for run in ("first", "swapped"):
+        assert staged[run]["tokens"] == one[run]["tokens"]
+        assert staged[run]["logprobs"] == one[run]["logprobs"]  # every float, exactly
+    first, swapped = one["first"], one["swapped"]
+    # Prompts 0 and 1 change adapter between the runs (1 -> 3, 2 -> 1), and their outputs with it;
+    # prompt 2 is the base model's both times.
+    assert first["tokens"][0] != swapped["tokens"][0] and first["tokens"][1] != swapped["tokens"][1]
+    assert (first["tokens"][2], first["logprobs"][2]) == (swapped["tokens"][2], swapped["logprobs"][2])
+    assert one["num_loads"] == staged["num_loads"] == 3  # two slots: the third adapter took one
+    assert staged["compiles_after_warm_up"] == 0
+    # [L, in, S, r] A stacks: PP=1's 4 layers on device 0; PP=2's stages 2 layers each, on devices 0, 1.
+    (whole,) = one["slots"]
+    assert [shape[0] for shape, _ in whole.values()] == [4] * len(whole)
+    assert {tuple(devices) for _, devices in whole.values()} == {(0,)}
+    for index, stage in enumerate(staged["slots"]):
+        assert set(stage) == set(whole)
+        for module, (shape, devices) in stage.items():
+            assert shape == [2, *whole[module][0][1:]]
+            assert devices == [index]
