@@ -231,6 +231,8 @@ class SamplingParams:
     # tokens that may be sampled (None: all); logprobs stay those of the raw distribution, as vLLM's.
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # The prompt's last this many tokens only (-1: as many as the context holds; None: all), vLLM's.
+    truncate_prompt_tokens: int | None = None
     # vLLM's extra_args: what a connector or plug-in reads. "kv_transfer_params" (disaggregated
     # prefill, README "Disaggregated prefill"): {"do_remote_decode": true} asks a producer to run the
     # prefill only and keep the blocks for a consumer; the response's kv_transfer_params, sent to the
@@ -247,6 +249,7 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_stops()
         self._validate_token_biases()
+        self._validate_truncation()
 
     def _normalize(self) -> None:
         stop = self.stop
@@ -356,6 +359,13 @@ class SamplingParams:
                 _is_int(token_id) and token_id >= 0,
                 f"stop_token_ids must be ints >= 0, got {token_id!r}",
             )
+
+    def _validate_truncation(self) -> None:
+        keep = self.truncate_prompt_tokens
+        _require(
+            keep is None or (_is_int(keep) and (keep >= 1 or keep == -1)),
+            f"truncate_prompt_tokens must be an int >= 1, or -1 (the context's length), got {keep!r}",
+        )
 
     def _validate_token_biases(self) -> None:
         bias = self.logit_bias

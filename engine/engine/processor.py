@@ -118,6 +118,21 @@ class InputProcessor:
             )
         return self.tokenizer.encode(text)
 
+    def truncate(self, prompt_token_ids: list[int], keep: int | None, has_images: bool = False) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context
+        holds; None: the prompt as it is). A prompt with images is never cut (its placeholders would be);
+        one that needs cutting is a ValueError naming the field."""
+        if keep is None:
+            return prompt_token_ids
+        keep = self.max_model_len if keep == -1 else keep
+        if len(prompt_token_ids) <= keep:
+            return prompt_token_ids
+        if has_images:
+            raise ValueError(
+                "truncate_prompt_tokens: a prompt with images is not cut (its images' placeholders would be)"
+            )
+        return prompt_token_ids[-keep:]
+
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty (0 tokens)")

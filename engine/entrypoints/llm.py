@@ -146,6 +146,9 @@ class LLM:
         self._require_runner("generate", "generate()")
         params = self._broadcast_params(sampling_params, len(tokenized))
         loras = self._broadcast_loras(lora_request, len(tokenized))
+        tokenized = [
+            self._truncated(prompt, p.truncate_prompt_tokens) for prompt, p in zip(tokenized, params)
+        ]
         for (_, ids, _), p in zip(tokenized, params):  # validate everything before adding anything
             self.input_processor.validate_prompt(ids)
             self.input_processor.validate_params(p)
@@ -153,6 +156,13 @@ class LLM:
             self.engine_core.check_lora(lora)
         priorities = list(priority) if priority is not None else [0] * len(tokenized)
         return self._run(tokenized, params, priorities, use_tqdm, loras)
+
+    def _truncated(self, prompt: tuple, keep: int | None) -> tuple:
+        """A (text, ids, images) prompt cut to its last `keep` tokens (truncate_prompt_tokens); the text
+        of a cut prompt is not its ids' any more, so the output decodes them."""
+        text, ids, mm = prompt
+        cut = self.input_processor.truncate(ids, keep, bool(mm))
+        return prompt if cut is ids else (None, cut, mm)
 
     def chat(
         self,

@@ -199,9 +199,28 @@ def test_logit_bias_and_allowed_token_ids_steer_greedy_sampling(llm):
     assert plain_out.token_ids == base.outputs[0].token_ids
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last N tokens, the same answer as sending them; -1
+    (the context's length) leaves a prompt that fits as it is."""
+    prompt = "List of prime numbers: 2, 3, 5, 7, 11, 13, 17, 19, 23,"
+    ids = llm.get_tokenizer().encode(prompt)
+    greedy = {"temperature": 0.0, "max_tokens": 6}
+    cut, whole, fits = llm.generate(
+        [prompt, {"prompt_token_ids": ids[-8:]}, prompt],
+        [SamplingParams(**greedy, truncate_prompt_tokens=8), SamplingParams(**greedy),
+         SamplingParams(**greedy, truncate_prompt_tokens=-1)],
+        use_tqdm=False,
+    )  # fmt: skip
+    assert cut.prompt_token_ids == ids[-8:] and cut.prompt is None
+    assert cut.outputs[0].token_ids == whole.outputs[0].token_ids
+    assert fits.prompt_token_ids == ids and fits.prompt == prompt
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),

@@ -79,6 +79,11 @@ def test_openai_client_embeddings_match_hf(pooling_server):
     short = client.embeddings.create(model=NAME, input=[ids[0], ids[1]], dimensions=8)
     for i, d in enumerate(short.data):
         _close(d.embedding, _unit(_hf_last(model, ids[i])[:8]))
+    # vLLM's truncate_prompt_tokens: each prompt's last N tokens, the short one whole.
+    cut = client.embeddings.create(model=NAME, input=texts, extra_body={"truncate_prompt_tokens": 6})
+    assert cut.usage.prompt_tokens == len(ids[0]) + 6
+    _close(cut.data[0].embedding, floats.data[0].embedding)
+    _close(cut.data[1].embedding, _unit(_hf_last(model, ids[1][-6:])))
 
 
 def test_langchain_openai_embeddings_match_hf(pooling_server):

@@ -449,3 +449,22 @@ def _detokenize(server, ids: list[int], skip_special: bool = False) -> str:
     )
     assert response.status_code == 200, response.text
     return response.json()["prompt"]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client):
+    """vLLM's truncate_prompt_tokens: the completion of the prompt's last N tokens, as if sent alone
+    (echo shows what was kept); a chat's rendered prompt is cut alike."""
+    prompt = "List of prime numbers: 2, 3, 5, 7, 11, 13, 17, 19, 23,"
+    ids = _prompt_ids(server, {"prompt": prompt})
+    ask = {"model": MODEL_NAME, "max_tokens": 5, "temperature": 0}
+    cut = client.completions.create(prompt=prompt, echo=True, extra_body={"truncate_prompt_tokens": 7}, **ask)
+    alone = client.completions.create(prompt=ids[-7:], **ask)
+    assert (
+        cut.usage.prompt_tokens == 7
+        and cut.choices[0].text == _detokenize(server, ids[-7:]) + alone.choices[0].text
+    )
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_completion_tokens=3, extra_body={"truncate_prompt_tokens": 5}
+    )
+    assert chat.usage.prompt_tokens == 5 < len(_prompt_ids(server, {"messages": messages}))

@@ -157,7 +157,7 @@ WRONG_TYPES = {
     "object": ["x", 5, True, [{}]],
 }
 _SAMPLING = {
-    "integer": ["n", "seed", "top_k", "min_tokens", "priority", "prompt_logprobs"],
+    "integer": ["n", "seed", "top_k", "min_tokens", "priority", "prompt_logprobs", "truncate_prompt_tokens"],
     "number": [
         "temperature",
         "top_p",
@@ -396,6 +396,9 @@ RANGE_CASES = [
     ("completions", "logit_bias", {"-5": 1}),
     ("completions", "logit_bias", {"10000000": 1}),
     ("completions", "logit_bias", {str(i): 1 for i in range(1025)}),
+    ("completions", "truncate_prompt_tokens", 0),
+    ("completions", "truncate_prompt_tokens", -2),
+    ("chat", "truncate_prompt_tokens", 0),
     ("completions", "prompt_logprobs", 21),
     ("completions", "prompt_logprobs", -1),
     ("chat", "prompt_logprobs", 2**31),

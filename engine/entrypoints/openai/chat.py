@@ -40,6 +40,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     new_id,
     submit,
     tokenize_text,
+    truncated,
 )
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.multimodal import (
@@ -117,6 +118,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         ids, mm_features = await process_images(state, text, images)
     else:
         ids = tokenize_text(state.engine, text, False, "messages")
+    cut = truncated(state.engine, ids, req.truncate_prompt_tokens, bool(mm_features))
+    if cut is not ids:  # the rendered text is not the prompt's any more
+        ids, text = cut, None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     check_context(state.engine, len(ids), max_tokens, "messages")
     top_n = (req.top_logprobs or 0) if req.logprobs else None

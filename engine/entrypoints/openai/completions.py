@@ -29,6 +29,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     new_id,
     require_tokenizer,
     tokenize_text,
+    truncated,
 )
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.state import ServerState, check_model
@@ -38,7 +39,8 @@ logger = logging.getLogger("xlaserve.entrypoints.openai")
 
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt."""
+    """(text or None, token ids) per prompt, each cut to `truncate_prompt_tokens` (a cut prompt's text
+    is None: echo decodes its ids)."""
     prompt = req.prompt
     if isinstance(prompt, str):
         items = [prompt]
@@ -52,9 +54,11 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | Non
     out = []
     for item in items:
         if isinstance(item, str):
-            out.append((item, tokenize_text(engine, item, req.add_special_tokens, "prompt")))
+            text, ids = item, tokenize_text(engine, item, req.add_special_tokens, "prompt")
         else:
-            out.append((None, list(item)))
+            text, ids = None, list(item)
+        cut = truncated(engine, ids, req.truncate_prompt_tokens)
+        out.append((text if cut is ids else None, cut))
     return out
 
 

@@ -39,7 +39,13 @@ from xlaserve.entrypoints.openai.pooling_protocol import (
 )
 from xlaserve.entrypoints.pooling_io import cosine, pair_token_ids, score_pairs
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
-from xlaserve.entrypoints.serving.engine_io import engine_error, new_id, require_tokenizer, tokenize_text
+from xlaserve.entrypoints.serving.engine_io import (
+    engine_error,
+    new_id,
+    require_tokenizer,
+    tokenize_text,
+    truncated,
+)
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
 from xlaserve.entrypoints.serving.multimodal import image_parts
 from xlaserve.entrypoints.serving.protocol import ErrorResponse
@@ -60,8 +66,11 @@ def _require_pooling(state: ServerState, path: str) -> None:
         )
 
 
-def _token_ids(state: ServerState, value, add_special_tokens: bool, field: str) -> list[list[int]]:
-    """The prompts of an `input`: a string, strings, token ids, or token id lists; each checked."""
+def _token_ids(
+    state: ServerState, value, add_special_tokens: bool, field: str, keep: int | None = None
+) -> list[list[int]]:
+    """The prompts of an `input`: a string, strings, token ids, or token id lists; each cut to its last
+    `keep` tokens (truncate_prompt_tokens) and checked."""
     engine = state.engine
     if isinstance(value, str) or (value and isinstance(value[0], str)):
         texts = [value] if isinstance(value, str) else value
@@ -73,6 +82,7 @@ def _token_ids(state: ServerState, value, add_special_tokens: bool, field: str) 
             prompts.append(tokenize_text(engine, text, add_special_tokens, where))
     else:
         prompts = [value] if isinstance(value[0], int) else value
+    prompts = [truncated(engine, ids, keep) for ids in prompts]
     for i, ids in enumerate(prompts):
         where = field if len(prompts) == 1 else f"{field}[{i}]"
         try:
@@ -96,7 +106,7 @@ def _input_prompts(state: ServerState, req: ChatInputFields) -> list[list[int]]:
             if getattr(req, field) is not None:
                 raise bad_request(f"{field} applies to messages; this request sends input", field)
         add_special_tokens = True if req.add_special_tokens is None else req.add_special_tokens
-        return _token_ids(state, req.input, add_special_tokens, "input")
+        return _token_ids(state, req.input, add_special_tokens, "input", req.truncate_prompt_tokens)
     if req.input is not None:
         raise bad_request("send input or messages, not both", "messages")
     images = image_parts(req.messages)
@@ -114,7 +124,7 @@ def _input_prompts(state: ServerState, req: ChatInputFields) -> list[list[int]]:
     ids = tokenize_text(state.engine, text, bool(req.add_special_tokens), "messages")
     if not ids:
         raise bad_request("the messages render to an empty prompt (0 tokens)", "messages")
-    return _token_ids(state, [ids], False, "messages")
+    return _token_ids(state, [ids], False, "messages", req.truncate_prompt_tokens)
 
 
 def _check_params(state: ServerState, params: PoolingParams, task_field: str = "model") -> None:

@@ -75,10 +75,25 @@ def make_sampling_params(
             structured_outputs=structured_outputs,
             logit_bias=_logit_bias(req),
             allowed_token_ids=req.allowed_token_ids,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             extra_args=_extra_args(req),
         )
     except ValueError as e:
         raise bad_request(str(e), param_of_value_error(e, _SAMPLING_FIELDS)) from None
+
+
+def truncated(engine: AsyncLLM, ids: list[int], keep: int | None, has_images: bool = False) -> list[int]:
+    """The prompt's last `keep` tokens (the request's truncate_prompt_tokens; InputProcessor.truncate),
+    before its length is checked; a bad `keep` is a 400 naming the field."""
+    if keep == 0:
+        raise bad_request(
+            "truncate_prompt_tokens must be >= 1, or -1 (the context's length), got 0",
+            "truncate_prompt_tokens",
+        )
+    try:
+        return engine.input_processor.truncate(ids, keep, has_images)
+    except ValueError as e:
+        raise bad_request(str(e), "truncate_prompt_tokens") from None
 
 
 def _logit_bias(req: SamplingFields) -> dict[int, float] | None:

@@ -178,6 +178,12 @@ class SamplingFields(StrictModel):
         default=False, description='logprobs name tokens "token_id:{id}"'
     )
     return_token_ids: bool = Field(default=False, description="the prompt's and each choice's token ids too")
+    truncate_prompt_tokens: int | None = Field(
+        default=None,
+        ge=-1,
+        le=2**31 - 1,
+        description="keep the prompt's last N tokens (-1: the context's length)",
+    )
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     cache_salt: Text | None = Field(
         default=None,
