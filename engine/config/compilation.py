@@ -1,4 +1,5 @@
-"""Compilation: the attention backend, the persistent XLA cache, warm-up and the compile guard."""
+"""Compilation and the device runtime: the attention backend, the persistent XLA cache, warm-up, the
+compile guard, and where the profiler writes its traces."""
 
 from __future__ import annotations
 
@@ -61,6 +62,17 @@ class CompilationConfig:
             "XLA backend optimization level of the engine's programs, 0-3 (default: XLA's, 2); "
             "0 compiles fastest and runs slowest",
             aliases=("-O",),
+        ),
+    )
+
+    # vLLM's profiler (VLLM_TORCH_PROFILER_DIR), the JAX way: start_profile/stop_profile (LLM's, or the
+    # server's POST /start_profile, /stop_profile) record a jax.profiler trace of the engine core's
+    # process into this folder (TensorBoard's profile plugin, Perfetto). None: no profiling.
+    profiler_dir: str | None = field(
+        default_factory=lambda: os.environ.get("XLASERVE_PROFILER_DIR") or None,
+        metadata=arg(
+            "a folder for jax.profiler traces taken between start_profile and stop_profile "
+            "(also XLASERVE_PROFILER_DIR; the server's POST /start_profile, /stop_profile)"
         ),
     )
 

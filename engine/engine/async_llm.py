@@ -423,6 +423,13 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return bool(await self._call_utility("is_sleeping"))
 
+    async def start_profile(self) -> None:
+        """A jax.profiler trace of the engine core's process (CompilationConfig.profiler_dir)."""
+        await self._call_utility("start_profile")
+
+    async def stop_profile(self) -> str:
+        return await self._call_utility("stop_profile")
+
     async def _call_utility(self, method: str, *args):
         self.check_health()
         call_id = next(self._call_ids)

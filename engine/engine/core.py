@@ -47,6 +47,7 @@ class EngineCore:
         the devices: the core asks it for the KV cache's size, the limits and checks that depend on the
         model, and hands it each step."""
         self.config = config
+        self.is_profiling = False
         self.executor = executor
         # Without a manager (no tokenizer) a constrained request is refused, never run unconstrained.
         self.structured_output = structured_output or StructuredOutputManager()
@@ -298,6 +299,37 @@ class EngineCore:
     @property
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
+
+    # -- the profiler (CompilationConfig.profiler_dir) ---------------------------------------------
+
+    def start_profile(self) -> None:
+        """Start a jax.profiler trace of this process (the engine's programs, its host work) into
+        profiler_dir; `stop_profile` writes it."""
+        import jax
+
+        folder = self.config.compilation.profiler_dir
+        if folder is None:
+            raise ValueError(
+                "start_profile needs profiler_dir (--profiler-dir, or XLASERVE_PROFILER_DIR): the folder "
+                "the trace is written to"
+            )
+        if self.is_profiling:
+            raise ValueError("start_profile: a profile is already running; call stop_profile first")
+        jax.profiler.start_trace(folder, create_perfetto_trace=True)
+        self.is_profiling = True
+        logger.info("profiling into %s", folder)
+
+    def stop_profile(self) -> str:
+        """Write the trace `start_profile` began; -> the folder it is under (plugins/profile/<run>/:
+        an .xplane.pb for TensorBoard, a .trace.json.gz for Perfetto)."""
+        import jax
+
+        if not self.is_profiling:
+            raise ValueError("stop_profile: no profile is running; call start_profile first")
+        jax.profiler.stop_trace()
+        self.is_profiling = False
+        logger.info("profile written to %s", self.config.compilation.profiler_dir)
+        return self.config.compilation.profiler_dir
 
     def shutdown(self) -> None:
         self.remote_prefills.shutdown()

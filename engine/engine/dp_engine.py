@@ -143,6 +143,13 @@ class DataParallelEngineCore:
     def is_sleeping(self) -> bool:
         return self.ranks[0].is_sleeping
 
+    # The profiler traces the whole process, every rank's programs: rank 0's call starts and stops it.
+    def start_profile(self) -> None:
+        self.ranks[0].start_profile()
+
+    def stop_profile(self) -> str:
+        return self.ranks[0].stop_profile()
+
     def shutdown(self) -> None:
         for rank in self.ranks:
             rank.shutdown()

@@ -119,7 +119,15 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 CoreInput = AddRequests | AbortRequests | UtilityCall | Shutdown
 # The research stack's calls (worker/weight_update.py) besides the prefix cache's reset.
-UTILITY_METHODS = ("reset_prefix_cache", "update_weights_from_path", "sleep", "wake_up", "is_sleeping")
+UTILITY_METHODS = (
+    "reset_prefix_cache",
+    "update_weights_from_path",
+    "sleep",
+    "wake_up",
+    "is_sleeping",
+    "start_profile",
+    "stop_profile",
+)
 
 
 # -- core -> front end ---------------------------------------------------------------------------

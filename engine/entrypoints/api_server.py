@@ -295,6 +295,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         log_requests=not args.disable_log_requests,
         api_key=args.api_key,
         enable_admin_api=args.enable_admin_api,
+        enable_profiler=engine.config.compilation.profiler_dir is not None,
         max_stored_responses=args.max_stored_responses,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_playground=not args.disable_playground,

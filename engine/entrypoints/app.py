@@ -24,7 +24,7 @@ from xlaserve.entrypoints.openai.responses_protocol import RESPONSES_TAGS
 from xlaserve.entrypoints.openai.routes import add_routes as add_openai_routes
 from xlaserve.entrypoints.playground import add_playground_route
 from xlaserve.entrypoints.sagemaker import add_sagemaker_routes
-from xlaserve.entrypoints.serving.admin import add_admin_routes
+from xlaserve.entrypoints.serving.admin import add_admin_routes, add_profiler_routes
 from xlaserve.entrypoints.serving.engine_io import ENGINE_DEAD_MESSAGE
 from xlaserve.entrypoints.serving.errors import APIError, install_error_handlers
 from xlaserve.entrypoints.serving.guard import GuardMiddleware, JSONRoute
@@ -83,6 +83,8 @@ def build_app(state: ServerState) -> FastAPI:
     add_lora_routes(app, state.loras)
     if state.enable_admin_api:
         add_admin_routes(app, state)
+    if state.enable_profiler:
+        add_profiler_routes(app, state)
     if state.enable_playground:
         add_playground_route(app)
     app.openapi = lambda: _openapi(app)

@@ -385,6 +385,15 @@ class LLM:
         `wake_up()`; requests meanwhile are refused. -> what was freed (`device_bytes`, `seconds`)."""
         return self.engine_core.sleep(level)
 
+    def start_profile(self) -> None:
+        """Start a jax.profiler trace into `profiler_dir` (an engine argument): the engine's programs and
+        host work until `stop_profile`, for TensorBoard's profile plugin or Perfetto."""
+        self.engine_core.start_profile()
+
+    def stop_profile(self) -> str:
+        """Write the trace; -> the folder it is under (plugins/profile/<run>/)."""
+        return self.engine_core.stop_profile()
+
     def wake_up(self):
         """Place back what `sleep` freed (the KV cache zeroed, the prefix cache empty)."""
         return self.engine_core.wake_up()

@@ -6,6 +6,11 @@ without the flag no such route, and the flag without a key refuses to start."""
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
+import os
+
 import httpx
 import pytest
 from test_server_hostile import BAD_TEXT, WRONG_TYPES, body_with, check_error, check_still_serving, send
@@ -25,8 +30,14 @@ def dirs(llama_checkpoints):
 
 
 @pytest.fixture(scope="module")
-def admin_server(dirs, tmp_path_factory, server_cache_dir):
-    flags = ["--enable-admin-api", "--enforce-eager", "--max-model-len", "128", "--served-model-name", "tiny"]
+def profiles(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("profiles"))
+
+
+@pytest.fixture(scope="module")
+def admin_server(dirs, tmp_path_factory, server_cache_dir, profiles):
+    flags = ["--enable-admin-api", "--enforce-eager", "--max-model-len", "128", "--served-model-name", "tiny",
+             "--profiler-dir", profiles]  # fmt: skip
     proc = ServerProcess(
         str(tmp_path_factory.mktemp("logs")),
         server_cache_dir,
@@ -51,6 +62,25 @@ def admin(server, method: str, path: str, expect: int = 200, **kw):
     r = httpx.request(method, server.url + path, headers=server.headers, timeout=120, **kw)
     assert r.status_code == expect, r.text
     return r.json()
+
+
+def test_a_profile_records_the_engines_programs(admin_server, profiles):
+    """vLLM's /start_profile and /stop_profile (with --profiler-dir): a jax.profiler trace of the engine
+    core's process around a request, its Perfetto file holding the engine's forward program; a second
+    start, or a stop with none running, is a 400."""
+    assert admin(admin_server, "POST", "/start_profile") == {"profiling": True}
+    assert "already running" in admin(admin_server, "POST", "/start_profile", expect=400)["error"]["message"]
+    complete(admin_server)
+    assert admin(admin_server, "POST", "/stop_profile") == {"profiling": False, "profiler_dir": profiles}
+    assert (
+        "no profile is running"
+        in admin(admin_server, "POST", "/stop_profile", expect=400)["error"]["message"]
+    )
+    (trace,) = glob.glob(os.path.join(profiles, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+    with gzip.open(trace) as f:
+        events = json.load(f)
+    names = {e.get("name") or "" for e in (events["traceEvents"] if isinstance(events, dict) else events)}
+    assert any("forward" in name for name in names), sorted(names)[:50]
 
 
 def test_weights_swap_from_disk_and_back(admin_server, dirs):

@@ -246,6 +246,13 @@ def test_bad_input_leaves_the_engine_serving(llm):
     assert llm.engine_core.kv_cache_manager.num_free_blocks == free_before
 
 
+def test_profiling_needs_a_profiler_dir(llm):
+    with pytest.raises(ValueError, match=r"start_profile needs profiler_dir \(--profiler-dir"):
+        llm.start_profile()
+    with pytest.raises(ValueError, match="no profile is running"):
+        llm.stop_profile()
+
+
 def test_unknown_model_path_and_non_model_file(tmp_path):
     from xlaserve import LLM
 

@@ -31,6 +31,28 @@ class UpdateWeightsFromDiskRequest(StrictModel):
     model_path: Annotated[Text, Field(min_length=1, max_length=4096)]
 
 
+def add_profiler_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's POST /start_profile and /stop_profile, mounted when the engine has a profiler_dir
+    (--profiler-dir, XLASERVE_PROFILER_DIR): a jax.profiler trace of the engine core's process."""
+    engine = state.engine
+
+    @app.post("/start_profile", responses=_ERRORS)
+    async def start_profile() -> dict:
+        try:
+            await engine.start_profile()
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+        return {"profiling": True}
+
+    @app.post("/stop_profile", responses=_ERRORS)
+    async def stop_profile() -> dict:
+        try:
+            folder = await engine.stop_profile()
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+        return {"profiling": False, "profiler_dir": folder}
+
+
 def add_admin_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 

@@ -31,6 +31,7 @@ class ServerState:
     reasoning_parser_cls: type[ReasoningParser] | None = None
     loras: LoRARegistry | None = None  # with --enable-lora: the adapters, by name
     enable_admin_api: bool = False  # --enable-admin-api (with --api-key): serving/admin.py's routes
+    enable_profiler: bool = False  # --profiler-dir given: POST /start_profile, /stop_profile
     max_stored_responses: int = 1000  # --max-stored-responses: the Responses API's LRU store
     enable_tokenizer_info_endpoint: bool = False  # --enable-tokenizer-info-endpoint: GET /tokenizer_info
     enable_playground: bool = True  # GET /: the chat page (off with --disable-playground)
