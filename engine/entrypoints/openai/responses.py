@@ -170,11 +170,16 @@ class _OneTurn:
     async def events(self):
         write, shell = self.write, self.shell
         items = OutputStream(write)
-        yield write("response.created", response=shell.model_dump())
-        yield write("response.in_progress", response=shell.model_dump())
+        stream = self.start()  # before the first event: a refusal (a full queue) is still an HTTP error
+        try:
+            yield write("response.created", response=shell.model_dump())
+            yield write("response.in_progress", response=shell.model_dump())
+        except BaseException:  # closed before its turn was read (the client left): the request aborted
+            stream.close()
+            raise
         totals = Totals()
         totals.num_prompt = self.num_prompt_tokens
-        async for event in stream_turn(self.state, self.start(), self.parser, items, totals, self.top_n):
+        async for event in stream_turn(self.state, stream, self.parser, items, totals, self.top_n):
             yield event
         status = "incomplete" if totals.finish_reason == "length" else "completed"
         for event in items.finish(status):
