@@ -40,6 +40,12 @@ _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
 def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
+    return chat_request(chat_body(req))
+
+
+def chat_body(req: CountTokensRequest, mcp_functions: list[dict] = ()) -> dict:
+    """The chat request's fields for `req`, offering the MCP servers' tools (`mcp_functions`) after the
+    request's own."""
     body: dict = {"messages": _messages(req)}
     last = req.messages[-1]
     is_prefill = last.role == "assistant" and all(isinstance(b, TextBlockParam) for b in last.content)
@@ -48,11 +54,12 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         is_prefill = False
     body["add_generation_prompt"] = not is_prefill
     body["continue_final_message"] = is_prefill
-    if req.tools:
-        body["tools"] = _function_tools(req.tools)
+    tools = (_function_tools(req.tools) or []) + [{"type": "function", "function": f} for f in mcp_functions]
+    if tools:
+        body["tools"] = tools
     choice = req.tool_choice
     if choice is not None:
-        _check_tool_choice(req)
+        _check_tool_choice(req, [tool["function"]["name"] for tool in tools])
         is_named = choice.type == "tool"
         body["tool_choice"] = (
             {"type": "function", "function": {"name": choice.name}}
@@ -84,6 +91,10 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
             "stream": req.stream,
         }
         body.update({k: v for k, v in sampling.items() if v is not None})
+    return body
+
+
+def chat_request(body: dict) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:  # a limit of the chat request's that Anthropic's shapes do not state
@@ -168,15 +179,21 @@ def _user_turns(message: MessageParam, i: int, tool_use_ids: set[str]) -> list[d
             if text:
                 turns.append({"role": "user", "content": _user_content(text)})
                 text = []
-            content = _joined(block.content or [])
-            if block.is_error:
-                content = f"Error: {content}"
-            turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+            turns.append(tool_turn(block.tool_use_id, _joined(block.content or []), bool(block.is_error)))
         else:
             raise bad_request(f"{where}: {block.type} blocks belong in assistant messages", where)
     if text or not turns:
         turns.append({"role": "user", "content": _user_content(text)})
     return turns
+
+
+def tool_turn(tool_use_id: str, content: str, is_error: bool) -> dict:
+    """A tool result as the template's `tool` message."""
+    return {
+        "role": "tool",
+        "tool_call_id": tool_use_id,
+        "content": f"Error: {content}" if is_error else content,
+    }
 
 
 def _image_url(block: ImageBlockParam) -> str:
@@ -247,11 +264,10 @@ def _output_schema(schema: dict) -> dict:
     return schema
 
 
-def _check_tool_choice(req: CountTokensRequest) -> None:
+def _check_tool_choice(req: CountTokensRequest, names: list[str]) -> None:
     choice = req.tool_choice
     if choice is None or choice.type == "none":
         return
-    names = [tool.name for tool in req.tools or []]
     if not names:
         raise bad_request(f"tool_choice of type {choice.type!r} needs tools", "tool_choice")
     if choice.type == "tool" and choice.name not in names:

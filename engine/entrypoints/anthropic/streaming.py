@@ -15,7 +15,7 @@ def sse(kind: str, payload: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-class _Blocks:
+class Blocks:
     """The open content block and the events that open, extend and close blocks."""
 
     def __init__(self) -> None:
@@ -25,7 +25,7 @@ class _Blocks:
 
     def events(self, piece: Piece) -> list[str]:
         out = []
-        starts_call = piece.kind == "tool_use" and piece.id is not None
+        starts_call = piece.kind in ("tool_use", "mcp_tool_use") and piece.id is not None
         if piece.kind != self.kind or starts_call:
             out += self.close()
             self.index += 1
@@ -36,6 +36,15 @@ class _Blocks:
         if piece.text:
             delta = {"type": "content_block_delta", "index": self.index, "delta": _delta(piece)}
             out.append(sse("content_block_delta", delta))
+        return out
+
+    def whole(self, block: dict) -> list[str]:
+        """A block sent whole (an mcp_tool_result): its start, with its content, and its stop."""
+        out = self.close()
+        self.index += 1
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        out.append(sse("content_block_start", start))
+        out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
         return out
 
     def close(self) -> list[str]:
@@ -50,6 +59,14 @@ def _empty_block(piece: Piece) -> dict:
         return {"type": "text", "text": ""}
     if piece.kind == "thinking":
         return {"type": "thinking", "thinking": "", "signature": ""}
+    if piece.kind == "mcp_tool_use":
+        return {
+            "type": "mcp_tool_use",
+            "id": piece.id,
+            "name": piece.name,
+            "server_name": piece.server_name,
+            "input": {},
+        }
     return {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
 
 
@@ -61,7 +78,7 @@ def _delta(piece: Piece) -> dict:
     return {"type": "input_json_delta", "partial_json": piece.text}
 
 
-async def event_stream(request_id: str, model: str, stream, num_prompt_tokens: int, reader):
+def message_start(request_id: str, model: str, num_prompt_tokens: int) -> list[str]:
     message = {
         "id": request_id,
         "type": "message",
@@ -72,9 +89,24 @@ async def event_stream(request_id: str, model: str, stream, num_prompt_tokens: i
         "stop_sequence": None,
         "usage": {"input_tokens": num_prompt_tokens, "output_tokens": 0},
     }
-    yield sse("message_start", {"type": "message_start", "message": message})
-    yield sse("ping", {"type": "ping"})
-    blocks = _Blocks()
+    return [
+        sse("message_start", {"type": "message_start", "message": message}),
+        sse("ping", {"type": "ping"}),
+    ]
+
+
+def message_end(reason: str, sequence: str | None, usage: dict) -> list[str]:
+    delta = {"stop_reason": reason, "stop_sequence": sequence}
+    return [
+        sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
+        sse("message_stop", {"type": "message_stop"}),
+    ]
+
+
+async def event_stream(request_id: str, model: str, stream, num_prompt_tokens: int, reader):
+    for event in message_start(request_id, model, num_prompt_tokens):
+        yield event
+    blocks = Blocks()
     num_generated = 0
     merged = merge_streams([stream])
     try:
@@ -94,9 +126,8 @@ async def event_stream(request_id: str, model: str, stream, num_prompt_tokens: i
                 yield event
             reason, sequence = stop_reason(completion, blocks.has_tool_use)
             usage = {"input_tokens": num_prompt_tokens, "output_tokens": num_generated}
-            delta = {"stop_reason": reason, "stop_sequence": sequence}
-            yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
-            yield sse("message_stop", {"type": "message_stop"})
+            for event in message_end(reason, sequence, usage):
+                yield event
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         yield sse("error", engine_error(e).to_anthropic())
     finally:
