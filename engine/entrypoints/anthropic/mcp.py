@@ -30,6 +30,7 @@ from xlaserve.entrypoints.anthropic.protocol import (
     MessagesRequest,
     MessagesResponse,
     TextBlock,
+    ThinkingBlock,
     ToolUseBlock,
     Usage,
 )
@@ -39,12 +40,12 @@ from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
+    drain,
     engine_error,
     merge_streams,
     new_id,
     run_ahead,
     submit,
-    until_disconnect,
 )
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
 from xlaserve.entrypoints.serving.mcp_client import MAX_MCP_ROUNDS, McpClients, McpServer, check_server_url
@@ -82,15 +83,8 @@ async def create_with_mcp(state, req: MessagesRequest, raw_request, model: str):
         events = await run_ahead(run.events())
         return StreamingResponse(_with_error_event(events), media_type="text/event-stream")
 
-    async def whole() -> MessagesResponse:
-        try:
-            async for _ in run.events():
-                pass
-        except Exception as e:  # noqa: BLE001 - every failure becomes an API error
-            raise engine_error(e) from None
-        return run.message
-
-    return await until_disconnect(raw_request, whole())
+    await drain(raw_request, run.events())
+    return run.message
 
 
 async def _with_error_event(events):
@@ -106,12 +100,10 @@ def _mcp_id() -> str:
 
 
 class _McpCalls:
-    """One turn's pieces and blocks with the calls of MCP tools as mcp_tool_use: each call gets its id
-    when its first piece streams, and the turn's parsed blocks take those ids in order."""
+    """One turn's pieces with the calls of MCP tools as mcp_tool_use pieces, each with an id of its own."""
 
     def __init__(self, clients: McpClients):
         self.clients = clients
-        self.ids: list[str] = []
         self.is_mcp = False  # whether the call now streaming is an MCP tool's
 
     def pieces(self, pieces: list[Piece]) -> list[Piece]:
@@ -121,26 +113,10 @@ class _McpCalls:
                 server = self.clients.server_of(piece.name)
                 self.is_mcp = server is not None
                 if self.is_mcp:
-                    self.ids.append(_mcp_id())
-                    piece = Piece("mcp_tool_use", piece.text, self.ids[-1], piece.name, server.label)
+                    piece = Piece("mcp_tool_use", piece.text, _mcp_id(), piece.name, server.label)
             elif piece.kind == "tool_use" and self.is_mcp:
                 piece = Piece("mcp_tool_use", piece.text)
             out.append(piece)
-        return out
-
-    def blocks(self, blocks: list) -> list:
-        ids = iter(self.ids)
-        out = []
-        for block in blocks:
-            server = self.clients.server_of(block.name) if isinstance(block, ToolUseBlock) else None
-            if server is not None:
-                block = McpToolUseBlock(
-                    id=next(ids, None) or _mcp_id(),
-                    name=block.name,
-                    server_name=server.label,
-                    input=block.input,
-                )
-            out.append(block)
         return out
 
 
@@ -201,13 +177,12 @@ class McpMessage:
                     mm_features=mm_features,
                 )
                 reader, calls = ChoiceReader(choice_parser(state, chat, plan, ids)), _McpCalls(clients)
-                said, completion = [], None
+                completion, first = None, len(blocks.made)
                 merged = merge_streams([stream])
                 try:
                     async for _, output in merged:
                         check_finish(output)
                         (completion,) = output.outputs
-                        said.append(completion.text)
                         num_generated += len(completion.token_ids)
                         pieces = reader.feed(completion.text)
                         if completion.finish_reason is not None:
@@ -220,10 +195,10 @@ class McpMessage:
                 for event in blocks.close():
                     yield event
                 num_prompt += len(ids)
-                whole = ChoiceReader(choice_parser(state, chat, plan, ids)).blocks("".join(said))
-                turn_blocks = calls.blocks(whole)
+                # The turn's blocks as the client reads them from the events: streamed or whole, the same.
+                turn_blocks = [_BLOCKS[block["type"]].model_validate(block) for block in blocks.made[first:]]
                 content += turn_blocks
-                has_tool_use = any(isinstance(b, ToolUseBlock) for b in turn_blocks)
+                has_tool_use = any(b.type == "tool_use" for b in turn_blocks)
                 reason, sequence = stop_reason(completion, has_tool_use)
                 mcp_calls = [b for b in turn_blocks if isinstance(b, McpToolUseBlock)]
                 if not mcp_calls or reason == "max_tokens":
@@ -251,6 +226,14 @@ class McpMessage:
             )
             for event in message_end(reason, sequence, usage.model_dump()):
                 yield event
+
+
+_BLOCKS = {
+    "text": TextBlock,
+    "thinking": ThinkingBlock,
+    "tool_use": ToolUseBlock,
+    "mcp_tool_use": McpToolUseBlock,
+}
 
 
 def _turn_body(body: dict, added: list[dict], turn: int, max_tokens: int) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from xlaserve.entrypoints.anthropic.convert import image_fields
 from xlaserve.entrypoints.anthropic.protocol import CountTokensRequest
-from xlaserve.entrypoints.serving.chat_template import apply_chat_template
+from xlaserve.entrypoints.serving.chat_template import render_chat
 from xlaserve.entrypoints.serving.engine_io import tokenize_text
 from xlaserve.entrypoints.serving.multimodal import (
     check_image_parts,
@@ -28,14 +28,7 @@ async def render(
     parts = [(field, url) for (_, url), field in zip(image_parts(chat.messages), image_fields(req))]
     check_image_parts(state, parts)
     images = await load_images(state, parts) if parts else []
-    text = apply_chat_template(
-        state,
-        chat.messages,
-        chat.add_generation_prompt,
-        chat.continue_final_message,
-        chat.tools,
-        chat.chat_template_kwargs,
-    )
+    text = render_chat(state, chat)
     if images:
         return chat, plan, text, *(await process_images(state, text, images))
     return chat, plan, text, tokenize_text(state.engine, text, False, "messages"), []

@@ -299,23 +299,18 @@ class ThinkingBlock(BaseModel):
     signature: str = Field(default="", description="empty: this server does not sign its thinking")
 
 
-class McpToolUseBlock(BaseModel):
-    """A call the model made of an MCP server's tool, made by this server."""
+class McpToolUseBlock(ToolUseBlock):
+    """A call the model made of an MCP server's tool (`server_name`), made by this server."""
 
     type: Literal["mcp_tool_use"] = "mcp_tool_use"
-    id: str
-    name: str
     server_name: str
-    input: dict[str, Any]
 
 
 class McpToolResultBlock(BaseModel):
-    """What the MCP server answered to the mcp_tool_use with id `tool_use_id`."""
-
     type: Literal["mcp_tool_result"] = "mcp_tool_result"
-    tool_use_id: str
-    is_error: bool
-    content: list[TextBlock]
+    tool_use_id: str = Field(description="the id of the mcp_tool_use block it answers")
+    is_error: bool = Field(description="the tool reported an error, or the call could not be made")
+    content: list[TextBlock] = Field(description="what the MCP server answered, as one text block")
 
 
 ResponseBlock = TextBlock | ToolUseBlock | ThinkingBlock | McpToolUseBlock | McpToolResultBlock

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
+from xlaserve.entrypoints.anthropic.reading import partial_object
 from xlaserve.entrypoints.serving.engine_io import check_finish, engine_error, merge_streams
 
 
@@ -16,12 +17,15 @@ def sse(kind: str, payload: dict) -> str:
 
 
 class Blocks:
-    """The open content block and the events that open, extend and close blocks."""
+    """The open content block and the events that open, extend and close blocks; `made`, the blocks
+    as a client reading the events puts them together (a call's input the partial parse of its JSON)."""
 
     def __init__(self) -> None:
         self.index = -1
         self.kind: str | None = None
         self.has_tool_use = False
+        self.made: list[dict] = []
+        self._json = ""  # the open call's input so far
 
     def events(self, piece: Piece) -> list[str]:
         out = []
@@ -32,10 +36,15 @@ class Blocks:
             self.kind = piece.kind
             start = {"type": "content_block_start", "index": self.index, "content_block": _empty_block(piece)}
             out.append(sse("content_block_start", start))
+            self.made.append(start["content_block"])
             self.has_tool_use = self.has_tool_use or piece.kind == "tool_use"
         if piece.text:
             delta = {"type": "content_block_delta", "index": self.index, "delta": _delta(piece)}
             out.append(sse("content_block_delta", delta))
+            if piece.kind in ("text", "thinking"):
+                self.made[-1][piece.kind] += piece.text
+            else:
+                self._json += piece.text
         return out
 
     def whole(self, block: dict) -> list[str]:
@@ -45,11 +54,14 @@ class Blocks:
         start = {"type": "content_block_start", "index": self.index, "content_block": block}
         out.append(sse("content_block_start", start))
         out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        self.made.append(block)
         return out
 
     def close(self) -> list[str]:
         if self.kind is None:
             return []
+        if self.kind in ("tool_use", "mcp_tool_use"):
+            self.made[-1]["input"], self._json = partial_object(self._json), ""
         self.kind = None
         return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
