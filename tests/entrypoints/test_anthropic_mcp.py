@@ -75,6 +75,13 @@ def test_a_call_is_made_by_the_server_and_the_model_goes_on(server, client, mcp_
         server.url + "/tokenize", json={"model": MODEL_NAME, "messages": ASK}, headers=server.headers
     ).json()["tokens"]
     assert message.usage.input_tokens > 2 * len(prompt_ids)
+    # The answer's MCP blocks sent back as history: the call and its result reach the prompt.
+    made = [block.model_dump(exclude_none=True) for block in message.content[:2]]
+    history = [*ASK, {"role": "assistant", "content": made}, {"role": "user", "content": "Thanks."}]
+    answered = client.messages.create(model=MODEL_NAME, messages=history, max_tokens=4, extra_body=GREEDY)
+    without = [*ASK, {"role": "assistant", "content": made[:1]}, {"role": "user", "content": "Thanks."}]
+    counted = client.messages.count_tokens(model=MODEL_NAME, messages=without)
+    assert answered.content and answered.usage.input_tokens > counted.input_tokens
 
 
 def _no_id(block) -> dict:

@@ -1271,6 +1271,12 @@ ANTHROPIC_BAD = [
     ({"mcp_servers": [{**_MCP, "tool_configuration": {"allowed_tools": "tide_table"}}]},
      "mcp_servers[0].tool_configuration.allowed_tools"),
     ({"mcp_servers": [_MCP] * 17}, "mcp_servers"),
+    ({"messages": _user({"type": "mcp_tool_result", "tool_use_id": "mcptoolu_1"})}, "messages[0].content[0]"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": [
+        {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_9"}]}]}, "messages[1].content[0].tool_use_id"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": [
+        {"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "x", "input": {}}]}]},
+     "messages[1].content[0].server_name"),
 ]  # fmt: skip
 
 

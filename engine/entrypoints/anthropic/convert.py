@@ -24,6 +24,8 @@ from xlaserve.engine.structured_output import check_grammar
 from xlaserve.entrypoints.anthropic.protocol import (
     CountTokensRequest,
     ImageBlockParam,
+    McpToolResultBlockParam,
+    McpToolUseBlockParam,
     MessageParam,
     MessagesRequest,
     TextBlockParam,
@@ -116,7 +118,7 @@ def _messages(req: CountTokensRequest) -> list[dict]:
                 f"messages[{i}].content",
             )
         if message.role == "assistant":
-            conversation.append(_assistant_turn(message, i, tool_use_ids))
+            conversation += _assistant_turns(message, i, tool_use_ids)
         else:
             conversation += _user_turns(message, i, tool_use_ids)
     return conversation
@@ -126,31 +128,50 @@ def _joined(blocks: list[TextBlockParam]) -> str:
     return "".join(block.text for block in blocks)
 
 
-def _assistant_turn(message: MessageParam, i: int, tool_use_ids: set[str]) -> dict:
+def _assistant_turns(message: MessageParam, i: int, tool_use_ids: set[str]) -> list[dict]:
+    """An assistant message as template messages: one assistant turn, or with the MCP connector's blocks
+    (an earlier answer sent back), a turn up to each run of mcp_tool_result blocks (its mcp_tool_use
+    blocks among its tool_calls), then each result a `tool` message, then the rest."""
+    turns: list[dict] = []
     text, reasoning, calls = [], [], []
     for j, block in enumerate(message.content):
         where = f"messages[{i}].content[{j}]"
-        if isinstance(block, TextBlockParam):
+        if isinstance(block, McpToolResultBlockParam):
+            if block.tool_use_id not in {call["id"] for call in calls} | _made(turns):
+                raise bad_request(
+                    f"{where}.tool_use_id: no mcp_tool_use block with id {block.tool_use_id!r} comes before "
+                    "this mcp_tool_result in its message",
+                    f"{where}.tool_use_id",
+                )
+            if calls or text or reasoning:
+                turns.append(_assistant(text, reasoning, calls))
+                text, reasoning, calls = [], [], []
+            turns.append(tool_turn(block.tool_use_id, _joined(block.content or []), bool(block.is_error)))
+        elif isinstance(block, TextBlockParam):
             text.append(block.text)
         elif isinstance(block, ThinkingBlockParam):
             reasoning.append(block.thinking)
-        elif isinstance(block, ToolUseBlockParam):
+        elif isinstance(block, ToolUseBlockParam | McpToolUseBlockParam):
             if block.id in tool_use_ids:
                 raise bad_request(f"{where}.id: the tool_use id {block.id!r} is used twice", f"{where}.id")
             tool_use_ids.add(block.id)
+            arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append(
-                {
-                    "id": block.id,
-                    "type": "function",
-                    "function": {
-                        "name": block.name,
-                        "arguments": json.dumps(block.input, ensure_ascii=False),
-                    },
-                }
+                {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}}
             )
         elif isinstance(block, (ToolResultBlockParam, ImageBlockParam)):
             raise bad_request(f"{where}: {block.type} blocks belong in user messages", where)
         # redacted_thinking: opaque data from Anthropic's own models; nothing a template can show.
+    if calls or text or reasoning or not turns:
+        turns.append(_assistant(text, reasoning, calls))
+    return turns
+
+
+def _made(turns: list[dict]) -> set[str]:
+    return {call["id"] for turn in turns for call in turn.get("tool_calls") or ()}
+
+
+def _assistant(text: list[str], reasoning: list[str], calls: list[dict]) -> dict:
     turn: dict = {"role": "assistant", "content": "".join(text)}
     if reasoning:
         turn["reasoning_content"] = "".join(reasoning)
@@ -169,7 +190,7 @@ def _user_turns(message: MessageParam, i: int, tool_use_ids: set[str]) -> list[d
             text.append(block.text)
         elif isinstance(block, ImageBlockParam):  # an OpenAI image part (serving/multimodal.py loads it)
             text.append({"type": "image_url", "image_url": {"url": _image_url(block)}})
-        elif isinstance(block, ToolResultBlockParam):
+        elif isinstance(block, ToolResultBlockParam) and block.type == "tool_result":
             if block.tool_use_id not in tool_use_ids:
                 raise bad_request(
                     f"{where}.tool_use_id: no tool_use block with id {block.tool_use_id!r} comes before "

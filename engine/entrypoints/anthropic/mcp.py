@@ -35,14 +35,12 @@ from xlaserve.entrypoints.anthropic.protocol import (
     Usage,
 )
 from xlaserve.entrypoints.anthropic.reading import ChoiceReader
-from xlaserve.entrypoints.anthropic.streaming import Blocks, message_end, message_start, sse
+from xlaserve.entrypoints.anthropic.streaming import Blocks, Turn, message_end, message_start, sse
 from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
-    check_finish,
     drain,
     engine_error,
-    merge_streams,
     new_id,
     run_ahead,
     submit,
@@ -176,30 +174,18 @@ class McpMessage:
                     prompt=text,
                     mm_features=mm_features,
                 )
-                reader, calls = ChoiceReader(choice_parser(state, chat, plan, ids)), _McpCalls(clients)
-                completion, first = None, len(blocks.made)
-                merged = merge_streams([stream])
-                try:
-                    async for _, output in merged:
-                        check_finish(output)
-                        (completion,) = output.outputs
-                        num_generated += len(completion.token_ids)
-                        pieces = reader.feed(completion.text)
-                        if completion.finish_reason is not None:
-                            pieces += reader.flush()
-                        for piece in calls.pieces(pieces):
-                            for event in blocks.events(piece):
-                                yield event
-                finally:
-                    await merged.aclose()
-                for event in blocks.close():
+                reader = ChoiceReader(choice_parser(state, chat, plan, ids))
+                first = len(blocks.made)
+                model_turn = Turn(stream, reader, blocks, _McpCalls(clients).pieces)
+                async for event in model_turn.events():
                     yield event
+                num_generated += model_turn.num_generated
                 num_prompt += len(ids)
                 # The turn's blocks as the client reads them from the events: streamed or whole, the same.
                 turn_blocks = [_BLOCKS[block["type"]].model_validate(block) for block in blocks.made[first:]]
                 content += turn_blocks
                 has_tool_use = any(b.type == "tool_use" for b in turn_blocks)
-                reason, sequence = stop_reason(completion, has_tool_use)
+                reason, sequence = stop_reason(model_turn.completion, has_tool_use)
                 mcp_calls = [b for b in turn_blocks if isinstance(b, McpToolUseBlock)]
                 if not mcp_calls or reason == "max_tokens":
                     break

@@ -64,6 +64,23 @@ class ToolResultBlockParam(StrictModel):
     cache_control: CacheControl | None = None
 
 
+class McpToolUseBlockParam(StrictModel):
+    """A call of an MCP server's tool that this server made in an earlier answer (sent back as it came)."""
+
+    type: Literal["mcp_tool_use"]
+    id: Text = Field(min_length=1, max_length=256)
+    name: Text = Field(min_length=1, max_length=128)
+    server_name: Text = Field(min_length=1, max_length=64)
+    input: JsonObject
+    cache_control: CacheControl | None = None
+
+
+class McpToolResultBlockParam(ToolResultBlockParam):
+    """The result of the mcp_tool_use with id `tool_use_id`, in the same assistant message after it."""
+
+    type: Literal["mcp_tool_result"]
+
+
 class ThinkingBlockParam(StrictModel):
     type: Literal["thinking"]
     thinking: Text
@@ -101,13 +118,24 @@ _BLOCKS = {
     "thinking": ThinkingBlockParam,
     "redacted_thinking": RedactedThinkingBlockParam,
     "image": ImageBlockParam,
+    "mcp_tool_use": McpToolUseBlockParam,
+    "mcp_tool_result": McpToolResultBlockParam,
 }
 
 
 class _UnknownBlock(StrictModel):
     """What a block of another type is checked against: its `type` fails, listing the known ones."""
 
-    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image"]
+    type: Literal[
+        "text",
+        "tool_use",
+        "tool_result",
+        "thinking",
+        "redacted_thinking",
+        "image",
+        "mcp_tool_use",
+        "mcp_tool_result",
+    ]
 
 
 def _type_tag(value, kinds, suffix: str) -> str:
@@ -128,6 +156,8 @@ ContentBlock = Annotated[
     | Annotated[ThinkingBlockParam, Tag("thinking-block")]
     | Annotated[RedactedThinkingBlockParam, Tag("redacted_thinking-block")]
     | Annotated[ImageBlockParam, Tag("image-block")]
+    | Annotated[McpToolUseBlockParam, Tag("mcp_tool_use-block")]
+    | Annotated[McpToolResultBlockParam, Tag("mcp_tool_result-block")]
     | Annotated[_UnknownBlock, Tag("unknown-block")],
     Discriminator(_block_tag),
 ]

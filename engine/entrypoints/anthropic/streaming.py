@@ -115,32 +115,46 @@ def message_end(reason: str, sequence: str | None, usage: dict) -> list[str]:
     ]
 
 
+class Turn:
+    """One model turn read from its engine stream: `events()`, its blocks' events (`translate` may turn
+    its pieces into others first), then `completion` (its last output) and `num_generated`."""
+
+    def __init__(self, stream, reader, blocks: Blocks, translate=None):
+        self.stream, self.reader, self.blocks = stream, reader, blocks
+        self.translate = translate or (lambda pieces: pieces)
+        self.completion = None
+        self.num_generated = 0
+
+    async def events(self):
+        merged = merge_streams([self.stream])
+        try:
+            async for _, output in merged:
+                check_finish(output)
+                (self.completion,) = output.outputs
+                self.num_generated += len(self.completion.token_ids)
+                pieces = self.reader.feed(self.completion.text)
+                if self.completion.finish_reason is not None:
+                    pieces += self.reader.flush()
+                for piece in self.translate(pieces):
+                    for event in self.blocks.events(piece):
+                        yield event
+        finally:
+            await merged.aclose()
+        for event in self.blocks.close():
+            yield event
+
+
 async def event_stream(request_id: str, model: str, stream, num_prompt_tokens: int, reader):
     for event in message_start(request_id, model, num_prompt_tokens):
         yield event
     blocks = Blocks()
-    num_generated = 0
-    merged = merge_streams([stream])
+    turn = Turn(stream, reader, blocks)
     try:
-        async for _, output in merged:
-            check_finish(output)
-            (completion,) = output.outputs
-            num_generated += len(completion.token_ids)
-            pieces = reader.feed(completion.text)
-            if completion.finish_reason is not None:
-                pieces += reader.flush()
-            for piece in pieces:
-                for event in blocks.events(piece):
-                    yield event
-            if completion.finish_reason is None:
-                continue
-            for event in blocks.close():
-                yield event
-            reason, sequence = stop_reason(completion, blocks.has_tool_use)
-            usage = {"input_tokens": num_prompt_tokens, "output_tokens": num_generated}
-            for event in message_end(reason, sequence, usage):
-                yield event
+        async for event in turn.events():
+            yield event
+        reason, sequence = stop_reason(turn.completion, blocks.has_tool_use)
+        usage = {"input_tokens": num_prompt_tokens, "output_tokens": turn.num_generated}
+        for event in message_end(reason, sequence, usage):
+            yield event
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         yield sse("error", engine_error(e).to_anthropic())
-    finally:
-        await merged.aclose()
