@@ -16,7 +16,7 @@ from xlaserve.entrypoints.anthropic.convert import to_chat_request
 from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
 from xlaserve.entrypoints.anthropic.protocol import MessagesRequest
 from xlaserve.entrypoints.anthropic.reading import ChoiceReader
-from xlaserve.entrypoints.anthropic.streaming import _Blocks, event_stream
+from xlaserve.entrypoints.anthropic.streaming import Blocks, event_stream
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
@@ -308,7 +308,7 @@ def test_stop_reasons(finish, stop, has_tool_use, expected):
 
 
 def test_stream_events_open_extend_and_close_blocks():
-    blocks = _Blocks()
+    blocks = Blocks()
     pieces = [
         Piece("thinking", "Hm"),
         Piece("text", "A"),

@@ -1167,6 +1167,8 @@ def _without(block: dict, key: str) -> dict:
 
 _TOOL_USE = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
 _CALLED = [*CHAT, {"role": "assistant", "content": [_TOOL_USE]}]
+# An MCP server (the MCP connector's) outside --tool-server: the suite's MCP server listens elsewhere.
+_MCP = {"type": "url", "url": "http://127.0.0.1:9/mcp", "name": "tides"}
 
 # Each a body's fields over ANTHROPIC_BODY (DROP: leave the field out) and the field the message names.
 ANTHROPIC_BAD = [
@@ -1249,10 +1251,39 @@ ANTHROPIC_BAD = [
     ({"thinking": {"type": "adaptive", "budget_tokens": 1024}}, "thinking"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024, "display": "loud"}}, "thinking"),
     ({"thinking": "enabled"}, "thinking"),
+    # mcp_servers (the MCP connector): shapes, URLs outside --tool-server, refused before any connection.
+    ({"mcp_servers": "x"}, "mcp_servers"),
+    ({"mcp_servers": [{**_MCP, "type": "sse"}]}, "mcp_servers[0].type"),
+    ({"mcp_servers": [_without(_MCP, "url")]}, "mcp_servers[0].url"),
+    ({"mcp_servers": [{**_MCP, "url": "ftp://127.0.0.1:21/mcp"}]}, "mcp_servers[0].url"),
+    ({"mcp_servers": [{**_MCP, "url": "not a url"}]}, "mcp_servers[0].url"),
+    ({"mcp_servers": [{**_MCP, "url": "http://169.254.169.254/latest/meta-data"}]}, "mcp_servers[0].url"),
+    ({"mcp_servers": [_without(_MCP, "name")]}, "mcp_servers[0].name"),
+    ({"mcp_servers": [{**_MCP, "name": "a b"}]}, "mcp_servers[0].name"),
+    ({"mcp_servers": [{**_MCP, "authorization_token": "a\r\nHost: evil"}]},
+     "mcp_servers[0].authorization_token"),
+    ({"mcp_servers": [{**_MCP, "authorization_token": "x" * 8193}]}, "mcp_servers[0].authorization_token"),
+    ({"mcp_servers": [{**_MCP, "headers": {"X-Key": "a"}}]}, "mcp_servers[0].headers"),
+    ({"mcp_servers": [{**_MCP, "tool_configuration": {"enabled": "yes"}}]},
+     "mcp_servers[0].tool_configuration.enabled"),
+    ({"mcp_servers": [{**_MCP, "tool_configuration": {"allowed_tools": ["bad name!"]}}]},
+     "mcp_servers[0].tool_configuration.allowed_tools[0]"),
+    ({"mcp_servers": [{**_MCP, "tool_configuration": {"allowed_tools": "tide_table"}}]},
+     "mcp_servers[0].tool_configuration.allowed_tools"),
+    ({"mcp_servers": [_MCP] * 17}, "mcp_servers"),
+    ({"messages": _user({"type": "mcp_tool_result", "tool_use_id": "mcptoolu_1"})}, "messages[0].content[0]"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": [
+        {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_9"}]}]}, "messages[1].content[0].tool_use_id"),
+    ({"messages": [*CHAT, {"role": "assistant", "content": [
+        {"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "x", "input": {}}]}]},
+     "messages[1].content[0].server_name"),
 ]  # fmt: skip
 
 
-_GENERATION_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "stream"}
+# The fields /v1/messages takes and count_tokens does not (the MCP connector's servers too).
+_GENERATION_FIELDS = {
+    "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "stream", "mcp_servers",
+}  # fmt: skip
 ANTHROPIC_BAD_CASES = [
     pytest.param(path, fields, field, id=f"{path.rsplit('/', 1)[1]}-{json.dumps(fields)[:70]}")
     for path in (MESSAGES, COUNT_TOKENS)

@@ -24,6 +24,8 @@ from xlaserve.engine.structured_output import check_grammar
 from xlaserve.entrypoints.anthropic.protocol import (
     CountTokensRequest,
     ImageBlockParam,
+    McpToolResultBlockParam,
+    McpToolUseBlockParam,
     MessageParam,
     MessagesRequest,
     TextBlockParam,
@@ -40,6 +42,12 @@ _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
 def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
+    return chat_request(chat_body(req))
+
+
+def chat_body(req: CountTokensRequest, mcp_functions: list[dict] = ()) -> dict:
+    """The chat request's fields for `req`, offering the MCP servers' tools (`mcp_functions`) after the
+    request's own."""
     body: dict = {"messages": _messages(req)}
     last = req.messages[-1]
     is_prefill = last.role == "assistant" and all(isinstance(b, TextBlockParam) for b in last.content)
@@ -48,11 +56,12 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         is_prefill = False
     body["add_generation_prompt"] = not is_prefill
     body["continue_final_message"] = is_prefill
-    if req.tools:
-        body["tools"] = _function_tools(req.tools)
+    tools = (_function_tools(req.tools) or []) + [{"type": "function", "function": f} for f in mcp_functions]
+    if tools:
+        body["tools"] = tools
     choice = req.tool_choice
     if choice is not None:
-        _check_tool_choice(req)
+        _check_tool_choice(req, [tool["function"]["name"] for tool in tools])
         is_named = choice.type == "tool"
         body["tool_choice"] = (
             {"type": "function", "function": {"name": choice.name}}
@@ -84,6 +93,10 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
             "stream": req.stream,
         }
         body.update({k: v for k, v in sampling.items() if v is not None})
+    return body
+
+
+def chat_request(body: dict) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:  # a limit of the chat request's that Anthropic's shapes do not state
@@ -105,7 +118,7 @@ def _messages(req: CountTokensRequest) -> list[dict]:
                 f"messages[{i}].content",
             )
         if message.role == "assistant":
-            conversation.append(_assistant_turn(message, i, tool_use_ids))
+            conversation += _assistant_turns(message, i, tool_use_ids)
         else:
             conversation += _user_turns(message, i, tool_use_ids)
     return conversation
@@ -115,31 +128,50 @@ def _joined(blocks: list[TextBlockParam]) -> str:
     return "".join(block.text for block in blocks)
 
 
-def _assistant_turn(message: MessageParam, i: int, tool_use_ids: set[str]) -> dict:
+def _assistant_turns(message: MessageParam, i: int, tool_use_ids: set[str]) -> list[dict]:
+    """An assistant message as template messages: one assistant turn, or with the MCP connector's blocks
+    (an earlier answer sent back), a turn up to each run of mcp_tool_result blocks (its mcp_tool_use
+    blocks among its tool_calls), then each result a `tool` message, then the rest."""
+    turns: list[dict] = []
     text, reasoning, calls = [], [], []
     for j, block in enumerate(message.content):
         where = f"messages[{i}].content[{j}]"
-        if isinstance(block, TextBlockParam):
+        if isinstance(block, McpToolResultBlockParam):
+            if block.tool_use_id not in {call["id"] for call in calls} | _made(turns):
+                raise bad_request(
+                    f"{where}.tool_use_id: no mcp_tool_use block with id {block.tool_use_id!r} comes before "
+                    "this mcp_tool_result in its message",
+                    f"{where}.tool_use_id",
+                )
+            if calls or text or reasoning:
+                turns.append(_assistant(text, reasoning, calls))
+                text, reasoning, calls = [], [], []
+            turns.append(tool_turn(block.tool_use_id, _joined(block.content or []), bool(block.is_error)))
+        elif isinstance(block, TextBlockParam):
             text.append(block.text)
         elif isinstance(block, ThinkingBlockParam):
             reasoning.append(block.thinking)
-        elif isinstance(block, ToolUseBlockParam):
+        elif isinstance(block, ToolUseBlockParam | McpToolUseBlockParam):
             if block.id in tool_use_ids:
                 raise bad_request(f"{where}.id: the tool_use id {block.id!r} is used twice", f"{where}.id")
             tool_use_ids.add(block.id)
+            arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append(
-                {
-                    "id": block.id,
-                    "type": "function",
-                    "function": {
-                        "name": block.name,
-                        "arguments": json.dumps(block.input, ensure_ascii=False),
-                    },
-                }
+                {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}}
             )
         elif isinstance(block, (ToolResultBlockParam, ImageBlockParam)):
             raise bad_request(f"{where}: {block.type} blocks belong in user messages", where)
         # redacted_thinking: opaque data from Anthropic's own models; nothing a template can show.
+    if calls or text or reasoning or not turns:
+        turns.append(_assistant(text, reasoning, calls))
+    return turns
+
+
+def _made(turns: list[dict]) -> set[str]:
+    return {call["id"] for turn in turns for call in turn.get("tool_calls") or ()}
+
+
+def _assistant(text: list[str], reasoning: list[str], calls: list[dict]) -> dict:
     turn: dict = {"role": "assistant", "content": "".join(text)}
     if reasoning:
         turn["reasoning_content"] = "".join(reasoning)
@@ -158,7 +190,7 @@ def _user_turns(message: MessageParam, i: int, tool_use_ids: set[str]) -> list[d
             text.append(block.text)
         elif isinstance(block, ImageBlockParam):  # an OpenAI image part (serving/multimodal.py loads it)
             text.append({"type": "image_url", "image_url": {"url": _image_url(block)}})
-        elif isinstance(block, ToolResultBlockParam):
+        elif isinstance(block, ToolResultBlockParam) and block.type == "tool_result":
             if block.tool_use_id not in tool_use_ids:
                 raise bad_request(
                     f"{where}.tool_use_id: no tool_use block with id {block.tool_use_id!r} comes before "
@@ -168,15 +200,21 @@ def _user_turns(message: MessageParam, i: int, tool_use_ids: set[str]) -> list[d
             if text:
                 turns.append({"role": "user", "content": _user_content(text)})
                 text = []
-            content = _joined(block.content or [])
-            if block.is_error:
-                content = f"Error: {content}"
-            turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+            turns.append(tool_turn(block.tool_use_id, _joined(block.content or []), bool(block.is_error)))
         else:
             raise bad_request(f"{where}: {block.type} blocks belong in assistant messages", where)
     if text or not turns:
         turns.append({"role": "user", "content": _user_content(text)})
     return turns
+
+
+def tool_turn(tool_use_id: str, content: str, is_error: bool) -> dict:
+    """A tool result as the template's `tool` message."""
+    return {
+        "role": "tool",
+        "tool_call_id": tool_use_id,
+        "content": f"Error: {content}" if is_error else content,
+    }
 
 
 def _image_url(block: ImageBlockParam) -> str:
@@ -247,11 +285,10 @@ def _output_schema(schema: dict) -> dict:
     return schema
 
 
-def _check_tool_choice(req: CountTokensRequest) -> None:
+def _check_tool_choice(req: CountTokensRequest, names: list[str]) -> None:
     choice = req.tool_choice
     if choice is None or choice.type == "none":
         return
-    names = [tool.name for tool in req.tools or []]
     if not names:
         raise bad_request(f"tool_choice of type {choice.type!r} needs tools", "tool_choice")
     if choice.type == "tool" and choice.name not in names:

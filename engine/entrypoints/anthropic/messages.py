@@ -10,8 +10,10 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from xlaserve.entrypoints.anthropic.convert import image_fields, to_chat_request
+from xlaserve.entrypoints.anthropic.convert import to_chat_request
+from xlaserve.entrypoints.anthropic.mcp import create_with_mcp
 from xlaserve.entrypoints.anthropic.output import stop_reason
+from xlaserve.entrypoints.anthropic.prompt import render
 from xlaserve.entrypoints.anthropic.protocol import (
     AnthropicErrorResponse,
     CountTokensRequest,
@@ -24,7 +26,6 @@ from xlaserve.entrypoints.anthropic.protocol import (
 from xlaserve.entrypoints.anthropic.reading import ChoiceReader
 from xlaserve.entrypoints.anthropic.streaming import event_stream
 from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
-from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
@@ -32,17 +33,8 @@ from xlaserve.entrypoints.serving.engine_io import (
     engine_error,
     new_id,
     submit,
-    tokenize_text,
 )
-from xlaserve.entrypoints.serving.multimodal import (
-    check_image_parts,
-    image_parts,
-    load_images,
-    process_images,
-)
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.state import ServerState, check_model
-from xlaserve.entrypoints.serving.tools import ToolPlan, plan_tools
 
 logger = logging.getLogger("xlaserve.entrypoints.anthropic")
 
@@ -69,36 +61,15 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages/count_tokens", responses=_errors(400, 401, 404, 413, 415))
     async def count_tokens(request: CountTokensRequest) -> CountTokensResponse:
         check_model(state, request.model)
-        ids = (await _prompt(state, request))[3]
+        ids = (await render(state, request, to_chat_request(request)))[3]
         return CountTokensResponse(input_tokens=len(ids))
-
-
-async def _prompt(
-    state: ServerState, req: CountTokensRequest
-) -> tuple[ChatCompletionRequest, ToolPlan, str, list[int], list]:
-    """The request on the chat path: as a chat request, its tool plan, the rendered prompt, its ids and
-    its images' features (a vision-language model: serving/multimodal.py, 400s naming the block)."""
-    chat = to_chat_request(req)
-    plan = plan_tools(chat, state.enable_auto_tool_choice)
-    parts = [(field, url) for (_, url), field in zip(image_parts(chat.messages), image_fields(req))]
-    check_image_parts(state, parts)
-    images = await load_images(state, parts) if parts else []
-    text = apply_chat_template(
-        state,
-        chat.messages,
-        chat.add_generation_prompt,
-        chat.continue_final_message,
-        chat.tools,
-        chat.chat_template_kwargs,
-    )
-    if images:
-        return chat, plan, text, *(await process_images(state, text, images))
-    return chat, plan, text, tokenize_text(state.engine, text, False, "messages"), []
 
 
 async def create_message(state: ServerState, req: MessagesRequest, raw_request: Request):
     model = check_model(state, req.model)
-    chat, plan, text, ids, mm_features = await _prompt(state, req)
+    if req.mcp_servers:
+        return await create_with_mcp(state, req, raw_request, model)
+    chat, plan, text, ids, mm_features = await render(state, req, to_chat_request(req))
     check_context(state.engine, len(ids), req.max_tokens, "messages")
     params = chat_sampling_params(state, chat, plan, ids, chat.max_tokens)
     reader = ChoiceReader(choice_parser(state, chat, plan, ids))

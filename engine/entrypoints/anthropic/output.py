@@ -12,12 +12,14 @@ from xlaserve.outputs import CompletionOutput
 @dataclass
 class Piece:
     """A run of one block's content. A tool_use piece with an `id` starts a call (its `text` the first
-    part of the input's JSON, maybe empty); one without continues the current call's JSON."""
+    part of the input's JSON, maybe empty); one without continues the current call's JSON. An
+    mcp_tool_use piece is a tool_use piece of an MCP server's tool (`server_name`), made by this server."""
 
-    kind: Literal["text", "thinking", "tool_use"]
+    kind: Literal["text", "thinking", "tool_use", "mcp_tool_use"]
     text: str = ""
     id: str | None = None
     name: str | None = None
+    server_name: str | None = None
 
 
 def stop_reason(completion: CompletionOutput, has_tool_use: bool) -> tuple[StopReason, str | None]:

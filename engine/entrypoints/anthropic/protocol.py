@@ -18,6 +18,7 @@ from xlaserve.entrypoints.serving.protocol import JsonObject, PositiveTokens, St
 
 MAX_TOOLS = 128
 MAX_STOP_SEQUENCES = 16
+MAX_MCP_SERVERS = 16
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
@@ -63,6 +64,23 @@ class ToolResultBlockParam(StrictModel):
     cache_control: CacheControl | None = None
 
 
+class McpToolUseBlockParam(StrictModel):
+    """A call of an MCP server's tool that this server made in an earlier answer (sent back as it came)."""
+
+    type: Literal["mcp_tool_use"]
+    id: Text = Field(min_length=1, max_length=256)
+    name: Text = Field(min_length=1, max_length=128)
+    server_name: Text = Field(min_length=1, max_length=64)
+    input: JsonObject
+    cache_control: CacheControl | None = None
+
+
+class McpToolResultBlockParam(ToolResultBlockParam):
+    """The result of the mcp_tool_use with id `tool_use_id`, in the same assistant message after it."""
+
+    type: Literal["mcp_tool_result"]
+
+
 class ThinkingBlockParam(StrictModel):
     type: Literal["thinking"]
     thinking: Text
@@ -100,13 +118,24 @@ _BLOCKS = {
     "thinking": ThinkingBlockParam,
     "redacted_thinking": RedactedThinkingBlockParam,
     "image": ImageBlockParam,
+    "mcp_tool_use": McpToolUseBlockParam,
+    "mcp_tool_result": McpToolResultBlockParam,
 }
 
 
 class _UnknownBlock(StrictModel):
     """What a block of another type is checked against: its `type` fails, listing the known ones."""
 
-    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image"]
+    type: Literal[
+        "text",
+        "tool_use",
+        "tool_result",
+        "thinking",
+        "redacted_thinking",
+        "image",
+        "mcp_tool_use",
+        "mcp_tool_result",
+    ]
 
 
 def _type_tag(value, kinds, suffix: str) -> str:
@@ -127,6 +156,8 @@ ContentBlock = Annotated[
     | Annotated[ThinkingBlockParam, Tag("thinking-block")]
     | Annotated[RedactedThinkingBlockParam, Tag("redacted_thinking-block")]
     | Annotated[ImageBlockParam, Tag("image-block")]
+    | Annotated[McpToolUseBlockParam, Tag("mcp_tool_use-block")]
+    | Annotated[McpToolResultBlockParam, Tag("mcp_tool_result-block")]
     | Annotated[_UnknownBlock, Tag("unknown-block")],
     Discriminator(_block_tag),
 ]
@@ -243,6 +274,27 @@ class CountTokensRequest(StrictModel):
     output_config: OutputConfig | None = None
 
 
+class McpToolConfiguration(StrictModel):
+    enabled: bool = Field(default=True, description="false: none of the server's tools is offered")
+    allowed_tools: (
+        Annotated[list[Annotated[Text, Field(pattern=TOOL_NAME_PATTERN)]], Field(max_length=MAX_TOOLS)] | None
+    ) = Field(
+        default=None, description="the tools offered (default: all); a name the server lacks is left out"
+    )
+
+
+class McpServerParam(StrictModel):
+    """An MCP server whose tools this server lists, offers to the model and calls itself (Anthropic's MCP
+    connector, beta mcp-client-2025-04-04). Only servers named by --tool-server."""
+
+    type: Literal["url"]
+    url: Text = Field(min_length=1, max_length=2048, description="http(s)://HOST:PORT/path")
+    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    # Sent as 'Authorization: Bearer ...' with every request to the MCP server; never echoed.
+    authorization_token: Text | None = Field(default=None, max_length=8192, pattern=r"^[^\r\n\x00]*$")
+    tool_configuration: McpToolConfiguration | None = None
+
+
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages."""
 
@@ -253,6 +305,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1, description="0: off")
     metadata: Metadata | None = None
+    mcp_servers: list[McpServerParam] | None = Field(default=None, max_length=MAX_MCP_SERVERS)
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -276,7 +329,21 @@ class ThinkingBlock(BaseModel):
     signature: str = Field(default="", description="empty: this server does not sign its thinking")
 
 
-ResponseBlock = TextBlock | ToolUseBlock | ThinkingBlock
+class McpToolUseBlock(ToolUseBlock):
+    """A call the model made of an MCP server's tool (`server_name`), made by this server."""
+
+    type: Literal["mcp_tool_use"] = "mcp_tool_use"
+    server_name: str
+
+
+class McpToolResultBlock(BaseModel):
+    type: Literal["mcp_tool_result"] = "mcp_tool_result"
+    tool_use_id: str = Field(description="the id of the mcp_tool_use block it answers")
+    is_error: bool = Field(description="the tool reported an error, or the call could not be made")
+    content: list[TextBlock] = Field(description="what the MCP server answered, as one text block")
+
+
+ResponseBlock = TextBlock | ToolUseBlock | ThinkingBlock | McpToolUseBlock | McpToolResultBlock
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 

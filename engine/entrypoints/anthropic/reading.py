@@ -33,7 +33,7 @@ class ChoiceReader:
             blocks.append(ThinkingBlock(thinking=parsed.reasoning))
         if self.parser.is_forced:
             calls = [
-                ToolUseBlock(id=c.id, name=c.function.name, input=_partial_object(c.function.arguments))
+                ToolUseBlock(id=c.id, name=c.function.name, input=partial_object(c.function.arguments))
                 for c in parsed.tool_calls
             ]
             return blocks + calls
@@ -56,7 +56,8 @@ class ChoiceReader:
         return _pieces(self.parser.finish())
 
 
-def _partial_object(text: str) -> dict:
+def partial_object(text: str) -> dict:
+    """A call's input from its JSON text so far, as Anthropic's SDK reads a stream (the partial parse)."""
     if not text:
         return {}
     try:

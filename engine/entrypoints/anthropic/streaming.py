@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
+from xlaserve.entrypoints.anthropic.reading import partial_object
 from xlaserve.entrypoints.serving.engine_io import check_finish, engine_error, merge_streams
 
 
@@ -15,32 +16,52 @@ def sse(kind: str, payload: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-class _Blocks:
-    """The open content block and the events that open, extend and close blocks."""
+class Blocks:
+    """The open content block and the events that open, extend and close blocks; `made`, the blocks
+    as a client reading the events puts them together (a call's input the partial parse of its JSON)."""
 
     def __init__(self) -> None:
         self.index = -1
         self.kind: str | None = None
         self.has_tool_use = False
+        self.made: list[dict] = []
+        self._json = ""  # the open call's input so far
 
     def events(self, piece: Piece) -> list[str]:
         out = []
-        starts_call = piece.kind == "tool_use" and piece.id is not None
+        starts_call = piece.kind in ("tool_use", "mcp_tool_use") and piece.id is not None
         if piece.kind != self.kind or starts_call:
             out += self.close()
             self.index += 1
             self.kind = piece.kind
             start = {"type": "content_block_start", "index": self.index, "content_block": _empty_block(piece)}
             out.append(sse("content_block_start", start))
+            self.made.append(start["content_block"])
             self.has_tool_use = self.has_tool_use or piece.kind == "tool_use"
         if piece.text:
             delta = {"type": "content_block_delta", "index": self.index, "delta": _delta(piece)}
             out.append(sse("content_block_delta", delta))
+            if piece.kind in ("text", "thinking"):
+                self.made[-1][piece.kind] += piece.text
+            else:
+                self._json += piece.text
+        return out
+
+    def whole(self, block: dict) -> list[str]:
+        """A block sent whole (an mcp_tool_result): its start, with its content, and its stop."""
+        out = self.close()
+        self.index += 1
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        out.append(sse("content_block_start", start))
+        out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        self.made.append(block)
         return out
 
     def close(self) -> list[str]:
         if self.kind is None:
             return []
+        if self.kind in ("tool_use", "mcp_tool_use"):
+            self.made[-1]["input"], self._json = partial_object(self._json), ""
         self.kind = None
         return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
@@ -50,6 +71,14 @@ def _empty_block(piece: Piece) -> dict:
         return {"type": "text", "text": ""}
     if piece.kind == "thinking":
         return {"type": "thinking", "thinking": "", "signature": ""}
+    if piece.kind == "mcp_tool_use":
+        return {
+            "type": "mcp_tool_use",
+            "id": piece.id,
+            "name": piece.name,
+            "server_name": piece.server_name,
+            "input": {},
+        }
     return {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
 
 
@@ -61,7 +90,7 @@ def _delta(piece: Piece) -> dict:
     return {"type": "input_json_delta", "partial_json": piece.text}
 
 
-async def event_stream(request_id: str, model: str, stream, num_prompt_tokens: int, reader):
+def message_start(request_id: str, model: str, num_prompt_tokens: int) -> list[str]:
     message = {
         "id": request_id,
         "type": "message",
@@ -72,32 +101,60 @@ async def event_stream(request_id: str, model: str, stream, num_prompt_tokens: i
         "stop_sequence": None,
         "usage": {"input_tokens": num_prompt_tokens, "output_tokens": 0},
     }
-    yield sse("message_start", {"type": "message_start", "message": message})
-    yield sse("ping", {"type": "ping"})
-    blocks = _Blocks()
-    num_generated = 0
-    merged = merge_streams([stream])
+    return [
+        sse("message_start", {"type": "message_start", "message": message}),
+        sse("ping", {"type": "ping"}),
+    ]
+
+
+def message_end(reason: str, sequence: str | None, usage: dict) -> list[str]:
+    delta = {"stop_reason": reason, "stop_sequence": sequence}
+    return [
+        sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
+        sse("message_stop", {"type": "message_stop"}),
+    ]
+
+
+class Turn:
+    """One model turn read from its engine stream: `events()`, its blocks' events (`translate` may turn
+    its pieces into others first), then `completion` (its last output) and `num_generated`."""
+
+    def __init__(self, stream, reader, blocks: Blocks, translate=None):
+        self.stream, self.reader, self.blocks = stream, reader, blocks
+        self.translate = translate or (lambda pieces: pieces)
+        self.completion = None
+        self.num_generated = 0
+
+    async def events(self):
+        merged = merge_streams([self.stream])
+        try:
+            async for _, output in merged:
+                check_finish(output)
+                (self.completion,) = output.outputs
+                self.num_generated += len(self.completion.token_ids)
+                pieces = self.reader.feed(self.completion.text)
+                if self.completion.finish_reason is not None:
+                    pieces += self.reader.flush()
+                for piece in self.translate(pieces):
+                    for event in self.blocks.events(piece):
+                        yield event
+        finally:
+            await merged.aclose()
+        for event in self.blocks.close():
+            yield event
+
+
+async def event_stream(request_id: str, model: str, stream, num_prompt_tokens: int, reader):
+    for event in message_start(request_id, model, num_prompt_tokens):
+        yield event
+    blocks = Blocks()
+    turn = Turn(stream, reader, blocks)
     try:
-        async for _, output in merged:
-            check_finish(output)
-            (completion,) = output.outputs
-            num_generated += len(completion.token_ids)
-            pieces = reader.feed(completion.text)
-            if completion.finish_reason is not None:
-                pieces += reader.flush()
-            for piece in pieces:
-                for event in blocks.events(piece):
-                    yield event
-            if completion.finish_reason is None:
-                continue
-            for event in blocks.close():
-                yield event
-            reason, sequence = stop_reason(completion, blocks.has_tool_use)
-            usage = {"input_tokens": num_prompt_tokens, "output_tokens": num_generated}
-            delta = {"stop_reason": reason, "stop_sequence": sequence}
-            yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
-            yield sse("message_stop", {"type": "message_stop"})
+        async for event in turn.events():
+            yield event
+        reason, sequence = stop_reason(turn.completion, blocks.has_tool_use)
+        usage = {"input_tokens": num_prompt_tokens, "output_tokens": turn.num_generated}
+        for event in message_end(reason, sequence, usage):
+            yield event
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         yield sse("error", engine_error(e).to_anthropic())
-    finally:
-        await merged.aclose()

@@ -30,7 +30,7 @@ from xlaserve.entrypoints.openai.tool_protocol import (
 from xlaserve.entrypoints.serving.beam_search import BeamSearchStream, beam_search_params
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta, ChoiceParser
 from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
-from xlaserve.entrypoints.serving.chat_template import apply_chat_template
+from xlaserve.entrypoints.serving.chat_template import render_chat
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
@@ -104,15 +104,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     parts = image_parts(req.messages)
     check_image_parts(state, parts)  # before any image is read
     images = await load_images(state, parts) if parts else []
-    text = apply_chat_template(
-        state,
-        req.messages,
-        req.add_generation_prompt,
-        req.continue_final_message,
-        req.tools,
-        req.chat_template_kwargs,
-        req.chat_template,
-    )
+    text = render_chat(state, req)
     mm_features = []
     if images:
         ids, mm_features = await process_images(state, text, images)

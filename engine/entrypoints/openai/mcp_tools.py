@@ -1,29 +1,20 @@
 """Remote MCP tools in the Responses API (`{"type": "mcp", "server_label", "server_url", ...}`): the
 server lists each MCP server's tools, offers them to the model as functions, and calls the ones the
-model picks with the official `mcp` client over streamable HTTP, feeding the results back.
-
-Only the servers named by `--tool-server HOST:PORT` may be reached: any other `server_url` is a 400
-before a connection is made, so no request can make this server fetch an arbitrary URL. Listing and
-each call are bounded by MCP_TIMEOUT_S; an MCP server that cannot be listed is a 424 (OpenAI's answer).
+model picks (serving/mcp_client.py: the connections, the --tool-server allow-list, the timeouts),
+feeding the results back. An MCP server that cannot be listed is a 424 (OpenAI's answer).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import logging
 import re
-from urllib.parse import urlsplit
 
 from xlaserve.entrypoints.openai.responses_output import McpCallOutput, McpListToolsOutput, McpToolInfo
 from xlaserve.entrypoints.openai.responses_protocol import FunctionTool, McpTool, ResponsesRequest
 from xlaserve.entrypoints.openai.responses_stream import item_id
-from xlaserve.entrypoints.serving.errors import APIError, bad_request
+from xlaserve.entrypoints.serving.errors import bad_request
+from xlaserve.entrypoints.serving.mcp_client import McpClients, McpServer, check_server_url
 
-logger = logging.getLogger("xlaserve.entrypoints.openai")
-
-MCP_TIMEOUT_S = 30.0
 _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")  # an HTTP field name (RFC 9110's token)
 _HEADER_VALUE = re.compile(r"[^\r\n\x00]*")  # one line
 _MAX_HEADER_VALUE = 8192
@@ -34,21 +25,6 @@ _TRANSPORT_HEADERS = {
     "proxy-authorization", "proxy-connection", "content-type", "accept", "accept-encoding",
     "mcp-session-id", "mcp-protocol-version", "last-event-id",
 }  # fmt: skip
-# Model turns of one response: the last one may not call (tool_choice "none"), so it answers in text.
-MAX_MCP_ROUNDS = 4
-_MAX_OUTPUT_CHARS = 64 * 1024  # a tool's output fed back to the model (and shown), cut past this
-
-
-def _host_port(url: str) -> str | None:
-    """'host:port' of an http(s) URL (the scheme's default port when none is given); None otherwise."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
-    except ValueError:
-        return None
-    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
-        return None
-    return f"{parts.hostname}:{port}"
 
 
 def mcp_tools_of(req: ResponsesRequest, tool_servers: list[str]) -> list[tuple[int, McpTool]]:
@@ -57,20 +33,9 @@ def mcp_tools_of(req: ResponsesRequest, tool_servers: list[str]) -> list[tuple[i
     found = [(i, tool) for i, tool in enumerate(req.tools or ()) if isinstance(tool, McpTool)]
     if not found:
         return []
-    allowed = set(tool_servers)
     labels = set()
     for i, tool in found:
-        where = f"tools[{i}].server_url"
-        address = _host_port(tool.server_url)
-        if address is None:
-            raise bad_request("must be an http:// or https:// URL with a host", where)
-        if address not in allowed:
-            names = ", ".join(sorted(allowed)) if allowed else "none (start it with --tool-server HOST:PORT)"
-            raise bad_request(
-                f"{address} is not an MCP server this server may call; allowed: {names}",
-                where,
-                code="mcp_denied",
-            )
+        check_server_url(tool.server_url, tool_servers, f"tools[{i}].server_url")
         if tool.server_label in labels:
             raise bad_request(f"server_label {tool.server_label!r} is used twice", f"tools[{i}].server_label")
         labels.add(tool.server_label)
@@ -98,16 +63,6 @@ def _headers(tool: McpTool) -> dict[str, str]:
     return headers
 
 
-def _text_of(result) -> str:
-    """An MCP tool result's content as text: its text parts joined, any other part as its JSON."""
-    pieces = []
-    for part in result.content or ():
-        text = getattr(part, "text", None)
-        pieces.append(text if isinstance(text, str) else part.model_dump_json(exclude_none=True))
-    text = "\n".join(pieces)
-    return text if len(text) <= _MAX_OUTPUT_CHARS else text[:_MAX_OUTPUT_CHARS] + "..."
-
-
 class McpSession:
     """One response's connections to its MCP servers (async context manager): the listed tools as
     `list_items` (mcp_list_tools output items) and `functions` (for the model), and `call()`."""
@@ -117,69 +72,39 @@ class McpSession:
         self.request_functions = request_functions
         self.list_items: list[McpListToolsOutput] = []
         self.functions: list[dict] = []
-        self._routes: dict[str, tuple[str, object]] = {}  # tool name -> (server label, client)
         self._waits: set[str] = set()  # the tools whose calls wait for the client's approval
-        self._stack = contextlib.AsyncExitStack()
+        self._clients = McpClients(
+            [
+                McpServer(
+                    tool.server_label,
+                    tool.server_url,
+                    _headers(tool),
+                    f"tools[{i}]",
+                    f"tools[{i}].server_url",
+                )
+                for i, tool in tools
+            ]
+        )
 
     async def __aenter__(self) -> McpSession:
-        try:  # the mcp extra: imported only when a request uses MCP tools
-            from mcp import Client
-        except ImportError:
-            raise APIError(
-                400,
-                "this server has no MCP client installed (pip install 'xlaserve[mcp]')",
-                param=f"tools[{self.tools[0][0]}]",
-                code="unsupported",
-            ) from None
+        await self._clients.__aenter__()
         try:
-            for i, tool in self.tools:
-                try:
-                    async with asyncio.timeout(MCP_TIMEOUT_S):
-                        client = await self._stack.enter_async_context(
-                            Client(await self._transport(tool), read_timeout_seconds=MCP_TIMEOUT_S)
-                        )
-                        listed = (await client.list_tools()).tools
-                except Exception as e:  # noqa: BLE001 - any failure to reach or list is the same 424
-                    logger.warning(
-                        "MCP server %s (%s) could not be listed: %r", tool.server_label, tool.server_url, e
-                    )
-                    raise APIError(
-                        424,
-                        f"the tools of MCP server {tool.server_label!r} could not be listed "
-                        f"({type(e).__name__})",
-                        param=f"tools[{i}].server_url",
-                        code="mcp_list_tools_failed",
-                    ) from None
-                self._add(i, tool, client, listed)
+            for (i, tool), (server, listed) in zip(self.tools, self._clients.listed):
+                self._add(i, tool, server, listed)
         except BaseException:
-            await self._stack.aclose()
+            await self._clients.__aexit__(None, None, None)
             raise
         return self
 
-    async def _transport(self, tool: McpTool):
-        """The server's URL, or with the request's headers, a streamable HTTP transport that sends them."""
-        headers = _headers(tool)
-        if not headers:
-            return tool.server_url
-        from mcp.client.streamable_http import streamable_http_client
-        from mcp.shared._httpx_utils import create_mcp_http_client  # the SDK's client and timeouts
-
-        http = await self._stack.enter_async_context(create_mcp_http_client(headers=headers))
-        return streamable_http_client(tool.server_url, http_client=http)
-
-    def _add(self, i: int, tool: McpTool, client, listed) -> None:
+    def _add(self, i: int, tool: McpTool, server: McpServer, listed) -> None:
         allowed = None if tool.allowed_tools is None else set(tool.allowed_tools)
         infos = []
         for entry in listed:
             if allowed is not None and entry.name not in allowed:
                 continue
-            if entry.name in self._routes or entry.name in self.request_functions:
-                raise bad_request(
-                    f"the MCP server {tool.server_label!r} offers a tool named {entry.name!r}, as another "
-                    "tool does: leave one out with allowed_tools",
-                    f"tools[{i}].allowed_tools",
-                )
-            self._routes[entry.name] = (tool.server_label, client)
+            self.functions.append(
+                self._clients.offer(server, entry, self.request_functions, f"tools[{i}].allowed_tools")
+            )
             if _waits_for_approval(tool.require_approval, entry):
                 self._waits.add(entry.name)
             infos.append(
@@ -192,21 +117,17 @@ class McpSession:
                     else None,
                 )
             )
-            function = {"name": entry.name, "parameters": entry.input_schema}
-            if entry.description:
-                function["description"] = entry.description
-            self.functions.append(function)
         self.list_items.append(
             McpListToolsOutput(id=item_id("mcpl"), server_label=tool.server_label, tools=infos)
         )
 
     async def __aexit__(self, *exc) -> None:
-        await self._stack.aclose()
+        await self._clients.__aexit__(*exc)
 
     def label_of(self, name: str) -> str | None:
         """The label of the MCP server whose tool `name` is, or None (a function of the request's own)."""
-        route = self._routes.get(name)
-        return None if route is None else route[0]
+        server = self._clients.server_of(name)
+        return None if server is None else server.label
 
     def needs_approval(self, name: str) -> bool:
         return name in self._waits
@@ -214,7 +135,6 @@ class McpSession:
     async def call(self, item: McpCallOutput) -> None:
         """Make the call `item` names (its tool, its arguments as JSON text) and write its output, or the
         error, into it."""
-        _, client = self._routes[item.name]
         try:
             args = json.loads(item.arguments)
         except ValueError:
@@ -222,19 +142,12 @@ class McpSession:
         if not isinstance(args, dict):
             item.error, item.status = "the arguments are not a JSON object", "incomplete"
             return
-        try:
-            async with asyncio.timeout(MCP_TIMEOUT_S):
-                result = await client.call_tool(item.name, args)
-        except Exception as e:  # noqa: BLE001 - the model sees that the call failed, the response goes on
-            logger.warning("MCP tool %s on %s failed: %r", item.name, item.server_label, e)
-            item.error, item.status = f"the call failed ({type(e).__name__})", "incomplete"
-            return
-        text = _text_of(result)
-        if result.is_error:
-            item.error = text or "the tool reported an error"
+        outcome = await self._clients.call(item.name, args)
+        if outcome.is_error:
+            item.error = outcome.text
         else:
-            item.output = text
-        item.status = "completed"
+            item.output = outcome.text
+        item.status = "completed" if outcome.is_completed else "incomplete"
 
 
 def _waits_for_approval(rule, entry) -> bool:

@@ -4,7 +4,7 @@ and the answers to approval requests made before the first turn (`answer_approva
 
 from __future__ import annotations
 
-from xlaserve.entrypoints.openai.mcp_tools import MAX_MCP_ROUNDS, McpSession, request_function_names
+from xlaserve.entrypoints.openai.mcp_tools import McpSession, request_function_names
 from xlaserve.entrypoints.openai.responses_convert import APPROVAL
 from xlaserve.entrypoints.openai.responses_output import (
     FunctionCallOutput,
@@ -28,6 +28,7 @@ from xlaserve.entrypoints.openai.responses_turn import (
 from xlaserve.entrypoints.serving.chat_path import choice_parser
 from xlaserve.entrypoints.serving.engine_io import submit
 from xlaserve.entrypoints.serving.errors import bad_request
+from xlaserve.entrypoints.serving.mcp_client import MAX_MCP_ROUNDS
 from xlaserve.entrypoints.serving.tools import ToolPlan
 
 

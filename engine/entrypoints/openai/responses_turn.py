@@ -30,11 +30,11 @@ from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
+    drain,
     engine_error,
     merge_streams,
     run_ahead,
     tokenize_text,
-    until_disconnect,
 )
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.multimodal import (
@@ -240,15 +240,8 @@ async def reply(
         events = await run_ahead(run.events())
         return StreamingResponse(with_error_event(events, run.write), media_type="text/event-stream")
 
-    async def whole() -> Response:
-        try:
-            async for _ in run.events():
-                pass
-        except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
-            raise engine_error(e) from None
-        return run.response
-
-    return await until_disconnect(raw_request, whole())
+    await drain(raw_request, run.events())
+    return run.response
 
 
 async def with_error_event(events, write: EventWriter):

@@ -14,7 +14,7 @@ from jinja2 import TemplateError, TemplateSyntaxError
 
 from xlaserve.entrypoints.serving.engine_io import require_tokenizer
 from xlaserve.entrypoints.serving.errors import bad_request
-from xlaserve.entrypoints.serving.protocol import ChatMessage, ChatTool
+from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 from xlaserve.entrypoints.serving.state import ServerState
 from xlaserve.entrypoints.serving.tools import (
     check_history,
@@ -49,6 +49,19 @@ def conversation(
         render_calls(entry, message, takes_tools)
         out.append(entry)
     return out
+
+
+def render_chat(state: ServerState, req: ChatCompletionRequest) -> str:
+    """The prompt text of a chat request (`apply_chat_template` with the request's own fields)."""
+    return apply_chat_template(
+        state,
+        req.messages,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.tools,
+        req.chat_template_kwargs,
+        req.chat_template,
+    )
 
 
 def apply_chat_template(

@@ -288,6 +288,20 @@ async def until_disconnect(raw_request: Request | None, work: Coroutine[Any, Any
         raise APIError(499, "client disconnected") from None
 
 
+async def drain(raw_request: Request | None, events: AsyncIterator) -> None:
+    """Run `events` (an answer made as its events) to its end, a failure as the API error; the client
+    leaving first aborts it (a 499: `until_disconnect`)."""
+
+    async def run() -> None:
+        try:
+            async for _ in events:
+                pass
+        except Exception as e:  # noqa: BLE001 - every failure becomes an API error
+            raise engine_error(e) from None
+
+    await until_disconnect(raw_request, run())
+
+
 async def run_ahead(items: AsyncIterator[T]) -> AsyncIterator[T]:
     """`items` run in a task of its own, ahead of its reader. Returns once the first item is ready, so
     that what fails before it (a request found bad only after some work) raises here, before a stream's

@@ -1,0 +1,252 @@
+"""Anthropic's MCP connector (beta mcp-client-2025-04-04): a /v1/messages request with `mcp_servers`.
+
+This server lists each MCP server's tools (its tool_configuration applied), offers them to the model
+after the request's own tools, and makes the calls the model makes of them (serving/mcp_client.py: the
+--tool-server allow-list, the connections, the timeouts). Each call shows as an mcp_tool_use block, its
+answer as the mcp_tool_result block after the turn's blocks; the results join the conversation and the
+model goes on, up to MAX_MCP_ROUNDS turns (the last may not call). A tool_use block of the request's own
+tools ends the message once the turn's MCP calls are made. max_tokens bounds the turns together, usage
+sums them (every turn's prompt, every generated token), and the stop reason is the last turn's.
+
+One loop (`McpMessage.events()`) makes the streamed answer and the whole one, so they agree block for
+block; a streamed answer starts once the servers are listed and the first turn is prepared, so a failure
+there is still an HTTP error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+from fastapi.responses import StreamingResponse
+
+from xlaserve.entrypoints.anthropic.convert import chat_body, chat_request, tool_turn
+from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
+from xlaserve.entrypoints.anthropic.prompt import render
+from xlaserve.entrypoints.anthropic.protocol import (
+    McpToolConfiguration,
+    McpToolResultBlock,
+    McpToolUseBlock,
+    MessagesRequest,
+    MessagesResponse,
+    TextBlock,
+    ThinkingBlock,
+    ToolUseBlock,
+    Usage,
+)
+from xlaserve.entrypoints.anthropic.reading import ChoiceReader
+from xlaserve.entrypoints.anthropic.streaming import Blocks, Turn, message_end, message_start, sse
+from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
+from xlaserve.entrypoints.serving.engine_io import (
+    check_context,
+    drain,
+    engine_error,
+    new_id,
+    run_ahead,
+    submit,
+)
+from xlaserve.entrypoints.serving.errors import APIError, bad_request
+from xlaserve.entrypoints.serving.mcp_client import MAX_MCP_ROUNDS, McpClients, McpServer, check_server_url
+
+
+def _named(error: APIError) -> APIError:
+    """`error` with the field it names in its message (Anthropic's errors have no param)."""
+    if not error.param or error.message.startswith(error.param):
+        return error
+    return APIError(error.status_code, f"{error.param}: {error.message}", param=error.param, code=error.code)
+
+
+def mcp_servers_of(req: MessagesRequest, tool_servers: list[str]) -> list[McpServer]:
+    """The request's MCP servers, each checked against --tool-server and named once (400s naming the
+    field otherwise); the authorization token goes as a Bearer header."""
+    servers, names = [], set()
+    for i, param in enumerate(req.mcp_servers or ()):
+        where = f"mcp_servers[{i}]"
+        try:
+            check_server_url(param.url, tool_servers, f"{where}.url")
+        except APIError as e:
+            raise _named(e) from None
+        if param.name in names:
+            raise bad_request(f"{where}.name: the name {param.name!r} is used twice", f"{where}.name")
+        names.add(param.name)
+        token = param.authorization_token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        servers.append(McpServer(param.name, param.url, headers, where, f"{where}.url"))
+    return servers
+
+
+async def create_with_mcp(state, req: MessagesRequest, raw_request, model: str):
+    run = McpMessage(state, req, model, mcp_servers_of(req, state.tool_servers))
+    if req.stream:
+        events = await run_ahead(run.events())
+        return StreamingResponse(_with_error_event(events), media_type="text/event-stream")
+
+    await drain(raw_request, run.events())
+    return run.message
+
+
+async def _with_error_event(events):
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
+        yield sse("error", engine_error(e).to_anthropic())
+
+
+def _mcp_id() -> str:
+    return new_id("mcptoolu").replace("-", "_")
+
+
+class _McpCalls:
+    """One turn's pieces with the calls of MCP tools as mcp_tool_use pieces, each with an id of its own."""
+
+    def __init__(self, clients: McpClients):
+        self.clients = clients
+        self.is_mcp = False  # whether the call now streaming is an MCP tool's
+
+    def pieces(self, pieces: list[Piece]) -> list[Piece]:
+        out = []
+        for piece in pieces:
+            if piece.kind == "tool_use" and piece.id is not None:
+                server = self.clients.server_of(piece.name)
+                self.is_mcp = server is not None
+                if self.is_mcp:
+                    piece = Piece("mcp_tool_use", piece.text, _mcp_id(), piece.name, server.label)
+            elif piece.kind == "tool_use" and self.is_mcp:
+                piece = Piece("mcp_tool_use", piece.text)
+            out.append(piece)
+        return out
+
+
+class McpMessage:
+    """A message whose model may call MCP tools: `events()` (Anthropic's stream events), then `message`."""
+
+    def __init__(self, state, req: MessagesRequest, model: str, servers: list[McpServer]):
+        self.state, self.req, self.model, self.servers = state, req, model, servers
+        self.message: MessagesResponse | None = None
+
+    def _functions(self, clients: McpClients) -> list[dict]:
+        """The listed tools each server's tool_configuration offers, as functions; a name the server
+        does not list in allowed_tools is simply not offered."""
+        taken = {tool.name for tool in self.req.tools or ()}
+        functions = []
+        for (server, listed), param in zip(clients.listed, self.req.mcp_servers):
+            config = param.tool_configuration or McpToolConfiguration()
+            allowed = None if config.allowed_tools is None else set(config.allowed_tools)
+            for entry in listed:
+                if config.enabled and (allowed is None or entry.name in allowed):
+                    where = f"{server.field}.tool_configuration.allowed_tools"
+                    functions.append(clients.offer(server, entry, taken, where))
+        return functions
+
+    async def events(self):
+        state, req = self.state, self.req
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                clients = await stack.enter_async_context(McpClients(self.servers))
+                body = chat_body(req, self._functions(clients))
+            except APIError as e:
+                raise _named(e) from None
+            request_id = new_id("msg").replace("-", "_")
+            blocks, content, added = Blocks(), [], []
+            num_prompt = num_generated = 0
+            reason, sequence = "end_turn", None
+            for turn in range(MAX_MCP_ROUNDS):
+                chat = chat_request(_turn_body(body, added, turn, req.max_tokens - num_generated))
+                chat, plan, text, ids, mm_features = await render(state, req, chat)
+                max_tokens = chat.max_tokens
+                if turn > 0:  # a later turn has what the context leaves, if less
+                    max_tokens = min(max_tokens, state.engine.max_model_len - len(ids))
+                    if max_tokens <= 0:
+                        reason, sequence = "max_tokens", None
+                        break
+                check_context(state.engine, len(ids), max_tokens, "messages")
+                params = chat_sampling_params(state, chat, plan, ids, max_tokens)
+                if turn == 0:
+                    for event in message_start(request_id, self.model, len(ids)):
+                        yield event
+                stream = submit(
+                    state,
+                    ids,
+                    params,
+                    f"{request_id}-{turn}",
+                    stream=True,
+                    prompt=text,
+                    mm_features=mm_features,
+                )
+                reader = ChoiceReader(choice_parser(state, chat, plan, ids))
+                first = len(blocks.made)
+                model_turn = Turn(stream, reader, blocks, _McpCalls(clients).pieces)
+                async for event in model_turn.events():
+                    yield event
+                num_generated += model_turn.num_generated
+                num_prompt += len(ids)
+                # The turn's blocks as the client reads them from the events: streamed or whole, the same.
+                turn_blocks = [_BLOCKS[block["type"]].model_validate(block) for block in blocks.made[first:]]
+                content += turn_blocks
+                has_tool_use = any(b.type == "tool_use" for b in turn_blocks)
+                reason, sequence = stop_reason(model_turn.completion, has_tool_use)
+                mcp_calls = [b for b in turn_blocks if isinstance(b, McpToolUseBlock)]
+                if not mcp_calls or reason == "max_tokens":
+                    break
+                added.append(_assistant_turn(body, added, turn_blocks))
+                for call in mcp_calls:
+                    outcome = await clients.call(call.name, call.input)
+                    result = McpToolResultBlock(
+                        tool_use_id=call.id, is_error=outcome.is_error, content=[TextBlock(text=outcome.text)]
+                    )
+                    content.append(result)
+                    for event in blocks.whole(result.model_dump()):
+                        yield event
+                    added.append(tool_turn(call.id, outcome.text, outcome.is_error))
+                if has_tool_use:  # the client's own calls end the message
+                    break
+            usage = Usage(input_tokens=num_prompt, output_tokens=num_generated)
+            self.message = MessagesResponse(
+                id=request_id,
+                content=content,
+                model=self.model,
+                stop_reason=reason,
+                stop_sequence=sequence,
+                usage=usage,
+            )
+            for event in message_end(reason, sequence, usage.model_dump()):
+                yield event
+
+
+_BLOCKS = {
+    "text": TextBlock,
+    "thinking": ThinkingBlock,
+    "tool_use": ToolUseBlock,
+    "mcp_tool_use": McpToolUseBlock,
+}
+
+
+def _turn_body(body: dict, added: list[dict], turn: int, max_tokens: int) -> dict:
+    """The chat request's fields for `turn`: the conversation so far, what is left of max_tokens, and
+    after the first turn tool_choice auto (none for the last: it answers in text)."""
+    if turn == 0:
+        return {**body, "max_tokens": max_tokens}
+    messages = body["messages"][:-1] if body["continue_final_message"] else body["messages"]
+    return {
+        **body,
+        "messages": [*messages, *added],
+        "max_tokens": max_tokens,
+        "tool_choice": "none" if turn == MAX_MCP_ROUNDS - 1 else "auto",
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+    }
+
+
+def _assistant_turn(body: dict, added: list[dict], blocks: list) -> dict:
+    """A turn's text and MCP calls as the template's assistant message (the first turn's continues a
+    prefill, the request's final assistant message)."""
+    said = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+    if not added and body["continue_final_message"]:
+        said = body["messages"][-1]["content"] + said
+    calls = [
+        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+        for b in blocks
+        if isinstance(b, McpToolUseBlock)
+    ]
+    return {"role": "assistant", "content": said, "tool_calls": calls}
