@@ -10,7 +10,7 @@ step's requests. Fields the search does not apply are refused by name (`check_be
 from __future__ import annotations
 
 from xlaserve.entrypoints.beam_search import BeamSearch, BeamSearchParams
-from xlaserve.entrypoints.serving.engine_io import check_finish, engine_error, merge_streams
+from xlaserve.entrypoints.serving.engine_io import check_finish, engine_error, final_outputs
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.protocol import SamplingFields
 from xlaserve.entrypoints.serving.state import ServerState
@@ -95,13 +95,7 @@ class BeamSearchStream:
                 for stream in streams:
                     stream.close()
                 raise engine_error(e) from None
-            finals: list[RequestOutput | None] = [None] * len(streams)
-            merged = merge_streams(streams)
-            try:
-                async for i, output in merged:
-                    finals[i] = output
-            finally:
-                await merged.aclose()
+            finals = await final_outputs(streams)
             for output in finals:
                 check_finish(output)
             if search.num_steps == 0:

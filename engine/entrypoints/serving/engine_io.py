@@ -252,20 +252,21 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
             return
 
 
+async def final_outputs(streams) -> list[RequestOutput]:
+    """The last output of each stream (a failure, or a cancellation, aborts every stream)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    merged = merge_streams(streams)
+    try:
+        async for i, output in merged:
+            finals[i] = output
+    finally:
+        await merged.aclose()
+    return finals
+
+
 async def collect_final(raw_request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
     """The last output of each stream; if the client goes away first, every stream is aborted."""
-
-    async def collect() -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        merged = merge_streams(streams)
-        try:
-            async for i, output in merged:
-                finals[i] = output
-        finally:
-            await merged.aclose()
-        return finals
-
-    return await until_disconnect(raw_request, collect())
+    return await until_disconnect(raw_request, final_outputs(streams))
 
 
 async def until_disconnect(raw_request: Request | None, work: Coroutine[Any, Any, T]) -> T:
