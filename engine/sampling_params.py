@@ -226,6 +226,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # False: no text (outputs carry token ids, logprobs no decoded tokens), as vLLM's: a trainer that
+    # reads ids skips the detokenizer's work. Stop strings need the text.
+    detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # Added to the logits before sampling (token id -> bias in [-100, 100], OpenAI's range), and the only
     # tokens that may be sampled (None: all); logprobs stay those of the raw distribution, as vLLM's.
@@ -352,6 +355,11 @@ class SamplingParams:
         )
 
     def _validate_stops(self) -> None:
+        _require(
+            self.detokenize or not self.stop,
+            f"stop strings {self.stop!r} need detokenize=True (they are matched in the text); "
+            "use stop_token_ids",
+        )
         for stop in self.stop:
             _require(isinstance(stop, str) and stop != "", f"stop strings must be non-empty, got {stop!r}")
         for token_id in self.stop_token_ids:

@@ -212,7 +212,8 @@ def make_detokenizer(
     params: SamplingParams,
     special_ids: frozenset[int] | None = None,
 ) -> IncrementalDetokenizer | NoTextDetokenizer:
-    """An `IncrementalDetokenizer`, or a `NoTextDetokenizer` when `tokenizer` is None."""
-    if tokenizer is None:
+    """An `IncrementalDetokenizer`, or a `NoTextDetokenizer` when `tokenizer` is None or the request
+    asks for no text (`params.detokenize` false)."""
+    if tokenizer is None or not params.detokenize:
         return NoTextDetokenizer()
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, params, special_ids)

@@ -386,11 +386,16 @@ class OutputProcessor:
             self._token_text_cache[token_id] = text
         return text
 
+    def _text_of(self, state: RequestState):
+        """A logprob's decoded_token for `state`'s request (None throughout without text)."""
+        return self._token_text if state.params.detokenize else _no_text
+
     def _append_logprobs(self, state: RequestState, entries: list[LogprobsEntry] | None) -> None:
         if not entries or state.logprobs is None:
             return
+        text_of = self._text_of(state)
         for entry in entries:
-            state.logprobs.append(make_logprob_dict(entry, self._token_text))
+            state.logprobs.append(make_logprob_dict(entry, text_of))
             state.cumulative_logprob += float(entry[1][0])
 
     def _append_prompt_logprobs(self, state: RequestState, entries: list[LogprobsEntry] | None) -> None:
@@ -399,6 +404,9 @@ class OutputProcessor:
         if state.prompt_logprobs is None:
             # Position 0 has nothing to condition on; the core sends entries from position 1.
             state.prompt_logprobs = [None]
-        state.prompt_logprobs.extend(
-            None if e is None else make_logprob_dict(e, self._token_text) for e in entries
-        )
+        text_of = self._text_of(state)
+        state.prompt_logprobs.extend(None if e is None else make_logprob_dict(e, text_of) for e in entries)
+
+
+def _no_text(token_id: int) -> None:
+    return None

@@ -246,6 +246,27 @@ def test_bad_input_leaves_the_engine_serving(llm):
     assert llm.engine_core.kv_cache_manager.num_free_blocks == free_before
 
 
+def test_detokenize_false_gives_the_ids_without_text(llm):
+    """vLLM's detokenize=False: the same tokens and logprobs, no text and no decoded tokens (the prompt
+    logprobs' included); stop strings, which are matched in the text, are refused."""
+    prompt = "The capital of France is"
+    greedy = {"temperature": 0.0, "max_tokens": 6, "logprobs": 1, "prompt_logprobs": 0}
+    with_text, ids_only = llm.generate(
+        [prompt] * 2, [SamplingParams(**greedy), SamplingParams(**greedy, detokenize=False)], use_tqdm=False
+    )
+    (a,), (b,) = with_text.outputs, ids_only.outputs
+    assert b.text == "" and a.text and b.token_ids == a.token_ids
+    assert [{t: lp.logprob for t, lp in e.items()} for e in b.logprobs] == [
+        {t: lp.logprob for t, lp in e.items()} for e in a.logprobs
+    ]
+    assert all(
+        lp.decoded_token is None for e in b.logprobs + ids_only.prompt_logprobs[1:] for lp in e.values()
+    )
+    assert all(lp.decoded_token is not None for e in a.logprobs for lp in e.values())
+    with pytest.raises(ValueError, match="need detokenize=True"):
+        SamplingParams(stop=["."], detokenize=False)
+
+
 def test_profiling_needs_a_profiler_dir(llm):
     with pytest.raises(ValueError, match=r"start_profile needs profiler_dir \(--profiler-dir"):
         llm.start_profile()
