@@ -236,6 +236,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # The prompt's last this many tokens only (-1: as many as the context holds; None: all), vLLM's.
     truncate_prompt_tokens: int | None = None
+    # Words never generated (vLLM's): a word's last token is banned where the output ends with the
+    # tokens before it (a one-token word: always). The input processor fills bad_words_token_ids from
+    # the tokenizer (each word as written and after a space).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     # vLLM's extra_args: what a connector or plug-in reads. "kv_transfer_params" (disaggregated
     # prefill, README "Disaggregated prefill"): {"do_remote_decode": true} asks a producer to run the
     # prefill only and keep the blocks for a consumer; the response's kv_transfer_params, sent to the
@@ -253,6 +258,7 @@ class SamplingParams:
         self._validate_stops()
         self._validate_token_biases()
         self._validate_truncation()
+        self._validate_bad_words()
 
     def _normalize(self) -> None:
         stop = self.stop
@@ -368,6 +374,30 @@ class SamplingParams:
                 f"stop_token_ids must be ints >= 0, got {token_id!r}",
             )
 
+    def _validate_bad_words(self) -> None:
+        words = self.bad_words
+        if words is not None:
+            _require(
+                isinstance(words, list) and len(words) <= 128,
+                f"bad_words must be a list of at most 128 strings, got {words!r}",
+            )
+            for word in words:
+                _require(
+                    isinstance(word, str) and word.strip() != "",
+                    f"bad_words must be non-empty strings, got {word!r}",
+                )
+        for ids in self.bad_words_token_ids or ():
+            _require(
+                isinstance(ids, list) and len(ids) > 0 and all(_is_int(t) and t >= 0 for t in ids),
+                f"bad_words_token_ids must be non-empty lists of token ids, got {ids!r}",
+            )
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """True when the logits depend on the output so far (penalties, a bad word of several tokens):
+        async scheduling must know the previous step's token before building the next."""
+        return self.has_penalties or any(len(ids) > 1 for ids in self.bad_words_token_ids or ())
+
     def _validate_truncation(self) -> None:
         keep = self.truncate_prompt_tokens
         _require(
@@ -414,4 +444,4 @@ class SamplingParams:
     def has_token_biases(self) -> bool:
         """True when a logit bias or an allowed-token list changes the logits (the sampler's [R, V]
         bias, as the penalties)."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)

@@ -202,7 +202,7 @@ class Scheduler:
         with a token in flight samples under state built from its output ids on the host (penalty
         counts, a grammar's bitmask), which a placeholder would make wrong."""
         return any(
-            r.num_output_placeholders and (r.grammar is not None or r.sampling_params.has_penalties)
+            r.num_output_placeholders and (r.grammar is not None or r.sampling_params.reads_output_tokens)
             for r in self.running
         )
 

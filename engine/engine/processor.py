@@ -50,8 +50,12 @@ class InputProcessor:
         num_labels: int = 0,
         mm_processor: MultiModalProcessor | None = None,
         kv_transfer: KVTransferConfig | None = None,
+        speculative: bool = False,
     ):
         self.tokenizer = tokenizer
+        # Speculative decoding's verify step bans the same tokens at every drafted position: a bad word of
+        # several tokens, whose ban follows the output, is refused there.
+        self.speculative = speculative
         # Disaggregated prefill's role (None: off): which kv_transfer_params a request may carry.
         self.kv_transfer = kv_transfer
         # A vision-language model's processor (engine/engine/mm_processor.py); None: text only.
@@ -167,11 +171,36 @@ class InputProcessor:
                     "(skip_tokenizer_init=True)"
                 )
             check_grammar(params.structured_outputs)
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(
+                "bad_words need a tokenizer, and the engine has none (skip_tokenizer_init=True): use "
+                "logit_bias to ban token ids"
+            )
         for name in TOKEN_ID_FIELDS:
             value = getattr(params, name, None)
             if value:
                 self._check_token_ids(name, _flat_token_ids(value))
         self._check_kv_transfer(params.kv_transfer_params or {})
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """Each bad word's token ids as written and after a space (a word at a text's start and in its
+        middle tokenize apart), deduplicated; a word of several tokens is refused under speculative
+        decoding (ValueError naming bad_words)."""
+        if not params.bad_words:
+            return params.bad_words_token_ids
+        found: list[list[int]] = list(params.bad_words_token_ids or ())
+        for word in params.bad_words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        if self.speculative and any(len(ids) > 1 for ids in found):
+            raise ValueError(
+                "bad_words of several tokens cannot be combined with speculative decoding (the verify step "
+                "bans the same tokens at every drafted position); ban single tokens with logit_bias"
+            )
+        self._check_token_ids("bad_words", _flat_token_ids(found))
+        return found
 
     def _check_kv_transfer(self, kv_params: dict) -> None:
         """A request asking to prefill for a consumer needs a producer, one naming a producer a consumer."""
@@ -213,7 +242,10 @@ class InputProcessor:
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         params = dataclasses.replace(
-            params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens)
+            params,
+            max_tokens=max_tokens,
+            min_tokens=min(params.min_tokens, max_tokens),
+            bad_words_token_ids=self.bad_words_token_ids(params),
         )
         is_parent = params.n > 1
         requests = []

@@ -254,6 +254,11 @@ def _fill_penalty_row(penalties, row: int, s) -> None:
     prompt_mask[row, req.prompt_token_ids] = True
     if p.logit_bias:
         bias[row, np.fromiter(p.logit_bias, np.int64)] += np.fromiter(p.logit_bias.values(), np.float32)
+    output = req.output_token_ids
+    for ids in p.bad_words_token_ids or ():  # a word's last token, where the output ends with the rest
+        prefix = ids[:-1]
+        if not prefix or (len(output) >= len(prefix) and list(output[len(output) - len(prefix) :]) == prefix):
+            bias[row, ids[-1]] = -np.inf
     if p.allowed_token_ids is not None:  # the others (the vocabulary's padding too) never sampled
         allowed = np.zeros(bias.shape[1], bool)
         allowed[p.allowed_token_ids] = True

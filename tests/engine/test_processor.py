@@ -6,8 +6,6 @@ and kill the engine core; here it is a ValueError that names the field and the l
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from xlaserve.core.limits import RequestLimits
@@ -40,14 +38,6 @@ def test_prompt_token_ids_outside_the_vocabulary(processor, bad):
         processor.make_requests("r", [1, bad], SamplingParams(max_tokens=1))
 
 
-@dataclasses.dataclass(frozen=True)
-class _ParamsWithIds(SamplingParams):
-    """Stands in for a feature that would carry token ids (bad words) beside logit_bias and
-    allowed_token_ids."""
-
-    bad_words_token_ids: list | None = None
-
-
 @pytest.mark.parametrize(
     "field, value",
     [
@@ -58,10 +48,10 @@ class _ParamsWithIds(SamplingParams):
     ],
 )
 def test_every_token_id_field_is_checked(processor, field, value):
-    params = _ParamsWithIds(max_tokens=1, **{field: value})
+    params = SamplingParams(max_tokens=1, **{field: value})
     with pytest.raises(ValueError, match=rf"^{field} must be token ids in \[0, {VOCAB}\)"):
         processor.make_requests("r", [1], params)
-    processor.validate_params(_ParamsWithIds(max_tokens=1, **{field: _in_range(value)}))
+    processor.validate_params(SamplingParams(max_tokens=1, **{field: _in_range(value)}))
 
 
 def _in_range(value):
@@ -100,3 +90,25 @@ def test_check_fits_names_the_context_and_the_cache():
     with pytest.raises(ValueError, match=r"^max_tokens: the request needs 11 KV cache blocks .* only 10"):
         processor.check_fits(30, 11)
     InputProcessor(None, 64, VOCAB, 2, 0).check_fits(30, 20)  # no limits given: the context alone
+
+
+def test_bad_words_become_token_ids_as_written_and_after_a_space():
+    """Each bad word tokenized as written and after a space (deduplicated), checked against the
+    vocabulary; a word of several tokens is refused under speculative decoding, one token is not."""
+    from helpers.tiny_models import small_byte_tokenizer
+
+    tokenizer = small_byte_tokenizer()
+    make = lambda speculative: InputProcessor(  # noqa: E731
+        tokenizer, 64, len(tokenizer), 2, 0, speculative=speculative
+    )
+    (request,) = make(False).make_requests(
+        "r", [1, 2], SamplingParams(max_tokens=4, bad_words=["tags", "cd"])
+    )
+    # This tokenizer: "tags" [314], " tags" [260, 273]; "cd" [266], " cd" [272].
+    assert request.sampling_params.bad_words_token_ids == [[314], [260, 273], [266], [272]]
+    with pytest.raises(ValueError, match="^bad_words of several tokens cannot be combined with speculative"):
+        make(True).make_requests("r", [1, 2], SamplingParams(max_tokens=4, bad_words=["tags"]))
+    (request,) = make(True).make_requests("r", [1, 2], SamplingParams(max_tokens=4, bad_words=[" cd "]))
+    assert request.sampling_params.bad_words_token_ids == [[266], [272]]
+    with pytest.raises(ValueError, match="^bad_words need a tokenizer"):
+        InputProcessor(None, 64, VOCAB, 2, 0).make_requests("r", [1], SamplingParams(bad_words=["x"]))

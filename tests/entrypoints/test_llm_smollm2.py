@@ -246,6 +246,28 @@ def test_bad_input_leaves_the_engine_serving(llm):
     assert llm.engine_core.kv_cache_manager.num_free_blocks == free_before
 
 
+def test_bad_words_are_never_generated(llm):
+    """vLLM's bad_words: SmolLM2's greedy " Paris. The capital of France" never says "Paris" with it
+    banned (one token, as written and after a space), and with "Paris." (two tokens) it may say " Paris"
+    but never the period after it."""
+    prompt = "The capital of France is"
+    greedy = {"temperature": 0.0, "max_tokens": 12}
+    plain, one, two = (
+        o.outputs[0].text
+        for o in llm.generate(
+            [prompt] * 3,
+            [SamplingParams(**greedy), SamplingParams(**greedy, bad_words=["Paris"]),
+             SamplingParams(**greedy, bad_words=["Paris."])],
+            use_tqdm=False,
+        )
+    )  # fmt: skip
+    assert plain.startswith(" Paris.")
+    assert "Paris" not in one and one != plain
+    assert two.startswith(" Paris") and "Paris." not in two
+    with pytest.raises(ValueError, match="bad_words must be non-empty strings"):
+        SamplingParams(bad_words=[" "])
+
+
 def test_detokenize_false_gives_the_ids_without_text(llm):
     """vLLM's detokenize=False: the same tokens and logprobs, no text and no decoded tokens (the prompt
     logprobs' included); stop strings, which are matched in the text, are refused."""

@@ -390,6 +390,9 @@ def test_logit_bias_and_allowed_token_ids_through_the_client(server, client):
         logit_bias={str(ids[first][0]): 100},
     )
     assert chat.choices[0].message.content == first * 3
+    assert first.strip() == "Paris"  # vLLM's bad_words: never said
+    barred = client.completions.create(**{**ask, "max_tokens": 8}, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in barred.choices[0].text and barred.choices[0].text != plain.choices[0].text
 
 
 def test_token_ids_and_prompt_logprobs_for_rl_clients(server, client):

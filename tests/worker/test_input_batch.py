@@ -104,3 +104,28 @@ def test_a_placeholder_is_read_from_the_previous_steps_row():
     assert batch.positions[3] == 3 and batch.md.kv_lens[1] == 4
     st = sampling_tensors([plain, decode], 4, 64, True)
     assert st.token_index[1] == 1 and st.logit_bias is not None
+
+
+def test_bad_words_ban_a_words_last_token_where_the_output_ends_with_the_rest():
+    """A one-token bad word is banned always; a longer one's last token only after its other tokens,
+    in order, end the output so far. Logit biases and allowed ids join the same row."""
+    params = SamplingParams(
+        max_tokens=8,
+        bad_words_token_ids=[[7], [3, 9], [4, 5, 6]],
+        logit_bias={11: 2.5},
+        allowed_token_ids=list(range(14)),
+    )
+    request = Request("words", [1, 2], params)
+    request.num_computed_tokens = 2
+    banned = []
+    for output in ([], [3], [4, 5], [5, 4]):
+        request.output_token_ids.clear()
+        request.append_output_token_ids(output)
+        request.num_computed_tokens = 2 + len(output)
+        st = sampling_tensors([ScheduledRequest(request, 1, [1])], 2, 16, True)
+        row = st.logit_bias[0]
+        banned.append(sorted(int(t) for t in np.flatnonzero(np.isneginf(row)) if t < 14))
+        assert row[11] == 2.5 and np.isneginf(row[14:]).all()  # outside allowed_token_ids
+    assert banned == [[7], [7, 9], [6, 7], [7]]
+    assert params.reads_output_tokens and SamplingParams(bad_words_token_ids=[[7]]).has_token_biases
+    assert not SamplingParams(bad_words_token_ids=[[7]]).reads_output_tokens  # async scheduling goes on

@@ -20,7 +20,7 @@ from xlaserve.outputs import CompletionOutput, RequestOutput
 _NOT_APPLIED = (
     "stop", "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "top_p", "top_k", "min_p", "seed", "response_format", "structured_outputs", "kv_transfer_params",
-    "logit_bias", "allowed_token_ids", "prompt_logprobs",
+    "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
 )  # fmt: skip
 
 

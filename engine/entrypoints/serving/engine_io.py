@@ -75,6 +75,7 @@ def make_sampling_params(
             structured_outputs=structured_outputs,
             logit_bias=_logit_bias(req),
             allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             extra_args=_extra_args(req),
         )

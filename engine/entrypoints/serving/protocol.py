@@ -163,6 +163,9 @@ class SamplingFields(StrictModel):
     ) = Field(
         default=None, description="OpenAI's: token id (as a string) -> a bias in [-100, 100] on its logit"
     )
+    bad_words: (
+        Annotated[list[Annotated[Text, Field(min_length=1, max_length=256)]], Field(max_length=128)] | None
+    ) = Field(default=None, description="words never generated (vLLM's)")
     allowed_token_ids: list[TokenId] | None = Field(
         default=None, min_length=1, max_length=2**17, description="only these tokens may be sampled"
     )
