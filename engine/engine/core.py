@@ -304,9 +304,7 @@ class EngineCore:
 
     def start_profile(self) -> None:
         """Start a jax.profiler trace of this process (the engine's programs, its host work) into
-        profiler_dir; `stop_profile` writes it."""
-        import jax
-
+        profiler_dir, through the executor; `stop_profile` writes it."""
         folder = self.config.compilation.profiler_dir
         if folder is None:
             raise ValueError(
@@ -315,18 +313,16 @@ class EngineCore:
             )
         if self.is_profiling:
             raise ValueError("start_profile: a profile is already running; call stop_profile first")
-        jax.profiler.start_trace(folder, create_perfetto_trace=True)
+        self.executor.start_profile(folder)
         self.is_profiling = True
         logger.info("profiling into %s", folder)
 
     def stop_profile(self) -> str:
         """Write the trace `start_profile` began; -> the folder it is under (plugins/profile/<run>/:
         an .xplane.pb for TensorBoard, a .trace.json.gz for Perfetto)."""
-        import jax
-
         if not self.is_profiling:
             raise ValueError("stop_profile: no profile is running; call start_profile first")
-        jax.profiler.stop_trace()
+        self.executor.stop_profile()
         self.is_profiling = False
         logger.info("profile written to %s", self.config.compilation.profiler_dir)
         return self.config.compilation.profiler_dir

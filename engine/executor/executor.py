@@ -7,6 +7,7 @@ from it, so the engine core never imports a loader and an executor that splits t
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from xlaserve.config import EngineConfig
@@ -177,6 +178,14 @@ class Executor:
 
     def wake_up(self) -> weight_update.MemoryReport:
         return weight_update.wake_up(self.runner)
+
+    # -- the profiler: a jax.profiler trace of this process (CompilationConfig.profiler_dir) ----------
+
+    def start_profile(self, folder: str) -> None:
+        jax.profiler.start_trace(folder, create_perfetto_trace=True)
+
+    def stop_profile(self) -> None:
+        jax.profiler.stop_trace()
 
     def shutdown(self) -> None:
         """Release what the runner holds outside the device (a KV connector's sockets)."""
