@@ -420,7 +420,7 @@ def test_token_ids_and_prompt_logprobs_for_rl_clients(server, client):
     chat_ids = _prompt_ids(server, {"messages": messages})
     assert chat.prompt_token_ids == chat_ids and len(chat.prompt_logprobs) == len(chat_ids)
     (choice,) = chat.choices
-    assert _detokenize(server, choice.token_ids, skip_special=True) == choice.message.content
+    assert _detokenize(server, choice.token_ids) == choice.message.content
     stream = client.chat.completions.create(
         model=MODEL_NAME,
         messages=messages,
@@ -446,7 +446,7 @@ def _prompt_ids(server, body: dict) -> list[int]:
     return response.json()["tokens"]
 
 
-def _detokenize(server, ids: list[int], skip_special: bool = False) -> str:
+def _detokenize(server, ids: list[int]) -> str:
     response = httpx.post(
         server.url + "/detokenize", json={"tokens": ids}, headers=server.headers, timeout=60
     )
