@@ -24,11 +24,11 @@ from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStre
 from xlaserve.entrypoints.openai.responses_turn import (
     Saver,
     Totals,
+    end_event,
     finished,
     prepare_turn,
     reply,
     response_shell,
-    response_usage,
     stream_turn,
 )
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser
@@ -181,13 +181,8 @@ class _OneTurn:
         totals.num_prompt = self.num_prompt_tokens
         async for event in stream_turn(self.state, stream, self.parser, items, totals, self.top_n):
             yield event
-        status = "incomplete" if totals.finish_reason == "length" else "completed"
-        for event in items.finish(status):
+        for event in items.finish(totals.status):
             yield event
-        usage = response_usage(
-            self.state, totals.num_prompt, totals.num_generated, totals.num_cached, totals.reasoning
-        )
-        self.response = finished(shell, items.items, usage, totals.finish_reason)
+        self.response = finished(self.state, shell, items.items, totals)
         self.saved(self.response)
-        kind = "response.incomplete" if self.response.status == "incomplete" else "response.completed"
-        yield write(kind, response=self.response.model_dump())
+        yield end_event(write, self.response)

@@ -18,11 +18,11 @@ from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStre
 from xlaserve.entrypoints.openai.responses_turn import (
     Saver,
     Totals,
+    end_event,
     finished,
     prepare_turn,
     reply,
     response_shell,
-    response_usage,
     stream_turn,
 )
 from xlaserve.entrypoints.serving.chat_path import choice_parser
@@ -135,18 +135,13 @@ class McpResponse:
                 answer = [i for i in turn_items if isinstance(i, FunctionCallOutput)]
                 if answer or asked:  # the client's calls, or its approvals, end the response (the text is
                     break  # in the conversation; the calls that wait are answered by the next request)
-        status = "incomplete" if totals.finish_reason == "length" else "completed"
-        for event in items.finish(status, since=first):
+        for event in items.finish(totals.status, since=first):
             yield event
-        usage = response_usage(
-            state, totals.num_prompt, totals.num_generated, totals.num_cached, totals.reasoning
-        )
-        self.response = finished(shell, items.items, usage, totals.finish_reason)
+        self.response = finished(state, shell, items.items, totals)
         Saver(self.store, req.store, conversation)(
             self.response, items.items[first:] if answer is None else answer
         )
-        kind = "response.incomplete" if self.response.status == "incomplete" else "response.completed"
-        yield self.write(kind, response=self.response.model_dump())
+        yield end_event(self.write, self.response)
 
 
 async def answer_approvals(conversation: list[dict], session: McpSession):

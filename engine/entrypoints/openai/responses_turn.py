@@ -123,26 +123,33 @@ def response_shell(req: ResponsesRequest, plan: ToolPlan, request_id: str, model
     )
 
 
-def finished(response: Response, items, usage: ResponseUsage, finish_reason: str | None) -> Response:
-    is_cut = finish_reason == "length"
-    return response.model_copy(
+def finished(state: ServerState, shell: Response, items, totals: Totals) -> Response:
+    """The response once its turns have ended: `items` its output, `totals` its usage and status."""
+    is_cut = totals.status == "incomplete"
+    return shell.model_copy(
         update={
-            "status": "incomplete" if is_cut else "completed",
+            "status": totals.status,
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if is_cut else None,
             "output": items,
-            "usage": usage,
+            "usage": _usage(state, totals),
         }
     )
 
 
-def response_usage(
-    state: ServerState, num_prompt: int, num_generated: int, num_cached: int, reasoning: str
-) -> ResponseUsage:
+def end_event(write: EventWriter, response: Response) -> str:
+    """The stream's last event: response.completed, or response.incomplete (cut by max_output_tokens)."""
+    kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+    return write(kind, response=response.model_dump())
+
+
+def _usage(state: ServerState, totals: Totals) -> ResponseUsage:
     tokenizer = state.engine.tokenizer
+    reasoning = totals.reasoning
     num_reasoning = len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    num_prompt, num_generated = totals.num_prompt, totals.num_generated
     return ResponseUsage(
         input_tokens=num_prompt,
-        input_tokens_details=InputTokensDetails(cached_tokens=num_cached),
+        input_tokens_details=InputTokensDetails(cached_tokens=totals.num_cached),
         output_tokens=num_generated,
         output_tokens_details=OutputTokensDetails(reasoning_tokens=min(num_reasoning, num_generated)),
         total_tokens=num_prompt + num_generated,
@@ -194,6 +201,11 @@ class Totals:
         self.num_prompt = self.num_generated = self.num_cached = 0
         self.reasoning = ""
         self.finish_reason: str | None = None
+
+    @property
+    def status(self) -> str:
+        """The response's: "incomplete" when its last turn was cut by max_output_tokens."""
+        return "incomplete" if self.finish_reason == "length" else "completed"
 
 
 async def stream_turn(
