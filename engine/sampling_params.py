@@ -396,7 +396,13 @@ class SamplingParams:
     def reads_output_tokens(self) -> bool:
         """True when the logits depend on the output so far (penalties, a bad word of several tokens):
         async scheduling must know the previous step's token before building the next."""
-        return self.has_penalties or any(len(ids) > 1 for ids in self.bad_words_token_ids or ())
+        return self.has_penalties or self.bans_follow_output
+
+    @property
+    def bans_follow_output(self) -> bool:
+        """True when a bad word has several tokens: its last token is banned only after the others, so
+        the ban at a position depends on the tokens before it (a drafted position's too)."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids or ())
 
     def _validate_truncation(self) -> None:
         keep = self.truncate_prompt_tokens

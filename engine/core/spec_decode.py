@@ -88,7 +88,9 @@ class NgramProposer:
         """How many drafts `request` may carry in its next step (0: none).
 
         Only a decoding request drafts (never one still prefilling), and not one whose min_tokens still
-        bans EOS and stop ids (that ban holds at its first position only). A request under a grammar
+        bans EOS and stop ids, nor one with a bad word of several tokens: the verify step gives every
+        position of a row the row's one bias (the bans after the output so far), right at its first
+        position only. A request under a grammar
         drafts: the engine then cuts its drafts where the grammar rejects one (the structured-output
         manager's `check_drafts`) and masks each verified position. The drafts leave room for the token
         verification adds, so a step never emits past max_tokens or max_model_len."""
@@ -97,6 +99,7 @@ class NgramProposer:
             request.status != RequestStatus.RUNNING
             or request.num_tokens - request.num_computed_tokens != 1
             or request.num_output_tokens < params.min_tokens
+            or params.bans_follow_output
         ):
             return 0
         room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)

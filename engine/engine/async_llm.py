@@ -192,7 +192,6 @@ class AsyncLLM:
                 self.config.model.mm_processor_kwargs_dict,
             ),
             kv_transfer=self.config.cache.kv_transfer,
-            speculative=self.config.speculative is not None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._attach_core()

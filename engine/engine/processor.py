@@ -50,12 +50,8 @@ class InputProcessor:
         num_labels: int = 0,
         mm_processor: MultiModalProcessor | None = None,
         kv_transfer: KVTransferConfig | None = None,
-        speculative: bool = False,
     ):
         self.tokenizer = tokenizer
-        # Speculative decoding's verify step bans the same tokens at every drafted position: a bad word of
-        # several tokens, whose ban follows the output, is refused there.
-        self.speculative = speculative
         # Disaggregated prefill's role (None: off): which kv_transfer_params a request may carry.
         self.kv_transfer = kv_transfer
         # A vision-language model's processor (engine/engine/mm_processor.py); None: text only.
@@ -184,8 +180,8 @@ class InputProcessor:
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
         """Each bad word's token ids as written and after a space (a word at a text's start and in its
-        middle tokenize apart), deduplicated; a word of several tokens is refused under speculative
-        decoding (ValueError naming bad_words)."""
+        middle tokenize apart), deduplicated and checked against the vocabulary (a request with a word
+        of several tokens does not draft under speculative decoding: core/spec_decode.py)."""
         if not params.bad_words:
             return params.bad_words_token_ids
         found: list[list[int]] = list(params.bad_words_token_ids or ())
@@ -194,11 +190,6 @@ class InputProcessor:
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
                 if ids and ids not in found:
                     found.append(ids)
-        if self.speculative and any(len(ids) > 1 for ids in found):
-            raise ValueError(
-                "bad_words of several tokens cannot be combined with speculative decoding (the verify step "
-                "bans the same tokens at every drafted position); ban single tokens with logit_bias"
-            )
         self._check_token_ids("bad_words", _flat_token_ids(found))
         return found
 

@@ -105,7 +105,6 @@ class LLM:
                 self.config.model.mm_processor_kwargs_dict,
             ),
             kv_transfer=self.config.cache.kv_transfer,
-            speculative=self.config.speculative is not None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()

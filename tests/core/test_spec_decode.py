@@ -129,6 +129,11 @@ def test_proposer_drafts_only_for_decoding_requests_within_their_limits():
     under_min.status, under_min.num_computed_tokens = RequestStatus.RUNNING, 7
     proposer.propose([under_min])
     assert under_min.spec_token_ids == []  # min_tokens still bans EOS: not drafted
+    for bad_words, drafts in (([[5, 3]], []), ([[5]], [3, 1, 2])):  # a ban after a token: not drafted
+        banning = make_request(bad_words_token_ids=bad_words)
+        banning.status, banning.num_computed_tokens = RequestStatus.RUNNING, 7
+        proposer.propose([banning])
+        assert banning.spec_token_ids == drafts
     near_end = make_request()
     near_end.status, near_end.num_computed_tokens = RequestStatus.RUNNING, 7
     NgramProposer(SpeculativeConfig("ngram", K, 1, 4), max_model_len=10).propose([near_end])

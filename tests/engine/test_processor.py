@@ -94,21 +94,17 @@ def test_check_fits_names_the_context_and_the_cache():
 
 def test_bad_words_become_token_ids_as_written_and_after_a_space():
     """Each bad word tokenized as written and after a space (deduplicated), checked against the
-    vocabulary; a word of several tokens is refused under speculative decoding, one token is not."""
+    vocabulary; a word of several tokens makes the ban follow the output (no drafts, core/spec_decode)."""
     from helpers.tiny_models import small_byte_tokenizer
 
     tokenizer = small_byte_tokenizer()
-    make = lambda speculative: InputProcessor(  # noqa: E731
-        tokenizer, 64, len(tokenizer), 2, 0, speculative=speculative
-    )
-    (request,) = make(False).make_requests(
-        "r", [1, 2], SamplingParams(max_tokens=4, bad_words=["tags", "cd"])
-    )
+    processor = InputProcessor(tokenizer, 64, len(tokenizer), 2, 0)
+    (request,) = processor.make_requests("r", [1, 2], SamplingParams(max_tokens=4, bad_words=["tags", "cd"]))
     # This tokenizer: "tags" [314], " tags" [260, 273]; "cd" [266], " cd" [272].
     assert request.sampling_params.bad_words_token_ids == [[314], [260, 273], [266], [272]]
-    with pytest.raises(ValueError, match="^bad_words of several tokens cannot be combined with speculative"):
-        make(True).make_requests("r", [1, 2], SamplingParams(max_tokens=4, bad_words=["tags"]))
-    (request,) = make(True).make_requests("r", [1, 2], SamplingParams(max_tokens=4, bad_words=[" cd "]))
+    assert request.sampling_params.bans_follow_output
+    (request,) = processor.make_requests("r", [1, 2], SamplingParams(max_tokens=4, bad_words=[" cd "]))
     assert request.sampling_params.bad_words_token_ids == [[266], [272]]
+    assert not request.sampling_params.bans_follow_output
     with pytest.raises(ValueError, match="^bad_words need a tokenizer"):
         InputProcessor(None, 64, VOCAB, 2, 0).make_requests("r", [1], SamplingParams(bad_words=["x"]))

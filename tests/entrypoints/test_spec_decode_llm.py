@@ -5,6 +5,8 @@ no KV block leaks; and, after warm-up, nothing compiles."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -154,10 +156,25 @@ def test_nothing_compiles_after_warm_up_and_stops_cut_exactly(llama_spec):
     assert [c.token_ids for c in first[0].outputs] == [c.token_ids for c in again[0].outputs]  # seeded
     assert [len(c.token_ids) for c in first[0].outputs] == [20, 20]
     assert all(len(c.logprobs) == 20 for c in first[0].outputs)
+    # A bad word of two tokens (its second banned after its first) does not draft, beside a request that
+    # does: the output is the greedy one up to the word's first place, then leaves it, and never says it.
+    ids = outputs[0].outputs[0].token_ids
+    word = ids[5:7]
+    first = next(j for j in range(len(ids) - 1) if ids[j : j + 2] == word)
+    drafted = spec_metrics(llm)["num_draft_tokens"]
+    banned, companion = llm.generate(
+        [{"prompt_token_ids": prompts()[0]}, {"prompt_token_ids": prompts()[3]}],
+        [dataclasses.replace(params()[0], bad_words_token_ids=[word]), params()[3]],
+        use_tqdm=False,
+    )
+    out = banned.outputs[0].token_ids
+    assert out[: first + 1] == ids[: first + 1] and out[first + 1] != ids[first + 1]
+    assert all(out[j : j + 2] != word for j in range(len(out) - 1))
+    assert companion.outputs[0].token_ids == outputs[3].outputs[0].token_ids
+    assert spec_metrics(llm)["num_draft_tokens"] > drafted  # the companion drafted
     assert num_compiles() == before and llm.engine_core.runner.guard.num_unexpected == 0
     assert spec_metrics(llm)["num_accepted_tokens"] > 0
     # A stop string inside a run of accepted drafts: text and tokens end at it.
-    ids = outputs[0].outputs[0].token_ids
     text = outputs[0].outputs[0].text.split()
     stop = " ".join(text[10:12])
     cut = llm.generate(
