@@ -295,6 +295,8 @@ def test_bad_messages_are_400_naming_the_field(http, path, body, param, words):
         ("/v1/embeddings", {"input": "w5", "dimensions": 49}, "dimensions", "<= 48"),
         ("/v1/embeddings", {"input": "w5", "dimensions": 0}, "dimensions", None),
         ("/v1/embeddings", {"input": "w5", "encoding_format": "int8"}, "encoding_format", None),
+        ("/v1/embeddings", {"input": "w5", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "or -1"),
+        ("/pooling", {"input": "w5", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", None),
         ("/classify", {"input": "w5"}, "model", "embed model"),
         ("/pooling", {"input": "w5", "task": "bogus"}, "task", None),
         ("/pooling", {"input": "w5", "task": "score"}, "task", None),

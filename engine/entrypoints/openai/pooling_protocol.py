@@ -20,6 +20,7 @@ from xlaserve.entrypoints.serving.protocol import (
     StrictModel,
     Text,
     TokenId,
+    TruncatePromptTokens,
 )
 
 MAX_INPUTS = 256  # prompts per request: each is a sequence in the batch
@@ -53,11 +54,8 @@ class ChatInputFields(StrictModel):
     chat_template_kwargs: JsonObject | None = None
     chat_template: ChatTemplate | None = Field(default=None, description=CHAT_TEMPLATE_HELP)
     add_special_tokens: bool | None = None
-    truncate_prompt_tokens: int | None = Field(
-        default=None,
-        ge=-1,
-        le=2**31 - 1,
-        description="keep each prompt's last N tokens (-1: the context's length)",
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(
+        default=None, description="keep each prompt's last N tokens (-1: the context's length)"
     )
 
 

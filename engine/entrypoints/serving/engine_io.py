@@ -85,12 +85,7 @@ def make_sampling_params(
 
 def truncated(engine: AsyncLLM, ids: list[int], keep: int | None, has_images: bool = False) -> list[int]:
     """The prompt's last `keep` tokens (the request's truncate_prompt_tokens; InputProcessor.truncate),
-    before its length is checked; a bad `keep` is a 400 naming the field."""
-    if keep == 0:
-        raise bad_request(
-            "truncate_prompt_tokens must be >= 1, or -1 (the context's length), got 0",
-            "truncate_prompt_tokens",
-        )
+    before its length is checked; a prompt with images that needs cutting is a 400 naming the field."""
     try:
         return engine.input_processor.truncate(ids, keep, has_images)
     except ValueError as e:

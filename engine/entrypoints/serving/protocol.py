@@ -76,6 +76,16 @@ ChatTemplate = Annotated[
 ]
 CHAT_TEMPLATE_HELP = "a Jinja chat template for this request (the server needs --trust-request-chat-template)"
 PositiveTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
+
+
+def _check_keep(keep: int) -> int:
+    if keep == 0:
+        raise PydanticCustomError("keep_tokens", "must be >= 1, or -1 (the context's length), got 0")
+    return keep
+
+
+# vLLM's truncate_prompt_tokens: keep the prompt's last N tokens (-1: as many as the context holds).
+TruncatePromptTokens = Annotated[int, Field(ge=-1, le=2**31 - 1), AfterValidator(_check_keep)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, Field(ge=-_INT64, le=_INT64 - 1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -181,11 +191,8 @@ class SamplingFields(StrictModel):
         default=False, description='logprobs name tokens "token_id:{id}"'
     )
     return_token_ids: bool = Field(default=False, description="the prompt's and each choice's token ids too")
-    truncate_prompt_tokens: int | None = Field(
-        default=None,
-        ge=-1,
-        le=2**31 - 1,
-        description="keep the prompt's last N tokens (-1: the context's length)",
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(
+        default=None, description="keep the prompt's last N tokens (-1: the context's length)"
     )
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     cache_salt: Text | None = Field(
