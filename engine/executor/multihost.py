@@ -6,20 +6,31 @@ to the other processes over ZMQ; they run the step and answer with a checksum of
 sampled, so a process that diverged stops the engine with a clear error instead of hanging.
 With pipeline stages on several processes (executor/pipeline.py) only the last stage's process
 samples: the followers answer with their step's outputs instead (empty where nothing was sampled).
+
+The research stack (worker/weight_update.py) goes the same way, as a `Call` between steps: process 0
+runs it first (a caller's error, a wrong name or shape, then changes nothing anywhere), then every
+follower runs it on its own shards and answers; `update_weights`' arrays travel as host bytes (each
+process cuts its own shards from them, as a load does), `update_weights_from_path` as the path (each
+process reads the checkpoint itself, as at start).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import logging
 import zlib
+from collections.abc import Iterable, Mapping
 
+import jax
 import numpy as np
 import zmq
 
 from xlaserve.config import EngineConfig, ParallelConfig
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
 from xlaserve.executor.executor import Executor
+from xlaserve.worker import weight_update
 from xlaserve.worker.input_batch import StepInputs
 from xlaserve.worker.loading import LoadedCheckpoint
 from xlaserve.worker.model_runner import ModelRunner
@@ -29,7 +40,8 @@ from xlaserve.worker.step_output import make_output
 logger = logging.getLogger(__name__)
 
 _READY = b"ready"
-_STOP = b""
+# What process 0 sends (the first frame of each message): a step, a call of the research stack, the end.
+_STEP, _CALL, _STOP = b"step", b"call", b"stop"
 
 
 def _checksum(token_ids: np.ndarray) -> bytes:
@@ -45,6 +57,52 @@ def _pack(host: dict[str, np.ndarray]) -> bytes:
 def _unpack(data: bytes) -> dict[str, np.ndarray]:
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A research-stack call for every follower: `method` of worker/weight_update.py with `args`, and
+    for update_weights the arrays (host copies, sent as their bytes)."""
+
+    method: str
+    args: tuple = ()
+    weights: dict[str, np.ndarray] | None = None
+
+    def to_frames(self) -> list[bytes]:
+        weights = self.weights or {}
+        header = {
+            "method": self.method,
+            "args": list(self.args),
+            "weights": [[name, a.dtype.name, list(a.shape)] for name, a in weights.items()],
+        }
+        return [json.dumps(header).encode(), *(np.ascontiguousarray(a).data for a in weights.values())]
+
+    @classmethod
+    def from_frames(cls, frames: list[bytes]) -> Call:
+        header = json.loads(frames[0])
+        weights = {
+            name: np.frombuffer(data, jax.numpy.dtype(dtype)).reshape(shape)
+            for (name, dtype, shape), data in zip(header["weights"], frames[1:], strict=True)
+        }
+        return cls(header["method"], tuple(header["args"]), weights if header["weights"] else None)
+
+    def run(self, runner: ModelRunner):
+        args = (self.weights,) if self.method == "update_weights" else self.args
+        return getattr(weight_update, self.method)(runner, *args)
+
+
+def host_weights(weights: Mapping | Iterable) -> dict[str, np.ndarray]:
+    """update_weights' arrays as host copies, to send: a jax array must be whole in this process."""
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    out = {}
+    for name, array in items:
+        if isinstance(array, jax.Array) and not array.is_fully_addressable:
+            raise ValueError(
+                f"weights: {name!r} spans several processes; across hosts update_weights takes arrays "
+                "process 0 holds whole (or use update_weights_from_path)"
+            )
+        out[name] = np.asarray(array)
+    return out
 
 
 class StepSender:
@@ -66,7 +124,27 @@ class StepSender:
     def send(self, inputs: StepInputs) -> None:
         data = inputs.to_bytes()
         for peer in self._peers:
-            self._sock.send_multipart([peer, data])
+            self._sock.send_multipart([peer, _STEP, data])
+
+    def call(self, call: Call) -> None:
+        """Run `call` on every follower; a follower's failure is a RuntimeError naming its process (process
+        0 ran it first, so the processes' weights may now differ: the engine cannot go on)."""
+        frames = call.to_frames()
+        for peer in self._peers:
+            self._sock.send_multipart([peer, _CALL, *frames])
+        failures = []
+        for _ in self._peers:
+            try:
+                identity, answer = self._sock.recv_multipart()
+            except zmq.Again:
+                raise RuntimeError(f"a follower process did not answer {call.method} in time") from None
+            if answer:
+                failures.append(f"process {identity.decode()}: {answer.decode()}")
+        if failures:
+            raise RuntimeError(
+                f"{call.method} ran on process 0 but failed on {'; '.join(failures)}: the processes' "
+                "weights differ now; restart the engine"
+            )
 
     def check(self, token_ids: np.ndarray) -> None:
         """Compare every follower's sampled ids with ours (a checksum); divergence is fatal."""
@@ -115,9 +193,11 @@ class StepReceiver:
         self._sock.connect(f"tcp://{master_addr}:{port}")
         self._sock.send(_READY)
 
-    def recv(self) -> StepInputs | None:
-        data = self._sock.recv()
-        return None if data == _STOP else StepInputs.from_bytes(data)
+    def recv(self) -> StepInputs | Call | None:
+        kind, *frames = self._sock.recv_multipart()
+        if kind == _STEP:
+            return StepInputs.from_bytes(frames[0])
+        return Call.from_frames(frames) if kind == _CALL else None
 
     def report(self, token_ids: np.ndarray) -> None:
         self._sock.send(_checksum(token_ids))
@@ -125,6 +205,9 @@ class StepReceiver:
     def send_outputs(self, host: dict[str, np.ndarray]) -> None:
         """A pipelined step's outputs (empty where this process sampled nothing)."""
         self._sock.send(_pack(host))
+
+    def answer_call(self, error: str | None) -> None:
+        self._sock.send((error or "").encode())
 
     def close(self) -> None:
         self._sock.close()
@@ -172,26 +255,29 @@ class MultiHostExecutor(Executor):
         return StepFuture.done(self.execute(scheduled, grammar_bitmask))
 
     def update_weights(self, weights) -> list[str]:
-        raise _across_hosts("update_weights")
+        weights = host_weights(weights)
+        return self._everywhere(Call("update_weights", weights=weights))
 
     def update_weights_from_path(self, path: str) -> list[str]:
-        raise _across_hosts("update_weights_from_path")
+        return self._everywhere(Call("update_weights_from_path", (path,)))
 
-    def sleep(self, level: int):
-        raise _across_hosts("sleep")
+    def sleep(self, level: int) -> weight_update.MemoryReport:
+        return self._everywhere(Call("sleep", (level,)))
+
+    def wake_up(self) -> weight_update.MemoryReport:
+        return self._everywhere(Call("wake_up"))
+
+    def _everywhere(self, call: Call):
+        """`call` here first (what it returns is process 0's), then on every follower."""
+        result = call.run(self.runner)
+        self.sender.call(call)
+        return result
 
     def shutdown(self) -> None:
         """Release the followers: they leave their step loop."""
         if self.sender is not None:
             self.sender.close()
             self.sender = None
-
-
-def _across_hosts(what: str) -> ValueError:
-    """The research stack's calls change one process's weights or memory: the followers would not."""
-    return ValueError(
-        f"{what} is not supported across hosts yet (the followers would not follow): use one host"
-    )
 
 
 def step_port(parallel: ParallelConfig) -> int:
@@ -206,6 +292,9 @@ def follow(runner: ModelRunner, parallel: ParallelConfig) -> None:
     is_pipelined = parallel.pipeline_parallel_size > 1
     try:
         while (inputs := receiver.recv()) is not None:
+            if isinstance(inputs, Call):
+                receiver.answer_call(_run_call(inputs, runner))
+                continue
             host = runner.run(inputs)
             if is_pipelined:  # the last stage's process sampled; the others ran their stages only
                 receiver.send_outputs(host)
@@ -213,3 +302,13 @@ def follow(runner: ModelRunner, parallel: ParallelConfig) -> None:
                 receiver.report(host["token_ids"])
     finally:
         receiver.close()
+
+
+def _run_call(call: Call, runner: ModelRunner) -> str | None:
+    """Run a research-stack call on this process's shards: None, or what failed."""
+    try:
+        call.run(runner)
+    except Exception as e:  # answered to process 0, which stops the engine with it
+        logger.exception("process %d: %s failed", jax.process_index(), call.method)
+        return f"{type(e).__name__}: {e}"
+    return None

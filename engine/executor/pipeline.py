@@ -6,7 +6,8 @@ core as the one-process executor does, the research stack included (worker/weigh
 goes to the stages holding it; sleep frees every stage's cache, and at level 2 its weights). On several
 processes (nnodes > 1) process 0's is `MultiHostPipelineExecutor`: the others follow its steps
 (executor/multihost.py) with a `PipelineExecutor` of their own stages, and the last stage's process
-answers each step with what it sampled; the research stack is refused there, as across hosts.
+answers each step with what it sampled; the research stack is refused there (a process holds only its
+own stages' weights, and the calls would route names to stages it does not hold).
 
 On one process the engine core keeps up to pipeline_parallel_size steps (micro-batches of different
 requests) in flight (`max_concurrent_batches`), so the stages of consecutive steps overlap; across
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from xlaserve.executor.executor import Executor
-from xlaserve.executor.multihost import MultiHostExecutor
+from xlaserve.executor.multihost import Call, MultiHostExecutor
 from xlaserve.worker.pipeline_runner import PipelineRunner
 
 
@@ -35,9 +36,15 @@ class PipelineExecutor(Executor):
 
 class MultiHostPipelineExecutor(MultiHostExecutor):
     """Process 0 of a pipeline over several processes: it runs its own stages, and the process of the
-    last stage sends back what it sampled (update_weights and sleep: refused as across hosts)."""
+    last stage sends back what it sampled (the research stack: refused)."""
 
     runner_class = PipelineRunner
 
     def _answered(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.sender.receive_outputs(host)
+
+    def _everywhere(self, call: Call):
+        raise ValueError(
+            f"{call.method} is not supported on pipeline stages across processes yet: run the stages on "
+            "one host (or tensor parallelism across hosts)"
+        )

@@ -311,14 +311,35 @@ def _write(old: jax.Array, parts: list[tuple[int | None, object]], dtype) -> jax
         new = stored(parts[0][1], old.sharding)
     elif len(parts) == old.shape[0] and all(i is not None for i, _ in parts):
         new = xp.stack([stored(v, layer) for _, v in sorted(parts, key=lambda p: p[0])])
-    else:  # the layers not named keep their values
-        new = old if on_device else np.array(old)
+    elif on_device:  # the layers not named keep their values
+        new = old
         for index, value in parts:
-            if on_device:
-                new = new.at[index].set(stored(value, layer))
-            else:
-                new[index] = stored(value, layer)
+            new = new.at[index].set(stored(value, layer))
+    else:
+        return _patched(old, {index: stored(value, layer) for index, value in parts})
+    if isinstance(new, np.ndarray):  # each device takes its shard (this process's devices only)
+        return jax.make_array_from_callback(old.shape, old.sharding, lambda index: new[index])
     return jax.device_put(new, old.sharding)
+
+
+def _shard_key(index: tuple, shape: tuple[int, ...]) -> tuple:
+    return tuple(s.indices(n) for s, n in zip(index, shape))
+
+
+def _patched(old: jax.Array, layers: dict[int, np.ndarray]) -> jax.Array:
+    """`old` (a layer stack) with `layers` (index -> one layer's host value) written over, built shard by
+    shard from the shards this process holds: across hosts no process holds the whole array."""
+    shards = {_shard_key(s.index, old.shape): s.data for s in old.addressable_shards}
+
+    def shard(index):
+        data = np.array(shards[_shard_key(index, old.shape)])
+        rows = range(*index[0].indices(old.shape[0]))
+        for i, value in layers.items():
+            if i in rows:
+                data[i - rows.start] = value[index[1:]]
+        return data
+
+    return jax.make_array_from_callback(old.shape, old.sharding, shard)
 
 
 def _write_packed(old: cpu_dot.PackedWeight, parts: list[tuple[int | None, object]]) -> cpu_dot.PackedWeight:
@@ -346,15 +367,40 @@ def _device_bytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
 
 
+@dataclasses.dataclass(frozen=True)
+class _HostCopy:
+    """An array's shards that this process holds, on the host: one copy per distinct shard (replicas
+    share it), and which one each device gets back."""
+
+    shape: tuple[int, ...]
+    sharding: jax.sharding.Sharding
+    data: dict[tuple, np.ndarray]
+    devices: list[tuple[object, tuple]]
+
+    @classmethod
+    def of(cls, a: jax.Array) -> _HostCopy:
+        data, devices = {}, []
+        for s in a.addressable_shards:
+            key = _shard_key(s.index, a.shape)
+            if key not in data:
+                data[key] = np.asarray(s.data)
+            devices.append((s.device, key))
+        return cls(a.shape, a.sharding, data, devices)
+
+    def placed(self) -> jax.Array:
+        arrays = [jax.device_put(self.data[key], device) for device, key in self.devices]
+        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
+
+
 def _on_host(tree):
-    """A tree's arrays as (host copy, sharding) pairs (a tree: a head may be packed for the CPU's dot,
-    kernels/cpu_dot.py; None stays None)."""
-    return jax.tree.map(lambda a: (np.asarray(a), a.sharding), tree)
+    """A tree's arrays copied to the host shard by shard (a tree: a head may be packed for the CPU's dot,
+    kernels/cpu_dot.py; None stays None). Across hosts each process keeps its own shards."""
+    return jax.tree.map(_HostCopy.of, tree)
 
 
 def _placed(saved):
     """`_on_host`'s tree placed back on its devices."""
-    return jax.tree.map(lambda pair: jax.device_put(*pair), saved, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(lambda copy: copy.placed(), saved, is_leaf=lambda x: isinstance(x, _HostCopy))
 
 
 def sleep(runner, level: int) -> MemoryReport:

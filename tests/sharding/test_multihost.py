@@ -201,3 +201,44 @@ def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text
     assert code == 0, leader.log_tail()
     assert follower.returncode == 0, follower_err[-3000:]
     assert served.strip() and served == one_process_text
+
+
+@pytest.mark.slow
+def test_research_stack_across_two_processes(tiny_llama_2kv, tmp_path):
+    """TP 2 over two processes of one device each (helpers/multihost_research.py): update_weights_from_path
+    gives a one-device engine's answers on the new checkpoint, sleep(2)/wake_up gives the same bits back,
+    update_weights in two parts (each writing some layers of the stacks, the shards cut in each process)
+    brings the first checkpoint's bits back, and a tensor of the wrong shape is refused with nothing
+    changed on either process (the follower's checksums would stop a diverged engine)."""
+    import json
+
+    from helpers.multihost_research import ENGINE, PROMPTS, answers
+    from helpers.tiny_models import save_tiny_llama
+    from xlaserve import LLM
+
+    new_model = save_tiny_llama(str(tmp_path / "new"), seed=1, num_key_value_heads=2)
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "multihost_research.py")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")
+    arg = {"model": tiny_llama_2kv, "new_model": new_model, "port": _free_port()}
+
+    def command(node_rank: int) -> list[str]:
+        return [sys.executable, script, json.dumps({**arg, "node_rank": node_rank})]
+
+    follower = subprocess.Popen(
+        command(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    leader = subprocess.run(command(0), env=env, capture_output=True, text=True, timeout=600, check=False)
+    _, follower_err = follower.communicate(timeout=120)
+    assert leader.returncode == 0, leader.stderr[-3000:]
+    assert follower.returncode == 0, follower_err[-3000:]
+    line = next(line for line in leader.stdout.splitlines() if line.startswith("RESULT "))
+    run = json.loads(line.removeprefix("RESULT "))
+    assert len(PROMPTS) == 2 and run["updated"] > 0
+    reference = answers(LLM(new_model, **(ENGINE | {"tensor_parallel_size": 1})))
+    assert run["after"]["tokens"] == reference["tokens"] != run["before"]["tokens"]
+    np.testing.assert_allclose(run["after"]["logprobs"], reference["logprobs"], atol=1e-5)
+    assert run["freed"] > 0 and run["placed"] == run["freed"]
+    assert run["woken"] == run["after"]  # every float, exactly
+    assert run["back"] == run["before"]
+    assert "'model.layers.1.self_attn.q_proj.weight' has shape" in run["refused"]
+    assert run["after_refusal"] == run["before"]
