@@ -4,7 +4,8 @@ down by the processor) and the decoder rotates by M-RoPE positions; Qwen2.5-VL's
 windows of 2 x 2 tokens but in its last block, Qwen3-VL's to the whole image, with a learned position
 table and DeepStack features added to the decoder's first two layers. One engine per family (float32,
 steps of 16 tokens, so an image's tokens span several chunks; strict compile guard: every patch bucket
-compiled at warm-up)."""
+compiled at warm-up). Videos: Qwen2.5-VL's frame pairs along M-RoPE's time axis, Qwen3-VL's with their
+times in the text, its prompt ids Qwen3VLProcessor's own."""
 
 from __future__ import annotations
 
