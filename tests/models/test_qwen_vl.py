@@ -285,7 +285,10 @@ def test_a_video_matches_hugging_face(llm, hf, family):
         inputs = theirs
     hf_tokens, hf_ids, hf_logprobs = hf_greedy(hf, inputs)
     params = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0)
+    encoder = llm.engine_core.runner.mm_encoder
+    encoded = encoder.num_encoded
     out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert encoder.num_encoded == encoded + (4 if family == "qwen3_vl" else 2)  # Qwen3-VL's: a pair each
     assert out.prompt_token_ids == hf_ids
     assert list(out.outputs[0].token_ids) == hf_tokens
     ours = np.array([entry[tid].logprob for entry, tid in zip(out.prompt_logprobs[1:], hf_ids[1:])])
