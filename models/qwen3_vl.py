@@ -9,6 +9,11 @@ the image tokens' hidden states after its first layers (one feature per layer). 
 holds, per image token, the token's embedding and then one deepstack feature per such layer
 (`encoder_output_width`), and the step adds feature i after layer i (`after_layer`). The decoder is
 Qwen3's, its M-RoPE frequencies interleaved (t, h, w, t, h, w, ...) instead of in sections.
+
+Videos: each frame pair's time is text between the pairs (`<0.2 seconds>`, the front end's), so the front
+end makes each pair a feature of its own with a (1, h, w) grid: the tower encodes it as an image (Hugging
+Face's cu_seqlens and position table are per pair too), it takes its M-RoPE block as an image does
+(get_rope_index splits a video's grid into pairs), and DeepStack adds to its tokens as to an image's.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import numpy as np
 class MultiModalFeature:
     """One image of a prompt: its placeholder tokens are prompt positions [offset, offset + length)."""
 
-    modality: str  # "image"
+    modality: str  # "image" or "video" (a Qwen3-VL video: one feature a frame pair, its time's text between)
     mm_hash: str  # content hash of `data` (hex), the encoder cache's and the prefix cache's key
     offset: int
     length: int

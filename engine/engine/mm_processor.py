@@ -145,6 +145,10 @@ class MultiModalProcessor:
             pixels = [np.asarray(values[i], np.float32) for i in range(count)]  # [C, H, W]
         else:  # their own sizes (the Qwen families): patches per grid, a token per merge unit
             grids = [tuple(int(x) for x in g) for g in grids]
+            if modality == "video" and getattr(self.hf_processor, "timestamps", False):
+                # Qwen3-VL: each frame pair's tokens sit apart (its time's text between), so each pair is
+                # a feature of its own: the tower encodes a pair alone anyway (Hugging Face's cu_seqlens).
+                grids = [(1, h, w) for t, h, w in grids for _ in range(t)]
             counts = [int(np.prod(g)) // self.hf_processor.merge_unit for g in grids]
             ends = np.cumsum([int(np.prod(g)) for g in grids])
             pixels = np.split(np.asarray(values, np.float32), ends[:-1])  # [P, K] each
@@ -253,19 +257,23 @@ class QwenVLProcessor:
     each `<|image_pad|>` of the text expanded to the image's tokens (grid patches / merge_size^2), as
     Qwen2_5_VLProcessor does (which cannot be built here: its video processor needs torchvision).
 
-    Videos (Qwen2.5-VL, `fps` given): each frame through the same image processor (so a video takes the
-    image settings' min/max pixels), then frames paired along time as the video processor does (the
-    last repeated to an even count): a video of F frames is F / 2 grids of the frames' patches, and its
-    `<|video_pad|>` expands to all their tokens; `second_per_grid_ts` is 2 / fps."""
+    Videos (`fps` given): each frame through the same image processor (so a video takes the image
+    settings' min/max pixels), then frames paired along time as the video processor does (the last
+    repeated to an even count): a video of F frames is a (F / 2, h, w) grid of the frames' patches.
+    Qwen2.5-VL: its `<|video_pad|>` expands to all their tokens; `second_per_grid_ts` is 2 / fps.
+    Qwen3-VL (`timestamps`): as Qwen3VLProcessor, to each pair's time in the text and then its tokens in
+    vision marks, `<0.2 seconds><|vision_start|><|video_pad|>...<|vision_end|>` a pair (the prompt's own
+    marks around the placeholder stay: Hugging Face replaces the `<|video_pad|>` only)."""
 
     image_token = "<|image_pad|>"
     chat_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
 
-    def __init__(self, image_processor, tokenizer, fps: float | None = None):
+    def __init__(self, image_processor, tokenizer, fps: float | None = None, timestamps: bool = False):
         self.image_processor, self.tokenizer = image_processor, tokenizer
         self.merge_unit = image_processor.merge_size**2
         self.fps = fps
         self.video_token = "<|video_pad|>" if fps is not None else None
+        self.timestamps = timestamps
 
     def __call__(
         self, text: str, images=None, videos=None, return_tensors: str = "np", add_special_tokens: bool = True
@@ -276,7 +284,10 @@ class QwenVLProcessor:
             text = self._expand(text, self.image_token, out["image_grid_thw"])
         if videos:
             out |= self._videos(videos)
-            text = self._expand(text, self.video_token, out["video_grid_thw"])
+            if self.timestamps:
+                text = self._expand_timed(text, out["video_grid_thw"], [len(frames) for frames in videos])
+            else:
+                text = self._expand(text, self.video_token, out["video_grid_thw"])
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         return {**out, "input_ids": np.asarray([ids], np.int64)}
 
@@ -284,6 +295,20 @@ class QwenVLProcessor:
         pieces = text.split(placeholder)
         counts = [int(np.prod(grid)) // self.merge_unit for grid in grids]
         return pieces[0] + "".join(placeholder * n + piece for n, piece in zip(counts, pieces[1:]))
+
+    def _expand_timed(self, text: str, grids, num_frames: list[int]) -> str:
+        """Each `<|video_pad|>` as Qwen3VLProcessor's `replace_video_token`: per frame pair its time (the
+        mean of its two frames' at `fps`, the last frame repeated to fill the pair) to one decimal, then
+        its tokens between vision marks."""
+        pieces = text.split(self.video_token)
+        pairs = self.image_processor.temporal_patch_size
+        out = pieces[0]
+        for (t, h, w), frames, piece in zip(grids, num_frames, pieces[1:]):
+            index = np.minimum(np.arange(t * pairs), frames - 1).reshape(t, pairs)
+            times = (index[:, 0] / self.fps + index[:, -1] / self.fps) / 2  # in Hugging Face's order
+            frame = "<|vision_start|>" + self.video_token * (int(h * w) // self.merge_unit) + "<|vision_end|>"
+            out += "".join(f"<{time:.1f} seconds>{frame}" for time in times) + piece
+        return out
 
     def _videos(self, videos: list) -> dict[str, np.ndarray]:
         pairs = self.image_processor.temporal_patch_size
@@ -299,26 +324,23 @@ class QwenVLProcessor:
             grouped = per_frame.reshape(len(frames) // pairs, pairs, h * w, 3, channels, channels)
             values.append(grouped.transpose(0, 2, 3, 1, 4, 5).reshape(len(frames) // pairs * h * w, -1))
             grids.append((len(frames) // pairs, h, w))
-        return {
-            "pixel_values_videos": np.concatenate(values),
-            "video_grid_thw": np.asarray(grids, np.int64),
-            "second_per_grid_ts": np.full(len(videos), pairs / self.fps, np.float32),
-        }
+        out = {"pixel_values_videos": np.concatenate(values), "video_grid_thw": np.asarray(grids, np.int64)}
+        if not self.timestamps:  # Qwen2.5-VL's temporal positions: seconds a pair
+            out["second_per_grid_ts"] = np.full(len(videos), pairs / self.fps, np.float32)
+        return out
 
 
 def _qwen_vl_processor(settings: dict, hf_config: dict, tokenizer):
     """The Qwen VL families': images keep their sizes, so the tokens per image given is the most one
-    has; Qwen2.5-VL also takes videos (at the settings' `fps`, 2 by default; Qwen3-VL's videos carry
-    timestamps in their text, not built)."""
+    has; videos' frames are taken at the settings' `fps` (2 by default), Qwen3-VL's pairs with their
+    times in the text."""
     from transformers import Qwen2VLImageProcessorPil
 
     image_processor = Qwen2VLImageProcessorPil(
         **{k: v for k, v in _image_settings(settings).items() if k != "fps"}
     )
-    fps = (
-        video_fps(settings) if hf_config["architectures"][0] == "Qwen2_5_VLForConditionalGeneration" else None
-    )
-    processor = QwenVLProcessor(image_processor, tokenizer, fps)
+    timestamps = hf_config["architectures"][0] == "Qwen3VLForConditionalGeneration"
+    processor = QwenVLProcessor(image_processor, tokenizer, video_fps(settings), timestamps)
     return processor, max_image_tokens(settings, hf_config["vision_config"])
 
 

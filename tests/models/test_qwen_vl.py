@@ -4,7 +4,8 @@ down by the processor) and the decoder rotates by M-RoPE positions; Qwen2.5-VL's
 windows of 2 x 2 tokens but in its last block, Qwen3-VL's to the whole image, with a learned position
 table and DeepStack features added to the decoder's first two layers. One engine per family (float32,
 steps of 16 tokens, so an image's tokens span several chunks; strict compile guard: every patch bucket
-compiled at warm-up)."""
+compiled at warm-up). Videos: Qwen2.5-VL's frame pairs along M-RoPE's time axis, Qwen3-VL's with their
+times in the text, its prompt ids Qwen3VLProcessor's own."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def model_dir(tmp_path_factory, family):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model_dir, **{**ENGINE_ARGS, "kv_cache_memory": 24 * 8192})
+    # Room for a video's prompt: Qwen3-VL's spells each frame pair's time (`<1.2 seconds>`) in the text.
+    return LLM(model_dir, **{**ENGINE_ARGS, "kv_cache_memory": 24 * 8192, "max_model_len": 192})
 
 
 @pytest.fixture(scope="module")
@@ -225,23 +227,68 @@ def test_bfloat16_an_image_request_is_the_same_alone_and_packed_with_others(mode
     assert logprobs(together) == logprobs(alone)
 
 
+def _hf_qwen3_vl_inputs(llm, text: str, images: list, videos: list) -> dict:
+    """Hugging Face's Qwen3VLProcessor's own inputs (its placeholder expansion: each frame pair's time in
+    the text, then its tokens in vision marks), its video processor (torchvision's) standing in as the
+    engine's frames: theirs at the directory's fps, each frame's index its own (frames given as sampled)."""
+    import torch
+    from transformers import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    mm = llm.input_processor.mm_processor
+    ours = mm.hf_processor(text="", videos=videos)  # the frames' patches and grids, no text
+
+    class Frames:
+        merge_size, temporal_patch_size = 2, 2
+
+        def __call__(self, videos, **kwargs):
+            metadata = [
+                VideoMetadata(
+                    total_num_frames=len(v), fps=mm.hf_processor.fps, frames_indices=list(range(len(v)))
+                )
+                for v in videos
+            ]
+            grids = {"video_grid_thw": ours["video_grid_thw"], "video_metadata": metadata}
+            return {"pixel_values_videos": ours["pixel_values_videos"], **grids}
+
+    processor = Qwen3VLProcessor.__new__(Qwen3VLProcessor)  # __init__ would look up a video processor class
+    processor.image_processor, processor.tokenizer, processor.video_processor = (
+        mm.hf_processor.image_processor,
+        mm.hf_processor.tokenizer,
+        Frames(),
+    )
+    for name in ("image", "video", "vision_start", "vision_end"):  # what its __init__ sets
+        token = {"image": "<|image_pad|>", "video": "<|video_pad|>"}.get(name, f"<|{name}|>")
+        setattr(processor, f"{name}_token", token)
+        setattr(processor, f"{name}_token_id", mm.hf_processor.tokenizer.convert_tokens_to_ids(token))
+    out = processor(text=text, images=images or None, videos=videos, return_tensors="np")
+    return {name: torch.tensor(value) for name, value in out.items()}
+
+
 def test_a_video_matches_hugging_face(llm, hf, family):
-    """Qwen2.5-VL: 5 frames (the last repeated to 6: 3 frame pairs, each its own attention segment in the
-    tower's full blocks), their temporal positions 4 apart (2 tokens a second x 2 s a pair at 2 fps), the
-    prompt ending with the video so that its last pair's temporal position sets the decode delta; an
-    image before it. Qwen3-VL refuses videos by name."""
+    """5 frames (the last repeated to 6: 3 frame pairs, each its own attention segment in the tower's full
+    blocks) after an image, the prompt ending with the video. Qwen2.5-VL: the pairs' temporal positions
+    4 apart (2 tokens a second x 2 s a pair at 2 fps), the last pair's setting the decode delta. Qwen3-VL:
+    the prompt's ids are Qwen3VLProcessor's (each pair's time in the text, `<0.2 seconds>` ... `<2.0
+    seconds>`, then the pair in vision marks), each pair placed as an image, DeepStack on its tokens."""
     frames = np.stack([np.asarray(random_image(60 + t, (40, 32))) for t in range(5)])  # [T, H, W, 3]
     text = f"An image {IMAGE} and a video {VIDEO}"
     prompt = {"prompt": text, "multi_modal_data": {"image": random_image(59), "video": frames}}
-    if family == "qwen3_vl":
-        with pytest.raises(ValueError, match="multi_modal_data.video: this model takes images, not videos"):
-            llm.generate(prompt, GREEDY, use_tqdm=False)
-        return
     inputs = _hf_inputs(llm, text, [random_image(59)], [list(frames)])
     assert inputs["video_grid_thw"].tolist() == [[3, 8, 10]]
+    if family == "qwen3_vl":
+        theirs = _hf_qwen3_vl_inputs(llm, text, [random_image(59)], [list(frames)])
+        assert theirs["input_ids"].tolist() == inputs["input_ids"].tolist()
+        assert theirs["mm_token_type_ids"].tolist() == inputs["mm_token_type_ids"].tolist()
+        decoded = llm.get_tokenizer().decode(theirs["input_ids"][0])
+        assert [decoded.count(f"<{t} seconds><|vision_start|>") for t in ("0.2", "1.2", "2.0")] == [1, 1, 1]
+        inputs = theirs
     hf_tokens, hf_ids, hf_logprobs = hf_greedy(hf, inputs)
     params = SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=0)
+    encoder = llm.engine_core.runner.mm_encoder
+    encoded = encoder.num_encoded
     out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert encoder.num_encoded == encoded + (4 if family == "qwen3_vl" else 2)  # Qwen3-VL's: a pair each
     assert out.prompt_token_ids == hf_ids
     assert list(out.outputs[0].token_ids) == hf_tokens
     ours = np.array([entry[tid].logprob for entry, tid in zip(out.prompt_logprobs[1:], hf_ids[1:])])
@@ -249,28 +296,45 @@ def test_a_video_matches_hugging_face(llm, hf, family):
 
 
 def test_video_mrope_positions_and_decode_delta_are_hugging_faces(llm, hf, family):
-    """The video's temporal positions (pairs 4 apart) reach past the text after it: the decode delta
-    is the prompt's largest position + 1 - its length, as get_rope_index's."""
+    """Chunk by chunk (7 tokens, so chunks cut the video's pairs and the times between them) and past
+    the prompt, as get_rope_index's. Qwen2.5-VL: the video's temporal positions (pairs 4 apart) reach
+    past the text after it, so the decode delta is the prompt's largest position + 1 - its length.
+    Qwen3-VL: each pair is an image of one frame, its time's text between."""
     from xlaserve.models.qwen2_5_vl import mrope_positions
 
-    if family != "qwen2_5_vl":  # Qwen3-VL's videos carry timestamps in their text: not built
-        assert llm.input_processor.mm_processor.video_placeholder is None
-        return
     frames = [random_image(70 + t, (32, 32)) for t in range(6)]  # 3 pairs of 4 x 4 tokens
-    text = f"a {VIDEO} b"
-    inputs = _hf_inputs(llm, text, [], [frames])
-    expected, delta = hf.model.get_rope_index(
-        inputs["input_ids"],
-        inputs["mm_token_type_ids"],
-        video_grid_thw=inputs["video_grid_thw"],
-        second_per_grid_ts=inputs["second_per_grid_ts"],
-    )
-    _, features = llm.input_processor.mm_processor.process(text, [], [frames])
-    n = inputs["input_ids"].shape[1]
-    ours = mrope_positions(features, 0, n + 2, 2, n, llm.engine_core.runner.model_config.video_interval)
+    text = f"a {IMAGE} b {VIDEO} c"
+    images = [random_image(69, (48, 32))]
+    if family == "qwen3_vl":
+        inputs = _hf_qwen3_vl_inputs(llm, text, images, [frames])
+        expected, delta = hf.model.get_rope_index(
+            inputs["input_ids"],
+            inputs["mm_token_type_ids"],
+            image_grid_thw=inputs["image_grid_thw"],
+            video_grid_thw=inputs["video_grid_thw"],
+        )
+    else:
+        inputs = _hf_inputs(llm, text, images, [frames])
+        expected, delta = hf.model.get_rope_index(
+            inputs["input_ids"],
+            inputs["mm_token_type_ids"],
+            image_grid_thw=inputs["image_grid_thw"],
+            video_grid_thw=inputs["video_grid_thw"],
+            second_per_grid_ts=inputs["second_per_grid_ts"],
+        )
+    ids, features = llm.input_processor.mm_processor.process(text, images, [frames])
+    assert ids == inputs["input_ids"][0].tolist()
+    n, interval = len(ids), llm.engine_core.runner.model_config.video_interval
+    chunks = [mrope_positions(features, s, min(s + 7, n + 3), 2, n, interval) for s in range(0, n + 3, 7)]
+    ours = np.concatenate(chunks, axis=1)
     np.testing.assert_array_equal(ours[:, :n], expected[:, 0].numpy())
-    np.testing.assert_array_equal(ours[:, n:], np.tile(np.arange(n, n + 2) + int(delta[0, 0]), (3, 1)))
-    assert int(expected[0, 0].max()) > int(expected[1, 0].max())  # the frames reach past the text
+    np.testing.assert_array_equal(ours[:, n:], np.tile(np.arange(n, n + 3) + int(delta[0, 0]), (3, 1)))
+    if family == "qwen2_5_vl":
+        assert int(expected[0, 0].max()) > int(expected[1, 0].max())  # the frames reach past the text
+    else:  # one feature a pair, in prompt order after the image
+        assert [(f.modality, f.grid) for f in features] == [("image", (1, 8, 12))] + [
+            ("video", (1, 8, 8))
+        ] * 3
 
 
 @pytest.mark.parametrize(
@@ -289,10 +353,8 @@ def test_video_mrope_positions_and_decode_delta_are_hugging_faces(llm, hf, famil
     ],
 )
 def test_bad_videos_are_refused_naming_the_field(llm, family, data, message):
-    if family != "qwen2_5_vl" and "video" in data:  # any video, before anything else is read
-        message = r"video: this model takes images, not videos"
-    elif family != "qwen2_5_vl":
-        pytest.skip("Qwen3-VL takes no videos: a literal <|video_pad|> is a token of its text")
+    if family == "qwen3_vl" and "tokens" in message:
+        pytest.skip("Qwen3-VL: each frame pair is an encoder item of its own, at most an image's tokens")
     prompt = {"prompt": f"{IMAGE} {VIDEO}", "multi_modal_data": data}
     with pytest.raises(ValueError, match=f"multi_modal_data.{message}"):
         llm.generate(prompt, GREEDY, use_tqdm=False)
