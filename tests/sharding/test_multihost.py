@@ -16,14 +16,7 @@ import numpy as np
 import pytest
 
 from helpers.tiny_models import FAST_COMPILE_XLA_FLAGS
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers.two_processes import free_port, run_two_processes
 
 
 def _generated_text(stdout: str) -> str:
@@ -80,7 +73,7 @@ def test_two_processes_tensor_parallel_2_match_one_process(tiny_llama_2kv, one_p
     """`xlaserve generate` across two processes of one device each (TP 2: the two KV heads split
     between the processes; the server case below runs TP 8 over 2 x 4 devices)."""
     args = _generate_args(tiny_llama_2kv)
-    port = _free_port()
+    port = free_port()
     multi = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")
     follower = subprocess.Popen(
@@ -111,7 +104,7 @@ def test_divergent_follower_stops_the_engine_with_a_clear_error():
     from xlaserve.executor.multihost import StepReceiver, StepSender
     from xlaserve.worker.input_batch import StepInputs, build_step_batch, sampling_tensors
 
-    port = _free_port()
+    port = free_port()
     received = []
 
     def follower():
@@ -144,7 +137,7 @@ def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text
 
     from helpers.server_harness import ServerProcess
 
-    port = _free_port()
+    port = free_port()
     multi = ["-tp", "8", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     # The smallest buckets that hold the one request (its warm-up, in both processes, compiles every
     # program: token buckets 1, 4, 16 and request bucket 1, 10 programs instead of 32 and 4's 16).
@@ -210,29 +203,13 @@ def test_research_stack_across_two_processes(tiny_llama_2kv, tmp_path):
     update_weights in two parts (each writing some layers of the stacks, the shards cut in each process)
     brings the first checkpoint's bits back, and a tensor of the wrong shape is refused with nothing
     changed on either process (the follower's checksums would stop a diverged engine)."""
-    import json
-
     from helpers.multihost_research import ENGINE, PROMPTS, answers
     from helpers.tiny_models import save_tiny_llama
     from xlaserve import LLM
 
     new_model = save_tiny_llama(str(tmp_path / "new"), seed=1, num_key_value_heads=2)
-    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "multihost_research.py")
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")
-    arg = {"model": tiny_llama_2kv, "new_model": new_model, "port": _free_port()}
-
-    def command(node_rank: int) -> list[str]:
-        return [sys.executable, script, json.dumps({**arg, "node_rank": node_rank})]
-
-    follower = subprocess.Popen(
-        command(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    leader = subprocess.run(command(0), env=env, capture_output=True, text=True, timeout=600, check=False)
-    _, follower_err = follower.communicate(timeout=120)
-    assert leader.returncode == 0, leader.stderr[-3000:]
-    assert follower.returncode == 0, follower_err[-3000:]
-    line = next(line for line in leader.stdout.splitlines() if line.startswith("RESULT "))
-    run = json.loads(line.removeprefix("RESULT "))
+    arg = {"model": tiny_llama_2kv, "new_model": new_model}
+    run = run_two_processes("multihost_research.py", arg, devices_per_process=1)
     assert len(PROMPTS) == 2 and run["updated"] > 0
     reference = answers(LLM(new_model, **(ENGINE | {"tensor_parallel_size": 1})))
     assert run["after"]["tokens"] == reference["tokens"] != run["before"]["tokens"]

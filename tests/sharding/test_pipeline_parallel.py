@@ -16,12 +16,6 @@ adapter swapped into a slot at run time."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 
 pytestmark = pytest.mark.slow  # eight engines in the fake-mesh worker, one warmed up; two two-process runs
@@ -199,40 +193,14 @@ def test_each_stage_holds_only_its_layers_and_nothing_compiles_after_warm_up(run
     assert (last["has_embedding"], last["has_norm"], last["has_lm_head"]) == (False, True, True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_process_run(model: str, layout: dict, devices_per_process: int) -> dict:
-    """helpers/pp_process.py's two processes of `devices_per_process` CPU devices each: process 0's
-    tokens and logprobs, once both have exited cleanly (process 1 released by process 0)."""
-    from helpers.tiny_models import FAST_COMPILE_XLA_FLAGS
+    """helpers/pp_process.py's two processes: process 0's tokens and logprobs."""
+    from helpers.two_processes import run_two_processes
 
-    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "pp_process.py")
-    # The fake-mesh worker's flags (tp_worker.py: the references' compiles) but fewer devices.
-    flags = f"--xla_force_host_platform_device_count={devices_per_process} {FAST_COMPILE_XLA_FLAGS}"
-    env = dict(os.environ, XLA_FLAGS=flags)
-    arg = {
-        "model": model,
-        "port": _free_port(),
-        "layout": layout,
-        "shape": {"max_num_batched_tokens": 16, "max_num_seqs": 1},  # helpers/pp_worker.py's
-    }
-
-    def command(node_rank: int) -> list[str]:
-        return [sys.executable, script, json.dumps({**arg, "node_rank": node_rank})]
-
-    follower = subprocess.Popen(
-        command(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    shape = {"max_num_batched_tokens": 16, "max_num_seqs": 1}  # helpers/pp_worker.py's
+    return run_two_processes(
+        "pp_process.py", {"model": model, "layout": layout, "shape": shape}, devices_per_process
     )
-    leader = subprocess.run(command(0), env=env, capture_output=True, text=True, timeout=600, check=False)
-    _, follower_err = follower.communicate(timeout=120)
-    assert leader.returncode == 0, leader.stderr[-3000:]
-    assert follower.returncode == 0, follower_err[-3000:]
-    line = next(line for line in leader.stdout.splitlines() if "RESULT " in line)
-    return json.loads(line.split("RESULT ", 1)[1])
 
 
 def test_two_processes_pipeline_parallel_2_are_bitwise_one_device(models, runs):

@@ -1,0 +1,41 @@
+"""Two jax.distributed processes of a helper script on loopback (the suite's multi-host cases): the
+script runs as `python SCRIPT ARG_JSON` with `node_rank` 0 and 1 in the argument, process 0 prints its
+result as one `RESULT {json}` line, and process 1 follows its steps until process 0 releases it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from helpers.tiny_models import FAST_COMPILE_XLA_FLAGS
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_processes(script: str, arg: dict, devices_per_process: int) -> dict:
+    """helpers/`script`'s two processes of `devices_per_process` CPU devices each (the fake-mesh worker's
+    compile flags, tp_worker.py): process 0's result, once both have exited cleanly."""
+    path = os.path.join(os.path.dirname(__file__), script)
+    flags = f"--xla_force_host_platform_device_count={devices_per_process} {FAST_COMPILE_XLA_FLAGS}"
+    env = dict(os.environ, XLA_FLAGS=flags)
+    arg = {**arg, "port": free_port()}
+
+    def command(node_rank: int) -> list[str]:
+        return [sys.executable, path, json.dumps({**arg, "node_rank": node_rank})]
+
+    follower = subprocess.Popen(
+        command(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    leader = subprocess.run(command(0), env=env, capture_output=True, text=True, timeout=600, check=False)
+    _, follower_err = follower.communicate(timeout=120)
+    assert leader.returncode == 0, leader.stderr[-3000:]
+    assert follower.returncode == 0, follower_err[-3000:]
+    line = next(line for line in leader.stdout.splitlines() if "RESULT " in line)
+    return json.loads(line.split("RESULT ", 1)[1])
