@@ -3,7 +3,10 @@ session's server (--tool-server naming the suite's MCP server and an address whe
 the official `anthropic` client: the model's calls of an MCP server's tools are made by the server and
 shown as mcp_tool_use / mcp_tool_result blocks, the model goes on after them, a streamed answer is the
 whole one block for block, tool_configuration decides what is offered, the authorization token reaches
-the MCP server and is never echoed, and a server outside --tool-server is refused before any connection."""
+the MCP server and is never echoed, and a server outside --tool-server is refused before any connection.
+A disabled server is never contacted, count_tokens counts the first turn with the MCP tools offered, a
+listed tool name outside Anthropic's pattern or taken twice is refused, and each later turn's prompt is
+the answer so far sent back as history."""
 
 from __future__ import annotations
 
@@ -85,9 +88,10 @@ def test_a_call_is_made_by_the_server_and_the_model_goes_on(server, client, mcp_
     # Each later turn's prompt is the request's with the answer so far sent back as an assistant message
     # (the same tools offered): the turns' prompts summed, as count_tokens counts each, are the usage.
     blocks = [block.model_dump(exclude_none=True) for block in message.content]
-    starts = [0] + [i for i in range(1, len(blocks)) if _turn_starts(blocks, i)]
+    starts = [i for i in range(1, len(blocks)) if _turn_starts(blocks, i)]
     servers = tide_fields(mcp_tool_server.url, 1)["mcp_servers"]
-    turns = [ASK] + [[*ASK, {"role": "assistant", "content": blocks[:i]}] for i in starts[1:]]
+    turns = [ASK] + [[*ASK, {"role": "assistant", "content": blocks[:i]}] for i in starts]
+    assert len(turns) >= 2
     counts = [
         client.beta.messages.count_tokens(model=MODEL_NAME, messages=turn, mcp_servers=servers, betas=BETA)
         for turn in turns
