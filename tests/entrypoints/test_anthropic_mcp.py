@@ -3,7 +3,10 @@ session's server (--tool-server naming the suite's MCP server and an address whe
 the official `anthropic` client: the model's calls of an MCP server's tools are made by the server and
 shown as mcp_tool_use / mcp_tool_result blocks, the model goes on after them, a streamed answer is the
 whole one block for block, tool_configuration decides what is offered, the authorization token reaches
-the MCP server and is never echoed, and a server outside --tool-server is refused before any connection."""
+the MCP server and is never echoed, and a server outside --tool-server is refused before any connection.
+A disabled server is never contacted, count_tokens counts the first turn with the MCP tools offered, a
+listed tool name outside Anthropic's pattern or taken twice is refused, and each later turn's prompt is
+the answer so far sent back as history."""
 
 from __future__ import annotations
 
@@ -82,6 +85,23 @@ def test_a_call_is_made_by_the_server_and_the_model_goes_on(server, client, mcp_
     without = [*ASK, {"role": "assistant", "content": made[:1]}, {"role": "user", "content": "Thanks."}]
     counted = client.messages.count_tokens(model=MODEL_NAME, messages=without)
     assert answered.content and answered.usage.input_tokens > counted.input_tokens
+    # Each later turn's prompt is the request's with the answer so far sent back as an assistant message
+    # (the same tools offered): the turns' prompts summed, as count_tokens counts each, are the usage.
+    blocks = [block.model_dump(exclude_none=True) for block in message.content]
+    starts = [i for i in range(1, len(blocks)) if _turn_starts(blocks, i)]
+    servers = tide_fields(mcp_tool_server.url, 1)["mcp_servers"]
+    turns = [ASK] + [[*ASK, {"role": "assistant", "content": blocks[:i]}] for i in starts]
+    assert len(turns) >= 2
+    counts = [
+        client.beta.messages.count_tokens(model=MODEL_NAME, messages=turn, mcp_servers=servers, betas=BETA)
+        for turn in turns
+    ]
+    assert message.usage.input_tokens == sum(count.input_tokens for count in counts)
+
+
+def _turn_starts(blocks: list[dict], i: int) -> bool:
+    """Whether a model turn starts at block i: after the results of the turn before."""
+    return blocks[i - 1]["type"] == "mcp_tool_result" and blocks[i]["type"] != "mcp_tool_result"
 
 
 def _no_id(block) -> dict:
@@ -208,3 +228,99 @@ def test_two_servers_with_one_name_are_400(server, mcp_tool_server):
     response = httpx.post(server.url + "/v1/messages", json=body, headers=server.headers, timeout=60)
     assert response.status_code == 400 and "mcp_servers[1].name" in response.json()["error"]["message"]
     assert mcp_tool_server.num_requests == before
+
+
+def test_a_disabled_server_is_never_contacted_nor_offered(
+    server, client, mcp_tool_server, dead_tool_server_address
+):
+    off = {"tool_configuration": {"enabled": False}}
+    servers = [
+        mcp_server(f"http://{dead_tool_server_address}/mcp", name="down", **off),
+        mcp_server(mcp_tool_server.url, **off),
+    ]
+    before = mcp_tool_server.num_requests
+    message = client.beta.messages.create(
+        model=MODEL_NAME, messages=ASK, mcp_servers=servers, max_tokens=1, betas=BETA, extra_body=GREEDY
+    )
+    counted = client.beta.messages.count_tokens(
+        model=MODEL_NAME, messages=ASK, mcp_servers=servers, betas=BETA
+    )
+    plain = client.messages.count_tokens(model=MODEL_NAME, messages=ASK)
+    assert message.usage.input_tokens == counted.input_tokens == plain.input_tokens  # nothing offered
+    assert mcp_tool_server.num_requests == before
+
+
+def test_count_tokens_counts_the_first_turn_with_the_mcp_tools(
+    server, client, mcp_tool_server, dead_tool_server_address
+):
+    fields = dict(model=MODEL_NAME, messages=ASK, mcp_servers=[mcp_server(mcp_tool_server.url)], betas=BETA)
+    counted = client.beta.messages.count_tokens(**fields)
+    # One token: no call can be made, the message is its first turn.
+    message = client.beta.messages.create(**fields, max_tokens=1, extra_body=GREEDY)
+    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens > client.messages.count_tokens(model=MODEL_NAME, messages=ASK).input_tokens
+    # The messages route's refusals: a server outside --tool-server (400), one that is down (424).
+    down = {**fields, "mcp_servers": [mcp_server(f"http://{dead_tool_server_address}/mcp")]}
+    with pytest.raises(anthropic.APIStatusError) as e:
+        client.beta.messages.count_tokens(**down)
+    assert e.value.status_code == 424 and "mcp_servers[0].url" in e.value.body["error"]["message"]
+    outside = {**fields, "mcp_servers": [mcp_server("http://127.0.0.1:9/mcp")]}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.beta.messages.count_tokens(**outside)
+    assert "mcp_servers[0].url" in e.value.body["error"]["message"]
+
+
+def _refusal(server, path: str, body: dict) -> tuple[int, str]:
+    response = httpx.post(server.url + path, json=body, headers=server.headers, timeout=60)
+    return response.status_code, response.json().get("error", {}).get("message", "")
+
+
+def test_a_tool_name_outside_the_pattern_or_taken_twice_is_refused(server, client, mcp_tool_server):
+    """The odd server lists tide.table (outside ^[a-zA-Z0-9_-]{1,64}$), tide_table (the tides server's
+    tool's name) and moon_phase: a 424 naming the server and the tool, or a 400 naming allowed_tools,
+    on both routes, and no tool is called."""
+    odd = mcp_server(mcp_tool_server.odd_url, name="odd")
+    calls = len(mcp_tool_server.calls)
+    moon = {"name": "moon_phase", "input_schema": {"type": "object"}}
+    cases = [
+        ([odd], None, 424, ["mcp_servers[0]", "'odd'", "'tide.table'", "allowed_tools"]),
+        ([{**odd, "tool_configuration": {"allowed_tools": ["moon_phase"]}}], [moon], 400,
+         ["mcp_servers[0].tool_configuration.allowed_tools", "'moon_phase'"]),
+        ([mcp_server(mcp_tool_server.url), {**odd, "tool_configuration": {"allowed_tools": ["tide_table"]}}],
+         None, 400, ["mcp_servers[1].tool_configuration.allowed_tools", "'tide_table'"]),
+    ]  # fmt: skip
+    for servers, tools, status, named in cases:
+        body = {
+            "model": MODEL_NAME,
+            "messages": ASK,
+            "mcp_servers": servers,
+            **({"tools": tools} if tools else {}),
+        }
+        for path, fields in [("/v1/messages/count_tokens", {}), ("/v1/messages", {"max_tokens": 4})]:
+            code, message = _refusal(server, path, {**body, **fields})
+            assert code == status and all(name in message for name in named), (path, code, message)
+    # Left out with allowed_tools, the odd server's other tools are offered.
+    allowed = [{**odd, "tool_configuration": {"allowed_tools": ["moon_phase"]}}]
+    counted = client.beta.messages.count_tokens(
+        model=MODEL_NAME, messages=ASK, mcp_servers=allowed, betas=BETA
+    )
+    assert counted.input_tokens > client.messages.count_tokens(model=MODEL_NAME, messages=ASK).input_tokens
+    assert len(mcp_tool_server.calls) == calls
+
+
+def test_a_later_turn_sees_the_earlier_ones_as_history_would():
+    """An MCP turn's thinking, calls (their input as JSON, non-ASCII kept) and results reach the later
+    turns' prompt as the same blocks sent back by the client do (convert.py's assistant messages)."""
+    from xlaserve.entrypoints.anthropic.convert import assistant_history
+
+    use = {"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "tide_table", "input": {"port": "Brest é"},
+           "server_name": "tides"}  # fmt: skip
+    result = {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_1", "is_error": False,
+              "content": [{"type": "text", "text": "06:12"}]}  # fmt: skip
+    blocks = [{"type": "thinking", "thinking": "Look it up.", "signature": ""}, use, result]
+    call = {"id": "mcptoolu_1", "type": "function",
+            "function": {"name": "tide_table", "arguments": '{"port": "Brest é"}'}}  # fmt: skip
+    assert assistant_history(blocks) == [
+        {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "mcptoolu_1", "content": "06:12"},
+    ]

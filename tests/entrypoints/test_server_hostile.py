@@ -1284,10 +1284,8 @@ ANTHROPIC_BAD = [
 ]  # fmt: skip
 
 
-# The fields /v1/messages takes and count_tokens does not (the MCP connector's servers too).
-_GENERATION_FIELDS = {
-    "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "stream", "mcp_servers",
-}  # fmt: skip
+# The fields /v1/messages takes and count_tokens does not (it takes the MCP connector's servers).
+_GENERATION_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "stream"}
 ANTHROPIC_BAD_CASES = [
     pytest.param(path, fields, field, id=f"{path.rsplit('/', 1)[1]}-{json.dumps(fields)[:70]}")
     for path in (MESSAGES, COUNT_TOKENS)

@@ -167,6 +167,14 @@ def _assistant_turns(message: MessageParam, i: int, tool_use_ids: set[str]) -> l
     return turns
 
 
+def assistant_history(blocks: list[dict]) -> list[dict]:
+    """An answer's blocks (as the client reads them) as the template messages they become when the
+    client sends them back as an assistant message: how the MCP connector's later turns see the earlier
+    ones, thinking (reasoning_content), calls and results alike."""
+    message = MessageParam.model_validate({"role": "assistant", "content": blocks})
+    return _assistant_turns(message, 0, set())
+
+
 def _made(turns: list[dict]) -> set[str]:
     return {call["id"] for turn in turns for call in turn.get("tool_calls") or ()}
 

@@ -16,14 +16,16 @@ there is still an HTTP error.
 from __future__ import annotations
 
 import contextlib
-import json
+import re
 
 from fastapi.responses import StreamingResponse
 
-from xlaserve.entrypoints.anthropic.convert import chat_body, chat_request, tool_turn
+from xlaserve.entrypoints.anthropic.convert import assistant_history, chat_body, chat_request
 from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
 from xlaserve.entrypoints.anthropic.prompt import render
 from xlaserve.entrypoints.anthropic.protocol import (
+    TOOL_NAME_PATTERN,
+    CountTokensRequest,
     McpToolConfiguration,
     McpToolResultBlock,
     McpToolUseBlock,
@@ -48,6 +50,8 @@ from xlaserve.entrypoints.serving.engine_io import (
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
 from xlaserve.entrypoints.serving.mcp_client import MAX_MCP_ROUNDS, McpClients, McpServer, check_server_url
 
+_TOOL_NAME = re.compile(TOOL_NAME_PATTERN)
+
 
 def _named(error: APIError) -> APIError:
     """`error` with the field it names in its message (Anthropic's errors have no param)."""
@@ -56,9 +60,13 @@ def _named(error: APIError) -> APIError:
     return APIError(error.status_code, f"{error.param}: {error.message}", param=error.param, code=error.code)
 
 
-def mcp_servers_of(req: MessagesRequest, tool_servers: list[str]) -> list[McpServer]:
-    """The request's MCP servers, each checked against --tool-server and named once (400s naming the
-    field otherwise); the authorization token goes as a Bearer header."""
+def mcp_servers_of(
+    req: CountTokensRequest, tool_servers: list[str]
+) -> list[tuple[McpServer, McpToolConfiguration]]:
+    """The request's enabled MCP servers with their tool_configuration, each checked against
+    --tool-server and named once (400s naming the field otherwise); the authorization token goes as a
+    Bearer header. A server whose tool_configuration.enabled is false is checked but left out: it is
+    never contacted and none of its tools is offered."""
     servers, names = [], set()
     for i, param in enumerate(req.mcp_servers or ()):
         where = f"mcp_servers[{i}]"
@@ -69,10 +77,57 @@ def mcp_servers_of(req: MessagesRequest, tool_servers: list[str]) -> list[McpSer
         if param.name in names:
             raise bad_request(f"{where}.name: the name {param.name!r} is used twice", f"{where}.name")
         names.add(param.name)
+        config = param.tool_configuration or McpToolConfiguration()
+        if not config.enabled:
+            continue
         token = param.authorization_token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        servers.append(McpServer(param.name, param.url, headers, where, f"{where}.url"))
+        servers.append((McpServer(param.name, param.url, headers, where, f"{where}.url"), config))
     return servers
+
+
+def offered_functions(
+    clients: McpClients, configs: list[McpToolConfiguration], req: CountTokensRequest
+) -> list[dict]:
+    """The listed tools each server's tool_configuration offers, as functions; a name the server does
+    not list in allowed_tools is simply not offered, a name that breaks the tool-name pattern is a 424."""
+    taken = {tool.name for tool in req.tools or ()}
+    functions = []
+    for (server, listed), config in zip(clients.listed, configs):
+        allowed = None if config.allowed_tools is None else set(config.allowed_tools)
+        for entry in listed:
+            if allowed is None or entry.name in allowed:
+                _check_tool_name(server, entry.name)
+                where = f"{server.field}.tool_configuration.allowed_tools"
+                functions.append(clients.offer(server, entry, taken, where))
+    return functions
+
+
+def _check_tool_name(server: McpServer, name: str) -> None:
+    """A 424 naming the server and the tool unless `name` matches Anthropic's tool-name pattern: the
+    request is sound but its server lists a tool no model prompt here may offer, and only the client can
+    leave it out (allowed_tools), so it is told rather than the tool dropped behind its back."""
+    if not _TOOL_NAME.fullmatch(name):
+        shown = repr(name[:64]) + ("..." if len(name) > 64 else "")
+        raise APIError(
+            424,
+            f"{server.field}: the MCP server {server.label!r} lists a tool named {shown}, which breaks the "
+            f"tool-name pattern {TOOL_NAME_PATTERN}: leave it out with tool_configuration.allowed_tools",
+            param=server.field,
+            code="mcp_invalid_tool_name",
+        )
+
+
+async def count_with_mcp(state, req: CountTokensRequest) -> int:
+    """The first turn's prompt length of a /v1/messages request with these fields: its servers listed
+    (the same 400s and 424s) and their tools offered."""
+    servers = mcp_servers_of(req, state.tool_servers)
+    try:
+        async with McpClients([server for server, _ in servers]) as clients:
+            body = chat_body(req, offered_functions(clients, [config for _, config in servers], req))
+    except APIError as e:
+        raise _named(e) from None
+    return len((await render(state, req, chat_request(body)))[3])
 
 
 async def create_with_mcp(state, req: MessagesRequest, raw_request, model: str):
@@ -121,34 +176,32 @@ class _McpCalls:
 class McpMessage:
     """A message whose model may call MCP tools: `events()` (Anthropic's stream events), then `message`."""
 
-    def __init__(self, state, req: MessagesRequest, model: str, servers: list[McpServer]):
+    def __init__(
+        self,
+        state,
+        req: MessagesRequest,
+        model: str,
+        servers: list[tuple[McpServer, McpToolConfiguration]],
+    ):
         self.state, self.req, self.model, self.servers = state, req, model, servers
         self.message: MessagesResponse | None = None
-
-    def _functions(self, clients: McpClients) -> list[dict]:
-        """The listed tools each server's tool_configuration offers, as functions; a name the server
-        does not list in allowed_tools is simply not offered."""
-        taken = {tool.name for tool in self.req.tools or ()}
-        functions = []
-        for (server, listed), param in zip(clients.listed, self.req.mcp_servers):
-            config = param.tool_configuration or McpToolConfiguration()
-            allowed = None if config.allowed_tools is None else set(config.allowed_tools)
-            for entry in listed:
-                if config.enabled and (allowed is None or entry.name in allowed):
-                    where = f"{server.field}.tool_configuration.allowed_tools"
-                    functions.append(clients.offer(server, entry, taken, where))
-        return functions
 
     async def events(self):
         state, req = self.state, self.req
         async with contextlib.AsyncExitStack() as stack:
             try:
-                clients = await stack.enter_async_context(McpClients(self.servers))
-                body = chat_body(req, self._functions(clients))
+                clients = await stack.enter_async_context(McpClients([s for s, _ in self.servers]))
+                body = chat_body(req, offered_functions(clients, [c for _, c in self.servers], req))
             except APIError as e:
                 raise _named(e) from None
             request_id = new_id("msg").replace("-", "_")
             blocks, content, added = Blocks(), [], []
+            # A prefill (the request's final assistant message) starts the answer the later turns see.
+            prefill = (
+                [{"type": "text", "text": body["messages"][-1]["content"]}]
+                if body["continue_final_message"]
+                else []
+            )
             num_prompt = num_generated = 0
             reason, sequence = "end_turn", None
             for turn in range(MAX_MCP_ROUNDS):
@@ -189,7 +242,6 @@ class McpMessage:
                 mcp_calls = [b for b in turn_blocks if isinstance(b, McpToolUseBlock)]
                 if not mcp_calls or reason == "max_tokens":
                     break
-                added.append(_assistant_turn(body, added, turn_blocks))
                 for call in mcp_calls:
                     outcome = await clients.call(call.name, call.input)
                     result = McpToolResultBlock(
@@ -198,9 +250,10 @@ class McpMessage:
                     content.append(result)
                     for event in blocks.whole(result.model_dump()):
                         yield event
-                    added.append(tool_turn(call.id, outcome.text, outcome.is_error))
                 if has_tool_use:  # the client's own calls end the message
                     break
+                # The later turn sees the answer so far as the client would send it back as history.
+                added = assistant_history(prefill + [b.model_dump(exclude_none=True) for b in content])
             usage = Usage(input_tokens=num_prompt, output_tokens=num_generated)
             self.message = MessagesResponse(
                 id=request_id,
@@ -236,17 +289,3 @@ def _turn_body(body: dict, added: list[dict], turn: int, max_tokens: int) -> dic
         "add_generation_prompt": True,
         "continue_final_message": False,
     }
-
-
-def _assistant_turn(body: dict, added: list[dict], blocks: list) -> dict:
-    """A turn's text and MCP calls as the template's assistant message (the first turn's continues a
-    prefill, the request's final assistant message)."""
-    said = "".join(b.text for b in blocks if isinstance(b, TextBlock))
-    if not added and body["continue_final_message"]:
-        said = body["messages"][-1]["content"] + said
-    calls = [
-        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
-        for b in blocks
-        if isinstance(b, McpToolUseBlock)
-    ]
-    return {"role": "assistant", "content": said, "tool_calls": calls}

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from xlaserve.entrypoints.anthropic.convert import to_chat_request
-from xlaserve.entrypoints.anthropic.mcp import create_with_mcp
+from xlaserve.entrypoints.anthropic.mcp import count_with_mcp, create_with_mcp
 from xlaserve.entrypoints.anthropic.output import stop_reason
 from xlaserve.entrypoints.anthropic.prompt import render
 from xlaserve.entrypoints.anthropic.protocol import (
@@ -52,15 +52,17 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 "model": MessagesResponse,
                 "content": {"text/event-stream": {"schema": {"type": "string"}}},
             },
-            **_errors(400, 401, 404, 413, 415, 503),
+            **_errors(400, 401, 404, 413, 415, 424, 503),
         },
     )
     async def messages(request: MessagesRequest, raw_request: Request):
         return await create_message(state, request, raw_request)
 
-    @app.post("/v1/messages/count_tokens", responses=_errors(400, 401, 404, 413, 415))
+    @app.post("/v1/messages/count_tokens", responses=_errors(400, 401, 404, 413, 415, 424))
     async def count_tokens(request: CountTokensRequest) -> CountTokensResponse:
         check_model(state, request.model)
+        if request.mcp_servers:  # the servers listed and their tools offered, as /v1/messages does
+            return CountTokensResponse(input_tokens=await count_with_mcp(state, request))
         ids = (await render(state, request, to_chat_request(request)))[3]
         return CountTokensResponse(input_tokens=len(ids))
 

@@ -258,22 +258,6 @@ class OutputConfig(StrictModel):
     )
 
 
-class CountTokensRequest(StrictModel):
-    """POST /v1/messages/count_tokens: the prompt a /v1/messages request with these fields would have."""
-
-    model: Text
-    messages: list[MessageParam] = Field(min_length=1)
-    system: TextBlocks | None = None
-    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: ToolChoice | None = None
-    thinking: Thinking | None = Field(
-        default=None,
-        description='the template is rendered with enable_thinking true ("enabled", "adaptive") or false '
-        '("disabled"); the --reasoning-parser, if any, splits the thinking into a thinking block',
-    )
-    output_config: OutputConfig | None = None
-
-
 class McpToolConfiguration(StrictModel):
     enabled: bool = Field(default=True, description="false: none of the server's tools is offered")
     allowed_tools: (
@@ -295,6 +279,23 @@ class McpServerParam(StrictModel):
     tool_configuration: McpToolConfiguration | None = None
 
 
+class CountTokensRequest(StrictModel):
+    """POST /v1/messages/count_tokens: the prompt a /v1/messages request with these fields would have."""
+
+    model: Text
+    messages: list[MessageParam] = Field(min_length=1)
+    system: TextBlocks | None = None
+    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = Field(
+        default=None,
+        description='the template is rendered with enable_thinking true ("enabled", "adaptive") or false '
+        '("disabled"); the --reasoning-parser, if any, splits the thinking into a thinking block',
+    )
+    output_config: OutputConfig | None = None
+    mcp_servers: list[McpServerParam] | None = Field(default=None, max_length=MAX_MCP_SERVERS)
+
+
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages."""
 
@@ -305,7 +306,6 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1, description="0: off")
     metadata: Metadata | None = None
-    mcp_servers: list[McpServerParam] | None = Field(default=None, max_length=MAX_MCP_SERVERS)
 
 
 # -- responses -------------------------------------------------------------------------------------

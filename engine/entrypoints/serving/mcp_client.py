@@ -108,6 +108,8 @@ class McpClients:
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> McpClients:
+        if not self.servers:  # every server of the request disabled: nothing to reach
+            return self
         try:  # the mcp extra: imported only when a request uses MCP servers
             from mcp import Client
         except ImportError:
