@@ -51,6 +51,7 @@ class DecoderOnlyLM(nnx.Module):
     config_class: ClassVar[type[TransformerConfig]] = TransformerConfig
     layer_class: ClassVar[type[nnx.Module]]
     tensor_parallel_unsupported: ClassVar[str | None] = None  # models/interfaces.py
+    encoder_modules: ClassVar[tuple[str, ...]] = ()  # models/interfaces.py
 
     def __init__(
         self, cfg: TransformerConfig, backend: AttentionBackend, *, dtype=jnp.float32, rngs: nnx.Rngs

@@ -343,6 +343,8 @@ class QwenVisionLanguageLM(VisionLanguageLM):
     M-RoPE positions. A family sets its config and layer classes and builds `self.visual`, whose
     call takes its vision config's `pack` outputs."""
 
+    encoder_modules = ("visual",)
+
     @classmethod
     def prepare_hf_tensors(cls, cfg, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """transformers 5's names (`model.language_model.*`, `model.visual.*`) or the releases' (`model.*`,

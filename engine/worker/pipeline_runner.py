@@ -42,7 +42,7 @@ from xlaserve.config import EngineConfig
 from xlaserve.kernels import KVCache
 from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
-from xlaserve.models.registry import model_config_from_hf
+from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.sharding import Placement, make_mesh
 from xlaserve.worker.input_batch import StepBatch, StepInputs
 from xlaserve.worker.kv_cache import allocate_kv_cache
@@ -113,7 +113,9 @@ class PipelineRunner(ModelRunner):
         num_stages = parallel.pipeline_parallel_size
         devices = list(jax.devices() if devices is None else devices)
         groups = stage_devices(devices, parallel.tensor_parallel_size, num_stages)
-        layouts = split_layers(model_config_from_hf(hf_config).num_layers, num_stages)
+        model_config = model_config_from_hf(hf_config)
+        encoder_modules = get_model_class(model_config.architecture).encoder_modules
+        layouts = split_layers(model_config.num_layers, num_stages, encoder_modules)
         invariant = partial(traced_with, config.model.batch_invariant)
         self.stages = []
         for layout, group in zip(layouts, groups):

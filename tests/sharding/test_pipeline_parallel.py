@@ -360,12 +360,16 @@ def test_lora_on_stages_is_bitwise_one_device(lora_runs):
 
 @pytest.mark.parametrize("model", ["llava", "qwen2_5_vl", "qwen3_vl", "gemma3"])
 def test_vision_language_models_on_stages_are_bitwise_one_device(image_runs, model):
-    """The images are encoded once each, on the first stage's device (where PP=1's are), and the three
-    requests' tokens and logprobs are PP=1's; the guarded engine compiled nothing after warm-up."""
+    """The images are encoded once each, on the first stage's device (where PP=1's are, the only stage
+    holding the encoder's weights), and the three requests' tokens and logprobs are PP=1's; the guarded
+    engine compiled nothing after warm-up."""
     one, staged = image_runs[model]
     assert (one["layout"], staged["layout"]) == (PP1, PP2)
     assert one["num_encoded"] == staged["num_encoded"] == 3
     assert one["cache_devices"] == staged["cache_devices"] == [0]
+    # The tower and projector on the first stage only, whole.
+    (whole,), (first, second) = one["encoder_weights"], staged["encoder_weights"]
+    assert (first, second) == (whole, 0) and whole > 0
     assert staged["tokens"] == one["tokens"]
     assert staged["logprobs"] == one["logprobs"]  # every float, exactly
     assert len({tuple(t) for t in one["tokens"]}) == 3  # the prompts differ in output
