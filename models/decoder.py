@@ -51,6 +51,7 @@ class DecoderOnlyLM(nnx.Module):
     config_class: ClassVar[type[TransformerConfig]] = TransformerConfig
     layer_class: ClassVar[type[nnx.Module]]
     tensor_parallel_unsupported: ClassVar[str | None] = None  # models/interfaces.py
+    encoder_modules: ClassVar[tuple[str, ...]] = ()  # models/interfaces.py
 
     def __init__(
         self, cfg: TransformerConfig, backend: AttentionBackend, *, dtype=jnp.float32, rngs: nnx.Rngs
@@ -162,6 +163,7 @@ class DecoderOnlyLM(nnx.Module):
                 block_size,
                 stack_lora,
                 after_layer,
+                layers.start,
             )
         return x, kv_cache
 
@@ -189,6 +191,7 @@ def _run_stack(
     block_size: int,
     lora=None,  # (LoRAWeights [num_layers_in_stack, ...], SlotMask) or None: no adapters
     after_layer=None,  # (x, layer index) -> x, run after each layer (`run_layers`)
+    first_layer: int = 0,  # the HF index of the range's first layer (specs' indices count from it)
 ):
     """x through every layer of `stack` under one scan; each layer sees the metadata of its blocks.
     Adapter slots, when given, are scanned with the layer weights: each layer gets its own."""
@@ -204,7 +207,7 @@ def _run_stack(
             bind_adapters(layer, weights, slot_mask)
         x, kv_cache = layer(x, positions, kv_cache, md_layer, spec)
         if after_layer is not None:
-            x = after_layer(x, spec.index)
+            x = after_layer(x, spec.index + first_layer)
         return (x, kv_cache), None
 
     # dtype_ops.scan: 16-bit weights sliced as words on CPU, where XLA would convert the whole stack.

@@ -78,6 +78,7 @@ class Gemma3VisionLanguageConfig(Gemma3Config):
 class Gemma3ForConditionalGeneration(VisionLanguageLM):
     config_class = Gemma3VisionLanguageConfig
     layer_class = GemmaDecoderLayer
+    encoder_modules = ("vision_tower", "multi_modal_projector")
 
     def __init__(
         self, cfg: Gemma3VisionLanguageConfig, backend: AttentionBackend, *, dtype=jnp.float32, rngs

@@ -28,6 +28,9 @@ class CausalLM(Protocol):
     # Why the family cannot be split over tensor-parallel ranks yet (None: it can; its parameters'
     # rules are in sharding/rules.py). The loader refuses tensor_parallel_size > 1 with this reason.
     tensor_parallel_unsupported: ClassVar[str | None]
+    # The top-level modules of a vision-language model's encoder (its tower and projector): on pipeline
+    # stages only the first, which encodes the images, holds them (worker/pipeline_stage.py).
+    encoder_modules: ClassVar[tuple[str, ...]]
 
     def __init__(
         self, cfg: TransformerConfig, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs

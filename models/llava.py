@@ -193,6 +193,7 @@ class VisionTower(nnx.Module):
 class LlavaForConditionalGeneration(VisionLanguageLM):
     config_class = LlavaConfig
     layer_class = LlamaDecoderLayer
+    encoder_modules = ("vision_tower", "multi_modal_projector")
 
     def __init__(self, cfg: LlavaConfig, backend, *, dtype=jnp.float32, rngs: nnx.Rngs):
         super().__init__(cfg, backend, dtype=dtype, rngs=rngs)

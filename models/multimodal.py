@@ -21,7 +21,10 @@ from xlaserve.models.lora import LoRABatch
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class EncoderOutputs:
-    cache: jax.Array  # [num_rows, D] every cached image's embeddings, in the decoder's dtype
+    # [num_rows, D] every cached image's embeddings, in the decoder's dtype. On a later pipeline stage: the
+    # step's own rows [T, D] (row t token t's) where its layers read them (`layers_reading_images`), else
+    # None (worker/mm_encoder.py).
+    cache: jax.Array | None
     rows: jax.Array  # [T] int32: the row of `cache` that is token t's embedding; -1: its own
     # [T] int32, for a model whose image tokens see their whole image (Gemma 3): positions past its own
     # that token t also attends to (to its image's last token; 0 for text). None for causal models.
@@ -50,6 +53,12 @@ class VisionLanguageLM(DecoderOnlyLM):
     def encode_images(self, pixels: jax.Array) -> jax.Array:  # [B, C, H, W] -> [B, N, D_text]
         raise NotImplementedError
 
+    @classmethod
+    def layers_reading_images(cls, cfg) -> range:
+        """The decoder layers after which `after_layer` reads the image rows (a pipeline stage holding one
+        is handed the step's rows: worker/mm_encoder.py); none by default."""
+        return range(0)
+
     def __call__(
         self,
         input_ids: jax.Array,  # [T]
@@ -60,14 +69,29 @@ class VisionLanguageLM(DecoderOnlyLM):
         mm: EncoderOutputs | None = None,  # the step's image rows and their spans (worker/mm_encoder.py)
     ):  # -> (hidden [T, D], updated cache)
         x = self.embed(input_ids)
-        after_layer = None
         if mm is not None:
             x = mm.merge(x)
-            if mm.attend_ahead is not None:
-                md = dataclasses.replace(md, attend_ahead=mm.attend_ahead)
-            after_layer = self.after_layer(mm)
-        x, kv_cache = self.run_layers(x, positions, kv_cache, md, lora, after_layer=after_layer)
+        x, kv_cache = self.run_layers(x, positions, kv_cache, md, lora, mm=mm)
         return self.norm(x), kv_cache
+
+    def run_layers(
+        self, x, positions, kv_cache, md, lora=None, layers=None, mm: EncoderOutputs | None = None
+    ):
+        """`DecoderOnlyLM.run_layers` with what the layers read of the step's images: their attention
+        metadata (`image_metadata`) and `after_layer`. A pipeline stage calls it for its own layers, so
+        every stage computes what the whole forward computes for them (worker/pipeline_runner.py)."""
+        after_layer = None
+        if mm is not None:
+            md = self.image_metadata(md, mm)
+            if mm.cache is not None:
+                after_layer = self.after_layer(mm)
+        return super().run_layers(x, positions, kv_cache, md, lora, layers, after_layer)
+
+    def image_metadata(self, md, mm: EncoderOutputs):
+        """`md` as the step's images change it for every layer: Gemma 3's image spans seen both ways."""
+        if mm.attend_ahead is not None:
+            md = dataclasses.replace(md, attend_ahead=mm.attend_ahead)
+        return md
 
     def after_layer(self, mm: EncoderOutputs):
         """What runs after each decoder layer, from the step's image rows: nothing, or a function

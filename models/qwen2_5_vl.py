@@ -343,6 +343,8 @@ class QwenVisionLanguageLM(VisionLanguageLM):
     M-RoPE positions. A family sets its config and layer classes and builds `self.visual`, whose
     call takes its vision config's `pack` outputs."""
 
+    encoder_modules = ("visual",)
+
     @classmethod
     def prepare_hf_tensors(cls, cfg, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """transformers 5's names (`model.language_model.*`, `model.visual.*`) or the releases' (`model.*`,
@@ -363,10 +365,10 @@ class QwenVisionLanguageLM(VisionLanguageLM):
     def encode_images(self, **packed) -> jax.Array:  # the vision config's `pack` outputs, less `dest`
         return self.visual(**packed)
 
-    def __call__(self, input_ids, positions, kv_cache, md, lora=None, mm: EncoderOutputs | None = None):
-        if mm is not None and mm.mrope is not None:  # every layer rotates by the step's M-RoPE positions
+    def image_metadata(self, md, mm: EncoderOutputs):
+        if mm.mrope is not None:  # every layer rotates by the step's M-RoPE positions
             md = dataclasses.replace(md, rope=rope_cos_sin(self._mrope_angles(mm.mrope)))
-        return super().__call__(input_ids, positions, kv_cache, md, lora, mm)
+        return super().image_metadata(md, mm)
 
     def _mrope_angles(self, mrope: jax.Array) -> jax.Array:  # [3, T] -> [T, head_dim / 2]
         cfg = self.cfg

@@ -183,6 +183,10 @@ class Qwen3VLForConditionalGeneration(QwenVisionLanguageLM):
         super().__init__(cfg, backend, dtype=dtype, rngs=rngs)
         self.visual = VisionTower(cfg.vision, dtype=dtype, rngs=rngs)
 
+    @classmethod
+    def layers_reading_images(cls, cfg) -> range:
+        return range(len(cfg.vision.deepstack_visual_indexes))
+
     def after_layer(self, mm: EncoderOutputs):
         """DeepStack: after layer i (i < the deepstack layers), the image tokens' hidden states gain
         their feature i (the cache row's slice after the embedding)."""

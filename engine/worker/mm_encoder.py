@@ -13,6 +13,12 @@ bucketed shape (`MultiModalHook`). Qwen2.5-VL keeps each image's size: an image 
 h x w / 4 tokens, at most N (its processor's max_pixels); its images' patches are packed into one
 patch-count bucket per call (`PackedPatchesHook`), and every step also carries each token's M-RoPE
 positions [3, T] (models/qwen2_5_vl.py `mrope_positions`).
+
+On pipeline stages (worker/pipeline_runner.py) the encoder and its cache live on the first stage's
+devices, where the embedding is and the rows are merged; every stage gets the step's per-token arrays
+(M-RoPE positions, Gemma 3's `attend_ahead`) for its layers, and a later stage whose layers read the image
+rows after the merge (Qwen3-VL's DeepStack: `layers_reading_images`) the step's rows themselves, [T, D]
+gathered on the first stage and copied to its devices as the hidden states are.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -27,6 +34,7 @@ from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
 from xlaserve.models.llava import tokens_per_image
 from xlaserve.models.multimodal import EncoderOutputs
 from xlaserve.models.qwen2_5_vl import QwenVisionConfig, mrope_positions
+from xlaserve.models.registry import get_model_class
 from xlaserve.worker.input_batch import isolate_failures
 from xlaserve.worker.step_hooks import StepHook
 
@@ -34,6 +42,11 @@ from xlaserve.worker.step_hooks import StepHook
 MAX_ITEMS_PER_CALL = 4
 # The largest tower attention a packed-patch bucket may need (its dense [heads, P, P] float32 scores).
 MAX_TOWER_SCORES_BYTES = 8 * 2**30
+
+
+def _pick(cache, rows):
+    """[T, D] each token's cache row (row 0 where rows < 0): the step's image rows for a later stage."""
+    return jnp.take(cache, jnp.maximum(rows, 0), axis=0)
 
 
 def _encode(graphdef, params, cache, dest, **inputs):
@@ -48,6 +61,7 @@ class MultiModalHook(StepHook):
     at each call, so new weights take effect without recompiling)."""
 
     name = "mm"
+    runs_on_stages = True  # the encoder on the first stage, each stage its layers' inputs (module doc)
 
     def __init__(self, runner, tokens_per_item: int):
         cfg, sched = runner.model_config, runner.config.scheduler
@@ -69,15 +83,24 @@ class MultiModalHook(StepHook):
         )
         self.scratch_slot = num_slots
         shape = ((num_slots + 1) * tokens_per_item, cfg.encoder_output_width)
-        placement = runner.placement
-        self.cache = placement.zeros(shape, runner.dtype, placement.replicated)
+        stages = runner.stage_placements  # [(layers, placement)]: the first stage's holds the embedding
+        self.placement = stages[0][1]
+        self.cache = self.placement.zeros(shape, runner.dtype, self.placement.replicated)
         self.mrope = cfg.mrope
+        options = runner.config.compilation.compiler_options()
         self._encode_fn = jax.jit(
-            partial(_encode, runner.graphdef),
+            partial(_encode, runner.encoder_model[0]),
             donate_argnames=("cache",),
             out_shardings=self.cache.sharding,
-            compiler_options=runner.config.compilation.compiler_options(),
+            compiler_options=options,
         )
+        # Where a later stage's layers read the image rows: its devices, to copy the step's rows to.
+        reading = set(get_model_class(cfg.architecture).layers_reading_images(cfg))
+        self.row_targets = [
+            placement.replicated if index and reading & set(layers) else None
+            for index, (layers, placement) in enumerate(stages)
+        ]
+        self._pick_fn = jax.jit(_pick, out_shardings=self.cache.sharding, compiler_options=options)
         self.slot_contents: dict[int, str] = {}  # slot -> the mm_hash encoded there
         self.num_encoded = 0  # images encoded on the device (tests, metrics)
         self.num_encode_calls = 0  # encoder programs run (several images may share one)
@@ -188,7 +211,15 @@ class MultiModalHook(StepHook):
                 to_encode[slot] = feature
 
     def forward_inputs(self, arrays, stage=0) -> dict:
-        params = self.runner.params
+        """The first stage (or the whole model): the step's images encoded into the cache, which it reads
+        by `rows`. A later stage: the step's rows [T, D] where its layers read them, else no cache."""
+        rows, ahead, mrope = arrays["rows"], arrays.get("ahead"), arrays.get("mrope")
+        if stage:
+            picked = self._stage_rows(rows, stage)
+            if picked is not None:  # token t's row is row t of its own
+                rows = np.where(rows >= 0, np.arange(len(rows), dtype=np.int32), np.int32(-1))
+            return {"mm": EncoderOutputs(picked, rows, ahead, mrope)}
+        params = self.runner.encoder_model[1]
         call = 0
         while f"encode{call}.dest" in arrays:
             prefix = f"encode{call}."
@@ -196,16 +227,27 @@ class MultiModalHook(StepHook):
             self.cache = self._encode_fn(params, self.cache, **inputs)
             call += 1
         self.num_encode_calls += call
-        return {"mm": EncoderOutputs(self.cache, arrays["rows"], arrays.get("ahead"), arrays.get("mrope"))}
+        return {"mm": EncoderOutputs(self.cache, rows, ahead, mrope)}
+
+    def _stage_rows(self, rows, stage: int) -> jax.Array | None:
+        """The step's image rows [T, D] (token t's at row t) on stage `stage`'s devices, or None where its
+        layers read none. The first stage's `forward_inputs` of the step ran before: the cache holds the
+        step's images."""
+        target = self.row_targets[stage]
+        if target is None:
+            return None
+        return jax.device_put(self._pick_fn(self.cache, rows), target)
 
     def warm_up(self, batches, num_seqs_for) -> list:
-        """Each bucket's encoder program, run once into the scratch slot (the compile guard is armed
-        after this)."""
-        ready = self.runner.placement.step_inputs
+        """Each bucket's encoder program, run once into the scratch slot, and the later stages' row
+        gather per token bucket (the compile guard is armed after this)."""
+        ready = self.placement.step_inputs
+        params = self.runner.encoder_model[1]
         for bucket in self.buckets:
-            self.cache = self._encode_fn(
-                self.runner.params, self.cache, **ready(self._warm_up_inputs(bucket))
-            )
+            self.cache = self._encode_fn(params, self.cache, **ready(self._warm_up_inputs(bucket)))
+        if any(self.row_targets):
+            for num_tokens in batches:
+                self._pick_fn(self.cache, ready(np.full(num_tokens, -1, np.int32)))
         return []
 
 
@@ -282,11 +324,6 @@ class PackedPatchesHook(MultiModalHook):
 def make_mm_hook(runner) -> MultiModalHook | None:
     """The hook of a vision-language model; None for a text-only one."""
     n = tokens_per_image(runner.model_config)
-    if n and runner.config.parallel.pipeline_parallel_size > 1:
-        raise ValueError(
-            "pipeline_parallel_size must be 1 for a vision-language model (its images are merged on the "
-            f"first stage, which is not built yet), got {runner.config.parallel.pipeline_parallel_size}"
-        )
     if not n:
         return None
     return (PackedPatchesHook if runner.model_config.mrope else MultiModalHook)(runner, n)

@@ -34,6 +34,7 @@ from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
 from xlaserve.models.registry import get_model_class
+from xlaserve.sharding import Placement
 from xlaserve.sharding.context_parallel import physical_slot_mapping
 from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
 from xlaserve.worker.compile_guard import CompileGuard
@@ -265,6 +266,17 @@ class ModelRunner:
     def encoder_cache_layout(self) -> EncoderCacheLayout | None:
         """The device encoder cache's slots (worker/mm_encoder.py); None: a text-only model."""
         return None if self.mm_encoder is None else self.mm_encoder.layout
+
+    @property
+    def stage_placements(self) -> list[tuple[range, Placement]]:
+        """Each pipeline stage's decoder layers and devices, in order; here one stage of them all."""
+        return [(range(self.model_config.num_layers), self.placement)]
+
+    @property
+    def encoder_model(self) -> tuple:
+        """(graphdef, params) of the devices holding the embedding (a pipeline's first stage), where a
+        vision-language model's images are encoded (worker/mm_encoder.py)."""
+        return self.graphdef, self.params
 
     def kv_bytes_per_block(self) -> int:
         return bytes_per_block(self.kv_spec, self.cache_block_size, self.backend.cache_dtype(self.dtype))

@@ -42,8 +42,8 @@ from xlaserve.config import EngineConfig
 from xlaserve.kernels import KVCache
 from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
-from xlaserve.models.registry import model_config_from_hf
-from xlaserve.sharding import make_mesh
+from xlaserve.models.registry import get_model_class, model_config_from_hf
+from xlaserve.sharding import Placement, make_mesh
 from xlaserve.worker.input_batch import StepBatch, StepInputs
 from xlaserve.worker.kv_cache import allocate_kv_cache
 from xlaserve.worker.lora_manager import SlotHolder
@@ -73,10 +73,13 @@ def _stage_forward(
     previous step's, read from prev_ids [S]) and embeds them; the others take the hidden states x
     [T, D]. A middle stage returns (x, kv_cache); the last (hidden [T, D], hidden of each sequence's
     sampled position [R, D], kv_cache), as ModelRunner's forward does. `model_inputs`: the hooks' keyword
-    arguments of `run_layers` for this stage's layers (LoRA's `lora=`: its layers' slots)."""
+    arguments of `run_layers` for this stage's layers (LoRA's `lora=`: its layers' slots; a
+    vision-language model's `mm=`: the step's images, worker/mm_encoder.py)."""
     model = nnx.merge(graphdef, params)
     if stage.is_first:
         x = model.embed(jnp.where(prev_rows >= 0, prev_ids[jnp.maximum(prev_rows, 0)], x))
+        if model_inputs.get("mm") is not None:  # a vision-language model's images, where their tokens are
+            x = model_inputs["mm"].merge(x)
     x, kv_cache = model.run_layers(x, positions, kv_cache, md, layers=stage.layers, **model_inputs)
     if not stage.is_last:
         return x, kv_cache
@@ -110,7 +113,9 @@ class PipelineRunner(ModelRunner):
         num_stages = parallel.pipeline_parallel_size
         devices = list(jax.devices() if devices is None else devices)
         groups = stage_devices(devices, parallel.tensor_parallel_size, num_stages)
-        layouts = split_layers(model_config_from_hf(hf_config).num_layers, num_stages)
+        model_config = model_config_from_hf(hf_config)
+        encoder_modules = get_model_class(model_config.architecture).encoder_modules
+        layouts = split_layers(model_config.num_layers, num_stages, encoder_modules)
         invariant = partial(traced_with, config.model.batch_invariant)
         self.stages = []
         for layout, group in zip(layouts, groups):
@@ -146,9 +151,10 @@ class PipelineRunner(ModelRunner):
     def __init__(self, *args, **kwargs):
         self._no_prev_ids: jax.Array | None = None  # stage 0's stand-in for last_sampled (_prev_ids)
         super().__init__(*args, **kwargs)
-        # A hook whose model inputs are not cut per stage (a draft model's, a vision model's image
-        # embeddings) would be skipped silently, so it is refused here by name. LoRA's run: each stage
-        # gets its own layers' adapter slots (`_lora_slot_holders`).
+        # A hook whose model inputs are not cut per stage (a draft model's) would be skipped silently, so
+        # it is refused here by name. LoRA's run: each stage gets its own layers' adapter slots
+        # (`_lora_slot_holders`); a vision-language model's, its images where its layers read them
+        # (worker/mm_encoder.py: the encoder on the first stage).
         unstaged = [hook.name for hook in self.hooks if not hook.runs_on_stages]
         if unstaged:
             names = ", ".join(unstaged)
@@ -165,6 +171,23 @@ class PipelineRunner(ModelRunner):
         if not all(stage.is_local for stage in self.stages):
             raise ValueError("enable_lora: LoRA is not supported on pipeline stages across processes yet")
         return [SlotHolder(s.model.params, s.model.placement, s.layout) for s in self.stages]
+
+    @property
+    def stage_placements(self) -> list[tuple[range, Placement]]:
+        """Each stage's layers and devices (on one process: a vision-language model's images are encoded
+        on the first stage, and its rows copied to a later one, by this process's host work)."""
+        if not all(stage.is_local for stage in self.stages):
+            raise ValueError(
+                "pipeline_parallel_size: a vision-language model is not supported on pipeline stages across "
+                "processes yet (nnodes=1 runs its stages in one process)"
+            )
+        return [(s.layout.layers, s.model.placement) for s in self.stages]
+
+    @property
+    def encoder_model(self) -> tuple:
+        """The first stage's graphdef and weights: it holds the embedding, and encodes the images."""
+        first = self.stages[0].model
+        return first.graphdef, first.params
 
     def allocate_kv_cache(self) -> list[KVCache | None]:
         """Each stage's zeroed cache of num_blocks, on its devices, holding its layers only (None for

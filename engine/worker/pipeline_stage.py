@@ -2,9 +2,9 @@
 
 The layers split into `pipeline_parallel_size` contiguous ranges (as vLLM's `get_pp_indices`: the
 remainder goes one layer each to the stages before the last, which also holds the LM head). Stage 0
-also holds the embedding, the last stage the final norm and the LM head (and the embedding again
-when the head is tied to it). A module a stage does not run
-is kept as an empty placeholder array (vLLM's `PPMissingLayer`): the stage's model has the full
+also holds the embedding (and a vision-language model's encoder, which only it runs), the last stage the
+final norm and the LM head (and the embedding again when the head is tied to it). A module a stage does
+not run is kept as an empty placeholder array (vLLM's `PPMissingLayer`): the stage's model has the full
 model's structure, so one graph definition and the family's own code run every stage.
 """
 
@@ -24,6 +24,7 @@ class StageLayout:
     index: int
     num_stages: int
     layers: range
+    encoder_modules: tuple[str, ...] = ()  # a vision-language model's tower and projector: the first's
 
     @property
     def is_first(self) -> bool:
@@ -39,6 +40,8 @@ class StageLayout:
             return self.is_first or (self.is_last and tie_word_embeddings)
         if module in ("norm", "lm_head"):
             return self.is_last
+        if module in self.encoder_modules:  # the images are encoded where they are merged
+            return self.is_first
         return True  # anything else a family adds at the top is kept on every stage
 
     def stack_slice(self, stack: range) -> slice:
@@ -48,9 +51,12 @@ class StageLayout:
         return slice(start - stack.start, stop - stack.start)
 
 
-def split_layers(num_layers: int, num_stages: int) -> list[StageLayout]:
+def split_layers(
+    num_layers: int, num_stages: int, encoder_modules: tuple[str, ...] = ()
+) -> list[StageLayout]:
     """Contiguous stages of near-equal size, one layer more on each of the `remainder` stages before the
-    last (ValueError naming pipeline_parallel_size when a stage would be left without a layer)."""
+    last (ValueError naming pipeline_parallel_size when a stage would be left without a layer).
+    `encoder_modules`: the model's (models/interfaces.py), held by the first stage only."""
     if num_stages > num_layers:
         raise ValueError(
             f"pipeline_parallel_size={num_stages} exceeds the model's {num_layers} layers "
@@ -61,7 +67,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[StageLayout]:
     stages, start = [], 0
     for index in range(num_stages):
         stop = start + size + (index in larger)
-        stages.append(StageLayout(index, num_stages, range(start, stop)))
+        stages.append(StageLayout(index, num_stages, range(start, stop), encoder_modules))
         start = stop
     return stages
 

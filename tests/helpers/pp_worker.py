@@ -251,3 +251,54 @@ def lora(arg: dict, small_llm) -> list[dict]:
         results.append(result)
         del llm, manager
     return results
+
+
+def images(arg: dict, small_llm) -> dict:
+    """Vision-language models on pipeline stages. arg: {"models": {name: directory}, "layouts", "guarded":
+    [name, ...] (their last layout warmed up under the strict compile guard), "shape"}. Per model and
+    layout: the greedy numbers of helpers/tiny_vlm.py's three prompts (one image, two, text only) in one
+    batch, the images encoded, the encoder cache's devices, the encoder's weights each stage holds, the
+    compiles after warm-up (guarded)."""
+    from tiny_vlm import image_prompts  # beside this file, on sys.path as the script's folder
+
+    from xlaserve import SamplingParams
+    from xlaserve.worker.compile_guard import num_compiles
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    results = {}
+    for name, model_dir in arg["models"].items():
+        results[name] = []
+        for layout in arg["layouts"]:
+            guarded = name in arg["guarded"] and layout == arg["layouts"][-1]
+            extra = {"enforce_eager": False, "strict_compile_guard": True} if guarded else {}
+            t0 = time.perf_counter()
+            llm = small_llm(model_dir, layout, **arg["shape"], **extra)
+            encoder = llm.engine_core.runner.mm_encoder
+            compiles = num_compiles()
+            result = {"layout": layout, **_numbers(llm, image_prompts(model_dir), params)}
+            result["compiles_after_warm_up"] = num_compiles() - compiles if guarded else None
+            result["num_encoded"] = encoder.num_encoded
+            result["cache_devices"] = sorted(d.id for d in encoder.cache.devices())
+            result["encoder_weights"] = _encoder_weights(llm.engine_core.runner)
+            result["seconds"] = round(time.perf_counter() - t0, 1)
+            results[name].append(result)
+            del llm, encoder
+    return results
+
+
+def _encoder_weights(runner) -> list[int]:
+    """The number of encoder (tower and projector) weights per stage (one "stage" for PP=1)."""
+    import jax
+
+    from xlaserve.models.registry import get_model_class
+
+    modules = get_model_class(runner.model_config.architecture).encoder_modules
+    models = [s.model.params for s in runner.stages] if hasattr(runner, "stages") else [runner.params]
+    return [
+        sum(
+            int(x.size)
+            for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+            if path[0].key in modules
+        )
+        for params in models
+    ]

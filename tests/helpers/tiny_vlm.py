@@ -207,6 +207,27 @@ def random_image(seed: int, size: tuple[int, int] = (40, 48)):
     return Image.fromarray(pixels)
 
 
+def image_prompts(model_dir: str) -> list[dict]:
+    """Three prompts for the tiny model in `model_dir` (its image placeholder by architecture): one
+    image, two images, and text only."""
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        architecture = json.load(f)["architectures"][0]
+    image, size = {
+        "Gemma3ForConditionalGeneration": ("<start_of_image>", (40, 48)),
+        "Qwen2_5_VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", (32, 40)),
+        "Qwen3VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", (32, 40)),
+    }.get(architecture, ("<image>", (40, 48)))
+    text = f"The quick brown fox jumps over the lazy dog. {image} What is it?"
+    two = [random_image(2, size), random_image(3, size)]
+    return [
+        {"prompt": text, "multi_modal_data": {"image": [random_image(1, size)]}},
+        {"prompt": f"{text} {image}", "multi_modal_data": {"image": two}},
+        {"prompt": "No image here, only text."},
+    ]
+
+
 def data_url(image, fmt: str = "PNG") -> str:
     buffer = io.BytesIO()
     image.save(buffer, format=fmt)
@@ -231,16 +252,23 @@ def save_tiny_qwen2_5_vl(directory: str, *, seed: int = 0) -> str:
     return _save_tiny_qwen_vl(directory, seed, "Qwen2_5_VL", vision, mrope_section=[2, 3, 3])
 
 
-def save_tiny_qwen3_vl(directory: str, *, seed: int = 0) -> str:
+def save_tiny_qwen3_vl(
+    directory: str, *, seed: int = 0, num_layers: int = 2, deepstack_visual_indexes: tuple = (0, 1)
+) -> str:
     """A random Qwen3VLForConditionalGeneration (a 3-block tower with a 4 x 4 position table, DeepStack
     features from its first two blocks added after both layers of a Qwen3 decoder with interleaved
-    M-RoPE), with the same tokens and image settings as `save_tiny_qwen2_5_vl`."""
+    M-RoPE, by default), with the same tokens and image settings as `save_tiny_qwen2_5_vl`."""
     import transformers
 
     vision = transformers.Qwen3VLVisionConfig(
-        **QWEN_VL_TOWER, out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0, 1]
+        **QWEN_VL_TOWER,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=list(deepstack_visual_indexes),
     )
-    return _save_tiny_qwen_vl(directory, seed, "Qwen3VL", vision, mrope_section=[4, 2, 2], head_dim=16)
+    return _save_tiny_qwen_vl(
+        directory, seed, "Qwen3VL", vision, [4, 2, 2], num_hidden_layers=num_layers, head_dim=16
+    )
 
 
 # The tiny towers' shared sizes: 3 blocks of width 32, patches of 4 pixels merged 2 x 2.
@@ -256,8 +284,9 @@ QWEN_VL_TOWER = dict(
 
 
 def _save_tiny_qwen_vl(directory: str, seed: int, family: str, vision, mrope_section: list, **text) -> str:
-    """A random `{family}ForConditionalGeneration` over `vision` and a 2-layer decoder of width 64, its
-    tokenizer (the byte-level one with Qwen's vision tokens) and image processor settings."""
+    """A random `{family}ForConditionalGeneration` over `vision` and a decoder of width 64 (2 layers
+    unless `text` says), its tokenizer (the byte-level one with Qwen's vision tokens) and image
+    processor settings."""
     import torch
     import transformers
 
@@ -265,16 +294,15 @@ def _save_tiny_qwen_vl(directory: str, seed: int, family: str, vision, mrope_sec
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL}
     text_config = getattr(transformers, f"{family}TextConfig")(
         vocab_size=len(tokenizer),
+        **{"num_hidden_layers": 2, **text},
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **text,
     )
     config = getattr(transformers, f"{family}Config")(
         vision_config=vision.to_dict(),

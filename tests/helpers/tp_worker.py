@@ -326,26 +326,11 @@ def generate_images(model_dir: str, layouts: list[dict]) -> list:
     """A tiny LLaVA's (Gemma 3's, Qwen2.5-VL's) greedy tokens and sampled logprobs for prompts with images
     (one, two, none), under each layout: the vision tower and projector run in the encoder's program on
     the layout's mesh."""
-    import json
-
-    from tiny_vlm import ENGINE_ARGS, random_image  # beside this file, on sys.path as the script's folder
+    from tiny_vlm import ENGINE_ARGS, image_prompts  # beside this file, on sys.path as the script's folder
 
     from xlaserve import LLM, SamplingParams
 
-    with open(os.path.join(model_dir, "config.json")) as f:
-        architecture = json.load(f)["architectures"][0]
-    image, size = {
-        "Gemma3ForConditionalGeneration": ("<start_of_image>", (40, 48)),
-        "Qwen2_5_VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", (32, 40)),
-        "Qwen3VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", (32, 40)),
-    }.get(architecture, ("<image>", (40, 48)))
-    text = f"The quick brown fox jumps over the lazy dog. {image} What is it?"
-    two = [random_image(2, size), random_image(3, size)]
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": [random_image(1, size)]}},
-        {"prompt": f"{text} {image}", "multi_modal_data": {"image": two}},
-        {"prompt": "No image here, only text."},
-    ]
+    prompts = image_prompts(model_dir)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
     # Only the programs these requests run (the module's engines warm up every bucket).
     args = {**ENGINE_ARGS, "strict_compile_guard": False, "enforce_eager": True, "kv_cache_memory": 24 * 8192}
@@ -511,6 +496,13 @@ def pipeline_research(_model_dir: str, arg: dict) -> dict:
     return research(arg, small_llm)
 
 
+def pipeline_images(_model_dir: str, arg: dict) -> dict:
+    """See helpers/pp_worker.py `images`."""
+    from pp_worker import images
+
+    return images(arg, small_llm)
+
+
 def pipeline_lora(_model_dir: str, arg: dict) -> list:
     """See helpers/pp_worker.py `lora`."""
     from pp_worker import lora as pp_lora
@@ -534,6 +526,7 @@ MODES = {
     "data_parallel": data_parallel,
     "pipeline": pipeline,
     "pipeline_research": pipeline_research,
+    "pipeline_images": pipeline_images,
     "pipeline_lora": pipeline_lora,
     "update_weights": update_weights,
     "update_weights_on_mesh": update_weights_on_mesh,
@@ -576,7 +569,7 @@ class _CaseProfile:
 # alike; collectives and shapes) does not depend on the emitter. The pipeline's cases keep XLA's
 # default: their stages are compared with one device bit for bit, and with two processes compiling as
 # users do (test_pipeline_parallel.py), and under the elemental emitters a stage's bits differ.
-DEFAULT_EMITTER_MODES = {"pipeline", "pipeline_research", "pipeline_lora"}
+DEFAULT_EMITTER_MODES = {"pipeline", "pipeline_research", "pipeline_lora", "pipeline_images"}
 ELEMENTAL_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 _default_emitters = True
 

@@ -12,7 +12,10 @@ PP=2 engine (its programs, from the persistent compilation cache): `update_weigh
 to the stage holding it and equals a fresh engine on the new weights bit for bit, a refused update
 changes no stage, and sleep/wake_up at both levels restore the answers. LoRA on PP=2 (each stage holds
 its layers' adapter slots) gives PP=1's bits, two adapters and the base model in one batch, a third
-adapter swapped into a slot at run time."""
+adapter swapped into a slot at run time. Vision-language models on PP=2 (the encoder and its cache on the
+first stage) give PP=1's bits for an image request, a two-image one and a text one in one batch: LLaVA,
+Qwen2.5-VL (M-RoPE positions on every stage), Qwen3-VL of 4 layers (DeepStack features added after
+layers 0-2, layer 2 on the second stage) and Gemma 3 (image spans seen both ways on every stage)."""
 
 from __future__ import annotations
 
@@ -110,6 +113,28 @@ def research_run(tp_worker, models, tmp_path_factory):
         "prompts": MICRO_BATCH_PROMPTS,
     }
     return tp_worker.run("pipeline_research", "", arg)
+
+
+# Vision-language models: a step of 16 tokens holds an image's (helpers/tiny_vlm.py), four requests a batch.
+VLM_SHAPE = {"max_num_batched_tokens": 16, "max_num_seqs": 4}
+VLM_GUARDED = ["qwen3_vl"]  # its PP=2 warmed up under the strict compile guard (encoder, DeepStack rows)
+
+
+@pytest.fixture(scope="module")
+def image_runs(tp_worker, tmp_path_factory):
+    """helpers/pp_worker.py `images`: {model: [PP=1, PP=2]} on tiny random vision-language models."""
+    from helpers import tiny_vlm
+
+    models = {
+        "llava": tiny_vlm.save_tiny_llava(str(tmp_path_factory.mktemp("pp_llava"))),
+        "qwen2_5_vl": tiny_vlm.save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("pp_qwen2_5_vl"))),
+        "qwen3_vl": tiny_vlm.save_tiny_qwen3_vl(
+            str(tmp_path_factory.mktemp("pp_qwen3_vl")), num_layers=4, deepstack_visual_indexes=(0, 1, 2)
+        ),
+        "gemma3": tiny_vlm.save_tiny_gemma3(str(tmp_path_factory.mktemp("pp_gemma3"))),
+    }
+    arg = {"models": models, "layouts": [PP1, PP2], "guarded": VLM_GUARDED, "shape": VLM_SHAPE}
+    return tp_worker.run("pipeline_images", "", arg)
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +324,22 @@ def test_lora_on_stages_is_bitwise_one_device(lora_runs):
         for module, (shape, devices) in stage.items():
             assert shape == [2, *whole[module][0][1:]]
             assert devices == [index]
+
+
+@pytest.mark.parametrize("model", ["llava", "qwen2_5_vl", "qwen3_vl", "gemma3"])
+def test_vision_language_models_on_stages_are_bitwise_one_device(image_runs, model):
+    """The images are encoded once each, on the first stage's device (where PP=1's are, the only stage
+    holding the encoder's weights), and the three requests' tokens and logprobs are PP=1's; the guarded
+    engine compiled nothing after warm-up."""
+    one, staged = image_runs[model]
+    assert (one["layout"], staged["layout"]) == (PP1, PP2)
+    assert one["num_encoded"] == staged["num_encoded"] == 3
+    assert one["cache_devices"] == staged["cache_devices"] == [0]
+    # The tower and projector on the first stage only, whole.
+    (whole,), (first, second) = one["encoder_weights"], staged["encoder_weights"]
+    assert (first, second) == (whole, 0) and whole > 0
+    assert staged["tokens"] == one["tokens"]
+    assert staged["logprobs"] == one["logprobs"]  # every float, exactly
+    assert len({tuple(t) for t in one["tokens"]}) == 3  # the prompts differ in output
+    if model in VLM_GUARDED:
+        assert staged["compiles_after_warm_up"] == 0
