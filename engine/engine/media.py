@@ -120,9 +120,12 @@ def _data_url_bytes(url: str, field: str, what: str, max_bytes: int) -> bytes:
     if len(payload) > max_bytes * 4 // 3 + 4:
         raise MediaError(f"the {what} is larger than {max_bytes} bytes", field)
     try:
-        return base64.b64decode(payload, validate=True)
+        data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise MediaError("the data URL's payload is not valid base64", field) from None
+    if len(data) > max_bytes:  # the length check above is the encoding's bound, a few bytes loose
+        raise MediaError(f"the {what} is larger than {max_bytes} bytes", field)
+    return data
 
 
 def _file_bytes(url: str, policy: MediaPolicy, field: str, what: str, max_bytes: int) -> bytes:
