@@ -115,7 +115,8 @@ class MultiModalProcessor:
             check_image(_as_pil(image, f"{field}[{i}]"), f"{field}[{i}]") for i, image in enumerate(images)
         ]
         video_fields = video_fields or [f"{video_field}[{i}]" for i in range(len(videos))]
-        videos, fps = zip(*[_video(video, name) for video, name in zip(videos, video_fields)]) or ((), ())
+        pairs = [_video(video, name) for video, name in zip(videos, video_fields)]
+        videos, fps = [frames for frames, _ in pairs], [rate for _, rate in pairs]
         for placeholder, items, name, where in (
             (self.placeholder, images, "images", field),
             (self.video_placeholder, videos, "videos", video_field),
@@ -126,7 +127,7 @@ class MultiModalProcessor:
                     f"{where}: the prompt has {num_placeholders} {placeholder} placeholders for "
                     f"{len(items)} {name}"
                 )
-        kwargs = {"videos": list(videos), "fps": list(fps)} if videos else {}
+        kwargs = {"videos": videos, "fps": fps} if videos else {}
         out = self.hf_processor(
             text=text,
             images=images or None,

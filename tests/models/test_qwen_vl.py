@@ -267,7 +267,9 @@ def test_video_mrope_positions_and_decode_delta_are_hugging_faces(llm, hf, famil
     )
     _, features = llm.input_processor.mm_processor.process(text, [], [frames])
     n = inputs["input_ids"].shape[1]
-    ours = mrope_positions(features, 0, n + 2, 2, n, llm.engine_core.runner.model_config.video_interval)
+    cfg = llm.engine_core.runner.model_config
+    assert features[0].seconds_per_grid == 1.0  # 2 frames a pair at the directory's 2 fps
+    ours = mrope_positions(features, 0, n + 2, 2, n, cfg.video_interval, cfg.vision.tokens_per_second)
     np.testing.assert_array_equal(ours[:, :n], expected[:, 0].numpy())
     np.testing.assert_array_equal(ours[:, n:], np.tile(np.arange(n, n + 2) + int(delta[0, 0]), (3, 1)))
     assert int(expected[0, 0].max()) > int(expected[1, 0].max())  # the frames reach past the text
