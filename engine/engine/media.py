@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
+from xlaserve.config.model import DEFAULT_VIDEO_NUM_FRAMES
+
 # 40 megapixels (e.g. 8000 x 5000): well past any vision encoder's input, far under Pillow's own
 # decompression-bomb bound (~89M), and ~120 MB as RGB once decoded.
 MAX_IMAGE_PIXELS = 40_000_000
@@ -59,7 +61,7 @@ class MediaPolicy:
 
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
-    video_num_frames: int = 32
+    video_num_frames: int = DEFAULT_VIDEO_NUM_FRAMES
 
 
 def load_image(url: str, policy: MediaPolicy, field: str) -> Image.Image:

@@ -17,9 +17,9 @@ import io
 
 import numpy as np
 
+from xlaserve.config.model import DEFAULT_VIDEO_NUM_FRAMES
 from xlaserve.engine.media import MAX_VIDEO_BYTES, MediaError, MediaPolicy, media_bytes
 
-DEFAULT_NUM_FRAMES = 32  # vLLM's default for --media-io-kwargs '{"video": {"num_frames": N}}'
 # A kept frame's pixels, read from the stream's header before any frame is decoded: 4K. The model's
 # processor resizes every frame to its max_pixels anyway; this bounds the memory of the kept frames.
 MAX_FRAME_PIXELS = 3840 * 2160
@@ -41,7 +41,9 @@ def sample_indices(total: int, num_frames: int) -> np.ndarray:
     return np.linspace(0, total - 1, num_frames, dtype=np.int64)
 
 
-def decode_video(data: bytes, field: str, num_frames: int = DEFAULT_NUM_FRAMES) -> tuple[np.ndarray, dict]:
+def decode_video(
+    data: bytes, field: str, num_frames: int = DEFAULT_VIDEO_NUM_FRAMES
+) -> tuple[np.ndarray, dict]:
     """Encoded bytes (mp4, webm, mkv, ...) -> (the kept frames, uint8 [T, H, W, 3] RGB; their metadata:
     `fps` the kept frames' rate, or None when the file states no duration, `total_num_frames`,
     `frames_indices`, `duration` seconds), vLLM's (frames, metadata) pair."""
@@ -70,6 +72,8 @@ def decode_video(data: bytes, field: str, num_frames: int = DEFAULT_NUM_FRAMES) 
     indices = indices[: len(frames)]  # fewer when the header counted frames the stream does not hold
     if not frames:
         raise MediaError("the video has no frames", field)
+    if len({frame.shape for frame in frames}) > 1:
+        raise MediaError("the video's frames change size; they must share one", field)
     metadata = {
         "fps": len(frames) / duration if duration else None,
         "total_num_frames": total,
