@@ -211,28 +211,41 @@ def image_positions(
     grid: tuple[int, int, int], spatial_merge_size: int, time_interval: float = 1.0
 ) -> np.ndarray:
     """[3, tokens] an image's (or a video's) M-RoPE offsets from its start: (frame x time_interval, row,
-    column) of each token."""
+    column) of each token; the product in float32 and rounded down, as Hugging Face's (a fractional
+    interval's products land on the same side of each integer)."""
     t, h, w = grid[0], grid[1] // spatial_merge_size, grid[2] // spatial_merge_size
     frames, rows, cols = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
-    frames = np.floor(frames * time_interval).astype(np.int64)
+    frames = np.floor(frames.astype(np.float32) * np.float32(time_interval)).astype(np.int64)
     return np.stack([frames.reshape(-1), rows.reshape(-1), cols.reshape(-1)])
 
 
 def mrope_positions(
-    features, start: int, stop: int, spatial_merge_size: int, num_prompt: int, video_interval: float = 1.0
+    features,
+    start: int,
+    stop: int,
+    spatial_merge_size: int,
+    num_prompt: int,
+    video_interval: float = 1.0,
+    tokens_per_second: float = 2.0,
 ) -> np.ndarray:
     """[3, stop - start] int32: the M-RoPE positions of a request's token positions [start, stop)
     (its prompt's `num_prompt` tokens hold `features`, in prompt order, each with its patch `grid`).
 
     In the prompt, the text after an image or video resumes past its longer side; past the prompt,
     every token is its index plus one delta: the prompt's largest position + 1 - its length (a video's
-    frames, `video_interval` apart, may reach past the text after it)."""
+    frame pairs, `tokens_per_second` x its `seconds_per_grid` apart, else `video_interval`, may reach
+    past the text after it)."""
     index = np.arange(start, stop)
     out = np.broadcast_to(index, (3, len(index))).copy()
     delta = 0  # where the text resumes after the images so far, less its index
     largest = -1  # the prompt's largest position
     for feature in features:  # a decode step's tokens overlap none: only their extents are read
-        interval = video_interval if feature.modality == "video" else 1.0
+        interval = 1.0
+        if feature.modality == "video":
+            seconds = feature.seconds_per_grid
+            interval = (
+                video_interval if seconds is None else np.float32(tokens_per_second) * np.float32(seconds)
+            )
         t, h, w = (
             feature.grid[0],
             feature.grid[1] // spatial_merge_size,
@@ -243,7 +256,7 @@ def mrope_positions(
         if lo < hi:
             image = image_positions(feature.grid, spatial_merge_size, interval)
             out[:, lo - start : hi - start] = begin + image[:, lo - feature.offset : hi - feature.offset]
-        largest = max(largest, begin + max(int((t - 1) * interval), h - 1, w - 1))
+        largest = max(largest, begin + max(int(np.float32(t - 1) * np.float32(interval)), h - 1, w - 1))
         delta += max(h, w) - feature.length  # text resumes past the longer side
         after = index >= feature.end
         out[:, after] = index[after] + delta

@@ -128,8 +128,22 @@ class ModelConfig:
         ),
     )
 
+    # vLLM's flag: how media are read; here a video's frames kept ({"video": {"num_frames": 32}}: sampled
+    # uniformly, -1 every frame; engine/engine/video.py). Kept as JSON text; read by the front end only.
+    media_io_kwargs: str | None = field(
+        default=None,
+        metadata=arg(
+            'how videos are read, as JSON: {"video": {"num_frames": 32}} (frames kept, sampled uniformly; '
+            "-1: all; default 32)"
+        ),
+    )
+
     def __post_init__(self):
         object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+        if self.media_io_kwargs is not None:
+            kwargs = json_object(self.media_io_kwargs, "media_io_kwargs")
+            object.__setattr__(self, "media_io_kwargs", json.dumps(kwargs, sort_keys=True))
+            _video_num_frames(kwargs)  # a bad value is an error at start
         if self.mm_processor_kwargs is not None:
             kwargs = json_object(self.mm_processor_kwargs, "mm_processor_kwargs")
             object.__setattr__(self, "mm_processor_kwargs", json.dumps(kwargs, sort_keys=True))
@@ -166,6 +180,11 @@ class ModelConfig:
         return {} if self.hf_overrides is None else json.loads(self.hf_overrides)
 
     @property
+    def video_num_frames(self) -> int:
+        """The frames a video keeps (--media-io-kwargs' video.num_frames; -1: all)."""
+        return _video_num_frames({} if self.media_io_kwargs is None else json.loads(self.media_io_kwargs))
+
+    @property
     def mm_processor_kwargs_dict(self) -> dict:
         return {} if self.mm_processor_kwargs is None else json.loads(self.mm_processor_kwargs)
 
@@ -180,6 +199,24 @@ class ModelConfig:
 # Images and videos per prompt when --limit-mm-per-prompt does not say (vLLM's flag; '{"image": 2}').
 DEFAULT_IMAGES_PER_PROMPT = 8
 DEFAULT_VIDEOS_PER_PROMPT = 1
+
+
+DEFAULT_VIDEO_NUM_FRAMES = 32  # vLLM's
+
+
+def _video_num_frames(media_io_kwargs: dict) -> int:
+    """--media-io-kwargs' video.num_frames (DEFAULT_VIDEO_NUM_FRAMES when unset); ValueError naming the
+    field for anything but an integer >= 1 or -1, or keys it does not know."""
+    unknown = sorted(set(media_io_kwargs) - {"video"})
+    if unknown:
+        raise ValueError(f"media_io_kwargs: modalities {unknown} are not supported; supported: ['video']")
+    video = media_io_kwargs.get("video", {})
+    if not isinstance(video, dict) or set(video) - {"num_frames"}:
+        raise ValueError(f'media_io_kwargs.video must be like {{"num_frames": 32}}, got {video!r}')
+    count = video.get("num_frames", DEFAULT_VIDEO_NUM_FRAMES)
+    if not isinstance(count, int) or isinstance(count, bool) or not (count >= 1 or count == -1):
+        raise ValueError(f"media_io_kwargs.video.num_frames must be an integer >= 1 or -1, got {count!r}")
+    return count
 
 
 def parse_mm_limits(value) -> dict[str, int]:

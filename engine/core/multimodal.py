@@ -26,6 +26,9 @@ class MultiModalFeature:
     data: np.ndarray  # what the vision encoder runs on: pixel values [C, H, W] float32, or patches [P, K]
     # An image of its own size (Qwen2.5-VL): its (t, h, w) grid of patches, `data` one row per patch.
     grid: tuple[int, int, int] | None = None
+    # A video (Qwen2.5-VL): the seconds each temporal grid of frames spans (Qwen's second_per_grid_ts,
+    # temporal_patch_size / the kept frames' fps); its temporal M-RoPE positions step by it.
+    seconds_per_grid: float | None = None
 
     @property
     def end(self) -> int:
@@ -36,10 +39,12 @@ class MultiModalFeature:
         return self.offset < stop and start < self.end
 
 
-def hash_pixels(pixels: np.ndarray) -> str:
-    """The content hash of one image's processed pixel values (shape and dtype included)."""
+def hash_pixels(pixels: np.ndarray, seconds_per_grid: float | None = None) -> str:
+    """The content hash of one image's processed pixel values (shape and dtype included); a video's
+    seconds per grid too, as its tokens' positions (so their K/V) depend on them."""
     array = np.ascontiguousarray(pixels)
-    hasher = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
+    timing = "" if seconds_per_grid is None else f"@{float(seconds_per_grid)!r}"
+    hasher = hashlib.sha256(f"{array.dtype.str}{array.shape}{timing}".encode())
     hasher.update(array.tobytes())
     return hasher.hexdigest()
 

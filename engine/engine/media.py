@@ -1,11 +1,14 @@
-"""Images from requests: where they may come from, and how large they may be, checked before decoding.
+"""Images and videos from requests: where they may come from, and how large they may be, checked before
+decoding.
 
-An image part's URL is a `data:` URL (base64), a `file://` path under the allowed local directory, or an
-`http(s)://` URL whose host the server allows (`--allowed-media-domains`); anything else is refused.
-Pillow reads an image's size from its header without decoding the pixels, so a 10k x 10k image (or a
-few bytes claiming to be one) is refused by `MAX_IMAGE_PIXELS` before any pixel memory is taken.
-Every refusal is a `MediaError` naming the request's field. Blocking work (decoding, reading files):
-the server calls these from a worker thread, never on the event loop.
+An image (or video) part's URL is a `data:` URL (base64), a `file://` path under the allowed local
+directory, or an `http(s)://` URL whose host the server allows (`--allowed-media-domains`); anything
+else is refused. Pillow reads an image's size from its header without decoding the pixels, so a 10k x
+10k image (or a few bytes claiming to be one) is refused by `MAX_IMAGE_PIXELS` before any pixel memory
+is taken. Videos come from the same places, up to `MAX_VIDEO_BYTES` (a data URL also within the
+server's body limit), and are decoded by engine/engine/video.py. Every refusal is a `MediaError` naming
+the request's field. Blocking work (decoding, reading files): the server calls these from a worker
+thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
+from xlaserve.config.model import DEFAULT_VIDEO_NUM_FRAMES
+
 # 40 megapixels (e.g. 8000 x 5000): well past any vision encoder's input, far under Pillow's own
 # decompression-bomb bound (~89M), and ~120 MB as RGB once decoded.
 MAX_IMAGE_PIXELS = 40_000_000
@@ -27,6 +32,7 @@ MAX_IMAGE_PIXELS = 40_000_000
 # and a side of 1 or 3 pixels reads as a channel axis.
 MIN_IMAGE_SIDE = 4
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an encoded image (data URL, file or download)
+MAX_VIDEO_BYTES = 256 * 1024 * 1024  # an encoded video (a file or download; a data URL meets the body's)
 _FETCH_TIMEOUT_S = 10.0
 
 
@@ -41,7 +47,7 @@ _OPENER = urllib.request.build_opener(_NoRedirects)
 
 
 class MediaError(ValueError):
-    """An image a request cannot use; `field` names it (e.g. messages[0].content[1].image_url)."""
+    """An image or video a request cannot use; `field` names it (e.g. messages[0].content[1].image_url)."""
 
     def __init__(self, message: str, field: str):
         super().__init__(f"{field}: {message}")
@@ -50,26 +56,32 @@ class MediaError(ValueError):
 
 @dataclass(frozen=True)
 class MediaPolicy:
-    """Where images may come from (vLLM's --allowed-local-media-path and --allowed-media-domains)."""
+    """Where images and videos may come from (vLLM's --allowed-local-media-path and
+    --allowed-media-domains), and the frames a video keeps (--media-io-kwargs' video.num_frames; -1: all)."""
 
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
+    video_num_frames: int = DEFAULT_VIDEO_NUM_FRAMES
 
 
 def load_image(url: str, policy: MediaPolicy, field: str) -> Image.Image:
     """The RGB image an image part's URL names (module doc: which URLs, which sizes)."""
+    return decode_image(media_bytes(url, policy, field, "image", MAX_IMAGE_BYTES), field)
+
+
+def media_bytes(url: str, policy: MediaPolicy, field: str, what: str, max_bytes: int) -> bytes:
+    """The encoded bytes `url` names (an `what`, "image" or "video", of at most `max_bytes`), from where
+    `policy` allows."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        data = _data_url_bytes(url, field)
-    elif scheme == "file":
-        data = _file_bytes(url, policy, field)
-    elif scheme in ("http", "https"):
-        data = _fetch(url, policy, field)
-    else:
-        raise MediaError(
-            "the image URL must be a data: URL (base64), or an allowed file:// or http(s):// URL", field
-        )
-    return decode_image(data, field)
+        return _data_url_bytes(url, field, what, max_bytes)
+    if scheme == "file":
+        return _file_bytes(url, policy, field, what, max_bytes)
+    if scheme in ("http", "https"):
+        return _fetch(url, policy, field, what, max_bytes)
+    raise MediaError(
+        f"the {what} URL must be a data: URL (base64), or an allowed file:// or http(s):// URL", field
+    )
 
 
 def decode_image(data: bytes, field: str) -> Image.Image:
@@ -103,19 +115,22 @@ def check_image(image: Image.Image, field: str, *, decode: bool = False) -> Imag
         raise MediaError("the image data is corrupt or truncated", field) from None
 
 
-def _data_url_bytes(url: str, field: str) -> bytes:
+def _data_url_bytes(url: str, field: str, what: str, max_bytes: int) -> bytes:
     header, sep, payload = url.partition(",")
     if not sep or not header.lower().endswith(";base64"):
         raise MediaError("a data URL must be data:<media type>;base64,<data>", field)
-    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-        raise MediaError(f"the image is larger than {MAX_IMAGE_BYTES} bytes", field)
+    if len(payload) > max_bytes * 4 // 3 + 4:
+        raise MediaError(f"the {what} is larger than {max_bytes} bytes", field)
     try:
-        return base64.b64decode(payload, validate=True)
+        data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise MediaError("the data URL's payload is not valid base64", field) from None
+    if len(data) > max_bytes:  # the length check above is the encoding's bound, a few bytes loose
+        raise MediaError(f"the {what} is larger than {max_bytes} bytes", field)
+    return data
 
 
-def _file_bytes(url: str, policy: MediaPolicy, field: str) -> bytes:
+def _file_bytes(url: str, policy: MediaPolicy, field: str, what: str, max_bytes: int) -> bytes:
     root = policy.allowed_local_media_path
     if root is None:
         raise MediaError("file:// URLs are refused: the server has no --allowed-local-media-path", field)
@@ -124,23 +139,23 @@ def _file_bytes(url: str, policy: MediaPolicy, field: str) -> bytes:
     if os.path.commonpath([path, root]) != root:
         raise MediaError("the file is outside --allowed-local-media-path", field)
     try:
-        if os.path.getsize(path) > MAX_IMAGE_BYTES:
-            raise MediaError(f"the image is larger than {MAX_IMAGE_BYTES} bytes", field)
+        if os.path.getsize(path) > max_bytes:
+            raise MediaError(f"the {what} is larger than {max_bytes} bytes", field)
         with open(path, "rb") as f:
             return f.read()
     except OSError:
         raise MediaError("the file cannot be read", field) from None
 
 
-def _fetch(url: str, policy: MediaPolicy, field: str) -> bytes:
+def _fetch(url: str, policy: MediaPolicy, field: str, what: str, max_bytes: int) -> bytes:
     host = (urllib.parse.urlparse(url).hostname or "").lower()
     if host not in policy.allowed_media_domains:
         raise MediaError(f"the host {host!r} is not in --allowed-media-domains", field)
     try:
         with _OPENER.open(url, timeout=_FETCH_TIMEOUT_S) as response:
-            data = response.read(MAX_IMAGE_BYTES + 1)
+            data = response.read(max_bytes + 1)
     except OSError:
-        raise MediaError("the image could not be downloaded", field) from None
-    if len(data) > MAX_IMAGE_BYTES:
-        raise MediaError(f"the image is larger than {MAX_IMAGE_BYTES} bytes", field)
+        raise MediaError(f"the {what} could not be downloaded", field) from None
+    if len(data) > max_bytes:
+        raise MediaError(f"the {what} is larger than {max_bytes} bytes", field)
     return data

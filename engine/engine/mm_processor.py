@@ -3,8 +3,8 @@
 The prompt's text holds one image placeholder (`<image>` for LLaVA) per image; the processor expands
 each into the model's `tokens_per_image` image tokens and turns the images into pixel values. Each image
 becomes a `MultiModalFeature` (core/multimodal.py): where its tokens sit, its pixels and their content
-hash. Chat messages' content parts are flattened to text with a placeholder where each image was
-(`flatten_content`), so any chat template renders them. No jax; the engine core's step never decodes.
+hash. Chat messages' content parts are flattened to text with a placeholder where each image (or video)
+was (`flatten_content`), so any chat template renders them. No jax; the engine core's step never decodes.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ class MultiModalProcessor:
         self.max_images = max_images
         # Videos (Qwen2.5-VL's frames): the processor's `video_token`, or None for a model of images only.
         self.video_placeholder = getattr(hf_processor, "video_token", None)
+        self.chat_video_placeholder = (
+            getattr(hf_processor, "chat_video_placeholder", None) if self.video_placeholder else None
+        )
         self.video_token_id = video_token_id
         self.max_videos = max_videos
 
@@ -89,9 +92,12 @@ class MultiModalProcessor:
         *,
         add_special_tokens: bool = True,
         field: str = "multi_modal_data.image",
+        video_fields: list[str] | None = None,
     ) -> tuple[list[int], list[MultiModalFeature]]:
         """(the prompt's ids with each placeholder expanded, one feature per image and video, in prompt
-        order). A video is a list of frames (PIL images or one uint8 array [T, H, W, 3])."""
+        order). A video is a list of frames (PIL images or one uint8 array [T, H, W, 3]), or vLLM's
+        (frames, metadata) pair whose metadata's `fps` is the frames' rate (else the directory's fps).
+        `video_fields` name each video in errors (a chat's video parts; else `...video[i]`)."""
         if len(images) > self.max_images:
             raise ValueError(
                 f"{field}: {len(images)} images in one prompt; at most {self.max_images} "
@@ -108,7 +114,9 @@ class MultiModalProcessor:
         images = [
             check_image(_as_pil(image, f"{field}[{i}]"), f"{field}[{i}]") for i, image in enumerate(images)
         ]
-        videos = [_frames(video, f"{video_field}[{i}]") for i, video in enumerate(videos)]
+        video_fields = video_fields or [f"{video_field}[{i}]" for i in range(len(videos))]
+        pairs = [_video(video, name) for video, name in zip(videos, video_fields)]
+        videos, fps = [frames for frames, _ in pairs], [rate for _, rate in pairs]
         for placeholder, items, name, where in (
             (self.placeholder, images, "images", field),
             (self.video_placeholder, videos, "videos", video_field),
@@ -119,7 +127,7 @@ class MultiModalProcessor:
                     f"{where}: the prompt has {num_placeholders} {placeholder} placeholders for "
                     f"{len(items)} {name}"
                 )
-        kwargs = {"videos": videos} if videos else {}
+        kwargs = {"videos": videos, "fps": fps} if videos else {}
         out = self.hf_processor(
             text=text,
             images=images or None,
@@ -128,15 +136,17 @@ class MultiModalProcessor:
             **kwargs,
         )
         ids = out["input_ids"][0].astype(np.int64)
-        features = self._features(ids, out, "image", len(images), field)
+        features = self._features(ids, out, "image", [f"{field}[{i}]" for i in range(len(images))], field)
         if videos:
-            features += self._features(ids, out, "video", len(videos), video_field)
+            features += self._features(ids, out, "video", video_fields, video_field)
         return ids.tolist(), sorted(features, key=lambda f: f.offset)
 
     def _features(
-        self, ids: np.ndarray, out, modality: str, count: int, field: str
+        self, ids: np.ndarray, out, modality: str, names: list[str], field: str
     ) -> list[MultiModalFeature]:
-        """One feature per image (or video) of the processor's output `out`, where its tokens are."""
+        """One feature per image (or video) of the processor's output `out`, where its tokens are;
+        `names` name each in errors."""
+        count = len(names)
         token_id = self.image_token_id if modality == "image" else self.video_token_id
         values = out.get("pixel_values" if modality == "image" else "pixel_values_videos")
         grids = out.get("image_grid_thw" if modality == "image" else "video_grid_thw")
@@ -148,6 +158,7 @@ class MultiModalProcessor:
             if modality == "video" and getattr(self.hf_processor, "timestamps", False):
                 # Qwen3-VL: each frame pair's tokens sit apart (its time's text between), so each pair is
                 # a feature of its own: the tower encodes a pair alone anyway (Hugging Face's cu_seqlens).
+                names = [name for (t, _, _), name in zip(grids, names) for _ in range(t)]
                 grids = [(1, h, w) for t, h, w in grids for _ in range(t)]
             counts = [int(np.prod(g)) // self.hf_processor.merge_unit for g in grids]
             ends = np.cumsum([int(np.prod(g)) for g in grids])
@@ -155,32 +166,51 @@ class MultiModalProcessor:
         positions = np.flatnonzero(ids == token_id)
         if len(positions) != sum(counts):  # the text itself spelled the placeholder token
             raise ValueError(f"{field}: the prompt's text holds {modality} tokens of its own")
+        seconds = out.get("second_per_grid_ts") if modality == "video" else None
         features, first = [], 0
         for i, n in enumerate(counts):
             if n > self.tokens_per_image:  # an encoder-cache slot holds one largest image
-                raise ValueError(
-                    f"{field}[{i}]: {n} tokens; a {modality} may have at most {self.tokens_per_image} "
-                    "(the processor's max_pixels)"
+                raise MediaError(
+                    f"{n} tokens; a {modality} may have at most {self.tokens_per_image} "
+                    "(the processor's max_pixels)",
+                    names[i],
                 )
             offset = int(positions[first])
             if positions[first + n - 1] != offset + n - 1:
                 raise ValueError(f"{field}: {modality} {i}'s tokens are not contiguous")
             grid = None if grids is None else grids[i]
-            features.append(MultiModalFeature(modality, hash_pixels(pixels[i]), offset, n, pixels[i], grid))
+            timing = None if seconds is None else float(seconds[i])
+            mm_hash = hash_pixels(pixels[i], timing)
+            features.append(MultiModalFeature(modality, mm_hash, offset, n, pixels[i], grid, timing))
             first += n
         return features
 
 
 def as_videos(value) -> list:
-    """multi_modal_data's "video" as a list of videos: one video (a uint8 array [T, H, W, 3], or a list
-    of frames: PIL images or [H, W, 3] arrays) or a list of them."""
-    if isinstance(value, np.ndarray):
+    """multi_modal_data's "video" as a list of videos: one video (a uint8 array [T, H, W, 3], a list
+    of frames: PIL images or [H, W, 3] arrays, or a (frames, metadata) pair) or a list of them."""
+    if isinstance(value, np.ndarray) or _is_pair(value):
         return [value]
     value = list(value)
     first = value[0] if value else None
     if isinstance(first, Image.Image) or (isinstance(first, np.ndarray) and first.ndim == 3):
         return [value]  # one video's frames
     return value
+
+
+def _is_pair(value) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)
+
+
+def _video(video, field: str) -> tuple[list, float | None]:
+    """(a video's frames as PIL images, their fps: a (frames, metadata) pair's `fps`, else None)."""
+    if not _is_pair(video):
+        return _frames(video, field), None
+    frames, metadata = video
+    fps = metadata.get("fps")
+    if fps is not None and not (isinstance(fps, (int, float)) and 0 < fps < float("inf")):
+        raise MediaError(f"a video's metadata fps must be a positive number, got {fps!r}", field)
+    return _frames(frames, field), fps
 
 
 def _frames(video, field: str) -> list:
@@ -260,13 +290,15 @@ class QwenVLProcessor:
     Videos (`fps` given): each frame through the same image processor (so a video takes the image
     settings' min/max pixels), then frames paired along time as the video processor does (the last
     repeated to an even count): a video of F frames is a (F / 2, h, w) grid of the frames' patches.
-    Qwen2.5-VL: its `<|video_pad|>` expands to all their tokens; `second_per_grid_ts` is 2 / fps.
-    Qwen3-VL (`timestamps`): as Qwen3VLProcessor, to each pair's time in the text and then its tokens in
-    vision marks, `<0.2 seconds><|vision_start|><|video_pad|>...<|vision_end|>` a pair (the prompt's own
-    marks around the placeholder stay: Hugging Face replaces the `<|video_pad|>` only)."""
+    Qwen2.5-VL: its `<|video_pad|>` expands to all their tokens; `second_per_grid_ts` is 2 / fps (a
+    video's own fps where given, else the directory's). Qwen3-VL (`timestamps`): as Qwen3VLProcessor,
+    to each pair's time (at the same fps) in the text and then its tokens in vision marks,
+    `<0.2 seconds><|vision_start|><|video_pad|>...<|vision_end|>` a pair (the prompt's own marks around
+    the placeholder stay: Hugging Face replaces the `<|video_pad|>` only)."""
 
     image_token = "<|image_pad|>"
     chat_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    chat_video_placeholder = "<|vision_start|><|video_pad|><|vision_end|>"
 
     def __init__(self, image_processor, tokenizer, fps: float | None = None, timestamps: bool = False):
         self.image_processor, self.tokenizer = image_processor, tokenizer
@@ -276,16 +308,24 @@ class QwenVLProcessor:
         self.timestamps = timestamps
 
     def __call__(
-        self, text: str, images=None, videos=None, return_tensors: str = "np", add_special_tokens: bool = True
+        self,
+        text: str,
+        images=None,
+        videos=None,
+        return_tensors: str = "np",
+        add_special_tokens: bool = True,
+        fps: list[float | None] | None = None,
     ):
         out = {}
         if images:
             out |= self.image_processor(images=images, return_tensors="np")
             text = self._expand(text, self.image_token, out["image_grid_thw"])
         if videos:
-            out |= self._videos(videos)
+            fps = fps or [None] * len(videos)
+            out |= self._videos(videos, fps)
             if self.timestamps:
-                text = self._expand_timed(text, out["video_grid_thw"], [len(frames) for frames in videos])
+                num_frames = [len(frames) for frames in videos]
+                text = self._expand_timed(text, out["video_grid_thw"], num_frames, fps)
             else:
                 text = self._expand(text, self.video_token, out["video_grid_thw"])
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
@@ -296,21 +336,22 @@ class QwenVLProcessor:
         counts = [int(np.prod(grid)) // self.merge_unit for grid in grids]
         return pieces[0] + "".join(placeholder * n + piece for n, piece in zip(counts, pieces[1:]))
 
-    def _expand_timed(self, text: str, grids, num_frames: list[int]) -> str:
+    def _expand_timed(self, text: str, grids, num_frames: list[int], fps: list[float | None]) -> str:
         """Each `<|video_pad|>` as Qwen3VLProcessor's `replace_video_token`: per frame pair its time (the
-        mean of its two frames' at `fps`, the last frame repeated to fill the pair) to one decimal, then
-        its tokens between vision marks."""
+        mean of its two frames' at the video's fps, else the directory's; the last frame repeated to fill
+        the pair) to one decimal, then its tokens between vision marks."""
         pieces = text.split(self.video_token)
         pairs = self.image_processor.temporal_patch_size
         out = pieces[0]
-        for (t, h, w), frames, piece in zip(grids, num_frames, pieces[1:]):
+        for (t, h, w), frames, rate, piece in zip(grids, num_frames, fps, pieces[1:]):
+            rate = rate or self.fps
             index = np.minimum(np.arange(t * pairs), frames - 1).reshape(t, pairs)
-            times = (index[:, 0] / self.fps + index[:, -1] / self.fps) / 2  # in Hugging Face's order
+            times = (index[:, 0] / rate + index[:, -1] / rate) / 2  # in Hugging Face's order
             frame = "<|vision_start|>" + self.video_token * (int(h * w) // self.merge_unit) + "<|vision_end|>"
             out += "".join(f"<{time:.1f} seconds>{frame}" for time in times) + piece
         return out
 
-    def _videos(self, videos: list) -> dict[str, np.ndarray]:
+    def _videos(self, videos: list, fps: list[float | None]) -> dict[str, np.ndarray]:
         pairs = self.image_processor.temporal_patch_size
         values, grids = [], []
         for frames in videos:
@@ -326,7 +367,7 @@ class QwenVLProcessor:
             grids.append((len(frames) // pairs, h, w))
         out = {"pixel_values_videos": np.concatenate(values), "video_grid_thw": np.asarray(grids, np.int64)}
         if not self.timestamps:  # Qwen2.5-VL's temporal positions: seconds a pair
-            out["second_per_grid_ts"] = np.full(len(videos), pairs / self.fps, np.float32)
+            out["second_per_grid_ts"] = np.asarray([pairs / (f or self.fps) for f in fps], np.float32)
         return out
 
 
@@ -355,14 +396,21 @@ VISION_LANGUAGE_FAMILIES = {
 
 
 def flatten_content(
-    messages: list[dict], placeholder: str | None, load: Callable[[str, str], object], field: str = "messages"
-) -> tuple[list[dict], list]:
-    """OpenAI chat messages whose content may be a list of parts -> (messages with text content, images).
+    messages: list[dict],
+    placeholder: str | None,
+    load: Callable[[str, str], object],
+    field: str = "messages",
+    video_placeholder: str | None = None,
+    load_video: Callable[[str, str], object] | None = None,
+) -> tuple[list[dict], list, list]:
+    """OpenAI chat messages whose content may be a list of parts -> (messages with text content, images,
+    videos).
 
     Text parts are joined; each `image_url` part becomes `placeholder` + a newline, and `load(url,
-    part_field)` its image. `placeholder` None (a text-only model): an image part is a ValueError
-    naming it."""
-    out, images = [], []
+    part_field)` its image; each `video_url` part `video_placeholder` + a newline, and `load_video(url,
+    part_field)` its video. `placeholder` None (a text-only model), or `video_placeholder` None for a
+    video part (a model of images only): a ValueError naming the part."""
+    out, images, videos = [], [], []
     for i, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, list):
@@ -374,19 +422,27 @@ def flatten_content(
             kind = part.get("type")
             if kind == "text":
                 pieces.append(part.get("text", ""))
-            elif kind in ("image_url", "image_pil"):
+            elif kind in ("image_url", "image_pil", "video_url"):
+                what = "video" if kind == "video_url" else "image"
                 if placeholder is None:
                     raise MediaError(
-                        "this model takes text only: image parts are not supported", f"{part_field}"
+                        f"this model takes text only: {what} parts are not supported", part_field
                     )
                 if kind == "image_pil":
                     images.append(part["image_pil"])
+                    pieces.append(placeholder + "\n")
+                    continue
+                url = part.get(kind)
+                url = str(url.get("url") if isinstance(url, dict) else url)
+                if kind == "image_url":
+                    images.append(load(url, f"{part_field}.image_url"))
+                    pieces.append(placeholder + "\n")
+                elif video_placeholder is None or load_video is None:
+                    raise MediaError("this model takes images, not videos", f"{part_field}.video_url")
                 else:
-                    url = part.get("image_url")
-                    url = url.get("url") if isinstance(url, dict) else url
-                    images.append(load(str(url), f"{part_field}.image_url"))
-                pieces.append(placeholder + "\n")
+                    videos.append(load_video(url, f"{part_field}.video_url"))
+                    pieces.append(video_placeholder + "\n")
             else:
                 raise MediaError(f"unsupported content part type {kind!r}", f"{part_field}.type")
         out.append({**message, "content": "".join(pieces)})
-    return out, images
+    return out, images, videos

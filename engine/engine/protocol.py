@@ -30,17 +30,23 @@ class ImageFeature(msgspec.Struct, array_like=True):
     shape: list[int]
     data: bytes
     grid: list[int] | None = None  # an image of its own size: its patch grid (t, h, w)
+    seconds_per_grid: float | None = None  # a video: seconds per temporal grid
 
     @classmethod
     def from_feature(cls, f: MultiModalFeature) -> ImageFeature:
         pixels = np.ascontiguousarray(f.data, np.float32)
         grid = None if f.grid is None else list(f.grid)
-        return cls(f.modality, f.mm_hash, f.offset, f.length, list(pixels.shape), pixels.tobytes(), grid)
+        shape = list(pixels.shape)
+        return cls(
+            f.modality, f.mm_hash, f.offset, f.length, shape, pixels.tobytes(), grid, f.seconds_per_grid
+        )
 
     def to_feature(self) -> MultiModalFeature:
         pixels = np.frombuffer(self.data, np.float32).reshape(self.shape)
         grid = None if self.grid is None else tuple(self.grid)
-        return MultiModalFeature(self.modality, self.mm_hash, self.offset, self.length, pixels, grid)
+        return MultiModalFeature(
+            self.modality, self.mm_hash, self.offset, self.length, pixels, grid, self.seconds_per_grid
+        )
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):

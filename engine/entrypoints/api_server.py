@@ -125,13 +125,14 @@ def add_parser(sub, add_engine_args) -> None:
     g.add_argument(
         "--allowed-local-media-path",
         default=None,
-        help="image parts may name file:// URLs under this directory (default: none may)",
+        help="image and video parts may name file:// URLs under this directory (default: none may)",
     )
     g.add_argument(
         "--allowed-media-domains",
         nargs="*",
         default=[],
-        help="hosts whose http(s):// image URLs the server downloads (default: none; data: URLs always work)",
+        help="hosts whose http(s):// image and video URLs the server downloads (default: none; data: URLs "
+        "always work)",
     )
     add_tool_args(p)
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -301,7 +302,9 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         enable_playground=not args.disable_playground,
         tool_servers=args.tool_servers,
         media_policy=MediaPolicy(
-            args.allowed_local_media_path, tuple(d.lower() for d in args.allowed_media_domains)
+            args.allowed_local_media_path,
+            tuple(d.lower() for d in args.allowed_media_domains),
+            engine.config.model.video_num_frames,
         ),
         **args.tool_options,
         loras=loras,

@@ -21,6 +21,7 @@ from xlaserve.engine.mm_processor import MultiModalProcessor, flatten_content
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import start_engine
+from xlaserve.engine.video import load_video
 from xlaserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from xlaserve.entrypoints.pooling_io import cosine, pair_token_ids, score_pairs
 from xlaserve.executor import follow
@@ -176,16 +177,20 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
         A vision-language model takes OpenAI's content parts: `image_url` (a data: URL) and `image_pil`
-        (a PIL.Image) beside `text`."""
+        (a PIL.Image) beside `text`; one that takes videos (Qwen2.5-VL) also `video_url` (a data: URL,
+        its frames sampled as media_io_kwargs says: engine/engine/video.py)."""
         self._require_tokenizer("chat()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         mm = self.input_processor.mm_processor
+        policy = MediaPolicy(video_num_frames=self.config.model.video_num_frames)
         for conversation in conversations:
-            conversation, images = flatten_content(
+            conversation, images, videos = flatten_content(
                 conversation,
                 mm and mm.chat_placeholder,
-                lambda url, field: load_image(url, MediaPolicy(), field),
+                lambda url, field: load_image(url, policy, field),
+                video_placeholder=mm and mm.chat_video_placeholder,
+                load_video=lambda url, field: load_video(url, policy, field),
             )
             text = self.tokenizer.apply_chat_template(
                 conversation,
@@ -193,8 +198,8 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
             )
-            if images:
-                prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+            if images or videos:
+                prompt = {"prompt": text, "multi_modal_data": {"image": images, "video": videos}}
             else:  # the template wrote the special tokens it wants
                 prompt = {
                     "prompt": text,

@@ -187,6 +187,7 @@ class MultiModalHook(StepHook):
             self.spatial_merge_size,
             s.request.num_prompt_tokens,
             self.video_interval,
+            self.vision.tokens_per_second,
         )
 
     def _fill_rows(self, rows: np.ndarray, ahead: np.ndarray | None, offset: int, s, to_encode: dict) -> None:

@@ -102,6 +102,7 @@ _HOST_ONLY_SETTINGS = {
         "convert",
         "pooler_config",
         "limit_mm_per_prompt",  # the front end's bound on a prompt's images
+        "media_io_kwargs",  # the front end's video reading (frames kept)
         # (not mm_processor_kwargs: what it changes of a program, the encoder cache's and the tower's
         # bucket shapes, is in its arguments' shapes, which key it anyway)
     ),

@@ -321,3 +321,26 @@ def test_an_image_part_to_a_text_only_model_is_refused(server):
         )
         assert "takes text only" in check_error(response, 400, PART)["message"]
         check_still_serving(client, port)
+
+
+def _video_part() -> dict:
+    from helpers.tiny_vlm import colour_frames, encode_video, video_data_url
+
+    return {"type": "video_url", "video_url": {"url": video_data_url(encode_video(colour_frames(4), 4))}}
+
+
+def test_a_video_part_to_a_model_of_images_only_is_refused(vlm):
+    """LLaVA takes images, not videos: a video_url part is a 400 naming it, before it is read."""
+    _, client, _ = vlm
+    response, port = send(client, "/v1/chat/completions", _chat(_video_part()))
+    error = check_error(response, 400, "messages[0].content[1].video_url")
+    assert "this model takes images, not videos" in error["message"]
+    check_still_serving(client, port)
+
+
+def test_a_video_part_to_a_text_only_model_is_refused(server):
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as client:
+        response, port = send(client, "/v1/chat/completions", _chat(_video_part(), model=MODEL_NAME))
+        error = check_error(response, 400, "messages[0].content[1].video_url")
+        assert "takes text only: video parts are not supported" in error["message"]
+        check_still_serving(client, port)

@@ -325,3 +325,47 @@ def _save_tiny_qwen_vl(directory: str, seed: int, family: str, vision, mrope_sec
     )
     image_processor.save_pretrained(directory)
     return directory
+
+
+def colour_frames(num_frames: int, size: int = 32) -> np.ndarray:
+    """uint8 [T, size, size, 3]: frame t a solid colour of its own (a step around the colour wheel and
+    up in brightness) under a left-to-right gradient, so every frame differs and each is smooth enough
+    for a video codec to keep close."""
+    ramp = np.linspace(0, 60, size, dtype=np.float32)[None, :, None]  # [1, W, 1]
+    frames = []
+    for t in range(num_frames):
+        colour = np.array([(70 * t) % 180, (40 + 50 * t) % 180, 150 - 12 * t], np.float32)
+        frames.append(np.broadcast_to(colour + ramp, (size, size, 3)))
+    return np.stack(frames).clip(0, 255).astype(np.uint8)
+
+
+def encode_video(frames: np.ndarray, rate: int, codec: str = "libx264", container: str = "mp4") -> bytes:
+    """`frames` uint8 [T, H, W, 3] as a video file of `rate` frames per second (PyAV; H and W even)."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():  # flush
+            out.mux(packet)
+    return buffer.getvalue()
+
+
+def empty_video() -> bytes:
+    """An mp4 whose video track holds no frame (its header written, nothing encoded)."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        out.start_encoding()
+    return buffer.getvalue()
+
+
+def video_data_url(data: bytes, container: str = "mp4") -> str:
+    return f"data:video/{container};base64," + base64.b64encode(data).decode()

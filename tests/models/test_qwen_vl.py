@@ -324,8 +324,14 @@ def test_video_mrope_positions_and_decode_delta_are_hugging_faces(llm, hf, famil
         )
     ids, features = llm.input_processor.mm_processor.process(text, images, [frames])
     assert ids == inputs["input_ids"][0].tolist()
-    n, interval = len(ids), llm.engine_core.runner.model_config.video_interval
-    chunks = [mrope_positions(features, s, min(s + 7, n + 3), 2, n, interval) for s in range(0, n + 3, 7)]
+    n, cfg = len(ids), llm.engine_core.runner.model_config
+    if family == "qwen2_5_vl":
+        assert features[1].seconds_per_grid == 1.0  # 2 frames a pair at the directory's 2 fps
+    tps = cfg.vision.tokens_per_second
+    chunks = [
+        mrope_positions(features, s, min(s + 7, n + 3), 2, n, cfg.video_interval, tps)
+        for s in range(0, n + 3, 7)
+    ]
     ours = np.concatenate(chunks, axis=1)
     np.testing.assert_array_equal(ours[:, :n], expected[:, 0].numpy())
     np.testing.assert_array_equal(ours[:, n:], np.tile(np.arange(n, n + 3) + int(delta[0, 0]), (3, 1)))

@@ -45,9 +45,12 @@ from xlaserve.entrypoints.serving.engine_io import (
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.multimodal import (
     check_image_parts,
+    check_video_parts,
     image_parts,
     load_images,
+    load_videos,
     process_images,
+    video_parts,
 )
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.state import ServerState, check_model
@@ -101,13 +104,16 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     plan = plan_tools(req, state.enable_auto_tool_choice)
-    parts = image_parts(req.messages)
-    check_image_parts(state, parts)  # before any image is read
+    parts, video_fields = image_parts(req.messages), video_parts(req.messages)
+    check_image_parts(state, parts)  # before any image or video is read
+    check_video_parts(state, video_fields)
     images = await load_images(state, parts) if parts else []
+    videos = await load_videos(state, video_fields) if video_fields else []
     text = render_chat(state, req)
     mm_features = []
-    if images:
-        ids, mm_features = await process_images(state, text, images)
+    if images or videos:
+        fields = [field for field, _ in video_fields]
+        ids, mm_features = await process_images(state, text, images, videos, fields)
     else:
         ids = tokenize_text(state.engine, text, False, "messages")
     cut = truncated(state.engine, ids, req.truncate_prompt_tokens, bool(mm_features))

@@ -47,7 +47,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     truncated,
 )
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
-from xlaserve.entrypoints.serving.multimodal import image_parts
+from xlaserve.entrypoints.serving.multimodal import media_parts
 from xlaserve.entrypoints.serving.protocol import ErrorResponse
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 from xlaserve.pooling_params import PoolingParams
@@ -109,9 +109,9 @@ def _input_prompts(state: ServerState, req: ChatInputFields) -> list[list[int]]:
         return _token_ids(state, req.input, add_special_tokens, "input", req.truncate_prompt_tokens)
     if req.input is not None:
         raise bad_request("send input or messages, not both", "messages")
-    images = image_parts(req.messages)
-    if images:
-        raise bad_request("the pooling routes take text messages only, not images", images[0][0])
+    media = media_parts(req.messages, ("image_url", "video_url"))
+    if media:
+        raise bad_request("the pooling routes take text messages only, not images or videos", media[0][0])
     text = apply_chat_template(
         state,
         req.messages,

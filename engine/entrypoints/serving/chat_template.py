@@ -28,17 +28,21 @@ logger = logging.getLogger("xlaserve.entrypoints.serving")
 
 
 def conversation(
-    messages: list[ChatMessage], takes_tools: bool = True, image_placeholder: str = ""
+    messages: list[ChatMessage],
+    takes_tools: bool = True,
+    image_placeholder: str = "",
+    video_placeholder: str = "",
 ) -> list[dict]:
     """Pydantic messages -> the dicts a chat template reads (content parts joined into one string, an
-    image part as the model's placeholder and a newline: serving/multimodal.py; calls as `render_calls`
-    puts them)."""
+    image or video part as the model's placeholder and a newline: serving/multimodal.py; calls as
+    `render_calls` puts them)."""
+    placeholders = {"image_url": image_placeholder, "video_url": video_placeholder}
     out = []
     for message in messages:
         content = message.content
         if isinstance(content, list):
             content = "".join(
-                part.text if part.type == "text" else image_placeholder + "\n" for part in content
+                part.text if part.type == "text" else placeholders[part.type] + "\n" for part in content
             )
         # OpenAI's "developer" role is the newer name of "system"; templates know only the latter.
         entry = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
@@ -98,7 +102,12 @@ def apply_chat_template(
     extra = template_kwargs(chat_template_kwargs)
     takes_tools = template_takes_tools(template)
     mm = getattr(getattr(state.engine, "input_processor", None), "mm_processor", None)  # None: text only
-    chat = conversation(messages, takes_tools, mm.chat_placeholder if mm is not None else "")
+    chat = conversation(
+        messages,
+        takes_tools,
+        mm.chat_placeholder if mm is not None else "",
+        (mm.chat_video_placeholder or "") if mm is not None else "",
+    )
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     if tool_dicts and not takes_tools:
         chat = tools_in_system_prompt(chat, tool_dicts)

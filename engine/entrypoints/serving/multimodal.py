@@ -1,9 +1,11 @@
-"""Image parts of chat messages, into a vision-language prompt: loaded, checked and processed off the
-event loop (a worker thread), every refusal a 400 naming the part (`messages[0].content[1].image_url`).
+"""Image and video parts of chat messages, into a vision-language prompt: loaded, checked and processed
+off the event loop (a worker thread), every refusal a 400 naming the part
+(`messages[0].content[1].image_url`, `messages[0].content[2].video_url`).
 
-The chat template sees each image part as the model's placeholder (chat_template.conversation); the
-model's processor then expands the placeholders and makes the images' features (engine/engine/
-mm_processor.py). Where an image may come from and how large it may be: engine/engine/media.py.
+The chat template sees each part as the model's placeholder (chat_template.conversation); the model's
+processor then expands the placeholders and makes the images' and videos' features (engine/engine/
+mm_processor.py). Where an image or video may come from and how large it may be: engine/engine/media.py;
+how a video is decoded and its frames sampled: engine/engine/video.py.
 """
 
 from __future__ import annotations
@@ -12,20 +14,31 @@ import asyncio
 
 from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.engine.media import MediaError, load_image
+from xlaserve.engine.video import load_video
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.protocol import ChatMessage
 from xlaserve.entrypoints.serving.state import ServerState
 
 
-def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
-    """(field, url) of every image part, in order."""
+def media_parts(messages: list[ChatMessage], kinds: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(field, url) of every part of the `kinds` ("image_url", "video_url"), in order."""
     return [
-        (f"messages[{i}].content[{j}].image_url", part.image_url.url)
+        (f"messages[{i}].content[{j}].{part.type}", getattr(part, part.type).url)
         for i, message in enumerate(messages)
         if isinstance(message.content, list)
         for j, part in enumerate(message.content)
-        if part.type == "image_url"
+        if part.type in kinds
     ]
+
+
+def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """(field, url) of every image part, in order."""
+    return media_parts(messages, ("image_url",))
+
+
+def video_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """(field, url) of every video part, in order."""
+    return media_parts(messages, ("video_url",))
 
 
 def check_image_parts(state: ServerState, parts: list[tuple[str, str]]) -> None:
@@ -45,11 +58,39 @@ def check_image_parts(state: ServerState, parts: list[tuple[str, str]]) -> None:
         )
 
 
+def check_video_parts(state: ServerState, parts: list[tuple[str, str]]) -> None:
+    """400 naming the first part a model without videos (text only, or images only), or the per-prompt
+    limit, refuses."""
+    if not parts:
+        return
+    mm = state.engine.input_processor.mm_processor
+    field = parts[0][0]
+    if mm is None:
+        raise bad_request(f"{field}: this model takes text only: video parts are not supported", field)
+    if mm.video_placeholder is None:
+        raise bad_request(f"{field}: this model takes images, not videos", field)
+    if len(parts) > mm.max_videos:
+        field = parts[mm.max_videos][0]
+        raise bad_request(
+            f"{field}: {len(parts)} videos in one request; at most {mm.max_videos} (--limit-mm-per-prompt)",
+            field,
+        )
+
+
 async def load_images(state: ServerState, parts: list[tuple[str, str]]) -> list:
     """The parts' images, loaded and decoded in a worker thread; a 400 naming a part that fails."""
+    return await _load(state, parts, load_image)
 
+
+async def load_videos(state: ServerState, parts: list[tuple[str, str]]) -> list:
+    """The parts' videos as (frames, metadata), loaded, decoded and sampled in a worker thread; a 400
+    naming a part that fails (a server without PyAV: one saying to install the video extra)."""
+    return await _load(state, parts, load_video)
+
+
+async def _load(state: ServerState, parts: list[tuple[str, str]], load) -> list:
     def load_all():
-        return [load_image(url, state.media_policy, field) for field, url in parts]
+        return [load(url, state.media_policy, field) for field, url in parts]
 
     try:
         return await asyncio.to_thread(load_all)
@@ -58,13 +99,15 @@ async def load_images(state: ServerState, parts: list[tuple[str, str]]) -> list:
 
 
 async def process_images(
-    state: ServerState, text: str, images: list
+    state: ServerState, text: str, images: list, videos: list = (), video_fields: list[str] | None = None
 ) -> tuple[list[int], list[MultiModalFeature]]:
-    """The rendered prompt's ids with the placeholders expanded, and the images' features (in a thread:
-    resizing and normalizing is numpy work)."""
+    """The rendered prompt's ids with the placeholders expanded, and the images' and videos' features
+    (`video_fields`: each video's part, named by its errors), in a thread: resizing and normalizing is
+    numpy work."""
     mm = state.engine.input_processor.mm_processor
+    kwargs = {"add_special_tokens": False, "field": "messages", "video_fields": video_fields}
     try:
-        return await asyncio.to_thread(mm.process, text, images, add_special_tokens=False, field="messages")
+        return await asyncio.to_thread(mm.process, text, images, list(videos), **kwargs)
     except MediaError as e:
         raise bad_request(str(e), e.field) from None
     except ValueError as e:

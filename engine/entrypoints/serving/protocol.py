@@ -231,7 +231,23 @@ class ImageURLContentPart(StrictModel):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextContentPart | ImageURLContentPart, Field(discriminator="type")]
+class VideoURL(StrictModel):
+    url: str = Field(
+        max_length=32 * 1024 * 1024, description="a data: URL, or an allowed file:// or http(s):// URL"
+    )
+
+
+class VideoURLContentPart(StrictModel):
+    """A video for a model that takes them (Qwen2.5-VL; vLLM's part): decoded and sampled in the front end
+    (engine/engine/video.py)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[
+    TextContentPart | ImageURLContentPart | VideoURLContentPart, Field(discriminator="type")
+]
 
 
 # OpenAI's function names: what a call's "name" may hold.

@@ -36,7 +36,8 @@ class ServerState:
     enable_tokenizer_info_endpoint: bool = False  # --enable-tokenizer-info-endpoint: GET /tokenizer_info
     enable_playground: bool = True  # GET /: the chat page (off with --disable-playground)
     tool_servers: list[str] = field(default_factory=list)  # --tool-server: MCP servers' host:port
-    # Where image parts' URLs may point (--allowed-local-media-path, --allowed-media-domains).
+    # Where image and video parts' URLs may point (--allowed-local-media-path, --allowed-media-domains),
+    # and a video's frames kept (--media-io-kwargs).
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)
 
     def lora_request(self, model: str | None) -> LoRARequest | None:

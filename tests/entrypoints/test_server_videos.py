@@ -1,0 +1,260 @@
+"""Videos through the real server: /v1/chat/completions with `video_url` parts (vLLM's; the official
+openai client, data URLs of mp4 files made here with PyAV) on a tiny Qwen2.5-VL, against the offline
+engine given the same decoded frames and against Hugging Face's `pixel_values_videos` path; the frame
+sampling (--media-io-kwargs) on files whose frames are known; hostile videos, each a 400 in OpenAI's
+error shape naming the part, the server serving afterwards. One module server: float32, at most one
+video a prompt, 4 frames kept of each, file:// allowed under one directory."""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from test_server_hostile import check_error, check_still_serving, send
+
+from helpers.server_harness import running_server
+from helpers.tiny_models import TINY_PROCESS_ENV
+from helpers.tiny_vlm import (
+    ENGINE_ARGS,
+    colour_frames,
+    empty_video,
+    encode_video,
+    hf_greedy,
+    save_tiny_qwen2_5_vl,
+    video_data_url,
+)
+from xlaserve import LLM, SamplingParams
+from xlaserve.engine import media, video
+from xlaserve.engine.media import MediaError, MediaPolicy
+
+NAME = "tiny-qwen2_5_vl"
+NUM_FRAMES = 4  # the server's --media-io-kwargs
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+QUESTION = "Describe it. "
+# 10 frames at 10 frames a second: one second, 4 kept (0, 3, 6, 9), so 4 fps -- not the directory's 2,
+# which would put the second frame pair 2 temporal positions on instead of 1.
+RATE, LENGTH, KEPT_FPS = 10, 10, 4.0
+MEDIA_IO = f'{{"video": {{"num_frames": {NUM_FRAMES}}}}}'
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("tiny-qwen2_5_vl-video")))
+
+
+@pytest.fixture(scope="module")
+def clip() -> bytes:
+    return encode_video(colour_frames(LENGTH), RATE)
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory, clip):
+    path = tmp_path_factory.mktemp("videos")
+    (path / "clip.mp4").write_bytes(clip)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, server_cache_dir, model_dir, media_dir):
+    flags = ["--served-model-name", NAME, "--limit-mm-per-prompt", '{"image": 1, "video": 1}',
+             "--media-io-kwargs", MEDIA_IO, "--allowed-local-media-path", str(media_dir)]  # fmt: skip
+    for key, value in ENGINE_ARGS.items():  # the offline tests' engine (tests/models/test_qwen_vl.py)
+        flags += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
+    logs = str(tmp_path_factory.mktemp("video-logs"))
+    with running_server(logs, server_cache_dir, extra_args=flags, model=model_dir, env=TINY_PROCESS_ENV) as p:
+        with httpx.Client(base_url=p.url, timeout=120) as client:
+            yield p, client
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, **ENGINE_ARGS, media_io_kwargs=MEDIA_IO)
+
+
+def _video(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def _messages(*parts) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": QUESTION}, *parts]}]
+
+
+def _chat(*parts) -> dict:
+    return {"model": NAME, "messages": _messages(*parts), "max_tokens": 4, "temperature": 0}
+
+
+# -- frame sampling ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_frames", "indices"),
+    [(4, [0, 3, 6, 9]), (3, [0, 4, 9]), (32, list(range(10))), (-1, list(range(10)))],
+)
+@pytest.mark.parametrize(("codec", "container"), [("libx264", "mp4"), ("libvpx-vp9", "webm")])
+def test_frames_are_sampled_uniformly_at_their_own_rate(num_frames, indices, codec, container):
+    """vLLM's sampling (linspace over the file's frames, rounded down; every frame when it has no more
+    than num_frames): which frames come back, told apart by their colours, and their rate: frames kept
+    over the file's one second."""
+    source = colour_frames(LENGTH)
+    frames, metadata = video.decode_video(encode_video(source, RATE, codec, container), "f", num_frames)
+    assert metadata["frames_indices"] == indices and metadata["total_num_frames"] == LENGTH
+    assert metadata["duration"] == pytest.approx(1.0) and metadata["fps"] == pytest.approx(len(indices))
+    assert frames.shape == (len(indices), 32, 32, 3) and frames.dtype == np.uint8
+    error = np.abs(frames.astype(np.int32) - source[indices].astype(np.int32)).mean(axis=(1, 2, 3))
+    others = np.abs(frames[:, None].astype(np.int32) - source[None].astype(np.int32)).mean(axis=(2, 3, 4))
+    assert (others.argmin(axis=1) == indices).all() and (error < 6).all(), error  # lossy, but that frame
+
+
+def test_sample_indices():
+    assert video.sample_indices(100, 5).tolist() == [0, 24, 49, 74, 99]
+    assert video.sample_indices(3, 32).tolist() == [0, 1, 2]
+
+
+def test_without_pyav_a_video_is_refused_saying_what_to_install(monkeypatch, clip):
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` raises ImportError
+    with pytest.raises(
+        MediaError, match=r"v: decoding a video needs PyAV: .*pip install 'xlaserve\[video\]'"
+    ):
+        video.load_video(video_data_url(clip), MediaPolicy(), "v")
+
+
+def test_a_video_past_the_byte_limit_is_refused(monkeypatch, media_dir, clip):
+    monkeypatch.setattr(video, "MAX_VIDEO_BYTES", len(clip) - 1)
+    policy = MediaPolicy(str(media_dir))
+    for url in (video_data_url(clip), (media_dir / "clip.mp4").as_uri()):
+        with pytest.raises(MediaError, match=f"v: the video is larger than {len(clip) - 1} bytes"):
+            video.load_video(url, policy, "v")
+    assert media.MAX_VIDEO_BYTES == 256 * 2**20
+
+
+# -- the server against the offline engine and Hugging Face -------------------------------------------
+
+
+def _hf_inputs(mm, text: str, frames: np.ndarray, fps: float) -> dict:
+    """Hugging Face's inputs for `text` and the video `frames` at `fps`, made by the engine's processor
+    (Qwen2_5_VLProcessor's placeholder expansion; second_per_grid_ts = 2 / fps)."""
+    import torch
+    from PIL import Image
+
+    out = mm.hf_processor(text=text, videos=[[Image.fromarray(f) for f in frames]], fps=[fps])
+    ids = torch.tensor(out["input_ids"])
+    inputs = {name: torch.tensor(value) for name, value in out.items() if name != "input_ids"}
+    types = 2 * (ids == mm.video_token_id).long()  # get_rope_index: 2 marks a video's tokens
+    return {**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
+
+
+def test_openai_client_video_matches_offline_and_hugging_face(vlm, llm, model_dir, clip):
+    """The official client's data-URL video: the same greedy tokens and logprobs as LLM.chat's video_url
+    and as LLM.generate given the decoded, sampled frames at their 4 fps; the same tokens as Hugging
+    Face's Qwen2_5_VLForConditionalGeneration on those frames with second_per_grid_ts = 2 / 4, and the
+    offline prompt logprobs within 2e-4 of its. The frames' own rate matters: at the directory's 2 fps
+    the prompt's logprobs differ."""
+    import torch
+    import transformers
+
+    proc, _ = vlm
+    client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none")
+    response = client.chat.completions.create(
+        **_chat(_video(video_data_url(clip))), logprobs=True, extra_body={"return_token_ids": True}
+    )
+    choice = response.choices[0]
+    served_ids = choice.to_dict()["token_ids"]
+    served_logprobs = np.array([entry.logprob for entry in choice.logprobs.content])
+    assert len(served_ids) == 4 and choice.finish_reason == "length"
+
+    frames, metadata = video.decode_video(clip, "f", NUM_FRAMES)
+    assert metadata["fps"] == KEPT_FPS and metadata["frames_indices"] == [0, 3, 6, 9]
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{QUESTION}{VIDEO}\n"}], add_generation_prompt=True, tokenize=False
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, prompt_logprobs=0)
+    chat = llm.chat(_messages(_video(video_data_url(clip))), params, use_tqdm=False)[0]
+    prompt = {"prompt": text, "multi_modal_data": {"video": (frames, {"fps": metadata["fps"]})}}
+    offline = llm.generate(prompt, params, use_tqdm=False)[0]
+    for out in (chat, offline):
+        ids = list(out.outputs[0].token_ids)
+        assert ids == served_ids
+        logprobs = [entry[tid].logprob for entry, tid in zip(out.outputs[0].logprobs, ids)]
+        np.testing.assert_allclose(logprobs, served_logprobs, atol=1e-5)
+    assert response.usage.prompt_tokens == len(offline.prompt_token_ids)
+    assert offline.prompt_token_ids.count(llm.input_processor.mm_processor.video_token_id) == 2 * 16
+
+    mm = llm.input_processor.mm_processor
+    inputs = _hf_inputs(mm, text, frames, KEPT_FPS)
+    assert inputs["video_grid_thw"].tolist() == [[2, 8, 8]]
+    assert inputs["second_per_grid_ts"].tolist() == [0.5]
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    hf_tokens, hf_ids, hf_logprobs = hf_greedy(hf.eval(), inputs, max_tokens=4)
+    assert offline.prompt_token_ids == hf_ids and hf_tokens == served_ids
+    ours = np.array([entry[tid].logprob for entry, tid in zip(offline.prompt_logprobs[1:], hf_ids[1:])])
+    np.testing.assert_allclose(ours, hf_logprobs, atol=2e-4)
+
+    at_two = llm.generate({"prompt": text, "multi_modal_data": {"video": frames}}, params, use_tqdm=False)[0]
+    theirs = np.array([entry[tid].logprob for entry, tid in zip(at_two.prompt_logprobs[1:], hf_ids[1:])])
+    assert np.abs(theirs - ours).max() > 1e-3  # the text after the video sees other positions
+    assert llm.engine_core.runner.guard.num_unexpected == 0
+
+
+def test_a_local_video_file_under_the_allowed_path_is_read(vlm, media_dir, clip):
+    _, client = vlm
+    by_file = client.post("/v1/chat/completions", json=_chat(_video((media_dir / "clip.mp4").as_uri())))
+    by_data = client.post("/v1/chat/completions", json=_chat(_video(video_data_url(clip))))
+    assert by_file.status_code == 200, by_file.text
+    assert by_file.json()["choices"][0]["message"] == by_data.json()["choices"][0]["message"]
+
+
+# -- refusals ------------------------------------------------------------------------------------------
+
+PART = "messages[0].content[1].video_url"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("data:video/mp4;base64,!!!not-base64", "not valid base64"),
+        (video_data_url(b"plain text, not a video at all"), "not a video PyAV can decode"),
+        ("EMPTY", "the video has no frames"),
+        # 64 x 64 frames are 64 tokens a pair: 4 frames kept, 2 pairs, 128 tokens.
+        ("LARGE", "128 tokens; a video may have at most 64"),
+        ("https://videos.example.com/clip.mp4", "not in --allowed-media-domains"),
+        ("file:///etc/passwd", "outside --allowed-local-media-path"),
+        ("ftp://videos.example.com/clip.mp4", "the video URL must be a data: URL"),
+    ],
+)
+def test_hostile_videos_are_a_400_naming_the_part(vlm, url, message):
+    _, client = vlm
+    if url == "EMPTY":
+        url = video_data_url(empty_video())
+    elif url == "LARGE":
+        url = video_data_url(encode_video(colour_frames(4, size=64), 4))
+    response, port = send(client, "/v1/chat/completions", _chat(_video(url)))
+    error = check_error(response, 400, PART)
+    assert message in error["message"], error
+    check_still_serving(client, port)
+
+
+def test_more_videos_than_the_limit_are_refused(vlm, clip):
+    _, client = vlm
+    url = video_data_url(clip)
+    response, port = send(client, "/v1/chat/completions", _chat(_video(url), _video(url)))
+    error = check_error(response, 400, "messages[0].content[2].video_url")
+    assert "2 videos in one request; at most 1 (--limit-mm-per-prompt)" in error["message"]
+    check_still_serving(client, port)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('{"video": {"num_frames": 0}}', "num_frames must be an integer >= 1 or -1"),
+        ('{"audio": {}}', r"modalities \['audio'\] are not supported"),
+        ('{"video": {"fps": 2}}', "media_io_kwargs.video must be like"),
+    ],
+)
+def test_bad_media_io_kwargs_are_refused_at_start(value, message):
+    from xlaserve.config import ModelConfig
+
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(media_io_kwargs=value)
