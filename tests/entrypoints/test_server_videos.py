@@ -24,6 +24,7 @@ from helpers.tiny_vlm import (
     encode_video,
     hf_greedy,
     save_tiny_qwen2_5_vl,
+    save_tiny_qwen3_vl,
     video_data_url,
 )
 from xlaserve import LLM, SamplingParams
@@ -196,6 +197,28 @@ def test_openai_client_video_matches_offline_and_hugging_face(vlm, llm, model_di
     theirs = np.array([entry[tid].logprob for entry, tid in zip(at_two.prompt_logprobs[1:], hf_ids[1:])])
     assert np.abs(theirs - ours).max() > 1e-3  # the text after the video sees other positions
     assert llm.engine_core.runner.guard.num_unexpected == 0
+
+
+def test_a_qwen3_vl_video_url_is_timed_at_its_kept_rate(tmp_path, clip):
+    """Qwen3-VL's video_url part (LLM.chat): each frame pair's time in the prompt's text is at the kept
+    frames' own rate (4 fps: pairs at 0.125 and 0.625 s), and the answer is LLM.generate's on the decoded
+    frames with that fps, token for token and logprob for logprob."""
+    llm = LLM(save_tiny_qwen3_vl(str(tmp_path / "qwen3-vl")), **ENGINE_ARGS, media_io_kwargs=MEDIA_IO)
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0)
+    chat = llm.chat(_messages(_video(video_data_url(clip))), params, use_tqdm=False)[0]
+    frames, metadata = video.decode_video(clip, "f", NUM_FRAMES)
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{QUESTION}{VIDEO}\n"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = {"prompt": text, "multi_modal_data": {"video": (frames, {"fps": metadata["fps"]})}}
+    offline = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == offline.prompt_token_ids
+    prompt_text = llm.tokenizer.decode(offline.prompt_token_ids)
+    assert "<0.1 seconds>" in prompt_text and "<0.6 seconds>" in prompt_text  # not 2 fps's 0.2, 1.2
+    assert chat.outputs[0].token_ids == offline.outputs[0].token_ids
+    assert [e[t].logprob for e, t in zip(chat.outputs[0].logprobs, chat.outputs[0].token_ids)] == [
+        e[t].logprob for e, t in zip(offline.outputs[0].logprobs, offline.outputs[0].token_ids)
+    ]
 
 
 def test_a_local_video_file_under_the_allowed_path_is_read(vlm, media_dir, clip):

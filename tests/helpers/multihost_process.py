@@ -1,0 +1,106 @@
+"""One process of a tensor-parallel engine over two processes (tests/sharding/test_multihost.py), run
+as `python multihost_process.py ARG_JSON` (helpers/two_processes.py); the other process follows process
+0's steps and calls until it stops, and process 0 prints what each answer was as one JSON line.
+
+- "research": process 0 answers PROMPTS, takes another checkpoint (`update_weights_from_path`), sleeps
+  and wakes, takes its first checkpoint back by `update_weights` in two parts (layer 0 last: each part
+  writes some layers of the stacks), and is refused a tensor of the wrong shape.
+- "lora": PROMPTS with adapter A on the first and none on the second, then B, then A again, one adapter
+  slot (each round writes the slot anew).
+
+arg: {"case", "model", "node_rank", "port"} and "new_model" (research) or "adapters" (lora)."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # `helpers` as the suite imports it
+
+PROMPTS = [[1, 5, 9, 14, 20, 7], [1, 30, 31, 32]]
+ENGINE = {
+    "dtype": "float32",
+    "tensor_parallel_size": 2,
+    "max_model_len": 128,
+    "max_num_batched_tokens": 16,
+    "max_num_seqs": 2,
+    "kv_cache_memory": 2**23,
+    "enforce_eager": True,
+}
+
+
+LORA = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+
+
+def answers(llm, lora_request=None) -> dict:
+    from xlaserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "logprobs": [
+            [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs
+        ],
+    }
+
+
+def lora_rounds(llm, adapters: list[str]) -> list[dict]:
+    """PROMPTS with adapter A, B, then A again on the first prompt (the base model on the second)."""
+    from xlaserve import LoRARequest
+
+    a, b = (LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(zip("ab", adapters)))
+    return [answers(llm, [lora, None]) for lora in (a, b, a)]
+
+
+def main(arg: dict) -> None:
+    from xlaserve import LLM
+    from xlaserve.entrypoints.llm import serve_follower
+
+    engine = (
+        ENGINE
+        | (LORA if arg["case"] == "lora" else {})
+        | {
+            "nnodes": 2,
+            "node_rank": arg["node_rank"],
+            "master_addr": "127.0.0.1",
+            "master_port": arg["port"],
+        }
+    )
+    if arg["node_rank"]:
+        serve_follower(arg["model"], **engine)
+        return
+    llm = LLM(arg["model"], **engine)
+    if arg["case"] == "lora":
+        result = {"rounds": lora_rounds(llm, arg["adapters"]), "loads": llm.engine_core.runner.lora.num_loads}
+    else:
+        result = research(llm, arg)
+    print("RESULT " + json.dumps(result), flush=True)
+    llm.shutdown()
+
+
+def research(llm, arg: dict) -> dict:
+    from safetensors.numpy import load_file
+
+    result = {"before": answers(llm)}
+    result["updated"] = len(llm.update_weights_from_path(arg["new_model"]))
+    result["after"] = answers(llm)
+    result["freed"] = llm.sleep(level=2).device_bytes
+    result["placed"] = llm.wake_up().device_bytes
+    result["woken"] = answers(llm)
+    first = load_file(os.path.join(arg["model"], "model.safetensors"))
+    layer_0 = {k: v for k, v in first.items() if k.startswith("model.layers.0.")}
+    llm.update_weights({k: v for k, v in first.items() if k not in layer_0})
+    llm.update_weights(layer_0)
+    result["back"] = answers(llm)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    try:
+        llm.update_weights({name: first[name][:, :-1]})
+    except ValueError as e:
+        result["refused"] = str(e)
+    result["after_refusal"] = answers(llm)
+    return result
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
