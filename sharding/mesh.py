@@ -148,6 +148,19 @@ class Placement:
         dozen small arrays. Across processes they must be global arrays: replicated explicitly."""
         return tree if jax.process_count() == 1 else self.put_replicated(tree)
 
+    def own_inputs(self, tree):
+        """`step_inputs` for host work one process does on its own, outside the steps (a LoRA slot
+        written while preparing one): each process places its own copies, with no exchange between the
+        processes (a `device_put` across them checks the values with the others, which are not there)."""
+        if jax.process_count() == 1:
+            return tree
+
+        def place(x):
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, self.replicated, lambda index: x[index])
+
+        return jax.tree.map(place, tree)
+
 
 @functools.cache
 def _zeros_fn(shape: tuple[int, ...], dtype, sharding: NamedSharding):

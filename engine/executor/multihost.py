@@ -30,6 +30,7 @@ import zmq
 from xlaserve.config import EngineConfig, ParallelConfig
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
 from xlaserve.executor.executor import Executor
+from xlaserve.lora_request import LoRARequest
 from xlaserve.worker import weight_update
 from xlaserve.worker.input_batch import StepInputs
 from xlaserve.worker.loading import LoadedCheckpoint
@@ -61,8 +62,10 @@ def _unpack(data: bytes) -> dict[str, np.ndarray]:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """A research-stack call for every follower: `method` of worker/weight_update.py with `args`, and
-    for update_weights the arrays (host copies, sent as their bytes)."""
+    """Host work for every follower between steps: a research-stack call (`method` of
+    worker/weight_update.py with `args`, and for update_weights the arrays, host copies sent as their
+    bytes), or "put_lora_in_slot" (slot, LoRARequest fields): an adapter process 0 wrote into a slot
+    while preparing the next step."""
 
     method: str
     args: tuple = ()
@@ -87,6 +90,9 @@ class Call:
         return cls(header["method"], tuple(header["args"]), weights if header["weights"] else None)
 
     def run(self, runner: ModelRunner):
+        if self.method == "put_lora_in_slot":
+            slot, *lora = self.args
+            return runner.lora.put_in_slot(slot, LoRARequest(*lora))
         args = (self.weights,) if self.method == "update_weights" else self.args
         return getattr(weight_update, self.method)(runner, *args)
 
@@ -234,6 +240,10 @@ class MultiHostExecutor(Executor):
         if not scheduled:
             return ModelRunnerOutput()
         inputs = self.runner.prepare(scheduled, grammar_bitmask)
+        for slot, lora in self.runner.lora.take_loads() if self.runner.lora is not None else ():
+            self.sender.call(
+                Call("put_lora_in_slot", (slot, lora.lora_name, lora.lora_int_id, lora.lora_path))
+            )
         self.sender.send(inputs)
         host = self._answered(self.runner.run(inputs))
         return make_output(scheduled, host, inputs.failed_req_ids)

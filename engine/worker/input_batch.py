@@ -329,7 +329,7 @@ class StepInputs:
             arrays = {k: z[k] for k in z.files}
 
         def group(prefix: str) -> dict[str, np.ndarray]:
-            return {k.split(".", 1)[1]: v for k, v in arrays.items() if k.startswith(prefix)}
+            return {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
 
         batch = group("batch.")
         batch["num_padded_seqs"] = int(batch["num_padded_seqs"])

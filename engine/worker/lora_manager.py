@@ -91,9 +91,6 @@ class LoRAManager:
                 "(supported: the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, Mixtral and Qwen3-MoE "
                 "families)"
             )
-        if jax.process_count() > 1:
-            # The slots are written by process 0's host work (prepare), which followers never run.
-            raise ValueError("enable_lora: LoRA is not supported on a multi-host engine yet")
         self.max_loras = lora_config.max_loras
         self.max_rank = lora_config.max_lora_rank
         self.max_cpu_loras = lora_config.num_cpu_loras
@@ -143,6 +140,9 @@ class LoRAManager:
         self._host: OrderedDict[int, dict] = OrderedDict()  # lora_int_id -> weights in slot layout
         self._configs: dict[int, tuple[LoRARequest, AdapterConfig]] = {}
         self.num_loads = 0  # adapters written into a slot
+        # (slot, adapter) written since `take_loads`: across processes the followers, which never
+        # prepare a step, write the same slots before it (executor/multihost.py).
+        self.loads: list[tuple[int, LoRARequest]] = []
 
     @property
     def num_host_loras(self) -> int:
@@ -206,7 +206,8 @@ class LoRAManager:
             for stack in stacks:
                 layers = holder.layers(self.layer_stacks[stack])
                 part[stack] = jax.tree.map(lambda x, layers=layers: x[layers], new[stack])
-            self.stacks[i] = self._write(stacks, np.int32(slot - 1), part)
+            ready = holder.placement.own_inputs  # across processes: replicated, placed by each alone
+            self.stacks[i] = self._write(stacks, ready(np.int32(slot - 1)), ready(part))
 
     # -- per step ---------------------------------------------------------------------------------
 
@@ -223,14 +224,24 @@ class LoRAManager:
                     f"no free LoRA slot for adapter {lora.lora_name!r}: max_loras={self.max_loras}"
                 )
             slot = min(free, key=lambda s: (self._slot_owner[s] is not None, self._slot_used[s]))
-            t0 = time.perf_counter()
-            self._slot_owner[slot] = None  # if loading fails, the slot holds nothing valid
-            self._load_into_slot(slot, self._host_weights(lora))
-            self._slot_owner[slot] = lora_id
-            self.num_loads += 1
-            logger.info("LoRA adapter %r in slot %d (%.3fs)", lora.lora_name, slot, time.perf_counter() - t0)
+            self.put_in_slot(slot, lora)
+            if jax.process_count() > 1:
+                self.loads.append((slot, lora))
         self._slot_used[slot] = time.monotonic()
         return slot
+
+    def put_in_slot(self, slot: int, lora: LoRARequest) -> None:
+        """Write `lora` into `slot` (a follower process: the slot process 0 chose)."""
+        t0 = time.perf_counter()
+        self._slot_owner[slot] = None  # if loading fails, the slot holds nothing valid
+        self._load_into_slot(slot, self._host_weights(lora))
+        self._slot_owner[slot] = lora.lora_int_id
+        self.num_loads += 1
+        logger.info("LoRA adapter %r in slot %d (%.3fs)", lora.lora_name, slot, time.perf_counter() - t0)
+
+    def take_loads(self) -> list[tuple[int, LoRARequest]]:
+        loads, self.loads = self.loads, []
+        return loads
 
     def step_slot_ids(self, scheduled, num_tokens: int, failed: set[str]) -> np.ndarray:
         """Each token's slot ([num_tokens] int32; padding and base-model tokens 0), writing the step's

@@ -120,13 +120,18 @@ def test_divergent_follower_stops_the_engine_with_a_clear_error():
     inputs = StepInputs(build_step_batch([], 16, 16, 4, 16), sampling_tensors([], 16, 32, False), False, None)
     # A state model's prefix cache: slot copies before and after the forward travel with the step.
     copies = (np.array([[5], [2]], np.int32), np.array([[2, 3], [6, 7]], np.int32))
-    sender.send(dataclasses.replace(inputs, state_copies=copies))
+    hooks = {"lora": {"slot_ids": np.arange(16, dtype=np.int32)}, "empty": {}}
+    sender.send(dataclasses.replace(inputs, state_copies=copies, hooks=hooks))
     with pytest.raises(RuntimeError, match="divergence at step 0: process 1"):
         sender.check(np.array([1, 2], np.int32))
     sender.close()
     thread.join(timeout=30)
     assert len(received) == 1 and received[0].batch.input_ids.shape == (16,)
     assert [c.tolist() for c in received[0].state_copies] == [c.tolist() for c in copies]
+    assert {k: {n: a.tolist() for n, a in v.items()} for k, v in received[0].hooks.items()} == {
+        "lora": {"slot_ids": list(range(16))},
+        "empty": {},
+    }
 
 
 @pytest.mark.slow
@@ -198,18 +203,18 @@ def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text
 
 @pytest.mark.slow
 def test_research_stack_across_two_processes(tiny_llama_2kv, tmp_path):
-    """TP 2 over two processes of one device each (helpers/multihost_research.py): update_weights_from_path
+    """TP 2 over two processes of one device each (helpers/multihost_process.py): update_weights_from_path
     gives a one-device engine's answers on the new checkpoint, sleep(2)/wake_up gives the same bits back,
     update_weights in two parts (each writing some layers of the stacks, the shards cut in each process)
     brings the first checkpoint's bits back, and a tensor of the wrong shape is refused with nothing
     changed on either process (the follower's checksums would stop a diverged engine)."""
-    from helpers.multihost_research import ENGINE, PROMPTS, answers
+    from helpers.multihost_process import ENGINE, PROMPTS, answers
     from helpers.tiny_models import save_tiny_llama
     from xlaserve import LLM
 
     new_model = save_tiny_llama(str(tmp_path / "new"), seed=1, num_key_value_heads=2)
-    arg = {"model": tiny_llama_2kv, "new_model": new_model}
-    run = run_two_processes("multihost_research.py", arg, devices_per_process=1)
+    arg = {"case": "research", "model": tiny_llama_2kv, "new_model": new_model}
+    run = run_two_processes("multihost_process.py", arg, devices_per_process=1)
     assert len(PROMPTS) == 2 and run["updated"] > 0
     reference = answers(LLM(new_model, **(ENGINE | {"tensor_parallel_size": 1})))
     assert run["after"]["tokens"] == reference["tokens"] != run["before"]["tokens"]
@@ -219,3 +224,32 @@ def test_research_stack_across_two_processes(tiny_llama_2kv, tmp_path):
     assert run["back"] == run["before"]
     assert "'model.layers.1.self_attn.q_proj.weight' has shape" in run["refused"]
     assert run["after_refusal"] == run["before"]
+
+
+@pytest.mark.slow
+def test_lora_across_two_processes(tiny_llama_2kv, tmp_path):
+    """TP 2 over two processes with one LoRA slot: adapter A, B, then A again (each written into the slot
+    by process 0 while preparing a step, and by the follower from the same directory before that step)
+    answer as one device with the same adapters does (helpers/multihost_process.py)."""
+    import transformers
+
+    from helpers.lora_adapters import make_adapter
+    from helpers.multihost_process import ENGINE, LORA, lora_rounds
+    from xlaserve import LLM
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_2kv, dtype="float32")
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
+    adapters = [str(tmp_path / name) for name in "ab"]
+    for seed, directory in enumerate(adapters):
+        make_adapter(base, 8, 16, False, targets, directory, seed)
+    arg = {"case": "lora", "model": tiny_llama_2kv, "adapters": adapters}
+    run = run_two_processes("multihost_process.py", arg, devices_per_process=1)
+    reference = lora_rounds(LLM(tiny_llama_2kv, **(ENGINE | LORA | {"tensor_parallel_size": 1})), adapters)
+    assert run["loads"] == 3
+    for got, want in zip(run["rounds"], reference, strict=True):
+        assert got["tokens"] == want["tokens"]
+        np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-5)
+    assert (
+        run["rounds"][0] == run["rounds"][2]
+        and run["rounds"][0]["tokens"][0] != run["rounds"][1]["tokens"][0]
+    )
