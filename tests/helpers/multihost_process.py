@@ -54,23 +54,11 @@ def lora_rounds(llm, adapters: list[str]) -> list[dict]:
 
 
 def main(arg: dict) -> None:
-    from xlaserve import LLM
-    from xlaserve.entrypoints.llm import serve_follower
+    from helpers.two_processes import engine_of_two
 
-    engine = (
-        ENGINE
-        | (LORA if arg["case"] == "lora" else {})
-        | {
-            "nnodes": 2,
-            "node_rank": arg["node_rank"],
-            "master_addr": "127.0.0.1",
-            "master_port": arg["port"],
-        }
-    )
-    if arg["node_rank"]:
-        serve_follower(arg["model"], **engine)
+    llm = engine_of_two(arg["model"], arg, **ENGINE, **(LORA if arg["case"] == "lora" else {}))
+    if llm is None:  # process 1: followed to the end
         return
-    llm = LLM(arg["model"], **engine)
     if arg["case"] == "lora":
         result = {"rounds": lora_rounds(llm, arg["adapters"]), "loads": llm.engine_core.runner.lora.num_loads}
     else:

@@ -13,25 +13,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # `helpers` as t
 
 def main(arg: dict) -> None:
     from helpers.pp_worker import PROMPTS
-    from xlaserve import LLM, SamplingParams
-    from xlaserve.entrypoints.llm import serve_follower
+    from helpers.two_processes import engine_of_two
+    from xlaserve import SamplingParams
 
     engine = {
         "dtype": "float32",
         "max_model_len": 128,
         "kv_cache_memory": 2**23,
         "enforce_eager": True,
-        "nnodes": 2,
-        "node_rank": arg["node_rank"],
-        "master_addr": "127.0.0.1",
-        "master_port": arg["port"],
         **arg["shape"],
         **arg["layout"],
     }
-    if arg["node_rank"]:
-        serve_follower(arg["model"], **engine)
+    llm = engine_of_two(arg["model"], arg, **engine)
+    if llm is None:  # process 1: followed to the end
         return
-    llm = LLM(arg["model"], **engine)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params, use_tqdm=False)
     result = {

@@ -39,3 +39,21 @@ def run_two_processes(script: str, arg: dict, devices_per_process: int) -> dict:
     assert follower.returncode == 0, follower_err[-3000:]
     line = next(line for line in leader.stdout.splitlines() if "RESULT " in line)
     return json.loads(line.split("RESULT ", 1)[1])
+
+
+def engine_of_two(model: str, arg: dict, **engine):
+    """In a script `run_two_processes` runs: process 0's LLM over both processes (`arg`'s node_rank and
+    port), or None in process 1 once it has followed process 0's steps to the end."""
+    from xlaserve import LLM
+    from xlaserve.entrypoints.llm import serve_follower
+
+    engine |= {
+        "nnodes": 2,
+        "node_rank": arg["node_rank"],
+        "master_addr": "127.0.0.1",
+        "master_port": arg["port"],
+    }
+    if arg["node_rank"]:
+        serve_follower(model, **engine)
+        return None
+    return LLM(model, **engine)

@@ -305,23 +305,15 @@ def test_video_mrope_positions_and_decode_delta_are_hugging_faces(llm, hf, famil
     frames = [random_image(70 + t, (32, 32)) for t in range(6)]  # 3 pairs of 4 x 4 tokens
     text = f"a {IMAGE} b {VIDEO} c"
     images = [random_image(69, (48, 32))]
-    if family == "qwen3_vl":
-        inputs = _hf_qwen3_vl_inputs(llm, text, images, [frames])
-        expected, delta = hf.model.get_rope_index(
-            inputs["input_ids"],
-            inputs["mm_token_type_ids"],
-            image_grid_thw=inputs["image_grid_thw"],
-            video_grid_thw=inputs["video_grid_thw"],
-        )
-    else:
-        inputs = _hf_inputs(llm, text, images, [frames])
-        expected, delta = hf.model.get_rope_index(
-            inputs["input_ids"],
-            inputs["mm_token_type_ids"],
-            image_grid_thw=inputs["image_grid_thw"],
-            video_grid_thw=inputs["video_grid_thw"],
-            second_per_grid_ts=inputs["second_per_grid_ts"],
-        )
+    inputs = (_hf_qwen3_vl_inputs if family == "qwen3_vl" else _hf_inputs)(llm, text, images, [frames])
+    timing = {k: inputs[k] for k in ("second_per_grid_ts",) if k in inputs}  # Qwen2.5-VL's only
+    expected, delta = hf.model.get_rope_index(
+        inputs["input_ids"],
+        inputs["mm_token_type_ids"],
+        image_grid_thw=inputs["image_grid_thw"],
+        video_grid_thw=inputs["video_grid_thw"],
+        **timing,
+    )
     ids, features = llm.input_processor.mm_processor.process(text, images, [frames])
     assert ids == inputs["input_ids"][0].tolist()
     n, cfg = len(ids), llm.engine_core.runner.model_config
