@@ -103,7 +103,6 @@ class EngineConfig:
             require(
                 self.speculative is None, "runner='pooling' never decodes: speculative_config does not apply"
             )
-            require(self.parallel.nnodes == 1, "runner='pooling' runs on one host (nnodes=1)")
             if self.cache.enable_prefix_caching and self.model.pooling_type != "LAST":
                 # A cached prefix's tokens are not computed again, and pooling over them needs their
                 # hidden states: only LAST pooling (the last token is always computed) may skip them.

@@ -246,7 +246,7 @@ class MultiHostExecutor(Executor):
             )
         self.sender.send(inputs)
         host = self._answered(self.runner.run(inputs))
-        return make_output(scheduled, host, inputs.failed_req_ids)
+        return make_output(scheduled, host, inputs.failed_req_ids, self.runner.hooks)
 
     def _answered(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The step's outputs, once the followers have answered: every process sampled the same ids."""

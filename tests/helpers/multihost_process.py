@@ -7,6 +7,7 @@ as `python multihost_process.py ARG_JSON` (helpers/two_processes.py); the other 
   writes some layers of the stacks), and is refused a tensor of the wrong shape.
 - "lora": PROMPTS with adapter A on the first and none on the second, then B, then A again, one adapter
   slot (each round writes the slot anew).
+- "pool": a pooling engine's embeddings of PROMPTS (MEAN pooled: every row of each prompt read).
 
 arg: {"case", "model", "node_rank", "port"} and "new_model" (research) or "adapters" (lora)."""
 
@@ -45,6 +46,15 @@ def answers(llm, lora_request=None) -> dict:
     }
 
 
+POOL = {"runner": "pooling", "pooler_config": '{"pooling_type": "MEAN"}'}
+
+
+def embeddings(llm) -> list[list[float]]:
+    """PROMPTS' embeddings."""
+    outputs = llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS], use_tqdm=False)
+    return [o.outputs.embedding for o in outputs]
+
+
 def lora_rounds(llm, adapters: list[str]) -> list[dict]:
     """PROMPTS with adapter A, B, then A again on the first prompt (the base model on the second)."""
     from xlaserve import LoRARequest
@@ -56,10 +66,12 @@ def lora_rounds(llm, adapters: list[str]) -> list[dict]:
 def main(arg: dict) -> None:
     from helpers.two_processes import engine_of_two
 
-    llm = engine_of_two(arg["model"], arg, **ENGINE, **(LORA if arg["case"] == "lora" else {}))
+    llm = engine_of_two(arg["model"], arg, **ENGINE, **{"lora": LORA, "pool": POOL}.get(arg["case"], {}))
     if llm is None:  # process 1: followed to the end
         return
-    if arg["case"] == "lora":
+    if arg["case"] == "pool":
+        result = {"embeddings": embeddings(llm)}
+    elif arg["case"] == "lora":
         result = {"rounds": lora_rounds(llm, arg["adapters"]), "loads": llm.engine_core.runner.lora.num_loads}
     else:
         result = research(llm, arg)

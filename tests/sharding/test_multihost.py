@@ -253,3 +253,18 @@ def test_lora_across_two_processes(tiny_llama_2kv, tmp_path):
         run["rounds"][0] == run["rounds"][2]
         and run["rounds"][0]["tokens"][0] != run["rounds"][1]["tokens"][0]
     )
+
+
+@pytest.mark.slow
+def test_pooling_across_two_processes(tiny_llama_2kv):
+    """A pooling engine (runner="pooling", MEAN pooled) with TP 2 over two processes: each prompt's
+    embedding as one device gives it (helpers/multihost_process.py; process 0's outputs read through the
+    pooling hook)."""
+    from helpers.multihost_process import ENGINE, POOL, embeddings
+    from xlaserve import LLM
+
+    run = run_two_processes("multihost_process.py", {"case": "pool", "model": tiny_llama_2kv}, 1)
+    reference = embeddings(LLM(tiny_llama_2kv, **(ENGINE | POOL | {"tensor_parallel_size": 1})))
+    assert len(run["embeddings"]) == len(reference) == 2
+    np.testing.assert_allclose(run["embeddings"], reference, atol=1e-5)
+    assert np.linalg.norm(reference, axis=1) == pytest.approx([1.0, 1.0])  # normalized, not empty
