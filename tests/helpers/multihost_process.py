@@ -8,6 +8,7 @@ as `python multihost_process.py ARG_JSON` (helpers/two_processes.py); the other 
 - "lora": PROMPTS with adapter A on the first and none on the second, then B, then A again, one adapter
   slot (each round writes the slot anew).
 - "pool": a pooling engine's embeddings of PROMPTS (MEAN pooled: every row of each prompt read).
+- "vlm": a vision-language model's answers to helpers/tiny_vlm.py's image prompts (one image, two, none).
 
 arg: {"case", "model", "node_rank", "port"} and "new_model" (research) or "adapters" (lora)."""
 
@@ -49,6 +50,21 @@ def answers(llm, lora_request=None) -> dict:
 POOL = {"runner": "pooling", "pooler_config": '{"pooling_type": "MEAN"}'}
 
 
+def image_answers(llm, model: str) -> dict:
+    """helpers/tiny_vlm.py's three prompts (one image, two, none) answered together."""
+    from helpers.tiny_vlm import image_prompts
+    from xlaserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    outs = llm.generate(image_prompts(model), params, use_tqdm=False)
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "logprobs": [
+            [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs
+        ],
+    }
+
+
 def embeddings(llm) -> list[list[float]]:
     """PROMPTS' embeddings."""
     outputs = llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS], use_tqdm=False)
@@ -71,6 +87,8 @@ def main(arg: dict) -> None:
         return
     if arg["case"] == "pool":
         result = {"embeddings": embeddings(llm)}
+    elif arg["case"] == "vlm":
+        result = image_answers(llm, arg["model"])
     elif arg["case"] == "lora":
         result = {"rounds": lora_rounds(llm, arg["adapters"]), "loads": llm.engine_core.runner.lora.num_loads}
     else:

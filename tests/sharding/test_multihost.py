@@ -268,3 +268,20 @@ def test_pooling_across_two_processes(tiny_llama_2kv):
     assert len(run["embeddings"]) == len(reference) == 2
     np.testing.assert_allclose(run["embeddings"], reference, atol=1e-5)
     assert np.linalg.norm(reference, axis=1) == pytest.approx([1.0, 1.0])  # normalized, not empty
+
+
+@pytest.mark.slow
+def test_vision_language_model_across_two_processes(tmp_path):
+    """A Qwen2.5-VL (its tower, M-RoPE) with TP 2 over two processes: an image prompt, a two-image one and
+    a text one answered together as one device answers them (the encoder's step arrays reach the follower
+    under their own names; helpers/multihost_process.py)."""
+    from helpers.multihost_process import ENGINE, image_answers
+    from helpers.tiny_vlm import save_tiny_qwen2_5_vl
+    from xlaserve import LLM
+
+    model = save_tiny_qwen2_5_vl(str(tmp_path / "qwen2_5_vl"))
+    run = run_two_processes("multihost_process.py", {"case": "vlm", "model": model}, 1)
+    reference = image_answers(LLM(model, **(ENGINE | {"tensor_parallel_size": 1})), model)
+    assert run["tokens"] == reference["tokens"]
+    for got, want in zip(run["logprobs"], reference["logprobs"], strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
