@@ -177,8 +177,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
         A vision-language model takes OpenAI's content parts: `image_url` (a data: URL) and `image_pil`
-        (a PIL.Image) beside `text`; one that takes videos (Qwen2.5-VL) also `video_url` (a data: URL,
-        its frames sampled as media_io_kwargs says: engine/engine/video.py)."""
+        (a PIL.Image) beside `text`; one that takes videos (the Qwen VL families) also `video_url` (a
+        data: URL, its frames sampled as media_io_kwargs says: engine/engine/video.py)."""
         self._require_tokenizer("chat()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
