@@ -99,9 +99,8 @@ class Call:
 
 def host_weights(weights: Mapping | Iterable) -> dict[str, np.ndarray]:
     """update_weights' arrays as host copies, to send: a jax array must be whole in this process."""
-    items = weights.items() if isinstance(weights, Mapping) else weights
     out = {}
-    for name, array in items:
+    for name, array in weight_update.named_arrays(weights).items():
         if isinstance(array, jax.Array) and not array.is_fully_addressable:
             raise ValueError(
                 f"weights: {name!r} spans several processes; across hosts update_weights takes arrays "

@@ -73,7 +73,8 @@ class ParamSet:
     stage: StageLayout | None = None  # None: every layer and module
 
 
-def _as_dict(weights: Mapping | Iterable) -> dict[str, object]:
+def named_arrays(weights: Mapping | Iterable) -> dict[str, object]:
+    """update_weights' `weights` (a mapping, or (name, array) pairs) as a dict; a name must be a str."""
     items = weights.items() if isinstance(weights, Mapping) else weights
     out: dict[str, object] = {}
     for name, array in items:
@@ -115,7 +116,7 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     out. A MoE layer's experts are rewritten into one stack by the family, so they are updated
     together. An engine that quantizes at load quantizes them as the load does; one whose checkpoint
     came quantized is refused."""
-    updates = _as_dict(weights)
+    updates = named_arrays(weights)
     if not updates:
         return []
     scheme = _quantized_at_load(runner.config.model.quantization, runner.hf_config)

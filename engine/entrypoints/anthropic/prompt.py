@@ -8,7 +8,7 @@ from xlaserve.entrypoints.anthropic.protocol import CountTokensRequest
 from xlaserve.entrypoints.serving.chat_template import render_chat
 from xlaserve.entrypoints.serving.engine_io import tokenize_text
 from xlaserve.entrypoints.serving.multimodal import (
-    check_image_parts,
+    check_parts,
     image_parts,
     load_images,
     process_images,
@@ -26,7 +26,7 @@ async def render(
     serving/multimodal.py, 400s naming the block)."""
     plan = plan_tools(chat, state.enable_auto_tool_choice)
     parts = [(field, url) for (_, url), field in zip(image_parts(chat.messages), image_fields(req))]
-    check_image_parts(state, parts)
+    check_parts(state, parts, "image")
     images = await load_images(state, parts) if parts else []
     text = render_chat(state, chat)
     if images:

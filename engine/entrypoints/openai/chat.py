@@ -44,8 +44,7 @@ from xlaserve.entrypoints.serving.engine_io import (
 )
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.multimodal import (
-    check_image_parts,
-    check_video_parts,
+    check_parts,
     image_parts,
     load_images,
     load_videos,
@@ -105,8 +104,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     plan = plan_tools(req, state.enable_auto_tool_choice)
     parts, video_fields = image_parts(req.messages), video_parts(req.messages)
-    check_image_parts(state, parts)  # before any image or video is read
-    check_video_parts(state, video_fields)
+    check_parts(state, parts, "image")  # before any image or video is read
+    check_parts(state, video_fields, "video")
     images = await load_images(state, parts) if parts else []
     videos = await load_videos(state, video_fields) if video_fields else []
     text = render_chat(state, req)

@@ -38,7 +38,7 @@ from xlaserve.entrypoints.serving.engine_io import (
 )
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.multimodal import (
-    check_image_parts,
+    check_parts,
     image_parts,
     load_images,
     process_images,
@@ -65,7 +65,7 @@ async def prepare_turn(
     chat = to_chat_request(req, conversation, mcp_functions, tool_choice)
     parts = [(field, url) for (_, url), field in zip(image_parts(chat.messages), fields, strict=True)]
     try:
-        check_image_parts(state, parts)  # before any image is read
+        check_parts(state, parts, "image")  # before any image is read
         images = await load_images(state, parts) if parts else []
         plan = plan_tools(chat, state.enable_auto_tool_choice)
         text = apply_chat_template(state, chat.messages, True, False, chat.tools)

@@ -41,39 +41,22 @@ def video_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
     return media_parts(messages, ("video_url",))
 
 
-def check_image_parts(state: ServerState, parts: list[tuple[str, str]]) -> None:
-    """400 naming the first part a text-only model, or the per-prompt limit, refuses."""
-    if not parts:
-        return
-    mm = state.engine.input_processor.mm_processor
-    if mm is None:
-        raise bad_request(
-            f"{parts[0][0]}: this model takes text only: image parts are not supported", parts[0][0]
-        )
-    if len(parts) > mm.max_images:
-        field = parts[mm.max_images][0]
-        raise bad_request(
-            f"{field}: {len(parts)} images in one request; at most {mm.max_images} (--limit-mm-per-prompt)",
-            field,
-        )
-
-
-def check_video_parts(state: ServerState, parts: list[tuple[str, str]]) -> None:
-    """400 naming the first part a model without videos (text only, or images only), or the per-prompt
-    limit, refuses."""
+def check_parts(state: ServerState, parts: list[tuple[str, str]], kind: str) -> None:
+    """400 naming the first `kind` ("image" or "video") part a model without them (text only; for a
+    video, images only) refuses, or the first past the per-prompt limit."""
     if not parts:
         return
     mm = state.engine.input_processor.mm_processor
     field = parts[0][0]
     if mm is None:
-        raise bad_request(f"{field}: this model takes text only: video parts are not supported", field)
-    if mm.video_placeholder is None:
+        raise bad_request(f"{field}: this model takes text only: {kind} parts are not supported", field)
+    if kind == "video" and mm.video_placeholder is None:
         raise bad_request(f"{field}: this model takes images, not videos", field)
-    if len(parts) > mm.max_videos:
-        field = parts[mm.max_videos][0]
+    limit = mm.max_images if kind == "image" else mm.max_videos
+    if len(parts) > limit:
+        field = parts[limit][0]
         raise bad_request(
-            f"{field}: {len(parts)} videos in one request; at most {mm.max_videos} (--limit-mm-per-prompt)",
-            field,
+            f"{field}: {len(parts)} {kind}s in one request; at most {limit} (--limit-mm-per-prompt)", field
         )
 
 
