@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
+
+# Re-exported: vLLM's users import StructuredOutputsParams from here.
+from xlaserve.structured_outputs_params import StructuredOutputsError, StructuredOutputsParams, is_int
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "StructuredOutputsError", "StructuredOutputsParams"]
 
 # The sampler returns at most this many top logprobs per token (vLLM's default cap).
 MAX_LOGPROBS = 20
@@ -17,187 +21,6 @@ _GREEDY_EPSILON = 1e-5
 def _require(is_ok: bool, message: str) -> None:
     if not is_ok:
         raise ValueError(message)
-
-
-def _is_int(value) -> bool:
-    # bool is an int subclass, but True as a token id or count is always a caller bug.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-class StructuredOutputsError(ValueError):
-    """A bad structured-output spec; `param` names the member ("structured_outputs.regex"), `reason`
-    says what is wrong with it."""
-
-    def __init__(self, member: str | None, reason: str):
-        self.member = member
-        self.reason = reason
-        self.param = "structured_outputs" if member is None else f"structured_outputs.{member}"
-        super().__init__(f"{self.param} {reason}")
-
-
-# The members that each constrain the output; exactly one is set.
-STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-# Bounds on what a request may ask the grammar compiler to do (it runs in the engine core).
-MAX_SPEC_CHARS = 256 * 1024
-MAX_CHOICES = 1024
-MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema's objects and arrays (each level is recursion somewhere)
-# Tokens allowed between a reasoning end's prefix ids and its end token (gpt-oss: `<|constrain|>json`).
-REASONING_END_MAX_GAP = 16
-
-
-@dataclass(frozen=True, repr=False)
-class StructuredOutputsParams:
-    """Constrain the output to a language, as vLLM's `StructuredOutputsParams` (same names).
-
-    Exactly one of: `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice` (one of these
-    strings, verbatim), `grammar` (llguidance's Lark-like syntax, or GBNF), `json_object=True` (any JSON
-    object), `structural_tag` (vLLM's JSON: {"structures": [{"begin", "schema", "end"}], "triggers"}).
-    Options for JSON: `disable_any_whitespace` (compact output, no free whitespace between tokens),
-    `disable_additional_properties` (objects take only the properties they name), `whitespace_pattern`
-    (a regex for the whitespace that may separate JSON tokens).
-    """
-
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: str | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-    # The grammar starts applying after this token (a reasoning model's end of thinking, e.g. the id of
-    # "</think>"); None: from the first token. The server sets it from its --reasoning-parser.
-    reasoning_end_token_id: int | None = None
-    # Where one token does not end the thinking (gpt-oss's harmony format: the answer is the body of the
-    # final channel's message), these ids first (`<|channel|>final`), then within
-    # REASONING_END_MAX_GAP tokens of them reasoning_end_token_id (`<|message|>`, after an optional
-    # `<|constrain|>json`): the grammar starts after that token.
-    reasoning_end_prefix_ids: list[int] | None = None
-
-    def __post_init__(self):
-        if self.reasoning_end_token_id is not None and not (
-            _is_int(self.reasoning_end_token_id) and self.reasoning_end_token_id >= 0
-        ):
-            raise StructuredOutputsError(
-                "reasoning_end_token_id",
-                f"must be a token id (an integer >= 0), got {self.reasoning_end_token_id!r}",
-            )
-        prefix = self.reasoning_end_prefix_ids
-        if prefix is not None:
-            if not isinstance(prefix, list) or not prefix or not all(_is_int(i) and i >= 0 for i in prefix):
-                raise StructuredOutputsError(
-                    "reasoning_end_prefix_ids", f"must be a non-empty list of token ids, got {_short(prefix)}"
-                )
-            if len(prefix) > REASONING_END_MAX_GAP or self.reasoning_end_token_id is None:
-                raise StructuredOutputsError(
-                    "reasoning_end_prefix_ids",
-                    f"must hold at most {REASONING_END_MAX_GAP} ids, beside a reasoning_end_token_id",
-                )
-        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None]
-        if len(kinds) != 1:
-            raise StructuredOutputsError(
-                None,
-                f"must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
-                f"got {', '.join(kinds) or 'none'}",
-            )
-        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
-            self._check_text(name)
-        if self.json is not None:
-            self._check_json()
-        if self.choice is not None:
-            self._check_choice()
-        if self.json_object is not None and self.json_object is not True:
-            raise StructuredOutputsError("json_object", f"must be true when set, got {self.json_object!r}")
-        if self.structural_tag is not None:
-            _parse_json_text(self.structural_tag, "structural_tag", dict)
-        for name in ("disable_any_whitespace", "disable_additional_properties"):
-            if not isinstance(getattr(self, name), bool):
-                raise StructuredOutputsError(name, f"must be a boolean, got {getattr(self, name)!r}")
-
-    def _check_text(self, name: str) -> None:
-        value = getattr(self, name)
-        if value is None:
-            return
-        if not isinstance(value, str) or not value:
-            raise StructuredOutputsError(name, f"must be a non-empty string, got {_short(value)}")
-        if len(value) > MAX_SPEC_CHARS:
-            raise StructuredOutputsError(name, f"has {len(value)} characters; the limit is {MAX_SPEC_CHARS}")
-
-    def _check_json(self) -> None:
-        if isinstance(self.json, str):
-            self._check_text("json")
-            schema = _parse_json_text(self.json, "json", (dict, bool))
-        elif isinstance(self.json, dict):
-            schema = self.json
-        else:
-            raise StructuredOutputsError(
-                "json", f"must be a JSON schema (an object or its text), got {_short(self.json)}"
-            )
-        if _depth(schema) > MAX_SCHEMA_DEPTH:
-            raise StructuredOutputsError("json", f"is nested more than {MAX_SCHEMA_DEPTH} levels deep")
-        if isinstance(self.json, dict) and len(json.dumps(self.json)) > MAX_SPEC_CHARS:
-            raise StructuredOutputsError("json", f"is longer than {MAX_SPEC_CHARS} characters as JSON")
-
-    def _check_choice(self) -> None:
-        if not isinstance(self.choice, list) or not self.choice:
-            raise StructuredOutputsError(
-                "choice", f"must be a non-empty list of strings, got {_short(self.choice)}"
-            )
-        if len(self.choice) > MAX_CHOICES:
-            raise StructuredOutputsError(
-                "choice", f"has {len(self.choice)} entries; the limit is {MAX_CHOICES}"
-            )
-        for option in self.choice:
-            if not isinstance(option, str) or not option:
-                raise StructuredOutputsError(
-                    "choice", f"entries must be non-empty strings, got {_short(option)}"
-                )
-        if sum(len(option) for option in self.choice) > MAX_SPEC_CHARS:
-            raise StructuredOutputsError("choice", f"holds more than {MAX_SPEC_CHARS} characters in all")
-
-    @property
-    def kind(self) -> str:
-        """The member that constrains the output ("json", "regex", ...)."""
-        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None)
-
-    def __repr__(self) -> str:
-        # A schema can be large: logs get its kind and size, not its text.
-        spec = getattr(self, self.kind)
-        size = len(spec if isinstance(spec, str) else json.dumps(spec))
-        options = [
-            f.name for f in fields(self) if f.name not in STRUCTURED_OUTPUT_KINDS and getattr(self, f.name)
-        ]
-        return f"StructuredOutputsParams({self.kind}, {size} chars{''.join(', ' + o for o in options)})"
-
-
-def _parse_json_text(text: str, member: str, kinds) -> Any:
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise StructuredOutputsError(member, f"is not valid JSON: {e}") from None
-    if not isinstance(value, kinds):
-        raise StructuredOutputsError(member, f"must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _depth(value) -> int:
-    """How deeply objects and arrays nest in a JSON value (without recursion: it may be very deep)."""
-    depth, level = 0, [value]
-    while level:
-        level = [
-            v
-            for c in level
-            if isinstance(c, (dict, list))
-            for v in (c.values() if isinstance(c, dict) else c)
-        ]
-        depth += 1
-    return depth - 1
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -304,7 +127,7 @@ class SamplingParams:
                 f"kv_transfer_params.remote_host must be a host name, got {host!r}",
             )
             _require(
-                _is_int(port) and 1 <= port <= 65535,
+                is_int(port) and 1 <= port <= 65535,
                 f"kv_transfer_params.remote_port must be in [1, 65535], got {port!r}",
             )
             _require(
@@ -318,24 +141,24 @@ class SamplingParams:
         return None if self.extra_args is None else self.extra_args.get("kv_transfer_params")
 
     def _validate_sampling(self) -> None:
-        _require(_is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
+        _require(is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
         _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _require(math.isfinite(self.temperature), f"temperature must be finite, got {self.temperature}")
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _require(
-            _is_int(self.top_k) and self.top_k >= 0,
+            is_int(self.top_k) and self.top_k >= 0,
             f"top_k must be -1 (disabled) or an int >= 0, got {self.top_k!r}",
         )
         _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        _require(self.seed is None or _is_int(self.seed), f"seed must be an int or None, got {self.seed!r}")
+        _require(self.seed is None or is_int(self.seed), f"seed must be an int or None, got {self.seed!r}")
 
     def _validate_lengths(self) -> None:
         _require(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
             f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}",
         )
         _require(
-            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            is_int(self.min_tokens) and self.min_tokens >= 0,
             f"min_tokens must be an int >= 0, got {self.min_tokens!r}",
         )
         _require(
@@ -347,7 +170,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(
-                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
                 f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}",
             )
 
@@ -370,7 +193,7 @@ class SamplingParams:
             _require(isinstance(stop, str) and stop != "", f"stop strings must be non-empty, got {stop!r}")
         for token_id in self.stop_token_ids:
             _require(
-                _is_int(token_id) and token_id >= 0,
+                is_int(token_id) and token_id >= 0,
                 f"stop_token_ids must be ints >= 0, got {token_id!r}",
             )
 
@@ -388,7 +211,7 @@ class SamplingParams:
                 )
         for ids in self.bad_words_token_ids or ():
             _require(
-                isinstance(ids, list) and len(ids) > 0 and all(_is_int(t) and t >= 0 for t in ids),
+                isinstance(ids, list) and len(ids) > 0 and all(is_int(t) and t >= 0 for t in ids),
                 f"bad_words_token_ids must be non-empty lists of token ids, got {ids!r}",
             )
 
@@ -407,7 +230,7 @@ class SamplingParams:
     def _validate_truncation(self) -> None:
         keep = self.truncate_prompt_tokens
         _require(
-            keep is None or (_is_int(keep) and (keep >= 1 or keep == -1)),
+            keep is None or (is_int(keep) and (keep >= 1 or keep == -1)),
             f"truncate_prompt_tokens must be an int >= 1, or -1 (the context's length), got {keep!r}",
         )
 
@@ -417,7 +240,7 @@ class SamplingParams:
             _require(isinstance(bias, dict), f"logit_bias must be a dict of token id -> bias, got {bias!r}")
             for token_id, value in bias.items():
                 _require(
-                    _is_int(token_id) and token_id >= 0,
+                    is_int(token_id) and token_id >= 0,
                     f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}",
                 )
                 _require(
@@ -432,7 +255,7 @@ class SamplingParams:
             )
             for token_id in allowed:
                 _require(
-                    _is_int(token_id) and token_id >= 0,
+                    is_int(token_id) and token_id >= 0,
                     f"allowed_token_ids must be ints >= 0, got {token_id!r}",
                 )
 

@@ -14,9 +14,9 @@ from xlaserve.core.outputs import ScheduledRequest
 from xlaserve.core.request import Request
 from xlaserve.engine.protocol import AddRequests, EngineCoreRequest, make_encoder, make_input_decoder
 from xlaserve.engine.structured_output import StructuredOutputManager, check_grammar
-from xlaserve.sampling_params import (
+from xlaserve.sampling_params import SamplingParams
+from xlaserve.structured_outputs_params import (
     MAX_SCHEMA_DEPTH,
-    SamplingParams,
     StructuredOutputsError,
     StructuredOutputsParams,
 )

@@ -29,7 +29,8 @@ LAYERS = [
 # Plain data every layer shares (configs, sampling parameters, user-facing outputs): they import
 # no layer at all.
 BASE = {"xlaserve.config", "xlaserve.config_args", "xlaserve.speculative_config", "xlaserve.sampling_params",
-        "xlaserve.outputs", "xlaserve.lora_request", "xlaserve.pooling_params"}  # fmt: skip
+        "xlaserve.outputs", "xlaserve.lora_request", "xlaserve.pooling_params",
+        "xlaserve.structured_outputs_params"}  # fmt: skip
 
 
 def is_base(module: str) -> bool:

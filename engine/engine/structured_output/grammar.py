@@ -15,7 +15,7 @@ import json
 
 import llguidance
 
-from xlaserve.sampling_params import StructuredOutputsError, StructuredOutputsParams
+from xlaserve.structured_outputs_params import StructuredOutputsError, StructuredOutputsParams
 
 _MAX_CACHED_CHECKS = 64  # specs are up to 256 KiB of text each
 # The whitespace JSON may hold between tokens unless the request says otherwise: up to two spaces or

@@ -30,7 +30,7 @@ import numpy as np
 from xlaserve.core.outputs import ScheduledRequest
 from xlaserve.core.request import Request
 from xlaserve.engine.structured_output.grammar import grammar_source
-from xlaserve.sampling_params import REASONING_END_MAX_GAP
+from xlaserve.structured_outputs_params import REASONING_END_MAX_GAP
 
 logger = logging.getLogger(__name__)
 

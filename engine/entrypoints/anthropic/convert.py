@@ -36,7 +36,7 @@ from xlaserve.entrypoints.anthropic.protocol import (
 )
 from xlaserve.entrypoints.serving.errors import bad_request, loc_to_param
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
-from xlaserve.sampling_params import StructuredOutputsError, StructuredOutputsParams
+from xlaserve.structured_outputs_params import StructuredOutputsError, StructuredOutputsParams
 
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 

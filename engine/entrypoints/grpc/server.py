@@ -28,7 +28,8 @@ from xlaserve.entrypoints.serving.engine_io import (
 from xlaserve.entrypoints.serving.errors import APIError, bad_request, param_of_value_error
 from xlaserve.entrypoints.serving.state import ServerState
 from xlaserve.outputs import RequestOutput
-from xlaserve.sampling_params import SamplingParams, StructuredOutputsError, StructuredOutputsParams
+from xlaserve.sampling_params import SamplingParams
+from xlaserve.structured_outputs_params import StructuredOutputsError, StructuredOutputsParams
 
 logger = logging.getLogger("xlaserve.entrypoints.grpc")
 

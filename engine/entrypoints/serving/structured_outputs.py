@@ -7,7 +7,7 @@ from __future__ import annotations
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.protocol import SamplingFields
-from xlaserve.sampling_params import StructuredOutputsError, StructuredOutputsParams
+from xlaserve.structured_outputs_params import StructuredOutputsError, StructuredOutputsParams
 
 # Where a spec built from response_format came from, by the member it sets.
 _RESPONSE_FORMAT_PARAMS = {"json": "response_format.json_schema.schema", "json_object": "response_format"}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ChatMessage
-from xlaserve.sampling_params import StructuredOutputsError, StructuredOutputsParams
+from xlaserve.structured_outputs_params import StructuredOutputsError, StructuredOutputsParams
 
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 TOOLS_PROMPT = (
