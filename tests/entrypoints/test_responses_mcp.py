@@ -375,3 +375,29 @@ def test_two_servers_with_one_label_are_400(server, mcp_tool_server):
     body = {"model": MODEL_NAME, "input": ASK, "tools": tools}
     response = httpx.post(server.url + "/v1/responses", json=body, headers=server.headers, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools[1].server_label"
+
+
+def test_a_listed_tool_name_outside_the_pattern_is_424_naming_server_and_tool(
+    server, client, mcp_tool_server
+):
+    """The odd server lists tide.table (outside ^[A-Za-z0-9_-]{1,64}$), which no prompt may offer: a 424
+    naming the tool, its server and allowed_tools, streamed or not; left out with allowed_tools, the
+    server's other tools are offered. No tool is called."""
+    odd = {
+        "type": "mcp",
+        "server_label": "odd",
+        "server_url": mcp_tool_server.odd_url,
+        "require_approval": "never",
+    }
+    calls = len(mcp_tool_server.calls)
+    for stream in (False, True):
+        body = {"model": MODEL_NAME, "input": ASK, "tools": [odd], "max_output_tokens": 4, "stream": stream}
+        response = httpx.post(server.url + "/v1/responses", json=body, headers=server.headers, timeout=60)
+        error = response.json()["error"]
+        assert response.status_code == 424 and error["param"] == "tools[0]", response.text
+        assert all(name in error["message"] for name in ("'odd'", "'tide.table'", "tools[0].allowed_tools"))
+    allowed = client.responses.create(
+        model=MODEL_NAME, input=ASK, max_output_tokens=4, tools=[{**odd, "allowed_tools": ["moon_phase"]}]
+    )
+    assert [t.name for t in allowed.output[0].tools] == ["moon_phase"]
+    assert len(mcp_tool_server.calls) == calls

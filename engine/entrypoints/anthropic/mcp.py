@@ -16,7 +16,6 @@ there is still an HTTP error.
 from __future__ import annotations
 
 import contextlib
-import re
 
 from fastapi.responses import StreamingResponse
 
@@ -24,7 +23,6 @@ from xlaserve.entrypoints.anthropic.convert import assistant_history, chat_body,
 from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
 from xlaserve.entrypoints.anthropic.prompt import render
 from xlaserve.entrypoints.anthropic.protocol import (
-    TOOL_NAME_PATTERN,
     CountTokensRequest,
     McpToolConfiguration,
     McpToolResultBlock,
@@ -49,8 +47,6 @@ from xlaserve.entrypoints.serving.engine_io import (
 )
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
 from xlaserve.entrypoints.serving.mcp_client import MAX_MCP_ROUNDS, McpClients, McpServer, check_server_url
-
-_TOOL_NAME = re.compile(TOOL_NAME_PATTERN)
 
 
 def _named(error: APIError) -> APIError:
@@ -90,32 +86,17 @@ def offered_functions(
     clients: McpClients, configs: list[McpToolConfiguration], req: CountTokensRequest
 ) -> list[dict]:
     """The listed tools each server's tool_configuration offers, as functions; a name the server does
-    not list in allowed_tools is simply not offered, a name that breaks the tool-name pattern is a 424."""
+    not list in allowed_tools is simply not offered, a name that breaks the tool-name pattern is a 424
+    (`McpClients.offer`)."""
     taken = {tool.name for tool in req.tools or ()}
     functions = []
     for (server, listed), config in zip(clients.listed, configs):
         allowed = None if config.allowed_tools is None else set(config.allowed_tools)
         for entry in listed:
             if allowed is None or entry.name in allowed:
-                _check_tool_name(server, entry.name)
                 where = f"{server.field}.tool_configuration.allowed_tools"
                 functions.append(clients.offer(server, entry, taken, where))
     return functions
-
-
-def _check_tool_name(server: McpServer, name: str) -> None:
-    """A 424 naming the server and the tool unless `name` matches Anthropic's tool-name pattern: the
-    request is sound but its server lists a tool no model prompt here may offer, and only the client can
-    leave it out (allowed_tools), so it is told rather than the tool dropped behind its back."""
-    if not _TOOL_NAME.fullmatch(name):
-        shown = repr(name[:64]) + ("..." if len(name) > 64 else "")
-        raise APIError(
-            424,
-            f"{server.field}: the MCP server {server.label!r} lists a tool named {shown}, which breaks the "
-            f"tool-name pattern {TOOL_NAME_PATTERN}: leave it out with tool_configuration.allowed_tools",
-            param=server.field,
-            code="mcp_invalid_tool_name",
-        )
 
 
 async def count_with_mcp(state, req: CountTokensRequest) -> int:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
+from xlaserve.entrypoints.serving.protocol import FUNCTION_NAME_PATTERN
 
 logger = logging.getLogger("xlaserve.entrypoints.serving")
 
@@ -25,6 +27,7 @@ MCP_TIMEOUT_S = 30.0
 # Model turns of one answer: the last one may not call (tool_choice "none"), so it answers in text.
 MAX_MCP_ROUNDS = 4
 _MAX_OUTPUT_CHARS = 64 * 1024  # a tool's output fed back to the model (and shown), cut past this
+_FUNCTION_NAME = re.compile(FUNCTION_NAME_PATTERN)
 
 
 def _host_port(url: str) -> str | None:
@@ -158,7 +161,19 @@ class McpClients:
     def offer(self, server: McpServer, entry, taken: set[str], where: str) -> dict:
         """Route the calls of `server`'s listed tool `entry` to it; its function for the model. A name
         another offered tool, or one of the request's own (`taken`), has is a 400 naming `where` (the
-        field that can leave one out)."""
+        field that can leave one out); a name outside the function-name pattern (OpenAI's and
+        Anthropic's: no prompt here may offer it) is a 424 naming the server and the tool: the request is
+        sound but its server lists a tool only the client can leave out, so it is told rather than the
+        tool dropped behind its back."""
+        if not _FUNCTION_NAME.fullmatch(entry.name):
+            shown = repr(entry.name[:64]) + ("..." if len(entry.name) > 64 else "")
+            raise APIError(
+                424,
+                f"the MCP server {server.label!r} lists a tool named {shown}, which breaks "
+                f"the tool-name pattern {FUNCTION_NAME_PATTERN}: leave it out with {where}",
+                param=server.field,
+                code="mcp_invalid_tool_name",
+            )
         if entry.name in self._routes or entry.name in taken:
             raise bad_request(
                 f"the MCP server {server.label!r} offers a tool named {entry.name!r}, as another tool does: "
