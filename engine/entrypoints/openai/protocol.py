@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, model_serializer
+from pydantic import BaseModel, Discriminator, Field, Tag
 
-from xlaserve.entrypoints.openai.tool_protocol import DeltaToolCallOut, ToolCallOut, without_nones
+from xlaserve.entrypoints.openai.tool_protocol import DeltaToolCallOut, OmitsNones, ToolCallOut
 from xlaserve.entrypoints.serving.protocol import (
     CHAT_TEMPLATE_HELP,
     MAX_TOOLS,
@@ -120,7 +120,7 @@ class PromptLogprob(BaseModel):
 _ASKED_FOR = ("prompt_logprobs", "prompt_token_ids", "token_ids")
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(OmitsNones):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -130,9 +130,7 @@ class CompletionChoice(BaseModel):
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_nones(self, handler):
-        return without_nones(handler, self, _ASKED_FOR)
+    omit_if_none = _ASKED_FOR
 
 
 class CompletionResponse(BaseModel):
@@ -167,7 +165,7 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(OmitsNones):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
@@ -175,12 +173,10 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_nones(self, handler):
-        return without_nones(handler, self, _ASKED_FOR)
+    omit_if_none = _ASKED_FOR
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(OmitsNones):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -192,23 +188,20 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     prompt_token_ids: list[int] | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_nones(self, handler):
-        return without_nones(handler, self, _ASKED_FOR)
+    omit_if_none = _ASKED_FOR
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(OmitsNones):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCallOut] | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_nones(self, handler):  # chunks without thinking or calls look as they always did
-        return without_nones(handler, self, ("reasoning_content", "tool_calls"))
+    # Chunks without thinking or calls look as they always did.
+    omit_if_none = ("reasoning_content", "tool_calls")
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(OmitsNones):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
@@ -216,12 +209,10 @@ class ChatChunkChoice(BaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_nones(self, handler):
-        return without_nones(handler, self, _ASKED_FOR)
+    omit_if_none = _ASKED_FOR
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(OmitsNones):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -230,9 +221,7 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # the first chunk's, with return_token_ids
 
-    @model_serializer(mode="wrap")
-    def _drop_nones(self, handler):
-        return without_nones(handler, self, _ASKED_FOR)
+    omit_if_none = _ASKED_FOR
 
 
 class CompletionChunk(BaseModel):

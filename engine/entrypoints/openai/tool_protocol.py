@@ -3,7 +3,7 @@ other front ends (the Anthropic API) can share them."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, model_serializer
 
@@ -19,22 +19,26 @@ class ToolCallOut(BaseModel):
     function: FunctionCallOut
 
 
-def without_nones(handler, model, keys) -> dict:
-    """The model's dict without the `keys` whose value is None (OpenAI leaves absent fields out)."""
-    data = handler(model)
-    return {k: v for k, v in data.items() if v is not None or k not in keys}
+class OmitsNones(BaseModel):
+    """A wire shape that leaves out its `omit_if_none` fields whose value is None (OpenAI leaves absent
+    fields out; the others are sent as null)."""
 
-
-class DeltaFunctionCallOut(BaseModel):
-    name: str | None = None  # only in a call's first delta
-    arguments: str | None = None
+    omit_if_none: ClassVar[tuple[str, ...]] = ()
 
     @model_serializer(mode="wrap")
     def _drop_nones(self, handler):
-        return without_nones(handler, self, ("name", "arguments"))
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k not in self.omit_if_none}
 
 
-class DeltaToolCallOut(BaseModel):
+class DeltaFunctionCallOut(OmitsNones):
+    name: str | None = None  # only in a call's first delta
+    arguments: str | None = None
+
+    omit_if_none = ("name", "arguments")
+
+
+class DeltaToolCallOut(OmitsNones):
     """A piece of a streamed call: the first has its id, type and name, later ones more arguments."""
 
     index: int
@@ -42,6 +46,4 @@ class DeltaToolCallOut(BaseModel):
     type: Literal["function"] | None = None
     function: DeltaFunctionCallOut
 
-    @model_serializer(mode="wrap")
-    def _drop_nones(self, handler):
-        return without_nones(handler, self, ("id", "type"))
+    omit_if_none = ("id", "type")
