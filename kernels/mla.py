@@ -54,6 +54,24 @@ def write_latent(
     return latent_cache.at[blocks, offsets, 0].set(latent.astype(latent_cache.dtype))
 
 
+def check_mla_shapes(q_latent, q_rope, latent_cache) -> tuple[int, int, int, int]:
+    """The shapes every MLA path takes (q_latent [T >= 1, H, kv_lora_rank], q_rope [T, H, rope_dim],
+    latent_cache [num_blocks, block_size, 1, kv_lora_rank + rope_dim]): (T, H, kv_lora_rank, rope_dim),
+    or a ValueError naming the argument."""
+    if q_latent.ndim != 3 or q_latent.shape[0] < 1:
+        raise ValueError(f"q_latent must be [num_tokens >= 1, num_heads, kv_lora_rank], got {q_latent.shape}")
+    num_tokens, num_heads, rank = q_latent.shape
+    if q_rope.ndim != 3 or q_rope.shape[:2] != (num_tokens, num_heads):
+        raise ValueError(f"q_rope must be [{num_tokens}, {num_heads}, rope_dim], got {q_rope.shape}")
+    rope_dim = q_rope.shape[2]
+    if latent_cache.ndim != 4 or latent_cache.shape[2] != 1 or latent_cache.shape[3] != rank + rope_dim:
+        raise ValueError(
+            f"latent_cache must be [num_blocks, block_size, 1, {rank + rope_dim}] for kv_lora_rank={rank} "
+            f"and rope_dim={rope_dim}, got {latent_cache.shape}"
+        )
+    return num_tokens, num_heads, rank, rope_dim
+
+
 def mla_paged_attention(
     q_latent: jax.Array,  # [T, H, kv_lora_rank]: W_uk^T q_nope per head (the absorbed query)
     q_rope: jax.Array,  # [T, H, rope_dim]: the rotated query part
@@ -72,15 +90,7 @@ def mla_paged_attention(
     sum of the latents ``c`` (apply ``W_uv`` per head to get the values' output). Padding tokens
     (past ``query_start_loc[num_seqs]``) get zeros.
     """
-    num_tokens, num_heads, rank = q_latent.shape
-    if q_rope.shape[:2] != (num_tokens, num_heads):
-        raise ValueError(f"q_rope has shape {q_rope.shape}; expected ({num_tokens}, {num_heads}, rope_dim)")
-    latent_dim = rank + q_rope.shape[2]
-    if latent_cache.ndim != 4 or latent_cache.shape[2] != 1 or latent_cache.shape[3] != latent_dim:
-        raise ValueError(
-            f"latent_cache has shape {latent_cache.shape}; expected (num_blocks, block_size, 1, "
-            f"{latent_dim}) for kv_lora_rank={rank} and rope_dim={q_rope.shape[2]}"
-        )
+    check_mla_shapes(q_latent, q_rope, latent_cache)
     return _mla_paged_attention(
         q_latent,
         q_rope,

@@ -34,6 +34,7 @@ from xlaserve.kernels.attention_args import (
     program_rows,
     validate_step_metadata,
 )
+from xlaserve.kernels.mla import check_mla_shapes
 from xlaserve.kernels.pallas_blocks import (
     locate_query_block,
     mma_precision,
@@ -117,19 +118,11 @@ def _validate(
     num_warps,
     num_stages,
 ) -> MLATiling:
-    if q_latent.ndim != 3 or q_latent.shape[0] < 1:
-        raise ValueError(f"q_latent must be [num_tokens >= 1, num_heads, kv_lora_rank], got {q_latent.shape}")
-    num_tokens, num_heads, rank = q_latent.shape
-    if q_rope.ndim != 3 or q_rope.shape[:2] != (num_tokens, num_heads):
-        raise ValueError(f"q_rope must be [{num_tokens}, {num_heads}, rope_dim], got {q_rope.shape}")
-    rope_dim = q_rope.shape[2]
-    for name, dim in (("kv_lora_rank", rank), ("rope_dim", rope_dim)):
+    for name, q in (("kv_lora_rank", q_latent), ("rope_dim", q_rope)):  # before the cache's shape: its cause
+        dim = q.shape[-1] if q.ndim else 0
         if dim < MIN_DOT_ROWS or dim & (dim - 1):
             raise ValueError(f"{name} must be a power of two >= 16 for the MLA kernel, got {dim}")
-    if latent_cache.ndim != 4 or latent_cache.shape[2] != 1 or latent_cache.shape[3] != rank + rope_dim:
-        raise ValueError(
-            f"latent_cache must be [num_blocks, block_size, 1, {rank + rope_dim}], got {latent_cache.shape}"
-        )
+    num_tokens, num_heads, rank, rope_dim = check_mla_shapes(q_latent, q_rope, latent_cache)
     dtype = jnp.dtype(q_latent.dtype)
     if dtype not in SUPPORTED_DTYPES or {jnp.dtype(q_rope.dtype), jnp.dtype(latent_cache.dtype)} != {dtype}:
         raise ValueError(

@@ -199,8 +199,11 @@ def _mla_kernel_errors(good):
 
 def _mla_reference_errors(good):
     return [
-        ({"q_rope": good["q_rope"][:, :2]}, "q_rope has shape"),
-        ({"latent_cache": good["latent_cache"][..., :40]}, "expected (num_blocks, block_size, 1, 48)"),
+        ({"q_rope": good["q_rope"][:, :2]}, "q_rope must be ["),
+        (
+            {"latent_cache": good["latent_cache"][..., :40]},
+            "latent_cache must be [num_blocks, block_size, 1, 48]",
+        ),
     ]
 
 
