@@ -302,3 +302,54 @@ def _encoder_weights(runner) -> list[int]:
         )
         for params in models
     ]
+
+
+def preemption(arg: dict, small_llm) -> dict:
+    """Preemption on pipeline stages. arg: {"models": {name: directory}, "layouts", "shape", "prompts" (token
+    ids; a vision-language model takes helpers/tiny_vlm.py's three image prompts instead), "free_blocks"}.
+    Per model and layout, one engine: the greedy numbers of the prompts in one batch with the whole KV
+    cache free ("roomy"), then with all but `free_blocks` blocks held aside so that the requests preempt
+    each other and recompute ("tight"), and on a PP engine again with its micro-batches in flight
+    ("tight_micro_batches"); each run's preemptions, and the blocks free after it (none leaked)."""
+    import json
+    import os
+
+    from tiny_vlm import image_prompts  # beside this file, on sys.path as the script's folder
+
+    from xlaserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    results = {}
+    for name, model_dir in arg["models"].items():
+        with open(os.path.join(model_dir, "config.json")) as f:
+            is_vlm = "vision_config" in json.load(f)
+        prompts = (
+            image_prompts(model_dir) if is_vlm else [{"prompt_token_ids": ids} for ids in arg["prompts"]]
+        )
+        results[name] = []
+        for layout in arg["layouts"]:
+            t0 = time.perf_counter()
+            llm = small_llm(model_dir, layout, **arg["shape"])
+            core = llm.engine_core
+            result = {"layout": layout}
+            runs = ["roomy", "tight"] + (["tight_micro_batches"] if layout else [])
+            for run in runs:
+                if run == "tight_micro_batches":
+                    core.set_num_micro_batches(core.executor.max_concurrent_batches)
+                llm.reset_prefix_cache()  # each run computes its prompts (a hit would skip the recompute)
+                pool = core.scheduler.kv_cache_manager.block_pool
+                held = (
+                    pool.get_new_blocks(pool.get_num_free_blocks() - arg["free_blocks"])
+                    if run != "roomy"
+                    else []
+                )
+                preemptions = core.scheduler.num_preemptions_total
+                result[run] = _numbers(llm, prompts, params)
+                result[run]["num_preemptions"] = core.scheduler.num_preemptions_total - preemptions
+                result[run]["free_blocks_after"] = pool.get_num_free_blocks()
+                result[run]["peak_steps_in_flight"] = core.peak_steps_in_flight
+                pool.free_blocks(held)
+            result["seconds"] = round(time.perf_counter() - t0, 1)
+            results[name].append(result)
+            del llm, core
+    return results

@@ -121,11 +121,11 @@ VLM_GUARDED = ["qwen3_vl"]  # its PP=2 warmed up under the strict compile guard 
 
 
 @pytest.fixture(scope="module")
-def image_runs(tp_worker, tmp_path_factory):
-    """helpers/pp_worker.py `images`: {model: [PP=1, PP=2]} on tiny random vision-language models."""
+def vlm_models(tmp_path_factory) -> dict[str, str]:
+    """{model: directory}: tiny random vision-language models (helpers/tiny_vlm.py)."""
     from helpers import tiny_vlm
 
-    models = {
+    return {
         "llava": tiny_vlm.save_tiny_llava(str(tmp_path_factory.mktemp("pp_llava"))),
         "qwen2_5_vl": tiny_vlm.save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("pp_qwen2_5_vl"))),
         "qwen3_vl": tiny_vlm.save_tiny_qwen3_vl(
@@ -133,8 +133,40 @@ def image_runs(tp_worker, tmp_path_factory):
         ),
         "gemma3": tiny_vlm.save_tiny_gemma3(str(tmp_path_factory.mktemp("pp_gemma3"))),
     }
-    arg = {"models": models, "layouts": [PP1, PP2], "guarded": VLM_GUARDED, "shape": VLM_SHAPE}
+
+
+@pytest.fixture(scope="module")
+def image_runs(tp_worker, vlm_models):
+    """helpers/pp_worker.py `images`: {model: [PP=1, PP=2]} on tiny random vision-language models."""
+    arg = {"models": vlm_models, "layouts": [PP1, PP2], "guarded": VLM_GUARDED, "shape": VLM_SHAPE}
     return tp_worker.run("pipeline_images", "", arg)
+
+
+# Preemption on stages, in bfloat16 (the dtype batch invariance is about; in float32 a recomputed request
+# decoding beside other companions may move a logprob by an ulp: README, "Batch invariance"). All but 7 KV
+# blocks held aside: the three requests (three token-id prompts of 54, 45 and 15 tokens; Qwen3-VL's image
+# prompts) preempt each other two to four times and recompute.
+PREEMPTION_SHAPE = {"dtype": "bfloat16", "max_num_batched_tokens": 16, "max_num_seqs": 4}
+PREEMPTION_PROMPTS = [
+    [5, 17, 33, 4, 60, 8, 21, 90, 13] * 6,
+    [200, 9, 31, 250, 2] * 9,
+    [44, 120, 7, 81, 150] * 3,
+]
+PREEMPTION_FREE_BLOCKS = 7
+
+
+@pytest.fixture(scope="module")
+def preemption_runs(tp_worker, models, vlm_models):
+    """helpers/pp_worker.py `preemption`: {model: [PP=1, PP=2]}, each engine's runs with the whole cache
+    free and with PREEMPTION_FREE_BLOCKS (PP=2: also with its micro-batches in flight)."""
+    arg = {
+        "models": {"llama": models["llama"], "qwen3_vl": vlm_models["qwen3_vl"]},
+        "layouts": [PP1, PP2],
+        "shape": PREEMPTION_SHAPE,
+        "prompts": PREEMPTION_PROMPTS,
+        "free_blocks": PREEMPTION_FREE_BLOCKS,
+    }
+    return tp_worker.run("pipeline_preemption", "", arg)
 
 
 @pytest.fixture(scope="module")
@@ -343,3 +375,23 @@ def test_vision_language_models_on_stages_are_bitwise_one_device(image_runs, mod
     assert len({tuple(t) for t in one["tokens"]}) == 3  # the prompts differ in output
     if model in VLM_GUARDED:
         assert staged["compiles_after_warm_up"] == 0
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_vl"])
+def test_preempted_requests_on_stages_are_bitwise_the_unpreempted_ones(preemption_runs, model):
+    """bfloat16: requests preempted and recomputed (their companions in each step change with it; Qwen3-VL's
+    image requests recompute their M-RoPE positions and DeepStack rows) give the bits of the run without
+    preemption, on PP=1, on PP=2 and on PP=2 with two micro-batches in flight; no block leaks."""
+    one, staged = preemption_runs[model]
+    assert (one["layout"], staged["layout"]) == (PP1, PP2)
+    roomy = one["roomy"]
+    assert roomy["num_preemptions"] == staged["roomy"]["num_preemptions"] == 0
+    assert len({tuple(t) for t in roomy["tokens"]}) == 3  # the prompts differ in output
+    assert staged["roomy"]["tokens"] == roomy["tokens"]
+    assert staged["roomy"]["logprobs"] == roomy["logprobs"]
+    for run in (one["tight"], staged["tight"], staged["tight_micro_batches"]):
+        assert run["num_preemptions"] > 0
+        assert run["free_blocks_after"] == PREEMPTION_FREE_BLOCKS  # every block came back
+        assert run["tokens"] == roomy["tokens"]
+        assert run["logprobs"] == roomy["logprobs"]  # every float, exactly
+    assert staged["tight_micro_batches"]["peak_steps_in_flight"] == 2
