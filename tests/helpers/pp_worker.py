@@ -310,7 +310,8 @@ def preemption(arg: dict, small_llm) -> dict:
     Per model and layout, one engine: the greedy numbers of the prompts in one batch with the whole KV
     cache free ("roomy"), then with all but `free_blocks` blocks held aside so that the requests preempt
     each other and recompute ("tight"), and on a PP engine again with its micro-batches in flight
-    ("tight_micro_batches"); each run's preemptions, and the blocks free after it (none leaked)."""
+    ("tight_micro_batches"); each run's preemptions per prompt, and the blocks free after it (none
+    leaked)."""
     import json
     import os
 
@@ -331,25 +332,43 @@ def preemption(arg: dict, small_llm) -> dict:
             t0 = time.perf_counter()
             llm = small_llm(model_dir, layout, **arg["shape"])
             core = llm.engine_core
+            preempted = _noting_preemptions(core.scheduler)
             result = {"layout": layout}
-            runs = ["roomy", "tight"] + (["tight_micro_batches"] if layout else [])
-            for run in runs:
+            for run in ["roomy", "tight"] + (["tight_micro_batches"] if layout else []):
                 if run == "tight_micro_batches":
                     core.set_num_micro_batches(core.executor.max_concurrent_batches)
                 llm.reset_prefix_cache()  # each run computes its prompts (a hit would skip the recompute)
                 pool = core.scheduler.kv_cache_manager.block_pool
-                held = (
-                    pool.get_new_blocks(pool.get_num_free_blocks() - arg["free_blocks"])
-                    if run != "roomy"
-                    else []
-                )
-                preemptions = core.scheduler.num_preemptions_total
-                result[run] = _numbers(llm, prompts, params)
-                result[run]["num_preemptions"] = core.scheduler.num_preemptions_total - preemptions
-                result[run]["free_blocks_after"] = pool.get_num_free_blocks()
-                result[run]["peak_steps_in_flight"] = core.peak_steps_in_flight
+                num_held = 0 if run == "roomy" else pool.get_num_free_blocks() - arg["free_blocks"]
+                held = pool.get_new_blocks(num_held)
+                preempted.clear()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                result[run] = {
+                    "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                    "logprobs": [
+                        [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]
+                        for o in outs
+                    ],
+                    "preemptions": [preempted.count(o.request_id) for o in outs],
+                    "free_blocks_after": pool.get_num_free_blocks(),
+                    "peak_steps_in_flight": core.peak_steps_in_flight,
+                }
                 pool.free_blocks(held)
             result["seconds"] = round(time.perf_counter() - t0, 1)
             results[name].append(result)
             del llm, core
     return results
+
+
+def _noting_preemptions(scheduler) -> list[str]:
+    """The ids of the requests `scheduler` preempts from now on, once per preemption."""
+    preempted = []
+    schedule = scheduler.schedule
+
+    def schedule_and_note():
+        output = schedule()
+        preempted.extend(output.preempted_req_ids)
+        return output
+
+    scheduler.schedule = schedule_and_note
+    return preempted
