@@ -334,7 +334,8 @@ def preemption(arg: dict, small_llm) -> dict:
             core = llm.engine_core
             preempted = _noting_preemptions(core.scheduler)
             result = {"layout": layout}
-            for run in ["roomy", "tight"] + (["tight_micro_batches"] if layout else []):
+            is_staged = layout.get("pipeline_parallel_size", 1) > 1
+            for run in ["roomy", "tight"] + (["tight_micro_batches"] if is_staged else []):
                 if run == "tight_micro_batches":
                     core.set_num_micro_batches(core.executor.max_concurrent_batches)
                 llm.reset_prefix_cache()  # each run computes its prompts (a hit would skip the recompute)
