@@ -150,7 +150,8 @@ def image_runs(tp_worker, vlm_models):
 
 # Preemption on stages, in bfloat16: the dtype batch invariance is about (in float32 these runs differ by
 # an ulp, VLM_SHAPE says why). All but 7 KV blocks held aside: the three requests (token-id prompts of 54,
-# 45 and 15 tokens; Qwen3-VL's image prompts) preempt each other two to four times and recompute.
+# 45 and 15 tokens; Qwen3-VL's image prompts) preempt each other two to four times, mid-prompt and
+# mid-decode, and recompute.
 PREEMPTION_SHAPE = {"dtype": "bfloat16", "max_num_batched_tokens": 16, "max_num_seqs": 4}
 PREEMPTION_PROMPTS = [
     [5, 17, 33, 4, 60, 8, 21, 90, 13] * 6,
