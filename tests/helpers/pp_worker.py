@@ -302,3 +302,74 @@ def _encoder_weights(runner) -> list[int]:
         )
         for params in models
     ]
+
+
+def preemption(arg: dict, small_llm) -> dict:
+    """Preemption on pipeline stages. arg: {"models": {name: directory}, "layouts", "shape", "prompts" (token
+    ids; a vision-language model takes helpers/tiny_vlm.py's three image prompts instead), "free_blocks"}.
+    Per model and layout, one engine: the greedy numbers of the prompts in one batch with the whole KV
+    cache free ("roomy"), then with all but `free_blocks` blocks held aside so that the requests preempt
+    each other and recompute ("tight"), and on a PP engine again with its micro-batches in flight
+    ("tight_micro_batches"); each run's preemptions per prompt, and the blocks free after it (none
+    leaked)."""
+    import json
+    import os
+
+    from tiny_vlm import image_prompts  # beside this file, on sys.path as the script's folder
+
+    from xlaserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    results = {}
+    for name, model_dir in arg["models"].items():
+        with open(os.path.join(model_dir, "config.json")) as f:
+            is_vlm = "vision_config" in json.load(f)
+        prompts = (
+            image_prompts(model_dir) if is_vlm else [{"prompt_token_ids": ids} for ids in arg["prompts"]]
+        )
+        results[name] = []
+        for layout in arg["layouts"]:
+            t0 = time.perf_counter()
+            llm = small_llm(model_dir, layout, **arg["shape"])
+            core = llm.engine_core
+            preempted = _noting_preemptions(core.scheduler)
+            result = {"layout": layout}
+            is_staged = layout.get("pipeline_parallel_size", 1) > 1
+            for run in ["roomy", "tight"] + (["tight_micro_batches"] if is_staged else []):
+                if run == "tight_micro_batches":
+                    core.set_num_micro_batches(core.executor.max_concurrent_batches)
+                llm.reset_prefix_cache()  # each run computes its prompts (a hit would skip the recompute)
+                pool = core.scheduler.kv_cache_manager.block_pool
+                num_held = 0 if run == "roomy" else pool.get_num_free_blocks() - arg["free_blocks"]
+                held = pool.get_new_blocks(num_held)
+                preempted.clear()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                result[run] = {
+                    "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                    "logprobs": [
+                        [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]
+                        for o in outs
+                    ],
+                    "preemptions": [preempted.count(o.request_id) for o in outs],
+                    "free_blocks_after": pool.get_num_free_blocks(),
+                    "peak_steps_in_flight": core.peak_steps_in_flight,
+                }
+                pool.free_blocks(held)
+            result["seconds"] = round(time.perf_counter() - t0, 1)
+            results[name].append(result)
+            del llm, core
+    return results
+
+
+def _noting_preemptions(scheduler) -> list[str]:
+    """The ids of the requests `scheduler` preempts from now on, once per preemption."""
+    preempted = []
+    schedule = scheduler.schedule
+
+    def schedule_and_note():
+        output = schedule()
+        preempted.extend(output.preempted_req_ids)
+        return output
+
+    scheduler.schedule = schedule_and_note
+    return preempted

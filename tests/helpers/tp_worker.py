@@ -503,6 +503,13 @@ def pipeline_images(_model_dir: str, arg: dict) -> dict:
     return images(arg, small_llm)
 
 
+def pipeline_preemption(_model_dir: str, arg: dict) -> dict:
+    """See helpers/pp_worker.py `preemption`."""
+    from pp_worker import preemption
+
+    return preemption(arg, small_llm)
+
+
 def pipeline_lora(_model_dir: str, arg: dict) -> list:
     """See helpers/pp_worker.py `lora`."""
     from pp_worker import lora as pp_lora
@@ -528,6 +535,7 @@ MODES = {
     "pipeline_research": pipeline_research,
     "pipeline_images": pipeline_images,
     "pipeline_lora": pipeline_lora,
+    "pipeline_preemption": pipeline_preemption,
     "update_weights": update_weights,
     "update_weights_on_mesh": update_weights_on_mesh,
 }
@@ -569,7 +577,13 @@ class _CaseProfile:
 # alike; collectives and shapes) does not depend on the emitter. The pipeline's cases keep XLA's
 # default: their stages are compared with one device bit for bit, and with two processes compiling as
 # users do (test_pipeline_parallel.py), and under the elemental emitters a stage's bits differ.
-DEFAULT_EMITTER_MODES = {"pipeline", "pipeline_research", "pipeline_lora", "pipeline_images"}
+DEFAULT_EMITTER_MODES = {
+    "pipeline",
+    "pipeline_research",
+    "pipeline_lora",
+    "pipeline_images",
+    "pipeline_preemption",
+}
 ELEMENTAL_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 _default_emitters = True
 

@@ -15,7 +15,9 @@ its layers' adapter slots) gives PP=1's bits, two adapters and the base model in
 adapter swapped into a slot at run time. Vision-language models on PP=2 (the encoder and its cache on the
 first stage) give PP=1's bits for an image request, a two-image one and a text one in one batch: LLaVA,
 Qwen2.5-VL (M-RoPE positions on every stage), Qwen3-VL of 4 layers (DeepStack features added after
-layers 0-2, layer 2 on the second stage) and Gemma 3 (image spans seen both ways on every stage)."""
+layers 0-2, layer 2 on the second stage) and Gemma 3 (image spans seen both ways on every stage). And in
+bfloat16, requests preempted and recomputed (all but a few KV blocks held aside) give the bits of the run
+without preemption, on PP=1, PP=2 and PP=2 with micro-batches: the tiny Llama and Qwen3-VL."""
 
 from __future__ import annotations
 
@@ -116,16 +118,20 @@ def research_run(tp_worker, models, tmp_path_factory):
 
 
 # Vision-language models: a step of 16 tokens holds an image's (helpers/tiny_vlm.py), four requests a batch.
+# In float32 both layouts must schedule alike, so the KV budget (small_llm's 8 MiB) holds every request: a
+# stage's budget is for its own layers, so PP=2 holds twice PP=1's blocks, and where PP=1 alone preempts,
+# a recomputed request decodes beside other companions, which moves a float32 logprob by an ulp (the
+# preemption case below runs in bfloat16; README, "Batch invariance").
 VLM_SHAPE = {"max_num_batched_tokens": 16, "max_num_seqs": 4}
 VLM_GUARDED = ["qwen3_vl"]  # its PP=2 warmed up under the strict compile guard (encoder, DeepStack rows)
 
 
 @pytest.fixture(scope="module")
-def image_runs(tp_worker, tmp_path_factory):
-    """helpers/pp_worker.py `images`: {model: [PP=1, PP=2]} on tiny random vision-language models."""
+def vlm_models(tmp_path_factory) -> dict[str, str]:
+    """{model: directory}: tiny random vision-language models (helpers/tiny_vlm.py)."""
     from helpers import tiny_vlm
 
-    models = {
+    return {
         "llava": tiny_vlm.save_tiny_llava(str(tmp_path_factory.mktemp("pp_llava"))),
         "qwen2_5_vl": tiny_vlm.save_tiny_qwen2_5_vl(str(tmp_path_factory.mktemp("pp_qwen2_5_vl"))),
         "qwen3_vl": tiny_vlm.save_tiny_qwen3_vl(
@@ -133,8 +139,40 @@ def image_runs(tp_worker, tmp_path_factory):
         ),
         "gemma3": tiny_vlm.save_tiny_gemma3(str(tmp_path_factory.mktemp("pp_gemma3"))),
     }
-    arg = {"models": models, "layouts": [PP1, PP2], "guarded": VLM_GUARDED, "shape": VLM_SHAPE}
+
+
+@pytest.fixture(scope="module")
+def image_runs(tp_worker, vlm_models):
+    """helpers/pp_worker.py `images`: {model: [PP=1, PP=2]} on tiny random vision-language models."""
+    arg = {"models": vlm_models, "layouts": [PP1, PP2], "guarded": VLM_GUARDED, "shape": VLM_SHAPE}
     return tp_worker.run("pipeline_images", "", arg)
+
+
+# Preemption on stages, in bfloat16: the dtype batch invariance is about (in float32 these runs differ by
+# an ulp, VLM_SHAPE says why). All but 7 KV blocks held aside: the three requests (token-id prompts of 54,
+# 45 and 15 tokens; Qwen3-VL's image prompts) preempt each other two to four times, mid-prompt and
+# mid-decode, and recompute.
+PREEMPTION_SHAPE = {"dtype": "bfloat16", "max_num_batched_tokens": 16, "max_num_seqs": 4}
+PREEMPTION_PROMPTS = [
+    [5, 17, 33, 4, 60, 8, 21, 90, 13] * 6,
+    [200, 9, 31, 250, 2] * 9,
+    [44, 120, 7, 81, 150] * 3,
+]
+PREEMPTION_FREE_BLOCKS = 7
+
+
+@pytest.fixture(scope="module")
+def preemption_runs(tp_worker, models, vlm_models):
+    """helpers/pp_worker.py `preemption`: {model: [PP=1, PP=2]}, each engine's runs with the whole cache
+    free and with PREEMPTION_FREE_BLOCKS (PP=2: also with its micro-batches in flight)."""
+    arg = {
+        "models": {"llama": models["llama"], "qwen3_vl": vlm_models["qwen3_vl"]},
+        "layouts": [PP1, PP2],
+        "shape": PREEMPTION_SHAPE,
+        "prompts": PREEMPTION_PROMPTS,
+        "free_blocks": PREEMPTION_FREE_BLOCKS,
+    }
+    return tp_worker.run("pipeline_preemption", "", arg)
 
 
 @pytest.fixture(scope="module")
@@ -343,3 +381,23 @@ def test_vision_language_models_on_stages_are_bitwise_one_device(image_runs, mod
     assert len({tuple(t) for t in one["tokens"]}) == 3  # the prompts differ in output
     if model in VLM_GUARDED:
         assert staged["compiles_after_warm_up"] == 0
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_vl"])
+def test_preempted_requests_on_stages_are_bitwise_the_unpreempted_ones(preemption_runs, model):
+    """bfloat16: requests preempted and recomputed (their companions in each step change with it; Qwen3-VL's
+    image requests recompute their M-RoPE positions and DeepStack rows) give the bits of the run without
+    preemption, on PP=1, on PP=2 and on PP=2 with two micro-batches in flight; no block leaks."""
+    one, staged = preemption_runs[model]
+    assert (one["layout"], staged["layout"]) == (PP1, PP2)
+    roomy = one["roomy"]
+    assert roomy["preemptions"] == staged["roomy"]["preemptions"] == [0, 0, 0]
+    assert len({tuple(t) for t in roomy["tokens"]}) == 3  # the prompts differ in output
+    assert staged["roomy"]["tokens"] == roomy["tokens"]
+    assert staged["roomy"]["logprobs"] == roomy["logprobs"]
+    for run in (one["tight"], staged["tight"], staged["tight_micro_batches"]):
+        assert run["preemptions"][1] > 0 and sum(run["preemptions"]) >= 2  # Qwen3-VL's [1]: two images
+        assert run["free_blocks_after"] == PREEMPTION_FREE_BLOCKS  # every block came back
+        assert run["tokens"] == roomy["tokens"]
+        assert run["logprobs"] == roomy["logprobs"]  # every float, exactly
+    assert staged["tight_micro_batches"]["peak_steps_in_flight"] == 2
