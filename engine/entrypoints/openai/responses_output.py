@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 from xlaserve.entrypoints.openai.responses_protocol import ItemStatus
+from xlaserve.entrypoints.openai.tool_protocol import without_nones
 
 
 class OutputTextPart(BaseModel):
@@ -146,6 +147,13 @@ class Response(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     background: bool | None = None
     top_logprobs: int | None = None
+    # A disaggregated-prefill producer's: where a consumer fetches the prompt's blocks (vLLM's, as on
+    # the chat route); left out of every other response.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler):
+        return without_nones(handler, self, ("kv_transfer_params",))
 
 
 class DeletedResponse(BaseModel):
