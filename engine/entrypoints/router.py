@@ -17,6 +17,7 @@ in flight on each. An instance that refuses connections or answers 5xx is skippe
 to a decode instance alone (which computes the prompt itself), with no decode instance left it fails
 with a 503 in the API's error format. An error in the request itself (4xx) is the client's answer.
 """
+
 from __future__ import annotations
 
 import argparse
