@@ -4,7 +4,7 @@ prefill leg, the prefill leg's body, and the router's own errors in the API's sh
 The prefill leg asks for one token of the request's prompt, so it keeps every field that shapes the
 prompt (messages, tools, instructions, template settings, the cache salt, the adapter) and leaves out
 those that shape only the answer and could refuse a one-token answer (`n`, `min_tokens`, the stream's
-options; the Responses API's storage). A request takes no prefill leg when its prompt cannot be had
+options, the Responses API's logprobs `include`); a prefilled response is not stored. A request takes no prefill leg when its prompt cannot be had
 there or its blocks would not be used: the client's own `kv_transfer_params`, several prompts, a beam
 search (its own requests per step), prompt logprobs (every prompt position computed), a Responses
 follow-up (`previous_response_id`: the history is on the decode instance that answered it, which
@@ -101,7 +101,7 @@ CHAT = Api("/v1/chat/completions", "max_tokens", _SAMPLING_ANSWER_ONLY, _skips_s
 RESPONSES = Api(
     "/v1/responses",
     "max_output_tokens",
-    ("stream", "stream_options", "background", "min_tokens", "include", "top_logprobs"),
+    ("stream", "stream_options", "min_tokens", "include", "top_logprobs"),
     _skips_responses,
     prefill_fields={"store": False},
 )
