@@ -4,12 +4,13 @@ prefill leg, the prefill leg's body, and the router's own errors in the API's sh
 The prefill leg asks for one token of the request's prompt, so it keeps every field that shapes the
 prompt (messages, tools, instructions, template settings, the cache salt, the adapter) and leaves out
 those that shape only the answer and could refuse a one-token answer (`n`, `min_tokens`, the stream's
-options, the Responses API's logprobs `include`); a prefilled response is not stored. A request takes no prefill leg when its prompt cannot be had
-there or its blocks would not be used: the client's own `kv_transfer_params`, several prompts, a beam
-search (its own requests per step), prompt logprobs (every prompt position computed), a Responses
-follow-up (`previous_response_id`: the history is on the decode instance that answered it, which
-holds its blocks too), a background response (answered at once, queued), and MCP tools or servers
-(several model turns, the tools listed on the server that answers).
+options, the Responses API's logprobs `include`); a prefilled response is not stored. A request takes
+no prefill leg when its prompt cannot be had there or its blocks would not be used: the client's own
+`kv_transfer_params`, several prompts, a beam search (its own requests per step), prompt logprobs
+(every prompt position computed), a Responses follow-up (`previous_response_id`: the history is on
+the decode instance that answered it, which holds its blocks too), a background response (answered
+at once, queued), and MCP tools or servers (several model turns, the tools listed on the server that
+answers).
 """
 
 from __future__ import annotations
