@@ -207,7 +207,7 @@ def test_responses_through_the_router_answer_like_one_server_and_continue(server
     assert follow.usage.input_tokens_details.cached_tokens >= _cached(first.usage.input_tokens)
     assert _loaded_since(consumer, before) == (0, 0)
     assert routed.retrieve(follow.id).output_text == follow.output_text
-    assert routed.delete(first.id).deleted
+    routed.delete(first.id)  # the openai client returns nothing; a 404 would raise
     with pytest.raises(openai.NotFoundError):
         routed.retrieve(first.id)
 
@@ -246,7 +246,8 @@ def test_anthropic_messages_through_the_router_answer_like_one_server(servers):
     before = _fetches(consumer)
     with routed.messages.stream(**fields, extra_body=greedy) as stream:
         streamed = stream.get_final_message()
-    assert streamed.content == expected.content and streamed.stop_reason == expected.stop_reason
+    assert [b.text for b in streamed.content] == [b.text for b in expected.content]
+    assert streamed.stop_reason == expected.stop_reason
     assert _loaded_since(consumer, before) == (1, 0)
     # count_tokens: any instance counts.
     counted = routed.messages.count_tokens(model="tiny", messages=fields["messages"])
