@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field
 
 from xlaserve.entrypoints.openai.responses_protocol import ItemStatus
-from xlaserve.entrypoints.openai.tool_protocol import without_nones
+from xlaserve.entrypoints.openai.tool_protocol import OmitsNones
 
 
 class OutputTextPart(BaseModel):
@@ -121,7 +121,7 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
-class Response(BaseModel):
+class Response(OmitsNones):
     id: str
     object: Literal["response"] = "response"
     created_at: int
@@ -151,9 +151,7 @@ class Response(BaseModel):
     # the chat route); left out of every other response.
     kv_transfer_params: dict[str, Any] | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_nones(self, handler):
-        return without_nones(handler, self, ("kv_transfer_params",))
+    omit_if_none = ("kv_transfer_params",)
 
 
 class DeletedResponse(BaseModel):
