@@ -228,6 +228,10 @@ def test_responses_through_the_router_answer_like_one_server_and_continue(server
         time.sleep(0.1)
     assert done.output_text == expected.output_text
     assert _loaded_since(consumer, before) == (0, 0)
+    # Its events followed again through the router (the query relayed): after the first, to the end.
+    again = list(routed.retrieve(queued.id, stream=True, starting_after=0))
+    assert again[0].sequence_number == 1 and again[-1].type == f"response.{expected.status}"
+    assert again[-1].response.output_text == expected.output_text
 
 
 def test_anthropic_messages_through_the_router_answer_like_one_server(servers):
