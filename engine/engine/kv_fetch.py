@@ -5,6 +5,12 @@ scheduler, while a thread asks the producer's block server for its blocks chunk 
 is asked for once the previous one arrived (the consumer sets the pace), and each must arrive within
 `timeout_s`. Then the engine core hands the request to the scheduler, with the blocks attached
 (`Request.remote_kv`) or, when the fetch failed, without them: it computes its prompt itself.
+
+The n children of an n > 1 request share one prompt, so one fetch: the first child's. Its siblings
+wait with it and join the scheduler right after it, without blocks of their own; the first child's
+blocks are indexed in the prefix cache once it is scheduled (in the same step, too), so they hit them
+there, as the children of any n > 1 request share their prompt's blocks. A producer serves a prompt's
+blocks once, so a second fetch would fail and compute the prompt again.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -31,6 +38,15 @@ class FetchError(Exception):
     pass
 
 
+@dataclass
+class _Siblings:
+    """The children of one n > 1 request while some are still to come or to be handed over."""
+
+    num_to_come: int  # children not submitted yet
+    is_fetched: bool = False  # the first child's fetch is over (handed over)
+    waiting: list[Request] = field(default_factory=list)  # children waiting on that fetch
+
+
 class RemotePrefills:
     """Requests whose prompt blocks are being fetched; the base case (no consumer role) holds none."""
 
@@ -42,6 +58,7 @@ class RemotePrefills:
         self._pending: set[str] = set()
         self._ready: list[Request] = []
         self._aborted: set[str] = set()
+        self._siblings: dict[str, _Siblings] = {}  # by parent request id
         self._lock = threading.Lock()
         self._arrived = threading.Event()
         self.stats = KVTransferStats()
@@ -58,8 +75,34 @@ class RemotePrefills:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_MAX_CONCURRENT_FETCHES, thread_name_prefix="xlaserve-kv-fetch")
         with self._lock:
+            if self._follows_sibling(request):
+                return
             self._pending.add(request.request_id)
         self._pool.submit(self._fetch_and_hand_over, request)
+
+    def _follows_sibling(self, request: Request) -> bool:
+        """An n > 1 request's child after its first: it waits for the first child's fetch (or, that
+        over, is handed over at once). The first child starts the group. Under the lock."""
+        parent = request.parent_id
+        if parent is None:
+            return False
+        group = self._siblings.get(parent)
+        if group is None:
+            self._siblings[parent] = _Siblings(num_to_come=request.sampling_params.n - 1)
+            return False
+        group.num_to_come -= 1
+        if group.is_fetched:
+            self._ready.append(request)
+            self._arrived.set()
+        else:
+            group.waiting.append(request)
+            self._pending.add(request.request_id)
+        self._drop_if_done(parent, group)
+        return True
+
+    def _drop_if_done(self, parent: str, group: _Siblings) -> None:
+        if group.is_fetched and group.num_to_come <= 0:
+            del self._siblings[parent]
 
     def take_ready(self) -> list[Request]:
         """Requests whose fetch is over (blocks attached, or failed), aborted ones left out."""
@@ -107,6 +150,12 @@ class RemotePrefills:
             s.fetch_seconds += time.perf_counter() - t0
             self._pending.discard(request.request_id)
             self._ready.append(request)
+            group = self._siblings.get(request.parent_id) if request.parent_id is not None else None
+            if group is not None:  # its siblings follow it into the scheduler
+                self._pending -= {r.request_id for r in group.waiting}
+                self._ready += group.waiting
+                group.waiting, group.is_fetched = [], True
+                self._drop_if_done(request.parent_id, group)
             self._arrived.set()
 
     def fetch(self, request: Request) -> RemoteKV:

@@ -1,26 +1,30 @@
-"""`xlaserve router --prefill URL [...] --decode URL [...]`: one OpenAI-compatible front for
-disaggregated prefill (README "Disaggregated prefill"; core/kv_transfer.py has the engines' side).
+"""`xlaserve router --prefill URL [...] --decode URL [...]`: one OpenAI- and Anthropic-compatible front
+for disaggregated prefill (README "Disaggregated prefill"; core/kv_transfer.py has the engines' side).
 
-Each completion or chat request goes first to a prefill instance (a `kv_producer` server) with
-max_tokens=1 and `kv_transfer_params: {"do_remote_decode": true}`: it runs the prompt and keeps its
-K/V blocks. Its answer's `kv_transfer_params` say where they are; the request then goes, as the
-client sent it plus those params, to a decode instance (a `kv_consumer`), which fetches the blocks,
-computes only the last prompt token and streams the answer back through here.
+Each completion, chat, Responses or Anthropic messages request goes first to a prefill instance (a
+`kv_producer` server) asking for one token (max_tokens=1, the Responses API's max_output_tokens=1)
+with `kv_transfer_params: {"do_remote_decode": true}`: it runs the prompt and keeps its K/V blocks.
+Its answer's `kv_transfer_params` say where they are; the request then goes, as the client sent it
+plus those params, to a decode instance (a `kv_consumer`), which fetches the blocks, computes only
+the last prompt token and streams the answer back through here. Which requests skip the prefill leg,
+and what it leaves out of the body, is router_apis.py; the Responses API's stored responses are
+router_responses.py. An n > 1 request's prefill leg asks for one sample: its n samples on the decode
+instance share the prompt's one fetch (engine/engine/kv_fetch.py).
 
 Instances are picked round robin, or (`--policy least_loaded`) by the fewest requests this router has
 in flight on each. An instance that refuses connections or answers 5xx is skipped for
 `--retry-after` seconds and the request tried on the next one: with no prefill instance left it goes
 to a decode instance alone (which computes the prompt itself), with no decode instance left it fails
-with a 503 in OpenAI's error format. An error in the request itself (4xx) is the client's answer.
+with a 503 in the API's error format. An error in the request itself (4xx) is the client's answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -28,9 +32,13 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from xlaserve.entrypoints.router_apis import CHAT, COMPLETIONS, MESSAGES, Api, read_body
+from xlaserve.entrypoints.router_responses import add_responses_routes
+
 logger = logging.getLogger("xlaserve.entrypoints.router")
 
 POLICIES = ("round_robin", "least_loaded")
+Watch = Callable[["Instance", bytes], bool]  # sees an answer's bytes; True: seen enough
 
 
 @dataclass
@@ -67,12 +75,6 @@ class Pool:
         return [i for i in ranked if i.is_up] + [i for i in ranked if not i.is_up]
 
 
-def _error(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status
-    )
-
-
 class Router:
     def __init__(self, prefill: list[str], decode: list[str], policy: str = "round_robin", retry_after_s=5.0):
         if not decode:
@@ -105,16 +107,13 @@ class Router:
             raise _InstanceError
         return response
 
-    async def _prefill(self, path: str, body: dict) -> dict | Response | None:
+    async def _prefill(self, api: Api, body: dict) -> dict | Response | None:
         """The prefill instance's kv_transfer_params; its error response for a bad request; None when
         no instance answered (the decode instance then computes the prompt)."""
-        prefill_body = {
-            k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")
-        }
-        prefill_body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        prefill_body = api.prefill_body(body)
         for instance in self.prefill.order():
             try:
-                response = await self._post(instance, path, prefill_body)
+                response = await self._post(instance, api.path, prefill_body)
             except _InstanceError:
                 continue
             if response.status_code != 200:
@@ -122,37 +121,40 @@ class Router:
             return response.json().get("kv_transfer_params")
         return None
 
-    async def handle(self, path: str, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return _error(400, f"the request body is not JSON: {e}", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "invalid_request_error")
+    async def handle(self, api: Api, request: Request) -> Response:
+        body = await read_body(api, request)
+        return body if isinstance(body, Response) else await self.route(api, body)
+
+    async def route(self, api: Api, body: dict, watch: Watch | None = None) -> Response:
+        """The request's answer: the prefill leg (unless `api` says the request skips it), then the
+        request with the prefill's kv_transfer_params on a decode instance, relayed."""
         params = None
-        if self.prefill.instances and body.get("n", 1) == 1 and "kv_transfer_params" not in body:
-            params = await self._prefill(path, body)
+        if self.prefill.instances and not api.skips_prefill(body):
+            params = await self._prefill(api, body)
             if isinstance(params, Response):
                 return params
             if params is None:
                 self.num_prefill_fallbacks += 1
         decode_body = body if params is None else dict(body, kv_transfer_params=params)
-        if body.get("stream"):
-            return await self._stream(path, decode_body)
-        for instance in self.decode.order():
-            try:
-                response = await self._post(instance, path, decode_body)
-            except _InstanceError:
-                continue
-            return Response(response.content, response.status_code, media_type="application/json")
-        return _error(503, "router: no decode instance is answering")
+        return await self.send(api, "POST", api.path, decode_body, self.decode.order(), watch)
 
-    async def _stream(self, path: str, body: dict) -> Response:
-        for instance in self.decode.order():
+    async def send(
+        self,
+        api: Api,
+        method: str,
+        path: str,
+        body: dict | None,
+        instances: list[Instance],
+        watch: Watch | None = None,
+        unavailable: str = "router: no decode instance is answering",
+    ) -> Response:
+        """The first of `instances` that answers, relayed: an event stream as it comes, anything else
+        whole. `watch(instance, data)` sees a 200 answer's bytes (a stream's until it returns True)."""
+        for instance in instances:
             instance.in_flight += 1
             try:
                 upstream = await self.client.send(
-                    self.client.build_request("POST", instance.url + path, json=body), stream=True
+                    self.client.build_request(method, instance.url + path, json=body), stream=True
                 )
             except httpx.HTTPError as e:
                 instance.in_flight -= 1
@@ -163,38 +165,37 @@ class Router:
                 await upstream.aclose()
                 self._down(instance, f"HTTP {upstream.status_code}")
                 continue
-            return StreamingResponse(
-                self._relay(instance, upstream),
-                status_code=upstream.status_code,
-                media_type=upstream.headers.get("content-type", "text/event-stream"),
-            )
-        return _error(503, "router: no decode instance is answering")
-
-    async def _relay(self, instance: Instance, upstream: httpx.Response):
-        try:
-            async for chunk in upstream.aiter_raw():
-                yield chunk
-        except httpx.HTTPError as e:  # the instance died mid-answer: the stream says so and ends
-            self._down(instance, repr(e))
-            error = {
-                "error": {"message": "router: the decode instance stopped answering", "type": "server_error"}
-            }
-            yield f"data: {json.dumps(error)}\n\n".encode()
-        finally:
-            instance.in_flight -= 1
-            await upstream.aclose()
-
-    async def get(self, path: str) -> Response:
-        for instance in self.decode.order():
+            watch = watch if upstream.status_code == 200 else None
+            media_type = upstream.headers.get("content-type", "application/json")
+            if media_type.startswith("text/event-stream"):
+                return StreamingResponse(
+                    self._relay(api, instance, upstream, watch), upstream.status_code, media_type=media_type
+                )
             try:
-                response = await self.client.get(instance.url + path)
+                content = await upstream.aread()
             except httpx.HTTPError as e:
                 self._down(instance, repr(e))
                 continue
-            return Response(
-                response.content, response.status_code, media_type=response.headers.get("content-type")
-            )
-        return _error(503, "router: no decode instance is answering")
+            finally:
+                instance.in_flight -= 1
+                await upstream.aclose()
+            if watch is not None:
+                watch(instance, content)
+            return Response(content, upstream.status_code, media_type=media_type)
+        return api.error(503, unavailable)
+
+    async def _relay(self, api: Api, instance: Instance, upstream: httpx.Response, watch: Watch | None):
+        try:
+            async for chunk in upstream.aiter_raw():
+                if watch is not None and watch(instance, chunk):
+                    watch = None
+                yield chunk
+        except httpx.HTTPError as e:  # the instance died mid-answer: the stream says so and ends
+            self._down(instance, repr(e))
+            yield api.stream_error("router: the decode instance stopped answering")
+        finally:
+            instance.in_flight -= 1
+            await upstream.aclose()
 
 
 def build_app(router: Router):
@@ -209,15 +210,29 @@ def build_app(router: Router):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await router.handle("/v1/completions", request)
+        return await router.handle(COMPLETIONS, request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await router.handle("/v1/chat/completions", request)
+        return await router.handle(CHAT, request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await router.handle(MESSAGES, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """The prompt's length: any instance counts it (a decode instance, as /v1/models)."""
+        body = await read_body(MESSAGES, request)
+        if isinstance(body, Response):
+            return body
+        return await router.send(MESSAGES, "POST", "/v1/messages/count_tokens", body, router.decode.order())
+
+    add_responses_routes(app, router)
 
     @app.get("/v1/models")
     async def models():
-        return await router.get("/v1/models")
+        return await router.send(CHAT, "GET", "/v1/models", None, router.decode.order())
 
     @app.get("/health")
     async def health():

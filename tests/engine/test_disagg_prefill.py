@@ -225,6 +225,35 @@ def test_unknown_requests_and_other_prompts_are_computed_locally(engines):
     _assert_all_free(consumer)
 
 
+def test_n_samples_share_one_fetch(engines):
+    """An n > 1 request's samples share its prompt's one fetch: the first child fetches the blocks, its
+    siblings follow it into the scheduler and hit them in the prefix cache (a producer serves a prompt's
+    blocks once: a second fetch would find none and compute the prompt again)."""
+    reference, producer, consumer = engines
+    (prompt,) = _prompts(seed=4, lengths=(50,))
+    expected = _completion(reference.generate([prompt], DECODE, use_tqdm=False)[0])
+    prefilled = producer.generate(
+        [prompt], _with_params({"do_remote_decode": True}, SamplingParams(max_tokens=1)), use_tqdm=False
+    )[0]
+    before = _fetches(consumer)
+    params = SamplingParams(
+        n=3,
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=2,
+        extra_args={"kv_transfer_params": prefilled.kv_transfer_params},
+    )
+    out = consumer.generate([prompt], params, use_tqdm=False)[0]
+    samples = [(c.token_ids, [{k: v.logprob for k, v in s.items()} for s in c.logprobs]) for c in out.outputs]
+    assert [s if _DTYPE[0] == "bfloat16" else s[0] for s in samples] == [expected] * 3
+    assert out.num_cached_tokens == (50 - 1) // BLOCK * BLOCK
+    loaded, recomputed = _fetches(consumer)
+    assert (loaded - before[0], recomputed - before[1]) == (1, 0)  # one fetch, none failed
+    assert len(producer.engine_core.runner.kv_connector.server) == 0
+    assert not consumer.engine_core.remote_prefills._siblings
+    _assert_all_free(consumer)
+
+
 def test_settings_and_params_are_checked(model_dir):
     with pytest.raises(ValueError, match="kv_transfer_config.kv_role must be one of"):
         EngineConfig.from_kwargs(kv_transfer_config={"kv_role": "kv_sender"})

@@ -1,8 +1,11 @@
 """Disaggregated prefill's three processes (issue 35): a producer server, a consumer server and
-`xlaserve router` in front, on loopback, driven by the official openai client. Through the router a
-request answers like one server (greedy, token for token), with the prompt's blocks loaded on the
-consumer (its cached tokens say so); a producer killed after its prefill leaves the consumer
-computing the prompt itself; with no producer left the router sends requests to the consumer alone.
+`xlaserve router` in front, on loopback, driven by the official openai and anthropic clients. Through
+the router a request answers like one server (greedy, token for token), with the prompt's blocks
+loaded on the consumer (its fetch metrics and cached tokens say so): completions, chat, the Responses
+API (a stored response continued, read back and deleted through the router; a background one) and
+Anthropic's messages, streamed or not, and n > 1 samples sharing one fetch; bad requests get the
+instances' own errors; a producer killed after its prefill leaves the consumer computing the prompt
+itself; with no producer left the router sends requests to the consumer alone.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import signal
 import subprocess
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
 
 from helpers.server_harness import ServerProcess, _command, _free_port
 from helpers.tiny_models import TINY_PROCESS_ENV, save_tiny_thinking_model
+from xlaserve.entrypoints.router_responses import ResponseOwners, _IdReader
 
 BLOCK = 16
 # A long prompt: several blocks travel.
@@ -162,6 +167,150 @@ def test_bench_serve_measures_the_router_against_one_server(servers, tmp_path):
     assert run["num_failed"] == 0 and run["peer"]["num_failed"] == 0 and run["num_long"] == 2
     assert {"ttft_s_long_p50", "tpot_s_short_p50", "output_tokens_per_s"} <= set(run["vs_peer"])
     assert _fetches(consumer)["loaded"] - before["loaded"] == 5  # the four requests and the warm-up one
+
+
+def _cached(prompt_tokens: int) -> int:
+    """The tokens a consumer loads: every full block before the prompt's last token."""
+    return (prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def _loaded_since(consumer, before: dict) -> tuple[float, float]:
+    """(loaded, recomputed) fetches on the consumer since `before`."""
+    after = _fetches(consumer)
+    return tuple(after.get(o, 0) - before.get(o, 0) for o in ("loaded", "recomputed"))
+
+
+RESPONSES_GREEDY = {"model": "tiny", "temperature": 0.0, "max_output_tokens": 10}
+
+
+def test_responses_through_the_router_answer_like_one_server_and_continue(servers):
+    """/v1/responses: the prefill leg, then the consumer, streamed or not; a stored response continued
+    (previous_response_id: no prefill leg, the history in the consumer's prefix cache), read back and
+    deleted through the router; a background response decoded on the consumer alone."""
+    producer, consumer, router = servers
+    routed, alone = _client(router.url).responses, _client(producer.url).responses
+    prompt = "D " + PROMPT
+    before = _fetches(consumer)
+    first = routed.create(input=prompt, **RESPONSES_GREEDY)
+    expected = alone.create(input=prompt, **RESPONSES_GREEDY)
+    assert first.output_text == expected.output_text and first.status == expected.status
+    assert first.usage.input_tokens_details.cached_tokens == _cached(first.usage.input_tokens)
+    assert _loaded_since(consumer, before) == (1, 0)
+    assert "kv_transfer_params" not in first.model_dump()  # only a producer's answer carries them
+
+    # Continued through the router: to the consumer that holds it, whose prefix cache has the history.
+    before = _fetches(consumer)
+    follow = routed.create(input="Go on.", previous_response_id=first.id, **RESPONSES_GREEDY)
+    follow_alone = alone.create(input="Go on.", previous_response_id=expected.id, **RESPONSES_GREEDY)
+    assert follow.output_text == follow_alone.output_text
+    assert follow.usage.input_tokens == follow_alone.usage.input_tokens
+    assert follow.usage.input_tokens_details.cached_tokens >= _cached(first.usage.input_tokens)
+    assert _loaded_since(consumer, before) == (0, 0)
+    assert routed.retrieve(follow.id).output_text == follow.output_text
+    routed.delete(first.id)  # the openai client returns nothing; a 404 would raise
+    with pytest.raises(openai.NotFoundError):
+        routed.retrieve(first.id)
+
+    # Streamed: the events relayed; the response stored on the consumer, read back through the router.
+    before = _fetches(consumer)
+    events = list(routed.create(input=prompt, stream=True, **RESPONSES_GREEDY))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == expected.output_text and events[-1].type == f"response.{expected.status}"
+    assert routed.retrieve(events[-1].response.id).output_text == text
+    assert _loaded_since(consumer, before) == (1, 0)
+
+    # In the background: answered queued at once, decoded on the consumer alone, polled to the answer.
+    before = _fetches(consumer)
+    queued = routed.create(input=prompt, background=True, **RESPONSES_GREEDY)
+    deadline = time.monotonic() + 60
+    while (done := routed.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert done.output_text == expected.output_text
+    assert _loaded_since(consumer, before) == (0, 0)
+    # Its events followed again through the router (the query relayed): after the first, to the end.
+    again = list(routed.retrieve(queued.id, stream=True, starting_after=0))
+    assert again[0].sequence_number == 1 and again[-1].type == f"response.{expected.status}"
+    assert again[-1].response.output_text == expected.output_text
+
+
+def test_anthropic_messages_through_the_router_answer_like_one_server(servers):
+    producer, consumer, router = servers
+    routed = anthropic.Anthropic(base_url=router.url, api_key="none", max_retries=0, timeout=120)
+    alone = anthropic.Anthropic(base_url=producer.url, api_key="none", max_retries=0, timeout=120)
+    fields = {"model": "tiny", "max_tokens": 10, "messages": [{"role": "user", "content": "E " + PROMPT}]}
+    greedy = {"temperature": 0}
+    before = _fetches(consumer)
+    message = routed.messages.create(**fields, extra_body=greedy)
+    expected = alone.messages.create(**fields, extra_body=greedy)
+    assert message.content == expected.content and message.usage == expected.usage
+    assert _loaded_since(consumer, before) == (1, 0)
+    assert "kv_transfer_params" not in message.model_dump()
+    # Anthropic's event stream, relayed.
+    before = _fetches(consumer)
+    with routed.messages.stream(**fields, extra_body=greedy) as stream:
+        streamed = stream.get_final_message()
+    assert [b.text for b in streamed.content] == [b.text for b in expected.content]
+    assert streamed.stop_reason == expected.stop_reason
+    assert _loaded_since(consumer, before) == (1, 0)
+    # count_tokens: any instance counts.
+    counted = routed.messages.count_tokens(model="tiny", messages=fields["messages"])
+    assert counted.input_tokens == expected.usage.input_tokens
+
+
+def test_n_samples_take_the_prefill_leg_and_share_its_fetch(servers):
+    """n > 1: the prefill leg asks for one sample (and drops min_tokens, which max_tokens=1 would
+    refuse); the consumer's n samples share that one fetch. A beam search goes to the consumer alone."""
+    producer, consumer, router = servers
+    prompt = "F " + PROMPT
+    fields = {"model": "tiny", "prompt": prompt, "extra_body": {"min_tokens": 2}, **GREEDY}
+    before = _fetches(consumer)
+    routed = _client(router.url).completions.create(n=3, **fields)
+    alone = _client(producer.url).completions.create(**fields)
+    assert [c.text for c in routed.choices] == [alone.choices[0].text] * 3
+    assert _loaded_since(consumer, before) == (1, 0)
+    beams = httpx.post(
+        router.url + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "n": 2, "use_beam_search": True, "max_tokens": 3},
+        timeout=120,
+    )
+    assert beams.status_code == 200 and len(beams.json()["choices"]) == 2, beams.text
+    assert _loaded_since(consumer, before) == (1, 0)
+
+
+def test_bad_requests_get_the_instances_own_errors_through_the_router(servers):
+    """A request the prefill leg refuses gets the producer's error, one only the consumer can judge
+    (a response it does not hold) the consumer's, unchanged; the router's own in the API's shape."""
+    producer, consumer, router = servers
+    cases = [
+        ("/v1/responses", {"model": "tiny", "input": "Hi", "temperature": 5.0}, producer, 400),
+        ("/v1/responses", {"model": "tiny", "input": "Hi", "previous_response_id": "resp_x"}, consumer, 404),
+        ("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+                          "temperature": 1.5}, producer, 400),
+    ]  # fmt: skip
+    for path, body, instance, status in cases:
+        through = httpx.post(router.url + path, json=body, timeout=120)
+        direct = httpx.post(instance.url + path, json=body, timeout=120)
+        assert through.status_code == direct.status_code == status, through.text
+        assert through.json() == direct.json()
+    response = httpx.get(router.url + "/v1/responses/resp_nowhere")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "response_not_found"
+    response = httpx.post(router.url + "/v1/messages", content=b"{not json")
+    assert response.status_code == 400 and response.json()["type"] == "error"
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_router_reads_a_response_id_from_any_answer():
+    """The id a decode instance answered: from a whole response, or from a stream's first event however
+    its bytes are cut (no servers)."""
+    owners = ResponseOwners(max_size=2)
+    _IdReader(owners)("a", b'{"id": "resp_1", "object": "response"}')
+    stream = b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_2"}}\n\n'
+    reader = _IdReader(owners)
+    assert [reader("b", stream[i : i + 7]) for i in range(0, len(stream), 7)][-1] is True
+    assert owners.get("resp_1") == "a" and owners.get("resp_2") == "b"
+    owners.remember("resp_3", "c")  # the least recently used forgotten
+    assert owners.get("resp_1") is None and owners.get("resp_3") == "c"
 
 
 def test_a_killed_producer_leaves_the_consumer_computing_and_the_router_routing(servers):

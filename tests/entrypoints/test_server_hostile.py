@@ -219,7 +219,7 @@ FIELD_TYPES = {
         ],
         "boolean": ["stream", "store", "parallel_tool_calls", "ignore_eos"],
         "string": ["model", "instructions", "previous_response_id", "user", "cache_salt", "prompt_cache_key"],
-        "object": ["text", "reasoning", "metadata", "stream_options"],
+        "object": ["text", "reasoning", "metadata", "stream_options", "kv_transfer_params"],
     },
 }
 TYPE_CASES = [
@@ -1026,6 +1026,11 @@ RESPONSES_CASES = [  # (fields over the valid body, the param named, the status)
     ({"tools": [{**_MCP_TOOL, "require_approval": {"sometimes": {}}}]},
      "tools[0].require_approval.sometimes", 400),
     ({"tools": [_MCP_TOOL]}, "tools[0].server_url", 400),
+    # Disaggregated prefill's params, as on the chat route (this server is neither producer nor consumer).
+    ({"kv_transfer_params": {"remote_port": 0}}, "kv_transfer_params.remote_port", 400),
+    ({"kv_transfer_params": {"remote_engine": "x"}}, "kv_transfer_params.remote_engine", 400),
+    ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params", 400),
+    ({"kv_transfer_params": {"do_remote_prefill": True}, "tools": [_MCP_TOOL]}, "kv_transfer_params", 400),
     ({"service_tier": "flex"}, "service_tier", 400),
     ({"include": "x"}, "include", 400),
     ({"top_logprobs": 21}, "top_logprobs", 400),
@@ -1144,7 +1149,7 @@ ANTHROPIC_FIELD_TYPES = {
     "number": ["temperature", "top_p"],
     "boolean": ["stream"],
     "string": ["model"],
-    "object": ["metadata", "tool_choice"],
+    "object": ["metadata", "tool_choice", "kv_transfer_params"],
 }
 ANTHROPIC_TYPE_CASES = [
     pytest.param(field, value, id=f"{field}-{json.dumps(value)}")
@@ -1275,6 +1280,11 @@ ANTHROPIC_BAD = [
     ({"mcp_servers": [{**_MCP, "tool_configuration": {"allowed_tools": "tide_table"}}]},
      "mcp_servers[0].tool_configuration.allowed_tools"),
     ({"mcp_servers": [_MCP] * 17}, "mcp_servers"),
+    # Disaggregated prefill's params, as on the chat route (this server is neither producer nor consumer).
+    ({"kv_transfer_params": {"remote_port": 0}}, "kv_transfer_params.remote_port"),
+    ({"kv_transfer_params": {"do_remote_decode": "yes"}}, "kv_transfer_params.do_remote_decode"),
+    ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+    ({"kv_transfer_params": {"do_remote_prefill": True}, "mcp_servers": [_MCP]}, "kv_transfer_params"),
     ({"messages": _user({"type": "mcp_tool_result", "tool_use_id": "mcptoolu_1"})}, "messages[0].content[0]"),
     ({"messages": [*CHAT, {"role": "assistant", "content": [
         {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_9"}]}]}, "messages[1].content[0].tool_use_id"),
@@ -1285,7 +1295,10 @@ ANTHROPIC_BAD = [
 
 
 # The fields /v1/messages takes and count_tokens does not (it takes the MCP connector's servers).
-_GENERATION_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "stream"}
+_GENERATION_FIELDS = {
+    "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "stream",
+    "kv_transfer_params",
+}  # fmt: skip
 ANTHROPIC_BAD_CASES = [
     pytest.param(path, fields, field, id=f"{path.rsplit('/', 1)[1]}-{json.dumps(fields)[:70]}")
     for path in (MESSAGES, COUNT_TOKENS)

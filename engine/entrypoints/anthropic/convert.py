@@ -93,6 +93,8 @@ def chat_body(req: CountTokensRequest, mcp_functions: list[dict] = ()) -> dict:
             "stream": req.stream,
         }
         body.update({k: v for k, v in sampling.items() if v is not None})
+        if req.kv_transfer_params is not None:
+            body["kv_transfer_params"] = req.kv_transfer_params.model_dump(exclude_none=True)
     return body
 
 

@@ -34,6 +34,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     new_id,
     submit,
 )
+from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 
 logger = logging.getLogger("xlaserve.entrypoints.anthropic")
@@ -70,6 +71,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 async def create_message(state: ServerState, req: MessagesRequest, raw_request: Request):
     model = check_model(state, req.model)
     if req.mcp_servers:
+        if req.kv_transfer_params is not None:  # one prompt's blocks; an MCP message runs several turns
+            raise bad_request("kv_transfer_params cannot be combined with mcp_servers", "kv_transfer_params")
         return await create_with_mcp(state, req, raw_request, model)
     chat, plan, text, ids, mm_features = await render(state, req, to_chat_request(req))
     check_context(state.engine, len(ids), req.max_tokens, "messages")
@@ -96,4 +99,5 @@ async def create_message(state: ServerState, req: MessagesRequest, raw_request: 
         stop_reason=reason,
         stop_sequence=sequence,
         usage=Usage(input_tokens=len(ids), output_tokens=len(completion.token_ids)),
+        kv_transfer_params=output.kv_transfer_params,
     )

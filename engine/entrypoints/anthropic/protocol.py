@@ -12,9 +12,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag, model_serializer
 
-from xlaserve.entrypoints.serving.protocol import JsonObject, PositiveTokens, StopString, StrictModel, Text
+from xlaserve.entrypoints.serving.protocol import (
+    JsonObject,
+    KVTransferParams,
+    PositiveTokens,
+    StopString,
+    StrictModel,
+    Text,
+)
 
 MAX_TOOLS = 128
 MAX_STOP_SEQUENCES = 16
@@ -306,6 +313,10 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1, description="0: off")
     metadata: Metadata | None = None
+    kv_transfer_params: KVTransferParams | None = Field(
+        default=None,
+        description="vLLM's disaggregated prefill (README), as on the chat route; not with mcp_servers",
+    )
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -361,6 +372,16 @@ class MessagesResponse(BaseModel):
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     usage: Usage
+    # A disaggregated-prefill producer's (vLLM's field, as on the chat route): where a consumer fetches
+    # the prompt's blocks; left out of every other message.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_kv_transfer_params(self, handler):
+        data = handler(self)
+        if data.get("kv_transfer_params") is None:
+            data.pop("kv_transfer_params", None)
+        return data
 
 
 class CountTokensResponse(BaseModel):

@@ -18,7 +18,7 @@ from xlaserve.entrypoints.openai.responses_background import UNFINISHED, Backgro
 from xlaserve.entrypoints.openai.responses_convert import image_fields, input_turns
 from xlaserve.entrypoints.openai.responses_mcp import create_with_mcp
 from xlaserve.entrypoints.openai.responses_output import DeletedResponse, Response
-from xlaserve.entrypoints.openai.responses_protocol import ResponsesRequest
+from xlaserve.entrypoints.openai.responses_protocol import McpTool, ResponsesRequest
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream, item_id
 from xlaserve.entrypoints.openai.responses_turn import (
@@ -127,6 +127,9 @@ async def create_response(
         history = _continued(store, req.previous_response_id).conversation
     conversation = history + input_turns(req, history)
     fields = image_fields(req, history)
+    if req.kv_transfer_params is not None and any(isinstance(tool, McpTool) for tool in req.tools or ()):
+        # One prompt's blocks; an MCP response runs several model turns.
+        raise bad_request("kv_transfer_params cannot be combined with mcp tools", "kv_transfer_params")
     mcp_tools = mcp_tools_of(req, state.tool_servers)
     if mcp_tools:
         return await create_with_mcp(

@@ -53,7 +53,7 @@ _RENAMES = [
 _SAMPLING = (
     "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "cache_salt", "user",
-    "parallel_tool_calls", "stream",
+    "parallel_tool_calls", "stream", "kv_transfer_params",
 )  # fmt: skip
 
 

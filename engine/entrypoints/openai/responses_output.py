@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from xlaserve.entrypoints.openai.responses_protocol import ItemStatus
+from xlaserve.entrypoints.openai.tool_protocol import OmitsNones
 
 
 class OutputTextPart(BaseModel):
@@ -120,7 +121,7 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
-class Response(BaseModel):
+class Response(OmitsNones):
     id: str
     object: Literal["response"] = "response"
     created_at: int
@@ -146,6 +147,11 @@ class Response(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     background: bool | None = None
     top_logprobs: int | None = None
+    # A disaggregated-prefill producer's: where a consumer fetches the prompt's blocks (vLLM's, as on
+    # the chat route); left out of every other response.
+    kv_transfer_params: dict[str, Any] | None = None
+
+    omit_if_none = ("kv_transfer_params",)
 
 
 class DeletedResponse(BaseModel):

@@ -20,6 +20,7 @@ from xlaserve.entrypoints.serving.protocol import (
     FUNCTION_NAME_PATTERN,
     MAX_TOOLS,
     JsonObject,
+    KVTransferParams,
     Penalty,
     PositiveTokens,
     Seed,
@@ -476,3 +477,6 @@ class ResponsesRequest(StrictModel):
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)
+    kv_transfer_params: KVTransferParams | None = Field(
+        default=None, description="disaggregated prefill's (README): as on the chat route; not with mcp tools"
+    )

@@ -132,6 +132,7 @@ def finished(state: ServerState, shell: Response, items, totals: Totals) -> Resp
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if is_cut else None,
             "output": items,
             "usage": _usage(state, totals),
+            "kv_transfer_params": totals.kv_transfer_params,
         }
     )
 
@@ -201,6 +202,7 @@ class Totals:
         self.num_prompt = self.num_generated = self.num_cached = 0
         self.reasoning = ""
         self.finish_reason: str | None = None
+        self.kv_transfer_params: dict | None = None  # a producer's last turn's (disaggregated prefill)
 
     @property
     def status(self) -> str:
@@ -231,6 +233,7 @@ async def stream_turn(
                 last = parser.finish()
                 totals.reasoning += last.reasoning or ""
                 totals.finish_reason = completion.finish_reason
+                totals.kv_transfer_params = output.kv_transfer_params
                 events += items.feed(last)
                 events += items.close("incomplete" if completion.finish_reason == "length" else "completed")
             for event in events:
