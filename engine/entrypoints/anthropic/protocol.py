@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag, model_serializer
+from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag
 
 from xlaserve.entrypoints.serving.protocol import (
     JsonObject,
     KVTransferParams,
+    OmitsNones,
     PositiveTokens,
     StopString,
     StrictModel,
@@ -363,7 +364,7 @@ class Usage(BaseModel):
     output_tokens: int
 
 
-class MessagesResponse(BaseModel):
+class MessagesResponse(OmitsNones):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
@@ -376,12 +377,7 @@ class MessagesResponse(BaseModel):
     # the prompt's blocks; left out of every other message.
     kv_transfer_params: dict[str, Any] | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_kv_transfer_params(self, handler):
-        data = handler(self)
-        if data.get("kv_transfer_params") is None:
-            data.pop("kv_transfer_params", None)
-        return data
+    omit_if_none = ("kv_transfer_params",)
 
 
 class CountTokensResponse(BaseModel):

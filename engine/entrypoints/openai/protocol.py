@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from xlaserve.entrypoints.openai.tool_protocol import DeltaToolCallOut, OmitsNones, ToolCallOut
+from xlaserve.entrypoints.openai.tool_protocol import DeltaToolCallOut, ToolCallOut
 from xlaserve.entrypoints.serving.protocol import (
     CHAT_TEMPLATE_HELP,
     MAX_TOOLS,
@@ -16,6 +16,7 @@ from xlaserve.entrypoints.serving.protocol import (
     ChatTemplate,
     ChatTool,
     JsonObject,
+    OmitsNones,
     PositiveTokens,
     PromptList,
     SamplingFields,

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from xlaserve.entrypoints.openai.responses_protocol import ItemStatus
-from xlaserve.entrypoints.openai.tool_protocol import OmitsNones
+from xlaserve.entrypoints.serving.protocol import OmitsNones
 
 
 class OutputTextPart(BaseModel):

@@ -3,9 +3,11 @@ other front ends (the Anthropic API) can share them."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
-from pydantic import BaseModel, model_serializer
+from pydantic import BaseModel
+
+from xlaserve.entrypoints.serving.protocol import OmitsNones
 
 
 class FunctionCallOut(BaseModel):
@@ -17,18 +19,6 @@ class ToolCallOut(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCallOut
-
-
-class OmitsNones(BaseModel):
-    """A wire shape that leaves out its `omit_if_none` fields whose value is None (OpenAI leaves absent
-    fields out; the others are sent as null)."""
-
-    omit_if_none: ClassVar[tuple[str, ...]] = ()
-
-    @model_serializer(mode="wrap")
-    def _drop_nones(self, handler):
-        data = handler(self)
-        return {k: v for k, v in data.items() if v is not None or k not in self.omit_if_none}
 
 
 class DeltaFunctionCallOut(OmitsNones):

@@ -18,9 +18,9 @@ before it can reach the tokenizer.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
 from pydantic_core import PydanticCustomError
 
 from xlaserve.sampling_params import MAX_LOGPROBS
@@ -91,6 +91,18 @@ Seed = Annotated[int, Field(ge=-_INT64, le=_INT64 - 1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 PromptList = Annotated[list[Text], Field(max_length=64)]
 StopString = Annotated[Text, Field(max_length=1024)]  # matched against the text's tail every step
+
+
+class OmitsNones(BaseModel):
+    """A wire shape that leaves out its `omit_if_none` fields whose value is None (OpenAI and Anthropic
+    leave absent fields out; the others are sent as null)."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler):
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k not in self.omit_if_none}
 
 
 class StrictModel(BaseModel):
