@@ -165,12 +165,13 @@ class PipelineRunner(ModelRunner):
         self._forward_fn = self.stages[-1].forward
         self._last_stage_inputs: dict[int, jax.ShapeDtypeStruct] = {}  # per token bucket, by warm_up
 
-    def _lora_slot_holders(self, model: LoadedModel) -> list[SlotHolder]:
-        """A set of LoRA slots per stage: its layers', on its devices (on one process: the slots are
-        written by host work that another process's stages would not see)."""
-        if not all(stage.is_local for stage in self.stages):
-            raise ValueError("enable_lora: LoRA is not supported on pipeline stages across processes yet")
-        return [SlotHolder(s.model.params, s.model.placement, s.layout) for s in self.stages]
+    def _lora_slot_holders(self, model: LoadedModel) -> list[SlotHolder | None]:
+        """A set of LoRA slots per stage: its layers', on its devices (None: another process's stage,
+        whose process writes the same adapters into the same slots, executor/multihost.py)."""
+        return [
+            SlotHolder(s.model.params, s.model.placement, s.layout) if s.is_local else None
+            for s in self.stages
+        ]
 
     @property
     def stage_placements(self) -> list[tuple[range, Placement]]:
@@ -207,18 +208,23 @@ class PipelineRunner(ModelRunner):
 
     def param_sets(self) -> list[ParamSet]:
         """Each stage's weights (its layers; placeholders for the modules it does not run), in order:
-        the research stack routes a weight to the stages holding it (worker/weight_update.py). On one
-        process only (the executor refuses the research stack across processes)."""
-        if not all(stage.is_local for stage in self.stages):
-            raise ValueError("the research stack runs on one process's pipeline stages only")
-        return [ParamSet(s.model.params, s.model.head_dv, s.layout) for s in self.stages]
+        the research stack routes a weight to the stages holding it (worker/weight_update.py). Another
+        process's stage is a set without params: its process updates and frees it."""
+        return [
+            ParamSet(s.model.params, s.model.head_dv, s.layout)
+            if s.is_local
+            else ParamSet(None, None, s.layout)
+            for s in self.stages
+        ]
 
     def set_param_sets(self, sets: list[ParamSet]) -> None:
-        """Each stage's new weights (`param_sets`' shapes, dtypes and shardings: nothing recompiles); the
-        runner's own are the last stage's (the sampler's head)."""
+        """Each of this process's stages' new weights (`param_sets`' shapes, dtypes and shardings: nothing
+        recompiles); the runner's own are its last stage's (where the last stage is, the sampler's head)."""
         for stage, weights in zip(self.stages, sets, strict=True):
-            stage.model = dataclasses.replace(stage.model, params=weights.params, head_dv=weights.head_dv)
-        self.set_params(sets[-1].params, sets[-1].head_dv)
+            if stage.is_local:
+                stage.model = dataclasses.replace(stage.model, params=weights.params, head_dv=weights.head_dv)
+        own = [weights for weights in sets if weights.is_local][-1]
+        self.set_params(own.params, own.head_dv)
 
     def _stage_args(self, index: int, kv_cache: list, x, batch: StepBatch, hook_arrays: dict) -> tuple:
         stage = self.stages[index]
@@ -283,8 +289,12 @@ class PipelineRunner(ModelRunner):
             self._last_stage_inputs[num_tokens] = x
         if self.stages[-1].is_local:
             super().warm_up()
-        else:
-            self.guard.arm()
+            return
+        # The hooks' own programs (LoRA's slot writes into this process's stages), as compile_all runs them.
+        batches = {n: self._build_batch([], n) for n in self.token_buckets}
+        for hook in self.hooks:
+            hook.warm_up(batches, self._num_seqs_for)
+        self.guard.arm()
 
     def _run_forward(self, batch: StepBatch, hook_arrays: dict) -> tuple[jax.Array, jax.Array] | None:
         """Stage by stage, each on its own devices; the hidden states are copied to the next stage's.

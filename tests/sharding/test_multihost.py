@@ -285,3 +285,44 @@ def test_vision_language_model_across_two_processes(tmp_path):
     assert run["tokens"] == reference["tokens"]
     for got, want in zip(run["logprobs"], reference["logprobs"], strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_across_two_processes_run_lora_and_the_research_stack(tiny_llama_2kv, tmp_path):
+    """PP 2 over two processes of one device each (layer 0 on process 0, layer 1 and the sampler on process
+    1; helpers/multihost_process.py "pipeline"), one launch: adapters A, B and the base model in one batch
+    give one device's bits (each process's stage holds its layers' slots, the follower's written before
+    the step); update_weights_from_path gives a fresh one-device engine's bits on the new checkpoint,
+    sleep(2)/wake_up the same bits again, two partial updates (each touching both processes' stages) the
+    first checkpoint's; a wrong shape on either process's stage is refused with nothing changed on either
+    (the other tensor of the call, on the other process, not written)."""
+    import transformers
+
+    from helpers.lora_adapters import make_adapter
+    from helpers.multihost_process import ENGINE, PIPELINE, adapter_batch, answers
+    from helpers.tiny_models import save_tiny_llama
+    from xlaserve import LLM
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_2kv, dtype="float32")
+    adapters = [str(tmp_path / name) for name in "ab"]
+    for seed, directory in enumerate(adapters):
+        make_adapter(base, 8, 16, False, ["q_proj", "v_proj", "o_proj", "down_proj"], directory, seed)
+    new_model = save_tiny_llama(str(tmp_path / "new"), seed=1, num_key_value_heads=2)
+    arg = {"case": "pipeline", "model": tiny_llama_2kv, "new_model": new_model, "adapters": adapters}
+    run = run_two_processes("multihost_process.py", arg, devices_per_process=1)
+    assert run["executor"] == "MultiHostPipelineExecutor"
+    one_device = ENGINE | PIPELINE | {"pipeline_parallel_size": 1}
+    reference = LLM(tiny_llama_2kv, **one_device)
+    assert run["adapters"] == adapter_batch(reference, adapters)  # every token id and logprob, exactly
+    assert len({tuple(t) for t in run["adapters"]["tokens"]}) == 3
+    assert run["before"] == answers(reference)
+    assert run["updated"] > 0
+    assert run["after"] == answers(LLM(new_model, **one_device)) and run["after"] != run["before"]
+    assert run["freed"] > 0 and run["placed"] == run["freed"]
+    assert run["woken"] == run["after"]
+    assert run["back"] == run["before"]
+    assert (
+        "process 1: ValueError: weights: 'model.layers.1.self_attn.q_proj.weight' has shape" in run["refused"]
+    )
+    assert "'model.layers.0.self_attn.q_proj.weight' has shape" in run["refused_first"]
+    assert run["after_refusal"] == run["before"]
