@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import KVCache
@@ -89,17 +89,22 @@ def _stage_forward(
 
 @dataclasses.dataclass
 class PipelineStage:
-    """One stage: its layers, where its input lives, its model on its devices, and its program (model
-    and program None for a stage of another process)."""
+    """One stage: its layers, its devices, its model on them, and its program (model and program None
+    for a stage of another process)."""
 
     layout: StageLayout
-    replicated: NamedSharding  # the stage's input, whole on each of its devices
+    placement: Placement  # its devices (this process's, or another's: a stage's inputs are sent there)
     model: LoadedModel | None
     forward: Program | None
 
     @property
     def is_local(self) -> bool:
         return self.model is not None
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """The stage's input, whole on each of its devices."""
+        return self.placement.replicated
 
 
 class PipelineRunner(ModelRunner):
@@ -114,14 +119,17 @@ class PipelineRunner(ModelRunner):
         devices = list(jax.devices() if devices is None else devices)
         groups = stage_devices(devices, parallel.tensor_parallel_size, num_stages)
         model_config = model_config_from_hf(hf_config)
-        encoder_modules = get_model_class(model_config.architecture).encoder_modules
+        model_class = get_model_class(model_config.architecture)
+        encoder_modules = model_class.encoder_modules
         layouts = split_layers(model_config.num_layers, num_stages, encoder_modules)
         invariant = partial(traced_with, config.model.batch_invariant)
         self.stages = []
         for layout, group in zip(layouts, groups):
             if group[0].process_index != jax.process_index():
                 mesh = make_mesh(parallel.tensor_parallel_size, group)
-                self.stages.append(PipelineStage(layout, NamedSharding(mesh, PartitionSpec()), None, None))
+                stacked = tuple(model_class.layer_stacks(model_config))
+                placement = Placement(mesh, model_config, parallel.enable_expert_parallel, stacked)
+                self.stages.append(PipelineStage(layout, placement, None, None))
                 continue
             model = load_model(config, hf_config, tensors, group, stage=layout)
             fn = jax.jit(
@@ -131,7 +139,7 @@ class PipelineRunner(ModelRunner):
                 compiler_options=config.compilation.compiler_options(),
             )
             forward = Program(f"pp_stage{layout.index}", fn, 2)
-            self.stages.append(PipelineStage(layout, model.placement.replicated, model, forward))
+            self.stages.append(PipelineStage(layout, model.placement, model, forward))
             logger.info(
                 "pipeline stage %d: layers %d-%d on devices %s",
                 layout.index,
@@ -175,18 +183,14 @@ class PipelineRunner(ModelRunner):
 
     @property
     def stage_placements(self) -> list[tuple[range, Placement]]:
-        """Each stage's layers and devices (on one process: a vision-language model's images are encoded
-        on the first stage, and its rows copied to a later one, by this process's host work)."""
-        if not all(stage.is_local for stage in self.stages):
-            raise ValueError(
-                "pipeline_parallel_size: a vision-language model is not supported on pipeline stages across "
-                "processes yet (nnodes=1 runs its stages in one process)"
-            )
-        return [(s.layout.layers, s.model.placement) for s in self.stages]
+        """Each stage's layers and devices (across processes some are another process's: a
+        vision-language model's encoder runs where the first stage is, worker/mm_encoder.py)."""
+        return [(s.layout.layers, s.placement) for s in self.stages]
 
     @property
     def encoder_model(self) -> tuple:
-        """The first stage's graphdef and weights: it holds the embedding, and encodes the images."""
+        """The first stage's graphdef and weights: it holds the embedding, and encodes the images (on the
+        first stage's process only)."""
         first = self.stages[0].model
         return first.graphdef, first.params
 
@@ -270,7 +274,17 @@ class PipelineRunner(ModelRunner):
 
     def warm_up(self) -> None:
         """Compile this process's stages but the last for each token bucket, then the ModelRunner's
-        warm-up: the last stage and the samplers (where the last stage is this process's)."""
+        warm-up: the last stage and the samplers (where the last stage is this process's). Nothing
+        crosses processes meanwhile: a stage's inputs from another process are shape structs."""
+        if self.mm_encoder is not None:
+            self.mm_encoder.is_warming_up = True
+        try:
+            self._warm_up_stages()
+        finally:
+            if self.mm_encoder is not None:
+                self.mm_encoder.is_warming_up = False
+
+    def _warm_up_stages(self) -> None:
         for num_tokens in self.token_buckets:
             batch = self._build_batch([], num_tokens)
             hook_arrays = self._prepare_hooks([], num_tokens, set())
@@ -305,6 +319,8 @@ class PipelineRunner(ModelRunner):
                 x = self._hand_on(x, index, batch.input_ids.shape[0])
             if not stage.is_local:
                 x = None
+                if self.mm_encoder is not None:  # its image rows, from our first stage (if it reads them)
+                    self.mm_encoder.send_rows(hook_arrays[self.mm_encoder.name], index)
                 continue
             out = stage.forward(*self._stage_args(index, self.kv_cache, x, batch, hook_arrays))
             x, self.kv_cache[index] = out[0], out[-1]

@@ -14,7 +14,7 @@ as `python multihost_process.py ARG_JSON` (helpers/two_processes.py); the other 
   the follower's stage, one of process 0's).
 
 arg: {"case", "model", "node_rank", "port"} and "new_model" (research, pipeline), "adapters" (lora,
-pipeline)."""
+pipeline); "engine": engine arguments over the case's (vlm: pipeline stages instead)."""
 
 import json
 import os
@@ -98,7 +98,7 @@ def adapter_batch(llm, adapters: list[str]) -> dict:
 def main(arg: dict) -> None:
     from helpers.two_processes import engine_of_two
 
-    extra = {"lora": LORA, "pool": POOL, "pipeline": PIPELINE}.get(arg["case"], {})
+    extra = {"lora": LORA, "pool": POOL, "pipeline": PIPELINE}.get(arg["case"], {}) | arg.get("engine", {})
     llm = engine_of_two(arg["model"], arg, **(ENGINE | extra))
     if llm is None:  # process 1: followed to the end
         return

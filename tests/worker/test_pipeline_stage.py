@@ -122,15 +122,3 @@ def test_stages_on_several_processes_reach_the_config():
     config = EngineConfig.from_kwargs(None, pipeline_parallel_size=2, nnodes=2, node_rank=1)
     assert (config.parallel.pipeline_parallel_size, config.parallel.nnodes) == (2, 2)
     assert config.async_scheduling_off_reason() is not None  # the multi-host executor's steps: synchronous
-
-
-def test_a_vision_language_model_on_stages_across_processes_is_refused_by_name():
-    """Its images are encoded on the first stage and its rows copied to a later one by one process's host
-    work, so a pipeline with another process's stage refuses it where the encoder asks for the stages."""
-    from xlaserve.worker.pipeline_runner import PipelineRunner
-
-    runner = SimpleNamespace(stages=[SimpleNamespace(is_local=True), SimpleNamespace(is_local=False)])
-    with pytest.raises(
-        ValueError, match="a vision-language model is not supported on pipeline stages across"
-    ):
-        PipelineRunner.stage_placements.fget(runner)
