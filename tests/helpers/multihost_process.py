@@ -36,8 +36,10 @@ ENGINE = {
 
 LORA = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
 # Two stages of one device each (process 0: layer 0 and the embedding; process 1: layer 1, the head and
-# the sampler), two adapter slots, three requests a batch.
+# the sampler), two adapter slots, three requests a batch; warmed up under the strict compile guard (a
+# step that compiles, in either process, fails the run).
 PIPELINE = {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "max_num_seqs": 4, **LORA, "max_loras": 2}
+WARMED = {"enforce_eager": False, "strict_compile_guard": True}
 THIRD_PROMPT = [1, 40, 41, 42]
 
 
@@ -98,7 +100,8 @@ def adapter_batch(llm, adapters: list[str]) -> dict:
 def main(arg: dict) -> None:
     from helpers.two_processes import engine_of_two
 
-    extra = {"lora": LORA, "pool": POOL, "pipeline": PIPELINE}.get(arg["case"], {}) | arg.get("engine", {})
+    extra = {"lora": LORA, "pool": POOL, "pipeline": PIPELINE | WARMED}.get(arg["case"], {})
+    extra |= arg.get("engine", {})
     llm = engine_of_two(arg["model"], arg, **(ENGINE | extra))
     if llm is None:  # process 1: followed to the end
         return

@@ -334,12 +334,12 @@ def test_vision_language_model_on_pipeline_stages_across_two_processes(tmp_path)
     stage, process 1's stage (layers 2-3) gets each step's M-RoPE positions with the step and the image
     rows its DeepStack layer 2 adds from process 0 over JAX's cross-host transfer; an image prompt, a
     two-image one and a text one answered together give one device's bits (helpers/multihost_process.py)."""
-    from helpers.multihost_process import ENGINE, image_answers
+    from helpers.multihost_process import ENGINE, WARMED, image_answers
     from helpers.tiny_vlm import save_tiny_qwen3_vl
     from xlaserve import LLM
 
     model = save_tiny_qwen3_vl(str(tmp_path / "qwen3_vl"), num_layers=4, deepstack_visual_indexes=(0, 1, 2))
-    stages = {"tensor_parallel_size": 1, "pipeline_parallel_size": 2}
+    stages = {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, **WARMED}
     run = run_two_processes("multihost_process.py", {"case": "vlm", "model": model, "engine": stages}, 1)
     reference = image_answers(LLM(model, **(ENGINE | {"tensor_parallel_size": 1})), model)
     assert run["tokens"] == reference["tokens"] and len({tuple(t) for t in run["tokens"]}) == 3
