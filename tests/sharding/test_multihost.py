@@ -223,6 +223,7 @@ def test_research_stack_across_two_processes(tiny_llama_2kv, tmp_path):
     assert run["woken"] == run["after"]  # every float, exactly
     assert run["back"] == run["before"]
     assert "'model.layers.1.self_attn.q_proj.weight' has shape" in run["refused"]
+    assert "'model.layers.0.self_attn.q_proj.weight' has shape" in run["refused_first"]
     assert run["after_refusal"] == run["before"]
 
 
