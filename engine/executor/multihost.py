@@ -65,9 +65,9 @@ def _unpack(data: bytes) -> dict[str, np.ndarray]:
 @dataclasses.dataclass(frozen=True)
 class Call:
     """Host work for every follower between steps: a research-stack call (`method` of
-    worker/weight_update.py with `args`, and for update_weights the arrays, host copies sent as their
-    bytes), or "put_lora_in_slot" (slot, LoRARequest fields): an adapter process 0 wrote into a slot
-    while preparing the next step."""
+    worker/weight_update.py with `args`, and for update_weights or prepare_update the arrays, host copies
+    sent as their bytes), or "put_lora_in_slot" (slot, LoRARequest fields): an adapter process 0 wrote
+    into a slot while preparing the next step."""
 
     method: str
     args: tuple = ()
