@@ -93,8 +93,9 @@ class MultiModalHook(StepHook):
         self.is_warming_up = False  # (a pipeline's warm-up: rows from another process are shape structs)
         self.mrope = cfg.mrope
         options = runner.config.compilation.compiler_options()
-        self.cache = self._encode_fn = None  # None: the first stage is another process's
-        if self.placement.mesh.devices.flat[0].process_index == jax.process_index():
+        # None: the first stage is another process's (under tensor parallelism every process holds a part)
+        self.cache = self._encode_fn = None
+        if any(d.process_index == jax.process_index() for d in self.placement.mesh.devices.flat):
             self.cache = self.placement.zeros(shape, runner.dtype, self.placement.replicated)
             self._encode_fn = jax.jit(
                 partial(_encode, runner.encoder_model[0]),
