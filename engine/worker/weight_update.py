@@ -158,13 +158,13 @@ def _updated_sets(runner, weights: Mapping | Iterable) -> tuple[list[ParamSet], 
     as they are), and the names updated; a ValueError before anything is built for a name or shape
     that does not check out."""
     updates = named_arrays(weights)
-    sets = runner.param_sets()
     if not updates:
-        return sets, []
+        return runner.param_sets(), []
     scheme = _quantized_at_load(runner.config.model.quantization, runner.hf_config)
     hf_cfg = model_config_from_hf(runner.hf_config)
     model_class = get_model_class(hf_cfg.architecture)
     tp = runner.config.parallel.tensor_parallel_size
+    sets = runner.param_sets()
     flats = [_flatten(nnx.to_pure_dict(weights.params)) if weights.is_local else None for weights in sets]
     stacks = model_class.layer_stacks(runner.model_config)
     # The checkpoint's own shapes (before KV-head repetition and vocabulary padding): what a caller
