@@ -226,7 +226,7 @@ def _updated_sets(runner, weights: Mapping | Iterable) -> tuple[list[ParamSet], 
         for weights, flat, set_writes in zip(sets, flats, writes)
     ]
     logger.info(
-        "updated %d weights (%d parameters in %d of %d parameter sets)",
+        "%d weights ready to install (%d parameters in %d of %d parameter sets)",
         len(updates),
         sum(map(len, writes)),
         sum(map(bool, writes)),
