@@ -83,11 +83,6 @@ class EngineConfig:
         if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet
             for is_set, what in (
                 (self.speculative is not None, "speculative_config"),
-                # LoRA's slots are written by process 0's host work (worker/lora_manager.py).
-                (
-                    self.lora.enable_lora and self.parallel.nnodes > 1,
-                    f"enable_lora across processes (nnodes={self.parallel.nnodes})",
-                ),
                 (self.model.runner == "pooling", "runner='pooling'"),
                 (self.cache.kv_offloading_size is not None, "kv_offloading_size"),
                 (self.cache.kv_transfer_config is not None, "kv_transfer_config"),

@@ -11,7 +11,9 @@ The research stack (worker/weight_update.py) goes the same way, as a `Call` betw
 runs it first (a caller's error, a wrong name or shape, then changes nothing anywhere), then every
 follower runs it on its own shards and answers; `update_weights`' arrays travel as host bytes (each
 process cuts its own shards from them, as a load does), `update_weights_from_path` as the path (each
-process reads the checkpoint itself, as at start).
+process reads the checkpoint itself, as at start). Pipeline stages across processes update in two
+phases (executor/pipeline.py): every process prepares its own stages' new weights, and only once all
+have is each told to commit them.
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ def _unpack(data: bytes) -> dict[str, np.ndarray]:
 @dataclasses.dataclass(frozen=True)
 class Call:
     """Host work for every follower between steps: a research-stack call (`method` of
-    worker/weight_update.py with `args`, and for update_weights the arrays, host copies sent as their
-    bytes), or "put_lora_in_slot" (slot, LoRARequest fields): an adapter process 0 wrote into a slot
-    while preparing the next step."""
+    worker/weight_update.py with `args`, and for update_weights or prepare_update the arrays, host copies
+    sent as their bytes), or "put_lora_in_slot" (slot, LoRARequest fields): an adapter process 0 wrote
+    into a slot while preparing the next step."""
 
     method: str
     args: tuple = ()
@@ -93,7 +95,7 @@ class Call:
         if self.method == "put_lora_in_slot":
             slot, *lora = self.args
             return runner.lora.put_in_slot(slot, LoRARequest(*lora))
-        args = (self.weights,) if self.method == "update_weights" else self.args
+        args = (self.weights,) if self.method in ("update_weights", "prepare_update") else self.args
         return getattr(weight_update, self.method)(runner, *args)
 
 
@@ -134,9 +136,22 @@ class StepSender:
     def call(self, call: Call) -> None:
         """Run `call` on every follower; a follower's failure is a RuntimeError naming its process (process
         0 ran it first, so the processes' weights may now differ: the engine cannot go on)."""
+        self.send_call(call)
+        failures = self.call_failures(call)
+        if failures:
+            raise RuntimeError(
+                f"{call.method} ran on process 0 but failed on {'; '.join(failures)}: the processes' "
+                "weights differ now; restart the engine"
+            )
+
+    def send_call(self, call: Call) -> None:
+        """Start `call` on every follower (`call_failures` waits for their answers)."""
         frames = call.to_frames()
         for peer in self._peers:
             self._sock.send_multipart([peer, _CALL, *frames])
+
+    def call_failures(self, call: Call) -> list[str]:
+        """Every follower's answer to `call`, sent before: what failed, "process N: error" each."""
         failures = []
         for _ in self._peers:
             try:
@@ -145,11 +160,7 @@ class StepSender:
                 raise RuntimeError(f"a follower process did not answer {call.method} in time") from None
             if answer:
                 failures.append(f"process {identity.decode()}: {answer.decode()}")
-        if failures:
-            raise RuntimeError(
-                f"{call.method} ran on process 0 but failed on {'; '.join(failures)}: the processes' "
-                "weights differ now; restart the engine"
-            )
+        return failures
 
     def check(self, token_ids: np.ndarray) -> None:
         """Compare every follower's sampled ids with ours (a checksum); divergence is fatal."""

@@ -6,8 +6,12 @@ core as the one-process executor does, the research stack included (worker/weigh
 goes to the stages holding it; sleep frees every stage's cache, and at level 2 its weights). On several
 processes (nnodes > 1) process 0's is `MultiHostPipelineExecutor`: the others follow its steps
 (executor/multihost.py) with a `PipelineExecutor` of their own stages, and the last stage's process
-answers each step with what it sampled; the research stack is refused there (a process holds only its
-own stages' weights, and the calls would route names to stages it does not hold).
+answers each step with what it sampled. The research stack runs there too, each process on its own
+stages: `sleep`/`wake_up` as for tensor parallelism (process 0, then the others), an update in two
+phases, since a process holds (and can check) only its own stages' weights: every process checks the
+names against the whole model and the shapes of its own stages and builds their new weights
+(`prepare_update`), and only once every one has are they installed (`commit_update`); a refusal on any
+process drops every process's (`abort_update`), so nothing changes anywhere.
 
 On one process the engine core keeps up to pipeline_parallel_size steps (micro-batches of different
 requests) in flight (`max_concurrent_batches`), so the stages of consecutive steps overlap; across
@@ -19,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from xlaserve.executor.executor import Executor
-from xlaserve.executor.multihost import Call, MultiHostExecutor
+from xlaserve.executor.multihost import Call, MultiHostExecutor, host_weights
 from xlaserve.worker.pipeline_runner import PipelineRunner
 
 
@@ -36,15 +40,33 @@ class PipelineExecutor(Executor):
 
 class MultiHostPipelineExecutor(MultiHostExecutor):
     """Process 0 of a pipeline over several processes: it runs its own stages, and the process of the
-    last stage sends back what it sampled (the research stack: refused)."""
+    last stage sends back what it sampled; an update of the weights in two phases (module doc)."""
 
     runner_class = PipelineRunner
 
     def _answered(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.sender.receive_outputs(host)
 
-    def _everywhere(self, call: Call):
-        raise ValueError(
-            f"{call.method} is not supported on pipeline stages across processes yet: run the stages on "
-            "one host (or tensor parallelism across hosts)"
-        )
+    def update_weights(self, weights) -> list[str]:
+        return self._in_two_phases(Call("prepare_update", weights=host_weights(weights)))
+
+    def update_weights_from_path(self, path: str) -> list[str]:
+        return self._in_two_phases(Call("prepare_update_from_path", (path,)))
+
+    def _in_two_phases(self, prepare: Call) -> list[str]:
+        """`prepare` on every process (the followers' at the same time as ours), then commit everywhere,
+        or, where any process refused its part, abort everywhere and raise its error (a ValueError: a
+        caller's name or shape, or a path a process cannot read)."""
+        self.sender.send_call(prepare)
+        try:
+            names = prepare.run(self.runner)
+        except Exception:  # the followers' answers are still to be read
+            self.sender.call_failures(prepare)
+            self._everywhere(Call("abort_update"))
+            raise
+        failures = self.sender.call_failures(prepare)
+        if failures:
+            self._everywhere(Call("abort_update"))
+            raise ValueError(f"{'; '.join(failures)} (nothing changed on any process)")
+        self._everywhere(Call("commit_update"))
+        return names

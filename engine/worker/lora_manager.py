@@ -81,9 +81,12 @@ def _write_slot(stacks: dict[str, LoRAWeights], slot, new: dict[str, LoRAWeights
 
 
 class LoRAManager:
-    def __init__(self, lora_config: LoRAConfig, model_class, model_config, dtype, holders: list[SlotHolder]):
+    def __init__(
+        self, lora_config: LoRAConfig, model_class, model_config, dtype, holders: list[SlotHolder | None]
+    ):
         """`holders`: one for a runner's model, one per stage for a pipeline's (in the stages' order:
-        `batch(slot_ids, stage)` indexes them)."""
+        `batch(slot_ids, stage)` indexes them; None for another process's stage, which holds its slots
+        there)."""
         layer_class = getattr(model_class, "layer_class", None)
         if not getattr(layer_class, "supports_lora", False):
             raise ValueError(
@@ -97,9 +100,10 @@ class LoRAManager:
         self.layer_stacks = model_class.layer_stacks(model_config)
         self._prepare = lambda tensors: model_class.prepare_hf_tensors(model_config, tensors)
         # The whole model's layout (the adapters' files and the front end's checks see every layer),
-        # from the holders' projections: a stage's stacks hold only its layers, maybe none of a stack.
+        # from the holders' projections: a stage's stacks hold only its layers, maybe none of a stack
+        # (an empty slice of it: every stage's model has every stack's projections).
         self.layout = {}
-        for holder in holders:
+        for holder in filter(None, holders):
             for stack, modules in slot_layout(holder.params, tuple(self.layer_stacks)).items():
                 num_layers = len(self.layer_stacks[stack])
                 for module, (_, din, dout) in modules.items():
@@ -117,7 +121,7 @@ class LoRAManager:
         self._host_dtype = np.dtype(self.dtype)
         for holder in holders:
             stacks = {}
-            for stack, modules in self.layout.items():
+            for stack, modules in self.layout.items() if holder is not None else ():
                 num_layers = len(self.layer_stacks[stack][holder.layers(self.layer_stacks[stack])])
                 if not num_layers:
                     continue
@@ -202,6 +206,8 @@ class LoRAManager:
         part (cut on the host, as a stage's weights are)."""
         new = self._new_slot_values(weights)
         for i, (holder, stacks) in enumerate(zip(self.holders, self.stacks)):
+            if holder is None:  # another process's stage: that process writes its slot
+                continue
             part = {}
             for stack in stacks:
                 layers = holder.layers(self.layer_stacks[stack])

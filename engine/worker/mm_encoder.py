@@ -18,7 +18,10 @@ On pipeline stages (worker/pipeline_runner.py) the encoder and its cache live on
 devices, where the embedding is and the rows are merged; every stage gets the step's per-token arrays
 (M-RoPE positions, Gemma 3's `attend_ahead`) for its layers, and a later stage whose layers read the image
 rows after the merge (Qwen3-VL's DeepStack: `layers_reading_images`) the step's rows themselves, [T, D]
-gathered on the first stage and copied to its devices as the hidden states are.
+gathered on the first stage and copied to its devices as the hidden states are. With the stages across
+processes the encoder and its cache are the first stage's process's (process 0's, which prepares every
+step); another process's later stage gets the per-token arrays with the step, and its rows from process
+0 by JAX's cross-host transfer, sent (`send_rows`) right after the hidden states that stage takes.
 """
 
 from __future__ import annotations
@@ -85,22 +88,28 @@ class MultiModalHook(StepHook):
         shape = ((num_slots + 1) * tokens_per_item, cfg.encoder_output_width)
         stages = runner.stage_placements  # [(layers, placement)]: the first stage's holds the embedding
         self.placement = stages[0][1]
-        self.cache = self.placement.zeros(shape, runner.dtype, self.placement.replicated)
+        # A step's image rows [T, D] as another process's stage receives them.
+        self.rows_dtype, self.rows_width = runner.dtype, cfg.encoder_output_width
+        self.is_warming_up = False  # (a pipeline's warm-up: rows from another process are shape structs)
         self.mrope = cfg.mrope
         options = runner.config.compilation.compiler_options()
-        self._encode_fn = jax.jit(
-            partial(_encode, runner.encoder_model[0]),
-            donate_argnames=("cache",),
-            out_shardings=self.cache.sharding,
-            compiler_options=options,
-        )
+        # None: the first stage is another process's (under tensor parallelism every process holds a part)
+        self.cache = self._encode_fn = None
+        if any(d.process_index == jax.process_index() for d in self.placement.mesh.devices.flat):
+            self.cache = self.placement.zeros(shape, runner.dtype, self.placement.replicated)
+            self._encode_fn = jax.jit(
+                partial(_encode, runner.encoder_model[0]),
+                donate_argnames=("cache",),
+                out_shardings=self.placement.replicated,
+                compiler_options=options,
+            )
         # Where a later stage's layers read the image rows: its devices, to copy the step's rows to.
         reading = set(get_model_class(cfg.architecture).layers_reading_images(cfg))
         self.row_targets = [
             placement.replicated if index and reading & set(layers) else None
             for index, (layers, placement) in enumerate(stages)
         ]
-        self._pick_fn = jax.jit(_pick, out_shardings=self.cache.sharding, compiler_options=options)
+        self._pick_fn = jax.jit(_pick, out_shardings=self.placement.replicated, compiler_options=options)
         self.slot_contents: dict[int, str] = {}  # slot -> the mm_hash encoded there
         self.num_encoded = 0  # images encoded on the device (tests, metrics)
         self.num_encode_calls = 0  # encoder programs run (several images may share one)
@@ -237,11 +246,28 @@ class MultiModalHook(StepHook):
         target = self.row_targets[stage]
         if target is None:
             return None
-        return jax.device_put(self._pick_fn(self.cache, rows), target)
+        if self.cache is not None:
+            return jax.device_put(self._pick_fn(self.cache, rows), target)
+        # From the first stage's process (its `send_rows`): a stand-in on its devices, no local data.
+        shape = (rows.shape[0], self.rows_width)
+        if self.is_warming_up:
+            return jax.ShapeDtypeStruct(shape, self.rows_dtype, sharding=target)
+        source = jax.make_array_from_single_device_arrays(
+            shape, self.placement.replicated, [], dtype=self.rows_dtype
+        )
+        return jax.device_put(source, target)
+
+    def send_rows(self, arrays, stage: int) -> None:
+        """The step's image rows to stage `stage` of another process, where its layers read them (the
+        first stage's process; after the step's first stage ran, in the order that stage receives)."""
+        if self.cache is not None:
+            self._stage_rows(self.placement.step_inputs(arrays["rows"]), stage)
 
     def warm_up(self, batches, num_seqs_for) -> list:
         """Each bucket's encoder program, run once into the scratch slot, and the later stages' row
         gather per token bucket (the compile guard is armed after this)."""
+        if self.cache is None:  # the encoder is another process's
+            return []
         ready = self.placement.step_inputs
         params = self.runner.encoder_model[1]
         for bucket in self.buckets:

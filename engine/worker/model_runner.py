@@ -102,6 +102,7 @@ class ModelRunner:
         self.weight_bytes = model.weight_bytes  # the /metrics gauge xlaserve:model_weight_bytes
         self.head_params = (model.params, model.head_dv)  # what computing logits reads
         self.slept_weights = None  # the weights on the host while asleep at level 2 (worker/weight_update.py)
+        self.prepared_update = None  # new weights checked, not yet installed (across processes: every one's)
         # Adapter slots on the device (worker/lora_manager.py), or None: LoRA off, no hook, no cost.
         self.lora = (
             LoRAManager(

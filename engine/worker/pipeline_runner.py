@@ -24,6 +24,10 @@ same step (executor/multihost.py sends it). The hand-over to a stage on another 
 `jax.device_put`, to that stage's devices: JAX's cross-host transfer (sharding/distributed.py turns it
 on), in which the sending process puts its array and the receiving one a stand-in of the same shape
 with no local data. Only the process of the last stage samples; it sends the outputs to process 0.
+What host work process 0 does for another process's stages reaches that process before the step (a
+LoRA adapter written into a slot, a research-stack call: executor/multihost.py `Call`); a
+vision-language model's image rows for another process's stage go with the hidden states
+(worker/mm_encoder.py `send_rows`). Another process's stage has no model, weights, slots or cache here.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import KVCache
@@ -89,17 +93,22 @@ def _stage_forward(
 
 @dataclasses.dataclass
 class PipelineStage:
-    """One stage: its layers, where its input lives, its model on its devices, and its program (model
-    and program None for a stage of another process)."""
+    """One stage: its layers, its devices, its model on them, and its program (model and program None
+    for a stage of another process)."""
 
     layout: StageLayout
-    replicated: NamedSharding  # the stage's input, whole on each of its devices
+    placement: Placement  # its devices (this process's, or another's: a stage's inputs are sent there)
     model: LoadedModel | None
     forward: Program | None
 
     @property
     def is_local(self) -> bool:
         return self.model is not None
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """The stage's input, whole on each of its devices."""
+        return self.placement.replicated
 
 
 class PipelineRunner(ModelRunner):
@@ -114,14 +123,17 @@ class PipelineRunner(ModelRunner):
         devices = list(jax.devices() if devices is None else devices)
         groups = stage_devices(devices, parallel.tensor_parallel_size, num_stages)
         model_config = model_config_from_hf(hf_config)
-        encoder_modules = get_model_class(model_config.architecture).encoder_modules
+        model_class = get_model_class(model_config.architecture)
+        encoder_modules = model_class.encoder_modules
         layouts = split_layers(model_config.num_layers, num_stages, encoder_modules)
         invariant = partial(traced_with, config.model.batch_invariant)
         self.stages = []
         for layout, group in zip(layouts, groups):
             if group[0].process_index != jax.process_index():
                 mesh = make_mesh(parallel.tensor_parallel_size, group)
-                self.stages.append(PipelineStage(layout, NamedSharding(mesh, PartitionSpec()), None, None))
+                stacked = tuple(model_class.layer_stacks(model_config))
+                placement = Placement(mesh, model_config, parallel.enable_expert_parallel, stacked)
+                self.stages.append(PipelineStage(layout, placement, None, None))
                 continue
             model = load_model(config, hf_config, tensors, group, stage=layout)
             fn = jax.jit(
@@ -131,7 +143,7 @@ class PipelineRunner(ModelRunner):
                 compiler_options=config.compilation.compiler_options(),
             )
             forward = Program(f"pp_stage{layout.index}", fn, 2)
-            self.stages.append(PipelineStage(layout, model.placement.replicated, model, forward))
+            self.stages.append(PipelineStage(layout, model.placement, model, forward))
             logger.info(
                 "pipeline stage %d: layers %d-%d on devices %s",
                 layout.index,
@@ -165,27 +177,24 @@ class PipelineRunner(ModelRunner):
         self._forward_fn = self.stages[-1].forward
         self._last_stage_inputs: dict[int, jax.ShapeDtypeStruct] = {}  # per token bucket, by warm_up
 
-    def _lora_slot_holders(self, model: LoadedModel) -> list[SlotHolder]:
-        """A set of LoRA slots per stage: its layers', on its devices (on one process: the slots are
-        written by host work that another process's stages would not see)."""
-        if not all(stage.is_local for stage in self.stages):
-            raise ValueError("enable_lora: LoRA is not supported on pipeline stages across processes yet")
-        return [SlotHolder(s.model.params, s.model.placement, s.layout) for s in self.stages]
+    def _lora_slot_holders(self, model: LoadedModel) -> list[SlotHolder | None]:
+        """A set of LoRA slots per stage: its layers', on its devices (None: another process's stage,
+        whose process writes the same adapters into the same slots, executor/multihost.py)."""
+        return [
+            SlotHolder(s.model.params, s.model.placement, s.layout) if s.is_local else None
+            for s in self.stages
+        ]
 
     @property
     def stage_placements(self) -> list[tuple[range, Placement]]:
-        """Each stage's layers and devices (on one process: a vision-language model's images are encoded
-        on the first stage, and its rows copied to a later one, by this process's host work)."""
-        if not all(stage.is_local for stage in self.stages):
-            raise ValueError(
-                "pipeline_parallel_size: a vision-language model is not supported on pipeline stages across "
-                "processes yet (nnodes=1 runs its stages in one process)"
-            )
-        return [(s.layout.layers, s.model.placement) for s in self.stages]
+        """Each stage's layers and devices (across processes some are another process's: a
+        vision-language model's encoder runs where the first stage is, worker/mm_encoder.py)."""
+        return [(s.layout.layers, s.placement) for s in self.stages]
 
     @property
     def encoder_model(self) -> tuple:
-        """The first stage's graphdef and weights: it holds the embedding, and encodes the images."""
+        """The first stage's graphdef and weights: it holds the embedding, and encodes the images (on the
+        first stage's process only)."""
         first = self.stages[0].model
         return first.graphdef, first.params
 
@@ -207,18 +216,23 @@ class PipelineRunner(ModelRunner):
 
     def param_sets(self) -> list[ParamSet]:
         """Each stage's weights (its layers; placeholders for the modules it does not run), in order:
-        the research stack routes a weight to the stages holding it (worker/weight_update.py). On one
-        process only (the executor refuses the research stack across processes)."""
-        if not all(stage.is_local for stage in self.stages):
-            raise ValueError("the research stack runs on one process's pipeline stages only")
-        return [ParamSet(s.model.params, s.model.head_dv, s.layout) for s in self.stages]
+        the research stack routes a weight to the stages holding it (worker/weight_update.py). Another
+        process's stage is a set without params: its process updates and frees it."""
+        return [
+            ParamSet(s.model.params, s.model.head_dv, s.layout)
+            if s.is_local
+            else ParamSet(None, None, s.layout)
+            for s in self.stages
+        ]
 
     def set_param_sets(self, sets: list[ParamSet]) -> None:
-        """Each stage's new weights (`param_sets`' shapes, dtypes and shardings: nothing recompiles); the
-        runner's own are the last stage's (the sampler's head)."""
+        """Each of this process's stages' new weights (`param_sets`' shapes, dtypes and shardings: nothing
+        recompiles); the runner's own are its last stage's (where the last stage is, the sampler's head)."""
         for stage, weights in zip(self.stages, sets, strict=True):
-            stage.model = dataclasses.replace(stage.model, params=weights.params, head_dv=weights.head_dv)
-        self.set_params(sets[-1].params, sets[-1].head_dv)
+            if stage.is_local:
+                stage.model = dataclasses.replace(stage.model, params=weights.params, head_dv=weights.head_dv)
+        own = [weights for weights in sets if weights.is_local][-1]
+        self.set_params(own.params, own.head_dv)
 
     def _stage_args(self, index: int, kv_cache: list, x, batch: StepBatch, hook_arrays: dict) -> tuple:
         stage = self.stages[index]
@@ -264,7 +278,17 @@ class PipelineRunner(ModelRunner):
 
     def warm_up(self) -> None:
         """Compile this process's stages but the last for each token bucket, then the ModelRunner's
-        warm-up: the last stage and the samplers (where the last stage is this process's)."""
+        warm-up: the last stage and the samplers (where the last stage is this process's). Nothing
+        crosses processes meanwhile: a stage's inputs from another process are shape structs."""
+        if self.mm_encoder is not None:
+            self.mm_encoder.is_warming_up = True
+        try:
+            self._warm_up_stages()
+        finally:
+            if self.mm_encoder is not None:
+                self.mm_encoder.is_warming_up = False
+
+    def _warm_up_stages(self) -> None:
         for num_tokens in self.token_buckets:
             batch = self._build_batch([], num_tokens)
             hook_arrays = self._prepare_hooks([], num_tokens, set())
@@ -283,8 +307,12 @@ class PipelineRunner(ModelRunner):
             self._last_stage_inputs[num_tokens] = x
         if self.stages[-1].is_local:
             super().warm_up()
-        else:
-            self.guard.arm()
+            return
+        # The hooks' own programs (LoRA's slot writes into this process's stages), as compile_all runs them.
+        batches = {n: self._build_batch([], n) for n in self.token_buckets}
+        for hook in self.hooks:
+            hook.warm_up(batches, self._num_seqs_for)
+        self.guard.arm()
 
     def _run_forward(self, batch: StepBatch, hook_arrays: dict) -> tuple[jax.Array, jax.Array] | None:
         """Stage by stage, each on its own devices; the hidden states are copied to the next stage's.
@@ -295,6 +323,8 @@ class PipelineRunner(ModelRunner):
                 x = self._hand_on(x, index, batch.input_ids.shape[0])
             if not stage.is_local:
                 x = None
+                if self.mm_encoder is not None:  # its image rows, from our first stage (if it reads them)
+                    self.mm_encoder.send_rows(hook_arrays[self.mm_encoder.name], index)
                 continue
             out = stage.forward(*self._stage_args(index, self.kv_cache, x, batch, hook_arrays))
             x, self.kv_cache[index] = out[0], out[-1]

@@ -22,7 +22,11 @@ or each pipeline stage's (worker/pipeline_runner.py: its own layers on its own d
 placeholders for the modules it does not run). A name is routed to every set that holds it: a layer's
 weight to the stage of that layer, at its index in that stage's stack; the embedding to stage 0 and,
 tied to the head, to the last stage too; the final norm and an untied head to the last. Every set's
-writes are checked before any set changes.
+writes are checked before any set changes. With the stages across processes a set of another process's
+stage has no params here: its names are known (every stage's model has the whole model's structure), so
+they are not unknown, but their shapes and writes are that process's. There `prepare_update` checks and
+builds this process's sets without installing them, and `commit_update` (or `abort_update`) follows once
+every process has prepared (executor/pipeline.py): a tensor refused on any process changes no stage.
 
 `sleep(runner, level)` deletes the KV cache's device buffers (every stage's; level 2: the weights too,
 kept on the host) and `wake_up(runner)` allocates and places them again; what a slept cache held is
@@ -68,9 +72,13 @@ class ParamSet:
     """The weights one program reads, as the research stack sees them: a ModelRunner's whole model, or
     one pipeline stage's (`stage`: its layers; the modules it does not run are empty placeholders)."""
 
-    params: nnx.State
+    params: nnx.State | None  # None: another process's stage (pipeline stages across processes)
     head_dv: object | None = None  # the tied LM head's [D, V] copy, where this set computes logits
     stage: StageLayout | None = None  # None: every layer and module
+
+    @property
+    def is_local(self) -> bool:
+        return self.params is not None
 
 
 def named_arrays(weights: Mapping | Iterable) -> dict[str, object]:
@@ -84,15 +92,16 @@ def named_arrays(weights: Mapping | Iterable) -> dict[str, object]:
     return out
 
 
-def _targets(model_class, cfg, flats: list[dict], sets: list[ParamSet]) -> dict[str, list[tuple]]:
+def _targets(model_class, cfg, flats: list[dict | None], sets: list[ParamSet]) -> dict[str, list[tuple]]:
     """Every tensor name (after the family's rewrite) -> where it lives: (the set's index, our parameter
     path, its index in that set's stack or None) for each set holding it. `flats`: each set's
-    parameters by path."""
+    parameters by path (None: another process's stage, whose paths are any stage's)."""
     stacks = model_class.layer_stacks(cfg)
+    paths = next(flat for flat in flats if flat is not None)
     targets: dict[str, list[tuple]] = {}
     for i, (flat, weights) in enumerate(zip(flats, sets)):
         stage = weights.stage
-        for path in flat:
+        for path in paths if flat is None else flat:
             if path[-1] in (SCALE, ZERO):
                 continue
             if path[0] in stacks:
@@ -116,15 +125,47 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     out. A MoE layer's experts are rewritten into one stack by the family, so they are updated
     together. An engine that quantizes at load quantizes them as the load does; one whose checkpoint
     came quantized is refused."""
+    sets, names = _updated_sets(runner, weights)
+    runner.set_param_sets(sets)
+    return names
+
+
+def prepare_update(runner, weights: Mapping | Iterable) -> list[str]:
+    """`update_weights`' checks and new arrays for this process's stages, held until `commit_update`
+    (pipeline stages across processes: every process prepares before any installs)."""
+    runner.prepared_update, names = _updated_sets(runner, weights)
+    return names
+
+
+def prepare_update_from_path(runner, path: str) -> list[str]:
+    """`prepare_update` with every tensor of the checkpoint at `path` (`update_weights_from_path`)."""
+    return prepare_update(runner, _checkpoint_tensors(runner, path))
+
+
+def commit_update(runner) -> None:
+    """Install what `prepare_update` built (nothing recompiles: the same shapes and shardings)."""
+    sets, runner.prepared_update = runner.prepared_update, None
+    runner.set_param_sets(sets)
+
+
+def abort_update(runner) -> None:
+    """Drop what `prepare_update` built (a process refused its part): the weights stay."""
+    runner.prepared_update = None
+
+
+def _updated_sets(runner, weights: Mapping | Iterable) -> tuple[list[ParamSet], list[str]]:
+    """The runner's parameter sets with `weights` written in (the sets of another process's stages
+    as they are), and the names updated; a ValueError before anything is built for a name or shape
+    that does not check out."""
     updates = named_arrays(weights)
     if not updates:
-        return []
+        return runner.param_sets(), []
     scheme = _quantized_at_load(runner.config.model.quantization, runner.hf_config)
     hf_cfg = model_config_from_hf(runner.hf_config)
     model_class = get_model_class(hf_cfg.architecture)
     tp = runner.config.parallel.tensor_parallel_size
     sets = runner.param_sets()
-    flats = [_flatten(nnx.to_pure_dict(weights.params)) for weights in sets]
+    flats = [_flatten(nnx.to_pure_dict(weights.params)) if weights.is_local else None for weights in sets]
     stacks = model_class.layer_stacks(runner.model_config)
     # The checkpoint's own shapes (before KV-head repetition and vocabulary padding): what a caller
     # holds, so the errors name them.
@@ -132,15 +173,18 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     tied = hf_cfg.tie_word_embeddings
     host = {}
     for name, array in updates.items():
+        if tied and name == "lm_head.weight":
+            raise ValueError("weights: lm_head.weight is tied to model.embed_tokens.weight here: update that")
+        # The targets this process holds (another process checks and writes the others' stages).
+        where = [target for target in targets.get(name, []) if flats[target[0]] is not None]
+        if name in targets and not where:
+            continue
         # A jax array (a trainer's, on its own mesh) stays on the devices: resharded there, never
         # fetched, unless a rewrite below needs the host (KV heads repeated, the vocabulary padded, a
         # MoE layer's experts stacked) or the kernel is kept quantized (quantized on the host, as
         # the load does: `_quantized`).
-        where = targets.get(name, [])
         is_quantized = any(is_quantized_kernel(path, flats[i]) for i, path, _ in where)
         array = array if isinstance(array, jax.Array) and not is_quantized else np.asarray(array)
-        if tied and name == "lm_head.weight":
-            raise ValueError("weights: lm_head.weight is tied to model.embed_tokens.weight here: update that")
         if where:  # a name only the family's rewrite makes (MoE experts) is checked after it
             i, path, _ = where[0]
             shape = _hf_shape(
@@ -162,6 +206,8 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
                 f"(e.g. {next(iter(targets))!r})"
             )
         for i, path, index in targets[name]:
+            if flats[i] is None:  # another process's stage
+                continue
             old = flats[i][path]
             value = _our_layout(array if isinstance(array, jax.Array) else np.asarray(array), path)
             shape = old.shape[1:] if index is not None else old.shape
@@ -179,15 +225,14 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
         _written(weights, flat, set_writes, runner.dtype) if set_writes else weights
         for weights, flat, set_writes in zip(sets, flats, writes)
     ]
-    runner.set_param_sets(new_sets)
     logger.info(
-        "updated %d weights (%d parameters in %d of %d parameter sets)",
+        "%d weights ready to install (%d parameters in %d of %d parameter sets)",
         len(updates),
         sum(map(len, writes)),
         sum(map(bool, writes)),
         len(sets),
     )
-    return sorted(updates)
+    return new_sets, sorted(updates)
 
 
 def _written(weights: ParamSet, flat: dict, writes: dict, dtype) -> ParamSet:
@@ -248,13 +293,18 @@ def _quantized(path, index, value, flat, scheme: QuantScheme) -> dict[tuple[str,
 def update_weights_from_path(runner, path: str) -> list[str]:
     """`update_weights` with every tensor of the checkpoint at `path` (a directory of safetensors, or a
     GGUF file, as a start reads it): it must be the same architecture and shapes."""
+    return update_weights(runner, _checkpoint_tensors(runner, path))
+
+
+def _checkpoint_tensors(runner, path: str):
+    """The tensors of the checkpoint at `path`, of the runner's architecture (else a ValueError)."""
     from xlaserve.models.loader import load_checkpoint
 
     checkpoint = load_checkpoint(path, skip_tokenizer_init=True)
     ours, theirs = runner.hf_config.get("architectures"), checkpoint.hf_config.get("architectures")
     if ours != theirs:
         raise ValueError(f"update_weights_from_path: {path} holds {theirs}, this engine runs {ours}")
-    return update_weights(runner, checkpoint.tensors)
+    return checkpoint.tensors
 
 
 def _hf_shape(path, shape, stacks, cfg, hf_cfg, padded_vocab) -> tuple[int, ...]:

@@ -5,10 +5,13 @@ compiled after warm-up; a refused update names the weight and both shapes and ch
 `sleep` / `wake_up` hand the device memory back and restore the same outputs. An engine that quantizes
 at load (int8, fp8) quantizes an update as its load does: the same bits as a fresh quantized engine.
 Pipeline stages take each weight where it lives (their engines: tests/sharding/test_pipeline_parallel.py;
-here the stages' loads on this process's one device, for a tied head's copies)."""
+here the stages' loads on this process's one device, for a tied head's copies), and with another
+process's stage, check and write only their own, in two phases (the engines across two processes:
+tests/sharding/test_multihost.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from types import SimpleNamespace
@@ -26,7 +29,7 @@ from xlaserve.worker.compile_guard import num_compiles
 from xlaserve.worker.model_loader import load_model
 from xlaserve.worker.pipeline_runner import PipelineRunner, PipelineStage
 from xlaserve.worker.pipeline_stage import split_layers
-from xlaserve.worker.weight_update import update_weights
+from xlaserve.worker.weight_update import abort_update, commit_update, prepare_update, update_weights
 
 ARGS = {
     "dtype": "bfloat16",
@@ -307,3 +310,29 @@ def test_pipeline_stages_take_each_weight_where_it_lives(dirs, tmp_path):
         assert ours.keys() == theirs.keys()
         for key in ours:
             assert ours[key].dtype == theirs[key].dtype and np.array_equal(ours[key], theirs[key]), key
+
+
+def test_a_process_checks_and_writes_only_its_own_stages_in_two_phases(dirs):
+    """Pipeline stages across processes as process 0 sees them (stage 1, layer 2 and the head, another
+    process's: no model here). Its own stage's tensors are checked and written; the other stage's names
+    are known, their shapes left to their process (a wrong one is not refused here); a name of no stage
+    is refused. `prepare_update` installs nothing until `commit_update`; `abort_update` drops it."""
+    a, b = dirs
+    runner = staged(a, EngineConfig.from_kwargs(a, dtype="bfloat16", pipeline_parallel_size=2))
+    runner.stages[1] = dataclasses.replace(runner.stages[1], model=None)
+    new, start = tensors(b), host_bits(runner)
+    assert start[1] == {}  # nothing of stage 1 here
+    mine = {k: v for k, v in new.items() if k.startswith("model.layers.0.")}
+    theirs = {"model.norm.weight": np.ones(49, np.float32), "model.layers.2.mlp.up_proj.weight": np.ones(3)}
+    assert prepare_update(runner, mine | theirs) == sorted(mine | theirs)
+    assert changed(start, host_bits(runner)) == [set(), set()]  # prepared, not installed
+    commit_update(runner)
+    written = changed(start, host_bits(runner))
+    assert written[0] and all("['layers']" in k for k in written[0]) and written[1] == set()
+    assert runner.prepared_update is None
+    with pytest.raises(ValueError, match="'model.layers.3.mlp.up_proj.weight' is not a weight"):
+        prepare_update(runner, {"model.layers.3.mlp.up_proj.weight": np.ones(3)})
+    before = host_bits(runner)
+    prepare_update(runner, {"model.embed_tokens.weight": new["model.embed_tokens.weight"]})
+    abort_update(runner)
+    assert changed(before, host_bits(runner)) == [set(), set()] and runner.prepared_update is None

@@ -9,8 +9,12 @@ as `python multihost_process.py ARG_JSON` (helpers/two_processes.py); the other 
   slot (each round writes the slot anew).
 - "pool": a pooling engine's embeddings of PROMPTS (MEAN pooled: every row of each prompt read).
 - "vlm": a vision-language model's answers to helpers/tiny_vlm.py's image prompts (one image, two, none).
+- "pipeline": pipeline stages instead (PP 2, a layer on each process) with two LoRA slots: PROMPTS and a
+  third prompt with adapters A, B and none in one batch, then "research" (its refused tensors: one of
+  the follower's stage, one of process 0's).
 
-arg: {"case", "model", "node_rank", "port"} and "new_model" (research) or "adapters" (lora)."""
+arg: {"case", "model", "node_rank", "port"} and "new_model" (research, pipeline), "adapters" (lora,
+pipeline); "engine": engine arguments over the case's (vlm: pipeline stages instead)."""
 
 import json
 import os
@@ -31,13 +35,19 @@ ENGINE = {
 
 
 LORA = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+# Two stages of one device each (process 0: layer 0 and the embedding; process 1: layer 1, the head and
+# the sampler), two adapter slots, three requests a batch; warmed up under the strict compile guard (a
+# step that compiles, in either process, fails the run).
+PIPELINE = {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, "max_num_seqs": 4, **LORA, "max_loras": 2}
+WARMED = {"enforce_eager": False, "strict_compile_guard": True}
+THIRD_PROMPT = [1, 40, 41, 42]
 
 
-def answers(llm, lora_request=None) -> dict:
+def answers(llm, lora_request=None, prompts=PROMPTS) -> dict:
     from xlaserve import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
-    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    prompts = [{"prompt_token_ids": ids} for ids in prompts]
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
@@ -79,10 +89,20 @@ def lora_rounds(llm, adapters: list[str]) -> list[dict]:
     return [answers(llm, [lora, None]) for lora in (a, b, a)]
 
 
+def adapter_batch(llm, adapters: list[str]) -> dict:
+    """PROMPTS and THIRD_PROMPT in one batch: adapter A, adapter B, the base model."""
+    from xlaserve import LoRARequest
+
+    a, b = (LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(zip("ab", adapters)))
+    return answers(llm, [a, b, None], [*PROMPTS, THIRD_PROMPT])
+
+
 def main(arg: dict) -> None:
     from helpers.two_processes import engine_of_two
 
-    llm = engine_of_two(arg["model"], arg, **ENGINE, **{"lora": LORA, "pool": POOL}.get(arg["case"], {}))
+    extra = {"lora": LORA, "pool": POOL, "pipeline": PIPELINE | WARMED}.get(arg["case"], {})
+    extra |= arg.get("engine", {})
+    llm = engine_of_two(arg["model"], arg, **(ENGINE | extra))
     if llm is None:  # process 1: followed to the end
         return
     if arg["case"] == "pool":
@@ -91,6 +111,9 @@ def main(arg: dict) -> None:
         result = image_answers(llm, arg["model"])
     elif arg["case"] == "lora":
         result = {"rounds": lora_rounds(llm, arg["adapters"]), "loads": llm.engine_core.runner.lora.num_loads}
+    elif arg["case"] == "pipeline":
+        result = {"adapters": adapter_batch(llm, arg["adapters"]), **research(llm, arg)}
+        result["executor"] = type(llm.engine_core.executor).__name__
     else:
         result = research(llm, arg)
     print("RESULT " + json.dumps(result), flush=True)
@@ -111,11 +134,19 @@ def research(llm, arg: dict) -> dict:
     llm.update_weights({k: v for k, v in first.items() if k not in layer_0})
     llm.update_weights(layer_0)
     result["back"] = answers(llm)
+    # Under pipeline stages layer 1 is process 1's (refused there), layer 0 process 0's: each beside a
+    # good tensor of the other process's stage.
+    up = "model.layers.{}.mlp.up_proj.weight"
     name = "model.layers.1.self_attn.q_proj.weight"
     try:
-        llm.update_weights({name: first[name][:, :-1]})
+        llm.update_weights({up.format(0): 2 * first[up.format(0)], name: first[name][:, :-1]})
     except ValueError as e:
         result["refused"] = str(e)
+    wrong = {"model.layers.0.self_attn.q_proj.weight": first[name][:, :-1]}
+    try:
+        llm.update_weights({up.format(1): 2 * first[up.format(1)], **wrong})
+    except ValueError as e:
+        result["refused_first"] = str(e)
     result["after_refusal"] = answers(llm)
     return result
 

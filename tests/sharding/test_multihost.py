@@ -223,6 +223,7 @@ def test_research_stack_across_two_processes(tiny_llama_2kv, tmp_path):
     assert run["woken"] == run["after"]  # every float, exactly
     assert run["back"] == run["before"]
     assert "'model.layers.1.self_attn.q_proj.weight' has shape" in run["refused"]
+    assert "'model.layers.0.self_attn.q_proj.weight' has shape" in run["refused_first"]
     assert run["after_refusal"] == run["before"]
 
 
@@ -285,3 +286,62 @@ def test_vision_language_model_across_two_processes(tmp_path):
     assert run["tokens"] == reference["tokens"]
     for got, want in zip(run["logprobs"], reference["logprobs"], strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_across_two_processes_run_lora_and_the_research_stack(tiny_llama_2kv, tmp_path):
+    """PP 2 over two processes of one device each (layer 0 on process 0, layer 1 and the sampler on process
+    1; helpers/multihost_process.py "pipeline"), one launch: adapters A, B and the base model in one batch
+    give one device's bits (each process's stage holds its layers' slots, the follower's written before
+    the step); update_weights_from_path gives a fresh one-device engine's bits on the new checkpoint,
+    sleep(2)/wake_up the same bits again, two partial updates (each touching both processes' stages) the
+    first checkpoint's; a wrong shape on either process's stage is refused with nothing changed on either
+    (the other tensor of the call, on the other process, not written)."""
+    import transformers
+
+    from helpers.lora_adapters import make_adapter
+    from helpers.multihost_process import ENGINE, PIPELINE, adapter_batch, answers
+    from helpers.tiny_models import save_tiny_llama
+    from xlaserve import LLM
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_2kv, dtype="float32")
+    adapters = [str(tmp_path / name) for name in "ab"]
+    for seed, directory in enumerate(adapters):
+        make_adapter(base, 8, 16, False, ["q_proj", "v_proj", "o_proj", "down_proj"], directory, seed)
+    new_model = save_tiny_llama(str(tmp_path / "new"), seed=1, num_key_value_heads=2)
+    arg = {"case": "pipeline", "model": tiny_llama_2kv, "new_model": new_model, "adapters": adapters}
+    run = run_two_processes("multihost_process.py", arg, devices_per_process=1)
+    assert run["executor"] == "MultiHostPipelineExecutor"
+    one_device = ENGINE | PIPELINE | {"pipeline_parallel_size": 1}
+    reference = LLM(tiny_llama_2kv, **one_device)
+    assert run["adapters"] == adapter_batch(reference, adapters)  # every token id and logprob, exactly
+    assert len({tuple(t) for t in run["adapters"]["tokens"]}) == 3
+    assert run["before"] == answers(reference)
+    assert run["updated"] > 0
+    assert run["after"] == answers(LLM(new_model, **one_device)) and run["after"] != run["before"]
+    assert run["freed"] > 0 and run["placed"] == run["freed"]
+    assert run["woken"] == run["after"]
+    assert run["back"] == run["before"]
+    assert (
+        "process 1: ValueError: weights: 'model.layers.1.self_attn.q_proj.weight' has shape" in run["refused"]
+    )
+    assert "'model.layers.0.self_attn.q_proj.weight' has shape" in run["refused_first"]
+    assert run["after_refusal"] == run["before"]
+
+
+@pytest.mark.slow
+def test_vision_language_model_on_pipeline_stages_across_two_processes(tmp_path):
+    """A 4-layer Qwen3-VL on PP 2 over two processes of one device each: the tower on process 0's first
+    stage, process 1's stage (layers 2-3) gets each step's M-RoPE positions with the step and the image
+    rows its DeepStack layer 2 adds from process 0 over JAX's cross-host transfer; an image prompt, a
+    two-image one and a text one answered together give one device's bits (helpers/multihost_process.py)."""
+    from helpers.multihost_process import ENGINE, WARMED, image_answers
+    from helpers.tiny_vlm import save_tiny_qwen3_vl
+    from xlaserve import LLM
+
+    model = save_tiny_qwen3_vl(str(tmp_path / "qwen3_vl"), num_layers=4, deepstack_visual_indexes=(0, 1, 2))
+    stages = {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, **WARMED}
+    run = run_two_processes("multihost_process.py", {"case": "vlm", "model": model, "engine": stages}, 1)
+    reference = image_answers(LLM(model, **(ENGINE | {"tensor_parallel_size": 1})), model)
+    assert run["tokens"] == reference["tokens"] and len({tuple(t) for t in run["tokens"]}) == 3
+    assert run["logprobs"] == reference["logprobs"]  # every float, exactly

@@ -84,10 +84,6 @@ def test_the_flag_and_its_short_form_reach_the_config():
             "pipeline_parallel_size=2 cannot be combined with data_parallel_size=2 yet",
         ),
         (
-            {"enable_lora": True, "nnodes": 2},
-            r"pipeline_parallel_size=2 cannot be combined with enable_lora across processes \(nnodes=2\) yet",
-        ),
-        (
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
             "pipeline_parallel_size=2 cannot be combined with speculative_config yet",
         ),
@@ -103,9 +99,10 @@ def test_what_pipelines_do_not_run_yet_is_refused_by_name(kwargs, message):
         EngineConfig.from_kwargs(None, **{"pipeline_parallel_size": 2, **kwargs})
 
 
-def test_lora_on_one_process_reaches_the_config():
-    config = EngineConfig.from_kwargs(None, pipeline_parallel_size=2, enable_lora=True)
-    assert (config.parallel.pipeline_parallel_size, config.lora.enable_lora) == (2, True)
+def test_lora_on_stages_reaches_the_config():
+    for nnodes in (1, 2):
+        config = EngineConfig.from_kwargs(None, pipeline_parallel_size=2, enable_lora=True, nnodes=nnodes)
+        assert (config.parallel.pipeline_parallel_size, config.lora.enable_lora) == (2, True)
 
 
 def test_stages_across_processes_are_refused_unless_each_lies_in_one_process():
@@ -125,15 +122,3 @@ def test_stages_on_several_processes_reach_the_config():
     config = EngineConfig.from_kwargs(None, pipeline_parallel_size=2, nnodes=2, node_rank=1)
     assert (config.parallel.pipeline_parallel_size, config.parallel.nnodes) == (2, 2)
     assert config.async_scheduling_off_reason() is not None  # the multi-host executor's steps: synchronous
-
-
-def test_a_vision_language_model_on_stages_across_processes_is_refused_by_name():
-    """Its images are encoded on the first stage and its rows copied to a later one by one process's host
-    work, so a pipeline with another process's stage refuses it where the encoder asks for the stages."""
-    from xlaserve.worker.pipeline_runner import PipelineRunner
-
-    runner = SimpleNamespace(stages=[SimpleNamespace(is_local=True), SimpleNamespace(is_local=False)])
-    with pytest.raises(
-        ValueError, match="a vision-language model is not supported on pipeline stages across"
-    ):
-        PipelineRunner.stage_placements.fget(runner)
