@@ -121,6 +121,11 @@ class HybridDecoderLM(DecoderOnlyLM):
     parallel_layer_class: ClassVar[type[nnx.Module]]
 
     @classmethod
+    def layer_classes(cls) -> tuple[type[nnx.Module], ...]:
+        names = ("linear_layer_class", "attention_layer_class", "parallel_layer_class")
+        return tuple(getattr(cls, name) for name in names if hasattr(cls, name))
+
+    @classmethod
     def layer_stacks(cls, cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
         """One stack per position in the period (`linear_layers_0`, ..., `attention_layers_0`, ...),
         each holding that position's layer of every period: the scan over periods slices one layer
