@@ -510,6 +510,13 @@ def pipeline_lora(_model_dir: str, arg: dict) -> list:
     return pp_lora(arg, small_llm)
 
 
+def pipeline_hybrid(_model_dir: str, arg: dict) -> dict:
+    """See helpers/pp_worker.py `hybrid`."""
+    from pp_worker import hybrid
+
+    return hybrid(arg, small_llm)
+
+
 MODES = {
     "context_parallel": context_parallel,
     "generate": generate,
@@ -528,6 +535,7 @@ MODES = {
     "pipeline_research": pipeline_research,
     "pipeline_images": pipeline_images,
     "pipeline_lora": pipeline_lora,
+    "pipeline_hybrid": pipeline_hybrid,
     "update_weights": update_weights,
     "update_weights_on_mesh": update_weights_on_mesh,
 }
@@ -569,7 +577,14 @@ class _CaseProfile:
 # alike; collectives and shapes) does not depend on the emitter. The pipeline's cases keep XLA's
 # default: their stages are compared with one device bit for bit, and with two processes compiling as
 # users do (test_pipeline_parallel.py), and under the elemental emitters a stage's bits differ.
-DEFAULT_EMITTER_MODES = {"pipeline", "pipeline_research", "pipeline_lora", "pipeline_images"}
+DEFAULT_EMITTER_def pipeline_hybrid(_model_dir: str, arg: dict) -> dict:
+    """See helpers/pp_worker.py `hybrid`."""
+    from pp_worker import hybrid
+
+    return hybrid(arg, small_llm)
+
+
+MODES = {"pipeline", "pipeline_research", "pipeline_lora", "pipeline_images"}
 ELEMENTAL_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 _default_emitters = True
 
