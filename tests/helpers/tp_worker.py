@@ -577,14 +577,13 @@ class _CaseProfile:
 # alike; collectives and shapes) does not depend on the emitter. The pipeline's cases keep XLA's
 # default: their stages are compared with one device bit for bit, and with two processes compiling as
 # users do (test_pipeline_parallel.py), and under the elemental emitters a stage's bits differ.
-DEFAULT_EMITTER_def pipeline_hybrid(_model_dir: str, arg: dict) -> dict:
-    """See helpers/pp_worker.py `hybrid`."""
-    from pp_worker import hybrid
-
-    return hybrid(arg, small_llm)
-
-
-MODES = {"pipeline", "pipeline_research", "pipeline_lora", "pipeline_images"}
+DEFAULT_EMITTER_MODES = {
+    "pipeline",
+    "pipeline_research",
+    "pipeline_lora",
+    "pipeline_images",
+    "pipeline_hybrid",
+}
 ELEMENTAL_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 _default_emitters = True
 
