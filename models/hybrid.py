@@ -7,9 +7,12 @@ class's `layer_types` is about sliding windows). The layers repeat a period (Qwe
 layers, then an attention layer; Granite 4.0-H: attention as the sixth of every ten), so they form
 one stack per position in the period (`linear_layers_0`, ..., `attention_layers_0`, ...: each layer
 under Hugging Face's `model.layers.{i}` of its own id), run under one `lax.scan` over periods: each
-step of the scan runs one period's layers in order, one from each stack. The cache is a `HybridCache`
-(kernels/hybrid_cache.py): an attention layer reads and writes its K/V by block id (the step's block
-table), a recurrent layer its state by slot (the step's `state_slots`).
+step of the scan runs one period's layers in order, one from each stack. A pipeline stage's layers may
+start inside a period: it runs rounds of the period rotated to its first layer (`run_layers`). The
+cache is a `HybridCache` (kernels/hybrid_cache.py): an attention layer reads and writes its K/V by
+block id (the step's block table), a recurrent layer its state by slot (the step's `state_slots`).
+LoRA adapters bind to a layer's projections by path, as in the plain decoder (models/lora.py); a
+family whose layer classes declare `supports_lora` takes them on its attention and MLP projections.
 
 A family gives its config class (a `HybridConfig`), its layer classes and its cache spec:
 
