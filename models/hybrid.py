@@ -196,10 +196,15 @@ class HybridDecoderLM(DecoderOnlyLM):
             rows = (q * num_state + state_before) * num_slots + md.state_slots  # its state rows
             md_layer = md.for_layer(q * num_attention + attention_before, num_blocks, block_size)
             if kind == LINEAR:
-                return layer(x, cache, md, rows)
-            if kind == FULL:
-                return layer(x, positions, cache, md_layer, spec)
-            return layer(x, positions, cache, md_layer, spec, rows)
+                x, cache = layer(x, cache, md, rows)
+            elif kind == FULL:
+                x, cache = layer(x, positions, cache, md_layer, spec)
+            else:
+                x, cache = layer(x, positions, cache, md_layer, spec, rows)
+            # Each layer's output is rounded to x's dtype here, whatever layer follows: XLA may keep a
+            # 16-bit value in float32 between fused ops, so without the barrier a layer boundary inside a
+            # round (one layout) and one between rounds or stages (another) would differ in bits.
+            return jax.lax.optimization_barrier(x), cache
 
         def specs_of(k: int, rounds) -> LayerSpec:  # [len(rounds), ...]: layer k's of those rounds
             ids = [layers.start + q * len(period) + k for q in rounds]

@@ -306,11 +306,12 @@ def _encoder_weights(runner) -> list[int]:
 
 def hybrid(arg: dict, small_llm) -> dict:
     """Hybrid models (state layers beside attention) on pipeline stages. arg: {"models": {name:
-    directory}, "layouts": {name: [layout, ...]}, "guarded": {name: layout}, "shape", "prompts"}. Per
-    model and layout: the prompts' greedy numbers twice (the second run hits the state snapshots the
-    first left: prefix caching), and each run's cached tokens. The guarded layout is warmed up under
-    the strict compile guard, runs two micro-batches in flight, and reports its compiles after warm-up
-    and each stage's cache arrays' rows (K, V, conv state, recurrent state)."""
+    directory}, "layouts": {name: [layout, ...]}, "guarded": {name: layout}, "micro_batches": {name:
+    layout}, "shape", "prompts"}. Per model and layout: the prompts' greedy numbers twice (the second run
+    hits the state snapshots the first left: prefix caching), each run's cached tokens, and the most
+    steps in flight (the micro-batches layout keeps as many as it has stages). The guarded layout is
+    warmed up under the strict compile guard and reports its compiles after warm-up and each stage's
+    cache arrays' rows (K, V, conv state, recurrent state)."""
     import jax
 
     from xlaserve import SamplingParams
@@ -327,7 +328,7 @@ def hybrid(arg: dict, small_llm) -> dict:
             t0 = time.perf_counter()
             llm = small_llm(model_dir, layout, **arg["shape"], **extra)
             core = llm.engine_core
-            if guarded:  # off by default on a CPU (the fake devices share its cores): on, to check the bits
+            if layout == arg["micro_batches"].get(name):  # off by default on a CPU: on, to check the bits
                 core.set_num_micro_batches(core.executor.max_concurrent_batches)
             compiles = num_compiles()
             runs = []
@@ -343,11 +344,10 @@ def hybrid(arg: dict, small_llm) -> dict:
                         "num_cached_tokens": [o.num_cached_tokens for o in outs],
                     }
                 )
-            result = {"layout": layout, "runs": runs}
+            result = {"layout": layout, "runs": runs, "peak_steps_in_flight": core.peak_steps_in_flight}
             if guarded:
                 runner = core.runner
                 result["compiles_after_warm_up"] = num_compiles() - compiles
-                result["peak_steps_in_flight"] = core.peak_steps_in_flight
                 result["num_blocks"] = runner.num_blocks
                 result["num_state_slots"] = runner.kv_spec.num_state_slots
                 result["cache_rows"] = [
