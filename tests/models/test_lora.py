@@ -82,7 +82,12 @@ ADAPTERS = {
 }
 HYBRIDS = {  # architecture -> (config class, config, zero-centred norms)
     "Qwen3_5ForCausalLM": ("Qwen3_5TextConfig", QWEN3_5_TEXT, True),
-    "GraniteMoeHybridForCausalLM": ("GraniteMoeHybridConfig", GRANITE_HYBRID, False),
+    # Granite 4.0-H with its shared MLP alone (no experts: the adapters never reach them anyway).
+    "GraniteMoeHybridForCausalLM": (
+        "GraniteMoeHybridConfig",
+        dict(GRANITE_HYBRID, num_local_experts=0),
+        False,
+    ),
 }
 MOE = {  # a tiny Qwen3-MoE: 4 experts, 2 per token
     "vocab_size": 101,
