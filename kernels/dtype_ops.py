@@ -379,6 +379,23 @@ def scan(body, init, xs, *, words_of=None, **kwargs):
     return jax.lax.scan(body_of_words, init, xs, **kwargs)
 
 
+def stack_entry(xs, index, *, words_of=None):
+    """Entry `index` (an int32 scalar, maybe traced) of stacked leaves `xs`, as `scan` hands its body
+    one step's: read as raw words on CPU (16-bit floats back as their dtype, uint16 words as
+    `words_of`), a packed stack at `index`, read in place. For a loop that reads several stacks at
+    indices of its own (a hybrid model's pipeline stage, models/hybrid.py), without slicing them."""
+    index = jnp.asarray(index, jnp.int32)
+
+    def entry(a):
+        if cpu_dot.is_packed(a):
+            return a.at(index)
+        dtype = words_of if a.dtype == jnp.uint16 and words_of else a.dtype
+        words = as_words(a) if jax.default_backend() == "cpu" else a
+        return from_words(jax.lax.dynamic_index_in_dim(words, index, 0, keepdims=False), dtype)
+
+    return jax.tree.map(entry, xs, is_leaf=cpu_dot.is_packed)
+
+
 def stacks_as_words(params, stack_names) -> object:
     """`params` with the 16-bit float leaves under `stack_names` (the stacked layers) stored as uint16
     words, so that the layer scan slices them without a copy of the whole stack per step (a bitcast

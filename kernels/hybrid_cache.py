@@ -66,6 +66,15 @@ class HybridCacheSpec:
             num_state_snapshots=num_state_snapshots,
         )
 
+    def for_layers(self, layers: range) -> HybridCacheSpec:
+        """The spec of a pipeline stage holding the layers `layers` (maybe none of one kind): the same
+        slots and block ids, each array holding those layers' rows only."""
+        return dataclasses.replace(
+            self,
+            attention_layers=tuple(i for i in self.attention_layers if i in layers),
+            state_layers=tuple(i for i in self.state_layers if i in layers),
+        )
+
     def copy_state_slots(self, cache: HybridCache, src: jax.Array, dst: jax.Array) -> HybridCache:
         """Every state layer's conv inputs and recurrent state of slot src[i] written to slot dst[i]
         (prefix-cache snapshots); the K/V untouched."""

@@ -75,6 +75,11 @@ class DecoderOnlyLM(nnx.Module):
         return KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
     @classmethod
+    def layer_classes(cls) -> tuple[type[nnx.Module], ...]:
+        """The decoder layer classes the model builds (LoRA asks each for `supports_lora`)."""
+        return tuple(c for c in (getattr(cls, "layer_class", None),) if c is not None)
+
+    @classmethod
     def layer_stacks(cls, cfg: TransformerConfig) -> dict[str, range]:
         """One stack, `layers`, holding every layer."""
         return {"layers": range(cfg.num_layers)}

@@ -133,6 +133,10 @@ class GraniteHybridConfig(MoEConfig, HybridConfig):
 class _GraniteLayer(nnx.Module):
     """The norms, the experts and the shared MLP every layer has; the mixer is the subclass's."""
 
+    # The attention's q/k/v/o are Linears an adapter may target (models/lora.py); Mamba2's in_proj and
+    # out_proj, the fused shared MLP (input_linear, output_linear) and the experts are no LoRA target.
+    supports_lora = True
+
     def __init__(self, cfg: GraniteHybridConfig, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)

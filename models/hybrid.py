@@ -7,9 +7,12 @@ class's `layer_types` is about sliding windows). The layers repeat a period (Qwe
 layers, then an attention layer; Granite 4.0-H: attention as the sixth of every ten), so they form
 one stack per position in the period (`linear_layers_0`, ..., `attention_layers_0`, ...: each layer
 under Hugging Face's `model.layers.{i}` of its own id), run under one `lax.scan` over periods: each
-step of the scan runs one period's layers in order, one from each stack. The cache is a `HybridCache`
-(kernels/hybrid_cache.py): an attention layer reads and writes its K/V by block id (the step's block
-table), a recurrent layer its state by slot (the step's `state_slots`).
+step of the scan runs one period's layers in order, one from each stack. A pipeline stage's layers may
+start inside a period: it runs rounds of the period rotated to its first layer (`run_layers`). The
+cache is a `HybridCache` (kernels/hybrid_cache.py): an attention layer reads and writes its K/V by
+block id (the step's block table), a recurrent layer its state by slot (the step's `state_slots`).
+LoRA adapters bind to a layer's projections by path, as in the plain decoder (models/lora.py); a
+family whose layer classes declare `supports_lora` takes them on its attention and MLP projections.
 
 A family gives its config class (a `HybridConfig`), its layer classes and its cache spec:
 
@@ -30,11 +33,12 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata
-from xlaserve.kernels.dtype_ops import scan
+from xlaserve.kernels.dtype_ops import stack_entry
 from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
-from xlaserve.models.layers import layer_specs, with_shared_rope
+from xlaserve.models.layers import LayerSpec, layer_specs, with_shared_rope
+from xlaserve.models.lora import LoRABatch, bind_adapters
 
 LINEAR, FULL, PARALLEL = "linear_attention", "full_attention", "parallel"
 # config.json spellings of each kind (Granite 4.0-H's checkpoints write "mamba" and "attention",
@@ -120,6 +124,11 @@ class HybridDecoderLM(DecoderOnlyLM):
     parallel_layer_class: ClassVar[type[nnx.Module]]
 
     @classmethod
+    def layer_classes(cls) -> tuple[type[nnx.Module], ...]:
+        names = ("linear_layer_class", "attention_layer_class", "parallel_layer_class")
+        return tuple(getattr(cls, name) for name in names if hasattr(cls, name))
+
+    @classmethod
     def layer_stacks(cls, cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
         """One stack per position in the period (`linear_layers_0`, ..., `attention_layers_0`, ...),
         each holding that position's layer of every period: the scan over periods slices one layer
@@ -140,48 +149,79 @@ class HybridDecoderLM(DecoderOnlyLM):
             return cls.parallel_layer_class(cfg, backend, dtype=dtype, rngs=rngs)
         return cls.attention_layer_class(cfg, backend, dtype=dtype, rngs=rngs)
 
-    def run_layers(self, x, positions, kv_cache: HybridCache, md: AttentionMetadata, lora=None, layers=None):
+    def run_layers(
+        self,
+        x: jax.Array,  # [T, D]
+        positions: jax.Array,  # [T]
+        kv_cache: HybridCache,
+        md: AttentionMetadata,
+        lora: LoRABatch | None = None,
+        layers: range | None = None,
+    ):  # -> (x [T, D], updated cache)
+        """x through the layers `layers` (None: all of them; a pipeline stage's range, which may start
+        and end inside a period: worker/pipeline_stage.py). The range is run as rounds of the period
+        rotated to start at its first layer, under one scan, then the rest of a round unrolled: round q's
+        layer k is entry q of its stack's part in the range (the stage's weights, LoRA slots), and its
+        K/V and state rows come after those of the range's layers before it (the stage's cache holds
+        only its layers')."""
         cfg = self.cfg
-        if lora is not None:
-            raise ValueError(f"LoRA adapters are not supported for {cfg.architecture}")
-        if layers is not None and layers != range(cfg.num_layers):
-            raise ValueError(f"pipeline stages are not supported for {cfg.architecture}")
-        period = cfg.period
-        num_periods = cfg.num_layers // len(period)
-        num_linear = sum(kind in _HAS_STATE for kind in period)
-        num_attention = sum(kind in _HAS_ATTENTION for kind in period)
-        num_blocks = kv_cache.k.shape[0] // (num_periods * num_attention)
+        layers = range(cfg.num_layers) if layers is None else layers
+        period, stacks = cfg.period, self.layer_stacks(cfg)
+        # The rotated period: (stack, kind, attention and state layers before it in a round) per layer.
+        shift = layers.start % len(period)
+        rotated, num_attention, num_state = [], 0, 0
+        for k in range(len(period)):
+            j = (shift + k) % len(period)
+            rotated.append((list(stacks)[j], period[j], num_attention, num_state))
+            num_attention += period[j] in _HAS_ATTENTION
+            num_state += period[j] in _HAS_STATE
+        num_rounds, num_rest = divmod(len(layers), len(period))
+        # The cache holds the range's layers only: its blocks and slots per layer.
+        range_kinds = [cfg.mixer_types[i] for i in layers]
+        num_blocks = kv_cache.k.shape[0] // max(1, sum(t in _HAS_ATTENTION for t in range_kinds))
+        num_slots = kv_cache.conv.shape[0] // max(1, sum(t in _HAS_STATE for t in range_kinds))
         block_size = kv_cache.k.shape[1]
-        num_slots = kv_cache.conv.shape[0] // (num_periods * num_linear)
         md = with_shared_rope(cfg, positions, md)  # once per step, for every attention layer
-        stacks = self.layer_stacks(cfg)
-        defs, states = zip(*(nnx.split(getattr(self, name)) for name in stacks))
+        defs = {name: nnx.split(getattr(self, name)) for name in stacks}
         all_specs = layer_specs(cfg)  # what an attention layer reads per layer (a recurrent one: nothing)
-        specs = tuple(
-            jax.tree.map(lambda a, ids=list(ids): jnp.asarray(np.asarray(a)[ids]), all_specs)
-            if kind in _HAS_ATTENTION
-            else None
-            for kind, ids in zip(period, stacks.values())
-        )
+        slot_mask = None if lora is None else lora.slot_mask()  # once per step, for every layer
+
+        def run_layer(x, cache, q, k, spec):
+            """Layer k of round q (q traced under the scan, an int for the rest)."""
+            name, kind, attention_before, state_before = rotated[k]
+            graphdef, stack = defs[name]
+            layer = nnx.merge(graphdef, stack_entry(stack, q, words_of=x.dtype))
+            if lora is not None and name in lora.stacks:  # its slots, bound to its projections for this step
+                bind_adapters(layer, stack_entry(lora.stacks[name], q, words_of=x.dtype), slot_mask)
+            rows = (q * num_state + state_before) * num_slots + md.state_slots  # its state rows
+            md_layer = md.for_layer(q * num_attention + attention_before, num_blocks, block_size)
+            if kind == LINEAR:
+                x, cache = layer(x, cache, md, rows)
+            elif kind == FULL:
+                x, cache = layer(x, positions, cache, md_layer, spec)
+            else:
+                x, cache = layer(x, positions, cache, md_layer, spec, rows)
+            # Each layer's output is rounded to x's dtype here, whatever layer follows: XLA may keep a
+            # 16-bit value in float32 between fused ops, so without the barrier a layer boundary inside a
+            # round (one layout) and one between rounds or stages (another) would differ in bits.
+            return jax.lax.optimization_barrier(x), cache
+
+        def specs_of(k: int, rounds) -> LayerSpec:  # [len(rounds), ...]: layer k's of those rounds
+            ids = [layers.start + q * len(period) + k for q in rounds]
+            return jax.tree.map(lambda a: jnp.asarray(np.asarray(a)[ids]), all_specs)
 
         def body(carry, xs):
             x, cache = carry
-            states, specs, p = xs
-            i_linear = i_attention = 0
-            for j, kind in enumerate(period):
-                layer = nnx.merge(defs[j], states[j])
-                rows = (p * num_linear + i_linear) * num_slots + md.state_slots  # its state rows
-                md_layer = md.for_layer(p * num_attention + i_attention, num_blocks, block_size)
-                if kind == LINEAR:
-                    x, cache = layer(x, cache, md, rows)
-                elif kind == FULL:
-                    x, cache = layer(x, positions, cache, md_layer, specs[j])
-                else:
-                    x, cache = layer(x, positions, cache, md_layer, specs[j], rows)
-                i_linear += kind in _HAS_STATE
-                i_attention += kind in _HAS_ATTENTION
+            q, specs = xs
+            for k in range(len(period)):
+                x, cache = run_layer(x, cache, q, k, specs[k])
             return (x, cache), None
 
-        xs = (states, specs, jnp.arange(num_periods, dtype=jnp.int32))
-        (x, kv_cache), _ = scan(body, (x, kv_cache), xs, words_of=x.dtype)
+        if num_rounds:
+            specs = tuple(specs_of(k, range(num_rounds)) for k in range(len(period)))
+            xs = (jnp.arange(num_rounds, dtype=jnp.int32), specs)
+            (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), xs)
+        for k in range(num_rest):  # the range ends inside a round
+            spec = jax.tree.map(lambda a: a[0], specs_of(k, [num_rounds]))
+            x, kv_cache = run_layer(x, kv_cache, num_rounds, k, spec)
         return x, kv_cache

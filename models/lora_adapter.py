@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,7 +123,7 @@ def _tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
 SlotLayout = dict[str, dict[str, tuple[int, int, int]]]
 
 
-def check_fits(config: AdapterConfig, layout: SlotLayout, layer_stacks: dict[str, range]) -> None:
+def check_fits(config: AdapterConfig, layout: SlotLayout, layer_stacks: dict[str, Sequence[int]]) -> None:
     """Every tensor of the adapter (the safetensors header only) names a layer of this model and a
     projection it has a slot for, with the projection's shape: else a LoRAAdapterError naming the
     module. This is where a target the family lacks is refused when the adapter is checked: a MoE's
@@ -131,7 +132,7 @@ def check_fits(config: AdapterConfig, layout: SlotLayout, layer_stacks: dict[str
     def fail(field: str, message: str):
         raise LoRAAdapterError(f"LoRA adapter {config.name!r} ({config.path}): {field}: {message}", field)
 
-    where = {i: (stack, i - layers.start) for stack, layers in layer_stacks.items() for i in layers}
+    where = {layer: (stack, i) for stack, layers in layer_stacks.items() for i, layer in enumerate(layers)}
     for key, shape in _tensor_shapes(config.path).items():
         match = _TENSOR_NAME.search(key)
         if match is None:
@@ -162,7 +163,7 @@ def check_fits(config: AdapterConfig, layout: SlotLayout, layer_stacks: dict[str
 def load_adapter(
     config: AdapterConfig,
     layout: SlotLayout,
-    layer_stacks: dict[str, range],
+    layer_stacks: dict[str, Sequence[int]],
     prepare_hf_tensors,
     max_rank: int,
 ) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
@@ -176,7 +177,7 @@ def load_adapter(
     def fail(field: str, message: str):
         raise LoRAAdapterError(f"LoRA adapter {config.name!r} ({config.path}): {field}: {message}", field)
 
-    where = {i: (stack, i - layers.start) for stack, layers in layer_stacks.items() for i in layers}
+    where = {layer: (stack, i) for stack, layers in layer_stacks.items() for i, layer in enumerate(layers)}
     out: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
     tensors = load_file(os.path.join(config.path, ADAPTER_WEIGHTS))
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}

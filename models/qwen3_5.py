@@ -186,6 +186,9 @@ class _Qwen3_5Layer(nnx.Module):
     """The norms and MLP every layer has; the mixer is the subclass's."""
 
     mlp_class: type[nnx.Module] = GatedMLP  # Qwen3-Next: its mixture of experts
+    # Its attention's and MLP's projections are Linears an adapter may target (models/lora.py); the
+    # Gated DeltaNet's (in_proj_qkv, out_proj, ...) are no LoRA target (models/lora_adapter.py refuses them).
+    supports_lora = True
 
     def __init__(self, cfg: Qwen3_5Config, *, dtype):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0, dtype=dtype)

@@ -231,5 +231,5 @@ def _build_engine_core(config: EngineConfig):
     if lora_slots is not None:
         layout, layer_stacks = lora_slots
         ready.lora_layout = {s: {m: list(shape) for m, shape in ms.items()} for s, ms in layout.items()}
-        ready.lora_layer_stacks = {s: [r.start, r.stop] for s, r in layer_stacks.items()}
+        ready.lora_layer_stacks = {s: list(layers) for s, layers in layer_stacks.items()}
     return core, ready

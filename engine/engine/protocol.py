@@ -150,8 +150,8 @@ class EngineReady(msgspec.Struct, tag="ready"):
     weight_bytes: int = 0  # the model's parameters on the devices (quantized: one byte per weight)
     num_kv_blocks: int = 0  # KV cache blocks, the null block included
     # With LoRA on: the adapter slots' layout (stack -> module path -> [layers, in, out]) and each
-    # stack's layers ([start, stop]), so the front end refuses an adapter the model cannot take when
-    # it is loaded (models/lora_adapter.py check_fits).
+    # stack's layer ids (a hybrid model's stacks hold every P-th layer), so the front end refuses an
+    # adapter the model cannot take when it is loaded (models/lora_adapter.py check_fits).
     lora_layout: dict[str, dict[str, list[int]]] | None = None
     lora_layer_stacks: dict[str, list[int]] | None = None
     # runner="pooling": the model's task (embed, classify, reward) and hidden size (`dimensions`' bound).

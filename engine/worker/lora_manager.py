@@ -87,12 +87,12 @@ class LoRAManager:
         """`holders`: one for a runner's model, one per stage for a pipeline's (in the stages' order:
         `batch(slot_ids, stage)` indexes them; None for another process's stage, which holds its slots
         there)."""
-        layer_class = getattr(model_class, "layer_class", None)
-        if not getattr(layer_class, "supports_lora", False):
+        layer_classes = getattr(model_class, "layer_classes", tuple)()
+        if not layer_classes or not all(getattr(c, "supports_lora", False) for c in layer_classes):
             raise ValueError(
                 f"enable_lora: {model_class.__name__} does not support LoRA adapters yet "
-                "(supported: the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, Mixtral and Qwen3-MoE "
-                "families)"
+                "(supported: the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, Mixtral, Qwen3-MoE, "
+                "Qwen3.5, Qwen3-Next and Granite 4.0-H families)"
             )
         self.max_loras = lora_config.max_loras
         self.max_rank = lora_config.max_lora_rank

@@ -121,13 +121,11 @@ def load_model(
     tensors = pad_vocab(tensors, model_config.vocab_size, padded_vocab)
     model_shape = model_config.replace(vocab_size=padded_vocab)
     kv_spec = model_class.kv_cache_spec(model_config)  # K and V, or MLA's one latent cache
-    if stage is not None:
+    if stage is not None:  # the stage's layers' K/V (a hybrid model's: and state rows) only
         if kv_spec.layer_kind == "hybrid":
-            raise ValueError(
-                f"pipeline_parallel_size: {model_config.architecture} (attention and linear-attention "
-                "layers) cannot be split into pipeline stages yet; use pipeline_parallel_size=1"
-            )
-        kv_spec = dataclasses.replace(kv_spec, num_layers=len(stage.layers))
+            kv_spec = kv_spec.for_layers(stage.layers)
+        else:
+            kv_spec = dataclasses.replace(kv_spec, num_layers=len(stage.layers))
     # A hybrid model's state slots: one per request that can run, and as many for copies of states
     # (prefix-cache snapshots, drafts' backups: core/kv_cache_coordinator.py StateGroupBlocks).
     kv_spec = kv_spec.with_max_num_seqs(config.scheduler.max_num_seqs, num_state_copy_slots(config))

@@ -55,6 +55,7 @@ from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.model_runner import ModelRunner
 from xlaserve.worker.pipeline_stage import StageLayout, split_layers, stage_devices
 from xlaserve.worker.program import Program
+from xlaserve.worker.state_copies import StageStateCopier
 from xlaserve.worker.weight_update import ParamSet
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,22 @@ def _stage_forward(
         return x, kv_cache
     hidden = model.norm(x)
     return hidden, hidden[logits_indices], kv_cache
+
+
+def _largest_stage_spec(kv_spec, model_config, layouts: list[StageLayout]):
+    """The cache spec that sizes the budget, in every process alike (each stage's cache has the same
+    blocks and state slots, so they must fit the stage holding the most): `kv_spec` (a stage's) with
+    the most layers any stage holds, of each kind for a hybrid model (the ids of those stages: the
+    host's groups only count them)."""
+    if kv_spec.layer_kind != "hybrid":
+        return dataclasses.replace(kv_spec, num_layers=max(len(layout.layers) for layout in layouts))
+    whole = get_model_class(model_config.architecture).kv_cache_spec(model_config)
+    stages = [whole.for_layers(layout.layers) for layout in layouts]
+    return dataclasses.replace(
+        kv_spec,
+        attention_layers=max((spec.attention_layers for spec in stages), key=len),
+        state_layers=max((spec.state_layers for spec in stages), key=len),
+    )
 
 
 @dataclasses.dataclass
@@ -152,11 +169,9 @@ class PipelineRunner(ModelRunner):
                 [d.id for d in group],
             )
         local = [s for s in self.stages if s.is_local]  # at least one (stage_devices checks)
-        # The spec of the largest stage, in every process alike (the blocks' count must agree).
-        largest = max(len(layout.layers) for layout in layouts)
         return dataclasses.replace(
             local[-1].model,
-            kv_spec=dataclasses.replace(local[-1].model.kv_spec, num_layers=largest),
+            kv_spec=_largest_stage_spec(local[-1].model.kv_spec, model_config, layouts),
             weight_bytes=sum(s.model.weight_bytes for s in local),
         )
 
@@ -175,6 +190,9 @@ class PipelineRunner(ModelRunner):
         # stage's; the stages before it are compiled by `warm_up` here. (None: the last stage and the
         # sampler are another process's.)
         self._forward_fn = self.stages[-1].forward
+        if self.state_copier is not None:  # a hybrid model's state copies: on each stage, its own rows
+            specs = [self._stage_kv_spec(s) if s.is_local else None for s in self.stages]
+            self.state_copier = StageStateCopier(specs, self.max_num_seqs)
         self._last_stage_inputs: dict[int, jax.ShapeDtypeStruct] = {}  # per token bucket, by warm_up
 
     def _lora_slot_holders(self, model: LoadedModel) -> list[SlotHolder | None]:
@@ -198,12 +216,24 @@ class PipelineRunner(ModelRunner):
         first = self.stages[0].model
         return first.graphdef, first.params
 
+    def _stage_kv_spec(self, stage: PipelineStage):
+        """A stage's cache spec, with the runner's state slots (a hybrid model's: the budget may have
+        fitted fewer snapshot slots, worker/kv_cache.py; a state slot has the same id on every stage)."""
+        spec = stage.model.kv_spec
+        if not hasattr(spec, "num_state_slots"):
+            return spec
+        return dataclasses.replace(
+            spec,
+            num_state_slots=self.kv_spec.num_state_slots,
+            num_state_snapshots=self.kv_spec.num_state_snapshots,
+        )
+
     def allocate_kv_cache(self) -> list[KVCache | None]:
         """Each stage's zeroed cache of num_blocks, on its devices, holding its layers only (None for
         another process's stage)."""
         return [
             allocate_kv_cache(
-                s.model.kv_spec,
+                self._stage_kv_spec(s),
                 self.num_blocks,
                 self.block_size,
                 self.backend.cache_dtype(self.dtype),
@@ -312,6 +342,8 @@ class PipelineRunner(ModelRunner):
         batches = {n: self._build_batch([], n) for n in self.token_buckets}
         for hook in self.hooks:
             hook.warm_up(batches, self._num_seqs_for)
+        if self.state_copier is not None:
+            self.kv_cache = self.state_copier.warm_up(self.kv_cache)
         self.guard.arm()
 
     def _run_forward(self, batch: StepBatch, hook_arrays: dict) -> tuple[jax.Array, jax.Array] | None:
@@ -351,6 +383,11 @@ class PipelineRunner(ModelRunner):
             return super().dispatch(inputs)
         self.guard.begin()
         step = self.timing.on_dispatch()
+        copies = inputs.state_copies  # a hybrid model's, as ModelRunner.dispatch runs them
+        if copies is not None:
+            self.kv_cache = self.state_copier.apply(self.kv_cache, copies[0])
         self._run_forward(self.placement.step_inputs(inputs.batch), inputs.hooks)
+        if copies is not None:
+            self.kv_cache = self.state_copier.apply(self.kv_cache, copies[1])
         self.guard.check(f"a step in bucket {inputs.batch.input_ids.shape[0]}")
         return {}, step

@@ -11,7 +11,7 @@ model's structure, so one graph definition and the family's own code run every s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -44,11 +44,11 @@ class StageLayout:
             return self.is_first
         return True  # anything else a family adds at the top is kept on every stage
 
-    def stack_slice(self, stack: range) -> slice:
-        """The part of a layer stack holding `stack`'s HF layers that falls in this stage (maybe empty)."""
-        start = max(stack.start, self.layers.start)
-        stop = max(start, min(stack.stop, self.layers.stop))
-        return slice(start - stack.start, stop - stack.start)
+    def stack_slice(self, stack: Sequence[int]) -> slice:
+        """The part of a layer stack holding the HF layers `stack` (increasing: a range, or a hybrid
+        model's every P-th layer) that falls in this stage (maybe empty): one contiguous run of them."""
+        inside = [index for index, layer in enumerate(stack) if layer in self.layers]
+        return slice(inside[0], inside[-1] + 1) if inside else slice(0, 0)
 
 
 def split_layers(
@@ -110,7 +110,7 @@ def placeholder(ndim: int, dtype, sharding) -> jax.Array:
 def stage_place(
     place: Callable[[tuple[str, ...], np.ndarray], jax.Array],
     layout: StageLayout,
-    stacks: dict[str, range],
+    stacks: dict[str, Sequence[int]],
     tie_word_embeddings: bool,
     replicated,
 ) -> Callable[[tuple[str, ...], np.ndarray], jax.Array]:
@@ -129,7 +129,7 @@ def stage_place(
 
 
 def slice_to_stage(
-    params, layout: StageLayout, stacks: dict[str, range], tie_word_embeddings: bool, replicated
+    params, layout: StageLayout, stacks: dict[str, Sequence[int]], tie_word_embeddings: bool, replicated
 ):
     """A whole model's placed params cut to one stage (dummy weights, drawn whole on the devices)."""
 

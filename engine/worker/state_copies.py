@@ -87,3 +87,21 @@ class StateCopier:
             time.perf_counter() - t0,
         )
         return kv_cache
+
+
+class StageStateCopier:
+    """A pipeline's copies (worker/pipeline_runner.py): the same slot pairs on every stage's cache (a
+    list; None for another process's stage), each by its own program on its devices. A stage holding no
+    state layer has nothing to copy."""
+
+    def __init__(self, stage_specs: list, max_num_seqs: int):
+        self.copiers = [
+            StateCopier(spec, max_num_seqs) if spec is not None and spec.state_layers else None
+            for spec in stage_specs
+        ]
+
+    def apply(self, kv_caches: list, pairs: np.ndarray) -> list:
+        return [cache if c is None else c.apply(cache, pairs) for c, cache in zip(self.copiers, kv_caches)]
+
+    def warm_up(self, kv_caches: list) -> list:
+        return [cache if c is None else c.warm_up(cache) for c, cache in zip(self.copiers, kv_caches)]

@@ -413,6 +413,35 @@ QWEN3_5_TEXT = dict(
 )
 
 
+# Granite 4.0-H: Mamba2 beside attention, experts, a shared MLP (tests/models/test_qwen3_5.py, test_lora.py).
+GRANITE_HYBRID = dict(
+    vocab_size=HYBRID_VOCAB,
+    hidden_size=32,
+    intermediate_size=16,
+    shared_intermediate_size=24,
+    num_hidden_layers=4,
+    layer_types=["mamba", "attention", "mamba", "attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    mamba_n_heads=8,
+    mamba_d_head=8,
+    mamba_d_state=8,
+    mamba_n_groups=2,
+    mamba_d_conv=4,
+    mamba_chunk_size=8,
+    embedding_multiplier=2.0,
+    logits_scaling=3.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
 FALCON_H1_TEXT = dict(
     vocab_size=HYBRID_VOCAB,
     hidden_size=32,

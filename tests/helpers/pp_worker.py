@@ -361,6 +361,61 @@ def preemption(arg: dict, small_llm) -> dict:
     return results
 
 
+def hybrid(arg: dict, small_llm) -> dict:
+    """Hybrid models (state layers beside attention) on pipeline stages. arg: {"models": {name:
+    directory}, "layouts": {name: [layout, ...]}, "guarded": {name: layout}, "micro_batches": {name:
+    layout}, "shape", "prompts"}. Per model and layout: the prompts' greedy numbers twice (the second run
+    hits the state snapshots the first left: prefix caching), each run's cached tokens, and the most
+    steps in flight (the micro-batches layout keeps as many as it has stages). The guarded layout is
+    warmed up under the strict compile guard and reports its compiles after warm-up and each stage's
+    cache arrays' rows (K, V, conv state, recurrent state)."""
+    import jax
+
+    from xlaserve import SamplingParams
+    from xlaserve.worker.compile_guard import num_compiles
+
+    prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    results = {}
+    for name, model_dir in arg["models"].items():
+        results[name] = []
+        for layout in arg["layouts"][name]:
+            guarded = layout == arg["guarded"].get(name)
+            extra = {"enforce_eager": False, "strict_compile_guard": True} if guarded else {}
+            t0 = time.perf_counter()
+            llm = small_llm(model_dir, layout, **arg["shape"], **extra)
+            core = llm.engine_core
+            if layout == arg["micro_batches"].get(name):  # off by default on a CPU: on, to check the bits
+                core.set_num_micro_batches(core.executor.max_concurrent_batches)
+            compiles = num_compiles()
+            runs = []
+            for _ in range(2):
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                runs.append(
+                    {
+                        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                        "logprobs": [
+                            [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]
+                            for o in outs
+                        ],
+                        "num_cached_tokens": [o.num_cached_tokens for o in outs],
+                    }
+                )
+            result = {"layout": layout, "runs": runs, "peak_steps_in_flight": core.peak_steps_in_flight}
+            if guarded:
+                runner = core.runner
+                result["compiles_after_warm_up"] = num_compiles() - compiles
+                result["num_blocks"] = runner.num_blocks
+                result["num_state_slots"] = runner.kv_spec.num_state_slots
+                result["cache_rows"] = [
+                    [int(a.shape[0]) for a in jax.tree.leaves(c)] for c in runner.kv_cache
+                ]
+            result["seconds"] = round(time.perf_counter() - t0, 1)
+            results[name].append(result)
+            del llm, core
+    return results
+
+
 def _noting_preemptions(scheduler) -> list[str]:
     """The ids of the requests `scheduler` preempts from now on, once per preemption."""
     preempted = []

@@ -517,6 +517,13 @@ def pipeline_lora(_model_dir: str, arg: dict) -> list:
     return pp_lora(arg, small_llm)
 
 
+def pipeline_hybrid(_model_dir: str, arg: dict) -> dict:
+    """See helpers/pp_worker.py `hybrid`."""
+    from pp_worker import hybrid
+
+    return hybrid(arg, small_llm)
+
+
 MODES = {
     "context_parallel": context_parallel,
     "generate": generate,
@@ -536,6 +543,7 @@ MODES = {
     "pipeline_images": pipeline_images,
     "pipeline_lora": pipeline_lora,
     "pipeline_preemption": pipeline_preemption,
+    "pipeline_hybrid": pipeline_hybrid,
     "update_weights": update_weights,
     "update_weights_on_mesh": update_weights_on_mesh,
 }
@@ -583,6 +591,7 @@ DEFAULT_EMITTER_MODES = {
     "pipeline_lora",
     "pipeline_images",
     "pipeline_preemption",
+    "pipeline_hybrid",
 }
 ELEMENTAL_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 _default_emitters = True

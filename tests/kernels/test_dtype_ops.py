@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from xlaserve.kernels import reference
-from xlaserve.kernels.dtype_ops import as_words, from_words, matmul, scan
+from xlaserve.kernels.dtype_ops import as_words, from_words, matmul, scan, stack_entry
 
 NUM_BLOCKS, BLOCK, KV_HEADS, HEADS, DIM = 64, 4, 2, 4, 16
 ON_CPU = pytest.mark.skipif(jax.default_backend() != "cpu", reason="forms chosen on CPU only")
@@ -69,6 +69,44 @@ def test_compiled_step_never_converts_the_whole_cache_or_weight_stack():
         dims = ",".join(map(str, shape))
         assert f"= f32[{dims}]" not in hlo, f"a {shape} array is converted to float32"
     assert f"= u16[{','.join(map(str, cache.shape))}]" in hlo  # the cache stays words end to end
+
+
+def test_a_stack_entry_is_the_layer_at_its_index_read_without_converting_the_stack():
+    """`stack_entry` (a hybrid model's stage reads each stack at its own index, models/hybrid.py): a
+    bfloat16 stack, one stored as words (read back as bfloat16) and a float32 one give entry i's bits at
+    a traced index inside a loop and at a static one, and the bfloat16 stacks are never converted whole."""
+    rng = np.random.default_rng(3)
+    bf16 = jnp.asarray(rng.normal(0, 1, (3, 16, 24)), jnp.bfloat16)
+    stacks = {
+        "bf16": bf16,
+        "words": as_words(bf16),
+        "f32": jnp.asarray(rng.normal(0, 1, (3, 8)), jnp.float32),
+    }
+
+    def read(stacks):  # each entry back as words (a bfloat16 stack of outputs would be converted)
+        def body(carry, i):
+            entry = stack_entry(stacks, i, words_of=jnp.bfloat16)
+            assert entry["bf16"].dtype == entry["words"].dtype == jnp.bfloat16
+            return carry, jax.tree.map(as_words, entry)
+
+        _, traced = jax.lax.scan(body, 0, jnp.arange(3, dtype=jnp.int32))
+        return traced, stack_entry(stacks, 2, words_of=jnp.bfloat16)
+
+    traced, static = jax.jit(read)(stacks)
+    for name, want in (("bf16", bf16), ("words", bf16), ("f32", stacks["f32"])):
+        assert static[name].dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(from_words(traced[name], want.dtype)), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(static[name]), np.asarray(want[2]), err_msg=name)
+
+    def layers(x, stacks):  # x through each entry, as a layer loop reads its weights
+        def body(x, i):
+            w = stack_entry(stacks, i, words_of=jnp.bfloat16)["words"]
+            return jnp.matmul(x, w[:, :16], preferred_element_type=jnp.float32).astype(x.dtype), None
+
+        return jax.lax.scan(body, x, jnp.arange(3, dtype=jnp.int32))[0]
+
+    hlo = jax.jit(layers).lower(jnp.ones((4, 16), jnp.bfloat16), stacks).compile().as_text()
+    assert "= f32[3,16,24]" not in hlo, "a bfloat16 stack is converted to float32 whole"
 
 
 def _dot_rows_in(fn, *args) -> set[int]:

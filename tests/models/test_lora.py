@@ -1,6 +1,8 @@
-"""Multi-LoRA against PEFT: tiny random Llama, Qwen3, Phi-3 (fused qkv_proj / gate_up_proj), Gemma 3
-and Qwen3-MoE (attention targets; its routed experts are refused) with three random adapters each
-(different ranks, targets, alpha and rsLoRA; B not zero), in float32.
+"""Multi-LoRA against PEFT: tiny random Llama, Qwen3, Phi-3 (fused qkv_proj / gate_up_proj), Gemma 3,
+Qwen3-MoE (attention targets; its routed experts are refused) and the hybrids Qwen3.5 (Gated DeltaNet
+beside attention: attention and MLP targets) and Granite 4.0-H (Mamba2 beside attention: attention
+targets; the mixers' projections are refused) with three random adapters each (different ranks,
+targets, alpha and rsLoRA; B not zero), in float32.
 
 Each adapter's greedy tokens and their logprobs equal PEFT's; one batch mixing the three adapters
 and the base model gives each request what it gets alone; the three adapters in one step's slots
@@ -18,7 +20,9 @@ import torch
 
 from helpers.family_cases import (
     ENGINE_ARGS,
+    GRANITE_HYBRID,
     NUM_GREEDY,
+    QWEN3_5_TEXT,
     make_hf_model,
     one_torch_thread,  # noqa: F401 - an autouse fixture
     prompts,
@@ -62,6 +66,28 @@ ADAPTERS = {
         (8, 16, True, ATTN),
         (2, 4, False, ["o_proj", "k_proj"]),
     ],
+    # Hybrid models: the attention layers' projections, and the MLP's in every layer (Qwen3.5's Gated
+    # DeltaNet layers too); the recurrent mixers' projections are no target (refused by name, below).
+    "Qwen3_5ForCausalLM": [
+        (4, 8, False, ["q_proj", "v_proj", "down_proj"]),
+        (8, 16, True, ATTN + MLP),
+        (2, 4, False, ["o_proj", "gate_proj"]),
+    ],
+    # Granite 4.0-H: its shared MLP is fused (input_linear) and its experts are parameters: attention only.
+    "GraniteMoeHybridForCausalLM": [
+        (4, 8, False, ["q_proj", "v_proj"]),
+        (8, 16, True, ATTN),
+        (2, 4, False, ["o_proj", "k_proj"]),
+    ],
+}
+HYBRIDS = {  # architecture -> (config class, config, zero-centred norms)
+    "Qwen3_5ForCausalLM": ("Qwen3_5TextConfig", QWEN3_5_TEXT, True),
+    # Granite 4.0-H with its shared MLP alone (no experts: the adapters never reach them anyway).
+    "GraniteMoeHybridForCausalLM": (
+        "GraniteMoeHybridConfig",
+        dict(GRANITE_HYBRID, num_local_experts=0),
+        False,
+    ),
 }
 MOE = {  # a tiny Qwen3-MoE: 4 experts, 2 per token
     "vocab_size": 101,
@@ -99,9 +125,17 @@ def peft_greedy(model, ids: list[int]) -> tuple[list[int], np.ndarray]:
 
 
 def make_base(architecture: str):
+    import transformers
+
+    if architecture in HYBRIDS:
+        config_class, fields, zero_centred = HYBRIDS[architecture]
+        config = getattr(transformers, config_class)(**fields)
+        config.architectures = [architecture]
+        torch.manual_seed(7)
+        model = getattr(transformers, architecture)(config).eval()
+        return randomize_weights(model, norm_center=0.0 if zero_centred else 1.0)
     if architecture != "Qwen3MoeForCausalLM":
         return make_hf_model(architecture, seed=7)
-    import transformers
 
     config = transformers.Qwen3MoeConfig(**MOE, attn_implementation="eager")
     config.architectures = [architecture]
@@ -120,6 +154,8 @@ def make_base(architecture: str):
         pytest.param("Phi3ForCausalLM", marks=pytest.mark.slow),
         pytest.param("Gemma3ForCausalLM", marks=pytest.mark.slow),
         pytest.param("Qwen3MoeForCausalLM", marks=pytest.mark.slow),
+        pytest.param("Qwen3_5ForCausalLM", marks=pytest.mark.slow),
+        pytest.param("GraniteMoeHybridForCausalLM", marks=pytest.mark.slow),
     ],
 )
 def case(request, tmp_path_factory):
@@ -209,6 +245,28 @@ def test_targets_the_model_lacks_are_refused_naming_the_module(case):
     )
     bad = LoRARequest("bad-target", 77, path)
     with pytest.raises(ValueError, match=f"'bad-target'.*module '{module}' \\(layer 1\\) is not supported"):
+        llm.generate([{"prompt_token_ids": the_prompts[0]}], SamplingParams(max_tokens=2), lora_request=bad)
+
+
+def test_a_recurrent_mixers_projections_are_refused_naming_the_module(case):
+    """A hybrid model's state layers take adapters on their MLP only: one on Gated DeltaNet's or Mamba2's
+    own projections is refused when it is first seen, naming the module."""
+    llm, _, _, the_prompts, root = case
+    module = {
+        "Qwen3_5ForCausalLM": "linear_attn.in_proj_qkv",
+        "GraniteMoeHybridForCausalLM": "mamba.in_proj",
+    }.get(llm.engine_core.runner.model_config.architecture)
+    if module is None:
+        pytest.skip("not a hybrid model")
+    prefix = f"base_model.model.model.layers.0.{module}"
+    tensors = {
+        f"{prefix}.lora_A.weight": np.zeros((4, 32), np.float32),
+        f"{prefix}.lora_B.weight": np.zeros((64, 4), np.float32),
+    }
+    name = module.rsplit(".", 1)[-1]
+    path = _write_adapter(root / "mixer-target", {"r": 4, "target_modules": [name]}, tensors)
+    bad = LoRARequest("mixer-target", 78, path)
+    with pytest.raises(ValueError, match=rf"'mixer-target'.*target_modules: \['{name}'\] not supported"):
         llm.generate([{"prompt_token_ids": the_prompts[0]}], SamplingParams(max_tokens=2), lora_request=bad)
 
 

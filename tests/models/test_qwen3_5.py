@@ -21,6 +21,7 @@ import transformers
 from helpers.family_cases import (
     ENGINE_ARGS,
     FALCON_H1_TEXT,
+    GRANITE_HYBRID,
     NUM_GREEDY,
     QWEN3_5_TEXT,
     assert_greedy_and_prompt_logprobs_match,
@@ -243,40 +244,14 @@ def test_qwen3_next_matches_hugging_face(tmp_path):
     assert_greedy_and_prompt_logprobs_match(llm, hf, prompts(VOCAB, seed=5))
 
 
-GRANITE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=16,
-    shared_intermediate_size=24,
-    num_hidden_layers=4,
-    layer_types=["mamba", "attention", "mamba", "attention"],
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    mamba_n_heads=8,
-    mamba_d_head=8,
-    mamba_d_state=8,
-    mamba_n_groups=2,
-    mamba_d_conv=4,
-    mamba_chunk_size=8,
-    embedding_multiplier=2.0,
-    logits_scaling=3.0,
-    residual_multiplier=0.5,
-    attention_multiplier=0.2,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-
-
 @pytest.mark.parametrize("position_embedding_type", ["rope", None], ids=["rope", "nope"])
 def test_granite_4_hybrid_matches_hugging_face(position_embedding_type, tmp_path):
     """Granite 4.0-H: Mamba2 layers beside attention layers (RoPE, or none), experts and a shared MLP
     in every layer, Granite's embedding, residual, attention and logit scalings: greedy tokens and
     prompt logprobs of chunked requests in flight, as Hugging Face's."""
-    config = transformers.GraniteMoeHybridConfig(**GRANITE, position_embedding_type=position_embedding_type)
+    config = transformers.GraniteMoeHybridConfig(
+        **GRANITE_HYBRID, position_embedding_type=position_embedding_type
+    )
     config.architectures = ["GraniteMoeHybridForCausalLM"]
     torch.manual_seed(3)
     hf = randomize_weights(transformers.GraniteMoeHybridForCausalLM(config).eval())

@@ -67,6 +67,19 @@ def test_a_stage_keeps_its_part_of_each_stack_and_the_modules_it_runs():
     assert StageLayout(0, 1, range(4)).holds("lm_head", False)  # one stage runs everything
 
 
+def test_a_hybrid_models_stacks_are_cut_where_a_stage_starts_inside_a_period():
+    """A hybrid model's stacks hold every P-th layer (models/hybrid.py): a stage's part of each is one
+    contiguous run of entries, whichever period position the stage starts at."""
+    stacks = {"linear_layers_0": (0, 3, 6), "linear_layers_1": (1, 4, 7), "attention_layers_0": (2, 5, 8)}
+    first, second = StageLayout(0, 2, range(0, 4)), StageLayout(1, 2, range(4, 9))
+    for stage in (first, second):
+        parts = {name: stack[stage.stack_slice(stack)] for name, stack in stacks.items()}
+        assert sorted(layer for part in parts.values() for layer in part) == list(stage.layers)
+    assert first.stack_slice(stacks["linear_layers_1"]) == slice(0, 1)  # layer 1 only
+    assert second.stack_slice(stacks["linear_layers_1"]) == slice(1, 3)  # layers 4 and 7
+    assert second.stack_slice(stacks["linear_layers_0"]) == slice(2, 3)  # layer 6; 3 is the first stage's
+
+
 def test_the_flag_and_its_short_form_reach_the_config():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -51,11 +51,11 @@ def write_random_adapters(
         os.makedirs(path, exist_ok=True)
         tensors, targets = {}, set()
         for stack, modules in manager.layout.items():
-            start = manager.layer_stacks[stack].start
+            layer_ids = manager.layer_stacks[stack]
             for module, (num_layers, din, dout) in modules.items():
                 targets.add(module.rsplit(".", 1)[-1])
                 for layer in range(num_layers):
-                    prefix = f"base_model.model.model.layers.{start + layer}.{module}"
+                    prefix = f"base_model.model.model.layers.{layer_ids[layer]}.{module}"
                     tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, 0.02, (rank, din)).astype(np.float32)
                     tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, 0.02, (dout, rank)).astype(np.float32)
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"))

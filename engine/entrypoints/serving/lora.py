@@ -59,7 +59,7 @@ class LoRARegistry:
             return
         self._slots = (
             {s: {m: tuple(shape) for m, shape in ms.items()} for s, ms in layout.items()},
-            {s: range(*bounds) for s, bounds in layer_stacks.items()},
+            {s: tuple(layers) for s, layers in layer_stacks.items()},
         )
         for lora in self._by_name.values():
             check_fits(read_adapter_config(lora.lora_name, lora.lora_path, self.max_lora_rank), *self._slots)
