@@ -67,11 +67,7 @@ def main(arg: dict, small_llm) -> dict:
             outs = llm.generate(prompts, params, use_tqdm=False)
             result = {
                 "layout": layout,
-                "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                "logprobs": [
-                    [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]
-                    for o in outs
-                ],
+                **_numbers_of(outs),
                 # The most steps (micro-batches) dispatched and not yet applied at once.
                 "peak_steps_in_flight": llm.engine_core.peak_steps_in_flight,
             }
@@ -87,8 +83,12 @@ def main(arg: dict, small_llm) -> dict:
     return results
 
 
-def _numbers(llm, prompts, params) -> dict:
-    outs = llm.generate(prompts, params, use_tqdm=False)
+def _numbers(llm, prompts, params, **kwargs) -> dict:
+    return _numbers_of(llm.generate(prompts, params, use_tqdm=False, **kwargs))
+
+
+def _numbers_of(outs) -> dict:
+    """Each request's greedy tokens and, per token, its top logprobs as sorted [id, logprob] pairs."""
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "logprobs": [
@@ -230,14 +230,7 @@ def lora(arg: dict, small_llm) -> list[dict]:
         compiles = num_compiles()
         result = {"layout": layout}
         for run, loras in (("first", [a1, a2, None]), ("swapped", [a3, a1, None])):
-            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-            result[run] = {
-                "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                "logprobs": [
-                    [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]
-                    for o in outs
-                ],
-            }
+            result[run] = _numbers(llm, prompts, params, lora_request=loras)
         result["num_loads"] = manager.num_loads
         result["compiles_after_warm_up"] = num_compiles() - compiles if guarded else None
         result["slots"] = [
@@ -345,11 +338,7 @@ def preemption(arg: dict, small_llm) -> dict:
                 preempted.clear()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 result[run] = {
-                    "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                    "logprobs": [
-                        [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]
-                        for o in outs
-                    ],
+                    **_numbers_of(outs),
                     "preemptions": [preempted.count(o.request_id) for o in outs],
                     "free_blocks_after": pool.get_num_free_blocks(),
                     "peak_steps_in_flight": core.peak_steps_in_flight,
@@ -393,11 +382,7 @@ def hybrid(arg: dict, small_llm) -> dict:
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 runs.append(
                     {
-                        "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                        "logprobs": [
-                            [sorted([i, lp.logprob] for i, lp in d.items()) for d in o.outputs[0].logprobs]
-                            for o in outs
-                        ],
+                        **_numbers_of(outs),
                         "num_cached_tokens": [o.num_cached_tokens for o in outs],
                     }
                 )
