@@ -16,7 +16,7 @@ from xlaserve.core.kv_cache_spec import KVCacheGroup, context_blocks
 from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
 from xlaserve.lora_request import LoRARequest
-from xlaserve.worker import weight_update
+from xlaserve.worker import sleep_mode, weight_update
 from xlaserve.worker.kv_cache import fit_max_model_len
 from xlaserve.worker.loading import LoadedCheckpoint, load_for_engine
 from xlaserve.worker.model_runner import ModelRunner
@@ -165,7 +165,7 @@ class Executor:
         `kv_connector_metadata`: the KV connector's transfers before the step (core/kv_connector.py)."""
         return self.runner.execute_async(scheduled, grammar_bitmask, kv_connector_metadata)
 
-    # -- the research stack: new weights, device memory handed back (worker/weight_update.py) --------
+    # -- the research stack: new weights, device memory handed back (worker/weight_update.py, sleep_mode.py)
 
     def update_weights(self, weights) -> list[str]:
         return weight_update.update_weights(self.runner, weights)
@@ -173,11 +173,11 @@ class Executor:
     def update_weights_from_path(self, path: str) -> list[str]:
         return weight_update.update_weights_from_path(self.runner, path)
 
-    def sleep(self, level: int) -> weight_update.MemoryReport:
-        return weight_update.sleep(self.runner, level)
+    def sleep(self, level: int) -> sleep_mode.MemoryReport:
+        return sleep_mode.sleep(self.runner, level)
 
-    def wake_up(self) -> weight_update.MemoryReport:
-        return weight_update.wake_up(self.runner)
+    def wake_up(self) -> sleep_mode.MemoryReport:
+        return sleep_mode.wake_up(self.runner)
 
     # -- the profiler: a jax.profiler trace of this process (CompilationConfig.profiler_dir) ----------
 

@@ -33,7 +33,7 @@ from xlaserve.config import EngineConfig, ParallelConfig
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
 from xlaserve.executor.executor import Executor
 from xlaserve.lora_request import LoRARequest
-from xlaserve.worker import weight_update
+from xlaserve.worker import sleep_mode, weight_update
 from xlaserve.worker.input_batch import StepInputs
 from xlaserve.worker.loading import LoadedCheckpoint
 from xlaserve.worker.model_runner import ModelRunner
@@ -65,9 +65,10 @@ def _unpack(data: bytes) -> dict[str, np.ndarray]:
 @dataclasses.dataclass(frozen=True)
 class Call:
     """Host work for every follower between steps: a research-stack call (`method` of
-    worker/weight_update.py with `args`, and for update_weights or prepare_update the arrays, host copies
-    sent as their bytes), or "put_lora_in_slot" (slot, LoRARequest fields): an adapter process 0 wrote
-    into a slot while preparing the next step."""
+    worker/weight_update.py, or of worker/sleep_mode.py for sleep and wake_up, with `args`, and for
+    update_weights or prepare_update the arrays, host copies sent as their bytes), or
+    "put_lora_in_slot" (slot, LoRARequest fields): an adapter process 0 wrote into a slot while
+    preparing the next step."""
 
     method: str
     args: tuple = ()
@@ -96,7 +97,8 @@ class Call:
             slot, *lora = self.args
             return runner.lora.put_in_slot(slot, LoRARequest(*lora))
         args = (self.weights,) if self.method in ("update_weights", "prepare_update") else self.args
-        return getattr(weight_update, self.method)(runner, *args)
+        module = sleep_mode if self.method in ("sleep", "wake_up") else weight_update
+        return getattr(module, self.method)(runner, *args)
 
 
 def host_weights(weights: Mapping | Iterable) -> dict[str, np.ndarray]:
@@ -281,10 +283,10 @@ class MultiHostExecutor(Executor):
     def update_weights_from_path(self, path: str) -> list[str]:
         return self._everywhere(Call("update_weights_from_path", (path,)))
 
-    def sleep(self, level: int) -> weight_update.MemoryReport:
+    def sleep(self, level: int) -> sleep_mode.MemoryReport:
         return self._everywhere(Call("sleep", (level,)))
 
-    def wake_up(self) -> weight_update.MemoryReport:
+    def wake_up(self) -> sleep_mode.MemoryReport:
         return self._everywhere(Call("wake_up"))
 
     def _everywhere(self, call: Call):

@@ -1,4 +1,4 @@
-"""New weights into a running engine, and its device memory handed back and restored (the research stack).
+"""New weights into a running engine (the research stack).
 
 `update_weights(runner, weights)`: `weights` are Hugging Face names -> arrays (vLLM's `load_weights`
 shape), a full checkpoint or a part of one. They go through the rules a checkpoint load applies
@@ -28,16 +28,13 @@ they are not unknown, but their shapes and writes are that process's. There `pre
 builds this process's sets without installing them, and `commit_update` (or `abort_update`) follows once
 every process has prepared (executor/pipeline.py): a tensor refused on any process changes no stage.
 
-`sleep(runner, level)` deletes the KV cache's device buffers (every stage's; level 2: the weights too,
-kept on the host) and `wake_up(runner)` allocates and places them again; what a slept cache held is
-gone, so the core resets its prefix cache.
+(Handing device memory back and restoring it, the research stack's other half: worker/sleep_mode.py.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Iterable, Mapping
 
 import jax
@@ -56,15 +53,6 @@ from xlaserve.sharding.vocab import pad_vocab
 from xlaserve.worker.pipeline_stage import StageLayout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryReport:
-    """What a sleep freed or a wake-up placed back: device bytes and seconds."""
-
-    level: int
-    device_bytes: int
-    seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,17 +361,17 @@ def _write(old: jax.Array, parts: list[tuple[int | None, object]], dtype) -> jax
     return jax.device_put(new, old.sharding)
 
 
-def _shard_key(index: tuple, shape: tuple[int, ...]) -> tuple:
+def shard_key(index: tuple, shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n) for s, n in zip(index, shape))
 
 
 def _patched(old: jax.Array, layers: dict[int, np.ndarray]) -> jax.Array:
     """`old` (a layer stack) with `layers` (index -> one layer's host value) written over, built shard by
     shard from the shards this process holds: across hosts no process holds the whole array."""
-    shards = {_shard_key(s.index, old.shape): s.data for s in old.addressable_shards}
+    shards = {shard_key(s.index, old.shape): s.data for s in old.addressable_shards}
 
     def shard(index):
-        data = np.array(shards[_shard_key(index, old.shape)])
+        data = np.array(shards[shard_key(index, old.shape)])
         rows = range(*index[0].indices(old.shape[0]))
         for i, value in layers.items():
             if i in rows:
@@ -412,80 +400,3 @@ def _layer_sharding(stack_sharding):
         spec = jax.sharding.PartitionSpec(*stack_sharding.spec[1:])
         return jax.sharding.NamedSharding(stack_sharding.mesh, spec)
     return stack_sharding
-
-
-def _device_bytes(tree) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
-
-
-@dataclasses.dataclass(frozen=True)
-class _HostCopy:
-    """An array's shards that this process holds, on the host: one copy per distinct shard (replicas
-    share it), and which one each device gets back."""
-
-    shape: tuple[int, ...]
-    sharding: jax.sharding.Sharding
-    data: dict[tuple, np.ndarray]
-    devices: list[tuple[object, tuple]]
-
-    @classmethod
-    def of(cls, a: jax.Array) -> _HostCopy:
-        data, devices = {}, []
-        for s in a.addressable_shards:
-            key = _shard_key(s.index, a.shape)
-            if key not in data:
-                data[key] = np.asarray(s.data)
-            devices.append((s.device, key))
-        return cls(a.shape, a.sharding, data, devices)
-
-    def placed(self) -> jax.Array:
-        arrays = [jax.device_put(self.data[key], device) for device, key in self.devices]
-        return jax.make_array_from_single_device_arrays(self.shape, self.sharding, arrays)
-
-
-def _on_host(tree):
-    """A tree's arrays copied to the host shard by shard (a tree: a head may be packed for the CPU's dot,
-    kernels/cpu_dot.py; None stays None). Across hosts each process keeps its own shards."""
-    return jax.tree.map(_HostCopy.of, tree)
-
-
-def _placed(saved):
-    """`_on_host`'s tree placed back on its devices."""
-    return jax.tree.map(lambda copy: copy.placed(), saved, is_leaf=lambda x: isinstance(x, _HostCopy))
-
-
-def sleep(runner, level: int) -> MemoryReport:
-    """Free the KV cache's device buffers (every stage's; level 2: every parameter set's weights too,
-    kept on the host)."""
-    start = time.perf_counter()
-    freed = _device_bytes(runner.kv_cache)
-    for leaf in jax.tree.leaves(runner.kv_cache):
-        leaf.delete()
-    runner.kv_cache = None
-    if level == 2:
-        sets = runner.param_sets()
-        freed += _device_bytes([(weights.params, weights.head_dv) for weights in sets])
-        runner.slept_weights = [
-            (weights, _on_host(weights.params), _on_host(weights.head_dv)) for weights in sets
-        ]
-        for weights in sets:
-            for leaf in jax.tree.leaves((weights.params, weights.head_dv)):
-                leaf.delete()
-    return MemoryReport(level, freed, time.perf_counter() - start)
-
-
-def wake_up(runner) -> MemoryReport:
-    """Place back what `sleep` freed: a zeroed KV cache of the same blocks, and the weights."""
-    start = time.perf_counter()
-    placed = 0
-    if runner.slept_weights is not None:
-        sets = []
-        for weights, saved_params, saved_head in runner.slept_weights:
-            params, head_dv = _placed(saved_params), _placed(saved_head)
-            sets.append(dataclasses.replace(weights, params=params, head_dv=head_dv))
-            placed += _device_bytes((params, head_dv))
-        runner.slept_weights = None
-        runner.set_param_sets(sets)
-    runner.kv_cache = runner.allocate_kv_cache()
-    placed += _device_bytes(runner.kv_cache)
-    return MemoryReport(0, placed, time.perf_counter() - start)
