@@ -74,6 +74,10 @@ class Call:
     args: tuple = ()
     weights: dict[str, np.ndarray] | None = None
 
+    def __post_init__(self):
+        if self.method not in _FOLLOWER_CALLS:
+            raise ValueError(f"no call {self.method!r} between steps (known: {', '.join(_FOLLOWER_CALLS)})")
+
     def to_frames(self) -> list[bytes]:
         weights = self.weights or {}
         header = {
@@ -93,12 +97,28 @@ class Call:
         return cls(header["method"], tuple(header["args"]), weights if header["weights"] else None)
 
     def run(self, runner: ModelRunner):
-        if self.method == "put_lora_in_slot":
-            slot, *lora = self.args
-            return runner.lora.put_in_slot(slot, LoRARequest(*lora))
-        args = (self.weights,) if self.method in ("update_weights", "prepare_update") else self.args
-        module = sleep_mode if self.method in ("sleep", "wake_up") else weight_update
-        return getattr(module, self.method)(runner, *args)
+        args = (self.weights,) if self.method in _TAKES_WEIGHTS else self.args
+        return _FOLLOWER_CALLS[self.method](runner, *args)
+
+
+def _put_lora_in_slot(runner: ModelRunner, slot: int, *lora) -> None:
+    runner.lora.put_in_slot(slot, LoRARequest(*lora))
+
+
+# What a follower runs between steps, by the name process 0 sends: nothing else is looked up by name.
+_FOLLOWER_CALLS = {
+    "put_lora_in_slot": _put_lora_in_slot,
+    "update_weights": weight_update.update_weights,
+    "update_weights_from_path": weight_update.update_weights_from_path,
+    "prepare_update": weight_update.prepare_update,
+    "prepare_update_from_path": weight_update.prepare_update_from_path,
+    "commit_update": weight_update.commit_update,
+    "abort_update": weight_update.abort_update,
+    "sleep": sleep_mode.sleep,
+    "wake_up": sleep_mode.wake_up,
+}
+# The calls whose one argument is the arrays sent as bytes (`weights`), not `args`.
+_TAKES_WEIGHTS = frozenset({"update_weights", "prepare_update"})
 
 
 def host_weights(weights: Mapping | Iterable) -> dict[str, np.ndarray]:

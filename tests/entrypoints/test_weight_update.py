@@ -336,3 +336,28 @@ def test_a_process_checks_and_writes_only_its_own_stages_in_two_phases(dirs):
     prepare_update(runner, {"model.embed_tokens.weight": new["model.embed_tokens.weight"]})
     abort_update(runner)
     assert changed(before, host_bits(runner)) == [set(), set()] and runner.prepared_update is None
+
+
+def test_a_follower_runs_only_the_calls_it_knows_by_name():
+    """Process 0 names a call between steps (executor/multihost.Call); a follower looks the name up in a
+    fixed table, never among a module's attributes: an unknown name is refused at both ends."""
+    from xlaserve.executor.multihost import Call
+
+    weights = {"model.norm.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    received = Call.from_frames(Call("prepare_update", weights=weights).to_frames())
+    assert received.method == "prepare_update" and received.args == ()
+    np.testing.assert_array_equal(received.weights["model.norm.weight"], weights["model.norm.weight"])
+
+    put = []
+    runner = SimpleNamespace(lora=SimpleNamespace(put_in_slot=lambda slot, lora: put.append((slot, lora))))
+    Call.from_frames(Call("put_lora_in_slot", (1, "a", 7, "/adapters/a")).to_frames()).run(runner)
+    assert [(slot, lora.lora_name, lora.lora_int_id, lora.lora_path) for slot, lora in put] == [
+        (1, "a", 7, "/adapters/a")
+    ]
+
+    with pytest.raises(ValueError, match="no call 'load_model' between steps"):
+        Call("load_model")
+    frames = Call("wake_up").to_frames()
+    frames[0] = frames[0].replace(b'"wake_up"', b'"__class__"')
+    with pytest.raises(ValueError, match="no call '__class__'"):
+        Call.from_frames(frames)
