@@ -67,7 +67,6 @@ class EngineConfig:
             )
             for is_set, what in (
                 (self.speculative is not None and self.speculative.method == "draft_model", "a draft model"),
-                (self.cache.kv_offloading_size is not None, "kv_offloading_size"),
                 (self.cache.kv_transfer_config is not None, "kv_transfer_config"),
             ):
                 require(not is_set, f"decode_context_parallel_size={dcp} cannot be combined with {what} yet")
@@ -75,7 +74,6 @@ class EngineConfig:
         if pcp > 1:  # what the token-split step (sharding/context_parallel.py) does not serve yet
             for is_set, what in (
                 (self.speculative is not None and self.speculative.method == "draft_model", "a draft model"),
-                (self.cache.kv_offloading_size is not None, "kv_offloading_size"),
                 (self.cache.kv_transfer_config is not None, "kv_transfer_config"),
             ):
                 require(not is_set, f"prefill_context_parallel_size={pcp} cannot be combined with {what} yet")

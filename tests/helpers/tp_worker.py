@@ -482,6 +482,46 @@ def context_parallel(model_dir: str, arg: dict) -> list:
     return results
 
 
+def context_parallel_offload(model_dir: str, arg: dict) -> list:
+    """arg: {"layouts", "prompts"}: per layout, an engine with a host tier (kv_offloading_size) and a
+    device cache of 11 usable blocks of 8 tokens runs the prompts one at a time, then the first again
+    (the others evicted its blocks from the device): each run's greedy tokens, top logprobs and
+    num_cached_tokens, the offload's metrics, and whether every block is free after."""
+    from xlaserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
+    tight = {"max_model_len": 64, "max_num_seqs": 2, "max_num_batched_tokens": 16, "block_size": 8}
+    results = []
+    for layout in arg["layouts"]:
+        llm = small_llm(model_dir, layout, **tight, num_gpu_blocks_override=12, kv_offloading_size=2**-10)
+        runs = []
+        for ids in [*arg["prompts"], arg["prompts"][0]]:
+            (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            runs.append(
+                {
+                    "tokens": list(out.outputs[0].token_ids),
+                    "logprobs": [max(lp.logprob for lp in d.values()) for d in out.outputs[0].logprobs],
+                    "num_cached_tokens": out.num_cached_tokens,
+                }
+            )
+        llm._step()  # records the engine's stats into its metrics
+        metrics = {(m.name, *m.labels.values()): getattr(m, "value", None) for m in llm.get_metrics()}
+        manager = llm.engine_core.kv_cache_manager
+        results.append(
+            {
+                "layout": layout,
+                "runs": runs,
+                "bytes_per_block": llm.engine_core.runner.kv_bytes_per_block(),
+                "host_hits": metrics[("xlaserve:external_prefix_cache_hits",)],
+                "loaded_bytes": metrics[("xlaserve:kv_offload_total_bytes", "host_to_device")],
+                "all_free": not manager.req_to_blocks
+                and manager.num_free_blocks == manager.num_usable_blocks,
+            }
+        )
+        llm.shutdown()
+    return results
+
+
 def pipeline(_model_dir: str, arg: dict) -> dict:
     """See helpers/pp_worker.py."""
     from pp_worker import main as pp_main  # beside this file, on sys.path as the script's folder
@@ -526,6 +566,7 @@ def pipeline_hybrid(_model_dir: str, arg: dict) -> dict:
 
 MODES = {
     "context_parallel": context_parallel,
+    "context_parallel_offload": context_parallel_offload,
     "generate": generate,
     "hlo": hlo,
     "error": error,

@@ -131,7 +131,6 @@ def test_what_decode_context_parallel_refuses_is_named(tp_worker, tiny_llama_2kv
         ({**DCP4, "block_size": 8}, None),  # 2 slots of each block on every rank
         ({"tensor_parallel_size": 16, "decode_context_parallel_size": 16, "block_size": 8}, "block_size=8"),
         ({**DCP2, "pipeline_parallel_size": 2}, "pipeline_parallel_size"),
-        ({**DCP2, "kv_offloading_size": 1}, "kv_offloading_size"),
     ):
         if field is None:
             EngineConfig.from_kwargs(None, **kwargs)
@@ -156,14 +155,30 @@ def test_prefill_context_parallel_splits_the_steps_tokens(results):
 
 def test_what_prefill_context_parallel_refuses_is_named():
     EngineConfig.from_kwargs(None, **PCP2_DCP2)
-    for kwargs, field in (
-        ({**PCP2, "data_parallel_size": 2}, "data_parallel_size"),
-        ({**PCP2, "kv_offloading_size": 1}, "kv_offloading_size"),
-    ):
+    for kwargs, field in (({**PCP2, "data_parallel_size": 2}, "data_parallel_size"),):
         with pytest.raises(
             ValueError, match=rf"prefill_context_parallel_size=2 cannot be combined with {field}"
         ):
             EngineConfig.from_kwargs(None, **kwargs)
+
+
+def test_evicted_blocks_come_back_from_the_host_tier_under_context_parallelism(tp_worker, one_kv_head):
+    """KV offload (kv_offloading_size) under PCP 2 with DCP 2 in each group: the offload's programs
+    gather and scatter whole blocks of the global cache arrays (each rank's interleaved half of a block
+    among them), so a prompt the device cache evicted comes back from the host tier: its 32 prefix tokens
+    loaded (4 blocks of the global arrays' bytes), the same tokens and logprobs bit for bit as when it was
+    computed (a block put back in the wrong place, or a rank's half in the other's, would change them),
+    every block free after. (One device's tokens under these layouts: the tests above.)"""
+    rng = np.random.default_rng(21)
+    prompts = [rng.integers(3, 300, 40).tolist() for _ in range(3)]
+    (result,) = tp_worker.run(
+        "context_parallel_offload", one_kv_head, {"layouts": [PCP2_DCP2], "prompts": prompts}
+    )
+    first, *_, again = result["runs"]
+    assert [r["num_cached_tokens"] for r in result["runs"]] == [0, 0, 0, 32]
+    assert (again["tokens"], again["logprobs"]) == (first["tokens"], first["logprobs"])
+    assert result["host_hits"] == 32 and result["all_free"]
+    assert result["loaded_bytes"] == 4 * result["bytes_per_block"]
 
 
 def test_a_moe_model_split_by_tokens_and_no_compile_after_warm_up(tp_worker, tmp_path_factory):
