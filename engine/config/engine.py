@@ -65,18 +65,16 @@ class EngineConfig:
                 f"block_size={self.cache.block_size} must be a multiple of decode_context_parallel_size="
                 f"{dcp} (each rank stores block_size / {dcp} of a block's tokens)",
             )
-            for is_set, what in (
-                (self.speculative is not None and self.speculative.method == "draft_model", "a draft model"),
-                (self.cache.kv_transfer_config is not None, "kv_transfer_config"),
-            ):
-                require(not is_set, f"decode_context_parallel_size={dcp} cannot be combined with {what} yet")
+            require(
+                self.speculative is None or self.speculative.method != "draft_model",
+                f"decode_context_parallel_size={dcp} cannot be combined with a draft model yet",
+            )
         pcp = self.parallel.prefill_context_parallel_size
         if pcp > 1:  # what the token-split step (sharding/context_parallel.py) does not serve yet
-            for is_set, what in (
-                (self.speculative is not None and self.speculative.method == "draft_model", "a draft model"),
-                (self.cache.kv_transfer_config is not None, "kv_transfer_config"),
-            ):
-                require(not is_set, f"prefill_context_parallel_size={pcp} cannot be combined with {what} yet")
+            require(
+                self.speculative is None or self.speculative.method != "draft_model",
+                f"prefill_context_parallel_size={pcp} cannot be combined with a draft model yet",
+            )
         pp = self.parallel.pipeline_parallel_size
         if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet
             for is_set, what in (

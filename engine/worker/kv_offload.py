@@ -12,7 +12,8 @@ always write), so a step's transfers never compile anything after warm-up:
 
 Both run before the step's forward: a block saved is read before the step reuses it, a block loaded
 is in place before attention reads it. The bytes are copied as they are (bfloat16, fp8): a block
-reloaded is bit-identical to the one evicted.
+reloaded is bit-identical to the one evicted. A block leaves the device in one layout whatever the
+device cache's (`BlockLayout`): each of the model's KV heads once, its tokens in position order.
 
 A disk tier (`DiskTier`) is the same layout in files under `kv_offloading_disk_path`, memory-mapped:
 blocks the host tier evicts are copied there from their host slots (before this step's saves can
@@ -24,6 +25,7 @@ a restarted engine starts with an empty tier.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import mmap
 import os
@@ -51,30 +53,90 @@ def _cache_rows(block_ids: jax.Array, num_layers: int, num_blocks: int) -> jax.A
     return (block_ids[:, None] + layers[None, :] * num_blocks).reshape(-1)
 
 
-def _gather_blocks(num_blocks: int, kv_cache, block_ids):
-    """-> one [B, L, block_size, ...] array per cache array: the blocks' K/V in every layer."""
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """A block as it leaves the device cache (to a host tier, to a consumer) and comes back: each of the
+    model's `kv_heads` once, its tokens in position order, whatever the device layout. The device cache
+    (a [L * num_blocks, slots, H, ...] array) may hold more: tensor parallelism wider than the KV heads
+    keeps H / kv_heads adjacent copies of each head (sharding/kv_heads.py; under decode context parallel
+    an MLA latent is one head a rank), and decode context parallel spreads a block over each group of
+    `dcp` consecutive copies, position p at slot p // dcp of the group's copy p % dcp
+    (sharding/context_parallel.py). Out, one group of each head's copies is kept and put back in
+    position order; in, it is spread again and copied to every group. So a host tier holds no copy
+    twice, and a producer and a consumer of different layouts exchange blocks both read.
+    `kv_heads` 0: as many as the cache holds (one device, or no copies)."""
+
+    kv_heads: int = 0
+    dcp: int = 1
+
+    def _groups(self, cache_heads: int) -> tuple[int, int]:
+        """(kv_heads, groups of dcp copies per head) of a cache holding `cache_heads` heads."""
+        heads = self.kv_heads or cache_heads
+        if cache_heads % (heads * self.dcp):
+            raise ValueError(
+                f"a cache of {cache_heads} heads holds no {heads} heads x {self.dcp} interleaved"
+            )
+        return heads, cache_heads // (heads * self.dcp)
+
+    def moved_shape(self, cache_block_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A cache block's [slots, H, ...] -> the moved block's [slots * dcp, kv_heads, ...]."""
+        slots, cache_heads, *rest = cache_block_shape
+        return (slots * self.dcp, self._groups(cache_heads)[0], *rest)
+
+    def out_of_cache(self, blocks: jax.Array) -> jax.Array:
+        """[B, L, slots, H, ...] as the cache holds them -> [B, L, slots * dcp, kv_heads, ...]."""
+        b, num_layers, slots, cache_heads, *rest = blocks.shape
+        heads, groups = self._groups(cache_heads)
+        if heads == cache_heads:  # no copies, so no interleave either: as they are
+            return blocks
+        first_group = blocks.reshape(b, num_layers, slots, heads, groups, self.dcp, *rest)[:, :, :, :, 0]
+        in_order = jnp.moveaxis(first_group, 4, 3)  # [B, L, slots, dcp, heads, ...]: position slot*dcp + g
+        return in_order.reshape(b, num_layers, slots * self.dcp, heads, *rest)
+
+    def into_cache(self, blocks: jax.Array, cache_heads: int) -> jax.Array:
+        """`out_of_cache`'s inverse: [B, L, slots * dcp, kv_heads, ...] -> [B, L, slots, H, ...]."""
+        b, num_layers, length, heads, *rest = blocks.shape
+        _, groups = self._groups(cache_heads)
+        if heads == cache_heads:
+            return blocks
+        slots = length // self.dcp
+        spread = jnp.moveaxis(blocks.reshape(b, num_layers, slots, self.dcp, heads, *rest), 3, 4)
+        copies = jnp.broadcast_to(
+            spread[:, :, :, :, None], (b, num_layers, slots, heads, groups, self.dcp, *rest)
+        )
+        return copies.reshape(b, num_layers, slots, cache_heads, *rest)
+
+
+def _gather_blocks(num_blocks: int, layout: BlockLayout, kv_cache, block_ids):
+    """-> one [B, L, block_size, kv_heads, ...] array per cache array: the blocks' K/V in every layer,
+    moved out of the cache's layout (`BlockLayout`)."""
     leaves = jax.tree.leaves(kv_cache)
     num_layers = leaves[0].shape[0] // num_blocks
     rows = _cache_rows(block_ids, num_layers, num_blocks)
-    return tuple(a[rows].reshape(block_ids.shape[0], num_layers, *a.shape[1:]) for a in leaves)
+    return tuple(
+        layout.out_of_cache(a[rows].reshape(block_ids.shape[0], num_layers, *a.shape[1:])) for a in leaves
+    )
 
 
-def _scatter_blocks(num_blocks: int, kv_cache, block_ids, blocks):
+def _scatter_blocks(num_blocks: int, layout: BlockLayout, kv_cache, block_ids, blocks):
     """`kv_cache` with `blocks` (as `_gather_blocks` returns them) written at `block_ids`."""
     leaves, treedef = jax.tree.flatten(kv_cache)
     num_layers = leaves[0].shape[0] // num_blocks
     rows = _cache_rows(block_ids, num_layers, num_blocks)
-    new = [a.at[rows].set(b.reshape(-1, *a.shape[1:]).astype(a.dtype)) for a, b in zip(leaves, blocks)]
+    new = [
+        a.at[rows].set(layout.into_cache(b, a.shape[2]).reshape(-1, *a.shape[1:]).astype(a.dtype))
+        for a, b in zip(leaves, blocks)
+    ]
     return jax.tree.unflatten(treedef, new)
 
 
-def transfer_programs(kv_cache, num_blocks: int):
+def transfer_programs(kv_cache, num_blocks: int, layout: BlockLayout):
     """(gather, scatter), jitted for `kv_cache`'s layout: gather(cache, ids) -> `_gather_blocks`'s arrays;
     scatter(cache, ids, blocks) -> the cache (donated) with the blocks written, placed as it was."""
     shardings = jax.tree.map(lambda a: a.sharding, kv_cache)
-    gather = jax.jit(lambda cache, ids: _gather_blocks(num_blocks, cache, ids))
+    gather = jax.jit(lambda cache, ids: _gather_blocks(num_blocks, layout, cache, ids))
     scatter = jax.jit(
-        lambda cache, ids, blocks: _scatter_blocks(num_blocks, cache, ids, blocks),
+        lambda cache, ids, blocks: _scatter_blocks(num_blocks, layout, cache, ids, blocks),
         donate_argnums=0,
         out_shardings=shardings,
     )
@@ -143,20 +205,25 @@ class BlockTransferWorker(KVConnectorWorker):
     (`transfer_programs`, built on first use), compiled by `warm_up` on the null block, and its
     counters (`take_stats`). Host offload and disaggregated prefill (worker/kv_transfer.py) build on it."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, layout: BlockLayout):
         self.num_blocks = num_blocks  # the device cache's, null block included
+        self.layout = layout
         self._gather_fn = self._scatter_fn = None
         self.stats = KVTransferStats()
 
     def _programs(self, kv_cache) -> None:
         if self._gather_fn is None:
-            self._gather_fn, self._scatter_fn = transfer_programs(kv_cache, self.num_blocks)
+            self._gather_fn, self._scatter_fn = transfer_programs(kv_cache, self.num_blocks, self.layout)
 
     def chunk_shapes(self, kv_cache) -> list[tuple[tuple[int, ...], np.dtype]]:
-        """Shape and dtype of one program call's blocks per cache array: [chunk, L, block_size, ...]."""
+        """Shape and dtype of one program call's blocks per cache array, as they leave the device:
+        [chunk, L, block_size, kv_heads, ...] (`BlockLayout`)."""
         leaves = jax.tree.leaves(kv_cache)
         num_layers = leaves[0].shape[0] // self.num_blocks
-        return [((TRANSFER_CHUNK_BLOCKS, num_layers, *a.shape[1:]), np.dtype(a.dtype)) for a in leaves]
+        return [
+            ((TRANSFER_CHUNK_BLOCKS, num_layers, *self.layout.moved_shape(a.shape[1:])), np.dtype(a.dtype))
+            for a in leaves
+        ]
 
     def take_stats(self) -> KVTransferStats:
         stats, self.stats = self.stats, KVTransferStats()
@@ -182,8 +249,10 @@ class BlockTransferWorker(KVConnectorWorker):
 class OffloadingConnectorWorker(BlockTransferWorker):
     """The host tier's arrays and the two transfer programs."""
 
-    def __init__(self, num_host_blocks: int, num_blocks: int, disk: DiskTier | None = None):
-        super().__init__(num_blocks)
+    def __init__(
+        self, num_host_blocks: int, num_blocks: int, layout: BlockLayout, disk: DiskTier | None = None
+    ):
+        super().__init__(num_blocks, layout)
         self.num_host_blocks = num_host_blocks
         self.host: list[np.ndarray] | None = None  # per cache array [num_host_blocks, L, block_size, ...]
         self.disk = disk

@@ -7,8 +7,9 @@ host; its block server (a thread with a ZMQ ROUTER on `kv_ip:kv_port`) brings th
 consumer first asks, and answers chunk by chunk. A consumer's loads arrive with their bytes in the
 step's metadata and are scattered into the cache before the forward, as host offload's are. The bytes
 are the cache's own (bfloat16, fp8): a block loaded is bit-identical to the one the producer computed,
-and the two sides may shard the cache differently (the gather brings whole blocks to the host, the
-scatter places them as the consumer's cache is placed).
+and the two sides may lay the cache out differently (tensor and context parallelism): the gather brings
+each block to the host as one device holds it (worker/kv_offload.BlockLayout), the scatter places it as
+the consumer's cache is laid out and placed.
 
 This module also builds the configured connector's worker half (`make_kv_connector_worker`).
 """
@@ -30,6 +31,7 @@ from xlaserve.core.kv_offload import num_host_blocks
 from xlaserve.core.kv_transfer import GET, encode_header
 from xlaserve.worker.kv_offload import (
     TRANSFER_CHUNK_BLOCKS,
+    BlockLayout,
     BlockTransferWorker,
     DiskTier,
     OffloadingConnectorWorker,
@@ -167,8 +169,8 @@ class BlockServer:
 
 
 class DisaggConnectorWorker(BlockTransferWorker):
-    def __init__(self, config: KVTransferConfig, num_blocks: int, block_size: int):
-        super().__init__(num_blocks)
+    def __init__(self, config: KVTransferConfig, num_blocks: int, block_size: int, layout: BlockLayout):
+        super().__init__(num_blocks, layout)
         self.config = config
         self.server = BlockServer(config, block_size) if config.is_producer else None
 
@@ -194,12 +196,10 @@ class DisaggConnectorWorker(BlockTransferWorker):
             return kv_cache
         t0 = time.perf_counter()
         self._programs(kv_cache)
-        leaves = jax.tree.leaves(kv_cache)
-        num_layers = leaves[0].shape[0] // self.num_blocks
-        # A producer's rows, as the cache's own blocks [J, L, block_size, ...].
+        # A producer's rows, as blocks leave a cache [J, L, block_size, kv_heads, ...] (`BlockLayout`).
         blocks = [
-            rows.view(leaf.dtype).reshape(len(rows), num_layers, *leaf.shape[1:])
-            for rows, leaf in zip(metadata.inline_blocks, leaves)
+            rows.view(dtype).reshape(len(rows), *shape[1:])
+            for rows, (shape, dtype) in zip(metadata.inline_blocks, self.chunk_shapes(kv_cache))
         ]
         ids_all = metadata.inline_load_block_ids
         for start in range(0, len(ids_all), TRANSFER_CHUNK_BLOCKS):
@@ -218,12 +218,14 @@ class DisaggConnectorWorker(BlockTransferWorker):
             self.server.close()
 
 
-def make_kv_connector_worker(cache: CacheConfig, bytes_per_block: int, num_blocks: int) -> KVConnectorWorker:
+def make_kv_connector_worker(
+    cache: CacheConfig, bytes_per_block: int, num_blocks: int, layout: BlockLayout = BlockLayout()
+) -> KVConnectorWorker:
     """The worker's half of the configured connector: disaggregated prefill's, host offload, or the base
-    class (off). A host tier larger than the memory available now is a ValueError naming the field, not
-    an OOM kill mid-start."""
+    class (off), moving blocks in `layout`, of `bytes_per_block` bytes. A host tier larger than the
+    memory available now is a ValueError naming the field, not an OOM kill mid-start."""
     if cache.kv_transfer is not None:
-        return DisaggConnectorWorker(cache.kv_transfer, num_blocks, cache.block_size)
+        return DisaggConnectorWorker(cache.kv_transfer, num_blocks, cache.block_size, layout)
     if cache.kv_offloading_size is None:
         return KVConnectorWorker()
     num_host = num_host_blocks(cache.kv_offloading_size, bytes_per_block)
@@ -236,4 +238,4 @@ def make_kv_connector_worker(cache: CacheConfig, bytes_per_block: int, num_block
     disk = None
     if cache.kv_offloading_disk_path is not None:
         disk = DiskTier(cache.kv_offloading_disk_path, disk_tier_blocks(cache, bytes_per_block))
-    return OffloadingConnectorWorker(num_host, num_blocks, disk)
+    return OffloadingConnectorWorker(num_host, num_blocks, layout, disk)

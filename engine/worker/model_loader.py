@@ -85,6 +85,9 @@ class LoadedModel:
     params: nnx.State
     head_dv: jax.Array | None = None  # the tied LM head as [D, V], on CPU in 16 bits (see load_model)
     weight_bytes: int = 0  # params and head_dv on the devices (all shards of a sharded one)
+    # The checkpoint's KV heads (MLA: its one latent), which the cache may hold copies of: a block leaves
+    # the device with each once (worker/kv_offload.BlockLayout). 0: as many as the cache holds.
+    kv_heads: int = 0
 
 
 def load_model(
@@ -219,6 +222,7 @@ def load_model(
         params,
         head_dv,
         num_weight_bytes,
+        1 if kv_spec.cache_class is MLACache else checkpoint_config.num_kv_heads,
     )
 
 

@@ -48,6 +48,7 @@ from xlaserve.worker.input_batch import (
 )
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, fit_state_copy_slots, num_kv_blocks
 from xlaserve.worker.kv_cache_groups import cache_layout, kv_cache_groups, num_state_copy_slots
+from xlaserve.worker.kv_offload import BlockLayout
 from xlaserve.worker.kv_transfer import make_kv_connector_worker
 from xlaserve.worker.lora_manager import LoRAManager, SlotHolder
 from xlaserve.worker.mm_encoder import make_mm_hook
@@ -190,7 +191,10 @@ class ModelRunner:
         )
         # Copies between the cache and K/V held elsewhere, before each step (core/kv_connector.py): host
         # offload's (worker/kv_offload.py), or the base class, which moves nothing.
-        self.kv_connector = make_kv_connector_worker(config.cache, self.kv_bytes_per_block(), self.num_blocks)
+        self.kv_layout = BlockLayout(model.kv_heads, self.dcp)
+        self.kv_connector = make_kv_connector_worker(
+            config.cache, self.kv_bytes_per_block(), self.num_blocks, self.kv_layout
+        )
         sched = config.scheduler
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, sched.max_num_seqs, self.padded_vocab_size)
@@ -280,7 +284,15 @@ class ModelRunner:
         return self.graphdef, self.params
 
     def kv_bytes_per_block(self) -> int:
-        return bytes_per_block(self.kv_spec, self.cache_block_size, self.backend.cache_dtype(self.dtype))
+        """Bytes of one block as the KV connector moves it (to a host tier, to a consumer): every layer's
+        K/V of block_size tokens, each of the model's KV heads once (`BlockLayout`), whatever copies and
+        interleaving the device cache holds."""
+        spec, dtype = self.kv_spec, self.backend.cache_dtype(self.dtype)
+        if spec.layer_kind != "full_attention" or spec.fixed_num_tokens is not None:
+            return bytes_per_block(spec, self.cache_block_size, dtype)  # a cache no connector moves
+        num_layers, *block = spec.shape(1, self.cache_block_size)
+        moved = self.kv_layout.moved_shape(tuple(block))
+        return spec.num_arrays * num_layers * math.prod(moved) * np.dtype(dtype).itemsize
 
     # -- compiling ------------------------------------------------------------------------------
 

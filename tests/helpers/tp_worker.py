@@ -522,6 +522,60 @@ def context_parallel_offload(model_dir: str, arg: dict) -> list:
     return results
 
 
+def transfer_across_layouts(model_dir: str, arg: dict) -> dict:
+    """arg: {"layouts": [A, B, C], "prompts"}: three engines of role kv_both; A's own greedy run (the
+    reference), then its blocks prefilled for B to decode from, then B's prefilled for C. -> the
+    reference's and each consumer's tokens, top logprobs and num_cached_tokens, its fetches by outcome
+    and bytes fetched, and each engine's bytes per moved block."""
+    import socket
+
+    from xlaserve import SamplingParams
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def numbers(outs) -> dict:
+        return {
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "logprobs": [[max(lp.logprob for lp in d.values()) for d in o.outputs[0].logprobs] for o in outs],
+            "num_cached_tokens": [o.num_cached_tokens for o in outs],
+        }
+
+    prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
+    decode = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 1}
+    engines = []
+    for layout in arg["layouts"]:
+        role = {
+            "kv_connector": "JaxConnector",
+            "kv_role": "kv_both",
+            "kv_ip": "127.0.0.1",
+            "kv_port": free_port(),
+        }
+        engines.append(small_llm(model_dir, layout, block_size=8, kv_transfer_config=role))
+    result = {
+        "reference": numbers(engines[0].generate(prompts, SamplingParams(**decode), use_tqdm=False)),
+        "bytes_per_block": [llm.engine_core.executor.kv_bytes_per_block for llm in engines],
+        "consumers": [],
+    }
+    for producer, consumer in zip(engines, engines[1:]):
+        prefill = SamplingParams(
+            temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+        )
+        handed = [o.kv_transfer_params for o in producer.generate(prompts, prefill, use_tqdm=False)]
+        params = [SamplingParams(**decode, extra_args={"kv_transfer_params": p}) for p in handed]
+        got = numbers(consumer.generate(prompts, params, use_tqdm=False))
+        consumer._step()  # records the engine's stats into its metrics
+        metrics = {(m.name, *m.labels.values()): getattr(m, "value", None) for m in consumer.get_metrics()}
+        got["fetches"] = {o: metrics[("xlaserve:kv_transfer_fetches", o)] for o in ("loaded", "recomputed")}
+        got["bytes_fetched"] = metrics[("xlaserve:kv_transfer_total_bytes", "fetched")]
+        result["consumers"].append(got)
+    for llm in engines:
+        llm.shutdown()
+    return result
+
+
 def pipeline(_model_dir: str, arg: dict) -> dict:
     """See helpers/pp_worker.py."""
     from pp_worker import main as pp_main  # beside this file, on sys.path as the script's folder
@@ -567,6 +621,7 @@ def pipeline_hybrid(_model_dir: str, arg: dict) -> dict:
 MODES = {
     "context_parallel": context_parallel,
     "context_parallel_offload": context_parallel_offload,
+    "transfer_across_layouts": transfer_across_layouts,
     "generate": generate,
     "hlo": hlo,
     "error": error,

@@ -181,6 +181,29 @@ def test_evicted_blocks_come_back_from_the_host_tier_under_context_parallelism(t
     assert result["loaded_bytes"] == 4 * result["bytes_per_block"]
 
 
+def test_blocks_move_between_engines_of_different_layouts(tp_worker, one_kv_head):
+    """Disaggregated prefill between layouts: one device -> PCP 2 x TP 2 x DCP 2 -> plain TP 2. A block
+    leaves a cache and enters one as one device holds it (worker/kv_offload.BlockLayout: the one KV head
+    once, its tokens in position order), so the three engines' blocks are the same bytes (where the device
+    caches hold a block as 4 slots of 2 interleaved copies, and as 8 slots of 2 whole copies), and each
+    consumer decodes from its producer's blocks: every prompt's whole blocks fetched, none recomputed, one
+    device's tokens and logprobs within 1e-4."""
+    rng = np.random.default_rng(23)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (37, 20, 9)]
+    layouts = [{}, PCP2_DCP2, {"tensor_parallel_size": 2}]
+    result = tp_worker.run("transfer_across_layouts", one_kv_head, {"layouts": layouts, "prompts": prompts})
+    (bytes_per_block,) = set(result["bytes_per_block"])
+    reference = result["reference"]
+    for consumer in result["consumers"]:
+        assert consumer["num_cached_tokens"] == [32, 16, 8]
+        assert consumer["fetches"] == {"loaded": 3, "recomputed": 0}
+        assert consumer["bytes_fetched"] == 7 * bytes_per_block
+        assert consumer["tokens"] == reference["tokens"]
+        np.testing.assert_allclose(
+            np.concatenate(consumer["logprobs"]), np.concatenate(reference["logprobs"]), atol=1e-4
+        )
+
+
 def test_a_moe_model_split_by_tokens_and_no_compile_after_warm_up(tp_worker, tmp_path_factory):
     """A tiny Qwen3-MoE (experts in every layer) at PCP 2, warmed up under the strict compile guard
     (every bucket compiled first, nothing after): one device's tokens and logprobs."""

@@ -13,6 +13,7 @@ from xlaserve.kernels import KVCache
 from xlaserve.worker.compile_guard import CompileGuard
 from xlaserve.worker.kv_offload import (
     TRANSFER_CHUNK_BLOCKS,
+    BlockLayout,
     OffloadingConnectorWorker,
     available_host_bytes,
 )
@@ -32,7 +33,7 @@ def test_blocks_round_trip_bit_for_bit_with_no_compile_after_warm_up(dtype):
     original = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
     cache = KVCache(*(jnp.asarray(a, dtype) for a in original))
     expected = [np.asarray(a) for a in (cache.k, cache.v)]  # in `dtype`, on the host
-    worker = OffloadingConnectorWorker(num_host_blocks=24, num_blocks=NUM_BLOCKS)
+    worker = OffloadingConnectorWorker(num_host_blocks=24, num_blocks=NUM_BLOCKS, layout=BlockLayout())
     cache = worker.warm_up(cache)
     guard = CompileGuard(strict=True)
     guard.arm()
@@ -73,3 +74,35 @@ def test_a_tier_larger_than_the_host_memory_is_refused_naming_the_field():
     )
     assert small.num_host_blocks == 4
     assert type(make_kv_connector_worker(CacheConfig(), 256, 12)) is KVConnectorWorker
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "copies", "dcp"), [(2, 1, 1), (2, 2, 1), (1, 2, 2), (2, 4, 2), (1, 4, 4)]
+)
+def test_a_block_leaves_the_cache_as_one_device_holds_it(kv_heads, copies, dcp):
+    """`BlockLayout`: a cache whose heads are copied (tensor parallelism wider than the KV heads) and
+    interleaved over groups of `dcp` copies (position p at slot p // dcp of copy p % dcp, as
+    sharding/context_parallel.physical_slot_mapping places it) moves out each head once with its tokens
+    in position order, and back into every copy: one device's block, whatever the layout."""
+    from xlaserve.sharding.context_parallel import physical_slot_mapping
+
+    block, dim, layers = 8, 3, 2
+    layout = BlockLayout(kv_heads, dcp)
+    rng = np.random.default_rng(3)
+    one_device = rng.standard_normal((1, layers, block, kv_heads, dim)).astype(np.float32)  # [B, L, T, K, D]
+    # The cache as the ranks write it: copy c of head h is cache head h * copies + c; it holds the
+    # positions its rank in the group (c % dcp) owns, each at its physical slot.
+    cache = np.zeros((1, layers, block // dcp, kv_heads * copies, dim), np.float32)
+    for p in range(block):
+        slot = physical_slot_mapping(np.asarray([p]), block, dcp)[0]
+        for h in range(kv_heads):
+            for c in range(copies):
+                if c % dcp == p % dcp:
+                    cache[:, :, slot, h * copies + c] = one_device[:, :, p, h]
+    assert layout.moved_shape(cache.shape[2:]) == (block, kv_heads, dim)
+    np.testing.assert_array_equal(np.asarray(layout.out_of_cache(jnp.asarray(cache))), one_device)
+    np.testing.assert_array_equal(
+        np.asarray(layout.into_cache(jnp.asarray(one_device), kv_heads * copies)), cache
+    )
+    with pytest.raises(ValueError, match="holds no"):
+        BlockLayout(3, dcp).moved_shape(cache.shape[2:])
