@@ -68,14 +68,6 @@ class ParallelConfig:
             self.pipeline_parallel_size >= 1,
             f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}",
         )
-        # Not yet: data-parallel ranks each of several stages. (Stages on several processes each need
-        # their devices in one process: worker/pipeline_stage.stage_devices checks that.)
-        if self.pipeline_parallel_size > 1:
-            require(
-                self.data_parallel_size == 1,
-                f"pipeline_parallel_size={self.pipeline_parallel_size} cannot be combined with "
-                f"data_parallel_size={self.data_parallel_size} yet",
-            )
         dcp = self.decode_context_parallel_size
         require(dcp >= 1, f"decode_context_parallel_size must be >= 1, got {dcp}")
         require(

@@ -36,18 +36,20 @@ def make_executor(config: EngineConfig, checkpoint: LoadedCheckpoint, devices=No
 
 
 def device_groups(config: EngineConfig, devices=None) -> list:
-    """The devices of each data-parallel rank: tensor_parallel_size each ([None]: one rank, every
-    device); ValueError when there are too few."""
-    tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
+    """The devices of each data-parallel rank: tensor_parallel_size x pipeline_parallel_size each, in
+    order ([None]: one rank, every device); ValueError when there are too few."""
+    parallel = config.parallel
+    tp, pp, dp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size
     if dp == 1:
         return [devices]
     devices = list(jax.devices() if devices is None else devices)
-    if tp * dp > len(devices):
+    per_rank = tp * pp
+    if per_rank * dp > len(devices):
+        sizes = f"tensor_parallel_size={tp} x " + (f"pipeline_parallel_size={pp} x " if pp > 1 else "")
         raise ValueError(
-            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices, "
-            f"{len(devices)} available"
+            f"{sizes}data_parallel_size={dp} needs {per_rank * dp} devices, {len(devices)} available"
         )
-    return [devices[i * tp : (i + 1) * tp] for i in range(dp)]
+    return [devices[i * per_rank : (i + 1) * per_rank] for i in range(dp)]
 
 
 __all__ = [

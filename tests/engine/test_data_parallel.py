@@ -59,13 +59,19 @@ def test_an_error_in_one_rank_surfaces_after_the_others_finish():
 
 
 def test_two_ranks_match_one(tp_worker, tiny_llama_2kv):
-    one, two = tp_worker.run("data_parallel", tiny_llama_2kv, [{}, {"data_parallel_size": 2}])
-    assert two["tokens"] == one["tokens"]
-    assert [len(children) for children in two["tokens"]] == [1, 1, 2, 1, 1, 1]
-    assert two["streamed"] == one["streamed"] and two["after_abort"] == one["after_abort"]
-    assert one["num_running_mid_stream"] == two["num_running_mid_stream"] == 1
-    assert one["abort_freed_all"] and two["abort_freed_all"]
-    assert len(two["steps_per_rank"]) == 2 and min(two["steps_per_rank"]) > 0  # both ranks ran
+    """Two ranks of one device, and two ranks of two pipeline stages each (four devices, each rank's
+    stages on its own two): one engine's tokens, streams, abort and steps on both ranks."""
+    layouts = [{}, {"data_parallel_size": 2}, {"data_parallel_size": 2, "pipeline_parallel_size": 2}]
+    one, *others = tp_worker.run("data_parallel", tiny_llama_2kv, layouts)
+    for two in others:
+        assert two["tokens"] == one["tokens"], two["layout"]
+        assert [len(children) for children in two["tokens"]] == [1, 1, 2, 1, 1, 1]
+        assert two["streamed"] == one["streamed"] and two["after_abort"] == one["after_abort"]
+        assert one["num_running_mid_stream"] == two["num_running_mid_stream"] == 1
+        assert one["abort_freed_all"] and two["abort_freed_all"]
+        assert len(two["steps_per_rank"]) == 2 and min(two["steps_per_rank"]) > 0  # both ranks ran
+    assert others[0]["devices_per_rank"] == [[0], [1]]
+    assert others[1]["devices_per_rank"] == [[0, 1], [2, 3]]  # each rank's stages on devices of its own
 
 
 def test_bench_pairs_alternate_and_report_the_median_ratio():

@@ -4,6 +4,12 @@ ids, the requests running in the middle of a stream (summed over the ranks), whe
 every KV block back, and the steps each rank ran."""
 
 
+def _device_ids(runner) -> list[int]:
+    """The devices a rank's runner computes on (a pipeline's: every stage's)."""
+    meshes = [s.placement.mesh for s in runner.stages] if hasattr(runner, "stages") else [runner.mesh]
+    return sorted(d.id for mesh in meshes for d in mesh.devices.flat)
+
+
 def main(model_dir: str, layouts: list[dict], small_llm) -> list:
     """`small_llm`: tp_worker.py's engine factory."""
     from xlaserve import SamplingParams
@@ -44,6 +50,7 @@ def main(model_dir: str, layouts: list[dict], small_llm) -> list:
                 "abort_freed_all": not core.has_unfinished_requests()
                 and [r.kv_cache_manager.num_free_blocks for r in ranks] == free,
                 "steps_per_rank": [r.runner.num_steps for r in ranks],
+                "devices_per_rank": [_device_ids(r.runner) for r in ranks],
                 # The engine goes on serving after the abort.
                 "after_abort": list(
                     llm.generate(prompts[:2], greedy, use_tqdm=False)[1].outputs[0].token_ids

@@ -93,10 +93,6 @@ def test_the_flag_and_its_short_form_reach_the_config():
     [
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1, got 0"),
         (
-            {"data_parallel_size": 2},
-            "pipeline_parallel_size=2 cannot be combined with data_parallel_size=2 yet",
-        ),
-        (
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
             "pipeline_parallel_size=2 cannot be combined with speculative_config yet",
         ),
