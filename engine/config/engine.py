@@ -79,7 +79,11 @@ class EngineConfig:
         if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet
             for is_set, what in (
                 (self.speculative is not None, "speculative_config"),
-                (self.model.runner == "pooling", "runner='pooling'"),
+                # The last stage's process answers each step with its sampled ids, not pooled states.
+                (
+                    self.model.runner == "pooling" and self.parallel.nnodes > 1,
+                    "runner='pooling' across nnodes",
+                ),
                 (self.cache.kv_offloading_size is not None, "kv_offloading_size"),
                 (self.cache.kv_transfer_config is not None, "kv_transfer_config"),
             ):

@@ -172,9 +172,12 @@ def _encoder_config(config: EngineConfig, hf_config: dict, tokenizer) -> dict:
     architecture = hf_config["architectures"][0]
     if config.model.runner != "pooling":
         raise ValueError(f"{architecture} is an encoder-only model: start the engine with runner='pooling'")
-    if config.parallel.tensor_parallel_size > 1 or config.model.quantization or config.lora.enable_lora:
+    parallel = config.parallel
+    splits = parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1
+    if splits or config.model.quantization or config.lora.enable_lora:
         raise ValueError(
-            f"{architecture} (encoder-only) runs with tensor_parallel_size=1, no quantization and no LoRA"
+            f"{architecture} (encoder-only) runs with tensor_parallel_size=1, pipeline_parallel_size=1, no "
+            "quantization and no LoRA"
         )
     sep = getattr(tokenizer, "sep_token_id", None)
     if hf_config.get("sep_token_id") is None and sep is not None:

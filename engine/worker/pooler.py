@@ -312,6 +312,8 @@ class PoolingHook(StepHook):
     complete (`ModelRunnerOutput.pooler_output`)."""
 
     name = "pooling"
+    # No model inputs: it reads the last stage's hidden states, which a pipeline's forward returns too.
+    runs_on_stages = True
 
     def __init__(self, pooler: Pooler):
         self.pooler = pooler

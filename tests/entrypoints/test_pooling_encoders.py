@@ -88,6 +88,10 @@ def test_encoder_limits_name_the_field(bert, bert_llm):
         bert_llm.embed(too_long)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLM(bert[2], **{**ARGS, "max_model_len": 66, "max_num_batched_tokens": 32})
+    with pytest.raises(
+        ValueError, match=r"\(encoder-only\) runs with tensor_parallel_size=1, pipeline_parallel_size=1"
+    ):
+        LLM(bert[2], **ARGS, pipeline_parallel_size=2)
     assert not bert_llm.engine_core.has_unfinished_requests()
 
 

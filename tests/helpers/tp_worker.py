@@ -576,6 +576,28 @@ def transfer_across_layouts(model_dir: str, arg: dict) -> dict:
     return result
 
 
+def pipeline_pooling(model_dir: str, arg: dict) -> list:
+    """arg: {"layouts", "prompts"}: per layout, a bfloat16 pooling engine's LAST embeddings of the prompts
+    (all at once: chunked, in micro-batches on stages) and its token embeddings (every row's hidden state,
+    as MEAN pooling reads them) of the first."""
+    from xlaserve.pooling_params import PoolingParams
+
+    prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
+    results = []
+    for layout in arg["layouts"]:
+        llm = small_llm(model_dir, layout, runner="pooling", dtype="bfloat16", max_num_batched_tokens=16)
+        outs = llm.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
+        tokens = llm.encode(prompts[:1], pooling_task="token_embed", use_tqdm=False)[0].outputs.data
+        results.append(
+            {
+                "LAST": [[float(v) for v in o.outputs.embedding] for o in outs],
+                "token_embed": [[float(v) for v in row] for row in tokens],
+            }
+        )
+        llm.shutdown()
+    return results
+
+
 def pipeline(_model_dir: str, arg: dict) -> dict:
     """See helpers/pp_worker.py."""
     from pp_worker import main as pp_main  # beside this file, on sys.path as the script's folder
@@ -640,6 +662,7 @@ MODES = {
     "pipeline_lora": pipeline_lora,
     "pipeline_preemption": pipeline_preemption,
     "pipeline_hybrid": pipeline_hybrid,
+    "pipeline_pooling": pipeline_pooling,
     "update_weights": update_weights,
     "update_weights_on_mesh": update_weights_on_mesh,
 }

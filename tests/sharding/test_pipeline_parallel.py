@@ -401,3 +401,19 @@ def test_preempted_requests_on_stages_are_bitwise_the_unpreempted_ones(preemptio
         assert run["tokens"] == roomy["tokens"]
         assert run["logprobs"] == roomy["logprobs"]  # every float, exactly
     assert staged["tight_micro_batches"]["peak_steps_in_flight"] == 2
+
+
+def test_pooling_on_stages_is_bitwise_one_device(tp_worker, models):
+    """runner='pooling' on PP=2 (the pooler reads the last stage's hidden states, as it reads one
+    device's): LAST embeddings of prompts prefilled in chunks, two micro-batches in flight, and one
+    prompt's token embeddings (every row, as MEAN pooling reads them) are PP=1's bits (bfloat16)."""
+    prompts = [
+        [5, 17, 33, 4, 60, 8, 21, 90, 13, 200, 9, 31, 250, 2, 44, 120, 7, 3],
+        [99, 64, 12],
+        [7] * 9,
+        [42],
+    ]
+    one, two = tp_worker.run("pipeline_pooling", models["llama"], {"layouts": [PP1, PP2], "prompts": prompts})
+    assert two == one
+    assert len(one["token_embed"]) == len(prompts[0]) and len(one["LAST"]) == 4
+    assert one["token_embed"][-1] != one["token_embed"][0]

@@ -96,7 +96,10 @@ def test_the_flag_and_its_short_form_reach_the_config():
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
             "pipeline_parallel_size=2 cannot be combined with speculative_config yet",
         ),
-        ({"runner": "pooling"}, "pipeline_parallel_size=2 cannot be combined with runner='pooling' yet"),
+        (
+            {"runner": "pooling", "nnodes": 2},
+            "pipeline_parallel_size=2 cannot be combined with runner='pooling' across nnodes yet",
+        ),
         (
             {"kv_offloading_size": 1.0},
             "pipeline_parallel_size=2 cannot be combined with kv_offloading_size yet",
