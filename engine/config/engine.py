@@ -78,11 +78,20 @@ class EngineConfig:
         pp = self.parallel.pipeline_parallel_size
         if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet
             for is_set, what in (
-                (self.speculative is not None, "speculative_config"),
-                # The last stage's process answers each step with its sampled ids, not pooled states.
+                # A draft model's forward runs whole on one group of devices, not cut into stages.
+                (
+                    self.speculative is not None and self.speculative.method != "ngram",
+                    f"speculative_config method {getattr(self.speculative, 'method', None)!r} (n-gram runs)",
+                ),
+                # The last stage's process answers each step with its sampled ids, not pooled states or
+                # verified drafts.
                 (
                     self.model.runner == "pooling" and self.parallel.nnodes > 1,
                     "runner='pooling' across nnodes",
+                ),
+                (
+                    self.speculative is not None and self.parallel.nnodes > 1,
+                    "speculative_config across nnodes",
                 ),
                 (self.cache.kv_offloading_size is not None, "kv_offloading_size"),
                 (self.cache.kv_transfer_config is not None, "kv_transfer_config"),

@@ -186,6 +186,13 @@ class PipelineRunner(ModelRunner):
         if unstaged:
             names = ", ".join(unstaged)
             raise ValueError(f"pipeline_parallel_size > 1 does not run the step hooks {names} yet")
+        # N-gram speculation runs on stages for attention models; state layers' draft backups on stages
+        # are not (the stages copy prefix-cache snapshots only).
+        if self.num_spec_tokens and self.kv_spec.layer_kind != "full_attention":
+            raise ValueError(
+                "pipeline_parallel_size > 1 cannot be combined with speculative_config for a model with "
+                f"{self.kv_spec.layer_kind!r} layers yet"
+            )
         # What warm-up compiles as "the forward", through the engine's program store, is the last
         # stage's; the stages before it are compiled by `warm_up` here. (None: the last stage and the
         # sampler are another process's.)

@@ -598,6 +598,38 @@ def pipeline_pooling(model_dir: str, arg: dict) -> list:
     return results
 
 
+def pipeline_speculative(model_dir: str, arg: dict) -> list:
+    """arg: {"runs": [[layout, speculative_config or None], ...], "prompts"}: per run, a bfloat16 engine's
+    greedy and seeded sampled outputs (token ids, each token's logprob) of the prompts, all at once, and
+    its speculation metrics."""
+    from xlaserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": ids} for ids in arg["prompts"]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=16, ignore_eos=True, logprobs=1)
+    results = []
+    for layout, spec in arg["runs"]:
+        llm = small_llm(
+            model_dir, layout, dtype="bfloat16", max_num_batched_tokens=16, speculative_config=spec
+        )
+        outs = llm.generate(prompts * 2, [greedy] * len(prompts) + [sampled] * len(prompts), use_tqdm=False)
+        metrics = {(m.name, *m.labels.values()): getattr(m, "value", None) for m in llm.get_metrics()}
+        results.append(
+            {
+                "outputs": [
+                    [
+                        list(o.outputs[0].token_ids),
+                        [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                    ]
+                    for o in outs
+                ],
+                "accepted": metrics.get(("xlaserve:spec_decode_num_accepted_tokens",), 0),
+            }
+        )
+        llm.shutdown()
+    return results
+
+
 def pipeline(_model_dir: str, arg: dict) -> dict:
     """See helpers/pp_worker.py."""
     from pp_worker import main as pp_main  # beside this file, on sys.path as the script's folder
@@ -663,6 +695,7 @@ MODES = {
     "pipeline_preemption": pipeline_preemption,
     "pipeline_hybrid": pipeline_hybrid,
     "pipeline_pooling": pipeline_pooling,
+    "pipeline_speculative": pipeline_speculative,
     "update_weights": update_weights,
     "update_weights_on_mesh": update_weights_on_mesh,
 }

@@ -417,3 +417,16 @@ def test_pooling_on_stages_is_bitwise_one_device(tp_worker, models):
     assert two == one
     assert len(one["token_embed"]) == len(prompts[0]) and len(one["LAST"]) == 4
     assert one["token_embed"][-1] != one["token_embed"][0]
+
+
+def test_ngram_speculation_on_stages_is_bitwise_one_device(tp_worker, models):
+    """N-gram speculation on PP=2 (drafts from the host, verified on the last stage as one device's step
+    verifies them): PP=1's greedy and seeded sampled outputs with speculation, bit for bit (bfloat16),
+    drafts accepted alike (and greedy speculation gives the outputs without it: tests/entrypoints/
+    test_spec_decode_llm.py)."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    prompts = [([5, 17, 33, 4] * 6)[:n] for n in (24, 13, 9)] + [[7, 8, 9, 7, 8, 9, 7, 8]]
+    runs = [[PP1, ngram], [PP2, ngram]]
+    one, two = tp_worker.run("pipeline_speculative", models["llama"], {"runs": runs, "prompts": prompts})
+    assert two["outputs"] == one["outputs"]
+    assert two["accepted"] == one["accepted"] > 0

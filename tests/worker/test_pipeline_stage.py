@@ -4,6 +4,7 @@ the configurations refused by name (the device side: tests/sharding/test_pipelin
 from __future__ import annotations
 
 import argparse
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 from xlaserve.config import EngineConfig
 from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs
 from xlaserve.worker.pipeline_stage import StageLayout, split_layers, stage_devices
+
+_HERE = os.path.dirname(os.path.abspath(__file__))  # a draft model path that exists, for config checks
 
 
 @pytest.mark.parametrize(
@@ -93,8 +96,12 @@ def test_the_flag_and_its_short_form_reach_the_config():
     [
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1, got 0"),
         (
-            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-            "pipeline_parallel_size=2 cannot be combined with speculative_config yet",
+            {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2, "model": _HERE}},
+            "pipeline_parallel_size=2 cannot be combined with speculative_config method 'draft_model'",
+        ),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}, "nnodes": 2},
+            "pipeline_parallel_size=2 cannot be combined with speculative_config across nnodes yet",
         ),
         (
             {"runner": "pooling", "nnodes": 2},
