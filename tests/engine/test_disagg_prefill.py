@@ -213,15 +213,21 @@ def test_unknown_requests_and_other_prompts_are_computed_locally(engines):
         [b"put", b"a", b"b", b"0"],
         [b"get", b"a", b"b", b"zero"],
         [b"get", b"\xff", b"b", b"0"],
+        [b"get", b"a", b"b", b"0", b"-1"],  # a first block (the blocks the consumer holds) below 0
     ):
         dealer.send_multipart(frames)
         assert dealer.poll(5000)
         header = decode_header(dealer.recv_multipart()[0])
         assert header["status"] == "error" and header["error"].startswith("malformed request")
     dealer.close()
-    # The producer still holds the first prompt's blocks (a mismatch frees nothing); they are fetched now.
+    # The producer still holds the first prompt's blocks (a mismatch frees nothing): asked for them now,
+    # it answers (a fetch of a freed copy would fail, and count as recomputed). The consumer computed
+    # that prompt just before, so it holds all 4 blocks: it fetches none, and the copy is released.
     out = consumer.generate([first], _with_params(params), use_tqdm=False)[0]
     assert _completion(out) == expected[1] and out.num_cached_tokens == 32
+    assert _fetches(consumer) == (3, 3)
+    assert _metrics(consumer)[("xlaserve:kv_transfer_fetches", ("cached",))] == 1
+    assert len(producer.engine_core.runner.kv_connector.server) == 0
     _assert_all_free(consumer)
 
 
