@@ -86,11 +86,6 @@ class CacheConfig:
         if self.kv_transfer_config is not None:
             parsed = KVTransferConfig.parse(self.kv_transfer_config)  # a bad value is an error at start
             object.__setattr__(self, "kv_transfer_config", parsed.to_json())
-            require(
-                self.kv_offloading_size is None,
-                "kv_transfer_config cannot be combined with kv_offloading_size yet (one KV connector per "
-                "engine)",
-            )
         for name in ("kv_offloading_size", "kv_offloading_disk_size"):
             value = getattr(self, name)
             require(value is None or _is_gib(value), f"{name} must be a number of GiB > 0, got {value!r}")

@@ -125,16 +125,24 @@ class KVCacheManager:
         """
         if not self.enable_caching or skips_prefix_cache(request):
             return self._from_groups(tuple([] for _ in self.kv_cache_groups)), 0
-        self._update_block_hashes(request)
-        max_num_hit_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        hits, num_prefix_blocks = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, max_num_hit_blocks
-        )
+        hits, num_prefix_blocks = self._find_cache_hit(request)
         num_hit_tokens = len(hits[0]) * self.block_size
         if num_prefix_blocks > len(hits[0]):
             self._branch_points[request.request_id] = num_prefix_blocks * self.block_size
         self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
         return self._from_groups(hits), num_hit_tokens
+
+    def num_cached_tokens(self, request: Request) -> int:
+        """The tokens `get_computed_blocks` would hit now, with nothing recorded or held (a consumer
+        asks before it fetches a prompt's blocks from a producer: those it holds are not fetched)."""
+        if not self.enable_caching or skips_prefix_cache(request):
+            return 0
+        return len(self._find_cache_hit(request)[0][0]) * self.block_size
+
+    def _find_cache_hit(self, request: Request):
+        self._update_block_hashes(request)
+        max_num_hit_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        return self.coordinator.find_longest_cache_hit(request.block_hashes, max_num_hit_blocks)
 
     def _snapshot_points(self, request: Request) -> tuple[int, int]:
         """Where a state group snapshots the request's state: its branch point (the end of the prefix

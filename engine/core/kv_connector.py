@@ -71,9 +71,10 @@ class KVConnectorMetadata:
 class KVTransferStats:
     """What a connector moved, since the previous snapshot (tokens, bytes, seconds)."""
 
-    num_queries: int = 0  # prompt tokens asked of the outside source (past the device hit)
-    num_hits: int = 0  # of those, tokens it provided (vLLM's external_prefix_cache_hits)
+    num_queries: int = 0  # prompt tokens asked of the outside sources (past the device hit)
+    num_hits: int = 0  # of those, tokens they provided (vLLM's external_prefix_cache_hits)
     num_disk_hits: int = 0  # of those, tokens a disk tier provided
+    num_remote_hits: int = 0  # of those, tokens a producer provided (disaggregated prefill)
     num_blocks_saved: int = 0
     num_blocks_loaded: int = 0  # from the host tier
     num_blocks_demoted: int = 0  # host tier -> disk tier
@@ -87,16 +88,28 @@ class KVTransferStats:
     demote_seconds: float = 0.0
     disk_load_seconds: float = 0.0
     # Disaggregated prefill: a producer's blocks sent, a consumer's fetches (and those that failed or
-    # timed out, after which it computed the prompt itself).
+    # timed out, after which it computed the prompt itself, and those its own caches made needless),
+    # and the fetched blocks loaded into the device cache.
     num_blocks_sent: int = 0
     bytes_sent: int = 0
+    send_seconds: float = 0.0
     num_remote_fetches: int = 0
     num_remote_fetch_failures: int = 0
+    num_remote_fetches_cached: int = 0
     num_blocks_fetched: int = 0
     bytes_fetched: int = 0
     fetch_seconds: float = 0.0
+    num_blocks_loaded_remote: int = 0
+    bytes_loaded_remote: int = 0
+    remote_load_seconds: float = 0.0
 
-    disaggregated: int = 0  # > 0: disaggregated prefill's stats (metrics name them apart from offload's)
+    # Whose stats these are (> 0: that connector's; both when they compose), so metrics name each's.
+    offloaded: int = 0
+    disaggregated: int = 0
+
+    @property
+    def is_offloaded(self) -> bool:
+        return self.offloaded > 0
 
     @property
     def is_disaggregated(self) -> bool:

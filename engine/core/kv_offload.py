@@ -217,6 +217,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def make_stats(self) -> KVTransferStats:
         stats, self.stats = self.stats, KVTransferStats()
+        stats.offloaded = 1
         return stats
 
     def reset(self) -> None:

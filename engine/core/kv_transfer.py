@@ -14,17 +14,24 @@ The flow, for one request the router (entrypoints/router.py) sends to both:
    consumer never has more than one chunk in flight), then hands the request to the scheduler with
    them attached (`Request.remote_kv`). This half then reports them as tokens an outside source holds
    (`get_num_new_matched_tokens`, like host offload's), and the step loads them into the request's
-   blocks before its forward: the consumer computes only the last prompt token.
+   blocks before its forward: the consumer computes only the last prompt token. A prefix the consumer
+   already holds (its device prefix cache, or with `kv_offloading_size` its host tier: a conversation
+   coming back) is not fetched: the fetch starts at the first block it lacks, and the composed
+   connector (core/kv_multi_connector.py) loads the prefix from its own tier, the rest from the fetch.
 
 A fetch that fails (producer gone, a chunk past `timeout_s`, a digest or block layout that does not
 match) hands the request over without blocks: the consumer computes the prompt itself, nothing is
 lost, and `num_remote_fetch_failures` counts it.
 
-The wire: a consumer's DEALER asks the producer's ROUTER `[b"get", request_id, digest, chunk]`; the
-answer is `[header, *one frame per cache array]`, the header a JSON object (`status` "ok", or
-"missing" / "mismatch" with `error`; `num_blocks`, `num_chunks`, `block_bytes`: bytes per block of each
-cache array, `block_size`). The last chunk served frees the producer's copy; unfetched copies expire
-after `send_ttl_s`. Plain Python and numpy: no jax here.
+The wire: a consumer's DEALER asks the producer's ROUTER `[b"get", request_id, digest, chunk,
+first_block]` (first_block, optional, 0 by default: the blocks before it the consumer holds, and chunks
+count from it; the prompt's number of blocks: none are sent, the copy is only released); the answer is
+`[header, *one frame per cache array]`, the header a JSON object (`status` "ok", or "missing" /
+"mismatch" with `error`; `num_blocks` (the prompt's), `num_chunks`, `block_bytes`: bytes per block of
+each cache array, `block_size`). The last chunk served frees the producer's copy; unfetched copies
+expire after `send_ttl_s`. A producer's copy is its own, gathered right after the forward: the prompt's
+device blocks may be evicted (or offloaded to its host tier) as soon as the request finishes, whether
+or not a consumer has fetched them. Plain Python and numpy: no jax here.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import numpy as np
 from xlaserve.config import CacheConfig, KVTransferConfig
 from xlaserve.core.kv_cache_manager import skips_prefix_cache
 from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorScheduler, KVTransferStats
+from xlaserve.core.kv_multi_connector import MultiConnectorScheduler
 from xlaserve.core.kv_offload import OffloadingConnectorScheduler, num_host_blocks
 from xlaserve.core.request import Request
 
@@ -63,11 +71,14 @@ def decode_header(frame: bytes) -> dict:
 
 @dataclass
 class RemoteKV:
-    """A producer's blocks of one prompt, fetched: its first `num_tokens` tokens (whole blocks), as
-    per cache array [num_blocks, bytes per block] uint8 rows."""
+    """A producer's blocks of one prompt, fetched: its tokens `first_token` .. `num_tokens` (whole
+    blocks), as per cache array [num_blocks, bytes per block] uint8 rows. The blocks before
+    `first_token` were not asked for: the consumer's own caches (device, host tier) held them when
+    the fetch began."""
 
     num_tokens: int
     blocks: tuple[np.ndarray, ...]
+    first_token: int = 0
 
 
 def is_remote_decode(request: Request) -> bool:
@@ -98,7 +109,9 @@ class DisaggConnectorScheduler(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         remote = request.remote_kv
-        if remote is None or skips_prefix_cache(request):
+        # Blocks the fetch skipped (the consumer's caches held them) but that are gone by now (evicted
+        # meanwhile) leave a gap the fetched ones cannot follow: the prompt is computed from there.
+        if remote is None or skips_prefix_cache(request) or num_computed_tokens < remote.first_token:
             return 0
         return max(
             0, min(remote.num_tokens, self.num_prompt_blocks(request) * self.block_size) - num_computed_tokens
@@ -110,11 +123,14 @@ class DisaggConnectorScheduler(KVConnectorScheduler):
             return
         self.stats.num_queries += request.num_tokens - num_computed_tokens
         self.stats.num_hits += num_external_tokens
+        self.stats.num_remote_hits += num_external_tokens
         if not num_external_tokens:
             return
         first = num_computed_tokens // self.block_size
         last = first + num_external_tokens // self.block_size
-        self._loads.append((list(block_ids[first:last]), tuple(rows[first:last] for rows in remote.blocks)))
+        skipped = remote.first_token // self.block_size  # rows start at the first block fetched
+        rows = tuple(r[first - skipped : last - skipped] for r in remote.blocks)
+        self._loads.append((list(block_ids[first:last]), rows))
 
     def build_connector_meta(self, scheduled) -> KVConnectorMetadata | None:
         sends = []
@@ -136,8 +152,8 @@ class DisaggConnectorScheduler(KVConnectorScheduler):
             meta.inline_blocks = tuple(
                 np.concatenate(parts) for parts in zip(*(rows for _, rows in self._loads))
             )
-            self.stats.num_blocks_loaded += len(meta.inline_load_block_ids)
-            self.stats.bytes_loaded += len(meta.inline_load_block_ids) * self.bytes_per_block
+            self.stats.num_blocks_loaded_remote += len(meta.inline_load_block_ids)
+            self.stats.bytes_loaded_remote += len(meta.inline_load_block_ids) * self.bytes_per_block
             self._loads = []
         return meta
 
@@ -155,8 +171,8 @@ class DisaggConnectorScheduler(KVConnectorScheduler):
 
     def update_connector_output(self, stats: KVTransferStats | None) -> None:
         if stats is not None:
-            self.stats.save_seconds += stats.save_seconds
-            self.stats.load_seconds += stats.load_seconds
+            self.stats.send_seconds += stats.send_seconds
+            self.stats.remote_load_seconds += stats.remote_load_seconds
 
     def make_stats(self) -> KVTransferStats:
         stats, self.stats = self.stats, KVTransferStats()
@@ -165,16 +181,24 @@ class DisaggConnectorScheduler(KVConnectorScheduler):
 
 
 def make_kv_connector_scheduler(cache: CacheConfig, bytes_per_block: int) -> KVConnectorScheduler:
-    """The scheduler's half of the configured connector: disaggregated prefill's, host offload, or the
+    """The scheduler's half of the configured connector: host offload's, disaggregated prefill's, both
+    composed (the host tier asked first, a producer for the rest: core/kv_multi_connector.py), or the
     base class (off)."""
+    connectors: list[KVConnectorScheduler] = []
+    if cache.kv_offloading_size is not None:
+        disk_size = cache.disk_tier_size
+        connectors.append(
+            OffloadingConnectorScheduler(
+                num_host_blocks(cache.kv_offloading_size, bytes_per_block),
+                cache.block_size,
+                bytes_per_block,
+                0
+                if disk_size is None
+                else num_host_blocks(disk_size, bytes_per_block, "kv_offloading_disk_size"),
+            )
+        )
     if cache.kv_transfer is not None:
-        return DisaggConnectorScheduler(cache.kv_transfer, cache.block_size, bytes_per_block)
-    if cache.kv_offloading_size is None:
-        return KVConnectorScheduler()
-    disk_size = cache.disk_tier_size
-    return OffloadingConnectorScheduler(
-        num_host_blocks(cache.kv_offloading_size, bytes_per_block),
-        cache.block_size,
-        bytes_per_block,
-        0 if disk_size is None else num_host_blocks(disk_size, bytes_per_block, "kv_offloading_disk_size"),
-    )
+        connectors.append(DisaggConnectorScheduler(cache.kv_transfer, cache.block_size, bytes_per_block))
+    if len(connectors) > 1:
+        return MultiConnectorScheduler(connectors)
+    return connectors[0] if connectors else KVConnectorScheduler()

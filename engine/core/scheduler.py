@@ -355,6 +355,13 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens + num_external
             token_budget -= self._add_scheduled(request, num_new_tokens, output)
 
+    def num_local_prefix_tokens(self, request: Request) -> int:
+        """How many of a waiting request's leading tokens this engine holds now: its device prefix hit,
+        and what a connector holds after it (the host tier; a producer's blocks are not attached yet).
+        A consumer fetches only the blocks after them (engine/engine/kv_fetch.py)."""
+        num_hit_tokens = self.kv_cache_manager.num_cached_tokens(request)
+        return num_hit_tokens + self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+
     def _fits_lora_slots(self, request: Request) -> bool:
         """At most `max_loras` adapters among the running requests, each holding a device slot while
         it runs: a request of another adapter waits until one of them has no request left."""

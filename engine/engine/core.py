@@ -139,7 +139,8 @@ class EngineCore:
             self.check_lora(request.lora_request)  # a bad adapter fails here, not in a step
         self.structured_output.add_request(request)
         if self.remote_prefills.wants(request):
-            self.remote_prefills.submit(request)
+            # What this engine's caches hold of the prompt is not fetched (a conversation coming back).
+            self.remote_prefills.submit(request, self.scheduler.num_local_prefix_tokens(request))
         else:
             self.scheduler.add_request(request)
 

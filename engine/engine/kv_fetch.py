@@ -6,6 +6,11 @@ is asked for once the previous one arrived (the consumer sets the pace), and eac
 `timeout_s`. Then the engine core hands the request to the scheduler, with the blocks attached
 (`Request.remote_kv`) or, when the fetch failed, without them: it computes its prompt itself.
 
+Blocks the consumer already holds are not fetched: the engine core says, when it submits a request, how
+many of its prompt's leading tokens its device prefix cache and host tier hold (a conversation coming
+back), and the fetch starts at the first block past them. When they hold every block the producer
+would send, the producer is only told to drop its copy (`kv_transfer_fetches{outcome="cached"}`).
+
 The n children of an n > 1 request share one prompt, so one fetch: the first child's. Its siblings
 wait with it and join the scheduler right after it, without blocks of their own; the first child's
 blocks are indexed in the prefix cache once it is scheduled (in the same step, too), so they hit them
@@ -71,14 +76,15 @@ class RemotePrefills:
         with self._lock:
             return len(self._pending) + len(self._ready)
 
-    def submit(self, request: Request) -> None:
+    def submit(self, request: Request, num_local_tokens: int = 0) -> None:
+        """Fetch the request's prompt blocks past its first `num_local_tokens` (held here already)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_MAX_CONCURRENT_FETCHES, thread_name_prefix="xlaserve-kv-fetch")
         with self._lock:
             if self._follows_sibling(request):
                 return
             self._pending.add(request.request_id)
-        self._pool.submit(self._fetch_and_hand_over, request)
+        self._pool.submit(self._fetch_and_hand_over, request, num_local_tokens)
 
     def _follows_sibling(self, request: Request) -> bool:
         """An n > 1 request's child after its first: it waits for the first child's fetch (or, that
@@ -126,10 +132,10 @@ class RemotePrefills:
             stats, self.stats = self.stats, KVTransferStats()
         return stats
 
-    def _fetch_and_hand_over(self, request: Request) -> None:
+    def _fetch_and_hand_over(self, request: Request, num_local_tokens: int) -> None:
         t0 = time.perf_counter()
         try:
-            remote = self.fetch(request)
+            remote = self.fetch(request, num_local_tokens)
             failed = False
         except Exception as e:  # the producer is gone, slow or holds something else: compute locally
             logger.warning(
@@ -144,7 +150,9 @@ class RemotePrefills:
             s.num_remote_fetches += 1
             s.num_remote_fetch_failures += failed
             if remote is not None:
-                num_blocks = remote.num_tokens // self.block_size
+                num_blocks = (remote.num_tokens - remote.first_token) // self.block_size
+                if remote.first_token and not num_blocks:  # its own caches held the prompt
+                    s.num_remote_fetches_cached += 1
                 s.num_blocks_fetched += num_blocks
                 s.bytes_fetched += num_blocks * self.bytes_per_block
             s.fetch_seconds += time.perf_counter() - t0
@@ -158,11 +166,12 @@ class RemotePrefills:
                 self._drop_if_done(request.parent_id, group)
             self._arrived.set()
 
-    def fetch(self, request: Request) -> RemoteKV:
-        """The request's prompt blocks from the producer its kv_transfer_params name (FetchError, or
-        a socket's error, when they cannot be had)."""
+    def fetch(self, request: Request, num_local_tokens: int = 0) -> RemoteKV:
+        """The request's prompt blocks past its first `num_local_tokens` from the producer its
+        kv_transfer_params name (FetchError, or a socket's error, when they cannot be had)."""
         params = request.sampling_params.kv_transfer_params
         num_blocks = (request.num_prompt_tokens - 1) // self.block_size
+        first_block = min(num_local_tokens // self.block_size, num_blocks)
         digest = prefix_digest(request, num_blocks * self.block_size)
         timeout_ms = int(self.config.timeout_s * 1000)
         socket = zmq.Context.instance().socket(zmq.DEALER)
@@ -171,9 +180,11 @@ class RemotePrefills:
             socket.connect(f"tcp://{params['remote_host']}:{params['remote_port']}")
             chunks: list[list[np.ndarray]] = []
             chunk, num_chunks = 0, 1
+            # first_block goes only where it is not 0: a producer before it takes four frames.
+            skip = [str(first_block).encode()] if first_block else []
             request_id = params["remote_request_id"].encode()
             while chunk < num_chunks:
-                socket.send_multipart([GET, request_id, digest.encode(), str(chunk).encode()])
+                socket.send_multipart([GET, request_id, digest.encode(), str(chunk).encode(), *skip])
                 if not socket.poll(timeout_ms):
                     raise FetchError(f"chunk {chunk} not answered within {self.config.timeout_s} s")
                 header, *frames = socket.recv_multipart()
@@ -188,9 +199,9 @@ class RemotePrefills:
         finally:
             socket.close()
         blocks = tuple(np.concatenate(parts) for parts in zip(*chunks))
-        if blocks and len(blocks[0]) != num_blocks:
-            raise FetchError(f"{len(blocks[0])} blocks arrived, {num_blocks} expected")
-        return RemoteKV(num_blocks * self.block_size, blocks)
+        if blocks and len(blocks[0]) != num_blocks - first_block:
+            raise FetchError(f"{len(blocks[0])} blocks arrived, {num_blocks - first_block} expected")
+        return RemoteKV(num_blocks * self.block_size, blocks, first_block * self.block_size)
 
     def _check(self, header: dict, num_blocks: int) -> None:
         if header["block_size"] != self.block_size:

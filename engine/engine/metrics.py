@@ -111,7 +111,8 @@ class EngineMetrics:
         self._last_preemptions = 0
         # Speculative decoding's counters (vLLM's spec_decode_*), once a core reports them (None: off).
         self.spec_decoding: SpecDecodingStats | None = None
-        # A KV connector's totals (host offload), once a core reports them (None: no connector).
+        # A KV connector's totals (host offload, disaggregated prefill, or both), once a core reports
+        # them (None: no connector).
         self.kv_transfer: KVTransferStats | None = None
         # The server's alone (the offline LLM has no core process), so it is not in snapshot().
         self.num_core_restarts = 0
@@ -136,30 +137,38 @@ class EngineMetrics:
             self.kv_transfer.add(transfer)
 
     def kv_connector_counters(self) -> list[Counter]:
-        """A KV connector's counters (none without one): disaggregated prefill's, or host offload's, in
-        vLLM's names: prompt tokens asked of
-        the offload tiers past the device hit and those they served (external_prefix_cache_*; by tier,
-        kv_offload_hits), and the bytes and seconds of the copies each way (kv_offload_total_*, by
-        transfer_type: device_to_host, host_to_device, and with a disk tier host_to_disk,
-        disk_to_device)."""
+        """A KV connector's counters (none without one), in vLLM's names: prompt tokens asked of the
+        outside sources past the device hit and those they served (external_prefix_cache_*); host
+        offload's hits by tier (kv_offload_hits) and the bytes and seconds of its copies each way
+        (kv_offload_total_*, by transfer_type: device_to_host, host_to_device, and with a disk tier
+        host_to_disk, disk_to_device); disaggregated prefill's (`_kv_transfer_counters`). An engine
+        with both has both."""
         t = self.kv_transfer
         if t is None:
             return []
+        counters = [
+            Counter(PREFIX + "external_prefix_cache_queries", value=t.num_queries),
+            Counter(PREFIX + "external_prefix_cache_hits", value=t.num_hits),
+        ]
+        if t.is_offloaded:
+            counters += self._kv_offload_counters(t)
         if t.is_disaggregated:
-            return self._kv_transfer_counters(t)
-        ways = (
+            counters += self._kv_transfer_counters(t)
+        return counters
+
+    @staticmethod
+    def _kv_offload_counters(t: KVTransferStats) -> list[Counter]:
+        num_host_hits = t.num_hits - t.num_disk_hits - t.num_remote_hits
+        counters = [
+            Counter(PREFIX + "kv_offload_hits", {"tier": "host"}, value=num_host_hits),
+            Counter(PREFIX + "kv_offload_hits", {"tier": "disk"}, value=t.num_disk_hits),
+        ]
+        for way, num_bytes, seconds in (
             ("device_to_host", t.bytes_saved, t.save_seconds),
             ("host_to_device", t.bytes_loaded, t.load_seconds),
             ("host_to_disk", t.bytes_demoted, t.demote_seconds),
             ("disk_to_device", t.bytes_loaded_from_disk, t.disk_load_seconds),
-        )
-        counters = [
-            Counter(PREFIX + "external_prefix_cache_queries", value=t.num_queries),
-            Counter(PREFIX + "external_prefix_cache_hits", value=t.num_hits),
-            Counter(PREFIX + "kv_offload_hits", {"tier": "host"}, value=t.num_hits - t.num_disk_hits),
-            Counter(PREFIX + "kv_offload_hits", {"tier": "disk"}, value=t.num_disk_hits),
-        ]
-        for way, num_bytes, seconds in ways:
+        ):
             counters.append(
                 Counter(PREFIX + "kv_offload_total_bytes", {"transfer_type": way}, value=num_bytes)
             )
@@ -168,25 +177,21 @@ class EngineMetrics:
 
     @staticmethod
     def _kv_transfer_counters(t: KVTransferStats) -> list[Counter]:
-        """Disaggregated prefill's: prompt tokens a consumer loaded from producers
-        (external_prefix_cache_*), its fetches by outcome (loaded, or recomputed after a failure), and
-        the bytes and seconds each way (kv_transfer_total_*: sent, fetched, loaded)."""
+        """Disaggregated prefill's: a consumer's fetches by outcome (loaded; recomputed after a failure;
+        cached: its own caches held every block, none fetched), and the bytes and seconds each way
+        (kv_transfer_total_*: sent, fetched, loaded)."""
+        num_loaded = t.num_remote_fetches - t.num_remote_fetch_failures - t.num_remote_fetches_cached
         counters = [
-            Counter(PREFIX + "external_prefix_cache_queries", value=t.num_queries),
-            Counter(PREFIX + "external_prefix_cache_hits", value=t.num_hits),
-            Counter(
-                PREFIX + "kv_transfer_fetches",
-                {"outcome": "loaded"},
-                value=t.num_remote_fetches - t.num_remote_fetch_failures,
-            ),
+            Counter(PREFIX + "kv_transfer_fetches", {"outcome": "loaded"}, value=num_loaded),
             Counter(
                 PREFIX + "kv_transfer_fetches", {"outcome": "recomputed"}, value=t.num_remote_fetch_failures
             ),
+            Counter(PREFIX + "kv_transfer_fetches", {"outcome": "cached"}, value=t.num_remote_fetches_cached),
         ]
         for way, num_bytes, seconds in (
-            ("sent", t.bytes_sent, t.save_seconds),
+            ("sent", t.bytes_sent, t.send_seconds),
             ("fetched", t.bytes_fetched, t.fetch_seconds),
-            ("loaded", t.bytes_loaded, t.load_seconds),
+            ("loaded", t.bytes_loaded_remote, t.remote_load_seconds),
         ):
             counters.append(
                 Counter(PREFIX + "kv_transfer_total_bytes", {"transfer_type": way}, value=num_bytes)

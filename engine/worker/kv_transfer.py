@@ -27,6 +27,7 @@ import zmq
 
 from xlaserve.config import CacheConfig, KVTransferConfig
 from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker
+from xlaserve.core.kv_multi_connector import MultiConnectorWorker
 from xlaserve.core.kv_offload import num_host_blocks
 from xlaserve.core.kv_transfer import GET, encode_header
 from xlaserve.worker.kv_offload import (
@@ -126,9 +127,12 @@ class BlockServer:
 
     def _answer(self, frames: list[bytes]) -> list[bytes]:
         try:
-            if len(frames) != 4 or frames[0] != GET:
+            if len(frames) not in (4, 5) or frames[0] != GET:
                 raise ValueError(f"{len(frames)} frames")
             request_id, digest, chunk = frames[1].decode(), frames[2].decode(), int(frames[3])
+            first_block = int(frames[4]) if len(frames) == 5 else 0
+            if chunk < 0 or first_block < 0:
+                raise ValueError(f"chunk {chunk}, first block {first_block}")
         except (ValueError, UnicodeDecodeError) as e:
             return [encode_header(status="error", error=f"malformed request: {e}")]
         with self._lock:
@@ -139,8 +143,9 @@ class BlockServer:
             return [encode_header(status="mismatch", error="the prompt differs from the one prefilled")]
         rows = send.host_rows()
         per_chunk = self.config.chunk_blocks
-        num_chunks = max(1, -(-send.num_blocks // per_chunk))
-        start = min(chunk * per_chunk, send.num_blocks)
+        first_block = min(first_block, send.num_blocks)  # all of them: the consumer had them, none sent
+        num_chunks = max(1, -(-(send.num_blocks - first_block) // per_chunk))
+        start = min(first_block + chunk * per_chunk, send.num_blocks)
         stop = min(start + per_chunk, send.num_blocks)
         if chunk + 1 >= num_chunks:  # the last chunk: the consumer has everything
             with self._lock:
@@ -189,7 +194,7 @@ class DisaggConnectorWorker(BlockTransferWorker):
                     array.copy_to_host_async()
                 send.gathered.append(gathered)
             self.server.add(request_id, send)
-        self.stats.save_seconds += time.perf_counter() - t0
+        self.stats.send_seconds += time.perf_counter() - t0
 
     def load_kv(self, kv_cache, metadata: KVConnectorMetadata | None):
         if metadata is None or not len(metadata.inline_load_block_ids):
@@ -210,7 +215,7 @@ class DisaggConnectorWorker(BlockTransferWorker):
                 chunk[: len(ids)] = array[start : start + len(ids)]
                 staged.append(jax.device_put(chunk))
             kv_cache = self._scatter_fn(kv_cache, padded_ids(ids), tuple(staged))
-        self.stats.load_seconds += time.perf_counter() - t0
+        self.stats.remote_load_seconds += time.perf_counter() - t0
         return kv_cache
 
     def close(self) -> None:
@@ -221,13 +226,24 @@ class DisaggConnectorWorker(BlockTransferWorker):
 def make_kv_connector_worker(
     cache: CacheConfig, bytes_per_block: int, num_blocks: int, layout: BlockLayout = BlockLayout()
 ) -> KVConnectorWorker:
-    """The worker's half of the configured connector: disaggregated prefill's, host offload, or the base
-    class (off), moving blocks in `layout`, of `bytes_per_block` bytes. A host tier larger than the
-    memory available now is a ValueError naming the field, not an OOM kill mid-start."""
+    """The worker's half of the configured connector: host offload's, disaggregated prefill's, both
+    composed (in core/kv_transfer.py's `make_kv_connector_scheduler` order), or the base class (off),
+    moving blocks in `layout`, of `bytes_per_block` bytes."""
+    workers: list[KVConnectorWorker] = []
+    if cache.kv_offloading_size is not None:
+        workers.append(_offloading_worker(cache, bytes_per_block, num_blocks, layout))
     if cache.kv_transfer is not None:
-        return DisaggConnectorWorker(cache.kv_transfer, num_blocks, cache.block_size, layout)
-    if cache.kv_offloading_size is None:
-        return KVConnectorWorker()
+        workers.append(DisaggConnectorWorker(cache.kv_transfer, num_blocks, cache.block_size, layout))
+    if len(workers) > 1:
+        return MultiConnectorWorker(workers)
+    return workers[0] if workers else KVConnectorWorker()
+
+
+def _offloading_worker(
+    cache: CacheConfig, bytes_per_block: int, num_blocks: int, layout: BlockLayout
+) -> OffloadingConnectorWorker:
+    """Host offload's worker half. A host tier larger than the memory available now is a ValueError
+    naming the field, not an OOM kill mid-start."""
     num_host = num_host_blocks(cache.kv_offloading_size, bytes_per_block)
     available = available_host_bytes()
     if available is not None and num_host * bytes_per_block > available:

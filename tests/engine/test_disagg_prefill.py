@@ -213,15 +213,21 @@ def test_unknown_requests_and_other_prompts_are_computed_locally(engines):
         [b"put", b"a", b"b", b"0"],
         [b"get", b"a", b"b", b"zero"],
         [b"get", b"\xff", b"b", b"0"],
+        [b"get", b"a", b"b", b"0", b"-1"],  # a first block (the blocks the consumer holds) below 0
     ):
         dealer.send_multipart(frames)
         assert dealer.poll(5000)
         header = decode_header(dealer.recv_multipart()[0])
         assert header["status"] == "error" and header["error"].startswith("malformed request")
     dealer.close()
-    # The producer still holds the first prompt's blocks (a mismatch frees nothing); they are fetched now.
+    # The producer still holds the first prompt's blocks (a mismatch frees nothing): asked for them now,
+    # it answers (a fetch of a freed copy would fail, and count as recomputed). The consumer computed
+    # that prompt just before, so it holds all 4 blocks: it fetches none, and the copy is released.
     out = consumer.generate([first], _with_params(params), use_tqdm=False)[0]
     assert _completion(out) == expected[1] and out.num_cached_tokens == 32
+    assert _fetches(consumer) == (3, 3)
+    assert _metrics(consumer)[("xlaserve:kv_transfer_fetches", ("cached",))] == 1
+    assert len(producer.engine_core.runner.kv_connector.server) == 0
     _assert_all_free(consumer)
 
 
@@ -267,8 +273,15 @@ def test_settings_and_params_are_checked(model_dir):
         )
     with pytest.raises(ValueError, match="kv_transfer_config with data_parallel_size > 1"):
         EngineConfig.from_kwargs(kv_transfer_config={"kv_role": "kv_both"}, data_parallel_size=2)
-    with pytest.raises(ValueError, match="cannot be combined with kv_offloading_size"):
-        EngineConfig.from_kwargs(kv_transfer_config={"kv_role": "kv_both"}, kv_offloading_size=1)
+    # With host offload (tests/engine/test_disagg_offload.py): what either refuses still names its field.
+    both = {"kv_transfer_config": {"kv_role": "kv_both"}, "kv_offloading_size": 1}
+    assert EngineConfig.from_kwargs(**both).cache.kv_offloading_size == 1
+    with pytest.raises(ValueError, match="kv_transfer_config with data_parallel_size > 1"):
+        EngineConfig.from_kwargs(**both, data_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_offloading_size needs enable_prefix_caching"):
+        EngineConfig.from_kwargs(**both, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_offloading_size runs on one host"):
+        EngineConfig.from_kwargs(**both, nnodes=2, master_addr="127.0.0.1")
     with pytest.raises(ValueError, match="kv_transfer_params.remote_port must be in"):
         _with_params(
             {"do_remote_prefill": True, "remote_host": "h", "remote_port": 0, "remote_request_id": "r"}

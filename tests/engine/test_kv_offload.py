@@ -251,7 +251,7 @@ def test_metrics_reach_prometheus_by_transfer_type():
     metrics = EngineMetrics()
     for _ in range(2):  # counters add up across snapshots
         transfer = KVTransferStats(
-            num_queries=40, num_hits=32, bytes_saved=9216, bytes_loaded=4608, load_seconds=0.25
+            num_queries=40, num_hits=32, bytes_saved=9216, bytes_loaded=4608, load_seconds=0.25, offloaded=1
         )
         metrics.record_scheduler(SchedulerStats(0, 0, 0.0, 0, PrefixCacheStats(), kv_transfer_stats=transfer))
     engine = SimpleNamespace(metrics=metrics, finish_reason_counts={})

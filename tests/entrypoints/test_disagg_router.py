@@ -3,7 +3,8 @@
 the router a request answers like one server (greedy, token for token), with the prompt's blocks
 loaded on the consumer (its fetch metrics and cached tokens say so): completions, chat, the Responses
 API (a stored response continued, read back and deleted through the router; a background one) and
-Anthropic's messages, streamed or not, and n > 1 samples sharing one fetch; bad requests get the
+Anthropic's messages, streamed or not (a prompt sent again: not fetched, the consumer holds it whole),
+and n > 1 samples sharing one fetch; bad requests get the
 instances' own errors; a producer killed after its prefill leaves the consumer computing the prompt
 itself; with no producer left the router sends requests to the consumer alone.
 """
@@ -166,7 +167,9 @@ def test_bench_serve_measures_the_router_against_one_server(servers, tmp_path):
     run = json.loads(out.read_text())["runs"][0]
     assert run["num_failed"] == 0 and run["peer"]["num_failed"] == 0 and run["num_long"] == 2
     assert {"ttft_s_long_p50", "tpot_s_short_p50", "output_tokens_per_s"} <= set(run["vs_peer"])
-    assert _fetches(consumer)["loaded"] - before["loaded"] == 5  # the four requests and the warm-up one
+    # The four requests and the warm-up one; the first request's prompt is the warm-up's, which the
+    # consumer holds whole: not fetched.
+    assert _loaded_since(consumer, before) == (4, 0, 1)
 
 
 def _cached(prompt_tokens: int) -> int:
@@ -174,10 +177,11 @@ def _cached(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // BLOCK * BLOCK
 
 
-def _loaded_since(consumer, before: dict) -> tuple[float, float]:
-    """(loaded, recomputed) fetches on the consumer since `before`."""
+def _loaded_since(consumer, before: dict) -> tuple[float, float, float]:
+    """(loaded, recomputed, cached) fetches on the consumer since `before` (cached: it held every block
+    of the prompt, none fetched)."""
     after = _fetches(consumer)
-    return tuple(after.get(o, 0) - before.get(o, 0) for o in ("loaded", "recomputed"))
+    return tuple(after.get(o, 0) - before.get(o, 0) for o in ("loaded", "recomputed", "cached"))
 
 
 RESPONSES_GREEDY = {"model": "tiny", "temperature": 0.0, "max_output_tokens": 10}
@@ -195,7 +199,7 @@ def test_responses_through_the_router_answer_like_one_server_and_continue(server
     expected = alone.create(input=prompt, **RESPONSES_GREEDY)
     assert first.output_text == expected.output_text and first.status == expected.status
     assert first.usage.input_tokens_details.cached_tokens == _cached(first.usage.input_tokens)
-    assert _loaded_since(consumer, before) == (1, 0)
+    assert _loaded_since(consumer, before) == (1, 0, 0)
     assert "kv_transfer_params" not in first.model_dump()  # only a producer's answer carries them
 
     # Continued through the router: to the consumer that holds it, whose prefix cache has the history.
@@ -205,7 +209,7 @@ def test_responses_through_the_router_answer_like_one_server_and_continue(server
     assert follow.output_text == follow_alone.output_text
     assert follow.usage.input_tokens == follow_alone.usage.input_tokens
     assert follow.usage.input_tokens_details.cached_tokens >= _cached(first.usage.input_tokens)
-    assert _loaded_since(consumer, before) == (0, 0)
+    assert _loaded_since(consumer, before) == (0, 0, 0)
     assert routed.retrieve(follow.id).output_text == follow.output_text
     routed.delete(first.id)  # the openai client returns nothing; a 404 would raise
     with pytest.raises(openai.NotFoundError):
@@ -217,7 +221,8 @@ def test_responses_through_the_router_answer_like_one_server_and_continue(server
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == expected.output_text and events[-1].type == f"response.{expected.status}"
     assert routed.retrieve(events[-1].response.id).output_text == text
-    assert _loaded_since(consumer, before) == (1, 0)
+    # The consumer holds the prompt whole (the first request's blocks): nothing fetched.
+    assert _loaded_since(consumer, before) == (0, 0, 1)
 
     # In the background: answered queued at once, decoded on the consumer alone, polled to the answer.
     before = _fetches(consumer)
@@ -227,7 +232,7 @@ def test_responses_through_the_router_answer_like_one_server_and_continue(server
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert done.output_text == expected.output_text
-    assert _loaded_since(consumer, before) == (0, 0)
+    assert _loaded_since(consumer, before) == (0, 0, 0)
     # Its events followed again through the router (the query relayed): after the first, to the end.
     again = list(routed.retrieve(queued.id, stream=True, starting_after=0))
     assert again[0].sequence_number == 1 and again[-1].type == f"response.{expected.status}"
@@ -244,7 +249,7 @@ def test_anthropic_messages_through_the_router_answer_like_one_server(servers):
     message = routed.messages.create(**fields, extra_body=greedy)
     expected = alone.messages.create(**fields, extra_body=greedy)
     assert message.content == expected.content and message.usage == expected.usage
-    assert _loaded_since(consumer, before) == (1, 0)
+    assert _loaded_since(consumer, before) == (1, 0, 0)
     assert "kv_transfer_params" not in message.model_dump()
     # Anthropic's event stream, relayed.
     before = _fetches(consumer)
@@ -252,7 +257,7 @@ def test_anthropic_messages_through_the_router_answer_like_one_server(servers):
         streamed = stream.get_final_message()
     assert [b.text for b in streamed.content] == [b.text for b in expected.content]
     assert streamed.stop_reason == expected.stop_reason
-    assert _loaded_since(consumer, before) == (1, 0)
+    assert _loaded_since(consumer, before) == (0, 0, 1)  # the same prompt: held whole, not fetched
     # count_tokens: any instance counts.
     counted = routed.messages.count_tokens(model="tiny", messages=fields["messages"])
     assert counted.input_tokens == expected.usage.input_tokens
@@ -268,14 +273,14 @@ def test_n_samples_take_the_prefill_leg_and_share_its_fetch(servers):
     routed = _client(router.url).completions.create(n=3, **fields)
     alone = _client(producer.url).completions.create(**fields)
     assert [c.text for c in routed.choices] == [alone.choices[0].text] * 3
-    assert _loaded_since(consumer, before) == (1, 0)
+    assert _loaded_since(consumer, before) == (1, 0, 0)
     beams = httpx.post(
         router.url + "/v1/completions",
         json={"model": "tiny", "prompt": prompt, "n": 2, "use_beam_search": True, "max_tokens": 3},
         timeout=120,
     )
     assert beams.status_code == 200 and len(beams.json()["choices"]) == 2, beams.text
-    assert _loaded_since(consumer, before) == (1, 0)
+    assert _loaded_since(consumer, before) == (1, 0, 0)
 
 
 def test_bad_requests_get_the_instances_own_errors_through_the_router(servers):

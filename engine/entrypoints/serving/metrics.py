@@ -46,7 +46,7 @@ _DOCS = {
     "kv_offload_total_time": "KV offload: seconds spent copying between the device cache and the offload "
     "tiers.",
     "kv_transfer_fetches": "Disaggregated prefill: a consumer's fetches of prompt blocks, by outcome "
-    "(loaded, or recomputed after the producer failed or timed out).",
+    "(loaded; recomputed after the producer failed or timed out; cached: this engine held every block).",
     "kv_transfer_total_bytes": "Disaggregated prefill: bytes of prompt blocks sent, fetched and loaded.",
     "kv_transfer_total_time": "Disaggregated prefill: seconds spent sending, fetching and loading prompt "
     "blocks.",
