@@ -2,7 +2,7 @@
 Anthropic request arrives here as the shared chat request's messages and tools).
 
 Tools reach the template as `tools` when it takes them, else in the system prompt; earlier calls as
-the template wants them (tools.py). A template's own `raise_exception()` is a 400 in its words; any
+the template wants them (tools.py); an assistant turn's `reasoning_content` as the template reads it. A template's own `raise_exception()` is a 400 in its words; any
 other failure is logged and a 400 that does not quote it.
 """
 
@@ -51,8 +51,22 @@ def conversation(
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         render_calls(entry, message, takes_tools)
-        out.append(entry)
+        if message.role == "assistant" and message.reasoning_content:
+            out += _with_thinking(entry, message.reasoning_content)
+        else:
+            out.append(entry)
     return out
+
+
+def _with_thinking(entry: dict, thought: str) -> list[dict]:
+    """An assistant turn's dict with its thinking under both names templates read it by
+    (`reasoning_content`: Qwen3's; `thinking`: gpt-oss's, which shows it before a call). gpt-oss's
+    template takes a call's thinking or its text (a commentary preamble), not both: the text then goes
+    in a turn of its own before the call's."""
+    entry = {**entry, "reasoning_content": thought, "thinking": thought}
+    if entry.get("tool_calls") and entry["content"]:
+        return [{"role": "assistant", "content": entry["content"]}, {**entry, "content": ""}]
+    return [entry]
 
 
 def render_chat(state: ServerState, req: ChatCompletionRequest) -> str:
