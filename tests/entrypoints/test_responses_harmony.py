@@ -71,8 +71,8 @@ ARGUMENTS = '{"city": "Paris"}'
 PREAMBLE_HEADER = "<|start|>assistant<|channel|>commentary<|message|>"
 CALL_HEADER = "<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
 # The model's answer, one token each: thinking, a preamble, then the call (then EOS: <|call|> stops).
-SCRIPT = ["<|channel|>", "analysis", "<|message|>", THOUGHT, "<|end|>", PREAMBLE_HEADER, PREAMBLE, CALL_HEADER,
-          ARGUMENTS]  # fmt: skip
+SCRIPT = ["<|channel|>", "analysis", "<|message|>", THOUGHT, "<|end|>", PREAMBLE_HEADER, PREAMBLE,
+          CALL_HEADER, ARGUMENTS]  # fmt: skip
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -300,8 +300,10 @@ def test_each_harmony_message_is_its_own_item_in_order():
     done = [p["output_index"] for p in payloads if p["type"] == "response.output_item.done"]
     assert added == done == [0, 1, 2, 3]
     deltas = [(p["type"].split(".")[1], p["delta"]) for p in payloads if p["type"].endswith(".delta")]
-    assert deltas == [("reasoning_text", "First"), ("reasoning_text", " thought."), ("reasoning_text", "Second."),
-                      ("output_text", "Let me see."), ("output_text", "It is"), ("output_text", " sunny.")]  # fmt: skip
+    assert deltas == [
+        ("reasoning_text", "First"), ("reasoning_text", " thought."), ("reasoning_text", "Second."),
+        ("output_text", "Let me see."), ("output_text", "It is"), ("output_text", " sunny."),
+    ]  # fmt: skip
     # The whole text at once (one step) makes the same items.
     assert [(i["type"], i["content"]) for i in _stream(["".join(pieces)])[1]] == [
         (i["type"], i["content"]) for i in items

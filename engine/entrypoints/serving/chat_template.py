@@ -2,8 +2,9 @@
 Anthropic request arrives here as the shared chat request's messages and tools).
 
 Tools reach the template as `tools` when it takes them, else in the system prompt; earlier calls as
-the template wants them (tools.py); an assistant turn's `reasoning_content` as the template reads it. A template's own `raise_exception()` is a 400 in its words; any
-other failure is logged and a 400 that does not quote it.
+the template wants them (tools.py); an assistant turn's `reasoning_content` as templates read it. A
+template's own `raise_exception()` is a 400 in its words; any other failure is logged and a 400 that
+does not quote it.
 """
 
 from __future__ import annotations
