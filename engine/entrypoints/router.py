@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -272,8 +273,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=None,
-        help="the key clients must send (Bearer or x-api-key); their credentials go on to the instances",
+        default=os.environ.get("XLASERVE_API_KEY"),
+        help="the key clients must send, Bearer or x-api-key (also XLASERVE_API_KEY); the client's "
+        "credentials go on to the instances whether or not it is set",
     )
     p.set_defaults(func=cmd_router)
 
