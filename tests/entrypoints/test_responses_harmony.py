@@ -28,7 +28,7 @@ from xlaserve.entrypoints.openai.responses_harmony import TurnParser
 from xlaserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser
-from xlaserve.entrypoints.serving.chat_template import conversation
+from xlaserve.entrypoints.serving.chat_template import conversation, template_takes_thinking
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
 from xlaserve.entrypoints.serving.tool_parsers import get_tool_parser
 
@@ -64,6 +64,8 @@ HARMONY_TEMPLATE = (
     "{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
 )
+# Qwen3's template reads `reasoning_content` and the `enable_thinking` flag: no `thinking` is given to it.
+QWEN3_LIKE = "{%- if enable_thinking is defined %}{{ message.reasoning_content }}{%- endif %}"
 MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>"]
 THOUGHT = "The user asks about the weather."
 PREAMBLE = "Checking the forecast."
@@ -249,11 +251,13 @@ def test_items_render_as_the_template_applied_by_hand(tokenizer):
         req = ResponsesRequest.model_validate({"model": "tiny", "input": input_items, "tools": [WEATHER]})
         chat = to_chat_request(req, input_turns(req, []))
         tools = [tool.model_dump(exclude_none=True) for tool in chat.tools]
+        messages = conversation(chat.messages, takes_thinking=template_takes_thinking(HARMONY_TEMPLATE))
         text = tokenizer.apply_chat_template(
-            conversation(chat.messages), tools=tools, add_generation_prompt=True, tokenize=False
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
         )
         return tokenizer.encode(text, add_special_tokens=False)
 
+    assert template_takes_thinking(HARMONY_TEMPLATE) and not template_takes_thinking(QWEN3_LIKE)
     assert rendered(items) == _hand_prompt(tokenizer, call_id)
     answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]}
     later = [*items, answer, {"type": "message", "role": "user", "content": "Thanks."}]
