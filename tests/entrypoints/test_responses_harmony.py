@@ -25,8 +25,10 @@ from helpers.server_harness import ServerProcess
 from helpers.tiny_models import TINY_PROCESS_XLA_FLAGS
 from xlaserve.entrypoints.openai.responses_convert import input_turns, to_chat_request
 from xlaserve.entrypoints.openai.responses_harmony import TurnParser
+from xlaserve.entrypoints.openai.responses_output import FunctionCallOutput, OutputMessage, ReasoningOutput
 from xlaserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
+from xlaserve.entrypoints.openai.responses_turn import answer_turn
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser
 from xlaserve.entrypoints.serving.chat_template import conversation, template_takes_thinking
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
@@ -236,8 +238,9 @@ def test_tool_loop_by_previous_response_id_and_by_items(client, tokenizer):
 
 
 def test_items_render_as_the_template_applied_by_hand(tokenizer):
-    """The chat messages the items become, rendered by the template, are the hand-written loop's ids, and
-    a loop whose call was answered by a final message drops the call's thinking (the template's rule)."""
+    """The chat messages the items become (sent back, or a stored response's turn), rendered by the
+    template, are the hand-written loop's ids, and a loop whose call was answered by a final message
+    drops the call's thinking (the template's rule)."""
     call_id = "call_1"
     items = [
         {"type": "message", "role": "user", "content": ASK},
@@ -247,9 +250,9 @@ def test_items_render_as_the_template_applied_by_hand(tokenizer):
         {"type": "function_call_output", "call_id": call_id, "output": RESULT},
     ]
 
-    def rendered(input_items) -> list[int]:
+    def rendered(input_items, history=()) -> list[int]:
         req = ResponsesRequest.model_validate({"model": "tiny", "input": input_items, "tools": [WEATHER]})
-        chat = to_chat_request(req, input_turns(req, []))
+        chat = to_chat_request(req, [*history, *input_turns(req, list(history))])
         tools = [tool.model_dump(exclude_none=True) for tool in chat.tools]
         messages = conversation(chat.messages, takes_thinking=template_takes_thinking(HARMONY_TEMPLATE))
         text = tokenizer.apply_chat_template(
@@ -264,6 +267,12 @@ def test_items_render_as_the_template_applied_by_hand(tokenizer):
     final = [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks."}]
     hand = _hand_prompt(tokenizer, call_id, *final)
     assert rendered(later) == hand
+    # A stored response's turn (`previous_response_id`): the script's items, parsed as the server does,
+    # as the assistant turn the store keeps.
+    _, made = _stream(SCRIPT)
+    history = [{"role": "user", "content": ASK}, answer_turn([_item(item) for item in made])]
+    output = {"type": "function_call_output", "call_id": made[2]["call_id"], "output": RESULT}
+    assert rendered([output], history) == _hand_prompt(tokenizer, made[2]["call_id"])
 
 
 # -- the parse behind the items, token by token --------------------------------------------------------
@@ -275,6 +284,11 @@ class FakeTokenizer:
 
     def encode(self, text, add_special_tokens=False):
         return [{"final": 2}[text]]
+
+
+def _item(dumped: dict):
+    kinds = {"reasoning": ReasoningOutput, "message": OutputMessage, "function_call": FunctionCallOutput}
+    return kinds[dumped["type"]].model_validate(dumped)
 
 
 def _stream(pieces: list[str]) -> tuple[list[dict], list[dict]]:
