@@ -179,6 +179,7 @@ def _hand_prompt(tokenizer, call_id: str, *more) -> list[int]:
 # -- one model turn: items and events ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # the module's server (a tiny model)
 def test_items_and_usage_not_streamed(client, tokenizer):
     response = client.responses.create(model="tiny", input=ASK, tools=[WEATHER], temperature=0.0)
     assert response.status == "completed"
@@ -189,6 +190,7 @@ def test_items_and_usage_not_streamed(client, tokenizer):
     )
 
 
+@pytest.mark.slow  # the module's server (a tiny model)
 def test_events_streamed(harmony_server):
     body = {"model": "tiny", "input": ASK, "tools": [WEATHER], "temperature": 0.0, "stream": True}
     with httpx.stream("POST", harmony_server.url + "/v1/responses", json=body, timeout=300) as reply:
@@ -215,6 +217,7 @@ def test_events_streamed(harmony_server):
 # -- a tool loop: the items back through the template -------------------------------------------------
 
 
+@pytest.mark.slow  # the module's server (a tiny model)
 def test_tool_loop_by_previous_response_id_and_by_items(client, tokenizer):
     first = client.responses.create(model="tiny", input=ASK, tools=[WEATHER], temperature=0.0)
     call_id = _check_items(first.output)
