@@ -233,10 +233,13 @@ async def stream_turn(
             logprobs = []
             if top_n is not None and completion.token_ids:
                 logprobs = [entry.model_dump() for entry in token_logprobs(state, completion, top_n)]
+            # The step's logprobs go with its first answer text (or its last delta): a step of several
+            # harmony messages (several tokens) gives its tokens to the answer, as one delta would.
+            owner = next((i for i, d in enumerate(deltas) if d and d.content), len(deltas) - 1)
             events = []
-            for delta in deltas:  # the step's logprobs go with its first delta
-                events += items.feed(delta, logprobs) if delta or logprobs else []
-                logprobs = []
+            for i, delta in enumerate(deltas):
+                step_logprobs = logprobs if i == owner else []
+                events += items.feed(delta, step_logprobs) if delta or step_logprobs else []
                 totals.reasoning += (delta.reasoning or "") if delta else ""
             if completion.finish_reason is not None:
                 for last in turn.finish():
