@@ -11,6 +11,11 @@ and what it leaves out of the body, is router_apis.py; the Responses API's store
 router_responses.py. An n > 1 request's prefill leg asks for one sample: its n samples on the decode
 instance share the prompt's one fetch (engine/engine/kv_fetch.py).
 
+The client's credentials (`Authorization`, Anthropic's `x-api-key`) go with every request the router
+makes for it, both legs and the Responses follow-ups, so instances may run with `--api-key`: a key an
+instance refuses is its 401, relayed as its other errors are. `--api-key` on the router itself checks
+the key before anything is routed (as `xlaserve serve` does: serving/guard.py).
+
 Instances are picked round robin, or (`--policy least_loaded`) by the fewest requests this router has
 in flight on each. An instance that refuses connections or answers 5xx is skipped for
 `--retry-after` seconds and the request tried on the next one: with no prefill instance left it goes
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -32,7 +38,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from xlaserve.entrypoints.router_apis import CHAT, COMPLETIONS, MESSAGES, Api, read_body
+from xlaserve.entrypoints.router_apis import CHAT, COMPLETIONS, MESSAGES, Api, credentials, read_body
 from xlaserve.entrypoints.router_responses import add_responses_routes
 
 logger = logging.getLogger("xlaserve.entrypoints.router")
@@ -93,10 +99,10 @@ class Router:
         )
         instance.down_until = time.monotonic() + self.retry_after_s
 
-    async def _post(self, instance: Instance, path: str, body: dict) -> httpx.Response:
+    async def _post(self, instance: Instance, path: str, body: dict, headers: dict) -> httpx.Response:
         instance.in_flight += 1
         try:
-            response = await self.client.post(instance.url + path, json=body)
+            response = await self.client.post(instance.url + path, json=body, headers=headers)
         except httpx.HTTPError as e:
             self._down(instance, repr(e))
             raise _InstanceError from e
@@ -107,13 +113,13 @@ class Router:
             raise _InstanceError
         return response
 
-    async def _prefill(self, api: Api, body: dict) -> dict | Response | None:
-        """The prefill instance's kv_transfer_params; its error response for a bad request; None when
-        no instance answered (the decode instance then computes the prompt)."""
+    async def _prefill(self, api: Api, body: dict, headers: dict) -> dict | Response | None:
+        """The prefill instance's kv_transfer_params; its error response for a bad request (or a key it
+        refuses); None when no instance answered (the decode instance then computes the prompt)."""
         prefill_body = api.prefill_body(body)
         for instance in self.prefill.order():
             try:
-                response = await self._post(instance, api.path, prefill_body)
+                response = await self._post(instance, api.path, prefill_body, headers)
             except _InstanceError:
                 continue
             if response.status_code != 200:
@@ -123,20 +129,21 @@ class Router:
 
     async def handle(self, api: Api, request: Request) -> Response:
         body = await read_body(api, request)
-        return body if isinstance(body, Response) else await self.route(api, body)
+        return body if isinstance(body, Response) else await self.route(api, body, credentials(request))
 
-    async def route(self, api: Api, body: dict, watch: Watch | None = None) -> Response:
+    async def route(self, api: Api, body: dict, headers: dict, watch: Watch | None = None) -> Response:
         """The request's answer: the prefill leg (unless `api` says the request skips it), then the
-        request with the prefill's kv_transfer_params on a decode instance, relayed."""
+        request with the prefill's kv_transfer_params on a decode instance, relayed; `headers` (the
+        client's credentials) go with both."""
         params = None
         if self.prefill.instances and not api.skips_prefill(body):
-            params = await self._prefill(api, body)
+            params = await self._prefill(api, body, headers)
             if isinstance(params, Response):
                 return params
             if params is None:
                 self.num_prefill_fallbacks += 1
         decode_body = body if params is None else dict(body, kv_transfer_params=params)
-        return await self.send(api, "POST", api.path, decode_body, self.decode.order(), watch)
+        return await self.send(api, "POST", api.path, decode_body, self.decode.order(), headers, watch)
 
     async def send(
         self,
@@ -145,6 +152,7 @@ class Router:
         path: str,
         body: dict | None,
         instances: list[Instance],
+        headers: dict,
         watch: Watch | None = None,
         unavailable: str = "router: no decode instance is answering",
     ) -> Response:
@@ -154,7 +162,8 @@ class Router:
             instance.in_flight += 1
             try:
                 upstream = await self.client.send(
-                    self.client.build_request(method, instance.url + path, json=body), stream=True
+                    self.client.build_request(method, instance.url + path, json=body, headers=headers),
+                    stream=True,
                 )
             except httpx.HTTPError as e:
                 instance.in_flight -= 1
@@ -198,8 +207,10 @@ class Router:
             await upstream.aclose()
 
 
-def build_app(router: Router):
+def build_app(router: Router, api_key: str | None = None):
     from fastapi import FastAPI  # not at import: `xlaserve --help` stays light
+
+    from xlaserve.entrypoints.serving.guard import GuardMiddleware
 
     @asynccontextmanager
     async def lifespan(app):
@@ -207,6 +218,8 @@ def build_app(router: Router):
         await router.client.aclose()
 
     app = FastAPI(title="xlaserve router", lifespan=lifespan)
+    if api_key:  # the server's check: Bearer or x-api-key on /v1/, a 401 in the route's error shape
+        app.add_middleware(GuardMiddleware, api_key=api_key)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -226,13 +239,14 @@ def build_app(router: Router):
         body = await read_body(MESSAGES, request)
         if isinstance(body, Response):
             return body
-        return await router.send(MESSAGES, "POST", "/v1/messages/count_tokens", body, router.decode.order())
+        path, instances = "/v1/messages/count_tokens", router.decode.order()
+        return await router.send(MESSAGES, "POST", path, body, instances, credentials(request))
 
     add_responses_routes(app, router)
 
     @app.get("/v1/models")
-    async def models():
-        return await router.send(CHAT, "GET", "/v1/models", None, router.decode.order())
+    async def models(request: Request):
+        return await router.send(CHAT, "GET", "/v1/models", None, router.decode.order(), credentials(request))
 
     @app.get("/health")
     async def health():
@@ -257,6 +271,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--retry-after", type=float, default=5.0, help="seconds an unanswering instance is skipped"
     )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("XLASERVE_API_KEY"),
+        help="the key clients must send, Bearer or x-api-key (also XLASERVE_API_KEY); the client's "
+        "credentials go on to the instances whether or not it is set",
+    )
     p.set_defaults(func=cmd_router)
 
 
@@ -265,5 +285,5 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     router = Router(args.prefill, args.decode, args.policy, args.retry_after)
     logger.info("router on %s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode)
-    uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(build_app(router, args.api_key), host=args.host, port=args.port, log_level="warning")
     return 0

@@ -1,5 +1,6 @@
 """What `xlaserve router` (entrypoints/router.py) knows of each API it fronts: which requests take the
-prefill leg, the prefill leg's body, and the router's own errors in the API's shape.
+prefill leg, the prefill leg's body, the client's credentials it sends on, and the router's own errors
+in the API's shape.
 
 The prefill leg asks for one token of the request's prompt, so it keeps every field that shapes the
 prompt (messages, tools, instructions, template settings, the cache salt, the adapter) and leaves out
@@ -23,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 PREFILL_ONLY = {"do_remote_decode": True}
+CREDENTIALS = ("authorization", "x-api-key")
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "overloaded_error"}
 
 
@@ -113,6 +115,12 @@ MESSAGES = Api(
     lambda body: "kv_transfer_params" in body or bool(body.get("mcp_servers")),
     is_anthropic=True,
 )
+
+
+def credentials(request: Request) -> dict[str, str]:
+    """The client's credential headers (OpenAI's Bearer, Anthropic's x-api-key), which every request
+    the router makes for it carries on to the instances."""
+    return {name: request.headers[name] for name in CREDENTIALS if name in request.headers}
 
 
 async def read_body(api: Api, request: Request) -> dict | Response:

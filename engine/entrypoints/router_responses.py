@@ -21,7 +21,7 @@ from urllib.parse import quote
 from starlette.requests import Request
 from starlette.responses import Response
 
-from xlaserve.entrypoints.router_apis import RESPONSES, read_body
+from xlaserve.entrypoints.router_apis import RESPONSES, credentials, read_body
 
 MAX_REMEMBERED = 1 << 16  # response ids whose decode instance the router remembers
 _MAX_HEAD_BYTES = 1 << 16  # a stream's bytes read for its response.created event, at most
@@ -87,25 +87,29 @@ def add_responses_routes(app, router) -> None:
     """The Responses routes on the router's `app` (`router`: entrypoints/router.py's Router)."""
     owners = ResponseOwners()
 
-    async def owner(response_id: str):
-        """The decode instance holding the response (None: none that answers does)."""
+    async def owner(response_id: str, headers: dict):
+        """The decode instance holding the response (None: none that answers does, to the client's
+        credentials `headers`)."""
         known = owners.get(response_id)
         if known is not None:
             return known
         for instance in router.decode.order():
-            found = await router.send(RESPONSES, "GET", _path(response_id), None, [instance])
+            found = await router.send(RESPONSES, "GET", _path(response_id), None, [instance], headers)
             if found.status_code == 200:
                 owners.remember(response_id, instance)
                 return instance
         return None
 
-    async def to_owner(method: str, response_id: str, path: str, body: dict | None = None, watch=None):
+    async def to_owner(
+        request: Request, method: str, response_id: str, path: str, body: dict | None = None, watch=None
+    ):
         """The request sent to the instance holding the response; to any when none does (it answers
-        its 404)."""
-        instance = await owner(response_id)
+        its 404, or its 401)."""
+        headers = credentials(request)
+        instance = await owner(response_id, headers)
         instances = [instance] if instance is not None else router.decode.order()
         why = f"router: the decode instance holding response {response_id[:64]!r} is not answering"
-        return await router.send(RESPONSES, method, path, body, instances, watch, unavailable=why)
+        return await router.send(RESPONSES, method, path, body, instances, headers, watch, unavailable=why)
 
     @app.post("/v1/responses")
     async def create(request: Request):
@@ -115,21 +119,21 @@ def add_responses_routes(app, router) -> None:
         watch = _IdReader(owners) if body.get("store", True) is not False else None
         previous = body.get("previous_response_id")
         if isinstance(previous, str):
-            return await to_owner("POST", previous, "/v1/responses", body, watch)
-        return await router.route(RESPONSES, body, watch)
+            return await to_owner(request, "POST", previous, "/v1/responses", body, watch)
+        return await router.route(RESPONSES, body, credentials(request), watch)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, request: Request):
         query = f"?{request.url.query}" if request.url.query else ""
-        return await to_owner("GET", response_id, _path(response_id) + query)
+        return await to_owner(request, "GET", response_id, _path(response_id) + query)
 
     @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel(response_id: str):
-        return await to_owner("POST", response_id, _path(response_id) + "/cancel")
+    async def cancel(response_id: str, request: Request):
+        return await to_owner(request, "POST", response_id, _path(response_id) + "/cancel")
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str):
-        answer = await to_owner("DELETE", response_id, _path(response_id))
+    async def delete(response_id: str, request: Request):
+        answer = await to_owner(request, "DELETE", response_id, _path(response_id))
         if answer.status_code == 200:
             owners.forget(response_id)
         return answer

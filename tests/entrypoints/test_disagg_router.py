@@ -6,11 +6,14 @@ API (a stored response continued, read back and deleted through the router; a ba
 Anthropic's messages, streamed or not (a prompt sent again: not fetched, the consumer holds it whole),
 and n > 1 samples sharing one fetch; bad requests get the
 instances' own errors; a producer killed after its prefill leaves the consumer computing the prompt
-itself; with no producer left the router sends requests to the consumer alone.
+itself; with no producer left the router sends requests to the consumer alone. The instances run with
+`--api-key`: the client's key (Bearer, or Anthropic's x-api-key) goes on to both legs, and a key they
+refuse is their 401, relayed; the router's own `--api-key` is checked before anything is routed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -24,12 +27,15 @@ import pytest
 
 from helpers.server_harness import ServerProcess, _command, _free_port
 from helpers.tiny_models import TINY_PROCESS_ENV, save_tiny_thinking_model
+from xlaserve.entrypoints.router import Router, build_app
 from xlaserve.entrypoints.router_responses import ResponseOwners, _IdReader
 
 BLOCK = 16
 # A long prompt: several blocks travel.
 PROMPT = "The quick brown fox jumps over the lazy dog, " * 6
 GREEDY = {"temperature": 0.0, "max_tokens": 10}
+KEY = "sk-disagg"  # the instances' --api-key
+AUTH = {"Authorization": f"Bearer {KEY}"}
 TINY_FLAGS = ["--enforce-eager", "--served-model-name", "tiny", "--max-num-batched-tokens", "64",
               "--max-num-seqs", "4", "--max-model-len", "256", "--block-size", str(BLOCK)]  # fmt: skip
 
@@ -75,6 +81,7 @@ def servers(tmp_path_factory, server_cache_dir):
         logs,
         server_cache_dir,
         [*TINY_FLAGS, *_transfer_flags("kv_producer", _free_port())],
+        api_key=KEY,
         model=model,
         env=TINY_PROCESS_ENV,
     )
@@ -83,6 +90,7 @@ def servers(tmp_path_factory, server_cache_dir):
         logs,
         server_cache_dir,
         [*TINY_FLAGS, *_transfer_flags("kv_consumer", _free_port(), timeout_s=2.0)],
+        api_key=KEY,
         model=model,
         env=TINY_PROCESS_ENV,
     )
@@ -97,7 +105,7 @@ def servers(tmp_path_factory, server_cache_dir):
 
 
 def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def _fetches(consumer) -> dict[str, float]:
@@ -111,7 +119,7 @@ def _fetches(consumer) -> dict[str, float]:
 
 
 def _num_prompt_tokens(server, prompt: str) -> int:
-    return len(httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"])
+    return len(httpx.post(server.url + "/tokenize", json={"prompt": prompt}, headers=AUTH).json()["tokens"])
 
 
 def test_the_router_answers_like_one_server(servers):
@@ -148,7 +156,7 @@ def test_bad_requests_pass_through_the_router_as_400(servers):
     with pytest.raises(openai.BadRequestError) as e:
         _client(router.url).completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=5.0)
     assert e.value.body["param"] == "temperature"
-    response = httpx.post(router.url + "/v1/completions", content=b"{not json")
+    response = httpx.post(router.url + "/v1/completions", content=b"{not json", headers=AUTH)
     assert response.status_code == 400 and "not JSON" in response.json()["error"]["message"]
 
 
@@ -160,8 +168,8 @@ def test_bench_serve_measures_the_router_against_one_server(servers, tmp_path):
     out = tmp_path / "bench.json"
     subprocess.run(
         [*_command(), "bench", "serve", "--base-url", router.url, "--peer-base-url", producer.url,
-         "--num-prompts", "4", "--output-len", "4", "--long-prompt-ratio", "0.5", "--long-prompt-len", "30",
-         "--output-json", str(out)],
+         "--api-key", KEY, "--num-prompts", "4", "--output-len", "4", "--long-prompt-ratio", "0.5",
+         "--long-prompt-len", "30", "--output-json", str(out)],
         check=True, timeout=300,
     )  # fmt: skip
     run = json.loads(out.read_text())["runs"][0]
@@ -241,8 +249,9 @@ def test_responses_through_the_router_answer_like_one_server_and_continue(server
 
 def test_anthropic_messages_through_the_router_answer_like_one_server(servers):
     producer, consumer, router = servers
-    routed = anthropic.Anthropic(base_url=router.url, api_key="none", max_retries=0, timeout=120)
-    alone = anthropic.Anthropic(base_url=producer.url, api_key="none", max_retries=0, timeout=120)
+    # Anthropic's client sends its key as x-api-key: the router sends that on.
+    routed = anthropic.Anthropic(base_url=router.url, api_key=KEY, max_retries=0, timeout=120)
+    alone = anthropic.Anthropic(base_url=producer.url, api_key=KEY, max_retries=0, timeout=120)
     fields = {"model": "tiny", "max_tokens": 10, "messages": [{"role": "user", "content": "E " + PROMPT}]}
     greedy = {"temperature": 0}
     before = _fetches(consumer)
@@ -277,6 +286,7 @@ def test_n_samples_take_the_prefill_leg_and_share_its_fetch(servers):
     beams = httpx.post(
         router.url + "/v1/completions",
         json={"model": "tiny", "prompt": prompt, "n": 2, "use_beam_search": True, "max_tokens": 3},
+        headers=AUTH,
         timeout=120,
     )
     assert beams.status_code == 200 and len(beams.json()["choices"]) == 2, beams.text
@@ -294,15 +304,78 @@ def test_bad_requests_get_the_instances_own_errors_through_the_router(servers):
                           "temperature": 1.5}, producer, 400),
     ]  # fmt: skip
     for path, body, instance, status in cases:
-        through = httpx.post(router.url + path, json=body, timeout=120)
-        direct = httpx.post(instance.url + path, json=body, timeout=120)
+        through = httpx.post(router.url + path, json=body, headers=AUTH, timeout=120)
+        direct = httpx.post(instance.url + path, json=body, headers=AUTH, timeout=120)
         assert through.status_code == direct.status_code == status, through.text
         assert through.json() == direct.json()
-    response = httpx.get(router.url + "/v1/responses/resp_nowhere")
+    response = httpx.get(router.url + "/v1/responses/resp_nowhere", headers=AUTH)
     assert response.status_code == 404 and response.json()["error"]["code"] == "response_not_found"
-    response = httpx.post(router.url + "/v1/messages", content=b"{not json")
+    response = httpx.post(router.url + "/v1/messages", content=b"{not json", headers=AUTH)
     assert response.status_code == 400 and response.json()["type"] == "error"
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_key_the_instances_refuse_is_their_401_through_the_router(servers):
+    """Without the key, or with a wrong one (Bearer or x-api-key), each route answers what the instance
+    it reaches answers: the prefill leg's producer, the decode instance, the instance searched for a
+    stored response; in the route's error shape (Anthropic's on /v1/messages)."""
+    producer, consumer, router = servers
+    chat = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    cases = [
+        ("POST", "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 4}, producer),
+        ("POST", "/v1/chat/completions", chat, producer),
+        ("POST", "/v1/messages", chat, producer),
+        ("POST", "/v1/responses", {"model": "tiny", "input": "Hi"}, producer),
+        ("GET", "/v1/responses/resp_x", None, consumer),
+        ("GET", "/v1/models", None, consumer),
+    ]
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"x-api-key": "sk-wrong"}):
+        for method, path, body, instance in cases:
+            through = httpx.request(method, router.url + path, json=body, headers=headers, timeout=60)
+            direct = httpx.request(method, instance.url + path, json=body, headers=headers, timeout=60)
+            assert through.status_code == direct.status_code == 401, (path, through.text)
+            assert through.json() == direct.json()
+            error = through.json()["error"]
+            assert error["type"] == "authentication_error", (path, error)
+    # The right key as x-api-key (Anthropic's way) is sent on too, on any route.
+    models = httpx.get(router.url + "/v1/models", headers={"x-api-key": KEY}, timeout=60)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+
+
+def test_the_routers_own_key_is_checked_before_routing():
+    """`--api-key` on the router: a missing or wrong key is its 401 (in the route's shape), before any
+    instance is tried (here none answers: a right key gets the 503 of no decode instance); /health is
+    open."""
+    router = Router([], [f"http://127.0.0.1:{_free_port()}"])
+    app = build_app(router, api_key=KEY)
+
+    async def ask(method: str, path: str, headers: dict) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            return await client.request(method, path, json={"model": "tiny", "prompt": "Hi"}, headers=headers)
+
+    async def run():
+        answers = {}
+        for name, headers in [("none", {}), ("wrong", {"Authorization": "Bearer x"}), ("right", AUTH),
+                              ("right-x", {"x-api-key": KEY})]:  # fmt: skip
+            for path in ("/v1/completions", "/v1/messages"):
+                answers[name, path] = await ask("POST", path, headers)
+        answers["health"] = await ask("GET", "/health", {})
+        await router.client.aclose()
+        return answers
+
+    answers = asyncio.run(run())
+    for name in ("none", "wrong"):
+        openai_shape, anthropic_shape = answers[name, "/v1/completions"], answers[name, "/v1/messages"]
+        assert openai_shape.status_code == anthropic_shape.status_code == 401
+        assert openai_shape.json()["error"]["code"] == "invalid_api_key"
+        assert anthropic_shape.json()["type"] == "error"
+        assert anthropic_shape.json()["error"]["type"] == "authentication_error"
+    for name in ("right", "right-x"):
+        assert answers[name, "/v1/completions"].status_code == 503
+        assert "no decode instance" in answers[name, "/v1/completions"].json()["error"]["message"]
+        assert answers[name, "/v1/messages"].json()["error"]["type"] == "overloaded_error"
+    assert answers["health"].status_code == 503  # open (no key asked), and no instance is up
 
 
 def test_the_router_reads_a_response_id_from_any_answer():
@@ -326,6 +399,7 @@ def test_a_killed_producer_leaves_the_consumer_computing_and_the_router_routing(
     # The producer prefills and holds the blocks, then dies before the consumer fetches them.
     prefilled = httpx.post(
         producer.url + "/v1/completions",
+        headers=AUTH,
         json={
             "model": "tiny",
             "prompt": prompt,
@@ -339,7 +413,7 @@ def test_a_killed_producer_leaves_the_consumer_computing_and_the_router_routing(
     producer.proc.wait(timeout=30)
     before = _fetches(consumer)
     body = {"model": "tiny", "prompt": prompt, **GREEDY, "kv_transfer_params": params}
-    answer = httpx.post(consumer.url + "/v1/completions", json=body, timeout=120).json()
+    answer = httpx.post(consumer.url + "/v1/completions", json=body, headers=AUTH, timeout=120).json()
     alone = _client(consumer.url).completions.create(model="tiny", prompt=prompt, **GREEDY).choices[0].text
     assert answer["choices"][0]["text"] == alone  # computed on the consumer, nothing lost
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # its first token differs

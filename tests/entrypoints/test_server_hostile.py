@@ -629,6 +629,20 @@ TEXT_FIELDS = [  # (endpoint, body with "@" where the bad text goes, the param t
     ("tokenize-chat", {"messages": [{"role": "user", "content": "x@"}]}, "messages[0].content"),
     ("responses", {"input": "a@"}, "input"),
     ("responses", {"input": [{"role": "user", "content": "@"}]}, "input[0].content"),
+    (
+        "responses",
+        {
+            "input": [
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "@"}]}
+            ]
+        },
+        "input[0].content[0].text",
+    ),
+    (
+        "chat",
+        {"messages": [*CHAT, {"role": "assistant", "content": "x", "reasoning_content": "@"}]},
+        "messages[1].reasoning_content",
+    ),
     ("responses", {"instructions": "@"}, "instructions"),
     ("responses", {"previous_response_id": "resp_@"}, "previous_response_id"),
     ("responses", {"metadata": {"k": "@"}}, "metadata.k"),
@@ -679,6 +693,23 @@ NUL_CASES = [  # NUL is a valid character: accepted and handled like any other
     ("chat", {"messages": [{"role": "user", "content": "\x00"}]}, 200),
     ("tokenize", {"prompt": "\x00"}, 200),
     ("responses", {"input": "\x00"}, 200),
+    (
+        "responses",
+        {
+            "input": [
+                *CHAT,
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "\x00"}]},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Again?"},
+            ]
+        },
+        200,
+    ),
+    (
+        "chat",
+        {"messages": [*CHAT, {"role": "assistant", "content": "x", "reasoning_content": "\x00"}, *CHAT]},
+        200,
+    ),
     ("tokenize", {"prompt": "Hi", "model": "\x00"}, 404),
 ]
 
@@ -991,6 +1022,11 @@ RESPONSES_CASES = [  # (fields over the valid body, the param named, the status)
      "input[1].output", 400),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", 400),
     ({"input": [{"type": "reasoning", "summary": "x"}]}, "input[0].summary", 400),
+    # A reasoning item's text reaches the template (the thinking of the assistant turn it begins).
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": 5}]}]},
+     "input[0].content[0].text", 400),
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "summary_text", "text": "x"}]}]},
+     "input[0].content[0].type", 400),
     ({"input": ["x"] * 4097}, "input", 400),
     ({"max_output_tokens": 0}, "max_output_tokens", 400),
     ({"max_output_tokens": 2**31}, "max_output_tokens", 400),

@@ -5,7 +5,10 @@ for required and named calls), sampling parameters and output parsers.
 The shapes map one to one: `instructions` is a first system message (not carried over to a later
 turn, as in OpenAI's API); a string `input` is a user message; `function_call` items are the tool_calls
 of the assistant turn before them (or of a new one); each `function_call_output` is a `tool` message;
-the flat tools and tool_choice nest under "function"; `text.format` is `response_format`;
+a `reasoning` item is the thinking (`reasoning_content`) of the assistant turn it begins, which the
+message or calls after it join (the chat template renders it as its model does: gpt-oss's takes it
+as `thinking`, serving/chat_template.py); the flat tools and tool_choice nest under "function";
+`text.format` is `response_format`;
 `max_output_tokens` is `max_tokens`. What the chat path would name by its own fields is checked here
 first, each a 400 naming the Responses field (`input[3].call_id`); what it checks itself has its
 field renamed by `rename_error`.
@@ -96,7 +99,11 @@ def input_turns(req: ResponsesRequest, history: list[dict]) -> list[dict]:
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         if isinstance(item, MessageItem):
-            turns.append({"role": item.role, "content": _message_content(item, where)})
+            previous = turns[-1] if turns else None
+            if item.role == "assistant" and _is_thought_only(previous):
+                previous["content"] = _message_content(item, where)  # the answer after its thinking
+            else:
+                turns.append({"role": item.role, "content": _message_content(item, where)})
         elif isinstance(item, FunctionCallItem):
             _check_arguments(item.arguments, f"{where}.arguments")
             add_call(item.call_id, item.name, item.arguments, f"{where}.call_id")
@@ -130,9 +137,27 @@ def input_turns(req: ResponsesRequest, history: list[dict]) -> list[dict]:
                 )
             output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
             turns.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
-        elif isinstance(item, ReasoningItem | McpListToolsItem):
-            continue  # a model's earlier thinking (templates leave it out); a listing (listed again)
+        elif isinstance(item, ReasoningItem):  # the thinking of the assistant turn it begins
+            thought = "".join(part.text for part in item.content or ())
+            previous = turns[-1] if turns else None
+            if _is_thought_only(previous) and thought:
+                previous["reasoning_content"] += "\n" + thought
+            elif thought:
+                turns.append({"role": "assistant", "content": None, "reasoning_content": thought})
+        elif isinstance(item, McpListToolsItem):
+            continue  # an MCP server's listing: listed again for this response
     return turns
+
+
+def _is_thought_only(turn: dict | None) -> bool:
+    """An assistant turn begun by a reasoning item, nothing else in it yet."""
+    return (
+        turn is not None
+        and turn["role"] == "assistant"
+        and "reasoning_content" in turn
+        and turn["content"] is None
+        and not turn.get("tool_calls")
+    )
 
 
 def _message_content(item: MessageItem, where: str) -> str | list[dict]:

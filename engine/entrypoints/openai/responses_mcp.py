@@ -11,6 +11,7 @@ from xlaserve.entrypoints.openai.responses_output import (
     McpApprovalRequestOutput,
     McpCallOutput,
     OutputMessage,
+    ReasoningOutput,
     Response,
 )
 from xlaserve.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -119,10 +120,13 @@ class McpResponse:
                     for c in turn_items
                     if isinstance(c, McpCallOutput | McpApprovalRequestOutput)
                 ]
-                conversation = [
-                    *conversation,
-                    {"role": "assistant", "content": said or None, "tool_calls": model_calls},
-                ]
+                turn_answer = {"role": "assistant", "content": said or None, "tool_calls": model_calls}
+                thought = "\n".join(
+                    p.text for i in turn_items if isinstance(i, ReasoningOutput) for p in i.content
+                )
+                if thought:
+                    turn_answer["reasoning_content"] = thought
+                conversation = [*conversation, turn_answer]
                 for call in calls:
                     yield items.call_started(call)
                     await session.call(call)

@@ -155,8 +155,9 @@ class ReasoningText(StrictModel):
 
 
 class ReasoningItem(StrictModel):
-    """A previous response's reasoning sent back: accepted, not shown to the model (templates drop
-    earlier thinking)."""
+    """A previous response's reasoning sent back: its `content` is the thinking of the assistant turn
+    it begins (the template decides whether the model sees it: gpt-oss's shows the thinking before a
+    call not yet answered by a final message); `summary` and `encrypted_content` are not shown."""
 
     type: Literal["reasoning"]
     id: ItemId | None = None

@@ -63,7 +63,9 @@ class EventWriter:
 class OutputStream:
     """Output items as events, from the chat path's ChoiceDeltas: thinking opens a reasoning item,
     answer text a message item, each call's first delta a function_call item (an mcp_call item when
-    `mcp_label` names the server of its tool); a new item closes the open one.
+    `mcp_label` names the server of its tool); a new item closes the open one. Where the model writes
+    several messages (gpt-oss's harmony: `ChoiceDelta.message`), each message is its own item: two
+    analysis messages two reasoning items, a commentary preamble and the final answer two messages.
 
     An MCP call the model finished is left open in `pending` (with its model's call id in `call_ids`)
     until the server has made it: `call_started`, then `call_finished`, or `not_made`.
@@ -89,6 +91,7 @@ class OutputStream:
         self.call_ids: dict[str, str] = {}  # an mcp_call item's id -> the model's id for the call
         self._mcp_label = mcp_label
         self._open: OutputItem | None = None
+        self._open_message: int | None = None  # the model's message it reads (ChoiceDelta.message)
         self._text = ""  # the open item's text, or a call's arguments
         self._logprobs: list[dict] = []  # the open message's tokens' logprobs
         self._unwritten: list[dict] = []  # the logprobs of tokens whose text has not come out yet
@@ -102,9 +105,9 @@ class OutputStream:
             return []
         events = []
         if delta.reasoning:
-            events += self._add_text("reasoning", delta.reasoning)
+            events += self._add_text("reasoning", delta.reasoning, delta.message)
         if delta.content:
-            events += self._add_text("message", delta.content)
+            events += self._add_text("message", delta.content, delta.message)
         elif delta.reasoning or delta.tool_calls:  # these tokens wrote no answer
             self._unwritten = []
         for call in delta.tool_calls:
@@ -127,6 +130,7 @@ class OutputStream:
                     )
                     self.call_ids[item.id] = call.id
                 events += self._open_item(item)
+                self._open_message = delta.message
             pieces = call.function.arguments
             if pieces and isinstance(self._open, McpApprovalRequestOutput):
                 self._text += pieces
@@ -265,12 +269,15 @@ class OutputStream:
         events.append(self.write("response.content_part.added", **where, part=part.model_dump()))
         return events
 
-    def _add_text(self, kind: str, text: str) -> list[str]:
+    def _add_text(self, kind: str, text: str, message: int | None = None) -> list[str]:
+        """`text` of the open item of `kind`, or of a new one: another kind's is open, or the text
+        begins another of the model's messages (`message`)."""
         events = []
         is_message = kind == "message"
         wanted = OutputMessage if is_message else ReasoningOutput
-        if not isinstance(self._open, wanted):
+        if not isinstance(self._open, wanted) or message != self._open_message:
             events += self.close("completed")
+            self._open_message = message
             if is_message:
                 item = OutputMessage(id=item_id("msg"), status="in_progress", content=[])
             else:

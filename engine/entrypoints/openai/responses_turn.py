@@ -12,12 +12,14 @@ from fastapi.responses import StreamingResponse
 from xlaserve.entrypoints.openai.logprobs import token_logprobs
 from xlaserve.entrypoints.openai.responses_background import BackgroundResponses
 from xlaserve.entrypoints.openai.responses_convert import rename_error, to_chat_request
+from xlaserve.entrypoints.openai.responses_harmony import TurnParser
 from xlaserve.entrypoints.openai.responses_output import (
     FunctionCallOutput,
     IncompleteDetails,
     InputTokensDetails,
     OutputMessage,
     OutputTokensDetails,
+    ReasoningOutput,
     Response,
     ResponseUsage,
 )
@@ -161,6 +163,9 @@ def answer_turn(items) -> dict:
     """The response's output as the assistant's chat turn, for a later request to continue."""
     text = "".join(p.text for item in items if isinstance(item, OutputMessage) for p in item.content)
     turn: dict = {"role": "assistant", "content": text}
+    thought = "\n".join(p.text for item in items if isinstance(item, ReasoningOutput) for p in item.content)
+    if thought:
+        turn["reasoning_content"] = thought
     calls = [
         {"id": i.call_id, "type": "function", "function": {"name": i.name, "arguments": i.arguments}}
         for i in items
@@ -217,24 +222,31 @@ async def stream_turn(
     `totals`; with `top_n` (the request's `include` asked for logprobs), each token's logprob and its
     alternatives go to `items`, which gives the message text's tokens to the message."""
     merged = merge_streams([stream])
+    turn = TurnParser(parser)
     try:
         async for _, output in merged:
             check_finish(output)
             (completion,) = output.outputs
             totals.num_generated += len(completion.token_ids)
             totals.num_cached += output.num_cached_tokens if completion.finish_reason is not None else 0
-            delta = parser.feed(completion.text) if completion.text else None
+            deltas = turn.feed(completion.text) if completion.text else [None]
             logprobs = []
             if top_n is not None and completion.token_ids:
                 logprobs = [entry.model_dump() for entry in token_logprobs(state, completion, top_n)]
-            events = items.feed(delta, logprobs) if delta or logprobs else []
-            totals.reasoning += (delta.reasoning or "") if delta else ""
+            # The step's logprobs go with its first answer text (or its last delta): a step of several
+            # harmony messages (several tokens) gives its tokens to the answer, as one delta would.
+            owner = next((i for i, d in enumerate(deltas) if d and d.content), len(deltas) - 1)
+            events = []
+            for i, delta in enumerate(deltas):
+                step_logprobs = logprobs if i == owner else []
+                events += items.feed(delta, step_logprobs) if delta or step_logprobs else []
+                totals.reasoning += (delta.reasoning or "") if delta else ""
             if completion.finish_reason is not None:
-                last = parser.finish()
-                totals.reasoning += last.reasoning or ""
+                for last in turn.finish():
+                    totals.reasoning += last.reasoning or ""
+                    events += items.feed(last)
                 totals.finish_reason = completion.finish_reason
                 totals.kv_transfer_params = output.kv_transfer_params
-                events += items.feed(last)
                 events += items.close("incomplete" if completion.finish_reason == "length" else "completed")
             for event in events:
                 yield event

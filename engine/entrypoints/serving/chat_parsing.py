@@ -47,6 +47,9 @@ class ChoiceDelta:
     reasoning: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] = field(default_factory=list)
+    # Which of the model's messages the text belongs to, where its format has several (gpt-oss's
+    # harmony: each message is its own Responses output item); None: one undivided answer.
+    message: int | None = None
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)

@@ -2,13 +2,16 @@
 Anthropic request arrives here as the shared chat request's messages and tools).
 
 Tools reach the template as `tools` when it takes them, else in the system prompt; earlier calls as
-the template wants them (tools.py). A template's own `raise_exception()` is a 400 in its words; any
-other failure is logged and a 400 that does not quote it.
+the template wants them (tools.py); an assistant turn's `reasoning_content` as `thinking` to a template
+that reads it (gpt-oss's; other templates are not given earlier thinking). A
+template's own `raise_exception()` is a 400 in its words; any other failure is logged and a 400 that
+does not quote it.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
@@ -25,6 +28,16 @@ from xlaserve.entrypoints.serving.tools import (
 )
 
 logger = logging.getLogger("xlaserve.entrypoints.serving")
+# A template that reads an assistant message's `thinking` (gpt-oss's): `message.thinking`,
+# `message['thinking']`, `"thinking" in message`; not Qwen3's `enable_thinking` flag.
+_READS_THINKING = re.compile(
+    r"""\.thinking\b|\[\s*['"]thinking['"]\s*\]|['"]thinking['"]\s+(?:not\s+)?in\b"""
+)
+
+
+def template_takes_thinking(template: str | None) -> bool:
+    """Does the template render an assistant message's thinking as `thinking` (gpt-oss's)?"""
+    return isinstance(template, str) and _READS_THINKING.search(template) is not None
 
 
 def conversation(
@@ -32,10 +45,12 @@ def conversation(
     takes_tools: bool = True,
     image_placeholder: str = "",
     video_placeholder: str = "",
+    takes_thinking: bool = False,
 ) -> list[dict]:
     """Pydantic messages -> the dicts a chat template reads (content parts joined into one string, an
     image or video part as the model's placeholder and a newline: serving/multimodal.py; calls as
-    `render_calls` puts them)."""
+    `render_calls` puts them; an assistant's `reasoning_content` as `thinking` where the template
+    reads that, `takes_thinking`)."""
     placeholders = {"image_url": image_placeholder, "video_url": video_placeholder}
     out = []
     for message in messages:
@@ -51,8 +66,21 @@ def conversation(
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         render_calls(entry, message, takes_tools)
-        out.append(entry)
+        if takes_thinking and message.role == "assistant" and message.reasoning_content:
+            out += _with_thinking(entry, message.reasoning_content)
+        else:
+            out.append(entry)
     return out
+
+
+def _with_thinking(entry: dict, thought: str) -> list[dict]:
+    """An assistant turn's dict with its thinking as `thinking` (gpt-oss's template shows it before a
+    call no final answer follows). That template takes a call's thinking or its text (a commentary
+    preamble), not both: the text then goes in a turn of its own before the call's."""
+    entry = {**entry, "thinking": thought}
+    if entry.get("tool_calls") and entry["content"]:
+        return [{"role": "assistant", "content": entry["content"]}, {**entry, "content": ""}]
+    return [entry]
 
 
 def render_chat(state: ServerState, req: ChatCompletionRequest) -> str:
@@ -107,6 +135,7 @@ def apply_chat_template(
         takes_tools,
         mm.chat_placeholder if mm is not None else "",
         (mm.chat_video_placeholder or "") if mm is not None else "",
+        template_takes_thinking(template),
     )
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     if tool_dicts and not takes_tools:

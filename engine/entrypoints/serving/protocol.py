@@ -286,7 +286,7 @@ class ChatMessage(StrictModel):
     name: Text | None = Field(default=None, max_length=256)
     tool_calls: Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)] | None = None  # assistant
     tool_call_id: Text | None = Field(default=None, min_length=1, max_length=256)  # tool: the call answered
-    reasoning_content: Text | None = None  # accepted when a client sends an answer back; not rendered
+    reasoning_content: Text | None = None  # an answer's thinking sent back: `thinking` to gpt-oss's template
 
 
 class FunctionDefinition(StrictModel):
