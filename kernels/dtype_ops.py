@@ -110,7 +110,7 @@ def matmul(
         return cpu_ops.quantized_matmul(x, w, scale, zero, packed).astype(out_dtype)
     if _split_int8_on_cpu(x, w, scale, zero):
         return split_int8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
-    if _few_16bit_rows_on_cpu(x) and x.shape[-2] < (rows := _min_dot_rows(x, w, scale, packed)):
+    if _few_rows_on_cpu(x) and x.shape[-2] < (rows := _min_dot_rows(x, w, scale, packed)):
         padded = jnp.concatenate(
             [x, jnp.zeros((*x.shape[:-2], rows - x.shape[-2], x.shape[-1]), x.dtype)], -2
         )
@@ -167,23 +167,29 @@ def _invariant_on_gpu(x: jax.Array, w: jax.Array) -> bool:
     )
 
 
-# The fewest rows a 16-bit dot has on CPU (the module docstring says why) whatever its shape: past every
+# The fewest rows a padded dot has on CPU (the module docstring says why) whatever its shape: past every
 # threshold measured. A plain dot's own, probed on this CPU, is often fewer (kernels/dot_rows.py).
 MIN_DOT_ROWS = dot_rows.SAFE_ROWS
 
 
-def _few_16bit_rows_on_cpu(x: jax.Array) -> bool:
+def _few_rows_on_cpu(x: jax.Array) -> bool:
     return (
-        x.ndim >= 2
-        and x.shape[-2] < MIN_DOT_ROWS
-        and is_16bit_float(x.dtype)
-        and jax.default_backend() == "cpu"
+        x.ndim >= 2 and x.shape[-2] < MIN_DOT_ROWS and _pads_rows(x.dtype) and jax.default_backend() == "cpu"
     )
 
 
+def _pads_rows(dtype) -> bool:
+    """Whether a CPU dot of few rows of `dtype` is padded: 16-bit always (XLA's one-row 16-bit dot is slow,
+    and with batch invariance on a few rows round otherwise); float32 only with batch invariance on,
+    where its one-row dot (a matrix-vector product, native and fast) rounds otherwise than the same row
+    among others: a float32 request's logprob moved by an ulp with its companions."""
+    dtype = jnp.dtype(dtype)
+    return is_16bit_float(dtype) or (dtype == jnp.float32 and invariant.enabled())
+
+
 def _min_dot_rows(x: jax.Array, w: jax.Array, scale, packed: bool) -> int:
-    """The rows a dot of few 16-bit rows is padded to: its shape's probed rows for a plain [M, K] x [K, N]
-    dot of one dtype; the fixed bound for the rest (quantized, batched)."""
+    """The rows a dot of few rows is padded to: its shape's probed rows for a plain [M, K] x [K, N] dot of
+    one dtype; the fixed bound for the rest (quantized, batched)."""
     if x.ndim == 2 and w.ndim == 2 and scale is None and not packed and w.dtype == x.dtype:
         return dot_rows.min_rows(x.shape[-1], w.shape[-1], x.dtype)
     return dot_rows.FAST_ROWS if not invariant.enabled() else MIN_DOT_ROWS
