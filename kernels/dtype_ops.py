@@ -22,7 +22,9 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   than `MIN_DOT_ROWS` rows to it, so a token's projections have the same bits alone as among companions
   (batch invariance, kernels/invariant.py), and a batch-1 step is no slower (16 rows cost what 4 do:
   the weights' reads dominate); by an int8 weight, one row is split exactly into two int8 rows instead
-  and multiplied in integers (`split_int8_matmul`);
+  and multiplied in integers (`split_int8_matmul`). With batch invariance on, a float32 dot of few rows
+  is padded alike (its own probed threshold: 2 rows for every shape on an AVX512-BF16 EPYC), since its
+  one-row matrix-vector dot rounds otherwise too; with it off, float32 is left alone (that dot is native);
 - on a GPU with batch invariance on, a plain dot goes to the fixed-tile Pallas kernel of
   `invariant_matmul.py` (cuBLAS picks tiles and split-K by the number of rows);
 - a quantized weight's convert is not fused into the dot by XLA CPU: a wide one (the LM head) is
@@ -115,6 +117,8 @@ def matmul(
             [x, jnp.zeros((*x.shape[:-2], rows - x.shape[-2], x.shape[-1]), x.dtype)], -2
         )
         return _matmul_rows(padded, w, out_dtype, scale, zero, block, packed)[..., : x.shape[-2], :]
+    if _many_float32_rows_on_cpu(x):
+        return by_row_tiles(x, w, out_dtype, scale, zero, block, packed)
     return _matmul_rows(x, w, out_dtype, scale, zero, block, packed)
 
 
@@ -174,8 +178,35 @@ MIN_DOT_ROWS = dot_rows.SAFE_ROWS
 
 def _few_rows_on_cpu(x: jax.Array) -> bool:
     return (
-        x.ndim >= 2 and x.shape[-2] < MIN_DOT_ROWS and _pads_rows(x.dtype) and jax.default_backend() == "cpu"
+        x.ndim >= 2
+        and x.shape[-2] < dot_rows.reference_rows(x.dtype)
+        and _pads_rows(x.dtype)
+        and jax.default_backend() == "cpu"
     )
+
+
+def _many_float32_rows_on_cpu(x: jax.Array) -> bool:
+    return (
+        x.ndim >= 2
+        and x.shape[-2] > dot_rows.TILE_ROWS
+        and jnp.dtype(x.dtype) == jnp.float32
+        and invariant.enabled()
+        and jax.default_backend() == "cpu"
+    )
+
+
+def by_row_tiles(x, w, out_dtype, scale, zero, block, packed) -> jax.Array:
+    """`matmul` of x [.., M, K], `dot_rows.TILE_ROWS` rows at a time (a loop: XLA would fold a reshape
+    back into one dot), the last tile padded with zeros: every dot has the tile's rows, so a row has
+    the bits it has in a decode step's few (float32 with batch invariance on: its dot sums K in another
+    order past some rows)."""
+    tile, m = dot_rows.TILE_ROWS, x.shape[-2]
+    num_tiles = -(-m // tile)
+    if num_tiles * tile != m:
+        x = jnp.concatenate([x, jnp.zeros((*x.shape[:-2], num_tiles * tile - m, x.shape[-1]), x.dtype)], -2)
+    tiles = jnp.moveaxis(x.reshape(*x.shape[:-2], num_tiles, tile, x.shape[-1]), -3, 0)  # [n, .., tile, K]
+    out = jax.lax.map(lambda t: _matmul_rows(t, w, out_dtype, scale, zero, block, packed), tiles)
+    return jnp.moveaxis(out, 0, -3).reshape(*x.shape[:-2], num_tiles * tile, -1)[..., :m, :]
 
 
 def _pads_rows(dtype) -> bool:
