@@ -87,6 +87,14 @@ class LoadedModel:
     weight_bytes: int = 0  # params and head_dv on the devices (all shards of a sharded one)
 
 
+def _transposes_tied_head(dtype, batch_invariant: bool) -> bool:
+    """Whether a tied LM head gets a [D, V] copy on CPU: 16-bit (below), and float32 with batch invariance
+    on, whose dots of many rows run in row tiles (kernels/dtype_ops.py: `by_row_tiles`): a loop that would
+    read a transposed head as a copy made at every step, rounded as a plain [D, V] dot and not as the
+    transposed read of a decode step's few rows."""
+    return is_16bit_float(dtype) or (jnp.dtype(dtype) == jnp.float32 and batch_invariant)
+
+
 def load_model(
     config: EngineConfig,
     hf_config: dict,
@@ -193,10 +201,7 @@ def load_model(
     )
     head_dv = None
     is_cpu = jax.default_backend() == "cpu"
-    # A batch-invariant float32 dot of many rows runs in row tiles (kernels/dtype_ops.py: `by_row_tiles`),
-    # a loop that would read a transposed head as a copy made at every step, rounded as a plain [D, V]
-    # dot, not as the transposed read of a decode step's few rows: the head is transposed once here too.
-    if is_cpu and (is_16bit_float(dtype) or (dtype == jnp.float32 and config.model.batch_invariant)):
+    if is_cpu and _transposes_tied_head(dtype, config.model.batch_invariant):
         # XLA's CPU backend runs a 16-bit dot natively only with its weight as [in, out]: the tied
         # head (the embedding, [V, D]) would be converted to float32 whole at every step. One
         # transposed copy, made once, costs the table's memory again (kernels/dtype_ops.py).
