@@ -24,7 +24,10 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   the weights' reads dominate); by an int8 weight, one row is split exactly into two int8 rows instead
   and multiplied in integers (`split_int8_matmul`). With batch invariance on, a float32 dot of few rows
   is padded alike (its own probed threshold: 2 rows for every shape on an AVX512-BF16 EPYC), since its
-  one-row matrix-vector dot rounds otherwise too; with it off, float32 is left alone (that dot is native);
+  one-row matrix-vector dot rounds otherwise too, and one of more than `dot_rows.TILE_ROWS` (32) runs 32
+  rows at a time (`by_row_tiles`: YNNPACK's float32 dot sums K in another order from 33 rows for
+  K = 576). Its cost is over issue 29's 5% (engine/PERFORMANCE.md: the head's one-row product is 3x
+  faster than two rows'; each tile reads the weight again). With it off, float32 is left alone;
 - on a GPU with batch invariance on, a plain dot goes to the fixed-tile Pallas kernel of
   `invariant_matmul.py` (cuBLAS picks tiles and split-K by the number of rows);
 - a quantized weight's convert is not fused into the dot by XLA CPU: a wide one (the LM head) is
