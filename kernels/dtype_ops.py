@@ -22,7 +22,12 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   than `MIN_DOT_ROWS` rows to it, so a token's projections have the same bits alone as among companions
   (batch invariance, kernels/invariant.py), and a batch-1 step is no slower (16 rows cost what 4 do:
   the weights' reads dominate); by an int8 weight, one row is split exactly into two int8 rows instead
-  and multiplied in integers (`split_int8_matmul`);
+  and multiplied in integers (`split_int8_matmul`). With batch invariance on, a float32 dot of few rows
+  is padded alike (its own probed threshold: 2 rows for every shape on an AVX512-BF16 EPYC), since its
+  one-row matrix-vector dot rounds otherwise too, and one of more than `dot_rows.TILE_ROWS` (32) runs 32
+  rows at a time (`by_row_tiles`: YNNPACK's float32 dot sums K in another order from 33 rows for
+  K = 576). Its cost is over issue 29's 5% (engine/PERFORMANCE.md: the head's one-row product is 3x
+  faster than two rows'; each tile reads the weight again). With it off, float32 is left alone;
 - on a GPU with batch invariance on, a plain dot goes to the fixed-tile Pallas kernel of
   `invariant_matmul.py` (cuBLAS picks tiles and split-K by the number of rows);
 - a quantized weight's convert is not fused into the dot by XLA CPU: a wide one (the LM head) is
@@ -110,11 +115,13 @@ def matmul(
         return cpu_ops.quantized_matmul(x, w, scale, zero, packed).astype(out_dtype)
     if _split_int8_on_cpu(x, w, scale, zero):
         return split_int8_matmul(x, w, scale[..., 0, :]).astype(out_dtype)
-    if _few_16bit_rows_on_cpu(x) and x.shape[-2] < (rows := _min_dot_rows(x, w, scale, packed)):
+    if _few_rows_on_cpu(x) and x.shape[-2] < (rows := _min_dot_rows(x, w, scale, packed)):
         padded = jnp.concatenate(
             [x, jnp.zeros((*x.shape[:-2], rows - x.shape[-2], x.shape[-1]), x.dtype)], -2
         )
         return _matmul_rows(padded, w, out_dtype, scale, zero, block, packed)[..., : x.shape[-2], :]
+    if _many_float32_rows_on_cpu(x):
+        return by_row_tiles(x, w, out_dtype, scale, zero, block, packed)
     return _matmul_rows(x, w, out_dtype, scale, zero, block, packed)
 
 
@@ -167,23 +174,56 @@ def _invariant_on_gpu(x: jax.Array, w: jax.Array) -> bool:
     )
 
 
-# The fewest rows a 16-bit dot has on CPU (the module docstring says why) whatever its shape: past every
+# The fewest rows a padded dot has on CPU (the module docstring says why) whatever its shape: past every
 # threshold measured. A plain dot's own, probed on this CPU, is often fewer (kernels/dot_rows.py).
 MIN_DOT_ROWS = dot_rows.SAFE_ROWS
 
 
-def _few_16bit_rows_on_cpu(x: jax.Array) -> bool:
+def _few_rows_on_cpu(x: jax.Array) -> bool:
     return (
         x.ndim >= 2
-        and x.shape[-2] < MIN_DOT_ROWS
-        and is_16bit_float(x.dtype)
+        and x.shape[-2] < dot_rows.reference_rows(x.dtype)
+        and _pads_rows(x.dtype)
         and jax.default_backend() == "cpu"
     )
 
 
+def _many_float32_rows_on_cpu(x: jax.Array) -> bool:
+    return (
+        x.ndim >= 2
+        and x.shape[-2] > dot_rows.TILE_ROWS
+        and jnp.dtype(x.dtype) == jnp.float32
+        and invariant.enabled()
+        and jax.default_backend() == "cpu"
+    )
+
+
+def by_row_tiles(x, w, out_dtype, scale, zero, block, packed) -> jax.Array:
+    """`matmul` of x [.., M, K], `dot_rows.TILE_ROWS` rows at a time (a loop: XLA would fold a reshape
+    back into one dot), the last tile padded with zeros: every dot has the tile's rows, so a row has
+    the bits it has in a decode step's few (float32 with batch invariance on: its dot sums K in another
+    order past some rows)."""
+    tile, m = dot_rows.TILE_ROWS, x.shape[-2]
+    num_tiles = -(-m // tile)
+    if num_tiles * tile != m:
+        x = jnp.concatenate([x, jnp.zeros((*x.shape[:-2], num_tiles * tile - m, x.shape[-1]), x.dtype)], -2)
+    tiles = jnp.moveaxis(x.reshape(*x.shape[:-2], num_tiles, tile, x.shape[-1]), -3, 0)  # [n, .., tile, K]
+    out = jax.lax.map(lambda t: _matmul_rows(t, w, out_dtype, scale, zero, block, packed), tiles)
+    return jnp.moveaxis(out, 0, -3).reshape(*x.shape[:-2], num_tiles * tile, -1)[..., :m, :]
+
+
+def _pads_rows(dtype) -> bool:
+    """Whether a CPU dot of few rows of `dtype` is padded: 16-bit always (XLA's one-row 16-bit dot is slow,
+    and with batch invariance on a few rows round otherwise); float32 only with batch invariance on,
+    where its one-row dot (a matrix-vector product, native and fast) rounds otherwise than the same row
+    among others: a float32 request's logprob moved by an ulp with its companions."""
+    dtype = jnp.dtype(dtype)
+    return is_16bit_float(dtype) or (dtype == jnp.float32 and invariant.enabled())
+
+
 def _min_dot_rows(x: jax.Array, w: jax.Array, scale, packed: bool) -> int:
-    """The rows a dot of few 16-bit rows is padded to: its shape's probed rows for a plain [M, K] x [K, N]
-    dot of one dtype; the fixed bound for the rest (quantized, batched)."""
+    """The rows a dot of few rows is padded to: its shape's probed rows for a plain [M, K] x [K, N] dot of
+    one dtype; the fixed bound for the rest (quantized, batched)."""
     if x.ndim == 2 and w.ndim == 2 and scale is None and not packed and w.dtype == x.dtype:
         return dot_rows.min_rows(x.shape[-1], w.shape[-1], x.dtype)
     return dot_rows.FAST_ROWS if not invariant.enabled() else MIN_DOT_ROWS

@@ -22,6 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from xlaserve.kernels.invariant import invariant_sum
 from xlaserve.kernels.reference import DEFAULT_TOKENS_PER_CHUNK, token_positions
 
 
@@ -144,7 +145,7 @@ def _mla_paged_attention(
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a fully masked row stays at zero
         p_ths = jnp.exp(s_ths - m_safe[..., None])
         alpha = jnp.exp(m_th - m_safe)
-        l_th = alpha * l_th + p_ths.sum(axis=-1)
+        l_th = alpha * l_th + invariant_sum(p_ths)  # XLA's sum over S rounds by the whole [T, H, S] shape
         acc_thr = alpha[..., None] * acc_thr + jnp.einsum("ths,tsr->thr", p_ths, c_tsc[..., :rank])
         return m_new, l_th, acc_thr
 

@@ -27,6 +27,7 @@ from xlaserve.kernels import (
     KVCacheSpec,
     MLACache,
 )
+from xlaserve.kernels.dtype_ops import matmul
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import GatedMLP, LayerSpec, Linear, RMSNorm
 from xlaserve.models.moe import MoEConfig, SparseMoeBlock, stack_expert_tensors
@@ -172,7 +173,10 @@ class MLAttention(nnx.Module):
         cache = self.write_latent(kv_cache.latent, new_latent, md.slot_mapping, positions=positions)
 
         w_ukv = self.kv_b_proj.dequantized_kernel(x.dtype).reshape(r, h, dn + dv)  # [r, H, dn + dv]
-        q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_ukv[..., :dn])  # absorb W_uk into the query
+        # Per head, [T, dn] x [dn, r] and [T, r] x [r, dv] through `matmul`: a decode step's few rows are
+        # padded with batch invariance on, as a projection's are (a lone row's dot rounds otherwise).
+        w_uk, w_uv = (jnp.transpose(w, (1, 0, 2)) for w in (w_ukv[..., :dn], w_ukv[..., dn:]))  # [H, r, *]
+        q_latent = _per_head(q_nope, jnp.swapaxes(w_uk, -1, -2))  # absorb W_uk into the query: [T, H, r]
         out_latent = self.mla_attention(
             q_latent,
             q_rope,
@@ -183,8 +187,13 @@ class MLAttention(nnx.Module):
             md.num_seqs,
             sm_scale=cfg.softmax_scale,
         )  # [T, H, r]
-        out = jnp.einsum("thr,rhv->thv", out_latent, w_ukv[..., dn:])  # expand with W_uv
+        out = _per_head(out_latent, w_uv)  # expand with W_uv: [T, H, dv]
         return self.o_proj(out.reshape(num_tokens, h * dv)), MLACache(cache)
+
+
+def _per_head(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, H, a] times w [H, a, b], head by head -> [T, H, b] in x's dtype."""
+    return jnp.swapaxes(matmul(jnp.swapaxes(x, 0, 1), w), 0, 1)
 
 
 class DeepseekDecoderLayer(nnx.Module):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlaserve.kernels.dtype_ops import matmul
 from xlaserve.kernels.invariant import invariant_softmax, invariant_sum
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import GatedMLP
@@ -180,7 +181,9 @@ class Router(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, E] float32
-        logits = x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32)
+        # A float32 dot through `matmul`: a decode step's few rows are padded with batch invariance on (XLA
+        # CPU's one-row dot rounds otherwise than the same row among others, and routing follows).
+        logits = matmul(x.astype(jnp.float32), self.kernel[...].astype(jnp.float32))
         return logits if self.bias is None else logits + self.bias[...].astype(jnp.float32)
 
 

@@ -90,6 +90,14 @@ class LoadedModel:
     kv_heads: int = 0
 
 
+def _transposes_tied_head(dtype, batch_invariant: bool) -> bool:
+    """Whether a tied LM head gets a [D, V] copy on CPU: 16-bit (below), and float32 with batch invariance
+    on, whose dots of many rows run in row tiles (kernels/dtype_ops.py: `by_row_tiles`): a loop that would
+    read a transposed head as a copy made at every step, rounded as a plain [D, V] dot and not as the
+    transposed read of a decode step's few rows."""
+    return is_16bit_float(dtype) or (jnp.dtype(dtype) == jnp.float32 and batch_invariant)
+
+
 def load_model(
     config: EngineConfig,
     hf_config: dict,
@@ -195,7 +203,8 @@ def load_model(
         weight_bytes(params) / 2**20,
     )
     head_dv = None
-    if jax.default_backend() == "cpu" and is_16bit_float(dtype):
+    is_cpu = jax.default_backend() == "cpu"
+    if is_cpu and _transposes_tied_head(dtype, config.model.batch_invariant):
         # XLA's CPU backend runs a 16-bit dot natively only with its weight as [in, out]: the tied
         # head (the embedding, [V, D]) would be converted to float32 whole at every step. One
         # transposed copy, made once, costs the table's memory again (kernels/dtype_ops.py).
@@ -204,6 +213,7 @@ def load_model(
         is_head = stage is None or stage.is_last  # a pipeline's other stages hold no head
         if model_config.tie_word_embeddings and tp == 1 and embedding.kernel_scale is None and is_head:
             head_dv = jax.jit(lambda table: table.T)(embedding.weight[...])
+    if is_cpu and is_16bit_float(dtype):
         params = stacks_as_words(params, tuple(model_class.layer_stacks(model_config)))
         # Batch-invariant by construction, and the fastest dot here at any M: with invariance off too.
         if cpu_dot.usable(dtype, mesh.devices.size):

@@ -117,28 +117,32 @@ def _dot_rows_in(fn, *args) -> set[int]:
 
 
 @ON_CPU
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("num_rows", [1, 2])
-def test_few_16bit_rows_dot_padded_and_keep_their_bits(num_rows):
+def test_few_rows_dot_padded_and_keep_their_bits(num_rows, dtype):
     # XLA CPU's one-row bfloat16 dot (a matrix-vector product) is not native: a batch-1 decode step
     # spent most of its time in the LM head; and a few rows take kernels that round otherwise than the
     # one larger dots share. matmul pads them: outside an engine's trace to MIN_DOT_ROWS, in one
     # (`probing(True)`) to the shape's probed rows, with batch invariance off to two (speed alone). A
     # row has the bits it has inside a 64-row dot (batch invariance), and the values are the dot's.
+    # float32's one-row dot is native but rounds otherwise too: padded alike with invariance on (its own
+    # probed rows), not at all with it off.
     from xlaserve.kernels import dot_rows, invariant
     from xlaserve.kernels.dtype_ops import MIN_DOT_ROWS
 
     rng = np.random.default_rng(0)
-    many = jnp.asarray(rng.normal(size=(64, 576)), jnp.bfloat16)
+    many = jnp.asarray(rng.normal(size=(64, 576)), dtype)
     x = many[:num_rows]
-    w = jnp.asarray(rng.normal(size=(576, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(576, 96)), dtype)
 
     def plain(x, w):
         return matmul(x, w, jnp.float32)
 
     assert _dot_rows_in(plain, x, w) == {MIN_DOT_ROWS}
-    probed = dot_rows.probe(576, 96, "bfloat16")
+    probed = dot_rows.probe(576, 96, dtype)
     assert _dot_rows_in(dot_rows.traced_probing(True, plain), x, w) == {max(probed, num_rows)}
-    assert _dot_rows_in(invariant.traced_with(False, plain), x, w) == {max(dot_rows.FAST_ROWS, num_rows)}
+    off_rows = max(dot_rows.FAST_ROWS, num_rows) if dtype == "bfloat16" else num_rows
+    assert _dot_rows_in(invariant.traced_with(False, plain), x, w) == {off_rows}
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     full = np.asarray(matmul(many, w, jnp.float32))[:num_rows]
     for fn in (plain, dot_rows.traced_probing(True, plain)):
@@ -149,24 +153,33 @@ def test_few_16bit_rows_dot_padded_and_keep_their_bits(num_rows):
 
 
 @ON_CPU
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("k, n", [(576, 1536), (12, 48)])
-def test_probed_rows_keep_every_rows_bits_at_every_count(k, n):
+def test_probed_rows_keep_every_rows_bits_at_every_count(k, n, dtype):
     # The probe's promise, checked apart from it: under `probing(True)` every count of rows from 1 to
     # 16, by the weight as stored and read transposed (a tied LM head), gives each row the bits it has
     # among 64 rows. A probe that answered too few rows fails here on a CPU whose kernels round
     # otherwise below its threshold (an AMX Xeon: 3 rows for SmolLM2's shapes, up to 11 for 12 x 48).
+    # In float32 too (batch invariance on: the default), whose one-row dot rounds otherwise.
     from xlaserve.kernels import dot_rows
 
     rng = np.random.default_rng(1)
-    many = jnp.asarray(rng.normal(size=(64, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.bfloat16)
-    w_t = jnp.asarray(np.asarray(w, np.float32).T, jnp.bfloat16)
+    many = jnp.asarray(rng.normal(size=(64, k)), dtype)
+    w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), dtype)
+    w_t = jnp.asarray(np.asarray(w, np.float32).T, dtype)
     dot = jax.jit(dot_rows.traced_probing(True, lambda x, w: matmul(x, w, jnp.float32)))
     dot_t = jax.jit(dot_rows.traced_probing(True, lambda x, w_t: matmul(x, w_t.T, jnp.float32)))
-    full, full_t = np.asarray(dot(many, w)), np.asarray(dot_t(many, w_t))
-    for m in range(1, 17):
+    # float32: every count up to its tile and past it (tiles of 32 rows; YNNPACK's own float32 dot sums
+    # K in another order from 33 rows on for K = 576 on an AVX512-BF16 EPYC). A transposed weight only up
+    # to the tile: the loop over tiles would read it as a copy (the engine transposes a tied head once).
+    counts = range(1, 17) if dtype == "bfloat16" else [*range(1, 34), 40, 48]
+    full = np.asarray(dot(many, w))
+    full_t = np.asarray(dot_t(many if dtype == "bfloat16" else many[: dot_rows.TILE_ROWS], w_t))
+    for m in counts:
         np.testing.assert_array_equal(np.asarray(dot(many[:m], w)), full[:m], err_msg=f"{m} rows")
-        np.testing.assert_array_equal(np.asarray(dot_t(many[:m], w_t)), full_t[:m], err_msg=f"{m} rows, w.T")
+        if m <= len(full_t):
+            got = np.asarray(dot_t(many[:m], w_t))
+            np.testing.assert_array_equal(got, full_t[:m], err_msg=f"{m} rows, w.T")
 
 
 def test_probed_rows_are_kept_per_machine(tmp_path, monkeypatch):
@@ -189,8 +202,11 @@ def test_probed_rows_are_kept_per_machine(tmp_path, monkeypatch):
         monkeypatch.setattr(dot_rows, "_memo", {})
         monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_other_flag=1")
         assert dot_rows.min_rows(40, 24, jnp.bfloat16) == 5
-    assert len(calls) == 2  # another machine's (flags') answer: probed again
+        assert dot_rows.min_rows(40, 24, jnp.float32) == 5  # each dtype its own answer
+    assert len(calls) == 3  # another machine's (flags') answer: probed again; float32's
+    assert calls[-1] == (40, 24, "float32")
     assert dot_rows.min_rows(40, 24, jnp.bfloat16) == dot_rows.SAFE_ROWS  # outside an engine's trace
+    assert dot_rows.min_rows(40, 24, jnp.float32) == dot_rows.SAFE_ROWS
 
 
 @ON_CPU

@@ -491,18 +491,20 @@ def test_mla_paged_attention_matches_unabsorbed_attention():
     assert not np.any(out[14:])  # padding tokens
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
-def test_bfloat16_tokens_and_logprobs_are_the_same_bits_alone_and_among_companions(name, tokenizer, tmp_path):
-    """Batch invariance for a MoE family and an MLA one, at the dtype users run: a request's greedy
-    tokens and logprobs alone equal, bit for bit, those it gets among 1 and 6 companions (other token
-    and request buckets, steps mixing prefill chunks and decodes: routing, the grouped experts and the
-    latent attention see other row counts)."""
+def test_tokens_and_logprobs_are_the_same_bits_alone_and_among_companions(name, dtype, tokenizer, tmp_path):
+    """Batch invariance for a MoE family and an MLA one, at the dtype users run (bfloat16) and in float32
+    (`dtype="auto"` on a CPU without AVX512-BF16 or AMX): a request's greedy tokens and logprobs alone
+    equal, bit for bit, those it gets among 1 and 6 companions (other token and request buckets, steps
+    mixing prefill chunks and decodes: routing, the grouped experts and the latent attention see other
+    row counts)."""
     hf_model = make_hf_model(name, seed=list(FAMILIES).index(name))
     hf_model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     llm = LLM(
         str(tmp_path),
-        dtype="bfloat16",
+        dtype=dtype,
         enforce_eager=True,
         max_model_len=128,
         max_num_seqs=8,

@@ -17,7 +17,8 @@ first stage) give PP=1's bits for an image request, a two-image one and a text o
 Qwen2.5-VL (M-RoPE positions on every stage), Qwen3-VL of 4 layers (DeepStack features added after
 layers 0-2, layer 2 on the second stage) and Gemma 3 (image spans seen both ways on every stage). And in
 bfloat16, requests preempted and recomputed (all but a few KV blocks held aside) give the bits of the run
-without preemption, on PP=1, PP=2 and PP=2 with micro-batches: the tiny Llama and Qwen3-VL."""
+without preemption, on PP=1, PP=2 and PP=2 with micro-batches: the tiny Llama and Qwen3-VL; in float32 on
+PP=1 too."""
 
 from __future__ import annotations
 
@@ -148,10 +149,9 @@ def image_runs(tp_worker, vlm_models):
     return tp_worker.run("pipeline_images", "", arg)
 
 
-# Preemption on stages, in bfloat16: the dtype batch invariance is about (in float32 these runs differ by
-# an ulp, VLM_SHAPE says why). All but 7 KV blocks held aside: the three requests (token-id prompts of 54,
-# 45 and 15 tokens; Qwen3-VL's image prompts) preempt each other two to four times, mid-prompt and
-# mid-decode, and recompute.
+# Preemption on stages, in bfloat16: the dtype users run (float32 on one device below). All but 7 KV
+# blocks held aside: the three requests (token-id prompts of 54, 45 and 15 tokens; Qwen3-VL's image
+# prompts) preempt each other two to four times, mid-prompt and mid-decode, and recompute.
 PREEMPTION_SHAPE = {"dtype": "bfloat16", "max_num_batched_tokens": 16, "max_num_seqs": 4}
 PREEMPTION_PROMPTS = [
     [5, 17, 33, 4, 60, 8, 21, 90, 13] * 6,
@@ -169,6 +169,20 @@ def preemption_runs(tp_worker, models, vlm_models):
         "models": {"llama": models["llama"], "qwen3_vl": vlm_models["qwen3_vl"]},
         "layouts": [PP1, PP2],
         "shape": PREEMPTION_SHAPE,
+        "prompts": PREEMPTION_PROMPTS,
+        "free_blocks": PREEMPTION_FREE_BLOCKS,
+    }
+    return tp_worker.run("pipeline_preemption", "", arg)
+
+
+@pytest.fixture(scope="module")
+def float32_preemption_runs(tp_worker, models, vlm_models):
+    """The preemption case in float32 on one device (PP=1): what float32 adds is its dots (few rows padded,
+    many in tiles: kernels/dtype_ops.py), which stages run alike."""
+    arg = {
+        "models": {"llama": models["llama"], "qwen3_vl": vlm_models["qwen3_vl"]},
+        "layouts": [PP1],
+        "shape": {**PREEMPTION_SHAPE, "dtype": "float32"},
         "prompts": PREEMPTION_PROMPTS,
         "free_blocks": PREEMPTION_FREE_BLOCKS,
     }
@@ -401,6 +415,21 @@ def test_preempted_requests_on_stages_are_bitwise_the_unpreempted_ones(preemptio
         assert run["tokens"] == roomy["tokens"]
         assert run["logprobs"] == roomy["logprobs"]  # every float, exactly
     assert staged["tight_micro_batches"]["peak_steps_in_flight"] == 2
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_vl"])
+def test_preempted_float32_requests_are_bitwise_the_unpreempted_ones(float32_preemption_runs, model):
+    """float32 (batch invariance on): the preempted and recomputed requests decode beside other companions
+    than without preemption, and still give its bits (before float32's dots were padded, a logprob moved
+    by an ulp, 4.8e-7)."""
+    (one,) = float32_preemption_runs[model]
+    roomy, tight = one["roomy"], one["tight"]
+    assert roomy["preemptions"] == [0, 0, 0]
+    assert len({tuple(t) for t in roomy["tokens"]}) == 3
+    assert tight["preemptions"][1] > 0 and sum(tight["preemptions"]) >= 2
+    assert tight["free_blocks_after"] == PREEMPTION_FREE_BLOCKS
+    assert tight["tokens"] == roomy["tokens"]
+    assert tight["logprobs"] == roomy["logprobs"]  # every float, exactly
 
 
 def test_pooling_on_stages_is_bitwise_one_device(tp_worker, models):
