@@ -77,8 +77,8 @@ def reference_rows(dtype) -> int:
 
 
 def min_rows(k: int, n: int, dtype) -> int:
-    """The rows a [M, k] x [k, n] dot of `dtype` (16-bit, or float32 with batch invariance on: see
-    `dtype_ops.matmul`) is padded to on CPU when M is fewer."""
+    """The rows a [M, k] x [k, n] dot of `dtype` (16-bit, or float32 with its batch invariance asked for:
+    see `dtype_ops.matmul`) is padded to on CPU when M is fewer."""
     if not invariant.enabled():
         return FAST_ROWS
     if not _PROBING.get():

@@ -22,12 +22,14 @@ a float32 one (engine/PERFORMANCE.md). These forms avoid that everywhere and cos
   than `MIN_DOT_ROWS` rows to it, so a token's projections have the same bits alone as among companions
   (batch invariance, kernels/invariant.py), and a batch-1 step is no slower (16 rows cost what 4 do:
   the weights' reads dominate); by an int8 weight, one row is split exactly into two int8 rows instead
-  and multiplied in integers (`split_int8_matmul`). With batch invariance on, a float32 dot of few rows
-  is padded alike (its own probed threshold: 2 rows for every shape on an AVX512-BF16 EPYC), since its
-  one-row matrix-vector dot rounds otherwise too, and one of more than `dot_rows.TILE_ROWS` (32) runs 32
+  and multiplied in integers (`split_int8_matmul`). With float32's batch invariance asked for too
+  (`--batch-invariant-float32`, `invariant.covers_float32()`), a float32 dot of few rows is padded
+  alike (its own probed threshold: 2 rows for every shape on an AVX512-BF16 EPYC), since its one-row
+  matrix-vector dot rounds otherwise too, and one of more than `dot_rows.TILE_ROWS` (32) runs 32
   rows at a time (`by_row_tiles`: YNNPACK's float32 dot sums K in another order from 33 rows for
   K = 576). Its cost is over issue 29's 5% (engine/PERFORMANCE.md: the head's one-row product is 3x
-  faster than two rows'; each tile reads the weight again). With it off, float32 is left alone;
+  faster than two rows'; each tile reads the weight again), so it is not on by default: float32 is left
+  alone;
 - on a GPU with batch invariance on, a plain dot goes to the fixed-tile Pallas kernel of
   `invariant_matmul.py` (cuBLAS picks tiles and split-K by the number of rows);
 - a quantized weight's convert is not fused into the dot by XLA CPU: a wide one (the LM head) is
@@ -193,7 +195,7 @@ def _many_float32_rows_on_cpu(x: jax.Array) -> bool:
         x.ndim >= 2
         and x.shape[-2] > dot_rows.TILE_ROWS
         and jnp.dtype(x.dtype) == jnp.float32
-        and invariant.enabled()
+        and invariant.covers_float32()
         and jax.default_backend() == "cpu"
     )
 
@@ -214,11 +216,12 @@ def by_row_tiles(x, w, out_dtype, scale, zero, block, packed) -> jax.Array:
 
 def _pads_rows(dtype) -> bool:
     """Whether a CPU dot of few rows of `dtype` is padded: 16-bit always (XLA's one-row 16-bit dot is slow,
-    and with batch invariance on a few rows round otherwise); float32 only with batch invariance on,
-    where its one-row dot (a matrix-vector product, native and fast) rounds otherwise than the same row
-    among others: a float32 request's logprob moved by an ulp with its companions."""
+    and with batch invariance on a few rows round otherwise); float32 only when its invariance is asked
+    for (`invariant.covers_float32()`), where its one-row dot (a matrix-vector product, native and fast)
+    rounds otherwise than the same row among others: a float32 request's logprob moved by an ulp with
+    its companions."""
     dtype = jnp.dtype(dtype)
-    return is_16bit_float(dtype) or (dtype == jnp.float32 and invariant.enabled())
+    return is_16bit_float(dtype) or (dtype == jnp.float32 and invariant.covers_float32())
 
 
 def _min_dot_rows(x: jax.Array, w: jax.Array, scale, packed: bool) -> int:

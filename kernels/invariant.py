@@ -16,7 +16,9 @@ a program is traced, not passed to every layer: the engine traces its programs i
 `batch_invariance(config.model.batch_invariant)` (`traced_with`), and these functions, the reference
 attention's path choice (kernels/reference.py) and the MLA reference read `enabled()`. Off, they are
 XLA's own reductions and the attention's fastest split: the same values to rounding, but a token's bits
-may change with its companions.
+may change with its companions. Float32 dots (kernels/dtype_ops.py: padded and tiled by rows) are
+covered only when asked too (`--batch-invariant-float32`, `covers_float32()`): their one-row product is
+a fast native matrix-vector dot, and padding it costs a batch-1 step ~1.5x on CPU, over issue 29's 5%.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 # A context variable, not a global: two engines in one process (a test's float32 and bfloat16 ones, a
 # drafter beside its target) each trace under their own setting. Outside any engine: on.
 _ENABLED = contextvars.ContextVar("xlaserve_batch_invariant", default=True)
+_FLOAT32 = contextvars.ContextVar("xlaserve_batch_invariant_float32", default=False)
 
 
 def enabled() -> bool:
@@ -39,14 +42,20 @@ def enabled() -> bool:
     return _ENABLED.get()
 
 
+def covers_float32() -> bool:
+    """Whether its float32 dots must be too (padded and tiled: kernels/dtype_ops.py), at their cost."""
+    return _ENABLED.get() and _FLOAT32.get()
+
+
 @contextlib.contextmanager
-def batch_invariance(on: bool) -> Iterator[None]:
-    """Trace what runs inside with batch invariance `on` (or off)."""
-    token = _ENABLED.set(bool(on))
+def batch_invariance(on: bool, float32: bool = False) -> Iterator[None]:
+    """Trace what runs inside with batch invariance `on` (or off), its float32 dots too if `float32`."""
+    token, token32 = _ENABLED.set(bool(on)), _FLOAT32.set(bool(float32))
     try:
         yield
     finally:
         _ENABLED.reset(token)
+        _FLOAT32.reset(token32)
 
 
 def traced_in(
@@ -63,9 +72,9 @@ def traced_in(
     return under
 
 
-def traced_with(on: bool, fn: Callable) -> Callable:
-    """`fn` whose body (so its trace, under `jax.jit`) runs inside `batch_invariance(on)`."""
-    return traced_in(batch_invariance, on, fn)
+def traced_with(on: bool, fn: Callable, float32: bool = False) -> Callable:
+    """`fn` whose body (so its trace, under `jax.jit`) runs inside `batch_invariance(on, float32)`."""
+    return traced_in(functools.partial(batch_invariance, float32=float32), on, fn)
 
 
 _LANES = 16  # the tree stops at this width; the lanes are then added one by one

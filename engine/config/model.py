@@ -61,6 +61,15 @@ class ModelConfig:
             "XLASERVE_BATCH_INVARIANT=0)"
         ),
     )
+    # Float32 dots batch-invariant too (kernels/dtype_ops.py: padded and tiled by rows): not by default,
+    # since float32's one-row dot is a fast native product that padding costs (engine/PERFORMANCE.md).
+    batch_invariant_float32: bool = field(
+        default=False,
+        metadata=arg(
+            "with --batch-invariant, a float32 engine's dots too (padded and tiled by rows on CPU: about "
+            "1.5x a batch-1 step's time there; 16-bit dtypes need nothing more)"
+        ),
+    )
     # QUANTIZATION_METHODS; None: as the checkpoint is (models/quantization.py, models/prequantized.py)
     quantization: str | None = field(
         default=None,

@@ -186,6 +186,7 @@ class DraftModel:
                     model.mesh.size == 1,
                     partial(_draft_step, model.graphdef, vocab_size, self.block_size, self.num_spec_tokens),
                 ),
+                config.model.batch_invariant_float32,
             ),
             donate_argnames=("kv_cache", "q_buf"),
             compiler_options=config.compilation.compiler_options(),

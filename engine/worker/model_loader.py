@@ -90,12 +90,13 @@ class LoadedModel:
     kv_heads: int = 0
 
 
-def _transposes_tied_head(dtype, batch_invariant: bool) -> bool:
-    """Whether a tied LM head gets a [D, V] copy on CPU: 16-bit (below), and float32 with batch invariance
-    on, whose dots of many rows run in row tiles (kernels/dtype_ops.py: `by_row_tiles`): a loop that would
-    read a transposed head as a copy made at every step, rounded as a plain [D, V] dot and not as the
-    transposed read of a decode step's few rows."""
-    return is_16bit_float(dtype) or (jnp.dtype(dtype) == jnp.float32 and batch_invariant)
+def _transposes_tied_head(dtype, float32_invariant: bool) -> bool:
+    """Whether a tied LM head gets a [D, V] copy on CPU: 16-bit (below), and float32 with its batch
+    invariance asked for (`batch_invariant_float32`), whose dots of many rows run in row tiles
+    (kernels/dtype_ops.py: `by_row_tiles`): a loop that would read a transposed head as a copy made at
+    every step, rounded as a plain [D, V] dot and not as the transposed read of a decode step's few
+    rows."""
+    return is_16bit_float(dtype) or (jnp.dtype(dtype) == jnp.float32 and float32_invariant)
 
 
 def load_model(
@@ -204,7 +205,7 @@ def load_model(
     )
     head_dv = None
     is_cpu = jax.default_backend() == "cpu"
-    if is_cpu and _transposes_tied_head(dtype, config.model.batch_invariant):
+    if is_cpu and _transposes_tied_head(dtype, config.model.batch_invariant_float32):
         # XLA's CPU backend runs a 16-bit dot natively only with its weight as [in, out]: the tied
         # head (the embedding, [V, D]) would be converted to float32 whole at every step. One
         # transposed copy, made once, costs the table's memory again (kernels/dtype_ops.py).

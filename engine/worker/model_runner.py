@@ -149,6 +149,7 @@ class ModelRunner:
             token_sharding=NamedSharding(self.mesh, PartitionSpec("context")) if self.pcp > 1 else None,
             # On one device the dots' traced shapes are the ones that run: their rows can be probed.
             probe_dot_rows=self.mesh.size == 1,
+            float32_invariant=config.model.batch_invariant_float32,
         )
         self._forward_fn, self._sample_fn = programs.forward, programs.sample
         self._prompt_logprobs_fn, self._verify_fn = programs.prompt_logprobs, programs.verify

@@ -143,7 +143,9 @@ class PipelineRunner(ModelRunner):
         model_class = get_model_class(model_config.architecture)
         encoder_modules = model_class.encoder_modules
         layouts = split_layers(model_config.num_layers, num_stages, encoder_modules)
-        invariant = partial(traced_with, config.model.batch_invariant)
+        invariant = partial(
+            traced_with, config.model.batch_invariant, float32=config.model.batch_invariant_float32
+        )
         self.stages = []
         for layout, group in zip(layouts, groups):
             if group[0].process_index != jax.process_index():

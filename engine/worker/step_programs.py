@@ -98,15 +98,17 @@ def make_step_programs(
     compiler_options: dict | None = None,
     token_sharding=None,
     probe_dot_rows: bool = False,
+    float32_invariant: bool = False,
 ) -> StepPrograms:
     """The four programs of a step for the model `graphdef` (its real, unpadded `vocab_size`), compiled
     with `compiler_options` (CompilationConfig.compiler_options: the engine's optimization level).
     `token_sharding`: the forward's tokens split over devices (prefill context parallel), or None.
     `probe_dot_rows`: few-row 16-bit dots padded to their shape's probed rows (kernels/dot_rows.py: an
-    engine on one device), else to the fixed bound."""
+    engine on one device), else to the fixed bound. `float32_invariant`: float32 dots batch-invariant too
+    (kernels/invariant.py `covers_float32`)."""
 
     def invariant(fn):
-        return traced_with(batch_invariant, traced_probing(probe_dot_rows, fn))
+        return traced_with(batch_invariant, traced_probing(probe_dot_rows, fn), float32_invariant)
 
     jit = partial(jax.jit, compiler_options=compiler_options)
     return StepPrograms(

@@ -1,7 +1,6 @@
-"""Batch invariance at the dtype users run (bfloat16), and in float32 (what `dtype="auto"` picks on a CPU
-without AVX512-BF16 or AMX): a request's tokens and logprobs are the same bits alone and among
-companions, in every request bucket, chunked or not, with its prefix computed or read from the prefix
-cache (kernels/invariant.py; README "Batch invariance")."""
+"""Batch invariance at the dtype users run (bfloat16): a request's tokens and logprobs are the same bits
+alone and among companions, in every request bucket, chunked or not, with its prefix computed or read
+from the prefix cache (kernels/invariant.py; README "Batch invariance")."""
 
 from __future__ import annotations
 
@@ -18,13 +17,12 @@ PROMPTS = [
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
-def engine(request):
-    # The session's bfloat16 and float32 SmolLM2 (conftest.py). Prefix caching on: the crowded runs below
-    # read the prompts' full blocks from the cache that the lone runs filled; 128 tokens a step: crowded
-    # prompts are chunked, and a float32 step's dots of more than 32 rows run in tiles
-    # (kernels/dtype_ops.py: `by_row_tiles`).
-    return request.getfixturevalue("llm_bf16" if request.param == "bfloat16" else "llm")
+@pytest.fixture(scope="module")
+def llm(llm_bf16):
+    # The session's bfloat16 SmolLM2 (conftest.py). Prefix caching on: the crowded runs below read the
+    # prompts' full blocks from the cache that the lone runs filled; 128 tokens a step: crowded prompts
+    # are chunked.
+    return llm_bf16
 
 
 def _chat(llm, prompts):
@@ -42,9 +40,9 @@ def _companions(n: int) -> list[str]:
     return [f"Tell me a fact about the number {i}, then one about {i * 7}." for i in range(n)]
 
 
-def test_tokens_and_logprobs_are_the_same_bits_alone_and_in_any_crowd(engine):
-    alone = [_numbers(_chat(engine, [p])[0]) for p in PROMPTS]
-    stats = engine.engine_core.kv_cache_manager.prefix_cache_stats
+def test_tokens_and_logprobs_are_the_same_bits_alone_and_in_any_crowd(llm):
+    alone = [_numbers(_chat(llm, [p])[0]) for p in PROMPTS]
+    stats = llm.engine_core.kv_cache_manager.prefix_cache_stats
     hits_before = stats.num_hits
     # The prompts two by two, then all four at once: request bucket 4, with two rows and with four.
     # Then the four among 12 companions (16 requests, max_num_seqs): request bucket 16. Decode-only
@@ -55,14 +53,14 @@ def test_tokens_and_logprobs_are_the_same_bits_alone_and_in_any_crowd(engine):
         crowd.insert(5 * index, prompt)  # at 0, 5, 10 and 15
     crowds.append(crowd)
     for crowd in crowds:
-        outputs = _chat(engine, crowd)
+        outputs = _chat(llm, crowd)
         for index, prompt in enumerate(PROMPTS):
             if prompt in crowd:
                 got = outputs[crowd.index(prompt)]
                 assert _numbers(got) == alone[index], f"{prompt!r} among {len(crowd) - 1} others"
     # The crowded runs read the lone runs' full blocks from the prefix cache (unless the engine's
     # metrics snapshot reset the counters: then some hit was counted since).
-    assert engine.engine_core.kv_cache_manager.prefix_cache_stats.num_hits > 0 or stats.num_hits > hits_before
+    assert llm.engine_core.kv_cache_manager.prefix_cache_stats.num_hits > 0 or stats.num_hits > hits_before
 
 
 # ~300 tokens: past the attention's short-context limit (256), so the fed-back prompt's last chunk is the
@@ -78,18 +76,16 @@ LONG_PROMPT = (
 
 
 @pytest.mark.parametrize("prompt", [PROMPTS[0], LONG_PROMPT], ids=["short", "long"])
-def test_sampled_logprobs_equal_the_teacher_forced_prompt_logprobs(engine, prompt):
+def test_sampled_logprobs_equal_the_teacher_forced_prompt_logprobs(llm, prompt):
     """The logprob of each generated token, and the prompt logprob of that token when the sequence is
     fed back as a prompt: the trainer's forward and the sampler's agree bit for bit, for a context
     short enough for one step and for one that is chunked (128 tokens a step) past 256 tokens."""
-    out = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, logprobs=0), use_tqdm=False)[
-        0
-    ]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, logprobs=0), use_tqdm=False)[0]
     if prompt is LONG_PROMPT:
         assert 256 < len(out.prompt_token_ids) < 400
     generated = out.outputs[0]
     fed_back = {"prompt_token_ids": list(out.prompt_token_ids) + list(generated.token_ids)}
-    again = engine.generate(fed_back, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    again = llm.generate(fed_back, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     num_prompt = len(out.prompt_token_ids)
     teacher = [again.prompt_logprobs[num_prompt + i][t].logprob for i, t in enumerate(generated.token_ids)]
     sampled = [generated.logprobs[i][t].logprob for i, t in enumerate(generated.token_ids)]

@@ -116,10 +116,20 @@ def _dot_rows_in(fn, *args) -> set[int]:
     return {int(line.split("= f32[")[1].split(",")[0]) for line in dots}
 
 
+@pytest.fixture
+def invariance_of(dtype):
+    """Batch invariance on, float32's dots too for a float32 test (`batch_invariant_float32`: not by
+    default, kernels/invariant.py `covers_float32`)."""
+    from xlaserve.kernels.invariant import batch_invariance
+
+    with batch_invariance(True, float32=dtype == "float32"):
+        yield
+
+
 @ON_CPU
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("num_rows", [1, 2])
-def test_few_rows_dot_padded_and_keep_their_bits(num_rows, dtype):
+def test_few_rows_dot_padded_and_keep_their_bits(num_rows, dtype, invariance_of):
     # XLA CPU's one-row bfloat16 dot (a matrix-vector product) is not native: a batch-1 decode step
     # spent most of its time in the LM head; and a few rows take kernels that round otherwise than the
     # one larger dots share. matmul pads them: outside an engine's trace to MIN_DOT_ROWS, in one
@@ -155,12 +165,12 @@ def test_few_rows_dot_padded_and_keep_their_bits(num_rows, dtype):
 @ON_CPU
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("k, n", [(576, 1536), (12, 48)])
-def test_probed_rows_keep_every_rows_bits_at_every_count(k, n, dtype):
+def test_probed_rows_keep_every_rows_bits_at_every_count(k, n, dtype, invariance_of):
     # The probe's promise, checked apart from it: under `probing(True)` every count of rows from 1 to
     # 16, by the weight as stored and read transposed (a tied LM head), gives each row the bits it has
     # among 64 rows. A probe that answered too few rows fails here on a CPU whose kernels round
     # otherwise below its threshold (an AMX Xeon: 3 rows for SmolLM2's shapes, up to 11 for 12 x 48).
-    # In float32 too (batch invariance on: the default), whose one-row dot rounds otherwise.
+    # In float32 too (its invariance asked for), whose one-row dot rounds otherwise.
     from xlaserve.kernels import dot_rows
 
     rng = np.random.default_rng(1)

@@ -505,6 +505,7 @@ def test_tokens_and_logprobs_are_the_same_bits_alone_and_among_companions(name, 
     llm = LLM(
         str(tmp_path),
         dtype=dtype,
+        batch_invariant_float32=dtype == "float32",  # float32's dots too (not by default: their cost)
         enforce_eager=True,
         max_model_len=128,
         max_num_seqs=8,

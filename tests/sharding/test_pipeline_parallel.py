@@ -177,12 +177,13 @@ def preemption_runs(tp_worker, models, vlm_models):
 
 @pytest.fixture(scope="module")
 def float32_preemption_runs(tp_worker, models, vlm_models):
-    """The preemption case in float32 on one device (PP=1): what float32 adds is its dots (few rows padded,
-    many in tiles: kernels/dtype_ops.py), which stages run alike."""
+    """The preemption case in float32 on one device (PP=1), with float32's batch invariance asked for
+    (`batch_invariant_float32`): what float32 adds is its dots (few rows padded, many in tiles:
+    kernels/dtype_ops.py), which stages run alike."""
     arg = {
         "models": {"llama": models["llama"], "qwen3_vl": vlm_models["qwen3_vl"]},
         "layouts": [PP1],
-        "shape": {**PREEMPTION_SHAPE, "dtype": "float32"},
+        "shape": {**PREEMPTION_SHAPE, "dtype": "float32", "batch_invariant_float32": True},
         "prompts": PREEMPTION_PROMPTS,
         "free_blocks": PREEMPTION_FREE_BLOCKS,
     }
@@ -419,9 +420,9 @@ def test_preempted_requests_on_stages_are_bitwise_the_unpreempted_ones(preemptio
 
 @pytest.mark.parametrize("model", ["llama", "qwen3_vl"])
 def test_preempted_float32_requests_are_bitwise_the_unpreempted_ones(float32_preemption_runs, model):
-    """float32 (batch invariance on): the preempted and recomputed requests decode beside other companions
-    than without preemption, and still give its bits (before float32's dots were padded, a logprob moved
-    by an ulp, 4.8e-7)."""
+    """float32 (`batch_invariant_float32`): the preempted and recomputed requests decode beside other
+    companions than without preemption, and still give its bits (without float32's dots padded, a logprob
+    moves by an ulp, 4.8e-7)."""
     (one,) = float32_preemption_runs[model]
     roomy, tight = one["roomy"], one["tight"]
     assert roomy["preemptions"] == [0, 0, 0]
