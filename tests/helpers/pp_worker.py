@@ -392,7 +392,9 @@ def hybrid(arg: dict, small_llm) -> dict:
                 if name in arg.get("research", {}):
                     research = arg["research"][name]
                     other = arg["models"][research["other"]]
-                    result["research"] = _hybrid_research(llm, model_dir, other, research["refusals"], prompts)
+                    result["research"] = _hybrid_research(
+                        llm, model_dir, other, research["refusals"], prompts
+                    )
             result["seconds"] = round(time.perf_counter() - t0, 1)
             results[name].append(result)
             del llm, core
@@ -409,8 +411,8 @@ def _hybrid_research(llm, model_dir: str, other: str, refusals: list, prompts) -
     """The research stack on a hybrid model's pipelined engine: each refused update (a good tensor of one
     stage doubled beside a wrong shape, its last column cut, on another) and what it changed on the stages;
     the numbers after `update_weights_from_path(other)`, twice (the second run hits the snapshots the first
-    left), with the compiles the update and the runs cost; then after sleep/wake_up at levels 1 and 2, with
-    the bytes each reported."""
+    left); then after sleep/wake_up at levels 1 and 2, with the bytes each reported; and the compiles all
+    that cost."""
     import jax
     from safetensors.numpy import load_file
 
@@ -420,7 +422,7 @@ def _hybrid_research(llm, model_dir: str, other: str, refusals: list, prompts) -
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     runner = llm.engine_core.runner
     first = load_file(f"{model_dir}/model.safetensors")
-    start, refused = _stage_arrays(runner), {}
+    compiles, start, refused = num_compiles(), _stage_arrays(runner), {}
     for good, bad in refusals:
         try:
             llm.update_weights({good: 2 * first[good], bad: first[bad][..., :-1]})
@@ -428,10 +430,8 @@ def _hybrid_research(llm, model_dir: str, other: str, refusals: list, prompts) -
         except ValueError as e:
             refused[bad] = str(e)
     result = {"refused": refused, "changed_by_refused": _changes(start, _stage_arrays(runner))}
-    compiles = num_compiles()
     result["updated"] = len(llm.update_weights_from_path(other))
     result["after"] = [_cached_numbers(llm, prompts, params) for _ in range(2)]
-    result["update_compiles"] = num_compiles() - compiles
     kv_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.kv_cache))
     result["sleep"] = []
     for level in (1, 2):
@@ -445,6 +445,7 @@ def _hybrid_research(llm, model_dir: str, other: str, refusals: list, prompts) -
                 "numbers": _cached_numbers(llm, prompts, params),
             }
         )
+    result["compiles"] = num_compiles() - compiles
     return result
 
 
