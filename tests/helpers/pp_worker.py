@@ -420,7 +420,7 @@ def _hybrid_research(llm, model_dir: str, other: str, refusals: list, prompts) -
     from xlaserve.worker.compile_guard import num_compiles
 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    runner = llm.engine_core.runner
+    t0, runner = time.perf_counter(), llm.engine_core.runner
     first = load_file(f"{model_dir}/model.safetensors")
     compiles, start, refused = num_compiles(), _stage_arrays(runner), {}
     for good, bad in refusals:
@@ -446,6 +446,7 @@ def _hybrid_research(llm, model_dir: str, other: str, refusals: list, prompts) -
             }
         )
     result["compiles"] = num_compiles() - compiles
+    result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
 
 
