@@ -19,14 +19,7 @@ def initialize(
     `cross_host_transfers`: `jax.device_put` may copy an array to another process's devices (pipeline
     stages on different processes). The CPU backend has no transfers of its own, so JAX's DCN transfer
     server carries them: this process listens on port master_port + 2 + node_rank (port 0 does not work:
-    the peers are told the port asked for, not the one bound).
-
-    A later engine in the same processes (the first shut down) finds them joined and goes on with them:
-    as many processes and the same rank, else a ValueError naming both, as for cross-host transfers asked
-    for where the first engine did not turn them on (they are set up as the processes join)."""
-    if jax.distributed.is_initialized():
-        _check_joined(nnodes, node_rank, cross_host_transfers)
-        return
+    the peers are told the port asked for, not the one bound)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if cross_host_transfers:
         address = f"{_reachable_address(master_addr)}:{transfer_port(master_port, node_rank)}"
@@ -41,20 +34,6 @@ def initialize(
         jax.local_device_count(),
         jax.device_count(),
     )
-
-
-def _check_joined(nnodes: int, node_rank: int, cross_host_transfers: bool) -> None:
-    """That the processes this one joined before are as many, and it the same rank, as asked now."""
-    if (nnodes, node_rank) != (jax.process_count(), jax.process_index()):
-        raise ValueError(
-            f"nnodes={nnodes}, node_rank={node_rank}: this process joined {jax.process_count()} processes "
-            f"as rank {jax.process_index()} before (one set of processes per Python process)"
-        )
-    if cross_host_transfers and not jax.config.values.get("jax_cross_host_transfer_socket_address"):
-        raise ValueError(
-            "pipeline_parallel_size > 1 over several processes needs cross-host transfers, turned on as the "
-            "processes join; this process joined them for an engine without pipeline stages"
-        )
 
 
 def transfer_port(master_port: int, node_rank: int) -> int:

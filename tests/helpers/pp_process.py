@@ -6,9 +6,7 @@ steps and calls until it stops.
 arg: {"model", "node_rank", "port", "layout": engine kwargs, "shape": engine kwargs}, optionally
 "prompts" (token ids; helpers/pp_worker.py's by default), "again" (the prompts run again: a hybrid
 model's second run hits the state snapshots the first left), "research": {"other": a checkpoint of the
-model's shapes, "refusals": [[good name, bad name], ...]} (then the research stack runs: `research`),
-and "next": another such arg (without node_rank and port) whose engine runs after this one in the same
-processes (they join once)."""
+model's shapes, "refusals": [[good name, bad name], ...]} (then the research stack runs: `research`)."""
 
 import json
 import os
@@ -60,9 +58,7 @@ def research(llm, arg: dict, prompts: list[list[int]]) -> dict:
     return result
 
 
-def run(arg: dict) -> dict | None:
-    """Process 0's numbers (None in process 1), and those of arg["next"]'s engine after this one's, in the
-    same processes."""
+def main(arg: dict) -> None:
     from helpers.pp_worker import PROMPTS
     from helpers.two_processes import engine_of_two
 
@@ -74,22 +70,18 @@ def run(arg: dict) -> dict | None:
         **arg["shape"],
         **arg["layout"],
     }
-    llm, result = engine_of_two(arg["model"], arg, **engine), None
-    if llm is not None:  # process 0 (process 1 followed to the end)
-        prompts = arg.get("prompts", PROMPTS)
-        result = numbers(llm, prompts)
-        if arg.get("again"):  # a hybrid model's second run hits the state snapshots the first left
-            result["again"] = numbers(llm, prompts)
-        if "research" in arg:
-            result |= research(llm, arg, prompts)
-        llm.shutdown()
-    if "next" in arg:
-        after = run({**arg["next"], "node_rank": arg["node_rank"], "port": arg["port"]})
-        result = None if result is None else {**result, "next": after}
-    return result
+    llm = engine_of_two(arg["model"], arg, **engine)
+    if llm is None:  # process 1: followed to the end
+        return
+    prompts = arg.get("prompts", PROMPTS)
+    result = numbers(llm, prompts)
+    if arg.get("again"):  # a hybrid model's second run hits the state snapshots the first left
+        result["again"] = numbers(llm, prompts)
+    if "research" in arg:
+        result |= research(llm, arg, prompts)
+    print("RESULT " + json.dumps(result), flush=True)
+    llm.shutdown()
 
 
 if __name__ == "__main__":
-    result = run(json.loads(sys.argv[1]))
-    if result is not None:
-        print("RESULT " + json.dumps(result), flush=True)
+    main(json.loads(sys.argv[1]))

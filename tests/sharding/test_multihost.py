@@ -134,24 +134,6 @@ def test_divergent_follower_stops_the_engine_with_a_clear_error():
     }
 
 
-def test_a_later_engine_goes_on_with_the_processes_joined(monkeypatch):
-    """sharding/distributed.py: a process that joined before (for a first engine, shut down since) goes on
-    with those processes for a later engine of as many processes and the same rank (test_pipeline_hybrid.py
-    runs two engines in one launch); another count or rank, or cross-host transfers the first engine did
-    not turn on, is a ValueError naming them."""
-    import jax
-
-    from xlaserve.sharding import distributed
-
-    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)  # as after a first engine's join
-    # No second join: jax.distributed.initialize would refuse it (and nothing listens on port 1).
-    distributed.initialize("127.0.0.1", 1, jax.process_count(), jax.process_index())
-    with pytest.raises(ValueError, match="nnodes=2, node_rank=1: this process joined 1 processes as rank 0"):
-        distributed.initialize("127.0.0.1", 1, 2, 1)
-    with pytest.raises(ValueError, match="over several processes needs cross-host transfers"):
-        distributed.initialize("127.0.0.1", 1, 1, 0, cross_host_transfers=True)
-
-
 @pytest.mark.slow
 def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text, tmp_path):
     """`xlaserve serve` across two processes (TP 8 over 2 x 4 devices): the OpenAI API answers from
