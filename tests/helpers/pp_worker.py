@@ -357,7 +357,9 @@ def hybrid(arg: dict, small_llm) -> dict:
     hits the state snapshots the first left: prefix caching), each run's cached tokens, and the most
     steps in flight (the micro-batches layout keeps as many as it has stages). The guarded layout is
     warmed up under the strict compile guard and reports its compiles after warm-up and each stage's
-    cache arrays' rows (K, V, conv state, recurrent state)."""
+    cache arrays' rows (K, V, conv state, recurrent state); where arg["research"] names the model
+    ({"other": the name of another of `models`, of the same shapes, "refusals"}), the research stack
+    runs on it after that (`_hybrid_research`)."""
     import jax
 
     from xlaserve import SamplingParams
@@ -377,15 +379,7 @@ def hybrid(arg: dict, small_llm) -> dict:
             if layout == arg["micro_batches"].get(name):  # off by default on a CPU: on, to check the bits
                 core.set_num_micro_batches(core.executor.max_concurrent_batches)
             compiles = num_compiles()
-            runs = []
-            for _ in range(2):
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                runs.append(
-                    {
-                        **_numbers_of(outs),
-                        "num_cached_tokens": [o.num_cached_tokens for o in outs],
-                    }
-                )
+            runs = [_cached_numbers(llm, prompts, params) for _ in range(2)]
             result = {"layout": layout, "runs": runs, "peak_steps_in_flight": core.peak_steps_in_flight}
             if guarded:
                 runner = core.runner
@@ -395,10 +389,65 @@ def hybrid(arg: dict, small_llm) -> dict:
                 result["cache_rows"] = [
                     [int(a.shape[0]) for a in jax.tree.leaves(c)] for c in runner.kv_cache
                 ]
+                if name in arg.get("research", {}):
+                    research = arg["research"][name]
+                    other = arg["models"][research["other"]]
+                    result["research"] = _hybrid_research(
+                        llm, model_dir, other, research["refusals"], prompts
+                    )
             result["seconds"] = round(time.perf_counter() - t0, 1)
             results[name].append(result)
             del llm, core
     return results
+
+
+def _cached_numbers(llm, prompts, params) -> dict:
+    """`_numbers` and each prompt's prefix-cache hit."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return {**_numbers_of(outs), "num_cached_tokens": [o.num_cached_tokens for o in outs]}
+
+
+def _hybrid_research(llm, model_dir: str, other: str, refusals: list, prompts) -> dict:
+    """The research stack on a hybrid model's pipelined engine: each refused update (a good tensor of one
+    stage doubled beside a wrong shape, its last column cut, on another) and what it changed on the stages;
+    the numbers after `update_weights_from_path(other)`, twice (the second run hits the snapshots the first
+    left); then after sleep/wake_up at levels 1 and 2, with the bytes each reported; and the compiles all
+    that cost."""
+    import jax
+    from safetensors.numpy import load_file
+
+    from xlaserve import SamplingParams
+    from xlaserve.worker.compile_guard import num_compiles
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    t0, runner = time.perf_counter(), llm.engine_core.runner
+    first = load_file(f"{model_dir}/model.safetensors")
+    compiles, start, refused = num_compiles(), _stage_arrays(runner), {}
+    for good, bad in refusals:
+        try:
+            llm.update_weights({good: 2 * first[good], bad: first[bad][..., :-1]})
+            refused[bad] = None
+        except ValueError as e:
+            refused[bad] = str(e)
+    result = {"refused": refused, "changed_by_refused": _changes(start, _stage_arrays(runner))}
+    result["updated"] = len(llm.update_weights_from_path(other))
+    result["after"] = [_cached_numbers(llm, prompts, params) for _ in range(2)]
+    kv_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.kv_cache))
+    result["sleep"] = []
+    for level in (1, 2):
+        asleep = llm.sleep(level)
+        awake = llm.wake_up()
+        result["sleep"].append(
+            {
+                "freed": asleep.device_bytes,
+                "placed": awake.device_bytes,
+                "expected": kv_bytes + (runner.weight_bytes if level == 2 else 0),
+                "numbers": _cached_numbers(llm, prompts, params),
+            }
+        )
+    result["compiles"] = num_compiles() - compiles
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    return result
 
 
 def _noting_preemptions(scheduler) -> list[str]:
