@@ -93,7 +93,6 @@ class EngineConfig:
                     self.speculative is not None and self.parallel.nnodes > 1,
                     "speculative_config across nnodes",
                 ),
-                (self.cache.kv_offloading_size is not None, "kv_offloading_size"),
                 (self.cache.kv_transfer_config is not None, "kv_transfer_config"),
             ):
                 require(not is_set, f"pipeline_parallel_size={pp} cannot be combined with {what} yet")

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
-from xlaserve.core.kv_connector import KVConnectorMetadata
+from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
 from xlaserve.models.registry import get_model_class
@@ -193,9 +193,7 @@ class ModelRunner:
         # Copies between the cache and K/V held elsewhere, before each step (core/kv_connector.py): host
         # offload's (worker/kv_offload.py), or the base class, which moves nothing.
         self.kv_layout = BlockLayout(model.kv_heads, self.dcp)
-        self.kv_connector = make_kv_connector_worker(
-            config.cache, self.kv_bytes_per_block(), self.num_blocks, self.kv_layout
-        )
+        self.kv_connector = self._make_kv_connector()
         sched = config.scheduler
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, sched.max_num_seqs, self.padded_vocab_size)
@@ -288,12 +286,21 @@ class ModelRunner:
         """Bytes of one block as the KV connector moves it (to a host tier, to a consumer): every layer's
         K/V of block_size tokens, each of the model's KV heads once (`BlockLayout`), whatever copies and
         interleaving the device cache holds."""
-        spec, dtype = self.kv_spec, self.backend.cache_dtype(self.dtype)
+        return self._moved_bytes_per_block(self.kv_spec)
+
+    def _moved_bytes_per_block(self, spec) -> int:
+        dtype = self.backend.cache_dtype(self.dtype)
         if spec.layer_kind != "full_attention" or spec.fixed_num_tokens is not None:
             return bytes_per_block(spec, self.cache_block_size, dtype)  # a cache no connector moves
         num_layers, *block = spec.shape(1, self.cache_block_size)
         moved = self.kv_layout.moved_shape(tuple(block))
         return spec.num_arrays * num_layers * math.prod(moved) * np.dtype(dtype).itemsize
+
+    def _make_kv_connector(self) -> KVConnectorWorker:
+        """The configured KV connector's worker half over this runner's cache (worker/kv_transfer.py)."""
+        return make_kv_connector_worker(
+            self.config.cache, self.kv_bytes_per_block(), self.num_blocks, self.kv_layout
+        )
 
     # -- compiling ------------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from xlaserve.config import EngineConfig
+from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker, KVTransferStats
 from xlaserve.kernels import KVCache
 from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
@@ -50,6 +51,7 @@ from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.sharding import Placement, make_mesh
 from xlaserve.worker.input_batch import StepBatch, StepInputs
 from xlaserve.worker.kv_cache import allocate_kv_cache
+from xlaserve.worker.kv_transfer import make_kv_connector_worker
 from xlaserve.worker.lora_manager import SlotHolder
 from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.model_runner import ModelRunner
@@ -237,6 +239,27 @@ class PipelineRunner(ModelRunner):
             num_state_snapshots=self.kv_spec.num_state_snapshots,
         )
 
+    def kv_bytes_per_block(self) -> int:
+        """A block as the KV connector moves it: every local stage's layers (host offload runs on one
+        host, so that is the whole model's)."""
+        return sum(self._moved_bytes_per_block(self._stage_kv_spec(s)) for s in self.stages if s.is_local)
+
+    def _make_kv_connector(self) -> KVConnectorWorker:
+        """Host offload on stages: a worker half per stage over its own cache (its layers' blocks, on its
+        devices), all given the step's one plan: block ids and host slots are the same on every stage, as
+        the block tables are shared. Each stage's tier holds the same number of blocks, of its layers."""
+        if self.config.cache.kv_offloading_size is None:
+            return super()._make_kv_connector()
+        num_bytes = self.kv_bytes_per_block()  # sizes every stage's tier alike: the whole block's bytes
+        return StagedKVConnector(
+            [
+                make_kv_connector_worker(self.config.cache, num_bytes, self.num_blocks, self.kv_layout)
+                if s.is_local
+                else None
+                for s in self.stages
+            ]
+        )
+
     def allocate_kv_cache(self) -> list[KVCache | None]:
         """Each stage's zeroed cache of num_blocks, on its devices, holding its layers only (None for
         another process's stage)."""
@@ -400,3 +423,48 @@ class PipelineRunner(ModelRunner):
             self.kv_cache = self.state_copier.apply(self.kv_cache, copies[1])
         self.guard.check(f"a step in bucket {inputs.batch.input_ids.shape[0]}")
         return {}, step
+
+
+class StagedKVConnector(KVConnectorWorker):
+    """A KV connector's worker half per stage (None: another process's stage), each over that stage's
+    cache in the runner's list of them, given the same step plan."""
+
+    def __init__(self, workers: list[KVConnectorWorker | None]):
+        self.workers = workers
+
+    def save_kv(self, kv_cache: list, metadata: KVConnectorMetadata | None) -> None:
+        for worker, cache in zip(self.workers, kv_cache, strict=True):
+            if worker is not None:
+                worker.save_kv(cache, metadata)
+
+    def load_kv(self, kv_cache: list, metadata: KVConnectorMetadata | None) -> list:
+        return [
+            cache if worker is None else worker.load_kv(cache, metadata)
+            for worker, cache in zip(self.workers, kv_cache, strict=True)
+        ]
+
+    def save_kv_after_forward(self, kv_cache: list, metadata: KVConnectorMetadata | None) -> None:
+        for worker, cache in zip(self.workers, kv_cache, strict=True):
+            if worker is not None:
+                worker.save_kv_after_forward(cache, metadata)
+
+    def take_stats(self) -> KVTransferStats | None:
+        """The stages' seconds added up (their copies run one after another on the host)."""
+        snapshots = [s for w in self.workers if w is not None and (s := w.take_stats()) is not None]
+        if not snapshots:
+            return None
+        stats = KVTransferStats()
+        for snapshot in snapshots:
+            stats.add(snapshot)
+        return stats
+
+    def warm_up(self, kv_cache: list) -> list:
+        return [
+            cache if worker is None else worker.warm_up(cache)
+            for worker, cache in zip(self.workers, kv_cache, strict=True)
+        ]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker is not None:
+                worker.close()

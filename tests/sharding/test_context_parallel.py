@@ -163,22 +163,24 @@ def test_what_prefill_context_parallel_refuses_is_named():
 
 
 def test_evicted_blocks_come_back_from_the_host_tier_under_context_parallelism(tp_worker, one_kv_head):
-    """KV offload (kv_offloading_size) under PCP 2 with DCP 2 in each group: the offload's programs
-    gather and scatter whole blocks of the global cache arrays (each rank's interleaved half of a block
-    among them), so a prompt the device cache evicted comes back from the host tier: its 32 prefix tokens
-    loaded (4 blocks of the global arrays' bytes), the same tokens and logprobs bit for bit as when it was
-    computed (a block put back in the wrong place, or a rank's half in the other's, would change them),
-    every block free after. (One device's tokens under these layouts: the tests above.)"""
+    """KV offload (kv_offloading_size) under PCP 2 with DCP 2 in each group, and on two pipeline stages.
+    Under PCP x DCP the offload's programs gather and scatter whole blocks of the global cache arrays
+    (each rank's interleaved half of a block among them); on stages each stage copies its own layer's
+    blocks, all on one plan. A prompt the device cache evicted comes back from the host tier: its 32
+    prefix tokens loaded (4 blocks of the whole model's bytes), the same tokens and logprobs bit for bit
+    as when it was computed (a block put back in the wrong place, or a rank's half in the other's, would
+    change them), every block free after. (One device's tokens under these layouts: the tests above.)"""
     rng = np.random.default_rng(21)
     prompts = [rng.integers(3, 300, 40).tolist() for _ in range(3)]
-    (result,) = tp_worker.run(
-        "context_parallel_offload", one_kv_head, {"layouts": [PCP2_DCP2], "prompts": prompts}
-    )
-    first, *_, again = result["runs"]
-    assert [r["num_cached_tokens"] for r in result["runs"]] == [0, 0, 0, 32]
-    assert (again["tokens"], again["logprobs"]) == (first["tokens"], first["logprobs"])
-    assert result["host_hits"] == 32 and result["all_free"]
-    assert result["loaded_bytes"] == 4 * result["bytes_per_block"]
+    layouts = [PCP2_DCP2, {"pipeline_parallel_size": 2}]
+    results = tp_worker.run("context_parallel_offload", one_kv_head, {"layouts": layouts, "prompts": prompts})
+    for result in results:
+        first, *_, again = result["runs"]
+        assert [r["num_cached_tokens"] for r in result["runs"]] == [0, 0, 0, 32], result["layout"]
+        assert (again["tokens"], again["logprobs"]) == (first["tokens"], first["logprobs"]), result["layout"]
+        assert result["host_hits"] == 32 and result["all_free"], result["layout"]
+        assert result["loaded_bytes"] == 4 * result["bytes_per_block"], result["layout"]
+    assert results[1]["bytes_per_block"] == results[0]["bytes_per_block"]  # the whole model's, both
 
 
 def test_blocks_move_between_engines_of_different_layouts(tp_worker, one_kv_head):

@@ -108,8 +108,8 @@ def test_the_flag_and_its_short_form_reach_the_config():
             "pipeline_parallel_size=2 cannot be combined with runner='pooling' across nnodes yet",
         ),
         (
-            {"kv_offloading_size": 1.0},
-            "pipeline_parallel_size=2 cannot be combined with kv_offloading_size yet",
+            {"kv_transfer_config": {"kv_connector": "JaxConnector", "kv_role": "kv_both"}},
+            "pipeline_parallel_size=2 cannot be combined with kv_transfer_config yet",
         ),
     ],
 )
