@@ -17,6 +17,9 @@ sorted by slot: engine/PERFORMANCE.md). A step in which no token uses an adapter
 The adapters belong to the projections: a `Linear` is `Adaptable`, and the decoder binds each layer's
 slots to its projections by path inside the layer scan (`bind_adapters`), so no family's layers take
 or pass a LoRA argument.
+
+Both dots go through `dtype_ops.matmul`, as the projections do, so a decode step's few rows are padded
+as theirs are: with batch invariance on, a token's delta has the same bits alone as among companions.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from xlaserve.kernels.dtype_ops import matmul
 
 # Hugging Face module names an adapter may target, as our decoder layers name them too.
 LORA_TARGET_MODULES = (
@@ -128,9 +133,9 @@ def lora_delta(
     """The one-hot form (the module docstring says why): x @ A of every slot, masked to the token's
     own, @ B of every slot."""
     din, num_slots, rank = a.shape
-    xa = jnp.matmul(x, a.reshape(din, num_slots * rank).astype(x.dtype), preferred_element_type=jnp.float32)
+    xa = matmul(x, a.reshape(din, num_slots * rank).astype(x.dtype), jnp.float32)
     xa = xa * slot_mask  # [T, S * r]
-    return jnp.matmul(xa.astype(b.dtype), b.reshape(num_slots * rank, -1), preferred_element_type=jnp.float32)
+    return matmul(xa.astype(b.dtype), b.reshape(num_slots * rank, -1), jnp.float32)
 
 
 # The two other forms measured (engine/PERFORMANCE.md), over A as [S, in, r] and each token's device
