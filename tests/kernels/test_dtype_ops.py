@@ -179,10 +179,11 @@ def test_probed_rows_keep_every_rows_bits_at_every_count(k, n, dtype, invariance
     w_t = jnp.asarray(np.asarray(w, np.float32).T, dtype)
     dot = jax.jit(dot_rows.traced_probing(True, lambda x, w: matmul(x, w, jnp.float32)))
     dot_t = jax.jit(dot_rows.traced_probing(True, lambda x, w_t: matmul(x, w_t.T, jnp.float32)))
-    # float32: every count up to its tile and past it (tiles of 32 rows; YNNPACK's own float32 dot sums
-    # K in another order from 33 rows on for K = 576 on an AVX512-BF16 EPYC). A transposed weight only up
-    # to the tile: the loop over tiles would read it as a copy (the engine transposes a tied head once).
-    counts = range(1, 17) if dtype == "bfloat16" else [*range(1, 34), 40, 48]
+    # float32: counts about its probed rows, its tile's edge and past it (tiles of 32 rows; YNNPACK's own
+    # float32 dot sums K in another order from 33 rows on for K = 576 on an AVX512-BF16 EPYC). A
+    # transposed weight only up to the tile: the loop over tiles would read it as a copy (the engine
+    # transposes a tied head once).
+    counts = range(1, 17) if dtype == "bfloat16" else [1, 2, 3, 5, 8, 16, 31, 32, 33, 40, 48]
     full = np.asarray(dot(many, w))
     full_t = np.asarray(dot_t(many if dtype == "bfloat16" else many[: dot_rows.TILE_ROWS], w_t))
     for m in counts:

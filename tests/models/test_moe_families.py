@@ -491,8 +491,11 @@ def test_mla_paged_attention_matches_unabsorbed_attention():
     assert not np.any(out[14:])  # padding tokens
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])
+# float32 (its invariance asked for) on DeepSeek V3 alone: its router, experts and latent attention cover
+# what float32 adds (each dot through `matmul`), Mixtral's router being the same code.
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("mixtral", "bfloat16"), ("deepseek_v3", "bfloat16"), ("deepseek_v3", "float32")]
+)
 def test_tokens_and_logprobs_are_the_same_bits_alone_and_among_companions(name, dtype, tokenizer, tmp_path):
     """Batch invariance for a MoE family and an MLA one, at the dtype users run (bfloat16) and in float32
     (`dtype="auto"` on a CPU without AVX512-BF16 or AMX): a request's greedy tokens and logprobs alone
