@@ -119,6 +119,17 @@ class KVTransferStats:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
+    @classmethod
+    def total(cls, snapshots: list[KVTransferStats | None]) -> KVTransferStats | None:
+        """The sum of several connectors' (or stages') stats; None where none has any."""
+        snapshots = [s for s in snapshots if s is not None]
+        if not snapshots:
+            return None
+        stats = cls()
+        for snapshot in snapshots:
+            stats.add(snapshot)
+        return stats
+
 
 class KVConnectorScheduler:
     """The scheduler's half; this base is the connector that is off (nothing outside the device)."""

@@ -89,15 +89,13 @@ class MultiConnectorScheduler(KVConnectorScheduler):
             connector.update_connector_output(stats)
 
     def make_stats(self) -> KVTransferStats | None:
-        snapshots = [s for c in self.connectors if (s := c.make_stats()) is not None]
-        if not snapshots:
+        snapshots = [c.make_stats() for c in self.connectors]
+        stats = KVTransferStats.total(snapshots)
+        if stats is None:
             return None
-        stats = KVTransferStats()
-        for snapshot in snapshots:
-            stats.add(snapshot)
         # Every request past its device hit asks the first source; the later ones are asked only for
         # what it lacked, so the prompt tokens queried are the first's count.
-        stats.num_queries = snapshots[0].num_queries
+        stats.num_queries = next(s for s in snapshots if s is not None).num_queries
         return stats
 
     def reset(self) -> None:
@@ -126,13 +124,7 @@ class MultiConnectorWorker(KVConnectorWorker):
             worker.save_kv_after_forward(kv_cache, metadata)
 
     def take_stats(self) -> KVTransferStats | None:
-        snapshots = [s for w in self.workers if (s := w.take_stats()) is not None]
-        if not snapshots:
-            return None
-        stats = KVTransferStats()
-        for snapshot in snapshots:
-            stats.add(snapshot)
-        return stats
+        return KVTransferStats.total([w.take_stats() for w in self.workers])
 
     def warm_up(self, kv_cache):
         for worker in self.workers:

@@ -450,13 +450,7 @@ class StagedKVConnector(KVConnectorWorker):
 
     def take_stats(self) -> KVTransferStats | None:
         """The stages' seconds added up (their copies run one after another on the host)."""
-        snapshots = [s for w in self.workers if w is not None and (s := w.take_stats()) is not None]
-        if not snapshots:
-            return None
-        stats = KVTransferStats()
-        for snapshot in snapshots:
-            stats.add(snapshot)
-        return stats
+        return KVTransferStats.total([w.take_stats() for w in self.workers if w is not None])
 
     def warm_up(self, kv_cache: list) -> list:
         return [
