@@ -26,7 +26,7 @@ import numpy as np
 import zmq
 
 from xlaserve.config import CacheConfig, KVTransferConfig
-from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker
+from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker, KVTransferStats
 from xlaserve.core.kv_multi_connector import MultiConnectorWorker
 from xlaserve.core.kv_offload import num_host_blocks
 from xlaserve.core.kv_transfer import GET, encode_header
@@ -255,3 +255,43 @@ def _offloading_worker(
     if cache.kv_offloading_disk_path is not None:
         disk = DiskTier(cache.kv_offloading_disk_path, disk_tier_blocks(cache, bytes_per_block))
     return OffloadingConnectorWorker(num_host, num_blocks, layout, disk)
+
+
+class StagedKVConnector(KVConnectorWorker):
+    """Pipeline stages' connector (worker/pipeline_runner.py): a worker half per stage (None: another
+    process's stage), each over that stage's cache in the runner's list of them, all given the step's one
+    plan (block ids and host slots are the same on every stage)."""
+
+    def __init__(self, workers: list[KVConnectorWorker | None]):
+        self.workers = workers
+
+    def save_kv(self, kv_cache: list, metadata: KVConnectorMetadata | None) -> None:
+        for worker, cache in zip(self.workers, kv_cache, strict=True):
+            if worker is not None:
+                worker.save_kv(cache, metadata)
+
+    def load_kv(self, kv_cache: list, metadata: KVConnectorMetadata | None) -> list:
+        return [
+            cache if worker is None else worker.load_kv(cache, metadata)
+            for worker, cache in zip(self.workers, kv_cache, strict=True)
+        ]
+
+    def save_kv_after_forward(self, kv_cache: list, metadata: KVConnectorMetadata | None) -> None:
+        for worker, cache in zip(self.workers, kv_cache, strict=True):
+            if worker is not None:
+                worker.save_kv_after_forward(cache, metadata)
+
+    def take_stats(self) -> KVTransferStats | None:
+        """The stages' seconds added up (their copies run one after another on the host)."""
+        return KVTransferStats.total([w.take_stats() for w in self.workers if w is not None])
+
+    def warm_up(self, kv_cache: list) -> list:
+        return [
+            cache if worker is None else worker.warm_up(cache)
+            for worker, cache in zip(self.workers, kv_cache, strict=True)
+        ]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker is not None:
+                worker.close()

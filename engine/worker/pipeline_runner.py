@@ -43,7 +43,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from xlaserve.config import EngineConfig
-from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker, KVTransferStats
+from xlaserve.core.kv_connector import KVConnectorWorker
 from xlaserve.kernels import KVCache
 from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
@@ -51,7 +51,7 @@ from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.sharding import Placement, make_mesh
 from xlaserve.worker.input_batch import StepBatch, StepInputs
 from xlaserve.worker.kv_cache import allocate_kv_cache
-from xlaserve.worker.kv_transfer import make_kv_connector_worker
+from xlaserve.worker.kv_transfer import StagedKVConnector, make_kv_connector_worker
 from xlaserve.worker.lora_manager import SlotHolder
 from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.model_runner import ModelRunner
@@ -423,42 +423,3 @@ class PipelineRunner(ModelRunner):
             self.kv_cache = self.state_copier.apply(self.kv_cache, copies[1])
         self.guard.check(f"a step in bucket {inputs.batch.input_ids.shape[0]}")
         return {}, step
-
-
-class StagedKVConnector(KVConnectorWorker):
-    """A KV connector's worker half per stage (None: another process's stage), each over that stage's
-    cache in the runner's list of them, given the same step plan."""
-
-    def __init__(self, workers: list[KVConnectorWorker | None]):
-        self.workers = workers
-
-    def save_kv(self, kv_cache: list, metadata: KVConnectorMetadata | None) -> None:
-        for worker, cache in zip(self.workers, kv_cache, strict=True):
-            if worker is not None:
-                worker.save_kv(cache, metadata)
-
-    def load_kv(self, kv_cache: list, metadata: KVConnectorMetadata | None) -> list:
-        return [
-            cache if worker is None else worker.load_kv(cache, metadata)
-            for worker, cache in zip(self.workers, kv_cache, strict=True)
-        ]
-
-    def save_kv_after_forward(self, kv_cache: list, metadata: KVConnectorMetadata | None) -> None:
-        for worker, cache in zip(self.workers, kv_cache, strict=True):
-            if worker is not None:
-                worker.save_kv_after_forward(cache, metadata)
-
-    def take_stats(self) -> KVTransferStats | None:
-        """The stages' seconds added up (their copies run one after another on the host)."""
-        return KVTransferStats.total([w.take_stats() for w in self.workers if w is not None])
-
-    def warm_up(self, kv_cache: list) -> list:
-        return [
-            cache if worker is None else worker.warm_up(cache)
-            for worker, cache in zip(self.workers, kv_cache, strict=True)
-        ]
-
-    def close(self) -> None:
-        for worker in self.workers:
-            if worker is not None:
-                worker.close()
