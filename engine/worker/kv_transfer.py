@@ -224,14 +224,20 @@ class DisaggConnectorWorker(BlockTransferWorker):
 
 
 def make_kv_connector_worker(
-    cache: CacheConfig, bytes_per_block: int, num_blocks: int, layout: BlockLayout = BlockLayout()
+    cache: CacheConfig,
+    bytes_per_block: int,
+    num_blocks: int,
+    layout: BlockLayout = BlockLayout(),
+    persist_dir: str | None = None,
+    tier_name: str = "",
 ) -> KVConnectorWorker:
     """The worker's half of the configured connector: host offload's, disaggregated prefill's, both
     composed (in core/kv_transfer.py's `make_kv_connector_scheduler` order), or the base class (off),
-    moving blocks in `layout`, of `bytes_per_block` bytes."""
+    moving blocks in `layout`, of `bytes_per_block` bytes. `persist_dir`: a persistent disk tier's
+    directory (core/kv_offload.py), its files named `tier_name` + a number (a pipeline stage's own)."""
     workers: list[KVConnectorWorker] = []
     if cache.kv_offloading_size is not None:
-        workers.append(_offloading_worker(cache, bytes_per_block, num_blocks, layout))
+        workers.append(_offloading_worker(cache, bytes_per_block, num_blocks, layout, persist_dir, tier_name))
     if cache.kv_transfer is not None:
         workers.append(DisaggConnectorWorker(cache.kv_transfer, num_blocks, cache.block_size, layout))
     if len(workers) > 1:
@@ -240,7 +246,12 @@ def make_kv_connector_worker(
 
 
 def _offloading_worker(
-    cache: CacheConfig, bytes_per_block: int, num_blocks: int, layout: BlockLayout
+    cache: CacheConfig,
+    bytes_per_block: int,
+    num_blocks: int,
+    layout: BlockLayout,
+    persist_dir: str | None,
+    tier_name: str,
 ) -> OffloadingConnectorWorker:
     """Host offload's worker half. A host tier larger than the memory available now is a ValueError
     naming the field, not an OOM kill mid-start."""
@@ -253,7 +264,9 @@ def _offloading_worker(
         )
     disk = None
     if cache.kv_offloading_disk_path is not None:
-        disk = DiskTier(cache.kv_offloading_disk_path, disk_tier_blocks(cache, bytes_per_block))
+        disk = DiskTier(
+            cache.kv_offloading_disk_path, disk_tier_blocks(cache, bytes_per_block), persist_dir, tier_name
+        )
     return OffloadingConnectorWorker(num_host, num_blocks, layout, disk)
 
 
@@ -290,6 +303,11 @@ class StagedKVConnector(KVConnectorWorker):
             cache if worker is None else worker.warm_up(cache)
             for worker, cache in zip(self.workers, kv_cache, strict=True)
         ]
+
+    def keep_blocks(self, kv_cache: list, metadata: KVConnectorMetadata) -> None:
+        for worker, cache in zip(self.workers, kv_cache, strict=True):
+            if worker is not None:
+                worker.keep_blocks(cache, metadata)
 
     def close(self) -> None:
         for worker in self.workers:

@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_connector import KVConnectorWorker
+from xlaserve.core.kv_offload import persistent_tier_dir
 from xlaserve.kernels import KVCache
 from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
@@ -251,12 +252,15 @@ class PipelineRunner(ModelRunner):
         if self.config.cache.kv_offloading_size is None:
             return super()._make_kv_connector()
         num_bytes = self.kv_bytes_per_block()  # sizes every stage's tier alike: the whole block's bytes
+        persist_dir = persistent_tier_dir(self.config, num_bytes)  # each stage's files named apart
         return StagedKVConnector(
             [
-                make_kv_connector_worker(self.config.cache, num_bytes, self.num_blocks, self.kv_layout)
+                make_kv_connector_worker(
+                    self.config.cache, num_bytes, self.num_blocks, self.kv_layout, persist_dir, f"stage{i}-"
+                )
                 if s.is_local
                 else None
-                for s in self.stages
+                for i, s in enumerate(self.stages)
             ]
         )
 
