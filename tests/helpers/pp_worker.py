@@ -382,8 +382,9 @@ def hybrid(arg: dict, small_llm) -> dict:
             runs = [_cached_numbers(llm, prompts, params) for _ in range(2)]
             result = {"layout": layout, "runs": runs, "peak_steps_in_flight": core.peak_steps_in_flight}
             if guarded:
-                runner = core.runner
                 result["compiles_after_warm_up"] = num_compiles() - compiles
+            if layout.get("pipeline_parallel_size", 1) > 1:
+                runner = core.runner
                 result["num_blocks"] = runner.num_blocks
                 result["num_state_slots"] = runner.kv_spec.num_state_slots
                 result["cache_rows"] = [

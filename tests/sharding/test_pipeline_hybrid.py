@@ -6,18 +6,17 @@ give PP=1's tokens and logprobs bit for bit under PP=2: three requests in flight
 chunks across steps, then the same prompts again, hitting the state snapshots the first run left
 (prefix caching: each stage copies its own layers' state rows); Qwen3.5 in bfloat16 with two
 micro-batches in flight, Granite in float32. The PP=2 engines are warmed up under the strict compile
-guard and compile nothing afterwards; each stage's cache holds its own layers' K/V blocks and state
-slots only, with the same block and slot ids. The research stack on the Qwen3.5 PP=2 engine: a wrong
-shape on either stage is refused with no stage changed, `update_weights_from_path` to a second
-checkpoint gives a fresh engine's bits on it (snapshot hits included), sleep/wake_up at both levels the
-same bits again, nothing compiled.
-
-And across two processes (helpers/pp_process.py: jax.distributed over loopback, one stage and one CPU
-device each, one launch, warmed up under the strict compile guard in both): Qwen3.5 in bfloat16 gives one
-device's bits, its snapshot hits included (process 0 holds the first stage and copies its own state rows
-without the last stage's program), and the research stack on it gives one device's bits on the second
-checkpoint, after sleep/wake_up, after refusals on either process's stage (nothing changed on either),
-and back on the first.
+guard and compile nothing afterwards (Qwen3.5's, and across processes; Granite's runs eager); each
+stage's cache holds its own layers' K/V blocks and state slots only, with the same block and slot ids. The
+research stack on the Qwen3.5 PP=2 engine: a wrong shape on either stage is refused with no stage changed,
+`update_weights_from_path` to a second checkpoint gives a fresh engine's bits on it (snapshot hits
+included), sleep/wake_up at both levels the same bits again, nothing compiled. And across two processes
+(helpers/pp_process.py: jax.distributed over loopback, one stage and one CPU device each, one launch,
+warmed up under the strict compile guard in both): Qwen3.5 in bfloat16 gives one device's bits, its
+snapshot hits included (process 0 holds the first stage and copies its own state rows without the last
+stage's program), and the research stack on it gives one device's bits on the second checkpoint, after
+sleep/wake_up, after refusals on either process's stage (nothing changed on either), and back on the
+first.
 """
 
 from __future__ import annotations
@@ -28,15 +27,16 @@ import transformers
 
 from helpers.family_cases import GRANITE_HYBRID, QWEN3_5_TEXT, randomize_weights, save_hf_model
 
-# Five engines in the fake-mesh worker (two warmed up whole), and one launch of two processes.
+# Five engines in the fake-mesh worker (one warmed up whole), and one launch of two processes.
 pytestmark = pytest.mark.slow
 
 PP1, PP2 = {}, {"pipeline_parallel_size": 2}
 BF16 = {"dtype": "bfloat16"}
 # Qwen3.5 in bfloat16 (its stacked weights packed for the CPU's dot, read in place at each layer's index:
-# kernels/dtype_ops.py `stack_entry`), Granite 4.0-H in float32; both PP=2 engines warmed up whole.
+# kernels/dtype_ops.py `stack_entry`), Granite 4.0-H in float32; Qwen3.5's PP=2 engine warmed up whole
+# (Granite's too took ~25 s of the suite's CPU for the same stage programs' property).
 LAYOUTS = {"qwen3_5": [BF16, {**BF16, **PP2}], "qwen3_5_b": [BF16], "granite": [PP1, PP2]}
-GUARDED = {"qwen3_5": {**BF16, **PP2}, "granite": PP2}
+GUARDED = {"qwen3_5": {**BF16, **PP2}}
 # Two micro-batches in flight, each step another mix of requests than PP=1's: bitwise only where the
 # model is batch-invariant, bfloat16 (float32's chunked delta rule takes its chunk size from the step).
 MICRO_BATCHES = {"qwen3_5": {**BF16, **PP2}}
@@ -125,9 +125,10 @@ def test_each_stage_holds_its_layers_rows_and_nothing_compiles_after_warm_up(run
     empty K/V array). Every stage has every block id and state slot."""
     expected = {"qwen3_5": [(1, 2), (2, 1)], "granite": [(1, 1), (0, 2)]}
     for model, counts in expected.items():
-        staged = runs[model][LAYOUTS[model].index(GUARDED[model])]
-        assert staged["layout"] == GUARDED[model]
-        assert staged["compiles_after_warm_up"] == 0
+        staged = runs[model][-1]
+        assert staged["layout"].get("pipeline_parallel_size") == 2
+        if model in GUARDED:
+            assert staged["compiles_after_warm_up"] == 0
         blocks, slots = staged["num_blocks"], staged["num_state_slots"]
         assert slots == 2 * SHAPE["max_num_seqs"] + 1  # the live ones, the null slot, the snapshots
         assert staged["cache_rows"] == [[a * blocks, a * blocks, s * slots, s * slots] for a, s in counts]
