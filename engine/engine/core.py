@@ -341,7 +341,8 @@ class EngineCore:
     def _keep_kv_blocks(self) -> None:
         """What outlives the engine (a persistent disk tier's blocks: core/kv_offload.py), copied once the
         steps in flight are done."""
-        self._update_in_flight()
+        if self.config.cache.kv_offloading_disk_persist:
+            self._update_in_flight()  # their blocks are computed, and the cache is theirs to the end
         plan = self.kv_connector.shutdown_plan(self.kv_cache_manager.cached_blocks())
         if plan is not None:
             self.executor.keep_kv_blocks(plan)
