@@ -278,6 +278,37 @@ def test_items_render_as_the_template_applied_by_hand(tokenizer):
     assert rendered([output], history) == _hand_prompt(tokenizer, made[2]["call_id"])
 
 
+def test_parallel_calls_go_back_a_turn_each_with_their_outputs(tokenizer):
+    """gpt-oss's template renders a turn's first call only and names a result after the last call: two
+    parallel calls sent back (outputs in the other order) render as harmony writes them, each call
+    followed by its own result, the thinking before the first."""
+    clock = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+    items = [
+        {"type": "message", "role": "user", "content": ASK},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": THOUGHT}], "summary": []},
+        {"type": "function_call", "call_id": "a", "name": "get_weather", "arguments": ARGUMENTS},
+        {"type": "function_call", "call_id": "b", "name": "get_time", "arguments": '{"zone": "CET"}'},
+        {"type": "function_call_output", "call_id": "b", "output": "noon"},
+        {"type": "function_call_output", "call_id": "a", "output": RESULT},
+    ]
+    req = ResponsesRequest.model_validate({"model": "tiny", "input": items, "tools": [WEATHER, clock]})
+    chat = to_chat_request(req, input_turns(req, []))
+    assert [len(m.tool_calls or ()) for m in chat.messages if m.role == "assistant"] == [2]  # one turn
+    messages = conversation(chat.messages, takes_thinking=True)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    call, result = "<|channel|>commentary json<|message|>", " to=assistant<|channel|>commentary<|message|>"
+    expected = [
+        f"<|start|>assistant<|channel|>analysis<|message|>{THOUGHT}<|end|>",
+        f"<|start|>assistant to=functions.get_weather{call}{ARGUMENTS}<|call|>",
+        f"<|start|>functions.get_weather{result}{json.dumps(RESULT)}<|end|>",
+        f'<|start|>assistant to=functions.get_time{call}{{"zone": "CET"}}<|call|>',
+        f'<|start|>functions.get_time{result}"noon"<|end|><|start|>assistant',
+    ]
+    assert text.endswith("".join(expected)), text
+    # Other templates get the turn as it was.
+    assert [m["role"] for m in conversation(chat.messages)] == ["user", "assistant", "tool", "tool"]
+
+
 # -- the parse behind the items, token by token --------------------------------------------------------
 
 

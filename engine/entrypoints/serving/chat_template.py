@@ -3,7 +3,8 @@ Anthropic request arrives here as the shared chat request's messages and tools).
 
 Tools reach the template as `tools` when it takes them, else in the system prompt; earlier calls as
 the template wants them (tools.py); an assistant turn's `reasoning_content` as `thinking` to a template
-that reads it (gpt-oss's; other templates are not given earlier thinking). A
+that reads it (gpt-oss's; other templates are not given earlier thinking), and to that template a turn
+of parallel calls as a turn per call, each followed by its output. A
 template's own `raise_exception()` is a 400 in its words; any other failure is logged and a 400 that
 does not quote it.
 """
@@ -50,7 +51,7 @@ def conversation(
     """Pydantic messages -> the dicts a chat template reads (content parts joined into one string, an
     image or video part as the model's placeholder and a newline: serving/multimodal.py; calls as
     `render_calls` puts them; an assistant's `reasoning_content` as `thinking` where the template
-    reads that, `takes_thinking`)."""
+    reads that, `takes_thinking`, where parallel calls go back a turn each: `_one_call_a_turn`)."""
     placeholders = {"image_url": image_placeholder, "video_url": video_placeholder}
     out = []
     for message in messages:
@@ -70,6 +71,34 @@ def conversation(
             out += _with_thinking(entry, message.reasoning_content)
         else:
             out.append(entry)
+    return _one_call_a_turn(out) if takes_thinking else out
+
+
+def _one_call_a_turn(entries: list[dict]) -> list[dict]:
+    """gpt-oss's template renders an assistant turn's first call only, and names each tool output after
+    the call rendered last (harmony writes one call a message, its output right after it). So a turn of
+    several calls becomes a turn per call (the thinking with the first), each followed by the tool
+    outputs after the turn that answer it (`tool_call_id`); outputs answering none of them follow."""
+    out, i = [], 0
+    while i < len(entries):
+        entry, i = entries[i], i + 1
+        calls = entry.get("tool_calls") or []
+        if entry["role"] != "assistant" or len(calls) < 2:
+            out.append(entry)
+            continue
+        outputs = []
+        while i < len(entries) and entries[i]["role"] == "tool":
+            outputs.append(entries[i])
+            i += 1
+        for n, call in enumerate(calls):
+            turn = {**entry, "tool_calls": [call]}
+            if n:
+                turn.pop("thinking", None)
+                turn["content"] = ""
+            out.append(turn)
+            out += [o for o in outputs if o.get("tool_call_id") == call["id"]]
+        ids = {call["id"] for call in calls}
+        out += [o for o in outputs if o.get("tool_call_id") not in ids]
     return out
 
 
