@@ -341,9 +341,10 @@ def _offloading_worker(
 
 
 class StagedKVConnector(KVConnectorWorker):
-    """Pipeline stages' connector (worker/pipeline_runner.py): a worker half per stage (None: another
+    """Host offload on pipeline stages (worker/pipeline_runner.py): a worker half per stage (None: another
     process's stage), each over that stage's cache in the runner's list of them, all given the step's one
-    plan (block ids and host slots are the same on every stage)."""
+    plan (block ids and host slots are the same on every stage). Disaggregated prefill's stages share one
+    block server instead (`DisaggConnectorWorker`)."""
 
     def __init__(self, workers: list[KVConnectorWorker | None]):
         self.workers = workers
