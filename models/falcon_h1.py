@@ -19,7 +19,6 @@ with `mamba_rms_norm`, RMS-normed per group before (`mamba_norm_before_gate`) or
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,34 +28,15 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
-from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
+from xlaserve.kernels.hybrid_cache import HybridCache
 from xlaserve.kernels.ssd import MambaCache
-from xlaserve.models.config import TransformerConfig
-from xlaserve.models.hybrid import HybridConfig, HybridDecoderLM, hybrid_cache_spec
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm, activation
-from xlaserve.models.mamba2 import (
-    Mamba2Config,
-    Mamba2Mixer,
-    _read_float,
-    group_copies,
-    group_mamba2_tensors,
-)
+from xlaserve.models.mamba2 import Mamba2Mixer, group_mamba2_tensors
+from xlaserve.models.mamba2_hybrid import Mamba2HybridConfig, Mamba2HybridLM
 
 
 @dataclass(frozen=True)
-class FalconH1Config(HybridConfig):
-    mamba_d_ssm: int = 0
-    mamba_n_heads: int = 0
-    mamba_d_head: int = 0
-    mamba_d_state: int = 0
-    mamba_n_groups: int = 1
-    mamba_group_copies: int = 1  # under tensor parallelism (Mamba2Config.group_copies)
-    mamba_d_conv: int = 4
-    mamba_chunk_size: int = 256
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
-    mamba_gate_norm: str = "none"
-    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+class FalconH1Config(Mamba2HybridConfig):
     lm_head_multiplier: float = 1.0
     attention_in_multiplier: float = 1.0
     attention_out_multiplier: float = 1.0
@@ -64,15 +44,12 @@ class FalconH1Config(HybridConfig):
     ssm_out_multiplier: float = 1.0
     ssm_multipliers: tuple[float, ...] = (1.0,) * 5  # z, x, B, C, dt
     mlp_multipliers: tuple[float, float] = (1.0, 1.0)  # gate, down
+    mamba_gate_norm: str = "none"  # without `mamba_rms_norm`: y * silu(z), no norm
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
         num_layers = hf["num_hidden_layers"]
         fields = super().fields_from_hf({**hf, "layer_types": ["hybrid"] * num_layers})
-        hidden, heads = hf["hidden_size"], hf.get("mamba_n_heads", 128)
-        d_ssm = hf.get("mamba_d_ssm") or int(hf.get("mamba_expand", 2) * hidden)
-        d_head = hf.get("mamba_d_head", "auto")
-        limit = hf.get("time_step_limit") or (0.0, float("inf"))
         head_dim = fields["head_dim"]
         gate_norm = "none"
         if hf.get("mamba_rms_norm", False):
@@ -82,17 +59,7 @@ class FalconH1Config(HybridConfig):
             "embed_scale": float(hf.get("embedding_multiplier", 1.0)),
             # Keys times key_multiplier: the same scores as the scale times it.
             "query_pre_attn_scalar": (head_dim**-0.5 * float(hf.get("key_multiplier", 1.0))) ** -2,
-            "mamba_d_ssm": d_ssm,
-            "mamba_n_heads": heads,
-            "mamba_d_head": d_ssm // heads if d_head == "auto" else d_head,
-            "mamba_d_state": hf.get("mamba_d_state", 256),
-            "mamba_n_groups": hf.get("mamba_n_groups", 1),
-            "mamba_d_conv": hf.get("mamba_d_conv", 4),
-            "mamba_chunk_size": hf.get("mamba_chunk_size", 256),
-            "mamba_conv_bias": bool(hf.get("mamba_conv_bias", True)),
-            "mamba_proj_bias": bool(hf.get("mamba_proj_bias", False)),
             "mamba_gate_norm": gate_norm,
-            "time_step_limit": (_read_float(limit[0]), _read_float(limit[1])),
             "lm_head_multiplier": float(hf.get("lm_head_multiplier", 1.0)),
             "attention_in_multiplier": float(hf.get("attention_in_multiplier", 1.0)),
             "attention_out_multiplier": float(hf.get("attention_out_multiplier", 1.0)),
@@ -101,33 +68,6 @@ class FalconH1Config(HybridConfig):
             "ssm_multipliers": tuple(float(m) for m in hf.get("ssm_multipliers") or (1.0,) * 5),
             "mlp_multipliers": tuple(float(m) for m in hf.get("mlp_multipliers") or (1.0, 1.0)),
         }
-
-    def for_tensor_parallel(self, tensor_parallel_size: int):
-        return self.replace(mamba_group_copies=group_copies(self.mamba_n_groups, tensor_parallel_size))
-
-    @property
-    def mamba(self) -> Mamba2Config:
-        """The Mamba2 mixer's config: the shared fields, with the SSM's heads and widths."""
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(TransformerConfig)}
-        return Mamba2Config(
-            **{
-                **shared,
-                "intermediate_size": self.mamba_d_ssm,
-                "num_heads": self.mamba_n_heads,
-                "num_kv_heads": self.mamba_n_heads,
-                "head_dim": self.mamba_d_head,
-                "partial_rotary_factor": 0.0,
-            },
-            state_size=self.mamba_d_state,
-            n_groups=self.mamba_n_groups,
-            group_copies=self.mamba_group_copies,
-            conv_kernel=self.mamba_d_conv,
-            chunk_size=self.mamba_chunk_size,
-            use_conv_bias=self.mamba_conv_bias,
-            use_bias=self.mamba_proj_bias,
-            time_step_limit=self.time_step_limit,
-            gate_norm=self.mamba_gate_norm,
-        )
 
 
 class FalconH1Mixer(Mamba2Mixer):
@@ -195,25 +135,15 @@ class FalconH1Layer(nnx.Module):
         return x, HybridCache(kv.k, kv.v, state.conv, state.ssm)
 
 
-class FalconH1ForCausalLM(HybridDecoderLM):
+class FalconH1ForCausalLM(Mamba2HybridLM):
     config_class = FalconH1Config
     parallel_layer_class = FalconH1Layer
 
-    @classmethod
-    def kv_cache_spec(cls, cfg: FalconH1Config) -> HybridCacheSpec:
-        mamba = cfg.mamba
-        return hybrid_cache_spec(
-            cfg,
-            conv_kernel=mamba.conv_kernel,
-            conv_dim=mamba.conv_dim,
-            recurrent_shape=(mamba.num_heads, mamba.head_dim, mamba.state_size),
-        )
+    def compute_logits(self, hidden: jax.Array, head_dv: jax.Array | None = None) -> jax.Array:
+        return super().compute_logits(hidden, head_dv) * self.cfg.lm_head_multiplier
 
     @classmethod
     def prepare_hf_tensors(cls, cfg: FalconH1Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """`model.final_layernorm` is the shared decoder's `model.norm`."""
         renamed = {name.replace("model.final_layernorm.", "model.norm."): t for name, t in tensors.items()}
         return group_mamba2_tensors(cfg.mamba, renamed)
-
-    def compute_logits(self, hidden: jax.Array, head_dv: jax.Array | None = None) -> jax.Array:
-        return super().compute_logits(hidden, head_dv) * self.cfg.lm_head_multiplier

@@ -18,7 +18,6 @@ up; `output_linear` [E, D, F]; `router.layer`) and the shared MLP's gate and up 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -28,40 +27,23 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
-from xlaserve.kernels.hybrid_cache import HybridCache, HybridCacheSpec
+from xlaserve.kernels.hybrid_cache import HybridCache
 from xlaserve.kernels.ssd import MambaCache
-from xlaserve.models.config import TransformerConfig
-from xlaserve.models.hybrid import HybridConfig, HybridDecoderLM, hybrid_cache_spec
+from xlaserve.models.hybrid import HybridConfig
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
-from xlaserve.models.mamba2 import (
-    Mamba2Config,
-    Mamba2Mixer,
-    _read_float,
-    group_copies,
-    group_mamba2_tensors,
-)
+from xlaserve.models.mamba2 import Mamba2Mixer, group_mamba2_tensors
+from xlaserve.models.mamba2_hybrid import Mamba2HybridConfig, Mamba2HybridLM
 from xlaserve.models.moe import MoEConfig, SparseMoeBlock
 
 
 @dataclass(frozen=True)
-class GraniteHybridConfig(MoEConfig, HybridConfig):
+class GraniteHybridConfig(MoEConfig, Mamba2HybridConfig):
     """The attention and MoE fields (MoEConfig, `intermediate_size` being each expert's width), the
     shared MLP's width, Granite's scalings, and the Mamba2 mixer's fields."""
 
     shared_intermediate_size: int = 0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    mamba_n_heads: int = 0
-    mamba_d_head: int = 0
-    mamba_d_state: int = 0
-    mamba_n_groups: int = 1
-    mamba_group_copies: int = 1  # under tensor parallelism (Mamba2Config.group_copies)
-    mamba_d_conv: int = 4
-    mamba_expand: int = 2
-    mamba_chunk_size: int = 256
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
-    time_step_limit: tuple[float, float] = (0.0, float("inf"))
 
     def __post_init__(self):
         if self.num_experts == 0:  # a dense hybrid: the shared MLP alone, no routing to check
@@ -74,11 +56,6 @@ class GraniteHybridConfig(MoEConfig, HybridConfig):
         num_experts = hf.get("num_local_experts") or 0
         hf = {**hf, "num_experts_per_tok": hf.get("num_experts_per_tok") or 0}
         fields = super().fields_from_hf(hf)
-        hidden = hf["hidden_size"]
-        expand = hf.get("mamba_expand", 2)
-        n_heads = hf.get("mamba_n_heads", 128)
-        d_head = hf.get("mamba_d_head", "auto")
-        limit = hf.get("time_step_limit") or (0.0, float("inf"))
         uses_rope = hf.get("position_embedding_type") == "rope"
         return {
             **fields,
@@ -91,43 +68,7 @@ class GraniteHybridConfig(MoEConfig, HybridConfig):
             # The scores' scale is attention_multiplier: the scale is query_pre_attn_scalar ** -0.5.
             "query_pre_attn_scalar": float(hf.get("attention_multiplier", 1.0)) ** -2,
             "partial_rotary_factor": fields["partial_rotary_factor"] if uses_rope else 0.0,
-            "mamba_n_heads": n_heads,
-            "mamba_d_head": expand * hidden // n_heads if d_head == "auto" else d_head,
-            "mamba_d_state": hf.get("mamba_d_state", 256),
-            "mamba_n_groups": hf.get("mamba_n_groups", 1),
-            "mamba_d_conv": hf.get("mamba_d_conv", 4),
-            "mamba_expand": expand,
-            "mamba_chunk_size": hf.get("mamba_chunk_size", 256),
-            "mamba_conv_bias": bool(hf.get("mamba_conv_bias", True)),
-            "mamba_proj_bias": bool(hf.get("mamba_proj_bias", False)),
-            "time_step_limit": (_read_float(limit[0]), _read_float(limit[1])),
         }
-
-    def for_tensor_parallel(self, tensor_parallel_size: int):
-        return self.replace(mamba_group_copies=group_copies(self.mamba_n_groups, tensor_parallel_size))
-
-    @property
-    def mamba(self) -> Mamba2Config:
-        """The Mamba2 mixer's config: the shared fields, with the SSM's heads and widths."""
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(TransformerConfig)}
-        return Mamba2Config(
-            **{
-                **shared,
-                "intermediate_size": self.mamba_expand * self.hidden_size,
-                "num_heads": self.mamba_n_heads,
-                "num_kv_heads": self.mamba_n_heads,
-                "head_dim": self.mamba_d_head,
-                "partial_rotary_factor": 0.0,
-            },
-            state_size=self.mamba_d_state,
-            n_groups=self.mamba_n_groups,
-            group_copies=self.mamba_group_copies,
-            conv_kernel=self.mamba_d_conv,
-            chunk_size=self.mamba_chunk_size,
-            use_conv_bias=self.mamba_conv_bias,
-            use_bias=self.mamba_proj_bias,
-            time_step_limit=self.time_step_limit,
-        )
 
 
 class _GraniteLayer(nnx.Module):
@@ -180,20 +121,10 @@ _MOE = re.compile(r"^(?P<block>.+\.layers\.\d+\.block_sparse_moe)\.(?P<name>[\w.
 _SHARED = re.compile(r"^(?P<mlp>.+\.layers\.\d+\.shared_mlp)\.(?P<name>input_linear|output_linear)\.weight$")
 
 
-class GraniteMoeHybridForCausalLM(HybridDecoderLM):
+class GraniteMoeHybridForCausalLM(Mamba2HybridLM):
     config_class = GraniteHybridConfig
     linear_layer_class = GraniteMambaLayer
     attention_layer_class = GraniteAttentionLayer
-
-    @classmethod
-    def kv_cache_spec(cls, cfg: GraniteHybridConfig) -> HybridCacheSpec:
-        mamba = cfg.mamba
-        return hybrid_cache_spec(
-            cfg,
-            conv_kernel=mamba.conv_kernel,
-            conv_dim=mamba.conv_dim,
-            recurrent_shape=(mamba.num_heads, mamba.head_dim, mamba.state_size),
-        )
 
     @classmethod
     def prepare_hf_tensors(

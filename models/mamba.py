@@ -28,7 +28,7 @@ from xlaserve.kernels.ssd import MambaCache, StateCacheSpec, entering_states, ra
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.layers import LayerSpec, Linear, RMSNorm
-from xlaserve.models.mamba2 import DepthwiseConv1d, rename_backbone
+from xlaserve.models.mamba2 import DepthwiseConv1d, rename_backbone, state_model_fields
 
 
 @dataclass(frozen=True)
@@ -44,26 +44,13 @@ class MambaConfig(TransformerConfig):
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
-        eos = hf.get("eos_token_id")
         rank = hf.get("time_step_rank", "auto")
         return dict(
-            architecture=(hf.get("architectures") or [""])[0],
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=int(hf.get("expand", 2) * hf["hidden_size"]),
-            num_layers=hf["num_hidden_layers"],
+            **state_model_fields(hf),
             num_heads=1,
             num_kv_heads=1,
             head_dim=hf["hidden_size"],
-            rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            rope_theta=10000.0,
-            rope_scaling=None,
-            max_position_embeddings=hf.get("max_position_embeddings") or 2**20,  # a state holds any length
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
-            hidden_act=hf.get("hidden_act") or "silu",
-            partial_rotary_factor=0.0,
             state_size=hf.get("state_size", 16),
             conv_kernel=hf.get("conv_kernel", 4),
             time_step_rank=math.ceil(hf["hidden_size"] / 16) if rank == "auto" else rank,

@@ -88,27 +88,13 @@ class Mamba2Config(TransformerConfig):
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
-        eos = hf.get("eos_token_id")
         limit = hf.get("time_step_limit") or (0.0, float("inf"))
         return dict(
-            architecture=(hf.get("architectures") or [""])[0],
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=int(hf.get("expand", 2) * hf["hidden_size"]),
-            num_layers=hf["num_hidden_layers"],
+            **state_model_fields(hf),
             num_heads=hf["num_heads"],
             num_kv_heads=hf["num_heads"],
             head_dim=hf["head_dim"],
-            rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            rope_theta=10000.0,
-            rope_scaling=None,
-            # A state holds any length: the context is bounded by max_model_len alone.
-            max_position_embeddings=hf.get("max_position_embeddings") or 2**20,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
-            hidden_act=hf.get("hidden_act") or "silu",
-            partial_rotary_factor=0.0,
             state_size=hf.get("state_size", 128),
             n_groups=hf.get("n_groups", 1),
             conv_kernel=hf.get("conv_kernel", 4),
@@ -130,6 +116,27 @@ class Mamba2Config(TransformerConfig):
 
     def for_tensor_parallel(self, tensor_parallel_size: int) -> Mamba2Config:
         return self.replace(group_copies=group_copies(self.n_groups, tensor_parallel_size))
+
+
+def state_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The TransformerConfig fields Mamba's and Mamba2's config.json spell alike: no attention, no RoPE."""
+    eos = hf.get("eos_token_id")
+    return dict(
+        architecture=(hf.get("architectures") or [""])[0],
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=int(hf.get("expand", 2) * hf["hidden_size"]),
+        num_layers=hf["num_hidden_layers"],
+        rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        rope_theta=10000.0,
+        rope_scaling=None,
+        # A state holds any length: the context is bounded by max_model_len alone.
+        max_position_embeddings=hf.get("max_position_embeddings") or 2**20,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
+        hidden_act=hf.get("hidden_act") or "silu",
+        partial_rotary_factor=0.0,
+    )
 
 
 def group_copies(n_groups: int, tensor_parallel_size: int) -> int:

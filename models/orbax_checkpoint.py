@@ -32,11 +32,12 @@ class ConvertedParams(dict):
     our layout, as `load_params` expects them; what an orbax checkpoint holds instead of HF tensors."""
 
 
-def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+def flatten_tree(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """A nested dict of parameters (nnx's pure dict, orbax's restored tree) -> {path tuple: leaf}."""
     flat = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, (*prefix, str(key))))
+            flat.update(flatten_tree(value, (*prefix, str(key))))
         else:
             flat[(*prefix, str(key))] = value
     return flat
@@ -88,4 +89,4 @@ def load_converted(path: str) -> tuple[dict[str, Any], ConvertedParams, dict[str
         hf_config = json.load(f)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         tree = checkpointer.restore(os.path.join(path, PARAMS_DIR))  # numpy arrays, on the host
-    return hf_config, ConvertedParams(_flatten(tree)), marker
+    return hf_config, ConvertedParams(flatten_tree(tree)), marker

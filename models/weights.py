@@ -28,7 +28,7 @@ from tqdm import tqdm
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.interfaces import CausalLM
 from xlaserve.models.loader import DummyWeights
-from xlaserve.models.orbax_checkpoint import ConvertedParams
+from xlaserve.models.orbax_checkpoint import ConvertedParams, flatten_tree
 from xlaserve.models.quantization import (
     SCALE,
     ZERO,
@@ -67,16 +67,6 @@ def hf_name(path: tuple[str, ...], layer: int | None) -> str:
     if layer is not None:
         module = [module[0], str(layer), *module[1:]]
     return ".".join(["model", *module, leaf])
-
-
-def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, (*prefix, str(key))))
-        else:
-            flat[(*prefix, str(key))] = value
-    return flat
 
 
 def _unflatten(flat: dict[tuple[str, ...], object]) -> dict:
@@ -131,7 +121,7 @@ def load_params(
     graphdef, abstract = nnx.split(
         nnx.eval_shape(lambda: quantize_modules(make_model(), quantization, keep_quantized))
     )
-    expected = _flatten(nnx.to_pure_dict(abstract))
+    expected = flatten_tree(nnx.to_pure_dict(abstract))
     if isinstance(tensors, DummyWeights):
         sharding = sharding or (lambda path, shape: jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         flat = {

@@ -58,6 +58,16 @@ class CacheConfig:
         default=None,
         metadata=arg("GiB of the disk tier (default: 4x --kv-offloading-size)"),
     )
+    # Keep the disk tier for the next engine: at a clean shutdown the cached blocks (device's, host's)
+    # go to it and its index is written beside its files; an engine of the same model and cache
+    # layout started on the same path begins with them (core/kv_offload.py `persistent_tier_dir`).
+    kv_offloading_disk_persist: bool = field(
+        default=False,
+        metadata=arg(
+            "keep the disk tier when the engine shuts down (every cached block written to it), for the "
+            "next engine of the same model and cache layout on the same path (default: off)"
+        ),
+    )
 
     @property
     def disk_tier_size(self) -> float | None:
@@ -102,6 +112,10 @@ class CacheConfig:
         require(
             self.kv_offloading_disk_size is None or self.kv_offloading_disk_path is not None,
             "kv_offloading_disk_size needs kv_offloading_disk_path (the directory of the disk tier)",
+        )
+        require(
+            not self.kv_offloading_disk_persist or self.kv_offloading_disk_path is not None,
+            "kv_offloading_disk_persist needs kv_offloading_disk_path (the directory of the disk tier)",
         )
         require(
             self.kv_cache_dtype in KV_CACHE_DTYPES,

@@ -42,6 +42,11 @@ class EngineConfig:
                 self.speculative is None or self.speculative.method != "draft_model",
                 "kv_offloading_size cannot be combined with a draft model (its KV cache is not offloaded)",
             )
+            require(
+                not self.cache.kv_offloading_disk_persist or self.parallel.data_parallel_size == 1,
+                "kv_offloading_disk_persist with data_parallel_size > 1 is not supported yet (the ranks "
+                "would keep their tiers in one directory): give each engine a path of its own",
+            )
         if self.cache.kv_transfer_config is not None:
             # The block server and the loads ride beside the step on one process, as offload's do (on
             # pipeline stages too: one block server over every stage's cache).

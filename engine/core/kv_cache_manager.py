@@ -285,6 +285,10 @@ class KVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
+    def cached_blocks(self) -> list[tuple[bytes, int]]:
+        """Every block the prefix cache indexes, as (hash, block id), the least recently cached first."""
+        return [(h, block.block_id) for h, block in self.block_pool.cached_block_hash_to_block.items()]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. after weights change)."""
         is_reset = self.block_pool.reset_prefix_cache()

@@ -47,6 +47,9 @@ class KVConnectorMetadata:
     demote_disk_slots: np.ndarray = field(default_factory=_no_ids)  # [M] int32: where each goes
     disk_load_block_ids: np.ndarray = field(default_factory=_no_ids)  # [K] int32: device blocks to fill
     disk_load_slots: np.ndarray = field(default_factory=_no_ids)  # [K] int32: from these disk blocks
+    # Device blocks written straight to disk slots: a persistent disk tier's shutdown only.
+    disk_save_block_ids: np.ndarray = field(default_factory=_no_ids)  # [D] int32
+    disk_save_slots: np.ndarray = field(default_factory=_no_ids)  # [D] int32
     # Disaggregated prefill (core/kv_transfer.py). A consumer's loads carry their bytes: per cache array,
     # [J, bytes per block] uint8 rows (a producer's blocks), written at inline_load_block_ids.
     inline_load_block_ids: np.ndarray = field(default_factory=_no_ids)  # [J] int32
@@ -62,6 +65,7 @@ class KVConnectorMetadata:
             or len(self.load_block_ids)
             or len(self.demote_host_slots)
             or len(self.disk_load_block_ids)
+            or len(self.disk_save_block_ids)
             or len(self.inline_load_block_ids)
             or self.sends
         )
@@ -170,6 +174,15 @@ class KVConnectorScheduler:
     def reset(self) -> None:
         """Forget everything held outside the device (the weights changed: that K/V is stale)."""
 
+    def shutdown_plan(self, cached_blocks: list[tuple[bytes, int]]) -> KVConnectorMetadata | None:
+        """At a clean shutdown, the copies that keep blocks past it (a persistent disk tier's), given the
+        device cache's cached blocks as (hash, block id), least recently cached first; None: none.
+        `shut_down` follows once the worker has run them."""
+        return None
+
+    def shut_down(self) -> None:
+        """The engine is gone: write what outlives it, release what it held."""
+
 
 class KVConnectorWorker:
     """The worker's half; this base is the connector that is off. `kv_cache` is the runner's cache
@@ -193,6 +206,9 @@ class KVConnectorWorker:
     def warm_up(self, kv_cache):
         """Compile the transfer programs before the compile guard arms; returns the cache."""
         return kv_cache
+
+    def keep_blocks(self, kv_cache, metadata: KVConnectorMetadata) -> None:
+        """At shutdown, the copies the scheduler's half planned (`shutdown_plan`), done when this returns."""
 
     def close(self) -> None:
         """Release sockets and threads (the engine shuts down)."""

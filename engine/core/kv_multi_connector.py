@@ -102,6 +102,13 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         for connector in self.connectors:
             connector.reset()
 
+    def shutdown_plan(self, cached_blocks: list[tuple[bytes, int]]) -> KVConnectorMetadata | None:
+        return merge_metadata([c.shutdown_plan(cached_blocks) for c in self.connectors])
+
+    def shut_down(self) -> None:
+        for connector in self.connectors:
+            connector.shut_down()
+
 
 class MultiConnectorWorker(KVConnectorWorker):
     """The worker's halves of the same connectors, each given the whole step plan (it reads its own
@@ -130,6 +137,10 @@ class MultiConnectorWorker(KVConnectorWorker):
         for worker in self.workers:
             kv_cache = worker.warm_up(kv_cache)
         return kv_cache
+
+    def keep_blocks(self, kv_cache, metadata: KVConnectorMetadata) -> None:
+        for worker in self.workers:
+            worker.keep_blocks(kv_cache, metadata)
 
     def close(self) -> None:
         for worker in self.workers:

@@ -14,20 +14,42 @@ blocks may then come from either tier, in order, and a disk hit loads straight t
 
 This half is bookkeeping only: host (and disk) slots by hash, least recently used first out. The bytes
 live with the worker, which receives (device block, slot) pairs in each step's KVConnectorMetadata.
+
+A persistent disk tier (`kv_offloading_disk_persist`) outlives the engine: at a clean shutdown every
+cached block not on the disk yet (the host tier's, then the device cache's, the most recent last, as
+many as the tier holds) is written to it, and then its index (hash -> slot, least recently used first)
+beside its files, in a directory named after what the blocks' bytes depend on (`persistent_tier_dir`:
+the checkpoint's files, dtypes, block size, parallel layout). The next engine of the same settings on
+the same path starts with that index and removes the file, so an engine that dies without shutting
+down leaves no index behind and the one after it starts empty (its files are overwritten). A reset of
+the prefix cache (a weight update, sleep) keeps nothing: the tier's identity is the checkpoint's.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
 from collections import OrderedDict
 from itertools import takewhile
 
 import numpy as np
 
+from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import skips_prefix_cache
 from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorScheduler, KVTransferStats
 from xlaserve.core.request import Request
 
+logger = logging.getLogger(__name__)
+
 GIB = 2**30
+# Files of a checkpoint whose change changes the K/V (a persistent tier's identity).
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".json")
+PERSISTED_INDEX = "index.npz"
+HASH_BYTES = 32  # a block hash: a SHA-256 digest (core/block_pool.py)
 
 
 def num_host_blocks(size: float, bytes_per_block: int, field: str = "kv_offloading_size") -> int:
@@ -39,6 +61,46 @@ def num_host_blocks(size: float, bytes_per_block: int, field: str = "kv_offloadi
             f"raise it to at least {bytes_per_block / GIB:.3g}"
         )
     return num_blocks
+
+
+def persistent_tier_dir(config: EngineConfig, bytes_per_block: int) -> str | None:
+    """The directory of the persistent disk tier under kv_offloading_disk_path (None: not persistent):
+    named by a digest of what a block's bytes depend on, so an engine of other settings never reads
+    them. Both halves (the scheduler's index, the worker's files) name it alike."""
+    cache = config.cache
+    if not cache.kv_offloading_disk_persist:
+        return None
+    model, parallel = config.model, config.parallel
+    identity = {
+        "format": 1,
+        "xlaserve": importlib.metadata.version("xlaserve"),
+        "weights": _weights_identity(model.model),
+        "load_format": model.load_format,
+        "seed": model.seed if model.load_format == "dummy" else None,
+        "model": [model.dtype, model.quantization, model.hf_overrides, model.batch_invariant],
+        "cache": [cache.kv_cache_dtype, cache.block_size, bytes_per_block, cache.disk_tier_size],
+        "parallel": [
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            parallel.decode_context_parallel_size,
+            parallel.prefill_context_parallel_size,
+        ],
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+    return os.path.join(cache.kv_offloading_disk_path, f"xlaserve-kv-{digest[:20]}")
+
+
+def _weights_identity(model: str | None) -> list:
+    """The checkpoint as (file, size, modified) of its weight and config files (a name that is no path:
+    the name, the embedded model's)."""
+    path = os.path.abspath(os.path.expanduser(model)) if model else None
+    if path is None or not os.path.exists(path):
+        return [model]
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(_WEIGHT_SUFFIXES))
+    return [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
 
 
 class HostBlockIndex:
@@ -109,7 +171,14 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
     """Evicted device blocks go to the host tier (and what it evicts to the disk tier, when there is
     one); hits after a device hit come back from either."""
 
-    def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int, num_disk_blocks: int = 0):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        bytes_per_block: int,
+        num_disk_blocks: int = 0,
+        persist_dir: str | None = None,
+    ):
         self.index = HostBlockIndex(num_blocks, on_evict=self._demote if num_disk_blocks else None)
         self.disk = HostBlockIndex(num_disk_blocks) if num_disk_blocks else None
         self.block_size = block_size
@@ -121,6 +190,48 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._demotes: list[tuple[int, int]] = []  # (host slot, disk slot), this step
         self._saving: set[bytes] = set()  # hashes given host slots this step (their bytes land later)
         self.stats = KVTransferStats()
+        # A persistent disk tier: its directory, locked while this engine runs, and whether its blocks
+        # still are the checkpoint's (a reset of the prefix cache keeps nothing at shutdown).
+        self.persist_dir = persist_dir
+        self._lock = None
+        self._keep = False
+        if persist_dir is not None:
+            self._open_persisted(persist_dir)
+
+    def _open_persisted(self, folder: str) -> None:
+        """Lock the tier's directory and take the index the last engine kept there (removing its file)."""
+        os.makedirs(folder, exist_ok=True)
+        lock = open(os.path.join(folder, "lock"), "w")  # noqa: SIM115  (held until shut_down)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise ValueError(
+                f"kv_offloading_disk_path: the persistent tier {folder} is in use by another engine; "
+                "give this one a path of its own"
+            ) from None
+        self._lock, self._keep = lock, True
+        path = os.path.join(folder, PERSISTED_INDEX)
+        if not os.path.exists(path):
+            logger.info("KV offload: persistent disk tier %s starts empty", folder)
+            return
+        with np.load(path) as saved:
+            hashes, slots, num_used = saved["hashes"], saved["slots"], int(saved["num_used"])
+        os.remove(path)  # an engine that dies before its shutdown keeps none: the next starts empty
+        tier_bytes = sum(
+            os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".kv")
+        )
+        if tier_bytes != self.disk.num_blocks * self.bytes_per_block:
+            logger.warning(
+                "KV offload: persistent disk tier %s: its files are not whole; starting empty", folder
+            )
+            return
+        for block_hash, slot in zip(hashes, slots.tolist(), strict=True):
+            self.disk.slot_of[block_hash.tobytes()] = slot
+        self.disk.num_used = num_used
+        logger.info(
+            "KV offload: persistent disk tier %s holds %d blocks of an earlier engine", folder, len(slots)
+        )
 
     def _held(self, block_hash: bytes) -> bool:
         return block_hash in self.index or (self.disk is not None and block_hash in self.disk)
@@ -226,3 +337,48 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             self.disk.clear()
         self._evicted.clear()
         self._demotes.clear()
+        self._keep = False  # the blocks computed from here on may be another checkpoint's
+
+    def shutdown_plan(self, cached_blocks: list[tuple[bytes, int]]) -> KVConnectorMetadata | None:
+        """A persistent tier's last copies: the host tier's blocks, then the device cache's, that the disk
+        does not hold yet, the most recent last; as many as the disk holds, the earlier ones evicted."""
+        if not self._keep:
+            return None
+        self.index.unpin_all()
+        self.disk.unpin_all()
+        wanted = [(h, True, slot) for h, slot in self.index.slot_of.items() if h not in self.disk]
+        wanted += [(h, False, block_id) for h, block_id in cached_blocks if not self._held(h)]
+        demotes, saves = [], []
+        for block_hash, on_host, source in wanted[max(len(wanted) - self.disk.num_blocks, 0) :]:
+            (demotes if on_host else saves).append((source, self.disk.allocate(block_hash)))
+        demotes = np.asarray(demotes, np.int32).reshape(-1, 2)
+        saves = np.asarray(saves, np.int32).reshape(-1, 2)
+        meta = KVConnectorMetadata(
+            demote_host_slots=demotes[:, 0].copy(),
+            demote_disk_slots=demotes[:, 1].copy(),
+            disk_save_block_ids=saves[:, 0].copy(),
+            disk_save_slots=saves[:, 1].copy(),
+        )
+        return None if meta.is_empty else meta
+
+    def shut_down(self) -> None:
+        """Write the persistent tier's index (its blocks are on disk now) and unlock its directory."""
+        if self._lock is None:
+            return
+        if self._keep:
+            hashes = b"".join(self.disk.slot_of.keys())
+            tmp = os.path.join(self.persist_dir, "index.tmp.npz")
+            np.savez(
+                tmp,
+                hashes=np.frombuffer(hashes, np.uint8).reshape(-1, HASH_BYTES),
+                slots=np.fromiter(self.disk.slot_of.values(), np.int64, len(self.disk)),
+                num_used=np.int64(self.disk.num_used),
+            )
+            os.replace(tmp, os.path.join(self.persist_dir, PERSISTED_INDEX))
+            logger.info("KV offload: kept %d blocks in the disk tier %s", len(self.disk), self.persist_dir)
+        else:
+            logger.info(
+                "KV offload: the prefix cache was reset: the disk tier %s keeps nothing", self.persist_dir
+            )
+        self._lock.close()
+        self._lock, self._keep = None, False

@@ -180,10 +180,12 @@ class DisaggConnectorScheduler(KVConnectorScheduler):
         return stats
 
 
-def make_kv_connector_scheduler(cache: CacheConfig, bytes_per_block: int) -> KVConnectorScheduler:
+def make_kv_connector_scheduler(
+    cache: CacheConfig, bytes_per_block: int, persist_dir: str | None = None
+) -> KVConnectorScheduler:
     """The scheduler's half of the configured connector: host offload's, disaggregated prefill's, both
     composed (the host tier asked first, a producer for the rest: core/kv_multi_connector.py), or the
-    base class (off)."""
+    base class (off). `persist_dir`: a persistent disk tier's directory (core/kv_offload.py)."""
     connectors: list[KVConnectorScheduler] = []
     if cache.kv_offloading_size is not None:
         disk_size = cache.disk_tier_size
@@ -195,6 +197,7 @@ def make_kv_connector_scheduler(cache: CacheConfig, bytes_per_block: int) -> KVC
                 0
                 if disk_size is None
                 else num_host_blocks(disk_size, bytes_per_block, "kv_offloading_disk_size"),
+                persist_dir,
             )
         )
     if cache.kv_transfer is not None:

@@ -520,8 +520,12 @@ class AsyncLLM:
             self._abort(request_id)
             queue.put_nowait(EngineShutdownError(reason))
 
-    async def shutdown(self, timeout: float = 5.0) -> None:
-        """Fail what is still in flight, stop any restart, the output loop and the core process."""
+    async def shutdown(self, timeout: float | None = None) -> None:
+        """Fail what is still in flight, stop any restart, the output loop and the core process (given
+        `timeout` seconds to stop by itself: by default 5, or 300 where it writes a persistent disk
+        tier's blocks first)."""
+        if timeout is None:
+            timeout = 300.0 if self.config.cache.kv_offloading_disk_persist else 5.0
         await self.supervisor.stop()  # a core that dies from here on is not restarted
         self.fail_all_requests("the server is shutting down")
         await cancel_quietly(self._output_task)

@@ -20,6 +20,7 @@ from collections import deque
 from xlaserve.config import EngineConfig
 from xlaserve.core.encoder_cache_manager import EncoderCacheManager
 from xlaserve.core.kv_cache_manager import KVCacheManager
+from xlaserve.core.kv_offload import persistent_tier_dir
 from xlaserve.core.kv_transfer import make_kv_connector_scheduler
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from xlaserve.core.request import Request, RequestStatus
@@ -57,7 +58,10 @@ class EngineCore:
         self.max_model_len = max_model_len
         # K/V kept outside the device cache (host offload: core/kv_offload.py), or the base class (none);
         # it hears of every block the prefix cache evicts.
-        self.kv_connector = make_kv_connector_scheduler(config.cache, executor.kv_bytes_per_block)
+        bytes_per_block = executor.kv_bytes_per_block
+        self.kv_connector = make_kv_connector_scheduler(
+            config.cache, bytes_per_block, persistent_tier_dir(config, bytes_per_block)
+        )
         # Disaggregated prefill's consumer: requests wait here while their prompt's blocks are fetched
         # from a producer (engine/engine/kv_fetch.py), then join the scheduler with them.
         self.remote_prefills = RemotePrefills(
@@ -329,6 +333,16 @@ class EngineCore:
         return self.config.compilation.profiler_dir
 
     def shutdown(self) -> None:
+        self._keep_kv_blocks()
         self.remote_prefills.shutdown()
         self.executor.shutdown()
         self.structured_output.shutdown()
+
+    def _keep_kv_blocks(self) -> None:
+        """What outlives the engine (a persistent disk tier's blocks: core/kv_offload.py), copied once the
+        steps in flight are done."""
+        self._update_in_flight()
+        plan = self.kv_connector.shutdown_plan(self.kv_cache_manager.cached_blocks())
+        if plan is not None:
+            self.executor.keep_kv_blocks(plan)
+        self.kv_connector.shut_down()

@@ -187,6 +187,10 @@ class Executor:
     def stop_profile(self) -> None:
         jax.profiler.stop_trace()
 
+    def keep_kv_blocks(self, plan: KVConnectorMetadata) -> None:
+        """A KV connector's copies at shutdown (a persistent disk tier's: core/kv_offload.py)."""
+        self.runner.kv_connector.keep_blocks(self.runner.kv_cache, plan)
+
     def shutdown(self) -> None:
         """Release what the runner holds outside the device (a KV connector's sockets)."""
         self.runner.kv_connector.close()

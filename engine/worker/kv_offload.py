@@ -19,7 +19,9 @@ A disk tier (`DiskTier`) is the same layout in files under `kv_offloading_disk_p
 blocks the host tier evicts are copied there from their host slots (before this step's saves can
 land in them), and a disk hit is read from the file into the load program's staging like a host one.
 The files are this process's alone, unlinked once mapped: nothing is left on disk after it exits, and
-a restarted engine starts with an empty tier.
+a restarted engine starts with an empty tier. A persistent tier (`kv_offloading_disk_persist`) keeps
+them, named, in its directory (core/kv_offload.py `persistent_tier_dir`), reopened by the next engine
+of the same settings; at shutdown `keep_blocks` writes the cached blocks to them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import mmap
 import os
 import shutil
@@ -39,7 +42,7 @@ import numpy as np
 
 from xlaserve.config import CacheConfig
 from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker, KVTransferStats
-from xlaserve.core.kv_offload import num_host_blocks
+from xlaserve.core.kv_offload import PERSISTED_INDEX, num_host_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -160,27 +163,25 @@ def _host_array(shape: tuple[int, ...], dtype) -> np.ndarray:
 
 class DiskTier:
     """`num_blocks` blocks in files under `path`, one memory-mapped array per cache array (as the host
-    tier's: [num_blocks, L, block_size, ...]), created at the first use (when the shapes are known)."""
+    tier's: [num_blocks, L, block_size, ...]), created at the first use (when the shapes are known).
+    `persist_dir`: a persistent tier's files, `name` + the array's number + ".kv", kept (and reopened
+    where they exist whole)."""
 
-    def __init__(self, path: str, num_blocks: int):
+    def __init__(self, path: str, num_blocks: int, persist_dir: str | None = None, name: str = ""):
         self.path = path
         self.num_blocks = num_blocks
+        self.persist_dir = persist_dir
+        self.name = name
         self.arrays: list[np.ndarray] | None = None
 
     def ensure(self, shapes_dtypes) -> None:
         if self.arrays is not None:
             return
         t0 = time.perf_counter()
-        self.arrays = []
-        for shape, dtype in shapes_dtypes:
-            with tempfile.NamedTemporaryFile(dir=self.path, prefix="xlaserve-kv-", delete=False) as f:
-                name = f.name
-            try:
-                self.arrays.append(
-                    np.memmap(name, dtype=dtype, mode="w+", shape=(self.num_blocks, *shape[1:]))
-                )
-            finally:
-                os.unlink(name)  # the mapping stays; the file goes with the process
+        self.arrays = [
+            self._map((self.num_blocks, *shape[1:]), np.dtype(dtype), i)
+            for i, (shape, dtype) in enumerate(shapes_dtypes)
+        ]
         logger.info(
             "KV offload: disk tier of %d blocks (%.1f MiB) under %s in %.2f s",
             self.num_blocks,
@@ -188,6 +189,24 @@ class DiskTier:
             self.path,
             time.perf_counter() - t0,
         )
+
+    def _map(self, shape: tuple[int, ...], dtype: np.dtype, number: int) -> np.ndarray:
+        if self.persist_dir is not None:
+            os.makedirs(self.persist_dir, exist_ok=True)
+            name = os.path.join(self.persist_dir, f"{self.name}{number}.kv")
+            if os.path.exists(name) and os.path.getsize(name) == math.prod(shape) * dtype.itemsize:
+                return np.memmap(name, dtype=dtype, mode="r+", shape=shape)
+            # A new file: an index kept beside the old ones (if the scheduler's half has not taken it
+            # yet) no longer describes it.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.persist_dir, PERSISTED_INDEX))
+            return np.memmap(name, dtype=dtype, mode="w+", shape=shape)
+        with tempfile.NamedTemporaryFile(dir=self.path, prefix="xlaserve-kv-", delete=False) as f:
+            name = f.name
+        try:
+            return np.memmap(name, dtype=dtype, mode="w+", shape=shape)
+        finally:
+            os.unlink(name)  # the mapping stays; the file goes with the process
 
     @property
     def nbytes(self) -> int:
@@ -304,6 +323,26 @@ class OffloadingConnectorWorker(BlockTransferWorker):
         self._pending = []
         self.stats.save_seconds += time.perf_counter() - t0
 
+    def keep_blocks(self, kv_cache, metadata: KVConnectorMetadata) -> None:
+        """A persistent tier's shutdown: host slots and device blocks to their disk slots, on disk when
+        this returns."""
+        self.flush()
+        if len(metadata.demote_host_slots):
+            self._demote(metadata.demote_host_slots, metadata.demote_disk_slots)
+        ids_all, slots_all = metadata.disk_save_block_ids, metadata.disk_save_slots
+        if len(ids_all):
+            self._programs(kv_cache)
+            self.disk.ensure(self.chunk_shapes(kv_cache))
+            for start in range(0, len(ids_all), TRANSFER_CHUNK_BLOCKS):
+                slots = slots_all[start : start + TRANSFER_CHUNK_BLOCKS]
+                gathered = self._gather_fn(
+                    kv_cache, padded_ids(ids_all[start : start + TRANSFER_CHUNK_BLOCKS])
+                )
+                for disk, blocks in zip(self.disk.arrays, gathered):
+                    disk[slots] = np.asarray(blocks)[: len(slots)]
+        for disk in self.disk.arrays or ():
+            disk.flush()
+
     def _demote(self, host_slots: np.ndarray, disk_slots: np.ndarray) -> None:
         """Host slots -> disk slots (blocks the host tier evicts), before saves reuse the host slots."""
         assert self.host is not None and self.disk is not None, "a demotion without both tiers"
@@ -321,7 +360,8 @@ class OffloadingConnectorWorker(BlockTransferWorker):
             kv_cache = self._load(kv_cache, self.host, metadata.load_block_ids, metadata.load_slots)
             self.stats.load_seconds += time.perf_counter() - t0
         if len(metadata.disk_load_block_ids):
-            assert self.disk is not None and self.disk.arrays is not None, "a load from no disk tier"
+            assert self.disk is not None, "a load from no disk tier"
+            self.disk.ensure(self.chunk_shapes(kv_cache))  # a persistent tier's first use may be a load
             t0 = time.perf_counter()
             kv_cache = self._load(
                 kv_cache, self.disk.arrays, metadata.disk_load_block_ids, metadata.disk_load_slots

@@ -291,24 +291,34 @@ def make_kv_connector_worker(
     bytes_per_block: int,
     num_blocks: int,
     layout: BlockLayout = BlockLayout(),
+    persist_dir: str | None = None,
+    tier_name: str = "",
     local_stages: list[bool] | None = None,
 ) -> KVConnectorWorker:
     """The worker's half of the configured connector: host offload's, disaggregated prefill's, both
     composed (in core/kv_transfer.py's `make_kv_connector_scheduler` order), or the base class (off),
-    moving blocks in `layout`, of `bytes_per_block` bytes. On pipeline stages (`local_stages`: per stage,
-    whether this process runs it; the cache is the runner's list of the stages' caches), host offload's
-    half is one worker per local stage (`StagedKVConnector`), disaggregated prefill's one over all the
-    stages (it runs on one host)."""
+    moving blocks in `layout`, of `bytes_per_block` bytes. `persist_dir`: a persistent disk tier's
+    directory (core/kv_offload.py), its files named `tier_name` + a number. On pipeline stages
+    (`local_stages`: per stage, whether this process runs it; the cache is the runner's list of the
+    stages' caches), host offload's half is one worker per local stage (`StagedKVConnector`; stage i's
+    files named `tier_name` + "stage{i}-" + a number), disaggregated prefill's one over all the stages (it
+    runs on one host)."""
     workers: list[KVConnectorWorker] = []
     if cache.kv_offloading_size is not None:
         if local_stages is None:
-            workers.append(_offloading_worker(cache, bytes_per_block, num_blocks, layout))
+            workers.append(
+                _offloading_worker(cache, bytes_per_block, num_blocks, layout, persist_dir, tier_name)
+            )
         else:
             workers.append(
                 StagedKVConnector(
                     [
-                        _offloading_worker(cache, bytes_per_block, num_blocks, layout) if is_local else None
-                        for is_local in local_stages
+                        _offloading_worker(
+                            cache, bytes_per_block, num_blocks, layout, persist_dir, f"{tier_name}stage{i}-"
+                        )
+                        if is_local
+                        else None
+                        for i, is_local in enumerate(local_stages)
                     ]
                 )
             )
@@ -323,7 +333,12 @@ def make_kv_connector_worker(
 
 
 def _offloading_worker(
-    cache: CacheConfig, bytes_per_block: int, num_blocks: int, layout: BlockLayout
+    cache: CacheConfig,
+    bytes_per_block: int,
+    num_blocks: int,
+    layout: BlockLayout,
+    persist_dir: str | None,
+    tier_name: str,
 ) -> OffloadingConnectorWorker:
     """Host offload's worker half. A host tier larger than the memory available now is a ValueError
     naming the field, not an OOM kill mid-start."""
@@ -336,7 +351,9 @@ def _offloading_worker(
         )
     disk = None
     if cache.kv_offloading_disk_path is not None:
-        disk = DiskTier(cache.kv_offloading_disk_path, disk_tier_blocks(cache, bytes_per_block))
+        disk = DiskTier(
+            cache.kv_offloading_disk_path, disk_tier_blocks(cache, bytes_per_block), persist_dir, tier_name
+        )
     return OffloadingConnectorWorker(num_host, num_blocks, layout, disk)
 
 
@@ -374,6 +391,11 @@ class StagedKVConnector(KVConnectorWorker):
             cache if worker is None else worker.warm_up(cache)
             for worker, cache in zip(self.workers, kv_cache, strict=True)
         ]
+
+    def keep_blocks(self, kv_cache: list, metadata: KVConnectorMetadata) -> None:
+        for worker, cache in zip(self.workers, kv_cache, strict=True):
+            if worker is not None:
+                worker.keep_blocks(cache, metadata)
 
     def close(self) -> None:
         for worker in self.workers:

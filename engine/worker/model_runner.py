@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from xlaserve.config import EngineConfig
 from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
 from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker
+from xlaserve.core.kv_offload import persistent_tier_dir
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
 from xlaserve.models.registry import get_model_class
@@ -298,8 +299,10 @@ class ModelRunner:
 
     def _make_kv_connector(self) -> KVConnectorWorker:
         """The configured KV connector's worker half over this runner's cache (worker/kv_transfer.py)."""
+        num_bytes = self.kv_bytes_per_block()
+        persist_dir = persistent_tier_dir(self.config, num_bytes)
         return make_kv_connector_worker(
-            self.config.cache, self.kv_bytes_per_block(), self.num_blocks, self.kv_layout
+            self.config.cache, num_bytes, self.num_blocks, self.kv_layout, persist_dir
         )
 
     # -- compiling ------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_connector import KVConnectorWorker
+from xlaserve.core.kv_offload import persistent_tier_dir
 from xlaserve.kernels import KVCache
 from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
@@ -248,14 +249,17 @@ class PipelineRunner(ModelRunner):
         """The connectors on stages, all given the step's one plan (block ids and host slots are the same
         on every stage, as the block tables are shared): host offload a worker half per stage over its own
         cache (its layers' blocks, on its devices; each stage's tier holds the same number of blocks, of
-        its layers), disaggregated prefill one over every stage's cache, which serves and loads a block as
-        the whole model's layers (worker/kv_transfer.py)."""
+        its layers; a persistent disk tier's files named apart per stage), disaggregated prefill one over
+        every stage's cache, which serves and loads a block as the whole model's layers
+        (worker/kv_transfer.py)."""
+        num_bytes = self.kv_bytes_per_block()  # sizes every stage's tier alike: the whole block's bytes
         return make_kv_connector_worker(
             self.config.cache,
-            self.kv_bytes_per_block(),
+            num_bytes,
             self.num_blocks,
             self.kv_layout,
-            [s.is_local for s in self.stages],
+            persistent_tier_dir(self.config, num_bytes),
+            local_stages=[s.is_local for s in self.stages],
         )
 
     def allocate_kv_cache(self) -> list[KVCache | None]:

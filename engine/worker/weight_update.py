@@ -47,7 +47,7 @@ from xlaserve.kernels.dtype_ops import is_16bit_float
 from xlaserve.models.prequantized import quantization_scheme
 from xlaserve.models.quantization import SCALE, ZERO, QuantScheme, is_quantized_kernel, quantized_parts
 from xlaserve.models.registry import get_model_class, model_config_from_hf
-from xlaserve.models.weights import _flatten, _unflatten, hf_name
+from xlaserve.models.weights import _unflatten, flatten_tree, hf_name
 from xlaserve.sharding.kv_heads import replicate_kv_heads
 from xlaserve.sharding.vocab import pad_vocab
 from xlaserve.worker.pipeline_stage import StageLayout
@@ -153,7 +153,7 @@ def _updated_sets(runner, weights: Mapping | Iterable) -> tuple[list[ParamSet], 
     model_class = get_model_class(hf_cfg.architecture)
     tp = runner.config.parallel.tensor_parallel_size
     sets = runner.param_sets()
-    flats = [_flatten(nnx.to_pure_dict(weights.params)) if weights.is_local else None for weights in sets]
+    flats = [flatten_tree(nnx.to_pure_dict(weights.params)) if weights.is_local else None for weights in sets]
     stacks = model_class.layer_stacks(runner.model_config)
     # The checkpoint's own shapes (before KV-head repetition and vocabulary padding): what a caller
     # holds, so the errors name them.

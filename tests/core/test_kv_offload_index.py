@@ -3,13 +3,22 @@ the device cache's evictions (host only, no jax)."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
 
 import numpy as np
 import pytest
 
+from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import KVCacheManager
-from xlaserve.core.kv_offload import GIB, HostBlockIndex, OffloadingConnectorScheduler, num_host_blocks
+from xlaserve.core.kv_offload import (
+    GIB,
+    HostBlockIndex,
+    OffloadingConnectorScheduler,
+    num_host_blocks,
+    persistent_tier_dir,
+)
 from xlaserve.core.request import Request
 from xlaserve.sampling_params import SamplingParams
 
@@ -180,3 +189,81 @@ def test_the_disk_tier_takes_what_the_host_tier_evicts_and_serves_hits_in_order(
     assert b"a" not in fresh.disk and len(fresh.index) == 2
     connector.reset()
     assert len(connector.disk) == 0 and connector.get_num_new_matched_tokens(request, 0) == 0
+
+
+def _digest(i: int) -> bytes:
+    return hashlib.sha256(bytes([i])).digest()  # block hashes are SHA-256 digests
+
+
+def _persistent(folder, num_host=2, num_disk=4) -> OffloadingConnectorScheduler:
+    for name in ("0.kv", "1.kv"):  # the worker's files, whole: two arrays of half a block each
+        with open(os.path.join(folder, name), "wb") as f:
+            f.truncate(num_disk * 8)
+    return OffloadingConnectorScheduler(num_host, BLOCK_SIZE, 16, num_disk, persist_dir=str(folder))
+
+
+def test_a_persistent_tier_keeps_the_newest_blocks_locked_while_it_runs(tmp_path):
+    """At shutdown: the host tier's blocks, then the device's, as many as the disk holds, the most recent
+    kept; the next scheduler on the directory starts with them (least recently used first) and takes the
+    index file; a second one while it runs is refused by name; after a reset nothing is kept."""
+    first = _persistent(tmp_path)
+    first.index.allocate(_digest(0))  # host slot 0
+    first.index.allocate(_digest(1))  # host slot 1
+    device = [(_digest(i), 10 + i) for i in (1, 2, 3, 4)]  # digest 1 is on the host: not saved twice
+    plan = first.shutdown_plan(device)
+    # 5 blocks wanted (host 0, 1; device 2, 3, 4) for 4 disk slots: the oldest, host slot 0, left out.
+    assert plan.demote_host_slots.tolist() == [1] and plan.demote_disk_slots.tolist() == [0]
+    assert plan.disk_save_block_ids.tolist() == [12, 13, 14]
+    assert plan.disk_save_slots.tolist() == [1, 2, 3]
+    first.shut_down()
+    assert first.shutdown_plan(device) is None  # shut down: nothing more
+    assert os.path.exists(tmp_path / "index.npz")
+
+    second = _persistent(tmp_path)
+    assert not os.path.exists(tmp_path / "index.npz")  # dying now, it would leave the next one empty
+    assert list(second.disk.slot_of.items()) == [(_digest(i), i - 1) for i in (1, 2, 3, 4)]
+    assert second.disk.num_used == 4
+    with pytest.raises(ValueError, match="persistent tier .* is in use by another engine"):
+        _persistent(tmp_path)
+    second.reset()
+    assert second.shutdown_plan(device) is None
+    second.shut_down()
+    assert not os.path.exists(tmp_path / "index.npz")  # the weights may have changed: nothing kept
+    assert len(_persistent(tmp_path).disk) == 0
+
+
+def test_a_persistent_tier_with_files_not_whole_starts_empty(tmp_path):
+    first = _persistent(tmp_path)
+    first.shutdown_plan([(_digest(5), 3)])
+    first.shut_down()
+    with open(tmp_path / "1.kv", "wb") as f:
+        f.truncate(8)  # cut short
+    second = OffloadingConnectorScheduler(2, BLOCK_SIZE, 16, 4, persist_dir=str(tmp_path))
+    assert len(second.disk) == 0 and not os.path.exists(tmp_path / "index.npz")
+
+
+def test_the_persistent_tiers_directory_is_named_by_what_the_blocks_depend_on(tmp_path):
+    base = {
+        "kv_offloading_size": 1,
+        "kv_offloading_disk_path": str(tmp_path),
+        "kv_offloading_disk_persist": True,
+    }
+    name = persistent_tier_dir(EngineConfig.from_kwargs(**base), 4608)
+    assert os.path.dirname(name) == str(tmp_path) and name == persistent_tier_dir(
+        EngineConfig.from_kwargs(**base), 4608
+    )
+    others = [
+        persistent_tier_dir(EngineConfig.from_kwargs(**base, dtype="float32"), 4608),
+        persistent_tier_dir(EngineConfig.from_kwargs(**base, block_size=32), 4608),
+        persistent_tier_dir(EngineConfig.from_kwargs(**base, tensor_parallel_size=2), 4608),
+        persistent_tier_dir(EngineConfig.from_kwargs(**base), 2304),
+    ]
+    assert len({name, *others}) == 5
+    assert (
+        persistent_tier_dir(EngineConfig.from_kwargs(**{**base, "kv_offloading_disk_persist": False}), 1)
+        is None
+    )
+    with pytest.raises(ValueError, match="kv_offloading_disk_persist needs kv_offloading_disk_path"):
+        EngineConfig.from_kwargs(kv_offloading_size=1, kv_offloading_disk_persist=True)
+    with pytest.raises(ValueError, match="kv_offloading_disk_persist with data_parallel_size > 1"):
+        EngineConfig.from_kwargs(**base, data_parallel_size=2)

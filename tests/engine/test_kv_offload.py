@@ -194,6 +194,42 @@ def test_a_prefix_the_host_tier_evicted_comes_back_from_the_disk_tier(model_dir,
     llm.shutdown()
 
 
+def test_a_persistent_disk_tier_outlives_the_engine(model_dir, tmp_path):
+    """kv_offloading_disk_persist: at shutdown the first engine's cached blocks (the device cache's, the
+    host tier's) go to the disk tier and its index beside them; a second engine of the same settings on
+    the same path serves every prompt's blocks from the disk, tokens and logprobs bit for bit the
+    first's (bfloat16). While it runs no index is on disk (an engine that dies keeps nothing)."""
+    block_bytes = 4608 // 2  # bfloat16
+    args = dict(
+        ENGINE_ARGS,
+        dtype="bfloat16",
+        kv_offloading_size=2 * block_bytes / 2**30,
+        kv_offloading_disk_path=str(tmp_path),
+        kv_offloading_disk_size=64 * block_bytes / 2**30,
+        kv_offloading_disk_persist=True,
+    )
+    prompts = _prompts(seed=7)
+    first = LLM(model_dir, **args)
+    computed = [_run(first, p, logprobs=2) for p in prompts]
+    assert [cached for _, _, cached in computed] == [0, 0, 0]
+    first.shutdown()
+    (tier,) = os.listdir(tmp_path)
+    assert tier.startswith("xlaserve-kv-")
+    assert sorted(os.listdir(tmp_path / tier)) == ["0.kv", "1.kv", "index.npz", "lock"]
+
+    second = LLM(model_dir, **args)
+    assert not os.path.exists(tmp_path / tier / "index.npz")
+    served = [_run(second, p, logprobs=2) for p in prompts]
+    assert [r[:2] for r in served] == [r[:2] for r in computed]
+    assert [cached for _, _, cached in served] == [32, 32, 32]
+    second._step()
+    metrics = _metrics(second)
+    assert metrics[("xlaserve:kv_offload_hits", ("disk",))] == 96
+    assert metrics[("xlaserve:kv_offload_total_bytes", ("disk_to_device",))] == 12 * block_bytes
+    _assert_all_free(second)
+    second.shutdown()
+
+
 def test_disk_tier_settings_are_checked(model_dir, tmp_path):
     with pytest.raises(ValueError, match="kv_offloading_disk_path needs kv_offloading_size"):
         EngineConfig.from_kwargs(kv_offloading_disk_path=str(tmp_path))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, Field
 
 from xlaserve.entrypoints.serving.protocol import (
     JsonObject,
@@ -22,6 +22,7 @@ from xlaserve.entrypoints.serving.protocol import (
     StopString,
     StrictModel,
     Text,
+    type_union,
 )
 
 MAX_TOOLS = 128
@@ -131,44 +132,7 @@ _BLOCKS = {
 }
 
 
-class _UnknownBlock(StrictModel):
-    """What a block of another type is checked against: its `type` fails, listing the known ones."""
-
-    type: Literal[
-        "text",
-        "tool_use",
-        "tool_result",
-        "thinking",
-        "redacted_thinking",
-        "image",
-        "mcp_tool_use",
-        "mcp_tool_result",
-    ]
-
-
-def _type_tag(value, kinds, suffix: str) -> str:
-    """The union tag of a `{"type": ...}` member (`text-block`, `auto-choice`...); "unknown-..." for a
-    missing or unknown type, so the error names the field rather than every member of the union."""
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"{kind}-{suffix}" if isinstance(kind, str) and kind in kinds else f"unknown-{suffix}"
-
-
-def _block_tag(value) -> str:
-    return _type_tag(value, _BLOCKS, "block")
-
-
-ContentBlock = Annotated[
-    Annotated[TextBlockParam, Tag("text-block")]
-    | Annotated[ToolUseBlockParam, Tag("tool_use-block")]
-    | Annotated[ToolResultBlockParam, Tag("tool_result-block")]
-    | Annotated[ThinkingBlockParam, Tag("thinking-block")]
-    | Annotated[RedactedThinkingBlockParam, Tag("redacted_thinking-block")]
-    | Annotated[ImageBlockParam, Tag("image-block")]
-    | Annotated[McpToolUseBlockParam, Tag("mcp_tool_use-block")]
-    | Annotated[McpToolResultBlockParam, Tag("mcp_tool_result-block")]
-    | Annotated[_UnknownBlock, Tag("unknown-block")],
-    Discriminator(_block_tag),
-]
+ContentBlock = type_union(_BLOCKS, "block")
 
 
 class MessageParam(StrictModel):
@@ -207,22 +171,7 @@ class ToolChoiceNone(StrictModel):
 _CHOICES = {"auto": ToolChoiceAuto, "any": ToolChoiceAny, "tool": ToolChoiceTool, "none": ToolChoiceNone}
 
 
-class _UnknownChoice(StrictModel):
-    type: Literal["auto", "any", "tool", "none"]
-
-
-def _choice_tag(value) -> str:
-    return _type_tag(value, _CHOICES, "choice")
-
-
-ToolChoice = Annotated[
-    Annotated[ToolChoiceAuto, Tag("auto-choice")]
-    | Annotated[ToolChoiceAny, Tag("any-choice")]
-    | Annotated[ToolChoiceTool, Tag("tool-choice")]
-    | Annotated[ToolChoiceNone, Tag("none-choice")]
-    | Annotated[_UnknownChoice, Tag("unknown-choice")],
-    Discriminator(_choice_tag),
-]
+ToolChoice = type_union(_CHOICES, "choice")
 # The union tags above: not fields, so error locations leave them out.
 ANTHROPIC_TAGS = frozenset(
     {f"{kind}-block" for kind in _BLOCKS} | {f"{kind}-choice" for kind in _CHOICES}

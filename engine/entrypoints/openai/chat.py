@@ -17,7 +17,6 @@ from xlaserve.entrypoints.openai.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     DeltaMessage,
-    PromptTokensDetails,
     UsageInfo,
 )
 from xlaserve.entrypoints.openai.sse import SSE_DONE, sse_error, sse_event
@@ -63,15 +62,6 @@ def _logprobs(state: ServerState, completion, top_n: int | None, as_ids: bool) -
     if top_n is None:
         return None
     return ChatLogprobs(content=token_logprobs(state, completion, top_n, as_ids))
-
-
-def _usage(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=num_prompt,
-        completion_tokens=num_generated,
-        total_tokens=num_prompt + num_generated,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
-    )
 
 
 def _finish_reason(finish_reason: str | None, num_calls: int) -> str | None:
@@ -170,7 +160,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         created=created,
         model=model,
         choices=choices,
-        usage=_usage(len(ids), num_generated, output.num_cached_tokens),
+        usage=UsageInfo.of(len(ids), num_generated, output.num_cached_tokens),
         kv_transfer_params=output.kv_transfer_params,
         prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if req.prompt_logprobs is not None else None,
         prompt_token_ids=list(output.prompt_token_ids) if req.return_token_ids else None,
@@ -237,10 +227,10 @@ async def _stream(
                     finish_reason=_finish_reason(c.finish_reason, parser.num_calls_sent),
                     stop_reason=c.stop_reason,
                 )
-                usage = _usage(len(prompt_ids), num_generated, num_cached) if continuous else None
+                usage = UsageInfo.of(len(prompt_ids), num_generated, num_cached) if continuous else None
                 yield chunk([choice], usage)
         if include_usage:
-            yield chunk([], _usage(len(prompt_ids), num_generated, num_cached))
+            yield chunk([], UsageInfo.of(len(prompt_ids), num_generated, num_cached))
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         yield sse_error(e)
     finally:

@@ -14,7 +14,6 @@ from xlaserve.entrypoints.openai.protocol import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
-    PromptTokensDetails,
     UsageInfo,
 )
 from xlaserve.entrypoints.openai.sse import SSE_DONE, sse_error, sse_event
@@ -172,17 +171,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         created=created,
         model=model,
         choices=choices,
-        usage=_usage(num_prompt_tokens, num_generated, num_cached),
+        usage=UsageInfo.of(num_prompt_tokens, num_generated, num_cached),
         kv_transfer_params=finals[0].kv_transfer_params,
-    )
-
-
-def _usage(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=num_prompt,
-        completion_tokens=num_generated,
-        total_tokens=num_prompt + num_generated,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
     )
 
 
@@ -213,7 +203,7 @@ async def _stream(
                     continue
                 chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice])
                 if continuous:
-                    chunk.usage = _usage(num_prompt_tokens, num_generated, num_cached)
+                    chunk.usage = UsageInfo.of(num_prompt_tokens, num_generated, num_cached)
                 yield sse_event(chunk)
         if include_usage:
             yield sse_event(
@@ -222,7 +212,7 @@ async def _stream(
                     created=created,
                     model=model,
                     choices=[],
-                    usage=_usage(num_prompt_tokens, num_generated, num_cached),
+                    usage=UsageInfo.of(num_prompt_tokens, num_generated, num_cached),
                 )
             )
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event

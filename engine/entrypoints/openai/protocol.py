@@ -86,6 +86,15 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
 
+    @classmethod
+    def of(cls, num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=num_prompt,
+            completion_tokens=num_generated,
+            total_tokens=num_prompt + num_generated,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+        )
+
 
 class ModelCard(BaseModel):
     id: str

@@ -28,6 +28,7 @@ from xlaserve.entrypoints.serving.protocol import (
     StrictModel,
     Text,
     TokenId,
+    type_union,
 )
 from xlaserve.sampling_params import MAX_LOGPROBS
 
@@ -46,13 +47,6 @@ Includable = Literal[
 MAX_METADATA_KEYS = 16
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 ItemId = Annotated[Text, Field(min_length=1, max_length=256)]
-
-
-def _type_tag(value, kinds, suffix: str, default: str | None = None) -> str:
-    """The union tag of a `{"type": ...}` member; `default` for a member without `type`, and
-    "unknown-..." for an unknown one, so the error names the field rather than every branch."""
-    kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
-    return f"{kind}-{suffix}" if isinstance(kind, str) and kind in kinds else f"unknown-{suffix}"
 
 
 # -- input ------------------------------------------------------------------------------------------
@@ -86,17 +80,7 @@ class InputImage(StrictModel):
 _PARTS = {"input_text": InputText, "output_text": OutputText, "input_image": InputImage}
 
 
-class _UnknownPart(StrictModel):
-    type: Literal["input_text", "output_text", "input_image"]
-
-
-ContentPart = Annotated[
-    Annotated[InputText, Tag("input_text-part")]
-    | Annotated[OutputText, Tag("output_text-part")]
-    | Annotated[InputImage, Tag("input_image-part")]
-    | Annotated[_UnknownPart, Tag("unknown-part")],
-    Discriminator(lambda value: _type_tag(value, _PARTS, "part")),
-]
+ContentPart = type_union(_PARTS, "part")
 
 
 def _text_or_list(kind: str):
@@ -220,26 +204,8 @@ _ITEMS = {
 }
 
 
-class _UnknownItem(StrictModel):
-    type: Literal[
-        "message", "function_call", "function_call_output", "reasoning", "mcp_list_tools", "mcp_call",
-        "mcp_approval_request", "mcp_approval_response",
-    ]  # fmt: skip
-
-
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("message-item")]
-    | Annotated[FunctionCallItem, Tag("function_call-item")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output-item")]
-    | Annotated[ReasoningItem, Tag("reasoning-item")]
-    | Annotated[McpListToolsItem, Tag("mcp_list_tools-item")]
-    | Annotated[McpCallItem, Tag("mcp_call-item")]
-    | Annotated[McpApprovalRequestItem, Tag("mcp_approval_request-item")]
-    | Annotated[McpApprovalResponseItem, Tag("mcp_approval_response-item")]
-    | Annotated[_UnknownItem, Tag("unknown-item")],
-    # An item without "type" is a message ({"role", "content"}: OpenAI's easy input message).
-    Discriminator(lambda value: _type_tag(value, _ITEMS, "item", default="message")),
-]
+# An item without "type" is a message ({"role", "content"}: OpenAI's easy input message).
+InputItem = type_union(_ITEMS, "item", default="message")
 
 
 # -- tools and formats --------------------------------------------------------------------------------
@@ -314,16 +280,7 @@ MCP_SECRETS = {"headers", "authorization"}  # an MCP tool's fields the response 
 _TOOLS = {"function": FunctionTool, "mcp": McpTool}
 
 
-class _UnknownTool(StrictModel):
-    type: Literal["function", "mcp"]
-
-
-Tool = Annotated[
-    Annotated[FunctionTool, Tag("function-tool")]
-    | Annotated[McpTool, Tag("mcp-tool")]
-    | Annotated[_UnknownTool, Tag("unknown-tool")],
-    Discriminator(lambda value: _type_tag(value, _TOOLS, "tool")),
-]
+Tool = type_union(_TOOLS, "tool")
 
 
 class NamedFunctionChoice(StrictModel):
@@ -369,17 +326,7 @@ class JsonSchemaFormat(StrictModel):
 _FORMATS = {"text": TextFormat, "json_object": JsonObjectFormat, "json_schema": JsonSchemaFormat}
 
 
-class _UnknownFormat(StrictModel):
-    type: Literal["text", "json_object", "json_schema"]
-
-
-Format = Annotated[
-    Annotated[TextFormat, Tag("text-format")]
-    | Annotated[JsonObjectFormat, Tag("json_object-format")]
-    | Annotated[JsonSchemaFormat, Tag("json_schema-format")]
-    | Annotated[_UnknownFormat, Tag("unknown-format")],
-    Discriminator(lambda value: _type_tag(value, _FORMATS, "format")),
-]
+Format = type_union(_FORMATS, "format")
 
 
 class TextConfig(StrictModel):

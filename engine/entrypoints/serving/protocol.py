@@ -18,9 +18,18 @@ before it can reach the tokenizer.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    create_model,
+    model_serializer,
+)
 from pydantic_core import PydanticCustomError
 
 from xlaserve.sampling_params import MAX_LOGPROBS
@@ -107,6 +116,23 @@ class OmitsNones(BaseModel):
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def type_union(members: dict[str, type[BaseModel]], suffix: str, *, default: str | None = None) -> Any:
+    """The union of `{"type": ...}` models, each tagged `{type}-{suffix}` (`text-block`); `default` is the
+    type of a value without one. A missing or unknown type is checked against a model of that one
+    field, tagged `unknown-{suffix}`, so the error names `type` and lists the known ones rather than
+    every member's errors. The tags are not fields: the API's tag set lists them for error locations."""
+    unknown = create_model(
+        f"_Unknown{suffix.capitalize()}", __base__=StrictModel, type=(Literal[tuple(members)], ...)
+    )
+
+    def tag(value) -> str:
+        kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+        return f"{kind}-{suffix}" if isinstance(kind, str) and kind in members else f"unknown-{suffix}"
+
+    tagged = [Annotated[model, Tag(f"{kind}-{suffix}")] for kind, model in members.items()]
+    return Annotated[Union[(*tagged, Annotated[unknown, Tag(f"unknown-{suffix}")])], Discriminator(tag)]
 
 
 class StreamOptions(StrictModel):
