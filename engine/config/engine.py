@@ -48,7 +48,8 @@ class EngineConfig:
                 "would keep their tiers in one directory): give each engine a path of its own",
             )
         if self.cache.kv_transfer_config is not None:
-            # The block server and the loads ride beside the step on one process, as offload's do.
+            # The block server and the loads ride beside the step on one process, as offload's do (on
+            # pipeline stages too: one block server over every stage's cache).
             require(self.parallel.nnodes == 1, "kv_transfer_config runs on one host (nnodes=1)")
             require(
                 self.parallel.data_parallel_size == 1,
@@ -98,7 +99,6 @@ class EngineConfig:
                     self.speculative is not None and self.parallel.nnodes > 1,
                     "speculative_config across nnodes",
                 ),
-                (self.cache.kv_transfer_config is not None, "kv_transfer_config"),
             ):
                 require(not is_set, f"pipeline_parallel_size={pp} cannot be combined with {what} yet")
         # Speculative decoding runs on the synchronous step: the next step's drafts come from this

@@ -9,7 +9,9 @@ step's metadata and are scattered into the cache before the forward, as host off
 are the cache's own (bfloat16, fp8): a block loaded is bit-identical to the one the producer computed,
 and the two sides may lay the cache out differently (tensor and context parallelism): the gather brings
 each block to the host as one device holds it (worker/kv_offload.BlockLayout), the scatter places it as
-the consumer's cache is laid out and placed.
+the consumer's cache is laid out and placed. On pipeline stages each stage gathers and scatters its
+own layers, and a block crosses the wire as the whole model's layers (`DisaggConnectorWorker`), so the
+two sides may have different numbers of stages too.
 
 This module also builds the configured connector's worker half (`make_kv_connector_worker`).
 """
@@ -17,6 +19,7 @@ This module also builds the configured connector's worker half (`make_kv_connect
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,18 +56,25 @@ class _Send:
     num_blocks: int
     digest: str
     created: float
-    gathered: list[tuple[jax.Array, ...]] = field(default_factory=list)  # per gather call
+    # Per cache (pipeline stages: each stage's, in layer order), per gather call, per cache array.
+    gathered: list[list[tuple[jax.Array, ...]]] = field(default_factory=list)
     rows: list[np.ndarray] | None = None  # per cache array [num_blocks, bytes per block] uint8
 
     def host_rows(self) -> list[np.ndarray]:
         if self.rows is None:
-            per_array = zip(*self.gathered) if self.gathered else ()
-            rows = []
-            for parts in per_array:
-                blocks = np.concatenate([np.asarray(p) for p in parts])[: self.num_blocks]
-                rows.append(np.ascontiguousarray(blocks).view(np.uint8).reshape(self.num_blocks, -1))
-            self.rows, self.gathered = rows, []
+            per_cache = [self._cache_rows(calls) for calls in self.gathered]
+            # A row is [L, block_size, ...] in C order, so the stages' rows side by side are the whole
+            # model's layers, as one engine without stages sends them.
+            self.rows = [parts[0] if len(parts) == 1 else np.hstack(parts) for parts in zip(*per_cache)]
+            self.gathered = []
         return self.rows
+
+    def _cache_rows(self, calls: list[tuple[jax.Array, ...]]) -> list[np.ndarray]:
+        rows = []
+        for parts in zip(*calls):
+            blocks = np.concatenate([np.asarray(p) for p in parts])[: self.num_blocks]
+            rows.append(np.ascontiguousarray(blocks).view(np.uint8).reshape(self.num_blocks, -1))
+        return rows
 
 
 class BlockServer:
@@ -173,26 +183,81 @@ class BlockServer:
         self._thread.join(timeout=2)
 
 
-class DisaggConnectorWorker(BlockTransferWorker):
-    def __init__(self, config: KVTransferConfig, num_blocks: int, block_size: int, layout: BlockLayout):
-        super().__init__(num_blocks, layout)
+class _CacheBlocks(BlockTransferWorker):
+    """The gather and scatter programs over one cache (on pipeline stages, one stage's)."""
+
+    def gather(self, kv_cache, block_ids: np.ndarray) -> list[tuple[jax.Array, ...]]:
+        """The blocks, per program call, their copies to the host started (overlapping the next step)."""
+        self._programs(kv_cache)
+        calls = []
+        for start in range(0, len(block_ids), TRANSFER_CHUNK_BLOCKS):
+            gathered = self._gather_fn(kv_cache, padded_ids(block_ids[start : start + TRANSFER_CHUNK_BLOCKS]))
+            for array in gathered:
+                array.copy_to_host_async()
+            calls.append(gathered)
+        return calls
+
+    def row_bytes(self, kv_cache) -> list[int]:
+        """Bytes of one block of each cache array, as it leaves the device."""
+        return [math.prod(shape[1:]) * dtype.itemsize for shape, dtype in self.chunk_shapes(kv_cache)]
+
+    def scatter(self, kv_cache, block_ids: np.ndarray, rows: list[np.ndarray]):
+        """`kv_cache` with a producer's rows (per cache array [J, bytes per block] uint8) at `block_ids`."""
+        self._programs(kv_cache)
+        # As blocks leave a cache: [J, L, block_size, kv_heads, ...] (`BlockLayout`).
+        blocks = [
+            r.view(dtype).reshape(len(r), *shape[1:])
+            for r, (shape, dtype) in zip(rows, self.chunk_shapes(kv_cache), strict=True)
+        ]
+        for start in range(0, len(block_ids), TRANSFER_CHUNK_BLOCKS):
+            ids = block_ids[start : start + TRANSFER_CHUNK_BLOCKS]
+            staged = []
+            for array in blocks:
+                chunk = np.zeros((TRANSFER_CHUNK_BLOCKS, *array.shape[1:]), array.dtype)
+                chunk[: len(ids)] = array[start : start + len(ids)]
+                staged.append(jax.device_put(chunk))
+            kv_cache = self._scatter_fn(kv_cache, padded_ids(ids), tuple(staged))
+        return kv_cache
+
+
+class DisaggConnectorWorker(KVConnectorWorker):
+    """Disaggregated prefill's worker half over the runner's cache, or on `num_stages` pipeline stages over
+    the list of the stages' caches (worker/pipeline_runner.py; all on this host: EngineConfig refuses
+    nnodes > 1). One block server an engine, and its blocks are the whole model's layers whatever the
+    stages: each stage gathers its layers' blocks and `_Send` joins them along the layer axis; a fetched
+    block is split by the stages' layers, each part scattered into its stage's cache. So engines of
+    different pipeline sizes exchange blocks, as engines of different tensor and context parallel layouts
+    do (`BlockLayout`)."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        num_blocks: int,
+        block_size: int,
+        layout: BlockLayout,
+        num_stages: int = 0,
+    ):
         self.config = config
+        self.num_stages = num_stages  # 0: no stages, the cache is the runner's one
+        self.caches = [_CacheBlocks(num_blocks, layout) for _ in range(max(num_stages, 1))]
         self.server = BlockServer(config, block_size) if config.is_producer else None
+        self.stats = KVTransferStats()
+
+    def _per_cache(self, kv_cache) -> list:
+        return kv_cache if self.num_stages else [kv_cache]
+
+    def _as_given(self, caches: list):
+        return caches if self.num_stages else caches[0]
 
     def save_kv_after_forward(self, kv_cache, metadata: KVConnectorMetadata | None) -> None:
         if metadata is None or not metadata.sends:
             return
         t0 = time.perf_counter()
-        self._programs(kv_cache)
         for request_id, block_ids, digest in metadata.sends:
             send = _Send(len(block_ids), digest, time.monotonic())
-            for start in range(0, len(block_ids), TRANSFER_CHUNK_BLOCKS):
-                gathered = self._gather_fn(
-                    kv_cache, padded_ids(block_ids[start : start + TRANSFER_CHUNK_BLOCKS])
-                )
-                for array in gathered:  # the copy to the host starts now, overlapping the next step
-                    array.copy_to_host_async()
-                send.gathered.append(gathered)
+            send.gathered = [
+                c.gather(cache, block_ids) for c, cache in zip(self.caches, self._per_cache(kv_cache))
+            ]
             self.server.add(request_id, send)
         self.stats.send_seconds += time.perf_counter() - t0
 
@@ -200,23 +265,21 @@ class DisaggConnectorWorker(BlockTransferWorker):
         if metadata is None or not len(metadata.inline_load_block_ids):
             return kv_cache
         t0 = time.perf_counter()
-        self._programs(kv_cache)
-        # A producer's rows, as blocks leave a cache [J, L, block_size, kv_heads, ...] (`BlockLayout`).
-        blocks = [
-            rows.view(dtype).reshape(len(rows), *shape[1:])
-            for rows, (shape, dtype) in zip(metadata.inline_blocks, self.chunk_shapes(kv_cache))
-        ]
-        ids_all = metadata.inline_load_block_ids
-        for start in range(0, len(ids_all), TRANSFER_CHUNK_BLOCKS):
-            ids = ids_all[start : start + TRANSFER_CHUNK_BLOCKS]
-            staged = []
-            for array in blocks:
-                chunk = np.zeros((TRANSFER_CHUNK_BLOCKS, *array.shape[1:]), array.dtype)
-                chunk[: len(ids)] = array[start : start + len(ids)]
-                staged.append(jax.device_put(chunk))
-            kv_cache = self._scatter_fn(kv_cache, padded_ids(ids), tuple(staged))
+        loaded, start = [], np.zeros(len(metadata.inline_blocks), np.int64)
+        for c, cache in zip(self.caches, self._per_cache(kv_cache), strict=True):
+            stop = start + c.row_bytes(cache)  # this cache's layers: the next bytes of each row
+            rows = [r[:, a:b] for r, a, b in zip(metadata.inline_blocks, start, stop, strict=True)]
+            loaded.append(c.scatter(cache, metadata.inline_load_block_ids, rows))
+            start = stop
         self.stats.remote_load_seconds += time.perf_counter() - t0
-        return kv_cache
+        return self._as_given(loaded)
+
+    def take_stats(self) -> KVTransferStats:
+        stats, self.stats = self.stats, KVTransferStats()
+        return stats
+
+    def warm_up(self, kv_cache):
+        return self._as_given([c.warm_up(cache) for c, cache in zip(self.caches, self._per_cache(kv_cache))])
 
     def close(self) -> None:
         if self.server is not None:
@@ -230,16 +293,40 @@ def make_kv_connector_worker(
     layout: BlockLayout = BlockLayout(),
     persist_dir: str | None = None,
     tier_name: str = "",
+    local_stages: list[bool] | None = None,
 ) -> KVConnectorWorker:
     """The worker's half of the configured connector: host offload's, disaggregated prefill's, both
     composed (in core/kv_transfer.py's `make_kv_connector_scheduler` order), or the base class (off),
     moving blocks in `layout`, of `bytes_per_block` bytes. `persist_dir`: a persistent disk tier's
-    directory (core/kv_offload.py), its files named `tier_name` + a number (a pipeline stage's own)."""
+    directory (core/kv_offload.py), its files named `tier_name` + a number. On pipeline stages
+    (`local_stages`: per stage, whether this process runs it; the cache is the runner's list of the
+    stages' caches), host offload's half is one worker per local stage (`StagedKVConnector`; stage i's
+    files named `tier_name` + "stage{i}-" + a number), disaggregated prefill's one over all the stages (it
+    runs on one host)."""
     workers: list[KVConnectorWorker] = []
     if cache.kv_offloading_size is not None:
-        workers.append(_offloading_worker(cache, bytes_per_block, num_blocks, layout, persist_dir, tier_name))
+        if local_stages is None:
+            workers.append(
+                _offloading_worker(cache, bytes_per_block, num_blocks, layout, persist_dir, tier_name)
+            )
+        else:
+            workers.append(
+                StagedKVConnector(
+                    [
+                        _offloading_worker(
+                            cache, bytes_per_block, num_blocks, layout, persist_dir, f"{tier_name}stage{i}-"
+                        )
+                        if is_local
+                        else None
+                        for i, is_local in enumerate(local_stages)
+                    ]
+                )
+            )
     if cache.kv_transfer is not None:
-        workers.append(DisaggConnectorWorker(cache.kv_transfer, num_blocks, cache.block_size, layout))
+        num_stages = 0 if local_stages is None else len(local_stages)
+        workers.append(
+            DisaggConnectorWorker(cache.kv_transfer, num_blocks, cache.block_size, layout, num_stages)
+        )
     if len(workers) > 1:
         return MultiConnectorWorker(workers)
     return workers[0] if workers else KVConnectorWorker()
@@ -271,9 +358,10 @@ def _offloading_worker(
 
 
 class StagedKVConnector(KVConnectorWorker):
-    """Pipeline stages' connector (worker/pipeline_runner.py): a worker half per stage (None: another
+    """Host offload on pipeline stages (worker/pipeline_runner.py): a worker half per stage (None: another
     process's stage), each over that stage's cache in the runner's list of them, all given the step's one
-    plan (block ids and host slots are the same on every stage)."""
+    plan (block ids and host slots are the same on every stage). Disaggregated prefill's stages share one
+    block server instead (`DisaggConnectorWorker`)."""
 
     def __init__(self, workers: list[KVConnectorWorker | None]):
         self.workers = workers

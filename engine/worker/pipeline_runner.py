@@ -52,7 +52,7 @@ from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.sharding import Placement, make_mesh
 from xlaserve.worker.input_batch import StepBatch, StepInputs
 from xlaserve.worker.kv_cache import allocate_kv_cache
-from xlaserve.worker.kv_transfer import StagedKVConnector, make_kv_connector_worker
+from xlaserve.worker.kv_transfer import make_kv_connector_worker
 from xlaserve.worker.lora_manager import SlotHolder
 from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.model_runner import ModelRunner
@@ -241,27 +241,25 @@ class PipelineRunner(ModelRunner):
         )
 
     def kv_bytes_per_block(self) -> int:
-        """A block as the KV connector moves it: every local stage's layers (host offload runs on one
-        host, so that is the whole model's)."""
+        """A block as the KV connector moves it: every local stage's layers (the connectors run on one
+        host, so that is the whole model's, as an engine without stages moves it)."""
         return sum(self._moved_bytes_per_block(self._stage_kv_spec(s)) for s in self.stages if s.is_local)
 
     def _make_kv_connector(self) -> KVConnectorWorker:
-        """Host offload on stages: a worker half per stage over its own cache (its layers' blocks, on its
-        devices), all given the step's one plan: block ids and host slots are the same on every stage, as
-        the block tables are shared. Each stage's tier holds the same number of blocks, of its layers."""
-        if self.config.cache.kv_offloading_size is None:
-            return super()._make_kv_connector()
+        """The connectors on stages, all given the step's one plan (block ids and host slots are the same
+        on every stage, as the block tables are shared): host offload a worker half per stage over its own
+        cache (its layers' blocks, on its devices; each stage's tier holds the same number of blocks, of
+        its layers; a persistent disk tier's files named apart per stage), disaggregated prefill one over
+        every stage's cache, which serves and loads a block as the whole model's layers
+        (worker/kv_transfer.py)."""
         num_bytes = self.kv_bytes_per_block()  # sizes every stage's tier alike: the whole block's bytes
-        persist_dir = persistent_tier_dir(self.config, num_bytes)  # each stage's files named apart
-        return StagedKVConnector(
-            [
-                make_kv_connector_worker(
-                    self.config.cache, num_bytes, self.num_blocks, self.kv_layout, persist_dir, f"stage{i}-"
-                )
-                if s.is_local
-                else None
-                for i, s in enumerate(self.stages)
-            ]
+        return make_kv_connector_worker(
+            self.config.cache,
+            num_bytes,
+            self.num_blocks,
+            self.kv_layout,
+            persistent_tier_dir(self.config, num_bytes),
+            local_stages=[s.is_local for s in self.stages],
         )
 
     def allocate_kv_cache(self) -> list[KVCache | None]:

@@ -523,10 +523,12 @@ def context_parallel_offload(model_dir: str, arg: dict) -> list:
 
 
 def transfer_across_layouts(model_dir: str, arg: dict) -> dict:
-    """arg: {"layouts": [A, B, C], "prompts"}: three engines of role kv_both; A's own greedy run (the
-    reference), then its blocks prefilled for B to decode from, then B's prefilled for C. -> the
-    reference's and each consumer's tokens, top logprobs and num_cached_tokens, its fetches by outcome
-    and bytes fetched, and each engine's bytes per moved block."""
+    """arg: {"layouts": [A, B, ...], "prompts", "chain" (optional)}: an engine of role kv_both per layout;
+    A's own greedy run (the reference), then along `chain` (indices of the engines; by default each once,
+    in order) each engine's blocks prefilled for the next to decode from, its prefix cache reset first (so
+    an engine coming back in the chain fetches every block too). -> the reference's and each consumer's
+    tokens, top logprobs and num_cached_tokens, its fetches by outcome and bytes fetched, whether its
+    blocks are all free after and its producer holds no copy, and each engine's bytes per moved block."""
     import socket
 
     from xlaserve import SamplingParams
@@ -559,7 +561,9 @@ def transfer_across_layouts(model_dir: str, arg: dict) -> dict:
         "bytes_per_block": [llm.engine_core.executor.kv_bytes_per_block for llm in engines],
         "consumers": [],
     }
-    for producer, consumer in zip(engines, engines[1:]):
+    chain = [engines[i] for i in arg.get("chain", range(len(engines)))]
+    for producer, consumer in zip(chain, chain[1:]):
+        consumer.reset_prefix_cache()
         prefill = SamplingParams(
             temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
         )
@@ -570,10 +574,19 @@ def transfer_across_layouts(model_dir: str, arg: dict) -> dict:
         metrics = {(m.name, *m.labels.values()): getattr(m, "value", None) for m in consumer.get_metrics()}
         got["fetches"] = {o: metrics[("xlaserve:kv_transfer_fetches", o)] for o in ("loaded", "recomputed")}
         got["bytes_fetched"] = metrics[("xlaserve:kv_transfer_total_bytes", "fetched")]
+        manager = consumer.engine_core.kv_cache_manager
+        got["all_free"] = not manager.req_to_blocks and manager.num_free_blocks == manager.num_usable_blocks
+        got["copies_held"] = len(producer.engine_core.runner.kv_connector.server)
         result["consumers"].append(got)
     for llm in engines:
         llm.shutdown()
     return result
+
+
+def transfer_across_stages(model_dir: str, arg: dict) -> dict:
+    """`transfer_across_layouts`, compiled as the pipeline's cases are (DEFAULT_EMITTER_MODES), so that
+    an engine on stages gives one device's bits."""
+    return transfer_across_layouts(model_dir, arg)
 
 
 def pipeline_pooling(model_dir: str, arg: dict) -> list:
@@ -676,6 +689,7 @@ MODES = {
     "context_parallel": context_parallel,
     "context_parallel_offload": context_parallel_offload,
     "transfer_across_layouts": transfer_across_layouts,
+    "transfer_across_stages": transfer_across_stages,
     "generate": generate,
     "hlo": hlo,
     "error": error,
@@ -744,6 +758,7 @@ DEFAULT_EMITTER_MODES = {
     "pipeline_images",
     "pipeline_preemption",
     "pipeline_hybrid",
+    "transfer_across_stages",
 }
 ELEMENTAL_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 _default_emitters = True

@@ -207,6 +207,28 @@ def test_blocks_move_between_engines_of_different_layouts(tp_worker, one_kv_head
         )
 
 
+def test_blocks_move_between_pipeline_stages_and_one_device(tp_worker, one_kv_head):
+    """Disaggregated prefill on pipeline stages, in bfloat16: one device -> PP 2 -> the one device again
+    (its prefix cache reset). A PP=2 producer serves each block as the whole model's layers (its stages'
+    blocks joined along the layer axis), a PP=2 consumer splits a fetched block by its stages' layers: the
+    same bytes per block on both sides, and each consumer fetches every prompt's whole blocks, recomputes
+    none, holds no block after (nor its producer a copy) and decodes the plain engine's tokens and logprobs
+    bit for bit (a stage's layer put in the other stage's place would change them)."""
+    rng = np.random.default_rng(29)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (37, 20, 9)]
+    layouts = [{"dtype": "bfloat16"}, {"dtype": "bfloat16", "pipeline_parallel_size": 2}]
+    arg = {"layouts": layouts, "prompts": prompts, "chain": [0, 1, 0]}
+    result = tp_worker.run("transfer_across_stages", one_kv_head, arg)
+    (bytes_per_block,) = set(result["bytes_per_block"])
+    reference = result["reference"]
+    for consumer in result["consumers"]:
+        assert consumer["num_cached_tokens"] == [32, 16, 8]
+        assert consumer["fetches"] == {"loaded": 3, "recomputed": 0}
+        assert consumer["bytes_fetched"] == 7 * bytes_per_block
+        assert consumer["all_free"] and consumer["copies_held"] == 0
+        assert (consumer["tokens"], consumer["logprobs"]) == (reference["tokens"], reference["logprobs"])
+
+
 def test_a_moe_model_split_by_tokens_and_no_compile_after_warm_up(tp_worker, tmp_path_factory):
     """A tiny Qwen3-MoE (experts in every layer) at PCP 2, warmed up under the strict compile guard
     (every bucket compiled first, nothing after): one device's tokens and logprobs."""
