@@ -334,6 +334,32 @@ def _stream(pieces: list[str]) -> tuple[list[dict], list[dict]]:
     return payloads, [item.model_dump() for item in stream.items]
 
 
+def test_a_long_turn_is_read_once_not_again_per_piece(monkeypatch):
+    """Each piece re-reads only the message still open: 150 messages fed token by token are read in work
+    linear in the text (re-reading the whole turn per piece: ~500 times the text here), marked alike."""
+    from xlaserve.entrypoints.openai import responses_harmony
+
+    pieces = [
+        "<|channel|>",
+        "analysis",
+        "<|message|>",
+        "Thinking",
+        " on.",
+        "<|end|>",
+        "<|start|>assistant",
+    ] * 150
+    read = []
+    real = responses_harmony.read_messages
+    monkeypatch.setattr(
+        responses_harmony, "read_messages", lambda text, final: read.append(len(text)) or real(text, final)
+    )
+    parser = ChoiceParser(get_reasoning_parser("openai_gptoss")(FakeTokenizer()), get_tool_parser("openai")())
+    turn = TurnParser(parser)
+    marks = [delta.message for piece in pieces for delta in turn.feed(piece)]
+    assert sum(read) < 10 * len("".join(pieces))  # the open message again per piece: ~5x
+    assert marks == sorted(marks) and sorted(set(marks)) == list(range(150))
+
+
 def test_each_harmony_message_is_its_own_item_in_order():
     """Two analysis messages are two reasoning items, a preamble and the final answer two messages, and
     a step that holds the end of one message and the start of the next (several tokens) splits too."""

@@ -27,7 +27,10 @@ class TurnParser:
     def __init__(self, parser: ChoiceParser):
         self.parser = parser
         self.is_harmony = _reads_harmony(parser)
+        # The text from the first message not yet closed (a closed one never changes: its end marker is
+        # read), and how many closed before it: each piece re-reads the open message only.
         self._text = ""
+        self._num_closed = 0
 
     def feed(self, text: str) -> list[ChoiceDelta]:
         if not self.is_harmony:
@@ -51,7 +54,15 @@ class TurnParser:
     def _message(self, final: bool) -> int:
         """The index of the last message the text holds (one whose header has ended)."""
         messages, _ = read_messages(self._text, final)
-        return max(len(messages) - 1, 0)
+        index = max(self._num_closed + len(messages) - 1, 0)
+        closed = 0
+        for message in messages:
+            if not message.is_closed:
+                break
+            closed = message.end  # where the next one begins
+            self._num_closed += 1
+        self._text = self._text[closed:]
+        return index
 
 
 def _reads_harmony(parser: ChoiceParser) -> bool:
