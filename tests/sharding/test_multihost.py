@@ -161,6 +161,37 @@ def test_divergent_follower_stops_the_engine_with_a_clear_error():
     }
 
 
+def test_an_engine_over_another_session_than_the_live_one_is_refused_by_name(tiny_llama_2kv, monkeypatch):
+    """jax.distributed is joined once per process: a later engine over the live session joins it as it is
+    (the launch above), one naming other ports or processes is refused before it loads anything, and so
+    is one needing cross-host transfers the session was joined without (here a session stands in for
+    one joined by an earlier tensor-parallel engine; nothing joins jax.distributed)."""
+    import jax
+
+    from xlaserve import LLM
+    from xlaserve.sharding import distributed
+
+    def joined_twice(**_):
+        raise AssertionError("jax.distributed.initialize called again")
+
+    monkeypatch.setattr(jax.distributed, "initialize", joined_twice)
+    monkeypatch.setattr(distributed, "_session", distributed.Session("127.0.0.1", 29500, 2, 0, False))
+    distributed.initialize("127.0.0.1", 29500, 2, 0)  # the live session: nothing to do
+    engine = {
+        "nnodes": 2,
+        "node_rank": 0,
+        "master_addr": "127.0.0.1",
+        "master_port": 29600,
+        "dtype": "float32",
+    }
+    with pytest.raises(ValueError, match=r"master_port=29600 \(the session's: 29500\)"):
+        LLM(tiny_llama_2kv, tensor_parallel_size=2, **engine)
+    with pytest.raises(ValueError, match=r"nnodes=3 \(the session's: 2\), node_rank=1 \(the session's: 0\)"):
+        distributed.initialize("127.0.0.1", 29500, 3, 1)
+    with pytest.raises(ValueError, match="pipeline stages across processes need cross-host transfers"):
+        LLM(tiny_llama_2kv, pipeline_parallel_size=2, **(engine | {"master_port": 29500}))
+
+
 @pytest.mark.slow
 def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text, tmp_path):
     """`xlaserve serve` across two processes (TP 8 over 2 x 4 devices): the OpenAI API answers from
