@@ -3,6 +3,7 @@ the executor's: xlaserve/executor/multihost.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 
@@ -11,15 +12,39 @@ import jax
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """The jax.distributed session a process joined: where its coordinator is and which process it is."""
+
+    master_addr: str
+    master_port: int
+    nnodes: int
+    node_rank: int
+    cross_host_transfers: bool
+
+
+# jax.distributed is process-wide and joined once: the session this process joined (None: none yet), so
+# that a later engine over the same processes joins it as it is and one over others is refused.
+_session: Session | None = None
+
+
 def initialize(
     master_addr: str, master_port: int, nnodes: int, node_rank: int, cross_host_transfers: bool = False
 ) -> None:
     """jax.distributed over `nnodes` processes; on CPU the collectives go through gloo.
 
+    Once per process: a later engine (the first one shut down, its followers released) runs over the
+    session the first joined, when it names the same one; other processes or ports are a ValueError.
+
     `cross_host_transfers`: `jax.device_put` may copy an array to another process's devices (pipeline
     stages on different processes). The CPU backend has no transfers of its own, so JAX's DCN transfer
     server carries them: this process listens on port master_port + 2 + node_rank (port 0 does not work:
     the peers are told the port asked for, not the one bound)."""
+    global _session
+    session = Session(master_addr, master_port, nnodes, node_rank, cross_host_transfers)
+    if _session is not None:
+        _check_joins(_session, session)
+        return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if cross_host_transfers:
         address = f"{_reachable_address(master_addr)}:{transfer_port(master_port, node_rank)}"
@@ -34,6 +59,27 @@ def initialize(
         jax.local_device_count(),
         jax.device_count(),
     )
+    _session = session
+
+
+def _check_joins(live: Session, wanted: Session) -> None:
+    """A later engine runs over the live session only: jax.distributed cannot be joined twice."""
+    differ = [
+        f"{field.name}={getattr(wanted, field.name)!r} (the session's: {getattr(live, field.name)!r})"
+        for field in dataclasses.fields(Session)
+        if field.name != "cross_host_transfers" and getattr(wanted, field.name) != getattr(live, field.name)
+    ]
+    if differ:
+        raise ValueError(
+            f"this process joined a jax.distributed session already, and a process joins one only once: "
+            f"the engine's {', '.join(differ)}; build it with the session's values or in a new process"
+        )
+    if wanted.cross_host_transfers and not live.cross_host_transfers:
+        raise ValueError(
+            "pipeline stages across processes need cross-host transfers, set up when a process joins its "
+            "jax.distributed session; this process joined it for an engine without them: build the "
+            "pipelined engine first or in a new process"
+        )
 
 
 def transfer_port(master_port: int, node_rank: int) -> int:

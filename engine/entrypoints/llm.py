@@ -47,10 +47,14 @@ Conversation = list[dict[str, Any]]
 
 def serve_follower(model: str | None = None, **engine_args) -> None:
     """Process node_rank > 0 of a multi-host engine: hold this host's shards and run every step
-    process 0 sends, until it shuts down."""
+    process 0 sends, until it shuts down. The process may then serve the next engine process 0 builds,
+    over the same jax.distributed session (sharding/distributed.py)."""
     config = EngineConfig.from_kwargs(model, **engine_args)
     _, core = start_engine(config)
-    follow(core.runner, config.parallel)
+    try:
+        follow(core.runner, config.parallel)
+    finally:
+        core.shutdown()
 
 
 def _as_list(prompts) -> list:
@@ -114,7 +118,9 @@ class LLM:
         self._request_counter = itertools.count()
 
     def shutdown(self) -> None:
-        """Release the other processes of a multi-host engine (they exit their step loop)."""
+        """Release the other processes of a multi-host engine (they exit their step loop, and may serve
+        a next engine built over the same processes and ports)."""
+        atexit.unregister(self.shutdown)  # its reference would keep this engine's arrays to the exit
         self.engine_core.shutdown()
 
     def get_tokenizer(self):

@@ -22,6 +22,7 @@ import dataclasses
 import io
 import json
 import logging
+import time
 import zlib
 from collections.abc import Iterable, Mapping
 
@@ -141,7 +142,7 @@ class StepSender:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 1000)
-        self._sock.bind(f"tcp://{master_addr}:{port}")
+        _bind(self._sock, f"tcp://{master_addr}:{port}")
         self._sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         self._peers: list[bytes] = []
         while len(self._peers) < num_followers:
@@ -219,6 +220,21 @@ class StepSender:
         for peer in self._peers:
             self._sock.send_multipart([peer, _STOP])
         self._sock.close()
+
+
+def _bind(sock: zmq.Socket, address: str, timeout_s: float = 10.0) -> None:
+    """Bind `address`, waiting for the previous engine's sender there to let go of it: ZMQ closes a socket
+    in its I/O thread, after `close` returns, so the next engine of the same processes may find the port
+    still taken for a few milliseconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.bind(address)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 class StepReceiver:

@@ -1,7 +1,11 @@
-"""One process of a tensor-parallel engine over two processes (tests/sharding/test_multihost.py), run
-as `python multihost_process.py ARG_JSON` (helpers/two_processes.py); the other process follows process
-0's steps and calls until it stops, and process 0 prints what each answer was as one JSON line.
+"""The two processes of tensor-parallel (and pipelined) engines over two processes
+(tests/sharding/test_multihost.py), run as `python multihost_process.py ARG_JSON`
+(helpers/two_processes.py): one launch builds the engines of its cases in turn over the same
+jax.distributed session, each shut down (its follower released) before the next is built. The other
+process follows process 0's steps and calls for each engine until it stops, and process 0 prints what
+each case's answers were as one JSON line, keyed by the case's label.
 
+- "generate": `xlaserve generate` (its argv, given) over both processes (TP 2), process 0's stdout.
 - "research": process 0 answers PROMPTS, takes another checkpoint (`update_weights_from_path`), sleeps
   and wakes, takes its first checkpoint back by `update_weights` in two parts (layer 0 last: each part
   writes some layers of the stacks), and is refused a tensor of the wrong shape.
@@ -13,8 +17,12 @@ as `python multihost_process.py ARG_JSON` (helpers/two_processes.py); the other 
   third prompt with adapters A, B and none in one batch, then "research" (its refused tensors: one of
   the follower's stage, one of process 0's).
 
-arg: {"case", "model", "node_rank", "port"} and "new_model" (research, pipeline), "adapters" (lora,
-pipeline); "engine": engine arguments over the case's (vlm: pipeline stages instead)."""
+A session sets up cross-host transfers only if its first engine has pipeline stages
+(sharding/distributed.py): a launch with a pipelined case starts with one.
+
+arg: {"cases": {label: case}, "node_rank", "port"}; a case: {"case", "model"} and "new_model" (research,
+pipeline), "adapters" (lora, pipeline), "argv" (generate: the CLI's, without the multi-host flags);
+"engine": engine arguments over the case's (vlm: pipeline stages instead)."""
 
 import json
 import os
@@ -98,13 +106,27 @@ def adapter_batch(llm, adapters: list[str]) -> dict:
 
 
 def main(arg: dict) -> None:
+    results = {}
+    for label, case in arg["cases"].items():
+        result = run_case({**case, "node_rank": arg["node_rank"], "port": arg["port"]})
+        if result is not None:  # process 0
+            results[label] = result
+    if arg["node_rank"] == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+
+
+def run_case(arg: dict) -> dict | None:
+    """One engine over both processes: process 0's answers, or None in process 1 once it has followed
+    process 0's steps to the end (process 0 shut the engine down)."""
     from helpers.two_processes import engine_of_two
 
+    if arg["case"] == "generate":
+        return cli_generate(arg)
     extra = {"lora": LORA, "pool": POOL, "pipeline": PIPELINE | WARMED}.get(arg["case"], {})
     extra |= arg.get("engine", {})
     llm = engine_of_two(arg["model"], arg, **(ENGINE | extra))
-    if llm is None:  # process 1: followed to the end
-        return
+    if llm is None:
+        return None
     if arg["case"] == "pool":
         result = {"embeddings": embeddings(llm)}
     elif arg["case"] == "vlm":
@@ -116,8 +138,27 @@ def main(arg: dict) -> None:
         result["executor"] = type(llm.engine_core.executor).__name__
     else:
         result = research(llm, arg)
-    print("RESULT " + json.dumps(result), flush=True)
     llm.shutdown()
+    return result
+
+
+def cli_generate(arg: dict) -> dict | None:
+    """`xlaserve generate` (arg["argv"]) with TP 2 over both processes: process 0's stdout; process 1
+    returns once process 0 released it (a CLI error in either process fails the launch)."""
+    import contextlib
+    import io
+
+    from xlaserve.entrypoints import cli
+
+    multi = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(arg["port"])]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = cli.main(
+            ["--log-level", "WARNING", *arg["argv"], *multi, "--node-rank", str(arg["node_rank"])]
+        )
+    if code != 0:
+        raise SystemExit(f"xlaserve generate exited {code}")
+    return {"stdout": stdout.getvalue()} if arg["node_rank"] == 0 else None
 
 
 def research(llm, arg: dict) -> dict:

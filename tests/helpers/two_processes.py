@@ -1,6 +1,7 @@
 """Two jax.distributed processes of a helper script on loopback (the suite's multi-host cases): the
 script runs as `python SCRIPT ARG_JSON` with `node_rank` 0 and 1 in the argument, process 0 prints its
-result as one `RESULT {json}` line, and process 1 follows its steps until process 0 releases it."""
+result as one `RESULT {json}` line, and process 1 follows its steps until process 0 releases it (a
+script may build several engines in turn, process 1 following each: helpers/multihost_process.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_processes(script: str, arg: dict, devices_per_process: int) -> dict:
+def run_two_processes(script: str, arg: dict, devices_per_process: int, timeout_s: float = 600) -> dict:
     """helpers/`script`'s two processes of `devices_per_process` CPU devices each (the fake-mesh worker's
-    compile flags, tp_worker.py): process 0's result, once both have exited cleanly."""
+    compile flags, tp_worker.py): process 0's result, once both have exited cleanly (process 0 within
+    `timeout_s`)."""
     path = os.path.join(os.path.dirname(__file__), script)
     flags = f"--xla_force_host_platform_device_count={devices_per_process} {FAST_COMPILE_XLA_FLAGS}"
     env = dict(os.environ, XLA_FLAGS=flags)
@@ -33,7 +35,9 @@ def run_two_processes(script: str, arg: dict, devices_per_process: int) -> dict:
     follower = subprocess.Popen(
         command(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    leader = subprocess.run(command(0), env=env, capture_output=True, text=True, timeout=600, check=False)
+    leader = subprocess.run(
+        command(0), env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
     _, follower_err = follower.communicate(timeout=120)
     assert leader.returncode == 0, leader.stderr[-3000:]
     assert follower.returncode == 0, follower_err[-3000:]

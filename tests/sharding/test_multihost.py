@@ -3,7 +3,10 @@ over 2 x 1 devices and `xlaserve serve` with TP 8 over 2 x 4 fake CPU devices an
 one device does, and a follower whose step diverges stops the engine with a clear error.
 
 These cases start their own processes, not the session's fake-mesh worker (helpers/tp_run.py): apart
-from test_sharding.py they are scheduled beside it on the other xdist worker (tests/conftest.py)."""
+from test_sharding.py they are scheduled beside it on the other xdist worker (tests/conftest.py). The
+cases over 2 x 1 devices share one launch (`launch`): its two processes build their engines one after
+another over one jax.distributed session, each shut down before the next, so each case's answers also
+show that an engine built after others in the same processes answers as a fresh one would."""
 
 from __future__ import annotations
 
@@ -68,34 +71,58 @@ def one_process_text(tiny_llama_2kv) -> str:
     return _generated_text(stdout.getvalue())
 
 
+@pytest.fixture(scope="module")
+def launch(tiny_llama_2kv, tmp_path_factory) -> dict:
+    """helpers/multihost_process.py's cases over two processes of one device each, in one launch: the
+    pipelined case first (it sets up the session's cross-host transfers), then `xlaserve generate`, the
+    research stack, LoRA, pooling and two vision-language models, each engine built after the last one's
+    shutdown. {label: process 0's answers}; the inputs each test's reference needs under "inputs"."""
+    import transformers
+
+    from helpers.lora_adapters import make_adapter
+    from helpers.multihost_process import WARMED
+    from helpers.tiny_models import save_tiny_llama
+    from helpers.tiny_vlm import save_tiny_qwen2_5_vl, save_tiny_qwen3_vl
+
+    tmp_path = tmp_path_factory.mktemp("multihost")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_2kv, dtype="float32")
+    adapters = [str(tmp_path / name) for name in "ab"]
+    for seed, directory in enumerate(adapters):
+        make_adapter(base, 8, 16, False, ["q_proj", "v_proj", "o_proj", "down_proj"], directory, seed)
+    new_model = save_tiny_llama(str(tmp_path / "new"), seed=1, num_key_value_heads=2)
+    qwen2_5_vl = save_tiny_qwen2_5_vl(str(tmp_path / "qwen2_5_vl"))
+    qwen3_vl = save_tiny_qwen3_vl(
+        str(tmp_path / "qwen3_vl"), num_layers=4, deepstack_visual_indexes=(0, 1, 2)
+    )
+    stages = {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, **WARMED}
+    llama = {"model": tiny_llama_2kv}
+    cases = {
+        "pipeline": {"case": "pipeline", **llama, "new_model": new_model, "adapters": adapters},
+        "generate": {"case": "generate", "argv": _generate_args(tiny_llama_2kv)},
+        "research": {"case": "research", **llama, "new_model": new_model},
+        "lora": {"case": "lora", **llama, "adapters": adapters},
+        "pool": {"case": "pool", **llama},
+        "vlm": {"case": "vlm", "model": qwen2_5_vl},
+        "vlm_pipeline": {"case": "vlm", "model": qwen3_vl, "engine": stages},
+    }
+    run = run_two_processes("multihost_process.py", {"cases": cases}, devices_per_process=1, timeout_s=1800)
+    run["inputs"] = {
+        "adapters": adapters,
+        "new_model": new_model,
+        "qwen2_5_vl": qwen2_5_vl,
+        "qwen3_vl": qwen3_vl,
+    }
+    return run
+
+
 @pytest.mark.slow
-def test_two_processes_tensor_parallel_2_match_one_process(tiny_llama_2kv, one_process_text):
+def test_two_processes_tensor_parallel_2_match_one_process(launch, one_process_text):
     """`xlaserve generate` across two processes of one device each (TP 2: the two KV heads split
-    between the processes; the server case below runs TP 8 over 2 x 4 devices)."""
-    args = _generate_args(tiny_llama_2kv)
-    port = free_port()
-    multi = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")
-    follower = subprocess.Popen(
-        CLI + args + multi + ["--node-rank", "1"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    leader = subprocess.run(
-        CLI + args + multi + ["--node-rank", "0"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    _, follower_err = follower.communicate(timeout=120)
-    assert leader.returncode == 0, leader.stderr[-3000:]
-    assert follower.returncode == 0, follower_err[-3000:]  # released cleanly by process 0
-    assert _generated_text(leader.stdout) == one_process_text
-    assert _generated_text(leader.stdout).strip()
+    between the processes; the server case below runs TP 8 over 2 x 4 devices), after a pipelined
+    engine in the same processes; the follower's `xlaserve generate` returned 0 once released (or the
+    launch fails)."""
+    assert _generated_text(launch["generate"]["stdout"]) == one_process_text
+    assert _generated_text(launch["generate"]["stdout"]).strip()
 
 
 def test_divergent_follower_stops_the_engine_with_a_clear_error():
@@ -132,6 +159,37 @@ def test_divergent_follower_stops_the_engine_with_a_clear_error():
         "lora": {"slot_ids": list(range(16))},
         "empty": {},
     }
+
+
+def test_an_engine_over_another_session_than_the_live_one_is_refused_by_name(tiny_llama_2kv, monkeypatch):
+    """jax.distributed is joined once per process: a later engine over the live session joins it as it is
+    (the launch above), one naming other ports or processes is refused before it loads anything, and so
+    is one needing cross-host transfers the session was joined without (here a session stands in for
+    one joined by an earlier tensor-parallel engine; nothing joins jax.distributed)."""
+    import jax
+
+    from xlaserve import LLM
+    from xlaserve.sharding import distributed
+
+    def joined_twice(**_):
+        raise AssertionError("jax.distributed.initialize called again")
+
+    monkeypatch.setattr(jax.distributed, "initialize", joined_twice)
+    monkeypatch.setattr(distributed, "_session", distributed.Session("127.0.0.1", 29500, 2, 0, False))
+    distributed.initialize("127.0.0.1", 29500, 2, 0)  # the live session: nothing to do
+    engine = {
+        "nnodes": 2,
+        "node_rank": 0,
+        "master_addr": "127.0.0.1",
+        "master_port": 29600,
+        "dtype": "float32",
+    }
+    with pytest.raises(ValueError, match=r"master_port=29600 \(the session's: 29500\)"):
+        LLM(tiny_llama_2kv, tensor_parallel_size=2, **engine)
+    with pytest.raises(ValueError, match=r"nnodes=3 \(the session's: 2\), node_rank=1 \(the session's: 0\)"):
+        distributed.initialize("127.0.0.1", 29500, 3, 1)
+    with pytest.raises(ValueError, match="pipeline stages across processes need cross-host transfers"):
+        LLM(tiny_llama_2kv, pipeline_parallel_size=2, **(engine | {"master_port": 29500}))
 
 
 @pytest.mark.slow
@@ -202,19 +260,16 @@ def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text
 
 
 @pytest.mark.slow
-def test_research_stack_across_two_processes(tiny_llama_2kv, tmp_path):
+def test_research_stack_across_two_processes(launch):
     """TP 2 over two processes of one device each (helpers/multihost_process.py): update_weights_from_path
     gives a one-device engine's answers on the new checkpoint, sleep(2)/wake_up gives the same bits back,
     update_weights in two parts (each writing some layers of the stacks, the shards cut in each process)
     brings the first checkpoint's bits back, and a tensor of the wrong shape is refused with nothing
     changed on either process (the follower's checksums would stop a diverged engine)."""
     from helpers.multihost_process import ENGINE, PROMPTS, answers
-    from helpers.tiny_models import save_tiny_llama
     from xlaserve import LLM
 
-    new_model = save_tiny_llama(str(tmp_path / "new"), seed=1, num_key_value_heads=2)
-    arg = {"case": "research", "model": tiny_llama_2kv, "new_model": new_model}
-    run = run_two_processes("multihost_process.py", arg, devices_per_process=1)
+    new_model, run = launch["inputs"]["new_model"], launch["research"]
     assert len(PROMPTS) == 2 and run["updated"] > 0
     reference = answers(LLM(new_model, **(ENGINE | {"tensor_parallel_size": 1})))
     assert run["after"]["tokens"] == reference["tokens"] != run["before"]["tokens"]
@@ -228,23 +283,14 @@ def test_research_stack_across_two_processes(tiny_llama_2kv, tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_across_two_processes(tiny_llama_2kv, tmp_path):
+def test_lora_across_two_processes(tiny_llama_2kv, launch):
     """TP 2 over two processes with one LoRA slot: adapter A, B, then A again (each written into the slot
     by process 0 while preparing a step, and by the follower from the same directory before that step)
     answer as one device with the same adapters does (helpers/multihost_process.py)."""
-    import transformers
-
-    from helpers.lora_adapters import make_adapter
     from helpers.multihost_process import ENGINE, LORA, lora_rounds
     from xlaserve import LLM
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_2kv, dtype="float32")
-    targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
-    adapters = [str(tmp_path / name) for name in "ab"]
-    for seed, directory in enumerate(adapters):
-        make_adapter(base, 8, 16, False, targets, directory, seed)
-    arg = {"case": "lora", "model": tiny_llama_2kv, "adapters": adapters}
-    run = run_two_processes("multihost_process.py", arg, devices_per_process=1)
+    adapters, run = launch["inputs"]["adapters"], launch["lora"]
     reference = lora_rounds(LLM(tiny_llama_2kv, **(ENGINE | LORA | {"tensor_parallel_size": 1})), adapters)
     assert run["loads"] == 3
     for got, want in zip(run["rounds"], reference, strict=True):
@@ -257,14 +303,14 @@ def test_lora_across_two_processes(tiny_llama_2kv, tmp_path):
 
 
 @pytest.mark.slow
-def test_pooling_across_two_processes(tiny_llama_2kv):
+def test_pooling_across_two_processes(tiny_llama_2kv, launch):
     """A pooling engine (runner="pooling", MEAN pooled) with TP 2 over two processes: each prompt's
     embedding as one device gives it (helpers/multihost_process.py; process 0's outputs read through the
     pooling hook)."""
     from helpers.multihost_process import ENGINE, POOL, embeddings
     from xlaserve import LLM
 
-    run = run_two_processes("multihost_process.py", {"case": "pool", "model": tiny_llama_2kv}, 1)
+    run = launch["pool"]
     reference = embeddings(LLM(tiny_llama_2kv, **(ENGINE | POOL | {"tensor_parallel_size": 1})))
     assert len(run["embeddings"]) == len(reference) == 2
     np.testing.assert_allclose(run["embeddings"], reference, atol=1e-5)
@@ -272,16 +318,14 @@ def test_pooling_across_two_processes(tiny_llama_2kv):
 
 
 @pytest.mark.slow
-def test_vision_language_model_across_two_processes(tmp_path):
+def test_vision_language_model_across_two_processes(launch):
     """A Qwen2.5-VL (its tower, M-RoPE) with TP 2 over two processes: an image prompt, a two-image one and
     a text one answered together as one device answers them (the encoder's step arrays reach the follower
     under their own names; helpers/multihost_process.py)."""
     from helpers.multihost_process import ENGINE, image_answers
-    from helpers.tiny_vlm import save_tiny_qwen2_5_vl
     from xlaserve import LLM
 
-    model = save_tiny_qwen2_5_vl(str(tmp_path / "qwen2_5_vl"))
-    run = run_two_processes("multihost_process.py", {"case": "vlm", "model": model}, 1)
+    model, run = launch["inputs"]["qwen2_5_vl"], launch["vlm"]
     reference = image_answers(LLM(model, **(ENGINE | {"tensor_parallel_size": 1})), model)
     assert run["tokens"] == reference["tokens"]
     for got, want in zip(run["logprobs"], reference["logprobs"], strict=True):
@@ -289,7 +333,7 @@ def test_vision_language_model_across_two_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_pipeline_stages_across_two_processes_run_lora_and_the_research_stack(tiny_llama_2kv, tmp_path):
+def test_pipeline_stages_across_two_processes_run_lora_and_the_research_stack(tiny_llama_2kv, launch):
     """PP 2 over two processes of one device each (layer 0 on process 0, layer 1 and the sampler on process
     1; helpers/multihost_process.py "pipeline"), one launch: adapters A, B and the base model in one batch
     give one device's bits (each process's stage holds its layers' slots, the follower's written before
@@ -297,20 +341,11 @@ def test_pipeline_stages_across_two_processes_run_lora_and_the_research_stack(ti
     sleep(2)/wake_up the same bits again, two partial updates (each touching both processes' stages) the
     first checkpoint's; a wrong shape on either process's stage is refused with nothing changed on either
     (the other tensor of the call, on the other process, not written)."""
-    import transformers
-
-    from helpers.lora_adapters import make_adapter
     from helpers.multihost_process import ENGINE, PIPELINE, adapter_batch, answers
-    from helpers.tiny_models import save_tiny_llama
     from xlaserve import LLM
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_2kv, dtype="float32")
-    adapters = [str(tmp_path / name) for name in "ab"]
-    for seed, directory in enumerate(adapters):
-        make_adapter(base, 8, 16, False, ["q_proj", "v_proj", "o_proj", "down_proj"], directory, seed)
-    new_model = save_tiny_llama(str(tmp_path / "new"), seed=1, num_key_value_heads=2)
-    arg = {"case": "pipeline", "model": tiny_llama_2kv, "new_model": new_model, "adapters": adapters}
-    run = run_two_processes("multihost_process.py", arg, devices_per_process=1)
+    inputs, run = launch["inputs"], launch["pipeline"]
+    adapters, new_model = inputs["adapters"], inputs["new_model"]
     assert run["executor"] == "MultiHostPipelineExecutor"
     one_device = ENGINE | PIPELINE | {"pipeline_parallel_size": 1}
     reference = LLM(tiny_llama_2kv, **one_device)
@@ -330,18 +365,15 @@ def test_pipeline_stages_across_two_processes_run_lora_and_the_research_stack(ti
 
 
 @pytest.mark.slow
-def test_vision_language_model_on_pipeline_stages_across_two_processes(tmp_path):
+def test_vision_language_model_on_pipeline_stages_across_two_processes(launch):
     """A 4-layer Qwen3-VL on PP 2 over two processes of one device each: the tower on process 0's first
     stage, process 1's stage (layers 2-3) gets each step's M-RoPE positions with the step and the image
     rows its DeepStack layer 2 adds from process 0 over JAX's cross-host transfer; an image prompt, a
     two-image one and a text one answered together give one device's bits (helpers/multihost_process.py)."""
-    from helpers.multihost_process import ENGINE, WARMED, image_answers
-    from helpers.tiny_vlm import save_tiny_qwen3_vl
+    from helpers.multihost_process import ENGINE, image_answers
     from xlaserve import LLM
 
-    model = save_tiny_qwen3_vl(str(tmp_path / "qwen3_vl"), num_layers=4, deepstack_visual_indexes=(0, 1, 2))
-    stages = {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, **WARMED}
-    run = run_two_processes("multihost_process.py", {"case": "vlm", "model": model, "engine": stages}, 1)
+    model, run = launch["inputs"]["qwen3_vl"], launch["vlm_pipeline"]
     reference = image_answers(LLM(model, **(ENGINE | {"tensor_parallel_size": 1})), model)
     assert run["tokens"] == reference["tokens"] and len({tuple(t) for t in run["tokens"]}) == 3
     assert run["logprobs"] == reference["logprobs"]  # every float, exactly
