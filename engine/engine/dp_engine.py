@@ -40,7 +40,9 @@ def make_engine_core(
     for rank, group in enumerate(groups):
         parallel = dataclasses.replace(config.parallel, data_parallel_rank=rank)
         rank_config = dataclasses.replace(config, parallel=parallel)
-        ranks.append(EngineCore(rank_config, make_executor(rank_config, checkpoint, group), structured_output))
+        ranks.append(
+            EngineCore(rank_config, make_executor(rank_config, checkpoint, group), structured_output)
+        )
     return ranks[0] if len(ranks) == 1 else DataParallelEngineCore(ranks)
 
 
