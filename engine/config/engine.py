@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from xlaserve.config.cache import CacheConfig
 from xlaserve.config.checks import require
 from xlaserve.config.compilation import CompilationConfig
+from xlaserve.config.kv_transfer import KVTransferConfig
 from xlaserve.config.lora import LoRAConfig
 from xlaserve.config.model import ModelConfig
 from xlaserve.config.parallel import ParallelConfig
@@ -42,19 +43,17 @@ class EngineConfig:
                 self.speculative is None or self.speculative.method != "draft_model",
                 "kv_offloading_size cannot be combined with a draft model (its KV cache is not offloaded)",
             )
-            require(
-                not self.cache.kv_offloading_disk_persist or self.parallel.data_parallel_size == 1,
-                "kv_offloading_disk_persist with data_parallel_size > 1 is not supported yet (the ranks "
-                "would keep their tiers in one directory): give each engine a path of its own",
-            )
         if self.cache.kv_transfer_config is not None:
             # The block server and the loads ride beside the step on one process, as offload's do (on
             # pipeline stages too: one block server over every stage's cache).
             require(self.parallel.nnodes == 1, "kv_transfer_config runs on one host (nnodes=1)")
+            # Each data-parallel rank serves its blocks on a port of its own (`kv_transfer`).
+            transfer, dp = self.cache.kv_transfer, self.parallel.data_parallel_size
             require(
-                self.parallel.data_parallel_size == 1,
-                "kv_transfer_config with data_parallel_size > 1 is not supported yet (one block server per "
-                "engine): start one server per rank behind the router instead",
+                not transfer.is_producer or transfer.kv_port + dp - 1 <= 65535,
+                f"kv_transfer_config.kv_port={transfer.kv_port}: a producer with data_parallel_size={dp} "
+                f"serves on {dp} consecutive ports from kv_port, past 65535; lower kv_port to at most "
+                f"{65536 - dp}",
             )
             require(
                 self.model.runner != "pooling",
@@ -125,6 +124,16 @@ class EngineConfig:
         if self.speculative is not None:
             return "speculative decoding proposes drafts from the accepted ids, known only after a step"
         return None
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """This data-parallel rank's kv_transfer_config (None: off): rank r's block server listens on
+        kv_port + r, and its finished requests name that port, so a consumer fetches from the rank that
+        computed the prompt."""
+        transfer = self.cache.kv_transfer
+        if transfer is None or self.parallel.data_parallel_rank == 0:
+            return transfer
+        return dataclasses.replace(transfer, kv_port=transfer.kv_port + self.parallel.data_parallel_rank)
 
     @property
     def num_spec_tokens(self) -> int:

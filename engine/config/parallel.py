@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from xlaserve.config.checks import require
-from xlaserve.config_args import arg
+from xlaserve.config_args import arg, not_a_flag
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,10 @@ class ParallelConfig:
     data_parallel_size: int = field(
         default=1, metadata=arg("engine cores side by side, each on its own devices", aliases=("-dp",))
     )
+    # Which data-parallel rank this view of the config is (vLLM's ParallelConfig.data_parallel_rank):
+    # make_engine_core (engine/dp_engine.py) gives each rank its own, so that what a rank must hold
+    # alone (a producer's block server port, a persistent disk tier's directory) is derived from it.
+    data_parallel_rank: int = field(default=0, metadata=not_a_flag("make_engine_core, per rank"))
     pipeline_parallel_size: int = field(
         default=1,
         metadata=arg(
@@ -63,6 +67,11 @@ class ParallelConfig:
         )
         require(
             self.data_parallel_size >= 1, f"data_parallel_size must be >= 1, got {self.data_parallel_size}"
+        )
+        require(
+            0 <= self.data_parallel_rank < self.data_parallel_size,
+            f"data_parallel_rank must be in [0, data_parallel_size={self.data_parallel_size}), "
+            f"got {self.data_parallel_rank}",
         )
         require(
             self.pipeline_parallel_size >= 1,

@@ -66,7 +66,9 @@ def num_host_blocks(size: float, bytes_per_block: int, field: str = "kv_offloadi
 def persistent_tier_dir(config: EngineConfig, bytes_per_block: int) -> str | None:
     """The directory of the persistent disk tier under kv_offloading_disk_path (None: not persistent):
     named by a digest of what a block's bytes depend on, so an engine of other settings never reads
-    them. Both halves (the scheduler's index, the worker's files) name it alike."""
+    them, and by the data-parallel rank past the first (each rank keeps its own index, files and lock;
+    rank 0's is a single engine's, whose blocks are the same bytes). Both halves (the scheduler's index,
+    the worker's files) name it alike."""
     cache = config.cache
     if not cache.kv_offloading_disk_persist:
         return None
@@ -87,7 +89,9 @@ def persistent_tier_dir(config: EngineConfig, bytes_per_block: int) -> str | Non
         ],
     }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
-    return os.path.join(cache.kv_offloading_disk_path, f"xlaserve-kv-{digest[:20]}")
+    rank = parallel.data_parallel_rank
+    name = f"xlaserve-kv-{digest[:20]}" + (f"-dp{rank}" if rank else "")
+    return os.path.join(cache.kv_offloading_disk_path, name)
 
 
 def _weights_identity(model: str | None) -> list:

@@ -181,11 +181,15 @@ class DisaggConnectorScheduler(KVConnectorScheduler):
 
 
 def make_kv_connector_scheduler(
-    cache: CacheConfig, bytes_per_block: int, persist_dir: str | None = None
+    cache: CacheConfig,
+    bytes_per_block: int,
+    persist_dir: str | None = None,
+    kv_transfer: KVTransferConfig | None = None,
 ) -> KVConnectorScheduler:
     """The scheduler's half of the configured connector: host offload's, disaggregated prefill's, both
     composed (the host tier asked first, a producer for the rest: core/kv_multi_connector.py), or the
-    base class (off). `persist_dir`: a persistent disk tier's directory (core/kv_offload.py)."""
+    base class (off). `persist_dir`: a persistent disk tier's directory (core/kv_offload.py);
+    `kv_transfer`: this data-parallel rank's disaggregated prefill (EngineConfig.kv_transfer; None: off)."""
     connectors: list[KVConnectorScheduler] = []
     if cache.kv_offloading_size is not None:
         disk_size = cache.disk_tier_size
@@ -200,8 +204,8 @@ def make_kv_connector_scheduler(
                 persist_dir,
             )
         )
-    if cache.kv_transfer is not None:
-        connectors.append(DisaggConnectorScheduler(cache.kv_transfer, cache.block_size, bytes_per_block))
+    if kv_transfer is not None:
+        connectors.append(DisaggConnectorScheduler(kv_transfer, cache.block_size, bytes_per_block))
     if len(connectors) > 1:
         return MultiConnectorScheduler(connectors)
     return connectors[0] if connectors else KVConnectorScheduler()

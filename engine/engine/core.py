@@ -60,12 +60,12 @@ class EngineCore:
         # it hears of every block the prefix cache evicts.
         bytes_per_block = executor.kv_bytes_per_block
         self.kv_connector = make_kv_connector_scheduler(
-            config.cache, bytes_per_block, persistent_tier_dir(config, bytes_per_block)
+            config.cache, bytes_per_block, persistent_tier_dir(config, bytes_per_block), config.kv_transfer
         )
         # Disaggregated prefill's consumer: requests wait here while their prompt's blocks are fetched
         # from a producer (engine/engine/kv_fetch.py), then join the scheduler with them.
         self.remote_prefills = RemotePrefills(
-            config.cache.kv_transfer, config.cache.block_size, executor.kv_bytes_per_block
+            config.kv_transfer, config.cache.block_size, executor.kv_bytes_per_block
         )
         # A pooling model that reads every prompt token (MEAN/CLS/ALL, an encoder) caches no prefix, and
         # an encoder's prompt runs whole in one step (worker/pooler.py).

@@ -15,6 +15,7 @@ import dataclasses
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import PrefixCacheStats
+from xlaserve.core.kv_connector import KVTransferStats
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
 from xlaserve.core.request import Request
 from xlaserve.core.spec_decode import SpecDecodingStats
@@ -31,11 +32,17 @@ def make_engine_core(
 ) -> EngineCore | DataParallelEngineCore:
     """An EngineCore, or a DataParallelEngineCore of data_parallel_size ranks, each with an executor
     on its own group of tensor_parallel_size devices (all built from one read of the checkpoint,
-    sharing one structured-output manager)."""
+    sharing one structured-output manager). Each rank gets its own view of the config (its
+    `data_parallel_rank`), from which it derives what it must not share with the others: a producer's
+    block server port, a persistent disk tier's directory."""
     groups = device_groups(config, devices)  # too few devices: an error before any rank is built
-    ranks = [
-        EngineCore(config, make_executor(config, checkpoint, group), structured_output) for group in groups
-    ]
+    ranks = []
+    for rank, group in enumerate(groups):
+        parallel = dataclasses.replace(config.parallel, data_parallel_rank=rank)
+        rank_config = dataclasses.replace(config, parallel=parallel)
+        ranks.append(
+            EngineCore(rank_config, make_executor(rank_config, checkpoint, group), structured_output)
+        )
     return ranks[0] if len(ranks) == 1 else DataParallelEngineCore(ranks)
 
 
@@ -119,6 +126,7 @@ class DataParallelEngineCore:
             num_preemptions_total=sum(s.num_preemptions_total for s in stats),
             prefix_cache_stats=prefix,
             spec_decoding_stats=_sum_spec_stats([s.spec_decoding_stats for s in stats]),
+            kv_transfer_stats=KVTransferStats.total([s.kv_transfer_stats for s in stats]),
         )
 
     def reset_prefix_cache(self) -> bool:

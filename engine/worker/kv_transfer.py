@@ -294,6 +294,7 @@ def make_kv_connector_worker(
     persist_dir: str | None = None,
     tier_name: str = "",
     local_stages: list[bool] | None = None,
+    kv_transfer: KVTransferConfig | None = None,
 ) -> KVConnectorWorker:
     """The worker's half of the configured connector: host offload's, disaggregated prefill's, both
     composed (in core/kv_transfer.py's `make_kv_connector_scheduler` order), or the base class (off),
@@ -302,7 +303,8 @@ def make_kv_connector_worker(
     (`local_stages`: per stage, whether this process runs it; the cache is the runner's list of the
     stages' caches), host offload's half is one worker per local stage (`StagedKVConnector`; stage i's
     files named `tier_name` + "stage{i}-" + a number), disaggregated prefill's one over all the stages (it
-    runs on one host)."""
+    runs on one host). `kv_transfer`: this data-parallel rank's disaggregated prefill
+    (EngineConfig.kv_transfer: its own block server port; None: off)."""
     workers: list[KVConnectorWorker] = []
     if cache.kv_offloading_size is not None:
         if local_stages is None:
@@ -322,11 +324,9 @@ def make_kv_connector_worker(
                     ]
                 )
             )
-    if cache.kv_transfer is not None:
+    if kv_transfer is not None:
         num_stages = 0 if local_stages is None else len(local_stages)
-        workers.append(
-            DisaggConnectorWorker(cache.kv_transfer, num_blocks, cache.block_size, layout, num_stages)
-        )
+        workers.append(DisaggConnectorWorker(kv_transfer, num_blocks, cache.block_size, layout, num_stages))
     if len(workers) > 1:
         return MultiConnectorWorker(workers)
     return workers[0] if workers else KVConnectorWorker()

@@ -302,7 +302,12 @@ class ModelRunner:
         num_bytes = self.kv_bytes_per_block()
         persist_dir = persistent_tier_dir(self.config, num_bytes)
         return make_kv_connector_worker(
-            self.config.cache, num_bytes, self.num_blocks, self.kv_layout, persist_dir
+            self.config.cache,
+            num_bytes,
+            self.num_blocks,
+            self.kv_layout,
+            persist_dir,
+            kv_transfer=self.config.kv_transfer,
         )
 
     # -- compiling ------------------------------------------------------------------------------

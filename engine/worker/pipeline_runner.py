@@ -260,6 +260,7 @@ class PipelineRunner(ModelRunner):
             self.kv_layout,
             persistent_tier_dir(self.config, num_bytes),
             local_stages=[s.is_local for s in self.stages],
+            kv_transfer=self.config.kv_transfer,
         )
 
     def allocate_kv_cache(self) -> list[KVCache | None]:

@@ -3,6 +3,7 @@ the device cache's evictions (host only, no jax)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -265,5 +266,7 @@ def test_the_persistent_tiers_directory_is_named_by_what_the_blocks_depend_on(tm
     )
     with pytest.raises(ValueError, match="kv_offloading_disk_persist needs kv_offloading_disk_path"):
         EngineConfig.from_kwargs(kv_offloading_size=1, kv_offloading_disk_persist=True)
-    with pytest.raises(ValueError, match="kv_offloading_disk_persist with data_parallel_size > 1"):
-        EngineConfig.from_kwargs(**base, data_parallel_size=2)
+    # Data-parallel ranks: each its own directory (index, files, lock); rank 0's is a single engine's.
+    dp = EngineConfig.from_kwargs(**base, data_parallel_size=2)
+    rank1 = dataclasses.replace(dp, parallel=dataclasses.replace(dp.parallel, data_parallel_rank=1))
+    assert persistent_tier_dir(dp, 4608) == name and persistent_tier_dir(rank1, 4608) == f"{name}-dp1"

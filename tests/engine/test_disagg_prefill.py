@@ -6,6 +6,7 @@ itself, nothing lost; bad settings and params are refused naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 
@@ -271,13 +272,25 @@ def test_settings_and_params_are_checked(model_dir):
         EngineConfig.from_kwargs(
             kv_transfer_config={"kv_role": "kv_both", "kv_connector_extra_config": {"timeout_s": 0}}
         )
-    with pytest.raises(ValueError, match="kv_transfer_config with data_parallel_size > 1"):
-        EngineConfig.from_kwargs(kv_transfer_config={"kv_role": "kv_both"}, data_parallel_size=2)
+    # Data-parallel ranks: rank r's producer serves on kv_port + r; the ports must fit below 65536.
+    dp = EngineConfig.from_kwargs(
+        kv_transfer_config={"kv_role": "kv_both", "kv_port": 65533}, data_parallel_size=3
+    )
+    rank2 = dataclasses.replace(dp, parallel=dataclasses.replace(dp.parallel, data_parallel_rank=2))
+    assert (dp.kv_transfer.kv_port, rank2.kv_transfer.kv_port) == (65533, 65535)
+    with pytest.raises(
+        ValueError, match="kv_port=65535: a producer with data_parallel_size=2 .* at most 65534"
+    ):
+        EngineConfig.from_kwargs(
+            kv_transfer_config={"kv_role": "kv_producer", "kv_port": 65535}, data_parallel_size=2
+        )
+    consumer = EngineConfig.from_kwargs(  # serves nothing: no range to fit
+        kv_transfer_config={"kv_role": "kv_consumer", "kv_port": 65535}, data_parallel_size=2
+    )
+    assert consumer.kv_transfer.kv_port == 65535
     # With host offload (tests/engine/test_disagg_offload.py): what either refuses still names its field.
     both = {"kv_transfer_config": {"kv_role": "kv_both"}, "kv_offloading_size": 1}
     assert EngineConfig.from_kwargs(**both).cache.kv_offloading_size == 1
-    with pytest.raises(ValueError, match="kv_transfer_config with data_parallel_size > 1"):
-        EngineConfig.from_kwargs(**both, data_parallel_size=2)
     with pytest.raises(ValueError, match="kv_offloading_size needs enable_prefix_caching"):
         EngineConfig.from_kwargs(**both, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_size runs on one host"):

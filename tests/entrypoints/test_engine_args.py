@@ -11,8 +11,10 @@ import pytest
 from xlaserve.config import ARG_KEY, CONFIG_GROUPS, EngineConfig
 from xlaserve.entrypoints.arg_utils import add_engine_args, engine_arg_fields, engine_kwargs
 
-# Fields set by the server's own flags, not by engine flags (entrypoints' api_server).
-NOT_FLAGS = {"served_model_name", "max_num_queued_reqs"}
+# Fields set by the server's own flags, not by engine flags (entrypoints' api_server), and per rank by
+# make_engine_core (data_parallel_rank; vLLM's --data-parallel-rank starts one rank of a multi-node
+# deployment, which is not built here).
+NOT_FLAGS = {"served_model_name", "max_num_queued_reqs", "data_parallel_rank"}
 
 
 @pytest.fixture(scope="module")

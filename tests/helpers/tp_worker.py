@@ -528,15 +528,29 @@ def transfer_across_layouts(model_dir: str, arg: dict) -> dict:
     in order) each engine's blocks prefilled for the next to decode from, its prefix cache reset first (so
     an engine coming back in the chain fetches every block too). -> the reference's and each consumer's
     tokens, top logprobs and num_cached_tokens, its fetches by outcome and bytes fetched, whether its
-    blocks are all free after and its producer holds no copy, and each engine's bytes per moved block."""
+    blocks are all free after (on every data-parallel rank) and its producer holds no copy (on any), the
+    port each prompt's kv_transfer_params named less its producer's kv_port, and each engine's bytes per
+    moved block."""
     import socket
 
     from xlaserve import SamplingParams
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    def free_ports(num: int) -> int:
+        """The first of `num` consecutive free ports (a producer's data-parallel ranks serve on each)."""
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                first = s.getsockname()[1]
+            try:
+                for port in range(first, first + num):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", port))
+                return first
+            except OSError:
+                continue
+
+    def ranks(llm) -> list:
+        return getattr(llm.engine_core, "ranks", [llm.engine_core])
 
     def numbers(outs) -> dict:
         return {
@@ -553,7 +567,7 @@ def transfer_across_layouts(model_dir: str, arg: dict) -> dict:
             "kv_connector": "JaxConnector",
             "kv_role": "kv_both",
             "kv_ip": "127.0.0.1",
-            "kv_port": free_port(),
+            "kv_port": free_ports(layout.get("data_parallel_size", 1)),
         }
         engines.append(small_llm(model_dir, layout, block_size=8, kv_transfer_config=role))
     result = {
@@ -570,13 +584,18 @@ def transfer_across_layouts(model_dir: str, arg: dict) -> dict:
         handed = [o.kv_transfer_params for o in producer.generate(prompts, prefill, use_tqdm=False)]
         params = [SamplingParams(**decode, extra_args={"kv_transfer_params": p}) for p in handed]
         got = numbers(consumer.generate(prompts, params, use_tqdm=False))
+        kv_port = producer.config.cache.kv_transfer.kv_port
+        got["port_offsets"] = [p["remote_port"] - kv_port for p in handed]
         consumer._step()  # records the engine's stats into its metrics
         metrics = {(m.name, *m.labels.values()): getattr(m, "value", None) for m in consumer.get_metrics()}
         got["fetches"] = {o: metrics[("xlaserve:kv_transfer_fetches", o)] for o in ("loaded", "recomputed")}
         got["bytes_fetched"] = metrics[("xlaserve:kv_transfer_total_bytes", "fetched")]
-        manager = consumer.engine_core.kv_cache_manager
-        got["all_free"] = not manager.req_to_blocks and manager.num_free_blocks == manager.num_usable_blocks
-        got["copies_held"] = len(producer.engine_core.runner.kv_connector.server)
+        got["all_free"] = all(
+            not r.kv_cache_manager.req_to_blocks
+            and r.kv_cache_manager.num_free_blocks == r.kv_cache_manager.num_usable_blocks
+            for r in ranks(consumer)
+        )
+        got["copies_held"] = sum(len(r.runner.kv_connector.server) for r in ranks(producer))
         result["consumers"].append(got)
     for llm in engines:
         llm.shutdown()

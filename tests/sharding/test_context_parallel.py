@@ -207,17 +207,23 @@ def test_blocks_move_between_engines_of_different_layouts(tp_worker, one_kv_head
         )
 
 
-def test_blocks_move_between_pipeline_stages_and_one_device(tp_worker, one_kv_head):
-    """Disaggregated prefill on pipeline stages, in bfloat16: one device -> PP 2 -> the one device again
-    (its prefix cache reset). A PP=2 producer serves each block as the whole model's layers (its stages'
-    blocks joined along the layer axis), a PP=2 consumer splits a fetched block by its stages' layers: the
-    same bytes per block on both sides, and each consumer fetches every prompt's whole blocks, recomputes
-    none, holds no block after (nor its producer a copy) and decodes the plain engine's tokens and logprobs
-    bit for bit (a stage's layer put in the other stage's place would change them)."""
+def test_blocks_move_between_pipeline_stages_data_parallel_ranks_and_one_device(tp_worker, one_kv_head):
+    """Disaggregated prefill on pipeline stages and data-parallel ranks, in bfloat16: one device -> PP 2
+    -> DP 2 -> the one device again (its prefix cache reset). A PP=2 producer serves each block as the
+    whole model's layers (its stages' blocks joined along the layer axis), a PP=2 consumer splits a
+    fetched block by its stages' layers: the same bytes per block on both sides. A DP=2 consumer fetches
+    on each rank (its own fetches); a DP=2 producer serves each prompt from the rank that computed it, on
+    kv_port + rank (the prompts go to ranks 0, 1, 0). Each consumer fetches every prompt's whole blocks,
+    recomputes none, holds no block after (nor its producer a copy) and decodes the plain engine's tokens
+    and logprobs bit for bit (a stage's layer put in the other stage's place would change them)."""
     rng = np.random.default_rng(29)
     prompts = [rng.integers(3, 300, n).tolist() for n in (37, 20, 9)]
-    layouts = [{"dtype": "bfloat16"}, {"dtype": "bfloat16", "pipeline_parallel_size": 2}]
-    arg = {"layouts": layouts, "prompts": prompts, "chain": [0, 1, 0]}
+    layouts = [
+        {"dtype": "bfloat16"},
+        {"dtype": "bfloat16", "pipeline_parallel_size": 2},
+        {"dtype": "bfloat16", "data_parallel_size": 2},
+    ]
+    arg = {"layouts": layouts, "prompts": prompts, "chain": [0, 1, 2, 0]}
     result = tp_worker.run("transfer_across_stages", one_kv_head, arg)
     (bytes_per_block,) = set(result["bytes_per_block"])
     reference = result["reference"]
@@ -227,6 +233,7 @@ def test_blocks_move_between_pipeline_stages_and_one_device(tp_worker, one_kv_he
         assert consumer["bytes_fetched"] == 7 * bytes_per_block
         assert consumer["all_free"] and consumer["copies_held"] == 0
         assert (consumer["tokens"], consumer["logprobs"]) == (reference["tokens"], reference["logprobs"])
+    assert [c["port_offsets"] for c in result["consumers"]] == [[0, 0, 0], [0, 0, 0], [0, 1, 0]]
 
 
 def test_a_moe_model_split_by_tokens_and_no_compile_after_warm_up(tp_worker, tmp_path_factory):
