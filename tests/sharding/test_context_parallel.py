@@ -184,6 +184,17 @@ def test_evicted_blocks_come_back_from_the_host_tier_under_context_parallelism(t
     assert results[1]["bytes_per_block"] == results[0]["bytes_per_block"]  # the whole model's, both
 
 
+def _each_fetched_every_block(result: dict) -> list[dict]:
+    """A transfer chain's consumers, each having fetched its three prompts' whole blocks (32, 16 and 8
+    tokens: 7 blocks, of one size on every engine) and recomputed none."""
+    (bytes_per_block,) = set(result["bytes_per_block"])
+    for consumer in result["consumers"]:
+        assert consumer["num_cached_tokens"] == [32, 16, 8]
+        assert consumer["fetches"] == {"loaded": 3, "recomputed": 0}
+        assert consumer["bytes_fetched"] == 7 * bytes_per_block
+    return result["consumers"]
+
+
 def test_blocks_move_between_engines_of_different_layouts(tp_worker, one_kv_head):
     """Disaggregated prefill between layouts: one device -> PCP 2 x TP 2 x DCP 2 -> plain TP 2. A block
     leaves a cache and enters one as one device holds it (worker/kv_offload.BlockLayout: the one KV head
@@ -195,12 +206,8 @@ def test_blocks_move_between_engines_of_different_layouts(tp_worker, one_kv_head
     prompts = [rng.integers(3, 300, n).tolist() for n in (37, 20, 9)]
     layouts = [{}, PCP2_DCP2, {"tensor_parallel_size": 2}]
     result = tp_worker.run("transfer_across_layouts", one_kv_head, {"layouts": layouts, "prompts": prompts})
-    (bytes_per_block,) = set(result["bytes_per_block"])
     reference = result["reference"]
-    for consumer in result["consumers"]:
-        assert consumer["num_cached_tokens"] == [32, 16, 8]
-        assert consumer["fetches"] == {"loaded": 3, "recomputed": 0}
-        assert consumer["bytes_fetched"] == 7 * bytes_per_block
+    for consumer in _each_fetched_every_block(result):
         assert consumer["tokens"] == reference["tokens"]
         np.testing.assert_allclose(
             np.concatenate(consumer["logprobs"]), np.concatenate(reference["logprobs"]), atol=1e-4
@@ -225,12 +232,8 @@ def test_blocks_move_between_pipeline_stages_data_parallel_ranks_and_one_device(
     ]
     arg = {"layouts": layouts, "prompts": prompts, "chain": [0, 1, 2, 0]}
     result = tp_worker.run("transfer_across_stages", one_kv_head, arg)
-    (bytes_per_block,) = set(result["bytes_per_block"])
     reference = result["reference"]
-    for consumer in result["consumers"]:
-        assert consumer["num_cached_tokens"] == [32, 16, 8]
-        assert consumer["fetches"] == {"loaded": 3, "recomputed": 0}
-        assert consumer["bytes_fetched"] == 7 * bytes_per_block
+    for consumer in _each_fetched_every_block(result):
         assert consumer["all_free"] and consumer["copies_held"] == 0
         assert (consumer["tokens"], consumer["logprobs"]) == (reference["tokens"], reference["logprobs"])
     assert [c["port_offsets"] for c in result["consumers"]] == [[0, 0, 0], [0, 0, 0], [0, 1, 0]]
