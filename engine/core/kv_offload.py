@@ -104,7 +104,7 @@ def _weights_identity(model: str | None) -> list:
         files = [path]
     else:
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(_WEIGHT_SUFFIXES))
-    return [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+    return [[f, (st := os.stat(f)).st_size, st.st_mtime_ns] for f in files]
 
 
 class HostBlockIndex:
