@@ -242,24 +242,3 @@ class Qwen3_5ForCausalLM(HybridDecoderLM):
             conv_dim=cfg.conv_dim,
             recurrent_shape=(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
         )
-
-
-class Qwen3_5TextOfConditionalGeneration(Qwen3_5ForCausalLM):
-    """A Qwen3.5 release (`Qwen3_5ForConditionalGeneration`: the vision-language checkpoint every
-    Qwen3.5 size ships as) served on text: its decoder (`model.language_model.*`, config.json's
-    text_config) is `Qwen3_5ForCausalLM`; the vision tower (`model.visual.*`) and the multi-token
-    prediction layers (`mtp.*`) are not loaded. A text-only position is the same on mRoPE's three
-    axes, so the rotation is plain RoPE's. Image inputs are not served on this path (issue 33)."""
-
-    @classmethod
-    def prepare_hf_tensors(cls, cfg: Qwen3_5Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return super().prepare_hf_tensors(cfg, text_decoder_tensors(tensors))
-
-
-def text_decoder_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A Qwen3.5 vision-language checkpoint's decoder tensors under the text model's names."""
-    return {
-        name.replace("model.language_model.", "model.", 1): tensor
-        for name, tensor in tensors.items()
-        if not name.startswith(("model.visual.", "mtp."))
-    }

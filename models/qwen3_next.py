@@ -27,7 +27,6 @@ from xlaserve.models.qwen3_5 import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
     Qwen3_5LinearLayer,
-    text_decoder_tensors,
 )
 
 _FUSED_DELTANET = re.compile(r"^(?P<layer>.+\.layers\.\d+\.linear_attn)\.in_proj_(?P<which>qkvz|ba)\.weight$")
@@ -98,17 +97,6 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
                 b, a = _split_ba(cfg, np.asarray(tensor))
                 out[f"{m['layer']}.in_proj_b.weight"], out[f"{m['layer']}.in_proj_a.weight"] = b, a
         return stack_expert_tensors(super().prepare_hf_tensors(cfg, out), cfg.num_experts)
-
-
-class Qwen3_5MoeTextOfConditionalGeneration(Qwen3NextForCausalLM):
-    """A Qwen3.5-MoE release (`Qwen3_5MoeForConditionalGeneration`) served on text, as
-    `Qwen3_5TextOfConditionalGeneration` serves a dense one: its decoder only."""
-
-    @classmethod
-    def prepare_hf_tensors(
-        cls, cfg: Qwen3NextConfig, tensors: dict[str, np.ndarray]
-    ) -> dict[str, np.ndarray]:
-        return super().prepare_hf_tensors(cfg, text_decoder_tensors(tensors))
 
 
 def _split_qkvz(cfg: Qwen3NextConfig, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

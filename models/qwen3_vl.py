@@ -75,35 +75,43 @@ def _bilinear_taps(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.n
     return np.clip(taps, 0, side - 1).astype(np.int64), weights
 
 
-@dataclass(frozen=True)
-class Qwen3VLConfig(QwenImageFields, Qwen3Config):
+class InterleavedMRoPE:
+    """Qwen3-VL's and Qwen3.5's M-RoPE: the position streams interleaved over the frequencies."""
+
     @property
     def mrope_streams(self) -> np.ndarray:
-        """Interleaved: frequency j turns by h where j % 3 == 1 and by w where j % 3 == 2, within
-        3 x its section; every other frequency by t."""
+        """Frequency j turns by h where j % 3 == 1 and by w where j % 3 == 2, within 3 x its section;
+        every other frequency by t."""
         j = np.arange(self.rotary_dim // 2)
         streams = np.zeros_like(j)
         for stream in (1, 2):
             streams[(j % 3 == stream) & (j < 3 * self.mrope_section[stream])] = stream
         return streams
 
+
+def qwen3_vision_config(vision: dict[str, Any]) -> Qwen3VisionConfig:
+    """config.json's vision_config of Qwen3-VL's tower (Qwen3.5's: the same without DeepStack)."""
+    return Qwen3VisionConfig(
+        **{**vision_fields(vision), "hidden_act": vision.get("hidden_act", "gelu_pytorch_tanh")},
+        window_size=1 << 30,  # no windows: one window an image
+        fullatt_block_indexes=tuple(range(vision["depth"])),
+        num_position_embeddings=vision.get("num_position_embeddings", 2304),
+        deepstack_visual_indexes=tuple(vision.get("deepstack_visual_indexes", ())),
+    )
+
+
+@dataclass(frozen=True)
+class Qwen3VLConfig(InterleavedMRoPE, QwenImageFields, Qwen3Config):
     @property
     def encoder_output_width(self) -> int:
         return self.hidden_size * (1 + len(self.vision.deepstack_visual_indexes))
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
-        vision = hf["vision_config"]
         return {
             **super().fields_from_hf(text_config(hf)),
             **image_fields(hf, (24, 20, 20)),
-            "vision": Qwen3VisionConfig(
-                **{**vision_fields(vision), "hidden_act": vision.get("hidden_act", "gelu_pytorch_tanh")},
-                window_size=1 << 30,  # no windows: one window an image
-                fullatt_block_indexes=tuple(range(vision["depth"])),
-                num_position_embeddings=vision.get("num_position_embeddings", 2304),
-                deepstack_visual_indexes=tuple(vision.get("deepstack_visual_indexes", ())),
-            ),
+            "vision": qwen3_vision_config(hf["vision_config"]),
         }
 
 

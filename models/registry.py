@@ -28,9 +28,10 @@ from xlaserve.models.modernbert import ModernBertModel
 from xlaserve.models.phi3 import Phi3ForCausalLM
 from xlaserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from xlaserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-from xlaserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextOfConditionalGeneration
+from xlaserve.models.qwen3_5 import Qwen3_5ForCausalLM
+from xlaserve.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
-from xlaserve.models.qwen3_next import Qwen3_5MoeTextOfConditionalGeneration, Qwen3NextForCausalLM
+from xlaserve.models.qwen3_next import Qwen3NextForCausalLM
 from xlaserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
 # A decoder classifier's suffixes: the class is its *ForCausalLM backbone's (the head runs on the host).
@@ -57,10 +58,10 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     # Hybrid: linear-attention layers (a state slot) beside attention layers (paged K/V): models/qwen3_5.py.
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-    "Qwen3_5ForConditionalGeneration": Qwen3_5TextOfConditionalGeneration,  # its text decoder only
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # Qwen3.5's layers with a mixture of experts
     "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,  # the same, its DeltaNet projections unfused
-    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOfConditionalGeneration,  # its text decoder only
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Mamba2 layers beside attention
     "FalconH1ForCausalLM": FalconH1ForCausalLM,  # Mamba2 and attention side by side in every layer
     "JambaForCausalLM": JambaForCausalLM,  # Mamba (v1) layers beside attention, experts every other layer

@@ -380,7 +380,7 @@ def _qwen_vl_processor(settings: dict, hf_config: dict, tokenizer):
     image_processor = Qwen2VLImageProcessorPil(
         **{k: v for k, v in _image_settings(settings).items() if k != "fps"}
     )
-    timestamps = hf_config["architectures"][0] == "Qwen3VLForConditionalGeneration"
+    timestamps = hf_config["architectures"][0] in _TIMED_VIDEOS
     processor = QwenVLProcessor(image_processor, tokenizer, video_fps(settings), timestamps)
     return processor, max_image_tokens(settings, hf_config["vision_config"])
 
@@ -392,7 +392,15 @@ VISION_LANGUAGE_FAMILIES = {
     "Gemma3ForConditionalGeneration": _gemma3_processor,
     "Qwen2_5_VLForConditionalGeneration": _qwen_vl_processor,
     "Qwen3VLForConditionalGeneration": _qwen_vl_processor,
+    "Qwen3_5ForConditionalGeneration": _qwen_vl_processor,
+    "Qwen3_5MoeForConditionalGeneration": _qwen_vl_processor,
 }
+# The families whose videos are Qwen3VLProcessor's: each frame pair's time in the text.
+_TIMED_VIDEOS = (
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 
 
 def flatten_content(

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlaserve.config import parse_mm_limits
 from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
 from xlaserve.models.llava import tokens_per_image
 from xlaserve.models.multimodal import EncoderOutputs
@@ -298,7 +299,8 @@ class PackedPatchesHook(MultiModalHook):
                 f"mm_processor_kwargs: the processor's max_pixels makes images of up to {max_patches} "
                 f"patches, whose tower attention needs {scores / 2**30:.0f} GiB (at most "
                 f"{MAX_TOWER_SCORES_BYTES / 2**30:.0f}); set --mm-processor-kwargs "
-                f"'{{\"max_pixels\": {pixels}}}' or less"
+                f"'{{\"max_pixels\": {pixels}}}' or less, or --limit-mm-per-prompt "
+                '\'{"image": 0, "video": 0}\' to serve text only'
             )
         smallest = min(max_patches, 16 * vision.merge_unit)
         buckets = [smallest]
@@ -349,8 +351,11 @@ class PackedPatchesHook(MultiModalHook):
 
 
 def make_mm_hook(runner) -> MultiModalHook | None:
-    """The hook of a vision-language model; None for a text-only one."""
+    """The hook of a vision-language model; None for a text-only one, and for a vision-language model
+    whose --limit-mm-per-prompt is 0 for every modality (vLLM's text-only mode: no encoder program, no
+    encoder cache; a text position is the same on M-RoPE's three axes, so the decoder rotates as a
+    text-only one does)."""
     n = tokens_per_image(runner.model_config)
-    if not n:
+    if not n or not any(parse_mm_limits(runner.config.model.limit_mm_per_prompt).values()):
         return None
     return (PackedPatchesHook if runner.model_config.mrope else MultiModalHook)(runner, n)

@@ -271,6 +271,28 @@ def save_tiny_qwen3_vl(
     )
 
 
+def save_tiny_qwen3_5_vl(directory: str, *, seed: int = 0) -> str:
+    """A random Qwen3_5ForConditionalGeneration: Qwen3-VL's tower without DeepStack before a hybrid
+    decoder of a Gated DeltaNet layer and a gated attention layer (rotating a quarter of its 64-dim heads by
+    interleaved M-RoPE), with the same tokens and image settings as `save_tiny_qwen2_5_vl`."""
+    import transformers
+
+    vision = transformers.Qwen3_5VisionConfig(**QWEN_VL_TOWER, out_hidden_size=64, num_position_embeddings=16)
+    return _save_tiny_qwen_vl(
+        directory,
+        seed,
+        "Qwen3_5",
+        vision,
+        [4, 2, 2],
+        head_dim=64,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
+
+
 # The tiny towers' shared sizes: 3 blocks of width 32, patches of 4 pixels merged 2 x 2.
 QWEN_VL_TOWER = dict(
     depth=3,

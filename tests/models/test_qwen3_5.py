@@ -149,10 +149,12 @@ def test_draft_model_drafts_on_a_hybrid_target(hf_model, tmp_path):
         LLM(path, **ENGINE_ARGS, speculative_config={**spec, "model": path})
 
 
-def test_a_vision_language_release_serves_its_text_decoder(tmp_path):
+def test_a_vision_language_release_serves_text_only(tmp_path):
     """Qwen3.5 ships as Qwen3_5ForConditionalGeneration: its decoder under model.language_model, a
-    vision tower and config.json's text_config. On text, the same greedy tokens as Hugging Face's
-    vision-language model (the tower is not loaded)."""
+    vision tower and config.json's text_config (its images: tests/models/test_qwen_vl.py). Without a
+    processor config its default max_pixels is refused at start, naming both ways out; with every
+    --limit-mm-per-prompt at 0 (vLLM's text-only mode) it starts with no encoder and gives Hugging
+    Face's greedy tokens on text."""
     text = {k: v for k, v in CONFIG.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
     vision = dict(
         depth=1,
@@ -173,7 +175,10 @@ def test_a_vision_language_release_serves_its_text_decoder(tmp_path):
     hf = randomize_weights(transformers.Qwen3_5ForConditionalGeneration(config).eval(), norm_center=0.0)
     hf.save_pretrained(tmp_path)
     word_tokenizer(VOCAB).save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), **ENGINE_ARGS)
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs: .* or --limit-mm-per-prompt .* text only"):
+        LLM(str(tmp_path), **ENGINE_ARGS)
+    llm = LLM(str(tmp_path), **ENGINE_ARGS, limit_mm_per_prompt={"image": 0, "video": 0})
+    assert llm.engine_core.runner.mm_encoder is None
     batch = prompts(VOCAB, seed=4)[:2]
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p) for p in batch]
