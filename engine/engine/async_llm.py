@@ -522,10 +522,8 @@ class AsyncLLM:
 
     async def shutdown(self, timeout: float | None = None) -> None:
         """Fail what is still in flight, stop any restart, the output loop and the core process (given
-        `timeout` seconds to stop by itself: by default 5, or 300 where it writes a persistent disk
-        tier's blocks first)."""
-        if timeout is None:
-            timeout = 300.0 if self.config.cache.kv_offloading_disk_persist else 5.0
+        `timeout` seconds to stop by itself; None: as long as the engine's config needs,
+        `EngineConfig.core_shutdown_timeout_s`)."""
         await self.supervisor.stop()  # a core that dies from here on is not restarted
         self.fail_all_requests("the server is shutting down")
         await cancel_quietly(self._output_task)

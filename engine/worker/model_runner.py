@@ -194,6 +194,8 @@ class ModelRunner:
         # Copies between the cache and K/V held elsewhere, before each step (core/kv_connector.py): host
         # offload's (worker/kv_offload.py), or the base class, which moves nothing.
         self.kv_layout = BlockLayout(model.kv_heads, self.dcp)
+        # Named once here (it stats the checkpoint's files): the core's half reads it from the executor.
+        self.kv_persist_dir = persistent_tier_dir(config, self.kv_bytes_per_block())
         self.kv_connector = self._make_kv_connector()
         sched = config.scheduler
         if self.drafter is not None:
@@ -299,14 +301,12 @@ class ModelRunner:
 
     def _make_kv_connector(self) -> KVConnectorWorker:
         """The configured KV connector's worker half over this runner's cache (worker/kv_transfer.py)."""
-        num_bytes = self.kv_bytes_per_block()
-        persist_dir = persistent_tier_dir(self.config, num_bytes)
         return make_kv_connector_worker(
             self.config.cache,
-            num_bytes,
+            self.kv_bytes_per_block(),
             self.num_blocks,
             self.kv_layout,
-            persist_dir,
+            self.kv_persist_dir,
             kv_transfer=self.config.kv_transfer,
         )
 
