@@ -147,6 +147,12 @@ class EngineConfig:
         """Async scheduling is asked for (or left to its default, on) and possible here."""
         return self.scheduler.async_scheduling is not False and self.async_scheduling_off_reason() is None
 
+    @property
+    def core_shutdown_timeout_s(self) -> float:
+        """How long this engine's core may take to stop by itself once asked, before it is terminated: a
+        persistent disk tier writes its cached blocks out first (core/kv_offload.py), which takes long."""
+        return 300.0 if self.cache.kv_offloading_disk_persist else 5.0
+
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> EngineConfig:
         """Split vLLM-named keyword arguments among the sub-configs; unknown names are an error. A

@@ -11,7 +11,8 @@ on one asyncio loop; the only other thread is the monitor that notices a dead co
 
 A dead core is supervised, not fatal (engine/supervisor.py): the requests it held fail at once, new
 ones get EngineDeadError (503) while a new core starts, then serving resumes. A core that keeps dying
-sets `failed`, and the server exits.
+sets `failed`, and the server exits. What comes back from the core (the output loop, utility calls'
+results) is engine/core_calls.py's.
 """
 
 from __future__ import annotations
@@ -27,21 +28,14 @@ import numpy as np
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.limits import RequestLimits
+from xlaserve.engine.core_calls import CoreCalls
 from xlaserve.engine.core_client import EngineCoreClient, EngineDeadError, cancel_quietly
 from xlaserve.engine.metrics import EngineMetrics
 from xlaserve.engine.mm_processor import MultiModalProcessor
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.pooling_waiters import PoolingWaiters
 from xlaserve.engine.processor import InputProcessor
-from xlaserve.engine.protocol import (
-    AbortRequests,
-    AddRequests,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineDead,
-    UtilityCall,
-    UtilityResult,
-)
+from xlaserve.engine.protocol import AbortRequests, AddRequests, EngineCoreRequest
 from xlaserve.engine.request_stream import (
     EngineShutdownError,
     InvalidRequestError,
@@ -69,7 +63,7 @@ __all__ = [
 ]
 
 
-class AsyncLLM:
+class AsyncLLM(CoreCalls):
     """Generate asynchronously: `async for output in llm.generate(prompt, params, request_id): ...`.
 
     Build it with `await AsyncLLM.create(model, **engine_args)` inside a running event loop; call
@@ -401,115 +395,6 @@ class AsyncLLM:
                 except EngineDeadError:
                     pass
 
-    async def reset_prefix_cache(self) -> bool:
-        return bool(await self._call_utility("reset_prefix_cache"))
-
-    # The research stack in the core process (LLM's calls of the same names; worker/weight_update.py).
-    # A caller's error (a bad path or level, requests still running, already asleep) is a ValueError.
-
-    async def update_weights_from_path(self, path: str) -> list[str]:
-        return await self._call_utility("update_weights_from_path", path)
-
-    async def sleep(self, level: int = 1) -> dict:
-        report = await self._call_utility("sleep", level)
-        self._is_asleep = True
-        return report
-
-    async def wake_up(self) -> dict:
-        report = await self._call_utility("wake_up")
-        self._is_asleep = False
-        return report
-
-    async def is_sleeping(self) -> bool:
-        return bool(await self._call_utility("is_sleeping"))
-
-    async def start_profile(self) -> None:
-        """A jax.profiler trace of the engine core's process (CompilationConfig.profiler_dir)."""
-        await self._call_utility("start_profile")
-
-    async def stop_profile(self) -> str:
-        return await self._call_utility("stop_profile")
-
-    async def _call_utility(self, method: str, *args):
-        self.check_health()
-        call_id = next(self._call_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._utility_calls[call_id] = future
-        self.core.send(UtilityCall(call_id, method, list(args)))
-        return await future
-
-    # -- outputs -------------------------------------------------------------------------------
-
-    async def _output_loop(self, client: EngineCoreClient) -> None:
-        try:
-            await self._handle_outputs(client)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a bug here must fail requests loudly, not hang them
-            logger.exception("the output loop failed")
-            self.supervisor.core_died(client, f"the front end's output loop failed: {type(e).__name__}: {e}")
-
-    async def _handle_outputs(self, client: EngineCoreClient) -> None:
-        while True:
-            message = await client.recv()
-            if isinstance(message, EngineCoreOutputs):
-                self._process_outputs(message)
-            elif isinstance(message, UtilityResult):
-                future = self._utility_calls.pop(message.call_id, None)
-                if future is not None and not future.done():
-                    if message.error:
-                        error = ValueError if message.invalid else RuntimeError
-                        future.set_exception(error(message.error))
-                    else:
-                        future.set_result(message.result)
-            elif isinstance(message, EngineDead):
-                self.supervisor.core_died(client, f"the engine core failed: {message.reason}")
-
-    def _process_outputs(self, message: EngineCoreOutputs) -> None:
-        outputs = message.outputs
-        if self._pooling:
-            outputs = [o for o in outputs if not self._pooling.resolve(o)]
-        processed = self.output_processor.process_outputs(outputs)
-        for output in processed.request_outputs:
-            queue = self._streams.get(output.request_id)
-            if queue is None:
-                continue
-            queue.put_nowait(output)
-            if output.finished:
-                del self._streams[output.request_id]
-        if processed.reqs_to_abort:  # finished here by a stop string
-            self.core.send(AbortRequests(processed.reqs_to_abort))
-        for core_id, reason in message.rejected:
-            error = RequestFailedError(f"the engine rejected the request: {reason}")
-            if core_id in self._pooling:
-                self._pooling.fail(error, [core_id])
-            else:
-                self._fail(core_id, error)
-        stats = self.output_processor.drain_stats()
-        self.finish_reason_counts.update(stats.finish_reasons)
-        self.metrics.record_iteration(stats)
-        if message.scheduler_stats is not None:
-            self.metrics.record_scheduler(message.scheduler_stats)
-
-    def _fail(self, core_id: str, error: BaseException) -> None:
-        state = self.output_processor.request_states.get(core_id)
-        request_id = state.parent.request_id if state is not None and state.parent is not None else core_id
-        queue = self._streams.get(request_id)
-        self._abort(request_id)
-        if queue is not None:
-            queue.put_nowait(error)
-
-    def _fail_in_flight(self, error: EngineDeadError) -> None:
-        self._pooling.fail(error)
-        for queue in self._streams.values():
-            queue.put_nowait(error)
-        self._streams.clear()
-        self.output_processor.abort_requests(list(self.output_processor.request_states))
-        for future in self._utility_calls.values():
-            if not future.done():
-                future.set_exception(error)
-        self._utility_calls.clear()
-
     # -- shutdown ------------------------------------------------------------------------------
 
     def fail_all_requests(self, reason: str) -> None:
@@ -522,10 +407,8 @@ class AsyncLLM:
 
     async def shutdown(self, timeout: float | None = None) -> None:
         """Fail what is still in flight, stop any restart, the output loop and the core process (given
-        `timeout` seconds to stop by itself: by default 5, or 300 where it writes a persistent disk
-        tier's blocks first)."""
-        if timeout is None:
-            timeout = 300.0 if self.config.cache.kv_offloading_disk_persist else 5.0
+        `timeout` seconds to stop by itself; None: as long as the engine's config needs,
+        `EngineConfig.core_shutdown_timeout_s`)."""
         await self.supervisor.stop()  # a core that dies from here on is not restarted
         self.fail_all_requests("the server is shutting down")
         await cancel_quietly(self._output_task)

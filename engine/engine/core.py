@@ -20,7 +20,6 @@ from collections import deque
 from xlaserve.config import EngineConfig
 from xlaserve.core.encoder_cache_manager import EncoderCacheManager
 from xlaserve.core.kv_cache_manager import KVCacheManager
-from xlaserve.core.kv_offload import persistent_tier_dir
 from xlaserve.core.kv_transfer import make_kv_connector_scheduler
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from xlaserve.core.request import Request, RequestStatus
@@ -58,9 +57,8 @@ class EngineCore:
         self.max_model_len = max_model_len
         # K/V kept outside the device cache (host offload: core/kv_offload.py), or the base class (none);
         # it hears of every block the prefix cache evicts.
-        bytes_per_block = executor.kv_bytes_per_block
         self.kv_connector = make_kv_connector_scheduler(
-            config.cache, bytes_per_block, persistent_tier_dir(config, bytes_per_block), config.kv_transfer
+            config.cache, executor.kv_bytes_per_block, executor.kv_persist_dir, config.kv_transfer
         )
         # Disaggregated prefill's consumer: requests wait here while their prompt's blocks are fetched
         # from a producer (engine/engine/kv_fetch.py), then join the scheduler with them.

@@ -65,6 +65,7 @@ class EngineCoreClient:
         self._encoder = make_encoder()
         self._decoder = make_output_decoder()
         self.is_shutting_down = False
+        self.shutdown_timeout_s = config.core_shutdown_timeout_s
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
             target=run_engine_core,
@@ -118,9 +119,10 @@ class EngineCoreClient:
         frame = await self._output.recv(copy=False)
         return self._decoder.decode(frame.buffer)
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the core and close the sockets. Idempotent."""
-        self.stop_process(timeout)
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the core and close the sockets. Idempotent. `timeout`: how long the core may take to
+        stop by itself (None: as long as its config needs, `EngineConfig.core_shutdown_timeout_s`)."""
+        self.stop_process(self.shutdown_timeout_s if timeout is None else timeout)
         self.close()
 
     def stop_process(self, timeout: float = 5.0) -> None:

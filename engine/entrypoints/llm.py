@@ -1,10 +1,9 @@
 """`LLM`: the offline Python API (`generate`, `chat`; with runner="pooling": `embed`, `classify`,
-`score`, `encode`, `reward`), driving an in-process EngineCore."""
+`score`, `encode`, `reward`, entrypoints/llm_pooling.py), driving an in-process EngineCore."""
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import itertools
 import logging
 import time
@@ -14,7 +13,6 @@ from typing import Any
 from tqdm import tqdm
 
 from xlaserve.config import EngineConfig
-from xlaserve.core.request import FinishReason
 from xlaserve.engine.media import MediaPolicy, load_image
 from xlaserve.engine.metrics import EngineMetrics, Metric
 from xlaserve.engine.mm_processor import MultiModalProcessor, flatten_content
@@ -23,21 +21,10 @@ from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import start_engine
 from xlaserve.engine.video import load_video
 from xlaserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from xlaserve.entrypoints.pooling_io import cosine, pair_token_ids, score_pairs
+from xlaserve.entrypoints.llm_pooling import PoolingMethods
 from xlaserve.executor import follow
 from xlaserve.lora_request import LoRARequest
-from xlaserve.outputs import (
-    ClassificationOutput,
-    ClassificationRequestOutput,
-    EmbeddingOutput,
-    EmbeddingRequestOutput,
-    PoolingOutput,
-    PoolingRequestOutput,
-    RequestOutput,
-    ScoringOutput,
-    ScoringRequestOutput,
-)
-from xlaserve.pooling_params import PoolingParams
+from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,17 +44,7 @@ def serve_follower(model: str | None = None, **engine_args) -> None:
         core.shutdown()
 
 
-def _as_list(prompts) -> list:
-    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-
-
-def _one_score(data) -> float:
-    if data.size != 1:
-        raise ValueError(f"score needs a classifier with one label; this one has {data.size}")
-    return float(data.reshape(-1)[0])
-
-
-class LLM:
+class LLM(PoolingMethods):
     """Generate text offline: `LLM().generate("Hello")`, `LLM(model).chat([...])`.
 
     `model`: an HF directory, a .gguf file, or None / "smollm2" for the embedded default model.
@@ -228,7 +205,10 @@ class LLM:
         self._require_runner("generate", "beam_search()")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        tokenized = [self.input_processor.process(p) for p in _as_list(prompts)]
+        tokenized = [
+            self.input_processor.process(p)
+            for p in ([prompts] if isinstance(prompts, (str, dict)) else prompts)
+        ]
         loras = self._broadcast_loras(lora_request, len(tokenized))
         for _, ids, _ in tokenized:  # every step's prompt fits, before the first runs
             self.input_processor.validate_prompt(ids)
@@ -266,109 +246,6 @@ class LLM:
         finally:
             self.engine_core.abort_requests(added)
             self.output_processor.abort_requests(added)
-
-    # -- pooling models (runner="pooling"; README "Pooling models") -------------------------------
-
-    def encode(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        *,
-        pooling_task: str | None = None,
-        use_tqdm: bool = True,
-    ) -> list[PoolingRequestOutput]:
-        """The pooled output of each prompt for `pooling_task` (embed, classify, score, encode: the
-        pooled hidden states as they are, reward; token_embed, token_classify: a row per prompt
-        token), as `.outputs.data` (a numpy array). `pooling_params`: one for every prompt, or one
-        each (as vLLM's), each with its own task unless `pooling_task` sets them all."""
-        if pooling_task is None and pooling_params is None:
-            raise ValueError(
-                "pooling_task must be given (embed, classify, score, encode, reward, token_embed or "
-                "token_classify)"
-            )
-        tokenized = [self.input_processor.tokenize(p) for p in _as_list(prompts)]
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params = [pooling_params or PoolingParams(task=pooling_task)] * len(tokenized)
-        else:
-            params = list(pooling_params)
-            if len(params) != len(tokenized):
-                raise ValueError(
-                    f"pooling_params: {len(params)} given for {len(tokenized)} prompts (one, or one each)"
-                )
-        if pooling_task is not None:
-            params = [dataclasses.replace(p, task=pooling_task) for p in params]
-        return [
-            PoolingRequestOutput(rid, PoolingOutput(data), ids)
-            for rid, ids, data in self._pool([ids for _, ids in tokenized], params, use_tqdm)
-        ]
-
-    def embed(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | None = None,
-        *,
-        use_tqdm: bool = True,
-    ) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt (`.outputs.embedding`), normalized unless the pooling params or
-        the engine's pooler_config say otherwise; `dimensions` keeps the first n (Matryoshka)."""
-        return [
-            EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids)
-            for o in self.encode(prompts, pooling_params, pooling_task="embed", use_tqdm=use_tqdm)
-        ]
-
-    def classify(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | None = None,
-        *,
-        use_tqdm: bool = True,
-    ) -> list[ClassificationRequestOutput]:
-        """A *ForSequenceClassification model's class probabilities per prompt (`.outputs.probs`)."""
-        return [
-            ClassificationRequestOutput(
-                o.request_id, ClassificationOutput(o.outputs.data.tolist()), o.prompt_token_ids
-            )
-            for o in self.encode(prompts, pooling_params, pooling_task="classify", use_tqdm=use_tqdm)
-        ]
-
-    def reward(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | None = None,
-        *,
-        use_tqdm: bool = True,
-    ) -> list[PoolingRequestOutput]:
-        """A reward model's outputs (convert="reward": every token's, unless pooler_config says)."""
-        return self.encode(prompts, pooling_params, pooling_task="reward", use_tqdm=use_tqdm)
-
-    def score(
-        self,
-        text_1: str | Sequence,
-        text_2: str | Sequence,
-        *,
-        use_tqdm: bool = True,
-    ) -> list[ScoringRequestOutput]:
-        """Relevance of each (text_1, text_2) pair (one text_1 against each text_2, or pairwise):
-        the cosine of their embeddings for an embedding model, a cross-encoder's probability for a
-        classifier with one label. Items are strings or token id lists."""
-        pairs = score_pairs(text_1, text_2)
-        if self.input_processor.pooling_task == "classify":
-            self._require_tokenizer("score()")
-            ids = [pair_token_ids(self.tokenizer, a, b) for a, b in pairs]
-            results = self._pool(ids, [PoolingParams(task="score")] * len(ids), use_tqdm)
-            return [ScoringRequestOutput(rid, ScoringOutput(_one_score(data)), i) for rid, i, data in results]
-        texts = [t for pair in pairs for t in pair]
-        embeddings = self.embed(
-            [{"prompt_token_ids": t} if not isinstance(t, str) else t for t in texts], use_tqdm=use_tqdm
-        )
-        return [
-            ScoringRequestOutput(
-                a.request_id,
-                ScoringOutput(cosine(a.outputs.embedding, b.outputs.embedding)),
-                a.prompt_token_ids + b.prompt_token_ids,
-            )
-            for a, b in zip(embeddings[::2], embeddings[1::2])
-        ]
 
     def get_metrics(self) -> list[Metric]:
         """Counters, gauges and histograms named like vLLM's (prefix `xlaserve:`)."""
@@ -416,39 +293,6 @@ class LLM:
             raise ValueError(
                 f"{what} needs runner={runner!r}; this LLM runs runner={self.config.model.runner!r}"
             )
-
-    def _pool(self, prompt_ids: list[list[int]], params: list[PoolingParams], use_tqdm: bool) -> list[tuple]:
-        """Run pooling requests to completion: [(request id, prompt ids, pooled numpy array)] in order,
-        `params[i]` for prompt i. Everything is validated before anything is added."""
-        self._require_runner("pooling", f"pooling_task {params[0].task!r}" if params else "pooling")
-        if self.engine_core.is_sleeping:
-            raise ValueError("the engine is asleep (sleep() was called): call wake_up() first")
-        for ids in prompt_ids:
-            self.input_processor.validate_prompt(ids)
-        for p in {id(p): p for p in params}.values():  # a shared PoolingParams once
-            self.input_processor.validate_pooling(p)
-        order: dict[str, int] = {}
-        try:
-            for i, (ids, p) in enumerate(zip(prompt_ids, params, strict=True)):
-                rid = str(next(self._request_counter))
-                self.engine_core.add_request(self.input_processor.make_pooling_request(rid, ids, p))
-                order[rid] = i
-            results: list = [None] * len(order)
-            with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
-                while self.engine_core.has_unfinished_requests():
-                    for output in self.engine_core.step():
-                        if output.request_id not in order or not output.is_finished:
-                            continue
-                        if output.finish_reason != FinishReason.STOP:
-                            raise RuntimeError(f"request {output.request_id} failed ({output.finish_reason})")
-                        i = order[output.request_id]
-                        results[i] = (output.request_id, prompt_ids[i], output.pooling_output)
-                        bar.update(1)
-                    self.metrics.record_scheduler(self.engine_core.make_stats())
-            return results
-        except BaseException:
-            self.engine_core.abort_requests(list(order))
-            raise
 
     def _require_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:

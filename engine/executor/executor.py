@@ -105,6 +105,12 @@ class Executor:
         return self.runner.kv_bytes_per_block()
 
     @property
+    def kv_persist_dir(self) -> str | None:
+        """A persistent disk tier's directory (core/kv_offload.py `persistent_tier_dir`), as the runner's
+        connector named it; None: no persistent tier."""
+        return self.runner.kv_persist_dir
+
+    @property
     def weight_bytes(self) -> int:
         """The weights' bytes on the devices (the /metrics gauge xlaserve:model_weight_bytes)."""
         return self.runner.weight_bytes

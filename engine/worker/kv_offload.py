@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -221,18 +222,29 @@ def padded_ids(ids: np.ndarray) -> np.ndarray:
 
 class BlockTransferWorker(KVConnectorWorker):
     """What a connector that moves whole blocks has: the gather and scatter programs over the cache
-    (`transfer_programs`, built on first use), compiled by `warm_up` on the null block, and its
-    counters (`take_stats`). Host offload and disaggregated prefill (worker/kv_transfer.py) build on it."""
+    (`transfer_programs`, built on first use), compiled by `warm_up` on the null block, and the chunked
+    gather (`gather_chunks`). Host offload and disaggregated prefill (worker/kv_transfer.py) build on it."""
 
     def __init__(self, num_blocks: int, layout: BlockLayout):
         self.num_blocks = num_blocks  # the device cache's, null block included
         self.layout = layout
         self._gather_fn = self._scatter_fn = None
-        self.stats = KVTransferStats()
 
     def _programs(self, kv_cache) -> None:
         if self._gather_fn is None:
             self._gather_fn, self._scatter_fn = transfer_programs(kv_cache, self.num_blocks, self.layout)
+
+    def gather_chunks(self, kv_cache, block_ids: np.ndarray) -> Iterator[tuple[int, tuple[jax.Array, ...]]]:
+        """(start, blocks) per gather program call: block_ids[start : start + TRANSFER_CHUNK_BLOCKS]
+        (padded with the null block), one array per cache array, their copies to the host started as the
+        call is dispatched (overlapping whatever the device runs next). A generator: a caller that writes
+        each call's blocks out before taking the next holds one call's on the device, not all of them."""
+        self._programs(kv_cache)
+        for start in range(0, len(block_ids), TRANSFER_CHUNK_BLOCKS):
+            gathered = self._gather_fn(kv_cache, padded_ids(block_ids[start : start + TRANSFER_CHUNK_BLOCKS]))
+            for array in gathered:
+                array.copy_to_host_async()
+            yield start, gathered
 
     def chunk_shapes(self, kv_cache) -> list[tuple[tuple[int, ...], np.dtype]]:
         """Shape and dtype of one program call's blocks per cache array, as they leave the device:
@@ -243,10 +255,6 @@ class BlockTransferWorker(KVConnectorWorker):
             ((TRANSFER_CHUNK_BLOCKS, num_layers, *self.layout.moved_shape(a.shape[1:])), np.dtype(a.dtype))
             for a in leaves
         ]
-
-    def take_stats(self) -> KVTransferStats:
-        stats, self.stats = self.stats, KVTransferStats()
-        return stats
 
     def warm_up(self, kv_cache):
         """Run both programs once on the null block, compiling them (`_before_warm_up` first)."""
@@ -272,6 +280,7 @@ class OffloadingConnectorWorker(BlockTransferWorker):
         self, num_host_blocks: int, num_blocks: int, layout: BlockLayout, disk: DiskTier | None = None
     ):
         super().__init__(num_blocks, layout)
+        self.stats = KVTransferStats()
         self.num_host_blocks = num_host_blocks
         self.host: list[np.ndarray] | None = None  # per cache array [num_host_blocks, L, block_size, ...]
         self.disk = disk
@@ -291,6 +300,10 @@ class OffloadingConnectorWorker(BlockTransferWorker):
                 time.perf_counter() - t0,
             )
 
+    def take_stats(self) -> KVTransferStats:
+        stats, self.stats = self.stats, KVTransferStats()
+        return stats
+
     @property
     def host_bytes(self) -> int:
         return 0 if self.host is None else sum(a.nbytes for a in self.host)
@@ -301,14 +314,8 @@ class OffloadingConnectorWorker(BlockTransferWorker):
             self._demote(metadata.demote_host_slots, metadata.demote_disk_slots)
         if metadata is None or not len(metadata.save_block_ids):
             return
-        self._programs(kv_cache)
-        for start in range(0, len(metadata.save_block_ids), TRANSFER_CHUNK_BLOCKS):
-            ids = metadata.save_block_ids[start : start + TRANSFER_CHUNK_BLOCKS]
-            slots = metadata.save_slots[start : start + TRANSFER_CHUNK_BLOCKS]
-            gathered = self._gather_fn(kv_cache, padded_ids(ids))
-            for array in gathered:  # the copy to the host starts now, overlapping the step
-                array.copy_to_host_async()
-            self._pending.append((gathered, slots))
+        for start, gathered in self.gather_chunks(kv_cache, metadata.save_block_ids):
+            self._pending.append((gathered, metadata.save_slots[start : start + TRANSFER_CHUNK_BLOCKS]))
 
     def flush(self) -> None:
         """Bring every gathered block to its host slot (blocks until the gathers are computed)."""
@@ -331,13 +338,9 @@ class OffloadingConnectorWorker(BlockTransferWorker):
             self._demote(metadata.demote_host_slots, metadata.demote_disk_slots)
         ids_all, slots_all = metadata.disk_save_block_ids, metadata.disk_save_slots
         if len(ids_all):
-            self._programs(kv_cache)
             self.disk.ensure(self.chunk_shapes(kv_cache))
-            for start in range(0, len(ids_all), TRANSFER_CHUNK_BLOCKS):
+            for start, gathered in self.gather_chunks(kv_cache, ids_all):
                 slots = slots_all[start : start + TRANSFER_CHUNK_BLOCKS]
-                gathered = self._gather_fn(
-                    kv_cache, padded_ids(ids_all[start : start + TRANSFER_CHUNK_BLOCKS])
-                )
                 for disk, blocks in zip(self.disk.arrays, gathered):
                     disk[slots] = np.asarray(blocks)[: len(slots)]
         for disk in self.disk.arrays or ():

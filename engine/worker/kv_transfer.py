@@ -186,17 +186,6 @@ class BlockServer:
 class _CacheBlocks(BlockTransferWorker):
     """The gather and scatter programs over one cache (on pipeline stages, one stage's)."""
 
-    def gather(self, kv_cache, block_ids: np.ndarray) -> list[tuple[jax.Array, ...]]:
-        """The blocks, per program call, their copies to the host started (overlapping the next step)."""
-        self._programs(kv_cache)
-        calls = []
-        for start in range(0, len(block_ids), TRANSFER_CHUNK_BLOCKS):
-            gathered = self._gather_fn(kv_cache, padded_ids(block_ids[start : start + TRANSFER_CHUNK_BLOCKS]))
-            for array in gathered:
-                array.copy_to_host_async()
-            calls.append(gathered)
-        return calls
-
     def row_bytes(self, kv_cache) -> list[int]:
         """Bytes of one block of each cache array, as it leaves the device."""
         return [math.prod(shape[1:]) * dtype.itemsize for shape, dtype in self.chunk_shapes(kv_cache)]
@@ -256,7 +245,8 @@ class DisaggConnectorWorker(KVConnectorWorker):
         for request_id, block_ids, digest in metadata.sends:
             send = _Send(len(block_ids), digest, time.monotonic())
             send.gathered = [
-                c.gather(cache, block_ids) for c, cache in zip(self.caches, self._per_cache(kv_cache))
+                [blocks for _, blocks in c.gather_chunks(cache, block_ids)]
+                for c, cache in zip(self.caches, self._per_cache(kv_cache))
             ]
             self.server.add(request_id, send)
         self.stats.send_seconds += time.perf_counter() - t0

@@ -14,7 +14,8 @@ Features (LoRA, a draft model) reach the step through hooks (worker/step_hooks.p
 the device cache (host offload) through the KV connector (core/kv_connector.py), which copies blocks out
 and in before the forward: the step below is the same code whether they are on or off. Every step is
 built for k verified drafts per request (k = 0 without speculative decoding), so a step verifies when
-some request carries drafts and samples otherwise.
+some request carries drafts and samples otherwise. The host half of a step, the requests as arrays, is
+worker/step_prepare.py's; this module dispatches them.
 """
 
 from __future__ import annotations
@@ -36,17 +37,10 @@ from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
 from xlaserve.models.registry import get_model_class
 from xlaserve.sharding import Placement
-from xlaserve.sharding.context_parallel import physical_slot_mapping
-from xlaserve.worker.buckets import make_token_buckets, pick_bucket, request_bucket
+from xlaserve.worker.buckets import make_token_buckets
 from xlaserve.worker.compile_guard import CompileGuard
 from xlaserve.worker.draft_model import DraftModel
-from xlaserve.worker.input_batch import (
-    StepBatch,
-    StepInputs,
-    build_step_batch,
-    isolate_failures,
-    sampling_tensors,
-)
+from xlaserve.worker.input_batch import StepBatch, StepInputs
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, fit_state_copy_slots, num_kv_blocks
 from xlaserve.worker.kv_cache_groups import cache_layout, kv_cache_groups, num_state_copy_slots
 from xlaserve.worker.kv_offload import BlockLayout
@@ -56,11 +50,12 @@ from xlaserve.worker.mm_encoder import make_mm_hook
 from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.pooler import Pooler, PoolingHook
 from xlaserve.worker.sampler import SamplerOutput
-from xlaserve.worker.spec_decode import SpecInputs, VerifyOutput, build_spec_inputs, step_bitmask
-from xlaserve.worker.state_copies import StateCopier, step_state_copies
+from xlaserve.worker.spec_decode import VerifyOutput
+from xlaserve.worker.state_copies import StateCopier
 from xlaserve.worker.step_future import StepFuture, StepTiming
 from xlaserve.worker.step_hooks import DraftModelHook, LoRAHook, StepHook
 from xlaserve.worker.step_output import make_output, to_host
+from xlaserve.worker.step_prepare import StepPreparation
 from xlaserve.worker.step_programs import make_step_programs
 from xlaserve.worker.warm_up import compile_all
 from xlaserve.worker.weight_update import ParamSet
@@ -68,19 +63,7 @@ from xlaserve.worker.weight_update import ParamSet
 logger = logging.getLogger(__name__)
 
 
-def _fill_prompt_targets(prompt_targets: np.ndarray, offset: int, s) -> None:
-    req, start = s.request, s.num_computed_tokens
-    stop = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
-    if stop > start:  # positions whose next token is still a prompt token
-        prompt_targets[offset : offset + stop - start] = req.prompt_token_ids[start + 1 : stop + 1]
-
-
-def _with_verify_indices(batch: StepBatch, spec: SpecInputs) -> StepBatch:
-    """The forward gathers K + 1 rows per sequence (K = 0: the sampled position alone, as built)."""
-    return dataclasses.replace(batch, logits_indices=spec.verify_indices.reshape(-1))
-
-
-class ModelRunner:
+class ModelRunner(StepPreparation):
     def __init__(
         self,
         config: EngineConfig,
@@ -194,6 +177,8 @@ class ModelRunner:
         # Copies between the cache and K/V held elsewhere, before each step (core/kv_connector.py): host
         # offload's (worker/kv_offload.py), or the base class, which moves nothing.
         self.kv_layout = BlockLayout(model.kv_heads, self.dcp)
+        # Named once here (it stats the checkpoint's files): the core's half reads it from the executor.
+        self.kv_persist_dir = persistent_tier_dir(config, self.kv_bytes_per_block())
         self.kv_connector = self._make_kv_connector()
         sched = config.scheduler
         if self.drafter is not None:
@@ -299,14 +284,12 @@ class ModelRunner:
 
     def _make_kv_connector(self) -> KVConnectorWorker:
         """The configured KV connector's worker half over this runner's cache (worker/kv_transfer.py)."""
-        num_bytes = self.kv_bytes_per_block()
-        persist_dir = persistent_tier_dir(self.config, num_bytes)
         return make_kv_connector_worker(
             self.config.cache,
-            num_bytes,
+            self.kv_bytes_per_block(),
             self.num_blocks,
             self.kv_layout,
-            persist_dir,
+            self.kv_persist_dir,
             kv_transfer=self.config.kv_transfer,
         )
 
@@ -321,9 +304,6 @@ class ModelRunner:
             self.kv_cache = self.state_copier.warm_up(self.kv_cache)
         self.guard.arm()
 
-    def _num_seqs_for(self, num_tokens: int) -> int:
-        return request_bucket(num_tokens, self.max_num_seqs)
-
     def _verify_q(self, hook_arrays: dict) -> tuple | None:
         """The verifier's q argument: a proposer hook's (a draft model's), or None."""
         for hook in self.hooks:
@@ -333,34 +313,6 @@ class ModelRunner:
         return None
 
     # -- one step -------------------------------------------------------------------------------
-
-    def _prepare_hooks(self, scheduled, num_tokens: int, failed: set[str]) -> dict:
-        num_seqs = self._num_seqs_for(num_tokens)
-        return {hook.name: hook.prepare(scheduled, num_tokens, num_seqs, failed) for hook in self.hooks}
-
-    def _step_batch(self, scheduled, num_tokens: int, failed: set[str]) -> tuple[StepBatch, SpecInputs]:
-        """The flat batch (host arrays) and its verified positions. Every step gathers K + 1 rows per
-        sequence (one forward program per bucket; K = 0 without speculation)."""
-        num_seqs = self._num_seqs_for(num_tokens)
-        batch = build_step_batch(
-            scheduled,
-            num_tokens,
-            num_seqs,
-            self.max_blocks_per_seq,
-            self.block_size,
-            failed,
-            self.cache_layout,
-            self.num_blocks,
-        )
-        if self.dcp > 1:  # the owning rank's slot (its rank is the token's position mod dcp)
-            slots = physical_slot_mapping(batch.md.slot_mapping, self.block_size, self.dcp)
-            batch = dataclasses.replace(batch, md=dataclasses.replace(batch.md, slot_mapping=slots))
-        spec = build_spec_inputs(scheduled, num_seqs, self.num_spec_tokens)
-        return _with_verify_indices(batch, spec), spec
-
-    def _build_batch(self, scheduled, num_tokens: int) -> StepBatch:
-        """An empty step's batch (warm-up, HLO inspection), ready for the device."""
-        return self.placement.step_inputs(self._step_batch(scheduled, num_tokens, set())[0])
 
     def _model_inputs(self, hook_arrays: dict, stage: int = 0, placement=None) -> dict:
         """The hooks' keyword arguments of the model's forward, or of pipeline stage `stage`'s (its
@@ -399,64 +351,6 @@ class ModelRunner:
     def _run_forward(self, batch: StepBatch, hook_arrays: dict) -> tuple[jax.Array, jax.Array]:
         hidden, hidden_rd, self.kv_cache = self.forward(self.kv_cache, batch, hook_arrays)
         return hidden, hidden_rd
-
-    def prepare(
-        self,
-        scheduled,
-        grammar_bitmask: np.ndarray | None = None,
-        kv_connector_metadata: KVConnectorMetadata | None = None,
-    ) -> StepInputs:
-        """The host arrays of one step (the part process 0 computes and sends to the others).
-        `grammar_bitmask` [len(scheduled), W] int32: the tokens each row may sample, or None.
-        `kv_connector_metadata`: the KV connector's transfers before the step (None: none).
-
-        Each request's part is built in isolation: one that raises is listed in `failed_req_ids`
-        and its rows become dummies, so a bad request fails alone instead of taking the engine down.
-        """
-        failed: set[str] = set()
-        num_real = sum(s.num_new_tokens for s in scheduled)
-        num_tokens = pick_bucket(self.token_buckets, num_real)
-        # The hooks first: a request a feature fails (an adapter that cannot load) gets dummy rows below.
-        hook_arrays = self._prepare_hooks(scheduled, num_tokens, failed)
-        batch, spec = self._step_batch(scheduled, num_tokens, failed)
-        sampling = [s for s in scheduled if s.is_sampling]
-        with_penalties = any(
-            s.request.sampling_params.has_penalties
-            or s.request.sampling_params.has_token_biases
-            or s.sample_index < s.request.sampling_params.min_tokens
-            for s in sampling
-        )
-        prompt_targets = None
-        if any(s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
-            prompt_targets = np.zeros(num_tokens, np.int32)
-            offset = 0
-            for s in scheduled:
-                isolate_failures(
-                    failed, s, "building its prompt targets", _fill_prompt_targets, prompt_targets, offset, s
-                )
-                offset += s.num_new_tokens
-        # The step verifies only when some request carries drafts, with one grammar mask per position.
-        has_drafts = bool(spec.num_drafts.any())
-        grammar_bitmask = step_bitmask(grammar_bitmask, self.num_spec_tokens, has_drafts)
-        sampling_st = sampling_tensors(
-            scheduled,
-            batch.num_padded_seqs,
-            self.padded_vocab_size,
-            with_penalties,
-            failed=failed,
-            grammar_bitmask=grammar_bitmask,
-        )
-        return StepInputs(
-            batch=batch,
-            sampling=sampling_st,
-            with_logprobs=any(s.request.sampling_params.logprobs is not None for s in sampling),
-            prompt_targets=prompt_targets,
-            failed_req_ids=frozenset(failed),
-            spec=spec if has_drafts else None,
-            hooks=hook_arrays,
-            kv_connector_metadata=kv_connector_metadata,
-            state_copies=step_state_copies(scheduled, failed) if self.state_copier is not None else None,
-        )
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
         """The device half of a step, identical on every process: forward, sample, prompt logprobs."""

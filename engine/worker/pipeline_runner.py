@@ -44,7 +44,6 @@ from jax.sharding import NamedSharding
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_connector import KVConnectorWorker
-from xlaserve.core.kv_offload import persistent_tier_dir
 from xlaserve.kernels import KVCache
 from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
@@ -252,13 +251,12 @@ class PipelineRunner(ModelRunner):
         its layers; a persistent disk tier's files named apart per stage), disaggregated prefill one over
         every stage's cache, which serves and loads a block as the whole model's layers
         (worker/kv_transfer.py)."""
-        num_bytes = self.kv_bytes_per_block()  # sizes every stage's tier alike: the whole block's bytes
         return make_kv_connector_worker(
             self.config.cache,
-            num_bytes,
+            self.kv_bytes_per_block(),  # sizes every stage's tier alike: the whole block's bytes
             self.num_blocks,
             self.kv_layout,
-            persistent_tier_dir(self.config, num_bytes),
+            self.kv_persist_dir,
             local_stages=[s.is_local for s in self.stages],
             kv_transfer=self.config.kv_transfer,
         )

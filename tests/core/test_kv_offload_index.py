@@ -264,6 +264,14 @@ def test_the_persistent_tiers_directory_is_named_by_what_the_blocks_depend_on(tm
         persistent_tier_dir(EngineConfig.from_kwargs(**{**base, "kv_offloading_disk_persist": False}), 1)
         is None
     )
+    # Its core may take long to stop (it writes the cached blocks out first): the front end waits for it.
+    assert (
+        EngineConfig.from_kwargs(**base).core_shutdown_timeout_s,
+        EngineConfig.from_kwargs().core_shutdown_timeout_s,
+    ) == (
+        300.0,
+        5.0,
+    )
     with pytest.raises(ValueError, match="kv_offloading_disk_persist needs kv_offloading_disk_path"):
         EngineConfig.from_kwargs(kv_offloading_size=1, kv_offloading_disk_persist=True)
     # Data-parallel ranks: each its own directory (index, files, lock); rank 0's is a single engine's.
