@@ -31,7 +31,6 @@ from xlaserve.core.limits import RequestLimits
 from xlaserve.engine.core_calls import CoreCalls
 from xlaserve.engine.core_client import EngineCoreClient, EngineDeadError, cancel_quietly
 from xlaserve.engine.metrics import EngineMetrics
-from xlaserve.engine.mm_processor import MultiModalProcessor
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.pooling_waiters import PoolingWaiters
 from xlaserve.engine.processor import InputProcessor
@@ -168,24 +167,12 @@ class AsyncLLM(CoreCalls):
         self.pooling_task, self.hidden_size = ready.pooling_task, ready.hidden_size
         self.id2label = ready.id2label
         self.metrics.record_engine(ready.weight_bytes, ready.num_kv_blocks)
-        self.input_processor = InputProcessor(
+        self.input_processor = InputProcessor.for_engine(
+            self.config,
             self.tokenizer,
+            ready,
             ready.max_model_len,
-            ready.vocab_size,
-            ready.eos_token_id,
-            self.config.model.seed,
             RequestLimits(ready.max_model_len, self.block_size, ready.num_usable_blocks),
-            pooling_task=ready.pooling_task,
-            hidden_size=ready.hidden_size,
-            pooling_type=self.config.model.pooling_type,
-            num_labels=len(ready.id2label),
-            mm_processor=MultiModalProcessor.for_model(
-                self.model,
-                self.tokenizer,
-                self.config.model.limit_mm_per_prompt,
-                self.config.model.mm_processor_kwargs_dict,
-            ),
-            kv_transfer=self.config.cache.kv_transfer,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._attach_core()

@@ -7,7 +7,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from xlaserve.config import KVTransferConfig
+from xlaserve.config import EngineConfig, KVTransferConfig
 from xlaserve.core.limits import RequestLimits, check_prompt_length
 from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.core.request import Request, child_request_id
@@ -68,6 +68,31 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._seeds = random.Random(seed)
+
+    @classmethod
+    def for_engine(
+        cls, config: EngineConfig, tokenizer, info, max_model_len: int, limits: RequestLimits | None = None
+    ) -> InputProcessor:
+        """The processor of an engine of `config` (the offline `LLM`'s and `AsyncLLM`'s): `info` is what
+        the started engine reports of its model (vocab_size, eos_token_id, pooling_task, hidden_size,
+        id2label), and the model directory's multimodal processor comes with it."""
+        model = config.model
+        return cls(
+            tokenizer,
+            max_model_len,
+            info.vocab_size,
+            info.eos_token_id,
+            model.seed,
+            limits,
+            pooling_task=info.pooling_task,
+            hidden_size=info.hidden_size,
+            pooling_type=model.pooling_type,
+            num_labels=len(info.id2label),
+            mm_processor=MultiModalProcessor.for_model(
+                model.model, tokenizer, model.limit_mm_per_prompt, model.mm_processor_kwargs_dict
+            ),
+            kv_transfer=config.cache.kv_transfer,
+        )
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(the prompt's text or None, its token ids)."""

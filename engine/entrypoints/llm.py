@@ -15,7 +15,7 @@ from tqdm import tqdm
 from xlaserve.config import EngineConfig
 from xlaserve.engine.media import MediaPolicy, load_image
 from xlaserve.engine.metrics import EngineMetrics, Metric
-from xlaserve.engine.mm_processor import MultiModalProcessor, flatten_content
+from xlaserve.engine.mm_processor import flatten_content
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import start_engine
@@ -70,23 +70,8 @@ class LLM(PoolingMethods):
         self.tokenizer, self.max_model_len = model_info.tokenizer, self.engine_core.max_model_len
         if parallel.nnodes > 1:
             atexit.register(self.shutdown)
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            self.max_model_len,
-            model_info.vocab_size,
-            model_info.eos_token_id,
-            self.config.model.seed,
-            pooling_task=model_info.pooling_task,
-            hidden_size=model_info.hidden_size,
-            pooling_type=self.config.model.pooling_type,
-            num_labels=len(model_info.id2label),
-            mm_processor=MultiModalProcessor.for_model(
-                self.config.model.model,
-                self.tokenizer,
-                self.config.model.limit_mm_per_prompt,
-                self.config.model.mm_processor_kwargs_dict,
-            ),
-            kv_transfer=self.config.cache.kv_transfer,
+        self.input_processor = InputProcessor.for_engine(
+            self.config, self.tokenizer, model_info, self.max_model_len
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
