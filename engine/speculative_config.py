@@ -1,7 +1,7 @@
 """vLLM's `speculative_config`: which proposer drafts tokens, and how many a step verifies.
 
 Plain data like the rest of the engine's configuration (config.py re-exports it): the proposers
-live in core/spec_decode.py and worker/draft_model.py, the design in SPEC_DECODE.md.
+live in core/spec_decode.py, worker/draft_model.py and worker/mtp.py, the design in SPEC_DECODE.md.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from xlaserve.config_args import json_object
 
-_SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_METHODS = ("ngram", "draft_model", "mtp")
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -25,8 +25,10 @@ def _require(cond: bool, message: str) -> None:
 class SpeculativeConfig:
     """vLLM's `speculative_config`: propose up to `num_speculative_tokens` tokens per step and verify
     them in one forward. ngram: the longest suffix of the request's tokens (between prompt_lookup_min
-    and prompt_lookup_max long) found earlier in them proposes what followed it there. draft_model: `model`,
-    a smaller model with the same vocabulary, proposes k tokens per step (worker/draft_model.py)."""
+    and prompt_lookup_max long) found earlier in them proposes what followed it there. draft_model:
+    `model`, a smaller model with the same vocabulary, proposes k tokens per step
+    (worker/draft_model.py). mtp: the target checkpoint's multi-token prediction layer proposes them
+    (worker/mtp.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -54,6 +56,10 @@ class SpeculativeConfig:
             f"speculative_config.prompt_lookup_max must be >= prompt_lookup_min={self.prompt_lookup_min}, "
             f"got {self.prompt_lookup_max!r}",
         )
+        _require(
+            self.method == "draft_model" or self.model is None,
+            f"speculative_config.model is for method 'draft_model'; {self.method!r} takes none",
+        )
         if self.method == "draft_model":
             _require(
                 isinstance(self.model, str) and self.model,
@@ -66,6 +72,11 @@ class SpeculativeConfig:
                 f"speculative_config.model: {self.model!r} does not exist (a directory with config.json, "
                 "a .gguf file, or a directory written by `xlaserve convert`)",
             )
+
+    @property
+    def has_draft_cache(self) -> bool:
+        """A draft network with a K/V cache of its own on the target's block ids (not n-gram's)."""
+        return self.method in ("draft_model", "mtp")
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:

@@ -228,10 +228,13 @@ class Qwen3_5ForCausalLM(HybridDecoderLM):
 
     @classmethod
     def prepare_hf_tensors(cls, cfg: Qwen3_5Config, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The q, k, v rows of in_proj_qkv and of the conv regrouped by key head (`group_by_key_head`)."""
+        """The q, k, v rows of in_proj_qkv and of the conv regrouped by key head (`group_by_key_head`).
+        The multi-token prediction layer's `mtp.*` tensors are not the decoder's (models/mtp.py loads them
+        for speculative decoding)."""
         return {
             name: group_by_key_head(cfg, np.asarray(t)) if _GROUPED_BY_KEY_HEAD.search(name) else t
             for name, t in tensors.items()
+            if not name.startswith("mtp.")
         }
 
     @classmethod

@@ -6,7 +6,8 @@ the streams interleaved over the frequencies, videos as frame pairs with their t
 without DeepStack, in front of the hybrid decoder of models/qwen3_5.py (Gated DeltaNet layers beside
 gated attention layers; Qwen3.5-MoE's: models/qwen3_next.py). Only the attention layers rotate, by
 the step's M-RoPE positions over their partial rotary dimensions; the DeltaNet layers read the merged
-embeddings as they read text. The multi-token prediction layers (`mtp.*`) are not loaded.
+embeddings as they read text. The multi-token prediction layer (`mtp.*`) is the decoder's drafter
+(models/mtp.py).
 """
 
 from __future__ import annotations
@@ -63,8 +64,7 @@ class _Qwen3_5VisionLanguageLM(QwenVisionLanguageLM):
     @classmethod
     def prepare_hf_tensors(cls, cfg, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The Qwen VL names (`QwenVisionLanguageLM`'s), then the decoder's own rewriting."""
-        kept = {name: t for name, t in tensors.items() if not name.startswith("mtp.")}
-        return cls.text_class.prepare_hf_tensors(cfg, QwenVisionLanguageLM.prepare_hf_tensors(cfg, kept))
+        return cls.text_class.prepare_hf_tensors(cfg, QwenVisionLanguageLM.prepare_hf_tensors(cfg, tensors))
 
 
 class Qwen3_5ForConditionalGeneration(_Qwen3_5VisionLanguageLM, Qwen3_5ForCausalLM):

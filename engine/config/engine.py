@@ -40,8 +40,9 @@ class EngineConfig:
             # the same block ids) is not offloaded.
             require(self.parallel.nnodes == 1, "kv_offloading_size runs on one host (nnodes=1)")
             require(
-                self.speculative is None or self.speculative.method != "draft_model",
-                "kv_offloading_size cannot be combined with a draft model (its KV cache is not offloaded)",
+                self.speculative is None or not self.speculative.has_draft_cache,
+                "kv_offloading_size cannot be combined with a draft model or MTP layer (its KV cache is not "
+                "offloaded)",
             )
         if self.cache.kv_transfer_config is not None:
             # The block server and the loads ride beside the step on one process, as offload's do (on
@@ -60,8 +61,9 @@ class EngineConfig:
                 "kv_transfer_config needs a generating model (runner='generate')",
             )
             require(
-                self.speculative is None or self.speculative.method != "draft_model",
-                "kv_transfer_config cannot be combined with a draft model (its KV cache is not transferred)",
+                self.speculative is None or not self.speculative.has_draft_cache,
+                "kv_transfer_config cannot be combined with a draft model or MTP layer (its KV cache is not "
+                "transferred)",
             )
         dcp = self.parallel.decode_context_parallel_size
         if dcp > 1:  # what the interleaved cache (sharding/context_parallel.py) does not serve yet
@@ -71,14 +73,23 @@ class EngineConfig:
                 f"{dcp} (each rank stores block_size / {dcp} of a block's tokens)",
             )
             require(
-                self.speculative is None or self.speculative.method != "draft_model",
-                f"decode_context_parallel_size={dcp} cannot be combined with a draft model yet",
+                self.speculative is None or not self.speculative.has_draft_cache,
+                f"decode_context_parallel_size={dcp} cannot be combined with a draft model or MTP layer yet",
             )
         pcp = self.parallel.prefill_context_parallel_size
         if pcp > 1:  # what the token-split step (sharding/context_parallel.py) does not serve yet
             require(
-                self.speculative is None or self.speculative.method != "draft_model",
-                f"prefill_context_parallel_size={pcp} cannot be combined with a draft model yet",
+                self.speculative is None or not self.speculative.has_draft_cache,
+                f"prefill_context_parallel_size={pcp} cannot be combined with a draft model or MTP layer yet",
+            )
+        if self.speculative is not None and self.speculative.method == "mtp":
+            # The MTP layer's weights are placed whole, beside a target on one device.
+            tp = self.parallel.tensor_parallel_size
+            require(
+                tp == 1 and self.parallel.nnodes == 1,
+                f"speculative_config method 'mtp' runs beside a model on one device yet "
+                f"(tensor_parallel_size={tp}, nnodes={self.parallel.nnodes}); n-gram and draft_model run "
+                "under tensor parallelism",
             )
         pp = self.parallel.pipeline_parallel_size
         if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet

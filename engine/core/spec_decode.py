@@ -107,8 +107,9 @@ class NgramProposer:
 
 
 class DraftModelProposer(NgramProposer):
-    """Drafts a draft model proposed on the device during the last step (worker/draft_model.py), read
-    from that step's ModelRunnerOutput; the same limits as the n-gram proposer's cut them."""
+    """Drafts a draft network (worker/draft_model.py; an MTP layer: worker/mtp.py) proposed on the
+    device during the last step, read from that step's ModelRunnerOutput; the same limits as the n-gram
+    proposer's cut them."""
 
     def propose(self, requests: list[Request], runner_output=None) -> None:
         drafts = {} if runner_output is None else runner_output.draft_token_ids
@@ -123,6 +124,6 @@ def make_proposer(speculative_config, max_model_len: int) -> NgramProposer | Non
     """The host side of the configured method (None: speculative decoding off)."""
     if speculative_config is None:
         return None
-    if speculative_config.method == "draft_model":
+    if speculative_config.has_draft_cache:  # a draft model's or an MTP layer's, proposed on the device
         return DraftModelProposer(speculative_config, max_model_len)
     return NgramProposer(speculative_config, max_model_len)

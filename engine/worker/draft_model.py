@@ -144,13 +144,36 @@ class DraftModel:
 
     def __init__(self, config: EngineConfig, vocab_size: int, padded_vocab_size: int, devices=None):
         spec = config.speculative
-        self.num_spec_tokens = spec.num_speculative_tokens
         checkpoint = load_checkpoint(spec.model, skip_tokenizer_init=True, progress=False)
         # The target's dtype, parallelism and attention backend; the draft's own weights as stored.
         draft_config = dataclasses.replace(
             config, model=dataclasses.replace(config.model, model=spec.model, quantization=None)
         )
         model = load_model(draft_config, checkpoint.hf_config, checkpoint.tensors, devices)
+        self._check_draft(model, vocab_size, padded_vocab_size)
+        logger.info(
+            "draft model %s (%s, %d layers) proposes %d tokens per step",
+            spec.model,
+            model.model_config.architecture,
+            model.kv_spec.num_layers,
+            spec.num_speculative_tokens,
+        )
+        self.weight_bytes = model.weight_bytes
+        self._set_up(
+            config,
+            model.kv_spec,
+            model.backend,
+            model.dtype,
+            model.placement,
+            (model.params, model.head_dv),
+            partial(
+                _draft_step, model.graphdef, vocab_size, config.cache.block_size, spec.num_speculative_tokens
+            ),
+            probe=model.mesh.size == 1,
+        )
+
+    @staticmethod
+    def _check_draft(model, vocab_size: int, padded_vocab_size: int) -> None:
         if model.kv_spec.layer_kind != "full_attention":
             raise ValueError(
                 f"speculative_config.model: the draft model must have attention layers only (its K/V "
@@ -163,18 +186,16 @@ class DraftModel:
                 f"speculative_config.model: the draft's vocab_size ({draft_vocab}) must equal the target "
                 f"model's ({vocab_size}): a draft model must share the target's tokenizer"
             )
-        logger.info(
-            "draft model %s (%s, %d layers) proposes %d tokens per step",
-            spec.model,
-            model.model_config.architecture,
-            model.kv_spec.num_layers,
-            self.num_spec_tokens,
-        )
-        self.model_config = model.model_config
-        self.kv_spec, self.backend, self.dtype = model.kv_spec, model.backend, model.dtype
-        self.placement = model.placement
-        self.head_params = (model.params, model.head_dv)
-        self.weight_bytes = model.weight_bytes
+
+    def _set_up(
+        self, config: EngineConfig, kv_spec, backend, dtype, placement, head_params, step, probe: bool
+    ):
+        """What every drafter keeps: its cache's spec and placement, the weights its step reads first
+        (`head_params`) and its step program (`step`, jitted here under the engine's batch invariance)."""
+        self.num_spec_tokens = config.speculative.num_speculative_tokens
+        self.kv_spec, self.backend, self.dtype = kv_spec, backend, dtype
+        self.placement = placement
+        self.head_params = head_params
         self.kv_cache: KVCache | None = None
         self.q_buf: jax.Array | None = None
         self.block_size = config.cache.block_size
@@ -182,10 +203,7 @@ class DraftModel:
             traced_with(
                 config.model.batch_invariant,
                 # On one device the drafter's few-row dots take their shapes' probed rows too.
-                traced_probing(
-                    model.mesh.size == 1,
-                    partial(_draft_step, model.graphdef, vocab_size, self.block_size, self.num_spec_tokens),
-                ),
+                traced_probing(probe, step),
                 config.model.batch_invariant_float32,
             ),
             donate_argnames=("kv_cache", "q_buf"),
@@ -207,7 +225,13 @@ class DraftModel:
         self.q_buf = self.placement.zeros(shape, np.float32, self.placement.replicated)
         logger.info("draft q buffer: %.1f MiB", np.prod(shape) * 4 / 2**20)
 
-    def prepare(self, scheduled, num_seqs: int, failed: set[str]) -> DraftInputs:
+    inputs_class = DraftInputs  # the host arrays of a step (`prepare`)
+
+    def empty_inputs(self, num_tokens: int, num_seqs: int) -> DraftInputs:
+        """A padding-only step's host arrays (warm-up, HLO inspection): no row proposes."""
+        return DraftInputs(*(np.zeros(num_seqs, np.int32) for _ in dataclasses.fields(DraftInputs)))
+
+    def prepare(self, scheduled, num_tokens: int, num_seqs: int, failed: set[str]) -> DraftInputs:
         """Host arrays of one step; remembers which rows propose (their q rows for the next step)."""
         last_positions = np.zeros(num_seqs, np.int32)
         num_slots = np.zeros(num_seqs, np.int32)
@@ -224,11 +248,12 @@ class DraftModel:
             self._prev_rows[rid] = row
         return DraftInputs(last_positions, num_slots, prob_rows)
 
-    def step(self, batch, token_ids: jax.Array, num_accepted: jax.Array | None, st: SamplingTensors, inputs):
+    def step(self, batch, hidden, token_ids, num_accepted: jax.Array | None, st: SamplingTensors, inputs):
         """Run the draft over the step's batch (ready for the device) and propose k tokens per row ->
-        drafts [R, K] (on the device). `num_accepted`: the verifier's, or None (no drafts this step);
-        `st`, `inputs`: the step's host arrays."""
-        args = self._args(batch, token_ids, num_accepted, st, inputs)
+        drafts [R, K] (on the device). `hidden`: the target's final-norm hidden states [T, D] (an MTP
+        layer reads them); `num_accepted`: the verifier's, or None (no drafts this step); `st`, `inputs`:
+        the step's host arrays."""
+        args = self._args(batch, hidden, token_ids, num_accepted, st, inputs)
         drafts, self.q_buf, self.kv_cache = self._step_fn(*args)
         return drafts
 
@@ -241,7 +266,15 @@ class DraftModel:
         arguments made like those of `step`."""
         st = SamplingTensors(*(np.full(num_seqs, v, dtype) for v, dtype in _SCALARS))
         zeros = self._zeros(num_seqs)
-        return self._step_fn.lower(*self._args(batch, zeros, zeros, st, self.prepare([], num_seqs, set())))
+        num_tokens = batch.input_ids.shape[0]
+        inputs = self.empty_inputs(num_tokens, num_seqs)
+        return self._step_fn.lower(
+            *self._args(batch, self._hidden_like(num_tokens), zeros, zeros, st, inputs)
+        )
+
+    def _hidden_like(self, num_tokens: int):
+        """Warm-up's stand-in for the target's hidden states (None: this drafter does not read them)."""
+        return None
 
     def _zeros(self, num_seqs: int) -> jax.Array:
         """[R] zeros made like the verifier's outputs (committed, replicated): one program for both."""
@@ -251,7 +284,7 @@ class DraftModel:
             )
         return self._no_accepted[num_seqs]
 
-    def _args(self, batch, token_ids, num_accepted, st: SamplingTensors, inputs) -> tuple:
+    def _args(self, batch, hidden, token_ids, num_accepted, st: SamplingTensors, inputs) -> tuple:
         ready = self.placement.step_inputs
         scalars = SamplingTensors(st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.token_index)
         if num_accepted is None:

@@ -48,6 +48,7 @@ from xlaserve.worker.kv_transfer import make_kv_connector_worker
 from xlaserve.worker.lora_manager import LoRAManager, SlotHolder
 from xlaserve.worker.mm_encoder import make_mm_hook
 from xlaserve.worker.model_loader import LoadedModel, load_model
+from xlaserve.worker.mtp import MTPDrafter
 from xlaserve.worker.pooler import Pooler, PoolingHook
 from xlaserve.worker.sampler import SamplerOutput
 from xlaserve.worker.spec_decode import VerifyOutput
@@ -145,6 +146,8 @@ class ModelRunner(StepPreparation):
         self.drafter = None
         if spec is not None and spec.method == "draft_model":
             self.drafter = DraftModel(config, vocab, self.padded_vocab_size, devices)
+        elif spec is not None and spec.method == "mtp":  # the checkpoint's own layer (worker/mtp.py)
+            self.drafter = MTPDrafter(config, self, hf_config, tensors, vocab)
         # runner="pooling": the prompt's hidden states pooled on the host, beside the (unread) sampler.
         self.pooler = pooler
         # The features' hooks into the step (worker/step_hooks.py), in the order they run.
@@ -398,7 +401,7 @@ class ModelRunner(StepPreparation):
         device |= pooled
         for hook in self.hooks:  # e.g. the next step's drafts, from the tokens this one emitted
             device |= hook.after_sampling(
-                batch, out.token_ids, num_accepted, inputs.sampling, inputs.hooks[hook.name]
+                batch, hidden, out.token_ids, num_accepted, inputs.sampling, inputs.hooks[hook.name]
             )
         if inputs.with_logprobs:
             device |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}

@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from xlaserve.worker.draft_model import DraftInputs, DraftModel
+from xlaserve.worker.draft_model import DraftModel
 from xlaserve.worker.lora_manager import LoRAManager
 from xlaserve.worker.sampler import SamplingTensors
 
@@ -61,10 +61,11 @@ class StepHook:
         return None
 
     def after_sampling(
-        self, batch, token_ids: jax.Array, num_accepted: jax.Array | None, st: SamplingTensors, arrays
+        self, batch, hidden, token_ids: jax.Array, num_accepted: jax.Array | None, st: SamplingTensors, arrays
     ) -> dict[str, jax.Array]:
-        """Device outputs the feature adds to the step's, from its batch (on the device) and its
-        sampled ids; `num_accepted`: the verifier's, or None in a step without drafts."""
+        """Device outputs the feature adds to the step's, from its batch (on the device), the forward's
+        final-norm hidden states [T, D] and its sampled ids; `num_accepted`: the verifier's, or None in a
+        step without drafts."""
         return {}
 
     def warm_up(self, batches: dict, num_seqs_for) -> list:
@@ -104,14 +105,15 @@ class DraftModelHook(StepHook):
 
     def prepare(self, scheduled, num_tokens, num_seqs, failed) -> HostArrays:
         if not scheduled:  # warm-up, HLO inspection: a padding-only step must not forget the q rows
-            return {f.name: np.zeros(num_seqs, np.int32) for f in dataclasses.fields(DraftInputs)}
-        return dataclasses.asdict(self.drafter.prepare(scheduled, num_seqs, failed))
+            return dataclasses.asdict(self.drafter.empty_inputs(num_tokens, num_seqs))
+        return dataclasses.asdict(self.drafter.prepare(scheduled, num_tokens, num_seqs, failed))
 
     def verify_inputs(self, arrays) -> tuple:
         return self.drafter.verify_args(arrays["prob_rows"])
 
-    def after_sampling(self, batch, token_ids, num_accepted, st, arrays) -> dict[str, jax.Array]:
-        return {"draft_ids": self.drafter.step(batch, token_ids, num_accepted, st, DraftInputs(**arrays))}
+    def after_sampling(self, batch, hidden, token_ids, num_accepted, st, arrays) -> dict[str, jax.Array]:
+        inputs = self.drafter.inputs_class(**arrays)
+        return {"draft_ids": self.drafter.step(batch, hidden, token_ids, num_accepted, st, inputs)}
 
     def warm_up(self, batches, num_seqs_for) -> list:
         return [self.drafter.lower_step(batch, num_seqs_for(n)) for n, batch in batches.items()]

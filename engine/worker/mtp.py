@@ -1,0 +1,211 @@
+"""Speculative decoding with the checkpoint's own multi-token prediction layer (`{"method": "mtp"}`,
+vLLM's name; models/mtp.py): a drafter like the draft model (worker/draft_model.py: its own K/V cache
+on the target's block ids, k drafts per step in one program, q kept for exact rejection), whose network
+reads the target's hidden states.
+
+Every step the MTP layer first runs the step's whole flat batch, as the draft model does: at each
+position i, the token at i + 1 and the target's hidden state at i. The host knows the token after
+every position but a sampling row's last accepted one (`next_ids`); there the token the step just
+emitted (the verification's correction or bonus, or a prompt's first output) is written on the device,
+at the row's first verified position plus its accepted drafts (`verify_starts`). So each position's
+K/V is written from the token that follows it, and the layer's output at that last accepted position
+is draft 0 (the token after the emitted one). Positions past it (rejected drafts) are written from
+tokens that were not kept; the next step's flat batch starts at the emitted token and rewrites them,
+as it does for the draft model. Drafts 1..k-1 come one token per row in a `lax.fori_loop`, the layer
+fed its own output in place of the target's hidden state (as vLLM's MTP and EAGLE proposers do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from xlaserve.config import EngineConfig
+from xlaserve.kernels import AttentionMetadata
+from xlaserve.models.mtp import mtp_class, num_mtp_layers
+from xlaserve.models.registry import get_model_class
+from xlaserve.models.weights import load_params
+from xlaserve.sharding.vocab import mask_padded_vocab
+from xlaserve.worker.draft_model import DraftModel, _draw_drafts
+from xlaserve.worker.sampler import _GREEDY_EPS, SamplingTensors
+
+logger = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MTPInputs:
+    """A step's host arrays for the MTP layer."""
+
+    last_positions: np.ndarray  # [R] position of the row's last known token (its first verified position)
+    num_slots: np.ndarray  # [R] positions below this have a slot in the row's blocks; 0: no proposal
+    prob_rows: np.ndarray  # [R] the row of the q buffer holding the q of the drafts this row verifies
+    verify_starts: np.ndarray  # [R] flat index of the row's last known token
+    next_ids: np.ndarray  # [T] the token after each flat position, where the host knows it (else 0)
+
+
+def _mtp_step(
+    target_graphdef,
+    mtp_graphdef,
+    vocab_size: int,
+    block_size: int,
+    num_spec: int,
+    head_params,
+    mtp_params,
+    kv_cache,
+    q_buf,
+    hidden,  # [T, D] the target's final-norm hidden states
+    positions,  # [T]
+    md: AttentionMetadata,
+    token_ids,  # [R] the token each row emitted this step
+    num_accepted,  # [R]
+    st: SamplingTensors,
+    inputs: MTPInputs,
+):
+    """-> (drafts [R, K] int32, -1 from a row's first position without a slot; q_buf, kv_cache)."""
+    params, head_dv = head_params
+    target = nnx.merge(target_graphdef, params)
+    layer = nnx.merge(mtp_graphdef, mtp_params)
+    num_tokens, num_rows = positions.shape[0], token_ids.shape[0]
+    proposes = inputs.num_slots > 0
+    emitted_at = inputs.verify_starts + num_accepted  # each row's last accepted position, in the batch
+    next_ids = inputs.next_ids.at[jnp.where(proposes, emitted_at, num_tokens)].set(token_ids, mode="drop")
+    out, kv_cache = layer(target.embed(next_ids), hidden, positions, kv_cache, md)
+    start = inputs.last_positions + num_accepted + 1  # where each emitted token sits
+    token_index = st.token_index + num_accepted + 1  # the output index of the token draft 0 stands for
+    is_greedy = st.temperature < _GREEDY_EPS
+    rows = jnp.arange(num_rows)
+    max_blocks = md.block_tables.shape[1]
+    query_start_loc = jnp.arange(num_rows + 1, dtype=jnp.int32)  # one query per row
+
+    def draw(i, h, q_buf, drafts, tokens):
+        logits = mask_padded_vocab(target.compute_logits(h, head_dv), vocab_size)
+        next_ids, probs = _draw_drafts(logits, st, token_index + i, is_greedy)
+        valid = start + i < inputs.num_slots  # the draft model's rule: its input's position has a slot
+        q_buf = jax.lax.dynamic_update_slice(
+            q_buf, jnp.where(valid[:, None], probs, 0.0)[:, None, :], (0, i, 0)
+        )
+        return q_buf, drafts.at[:, i].set(jnp.where(valid, next_ids, -1)), next_ids
+
+    drafts = jnp.zeros((num_rows, num_spec), jnp.int32)
+    h = out[jnp.clip(emitted_at, 0, num_tokens - 1)]
+    q_buf, drafts, tokens = draw(0, h, q_buf, drafts, None)
+
+    def body(i, carry):  # draft i from draft i - 1 at the position after the emitted token's
+        kv_cache, h, tokens, drafts, q_buf = carry
+        pos = start + i - 1
+        valid = pos < inputs.num_slots
+        block = md.block_tables[rows, jnp.minimum(pos // block_size, max_blocks - 1)]
+        step_md = AttentionMetadata(
+            slot_mapping=jnp.where(valid, block * block_size + pos % block_size, 0),
+            kv_lens=jnp.where(valid, pos + 1, 1),
+            block_tables=jnp.where(valid[:, None], md.block_tables, 0),  # invalid rows: the null block
+            query_start_loc=query_start_loc,
+            num_seqs=jnp.int32(num_rows),
+        )
+        h, kv_cache = layer(target.embed(tokens), h, jnp.where(valid, pos, 0), kv_cache, step_md)
+        q_buf, drafts, tokens = draw(i, h, q_buf, drafts, tokens)
+        return kv_cache, h, tokens, drafts, q_buf
+
+    kv_cache, _, _, drafts, q_buf = jax.lax.fori_loop(1, num_spec, body, (kv_cache, h, tokens, drafts, q_buf))
+    return drafts, q_buf, kv_cache
+
+
+class MTPDrafter(DraftModel):
+    """The target checkpoint's MTP layer as the drafter (module doc); `runner`: the ModelRunner, whose
+    model it reads (embedding, LM head, hidden states) and whose checkpoint holds the layer's weights."""
+
+    inputs_class = MTPInputs
+
+    def __init__(self, config: EngineConfig, runner, hf_config: dict, tensors, vocab_size: int):
+        target_class = get_model_class(runner.model_config.architecture)
+        layer_class = mtp_class(target_class)
+        num_layers = num_mtp_layers(hf_config)
+        if layer_class is None or num_layers == 0:
+            raise ValueError(
+                f"speculative_config.method 'mtp': {runner.model_config.architecture} has no multi-token "
+                "prediction layer here (Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints do: "
+                "mtp_num_hidden_layers in config.json)"
+            )
+        if num_layers != 1:
+            raise ValueError(f"speculative_config.method 'mtp': {num_layers} MTP layers; one is supported")
+        cfg = runner.model_config  # the layer is one of the target's attention layers, in its shapes
+        dtype, backend, placement = runner.dtype, runner.backend, runner.placement
+        graphdef, params = load_params(
+            layer_class,
+            cfg,
+            {name: t for name, t in tensors.items() if name.startswith("mtp.")},
+            dtype=dtype,
+            make_model=lambda: layer_class(cfg, backend, dtype=dtype, rngs=nnx.Rngs(0)),
+            place=placement.place_param,
+        )
+        self.mtp_params = params
+        self.weight_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
+        logger.info(
+            "MTP layer (%s) proposes %d tokens per step", layer_class.__name__, config.num_spec_tokens
+        )
+        self.hidden_size = cfg.hidden_size
+        self._set_up(
+            config,
+            layer_class.kv_cache_spec(cfg),
+            backend,
+            dtype,
+            placement,
+            runner.head_params,
+            partial(
+                _mtp_step,
+                runner.graphdef,
+                graphdef,
+                vocab_size,
+                config.cache.block_size,
+                config.num_spec_tokens,
+            ),
+            probe=runner.mesh.size == 1,
+        )
+
+    def empty_inputs(self, num_tokens: int, num_seqs: int) -> MTPInputs:
+        zeros = np.zeros(num_seqs, np.int32)
+        return MTPInputs(zeros, zeros, zeros, zeros, np.zeros(num_tokens, np.int32))
+
+    def prepare(self, scheduled, num_tokens: int, num_seqs: int, failed: set[str]) -> MTPInputs:
+        """The draft model's arrays, and where each row's tokens are in the batch with the token that
+        follows each of them."""
+        base = super().prepare(scheduled, num_tokens, num_seqs, failed)
+        verify_starts = np.zeros(num_seqs, np.int32)
+        next_ids = np.zeros(num_tokens, np.int32)
+        offset = 0
+        for row, s in enumerate(scheduled):
+            n, start = s.num_new_tokens, s.num_computed_tokens
+            tokens = s.request.all_token_ids
+            known = tokens[start + 1 : start + n + 1 - len(s.spec_token_ids)] + s.spec_token_ids
+            next_ids[offset : offset + len(known)] = known[:n]
+            verify_starts[row] = offset + n - 1 - len(s.spec_token_ids)
+            offset += n
+        return MTPInputs(base.last_positions, base.num_slots, base.prob_rows, verify_starts, next_ids)
+
+    def _hidden_like(self, num_tokens: int):
+        return self.placement.zeros((num_tokens, self.hidden_size), self.dtype, self.placement.replicated)
+
+    def _args(self, batch, hidden, token_ids, num_accepted, st: SamplingTensors, inputs) -> tuple:
+        _, _, q_buf, _, positions, md, token_ids, num_accepted, st, inputs = super()._args(
+            batch, hidden, token_ids, num_accepted, st, inputs
+        )
+        return (
+            self.head_params,
+            self.mtp_params,
+            self.kv_cache,
+            q_buf,
+            hidden,
+            positions,
+            md,
+            token_ids,
+            num_accepted,
+            st,
+            inputs,
+        )

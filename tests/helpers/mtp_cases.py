@@ -1,0 +1,120 @@
+"""A tiny Qwen3.5 with a multi-token prediction layer (`mtp.*` tensors beside the decoder's, as the
+releases ship them), and the drafts that layer proposes, computed with Hugging Face's own layer classes
+(transformers has the decoder layer, not the MTP wiring, which is vLLM's: models/mtp.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from helpers.family_cases import QWEN3_5_TEXT, randomize_weights, save_hf_model
+
+_FULL_LAYER = QWEN3_5_TEXT["layer_types"].index("full_attention")
+
+
+def save_qwen3_5_with_mtp(directory: str, *, oracle: bool = False, seed: int = 0):
+    """A random Qwen3_5ForCausalLM and an MTP layer -> (path, hf model, the MTP's decoder layer, its
+    tensors). `oracle`: every layer's output projections zeroed, so the target predicts each token from
+    the one before it (logits = head(norm(embed(token)))), and an MTP layer that computes the same
+    from the token it reads (fc passes the embedding through, its layer adds nothing, its norm is the
+    target's): its drafts are the target's own next tokens."""
+    config = transformers.Qwen3_5TextConfig(**QWEN3_5_TEXT)
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    torch.manual_seed(seed)
+    hf = randomize_weights(transformers.Qwen3_5ForCausalLM(config).eval(), norm_center=0.0)
+    layer = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5DecoderLayer(config, _FULL_LAYER).eval()
+    d = config.hidden_size
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        mtp = {
+            "mtp.fc.weight": torch.randn(d, 2 * d) * 0.3,
+            **{
+                f"mtp.{n}.weight": torch.randn(d) * 0.2
+                for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden")
+            },
+            "mtp.norm.weight": torch.randn(d) * 0.2,
+        }
+        if oracle:
+            for name, p in [*hf.named_parameters(), *layer.named_parameters()]:
+                if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                    p.zero_()
+            mtp["mtp.fc.weight"] = torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1)
+            mtp["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(d)
+            mtp["mtp.norm.weight"] = hf.model.norm.weight.detach().clone()
+    mtp |= {f"mtp.layers.0.{k}": v.detach().clone() for k, v in layer.state_dict().items()}
+    path = save_hf_model(hf, directory)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**hf_config, "mtp_num_hidden_layers": 1}, f)
+    return path, hf, layer, mtp
+
+
+def _norm(weight, x, eps: float = 1e-6):
+    """Qwen3.5's zero-centred RMSNorm (scale 1 + w)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+
+
+@torch.no_grad()
+def _mtp_outputs(hf, layer, mtp, next_ids: list[int], hidden):
+    """The MTP layer's final-norm outputs at positions 0..n-1, reading token next_ids[i] and hidden[i]."""
+    embeds = hf.model.embed_tokens(torch.tensor(next_ids))
+    x = torch.cat(
+        [
+            _norm(mtp["mtp.pre_fc_norm_embedding.weight"], embeds),
+            _norm(mtp["mtp.pre_fc_norm_hidden.weight"], hidden),
+        ],
+        dim=-1,
+    )
+    x = x @ mtp["mtp.fc.weight"].T
+    n = x.shape[0]
+    positions = torch.arange(n)[None]
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    out = layer(
+        x[None],
+        position_embeddings=hf.model.rotary_emb(x[None], positions),
+        attention_mask=mask,
+        position_ids=positions,
+    )
+    return _norm(mtp["mtp.norm.weight"], (out[0] if isinstance(out, tuple) else out)[0])
+
+
+@torch.no_grad()
+def hf_drafts(hf, layer, mtp, seq: list[int], p: int, k: int) -> list[int]:
+    """The k greedy drafts proposed once the token at position p of `seq` is emitted: the MTP layer
+    over positions 0..p-1 (the token after each, the target's final-norm hidden state there) gives
+    the first, then it reads its own draft and output for the next."""
+    hidden = hf.model(input_ids=torch.tensor([seq])).last_hidden_state[0]
+    next_ids, rows, drafts = list(seq[1 : p + 1]), hidden[:p], []
+    for _ in range(k):
+        out = _mtp_outputs(hf, layer, mtp, next_ids, rows)
+        drafts.append(int(hf.lm_head(out[-1]).argmax()))
+        next_ids, rows = next_ids + drafts[-1:], torch.cat([rows, out[-1:]])
+    return drafts
+
+
+def record_drafts(llm) -> dict[str, list[tuple[int, list[int]]]]:
+    """Per request, each step's drafts with the position of the token emitted before them (filled as
+    the engine runs: the scheduler's update wrapped)."""
+    scheduler, seen = llm.engine_core.scheduler, {}
+    update = scheduler.update_from_output
+
+    def recording(scheduler_output, runner_output):
+        outputs = update(scheduler_output, runner_output)
+        for s in scheduler_output.scheduled:
+            drafts = runner_output.draft_token_ids.get(s.request.request_id)
+            if drafts is not None:
+                seen.setdefault(s.request.request_id, []).append((s.request.num_tokens - 1, list(drafts)))
+        return outputs
+
+    scheduler.update_from_output = recording
+    return seen

@@ -1,0 +1,82 @@
+"""Speculative decoding with a checkpoint's multi-token prediction layer (`{"method": "mtp"}`,
+worker/mtp.py) on a tiny Qwen3.5: every draft the engine proposes is the one Hugging Face's own layer
+classes compute for that MTP wiring (helpers/mtp_cases.py), greedy output keeps the target's tokens and
+logprobs bit for bit in bfloat16, and an MTP layer that predicts the target is accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.family_cases import ENGINE_ARGS, NUM_GREEDY, hf_greedy, prompts
+from helpers.mtp_cases import hf_drafts, record_drafts, save_qwen3_5_with_mtp
+from xlaserve import LLM, SamplingParams
+
+VOCAB = 101
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True, logprobs=1)
+
+
+def _numbers(out):
+    first = out.outputs[0]
+    return list(first.token_ids), [e[t].logprob for e, t in zip(first.logprobs, first.token_ids)]
+
+
+def test_every_draft_is_the_mtp_layers_own(tmp_path):
+    """k = 2, float32, one request at a time: each step's two drafts (the first from the target's
+    hidden state, the second from the layer's own output) equal Hugging Face's layers' for the same
+    positions, and the tokens are Hugging Face's greedy ones."""
+    path, hf, layer, mtp = save_qwen3_5_with_mtp(str(tmp_path))
+    batch = [{"prompt_token_ids": p} for p in prompts(VOCAB, seed=2)[:2]]
+    expected = [hf_greedy(hf, p["prompt_token_ids"]) for p in batch]
+    llm = LLM(path, **ENGINE_ARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    seen = record_drafts(llm)
+    for prompt, tokens in zip(batch, expected):
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert _numbers(out)[0] == tokens
+        seq = prompt["prompt_token_ids"] + tokens
+        steps = [(p, d) for p, d in seen[out.request_id] if p < len(seq) - 1]
+        assert len(steps) >= len(tokens) // 2  # a proposal after (nearly) every step
+        assert [d for _, d in steps] == [hf_drafts(hf, layer, mtp, seq, p, 2) for p, _ in steps]
+
+
+def test_an_mtp_layer_that_predicts_the_target_is_accepted_and_changes_no_bit(tmp_path):
+    """bfloat16 (batch invariance on, the default): an MTP layer whose drafts are the target's own next
+    tokens (helpers/mtp_cases.py `oracle`) is accepted at both draft positions, and four requests in
+    flight decode the plain engine's tokens and logprobs bit for bit."""
+    path, *_ = save_qwen3_5_with_mtp(str(tmp_path), oracle=True)
+    args = {**ENGINE_ARGS, "dtype": "bfloat16"}
+    batch = [{"prompt_token_ids": p} for p in prompts(VOCAB, seed=3)]
+    expected = [_numbers(o) for o in LLM(path, **args).generate(batch, GREEDY, use_tqdm=False)]
+    llm = LLM(path, **args, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert [_numbers(o) for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
+    metrics = {(m.name, tuple(m.labels.items())): m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    drafted = metrics[("xlaserve:spec_decode_num_draft_tokens", ())]
+    accepted = metrics[("xlaserve:spec_decode_num_accepted_tokens", ())]
+    assert drafted > 0 and accepted >= 0.8 * drafted, (accepted, drafted)
+    assert metrics[("xlaserve:spec_decode_num_accepted_tokens_per_pos", (("position", "1"),))] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"speculative_config": {"method": "mtp", "model": "x"}}, "speculative_config.model is for method"),
+        (
+            {"speculative_config": {"method": "mtp"}, "tensor_parallel_size": 2},
+            "speculative_config method 'mtp' runs beside a model on one device yet",
+        ),
+    ],
+)
+def test_mtp_settings_refused_at_start(args, message):
+    from xlaserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs("smollm2", **args)
+
+
+def test_a_model_without_an_mtp_layer_is_refused_naming_the_method(tmp_path):
+    from helpers.tiny_models import save_tiny_llama
+
+    path = save_tiny_llama(str(tmp_path))
+    with pytest.raises(
+        ValueError, match=r"speculative_config.method 'mtp': LlamaForCausalLM has no multi-token"
+    ):
+        LLM(path, **ENGINE_ARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
