@@ -4,6 +4,7 @@ releases ship them), and the drafts that layer proposes, computed with Hugging F
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 
@@ -14,19 +15,28 @@ from safetensors.torch import load_file, save_file
 from helpers.family_cases import QWEN3_5_TEXT, randomize_weights, save_hf_model
 
 _FULL_LAYER = QWEN3_5_TEXT["layer_types"].index("full_attention")
+# Qwen3-Next's (and Qwen3.5-MoE's) experts over Qwen3.5's sizes (`family="Qwen3Next"`).
+QWEN3_NEXT_MOE = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24
+)
 
 
-def save_qwen3_5_with_mtp(directory: str, *, oracle: bool = False, seed: int = 0):
+def save_qwen3_5_with_mtp(directory: str, *, oracle: bool = False, seed: int = 0, family: str = "Qwen3_5"):
     """A random Qwen3_5ForCausalLM and an MTP layer -> (path, hf model, the MTP's decoder layer, its
     tensors). `oracle`: every layer's output projections zeroed, so the target predicts each token from
     the one before it (logits = head(norm(embed(token)))), and an MTP layer that computes the same
     from the token it reads (fc passes the embedding through, its layer adds nothing, its norm is the
     target's): its drafts are the target's own next tokens."""
-    config = transformers.Qwen3_5TextConfig(**QWEN3_5_TEXT)
-    config.architectures = ["Qwen3_5ForCausalLM"]
+    fields = QWEN3_5_TEXT if family == "Qwen3_5" else {**QWEN3_5_TEXT, **QWEN3_NEXT_MOE}
+    config = getattr(transformers, f"{family}TextConfig" if family == "Qwen3_5" else f"{family}Config")(
+        **fields
+    )
+    config.architectures = [f"{family}ForCausalLM"]
     torch.manual_seed(seed)
-    hf = randomize_weights(transformers.Qwen3_5ForCausalLM(config).eval(), norm_center=0.0)
-    layer = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5DecoderLayer(config, _FULL_LAYER).eval()
+    hf = randomize_weights(getattr(transformers, f"{family}ForCausalLM")(config).eval(), norm_center=0.0)
+    name = {"Qwen3_5": "qwen3_5", "Qwen3Next": "qwen3_next"}[family]
+    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    layer = getattr(modeling, f"{family}DecoderLayer")(config, _FULL_LAYER).eval()
     d = config.hidden_size
     torch.manual_seed(seed + 1)
     with torch.no_grad():
