@@ -161,6 +161,49 @@ def test_divergent_follower_stops_the_engine_with_a_clear_error():
     }
 
 
+# Process 0's end of the step channel, in a process of its own so that it can die: once both followers
+# have connected it idles past the first one's bound, sends each a call, and idles on.
+_SENDER = """
+import sys, time
+from xlaserve.executor.multihost import Call, StepSender
+sender = StepSender("127.0.0.1", int(sys.argv[1]), num_followers=2, timeout_s=60)
+time.sleep(2.5)
+sender.send_call(Call("wake_up"))
+time.sleep(600)
+"""
+
+
+def test_a_follower_stops_once_process_0_is_gone_and_waits_while_it_idles():
+    """A follower waiting for process 0's next step: an idle process 0 (2.5 s without a message, past the
+    follower's 1 s bound) keeps it waiting; a stopped one (SIGSTOP: a host gone silent, its connection
+    left open) is noticed within the bound by ZMQ's heartbeats, a killed one (SIGKILL) at once, far
+    within the other follower's 30 s bound: each a RuntimeError naming process 0's address."""
+    import signal
+    import time
+
+    from xlaserve.executor.multihost import StepReceiver
+
+    port = free_port()
+    process_0 = subprocess.Popen([sys.executable, "-c", _SENDER, str(port)])
+    followers = [
+        StepReceiver("127.0.0.1", port, rank, liveness_timeout_s=s) for rank, s in ((1, 1.0), (2, 30.0))
+    ]
+    lost = rf"lost process 0 \(its step channel at 127.0.0.1:{port} disconnected"
+    try:
+        assert [f.recv().method for f in followers] == ["wake_up", "wake_up"]
+        for rank, (follower, sig) in enumerate(zip(followers, (signal.SIGSTOP, signal.SIGKILL)), 1):
+            process_0.send_signal(sig)
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=rf"process {rank}: {lost}"):
+                follower.recv()
+            assert time.monotonic() - start < 2.0
+    finally:
+        process_0.kill()
+        process_0.wait()
+        for follower in followers:
+            follower.close()
+
+
 def test_an_engine_over_another_session_than_the_live_one_is_refused_by_name(tiny_llama_2kv, monkeypatch):
     """jax.distributed is joined once per process: a later engine over the live session joins it as it is
     (the launch above), one naming other ports or processes is refused before it loads anything, and so
