@@ -235,6 +235,31 @@ def test_an_engine_over_another_session_than_the_live_one_is_refused_by_name(tin
         LLM(tiny_llama_2kv, pipeline_parallel_size=2, **(engine | {"master_port": 29500}))
 
 
+def test_a_jax_distributed_session_the_callers_code_joined_is_adopted_or_refused_by_name(monkeypatch):
+    """jax.distributed joined by the caller's own code before the first engine: an engine naming its
+    coordinator, process count and rank runs over it (the launch's processes join it so), one naming
+    others is refused by each differing field; here JAX's state stands in for a joined session."""
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    from xlaserve.sharding import distributed
+
+    def joined_twice(**_):
+        raise AssertionError("jax.distributed.initialize called again")
+
+    monkeypatch.setattr(jax.distributed, "initialize", joined_twice)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    for name, value in {"coordinator_address": "10.0.0.1:29500", "num_processes": 4, "process_id": 2}.items():
+        monkeypatch.setattr(jax_distributed.global_state, name, value)
+    monkeypatch.setattr(distributed, "_session", None)
+    with pytest.raises(ValueError, match=r"master_addr='10.0.0.2' \(the session's: '10.0.0.1'\), nnodes=2 "):
+        distributed.initialize("10.0.0.2", 29500, 2, 2)
+    with pytest.raises(ValueError, match=r"master_port=29501 \(the session's: 29500\), node_rank=1 \(the s"):
+        distributed.initialize("10.0.0.1", 29501, 4, 1)
+    distributed.initialize("10.0.0.1", 29500, 4, 2)
+    assert distributed._session == distributed.Session("10.0.0.1", 29500, 4, 2, cross_host_transfers=False)
+
+
 @pytest.mark.slow
 def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text, tmp_path):
     """`xlaserve serve` across two processes (TP 8 over 2 x 4 devices): the OpenAI API answers from
