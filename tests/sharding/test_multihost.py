@@ -74,9 +74,9 @@ def one_process_text(tiny_llama_2kv) -> str:
 @pytest.fixture(scope="module")
 def launch(tiny_llama_2kv, tmp_path_factory) -> dict:
     """helpers/multihost_process.py's cases over two processes of one device each, in one launch: the
-    pipelined case first (it sets up the session's cross-host transfers), then `xlaserve generate`, the
-    research stack, LoRA, pooling and two vision-language models, each engine built after the last one's
-    shutdown. {label: process 0's answers}; the inputs each test's reference needs under "inputs"."""
+    pipelined case first, then `xlaserve generate`, the research stack, LoRA, pooling and two
+    vision-language models, each engine built after the last one's shutdown, all over the jax.distributed
+    session each process joined itself before the first (with cross-host transfers). {label: process 0's answers}; the inputs each test's reference needs under "inputs"."""
     import transformers
 
     from helpers.lora_adapters import make_adapter
