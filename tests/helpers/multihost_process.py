@@ -17,9 +17,10 @@ each case's answers were as one JSON line, keyed by the case's label.
   third prompt with adapters A, B and none in one batch, then "research" (its refused tensors: one of
   the follower's stage, one of process 0's).
 
-Each process joins jax.distributed itself before its first engine, as a user's script may (with the
-cross-host transfers pipeline stages need), and every engine runs over that session
-(sharding/distributed.py; the server case of test_multihost.py covers xlaserve's own join).
+Process 1 joins jax.distributed itself before its first engine, as a user's script may (with the
+cross-host transfers pipeline stages need), and its engines run over that session; process 0's first
+engine joins it (sharding/distributed.py), with the transfers whatever that engine is, so that a pipelined
+engine may follow a tensor-parallel one.
 
 arg: {"cases": {label: case}, "node_rank", "port"}; a case: {"case", "model"} and "new_model" (research,
 pipeline), "adapters" (lora, pipeline), "argv" (generate: the CLI's, without the multi-host flags);
@@ -107,7 +108,8 @@ def adapter_batch(llm, adapters: list[str]) -> dict:
 
 
 def main(arg: dict) -> None:
-    join_jax_distributed(arg["port"], arg["node_rank"])
+    if arg["node_rank"]:
+        join_jax_distributed(arg["port"], arg["node_rank"])
     results = {}
     for label, case in arg["cases"].items():
         result = run_case({**case, "node_rank": arg["node_rank"], "port": arg["port"]})

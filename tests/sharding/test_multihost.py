@@ -73,10 +73,11 @@ def one_process_text(tiny_llama_2kv) -> str:
 
 @pytest.fixture(scope="module")
 def launch(tiny_llama_2kv, tmp_path_factory) -> dict:
-    """helpers/multihost_process.py's cases over two processes of one device each, in one launch: the
-    pipelined case first, then `xlaserve generate`, the research stack, LoRA, pooling and two
-    vision-language models, each engine built after the last one's shutdown, all over the jax.distributed
-    session each process joined itself before the first (with cross-host transfers). {label: process 0's answers}; the inputs each test's reference needs under "inputs"."""
+    """helpers/multihost_process.py's cases over two processes of one device each, in one launch:
+    `xlaserve generate` (TP 2) first, then pipeline stages (over the session a tensor-parallel engine
+    joined on process 0, and process 1's own), the research stack, LoRA, pooling and two vision-language
+    models, each engine built after the last one's shutdown. {label: process 0's answers}; the inputs
+    each test's reference needs under "inputs"."""
     import transformers
 
     from helpers.lora_adapters import make_adapter
@@ -97,8 +98,8 @@ def launch(tiny_llama_2kv, tmp_path_factory) -> dict:
     stages = {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, **WARMED}
     llama = {"model": tiny_llama_2kv}
     cases = {
-        "pipeline": {"case": "pipeline", **llama, "new_model": new_model, "adapters": adapters},
         "generate": {"case": "generate", "argv": _generate_args(tiny_llama_2kv)},
+        "pipeline": {"case": "pipeline", **llama, "new_model": new_model, "adapters": adapters},
         "research": {"case": "research", **llama, "new_model": new_model},
         "lora": {"case": "lora", **llama, "adapters": adapters},
         "pool": {"case": "pool", **llama},
@@ -118,9 +119,9 @@ def launch(tiny_llama_2kv, tmp_path_factory) -> dict:
 @pytest.mark.slow
 def test_two_processes_tensor_parallel_2_match_one_process(launch, one_process_text):
     """`xlaserve generate` across two processes of one device each (TP 2: the two KV heads split
-    between the processes; the server case below runs TP 8 over 2 x 4 devices), after a pipelined
-    engine in the same processes; the follower's `xlaserve generate` returned 0 once released (or the
-    launch fails)."""
+    between the processes; the server case below runs TP 8 over 2 x 4 devices), the launch's first engine
+    (process 0's joins jax.distributed, process 1's runs over the session its script joined); the
+    follower's `xlaserve generate` returned 0 once released (or the launch fails)."""
     assert _generated_text(launch["generate"]["stdout"]) == one_process_text
     assert _generated_text(launch["generate"]["stdout"]).strip()
 
@@ -208,7 +209,8 @@ def test_an_engine_over_another_session_than_the_live_one_is_refused_by_name(tin
     """jax.distributed is joined once per process: a later engine over the live session joins it as it is
     (the launch above), one naming other ports or processes is refused before it loads anything, and so
     is one needing cross-host transfers the session was joined without (here a session stands in for
-    one joined by an earlier tensor-parallel engine; nothing joins jax.distributed)."""
+    one the caller's code joined without them: xlaserve's own always has them; nothing joins
+    jax.distributed)."""
     import jax
 
     from xlaserve import LLM
@@ -408,7 +410,9 @@ def test_pipeline_stages_across_two_processes_run_lora_and_the_research_stack(ti
     the step); update_weights_from_path gives a fresh one-device engine's bits on the new checkpoint,
     sleep(2)/wake_up the same bits again, two partial updates (each touching both processes' stages) the
     first checkpoint's; a wrong shape on either process's stage is refused with nothing changed on either
-    (the other tensor of the call, on the other process, not written)."""
+    (the other tensor of the call, on the other process, not written). Built after the tensor-parallel
+    `xlaserve generate` in the same processes (before stop 63 refused: the session process 0 joined for
+    it had no cross-host transfers)."""
     from helpers.multihost_process import ENGINE, PIPELINE, adapter_batch, answers
     from xlaserve import LLM
 
