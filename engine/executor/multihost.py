@@ -226,6 +226,10 @@ class StepSender:
         self._sock.close()
 
 
+class ProcessZeroLost(RuntimeError):
+    """A follower lost process 0 (dead, or its host unreachable): the engine cannot go on."""
+
+
 def _bind(sock: zmq.Socket, address: str, timeout_s: float = 10.0) -> None:
     """Bind `address`, waiting for the previous engine's sender there to let go of it: ZMQ closes a socket
     in its I/O thread, after `close` returns, so the next engine of the same processes may find the port
@@ -291,7 +295,7 @@ class StepReceiver:
                 # the socket just after the monitor's event.
                 if self._sock.poll(100):
                     return self._sock.recv_multipart()
-                raise RuntimeError(
+                raise ProcessZeroLost(
                     f"process {self._node_rank}: lost process 0 (its step "
                     f"channel at {self._process_0} disconnected, or was silent for "
                     f"{self._liveness_timeout_s:g} s): process 0 died or its host is unreachable; this "
