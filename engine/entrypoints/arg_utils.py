@@ -9,6 +9,8 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
+import traceback
 import typing
 
 from xlaserve.config import ARG_KEY, CONFIG_GROUPS, Arg, EngineConfig
@@ -134,8 +136,16 @@ def run_follower_if_needed(args: argparse.Namespace) -> bool:
     if not getattr(args, "node_rank", None):
         return False
     from xlaserve.entrypoints.llm import serve_follower  # jax and the model code: only when needed
+    from xlaserve.executor import ProcessZeroLost
 
-    serve_follower(args.model, **engine_kwargs(args))
+    try:
+        serve_follower(args.model, **engine_kwargs(args))
+    except ProcessZeroLost:
+        # Exit at once, code 1: past this, JAX's exit handler would wait on process 0's coordination
+        # service until JAX's own heartbeat timeout (100 s) aborts the process.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     return True
 
 

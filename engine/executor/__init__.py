@@ -8,7 +8,7 @@ import jax
 
 from xlaserve.config import EngineConfig
 from xlaserve.executor.executor import Executor
-from xlaserve.executor.multihost import MultiHostExecutor, follow
+from xlaserve.executor.multihost import MultiHostExecutor, ProcessZeroLost, follow
 from xlaserve.executor.pipeline import MultiHostPipelineExecutor, PipelineExecutor
 from xlaserve.worker.loading import LoadedCheckpoint, ModelInfo
 from xlaserve.worker.step_future import StepFuture
@@ -59,6 +59,7 @@ __all__ = [
     "MultiHostExecutor",
     "MultiHostPipelineExecutor",
     "PipelineExecutor",
+    "ProcessZeroLost",
     "StepFuture",
     "device_groups",
     "executor_class",

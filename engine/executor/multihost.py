@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 import jax
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from xlaserve.config import EngineConfig, ParallelConfig
 from xlaserve.core.outputs import ModelRunnerOutput, ScheduledRequest
@@ -46,6 +47,9 @@ logger = logging.getLogger(__name__)
 _READY = b"ready"
 # What process 0 sends (the first frame of each message): a step, a call of the research stack, the end.
 _STEP, _CALL, _STOP = b"step", b"call", b"stop"
+# How long a follower waits on a connection to process 0 that answers nothing (not even ZMQ's heartbeats)
+# before it stops: far longer than a busy host's scheduling hiccup, far shorter than a hang.
+LIVENESS_TIMEOUT_S = 20.0
 
 
 def _checksum(token_ids: np.ndarray) -> bytes:
@@ -222,6 +226,10 @@ class StepSender:
         self._sock.close()
 
 
+class ProcessZeroLost(RuntimeError):
+    """A follower lost process 0 (dead, or its host unreachable): the engine cannot go on."""
+
+
 def _bind(sock: zmq.Socket, address: str, timeout_s: float = 10.0) -> None:
     """Bind `address`, waiting for the previous engine's sender there to let go of it: ZMQ closes a socket
     in its I/O thread, after `close` returns, so the next engine of the same processes may find the port
@@ -238,20 +246,61 @@ def _bind(sock: zmq.Socket, address: str, timeout_s: float = 10.0) -> None:
 
 
 class StepReceiver:
-    """A follower's end: announces itself, then yields each step until process 0 stops."""
+    """A follower's end: announces itself, then yields each step until process 0 stops.
 
-    def __init__(self, master_addr: str, port: int, node_rank: int):
+    A follower waits in `recv` between steps, for as long as process 0 has no requests; if process 0 dies
+    meanwhile, `recv` raises instead of waiting forever. What it watches is the connection, not the
+    traffic: ZMQ heartbeats, which process 0's ZMQ I/O thread answers whether its engine is idle, busy or
+    compiling, close a connection silent for `liveness_timeout_s` (a host gone: no FIN ever comes), and a
+    killed process 0's kernel closes it at once; a socket monitor reports the disconnect."""
+
+    def __init__(
+        self, master_addr: str, port: int, node_rank: int, liveness_timeout_s: float = LIVENESS_TIMEOUT_S
+    ):
+        self._process_0, self._node_rank = f"{master_addr}:{port}", node_rank
+        self._liveness_timeout_s = liveness_timeout_s
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, str(node_rank).encode())
         self._sock.setsockopt(zmq.LINGER, 1000)
-        self._sock.connect(f"tcp://{master_addr}:{port}")
+        # A ping every quarter of the bound, and the connection closed when none is answered in the rest
+        # of it; the TTL asks process 0 to drop this follower's connection as soon, should this host go.
+        interval_ms = int(liveness_timeout_s * 250)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(liveness_timeout_s * 1000) - interval_ms)
+        self._sock.setsockopt(zmq.HEARTBEAT_TTL, int(liveness_timeout_s * 1000))
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        # Only a connection that was up can be lost: until process 0 binds (it warms up first), ZMQ retries.
+        self._is_connected = False
+        self._sock.connect(f"tcp://{self._process_0}")
         self._sock.send(_READY)
 
     def recv(self) -> StepInputs | Call | None:
-        kind, *frames = self._sock.recv_multipart()
+        kind, *frames = self._recv_multipart()
         if kind == _STEP:
             return StepInputs.from_bytes(frames[0])
         return Call.from_frames(frames) if kind == _CALL else None
+
+    def _recv_multipart(self) -> list[bytes]:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            if self._sock in dict(poller.poll()):
+                return self._sock.recv_multipart()
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._is_connected = True
+            elif self._is_connected:
+                # What process 0 sent before its socket closed (the stop of a shut-down engine) may reach
+                # the socket just after the monitor's event.
+                if self._sock.poll(100):
+                    return self._sock.recv_multipart()
+                raise ProcessZeroLost(
+                    f"process {self._node_rank}: lost process 0 (its step "
+                    f"channel at {self._process_0} disconnected, or was silent for "
+                    f"{self._liveness_timeout_s:g} s): process 0 died or its host is unreachable; this "
+                    "follower stops"
+                )
 
     def report(self, token_ids: np.ndarray) -> None:
         self._sock.send(_checksum(token_ids))
@@ -264,6 +313,8 @@ class StepReceiver:
         self._sock.send((error or "").encode())
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close()
         self._sock.close()
 
 

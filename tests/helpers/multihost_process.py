@@ -17,8 +17,10 @@ each case's answers were as one JSON line, keyed by the case's label.
   third prompt with adapters A, B and none in one batch, then "research" (its refused tensors: one of
   the follower's stage, one of process 0's).
 
-A session sets up cross-host transfers only if its first engine has pipeline stages
-(sharding/distributed.py): a launch with a pipelined case starts with one.
+Process 1 joins jax.distributed itself before its first engine, as a user's script may (with the
+cross-host transfers pipeline stages need), and its engines run over that session; process 0's first
+engine joins it (sharding/distributed.py), with the transfers whatever that engine is, so that a pipelined
+engine may follow a tensor-parallel one.
 
 arg: {"cases": {label: case}, "node_rank", "port"}; a case: {"case", "model"} and "new_model" (research,
 pipeline), "adapters" (lora, pipeline), "argv" (generate: the CLI's, without the multi-host flags);
@@ -106,6 +108,8 @@ def adapter_batch(llm, adapters: list[str]) -> dict:
 
 
 def main(arg: dict) -> None:
+    if arg["node_rank"]:
+        join_jax_distributed(arg["port"], arg["node_rank"])
     results = {}
     for label, case in arg["cases"].items():
         result = run_case({**case, "node_rank": arg["node_rank"], "port": arg["port"]})
@@ -113,6 +117,17 @@ def main(arg: dict) -> None:
             results[label] = result
     if arg["node_rank"] == 0:
         print("RESULT " + json.dumps(results), flush=True)
+
+
+def join_jax_distributed(port: int, node_rank: int) -> None:
+    """The session the engines adopt (the address and ports they are given), as the user's code joins it."""
+    import jax
+
+    from xlaserve.sharding.distributed import transfer_port
+
+    address = f"127.0.0.1:{transfer_port(port, node_rank)}"
+    jax.config.update("jax_cross_host_transfer_socket_address", address)
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=node_rank)
 
 
 def run_case(arg: dict) -> dict | None:

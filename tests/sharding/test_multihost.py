@@ -73,10 +73,11 @@ def one_process_text(tiny_llama_2kv) -> str:
 
 @pytest.fixture(scope="module")
 def launch(tiny_llama_2kv, tmp_path_factory) -> dict:
-    """helpers/multihost_process.py's cases over two processes of one device each, in one launch: the
-    pipelined case first (it sets up the session's cross-host transfers), then `xlaserve generate`, the
-    research stack, LoRA, pooling and two vision-language models, each engine built after the last one's
-    shutdown. {label: process 0's answers}; the inputs each test's reference needs under "inputs"."""
+    """helpers/multihost_process.py's cases over two processes of one device each, in one launch:
+    `xlaserve generate` (TP 2) first, then pipeline stages (over the session a tensor-parallel engine
+    joined on process 0, and process 1's own), the research stack, LoRA, pooling and two vision-language
+    models, each engine built after the last one's shutdown. {label: process 0's answers}; the inputs
+    each test's reference needs under "inputs"."""
     import transformers
 
     from helpers.lora_adapters import make_adapter
@@ -97,8 +98,8 @@ def launch(tiny_llama_2kv, tmp_path_factory) -> dict:
     stages = {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, **WARMED}
     llama = {"model": tiny_llama_2kv}
     cases = {
-        "pipeline": {"case": "pipeline", **llama, "new_model": new_model, "adapters": adapters},
         "generate": {"case": "generate", "argv": _generate_args(tiny_llama_2kv)},
+        "pipeline": {"case": "pipeline", **llama, "new_model": new_model, "adapters": adapters},
         "research": {"case": "research", **llama, "new_model": new_model},
         "lora": {"case": "lora", **llama, "adapters": adapters},
         "pool": {"case": "pool", **llama},
@@ -118,9 +119,9 @@ def launch(tiny_llama_2kv, tmp_path_factory) -> dict:
 @pytest.mark.slow
 def test_two_processes_tensor_parallel_2_match_one_process(launch, one_process_text):
     """`xlaserve generate` across two processes of one device each (TP 2: the two KV heads split
-    between the processes; the server case below runs TP 8 over 2 x 4 devices), after a pipelined
-    engine in the same processes; the follower's `xlaserve generate` returned 0 once released (or the
-    launch fails)."""
+    between the processes; the server case below runs TP 8 over 2 x 4 devices), the launch's first engine
+    (process 0's joins jax.distributed, process 1's runs over the session its script joined); the
+    follower's `xlaserve generate` returned 0 once released (or the launch fails)."""
     assert _generated_text(launch["generate"]["stdout"]) == one_process_text
     assert _generated_text(launch["generate"]["stdout"]).strip()
 
@@ -161,11 +162,55 @@ def test_divergent_follower_stops_the_engine_with_a_clear_error():
     }
 
 
+# Process 0's end of the step channel, in a process of its own so that it can die: once both followers
+# have connected it idles past the first one's bound, sends each a call, and idles on.
+_SENDER = """
+import sys, time
+from xlaserve.executor.multihost import Call, StepSender
+sender = StepSender("127.0.0.1", int(sys.argv[1]), num_followers=2, timeout_s=60)
+time.sleep(2.5)
+sender.send_call(Call("wake_up"))
+time.sleep(600)
+"""
+
+
+def test_a_follower_stops_once_process_0_is_gone_and_waits_while_it_idles():
+    """A follower waiting for process 0's next step: an idle process 0 (2.5 s without a message, past the
+    follower's 1 s bound) keeps it waiting; a stopped one (SIGSTOP: a host gone silent, its connection
+    left open) is noticed within the bound by ZMQ's heartbeats, a killed one (SIGKILL) at once, far
+    within the other follower's 30 s bound: each a RuntimeError naming process 0's address."""
+    import signal
+    import time
+
+    from xlaserve.executor.multihost import StepReceiver
+
+    port = free_port()
+    process_0 = subprocess.Popen([sys.executable, "-c", _SENDER, str(port)])
+    followers = [
+        StepReceiver("127.0.0.1", port, rank, liveness_timeout_s=s) for rank, s in ((1, 1.0), (2, 30.0))
+    ]
+    lost = rf"lost process 0 \(its step channel at 127.0.0.1:{port} disconnected"
+    try:
+        assert [f.recv().method for f in followers] == ["wake_up", "wake_up"]
+        for rank, (follower, sig) in enumerate(zip(followers, (signal.SIGSTOP, signal.SIGKILL)), 1):
+            process_0.send_signal(sig)
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=rf"process {rank}: {lost}"):
+                follower.recv()
+            assert time.monotonic() - start < 2.0
+    finally:
+        process_0.kill()
+        process_0.wait()
+        for follower in followers:
+            follower.close()
+
+
 def test_an_engine_over_another_session_than_the_live_one_is_refused_by_name(tiny_llama_2kv, monkeypatch):
     """jax.distributed is joined once per process: a later engine over the live session joins it as it is
     (the launch above), one naming other ports or processes is refused before it loads anything, and so
     is one needing cross-host transfers the session was joined without (here a session stands in for
-    one joined by an earlier tensor-parallel engine; nothing joins jax.distributed)."""
+    one the caller's code joined without them: xlaserve's own always has them; nothing joins
+    jax.distributed)."""
     import jax
 
     from xlaserve import LLM
@@ -190,6 +235,31 @@ def test_an_engine_over_another_session_than_the_live_one_is_refused_by_name(tin
         distributed.initialize("127.0.0.1", 29500, 3, 1)
     with pytest.raises(ValueError, match="pipeline stages across processes need cross-host transfers"):
         LLM(tiny_llama_2kv, pipeline_parallel_size=2, **(engine | {"master_port": 29500}))
+
+
+def test_a_jax_distributed_session_the_callers_code_joined_is_adopted_or_refused_by_name(monkeypatch):
+    """jax.distributed joined by the caller's own code before the first engine: an engine naming its
+    coordinator, process count and rank runs over it (the launch's processes join it so), one naming
+    others is refused by each differing field; here JAX's state stands in for a joined session."""
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    from xlaserve.sharding import distributed
+
+    def joined_twice(**_):
+        raise AssertionError("jax.distributed.initialize called again")
+
+    monkeypatch.setattr(jax.distributed, "initialize", joined_twice)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    for name, value in {"coordinator_address": "10.0.0.1:29500", "num_processes": 4, "process_id": 2}.items():
+        monkeypatch.setattr(jax_distributed.global_state, name, value)
+    monkeypatch.setattr(distributed, "_session", None)
+    with pytest.raises(ValueError, match=r"master_addr='10.0.0.2' \(the session's: '10.0.0.1'\), nnodes=2 "):
+        distributed.initialize("10.0.0.2", 29500, 2, 2)
+    with pytest.raises(ValueError, match=r"master_port=29501 \(the session's: 29500\), node_rank=1 \(the s"):
+        distributed.initialize("10.0.0.1", 29501, 4, 1)
+    distributed.initialize("10.0.0.1", 29500, 4, 2)
+    assert distributed._session == distributed.Session("10.0.0.1", 29500, 4, 2, cross_host_transfers=False)
 
 
 @pytest.mark.slow
@@ -340,7 +410,9 @@ def test_pipeline_stages_across_two_processes_run_lora_and_the_research_stack(ti
     the step); update_weights_from_path gives a fresh one-device engine's bits on the new checkpoint,
     sleep(2)/wake_up the same bits again, two partial updates (each touching both processes' stages) the
     first checkpoint's; a wrong shape on either process's stage is refused with nothing changed on either
-    (the other tensor of the call, on the other process, not written)."""
+    (the other tensor of the call, on the other process, not written). Built after the tensor-parallel
+    `xlaserve generate` in the same processes (before stop 63 refused: the session process 0 joined for
+    it had no cross-host transfers)."""
     from helpers.multihost_process import ENGINE, PIPELINE, adapter_batch, answers
     from xlaserve import LLM
 
