@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.family_cases import ENGINE_ARGS, NUM_GREEDY, hf_greedy, prompts
-from helpers.mtp_cases import hf_drafts, record_drafts, save_qwen3_5_with_mtp
+from helpers.mtp_cases import hf_drafts, record_drafts, save_deepseek_v3_with_mtp, save_qwen3_5_with_mtp
 from xlaserve import LLM, SamplingParams
 
 VOCAB = 101
@@ -20,13 +20,17 @@ def _numbers(out):
     return list(first.token_ids), [e[t].logprob for e, t in zip(first.logprobs, first.token_ids)]
 
 
-@pytest.mark.parametrize("family", ["Qwen3_5", "Qwen3Next"])
+@pytest.mark.parametrize("family", ["Qwen3_5", "Qwen3Next", "DeepseekV3"])
 def test_every_draft_is_the_mtp_layers_own(tmp_path, family):
     """k = 2, float32, one request at a time: each step's two drafts (the first from the target's
     hidden state, the second from the layer's own output) equal Hugging Face's layers' for the same
     positions, and the tokens are Hugging Face's greedy ones. Qwen3-Next's MTP layer has its experts
-    (stacked at load as the decoder's are)."""
-    path, hf, layer, mtp = save_qwen3_5_with_mtp(str(tmp_path), family=family)
+    (stacked at load as the decoder's are); DeepSeek V3's is its decoder layer `num_hidden_layers` (MLA
+    over its own one-layer latent cache, MoE), plain norms, the embedding zeroed at position 0."""
+    if family == "DeepseekV3":
+        path, hf, layer, mtp = save_deepseek_v3_with_mtp(str(tmp_path))
+    else:
+        path, hf, layer, mtp = save_qwen3_5_with_mtp(str(tmp_path), family=family)
     batch = [{"prompt_token_ids": p} for p in prompts(VOCAB, seed=2)[:2]]
     expected = [hf_greedy(hf, p["prompt_token_ids"]) for p in batch]
     llm = LLM(path, **ENGINE_ARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
