@@ -185,11 +185,12 @@ def _norm(weight, x, offset: float, eps: float):
 
 
 @torch.no_grad()
-def _mtp_outputs(hf, layer, mtp: MTPWiring, next_ids: list[int], hidden):
-    """The MTP layer's final-norm outputs at positions 0..n-1, reading token next_ids[i] and hidden[i]."""
+def _mtp_outputs(hf, layer, mtp: MTPWiring, next_ids: list[int], hidden, positions: list[int], mask):
+    """The MTP layer's final-norm outputs of rows reading token next_ids[i] and hidden[i] at positions[i],
+    row i attending to the rows `mask` [n, n] (bool) allows."""
     embeds = hf.model.embed_tokens(torch.tensor(next_ids))
     if mtp.zero_first_embedding:
-        embeds[0] = 0.0
+        embeds[torch.tensor(positions) == 0] = 0.0
     x = torch.cat(
         [
             _norm(mtp.norm_embedding, embeds, mtp.norm_offset, mtp.eps),
@@ -198,29 +199,50 @@ def _mtp_outputs(hf, layer, mtp: MTPWiring, next_ids: list[int], hidden):
         dim=-1,
     )
     x = x @ mtp.fc.T
-    n = x.shape[0]
-    positions = torch.arange(n)[None]
-    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    positions = torch.tensor([positions])
     out = layer(
         x[None],
         position_embeddings=hf.model.rotary_emb(x[None], positions),
-        attention_mask=mask,
+        attention_mask=torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))[None, None],
         position_ids=positions,
     )
     return _norm(mtp.norm, (out[0] if isinstance(out, tuple) else out)[0], mtp.norm_offset, mtp.eps)
 
 
 @torch.no_grad()
-def hf_drafts(hf, layer, mtp, seq: list[int], p: int, k: int) -> list[int]:
-    """The k greedy drafts proposed once the token at position p of `seq` is emitted: the MTP layer
-    over positions 0..p-1 (the token after each, the target's final-norm hidden state there) gives
-    the first, then it reads its own draft and output for the next."""
-    hidden = hf.model(input_ids=torch.tensor([seq])).last_hidden_state[0]
-    next_ids, rows, drafts = list(seq[1 : p + 1]), hidden[:p], []
-    for _ in range(k):
-        out = _mtp_outputs(hf, layer, mtp, next_ids, rows)
-        drafts.append(int(hf.lm_head(out[-1]).argmax()))
-        next_ids, rows = next_ids + drafts[-1:], torch.cat([rows, out[-1:]])
+def hf_drafts(hf, layer, mtp: MTPWiring, seq: list[int], steps: list[int], k: int) -> list[list[int]]:
+    """For each p of `steps`, the k greedy drafts proposed once the token at position p of `seq` is
+    emitted: the MTP layer over positions 0..p-1 (the token after each, the target's final-norm hidden
+    state there) gives the first, then it reads its own draft and output at p, p + 1... for the next.
+    All steps at once, one layer call per draft: what positions 0..p-1 compute is the same for every
+    step (causal), so one pass over the whole sequence gives every step's first draft (its output at
+    p - 1), and each further draft adds per step a row at its next position that attends to positions
+    0..p-1 and to that step's own added rows."""
+    n = len(seq) - 1
+    hidden = hf.model(input_ids=torch.tensor([seq])).last_hidden_state[0, :n]
+    ids, rows, positions = list(seq[1:]), hidden, list(range(n))
+    owner = [-1] * n  # the step each row was added for (-1: the sequence's own)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    last = [p - 1 for p in steps]  # each step's row whose output gives its next draft
+    drafts: list[list[int]] = [[] for _ in steps]
+    for i in range(k):
+        out = _mtp_outputs(hf, layer, mtp, ids, rows, positions, mask)
+        for j, row in enumerate(last):
+            drafts[j].append(int(hf.lm_head(out[row]).argmax()))
+        if i == k - 1:
+            return drafts
+        m = len(ids)
+        ids += [d[-1] for d in drafts]
+        rows = torch.cat([rows, out[last]])
+        positions += [p + i for p in steps]
+        owner += list(range(len(steps)))
+        last = list(range(m, m + len(steps)))
+        grown = torch.zeros(len(ids), len(ids), dtype=torch.bool)
+        grown[:m, :m] = mask
+        for j, p in enumerate(steps):  # the step's new row: positions 0..p-1 and its own rows
+            grown[m + j, :p] = True
+            grown[m + j, [r for r in range(n, len(ids)) if owner[r] == j]] = True
+        mask = grown
     return drafts
 
 

@@ -41,7 +41,7 @@ def test_every_draft_is_the_mtp_layers_own(tmp_path, family):
         seq = prompt["prompt_token_ids"] + tokens
         steps = [(p, d) for p, d in seen[out.request_id] if p < len(seq) - 1]
         assert len(steps) >= len(tokens) // 2  # a proposal after (nearly) every step
-        assert [d for _, d in steps] == [hf_drafts(hf, layer, mtp, seq, p, 2) for p, _ in steps]
+        assert [d for _, d in steps] == hf_drafts(hf, layer, mtp, seq, [p for p, _ in steps], 2)
 
 
 def test_an_mtp_layer_that_predicts_the_target_is_accepted_and_changes_no_bit(tmp_path):
