@@ -239,7 +239,8 @@ class DeepseekV3ForCausalLM(DecoderOnlyLM):
 
     @classmethod
     def prepare_hf_tensors(cls, cfg: DeepseekConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # Checkpoints may carry multi-token-prediction layers past num_hidden_layers (V3): not ours.
+        # Checkpoints may carry multi-token-prediction layers past num_hidden_layers (V3): not the
+        # decoder's (models/mtp.py loads the first as the drafter of `{"method": "mtp"}`).
         mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_layers, cfg.num_layers + 8))
         kept = {n: t for n, t in tensors.items() if not n.startswith(mtp)}
         return stack_expert_tensors(kept, cfg.num_experts)

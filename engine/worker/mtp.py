@@ -28,7 +28,7 @@ from flax import nnx
 
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import AttentionMetadata
-from xlaserve.models.mtp import mtp_class, num_mtp_layers
+from xlaserve.models.mtp import mtp_class
 from xlaserve.models.registry import get_model_class
 from xlaserve.models.weights import load_params
 from xlaserve.sharding.vocab import mask_padded_vocab
@@ -126,21 +126,22 @@ class MTPDrafter(DraftModel):
     def __init__(self, config: EngineConfig, runner, hf_config: dict, tensors, vocab_size: int):
         target_class = get_model_class(runner.model_config.architecture)
         layer_class = mtp_class(target_class)
-        num_layers = num_mtp_layers(hf_config)
-        if layer_class is None or num_layers == 0:
+        num_layers = 0 if layer_class is None else layer_class.num_layers(hf_config)
+        if num_layers == 0:
             raise ValueError(
                 f"speculative_config.method 'mtp': {runner.model_config.architecture} has no multi-token "
                 "prediction layer here (Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints do: "
-                "mtp_num_hidden_layers in config.json)"
+                "mtp_num_hidden_layers in config.json; DeepSeek V3 and R1: num_nextn_predict_layers)"
             )
         if num_layers != 1:
             raise ValueError(f"speculative_config.method 'mtp': {num_layers} MTP layers; one is supported")
         cfg = runner.model_config  # the layer is one of the target's attention layers, in its shapes
         dtype, backend, placement = runner.dtype, runner.backend, runner.placement
+        prefix = layer_class.hf_prefix(cfg)
         graphdef, params = load_params(
             layer_class,
             cfg,
-            {name: t for name, t in tensors.items() if name.startswith("mtp.")},
+            {name: t for name, t in tensors.items() if name.startswith(prefix)},
             dtype=dtype,
             make_model=lambda: layer_class(cfg, backend, dtype=dtype, rngs=nnx.Rngs(0)),
             place=placement.place_param,

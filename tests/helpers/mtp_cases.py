@@ -1,9 +1,11 @@
-"""A tiny Qwen3.5 with a multi-token prediction layer (`mtp.*` tensors beside the decoder's, as the
-releases ship them), and the drafts that layer proposes, computed with Hugging Face's own layer classes
-(transformers has the decoder layer, not the MTP wiring, which is vLLM's: models/mtp.py)."""
+"""A tiny Qwen3.5 (or Qwen3-Next, or DeepSeek V3) with a multi-token prediction layer (Qwen's `mtp.*`
+tensors, DeepSeek's decoder layer `num_hidden_layers`, beside the decoder's, as the releases ship them),
+and the drafts that layer proposes, computed with Hugging Face's own layer classes (transformers has the
+decoder layer, not the MTP wiring, which is vLLM's: models/mtp.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -19,11 +21,53 @@ _FULL_LAYER = QWEN3_5_TEXT["layer_types"].index("full_attention")
 QWEN3_NEXT_MOE = dict(
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24
 )
+# Two decoder layers (dense, then MoE: two stacks) and the MTP layer, MoE as in the releases; MLA with a
+# query LoRA; sigmoid routing over two groups with a score bias and shared experts.
+DEEPSEEK_V3 = dict(
+    vocab_size=101,
+    hidden_size=48,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,  # HF's eager MLA needs kv heads == heads; ours has one latent "head"
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPWiring:
+    """The MTP layer's tensors around its decoder layer, for the reference (`_mtp_outputs`)."""
+
+    fc: torch.Tensor  # [D, 2D]
+    norm_embedding: torch.Tensor
+    norm_hidden: torch.Tensor
+    norm: torch.Tensor
+    norm_offset: float  # Qwen's 1 + w; DeepSeek's plain w: 0
+    eps: float
+    zero_first_embedding: bool = False  # vLLM's DeepSeek MTP zeroes the embedding read at position 0
 
 
 def save_qwen3_5_with_mtp(directory: str, *, oracle: bool = False, seed: int = 0, family: str = "Qwen3_5"):
     """A random Qwen3_5ForCausalLM and an MTP layer -> (path, hf model, the MTP's decoder layer, its
-    tensors). `oracle`: every layer's output projections zeroed, so the target predicts each token from
+    wiring). `oracle`: every layer's output projections zeroed, so the target predicts each token from
     the one before it (logits = head(norm(embed(token)))), and an MTP layer that computes the same
     from the token it reads (fc passes the embedding through, its layer adds nothing, its norm is the
     target's): its drafts are the target's own next tokens."""
@@ -65,50 +109,140 @@ def save_qwen3_5_with_mtp(directory: str, *, oracle: bool = False, seed: int = 0
         hf_config = json.load(f)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({**hf_config, "mtp_num_hidden_layers": 1}, f)
-    return path, hf, layer, mtp
+    wiring = MTPWiring(
+        mtp["mtp.fc.weight"],
+        mtp["mtp.pre_fc_norm_embedding.weight"],
+        mtp["mtp.pre_fc_norm_hidden.weight"],
+        mtp["mtp.norm.weight"],
+        norm_offset=1.0,
+        eps=1e-6,
+    )
+    return path, hf, layer, wiring
 
 
-def _norm(weight, x, eps: float = 1e-6):
-    """Qwen3.5's zero-centred RMSNorm (scale 1 + w)."""
+def save_deepseek_v3_with_mtp(directory: str, seed: int = 0):
+    """A random DeepseekV3ForCausalLM (DEEPSEEK_V3) and its MTP layer stored as the releases store it:
+    decoder layer `num_hidden_layers` (per-expert tensors) with `enorm`, `hnorm`, `eh_proj`,
+    `shared_head.norm`, and copies of the embedding and LM head (`embed_tokens`, `shared_head.head`),
+    `num_nextn_predict_layers: 1` in config.json -> (path, hf model, the MTP's decoder layer, its wiring)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    config = transformers.DeepseekV3Config(**DEEPSEEK_V3, attn_implementation="eager")
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    n, d = config.num_hidden_layers, config.hidden_size
+    torch.manual_seed(seed)
+    hf = randomize_weights(transformers.DeepseekV3ForCausalLM(config).eval())
+    layer = randomize_weights(DeepseekV3DecoderLayer(config, layer_idx=n).eval())  # an MoE layer
+    with torch.no_grad():
+        for name, buffer in [*hf.named_buffers(), *layer.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
+    p = f"model.layers.{n}."
+    mtp = {
+        f"{p}eh_proj.weight": torch.randn(d, 2 * d) * 0.3,
+        **{
+            f"{p}{name}.weight": 1.0 + 0.2 * torch.randn(d) for name in ("enorm", "hnorm", "shared_head.norm")
+        },
+        f"{p}embed_tokens.weight": hf.model.embed_tokens.weight.detach().clone(),
+        f"{p}shared_head.head.weight": hf.lm_head.weight.detach().clone(),
+    }
+    for name, t in layer.state_dict().items():
+        block = p + name.rsplit(".", 1)[0]  # transformers' fused experts -> the releases' per expert
+        if name.endswith("experts.gate_up_proj"):  # [E, 2F, D]: gate, then up
+            for e, expert in enumerate(t):
+                gate, up = expert.chunk(2, dim=0)
+                mtp |= {
+                    f"{block}.{e}.gate_proj.weight": gate.clone(),
+                    f"{block}.{e}.up_proj.weight": up.clone(),
+                }
+        elif name.endswith("experts.down_proj"):
+            mtp |= {f"{block}.{e}.down_proj.weight": down.clone() for e, down in enumerate(t)}
+        else:
+            mtp[p + name] = t.detach().clone()
+    path = save_hf_model(hf, directory)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**hf_config, "num_nextn_predict_layers": 1}, f)
+    wiring = MTPWiring(
+        mtp[f"{p}eh_proj.weight"],
+        mtp[f"{p}enorm.weight"],
+        mtp[f"{p}hnorm.weight"],
+        mtp[f"{p}shared_head.norm.weight"],
+        norm_offset=0.0,
+        eps=config.rms_norm_eps,
+        zero_first_embedding=True,
+    )
+    return path, hf, layer, wiring
+
+
+def _norm(weight, x, offset: float, eps: float):
+    """RMSNorm scaled by offset + w (Qwen3.5's zero-centred 1 + w, DeepSeek's plain w)."""
     x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight.float())
 
 
 @torch.no_grad()
-def _mtp_outputs(hf, layer, mtp, next_ids: list[int], hidden):
-    """The MTP layer's final-norm outputs at positions 0..n-1, reading token next_ids[i] and hidden[i]."""
+def _mtp_outputs(hf, layer, mtp: MTPWiring, next_ids: list[int], hidden, positions: list[int], mask):
+    """The MTP layer's final-norm outputs of rows reading token next_ids[i] and hidden[i] at positions[i],
+    row i attending to the rows `mask` [n, n] (bool) allows."""
     embeds = hf.model.embed_tokens(torch.tensor(next_ids))
+    if mtp.zero_first_embedding:
+        embeds[torch.tensor(positions) == 0] = 0.0
     x = torch.cat(
         [
-            _norm(mtp["mtp.pre_fc_norm_embedding.weight"], embeds),
-            _norm(mtp["mtp.pre_fc_norm_hidden.weight"], hidden),
+            _norm(mtp.norm_embedding, embeds, mtp.norm_offset, mtp.eps),
+            _norm(mtp.norm_hidden, hidden, mtp.norm_offset, mtp.eps),
         ],
         dim=-1,
     )
-    x = x @ mtp["mtp.fc.weight"].T
-    n = x.shape[0]
-    positions = torch.arange(n)[None]
-    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    x = x @ mtp.fc.T
+    positions = torch.tensor([positions])
     out = layer(
         x[None],
         position_embeddings=hf.model.rotary_emb(x[None], positions),
-        attention_mask=mask,
+        attention_mask=torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))[None, None],
         position_ids=positions,
     )
-    return _norm(mtp["mtp.norm.weight"], (out[0] if isinstance(out, tuple) else out)[0])
+    return _norm(mtp.norm, (out[0] if isinstance(out, tuple) else out)[0], mtp.norm_offset, mtp.eps)
 
 
 @torch.no_grad()
-def hf_drafts(hf, layer, mtp, seq: list[int], p: int, k: int) -> list[int]:
-    """The k greedy drafts proposed once the token at position p of `seq` is emitted: the MTP layer
-    over positions 0..p-1 (the token after each, the target's final-norm hidden state there) gives
-    the first, then it reads its own draft and output for the next."""
-    hidden = hf.model(input_ids=torch.tensor([seq])).last_hidden_state[0]
-    next_ids, rows, drafts = list(seq[1 : p + 1]), hidden[:p], []
-    for _ in range(k):
-        out = _mtp_outputs(hf, layer, mtp, next_ids, rows)
-        drafts.append(int(hf.lm_head(out[-1]).argmax()))
-        next_ids, rows = next_ids + drafts[-1:], torch.cat([rows, out[-1:]])
+def hf_drafts(hf, layer, mtp: MTPWiring, seq: list[int], steps: list[int], k: int) -> list[list[int]]:
+    """For each p of `steps`, the k greedy drafts proposed once the token at position p of `seq` is
+    emitted: the MTP layer over positions 0..p-1 (the token after each, the target's final-norm hidden
+    state there) gives the first, then it reads its own draft and output at p, p + 1... for the next.
+    All steps at once, one layer call per draft: what positions 0..p-1 compute is the same for every
+    step (causal), so one pass over the whole sequence gives every step's first draft (its output at
+    p - 1), and each further draft adds per step a row at its next position that attends to positions
+    0..p-1 and to that step's own added rows."""
+    n = len(seq) - 1
+    hidden = hf.model(input_ids=torch.tensor([seq])).last_hidden_state[0, :n]
+    ids, rows, positions = list(seq[1:]), hidden, list(range(n))
+    owner = [-1] * n  # the step each row was added for (-1: the sequence's own)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    last = [p - 1 for p in steps]  # each step's row whose output gives its next draft
+    drafts: list[list[int]] = [[] for _ in steps]
+    for i in range(k):
+        out = _mtp_outputs(hf, layer, mtp, ids, rows, positions, mask)
+        for j, row in enumerate(last):
+            drafts[j].append(int(hf.lm_head(out[row]).argmax()))
+        if i == k - 1:
+            return drafts
+        m = len(ids)
+        ids += [d[-1] for d in drafts]
+        rows = torch.cat([rows, out[last]])
+        positions += [p + i for p in steps]
+        owner += list(range(len(steps)))
+        last = list(range(m, m + len(steps)))
+        grown = torch.zeros(len(ids), len(ids), dtype=torch.bool)
+        grown[:m, :m] = mask
+        for j, p in enumerate(steps):  # the step's new row: positions 0..p-1 and its own rows
+            grown[m + j, :p] = True
+            grown[m + j, [r for r in range(n, len(ids)) if owner[r] == j]] = True
+        mask = grown
     return drafts
 
 

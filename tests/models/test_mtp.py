@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.family_cases import ENGINE_ARGS, NUM_GREEDY, hf_greedy, prompts
-from helpers.mtp_cases import hf_drafts, record_drafts, save_qwen3_5_with_mtp
+from helpers.mtp_cases import hf_drafts, record_drafts, save_deepseek_v3_with_mtp, save_qwen3_5_with_mtp
 from xlaserve import LLM, SamplingParams
 
 VOCAB = 101
@@ -20,14 +20,20 @@ def _numbers(out):
     return list(first.token_ids), [e[t].logprob for e, t in zip(first.logprobs, first.token_ids)]
 
 
-@pytest.mark.parametrize("family", ["Qwen3_5", "Qwen3Next"])
+@pytest.mark.parametrize("family", ["Qwen3_5", "Qwen3Next", "DeepseekV3"])
 def test_every_draft_is_the_mtp_layers_own(tmp_path, family):
     """k = 2, float32, one request at a time: each step's two drafts (the first from the target's
     hidden state, the second from the layer's own output) equal Hugging Face's layers' for the same
     positions, and the tokens are Hugging Face's greedy ones. Qwen3-Next's MTP layer has its experts
-    (stacked at load as the decoder's are)."""
-    path, hf, layer, mtp = save_qwen3_5_with_mtp(str(tmp_path), family=family)
-    batch = [{"prompt_token_ids": p} for p in prompts(VOCAB, seed=2)[:2]]
+    (stacked at load as the decoder's are); DeepSeek V3's is its decoder layer `num_hidden_layers` (MLA
+    over its own one-layer latent cache, MoE), plain norms, the embedding zeroed at position 0."""
+    first, second = prompts(VOCAB, seed=2)[:2]
+    if family == "DeepseekV3":
+        path, hf, layer, mtp = save_deepseek_v3_with_mtp(str(tmp_path))
+        second = second[:4]  # short: the embedding zeroed at position 0 shows in drafts 5, 9 and 10
+    else:
+        path, hf, layer, mtp = save_qwen3_5_with_mtp(str(tmp_path), family=family)
+    batch = [{"prompt_token_ids": first}, {"prompt_token_ids": second}]
     expected = [hf_greedy(hf, p["prompt_token_ids"]) for p in batch]
     llm = LLM(path, **ENGINE_ARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     seen = record_drafts(llm)
@@ -37,7 +43,7 @@ def test_every_draft_is_the_mtp_layers_own(tmp_path, family):
         seq = prompt["prompt_token_ids"] + tokens
         steps = [(p, d) for p, d in seen[out.request_id] if p < len(seq) - 1]
         assert len(steps) >= len(tokens) // 2  # a proposal after (nearly) every step
-        assert [d for _, d in steps] == [hf_drafts(hf, layer, mtp, seq, p, 2) for p, _ in steps]
+        assert [d for _, d in steps] == hf_drafts(hf, layer, mtp, seq, [p for p, _ in steps], 2)
 
 
 def test_an_mtp_layer_that_predicts_the_target_is_accepted_and_changes_no_bit(tmp_path):
