@@ -104,6 +104,11 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("linear_fc2", "kernel"): ("mlp", "embed"),
     ("patch_embed", "bias"): (None,),
     ("pos_embed", "weight"): (None, None),
+    # The MTP layer's wrapper (models/mtp.py): fc over [embedding | hidden state] and its two input norms,
+    # whole (one [2D, D] matrix a step; its decoder layer splits as the target's layers do).
+    ("fc", "kernel"): (None, None),
+    ("pre_fc_norm_embedding", "weight"): (None,),
+    ("pre_fc_norm_hidden", "weight"): (None,),
     # Mamba2's mixer (`mixer` in Mamba2, `mamba` in Granite 4.0-H and Falcon-H1): in_proj's outputs and
     # the conv's channels are grouped per SSM group (models/mamba2.py), so a contiguous split is whole
     # groups of heads with their B and C; the per-head vectors and the SSM state split by head; the

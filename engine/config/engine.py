@@ -83,13 +83,10 @@ class EngineConfig:
                 f"prefill_context_parallel_size={pcp} cannot be combined with a draft model or MTP layer yet",
             )
         if self.speculative is not None and self.speculative.method == "mtp":
-            # The MTP layer's weights are placed whole, beside a target on one device.
-            tp = self.parallel.tensor_parallel_size
+            # Checked by hand under tensor parallelism on one host; not yet across hosts.
             require(
-                tp == 1 and self.parallel.nnodes == 1,
-                f"speculative_config method 'mtp' runs beside a model on one device yet "
-                f"(tensor_parallel_size={tp}, nnodes={self.parallel.nnodes}); n-gram and draft_model run "
-                "under tensor parallelism",
+                self.parallel.nnodes == 1,
+                f"speculative_config method 'mtp' runs on one host yet (nnodes={self.parallel.nnodes})",
             )
         pp = self.parallel.pipeline_parallel_size
         if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet

@@ -68,8 +68,8 @@ def test_an_mtp_layer_that_predicts_the_target_is_accepted_and_changes_no_bit(tm
     [
         ({"speculative_config": {"method": "mtp", "model": "x"}}, "speculative_config.model is for method"),
         (
-            {"speculative_config": {"method": "mtp"}, "tensor_parallel_size": 2},
-            "speculative_config method 'mtp' runs beside a model on one device yet",
+            {"speculative_config": {"method": "mtp"}, "nnodes": 2},
+            "speculative_config method 'mtp' runs on one host yet",
         ),
     ],
 )
