@@ -85,6 +85,21 @@ def _draw_drafts(logits, st: SamplingTensors, token_index, is_greedy):
     return jax.lax.cond(jnp.all(is_greedy), lambda x: (greedy, jnp.zeros_like(x)), sampled, logits)
 
 
+def one_token_metadata(md: AttentionMetadata, pos, valid, block_size: int) -> AttentionMetadata:
+    """A drafting iteration's metadata: one query per row at position `pos` [R] in the row's blocks
+    (the step's block table); a row not `valid` (no slot there) reads and writes the null block."""
+    num_rows = pos.shape[0]
+    rows, max_blocks = jnp.arange(num_rows), md.block_tables.shape[1]
+    block = md.block_tables[rows, jnp.minimum(pos // block_size, max_blocks - 1)]
+    return AttentionMetadata(
+        slot_mapping=jnp.where(valid, block * block_size + pos % block_size, 0),
+        kv_lens=jnp.where(valid, pos + 1, 1),
+        block_tables=jnp.where(valid[:, None], md.block_tables, 0),
+        query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32),
+        num_seqs=jnp.int32(num_rows),
+    )
+
+
 def _draft_step(
     graphdef,
     vocab_size: int,
@@ -106,25 +121,15 @@ def _draft_step(
     model = nnx.merge(graphdef, params)
     _, kv_cache = model(input_ids, positions, kv_cache, md)  # the draft's cache keeps pace with the target's
     num_rows = token_ids.shape[0]
-    rows = jnp.arange(num_rows)
-    max_blocks = md.block_tables.shape[1]
     start = inputs.last_positions + num_accepted + 1  # where each emitted token sits
     token_index = st.token_index + num_accepted + 1  # the output index of the token draft 0 stands for
     is_greedy = st.temperature < _GREEDY_EPS
-    query_start_loc = jnp.arange(num_rows + 1, dtype=jnp.int32)  # one query per row
 
     def body(i, carry):
         kv_cache, tokens, drafts, q_buf = carry
         pos = start + i
         valid = pos < inputs.num_slots
-        block = md.block_tables[rows, jnp.minimum(pos // block_size, max_blocks - 1)]
-        step_md = AttentionMetadata(
-            slot_mapping=jnp.where(valid, block * block_size + pos % block_size, 0),
-            kv_lens=jnp.where(valid, pos + 1, 1),
-            block_tables=jnp.where(valid[:, None], md.block_tables, 0),  # invalid rows: the null block
-            query_start_loc=query_start_loc,
-            num_seqs=jnp.int32(num_rows),
-        )
+        step_md = one_token_metadata(md, pos, valid, block_size)
         hidden, kv_cache = model(tokens, jnp.where(valid, pos, 0), kv_cache, step_md)
         logits = mask_padded_vocab(model.compute_logits(hidden, head_dv), vocab_size)
         next_ids, probs = _draw_drafts(logits, st, token_index + i, is_greedy)

@@ -32,7 +32,7 @@ from xlaserve.models.mtp import mtp_class
 from xlaserve.models.registry import get_model_class
 from xlaserve.models.weights import load_params
 from xlaserve.sharding.vocab import mask_padded_vocab
-from xlaserve.worker.draft_model import DraftModel, _draw_drafts
+from xlaserve.worker.draft_model import DraftModel, _draw_drafts, one_token_metadata
 from xlaserve.worker.sampler import _GREEDY_EPS, SamplingTensors
 
 logger = logging.getLogger(__name__)
@@ -80,9 +80,6 @@ def _mtp_step(
     start = inputs.last_positions + num_accepted + 1  # where each emitted token sits
     token_index = st.token_index + num_accepted + 1  # the output index of the token draft 0 stands for
     is_greedy = st.temperature < _GREEDY_EPS
-    rows = jnp.arange(num_rows)
-    max_blocks = md.block_tables.shape[1]
-    query_start_loc = jnp.arange(num_rows + 1, dtype=jnp.int32)  # one query per row
 
     def draw(i, h, q_buf, drafts, tokens):
         logits = mask_padded_vocab(target.compute_logits(h, head_dv), vocab_size)
@@ -101,14 +98,7 @@ def _mtp_step(
         kv_cache, h, tokens, drafts, q_buf = carry
         pos = start + i - 1
         valid = pos < inputs.num_slots
-        block = md.block_tables[rows, jnp.minimum(pos // block_size, max_blocks - 1)]
-        step_md = AttentionMetadata(
-            slot_mapping=jnp.where(valid, block * block_size + pos % block_size, 0),
-            kv_lens=jnp.where(valid, pos + 1, 1),
-            block_tables=jnp.where(valid[:, None], md.block_tables, 0),  # invalid rows: the null block
-            query_start_loc=query_start_loc,
-            num_seqs=jnp.int32(num_rows),
-        )
+        step_md = one_token_metadata(md, pos, valid, block_size)
         h, kv_cache = layer(target.embed(tokens), h, jnp.where(valid, pos, 0), kv_cache, step_md)
         q_buf, drafts, tokens = draw(i, h, q_buf, drafts, tokens)
         return kv_cache, h, tokens, drafts, q_buf

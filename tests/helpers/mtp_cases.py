@@ -65,6 +65,18 @@ class MTPWiring:
     zero_first_embedding: bool = False  # vLLM's DeepSeek MTP zeroes the embedding read at position 0
 
 
+def _save_with_mtp(hf, directory: str, mtp: dict, count_key: str) -> str:
+    """`hf` saved with the MTP tensors beside its own, and config.json declaring one MTP layer."""
+    path = save_hf_model(hf, directory)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**hf_config, count_key: 1}, f)
+    return path
+
+
 def save_qwen3_5_with_mtp(directory: str, *, oracle: bool = False, seed: int = 0, family: str = "Qwen3_5"):
     """A random Qwen3_5ForCausalLM and an MTP layer -> (path, hf model, the MTP's decoder layer, its
     wiring). `oracle`: every layer's output projections zeroed, so the target predicts each token from
@@ -102,13 +114,7 @@ def save_qwen3_5_with_mtp(directory: str, *, oracle: bool = False, seed: int = 0
             mtp["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(d)
             mtp["mtp.norm.weight"] = hf.model.norm.weight.detach().clone()
     mtp |= {f"mtp.layers.0.{k}": v.detach().clone() for k, v in layer.state_dict().items()}
-    path = save_hf_model(hf, directory)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json")) as f:
-        hf_config = json.load(f)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**hf_config, "mtp_num_hidden_layers": 1}, f)
+    path = _save_with_mtp(hf, directory, mtp, "mtp_num_hidden_layers")
     wiring = MTPWiring(
         mtp["mtp.fc.weight"],
         mtp["mtp.pre_fc_norm_embedding.weight"],
@@ -159,13 +165,7 @@ def save_deepseek_v3_with_mtp(directory: str, seed: int = 0):
             mtp |= {f"{block}.{e}.down_proj.weight": down.clone() for e, down in enumerate(t)}
         else:
             mtp[p + name] = t.detach().clone()
-    path = save_hf_model(hf, directory)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json")) as f:
-        hf_config = json.load(f)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**hf_config, "num_nextn_predict_layers": 1}, f)
+    path = _save_with_mtp(hf, directory, mtp, "num_nextn_predict_layers")
     wiring = MTPWiring(
         mtp[f"{p}eh_proj.weight"],
         mtp[f"{p}enorm.weight"],
