@@ -29,10 +29,12 @@ from flax import nnx
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import AttentionMetadata
 from xlaserve.models.mtp import mtp_class
+from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class
 from xlaserve.models.weights import load_params
 from xlaserve.sharding.vocab import mask_padded_vocab
-from xlaserve.worker.draft_model import DraftModel, _draw_drafts, one_token_metadata
+from xlaserve.worker.draft_model import DraftInputs, DraftModel, _draw_drafts, one_token_metadata
+
 from xlaserve.worker.sampler import _GREEDY_EPS, SamplingTensors
 
 logger = logging.getLogger(__name__)
@@ -40,12 +42,9 @@ logger = logging.getLogger(__name__)
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class MTPInputs:
-    """A step's host arrays for the MTP layer."""
+class MTPInputs(DraftInputs):
+    """A step's host arrays for the MTP layer: the draft model's, and where each row's tokens are."""
 
-    last_positions: np.ndarray  # [R] position of the row's last known token (its first verified position)
-    num_slots: np.ndarray  # [R] positions below this have a slot in the row's blocks; 0: no proposal
-    prob_rows: np.ndarray  # [R] the row of the q buffer holding the q of the drafts this row verifies
     verify_starts: np.ndarray  # [R] flat index of the row's last known token
     next_ids: np.ndarray  # [T] the token after each flat position, where the host knows it (else 0)
 
@@ -81,7 +80,7 @@ def _mtp_step(
     token_index = st.token_index + num_accepted + 1  # the output index of the token draft 0 stands for
     is_greedy = st.temperature < _GREEDY_EPS
 
-    def draw(i, h, q_buf, drafts, tokens):
+    def draw(i, h, q_buf, drafts):
         logits = mask_padded_vocab(target.compute_logits(h, head_dv), vocab_size)
         next_ids, probs = _draw_drafts(logits, st, token_index + i, is_greedy)
         valid = start + i < inputs.num_slots  # the draft model's rule: its input's position has a slot
@@ -92,7 +91,7 @@ def _mtp_step(
 
     drafts = jnp.zeros((num_rows, num_spec), jnp.int32)
     h = out[jnp.clip(emitted_at, 0, num_tokens - 1)]
-    q_buf, drafts, tokens = draw(0, h, q_buf, drafts, None)
+    q_buf, drafts, tokens = draw(0, h, q_buf, drafts)
 
     def body(i, carry):  # draft i from draft i - 1 at the position after the emitted token's
         kv_cache, h, tokens, drafts, q_buf = carry
@@ -100,7 +99,7 @@ def _mtp_step(
         valid = pos < inputs.num_slots
         step_md = one_token_metadata(md, pos, valid, block_size)
         h, kv_cache = layer(target.embed(tokens), h, jnp.where(valid, pos, 0), kv_cache, step_md)
-        q_buf, drafts, tokens = draw(i, h, q_buf, drafts, tokens)
+        q_buf, drafts, tokens = draw(i, h, q_buf, drafts)
         return kv_cache, h, tokens, drafts, q_buf
 
     kv_cache, _, _, drafts, q_buf = jax.lax.fori_loop(1, num_spec, body, (kv_cache, h, tokens, drafts, q_buf))
@@ -137,7 +136,7 @@ class MTPDrafter(DraftModel):
             place=placement.place_param,
         )
         self.mtp_params = params
-        self.weight_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
+        self.weight_bytes = weight_bytes(params)
         logger.info(
             "MTP layer (%s) proposes %d tokens per step", layer_class.__name__, config.num_spec_tokens
         )
@@ -161,8 +160,10 @@ class MTPDrafter(DraftModel):
         )
 
     def empty_inputs(self, num_tokens: int, num_seqs: int) -> MTPInputs:
-        zeros = np.zeros(num_seqs, np.int32)
-        return MTPInputs(zeros, zeros, zeros, zeros, np.zeros(num_tokens, np.int32))
+        base = super().empty_inputs(num_tokens, num_seqs)
+        return MTPInputs(
+            **dataclasses.asdict(base), verify_starts=base.num_slots, next_ids=np.zeros(num_tokens, np.int32)
+        )
 
     def prepare(self, scheduled, num_tokens: int, num_seqs: int, failed: set[str]) -> MTPInputs:
         """The draft model's arrays, and where each row's tokens are in the batch with the token that
@@ -178,7 +179,7 @@ class MTPDrafter(DraftModel):
             next_ids[offset : offset + len(known)] = known[:n]
             verify_starts[row] = offset + n - 1 - len(s.spec_token_ids)
             offset += n
-        return MTPInputs(base.last_positions, base.num_slots, base.prob_rows, verify_starts, next_ids)
+        return MTPInputs(**dataclasses.asdict(base), verify_starts=verify_starts, next_ids=next_ids)
 
     def _hidden_like(self, num_tokens: int):
         return self.placement.zeros((num_tokens, self.hidden_size), self.dtype, self.placement.replicated)
