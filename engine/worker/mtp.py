@@ -34,7 +34,6 @@ from xlaserve.models.registry import get_model_class
 from xlaserve.models.weights import load_params
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.draft_model import DraftInputs, DraftModel, _draw_drafts, one_token_metadata
-
 from xlaserve.worker.sampler import _GREEDY_EPS, SamplingTensors
 
 logger = logging.getLogger(__name__)
