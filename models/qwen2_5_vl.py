@@ -157,6 +157,16 @@ def vision_fields(vision: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+# The towers' attention, as varlen flash attention (Hugging Face's cu_seqlens), keeps each image's
+# computation its own: it takes QUERY_BLOCK query patches at a time, every image starts a block
+# (`aligned`), and a block attends to a window of the bucket's length from its image's first patch, so an
+# image's keys sit at the same places of the reduction whatever the call packs around it or the bucket
+# it lands in (the rest of the window is masked: exact zeros). A block's scores are [heads, block, P]:
+# memory grows with the bucket's patches P, not P^2 (the largest image of Qwen3-VL's default settings,
+# 65,536 patches, needs 512 MiB a block instead of 256 GiB at once).
+QUERY_BLOCK = 128
+
+
 # -- the host's side: patches in window order, and M-RoPE positions ----------------------------------
 
 
@@ -172,21 +182,31 @@ def _window_order(grid_h: int, grid_w: int, units: int) -> tuple[np.ndarray, np.
     return order, window[order]
 
 
+def aligned(num_patches: int) -> int:
+    """Where the next image of a packed call starts after `num_patches`: at a query block's start, so
+    its attention is the same computation wherever it lands (`attend_patches`)."""
+    return -(-num_patches // QUERY_BLOCK) * QUERY_BLOCK
+
+
 def pack_images(
     vision: QwenVisionConfig, images: list[tuple[tuple[int, int, int], np.ndarray, np.ndarray]], bucket: int
 ) -> dict[str, np.ndarray]:
     """The encoder program's inputs for `images` [(grid (t, h, w) in patches, patches [P, patch_dim] in
-    the processor's order, the cache row of each of its tokens [P / 4])], packed into `bucket` patches:
-    the patches in window order, their (row, column), window and image numbers (-1: padding), and the
-    cache row of each merged token (`scratch` rows for the padding: the caller's `dest` default)."""
+    the processor's order, the cache row of each of its tokens [P / 4])], packed into `bucket` patches,
+    each image from a query block's start (`aligned`): the patches in window order, their (row, column),
+    window and image numbers (-1: padding), the first patch of the image each query block belongs to,
+    and the cache row of each merged token (`scratch` rows for the padding: the caller's `dest`
+    default)."""
     m, unit = vision.spatial_merge_size, vision.merge_unit
     patches = np.zeros((bucket, vision.patch_dim), np.float32)
     pos = np.zeros((bucket, 2), np.int32)
     window_ids = np.full(bucket, -1, np.int32)
     image_ids = np.full(bucket, -1, np.int32)
     dest = np.full(bucket // unit, -1, np.int32)
-    start, num_windows, num_frames = 0, 0, 0
+    block_starts = np.zeros(-(-bucket // QUERY_BLOCK), np.int32)
+    end, num_windows, num_frames = 0, 0, 0
     for (t, h, w), pixels, rows in images:
+        start = aligned(end)
         gh, gw = h // m, w // m
         order, window = _window_order(gh, gw, vision.window_units)
         order = (np.arange(t)[:, None] * gh * gw + order[None]).reshape(-1)  # frames one after another
@@ -203,8 +223,16 @@ def pack_images(
         # The full-attention blocks attend within a frame (an image is one): Hugging Face's cu_seqlens.
         image_ids[start : start + n] = num_frames + np.repeat(np.arange(t), n // t)
         dest[start // unit : (start + n) // unit] = rows[order]
-        start, num_windows, num_frames = start + n, num_windows + int(window.max()) + 1, num_frames + t
-    return {"patches": patches, "pos": pos, "window_ids": window_ids, "image_ids": image_ids, "dest": dest}
+        block_starts[start // QUERY_BLOCK : -(-(start + n) // QUERY_BLOCK)] = start
+        end, num_windows, num_frames = start + n, num_windows + int(window.max()) + 1, num_frames + t
+    return {
+        "patches": patches,
+        "pos": pos,
+        "window_ids": window_ids,
+        "image_ids": image_ids,
+        "block_starts": block_starts,
+        "dest": dest,
+    }
 
 
 def image_positions(
@@ -278,17 +306,35 @@ def vision_rope(v: QwenVisionConfig, pos: jax.Array):
     return rope_cos_sin((pos.astype(jnp.float32)[:, :, None] * inv_freq).reshape(pos.shape[0], -1))
 
 
-def attend_patches(qkv: jax.Array, num_heads: int, cos_sin, mask: jax.Array) -> jax.Array:
+def attend_patches(
+    qkv: jax.Array, num_heads: int, cos_sin, ids: jax.Array, block_starts: jax.Array
+) -> jax.Array:
     """The tower's attention: qkv [P, 3D] (q, k, v one after another), q and k rotated in float32,
-    each patch attending to the patches `mask` [P, P] allows -> [P, D]."""
+    each patch attending to the patches of its own id (`ids` [P]: its window or its image; padding,
+    -1, sees padding) -> [P, D], QUERY_BLOCK query patches at a time, each over the P patches from
+    its image's first (`block_starts`, one per block: `pack_images`)."""
     p, d = qkv.shape[0], qkv.shape[1] // 3
     q, k, v = (qkv.reshape(p, 3, num_heads, d // num_heads)[:, i] for i in range(3))
     q = rotate_halves(q.astype(jnp.float32), cos_sin).astype(qkv.dtype)
     k = rotate_halves(k.astype(jnp.float32), cos_sin).astype(qkv.dtype)
-    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[None], scores * (d // num_heads) ** -0.5, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("hqk,khd->qhd", probs, v).reshape(p, d)
+    # Queries padded to whole blocks (id -1, rows dropped); keys past P (id -2) are seen by none.
+    pad = -p % QUERY_BLOCK
+    q_blocks = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, QUERY_BLOCK, *q.shape[1:])
+    id_blocks = jnp.pad(ids, (0, pad), constant_values=-1).reshape(-1, QUERY_BLOCK)
+    k, v = (jnp.pad(x, ((0, p), (0, 0), (0, 0))) for x in (k, v))
+    key_ids = jnp.pad(ids, (0, p), constant_values=-2)
+
+    def attend(block):  # a block's queries [B, heads, head_dim], ids [B], start -> [B, heads, head_dim]
+        q_block, q_ids, start = block
+        window = [jax.lax.dynamic_slice_in_dim(x, start, p) for x in (k, v, key_ids)]
+        scores = jnp.einsum("qhd,khd->hqk", q_block, window[0], preferred_element_type=jnp.float32)
+        seen = (q_ids[:, None] == window[2][None, :])[None]
+        probs = jax.nn.softmax(jnp.where(seen, scores * (d // num_heads) ** -0.5, -jnp.inf), axis=-1)
+        return jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), window[1])
+
+    if len(q_blocks) == 1:  # a bucket of one block holds one image, from patch 0
+        return attend((q_blocks[0], id_blocks[0], 0))[:p].reshape(p, d)
+    return jax.lax.map(attend, (q_blocks, id_blocks, block_starts)).reshape(-1, d)[:p]
 
 
 class PatchAttention(nnx.Module):
@@ -299,8 +345,8 @@ class PatchAttention(nnx.Module):
         self.proj = Linear(d, d, use_bias=True, dtype=dtype, rngs=rngs)
         self.num_heads = num_heads
 
-    def __call__(self, x: jax.Array, cos_sin, mask: jax.Array) -> jax.Array:
-        return self.proj(attend_patches(self.qkv(x), self.num_heads, cos_sin, mask))
+    def __call__(self, x: jax.Array, cos_sin, ids: jax.Array, block_starts: jax.Array) -> jax.Array:
+        return self.proj(attend_patches(self.qkv(x), self.num_heads, cos_sin, ids, block_starts))
 
 
 class VisionBlock(nnx.Module):
@@ -316,8 +362,8 @@ class VisionBlock(nnx.Module):
         )
         self.act = activation(v.hidden_act)
 
-    def __call__(self, x: jax.Array, cos_sin, mask: jax.Array) -> jax.Array:  # x [P, D], mask [P, P]
-        x = x + self.attn(self.norm1(x), cos_sin, mask)
+    def __call__(self, x: jax.Array, cos_sin, ids: jax.Array, block_starts: jax.Array) -> jax.Array:
+        x = x + self.attn(self.norm1(x), cos_sin, ids, block_starts)  # x [P, D], ids [P]
         h = self.norm2(x)
         mlp = self.mlp
         return x + mlp["down_proj"](self.act(mlp["gate_proj"](h)) * mlp["up_proj"](h))
@@ -337,15 +383,13 @@ class VisionTower(nnx.Module):
         )
         self.v = v
 
-    def __call__(self, patches, pos, window_ids, image_ids) -> jax.Array:  # -> [P / 4, D_text]
+    def __call__(self, patches, pos, window_ids, image_ids, block_starts) -> jax.Array:  # -> [P / 4, D_text]
         v = self.v
         x = self.patch_embed(patches.astype(self.patch_embed.kernel.dtype))
         cos_sin = vision_rope(v, pos)
         # Padding patches (ids -1) see each other only: their rows are never read.
-        in_window = window_ids[:, None] == window_ids[None, :]
-        in_image = image_ids[:, None] == image_ids[None, :]
         for i, block in enumerate(self.blocks):
-            x = block(x, cos_sin, in_image if i in v.fullatt_block_indexes else in_window)
+            x = block(x, cos_sin, image_ids if i in v.fullatt_block_indexes else window_ids, block_starts)
         merger = self.merger
         x = merger["ln_q"](x).reshape(-1, v.hidden_size * v.merge_unit)
         return merger["fc2"](jax.nn.gelu(merger["fc1"](x), approximate=False))

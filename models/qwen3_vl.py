@@ -147,8 +147,8 @@ class VisionBlock(nnx.Module):
         )
         self.act = activation(v.hidden_act)
 
-    def __call__(self, x: jax.Array, cos_sin, mask: jax.Array) -> jax.Array:
-        x = x + self.attn(self.norm1(x), cos_sin, mask)
+    def __call__(self, x: jax.Array, cos_sin, image_ids: jax.Array, block_starts: jax.Array) -> jax.Array:
+        x = x + self.attn(self.norm1(x), cos_sin, image_ids, block_starts)
         return x + self.mlp["linear_fc2"](self.act(self.mlp["linear_fc1"](self.norm2(x))))
 
 
@@ -163,7 +163,7 @@ class VisionTower(nnx.Module):
         )
         self.v = v
 
-    def __call__(self, patches, pos, window_ids, image_ids, pos_taps, pos_weights) -> jax.Array:
+    def __call__(self, patches, pos, window_ids, image_ids, block_starts, pos_taps, pos_weights) -> jax.Array:
         """-> [P / 4, D_text x (1 + deepstack layers)]: each token's embedding, then its deepstack
         features."""
         v = self.v
@@ -174,10 +174,9 @@ class VisionTower(nnx.Module):
         )
         x = x + positions.astype(x.dtype)
         cos_sin = vision_rope(v, pos)
-        mask = image_ids[:, None] == image_ids[None, :]  # padding patches (-1) see each other only
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos_sin, mask)
+            x = block(x, cos_sin, image_ids, block_starts)  # padding patches (-1) see each other only
             if i in v.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[v.deepstack_visual_indexes.index(i)](x))
         return jnp.concatenate([self.merger(x), *deepstack], axis=-1)

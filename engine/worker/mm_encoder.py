@@ -37,14 +37,15 @@ from xlaserve.config import parse_mm_limits
 from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
 from xlaserve.models.llava import tokens_per_image
 from xlaserve.models.multimodal import EncoderOutputs
-from xlaserve.models.qwen2_5_vl import QwenVisionConfig, mrope_positions
+from xlaserve.models.qwen2_5_vl import QUERY_BLOCK, QwenVisionConfig, aligned, mrope_positions
 from xlaserve.models.registry import get_model_class
 from xlaserve.worker.input_batch import isolate_failures
 from xlaserve.worker.step_hooks import StepHook
 
 # Images one encoder call takes at most (its buckets: 1, 2, 4); more in a step take several calls.
 MAX_ITEMS_PER_CALL = 4
-# The largest tower attention a packed-patch bucket may need (its dense [heads, P, P] float32 scores).
+# The largest tower attention a packed-patch bucket may need: one query block's [heads, block, P] float32
+# scores (models/qwen2_5_vl.attend_patches).
 MAX_TOWER_SCORES_BYTES = 8 * 2**30
 
 
@@ -279,6 +280,27 @@ class MultiModalHook(StepHook):
         return []
 
 
+def patch_buckets(vision: QwenVisionConfig, max_patches: int) -> list[int]:
+    """The packed-patch buckets for images of up to `max_patches` patches: powers of two from 16
+    tokens' patches up to that largest image."""
+    block = min(QUERY_BLOCK, max_patches)
+    scores = vision.num_heads * block * max_patches * 4
+    if scores > MAX_TOWER_SCORES_BYTES:
+        largest = MAX_TOWER_SCORES_BYTES // (4 * vision.num_heads * QUERY_BLOCK) // vision.merge_unit
+        pixels = largest * (vision.patch_size * vision.spatial_merge_size) ** 2
+        raise ValueError(
+            f"mm_processor_kwargs: the processor's max_pixels makes images of up to {max_patches} "
+            f"patches, whose tower attention needs {scores / 2**30:.0f} GiB a block of {block} patches "
+            f"(at most {MAX_TOWER_SCORES_BYTES / 2**30:.0f}); set --mm-processor-kwargs "
+            f"'{{\"max_pixels\": {pixels}}}' or less, or --limit-mm-per-prompt "
+            '\'{"image": 0, "video": 0}\' to serve text only'
+        )
+    buckets = [min(max_patches, 16 * vision.merge_unit)]
+    while buckets[-1] < max_patches:
+        buckets.append(min(2 * buckets[-1], max_patches))
+    return buckets
+
+
 class PackedPatchesHook(MultiModalHook):
     """Images of any size (Qwen2.5-VL): an image is its (t, h, w) grid of patches, packed with the
     call's other images into the smallest patch-count bucket that holds them (powers of two up to one
@@ -289,24 +311,7 @@ class PackedPatchesHook(MultiModalHook):
         vision: QwenVisionConfig = cfg.vision
         self.vision, self.spatial_merge_size = vision, vision.spatial_merge_size
         self.video_interval = cfg.video_interval
-        max_patches = self.tokens_per_item * vision.merge_unit
-        # The tower's attention scores are one dense [heads, patches, patches] float32 array a bucket.
-        scores = vision.num_heads * max_patches**2 * 4
-        if scores > MAX_TOWER_SCORES_BYTES:
-            largest = int((MAX_TOWER_SCORES_BYTES / (4 * vision.num_heads)) ** 0.5) // vision.merge_unit
-            pixels = largest * (vision.patch_size * vision.spatial_merge_size) ** 2
-            raise ValueError(
-                f"mm_processor_kwargs: the processor's max_pixels makes images of up to {max_patches} "
-                f"patches, whose tower attention needs {scores / 2**30:.0f} GiB (at most "
-                f"{MAX_TOWER_SCORES_BYTES / 2**30:.0f}); set --mm-processor-kwargs "
-                f"'{{\"max_pixels\": {pixels}}}' or less, or --limit-mm-per-prompt "
-                '\'{"image": 0, "video": 0}\' to serve text only'
-            )
-        smallest = min(max_patches, 16 * vision.merge_unit)
-        buckets = [smallest]
-        while buckets[-1] < max_patches:
-            buckets.append(min(2 * buckets[-1], max_patches))
-        return buckets
+        return patch_buckets(vision, self.tokens_per_item * vision.merge_unit)
 
     def _max_items_per_step(self) -> int:
         return MAX_ITEMS_PER_CALL
@@ -329,12 +334,12 @@ class PackedPatchesHook(MultiModalHook):
         calls, pending, num_patches = [], [], 0
         for slot, feature in items:
             patches = len(feature.data)
-            if pending and num_patches + patches > self.buckets[-1]:
+            if pending and aligned(num_patches) + patches > self.buckets[-1]:
                 calls.append(self._pack(pending, next(b for b in self.buckets if b >= num_patches)))
                 pending, num_patches = [], 0
             rows = slot * self.tokens_per_item + np.arange(feature.length, dtype=np.int32)
             pending.append((feature.grid, feature.data, rows))
-            num_patches += patches
+            num_patches = aligned(num_patches) + patches
         if pending:
             calls.append(self._pack(pending, next(b for b in self.buckets if b >= num_patches)))
         return calls

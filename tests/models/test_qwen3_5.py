@@ -38,6 +38,7 @@ from helpers.family_cases import (
 )
 from helpers.tiny_models import save_bigram_llama
 from xlaserve import LLM, SamplingParams
+from xlaserve.worker.mm_encoder import MAX_TOWER_SCORES_BYTES, patch_buckets
 
 VOCAB = 101
 CONFIG = QWEN3_5_TEXT
@@ -151,10 +152,11 @@ def test_draft_model_drafts_on_a_hybrid_target(hf_model, tmp_path):
 
 def test_a_vision_language_release_serves_text_only(tmp_path):
     """Qwen3.5 ships as Qwen3_5ForConditionalGeneration: its decoder under model.language_model, a
-    vision tower and config.json's text_config (its images: tests/models/test_qwen_vl.py). Without a
-    processor config its default max_pixels is refused at start, naming both ways out; with every
+    vision tower and config.json's text_config (its images: tests/models/test_qwen_vl.py). With every
     --limit-mm-per-prompt at 0 (vLLM's text-only mode) it starts with no encoder and gives Hugging
-    Face's greedy tokens on text."""
+    Face's greedy tokens on text. Without a processor config, the default max_pixels's images, whose
+    tower attention was once too large to start, get patch buckets (the attention runs in query
+    blocks)."""
     text = {k: v for k, v in CONFIG.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
     vision = dict(
         depth=1,
@@ -175,10 +177,13 @@ def test_a_vision_language_release_serves_text_only(tmp_path):
     hf = randomize_weights(transformers.Qwen3_5ForConditionalGeneration(config).eval(), norm_center=0.0)
     hf.save_pretrained(tmp_path)
     word_tokenizer(VOCAB).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"mm_processor_kwargs: .* or --limit-mm-per-prompt .* text only"):
-        LLM(str(tmp_path), **ENGINE_ARGS)
     llm = LLM(str(tmp_path), **ENGINE_ARGS, limit_mm_per_prompt={"image": 0, "video": 0})
     assert llm.engine_core.runner.mm_encoder is None
+    cfg = llm.engine_core.runner.model_config
+    largest = cfg.max_image_tokens * cfg.vision.merge_unit
+    assert cfg.vision.num_heads * largest**2 * 4 > MAX_TOWER_SCORES_BYTES  # dense scores: refused once
+    doublings = [64 * 2**i for i in range(largest.bit_length()) if 64 * 2**i < largest]
+    assert patch_buckets(cfg.vision, largest) == [*doublings, largest]
     batch = prompts(VOCAB, seed=4)[:2]
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p) for p in batch]

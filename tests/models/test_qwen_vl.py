@@ -138,6 +138,58 @@ def test_mrope_positions_are_hugging_faces(llm, hf):
     assert int(delta[0, 0]) < 0  # images hold fewer positions than tokens
 
 
+def test_the_towers_attention_is_each_images_own_wherever_it_is_packed():
+    """At the default dtype and a released tower's head width (16 x 80): an image's attention rows are
+    the same bits alone in its own bucket as packed behind another image in a larger one, in a window
+    layer and a full layer (it starts a query block, and its blocks read a key window from its first
+    patch: models/qwen2_5_vl.attend_patches); in float32 they match a float64 reference."""
+    import jax
+    import jax.numpy as jnp
+
+    from xlaserve.models.qwen2_5_vl import QwenVisionConfig, attend_patches, pack_images
+    from xlaserve.models.rope import rope_cos_sin, rotate_halves
+
+    heads, head_dim = 16, 80
+    # A patch is one value, its number (to follow it through the packing); windows of 2 x 2 tokens.
+    vision = QwenVisionConfig(
+        1, 1, heads, 1, 1, patch_size=1, temporal_patch_size=1, in_channels=1, window_size=4
+    )
+    grids, first = {"a": (1, 20, 16), "b": (1, 10, 10)}, {"a": 0, "b": 320}  # 320 and 100 patches
+    rng = np.random.default_rng(0)
+    qkv_all = rng.standard_normal((420, 3 * heads * head_dim)).astype(np.float32)
+    angles_all = rng.standard_normal((420, head_dim // 2)).astype(np.float32)
+    attend = jax.jit(attend_patches, static_argnums=1)
+
+    def run(names: list[str], bucket: int, dtype, ids: str) -> tuple[np.ndarray, np.ndarray]:
+        """Each patch's attention output and id, by patch number."""
+        sizes = {n: int(np.prod(grids[n])) for n in names}
+        images = [
+            (grids[n], first[n] + np.arange(sizes[n])[:, None], np.zeros(sizes[n] // 4, int)) for n in names
+        ]
+        packed = pack_images(vision, images, bucket)
+        real = packed["image_ids"] >= 0
+        number = np.where(real, packed["patches"][:, 0], 0).astype(np.int64)
+        qkv = jnp.asarray(np.where(real[:, None], qkv_all[number], 0), dtype)
+        cos_sin = rope_cos_sin(jnp.asarray(angles_all[number]))
+        out = attend(qkv, heads, cos_sin, jnp.asarray(packed[ids]), jnp.asarray(packed["block_starts"]))
+        order = np.argsort(np.where(real, number, len(number) + len(qkv_all)))[: real.sum()]
+        return np.asarray(out.astype(jnp.float32))[order], packed[ids][order]
+
+    q, k, v = (qkv_all.reshape(-1, 3, heads, head_dim)[:, i] for i in range(3))
+    cos_sin = rope_cos_sin(jnp.asarray(angles_all))
+    q, k = (np.asarray(rotate_halves(jnp.asarray(x), cos_sin), np.float64) for x in (q, k))
+    for ids in ("window_ids", "image_ids"):
+        alone, _ = run(["a"], 512, jnp.bfloat16, ids)
+        packed, _ = run(["b", "a"], 1024, jnp.bfloat16, ids)  # a from patch 128, after b's 100
+        assert np.array_equal(packed[:320], alone), ids
+        out, patch_ids = run(["b", "a"], 1024, jnp.float32, ids)
+        scores = np.einsum("qhd,khd->hqk", q, k) * head_dim**-0.5
+        scores = np.where(patch_ids[:, None] == patch_ids[None, :], scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        expected = np.einsum("hqk,khd->qhd", probs / probs.sum(-1, keepdims=True), v).reshape(420, -1)
+        np.testing.assert_allclose(out, expected, atol=2e-5)
+
+
 def test_packed_images_encode_as_hugging_faces_tower(llm, hf):
     """Three images of three sizes packed into one call: each token's row as Hugging Face's (and its
     DeepStack features after it, Qwen3-VL's)."""
@@ -152,7 +204,7 @@ def test_packed_images_encode_as_hugging_faces_tower(llm, hf):
     counts = [int(np.prod(g)) // 4 for g in grids]
     pixels = np.split(out["pixel_values"], np.cumsum([c * 4 for c in counts])[:-1])
     rows = np.split(np.arange(sum(counts)), np.cumsum(counts)[:-1])
-    packed = model.cfg.vision.pack(list(zip(grids, pixels, rows)), 320)
+    packed = model.cfg.vision.pack(list(zip(grids, pixels, rows)), 384)  # 120, 64, 120 from blocks of 128
     encoded = np.asarray(model.encode_images(**{k: v for k, v in packed.items() if k != "dest"}))
     ours = np.zeros((sum(counts), encoded.shape[1]), np.float32)
     real = packed["dest"] >= 0
@@ -424,9 +476,12 @@ def test_mm_processor_kwargs_size_the_front_end_and_the_engine_alike(model_dir, 
 
     with pytest.raises(ValueError, match="mm_processor_kwargs must be a JSON object"):
         ModelConfig(mm_processor_kwargs="[1024]")
-    # An image of 62,500 patches: the tower's dense attention would need 58 GiB; the error says what to set.
-    with pytest.raises(ValueError, match=r'mm_processor_kwargs: .* needs 58 GiB .*\{"max_pixels": \d+\}'):
-        LLM(model_dir, **{**ENGINE_ARGS, "mm_processor_kwargs": {"max_pixels": 10**6}})
+    # Images of 6,250,000 patches: a query block of the tower's attention would need 12 GiB; the error
+    # says what to set.
+    with pytest.raises(
+        ValueError, match=r'mm_processor_kwargs: .* needs 12 GiB a block .*\{"max_pixels": \d+\}'
+    ):
+        LLM(model_dir, **{**ENGINE_ARGS, "mm_processor_kwargs": {"max_pixels": 10**8}})
     kwargs = {"max_pixels": 32 * 32}  # 16 tokens at most
     small = LLM(model_dir, **{**ENGINE_ARGS, "kv_cache_memory": 24 * 8192, "mm_processor_kwargs": kwargs})
     mm = small.input_processor.mm_processor
