@@ -29,12 +29,13 @@ class SchedulerConfig:
     # a quarter of max_num_batched_tokens; 0: no cap) and at most max_num_partial_prefills prompts
     # (max_long_partial_prefills of them longer than the threshold) are prefilled across steps at
     # once, so partial prefills take at most half of each step's budget by default: the other half
-    # always serves decodes and short prompts, whose first token then comes within a step or two.
+    # always serves decodes and short prompts, whose first token then comes within a step or two. The
+    # default cap is fairness to others: a prompt alone in the engine takes the whole budget.
     long_prefill_token_threshold: int | None = field(
         default=None,
         metadata=arg(
             "cap on a prompt's prefill chunk per step, so one long prompt cannot take a whole step "
-            "(default: max_num_batched_tokens / 4; 0: no cap)"
+            "(default: max_num_batched_tokens / 4 while other requests run, none alone; 0: no cap)"
         ),
     )
     max_num_partial_prefills: int = field(

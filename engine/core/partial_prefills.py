@@ -3,7 +3,10 @@
 So that one long prompt cannot hold the others hostage, a prefill chunk is capped at
 `long_prefill_token_threshold` tokens and only `max_num_partial_prefills` prompts (of which
 `max_long_partial_prefills` long ones) are prefilled across steps at once: the rest of each step's
-budget stays free for decodes and for short prompts, which then start within a step or two.
+budget stays free for decodes and for short prompts, which then start within a step or two. The default
+cap (`spares_budget`) is that fairness and no more: a prefill also takes what the step's other requests
+will not (`reserve`: their tokens under the cap), so a prompt alone, or beside decodes, is not held to a
+quarter of a step while the rest of it runs empty.
 """
 
 from __future__ import annotations
@@ -22,18 +25,21 @@ class PartialPrefills:
     max_num: int
     max_long: int
     threshold: int  # 0: chunks are not capped and no prompt counts as long
+    spares_budget: bool = False  # the default threshold: a chunk may pass it into the budget others leave
     # No chunks (an encoder-only model, whose tokens attend to later ones): all missing tokens, or none.
     is_whole: bool = False
     num: int = 0
     num_long: int = 0
 
-    def chunk(self, num_missing: int, token_budget: int) -> int:
-        """Tokens to schedule for a request missing `num_missing`; 0 when it must wait this step."""
+    def chunk(self, num_missing: int, token_budget: int, reserve: int = 0) -> int:
+        """Tokens to schedule for a request missing `num_missing`; 0 when it must wait this step.
+        `reserve`: the tokens the step's requests after this one take under the cap."""
         if self.is_whole:
             return num_missing if num_missing <= token_budget else 0
         num_new_tokens = min(num_missing, token_budget)
         if self.threshold:
-            num_new_tokens = min(num_new_tokens, self.threshold)
+            spare = token_budget - reserve if self.spares_budget else 0
+            num_new_tokens = min(num_new_tokens, max(self.threshold, spare))
         if num_new_tokens == num_missing:
             return num_new_tokens
         if self.num >= self.max_num or (self._is_long(num_missing) and self.num_long >= self.max_long):

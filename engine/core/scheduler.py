@@ -46,7 +46,9 @@ from xlaserve.core.spec_decode import SpecDecodingStats
 from xlaserve.core.step_results import StepResults
 
 # long_prefill_token_threshold=None caps a prefill chunk at this fraction of the step's budget: with
-# the default max_num_partial_prefills=2, partial prefills take at most half of every step.
+# the default max_num_partial_prefills=2, partial prefills take at most half of every step. That default
+# is fairness to the other requests and no more: a prefill also takes the budget they leave
+# (core/partial_prefills.py), so a prompt alone in the engine takes whole steps (vLLM's default).
 DEFAULT_PREFILL_CHUNK_DIVISOR = 4
 
 
@@ -77,7 +79,8 @@ class Scheduler(StepResults):
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
-        if self.long_prefill_token_threshold is None:
+        self.spares_budget = self.long_prefill_token_threshold is None
+        if self.spares_budget:
             self.long_prefill_token_threshold = self.max_num_batched_tokens // DEFAULT_PREFILL_CHUNK_DIVISOR
         self.max_num_partial_prefills = scheduler_config.max_num_partial_prefills
         self.max_long_partial_prefills = scheduler_config.max_long_partial_prefills
@@ -161,13 +164,15 @@ class Scheduler(StepResults):
             self.max_num_partial_prefills,
             self.max_long_partial_prefills,
             self.long_prefill_token_threshold,
+            spares_budget=self.spares_budget,
             is_whole=not self.enable_chunked_prefill,
         )
         max_seqs = self._max_seqs_this_step()
-        token_budget = self._schedule_running(output, prefills, max_seqs)
+        demands = self._demands(max_seqs) if self.spares_budget else {}
+        token_budget = self._schedule_running(output, prefills, max_seqs, demands)
         # After a preemption the blocks are short: admitting new work would only thrash.
         if not output.preempted_req_ids:
-            self._schedule_waiting(output, token_budget, prefills, max_seqs)
+            self._schedule_waiting(output, token_budget, prefills, max_seqs, demands)
         output.total_num_scheduled_tokens = sum(s.num_new_tokens for s in output.scheduled)
         output.kv_connector_metadata = self.kv_connector.build_connector_meta(output.scheduled)
         if self.async_scheduling:
@@ -180,6 +185,27 @@ class Scheduler(StepResults):
         if self.num_micro_batches > 1:
             self._in_flight.update((s.request_id, s.request) for s in output.scheduled)
         return output
+
+    def _demands(self, max_seqs: int) -> dict[str, int]:
+        """The tokens each request this step may schedule would take under the prefill cap, in the order
+        they are scheduled (running, then the waiting queue's head): what a prefill leaves them."""
+        threshold, demands = self.long_prefill_token_threshold, {}
+        for request in self.running:
+            num_missing = request.num_tokens_with_placeholders - request.num_computed_tokens
+            if num_missing > 0 and not self.is_in_flight(request):
+                is_decode = num_missing == 1
+                demands[request.request_id] = (
+                    1 + len(request.spec_token_ids) if is_decode else min(num_missing, threshold)
+                )
+        for request in list(self.waiting)[: max(0, max_seqs - len(demands))]:
+            demands[request.request_id] = min(request.num_tokens - request.num_computed_tokens, threshold)
+        return demands
+
+    @staticmethod
+    def _reserve(demands: dict[str, int], request: Request) -> int:
+        """What the requests after `request` in `demands`' order take (its own demand dropped)."""
+        demands.pop(request.request_id, None)
+        return sum(demands.values())
 
     def _max_seqs_this_step(self) -> int:
         """max_num_seqs; with micro-batches, this step's share of the requests (all in one step, the
@@ -210,7 +236,9 @@ class Scheduler(StepResults):
             or request.num_tokens_with_placeholders >= self.max_model_len
         )
 
-    def _schedule_running(self, output: SchedulerOutput, prefills: PartialPrefills, max_seqs: int) -> int:
+    def _schedule_running(
+        self, output: SchedulerOutput, prefills: PartialPrefills, max_seqs: int, demands: dict[str, int]
+    ) -> int:
         token_budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and token_budget > 0 and len(output.scheduled) < max_seqs:
@@ -219,7 +247,8 @@ class Scheduler(StepResults):
                 index += 1
                 continue
             num_missing = request.num_tokens_with_placeholders - request.num_computed_tokens
-            num_new_tokens = prefills.chunk(num_missing, token_budget) if num_missing > 0 else 0
+            reserve = self._reserve(demands, request)
+            num_new_tokens = prefills.chunk(num_missing, token_budget, reserve) if num_missing > 0 else 0
             num_new_tokens = self.kv_cache_manager.align_chunk(
                 request, request.num_computed_tokens, num_new_tokens
             )
@@ -289,7 +318,12 @@ class Scheduler(StepResults):
         return manager.allocate_slots(request, num_new_tokens, hit_blocks)
 
     def _schedule_waiting(
-        self, output: SchedulerOutput, token_budget: int, prefills: PartialPrefills, max_seqs: int
+        self,
+        output: SchedulerOutput,
+        token_budget: int,
+        prefills: PartialPrefills,
+        max_seqs: int,
+        demands: dict[str, int],
     ) -> None:
         index = 0  # requests before it wait for their grammar to compile, or their prefill turn
         while (
@@ -321,7 +355,7 @@ class Scheduler(StepResults):
             # get blocks like the tokens computed, and count as computed.
             num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
             num_missing = request.num_tokens - num_hit_tokens - num_external
-            num_new_tokens = prefills.chunk(num_missing, token_budget)
+            num_new_tokens = prefills.chunk(num_missing, token_budget, self._reserve(demands, request))
             num_new_tokens = self.kv_cache_manager.align_chunk(
                 request, request.num_tokens - num_missing, num_new_tokens
             )

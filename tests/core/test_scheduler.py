@@ -368,7 +368,7 @@ def test_random_workloads_match_an_unconstrained_run(make_scheduler, policy, see
         num_blocks=11,
         budget=rng.choice([5, 9, 16]),
         max_num_seqs=rng.choice([2, 4, 8]),
-        long_prefill_token_threshold=rng.choice([0, 2, 3, 8]),
+        long_prefill_token_threshold=rng.choice([0, 2, 3, 8, None]),  # None: the default, spares budget
         max_num_partial_prefills=num_partial,
         max_long_partial_prefills=rng.randint(1, num_partial),
     )
@@ -568,11 +568,28 @@ def test_partial_prefills_leave_room_for_a_third_prompt(make_scheduler):
     run_to_completion(scheduler, runner)
 
 
-def test_default_threshold_is_a_quarter_of_the_budget(make_scheduler):
+def test_default_threshold_is_a_quarter_of_the_budget_and_spares_the_rest(make_scheduler):
+    """The default cap is fairness and no more: a prompt alone in the engine prefills in budget-sized
+    chunks (its first token 4 steps away, not 13); beside another prompt it takes what that one leaves
+    under the cap (a quarter), so every step is full. A threshold the user sets is a hard cap."""
     scheduler = make_scheduler(
-        max_num_batched_tokens=64, max_model_len=128, long_prefill_token_threshold=None
+        max_num_batched_tokens=64, max_model_len=256, long_prefill_token_threshold=None
     )
     assert scheduler.long_prefill_token_threshold == 16
+    runner = FakeModelRunner(scheduler)
+    scheduler.add_request(make_request("a", range(200), max_tokens=1))
+    output, _ = step(scheduler, runner)
+    assert scheduled_tokens(output) == {"a": 64}
+    scheduler.add_request(make_request("b", range(300, 340), max_tokens=1))
+    output, _ = step(scheduler, runner)
+    assert scheduled_tokens(output) == {"a": 48, "b": 16}
+    explicit = make_scheduler(max_num_batched_tokens=64, max_model_len=128, long_prefill_token_threshold=16)
+    explicit_runner = FakeModelRunner(explicit)
+    explicit.add_request(make_request("c", range(100), max_tokens=1))
+    output, _ = step(explicit, explicit_runner)
+    assert scheduled_tokens(output) == {"c": 16}  # a threshold the user set holds alone too
+    run_to_completion(scheduler, runner)
+    run_to_completion(explicit, explicit_runner)
 
 
 # -- stopping -------------------------------------------------------------------------------------
