@@ -85,7 +85,7 @@ class ModelRunner(StepPreparation):
         self.mesh, self.placement = model.mesh, model.placement
         self.kv_spec, self.backend = model.kv_spec, model.backend
         self.graphdef, self.params = model.graphdef, model.params
-        self.weight_bytes = model.weight_bytes  # the /metrics gauge xlaserve:model_weight_bytes
+        self.weight_bytes = model.weight_bytes  # the model's own (what sleep level 2 frees)
         self.head_params = (model.params, model.head_dv)  # what computing logits reads
         self.slept_weights = None  # the weights on the host while asleep at level 2 (worker/weight_update.py)
         self.prepared_update = None  # new weights checked, not yet installed (across processes: every one's)
@@ -209,6 +209,12 @@ class ModelRunner(StepPreparation):
     def _lora_slot_holders(self, model: LoadedModel) -> list[SlotHolder]:
         """Where the LoRA slots live: beside the model's weights (a pipeline's: one set per stage)."""
         return [SlotHolder(model.params, model.placement)]
+
+    @property
+    def loaded_weight_bytes(self) -> int:
+        """Bytes of every weight the engine loaded on the devices, a drafter's too, as vLLM counts them
+        (the /metrics gauge xlaserve:model_weight_bytes)."""
+        return self.weight_bytes + (0 if self.drafter is None else self.drafter.weight_bytes)
 
     @property
     def num_steps(self) -> int:
