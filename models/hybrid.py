@@ -157,15 +157,14 @@ class HybridDecoderLM(DecoderOnlyLM):
         md: AttentionMetadata,
         lora: LoRABatch | None = None,
         layers: range | None = None,
-        after_layer=None,
     ):  # -> (x [T, D], updated cache)
-        """x through the layers `layers` (None: all of them; a pipeline stage's range, which may start
-        and end inside a period: worker/pipeline_stage.py); `after_layer(x, layer index) -> x` after
-        each, when given (`DecoderOnlyLM.run_layers`'s). The range is run as rounds of the period
-        rotated to start at its first layer, under one scan, then the rest of a round unrolled: round q's
-        layer k is entry q of its stack's part in the range (the stage's weights, LoRA slots), and its
-        K/V and state rows come after those of the range's layers before it (the stage's cache holds
-        only its layers')."""
+        """x through the layers `layers` (None: all of them; a pipeline stage's range, which may start and end
+        inside a period: worker/pipeline_stage.py). No `after_layer` (`DecoderOnlyLM.run_layers`'s): no hybrid
+        model adds image features between layers (Qwen3.5's tower has no DeepStack). The range is run as
+        rounds of the period rotated to start at its first layer, under one scan, then the rest of a round
+        unrolled: round q's layer k is entry q of its stack's part in the range (the stage's weights, LoRA
+        slots), and its K/V and state rows come after those of the range's layers before it (the stage's cache
+        holds only its layers')."""
         cfg = self.cfg
         layers = range(cfg.num_layers) if layers is None else layers
         period, stacks = cfg.period, self.layer_stacks(cfg)
@@ -203,8 +202,6 @@ class HybridDecoderLM(DecoderOnlyLM):
                 x, cache = layer(x, positions, cache, md_layer, spec)
             else:
                 x, cache = layer(x, positions, cache, md_layer, spec, rows)
-            if after_layer is not None:
-                x = after_layer(x, layers.start + q * len(period) + k)
             # Each layer's output is rounded to x's dtype here, whatever layer follows: XLA may keep a
             # 16-bit value in float32 between fused ops, so without the barrier a layer boundary inside a
             # round (one layout) and one between rounds or stages (another) would differ in bits.

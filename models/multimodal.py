@@ -85,7 +85,9 @@ class VisionLanguageLM(DecoderOnlyLM):
             md = self.image_metadata(md, mm)
             if mm.cache is not None:
                 after_layer = self.after_layer(mm)
-        return super().run_layers(x, positions, kv_cache, md, lora, layers, after_layer)
+        # Only a model that has one passes it: a hybrid backbone's run_layers takes none.
+        extra = {} if after_layer is None else {"after_layer": after_layer}
+        return super().run_layers(x, positions, kv_cache, md, lora, layers, **extra)
 
     def image_metadata(self, md, mm: EncoderOutputs):
         """`md` as the step's images change it for every layer: Gemma 3's image spans seen both ways."""

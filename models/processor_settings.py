@@ -37,6 +37,21 @@ def image_settings(settings: dict) -> dict:
     return settings.get("image_processor") or settings
 
 
+# Keys of the settings that name the processor rather than configure it.
+_NOT_ARGUMENTS = (
+    "image_processor_type",
+    "processor_class",
+    "_processor_class",
+    "auto_map",
+    "image_processor",
+)
+
+
+def image_processor_kwargs(settings: dict) -> dict:
+    """The image processor's constructor arguments of the settings."""
+    return {k: v for k, v in image_settings(settings).items() if k not in _NOT_ARGUMENTS}
+
+
 def max_image_tokens(settings: dict, vision: dict) -> int:
     """Tokens of the largest image the Qwen families' processor makes: its max_pixels (transformers 5
     spells it size.longest_edge) over the pixels of one token (`vision`: config.json's vision_config)."""

@@ -19,13 +19,8 @@ from PIL import Image
 from xlaserve.config import parse_mm_limits
 from xlaserve.core.multimodal import MultiModalFeature, hash_pixels
 from xlaserve.engine.media import MediaError, check_image
-from xlaserve.models.processor_settings import (
-    image_settings,
-    max_image_tokens,
-    read_settings,
-    video_fps,
-    with_overrides,
-)
+from xlaserve.engine.qwen_vl_processor import qwen_vl_processor
+from xlaserve.models.processor_settings import image_processor_kwargs, read_settings, with_overrides
 
 
 class MultiModalProcessor:
@@ -236,21 +231,15 @@ def _as_pil(image, field: str):
     raise MediaError("an image must be a PIL.Image or a uint8 numpy array [H, W, C]", field)
 
 
-_SKIP = ("image_processor_type", "processor_class", "_processor_class", "auto_map")
-
-
-def _image_settings(settings: dict) -> dict:
-    """The image processor's constructor arguments of the settings."""
-    return {k: v for k, v in image_settings(settings).items() if k not in _SKIP and k != "image_processor"}
-
-
 def _gemma3_processor(settings: dict, hf_config: dict, tokenizer):
     """Gemma3Processor over its Pillow image processor, without pan-and-scan crops (one image, one
     square of `mm_tokens_per_image` tokens)."""
     from transformers import Gemma3ImageProcessorPil, Gemma3Processor
 
     num_tokens = hf_config.get("mm_tokens_per_image", 256)
-    image_settings = {k: v for k, v in _image_settings(settings).items() if not k.startswith("pan_and_scan")}
+    image_settings = {
+        k: v for k, v in image_processor_kwargs(settings).items() if not k.startswith("pan_and_scan")
+    }
     image_processor = Gemma3ImageProcessorPil(**{**image_settings, "do_pan_and_scan": False})
     processor = Gemma3Processor(
         image_processor=image_processor, tokenizer=tokenizer, image_seq_length=num_tokens
@@ -263,7 +252,7 @@ def _llava_processor(settings: dict, hf_config: dict, tokenizer):
     is one token per patch (and the class token's under the `full` feature strategy)."""
     from transformers import CLIPImageProcessorPil, LlavaProcessor
 
-    image_processor = CLIPImageProcessorPil(**_image_settings(settings))
+    image_processor = CLIPImageProcessorPil(**image_processor_kwargs(settings))
     kwargs = {
         k: settings[k]
         for k in (
@@ -281,126 +270,16 @@ def _llava_processor(settings: dict, hf_config: dict, tokenizer):
     return processor, num_patches + int(keeps_cls)
 
 
-class QwenVLProcessor:
-    """The Qwen VL families' processor: Hugging Face's image processor (Qwen2VLImageProcessorPil: each
-    image resized to a multiple of patch x merge pixels within min/max pixels, cut into patches), and
-    each `<|image_pad|>` of the text expanded to the image's tokens (grid patches / merge_size^2), as
-    Qwen2_5_VLProcessor does (which cannot be built here: its video processor needs torchvision).
-
-    Videos (`fps` given): each frame through the same image processor (so a video takes the image
-    settings' min/max pixels), then frames paired along time as the video processor does (the last
-    repeated to an even count): a video of F frames is a (F / 2, h, w) grid of the frames' patches.
-    Qwen2.5-VL: its `<|video_pad|>` expands to all their tokens; `second_per_grid_ts` is 2 / fps (a
-    video's own fps where given, else the directory's). Qwen3-VL (`timestamps`): as Qwen3VLProcessor,
-    to each pair's time (at the same fps) in the text and then its tokens in vision marks,
-    `<0.2 seconds><|vision_start|><|video_pad|>...<|vision_end|>` a pair (the prompt's own marks around
-    the placeholder stay: Hugging Face replaces the `<|video_pad|>` only)."""
-
-    image_token = "<|image_pad|>"
-    chat_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
-    chat_video_placeholder = "<|vision_start|><|video_pad|><|vision_end|>"
-
-    def __init__(self, image_processor, tokenizer, fps: float | None = None, timestamps: bool = False):
-        self.image_processor, self.tokenizer = image_processor, tokenizer
-        self.merge_unit = image_processor.merge_size**2
-        self.fps = fps
-        self.video_token = "<|video_pad|>" if fps is not None else None
-        self.timestamps = timestamps
-
-    def __call__(
-        self,
-        text: str,
-        images=None,
-        videos=None,
-        return_tensors: str = "np",
-        add_special_tokens: bool = True,
-        fps: list[float | None] | None = None,
-    ):
-        out = {}
-        if images:
-            out |= self.image_processor(images=images, return_tensors="np")
-            text = self._expand(text, self.image_token, out["image_grid_thw"])
-        if videos:
-            fps = fps or [None] * len(videos)
-            out |= self._videos(videos, fps)
-            if self.timestamps:
-                num_frames = [len(frames) for frames in videos]
-                text = self._expand_timed(text, out["video_grid_thw"], num_frames, fps)
-            else:
-                text = self._expand(text, self.video_token, out["video_grid_thw"])
-        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-        return {**out, "input_ids": np.asarray([ids], np.int64)}
-
-    def _expand(self, text: str, placeholder: str, grids) -> str:
-        pieces = text.split(placeholder)
-        counts = [int(np.prod(grid)) // self.merge_unit for grid in grids]
-        return pieces[0] + "".join(placeholder * n + piece for n, piece in zip(counts, pieces[1:]))
-
-    def _expand_timed(self, text: str, grids, num_frames: list[int], fps: list[float | None]) -> str:
-        """Each `<|video_pad|>` as Qwen3VLProcessor's `replace_video_token`: per frame pair its time (the
-        mean of its two frames' at the video's fps, else the directory's; the last frame repeated to fill
-        the pair) to one decimal, then its tokens between vision marks."""
-        pieces = text.split(self.video_token)
-        pairs = self.image_processor.temporal_patch_size
-        out = pieces[0]
-        for (t, h, w), frames, rate, piece in zip(grids, num_frames, fps, pieces[1:]):
-            rate = rate or self.fps
-            index = np.minimum(np.arange(t * pairs), frames - 1).reshape(t, pairs)
-            times = (index[:, 0] / rate + index[:, -1] / rate) / 2  # in Hugging Face's order
-            frame = "<|vision_start|>" + self.video_token * (int(h * w) // self.merge_unit) + "<|vision_end|>"
-            out += "".join(f"<{time:.1f} seconds>{frame}" for time in times) + piece
-        return out
-
-    def _videos(self, videos: list, fps: list[float | None]) -> dict[str, np.ndarray]:
-        pairs = self.image_processor.temporal_patch_size
-        values, grids = [], []
-        for frames in videos:
-            frames = list(frames) + [frames[-1]] * (-len(frames) % pairs)  # the last repeated
-            out = self.image_processor(images=frames, return_tensors="np")
-            (_, h, w), channels = out["image_grid_thw"][0], self.image_processor.patch_size
-            # Each frame's patches hold it `pairs` times over ([P, C, T, p, p]): keep one, then pair.
-            per_frame = out["pixel_values"].reshape(len(frames), h * w, 3, pairs, channels, channels)[
-                :, :, :, 0
-            ]
-            grouped = per_frame.reshape(len(frames) // pairs, pairs, h * w, 3, channels, channels)
-            values.append(grouped.transpose(0, 2, 3, 1, 4, 5).reshape(len(frames) // pairs * h * w, -1))
-            grids.append((len(frames) // pairs, h, w))
-        out = {"pixel_values_videos": np.concatenate(values), "video_grid_thw": np.asarray(grids, np.int64)}
-        if not self.timestamps:  # Qwen2.5-VL's temporal positions: seconds a pair
-            out["second_per_grid_ts"] = np.asarray([pairs / (f or self.fps) for f in fps], np.float32)
-        return out
-
-
-def _qwen_vl_processor(settings: dict, hf_config: dict, tokenizer):
-    """The Qwen VL families': images keep their sizes, so the tokens per image given is the most one
-    has; videos' frames are taken at the settings' `fps` (2 by default), Qwen3-VL's pairs with their
-    times in the text."""
-    from transformers import Qwen2VLImageProcessorPil
-
-    image_processor = Qwen2VLImageProcessorPil(
-        **{k: v for k, v in _image_settings(settings).items() if k != "fps"}
-    )
-    timestamps = hf_config["architectures"][0] in _TIMED_VIDEOS
-    processor = QwenVLProcessor(image_processor, tokenizer, video_fps(settings), timestamps)
-    return processor, max_image_tokens(settings, hf_config["vision_config"])
-
-
 # The registry's vision-language architectures: (processor settings, config.json, tokenizer) -> (the HF
 # processor, tokens per image: the most one image has).
 VISION_LANGUAGE_FAMILIES = {
     "LlavaForConditionalGeneration": _llava_processor,
     "Gemma3ForConditionalGeneration": _gemma3_processor,
-    "Qwen2_5_VLForConditionalGeneration": _qwen_vl_processor,
-    "Qwen3VLForConditionalGeneration": _qwen_vl_processor,
-    "Qwen3_5ForConditionalGeneration": _qwen_vl_processor,
-    "Qwen3_5MoeForConditionalGeneration": _qwen_vl_processor,
+    "Qwen2_5_VLForConditionalGeneration": qwen_vl_processor,
+    "Qwen3VLForConditionalGeneration": qwen_vl_processor,
+    "Qwen3_5ForConditionalGeneration": qwen_vl_processor,
+    "Qwen3_5MoeForConditionalGeneration": qwen_vl_processor,
 }
-# The families whose videos are Qwen3VLProcessor's: each frame pair's time in the text.
-_TIMED_VIDEOS = (
-    "Qwen3VLForConditionalGeneration",
-    "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForConditionalGeneration",
-)
 
 
 def flatten_content(

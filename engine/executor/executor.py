@@ -112,8 +112,9 @@ class Executor:
 
     @property
     def weight_bytes(self) -> int:
-        """The weights' bytes on the devices (the /metrics gauge xlaserve:model_weight_bytes)."""
-        return self.runner.weight_bytes
+        """The weights' bytes on the devices, a drafter's too (the /metrics gauge
+        xlaserve:model_weight_bytes)."""
+        return self.runner.loaded_weight_bytes
 
     # -- what a pooling model allows (worker/pooler.py); a generate model has no pooler -----------
 

@@ -85,19 +85,72 @@ def _draw_drafts(logits, st: SamplingTensors, token_index, is_greedy):
     return jax.lax.cond(jnp.all(is_greedy), lambda x: (greedy, jnp.zeros_like(x)), sampled, logits)
 
 
-def one_token_metadata(md: AttentionMetadata, pos, valid, block_size: int) -> AttentionMetadata:
-    """A drafting iteration's metadata: one query per row at position `pos` [R] in the row's blocks
-    (the step's block table); a row not `valid` (no slot there) reads and writes the null block."""
+def one_token_inputs(md: AttentionMetadata, pos, num_slots, block_size: int) -> tuple:
+    """A drafting iteration's (positions [R], metadata): one query per row at position `pos` [R] in the
+    row's blocks (the step's block table); a row without a slot there (`num_slots` [R]) reads and writes
+    the null block."""
     num_rows = pos.shape[0]
+    valid = pos < num_slots
     rows, max_blocks = jnp.arange(num_rows), md.block_tables.shape[1]
     block = md.block_tables[rows, jnp.minimum(pos // block_size, max_blocks - 1)]
-    return AttentionMetadata(
+    return jnp.where(valid, pos, 0), AttentionMetadata(
         slot_mapping=jnp.where(valid, block * block_size + pos % block_size, 0),
         kv_lens=jnp.where(valid, pos + 1, 1),
         block_tables=jnp.where(valid[:, None], md.block_tables, 0),
         query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32),
         num_seqs=jnp.int32(num_rows),
     )
+
+
+def propose(
+    num_spec: int,
+    advance,
+    compute_logits,
+    kv_cache,
+    q_buf,  # [S, K, V] float32, S >= R: the q of the last proposals, rows in step order
+    tokens,  # [R]: the token each row emitted this step (after its accepted drafts)
+    num_accepted,  # [R]
+    st: SamplingTensors,  # [R]: the step's scalar sampling parameters
+    inputs: DraftInputs,
+    state=None,
+    first_hidden=None,
+):
+    """The drafting loop of every drafter: k drafts per row, one token per row an iteration, each drawn
+    from `compute_logits(hidden)` [R, V] (the padded vocabulary masked) and recorded with its q.
+    `advance(pos, state, tokens, kv_cache) -> (hidden [R, D], state, kv_cache)` is the drafter's network
+    over one token per row: `tokens` sit at `pos` [R] (the emitted token, then each draft in turn);
+    `state` is what it carries from one iteration to the next (MTP: its hidden state). `first_hidden`:
+    draft 0's hidden state where the step already has it (MTP's, from the flat batch), else `advance`
+    makes it from the emitted token. -> (drafts [R, K] int32, -1 from a row's first position without a
+    slot; q_buf, kv_cache)."""
+    num_rows = tokens.shape[0]
+    start = inputs.last_positions + num_accepted + 1  # where each emitted token sits
+    token_index = st.token_index + num_accepted + 1  # the output index of the token draft 0 stands for
+    is_greedy = st.temperature < _GREEDY_EPS
+
+    def draw(i, hidden, q_buf, drafts):
+        next_ids, probs = _draw_drafts(compute_logits(hidden), st, token_index + i, is_greedy)
+        # A draft whose input sat where the row has no slot read the null block: cut (-1), never verified.
+        valid = start + i < inputs.num_slots
+        q_buf = jax.lax.dynamic_update_slice(
+            q_buf, jnp.where(valid[:, None], probs, 0.0)[:, None, :], (0, i, 0)
+        )
+        return q_buf, drafts.at[:, i].set(jnp.where(valid, next_ids, -1)), next_ids
+
+    def body(i, carry):
+        kv_cache, state, tokens, drafts, q_buf = carry
+        hidden, state, kv_cache = advance(start + i, state, tokens, kv_cache)
+        q_buf, drafts, tokens = draw(i, hidden, q_buf, drafts)
+        return kv_cache, state, tokens, drafts, q_buf
+
+    drafts = jnp.zeros((num_rows, num_spec), jnp.int32)
+    first = 0
+    if first_hidden is not None:
+        q_buf, drafts, tokens = draw(0, first_hidden, q_buf, drafts)
+        first = 1
+    carry = (kv_cache, state, tokens, drafts, q_buf)
+    kv_cache, _, _, drafts, q_buf = jax.lax.fori_loop(first, num_spec, body, carry)
+    return drafts, q_buf, kv_cache
 
 
 def _draft_step(
@@ -107,40 +160,29 @@ def _draft_step(
     num_spec: int,
     head_params,
     kv_cache,
-    q_buf,  # [S, K, V] float32, S >= R: the q of the last proposals, rows in step order
+    q_buf,  # [S, K, V] float32, S >= R
     input_ids,  # [T]: the step's flat batch, as the target ran it
     positions,  # [T]
     md: AttentionMetadata,
     token_ids,  # [R]: the token each row emitted this step (after its accepted drafts)
     num_accepted,  # [R]
-    st: SamplingTensors,  # [R]: the step's scalar sampling parameters
+    st: SamplingTensors,  # [R]
     inputs: DraftInputs,
 ):
-    """-> (drafts [R, K] int32, -1 from a row's first position without a slot; q_buf, kv_cache)."""
+    """-> (drafts [R, K] int32, q_buf, kv_cache): `propose` over the draft model."""
     params, head_dv = head_params
     model = nnx.merge(graphdef, params)
     _, kv_cache = model(input_ids, positions, kv_cache, md)  # the draft's cache keeps pace with the target's
-    num_rows = token_ids.shape[0]
-    start = inputs.last_positions + num_accepted + 1  # where each emitted token sits
-    token_index = st.token_index + num_accepted + 1  # the output index of the token draft 0 stands for
-    is_greedy = st.temperature < _GREEDY_EPS
 
-    def body(i, carry):
-        kv_cache, tokens, drafts, q_buf = carry
-        pos = start + i
-        valid = pos < inputs.num_slots
-        step_md = one_token_metadata(md, pos, valid, block_size)
-        hidden, kv_cache = model(tokens, jnp.where(valid, pos, 0), kv_cache, step_md)
-        logits = mask_padded_vocab(model.compute_logits(hidden, head_dv), vocab_size)
-        next_ids, probs = _draw_drafts(logits, st, token_index + i, is_greedy)
-        probs = jnp.where(valid[:, None], probs, 0.0)
-        q_buf = jax.lax.dynamic_update_slice(q_buf, probs[:, None, :], (0, i, 0))
-        # A position without a slot read the null block: its draft (-1) is cut, never verified.
-        return kv_cache, next_ids, drafts.at[:, i].set(jnp.where(valid, next_ids, -1)), q_buf
+    def advance(pos, state, tokens, kv_cache):
+        pos, step_md = one_token_inputs(md, pos, inputs.num_slots, block_size)
+        hidden, kv_cache = model(tokens, pos, kv_cache, step_md)
+        return hidden, state, kv_cache
 
-    drafts = jnp.zeros((num_rows, num_spec), jnp.int32)
-    kv_cache, _, drafts, q_buf = jax.lax.fori_loop(0, num_spec, body, (kv_cache, token_ids, drafts, q_buf))
-    return drafts, q_buf, kv_cache
+    def compute_logits(hidden):
+        return mask_padded_vocab(model.compute_logits(hidden, head_dv), vocab_size)
+
+    return propose(num_spec, advance, compute_logits, kv_cache, q_buf, token_ids, num_accepted, st, inputs)
 
 
 class DraftModel:

@@ -223,7 +223,8 @@ def padded_ids(ids: np.ndarray) -> np.ndarray:
 class BlockTransferWorker(KVConnectorWorker):
     """What a connector that moves whole blocks has: the gather and scatter programs over the cache
     (`transfer_programs`, built on first use), compiled by `warm_up` on the null block, and the chunked
-    gather (`gather_chunks`). Host offload and disaggregated prefill (worker/kv_transfer.py) build on it."""
+    gather and scatter (`gather_chunks`, `scatter_chunks`). Host offload and disaggregated prefill
+    (worker/kv_transfer.py) build on it."""
 
     def __init__(self, num_blocks: int, layout: BlockLayout):
         self.num_blocks = num_blocks  # the device cache's, null block included
@@ -245,6 +246,25 @@ class BlockTransferWorker(KVConnectorWorker):
             for array in gathered:
                 array.copy_to_host_async()
             yield start, gathered
+
+    def scatter_chunks(self, kv_cache, block_ids: np.ndarray, sources: list[np.ndarray], rows=None):
+        """`kv_cache` with `block_ids` filled from `sources`, one per cache array, each row one block as
+        it leaves a cache (`chunk_shapes`): a host or disk tier's `rows` (None: its first rows, in order:
+        a producer's blocks). A scatter program call per TRANSFER_CHUNK_BLOCKS blocks (padded with the
+        null block), each waiting for its blocks' copy to the device, so a load's seconds measure the
+        copies rather than the dispatch."""
+        self._programs(kv_cache)
+        for start in range(0, len(block_ids), TRANSFER_CHUNK_BLOCKS):
+            ids = block_ids[start : start + TRANSFER_CHUNK_BLOCKS]
+            taken = slice(start, start + len(ids)) if rows is None else rows[start : start + len(ids)]
+            blocks = []
+            for source in sources:
+                staged = np.zeros((TRANSFER_CHUNK_BLOCKS, *source.shape[1:]), source.dtype)
+                staged[: len(ids)] = source[taken]
+                blocks.append(jax.device_put(staged))
+            jax.block_until_ready(blocks)
+            kv_cache = self._scatter_fn(kv_cache, padded_ids(ids), tuple(blocks))
+        return kv_cache
 
     def chunk_shapes(self, kv_cache) -> list[tuple[tuple[int, ...], np.dtype]]:
         """Shape and dtype of one program call's blocks per cache array, as they leave the device:
@@ -360,31 +380,16 @@ class OffloadingConnectorWorker(BlockTransferWorker):
         if len(metadata.load_block_ids):
             assert self.host is not None, "a load from a host tier nothing was saved to"
             t0 = time.perf_counter()
-            kv_cache = self._load(kv_cache, self.host, metadata.load_block_ids, metadata.load_slots)
+            kv_cache = self.scatter_chunks(kv_cache, metadata.load_block_ids, self.host, metadata.load_slots)
             self.stats.load_seconds += time.perf_counter() - t0
         if len(metadata.disk_load_block_ids):
             assert self.disk is not None, "a load from no disk tier"
             self.disk.ensure(self.chunk_shapes(kv_cache))  # a persistent tier's first use may be a load
             t0 = time.perf_counter()
-            kv_cache = self._load(
-                kv_cache, self.disk.arrays, metadata.disk_load_block_ids, metadata.disk_load_slots
+            kv_cache = self.scatter_chunks(
+                kv_cache, metadata.disk_load_block_ids, self.disk.arrays, metadata.disk_load_slots
             )
             self.stats.disk_load_seconds += time.perf_counter() - t0
-        return kv_cache
-
-    def _load(self, kv_cache, tier: list[np.ndarray], block_ids: np.ndarray, slots_all: np.ndarray):
-        """`kv_cache` with `block_ids` filled from the tier's `slots_all` (host arrays or disk maps)."""
-        self._programs(kv_cache)
-        for start in range(0, len(block_ids), TRANSFER_CHUNK_BLOCKS):
-            ids = block_ids[start : start + TRANSFER_CHUNK_BLOCKS]
-            slots = slots_all[start : start + TRANSFER_CHUNK_BLOCKS]
-            blocks = []
-            for buffer in tier:
-                staged = np.zeros((TRANSFER_CHUNK_BLOCKS, *buffer.shape[1:]), buffer.dtype)
-                staged[: len(slots)] = buffer[slots]
-                blocks.append(jax.device_put(staged))
-            jax.block_until_ready(blocks)  # the copy is what the seconds measure, not the scatter
-            kv_cache = self._scatter_fn(kv_cache, padded_ids(ids), tuple(blocks))
         return kv_cache
 
     def _before_warm_up(self, shapes) -> None:

@@ -34,14 +34,12 @@ from xlaserve.core.kv_multi_connector import MultiConnectorWorker
 from xlaserve.core.kv_offload import num_host_blocks
 from xlaserve.core.kv_transfer import GET, encode_header
 from xlaserve.worker.kv_offload import (
-    TRANSFER_CHUNK_BLOCKS,
     BlockLayout,
     BlockTransferWorker,
     DiskTier,
     OffloadingConnectorWorker,
     available_host_bytes,
     disk_tier_blocks,
-    padded_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -192,21 +190,12 @@ class _CacheBlocks(BlockTransferWorker):
 
     def scatter(self, kv_cache, block_ids: np.ndarray, rows: list[np.ndarray]):
         """`kv_cache` with a producer's rows (per cache array [J, bytes per block] uint8) at `block_ids`."""
-        self._programs(kv_cache)
         # As blocks leave a cache: [J, L, block_size, kv_heads, ...] (`BlockLayout`).
         blocks = [
             r.view(dtype).reshape(len(r), *shape[1:])
             for r, (shape, dtype) in zip(rows, self.chunk_shapes(kv_cache), strict=True)
         ]
-        for start in range(0, len(block_ids), TRANSFER_CHUNK_BLOCKS):
-            ids = block_ids[start : start + TRANSFER_CHUNK_BLOCKS]
-            staged = []
-            for array in blocks:
-                chunk = np.zeros((TRANSFER_CHUNK_BLOCKS, *array.shape[1:]), array.dtype)
-                chunk[: len(ids)] = array[start : start + len(ids)]
-                staged.append(jax.device_put(chunk))
-            kv_cache = self._scatter_fn(kv_cache, padded_ids(ids), tuple(staged))
-        return kv_cache
+        return self.scatter_chunks(kv_cache, block_ids, blocks)
 
 
 class DisaggConnectorWorker(KVConnectorWorker):

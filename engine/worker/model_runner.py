@@ -12,15 +12,14 @@ a token sampled in step N feeds step N+1 without a round trip through the host.
 
 Features (LoRA, a draft model) reach the step through hooks (worker/step_hooks.py), and K/V held outside
 the device cache (host offload) through the KV connector (core/kv_connector.py), which copies blocks out
-and in before the forward: the step below is the same code whether they are on or off. Every step is
-built for k verified drafts per request (k = 0 without speculative decoding), so a step verifies when
-some request carries drafts and samples otherwise. The host half of a step, the requests as arrays, is
-worker/step_prepare.py's; this module dispatches them.
+and in before the forward (set up by worker/kv_plumbing.py, with the cache's layout): the step below is
+the same code whether they are on or off. Every step is built for k verified drafts per request (k = 0
+without speculative decoding), so a step verifies when some request carries drafts and samples otherwise.
+The host half of a step, the requests as arrays, is worker/step_prepare.py's; this module dispatches them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -31,8 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
-from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorWorker
-from xlaserve.core.kv_offload import persistent_tier_dir
+from xlaserve.core.kv_connector import KVConnectorMetadata
 from xlaserve.core.outputs import ModelRunnerOutput
 from xlaserve.kernels import KVCache
 from xlaserve.models.registry import get_model_class
@@ -41,10 +39,9 @@ from xlaserve.worker.buckets import make_token_buckets
 from xlaserve.worker.compile_guard import CompileGuard
 from xlaserve.worker.draft_model import DraftModel
 from xlaserve.worker.input_batch import StepBatch, StepInputs
-from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, fit_state_copy_slots, num_kv_blocks
-from xlaserve.worker.kv_cache_groups import cache_layout, kv_cache_groups, num_state_copy_slots
-from xlaserve.worker.kv_offload import BlockLayout
-from xlaserve.worker.kv_transfer import make_kv_connector_worker
+from xlaserve.worker.kv_cache import allocate_kv_cache, num_kv_blocks
+from xlaserve.worker.kv_cache_groups import num_state_copy_slots
+from xlaserve.worker.kv_plumbing import KVPlumbing
 from xlaserve.worker.lora_manager import LoRAManager, SlotHolder
 from xlaserve.worker.mm_encoder import make_mm_hook
 from xlaserve.worker.model_loader import LoadedModel, load_model
@@ -64,7 +61,7 @@ from xlaserve.worker.weight_update import ParamSet
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner(StepPreparation):
+class ModelRunner(StepPreparation, KVPlumbing):
     def __init__(
         self,
         config: EngineConfig,
@@ -85,7 +82,7 @@ class ModelRunner(StepPreparation):
         self.mesh, self.placement = model.mesh, model.placement
         self.kv_spec, self.backend = model.kv_spec, model.backend
         self.graphdef, self.params = model.graphdef, model.params
-        self.weight_bytes = model.weight_bytes  # the /metrics gauge xlaserve:model_weight_bytes
+        self.weight_bytes = model.weight_bytes  # the model's own (what sleep level 2 frees)
         self.head_params = (model.params, model.head_dv)  # what computing logits reads
         self.slept_weights = None  # the weights on the host while asleep at level 2 (worker/weight_update.py)
         self.prepared_update = None  # new weights checked, not yet installed (across processes: every one's)
@@ -107,20 +104,8 @@ class ModelRunner(StepPreparation):
         # (sharding/context_parallel.py), so the device cache's blocks are that long.
         self.dcp = config.parallel.decode_context_parallel_size
         self.cache_block_size = self.block_size // self.dcp
-        self.kv_spec = fit_state_copy_slots(
-            self.kv_spec,
-            config,
-            self.backend.cache_dtype(self.dtype),
-            self.cache_block_size,
-            max_model_len if config.model.max_model_len is not None else None,
-        )
-        # The host's KV cache groups (core/kv_cache_spec.py), from the model's cache spec.
-        self.kv_cache_groups = kv_cache_groups(self.kv_spec, self.model_config, config)
-        # Layers of several windows: a block table per group, and a cache slot per group position
-        # rather than per layer (worker/kv_cache_groups.py); None: a slot per layer, one table.
-        self.cache_layout = cache_layout(self.kv_cache_groups)
-        if self.cache_layout is not None:
-            self.kv_spec = dataclasses.replace(self.kv_spec, num_layers=self.cache_layout.num_slots)
+        # The cache's spec, its host groups and slots (worker/kv_plumbing.py).
+        self._lay_out_kv_cache(max_model_len)
         # The step's device functions as Programs (worker/step_programs.py), jitted with the graphdef bound.
         vocab = self.model_config.vocab_size
         # Prefill context parallel: a step's tokens split over the mesh's "context" axis.
@@ -177,12 +162,8 @@ class ModelRunner(StepPreparation):
             if hasattr(self.kv_spec, "copy_state_slots") and num_state_copy_slots(config)
             else None
         )
-        # Copies between the cache and K/V held elsewhere, before each step (core/kv_connector.py): host
-        # offload's (worker/kv_offload.py), or the base class, which moves nothing.
-        self.kv_layout = BlockLayout(model.kv_heads, self.dcp)
-        # Named once here (it stats the checkpoint's files): the core's half reads it from the executor.
-        self.kv_persist_dir = persistent_tier_dir(config, self.kv_bytes_per_block())
-        self.kv_connector = self._make_kv_connector()
+        # Copies between the cache and K/V held elsewhere, around each step (worker/kv_plumbing.py).
+        self._set_up_kv_connector(model.kv_heads)
         sched = config.scheduler
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, sched.max_num_seqs, self.padded_vocab_size)
@@ -209,6 +190,12 @@ class ModelRunner(StepPreparation):
     def _lora_slot_holders(self, model: LoadedModel) -> list[SlotHolder]:
         """Where the LoRA slots live: beside the model's weights (a pipeline's: one set per stage)."""
         return [SlotHolder(model.params, model.placement)]
+
+    @property
+    def loaded_weight_bytes(self) -> int:
+        """Bytes of every weight the engine loaded on the devices, a drafter's too, as vLLM counts them
+        (the /metrics gauge xlaserve:model_weight_bytes)."""
+        return self.weight_bytes + (0 if self.drafter is None else self.drafter.weight_bytes)
 
     @property
     def num_steps(self) -> int:
@@ -270,31 +257,6 @@ class ModelRunner(StepPreparation):
         """(graphdef, params) of the devices holding the embedding (a pipeline's first stage), where a
         vision-language model's images are encoded (worker/mm_encoder.py)."""
         return self.graphdef, self.params
-
-    def kv_bytes_per_block(self) -> int:
-        """Bytes of one block as the KV connector moves it (to a host tier, to a consumer): every layer's
-        K/V of block_size tokens, each of the model's KV heads once (`BlockLayout`), whatever copies and
-        interleaving the device cache holds."""
-        return self._moved_bytes_per_block(self.kv_spec)
-
-    def _moved_bytes_per_block(self, spec) -> int:
-        dtype = self.backend.cache_dtype(self.dtype)
-        if spec.layer_kind != "full_attention" or spec.fixed_num_tokens is not None:
-            return bytes_per_block(spec, self.cache_block_size, dtype)  # a cache no connector moves
-        num_layers, *block = spec.shape(1, self.cache_block_size)
-        moved = self.kv_layout.moved_shape(tuple(block))
-        return spec.num_arrays * num_layers * math.prod(moved) * np.dtype(dtype).itemsize
-
-    def _make_kv_connector(self) -> KVConnectorWorker:
-        """The configured KV connector's worker half over this runner's cache (worker/kv_transfer.py)."""
-        return make_kv_connector_worker(
-            self.config.cache,
-            self.kv_bytes_per_block(),
-            self.num_blocks,
-            self.kv_layout,
-            self.kv_persist_dir,
-            kv_transfer=self.config.kv_transfer,
-        )
 
     # -- compiling ------------------------------------------------------------------------------
 

@@ -33,8 +33,8 @@ from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class
 from xlaserve.models.weights import load_params
 from xlaserve.sharding.vocab import mask_padded_vocab
-from xlaserve.worker.draft_model import DraftInputs, DraftModel, _draw_drafts, one_token_metadata
-from xlaserve.worker.sampler import _GREEDY_EPS, SamplingTensors
+from xlaserve.worker.draft_model import DraftInputs, DraftModel, one_token_inputs, propose
+from xlaserve.worker.sampler import SamplingTensors
 
 logger = logging.getLogger(__name__)
 
@@ -66,43 +66,39 @@ def _mtp_step(
     st: SamplingTensors,
     inputs: MTPInputs,
 ):
-    """-> (drafts [R, K] int32, -1 from a row's first position without a slot; q_buf, kv_cache)."""
+    """-> (drafts [R, K] int32, q_buf, kv_cache): `propose` over the MTP layer."""
     params, head_dv = head_params
     target = nnx.merge(target_graphdef, params)
     layer = nnx.merge(mtp_graphdef, mtp_params)
-    num_tokens, num_rows = positions.shape[0], token_ids.shape[0]
+    num_tokens = positions.shape[0]
     proposes = inputs.num_slots > 0
     emitted_at = inputs.verify_starts + num_accepted  # each row's last accepted position, in the batch
     next_ids = inputs.next_ids.at[jnp.where(proposes, emitted_at, num_tokens)].set(token_ids, mode="drop")
     out, kv_cache = layer(target.embed(next_ids), hidden, positions, kv_cache, md)
-    start = inputs.last_positions + num_accepted + 1  # where each emitted token sits
-    token_index = st.token_index + num_accepted + 1  # the output index of the token draft 0 stands for
-    is_greedy = st.temperature < _GREEDY_EPS
+    h = out[jnp.clip(emitted_at, 0, num_tokens - 1)]  # draft 0's hidden state
 
-    def draw(i, h, q_buf, drafts):
-        logits = mask_padded_vocab(target.compute_logits(h, head_dv), vocab_size)
-        next_ids, probs = _draw_drafts(logits, st, token_index + i, is_greedy)
-        valid = start + i < inputs.num_slots  # the draft model's rule: its input's position has a slot
-        q_buf = jax.lax.dynamic_update_slice(
-            q_buf, jnp.where(valid[:, None], probs, 0.0)[:, None, :], (0, i, 0)
-        )
-        return q_buf, drafts.at[:, i].set(jnp.where(valid, next_ids, -1)), next_ids
+    def advance(pos, h, tokens, kv_cache):  # draft i from draft i - 1 (at `pos`) and its hidden state
+        # The layer at a position reads the token after it: K/V at the position before the draft's.
+        pos, step_md = one_token_inputs(md, pos - 1, inputs.num_slots, block_size)
+        h, kv_cache = layer(target.embed(tokens), h, pos, kv_cache, step_md)
+        return h, h, kv_cache
 
-    drafts = jnp.zeros((num_rows, num_spec), jnp.int32)
-    h = out[jnp.clip(emitted_at, 0, num_tokens - 1)]
-    q_buf, drafts, tokens = draw(0, h, q_buf, drafts)
+    def compute_logits(h):
+        return mask_padded_vocab(target.compute_logits(h, head_dv), vocab_size)
 
-    def body(i, carry):  # draft i from draft i - 1 at the position after the emitted token's
-        kv_cache, h, tokens, drafts, q_buf = carry
-        pos = start + i - 1
-        valid = pos < inputs.num_slots
-        step_md = one_token_metadata(md, pos, valid, block_size)
-        h, kv_cache = layer(target.embed(tokens), h, jnp.where(valid, pos, 0), kv_cache, step_md)
-        q_buf, drafts, tokens = draw(i, h, q_buf, drafts)
-        return kv_cache, h, tokens, drafts, q_buf
-
-    kv_cache, _, _, drafts, q_buf = jax.lax.fori_loop(1, num_spec, body, (kv_cache, h, tokens, drafts, q_buf))
-    return drafts, q_buf, kv_cache
+    return propose(
+        num_spec,
+        advance,
+        compute_logits,
+        kv_cache,
+        q_buf,
+        token_ids,
+        num_accepted,
+        st,
+        inputs,
+        state=h,
+        first_hidden=h,
+    )
 
 
 class MTPDrafter(DraftModel):

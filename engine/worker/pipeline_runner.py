@@ -43,7 +43,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from xlaserve.config import EngineConfig
-from xlaserve.core.kv_connector import KVConnectorWorker
 from xlaserve.kernels import KVCache
 from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
@@ -51,7 +50,6 @@ from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.sharding import Placement, make_mesh
 from xlaserve.worker.input_batch import StepBatch, StepInputs
 from xlaserve.worker.kv_cache import allocate_kv_cache
-from xlaserve.worker.kv_transfer import make_kv_connector_worker
 from xlaserve.worker.lora_manager import SlotHolder
 from xlaserve.worker.model_loader import LoadedModel, load_model
 from xlaserve.worker.model_runner import ModelRunner
@@ -244,22 +242,14 @@ class PipelineRunner(ModelRunner):
         host, so that is the whole model's, as an engine without stages moves it)."""
         return sum(self._moved_bytes_per_block(self._stage_kv_spec(s)) for s in self.stages if s.is_local)
 
-    def _make_kv_connector(self) -> KVConnectorWorker:
+    def _connector_stages(self) -> list[bool]:
         """The connectors on stages, all given the step's one plan (block ids and host slots are the same
         on every stage, as the block tables are shared): host offload a worker half per stage over its own
         cache (its layers' blocks, on its devices; each stage's tier holds the same number of blocks, of
-        its layers; a persistent disk tier's files named apart per stage), disaggregated prefill one over
-        every stage's cache, which serves and loads a block as the whole model's layers
-        (worker/kv_transfer.py)."""
-        return make_kv_connector_worker(
-            self.config.cache,
-            self.kv_bytes_per_block(),  # sizes every stage's tier alike: the whole block's bytes
-            self.num_blocks,
-            self.kv_layout,
-            self.kv_persist_dir,
-            local_stages=[s.is_local for s in self.stages],
-            kv_transfer=self.config.kv_transfer,
-        )
+        its layers, sized by `kv_bytes_per_block`: the whole block's bytes; a persistent disk tier's files
+        named apart per stage), disaggregated prefill one over every stage's cache, which serves and loads
+        a block as the whole model's layers (worker/kv_transfer.py)."""
+        return [s.is_local for s in self.stages]
 
     def allocate_kv_cache(self) -> list[KVCache | None]:
         """Each stage's zeroed cache of num_blocks, on its devices, holding its layers only (None for

@@ -125,7 +125,12 @@ def test_a_smaller_draft_keeps_greedy_outputs_exact(truncated_draft_dir, target_
     llm = LLM(target_dir, speculative_config=spec, enforce_eager=True, **ARGS)
     metrics = check_outputs_and_metrics(llm, baseline, with_penalties=True)
     assert metrics["num_accepted_tokens"] < metrics["num_draft_tokens"]  # a different model: some rejected
-    assert llm.engine_core.runner.drafter.kv_spec.num_layers == 1
+    runner = llm.engine_core.runner
+    assert runner.drafter.kv_spec.num_layers == 1
+    # The weights gauge counts the draft's (one layer of the target's two, same embedding and head).
+    assert 0 < runner.drafter.weight_bytes < runner.weight_bytes
+    gauge = next(m.value for m in llm.get_metrics() if m.name == "xlaserve:model_weight_bytes")
+    assert gauge == runner.weight_bytes + runner.drafter.weight_bytes
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path, target_dir):

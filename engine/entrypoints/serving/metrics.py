@@ -20,7 +20,9 @@ _DOCS = {
     "num_requests_running": "Number of requests in the model's batch.",
     "num_requests_waiting": "Number of requests waiting to be scheduled.",
     "kv_cache_usage_perc": "KV cache usage: 1 means all blocks are held by requests.",
-    "model_weight_bytes": "Bytes of the model's weights on the devices (quantized: one byte per weight).",
+    "model_weight_bytes": (
+        "Bytes of the weights on the devices, a speculative drafter's too (quantized: one byte per weight)."
+    ),
     "num_kv_blocks": "KV cache blocks (vLLM's num_gpu_blocks); twice as many with --kv-cache-dtype fp8.",
     "prefix_cache_queries": "Prefix cache queries, in tokens.",
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
