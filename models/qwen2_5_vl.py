@@ -424,8 +424,12 @@ class QwenVisionLanguageLM(VisionLanguageLM):
 
     def image_metadata(self, md, mm: EncoderOutputs):
         if mm.mrope is not None:  # every layer rotates by the step's M-RoPE positions
-            md = dataclasses.replace(md, rope=rope_cos_sin(self._mrope_angles(mm.mrope)))
+            md = self.mrope_metadata(md, mm.mrope)
         return super().image_metadata(md, mm)
+
+    def mrope_metadata(self, md, mrope: jax.Array):
+        """`md` rotating every layer by the M-RoPE positions `mrope` [3, T] (an MTP layer's too)."""
+        return dataclasses.replace(md, rope=rope_cos_sin(self._mrope_angles(mrope)))
 
     def _mrope_angles(self, mrope: jax.Array) -> jax.Array:  # [3, T] -> [T, head_dim / 2]
         cfg = self.cfg

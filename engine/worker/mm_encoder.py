@@ -160,17 +160,25 @@ class MultiModalHook(StepHook):
 
     # -----------------------------------------------------------------------------------------------------
 
+    def step_mrope(self, scheduled, num_tokens: int, failed: set[str]) -> np.ndarray | None:
+        """[3, T] the step's M-RoPE positions, every token's, text included (models/qwen2_5_vl.py);
+        None for a model without them. An MTP drafter rotates by them too (worker/mtp.py)."""
+        if not self.mrope:
+            return None
+        mrope = np.zeros((3, num_tokens), np.int32)
+        offset = 0
+        for s in scheduled:
+            isolate_failures(failed, s, "placing its M-RoPE positions", self._fill_mrope, mrope, offset, s)
+            offset += s.num_new_tokens
+        return mrope
+
     def prepare(self, scheduled, num_tokens, num_seqs, failed) -> dict[str, np.ndarray]:
         rows = np.full(num_tokens, -1, np.int32)
         ahead = np.zeros(num_tokens, np.int32) if self.bidirectional else None
-        mrope = np.zeros((3, num_tokens), np.int32) if self.mrope else None
+        mrope = self.step_mrope(scheduled, num_tokens, failed)
         to_encode: dict[int, object] = {}  # slot -> feature
         offset = 0
         for s in scheduled:
-            if mrope is not None:  # every token's, text included (models/qwen2_5_vl.py)
-                isolate_failures(
-                    failed, s, "placing its M-RoPE positions", self._fill_mrope, mrope, offset, s
-                )
             if s.request.mm_features:
                 isolate_failures(
                     failed, s, "placing its images", self._fill_rows, rows, ahead, offset, s, to_encode

@@ -46,6 +46,9 @@ class MTPInputs(DraftInputs):
 
     verify_starts: np.ndarray  # [R] flat index of the row's last known token
     next_ids: np.ndarray  # [T] the token after each flat position, where the host knows it (else 0)
+    # [3, T] an M-RoPE target's positions of the step's tokens (the image hook's: worker/mm_encoder.py),
+    # None for any other target (or a vision-language one serving text only, whose streams are equal).
+    mrope: np.ndarray | None = None
 
 
 def _mtp_step(
@@ -74,12 +77,19 @@ def _mtp_step(
     proposes = inputs.num_slots > 0
     emitted_at = inputs.verify_starts + num_accepted  # each row's last accepted position, in the batch
     next_ids = inputs.next_ids.at[jnp.where(proposes, emitted_at, num_tokens)].set(token_ids, mode="drop")
-    out, kv_cache = layer(target.embed(next_ids), hidden, positions, kv_cache, md)
-    h = out[jnp.clip(emitted_at, 0, num_tokens - 1)]  # draft 0's hidden state
+    last = jnp.clip(emitted_at, 0, num_tokens - 1)
+    flat_md = md if inputs.mrope is None else target.mrope_metadata(md, inputs.mrope)
+    out, kv_cache = layer(target.embed(next_ids), hidden, positions, kv_cache, flat_md)
+    h = out[last]  # draft 0's hidden state
 
     def advance(pos, h, tokens, kv_cache):  # draft i from draft i - 1 (at `pos`) and its hidden state
         # The layer at a position reads the token after it: K/V at the position before the draft's.
         pos, step_md = one_token_inputs(md, pos - 1, inputs.num_slots, block_size)
+        if inputs.mrope is not None:
+            # Past the prompt every token is text: its three streams are equal, its position shifted by
+            # what the images before it changed (the last accepted token's shift, `mrope_positions`).
+            shift = inputs.mrope[0, last] - positions[last]
+            step_md = target.mrope_metadata(step_md, jnp.broadcast_to(pos + shift, (3, pos.shape[0])))
         h, kv_cache = layer(target.embed(tokens), h, pos, kv_cache, step_md)
         return h, h, kv_cache
 
@@ -132,6 +142,7 @@ class MTPDrafter(DraftModel):
         )
         self.mtp_params = params
         self.weight_bytes = weight_bytes(params)
+        self.runner = runner  # its image hook, built after this, holds an M-RoPE target's positions
         logger.info(
             "MTP layer (%s) proposes %d tokens per step", layer_class.__name__, config.num_spec_tokens
         )
@@ -156,9 +167,18 @@ class MTPDrafter(DraftModel):
 
     def empty_inputs(self, num_tokens: int, num_seqs: int) -> MTPInputs:
         base = super().empty_inputs(num_tokens, num_seqs)
+        mrope = np.zeros((3, num_tokens), np.int32) if self._images() is not None else None
         return MTPInputs(
-            **dataclasses.asdict(base), verify_starts=base.num_slots, next_ids=np.zeros(num_tokens, np.int32)
+            **dataclasses.asdict(base),
+            verify_starts=base.num_slots,
+            next_ids=np.zeros(num_tokens, np.int32),
+            mrope=mrope,
         )
+
+    def _images(self):
+        """The runner's image hook where its positions are M-RoPE's (they rotate this layer too)."""
+        images = self.runner.mm_encoder
+        return images if images is not None and images.mrope else None
 
     def prepare(self, scheduled, num_tokens: int, num_seqs: int, failed: set[str]) -> MTPInputs:
         """The draft model's arrays, and where each row's tokens are in the batch with the token that
@@ -174,7 +194,11 @@ class MTPDrafter(DraftModel):
             next_ids[offset : offset + len(known)] = known[:n]
             verify_starts[row] = offset + n - 1 - len(s.spec_token_ids)
             offset += n
-        return MTPInputs(**dataclasses.asdict(base), verify_starts=verify_starts, next_ids=next_ids)
+        images = self._images()
+        mrope = None if images is None else images.step_mrope(scheduled, num_tokens, failed)
+        return MTPInputs(
+            **dataclasses.asdict(base), verify_starts=verify_starts, next_ids=next_ids, mrope=mrope
+        )
 
     def _hidden_like(self, num_tokens: int):
         return self.placement.zeros((num_tokens, self.hidden_size), self.dtype, self.placement.replicated)

@@ -90,11 +90,40 @@ def save_qwen3_5_with_mtp(directory: str, *, oracle: bool = False, seed: int = 0
     config.architectures = [f"{family}ForCausalLM"]
     torch.manual_seed(seed)
     hf = randomize_weights(getattr(transformers, f"{family}ForCausalLM")(config).eval(), norm_center=0.0)
+    layer, mtp, wiring = _qwen_mtp_layer(hf, config, family, _FULL_LAYER, seed + 1, oracle)
+    return _save_with_mtp(hf, directory, mtp, "mtp_num_hidden_layers"), hf, layer, wiring
+
+
+def save_qwen3_5_vl_with_mtp(directory: str, seed: int = 0):
+    """A random Qwen3_5ForConditionalGeneration (helpers/tiny_vlm.py: images before a hybrid decoder,
+    interleaved M-RoPE) and an MTP layer, text_config declaring it as the releases do -> (path, hf
+    model, the MTP's decoder layer, its wiring)."""
+    from helpers.tiny_vlm import save_tiny_qwen3_5_vl
+
+    path = save_tiny_qwen3_5_vl(directory, seed=seed)
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    text = hf.config.text_config
+    layer, mtp, wiring = _qwen_mtp_layer(
+        hf, text, "Qwen3_5", text.layer_types.index("full_attention"), seed + 1
+    )
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = json.load(f)
+    hf_config["text_config"]["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    return path, hf, layer, wiring
+
+
+def _qwen_mtp_layer(hf, config, family: str, full_layer: int, seed: int, oracle: bool = False):
+    """A random Qwen MTP layer over `hf`'s decoder (`config`: its text config) -> (the decoder layer, the
+    `mtp.*` tensors, their wiring); `oracle`: `save_qwen3_5_with_mtp`'s."""
     name = {"Qwen3_5": "qwen3_5", "Qwen3Next": "qwen3_next"}[family]
     modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    layer = getattr(modeling, f"{family}DecoderLayer")(config, _FULL_LAYER).eval()
+    layer = getattr(modeling, f"{family}DecoderLayer")(config, full_layer).eval()
     d = config.hidden_size
-    torch.manual_seed(seed + 1)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
@@ -114,7 +143,6 @@ def save_qwen3_5_with_mtp(directory: str, *, oracle: bool = False, seed: int = 0
             mtp["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(d)
             mtp["mtp.norm.weight"] = hf.model.norm.weight.detach().clone()
     mtp |= {f"mtp.layers.0.{k}": v.detach().clone() for k, v in layer.state_dict().items()}
-    path = _save_with_mtp(hf, directory, mtp, "mtp_num_hidden_layers")
     wiring = MTPWiring(
         mtp["mtp.fc.weight"],
         mtp["mtp.pre_fc_norm_embedding.weight"],
@@ -123,7 +151,7 @@ def save_qwen3_5_with_mtp(directory: str, *, oracle: bool = False, seed: int = 0
         norm_offset=1.0,
         eps=1e-6,
     )
-    return path, hf, layer, wiring
+    return layer, mtp, wiring
 
 
 def save_deepseek_v3_with_mtp(directory: str, seed: int = 0):
@@ -185,12 +213,14 @@ def _norm(weight, x, offset: float, eps: float):
 
 
 @torch.no_grad()
-def _mtp_outputs(hf, layer, mtp: MTPWiring, next_ids: list[int], hidden, positions: list[int], mask):
-    """The MTP layer's final-norm outputs of rows reading token next_ids[i] and hidden[i] at positions[i],
-    row i attending to the rows `mask` [n, n] (bool) allows."""
-    embeds = hf.model.embed_tokens(torch.tensor(next_ids))
+def _mtp_outputs(hf, layer, mtp: MTPWiring, next_ids: list[int], hidden, positions, mask):
+    """The MTP layer's final-norm outputs of rows reading token next_ids[i] and hidden[i] at positions[i]
+    ([n], or M-RoPE's [3, n]), row i attending to the rows `mask` [n, n] (bool) allows."""
+    text = getattr(hf.model, "language_model", hf.model)  # a vision-language model's decoder
+    embeds = text.embed_tokens(torch.tensor(next_ids))
+    positions = torch.as_tensor(positions)
     if mtp.zero_first_embedding:
-        embeds[torch.tensor(positions) == 0] = 0.0
+        embeds[positions == 0] = 0.0
     x = torch.cat(
         [
             _norm(mtp.norm_embedding, embeds, mtp.norm_offset, mtp.eps),
@@ -199,10 +229,10 @@ def _mtp_outputs(hf, layer, mtp: MTPWiring, next_ids: list[int], hidden, positio
         dim=-1,
     )
     x = x @ mtp.fc.T
-    positions = torch.tensor([positions])
+    positions = positions[..., None, :]  # [1, n], or [3, 1, n]
     out = layer(
         x[None],
-        position_embeddings=hf.model.rotary_emb(x[None], positions),
+        position_embeddings=text.rotary_emb(x[None], positions),
         attention_mask=torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))[None, None],
         position_ids=positions,
     )
@@ -210,17 +240,30 @@ def _mtp_outputs(hf, layer, mtp: MTPWiring, next_ids: list[int], hidden, positio
 
 
 @torch.no_grad()
-def hf_drafts(hf, layer, mtp: MTPWiring, seq: list[int], steps: list[int], k: int) -> list[list[int]]:
+def hf_drafts(
+    hf, layer, mtp: MTPWiring, seq: list[int], steps: list[int], k: int, images: dict | None = None
+) -> list[list[int]]:
     """For each p of `steps`, the k greedy drafts proposed once the token at position p of `seq` is
     emitted: the MTP layer over positions 0..p-1 (the token after each, the target's final-norm hidden
     state there) gives the first, then it reads its own draft and output at p, p + 1... for the next.
     All steps at once, one layer call per draft: what positions 0..p-1 compute is the same for every
     step (causal), so one pass over the whole sequence gives every step's first draft (its output at
     p - 1), and each further draft adds per step a row at its next position that attends to positions
-    0..p-1 and to that step's own added rows."""
+    0..p-1 and to that step's own added rows. `images`: a vision-language model's image inputs
+    (pixel_values, image_grid_thw) and its image_token_id: the rows rotate by get_rope_index's M-RoPE
+    positions, a draft's three by its position plus the sequence's delta."""
     n = len(seq) - 1
-    hidden = hf.model(input_ids=torch.tensor([seq])).last_hidden_state[0, :n]
-    ids, rows, positions = list(seq[1:]), hidden, list(range(n))
+    input_ids = torch.tensor([seq])
+    if images is None:
+        hidden = hf.model(input_ids=input_ids).last_hidden_state[0, :n]
+        positions, delta = torch.arange(n), 0
+    else:
+        pixels = {name: images[name] for name in ("pixel_values", "image_grid_thw")}
+        types = (input_ids == images["image_token_id"]).long()
+        hidden = hf.model(input_ids=input_ids, mm_token_type_ids=types, **pixels).last_hidden_state[0, :n]
+        mrope, delta = hf.model.get_rope_index(input_ids, types, image_grid_thw=pixels["image_grid_thw"])
+        positions, delta = mrope[:, 0, :n], int(delta[0, 0])
+    ids, rows = list(seq[1:]), hidden
     owner = [-1] * n  # the step each row was added for (-1: the sequence's own)
     mask = torch.ones(n, n, dtype=torch.bool).tril()
     last = [p - 1 for p in steps]  # each step's row whose output gives its next draft
@@ -234,7 +277,8 @@ def hf_drafts(hf, layer, mtp: MTPWiring, seq: list[int], steps: list[int], k: in
         m = len(ids)
         ids += [d[-1] for d in drafts]
         rows = torch.cat([rows, out[last]])
-        positions += [p + i for p in steps]
+        added = torch.tensor([p + i + delta for p in steps])
+        positions = torch.cat([positions, added if positions.ndim == 1 else added.expand(3, -1)], dim=-1)
         owner += list(range(len(steps)))
         last = list(range(m, m + len(steps)))
         grown = torch.zeros(len(ids), len(ids), dtype=torch.bool)

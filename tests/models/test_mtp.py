@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 
 from helpers.family_cases import ENGINE_ARGS, NUM_GREEDY, hf_greedy, prompts
-from helpers.mtp_cases import hf_drafts, record_drafts, save_deepseek_v3_with_mtp, save_qwen3_5_with_mtp
+from helpers.mtp_cases import (
+    hf_drafts,
+    record_drafts,
+    save_deepseek_v3_with_mtp,
+    save_qwen3_5_vl_with_mtp,
+    save_qwen3_5_with_mtp,
+)
 from xlaserve import LLM, SamplingParams
 
 VOCAB = 101
@@ -44,6 +50,39 @@ def test_every_draft_is_the_mtp_layers_own(tmp_path, family):
         steps = [(p, d) for p, d in seen[out.request_id] if p < len(seq) - 1]
         assert len(steps) >= len(tokens) // 2  # a proposal after (nearly) every step
         assert [d for _, d in steps] == hf_drafts(hf, layer, mtp, seq, [p for p, _ in steps], 2)
+
+
+def test_drafts_after_an_image_rotate_by_the_targets_mrope_positions(tmp_path):
+    """A Qwen3.5 release (images before the hybrid decoder) with its MTP layer, k = 2: over an image
+    prompt the layer rotates each position by the target's M-RoPE streams (the image's rows and columns,
+    the text after it shifted), and its drafts past the prompt by their position plus that shift: every
+    draft is the one Hugging Face's layers compute with get_rope_index's positions, and the tokens are
+    Hugging Face's greedy ones."""
+    import torch
+
+    from helpers.tiny_vlm import ENGINE_ARGS as VL_ARGS
+    from helpers.tiny_vlm import hf_greedy as hf_vl_greedy
+    from helpers.tiny_vlm import random_image
+
+    path, hf, layer, mtp = save_qwen3_5_vl_with_mtp(str(tmp_path))
+    # Room for the state slots and the MTP layer's K/V too; programs compiled as used.
+    args = {**VL_ARGS, "kv_cache_memory": 4 * 2**20, "enforce_eager": True, "strict_compile_guard": False}
+    llm = LLM(path, **args, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    seen = record_drafts(llm)
+    image, text = random_image(1), "Look <|vision_start|><|image_pad|><|vision_end|> and say"
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": [image]}}, GREEDY, use_tqdm=False)[0]
+    processed = llm.input_processor.mm_processor.hf_processor(text=text, images=[image])
+    images = {name: torch.tensor(processed[name]) for name in ("pixel_values", "image_grid_thw")}
+    ids = torch.tensor(processed["input_ids"])
+    types = (ids == hf.config.image_token_id).long()  # what get_rope_index reads
+    inputs = {**images, "input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
+    tokens = list(out.outputs[0].token_ids)
+    assert tokens == hf_vl_greedy(hf, inputs, max_tokens=NUM_GREEDY)[0]
+    seq = out.prompt_token_ids + tokens
+    steps = [(p, d) for p, d in seen[out.request_id] if p < len(seq) - 1]
+    assert len(steps) >= len(tokens) // 2
+    images["image_token_id"] = hf.config.image_token_id
+    assert [d for _, d in steps] == hf_drafts(hf, layer, mtp, seq, [p for p, _ in steps], 2, images)
 
 
 def test_an_mtp_layer_that_predicts_the_target_is_accepted_and_changes_no_bit(tmp_path):
