@@ -21,6 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from xlaserve.kernels.dtype_ops import as_words, from_words, word_dtype
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +30,7 @@ class MambaCache:
     """Every Mamba layer's state per slot (a slot is the request's one block id), donated each step."""
 
     conv: jax.Array  # [num_layers * num_slots, 1, K - 1, conv_dim]: the last K - 1 conv inputs
-    ssm: jax.Array  # [num_layers * num_slots, H, P, N]
+    ssm: jax.Array  # [num_layers * num_slots, H, P, N] float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +76,14 @@ class StateCacheSpec:
     def bytes_per_block(self, block_size: int, itemsize: int) -> int:
         """Bytes of one slot across all layers (whatever the block size: a slot holds any length)."""
         conv, ssm = self.shapes(1)
-        return (_size(conv) + _size(ssm)) * itemsize
+        return _size(conv) * itemsize + _size(ssm) * 4
 
     def allocate(self, num_blocks: int, block_size: int, zeros) -> MambaCache:
+        """The conv inputs in the cache's dtype; the SSM state in float32 whatever the model's, as a
+        hybrid model's (kernels/hybrid_cache.py): rounded to 16 bits where a step ends, a sequence's
+        state would change with where its prompt was cut into chunks."""
         conv, ssm = self.shapes(num_blocks)
-        return MambaCache(zeros(conv, kind="conv_state"), zeros(ssm, kind="recurrent_state"))
+        return MambaCache(zeros(conv, kind="conv_state"), zeros(ssm, jnp.float32, kind="recurrent_state"))
 
 
 def copy_slot_rows(array: jax.Array, num_layers: int, src: jax.Array, dst: jax.Array) -> jax.Array:
@@ -122,7 +127,11 @@ def ragged_causal_conv1d(
     query_start_loc: jax.Array,  # [R + 1]
 ) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal conv (before its activation) per sequence, reading the inputs before the
-    step from `conv_state`. Returns (out [T, Cd], the new conv_state [R, K - 1, Cd])."""
+    step from `conv_state`. Returns (out [T, Cd], the new conv_state [R, K - 1, Cd]). A cache that holds
+    16-bit floats as raw words (the CPU's: kernels/dtype_ops.py) holds `x`'s inputs as their words:
+    read and written by bitcast, never by a numeric conversion."""
+    as_stored = conv_state.dtype != x.dtype and conv_state.dtype == word_dtype(x.dtype)
+    conv_state = from_words(conv_state, x.dtype)
     num_tokens, _ = x.shape
     num_seqs = query_start_loc.shape[0] - 1
     k = weight.shape[1]
@@ -147,8 +156,8 @@ def ragged_causal_conv1d(
     src = num_new[:, None] + jnp.arange(k - 1, dtype=jnp.int32)[None, :]  # [R, K - 1] in the join
     from_new = x[jnp.clip(query_start_loc[:-1, None] + src - (k - 1), 0, num_tokens - 1)]
     from_old = conv_state[jnp.arange(num_seqs)[:, None], jnp.clip(src, 0, k - 2)]
-    new_state = jnp.where((src >= k - 1)[..., None], from_new, from_old)
-    return out.astype(x.dtype), new_state.astype(conv_state.dtype)
+    new_state = jnp.where((src >= k - 1)[..., None], from_new, from_old).astype(conv_state.dtype)
+    return out.astype(x.dtype), as_words(new_state) if as_stored else new_state
 
 
 def ragged_ssd(

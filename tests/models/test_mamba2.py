@@ -119,6 +119,27 @@ def test_preempted_request_recomputes_the_same_tokens(llm, hf_model):
     assert tokens == {"other": hf_greedy(hf_model, other), "victim": hf_greedy(hf_model, first)}
 
 
+def test_bfloat16_states_cross_steps_whole_however_the_prompt_is_cut(hf_model, tmp_path):
+    """At the dtype users run: the conv inputs cross steps as the cache's raw words (kernels/ssd.py; a
+    numeric cast to those integers once zeroed them) and the SSM state in float32, so a prompt prefilled
+    in chunks of 4 and of 16 gives the same bits, near Hugging Face's float32 prompt logprobs."""
+    path = save_hf_model(hf_model, tmp_path)
+    prompt = prompts(VOCAB, seed=2)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    runs = []
+    for threshold in (4, 16):
+        llm = LLM(path, **{**ENGINE_ARGS, "dtype": "bfloat16", "long_prefill_token_threshold": threshold})
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        logprobs = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        runs.append((list(out.outputs[0].token_ids), logprobs))
+        del llm
+    assert runs[0] == runs[1]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert max(abs(a - b) for a, b in zip(runs[0][1], expected.tolist())) < 0.05
+
+
 def test_mamba_v1_matches_hugging_face(tmp_path):
     """MambaForCausalLM (v1): the selective scan over a [D, N] state per channel (kernels/
     selective_scan.py) in Mamba2's cache layout (a head per channel), tied embeddings: greedy tokens
