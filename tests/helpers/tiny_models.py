@@ -41,6 +41,23 @@ TINY_DEEPSEEK_V3 = {
 }
 # The suite's processes' gc thresholds (tests/conftest.py and helpers/tp_worker.py set them).
 GC_THRESHOLDS = (20_000, 50, 100)
+# TINY_PROCESS_XLA_FLAGS' emitters for one engine's programs (its compiler options), where a process also
+# builds engines that must keep XLA's default ones (pipeline stages compared with one device bit for bit).
+ELEMENTAL_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
+
+
+def compile_with_elemental_emitters_when(is_on) -> None:
+    """Add ELEMENTAL_EMITTERS to the compiler options of every engine's programs (CompilationConfig
+    .compiler_options, read as each program is compiled) while `is_on()` is true."""
+    from xlaserve.config import CompilationConfig
+
+    engine_options = CompilationConfig.compiler_options
+
+    def compiler_options(self) -> dict | None:
+        options = engine_options(self)
+        return {**(options or {}), **ELEMENTAL_EMITTERS} if is_on() else options
+
+    CompilationConfig.compiler_options = compiler_options
 
 
 def save_tiny_llama(directory: str, *, seed: int = 0, **overrides) -> str:

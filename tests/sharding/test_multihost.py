@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers.tiny_models import FAST_COMPILE_XLA_FLAGS
+from helpers.tiny_models import TINY_PROCESS_XLA_FLAGS
 from helpers.two_processes import free_port, run_two_processes
 
 
@@ -28,7 +28,6 @@ def _generated_text(stdout: str) -> str:
 
 
 CLI = [sys.executable, "-m", "xlaserve.entrypoints.cli", "--log-level", "WARNING"]
-FAST_COMPILE = FAST_COMPILE_XLA_FLAGS  # tiny models: see helpers/tiny_models.py
 
 
 def _generate_args(model: str) -> list[str]:
@@ -284,7 +283,8 @@ def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text
         "--dtype",
         "float32",
     ]
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}"}
+    # Compared with one process's text: a tiny process's emitters (helpers/tiny_models.py).
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {TINY_PROCESS_XLA_FLAGS}"}
     follower = subprocess.Popen(
         [
             sys.executable,
