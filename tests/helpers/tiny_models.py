@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -58,6 +59,20 @@ def compile_with_elemental_emitters_when(is_on) -> None:
         return {**(options or {}), **ELEMENTAL_EMITTERS} if is_on() else options
 
     CompilationConfig.compiler_options = compiler_options
+
+
+@contextlib.contextmanager
+def elemental_emitters():
+    """Engines built inside compile with ELEMENTAL_EMITTERS: in the suite's process, the references of
+    processes under TINY_PROCESS_XLA_FLAGS, compiled as they are."""
+    from xlaserve.config import CompilationConfig
+
+    engine_options = CompilationConfig.compiler_options
+    CompilationConfig.compiler_options = lambda self: {**(engine_options(self) or {}), **ELEMENTAL_EMITTERS}
+    try:
+        yield
+    finally:
+        CompilationConfig.compiler_options = engine_options
 
 
 def save_tiny_llama(directory: str, *, seed: int = 0, **overrides) -> str:
