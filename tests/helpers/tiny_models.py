@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -41,6 +42,37 @@ TINY_DEEPSEEK_V3 = {
 }
 # The suite's processes' gc thresholds (tests/conftest.py and helpers/tp_worker.py set them).
 GC_THRESHOLDS = (20_000, 50, 100)
+# TINY_PROCESS_XLA_FLAGS' emitters for one engine's programs (its compiler options), where a process also
+# builds engines that must keep XLA's default ones (pipeline stages compared with one device bit for bit).
+ELEMENTAL_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
+
+
+def compile_with_elemental_emitters_when(is_on) -> None:
+    """Add ELEMENTAL_EMITTERS to the compiler options of every engine's programs (CompilationConfig
+    .compiler_options, read as each program is compiled) while `is_on()` is true."""
+    from xlaserve.config import CompilationConfig
+
+    engine_options = CompilationConfig.compiler_options
+
+    def compiler_options(self) -> dict | None:
+        options = engine_options(self)
+        return {**(options or {}), **ELEMENTAL_EMITTERS} if is_on() else options
+
+    CompilationConfig.compiler_options = compiler_options
+
+
+@contextlib.contextmanager
+def elemental_emitters():
+    """Engines built inside compile with ELEMENTAL_EMITTERS: in the suite's process, the references of
+    processes under TINY_PROCESS_XLA_FLAGS, compiled as they are."""
+    from xlaserve.config import CompilationConfig
+
+    engine_options = CompilationConfig.compiler_options
+    CompilationConfig.compiler_options = lambda self: {**(engine_options(self) or {}), **ELEMENTAL_EMITTERS}
+    try:
+        yield
+    finally:
+        CompilationConfig.compiler_options = engine_options
 
 
 def save_tiny_llama(directory: str, *, seed: int = 0, **overrides) -> str:

@@ -15,7 +15,7 @@ import traceback
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 # Rarer cyclic collections over a large heap (tests/conftest.py says why). Each case ends with a full
 # collection (answer()). tiny_models (beside this file, on sys.path as the script's folder) imports numpy.
-from tiny_models import GC_THRESHOLDS  # noqa: E402
+from tiny_models import GC_THRESHOLDS, compile_with_elemental_emitters_when  # noqa: E402
 
 gc.set_threshold(*GC_THRESHOLDS)
 
@@ -779,22 +779,7 @@ DEFAULT_EMITTER_MODES = {
     "pipeline_hybrid",
     "transfer_across_stages",
 }
-ELEMENTAL_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 _default_emitters = True
-
-
-def _compile_with_elemental_emitters_unless_default() -> None:
-    """Add ELEMENTAL_EMITTERS to every engine's compiler options (CompilationConfig.compiler_options)
-    while `_default_emitters` is off."""
-    from xlaserve.config import CompilationConfig
-
-    engine_options = CompilationConfig.compiler_options
-
-    def compiler_options(self) -> dict | None:
-        options = engine_options(self)
-        return options if _default_emitters else {**(options or {}), **ELEMENTAL_EMITTERS}
-
-    CompilationConfig.compiler_options = compiler_options
 
 
 _profile: _CaseProfile | None = None
@@ -833,7 +818,7 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
-    _compile_with_elemental_emitters_unless_default()
+    compile_with_elemental_emitters_when(lambda: not _default_emitters)
     if len(sys.argv) == 1:
         serve()
     else:

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers.tiny_models import FAST_COMPILE_XLA_FLAGS
+from helpers.tiny_models import TINY_PROCESS_XLA_FLAGS, elemental_emitters
 from helpers.two_processes import free_port, run_two_processes
 
 
@@ -28,7 +28,6 @@ def _generated_text(stdout: str) -> str:
 
 
 CLI = [sys.executable, "-m", "xlaserve.entrypoints.cli", "--log-level", "WARNING"]
-FAST_COMPILE = FAST_COMPILE_XLA_FLAGS  # tiny models: see helpers/tiny_models.py
 
 
 def _generate_args(model: str) -> list[str]:
@@ -59,14 +58,15 @@ def _generate_args(model: str) -> list[str]:
 @pytest.fixture(scope="module")
 def one_process_text(tiny_llama_2kv) -> str:
     """What `xlaserve generate` writes in one process on one device: both two-process cases' reference.
-    Run in this process (at the suite's XLA flags, as the subprocesses are): one process start fewer."""
+    Run in this process (compiled as the subprocesses compile: TINY_PROCESS_XLA_FLAGS' emitters): one
+    process start fewer."""
     import contextlib
     import io
 
     from xlaserve.entrypoints import cli
 
     stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
+    with contextlib.redirect_stdout(stdout), elemental_emitters():
         assert cli.main(["--log-level", "WARNING", *_generate_args(tiny_llama_2kv)]) == 0
     return _generated_text(stdout.getvalue())
 
@@ -284,7 +284,8 @@ def test_two_process_server_matches_one_process(tiny_llama_2kv, one_process_text
         "--dtype",
         "float32",
     ]
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}"}
+    # Compared with one process's text: a tiny process's emitters (helpers/tiny_models.py).
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {TINY_PROCESS_XLA_FLAGS}"}
     follower = subprocess.Popen(
         [
             sys.executable,
@@ -341,7 +342,8 @@ def test_research_stack_across_two_processes(launch):
 
     new_model, run = launch["inputs"]["new_model"], launch["research"]
     assert len(PROMPTS) == 2 and run["updated"] > 0
-    reference = answers(LLM(new_model, **(ENGINE | {"tensor_parallel_size": 1})))
+    with elemental_emitters():  # as the launch's tensor-parallel cases compile
+        reference = answers(LLM(new_model, **(ENGINE | {"tensor_parallel_size": 1})))
     assert run["after"]["tokens"] == reference["tokens"] != run["before"]["tokens"]
     np.testing.assert_allclose(run["after"]["logprobs"], reference["logprobs"], atol=1e-5)
     assert run["freed"] > 0 and run["placed"] == run["freed"]
@@ -361,7 +363,10 @@ def test_lora_across_two_processes(tiny_llama_2kv, launch):
     from xlaserve import LLM
 
     adapters, run = launch["inputs"]["adapters"], launch["lora"]
-    reference = lora_rounds(LLM(tiny_llama_2kv, **(ENGINE | LORA | {"tensor_parallel_size": 1})), adapters)
+    with elemental_emitters():  # as the launch's tensor-parallel cases compile
+        reference = lora_rounds(
+            LLM(tiny_llama_2kv, **(ENGINE | LORA | {"tensor_parallel_size": 1})), adapters
+        )
     assert run["loads"] == 3
     for got, want in zip(run["rounds"], reference, strict=True):
         assert got["tokens"] == want["tokens"]
@@ -381,7 +386,8 @@ def test_pooling_across_two_processes(tiny_llama_2kv, launch):
     from xlaserve import LLM
 
     run = launch["pool"]
-    reference = embeddings(LLM(tiny_llama_2kv, **(ENGINE | POOL | {"tensor_parallel_size": 1})))
+    with elemental_emitters():  # as the launch's tensor-parallel cases compile
+        reference = embeddings(LLM(tiny_llama_2kv, **(ENGINE | POOL | {"tensor_parallel_size": 1})))
     assert len(run["embeddings"]) == len(reference) == 2
     np.testing.assert_allclose(run["embeddings"], reference, atol=1e-5)
     assert np.linalg.norm(reference, axis=1) == pytest.approx([1.0, 1.0])  # normalized, not empty
@@ -396,7 +402,8 @@ def test_vision_language_model_across_two_processes(launch):
     from xlaserve import LLM
 
     model, run = launch["inputs"]["qwen2_5_vl"], launch["vlm"]
-    reference = image_answers(LLM(model, **(ENGINE | {"tensor_parallel_size": 1})), model)
+    with elemental_emitters():  # as the launch's tensor-parallel cases compile
+        reference = image_answers(LLM(model, **(ENGINE | {"tensor_parallel_size": 1})), model)
     assert run["tokens"] == reference["tokens"]
     for got, want in zip(run["logprobs"], reference["logprobs"], strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
