@@ -194,6 +194,13 @@ class ModelConfig:
         return _video_num_frames({} if self.media_io_kwargs is None else json.loads(self.media_io_kwargs))
 
     @property
+    def text_only_mode(self) -> bool:
+        """vLLM's text-only mode: every --limit-mm-per-prompt modality at 0, so a vision-language model
+        serves text only: its tower and projector are never placed on a device (worker/pipeline_stage.py
+        `StageLayout.text_only`), and no encoder program or cache is made (worker/mm_encoder.py)."""
+        return not any(parse_mm_limits(self.limit_mm_per_prompt).values())
+
+    @property
     def mm_processor_kwargs_dict(self) -> dict:
         return {} if self.mm_processor_kwargs is None else json.loads(self.mm_processor_kwargs)
 

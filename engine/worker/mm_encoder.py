@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlaserve.config import parse_mm_limits
 from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
 from xlaserve.models.llava import tokens_per_image
 from xlaserve.models.multimodal import EncoderOutputs
@@ -365,10 +364,10 @@ class PackedPatchesHook(MultiModalHook):
 
 def make_mm_hook(runner) -> MultiModalHook | None:
     """The hook of a vision-language model; None for a text-only one, and for a vision-language model
-    whose --limit-mm-per-prompt is 0 for every modality (vLLM's text-only mode: no encoder program, no
-    encoder cache; a text position is the same on M-RoPE's three axes, so the decoder rotates as a
-    text-only one does)."""
+    whose --limit-mm-per-prompt is 0 for every modality (vLLM's text-only mode, `text_only_mode`: no
+    encoder program, no encoder cache, no tower weights either, worker/model_loader.py; a text position is
+    the same on M-RoPE's three axes, so the decoder rotates as a text-only one does)."""
     n = tokens_per_image(runner.model_config)
-    if not n or not any(parse_mm_limits(runner.config.model.limit_mm_per_prompt).values()):
+    if not n or runner.config.model.text_only_mode:
         return None
     return (PackedPatchesHook if runner.model_config.mrope else MultiModalHook)(runner, n)

@@ -40,7 +40,7 @@ from xlaserve.sharding.context_parallel import (
 from xlaserve.sharding.kv_heads import replicate_kv_heads
 from xlaserve.sharding.vocab import pad_vocab, padded_vocab_size
 from xlaserve.worker.kv_cache_groups import num_state_copy_slots
-from xlaserve.worker.pipeline_stage import StageLayout, slice_to_stage, stage_place
+from xlaserve.worker.pipeline_stage import StageLayout, slice_to_stage, split_layers, stage_place
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class LoadedModel:
     # The checkpoint's KV heads (MLA: its one latent), which the cache may hold copies of: a block leaves
     # the device with each once (worker/kv_offload.BlockLayout). 0: as many as the cache holds.
     kv_heads: int = 0
+    stage: StageLayout | None = None  # what the weights were placed by (None: every module)
 
 
 def _transposes_tied_head(dtype, float32_invariant: bool) -> bool:
@@ -108,13 +109,16 @@ def load_model(
 ) -> LoadedModel:
     """Build the model of `hf_config` from `tensors` and place its parameters on `devices`. `stage`: a
     pipeline stage's layers (worker/pipeline_stage.py): only its weights are placed, and its KV cache
-    spec counts only its layers."""
+    spec counts only its layers. A vision-language model in text-only mode without stages loads as one
+    stage of every layer that holds no encoder module (placeholders for the tower and projector)."""
     dtype, why = resolve_dtype(config.model.dtype)
     logger.info("computing in %s (%s)", dtype.name, why)
     parallel = config.parallel
     tp = parallel.tensor_parallel_size
     model_config = model_config_from_hf(hf_config)
     model_class = get_model_class(model_config.architecture)
+    if stage is None and model_class.encoder_modules and config.model.text_only_mode:
+        stage = split_layers(model_config.num_layers, 1, model_class.encoder_modules, text_only=True)[0]
     if tp > 1 and model_class.tensor_parallel_unsupported:
         raise ValueError(
             f"tensor_parallel_size={tp}: {model_config.architecture} cannot be split over tensor-parallel "
@@ -234,6 +238,7 @@ def load_model(
         head_dv,
         num_weight_bytes,
         1 if kv_spec.cache_class is MLACache else checkpoint_config.num_kv_heads,
+        stage,
     )
 
 

@@ -83,6 +83,7 @@ class ModelRunner(StepPreparation, KVPlumbing):
         self.kv_spec, self.backend = model.kv_spec, model.backend
         self.graphdef, self.params = model.graphdef, model.params
         self.weight_bytes = model.weight_bytes  # the model's own (what sleep level 2 frees)
+        self.stage = model.stage  # the modules holding weights (text-only mode: no encoder's)
         self.head_params = (model.params, model.head_dv)  # what computing logits reads
         self.slept_weights = None  # the weights on the host while asleep at level 2 (worker/weight_update.py)
         self.prepared_update = None  # new weights checked, not yet installed (across processes: every one's)
@@ -235,7 +236,7 @@ class ModelRunner(StepPreparation, KVPlumbing):
     def param_sets(self) -> list[ParamSet]:
         """The weights as the research stack updates and frees them: the whole model, one set (a
         pipeline's runner: one per stage)."""
-        return [ParamSet(self.params, self.head_params[1])]
+        return [ParamSet(self.params, self.head_params[1], self.stage)]
 
     def set_param_sets(self, sets: list[ParamSet]) -> None:
         """`param_sets` replaced by new ones of the same shapes, dtypes and shardings."""

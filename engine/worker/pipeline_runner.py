@@ -142,7 +142,9 @@ class PipelineRunner(ModelRunner):
         model_config = model_config_from_hf(hf_config)
         model_class = get_model_class(model_config.architecture)
         encoder_modules = model_class.encoder_modules
-        layouts = split_layers(model_config.num_layers, num_stages, encoder_modules)
+        layouts = split_layers(
+            model_config.num_layers, num_stages, encoder_modules, config.model.text_only_mode
+        )
         invariant = partial(
             traced_with, config.model.batch_invariant, float32=config.model.batch_invariant_float32
         )

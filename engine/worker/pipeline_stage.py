@@ -6,6 +6,10 @@ also holds the embedding (and a vision-language model's encoder, which only it r
 final norm and the LM head (and the embedding again when the head is tied to it). A module a stage does
 not run is kept as an empty placeholder array (vLLM's `PPMissingLayer`): the stage's model has the full
 model's structure, so one graph definition and the family's own code run every stage.
+
+In vLLM's text-only mode (`ModelConfig.text_only_mode`) no stage runs the encoder: no stage holds it, and
+an engine without stages loads as one stage of every layer (worker/model_loader.py), so the tower's and
+projector's weights never reach a device there either.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class StageLayout:
     num_stages: int
     layers: range
     encoder_modules: tuple[str, ...] = ()  # a vision-language model's tower and projector: the first's
+    text_only: bool = False  # vLLM's text-only mode: not even the first stage holds the encoder modules
 
     @property
     def is_first(self) -> bool:
@@ -41,7 +46,7 @@ class StageLayout:
         if module in ("norm", "lm_head"):
             return self.is_last
         if module in self.encoder_modules:  # the images are encoded where they are merged
-            return self.is_first
+            return self.is_first and not self.text_only
         return True  # anything else a family adds at the top is kept on every stage
 
     def stack_slice(self, stack: Sequence[int]) -> slice:
@@ -52,11 +57,12 @@ class StageLayout:
 
 
 def split_layers(
-    num_layers: int, num_stages: int, encoder_modules: tuple[str, ...] = ()
+    num_layers: int, num_stages: int, encoder_modules: tuple[str, ...] = (), text_only: bool = False
 ) -> list[StageLayout]:
     """Contiguous stages of near-equal size, one layer more on each of the `remainder` stages before the
     last (ValueError naming pipeline_parallel_size when a stage would be left without a layer).
-    `encoder_modules`: the model's (models/interfaces.py), held by the first stage only."""
+    `encoder_modules`: the model's (models/interfaces.py), held by the first stage only (by none with
+    `text_only`)."""
     if num_stages > num_layers:
         raise ValueError(
             f"pipeline_parallel_size={num_stages} exceeds the model's {num_layers} layers "
@@ -67,7 +73,7 @@ def split_layers(
     stages, start = [], 0
     for index in range(num_stages):
         stop = start + size + (index in larger)
-        stages.append(StageLayout(index, num_stages, range(start, stop), encoder_modules))
+        stages.append(StageLayout(index, num_stages, range(start, stop), encoder_modules, text_only))
         start = stop
     return stages
 

@@ -21,8 +21,11 @@ A runner's weights are one or more `ParamSet`s (`runner.param_sets()`): a ModelR
 or each pipeline stage's (worker/pipeline_runner.py: its own layers on its own devices, empty
 placeholders for the modules it does not run). A name is routed to every set that holds it: a layer's
 weight to the stage of that layer, at its index in that stage's stack; the embedding to stage 0 and,
-tied to the head, to the last stage too; the final norm and an untied head to the last. Every set's
-writes are checked before any set changes. With the stages across processes a set of another process's
+tied to the head, to the last stage too; the final norm and an untied head to the last. A
+vision-language model's tower and projector in text-only mode (`ModelConfig.text_only_mode`) are held by
+no set: a trainer's full checkpoint is accepted with them, and they are skipped (returned among the
+names, as a stage that does not hold a weight skips it). Every set's writes are checked before any set
+changes. With the stages across processes a set of another process's
 stage has no params here: its names are known (every stage's model has the whole model's structure), so
 they are not unknown, but their shapes and writes are that process's. There `prepare_update` checks and
 builds this process's sets without installing them, and `commit_update` (or `abort_update`) follows once
@@ -82,8 +85,10 @@ def named_arrays(weights: Mapping | Iterable) -> dict[str, object]:
 
 def _targets(model_class, cfg, flats: list[dict | None], sets: list[ParamSet]) -> dict[str, list[tuple]]:
     """Every tensor name (after the family's rewrite) -> where it lives: (the set's index, our parameter
-    path, its index in that set's stack or None) for each set holding it. `flats`: each set's
-    parameters by path (None: another process's stage, whose paths are any stage's)."""
+    path, its index in that set's stack or None) for each set holding it (none for a module no set
+    holds: vLLM's text-only mode places no encoder module, whose tensors are then accepted and
+    skipped). `flats`: each set's parameters by path (None: another process's stage, whose paths are
+    any stage's)."""
     stacks = model_class.layer_stacks(cfg)
     paths = next(flat for flat in flats if flat is not None)
     targets: dict[str, list[tuple]] = {}
@@ -98,6 +103,8 @@ def _targets(model_class, cfg, flats: list[dict | None], sets: list[ParamSet]) -
                     targets.setdefault(hf_name(("layers", *path[1:]), layer), []).append((i, path, index))
             elif stage is None or stage.holds(path[0], cfg.tie_word_embeddings):  # not a placeholder
                 targets.setdefault(hf_name(path, None), []).append((i, path, None))
+            else:  # known, so not refused: held by another set, or by none (text-only mode's encoder)
+                targets.setdefault(hf_name(path, None), [])
     return targets
 
 

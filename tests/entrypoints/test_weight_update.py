@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from helpers.tiny_vlm import save_tiny_llava
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import cpu_dot
@@ -43,6 +44,7 @@ ARGS = {
 }
 PROMPTS = [[5, 17, 33, 4, 60, 8, 21, 90, 11, 3, 44, 70], [9, 9, 31, 50, 2, 77, 13, 64, 40]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+ENCODER = ("vision_tower", "multi_modal_projector")  # LLaVA's encoder modules
 
 
 def numbers(llm: LLM):
@@ -336,6 +338,43 @@ def test_a_process_checks_and_writes_only_its_own_stages_in_two_phases(dirs):
     prepare_update(runner, {"model.embed_tokens.weight": new["model.embed_tokens.weight"]})
     abort_update(runner)
     assert changed(before, host_bits(runner)) == [set(), set()] and runner.prepared_update is None
+
+
+def test_text_only_stages_hold_no_encoder_and_skip_its_tensors(tmp_path):
+    """A LLaVA (encoder modules vision_tower, multi_modal_projector) in vLLM's text-only mode, loaded by
+    PipelineRunner's own load as 2 stages (both on this process's one device): no stage holds a tower
+    or projector weight, so the weight bytes are the language model's; a trainer's full checkpoint is
+    accepted, its text weights written where they live and the encoder's skipped."""
+    directory = save_tiny_llava(str(tmp_path / "llava"))
+    limits = {"image": 0, "video": 0}
+    config = EngineConfig.from_kwargs(directory, pipeline_parallel_size=2, limit_mm_per_prompt=limits)
+    with open(f"{directory}/config.json") as f:
+        hf_config = json.load(f)
+    checkpoint = tensors(directory)
+    runner = Stages(config=config, hf_config=hf_config)
+    model = PipelineRunner._load_model(runner, config, hf_config, checkpoint, jax.devices()[:1] * 2)
+    runner.model_config, runner.padded_vocab_size, runner.dtype = (
+        model.model_config,
+        model.padded_vocab_size,
+        model.dtype,
+    )
+
+    def encoder_sizes():
+        return [
+            {leaf.size for path, leaf in jax.tree.leaves_with_path(s.params) if path[0].key in ENCODER}
+            for s in runner.param_sets()
+        ]
+
+    assert encoder_sizes() == [{0}, {0}]  # placeholders only
+    text = {n: a for n, a in checkpoint.items() if not n.startswith(ENCODER)}
+    assert len(text) < len(checkpoint)
+    assert model.weight_bytes == sum(a.size * 4 for a in text.values())  # float32
+    norm = "language_model.model.norm.weight"
+    new = checkpoint | {norm: checkpoint[norm] + 1}
+    start = host_bits(runner)
+    assert update_weights(runner, new) == sorted(new)
+    assert changed(start, host_bits(runner)) == [set(), {"[0]['norm']['weight'].value"}]
+    assert encoder_sizes() == [{0}, {0}]
 
 
 def test_a_follower_runs_only_the_calls_it_knows_by_name():

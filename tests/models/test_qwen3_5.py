@@ -13,6 +13,7 @@ boundaries, whose hits give Hugging Face's tokens too).
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -153,8 +154,9 @@ def test_draft_model_drafts_on_a_hybrid_target(hf_model, tmp_path):
 def test_a_vision_language_release_serves_text_only(tmp_path):
     """Qwen3.5 ships as Qwen3_5ForConditionalGeneration: its decoder under model.language_model, a
     vision tower and config.json's text_config (its images: tests/models/test_qwen_vl.py). With every
-    --limit-mm-per-prompt at 0 (vLLM's text-only mode) it starts with no encoder and gives Hugging
-    Face's greedy tokens on text. Without a processor config, the default max_pixels's images, whose
+    --limit-mm-per-prompt at 0 (vLLM's text-only mode) it starts with no encoder and no tower weight on
+    the device, takes a full checkpoint's update (the tower's tensors skipped), and gives Hugging Face's
+    greedy tokens on text. Without a processor config, the default max_pixels's images, whose
     tower attention was once too large to start, get patch buckets (the attention runs in query
     blocks)."""
     text = {k: v for k, v in CONFIG.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -178,8 +180,20 @@ def test_a_vision_language_release_serves_text_only(tmp_path):
     hf.save_pretrained(tmp_path)
     word_tokenizer(VOCAB).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), **ENGINE_ARGS, limit_mm_per_prompt={"image": 0, "video": 0})
-    assert llm.engine_core.runner.mm_encoder is None
-    cfg = llm.engine_core.runner.model_config
+    runner = llm.engine_core.runner
+    assert runner.mm_encoder is None
+    # No tower weight reaches the devices (vLLM skips them too): its leaves are empty placeholders, and
+    # the gauge counts the language model's float32 parameters only.
+    tower = jax.tree.leaves(runner.params["visual"])
+    assert tower and all(leaf.size == 0 for leaf in tower)
+    text = sum(p.numel() for name, p in hf.named_parameters() if not name.startswith("model.visual."))
+    gauge = next(m.value for m in llm.get_metrics() if m.name == "xlaserve:model_weight_bytes")
+    assert gauge == runner.weight_bytes == 4 * text
+    # A trainer's full checkpoint, tower included: accepted, the tower's tensors skipped.
+    updated = llm.update_weights_from_path(str(tmp_path))
+    assert "model.visual.patch_embed.proj.weight" in updated and "lm_head.weight" in updated
+    assert all(leaf.size == 0 for leaf in jax.tree.leaves(runner.params["visual"]))
+    cfg = runner.model_config
     largest = cfg.max_image_tokens * cfg.vision.merge_unit
     assert cfg.vision.num_heads * largest**2 * 4 > MAX_TOWER_SCORES_BYTES  # dense scores: refused once
     doublings = [64 * 2**i for i in range(largest.bit_length()) if 64 * 2**i < largest]
