@@ -4,7 +4,10 @@ Token buckets are 1 and 4 (small decode batches: on CPU a step's cost grows with
 so a single request must not pay for 16 rows), then powers of two from 16 up to
 max_num_batched_tokens (which is included even when it is not a power of two). The sequence
 dimension of a step is min(token bucket, max_num_seqs): a step never has more sequences than
-tokens, so one compile per token bucket covers every batch.
+tokens, so one compile per token bucket covers every batch. Speculative decoding's extra bucket of
+1 + k tokens (a lone request verifying k drafts) has one sequence row: it shares the lone request's
+sampler and verify programs instead of compiling 4 + 4 of its own (a step of more requests takes the
+next bucket).
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ def make_token_buckets(max_num_batched_tokens: int, extra: tuple[int, ...] = ())
     return sorted(set(buckets) | {n for n in extra if n < max_num_batched_tokens})
 
 
-def pick_bucket(buckets: list[int], num_tokens: int) -> int:
-    """The smallest bucket holding `num_tokens`."""
+def pick_bucket(buckets: list[int], num_tokens: int, num_seqs: int = 1, rows_for=None) -> int:
+    """The smallest bucket holding `num_tokens` whose rows (`rows_for(bucket)`) hold `num_seqs`."""
     i = bisect.bisect_left(buckets, num_tokens)
+    while rows_for is not None and i < len(buckets) and rows_for(buckets[i]) < num_seqs:
+        i += 1
     if i == len(buckets):
         raise ValueError(f"a step of {num_tokens} tokens exceeds max_num_batched_tokens={buckets[-1]}")
     return buckets[i]
 
 
-def request_bucket(num_tokens_bucket: int, max_num_seqs: int) -> int:
-    return min(num_tokens_bucket, max_num_seqs)
+def request_bucket(num_tokens_bucket: int, max_num_seqs: int, lone_buckets: tuple[int, ...] = ()) -> int:
+    """A token bucket's sequence rows; 1 for one of `lone_buckets` (speculative decoding's 1 + k)."""
+    return 1 if num_tokens_bucket in lone_buckets else min(num_tokens_bucket, max_num_seqs)

@@ -168,11 +168,15 @@ class ModelRunner(StepPreparation, KVPlumbing):
         sched = config.scheduler
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, sched.max_num_seqs, self.padded_vocab_size)
-        # A lone request verifying k drafts runs 1 + k tokens: its own bucket, not the next power of two.
+        # A lone request verifying k drafts runs 1 + k tokens: its own bucket, not the next power of two,
+        # of one sequence row (worker/buckets.py): a forward, and the lone request's sampler and verifier.
         extra_buckets = (1 + self.num_spec_tokens,) if self.num_spec_tokens else ()
+        base_buckets = make_token_buckets(sched.max_num_batched_tokens)
         self.token_buckets = make_token_buckets(sched.max_num_batched_tokens, extra_buckets)
         if self.pcp > 1:  # every bucket splits evenly over the context ranks
+            base_buckets = sorted({-(-n // self.pcp) * self.pcp for n in base_buckets})
             self.token_buckets = sorted({-(-n // self.pcp) * self.pcp for n in self.token_buckets})
+        self.lone_buckets = tuple(sorted(set(self.token_buckets) - set(base_buckets)))
         self.max_num_seqs = sched.max_num_seqs
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.guard = CompileGuard(strict=config.compilation.strict_compile_guard)

@@ -44,7 +44,7 @@ class StepPreparation:
     """The model runner's host half of a step (module doc); `ModelRunner` builds on it."""
 
     def _num_seqs_for(self, num_tokens: int) -> int:
-        return request_bucket(num_tokens, self.max_num_seqs)
+        return request_bucket(num_tokens, self.max_num_seqs, self.lone_buckets)
 
     def _prepare_hooks(self, scheduled, num_tokens: int, failed: set[str]) -> dict:
         num_seqs = self._num_seqs_for(num_tokens)
@@ -89,7 +89,7 @@ class StepPreparation:
         """
         failed: set[str] = set()
         num_real = sum(s.num_new_tokens for s in scheduled)
-        num_tokens = pick_bucket(self.token_buckets, num_real)
+        num_tokens = pick_bucket(self.token_buckets, num_real, len(scheduled), self._num_seqs_for)
         # The hooks first: a request a feature fails (an adapter that cannot load) gets dummy rows below.
         hook_arrays = self._prepare_hooks(scheduled, num_tokens, failed)
         batch, spec = self._step_batch(scheduled, num_tokens, failed)

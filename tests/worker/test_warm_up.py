@@ -49,3 +49,14 @@ def test_no_step_compiles_after_the_parallel_warm_up(tiny_llm):
         tiny_llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
     tiny_llm.generate(prompts + prompts[:1], variants[:4], use_tqdm=False)  # mixed variants in one step
     assert num_compiles() == before
+
+
+def test_the_speculative_lone_bucket_shares_the_lone_requests_sampler():
+    """k = 2 adds a token bucket of 3 with one sequence row (its forward only: the sampler and verify
+    programs are request bucket 1's); a step of 3 tokens from 2 requests takes bucket 4."""
+    from xlaserve.worker.buckets import pick_bucket, request_bucket
+
+    buckets = [1, 3, 4, 16]
+    rows = {n: request_bucket(n, 4, lone_buckets=(3,)) for n in buckets}
+    assert rows == {1: 1, 3: 1, 4: 4, 16: 4}
+    assert [pick_bucket(buckets, 3, n, rows.get) for n in (1, 2, 3)] == [3, 4, 4]
