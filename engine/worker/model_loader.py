@@ -117,7 +117,7 @@ def load_model(
     tp = parallel.tensor_parallel_size
     model_config = model_config_from_hf(hf_config)
     model_class = get_model_class(model_config.architecture)
-    if stage is None and model_class.encoder_modules and config.model.text_only_mode:
+    if stage is None and getattr(model_class, "encoder_modules", ()) and config.model.text_only_mode:
         stage = split_layers(model_config.num_layers, 1, model_class.encoder_modules, text_only=True)[0]
     if tp > 1 and model_class.tensor_parallel_unsupported:
         raise ValueError(
