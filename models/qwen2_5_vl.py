@@ -317,24 +317,29 @@ def attend_patches(
     q, k, v = (qkv.reshape(p, 3, num_heads, d // num_heads)[:, i] for i in range(3))
     q = rotate_halves(q.astype(jnp.float32), cos_sin).astype(qkv.dtype)
     k = rotate_halves(k.astype(jnp.float32), cos_sin).astype(qkv.dtype)
-    # Queries padded to whole blocks (id -1, rows dropped); keys past P (id -2) are seen by none.
+    # Queries padded to whole blocks (id -1, rows dropped).
     pad = -p % QUERY_BLOCK
     q_blocks = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, QUERY_BLOCK, *q.shape[1:])
     id_blocks = jnp.pad(ids, (0, pad), constant_values=-1).reshape(-1, QUERY_BLOCK)
+
+    def attend(q_block, q_ids, keys, values, key_ids):  # -> [B, heads, head_dim]
+        scores = jnp.einsum("qhd,khd->hqk", q_block, keys, preferred_element_type=jnp.float32)
+        seen = (q_ids[:, None] == key_ids[None, :])[None]
+        probs = jax.nn.softmax(jnp.where(seen, scores * (d // num_heads) ** -0.5, -jnp.inf), axis=-1)
+        return jnp.einsum("hqk,khd->qhd", probs.astype(values.dtype), values)
+
+    if len(q_blocks) == 1:  # a bucket of one block holds one image, from patch 0: its window is all keys
+        return attend(q_blocks[0], id_blocks[0], k, v, ids)[:p].reshape(p, d)
+    # Each block's window of P keys from its image's first; keys past P (id -2) are seen by none.
     k, v = (jnp.pad(x, ((0, p), (0, 0), (0, 0))) for x in (k, v))
     key_ids = jnp.pad(ids, (0, p), constant_values=-2)
 
-    def attend(block):  # a block's queries [B, heads, head_dim], ids [B], start -> [B, heads, head_dim]
+    def attend_block(block):
         q_block, q_ids, start = block
-        window = [jax.lax.dynamic_slice_in_dim(x, start, p) for x in (k, v, key_ids)]
-        scores = jnp.einsum("qhd,khd->hqk", q_block, window[0], preferred_element_type=jnp.float32)
-        seen = (q_ids[:, None] == window[2][None, :])[None]
-        probs = jax.nn.softmax(jnp.where(seen, scores * (d // num_heads) ** -0.5, -jnp.inf), axis=-1)
-        return jnp.einsum("hqk,khd->qhd", probs.astype(v.dtype), window[1])
+        window = (jax.lax.dynamic_slice_in_dim(x, start, p) for x in (k, v, key_ids))
+        return attend(q_block, q_ids, *window)
 
-    if len(q_blocks) == 1:  # a bucket of one block holds one image, from patch 0
-        return attend((q_blocks[0], id_blocks[0], 0))[:p].reshape(p, d)
-    return jax.lax.map(attend, (q_blocks, id_blocks, block_starts)).reshape(-1, d)[:p]
+    return jax.lax.map(attend_block, (q_blocks, id_blocks, block_starts)).reshape(-1, d)[:p]
 
 
 class PatchAttention(nnx.Module):

@@ -54,3 +54,17 @@ class PartialPrefills:
 
     def _is_long(self, num_missing: int) -> bool:
         return 0 < self.threshold < num_missing
+
+
+class Demands:
+    """The tokens each request a step may schedule would take under the cap (a decode: 1 + its drafts; a
+    prompt: min(missing, threshold)), in the order they are scheduled; `after(request_id)` drops that
+    request's and returns what the rest take: a prefill's `reserve`. Empty where no chunk spares budget."""
+
+    def __init__(self, demands: dict[str, int] | None = None):
+        self.left = demands or {}
+        self.total = sum(self.left.values())
+
+    def after(self, request_id: str) -> int:
+        self.total -= self.left.pop(request_id, 0)
+        return self.total

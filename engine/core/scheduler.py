@@ -39,7 +39,7 @@ from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.kv_connector import KVConnectorScheduler
 from xlaserve.core.limits import RequestLimits
 from xlaserve.core.outputs import EngineCoreOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
-from xlaserve.core.partial_prefills import PartialPrefills
+from xlaserve.core.partial_prefills import Demands, PartialPrefills
 from xlaserve.core.policy import SchedulingPolicy, enqueue_waiting, pick_victim
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.spec_decode import SpecDecodingStats
@@ -168,7 +168,7 @@ class Scheduler(StepResults):
             is_whole=not self.enable_chunked_prefill,
         )
         max_seqs = self._max_seqs_this_step()
-        demands = self._demands(max_seqs) if self.spares_budget else {}
+        demands = self._demands(max_seqs) if self.spares_budget else Demands()
         token_budget = self._schedule_running(output, prefills, max_seqs, demands)
         # After a preemption the blocks are short: admitting new work would only thrash.
         if not output.preempted_req_ids:
@@ -186,9 +186,9 @@ class Scheduler(StepResults):
             self._in_flight.update((s.request_id, s.request) for s in output.scheduled)
         return output
 
-    def _demands(self, max_seqs: int) -> dict[str, int]:
-        """The tokens each request this step may schedule would take under the prefill cap, in the order
-        they are scheduled (running, then the waiting queue's head): what a prefill leaves them."""
+    def _demands(self, max_seqs: int) -> Demands:
+        """What the requests this step may schedule (running, then the waiting queue's head) would take
+        under the prefill cap: what a prefill leaves them."""
         threshold, demands = self.long_prefill_token_threshold, {}
         for request in self.running:
             num_missing = request.num_tokens_with_placeholders - request.num_computed_tokens
@@ -197,15 +197,9 @@ class Scheduler(StepResults):
                 demands[request.request_id] = (
                     1 + len(request.spec_token_ids) if is_decode else min(num_missing, threshold)
                 )
-        for request in list(self.waiting)[: max(0, max_seqs - len(demands))]:
+        for request in self.waiting[: max(0, max_seqs - len(demands))]:
             demands[request.request_id] = min(request.num_tokens - request.num_computed_tokens, threshold)
-        return demands
-
-    @staticmethod
-    def _reserve(demands: dict[str, int], request: Request) -> int:
-        """What the requests after `request` in `demands`' order take (its own demand dropped)."""
-        demands.pop(request.request_id, None)
-        return sum(demands.values())
+        return Demands(demands)
 
     def _max_seqs_this_step(self) -> int:
         """max_num_seqs; with micro-batches, this step's share of the requests (all in one step, the
@@ -237,7 +231,7 @@ class Scheduler(StepResults):
         )
 
     def _schedule_running(
-        self, output: SchedulerOutput, prefills: PartialPrefills, max_seqs: int, demands: dict[str, int]
+        self, output: SchedulerOutput, prefills: PartialPrefills, max_seqs: int, demands: Demands
     ) -> int:
         token_budget = self.max_num_batched_tokens
         index = 0
@@ -247,7 +241,7 @@ class Scheduler(StepResults):
                 index += 1
                 continue
             num_missing = request.num_tokens_with_placeholders - request.num_computed_tokens
-            reserve = self._reserve(demands, request)
+            reserve = demands.after(request.request_id)
             num_new_tokens = prefills.chunk(num_missing, token_budget, reserve) if num_missing > 0 else 0
             num_new_tokens = self.kv_cache_manager.align_chunk(
                 request, request.num_computed_tokens, num_new_tokens
@@ -323,7 +317,7 @@ class Scheduler(StepResults):
         token_budget: int,
         prefills: PartialPrefills,
         max_seqs: int,
-        demands: dict[str, int],
+        demands: Demands,
     ) -> None:
         index = 0  # requests before it wait for their grammar to compile, or their prefill turn
         while (
@@ -355,7 +349,7 @@ class Scheduler(StepResults):
             # get blocks like the tokens computed, and count as computed.
             num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
             num_missing = request.num_tokens - num_hit_tokens - num_external
-            num_new_tokens = prefills.chunk(num_missing, token_budget, self._reserve(demands, request))
+            num_new_tokens = prefills.chunk(num_missing, token_budget, demands.after(request.request_id))
             num_new_tokens = self.kv_cache_manager.align_chunk(
                 request, request.num_tokens - num_missing, num_new_tokens
             )

@@ -93,6 +93,7 @@ class MultiModalHook(StepHook):
         self.rows_dtype, self.rows_width = runner.dtype, cfg.encoder_output_width
         self.is_warming_up = False  # (a pipeline's warm-up: rows from another process are shape structs)
         self.mrope = cfg.mrope
+        self._step_mrope = None  # (the step's scheduled list, its [3, T] positions): `step_mrope`
         options = runner.config.compilation.compiler_options()
         # None: the first stage is another process's (under tensor parallelism every process holds a part)
         self.cache = self._encode_fn = None
@@ -161,14 +162,19 @@ class MultiModalHook(StepHook):
 
     def step_mrope(self, scheduled, num_tokens: int, failed: set[str]) -> np.ndarray | None:
         """[3, T] the step's M-RoPE positions, every token's, text included (models/qwen2_5_vl.py);
-        None for a model without them. An MTP drafter rotates by them too (worker/mtp.py)."""
+        None for a model without them. An MTP drafter rotates by them too (worker/mtp.py): its hook
+        prepares the same step first, so the step's array is made once and kept for the second call."""
         if not self.mrope:
             return None
+        made = self._step_mrope
+        if made is not None and made[0] is scheduled and made[1].shape[1] == num_tokens:
+            return made[1]
         mrope = np.zeros((3, num_tokens), np.int32)
         offset = 0
         for s in scheduled:
             isolate_failures(failed, s, "placing its M-RoPE positions", self._fill_mrope, mrope, offset, s)
             offset += s.num_new_tokens
+        self._step_mrope = (scheduled, mrope)
         return mrope
 
     def prepare(self, scheduled, num_tokens, num_seqs, failed) -> dict[str, np.ndarray]:
@@ -290,14 +296,13 @@ class MultiModalHook(StepHook):
 def patch_buckets(vision: QwenVisionConfig, max_patches: int) -> list[int]:
     """The packed-patch buckets for images of up to `max_patches` patches: powers of two from 16
     tokens' patches up to that largest image."""
-    block = min(QUERY_BLOCK, max_patches)
-    scores = vision.num_heads * block * max_patches * 4
+    scores = vision.num_heads * QUERY_BLOCK * max_patches * 4  # a smaller bucket pads its queries to a block
     if scores > MAX_TOWER_SCORES_BYTES:
         largest = MAX_TOWER_SCORES_BYTES // (4 * vision.num_heads * QUERY_BLOCK) // vision.merge_unit
         pixels = largest * (vision.patch_size * vision.spatial_merge_size) ** 2
         raise ValueError(
             f"mm_processor_kwargs: the processor's max_pixels makes images of up to {max_patches} "
-            f"patches, whose tower attention needs {scores / 2**30:.0f} GiB a block of {block} patches "
+            f"patches, whose tower attention needs {scores / 2**30:.0f} GiB a block of {QUERY_BLOCK} patches "
             f"(at most {MAX_TOWER_SCORES_BYTES / 2**30:.0f}); set --mm-processor-kwargs "
             f"'{{\"max_pixels\": {pixels}}}' or less, or --limit-mm-per-prompt "
             '\'{"image": 0, "video": 0}\' to serve text only'

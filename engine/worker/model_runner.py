@@ -128,6 +128,9 @@ class ModelRunner(StepPreparation, KVPlumbing):
         self.num_spec_tokens = config.num_spec_tokens
         self.num_programs_loaded = self.num_programs_compiled = 0  # by warm-up, from disk or compiled
 
+        # A vision-language model's images: encoded into a device cache, merged at their placeholders
+        # (built first: an MTP drafter reads an M-RoPE model's positions from it).
+        self.mm_encoder = make_mm_hook(self)
         # Speculative decoding's draft model (worker/draft_model.py): its cache shares the block ids.
         self.drafter = None
         if spec is not None and spec.method == "draft_model":
@@ -142,9 +145,7 @@ class ModelRunner(StepPreparation, KVPlumbing):
             *([DraftModelHook(self.drafter)] if self.drafter is not None else []),
             *([PoolingHook(self.pooler)] if self.pooler is not None else []),
         ]
-        # A vision-language model's images: encoded into a device cache, merged at their placeholders.
-        self.mm_encoder = make_mm_hook(self)
-        if self.mm_encoder is not None:
+        if self.mm_encoder is not None:  # last: its arrays are the forward's
             self.hooks.append(self.mm_encoder)
         # A draft model writes K/V for k positions past each step's tokens (slots the scheduler adds).
         self.num_lookahead_tokens = self.num_spec_tokens if self.drafter is not None else 0

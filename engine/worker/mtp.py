@@ -142,7 +142,9 @@ class MTPDrafter(DraftModel):
         )
         self.mtp_params = params
         self.weight_bytes = weight_bytes(params)
-        self.runner = runner  # its image hook, built after this, holds an M-RoPE target's positions
+        # The runner's image hook where its positions are M-RoPE's: they rotate this layer too.
+        images = runner.mm_encoder
+        self.images = images if images is not None and images.mrope else None
         logger.info(
             "MTP layer (%s) proposes %d tokens per step", layer_class.__name__, config.num_spec_tokens
         )
@@ -167,18 +169,13 @@ class MTPDrafter(DraftModel):
 
     def empty_inputs(self, num_tokens: int, num_seqs: int) -> MTPInputs:
         base = super().empty_inputs(num_tokens, num_seqs)
-        mrope = np.zeros((3, num_tokens), np.int32) if self._images() is not None else None
+        mrope = np.zeros((3, num_tokens), np.int32) if self.images is not None else None
         return MTPInputs(
             **dataclasses.asdict(base),
             verify_starts=base.num_slots,
             next_ids=np.zeros(num_tokens, np.int32),
             mrope=mrope,
         )
-
-    def _images(self):
-        """The runner's image hook where its positions are M-RoPE's (they rotate this layer too)."""
-        images = self.runner.mm_encoder
-        return images if images is not None and images.mrope else None
 
     def prepare(self, scheduled, num_tokens: int, num_seqs: int, failed: set[str]) -> MTPInputs:
         """The draft model's arrays, and where each row's tokens are in the batch with the token that
@@ -194,8 +191,7 @@ class MTPDrafter(DraftModel):
             next_ids[offset : offset + len(known)] = known[:n]
             verify_starts[row] = offset + n - 1 - len(s.spec_token_ids)
             offset += n
-        images = self._images()
-        mrope = None if images is None else images.step_mrope(scheduled, num_tokens, failed)
+        mrope = None if self.images is None else self.images.step_mrope(scheduled, num_tokens, failed)
         return MTPInputs(
             **dataclasses.asdict(base), verify_starts=verify_starts, next_ids=next_ids, mrope=mrope
         )
