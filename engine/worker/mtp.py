@@ -131,15 +131,16 @@ class MTPDrafter(DraftModel):
             raise ValueError(f"speculative_config.method 'mtp': {num_layers} MTP layers; one is supported")
         cfg = runner.model_config  # the layer is one of the target's attention layers, in its shapes
         dtype, backend, placement = runner.dtype, runner.backend, runner.placement
-        prefix = layer_class.hf_prefix(cfg)
-        graphdef, params = load_params(
+        self._prefix = layer_class.hf_prefix(cfg)
+        self._load = partial(
+            load_params,
             layer_class,
             cfg,
-            {name: t for name, t in tensors.items() if name.startswith(prefix)},
             dtype=dtype,
             make_model=lambda: layer_class(cfg, backend, dtype=dtype, rngs=nnx.Rngs(0)),
             place=placement.place_param,
         )
+        graphdef, params = self._load(self._layer_tensors(tensors))
         self.mtp_params = params
         self.weight_bytes = weight_bytes(params)
         # The runner's image hook where its positions are M-RoPE's: they rotate this layer too.
@@ -166,6 +167,36 @@ class MTPDrafter(DraftModel):
             ),
             probe=runner.mesh.size == 1,
         )
+
+    @property
+    def own_weights(self):
+        return self.mtp_params
+
+    @own_weights.setter
+    def own_weights(self, weights) -> None:
+        self.mtp_params = weights
+
+    def _layer_tensors(self, tensors) -> dict:
+        return {name: t for name, t in tensors.items() if name.startswith(self._prefix)}
+
+    def updated_weights(self, named: dict):
+        """The layer's weights loaded again from an update (worker/weight_update.py) that holds its
+        tensors, every one of them (as a checkpoint load: a missing one is a ValueError naming it), in
+        the same shapes and shardings; None where the update names none."""
+        tensors = {name: np.asarray(t) for name, t in self._layer_tensors(named).items()}
+        if not tensors:
+            return None
+        try:
+            return self._load(tensors)[1]
+        except ValueError as e:
+            raise ValueError(
+                f"weights: the MTP layer's tensors ({self._prefix}*) are updated whole: {e}"
+            ) from e
+
+    def follow_target(self, head_params) -> None:
+        """The layer reads the target's embedding and LM head: the arrays placed now, not the ones an
+        update replaced or a sleep deleted."""
+        self.head_params = head_params
 
     def empty_inputs(self, num_tokens: int, num_seqs: int) -> MTPInputs:
         base = super().empty_inputs(num_tokens, num_seqs)
