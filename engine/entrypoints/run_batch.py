@@ -13,10 +13,19 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import uuid
 
+from tqdm import tqdm
+
 from xlaserve.entrypoints.api_server import check_started_engine, load_chat_template, lora_registry
-from xlaserve.entrypoints.arg_utils import add_tool_args, engine_config, parse_lora_modules, tool_options
+from xlaserve.entrypoints.arg_utils import (
+    add_tool_args,
+    engine_config,
+    parse_lora_modules,
+    run_follower_if_needed,
+    tool_options,
+)
 
 logger = logging.getLogger("xlaserve.entrypoints.run_batch")
 
@@ -72,9 +81,13 @@ def add_parser(sub, add_engine_args) -> None:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
+    if run_follower_if_needed(args):  # node_rank > 0 of a multi-host engine: only steps
+        return 0
     for flag, path in (("--input-file", args.input_file), ("--output-file", args.output_file)):
         if path.startswith(("http://", "https://")):
             raise ValueError(f"{flag}: {path!r} is a URL; run-batch reads and writes local files only")
+    if not os.path.isfile(args.input_file):
+        raise ValueError(f"--input-file: {args.input_file!r} is not a file")
     config = engine_config(args)
     args.lora_modules = parse_lora_modules(args.lora_modules)
     if args.lora_modules and not config.lora.enable_lora:
@@ -133,8 +146,6 @@ async def run_file(
 ) -> tuple[int, int]:
     """Run every non-blank line of `input_file` through `app`, at most `max_in_flight` at once, and
     write the results to `output_file` in the input's order; returns (lines answered 200, the others)."""
-    from tqdm import tqdm
-
     done: dict[int, dict] = {}
     next_to_write = 0
     counts = [0, 0]
@@ -147,7 +158,7 @@ async def run_file(
             result = await run_line(app, line)
         finally:
             slots.release()
-        counts[result["response"]["status_code"] != 200] += 1
+        counts[0 if result["response"]["status_code"] == 200 else 1] += 1
         bar.update()
         done[index] = result
         while next_to_write in done:  # a line is written once every line before it is
@@ -178,8 +189,12 @@ async def run_line(app, line: str) -> dict:
     """One line of the file, as the line of results it gets."""
     try:
         request = json.loads(line)
-    except (json.JSONDecodeError, RecursionError) as e:
-        reason = getattr(e, "msg", "arrays or objects nested too deeply")
+    except json.JSONDecodeError as e:
+        return _result(None, _error(f"the line is not valid JSON: {e.msg}", None, "invalid_json"))
+    except (RecursionError, ValueError) as e:  # the only other ValueError: an integer of > 4300 digits
+        reason = (
+            "arrays or objects nested too deeply" if isinstance(e, RecursionError) else "a number too long"
+        )
         return _result(None, _error(f"the line is not valid JSON: {reason}", None, "invalid_json"))
     if not isinstance(request, dict):
         return _result(None, _error("the line must be a JSON object", None, "invalid_line"))
@@ -210,7 +225,7 @@ def _check_line(request: dict) -> tuple[int, dict] | None:
         )
     if not isinstance(request["body"], dict):
         return _error("'body' must be a JSON object", "body", "invalid_type")
-    if request["body"].get("stream"):
+    if request["body"].get("stream") is True:  # any other value is the server's to refuse
         return _error(
             "'stream' is not supported in a batch file: each line gets its whole response",
             "stream",
@@ -221,6 +236,7 @@ def _check_line(request: dict) -> tuple[int, dict] | None:
 
 def _error(message: str, param: str | None, code: str) -> tuple[int, dict]:
     """A 400 with the body the server's error handlers write (serving/errors.py)."""
+    # Here, not at the top: the CLI imports this module, and must start without fastapi.
     from xlaserve.entrypoints.serving.errors import bad_request
 
     return 400, bad_request(message, param, code).to_response().model_dump()
