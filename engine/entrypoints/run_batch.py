@@ -88,6 +88,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag}: {path!r} is a URL; run-batch reads and writes local files only")
     if not os.path.isfile(args.input_file):
         raise ValueError(f"--input-file: {args.input_file!r} is not a file")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output_file))):
+        raise ValueError(f"--output-file: the folder of {args.output_file!r} does not exist")
     config = engine_config(args)
     args.lora_modules = parse_lora_modules(args.lora_modules)
     if args.lora_modules and not config.lora.enable_lora:
@@ -100,6 +102,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace, config, chat_template: str | None, num_lines: int) -> int:
+    # Here, not at the top: `xlaserve --help` and the other commands start without jax or fastapi.
     from xlaserve.engine.async_llm import AsyncLLM
     from xlaserve.engine.media import MediaPolicy
     from xlaserve.entrypoints.app import build_app
