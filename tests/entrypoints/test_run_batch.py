@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from helpers.server_harness import MODEL_NAME, engine_flags
+from xlaserve.engine.async_llm import AsyncLLM
 from xlaserve.entrypoints.cli import main
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6}
@@ -50,7 +51,24 @@ def results(tmp_path_factory) -> dict[str, dict]:
         "--model",
         MODEL_NAME,
     ]
-    assert main([*argv, *engine_flags(), "--disable-progress-bar"]) == 0
+    at_shutdown = {}
+    shutdown = AsyncLLM.shutdown
+
+    async def record_then_shutdown(engine):
+        metrics = engine.metrics
+        at_shutdown.update(
+            metrics.gauges, **metrics.counters, unfinished=engine.get_num_unfinished_requests()
+        )
+        await shutdown(engine)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AsyncLLM, "shutdown", record_then_shutdown)
+        assert main([*argv, *engine_flags(), "--disable-progress-bar"]) == 0
+    # Only the good lines reached the engine; each finished, and none left KV blocks held (the gauges
+    # the last step's output carried: the scheduler's stats did arrive).
+    assert at_shutdown["request_success"] == 3 and at_shutdown["prefix_cache_queries"] > 0
+    assert at_shutdown["unfinished"] == 0 and at_shutdown["num_requests_running"] == 0
+    assert at_shutdown["kv_cache_usage_perc"] == 0
     with open(folder / "out.jsonl") as f:
         lines = [json.loads(line) for line in f]
     assert [line["custom_id"] for line in lines] == [None if k == "not-json" else k for k in LINES]
