@@ -89,6 +89,11 @@ class EngineConfig:
                 self.parallel.nnodes == 1,
                 f"speculative_config method {method!r} runs on one host yet (nnodes={self.parallel.nnodes})",
             )
+        if self.speculative is not None and self.speculative.method == "eagle3":
+            tp = self.parallel.tensor_parallel_size
+            require(
+                tp == 1, f"speculative_config method 'eagle3' runs at tensor_parallel_size=1 yet, got {tp}"
+            )
         pp = self.parallel.pipeline_parallel_size
         if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet
             for is_set, what in (

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from xlaserve.config import EngineConfig
+from xlaserve.kernels import cpu_dot
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.eagle3 import AUX_LAYERS_KEY, aux_layer_ids
@@ -35,6 +36,7 @@ from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class
 from xlaserve.models.safetensors_loader import load_safetensors
 from xlaserve.models.weights import load_params
+from xlaserve.worker.model_loader import pack_projections
 from xlaserve.worker.mtp import MTPDrafter, layer_draft_step
 
 logger = logging.getLogger(__name__)
@@ -157,6 +159,8 @@ class Eagle3Drafter(MTPDrafter):
             )
         except ValueError as e:
             raise _refuse(f"{spec.model!r}: {e}") from e
+        if cpu_dot.usable(dtype, runner.mesh.size):  # its LM head packed as the target's is (model_loader)
+            graphdef, params = pack_projections(graphdef, params, ())
         self.mtp_params = (params, (placement.put_replicated(jnp.asarray(targets)),))
         self.weight_bytes = weight_bytes(params)
         self.images = None
