@@ -11,7 +11,7 @@ import json
 import pytest
 from test_spec_decode_llm import ENGINE_ARGS, prompts, spec_metrics
 
-from helpers.eagle3_cases import eagle3_drafts, oracle_llama, save_oracle_eagle3, save_random_eagle3
+from helpers.eagle3_cases import eagle3_drafts, save_random_eagle3
 from helpers.family_cases import make_hf_model, save_hf_model
 from helpers.mtp_cases import record_drafts
 from xlaserve import LLM, SamplingParams
@@ -155,48 +155,34 @@ def eagle3_config(path, k: int = K) -> dict:
 
 
 def test_eagle3_drafts_equal_the_torch_reference(target_dir, tmp_path):
-    """float32, k = 2, two requests in flight: every step's drafts equal those Hugging Face's Llama
-    modules compute when wired as vLLM's llama_eagle3 (helpers/eagle3_cases.py): the aux hidden states
-    entering the target's layers 0, 1 and 2 through fc to a narrower draft, its own embedding, its pre-norm
-    output chained into the next draft, 64 draft ids mapped to the target's by d2t."""
+    """float32, k = 2, one request at a time (prefilled in two chunks): every step's drafts equal those
+    Hugging Face's Llama modules compute when wired as vLLM's llama_eagle3 (helpers/eagle3_cases.py):
+    the aux hidden states entering the target's layers 0, 1 and 2 through fc to a narrower draft, its
+    own embedding, its pre-norm output chained into the next draft, 64 draft ids mapped by d2t."""
     path, tensors = save_random_eagle3(tmp_path / "eagle3")
     args = {**ARGS, "dtype": "float32", "enforce_eager": True}
     llm = LLM(target_dir, speculative_config=eagle3_config(path, k=2), **args)
     seen = record_drafts(llm)
-    batch = prompts()[:2]
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], greedy, use_tqdm=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     hf = make_hf_model("LlamaForCausalLM")  # the target_dir fixture's model
-    for prompt, out in zip(batch, outputs, strict=True):
+    for prompt in (p[:32] for p in prompts()[:2]):  # two chunks of 16, then steps of 1 + k: two buckets
+        out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
         seq = prompt + list(out.outputs[0].token_ids)
         steps = [(p, d) for p, d in seen[out.request_id] if p < len(seq) - 1]
-        assert len(steps) >= 6
+        assert len(steps) >= 4
         assert [d for _, d in steps] == eagle3_drafts(hf, tensors, seq, [p for p, _ in steps], 2)
 
 
-def test_eagle3_greedy_outputs_equal_without_speculation_bit_for_bit(tmp_path):
-    """bfloat16 (batch invariance on): an EAGLE-3 drafter whose first draft is the target's next token
-    (helpers/eagle3_cases.py `save_oracle_eagle3`) is accepted there, and four requests (chunked prefill,
-    a prefix-cache hit, preemption) decode the plain engine's tokens and logprobs bit for bit; nothing
-    compiles after warm-up."""
-    hf = oracle_llama(make_hf_model("LlamaForCausalLM"))
-    target = save_hf_model(hf, tmp_path / "target")
-    path = save_oracle_eagle3(tmp_path / "eagle3", hf)
-    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
-    inputs = [{"prompt_token_ids": p} for p in prompts()]
-
-    def numbers(llm):
-        outputs = [o.outputs[0] for o in llm.generate(inputs, greedy, use_tqdm=False)]
-        return [(list(o.token_ids), [e[t].logprob for e, t in zip(o.logprobs, o.token_ids)]) for o in outputs]
-
-    expected = numbers(LLM(target, enforce_eager=True, **ARGS))
-    llm = LLM(target, speculative_config=eagle3_config(path), strict_compile_guard=True, **ARGS)
+def test_eagle3_keeps_greedy_outputs_exact(target_dir, baseline, tmp_path):
+    """bfloat16 (batch invariance on): with a random EAGLE-3 drafter the four requests (chunked prefill,
+    a prefix-cache hit, preemption, logprobs) decode the plain engine's tokens, the aux hidden states
+    taken from the forward change none of its bits, every block comes back, and nothing compiles after
+    warm-up."""
+    path, _ = save_random_eagle3(tmp_path / "eagle3")
+    llm = LLM(target_dir, speculative_config=eagle3_config(path), strict_compile_guard=True, **ARGS)
     before = num_compiles()
-    assert numbers(llm) == expected
+    check_outputs_and_metrics(llm, baseline, with_penalties=False)
     assert num_compiles() == before and llm.engine_core.runner.guard.num_unexpected == 0
-    assert llm.engine_core.scheduler.num_preemptions_total > 0
-    metrics = spec_metrics(llm)
-    assert metrics["num_drafts"] > 20 and metrics["per_pos"][0] >= 0.9 * metrics["num_drafts"]
 
 
 @pytest.mark.parametrize(

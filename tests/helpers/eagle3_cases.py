@@ -89,60 +89,6 @@ def save_random_eagle3(directory, seed: int = 1, **overrides) -> tuple[str, dict
     return _write(directory, config, tensors), tensors
 
 
-def oracle_llama(hf):
-    """`hf` (a random LlamaForCausalLM) made to predict each token from the one before it alone: its
-    layers' outputs zeroed, its embedding rows of equal norm, zero in their first two dimensions (the
-    ones `save_oracle_eagle3`'s drafter rotates)."""
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-        table = hf.model.embed_tokens.weight
-        table[:, :2] = 0.0
-        table.copy_(table / table.norm(dim=-1, keepdim=True) * table.shape[1] ** 0.5)
-    return hf
-
-
-def save_oracle_eagle3(directory, hf) -> str:
-    """An EAGLE-3 checkpoint for `oracle_llama(hf)` whose first draft is the target's next token: one
-    attention head over the target's own embedding (shared: no `embed_tokens`), rotating only dims 0-1
-    (where every row is 0), whose scores peak where the key's token is the query's own, so it copies
-    that token's normed embedding; `fc` and the MLP zeroed; the target's final norm and LM head. So the
-    layer's output is the target's final hidden state for the token it reads. (Past the first draft its
-    residual, the previous output, stays in: those drafts are rejected more often.)"""
-    d, vocab = hf.config.hidden_size, hf.config.vocab_size
-    config = dict(
-        BASE,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=d,
-        partial_rotary_factor=0.05,  # rotary_dim = int(48 * 0.05) = 2
-        draft_vocab_size=vocab,
-    )
-    eye, zero = torch.eye(d), torch.zeros(d, d)
-    layer = {
-        "input_layernorm.weight": torch.ones(d),
-        "hidden_norm.weight": torch.ones(d),
-        "self_attn.q_proj.weight": torch.cat([8.0 * eye, zero], dim=1),
-        "self_attn.k_proj.weight": torch.cat([eye, zero], dim=1),
-        "self_attn.v_proj.weight": torch.cat([eye, zero], dim=1),
-        "self_attn.o_proj.weight": eye,
-        "post_attention_layernorm.weight": torch.ones(d),
-        "mlp.gate_proj.weight": torch.zeros(BASE["intermediate_size"], d),
-        "mlp.up_proj.weight": torch.zeros(BASE["intermediate_size"], d),
-        "mlp.down_proj.weight": torch.zeros(d, BASE["intermediate_size"]),
-    }
-    tensors = {
-        "fc.weight": torch.zeros(d, 3 * d),
-        **{f"midlayer.{n}": w for n, w in layer.items()},
-        "norm.weight": hf.model.norm.weight.detach().clone(),
-        "lm_head.weight": hf.lm_head.weight.detach().clone(),
-        **_maps(torch.arange(vocab), vocab),
-    }
-    return _write(directory, config, tensors)
-
-
 @torch.no_grad()
 def eagle3_drafts(hf, tensors: dict, seq: list[int], steps: list[int], k: int) -> list[list[int]]:
     """For each p of `steps`, the k greedy drafts proposed once the token at position p of `seq` is
