@@ -351,7 +351,8 @@ def storage_array(array: np.ndarray, dtype) -> np.ndarray:
 
 
 def weight_bytes(params) -> int:
-    """Bytes of every parameter array (quantized kernels count one byte per weight)."""
+    """Bytes of every parameter array (quantized kernels as stored: int8 or fp8 one byte a weight, 4-bit
+    two weights a byte)."""
     return int(
         sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params) if hasattr(leaf, "dtype"))
     )

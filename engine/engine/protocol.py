@@ -147,7 +147,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     eos_token_id: int | None
     block_size: int
     num_usable_blocks: int
-    weight_bytes: int = 0  # the weights on the devices, a drafter's too (quantized: one byte per weight)
+    weight_bytes: int = 0  # the weights on the devices, a drafter's too (quantized: as stored, with scales)
     num_kv_blocks: int = 0  # KV cache blocks, the null block included
     # With LoRA on: the adapter slots' layout (stack -> module path -> [layers, in, out]) and each
     # stack's layer ids (a hybrid model's stacks hold every P-th layer), so the front end refuses an

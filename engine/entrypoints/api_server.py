@@ -232,18 +232,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(args, config, chat_template))
 
 
+def lora_registry(config: EngineConfig, lora_modules: list[dict], served_model_names: list[str]):
+    """The --lora-modules adapters (None without --enable-lora), checked before the engine starts: a
+    bad entry fails at once."""
+    if not config.lora.enable_lora:
+        return None
+    from xlaserve.entrypoints.serving.lora import LoRARegistry
+
+    loras = LoRARegistry(config.lora.max_lora_rank, served_model_names)
+    for module in lora_modules:
+        loras.add(module["name"], module["path"], module["base_model_name"])
+    return loras
+
+
+async def check_started_engine(engine, loras, reasoning_parser_cls) -> None:
+    """What can be checked only once the model is known; on a failure the engine is shut down and the
+    ValueError raised."""
+    try:
+        if loras is not None:  # every --lora-modules adapter's modules must be the model's own
+            loras.set_model(*getattr(engine, "lora_slots", (None, None)))
+        if reasoning_parser_cls is not None:  # the tokenizer must have the parser's tags as tokens
+            reasoning_parser_cls(engine.tokenizer)
+    except ValueError:
+        await engine.shutdown()
+        raise
+
+
 async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: str | None) -> int:
     from xlaserve.engine.async_llm import AsyncLLM
 
     served_model_names = args.served_model_name or [args.model or "smollm2"]
-    loras = None
-    if config.lora.enable_lora:
-        from xlaserve.entrypoints.serving.lora import LoRARegistry
-
-        # Adapters are checked before the engine starts: a bad --lora-modules entry fails at once.
-        loras = LoRARegistry(config.lora.max_lora_rank, served_model_names)
-        for module in args.lora_modules:
-            loras.add(module["name"], module["path"], module["base_model_name"])
+    loras = lora_registry(config, args.lora_modules, served_model_names)
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal during start-up cancels it cleanly
@@ -271,19 +290,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-    if loras is not None:
-        try:  # now that the model is known: every --lora-modules adapter's modules must be its own
-            loras.set_model(*getattr(engine, "lora_slots", (None, None)))
-        except ValueError:
-            await engine.shutdown()
-            raise
-    reasoning_parser_cls = args.tool_options["reasoning_parser_cls"]
-    if reasoning_parser_cls is not None:
-        try:  # the tokenizer must have the parser's tags as tokens
-            reasoning_parser_cls(engine.tokenizer)
-        except ValueError:
-            await engine.shutdown()
-            raise
+    await check_started_engine(engine, loras, args.tool_options["reasoning_parser_cls"])
     # uvicorn handles the signals while it serves, then re-raises them: by then they must be harmless.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)

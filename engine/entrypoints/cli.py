@@ -1,4 +1,4 @@
-"""The `xlaserve` command: generate, chat, serve, bench."""
+"""The `xlaserve` command: generate, chat, convert, serve, run-batch, router, bench."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 
 from xlaserve.engine.host_memory import keep_host_memory
-from xlaserve.entrypoints import api_server, router
+from xlaserve.entrypoints import api_server, router, run_batch
 from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs, run_follower_if_needed
 from xlaserve.entrypoints.bench import offline as bench_offline
 from xlaserve.entrypoints.bench import serve as bench_serve
@@ -203,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     api_server.add_parser(sub, add_engine_args)
+    run_batch.add_parser(sub, add_engine_args)
     router.add_parser(sub)
     bench_sub = bench_offline.add_parser(sub, add_engine_args)
     bench_serve.add_serve_parser(bench_sub)

@@ -265,12 +265,44 @@ class DraftModel:
         return bytes_per_block(self.kv_spec, self.block_size, self.backend.cache_dtype(self.dtype))
 
     def allocate(self, num_blocks: int, max_num_seqs: int, padded_vocab_size: int) -> None:
+        self._sizes = (num_blocks, max_num_seqs, padded_vocab_size)  # for `reallocate` on waking
         self.kv_cache = allocate_kv_cache(
             self.kv_spec, num_blocks, self.block_size, self.backend.cache_dtype(self.dtype), self.placement
         )
         shape = (max_num_seqs, self.num_spec_tokens, padded_vocab_size)
         self.q_buf = self.placement.zeros(shape, np.float32, self.placement.replicated)
         logger.info("draft q buffer: %.1f MiB", np.prod(shape) * 4 / 2**20)
+
+    def free_cache(self) -> int:
+        """Sleep: delete the draft cache and the q buffer (the prefix cache is reset meanwhile, so no
+        request reads what they held); -> the bytes freed."""
+        buffers = [*jax.tree.leaves(self.kv_cache), self.q_buf]
+        freed = sum(x.nbytes for x in buffers)
+        for x in buffers:
+            x.delete()
+        self.kv_cache = self.q_buf = None
+        self._prev_rows.clear()
+        return freed
+
+    def reallocate(self) -> None:
+        """Waking: `free_cache`'s buffers, zeroed, of the same shapes."""
+        self.allocate(*self._sizes)
+
+    @property
+    def own_weights(self):
+        """The weights this drafter holds itself (sleep level 2 frees them): the draft model's."""
+        return self.head_params
+
+    @own_weights.setter
+    def own_weights(self, weights) -> None:
+        self.head_params = weights
+
+    def follow_target(self, head_params) -> None:
+        """The target's weights changed (an update, a wake-up): a draft model reads none of them."""
+
+    def updated_weights(self, named: dict):
+        """A target's weight update names none of a draft model's (its own checkpoint): None."""
+        return None
 
     inputs_class = DraftInputs  # the host arrays of a step (`prepare`)
 

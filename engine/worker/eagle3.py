@@ -161,7 +161,8 @@ class Eagle3Drafter(MTPDrafter):
             raise _refuse(f"{spec.model!r}: {e}") from e
         if cpu_dot.usable(dtype, runner.mesh.size):  # its LM head packed as the target's is (model_loader)
             graphdef, params = pack_projections(graphdef, params, ())
-        self.mtp_params = (params, (placement.put_replicated(jnp.asarray(targets)),))
+        self.mtp_params = params
+        self.logits_args = (placement.put_replicated(jnp.asarray(targets)),)
         self.weight_bytes = weight_bytes(params)
         self.images = None
         self.hidden_size = len(ids) * target_cfg.hidden_size  # the aux hidden states' width
@@ -193,3 +194,8 @@ class Eagle3Drafter(MTPDrafter):
 
     def forward_inputs(self) -> dict:
         return {"aux_layers": self.aux_layers}
+
+    def updated_weights(self, named: dict):
+        """The target's weight update names none of the EAGLE-3 checkpoint's tensors (its own
+        directory): None, as for a draft model."""
+        return None

@@ -86,7 +86,8 @@ class ModelRunner(StepPreparation, KVPlumbing):
         self.weight_bytes = model.weight_bytes  # the model's own (what sleep level 2 frees)
         self.stage = model.stage  # the modules holding weights (text-only mode: no encoder's)
         self.head_params = (model.params, model.head_dv)  # what computing logits reads
-        self.slept_weights = None  # the weights on the host while asleep at level 2 (worker/weight_update.py)
+        # The weights on the host while asleep at level 2 (worker/sleep_mode.py), a drafter's too.
+        self.slept_weights = self.slept_drafter = None
         self.prepared_update = None  # new weights checked, not yet installed (across processes: every one's)
         # Adapter slots on the device (worker/lora_manager.py), or None: LoRA off, no hook, no cost.
         self.lora = (
@@ -238,6 +239,8 @@ class ModelRunner(StepPreparation, KVPlumbing):
         program takes them as arguments, so nothing recompiles."""
         self.params = params
         self.head_params = (params, head_dv)
+        if self.drafter is not None:
+            self.drafter.follow_target(self.head_params)
         if self.mm_encoder is not None:  # images encoded by the old weights are encoded again
             self.mm_encoder.slot_contents.clear()
 

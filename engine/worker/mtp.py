@@ -58,7 +58,8 @@ def layer_draft_step(
     block_size: int,
     num_spec: int,
     head_params,
-    mtp_params,  # (the layer's params, extra arguments of its `draft_logits`)
+    mtp_params,  # the layer's
+    logits_args,  # arrays its `draft_logits` reads besides (EAGLE-3: each draft id's target id)
     kv_cache,
     q_buf,
     hidden,  # [T, D] the target's final-norm hidden states (EAGLE-3: its aux hidden states)
@@ -73,8 +74,7 @@ def layer_draft_step(
     EAGLE-3's network: models/eagle3.py), through its `embed`, `combine`, call and `draft_logits`."""
     params, head_dv = head_params
     target = nnx.merge(target_graphdef, params)
-    layer_params, logits_args = mtp_params
-    layer = nnx.merge(mtp_graphdef, layer_params)
+    layer = nnx.merge(mtp_graphdef, mtp_params)
     num_tokens = positions.shape[0]
     proposes = inputs.num_slots > 0
     emitted_at = inputs.verify_starts + num_accepted  # each row's last accepted position, in the batch
@@ -135,16 +135,18 @@ class MTPDrafter(DraftModel):
             raise ValueError(f"speculative_config.method 'mtp': {num_layers} MTP layers; one is supported")
         cfg = runner.model_config  # the layer is one of the target's attention layers, in its shapes
         dtype, backend, placement = runner.dtype, runner.backend, runner.placement
-        prefix = layer_class.hf_prefix(cfg)
-        graphdef, params = load_params(
+        self._prefix = layer_class.hf_prefix(cfg)
+        self._load = partial(
+            load_params,
             layer_class,
             cfg,
-            {name: t for name, t in tensors.items() if name.startswith(prefix)},
             dtype=dtype,
             make_model=lambda: layer_class(cfg, backend, dtype=dtype, rngs=nnx.Rngs(0)),
             place=placement.place_param,
         )
-        self.mtp_params = (params, ())
+        graphdef, params = self._load(self._layer_tensors(tensors))
+        self.mtp_params = params
+        self.logits_args = ()  # the layer's `draft_logits` reads the target's head alone
         self.weight_bytes = weight_bytes(params)
         # The runner's image hook where its positions are M-RoPE's: they rotate this layer too.
         images = runner.mm_encoder
@@ -170,6 +172,36 @@ class MTPDrafter(DraftModel):
             ),
             probe=runner.mesh.size == 1,
         )
+
+    @property
+    def own_weights(self):
+        return self.mtp_params
+
+    @own_weights.setter
+    def own_weights(self, weights) -> None:
+        self.mtp_params = weights
+
+    def _layer_tensors(self, tensors) -> dict:
+        return {name: t for name, t in tensors.items() if name.startswith(self._prefix)}
+
+    def updated_weights(self, named: dict):
+        """The layer's weights loaded again from an update (worker/weight_update.py) that holds its
+        tensors, every one of them (as a checkpoint load: a missing one is a ValueError naming it), in
+        the same shapes and shardings; None where the update names none."""
+        tensors = {name: np.asarray(t) for name, t in self._layer_tensors(named).items()}
+        if not tensors:
+            return None
+        try:
+            return self._load(tensors)[1]
+        except ValueError as e:
+            raise ValueError(
+                f"weights: the MTP layer's tensors ({self._prefix}*) are updated whole: {e}"
+            ) from e
+
+    def follow_target(self, head_params) -> None:
+        """The layer reads the target's embedding and LM head: the arrays placed now, not the ones an
+        update replaced or a sleep deleted."""
+        self.head_params = head_params
 
     def empty_inputs(self, num_tokens: int, num_seqs: int) -> MTPInputs:
         base = super().empty_inputs(num_tokens, num_seqs)
@@ -210,6 +242,7 @@ class MTPDrafter(DraftModel):
         return (
             self.head_params,
             self.mtp_params,
+            self.logits_args,
             self.kv_cache,
             q_buf,
             hidden,

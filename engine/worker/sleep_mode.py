@@ -1,9 +1,10 @@
 """A running engine's device memory handed back and restored (the research stack, vLLM's sleep mode).
 
-`sleep(runner, level)` deletes the KV cache's device buffers (every stage's; level 2: every parameter
-set's weights too, kept on the host, each process its own shards) and `wake_up(runner)` allocates and
-places them again; what a slept cache held is gone, so the core resets its prefix cache. Another
-process's pipeline stage (a `ParamSet` without params) is that process's to free.
+`sleep(runner, level)` deletes the KV cache's device buffers (every stage's, and a speculative drafter's
+cache; level 2: every parameter set's weights too, and the drafter's own, kept on the host, each process
+its own shards) and `wake_up(runner)` allocates and places them again; what a slept cache held is gone,
+so the core resets its prefix cache. Another process's pipeline stage (a `ParamSet` without params) is
+that process's to free.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def sleep(runner, level: int) -> MemoryReport:
     for leaf in jax.tree.leaves(runner.kv_cache):
         leaf.delete()
     runner.kv_cache = None
+    drafter = getattr(runner, "drafter", None)  # a pipeline's runner has none
+    if drafter is not None:
+        freed += drafter.free_cache()
     if level == 2:
         sets = runner.param_sets()
         freed += _device_bytes([(weights.params, weights.head_dv) for weights in sets])
@@ -82,6 +86,11 @@ def sleep(runner, level: int) -> MemoryReport:
         ]
         for weights in sets:
             for leaf in jax.tree.leaves((weights.params, weights.head_dv)):
+                leaf.delete()
+        if drafter is not None:
+            freed += _device_bytes(drafter.own_weights)
+            runner.slept_drafter = _on_host(drafter.own_weights)
+            for leaf in jax.tree.leaves(drafter.own_weights):
                 leaf.delete()
     return MemoryReport(level, freed, time.perf_counter() - start)
 
@@ -97,7 +106,14 @@ def wake_up(runner) -> MemoryReport:
             sets.append(dataclasses.replace(weights, params=params, head_dv=head_dv))
             placed += _device_bytes((params, head_dv))
         runner.slept_weights = None
+        if runner.slept_drafter is not None:  # before the target's: set_param_sets hands them on
+            runner.drafter.own_weights = _placed(runner.slept_drafter)
+            placed += _device_bytes(runner.drafter.own_weights)
+            runner.slept_drafter = None
         runner.set_param_sets(sets)
     runner.kv_cache = runner.allocate_kv_cache()
     placed += _device_bytes(runner.kv_cache)
+    if getattr(runner, "drafter", None) is not None:
+        runner.drafter.reallocate()
+        placed += _device_bytes((runner.drafter.kv_cache, runner.drafter.q_buf))
     return MemoryReport(0, placed, time.perf_counter() - start)

@@ -120,8 +120,14 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     out. A MoE layer's experts are rewritten into one stack by the family, so they are updated
     together. An engine that quantizes at load quantizes them as the load does; one whose checkpoint
     came quantized is refused."""
+    weights = named_arrays(weights)
     sets, names = _updated_sets(runner, weights)
+    # An MTP drafter's layer (the checkpoint's `mtp.*` tensors, which the target's load leaves out).
+    drafter = getattr(runner, "drafter", None)
+    drafted = None if drafter is None else drafter.updated_weights(weights)
     runner.set_param_sets(sets)
+    if drafted is not None:
+        drafter.own_weights = drafted
     return names
 
 

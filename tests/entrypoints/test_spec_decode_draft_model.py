@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 from test_spec_decode_llm import ENGINE_ARGS, prompts, spec_metrics
 
@@ -133,6 +134,13 @@ def test_a_smaller_draft_keeps_greedy_outputs_exact(truncated_draft_dir, target_
     assert 0 < runner.drafter.weight_bytes < runner.weight_bytes
     gauge = next(m.value for m in llm.get_metrics() if m.name == "xlaserve:model_weight_bytes")
     assert gauge == runner.weight_bytes + runner.drafter.weight_bytes
+    # Sleep frees the draft's cache and (level 2) its weights beside the target's; awake, the same tokens.
+    caches = sum(x.nbytes for x in jax.tree.leaves((runner.kv_cache, runner.drafter.kv_cache)))
+    slept = llm.sleep(2)
+    assert slept.device_bytes >= gauge + caches
+    assert llm.wake_up().device_bytes == slept.device_bytes
+    greedy = [o.outputs[0].token_ids for o in run(llm, with_penalties=True)]
+    assert greedy == baseline[True]
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path, target_dir):

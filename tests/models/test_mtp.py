@@ -85,21 +85,55 @@ def test_drafts_after_an_image_rotate_by_the_targets_mrope_positions(tmp_path):
     assert [d for _, d in steps] == hf_drafts(hf, layer, mtp, seq, [p for p, _ in steps], 2, images)
 
 
+def _acceptance(llm) -> tuple[float, float]:
+    metrics = {(m.name, tuple(m.labels.items())): m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    return (
+        metrics[("xlaserve:spec_decode_num_accepted_tokens", ())],
+        metrics[("xlaserve:spec_decode_num_draft_tokens", ())],
+    )
+
+
 def test_an_mtp_layer_that_predicts_the_target_is_accepted_and_changes_no_bit(tmp_path):
     """bfloat16 (batch invariance on, the default): an MTP layer whose drafts are the target's own next
     tokens (helpers/mtp_cases.py `oracle`) is accepted at both draft positions, and four requests in
-    flight decode the plain engine's tokens and logprobs bit for bit."""
+    flight decode the plain engine's tokens and logprobs bit for bit. The research stack reaches the
+    layer: after sleep(2) and wake_up the same bits; an update of its `mtp.*` tensors is what it drafts
+    with (their fc zeroed: drafts rejected; the checkpoint's again: accepted), and only whole."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
     path, *_ = save_qwen3_5_with_mtp(str(tmp_path), oracle=True)
     args = {**ENGINE_ARGS, "dtype": "bfloat16"}
     batch = [{"prompt_token_ids": p} for p in prompts(VOCAB, seed=3)]
     expected = [_numbers(o) for o in LLM(path, **args).generate(batch, GREEDY, use_tqdm=False)]
     llm = LLM(path, **args, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert [_numbers(o) for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
-    metrics = {(m.name, tuple(m.labels.items())): m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    drafted = metrics[("xlaserve:spec_decode_num_draft_tokens", ())]
-    accepted = metrics[("xlaserve:spec_decode_num_accepted_tokens", ())]
+    accepted, drafted = _acceptance(llm)
     assert drafted > 0 and accepted >= 0.8 * drafted, (accepted, drafted)
+    metrics = {(m.name, tuple(m.labels.items())): m.value for m in llm.get_metrics() if hasattr(m, "value")}
     assert metrics[("xlaserve:spec_decode_num_accepted_tokens_per_pos", (("position", "1"),))] > 0
+
+    def run_and_count() -> tuple[float, float]:
+        before = _acceptance(llm)
+        assert [_numbers(o) for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
+        return tuple(now - then for now, then in zip(_acceptance(llm), before))
+
+    # The drafter's cache and q buffer, and its layer's weights, freed too; its embedding and head read
+    # from the target's weights placed back, not the deleted ones.
+    slept = llm.sleep(2)
+    assert llm.wake_up().device_bytes == slept.device_bytes
+    accepted, drafted = run_and_count()
+    assert accepted >= 0.8 * drafted, (accepted, drafted)
+
+    layer = {name: t for name, t in load_file(f"{path}/model.safetensors").items() if name.startswith("mtp.")}
+    with pytest.raises(ValueError, match=r"the MTP layer's tensors \(mtp\.\*\) are updated whole"):
+        llm.update_weights({"mtp.fc.weight": layer["mtp.fc.weight"]})
+    llm.update_weights({**layer, "mtp.fc.weight": np.zeros_like(layer["mtp.fc.weight"])})
+    accepted, drafted = run_and_count()
+    assert accepted < 0.5 * drafted, (accepted, drafted)
+    llm.update_weights_from_path(path)
+    accepted, drafted = run_and_count()
+    assert accepted >= 0.8 * drafted, (accepted, drafted)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,8 @@ _DOCS = {
     "num_requests_waiting": "Number of requests waiting to be scheduled.",
     "kv_cache_usage_perc": "KV cache usage: 1 means all blocks are held by requests.",
     "model_weight_bytes": (
-        "Bytes of the weights on the devices, a speculative drafter's too (quantized: one byte per weight)."
+        "Bytes of the weights on the devices, a speculative drafter's too "
+        "(quantized: as stored, 4-bit packed two to a byte, with their scales)."
     ),
     "num_kv_blocks": "KV cache blocks (vLLM's num_gpu_blocks); twice as many with --kv-cache-dtype fp8.",
     "prefix_cache_queries": "Prefix cache queries, in tokens.",
