@@ -80,7 +80,7 @@ class Eagle3Layer(nnx.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), kv_cache
 
 
-class Eagle3Drafter(nnx.Module):
+class Eagle3Network(nnx.Module):
     """The EAGLE-3 network (module doc); `cfg`: the draft's config (one layer), `target_hidden_size`
     and `num_aux` size `fc`; `own_embedding`: the checkpoint has `embed_tokens`."""
 

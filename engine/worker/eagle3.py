@@ -98,7 +98,10 @@ def _read_checkpoint(path: str, target_cfg: TransformerConfig) -> tuple[dict, di
             f"the EAGLE-3 checkpoint's target_hidden_size ({target_hidden}) must equal the target model's "
             f"hidden_size ({target_cfg.hidden_size})"
         )
-    return hf_config, load_safetensors(os.path.expanduser(path), progress=False)
+    try:
+        return hf_config, load_safetensors(os.path.expanduser(path), progress=False)
+    except ValueError as e:  # no safetensors (a release's pytorch_model.bin is not read)
+        raise _refuse(str(e)) from e
 
 
 def _draft_to_target(tensors: dict, draft_vocab: int, vocab: int) -> np.ndarray:
