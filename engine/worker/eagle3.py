@@ -29,8 +29,7 @@ from xlaserve.config import EngineConfig
 from xlaserve.kernels import cpu_dot
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
-from xlaserve.models.eagle3 import AUX_LAYERS_KEY, aux_layer_ids
-from xlaserve.models.eagle3 import Eagle3Drafter as Eagle3Network
+from xlaserve.models.eagle3 import AUX_LAYERS_KEY, Eagle3Network, aux_layer_ids
 from xlaserve.models.loader import complete_config
 from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class
