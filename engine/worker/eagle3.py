@@ -140,6 +140,12 @@ class Eagle3Drafter(MTPDrafter):
         draft_vocab = hf_config.get("draft_vocab_size") or hf_config["vocab_size"]
         targets = _draft_to_target(tensors, draft_vocab, vocab_size)
         cfg = TransformerConfig.from_hf(hf_config)
+        own_embedding = any(name.endswith("embed_tokens.weight") for name in tensors)
+        if not own_embedding and cfg.hidden_size != target_cfg.hidden_size:
+            raise _refuse(
+                f"an EAGLE-3 checkpoint of hidden_size {cfg.hidden_size} without embed_tokens (it would read "
+                f"the target's, of {target_cfg.hidden_size})"
+            )
         dtype, backend, placement = runner.dtype, runner.backend, runner.placement
 
         def make_model():
@@ -149,7 +155,7 @@ class Eagle3Drafter(MTPDrafter):
                 target_hidden_size=target_cfg.hidden_size,
                 num_aux=len(ids),
                 draft_vocab_size=draft_vocab,
-                own_embedding="embed_tokens.weight" in tensors,
+                own_embedding=own_embedding,
                 padded_vocab_size=runner.padded_vocab_size,
                 dtype=dtype,
                 rngs=nnx.Rngs(0),
