@@ -163,7 +163,7 @@ def eagle3_config(path, k: int = K) -> dict:
 
 
 def test_eagle3_drafts_equal_the_torch_reference(target_dir, tmp_path):
-    """float32, k = 2, one request at a time (prefilled in two chunks): every step's drafts equal those
+    """float32, k = 2, a request prefilled in two chunks: every step's drafts equal those
     Hugging Face's Llama modules compute when wired as vLLM's llama_eagle3 (helpers/eagle3_cases.py):
     the aux hidden states entering the target's layers 0, 1 and 2 through fc to a narrower draft, its
     own embedding, its pre-norm output chained into the next draft, 64 draft ids mapped by d2t."""
@@ -173,12 +173,12 @@ def test_eagle3_drafts_equal_the_torch_reference(target_dir, tmp_path):
     seen = record_drafts(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     hf = make_hf_model("LlamaForCausalLM")  # the target_dir fixture's model
-    for prompt in (p[:32] for p in prompts()[:2]):  # two chunks of 16, then steps of 1 + k: two buckets
-        out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
-        seq = prompt + list(out.outputs[0].token_ids)
-        steps = [(p, d) for p, d in seen[out.request_id] if p < len(seq) - 1]
-        assert len(steps) >= 4
-        assert [d for _, d in steps] == eagle3_drafts(hf, tensors, seq, [p for p, _ in steps], 2)
+    prompt = prompts()[0][:32]  # two chunks of 16, then steps of 1 + k: two token buckets
+    out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
+    seq = prompt + list(out.outputs[0].token_ids)
+    steps = [(p, d) for p, d in seen[out.request_id] if p < len(seq) - 1]
+    assert len(steps) >= 4
+    assert [d for _, d in steps] == eagle3_drafts(hf, tensors, seq, [p for p, _ in steps], 2)
 
 
 def test_eagle3_keeps_greedy_outputs_exact(target_dir, baseline, tmp_path):
