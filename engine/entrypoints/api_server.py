@@ -62,19 +62,7 @@ def add_parser(sub, add_engine_args) -> None:
         help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (lm-eval's "
         "local-completions tokenizes through it; behind --api-key)",
     )
-    g.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="name(s) clients use in 'model'; the first is reported (default: MODEL or 'smollm2')",
-    )
-    g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
-    g.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="render a chat template sent in a request's `chat_template` (refused otherwise: a template "
-        "is code the server runs, in Jinja's sandbox)",
-    )
+    add_request_args(g)
     g.add_argument(
         "--max-num-queued-reqs",
         type=int,
@@ -122,18 +110,6 @@ def add_parser(sub, add_engine_args) -> None:
         "--disable-playground", action="store_true", help="do not serve the chat playground page at GET /"
     )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
-    g.add_argument(
-        "--allowed-local-media-path",
-        default=None,
-        help="image and video parts may name file:// URLs under this directory (default: none may)",
-    )
-    g.add_argument(
-        "--allowed-media-domains",
-        nargs="*",
-        default=[],
-        help="hosts whose http(s):// image and video URLs the server downloads (default: none; data: URLs "
-        "always work)",
-    )
     add_tool_args(p)
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument(
@@ -198,6 +174,36 @@ async def _exit_when_engine_fails(server, engine) -> None:
 
 def loop_time() -> float:
     return asyncio.get_running_loop().time()
+
+
+def add_request_args(g) -> None:
+    """The flags of how requests are read, which `serve` and `run-batch` share: the model's names, chat
+    templates, where image and video URLs may point."""
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model'; the first is reported (default: MODEL or 'smollm2')",
+    )
+    g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat template sent in a request's `chat_template` (refused otherwise: a template "
+        "is code the server runs, in Jinja's sandbox)",
+    )
+    g.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="image and video parts may name file:// URLs under this directory (default: none may)",
+    )
+    g.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=[],
+        help="hosts whose http(s):// image and video URLs are downloaded (default: none; data: URLs "
+        "always work)",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -18,7 +18,12 @@ import uuid
 
 from tqdm import tqdm
 
-from xlaserve.entrypoints.api_server import check_started_engine, load_chat_template, lora_registry
+from xlaserve.entrypoints.api_server import (
+    add_request_args,
+    check_started_engine,
+    load_chat_template,
+    lora_registry,
+)
 from xlaserve.entrypoints.arg_utils import (
     add_tool_args,
     engine_config,
@@ -52,29 +57,7 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("-o", "--output-file", required=True, help="where to write the results (JSONL)")
     add_engine_args(p)
     g = p.add_argument_group("serving")
-    g.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="name(s) a body's 'model' may give (default: MODEL or 'smollm2'); the first is reported",
-    )
-    g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
-    g.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="render a chat template sent in a body's `chat_template` (refused otherwise)",
-    )
-    g.add_argument(
-        "--allowed-local-media-path",
-        default=None,
-        help="image and video parts may name file:// URLs under this directory (default: none may)",
-    )
-    g.add_argument(
-        "--allowed-media-domains",
-        nargs="*",
-        default=[],
-        help="hosts whose http(s):// image and video URLs are downloaded (default: none)",
-    )
+    add_request_args(g)
     g.add_argument("--disable-progress-bar", action="store_true", help="no progress bar on stderr")
     add_tool_args(p)
     p.set_defaults(func=cmd_run_batch)

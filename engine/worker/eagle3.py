@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from functools import partial
 
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +35,7 @@ from xlaserve.models.registry import get_model_class
 from xlaserve.models.safetensors_loader import load_safetensors
 from xlaserve.models.weights import load_params
 from xlaserve.worker.model_loader import pack_projections
-from xlaserve.worker.mtp import MTPDrafter, layer_draft_step
+from xlaserve.worker.mtp import MTPDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -182,23 +181,7 @@ class Eagle3Drafter(MTPDrafter):
             draft_vocab,
             config.num_spec_tokens,
         )
-        self._set_up(
-            config,
-            Eagle3Network.kv_cache_spec(cfg),
-            backend,
-            dtype,
-            placement,
-            runner.head_params,
-            partial(
-                layer_draft_step,
-                runner.graphdef,
-                graphdef,
-                vocab_size,
-                config.cache.block_size,
-                config.num_spec_tokens,
-            ),
-            probe=runner.mesh.size == 1,
-        )
+        self._set_up_layer(config, runner, Eagle3Network.kv_cache_spec(cfg), graphdef, vocab_size)
 
     def forward_inputs(self) -> dict:
         return {"aux_layers": self.aux_layers}

@@ -155,12 +155,17 @@ class MTPDrafter(DraftModel):
             "MTP layer (%s) proposes %d tokens per step", layer_class.__name__, config.num_spec_tokens
         )
         self.hidden_size = cfg.hidden_size
+        self._set_up_layer(config, runner, layer_class.kv_cache_spec(cfg), graphdef, vocab_size)
+
+    def _set_up_layer(self, config: EngineConfig, runner, kv_spec, graphdef, vocab_size: int) -> None:
+        """`_set_up` for a layer drafting over the target's hidden states, on the target's devices and
+        dtype, reading its embedding and head (`layer_draft_step`)."""
         self._set_up(
             config,
-            layer_class.kv_cache_spec(cfg),
-            backend,
-            dtype,
-            placement,
+            kv_spec,
+            runner.backend,
+            runner.dtype,
+            runner.placement,
             runner.head_params,
             partial(
                 layer_draft_step,
