@@ -38,6 +38,7 @@ from xlaserve.models.quantization import (
     quantize_modules,
     quantized_parts,
 )
+from xlaserve.models.safetensors_loader import CheckpointTensor
 
 # Tensors a checkpoint may carry that no module reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -154,7 +155,9 @@ def load_params(
             missing.extend(absent)
             continue
         used.update(names)
-        arrays = [_our_layout(tensors[n], path) for n in names]
+        # Read here, one parameter's tensors at a time (a safetensors checkpoint's are read lazily):
+        # the host copies are dropped once the parameter is placed.
+        arrays = [_our_layout(_host(tensors[n]), path) for n in names]
         if is_quantized_kernel(path, expected):
             for part_path, part in quantized_parts(path, arrays, is_stacked, expected, quantization).items():
                 _check_shape(names[0], part, expected[part_path].shape)
@@ -178,6 +181,11 @@ def load_params(
         )
     abstract.replace_by_pure_dict(_unflatten(flat))
     return graphdef, abstract
+
+
+def _host(tensor):
+    """A checkpoint tensor as a host array (a `CheckpointTensor` read from its file now)."""
+    return tensor.read() if isinstance(tensor, CheckpointTensor) else tensor
 
 
 def _our_layout(tensor, path: tuple[str, ...]):
