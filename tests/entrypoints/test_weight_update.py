@@ -18,9 +18,10 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save, save_file
 
 from helpers.tiny_vlm import save_tiny_llava
 from xlaserve import LLM, SamplingParams
@@ -141,6 +142,38 @@ def test_a_refused_update_names_the_weight_and_changes_nothing(llm, dirs, expect
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         llm.update_weights({"model.layers.9.self_attn.q_proj.weight": a[name]})  # past the last layer
     assert numbers(llm) == expected[0]
+
+
+def rewrite_in_place(path: str, data: bytes) -> None:
+    """`data` over the file at `path`, as a trainer's save does: the same file, truncated, then written."""
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(data)
+
+
+def test_a_checkpoint_rewritten_in_place_under_the_engine(llm, dirs, expected):
+    """The engine started from A's file holds copies of its tensors, never a mapping of it: a trainer's
+    next checkpoint saved over that file in place, smaller then larger, neither faults the engine
+    (a mapped page past the new end is a SIGBUS) nor changes its answers, and each is what
+    update_weights_from_path then reads (B in bfloat16, the engine's dtype: B's answers)."""
+    a, b = dirs
+    path = f"{a}/model.safetensors"
+    with open(path, "rb") as f:
+        original = f.read()
+    smaller = save({n: t.astype(ml_dtypes.bfloat16) for n, t in tensors(b).items()})
+    larger = save(tensors(a), metadata={"padding": "x" * len(original)})
+    assert len(smaller) < len(original) < len(larger)
+    try:
+        rewrite_in_place(path, smaller)
+        assert numbers(llm) == expected[0]
+        llm.update_weights_from_path(a)
+        assert numbers(llm) == expected[1]
+        rewrite_in_place(path, larger)
+        assert numbers(llm) == expected[1]
+        llm.update_weights_from_path(a)
+        assert numbers(llm) == expected[0]
+    finally:
+        rewrite_in_place(path, original)  # the session's checkpoint, for the tests after this one
 
 
 @pytest.mark.parametrize("level", [1, 2])
