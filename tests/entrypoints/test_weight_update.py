@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from types import SimpleNamespace
 
@@ -151,6 +152,12 @@ def rewrite_in_place(path: str, data: bytes) -> None:
         f.write(data)
 
 
+def is_mapped(path: str) -> bool:
+    """Whether this process (the engine's: LLM runs it here) maps the file at `path`."""
+    with open("/proc/self/maps") as f:
+        return any(line.split(maxsplit=5)[5:] == [os.path.realpath(path) + "\n"] for line in f)
+
+
 def test_a_checkpoint_rewritten_in_place_under_the_engine(llm, dirs, expected):
     """The engine started from A's file holds copies of its tensors, never a mapping of it: a trainer's
     next checkpoint saved over that file in place, smaller then larger, neither faults the engine
@@ -163,10 +170,12 @@ def test_a_checkpoint_rewritten_in_place_under_the_engine(llm, dirs, expected):
     smaller = save({n: t.astype(ml_dtypes.bfloat16) for n, t in tensors(b).items()})
     larger = save(tensors(a), metadata={"padding": "x" * len(original)})
     assert len(smaller) < len(original) < len(larger)
+    assert not is_mapped(path)
     try:
         rewrite_in_place(path, smaller)
         assert numbers(llm) == expected[0]
         llm.update_weights_from_path(a)
+        assert not is_mapped(path)
         assert numbers(llm) == expected[1]
         rewrite_in_place(path, larger)
         assert numbers(llm) == expected[1]
