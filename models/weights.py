@@ -138,7 +138,7 @@ def load_params(
         flat = _place_converted(model_class, cfg, expected, tensors, dtype, place, quantization)
         abstract.replace_by_pure_dict(_unflatten(flat))
         return graphdef, abstract
-    place = place or (lambda path, array: jax.device_put(array))
+    place = _one_in_flight(place or (lambda path, array: jax.device_put(array)))
     used: set[str] = set()
     missing: list[str] = []
     flat: dict[tuple[str, ...], jax.Array] = {}
@@ -181,6 +181,22 @@ def load_params(
         )
     abstract.replace_by_pure_dict(_unflatten(flat))
     return graphdef, abstract
+
+
+def _one_in_flight(place: Callable) -> Callable:
+    """`place` that waits for the previous parameter's transfer before going on: a transfer holds its
+    host array until it completes (a device_put is asynchronous), so without the wait every parameter's
+    host copy could be alive at once. Reading the next parameter still overlaps this one's transfer."""
+    previous: list = []
+
+    def placed(path, array):
+        out = place(path, array)
+        if previous:
+            jax.block_until_ready(previous.pop())
+        previous.append(out)
+        return out
+
+    return placed
 
 
 def _host(tensor):
