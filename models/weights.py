@@ -96,10 +96,14 @@ def load_params(
     `tensors`: HF names -> HF-layout arrays, or `ConvertedParams` (our paths and layout, from
     `xlaserve convert`), placed as they are. Missing or unexpected tensors are an error naming them.
     `place` puts one host array on its device(s) (the sharding layer passes one); by default
-    `jax.device_put`. `DummyWeights` draw each parameter directly in `sharding(path, shape)` (by
-    default on the first device). `quantization`: the model's projections are stored quantized in
-    this scheme (models/quantization.py): float tensors are quantized here, on the host, and a
-    checkpoint's `QuantizedTensor`s placed as they are when they match it.
+    `jax.device_put`. A `place` with a `holds(path)` attribute (a pipeline stage's) is given only the
+    shape and dtype (a `jax.ShapeDtypeStruct`) of a parameter it does not hold, whose tensors are
+    never read. A checkpoint's tensors are read one parameter at a time, as it is placed (a safetensors
+    checkpoint's lazily, models/safetensors_loader.py). `DummyWeights` draw each parameter directly
+    in `sharding(path, shape)` (by default on the first device). `quantization`: the model's
+    projections are stored quantized in this scheme (models/quantization.py): float tensors are
+    quantized here, on the host, and a checkpoint's `QuantizedTensor`s placed as they are when they
+    match it.
     """
     is_hf = not isinstance(tensors, (DummyWeights, ConvertedParams))
     if is_hf:
@@ -138,6 +142,7 @@ def load_params(
         flat = _place_converted(model_class, cfg, expected, tensors, dtype, place, quantization)
         abstract.replace_by_pure_dict(_unflatten(flat))
         return graphdef, abstract
+    holds = getattr(place, "holds", None)  # a pipeline stage's place (worker/pipeline_stage.py)
     place = _one_in_flight(place or (lambda path, array: jax.device_put(array)))
     used: set[str] = set()
     missing: list[str] = []
@@ -155,6 +160,14 @@ def load_params(
             missing.extend(absent)
             continue
         used.update(names)
+        if holds is not None and not holds(path) and not is_quantized_kernel(path, expected):
+            shape = tuple(tensors[names[0]].shape)  # the header's: checked as a placed one's, unread
+            if path[-1] == "kernel":
+                shape = (*shape[:-2], shape[-1], shape[-2])
+            if shape != spec.shape:
+                raise ValueError(f"tensor {names[0]} has shape {shape}, the model expects {spec.shape}")
+            flat[path] = place(path, jax.ShapeDtypeStruct(spec.shape, spec.dtype))  # its placeholder
+            continue
         # Read here, one parameter's tensors at a time (a safetensors checkpoint's are read lazily):
         # the host copies are dropped once the parameter is placed.
         arrays = [_our_layout(_host(tensors[n]), path) for n in names]

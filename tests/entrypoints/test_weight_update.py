@@ -28,6 +28,8 @@ from helpers.tiny_vlm import save_tiny_llava
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import cpu_dot
+from xlaserve.models.loader import load_checkpoint
+from xlaserve.models.safetensors_loader import CheckpointTensor
 from xlaserve.worker.compile_guard import num_compiles
 from xlaserve.worker.model_loader import load_model
 from xlaserve.worker.pipeline_runner import PipelineRunner, PipelineStage
@@ -382,19 +384,24 @@ def test_a_process_checks_and_writes_only_its_own_stages_in_two_phases(dirs):
     assert changed(before, host_bits(runner)) == [set(), set()] and runner.prepared_update is None
 
 
-def test_text_only_stages_hold_no_encoder_and_skip_its_tensors(tmp_path):
+def test_text_only_stages_hold_no_encoder_and_skip_its_tensors(tmp_path, monkeypatch):
     """A LLaVA (encoder modules vision_tower, multi_modal_projector) in vLLM's text-only mode, loaded by
     PipelineRunner's own load as 2 stages (both on this process's one device): no stage holds a tower
-    or projector weight, so the weight bytes are the language model's; a trainer's full checkpoint is
-    accepted, its text weights written where they live and the encoder's skipped."""
+    or projector weight, nor reads one from the checkpoint, so the weight bytes are the language model's;
+    a trainer's full checkpoint is accepted, its text weights written where they live and the encoder's
+    skipped."""
     directory = save_tiny_llava(str(tmp_path / "llava"))
     limits = {"image": 0, "video": 0}
     config = EngineConfig.from_kwargs(directory, pipeline_parallel_size=2, limit_mm_per_prompt=limits)
     with open(f"{directory}/config.json") as f:
         hf_config = json.load(f)
-    checkpoint = tensors(directory)
+    checkpoint = load_checkpoint(directory, skip_tokenizer_init=True, progress=False).tensors
+    read = set()  # the tensors read from the file, by their offsets in it
+    unread = CheckpointTensor.read
+    monkeypatch.setattr(CheckpointTensor, "read", lambda t: read.add(t.offset) or unread(t))
     runner = Stages(config=config, hf_config=hf_config)
     model = PipelineRunner._load_model(runner, config, hf_config, checkpoint, jax.devices()[:1] * 2)
+    assert read == {t.offset for n, t in checkpoint.items() if not n.startswith(ENCODER)}
     runner.model_config, runner.padded_vocab_size, runner.dtype = (
         model.model_config,
         model.padded_vocab_size,
