@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from xlaserve.config_args import json_object
 
-_SPEC_METHODS = ("ngram", "draft_model", "mtp")
+_SPEC_METHODS = ("ngram", "draft_model", "mtp", "eagle3")
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -28,13 +28,14 @@ class SpeculativeConfig:
     and prompt_lookup_max long) found earlier in them proposes what followed it there. draft_model:
     `model`, a smaller model with the same vocabulary, proposes k tokens per step
     (worker/draft_model.py). mtp: the target checkpoint's multi-token prediction layer proposes them
-    (worker/mtp.py)."""
+    (worker/mtp.py). eagle3: `model`, an EAGLE-3 checkpoint (one decoder layer over three of the
+    target's hidden states), proposes them (worker/eagle3.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    model: str | None = None  # draft_model: a smaller model with the same tokenizer
+    model: str | None = None  # draft_model: a smaller model with the same tokenizer; eagle3: its checkpoint
 
     def __post_init__(self):
         _require(
@@ -57,13 +58,13 @@ class SpeculativeConfig:
             f"got {self.prompt_lookup_max!r}",
         )
         _require(
-            self.method == "draft_model" or self.model is None,
-            f"speculative_config.model is for method 'draft_model'; {self.method!r} takes none",
+            self.method in ("draft_model", "eagle3") or self.model is None,
+            f"speculative_config.model is for methods 'draft_model' and 'eagle3'; {self.method!r} takes none",
         )
-        if self.method == "draft_model":
+        if self.method in ("draft_model", "eagle3"):
             _require(
                 isinstance(self.model, str) and self.model,
-                "speculative_config.model is required for method 'draft_model' (a path to the draft)",
+                f"speculative_config.model is required for method {self.method!r} (a path to the draft)",
             )
             # The draft is loaded when the engine starts; a path that is not there is refused now, before
             # the target's weights are read. Its vocabulary is checked against the target's at load.
@@ -76,7 +77,7 @@ class SpeculativeConfig:
     @property
     def has_draft_cache(self) -> bool:
         """A draft network with a K/V cache of its own on the target's block ids (not n-gram's)."""
-        return self.method in ("draft_model", "mtp")
+        return self.method in ("draft_model", "mtp", "eagle3")
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:

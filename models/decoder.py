@@ -116,9 +116,15 @@ class DecoderOnlyLM(nnx.Module):
         kv_cache,  # the cache_class of kv_cache_spec(cfg)
         md: AttentionMetadata,
         lora: LoRABatch | None = None,  # adapter slots and each token's slot (models/lora.py)
-    ):  # -> (hidden [T, D], updated cache)
-        x, kv_cache = self.run_layers(self.embed(input_ids), positions, kv_cache, md, lora)
-        return self.norm(x), kv_cache
+        aux_layers: jax.Array | None = None,  # [n] int32, ascending: `run_layers`'s
+    ):  # -> (hidden [T, D], updated cache), and the aux hidden states [T, n * D] when asked for
+        if aux_layers is None:
+            x, kv_cache = self.run_layers(self.embed(input_ids), positions, kv_cache, md, lora)
+            return self.norm(x), kv_cache
+        x, kv_cache, aux = self.run_layers(
+            self.embed(input_ids), positions, kv_cache, md, lora, aux_layers=aux_layers
+        )
+        return self.norm(x), kv_cache, jnp.moveaxis(aux, 0, 1).reshape(x.shape[0], -1)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:  # [T] -> [T, D]
         x = self.embed_tokens(input_ids)
@@ -135,12 +141,15 @@ class DecoderOnlyLM(nnx.Module):
         lora: LoRABatch | None = None,
         layers: range | None = None,
         after_layer=None,
-    ):  # -> (x [T, D], updated cache)
+        aux_layers: jax.Array | None = None,
+    ):  # -> (x [T, D], updated cache), and the aux hidden states [n, T, D] when asked for
         """x through the decoder layers `layers` (None: all of them). A pipeline stage runs its own
         contiguous range (worker/pipeline_stage.py): its stacks hold only those layers' weights (each
         stack sliced to its overlap with the range) and `kv_cache` only their blocks, so each layer's
         block offset counts from the range's first layer. `after_layer(x, layer_index) -> x`, when given,
-        runs after every layer inside the scan (Qwen3-VL adds image features to its first layers')."""
+        runs after every layer inside the scan (Qwen3-VL adds image features to its first layers').
+        `aux_layers` [n] int32: also return the residual stream entering each of those layers (vLLM's
+        aux hidden states, an EAGLE-3 drafter's input: worker/eagle3.py), picked inside the scan."""
         cfg = self.cfg
         layers = range(cfg.num_layers) if layers is None else layers
         # Every array of the cache is [len(layers) * num_blocks, block_size, ...].
@@ -151,13 +160,14 @@ class DecoderOnlyLM(nnx.Module):
         specs = dataclasses.replace(specs, index=specs.index - np.int32(layers.start))
         md = with_shared_rope(cfg, positions, md)  # once per step, not in every layer
         slot_mask = None if lora is None else lora.slot_mask()  # once per step, for every layer
+        aux = None if aux_layers is None else jnp.zeros((aux_layers.shape[0], *x.shape), x.dtype)
         for name, stack_layers in self.layer_stacks(cfg).items():
             start, stop = max(stack_layers.start, layers.start), min(stack_layers.stop, layers.stop)
             if start >= stop:  # none of this stack's layers in the range (its weights: an empty slice)
                 continue
             stack_specs = jax.tree.map(lambda a, lo=start, hi=stop: jnp.asarray(a[lo:hi]), specs)
             stack_lora = None if lora is None else (lora.stacks[name], slot_mask)
-            x, kv_cache = _run_stack(
+            x, kv_cache, aux = _run_stack(
                 getattr(self, name),
                 x,
                 positions,
@@ -169,8 +179,10 @@ class DecoderOnlyLM(nnx.Module):
                 stack_lora,
                 after_layer,
                 layers.start,
+                aux_layers,
+                aux,
             )
-        return x, kv_cache
+        return (x, kv_cache) if aux is None else (x, kv_cache, aux)
 
     def compute_logits(self, hidden: jax.Array, head_dv: jax.Array | None = None) -> jax.Array:
         """[N, D] -> [N, V] float32. `head_dv`: the LM head's weight as [D, V], when the caller keeps
@@ -197,15 +209,21 @@ def _run_stack(
     lora=None,  # (LoRAWeights [num_layers_in_stack, ...], SlotMask) or None: no adapters
     after_layer=None,  # (x, layer index) -> x, run after each layer (`run_layers`)
     first_layer: int = 0,  # the HF index of the range's first layer (specs' indices count from it)
+    aux_layers=None,  # [n] int32 HF layer indices, or None
+    aux=None,  # [n, T, D]: row j takes x as it enters layer aux_layers[j]
 ):
     """x through every layer of `stack` under one scan; each layer sees the metadata of its blocks.
-    Adapter slots, when given, are scanned with the layer weights: each layer gets its own."""
+    Adapter slots, when given, are scanned with the layer weights: each layer gets its own.
+    -> (x, kv_cache, aux)."""
     layer_def, layer_state = nnx.split(stack)
     lora_weights, slot_mask = (None, None) if lora is None else lora
 
     def body(carry, xs):
-        x, kv_cache = carry
+        x, kv_cache, aux = carry
         state, spec, weights = xs
+        if aux is not None:
+            entering = (aux_layers == spec.index + first_layer)[:, None, None]
+            aux = jnp.where(entering, x[None], aux)
         md_layer = md.for_layer(spec.index, num_blocks, block_size)
         layer = nnx.merge(layer_def, state)
         if weights is not None:  # this layer's slots, bound to its projections for this step
@@ -213,8 +231,9 @@ def _run_stack(
         x, kv_cache = layer(x, positions, kv_cache, md_layer, spec)
         if after_layer is not None:
             x = after_layer(x, spec.index + first_layer)
-        return (x, kv_cache), None
+        return (x, kv_cache, aux), None
 
     # dtype_ops.scan: 16-bit weights sliced as words on CPU, where XLA would convert the whole stack.
-    (x, kv_cache), _ = scan(body, (x, kv_cache), (layer_state, specs, lora_weights), words_of=x.dtype)
-    return x, kv_cache
+    carry = (x, kv_cache, aux)
+    (x, kv_cache, aux), _ = scan(body, carry, (layer_state, specs, lora_weights), words_of=x.dtype)
+    return x, kv_cache, aux

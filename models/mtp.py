@@ -139,6 +139,18 @@ class MultiTokenPredictor(nnx.Module):
             out[name.replace("model.layers.0.", "model.layer.", 1)] = t
         return out
 
+    # -- the drafting interface worker/mtp.py's step calls (models/eagle3.py's drafter has it too) ---
+
+    def embed(self, target, ids: jax.Array) -> jax.Array:
+        return target.embed(ids)
+
+    def combine(self, hidden: jax.Array) -> jax.Array:
+        """The target's hidden states as the layer reads them: as they are."""
+        return hidden
+
+    def draft_logits(self, target, h: jax.Array, head_dv) -> jax.Array:
+        return target.compute_logits(h, head_dv)
+
     def __call__(
         self,
         embeds: jax.Array,  # [T, D] the target's embeddings of the next tokens
@@ -146,7 +158,8 @@ class MultiTokenPredictor(nnx.Module):
         positions: jax.Array,  # [T]
         kv_cache: KVCache,
         md: AttentionMetadata,
-    ) -> tuple[jax.Array, KVCache]:  # (h [T, D] after the final norm, the updated cache)
+    ) -> tuple[jax.Array, jax.Array, KVCache]:  # (h [T, D] after the final norm, h again: the next
+        # draft's hidden state, the updated cache)
         if self.zero_first_embedding:
             embeds = jnp.where((positions == 0)[:, None], jnp.zeros_like(embeds), embeds)
         x = jnp.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
@@ -157,7 +170,8 @@ class MultiTokenPredictor(nnx.Module):
         cache_array = jax.tree.leaves(kv_cache)[0]  # K (or the latent): [num_blocks, block_size, ...]
         md_layer = md.for_layer(0, cache_array.shape[0], cache_array.shape[1])
         x, kv_cache = self.layer(x, positions, kv_cache, md_layer, spec)
-        return self.norm(x), kv_cache
+        h = self.norm(x)
+        return h, h, kv_cache
 
 
 class Qwen3_5MTP(MultiTokenPredictor):

@@ -1,7 +1,9 @@
 """Data parallelism with vLLM's semantics: N engine cores side by side, one front end.
 
 Each data-parallel rank is a full EngineCore (its own scheduler, KV cache and device group of
-tensor_parallel_size devices); requests go to the least loaded rank. We chose this over one SPMD
+tensor_parallel_size devices); a request goes to the rank whose prefix cache holds the longest prefix of
+it, among the ranks at most `balance_slack` unfinished requests busier than the least loaded (the least
+loaded where none holds any: vLLM's rule). We chose this over one SPMD
 program with the batch sharded because each rank then schedules, preempts and caches prefixes on its
 own. Each step runs every rank's EngineCore.step in a thread of its own, so the ranks' steps run at
 the same time; the step returns with the slowest rank's, so a long prefill on one rank delays the
@@ -43,14 +45,19 @@ def make_engine_core(
         ranks.append(
             EngineCore(rank_config, make_executor(rank_config, checkpoint, group), structured_output)
         )
-    return ranks[0] if len(ranks) == 1 else DataParallelEngineCore(ranks)
+    if len(ranks) == 1:
+        return ranks[0]
+    # An eighth of a rank's sequences: a prompt cached on one rank draws its followers there while that
+    # costs little, and a prefix every request shares (a system prompt) soon lives on every rank.
+    return DataParallelEngineCore(ranks, balance_slack=max(1, config.scheduler.max_num_seqs // 8))
 
 
 class DataParallelEngineCore:
     """The EngineCore interface over data-parallel ranks (anything with EngineCore's methods)."""
 
-    def __init__(self, ranks: list[EngineCore]):
+    def __init__(self, ranks: list[EngineCore], balance_slack: int = 0):
         self.ranks = ranks
+        self.balance_slack = balance_slack
         self.max_model_len = ranks[0].max_model_len  # each rank fits it to its (equal) cache
         self._rank_of: dict[str, int] = {}
         # n > 1: (the rank of the first child, children added so far) until the last is added.
@@ -75,11 +82,25 @@ class DataParallelEngineCore:
         # Children of one n > 1 request share a rank, so they share prompt blocks.
         rank, num_added = self._rank_of_parent.pop(request.parent_id, (None, 0))
         if rank is None:
-            rank = min(range(len(self.ranks)), key=lambda i: self.ranks[i].get_num_unfinished_requests())
+            rank = self._rank_for(request)
         self.ranks[rank].add_request(request)
         self._rank_of[request.request_id] = rank
         if request.parent_id is not None and num_added + 1 < request.sampling_params.n:
             self._rank_of_parent[request.parent_id] = (rank, num_added + 1)
+
+    def _rank_for(self, request: Request) -> int:
+        """The rank holding the longest cached prefix of `request` among those at most `balance_slack`
+        unfinished requests busier than the least loaded; ties (no hit anywhere) to the least loaded,
+        then the first."""
+        loads = [rank.get_num_unfinished_requests() for rank in self.ranks]
+        limit = min(loads) + self.balance_slack
+
+        def preference(i: int) -> tuple[int, int, int]:
+            if loads[i] > limit:
+                return (-1, 0, 0)
+            return (self.ranks[i].kv_cache_manager.num_cached_tokens(request), -loads[i], -i)
+
+        return max(range(len(self.ranks)), key=preference)
 
     def check_lora(self, lora_request) -> None:
         self.ranks[0].check_lora(lora_request)

@@ -336,6 +336,10 @@ class DraftModel:
         drafts, self.q_buf, self.kv_cache = self._step_fn(*args)
         return drafts
 
+    def forward_inputs(self) -> dict:
+        """Keyword arguments of the target's forward this drafter needs (EAGLE-3: its `aux_layers`)."""
+        return {}
+
     def verify_args(self, prob_rows: np.ndarray) -> tuple:
         """The verifier's q arguments: the q buffer, and where each row's q is in it ([R])."""
         return (self.q_buf, self.placement.step_inputs(prob_rows))

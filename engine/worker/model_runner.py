@@ -38,6 +38,7 @@ from xlaserve.sharding import Placement
 from xlaserve.worker.buckets import make_token_buckets
 from xlaserve.worker.compile_guard import CompileGuard
 from xlaserve.worker.draft_model import DraftModel
+from xlaserve.worker.eagle3 import Eagle3Drafter
 from xlaserve.worker.input_batch import StepBatch, StepInputs
 from xlaserve.worker.kv_cache import allocate_kv_cache, num_kv_blocks
 from xlaserve.worker.kv_cache_groups import num_state_copy_slots
@@ -138,6 +139,8 @@ class ModelRunner(StepPreparation, KVPlumbing):
             self.drafter = DraftModel(config, vocab, self.padded_vocab_size, devices)
         elif spec is not None and spec.method == "mtp":  # the checkpoint's own layer (worker/mtp.py)
             self.drafter = MTPDrafter(config, self, hf_config, tensors, vocab)
+        elif spec is not None and spec.method == "eagle3":  # over the target's hidden states
+            self.drafter = Eagle3Drafter(config, self, vocab)
         # runner="pooling": the prompt's hidden states pooled on the host, beside the (unread) sampler.
         self.pooler = pooler
         # The features' hooks into the step (worker/step_hooks.py), in the order they run.
@@ -311,20 +314,20 @@ class ModelRunner(StepPreparation, KVPlumbing):
             model_inputs,
         )
 
-    def forward(
-        self, kv_cache: KVCache, batch: StepBatch, hook_arrays: dict | None = None
-    ) -> tuple[jax.Array, jax.Array, KVCache]:
+    def forward(self, kv_cache: KVCache, batch: StepBatch, hook_arrays: dict | None = None) -> tuple:
         """The model over one batch (host or device arrays): (hidden [T, D], the hidden of each
-        sequence's sampled position [R, D], the updated cache). `kv_cache` is donated: use only the
-        one returned. Where `batch.prev_rows` >= 0 the id is read from `last_sampled`. `hook_arrays`:
-        the hooks' host arrays of the step (None: those of a step of base-model tokens)."""
+        sequence's sampled position [R, D], the updated cache), and with an EAGLE-3 drafter the aux
+        hidden states [T, 3 * D] it reads. `kv_cache` is donated: use only the one returned. Where
+        `batch.prev_rows` >= 0 the id is read from `last_sampled`. `hook_arrays`: the hooks' host arrays
+        of the step (None: those of a step of base-model tokens)."""
         if hook_arrays is None:
             hook_arrays = self._prepare_hooks([], batch.input_ids.shape[0], set())
         return self._forward_fn(*self._forward_args(kv_cache, batch, hook_arrays))
 
-    def _run_forward(self, batch: StepBatch, hook_arrays: dict) -> tuple[jax.Array, jax.Array]:
-        hidden, hidden_rd, self.kv_cache = self.forward(self.kv_cache, batch, hook_arrays)
-        return hidden, hidden_rd
+    def _run_forward(self, batch: StepBatch, hook_arrays: dict) -> tuple:
+        """-> (hidden, hidden_rd), and the aux hidden states where a drafter asks for them."""
+        hidden, hidden_rd, self.kv_cache, *aux = self.forward(self.kv_cache, batch, hook_arrays)
+        return hidden, hidden_rd, *aux
 
     def run(self, inputs: StepInputs) -> dict[str, np.ndarray]:
         """The device half of a step, identical on every process: forward, sample, prompt logprobs."""
@@ -343,7 +346,7 @@ class ModelRunner(StepPreparation, KVPlumbing):
         batch = ready(inputs.batch)
         if inputs.state_copies is not None:  # a prefix hit's snapshot into its live slot
             self.kv_cache = self.state_copier.apply(self.kv_cache, inputs.state_copies[0])
-        hidden, hidden_rd = self._run_forward(batch, inputs.hooks)
+        hidden, hidden_rd, *aux = self._run_forward(batch, inputs.hooks)
         if inputs.state_copies is not None:  # the state after a block boundary, into a snapshot
             self.kv_cache = self.state_copier.apply(self.kv_cache, inputs.state_copies[1])
         # Blocks this forward completed that leave the device (a producer's prompt blocks).
@@ -370,9 +373,10 @@ class ModelRunner(StepPreparation, KVPlumbing):
             device = {"token_ids": out.token_ids, "num_accepted": out.num_accepted}
             num_accepted = out.num_accepted
         device |= pooled
+        drafter_hidden = aux[0] if aux else hidden  # what the drafter reads (EAGLE-3: the aux states)
         for hook in self.hooks:  # e.g. the next step's drafts, from the tokens this one emitted
             device |= hook.after_sampling(
-                batch, hidden, out.token_ids, num_accepted, inputs.sampling, inputs.hooks[hook.name]
+                batch, drafter_hidden, out.token_ids, num_accepted, inputs.sampling, inputs.hooks[hook.name]
             )
         if inputs.with_logprobs:
             device |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}

@@ -51,17 +51,18 @@ class MTPInputs(DraftInputs):
     mrope: np.ndarray | None = None
 
 
-def _mtp_step(
+def layer_draft_step(
     target_graphdef,
     mtp_graphdef,
     vocab_size: int,
     block_size: int,
     num_spec: int,
     head_params,
-    mtp_params,
+    mtp_params,  # the layer's
+    logits_args,  # arrays its `draft_logits` reads besides (EAGLE-3: each draft id's target id)
     kv_cache,
     q_buf,
-    hidden,  # [T, D] the target's final-norm hidden states
+    hidden,  # [T, D] the target's final-norm hidden states (EAGLE-3: its aux hidden states)
     positions,  # [T]
     md: AttentionMetadata,
     token_ids,  # [R] the token each row emitted this step
@@ -69,7 +70,8 @@ def _mtp_step(
     st: SamplingTensors,
     inputs: MTPInputs,
 ):
-    """-> (drafts [R, K] int32, q_buf, kv_cache): `propose` over the MTP layer."""
+    """-> (drafts [R, K] int32, q_buf, kv_cache): `propose` over the drafting layer (an MTP layer, or
+    EAGLE-3's network: models/eagle3.py), through its `embed`, `combine`, call and `draft_logits`."""
     params, head_dv = head_params
     target = nnx.merge(target_graphdef, params)
     layer = nnx.merge(mtp_graphdef, mtp_params)
@@ -79,10 +81,12 @@ def _mtp_step(
     next_ids = inputs.next_ids.at[jnp.where(proposes, emitted_at, num_tokens)].set(token_ids, mode="drop")
     last = jnp.clip(emitted_at, 0, num_tokens - 1)
     flat_md = md if inputs.mrope is None else target.mrope_metadata(md, inputs.mrope)
-    out, kv_cache = layer(target.embed(next_ids), hidden, positions, kv_cache, flat_md)
-    h = out[last]  # draft 0's hidden state
+    embeds = layer.embed(target, next_ids)
+    out, carried, kv_cache = layer(embeds, layer.combine(hidden), positions, kv_cache, flat_md)
+    # Draft 0's output, and the hidden state draft 1 reads.
+    h, state = out[last], carried[last]
 
-    def advance(pos, h, tokens, kv_cache):  # draft i from draft i - 1 (at `pos`) and its hidden state
+    def advance(pos, state, tokens, kv_cache):  # draft i from draft i - 1 (at `pos`) and its hidden state
         # The layer at a position reads the token after it: K/V at the position before the draft's.
         pos, step_md = one_token_inputs(md, pos - 1, inputs.num_slots, block_size)
         if inputs.mrope is not None:
@@ -90,11 +94,11 @@ def _mtp_step(
             # what the images before it changed (the last accepted token's shift, `mrope_positions`).
             shift = inputs.mrope[0, last] - positions[last]
             step_md = target.mrope_metadata(step_md, jnp.broadcast_to(pos + shift, (3, pos.shape[0])))
-        h, kv_cache = layer(target.embed(tokens), h, pos, kv_cache, step_md)
-        return h, h, kv_cache
+        h, state, kv_cache = layer(layer.embed(target, tokens), state, pos, kv_cache, step_md)
+        return h, state, kv_cache
 
     def compute_logits(h):
-        return mask_padded_vocab(target.compute_logits(h, head_dv), vocab_size)
+        return mask_padded_vocab(layer.draft_logits(target, h, head_dv, *logits_args), vocab_size)
 
     return propose(
         num_spec,
@@ -106,7 +110,7 @@ def _mtp_step(
         num_accepted,
         st,
         inputs,
-        state=h,
+        state=state,
         first_hidden=h,
     )
 
@@ -142,6 +146,7 @@ class MTPDrafter(DraftModel):
         )
         graphdef, params = self._load(self._layer_tensors(tensors))
         self.mtp_params = params
+        self.logits_args = ()  # the layer's `draft_logits` reads the target's head alone
         self.weight_bytes = weight_bytes(params)
         # The runner's image hook where its positions are M-RoPE's: they rotate this layer too.
         images = runner.mm_encoder
@@ -158,7 +163,7 @@ class MTPDrafter(DraftModel):
             placement,
             runner.head_params,
             partial(
-                _mtp_step,
+                layer_draft_step,
                 runner.graphdef,
                 graphdef,
                 vocab_size,
@@ -237,6 +242,7 @@ class MTPDrafter(DraftModel):
         return (
             self.head_params,
             self.mtp_params,
+            self.logits_args,
             self.kv_cache,
             q_buf,
             hidden,

@@ -64,7 +64,8 @@ class StepHook:
         self, batch, hidden, token_ids: jax.Array, num_accepted: jax.Array | None, st: SamplingTensors, arrays
     ) -> dict[str, jax.Array]:
         """Device outputs the feature adds to the step's, from its batch (on the device), the forward's
-        final-norm hidden states [T, D] and its sampled ids; `num_accepted`: the verifier's, or None in a
+        final-norm hidden states [T, D] (or, where a hook's `forward_inputs` asked for them, the aux hidden
+        states [T, n * D]: EAGLE-3's) and its sampled ids; `num_accepted`: the verifier's, or None in a
         step without drafts."""
         return {}
 
@@ -107,6 +108,9 @@ class DraftModelHook(StepHook):
         if not scheduled:  # warm-up, HLO inspection: a padding-only step must not forget the q rows
             return dataclasses.asdict(self.drafter.empty_inputs(num_tokens, num_seqs))
         return dataclasses.asdict(self.drafter.prepare(scheduled, num_tokens, num_seqs, failed))
+
+    def forward_inputs(self, arrays, stage=0) -> dict:
+        return self.drafter.forward_inputs()
 
     def verify_inputs(self, arrays) -> tuple:
         return self.drafter.verify_args(arrays["prob_rows"])

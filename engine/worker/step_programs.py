@@ -37,7 +37,8 @@ def _forward(
     md,
     model_inputs,
 ):
-    """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache).
+    """-> (hidden [T, D], hidden of each sequence's sampled position [R, D], kv_cache), and the aux
+    hidden states [T, n * D] last where the hooks ask for them (an EAGLE-3 drafter's `aux_layers=`).
     prev_ids [S]: the previous step's sampled ids, still on the device; prev_rows [T]: where >= 0, the
     row of prev_ids that is this token's id (async scheduling). `model_inputs`: the hooks' keyword
     arguments of the model (LoRA's `lora=`); empty, the program is the base model's. `token_sharding`:
@@ -48,8 +49,8 @@ def _forward(
         input_ids = jax.lax.with_sharding_constraint(input_ids, token_sharding)
         positions = jax.lax.with_sharding_constraint(positions, token_sharding)
     model = nnx.merge(graphdef, params)
-    hidden, kv_cache = model(input_ids, positions, kv_cache, md, **model_inputs)
-    return hidden, hidden[logits_indices], kv_cache
+    hidden, kv_cache, *aux = model(input_ids, positions, kv_cache, md, **model_inputs)
+    return hidden, hidden[logits_indices], kv_cache, *aux
 
 
 def _logits(graphdef, vocab_size, head_params, hidden):

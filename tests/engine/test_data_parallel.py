@@ -58,6 +58,36 @@ def test_an_error_in_one_rank_surfaces_after_the_others_finish():
     core.shutdown()
 
 
+class CachingRank:
+    """EngineCore's routing interface: its unfinished requests, and the prefix tokens it holds of each
+    prompt."""
+
+    def __init__(self, cached: dict[str, int]):
+        self.max_model_len = 128
+        self.requests = []
+        self.kv_cache_manager = SimpleNamespace(
+            num_cached_tokens=lambda request: cached.get(request.prompt, 0)
+        )
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def add_request(self, request) -> None:
+        self.requests.append(request.prompt)
+
+
+def test_a_request_goes_to_the_rank_holding_its_prefix_while_it_is_not_much_busier():
+    ranks = [CachingRank({"long": 16}), CachingRank({"long": 32, "other": 16})]
+    core = DataParallelEngineCore(ranks, balance_slack=1)
+    for i, prompt in enumerate(["new", "long", "long", "long", "long", "new", "other"]):
+        core.add_request(SimpleNamespace(request_id=str(i), parent_id=None, prompt=prompt))
+    # "new" is cached nowhere: the least loaded rank, the first of equals. "long": the longer prefix on
+    # rank 1 while it is at most one request busier than rank 0; then rank 0, which holds less of it.
+    # "other": rank 1, the only one holding it, as busy as rank 0.
+    assert ranks[0].requests == ["new", "long", "new"]
+    assert ranks[1].requests == ["long", "long", "long", "other"]
+
+
 def test_two_ranks_match_one(tp_worker, tiny_llama_2kv):
     """Two ranks of one device, and two ranks of two pipeline stages each (four devices, each rank's
     stages on its own two): one engine's tokens, streams, abort and steps on both ranks."""
@@ -70,6 +100,9 @@ def test_two_ranks_match_one(tp_worker, tiny_llama_2kv):
         assert one["num_running_mid_stream"] == two["num_running_mid_stream"] == 1
         assert one["abort_freed_all"] and two["abort_freed_all"]
         assert len(two["steps_per_rank"]) == 2 and min(two["steps_per_rank"]) > 0  # both ranks ran
+        # Each prompt sent again goes to the rank that cached it (the least loaded rank would be the
+        # other one for both): its two full blocks hit there, as on one rank.
+        assert two["cached_when_sent_again"] == one["cached_when_sent_again"] == [32, 32]
     assert others[0]["devices_per_rank"] == [[0], [1]]
     assert others[1]["devices_per_rank"] == [[0, 1], [2, 3]]  # each rank's stages on devices of its own
 

@@ -12,7 +12,9 @@ import jax
 import pytest
 from test_spec_decode_llm import ENGINE_ARGS, prompts, spec_metrics
 
+from helpers.eagle3_cases import eagle3_drafts, save_random_eagle3
 from helpers.family_cases import make_hf_model, save_hf_model
+from helpers.mtp_cases import record_drafts
 from xlaserve import LLM, SamplingParams
 from xlaserve.entrypoints.cli import main
 from xlaserve.worker.compile_guard import num_compiles
@@ -151,3 +153,95 @@ def test_serve_refuses_a_draft_that_is_not_there(capsys):
     spec = json.dumps({"method": "draft_model", "model": "/no/such/draft"})
     assert main(["serve", "--speculative-config", spec]) == 2
     assert "speculative_config.model: '/no/such/draft' does not exist" in capsys.readouterr().err
+
+
+# -- EAGLE-3 (worker/eagle3.py): a draft network over three of the target's hidden states -------------
+
+
+def eagle3_config(path, k: int = K) -> dict:
+    return {"method": "eagle3", "model": str(path), "num_speculative_tokens": k}
+
+
+def test_eagle3_drafts_equal_the_torch_reference(target_dir, tmp_path):
+    """float32, k = 2, a request prefilled in two chunks: every step's drafts equal those
+    Hugging Face's Llama modules compute when wired as vLLM's llama_eagle3 (helpers/eagle3_cases.py):
+    the aux hidden states entering the target's layers 0, 1 and 2 through fc to a narrower draft, its
+    own embedding, its pre-norm output chained into the next draft, 64 draft ids mapped by d2t."""
+    path, tensors = save_random_eagle3(tmp_path / "eagle3")
+    args = {**ARGS, "dtype": "float32", "enforce_eager": True}
+    llm = LLM(target_dir, speculative_config=eagle3_config(path, k=2), **args)
+    seen = record_drafts(llm)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    hf = make_hf_model("LlamaForCausalLM")  # the target_dir fixture's model
+    prompt = prompts()[0][:32]  # two chunks of 16, then steps of 1 + k: two token buckets
+    out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
+    seq = prompt + list(out.outputs[0].token_ids)
+    steps = [(p, d) for p, d in seen[out.request_id] if p < len(seq) - 1]
+    assert len(steps) >= 4
+    assert [d for _, d in steps] == eagle3_drafts(hf, tensors, seq, [p for p, _ in steps], 2)
+
+
+def test_eagle3_keeps_greedy_outputs_exact(target_dir, baseline, tmp_path):
+    """bfloat16 (batch invariance on): with a random EAGLE-3 drafter the four requests (chunked prefill,
+    a prefix-cache hit, preemption, logprobs) decode the plain engine's tokens, the aux hidden states
+    taken from the forward change none of its bits, every block comes back, and nothing compiles after
+    warm-up."""
+    path, _ = save_random_eagle3(tmp_path / "eagle3")
+    llm = LLM(target_dir, speculative_config=eagle3_config(path), strict_compile_guard=True, **ARGS)
+    before = num_compiles()
+    check_outputs_and_metrics(llm, baseline, with_penalties=False)
+    assert num_compiles() == before and llm.engine_core.runner.guard.num_unexpected == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({}, "speculative_config.model is required for method 'eagle3'"),
+        ({"model": "."}, None),
+    ],
+)
+def test_eagle3_settings_refused_at_start(args, message):
+    from xlaserve.config import EngineConfig
+
+    spec = {"method": "eagle3", **args}
+    if message is not None:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig.from_kwargs("smollm2", speculative_config=spec)
+        return
+    for layout, refusal in [
+        ({"nnodes": 2}, "speculative_config method 'eagle3' runs on one host yet"),
+        (
+            {"pipeline_parallel_size": 2},
+            "pipeline_parallel_size=2 cannot be combined with speculative_config",
+        ),
+        (
+            {"tensor_parallel_size": 2},
+            "speculative_config method 'eagle3' runs at tensor_parallel_size=1 yet",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=refusal):
+            EngineConfig.from_kwargs("smollm2", speculative_config=spec, **layout)
+
+
+def test_eagle3_checkpoints_and_targets_refused_by_name(tmp_path, target_dir):
+    """Not an EAGLE-3 checkpoint (the target's own directory), another vocabulary, and a target whose
+    forward does not run models/decoder.py's layer scan (a hybrid)."""
+    from types import SimpleNamespace
+
+    from xlaserve.worker.eagle3 import _check_target
+
+    with pytest.raises(ValueError, match=r"speculative_config.model: .* is not an EAGLE-3 checkpoint"):
+        LLM(target_dir, speculative_config=eagle3_config(target_dir), enforce_eager=True, **ARGS)
+    path, _ = save_random_eagle3(tmp_path / "eagle3", vocab_size=97)
+    with pytest.raises(
+        ValueError, match=r"speculative_config.model: the EAGLE-3 checkpoint's vocab_size \(97\)"
+    ):
+        LLM(target_dir, speculative_config=eagle3_config(path), enforce_eager=True, **ARGS)
+    hybrid = SimpleNamespace(
+        model_config=SimpleNamespace(architecture="Qwen3_5ForCausalLM"),
+        kv_spec=SimpleNamespace(layer_kind="hybrid"),
+    )
+    with pytest.raises(
+        ValueError, match=r"speculative_config.method 'eagle3': Qwen3_5ForCausalLM is not supported"
+    ):
+        _check_target(hybrid)

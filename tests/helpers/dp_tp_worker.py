@@ -1,13 +1,25 @@
 """The "data_parallel" case of helpers/tp_worker.py (fake CPU devices): one workload on one rank and on
 two, which step together (every rank dispatches before any waits). Per layout: each completion's token
 ids, the requests running in the middle of a stream (summed over the ranks), whether an abort gave
-every KV block back, and the steps each rank ran."""
+every KV block back, the steps each rank ran, and the prefix-cache hits of two prompts sent again."""
 
 
 def _device_ids(runner) -> list[int]:
     """The devices a rank's runner computes on (a pipeline's: every stage's)."""
     meshes = [s.placement.mesh for s in runner.stages] if hasattr(runner, "stages") else [runner.mesh]
     return sorted(d.id for mesh in meshes for d in mesh.devices.flat)
+
+
+def _cached_when_sent_again(llm) -> list[int]:
+    """Two 40-token prompts sent together (each rank of two takes one), then each again with a token
+    more, in the other order: the tokens each second request found in its rank's prefix cache."""
+    from xlaserve import SamplingParams
+
+    first, second = list(range(10, 50)), list(range(50, 90))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in (first, second)], params, use_tqdm=False)
+    again = [{"prompt_token_ids": p + [7]} for p in (second, first)]
+    return [o.num_cached_tokens for o in llm.generate(again, params, use_tqdm=False)]
 
 
 def main(model_dir: str, layouts: list[dict], small_llm) -> list:
@@ -55,6 +67,7 @@ def main(model_dir: str, layouts: list[dict], small_llm) -> list:
                 "after_abort": list(
                     llm.generate(prompts[:2], greedy, use_tqdm=False)[1].outputs[0].token_ids
                 ),
+                "cached_when_sent_again": _cached_when_sent_again(llm),
             }
         )
         del llm

@@ -263,20 +263,34 @@ def hf_drafts(
         hidden = hf.model(input_ids=input_ids, mm_token_type_ids=types, **pixels).last_hidden_state[0, :n]
         mrope, delta = hf.model.get_rope_index(input_ids, types, image_grid_thw=pixels["image_grid_thw"])
         positions, delta = mrope[:, 0, :n], int(delta[0, 0])
-    ids, rows = list(seq[1:]), hidden
+
+    def run(ids, rows, positions, mask):
+        out = _mtp_outputs(hf, layer, mtp, ids, rows, positions, mask)
+        return hf.lm_head(out).argmax(-1).tolist(), out
+
+    return chain_drafts(run, list(seq[1:]), hidden, positions, steps, k, delta)
+
+
+def chain_drafts(run, ids: list[int], rows, positions, steps: list[int], k: int, delta: int = 0):
+    """`hf_drafts`' chain for any drafting network: `run(ids, rows, positions, mask) -> (the greedy
+    draft each row gives, the hidden state each row hands the next draft)`, over rows reading token
+    ids[i] and hidden state rows[i] at positions[i] ([n], or M-RoPE's [3, n]), row i attending to the
+    rows `mask` [n, n] allows. The sequence's own n rows first; each step p of `steps` adds one row per
+    further draft at its next position (plus `delta`), attending to positions 0..p-1 and its own rows."""
+    n = len(ids)
     owner = [-1] * n  # the step each row was added for (-1: the sequence's own)
     mask = torch.ones(n, n, dtype=torch.bool).tril()
     last = [p - 1 for p in steps]  # each step's row whose output gives its next draft
     drafts: list[list[int]] = [[] for _ in steps]
     for i in range(k):
-        out = _mtp_outputs(hf, layer, mtp, ids, rows, positions, mask)
+        tokens, carried = run(ids, rows, positions, mask)
         for j, row in enumerate(last):
-            drafts[j].append(int(hf.lm_head(out[row]).argmax()))
+            drafts[j].append(int(tokens[row]))
         if i == k - 1:
             return drafts
         m = len(ids)
-        ids += [d[-1] for d in drafts]
-        rows = torch.cat([rows, out[last]])
+        ids = ids + [d[-1] for d in drafts]
+        rows = torch.cat([rows, carried[last]])
         added = torch.tensor([p + i + delta for p in steps])
         positions = torch.cat([positions, added if positions.ndim == 1 else added.expand(3, -1)], dim=-1)
         owner += list(range(len(steps)))
