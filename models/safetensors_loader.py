@@ -1,25 +1,116 @@
-"""Hugging Face safetensors checkpoints (single file or sharded) -> numpy, without torch.
+"""Hugging Face safetensors checkpoints (single file or sharded) -> numpy, without torch, read lazily.
 
-`safe_open(framework="np")` cannot build bfloat16 or float8 arrays (numpy has no such dtypes), so
-those tensors are read from the file directly at the offsets its JSON header gives, as ml_dtypes
-arrays (ml_dtypes ships with jax).
+`load_safetensors` reads only each file's JSON header: every tensor is a `CheckpointTensor`, which
+reads its bytes from the file (a fresh array, `np.fromfile` at the offsets the header gives) each time
+it is used as an array. So a start holds one tensor's host copy at a time, dropped once placed, not the
+whole checkpoint, and a tensor nobody places (a vision tower in text-only mode) is never read. Nothing
+maps the file: a checkpoint rewritten in place after a load (a trainer saving into the same directory
+before `update_weights_from_path`) cannot fault a running engine, which holds only copies.
+bfloat16 and float8 come out as ml_dtypes arrays (numpy has no such dtypes; ml_dtypes ships with jax).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# safetensors dtype -> ml_dtypes attribute, for dtypes numpy lacks.
-_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+# safetensors dtype -> numpy dtype name (the 16- and 8-bit floats from ml_dtypes).
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+# ndarray attributes a `CheckpointTensor` answers by reading itself (`.reshape`, `.T`, `.view`, ...);
+# any other name is an AttributeError without a read (`hasattr(t, "q")` asks for a quantized table).
+_ARRAY_ATTRIBUTES = frozenset(a for a in dir(np.ndarray) if not a.startswith("_"))
+
+
+def _np_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+class CheckpointTensor(np.lib.mixins.NDArrayOperatorsMixin):
+    """One tensor of a safetensors file, read from the file, as a new array, whenever it is used as one
+    (`np.asarray`, an operator, a ufunc, indexing, an ndarray method). Its shape and dtype come from the
+    header; `astype` is lazy too (the load's dtype cast). It holds a path and offsets, never the bytes
+    nor a mapping, so keeping one costs nothing and reads the file as it is then."""
+
+    __slots__ = ("path", "offset", "shape", "stored_dtype", "dtype")
+
+    def __init__(self, path: str, offset: int, shape, stored_dtype: np.dtype, dtype: np.dtype | None = None):
+        self.path, self.offset, self.shape = path, offset, tuple(shape)
+        self.stored_dtype = stored_dtype
+        self.dtype = stored_dtype if dtype is None else dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.stored_dtype.itemsize
+
+    def read(self) -> np.ndarray:
+        """The tensor's bytes, read now into a new array of its shape (and its `astype` dtype)."""
+        raw = np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.offset)
+        if raw.size != self.nbytes:
+            raise ValueError(
+                f"{self.path}: a tensor's data ends past the end of the file (the file changed since "
+                "its header was read)"
+            )
+        array = raw.view(self.stored_dtype).reshape(self.shape)
+        return array if self.dtype == self.stored_dtype else array.astype(self.dtype)
+
+    def astype(self, dtype, copy: bool = True) -> CheckpointTensor:
+        return CheckpointTensor(self.path, self.offset, self.shape, self.stored_dtype, np.dtype(dtype))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        array = self.read()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        inputs = tuple(x.read() if isinstance(x, CheckpointTensor) else x for x in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __getitem__(self, index) -> np.ndarray:
+        return self.read()[index]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getattr__(self, name: str):
+        if name not in _ARRAY_ATTRIBUTES:
+            raise AttributeError(name)
+        return getattr(self.read(), name)
+
+    def __repr__(self) -> str:
+        return f"CheckpointTensor({self.path!r}, shape={self.shape}, dtype={self.dtype})"
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -42,35 +133,35 @@ def _read_header(path: str) -> tuple[dict[str, Any], int]:
     return header, 8 + header_len
 
 
-def _read_raw(path: str, entry: dict[str, Any], data_start: int) -> np.ndarray:
-    import ml_dtypes
+def _file_tensors(path: str) -> dict[str, CheckpointTensor]:
+    header, data_start = _read_header(path)
+    size = os.path.getsize(path)
+    tensors = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if entry["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {key!r} has dtype {entry['dtype']}, which numpy cannot hold")
+        dtype = _np_dtype(_DTYPES[entry["dtype"]])
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
+            raise ValueError(
+                f"{path}: tensor {key!r} has a bad data range {begin}..{end} for {shape} {dtype}"
+            )
+        tensors[key] = CheckpointTensor(path, data_start + begin, shape, dtype)
+    return tensors
 
-    dtype = np.dtype(getattr(ml_dtypes, _ML_DTYPES[entry["dtype"]]))
-    begin, end = entry["data_offsets"]
-    raw = np.fromfile(path, dtype=np.uint8, count=end - begin, offset=data_start + begin)
-    return raw.view(dtype).reshape(entry["shape"])
 
-
-def load_safetensors(model_dir: str, *, progress: bool = True) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint in `model_dir`, under its stored name, in its stored dtype."""
+def load_safetensors(model_dir: str, *, progress: bool = True) -> dict[str, CheckpointTensor]:
+    """Every tensor of the checkpoint in `model_dir`, under its stored name, in its stored dtype, as a
+    `CheckpointTensor`: read from its file when used, one at a time (the module docstring)."""
     files = safetensors_files(model_dir)
     if not files:
         raise ValueError(f"{model_dir!r} has no {SINGLE_FILE}, {INDEX_FILE} or other *.safetensors file")
-    tensors: dict[str, np.ndarray] = {}
-    with tqdm(desc="Reading safetensors", unit="tensor", disable=not progress) as bar:
-        for path in files:
-            header: dict[str, Any] | None = None
-            with safe_open(path, framework="np") as f:
-                keys = list(f.keys())
-                bar.total = (bar.total or 0) + len(keys)
-                for key in keys:
-                    if f.get_slice(key).get_dtype() in _ML_DTYPES:
-                        if header is None:
-                            header, data_start = _read_header(path)
-                        tensors[key] = _read_raw(path, header[key], data_start)
-                    else:
-                        tensors[key] = f.get_tensor(key)
-                    bar.update()
+    tensors: dict[str, CheckpointTensor] = {}
+    for path in tqdm(files, desc="Reading safetensors headers", unit="file", disable=not progress):
+        tensors.update(_file_tensors(path))
     index_path = os.path.join(model_dir, INDEX_FILE)
     if os.path.isfile(index_path):
         with open(index_path) as f:

@@ -38,6 +38,7 @@ from xlaserve.models.quantization import (
     quantize_modules,
     quantized_parts,
 )
+from xlaserve.models.safetensors_loader import CheckpointTensor
 
 # Tensors a checkpoint may carry that no module reads.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -95,10 +96,14 @@ def load_params(
     `tensors`: HF names -> HF-layout arrays, or `ConvertedParams` (our paths and layout, from
     `xlaserve convert`), placed as they are. Missing or unexpected tensors are an error naming them.
     `place` puts one host array on its device(s) (the sharding layer passes one); by default
-    `jax.device_put`. `DummyWeights` draw each parameter directly in `sharding(path, shape)` (by
-    default on the first device). `quantization`: the model's projections are stored quantized in
-    this scheme (models/quantization.py): float tensors are quantized here, on the host, and a
-    checkpoint's `QuantizedTensor`s placed as they are when they match it.
+    `jax.device_put`. A `place` with a `holds(path)` attribute (a pipeline stage's) is given only the
+    shape and dtype (a `jax.ShapeDtypeStruct`) of a parameter it does not hold, whose tensors are
+    never read. A checkpoint's tensors are read one parameter at a time, as it is placed (a safetensors
+    checkpoint's lazily, models/safetensors_loader.py). `DummyWeights` draw each parameter directly
+    in `sharding(path, shape)` (by default on the first device). `quantization`: the model's
+    projections are stored quantized in this scheme (models/quantization.py): float tensors are
+    quantized here, on the host, and a checkpoint's `QuantizedTensor`s placed as they are when they
+    match it.
     """
     is_hf = not isinstance(tensors, (DummyWeights, ConvertedParams))
     if is_hf:
@@ -137,7 +142,8 @@ def load_params(
         flat = _place_converted(model_class, cfg, expected, tensors, dtype, place, quantization)
         abstract.replace_by_pure_dict(_unflatten(flat))
         return graphdef, abstract
-    place = place or (lambda path, array: jax.device_put(array))
+    holds = getattr(place, "holds", None)  # a pipeline stage's place (worker/pipeline_stage.py)
+    place = _one_in_flight(place or (lambda path, array: jax.device_put(array)))
     used: set[str] = set()
     missing: list[str] = []
     flat: dict[tuple[str, ...], jax.Array] = {}
@@ -154,7 +160,17 @@ def load_params(
             missing.extend(absent)
             continue
         used.update(names)
-        arrays = [_our_layout(tensors[n], path) for n in names]
+        if holds is not None and not holds(path) and not is_quantized_kernel(path, expected):
+            shape = tuple(tensors[names[0]].shape)  # the header's: checked as a placed one's, unread
+            if path[-1] == "kernel":
+                shape = (*shape[:-2], shape[-1], shape[-2])
+            if shape != spec.shape:
+                raise ValueError(f"tensor {names[0]} has shape {shape}, the model expects {spec.shape}")
+            flat[path] = place(path, jax.ShapeDtypeStruct(spec.shape, spec.dtype))  # its placeholder
+            continue
+        # Read here, one parameter's tensors at a time (a safetensors checkpoint's are read lazily):
+        # the host copies are dropped once the parameter is placed.
+        arrays = [_our_layout(_host(tensors[n]), path) for n in names]
         if is_quantized_kernel(path, expected):
             for part_path, part in quantized_parts(path, arrays, is_stacked, expected, quantization).items():
                 _check_shape(names[0], part, expected[part_path].shape)
@@ -178,6 +194,27 @@ def load_params(
         )
     abstract.replace_by_pure_dict(_unflatten(flat))
     return graphdef, abstract
+
+
+def _one_in_flight(place: Callable) -> Callable:
+    """`place` that waits for the previous parameter's transfer before going on: a transfer holds its
+    host array until it completes (a device_put is asynchronous), so without the wait every parameter's
+    host copy could be alive at once. Reading the next parameter still overlaps this one's transfer."""
+    previous: list = []
+
+    def placed(path, array):
+        out = place(path, array)
+        if previous:
+            jax.block_until_ready(previous.pop())
+        previous.append(out)
+        return out
+
+    return placed
+
+
+def _host(tensor):
+    """A checkpoint tensor as a host array (a `CheckpointTensor` read from its file now)."""
+    return tensor.read() if isinstance(tensor, CheckpointTensor) else tensor
 
 
 def _our_layout(tensor, path: tuple[str, ...]):

@@ -48,10 +48,13 @@ class ModelInfo:
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """A checkpoint read for `config`: what a runner is built from (`ModelRunner(config, hf_config,
-    tensors, max_model_len, devices)`), shared by the data-parallel ranks so it is read once."""
+    tensors, max_model_len, devices)`), shared by the data-parallel ranks so its config and headers are
+    read once (a safetensors checkpoint's tensors are read by each rank's load as it places them)."""
 
     hf_config: dict
-    tensors: Any  # HF-named host arrays, ConvertedParams or DummyWeights (models/loader.py)
+    # HF-named host arrays (from safetensors: CheckpointTensors, read when placed), ConvertedParams or
+    # DummyWeights (models/loader.py)
+    tensors: Any
     model_config: TransformerConfig
     max_model_len: int  # the user's or the model's limit; the KV cache may lower it (EngineCore)
     info: ModelInfo

@@ -131,6 +131,9 @@ def stage_place(
             return placeholder(array.ndim, array.dtype, replicated)
         return place(path, array)
 
+    # What load_params asks before it reads a parameter's tensors: a module this stage does not run
+    # (text-only mode's encoder) is never read from the checkpoint, only its placeholder made.
+    placed.holds = lambda path: path[0] in stacks or layout.holds(path[0], tie_word_embeddings)
     return placed
 
 

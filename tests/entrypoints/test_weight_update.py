@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save, save_file
 
 from helpers.tiny_vlm import save_tiny_llava
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
 from xlaserve.kernels import cpu_dot
+from xlaserve.models.loader import load_checkpoint
+from xlaserve.models.safetensors_loader import CheckpointTensor
 from xlaserve.worker.compile_guard import num_compiles
 from xlaserve.worker.model_loader import load_model
 from xlaserve.worker.pipeline_runner import PipelineRunner, PipelineStage
@@ -141,6 +145,46 @@ def test_a_refused_update_names_the_weight_and_changes_nothing(llm, dirs, expect
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         llm.update_weights({"model.layers.9.self_attn.q_proj.weight": a[name]})  # past the last layer
     assert numbers(llm) == expected[0]
+
+
+def rewrite_in_place(path: str, data: bytes) -> None:
+    """`data` over the file at `path`, as a trainer's save does: the same file, truncated, then written."""
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(data)
+
+
+def is_mapped(path: str) -> bool:
+    """Whether this process (the engine's: LLM runs it here) maps the file at `path`."""
+    with open("/proc/self/maps") as f:
+        return any(line.split(maxsplit=5)[5:] == [os.path.realpath(path) + "\n"] for line in f)
+
+
+def test_a_checkpoint_rewritten_in_place_under_the_engine(llm, dirs, expected):
+    """The engine started from A's file holds copies of its tensors, never a mapping of it: a trainer's
+    next checkpoint saved over that file in place, smaller then larger, neither faults the engine
+    (a mapped page past the new end is a SIGBUS) nor changes its answers, and each is what
+    update_weights_from_path then reads (B in bfloat16, the engine's dtype: B's answers)."""
+    a, b = dirs
+    path = f"{a}/model.safetensors"
+    with open(path, "rb") as f:
+        original = f.read()
+    smaller = save({n: t.astype(ml_dtypes.bfloat16) for n, t in tensors(b).items()})
+    larger = save(tensors(a), metadata={"padding": "x" * len(original)})
+    assert len(smaller) < len(original) < len(larger)
+    assert not is_mapped(path)
+    try:
+        rewrite_in_place(path, smaller)
+        assert numbers(llm) == expected[0]
+        llm.update_weights_from_path(a)
+        assert not is_mapped(path)
+        assert numbers(llm) == expected[1]
+        rewrite_in_place(path, larger)
+        assert numbers(llm) == expected[1]
+        llm.update_weights_from_path(a)
+        assert numbers(llm) == expected[0]
+    finally:
+        rewrite_in_place(path, original)  # the session's checkpoint, for the tests after this one
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -340,19 +384,24 @@ def test_a_process_checks_and_writes_only_its_own_stages_in_two_phases(dirs):
     assert changed(before, host_bits(runner)) == [set(), set()] and runner.prepared_update is None
 
 
-def test_text_only_stages_hold_no_encoder_and_skip_its_tensors(tmp_path):
+def test_text_only_stages_hold_no_encoder_and_skip_its_tensors(tmp_path, monkeypatch):
     """A LLaVA (encoder modules vision_tower, multi_modal_projector) in vLLM's text-only mode, loaded by
     PipelineRunner's own load as 2 stages (both on this process's one device): no stage holds a tower
-    or projector weight, so the weight bytes are the language model's; a trainer's full checkpoint is
-    accepted, its text weights written where they live and the encoder's skipped."""
+    or projector weight, nor reads one from the checkpoint, so the weight bytes are the language model's;
+    a trainer's full checkpoint is accepted, its text weights written where they live and the encoder's
+    skipped."""
     directory = save_tiny_llava(str(tmp_path / "llava"))
     limits = {"image": 0, "video": 0}
     config = EngineConfig.from_kwargs(directory, pipeline_parallel_size=2, limit_mm_per_prompt=limits)
     with open(f"{directory}/config.json") as f:
         hf_config = json.load(f)
-    checkpoint = tensors(directory)
+    checkpoint = load_checkpoint(directory, skip_tokenizer_init=True, progress=False).tensors
+    read = set()  # the tensors read from the file, by their offsets in it
+    unread = CheckpointTensor.read
+    monkeypatch.setattr(CheckpointTensor, "read", lambda t: read.add(t.offset) or unread(t))
     runner = Stages(config=config, hf_config=hf_config)
     model = PipelineRunner._load_model(runner, config, hf_config, checkpoint, jax.devices()[:1] * 2)
+    assert read == {t.offset for n, t in checkpoint.items() if not n.startswith(ENCODER)}
     runner.model_config, runner.padded_vocab_size, runner.dtype = (
         model.model_config,
         model.padded_vocab_size,
