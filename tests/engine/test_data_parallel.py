@@ -58,36 +58,6 @@ def test_an_error_in_one_rank_surfaces_after_the_others_finish():
     core.shutdown()
 
 
-class CachingRank:
-    """EngineCore's routing interface: its unfinished requests, and the prefix tokens it holds of each
-    prompt."""
-
-    def __init__(self, cached: dict[str, int]):
-        self.max_model_len = 128
-        self.requests = []
-        self.kv_cache_manager = SimpleNamespace(
-            num_cached_tokens=lambda request: cached.get(request.prompt, 0)
-        )
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-    def add_request(self, request) -> None:
-        self.requests.append(request.prompt)
-
-
-def test_a_request_goes_to_the_rank_holding_its_prefix_while_it_is_not_much_busier():
-    ranks = [CachingRank({"long": 16}), CachingRank({"long": 32, "other": 16})]
-    core = DataParallelEngineCore(ranks, balance_slack=1)
-    for i, prompt in enumerate(["new", "long", "long", "long", "long", "new", "other"]):
-        core.add_request(SimpleNamespace(request_id=str(i), parent_id=None, prompt=prompt))
-    # "new" is cached nowhere: the least loaded rank, the first of equals. "long": the longer prefix on
-    # rank 1 while it is at most one request busier than rank 0; then rank 0, which holds less of it.
-    # "other": rank 1, the only one holding it, as busy as rank 0.
-    assert ranks[0].requests == ["new", "long", "new"]
-    assert ranks[1].requests == ["long", "long", "long", "other"]
-
-
 def test_two_ranks_match_one(tp_worker, tiny_llama_2kv):
     """Two ranks of one device, and two ranks of two pipeline stages each (four devices, each rank's
     stages on its own two): one engine's tokens, streams, abort and steps on both ranks."""
