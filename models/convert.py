@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from xlaserve.config.model import GENERATION_CONFIG_FILE
 from xlaserve.kernels import get_attention_backend
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.orbax_checkpoint import save_converted
@@ -44,6 +47,10 @@ def convert_checkpoint(model: str | None, out_dir: str, dtype: str | None = None
         dtype=dtype,
         source=checkpoint.source,
     )
+    # The model's recommended sampling (requests' defaults: --generation-config auto) goes along.
+    generation_config = os.path.join(model or "", GENERATION_CONFIG_FILE)
+    if model is not None and os.path.isdir(model) and os.path.isfile(generation_config):
+        shutil.copy(generation_config, out_dir)
     logger.info(
         "converted %s to %s (%s) in %.1fs", checkpoint.source, out_dir, dtype, time.perf_counter() - t0
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -13,6 +14,11 @@ from xlaserve.pooling_params import CONVERT_TYPES, PoolerConfig
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 RUNNER_TYPES = ("generate", "pooling")
+logger = logging.getLogger(__name__)
+# What vLLM takes from a model's generation_config.json as requests' defaults (--generation-config).
+GENERATION_CONFIG_FILE = "generation_config.json"
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+_SAMPLING_NAMES = {"max_new_tokens": "max_tokens"}
 
 
 # vLLM's names. int8/fp8: quantize a float checkpoint at load; gguf: keep a GGUF's quantized tensors;
@@ -116,6 +122,24 @@ class ModelConfig:
             '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]}'
         ),
     )
+    # vLLM's flags: where requests' default sampling comes from. "auto": the model directory's
+    # generation_config.json (the model's authors' recommended temperature, top_p, ...), "vllm": the
+    # engine's own defaults, or a folder holding a generation_config.json. The override's keys go over
+    # either (JSON text; a dict is converted). Read by the front end (`sampling_defaults`).
+    generation_config: str = field(
+        default="auto",
+        metadata=arg(
+            "requests' default sampling: auto (the model's generation_config.json), vllm (the engine's "
+            "own), or a folder with a generation_config.json"
+        ),
+    )
+    override_generation_config: str | None = field(
+        default=None,
+        metadata=arg(
+            'default sampling over --generation-config\'s, as JSON: {"temperature": 0.5, "max_new_tokens": '
+            f"256}}; keys: {', '.join(GENERATION_CONFIG_KEYS)}"
+        ),
+    )
     # vLLM's flag: images a prompt may carry (a vision-language model; engine/engine/mm_processor.py),
     # as JSON text or a dict; None: DEFAULT_IMAGES_PER_PROMPT. Checked where the config is built.
     limit_mm_per_prompt: str | None = field(
@@ -159,6 +183,21 @@ class ModelConfig:
         if isinstance(self.limit_mm_per_prompt, dict):  # kept as JSON text: the config stays hashable
             object.__setattr__(self, "limit_mm_per_prompt", json.dumps(self.limit_mm_per_prompt))
         parse_mm_limits(self.limit_mm_per_prompt)  # a bad value is an error at start
+        if self.override_generation_config is not None:
+            override = json_object(self.override_generation_config, "override_generation_config")
+            unknown = sorted(set(override) - set(GENERATION_CONFIG_KEYS))
+            require(
+                not unknown,
+                f"override_generation_config: unknown keys {unknown}; known: {list(GENERATION_CONFIG_KEYS)}",
+            )
+            object.__setattr__(self, "override_generation_config", json.dumps(override, sort_keys=True))
+        require(
+            self.generation_config in ("auto", "vllm")
+            or os.path.isfile(os.path.join(self.generation_config, GENERATION_CONFIG_FILE)),
+            f"generation_config must be 'auto', 'vllm' or a folder holding a {GENERATION_CONFIG_FILE}, "
+            f"got {self.generation_config!r}",
+        )
+        self.sampling_defaults()  # a value no request could take fails the start, not every request
         if self.hf_overrides is not None:
             overrides = json_object(self.hf_overrides, "hf_overrides")
             object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
@@ -183,6 +222,42 @@ class ModelConfig:
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1, got {self.max_model_len}",
         )
+
+    def sampling_defaults(self) -> dict:
+        """Requests' default sampling fields (vLLM's get_diff_sampling_param): those of
+        GENERATION_CONFIG_KEYS the generation config sets, then the override's over them, with
+        max_new_tokens as SamplingParams' max_tokens. {} when neither says anything. A value SamplingParams
+        refuses is a ValueError naming its source and field, at start rather than in every request."""
+        from xlaserve.sampling_params import SamplingParams
+
+        folder = self.generation_config
+        if folder == "auto":  # the model's own directory (a GGUF file, the embedded default: none)
+            folder = self.model if self.model is not None and os.path.isdir(self.model) else None
+        found = {}
+        path = None if folder in (None, "vllm") else os.path.join(folder, GENERATION_CONFIG_FILE)
+        if path is not None and os.path.isfile(path):
+            with open(path) as f:
+                found = {
+                    k: v for k, v in json.load(f).items() if k in GENERATION_CONFIG_KEYS and v is not None
+                }
+        override = (
+            {} if self.override_generation_config is None else json.loads(self.override_generation_config)
+        )
+        defaults = {_SAMPLING_NAMES.get(k, k): v for k, v in {**found, **override}.items()}
+        try:
+            SamplingParams(**defaults)
+        except (TypeError, ValueError) as e:
+            source = " and ".join([path] * bool(found) + ["override_generation_config"] * bool(override))
+            raise ValueError(f"the default sampling from {source}: {e}") from None
+        return defaults
+
+    def log_sampling_defaults(self, defaults: dict) -> None:
+        if defaults:  # vLLM warns too: a request's sampling changes with no word from its client
+            logger.warning(
+                "requests' default sampling is %s, from the model's generation config and "
+                "--override-generation-config (--generation-config vllm: the engine's own)",
+                defaults,
+            )
 
     @property
     def hf_overrides_dict(self) -> dict:

@@ -264,6 +264,13 @@ async def check_started_engine(engine, loras, reasoning_parser_cls) -> None:
         raise
 
 
+def default_sampling(config: EngineConfig) -> dict:
+    """The fields a request leaves out sample with (ServerState.default_sampling), said in the log."""
+    defaults = config.model.sampling_defaults()
+    config.model.log_sampling_defaults(defaults)
+    return defaults
+
+
 async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: str | None) -> int:
     from xlaserve.engine.async_llm import AsyncLLM
 
@@ -321,6 +328,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         ),
         **args.tool_options,
         loras=loras,
+        default_sampling=default_sampling(config),
     )
     config = uvicorn.Config(
         build_app(state),

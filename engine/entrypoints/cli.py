@@ -16,32 +16,30 @@ from xlaserve.entrypoints.bench import serve as bench_serve
 from xlaserve.entrypoints.bench import startup as bench_startup
 from xlaserve.entrypoints.bench import targets as bench_targets
 
+# generate's and chat's sampling where neither the flag nor the model's generation config says.
+_SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g = parser.add_argument_group("sampling (unset: the model's generation config, else as shown)")
+    for name, value in _SAMPLING_DEFAULTS.items():
+        g.add_argument(
+            f"--{name.replace('_', '-')}", type=type(value), default=None, help=f"(default {value})"
+        )
     g.add_argument("--sampling-seed", type=int, default=None, dest="sampling_seed")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=None, help="(default 1.0)")
     g.add_argument("--stop", action="append", default=None)
 
 
-def sampling_params(args: argparse.Namespace):
+def sampling_params(args: argparse.Namespace, model_defaults: dict):
+    """The flags given, over the model's generation config (LLM.default_sampling), over
+    _SAMPLING_DEFAULTS."""
     from xlaserve.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.sampling_seed,
-        repetition_penalty=args.repetition_penalty,
-        stop=args.stop,
-    )
+    given = {name: getattr(args, name) for name in (*_SAMPLING_DEFAULTS, "repetition_penalty")}
+    given = {name: value for name, value in given.items() if value is not None}
+    fields = {**_SAMPLING_DEFAULTS, **model_defaults, **given}
+    return SamplingParams(**fields, seed=args.sampling_seed, stop=args.stop)
 
 
 def require_tokenizer(args: argparse.Namespace) -> None:
@@ -85,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     llm = LLM(args.model, **one_request_engine_kwargs(args))
     ready = time.perf_counter()
-    params = sampling_params(args)
+    params = sampling_params(args, llm.default_sampling)
     prompt = args.prompt
     if not args.raw:
         text = llm.tokenizer.apply_chat_template(
@@ -117,7 +115,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     require_tokenizer(args)
     llm = LLM(args.model, **one_request_engine_kwargs(args))
-    params = sampling_params(args)
+    params = sampling_params(args, llm.default_sampling)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("xlaserve chat: type a message, Ctrl-D or /exit to leave, /reset to start over.")
     while True:

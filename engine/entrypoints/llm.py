@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import time
@@ -62,6 +63,8 @@ class LLM(PoolingMethods):
                 "data_parallel_size", 1
             )
         self.config = EngineConfig.from_kwargs(model, **engine_args)
+        self.default_sampling = self.config.model.sampling_defaults()
+        self.config.model.log_sampling_defaults(self.default_sampling)
         parallel = self.config.parallel
         if parallel.node_rank != 0:
             raise ValueError(f"LLM runs on node_rank 0; node_rank={parallel.node_rank} runs serve_follower()")
@@ -87,6 +90,11 @@ class LLM(PoolingMethods):
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params samples with (vLLM's): the model's generation_config.json
+        (--generation-config, --override-generation-config) over SamplingParams' own defaults."""
+        return SamplingParams(**self.default_sampling)
 
     # -- the public API -------------------------------------------------------------------------
 
@@ -118,6 +126,8 @@ class LLM(PoolingMethods):
         tokenized = [
             self._truncated(prompt, p.truncate_prompt_tokens) for prompt, p in zip(tokenized, params)
         ]
+        if sampling_params is None:
+            params = [self._within_context(p, len(ids)) for p, (_, ids, _) in zip(params, tokenized)]
         for (_, ids, _), p in zip(tokenized, params):  # validate everything before adding anything
             self.input_processor.validate_prompt(ids)
             self.input_processor.validate_params(p)
@@ -217,10 +227,10 @@ class LLM(PoolingMethods):
         """Yield the text of one completion as it is generated (n must be 1)."""
         self._require_tokenizer("stream()")
         self._require_runner("generate", "stream()")
-        params = sampling_params or SamplingParams()
+        text, ids = self.input_processor.tokenize(prompt)
+        params = sampling_params or self._within_context(self.get_default_sampling_params(), len(ids))
         if params.n != 1:
             raise ValueError(f"stream() takes n=1, got n={params.n}")
-        text, ids = self.input_processor.tokenize(prompt)
         request_id = str(next(self._request_counter))
         added = self._add_request(request_id, text, ids, params, 0, output_kind="delta")
         try:
@@ -286,9 +296,17 @@ class LLM(PoolingMethods):
                 "use generate() with {'prompt_token_ids': [...]}"
             )
 
+    def _within_context(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """The default params with a generation config's max_tokens cut to the room the prompt leaves
+        (as the server cuts it), not an error for every prompt that leaves less."""
+        room = max(1, self.max_model_len - num_prompt_tokens)
+        if "max_tokens" not in self.default_sampling or params.max_tokens <= room:
+            return params
+        return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+
     def _broadcast_params(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         if len(sampling_params) != num_prompts:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from xlaserve.entrypoints.api_server import (
     add_request_args,
     check_started_engine,
+    default_sampling,
     load_chat_template,
     lora_registry,
 )
@@ -111,6 +112,7 @@ async def _run(args: argparse.Namespace, config, chat_template: str | None, num_
             ),
             **args.tool_options,
             loras=loras,
+            default_sampling=default_sampling(config),
         )
         max_in_flight = _IN_FLIGHT_PER_SEQ * engine.config.scheduler.max_num_seqs
         counts = await run_file(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 
@@ -160,3 +161,52 @@ def test_pooling_flags_build_the_pooler_config(parser):
         EngineConfig.from_kwargs(None, runner="pooling", pooler_config={"pooling_type": "MAX"})
     with pytest.raises(ValueError, match="need runner='pooling'"):
         EngineConfig.from_kwargs(None, convert="classify")
+
+
+def test_the_generation_config_gives_requests_defaults(parser, tmp_path):
+    """vLLM's --generation-config auto: the model directory's generation_config.json gives the six fields
+    vLLM takes (max_new_tokens as max_tokens; nulls and the rest ignored), --override-generation-config
+    goes over it, `vllm` ignores the file (the override still counts), a folder names another file. Bad
+    ones fail at start naming what is wrong. The CLI's generate and chat: a flag given, over the model's,
+    over their own defaults."""
+    from xlaserve.entrypoints.cli import build_parser, sampling_params
+
+    model = tmp_path / "model"
+    model.mkdir()
+    fields = {"temperature": 0.6, "top_k": 20, "top_p": None, "max_new_tokens": 64, "do_sample": True}
+    (model / "generation_config.json").write_text(json.dumps({**fields, "bos_token_id": 1}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"repetition_penalty": 1.1, "min_p": 0.05}')
+
+    def defaults(*flags: str) -> dict:
+        args = parser.parse_args(list(flags))
+        return EngineConfig.from_kwargs(str(model), **engine_kwargs(args)).model.sampling_defaults()
+
+    assert defaults() == {"temperature": 0.6, "top_k": 20, "max_tokens": 64}
+    override = ["--override-generation-config", '{"temperature": 0.2, "min_p": 0.1}']
+    assert defaults(*override) == {"temperature": 0.2, "top_k": 20, "max_tokens": 64, "min_p": 0.1}
+    assert defaults("--generation-config", "vllm") == {}
+    assert defaults("--generation-config", "vllm", *override) == {"temperature": 0.2, "min_p": 0.1}
+    assert defaults("--generation-config", str(other)) == {"repetition_penalty": 1.1, "min_p": 0.05}
+    assert EngineConfig.from_kwargs(None).model.sampling_defaults() == {}  # the embedded GGUF: none
+    with pytest.raises(ValueError, match="override_generation_config: unknown keys \\['temprature'\\]"):
+        defaults("--override-generation-config", '{"temprature": 0.2}')
+    with pytest.raises(ValueError, match="generation_config must be 'auto', 'vllm' or a folder"):
+        defaults("--generation-config", str(tmp_path))
+    (model / "generation_config.json").write_text('{"top_p": 1.5}')
+    with pytest.raises(ValueError, match="generation_config.json: top_p must be in \\(0, 1\\]"):
+        defaults()
+    cli = build_parser()
+    model_defaults = {"temperature": 0.6, "max_tokens": 64}
+    args = cli.parse_args(["generate", "hi", "--top-k", "5"])
+    assert (sampling_params(args, model_defaults).temperature, sampling_params(args, {}).temperature) == (
+        0.6,
+        0.7,
+    )
+    assert sampling_params(args, model_defaults).max_tokens == 64 and sampling_params(args, {}).top_k == 5
+    args = cli.parse_args(["generate", "hi", "--temperature", "0", "--max-tokens", "3"])
+    assert (
+        sampling_params(args, model_defaults).temperature,
+        sampling_params(args, model_defaults).max_tokens,
+    ) == (0, 3)

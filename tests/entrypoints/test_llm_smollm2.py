@@ -216,6 +216,30 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
     assert fits.prompt_token_ids == ids and fits.prompt == prompt
 
 
+def test_calls_without_sampling_params_sample_as_the_generation_config_says(llm, monkeypatch):
+    """generate() and stream() without sampling_params take the model's generation config
+    (LLM.default_sampling, from --generation-config and --override-generation-config: test_engine_args.py;
+    the embedded GGUF has none, so it is set here): the tokens of the same fields given. Its max_tokens is
+    cut to the room a long prompt leaves, not an error."""
+    monkeypatch.setattr(
+        llm, "default_sampling", {"temperature": 0.0, "max_tokens": 5, "repetition_penalty": 1.3}
+    )
+    given = SamplingParams(temperature=0.0, max_tokens=5, repetition_penalty=1.3)
+    prompt = "List of prime numbers: 2, 3, 5, 7,"
+    implicit, explicit = (
+        llm.generate([prompt], use_tqdm=False)[0],
+        llm.generate([prompt], given, use_tqdm=False)[0],
+    )
+    assert (
+        implicit.outputs[0].token_ids == explicit.outputs[0].token_ids
+        and len(implicit.outputs[0].token_ids) == 5
+    )
+    assert "".join(llm.stream(prompt)) == explicit.outputs[0].text
+    assert llm.get_default_sampling_params() == given
+    long = {"prompt_token_ids": [1] + [2] * (llm.max_model_len - 3)}  # room for 2 tokens
+    assert len(llm.generate(long, use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [

@@ -1,9 +1,12 @@
 """Reasoning through `xlaserve serve --reasoning-parser qwen3` with a tiny random Qwen3 whose chat
 template opens the thinking (or closes it for {"enable_thinking": false}): the split of the model's
-raw text, streamed and not, and structured output that starts only after the thinking."""
+raw text, streamed and not, and structured output that starts only after the thinking. The model
+directory carries a generation_config.json: requests' default sampling."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 import httpx
@@ -22,9 +25,18 @@ GREEDY = {"temperature": 0.0, "max_tokens": 12}
 THINKING = {True: {}, False: {"chat_template_kwargs": {"enable_thinking": False}}}
 
 
+# Qwen3's generation_config.json recommends this sampling (vLLM's --generation-config auto makes it
+# every request's default); the max_new_tokens is this module's.
+GENERATION_CONFIG = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 9}
+
+
 @pytest.fixture(scope="module")
 def thinking_server(tmp_path_factory, server_cache_dir):
     model = save_tiny_thinking_model(str(tmp_path_factory.mktemp("tiny-thinking")))
+    with open(os.path.join(model, "generation_config.json")) as f:
+        generation_config = json.load(f)
+    with open(os.path.join(model, "generation_config.json"), "w") as f:
+        json.dump({**generation_config, **GENERATION_CONFIG}, f)
     proc = ServerProcess(
         str(tmp_path_factory.mktemp("thinking-logs")),
         server_cache_dir,
@@ -89,6 +101,31 @@ def test_thinking_goes_to_reasoning_content(thinking_server, client, thinking):
     message = message.choices[0].message
     assert (getattr(message, "reasoning_content", None), message.content) == expected
     assert streamed(client, extra_body=extra, **GREEDY) == expected
+
+
+def test_the_models_generation_config_is_every_requests_default(thinking_server, client):
+    """What a request leaves out samples as the model's generation_config.json says (vLLM's
+    --generation-config auto), on the chat and completions routes: as a request naming those values
+    (the same seeded tokens, max_new_tokens as max_tokens), not as the engine's own defaults would."""
+    with open(thinking_server.log_path, errors="replace") as f:
+        assert "requests' default sampling is {'temperature': 0.6, 'top_p': 0.95" in f.read()
+    seeded = {"seed": 5, "logprobs": True}
+    named = {"temperature": 0.6, "top_p": 0.95, "max_tokens": 9}
+    engine_own = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 9}
+    answers = [
+        client.chat.completions.create(
+            model="tiny", messages=CHAT, **seeded, **fields, extra_body={"ignore_eos": True, **top_k}
+        )
+        for fields, top_k in (({}, {}), (named, {"top_k": 20}), (engine_own, {"top_k": 0}))
+    ]
+    left_out, given, own = [(a.choices[0].logprobs.content, a.usage.completion_tokens) for a in answers]
+    assert left_out == given and left_out[1] == 9
+    assert [t.token for t in own[0]] != [t.token for t in left_out[0]]
+    texts = [
+        client.completions.create(model="tiny", prompt="Is 17 prime?", seed=5, **fields, extra_body=extra)
+        for fields, extra in (({}, {"ignore_eos": True}), (named, {"ignore_eos": True, "top_k": 20}))
+    ]
+    assert texts[0].choices[0].text == texts[1].choices[0].text and texts[0].usage.completion_tokens == 9
 
 
 def test_structured_output_starts_after_the_thinking(client):

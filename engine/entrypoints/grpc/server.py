@@ -20,6 +20,7 @@ from xlaserve.entrypoints.app import server_version
 from xlaserve.entrypoints.grpc.protos import protos_and_services
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
+    default_max_tokens,
     engine_error,
     new_id,
     submit,
@@ -79,10 +80,14 @@ def _message(error: APIError) -> str:
     return f"{error.param}: {error.message}" if error.param else error.message
 
 
-def sampling_params(fields) -> SamplingParams:
-    """The request's SamplingParams message as the engine's SamplingParams; a bad value is a 400-style
-    APIError naming the field as `sampling_params.NAME`."""
-    kwargs = {name: getattr(fields, name) for name in _OPTIONAL_FIELDS if fields.HasField(name)}
+def sampling_params(fields, state: ServerState, num_prompt_tokens: int) -> SamplingParams:
+    """The request's SamplingParams message as the engine's SamplingParams, what it leaves unset from
+    the server's defaults (the model's generation config); a bad value is a 400-style APIError naming the
+    field as `sampling_params.NAME`."""
+    kwargs = dict(state.default_sampling)
+    if "max_tokens" in kwargs:
+        kwargs["max_tokens"] = default_max_tokens(state, None, num_prompt_tokens)
+    kwargs |= {name: getattr(fields, name) for name in _OPTIONAL_FIELDS if fields.HasField(name)}
     kwargs.update(
         stop=list(fields.stop) or None,
         stop_token_ids=list(fields.stop_token_ids) or None,
@@ -126,8 +131,8 @@ class GenerationService:
     async def Generate(self, request, context):  # noqa: N802 - the proto's method name
         request_id = request.request_id or new_id("grpc")
         try:
-            params = sampling_params(request.sampling_params)
             ids = self._prompt_ids(request)
+            params = sampling_params(request.sampling_params, self.state, len(ids))
             param = "token_ids" if request.WhichOneof("prompt") == "token_ids" else "text"
             check_context(self.state.engine, len(ids), params.max_tokens, param)
             stream = submit(self.state, ids, params, request_id, stream=True, priority=request.priority)

@@ -34,6 +34,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
     collect_final,
+    default_max_tokens,
     engine_error,
     merge_streams,
     new_id,
@@ -110,6 +111,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         ids, text = cut, None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     check_context(state.engine, len(ids), max_tokens, "messages")
+    max_tokens = default_max_tokens(state, max_tokens, len(ids))
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     params = chat_sampling_params(state, req, plan, ids, max_tokens)
     request_id = new_id("chatcmpl")

@@ -22,6 +22,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
     collect_final,
+    default_max_tokens,
     engine_error,
     make_sampling_params,
     merge_streams,
@@ -120,7 +121,19 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
             "kv_transfer_params",
         )
     echoed_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = make_sampling_params(req, req.max_tokens, req.logprobs, echoed_logprobs)
+    max_tokens = req.max_tokens
+    if "max_tokens" not in req.model_fields_set and "max_tokens" in state.default_sampling:
+        max_tokens = None  # the model's max_new_tokens, not OpenAI's default of 16
+    params = [
+        make_sampling_params(
+            req,
+            default_max_tokens(state, max_tokens, len(ids)),
+            req.logprobs,
+            echoed_logprobs,
+            state.default_sampling,
+        )
+        for _, ids in prompts
+    ]
     request_id = new_id("cmpl")
     streams = []
     try:
@@ -128,13 +141,16 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
             kwargs = {"prompt": text, "priority": req.priority, "cache_salt": req.cache_salt}
             kwargs["lora_request"] = state.lora_request(req.model)
             if req.use_beam_search:
-                room = state.engine.max_model_len - len(ids) if req.max_tokens is None else req.max_tokens
+                max_tokens = params[i].max_tokens
+                room = state.engine.max_model_len - len(ids) if max_tokens is None else max_tokens
                 search = beam_search_params(req, room)
                 streams.append(BeamSearchStream(state, ids, search, f"{request_id}-{i}", **kwargs))
                 continue
             output_kind = "delta" if req.stream else "final"
             streams.append(
-                state.engine.add_request(ids, params, f"{request_id}-{i}", output_kind=output_kind, **kwargs)
+                state.engine.add_request(
+                    ids, params[i], f"{request_id}-{i}", output_kind=output_kind, **kwargs
+                )
             )
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
         for stream in streams:

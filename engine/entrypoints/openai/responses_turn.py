@@ -32,6 +32,7 @@ from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
+    default_max_tokens,
     drain,
     engine_error,
     merge_streams,
@@ -75,7 +76,7 @@ async def prepare_turn(
             ids, mm_features = await process_images(state, text, images)
         else:
             ids, mm_features = tokenize_text(state.engine, text, False, "input"), []
-        max_tokens = chat.max_tokens
+        max_tokens = default_max_tokens(state, chat.max_tokens, len(ids))
         if later:
             room = state.engine.max_model_len - len(ids)
             max_tokens = min(room, budget if budget is not None else room)

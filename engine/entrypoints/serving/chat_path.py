@@ -36,12 +36,13 @@ def chat_sampling_params(
     ids: list[int],
     max_tokens: int | None,
 ) -> SamplingParams:
-    """The request's SamplingParams, with the grammar of its tool plan (or its own response_format),
-    gated by the reasoning parser (structured output applies to the answer: it starts once the
-    thinking has ended), and special tokens kept when the tool or reasoning parser's tags are special
-    tokens."""
+    """The request's SamplingParams (what it leaves out: the server's defaults), with the grammar of its
+    tool plan (or its own response_format), gated by the reasoning parser (structured output applies to
+    the answer: it starts once the thinking has ended), and special tokens kept when the tool or
+    reasoning parser's tags are special tokens.
+    """
     top_n = (req.top_logprobs or 0) if req.logprobs else None
-    params = make_sampling_params(req, max_tokens, top_n)
+    params = make_sampling_params(req, max_tokens, top_n, defaults=state.default_sampling)
     changes = {}
     spec = plan.structured_outputs or params.structured_outputs
     reasoning = reasoning_parser(state, ids)

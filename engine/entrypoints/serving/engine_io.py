@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -45,9 +46,21 @@ def new_id(prefix: str) -> str:
 
 
 def make_sampling_params(
-    req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    req: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    defaults: Mapping[str, Any] = MappingProxyType({}),
 ) -> SamplingParams:
+    """The request's SamplingParams; a field it leaves out takes `defaults`' value (the model's
+    generation config: ServerState.default_sampling), else the engine's own. `max_tokens` is the route's
+    (default_max_tokens)."""
     structured_outputs = structured_outputs_of(req)
+
+    def pick(name: str, engine_default):
+        value = getattr(req, name)
+        return defaults.get(name, engine_default) if value is None else value
+
     if req.prompt_logprobs is not None:  # vLLM's field, beside what echo with logprobs needs
         if req.stream:
             raise bad_request("prompt_logprobs are not available when stream=true", "prompt_logprobs")
@@ -55,10 +68,10 @@ def make_sampling_params(
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
@@ -70,7 +83,7 @@ def make_sampling_params(
             prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             skip_special_tokens=req.skip_special_tokens,
             structured_outputs=structured_outputs,
             logit_bias=_logit_bias(req),
@@ -81,6 +94,15 @@ def make_sampling_params(
         )
     except ValueError as e:
         raise bad_request(str(e), param_of_value_error(e, _SAMPLING_FIELDS)) from None
+
+
+def default_max_tokens(state: ServerState, max_tokens: int | None, num_prompt_tokens: int) -> int | None:
+    """A request's max_tokens, or where it has none the model's generation config's (max_new_tokens)
+    cut to the room the prompt leaves (vLLM's), else None: the rest of the context."""
+    default = state.default_sampling.get("max_tokens")
+    if max_tokens is not None or default is None:
+        return max_tokens
+    return max(1, min(default, state.engine.max_model_len - num_prompt_tokens))
 
 
 def truncated(engine: AsyncLLM, ids: list[int], keep: int | None, has_images: bool = False) -> list[int]:

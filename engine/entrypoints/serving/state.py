@@ -39,6 +39,9 @@ class ServerState:
     # Where image and video parts' URLs may point (--allowed-local-media-path, --allowed-media-domains),
     # and a video's frames kept (--media-io-kwargs).
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)
+    # What a request leaves out samples with: the model's generation config (--generation-config,
+    # --override-generation-config; vLLM's default_sampling_params), else the engine's own defaults.
+    default_sampling: dict = field(default_factory=dict)
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model."""
