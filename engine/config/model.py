@@ -14,6 +14,8 @@ from xlaserve.pooling_params import CONVERT_TYPES, PoolerConfig
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 RUNNER_TYPES = ("generate", "pooling")
+# vLLM's --logprobs-mode values (worker/sampler.py).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 logger = logging.getLogger(__name__)
 # What vLLM takes from a model's generation_config.json as requests' defaults (--generation-config).
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -74,6 +76,17 @@ class ModelConfig:
         metadata=arg(
             "with --batch-invariant, a float32 engine's dots too (padded and tiled by rows on CPU: about "
             "1.5x a batch-1 step's time there; 16-bit dtypes need nothing more)"
+        ),
+    )
+    # vLLM's flag: what returned logprobs are of (worker/sampler.py): raw_* the model's distribution (after
+    # a grammar's mask), processed_* the one each token was drawn from (penalties, temperature, min-p,
+    # top-k, top-p applied), *_logits the logits instead of their log-softmax. Prompt logprobs: raw.
+    logprobs_mode: str = field(
+        default="raw_logprobs",
+        metadata=arg(
+            "what returned logprobs are of: raw_logprobs (the model's), processed_logprobs (the sampled-from "
+            "distribution: penalties, temperature, top-k/p applied), raw_logits, processed_logits",
+            choices=LOGPROBS_MODES,
         ),
     )
     # QUANTIZATION_METHODS; None: as the checkpoint is (models/quantization.py, models/prequantized.py)
@@ -212,6 +225,10 @@ class ModelConfig:
         require(
             self.quantization is None or self.quantization in QUANTIZATION_METHODS,
             f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}",
+        )
+        require(
+            self.logprobs_mode in LOGPROBS_MODES,
+            f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}",
         )
         require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         require(

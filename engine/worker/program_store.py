@@ -103,6 +103,8 @@ _HOST_ONLY_SETTINGS = {
         "pooler_config",
         "limit_mm_per_prompt",  # the front end's bound on a prompt's images
         "media_io_kwargs",  # the front end's video reading (frames kept)
+        "generation_config",  # requests' default sampling: the front end's
+        "override_generation_config",
         # (not mm_processor_kwargs: what it changes of a program, the encoder cache's and the tower's
         # bucket shapes, is in its arguments' shapes, which key it anyway)
     ),

@@ -2,14 +2,19 @@
 
 Order (as vLLM): the grammar's token mask -> logit bias and penalties -> temperature -> min-p ->
 top-k -> top-p -> a draw. Each row draws with its own key, fold_in(key(seed), index of the token in
-the request), so a seeded request samples the same tokens whatever else shares the batch. Logprobs
-are those of the raw distribution (before penalties and temperature, after the grammar's mask),
-like vLLM's default.
+the request), so a seeded request samples the same tokens whatever else shares the batch.
+
+Logprobs, as vLLM's --logprobs-mode says (ModelConfig.logprobs_mode): by default those of the raw distribution
+(before penalties and temperature, after the grammar's mask); `processed_*` those of the distribution
+the token was drawn from (penalties, temperature, min-p, top-k, top-p applied: -inf outside it; a
+greedy row's: its penalized logits), what an RL trainer's importance ratios need; `*_logits` the
+logits themselves instead of their log-softmax. Prompt logprobs are always raw.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -116,8 +121,14 @@ def _draw(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [R] int32
     return jax.vmap(one)(st.seeds, st.token_index, logits).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool | jax.Array) -> SamplerOutput:
-    """logits: [R, V] float32 -> SamplerOutput.
+def sample(
+    logits: jax.Array,
+    st: SamplingTensors,
+    *,
+    with_logprobs: bool | jax.Array,
+    logprobs_mode: str = "raw_logprobs",
+) -> SamplerOutput:
+    """logits: [R, V] float32 -> SamplerOutput; its logprobs as `logprobs_mode` says (static).
 
     `with_logprobs` as a Python bool picks the program (False: no logprob outputs); as a traced bool
     it is a runtime flag, so one program serves both (the logprob outputs are zeros when it is off;
@@ -134,25 +145,37 @@ def sample(logits: jax.Array, st: SamplingTensors, *, with_logprobs: bool | jax.
 
     def random_ids(logits):
         tempered = logits / jnp.where(is_greedy, 1.0, st.temperature)[:, None]
-        return jnp.where(is_greedy, greedy_ids, _draw(_filter(tempered, st), st))
+        filtered = _filter(tempered, st)
+        return jnp.where(is_greedy, greedy_ids, _draw(filtered, st)), filtered
 
-    token_ids = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_ids, random_ids, logits)
-    logprobs = logprobs_if(with_logprobs, raw, token_ids)
+    all_greedy = jnp.all(is_greedy)
+    if logprobs_mode.startswith("processed"):  # the drawn-from logits leave the branch too
+        token_ids, filtered = jax.lax.cond(all_greedy, lambda x: (greedy_ids, x), random_ids, logits)
+        # A greedy row's distribution is its penalized logits, in any batch (no temperature, no filter).
+        logits = jnp.where(is_greedy[:, None], logits, filtered)
+    else:
+        token_ids = jax.lax.cond(all_greedy, lambda _: greedy_ids, lambda x: random_ids(x)[0], logits)
+        logits = raw
+    logprobs = logprobs_if(with_logprobs, logits, token_ids, as_logits=logprobs_mode.endswith("logits"))
     return SamplerOutput(token_ids, *(logprobs or (None, None, None)))
 
 
-def logprobs_if(with_logprobs: bool | jax.Array, raw: jax.Array, token_ids: jax.Array):
-    """_token_logprobs(raw, token_ids) as the caller's `with_logprobs` asks: a Python bool picks the
+def logprobs_if(
+    with_logprobs: bool | jax.Array, logits: jax.Array, token_ids: jax.Array, *, as_logits: bool = False
+):
+    """_token_logprobs(logits, token_ids) as the caller's `with_logprobs` asks: a Python bool picks the
     program (None when off); a traced one is a runtime flag (a lax.cond, zeros when off). The sampler
-    and speculative verification both run it."""
+    and speculative verification both run it. `as_logits`: the logits' own values, not log-softmax's."""
+    token_logprobs = functools.partial(_token_logprobs, as_logits=as_logits)
     if isinstance(with_logprobs, bool):
-        return _token_logprobs(raw, token_ids) if with_logprobs else None
-    return jax.lax.cond(with_logprobs, _token_logprobs, _no_token_logprobs, raw, token_ids)
+        return token_logprobs(logits, token_ids) if with_logprobs else None
+    return jax.lax.cond(with_logprobs, token_logprobs, _no_token_logprobs, logits, token_ids)
 
 
-def _token_logprobs(raw: jax.Array, token_ids: jax.Array):
-    """The sampled token's logprob, then the top MAX_LOGPROBS: (ids [R, 1 + n], vals, rank [R])."""
-    logprobs = invariant_log_softmax(raw, axis=-1)
+def _token_logprobs(logits: jax.Array, token_ids: jax.Array, *, as_logits: bool = False):
+    """The sampled token's logprob (or logit), then the top MAX_LOGPROBS: (ids [R, 1 + n], vals,
+    rank [R])."""
+    logprobs = logits if as_logits else invariant_log_softmax(logits, axis=-1)
     top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     sampled_lp = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
     rank = 1 + jnp.sum(logprobs > sampled_lp, axis=-1).astype(jnp.int32)

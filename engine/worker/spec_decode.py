@@ -147,10 +147,14 @@ def rejection_sample(
     draft_ids: jax.Array,
     num_drafts: jax.Array,
     draft_probs: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    *,
+    processed: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [R * (K + 1), V] float32 (after the grammar's mask), st per position (`_per_position`),
     draft_ids [R, K], num_drafts [R], draft_probs [R, K, V] (a draft model's q; None: one-hot drafts)
-    -> (token after the accepted drafts [R], num_accepted [R], emitted tokens [R, K + 1])."""
+    -> (token after the accepted drafts [R], num_accepted [R], emitted tokens [R, K + 1]), and with
+    `processed` the logits p was made of at each position [R * (K + 1), V] (sampler.py's processed
+    logprobs: a greedy row's penalized logits)."""
     num_rows, num_spec = draft_ids.shape
     k1 = num_spec + 1
     if st.has_penalties:
@@ -177,12 +181,14 @@ def rejection_sample(
             ratio = p_draft / jnp.maximum(q_draft, 1e-30)
         u, residual_draw = _uniform_and_residual(probs, jnp.maximum(probs - q, 0.0), st)
         accept = (u < ratio).reshape(num_rows, k1)
-        return accept, residual_draw.reshape(num_rows, k1), draws
+        return accept, residual_draw.reshape(num_rows, k1), draws, *([filtered] * processed)
 
     def greedy_tokens(logits):
-        return jnp.zeros((num_rows, k1), bool), greedy, greedy
+        return jnp.zeros((num_rows, k1), bool), greedy, greedy, *([logits] * processed)
 
-    accept, residual_draw, draws = jax.lax.cond(jnp.all(is_greedy), greedy_tokens, random_tokens, logits)
+    accept, residual_draw, draws, *filtered = jax.lax.cond(
+        jnp.all(is_greedy), greedy_tokens, random_tokens, logits
+    )
     accept = jnp.where(is_greedy[:, None], greedy == drafts_k1, accept) & is_draft
     num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     # At the first rejected draft: argmax (greedy; it differs from the draft) or a residual draw.
@@ -192,7 +198,10 @@ def rejection_sample(
     token_ids = jnp.take_along_axis(final, num_accepted[:, None], axis=1)[:, 0]
     position = jnp.arange(k1)[None, :]
     emitted = jnp.where(position < num_accepted[:, None], drafts_k1, token_ids[:, None])
-    return token_ids, num_accepted, emitted
+    if not processed:
+        return token_ids, num_accepted, emitted
+    row_is_greedy = jnp.repeat(is_greedy, k1)[:, None]
+    return token_ids, num_accepted, emitted, jnp.where(row_is_greedy, logits, filtered[0])
 
 
 def verify(
@@ -202,20 +211,26 @@ def verify(
     *,
     with_logprobs: bool | jax.Array,
     draft_probs: jax.Array | None = None,
+    logprobs_mode: str = "raw_logprobs",
 ) -> VerifyOutput:
     """logits [R * (K + 1), V] float32 at the verified positions, st per request ([R]); draft_probs
     [R, K, V]: the q each draft was drawn from (a draft model), None for deterministic (n-gram) drafts.
     `with_logprobs` as sample()'s: a Python bool picks the program, a traced one is a runtime flag
-    (zeros when off), so one verify program serves both."""
+    (zeros when off), so one verify program serves both. `logprobs_mode` as sample()'s."""
     num_rows, num_spec = spec.draft_ids.shape
     st = _per_position(st, spec.draft_ids)
     if st.allowed_token_bitmask is not None:
         logits = apply_token_bitmask(logits, st.allowed_token_bitmask)
-    token_ids, num_accepted, emitted = rejection_sample(
-        logits, st, spec.draft_ids, spec.num_drafts, draft_probs
+    processed = logprobs_mode.startswith("processed")
+    token_ids, num_accepted, emitted, *processed_logits = rejection_sample(
+        logits, st, spec.draft_ids, spec.num_drafts, draft_probs, processed=processed
     )
-    # Logprobs of the raw distribution (after the grammar's mask), one entry per emitted position.
-    logprobs = logprobs_if(with_logprobs, logits, emitted.reshape(-1))
+    # Logprobs of the raw distribution (after the grammar's mask), or of the processed one, one entry per
+    # emitted position.
+    logits = processed_logits[0] if processed else logits
+    logprobs = logprobs_if(
+        with_logprobs, logits, emitted.reshape(-1), as_logits=logprobs_mode.endswith("logits")
+    )
     if logprobs is None:
         return VerifyOutput(token_ids, num_accepted, None, None, None)
     ids, vals, rank = logprobs

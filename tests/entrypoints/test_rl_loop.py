@@ -26,6 +26,9 @@ ARGS = {
     "enforce_eager": False,
     "strict_compile_guard": True,
     "skip_tokenizer_init": True,
+    # As RL trainers run vLLM: logprobs of the distribution sampled from (at the loop's temperature 1 with
+    # no filter, the raw ones bit for bit: the trainer's checks below hold either way).
+    "logprobs_mode": "processed_logprobs",
 }
 # float32 end to end: measured 2e-6 to 7e-6 over seeds 0-5 (the engine reduces in other orders).
 LOGPROB_BOUND = 1e-3
@@ -115,3 +118,27 @@ def test_sleeping_between_rollouts_changes_nothing(llm, model_dir, reports):
     assert all(r.num_engine_compiles == 0 for r in asleep)
     assert all(r.num_sleep_compiles == 0 for r in asleep[1:])  # the cache's zero fill: compiled once
     assert llm.engine_core.runner.guard.num_unexpected == 0
+
+
+def test_processed_logprobs_are_of_the_distribution_sampled_from(llm):
+    """--logprobs-mode processed_logprobs at temperature 0.5 with top_k 5: each sampled token's logprob
+    is log_softmax over the top 5 of logits / 0.5, computed from the raw prompt logprobs (always raw)
+    of the same sequence fed back; not the raw logprob."""
+    from xlaserve import SamplingParams
+
+    prompt = list(CONFIG.prompts[0])
+    sampled = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0.5, top_k=5, seed=3, max_tokens=6, logprobs=0),
+        use_tqdm=False,
+    )[0].outputs[0]
+    fed = prompt + list(sampled.token_ids)
+    raw = llm.generate(
+        {"prompt_token_ids": fed}, SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False
+    )[0].prompt_logprobs[len(prompt) :]
+    for token, entry, logprobs in zip(sampled.token_ids, raw, sampled.logprobs, strict=True):
+        top5 = np.array(sorted((e.logprob for e in entry.values() if e.rank <= 5), reverse=True)) / 0.5
+        assert len(top5) == 5 and entry[token].rank <= 5
+        expected = entry[token].logprob / 0.5 - np.logaddexp.reduce(top5)
+        np.testing.assert_allclose(logprobs[token].logprob, expected, rtol=0, atol=1e-5)
+        assert abs(logprobs[token].logprob - entry[token].logprob) > 1e-3

@@ -175,6 +175,32 @@ def test_penalties_count_the_drafts_before_each_position_and_logprobs_follow_the
     assert len(programs) == 1  # the flag does not pick a second program
 
 
+def test_processed_logprobs_are_of_each_positions_target_distribution():
+    """--logprobs-mode processed_logprobs: each emitted position's logprob is of the distribution its
+    token was accepted or drawn from (tempered, top-k kept: -inf outside), a greedy row's of its logits."""
+    rng = np.random.default_rng(5)
+    V = 32  # noqa: N806 (wider than top-20 logprobs)
+    logits = rng.normal(scale=2.0, size=(2 * (K + 1), V)).astype(np.float32)
+    top = np.argsort(-logits, -1)
+    drafts = np.array([top[0, 1], top[1, 0], top[K + 1, 0], top[K + 2, 0]], np.int32).reshape(2, K)
+    spec = SpecInputs(np.zeros((2, K + 1), np.int32), drafts, np.array([K, K], np.int32))
+    st = SamplingTensors(
+        *(jnp.asarray(a) for a in ([0.7, 0.0], [4, 0], [1.0, 1.0], [0.0, 0.0], [3, 4], [0, 0]))
+    )
+    run = jax.jit(verify, static_argnames=("with_logprobs", "logprobs_mode"))
+    out = run(jnp.asarray(logits), st, spec, with_logprobs=True, logprobs_mode="processed_logprobs")
+    raw = run(jnp.asarray(logits), st, spec, with_logprobs=True)
+    assert np.asarray(out.token_ids).tolist() == np.asarray(raw.token_ids).tolist()  # the same draws
+    ids, vals = np.asarray(out.logprob_token_ids), np.asarray(out.logprobs)
+    for row, (temperature, top_k) in enumerate([(0.7, 4), (1.0, 0)]):
+        for j in range(int(out.num_accepted[row]) + 1):
+            with np.errstate(divide="ignore"):  # log(0) outside the top k: -inf, as the engine's
+                expected = np.log(target_probs(logits[row * (K + 1) + j], temperature, top_k))
+            np.testing.assert_allclose(vals[row, j, 0], expected[ids[row, j, 0]], rtol=1e-5)
+            np.testing.assert_allclose(vals[row, j, 1:], np.sort(expected)[::-1][:20], rtol=1e-5)
+    assert np.isneginf(vals[0, 0, 5:]).all() and np.isfinite(vals[1, 0]).all()
+
+
 def test_build_spec_inputs_points_at_each_requests_last_token_and_drafts():
     class S:
         def __init__(self, n, drafts):

@@ -6,6 +6,8 @@ Filters and penalties follow vLLM's definitions; the empirical distribution of m
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -342,6 +344,50 @@ def test_logprobs_are_of_the_raw_logits_under_penalties(logits, penalty_case):
     token_ids = np.asarray(out.token_ids)
     np.testing.assert_array_equal(token_ids, penalized(logits, **_penalty_args(penalty_case)).argmax(-1))
     check_logprobs(logits, token_ids, out.logprob_token_ids, out.logprobs, out.sampled_rank)
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes(logits, penalty_case, mode):
+    """vLLM's --logprobs-mode: raw_logits are the logits themselves; processed_* are of the distribution
+    each token was drawn from (penalties, temperature, min-p, top-k, top-p; -inf outside it), a greedy
+    row's its penalized logits: the sampled token first, then the top ones in order, ranks over them."""
+    rng = np.random.default_rng(6)
+    temperature = np.where(np.arange(NUM_ROWS) < 4, 0.0, rng.choice([0.5, 1.0, 1.7], NUM_ROWS))
+    top_k, min_p = rng.choice([0, 5, 12], NUM_ROWS), rng.choice([0.0, 0.2], NUM_ROWS)
+    st = make_tensors(
+        NUM_ROWS, VOCAB, penalties=True, temperature=temperature, top_k=top_k, min_p=min_p,
+        seeds=rng.integers(0, 2**32, NUM_ROWS), **penalty_case,
+    )  # fmt: skip
+    out = jax.jit(partial(sample, with_logprobs=True, logprobs_mode=mode))(jnp.asarray(logits), st)
+    z = penalized(logits, **_penalty_args(penalty_case))
+    if mode == "raw_logits":
+        expected = np.asarray(logits, np.float64)
+    else:
+        expected = z.copy()
+        for row in range(4, NUM_ROWS):
+            tempered = z[row] / temperature[row]
+            probs = np.exp(tempered - tempered.max())
+            kept = probs >= min_p[row] * probs.max()
+            kept[np.argsort(-tempered)[top_k[row] or VOCAB :]] = False
+            expected[row] = np.where(kept, tempered, -np.inf)
+        if mode == "processed_logprobs":
+            expected = np.stack(
+                [np.where(np.isinf(e), -np.inf, e - np.log(np.exp(e[~np.isinf(e)]).sum())) for e in expected]
+            )
+    token_ids, ids, vals = (
+        np.asarray(out.token_ids),
+        np.asarray(out.logprob_token_ids),
+        np.asarray(out.logprobs),
+    )
+    rows = np.arange(NUM_ROWS)
+    assert np.isfinite(expected[rows, token_ids]).all() and (token_ids[4:] != z[4:].argmax(-1)).any()
+    np.testing.assert_allclose(vals[:, 0], expected[rows, token_ids], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(
+        np.asarray(out.sampled_rank), 1 + (expected > expected[rows, token_ids][:, None]).sum(-1)
+    )
+    top = np.take_along_axis(expected, ids[:, 1:], -1)  # the top entries, in order (past the kept: -inf)
+    np.testing.assert_allclose(vals[:, 1:], top, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.sort(top, -1)[:, ::-1], np.sort(expected, -1)[:, ::-1][:, :MAX_LOGPROBS])
 
 
 def test_prompt_logprobs(logits):
