@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -50,6 +51,17 @@ def add_parser(sub, add_engine_args) -> None:
         help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /tokenizer_info, /detokenize and "
         "the admin routes (also XLASERVE_API_KEY)",
     )
+    g.add_argument(
+        "--allowed-origins",
+        type=_json_list("--allowed-origins"),
+        default=[],
+        help="web pages (origins) whose scripts may call this server, as JSON: '[\"https://ui.example\"]', "
+        "'[\"*\"]' for any (vLLM's default; here none: any page a user opens could reach a local server)",
+    )
+    g.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=["*"], help="(CORS)")
+    g.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), default=["*"], help="(CORS)")
+    g.add_argument("--allow-credentials", action="store_true", help="(CORS: cookies and auth headers)")
+    g.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
     g.add_argument(
         "--enable-admin-api",
         action="store_true",
@@ -176,6 +188,21 @@ def loop_time() -> float:
     return asyncio.get_running_loop().time()
 
 
+def _json_list(flag: str):
+    """vLLM's form of the CORS flags: a JSON list of strings."""
+
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, got {text!r}")
+        return value
+
+    return parse
+
+
 def add_request_args(g) -> None:
     """The flags of how requests are read, which `serve` and `run-batch` share: the model's names, chat
     templates, where image and video URLs may point."""
@@ -294,7 +321,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         from xlaserve.entrypoints.app import build_app
         from xlaserve.entrypoints.serving.guard import MAX_HEADER_BYTES
         from xlaserve.entrypoints.serving.http11 import JSONErrorH11Protocol
-        from xlaserve.entrypoints.serving.state import ServerState
+        from xlaserve.entrypoints.serving.state import CORS, ServerState
 
         await engine.start()
     except asyncio.CancelledError:
@@ -329,6 +356,10 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         **args.tool_options,
         loras=loras,
         default_sampling=default_sampling(config),
+        enable_docs=not args.disable_fastapi_docs,
+        cors=None
+        if not args.allowed_origins
+        else CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials),
     )
     config = uvicorn.Config(
         build_app(state),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from importlib import metadata
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 
@@ -46,13 +47,25 @@ def server_version() -> str:
 
 
 def build_app(state: ServerState) -> FastAPI:
+    docs = {} if state.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(
-        title="xlaserve", version=server_version(), summary="OpenAI-compatible LLM server on JAX/XLA"
+        title="xlaserve",
+        version=server_version(),
+        summary="OpenAI-compatible LLM server on JAX/XLA",
+        **docs,
     )
     app.state.server = state
     app.router.route_class = JSONRoute
     install_error_handlers(app, UNION_TAGS)
     app.add_middleware(GuardMiddleware, api_key=state.api_key)
+    if state.cors is not None:  # outside the guard: a browser's preflight carries no API key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=state.cors.allowed_origins,
+            allow_methods=state.cors.allowed_methods,
+            allow_headers=state.cors.allowed_headers,
+            allow_credentials=state.cors.allow_credentials,
+        )
     registry = make_registry(state.engine, state.model_name)
     engine = state.engine
 

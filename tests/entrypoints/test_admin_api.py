@@ -20,6 +20,7 @@ from helpers.tiny_models import TINY_PROCESS_ENV
 from xlaserve.entrypoints import cli
 
 KEY = "sk-admin-test"
+ORIGIN = "https://ui.example"  # the one web page this module's server lets call it (--allowed-origins)
 PROMPT = [5, 17, 33, 4, 60, 8, 21, 90, 11, 3, 44, 70]
 
 
@@ -37,7 +38,7 @@ def profiles(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def admin_server(dirs, tmp_path_factory, server_cache_dir, profiles):
     flags = ["--enable-admin-api", "--enforce-eager", "--max-model-len", "128", "--served-model-name", "tiny",
-             "--profiler-dir", profiles]  # fmt: skip
+             "--profiler-dir", profiles, "--allowed-origins", json.dumps([ORIGIN])]  # fmt: skip
     proc = ServerProcess(
         str(tmp_path_factory.mktemp("logs")),
         server_cache_dir,
@@ -126,7 +127,23 @@ def test_the_admin_routes_need_the_key(admin_server):
     assert httpx.get(admin_server.url + "/is_sleeping", timeout=30).status_code == 401
 
 
-def test_without_the_flag_there_are_no_admin_routes():
+def test_pages_of_allowed_origins_may_call_the_server(admin_server):
+    """vLLM's CORS flags (--allowed-origins): a browser's preflight from the allowed page is granted
+    without the API key (browsers send none); another page's is not; an answer to the allowed page (a
+    401 without the key too) carries the grant, so its script can read the error. A server started
+    without the flag grants no page (the next test's app)."""
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    granted = httpx.options(admin_server.url + "/v1/completions", headers={"Origin": ORIGIN, **preflight})
+    assert granted.status_code == 200 and granted.headers["access-control-allow-origin"] == ORIGIN
+    refused = httpx.options(
+        admin_server.url + "/v1/completions", headers={"Origin": "https://x.example", **preflight}
+    )
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    unauthorized = httpx.get(admin_server.url + "/v1/models", headers={"Origin": ORIGIN})
+    assert unauthorized.status_code == 401 and unauthorized.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_without_the_flags_there_are_no_admin_routes_and_no_cors_and_with_one_no_docs():
     from types import SimpleNamespace
 
     from fastapi.testclient import TestClient
@@ -138,6 +155,11 @@ def test_without_the_flag_there_are_no_admin_routes():
     client = TestClient(build_app(ServerState(engine=engine, served_model_names=["tiny"])))
     for path in ("/sleep", "/wake_up", "/reset_prefix_cache", "/update_weights_from_disk"):
         assert client.post(path).status_code == 404, path
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+    assert "access-control-allow-origin" not in client.options("/v1/completions", headers=preflight).headers
+    assert [client.get(path).status_code for path in ("/docs", "/openapi.json")] == [200, 200]
+    quiet = TestClient(build_app(ServerState(engine=engine, served_model_names=["tiny"], enable_docs=False)))
+    assert [quiet.get(path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
     assert client.get("/is_sleeping").status_code == 404
 
 

@@ -15,6 +15,16 @@ from xlaserve.entrypoints.serving.tool_parsers import ToolParser
 from xlaserve.lora_request import LoRARequest
 
 
+@dataclass(frozen=True)
+class CORS:
+    """Which web pages' scripts may call the server (vLLM's --allowed-origins and its fellows)."""
+
+    allowed_origins: list[str]
+    allowed_methods: list[str]
+    allowed_headers: list[str]
+    allow_credentials: bool
+
+
 @dataclass
 class ServerState:
     engine: AsyncLLM
@@ -42,6 +52,8 @@ class ServerState:
     # What a request leaves out samples with: the model's generation config (--generation-config,
     # --override-generation-config; vLLM's default_sampling_params), else the engine's own defaults.
     default_sampling: dict = field(default_factory=dict)
+    cors: CORS | None = None  # None: no page of another origin may read an answer
+    enable_docs: bool = True  # /docs, /redoc, /openapi.json (off with --disable-fastapi-docs)
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model."""
