@@ -20,6 +20,7 @@ import signal
 
 from xlaserve.config import EngineConfig
 from xlaserve.engine.media import MediaPolicy
+from xlaserve.engine.stat_logger import log_stats, log_stats_interval
 from xlaserve.entrypoints.arg_utils import (
     add_tool_args,
     auto_tool_choice,
@@ -62,6 +63,12 @@ def add_parser(sub, add_engine_args) -> None:
     g.add_argument("--allowed-headers", type=_json_list("--allowed-headers"), default=["*"], help="(CORS)")
     g.add_argument("--allow-credentials", action="store_true", help="(CORS: cookies and auth headers)")
     g.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    g.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic log line of throughput, queues, KV cache and prefix cache use (every "
+        "XLASERVE_LOG_STATS_INTERVAL seconds, default 10, while the engine works)",
+    )
     g.add_argument(
         "--enable-admin-api",
         action="store_true",
@@ -240,6 +247,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     if args.enable_admin_api and not args.api_key:
         raise ValueError("--enable-admin-api needs --api-key (or XLASERVE_API_KEY): its routes swap weights")
+    args.log_stats_interval = log_stats_interval()  # a bad XLASERVE_LOG_STATS_INTERVAL fails at start
     if args.max_stored_responses < 0:
         raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     if args.grpc_port is not None and not 0 < args.grpc_port < 65536:
@@ -384,11 +392,18 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
             raise
     grace = asyncio.create_task(_end_after_grace(server, engine, args.shutdown_timeout))
     watchdog = asyncio.create_task(_exit_when_engine_fails(server, engine))
+    stats = (
+        None
+        if args.disable_log_stats
+        else asyncio.create_task(log_stats(engine.metrics, args.log_stats_interval))
+    )
     try:
         await server.serve()
     finally:
         grace.cancel()
         watchdog.cancel()
+        if stats is not None:
+            stats.cancel()
         if grpc_server is not None:  # its streams end with the engine's requests (_end_after_grace)
             await grpc_server.stop(grace=1.0)
         logger.info("stopping the engine core")

@@ -10,6 +10,8 @@ import glob
 import gzip
 import json
 import os
+import re
+import time
 
 import httpx
 import pytest
@@ -45,7 +47,7 @@ def admin_server(dirs, tmp_path_factory, server_cache_dir, profiles):
         flags,
         api_key=KEY,
         model=dirs[0],
-        env=TINY_PROCESS_ENV,
+        env={**TINY_PROCESS_ENV, "XLASERVE_LOG_STATS_INTERVAL": "0.5"},  # the stats line, soon
     )
     proc.wait_ready()
     yield proc
@@ -125,6 +127,24 @@ def test_the_admin_routes_need_the_key(admin_server):
         r = httpx.post(admin_server.url + path, json={"model_path": "x"}, timeout=30)
         assert r.status_code == 401, (path, r.text)
     assert httpx.get(admin_server.url + "/is_sleeping", timeout=30).status_code == 401
+
+
+def test_the_log_says_what_the_engine_did(admin_server):
+    """vLLM's periodic stats line (engine/engine/stat_logger.py; --disable-log-stats turns it off): after
+    a request, a line with its generation throughput, then one idle line, and quiet after it."""
+    complete(admin_server)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with open(admin_server.log_path, errors="replace") as f:
+            lines = [line for line in f if "Avg prompt throughput" in line]
+        if lines and "Avg generation throughput: 0.0 tokens/s, Running: 0 reqs" in lines[-1]:
+            break  # the idle line, after the request's
+        time.sleep(0.5)
+    assert re.search(r"Avg generation throughput: [1-9][0-9.]* tokens/s, Running: \d+ reqs", "".join(lines))
+    assert "Running: 0 reqs, Waiting: 0 reqs" in lines[-1]
+    time.sleep(1.5)  # three intervals, idle
+    with open(admin_server.log_path, errors="replace") as f:
+        assert sum("Avg prompt throughput" in line for line in f) == len(lines)
 
 
 def test_pages_of_allowed_origins_may_call_the_server(admin_server):
