@@ -17,25 +17,15 @@ else the target's.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
+from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.models.config import TransformerConfig
-from xlaserve.models.decoder import DecoderOnlyLM
-from xlaserve.models.layers import (
-    Attention,
-    Embedding,
-    GatedMLP,
-    Linear,
-    RMSNorm,
-    layer_specs,
-    with_shared_rope,
-)
+from xlaserve.models.draft_layer import OneLayerDrafter
+from xlaserve.models.layers import Attention, Embedding, GatedMLP, Linear, RMSNorm
 
 # The target's layers whose input the drafter reads: config.json's ids, else vLLM's default.
 AUX_LAYERS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -80,7 +70,7 @@ class Eagle3Layer(nnx.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), kv_cache
 
 
-class Eagle3Network(nnx.Module):
+class Eagle3Network(OneLayerDrafter):
     """The EAGLE-3 network (module doc); `cfg`: the draft's config (one layer), `target_hidden_size`
     and `num_aux` size `fc`; `own_embedding`: the checkpoint has `embed_tokens`."""
 
@@ -107,15 +97,6 @@ class Eagle3Network(nnx.Module):
         self.lm_head = Linear(d, draft_vocab_size, dtype=dtype, rngs=rngs)
 
     @classmethod
-    def kv_cache_spec(cls, cfg: TransformerConfig) -> KVCacheSpec:
-        """Its one layer's K and V (the draft's heads and head size)."""
-        return dataclasses.replace(DecoderOnlyLM.kv_cache_spec(cfg), num_layers=1)
-
-    @classmethod
-    def layer_stacks(cls, cfg) -> dict[str, range]:
-        return {}
-
-    @classmethod
     def prepare_hf_tensors(cls, cfg, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The released names (`fc.weight`, `midlayer.*`, `norm.weight`, `embed_tokens.weight`) under the
         loader's `model.` prefix; `lm_head.weight` as it is. (`d2t` and `t2d` are read by the drafter.)"""
@@ -133,10 +114,7 @@ class Eagle3Network(nnx.Module):
     def __call__(
         self, embeds, hidden, positions, kv_cache: KVCache, md: AttentionMetadata
     ) -> tuple[jax.Array, jax.Array, KVCache]:  # (final-norm output, pre-norm output: the next hidden)
-        md = with_shared_rope(self.cfg, positions, md)
-        spec = jax.tree.map(lambda a: jnp.asarray(a[0]), layer_specs(self.cfg))
-        cache_array = jax.tree.leaves(kv_cache)[0]
-        md = md.for_layer(0, cache_array.shape[0], cache_array.shape[1])
+        md, spec = self.one_layer_inputs(positions, kv_cache, md, 0)
         x, kv_cache = self.midlayer(embeds, hidden, positions, kv_cache, md, spec)
         return self.norm(x), x, kv_cache
 

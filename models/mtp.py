@@ -22,7 +22,6 @@ arrangement: worker/draft_model.py).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import jax
@@ -30,12 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
+from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.deepseek import DeepseekConfig, DeepseekDecoderLayer, DeepseekV3ForCausalLM
+from xlaserve.models.draft_layer import OneLayerDrafter
 from xlaserve.models.hybrid import FULL
-from xlaserve.models.layers import Linear, RMSNorm, layer_specs, with_shared_rope
+from xlaserve.models.layers import Linear, RMSNorm
 from xlaserve.models.qwen3_5 import Qwen3_5AttentionLayer, Qwen3_5ForCausalLM
 from xlaserve.models.qwen3_next import Qwen3NextAttentionLayer, Qwen3NextForCausalLM
 
@@ -64,7 +64,7 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
         super().__init__(cfg, backend, is_moe=True, dtype=dtype, rngs=rngs)
 
 
-class MultiTokenPredictor(nnx.Module):
+class MultiTokenPredictor(OneLayerDrafter):
     """The MTP module (module doc); `text_class` is the target's decoder class, whose rewriting of a
     layer's tensors (expert stacking, grouping) the MTP layer's tensors go through."""
 
@@ -91,15 +91,6 @@ class MultiTokenPredictor(nnx.Module):
         """The MTP layers config.json declares (under `text_config` in a multimodal release's)."""
         text = hf_config.get("text_config") or hf_config
         return int(text.get(cls.num_layers_key, hf_config.get(cls.num_layers_key, 0)) or 0)
-
-    @classmethod
-    def kv_cache_spec(cls, cfg: TransformerConfig) -> KVCacheSpec:
-        """One attention layer's K/V (the target's heads and head size)."""
-        return dataclasses.replace(DecoderOnlyLM.kv_cache_spec(cfg), num_layers=1)
-
-    @classmethod
-    def layer_stacks(cls, cfg) -> dict[str, range]:
-        return {}
 
     @classmethod
     def spec_layer(cls, cfg) -> int:
@@ -164,11 +155,7 @@ class MultiTokenPredictor(nnx.Module):
             embeds = jnp.where((positions == 0)[:, None], jnp.zeros_like(embeds), embeds)
         x = jnp.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1)
         x = self.fc(x)
-        md = with_shared_rope(self.cfg, positions, md)
-        first = self.spec_layer(self.cfg)
-        spec = jax.tree.map(lambda a: jnp.asarray(a[first]), layer_specs(self.cfg))
-        cache_array = jax.tree.leaves(kv_cache)[0]  # K (or the latent): [num_blocks, block_size, ...]
-        md_layer = md.for_layer(0, cache_array.shape[0], cache_array.shape[1])
+        md_layer, spec = self.one_layer_inputs(positions, kv_cache, md, self.spec_layer(self.cfg))
         x, kv_cache = self.layer(x, positions, kv_cache, md_layer, spec)
         h = self.norm(x)
         return h, h, kv_cache
@@ -192,11 +179,7 @@ class DeepseekMTP(MultiTokenPredictor):
     norm_offset = 0.0
     num_layers_key = "num_nextn_predict_layers"
     zero_first_embedding = True
-
-    @classmethod
-    def kv_cache_spec(cls, cfg: DeepseekConfig) -> KVCacheSpec:
-        """One layer of the target's latent cache (MLA's)."""
-        return dataclasses.replace(DeepseekV3ForCausalLM.kv_cache_spec(cfg), num_layers=1)
+    cache_model_class = DeepseekV3ForCausalLM  # one layer of the target's latent cache (MLA's)
 
     @classmethod
     def spec_layer(cls, cfg) -> int:

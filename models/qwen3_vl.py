@@ -1,5 +1,5 @@
 """Qwen3-VL (Qwen3VLForConditionalGeneration): Qwen2.5-VL's way with images (each at its own size, patches
-packed per bucket, M-RoPE: models/qwen2_5_vl.py), with a plainer tower and DeepStack.
+packed per bucket: models/qwen_vl_tower.py; M-RoPE: models/qwen2_5_vl.py), with a plainer tower and DeepStack.
 
 The tower: a patch matrix with a bias, a learned 2-D position table resampled (bilinear, corners aligned)
 to each image's patch grid (the host gives each patch its four taps and weights), LayerNorm blocks with a
@@ -31,14 +31,11 @@ from xlaserve.models.layers import Linear, activation
 from xlaserve.models.llama import LlamaDecoderLayer
 from xlaserve.models.multimodal import EncoderOutputs
 from xlaserve.models.qwen import Qwen3Config
-from xlaserve.models.qwen2_5_vl import (
+from xlaserve.models.qwen2_5_vl import QwenImageFields, QwenVisionLanguageLM, image_fields, text_config
+from xlaserve.models.qwen_vl_tower import (
     PatchAttention,
-    QwenImageFields,
     QwenVisionConfig,
-    QwenVisionLanguageLM,
-    image_fields,
     pack_images,
-    text_config,
     vision_fields,
     vision_rope,
 )

@@ -89,7 +89,7 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     # (the pooled image rows are few; the decoder's embeddings are replicated anyway).
     ("embeddings", "patch_embedding", "bias"): (None,),
     ("multi_modal_projector", "mm_input_projection_weight"): (None, None),
-    # Qwen2.5-VL's windowed tower (models/qwen2_5_vl.py): its MLP split by channel through the gate/up/down
+    # Qwen2.5-VL's windowed tower (models/qwen_vl_tower.py): its MLP split by channel through the gate/up/down
     # rules above and the merger's fc1/fc2 like CLIP's; its fused qkv and proj and the patch matrix whole
     # (the attention runs over the step's patches only, and a contiguous split of q|k|v is not by head).
     ("patch_embed", "kernel"): (None, None),

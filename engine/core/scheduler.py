@@ -5,8 +5,9 @@ request some of its missing tokens within `max_num_batched_tokens`: one token fo
 that is decoding, a chunk of the prompt for one that is prefilling (long prompts are split
 across steps), all in the same flat batch. Running requests are served first, in order; then
 waiting ones are admitted while the budget, `max_num_seqs` and the free KV blocks allow.
-When a running request cannot get blocks, another is preempted by recompute: its blocks are
-freed and it later recomputes prompt + outputs (usually hitting its own cached prefix).
+When a running request cannot get blocks, another is preempted by recompute (core/preemption.py).
+A decoding request's drafts, and a draft model's lookahead, get slots only where they fit
+(core/draft_slots.py).
 
 A waiting request's prompt may also be served past its device prefix hit by a KV connector (host
 offload: core/kv_connector.py): those tokens get blocks, are loaded before the step and count as computed.
@@ -25,7 +26,8 @@ Pipeline micro-batches (vLLM's batch queue; `num_micro_batches` > 1, engine/engi
 many steps are in flight at once, each of other requests, so no step needs an id another one samples and
 every id is known when a step is scheduled (no placeholders). A request in a step in flight is not
 scheduled again until that step's output is applied, and each step takes its share of the requests
-(ceil(requests / num_micro_batches)), so that the next has some left to run.
+(ceil(requests / num_micro_batches)), so that the next has some left to run. What a step in flight
+holds back: core/steps_in_flight.py.
 
 What happens once a step's output is back (tokens appended, stops, finishes) is core/step_results.py's.
 """
@@ -34,16 +36,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from xlaserve.core.draft_slots import DraftSlots
 from xlaserve.core.encoder_cache_manager import EncoderCacheManager
 from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.kv_connector import KVConnectorScheduler
 from xlaserve.core.limits import RequestLimits
 from xlaserve.core.outputs import EngineCoreOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from xlaserve.core.partial_prefills import Demands, PartialPrefills
-from xlaserve.core.policy import SchedulingPolicy, enqueue_waiting, pick_victim
+from xlaserve.core.policy import SchedulingPolicy, enqueue_waiting
+from xlaserve.core.preemption import Preemption
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.spec_decode import SpecDecodingStats
 from xlaserve.core.step_results import StepResults
+from xlaserve.core.steps_in_flight import StepsInFlight
 
 # long_prefill_token_threshold=None caps a prefill chunk at this fraction of the step's budget: with
 # the default max_num_partial_prefills=2, partial prefills take at most half of every step. That default
@@ -52,7 +57,7 @@ from xlaserve.core.step_results import StepResults
 DEFAULT_PREFILL_CHUNK_DIVISOR = 4
 
 
-class Scheduler(StepResults):
+class Scheduler(StepResults, StepsInFlight, Preemption, DraftSlots):
     """Decides, each step, which requests compute how many tokens, and applies sampled tokens."""
 
     def __init__(
@@ -201,35 +206,6 @@ class Scheduler(StepResults):
             demands[request.request_id] = min(request.num_tokens - request.num_computed_tokens, threshold)
         return Demands(demands)
 
-    def _max_seqs_this_step(self) -> int:
-        """max_num_seqs; with micro-batches, this step's share of the requests (all in one step, the
-        steps beside it would have nothing to run, and the stages nothing to overlap)."""
-        if self.num_micro_batches == 1:
-            return self.max_num_seqs
-        num_requests = min(self.max_num_seqs, len(self.running) + len(self.waiting))
-        return max(1, -(-num_requests // self.num_micro_batches))
-
-    def is_in_flight(self, request: Request) -> bool:
-        """In a micro-batch whose output is not applied yet: its next tokens are unknown."""
-        return self._in_flight.get(request.request_id) is request
-
-    def needs_known_tokens(self) -> bool:
-        """Whether the step in flight must be finished before the next is scheduled: a running request
-        with a token in flight samples under state built from its output ids on the host (penalty
-        counts, a grammar's bitmask), which a placeholder would make wrong."""
-        return any(
-            r.num_output_placeholders and (r.grammar is not None or r.sampling_params.reads_output_tokens)
-            for r in self.running
-        )
-
-    def _is_at_limit(self, request: Request) -> bool:
-        """Its tokens in flight already reach max_tokens or max_model_len: one more step would sample
-        a token the synchronous engine never samples (it would stop first)."""
-        return request.num_output_placeholders > 0 and (
-            request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
-            or request.num_tokens_with_placeholders >= self.max_model_len
-        )
-
     def _schedule_running(
         self, output: SchedulerOutput, prefills: PartialPrefills, max_seqs: int, demands: Demands
     ) -> int:
@@ -256,60 +232,17 @@ class Scheduler(StepResults):
                 continue
             spec_token_ids = self._take_drafts(request, num_missing, token_budget)
             num_new_tokens += len(spec_token_ids)
-            is_dropped = False  # preempted itself, or failed
-            while self._allocate_slots(request, num_new_tokens) is None:
-                if len(self.running) == 1:
-                    # Nothing else holds blocks, so waiting cannot help: fail rather than hang.
-                    self.running.pop(index)
-                    self._error_outputs.append(self._finish_with_error(request))
-                    is_dropped = True
-                    break
-                victim_index = pick_victim(self.running, self.policy)
-                victim = self.running[victim_index]
-                token_budget += self._preempt(victim_index, output)
-                if victim is request:
-                    is_dropped = True
-                    break
-                if victim_index < index:
-                    index -= 1
-            if is_dropped:
-                continue  # the next request slid into `index`
+            is_allocated, index, num_returned_tokens = self._allocate_or_preempt(
+                request, index, num_new_tokens, output
+            )
+            token_budget += num_returned_tokens
+            if not is_allocated:
+                continue  # preempted itself, or failed: the next request slid into `index`
             self.encoder_cache.allocate(request, request.num_computed_tokens, num_new_tokens)
             prefills.add(num_missing, num_new_tokens)
             token_budget -= self._add_scheduled(request, num_new_tokens, output, spec_token_ids)
             index += 1
         return token_budget
-
-    def _take_drafts(self, request: Request, num_missing: int, token_budget: int) -> list[int]:
-        """The drafts a decoding request verifies this step, their slots allocated: as many as the
-        budget and the free blocks allow (drafts never preempt anyone), else none."""
-        spec_token_ids, request.spec_token_ids = request.spec_token_ids, []
-        if num_missing != 1 or not spec_token_ids:
-            return []
-        spec_token_ids = spec_token_ids[: token_budget - 1]
-        num_new_tokens = 1 + len(spec_token_ids)
-        if (
-            spec_token_ids
-            and self._allocate_slots(request, num_new_tokens) is not None
-            # A state model keeps the state entering the step, to restore if a draft is rejected.
-            and self.kv_cache_manager.take_state_backup(request.request_id)
-        ):
-            return spec_token_ids
-        return []
-
-    def _allocate_slots(self, request: Request, num_new_tokens: int, hit_blocks=()):
-        """`allocate_slots`, plus up to `num_lookahead_tokens` slots past the new tokens when the blocks
-        are free and max_model_len allows (never at anyone's expense: without them the draft model's
-        later proposals are worse, never wrong)."""
-        manager = self.kv_cache_manager
-        if self.num_lookahead_tokens:
-            end = request.num_computed_tokens + len(hit_blocks) * manager.block_size + num_new_tokens
-            lookahead = min(self.num_lookahead_tokens, manager.max_blocks_per_seq * manager.block_size - end)
-            if lookahead > 0:
-                new_blocks = manager.allocate_slots(request, num_new_tokens, hit_blocks, lookahead)
-                if new_blocks is not None:
-                    return new_blocks
-        return manager.allocate_slots(request, num_new_tokens, hit_blocks)
 
     def _schedule_waiting(
         self,
@@ -413,30 +346,6 @@ class Scheduler(StepResults):
         # Advanced now, not after the step: the K/V is as good as written once scheduled.
         request.num_computed_tokens += num_new_tokens
         return num_new_tokens
-
-    def _preempt(self, victim_index: int, output: SchedulerOutput) -> int:
-        """Preempt running[victim_index] by recompute; returns the token budget it gives back."""
-        victim = self.running.pop(victim_index)
-        scheduled = next((s for s in output.scheduled if s.request is victim), None)
-        num_valid_tokens = None
-        num_returned_tokens = 0
-        if scheduled is not None:
-            # Scheduled earlier in this step (priority policy): its new K/V will never be written.
-            output.scheduled.remove(scheduled)
-            if scheduled.state_copy is not None:
-                self.kv_cache_manager.settle_state_copy(scheduled.state_copy, ran=False)
-            num_valid_tokens = scheduled.num_computed_tokens
-            num_returned_tokens = scheduled.num_new_tokens
-        self.kv_cache_manager.free(victim, num_valid_tokens=num_valid_tokens)
-        self.encoder_cache.free(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.spec_token_ids = []
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        self.num_preemptions_total += 1
-        output.preempted_req_ids.add(victim.request_id)
-        enqueue_waiting(self.waiting, victim, self.policy, is_preempted=True)
-        return num_returned_tokens
 
     # -- metrics ------------------------------------------------------------------------------
 

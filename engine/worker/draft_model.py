@@ -368,15 +368,17 @@ class DraftModel:
         return self._no_accepted[num_seqs]
 
     def _args(self, batch, hidden, token_ids, num_accepted, st: SamplingTensors, inputs) -> tuple:
+        """The step program's arguments: its weights, cache and q buffer, what it reads of the step's
+        tokens, their positions and metadata, then each row's emitted token, acceptances and host arrays."""
         ready = self.placement.step_inputs
         scalars = SamplingTensors(st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.token_index)
         if num_accepted is None:
             num_accepted = self._zeros(token_ids.shape[0])
         return (
-            self.head_params,
+            *self._weights(),
             self.kv_cache,
             self.q_buf,
-            batch.input_ids,
+            self._tokens_read(batch, hidden),
             batch.positions,
             batch.md,
             token_ids,
@@ -384,3 +386,11 @@ class DraftModel:
             ready(scalars),
             ready(inputs),
         )
+
+    def _weights(self) -> tuple:
+        """The weights the step program reads: the draft model's."""
+        return (self.head_params,)
+
+    def _tokens_read(self, batch, hidden):
+        """What the step program reads of the step's tokens: their ids (a draft model runs them again)."""
+        return batch.input_ids

@@ -36,7 +36,8 @@ from flax import nnx
 from xlaserve.core.encoder_cache_manager import EncoderCacheLayout
 from xlaserve.models.llava import tokens_per_image
 from xlaserve.models.multimodal import EncoderOutputs
-from xlaserve.models.qwen2_5_vl import QUERY_BLOCK, QwenVisionConfig, aligned, mrope_positions
+from xlaserve.models.qwen2_5_vl import mrope_positions
+from xlaserve.models.qwen_vl_tower import QUERY_BLOCK, QwenVisionConfig, aligned
 from xlaserve.models.registry import get_model_class
 from xlaserve.worker.input_batch import isolate_failures
 from xlaserve.worker.step_hooks import StepHook
@@ -44,7 +45,7 @@ from xlaserve.worker.step_hooks import StepHook
 # Images one encoder call takes at most (its buckets: 1, 2, 4); more in a step take several calls.
 MAX_ITEMS_PER_CALL = 4
 # The largest tower attention a packed-patch bucket may need: one query block's [heads, block, P] float32
-# scores (models/qwen2_5_vl.attend_patches).
+# scores (models/qwen_vl_tower.attend_patches).
 MAX_TOWER_SCORES_BYTES = 8 * 2**30
 
 

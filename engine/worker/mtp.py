@@ -240,21 +240,10 @@ class MTPDrafter(DraftModel):
     def _hidden_like(self, num_tokens: int):
         return self.placement.zeros((num_tokens, self.hidden_size), self.dtype, self.placement.replicated)
 
-    def _args(self, batch, hidden, token_ids, num_accepted, st: SamplingTensors, inputs) -> tuple:
-        _, _, q_buf, _, positions, md, token_ids, num_accepted, st, inputs = super()._args(
-            batch, hidden, token_ids, num_accepted, st, inputs
-        )
-        return (
-            self.head_params,
-            self.mtp_params,
-            self.logits_args,
-            self.kv_cache,
-            q_buf,
-            hidden,
-            positions,
-            md,
-            token_ids,
-            num_accepted,
-            st,
-            inputs,
-        )
+    def _weights(self) -> tuple:
+        """The target's (embedding and head), the layer's, and the arrays its `draft_logits` reads."""
+        return (self.head_params, self.mtp_params, self.logits_args)
+
+    def _tokens_read(self, batch, hidden):
+        """The target's hidden states (the layer reads the ids after them: `MTPInputs.next_ids`)."""
+        return hidden

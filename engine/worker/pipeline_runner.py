@@ -129,7 +129,8 @@ class PipelineStage:
 
 
 class PipelineRunner(ModelRunner):
-    """A ModelRunner whose forward runs stage by stage; `kv_cache` is the list of the stages' caches."""
+    """A ModelRunner whose forward runs stage by stage; `kv_cache` is the list of the stages' caches, and
+    `drafter` is None (a drafter's hook does not run on stages: `__init__` refuses it)."""
 
     def _load_model(self, config: EngineConfig, hf_config: dict, tensors, devices) -> LoadedModel:
         """Load every stage on its devices; the runner's own model is the last stage's (its head is the

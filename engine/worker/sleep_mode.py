@@ -75,7 +75,7 @@ def sleep(runner, level: int) -> MemoryReport:
     for leaf in jax.tree.leaves(runner.kv_cache):
         leaf.delete()
     runner.kv_cache = None
-    drafter = getattr(runner, "drafter", None)  # a pipeline's runner has none
+    drafter = runner.drafter
     if drafter is not None:
         freed += drafter.free_cache()
     if level == 2:
@@ -113,7 +113,7 @@ def wake_up(runner) -> MemoryReport:
         runner.set_param_sets(sets)
     runner.kv_cache = runner.allocate_kv_cache()
     placed += _device_bytes(runner.kv_cache)
-    if getattr(runner, "drafter", None) is not None:
+    if runner.drafter is not None:
         runner.drafter.reallocate()
         placed += _device_bytes((runner.drafter.kv_cache, runner.drafter.q_buf))
     return MemoryReport(0, placed, time.perf_counter() - start)

@@ -123,7 +123,7 @@ def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
     weights = named_arrays(weights)
     sets, names = _updated_sets(runner, weights)
     # An MTP drafter's layer (the checkpoint's `mtp.*` tensors, which the target's load leaves out).
-    drafter = getattr(runner, "drafter", None)
+    drafter = runner.drafter
     drafted = None if drafter is None else drafter.updated_weights(weights)
     runner.set_param_sets(sets)
     if drafted is not None:

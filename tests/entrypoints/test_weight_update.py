@@ -273,6 +273,7 @@ class Stages(SimpleNamespace):
 
     param_sets = PipelineRunner.param_sets
     set_param_sets = PipelineRunner.set_param_sets
+    drafter = None  # as a PipelineRunner's: no drafter runs on stages
 
     def set_params(self, params, head_dv) -> None:
         self.head_params = (params, head_dv)

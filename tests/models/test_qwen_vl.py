@@ -142,11 +142,11 @@ def test_the_towers_attention_is_each_images_own_wherever_it_is_packed():
     """At the default dtype and a released tower's head width (16 x 80): an image's attention rows are
     the same bits alone in its own bucket as packed behind another image in a larger one, in a window
     layer and a full layer (it starts a query block, and its blocks read a key window from its first
-    patch: models/qwen2_5_vl.attend_patches); in float32 they match a float64 reference."""
+    patch: models/qwen_vl_tower.attend_patches); in float32 they match a float64 reference."""
     import jax
     import jax.numpy as jnp
 
-    from xlaserve.models.qwen2_5_vl import QwenVisionConfig, attend_patches, pack_images
+    from xlaserve.models.qwen_vl_tower import QwenVisionConfig, attend_patches, pack_images
     from xlaserve.models.rope import rope_cos_sin, rotate_halves
 
     heads, head_dim = 16, 80
