@@ -53,6 +53,7 @@ class RequestStateStats:
     """Per-request timing, in the clock of `arrival_time` (seconds)."""
 
     arrival_time: float = 0.0
+    scheduled_time: float | None = None  # first scheduled (the core's EngineCoreOutput.scheduled_time)
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
@@ -76,6 +77,16 @@ class IterationStats:
     time_per_output_tokens: list[float] = field(default_factory=list)  # one per finished request
     e2e_latencies: list[float] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    # One per finished request (vLLM's): its prompt's and output's tokens; seconds waiting before it was
+    # first scheduled, then from there to its first token (prefill), from its first token to its last
+    # (decode), and from being scheduled to its last token (inference). The times of a request never
+    # scheduled, or without tokens, are left out.
+    prompt_lengths: list[int] = field(default_factory=list)
+    generation_lengths: list[int] = field(default_factory=list)
+    queue_times: list[float] = field(default_factory=list)
+    prefill_times: list[float] = field(default_factory=list)
+    decode_times: list[float] = field(default_factory=list)
+    inference_times: list[float] = field(default_factory=list)
 
     def record_tokens(
         self, stats: RequestStateStats, num_prompt_tokens: int, num_new_tokens: int, now: float
@@ -93,13 +104,24 @@ class IterationStats:
         stats.num_generation_tokens += num_new_tokens
         self.num_generation_tokens += num_new_tokens
 
-    def record_finish(self, stats: RequestStateStats, finish_reason: str, now: float) -> None:
-        """Account a finished request: end-to-end latency and mean time per output token."""
+    def record_finish(
+        self, stats: RequestStateStats, finish_reason: str, now: float, num_prompt_tokens: int
+    ) -> None:
+        """Account a finished request: its latencies, mean time per output token and lengths."""
         self.e2e_latencies.append(now - stats.arrival_time)
         self.finish_reasons.append(finish_reason)
+        self.prompt_lengths.append(num_prompt_tokens)
+        self.generation_lengths.append(stats.num_generation_tokens)
         if stats.num_generation_tokens > 1:
             decode_time = stats.last_token_time - stats.first_token_time
             self.time_per_output_tokens.append(decode_time / (stats.num_generation_tokens - 1))
+        if stats.scheduled_time is not None:
+            self.queue_times.append(max(stats.scheduled_time - stats.arrival_time, 0.0))
+            if stats.first_token_time is not None:
+                # Clocks of two processes (one host): a step faster than their skew reads 0, not less.
+                self.prefill_times.append(max(stats.first_token_time - stats.scheduled_time, 0.0))
+                self.decode_times.append(stats.last_token_time - stats.first_token_time)
+                self.inference_times.append(max(stats.last_token_time - stats.scheduled_time, 0.0))
 
 
 @dataclass

@@ -116,6 +116,9 @@ class EngineCoreOutput:
     new_logprobs: Any = None
     new_prompt_logprobs: Any = None
     num_cached_tokens: int = 0
+    # When it was first scheduled (time.time(); None before): the front end's queue, prefill and
+    # inference times (vLLM's request_*_time_seconds).
+    scheduled_time: float | None = None
     # Finished (STOP) because the last token completed the request's grammar: that token is text,
     # where a STOP otherwise ends on EOS or a stop token id, whose text is left out.
     is_grammar_complete: bool = False

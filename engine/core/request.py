@@ -149,6 +149,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit (tokens) at first scheduling
+        self.scheduled_time: float | None = None  # time.time() at first scheduling
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
         # Set by the engine when sampling_params.structured_outputs constrains the output.

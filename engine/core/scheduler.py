@@ -34,6 +34,7 @@ What happens once a step's output is back (tokens appended, stops, finishes) is 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from xlaserve.core.draft_slots import DraftSlots
@@ -309,6 +310,7 @@ class Scheduler(StepResults, StepsInFlight, Preemption, DraftSlots):
             )
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens + num_external
+                request.scheduled_time = time.time()
             request.num_computed_tokens = num_hit_tokens + num_external
             token_budget -= self._add_scheduled(request, num_new_tokens, output)
 

@@ -79,6 +79,7 @@ class StepResults:
                         new_logprobs=_new_logprobs(model_runner_output, scheduled, len(new_token_ids)),
                         new_prompt_logprobs=prompt_logprobs,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        scheduled_time=request.scheduled_time,
                         is_grammar_complete=is_grammar_complete(request),
                         kv_transfer_params=kv_transfer_params,
                     )
@@ -130,6 +131,7 @@ class StepResults:
             [],
             finish_reason=FinishReason.ERROR,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            scheduled_time=request.scheduled_time,
         )
 
     def _finish_pooling(self, request: Request, pooled) -> EngineCoreOutput:
@@ -144,6 +146,7 @@ class StepResults:
             [],
             finish_reason=FinishReason.STOP,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            scheduled_time=request.scheduled_time,
             pooling_output=pooled,
         )
 

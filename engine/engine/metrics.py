@@ -36,6 +36,11 @@ _LATENCY_BUCKETS = (
     160.0,
 )
 
+# vLLM's buckets for the request phase times (seconds) and for token counts (1, 2, 5, 10, ...).
+_REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                         120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+
 
 @dataclass
 class Metric:
@@ -107,6 +112,19 @@ class EngineMetrics:
                 "request_time_per_output_token_seconds",
                 "e2e_request_latency_seconds",
             )
+        }
+        self.histograms |= {
+            name: _Hist(_REQUEST_TIME_BUCKETS)
+            for name in (
+                "request_queue_time_seconds",
+                "request_prefill_time_seconds",
+                "request_decode_time_seconds",
+                "request_inference_time_seconds",
+            )
+        }
+        self.histograms |= {
+            name: _Hist(_TOKEN_BUCKETS)
+            for name in ("request_prompt_tokens", "request_generation_tokens", "iteration_tokens_total")
         }
         self._last_preemptions = 0
         # Speculative decoding's counters (vLLM's spec_decode_*), once a core reports them (None: off).
@@ -232,6 +250,19 @@ class EngineMetrics:
         self.histograms["inter_token_latency_seconds"].observe_all(stats.inter_token_latencies)
         self.histograms["request_time_per_output_token_seconds"].observe_all(stats.time_per_output_tokens)
         self.histograms["e2e_request_latency_seconds"].observe_all(stats.e2e_latencies)
+        for name, values in (
+            ("request_queue_time_seconds", stats.queue_times),
+            ("request_prefill_time_seconds", stats.prefill_times),
+            ("request_decode_time_seconds", stats.decode_times),
+            ("request_inference_time_seconds", stats.inference_times),
+            ("request_prompt_tokens", stats.prompt_lengths),
+            ("request_generation_tokens", stats.generation_lengths),
+        ):
+            self.histograms[name].observe_all(values)
+        if stats.num_prompt_tokens or stats.num_generation_tokens:  # a step's tokens (vLLM's per iteration)
+            self.histograms["iteration_tokens_total"].observe_all(
+                [stats.num_prompt_tokens + stats.num_generation_tokens]
+            )
 
     def snapshot(self) -> list[Metric]:
         metrics: list[Metric] = [Counter(PREFIX + k, value=v) for k, v in self.counters.items()]

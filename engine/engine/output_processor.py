@@ -282,6 +282,8 @@ class OutputProcessor:
         self, state: RequestState, core_output: EngineCoreOutput, reqs_to_abort: list[str], now: float
     ) -> RequestOutput | None:
         new_token_ids = list(core_output.new_token_ids)
+        if state.stats.scheduled_time is None:
+            state.stats.scheduled_time = core_output.scheduled_time
         self._stats.record_tokens(state.stats, len(state.prompt_token_ids), len(new_token_ids), now)
         if core_output.num_cached_tokens and not state.num_cached_tokens:
             state.num_cached_tokens = core_output.num_cached_tokens
@@ -313,7 +315,7 @@ class OutputProcessor:
         has_news = bool(new_token_ids) or bool(core_output.new_prompt_logprobs)
         request_output = state.make_request_output(finish_reason, stop_reason, has_news)
         if finish_reason is not None:
-            self._stats.record_finish(state.stats, finish_reason, now)
+            self._stats.record_finish(state.stats, finish_reason, now, len(state.prompt_token_ids))
             self._remove(state.request_id)
         return request_output
 
@@ -321,7 +323,7 @@ class OutputProcessor:
         """The request's last output, finish_reason "error", built without its (failed) detokenizer."""
         self._remove(state.request_id)
         reason = str(FinishReason.ERROR)
-        self._stats.record_finish(state.stats, reason, now)
+        self._stats.record_finish(state.stats, reason, now, len(state.prompt_token_ids))
         completion = CompletionOutput(index=state.index, text="", token_ids=[], finish_reason=reason)
         if state.parent is not None:
             return state.parent.make_request_output(state, completion, is_child_finished=True)

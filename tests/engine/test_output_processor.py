@@ -230,16 +230,30 @@ def test_abort_outputs_end_the_stream_with_abort(processor, tokenizer):
 def test_iteration_stats(processor, tokenizer):
     prompt_ids = _add(processor, tokenizer, arrival_time=10.0)
     ids = tokenizer.encode("x y z")
-    _step(processor, EngineCoreOutput("r", ids[:1], num_cached_tokens=16), now=10.5)
-    _step(processor, EngineCoreOutput("r", ids[1:2]), now=10.75)
-    (out,) = _step(processor, EngineCoreOutput("r", ids[2:3], "length"), now=11.5).request_outputs
+    # First scheduled at 10.125 (the core's clock, sent with every output): queued 0.125 s, its prefill
+    # took until its first token at 10.5, its decode until its last at 11.5.
+    scheduled = {"scheduled_time": 10.125}
+    _step(processor, EngineCoreOutput("r", ids[:1], num_cached_tokens=16, **scheduled), now=10.5)
+    _step(processor, EngineCoreOutput("r", ids[1:2], **scheduled), now=10.75)
+    (out,) = _step(
+        processor, EngineCoreOutput("r", ids[2:3], "length", **scheduled), now=11.5
+    ).request_outputs
     stats = processor.drain_stats()
     assert stats.time_to_first_tokens == [0.5] and stats.inter_token_latencies == [0.25, 0.75]
     assert stats.time_per_output_tokens == [0.5] and stats.e2e_latencies == [1.5]
     assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (len(prompt_ids), 3)
     assert stats.finish_reasons == ["length"]
+    assert (stats.queue_times, stats.prefill_times, stats.decode_times) == ([0.125], [0.375], [1.0])
+    assert stats.inference_times == [1.375]
+    assert (stats.prompt_lengths, stats.generation_lengths) == ([len(prompt_ids)], [3])
     assert out.num_cached_tokens == 16 and out.metrics.first_token_latency == 0.5
     assert processor.drain_stats().time_to_first_tokens == []
+    # Failed before it was ever scheduled: its lengths count, no phase time does.
+    _add(processor, tokenizer, request_id="q", arrival_time=20.0)
+    _step(processor, EngineCoreOutput("q", [], FinishReason.ERROR), now=20.5)
+    stats = processor.drain_stats()
+    assert stats.e2e_latencies == [0.5] and stats.generation_lengths == [0]
+    assert stats.queue_times == stats.prefill_times == stats.inference_times == []
 
 
 def test_bad_requests_are_rejected(processor, tokenizer):

@@ -11,20 +11,11 @@ import pytest
 from xlaserve.core.spec_decode import SpecDecodingStats
 from xlaserve.engine.metrics import EngineMetrics
 from xlaserve.engine.stat_logger import StatLogger, log_stats_interval
+from xlaserve.outputs import IterationStats
 
 
 def step(metrics: EngineMetrics, *, prompt=0, generated=0, queries=0, hits=0, running=0, waiting=0, kv=0.0):
-    metrics.record_iteration(
-        SimpleNamespace(
-            num_prompt_tokens=prompt,
-            num_generation_tokens=generated,
-            finish_reasons=[],
-            time_to_first_tokens=[],
-            inter_token_latencies=[],
-            time_per_output_tokens=[],
-            e2e_latencies=[],
-        )
-    )
+    metrics.record_iteration(IterationStats(num_prompt_tokens=prompt, num_generation_tokens=generated))
     metrics.record_scheduler(
         SimpleNamespace(
             num_running=running,

@@ -363,7 +363,22 @@ def test_metrics_are_named_like_vllm(llm):
         "kv_cache_usage_perc",
     ):
         assert f"xlaserve:{name}" in names
+    llm.generate("Queue, prefill, decode:", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert _metric(llm, "generation_tokens") > 0
+    # vLLM's per-request phases and lengths, one sample per finished request (the module's so far):
+    # inference = prefill + decode for each request that got a token, a queue time for each scheduled.
+    hist = {m.name.removeprefix("xlaserve:"): m for m in llm.get_metrics() if hasattr(m, "buckets")}
+    prefill, decode, inference = (
+        hist[f"request_{n}_time_seconds"] for n in ("prefill", "decode", "inference")
+    )
+    assert 0 < prefill.count == decode.count == inference.count <= hist["request_queue_time_seconds"].count
+    assert inference.sum == pytest.approx(prefill.sum + decode.sum, rel=1e-9)
+    finished = hist["e2e_request_latency_seconds"].count
+    assert hist["request_prompt_tokens"].count == hist["request_generation_tokens"].count == finished
+    assert hist["request_generation_tokens"].sum >= _metric(llm, "generation_tokens") > 0
+    assert hist["iteration_tokens_total"].sum == _metric(llm, "generation_tokens") + _metric(
+        llm, "prompt_tokens"
+    )
     runner = llm.engine_core.runner
     assert _metric(llm, "num_kv_blocks") == runner.num_blocks
     assert _metric(llm, "model_weight_bytes") == runner.weight_bytes > 1e8  # ~135M parameters

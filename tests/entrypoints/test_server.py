@@ -305,6 +305,13 @@ def test_metrics_names(server):
         "inter_token_latency_seconds_bucket",
         "e2e_request_latency_seconds_sum",
         "request_time_per_output_token_seconds_count",
+        "request_queue_time_seconds_count",
+        "request_prefill_time_seconds_sum",
+        "request_decode_time_seconds_bucket",
+        "request_inference_time_seconds_count",
+        "request_prompt_tokens_bucket",
+        "request_generation_tokens_sum",
+        "iteration_tokens_total_count",
     ):
         assert "xlaserve:" + name in names, name
     # What the engine holds: SmolLM2's ~135M weights, and the KV blocks of its budget.

@@ -35,6 +35,14 @@ _DOCS = {
     "inter_token_latency_seconds": "Time between consecutive output tokens of a request.",
     "request_time_per_output_token_seconds": "Mean time per output token after the first, per request.",
     "e2e_request_latency_seconds": "End-to-end request latency.",
+    "request_queue_time_seconds": "Time a request waited before it was first scheduled.",
+    "request_prefill_time_seconds": "Time from a request's first scheduling to its first token.",
+    "request_decode_time_seconds": "Time from a request's first token to its last.",
+    "request_inference_time_seconds": "Time from a request's first scheduling to its last token.",
+    "request_prompt_tokens": "Prompt tokens of each finished request.",
+    "request_generation_tokens": "Generated tokens of each finished request.",
+    "iteration_tokens_total": "Tokens an engine step completed: the prompts of requests that got their "
+    "first token in it, and the tokens it generated.",
     "engine_core_restarts": "Engine core processes started to replace one that died.",
     "spec_decode_num_drafts": "Speculative decoding: requests' verifications (one per request with drafts "
     "per step).",
