@@ -37,7 +37,7 @@ LINES = {
     "chat-2": {"url": "/v1/chat/completions", "body": {**CHAT, "max_tokens": 3, "temperature": 0}},
     "responses": {"url": "/v1/responses", "body": {**RESPONSE, "temperature": 0}},
     "responses-stream": {"url": "/v1/responses", "body": {**RESPONSE, "stream": True}},
-    "responses-background": {"url": "/v1/responses", "body": {**RESPONSE, "background": True}},
+    "responses-background": {"url": "/v1/responses", "body": {**RESPONSE, "background": True, "store": True}},
     "responses-bad": {"url": "/v1/responses", "body": {**RESPONSE, "max_output_tokens": -1}},
 }
 NUM_RUN = 4  # the lines that reach the engine
