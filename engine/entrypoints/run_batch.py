@@ -88,7 +88,12 @@ def add_parser(sub, add_engine_args) -> None:
         action="store_true",
         help="serve the engine's Prometheus metrics (the server's /metrics) while the batch runs",
     )
-    g.add_argument("--url", default="0.0.0.0", help="with --enable-metrics: the address to serve them on")
+    g.add_argument(
+        "--url",
+        default="127.0.0.1",
+        help="with --enable-metrics: the address to serve them on (0.0.0.0: every interface; as "
+        "`serve --host`, this host only unless asked)",
+    )
     g.add_argument("--port", type=int, default=8000, help="with --enable-metrics: the port to serve them on")
     add_tool_args(p)
     p.set_defaults(func=cmd_run_batch)

@@ -5,6 +5,7 @@ OpenAIEmbeddings against Hugging Face,
 input (`messages`) against its rendered template (a request's own `chat_template` too, which this server
 trusts), and bad input (the chat fields' wrong types among it) as 400s naming the field. The server warms up
 under the strict compile guard, so every answer here also proves pooling compiled nothing after it.
+`xlaserve run-batch` on the same model answers its embeddings, score and rerank lines as this server does.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def file_server():
     """(its base URL, its files by path), on 127.0.0.1; /small.jsonl holds two lines."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FileHandler)
     server.files = {"/small.jsonl": b'{"custom_id": "a"}\n{"custom_id": "b"}\n'}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)  # a quick shutdown
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", server.files
     server.shutdown()
