@@ -188,14 +188,6 @@ async def _run(
     # Here, not at the top: `xlaserve --help` and the other commands start without jax or fastapi.
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from xlaserve.engine.async_llm import AsyncLLM
-    from xlaserve.engine.media import MediaPolicy
-    from xlaserve.entrypoints.app import build_app
-    from xlaserve.entrypoints.serving.metrics import EngineCollector
-    from xlaserve.entrypoints.serving.state import ServerState
-
-    served_model_names = args.served_model_name or [args.model or "smollm2"]
-    loras = lora_registry(config, args.lora_modules, served_model_names)
     metrics_server = None
     if args.enable_metrics:  # bound before the engine starts: a port in use fails fast
         registry = CollectorRegistry(auto_describe=False)
@@ -204,6 +196,14 @@ async def _run(
         except OSError as e:
             raise ValueError(f"--url/--port: cannot serve metrics on {args.url}:{args.port}: {e}") from None
     try:
+        from xlaserve.engine.async_llm import AsyncLLM
+        from xlaserve.engine.media import MediaPolicy
+        from xlaserve.entrypoints.app import build_app
+        from xlaserve.entrypoints.serving.metrics import EngineCollector
+        from xlaserve.entrypoints.serving.state import ServerState
+
+        served_model_names = args.served_model_name or [args.model or "smollm2"]
+        loras = lora_registry(config, args.lora_modules, served_model_names)
         engine = AsyncLLM.from_config(config, log_level=args.log_level)
         if metrics_server is not None:
             registry.register(EngineCollector(engine, served_model_names[0]))
