@@ -1,5 +1,7 @@
 """`xlaserve run-batch -i requests.jsonl -o results.jsonl`: a file in OpenAI's Batch API format, run
-without a server (vLLM's `run-batch`).
+without a server (vLLM's `run-batch`). Either may be an http(s) URL: the input is fetched (GET) before
+the engine starts, so a bad URL costs no start; the results are staged in a file and uploaded (PUT, as
+to a presigned object-store URL) once every line is done.
 
 Each line's body goes to the server's own app (app.build_app) in this process, as an ASGI call: no
 socket, no uvicorn, but the same routes, validation and error handlers, so a line's response body is
@@ -11,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import logging
 import os
+import tempfile
 import uuid
 
 from tqdm import tqdm
@@ -39,6 +43,7 @@ logger = logging.getLogger("xlaserve.entrypoints.run_batch")
 BATCH_URLS = (
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/embeddings",
     "/v1/score",
     "/v1/rerank",
@@ -46,20 +51,50 @@ BATCH_URLS = (
 # Lines in flight at once, per engine sequence: enough to keep every step full, few enough to bound
 # the memory a long file's pending lines hold.
 _IN_FLIGHT_PER_SEQ = 2
+# The GET of an input URL and the PUT of the results: seconds to connect, and to wait on each read or
+# write (not the whole transfer: a large file takes longer).
+_CONNECT_TIMEOUT_S = 30.0
+_IO_TIMEOUT_S = 300.0
 
 
 def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser(
         "run-batch",
-        help="run a JSONL file of OpenAI batch requests (chat, completions, embeddings, score, rerank) "
-        "without a server; write one JSONL result a line, in order",
+        help="run a JSONL file of OpenAI batch requests (chat, completions, responses, embeddings, score, "
+        "rerank) without a server; write one JSONL result a line, in order",
     )
-    p.add_argument("-i", "--input-file", required=True, help="the requests: a local JSONL file")
-    p.add_argument("-o", "--output-file", required=True, help="where to write the results (JSONL)")
+    p.add_argument(
+        "-i", "--input-file", required=True, help="the requests: a local JSONL file, or an http(s) URL to GET"
+    )
+    p.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        help="where to write the results (JSONL): a local file, or an http(s) URL to PUT them to",
+    )
+    p.add_argument(
+        "--output-tmp-dir",
+        default=None,
+        help="with an -o URL: the folder where the results are staged before the upload (default: the "
+        "system's temporary folder); the staged file is removed once uploaded, kept if the upload fails",
+    )
     add_engine_args(p)
     g = p.add_argument_group("serving")
     add_request_args(g)
     g.add_argument("--disable-progress-bar", action="store_true", help="no progress bar on stderr")
+    g = p.add_argument_group("metrics")
+    g.add_argument(
+        "--enable-metrics",
+        action="store_true",
+        help="serve the engine's Prometheus metrics (the server's /metrics) while the batch runs",
+    )
+    g.add_argument(
+        "--url",
+        default="127.0.0.1",
+        help="with --enable-metrics: the address to serve them on (0.0.0.0: every interface; as "
+        "`serve --host`, this host only unless asked)",
+    )
+    g.add_argument("--port", type=int, default=8000, help="with --enable-metrics: the port to serve them on")
     add_tool_args(p)
     p.set_defaults(func=cmd_run_batch)
 
@@ -67,73 +102,151 @@ def add_parser(sub, add_engine_args) -> None:
 def cmd_run_batch(args: argparse.Namespace) -> int:
     if run_follower_if_needed(args):  # node_rank > 0 of a multi-host engine: only steps
         return 0
-    for flag, path in (("--input-file", args.input_file), ("--output-file", args.output_file)):
-        if path.startswith(("http://", "https://")):
-            raise ValueError(f"{flag}: {path!r} is a URL; run-batch reads and writes local files only")
-    if not os.path.isfile(args.input_file):
-        raise ValueError(f"--input-file: {args.input_file!r} is not a file")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output_file))):
+    is_upload = _is_url(args.output_file)
+    if not is_upload and not os.path.isdir(os.path.dirname(os.path.abspath(args.output_file))):
         raise ValueError(f"--output-file: the folder of {args.output_file!r} does not exist")
+    if args.output_tmp_dir is not None and not os.path.isdir(args.output_tmp_dir):
+        raise ValueError(f"--output-tmp-dir: {args.output_tmp_dir!r} is not a folder")
+    if args.enable_metrics and not 0 <= args.port <= 65535:
+        raise ValueError(f"--port: {args.port} is not a port (0 to 65535)")
     config = engine_config(args)
     args.lora_modules = parse_lora_modules(args.lora_modules)
     if args.lora_modules and not config.lora.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     chat_template = load_chat_template(args.chat_template)
     args.tool_options = tool_options(args)
-    with open(args.input_file, encoding="utf-8", errors="surrogateescape") as f:
-        num_lines = sum(1 for line in f if line.strip())  # the progress bar's total
-    return asyncio.run(_run(args, config, chat_template, num_lines))
+    with read_input(args.input_file) as inp:
+        num_lines = sum(1 for line in inp if line.strip())  # the progress bar's total
+        inp.seek(0)
+        if not is_upload:
+            return asyncio.run(_run(args, config, chat_template, inp, args.output_file, num_lines))
+        fd, staged = tempfile.mkstemp(prefix="run-batch-", suffix=".jsonl", dir=args.output_tmp_dir)
+        os.close(fd)
+        try:
+            asyncio.run(_run(args, config, chat_template, inp, staged, num_lines))
+        except BaseException:
+            os.remove(staged)  # a run that did not finish has no results to upload
+            raise
+    upload(staged, args.output_file)
+    return 0
 
 
-async def _run(args: argparse.Namespace, config, chat_template: str | None, num_lines: int) -> int:
-    # Here, not at the top: `xlaserve --help` and the other commands start without jax or fastapi.
-    from xlaserve.engine.async_llm import AsyncLLM
-    from xlaserve.engine.media import MediaPolicy
-    from xlaserve.entrypoints.app import build_app
-    from xlaserve.entrypoints.serving.state import ServerState
+def _is_url(path: str) -> bool:
+    return path.startswith(("http://", "https://"))
 
-    served_model_names = args.served_model_name or [args.model or "smollm2"]
-    loras = lora_registry(config, args.lora_modules, served_model_names)
-    engine = AsyncLLM.from_config(config, log_level=args.log_level)
-    await engine.start()
-    await check_started_engine(engine, loras, args.tool_options["reasoning_parser_cls"])
+
+def _shown(url: str) -> str:
+    """The URL for a message, less its query: a presigned URL's signature is a credential."""
+    return url.split("?", 1)[0] + ("?..." if "?" in url else "")
+
+
+def _http_timeout():
+    import httpx  # here: the CLI starts without it
+
+    return httpx.Timeout(_IO_TIMEOUT_S, connect=_CONNECT_TIMEOUT_S)
+
+
+def read_input(path: str) -> io.TextIOBase:
+    """The requests as a text stream: a local file, or the body of an http(s) URL (held in memory)."""
+    if not _is_url(path):
+        if not os.path.isfile(path):
+            raise ValueError(f"--input-file: {path!r} is not a file")
+        return open(path, encoding="utf-8", errors="surrogateescape")
+    import httpx
+
     try:
-        state = ServerState(
-            engine=engine,
-            served_model_names=served_model_names,
-            chat_template=chat_template,
-            trust_request_chat_template=args.trust_request_chat_template,
-            log_requests=False,
-            enable_playground=False,
-            media_policy=MediaPolicy(
-                args.allowed_local_media_path,
-                tuple(d.lower() for d in args.allowed_media_domains),
-                engine.config.model.video_num_frames,
-            ),
-            **args.tool_options,
-            loras=loras,
-            default_sampling=default_sampling(config),
+        reply = httpx.get(path, follow_redirects=True, timeout=_http_timeout())
+    except httpx.HTTPError as e:
+        raise ValueError(f"--input-file: GET {_shown(path)} failed: {e}") from None
+    if not reply.is_success:
+        raise ValueError(
+            f"--input-file: GET {_shown(path)} answered {reply.status_code} {reply.reason_phrase}"
         )
-        max_in_flight = _IN_FLIGHT_PER_SEQ * engine.config.scheduler.max_num_seqs
-        counts = await run_file(
-            build_app(state),
-            args.input_file,
-            args.output_file,
-            max_in_flight,
-            num_lines,
-            not args.disable_progress_bar,
-        )
+    return io.TextIOWrapper(io.BytesIO(reply.content), encoding="utf-8", errors="surrogateescape")
+
+
+def upload(staged: str, url: str) -> None:
+    """PUT the results file `staged` to `url` (its length in Content-Length, as a presigned object-store
+    URL requires), then remove it; kept, and named in the error, when the upload fails."""
+    import httpx
+
+    try:
+        with open(staged, "rb") as f:
+            reply = httpx.put(url, content=f, timeout=_http_timeout())
+        problem = None if reply.is_success else f"answered {reply.status_code} {reply.reason_phrase}"
+    except httpx.HTTPError as e:
+        problem = f"failed: {e}"
+    if problem is not None:
+        raise ValueError(f"--output-file: PUT {_shown(url)} {problem}; the results are kept in {staged}")
+    os.remove(staged)
+    logger.info("run-batch: results uploaded to %s", _shown(url))
+
+
+async def _run(
+    args: argparse.Namespace, config, chat_template: str | None, inp, output_file: str, num_lines: int
+) -> int:
+    # Here, not at the top: `xlaserve --help` and the other commands start without jax or fastapi.
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    metrics_server = None
+    if args.enable_metrics:  # bound before the engine starts: a port in use fails fast
+        registry = CollectorRegistry(auto_describe=False)
+        try:
+            metrics_server, _ = start_http_server(args.port, args.url, registry)
+        except OSError as e:
+            raise ValueError(f"--url/--port: cannot serve metrics on {args.url}:{args.port}: {e}") from None
+    try:
+        from xlaserve.engine.async_llm import AsyncLLM
+        from xlaserve.engine.media import MediaPolicy
+        from xlaserve.entrypoints.app import build_app
+        from xlaserve.entrypoints.serving.metrics import EngineCollector
+        from xlaserve.entrypoints.serving.state import ServerState
+
+        served_model_names = args.served_model_name or [args.model or "smollm2"]
+        loras = lora_registry(config, args.lora_modules, served_model_names)
+        engine = AsyncLLM.from_config(config, log_level=args.log_level)
+        if metrics_server is not None:
+            registry.register(EngineCollector(engine, served_model_names[0]))
+            logger.info("run-batch: metrics on http://%s:%d/metrics", args.url, args.port)
+        await engine.start()
+        await check_started_engine(engine, loras, args.tool_options["reasoning_parser_cls"])
+        try:
+            state = ServerState(
+                engine=engine,
+                served_model_names=served_model_names,
+                chat_template=chat_template,
+                trust_request_chat_template=args.trust_request_chat_template,
+                log_requests=False,
+                enable_playground=False,
+                media_policy=MediaPolicy(
+                    args.allowed_local_media_path,
+                    tuple(d.lower() for d in args.allowed_media_domains),
+                    engine.config.model.video_num_frames,
+                ),
+                **args.tool_options,
+                loras=loras,
+                default_sampling=default_sampling(config),
+            )
+            max_in_flight = _IN_FLIGHT_PER_SEQ * engine.config.scheduler.max_num_seqs
+            counts = await run_file(
+                build_app(state), inp, output_file, max_in_flight, num_lines, not args.disable_progress_bar
+            )
+        finally:
+            await engine.shutdown()
     finally:
-        await engine.shutdown()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
     logger.info("run-batch: %d lines, %d answered 200, %d with an error", sum(counts), *counts)
     return 0
 
 
 async def run_file(
-    app, input_file: str, output_file: str, max_in_flight: int, num_lines: int, progress: bool = True
+    app, inp, output_file: str, max_in_flight: int, num_lines: int, progress: bool = True
 ) -> tuple[int, int]:
-    """Run every non-blank line of `input_file` through `app`, at most `max_in_flight` at once, and
-    write the results to `output_file` in the input's order; returns (lines answered 200, the others)."""
+    """Run every non-blank line of the text stream `inp` through `app`, at most `max_in_flight` at once,
+    and write the results to `output_file` in the input's order; returns (lines answered 200, the
+    others)."""
     done: dict[int, dict] = {}
     next_to_write = 0
     counts = [0, 0]
@@ -155,7 +268,6 @@ async def run_file(
 
     tasks = set()
     with (
-        open(input_file, encoding="utf-8", errors="surrogateescape") as inp,
         # A custom_id holding a lone surrogate is written as its JSON escape.
         open(output_file, "w", encoding="utf-8", errors="backslashreplace") as out,
         bar,
@@ -217,6 +329,13 @@ def _check_line(request: dict) -> tuple[int, dict] | None:
         return _error(
             "'stream' is not supported in a batch file: each line gets its whole response",
             "stream",
+            "unsupported_value",
+        )
+    if request["url"] == "/v1/responses" and request["body"].get("background") is True:
+        return _error(
+            "'background' is not supported in a batch file: the run ends with its last line's response, "
+            "so a response left running would be lost",
+            "background",
             "unsupported_value",
         )
     return None

@@ -5,6 +5,7 @@ OpenAIEmbeddings against Hugging Face,
 input (`messages`) against its rendered template (a request's own `chat_template` too, which this server
 trusts), and bad input (the chat fields' wrong types among it) as 400s naming the field. The server warms up
 under the strict compile guard, so every answer here also proves pooling compiled nothing after it.
+`xlaserve run-batch` on the same model answers its embeddings, score and rerank lines as this server does.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import pytest
 import torch
 
 from helpers.family_cases import make_hf_model, one_torch_thread, save_hf_model, word_tokenizer  # noqa: F401
-from helpers.server_harness import running_server
-from helpers.tiny_models import TINY_PROCESS_ENV
+from helpers.server_harness import engine_flags, running_server
+from helpers.tiny_models import TINY_PROCESS_ENV, TINY_PROCESS_XLA_FLAGS
+from xlaserve.entrypoints.cli import main
 
 TOL = 1e-4
 NAME = "tiny-embed"
@@ -34,9 +36,15 @@ FLAGS = ["--runner", "pooling", "--served-model-name", NAME, "--max-model-len", 
 
 
 @pytest.fixture(scope="module")
-def pooling_server(tmp_path_factory, server_cache_dir):
+def pooling_model(tmp_path_factory):
+    """(the Hugging Face model, its saved directory)."""
     model = make_hf_model("LlamaForCausalLM", seed=3)
-    path = save_hf_model(model, tmp_path_factory.mktemp("pooling_model"))
+    return model, save_hf_model(model, tmp_path_factory.mktemp("pooling_model"))
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory, server_cache_dir, pooling_model):
+    model, path = pooling_model
     logs = str(tmp_path_factory.mktemp("pooling-logs"))
     with running_server(logs, server_cache_dir, extra_args=FLAGS, model=path, env=TINY_PROCESS_ENV) as proc:
         yield proc, model
@@ -337,3 +345,47 @@ def test_bench_serve_loads_the_embeddings_route(pooling_server, tmp_path):
         tokens = sum(len(http.post("/tokenize", json={"prompt": t}).json()["tokens"]) for t in texts)
     assert run["input_tokens_per_s"] == pytest.approx(tokens / run["elapsed_s"])
     assert run["e2e_s"]["p50"] > 0 and run["ttft_s"] == {} and run["output_tokens_per_s"] == 0
+
+
+def _split_floats(body):
+    """The body less its per-request id and time, its floats zeroed; and those floats, in order."""
+    floats = []
+
+    def split(x):
+        if isinstance(x, float):
+            floats.append(x)
+            return 0.0
+        if isinstance(x, dict):
+            return {k: split(v) for k, v in x.items() if k not in ("id", "created")}
+        return [split(v) for v in x] if isinstance(x, list) else x
+
+    return split(body), floats
+
+
+def test_run_batch_lines_are_the_servers(pooling_model, http, tmp_path, monkeypatch):
+    """`xlaserve run-batch` on this model (in process, its own engine, compiled as the server's): its
+    /v1/embeddings, /v1/score and /v1/rerank lines, and a chat line the pooling runner refuses, are
+    answered as this server answers the same bodies."""
+    lines = {
+        "embed": ("/v1/embeddings", {"model": NAME, "input": ["w5 w6 w7 w8", "w11 w12"]}),
+        "score": ("/v1/score", {"model": NAME, "text_1": "w5 w6", "text_2": ["w7 w8 w9", "w11"]}),
+        "rerank": ("/v1/rerank", {"model": NAME, "query": "w5 w6", "documents": ["w7 w8 w9", "w11"]}),
+        "chat": ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "w5"}]}),
+    }
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for custom_id, (url, body) in lines.items():
+            f.write(json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body}) + "\n")
+    monkeypatch.setenv("XLA_FLAGS", TINY_PROCESS_XLA_FLAGS)  # the engine core's, as the server's
+    argv = ["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+    assert main([*argv, "--model", pooling_model[1], *engine_flags(), *FLAGS, "--disable-progress-bar"]) == 0
+    with open(tmp_path / "out.jsonl") as f:
+        results = [json.loads(line) for line in f]
+    assert [r["custom_id"] for r in results] == list(lines)
+    for result, (url, body) in zip(results, lines.values(), strict=True):
+        reply = http.post(url, json=body)
+        assert result["response"]["status_code"] == reply.status_code
+        got, got_floats = _split_floats(result["response"]["body"])
+        expected, expected_floats = _split_floats(reply.json())
+        assert got == expected
+        assert got_floats == pytest.approx(expected_floats, abs=TOL)
+    assert [r["response"]["status_code"] for r in results] == [200, 200, 200, 400]
