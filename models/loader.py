@@ -40,8 +40,9 @@ from xlaserve.models.model_path import (  # noqa: F401
 )
 from xlaserve.models.orbax_checkpoint import ConvertedParams, load_converted
 from xlaserve.models.processor_settings import read_settings
-from xlaserve.models.safetensors_loader import load_safetensors
+from xlaserve.models.safetensors_loader import load_safetensors, safetensors_files
 from xlaserve.models.tokenizer import directory_tokenizer, load_tokenizer  # noqa: F401
+from xlaserve.models.torch_bin_loader import load_torch_bin, torch_bin_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,9 +191,22 @@ def _load_gguf(path: str, progress: bool, with_tokenizer: bool, source: str, qua
 
 def _load_safetensors_dir(path: str, progress: bool, with_tokenizer: bool) -> Checkpoint:
     hf_config = _read_config_json(path)
-    tensors = load_safetensors(path, progress=progress)
+    tensors = read_weights(path, progress=progress)
     tokenizer = directory_tokenizer(path) if with_tokenizer else None
     return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=f"safetensors {path}")
+
+
+def read_weights(path: str, *, progress: bool = True) -> dict:
+    """A model directory's tensors, read lazily: its safetensors files, else its PyTorch checkpoint
+    (pytorch_model.bin: models/torch_bin_loader.py); ValueError naming the directory when it has neither."""
+    if safetensors_files(path):
+        return load_safetensors(path, progress=progress)
+    if torch_bin_files(path):
+        return load_torch_bin(path, progress=progress)
+    raise ValueError(
+        f"{path!r} has no weights: no model.safetensors (nor its index, nor other *.safetensors) and no "
+        "pytorch_model.bin (nor its index)"
+    )
 
 
 def _load_dummy(model: str | None, seed: int, with_tokenizer: bool) -> Checkpoint:

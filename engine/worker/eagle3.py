@@ -29,10 +29,9 @@ from xlaserve.kernels import cpu_dot
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.eagle3 import AUX_LAYERS_KEY, Eagle3Network, aux_layer_ids
-from xlaserve.models.loader import complete_config
+from xlaserve.models.loader import complete_config, read_weights
 from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class
-from xlaserve.models.safetensors_loader import load_safetensors
 from xlaserve.models.weights import load_params
 from xlaserve.worker.model_loader import pack_projections
 from xlaserve.worker.mtp import MTPDrafter
@@ -97,8 +96,8 @@ def _read_checkpoint(path: str, target_cfg: TransformerConfig) -> tuple[dict, di
             f"hidden_size ({target_cfg.hidden_size})"
         )
     try:
-        return hf_config, load_safetensors(os.path.expanduser(path), progress=False)
-    except ValueError as e:  # no safetensors (a release's pytorch_model.bin is not read)
+        return hf_config, read_weights(os.path.expanduser(path), progress=False)
+    except ValueError as e:  # no weights, or a PyTorch file that is not a state dict
         raise _refuse(str(e)) from e
 
 

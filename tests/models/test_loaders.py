@@ -3,6 +3,7 @@
 import functools
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -319,7 +320,7 @@ def _tiny_tokenizer():
     )
 
 
-def _save_tiny_llama(directory, dtype_name: str, max_shard_size=None):
+def _save_tiny_llama(directory, dtype_name: str, max_shard_size=None, safe_serialization=True):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -336,17 +337,41 @@ def _save_tiny_llama(directory, dtype_name: str, max_shard_size=None):
     model = LlamaForCausalLM(config).to(getattr(torch, dtype_name))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
+    if not safe_serialization:  # transformers 5 writes safetensors only: PyTorch's files as older releases
+        _as_pytorch_files(directory, model.state_dict(), sharded=max_shard_size is not None)
     _tiny_tokenizer().save_pretrained(directory)
     return {k: v.float().numpy() for k, v in model.state_dict().items()}
 
 
+def _as_pytorch_files(directory, state: dict, sharded: bool) -> None:
+    """Replace a directory's safetensors by PyTorch's torch.save files (3 shards and their index)."""
+    import torch
+
+    for path in [*directory.glob("*.safetensors"), *directory.glob("*.safetensors.index.json")]:
+        path.unlink()
+    if not sharded:
+        torch.save(state, directory / "pytorch_model.bin")
+        return
+    names, weight_map = sorted(state), {}
+    for i in range(3):
+        shard = f"pytorch_model-{i + 1:05d}-of-00003.bin"
+        part = names[i::3]
+        torch.save({name: state[name] for name in part}, directory / shard)
+        weight_map |= dict.fromkeys(part, shard)
+    (directory / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "pytorch_model.bin"])
 @pytest.mark.parametrize(
     "dtype_name, max_shard_size", [("float32", None), ("float32", "20KB"), ("bfloat16", "20KB")]
 )
-def test_safetensors_round_trip(tmp_path, dtype_name, max_shard_size):
-    expected = _save_tiny_llama(tmp_path, dtype_name, max_shard_size)
-    is_sharded = (tmp_path / "model.safetensors.index.json").exists()
-    assert is_sharded == (max_shard_size is not None)
+def test_safetensors_round_trip(tmp_path, dtype_name, max_shard_size, safe):
+    """A checkpoint saved by transformers, as safetensors or as PyTorch's pickles (read without torch:
+    models/torch_bin_loader.py), whole and sharded, loads with its tensors' bits and dtypes."""
+    expected = _save_tiny_llama(tmp_path, dtype_name, max_shard_size, safe_serialization=safe)
+    index = "model.safetensors.index.json" if safe else "pytorch_model.bin.index.json"
+    assert (tmp_path / index).exists() == (max_shard_size is not None)
+    assert not list(tmp_path.glob("*.safetensors" if not safe else "*.bin"))
 
     checkpoint = load_checkpoint(str(tmp_path), progress=False)
     assert set(checkpoint.tensors) == set(expected)
@@ -361,6 +386,37 @@ def test_safetensors_round_trip(tmp_path, dtype_name, max_shard_size):
     assert config["head_dim"] == 8 and config["num_key_value_heads"] == 2
     assert checkpoint.tokenizer("a b c")["input_ids"][-3:] == [3, 4, 5]
     assert str(tmp_path) in checkpoint.source
+
+
+def test_a_pytorch_checkpoint_runs_no_code_and_reads_strided_tensors(tmp_path):
+    """The PyTorch reader's unpickler knows a state dict's globals only: a pickle naming another (here
+    os.system, which torch.load without weights_only would call) is refused naming it, and runs
+    nothing. A strided tensor (a transposed view, saved with its storage) reads as torch reads it."""
+    import torch
+
+    from xlaserve.models.torch_bin_loader import read_torch_file
+
+    weights = {
+        "a": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "b": torch.ones(2, dtype=torch.bfloat16),
+    }
+    weights["t"] = weights["a"].t()  # shares a's storage, strided
+    torch.save(weights, tmp_path / "ok.bin")
+    tensors = read_torch_file(str(tmp_path / "ok.bin"))
+    for name, tensor in weights.items():
+        np.testing.assert_array_equal(np.asarray(tensors[name], np.float32), tensor.float().numpy(), name)
+    assert np.asarray(tensors["b"]).dtype.name == "bfloat16"
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    torch.save({"w": torch.ones(2), "x": Payload()}, tmp_path / "evil.bin")
+    with pytest.raises(ValueError, match=r"evil.bin: the checkpoint's pickle names posix.system"):
+        read_torch_file(str(tmp_path / "evil.bin"))
+    assert not marker.exists()
 
 
 def test_dtype_cast(tmp_path):
