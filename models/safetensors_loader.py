@@ -162,12 +162,17 @@ def load_safetensors(model_dir: str, *, progress: bool = True) -> dict[str, Chec
     tensors: dict[str, CheckpointTensor] = {}
     for path in tqdm(files, desc="Reading safetensors headers", unit="file", disable=not progress):
         tensors.update(_file_tensors(path))
-    index_path = os.path.join(model_dir, INDEX_FILE)
+    check_index(model_dir, INDEX_FILE, tensors)
+    return tensors
+
+
+def check_index(model_dir: str, index_file: str, tensors) -> None:
+    """ValueError naming them when tensors the directory's index lists are not in `tensors`."""
+    index_path = os.path.join(model_dir, index_file)
     if os.path.isfile(index_path):
         with open(index_path) as f:
             missing = set(json.load(f)["weight_map"]) - set(tensors)
         if missing:
             raise ValueError(
-                f"{model_dir!r}: tensors listed in {INDEX_FILE} are missing: {sorted(missing)[:5]}"
+                f"{model_dir!r}: tensors listed in {index_file} are missing: {sorted(missing)[:5]}"
             )
-    return tensors

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
-from xlaserve.models.safetensors_loader import CheckpointTensor, _np_dtype
+from xlaserve.models.safetensors_loader import CheckpointTensor, _np_dtype, check_index
 
 INDEX_FILE = "pytorch_model.bin.index.json"
 SINGLE_FILE = "pytorch_model.bin"
@@ -65,14 +65,7 @@ def load_torch_bin(model_dir: str, *, progress: bool = True) -> dict[str, np.nda
     tensors = {}
     for path in tqdm(files, desc="Reading PyTorch checkpoint files", unit="file", disable=not progress):
         tensors.update(read_torch_file(path))
-    index_path = os.path.join(model_dir, INDEX_FILE)
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            missing = set(json.load(f)["weight_map"]) - set(tensors)
-        if missing:
-            raise ValueError(
-                f"{model_dir!r}: tensors listed in {INDEX_FILE} are missing: {sorted(missing)[:5]}"
-            )
+    check_index(model_dir, INDEX_FILE, tensors)
     return tensors
 
 

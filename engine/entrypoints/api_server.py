@@ -299,11 +299,27 @@ async def check_started_engine(engine, loras, reasoning_parser_cls) -> None:
         raise
 
 
-def default_sampling(config: EngineConfig) -> dict:
-    """The fields a request leaves out sample with (ServerState.default_sampling), said in the log."""
-    defaults = config.model.sampling_defaults()
-    config.model.log_sampling_defaults(defaults)
-    return defaults
+def request_state(args, engine, served_model_names, chat_template, loras, **fields):
+    """The ServerState of the flags `serve` and `run-batch` share (add_request_args, the tool flags), with
+    the model's default sampling (said in the log), plus each command's own `fields`."""
+    from xlaserve.entrypoints.serving.state import ServerState  # here: fastapi loads with it
+
+    defaults = engine.config.model.sampling_defaults()
+    engine.config.model.log_sampling_defaults(defaults)
+    media_domains = tuple(d.lower() for d in args.allowed_media_domains)
+    return ServerState(
+        engine=engine,
+        served_model_names=served_model_names,
+        chat_template=chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        media_policy=MediaPolicy(
+            args.allowed_local_media_path, media_domains, engine.config.model.video_num_frames
+        ),
+        **args.tool_options,
+        loras=loras,
+        default_sampling=defaults,
+        **fields,
+    )
 
 
 async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: str | None) -> int:
@@ -329,7 +345,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         from xlaserve.entrypoints.app import build_app
         from xlaserve.entrypoints.serving.guard import MAX_HEADER_BYTES
         from xlaserve.entrypoints.serving.http11 import JSONErrorH11Protocol
-        from xlaserve.entrypoints.serving.state import CORS, ServerState
+        from xlaserve.entrypoints.serving.state import CORS
 
         await engine.start()
     except asyncio.CancelledError:
@@ -343,11 +359,12 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
 
-    state = ServerState(
-        engine=engine,
-        served_model_names=served_model_names,
-        chat_template=chat_template,
-        trust_request_chat_template=args.trust_request_chat_template,
+    state = request_state(
+        args,
+        engine,
+        served_model_names,
+        chat_template,
+        loras,
         log_requests=not args.disable_log_requests,
         api_key=args.api_key,
         enable_admin_api=args.enable_admin_api,
@@ -356,14 +373,6 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_playground=not args.disable_playground,
         tool_servers=args.tool_servers,
-        media_policy=MediaPolicy(
-            args.allowed_local_media_path,
-            tuple(d.lower() for d in args.allowed_media_domains),
-            engine.config.model.video_num_frames,
-        ),
-        **args.tool_options,
-        loras=loras,
-        default_sampling=default_sampling(config),
         enable_docs=not args.disable_fastapi_docs,
         cors=None
         if not args.allowed_origins

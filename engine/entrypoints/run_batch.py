@@ -25,9 +25,9 @@ from tqdm import tqdm
 from xlaserve.entrypoints.api_server import (
     add_request_args,
     check_started_engine,
-    default_sampling,
     load_chat_template,
     lora_registry,
+    request_state,
 )
 from xlaserve.entrypoints.arg_utils import (
     add_tool_args,
@@ -197,10 +197,8 @@ async def _run(
             raise ValueError(f"--url/--port: cannot serve metrics on {args.url}:{args.port}: {e}") from None
     try:
         from xlaserve.engine.async_llm import AsyncLLM
-        from xlaserve.engine.media import MediaPolicy
         from xlaserve.entrypoints.app import build_app
         from xlaserve.entrypoints.serving.metrics import EngineCollector
-        from xlaserve.entrypoints.serving.state import ServerState
 
         served_model_names = args.served_model_name or [args.model or "smollm2"]
         loras = lora_registry(config, args.lora_modules, served_model_names)
@@ -211,21 +209,14 @@ async def _run(
         await engine.start()
         await check_started_engine(engine, loras, args.tool_options["reasoning_parser_cls"])
         try:
-            state = ServerState(
-                engine=engine,
-                served_model_names=served_model_names,
-                chat_template=chat_template,
-                trust_request_chat_template=args.trust_request_chat_template,
+            state = request_state(
+                args,
+                engine,
+                served_model_names,
+                chat_template,
+                loras,
                 log_requests=False,
                 enable_playground=False,
-                media_policy=MediaPolicy(
-                    args.allowed_local_media_path,
-                    tuple(d.lower() for d in args.allowed_media_domains),
-                    engine.config.model.video_num_frames,
-                ),
-                **args.tool_options,
-                loras=loras,
-                default_sampling=default_sampling(config),
             )
             max_in_flight = _IN_FLIGHT_PER_SEQ * engine.config.scheduler.max_num_seqs
             counts = await run_file(
