@@ -26,6 +26,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from xlaserve.models.config import TransformerConfig
+from xlaserve.models.gguf_quant import GGUFBlocks
 from xlaserve.models.interfaces import CausalLM
 from xlaserve.models.loader import DummyWeights
 from xlaserve.models.orbax_checkpoint import ConvertedParams, flatten_tree
@@ -121,7 +122,7 @@ def load_params(
                 layer,
             )
             tensor = tensors.get(name)
-            if not isinstance(tensor, QuantizedTensor):
+            if not isinstance(tensor, (QuantizedTensor, GGUFBlocks)):
                 return 0
             return tensor.bits, None if tensor.block is None else tensor.block[::-1]  # [in, out]
 
@@ -227,8 +228,9 @@ def _one_in_flight(place: Callable) -> Callable:
 
 
 def _host(tensor):
-    """A checkpoint tensor as a host array (a `CheckpointTensor` read from its file now)."""
-    return tensor.read() if isinstance(tensor, CheckpointTensor) else tensor
+    """A checkpoint tensor as a host array (a `CheckpointTensor` read from its file now, a GGUF's
+    `GGUFBlocks` read and decoded into a `QuantizedTensor`)."""
+    return tensor.read() if isinstance(tensor, (CheckpointTensor, GGUFBlocks)) else tensor
 
 
 def _our_layout(tensor, path: tuple[str, ...]):
