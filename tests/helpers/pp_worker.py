@@ -101,7 +101,7 @@ def main(arg: dict, small_llm) -> dict:
                 result["num_steps"] = runner.num_steps
                 result["stages"] = _stage_report(runner)
                 result["num_layers"] = llm.engine_core.runner.model_config.num_layers
-                result["tensor_reads"] = sorted(reads.values())  # how often each tensor read was read
+                result["tensor_reads"] = sorted(reads.values())  # each tensor read: how many times
             results[name].append(result)
             result["seconds"] = round(time.perf_counter() - t0, 1)
             del llm
