@@ -263,8 +263,7 @@ def load_gguf_tensors(
             heads = hf_config["num_attention_heads"]
         elif is_llama and ".self_attn.k_proj." in name:
             heads = hf_config["num_key_value_heads"]
-        is_float = t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
-        if keep_quantized and not is_float and t.tensor_type in KEPT_TYPES and len(shape) == 2:
+        if keep_quantized and t.tensor_type in KEPT_TYPES and len(shape) == 2:
             permute = None if heads is None else functools.partial(unpermute_qk, num_heads=heads)
             tensors[name] = GGUFBlocks(path, t.data_offset, t.tensor_type, shape, permute)
         else:
