@@ -102,8 +102,8 @@ def load_params(
     never read; with a `held_layers(path)` attribute (a slice of a layer stack), only those layers of
     a stacked parameter are read and given to it. A checkpoint's tensors are read one parameter at a
     time, as it is placed (a safetensors checkpoint's and a GGUF's lazily: models/safetensors_loader.py,
-    models/gguf_loader.py). `DummyWeights` draw each parameter directly
-    in `sharding(path, shape)` (by default on the first device). `quantization`: the model's
+    models/gguf_loader.py). `DummyWeights` draw each parameter directly in `sharding(path, shape)` (by
+    default on the first device). `quantization`: the model's
     projections are stored quantized in this scheme (models/quantization.py): float tensors are
     quantized here, on the host, and a checkpoint's `QuantizedTensor`s placed as they are when they
     match it.
@@ -182,8 +182,8 @@ def load_params(
                 raise ValueError(f"tensor {names[0]} has shape {shape}, the model expects {spec.shape}")
             flat[path] = place(path, jax.ShapeDtypeStruct(spec.shape, spec.dtype))  # its placeholder
             continue
-        # Read here, one parameter's tensors at a time (a safetensors checkpoint's are read lazily):
-        # the host copies are dropped once the parameter is placed.
+        # Read here, one parameter's tensors at a time (a safetensors checkpoint's and a GGUF's are
+        # read lazily): the host copies are dropped once the parameter is placed.
         arrays = [_our_layout(_host(tensors[n]), path) for n in read]
         if is_quantized_kernel(path, expected):
             for part_path, part in quantized_parts(path, arrays, is_stacked, expected, quantization).items():
