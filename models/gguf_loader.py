@@ -1,12 +1,16 @@
-"""GGUF checkpoints -> a Hugging Face config dict and HF-named float32 numpy tensors.
+"""GGUF checkpoints -> a Hugging Face config dict and HF-named float32 numpy tensors, read lazily.
 
 A GGUF file carries its config as llama.cpp metadata (`llama.block_count`, ...) and its weights
 under llama.cpp names (`blk.0.attn_q.weight`), quantized. We translate both to what a
-`config.json` + safetensors checkpoint would hold, so the model code sees one format only.
+`config.json` + safetensors checkpoint would hold, so the model code sees one format only. As a
+safetensors checkpoint's, each tensor is read from the file (and dequantized) only when the load
+uses it, one at a time: a start never holds the whole dequantized model on the host, and nothing
+keeps a view of the file's mapping past the header's parse.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -17,10 +21,14 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
-from xlaserve.models.gguf_quant import KEPT_TYPES, decode_blocks, permute_rows
+from xlaserve.models.gguf_quant import KEPT_TYPES, GGUFBlocks
 from xlaserve.models.gguf_quant import dequantize as fast_dequantize
-from xlaserve.models.gguf_reader import open_gguf, read_gguf_metadata  # noqa: F401 (re-exported: moved there)
-from xlaserve.models.quantization import QuantizedTensor
+from xlaserve.models.gguf_reader import (  # noqa: F401 (open_gguf, read_gguf_metadata: re-exported, moved there)
+    open_gguf,
+    read_gguf_metadata,
+    read_tensor_data,
+)
+from xlaserve.models.safetensors_loader import CheckpointTensor
 
 # GGUF architecture -> (HF model_type, HF architectures entry).
 SUPPORTED_ARCHITECTURES = {
@@ -194,29 +202,60 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
+class GGUFArray(CheckpointTensor):
+    """One tensor of a GGUF file under its HF name and shape, dequantized to float32 (llama's q/k rows
+    put back in HF's order) from the file each time it is used as an array, as a safetensors
+    `CheckpointTensor` is read: it holds the path and offsets, never the bytes nor a view of the
+    mapping, so a start holds one dequantized tensor at a time. `astype` (the load's cast) is lazy."""
+
+    __slots__ = ("tensor_type", "stored_shape", "num_heads")
+
+    def __init__(self, path: str, offset: int, shape, tensor_type, stored: np.ndarray, num_heads=None):
+        super().__init__(path, offset, shape, np.dtype(np.float32))
+        # The stored element dtype (byte order included) and shape: [rows..., bytes per row] uint8 for
+        # a block-quantized type.
+        self.tensor_type, self.stored_dtype, self.stored_shape = tensor_type, stored.dtype, stored.shape
+        self.num_heads = num_heads
+
+    def read(self) -> np.ndarray:
+        data = read_tensor_data(self.path, self.offset, self.stored_dtype, self.stored_shape)
+        values = dequantize_tensor(data, self.tensor_type, self.shape)
+        if self.num_heads is not None:
+            values = unpermute_qk(values, self.num_heads)
+        return values if self.dtype == values.dtype else values.astype(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+def dequantize_tensor(data: np.ndarray, tensor_type, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor's stored data (as GGUFReader's `data`) -> float32 of HF `shape`."""
+    if tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return np.asarray(data, dtype=np.float32).reshape(shape)
+    fast = fast_dequantize(data, tensor_type)  # Q8_0 / Q4_0 / Q4_1, as gguf's bit for bit
+    values = dequantize(data, tensor_type) if fast is None else fast
+    return values.astype(np.float32, copy=False).reshape(shape)
+
+
 def load_gguf_tensors(
     reader: GGUFReader, hf_config: dict[str, Any], *, progress: bool = True, keep_quantized: bool = False
-) -> dict[str, np.ndarray]:
-    """Dequantize every tensor to float32 under its HF name and HF shape ([out, in] for linears).
+) -> dict[str, GGUFArray | GGUFBlocks]:
+    """Every tensor under its HF name and HF shape ([out, in] for linears), dequantized to float32
+    when used (a `GGUFArray`: read from the file then, one at a time, not here).
 
     A `rope_freqs` tensor is folded into `hf_config["rope_scaling"]` (llama3) instead.
-    `keep_quantized` (`--quantization gguf`): Q8_0, Q4_0 and Q4_1 matrices stay as their blocks, as
-    `QuantizedTensor`s (models/gguf_quant.py).
+    `keep_quantized` (`--quantization gguf`): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K matrices stay as their
+    blocks, decoded when read into `QuantizedTensor`s (`GGUFBlocks`, models/gguf_quant.py).
     """
+    path = reader.data.filename  # both readers map the file
     is_llama = hf_config["model_type"] == "llama"
-    tensors: dict[str, np.ndarray] = {}
-    for t in tqdm(reader.tensors, desc="Dequantizing GGUF tensors", unit="tensor", disable=not progress):
+    tensors: dict[str, GGUFArray | GGUFBlocks] = {}
+    for t in tqdm(reader.tensors, desc="Reading GGUF tensor headers", unit="tensor", disable=not progress):
         name = hf_tensor_name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            values = np.array(t.data, dtype=np.float32).reshape(shape)  # copy off the read-only mapping
-        elif keep_quantized and t.tensor_type in KEPT_TYPES and len(shape) == 2 and name is not None:
-            values = decode_blocks(t.data, t.tensor_type, shape)
-        else:
-            fast = fast_dequantize(t.data, t.tensor_type)  # Q8_0 / Q4_0 / Q4_1, as gguf's bit for bit
-            values = dequantize(t.data, t.tensor_type) if fast is None else fast
-            values = values.astype(np.float32, copy=False).reshape(shape)
-        if name is None:
+        if name is None:  # a few floats, read now
+            values = dequantize_tensor(np.array(t.data), t.tensor_type, shape)
             hf_config["rope_scaling"] = _llama3_rope_scaling(values, hf_config)
             continue
         heads = None
@@ -224,9 +263,9 @@ def load_gguf_tensors(
             heads = hf_config["num_attention_heads"]
         elif is_llama and ".self_attn.k_proj." in name:
             heads = hf_config["num_key_value_heads"]
-        if heads is not None and isinstance(values, QuantizedTensor):  # rows move with their blocks
-            values = permute_rows(values, lambda rows, h=heads: unpermute_qk(rows, h))
-        elif heads is not None:
-            values = unpermute_qk(values, heads)
-        tensors[name] = values
+        if keep_quantized and t.tensor_type in KEPT_TYPES and len(shape) == 2:
+            permute = None if heads is None else functools.partial(unpermute_qk, num_heads=heads)
+            tensors[name] = GGUFBlocks(path, t.data_offset, t.tensor_type, shape, permute)
+        else:
+            tensors[name] = GGUFArray(path, t.data_offset, shape, t.tensor_type, t.data, heads)
     return tensors

@@ -23,9 +23,10 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
+from xlaserve.models.gguf_reader import read_tensor_data
 from xlaserve.models.quantization import QuantizedTensor, QuantScheme
 
 GROUP = 32  # weights per block (per Q4_K sub-block), along the input axis
@@ -82,70 +83,116 @@ def dequantize(raw: np.ndarray, tensor_type) -> np.ndarray | None:
     return out.reshape(-1)
 
 
-def decode_blocks(raw: np.ndarray, tensor_type, shape: tuple[int, int]) -> QuantizedTensor:
-    """The raw bytes of a Q8_0/Q4_0/Q4_1/Q4_K tensor of HF `shape` [out, in] -> QuantizedTensor."""
-    out_dim, in_dim = shape
+def _blocks(raw: np.ndarray, tensor_type) -> np.ndarray:
+    """A kept type's raw bytes as [blocks, bytes per block] uint8."""
+    _, type_size = GGML_QUANT_SIZES[tensor_type]
+    return np.ascontiguousarray(raw, np.uint8).reshape(-1, type_size)
+
+
+def _block_scales(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray | None]:
+    """A kept type's float32 scales and zeros (None: no zero), [blocks, groups a block], from its
+    blocks `data` [blocks, bytes]. Q8_0/Q4_0/Q4_1: d (and Q4_0's -8 d, Q4_1's m), one group a block.
+    Q4_K: d * sc and -(dmin * mn) per 32, the products gguf's dequantization computes, so d sc q -
+    dmin mn is the same float32 number. Q6_K: d * sc per 16, gguf's (d sc) (q - 32), no zero."""
     if tensor_type == GGMLQuantizationType.Q4_K:
-        return _decode_q4_k(raw, shape)
+        d, dmin = _f16(data[:, 0:2]), _f16(data[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(data[:, 4:16])  # [n, 8] each: the gguf package's own unpacking
+        return d[:, None] * sc.astype(np.float32), -(dmin[:, None] * mn.astype(np.float32))
     if tensor_type == GGMLQuantizationType.Q6_K:
-        return _decode_q6_k(raw, shape)
-    data = np.ascontiguousarray(raw, np.uint8).reshape(out_dim * in_dim // GROUP, -1)
-    d = _f16(data[:, 0:2])
-    zero, bits = None, 8
+        return _f16(data[:, 208:210])[:, None] * data[:, 192:208].copy().view(np.int8).astype(
+            np.float32
+        ), None
+    d = _f16(data[:, 0:2])[:, None]
     if tensor_type == GGMLQuantizationType.Q8_0:
-        q = data[:, 2:34].copy().view(np.int8)
+        return d, None
+    # Q4_0's d (q - 8) as d q + (-8 d): both products and their sum are exact in float32.
+    return d, _f16(data[:, 2:4])[:, None] if tensor_type == GGMLQuantizationType.Q4_1 else -8 * d
+
+
+def decode_blocks(raw: np.ndarray, tensor_type, shape: tuple[int, int]) -> QuantizedTensor:
+    """The raw bytes of a Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensor of HF `shape` [out, in] -> QuantizedTensor."""
+    out_dim, in_dim = shape
+    data = _blocks(raw, tensor_type)
+    scale, zero = _block_scales(data, tensor_type)
+    if tensor_type == GGMLQuantizationType.Q4_K:
+        q, group, bits = _q4_k_codes(data), GROUP, 4
+    elif tensor_type == GGMLQuantizationType.Q6_K:
+        q, group, bits = _q6_k_codes(data), Q6_K_GROUP, 8
+    elif tensor_type == GGMLQuantizationType.Q8_0:
+        q, group, bits = data[:, 2:34].copy().view(np.int8), GROUP, 8
     else:
         start = 4 if tensor_type == GGMLQuantizationType.Q4_1 else 2
         packed = data[:, start : start + GROUP // 2]
         q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.int8)  # low nibbles first
-        # Q4_0's d (q - 8) as d q + (-8 d): both products and their sum are exact in float32.
-        zero = _f16(data[:, 2:4]) if tensor_type == GGMLQuantizationType.Q4_1 else -8 * d
-        bits = 4
-    groups = (out_dim, in_dim // GROUP)
+        group, bits = GROUP, 4
+    groups = (out_dim, in_dim // group)
     return QuantizedTensor(
         q.reshape(out_dim, in_dim),
-        d.reshape(groups),
+        scale.reshape(groups),
         None if zero is None else zero.reshape(groups),
-        block=(1, GROUP),
+        block=(1, group),
         bits=bits,
     )
 
 
-def _decode_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+def _q4_k_codes(data: np.ndarray) -> np.ndarray:
     """Q4_K super-blocks (d, dmin: float16; 12 bytes of 6-bit scales and minimums; 128 bytes of
-    codes) -> 4-bit codes with float32 scale d * sc and zero -(dmin * mn) per 32: the products
-    gguf's dequantization computes, so d * sc * q - dmin * mn is the same float32 number."""
-    out_dim, in_dim = shape
-    data = np.ascontiguousarray(raw, np.uint8).reshape(out_dim * in_dim // SUPER, -1)
-    d, dmin = _f16(data[:, 0:2]), _f16(data[:, 2:4])
-    sc, mn = Q4_K.get_scale_min(data[:, 4:16])  # [n, 8] each: the gguf package's own unpacking
-    scale = d[:, None] * sc.astype(np.float32)
-    zero = -(dmin[:, None] * mn.astype(np.float32))
+    codes) -> their 4-bit codes, int8 [n, 256]."""
     # 128 bytes = 4 runs of 32: run j's low nibbles are sub-block 2j, its high nibbles 2j + 1.
     runs = data[:, 16:144].reshape(-1, 4, 1, GROUP)
-    q = np.concatenate([runs & 0x0F, runs >> 4], axis=2).astype(np.int8)  # [n, 4, 2, 32]
-    groups = (out_dim, in_dim // GROUP)
-    return QuantizedTensor(
-        q.reshape(out_dim, in_dim), scale.reshape(groups), zero.reshape(groups), block=(1, GROUP), bits=4
-    )
+    return np.concatenate([runs & 0x0F, runs >> 4], axis=2).astype(np.int8).reshape(-1, SUPER)
 
 
-def _decode_q6_k(raw: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+def _q6_k_codes(data: np.ndarray) -> np.ndarray:
     """Q6_K super-blocks (128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, float16 d) ->
-    int8 codes q - 32 (one per byte) with a float32 scale d * sc per 16 weights, no zero: gguf's
-    (d sc) (q - 32), the same product."""
-    out_dim, in_dim = shape
-    data = np.ascontiguousarray(raw, np.uint8).reshape(out_dim * in_dim // SUPER, -1)
+    int8 codes q - 32 (one per byte), [n, 256]."""
     # Each half of 128 weights: 64 bytes of low nibbles (weights 0-63) and high nibbles (64-127), and
     # 32 bytes holding the top 2 bits of weights 32k .. 32k + 31 at bit 2k.
     low = data[:, :128].reshape(-1, 2, 1, 64)
     low = np.concatenate([low & 0x0F, low >> 4], axis=2).reshape(-1, SUPER)
     high = data[:, 128:192].reshape(-1, 2, 1, 32)
     high = np.concatenate([(high >> s) & 0x03 for s in (0, 2, 4, 6)], axis=2).reshape(-1, SUPER)
-    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
-    scale = _f16(data[:, 208:210])[:, None] * data[:, 192:208].copy().view(np.int8).astype(np.float32)
-    groups = (out_dim, in_dim // Q6_K_GROUP)
-    return QuantizedTensor(q.reshape(out_dim, in_dim), scale.reshape(groups), block=(1, Q6_K_GROUP))
+    return (low | (high << 4)).astype(np.int8) - np.int8(32)
+
+
+class GGUFBlocks:
+    """A GGUF tensor kept quantized (a `KEPT_TYPES` matrix), read from its file and decoded into a
+    `QuantizedTensor` (HF layout [out, in]) each time `read()` is called. As a safetensors
+    `CheckpointTensor`, it holds the path and offsets, never the bytes nor a view of the mapping.
+    `permute`: a row reordering ([out, ...] -> [out, ...]) applied to codes, scales and zeros (llama's
+    q/k rows)."""
+
+    __slots__ = ("path", "offset", "tensor_type", "shape", "permute")
+
+    def __init__(self, path: str, offset: int, tensor_type, shape: tuple[int, int], permute=None):
+        self.path, self.offset, self.tensor_type, self.shape = path, offset, tensor_type, tuple(shape)
+        self.permute = permute
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.tensor_type in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K) else 4
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return (1, Q6_K_GROUP if self.tensor_type == GGMLQuantizationType.Q6_K else GROUP)
+
+    def _raw(self) -> np.ndarray:
+        block_size, type_size = GGML_QUANT_SIZES[self.tensor_type]
+        num_bytes = self.shape[0] * self.shape[1] // block_size * type_size
+        return read_tensor_data(self.path, self.offset, np.dtype(np.uint8), (num_bytes,))
+
+    def read(self) -> QuantizedTensor:
+        tensor = decode_blocks(self._raw(), self.tensor_type, self.shape)
+        return tensor if self.permute is None else permute_rows(tensor, self.permute)
+
+    def scales_fit_float16(self) -> bool:
+        """Whether every scale and zero is a float16 number (`gguf_scheme`), from the file's scale
+        bytes, without decoding the codes."""
+        scale, zero = _block_scales(_blocks(self._raw(), self.tensor_type), self.tensor_type)
+        return _is_float16(scale) and (zero is None or _is_float16(zero))
+
+    def __repr__(self) -> str:
+        return f"GGUFBlocks({self.path!r}, {self.tensor_type.name}, shape={self.shape})"
 
 
 def gguf_scheme(tensors) -> tuple[QuantScheme | None, object]:
@@ -153,12 +200,18 @@ def gguf_scheme(tensors) -> tuple[QuantScheme | None, object]:
     Scales in float16 when every kept scale and zero is one (no rounding), else float32."""
     if not isinstance(tensors, dict):
         return None, tensors
-    kept = [t for t in tensors.values() if isinstance(t, QuantizedTensor)]
+    kept = [t for t in tensors.values() if isinstance(t, (QuantizedTensor, GGUFBlocks))]
     if not kept:
         return None, tensors
-    if all(_is_float16(t.scale) and (t.zero is None or _is_float16(t.zero)) for t in kept):
+    if all(_scales_fit_float16(t) for t in kept):  # one tensor's scales read at a time
         return dataclasses.replace(GGUF_SCHEME, scale_dtype=jnp.dtype(jnp.float16)), tensors
     return GGUF_SCHEME, tensors
+
+
+def _scales_fit_float16(tensor: QuantizedTensor | GGUFBlocks) -> bool:
+    if isinstance(tensor, GGUFBlocks):
+        return tensor.scales_fit_float16()
+    return _is_float16(tensor.scale) and (tensor.zero is None or _is_float16(tensor.zero))
 
 
 def _is_float16(a: np.ndarray) -> bool:

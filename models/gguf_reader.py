@@ -52,12 +52,14 @@ class NotLittleEndianGGUF(ValueError):
 @dataclass
 class GGUFTensor:
     """One tensor, as GGUFReader's ReaderTensor: `shape` lists dims innermost first; `data` is a
-    read-only view of the mapping, [rows..., bytes per row] uint8 for block-quantized types."""
+    read-only view of the mapping, [rows..., bytes per row] uint8 for block-quantized types, found at
+    byte `data_offset` of the file."""
 
     name: str
     tensor_type: GGMLQuantizationType
     shape: np.ndarray
     data: np.ndarray
+    data_offset: int
 
 
 class FastGGUFReader:
@@ -134,7 +136,7 @@ class FastGGUFReader:
             count = int(np.prod(shape, dtype=np.int64)) // block_size * type_size
         begin = start + offset
         data = np.asarray(self.data[begin : begin + count * dtype.itemsize]).view(dtype).reshape(byte_shape)
-        return GGUFTensor(name, tensor_type, np.array(dims, dtype=np.uint64), data)
+        return GGUFTensor(name, tensor_type, np.array(dims, dtype=np.uint64), data, begin)
 
 
 class _FastGGUFReader(GGUFReader):
@@ -153,6 +155,19 @@ class _FastGGUFReader(GGUFReader):
         end = offset + np.dtype(dtype).itemsize * count
         arr = plain[offset:end].view(dtype=dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+def read_tensor_data(path: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor's bytes at `offset` of the file, read now into a new array of `dtype` and `shape` (the
+    lazy GGUF tensors' read: a copy, never a view of a mapping that would outlive the load)."""
+    num_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.fromfile(path, dtype=np.uint8, count=num_bytes, offset=offset)
+    if raw.size != num_bytes:
+        raise ValueError(
+            f"{path}: a tensor's data ends past the end of the file (the file changed since its header "
+            "was read)"
+        )
+    return raw.view(dtype).reshape(shape)
 
 
 def open_gguf(path: str) -> FastGGUFReader | GGUFReader:

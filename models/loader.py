@@ -54,9 +54,10 @@ class Checkpoint:
         [out, in]); float32 from GGUF, the stored dtype from safetensors. No "lm_head.weight" when
         hf_config["tie_word_embeddings"]. From safetensors each is a `CheckpointTensor`
         (models/safetensors_loader.py), read from its file only when used as an array (the load reads
-        each as it places it; a cast by `dtype` happens then too). From a converted checkpoint:
-        `ConvertedParams`, our parameter paths -> arrays in our layout (stacked layers, [in, out]
-        kernels).
+        each as it places it; a cast by `dtype` happens then too); from a GGUF a `GGUFArray`, read and
+        dequantized the same way, or a `GGUFBlocks` kept quantized (models/gguf_loader.py). From a
+        converted checkpoint: `ConvertedParams`, our parameter paths -> arrays in our layout (stacked
+        layers, [in, out] kernels).
     tokenizer: the model's tokenizer, chat template included when the checkpoint has one; None
         when loaded with skip_tokenizer_init.
     source: human-readable description of where it came from.

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import struct
+from copy import copy as shallow_copy
 from typing import Any
 
 import numpy as np
@@ -88,7 +89,9 @@ class CheckpointTensor(np.lib.mixins.NDArrayOperatorsMixin):
         return array if self.dtype == self.stored_dtype else array.astype(self.dtype)
 
     def astype(self, dtype, copy: bool = True) -> CheckpointTensor:
-        return CheckpointTensor(self.path, self.offset, self.shape, self.stored_dtype, np.dtype(dtype))
+        cast = shallow_copy(self)  # of its class: a GGUF tensor (models/gguf_loader.py) stays one
+        cast.dtype = np.dtype(dtype)
+        return cast
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         array = self.read()
@@ -110,7 +113,7 @@ class CheckpointTensor(np.lib.mixins.NDArrayOperatorsMixin):
         return getattr(self.read(), name)
 
     def __repr__(self) -> str:
-        return f"CheckpointTensor({self.path!r}, shape={self.shape}, dtype={self.dtype})"
+        return f"{type(self).__name__}({self.path!r}, shape={self.shape}, dtype={self.dtype})"
 
 
 def safetensors_files(model_dir: str) -> list[str]:

@@ -26,6 +26,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from xlaserve.models.config import TransformerConfig
+from xlaserve.models.gguf_quant import GGUFBlocks
 from xlaserve.models.interfaces import CausalLM
 from xlaserve.models.loader import DummyWeights
 from xlaserve.models.orbax_checkpoint import ConvertedParams, flatten_tree
@@ -98,9 +99,11 @@ def load_params(
     `place` puts one host array on its device(s) (the sharding layer passes one); by default
     `jax.device_put`. A `place` with a `holds(path)` attribute (a pipeline stage's) is given only the
     shape and dtype (a `jax.ShapeDtypeStruct`) of a parameter it does not hold, whose tensors are
-    never read. A checkpoint's tensors are read one parameter at a time, as it is placed (a safetensors
-    checkpoint's lazily, models/safetensors_loader.py). `DummyWeights` draw each parameter directly
-    in `sharding(path, shape)` (by default on the first device). `quantization`: the model's
+    never read; with a `held_layers(path)` attribute (a slice of a layer stack), only those layers of
+    a stacked parameter are read and given to it. A checkpoint's tensors are read one parameter at a
+    time, as it is placed (a safetensors checkpoint's and a GGUF's lazily: models/safetensors_loader.py,
+    models/gguf_loader.py). `DummyWeights` draw each parameter directly in `sharding(path, shape)` (by
+    default on the first device). `quantization`: the model's
     projections are stored quantized in this scheme (models/quantization.py): float tensors are
     quantized here, on the host, and a checkpoint's `QuantizedTensor`s placed as they are when they
     match it.
@@ -119,7 +122,7 @@ def load_params(
                 layer,
             )
             tensor = tensors.get(name)
-            if not isinstance(tensor, QuantizedTensor):
+            if not isinstance(tensor, (QuantizedTensor, GGUFBlocks)):
                 return 0
             return tensor.bits, None if tensor.block is None else tensor.block[::-1]  # [in, out]
 
@@ -143,6 +146,7 @@ def load_params(
         abstract.replace_by_pure_dict(_unflatten(flat))
         return graphdef, abstract
     holds = getattr(place, "holds", None)  # a pipeline stage's place (worker/pipeline_stage.py)
+    held_layers = getattr(place, "held_layers", None)  # and the part of a layer stack it holds
     place = _one_in_flight(place or (lambda path, array: jax.device_put(array)))
     used: set[str] = set()
     missing: list[str] = []
@@ -160,7 +164,17 @@ def load_params(
             missing.extend(absent)
             continue
         used.update(names)
-        if holds is not None and not holds(path) and not is_quantized_kernel(path, expected):
+        # A stage reads only its own layers' tensors (every layer is read, and checked, by its stage).
+        held = held_layers(path) if is_stacked and held_layers is not None else slice(None)
+        num_held = len(names[held]) if is_stacked else None  # None: the whole (unstacked) array
+        read = names[held] or names[:1]  # a stage without a layer of this stack: one, for its shape
+        if holds is not None and not holds(path) and is_quantized_kernel(path, expected):
+            for part_path in (path, (*path[:-1], SCALE), (*path[:-1], ZERO)):
+                if part_path in expected:  # placeholders of the codes, scales and zeros, unread
+                    part = expected[part_path]
+                    flat[part_path] = place(part_path, jax.ShapeDtypeStruct(part.shape, part.dtype))
+            continue
+        if holds is not None and not holds(path):
             shape = tuple(tensors[names[0]].shape)  # the header's: checked as a placed one's, unread
             if path[-1] == "kernel":
                 shape = (*shape[:-2], shape[-1], shape[-2])
@@ -168,18 +182,19 @@ def load_params(
                 raise ValueError(f"tensor {names[0]} has shape {shape}, the model expects {spec.shape}")
             flat[path] = place(path, jax.ShapeDtypeStruct(spec.shape, spec.dtype))  # its placeholder
             continue
-        # Read here, one parameter's tensors at a time (a safetensors checkpoint's are read lazily):
-        # the host copies are dropped once the parameter is placed.
-        arrays = [_our_layout(_host(tensors[n]), path) for n in names]
+        # Read here, one parameter's tensors at a time (a safetensors checkpoint's and a GGUF's are
+        # read lazily): the host copies are dropped once the parameter is placed.
+        arrays = [_our_layout(_host(tensors[n]), path) for n in read]
         if is_quantized_kernel(path, expected):
             for part_path, part in quantized_parts(path, arrays, is_stacked, expected, quantization).items():
-                _check_shape(names[0], part, expected[part_path].shape)
+                part = part if num_held is None else part[:num_held]
+                _check_shape(read[0], part, _held_shape(expected[part_path].shape, num_held))
                 flat[part_path] = place(part_path, part)
             continue
         arrays = [a.dequantized() if isinstance(a, QuantizedTensor) else a for a in arrays]
-        array = _assemble(names, arrays, dtype, is_stacked)
-        if array.shape != spec.shape:
-            raise ValueError(f"tensor {names[0]} has shape {array.shape}, the model expects {spec.shape}")
+        array = _assemble(read, arrays, dtype, is_stacked)
+        array = array if num_held is None else array[:num_held]
+        _check_shape(read[0], array, _held_shape(spec.shape, num_held))
         flat[path] = place(path, array)
     unexpected = sorted(
         n
@@ -213,8 +228,9 @@ def _one_in_flight(place: Callable) -> Callable:
 
 
 def _host(tensor):
-    """A checkpoint tensor as a host array (a `CheckpointTensor` read from its file now)."""
-    return tensor.read() if isinstance(tensor, CheckpointTensor) else tensor
+    """A checkpoint tensor as a host array (a `CheckpointTensor` read from its file now, a GGUF's
+    `GGUFBlocks` read and decoded into a `QuantizedTensor`)."""
+    return tensor.read() if isinstance(tensor, (CheckpointTensor, GGUFBlocks)) else tensor
 
 
 def _our_layout(tensor, path: tuple[str, ...]):
@@ -246,6 +262,11 @@ def _check_shape(name: str, array: np.ndarray, shape: tuple[int, ...]) -> None:
         raise ValueError(f"tensor {name} has shape {array.shape}, the model expects {shape}")
 
 
+def _held_shape(shape: tuple[int, ...], num_held: int | None) -> tuple[int, ...]:
+    """A parameter's shape as a stage holds it: `num_held` layers of a stack (None: the whole)."""
+    return shape if num_held is None else (num_held, *shape[1:])
+
+
 def _draw_dtype(spec, dtype):
     """Dummy weights: a quantized kernel is drawn in its own dtype, its scales in float32."""
     return spec.dtype if spec.dtype.itemsize == 1 or spec.dtype == jnp.float32 else dtype
@@ -272,21 +293,25 @@ def _place_converted(
             f"converted checkpoint does not match {model_class.__name__}: "
             f"missing parameters {missing[:8]}; unexpected parameters {unexpected[:8]}"
         )
+    held_layers = getattr(place, "held_layers", None)  # a pipeline stage's part of each layer stack
+    stacks = model_class.layer_stacks(cfg)
     flat = {}
     for path, spec in expected.items():
         if path[-1] in (SCALE, ZERO) and params[path] is None:
             continue
+        is_stacked = path[0] in stacks
+        held = held_layers(path) if is_stacked and held_layers is not None else None
         if is_quantized_kernel(path, expected) and params[path].dtype.itemsize != 1:
-            is_stacked = path[0] in model_class.layer_stacks(cfg)
             layers = list(params[path]) if is_stacked else [params[path]]
             for part_path, part in quantized_parts(path, layers, is_stacked, expected, quantization).items():
-                flat[part_path] = place(part_path, part)
+                flat[part_path] = place(part_path, part if held is None else part[held])
             continue
         if params[path].shape != spec.shape:
             raise ValueError(
                 f"parameter {'/'.join(path)} has shape {params[path].shape}, the model expects {spec.shape}"
             )
-        flat[path] = place(path, np.asarray(params[path], dtype=dtype))
+        value = params[path] if held is None else params[path][held]
+        flat[path] = place(path, np.asarray(value, dtype=dtype))
     return flat
 
 

@@ -120,20 +120,20 @@ def stage_place(
     tie_word_embeddings: bool,
     replicated,
 ) -> Callable[[tuple[str, ...], np.ndarray], jax.Array]:
-    """`place` for one stage: a stacked weight is cut to the stage's layers on the host before it is
-    placed, a module the stage does not run becomes a placeholder, so only the stage's own weights
-    ever reach its devices."""
+    """`place` for one stage: a stacked weight comes cut to the stage's layers (load_params reads only
+    those: `held_layers`), a module the stage does not run becomes a placeholder, so only the stage's
+    own weights are read from the checkpoint and reach its devices."""
 
     def placed(path: tuple[str, ...], array: np.ndarray) -> jax.Array:
-        if path[0] in stacks:
-            return place(path, array[layout.stack_slice(stacks[path[0]])])
-        if not layout.holds(path[0], tie_word_embeddings):
+        if path[0] not in stacks and not layout.holds(path[0], tie_word_embeddings):
             return placeholder(array.ndim, array.dtype, replicated)
         return place(path, array)
 
     # What load_params asks before it reads a parameter's tensors: a module this stage does not run
-    # (text-only mode's encoder) is never read from the checkpoint, only its placeholder made.
+    # (text-only mode's encoder) is never read from the checkpoint, only its placeholder made; of a
+    # layer stack, only the stage's layers are.
     placed.holds = lambda path: path[0] in stacks or layout.holds(path[0], tie_word_embeddings)
+    placed.held_layers = lambda path: layout.stack_slice(stacks[path[0]])
     return placed
 
 

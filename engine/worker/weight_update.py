@@ -109,9 +109,33 @@ def _targets(model_class, cfg, flats: list[dict | None], sets: list[ParamSet]) -
 
 
 def _our_layout(array, path: tuple[str, ...]):
-    if path[-1] != "kernel":
-        return array
-    return jnp.swapaxes(array, -1, -2) if isinstance(array, jax.Array) else np.swapaxes(array, -1, -2)
+    """A value in our layout (kernels [.., in, out]): a jax array stays one, anything else is read into
+    a host array here."""
+    if isinstance(array, jax.Array):
+        return jnp.swapaxes(array, -1, -2) if path[-1] == "kernel" else array
+    array = np.asarray(array)
+    return np.swapaxes(array, -1, -2) if path[-1] == "kernel" else array
+
+
+def _layout_shape(shape: tuple[int, ...], path: tuple[str, ...]) -> tuple[int, ...]:
+    """`_our_layout`'s shape, from the value's shape alone (nothing read)."""
+    shape = tuple(shape)
+    return (*shape[:-2], shape[-1], shape[-2]) if path[-1] == "kernel" else shape
+
+
+def _converted(path, parts, flat: dict, scheme: QuantScheme | None) -> dict[tuple[str, ...], list]:
+    """One parameter's writes (index or None, value in the checkpoint's layout) as the values
+    `_write` takes, in our layout: a kernel the model keeps quantized as its codes and scales (and
+    zeros), each a list of its own."""
+    if not is_quantized_kernel(path, flat):
+        return {path: [(index, _our_layout(value, path)) for index, value in parts]}
+    out: dict[tuple[str, ...], list] = {}
+    for index, value in parts:  # quantized on the host, as the load does (a jax array fetched)
+        for part_path, part in _quantized(
+            path, index, _our_layout(np.asarray(value), path), flat, scheme
+        ).items():
+            out.setdefault(part_path, []).append((index, part))
+    return out
 
 
 def update_weights(runner, weights: Mapping | Iterable) -> list[str]:
@@ -180,25 +204,27 @@ def _updated_sets(runner, weights: Mapping | Iterable) -> tuple[list[ParamSet], 
         where = [target for target in targets.get(name, []) if flats[target[0]] is not None]
         if name in targets and not where:
             continue
-        # A jax array (a trainer's, on its own mesh) stays on the devices: resharded there, never
-        # fetched, unless a rewrite below needs the host (KV heads repeated, the vocabulary padded, a
-        # MoE layer's experts stacked) or the kernel is kept quantized (quantized on the host, as
-        # the load does: `_quantized`).
-        is_quantized = any(is_quantized_kernel(path, flats[i]) for i, path, _ in where)
-        array = array if isinstance(array, jax.Array) and not is_quantized else np.asarray(array)
+        # Checked by its shape, converted only when its parameter is written (`_converted`): a
+        # checkpoint's tensors (models/safetensors_loader.py, models/gguf_loader.py) are read then, one
+        # parameter's at a time. A jax array (a trainer's, on its own mesh) stays on the devices:
+        # resharded there, never fetched, unless a rewrite below needs the host (KV heads repeated,
+        # the vocabulary padded, a MoE layer's experts stacked) or the kernel is kept quantized
+        # (quantized on the host, as the load does: `_quantized`).
+        array = array if hasattr(array, "shape") and hasattr(array, "dtype") else np.asarray(array)
         if where:  # a name only the family's rewrite makes (MoE experts) is checked after it
             i, path, _ = where[0]
             shape = _hf_shape(
                 path, flats[i][path].shape, stacks, runner.model_config, hf_cfg, runner.padded_vocab_size
             )
-            if array.shape != shape:
-                raise ValueError(f"weights: {name!r} has shape {array.shape}, the model's is {shape}")
+            if tuple(array.shape) != shape:
+                raise ValueError(f"weights: {name!r} has shape {tuple(array.shape)}, the model's is {shape}")
         host[name] = array
     # The load's rewrites, in its order (worker/model_loader.py): heads, vocabulary, the family's.
     _, host = replicate_kv_heads(hf_cfg, host, tp)
     host = pad_vocab(host, hf_cfg.vocab_size, runner.padded_vocab_size)
     host = model_class.prepare_hf_tensors(runner.model_config, host)
-    # Per set: path -> [(index in its stack or None, value)], every one checked before any is written.
+    # Per set: path -> [(index in its stack or None, value in the checkpoint's layout)], every shape
+    # checked before any is converted or written.
     writes: list[dict[tuple[str, ...], list[tuple[int | None, object]]]] = [{} for _ in sets]
     for name, array in host.items():
         if name not in targets:
@@ -210,20 +236,13 @@ def _updated_sets(runner, weights: Mapping | Iterable) -> tuple[list[ParamSet], 
             if flats[i] is None:  # another process's stage
                 continue
             old = flats[i][path]
-            value = _our_layout(array if isinstance(array, jax.Array) else np.asarray(array), path)
-            shape = old.shape[1:] if index is not None else old.shape
-            if value.shape != tuple(shape):
-                raise ValueError(
-                    f"weights: {name!r} has shape {value.shape} here, the model's is {tuple(shape)}"
-                )
-            writes[i].setdefault(path, []).append((index, value))
-    for flat, set_writes in zip(flats, writes):
-        for path in [p for p in set_writes if is_quantized_kernel(p, flat)]:
-            for index, value in set_writes.pop(path):
-                for part_path, part in _quantized(path, index, value, flat, scheme).items():
-                    set_writes.setdefault(part_path, []).append((index, part))
+            shape = _layout_shape(np.shape(array), path)
+            want = tuple(old.shape[1:] if index is not None else old.shape)
+            if shape != want:
+                raise ValueError(f"weights: {name!r} has shape {shape} here, the model's is {want}")
+            writes[i].setdefault(path, []).append((index, array))
     new_sets = [
-        _written(weights, flat, set_writes, runner.dtype) if set_writes else weights
+        _written(weights, flat, set_writes, runner.dtype, scheme) if set_writes else weights
         for weights, flat, set_writes in zip(sets, flats, writes)
     ]
     logger.info(
@@ -236,12 +255,15 @@ def _updated_sets(runner, weights: Mapping | Iterable) -> tuple[list[ParamSet], 
     return new_sets, sorted(updates)
 
 
-def _written(weights: ParamSet, flat: dict, writes: dict, dtype) -> ParamSet:
+def _written(weights: ParamSet, flat: dict, writes: dict, dtype, scheme: QuantScheme | None) -> ParamSet:
     """`weights` with `writes` (path -> [(index or None, value)], all checked) written in: new arrays of
-    the same shapes, dtypes and shardings, and the tied head's copy made again if the table changed."""
+    the same shapes, dtypes and shardings, and the tied head's copy made again if the table changed.
+    One parameter at a time: its values converted (read from a checkpoint's file, quantized), written
+    into its new array, and their host copies dropped before the next."""
     new_flat = dict(flat)
     for path, parts in writes.items():
-        new_flat[path] = _write(flat[path], parts, dtype)
+        for part_path, part_values in _converted(path, parts, flat, scheme).items():
+            new_flat[part_path] = _write(flat[part_path], part_values, dtype)
     params = jax.tree.map(lambda x: x, weights.params)  # the same structure (the programs' signature)
     params.replace_by_pure_dict(_unflatten(new_flat))
     head_dv = weights.head_dv

@@ -3,9 +3,12 @@ tests/sharding/test_pipeline_parallel.py in one call, so its engines share the p
 
 Per model and layout: the greedy ids and every (id, logprob) of the top-2 logprobs of a few token-id
 prompts. For one layout per model (`guarded`), the engine is warmed up with the strict compile guard
-and reports the compiles after warm-up (none allowed), and what each stage holds: its devices, its
-layers' weights, its KV cache, and which of the embedding, final norm and LM head it keeps."""
+and reports the compiles after warm-up (none allowed), what each stage holds: its devices, its
+layers' weights, its KV cache, and which of the embedding, final norm and LM head it keeps, and how
+often its start read each of the checkpoint's tensors."""
 
+import collections
+import contextlib
 import time
 
 # Every prompt over 4 tokens: its forward runs in token bucket 16, never in 4 (a program fewer a stage).
@@ -40,6 +43,26 @@ def _stage_report(runner) -> list:
     return report
 
 
+@contextlib.contextmanager
+def _counted_reads():
+    """{(file, offset): times read} of the safetensors tensors read inside the block (each stage's
+    load reads the tensors of what it holds)."""
+    from xlaserve.models.safetensors_loader import CheckpointTensor
+
+    reads = collections.Counter()
+    read = CheckpointTensor.read
+
+    def counted(tensor):
+        reads[(tensor.path, tensor.offset)] += 1
+        return read(tensor)
+
+    CheckpointTensor.read = counted
+    try:
+        yield reads
+    finally:
+        CheckpointTensor.read = read
+
+
 def main(arg: dict, small_llm) -> dict:
     """arg: {"models": {name: directory}, "layouts": {name: [layout, ...]}, "guarded": {name: layout}},
     optionally "shape" (the engines' max_num_batched_tokens and max_num_seqs) and "prompts" (token ids);
@@ -59,7 +82,8 @@ def main(arg: dict, small_llm) -> dict:
             guarded = layout == arg["guarded"].get(name)
             extra = {"enforce_eager": False, "strict_compile_guard": True} if guarded else {}
             t0 = time.perf_counter()
-            llm = small_llm(model_dir, layout, **shape, **extra)
+            with _counted_reads() as reads:
+                llm = small_llm(model_dir, layout, **shape, **extra)
             if arg.get("micro_batches") and llm.engine_core.executor.max_concurrent_batches > 1:
                 # Off by default on a CPU (the fake devices share its cores): on, to check the bits.
                 llm.engine_core.set_num_micro_batches(llm.engine_core.executor.max_concurrent_batches)
@@ -77,6 +101,7 @@ def main(arg: dict, small_llm) -> dict:
                 result["num_steps"] = runner.num_steps
                 result["stages"] = _stage_report(runner)
                 result["num_layers"] = llm.engine_core.runner.model_config.num_layers
+                result["tensor_reads"] = sorted(reads.values())  # each tensor read: how many times
             results[name].append(result)
             result["seconds"] = round(time.perf_counter() - t0, 1)
             del llm

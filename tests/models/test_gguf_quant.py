@@ -23,7 +23,7 @@ from helpers.perplexity_text import TEXT
 from helpers.smollm2 import smollm2_gguf_path
 from xlaserve.kernels.dtype_ops import dequantize as device_dequantize
 from xlaserve.kernels.dtype_ops import unpack_int4
-from xlaserve.models.gguf_quant import GGUF_SCHEME, decode_blocks, gguf_scheme
+from xlaserve.models.gguf_quant import GGUF_SCHEME, GGUFBlocks, decode_blocks, gguf_scheme
 from xlaserve.models.gguf_quant import dequantize as fast_dequantize
 from xlaserve.models.quantization import QuantizedTensor, pack_int4, weight_bytes
 
@@ -39,8 +39,21 @@ def device_dequantized(kept: QuantizedTensor) -> np.ndarray:
     return np.asarray(device_dequantize(codes, scale, jnp.float32, zero, scheme.block)).T
 
 
+def assert_read_lazily_alike(tmp_path, raw: np.ndarray, tensor_type, kept: QuantizedTensor) -> None:
+    """The loader's `GGUFBlocks` over the same bytes in a file (at an offset) decodes to `kept` when
+    read, with its bits, block and scheme known before."""
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(b"header!" + raw.tobytes())
+    lazy = GGUFBlocks(str(path), 7, tensor_type, kept.q.shape)
+    assert (lazy.bits, lazy.block) == (kept.bits, kept.block)
+    assert gguf_scheme({"w": lazy})[0] == gguf_scheme({"w": kept})[0]
+    read = lazy.read()
+    for field in ("q", "scale", "zero"):
+        np.testing.assert_array_equal(getattr(read, field), getattr(kept, field), err_msg=field)
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
-def test_blocks_decode_to_the_gguf_packages_dequantization(kind):
+def test_blocks_decode_to_the_gguf_packages_dequantization(kind, tmp_path):
     tensor_type = GGMLQuantizationType[kind]
     w = np.random.default_rng(0).normal(size=(24, 96)).astype(np.float32)  # [out, in]
     raw = quantize(w, tensor_type)
@@ -53,6 +66,7 @@ def test_blocks_decode_to_the_gguf_packages_dequantization(kind):
     # As the loader places it ([in, out], blocks of 32 inputs): the same matrix.
     np.testing.assert_array_equal(kept.transposed().dequantized(), kept.dequantized().T)
     assert gguf_scheme({"w": kept}) == (replace(GGUF_SCHEME, scale_dtype=jnp.dtype(jnp.float16)), {"w": kept})
+    assert_read_lazily_alike(tmp_path, raw, tensor_type, kept)
     # The loader's own dequantization (models/gguf_quant.dequantize): gguf's bits, every one.
     fast = fast_dequantize(raw, tensor_type)
     assert fast.dtype == np.float32 and fast.shape == (w.size,)
@@ -91,7 +105,7 @@ def q4_k_blocks(num_blocks: int, seed: int = 0) -> np.ndarray:
     )
 
 
-def test_q4_k_blocks_fold_into_group_scales_bit_exactly():
+def test_q4_k_blocks_fold_into_group_scales_bit_exactly(tmp_path):
     raw = q4_k_blocks(12)  # [8, 384]: 12 super-blocks of 256
     sc, mn = Q4_K.get_scale_min(raw[:, 4:16])
     assert sc.max() > 31 and mn.max() > 31  # the 6-bit values' top bits are exercised
@@ -101,6 +115,7 @@ def test_q4_k_blocks_fold_into_group_scales_bit_exactly():
     np.testing.assert_array_equal(kept.dequantized(), want)
     np.testing.assert_array_equal(device_dequantized(kept), want)
     assert gguf_scheme({"w": kept})[0] == GGUF_SCHEME  # folded products: float32 scales
+    assert_read_lazily_alike(tmp_path, raw, GGMLQuantizationType.Q4_K, kept)
 
 
 def q6_k_blocks(num_blocks: int, seed: int = 0) -> np.ndarray:
@@ -111,7 +126,7 @@ def q6_k_blocks(num_blocks: int, seed: int = 0) -> np.ndarray:
     return np.concatenate([bits, d.view(np.uint8).reshape(-1, 2)], axis=1)
 
 
-def test_q6_k_blocks_decode_bit_exactly_with_scales_per_16():
+def test_q6_k_blocks_decode_bit_exactly_with_scales_per_16(tmp_path):
     raw = q6_k_blocks(12)
     kept = decode_blocks(raw, GGMLQuantizationType.Q6_K, (8, 384))
     assert kept.bits == 8 and kept.block == (1, 16) and kept.scale.shape == (8, 24) and kept.zero is None
@@ -121,6 +136,7 @@ def test_q6_k_blocks_decode_bit_exactly_with_scales_per_16():
     t = kept.transposed()  # as the step dequantizes it: blocks of 16 inputs
     got = device_dequantize(jnp.asarray(t.q), jnp.asarray(t.scale), jnp.float32, None, (16, 1))
     np.testing.assert_array_equal(np.asarray(got).T, want)
+    assert_read_lazily_alike(tmp_path, raw, GGMLQuantizationType.Q6_K, kept)
 
 
 def test_tiny_llama_with_k_quant_blocks_kept_gives_its_dequantized_models_logits():
@@ -187,7 +203,7 @@ def test_embedded_smollm2_kept_quantized_matches_its_dequantized_model():
 
     smollm2_gguf_path()
     checkpoint = load_checkpoint(None, progress=False, skip_tokenizer_init=True, quantization="gguf")
-    kept = [n for n, t in checkpoint.tensors.items() if isinstance(t, QuantizedTensor)]
+    kept = [n for n, t in checkpoint.tensors.items() if isinstance(t, GGUFBlocks)]  # decoded when placed
     assert len(kept) >= 30 * 7  # every projection of every layer
     del checkpoint
     logprobs, weight_bytes = {}, {}

@@ -197,6 +197,31 @@ def test_llama3_rope_factors_match_transformers():
 # ---------------------------------------------------------------- GGUF: synthetic files
 
 
+_GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(name: str) -> tuple[str, str]:
+    """(llama.cpp's name of the HF tensor `name`, its module's key in `_GGUF_NAMES`)."""
+    module, _, suffix = name.rpartition(".")
+    layer = module.split(".")[2] if module.startswith("model.layers.") else None
+    key = module.split(".", 3)[3] if layer is not None else module
+    prefix = f"blk.{layer}." if layer is not None else ""
+    return f"{prefix}{_GGUF_NAMES[key]}.{suffix}", key
+
+
 def _write_tiny_gguf(path, arch: str, is_llama3_rope: bool):
     """A random 2-layer model written as llama.cpp's converter would: HF weights, q/k rows
     permuted for llama, untied output, F32. Returns the HF-named weights it encodes."""
@@ -227,21 +252,6 @@ def _write_tiny_gguf(path, arch: str, is_llama3_rope: bool):
                 for x, n in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads))
             }
     hf = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
-    gguf_names = {
-        "model.embed_tokens": "token_embd",
-        "model.norm": "output_norm",
-        "lm_head": "output",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(num_layers)
     writer.add_context_length(4096)
@@ -259,14 +269,11 @@ def _write_tiny_gguf(path, arch: str, is_llama3_rope: bool):
     writer.add_eos_token_id(len(tokens) - 1)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}<|eot|>{% endfor %}")
     for name, value in hf.items():
-        module, _, suffix = name.rpartition(".")
-        layer = module.split(".")[2] if module.startswith("model.layers.") else None
-        key = module.split(".", 3)[3] if layer is not None else module
+        gguf_name, key = _gguf_name(name)
         if arch == "llama" and key in ("self_attn.q_proj", "self_attn.k_proj"):
             n = num_heads if key == "self_attn.q_proj" else num_kv_heads
             value = value.reshape(n, 2, head_dim // 2, -1).swapaxes(1, 2).reshape(value.shape)
-        prefix = f"blk.{layer}." if layer is not None else ""
-        writer.add_tensor(f"{prefix}{gguf_names[key]}.{suffix}", value)
+        writer.add_tensor(gguf_name, value)
     if is_llama3_rope:
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, 500000.0, 32.0, 1.0, 4.0, 8192))
     writer.write_header_to_file()
@@ -425,12 +432,17 @@ def test_dtype_cast(tmp_path):
     assert {t.dtype for t in checkpoint.tensors.values()} == {np.dtype(np.float16)}
 
 
-# A start's load in a fresh process: the imports and the backend first, then the high-water mark reset
-# (/proc/self/clear_refs), the checkpoint loaded and placed; -> the peak's growth in bytes.
+# A start's load in a fresh process, for each checkpoint named: the imports and the backend first, then
+# the high-water mark reset (/proc/self/clear_refs), the checkpoint loaded and placed; -> the peak's
+# growth in bytes, one line per checkpoint.
 _PEAK_OF_A_START = """
+import ctypes
+import gc
 import sys
 import jax.numpy as jnp
 from flax import nnx
+from xlaserve.models.gguf_loader import gguf_hf_config
+from xlaserve.models.gguf_reader import open_gguf, read_gguf_metadata
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import load_params
@@ -439,26 +451,37 @@ def status(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
-config = load_checkpoint(sys.argv[1], load_format="dummy", skip_tokenizer_init=True).hf_config
-cfg = model_config_from_hf(config)
-model_class = get_model_class(cfg.architecture)
-make_model = lambda: model_class(cfg, None, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-nnx.eval_shape(make_model)
-jnp.zeros(1).block_until_ready()
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-before = status("VmRSS")
-checkpoint = load_checkpoint(sys.argv[1], skip_tokenizer_init=True, progress=False)
-_, params = load_params(model_class, cfg, checkpoint.tensors, dtype=jnp.bfloat16, make_model=make_model)
-print(status("VmHWM") - before)
+def config_of(path):
+    if path.endswith(".gguf"):  # its header only
+        reader = open_gguf(path)
+        return gguf_hf_config(read_gguf_metadata(reader), [t.name for t in reader.tensors])
+    return load_checkpoint(path, load_format="dummy", skip_tokenizer_init=True).hf_config
+
+for path in sys.argv[1:]:
+    cfg = model_config_from_hf(config_of(path))
+    model_class = get_model_class(cfg.architecture)
+    make_model = lambda: model_class(cfg, None, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    nnx.eval_shape(make_model)
+    jnp.zeros(1).block_until_ready()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    checkpoint = load_checkpoint(path, skip_tokenizer_init=True, progress=False)
+    _, params = load_params(model_class, cfg, checkpoint.tensors, dtype=jnp.bfloat16, make_model=make_model)
+    print(status("VmHWM") - before)
+    del checkpoint, params
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # the heap's freed pages back: the next peak starts clean
 """
 
 
 def test_a_start_holds_one_tensor_of_the_checkpoint_at_a_time(tmp_path):
-    """A safetensors checkpoint is read tensor by tensor as its parameters are placed (each host copy
-    dropped once placed), not whole before: a start's peak host memory is the placed weights and a
-    parameter's copies, well under the checkpoint and the placed weights together (2.2x the checkpoint
-    when it was read whole). 150 MB of bfloat16, two thirds of it in the layers."""
+    """A checkpoint is read tensor by tensor as its parameters are placed (each host copy dropped once
+    placed), not whole before: a start's peak host memory is the placed weights and a parameter's
+    copies. A safetensors checkpoint: well under the checkpoint and the placed weights together (2.2x
+    the checkpoint when it was read whole). The same weights as a float16 GGUF, dequantized to float32
+    as each is placed: under the dequantized model (1.5x it when every tensor was dequantized first).
+    150 MB of bfloat16 (float16), two thirds of it in the layers."""
     import ml_dtypes
     from safetensors.numpy import save_file
 
@@ -486,12 +509,32 @@ def test_a_start_holds_one_tensor_of_the_checkpoint_at_a_time(tmp_path):
         "tie_word_embeddings": True,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
+    gguf_path = str(tmp_path / "model.gguf")
+    writer = gguf.GGUFWriter(gguf_path, "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(8)
+    writer.add_head_count_kv(2)
+    writer.add_vocab_size(vocab)
+    for name, shape in shapes.items():
+        writer.add_tensor(_gguf_name(name)[0], np.full(shape, 0.01, np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     run = subprocess.run(
-        [sys.executable, "-c", _PEAK_OF_A_START, str(tmp_path)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _PEAK_OF_A_START, str(tmp_path), gguf_path],
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    peak = int(run.stdout.split()[-1])
+    peak, gguf_peak = map(int, run.stdout.split()[-2:])
     checkpoint_bytes = (tmp_path / "model.safetensors").stat().st_size  # the placed weights' too
     assert peak < 1.4 * checkpoint_bytes, (peak, checkpoint_bytes)
+    dequantized_bytes = 2 * checkpoint_bytes  # float32
+    assert gguf_peak < dequantized_bytes, (gguf_peak, dequantized_bytes)
 
 
 def test_complete_config_reads_rope_parameters():

@@ -267,6 +267,9 @@ def test_each_stage_holds_only_its_layers_and_nothing_compiles_after_warm_up(run
     # The embedding on the first stage, the final norm and the (untied) LM head on the last.
     assert (first["has_embedding"], first["has_norm"], first["has_lm_head"]) == (True, False, False)
     assert (last["has_embedding"], last["has_norm"], last["has_lm_head"]) == (False, True, True)
+    # Each stage read only the tensors of what it holds: every one of the checkpoint's 4 x 9 layer
+    # tensors, the embedding, final norm and head read once by one stage, none by both.
+    assert guarded["tensor_reads"] == [1] * (4 * 9 + 3)
 
 
 def _two_process_run(model: str, layout: dict, devices_per_process: int) -> dict:
