@@ -94,7 +94,11 @@ class MultiModalHook(StepHook):
         self.rows_dtype, self.rows_width = runner.dtype, cfg.encoder_output_width
         self.is_warming_up = False  # (a pipeline's warm-up: rows from another process are shape structs)
         self.mrope = cfg.mrope
-        self._step_mrope = None  # (the step's scheduled list, its [3, T] positions): `step_mrope`
+        # An MTP drafter rotates by the step's M-RoPE positions too (worker/mtp.py): `forward_inputs`
+        # places them on the devices itself, once, and the drafter's program reads that array.
+        spec = runner.config.speculative
+        self.shares_mrope = self.mrope and spec is not None and spec.method == "mtp"
+        self.placed_mrope = None  # the step's [3, T] positions as placed, where `shares_mrope`
         options = runner.config.compilation.compiler_options()
         # None: the first stage is another process's (under tensor parallelism every process holds a part)
         self.cache = self._encode_fn = None
@@ -163,20 +167,24 @@ class MultiModalHook(StepHook):
 
     def step_mrope(self, scheduled, num_tokens: int, failed: set[str]) -> np.ndarray | None:
         """[3, T] the step's M-RoPE positions, every token's, text included (models/qwen2_5_vl.py);
-        None for a model without them. An MTP drafter rotates by them too (worker/mtp.py): its hook
-        prepares the same step first, so the step's array is made once and kept for the second call."""
+        None for a model without them."""
         if not self.mrope:
             return None
-        made = self._step_mrope
-        if made is not None and made[0] is scheduled and made[1].shape[1] == num_tokens:
-            return made[1]
         mrope = np.zeros((3, num_tokens), np.int32)
         offset = 0
         for s in scheduled:
             isolate_failures(failed, s, "placing its M-RoPE positions", self._fill_mrope, mrope, offset, s)
             offset += s.num_new_tokens
-        self._step_mrope = (scheduled, mrope)
         return mrope
+
+    def step_mrope_placed(self, num_tokens: int):
+        """The [3, T] positions `forward_inputs` placed for this step's forward, which an MTP drafter's
+        program reads after it; before any step (warm-up lowers the drafter's programs first), the shape
+        of a step's of `num_tokens`."""
+        placed = self.placed_mrope
+        if placed is None or placed.shape[1] != num_tokens:
+            return jax.ShapeDtypeStruct((3, num_tokens), np.int32, sharding=self.placement.replicated)
+        return placed
 
     def prepare(self, scheduled, num_tokens, num_seqs, failed) -> dict[str, np.ndarray]:
         rows = np.full(num_tokens, -1, np.int32)
@@ -245,6 +253,8 @@ class MultiModalHook(StepHook):
             if picked is not None:  # token t's row is row t of its own
                 rows = np.where(rows >= 0, np.arange(len(rows), dtype=np.int32), np.int32(-1))
             return {"mm": EncoderOutputs(picked, rows, ahead, mrope)}
+        if mrope is not None and self.shares_mrope:  # one copy to the devices for the forward and the drafter
+            mrope = self.placed_mrope = self.placement.put_replicated(mrope)
         params = self.runner.encoder_model[1]
         call = 0
         while f"encode{call}.dest" in arrays:

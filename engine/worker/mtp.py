@@ -46,9 +46,6 @@ class MTPInputs(DraftInputs):
 
     verify_starts: np.ndarray  # [R] flat index of the row's last known token
     next_ids: np.ndarray  # [T] the token after each flat position, where the host knows it (else 0)
-    # [3, T] an M-RoPE target's positions of the step's tokens (the image hook's: worker/mm_encoder.py),
-    # None for any other target (or a vision-language one serving text only, whose streams are equal).
-    mrope: np.ndarray | None = None
 
 
 def layer_draft_step(
@@ -69,6 +66,9 @@ def layer_draft_step(
     num_accepted,  # [R]
     st: SamplingTensors,
     inputs: MTPInputs,
+    # [3, T] an M-RoPE target's positions of the step's tokens, as the image hook placed them for the
+    # target's forward (worker/mm_encoder.py); None for any other target.
+    mrope=None,
 ):
     """-> (drafts [R, K] int32, q_buf, kv_cache): `propose` over the drafting layer (an MTP layer, or
     EAGLE-3's network: models/eagle3.py), through its `embed`, `combine`, call and `draft_logits`."""
@@ -80,7 +80,7 @@ def layer_draft_step(
     emitted_at = inputs.verify_starts + num_accepted  # each row's last accepted position, in the batch
     next_ids = inputs.next_ids.at[jnp.where(proposes, emitted_at, num_tokens)].set(token_ids, mode="drop")
     last = jnp.clip(emitted_at, 0, num_tokens - 1)
-    flat_md = md if inputs.mrope is None else target.mrope_metadata(md, inputs.mrope)
+    flat_md = md if mrope is None else target.mrope_metadata(md, mrope)
     embeds = layer.embed(target, next_ids)
     out, carried, kv_cache = layer(embeds, layer.combine(hidden), positions, kv_cache, flat_md)
     # Draft 0's output, and the hidden state draft 1 reads.
@@ -89,10 +89,10 @@ def layer_draft_step(
     def advance(pos, state, tokens, kv_cache):  # draft i from draft i - 1 (at `pos`) and its hidden state
         # The layer at a position reads the token after it: K/V at the position before the draft's.
         pos, step_md = one_token_inputs(md, pos - 1, inputs.num_slots, block_size)
-        if inputs.mrope is not None:
+        if mrope is not None:
             # Past the prompt every token is text: its three streams are equal, its position shifted by
             # what the images before it changed (the last accepted token's shift, `mrope_positions`).
-            shift = inputs.mrope[0, last] - positions[last]
+            shift = mrope[0, last] - positions[last]
             step_md = target.mrope_metadata(step_md, jnp.broadcast_to(pos + shift, (3, pos.shape[0])))
         h, state, kv_cache = layer(layer.embed(target, tokens), state, pos, kv_cache, step_md)
         return h, state, kv_cache
@@ -210,12 +210,8 @@ class MTPDrafter(DraftModel):
 
     def empty_inputs(self, num_tokens: int, num_seqs: int) -> MTPInputs:
         base = super().empty_inputs(num_tokens, num_seqs)
-        mrope = np.zeros((3, num_tokens), np.int32) if self.images is not None else None
         return MTPInputs(
-            **dataclasses.asdict(base),
-            verify_starts=base.num_slots,
-            next_ids=np.zeros(num_tokens, np.int32),
-            mrope=mrope,
+            **dataclasses.asdict(base), verify_starts=base.num_slots, next_ids=np.zeros(num_tokens, np.int32)
         )
 
     def prepare(self, scheduled, num_tokens: int, num_seqs: int, failed: set[str]) -> MTPInputs:
@@ -232,10 +228,7 @@ class MTPDrafter(DraftModel):
             next_ids[offset : offset + len(known)] = known[:n]
             verify_starts[row] = offset + n - 1 - len(s.spec_token_ids)
             offset += n
-        mrope = None if self.images is None else self.images.step_mrope(scheduled, num_tokens, failed)
-        return MTPInputs(
-            **dataclasses.asdict(base), verify_starts=verify_starts, next_ids=next_ids, mrope=mrope
-        )
+        return MTPInputs(**dataclasses.asdict(base), verify_starts=verify_starts, next_ids=next_ids)
 
     def _hidden_like(self, num_tokens: int):
         return self.placement.zeros((num_tokens, self.hidden_size), self.dtype, self.placement.replicated)
@@ -247,3 +240,10 @@ class MTPDrafter(DraftModel):
     def _tokens_read(self, batch, hidden):
         """The target's hidden states (the layer reads the ids after them: `MTPInputs.next_ids`)."""
         return hidden
+
+    def _args(self, batch, hidden, token_ids, num_accepted, st: SamplingTensors, inputs) -> tuple:
+        """`DraftModel._args`, then an M-RoPE target's positions as the image hook placed them for the
+        step's forward (None for any other target)."""
+        num_tokens = batch.positions.shape[0]
+        mrope = None if self.images is None else self.images.step_mrope_placed(num_tokens)
+        return (*super()._args(batch, hidden, token_ids, num_accepted, st, inputs), mrope)
