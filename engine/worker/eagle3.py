@@ -6,7 +6,7 @@ in `propose`'s loop fed the layer's own output, q kept for exact rejection), wit
 - the target's forward also returns its aux hidden states, the residual stream entering three of its
   layers (config.json's `eagle_aux_hidden_state_layer_ids`, else vLLM's (2, L // 2, L - 3)),
   concatenated [T, 3 * H]: this drafter's `aux_layers`, a keyword of the model's forward
-  (static: models/decoder.py cuts its layer scan at them); `fc` brings them to the draft's width;
+  (models/decoder.py picks them inside the layer scan); `fc` brings them to the draft's width;
 - the draft's pre-norm output is the next draft's hidden state, its final-norm output gives the logits
   (its own LM head over the draft vocabulary, mapped to the target's ids by `d2t`).
 
