@@ -249,14 +249,19 @@ class ModelConfig:
 
         folder = self.generation_config
         if folder == "auto":  # the model's own directory (a GGUF file, the embedded default: none)
-            folder = self.model if self.model is not None and os.path.isdir(self.model) else None
+            model = None if self.model is None else os.path.expanduser(self.model)
+            folder = model if model is not None and os.path.isdir(model) else None
         found = {}
         path = None if folder in (None, "vllm") else os.path.join(folder, GENERATION_CONFIG_FILE)
         if path is not None and os.path.isfile(path):
             with open(path) as f:
-                found = {
-                    k: v for k, v in json.load(f).items() if k in GENERATION_CONFIG_KEYS and v is not None
-                }
+                try:
+                    fields = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"generation_config: {path} is not JSON: {e}") from None
+            if not isinstance(fields, dict):
+                raise ValueError(f"generation_config: {path} holds no JSON object")
+            found = {k: v for k, v in fields.items() if k in GENERATION_CONFIG_KEYS and v is not None}
         override = (
             {} if self.override_generation_config is None else json.loads(self.override_generation_config)
         )

@@ -194,6 +194,9 @@ def test_the_generation_config_gives_requests_defaults(parser, tmp_path):
         defaults("--override-generation-config", '{"temprature": 0.2}')
     with pytest.raises(ValueError, match="generation_config must be 'auto', 'vllm' or a folder"):
         defaults("--generation-config", str(tmp_path))
+    (model / "generation_config.json").write_text('{"top_p": ')
+    with pytest.raises(ValueError, match="generation_config: .*generation_config.json is not JSON"):
+        defaults()
     (model / "generation_config.json").write_text('{"top_p": 1.5}')
     with pytest.raises(ValueError, match="generation_config.json: top_p must be in \\(0, 1\\]"):
         defaults()
