@@ -255,12 +255,7 @@ class ModelConfig:
         path = None if folder in (None, "vllm") else os.path.join(folder, GENERATION_CONFIG_FILE)
         if path is not None and os.path.isfile(path):
             with open(path) as f:
-                try:
-                    fields = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"generation_config: {path} is not JSON: {e}") from None
-            if not isinstance(fields, dict):
-                raise ValueError(f"generation_config: {path} holds no JSON object")
+                fields = json_object(f.read(), f"generation_config ({path})")
             found = {k: v for k, v in fields.items() if k in GENERATION_CONFIG_KEYS and v is not None}
         override = (
             {} if self.override_generation_config is None else json.loads(self.override_generation_config)

@@ -195,7 +195,9 @@ def test_the_generation_config_gives_requests_defaults(parser, tmp_path):
     with pytest.raises(ValueError, match="generation_config must be 'auto', 'vllm' or a folder"):
         defaults("--generation-config", str(tmp_path))
     (model / "generation_config.json").write_text('{"top_p": ')
-    with pytest.raises(ValueError, match="generation_config: .*generation_config.json is not JSON"):
+    with pytest.raises(
+        ValueError, match=r"generation_config \(.*generation_config.json\) must be a JSON object"
+    ):
         defaults()
     (model / "generation_config.json").write_text('{"top_p": 1.5}')
     with pytest.raises(ValueError, match="generation_config.json: top_p must be in \\(0, 1\\]"):

@@ -232,3 +232,23 @@ def small_byte_tokenizer(vocab_size: int = 320):
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
     )
+
+
+# Our (HF) tensor names -> llama.cpp's, as its converter writes them for llama, qwen2 and qwen3
+# (test_loaders.py's and test_weight_formats.py's synthetic GGUF files).
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}

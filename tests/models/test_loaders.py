@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
+from helpers.tiny_models import GGUF_NAMES
 from xlaserve.models import model_path
 from xlaserve.models.gguf_loader import gguf_hf_config, hf_tensor_name, llama3_rope_factors, unpermute_qk
 from xlaserve.models.loader import complete_config, load_checkpoint, resolve_embedded_model_path
@@ -197,29 +198,13 @@ def test_llama3_rope_factors_match_transformers():
 # ---------------------------------------------------------------- GGUF: synthetic files
 
 
-_GGUF_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
 def _gguf_name(name: str) -> tuple[str, str]:
-    """(llama.cpp's name of the HF tensor `name`, its module's key in `_GGUF_NAMES`)."""
+    """(llama.cpp's name of the HF tensor `name`, its module's key in `GGUF_NAMES`)."""
     module, _, suffix = name.rpartition(".")
     layer = module.split(".")[2] if module.startswith("model.layers.") else None
     key = module.split(".", 3)[3] if layer is not None else module
     prefix = f"blk.{layer}." if layer is not None else ""
-    return f"{prefix}{_GGUF_NAMES[key]}.{suffix}", key
+    return f"{prefix}{GGUF_NAMES[key]}.{suffix}", key
 
 
 def _write_tiny_gguf(path, arch: str, is_llama3_rope: bool):

@@ -22,25 +22,8 @@ from helpers.family_cases import (
     prompts,
     save_hf_model,
 )
+from helpers.tiny_models import GGUF_NAMES
 from xlaserve import LLM, SamplingParams
-
-# Our (HF) tensor names -> llama.cpp's, as its converter writes them for qwen2 / qwen3.
-_GGUF_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 
 
 def write_gguf(path, hf_model, arch: str, qtypes: dict[str, object] | None = None) -> dict[str, np.ndarray]:
@@ -82,9 +65,9 @@ def write_gguf(path, hf_model, arch: str, qtypes: dict[str, object] | None = Non
         module, _, suffix = name.rpartition(".")
         if module.startswith("model.layers."):
             _, _, layer, key = module.split(".", 3)
-            gguf_name = f"blk.{layer}.{_GGUF_NAMES[key]}.{suffix}"
+            gguf_name = f"blk.{layer}.{GGUF_NAMES[key]}.{suffix}"
         else:
-            gguf_name = f"{_GGUF_NAMES[module]}.{suffix}"
+            gguf_name = f"{GGUF_NAMES[module]}.{suffix}"
         qtype = (qtypes or {}).get(gguf_name)
         if qtype is None:
             writer.add_tensor(gguf_name, value)
