@@ -303,6 +303,17 @@ class EngineCore:
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
 
+    # -- a user's code on the model (LLM.apply_model, collective_rpc) -------------------------------
+
+    def apply_model(self, func) -> list:
+        # The weights are immutable arrays the steps in flight only read: no step needs to finish first.
+        self._require_awake("apply_model")
+        return self.executor.apply_model(func)
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """One result per rank (here one): vLLM's one per worker."""
+        return [self.executor.collective_rpc(method, args, kwargs or {})]
+
     # -- the profiler (CompilationConfig.profiler_dir) ---------------------------------------------
 
     def start_profile(self) -> None:

@@ -172,6 +172,12 @@ class DataParallelEngineCore:
     def is_sleeping(self) -> bool:
         return self.ranks[0].is_sleeping
 
+    def apply_model(self, func) -> list:
+        return [result for rank in self.ranks for result in rank.apply_model(func)]
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        return [result for rank in self.ranks for result in rank.collective_rpc(method, args, kwargs)]
+
     # The profiler traces the whole process, every rank's programs: rank 0's call starts and stops it.
     def start_profile(self) -> None:
         self.ranks[0].start_profile()

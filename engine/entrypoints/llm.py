@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -280,6 +280,34 @@ class LLM(PoolingMethods):
     def wake_up(self):
         """Place back what `sleep` freed (the KV cache zeroed, the prefix cache empty)."""
         return self.engine_core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping
+
+    # -- a user's code on the model, in this process (vLLM's apply_model and collective_rpc) -------
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list:
+        """`func(model)` on the model as the engine runs it: a Flax NNX module (`nnx.merge` of the
+        runner's graphdef and weights) whose arrays are the engine's own, in its layouts and shardings
+        (quantized, or packed for the CPU's dot, where the engine holds them so). -> one result per
+        module: one, or one per pipeline stage and per data-parallel rank (vLLM's one per worker).
+        The module is a view: what `func` assigns to it is not written back (`update_weights` writes
+        weights). Not on an engine asleep, nor across hosts (nnodes > 1)."""
+        return self.engine_core.apply_model(func)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list:
+        """The model runner's `method` (a name), or `method(runner, *args, **kwargs)` (a callable),
+        on each data-parallel rank's runner: -> one result per rank. The runner is this process's
+        (worker/model_runner.py): no remote call, so no `timeout`. Not across hosts (nnodes > 1)."""
+        if timeout is not None:
+            raise ValueError("collective_rpc: timeout must be None: the runners are in this process")
+        return self.engine_core.collective_rpc(method, args, kwargs)
 
     # -- the loop -------------------------------------------------------------------------------
 

@@ -186,6 +186,18 @@ class Executor:
     def wake_up(self) -> sleep_mode.MemoryReport:
         return sleep_mode.wake_up(self.runner)
 
+    # -- a user's code on the model (LLM.apply_model, collective_rpc) ---------------------------------
+
+    def apply_model(self, func) -> list:
+        """`func` of each module the runner holds (one; a pipeline's stages: one each)."""
+        return [func(model) for model in self.runner.models()]
+
+    def collective_rpc(self, method, args: tuple, kwargs: dict):
+        """The runner's `method` (a name), or `method(runner, ...)` (a callable), with args and kwargs."""
+        if isinstance(method, str):
+            return getattr(self.runner, method)(*args, **kwargs)
+        return method(self.runner, *args, **kwargs)
+
     # -- the profiler: a jax.profiler trace of this process (CompilationConfig.profiler_dir) ----------
 
     def start_profile(self, folder: str) -> None:

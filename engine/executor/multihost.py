@@ -376,6 +376,19 @@ class MultiHostExecutor(Executor):
     def wake_up(self) -> sleep_mode.MemoryReport:
         return self._everywhere(Call("wake_up"))
 
+    def apply_model(self, func) -> list:
+        raise self._no_python_call("apply_model")
+
+    def collective_rpc(self, method, args: tuple, kwargs: dict):
+        raise self._no_python_call("collective_rpc")
+
+    def _no_python_call(self, what: str) -> ValueError:
+        # A follower runs only the calls it knows by name (Call), and process 0's arrays span hosts.
+        return ValueError(
+            f"{what} runs on one host: the other processes of a multi-host engine "
+            f"(nnodes={self.config.parallel.nnodes}) run only the engine's own calls"
+        )
+
     def _everywhere(self, call: Call):
         """`call` here first (what it returns is process 0's), then on every follower."""
         result = call.run(self.runner)

@@ -26,6 +26,7 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from xlaserve.config import EngineConfig
@@ -249,6 +250,11 @@ class ModelRunner(StepPreparation, KVPlumbing):
         """The weights as the research stack updates and frees them: the whole model, one set (a
         pipeline's runner: one per stage)."""
         return [ParamSet(self.params, self.head_params[1], self.stage)]
+
+    def models(self) -> list[nnx.Module]:
+        """The model as the programs run it (LLM.apply_model): its weights in the engine's layouts and
+        shardings, one module (a pipeline's runner: one per stage this process holds)."""
+        return [nnx.merge(self.graphdef, self.params)]
 
     def set_param_sets(self, sets: list[ParamSet]) -> None:
         """`param_sets` replaced by new ones of the same shapes, dtypes and shardings."""

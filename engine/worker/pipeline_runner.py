@@ -281,6 +281,11 @@ class PipelineRunner(ModelRunner):
             for s in self.stages
         ]
 
+    def models(self) -> list[nnx.Module]:
+        """Each stage's module this process holds, in order (the layers it does not run are empty
+        placeholders)."""
+        return [nnx.merge(s.model.graphdef, s.model.params) for s in self.stages if s.is_local]
+
     def set_param_sets(self, sets: list[ParamSet]) -> None:
         """Each of this process's stages' new weights (`param_sets`' shapes, dtypes and shardings: nothing
         recompiles); the runner's own are its last stage's (where the last stage is, the sampler's head)."""

@@ -133,6 +133,30 @@ def test_the_prefix_cache_goes_with_the_old_weights(llm, dirs, expected):
     assert numbers(llm) == expected[0]
 
 
+def test_apply_model_and_collective_rpc_see_the_weights_the_engine_runs(llm, dirs, expected):
+    """vLLM's apply_model: func of the NNX module the programs run (a view of the engine's own arrays,
+    so it follows an update); collective_rpc: a runner method by name, or a function of the runner."""
+
+    def table(model):
+        return np.asarray(model.embed_tokens.weight[...])
+
+    def row(model):  # the module runs: its embedding's own call
+        return np.asarray(model.embed_tokens(jnp.asarray([PROMPTS[0][0]])))[0]
+
+    for directory in (*dirs, dirs[0]):
+        llm.update_weights_from_path(directory)
+        want = tensors(directory)["model.embed_tokens.weight"].astype(jnp.bfloat16)
+        (got,) = llm.apply_model(table)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+        assert np.array_equal(llm.apply_model(row)[0], want[PROMPTS[0][0]])
+    assert numbers(llm) == expected[0]
+    runner = llm.engine_core.runner
+    assert llm.collective_rpc(lambda r, k: r.num_blocks * k, args=(2,)) == [2 * runner.num_blocks]
+    assert llm.collective_rpc("param_sets")[0][0].params is runner.params
+    with pytest.raises(ValueError, match="timeout must be None"):
+        llm.collective_rpc("param_sets", timeout=5.0)
+
+
 def test_a_refused_update_names_the_weight_and_changes_nothing(llm, dirs, expected):
     a = tensors(dirs[0])
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -199,6 +223,9 @@ def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(llm, expecte
     with pytest.raises(ValueError, match="already asleep"):
         llm.sleep(level)
     assert not llm.engine_core.has_unfinished_requests()  # the refused request was never queued
+    assert llm.is_sleeping()
+    with pytest.raises(ValueError, match="apply_model: the engine is asleep"):  # level 2: no weights
+        llm.apply_model(lambda model: model)
     with pytest.raises(ValueError, match="asleep: call wake_up"):  # level 2 would put the old ones back
         llm.update_weights({"model.norm.weight": np.ones(48, np.float32)})
     compiles = num_compiles()
@@ -209,6 +236,7 @@ def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(llm, expecte
     assert numbers(llm) == expected[0]
     with pytest.raises(ValueError, match="not asleep"):
         llm.wake_up()
+    assert not llm.is_sleeping()
 
 
 # A partial update: the quantized table, one layer of a quantized stack, another's, a float norm.
@@ -272,6 +300,7 @@ class Stages(SimpleNamespace):
     loaded one after the other on this process's one device (no programs: nothing runs)."""
 
     param_sets = PipelineRunner.param_sets
+    models = PipelineRunner.models
     set_param_sets = PipelineRunner.set_param_sets
     drafter = None  # as a PipelineRunner's: no drafter runs on stages
 
@@ -353,6 +382,11 @@ def test_pipeline_stages_take_each_weight_where_it_lives(dirs, tmp_path):
     o_proj = "[0]['layers']['self_attn']['o_proj']['kernel'].value"  # packed for the CPU's dot: its strips
     assert [[k.startswith(o_proj) for k in c] for c in changed(before, host_bits(runner))] == [[], [True]]
     update_weights(runner, new)
+    # apply_model's modules, one a stage: the tied table on both, the new one.
+    tables = [np.asarray(m.embed_tokens.weight[...]) for m in runner.models()]
+    assert len(tables) == 2 and all(
+        np.array_equal(t, new["model.embed_tokens.weight"].astype(ml_dtypes.bfloat16)) for t in tables
+    )
     for ours, theirs in zip(host_bits(runner), host_bits(fresh_b)):
         assert ours.keys() == theirs.keys()
         for key in ours:

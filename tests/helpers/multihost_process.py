@@ -220,6 +220,11 @@ def research(llm, arg: dict) -> dict:
     except ValueError as e:
         result["refused_first"] = str(e)
     result["after_refusal"] = answers(llm)
+    for call in (lambda: llm.apply_model(len), lambda: llm.collective_rpc("param_sets")):
+        try:
+            call()
+        except ValueError as e:  # the follower runs only the engine's own calls, by name
+            result.setdefault("no_python_calls", []).append(str(e))
     return result
 
 

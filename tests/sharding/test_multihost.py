@@ -352,6 +352,10 @@ def test_research_stack_across_two_processes(launch):
     assert "'model.layers.1.self_attn.q_proj.weight' has shape" in run["refused"]
     assert "'model.layers.0.self_attn.q_proj.weight' has shape" in run["refused_first"]
     assert run["after_refusal"] == run["before"]
+    assert [m.split(" runs on one host")[0] for m in run["no_python_calls"]] == [
+        "apply_model",
+        "collective_rpc",
+    ]
 
 
 @pytest.mark.slow
