@@ -81,11 +81,58 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
-        """A dict, its JSON text (the CLI's --speculative-config), a SpeculativeConfig, or None."""
+        """A dict, its JSON text (the CLI's --speculative-config), a SpeculativeConfig, or None. A
+        `model` in the speculators format names its method and, unless given, num_speculative_tokens."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         value = json_object(value, "speculative_config")
         unknown = sorted(set(value) - set(_SPEC_KEYS))
         _require(not unknown, f"speculative_config: unknown field(s) {unknown}; known: {list(_SPEC_KEYS)}")
+        found = read_speculators_config(value.get("model"))
+        if found is not None:
+            value = {"method": found[SPECULATORS_KEY], **value}
+            proposals = (found.get("speculators_config") or {}).get("proposal_methods") or [{}]
+            if proposals[0].get("speculative_tokens") is not None:
+                value.setdefault("num_speculative_tokens", proposals[0]["speculative_tokens"])
         _require("method" in value, f"speculative_config.method is required (one of {_SPEC_METHODS})")
         return cls(**value)
+
+
+# A checkpoint of Red Hat's `speculators` library (which vLLM reads): config.json names its algorithm
+# here and nests the draft layer's own config in `transformer_layer_config`.
+SPECULATORS_KEY = "speculators_model_type"
+
+
+def read_speculators_config(model) -> dict | None:
+    """config.json of a speculators-format checkpoint directory; None for anything else."""
+    if not isinstance(model, str):
+        return None
+    path = os.path.join(os.path.expanduser(model), "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        config = json_object(f.read(), f"speculative_config.model ({path})")
+    return config if SPECULATORS_KEY in config else None
+
+
+def flatten_speculators_eagle3(config: dict) -> dict:
+    """A speculators-format EAGLE-3 config.json as a released EAGLE-3 one: its transformer_layer_config
+    with the EAGLE-3 fields over it, and norm_before_residual True unless it says otherwise (the
+    library's and vLLM's default; released checkpoints' is False)."""
+    _require(
+        config.get(SPECULATORS_KEY) == "eagle3",
+        f"speculative_config.model: a speculators checkpoint of type {config.get(SPECULATORS_KEY)!r}; "
+        "'eagle3' is supported",
+    )
+    layer = config.get("transformer_layer_config")
+    _require(
+        isinstance(layer, dict),
+        "speculative_config.model: a speculators checkpoint needs a transformer_layer_config object",
+    )
+    extra = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
+    extra += ("norm_before_fc", "fc_norm", "norm_output")  # refused by the drafter where set
+    flat = {**layer, **{k: config[k] for k in extra if config.get(k) is not None}}
+    return flat | {
+        "architectures": ["Eagle3LlamaForCausalLM"],
+        "norm_before_residual": bool(config.get("norm_before_residual", True)),
+    }

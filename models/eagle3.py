@@ -53,10 +53,19 @@ class _WideAttention(Attention):
 
 class Eagle3Layer(nnx.Module):
     """The checkpoint's `midlayer`: a Llama layer over the two normed halves, its residual the hidden
-    state as it came in."""
+    state as it came in, or normed (`norm_before_residual`: the speculators library's checkpoints)."""
 
-    def __init__(self, cfg: TransformerConfig, backend: AttentionBackend, *, dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        backend: AttentionBackend,
+        *,
+        norm_before_residual: bool = False,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(d, eps, dtype=dtype)
         self.hidden_norm = RMSNorm(d, eps, dtype=dtype)
         self.self_attn = _WideAttention(cfg, backend, dtype=dtype, rngs=rngs)
@@ -64,9 +73,10 @@ class Eagle3Layer(nnx.Module):
         self.mlp = GatedMLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, embeds, hidden, positions, kv_cache: KVCache, md: AttentionMetadata, spec):
-        x = jnp.concatenate([self.input_layernorm(embeds), self.hidden_norm(hidden)], axis=-1)
+        normed = self.hidden_norm(hidden)
+        x = jnp.concatenate([self.input_layernorm(embeds), normed], axis=-1)
         h, kv_cache = self.self_attn(x, positions, kv_cache, md, spec)
-        h = hidden + h
+        h = (normed if self.norm_before_residual else hidden) + h
         return h + self.mlp(self.post_attention_layernorm(h)), kv_cache
 
 
@@ -83,6 +93,7 @@ class Eagle3Network(OneLayerDrafter):
         num_aux: int,
         draft_vocab_size: int,
         own_embedding: bool,
+        norm_before_residual: bool = False,
         padded_vocab_size: int,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -92,7 +103,9 @@ class Eagle3Network(OneLayerDrafter):
         self.padded_vocab_size = padded_vocab_size  # the width of the target's logits
         self.fc = Linear(num_aux * target_hidden_size, d, dtype=dtype, rngs=rngs)
         self.embed_tokens = Embedding(cfg.vocab_size, d, dtype=dtype, rngs=rngs) if own_embedding else None
-        self.midlayer = Eagle3Layer(cfg, backend, dtype=dtype, rngs=rngs)
+        self.midlayer = Eagle3Layer(
+            cfg, backend, norm_before_residual=norm_before_residual, dtype=dtype, rngs=rngs
+        )
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(d, draft_vocab_size, dtype=dtype, rngs=rngs)
 

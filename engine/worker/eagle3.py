@@ -33,6 +33,7 @@ from xlaserve.models.loader import complete_config, read_weights
 from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class
 from xlaserve.models.weights import load_params
+from xlaserve.speculative_config import SPECULATORS_KEY, flatten_speculators_eagle3
 from xlaserve.worker.model_loader import pack_projections
 from xlaserve.worker.mtp import MTPDrafter
 
@@ -71,6 +72,9 @@ def _read_checkpoint(path: str, target_cfg: TransformerConfig) -> tuple[dict, di
         raise _refuse(f"{path!r} is not an EAGLE-3 checkpoint (a directory with config.json)")
     with open(config_path) as f:
         hf_config = json.load(f)
+    speculators = SPECULATORS_KEY in hf_config
+    if speculators:
+        hf_config = flatten_speculators_eagle3(hf_config)
     architectures = hf_config.get("architectures") or []
     if not set(architectures) & set(EAGLE3_ARCHITECTURES):
         raise _refuse(
@@ -82,8 +86,9 @@ def _read_checkpoint(path: str, target_cfg: TransformerConfig) -> tuple[dict, di
         raise _refuse(
             f"an EAGLE-3 checkpoint of {hf_config.get('num_hidden_layers')} layers; one is supported"
         )
-    if hf_config.get("norm_before_residual"):
-        raise _refuse("norm_before_residual is not supported yet (the layer's residual is its hidden input)")
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):  # the speculators library's later variants
+        if hf_config.get(key):
+            raise _refuse(f"{key} is not supported yet (an EAGLE-3 layer as vLLM's llama_eagle3 runs it is)")
     if hf_config["vocab_size"] != target_cfg.vocab_size:
         raise _refuse(
             f"the EAGLE-3 checkpoint's vocab_size ({hf_config['vocab_size']}) must equal the target "
@@ -96,9 +101,15 @@ def _read_checkpoint(path: str, target_cfg: TransformerConfig) -> tuple[dict, di
             f"hidden_size ({target_cfg.hidden_size})"
         )
     try:
-        return hf_config, read_weights(os.path.expanduser(path), progress=False)
+        tensors = read_weights(os.path.expanduser(path), progress=False)
     except ValueError as e:  # no weights, or a PyTorch file that is not a state dict
         raise _refuse(str(e)) from e
+    if speculators:  # its one layer is `layers.0`, a released checkpoint's `midlayer`
+        tensors = {
+            "midlayer." + n[len("layers.0.") :] if n.startswith("layers.0.") else n: t
+            for n, t in tensors.items()
+        }
+    return hf_config, tensors
 
 
 def _draft_to_target(tensors: dict, draft_vocab: int, vocab: int) -> np.ndarray:
@@ -154,6 +165,7 @@ class Eagle3Drafter(MTPDrafter):
                 num_aux=len(ids),
                 draft_vocab_size=draft_vocab,
                 own_embedding=own_embedding,
+                norm_before_residual=bool(hf_config.get("norm_before_residual")),
                 padded_vocab_size=runner.padded_vocab_size,
                 dtype=dtype,
                 rngs=nnx.Rngs(0),

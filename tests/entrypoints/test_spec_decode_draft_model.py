@@ -12,7 +12,7 @@ import jax
 import pytest
 from test_spec_decode_llm import ENGINE_ARGS, prompts, spec_metrics
 
-from helpers.eagle3_cases import eagle3_drafts, save_random_eagle3
+from helpers.eagle3_cases import as_speculators, eagle3_drafts, save_random_eagle3
 from helpers.family_cases import make_hf_model, save_hf_model
 from helpers.mtp_cases import record_drafts
 from xlaserve import LLM, SamplingParams
@@ -162,14 +162,21 @@ def eagle3_config(path, k: int = K) -> dict:
     return {"method": "eagle3", "model": str(path), "num_speculative_tokens": k}
 
 
-def test_eagle3_drafts_equal_the_torch_reference(target_dir, tmp_path):
+@pytest.mark.parametrize("form", ["released", "speculators"])
+def test_eagle3_drafts_equal_the_torch_reference(target_dir, tmp_path, form):
     """float32, k = 2, a request prefilled in two chunks: every step's drafts equal those
     Hugging Face's Llama modules compute when wired as vLLM's llama_eagle3 (helpers/eagle3_cases.py):
     the aux hidden states entering the target's layers 0, 1 and 2 through fc to a narrower draft, its
-    own embedding, its pre-norm output chained into the next draft, 64 draft ids mapped by d2t."""
+    own embedding, its pre-norm output chained into the next draft, 64 draft ids mapped by d2t. The same
+    weights in the speculators library's format (named by `model` alone: the method and k = 2 come from
+    its config) run with the residual normed, as that format's norm_before_residual says by default."""
     path, tensors = save_random_eagle3(tmp_path / "eagle3")
+    spec = eagle3_config(path, k=2)
+    if form == "speculators":
+        spec = {"model": as_speculators(path, tmp_path / "speculators", tensors, speculative_tokens=2)}
     args = {**ARGS, "dtype": "float32", "enforce_eager": True}
-    llm = LLM(target_dir, speculative_config=eagle3_config(path, k=2), **args)
+    llm = LLM(target_dir, speculative_config=spec, **args)
+    assert (llm.config.speculative.method, llm.config.num_spec_tokens) == ("eagle3", 2)
     seen = record_drafts(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     hf = make_hf_model("LlamaForCausalLM")  # the target_dir fixture's model
@@ -178,7 +185,10 @@ def test_eagle3_drafts_equal_the_torch_reference(target_dir, tmp_path):
     seq = prompt + list(out.outputs[0].token_ids)
     steps = [(p, d) for p, d in seen[out.request_id] if p < len(seq) - 1]
     assert len(steps) >= 4
-    assert [d for _, d in steps] == eagle3_drafts(hf, tensors, seq, [p for p, _ in steps], 2)
+    normed = form == "speculators"
+    assert [d for _, d in steps] == eagle3_drafts(hf, tensors, seq, [p for p, _ in steps], 2, normed)
+    if normed:  # the residual matters: the released wiring proposes other drafts here
+        assert [d for _, d in steps] != eagle3_drafts(hf, tensors, seq, [p for p, _ in steps], 2)
 
 
 def test_eagle3_keeps_greedy_outputs_exact(target_dir, baseline, tmp_path):
@@ -236,6 +246,9 @@ def test_eagle3_checkpoints_and_targets_refused_by_name(tmp_path, target_dir):
     with pytest.raises(
         ValueError, match=r"speculative_config.model: the EAGLE-3 checkpoint's vocab_size \(97\)"
     ):
+        LLM(target_dir, speculative_config=eagle3_config(path), enforce_eager=True, **ARGS)
+    path, _ = save_random_eagle3(tmp_path / "eagle3_fc_norm", norm_before_fc=True)  # a later variant
+    with pytest.raises(ValueError, match=r"speculative_config.model: norm_before_fc is not supported"):
         LLM(target_dir, speculative_config=eagle3_config(path), enforce_eager=True, **ARGS)
     hybrid = SimpleNamespace(
         model_config=SimpleNamespace(architecture="Qwen3_5ForCausalLM"),

@@ -89,12 +89,43 @@ def save_random_eagle3(directory, seed: int = 1, **overrides) -> tuple[str, dict
     return _write(directory, config, tensors), tensors
 
 
+def as_speculators(released: str, directory, tensors: dict, speculative_tokens: int) -> str:
+    """The released checkpoint at `released` rewritten as Red Hat's `speculators` library writes EAGLE-3
+    (vLLM reads both): the layer's config nested in `transformer_layer_config`, the proposal's length in
+    `speculators_config`, the layer as `layers.0.*`; norm_before_residual left to its default (True)."""
+    with open(os.path.join(released, "config.json")) as f:
+        config = json.load(f)
+    top = ("draft_vocab_size", "target_hidden_size")
+    layer = {k: v for k, v in config.items() if k not in top} | {"architectures": ["LlamaForCausalLM"]}
+    speculators = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        **{k: config[k] for k in top},
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+            "verifier": {"name_or_path": "tiny-llama", "architectures": ["LlamaForCausalLM"]},
+        },
+    }
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(speculators, f)
+    renamed = {n.replace("midlayer.", "layers.0.", 1): t.contiguous() for n, t in tensors.items()}
+    save_file(renamed, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    return str(directory)
+
+
 @torch.no_grad()
-def eagle3_drafts(hf, tensors: dict, seq: list[int], steps: list[int], k: int) -> list[list[int]]:
+def eagle3_drafts(
+    hf, tensors: dict, seq: list[int], steps: list[int], k: int, norm_before_residual: bool = False
+) -> list[list[int]]:
     """For each p of `steps`, the k greedy drafts proposed once the token at position p of `seq` is
     emitted (helpers/mtp_cases.py `hf_drafts`' contract), float32: the target's aux hidden states (the
     residual stream entering layers 2, L // 2 and L - 3: Hugging Face's `output_hidden_states`) through
-    `fc` for the sequence's rows; each further draft reads the layer's pre-norm output before it."""
+    `fc` for the sequence's rows; each further draft reads the layer's pre-norm output before it.
+    `norm_before_residual`: the layer's residual is its normed hidden input (vLLM's llama_eagle3)."""
     config = LlamaConfig(**{**DRAFT, "attn_implementation": "eager"})
     num_layers = hf.config.num_hidden_layers
     n = len(seq) - 1
@@ -130,7 +161,7 @@ def eagle3_drafts(hf, tensors: dict, seq: list[int], steps: list[int], k: int) -
         x = torch.cat([norms["input"](tensors["embed_tokens.weight"][ids]), norms["hidden"](rows)], dim=-1)
         bias = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))[None, None]
         h, _ = attn(x[None], rotary(x[None], positions[None]), bias)
-        h = rows + h[0]
+        h = (norms["hidden"](rows) if norm_before_residual else rows) + h[0]
         out = h + mlp(norms["post"](h))
         logits = norms["final"](out) @ tensors["lm_head.weight"].T
         return targets[logits.argmax(-1)].tolist(), out
