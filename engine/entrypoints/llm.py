@@ -31,6 +31,10 @@ from xlaserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, Any]]
+# What chat() itself passes to the tokenizer's apply_chat_template: not for chat_template_kwargs.
+_CHAT_TEMPLATE_ARGS = frozenset(
+    {"conversation", "chat_template", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
+)
 
 
 def serve_follower(model: str | None = None, **engine_args) -> None:
@@ -150,14 +154,27 @@ class LLM(PoolingMethods):
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
         A vision-language model takes OpenAI's content parts: `image_url` (a data: URL) and `image_pil`
         (a PIL.Image) beside `text`; one that takes videos (the Qwen VL families) also `video_url` (a
-        data: URL, its frames sampled as media_io_kwargs says: engine/engine/video.py)."""
+        data: URL, its frames sampled as media_io_kwargs says: engine/engine/video.py).
+        vLLM's rendering arguments: `continue_final_message` (the last message, the assistant's, is
+        continued: needs add_generation_prompt=False), `tools` (OpenAI's function definitions, for
+        the template to render) and `chat_template_kwargs` (the template's own variables, e.g.
+        Qwen3's `enable_thinking`)."""
         self._require_tokenizer("chat()")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("chat(): continue_final_message=True needs add_generation_prompt=False")
+        extra = dict(chat_template_kwargs or {})
+        taken = sorted(set(extra) & _CHAT_TEMPLATE_ARGS)
+        if taken:
+            raise ValueError(f"chat(): chat_template_kwargs cannot set {taken}: they are chat()'s arguments")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         mm = self.input_processor.mm_processor
@@ -173,8 +190,11 @@ class LLM(PoolingMethods):
             text = self.tokenizer.apply_chat_template(
                 conversation,
                 chat_template=chat_template,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=False,
+                **extra,
             )
             if images or videos:
                 prompt = {"prompt": text, "multi_modal_data": {"image": images, "video": videos}}

@@ -145,6 +145,28 @@ def test_eos_and_min_tokens(llm):
     assert len(tokens) >= n + 3 and eos not in tokens[: n + 2]
 
 
+def test_chat_takes_vllms_template_arguments(llm):
+    """continue_final_message continues the assistant's last message (no end of turn after it); tools and
+    chat_template_kwargs reach the template; settings that contradict chat()'s are refused by name."""
+    tokenizer = llm.get_tokenizer()
+    chat = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    out = llm.chat(chat, one, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
+    want = tokenizer.apply_chat_template(
+        chat, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
+    assert out.prompt == want and want.endswith("The color is")
+    assert list(out.prompt_token_ids) == tokenizer.encode(want, add_special_tokens=False)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}|{{ tools | length }} tools|{{ mood }}"
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(2)]
+    kwargs = {"chat_template": template, "tools": tools, "chat_template_kwargs": {"mood": "calm"}}
+    assert llm.chat(chat[:1], one, use_tqdm=False, **kwargs)[0].prompt == "Name a color.|2 tools|calm"
+    with pytest.raises(ValueError, match="continue_final_message=True needs add_generation_prompt=False"):
+        llm.chat(chat, one, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"chat_template_kwargs cannot set \['tools'\]"):
+        llm.chat(chat, one, chat_template_kwargs={"tools": []})
+
+
 def test_logprobs_match_hugging_face(llm, hf_model):
     import torch
 
