@@ -115,6 +115,27 @@ def read_speculators_config(model) -> dict | None:
     return config if SPECULATORS_KEY in config else None
 
 
+def speculators_target(model, speculative_config) -> tuple:
+    """(model, speculative_config) as the engine starts: a speculators checkpoint named as the model
+    alone starts its verifier with it as the drafter (vLLM's `vllm serve <speculator>`), where the
+    verifier is a local path (no model hub is read here); anything else as given."""
+    found = read_speculators_config(model)
+    if found is None:
+        return model, speculative_config
+    _require(
+        speculative_config is None,
+        f"model: {model!r} is a speculators checkpoint (a drafter); with a speculative_config, name the "
+        "target model as the model",
+    )
+    verifier = ((found.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    _require(
+        isinstance(verifier, str) and os.path.exists(os.path.expanduser(verifier)),
+        f"model: {model!r} is a speculators checkpoint whose verifier {verifier!r} is not a local path "
+        f"(no model hub is read): start on the target model with speculative_config={{'model': {model!r}}}",
+    )
+    return verifier, {"model": model}
+
+
 def flatten_speculators_eagle3(config: dict) -> dict:
     """A speculators-format EAGLE-3 config.json as a released EAGLE-3 one: its transformer_layer_config
     with the EAGLE-3 fields over it, and norm_before_residual True unless it says otherwise (the

@@ -14,7 +14,7 @@ from xlaserve.config.model import ModelConfig
 from xlaserve.config.parallel import ParallelConfig
 from xlaserve.config.scheduler import SchedulerConfig
 from xlaserve.config_args import ARG_KEY, arg
-from xlaserve.speculative_config import SpeculativeConfig
+from xlaserve.speculative_config import SpeculativeConfig, speculators_target
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,7 @@ class EngineConfig:
         """Split vLLM-named keyword arguments among the sub-configs; unknown names are an error. A
         field is known by its name and by its flag's (`scheduling_policy` for `policy`)."""
         parts: dict[str, dict] = {name: {} for name in CONFIG_GROUPS}
+        model, speculative = speculators_target(model, kwargs.pop("speculative_config", None))
         parts["model"]["model"] = model
         names: dict[str, tuple[str, str]] = {}
         for group, klass in CONFIG_GROUPS.items():
@@ -180,7 +181,7 @@ class EngineConfig:
                 spec = f.metadata.get(ARG_KEY)
                 if spec is not None:
                     names.setdefault(spec.kwarg_for(f.name), (group, f.name))
-        speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
+        speculative = SpeculativeConfig.parse(speculative)
         for key, value in kwargs.items():
             if key not in names:
                 raise TypeError(f"unknown engine argument {key!r}; known: {sorted(names)}")

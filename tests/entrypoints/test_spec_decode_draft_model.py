@@ -168,14 +168,17 @@ def test_eagle3_drafts_equal_the_torch_reference(target_dir, tmp_path, form):
     Hugging Face's Llama modules compute when wired as vLLM's llama_eagle3 (helpers/eagle3_cases.py):
     the aux hidden states entering the target's layers 0, 1 and 2 through fc to a narrower draft, its
     own embedding, its pre-norm output chained into the next draft, 64 draft ids mapped by d2t. The same
-    weights in the speculators library's format (named by `model` alone: the method and k = 2 come from
-    its config) run with the residual normed, as that format's norm_before_residual says by default."""
+    weights in the speculators library's format, the engine started on that directory alone (vLLM's
+    `vllm serve <speculator>`: the target is its verifier, the method and k = 2 come from its config),
+    run with the residual normed, as that format's norm_before_residual says by default."""
     path, tensors = save_random_eagle3(tmp_path / "eagle3")
-    spec = eagle3_config(path, k=2)
-    if form == "speculators":
-        spec = {"model": as_speculators(path, tmp_path / "speculators", tensors, speculative_tokens=2)}
     args = {**ARGS, "dtype": "float32", "enforce_eager": True}
-    llm = LLM(target_dir, speculative_config=spec, **args)
+    if form == "speculators":
+        spec_dir = as_speculators(path, tmp_path / "speculators", tensors, 2, verifier=target_dir)
+        llm = LLM(spec_dir, **args)
+        assert llm.config.model.model == str(target_dir)
+    else:
+        llm = LLM(target_dir, speculative_config=eagle3_config(path, k=2), **args)
     assert (llm.config.speculative.method, llm.config.num_spec_tokens) == ("eagle3", 2)
     seen = record_drafts(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -247,9 +250,14 @@ def test_eagle3_checkpoints_and_targets_refused_by_name(tmp_path, target_dir):
         ValueError, match=r"speculative_config.model: the EAGLE-3 checkpoint's vocab_size \(97\)"
     ):
         LLM(target_dir, speculative_config=eagle3_config(path), enforce_eager=True, **ARGS)
-    path, _ = save_random_eagle3(tmp_path / "eagle3_fc_norm", norm_before_fc=True)  # a later variant
+    path, tensors = save_random_eagle3(tmp_path / "eagle3_fc_norm", norm_before_fc=True)  # a later variant
     with pytest.raises(ValueError, match=r"speculative_config.model: norm_before_fc is not supported"):
         LLM(target_dir, speculative_config=eagle3_config(path), enforce_eager=True, **ARGS)
+    spec_dir = as_speculators(path, tmp_path / "speculators", tensors, 2)  # its verifier is no local path
+    with pytest.raises(ValueError, match=r"verifier 'tiny-llama' is not a local path"):
+        LLM(spec_dir, **ARGS)
+    with pytest.raises(ValueError, match=r"is a speculators checkpoint \(a drafter\); with a speculative"):
+        LLM(spec_dir, speculative_config={"method": "ngram"}, **ARGS)
     hybrid = SimpleNamespace(
         model_config=SimpleNamespace(architecture="Qwen3_5ForCausalLM"),
         kv_spec=SimpleNamespace(layer_kind="hybrid"),

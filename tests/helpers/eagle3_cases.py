@@ -89,10 +89,13 @@ def save_random_eagle3(directory, seed: int = 1, **overrides) -> tuple[str, dict
     return _write(directory, config, tensors), tensors
 
 
-def as_speculators(released: str, directory, tensors: dict, speculative_tokens: int) -> str:
+def as_speculators(
+    released: str, directory, tensors: dict, speculative_tokens: int, verifier: str = "tiny-llama"
+) -> str:
     """The released checkpoint at `released` rewritten as Red Hat's `speculators` library writes EAGLE-3
     (vLLM reads both): the layer's config nested in `transformer_layer_config`, the proposal's length in
-    `speculators_config`, the layer as `layers.0.*`; norm_before_residual left to its default (True)."""
+    `speculators_config` with its `verifier` (the target), the layer as `layers.0.*`; norm_before_residual
+    left to its default (True)."""
     with open(os.path.join(released, "config.json")) as f:
         config = json.load(f)
     top = ("draft_vocab_size", "target_hidden_size")
@@ -106,7 +109,7 @@ def as_speculators(released: str, directory, tensors: dict, speculative_tokens: 
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
-            "verifier": {"name_or_path": "tiny-llama", "architectures": ["LlamaForCausalLM"]},
+            "verifier": {"name_or_path": str(verifier), "architectures": ["LlamaForCausalLM"]},
         },
     }
     os.makedirs(directory, exist_ok=True)
