@@ -15,6 +15,7 @@ from xlaserve.models.falcon_h1 import FalconH1ForCausalLM
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from xlaserve.models.gemma3_vl import Gemma3ForConditionalGeneration
 from xlaserve.models.gpt_oss import GptOssForCausalLM
+from xlaserve.models.granite import GraniteForCausalLM
 from xlaserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from xlaserve.models.interfaces import CAUSAL_LM_MEMBERS, CausalLM
 from xlaserve.models.jamba import JambaForCausalLM
@@ -47,6 +48,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,  # Llama's layer with Granite's scalings
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,

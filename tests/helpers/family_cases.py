@@ -123,6 +123,18 @@ FAMILIES = {
             },
         ),
     ),
+    # Granite's four scalings, each far enough from 1 to show: the embeddings, the scores (in place of
+    # head_dim^-0.5 = 0.29), each residual branch and the logits.
+    "GraniteForCausalLM": (
+        "GraniteConfig",
+        dict(
+            BASE,
+            embedding_multiplier=6.0,
+            attention_multiplier=0.125,
+            residual_multiplier=0.25,
+            logits_scaling=3.0,
+        ),
+    ),
 }
 
 
