@@ -21,6 +21,17 @@ from xlaserve.models.layers import LayerSpec
 from xlaserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
+def granite_scalings(hf: dict[str, Any]) -> dict[str, float]:
+    """Granite's four scalings as config fields (Granite 4.0-H's too)."""
+    return {
+        "embed_scale": float(hf.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(hf.get("residual_multiplier", 1.0)),
+        "logits_scaling": float(hf.get("logits_scaling", 1.0)),
+        # The scores' scale is attention_multiplier: the scale is query_pre_attn_scalar ** -0.5.
+        "query_pre_attn_scalar": float(hf.get("attention_multiplier", 1.0)) ** -2,
+    }
+
+
 @dataclass(frozen=True)
 class GraniteConfig(TransformerConfig):
     residual_multiplier: float = 1.0
@@ -28,14 +39,7 @@ class GraniteConfig(TransformerConfig):
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
-        return {
-            **super().fields_from_hf(hf),
-            "embed_scale": float(hf.get("embedding_multiplier", 1.0)),
-            "residual_multiplier": float(hf.get("residual_multiplier", 1.0)),
-            "logits_scaling": float(hf.get("logits_scaling", 1.0)),
-            # The scores' scale is attention_multiplier: the scale is query_pre_attn_scalar ** -0.5.
-            "query_pre_attn_scalar": float(hf.get("attention_multiplier", 1.0)) ** -2,
-        }
+        return {**super().fields_from_hf(hf), **granite_scalings(hf)}
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):

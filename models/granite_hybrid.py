@@ -29,6 +29,7 @@ from flax import nnx
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.kernels.hybrid_cache import HybridCache
 from xlaserve.kernels.ssd import MambaCache
+from xlaserve.models.granite import granite_scalings
 from xlaserve.models.hybrid import HybridConfig
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
 from xlaserve.models.mamba2 import Mamba2Mixer, group_mamba2_tensors
@@ -62,11 +63,7 @@ class GraniteHybridConfig(MoEConfig, Mamba2HybridConfig):
             "num_experts": num_experts,
             "norm_topk_prob": True,  # softmax over the top k logits
             "shared_intermediate_size": hf["shared_intermediate_size"],
-            "embed_scale": float(hf.get("embedding_multiplier", 1.0)),
-            "residual_multiplier": float(hf.get("residual_multiplier", 1.0)),
-            "logits_scaling": float(hf.get("logits_scaling", 1.0)),
-            # The scores' scale is attention_multiplier: the scale is query_pre_attn_scalar ** -0.5.
-            "query_pre_attn_scalar": float(hf.get("attention_multiplier", 1.0)) ** -2,
+            **granite_scalings(hf),
             "partial_rotary_factor": fields["partial_rotary_factor"] if uses_rope else 0.0,
         }
 
