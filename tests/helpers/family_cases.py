@@ -123,6 +123,26 @@ FAMILIES = {
             },
         ),
     ),
+    # Norms after each block; q and k normed over all heads at once (their weights random: see
+    # make_hf_model); OLMo 3 slides a window on layers 0 and 1, its full layer with YaRN RoPE.
+    "Olmo2ForCausalLM": ("Olmo2Config", BASE),
+    "Olmo3ForCausalLM": (
+        "Olmo3Config",
+        dict(
+            BASE,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                    "rope_theta": 5e5,
+                },
+            },
+        ),
+    ),
     # Granite's four scalings, each far enough from 1 to show: the embeddings, the scores (in place of
     # head_dim^-0.5 = 0.29), each residual branch and the logits.
     "GraniteForCausalLM": (
