@@ -50,6 +50,7 @@ class TransformerConfig:
     local_rope_theta: float | None = None  # RoPE base of sliding layers (Gemma3), unscaled
     attn_output_gate: bool = False  # q_proj also gives a gate per head: out * sigmoid(gate) (Qwen3.5)
     attention_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss)
+    nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3's every fourth)
 
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -59,6 +60,9 @@ class TransformerConfig:
             raise ValueError(f"layer_types {sorted(unknown)} are not supported: expected {LAYER_TYPES}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        rope_type = self.rope_scaling_dict.get("rope_type", self.rope_scaling_dict.get("type"))
+        if self.nope_layers and rope_type in ("dynamic", "longrope"):  # their angles ignore the layer's
+            raise ValueError(f"layers without RoPE beside {rope_type!r} RoPE scaling are not supported")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> TransformerConfig:

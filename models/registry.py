@@ -35,6 +35,7 @@ from xlaserve.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, Qwen3_5M
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from xlaserve.models.qwen3_next import Qwen3NextForCausalLM
 from xlaserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from xlaserve.models.smollm3 import SmolLM3ForCausalLM
 
 # A decoder classifier's suffixes: the class is its *ForCausalLM backbone's (the head runs on the host).
 _CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification")
@@ -52,6 +53,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,  # Llama's layer with Granite's scalings
     "Olmo2ForCausalLM": Olmo2ForCausalLM,  # norms after each block; q/k normed over every head at once
     "Olmo3ForCausalLM": Olmo3ForCausalLM,  # OLMo 2's layer with sliding windows
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,  # Llama's layer, RoPE off on every fourth (NoPE)
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,

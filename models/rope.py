@@ -96,7 +96,9 @@ def layer_rope_inv_freqs(cfg: TransformerConfig) -> np.ndarray:  # [num_layers, 
         scaling = {}
     full = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, scaling)
     local = full if cfg.local_rope_theta is None else base_inv_freq(cfg.rotary_dim, cfg.local_rope_theta)
-    return np.stack([full if w is None else local for w in cfg.layer_sliding_windows])
+    rows = np.stack([full if w is None else local for w in cfg.layer_sliding_windows])
+    rows[list(cfg.nope_layers)] = 0.0  # angle 0 at every position: cos 1, sin 0, q and k as they are
+    return rows
 
 
 def layer_rope_scales(cfg: TransformerConfig) -> np.ndarray:  # [num_layers]
@@ -108,7 +110,9 @@ def layer_rope_scales(cfg: TransformerConfig) -> np.ndarray:  # [num_layers]
     else:
         factor = rope_attention_factor(scaling)
     has_local = cfg.local_rope_theta is not None
-    return np.asarray([1.0 if has_local and w is not None else factor for w in cfg.layer_sliding_windows])
+    scales = np.asarray([1.0 if has_local and w is not None else factor for w in cfg.layer_sliding_windows])
+    scales[list(cfg.nope_layers)] = 1.0
+    return scales
 
 
 def rope_angles(

@@ -143,6 +143,20 @@ FAMILIES = {
             },
         ),
     ),
+    # Layer 1 without RoPE (NoPE), YaRN on the others.
+    "SmolLM3ForCausalLM": (
+        "SmolLM3Config",
+        dict(
+            BASE,
+            no_rope_layers=[1, 0, 1],
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 5e5,
+            },
+        ),
+    ),
     # Granite's four scalings, each far enough from 1 to show: the embeddings, the scores (in place of
     # head_dim^-0.5 = 0.29), each residual branch and the logits.
     "GraniteForCausalLM": (
