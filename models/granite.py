@@ -1,13 +1,19 @@
-"""Granite 3.x (GraniteForCausalLM): the Llama layer with Granite's four scalings.
+"""Granite 3.x (GraniteForCausalLM): the Llama layer with Granite's four scalings; Granite 3.x MoE
+(GraniteMoeForCausalLM): the same with a routed mixture of experts as its MLP.
 
 Every residual branch is scaled by `residual_multiplier` before it is added (x + m * attn(norm(x)),
 then x + m * mlp(norm(x))); the embeddings are multiplied by `embedding_multiplier`, the attention
 scores by `attention_multiplier` (in place of head_dim^-0.5), and the logits divided by
-`logits_scaling`. Granite 4.0-H, the hybrid with experts, is models/granite_hybrid.py.
+`logits_scaling`. The experts route by softmax over the top k router logits (a softmax over all of
+them renormalized over the top k); checkpoints store a layer's experts fused (`block_sparse_moe`'s
+`input_linear` [E, 2F, D]: gate, then up; `output_linear` [E, D, F]; `router.layer`), which
+`granite_expert_tensors` splits into the shared MoE block's names. Granite 4.0-H, the hybrid with
+experts, is models/granite_hybrid.py.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +25,7 @@ from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import LayerSpec
 from xlaserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from xlaserve.models.moe import MoEConfig, SparseMoeBlock
 
 
 def granite_scalings(hf: dict[str, Any]) -> dict[str, float]:
@@ -60,3 +67,51 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: jax.Array, head_dv: jax.Array | None = None) -> jax.Array:
         return super().compute_logits(hidden, head_dv) / self.cfg.logits_scaling
+
+
+@dataclass(frozen=True)
+class GraniteMoeConfig(GraniteConfig, MoEConfig):
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **super().fields_from_hf(hf),
+            "num_experts": hf["num_local_experts"],
+            "moe_intermediate_size": hf["intermediate_size"],  # each expert's width
+            "norm_topk_prob": True,  # softmax over the top k logits
+        }
+
+
+class GraniteMoeDecoderLayer(GraniteDecoderLayer):
+    mlp_class = SparseMoeBlock
+
+
+class GraniteMoeForCausalLM(GraniteForCausalLM):
+    config_class = GraniteMoeConfig
+    layer_class = GraniteMoeDecoderLayer
+
+    @classmethod
+    def prepare_hf_tensors(
+        cls, cfg: GraniteMoeConfig, tensors: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        out = {}
+        for name, tensor in tensors.items():
+            m = _EXPERT_BLOCK.match(name)
+            parts = None if m is None else granite_expert_tensors(f"{m['layer']}.mlp", m["part"], tensor)
+            out.update({name: tensor} if parts is None else parts)
+        return out
+
+
+_EXPERT_BLOCK = re.compile(r"^(?P<layer>.+\.layers\.\d+)\.block_sparse_moe\.(?P<part>[\w.]+)$")
+
+
+def granite_expert_tensors(block: str, part: str, tensor) -> dict[str, np.ndarray] | None:
+    """A Granite expert block's checkpoint tensor `part` (the legacy fused names, or transformers 5's
+    in-memory ones) as the shared MoE block's at `block`; None: not one of them."""
+    if part in ("input_linear.weight", "experts.gate_up_proj"):
+        gate, up = np.split(np.asarray(tensor), 2, axis=1)
+        return {f"{block}.experts_gate.weight": gate, f"{block}.experts_up.weight": up}
+    if part in ("output_linear.weight", "experts.down_proj"):
+        return {f"{block}.experts_down.weight": tensor}
+    if part in ("router.layer.weight", "router.weight"):
+        return {f"{block}.gate.weight": tensor}
+    return None

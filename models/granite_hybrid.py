@@ -29,7 +29,7 @@ from flax import nnx
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.kernels.hybrid_cache import HybridCache
 from xlaserve.kernels.ssd import MambaCache
-from xlaserve.models.granite import granite_scalings
+from xlaserve.models.granite import granite_expert_tensors, granite_scalings
 from xlaserve.models.hybrid import HybridConfig
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
 from xlaserve.models.mamba2 import Mamba2Mixer, group_mamba2_tensors
@@ -136,16 +136,8 @@ class GraniteMoeHybridForCausalLM(Mamba2HybridLM):
                     gate, up = np.split(np.asarray(tensor), 2, axis=0)
                     out[f"{m['mlp']}.gate_proj.weight"], out[f"{m['mlp']}.up_proj.weight"] = gate, up
             elif m := _MOE.match(name):
-                block, part = m["block"], m["name"]
-                if part in ("input_linear.weight", "experts.gate_up_proj"):
-                    gate, up = np.split(np.asarray(tensor), 2, axis=1)
-                    out[f"{block}.experts_gate.weight"], out[f"{block}.experts_up.weight"] = gate, up
-                elif part in ("output_linear.weight", "experts.down_proj"):
-                    out[f"{block}.experts_down.weight"] = tensor
-                elif part in ("router.layer.weight", "router.weight"):
-                    out[f"{block}.gate.weight"] = tensor
-                else:
-                    out[name] = tensor  # reported as unexpected by the loader
+                parts = granite_expert_tensors(m["block"], m["name"], tensor)
+                out.update({name: tensor} if parts is None else parts)  # an unknown one: the loader names it
             else:
                 out[name] = tensor
         return group_mamba2_tensors(cfg.mamba, out)

@@ -15,7 +15,7 @@ from xlaserve.models.falcon_h1 import FalconH1ForCausalLM
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from xlaserve.models.gemma3_vl import Gemma3ForConditionalGeneration
 from xlaserve.models.gpt_oss import GptOssForCausalLM
-from xlaserve.models.granite import GraniteForCausalLM
+from xlaserve.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from xlaserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from xlaserve.models.interfaces import CAUSAL_LM_MEMBERS, CausalLM
 from xlaserve.models.jamba import JambaForCausalLM
@@ -51,6 +51,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,  # Llama's layer with Granite's scalings
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,  # the same with experts
     "Olmo2ForCausalLM": Olmo2ForCausalLM,  # norms after each block; q/k normed over every head at once
     "Olmo3ForCausalLM": Olmo3ForCausalLM,  # OLMo 2's layer with sliding windows
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,  # Llama's layer, RoPE off on every fourth (NoPE)

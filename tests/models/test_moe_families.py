@@ -92,6 +92,23 @@ FAMILIES = {
             norm_topk_prob=True,
         ),
     ),
+    # Granite's scalings around the experts (softmax over the top k logits), its fused expert names.
+    "granite_moe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            intermediate_size=40,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=6.0,
+            attention_multiplier=0.125,
+            residual_multiplier=0.25,
+            logits_scaling=3.0,
+        ),
+    ),
     # Sinks, a sliding layer (8 tokens: the 54-token prompt's queries see past it) beside a full one,
     # biased router and experts, a clamp low enough to bind (1.5), YaRN.
     "gpt_oss": (
