@@ -51,6 +51,7 @@ class TransformerConfig:
     attn_output_gate: bool = False  # q_proj also gives a gate per head: out * sigmoid(gate) (Qwen3.5)
     attention_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss)
     nope_layers: tuple[int, ...] = ()  # layers whose q and k are not rotated (SmolLM3's every fourth)
+    clip_qkv: float | None = None  # q, k and v clamped to [-c, c] after projection (OLMoE)
 
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:

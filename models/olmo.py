@@ -1,4 +1,5 @@
-"""OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): norms after each block, not before.
+"""OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): norms after each block, not before;
+OLMoE (OlmoeForCausalLM): their attention in Llama's pre-norm layer, a mixture of experts its MLP.
 
 Where they differ from Llama:
 - each block's output is normed before the residual add, and its input is not:
@@ -7,17 +8,25 @@ Where they differ from Llama:
   num_heads * head_dim), before they are split into heads and rotated;
 - OLMo 3 slides a window on three layers of four (`layer_types`), with its own RoPE per layer
   type where the config gives one: the shared `Attention` reads both from the config.
+OLMoE routes by softmax, top k, not renormalized unless `norm_topk_prob`; `clip_qkv` clamps q, k
+(after their norms) and v.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
 from xlaserve.models.llama import LlamaForCausalLM
+from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, stack_expert_tensors
 
 
 class OlmoAttention(Attention):
@@ -29,7 +38,11 @@ class OlmoAttention(Attention):
 
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, k, v = super().project_qkv(x)
-        return self.q_norm(q), self.k_norm(k), v
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.cfg.clip_qkv is not None:
+            c = self.cfg.clip_qkv
+            q, k, v = (jnp.clip(a, -c, c) for a in (q, k, v))
+        return q, k, v
 
 
 class OlmoDecoderLayer(nnx.Module):
@@ -55,3 +68,29 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
 class Olmo3ForCausalLM(Olmo2ForCausalLM):
     pass
+
+
+@dataclass(frozen=True)
+class OlmoeConfig(MoEConfig):
+    norm_topk_prob: bool = False  # Hugging Face's OlmoeConfig default
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **super().fields_from_hf(hf),
+            "num_experts": hf["num_experts"],
+            "clip_qkv": hf.get("clip_qkv"),
+        }
+
+
+class OlmoeDecoderLayer(MoEDecoderLayer):
+    attention_class = OlmoAttention
+
+
+class OlmoeForCausalLM(LlamaForCausalLM):
+    config_class = OlmoeConfig
+    layer_class = OlmoeDecoderLayer
+
+    @classmethod
+    def prepare_hf_tensors(cls, cfg: OlmoeConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return stack_expert_tensors(tensors, cfg.num_experts)

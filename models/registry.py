@@ -26,7 +26,7 @@ from xlaserve.models.mamba2 import Mamba2ForCausalLM
 from xlaserve.models.mistral import MistralForCausalLM
 from xlaserve.models.mixtral import MixtralForCausalLM
 from xlaserve.models.modernbert import ModernBertModel
-from xlaserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM
+from xlaserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from xlaserve.models.phi3 import Phi3ForCausalLM
 from xlaserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from xlaserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
@@ -54,6 +54,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,  # the same with experts
     "Olmo2ForCausalLM": Olmo2ForCausalLM,  # norms after each block; q/k normed over every head at once
     "Olmo3ForCausalLM": Olmo3ForCausalLM,  # OLMo 2's layer with sliding windows
+    "OlmoeForCausalLM": OlmoeForCausalLM,  # OLMo's attention, pre-norm, experts
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,  # Llama's layer, RoPE off on every fourth (NoPE)
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

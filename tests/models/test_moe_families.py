@@ -92,6 +92,20 @@ FAMILIES = {
             norm_topk_prob=True,
         ),
     ),
+    # q and k normed over all heads at once, q/k/v clamped (tight enough to bind), no renormalization.
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            intermediate_size=40,
+            num_experts=8,
+            num_experts_per_tok=2,
+            clip_qkv=1.5,
+        ),
+    ),
     # Granite's scalings around the experts (softmax over the top k logits), its fused expert names.
     "granite_moe": (
         "GraniteMoeConfig",
