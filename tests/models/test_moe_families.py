@@ -92,37 +92,6 @@ FAMILIES = {
             norm_topk_prob=True,
         ),
     ),
-    # q and k normed over all heads at once, q/k/v clamped (tight enough to bind), no renormalization.
-    "olmoe": (
-        "OlmoeConfig",
-        "OlmoeForCausalLM",
-        dict(
-            _COMMON,
-            num_hidden_layers=2,
-            num_key_value_heads=2,
-            intermediate_size=40,
-            num_experts=8,
-            num_experts_per_tok=2,
-            clip_qkv=1.5,
-        ),
-    ),
-    # Granite's scalings around the experts (softmax over the top k logits), its fused expert names.
-    "granite_moe": (
-        "GraniteMoeConfig",
-        "GraniteMoeForCausalLM",
-        dict(
-            _COMMON,
-            num_hidden_layers=2,
-            num_key_value_heads=2,
-            intermediate_size=40,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            embedding_multiplier=6.0,
-            attention_multiplier=0.125,
-            residual_multiplier=0.25,
-            logits_scaling=3.0,
-        ),
-    ),
     # Sinks, a sliding layer (8 tokens: the 54-token prompt's queries see past it) beside a full one,
     # biased router and experts, a clamp low enough to bind (1.5), YaRN.
     "gpt_oss": (
@@ -175,6 +144,37 @@ FAMILIES = {
         "DeepseekV2ForCausalLM",
         dict(
             _DEEPSEEK, topk_method="group_limited_greedy", topk_group=1, n_shared_experts=2, q_lora_rank=None
+        ),
+    ),
+    # q and k normed over all heads at once, q/k/v clamped (tight enough to bind), no renormalization.
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            intermediate_size=40,
+            num_experts=8,
+            num_experts_per_tok=2,
+            clip_qkv=1.5,
+        ),
+    ),
+    # Granite's scalings around the experts (softmax over the top k logits), its fused expert names.
+    "granite_moe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            intermediate_size=40,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=6.0,
+            attention_multiplier=0.125,
+            residual_multiplier=0.25,
+            logits_scaling=3.0,
         ),
     ),
 }
