@@ -1,4 +1,5 @@
-"""Mixtral, Qwen3-MoE, gpt-oss and DeepSeek V2/V3 against Hugging Face, on tiny random checkpoints.
+"""Mixtral, Qwen3-MoE, gpt-oss, DeepSeek V2/V3, OLMoE and Granite MoE against Hugging Face, on tiny
+random checkpoints.
 
 Each family: a random HF model (float32, a few layers, 4-8 experts with top-2, GQA where the family
 has it; DeepSeek with a dense first layer, grouped routing, small LoRA ranks, V3 with YaRN) saved as
