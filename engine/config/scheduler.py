@@ -38,6 +38,15 @@ class SchedulerConfig:
             "(default: max_num_batched_tokens / 4 while other requests run, none alone; 0: no cap)"
         ),
     )
+    # vLLM's flag. Off: a prompt's missing tokens are computed in one step or wait for one with room,
+    # so a prompt cannot be longer than a step (max_model_len is held to max_num_batched_tokens).
+    enable_chunked_prefill: bool = field(
+        default=True,
+        metadata=arg(
+            "split a long prompt's prefill across steps (default: on; off: each prompt is computed whole "
+            "in one step, and max_model_len is held to max_num_batched_tokens)"
+        ),
+    )
     max_num_partial_prefills: int = field(
         default=2, metadata=arg("prompts prefilled across steps at once (default: 2)")
     )

@@ -108,7 +108,7 @@ class EngineCore:
             # slots for them are allocated ahead when free (worker/draft_model.py).
             num_lookahead_tokens=executor.num_lookahead_tokens,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
-            enable_chunked_prefill=not executor.is_encoder,
+            enable_chunked_prefill=config.scheduler.enable_chunked_prefill and not executor.is_encoder,
             kv_connector=self.kv_connector,
             encoder_cache=EncoderCacheManager(executor.encoder_cache_layout),
             num_micro_batches=num_micro_batches,

@@ -133,8 +133,8 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
         hf_config = _encoder_config(config, hf_config, checkpoint.tokenizer)
     model_config = model_config_from_hf(hf_config)
     max_model_len = resolve_max_model_len(config.model.max_model_len, model_config)
-    if is_encoder:
-        max_model_len = _whole_prompt_len(config, max_model_len)
+    if is_encoder or not config.scheduler.enable_chunked_prefill:
+        max_model_len = _whole_prompt_len(config, max_model_len, "an encoder-only" if is_encoder else "this")
     if task in ("classify", "token_classify") and head is None:
         raise ValueError(
             f"convert={task!r} needs a *ForSequenceClassification or *ForTokenClassification "
@@ -188,22 +188,22 @@ def _encoder_config(config: EngineConfig, hf_config: dict, tokenizer) -> dict:
     return hf_config
 
 
-def _whole_prompt_len(config: EngineConfig, max_model_len: int) -> int:
-    """An encoder computes each prompt whole in one step: max_model_len <= max_num_batched_tokens (the
-    model's own limit is lowered to it; a user's larger one is an error naming both)."""
+def _whole_prompt_len(config: EngineConfig, max_model_len: int, which: str) -> int:
+    """An encoder, or an engine with enable_chunked_prefill off, computes each prompt whole in one step:
+    max_model_len <= max_num_batched_tokens (the model's own limit is lowered to it; a user's larger one
+    is an error naming both). `which`: the engine, as the messages name it."""
     budget = config.scheduler.max_num_batched_tokens
     if max_model_len <= budget:
         return max_model_len
+    why = f"{which} model computes each prompt whole in one step"
+    if not config.scheduler.enable_chunked_prefill:
+        why += " (enable_chunked_prefill is off)"
     if config.model.max_model_len is not None:
         raise ValueError(
-            f"max_model_len ({max_model_len}) exceeds max_num_batched_tokens ({budget}): an encoder-only "
-            "model computes each prompt whole in one step; raise max_num_batched_tokens or lower "
-            "max_model_len"
+            f"max_model_len ({max_model_len}) exceeds max_num_batched_tokens ({budget}): {why}; raise "
+            "max_num_batched_tokens or lower max_model_len"
         )
     logger.warning(
-        "max_model_len lowered from %d to max_num_batched_tokens (%d): an encoder computes "
-        "each prompt in one step",
-        max_model_len,
-        budget,
+        "max_model_len lowered from %d to max_num_batched_tokens (%d): %s", max_model_len, budget, why
     )
     return budget

@@ -46,3 +46,42 @@ def test_model_max_len_is_lowered_to_the_cache(tiny_llama, caplog):
         llm.generate({"prompt_token_ids": [5] * 48}, use_tqdm=False)
     [output] = llm.generate({"prompt_token_ids": [5] * 40}, SamplingParams(max_tokens=8), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 8
+
+
+def test_without_chunked_prefill_each_prompt_is_computed_whole(tiny_llama, caplog):
+    """vLLM's --no-enable-chunked-prefill: max_model_len is held to max_num_batched_tokens (a user's
+    larger one refused naming both), and a prompt longer than the chunk cap is computed in one step
+    beside a decoding request, where the default splits it into capped chunks; the tokens and
+    logprobs are the same bits either way (batch invariance)."""
+    from xlaserve import LLM, SamplingParams
+
+    args = {"max_num_batched_tokens": 32, "enforce_eager": True, "dtype": "float32"}
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len \(64\) exceeds max_num_batched_tokens \(32\): this model computes each "
+        r"prompt whole in one step \(enable_chunked_prefill is off\)",
+    ):
+        LLM(tiny_llama, max_model_len=64, enable_chunked_prefill=False, **args)
+    prompts = [{"prompt_token_ids": [5, 9, 13, 2]}, {"prompt_token_ids": list(range(3, 27))}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = {}
+    for chunked in (False, True):
+        with caplog.at_level(logging.WARNING):
+            llm = LLM(tiny_llama, enable_chunked_prefill=chunked, long_prefill_token_threshold=8, **args)
+        assert (llm.max_model_len == 32) == (not chunked)
+        scheduler, steps = llm.engine_core.scheduler, []
+        schedule = scheduler.schedule
+
+        def recorded(schedule=schedule, steps=steps):
+            output = schedule()
+            steps.append({s.request.request_id: s.num_new_tokens for s in output.scheduled})
+            return output
+
+        scheduler.schedule = recorded
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        long_id = outs[1].request_id
+        chunks = [step[long_id] for step in steps if long_id in step][:3]
+        runs[chunked] = chunks, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert "max_model_len lowered from 512 to max_num_batched_tokens (32)" in caplog.text
+    assert runs[False][0][0] == 24 and runs[True][0] == [8, 8, 8]
+    assert runs[False][1] == runs[True][1]
