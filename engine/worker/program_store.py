@@ -120,6 +120,7 @@ _HOST_ONLY_SETTINGS = {
         "long_prefill_token_threshold",
         "max_num_partial_prefills",
         "max_long_partial_prefills",
+        "enable_chunked_prefill",  # how steps are filled, not what a step's program is
     ),
     "parallel": ("node_rank", "master_addr", "master_port"),
     "compilation": (
