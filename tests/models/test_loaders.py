@@ -510,8 +510,8 @@ def test_a_start_holds_one_tensor_of_the_checkpoint_at_a_time(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     moe = _mixtral_checkpoint(tmp_path / "moe")
-    # The MoE first: after the others' loads glibc serves its 8 MB stacks from a heap whose freed
-    # chunks its peak then counts (1.53x first, up to 1.85x third; 2.11x when experts were stacked first).
+    # The MoE first: measured after the others' loads its peak moved with the allocator's state (1.53x
+    # first, 1.56x to 1.85x third; 2.11x to 2.17x when the experts were stacked before placement).
     run = subprocess.run(
         [sys.executable, "-c", _PEAK_OF_A_START, moe, str(tmp_path), gguf_path],
         capture_output=True,
