@@ -26,7 +26,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
-from xlaserve.models.gguf_reader import read_tensor_data
+from xlaserve.models.gguf_reader import read_block_fields, read_tensor_data
 from xlaserve.models.quantization import QuantizedTensor, QuantScheme
 
 GROUP = 32  # weights per block (per Q4_K sub-block), along the input axis
@@ -89,24 +89,37 @@ def _blocks(raw: np.ndarray, tensor_type) -> np.ndarray:
     return np.ascontiguousarray(raw, np.uint8).reshape(-1, type_size)
 
 
-def _block_scales(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray | None]:
+# The bytes of a kept type's block that hold its scales and minimums (`_block_scales` reads no other).
+_SCALE_FIELDS = {
+    GGMLQuantizationType.Q8_0: slice(0, 2),
+    GGMLQuantizationType.Q4_0: slice(0, 2),
+    GGMLQuantizationType.Q4_1: slice(0, 4),
+    GGMLQuantizationType.Q4_K: slice(0, 16),
+    GGMLQuantizationType.Q6_K: slice(192, 210),
+}
+
+
+def _block_scales(data: np.ndarray, tensor_type, start: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
     """A kept type's float32 scales and zeros (None: no zero), [blocks, groups a block], from its
-    blocks `data` [blocks, bytes]. Q8_0/Q4_0/Q4_1: d (and Q4_0's -8 d, Q4_1's m), one group a block.
+    blocks `data` [blocks, bytes] (`start`: the block's byte `data` starts at, its scale fields'
+    when only those were read). Q8_0/Q4_0/Q4_1: d (and Q4_0's -8 d, Q4_1's m), one group a block.
     Q4_K: d * sc and -(dmin * mn) per 32, the products gguf's dequantization computes, so d sc q -
     dmin mn is the same float32 number. Q6_K: d * sc per 16, gguf's (d sc) (q - 32), no zero."""
+
+    def field(first: int, end: int) -> np.ndarray:
+        return data[:, first - start : end - start]
+
     if tensor_type == GGMLQuantizationType.Q4_K:
-        d, dmin = _f16(data[:, 0:2]), _f16(data[:, 2:4])
-        sc, mn = Q4_K.get_scale_min(data[:, 4:16])  # [n, 8] each: the gguf package's own unpacking
+        d, dmin = _f16(field(0, 2)), _f16(field(2, 4))
+        sc, mn = Q4_K.get_scale_min(field(4, 16))  # [n, 8] each: the gguf package's own unpacking
         return d[:, None] * sc.astype(np.float32), -(dmin[:, None] * mn.astype(np.float32))
     if tensor_type == GGMLQuantizationType.Q6_K:
-        return _f16(data[:, 208:210])[:, None] * data[:, 192:208].copy().view(np.int8).astype(
-            np.float32
-        ), None
-    d = _f16(data[:, 0:2])[:, None]
+        return _f16(field(208, 210))[:, None] * field(192, 208).copy().view(np.int8).astype(np.float32), None
+    d = _f16(field(0, 2))[:, None]
     if tensor_type == GGMLQuantizationType.Q8_0:
         return d, None
     # Q4_0's d (q - 8) as d q + (-8 d): both products and their sum are exact in float32.
-    return d, _f16(data[:, 2:4])[:, None] if tensor_type == GGMLQuantizationType.Q4_1 else -8 * d
+    return d, _f16(field(2, 4))[:, None] if tensor_type == GGMLQuantizationType.Q4_1 else -8 * d
 
 
 def decode_blocks(raw: np.ndarray, tensor_type, shape: tuple[int, int]) -> QuantizedTensor:
@@ -176,9 +189,12 @@ class GGUFBlocks:
     def block(self) -> tuple[int, int]:
         return (1, Q6_K_GROUP if self.tensor_type == GGMLQuantizationType.Q6_K else GROUP)
 
+    @property
+    def num_blocks(self) -> int:
+        return self.shape[0] * self.shape[1] // GGML_QUANT_SIZES[self.tensor_type][0]
+
     def _raw(self) -> np.ndarray:
-        block_size, type_size = GGML_QUANT_SIZES[self.tensor_type]
-        num_bytes = self.shape[0] * self.shape[1] // block_size * type_size
+        num_bytes = self.num_blocks * GGML_QUANT_SIZES[self.tensor_type][1]
         return read_tensor_data(self.path, self.offset, np.dtype(np.uint8), (num_bytes,))
 
     def read(self) -> QuantizedTensor:
@@ -187,8 +203,11 @@ class GGUFBlocks:
 
     def scales_fit_float16(self) -> bool:
         """Whether every scale and zero is a float16 number (`gguf_scheme`), from the file's scale
-        bytes, without decoding the codes."""
-        scale, zero = _block_scales(_blocks(self._raw(), self.tensor_type), self.tensor_type)
+        bytes alone: the codes are read once, by the load's `read()` (6 to 20% of a block is scales)."""
+        fields = _SCALE_FIELDS[self.tensor_type]
+        type_size = GGML_QUANT_SIZES[self.tensor_type][1]
+        data = read_block_fields(self.path, self.offset, type_size, self.num_blocks, fields)
+        scale, zero = _block_scales(data, self.tensor_type, fields.start)
         return _is_float16(scale) and (zero is None or _is_float16(zero))
 
     def __repr__(self) -> str:

@@ -170,6 +170,20 @@ def read_tensor_data(path: str, offset: int, dtype: np.dtype, shape: tuple[int, 
     return raw.view(dtype).reshape(shape)
 
 
+def read_block_fields(path: str, offset: int, block_bytes: int, num_blocks: int, fields: slice) -> np.ndarray:
+    """Bytes `fields` of each of `num_blocks` blocks of `block_bytes` at `offset` (a quantized tensor's
+    scales, without its codes), copied into a new [num_blocks, field bytes] uint8 array from a
+    mapping that goes when this returns."""
+    try:
+        mapped = np.memmap(path, np.uint8, "r", offset=offset, shape=(num_blocks, block_bytes))
+    except ValueError as error:  # the mapping would reach past the end of the file
+        raise ValueError(
+            f"{path}: a tensor's data ends past the end of the file (the file changed since its header "
+            "was read)"
+        ) from error
+    return np.array(mapped[:, fields])  # a copy: the mapping goes with `mapped`
+
+
 def open_gguf(path: str) -> FastGGUFReader | GGUFReader:
     """Parse the header of a GGUF file (tensors stay memory-mapped). ValueError if it is not GGUF.
     Our parser (models/gguf_reader.py, ~10x faster), or gguf's reader for a big-endian file."""

@@ -27,6 +27,7 @@ from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import GatedMLP
 from xlaserve.models.llama import LlamaDecoderLayer
 from xlaserve.models.quantization import QuantizedKernel, stack_tensors
+from xlaserve.models.safetensors_loader import CheckpointTensor, DerivedTensor
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")
@@ -256,6 +257,26 @@ _PER_EXPERT = re.compile(
 _FUSED = re.compile(r"^(?P<block>.+\.layers\.\d+\.\w+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 
 
+def _stacked(experts: list):
+    """The experts' tensors as one [E, ...]: for a checkpoint's, read when used (a `DerivedTensor` that
+    reads them one by one into its array), so a start holds one parameter's experts at a time, not
+    every layer's from the rewrite on; any other (a trainer's arrays, `QuantizedTensor`s) now."""
+    first = experts[0]
+    lazy = all(
+        isinstance(e, CheckpointTensor) and e.shape == first.shape and e.dtype == first.dtype for e in experts
+    )
+    if not lazy:
+        return stack_tensors(experts)
+
+    def stack() -> np.ndarray:
+        out = np.empty((len(experts), *first.shape), first.dtype)
+        for i, expert in enumerate(experts):
+            out[i] = expert.read()
+        return out
+
+    return DerivedTensor(stack, (len(experts), *first.shape), first.dtype, source=first.path)
+
+
 def stack_expert_tensors(tensors: dict[str, np.ndarray], num_experts: int) -> dict[str, np.ndarray]:
     """Per-expert checkpoint tensors -> one [E, out, in] tensor per projection and layer.
 
@@ -284,7 +305,7 @@ def stack_expert_tensors(tensors: dict[str, np.ndarray], num_experts: int) -> di
         missing += [f"{block}.experts.{e}.{proj}.weight" for e in absent]
         if not absent:
             ours = _EXPERT_PROJECTIONS[proj]
-            out[f"{block}.experts_{ours}.weight"] = stack_tensors([experts[e] for e in range(num_experts)])
+            out[f"{block}.experts_{ours}.weight"] = _stacked([experts[e] for e in range(num_experts)])
             # Experts past num_experts stay under their own names: the loader reports them as unexpected.
         for e in sorted(set(experts) - set(range(num_experts))):
             out[f"{block}.experts.{e}.{proj}.weight"] = experts[e]

@@ -115,6 +115,31 @@ class CheckpointTensor(np.lib.mixins.NDArrayOperatorsMixin):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path!r}, shape={self.shape}, dtype={self.dtype})"
 
+    def derived(self, compute, shape) -> DerivedTensor:
+        """`compute(this tensor's array)`, of `shape` and this dtype, computed when used, not now: how the
+        sharding layer pads the vocabulary and repeats KV heads without reading the checkpoint first."""
+        return DerivedTensor(lambda: compute(self.read()), shape, self.dtype, source=self.path)
+
+
+class DerivedTensor(CheckpointTensor):
+    """A tensor computed from checkpoint tensors each time it is used (`compute()`: an array of `shape`),
+    lazily as they are read: MoE experts stacked into one [E, ...] array, the vocabulary padded, KV
+    heads repeated. A load places one parameter's at a time, as a plain checkpoint's."""
+
+    __slots__ = ("compute",)
+
+    def __init__(self, compute, shape, dtype: np.dtype, *, source: str):
+        super().__init__(source, -1, shape, np.dtype(dtype))
+        self.compute = compute
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def read(self) -> np.ndarray:
+        array = self.compute()
+        return array if array.dtype == self.dtype else array.astype(self.dtype)
+
 
 def safetensors_files(model_dir: str) -> list[str]:
     """The checkpoint files of `model_dir`: the index's shards, model.safetensors, or every *.safetensors."""

@@ -11,6 +11,8 @@ import re
 
 import numpy as np
 
+from xlaserve.sharding.vocab import lazily
+
 _KV_PROJ = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
 _FUSED_QKV = re.compile(r"\.qkv_proj\.(weight|bias)$")  # Phi-3: HF rows q, then k, then v
 
@@ -77,10 +79,19 @@ def replicate_kv_heads(model_config, tensors, tensor_parallel_size: int):
         return model_config, tensors
     out = type(tensors)(tensors)
     for name, array in tensors.items():
-        is_ours = isinstance(name, tuple)
+        if isinstance(name, tuple):  # a converted checkpoint's, in memory
+            if _is_kv_projection(name):
+                out[name] = _repeat_heads(np.asarray(array), -1, num_kv, repeat)
+            elif _is_fused_qkv(name):
+                out[name] = _repeat_fused_grouped(np.asarray(array), num_heads, num_kv, repeat)
+            continue
+        # HF layout: the heads' rows on axis 0, repeated when the tensor is read.
+        rows, *rest = np.shape(array)
         if _is_kv_projection(name):
-            out[name] = _repeat_heads(np.asarray(array), -1 if is_ours else 0, num_kv, repeat)
+            shape = (rows * repeat, *rest)
+            out[name] = lazily(array, lambda a: _repeat_heads(a, 0, num_kv, repeat), shape)
         elif _is_fused_qkv(name):
-            repeat_fused = _repeat_fused_grouped if is_ours else _repeat_fused_hf
-            out[name] = repeat_fused(np.asarray(array), num_heads, num_kv, repeat)
+            q_rows = rows * num_heads // (num_heads + 2 * num_kv)
+            shape = (q_rows + (rows - q_rows) * repeat, *rest)
+            out[name] = lazily(array, lambda a: _repeat_fused_hf(a, num_heads, num_kv, repeat), shape)
     return model_config, out

@@ -61,15 +61,22 @@ def pad_vocab(tensors, vocab_size: int, padded_size: int):
             pads = [_pad(a, axis, padded_size - vocab_size) for a in (array.q, array.scale)]
             out[name] = dataclasses.replace(array, q=pads[0], scale=pads[1], zero=zero)
             continue
-        array = np.asarray(array)
-        if array.shape[axis] != vocab_size:
+        shape = list(np.shape(array))
+        if shape[axis] != vocab_size:
             raise ValueError(
-                f"tensor {name} has {array.shape[axis]} vocabulary entries; the config says {vocab_size}"
+                f"tensor {name} has {shape[axis]} vocabulary entries; the config says {vocab_size}"
             )
-        widths = [(0, 0)] * array.ndim
-        widths[axis] = (0, padded_size - vocab_size)
-        out[name] = np.pad(array, widths)
+        shape[axis] = padded_size
+        out[name] = lazily(array, lambda a, axis=axis: _pad(a, axis, padded_size - vocab_size), tuple(shape))
     return out
+
+
+def lazily(array, compute, shape: tuple[int, ...]):
+    """`compute(array)` (of `shape`): now, or for a checkpoint's tensor when it is read (its `derived`,
+    models/safetensors_loader.py), so a load still reads one parameter's tensors at a time: the
+    vocabulary's padding here, KV heads' repetition (sharding/kv_heads.py)."""
+    derived = getattr(array, "derived", None)
+    return compute(np.asarray(array)) if derived is None else derived(compute, shape)
 
 
 def _pad(array: np.ndarray, axis: int, extra: int) -> np.ndarray:

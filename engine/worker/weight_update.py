@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Iterable, Mapping
 
 import jax
@@ -314,15 +315,20 @@ def _quantized(path, index, value, flat, scheme: QuantScheme) -> dict[tuple[str,
 
 
 def update_weights_from_path(runner, path: str) -> list[str]:
-    """`update_weights` with every tensor of the checkpoint at `path` (a directory of safetensors, or a
-    GGUF file, as a start reads it): it must be the same architecture and shapes."""
+    """`update_weights` with every tensor of the checkpoint at `path` (a model directory or a GGUF file,
+    as a start reads it, or a directory of weights alone): it must be the same architecture and shapes."""
     return update_weights(runner, _checkpoint_tensors(runner, path))
 
 
 def _checkpoint_tensors(runner, path: str):
-    """The tensors of the checkpoint at `path`, of the runner's architecture (else a ValueError)."""
-    from xlaserve.models.loader import load_checkpoint
+    """The tensors of the checkpoint at `path`, of the runner's architecture (else a ValueError). A
+    directory without config.json holds weights alone (a trainer's `torch.save(state_dict)` as
+    pytorch_model.bin or its shards and index, or safetensors): read as a start reads a model
+    directory's (models/loader.py `read_weights`, lazily), their names and shapes the only check."""
+    from xlaserve.models.loader import load_checkpoint, read_weights
 
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        return read_weights(path, progress=False)
     checkpoint = load_checkpoint(path, skip_tokenizer_init=True)
     ours, theirs = runner.hf_config.get("architectures"), checkpoint.hf_config.get("architectures")
     if ours != theirs:

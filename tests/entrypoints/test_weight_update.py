@@ -211,6 +211,33 @@ def test_a_checkpoint_rewritten_in_place_under_the_engine(llm, dirs, expected):
         rewrite_in_place(path, original)  # the session's checkpoint, for the tests after this one
 
 
+def test_an_update_from_a_trainers_pytorch_state_dict(llm, dirs, expected, tmp_path):
+    """A trainer's `torch.save(state_dict)`, weights alone (no config.json): B's as pytorch_model.bin
+    shards with their index, read as a start reads them (models/torch_bin_loader.py), answer as B's
+    safetensors do, bit for bit; A's with one tensor of a wrong shape is refused naming it, and
+    nothing changes (its good tensors included)."""
+    torch = pytest.importorskip("torch")
+    b = tensors(dirs[1])
+    names = sorted(b)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, part in shards.items():
+        torch.save({n: torch.from_numpy(b[n]) for n in part}, tmp_path / file)
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert llm.update_weights_from_path(str(tmp_path)) == names
+    assert numbers(llm) == expected[1]
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    name = "model.layers.1.mlp.down_proj.weight"
+    a = {n: torch.from_numpy(t) for n, t in tensors(dirs[0]).items()}
+    a[name] = torch.zeros(a[name].shape[0], a[name].shape[1] - 1)
+    torch.save(a, wrong / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=rf"{name}.*\(48, 70\).*\(48, 71\)"):
+        llm.update_weights_from_path(str(wrong))
+    assert numbers(llm) == expected[1]
+    llm.update_weights_from_path(dirs[0])  # A again, for the tests after this one
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(llm, expected, level):
     runner = llm.engine_core.runner

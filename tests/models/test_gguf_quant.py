@@ -9,6 +9,7 @@ embedded SmolLM2 loaded that way gives the prompt logprobs of the default (dequa
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +24,7 @@ from helpers.perplexity_text import TEXT
 from helpers.smollm2 import smollm2_gguf_path
 from xlaserve.kernels.dtype_ops import dequantize as device_dequantize
 from xlaserve.kernels.dtype_ops import unpack_int4
+from xlaserve.models import gguf_quant
 from xlaserve.models.gguf_quant import GGUF_SCHEME, GGUFBlocks, decode_blocks, gguf_scheme
 from xlaserve.models.gguf_quant import dequantize as fast_dequantize
 from xlaserve.models.quantization import QuantizedTensor, pack_int4, weight_bytes
@@ -46,8 +48,24 @@ def assert_read_lazily_alike(tmp_path, raw: np.ndarray, tensor_type, kept: Quant
     path.write_bytes(b"header!" + raw.tobytes())
     lazy = GGUFBlocks(str(path), 7, tensor_type, kept.q.shape)
     assert (lazy.bits, lazy.block) == (kept.bits, kept.block)
-    assert gguf_scheme({"w": lazy})[0] == gguf_scheme({"w": kept})[0]
-    read = lazy.read()
+    reads = []  # the bytes each read of the file copied
+
+    def counted(read):
+        def counting(*args):
+            out = read(*args)
+            reads.append(out.nbytes)
+            return out
+
+        return counting
+
+    with (
+        mock.patch.object(gguf_quant, "read_tensor_data", counted(gguf_quant.read_tensor_data)),
+        mock.patch.object(gguf_quant, "read_block_fields", counted(gguf_quant.read_block_fields)),
+    ):
+        assert gguf_scheme({"w": lazy})[0] == gguf_scheme({"w": kept})[0]
+        read = lazy.read()
+    # The blocks are read once, by the load's read; the scheme's scale check reads their scale bytes only.
+    assert len(reads) == 2 and reads[1] == raw.nbytes and reads[0] <= raw.nbytes // 4, reads
     for field in ("q", "scale", "zero"):
         np.testing.assert_array_equal(getattr(read, field), getattr(kept, field), err_msg=field)
 
