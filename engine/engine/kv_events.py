@@ -1,0 +1,107 @@
+"""Publishes the engine core's KV cache events over ZMQ, as vLLM's ZmqEventPublisher does on the wire.
+
+Each step's events (core/kv_events.py) go, as one batch, into a bounded queue; a thread encodes each
+batch with msgspec and sends it on a PUB socket as three frames: the topic, an 8-byte big-endian
+sequence number (0, 1, ... per publisher) and the msgpack payload. The step only enqueues: encoding
+and sending stay off it (a full queue blocks the step rather than drop events a router's view needs).
+
+A subscriber that sees a gap in the sequence asks the ROUTER socket at `replay_endpoint` (when set)
+for the batches from a sequence number on, with one frame of 8 bytes (big-endian); it gets each kept
+batch as (sequence, payload), then (-1, b"") after the last. The last `buffer_steps` batches are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import msgspec
+import zmq
+
+from xlaserve.config.kv_events import KVEventsConfig
+from xlaserve.core.kv_events import KVCacheEvent, KVEventBatch
+
+logger = logging.getLogger(__name__)
+
+_END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+_POLL_S = 0.1  # how long the thread waits for a batch before it looks at the replay socket again
+_SHUTDOWN_S = 2.0  # how long shutdown waits for queued batches to be sent
+
+
+class ZmqEventPublisher:
+    """One data-parallel rank's publisher (`config` already carries the rank's endpoint)."""
+
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0):
+        self.data_parallel_rank = data_parallel_rank
+        self._topic = config.topic.encode()
+        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._context = zmq.Context.instance()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        if _binds(config.endpoint):  # vLLM's rule: a stable publisher binds, a volatile one connects
+            self._pub.bind(config.endpoint)
+        else:
+            self._pub.connect(config.endpoint)
+        self._replay = None
+        if config.replay_endpoint is not None:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(config.replay_endpoint)
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        logger.info("publishing KV cache events on %s", config.endpoint)
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        """Queue one step's events as a batch (a full queue waits for the thread)."""
+        self._queue.put(
+            KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.data_parallel_rank)
+        )
+
+    def shutdown(self) -> None:
+        """Send what is queued (for up to a couple of seconds), then close the sockets."""
+        self._queue.put(None)
+        self._thread.join(timeout=_SHUTDOWN_S)
+        if self._thread.is_alive():
+            logger.warning("KV cache events: %d batches were not sent before shutdown", self._queue.qsize())
+            return  # the thread still owns the sockets: they close with the process
+        self._pub.close()
+        if self._replay is not None:
+            self._replay.close()
+
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        seq = 0
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                batch = self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            payload = encoder.encode(batch)
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._kept.append((seq, payload))
+            seq += 1
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:  # a REQ client's [identity, empty delimiter, start sequence]
+            logger.warning("KV cache events: a replay request of %d frames, not 3, ignored", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._kept):
+            if seq >= first:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", _END_OF_REPLAY, b""))
+
+
+def _binds(endpoint: str) -> bool:
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
