@@ -120,6 +120,12 @@ class EngineCore:
         # Grammar masks per step row: one per verified position (the mask after drafts 0..j-1).
         self._num_verified_positions = 1 + config.num_spec_tokens
         self._is_draft_sampled = spec is not None and spec.method == "draft_model"
+        # KV cache events (--kv-events-config): what each step stored in and removed from the prefix
+        # cache, published after the step (engine/engine/kv_events.py). None: off, and nothing recorded.
+        # Opened before the warm-up: an endpoint in use fails at once, and subscribers connect meanwhile.
+        self.kv_event_publisher = None
+        if config.kv_events is not None:
+            self.kv_event_publisher = ZmqEventPublisher(config.kv_events, config.parallel.data_parallel_rank)
         executor.start()  # warm-up compiles; a multi-host executor then waits for its followers
         # The steps dispatched but not yet applied, oldest first (`max_steps_in_flight` at most).
         self._in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
@@ -127,11 +133,6 @@ class EngineCore:
         self.peak_steps_in_flight = 0
         self._last_runner_output = None  # the last step applied: a draft model's drafts ride in it
         self.sleep_level = 0  # 1: the KV cache freed, 2: and the weights (sleep / wake_up)
-        # KV cache events (--kv-events-config): what each step stored in and removed from the prefix
-        # cache, published after the step (engine/engine/kv_events.py). None: off, and nothing recorded.
-        self.kv_event_publisher = None
-        if config.kv_events is not None:
-            self.kv_event_publisher = ZmqEventPublisher(config.kv_events, config.parallel.data_parallel_rank)
 
     @property
     def runner(self):

@@ -35,25 +35,20 @@ class ZmqEventPublisher:
     """One data-parallel rank's publisher (`config` already carries the rank's endpoint)."""
 
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0):
+        self.config = config
         self.data_parallel_rank = data_parallel_rank
-        self._topic = config.topic.encode()
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
-        self._context = zmq.Context.instance()
-        self._pub = self._context.socket(zmq.PUB)
-        self._pub.set_hwm(config.hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        if _binds(config.endpoint):  # vLLM's rule: a stable publisher binds, a volatile one connects
-            self._pub.bind(config.endpoint)
-        else:
-            self._pub.connect(config.endpoint)
-        self._replay = None
-        if config.replay_endpoint is not None:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(config.replay_endpoint)
+        self._pub = self._replay = None
+        # The thread opens, uses and closes both sockets (a ZMQ socket belongs to one thread); an address
+        # it cannot bind is raised here.
+        self._started = threading.Event()
+        self._start_error: Exception | None = None
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise ValueError(f"kv_events_config: cannot open {config.endpoint}: {self._start_error}")
         logger.info("publishing KV cache events on %s", config.endpoint)
 
     def publish(self, events: list[KVCacheEvent]) -> None:
@@ -68,13 +63,32 @@ class ZmqEventPublisher:
         self._thread.join(timeout=_SHUTDOWN_S)
         if self._thread.is_alive():
             logger.warning("KV cache events: %d batches were not sent before shutdown", self._queue.qsize())
-            return  # the thread still owns the sockets: they close with the process
-        self._pub.close()
-        if self._replay is not None:
-            self._replay.close()
+
+    def _open(self) -> None:
+        context = zmq.Context.instance()
+        self._pub = context.socket(zmq.PUB)
+        self._pub.set_hwm(self.config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        if _binds(self.config.endpoint):  # vLLM's rule: a stable publisher binds, a volatile one connects
+            self._pub.bind(self.config.endpoint)
+        else:
+            self._pub.connect(self.config.endpoint)
+        if self.config.replay_endpoint is not None:
+            self._replay = context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(self.config.replay_endpoint)
 
     def _run(self) -> None:
+        try:
+            self._open()
+        except zmq.ZMQError as e:
+            self._start_error = e
+            self._close()
+            return
+        finally:
+            self._started.set()
         encoder = msgspec.msgpack.Encoder()
+        topic = self.config.topic.encode()
         seq = 0
         while True:
             if self._replay is not None and self._replay.poll(0):
@@ -84,11 +98,17 @@ class ZmqEventPublisher:
             except queue.Empty:
                 continue
             if batch is None:
+                self._close()
                 return
             payload = encoder.encode(batch)
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
             self._kept.append((seq, payload))
             seq += 1
+
+    def _close(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close()
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()

@@ -5,6 +5,7 @@ kv_events.py at main, vLLM 0.26's wire), not imported from xlaserve, so the test
 from __future__ import annotations
 
 import dataclasses
+import socket
 from typing import Any
 
 import msgspec
@@ -13,6 +14,9 @@ import zmq
 
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
+from xlaserve.config.kv_events import KVEventsConfig
+from xlaserve.core import kv_events
+from xlaserve.engine.kv_events import ZmqEventPublisher
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -64,24 +68,43 @@ ENGINE_ARGS = {
 }
 
 
-def _receive(sub, decoder, timeout_ms: int = 2000) -> list[tuple[int, KVEventBatch]]:
-    """Every batch that arrives until the socket stays quiet for `timeout_ms`."""
-    batches = []
+def _receive(sub, timeout_ms: int = 5000) -> dict[int, bytes]:
+    """The batches that arrive (sequence number -> payload) until the socket is quiet for 0.5 s."""
+    batches = {}
     while sub.poll(timeout_ms):
         topic, seq, payload = sub.recv_multipart()
         assert topic == b"kv"
-        batches.append((int.from_bytes(seq, "big"), decoder.decode(payload)))
-        timeout_ms = 200
+        batches[int.from_bytes(seq, "big")] = payload
+        timeout_ms = 500
     return batches
+
+
+def _replay(endpoint: str, start: int) -> dict[int, bytes]:
+    """What a subscriber that missed batches asks for (vLLM's replay protocol): every kept batch from
+    `start`, each as (sequence, payload), then (-1, b""). A DEALER: a REQ socket takes one reply only."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    dealer.send_multipart((b"", start.to_bytes(8, "big")))
+    batches = {}
+    while True:
+        assert dealer.poll(10_000), "no replay answer"
+        empty, seq, payload = dealer.recv_multipart()
+        assert empty == b""
+        if int.from_bytes(seq, "big", signed=True) == -1:
+            assert payload == b""
+            dealer.close()
+            return batches
+        batches[int.from_bytes(seq, "big")] = payload
 
 
 def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events(llama_checkpoints):
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     sub.setsockopt(zmq.LINGER, 0)
-    sub.bind("tcp://127.0.0.1:0")  # the engine connects to it (a host, not *, in the endpoint)
-    endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
-    config = {"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "kv"}
+    port = _free_port()
+    sub.connect(f"tcp://127.0.0.1:{port}")  # before the engine binds: ZMQ connects once it does
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}", "topic": "kv"}
     llm = LLM(llama_checkpoints[0], kv_events_config=config, **ENGINE_ARGS)
     try:
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
@@ -90,10 +113,12 @@ def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events(llama_checkpoint
         params = SamplingParams(max_tokens=3, temperature=0.0)
         for prompt in prompts:
             llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        batches = _receive(sub, decoder)
-        assert [seq for seq, _ in batches] == list(range(len(batches)))
-        assert all(batch.data_parallel_rank == 0 for _, batch in batches)
-        events = [event for _, batch in batches for event in batch.events]
+        # Connected since the engine bound (before its warm-up), the subscriber misses nothing.
+        live = _receive(sub)
+        assert list(live) == list(range(len(live)))
+        batches = [decoder.decode(live[seq]) for seq in sorted(live)]
+        assert all(batch.data_parallel_rank == 0 for batch in batches)
+        events = [event for batch in batches for event in batch.events]
         assert all(isinstance(event, BlockStored) for event in events)  # nothing was evicted
 
         # A router's view: each stored block under its hash, chained to a block it saw before.
@@ -115,11 +140,35 @@ def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events(llama_checkpoint
         assert events[-1].parent_block_hash == events[0].block_hashes[1]
 
         assert llm.reset_prefix_cache()
-        [(seq, batch)] = _receive(sub, decoder)
-        assert seq == len(batches) and batch.events == [AllBlocksCleared()]
+        [(seq, payload)] = _receive(sub).items()
+        assert seq == len(live) and decoder.decode(payload).events == [AllBlocksCleared()]
     finally:
         llm.shutdown()
         sub.close()
+
+
+def test_a_subscriber_that_missed_batches_gets_them_replayed():
+    """vLLM's replay protocol, on the publisher alone: the batches kept from a sequence number on."""
+    replay = f"tcp://127.0.0.1:{_free_port()}"
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"tcp://*:{_free_port()}", replay_endpoint=replay
+    )
+    publisher = ZmqEventPublisher(config, data_parallel_rank=1)
+    try:
+        for _ in range(3):
+            publisher.publish([kv_events.AllBlocksCleared()])
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        kept = _replay(replay, 1)
+        assert list(kept) == [1, 2]
+        assert all(decoder.decode(p).data_parallel_rank == 1 for p in kept.values())
+    finally:
+        publisher.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def test_kv_events_config_is_checked():
