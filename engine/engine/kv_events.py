@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 _END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.1  # how long the thread waits for a batch before it looks at the replay socket again
 _SHUTDOWN_S = 2.0  # how long shutdown waits for queued batches to be sent
+_IDLE = object()  # no batch came within _POLL_S
 
 
 class ZmqEventPublisher:
@@ -91,19 +92,21 @@ class ZmqEventPublisher:
         topic = self.config.topic.encode()
         seq = 0
         while True:
-            if self._replay is not None and self._replay.poll(0):
-                self._serve_replay()
             try:
                 batch = self._queue.get(timeout=_POLL_S)
             except queue.Empty:
-                continue
+                batch = _IDLE
             if batch is None:
                 self._close()
                 return
-            payload = encoder.encode(batch)
-            self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
-            self._kept.append((seq, payload))
-            seq += 1
+            if batch is not _IDLE:
+                payload = encoder.encode(batch)
+                self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+                self._kept.append((seq, payload))
+                seq += 1
+            # A replay waits for the queue to drain: it then holds every batch published before it was asked.
+            if self._replay is not None and self._queue.empty() and self._replay.poll(0):
+                self._serve_replay()
 
     def _close(self) -> None:
         for sock in (self._pub, self._replay):
