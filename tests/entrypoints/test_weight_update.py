@@ -1,7 +1,8 @@
 """The research stack's calls on a running engine (worker/weight_update.py): `update_weights` equals a
 fresh engine on the updated checkpoint token for token and logprob for logprob (bfloat16: batch
 invariance makes that exact), in one call or in parts, from arrays or from a path, with nothing
-compiled after warm-up; a refused update names the weight and both shapes and changes nothing;
+compiled after warm-up; a refused update names the weight and both shapes and changes nothing; a
+router's subscriber to the engine's KV cache events (--kv-events-config) rebuilds its prefix cache;
 `sleep` / `wake_up` hand the device memory back and restore the same outputs. An engine that quantizes
 at load (int8, fp8) quantizes an update as its load does: the same bits as a fresh quantized engine.
 Pipeline stages take each weight where it lives (their engines: tests/sharding/test_pipeline_parallel.py;
