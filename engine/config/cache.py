@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from xlaserve.config.checks import require
+from xlaserve.config.kv_events import KVEventsConfig
 from xlaserve.config.kv_transfer import KVTransferConfig
 from xlaserve.config_args import arg
 
@@ -92,7 +93,25 @@ class CacheConfig:
         """kv_transfer_config parsed (None: off)."""
         return None if self.kv_transfer_config is None else KVTransferConfig.parse(self.kv_transfer_config)
 
+    # KV cache events for prefix-aware routers (vLLM's --kv-events-config), as JSON (config/kv_events.py).
+    kv_events_config: str | None = field(
+        default=None,
+        metadata=arg(
+            "publish the prefix cache's stored and removed blocks over ZMQ, as JSON: "
+            '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": ""} '
+            '(README "KV cache events"; default: off)'
+        ),
+    )
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """kv_events_config parsed (None: never given)."""
+        return None if self.kv_events_config is None else KVEventsConfig.parse(self.kv_events_config)
+
     def __post_init__(self):
+        if self.kv_events_config is not None:
+            parsed = KVEventsConfig.parse(self.kv_events_config)  # a bad value is an error at start
+            object.__setattr__(self, "kv_events_config", parsed.to_json())
         if self.kv_transfer_config is not None:
             parsed = KVTransferConfig.parse(self.kv_transfer_config)  # a bad value is an error at start
             object.__setattr__(self, "kv_transfer_config", parsed.to_json())

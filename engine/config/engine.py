@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from xlaserve.config.cache import CacheConfig
 from xlaserve.config.checks import require
 from xlaserve.config.compilation import CompilationConfig
+from xlaserve.config.kv_events import KVEventsConfig, tcp_port
 from xlaserve.config.kv_transfer import KVTransferConfig
 from xlaserve.config.lora import LoRAConfig
 from xlaserve.config.model import ModelConfig
@@ -44,6 +45,16 @@ class EngineConfig:
                 "kv_offloading_size cannot be combined with a draft model or MTP layer (its KV cache is not "
                 "offloaded)",
             )
+        events, dp = self.cache.kv_events, self.parallel.data_parallel_size
+        if events is not None and events.is_publishing:
+            # Each data-parallel rank publishes on a port of its own (`kv_events`).
+            for name in ("endpoint", "replay_endpoint"):
+                port = tcp_port(getattr(events, name))
+                require(
+                    port is None or port + dp - 1 <= 65535,
+                    f"kv_events_config.{name}: data_parallel_size={dp} ranks publish on {dp} consecutive "
+                    f"ports from {port}, past 65535; use a port of at most {65536 - dp}",
+                )
         if self.cache.kv_transfer_config is not None:
             # The block server and the loads ride beside the step on one process, as offload's do (on
             # pipeline stages too: one block server over every stage's cache).
@@ -148,6 +159,15 @@ class EngineConfig:
         if transfer is None or self.parallel.data_parallel_rank == 0:
             return transfer
         return dataclasses.replace(transfer, kv_port=transfer.kv_port + self.parallel.data_parallel_rank)
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """This data-parallel rank's kv_events_config when it publishes (None: nothing is recorded):
+        rank r publishes on the endpoint's port + r (vLLM's rule)."""
+        events = self.cache.kv_events
+        if events is None or not events.is_publishing:
+            return None
+        return events.for_rank(self.parallel.data_parallel_rank)
 
     @property
     def num_spec_tokens(self) -> int:

@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from xlaserve.core.kv_events import KVEventRecorder
+
 # Parent "hash" of a request's first block: a fixed root so chains are comparable across requests.
 _ROOT_HASH = b"\x00" * 32
 
@@ -124,6 +126,9 @@ class BlockPool:
 
     `on_evict(block_hash, block_id)`: called when a cached block is taken for reuse, before anything
     overwrites it (a KV connector copies it to the host tier: core/kv_offload.py).
+
+    `kv_events`: records each block entering and leaving the index, and each reset, for the engine
+    core to publish (core/kv_events.py); None (events off) records nothing and keeps no list.
     """
 
     def __init__(
@@ -131,6 +136,7 @@ class BlockPool:
         num_blocks: int,
         enable_caching: bool = True,
         on_evict: Callable[[bytes, int], None] | None = None,
+        kv_events: KVEventRecorder | None = None,
     ):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
@@ -141,6 +147,7 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.on_evict = on_evict or _ignore_eviction
+        self.kv_events = kv_events
 
     @property
     def num_usable_blocks(self) -> int:
@@ -206,15 +213,18 @@ class BlockPool:
         block_hashes: Sequence[bytes],
         num_cached_blocks: int,
         num_full_blocks: int,
+        request=None,
     ) -> None:
         """Index blocks[num_cached_blocks:num_full_blocks] of one request under their hashes.
 
         A block already indexed (it was a prefix-cache hit) keeps its entry. When another block
         already holds the same hash (two requests computed the same prefix), the first stays
-        the cached copy and this one simply is not indexed.
+        the cached copy and this one simply is not indexed. `request` (whose tokens the blocks hold):
+        with events on, the blocks indexed here are recorded as stored.
         """
         if not self.enable_caching:
             return
+        stored = [] if self.kv_events is not None and request is not None else None
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
             if block.block_hash is not None or block.is_null:
@@ -224,6 +234,10 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            if stored is not None:
+                stored.append(index)
+        if stored:
+            self.kv_events.record_stored(block_hashes, stored, request)
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         """The block holding the prefix with this hash, or None."""
@@ -239,6 +253,8 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.record_cleared()
         return True
 
     def _uncache_block(self, block: KVCacheBlock) -> None:
@@ -246,4 +262,6 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.record_removed(block.block_hash)
         block.block_hash = None

@@ -120,13 +120,19 @@ class GroupBlocks:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 
     def cache_blocks(
-        self, request_id: str, block_hashes: Sequence[bytes], num_hit_blocks: int, num_full_blocks: int
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        num_hit_blocks: int,
+        num_full_blocks: int,
+        request=None,
     ) -> None:
-        """Index the request's blocks that are full once this step runs, under this group's keys."""
+        """Index the request's blocks that are full once this step runs, under this group's keys
+        (`request`: the one whose tokens they hold, for the pool's KV events)."""
         blocks = self.req_to_blocks[request_id]
         num_cached = max(self.num_cached_blocks.get(request_id, 0), num_hit_blocks)
         keyed = group_hashes(block_hashes, self.group_id)
-        self.pool.cache_full_blocks(blocks, keyed, num_cached, num_full_blocks)
+        self.pool.cache_full_blocks(blocks, keyed, num_cached, num_full_blocks, request)
         self.num_cached_blocks[request_id] = max(num_cached, num_full_blocks)
 
 
@@ -278,7 +284,7 @@ class StateGroupBlocks(GroupBlocks):
         num_table_blocks = max(cdiv(self.num_slots.get(request_id, 0), self.spec.block_size), 1)
         return [blocks[0].block_id] * num_table_blocks
 
-    def cache_blocks(self, request_id, block_hashes, num_hit_blocks, num_full_blocks) -> None:
+    def cache_blocks(self, request_id, block_hashes, num_hit_blocks, num_full_blocks, request=None) -> None:
         """A live slot changes every step: only snapshots are indexed (`take_snapshot`)."""
 
 
@@ -366,11 +372,16 @@ class KVCacheCoordinator:
         return tuple(group_hits[:num_hit] for group_hits in hits), num_prefix_blocks
 
     def cache_blocks(
-        self, request_id: str, block_hashes: Sequence[bytes], num_hit_blocks: int, num_full_blocks: int
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        num_hit_blocks: int,
+        num_full_blocks: int,
+        request=None,
     ):
         """Index each group's blocks of the request that are full once this step runs."""
         for manager in self.managers:
-            manager.cache_blocks(request_id, block_hashes, num_hit_blocks, num_full_blocks)
+            manager.cache_blocks(request_id, block_hashes, num_hit_blocks, num_full_blocks, request)
 
 
 def _group_pool(spec: CacheGroupSpec, shared: BlockPool) -> BlockPool:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from xlaserve.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from xlaserve.core.kv_cache_coordinator import KVCacheCoordinator, StateCopy
-from xlaserve.core.kv_cache_spec import KVCacheGroup, context_blocks, full_attention_groups
+from xlaserve.core.kv_cache_spec import KVCacheGroup, SlidingWindowSpec, context_blocks, full_attention_groups
+from xlaserve.core.kv_events import KVCacheEvent, KVEventRecorder
 from xlaserve.core.limits import cdiv
 from xlaserve.core.multimodal import mm_block_keys
 from xlaserve.core.request import Request
@@ -55,11 +56,13 @@ class KVCacheManager:
         max_model_len: int = 2048,
         on_evict: Callable[[bytes, int], None] | None = None,
         kv_cache_groups: Sequence[KVCacheGroup] | None = None,
+        enable_kv_cache_events: bool = False,
     ):
         """`on_evict`: BlockPool's eviction listener (a KV connector's `on_block_evicted`).
         `kv_cache_groups`: the model's layer groups (core/kv_cache_spec.py); None: one full-attention
         group. A group that keeps a state caches prefixes through snapshots of its state at block
-        boundaries (core/kv_cache_coordinator.py `StateGroupBlocks`)."""
+        boundaries (core/kv_cache_coordinator.py `StateGroupBlocks`). `enable_kv_cache_events`: record
+        what the prefix cache stores and removes (core/kv_events.py) for `take_events`."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         groups = tuple(kv_cache_groups or full_attention_groups(block_size, 1))
@@ -74,7 +77,10 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = cdiv(max_model_len, block_size)
-        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
+        kv_events = None
+        if enable_kv_cache_events and enable_caching:
+            kv_events = KVEventRecorder(block_size, _event_groups(groups))
+        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict, kv_events)
         self.coordinator = KVCacheCoordinator(groups, self.block_pool)
         self.kv_cache_groups = groups
         # A state group's snapshots are taken where a step ends, so a prompt's chunks are cut at its
@@ -203,7 +209,9 @@ class KVCacheManager:
         if self.enable_caching:
             num_full_blocks = min(num_total_tokens, request.num_tokens) // self.block_size
             self._update_block_hashes(request)
-            coordinator.cache_blocks(request.request_id, request.block_hashes, len(hits[0]), num_full_blocks)
+            coordinator.cache_blocks(
+                request.request_id, request.block_hashes, len(hits[0]), num_full_blocks, request
+            )
             if (
                 self.snapshots_states
                 and num_total_tokens > 0
@@ -289,6 +297,11 @@ class KVCacheManager:
         """Every block the prefix cache indexes, as (hash, block id), the least recently cached first."""
         return [(h, block.block_id) for h, block in self.block_pool.cached_block_hash_to_block.items()]
 
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events recorded since the last call ([] with events off)."""
+        recorder = self.block_pool.kv_events
+        return [] if recorder is None else recorder.take()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. after weights change)."""
         is_reset = self.block_pool.reset_prefix_cache()
@@ -339,6 +352,19 @@ def skips_prefix_cache(request: Request) -> bool:
     return request.sampling_params.prompt_logprobs is not None or (
         pooling is not None and pooling.task in TOKEN_TASKS
     )
+
+
+def _event_groups(groups: Sequence[KVCacheGroup]) -> dict[int, tuple[str, int | None]]:
+    """The groups whose blocks hold tokens, as KV events describe them (vLLM's kinds)."""
+    described = {}
+    for index, group in enumerate(groups):
+        if group.spec.holds_state:
+            continue
+        is_window = isinstance(group.spec, SlidingWindowSpec)
+        described[index] = (
+            ("sliding_window", group.spec.sliding_window) if is_window else ("full_attention", None)
+        )
+    return described
 
 
 def _first_block_keys(request: Request) -> tuple | None:

@@ -25,6 +25,7 @@ from xlaserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerSt
 from xlaserve.core.request import Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
 from xlaserve.core.spec_decode import make_proposer
+from xlaserve.engine.kv_events import ZmqEventPublisher
 from xlaserve.engine.kv_fetch import RemotePrefills
 from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.executor import Executor, StepFuture
@@ -74,6 +75,7 @@ class EngineCore:
             max_model_len,
             on_evict=self.kv_connector.on_block_evicted,
             kv_cache_groups=executor.kv_cache_groups,
+            enable_kv_cache_events=config.kv_events is not None,
         )
         self.async_scheduling = config.is_async_scheduling
         if config.scheduler.async_scheduling is not False and not self.async_scheduling:
@@ -118,6 +120,12 @@ class EngineCore:
         # Grammar masks per step row: one per verified position (the mask after drafts 0..j-1).
         self._num_verified_positions = 1 + config.num_spec_tokens
         self._is_draft_sampled = spec is not None and spec.method == "draft_model"
+        # KV cache events (--kv-events-config): what each step stored in and removed from the prefix
+        # cache, published after the step (engine/engine/kv_events.py). None: off, and nothing recorded.
+        # Opened before the warm-up: an endpoint in use fails at once, and subscribers connect meanwhile.
+        self.kv_event_publisher = None
+        if config.kv_events is not None:
+            self.kv_event_publisher = ZmqEventPublisher(config.kv_events, config.parallel.data_parallel_rank)
         executor.start()  # warm-up compiles; a multi-host executor then waits for its followers
         # The steps dispatched but not yet applied, oldest first (`max_steps_in_flight` at most).
         self._in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
@@ -208,7 +216,15 @@ class EngineCore:
                 self.remote_prefills.wait(_GRAMMAR_WAIT_S)
             else:
                 self.structured_output.wait_for_grammars(_GRAMMAR_WAIT_S)
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Hand what the prefix cache stored and removed since the last batch to the publisher's thread."""
+        events = self.kv_cache_manager.take_events()
+        if events:
+            self.kv_event_publisher.publish(events)
 
     def _update_in_flight(self, keep: int = 0) -> list[EngineCoreOutput]:
         """Wait for the steps in flight, oldest first, and apply their outputs until `keep` are left."""
@@ -249,7 +265,10 @@ class EngineCore:
         return stats
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        is_reset = self.scheduler.reset_prefix_cache()
+        if self.kv_event_publisher is not None:  # routers forget this engine's blocks now, not next step
+            self._publish_kv_events()
+        return is_reset
 
     # -- the research stack (worker/weight_update.py) ---------------------------------------------
 
@@ -346,6 +365,8 @@ class EngineCore:
         self.remote_prefills.shutdown()
         self.executor.shutdown()
         self.structured_output.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
     def _keep_kv_blocks(self) -> None:
         """What outlives the engine (a persistent disk tier's blocks: core/kv_offload.py), copied once the

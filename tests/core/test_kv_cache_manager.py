@@ -6,6 +6,7 @@ import pytest
 
 import xlaserve.core.kv_cache_manager as kv_cache_manager_module
 from xlaserve.core.kv_cache_manager import KVCacheManager
+from xlaserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from xlaserve.core.request import Request
 from xlaserve.sampling_params import SamplingParams
 
@@ -29,8 +30,8 @@ def make_manager():
     """Builds managers and checks, after the test, that every block came back."""
     managers = []
 
-    def factory(num_blocks=16, enable_caching=True, max_model_len=64, block_size=BLOCK_SIZE):
-        manager = KVCacheManager(block_size, num_blocks, enable_caching, max_model_len)
+    def factory(num_blocks=16, enable_caching=True, max_model_len=64, block_size=BLOCK_SIZE, **kwargs):
+        manager = KVCacheManager(block_size, num_blocks, enable_caching, max_model_len, **kwargs)
         managers.append(manager)
         return manager
 
@@ -277,6 +278,51 @@ def test_reset_prefix_cache(make_manager):
     assert manager.reset_prefix_cache()
     assert manager.prefix_cache_stats.is_reset
     assert manager.get_computed_blocks(make_request(range(12)))[1] == 0
+
+
+def _stored(request, first: int, last: int, parent: int | None) -> BlockStored:
+    """The BlockStored of blocks first..last of `request`: its hashes as u64 (a digest's last 8 bytes)."""
+    return BlockStored(
+        block_hashes=[int.from_bytes(h[-8:], "big") for h in request.block_hashes[first : last + 1]],
+        parent_block_hash=parent,
+        token_ids=request.all_token_ids[first * BLOCK_SIZE : (last + 1) * BLOCK_SIZE],
+        block_size=BLOCK_SIZE,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+    )
+
+
+def test_kv_events_follow_the_prefix_cache(make_manager):
+    manager = make_manager(num_blocks=7, enable_kv_cache_events=True)  # 6 usable
+    first = make_request(range(10))  # blocks 1, 2 full (cached), 3 partial
+    admit(manager, first)
+    assert manager.take_events() == [_stored(first, 0, 1, parent=None)]
+    second = make_request([*range(8), 50, 51, 52, 53, 54])  # hits 1, 2; stores one block (4), 5 partial
+    admit(manager, second)
+    u64 = [int.from_bytes(h[-8:], "big") for h in second.block_hashes]
+    assert manager.take_events() == [_stored(second, 2, 2, parent=u64[1])]  # hits are not stored again
+    manager.free(first)
+    manager.free(second)
+    assert manager.take_events() == []  # freed blocks stay cached
+    # 4 blocks from the free queue [6, 3, 5, 4, 2, 1]: 6, 3 and 5 hold no full block; 4 is evicted.
+    other = make_request(range(100, 116))
+    admit(manager, other)
+    assert manager.get_block_ids(other.request_id) == [6, 3, 5, 4]
+    assert manager.take_events() == [
+        BlockRemoved(block_hashes=[u64[2]], medium="GPU", group_idx=0),
+        _stored(other, 0, 3, parent=None),
+    ]
+    manager.free(other)
+    assert manager.reset_prefix_cache()
+    assert manager.take_events() == [AllBlocksCleared()]
+    # Off (the default): the pool holds no recorder, so nothing is kept for anyone.
+    off = make_manager()
+    admit(off, request := make_request(range(10)))
+    assert off.block_pool.kv_events is None and off.take_events() == []
+    off.free(request)
 
 
 def test_sizes_usage_and_max_model_len(make_manager):

@@ -1,7 +1,8 @@
 """The research stack's calls on a running engine (worker/weight_update.py): `update_weights` equals a
 fresh engine on the updated checkpoint token for token and logprob for logprob (bfloat16: batch
 invariance makes that exact), in one call or in parts, from arrays or from a path, with nothing
-compiled after warm-up; a refused update names the weight and both shapes and changes nothing;
+compiled after warm-up; a refused update names the weight and both shapes and changes nothing; a
+router's subscriber to the engine's KV cache events (--kv-events-config) rebuilds its prefix cache;
 `sleep` / `wake_up` hand the device memory back and restore the same outputs. An engine that quantizes
 at load (int8, fp8) quantizes an update as its load does: the same bits as a fresh quantized engine.
 Pipeline stages take each weight where it lives (their engines: tests/sharding/test_pipeline_parallel.py;
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save, save_file
 
+from helpers import vllm_kv_events
 from helpers.tiny_vlm import save_tiny_llava
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
@@ -75,8 +77,17 @@ def expected(dirs):
 
 
 @pytest.fixture(scope="module")
-def llm(dirs):
-    return LLM(dirs[0], **ARGS)
+def events_sub():
+    """A router's subscriber to the engine's KV cache events (--kv-events-config)."""
+    sub, endpoint = vllm_kv_events.subscribe()
+    yield sub, endpoint
+    sub.close()
+
+
+@pytest.fixture(scope="module")
+def llm(dirs, events_sub):
+    kv_events = {"enable_kv_cache_events": True, "endpoint": events_sub[1], "topic": "kv"}
+    return LLM(dirs[0], kv_events_config=kv_events, **ARGS)
 
 
 def packed_leaves(llm: LLM) -> int:
@@ -155,6 +166,45 @@ def test_apply_model_and_collective_rpc_see_the_weights_the_engine_runs(llm, dir
     assert llm.collective_rpc("param_sets")[0][0].params is runner.params
     with pytest.raises(ValueError, match="timeout must be None"):
         llm.collective_rpc("param_sets", timeout=5.0)
+
+
+def test_a_router_follows_the_prefix_cache_through_kv_events(llm, events_sub):
+    """The engine's KV cache events, decoded with vLLM's structs (helpers/vllm_kv_events.py), rebuild
+    what its prefix cache holds; a reset (as a weight update makes) clears a router's view."""
+    sub = events_sub[0]
+    seen = vllm_kv_events.receive(sub, timeout_ms=500)  # what the engine published before
+    assert list(seen) == list(range(len(seen)))  # numbered from 0, none missed
+    assert llm.reset_prefix_cache()
+    shared = PROMPTS[0][:8] + PROMPTS[1][:8]  # two full blocks both prompts share
+    prompts = [shared + PROMPTS[0][8:], shared + PROMPTS[1]]
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], PARAMS, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], PARAMS, use_tqdm=False)
+    batches = vllm_kv_events.receive(sub)
+    assert list(batches) == list(range(len(seen), len(seen) + len(batches)))
+    decoded = [vllm_kv_events.DECODER.decode(batches[seq]) for seq in sorted(batches)]
+    assert all(batch.data_parallel_rank == 0 for batch in decoded)
+    events = [event for batch in decoded for event in batch.events]
+    assert events[0] == vllm_kv_events.AllBlocksCleared()
+    assert all(isinstance(event, vllm_kv_events.BlockStored) for event in events[1:])  # none evicted
+
+    held: dict[int, list[int]] = {}  # a router's view: each block's tokens under its hash
+    for event in events[1:]:
+        assert event.parent_block_hash is None or event.parent_block_hash in held  # chained to one seen
+        assert (event.block_size, event.medium, event.group_idx) == (8, "GPU", 0)
+        for i, block_hash in enumerate(event.block_hashes):
+            assert block_hash not in held  # each block stored once
+            held[block_hash] = event.token_ids[i * 8 : (i + 1) * 8]
+    cached = llm.engine_core.kv_cache_manager.cached_blocks()
+    assert sorted(held) == sorted(int.from_bytes(h[-8:], "big") for h, _ in cached)
+    # The first prompt: 20 tokens and 9 of its 10 outputs' K/V (the last output's is never computed), 3
+    # blocks; the second (25 tokens) hits the shared two and stores its next two, chained to them.
+    assert len(held) == 5
+    assert events[1].token_ids == shared and events[1].parent_block_hash is None
+    second = [e for e in events[1:] if e.token_ids[:8] == PROMPTS[1][:8]]
+    assert second and second[0].parent_block_hash == events[1].block_hashes[1]
+    assert llm.reset_prefix_cache()
+    [payload] = vllm_kv_events.receive(sub).values()
+    assert vllm_kv_events.DECODER.decode(payload).events == [vllm_kv_events.AllBlocksCleared()]
 
 
 def test_a_refused_update_names_the_weight_and_changes_nothing(llm, dirs, expected):

@@ -1,0 +1,142 @@
+"""KV cache events (vLLM's): what the prefix cache stored and removed, for routers that follow it.
+
+A KV-cache-aware router (llm-d's, NVIDIA Dynamo's) keeps, per engine, the tree of block hashes the
+engine's prefix cache holds, and sends a request where the longest prefix of it is cached. It learns
+the tree from these events, which the engine core publishes after each step (engine/engine/kv_events.py).
+
+The wire format is vLLM's (vllm/distributed/kv_events.py, read at main after vllm#42892, the format
+vLLM 0.26 sends): msgpack through msgspec, a batch as the array [ts, events, data_parallel_rank], each
+event a map tagged by its class name under "type"; fields at their default are left out.
+
+Block hashes: ours are 32-byte SHA-256 digests (core/block_pool.py `hash_block_tokens`), chained from
+the first block; vLLM's default sends a hash as the unsigned 64-bit integer of its digest's last 8 bytes
+(`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`), and so do we, so routers that keep u64 keys read ours. They
+are not vLLM's values (another hash of other bytes): a router that recomputes hashes from token ids
+matches its own keys to ours through `token_ids` and `parent_block_hash`, as it does for vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+MEDIUM_GPU = "GPU"  # vLLM's name for the device cache, whatever the device
+_U64 = (1 << 64) - 1
+_DIGEST_BYTES = 32  # a SHA-256 digest; a group's key appends its suffix (kv_cache_coordinator.group_hashes)
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """An event of the prefix cache; on the wire a map whose "type" is the class name."""
+
+
+class BlockStored(KVCacheEvent):
+    """Full blocks entered the prefix cache, in chain order: block_hashes[i] holds
+    token_ids[i * block_size : (i + 1) * block_size]; the first chains to `parent_block_hash`
+    (None: the request's first block)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks left the prefix cache (evicted for reuse, or never written)."""
+
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The prefix cache was reset: nothing it held can be hit."""
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def external_block_hash(key: bytes) -> tuple[int, int]:
+    """(the hash a router sees, the KV cache group) of a prefix-cache key: group 0's keys are plain
+    digests, another group's a digest and its suffix (b"group" + the id, 2 bytes little-endian)."""
+    digest, suffix = key[:_DIGEST_BYTES], key[_DIGEST_BYTES:]
+    group = int.from_bytes(suffix[-2:], "little") if suffix else 0
+    return int.from_bytes(digest, "big") & _U64, group
+
+
+class KVEventRecorder:
+    """Collects the events a block pool makes until the engine core takes them (once per step).
+
+    `groups`: per KV cache group whose blocks hold tokens, (vLLM's kv_cache_spec_kind, its sliding
+    window or None). A state group's snapshots (core/kv_cache_coordinator.py) hold no tokens a router
+    could match: their keys make no events.
+    """
+
+    def __init__(self, block_size: int, groups: dict[int, tuple[str, int | None]]):
+        self.block_size = block_size
+        self.groups = groups
+        self.events: list[KVCacheEvent] = []
+
+    def record_stored(self, keys: Sequence[bytes], indices: list[int], request) -> None:
+        """Blocks keys[i] for i in `indices` (ascending) of `request` entered the index: one
+        BlockStored per run of consecutive indices (a block another request had indexed first breaks
+        a run), chained to the key before the run."""
+        group = external_block_hash(keys[indices[0]])[1]
+        if group not in self.groups:
+            return
+        kind, window = self.groups[group]
+        lora = request.lora_request
+        size = self.block_size
+        start = 0
+        for end in range(1, len(indices) + 1):
+            if end < len(indices) and indices[end] == indices[end - 1] + 1:
+                continue
+            first, last = indices[start], indices[end - 1]
+            self.events.append(
+                BlockStored(
+                    block_hashes=[external_block_hash(keys[i])[0] for i in range(first, last + 1)],
+                    parent_block_hash=external_block_hash(keys[first - 1])[0] if first else None,
+                    token_ids=list(request.all_token_ids[first * size : (last + 1) * size]),
+                    block_size=size,
+                    lora_id=None if lora is None else lora.lora_int_id,
+                    medium=MEDIUM_GPU,
+                    lora_name=None if lora is None else lora.lora_name,
+                    group_idx=group,
+                    kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=window,
+                )
+            )
+            start = end
+
+    def record_removed(self, key: bytes) -> None:
+        block_hash, group = external_block_hash(key)
+        if group not in self.groups:
+            return
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved) and last.group_idx == group:  # one event per run of removals
+            last.block_hashes.append(block_hash)
+        else:
+            self.events.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_GPU, group_idx=group))
+
+    def record_cleared(self) -> None:
+        self.events.append(AllBlocksCleared())
+
+    def take(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first."""
+        events, self.events = self.events, []
+        return events
