@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -76,10 +77,14 @@ class ServerProcess:
         model: str = MODEL_NAME,
         env: dict[str, str] | None = None,
         grpc: bool = False,
+        ca_cert: str | None = None,
     ):
+        """`ca_cert`: the server speaks HTTPS (its --ssl-* flags in `extra_args`) with a certificate this
+        CA file vouches for; `verify` is then what httpx clients pass."""
         self.port = _free_port()
         self.grpc_port = _free_port() if grpc else None
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'http' if ca_cert is None else 'https'}://127.0.0.1:{self.port}"
+        self.verify = True if ca_cert is None else ssl.create_default_context(cafile=ca_cert)
         self.api_key = api_key
         self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
         command = [
@@ -122,7 +127,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 pytest.fail(f"the server exited with code {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
