@@ -68,21 +68,21 @@ def tls_files(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> str:
-    """The model's tokenizer saved as a directory, with one special token more."""
+def other_tokenizer(tmp_path_factory):
+    """The model's tokenizer with one special token more, and the directory it is saved in."""
     tokenizer = load_tokenizer(MODEL_NAME)
     tokenizer.add_special_tokens({"additional_special_tokens": [EXTRA_TOKEN]})
     path = str(tmp_path_factory.mktemp("tokenizer"))
     tokenizer.save_pretrained(path)
-    return path
+    return tokenizer, path
 
 
 @pytest.fixture(scope="module")
-def flags_server(tmp_path_factory, server_cache_dir, tls_files, tokenizer_dir):
+def flags_server(tmp_path_factory, server_cache_dir, tls_files, other_tokenizer):
     key, cert = tls_files
     flags = [
         "--tokenizer",
-        tokenizer_dir,
+        other_tokenizer[1],
         "--ssl-keyfile",
         key,
         "--ssl-certfile",
@@ -120,12 +120,10 @@ def http(flags_server):
 @pytest.fixture(scope="module")
 def client(flags_server):
     """The official client, over an httpx client that trusts the server's certificate."""
-    return openai.OpenAI(
-        base_url=flags_server.url + "/v1",
-        api_key=API_KEY,
-        max_retries=0,
-        http_client=httpx.Client(verify=flags_server.verify, timeout=120),
-    )
+    with httpx.Client(verify=flags_server.verify, timeout=120) as http_client:
+        yield openai.OpenAI(
+            base_url=flags_server.url + "/v1", api_key=API_KEY, max_retries=0, http_client=http_client
+        )
 
 
 def test_chat_role_cached_tokens_and_request_id(client):
@@ -187,13 +185,16 @@ def test_root_path_in_the_schema_and_docs_and_behind_the_key(flags_server, http)
     assert http.get(ROOT_PATH + "/v1/models").json()["data"][0]["id"] == MODEL_NAME
 
 
-def test_the_tokenizer_flag_tokenizes_with_the_other_tokenizer(http, tokenizer_dir):
+def test_the_tokenizer_flag_tokenizes_with_the_other_tokenizer(http, other_tokenizer):
+    tokenizer = other_tokenizer[0]
     text = f"Hello {EXTRA_TOKEN} world"
-    ours = load_tokenizer(tokenizer_dir).encode(text, add_special_tokens=False)
-    theirs = load_tokenizer(MODEL_NAME).encode(text, add_special_tokens=False)
+    ours = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids(EXTRA_TOKEN) in ours  # one token, not the model's pieces
     body = {"model": MODEL_NAME, "prompt": text, "add_special_tokens": False}
     assert http.post("/tokenize", json=body).json()["tokens"] == ours
-    assert len(ours) < len(theirs)  # the extra token is one token, not its pieces
+    # Its id is past the model's vocabulary: a prompt holding it is refused, naming the prompt.
+    refused = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": text, "max_tokens": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
 
 
 def test_bad_tls_files_fail_before_an_engine_starts(tmp_path, tls_files, capsys):
