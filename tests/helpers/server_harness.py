@@ -30,8 +30,8 @@ STOP_TIMEOUT_S = 60
 # The session server's Responses API store: small, so a test can fill it.
 MAX_STORED_RESPONSES = 12
 # Flags of the session's server beyond the engine's: tool calls read in hermes' format (SmolLM2 writes
-# a list of calls between <tool_call> tags); GET /tokenizer_info served. It serves gRPC too (its port:
-# ServerProcess.grpc_port).
+# a list of calls between <tool_call> tags); GET /tokenizer_info served; usage with its prompt tokens'
+# prefix-cache hit. It serves gRPC too (its port: ServerProcess.grpc_port).
 SESSION_SERVER_FLAGS = [
     "--enable-auto-tool-choice",
     "--tool-call-parser",
@@ -39,6 +39,7 @@ SESSION_SERVER_FLAGS = [
     "--max-stored-responses",
     str(MAX_STORED_RESPONSES),
     "--enable-tokenizer-info-endpoint",
+    "--enable-prompt-tokens-details",
 ]
 
 
