@@ -36,9 +36,12 @@ class _BodyTooLarge(Exception):
 
 def route_path(scope) -> str:
     """The path the routes match: Starlette routes a path that still starts with the --root-path prefix
-    as the path without it, so every check by path strips it too (else /prefix/v1/... skips the key)."""
+    (a whole segment) as the path without it, so every check by path strips it too (else /prefix/v1/...
+    would skip the API key)."""
     path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
 
 
 class GuardMiddleware:
