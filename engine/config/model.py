@@ -53,6 +53,12 @@ class ModelConfig:
             choices=_LOAD_FORMATS,
         ),
     )
+    # vLLM's --tokenizer: the front end's and the core's (stop strings, grammars, EOS), the weights' own
+    # vocabulary kept; None: the model's.
+    tokenizer: str | None = field(
+        default=None,
+        metadata=arg("a tokenizer other than the model's: an HF directory (tokenizer.json) or a .gguf file"),
+    )
     # No tokenizer (the directory need not have one): prompts are token ids, outputs token ids only.
     skip_tokenizer_init: bool = field(
         default=False,
@@ -214,6 +220,10 @@ class ModelConfig:
         if self.hf_overrides is not None:
             overrides = json_object(self.hf_overrides, "hf_overrides")
             object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
+        require(
+            self.tokenizer is None or os.path.exists(self.tokenizer),
+            f"tokenizer must be a tokenizer directory or a .gguf file, got {self.tokenizer!r} (no such path)",
+        )
         require(self.runner in RUNNER_TYPES, f"runner must be one of {RUNNER_TYPES}, got {self.runner!r}")
         require(
             self.convert in CONVERT_TYPES, f"convert must be one of {CONVERT_TYPES}, got {self.convert!r}"

@@ -158,7 +158,8 @@ class AsyncLLM(CoreCalls):
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         if not self.config.model.skip_tokenizer_init:
-            self.tokenizer = await loop.run_in_executor(None, _load_tokenizer, self.model)
+            tokenizer = self.config.model.tokenizer or self.model
+            self.tokenizer = await loop.run_in_executor(None, _load_tokenizer, tokenizer)
         ready = await self.core.wait_ready()
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 
 from xlaserve.config import EngineConfig
 from xlaserve.engine.media import MediaPolicy
@@ -129,6 +130,39 @@ def add_parser(sub, add_engine_args) -> None:
         "--disable-playground", action="store_true", help="do not serve the chat playground page at GET /"
     )
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument(
+        "--root-path",
+        default=None,
+        help="the path prefix a proxy serves this server under (FastAPI's root_path: the OpenAPI "
+        "schema's server URL and the docs' schema link carry it)",
+    )
+    g.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="streamed completions end with a usage chunk even without stream_options.include_usage",
+    )
+    g.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer every request with an X-Request-Id header: the request's own, else a new one",
+    )
+    g.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="count the generation and pooling requests in flight, read at GET /load",
+    )
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    g.add_argument("--ssl-certfile", default=None, help="and this certificate chain (PEM)")
+    g.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates clients' certificates are checked with"
+    )
+    g.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=int(ssl.CERT_NONE),
+        choices=[int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED)],
+        help="client certificates: 0 not asked for, 1 checked when sent, 2 required (Python's ssl.CERT_*)",
+    )
     add_tool_args(p)
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument(
@@ -167,6 +201,39 @@ def load_chat_template(value: str | None) -> str | None:
     if "{%" in value or "{{" in value:
         return value
     raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
+def check_ssl_args(args: argparse.Namespace) -> None:
+    """The TLS files read and the context built as uvicorn will, before the engine starts: a missing,
+    unreadable or malformed file fails the start naming its flag."""
+    if args.ssl_keyfile is None and args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None:
+            raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile (HTTPS)")
+        return
+    if args.ssl_certfile is None:
+        raise ValueError("--ssl-keyfile needs --ssl-certfile")
+    for flag in ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path is None:
+            continue
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot read {path!r}: {e.strerror or e}") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except ssl.SSLError as e:
+        flags = "--ssl-certfile" if args.ssl_keyfile is None else "--ssl-certfile and --ssl-keyfile"
+        raise ValueError(f"{flags}: not a PEM certificate chain and its key: {e.reason or e}") from None
+    if args.ssl_ca_certs is not None:
+        try:
+            context.load_verify_locations(args.ssl_ca_certs)
+        except ssl.SSLError as e:
+            raise ValueError(
+                f"--ssl-ca-certs: {args.ssl_ca_certs!r} holds no PEM CA certificate: {e}"
+            ) from None
 
 
 async def _end_after_grace(server, engine, grace_s: float) -> None:
@@ -227,6 +294,16 @@ def add_request_args(g) -> None:
         "is code the server runs, in Jinja's sandbox)",
     )
     g.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of chat completion messages when the request asks for a generation prompt",
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the prefix cache",
+    )
+    g.add_argument(
         "--allowed-local-media-path",
         default=None,
         help="image and video parts may name file:// URLs under this directory (default: none may)",
@@ -259,6 +336,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         protos_and_services()  # a missing grpc extra fails before the engine starts
     args.tool_servers = parse_tool_servers(args.tool_server)
+    check_ssl_args(args)
     if args.max_num_queued_reqs is not None and args.max_num_queued_reqs < 0:
         raise ValueError(f"--max-num-queued-reqs must be >= 0, got {args.max_num_queued_reqs}")
     # Built once, here (bad flags fail before anything loads), and sent as it is to the engine core.
@@ -318,6 +396,8 @@ def request_state(args, engine, served_model_names, chat_template, loras, **fiel
         **args.tool_options,
         loras=loras,
         default_sampling=defaults,
+        response_role=args.response_role,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         **fields,
     )
 
@@ -374,6 +454,10 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         enable_playground=not args.disable_playground,
         tool_servers=args.tool_servers,
         enable_docs=not args.disable_fastapi_docs,
+        root_path=args.root_path,
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_request_id_headers=args.enable_request_id_headers,
+        enable_server_load_tracking=args.enable_server_load_tracking,
         cors=None
         if not args.allowed_origins
         else CORS(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials),
@@ -388,6 +472,10 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         lifespan="off",
         http=JSONErrorH11Protocol,  # malformed HTTP answered in OpenAI's error JSON
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
     server = uvicorn.Server(config)
     grpc_server = None

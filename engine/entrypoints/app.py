@@ -34,6 +34,7 @@ from xlaserve.entrypoints.serving.metrics import CONTENT_TYPE, make_registry, re
 from xlaserve.entrypoints.serving.protocol import UNION_TAGS as CHAT_TAGS
 from xlaserve.entrypoints.serving.protocol import ErrorResponse
 from xlaserve.entrypoints.serving.state import ServerState
+from xlaserve.entrypoints.serving.tracking import LoadTracker, RequestIdMiddleware
 
 # Every discriminated union's tags in the app's request models: error locations leave them out.
 UNION_TAGS = CHAT_TAGS | OPENAI_TAGS | RESPONSES_TAGS | ANTHROPIC_TAGS
@@ -52,11 +53,14 @@ def build_app(state: ServerState) -> FastAPI:
         title="xlaserve",
         version=server_version(),
         summary="OpenAI-compatible LLM server on JAX/XLA",
+        root_path=state.root_path or "",
         **docs,
     )
     app.state.server = state
     app.router.route_class = JSONRoute
     install_error_handlers(app, UNION_TAGS)
+    if state.enable_server_load_tracking:  # inside the guard: a refused request never ran the model
+        app.add_middleware(LoadTracker, state=state)
     app.add_middleware(GuardMiddleware, api_key=state.api_key)
     if state.cors is not None:  # outside the guard: a browser's preflight carries no API key
         app.add_middleware(
@@ -66,6 +70,8 @@ def build_app(state: ServerState) -> FastAPI:
             allow_headers=state.cors.allowed_headers,
             allow_credentials=state.cors.allow_credentials,
         )
+    if state.enable_request_id_headers:  # outermost: the guard's and CORS's own answers carry it too
+        app.add_middleware(RequestIdMiddleware)
     registry = make_registry(state.engine, state.model_name)
     engine = state.engine
 
@@ -89,6 +95,11 @@ def build_app(state: ServerState) -> FastAPI:
         """Prometheus text exposition."""
         return Response(render(registry), media_type=CONTENT_TYPE)
 
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's: the generation and pooling requests in flight (0 without --enable-server-load-tracking)."""
+        return {"server_load": state.server_load}
+
     add_openai_routes(app, state)
     add_pooling_routes(app, state)
     add_anthropic_routes(app, state)
@@ -107,7 +118,13 @@ def build_app(state: ServerState) -> FastAPI:
 def _openapi(app: FastAPI) -> dict:
     """FastAPI's schema without its 422 responses: validation errors here are 400s."""
     if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            summary=app.summary,
+            routes=app.routes,
+            servers=app.servers or None,  # FastAPI puts --root-path here before the first schema
+        )
         for path in schema.get("paths", {}).values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)

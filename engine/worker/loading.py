@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 
 from xlaserve.config import CompilationConfig, EngineConfig
 from xlaserve.models.config import TransformerConfig
-from xlaserve.models.loader import load_checkpoint
+from xlaserve.models.loader import load_checkpoint, load_tokenizer
 from xlaserve.models.model_path import resolve_model_path
 from xlaserve.models.processor_settings import with_overrides
 from xlaserve.models.registry import is_encoder_only, model_config_from_hf
@@ -117,6 +117,8 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
         skip_tokenizer_init=config.model.skip_tokenizer_init,
         quantization=config.model.quantization,
     )
+    if config.model.tokenizer is not None and not config.model.skip_tokenizer_init:
+        checkpoint = replace(checkpoint, tokenizer=load_tokenizer(config.model.tokenizer))
     original_config = {**checkpoint.hf_config, **config.model.hf_overrides_dict}  # vLLM's hf_overrides
     if config.model.mm_processor_kwargs_dict:  # what the front end's processor reads too (image sizes)
         original_config["preprocessor_config"] = with_overrides(

@@ -97,6 +97,7 @@ _HOST_ONLY_SETTINGS = {
         "seed",
         "served_model_name",
         "load_format",
+        "tokenizer",
         "skip_tokenizer_init",
         "runner",
         "convert",

@@ -37,7 +37,8 @@ GREEDY = {"temperature": 0.0, "max_tokens": 10}
 KEY = "sk-disagg"  # the instances' --api-key
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TINY_FLAGS = ["--enforce-eager", "--served-model-name", "tiny", "--max-num-batched-tokens", "64",
-              "--max-num-seqs", "4", "--max-model-len", "256", "--block-size", str(BLOCK)]  # fmt: skip
+              "--max-num-seqs", "4", "--max-model-len", "256", "--block-size", str(BLOCK),
+              "--enable-prompt-tokens-details"]  # fmt: skip
 
 
 def _transfer_flags(role: str, port: int, **extra) -> list[str]:

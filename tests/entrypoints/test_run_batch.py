@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from helpers.server_harness import MODEL_NAME, engine_flags, metric, metrics
+from helpers.smollm2 import ENGINE_ARGS
 from xlaserve.engine.async_llm import AsyncLLM
 from xlaserve.entrypoints import run_batch
 from xlaserve.entrypoints.cli import main
@@ -41,6 +42,7 @@ LINES = {
     "responses-bad": {"url": "/v1/responses", "body": {**RESPONSE, "max_output_tokens": -1}},
 }
 NUM_RUN = 4  # the lines that reach the engine
+BATCH_ROLE = "narrator"  # the run's --response-role (the session server answers as the assistant)
 # Fields a server makes up per request.
 PER_REQUEST = ("id", "created", "created_at")
 
@@ -119,6 +121,9 @@ def results(tmp_path_factory, file_server) -> dict[str, dict]:
         metrics_url.rsplit(":", 1)[1],
         "--model",
         MODEL_NAME,
+        "--response-role",
+        BATCH_ROLE,
+        "--enable-prompt-tokens-details",
     ]
     at_shutdown = {}
     shutdown = AsyncLLM.shutdown
@@ -159,6 +164,8 @@ def _split_logprobs(body: dict) -> tuple[dict, list]:
     body = json.loads(json.dumps(body))
     (body.get("usage") or {}).pop("prompt_tokens_details", None)
     (body.get("usage") or {}).pop("input_tokens_details", None)
+    for choice in body.get("choices", []):  # the run's --response-role
+        (choice.get("message") or {}).pop("role", None)
     for item in body.get("output", []):  # a response's output items
         item.pop("id", None)
     values = []
@@ -192,6 +199,11 @@ def test_bodies_are_the_servers(server, results, custom_id):
 
 def test_generated_lines(results):
     chat, completion = results["chat"]["response"]["body"], results["completion"]["response"]["body"]
+    assert chat["choices"][0]["message"]["role"] == BATCH_ROLE
+    # --enable-prompt-tokens-details: each prompt's prefix-cache hit, whole blocks (the completion's
+    # prompt is shorter than one).
+    assert completion["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] % ENGINE_ARGS.get("block_size", 16) == 0
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"]
     assert (
         completion["object"] == "text_completion" and len(completion["choices"][0]["logprobs"]["tokens"]) == 6

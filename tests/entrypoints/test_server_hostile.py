@@ -804,6 +804,7 @@ ROUTE_CASES = [
     ("POST", "/tokenizer_info", 405),
     ("DELETE", "/tokenizer_info", 405),
     ("GET", "/tokenizer_info/%FF%00", 404),
+    ("POST", "/load", 405),
 ]
 
 

@@ -62,7 +62,7 @@ def lora_server(tmp_path_factory, server_cache_dir):
     flags = ["--served-model-name", BASE_NAME, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
     # Buckets for these requests, not SmolLM2's (128 tokens, 16 sequences): token buckets 1, 4, 16 and
     # request buckets 1, 4, 8 (the eight concurrent requests below) leave half the programs to compile.
-    flags += ["--max-num-batched-tokens", "16", "--max-num-seqs", "8"]
+    flags += ["--max-num-batched-tokens", "16", "--max-num-seqs", "8", "--enable-prompt-tokens-details"]
     flags += ["--lora-modules", f"a0={paths[0]}", json.dumps({"name": "a1", "path": paths[1]})]
     proc = ServerProcess(
         str(root),

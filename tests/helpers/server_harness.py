@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -29,8 +30,8 @@ STOP_TIMEOUT_S = 60
 # The session server's Responses API store: small, so a test can fill it.
 MAX_STORED_RESPONSES = 12
 # Flags of the session's server beyond the engine's: tool calls read in hermes' format (SmolLM2 writes
-# a list of calls between <tool_call> tags); GET /tokenizer_info served. It serves gRPC too (its port:
-# ServerProcess.grpc_port).
+# a list of calls between <tool_call> tags); GET /tokenizer_info served; usage with its prompt tokens'
+# prefix-cache hit. It serves gRPC too (its port: ServerProcess.grpc_port).
 SESSION_SERVER_FLAGS = [
     "--enable-auto-tool-choice",
     "--tool-call-parser",
@@ -38,6 +39,7 @@ SESSION_SERVER_FLAGS = [
     "--max-stored-responses",
     str(MAX_STORED_RESPONSES),
     "--enable-tokenizer-info-endpoint",
+    "--enable-prompt-tokens-details",
 ]
 
 
@@ -76,10 +78,14 @@ class ServerProcess:
         model: str = MODEL_NAME,
         env: dict[str, str] | None = None,
         grpc: bool = False,
+        ca_cert: str | None = None,
     ):
+        """`ca_cert`: the server speaks HTTPS (its --ssl-* flags in `extra_args`) with a certificate this
+        CA file vouches for; `verify` is then what httpx clients pass."""
         self.port = _free_port()
         self.grpc_port = _free_port() if grpc else None
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'http' if ca_cert is None else 'https'}://127.0.0.1:{self.port}"
+        self.verify = True if ca_cert is None else ssl.create_default_context(cafile=ca_cert)
         self.api_key = api_key
         self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
         command = [
@@ -122,7 +128,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 pytest.fail(f"the server exited with code {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

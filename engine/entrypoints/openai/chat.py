@@ -70,6 +70,11 @@ def _finish_reason(finish_reason: str | None, num_calls: int) -> str | None:
     return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
 
 
+def _response_role(state: ServerState, req: ChatCompletionRequest) -> str:
+    # vLLM's rule: without a generation prompt the model goes on with the last message, in its role.
+    return state.response_role if req.add_generation_prompt else req.messages[-1].role
+
+
 def _tool_call_out(call) -> ToolCallOut:
     return ToolCallOut(
         id=call.id, function=FunctionCallOut(name=call.function.name, arguments=call.function.arguments)
@@ -142,6 +147,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     for c in output.outputs:
         parsed = parsers[c.index].parse(c.text)
         message = ChatResponseMessage(
+            role=_response_role(state, req),
             content=parsed.content,
             reasoning_content=parsed.reasoning,
             tool_calls=[_tool_call_out(call) for call in parsed.tool_calls],
@@ -162,7 +168,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         created=created,
         model=model,
         choices=choices,
-        usage=UsageInfo.of(len(ids), num_generated, output.num_cached_tokens),
+        usage=UsageInfo.of(
+            len(ids), num_generated, output.num_cached_tokens, state.enable_prompt_tokens_details
+        ),
         kv_transfer_params=output.kv_transfer_params,
         prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if req.prompt_logprobs is not None else None,
         prompt_token_ids=list(output.prompt_token_ids) if req.return_token_ids else None,
@@ -179,8 +187,7 @@ async def _stream(
     prompt_ids: list[int],
     parsers: list[ChoiceParser],
 ):
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    continuous = include_usage and req.stream_options.continuous_usage_stats
+    include_usage, continuous = state.include_usage(req.stream_options)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     as_ids = req.return_tokens_as_token_ids
     num_generated = num_cached = 0
@@ -197,11 +204,16 @@ async def _stream(
             )
         )
 
+    def usage_so_far() -> UsageInfo:
+        return UsageInfo.of(len(prompt_ids), num_generated, num_cached, state.enable_prompt_tokens_details)
+
     merged = merge_streams([stream])
     try:
         for index in range(req.n):  # the first chunk carries the prompt's ids, when asked
             ids = prompt_ids if index == 0 and req.return_token_ids else None
-            role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            role = ChatChunkChoice(
+                index=index, delta=DeltaMessage(role=_response_role(state, req), content="")
+            )
             yield chunk([role], None, ids)
         async for _, output in merged:
             check_finish(output)
@@ -229,10 +241,10 @@ async def _stream(
                     finish_reason=_finish_reason(c.finish_reason, parser.num_calls_sent),
                     stop_reason=c.stop_reason,
                 )
-                usage = UsageInfo.of(len(prompt_ids), num_generated, num_cached) if continuous else None
+                usage = usage_so_far() if continuous else None
                 yield chunk([choice], usage)
         if include_usage:
-            yield chunk([], UsageInfo.of(len(prompt_ids), num_generated, num_cached))
+            yield chunk([], usage_so_far())
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         yield sse_error(e)
     finally:

@@ -187,7 +187,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         created=created,
         model=model,
         choices=choices,
-        usage=UsageInfo.of(num_prompt_tokens, num_generated, num_cached),
+        usage=UsageInfo.of(num_prompt_tokens, num_generated, num_cached, state.enable_prompt_tokens_details),
         kv_transfer_params=finals[0].kv_transfer_params,
     )
 
@@ -201,10 +201,13 @@ async def _stream(
     streams,
     num_prompt_tokens: int,
 ):
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    continuous = include_usage and req.stream_options.continuous_usage_stats
+    include_usage, continuous = state.include_usage(req.stream_options)
     seen: set[tuple[int, int]] = set()  # (prompt, choice) pairs streamed
     num_generated = num_cached = 0
+
+    def usage_so_far() -> UsageInfo:
+        return UsageInfo.of(num_prompt_tokens, num_generated, num_cached, state.enable_prompt_tokens_details)
+
     merged = merge_streams(streams)
     try:
         async for i, output in merged:
@@ -219,7 +222,7 @@ async def _stream(
                     continue
                 chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice])
                 if continuous:
-                    chunk.usage = UsageInfo.of(num_prompt_tokens, num_generated, num_cached)
+                    chunk.usage = usage_so_far()
                 yield sse_event(chunk)
         if include_usage:
             yield sse_event(
@@ -228,7 +231,7 @@ async def _stream(
                     created=created,
                     model=model,
                     choices=[],
-                    usage=UsageInfo.of(num_prompt_tokens, num_generated, num_cached),
+                    usage=usage_so_far(),
                 )
             )
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event

@@ -87,12 +87,13 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
+    def of(cls, num_prompt: int, num_generated: int, num_cached: int, with_details: bool) -> UsageInfo:
+        """`with_details`: --enable-prompt-tokens-details (the prefix cache's hit in the prompt)."""
         return cls(
             prompt_tokens=num_prompt,
             completion_tokens=num_generated,
             total_tokens=num_prompt + num_generated,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached) if with_details else None,
         )
 
 
@@ -169,7 +170,7 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # --response-role, or the last message's role (add_generation_prompt off)
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
@@ -202,7 +203,7 @@ class ChatCompletionResponse(OmitsNones):
 
 
 class DeltaMessage(OmitsNones):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCallOut] | None = None

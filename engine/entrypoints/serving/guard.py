@@ -34,6 +34,16 @@ class _BodyTooLarge(Exception):
     """The body passed max_body_bytes; the rest of it is left unread."""
 
 
+def route_path(scope) -> str:
+    """The path the routes match: Starlette routes a path that still starts with the --root-path prefix
+    (a whole segment) as the path without it, so every check by path strips it too (else /prefix/v1/...
+    would skip the API key)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 class GuardMiddleware:
     """API key check (constant-time) and the body bound before any route runs; any exception a route
     lets escape becomes a 500 in OpenAI's JSON on the same connection.
@@ -58,13 +68,13 @@ class GuardMiddleware:
             body = await self._read_body(scope, receive, keep=error is None)
         except _BodyTooLarge:
             # Refused unread, its rest would be taken for the next request: the connection must close.
-            response = (error or _too_large(self.max_body_bytes)).to_json_response(scope["path"])
+            response = (error or _too_large(self.max_body_bytes)).to_json_response(route_path(scope))
             response.headers["Connection"] = "close"
             return await response(scope, receive, send)
         if body is None:
             return  # the client left before sending its body: nobody to answer
         if error is not None:
-            return await error.to_json_response(scope["path"])(scope, receive, send)
+            return await error.to_json_response(route_path(scope))(scope, receive, send)
         await self._run(scope, _replay(body, receive), send)
 
     def _check_headers(self, scope) -> APIError | None:
@@ -75,7 +85,7 @@ class GuardMiddleware:
         headers = dict(raw_headers)
         if (
             self.expected is not None
-            and scope["path"].startswith(_PROTECTED_PREFIXES)
+            and route_path(scope).startswith(_PROTECTED_PREFIXES)
             and not self._is_authorized(headers)
         ):
             return APIError(
@@ -124,7 +134,7 @@ class GuardMiddleware:
         except Exception:  # noqa: BLE001 - the last resort: log it, answer it, keep the connection
             logger.exception("unexpected error on %s %s", scope["method"], scope["path"])
             if not is_started:
-                await internal_error().to_json_response(scope["path"])(scope, receive, send)
+                await internal_error().to_json_response(route_path(scope))(scope, receive, send)
             # Otherwise the response is cut short and uvicorn closes the connection: a client must
             # not take half a response for a whole one.
 

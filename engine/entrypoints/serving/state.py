@@ -54,6 +54,14 @@ class ServerState:
     default_sampling: dict = field(default_factory=dict)
     cors: CORS | None = None  # None: no page of another origin may read an answer
     enable_docs: bool = True  # /docs, /redoc, /openapi.json (off with --disable-fastapi-docs)
+    root_path: str | None = None  # --root-path: the prefix a proxy serves the app under
+    # --response-role: a chat completion's role when the request asks for a generation prompt.
+    response_role: str = "assistant"
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    enable_force_include_usage: bool = False  # a usage chunk ends every stream
+    enable_request_id_headers: bool = False  # X-Request-Id on every response
+    enable_server_load_tracking: bool = False  # GET /load counts the requests in flight
+    server_load: int = 0  # the model-running requests in flight (serving/tracking.py's LoadTracker)
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model."""
@@ -62,6 +70,14 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def include_usage(self, stream_options) -> tuple[bool, bool]:
+        """Whether a stream ends with a usage chunk, and whether every chunk carries one (vLLM's rule:
+        --enable-force-include-usage forces the first, never the second)."""
+        if stream_options is None:
+            return self.enable_force_include_usage, False
+        include = stream_options.include_usage or self.enable_force_include_usage
+        return include, include and bool(stream_options.continuous_usage_stats)
 
 
 def check_model(state: ServerState, model: str | None) -> str:

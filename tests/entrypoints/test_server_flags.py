@@ -1,0 +1,210 @@
+"""`xlaserve serve`'s vLLM flags of how it answers: --tokenizer, the --ssl-* flags, --root-path,
+--response-role, --enable-prompt-tokens-details, --enable-force-include-usage,
+--enable-request-id-headers and --enable-server-load-tracking (GET /load). One server carries them all,
+over HTTPS with a certificate made here; bad TLS files fail the start before any engine does."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from helpers.server_harness import MODEL_NAME, ServerProcess
+from xlaserve.entrypoints.cli import main
+from xlaserve.models.tokenizer import load_tokenizer
+
+API_KEY = "sk-flags"
+ROOT_PATH = "/proxy"
+ROLE = "bot"
+EXTRA_TOKEN = "<|xlaserve_extra|>"  # the --tokenizer copy's one difference from the model's
+BLOCK_SIZE = 16  # the engine's default
+DEADLINE_S = 30  # liveness bound when polling, not a timing assertion
+
+
+def _write_self_signed(directory) -> tuple[str, str]:
+    """A key and a self-signed certificate for 127.0.0.1, as PEM files (key path, certificate path)."""
+    x509 = pytest.importorskip(
+        "cryptography.x509", reason="TLS tests make their certificate with cryptography"
+    )
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_path, cert_path = directory / "key.pem", directory / "cert.pem"
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(key_path), str(cert_path)
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory) -> tuple[str, str]:
+    return _write_self_signed(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory):
+    """The model's tokenizer with one special token more, and the directory it is saved in."""
+    tokenizer = load_tokenizer(MODEL_NAME)
+    tokenizer.add_special_tokens({"additional_special_tokens": [EXTRA_TOKEN]})
+    path = str(tmp_path_factory.mktemp("tokenizer"))
+    tokenizer.save_pretrained(path)
+    return tokenizer, path
+
+
+@pytest.fixture(scope="module")
+def flags_server(tmp_path_factory, server_cache_dir, tls_files, other_tokenizer):
+    key, cert = tls_files
+    flags = [
+        "--tokenizer",
+        other_tokenizer[1],
+        "--ssl-keyfile",
+        key,
+        "--ssl-certfile",
+        cert,
+        "--root-path",
+        ROOT_PATH,
+        "--response-role",
+        ROLE,
+        "--enable-prompt-tokens-details",
+        "--enable-force-include-usage",
+        "--enable-request-id-headers",
+        "--enable-server-load-tracking",
+    ]
+    proc = ServerProcess(
+        str(tmp_path_factory.mktemp("flags-server")),
+        server_cache_dir,
+        extra_args=flags,
+        api_key=API_KEY,
+        ca_cert=cert,
+    )
+    proc.wait_ready()
+    yield proc
+    code = proc.stop()
+    assert code == 0, f"exit code {code} on SIGTERM:\n{proc.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def http(flags_server):
+    with httpx.Client(
+        base_url=flags_server.url, headers=flags_server.headers, verify=flags_server.verify, timeout=120
+    ) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(flags_server):
+    """The official client, over an httpx client that trusts the server's certificate."""
+    with httpx.Client(verify=flags_server.verify, timeout=120) as http_client:
+        yield openai.OpenAI(
+            base_url=flags_server.url + "/v1", api_key=API_KEY, max_retries=0, http_client=http_client
+        )
+
+
+def test_chat_role_cached_tokens_and_request_id(client):
+    messages = [{"role": "user", "content": "Count the colours of the rainbow, one per line, please. " * 4}]
+    first = client.chat.completions.with_raw_response.create(
+        model=MODEL_NAME, messages=messages, max_tokens=1, extra_headers={"X-Request-Id": "trace-42"}
+    )
+    assert first.headers["x-request-id"] == "trace-42"
+    answer = first.parse()
+    assert answer.choices[0].message.role == ROLE
+    # The same prompt again: every full block of it but the last token's comes from the prefix cache.
+    again = client.chat.completions.with_raw_response.create(
+        model=MODEL_NAME, messages=messages, max_tokens=1
+    )
+    assert re.fullmatch(r"[0-9a-f]{32}", again.headers["x-request-id"])  # none sent: a new one
+    usage = again.parse().usage
+    assert usage.prompt_tokens == answer.usage.prompt_tokens > BLOCK_SIZE
+    cached = (usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert usage.prompt_tokens_details.cached_tokens == cached
+    # Without a generation prompt the answer continues the last message, in that message's role.
+    continued = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=1, extra_body={"add_generation_prompt": False}
+    )
+    assert continued.choices[0].message.role == "user"
+
+
+def test_streams_end_with_usage_and_count_in_the_load(http):
+    assert http.get("/load").json() == {"server_load": 0}
+    body = {"model": MODEL_NAME, "prompt": "One, two, three,", "max_tokens": 6, "stream": True}
+    body |= {"ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        events = response.iter_lines()
+        first = next(line for line in events if line.startswith("data: "))
+        assert http.get("/load").json() == {"server_load": 1}  # in flight until its last event
+        data = [first] + [line for line in events if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]"
+    usage = json.loads(data[-2].removeprefix("data: "))["usage"]
+    prompt = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": body["prompt"]}).json()["count"]
+    assert usage["prompt_tokens"] == prompt and usage["completion_tokens"] == 6
+    assert "cached_tokens" in usage["prompt_tokens_details"]
+    deadline = time.monotonic() + DEADLINE_S
+    while http.get("/load").json()["server_load"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert http.get("/load").json() == {"server_load": 0}
+
+
+def test_root_path_in_the_schema_and_docs_and_behind_the_key(flags_server, http):
+    assert http.get("/openapi.json").json()["servers"] == [{"url": ROOT_PATH}]
+    assert f"'{ROOT_PATH}/openapi.json'" in http.get("/docs").text
+    # The prefix left in a path routes as the path without it: the API key is asked for there too. The
+    # guard's own answer carries the request's id, whatever bytes a header may hold.
+    odd_id = b"\xff\x01 " + b"r" * 4000
+    refused = httpx.get(
+        flags_server.url + ROOT_PATH + "/v1/models",
+        headers={"X-Request-Id": odd_id},
+        verify=flags_server.verify,
+    )
+    assert refused.status_code == 401 and (b"x-request-id", odd_id) in refused.headers.raw
+    assert http.get(ROOT_PATH + "/v1/models").json()["data"][0]["id"] == MODEL_NAME
+
+
+def test_the_tokenizer_flag_tokenizes_with_the_other_tokenizer(http, other_tokenizer):
+    tokenizer = other_tokenizer[0]
+    text = f"Hello {EXTRA_TOKEN} world"
+    ours = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids(EXTRA_TOKEN) in ours  # one token, not the model's pieces
+    body = {"model": MODEL_NAME, "prompt": text, "add_special_tokens": False}
+    assert http.post("/tokenize", json=body).json()["tokens"] == ours
+    # Its id is past the model's vocabulary: a prompt holding it is refused, naming the prompt.
+    refused = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": text, "max_tokens": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+
+
+def test_bad_tls_files_fail_before_an_engine_starts(tmp_path, tls_files, capsys):
+    key, cert = tls_files
+    missing = str(tmp_path / "missing.pem")
+    assert main(["serve", "--ssl-keyfile", missing, "--ssl-certfile", cert]) == 2
+    assert f"--ssl-keyfile: cannot read {missing!r}: No such file or directory" in capsys.readouterr().err
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    assert main(["serve", "--ssl-keyfile", key, "--ssl-certfile", str(garbage)]) == 2
+    assert "--ssl-certfile and --ssl-keyfile: not a PEM certificate chain" in capsys.readouterr().err
+    assert main(["serve", "--ssl-ca-certs", cert]) == 2
+    assert "--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile" in capsys.readouterr().err
