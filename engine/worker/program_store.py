@@ -114,6 +114,7 @@ _HOST_ONLY_SETTINGS = {
         "gpu_memory_utilization",
         "kv_cache_memory",
         "num_gpu_blocks_override",
+        "kv_events_config",  # the engine core's publishing of its prefix cache's changes
     ),
     "scheduler": (
         "policy",
