@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -37,7 +38,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     default_max_tokens,
     engine_error,
     merge_streams,
-    new_id,
+    request_ids,
     submit,
     tokenize_text,
     truncated,
@@ -119,17 +120,17 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = default_max_tokens(state, max_tokens, len(ids))
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     params = chat_sampling_params(state, req, plan, ids, max_tokens)
-    request_id = new_id("chatcmpl")
+    request_id, engine_id = request_ids(raw_request, "chatcmpl")
     kwargs = {"prompt": text, "priority": req.priority, "cache_salt": req.cache_salt}
     kwargs |= {"lora_request": state.lora_request(req.model), "mm_features": mm_features}
     if req.use_beam_search:
         room = state.engine.max_model_len - len(ids) if max_tokens is None else max_tokens
         forced = plan.structured_outputs is not None
         stream = BeamSearchStream(
-            state, ids, beam_search_params(req, room, forced_grammar=forced), request_id, **kwargs
+            state, ids, beam_search_params(req, room, forced_grammar=forced), engine_id, **kwargs
         )
     else:
-        stream = submit(state, ids, params, request_id, stream=req.stream, **kwargs)
+        stream = submit(state, ids, params, engine_id, stream=req.stream, **kwargs)
     created = int(time.time())
     parsers = [choice_parser(state, req, plan, ids) for _ in range(req.n)]
     if req.stream:
@@ -149,7 +150,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         message = ChatResponseMessage(
             role=_response_role(state, req),
             content=parsed.content,
-            reasoning_content=parsed.reasoning,
+            reasoning_content=parsed.reasoning if req.include_reasoning else None,
             tool_calls=[_tool_call_out(call) for call in parsed.tool_calls],
         )
         choices.append(
@@ -229,6 +230,8 @@ async def _stream(
                         _joined(delta.content, last.content),
                         delta.tool_calls + last.tool_calls,
                     )
+                if not req.include_reasoning:
+                    delta = dataclasses.replace(delta, reasoning=None)
                 has_logprobs = top_n is not None and bool(c.token_ids)
                 has_ids = req.return_token_ids and bool(c.token_ids)
                 if not delta and c.finish_reason is None and not has_logprobs and not has_ids:

@@ -26,7 +26,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     engine_error,
     make_sampling_params,
     merge_streams,
-    new_id,
+    request_ids,
     require_tokenizer,
     tokenize_text,
     truncated,
@@ -134,7 +134,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         )
         for _, ids in prompts
     ]
-    request_id = new_id("cmpl")
+    request_id, engine_id = request_ids(raw_request, "cmpl")
     streams = []
     try:
         for i, (text, ids) in enumerate(prompts):
@@ -144,12 +144,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
                 max_tokens = params[i].max_tokens
                 room = state.engine.max_model_len - len(ids) if max_tokens is None else max_tokens
                 search = beam_search_params(req, room)
-                streams.append(BeamSearchStream(state, ids, search, f"{request_id}-{i}", **kwargs))
+                streams.append(BeamSearchStream(state, ids, search, f"{engine_id}-{i}", **kwargs))
                 continue
             output_kind = "delta" if req.stream else "final"
             streams.append(
                 state.engine.add_request(
-                    ids, params[i], f"{request_id}-{i}", output_kind=output_kind, **kwargs
+                    ids, params[i], f"{engine_id}-{i}", output_kind=output_kind, **kwargs
                 )
             )
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
@@ -159,7 +159,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     if state.log_requests:
         logger.info(
             "request %s: %d prompt(s), %s tokens, %s",
-            request_id,
+            engine_id,
             len(prompts),
             [len(ids) for _, ids in prompts],
             params,

@@ -45,6 +45,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def request_ids(raw_request: Request, prefix: str) -> tuple[str, str]:
+    """A request's id as its answer gives it, and the engine's id for it. The answer's id is the
+    client's X-Request-Id header after `prefix-` where one is sent (vLLM's `_base_request_id`), else a
+    new one. Two requests may send the same header, and the engine refuses an id in use: a header's id
+    reaches the engine with 8 random hex digits more (as vLLM's `assign_request_id` adds)."""
+    sent = raw_request.headers.get("x-request-id")
+    if sent is None:
+        request_id = new_id(prefix)
+        return request_id, request_id
+    request_id = f"{prefix}-{sent}"
+    return request_id, f"{request_id}-{uuid.uuid4().hex[:8]}"
+
+
 def make_sampling_params(
     req: SamplingFields,
     max_tokens: int | None,

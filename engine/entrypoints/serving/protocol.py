@@ -372,6 +372,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    include_reasoning: bool = Field(
+        default=True, description="false: the answer leaves out the reasoning parser's reasoning_content"
+    )
 
 
 # The tool_choice union's tags: not fields, so error locations leave them out.
