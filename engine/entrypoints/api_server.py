@@ -294,6 +294,14 @@ def add_request_args(g) -> None:
         "is code the server runs, in Jinja's sandbox)",
     )
     g.add_argument(
+        "--chat-template-content-format",
+        choices=["auto", "string", "openai"],
+        default="auto",
+        help="how a message's content reaches the chat template: string (its text parts joined), openai "
+        "(a list of parts, {'type': 'text', 'text': ...} and {'type': 'image'}); auto: openai for a "
+        "template that loops over a message's content, else string",
+    )
+    g.add_argument(
         "--response-role",
         default="assistant",
         help="the role of chat completion messages when the request asks for a generation prompt",
@@ -390,6 +398,7 @@ def request_state(args, engine, served_model_names, chat_template, loras, **fiel
         served_model_names=served_model_names,
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_content_format=args.chat_template_content_format,
         media_policy=MediaPolicy(
             args.allowed_local_media_path, media_domains, engine.config.model.video_num_frames
         ),

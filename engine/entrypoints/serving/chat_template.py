@@ -11,10 +11,12 @@ does not quote it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
-from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2 import TemplateError, TemplateSyntaxError, nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from xlaserve.entrypoints.serving.engine_io import require_tokenizer
 from xlaserve.entrypoints.serving.errors import bad_request
@@ -29,6 +31,8 @@ from xlaserve.entrypoints.serving.tools import (
 )
 
 logger = logging.getLogger("xlaserve.entrypoints.serving")
+_ENV = ImmutableSandboxedEnvironment()  # parses templates for content_format; renders none
+_MEDIA = {"image_url": "image", "video_url": "video"}  # a media part as the "openai" format gives it
 # A template that reads an assistant message's `thinking` (gpt-oss's): `message.thinking`,
 # `message['thinking']`, `"thinking" in message`; not Qwen3's `enable_thinking` flag.
 _READS_THINKING = re.compile(
@@ -41,22 +45,54 @@ def template_takes_thinking(template: str | None) -> bool:
     return isinstance(template, str) and _READS_THINKING.search(template) is not None
 
 
+def content_format(template: str, flag: str) -> str:
+    """The --chat-template-content-format a template gets: the flag's, or for "auto" vLLM's guess,
+    "openai" where the template loops over a message's content (`for part in message['content']`, or
+    `.content`), else "string"."""
+    if flag != "auto":
+        return flag
+    return "openai" if _loops_over_content(template) else "string"
+
+
+@functools.lru_cache(maxsize=16)  # a server renders one template or a few
+def _loops_over_content(template: str) -> bool:
+    try:
+        loops = _ENV.parse(template).find_all(nodes.For)
+    except TemplateSyntaxError:
+        return False  # rendering it says what is wrong
+    for loop in loops:
+        it = loop.iter
+        if isinstance(it, nodes.Getattr) and it.attr == "content":
+            return True
+        if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content":
+            return True
+    return False
+
+
 def conversation(
     messages: list[ChatMessage],
     takes_tools: bool = True,
     image_placeholder: str = "",
     video_placeholder: str = "",
     takes_thinking: bool = False,
+    as_parts: bool = False,
 ) -> list[dict]:
     """Pydantic messages -> the dicts a chat template reads (content parts joined into one string, an
-    image or video part as the model's placeholder and a newline: serving/multimodal.py; calls as
-    `render_calls` puts them; an assistant's `reasoning_content` as `thinking` where the template
-    reads that, `takes_thinking`, where parallel calls go back a turn each: `_one_call_a_turn`)."""
+    image or video part as the model's placeholder and a newline: serving/multimodal.py; or with
+    `as_parts`, --chat-template-content-format openai, a list of parts, an image or video part as
+    {"type": "image"} or {"type": "video"} for the template to render; calls as `render_calls` puts
+    them; an assistant's `reasoning_content` as `thinking` where the template reads that,
+    `takes_thinking`, where parallel calls go back a turn each: `_one_call_a_turn`)."""
     placeholders = {"image_url": image_placeholder, "video_url": video_placeholder}
     out = []
     for message in messages:
         content = message.content
-        if isinstance(content, list):
+        if isinstance(content, list) and as_parts:
+            content = [
+                {"type": "text", "text": part.text} if part.type == "text" else {"type": _MEDIA[part.type]}
+                for part in content
+            ]
+        elif isinstance(content, list):
             content = "".join(
                 part.text if part.type == "text" else placeholders[part.type] + "\n" for part in content
             )
@@ -72,6 +108,15 @@ def conversation(
         else:
             out.append(entry)
     return _one_call_a_turn(out) if takes_thinking else out
+
+
+def _parts(entry: dict) -> dict:
+    """A message whose content is a string with it as a list of one text part (none for ""), as vLLM's
+    "openai" content format gives every message."""
+    content = entry["content"]
+    if isinstance(content, str):
+        return {**entry, "content": [{"type": "text", "text": content}] if content else []}
+    return entry
 
 
 def _one_call_a_turn(entries: list[dict]) -> list[dict]:
@@ -158,6 +203,7 @@ def apply_chat_template(
     check_history(messages)
     extra = template_kwargs(chat_template_kwargs)
     takes_tools = template_takes_tools(template)
+    as_parts = content_format(template, state.chat_template_content_format) == "openai"
     mm = getattr(getattr(state.engine, "input_processor", None), "mm_processor", None)  # None: text only
     chat = conversation(
         messages,
@@ -165,10 +211,13 @@ def apply_chat_template(
         mm.chat_placeholder if mm is not None else "",
         (mm.chat_video_placeholder or "") if mm is not None else "",
         template_takes_thinking(template),
+        as_parts,
     )
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     if tool_dicts and not takes_tools:
         chat = tools_in_system_prompt(chat, tool_dicts)
+    if as_parts:
+        chat = [_parts(entry) for entry in chat]
     try:
         return tokenizer.apply_chat_template(
             chat,

@@ -32,6 +32,8 @@ class ServerState:
     chat_template: str | None = None
     # --trust-request-chat-template: a request's own `chat_template` is rendered (else a 400).
     trust_request_chat_template: bool = False
+    # --chat-template-content-format: "string", "openai", or "auto" (chat_template.content_format).
+    chat_template_content_format: str = "auto"
     log_requests: bool = True
     api_key: str | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))

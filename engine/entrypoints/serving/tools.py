@@ -183,14 +183,22 @@ def render_calls(entry: dict, message: ChatMessage, takes_tools: bool) -> None:
         + "\n</tool_call>"
         for c in calls
     )
-    entry["content"] = f"{entry['content']}\n{text}" if entry["content"] else text
+    entry["content"] = with_text(entry["content"], text, "\n")
+
+
+def with_text(content: str | list[dict], text: str, sep: str) -> str | list[dict]:
+    """`text` after a message's content: a string's after `sep`, or a list of parts'
+    (--chat-template-content-format openai) as a part of its own."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": text}]
+    return f"{content}{sep}{text}" if content else text
 
 
 def tools_in_system_prompt(conversation: list[dict], tools: list[dict]) -> list[dict]:
     """The conversation with the tools described in its system message (one is added if none)."""
     text = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
     if conversation and conversation[0]["role"] == "system":
-        first = dict(conversation[0], content=f"{conversation[0]['content']}\n\n{text}")
+        first = dict(conversation[0], content=with_text(conversation[0]["content"], text, "\n\n"))
         return [first, *conversation[1:]]
     return [{"role": "system", "content": text}, *conversation]
 
