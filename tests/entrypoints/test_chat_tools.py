@@ -14,8 +14,9 @@ import pytest
 from xlaserve.entrypoints.arg_utils import add_tool_args, auto_tool_choice, tool_options
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, make_tool_parser
 from xlaserve.entrypoints.serving.chat_path import choice_parser
+from xlaserve.entrypoints.serving.chat_template import content_format, conversation
 from xlaserve.entrypoints.serving.errors import APIError
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
+from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ChatMessage
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
 from xlaserve.entrypoints.serving.tool_parsers import HermesToolParser, get_tool_parser
 from xlaserve.entrypoints.serving.tools import plan_tools, tools_in_system_prompt
@@ -127,6 +128,23 @@ def test_tools_go_into_the_system_prompt_for_templates_without_tools():
     assert "<tool_call>" in chat[0]["content"]
     merged = tools_in_system_prompt([{"role": "system", "content": "Be brief."}, *chat[1:]], [TOOLS[0]])
     assert merged[0]["content"].startswith("Be brief.\n\n# Tools") and len(merged) == 2
+    as_parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}]  # the "openai" format
+    assert tools_in_system_prompt(as_parts, [TOOLS[0]])[0]["content"][1]["text"].startswith("# Tools")
+
+
+def test_chat_template_content_format():
+    """--chat-template-content-format: "string" joins a message's parts into one string, "openai" gives
+    the template the parts (a media part as {"type": "image"}); "auto" is "openai" for a template that
+    loops over a message's content, as vLLM detects it."""
+    loops = "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}"
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert [content_format(t, "auto") for t in (loops, plain)] == ["openai", "string"]
+    assert content_format(loops, "string") == "string" and content_format(plain, "openai") == "openai"
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+    message = ChatMessage(role="user", content=[{"type": "text", "text": "Hi"}, image])
+    assert conversation([message], image_placeholder="<image>")[0]["content"] == "Hi<image>\n"
+    parts = [{"type": "text", "text": "Hi"}, {"type": "image"}]
+    assert conversation([message], image_placeholder="<image>", as_parts=True)[0]["content"] == parts
 
 
 def _args(*argv, model=None):

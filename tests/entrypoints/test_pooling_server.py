@@ -169,6 +169,12 @@ def test_a_requests_own_chat_template(http):
     template = "{% for m in messages %}{{ m['content'] }} w11 {% endfor %}"
     ids = http.post("/tokenize", json={"messages": CHAT, "chat_template": template}).json()["tokens"]
     assert ids == [5, 6, 11, 7, 8, 9, 11]
+    # A template that loops over a message's content gets it as a list of parts (vLLM's "openai" content
+    # format, which --chat-template-content-format auto picks for it): a string as one text part.
+    parts = "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }} {% endfor %}w11 {% endfor %}"
+    two_parts = [CHAT[0], {"role": "user", "content": [{"type": "text", "text": t} for t in ("w7", "w8")]}]
+    ids = http.post("/tokenize", json={"messages": two_parts, "chat_template": parts}).json()["tokens"]
+    assert ids == [5, 6, 11, 7, 8, 11]
     for path, key in (("/v1/embeddings", "embedding"), ("/pooling", "data")):
         own = http.post(path, json={"messages": CHAT, "chat_template": template}).json()
         assert own["data"][0][key] == http.post(path, json={"input": ids}).json()["data"][0][key]

@@ -133,6 +133,7 @@ def test_chat_role_cached_tokens_and_request_id(client):
     )
     assert first.headers["x-request-id"] == "trace-42"
     answer = first.parse()
+    assert answer.id == "chatcmpl-trace-42"  # vLLM's: the sent id, after the route's prefix
     assert answer.choices[0].message.role == ROLE
     # The same prompt again: every full block of it but the last token's comes from the prefix cache.
     again = client.chat.completions.with_raw_response.create(
@@ -168,6 +169,19 @@ def test_streams_end_with_usage_and_count_in_the_load(http):
     while http.get("/load").json()["server_load"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert http.get("/load").json() == {"server_load": 0}
+
+
+def test_requests_in_flight_may_send_the_same_id(http):
+    """Two completions with one X-Request-Id, the first still streaming: both run, both answer with
+    that id (the engine's ids for them differ)."""
+    headers = {"X-Request-Id": "twice"}
+    body = {"model": MODEL_NAME, "prompt": "One, two, three,", "max_tokens": 64, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=headers) as response:
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert json.loads(first.removeprefix("data: "))["id"] == "cmpl-twice"
+        again = http.post("/v1/completions", json={**body, "max_tokens": 1}, headers=headers)
+        assert again.status_code == 200, again.text
+        assert again.json()["id"] == "cmpl-twice"
 
 
 def test_root_path_in_the_schema_and_docs_and_behind_the_key(flags_server, http):

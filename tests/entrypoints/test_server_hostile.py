@@ -195,6 +195,7 @@ FIELD_TYPES = {
             "add_generation_prompt",
             "continue_final_message",
             "parallel_tool_calls",
+            "include_reasoning",
         ],
         "string": [*_SAMPLING["string"], "chat_template"],
         "object": [*_SAMPLING["object"], "chat_template_kwargs"],

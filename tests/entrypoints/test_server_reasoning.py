@@ -101,6 +101,12 @@ def test_thinking_goes_to_reasoning_content(thinking_server, client, thinking):
     message = message.choices[0].message
     assert (getattr(message, "reasoning_content", None), message.content) == expected
     assert streamed(client, extra_body=extra, **GREEDY) == expected
+    if thinking:  # include_reasoning=false (vLLM's): the same answer, without its thinking
+        dropped = {**extra, "include_reasoning": False}
+        message = client.chat.completions.create(model="tiny", messages=CHAT, extra_body=dropped, **GREEDY)
+        message = message.choices[0].message
+        assert (getattr(message, "reasoning_content", None), message.content) == (None, expected[1])
+        assert streamed(client, extra_body=dropped, **GREEDY) == (None, expected[1])
 
 
 def test_the_models_generation_config_is_every_requests_default(thinking_server, client):
