@@ -175,9 +175,12 @@ def test_requests_in_flight_may_send_the_same_id(http):
     """Two completions with one X-Request-Id, the first still streaming: both run, both answer with
     that id (the engine's ids for them differ)."""
     headers = {"X-Request-Id": "twice"}
-    body = {"model": MODEL_NAME, "prompt": "One, two, three,", "max_tokens": 64, "ignore_eos": True}
+    # The first runs on while the second is answered (it is left, aborted, after that); its events are
+    # read from one iterator held open: a dropped one would close the stream.
+    body = {"model": MODEL_NAME, "prompt": "One, two, three,", "max_tokens": 400, "ignore_eos": True}
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=headers) as response:
-        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        events = response.iter_lines()
+        first = next(line for line in events if line.startswith("data: "))
         assert json.loads(first.removeprefix("data: "))["id"] == "cmpl-twice"
         again = http.post("/v1/completions", json={**body, "max_tokens": 1}, headers=headers)
         assert again.status_code == 200, again.text
