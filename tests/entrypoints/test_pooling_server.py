@@ -173,8 +173,8 @@ def test_a_requests_own_chat_template(http):
     # format, which --chat-template-content-format auto picks for it): a string as one text part.
     parts = "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }} {% endfor %}w11 {% endfor %}"
     two_parts = [CHAT[0], {"role": "user", "content": [{"type": "text", "text": t} for t in ("w7", "w8")]}]
-    ids = http.post("/tokenize", json={"messages": two_parts, "chat_template": parts}).json()["tokens"]
-    assert ids == [5, 6, 11, 7, 8, 11]
+    as_parts = http.post("/tokenize", json={"messages": two_parts, "chat_template": parts}).json()["tokens"]
+    assert as_parts == [5, 6, 11, 7, 8, 11]
     for path, key in (("/v1/embeddings", "embedding"), ("/pooling", "data")):
         own = http.post(path, json={"messages": CHAT, "chat_template": template}).json()
         assert own["data"][0][key] == http.post(path, json={"input": ids}).json()["data"][0][key]
