@@ -200,6 +200,7 @@ class LLM(PoolingMethods):
         self._require_runner("generate", "beam_search()")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        params.check_width(self.input_processor.max_logprobs)
         tokenized = [
             self.input_processor.process(p)
             for p in ([prompts] if isinstance(prompts, (str, dict)) else prompts)

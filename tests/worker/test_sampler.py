@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.worker.sampler import MAX_LOGPROBS, SamplingTensors, argmax, prompt_logprobs, sample
+from xlaserve.sampling_params import DEFAULT_MAX_LOGPROBS as MAX_LOGPROBS
+from xlaserve.worker.sampler import SamplingTensors, argmax, prompt_logprobs, sample
 
 NUM_ROWS, VOCAB = 16, 64
 
