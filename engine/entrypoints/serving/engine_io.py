@@ -100,6 +100,8 @@ def check_num_logprobs(engine: AsyncLLM, **counts: int | None) -> None:
     """The request's logprob counts, by their fields' names, against the engine's max_logprobs
     (--max-logprobs): past it, a 400 naming the field and the limit."""
     for name, value in counts.items():
+        if value is None:
+            continue
         try:
             engine.input_processor.check_num_logprobs(value, name)
         except ValueError as e:
