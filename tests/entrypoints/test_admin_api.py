@@ -171,7 +171,10 @@ def test_without_the_flags_there_are_no_admin_routes_and_no_cors_and_with_one_no
     from xlaserve.entrypoints.app import build_app
     from xlaserve.entrypoints.serving.state import ServerState
 
-    engine = SimpleNamespace(tokenizer=None, model="tiny", max_model_len=64, vocab_size=128, is_errored=False)
+    engine = SimpleNamespace(
+        tokenizer=None, model="tiny", max_model_len=64, vocab_size=128, is_errored=False,
+        input_processor=SimpleNamespace(max_logprobs=20),  # the OpenAPI schema states its bound
+    )  # fmt: skip
     client = TestClient(build_app(ServerState(engine=engine, served_model_names=["tiny"])))
     for path in ("/sleep", "/wake_up", "/reset_prefix_cache", "/update_weights_from_disk"):
         assert client.post(path).status_code == 404, path

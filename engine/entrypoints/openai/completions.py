@@ -111,9 +111,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     # A prompt of token ids needs no tokenizer, but echo and logprobs answer with text.
     if req.echo:
         require_tokenizer(state.engine, "echo", "echo")
-    check_num_logprobs(state.engine, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
     if req.logprobs is not None:
         require_tokenizer(state.engine, "logprobs", "logprobs")
+    check_num_logprobs(state.engine, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
     prompts = _prompts(state, req)
     for _, ids in prompts:
         check_context(state.engine, len(ids), req.max_tokens, "prompt")
