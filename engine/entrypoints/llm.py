@@ -79,7 +79,7 @@ class LLM(PoolingMethods):
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
         executor = self.engine_core.executor
-        self.metrics.record_engine(executor.weight_bytes, executor.num_kv_blocks)
+        self.metrics.record_engine(executor.weight_bytes, executor.num_kv_blocks, self.config.cache)
         self._request_counter = itertools.count()
 
     def shutdown(self) -> None:
