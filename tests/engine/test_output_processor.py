@@ -150,12 +150,12 @@ def test_request_params_stats(processor, tokenizer):
     for index in range(2):
         _add(processor, tokenizer, f"{index}_p", parent_id="p", index=index, max_tokens=7)
     _add(processor, tokenizer, "r", max_tokens=None)
-    _step(processor, EngineCoreOutput("0_p", [11, 12]), EngineCoreOutput("1_p", [13], "length"))
-    stats = processor.drain_stats()
+    _step(processor, EngineCoreOutput("0_p", [11, 12, 13], "length"), EngineCoreOutput("1_p", [14]))
+    stats = processor.drain_stats()  # the longer child ended first: the parent waits for the other
     assert (stats.max_tokens_params, stats.n_params, stats.max_num_generation_tokens) == ([7], [], [])
-    _step(processor, EngineCoreOutput("0_p", [14], "length"), EngineCoreOutput("r", [15, 16, 17], "length"))
+    _step(processor, EngineCoreOutput("1_p", [15], "length"), EngineCoreOutput("r", [16, 17, 18, 19], "stop"))
     stats = processor.drain_stats()
-    assert (stats.max_tokens_params, stats.n_params, stats.max_num_generation_tokens) == ([7], [2, 1], [3, 3])
+    assert (stats.max_tokens_params, stats.n_params, stats.max_num_generation_tokens) == ([7], [2, 1], [3, 4])
     metrics = EngineMetrics()
     metrics.record_iteration(stats)
     hist = {m.name.removeprefix(PREFIX): m for m in metrics.snapshot() if isinstance(m, Histogram)}
@@ -165,7 +165,7 @@ def test_request_params_stats(processor, tokenizer):
     assert (
         hist["request_max_num_generation_tokens"].count,
         hist["request_max_num_generation_tokens"].sum,
-    ) == (2, 6)
+    ) == (2, 7)
     # vLLM's cache_config_info: the cache's settings and its blocks as the labels of a gauge of 1.
     metrics.record_engine(10**6, 321, CacheConfig(block_size=32, kv_cache_memory=2**20))
     (info,) = [m for m in metrics.snapshot() if m.name == PREFIX + "cache_config_info"]
