@@ -87,6 +87,12 @@ class IterationStats:
     prefill_times: list[float] = field(default_factory=list)
     decode_times: list[float] = field(default_factory=list)
     inference_times: list[float] = field(default_factory=list)
+    # The max_tokens of each finished core-level request that set one (vLLM's request_params_max_tokens),
+    # and per finished user request, once all its n sequences have ended: its n, and the most tokens one
+    # of them generated (vLLM's request_params_n and request_max_num_generation_tokens).
+    max_tokens_params: list[int] = field(default_factory=list)
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
 
     def record_tokens(
         self, stats: RequestStateStats, num_prompt_tokens: int, num_new_tokens: int, now: float
@@ -105,9 +111,17 @@ class IterationStats:
         self.num_generation_tokens += num_new_tokens
 
     def record_finish(
-        self, stats: RequestStateStats, finish_reason: str, now: float, num_prompt_tokens: int
+        self,
+        stats: RequestStateStats,
+        finish_reason: str,
+        now: float,
+        num_prompt_tokens: int,
+        max_tokens: int | None = None,
     ) -> None:
-        """Account a finished request: its latencies, mean time per output token and lengths."""
+        """Account a finished request: its latencies, mean time per output token, lengths and
+        max_tokens (None: it set none)."""
+        if max_tokens is not None:
+            self.max_tokens_params.append(max_tokens)
         self.e2e_latencies.append(now - stats.arrival_time)
         self.finish_reasons.append(finish_reason)
         self.prompt_lengths.append(num_prompt_tokens)

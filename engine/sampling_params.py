@@ -9,10 +9,12 @@ from typing import Any
 # Re-exported: vLLM's users import StructuredOutputsParams from here.
 from xlaserve.structured_outputs_params import StructuredOutputsError, StructuredOutputsParams, is_int
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "StructuredOutputsError", "StructuredOutputsParams"]
+__all__ = ["DEFAULT_MAX_LOGPROBS", "SamplingParams", "StructuredOutputsError", "StructuredOutputsParams"]
 
-# The sampler returns at most this many top logprobs per token (vLLM's default cap).
-MAX_LOGPROBS = 20
+# The default of the engine's max_logprobs (vLLM's --max-logprobs): the most top logprobs a request may
+# ask per token, and the width of the sampler's top-k. A request's count is checked against the engine's
+# value where the engine is known (InputProcessor.validate_params), not here.
+DEFAULT_MAX_LOGPROBS = 20
 
 # Below this temperature sampling is argmax: dividing logits by ~0 would overflow.
 _GREEDY_EPSILON = 1e-5
@@ -170,8 +172,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(
-                value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
-                f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}",
+                value is None or (is_int(value) and value >= 0),
+                f"{name} must be an int >= 0 or None, got {value!r}",
             )
 
     def _validate_penalties(self) -> None:

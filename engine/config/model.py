@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from xlaserve.config.checks import require
 from xlaserve.config_args import arg, json_object, not_a_flag
 from xlaserve.pooling_params import CONVERT_TYPES, PoolerConfig
+from xlaserve.sampling_params import DEFAULT_MAX_LOGPROBS
+from xlaserve.structured_outputs_params import is_int
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
@@ -93,6 +95,15 @@ class ModelConfig:
             "what returned logprobs are of: raw_logprobs (the model's), processed_logprobs (the sampled-from "
             "distribution: penalties, temperature, top-k/p applied), raw_logits, processed_logits",
             choices=LOGPROBS_MODES,
+        ),
+    )
+    # vLLM's flag: the most top logprobs a request may ask per token (logprobs, prompt_logprobs), and so
+    # the static width of the sampler's top-k (worker/sampler.py): it keys the programs. -1: the vocabulary.
+    max_logprobs: int = field(
+        default=DEFAULT_MAX_LOGPROBS,
+        metadata=arg(
+            "the most logprobs (and prompt_logprobs) a request may ask per token; -1: the whole vocabulary "
+            "(every sampling step then sorts it)"
         ),
     )
     # QUANTIZATION_METHODS; None: as the checkpoint is (models/quantization.py, models/prequantized.py)
@@ -240,6 +251,10 @@ class ModelConfig:
             self.logprobs_mode in LOGPROBS_MODES,
             f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}",
         )
+        require(
+            is_int(self.max_logprobs) and self.max_logprobs >= -1,
+            f"max_logprobs must be an int >= 0, or -1 (the vocabulary), got {self.max_logprobs!r}",
+        )
         require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         require(
             self.load_format in _LOAD_FORMATS,
@@ -249,6 +264,10 @@ class ModelConfig:
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1, got {self.max_model_len}",
         )
+
+    def max_logprobs_of(self, vocab_size: int) -> int:
+        """max_logprobs resolved against the model's vocabulary: -1 is all of it, and no more than it."""
+        return vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
 
     def sampling_defaults(self) -> dict:
         """Requests' default sampling fields (vLLM's get_diff_sampling_param): those of

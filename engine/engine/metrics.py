@@ -6,8 +6,10 @@ The shapes follow vLLM's `vllm.v1.metrics.reader`: Counter, Gauge and Histogram 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 
+from xlaserve.config import CacheConfig
 from xlaserve.core.kv_connector import KVTransferStats
 from xlaserve.core.spec_decode import SpecDecodingStats
 
@@ -40,6 +42,7 @@ _LATENCY_BUCKETS = (
 _REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                          120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for request_params_n
 
 
 @dataclass
@@ -124,8 +127,18 @@ class EngineMetrics:
         }
         self.histograms |= {
             name: _Hist(_TOKEN_BUCKETS)
-            for name in ("request_prompt_tokens", "request_generation_tokens", "iteration_tokens_total")
+            for name in (
+                "request_prompt_tokens",
+                "request_generation_tokens",
+                "iteration_tokens_total",
+                "request_params_max_tokens",
+                "request_max_num_generation_tokens",
+            )
         }
+        self.histograms["request_params_n"] = _Hist(_N_BUCKETS)
+        # vLLM's cache_config_info: the KV cache's settings as the labels of a gauge that reads 1
+        # (record_engine; empty before).
+        self.cache_config_info: dict[str, str] = {}
         self._last_preemptions = 0
         # Speculative decoding's counters (vLLM's spec_decode_*), once a core reports them (None: off).
         self.spec_decoding: SpecDecodingStats | None = None
@@ -232,10 +245,13 @@ class EngineMetrics:
             for i, n in enumerate(spec.num_accepted_tokens_per_pos)
         ]
 
-    def record_engine(self, weight_bytes: int, num_kv_blocks: int) -> None:
-        """What the engine holds once ready: weight bytes on the devices and KV cache blocks."""
+    def record_engine(self, weight_bytes: int, num_kv_blocks: int, cache: CacheConfig) -> None:
+        """What the engine holds once ready: weight bytes on the devices and KV cache blocks; and the
+        cache's settings with its number of blocks (vLLM's num_gpu_blocks) as cache_config_info's labels."""
         self.gauges["model_weight_bytes"] = float(weight_bytes)
         self.gauges["num_kv_blocks"] = float(num_kv_blocks)
+        settings = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
+        self.cache_config_info = {k: str(v) for k, v in {**settings, "num_gpu_blocks": num_kv_blocks}.items()}
 
     def record_core_down(self) -> None:
         """The core died: its gauges are no longer true, and its successor counts preemptions from 0."""
@@ -257,6 +273,9 @@ class EngineMetrics:
             ("request_inference_time_seconds", stats.inference_times),
             ("request_prompt_tokens", stats.prompt_lengths),
             ("request_generation_tokens", stats.generation_lengths),
+            ("request_params_max_tokens", stats.max_tokens_params),
+            ("request_params_n", stats.n_params),
+            ("request_max_num_generation_tokens", stats.max_num_generation_tokens),
         ):
             self.histograms[name].observe_all(values)
         if stats.num_prompt_tokens or stats.num_generation_tokens:  # a step's tokens (vLLM's per iteration)
@@ -268,4 +287,6 @@ class EngineMetrics:
         metrics: list[Metric] = [Counter(PREFIX + k, value=v) for k, v in self.counters.items()]
         metrics += [Gauge(PREFIX + k, value=v) for k, v in self.gauges.items()]
         metrics += [h.record(PREFIX + k) for k, h in self.histograms.items()]
+        if self.cache_config_info:
+            metrics.append(Gauge(PREFIX + "cache_config_info", dict(self.cache_config_info), value=1.0))
         return metrics + self.spec_decode_counters() + self.kv_connector_counters()

@@ -56,6 +56,7 @@ class ParentRequest:
         self.n = n
         self.child_ids: set[str] = set()  # children still in the processor
         self.num_finished = 0
+        self.max_num_generation_tokens = 0  # the most tokens a finished child generated
         self._finished_outputs: dict[int, CompletionOutput] = {}
 
     def make_request_output(
@@ -315,7 +316,7 @@ class OutputProcessor:
         has_news = bool(new_token_ids) or bool(core_output.new_prompt_logprobs)
         request_output = state.make_request_output(finish_reason, stop_reason, has_news)
         if finish_reason is not None:
-            self._stats.record_finish(state.stats, finish_reason, now, len(state.prompt_token_ids))
+            self._record_finish(state, finish_reason, now)
             self._remove(state.request_id)
         return request_output
 
@@ -323,11 +324,28 @@ class OutputProcessor:
         """The request's last output, finish_reason "error", built without its (failed) detokenizer."""
         self._remove(state.request_id)
         reason = str(FinishReason.ERROR)
-        self._stats.record_finish(state.stats, reason, now, len(state.prompt_token_ids))
         completion = CompletionOutput(index=state.index, text="", token_ids=[], finish_reason=reason)
         if state.parent is not None:
-            return state.parent.make_request_output(state, completion, is_child_finished=True)
-        return state.wrap(state.request_id, [completion], is_finished=True)
+            output = state.parent.make_request_output(state, completion, is_child_finished=True)
+        else:
+            output = state.wrap(state.request_id, [completion], is_finished=True)
+        self._record_finish(state, reason, now)
+        return output
+
+    def _record_finish(self, state: RequestState, finish_reason: str, now: float) -> None:
+        """A finished core-level request's stats; and its user request's, once that has ended (its
+        parent's output counted this child's finish already: make_request_output)."""
+        stats, parent = state.stats, state.parent
+        num_prompt_tokens = len(state.prompt_token_ids)
+        self._stats.record_finish(stats, finish_reason, now, num_prompt_tokens, state.params.max_tokens)
+        if parent is None:
+            self._stats.n_params.append(1)
+            self._stats.max_num_generation_tokens.append(stats.num_generation_tokens)
+            return
+        parent.max_num_generation_tokens = max(parent.max_num_generation_tokens, stats.num_generation_tokens)
+        if parent.num_finished == parent.n:
+            self._stats.n_params.append(parent.n)
+            self._stats.max_num_generation_tokens.append(parent.max_num_generation_tokens)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget requests (a parent id aborts all its children); returns the core-level ids removed."""

@@ -15,7 +15,7 @@ from xlaserve.engine.mm_processor import MultiModalProcessor, as_videos
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.lora_request import LoRARequest
 from xlaserve.pooling_params import TASKS_OF_MODEL, PoolingParams, output_width
-from xlaserve.sampling_params import SamplingParams
+from xlaserve.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 
 PromptType = str | dict[str, Any]
 
@@ -50,8 +50,11 @@ class InputProcessor:
         num_labels: int = 0,
         mm_processor: MultiModalProcessor | None = None,
         kv_transfer: KVTransferConfig | None = None,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ):
         self.tokenizer = tokenizer
+        # The engine's max_logprobs, resolved against the vocabulary (ModelConfig.max_logprobs_of).
+        self.max_logprobs = max_logprobs
         # Disaggregated prefill's role (None: off): which kv_transfer_params a request may carry.
         self.kv_transfer = kv_transfer
         # A vision-language model's processor (engine/engine/mm_processor.py); None: text only.
@@ -92,6 +95,7 @@ class InputProcessor:
                 model.model, tokenizer, model.limit_mm_per_prompt, model.mm_processor_kwargs_dict
             ),
             kv_transfer=config.cache.kv_transfer,
+            max_logprobs=model.max_logprobs_of(info.vocab_size),
         )
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -177,9 +181,11 @@ class InputProcessor:
             self.limits.check(num_prompt_tokens, max_tokens)
 
     def validate_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this model's vocabulary, stop
-        strings and grammars against having a tokenizer, and a grammar's compiling (ValueError, or
-        StructuredOutputsError, naming the field)."""
+        """What SamplingParams cannot check alone: logprob counts against the engine's max_logprobs, token
+        ids against this model's vocabulary, stop strings and grammars against having a tokenizer, and a
+        grammar's compiling (ValueError, or StructuredOutputsError, naming the field)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            self.check_num_logprobs(getattr(params, name), name)
         if self.tokenizer is None and params.stop:
             raise ValueError(
                 f"stop strings {params.stop!r} need a tokenizer to be matched, and the engine has none "
@@ -202,6 +208,13 @@ class InputProcessor:
             if value:
                 self._check_token_ids(name, _flat_token_ids(value))
         self._check_kv_transfer(params.kv_transfer_params or {})
+
+    def check_num_logprobs(self, num_logprobs: int | None, name: str) -> None:
+        """ValueError naming `name` (the caller's field) where `num_logprobs` is past max_logprobs."""
+        if num_logprobs is not None and num_logprobs > self.max_logprobs:
+            raise ValueError(
+                f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {num_logprobs}"
+            )
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
         """Each bad word's token ids as written and after a space (a word at a text's start and in its

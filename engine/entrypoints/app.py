@@ -40,6 +40,11 @@ from xlaserve.entrypoints.serving.tracking import LoadTracker, RequestIdMiddlewa
 UNION_TAGS = CHAT_TAGS | OPENAI_TAGS | RESPONSES_TAGS | ANTHROPIC_TAGS
 
 
+# The requests' logprob counts (chat and Responses: top_logprobs; completions: logprobs; vLLM's
+# prompt_logprobs): checked against the engine's max_logprobs per request (check_num_logprobs).
+_LOGPROB_COUNTS = ("logprobs", "top_logprobs", "prompt_logprobs")
+
+
 def server_version() -> str:
     try:
         return metadata.version("xlaserve")
@@ -111,12 +116,13 @@ def build_app(state: ServerState) -> FastAPI:
         add_profiler_routes(app, state)
     if state.enable_playground:
         add_playground_route(app)
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app, engine.input_processor.max_logprobs)
     return app
 
 
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema without its 422 responses: validation errors here are 400s."""
+def _openapi(app: FastAPI, max_logprobs: int) -> dict:
+    """FastAPI's schema without its 422 responses (validation errors here are 400s), and with the
+    logprob counts' bound, the engine's --max-logprobs (the models cannot state it: it is the engine's)."""
     if app.openapi_schema is None:
         schema = get_openapi(
             title=app.title,
@@ -128,7 +134,14 @@ def _openapi(app: FastAPI) -> dict:
         for path in schema.get("paths", {}).values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
+        models = schema.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
+            models.pop(name, None)
+        for model in models.values():
+            for name in _LOGPROB_COUNTS:
+                field = model.get("properties", {}).get(name, {})
+                for option in [field, *field.get("anyOf", ())]:
+                    if option.get("type") == "integer":
+                        option["maximum"] = max_logprobs
         app.openapi_schema = schema
     return app.openapi_schema

@@ -20,14 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xlaserve.outputs import Logprob
-from xlaserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from xlaserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class BeamSearchParams:
-    """vLLM's BeamSearchParams: `beam_width` beams (2 x beam_width <= the sampler's 20 logprobs),
-    `max_tokens` steps; `temperature` shapes the steps' sampling (their logprobs are the model's);
-    `include_stop_str_in_output`: the text keeps the EOS token's text."""
+    """vLLM's BeamSearchParams: `beam_width` beams (2 x beam_width <= the engine's max_logprobs:
+    `check_width`), `max_tokens` steps; `temperature` shapes the steps' sampling (their logprobs are
+    the model's); `include_stop_str_in_output`: the text keeps the EOS token's text."""
 
     beam_width: int
     max_tokens: int
@@ -38,17 +38,22 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-        if not is_int(self.beam_width) or not 1 <= 2 * self.beam_width <= MAX_LOGPROBS:
-            raise ValueError(
-                f"beam_width must be an integer from 1 to {MAX_LOGPROBS // 2} (each step reads "
-                f"2 x beam_width logprobs, at most {MAX_LOGPROBS}), got {self.beam_width!r}"
-            )
+        if not is_int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+
+    def check_width(self, max_logprobs: int) -> None:
+        """ValueError unless a step's 2 x beam_width logprobs fit the engine's `max_logprobs`."""
+        if 2 * self.beam_width > max_logprobs:
+            raise ValueError(
+                f"beam_width must be at most {max_logprobs // 2} (each step reads 2 x beam_width logprobs, "
+                f"at most the engine's max_logprobs, {max_logprobs}), got {self.beam_width}"
+            )
 
     def step_params(self) -> SamplingParams:
         """One step of every beam: one token, with the 2 x beam_width most likely beside it."""

@@ -83,7 +83,7 @@ class LLM(PoolingMethods):
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
         executor = self.engine_core.executor
-        self.metrics.record_engine(executor.weight_bytes, executor.num_kv_blocks)
+        self.metrics.record_engine(executor.weight_bytes, executor.num_kv_blocks, self.config.cache)
         self._request_counter = itertools.count()
 
     def shutdown(self) -> None:
@@ -220,6 +220,7 @@ class LLM(PoolingMethods):
         self._require_runner("generate", "beam_search()")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        params.check_width(self.input_processor.max_logprobs)
         tokenized = [
             self.input_processor.process(p)
             for p in ([prompts] if isinstance(prompts, (str, dict)) else prompts)

@@ -125,6 +125,7 @@ class ModelRunner(StepPreparation, KVPlumbing):
             probe_dot_rows=self.mesh.size == 1,
             float32_invariant=config.model.batch_invariant_float32,
             logprobs_mode=config.model.logprobs_mode,
+            max_logprobs=config.model.max_logprobs_of(vocab),
         )
         self._forward_fn, self._sample_fn = programs.forward, programs.sample
         self._prompt_logprobs_fn, self._verify_fn = programs.prompt_logprobs, programs.verify

@@ -9,6 +9,9 @@ Logprobs, as vLLM's --logprobs-mode says (ModelConfig.logprobs_mode): by default
 the token was drawn from (penalties, temperature, min-p, top-k, top-p applied: -inf outside it; a
 greedy row's: its penalized logits), what an RL trainer's importance ratios need; `*_logits` the
 logits themselves instead of their log-softmax. Prompt logprobs are always raw.
+
+Every row returns the top `max_logprobs` (vLLM's --max-logprobs, resolved against the vocabulary) and the
+host keeps the first n a request asks for: the width is static, so one program serves every request.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from xlaserve.kernels.invariant import invariant_log_softmax, invariant_softmax
+from xlaserve.sampling_params import DEFAULT_MAX_LOGPROBS
 
-MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5
 BITS_PER_WORD = 32  # a token bitmask packs 32 tokens into each int32 word
 
@@ -55,8 +58,8 @@ class SamplingTensors:
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     token_ids: jax.Array  # [R] int32
-    logprob_token_ids: jax.Array | None  # [R, 1 + MAX_LOGPROBS]: sampled token first, then top-n
-    logprobs: jax.Array | None  # [R, 1 + MAX_LOGPROBS]
+    logprob_token_ids: jax.Array | None  # [R, 1 + max_logprobs]: sampled token first, then top-n
+    logprobs: jax.Array | None  # [R, 1 + max_logprobs]
     sampled_rank: jax.Array | None  # [R] int32, 1-based rank of the sampled token
 
 
@@ -127,8 +130,10 @@ def sample(
     *,
     with_logprobs: bool | jax.Array,
     logprobs_mode: str = "raw_logprobs",
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
 ) -> SamplerOutput:
-    """logits: [R, V] float32 -> SamplerOutput; its logprobs as `logprobs_mode` says (static).
+    """logits: [R, V] float32 -> SamplerOutput; its logprobs as `logprobs_mode` says (static), the top
+    `max_logprobs` (static, <= V) beside the sampled token's.
 
     `with_logprobs` as a Python bool picks the program (False: no logprob outputs); as a traced bool
     it is a runtime flag, so one program serves both (the logprob outputs are zeros when it is off;
@@ -156,27 +161,40 @@ def sample(
     else:
         token_ids = jax.lax.cond(all_greedy, lambda _: greedy_ids, lambda x: random_ids(x)[0], logits)
         logits = raw
-    logprobs = logprobs_if(with_logprobs, logits, token_ids, as_logits=logprobs_mode.endswith("logits"))
+    as_logits = logprobs_mode.endswith("logits")
+    logprobs = logprobs_if(with_logprobs, logits, token_ids, as_logits=as_logits, max_logprobs=max_logprobs)
     return SamplerOutput(token_ids, *(logprobs or (None, None, None)))
 
 
 def logprobs_if(
-    with_logprobs: bool | jax.Array, logits: jax.Array, token_ids: jax.Array, *, as_logits: bool = False
+    with_logprobs: bool | jax.Array,
+    logits: jax.Array,
+    token_ids: jax.Array,
+    *,
+    as_logits: bool = False,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
 ):
     """_token_logprobs(logits, token_ids) as the caller's `with_logprobs` asks: a Python bool picks the
     program (None when off); a traced one is a runtime flag (a lax.cond, zeros when off). The sampler
     and speculative verification both run it. `as_logits`: the logits' own values, not log-softmax's."""
-    token_logprobs = functools.partial(_token_logprobs, as_logits=as_logits)
+    token_logprobs = functools.partial(_token_logprobs, as_logits=as_logits, max_logprobs=max_logprobs)
     if isinstance(with_logprobs, bool):
         return token_logprobs(logits, token_ids) if with_logprobs else None
-    return jax.lax.cond(with_logprobs, token_logprobs, _no_token_logprobs, logits, token_ids)
+    no_logprobs = functools.partial(_no_token_logprobs, max_logprobs=max_logprobs)
+    return jax.lax.cond(with_logprobs, token_logprobs, no_logprobs, logits, token_ids)
 
 
-def _token_logprobs(logits: jax.Array, token_ids: jax.Array, *, as_logits: bool = False):
-    """The sampled token's logprob (or logit), then the top MAX_LOGPROBS: (ids [R, 1 + n], vals,
-    rank [R])."""
+def _token_logprobs(
+    logits: jax.Array,
+    token_ids: jax.Array,
+    *,
+    as_logits: bool = False,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+):
+    """The sampled token's logprob (or logit), then the top `max_logprobs`: (ids [R, 1 + max_logprobs],
+    vals, rank [R])."""
     logprobs = logits if as_logits else invariant_log_softmax(logits, axis=-1)
-    top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    top_vals, top_ids = jax.lax.top_k(logprobs, max_logprobs)
     sampled_lp = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
     rank = 1 + jnp.sum(logprobs > sampled_lp, axis=-1).astype(jnp.int32)
     ids = jnp.concatenate([token_ids[:, None], top_ids.astype(jnp.int32)], axis=-1)
@@ -184,12 +202,12 @@ def _token_logprobs(logits: jax.Array, token_ids: jax.Array, *, as_logits: bool 
     return ids, vals, rank
 
 
-def _no_token_logprobs(raw: jax.Array, token_ids: jax.Array):
+def _no_token_logprobs(raw: jax.Array, token_ids: jax.Array, *, max_logprobs: int):
     num_rows = raw.shape[0]
-    zeros = jnp.zeros((num_rows, 1 + MAX_LOGPROBS), jnp.int32)
+    zeros = jnp.zeros((num_rows, 1 + max_logprobs), jnp.int32)
     return zeros, zeros.astype(jnp.float32), jnp.zeros(num_rows, jnp.int32)
 
 
-def prompt_logprobs(logits: jax.Array, target_ids: jax.Array):
+def prompt_logprobs(logits: jax.Array, target_ids: jax.Array, max_logprobs: int = DEFAULT_MAX_LOGPROBS):
     """Logprobs of each position's next prompt token. logits [T, V], target_ids [T] -> like sample()."""
-    return _token_logprobs(logits, target_ids)
+    return _token_logprobs(logits, target_ids, max_logprobs=max_logprobs)

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaserve.kernels.invariant import invariant_softmax
+from xlaserve.sampling_params import DEFAULT_MAX_LOGPROBS
 from xlaserve.worker.sampler import (
     _GREEDY_EPS,
-    MAX_LOGPROBS,
     SamplingTensors,
     _draw,
     _filter,
@@ -53,8 +53,8 @@ class SpecInputs:
 class VerifyOutput:
     token_ids: jax.Array  # [R] int32: the token after the accepted drafts (a correction or the bonus)
     num_accepted: jax.Array  # [R] int32
-    logprob_token_ids: jax.Array | None  # [R, K + 1, 1 + MAX_LOGPROBS]: emitted token first, then top-n
-    logprobs: jax.Array | None  # [R, K + 1, 1 + MAX_LOGPROBS]
+    logprob_token_ids: jax.Array | None  # [R, K + 1, 1 + max_logprobs]: emitted token first, then top-n
+    logprobs: jax.Array | None  # [R, K + 1, 1 + max_logprobs]
     sampled_rank: jax.Array | None  # [R, K + 1]
 
 
@@ -212,11 +212,12 @@ def verify(
     with_logprobs: bool | jax.Array,
     draft_probs: jax.Array | None = None,
     logprobs_mode: str = "raw_logprobs",
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
 ) -> VerifyOutput:
     """logits [R * (K + 1), V] float32 at the verified positions, st per request ([R]); draft_probs
     [R, K, V]: the q each draft was drawn from (a draft model), None for deterministic (n-gram) drafts.
     `with_logprobs` as sample()'s: a Python bool picks the program, a traced one is a runtime flag
-    (zeros when off), so one verify program serves both. `logprobs_mode` as sample()'s."""
+    (zeros when off), so one verify program serves both. `logprobs_mode` and `max_logprobs` as sample()'s."""
     num_rows, num_spec = spec.draft_ids.shape
     st = _per_position(st, spec.draft_ids)
     if st.allowed_token_bitmask is not None:
@@ -228,13 +229,14 @@ def verify(
     # Logprobs of the raw distribution (after the grammar's mask), or of the processed one, one entry per
     # emitted position.
     logits = processed_logits[0] if processed else logits
+    as_logits = logprobs_mode.endswith("logits")
     logprobs = logprobs_if(
-        with_logprobs, logits, emitted.reshape(-1), as_logits=logprobs_mode.endswith("logits")
+        with_logprobs, logits, emitted.reshape(-1), as_logits=as_logits, max_logprobs=max_logprobs
     )
     if logprobs is None:
         return VerifyOutput(token_ids, num_accepted, None, None, None)
     ids, vals, rank = logprobs
-    shape = (num_rows, num_spec + 1, 1 + MAX_LOGPROBS)
+    shape = (num_rows, num_spec + 1, 1 + max_logprobs)
     return VerifyOutput(
         token_ids, num_accepted, ids.reshape(shape), vals.reshape(shape), rank.reshape(num_rows, -1)
     )

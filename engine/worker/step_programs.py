@@ -18,6 +18,7 @@ from flax import nnx
 
 from xlaserve.kernels.dot_rows import traced_probing
 from xlaserve.kernels.invariant import traced_with
+from xlaserve.sampling_params import DEFAULT_MAX_LOGPROBS
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.program import Program
 from xlaserve.worker.sampler import prompt_logprobs, sample
@@ -60,31 +61,29 @@ def _logits(graphdef, vocab_size, head_params, hidden):
     return mask_padded_vocab(nnx.merge(graphdef, params).compute_logits(hidden, head_dv), vocab_size)
 
 
-def _sample(graphdef, vocab_size, num_ids, logprobs_mode, params, hidden_rd, st, *, with_logprobs):
+def _sample(graphdef, vocab_size, num_ids, logprobs, params, hidden_rd, st, *, with_logprobs):
     """-> (SamplerOutput, the sampled ids padded to [num_ids] for the next step's forward)."""
     num_seqs = st.temperature.shape[0]
     if hidden_rd.shape[0] != num_seqs:  # speculative decoding gathers K + 1 rows per sequence: the first
         hidden_rd = hidden_rd.reshape(num_seqs, -1, hidden_rd.shape[-1])[:, 0]
     logits = _logits(graphdef, vocab_size, params, hidden_rd)
-    out = sample(logits, st, with_logprobs=with_logprobs, logprobs_mode=logprobs_mode)
+    out = sample(logits, st, with_logprobs=with_logprobs, **logprobs)
     return out, jnp.pad(out.token_ids, (0, num_ids - out.token_ids.shape[0]))
 
 
 def _verify(
-    graphdef, vocab_size, logprobs_mode, params, hidden_rd, st, spec: SpecInputs, draft_q, *, with_logprobs
+    graphdef, vocab_size, logprobs, params, hidden_rd, st, spec: SpecInputs, draft_q, *, with_logprobs
 ):
     """Speculative decoding: logits at each request's K + 1 verified positions (hidden_rd
     [R * (K + 1), D], gathered by the forward at spec.verify_indices), then rejection sampling.
     `draft_q`: a draft model's (q_buf [S, K, V], rows [R]) (worker/draft_model.py), or None (n-gram)."""
     logits = _logits(graphdef, vocab_size, params, hidden_rd)
     draft_probs = None if draft_q is None else draft_q[0][draft_q[1]]
-    return verify(
-        logits, st, spec, with_logprobs=with_logprobs, draft_probs=draft_probs, logprobs_mode=logprobs_mode
-    )
+    return verify(logits, st, spec, with_logprobs=with_logprobs, draft_probs=draft_probs, **logprobs)
 
 
-def _prompt_logprobs(graphdef, vocab_size, params, hidden, target_ids):
-    return prompt_logprobs(_logits(graphdef, vocab_size, params, hidden), target_ids)
+def _prompt_logprobs(graphdef, vocab_size, max_logprobs, params, hidden, target_ids):
+    return prompt_logprobs(_logits(graphdef, vocab_size, params, hidden), target_ids, max_logprobs)
 
 
 @dataclass(frozen=True)
@@ -105,6 +104,7 @@ def make_step_programs(
     probe_dot_rows: bool = False,
     float32_invariant: bool = False,
     logprobs_mode: str = "raw_logprobs",
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
 ) -> StepPrograms:
     """The four programs of a step for the model `graphdef` (its real, unpadded `vocab_size`), compiled
     with `compiler_options` (CompilationConfig.compiler_options: the engine's optimization level).
@@ -112,12 +112,14 @@ def make_step_programs(
     `probe_dot_rows`: few-row 16-bit dots padded to their shape's probed rows (kernels/dot_rows.py: an
     engine on one device), else to the fixed bound. `float32_invariant`: float32 dots batch-invariant too
     (kernels/invariant.py `covers_float32`). `logprobs_mode`: what the sampler's and the verifier's
-    logprobs are of (sampler.py)."""
+    logprobs are of (sampler.py); `max_logprobs`: how many top logprobs they (and prompt logprobs)
+    return, a static width (ModelConfig.max_logprobs resolved against the vocabulary)."""
 
     def invariant(fn):
         return traced_with(batch_invariant, traced_probing(probe_dot_rows, fn), float32_invariant)
 
     jit = partial(jax.jit, compiler_options=compiler_options)
+    logprobs = {"logprobs_mode": logprobs_mode, "max_logprobs": max_logprobs}
     return StepPrograms(
         forward=Program(
             "forward",
@@ -127,11 +129,11 @@ def make_step_programs(
         # `with_logprobs` is traced (a runtime flag), not static: warm-up compiles 4 sampler programs
         # per request bucket (penalties x grammar), not 8 (sampler.py).
         sample=Program(
-            "sample", jit(invariant(partial(_sample, graphdef, vocab_size, max_num_seqs, logprobs_mode)))
+            "sample", jit(invariant(partial(_sample, graphdef, vocab_size, max_num_seqs, logprobs)))
         ),
         prompt_logprobs=Program(
-            "prompt_logprobs", jit(invariant(partial(_prompt_logprobs, graphdef, vocab_size)))
+            "prompt_logprobs", jit(invariant(partial(_prompt_logprobs, graphdef, vocab_size, max_logprobs)))
         ),
         # The same for verification: 4 verify programs per request bucket, not 8 (spec_decode.py).
-        verify=Program("verify", jit(invariant(partial(_verify, graphdef, vocab_size, logprobs_mode)))),
+        verify=Program("verify", jit(invariant(partial(_verify, graphdef, vocab_size, logprobs)))),
     )

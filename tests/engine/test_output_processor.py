@@ -7,8 +7,10 @@ import os
 
 import pytest
 
+from xlaserve.config import CacheConfig
 from xlaserve.core.outputs import EngineCoreOutput
 from xlaserve.core.request import FinishReason
+from xlaserve.engine.metrics import PREFIX, EngineMetrics, Gauge, Histogram
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.sampling_params import SamplingParams
 
@@ -139,6 +141,38 @@ def test_n2_final_aggregates_children(processor, tokenizer):
     assert out.request_id == "p" and out.finished
     assert [(c.index, c.text) for c in out.outputs] == [(0, "first answer"), (1, "second")]
     assert not processor.has_unfinished_requests() and not processor.parent_requests
+
+
+def test_request_params_stats(processor, tokenizer):
+    """vLLM's request_params_max_tokens (per finished core-level request), request_params_n and
+    request_max_num_generation_tokens (per user request, once all its n have ended: the longest)."""
+    processor.add_parent_request("p", 2)
+    for index in range(2):
+        _add(processor, tokenizer, f"{index}_p", parent_id="p", index=index, max_tokens=7)
+    _add(processor, tokenizer, "r", max_tokens=None)
+    _step(processor, EngineCoreOutput("0_p", [11, 12, 13], "length"), EngineCoreOutput("1_p", [14]))
+    stats = processor.drain_stats()  # the longer child ended first: the parent waits for the other
+    assert (stats.max_tokens_params, stats.n_params, stats.max_num_generation_tokens) == ([7], [], [])
+    _step(processor, EngineCoreOutput("1_p", [15], "length"), EngineCoreOutput("r", [16, 17, 18, 19], "stop"))
+    stats = processor.drain_stats()
+    assert (stats.max_tokens_params, stats.n_params, stats.max_num_generation_tokens) == ([7], [2, 1], [3, 4])
+    metrics = EngineMetrics()
+    metrics.record_iteration(stats)
+    hist = {m.name.removeprefix(PREFIX): m for m in metrics.snapshot() if isinstance(m, Histogram)}
+    assert (hist["request_params_max_tokens"].count, hist["request_params_max_tokens"].sum) == (1, 7)
+    assert (hist["request_params_n"].count, hist["request_params_n"].sum) == (2, 3)
+    assert hist["request_params_n"].buckets == {"1": 1, "2": 2, "5": 2, "10": 2, "20": 2, "+Inf": 2}
+    assert (
+        hist["request_max_num_generation_tokens"].count,
+        hist["request_max_num_generation_tokens"].sum,
+    ) == (2, 7)
+    # vLLM's cache_config_info: the cache's settings and its blocks as the labels of a gauge of 1.
+    metrics.record_engine(10**6, 321, CacheConfig(block_size=32, kv_cache_memory=2**20))
+    (info,) = [m for m in metrics.snapshot() if m.name == PREFIX + "cache_config_info"]
+    assert isinstance(info, Gauge) and info.value == 1.0
+    labels = info.labels
+    assert (labels["block_size"], labels["num_gpu_blocks"], labels["kv_cache_dtype"]) == ("32", "321", "auto")
+    assert {"enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization"} < set(labels)
 
 
 def test_n2_delta_streams_each_child_under_parent_id(processor, tokenizer):

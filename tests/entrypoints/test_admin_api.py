@@ -171,13 +171,27 @@ def test_without_the_flags_there_are_no_admin_routes_and_no_cors_and_with_one_no
     from xlaserve.entrypoints.app import build_app
     from xlaserve.entrypoints.serving.state import ServerState
 
-    engine = SimpleNamespace(tokenizer=None, model="tiny", max_model_len=64, vocab_size=128, is_errored=False)
+    engine = SimpleNamespace(
+        tokenizer=None, model="tiny", max_model_len=64, vocab_size=128, is_errored=False,
+        input_processor=SimpleNamespace(max_logprobs=5),  # the OpenAPI schema states its bound
+    )  # fmt: skip
     client = TestClient(build_app(ServerState(engine=engine, served_model_names=["tiny"])))
     for path in ("/sleep", "/wake_up", "/reset_prefix_cache", "/update_weights_from_disk"):
         assert client.post(path).status_code == 404, path
     preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
     assert "access-control-allow-origin" not in client.options("/v1/completions", headers=preflight).headers
     assert [client.get(path).status_code for path in ("/docs", "/openapi.json")] == [200, 200]
+    # The logprob counts' bound is the engine's --max-logprobs, not a fixed one.
+    models = client.get("/openapi.json").json()["components"]["schemas"]
+    bounded = [
+        ("CompletionRequest", "logprobs"),
+        ("ChatCompletionRequest", "top_logprobs"),
+        ("ChatCompletionRequest", "prompt_logprobs"),
+        ("ResponsesRequest", "top_logprobs"),
+    ]
+    for model, field in bounded:
+        integer = next(o for o in models[model]["properties"][field]["anyOf"] if o.get("type") == "integer")
+        assert integer["maximum"] == 5, (model, field)
     quiet = TestClient(build_app(ServerState(engine=engine, served_model_names=["tiny"], enable_docs=False)))
     assert [quiet.get(path).status_code for path in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
     assert client.get("/is_sleeping").status_code == 404

@@ -94,8 +94,10 @@ def test_a_beam_ended_by_eos_ranks_by_vllms_score(llm):
 
 def test_refusals_name_the_field(llm):
     free_before = llm.engine_core.kv_cache_manager.num_free_blocks
-    with pytest.raises(ValueError, match="beam_width must be an integer from 1 to 10"):
-        BeamSearchParams(beam_width=11, max_tokens=4)
+    with pytest.raises(ValueError, match="beam_width must be an integer >= 1"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match=r"beam_width must be at most 10 .*max_logprobs, 20\), got 11"):
+        llm.beam_search([PROMPT], BeamSearchParams(beam_width=11, max_tokens=4))
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
         BeamSearchParams(beam_width=2, max_tokens=0)
     with pytest.raises(ValueError, match="length_penalty must be a finite number"):

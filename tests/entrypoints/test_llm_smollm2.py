@@ -397,6 +397,9 @@ def test_metrics_are_named_like_vllm(llm):
     assert inference.sum == pytest.approx(prefill.sum + decode.sum, rel=1e-9)
     finished = hist["e2e_request_latency_seconds"].count
     assert hist["request_prompt_tokens"].count == hist["request_generation_tokens"].count == finished
+    # Per user request (n > 1 counts once), and per finished request that set max_tokens.
+    assert 0 < hist["request_params_n"].count == hist["request_max_num_generation_tokens"].count <= finished
+    assert 0 < hist["request_params_max_tokens"].count <= finished
     # Finished requests' tokens: not those of the module's aborted ones, which the counter has.
     assert 0 < hist["request_generation_tokens"].sum <= _metric(llm, "generation_tokens")
     assert hist["iteration_tokens_total"].sum == _metric(llm, "generation_tokens") + _metric(

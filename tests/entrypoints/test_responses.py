@@ -92,6 +92,12 @@ def test_output_text_logprobs_are_the_chat_routes_and_stream_alike(server, clien
     """include message.output_text.logprobs: the message's tokens, each with its top_logprobs, equal the
     chat route's logprobs for the same greedy request; streamed, the deltas' logprobs join into the
     same list, and the done event and the final response hold it whole. Without `include`, none."""
+    # The plain request first puts the prompt's blocks in the prefix cache, so every request compared
+    # below runs the same steps (32 tokens cached, a 2-token tail in a 4-token bucket). The session
+    # server is float32 without --batch-invariant-float32, where a dot of 64 rows sums K in another
+    # order than one of 4 (README, "Batch invariance"): the prompt prefilled whole (34 tokens, the
+    # 64-token bucket) gave the first token's logprob -2.164733, the cached prefix's tail -2.164713.
+    plain = _create(client, input=QUESTION, store=False, top_logprobs=3)  # no include: no logprobs
     include = {"include": ["message.output_text.logprobs"], "top_logprobs": 3}
     response = _create(client, input=QUESTION, store=False, **include)
     chat = _post(
@@ -109,6 +115,8 @@ def test_output_text_logprobs_are_the_chat_routes_and_stream_alike(server, clien
     assert "".join(entry["token"] for entry in logprobs) == response.output_text
     assert all(len(entry["top_logprobs"]) == 3 for entry in logprobs)
     assert response.top_logprobs == 3
+    cached = response.usage.input_tokens_details.cached_tokens
+    assert cached == chat["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     events = _events(server, {"model": MODEL_NAME, "input": QUESTION, **GREEDY, **include})
     deltas = [e for e in events if e["type"] == "response.output_text.delta"]
     assert [entry for e in deltas for entry in e["logprobs"]] == expected
@@ -116,7 +124,6 @@ def test_output_text_logprobs_are_the_chat_routes_and_stream_alike(server, clien
     (done,) = [e for e in events if e["type"] == "response.output_text.done"]
     assert done["logprobs"] == expected
     assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == expected
-    plain = _create(client, input=QUESTION, store=False, top_logprobs=3)  # no include: no logprobs
     assert plain.output_text == response.output_text and plain.output[0].content[0].logprobs == []
 
 

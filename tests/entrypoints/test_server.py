@@ -312,11 +312,17 @@ def test_metrics_names(server):
         "request_prompt_tokens_bucket",
         "request_generation_tokens_sum",
         "iteration_tokens_total_count",
+        "request_params_n_count",
+        "request_params_max_tokens_sum",
+        "request_max_num_generation_tokens_bucket",
+        "cache_config_info",
     ):
         assert "xlaserve:" + name in names, name
     # What the engine holds: SmolLM2's ~135M weights, and the KV blocks of its budget.
     assert 1e8 < metric(samples, "model_weight_bytes") < 1e9
     assert metric(samples, "num_kv_blocks") >= 2
+    (info,) = [dict(labels) for name, labels in samples if name == "xlaserve:cache_config_info"]
+    assert info["num_gpu_blocks"] == str(int(metric(samples, "num_kv_blocks"))) and info["block_size"] == "16"
     assert metric(samples, "generation_tokens_total") > 0
     assert metric(samples, "request_success_total", finished_reason="length") > 0
 

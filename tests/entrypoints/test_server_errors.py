@@ -3,6 +3,8 @@ schemathesis against the server's own OpenAPI schema: no 5xx, no response outsid
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -189,3 +191,35 @@ def test_schemathesis_no_5xx_no_schema_violation(case, server):
             response_schema_conformance,
         ],
     )
+
+
+def test_logprob_counts_past_the_engines_max_logprobs_are_400_naming_the_field():
+    """The bound is the engine's --max-logprobs (here 5), not a fixed 20: each route's field past it is
+    a 400 naming the field and the limit (test_admin_api.py: the OpenAPI schema states it). The app runs
+    in-process around a stand-in engine: these checks come before a route asks the engine for anything
+    else."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from xlaserve.engine.processor import InputProcessor
+    from xlaserve.entrypoints.app import build_app
+    from xlaserve.entrypoints.serving.state import ServerState
+
+    engine = SimpleNamespace(
+        tokenizer=SimpleNamespace(), model="tiny", max_model_len=64, vocab_size=128, is_errored=False,
+        input_processor=InputProcessor(None, 64, 128, None, 0, max_logprobs=5),
+    )  # fmt: skip
+    client = TestClient(build_app(ServerState(engine=engine, served_model_names=["tiny"])))
+    for path, body, param in [
+        ("/v1/completions", {"prompt": [5, 6], "logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"prompt": [5, 6], "prompt_logprobs": 6}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": [5, 6], "n": 3, "use_beam_search": True}, "n"),
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 6}, "prompt_logprobs"),
+        ("/v1/responses", {"input": "hi", "top_logprobs": 6}, "top_logprobs"),
+    ]:
+        error = error_of(client.post(path, json={"model": "tiny", **body}), 400)
+        assert error["param"] == param and re.search(
+            r"(\b5\b.*max_logprobs|max_logprobs, 5\))", error["message"]
+        ), error

@@ -1,13 +1,15 @@
 """`skip_tokenizer_init` (vLLM's option): a model directory without tokenizer files serves token ids
 in, token ids out; a text prompt is refused with an error naming `prompt`, and the server's text
-routes with a 400 naming the flag."""
+routes with a 400 naming the flag. Its engine also serves --max-logprobs -1 (every token's logprob)."""
 
 from __future__ import annotations
 
 import argparse
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from helpers.family_cases import (
@@ -37,8 +39,9 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama) -> LLM:
+    """With max_logprobs=-1 besides (its own test below): a tiny vocabulary's every logprob is cheap."""
     _, directory = tiny_llama
-    return LLM(directory, skip_tokenizer_init=True, **ENGINE_ARGS)
+    return LLM(directory, skip_tokenizer_init=True, max_logprobs=-1, **ENGINE_ARGS)
 
 
 def test_a_directory_without_tokenizer_loads_only_when_told(tiny_llama):
@@ -69,6 +72,30 @@ def test_token_ids_in_token_ids_out(tiny_llama, llm):
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=2, logprobs=1)
     (output,) = llm.generate({"prompt_token_ids": batch[0]}, with_logprobs, use_tqdm=False)
     assert all(lp.decoded_token is None for step in output.outputs[0].logprobs for lp in step.values())
+
+
+def test_max_logprobs_minus_one_is_the_vocabulary(tiny_llama, llm):
+    """--max-logprobs -1 (vLLM's: no cap): a request may ask past the default 20, for every token; the
+    entries are the float64 log-softmax of Hugging Face's logits, in its order. Past the vocabulary, a
+    ValueError naming the field and the limit."""
+    hf_model, _ = tiny_llama
+    vocab = hf_model.config.vocab_size
+    prompt = prompts(vocab, seed=5)[1]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab)
+    (output,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    entries = output.outputs[0].logprobs[0]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt])).logits[0, -1].double().numpy()
+    expected = logits - logits.max()
+    expected -= np.log(np.exp(expected).sum())
+    order = np.argsort(-expected).tolist()
+    assert vocab > 20 and sorted(entries, key=lambda t: entries[t].rank) == order
+    np.testing.assert_allclose([entries[t].logprob for t in order], expected[order], rtol=0, atol=1e-5)
+    for name in ("logprobs", "prompt_logprobs"):
+        refused = rf"^{name} must be at most {vocab} \(the engine's max_logprobs\), got {vocab + 1}$"
+        with pytest.raises(ValueError, match=refused):
+            llm.generate({"prompt_token_ids": prompt}, SamplingParams(**{name: vocab + 1}), use_tqdm=False)
+    assert not llm.engine_core.has_unfinished_requests()
 
 
 def test_text_in_is_refused(llm):

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaserve.worker.sampler import MAX_LOGPROBS, SamplingTensors, argmax, prompt_logprobs, sample
+from xlaserve.sampling_params import DEFAULT_MAX_LOGPROBS as MAX_LOGPROBS
+from xlaserve.worker.sampler import SamplingTensors, argmax, prompt_logprobs, sample
 
 NUM_ROWS, VOCAB = 16, 64
 
@@ -308,17 +309,17 @@ def log_softmax(logits) -> np.ndarray:
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
-def check_logprobs(raw_logits, token_ids, ids, vals, ranks):
-    """Token first with its logprob and 1-based rank, then the top MAX_LOGPROBS in order."""
+def check_logprobs(raw_logits, token_ids, ids, vals, ranks, max_logprobs=MAX_LOGPROBS):
+    """Token first with its logprob and 1-based rank, then the top `max_logprobs` in order."""
     ids, vals, ranks = np.asarray(ids), np.asarray(vals), np.asarray(ranks)
     expected = log_softmax(raw_logits)
     rows = np.arange(len(token_ids))
-    assert ids.shape == vals.shape == (len(token_ids), 1 + MAX_LOGPROBS)
+    assert ids.shape == vals.shape == (len(token_ids), 1 + max_logprobs)
     np.testing.assert_array_equal(ids[:, 0], token_ids)
     np.testing.assert_allclose(vals[:, 0], expected[rows, token_ids], rtol=1e-5, atol=1e-5)
     expected_rank = 1 + (expected > expected[rows, token_ids][:, None]).sum(-1)
     np.testing.assert_array_equal(ranks, expected_rank)
-    top = np.argsort(-expected, axis=-1)[:, :MAX_LOGPROBS]
+    top = np.argsort(-expected, axis=-1)[:, :max_logprobs]
     np.testing.assert_array_equal(ids[:, 1:], top)
     np.testing.assert_allclose(vals[:, 1:], np.take_along_axis(expected, top, -1), rtol=1e-5, atol=1e-5)
 
@@ -394,6 +395,27 @@ def test_prompt_logprobs(logits):
     targets = np.random.default_rng(6).integers(0, VOCAB, NUM_ROWS).astype(np.int32)
     ids, vals, ranks = _prompt_logprobs(jnp.asarray(logits), jnp.asarray(targets))
     check_logprobs(logits, targets, ids, vals, ranks)
+
+
+def test_max_logprobs_is_the_width(logits):
+    """--max-logprobs is the top-k's static width: at 5, the default width's first 5 entries (and the
+    sampled token's) bit for bit, prompt logprobs too; at the whole vocabulary (-1), every token in
+    order, as a float64 log-softmax has them."""
+    st = make_tensors(NUM_ROWS, VOCAB, temperature=1.0, seeds=np.arange(NUM_ROWS) * 7919)
+    targets = jnp.asarray(np.random.default_rng(6).integers(0, VOCAB, NUM_ROWS), jnp.int32)
+    default = draw(logits, st, with_logprobs=True)  # the module's programs (compiled by the tests above)
+    default_prompt = _prompt_logprobs(jnp.asarray(logits), targets)
+    run = jax.jit(sample, static_argnames=("with_logprobs", "max_logprobs"))
+    five = run(jnp.asarray(logits), st, with_logprobs=True, max_logprobs=5)
+    five_prompt = jax.jit(partial(prompt_logprobs, max_logprobs=5))(jnp.asarray(logits), targets)
+    pairs = [(five.logprob_token_ids, default.logprob_token_ids), (five.logprobs, default.logprobs)]
+    for got, expected in [*pairs, *zip(five_prompt[:2], default_prompt[:2])]:
+        assert got.shape[1] == 1 + 5
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected)[:, : 1 + 5])
+    np.testing.assert_array_equal(five.token_ids, default.token_ids)
+    everything = run(jnp.asarray(logits), st, with_logprobs=True, max_logprobs=VOCAB)
+    lp = (everything.logprob_token_ids, everything.logprobs, everything.sampled_rank)
+    check_logprobs(logits, np.asarray(default.token_ids), *lp, max_logprobs=VOCAB)
 
 
 @pytest.mark.parametrize("seed", [0, 2**32 - 1])

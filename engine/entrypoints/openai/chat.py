@@ -34,6 +34,7 @@ from xlaserve.entrypoints.serving.chat_template import render_chat
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
+    check_num_logprobs,
     collect_final,
     default_max_tokens,
     engine_error,
@@ -99,6 +100,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     model = check_model(state, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    check_num_logprobs(state.engine, top_logprobs=req.top_logprobs, prompt_logprobs=req.prompt_logprobs)
     plan = plan_tools(req, state.enable_auto_tool_choice)
     parts, video_fields = image_parts(req.messages), video_parts(req.messages)
     check_parts(state, parts, "image")  # before any image or video is read
@@ -127,7 +129,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         room = state.engine.max_model_len - len(ids) if max_tokens is None else max_tokens
         forced = plan.structured_outputs is not None
         stream = BeamSearchStream(
-            state, ids, beam_search_params(req, room, forced_grammar=forced), engine_id, **kwargs
+            state,
+            ids,
+            beam_search_params(req, room, state.engine.input_processor.max_logprobs, forced_grammar=forced),
+            engine_id,
+            **kwargs,
         )
     else:
         stream = submit(state, ids, params, engine_id, stream=req.stream, **kwargs)

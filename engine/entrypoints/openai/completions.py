@@ -21,6 +21,7 @@ from xlaserve.entrypoints.serving.beam_search import BeamSearchStream, beam_sear
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
+    check_num_logprobs,
     collect_final,
     default_max_tokens,
     engine_error,
@@ -112,6 +113,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         require_tokenizer(state.engine, "echo", "echo")
     if req.logprobs is not None:
         require_tokenizer(state.engine, "logprobs", "logprobs")
+    check_num_logprobs(state.engine, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
     prompts = _prompts(state, req)
     for _, ids in prompts:
         check_context(state.engine, len(ids), req.max_tokens, "prompt")
@@ -143,7 +145,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
             if req.use_beam_search:
                 max_tokens = params[i].max_tokens
                 room = state.engine.max_model_len - len(ids) if max_tokens is None else max_tokens
-                search = beam_search_params(req, room)
+                search = beam_search_params(req, room, state.engine.input_processor.max_logprobs)
                 streams.append(BeamSearchStream(state, ids, search, f"{engine_id}-{i}", **kwargs))
                 continue
             output_kind = "delta" if req.stream else "final"

@@ -24,7 +24,6 @@ from xlaserve.entrypoints.serving.protocol import (
     Text,
     TokenId,
 )
-from xlaserve.sampling_params import MAX_LOGPROBS
 
 
 class CompletionRequest(SamplingFields):
@@ -33,7 +32,7 @@ class CompletionRequest(SamplingFields):
     )
     max_tokens: PositiveTokens | None = Field(default=16, description="default 16")
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)
     add_special_tokens: bool = True
 
 

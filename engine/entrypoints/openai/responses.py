@@ -33,7 +33,7 @@ from xlaserve.entrypoints.openai.responses_turn import (
 )
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser
 from xlaserve.entrypoints.serving.chat_path import choice_parser
-from xlaserve.entrypoints.serving.engine_io import submit
+from xlaserve.entrypoints.serving.engine_io import check_num_logprobs, submit
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
 from xlaserve.entrypoints.serving.protocol import ErrorResponse
 from xlaserve.entrypoints.serving.state import ServerState, check_model
@@ -120,6 +120,7 @@ async def create_response(
     background: BackgroundResponses,
 ):
     model = check_model(state, req.model)
+    check_num_logprobs(state.engine, top_logprobs=req.top_logprobs)
     if req.background:
         check_background(req, store)
     history: list[dict] = []

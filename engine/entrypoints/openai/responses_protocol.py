@@ -30,7 +30,6 @@ from xlaserve.entrypoints.serving.protocol import (
     TokenId,
     type_union,
 )
-from xlaserve.sampling_params import MAX_LOGPROBS
 
 MAX_INPUT_ITEMS = 4096
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` value that adds to the response
@@ -407,7 +406,7 @@ class ResponsesRequest(StrictModel):
         description=f"{OUTPUT_LOGPROBS!r}: the message text's token logprobs; the others add nothing",
     )
     top_logprobs: int | None = Field(
-        default=None, ge=0, le=MAX_LOGPROBS, description=f"alternatives per token, with {OUTPUT_LOGPROBS!r}"
+        default=None, ge=0, description=f"alternatives per token, with {OUTPUT_LOGPROBS!r}"
     )
     service_tier: Literal["auto", "default"] | None = None
     prompt_cache_key: Text | None = Field(default=None, max_length=256, description="accepted and ignored")

@@ -25,11 +25,11 @@ _NOT_APPLIED = (
 
 
 def beam_search_params(
-    req: SamplingFields, max_tokens: int, *, forced_grammar: bool = False
+    req: SamplingFields, max_tokens: int, max_logprobs: int, *, forced_grammar: bool = False
 ) -> BeamSearchParams:
     """The request's BeamSearchParams (`n` beams; `temperature` 0 unless given), after its checks: each
-    field the search would not apply is a 400 naming it. Streamed, the search's answer comes whole, as
-    one chunk per beam, once it ends."""
+    field the search would not apply is a 400 naming it, and so is an `n` past the engine's
+    `max_logprobs` / 2. Streamed, the search's answer comes whole, as one chunk per beam, once it ends."""
     defaults = type(req).model_fields
     for name in _NOT_APPLIED:
         value = getattr(req, name)
@@ -40,7 +40,7 @@ def beam_search_params(
             "a required or named tool_choice cannot be combined with use_beam_search", "tool_choice"
         )
     try:
-        return BeamSearchParams(
+        params = BeamSearchParams(
             beam_width=req.n,
             max_tokens=max_tokens,
             ignore_eos=req.ignore_eos,
@@ -48,6 +48,8 @@ def beam_search_params(
             length_penalty=req.length_penalty,
             include_stop_str_in_output=req.include_stop_str_in_output,
         )
+        params.check_width(max_logprobs)
+        return params
     except ValueError as e:
         raise bad_request(str(e).replace("beam_width", "n", 1), "n") from None
 

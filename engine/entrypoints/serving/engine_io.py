@@ -109,6 +109,18 @@ def make_sampling_params(
         raise bad_request(str(e), param_of_value_error(e, _SAMPLING_FIELDS)) from None
 
 
+def check_num_logprobs(engine: AsyncLLM, **counts: int | None) -> None:
+    """The request's logprob counts, by their fields' names, against the engine's max_logprobs
+    (--max-logprobs): past it, a 400 naming the field and the limit."""
+    for name, value in counts.items():
+        if value is None:
+            continue
+        try:
+            engine.input_processor.check_num_logprobs(value, name)
+        except ValueError as e:
+            raise bad_request(str(e), name) from None
+
+
 def default_max_tokens(state: ServerState, max_tokens: int | None, num_prompt_tokens: int) -> int | None:
     """A request's max_tokens, or where it has none the model's generation config's (max_new_tokens)
     cut to the room the prompt leaves (vLLM's), else None: the rest of the context."""

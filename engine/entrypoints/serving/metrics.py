@@ -41,6 +41,10 @@ _DOCS = {
     "request_inference_time_seconds": "Time from a request's first scheduling to its last token.",
     "request_prompt_tokens": "Prompt tokens of each finished request.",
     "request_generation_tokens": "Generated tokens of each finished request.",
+    "request_params_max_tokens": "The max_tokens of each finished request that set one.",
+    "request_params_n": "The n of each finished request.",
+    "request_max_num_generation_tokens": "The most tokens one of a finished request's n sequences generated.",
+    "cache_config_info": "The KV cache's settings, as labels (vLLM's): the gauge reads 1.",
     "iteration_tokens_total": "Tokens an engine step completed: the prompts of requests that got their "
     "first token in it, and the tokens it generated.",
     "engine_core_restarts": "Engine core processes started to replace one that died.",
@@ -104,6 +108,13 @@ class EngineCollector:
                 families[name] = CounterMetricFamily(counter.name, _DOCS[name], labels=[*labels, *extra])
             families[name].add_metric([*values, *counter.labels.values()], counter.value)
         yield from families.values()
+        info = metrics.cache_config_info
+        if info:
+            family = GaugeMetricFamily(
+                PREFIX + "cache_config_info", _DOCS["cache_config_info"], labels=[*labels, *info]
+            )
+            family.add_metric([*values, *info.values()], 1.0)
+            yield family
         for name, histogram in metrics.histograms.items():
             record = histogram.record(PREFIX + name)
             family = HistogramMetricFamily(PREFIX + name, _DOCS.get(name, name), labels=labels)

@@ -32,8 +32,6 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from xlaserve.sampling_params import MAX_LOGPROBS
-
 # OpenAI fields we do not implement yet: a request that sets one gets a 400 naming it.
 UNSUPPORTED_FIELDS = frozenset(
     {
@@ -222,7 +220,6 @@ class SamplingFields(StrictModel):
     prompt_logprobs: int | None = Field(
         default=None,
         ge=0,
-        le=MAX_LOGPROBS,
         description="the prompt tokens' logprobs, with this many alternatives",
     )
     return_tokens_as_token_ids: bool = Field(
@@ -368,7 +365,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: PositiveTokens | None = None
     max_tokens: PositiveTokens | None = Field(default=None, description="deprecated: max_completion_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
