@@ -185,6 +185,10 @@ def test_requests_in_flight_may_send_the_same_id(http):
         again = http.post("/v1/completions", json={**body, "max_tokens": 1}, headers=headers)
         assert again.status_code == 200, again.text
         assert again.json()["id"] == "cmpl-twice"
+    # An id the engine's (and a disaggregated prefill's) bounds could not take: a 400 naming the header.
+    for bad in ("r" * 129, "tab\there"):
+        refused = http.post("/v1/completions", json={**body, "max_tokens": 1}, headers={"X-Request-Id": bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-Request-Id", refused.text
 
 
 def test_root_path_in_the_schema_and_docs_and_behind_the_key(flags_server, http):

@@ -36,6 +36,9 @@ logger = logging.getLogger("xlaserve.entrypoints.serving")
 # A token is rarely longer than this many characters; a prompt longer than max_model_len times this
 # is only tokenized up to that point, enough to prove it cannot fit.
 _MAX_CHARS_PER_TOKEN = 32
+# A client's X-Request-Id as an id: bounded, so the engine's id (and a disaggregated prefill's
+# remote_request_id, at most 256 characters) stays in its limits; printable, as it reaches logs.
+MAX_REQUEST_ID_CHARS = 128
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | set(SamplingFields.model_fields)
 # Why the core died (its pid, exit code or signal) is for the log, which has it already.
 ENGINE_DEAD_MESSAGE = "the engine is not available; the server must be restarted"
@@ -54,6 +57,12 @@ def request_ids(raw_request: Request, prefix: str) -> tuple[str, str]:
     if sent is None:
         request_id = new_id(prefix)
         return request_id, request_id
+    if not (0 < len(sent) <= MAX_REQUEST_ID_CHARS and sent.isascii() and sent.isprintable()):
+        raise bad_request(
+            f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters, got "
+            f"{len(sent)} characters",
+            "X-Request-Id",
+        )
     request_id = f"{prefix}-{sent}"
     return request_id, f"{request_id}-{uuid.uuid4().hex[:8]}"
 
