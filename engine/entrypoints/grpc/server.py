@@ -20,6 +20,7 @@ from xlaserve.entrypoints.app import server_version
 from xlaserve.entrypoints.grpc.protos import protos_and_services
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
+    check_num_logprobs,
     default_max_tokens,
     engine_error,
     new_id,
@@ -106,10 +107,13 @@ def sampling_params(fields, state: ServerState, num_prompt_tokens: int) -> Sampl
             param = "json_schema" if e.member == "json" else e.member
             raise bad_request(f"{e.reason}", f"sampling_params.{param}") from None
     try:
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
     except ValueError as e:
         name = param_of_value_error(e, _SAMPLING_FIELDS)
         raise bad_request(str(e), "sampling_params" + (f".{name}" if name else "")) from None
+    # The engine's --max-logprobs, which SamplingParams alone does not know.
+    check_num_logprobs(state.engine, **{"sampling_params.logprobs": params.logprobs})
+    return params
 
 
 class GenerationService:
