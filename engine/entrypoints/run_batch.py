@@ -22,13 +22,7 @@ import uuid
 
 from tqdm import tqdm
 
-from xlaserve.entrypoints.api_server import (
-    add_request_args,
-    check_started_engine,
-    load_chat_template,
-    lora_registry,
-    request_state,
-)
+from xlaserve.entrypoints.api_server import check_started_engine, lora_registry, request_state
 from xlaserve.entrypoints.arg_utils import (
     add_tool_args,
     engine_config,
@@ -36,6 +30,7 @@ from xlaserve.entrypoints.arg_utils import (
     run_follower_if_needed,
     tool_options,
 )
+from xlaserve.entrypoints.serve_args import add_request_args, load_chat_template
 
 logger = logging.getLogger("xlaserve.entrypoints.run_batch")
 
