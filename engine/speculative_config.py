@@ -88,12 +88,10 @@ class SpeculativeConfig:
         value = json_object(value, "speculative_config")
         unknown = sorted(set(value) - set(_SPEC_KEYS))
         _require(not unknown, f"speculative_config: unknown field(s) {unknown}; known: {list(_SPEC_KEYS)}")
-        found = read_speculators_config(value.get("model"))
-        if found is not None:
-            value = {"method": found[SPECULATORS_KEY], **value}
-            proposals = (found.get("speculators_config") or {}).get("proposal_methods") or [{}]
-            if proposals[0].get("speculative_tokens") is not None:
-                value.setdefault("num_speculative_tokens", proposals[0]["speculative_tokens"])
+        if not {"method", "num_speculative_tokens"} <= value.keys():  # what a speculators model names
+            found = read_speculators_config(value.get("model"))
+            if found is not None:
+                value = {**_speculators_settings(found), **value}
         _require("method" in value, f"speculative_config.method is required (one of {_SPEC_METHODS})")
         return cls(**value)
 
@@ -101,6 +99,15 @@ class SpeculativeConfig:
 # A checkpoint of Red Hat's `speculators` library (which vLLM reads): config.json names its algorithm
 # here and nests the draft layer's own config in `transformer_layer_config`.
 SPECULATORS_KEY = "speculators_model_type"
+
+
+def _speculators_settings(config: dict) -> dict:
+    """The method and, where its proposal gives one, num_speculative_tokens a speculators config names."""
+    settings = {"method": config[SPECULATORS_KEY]}
+    proposals = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    if proposals[0].get("speculative_tokens") is not None:
+        settings["num_speculative_tokens"] = proposals[0]["speculative_tokens"]
+    return settings
 
 
 def read_speculators_config(model) -> dict | None:
@@ -133,7 +140,7 @@ def speculators_target(model, speculative_config) -> tuple:
         f"model: {model!r} is a speculators checkpoint whose verifier {verifier!r} is not a local path "
         f"(no model hub is read): start on the target model with speculative_config={{'model': {model!r}}}",
     )
-    return verifier, {"model": model}
+    return verifier, {"model": model, **_speculators_settings(found)}
 
 
 def flatten_speculators_eagle3(config: dict) -> dict:
