@@ -208,7 +208,11 @@ class Attention(nnx.Module):
                 cos_sin = rope_cos_sin(
                     rope_angles_of(cfg, positions, md, spec.rope_inv_freq), spec.rope_scale
                 )
-            q, k = rotate_halves(q, cos_sin), rotate_halves(k, cos_sin)
+            rotated_q, rotated_k = rotate_halves(q, cos_sin), rotate_halves(k, cos_sin)
+            if cfg.nope_layers:  # SmolLM3: a layer without RoPE has zero frequencies (models/rope.py)
+                is_nope = spec.rope_inv_freq[0] == 0
+                rotated_q, rotated_k = jnp.where(is_nope, q, rotated_q), jnp.where(is_nope, k, rotated_k)
+            q, k = rotated_q, rotated_k
         k_cache, v_cache = self.backend.write_kv(
             kv_cache.k, kv_cache.v, k, v, md.slot_mapping, positions=positions
         )
@@ -253,7 +257,12 @@ def with_shared_rope(cfg: TransformerConfig, positions, md: AttentionMetadata) -
     if md.rope is not None:  # the model's own (Qwen2.5-VL's multimodal positions)
         return md
     inv_freqs, scales = layer_rope_inv_freqs(cfg), layer_rope_scales(cfg)
-    if cfg.rotary_dim == 0 or not (np.all(inv_freqs == inv_freqs[0]) and np.all(scales == scales[0])):
+    rotated = np.ones(len(inv_freqs), bool)
+    rotated[list(cfg.nope_layers)] = False  # they rotate by nothing whatever md carries (Attention)
+    inv_freqs, scales = inv_freqs[rotated], scales[rotated]
+    if cfg.rotary_dim == 0 or not rotated.any():
+        return md
+    if not (np.all(inv_freqs == inv_freqs[0]) and np.all(scales == scales[0])):
         return md
     inv_freq = jnp.asarray(inv_freqs[0], jnp.float32)
     angles = rope_angles_of(cfg, positions, md, inv_freq)

@@ -1,8 +1,8 @@
 """SmolLM3 (SmolLM3ForCausalLM): the Llama layer, with no RoPE on some layers (NoPE).
 
 `no_rope_layers` gives each layer a 1 (rotated) or 0 (not: every fourth by default); those layers'
-RoPE frequencies are zero, so their angle is 0 at every position and q and k pass unchanged
-(models/rope.py), inside the one layer scan.
+RoPE frequencies are zero (models/rope.py), which the shared `Attention` reads as "keep q and k as they
+are", inside the one layer scan; the other layers share one cos/sin computed once per step.
 """
 
 from __future__ import annotations
