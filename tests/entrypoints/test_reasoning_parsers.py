@@ -36,6 +36,12 @@ CASES = [
         "Hello!",
     ),
     ("granite", "Here's my thought process: a Here is: b Here's my response: c", " a Here is: b ", "c"),
+    (
+        "granite",
+        "Here is my thought process: a Here's my response: b Here is my response: c",
+        " a ",
+        "b Here is my response: c",
+    ),
     ("granite", "Hi! Here is my response: no thoughts", None, "Hi! Here is my response: no thoughts"),
     ("granite", "Here is my thought process: cut off, Here is my", " cut off, Here is my", None),
     ("granite", "Here is my though", None, "Here is my though"),

@@ -189,9 +189,8 @@ class MistralReasoningParser(ReasoningParser):
         start = text.find(self.start_tag)
         before = text if start < 0 else text[:start]
         if start < 0 and not final:  # hold what may become either tag
-            before = before[
-                : len(before) - max(held_suffix(before, self.start_tag), held_suffix(before, self.end_tag))
-            ]
+            held = max(held_suffix(before, tag) for tag in (self.start_tag, self.end_tag))
+            before = before[: len(before) - held]
         stray = before.find(self.end_tag)
         if stray >= 0:
             before = before[:stray] + before[stray + len(self.end_tag) :]
