@@ -1,10 +1,12 @@
 """Reasoning parsers: a thinking model's text -> (reasoning, content), one-shot or streamed.
 
-Both formats here write the thinking between `<think>` and `</think>`; they differ in where the thinking
-may start. Whether the output starts inside the thinking is read from the prompt when it is known (a
-template that ends the prompt with `<think>` opened it; one that ends with `<think></think>`, as Qwen3's
-does for enable_thinking=false, closed it); otherwise the family's default applies (`starts_open`).
-An output that starts outside it is thinking only if it opens with `<think>`.
+The formats here write the thinking between a start and an end tag (`<think>` and `</think>`;
+Magistral's `[THINK]` and `[/THINK]`); they differ in where the thinking may start. Whether the output
+starts inside the thinking is read from the prompt when it is known (a template that ends the prompt
+with `<think>` opened it; one that ends with `<think></think>`, as Qwen3's does for
+enable_thinking=false, closed it); otherwise the family's default applies (`starts_open`). An output
+that starts outside it is thinking only if it opens with the start tag (Magistral's: wherever it is).
+Where thinking is a template switch (DeepSeek-V3.1's `thinking`), the request's chat_template_kwargs say.
 
 Streaming re-parses the text so far and sends what grew, holding back a possible tag, so a stream and
 a one-shot parse give the same split.
