@@ -49,8 +49,8 @@ class GraniteReasoningParser(ReasoningParser):
         self._sent_reasoning = self._sent_content = 0
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
-        """Only the output holds the markers (the thinking template's system prompt quotes them): a
-        request without thinking has none to wait for."""
+        """The prompt is not read (the thinking template's system prompt quotes both markers): a request
+        with thinking waits for the response marker, one without has none to wait for."""
         return not self.is_thinking
 
     def _split(self, text: str, final: bool) -> tuple[str, str]:
