@@ -14,7 +14,7 @@ import traceback
 import typing
 
 from xlaserve.config import ARG_KEY, CONFIG_GROUPS, Arg, EngineConfig
-from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
+from xlaserve.entrypoints.serving.reasoning import REASONING_PARSERS, get_reasoning_parser
 from xlaserve.entrypoints.serving.tool_parsers import default_tool_parser, get_tool_parser
 
 # The argparse group of each sub-config's flags (the rest are "engine").
@@ -169,7 +169,7 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         default=None,
         metavar="NAME",
-        help="split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3, openai_gptoss",
+        help=f"split a reasoning model's thinking into reasoning_content: {', '.join(REASONING_PARSERS)}",
     )
 
 
