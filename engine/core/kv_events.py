@@ -2,7 +2,9 @@
 
 A KV-cache-aware router (llm-d's, NVIDIA Dynamo's) keeps, per engine, the tree of block hashes the
 engine's prefix cache holds, and sends a request where the longest prefix of it is cached. It learns
-the tree from these events, which the engine core publishes after each step (engine/engine/kv_events.py).
+the tree from these events, which the engine core publishes after each step (engine/engine/kv_events.py):
+the device cache's (medium "GPU", recorded by the block pool), then the host tier's of KV offload (medium
+"CPU", recorded by core/kv_offload.py, as vLLM's offloading connector's `take_events`).
 
 The wire format is vLLM's (vllm/distributed/kv_events.py, read at main after vllm#42892, the format
 vLLM 0.26 sends): msgpack through msgspec, a batch as the array [ts, events, data_parallel_rank], each
@@ -89,7 +91,9 @@ def block_extra_keys(request, index: int, block_size: int) -> tuple | None:
     that rebuilds vLLM's keys from these fields keys every block as vLLM would."""
     start = index * block_size
     keys = () if request.lora_request is None else (request.lora_request.lora_name,)
-    keys += tuple((f.mm_hash, f.offset - start) for f in request.mm_features if f.overlaps(start, start + block_size))
+    keys += tuple(
+        (f.mm_hash, f.offset - start) for f in request.mm_features if f.overlaps(start, start + block_size)
+    )
     if index == 0 and request.cache_salt is not None:
         keys += (request.cache_salt,)
     return keys or None

@@ -343,7 +343,8 @@ def test_kv_events_carry_extra_keys_and_a_reset_while_running_stores_the_chain_a
             mm_features=[image],
         )
 
-    admit(manager, request := tenant_request("first"))  # blocks 0..2 full: the image's tokens 6..9 lie in blocks 1 and 2
+    request = tenant_request("first")
+    admit(manager, request)  # blocks 0..2 full: the image's tokens 6..9 lie in blocks 1 and 2
     (stored,) = manager.take_events()
     # vLLM's order: the adapter's name on every block, (image hash, offset in the block), the salt first.
     assert stored.extra_keys == [("adapter", "salt"), ("adapter", ("img", 2)), ("adapter", ("img", -2))]

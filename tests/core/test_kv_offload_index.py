@@ -281,7 +281,6 @@ def test_the_persistent_tiers_directory_is_named_by_what_the_blocks_depend_on(tm
     assert persistent_tier_dir(dp, 4608) == name and persistent_tier_dir(rank1, 4608) == f"{name}-dp1"
 
 
-
 def test_the_host_tiers_stores_and_evictions_are_kv_cache_events():
     """vLLM's offloading connector's events (medium "CPU", hashes only), in the order the tier changed."""
     connector = OffloadingConnectorScheduler(2, BLOCK_SIZE, bytes_per_block=100, enable_kv_cache_events=True)
