@@ -8,7 +8,8 @@ the text; cut here):
     ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
     deepseek_v31 (DeepSeek-V3.1):
-    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}
+    <｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
 The arguments are the JSON object as written (as vLLM passes them on). A call is announced once its
 name has ended and its arguments have begun with "{"; a missing `<｜tool▁call▁end｜>` or fence at the very
@@ -127,7 +128,7 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
 
     def _header(self, text: str, pos: int) -> tuple[str | None, int]:
         sep = text.find(SEP, pos)
-        name = text[pos : len(text) if sep < 0 else sep]
+        name = text[pos : len(text) - held_suffix(text, SEP) if sep < 0 else sep]
         if "\n" in name or "<｜" in name or (sep >= 0 and not name):
             return None, _NOT_A_CALL
         return (None, _UNDECIDED) if sep < 0 else (name, sep + len(SEP))

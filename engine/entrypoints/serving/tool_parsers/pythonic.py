@@ -106,13 +106,14 @@ def _read_calls(text: str, pos: int, calls: list[Call]) -> tuple[int, Status]:
             return pos, Status.INVALID
         members: list[str] = []
         keys: set[str] = set()
-        call = Call(name.group(), "{", False)
-        calls.append(call)
+        call = Call(name.group(), "{", False)  # announced at its first keyword or its ")"
         pos = paren + 1
         while True:  # the keywords
             pos = skip_ws(text, pos)
             if pos < len(text) and text[pos] == ")":
                 call.arguments, call.is_complete = "{" + ", ".join(members) + "}", True
+                if not members:
+                    calls.append(call)
                 break
             key = _NAME.match(text, pos)
             if key is None or key.end() == len(text):
@@ -122,6 +123,8 @@ def _read_calls(text: str, pos: int, calls: list[Call]) -> tuple[int, Status]:
                 return len(text), Status.PARTIAL
             if text[equals] != "=" or key.group() in keys:
                 return pos, Status.INVALID
+            if not members:
+                calls.append(call)
             value_end, status = _value_end(text, equals + 1)
             if status is not Status.COMPLETE:
                 return value_end, status

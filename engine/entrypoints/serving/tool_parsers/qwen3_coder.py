@@ -118,9 +118,15 @@ class Qwen3CoderToolParser(ToolParser):
         pieces: list = []
         pos = 0
         while True:
-            starts = [(i, tag) for tag in (self.start_tag, self.function_tag) if (i := text.find(tag, pos)) >= 0]
+            starts = [
+                (i, tag) for tag in (self.start_tag, self.function_tag) if (i := text.find(tag, pos)) >= 0
+            ]
             if not starts:
-                held = 0 if final else max(held_suffix(text, self.start_tag), held_suffix(text, self.function_tag))
+                held = (
+                    0
+                    if final
+                    else max(held_suffix(text, self.start_tag), held_suffix(text, self.function_tag))
+                )
                 pieces.append(text[pos : len(text) - held])
                 return Parsed(pieces, is_held=held > 0)
             start, tag = min(starts)
@@ -162,8 +168,10 @@ class Qwen3CoderToolParser(ToolParser):
         if name_end < 0:
             return (None, 0) if final else (None, -1)
         schema = parameter_types(self._request, name)
-        ends = (self.parameter_tag, self.function_end, self.end_tag) if is_wrapped else (
-            self.parameter_tag, self.function_end
+        ends = (
+            (self.parameter_tag, self.function_end, self.end_tag)
+            if is_wrapped
+            else (self.parameter_tag, self.function_end)
         )
         members: list[str] = []
         pos = name_end + 1
