@@ -153,6 +153,13 @@ CASES = [
     ),
     (
         "qwen3_coder",
+        "<tool_call><function=a><parameter=x>1</parameter></function>"
+        "<function=get_weather><parameter=days>2</parameter></function></tool_call>",
+        None,
+        [("a", {"x": "1"}), ("get_weather", {"days": 2})],
+    ),
+    (
+        "qwen3_coder",
         '<tool_call>\n{"name": "f"}\n</tool_call>',
         '<tool_call>\n{"name": "f"}\n</tool_call>',
         [],

@@ -118,18 +118,13 @@ class Qwen3CoderToolParser(ToolParser):
         pieces: list = []
         pos = 0
         while True:
-            starts = [
-                (i, tag) for tag in (self.start_tag, self.function_tag) if (i := text.find(tag, pos)) >= 0
-            ]
-            if not starts:
-                held = (
-                    0
-                    if final
-                    else max(held_suffix(text, self.start_tag), held_suffix(text, self.function_tag))
-                )
+            start, tag = _first(text, pos, (self.start_tag, self.function_tag))
+            if tag is None:
+                held = 0
+                if not final:
+                    held = max(held_suffix(text, self.start_tag), held_suffix(text, self.function_tag))
                 pieces.append(text[pos : len(text) - held])
                 return Parsed(pieces, is_held=held > 0)
-            start, tag = min(starts)
             pieces.append(text[pos:start])
             is_wrapped = tag == self.start_tag
             function = skip_ws(text, start + len(tag)) if is_wrapped else start
@@ -139,23 +134,32 @@ class Qwen3CoderToolParser(ToolParser):
                 pieces.append(tag)  # not this format's call: the tag is text
                 pos = start + len(tag)
                 continue
-            call, end = self._read_function(text, function, final, is_wrapped)
-            if call is None:
-                if end < 0:  # its name is still being written
-                    return Parsed(pieces, is_held=True)
-                pieces.append(tag)
-                pos = start + len(tag)
-                continue
-            pieces.append(call)
-            if not call.is_complete:
-                return Parsed(pieces)
-            pos = end
-            if is_wrapped:
+            is_first = True
+            while True:  # the functions in this call (vLLM reads several in one <tool_call>)
+                call, end = self._read_function(text, function, final, is_wrapped)
+                if call is None:
+                    if end < 0:  # its name is still being written
+                        return Parsed(pieces, is_held=True)
+                    if is_first:  # not a call: the tag is text
+                        pieces.append(tag)
+                    pos = start + len(tag) if is_first else function
+                    break
+                is_first = False
+                pieces.append(call)
+                if not call.is_complete:
+                    return Parsed(pieces)
+                pos = end
+                if not is_wrapped:
+                    break
                 after = skip_ws(text, end)
+                if text.startswith(self.function_tag, after):
+                    function = after
+                    continue
                 if text.startswith(self.end_tag, after):
                     pos = after + len(self.end_tag)
                 elif not final and self.end_tag.startswith(text[after:]):
                     return Parsed(pieces, is_held=True)  # maybe the end tag: it is part of the call
+                break
 
     def _read_function(self, text: str, pos: int, final: bool, is_wrapped: bool) -> tuple[Call | None, int]:
         """The call at text[pos:] == "<function=...": (the call, where it ends), or (None, -1) while
