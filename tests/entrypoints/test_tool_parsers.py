@@ -330,6 +330,20 @@ def test_xml_and_pythonic_arguments_are_json_dumps_text():
         ]
 
 
+def test_qwen3_coder_string_values_stream_as_written():
+    """A string parameter (long code, a file's text) streams as it comes; a typed one waits for its end."""
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+    text += "<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>"
+    parser = get_tool_parser("qwen3_coder")()
+    pieces = []
+    for i in range(1, len(text) + 1):
+        delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1], REQUEST)
+        pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
+    assert pieces[:3] == ["{", '"city": "S', "a"]
+    assert pieces[-3:] == ['"', ', "days": 12', "}"]
+    assert "".join(pieces) == '{"city": "San Francisco", "days": 12}'
+
+
 def test_pythonic_broken_after_announcement():
     """A value that is not a literal after the call went out: one-shot, all content (not calls);
     streamed, the call keeps what was sent and the rest is content."""

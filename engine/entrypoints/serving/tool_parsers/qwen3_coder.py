@@ -20,8 +20,9 @@ function's end or the call's end begins; one newline on each side of it is the f
 value's. The `<tool_call>` wrapper may be missing (vLLM reads a bare `<function=...>` too), and so may
 `</function>` at the very end (the model stopped).
 
-A call is announced once `<function=NAME>` has ended; its arguments grow one whole parameter at a time
-(a value's type is only known when it has ended), as `{"key": value, ...}` in json.dumps' spacing.
+A call is announced once `<function=NAME>` has ended; its arguments are `{"key": value, ...}` in
+json.dumps' text, growing one whole parameter at a time (a value's type is only known when it has
+ended), except a string-typed value, which streams as it is written.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from xlaserve.entrypoints.serving.tool_parsers.json_scan import skip_ws
 _STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
 _INT_PREFIXES = ("int", "uint", "long", "short", "unsigned")
 _JSON_TYPES = ("object", "array", "arr")
+_PARAMETER_END = "</parameter>"
 
 
 def _get(obj: Any, key: str) -> Any:
@@ -56,11 +58,15 @@ def parameter_types(request: Any, function_name: str) -> dict:
     return {}
 
 
+def _kind(schema: Any) -> str:
+    return str(schema["type"]).strip().lower() if isinstance(schema, dict) and "type" in schema else "string"
+
+
 def convert_value(value: str, schema: Any) -> Any:
     """A parameter's text as the JSON value its schema's type asks for (vLLM's conversion)."""
     if value.lower() == "null":
         return None
-    kind = str(schema["type"]).strip().lower() if isinstance(schema, dict) and "type" in schema else "string"
+    kind = _kind(schema)
     if kind in _STRING_TYPES:
         return value
     if kind.startswith(_INT_PREFIXES):
@@ -96,7 +102,7 @@ class Qwen3CoderToolParser(ToolParser):
     function_tag = "<function="
     function_end = "</function>"
     parameter_tag = "<parameter="
-    parameter_end = "</parameter>"
+    parameter_end = _PARAMETER_END
 
     def __init__(self, tokenizer: Any = None):
         super().__init__(tokenizer)
@@ -195,13 +201,32 @@ class Qwen3CoderToolParser(ToolParser):
             value_end, value_tag = _first(text, key_end + 1, (self.parameter_end, *ends))
             if value_tag is None:
                 if not final:
-                    return Call(name, _arguments(members, False), False), len(text)
+                    arguments = _arguments(members, False)
+                    if (partial := _partial_string(text[key_end + 1 :], schema.get(key), ends)) is not None:
+                        arguments += (
+                            f"{', ' if members else ''}{json.dumps(key, ensure_ascii=False)}: {partial}"
+                        )
+                    return Call(name, arguments, False), len(text)
                 value_end = len(text)
             value = text[key_end + 1 : value_end]
             value = value.removeprefix("\n").removesuffix("\n")
             member = convert_value(value, schema.get(key))
             members.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(member, ensure_ascii=False)}")
             pos = value_end + len(self.parameter_end) if value_tag == self.parameter_end else value_end
+
+
+def _partial_string(value: str, schema: Any, ends: tuple[str, ...]) -> str | None:
+    """The JSON text so far of a string value still being written (long code or file contents stream
+    as they come), or None while it may still be something else: not a string type, or maybe "null".
+    Held back: a possible end tag, and a last newline (the format's, if the value ends there)."""
+    if _kind(schema) not in _STRING_TYPES:
+        return None
+    value = value.removeprefix("\n")
+    value = value[: len(value) - max(held_suffix(value, tag) for tag in (_PARAMETER_END, *ends))]
+    value = value.removesuffix("\n")
+    if "null".startswith(value.lower()):
+        return None
+    return json.dumps(value, ensure_ascii=False)[:-1]
 
 
 def _first(text: str, pos: int, tags: tuple[str, ...]) -> tuple[int, str | None]:
