@@ -38,6 +38,8 @@ class ReasoningParser:
     starts_open: ClassVar[bool]  # the output starts inside the thinking when the prompt does not say
     keeps_special_tokens: ClassVar[bool] = False  # its markers are special tokens: keep them in the text
 
+    reads_prompt: ClassVar[bool] = True  # the prompt's last tag says whether the output starts inside
+
     # Where one token does not end the thinking: the ids before end_token_id that mark it
     # (StructuredOutputsParams.reasoning_end_prefix_ids; gpt-oss's `<|channel|>final`).
     end_prefix_ids: list[int] | None = None
@@ -49,22 +51,29 @@ class ReasoningParser:
         prompt_token_ids: list[int] | None = None,
         chat_template_kwargs: dict | None = None,
     ):
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs or {}
         self.start_token_id = self.end_token_id = None
         if tokenizer is not None:
-            self.start_token_id = single_token_id(tokenizer, self.start_tag)
-            self.end_token_id = single_token_id(tokenizer, self.end_tag)
-            if self.end_token_id is None:
-                raise ValueError(
-                    f"the {self.name} reasoning parser needs {self.end_tag!r} as one token of the "
-                    "model's vocabulary; this tokenizer has none"
-                )
+            self._find_token_ids(tokenizer)
         self.is_open = self.starts_open
-        if prompt_token_ids is not None and self.end_token_id is not None:
+        if self.reads_prompt and prompt_token_ids is not None and self.end_token_id is not None:
             last_start = _last_index(prompt_token_ids, self.start_token_id)
             last_end = _last_index(prompt_token_ids, self.end_token_id)
             if last_start >= 0 or last_end >= 0:
                 self.is_open = last_start > last_end
         self._sent_reasoning = self._sent_content = 0
+
+    def _find_token_ids(self, tokenizer: Any) -> None:
+        """The ids structured output's gate and `is_reasoning_end` read: the tags', the end tag one token
+        of the vocabulary (else a ValueError)."""
+        self.start_token_id = single_token_id(tokenizer, self.start_tag)
+        self.end_token_id = single_token_id(tokenizer, self.end_tag)
+        if self.end_token_id is None:
+            raise ValueError(
+                f"the {self.name} reasoning parser needs {self.end_tag!r} as one token of the "
+                "model's vocabulary; this tokenizer has none"
+            )
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
         """Has the thinking ended in these ids (a prompt's followed by an output's)? True once an end tag
@@ -156,16 +165,10 @@ class DeepSeekV3ReasoningParser(DeepSeekR1ReasoningParser):
 
     name = "deepseek_v3"
 
-    def __init__(
-        self,
-        tokenizer: Any = None,
-        *,
-        prompt_token_ids: list[int] | None = None,
-        chat_template_kwargs: dict | None = None,
-    ):
-        super().__init__(tokenizer, prompt_token_ids=prompt_token_ids)
-        switches = chat_template_kwargs or {}
-        self.is_thinking = bool(switches.get("thinking")) or bool(switches.get("enable_thinking"))
+    @property
+    def is_thinking(self) -> bool:
+        switches = self.chat_template_kwargs
+        return bool(switches.get("thinking")) or bool(switches.get("enable_thinking"))
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
         return not self.is_thinking or super().is_reasoning_end(token_ids)
@@ -214,17 +217,10 @@ class Olmo3ReasoningParser(DeepSeekR1ReasoningParser):
     structured output is refused with this parser (the engine's gate is a token id)."""
 
     name = "olmo3"
+    reads_prompt = False
 
-    def __init__(
-        self,
-        tokenizer: Any = None,
-        *,
-        prompt_token_ids: list[int] | None = None,
-        chat_template_kwargs: dict | None = None,
-    ):
-        self.start_token_id = self.end_token_id = None
-        self.is_open = True
-        self._sent_reasoning = self._sent_content = 0
+    def _find_token_ids(self, tokenizer: Any) -> None:
+        pass  # none: the tags are text
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
         return False

@@ -27,26 +27,21 @@ RESPONSE_MARKERS = ("Here is my response:", "Here's my response:")
 class GraniteReasoningParser(ReasoningParser):
     name = "granite"
     starts_open = False
+    reads_prompt = False  # see is_reasoning_end
 
-    def __init__(
-        self,
-        tokenizer: Any = None,
-        *,
-        prompt_token_ids: list[int] | None = None,
-        chat_template_kwargs: dict | None = None,
-    ):
-        self.start_token_id = self.end_token_id = None
-        self.is_thinking = bool((chat_template_kwargs or {}).get("thinking"))
-        if tokenizer is not None:
-            words, colon = RESPONSE_MARKERS[0][:-1], RESPONSE_MARKERS[0][-1]
-            self.end_token_id = single_token_id(tokenizer, colon)
-            if self.end_token_id is None:
-                raise ValueError(
-                    f"the {self.name} reasoning parser needs {colon!r} as one token of the model's "
-                    "vocabulary; this tokenizer has none"
-                )
-            self.end_prefix_ids = list(tokenizer.encode(words, add_special_tokens=False))
-        self._sent_reasoning = self._sent_content = 0
+    @property
+    def is_thinking(self) -> bool:
+        return bool(self.chat_template_kwargs.get("thinking"))
+
+    def _find_token_ids(self, tokenizer: Any) -> None:
+        words, colon = RESPONSE_MARKERS[0][:-1], RESPONSE_MARKERS[0][-1]
+        self.end_token_id = single_token_id(tokenizer, colon)
+        if self.end_token_id is None:
+            raise ValueError(
+                f"the {self.name} reasoning parser needs {colon!r} as one token of the model's "
+                "vocabulary; this tokenizer has none"
+            )
+        self.end_prefix_ids = list(tokenizer.encode(words, add_special_tokens=False))
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
         """The prompt is not read (the thinking template's system prompt quotes both markers): a request

@@ -19,28 +19,19 @@ class GptOssReasoningParser(ReasoningParser):
     name = "openai_gptoss"
     starts_open = False
     keeps_special_tokens = True
+    reads_prompt = False  # its messages say where the output is (read_messages)
 
-    def __init__(
-        self,
-        tokenizer: Any = None,
-        *,
-        prompt_token_ids: list[int] | None = None,
-        chat_template_kwargs: dict | None = None,
-    ):
+    def _find_token_ids(self, tokenizer: Any) -> None:
         # No single token ends the thinking: the final channel's header does, `<|channel|>final`, then
         # (after an optional `<|constrain|>json`) its `<|message|>`; structured output starts after it.
-        self.start_token_id = self.end_token_id = None
-        self.tokenizer = tokenizer
-        if tokenizer is not None:
-            channel, message = single_token_id(tokenizer, CHANNEL), single_token_id(tokenizer, MESSAGE)
-            if channel is None or message is None:
-                raise ValueError(
-                    f"the {self.name} reasoning parser needs the harmony format's {CHANNEL!r} and "
-                    f"{MESSAGE!r} as tokens of the model's vocabulary; this tokenizer lacks one"
-                )
-            self.end_token_id = message
-            self.end_prefix_ids = [channel, *tokenizer.encode("final", add_special_tokens=False)]
-        self._sent_reasoning = self._sent_content = 0
+        channel, message = single_token_id(tokenizer, CHANNEL), single_token_id(tokenizer, MESSAGE)
+        if channel is None or message is None:
+            raise ValueError(
+                f"the {self.name} reasoning parser needs the harmony format's {CHANNEL!r} and "
+                f"{MESSAGE!r} as tokens of the model's vocabulary; this tokenizer lacks one"
+            )
+        self.end_token_id = message
+        self.end_prefix_ids = [channel, *tokenizer.encode("final", add_special_tokens=False)]
 
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
         """Has the last assistant message (from the last `<|start|>`) reached the body of a channel other
