@@ -168,6 +168,22 @@ def read_call_list(
         return (pos if found else -1), False
 
 
+def parse_call_list(
+    text: str, pos: int, final: bool, keep_broken: bool, scan_at: Scan = scan_object
+) -> Parsed:
+    """The text as a JSON list of calls starting at text[pos] (after whitespace), with what follows as
+    content; all content where it is not one, nothing yet while it may become one."""
+    if pos == len(text):
+        return Parsed([text] if final else [], is_held=not final)
+    if text[pos] != "[":
+        return Parsed([text])
+    pieces: list = []
+    end, is_held = read_call_list(text, pos, final, keep_broken, pieces, scan_at)
+    if end < 0:
+        return Parsed([text])
+    return Parsed(pieces if is_held else [*pieces, text[end:]], is_held=is_held)
+
+
 def _name_of(text: str, scan) -> str | None:
     if not scan.is_closed("name"):
         return None

@@ -7,7 +7,7 @@ JSON, not a model's own format, so these are picked by the request, never by `--
 
 from __future__ import annotations
 
-from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, ToolParser, read_call_list
+from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, ToolParser, parse_call_list
 from xlaserve.entrypoints.serving.tool_parsers.json_scan import Status, skip_ws
 
 
@@ -36,13 +36,4 @@ class RequiredToolParser(ToolParser):
     name = "required"
 
     def _parse(self, text: str, final: bool, keep_broken: bool) -> Parsed:
-        pos = skip_ws(text, 0)
-        if pos == len(text):
-            return Parsed([text] if final else [], is_held=not final)
-        if text[pos] != "[":
-            return Parsed([text])
-        pieces: list = []
-        end, is_held = read_call_list(text, pos, final, keep_broken, pieces, self.scan_at)
-        if end < 0:
-            return Parsed([text])
-        return Parsed([*pieces, text[end:]] if not is_held else pieces, is_held=is_held)
+        return parse_call_list(text, skip_ws(text, 0), final, keep_broken, self.scan_at)

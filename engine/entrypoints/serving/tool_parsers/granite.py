@@ -8,7 +8,7 @@ An answer that is not such a list (after whitespace and the tag) is content, as 
 
 from __future__ import annotations
 
-from xlaserve.entrypoints.serving.tool_parsers.base import Parsed, ToolParser, read_call_list
+from xlaserve.entrypoints.serving.tool_parsers.base import Parsed, ToolParser, parse_call_list
 from xlaserve.entrypoints.serving.tool_parsers.json_scan import skip_ws
 
 
@@ -25,12 +25,4 @@ class GraniteToolParser(ToolParser):
                 break
             if not final and pos < len(text) and tag.startswith(text[pos:]):
                 return Parsed([], is_held=True)
-        if pos == len(text):
-            return Parsed([text] if final else [], is_held=not final)
-        if text[pos] != "[":
-            return Parsed([text])
-        pieces: list = []
-        end, is_held = read_call_list(text, pos, final, keep_broken, pieces, self.scan_at)
-        if end < 0:
-            return Parsed([text])
-        return Parsed(pieces if is_held else [*pieces, text[end:]], is_held=is_held)
+        return parse_call_list(text, pos, final, keep_broken, self.scan_at)
