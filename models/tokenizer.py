@@ -42,7 +42,7 @@ def directory_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTra
     except (OSError, ValueError, TypeError) as e:
         if not trust_remote_code and "trust_remote_code=True" in str(e):
             raise ValueError(
-                f"{path!r}'s tokenizer is Python code the directory ships (tokenizer_config.json's "
+                f"the tokenizer of {path!r} is Python code the directory ships (tokenizer_config.json's "
                 "auto_map): --trust-remote-code (LLM(trust_remote_code=True)) lets it run"
             ) from e
         raise ValueError(

@@ -225,6 +225,11 @@ def test_requests_in_flight_may_send_the_same_id(http):
     for bad in ("r" * 129, "tab\there"):
         refused = http.post("/v1/completions", json={**body, "max_tokens": 1}, headers={"X-Request-Id": bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-Request-Id", refused.text
+        # The body's request_id (vLLM's field) has the header's bounds.
+        refused = http.post("/v1/completions", json={**body, "max_tokens": 1, "request_id": bad})
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == "request_id", refused.text
+        assert "request_id must be 1 to 128 printable ASCII characters" in error["message"]
 
 
 def test_root_path_in_the_schema_and_docs_and_behind_the_key(flags_server, http):
