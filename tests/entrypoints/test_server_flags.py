@@ -276,3 +276,13 @@ def test_bad_tls_files_fail_before_an_engine_starts(tmp_path, tls_files, capsys)
     assert "--ssl-certfile and --ssl-keyfile: not a PEM certificate chain" in capsys.readouterr().err
     assert main(["serve", "--ssl-ca-certs", cert]) == 2
     assert "--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile" in capsys.readouterr().err
+
+
+def test_bad_log_flags_exit_2_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--max-log-len", "-1"])
+    assert exited.value.code == 2
+    assert "--max-log-len takes an integer >= 0, got '-1'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--enable-log-requests", "--disable-log-requests"])
+    assert exited.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
