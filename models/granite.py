@@ -26,6 +26,7 @@ from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import LayerSpec
 from xlaserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from xlaserve.models.moe import MoEConfig, SparseMoeBlock
+from xlaserve.models.safetensors_loader import split_halves
 
 
 def granite_scalings(hf: dict[str, Any]) -> dict[str, float]:
@@ -108,7 +109,7 @@ def granite_expert_tensors(block: str, part: str, tensor) -> dict[str, np.ndarra
     """A Granite expert block's checkpoint tensor `part` (the legacy fused names, or transformers 5's
     in-memory ones) as the shared MoE block's at `block`; None: not one of them."""
     if part in ("input_linear.weight", "experts.gate_up_proj"):
-        gate, up = np.split(np.asarray(tensor), 2, axis=1)
+        gate, up = split_halves(tensor, axis=1)
         return {f"{block}.experts_gate.weight": gate, f"{block}.experts_up.weight": up}
     if part in ("output_linear.weight", "experts.down_proj"):
         return {f"{block}.experts_down.weight": tensor}

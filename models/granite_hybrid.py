@@ -35,6 +35,7 @@ from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
 from xlaserve.models.mamba2 import Mamba2Mixer, group_mamba2_tensors
 from xlaserve.models.mamba2_hybrid import Mamba2HybridConfig, Mamba2HybridLM
 from xlaserve.models.moe import MoEConfig, SparseMoeBlock
+from xlaserve.models.safetensors_loader import split_halves
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class GraniteMoeHybridForCausalLM(Mamba2HybridLM):
                 if m["name"] == "output_linear":
                     out[f"{m['mlp']}.down_proj.weight"] = tensor
                 else:
-                    gate, up = np.split(np.asarray(tensor), 2, axis=0)
+                    gate, up = split_halves(tensor, axis=0)
                     out[f"{m['mlp']}.gate_proj.weight"], out[f"{m['mlp']}.up_proj.weight"] = gate, up
             elif m := _MOE.match(name):
                 parts = granite_expert_tensors(m["block"], m["name"], tensor)

@@ -27,7 +27,7 @@ from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import GatedMLP
 from xlaserve.models.llama import LlamaDecoderLayer
 from xlaserve.models.quantization import QuantizedKernel, stack_tensors
-from xlaserve.models.safetensors_loader import CheckpointTensor, DerivedTensor
+from xlaserve.models.safetensors_loader import CheckpointTensor, DerivedTensor, split_halves
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")
@@ -294,7 +294,7 @@ def stack_expert_tensors(tensors: dict[str, np.ndarray], num_experts: int) -> di
             if m["proj"] == "down_proj":
                 out[f"{m['block']}.experts_down.weight"] = array
             else:
-                gate, up = np.split(array, 2, axis=1)
+                gate, up = split_halves(array, axis=1)
                 out[f"{m['block']}.experts_gate.weight"] = gate
                 out[f"{m['block']}.experts_up.weight"] = up
         else:

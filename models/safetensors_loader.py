@@ -141,6 +141,32 @@ class DerivedTensor(CheckpointTensor):
         return array if array.dtype == self.dtype else array.astype(self.dtype)
 
 
+def split_halves(tensor, axis: int) -> tuple:
+    """A fused tensor's two halves along `axis` (gate and up stored as one). A checkpoint's plain tensor
+    gives two `DerivedTensor`s, each reading only its half from the file when used (through a read-only
+    map of the tensor's bytes), so a start never holds a layer's fused tensor whole; another checkpoint
+    tensor (a GGUF one) is read whole for each half when used; an array is split now."""
+    if not isinstance(tensor, CheckpointTensor):
+        return tuple(np.split(np.asarray(tensor), 2, axis=axis))
+    half = tensor.shape[axis] // 2
+    shape = (*tensor.shape[:axis], half, *tensor.shape[axis + 1 :])
+
+    def part(i: int) -> DerivedTensor:
+        index = (slice(None),) * axis + (slice(i * half, (i + 1) * half),)
+        if type(tensor) is not CheckpointTensor:
+            return tensor.derived(lambda whole: whole[index], shape)
+
+        def read() -> np.ndarray:
+            mapped = np.memmap(
+                tensor.path, dtype=tensor.stored_dtype, mode="r", offset=tensor.offset, shape=tensor.shape
+            )
+            return np.array(mapped[index], dtype=tensor.dtype)
+
+        return DerivedTensor(read, shape, tensor.dtype, source=tensor.path)
+
+    return part(0), part(1)
+
+
 def safetensors_files(model_dir: str) -> list[str]:
     """The checkpoint files of `model_dir`: the index's shards, model.safetensors, or every *.safetensors."""
     index_path = os.path.join(model_dir, INDEX_FILE)

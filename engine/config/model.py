@@ -250,7 +250,8 @@ class ModelConfig:
             f"generation_config must be 'auto', 'vllm' or a folder holding a {GENERATION_CONFIG_FILE}, "
             f"got {self.generation_config!r}",
         )
-        self.sampling_defaults()  # a value no request could take fails the start, not every request
+        # Read once; a value no request could take fails the start, not every request.
+        object.__setattr__(self, "_sampling_defaults", self._read_sampling_defaults())
         if self.hf_overrides is not None:
             overrides = json_object(self.hf_overrides, "hf_overrides")
             object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
@@ -298,6 +299,10 @@ class ModelConfig:
         return vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
 
     def sampling_defaults(self) -> dict:
+        """Requests' default sampling fields, as read when the config was made (a copy)."""
+        return dict(self._sampling_defaults)
+
+    def _read_sampling_defaults(self) -> dict:
         """Requests' default sampling fields (vLLM's get_diff_sampling_param): those of
         GENERATION_CONFIG_KEYS the generation config sets, then the override's over them, with
         max_new_tokens as SamplingParams' max_tokens. {} when neither says anything. A value SamplingParams

@@ -249,7 +249,8 @@ class BlockPool:
             self._uncache_block(block)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; blocks in use keep their K/V but can no longer be hit."""
+        """Forget every cached hash; blocks in use keep their K/V, unindexed until their request
+        caches them again (KVCacheManager.reset_prefix_cache)."""
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()

@@ -303,8 +303,13 @@ class KVCacheManager:
         return [] if recorder is None else recorder.take()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (e.g. after weights change)."""
+        """Forget every cached prefix (e.g. after weights change). Blocks running requests hold keep
+        their K/V: each such request indexes its full blocks again from its first at its next step, so
+        the index (and the BlockStored a router hears after AllBlocksCleared) never holds a block whose
+        prefix it has forgotten."""
         is_reset = self.block_pool.reset_prefix_cache()
+        for manager in self.coordinator.managers:
+            manager.num_cached_blocks.clear()
         state_manager = self.coordinator.state_manager
         if state_manager is not None and state_manager.pool is not self.block_pool:  # its snapshots
             state_manager.pool.reset_prefix_cache()

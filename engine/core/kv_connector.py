@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from xlaserve.core.kv_events import KVCacheEvent
 from xlaserve.core.request import Request
 
 
@@ -170,6 +171,11 @@ class KVConnectorScheduler:
     def make_stats(self) -> KVTransferStats | None:
         """Counters since the previous call (None: no connector)."""
         return None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV cache events (core/kv_events.py) of the connector's own tier since the last call, oldest
+        first; [] with events off or no tier a router can hit."""
+        return []
 
     def reset(self) -> None:
         """Forget everything held outside the device (the weights changed: that K/V is stale)."""

@@ -2,7 +2,9 @@
 
 A KV-cache-aware router (llm-d's, NVIDIA Dynamo's) keeps, per engine, the tree of block hashes the
 engine's prefix cache holds, and sends a request where the longest prefix of it is cached. It learns
-the tree from these events, which the engine core publishes after each step (engine/engine/kv_events.py).
+the tree from these events, which the engine core publishes after each step (engine/engine/kv_events.py):
+the device cache's (medium "GPU", recorded by the block pool), then the host tier's of KV offload (medium
+"CPU", recorded by core/kv_offload.py, as vLLM's offloading connector's `take_events`).
 
 The wire format is vLLM's (vllm/distributed/kv_events.py, read at main after vllm#42892, the format
 vLLM 0.26 sends): msgpack through msgspec, a batch as the array [ts, events, data_parallel_rank], each
@@ -23,6 +25,7 @@ from typing import Any
 import msgspec
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the device cache, whatever the device
+MEDIUM_CPU = "CPU"  # the host tier (kv_offloading_size), as vLLM's offloading connector names it
 _U64 = (1 << 64) - 1
 _DIGEST_BYTES = 32  # a SHA-256 digest; a group's key appends its suffix (kv_cache_coordinator.group_hashes)
 
@@ -79,6 +82,50 @@ def external_block_hash(key: bytes) -> tuple[int, int]:
     return int.from_bytes(digest, "big") & _U64, group
 
 
+def block_extra_keys(request, index: int, block_size: int) -> tuple | None:
+    """What block `index` of `request` mixes into its hash besides token ids, as vLLM's BlockStored
+    carries it (kv_cache_utils.generate_block_hash_extra_keys): the LoRA adapter's name, then
+    (image content hash, its first placeholder's offset from the block's start) for each image the
+    block holds part of, then the cache salt on the first block; None for a block of none. Our hashes
+    mix the adapter and the salt into the first block only (the chain carries them on): a router
+    that rebuilds vLLM's keys from these fields keys every block as vLLM would."""
+    start = index * block_size
+    keys = () if request.lora_request is None else (request.lora_request.lora_name,)
+    keys += tuple(
+        (f.mm_hash, f.offset - start) for f in request.mm_features if f.overlaps(start, start + block_size)
+    )
+    if index == 0 and request.cache_salt is not None:
+        keys += (request.cache_salt,)
+    return keys or None
+
+
+def tier_events(changes: list[tuple[bool, bytes]], medium: str = MEDIUM_CPU) -> list[KVCacheEvent]:
+    """A host tier's changes, (removed?, key) in the order they happened, as vLLM's offloading
+    connector sends them: one event per run of stores or removals, a stored block by its hash only (a
+    router knows its tokens from the device cache's BlockStored of the same hash)."""
+    events: list[KVCacheEvent] = []
+    for is_removal, key in changes:
+        block_hash = external_block_hash(key)[0]
+        last = events[-1] if events else None
+        if last is not None and isinstance(last, BlockRemoved) == is_removal:
+            last.block_hashes.append(block_hash)
+        elif is_removal:
+            events.append(BlockRemoved(block_hashes=[block_hash], medium=medium))
+        else:
+            events.append(
+                BlockStored(
+                    block_hashes=[block_hash],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=0,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                )
+            )
+    return events
+
+
 class KVEventRecorder:
     """Collects the events a block pool makes until the engine core takes them (once per step).
 
@@ -116,6 +163,7 @@ class KVEventRecorder:
                     lora_id=None if lora is None else lora.lora_int_id,
                     medium=MEDIUM_GPU,
                     lora_name=None if lora is None else lora.lora_name,
+                    extra_keys=[block_extra_keys(request, i, size) for i in range(first, last + 1)],
                     group_idx=group,
                     kv_cache_spec_kind=kind,
                     kv_cache_spec_sliding_window=window,

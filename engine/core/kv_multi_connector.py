@@ -28,6 +28,7 @@ from xlaserve.core.kv_connector import (
     KVConnectorWorker,
     KVTransferStats,
 )
+from xlaserve.core.kv_events import KVCacheEvent
 from xlaserve.core.request import Request
 
 
@@ -97,6 +98,9 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         # what it lacked, so the prompt tokens queried are the first's count.
         stats.num_queries = next(s for s in snapshots if s is not None).num_queries
         return stats
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return [event for connector in self.connectors for event in connector.take_events()]
 
     def reset(self) -> None:
         for connector in self.connectors:

@@ -41,6 +41,7 @@ import numpy as np
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import skips_prefix_cache
 from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorScheduler, KVTransferStats
+from xlaserve.core.kv_events import KVCacheEvent, tier_events
 from xlaserve.core.request import Request
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,11 @@ class HostBlockIndex:
 
 class OffloadingConnectorScheduler(KVConnectorScheduler):
     """Evicted device blocks go to the host tier (and what it evicts to the disk tier, when there is
-    one); hits after a device hit come back from either."""
+    one); hits after a device hit come back from either.
+
+    `enable_kv_cache_events`: the host tier's stores and evictions are recorded as vLLM's offloading
+    connector publishes them (BlockStored / BlockRemoved with medium "CPU"), so a router knows which
+    prefixes a host hit serves; off, nothing is recorded."""
 
     def __init__(
         self,
@@ -182,8 +187,12 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         bytes_per_block: int,
         num_disk_blocks: int = 0,
         persist_dir: str | None = None,
+        enable_kv_cache_events: bool = False,
     ):
-        self.index = HostBlockIndex(num_blocks, on_evict=self._demote if num_disk_blocks else None)
+        # (removed?, hash) of the host tier, in order, since the last take_events; None: events off.
+        self._changes: list[tuple[bool, bytes]] | None = [] if enable_kv_cache_events else None
+        on_evict = self._on_host_evict if num_disk_blocks or enable_kv_cache_events else None
+        self.index = HostBlockIndex(num_blocks, on_evict=on_evict)
         self.disk = HostBlockIndex(num_disk_blocks) if num_disk_blocks else None
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
@@ -239,6 +248,12 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def _held(self, block_hash: bytes) -> bool:
         return block_hash in self.index or (self.disk is not None and block_hash in self.disk)
+
+    def _on_host_evict(self, block_hash: bytes, host_slot: int) -> None:
+        if self._changes is not None:
+            self._changes.append((True, block_hash))
+        if self.disk is not None:
+            self._demote(block_hash, host_slot)
 
     def _demote(self, block_hash: bytes, host_slot: int) -> None:
         """The host tier evicts `block_hash` from `host_slot`: copy it to the disk tier (unless the disk
@@ -296,6 +311,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                 save_ids.append(block_id)
                 save_slots.append(slot)
                 self._saving.add(block_hash)
+                if self._changes is not None:
+                    self._changes.append((False, block_hash))
         self._saving.clear()
         self.index.unpin_all()
         if self.disk is not None:
@@ -335,12 +352,20 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         stats.offloaded = 1
         return stats
 
+    def take_events(self) -> list[KVCacheEvent]:
+        if not self._changes:
+            return []
+        changes, self._changes = self._changes, []
+        return tier_events(changes)
+
     def reset(self) -> None:
         self.index.clear()
         if self.disk is not None:
             self.disk.clear()
         self._evicted.clear()
         self._demotes.clear()
+        if self._changes is not None:  # the device cache's AllBlocksCleared covers what they named
+            self._changes.clear()
         self._keep = False  # the blocks computed from here on may be another checkpoint's
 
     def shutdown_plan(self, cached_blocks: list[tuple[bytes, int]]) -> KVConnectorMetadata | None:

@@ -185,11 +185,13 @@ def make_kv_connector_scheduler(
     bytes_per_block: int,
     persist_dir: str | None = None,
     kv_transfer: KVTransferConfig | None = None,
+    enable_kv_cache_events: bool = False,
 ) -> KVConnectorScheduler:
     """The scheduler's half of the configured connector: host offload's, disaggregated prefill's, both
     composed (the host tier asked first, a producer for the rest: core/kv_multi_connector.py), or the
     base class (off). `persist_dir`: a persistent disk tier's directory (core/kv_offload.py);
-    `kv_transfer`: this data-parallel rank's disaggregated prefill (EngineConfig.kv_transfer; None: off)."""
+    `kv_transfer`: this data-parallel rank's disaggregated prefill (EngineConfig.kv_transfer; None: off);
+    `enable_kv_cache_events`: the host tier records its changes for the KV cache events."""
     connectors: list[KVConnectorScheduler] = []
     if cache.kv_offloading_size is not None:
         disk_size = cache.disk_tier_size
@@ -202,6 +204,7 @@ def make_kv_connector_scheduler(
                 if disk_size is None
                 else num_host_blocks(disk_size, bytes_per_block, "kv_offloading_disk_size"),
                 persist_dir,
+                enable_kv_cache_events,
             )
         )
     if kv_transfer is not None:

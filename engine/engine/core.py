@@ -59,7 +59,11 @@ class EngineCore:
         # K/V kept outside the device cache (host offload: core/kv_offload.py), or the base class (none);
         # it hears of every block the prefix cache evicts.
         self.kv_connector = make_kv_connector_scheduler(
-            config.cache, executor.kv_bytes_per_block, executor.kv_persist_dir, config.kv_transfer
+            config.cache,
+            executor.kv_bytes_per_block,
+            executor.kv_persist_dir,
+            config.kv_transfer,
+            enable_kv_cache_events=config.kv_events is not None,
         )
         # Disaggregated prefill's consumer: requests wait here while their prompt's blocks are fetched
         # from a producer (engine/engine/kv_fetch.py), then join the scheduler with them.
@@ -221,8 +225,9 @@ class EngineCore:
         return outputs
 
     def _publish_kv_events(self) -> None:
-        """Hand what the prefix cache stored and removed since the last batch to the publisher's thread."""
-        events = self.kv_cache_manager.take_events()
+        """Hand what the prefix cache (and the host tier) stored and removed since the last batch to the
+        publisher's thread."""
+        events = self.kv_cache_manager.take_events() + self.kv_connector.take_events()
         if events:
             self.kv_event_publisher.publish(events)
 

@@ -9,11 +9,14 @@ was (`flatten_content`), so any chat template renders them. No jax; the engine c
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
 
 import numpy as np
+from jinja2 import TemplateSyntaxError, nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from PIL import Image
 
 from xlaserve.config import parse_mm_limits
@@ -21,6 +24,9 @@ from xlaserve.core.multimodal import MultiModalFeature, hash_pixels
 from xlaserve.engine.media import MediaError, check_image
 from xlaserve.engine.qwen_vl_processor import qwen_vl_processor
 from xlaserve.models.processor_settings import image_processor_kwargs, read_settings, with_overrides
+
+_ENV = ImmutableSandboxedEnvironment()  # parses templates for content_format; renders none
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's --chat-template-content-format
 
 
 class MultiModalProcessor:
@@ -289,6 +295,7 @@ def flatten_content(
     field: str = "messages",
     video_placeholder: str | None = None,
     load_video: Callable[[str, str], object] | None = None,
+    as_parts: bool = False,
 ) -> tuple[list[dict], list, list]:
     """OpenAI chat messages whose content may be a list of parts -> (messages with text content, images,
     videos).
@@ -296,11 +303,16 @@ def flatten_content(
     Text parts are joined; each `image_url` part becomes `placeholder` + a newline, and `load(url,
     part_field)` its image; each `video_url` part `video_placeholder` + a newline, and `load_video(url,
     part_field)` its video. `placeholder` None (a text-only model), or `video_placeholder` None for a
-    video part (a model of images only): a ValueError naming the part."""
+    video part (a model of images only): a ValueError naming the part. With `as_parts` (the "openai"
+    content format: `content_format`) every message's content is a list of parts instead, text parts
+    as {"type": "text", "text": ...} and a media part as {"type": "image"} or {"type": "video"} for the
+    template to render."""
     out, images, videos = [], [], []
     for i, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, list):
+            if as_parts and isinstance(content, str):
+                message = {**message, "content": [{"type": "text", "text": content}] if content else []}
             out.append(message)
             continue
         pieces = []
@@ -308,7 +320,8 @@ def flatten_content(
             part_field = f"{field}[{i}].content[{j}]"
             kind = part.get("type")
             if kind == "text":
-                pieces.append(part.get("text", ""))
+                text = part.get("text", "")
+                pieces.append({"type": "text", "text": text} if as_parts else text)
             elif kind in ("image_url", "image_pil", "video_url"):
                 what = "video" if kind == "video_url" else "image"
                 if placeholder is None:
@@ -317,19 +330,46 @@ def flatten_content(
                     )
                 if kind == "image_pil":
                     images.append(part["image_pil"])
-                    pieces.append(placeholder + "\n")
-                    continue
-                url = part.get(kind)
-                url = str(url.get("url") if isinstance(url, dict) else url)
-                if kind == "image_url":
-                    images.append(load(url, f"{part_field}.image_url"))
-                    pieces.append(placeholder + "\n")
+                elif kind == "image_url":
+                    images.append(load(_url(part.get(kind)), f"{part_field}.image_url"))
                 elif video_placeholder is None or load_video is None:
                     raise MediaError("this model takes images, not videos", f"{part_field}.video_url")
                 else:
-                    videos.append(load_video(url, f"{part_field}.video_url"))
-                    pieces.append(video_placeholder + "\n")
+                    videos.append(load_video(_url(part.get(kind)), f"{part_field}.video_url"))
+                if as_parts:
+                    pieces.append({"type": what})
+                else:
+                    pieces.append((video_placeholder if what == "video" else placeholder) + "\n")
             else:
                 raise MediaError(f"unsupported content part type {kind!r}", f"{part_field}.type")
-        out.append({**message, "content": "".join(pieces)})
+        out.append({**message, "content": pieces if as_parts else "".join(pieces)})
     return out, images, videos
+
+
+def _url(value) -> str:
+    """An `image_url`/`video_url` part's URL: OpenAI's {"url": ...}, or the URL itself."""
+    return str(value.get("url") if isinstance(value, dict) else value)
+
+
+def content_format(template: str, flag: str) -> str:
+    """The --chat-template-content-format a template gets: the flag's, or for "auto" vLLM's guess,
+    "openai" where the template loops over a message's content (`for part in message['content']`, or
+    `.content`), else "string"."""
+    if flag != "auto":
+        return flag
+    return "openai" if _loops_over_content(template) else "string"
+
+
+@functools.lru_cache(maxsize=16)  # a server renders one template or a few
+def _loops_over_content(template: str) -> bool:
+    try:
+        loops = _ENV.parse(template).find_all(nodes.For)
+    except TemplateSyntaxError:
+        return False  # rendering it says what is wrong
+    for loop in loops:
+        it = loop.iter
+        if isinstance(it, nodes.Getattr) and it.attr == "content":
+            return True
+        if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content":
+            return True
+    return False

@@ -14,7 +14,7 @@ import traceback
 import typing
 
 from xlaserve.config import ARG_KEY, CONFIG_GROUPS, Arg, EngineConfig
-from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
+from xlaserve.entrypoints.serving.reasoning import REASONING_PARSERS, get_reasoning_parser
 from xlaserve.entrypoints.serving.tool_parsers import default_tool_parser, get_tool_parser
 
 # The argparse group of each sub-config's flags (the rest are "engine").
@@ -162,14 +162,15 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         default=None,
         metavar="NAME",
-        help="how the model writes tool calls: hermes, llama3_json, mistral, openai (gpt-oss's harmony) "
+        help="how the model writes tool calls: hermes, llama3_json, mistral, openai (gpt-oss's harmony), "
+        "qwen3_coder, pythonic, deepseek_v3, deepseek_v31, granite "
         '(default: from the model family); "none": no parser, auto tool choice off',
     )
     g.add_argument(
         "--reasoning-parser",
         default=None,
         metavar="NAME",
-        help="split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3, openai_gptoss",
+        help=f"split a reasoning model's thinking into reasoning_content: {', '.join(REASONING_PARSERS)}",
     )
 
 

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from xlaserve.config import EngineConfig
 from xlaserve.engine.media import MediaPolicy, load_image
 from xlaserve.engine.metrics import EngineMetrics, Metric
-from xlaserve.engine.mm_processor import flatten_content
+from xlaserve.engine.mm_processor import CONTENT_FORMATS, content_format, flatten_content
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import start_engine
@@ -157,6 +157,7 @@ class LLM(PoolingMethods):
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
@@ -166,8 +167,11 @@ class LLM(PoolingMethods):
         data: URL, its frames sampled as media_io_kwargs says: engine/engine/video.py).
         vLLM's rendering arguments: `continue_final_message` (the last message, the assistant's, is
         continued: needs add_generation_prompt=False), `tools` (OpenAI's function definitions, for
-        the template to render) and `chat_template_kwargs` (the template's own variables, e.g.
-        Qwen3's `enable_thinking`)."""
+        the template to render), `chat_template_kwargs` (the template's own variables, e.g.
+        Qwen3's `enable_thinking`) and `chat_template_content_format` (the server's
+        --chat-template-content-format: "string" joins a message's parts into one string, "openai" gives
+        the template lists of parts, "auto" the latter where the template loops over a message's
+        content)."""
         self._require_tokenizer("chat()")
         if continue_final_message and add_generation_prompt:
             raise ValueError("chat(): continue_final_message=True needs add_generation_prompt=False")
@@ -175,6 +179,13 @@ class LLM(PoolingMethods):
         taken = sorted(set(extra) & _CHAT_TEMPLATE_ARGS)
         if taken:
             raise ValueError(f"chat(): chat_template_kwargs cannot set {taken}: they are chat()'s arguments")
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat(): chat_template_content_format must be one of {CONTENT_FORMATS}, "
+                f"got {chat_template_content_format!r}"
+            )
+        template = chat_template or self.tokenizer.chat_template
+        as_parts = bool(template) and content_format(template, chat_template_content_format) == "openai"
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         mm = self.input_processor.mm_processor
@@ -186,6 +197,7 @@ class LLM(PoolingMethods):
                 lambda url, field: load_image(url, policy, field),
                 video_placeholder=mm and mm.chat_video_placeholder,
                 load_video=lambda url, field: load_video(url, policy, field),
+                as_parts=as_parts,
             )
             text = self.tokenizer.apply_chat_template(
                 conversation,

@@ -2,12 +2,15 @@
 
 import itertools
 
+import numpy as np
 import pytest
 
 import xlaserve.core.kv_cache_manager as kv_cache_manager_module
 from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.core.request import Request
+from xlaserve.lora_request import LoRARequest
 from xlaserve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -290,6 +293,7 @@ def _stored(request, first: int, last: int, parent: int | None) -> BlockStored:
         lora_id=None,
         medium="GPU",
         lora_name=None,
+        extra_keys=[None] * (last + 1 - first),  # vLLM's: one entry per block, None for a plain one
         group_idx=0,
         kv_cache_spec_kind="full_attention",
     )
@@ -323,6 +327,40 @@ def test_kv_events_follow_the_prefix_cache(make_manager):
     admit(off, request := make_request(range(10)))
     assert off.block_pool.kv_events is None and off.take_events() == []
     off.free(request)
+
+
+def test_kv_events_carry_extra_keys_and_a_reset_while_running_stores_the_chain_again(make_manager):
+    manager = make_manager(enable_kv_cache_events=True)
+    image = MultiModalFeature("image", "img", offset=6, length=4, data=np.zeros(1, np.float32))
+
+    def tenant_request(request_id):
+        return Request(
+            request_id,
+            list(range(13)),
+            SamplingParams(max_tokens=8),
+            cache_salt="salt",
+            lora_request=LoRARequest("adapter", 1, "/adapters/a"),
+            mm_features=[image],
+        )
+
+    request = tenant_request("first")
+    admit(manager, request)  # blocks 0..2 full: the image's tokens 6..9 lie in blocks 1 and 2
+    (stored,) = manager.take_events()
+    # vLLM's order: the adapter's name on every block, (image hash, offset in the block), the salt first.
+    assert stored.extra_keys == [("adapter", "salt"), ("adapter", ("img", 2)), ("adapter", ("img", -2))]
+    assert (stored.lora_id, stored.lora_name) == (1, "adapter")
+    # A reset while the request holds its blocks: a router drops them all, and so does the index; at
+    # its next step the request indexes them again from the first, so the chain a router hears after
+    # AllBlocksCleared starts at a root (no block whose parent it was told to forget).
+    assert manager.reset_prefix_cache() and manager.take_events() == [AllBlocksCleared()]
+    request.append_output_token_ids([100, 101, 102])
+    assert manager.allocate_slots(request, 3) is not None
+    request.num_computed_tokens = 16
+    (again,) = manager.take_events()
+    u64 = [int.from_bytes(h[-8:], "big") for h in request.block_hashes]
+    assert (again.block_hashes, again.parent_block_hash, len(again.token_ids)) == (u64, None, 16)
+    assert manager.get_computed_blocks(tenant_request("next"))[1] == 12  # what the router was told
+    manager.free(request)
 
 
 def test_sizes_usage_and_max_model_len(make_manager):

@@ -13,6 +13,7 @@ import pytest
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import KVCacheManager
+from xlaserve.core.kv_events import BlockRemoved, BlockStored
 from xlaserve.core.kv_offload import (
     GIB,
     HostBlockIndex,
@@ -278,3 +279,28 @@ def test_the_persistent_tiers_directory_is_named_by_what_the_blocks_depend_on(tm
     dp = EngineConfig.from_kwargs(**base, data_parallel_size=2)
     rank1 = dataclasses.replace(dp, parallel=dataclasses.replace(dp.parallel, data_parallel_rank=1))
     assert persistent_tier_dir(dp, 4608) == name and persistent_tier_dir(rank1, 4608) == f"{name}-dp1"
+
+
+def test_the_host_tiers_stores_and_evictions_are_kv_cache_events():
+    """vLLM's offloading connector's events (medium "CPU", hashes only), in the order the tier changed."""
+    connector = OffloadingConnectorScheduler(2, BLOCK_SIZE, bytes_per_block=100, enable_kv_cache_events=True)
+    manager = KVCacheManager(BLOCK_SIZE, 7, True, 64, on_evict=connector.on_block_evicted)
+    first = _request(list(range(10, 23)))  # 3 full blocks
+    _fill(manager, first)
+    _fill(manager, _request(list(range(50, 73))))  # evicts the first's three, tail first
+    assert connector.take_events() == []  # saves are planned with the step
+    connector.build_connector_meta([None])
+    a0, a1, a2 = (int.from_bytes(h[-8:], "big") for h in first.block_hashes)
+
+    def stored(hashes):
+        return BlockStored(hashes, None, [], 0, lora_id=None, medium="CPU", lora_name=None)
+
+    # Two slots: the third save evicts the least recently saved.
+    assert connector.take_events() == [stored([a2, a1]), BlockRemoved([a2], medium="CPU"), stored([a0])]
+    assert connector.take_events() == []
+    _fill(manager, _request(list(range(80, 103))))
+    assert connector.build_connector_meta([None]) is not None  # more stores and evictions, then a reset:
+    connector.reset()  # the device cache's AllBlocksCleared covers the tier, so nothing pending is sent
+    assert connector.take_events() == []
+    off = OffloadingConnectorScheduler(2, BLOCK_SIZE, bytes_per_block=100)
+    assert off._changes is None and off.index.on_evict is None and off.take_events() == []

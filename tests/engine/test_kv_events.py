@@ -18,16 +18,23 @@ from xlaserve.engine.kv_events import ZmqEventPublisher
 def test_a_subscriber_that_missed_batches_gets_them_replayed():
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     config = KVEventsConfig(
-        enable_kv_cache_events=True, endpoint=f"tcp://*:{free_port()}", replay_endpoint=endpoint
+        enable_kv_cache_events=True,
+        endpoint=f"tcp://*:{free_port()}",
+        replay_endpoint=endpoint,
+        buffer_steps=3,
     )
     publisher = ZmqEventPublisher(config, data_parallel_rank=1)
     try:
-        for _ in range(3):
+        for _ in range(4):
             publisher.publish([kv_events.AllBlocksCleared()])
-        kept = replay(endpoint, 1)
-        assert list(kept) == [1, 2]
+        kept = replay(endpoint, 2)
+        assert list(kept) == [2, 3]
         batches = [DECODER.decode(payload) for payload in kept.values()]
         assert all(b.data_parallel_rank == 1 and b.events == [AllBlocksCleared()] for b in batches)
+        # vLLM's answers to a start out of the buffer: one older than the oldest kept gets all it keeps
+        # (batch 0 is gone), one past the newest only the end marker.
+        assert list(replay(endpoint, 0)) == [1, 2, 3]
+        assert replay(endpoint, 9) == {}
     finally:
         publisher.shutdown()
 

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from helpers import vllm_kv_events
 from helpers.family_cases import make_hf_model, save_hf_model
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
@@ -138,13 +139,29 @@ def test_cache_salt_separates_host_tier_tenants(model_dir):
 def test_host_tier_is_bounded_least_recently_used_out(model_dir):
     # Room for 4 blocks: the 5 evicted blocks of the first prompt leave its first block out.
     size = 4 * 4608 / 2**30
-    llm = LLM(model_dir, kv_offloading_size=size, **ENGINE_ARGS)
+    sub, endpoint = vllm_kv_events.subscribe()
+    kv_events = {"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "kv"}
+    llm = LLM(model_dir, kv_offloading_size=size, kv_events_config=kv_events, **ENGINE_ARGS)
     connector = llm.engine_core.kv_connector
     worker = llm.engine_core.runner.kv_connector
     for prompt in _prompts(seed=3, num=6):
         _run(llm, prompt)
     assert len(connector.index) == 4 and connector.index.num_evicted > 0
     assert worker.host_bytes <= size * 2**30
+    # A router's view from the KV cache events (vLLM's structs), per medium: what each tier holds.
+    held = {"GPU": set(), "CPU": set()}
+    batches = vllm_kv_events.receive(sub)
+    for seq in sorted(batches):
+        for event in vllm_kv_events.DECODER.decode(batches[seq]).events:
+            if isinstance(event, vllm_kv_events.BlockStored):
+                held[event.medium].update(event.block_hashes)
+            else:
+                assert isinstance(event, vllm_kv_events.BlockRemoved)
+                held[event.medium].difference_update(event.block_hashes)
+    sub.close()
+    assert held["CPU"] == {int.from_bytes(h[-8:], "big") for h in connector.index.slot_of}
+    cached = llm.engine_core.kv_cache_manager.cached_blocks()
+    assert held["GPU"] == {int.from_bytes(h[-8:], "big") for h, _ in cached}
     _assert_all_free(llm)
     llm.shutdown()
 

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
+from xlaserve.engine.mm_processor import content_format
 from xlaserve.entrypoints.arg_utils import add_tool_args, auto_tool_choice, tool_options
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, make_tool_parser
-from xlaserve.entrypoints.serving.chat_path import choice_parser
-from xlaserve.entrypoints.serving.chat_template import content_format, conversation
+from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
+from xlaserve.entrypoints.serving.chat_template import conversation
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ChatMessage
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
@@ -234,6 +235,38 @@ def test_auto_choice_is_not_forced():
     )
     parser = choice_parser(state, req, plan_tools(req, True), [])
     assert not parser.is_forced and parser.parse("Hello.").content == "Hello."
+
+
+@pytest.mark.parametrize("switches", [None, {"thinking": True}, {"enable_thinking": True}])
+def test_chat_template_kwargs_reach_the_reasoning_parser(switches):
+    """DeepSeek-V3.1's thinking is the request's template switch, which the prompt shows no tag of: the
+    chat path hands the request's chat_template_kwargs to the parser, which then splits the answer and
+    makes structured output wait for </think> (off: all answer, the grammar from the first token)."""
+
+    class Tokenizer:
+        def get_vocab(self):
+            return {"<think>": 10, "</think>": 11}
+
+    state = SimpleNamespace(
+        tool_parser_cls=None,
+        reasoning_parser_cls=get_reasoning_parser("deepseek_v3"),
+        engine=SimpleNamespace(tokenizer=Tokenizer()),
+        default_sampling={},
+    )
+    req = request(chat_template_kwargs=switches, structured_outputs={"regex": "[0-9]+"})
+    plan = plan_tools(req, False)
+    parsed = choice_parser(state, req, plan, [1, 2]).parse("Two.</think>2")
+    gate = chat_sampling_params(state, req, plan, [1, 2], 8).structured_outputs.reasoning_end_token_id
+    if switches is None:
+        assert (parsed.reasoning, parsed.content, gate) == (None, "Two.</think>2", None)
+    else:
+        assert (parsed.reasoning, parsed.content, gate) == ("Two.", "2", 11)
+    # olmo3's </think> is text, which no token id can gate: a 400 naming the field, not a grammar on the
+    # thinking
+    state.reasoning_parser_cls = get_reasoning_parser("olmo3")
+    with pytest.raises(APIError, match="olmo3 reasoning parser") as error:
+        chat_sampling_params(state, req, plan, [1, 2], 8)
+    assert (error.value.status_code, error.value.param) == (400, "structured_outputs")
 
 
 # -- auto tool choice at start: on by default where the model's family has a known parser ----------

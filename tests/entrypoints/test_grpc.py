@@ -208,6 +208,7 @@ def test_bad_requests_are_invalid_argument_naming_the_field(stub, auth, fields, 
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     details = e.value.details()
     assert details.startswith(f"{field}: ") or f"{field}" in details.split(":", 1)[0], details
+    assert not details.startswith(f"{field}: {field}"), details  # the field named once
     assert len(details) <= 600 and "Traceback" not in details
 
 

@@ -161,6 +161,16 @@ def test_chat_takes_vllms_template_arguments(llm):
     tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(2)]
     kwargs = {"chat_template": template, "tools": tools, "chat_template_kwargs": {"mood": "calm"}}
     assert llm.chat(chat[:1], one, use_tqdm=False, **kwargs)[0].prompt == "Name a color.|2 tools|calm"
+    # The content format: a template looping over a message's content gets parts ("auto" sees the loop).
+    parts = "{% for m in messages %}{% if m.content is string %}S:{{ m.content }}{% else %}"
+    parts += "{% for p in m.content %}P:{{ p.text }}{% endfor %}{% endif %}{% endfor %}"
+    split = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}]
+    for fmt, want in [("auto", "P:HiP:!"), ("openai", "P:HiP:!"), ("string", "S:Hi!")]:
+        kwargs = {"chat_template": parts, "chat_template_content_format": fmt, "use_tqdm": False}
+        assert llm.chat(split, one, **kwargs)[0].prompt == want, fmt
+    assert llm.chat(chat[:1], one, chat_template=parts, use_tqdm=False)[0].prompt == "P:Name a color."
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        llm.chat(chat, one, chat_template_content_format="parts")
     with pytest.raises(ValueError, match="continue_final_message=True needs add_generation_prompt=False"):
         llm.chat(chat, one, continue_final_message=True)
     with pytest.raises(ValueError, match=r"chat_template_kwargs cannot set \['tools'\]"):

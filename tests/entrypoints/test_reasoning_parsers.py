@@ -1,5 +1,6 @@
 """Reasoning parsers on scripted outputs: the split one-shot, streamed at every split, and where the
-thinking starts as the prompt's ids say."""
+thinking starts as the prompt's ids say (or the request's chat_template_kwargs: `NAME+SWITCH` below is
+the parser for a request with `{SWITCH: true}`)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,49 @@ CASES = [
     ("qwen3", "\n<think>a < b</thi</think>yes", "a < b</thi", "yes"),
     ("qwen3", "<think>never closed", "never closed", None),
     ("qwen3", "<thin", None, "<thin"),
+    # DeepSeek-V3.1: thinking only when the request turns it on
+    ("deepseek_v3", "<think>x</think>y", None, "<think>x</think>y"),
+    ("deepseek_v3+thinking", "Let me think.</think>\n\nSure.", "Let me think.", "Sure."),
+    ("deepseek_v3+enable_thinking", "cut off", "cut off", None),
+    # Granite: plain-word markers, which a stream splits anywhere
+    (
+        "granite",
+        "Here is my thought process:\nThe user greets me.\nHere is my response:\nHello!",
+        "\nThe user greets me.\n",
+        "Hello!",
+    ),
+    ("granite", "Here's my thought process: a Here is: b Here's my response: c", " a Here is: b ", "c"),
+    (
+        "granite",
+        "Here is my thought process: a Here's my response: b Here is my response: c",
+        " a ",
+        "b Here is my response: c",
+    ),
+    ("granite", "Hi! Here is my response: no thoughts", None, "Hi! Here is my response: no thoughts"),
+    ("granite", "Here is my thought process: cut off, Here is my", " cut off, Here is my", None),
+    ("granite", "Here is my though", None, "Here is my though"),
+    # Magistral: answer text may stand before [THINK]; a stray [/THINK] without one is dropped
+    ("mistral", "[THINK]Paris is the capital.[/THINK]Paris.", "Paris is the capital.", "Paris."),
+    ("mistral", "Sure. [THINK]a [/TH b[/THINK] Done", "a [/TH b", "Sure.  Done"),
+    ("mistral", "no thinking [/THINK]here[/THINK]", None, "no thinking here[/THINK]"),
+    ("mistral", "[THINK]never closed [/THIN", "never closed [/THIN", None),
+    ("mistral", "[THINK", None, "[THINK"),
+    # Olmo 3 Think: the template opened <think>, whose tags are plain text
+    ("olmo3", "The user asks.</think>\n\nHi!", "The user asks.", "Hi!"),
+    ("olmo3", "<think>x</thi</think>y", "x</thi", "y"),
+    ("olmo3", "cut before the end", "cut before the end", None),
 ]
 
 
 class FakeTokenizer:
     def get_vocab(self):
-        return {"<think>": 10, "</think>": 11, "a": 1, "b": 2}
+        return {"<think>": 10, "</think>": 11, "a": 1, "b": 2, "[THINK]": 20, "[/THINK]": 21}
+
+
+def _parser(spec: str, tokenizer=None, **kwargs):
+    name, _, switch = spec.partition("+")
+    switches = {switch: True} if switch else None
+    return get_reasoning_parser(name)(tokenizer, chat_template_kwargs=switches, **kwargs)
 
 
 def _streamed(parser, chunks):
@@ -48,11 +86,10 @@ def _streamed(parser, chunks):
 
 @pytest.mark.parametrize(("name", "output", "reasoning", "content"), CASES)
 def test_split(name, output, reasoning, content):
-    cls = get_reasoning_parser(name)
-    assert cls().extract_reasoning(output) == (reasoning, content)
+    assert _parser(name).extract_reasoning(output) == (reasoning, content)
     for cut in range(len(output) + 1):
-        assert _streamed(cls(), [output[:cut], output[cut:]]) == (reasoning, content), cut
-    assert _streamed(cls(), list(output)) == (reasoning, content)
+        assert _streamed(_parser(name), [output[:cut], output[cut:]]) == (reasoning, content), cut
+    assert _streamed(_parser(name), list(output)) == (reasoning, content)
 
 
 def test_stream_holds_a_possible_end_tag():
@@ -85,6 +122,27 @@ def test_is_reasoning_end():
     assert parser.is_reasoning_end([11, 2])
     assert not parser.is_reasoning_end([10, 11, 10, 2])  # a new thought opened after the last end
     assert not parser.is_reasoning_end([])
+    # DeepSeek-V3.1 without thinking: nothing to wait for (structured output from the first token)
+    assert _parser("deepseek_v3", FakeTokenizer()).is_reasoning_end([1, 10, 2])
+    assert not _parser("deepseek_v3+thinking", FakeTokenizer()).is_reasoning_end([1, 10, 2])
+    mistral = _parser("mistral", FakeTokenizer())
+    assert (mistral.start_token_id, mistral.end_token_id, mistral.keeps_special_tokens) == (20, 21, True)
+    assert mistral.is_reasoning_end([20, 1, 21]) and not mistral.is_reasoning_end([20, 21, 20])
+
+
+def test_granite_structured_output_starts_after_the_response_marker():
+    """With thinking on, the grammar waits for "Here is my response:" as a byte-level BPE (Granite's
+    kind) writes it inside a text: the engine's EndOfThinking ends the thinking at its ":"."""
+    from helpers.tiny_models import small_byte_tokenizer
+    from xlaserve.engine.structured_output.manager import EndOfThinking
+
+    tokenizer = small_byte_tokenizer()
+    output = "Here is my thought process:\nHere is: 3.\n\nHere is my response:\n{}"
+    ids = tokenizer.encode(output, add_special_tokens=False)
+    parser = _parser("granite+thinking", tokenizer)
+    assert not parser.is_reasoning_end([]) and _parser("granite", tokenizer).is_reasoning_end([])
+    end = EndOfThinking(parser.end_token_id, parser.end_prefix_ids).ends_at(ids)
+    assert end is not None and tokenizer.decode(ids[: end + 1]).endswith("\n\nHere is my response:")
 
 
 def test_tokenizer_without_tags_is_refused():
@@ -97,6 +155,6 @@ def test_tokenizer_without_tags_is_refused():
 
 
 def test_registry():
-    assert {"deepseek_r1", "qwen3"} <= set(REASONING_PARSERS)
+    assert {"deepseek_r1", "deepseek_v3", "qwen3", "granite", "mistral", "olmo3"} <= set(REASONING_PARSERS)
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         get_reasoning_parser("nope")

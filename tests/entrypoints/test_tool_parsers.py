@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -114,7 +115,127 @@ CASES = [
         [("a", {"x": 1}), ("b", {"y": [True]})],
     ),
     ("required", "[]", "[]", []),
+    # Qwen3-Coder's XML: values typed by REQUEST's schema (a string, an int that is not one, an
+    # untyped parameter, a list of types), a bare <function=...>, a </function> cut off at the end
+    (
+        "qwen3_coder",
+        "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=temp>\n"
+        '21.0\n</parameter>\n<parameter=opts>\n{"h": [1, 2]}\n</parameter>\n<parameter=note>\nnull\n'
+        "</parameter>\n<parameter=extra>\n7\n</parameter>\n</function>\n</tool_call>",
+        "Let me check.",
+        [
+            (
+                "get_weather",
+                {
+                    "city": "Paris",
+                    "days": 3,
+                    "metric": True,
+                    "temp": 21,
+                    "opts": {"h": [1, 2]},
+                    "note": None,
+                    "extra": "7",
+                },
+            )
+        ],
+    ),
+    (
+        "qwen3_coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n<parameter=temp>\n"
+        "-1.5\n</parameter>\n<parameter=span>\n[1, 2]\n</parameter>\n</function>\n</tool_call>\n"
+        "<function=run>\n<parameter=code>\ndef f():\n    return '<a>'\n\n</parameter>\n"
+        "<parameter=x>\n1",
+        None,
+        [
+            ("get_weather", {"days": "three", "temp": -1.5, "span": [1, 2]}),
+            ("run", {"code": "def f():\n    return '<a>'\n", "x": "1"}),
+        ],
+    ),
+    (
+        "qwen3_coder",
+        "<tool_call><function=a><parameter=x>1</parameter></function>"
+        "<function=get_weather><parameter=days>2</parameter></function></tool_call>",
+        None,
+        [("a", {"x": "1"}), ("get_weather", {"days": 2})],
+    ),
+    (
+        "qwen3_coder",
+        '<tool_call>\n{"name": "f"}\n</tool_call>',
+        '<tool_call>\n{"name": "f"}\n</tool_call>',
+        [],
+    ),
+    ("qwen3_coder", "a <b> c <function=bad name\n>", "a <b> c <function=bad name\n>", []),
+    # Llama 3.2 / Llama 4's Python list of calls
+    (
+        "pythonic",
+        "[get_weather(city=\"Paris\", days=3), get_time(tz='Europe/Paris', "
+        'opts={"h24": True, "n": [1, -2.5e-3, None], "s": "a, b) c"})]',
+        None,
+        [
+            ("get_weather", {"city": "Paris", "days": 3}),
+            (
+                "get_time",
+                {"tz": "Europe/Paris", "opts": {"h24": True, "n": [1, -2.5e-3, None], "s": "a, b) c"}},
+            ),
+        ],
+    ),
+    ("pythonic", "[f()]", None, [("f", {})]),
+    ("pythonic", "The list is [1, 2].", "The list is [1, 2].", []),
+    ("pythonic", "[1, 2]", "[1, 2]", []),
+    ("pythonic", "[f(x)]", "[f(x)]", []),
+    # DeepSeek-V3's and V3.1's special-token blocks
+    (
+        "deepseek_v3",
+        "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n'
+        '```json\n{"tz": "UTC", "f": [1]}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "Sure.",
+        [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC", "f": [1]})],
+    ),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜>oops", "<｜tool▁calls▁begin｜>oops", []),
+    (
+        "deepseek_v31",
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+        "<｜tool▁call▁end｜>"
+        "<｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜> Done.",
+        "Done.",
+        [("get_weather", {"city": "Paris"}), ("f", {})],
+    ),
+    ("deepseek_v31", "No tools: 2 < 3.", "No tools: 2 < 3.", []),
+    # Granite 3.0's special token, Granite 3.1's text tag
+    (
+        "granite",
+        '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "granite",
+        '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]',
+        None,
+        [("a", {}), ("b", {"x": 1})],
+    ),
+    ("granite", "Hello [there]", "Hello [there]", []),
 ]
+# The request the outputs answer: qwen3_coder types its values by these schemas; the others ignore it.
+_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "metric": {"type": "boolean"},
+        "temp": {"type": "number"},
+        "opts": {"type": "object"},
+        "note": {"type": "string"},
+        "span": {"type": ["array", "null"]},
+    },
+}
+REQUEST = SimpleNamespace(
+    tools=[
+        SimpleNamespace(type="function", function=SimpleNamespace(name="get_weather", parameters=_SCHEMA))
+    ],
+    parallel_tool_calls=None,
+)
 
 
 def make_parser(name: str):
@@ -129,8 +250,8 @@ def _streamed(parser_name: str, chunks: list[str]):
     deltas = []
     for chunk in chunks:
         previous, text = text, text + chunk
-        deltas.append(parser.extract_tool_calls_streaming(previous, text, chunk))
-    deltas.append(parser.finish_streaming(text))
+        deltas.append(parser.extract_tool_calls_streaming(previous, text, chunk, REQUEST))
+    deltas.append(parser.finish_streaming(text, REQUEST))
     for delta in deltas:
         if delta is None:
             continue
@@ -148,7 +269,7 @@ def _streamed(parser_name: str, chunks: list[str]):
 
 @pytest.mark.parametrize(("parser_name", "output", "content", "calls"), CASES)
 def test_one_shot(parser_name, output, content, calls):
-    result = make_parser(parser_name).extract_tool_calls(output, None)
+    result = make_parser(parser_name).extract_tool_calls(output, REQUEST)
     assert result.content == content
     assert result.tools_called == bool(calls)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in result.tool_calls] == calls
@@ -157,7 +278,7 @@ def test_one_shot(parser_name, output, content, calls):
 
 @pytest.mark.parametrize(("parser_name", "output", "content", "calls"), CASES)
 def test_stream_split_anywhere_matches_one_shot(parser_name, output, content, calls):
-    one_shot = make_parser(parser_name).extract_tool_calls(output, None)
+    one_shot = make_parser(parser_name).extract_tool_calls(output, REQUEST)
     expected = (one_shot.content, [(c.function.name, c.function.arguments) for c in one_shot.tool_calls])
     assert _streamed(parser_name, list(output)) == expected  # one character at a time
     for cut in range(len(output) + 1):  # every two-piece split
@@ -197,6 +318,40 @@ def test_broken_call_after_announcement_keeps_stream_whole():
     assert get_tool_parser("hermes")().extract_tool_calls(text).content == text
 
 
+def test_xml_and_pythonic_arguments_are_json_dumps_text():
+    """qwen3_coder's and pythonic's arguments are built, not copied: the text is json.dumps' of the
+    values (what vLLM sends), whichever way the stream was cut."""
+    for name, output, _, calls in CASES:
+        if name not in ("qwen3_coder", "pythonic"):
+            continue
+        result = get_tool_parser(name)().extract_tool_calls(output, REQUEST)
+        assert [c.function.arguments for c in result.tool_calls] == [
+            json.dumps(args, ensure_ascii=False) for _, args in calls
+        ]
+
+
+def test_qwen3_coder_string_values_stream_as_written():
+    """A string parameter (long code, a file's text) streams as it comes; a typed one waits for its end."""
+    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+    text += "<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>"
+    parser = get_tool_parser("qwen3_coder")()
+    pieces = []
+    for i in range(1, len(text) + 1):
+        delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1], REQUEST)
+        pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
+    assert pieces[:3] == ["{", '"city": "S', "a"]
+    assert pieces[-3:] == ['"', ', "days": 12', "}"]
+    assert "".join(pieces) == '{"city": "San Francisco", "days": 12}'
+
+
+def test_pythonic_broken_after_announcement():
+    """A value that is not a literal after the call went out: one-shot, all content (not calls);
+    streamed, the call keeps what was sent and the rest is content."""
+    text = "[f(a=1, b=g())]"
+    assert get_tool_parser("pythonic")().extract_tool_calls(text).content == text
+    assert _streamed("pythonic", list(text)) == ("b=g())]", [("f", '{"a": 1')])
+
+
 def test_forced_call_cut_off():
     """max_tokens ended a forced call: one-shot it is content (not a call), streamed the call went out."""
     text = '{"city": "Par'
@@ -215,7 +370,9 @@ def test_parallel_tool_calls_false_keeps_the_first():
 
 
 def test_registry_and_defaults():
-    assert {"hermes", "llama3_json", "mistral"} <= set(TOOL_PARSERS)
+    assert {"hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "deepseek_v3", "deepseek_v31"} | {
+        "granite"
+    } <= set(TOOL_PARSERS)
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
     assert default_tool_parser("qwen2") == "hermes"

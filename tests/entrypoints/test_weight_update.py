@@ -191,6 +191,7 @@ def test_a_router_follows_the_prefix_cache_through_kv_events(llm, events_sub):
     for event in events[1:]:
         assert event.parent_block_hash is None or event.parent_block_hash in held  # chained to one seen
         assert (event.block_size, event.medium, event.group_idx) == (8, "GPU", 0)
+        assert event.extra_keys == [None] * len(event.block_hashes)  # vLLM's: a plain block's is None
         for i, block_hash in enumerate(event.block_hashes):
             assert block_hash not in held  # each block stored once
             held[block_hash] = event.token_ids[i * 8 : (i + 1) * 8]

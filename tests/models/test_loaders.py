@@ -417,6 +417,32 @@ def test_dtype_cast(tmp_path):
     assert {t.dtype for t in checkpoint.tensors.values()} == {np.dtype(np.float16)}
 
 
+def test_fused_gate_up_halves_are_read_when_used_each_alone(tmp_path):
+    """Granite's fused experts ([E, 2F, D], split on axis 1) and shared MLP ([2F, D], axis 0) become
+    lazy halves: nothing read until used, then each half's values exactly, in the cast dtype."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from xlaserve.models.granite import granite_expert_tensors
+    from xlaserve.models.safetensors_loader import DerivedTensor, load_safetensors, split_halves
+
+    rng = np.random.default_rng(0)
+    fused = rng.standard_normal((3, 8, 5)).astype(ml_dtypes.bfloat16)
+    shared = rng.standard_normal((6, 4)).astype(np.float32)
+    save_file({"fused": fused, "shared": shared}, str(tmp_path / "model.safetensors"))
+    tensors = load_safetensors(str(tmp_path), progress=False)
+    parts = granite_expert_tensors("m.layers.0.mlp", "input_linear.weight", tensors["fused"])
+    gate, up = parts["m.layers.0.mlp.experts_gate.weight"], parts["m.layers.0.mlp.experts_up.weight"]
+    assert isinstance(gate, DerivedTensor) and gate.shape == up.shape == (3, 4, 5)
+    np.testing.assert_array_equal(gate.read(), fused[:, :4])
+    np.testing.assert_array_equal(up.astype(np.float32).read(), fused[:, 4:].astype(np.float32))
+    halves = split_halves(tensors["shared"].astype(np.float16), axis=0)
+    for half, want in zip(halves, np.split(shared, 2, axis=0), strict=True):
+        assert half.read().dtype == np.float16
+        np.testing.assert_array_equal(half.read(), want.astype(np.float16))
+    np.testing.assert_array_equal(split_halves(shared, axis=1)[1], shared[:, 2:])  # an array: now
+
+
 # A start's load in a fresh process, for each checkpoint named: the imports and the backend first, then
 # the high-water mark reset (/proc/self/clear_refs), the checkpoint loaded and placed; -> the peak's
 # growth in bytes, one line per checkpoint.

@@ -77,8 +77,11 @@ def _grpc_status(error: APIError) -> grpc.StatusCode:
 
 
 def _message(error: APIError) -> str:
-    """The HTTP error's message, with the field it names (gRPC statuses have no `param`)."""
-    return f"{error.param}: {error.message}" if error.param else error.message
+    """The HTTP error's message, led by the field it names (gRPC statuses have no `param`) unless the
+    message already starts with it."""
+    if not error.param or error.message.startswith(error.param):
+        return error.message
+    return f"{error.param}: {error.message}"
 
 
 def sampling_params(fields, state: ServerState, num_prompt_tokens: int) -> SamplingParams:

@@ -15,6 +15,7 @@ import dataclasses
 
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, make_tool_parser
 from xlaserve.entrypoints.serving.engine_io import make_sampling_params
+from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.reasoning import ReasoningParser
 from xlaserve.entrypoints.serving.state import ServerState
@@ -22,11 +23,17 @@ from xlaserve.entrypoints.serving.tools import ToolPlan
 from xlaserve.sampling_params import SamplingParams
 
 
-def reasoning_parser(state: ServerState, prompt_ids: list[int]) -> ReasoningParser | None:
-    """The server's --reasoning-parser for one choice (None without one)."""
+def reasoning_parser(
+    state: ServerState, req: ChatCompletionRequest, prompt_ids: list[int]
+) -> ReasoningParser | None:
+    """The server's --reasoning-parser for one choice (None without one). It sees the request's
+    chat_template_kwargs, as vLLM's do: some families' thinking is a template switch (DeepSeek-V3.1's,
+    Granite's `thinking`) that leaves no tag in the prompt to read."""
     if state.reasoning_parser_cls is None:
         return None
-    return state.reasoning_parser_cls(state.engine.tokenizer, prompt_token_ids=prompt_ids)
+    return state.reasoning_parser_cls(
+        state.engine.tokenizer, prompt_token_ids=prompt_ids, chat_template_kwargs=req.chat_template_kwargs
+    )
 
 
 def chat_sampling_params(
@@ -45,8 +52,16 @@ def chat_sampling_params(
     params = make_sampling_params(req, max_tokens, top_n, defaults=state.default_sampling)
     changes = {}
     spec = plan.structured_outputs or params.structured_outputs
-    reasoning = reasoning_parser(state, ids)
+    reasoning = reasoning_parser(state, req, ids)
     if spec is not None and reasoning is not None and not reasoning.is_reasoning_end(ids):
+        if reasoning.end_token_id is None:
+            field = "structured_outputs" if req.structured_outputs is not None else "response_format"
+            field = "tool_choice" if plan.structured_outputs is not None else field
+            raise bad_request(
+                f"{field}: structured output cannot wait for the end of the thinking with the "
+                f"{reasoning.name} reasoning parser (no token of the vocabulary ends it)",
+                field,
+            )
         spec = dataclasses.replace(
             spec,
             reasoning_end_token_id=reasoning.end_token_id,
@@ -68,4 +83,4 @@ def choice_parser(
     """A new parser for one choice of the request (each choice needs its own: it keeps its stream's
     state); forced under a forced tool choice."""
     tools = make_tool_parser(plan, state.tool_parser_cls, state.engine.tokenizer)
-    return ChoiceParser(reasoning_parser(state, ids), tools, req, is_forced=plan.is_forced)
+    return ChoiceParser(reasoning_parser(state, req, ids), tools, req, is_forced=plan.is_forced)

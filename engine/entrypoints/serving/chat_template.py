@@ -11,13 +11,12 @@ does not quote it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 
-from jinja2 import TemplateError, TemplateSyntaxError, nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import TemplateError, TemplateSyntaxError
 
+from xlaserve.engine.mm_processor import content_format
 from xlaserve.entrypoints.serving.engine_io import require_tokenizer
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ChatMessage, ChatTool
@@ -31,7 +30,6 @@ from xlaserve.entrypoints.serving.tools import (
 )
 
 logger = logging.getLogger("xlaserve.entrypoints.serving")
-_ENV = ImmutableSandboxedEnvironment()  # parses templates for content_format; renders none
 _MEDIA = {"image_url": "image", "video_url": "video"}  # a media part as the "openai" format gives it
 # A template that reads an assistant message's `thinking` (gpt-oss's): `message.thinking`,
 # `message['thinking']`, `"thinking" in message`; not Qwen3's `enable_thinking` flag.
@@ -43,30 +41,6 @@ _READS_THINKING = re.compile(
 def template_takes_thinking(template: str | None) -> bool:
     """Does the template render an assistant message's thinking as `thinking` (gpt-oss's)?"""
     return isinstance(template, str) and _READS_THINKING.search(template) is not None
-
-
-def content_format(template: str, flag: str) -> str:
-    """The --chat-template-content-format a template gets: the flag's, or for "auto" vLLM's guess,
-    "openai" where the template loops over a message's content (`for part in message['content']`, or
-    `.content`), else "string"."""
-    if flag != "auto":
-        return flag
-    return "openai" if _loops_over_content(template) else "string"
-
-
-@functools.lru_cache(maxsize=16)  # a server renders one template or a few
-def _loops_over_content(template: str) -> bool:
-    try:
-        loops = _ENV.parse(template).find_all(nodes.For)
-    except TemplateSyntaxError:
-        return False  # rendering it says what is wrong
-    for loop in loops:
-        it = loop.iter
-        if isinstance(it, nodes.Getattr) and it.attr == "content":
-            return True
-        if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content":
-            return True
-    return False
 
 
 def conversation(

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 from xlaserve.entrypoints.serving.reasoning.base import (
     DeepSeekR1ReasoningParser,
+    DeepSeekV3ReasoningParser,
+    MistralReasoningParser,
+    Olmo3ReasoningParser,
     Qwen3ReasoningParser,
     ReasoningDelta,
     ReasoningParser,
 )
+from xlaserve.entrypoints.serving.reasoning.granite import GraniteReasoningParser
 from xlaserve.entrypoints.serving.reasoning.harmony import GptOssReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    cls.name: cls for cls in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GptOssReasoningParser)
+    cls.name: cls
+    for cls in (
+        DeepSeekR1ReasoningParser,
+        DeepSeekV3ReasoningParser,
+        Qwen3ReasoningParser,
+        GptOssReasoningParser,
+        GraniteReasoningParser,
+        MistralReasoningParser,
+        Olmo3ReasoningParser,
+    )
 }
 
 

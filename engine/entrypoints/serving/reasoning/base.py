@@ -1,10 +1,12 @@
 """Reasoning parsers: a thinking model's text -> (reasoning, content), one-shot or streamed.
 
-Both formats here write the thinking between `<think>` and `</think>`; they differ in where the thinking
-may start. Whether the output starts inside the thinking is read from the prompt when it is known (a
-template that ends the prompt with `<think>` opened it; one that ends with `<think></think>`, as Qwen3's
-does for enable_thinking=false, closed it); otherwise the family's default applies (`starts_open`).
-An output that starts outside it is thinking only if it opens with `<think>`.
+The formats here write the thinking between a start and an end tag (`<think>` and `</think>`;
+Magistral's `[THINK]` and `[/THINK]`); they differ in where the thinking may start. Whether the output
+starts inside the thinking is read from the prompt when it is known (a template that ends the prompt
+with `<think>` opened it; one that ends with `<think></think>`, as Qwen3's does for
+enable_thinking=false, closed it); otherwise the family's default applies (`starts_open`). An output
+that starts outside it is thinking only if it opens with the start tag (Magistral's: wherever it is).
+Where thinking is a template switch (DeepSeek-V3.1's `thinking`), the request's chat_template_kwargs say.
 
 Streaming re-parses the text so far and sends what grew, holding back a possible tag, so a stream and
 a one-shot parse give the same split.
@@ -27,7 +29,8 @@ class ReasoningDelta:
 class ReasoningParser:
     """One instance per choice (it keeps the stream's state). `tokenizer` gives the tags' token ids
     (`is_reasoning_end`; a tokenizer without them as single tokens is a ValueError); `prompt_token_ids`
-    tell whether the output starts inside the thinking."""
+    tell whether the output starts inside the thinking; `chat_template_kwargs` are the request's (as
+    vLLM hands them to its parsers: where the family's thinking is a template switch, they tell)."""
 
     name: ClassVar[str]
     start_tag: ClassVar[str] = "<think>"
@@ -39,7 +42,13 @@ class ReasoningParser:
     # (StructuredOutputsParams.reasoning_end_prefix_ids; gpt-oss's `<|channel|>final`).
     end_prefix_ids: list[int] | None = None
 
-    def __init__(self, tokenizer: Any = None, *, prompt_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ):
         self.start_token_id = self.end_token_id = None
         if tokenizer is not None:
             self.start_token_id = single_token_id(tokenizer, self.start_tag)
@@ -138,3 +147,84 @@ class Qwen3ReasoningParser(ReasoningParser):
 
     name = "qwen3"
     starts_open = False
+
+
+class DeepSeekV3ReasoningParser(DeepSeekR1ReasoningParser):
+    """DeepSeek-V3.1: thinking is the request's switch, `chat_template_kwargs` `thinking` (or
+    `enable_thinking`, which vLLM takes too): on, the output is DeepSeek-R1's; off (the default), it
+    is all answer, a stray `</think>` included, and structured output applies from its first token."""
+
+    name = "deepseek_v3"
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ):
+        super().__init__(tokenizer, prompt_token_ids=prompt_token_ids)
+        switches = chat_template_kwargs or {}
+        self.is_thinking = bool(switches.get("thinking")) or bool(switches.get("enable_thinking"))
+
+    def is_reasoning_end(self, token_ids: list[int]) -> bool:
+        return not self.is_thinking or super().is_reasoning_end(token_ids)
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        return super()._split(text, final) if self.is_thinking else ("", text)
+
+
+class MistralReasoningParser(ReasoningParser):
+    """Magistral: `[THINK]` ... `[/THINK]`, special tokens (kept in the text for this parser). As vLLM's:
+    the thinking starts where the model writes `[THINK]` (its system prompt asks it to, and closes both
+    tags there); text before it is answer too, and without `[THINK]` a stray `[/THINK]` is dropped."""
+
+    name = "mistral"
+    start_tag = "[THINK]"
+    end_tag = "[/THINK]"
+    starts_open = False
+    keeps_special_tokens = True
+
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        if self.is_open:  # a prompt that ends inside [THINK]
+            return super()._split(text, final)
+        start = text.find(self.start_tag)
+        before = text if start < 0 else text[:start]
+        if start < 0 and not final:  # hold what may become either tag
+            held = max(held_suffix(before, tag) for tag in (self.start_tag, self.end_tag))
+            before = before[: len(before) - held]
+        stray = before.find(self.end_tag)
+        if stray >= 0:
+            before = before[:stray] + before[stray + len(self.end_tag) :]
+        if start < 0:
+            return "", before
+        pos = start + len(self.start_tag)
+        end = text.find(self.end_tag, pos)
+        if end < 0:
+            held = 0 if final else held_suffix(text, self.end_tag)
+            return text[pos : len(text) - held], before
+        return text[pos:end], before + text[end + len(self.end_tag) :]
+
+
+class Olmo3ReasoningParser(DeepSeekR1ReasoningParser):
+    """Olmo 3 Think: its template opens `<think>` in the prompt, and the tags are plain text (the
+    vocabulary has no token of them), so no prompt ids are read: the output starts inside the thinking,
+    a `<think>` the model writes anyway is dropped, and an output without `</think>` is all thinking (as
+    vLLM's olmo3 streams it; its one-shot parse gives that as content). No token id ends the thinking:
+    structured output is refused with this parser (the engine's gate is a token id)."""
+
+    name = "olmo3"
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ):
+        self.start_token_id = self.end_token_id = None
+        self.is_open = True
+        self._sent_reasoning = self._sent_content = 0
+
+    def is_reasoning_end(self, token_ids: list[int]) -> bool:
+        return False

@@ -20,7 +20,13 @@ class GptOssReasoningParser(ReasoningParser):
     starts_open = False
     keeps_special_tokens = True
 
-    def __init__(self, tokenizer: Any = None, *, prompt_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ):
         # No single token ends the thinking: the final channel's header does, `<|channel|>final`, then
         # (after an optional `<|constrain|>json`) its `<|message|>`; structured output starts after it.
         self.start_token_id = self.end_token_id = None

@@ -20,14 +20,29 @@ from xlaserve.entrypoints.serving.tool_parsers.base import (
     ToolParser,
     make_tool_call_id,
 )
+from xlaserve.entrypoints.serving.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from xlaserve.entrypoints.serving.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from xlaserve.entrypoints.serving.tool_parsers.gpt_oss import OpenAIToolParser
+from xlaserve.entrypoints.serving.tool_parsers.granite import GraniteToolParser
 from xlaserve.entrypoints.serving.tool_parsers.hermes import HermesToolParser
 from xlaserve.entrypoints.serving.tool_parsers.llama3_json import Llama3JsonToolParser
 from xlaserve.entrypoints.serving.tool_parsers.mistral import MistralToolParser
+from xlaserve.entrypoints.serving.tool_parsers.pythonic import PythonicToolParser
+from xlaserve.entrypoints.serving.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, OpenAIToolParser)
+    cls.name: cls
+    for cls in (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        MistralToolParser,
+        OpenAIToolParser,
+        Qwen3CoderToolParser,
+        PythonicToolParser,
+        DeepSeekV3ToolParser,
+        DeepSeekV31ToolParser,
+        GraniteToolParser,
+    )
 }
 # HF model_type -> the format its instruction-tuned models write.
 _FAMILY_PARSERS = {
