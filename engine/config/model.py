@@ -16,6 +16,7 @@ from xlaserve.structured_outputs_params import is_int
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 RUNNER_TYPES = ("generate", "pooling")
+TOKENIZER_MODES = ("auto", "hf")
 # vLLM's --logprobs-mode values (worker/sampler.py).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 logger = logging.getLogger(__name__)
@@ -60,6 +61,28 @@ class ModelConfig:
     tokenizer: str | None = field(
         default=None,
         metadata=arg("a tokenizer other than the model's: an HF directory (tokenizer.json) or a .gguf file"),
+    )
+    # vLLM's --tokenizer-mode: "hf" and "auto" are transformers' fast tokenizer, the only kind here.
+    # transformers 5 has no slow tokenizers (AutoTokenizer ignores use_fast), and mistral-common's and
+    # custom tokenizers are not wired in: those modes are refused by name.
+    tokenizer_mode: str = field(
+        default="auto",
+        metadata=arg(
+            "auto or hf: the model's Hugging Face (fast) tokenizer; vLLM's slow, mistral and custom modes "
+            "are not supported",
+            choices=TOKENIZER_MODES,
+        ),
+    )
+    # vLLM's --trust-remote-code: the code a model directory ships for transformers (auto_map in its
+    # tokenizer_config.json) may run when its tokenizer loads. The model itself always runs as one of
+    # xlaserve's own classes (models/registry.py), never as code from the checkpoint.
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=arg(
+            "let transformers run the Python files a model (or --tokenizer) directory ships for its "
+            "tokenizer (auto_map); the model itself always runs as xlaserve's own code, never the "
+            "checkpoint's"
+        ),
     )
     # No tokenizer (the directory need not have one): prompts are token ids, outputs token ids only.
     skip_tokenizer_init: bool = field(
@@ -235,6 +258,11 @@ class ModelConfig:
         require(
             self.tokenizer is None or os.path.exists(self.tokenizer),
             f"tokenizer must be a tokenizer directory or a .gguf file, got {self.tokenizer!r} (no such path)",
+        )
+        require(
+            self.tokenizer_mode in TOKENIZER_MODES,
+            f"tokenizer_mode must be one of {TOKENIZER_MODES}, got {self.tokenizer_mode!r} (transformers 5 "
+            "has no slow tokenizers; mistral and custom tokenizers are not supported)",
         )
         require(self.runner in RUNNER_TYPES, f"runner must be one of {RUNNER_TYPES}, got {self.runner!r}")
         require(

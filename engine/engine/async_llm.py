@@ -159,7 +159,8 @@ class AsyncLLM(CoreCalls):
         loop = asyncio.get_running_loop()
         if not self.config.model.skip_tokenizer_init:
             tokenizer = self.config.model.tokenizer or self.model
-            self.tokenizer = await loop.run_in_executor(None, _load_tokenizer, tokenizer)
+            trust_remote_code = self.config.model.trust_remote_code
+            self.tokenizer = await loop.run_in_executor(None, _load_tokenizer, tokenizer, trust_remote_code)
         ready = await self.core.wait_ready()
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
@@ -405,9 +406,9 @@ class AsyncLLM(CoreCalls):
         self.core.shutdown(timeout)  # blocks this loop for at most ~timeout: nothing else runs by now
 
 
-def _load_tokenizer(model: str | None):
+def _load_tokenizer(model: str | None, trust_remote_code: bool):
     """The tokenizer, loaded in a thread while the engine core starts. Imported here: it pulls in
     transformers (no jax, no loader), which the front end need not import before it spawns the core."""
     from xlaserve.models.tokenizer import load_tokenizer
 
-    return load_tokenizer(model)
+    return load_tokenizer(model, trust_remote_code=trust_remote_code)

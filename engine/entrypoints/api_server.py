@@ -206,6 +206,7 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, chat_template: 
         chat_template,
         loras,
         log_requests=not args.disable_log_requests,
+        max_log_len=args.max_log_len,
         api_key=args.api_key,
         enable_admin_api=args.enable_admin_api,
         enable_profiler=engine.config.compilation.profiler_dir is not None,

@@ -99,7 +99,21 @@ def add_serve_args(p) -> None:
     g.add_argument(
         "--disable-playground", action="store_true", help="do not serve the chat playground page at GET /"
     )
-    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    log_requests = g.add_mutually_exclusive_group()
+    log_requests.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    log_requests.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request (the default here; vLLM's default is off)",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=_non_negative_int("--max-log-len"),
+        default=None,
+        metavar="N",
+        help="request log lines also show the prompt's first N characters and token ids (default: no "
+        "prompt in the log; vLLM's default shows it whole)",
+    )
     g.add_argument(
         "--root-path",
         default=None,
@@ -203,6 +217,19 @@ def check_ssl_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--ssl-ca-certs: {args.ssl_ca_certs!r} holds no PEM CA certificate: {e}"
             ) from None
+
+
+def _non_negative_int(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{flag} takes an integer >= 0, got {text!r}")
+        return value
+
+    return parse
 
 
 def _json_list(flag: str):

@@ -116,9 +116,11 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
         seed=config.model.seed,
         skip_tokenizer_init=config.model.skip_tokenizer_init,
         quantization=config.model.quantization,
+        trust_remote_code=config.model.trust_remote_code,
     )
     if config.model.tokenizer is not None and not config.model.skip_tokenizer_init:
-        checkpoint = replace(checkpoint, tokenizer=load_tokenizer(config.model.tokenizer))
+        tokenizer = load_tokenizer(config.model.tokenizer, trust_remote_code=config.model.trust_remote_code)
+        checkpoint = replace(checkpoint, tokenizer=tokenizer)
     original_config = {**checkpoint.hf_config, **config.model.hf_overrides_dict}  # vLLM's hf_overrides
     if config.model.mm_processor_kwargs_dict:  # what the front end's processor reads too (image sizes)
         original_config["preprocessor_config"] = with_overrides(

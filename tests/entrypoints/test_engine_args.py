@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -62,7 +63,8 @@ def test_help_and_choices_come_from_the_field(parser):
 def test_flags_round_trip_into_the_config(parser):
     args = parser.parse_args(
         ["--max-num-seqs", "3", "-tp", "2", "--no-enable-prefix-caching", "--scheduling-policy", "priority",
-         "--enforce-eager", "--dtype", "float32", "--kv-cache-memory", "1024"]
+         "--enforce-eager", "--dtype", "float32", "--kv-cache-memory", "1024", "--trust-remote-code",
+         "--tokenizer-mode", "hf"]
     )  # fmt: skip
     config = EngineConfig.from_kwargs(None, **engine_kwargs(args))
     assert config.scheduler.max_num_seqs == 3
@@ -72,10 +74,25 @@ def test_flags_round_trip_into_the_config(parser):
     assert config.compilation.enforce_eager is True
     assert config.model.dtype == "float32"
     assert config.cache.kv_cache_memory == 1024
+    assert config.model.trust_remote_code is True and config.model.tokenizer_mode == "hf"
     # Everything not given keeps the config's default.
     default = EngineConfig.from_kwargs(None)
     assert config.scheduler.max_num_batched_tokens == default.scheduler.max_num_batched_tokens
     assert config.lora == default.lora
+
+
+def test_tokenizer_modes_without_a_tokenizer_here_are_refused_by_name(parser, capsys):
+    """vLLM's --tokenizer-mode: auto and hf are the Hugging Face tokenizer; slow (which transformers 5
+    no longer has), mistral and custom are refused, argparse's way on the command line (exit 2) and
+    naming the field for LLM(tokenizer_mode=...)."""
+    for mode in ("slow", "mistral", "custom"):
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(["--tokenizer-mode", mode])
+        assert exited.value.code == 2
+        message = f"--tokenizer-mode: invalid choice: '{mode}' \\(choose from '?auto'?, '?hf'?\\)"
+        assert re.search(message, capsys.readouterr().err)
+        with pytest.raises(ValueError, match=f"tokenizer_mode must be one of .*, got '{mode}'"):
+            EngineConfig.from_kwargs(None, tokenizer_mode=mode)
 
 
 def test_optimization_level_reaches_every_step_program(parser):

@@ -120,17 +120,23 @@ def test_langchain_openai_embeddings_match_hf(pooling_server):
 def test_pooling_score_and_rerank(pooling_server, http):
     _, model = pooling_server
     tok = word_tokenizer(model.config.vocab_size)
-    pooled = http.post("/pooling", json={"input": [[5, 6, 7]]}).json()
+    pooled = http.post("/pooling", json={"input": [[5, 6, 7]]}, headers={"X-Request-Id": "p1"}).json()
     _close(pooled["data"][0]["data"], _hf_last(model, [5, 6, 7]))
+    assert pooled["id"] == "pool-p1"  # a client's X-Request-Id after the route's prefix, as vLLM's
     query, docs = "w5 w6", ["w7 w8 w9", "w5 w6 w10", "w11"]
     emb = {t: _unit(_hf_last(model, tok.encode(t))) for t in [query, *docs]}
     expected = [float(emb[query] @ emb[d]) for d in docs]
-    scores = http.post("/score", json={"text_1": query, "text_2": docs}).json()
+    scores = http.post(
+        "/score", json={"text_1": query, "text_2": docs}, headers={"X-Request-Id": "s1"}
+    ).json()
     assert [round(d["score"], 4) for d in scores["data"]] == [round(s, 4) for s in expected]
+    assert scores["id"] == "score-s1"
     order = sorted(range(3), key=lambda i: -expected[i])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        body = http.post(path, json={"query": query, "documents": docs, "top_n": 2}).json()
-        assert [r["index"] for r in body["results"]] == order[:2]
+        body = http.post(
+            path, json={"query": query, "documents": docs, "top_n": 2}, headers={"X-Request-Id": "r1"}
+        ).json()
+        assert [r["index"] for r in body["results"]] == order[:2] and body["id"] == "rerank-r1"
         assert body["results"][0]["document"]["text"] == docs[order[0]]
     bare = http.post("/rerank", json={"query": query, "documents": docs, "return_documents": False}).json()
     assert len(bare["results"]) == 3 and bare["results"][0].get("document") is None
@@ -142,7 +148,8 @@ def test_pooling_tasks(pooling_server, http):
     400 naming `task`."""
     _, model = pooling_server
     ids = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # two chunks of 16
-    http.post("/v1/embeddings", json={"input": ids})  # its first blocks now in the prefix cache
+    embedded = http.post("/v1/embeddings", json={"input": ids}, headers={"X-Request-Id": "e1"})
+    assert embedded.json()["id"] == "embd-e1"  # and its first blocks are now in the prefix cache
     with torch.no_grad():
         hidden = model.model(torch.tensor([ids])).last_hidden_state[0].numpy()
     rows = http.post("/pooling", json={"input": ids, "task": "token_embed"}).json()["data"][0]["data"]

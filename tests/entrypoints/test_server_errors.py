@@ -51,6 +51,7 @@ def error_of(response: httpx.Response, status: int) -> dict:
         ("/v1/completions", {"max_tokens": 4}, "prompt"),
         ("/v1/completions", {"prompt": "x", "frobnicate": True}, "frobnicate"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("/v1/completions", {"prompt": "x", "request_id": "r" * 129}, "request_id"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
@@ -62,6 +63,7 @@ def error_of(response: httpx.Response, status: int) -> dict:
         ("/v1/chat/completions", {"messages": CHAT, "tools": []}, "tools"),
         ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": CHAT, "stream": "yes please"}, "stream"),
+        ("/v1/chat/completions", {"messages": CHAT, "request_id": "tab\there"}, "request_id"),
         ("/detokenize", {"tokens": [10**9]}, "tokens"),
     ],
 )

@@ -1,6 +1,7 @@
-"""`xlaserve serve`'s vLLM flags of how it answers: --tokenizer, the --ssl-* flags, --root-path,
---response-role, --enable-prompt-tokens-details, --enable-force-include-usage,
---enable-request-id-headers and --enable-server-load-tracking (GET /load). One server carries them all,
+"""`xlaserve serve`'s vLLM flags of how it answers: --tokenizer (a tokenizer class shipped as code, run
+by --trust-remote-code), --tokenizer-mode, the --ssl-* flags, --root-path, --response-role,
+--enable-prompt-tokens-details, --enable-force-include-usage, --enable-request-id-headers (and a body's
+request_id), --enable-server-load-tracking (GET /load) and --max-log-len. One server carries them all,
 over HTTPS with a certificate made here; bad TLS files fail the start before any engine does."""
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ API_KEY = "sk-flags"
 ROOT_PATH = "/proxy"
 ROLE = "bot"
 EXTRA_TOKEN = "<|xlaserve_extra|>"  # the --tokenizer copy's one difference from the model's
+MAX_LOG_LEN = 12
+# The --tokenizer copy's class, shipped beside it as code (tokenizer_config.json's auto_map).
+REMOTE_TOKENIZER = """from transformers import PreTrainedTokenizerFast
+
+
+class RemoteTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
 BLOCK_SIZE = 16  # the engine's default
 DEADLINE_S = 30  # liveness bound when polling, not a timing assertion
 
@@ -69,12 +78,20 @@ def tls_files(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def other_tokenizer(tmp_path_factory):
-    """The model's tokenizer with one special token more, and the directory it is saved in."""
+    """The model's tokenizer with one special token more, and the directory it is saved in, whose
+    tokenizer class is code the directory ships: only --trust-remote-code loads it."""
     tokenizer = load_tokenizer(MODEL_NAME)
     tokenizer.add_special_tokens({"additional_special_tokens": [EXTRA_TOKEN]})
-    path = str(tmp_path_factory.mktemp("tokenizer"))
+    path = tmp_path_factory.mktemp("tokenizer")
     tokenizer.save_pretrained(path)
-    return tokenizer, path
+    (path / "remote_tokenizer.py").write_text(REMOTE_TOKENIZER)
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    settings |= {
+        "tokenizer_class": "RemoteTokenizer",
+        "auto_map": {"AutoTokenizer": [None, "remote_tokenizer.RemoteTokenizer"]},
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    return tokenizer, str(path)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +100,11 @@ def flags_server(tmp_path_factory, server_cache_dir, tls_files, other_tokenizer)
     flags = [
         "--tokenizer",
         other_tokenizer[1],
+        "--trust-remote-code",
+        "--tokenizer-mode",
+        "hf",
+        "--max-log-len",
+        str(MAX_LOG_LEN),
         "--ssl-keyfile",
         key,
         "--ssl-certfile",
@@ -126,20 +148,34 @@ def client(flags_server):
         )
 
 
-def test_chat_role_cached_tokens_and_request_id(client):
+def test_chat_role_cached_tokens_and_request_id(flags_server, client, http, other_tokenizer):
     messages = [{"role": "user", "content": "Count the colours of the rainbow, one per line, please. " * 4}]
     first = client.chat.completions.with_raw_response.create(
-        model=MODEL_NAME, messages=messages, max_tokens=1, extra_headers={"X-Request-Id": "trace-42"}
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=1,
+        extra_headers={"X-Request-Id": "trace-42"},
+        extra_body={"request_id": "from-the-body"},  # the header wins, as in vLLM
     )
     assert first.headers["x-request-id"] == "trace-42"
     answer = first.parse()
     assert answer.id == "chatcmpl-trace-42"  # vLLM's: the sent id, after the route's prefix
     assert answer.choices[0].message.role == ROLE
+    # --max-log-len: the request's log line shows the first MAX_LOG_LEN ids of its prompt and their text.
+    ids = http.post("/tokenize", json={"model": MODEL_NAME, "messages": messages}).json()["tokens"]
+    with open(flags_server.log_path, errors="replace") as f:
+        logged = re.search(
+            r"request chatcmpl-trace-42-\w{8}: .*, prompt: (.*), prompt_token_ids: (.*)\n", f.read()
+        )
+    assert logged is not None and json.loads(logged[2]) == ids[:MAX_LOG_LEN]
+    assert logged[1] == repr(other_tokenizer[0].decode(ids[:MAX_LOG_LEN])[:MAX_LOG_LEN])
     # The same prompt again: every full block of it but the last token's comes from the prefix cache.
+    # Without the header, the body's request_id names the answer (the response's header is a new id).
     again = client.chat.completions.with_raw_response.create(
-        model=MODEL_NAME, messages=messages, max_tokens=1
+        model=MODEL_NAME, messages=messages, max_tokens=1, extra_body={"request_id": "body-7"}
     )
     assert re.fullmatch(r"[0-9a-f]{32}", again.headers["x-request-id"])  # none sent: a new one
+    assert again.parse().id == "chatcmpl-body-7"
     usage = again.parse().usage
     assert usage.prompt_tokens == answer.usage.prompt_tokens > BLOCK_SIZE
     cached = (usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -189,6 +225,11 @@ def test_requests_in_flight_may_send_the_same_id(http):
     for bad in ("r" * 129, "tab\there"):
         refused = http.post("/v1/completions", json={**body, "max_tokens": 1}, headers={"X-Request-Id": bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-Request-Id", refused.text
+        # The body's request_id (vLLM's field) has the header's bounds.
+        refused = http.post("/v1/completions", json={**body, "max_tokens": 1, "request_id": bad})
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == "request_id", refused.text
+        assert "request_id must be 1 to 128 printable ASCII characters" in error["message"]
 
 
 def test_root_path_in_the_schema_and_docs_and_behind_the_key(flags_server, http):
@@ -204,10 +245,16 @@ def test_root_path_in_the_schema_and_docs_and_behind_the_key(flags_server, http)
     )
     assert refused.status_code == 401 and (b"x-request-id", odd_id) in refused.headers.raw
     assert http.get(ROOT_PATH + "/v1/models").json()["data"][0]["id"] == MODEL_NAME
+    # The playground page calls the routes under the prefix.
+    assert f'<body data-root-path="{ROOT_PATH}">' in http.get(ROOT_PATH + "/").text
 
 
 def test_the_tokenizer_flag_tokenizes_with_the_other_tokenizer(http, other_tokenizer):
-    tokenizer = other_tokenizer[0]
+    tokenizer, path = other_tokenizer
+    # The server loaded it (front end and core): its class is code only --trust-remote-code runs.
+    with pytest.raises(ValueError, match="--trust-remote-code"):
+        load_tokenizer(path)
+    assert type(load_tokenizer(path, trust_remote_code=True)).__name__ == "RemoteTokenizer"
     text = f"Hello {EXTRA_TOKEN} world"
     ours = tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.convert_tokens_to_ids(EXTRA_TOKEN) in ours  # one token, not the model's pieces
@@ -229,3 +276,13 @@ def test_bad_tls_files_fail_before_an_engine_starts(tmp_path, tls_files, capsys)
     assert "--ssl-certfile and --ssl-keyfile: not a PEM certificate chain" in capsys.readouterr().err
     assert main(["serve", "--ssl-ca-certs", cert]) == 2
     assert "--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile" in capsys.readouterr().err
+
+
+def test_bad_log_flags_exit_2_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--max-log-len", "-1"])
+    assert exited.value.code == 2
+    assert "--max-log-len takes an integer >= 0, got '-1'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--enable-log-requests", "--disable-log-requests"])
+    assert exited.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

@@ -107,6 +107,24 @@ def test_thinking_goes_to_reasoning_content(thinking_server, client, thinking):
         message = message.choices[0].message
         assert (getattr(message, "reasoning_content", None), message.content) == (None, expected[1])
         assert streamed(client, extra_body=dropped, **GREEDY) == (None, expected[1])
+        # The Responses API's include_reasoning (vLLM's too): no reasoning item, its tokens still counted.
+        kept, left_out = (
+            client.responses.create(
+                model="tiny",
+                input=CHAT,
+                temperature=0.0,
+                max_output_tokens=GREEDY["max_tokens"],
+                store=False,
+                extra_body={"include_reasoning": include},
+            )
+            for include in (True, False)
+        )
+        assert [item.type for item in kept.output][0] == "reasoning"
+        assert kept.output[0].content[0].text == expected[0]
+        assert "reasoning" not in [item.type for item in left_out.output]
+        assert left_out.output_text == kept.output_text == (expected[1] or "")
+        reasoning_tokens = kept.usage.output_tokens_details.reasoning_tokens
+        assert left_out.usage.output_tokens_details.reasoning_tokens == reasoning_tokens > 0
 
 
 def test_the_models_generation_config_is_every_requests_default(thinking_server, client):

@@ -122,7 +122,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = default_max_tokens(state, max_tokens, len(ids))
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     params = chat_sampling_params(state, req, plan, ids, max_tokens)
-    request_id, engine_id = request_ids(raw_request, "chatcmpl")
+    request_id, engine_id = request_ids(raw_request, "chatcmpl", req.request_id)
     kwargs = {"prompt": text, "priority": req.priority, "cache_salt": req.cache_salt}
     kwargs |= {"lora_request": state.lora_request(req.model), "mm_features": mm_features}
     if req.use_beam_search:

@@ -25,6 +25,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     collect_final,
     default_max_tokens,
     engine_error,
+    logged_prompt,
     make_sampling_params,
     merge_streams,
     request_ids,
@@ -136,7 +137,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         )
         for _, ids in prompts
     ]
-    request_id, engine_id = request_ids(raw_request, "cmpl")
+    request_id, engine_id = request_ids(raw_request, "cmpl", req.request_id)
     streams = []
     try:
         for i, (text, ids) in enumerate(prompts):
@@ -160,11 +161,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         raise engine_error(e) from None
     if state.log_requests:
         logger.info(
-            "request %s: %d prompt(s), %s tokens, %s",
+            "request %s: %d prompt(s), %s tokens, %s%s",
             engine_id,
             len(prompts),
             [len(ids) for _, ids in prompts],
             params,
+            "".join(logged_prompt(state, ids) for _, ids in prompts),
         )
     created = int(time.time())
     num_prompt_tokens = sum(len(ids) for _, ids in prompts)

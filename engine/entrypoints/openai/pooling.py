@@ -41,7 +41,7 @@ from xlaserve.entrypoints.pooling_io import cosine, pair_token_ids, score_pairs
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import (
     engine_error,
-    new_id,
+    request_ids,
     require_tokenizer,
     tokenize_text,
     truncated,
@@ -137,12 +137,14 @@ def _check_params(state: ServerState, params: PoolingParams, task_field: str = "
         raise bad_request(str(e), task_field if field == "pooling_task" else field) from None
 
 
-async def _encode_all(state: ServerState, raw_request: Request, prompts, params: PoolingParams) -> list:
-    """The pooled output of each prompt, in order; a client that leaves aborts them all."""
+async def _encode_all(
+    state: ServerState, raw_request: Request, prompts, params: PoolingParams, engine_id: str
+) -> list:
+    """The pooled output of each prompt, in order (the engine's ids `engine_id`-i); a client that leaves
+    aborts them all."""
     _check_params(state, params)
-    prefix = new_id("pool")
     tasks = [
-        asyncio.create_task(state.engine.encode(ids, params, f"{prefix}-{i}"))
+        asyncio.create_task(state.engine.encode(ids, params, f"{engine_id}-{i}"))
         for i, ids in enumerate(prompts)
     ]
     work = asyncio.ensure_future(asyncio.gather(*tasks))
@@ -181,7 +183,7 @@ def _encoded(vector: np.ndarray, encoding_format: str):
 
 
 async def _scores(
-    state: ServerState, raw_request: Request, pairs: list[tuple], path: str
+    state: ServerState, raw_request: Request, pairs: list[tuple], path: str, engine_id: str
 ) -> tuple[list, list]:
     """(a score per pair, the prompts run): a classifier's probability of the joined pair (a
     cross-encoder), or the cosine of two embeddings."""
@@ -190,7 +192,7 @@ async def _scores(
         tokenizer = require_tokenizer(engine, path, None)
         prompts = [pair_token_ids(tokenizer, a, b) for a, b in pairs]
         prompts = _token_ids(state, prompts, True, "text_2" if path == "/score" else "documents")
-        outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="score"))
+        outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="score"), engine_id)
         if outputs and outputs[0].size != 1:
             raise bad_request(
                 f"{path} needs a classifier with one label; this one has {outputs[0].size}", "model"
@@ -198,7 +200,7 @@ async def _scores(
         return [float(o.reshape(-1)[0]) for o in outputs], prompts
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     prompts = _token_ids(state, texts, True, "text_1" if path == "/score" else "query")
-    outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="embed"))
+    outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="embed"), engine_id)
     by_text = dict(zip(texts, outputs))
     return [cosine(by_text[a], by_text[b]) for a, b in pairs], prompts
 
@@ -210,11 +212,12 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
         model = check_model(state, req.model)
         prompts = _input_prompts(state, req)
         params = PoolingParams(task="embed", dimensions=req.dimensions, normalize=req.normalize)
-        outputs = await _encode_all(state, raw_request, prompts, params)
+        request_id, engine_id = request_ids(raw_request, "embd")
+        outputs = await _encode_all(state, raw_request, prompts, params, engine_id)
         data = [
             EmbeddingData(index=i, embedding=_encoded(v, req.encoding_format)) for i, v in enumerate(outputs)
         ]
-        return EmbeddingResponse(id=new_id("embd"), model=model, data=data, usage=_usage(prompts))
+        return EmbeddingResponse(id=request_id, model=model, data=data, usage=_usage(prompts))
 
     @app.post("/pooling", responses=_ERRORS)
     async def pooling(req: PoolingRequest, raw_request: Request) -> PoolingResponse:
@@ -226,16 +229,18 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
             task=task, dimensions=req.dimensions, normalize=req.normalize, activation=req.activation
         )
         _check_params(state, params, "task")
-        outputs = await _encode_all(state, raw_request, prompts, params)
+        request_id, engine_id = request_ids(raw_request, "pool")
+        outputs = await _encode_all(state, raw_request, prompts, params, engine_id)
         data = [PoolingData(index=i, data=_encoded(v, req.encoding_format)) for i, v in enumerate(outputs)]
-        return PoolingResponse(id=new_id("pool"), model=model, data=data, usage=_usage(prompts))
+        return PoolingResponse(id=request_id, model=model, data=data, usage=_usage(prompts))
 
     @app.post("/classify", responses=_ERRORS)
     async def classify(req: ClassificationRequest, raw_request: Request) -> ClassificationResponse:
         _require_pooling(state, "/classify")
         model = check_model(state, req.model)
         prompts = _input_prompts(state, req)
-        outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="classify"))
+        request_id, engine_id = request_ids(raw_request, "classify")
+        outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="classify"), engine_id)
         labels = state.engine.id2label  # config.json's id2label, by index
         data = [
             ClassificationData(
@@ -246,7 +251,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
             )
             for i, v in enumerate(outputs)
         ]
-        return ClassificationResponse(id=new_id("classify"), model=model, data=data, usage=_usage(prompts))
+        return ClassificationResponse(id=request_id, model=model, data=data, usage=_usage(prompts))
 
     async def score(req: ScoreRequest, raw_request: Request) -> ScoreResponse:
         _require_pooling(state, "/score")
@@ -255,15 +260,17 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
             pairs = score_pairs(req.text_1, req.text_2)
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
-        scores, prompts = await _scores(state, raw_request, pairs, "/score")
+        request_id, engine_id = request_ids(raw_request, "score")
+        scores, prompts = await _scores(state, raw_request, pairs, "/score", engine_id)
         data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
-        return ScoreResponse(id=new_id("score"), model=model, data=data, usage=_usage(prompts))
+        return ScoreResponse(id=request_id, model=model, data=data, usage=_usage(prompts))
 
     async def rerank(req: RerankRequest, raw_request: Request) -> RerankResponse:
         _require_pooling(state, "/rerank")
         model = check_model(state, req.model)
+        request_id, engine_id = request_ids(raw_request, "rerank")
         scores, prompts = await _scores(
-            state, raw_request, [(req.query, d) for d in req.documents], "/rerank"
+            state, raw_request, [(req.query, d) for d in req.documents], "/rerank", engine_id
         )
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         if req.top_n:
@@ -276,7 +283,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
             )
             for i in order
         ]
-        return RerankResponse(id=new_id("rerank"), model=model, usage=_usage(prompts), results=results)
+        return RerankResponse(id=request_id, model=model, usage=_usage(prompts), results=results)
 
     for path in ("/score", "/v1/score"):
         app.post(path, responses=_ERRORS)(score)

@@ -155,7 +155,7 @@ async def create_response(
 
     parser = choice_parser(state, chat, plan, ids)
     saved = Saver(store, req.store, conversation)
-    run = _OneTurn(state, shell, start, len(ids), parser, params.logprobs, saved)
+    run = _OneTurn(state, shell, start, len(ids), parser, params.logprobs, saved, req.include_reasoning)
     return await reply(run, req, raw_request, background, shell, conversation)
 
 
@@ -164,16 +164,25 @@ class _OneTurn:
     (`response` once they have ended, stored by `saved`)."""
 
     def __init__(
-        self, state, shell: Response, start, num_prompt_tokens: int, parser: ChoiceParser, top_n, saved
+        self,
+        state,
+        shell: Response,
+        start,
+        num_prompt_tokens: int,
+        parser: ChoiceParser,
+        top_n,
+        saved,
+        include_reasoning: bool,
     ):
         self.state, self.shell, self.start = state, shell, start
         self.num_prompt_tokens, self.parser, self.top_n, self.saved = num_prompt_tokens, parser, top_n, saved
+        self.include_reasoning = include_reasoning
         self.write = EventWriter()
         self.response: Response | None = None
 
     async def events(self):
         write, shell = self.write, self.shell
-        items = OutputStream(write)
+        items = OutputStream(write, include_reasoning=self.include_reasoning)
         stream = self.start()  # before the first event: a refusal (a full queue) is still an HTTP error
         try:
             yield write("response.created", response=shell.model_dump())

@@ -70,7 +70,7 @@ class McpResponse:
         response_id = self.response_id
         totals = Totals()
         async with McpSession(self.mcp_tools, request_function_names(req)) as session:
-            items = OutputStream(self.write, session.label_of, session.needs_approval)
+            items = OutputStream(self.write, session.label_of, session.needs_approval, req.include_reasoning)
             conversation, approved = await answer_approvals(self.conversation, session)
             for turn in range(MAX_MCP_ROUNDS):
                 choice = "none" if turn == MAX_MCP_ROUNDS - 1 else (None if turn == 0 else "auto")
@@ -97,7 +97,7 @@ class McpResponse:
                 kwargs["mm_features"] = mm_features
                 kwargs["lora_request"] = state.lora_request(req.model)
                 stream = submit(state, ids, params, f"{response_id}-{turn}", stream=True, **kwargs)
-                first = len(items.items)
+                first, first_thought = len(items.items), len(totals.reasoning)
                 parser = choice_parser(state, chat, plan, ids)
                 async for event in stream_turn(state, stream, parser, items, totals, params.logprobs):
                     yield event
@@ -121,8 +121,11 @@ class McpResponse:
                     if isinstance(c, McpCallOutput | McpApprovalRequestOutput)
                 ]
                 turn_answer = {"role": "assistant", "content": said or None, "tool_calls": model_calls}
-                thought = "\n".join(
-                    p.text for i in turn_items if isinstance(i, ReasoningOutput) for p in i.content
+                # The model reads its thinking back in the next turn, though the client asked not to get it.
+                thought = (
+                    "\n".join(p.text for i in turn_items if isinstance(i, ReasoningOutput) for p in i.content)
+                    if req.include_reasoning
+                    else totals.reasoning[first_thought:]
                 )
                 if thought:
                     turn_answer["reasoning_content"] = thought

@@ -395,6 +395,11 @@ class ResponsesRequest(StrictModel):
     parallel_tool_calls: bool | None = Field(default=None, description="false: one call at most")
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
+    include_reasoning: bool = Field(
+        default=True,
+        description="vLLM's: false leaves the reasoning items out of the output (the model still thinks, "
+        "and usage counts those tokens)",
+    )
     metadata: Annotated[dict[str, Annotated[Text, Field(max_length=512)]], Field(max_length=16)] | None = None
     user: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     truncation: Literal["disabled"] | None = Field(default=None, description="'auto' is not supported")

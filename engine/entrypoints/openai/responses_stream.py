@@ -83,8 +83,10 @@ class OutputStream:
         write: EventWriter,
         mcp_label: Callable[[str], str | None] = lambda name: None,
         waits: Callable[[str], bool] = lambda name: False,
+        include_reasoning: bool = True,
     ):
         self.write = write
+        self._include_reasoning = include_reasoning  # False: the request's include_reasoning (no items)
         self._waits = waits
         self.items: list[OutputItem] = []  # every item opened, in output order
         self.pending: list[McpCallOutput] = []
@@ -104,7 +106,7 @@ class OutputStream:
                 self._unwritten = []  # the open item's (a reasoning's end tag, part of a call's markup)
             return []
         events = []
-        if delta.reasoning:
+        if delta.reasoning and self._include_reasoning:
             events += self._add_text("reasoning", delta.reasoning, delta.message)
         if delta.content:
             events += self._add_text("message", delta.content, delta.message)

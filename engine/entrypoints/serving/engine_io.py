@@ -48,20 +48,22 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def request_ids(raw_request: Request, prefix: str) -> tuple[str, str]:
+def request_ids(raw_request: Request, prefix: str, sent_in_body: str | None = None) -> tuple[str, str]:
     """A request's id as its answer gives it, and the engine's id for it. The answer's id is the
-    client's X-Request-Id header after `prefix-` where one is sent (vLLM's `_base_request_id`), else a
-    new one. Two requests may send the same header, and the engine refuses an id in use: a header's id
-    reaches the engine with 8 random hex digits more (as vLLM's `assign_request_id` adds)."""
-    sent = raw_request.headers.get("x-request-id")
+    client's X-Request-Id header after `prefix-` where one is sent, else the body's `request_id`
+    (vLLM's `_base_request_id` with the body's id as its default), else a new one. Two requests may send
+    the same id, and the engine refuses an id in use: a client's id reaches the engine with 8 random hex
+    digits more (as vLLM's `assign_request_id` adds)."""
+    header = raw_request.headers.get("x-request-id")
+    sent, field = (header, "X-Request-Id") if header is not None else (sent_in_body, "request_id")
     if sent is None:
         request_id = new_id(prefix)
         return request_id, request_id
     if not (0 < len(sent) <= MAX_REQUEST_ID_CHARS and sent.isascii() and sent.isprintable()):
         raise bad_request(
-            f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters, got "
+            f"{field} must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters, got "
             f"{len(sent)} characters",
-            "X-Request-Id",
+            field,
         )
     request_id = f"{prefix}-{sent}"
     return request_id, f"{request_id}-{uuid.uuid4().hex[:8]}"
@@ -248,8 +250,23 @@ def submit(
     except Exception as e:  # noqa: BLE001 - every failure becomes an API error
         raise engine_error(e) from None
     if state.log_requests:
-        logger.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
+        logger.info(
+            "request %s: %d prompt tokens, %s%s", request_id, len(ids), params, logged_prompt(state, ids)
+        )
     return request_stream
+
+
+def logged_prompt(state: ServerState, ids: list[int]) -> str:
+    """What a request's log line shows of its prompt: with --max-log-len N, its first N characters and
+    first N token ids (vLLM's request log); without, nothing (the log is on by default here, off in
+    vLLM, so a prompt reaches it only when asked for)."""
+    if state.max_log_len is None:
+        return ""
+    n = state.max_log_len
+    tokenizer = state.engine.tokenizer
+    # The first n ids decode to at least n characters, but for tokens of no text.
+    text = "" if tokenizer is None else tokenizer.decode(ids[:n])[:n]
+    return f", prompt: {text!r}, prompt_token_ids: {list(ids[:n])}"
 
 
 def check_finish(output: RequestOutput) -> None:

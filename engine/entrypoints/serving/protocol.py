@@ -194,6 +194,11 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     user: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     # vLLM's extras
+    request_id: Text | None = Field(
+        default=None,
+        description="the answer's id after the route's prefix (an X-Request-Id header wins, as in vLLM); "
+        "1 to 128 printable ASCII characters",
+    )
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)

@@ -35,6 +35,7 @@ class ServerState:
     # --chat-template-content-format: "string", "openai", or "auto" (chat_template.content_format).
     chat_template_content_format: str = "auto"
     log_requests: bool = True
+    max_log_len: int | None = None  # --max-log-len: a prompt's characters and ids a request's log shows
     api_key: str | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
     # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (instantiated per choice)
