@@ -98,6 +98,8 @@ _HOST_ONLY_SETTINGS = {
         "served_model_name",
         "load_format",
         "tokenizer",
+        "tokenizer_mode",
+        "trust_remote_code",  # the tokenizer's code, not the model's (always xlaserve's own)
         "skip_tokenizer_init",
         "runner",
         "convert",
