@@ -350,7 +350,10 @@ def load_gguf_tensors(
             heads = hf_config["num_attention_heads"]
         elif is_llama and ".self_attn.k_proj." in name:
             heads = hf_config["num_key_value_heads"]
-        if keep_quantized and t.tensor_type in KEPT_TYPES and len(shape) == 2:
+        # Phi3 regroups its fused projections' rows at load (models/phi3.py), which it does on arrays:
+        # those two are read dequantized.
+        is_fused = name.endswith((".qkv_proj.weight", ".gate_up_proj.weight"))
+        if keep_quantized and t.tensor_type in KEPT_TYPES and len(shape) == 2 and not is_fused:
             permute = None if heads is None else functools.partial(unpermute_qk, num_heads=heads)
             tensors[name] = GGUFBlocks(path, t.data_offset, t.tensor_type, shape, permute)
         else:

@@ -167,6 +167,13 @@ def test_tensor_names():
     assert hf_tensor_name("blk.2.attn_q.bias") == "model.layers.2.self_attn.q_proj.bias"
     assert hf_tensor_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
     assert hf_tensor_name("rope_freqs.weight") is None
+    # Gemma's ffn_norm is the norm before its MLP; Phi3's ffn_up is HF's fused gate_up_proj.
+    assert (
+        hf_tensor_name("blk.0.ffn_norm.weight", "gemma3") == "model.layers.0.pre_feedforward_layernorm.weight"
+    )
+    assert hf_tensor_name("blk.1.ffn_up.weight", "phi3") == "model.layers.1.mlp.gate_up_proj.weight"
+    assert hf_tensor_name("blk.1.ffn_up_exps.weight", "qwen3moe") == "model.layers.1.mlp.experts_up.weight"
+    assert hf_tensor_name("rope_factors_long.weight", "phi3") is None
     with pytest.raises(ValueError, match="blk.0.ssm_conv1d.weight"):
         hf_tensor_name("blk.0.ssm_conv1d.weight")
 
