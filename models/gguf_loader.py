@@ -39,7 +39,10 @@ SUPPORTED_ARCHITECTURES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
 }
+# Converted by llama.cpp's LlamaModel, which permutes q/k rows for its rope (see `unpermute_qk`).
+_PERMUTED_QK = ("llama", "smollm3")
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -104,7 +107,7 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
     num_kv_heads = key("attention.head_count_kv", num_heads)
     if isinstance(num_kv_heads, list):  # per-layer counts; uniform for the supported architectures
         num_kv_heads = max(num_kv_heads)
-    head_dim = key("attention.key_length") or (key("rope.dimension_count") if arch == "llama" else None)
+    head_dim = key("attention.key_length") or (key("rope.dimension_count") if arch in _PERMUTED_QK else None)
     head_dim = head_dim or hidden_size // num_heads
     rope_theta = float(key("rope.freq_base", 10000.0))
     vocab_size = key("vocab_size") or len(metadata["tokenizer.ggml.tokens"])
@@ -147,6 +150,8 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
         )
     if arch == "gemma3":
         config.update(_gemma3_fields(metadata, config))
+    if arch == "smollm3":  # llama.cpp rotates no q/k in every fourth layer, a step the file does not carry
+        config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(config["num_hidden_layers"])]
     if arch == "phi3":
         if key("rope.dimension_count"):
             config["partial_rotary_factor"] = key("rope.dimension_count") / head_dim
@@ -329,7 +334,7 @@ def load_gguf_tensors(
     arch = next(
         a for a, (model_type, _) in SUPPORTED_ARCHITECTURES.items() if model_type == hf_config["model_type"]
     )
-    is_llama = arch == "llama"
+    is_llama = arch in _PERMUTED_QK
     # llama.cpp's Gemma 3 converter stores each RMSNorm weight w as 1 + w (its norm multiplies by the
     # weight; HF's by 1 + w).
     norm_shift = 1.0 if arch == "gemma3" else 0.0

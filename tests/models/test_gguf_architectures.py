@@ -1,4 +1,4 @@
-"""GGUF files of qwen3moe, gemma3, phi3 and olmo2 against transformers and the models they came from.
+"""GGUF files of qwen3moe, gemma3, phi3, olmo2 and smollm3 against transformers and the models they came from.
 
 For each architecture a tiny random HF model (float32, 2 layers, hidden 64) is written as llama.cpp's
 convert_hf_to_gguf.py writes it: its tensor names and metadata keys, Gemma's norms stored as 1 + w,
@@ -8,7 +8,7 @@ MLP matrix in Q8_0, the rest F32. Then `LLM(file)`'s prefill logits are compared
   name or layout mistake made alike in this writer and our reader still shows), within 1e-4, and its
   greedy tokens equal;
 - the original model's, within what Q8_0 and F16 rounding allow.
-transformers reads no olmo2 GGUF: that one is compared with its original model only.
+transformers reads no olmo2 or smollm3 GGUF: those are compared with their original models only.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ CASES = {
     ),
     # Norms after each block; q and k normed over all heads at once.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _TINY),
+    # Llama's layer, q/k rows permuted as llama's; no RoPE in the fourth layer (llama.cpp's fixed step).
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(_TINY, num_hidden_layers=4)),
 }
 # HF module -> llama.cpp tensor, where an architecture's converter names it otherwise than llama's.
 _GGUF_NAMES = {
@@ -110,6 +112,7 @@ _GGUF_NAMES = {
         "post_attention_layernorm": "post_attention_norm",
         "post_feedforward_layernorm": "post_ffw_norm",
     },
+    "smollm3": {},
 }
 # Config fields transformers' GGUF reading leaves at its defaults (its GGUF_CONFIG_MAPPING has no key for
 # them, or llama.cpp keeps them in its code): given to its model from the original's config, so that the
@@ -159,6 +162,11 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
                 out[f"{block}.ffn_gate_exps.weight"], out[f"{block}.ffn_up_exps.weight"] = gate, up
         elif module.startswith("model.layers."):
             _, _, layer, key = module.split(".", 3)
+            if arch == "smollm3" and key in ("self_attn.q_proj", "self_attn.k_proj"):
+                # llama.cpp's permute for its rope: each head's rows [half0 | half1] -> interleaved.
+                config = model.config
+                heads = config.num_attention_heads if key.endswith("q_proj") else config.num_key_value_heads
+                value = value.reshape(heads, 2, -1, value.shape[-1]).swapaxes(1, 2).reshape(value.shape)
             out[f"blk.{layer}.{names[key]}.{suffix}"] = value
         else:
             out[f"{names[module]}.{suffix}"] = value
@@ -185,6 +193,8 @@ def write_gguf(path: str, model, arch: str) -> None:
         writer.add_sliding_window(0)
         tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], np.float32)
         tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
+    elif arch == "smollm3":  # llama's: the head size as rope.dimension_count
+        writer.add_rope_dimension_count(config.head_dim)
     else:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
@@ -258,7 +268,7 @@ def test_gguf_architecture(arch, tmp_path):
     ours = engine_prefill_logits(llm, ids, first_chunk=11)
     expected = hf_logits(original, ids)
     assert 1e-3 < rel_err(ours, expected) < QUANTIZED_REL_ERR  # rounded, but the same model
-    if arch == "olmo2":
+    if arch not in _NOT_READ_BY_TRANSFORMERS:
         return
     reference = transformers_model(path, original, arch)
     assert rel_err(ours, hf_logits(reference, ids)) < MAX_REL_ERR
