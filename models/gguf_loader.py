@@ -162,16 +162,14 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
 
 def _gemma3_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
     """What llama.cpp's Gemma 3 takes from its own code, not the file, as config.json keys."""
-    num_layers, hidden, heads = (
-        config["num_hidden_layers"],
-        config["hidden_size"],
-        config["num_attention_heads"],
-    )
+    num_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     fields = {
         "hidden_activation": "gelu_pytorch_tanh",
         # Queries scale by (hidden / heads)^-0.5 in the 27B (62 layers), by head_dim^-0.5 in the others,
         # as their config.json's query_pre_attn_scalar says; llama.cpp decides by the layer count.
-        "query_pre_attn_scalar": hidden // heads if num_layers == 62 else config["head_dim"],
+        "query_pre_attn_scalar": hidden // config["num_attention_heads"]
+        if num_layers == 62
+        else config["head_dim"],
         "final_logit_softcapping": metadata.get("gemma3.final_logit_softcapping"),
         # The sliding layers' RoPE: base 10000, never scaled (the file's scaling is the global layers').
         "rope_local_base_freq": float(metadata.get("gemma3.rope.freq_base_swa", 10000.0)),
@@ -334,7 +332,7 @@ def load_gguf_tensors(
     arch = next(
         a for a, (model_type, _) in SUPPORTED_ARCHITECTURES.items() if model_type == hf_config["model_type"]
     )
-    is_llama = arch in _PERMUTED_QK
+    is_permuted = arch in _PERMUTED_QK
     # llama.cpp's Gemma 3 converter stores each RMSNorm weight w as 1 + w (its norm multiplies by the
     # weight; HF's by 1 + w).
     norm_shift = 1.0 if arch == "gemma3" else 0.0
@@ -351,9 +349,9 @@ def load_gguf_tensors(
                 rope_factors[_ROPE_FACTORS[t.name]] = values.tolist()
             continue
         heads = None
-        if is_llama and ".self_attn.q_proj." in name:
+        if is_permuted and ".self_attn.q_proj." in name:
             heads = hf_config["num_attention_heads"]
-        elif is_llama and ".self_attn.k_proj." in name:
+        elif is_permuted and ".self_attn.k_proj." in name:
             heads = hf_config["num_key_value_heads"]
         # Phi3 regroups its fused projections' rows at load (models/phi3.py), which it does on arrays:
         # those two are read dequantized.
