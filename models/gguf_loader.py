@@ -35,7 +35,14 @@ SUPPORTED_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM"),
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
 }
+# Converted by llama.cpp's LlamaModel, which permutes q/k rows for its rope (see `unpermute_qk`).
+_PERMUTED_QK = ("llama", "smollm3")
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -55,9 +62,31 @@ _BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's llama.cpp names mean other HF tensors (gguf-py's tensor_mapping.py): Gemma's
+# `ffn_norm` is the norm before the MLP, not after attention; Phi3 keeps HF's fused projections, under
+# the names of the unfused ones; MoE experts come stacked [E, out, in], as our stacked experts are.
+_ARCH_BLOCK_TENSORS = {
+    "qwen3moe": {
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.experts_gate",
+        "ffn_up_exps": "mlp.experts_up",
+        "ffn_down_exps": "mlp.experts_down",
+    },
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "olmo2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 _BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Consumed into `rope_scaling` (llama3 style), not a parameter of the HF model.
+# Consumed into `rope_scaling` (llama3's divisors; Phi3's LongRoPE factors), not parameters of the HF model.
 _ROPE_FREQS = "rope_freqs.weight"
+_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 
 
 def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> dict[str, Any]:
@@ -78,7 +107,7 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
     num_kv_heads = key("attention.head_count_kv", num_heads)
     if isinstance(num_kv_heads, list):  # per-layer counts; uniform for the supported architectures
         num_kv_heads = max(num_kv_heads)
-    head_dim = key("attention.key_length") or (key("rope.dimension_count") if arch == "llama" else None)
+    head_dim = key("attention.key_length") or (key("rope.dimension_count") if arch in _PERMUTED_QK else None)
     head_dim = head_dim or hidden_size // num_heads
     rope_theta = float(key("rope.freq_base", 10000.0))
     vocab_size = key("vocab_size") or len(metadata["tokenizer.ggml.tokens"])
@@ -87,7 +116,7 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
         "architectures": [hf_architecture],
         "model_type": model_type,
         "hidden_size": hidden_size,
-        "intermediate_size": key("feed_forward_length"),
+        "intermediate_size": key("feed_forward_length") or key("expert_feed_forward_length"),
         "num_hidden_layers": key("block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
@@ -107,10 +136,51 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
         "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
-    # Mistral v0.1's window (llama.cpp writes Mistral as "llama"): every layer slides (models/config.py).
+    # Mistral v0.1's window (llama.cpp writes Mistral as "llama"), Phi3's: every layer slides
+    # (models/config.py). Phi-4's converter writes 0 for none.
     if key("attention.sliding_window"):
         config["sliding_window"] = int(key("attention.sliding_window"))
+    if key("expert_count"):
+        config.update(
+            num_experts=key("expert_count"),
+            num_experts_per_tok=key("expert_used_count"),
+            moe_intermediate_size=key("expert_feed_forward_length"),
+            # llama.cpp's qwen3moe graph renormalizes the top k weights unless the file says otherwise.
+            norm_topk_prob=bool(key("expert_weights_norm", True)),
+        )
+    if arch == "gemma3":
+        config.update(_gemma3_fields(metadata, config))
+    if arch == "smollm3":  # llama.cpp rotates no q/k in every fourth layer, a step the file does not carry
+        config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(config["num_hidden_layers"])]
+    if arch == "phi3":
+        if key("rope.dimension_count"):
+            config["partial_rotary_factor"] = key("rope.dimension_count") / head_dim
+        # LongRoPE's factors come as tensors (`rope_factors_long`/`_short`), read with the weights.
+        config["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
     return config
+
+
+def _gemma3_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's Gemma 3 takes from its own code, not the file, as config.json keys."""
+    num_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    fields = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        # Queries scale by (hidden / heads)^-0.5 in the 27B (62 layers), by head_dim^-0.5 in the others,
+        # as their config.json's query_pre_attn_scalar says; llama.cpp decides by the layer count.
+        "query_pre_attn_scalar": hidden // config["num_attention_heads"]
+        if num_layers == 62
+        else config["head_dim"],
+        "final_logit_softcapping": metadata.get("gemma3.final_logit_softcapping"),
+        # The sliding layers' RoPE: base 10000, never scaled (the file's scaling is the global layers').
+        "rope_local_base_freq": float(metadata.get("gemma3.rope.freq_base_swa", 10000.0)),
+    }
+    if "sliding_window" in config:  # every sixth layer global, unless the file lists the sliding ones
+        pattern = metadata.get("gemma3.attention.sliding_window_pattern", 6)
+        sliding = (
+            pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(num_layers)]
+        )
+        fields["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    return fields
 
 
 def _eos_token_ids(metadata: Mapping[str, Any]) -> int | list[int] | None:
@@ -176,17 +246,21 @@ def _llama3_rope_scaling(rope_freqs: np.ndarray, config: Mapping[str, Any]) -> d
     return params
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF parameter name for a llama.cpp tensor name (None for rope_freqs)."""
-    if gguf_name == _ROPE_FREQS:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF parameter name for a llama.cpp tensor name of architecture `arch` (None for the RoPE
+    tensors folded into the config)."""
+    if gguf_name == _ROPE_FREQS or gguf_name in _ROPE_FACTORS:
         return None
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
     match = _BLOCK_TENSOR_RE.fullmatch(gguf_name)
-    if match and match[2] in _BLOCK_TENSORS:
-        return f"model.layers.{match[1]}.{_BLOCK_TENSORS[match[2]]}.{match[3]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in the supported models")
+    block_tensors = {**_BLOCK_TENSORS, **_ARCH_BLOCK_TENSORS.get(arch, {})}
+    if match and match[2] in block_tensors:
+        return f"model.layers.{match[1]}.{block_tensors[match[2]]}.{match[3]}"
+    raise ValueError(
+        f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in the supported {arch!r} models"
+    )
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -204,24 +278,29 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 class GGUFArray(CheckpointTensor):
     """One tensor of a GGUF file under its HF name and shape, dequantized to float32 (llama's q/k rows
-    put back in HF's order) from the file each time it is used as an array, as a safetensors
-    `CheckpointTensor` is read: it holds the path and offsets, never the bytes nor a view of the
-    mapping, so a start holds one dequantized tensor at a time. `astype` (the load's cast) is lazy."""
+    put back in HF's order, Gemma's norms back to HF's (1 + w) weights) from the file each time it is
+    used as an array, as a safetensors `CheckpointTensor` is read: it holds the path and offsets, never
+    the bytes nor a view of the mapping, so a start holds one dequantized tensor at a time. `astype`
+    (the load's cast) is lazy."""
 
-    __slots__ = ("tensor_type", "stored_shape", "num_heads")
+    __slots__ = ("tensor_type", "stored_shape", "num_heads", "norm_shift")
 
-    def __init__(self, path: str, offset: int, shape, tensor_type, stored: np.ndarray, num_heads=None):
+    def __init__(
+        self, path: str, offset: int, shape, tensor_type, stored: np.ndarray, num_heads=None, norm_shift=0.0
+    ):
         super().__init__(path, offset, shape, np.dtype(np.float32))
         # The stored element dtype (byte order included) and shape: [rows..., bytes per row] uint8 for
         # a block-quantized type.
         self.tensor_type, self.stored_dtype, self.stored_shape = tensor_type, stored.dtype, stored.shape
-        self.num_heads = num_heads
+        self.num_heads, self.norm_shift = num_heads, norm_shift
 
     def read(self) -> np.ndarray:
         data = read_tensor_data(self.path, self.offset, self.stored_dtype, self.stored_shape)
         values = dequantize_tensor(data, self.tensor_type, self.shape)
         if self.num_heads is not None:
             values = unpermute_qk(values, self.num_heads)
+        if self.norm_shift:
+            values = values - np.float32(self.norm_shift)
         return values if self.dtype == values.dtype else values.astype(self.dtype)
 
     @property
@@ -244,28 +323,49 @@ def load_gguf_tensors(
     """Every tensor under its HF name and HF shape ([out, in] for linears), dequantized to float32
     when used (a `GGUFArray`: read from the file then, one at a time, not here).
 
-    A `rope_freqs` tensor is folded into `hf_config["rope_scaling"]` (llama3) instead.
+    A `rope_freqs` tensor is folded into `hf_config["rope_scaling"]` (llama3) instead, as Phi3's
+    `rope_factors_long`/`_short` are (LongRoPE).
     `keep_quantized` (`--quantization gguf`): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K matrices stay as their
     blocks, decoded when read into `QuantizedTensor`s (`GGUFBlocks`, models/gguf_quant.py).
     """
     path = reader.data.filename  # both readers map the file
-    is_llama = hf_config["model_type"] == "llama"
+    arch = next(
+        a for a, (model_type, _) in SUPPORTED_ARCHITECTURES.items() if model_type == hf_config["model_type"]
+    )
+    is_permuted = arch in _PERMUTED_QK
+    # llama.cpp's Gemma 3 converter stores each RMSNorm weight w as 1 + w (its norm multiplies by the
+    # weight; HF's by 1 + w).
+    norm_shift = 1.0 if arch == "gemma3" else 0.0
     tensors: dict[str, GGUFArray | GGUFBlocks] = {}
+    rope_factors = {}
     for t in tqdm(reader.tensors, desc="Reading GGUF tensor headers", unit="tensor", disable=not progress):
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
         if name is None:  # a few floats, read now
             values = dequantize_tensor(np.array(t.data), t.tensor_type, shape)
-            hf_config["rope_scaling"] = _llama3_rope_scaling(values, hf_config)
+            if t.name == _ROPE_FREQS:
+                hf_config["rope_scaling"] = _llama3_rope_scaling(values, hf_config)
+            else:
+                rope_factors[_ROPE_FACTORS[t.name]] = values.tolist()
             continue
         heads = None
-        if is_llama and ".self_attn.q_proj." in name:
+        if is_permuted and ".self_attn.q_proj." in name:
             heads = hf_config["num_attention_heads"]
-        elif is_llama and ".self_attn.k_proj." in name:
+        elif is_permuted and ".self_attn.k_proj." in name:
             heads = hf_config["num_key_value_heads"]
-        if keep_quantized and t.tensor_type in KEPT_TYPES and len(shape) == 2:
+        # Phi3 regroups its fused projections' rows at load (models/phi3.py), which it does on arrays:
+        # those two are read dequantized.
+        is_fused = name.endswith((".qkv_proj.weight", ".gate_up_proj.weight"))
+        if keep_quantized and t.tensor_type in KEPT_TYPES and len(shape) == 2 and not is_fused:
             permute = None if heads is None else functools.partial(unpermute_qk, num_heads=heads)
             tensors[name] = GGUFBlocks(path, t.data_offset, t.tensor_type, shape, permute)
         else:
-            tensors[name] = GGUFArray(path, t.data_offset, shape, t.tensor_type, t.data, heads)
+            shift = norm_shift if name.endswith("norm.weight") else 0.0
+            tensors[name] = GGUFArray(path, t.data_offset, shape, t.tensor_type, t.data, heads, shift)
+    if rope_factors:
+        if set(rope_factors) != set(_ROPE_FACTORS.values()):
+            raise ValueError(
+                "GGUF LongRoPE needs both rope_factors_long.weight and rope_factors_short.weight"
+            )
+        hf_config["rope_scaling"] = {"rope_type": "longrope", **rope_factors}
     return tensors

@@ -235,7 +235,7 @@ def small_byte_tokenizer(vocab_size: int = 320):
 
 
 # Our (HF) tensor names -> llama.cpp's, as its converter writes them for llama, qwen2 and qwen3
-# (test_loaders.py's and test_weight_formats.py's synthetic GGUF files).
+# (test_loaders.py's, test_weight_formats.py's and test_gguf_architectures.py's synthetic GGUF files).
 GGUF_NAMES = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",

@@ -158,6 +158,31 @@ def test_gguf_sliding_window_is_kept():
     assert model_config_from_hf(config).layer_sliding_windows == (None, None)
 
 
+def test_gguf_gemma3_config_from_llama_cpp_conventions():
+    """What llama.cpp's Gemma 3 fixes in its code rather than the file: every sixth layer global, the
+    sliding layers' RoPE base 10000, the query scale (head_dim, or hidden / heads for the 27B's 62 layers)."""
+    from xlaserve.models.registry import model_config_from_hf
+
+    metadata = {
+        "general.architecture": "gemma3",
+        "gemma3.block_count": 12,
+        "gemma3.embedding_length": 64,
+        "gemma3.feed_forward_length": 96,
+        "gemma3.attention.head_count": 4,
+        "gemma3.attention.head_count_kv": 2,
+        "gemma3.attention.key_length": 32,
+        "gemma3.attention.sliding_window": 512,
+        "gemma3.rope.freq_base": 1e6,
+        "tokenizer.ggml.tokens": ["a", "b"],
+    }
+    cfg = model_config_from_hf(gguf_hf_config(metadata, ["token_embd.weight"]))
+    assert cfg.layer_sliding_windows == ((512,) * 5 + (None,)) * 2
+    assert (cfg.local_rope_theta, cfg.rope_theta, cfg.query_pre_attn_scalar) == (10000.0, 1e6, 32)
+    assert cfg.tie_word_embeddings and cfg.norm_offset == 1.0
+    metadata["gemma3.block_count"] = 62
+    assert gguf_hf_config(metadata, ["token_embd.weight"])["query_pre_attn_scalar"] == 16
+
+
 def test_tensor_names():
     assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_tensor_name("output.weight") == "lm_head.weight"
@@ -167,6 +192,13 @@ def test_tensor_names():
     assert hf_tensor_name("blk.2.attn_q.bias") == "model.layers.2.self_attn.q_proj.bias"
     assert hf_tensor_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
     assert hf_tensor_name("rope_freqs.weight") is None
+    # Gemma's ffn_norm is the norm before its MLP; Phi3's ffn_up is HF's fused gate_up_proj.
+    assert (
+        hf_tensor_name("blk.0.ffn_norm.weight", "gemma3") == "model.layers.0.pre_feedforward_layernorm.weight"
+    )
+    assert hf_tensor_name("blk.1.ffn_up.weight", "phi3") == "model.layers.1.mlp.gate_up_proj.weight"
+    assert hf_tensor_name("blk.1.ffn_up_exps.weight", "qwen3moe") == "model.layers.1.mlp.experts_up.weight"
+    assert hf_tensor_name("rope_factors_long.weight", "phi3") is None
     with pytest.raises(ValueError, match="blk.0.ssm_conv1d.weight"):
         hf_tensor_name("blk.0.ssm_conv1d.weight")
 

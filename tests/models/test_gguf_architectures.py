@@ -1,0 +1,281 @@
+"""GGUF files of qwen3moe, gemma3, phi3, olmo2 and smollm3 against transformers and the models they came from.
+
+For each architecture a tiny random HF model (float32, 2 layers, hidden 64) is written as llama.cpp's
+convert_hf_to_gguf.py writes it: its tensor names and metadata keys, Gemma's norms stored as 1 + w,
+MoE experts stacked, Phi3's LongRoPE factors as tensors; the token table in F16, one attention and one
+MLP matrix in Q8_0, the rest F32. Then `LLM(file)`'s prefill logits are compared with
+- transformers' own reading of the same file (`load_gguf_checkpoint`: an independent reader, so a
+  name or layout mistake made alike in this writer and our reader still shows), within 1e-4, and its
+  greedy tokens equal;
+- the original model's, within what Q8_0 and F16 rounding allow.
+transformers reads no olmo2 or smollm3 GGUF: those are compared with their original models only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from helpers.family_cases import (
+    ENGINE_ARGS,
+    MAX_REL_ERR,
+    engine_prefill_logits,
+    hf_logits,
+    one_torch_thread,  # noqa: F401 - an autouse fixture
+    randomize_weights,
+    rel_err,
+)
+from helpers.tiny_models import GGUF_NAMES, elemental_emitters
+from xlaserve import LLM, SamplingParams
+
+VOCAB = 101
+NUM_NEW_TOKENS = 4
+# Q8_0 and F16 rounding of three tensors moves these tiny models' logits by ~1% of their range.
+QUANTIZED_REL_ERR = 3e-2
+_TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,  # Q8_0 blocks hold 32 values along a row
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+# GGUF architecture -> (transformers config class, model class, config kwargs)
+CASES = {
+    # Top 2 of 4 experts, renormalized (as llama.cpp's qwen3moe graph always does); q/k norms.
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+    # A sliding layer then a global one with linear-scaled RoPE (base 1e6; the sliding one's 10000, as
+    # llama.cpp fixes it); tied embeddings; query_pre_attn_scalar = head_dim, as llama.cpp assumes.
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            _TINY,
+            tie_word_embeddings=True,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            },
+        ),
+    ),
+    # Fused qkv_proj / gate_up_proj; RoPE on half of each head, LongRoPE with its short factors.
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            {k: v for k, v in _TINY.items() if k != "head_dim"},  # hidden / heads
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.5, 2.0, 2.5],
+                "long_factor": [3.0, 5.0, 7.0, 9.0],
+                "original_max_position_embeddings": 64,
+                "partial_rotary_factor": 0.5,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
+    # Norms after each block; q and k normed over all heads at once.
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _TINY),
+    # Llama's layer, q/k rows permuted as llama's; no RoPE in the fourth layer (llama.cpp's fixed step).
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(_TINY, num_hidden_layers=4)),
+}
+# HF module -> llama.cpp tensor, where an architecture's converter names it otherwise than llama's.
+_GGUF_NAMES = {
+    "qwen3moe": {"mlp.gate": "ffn_gate_inp"},
+    "gemma3": {
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+    "olmo2": {
+        "post_attention_layernorm": "post_attention_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+    "smollm3": {},
+}
+# Config fields transformers' GGUF reading leaves at its defaults (its GGUF_CONFIG_MAPPING has no key for
+# them, or llama.cpp keeps them in its code): given to its model from the original's config, so that the
+# comparison with it is one of tensors (names, layouts, the norms' offset), the metadata being checked
+# against the original model.
+_NOT_READ_BY_TRANSFORMERS = {
+    "qwen3moe": ("moe_intermediate_size", "norm_topk_prob"),
+    "gemma3": ("query_pre_attn_scalar", "layer_types", "rope_parameters"),
+    "phi3": ("rope_parameters", "original_max_position_embeddings"),
+}
+# The tensors stored quantized, the rest F32 (as `--outtype f32`, norms always F32).
+_QTYPES = {
+    "token_embd.weight": gguf.GGMLQuantizationType.F16,
+    "blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q8_0,
+    "blk.0.attn_qkv.weight": gguf.GGMLQuantizationType.Q8_0,
+    "blk.1.ffn_down.weight": gguf.GGMLQuantizationType.Q8_0,
+    "blk.1.ffn_down_exps.weight": gguf.GGMLQuantizationType.Q8_0,
+}
+
+
+def make_model(arch: str):
+    config_class, model_class, kwargs = CASES[arch]
+    config = getattr(transformers, config_class)(**kwargs, attn_implementation="eager")
+    config.architectures = [model_class]
+    torch.manual_seed(list(CASES).index(arch))
+    model = getattr(transformers, model_class)(config).eval()
+    return randomize_weights(model, norm_center=0.0 if arch == "gemma3" else 1.0)
+
+
+def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
+    """The model's tensors under llama.cpp's names and layouts, as its converter writes them."""
+    names = {**GGUF_NAMES, **_GGUF_NAMES[arch]}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        value = tensor.detach().numpy().astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            value = value + 1  # Gemma3RMSNorm scales by 1 + w; llama.cpp's by its weight
+        module, _, suffix = name.rpartition(".")
+        if module.endswith(".mlp.experts"):  # [E, 2F, D] gate | up, [E, D, F] down: stacked per expert
+            block = "blk." + module.split(".")[2]
+            if suffix == "down_proj":
+                out[f"{block}.ffn_down_exps.weight"] = value
+            else:
+                gate, up = np.split(value, 2, axis=1)
+                out[f"{block}.ffn_gate_exps.weight"], out[f"{block}.ffn_up_exps.weight"] = gate, up
+        elif module.startswith("model.layers."):
+            _, _, layer, key = module.split(".", 3)
+            if arch == "smollm3" and key in ("self_attn.q_proj", "self_attn.k_proj"):
+                # llama.cpp's permute for its rope: each head's rows [half0 | half1] -> interleaved.
+                config = model.config
+                heads = config.num_attention_heads if key.endswith("q_proj") else config.num_key_value_heads
+                value = value.reshape(heads, 2, -1, value.shape[-1]).swapaxes(1, 2).reshape(value.shape)
+            out[f"blk.{layer}.{names[key]}.{suffix}"] = value
+        else:
+            out[f"{names[module]}.{suffix}"] = value
+    return out
+
+
+def write_gguf(path: str, model, arch: str) -> None:
+    config = model.config
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    tensors = gguf_tensors(model, arch)
+    if arch == "phi3":  # no key_length; the rotated dims, LongRoPE's factors as tensors
+        head_dim = config.hidden_size // config.num_attention_heads
+        writer.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_sliding_window(0)
+        tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], np.float32)
+        tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
+    elif arch == "smollm3":  # llama's: the head size as rope.dimension_count
+        writer.add_rope_dimension_count(config.head_dim)
+    else:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+        # llama.cpp's own pattern is every sixth layer global; the file says ours (1 sliding, 1 global).
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(["<pad>", "<s>", "</s>", *(f"w{i}" for i in range(3, VOCAB))])
+    writer.add_token_types([3, 3, 3] + [1] * (VOCAB - 3))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    for name, value in tensors.items():
+        qtype = _QTYPES.get(name)
+        if qtype is None:
+            writer.add_tensor(name, value)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def transformers_model(path: str, original, arch: str):
+    """The model transformers reads from the GGUF file (`from_pretrained(dir, gguf_file=...)` does
+    this, but needs accelerate): its config from the metadata, its tensors dequantized and renamed."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with pytest.MonkeyPatch.context() as patch:
+        # transformers rebuilds gguf's (pure) name map once per submodule.
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        parsed = load_gguf_checkpoint(
+            path, return_tensors=True, model_to_load=original, torch_dtype=torch.float32
+        )
+    fields = {**parsed["config"], **{k: getattr(original.config, k) for k in _NOT_READ_BY_TRANSFORMERS[arch]}}
+    config = transformers.AutoConfig.for_model(**fields, attn_implementation="eager")
+    model = getattr(transformers, CASES[arch][1])(config).eval()
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+@pytest.fixture(autouse=True)
+def elemental_fusions():
+    """The engines compile with XLA:CPU's elemental emitters (helpers/tiny_models.py): ~20% less CPU
+    for this module. What it checks, the loader against transformers within 1e-4, holds for either."""
+    with elemental_emitters():
+        yield
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_gguf_architecture(arch, tmp_path):
+    original = make_model(arch)
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    write_gguf(path, original, arch)
+    llm = LLM(path, **ENGINE_ARGS)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, VOCAB, 21).tolist()
+    ours = engine_prefill_logits(llm, ids, first_chunk=11)
+    expected = hf_logits(original, ids)
+    assert 1e-3 < rel_err(ours, expected) < QUANTIZED_REL_ERR  # rounded, but the same model
+    if arch not in _NOT_READ_BY_TRANSFORMERS:
+        return
+    reference = transformers_model(path, original, arch)
+    assert rel_err(ours, hf_logits(reference, ids)) < MAX_REL_ERR
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    tokens = list(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids)
+    with torch.no_grad():
+        out = reference.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS
+        )
+    assert tokens == out[0, len(ids) :].tolist()
