@@ -785,6 +785,22 @@ _default_emitters = True
 _profile: _CaseProfile | None = None
 
 
+def share_compiles_across_devices() -> None:
+    """Key XLA's persistent cache without the devices a program is compiled for. jax keys it by the
+    device assignment on a CPU (it strips it on a GPU only), so a program whose text another case or
+    engine compiled for other fake devices compiled again: the middle stages of PP=4, the second rank
+    of DP=2. Loaded from the cache, an executable is bound to the devices it is called on (jax passes
+    them to `deserialize_executable`), so each stage and rank still runs on its own."""
+    from jax._src import cache_key
+
+    hash_options = cache_key._hash_serialized_compile_options
+
+    def without_devices(hash_obj, compile_options, strip_device_assignment=False):
+        return hash_options(hash_obj, compile_options, strip_device_assignment=True)
+
+    cache_key._hash_serialized_compile_options = without_devices
+
+
 def answer(request: dict) -> dict:
     global _profile, _default_emitters
     if _profile is None and os.environ.get("XLASERVE_SUITE_PROFILE"):
@@ -819,6 +835,7 @@ def serve() -> None:
 
 if __name__ == "__main__":
     compile_with_elemental_emitters_when(lambda: not _default_emitters)
+    share_compiles_across_devices()
     if len(sys.argv) == 1:
         serve()
     else:
