@@ -311,6 +311,10 @@ def test_the_host_tiers_stores_and_evictions_are_kv_cache_events():
     # Two slots for three saves: the tail's is skipped (no save of a step evicts another of it).
     assert connector.take_events() == [stored([a1, a0])]
     assert connector.take_events() == []
+    connector.on_block_evicted(_digest(9), 1)  # a step later: the least recently saved makes room
+    connector.build_connector_meta([None])
+    x = int.from_bytes(_digest(9)[-8:], "big")
+    assert connector.take_events() == [BlockRemoved([a1], medium="CPU"), stored([x])]
     _fill(manager, _request(list(range(80, 103))))
     assert connector.build_connector_meta([None]) is not None  # more stores and evictions, then a reset:
     connector.reset()  # the device cache's AllBlocksCleared covers the tier, so nothing pending is sent
