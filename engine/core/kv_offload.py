@@ -112,9 +112,10 @@ class HostBlockIndex:
     """A tier's slots (host, or disk) by block hash, least recently used first: a bounded LRU with O(1)
     lookups.
 
-    A slot being loaded this step is pinned, so a save in the same step cannot take it over.
-    `on_evict(block_hash, slot)` hears of each eviction before its slot is reused (a disk tier's
-    demotion)."""
+    A slot being loaded or written this step is pinned until the step's plan is built (`unpin_all`), so
+    no other block of the same step takes it over: a plan never names one slot twice, and the index
+    names the block whose bytes the slot gets. `on_evict(block_hash, slot)` hears of each eviction
+    before its slot is reused (a disk tier's demotion)."""
 
     def __init__(self, num_blocks: int, on_evict=None):
         self.num_blocks = num_blocks
@@ -147,8 +148,8 @@ class HostBlockIndex:
         return slot
 
     def allocate(self, block_hash: bytes) -> int | None:
-        """A slot for a new hash (evicting the least recently used unpinned one when full); None when
-        every slot is pinned."""
+        """A slot for a new hash (evicting the least recently used unpinned one when full), pinned; None
+        when every slot is pinned."""
         if self.num_used < self.num_blocks:
             slot = self.num_used
             self.num_used += 1
@@ -161,6 +162,7 @@ class HostBlockIndex:
             if self.on_evict is not None:
                 self.on_evict(victim, slot)
         self.slot_of[block_hash] = slot
+        self.pinned.add(slot)
         return slot
 
     def unpin_all(self) -> None:
@@ -201,7 +203,6 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._loads: dict[int, int] = {}
         self._disk_loads: dict[int, int] = {}
         self._demotes: list[tuple[int, int]] = []  # (host slot, disk slot), this step
-        self._saving: set[bytes] = set()  # hashes given host slots this step (their bytes land later)
         self.stats = KVTransferStats()
         # A persistent disk tier: its directory, locked while this engine runs, and whether its blocks
         # still are the checkpoint's (a reset of the prefix cache keeps nothing at shutdown).
@@ -257,10 +258,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def _demote(self, block_hash: bytes, host_slot: int) -> None:
         """The host tier evicts `block_hash` from `host_slot`: copy it to the disk tier (unless the disk
-        already holds it, or every disk slot is being loaded this step: then it is dropped). A block
-        saved this very step is not on the host yet: it is dropped too."""
-        if block_hash in self._saving:
-            return
+        already holds it, or every disk slot is loaded or written this step: then it is dropped). The
+        host never evicts a block saved this step (its slot is pinned), so the slot holds its bytes."""
         if block_hash in self.disk:
             self.disk.slot_of.move_to_end(block_hash)
             return
@@ -304,16 +303,17 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
     def build_connector_meta(self, scheduled) -> KVConnectorMetadata | None:
         if not scheduled:
             return None  # nothing runs, nothing is overwritten: the saves wait for the next step
+        # The slots this step loads or saves are pinned, so a step evicting more blocks than the tier
+        # has other slots saves only the last evicted: a finished request's blocks are evicted tail
+        # first, and a host hit needs a prefix's first blocks.
+        evicted = list(self._evicted.items())
+        room = self.index.num_blocks - len(self.index.pinned)
         save_ids, save_slots = [], []
-        for block_hash, block_id in self._evicted.items():
-            slot = self.index.allocate(block_hash)  # loads of this step stay pinned; may demote
-            if slot is not None:
-                save_ids.append(block_id)
-                save_slots.append(slot)
-                self._saving.add(block_hash)
-                if self._changes is not None:
-                    self._changes.append((False, block_hash))
-        self._saving.clear()
+        for block_hash, block_id in evicted[max(len(evicted) - room, 0) :]:
+            save_ids.append(block_id)
+            save_slots.append(self.index.allocate(block_hash))  # may demote
+            if self._changes is not None:
+                self._changes.append((False, block_hash))
         self.index.unpin_all()
         if self.disk is not None:
             self.disk.unpin_all()

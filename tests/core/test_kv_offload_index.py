@@ -36,6 +36,8 @@ def test_index_is_a_bounded_lru_that_spares_pinned_slots():
     index = HostBlockIndex(3)
     slots = [index.allocate(h) for h in (b"a", b"b", b"c")]
     assert sorted(slots) == [0, 1, 2]
+    assert index.allocate(b"z") is None  # slots written this step are pinned too: none twice a step
+    index.unpin_all()
     assert index.take_for_load(b"a") == slots[0]  # most recently used now, and pinned
     assert index.allocate(b"d") == slots[1]  # b: the least recently used
     assert b"b" not in index and len(index) == 3 and index.num_evicted == 1
@@ -183,12 +185,23 @@ def test_the_disk_tier_takes_what_the_host_tier_evicts_and_serves_hits_in_order(
     connector.on_block_evicted(b"a", 4)
     assert connector.build_connector_meta([None]) is None
 
+    # Three saves in one step for two slots: one slot each, the last evicted kept (a prefix's head),
+    # nothing demoted (no slot's bytes are on the host yet).
     fresh = OffloadingConnectorScheduler(2, BLOCK_SIZE, bytes_per_block=100, num_disk_blocks=4)
     for block_hash, block_id in ((b"a", 1), (b"b", 2), (b"c", 3)):  # all in one step
         fresh.on_block_evicted(block_hash, block_id)
     meta = fresh.build_connector_meta([None])
-    assert len(meta.save_block_ids) == 3 and meta.demote_host_slots.size == 0
-    assert b"a" not in fresh.disk and len(fresh.index) == 2
+    assert meta.save_block_ids.tolist() == [2, 3] and sorted(meta.save_slots.tolist()) == [0, 1]
+    assert dict(zip(meta.save_slots.tolist(), (b"b", b"c"))) == {s: h for h, s in fresh.index.slot_of.items()}
+    assert meta.demote_host_slots.size == 0 and b"a" not in fresh.disk and len(fresh.index) == 2
+    # Two demotions in one step for one disk slot: the first takes it, the second is dropped.
+    small = OffloadingConnectorScheduler(2, BLOCK_SIZE, bytes_per_block=100, num_disk_blocks=1)
+    for step in ((b"a", b"b"), (b"c", b"d")):
+        for block_id, block_hash in enumerate(step, 1):
+            small.on_block_evicted(block_hash, block_id)
+        meta = small.build_connector_meta([None])
+    assert meta.demote_host_slots.tolist() == [0] and meta.demote_disk_slots.tolist() == [0]
+    assert dict(small.disk.slot_of) == {b"a": 0}
     connector.reset()
     assert len(connector.disk) == 0 and connector.get_num_new_matched_tokens(request, 0) == 0
 
@@ -295,9 +308,13 @@ def test_the_host_tiers_stores_and_evictions_are_kv_cache_events():
     def stored(hashes):
         return BlockStored(hashes, None, [], 0, lora_id=None, medium="CPU", lora_name=None)
 
-    # Two slots: the third save evicts the least recently saved.
-    assert connector.take_events() == [stored([a2, a1]), BlockRemoved([a2], medium="CPU"), stored([a0])]
+    # Two slots for three saves: the tail's is skipped (no save of a step evicts another of it).
+    assert connector.take_events() == [stored([a1, a0])]
     assert connector.take_events() == []
+    connector.on_block_evicted(_digest(9), 1)  # a step later: the least recently saved makes room
+    connector.build_connector_meta([None])
+    x = int.from_bytes(_digest(9)[-8:], "big")
+    assert connector.take_events() == [BlockRemoved([a1], medium="CPU"), stored([x])]
     _fill(manager, _request(list(range(80, 103))))
     assert connector.build_connector_meta([None]) is not None  # more stores and evictions, then a reset:
     connector.reset()  # the device cache's AllBlocksCleared covers the tier, so nothing pending is sent

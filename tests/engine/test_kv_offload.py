@@ -120,6 +120,32 @@ def test_evicted_prefix_comes_back_from_the_host_tier(model_dir):
         llm.shutdown()
 
 
+def _recorded_plans(connector) -> list[tuple[int, int, list[bytes], set[bytes]]]:
+    """From now on, each step's (blocks evicted, host slots free of its loads, hashes saved, hashes
+    loaded from the host), asserting that no plan names a slot twice."""
+    plans, build = [], connector.build_connector_meta
+
+    def recorded(scheduled):
+        index = connector.index
+        num_evicted, room = len(connector._evicted), index.num_blocks - len(index.pinned)
+        meta = build(scheduled)
+        if meta is not None:
+            for targets in (
+                meta.save_slots,
+                meta.demote_disk_slots,
+                meta.load_block_ids,
+                meta.disk_load_block_ids,
+            ):
+                assert len(set(targets.tolist())) == len(targets), meta
+            hashes = {slot: block_hash for block_hash, slot in index.slot_of.items()}
+            saved = [hashes[slot] for slot in meta.save_slots.tolist()]
+            plans.append((num_evicted, room, saved, {hashes[slot] for slot in meta.load_slots.tolist()}))
+        return meta
+
+    connector.build_connector_meta = recorded
+    return plans
+
+
 def _metrics(llm: LLM) -> dict:
     return {(m.name, tuple(m.labels.values())): getattr(m, "value", None) for m in llm.get_metrics()}
 
@@ -180,7 +206,9 @@ def test_bfloat16_reloaded_blocks_are_bit_identical(model_dir):
 def test_a_prefix_the_host_tier_evicted_comes_back_from_the_disk_tier(model_dir, tmp_path):
     """A host tier of 2 blocks, a disk tier under tmp_path: the first prompt's blocks, evicted from
     the device and then from the host tier, come back from the disk (and the host) with the same
-    tokens and logprobs, bit for bit (bfloat16); the tier's files are unlinked once mapped."""
+    tokens and logprobs, bit for bit (bfloat16); the tier's files are unlinked once mapped. A step
+    that evicts more blocks than the host tier has slots plans no slot twice, and what it saved comes
+    back bit for bit too."""
     block_bytes = 4608 // 2  # bfloat16
     llm = LLM(
         model_dir,
@@ -207,6 +235,15 @@ def test_a_prefix_the_host_tier_evicted_comes_back_from_the_disk_tier(model_dir,
     assert metrics[("xlaserve:kv_offload_total_bytes", ("host_to_disk",))] >= disk_hits // BLOCK * block_bytes
     other = _run(llm, prompts[0], salt="tenant-b")
     assert other[2] == 0  # another tenant's salt: nothing from any tier
+    # Over-full: the first prompt's four blocks come back from the disk at once, evicting five cached
+    # device blocks into the host tier's two slots; each save gets a slot of its own (the last two
+    # evicted), and the next step loads both for the second prompt: tokens and logprobs bit for bit.
+    plans = _recorded_plans(llm.engine_core.kv_connector)
+    again = [_run(llm, p, logprobs=2) for p in (*prompts, *prompts[:2])]
+    assert [r[:2] for r in again] == [r[:2] for r in (*results[:3], *results[:2])]
+    (step,) = [i for i, (num_evicted, room, _, _) in enumerate(plans) if num_evicted > room > 0]
+    saved = plans[step][2]
+    assert len(saved) == 2 and plans[step + 1][3] == set(saved) and again[-1][2] == 16
     _assert_all_free(llm)
     llm.shutdown()
 
