@@ -252,3 +252,30 @@ GGUF_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+
+
+def gguf_writer(path: str, config, arch: str):
+    """A GGUFWriter for `arch` with the shape keys every architecture's file carries, from an HF config."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    return writer
+
+
+def add_word_tokenizer(writer, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer of whole words `w3`, `w4`, ... after <pad>, <s> and </s> (ids 0-2)."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(["<pad>", "<s>", "</s>", *(f"w{i}" for i in range(3, vocab_size))])
+    writer.add_token_types([3, 3, 3] + [1] * (vocab_size - 3))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)

@@ -30,7 +30,7 @@ from helpers.family_cases import (
     randomize_weights,
     rel_err,
 )
-from helpers.tiny_models import GGUF_NAMES, elemental_emitters
+from helpers.tiny_models import GGUF_NAMES, add_word_tokenizer, elemental_emitters, gguf_writer
 from xlaserve import LLM, SamplingParams
 
 VOCAB = 101
@@ -176,14 +176,7 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
 def write_gguf(path: str, model, arch: str) -> None:
     config = model.config
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = gguf_writer(path, config, arch)
     writer.add_rope_freq_base(rope["rope_theta"])
     tensors = gguf_tensors(model, arch)
     if arch == "phi3":  # no key_length; the rotated dims, LongRoPE's factors as tensors
@@ -208,14 +201,7 @@ def write_gguf(path: str, model, arch: str) -> None:
         writer.add_rope_scaling_factor(rope["factor"])
         # llama.cpp's own pattern is every sixth layer global; the file says ours (1 sliding, 1 global).
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(["<pad>", "<s>", "</s>", *(f"w{i}" for i in range(3, VOCAB))])
-    writer.add_token_types([3, 3, 3] + [1] * (VOCAB - 3))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
+    add_word_tokenizer(writer, VOCAB)
     for name, value in tensors.items():
         qtype = _QTYPES.get(name)
         if qtype is None:

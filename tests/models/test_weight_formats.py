@@ -22,7 +22,7 @@ from helpers.family_cases import (
     prompts,
     save_hf_model,
 )
-from helpers.tiny_models import GGUF_NAMES
+from helpers.tiny_models import GGUF_NAMES, add_word_tokenizer, gguf_writer
 from xlaserve import LLM, SamplingParams
 
 
@@ -33,13 +33,7 @@ def write_gguf(path, hf_model, arch: str, qtypes: dict[str, object] | None = Non
     import gguf
 
     config = hf_model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = gguf_writer(path, config, arch)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
@@ -47,16 +41,7 @@ def write_gguf(path, hf_model, arch: str, qtypes: dict[str, object] | None = Non
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(config.rope_parameters["factor"])
         writer.add_rope_scaling_orig_ctx_len(config.rope_parameters["original_max_position_embeddings"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    tokens = ["<pad>", "<s>", "</s>", *(f"w{i}" for i in range(3, config.vocab_size))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
+    add_word_tokenizer(writer, config.vocab_size)
     expected = {}
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
