@@ -20,6 +20,7 @@ from xlaserve.config.engine import CONFIG_GROUPS, EngineConfig
 from xlaserve.config.kv_transfer import KV_ROLES, KVTransferConfig
 from xlaserve.config.lora import LoRAConfig
 from xlaserve.config.model import (
+    CONTENT_FORMATS,
     DEFAULT_IMAGES_PER_PROMPT,
     QUANTIZATION_METHODS,
     RUNNER_TYPES,
@@ -33,6 +34,7 @@ from xlaserve.speculative_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfi
 
 __all__ = [
     "ARG_KEY",
+    "CONTENT_FORMATS",
     "Arg",
     "CONFIG_GROUPS",
     "CacheConfig",

@@ -17,6 +17,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 RUNNER_TYPES = ("generate", "pooling")
 TOKENIZER_MODES = ("auto", "hf")
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's --chat-template-content-format
 # vLLM's --logprobs-mode values (worker/sampler.py).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 logger = logging.getLogger(__name__)

@@ -26,7 +26,6 @@ from xlaserve.engine.qwen_vl_processor import qwen_vl_processor
 from xlaserve.models.processor_settings import image_processor_kwargs, read_settings, with_overrides
 
 _ENV = ImmutableSandboxedEnvironment()  # parses templates for content_format; renders none
-CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's --chat-template-content-format
 
 
 class MultiModalProcessor:

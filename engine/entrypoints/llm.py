@@ -13,10 +13,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from xlaserve.config import EngineConfig
+from xlaserve.config import CONTENT_FORMATS, EngineConfig
 from xlaserve.engine.media import MediaPolicy, load_image
 from xlaserve.engine.metrics import EngineMetrics, Metric
-from xlaserve.engine.mm_processor import CONTENT_FORMATS, content_format, flatten_content
+from xlaserve.engine.mm_processor import content_format, flatten_content
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import start_engine

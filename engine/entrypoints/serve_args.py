@@ -9,6 +9,7 @@ import json
 import os
 import ssl
 
+from xlaserve.config import CONTENT_FORMATS
 from xlaserve.entrypoints.arg_utils import add_tool_args
 
 
@@ -265,7 +266,7 @@ def add_request_args(g) -> None:
     )
     g.add_argument(
         "--chat-template-content-format",
-        choices=["auto", "string", "openai"],
+        choices=CONTENT_FORMATS,
         default="auto",
         help="how a message's content reaches the chat template: string (its text parts joined), openai "
         "(a list of parts, {'type': 'text', 'text': ...} and {'type': 'image'}); auto: openai for a "
