@@ -216,6 +216,50 @@ CASES = [
         [("a", {}), ("b", {"x": 1})],
     ),
     ("granite", "Hello [there]", "Hello [there]", []),
+    # Phi-4-mini's list after `functools`, after text; the word alone (or before no list) is content
+    (
+        "phi4_mini_json",
+        'Let me check.\nfunctools[{"name": "get_weather", "arguments": {"city": "Paris", "note": "functools[]'
+        '\\" ]"}}, {"name": "get_time", "parameters": {"f": [1, {"a": null}]}}] Done.',
+        "Let me check.Done.",
+        [("get_weather", {"city": "Paris", "note": 'functools[]" ]'}), ("get_time", {"f": [1, {"a": None}]})],
+    ),
+    ("phi4_mini_json", 'functools[{"name": "f", "arguments": {}}]', None, [("f", {})]),
+    ("phi4_mini_json", "Use functools[0] or functools.reduce", "Use functools[0] or functools.reduce", []),
+    ("phi4_mini_json", "functools[]", "functools[]", []),
+    # Llama 4's pythonic list, between its tags or bare; only at the start of the answer, as in vLLM
+    (
+        "llama4_pythonic",
+        '<|python_start|>[get_weather(city="Paris <|python_end|>]", days=3), '
+        'get_time(opts={"n": [1, {"a": None}], "s": "f(x)"})]<|python_end|>',
+        None,
+        [
+            ("get_weather", {"city": "Paris <|python_end|>]", "days": 3}),
+            ("get_time", {"opts": {"n": [1, {"a": None}], "s": "f(x)"}}),
+        ],
+    ),
+    ("llama4_pythonic", "[f(a=-1)] Done.", "Done.", [("f", {"a": -1})]),
+    ("llama4_pythonic", "Hi <|python_start|>[f()]", "Hi <|python_start|>[f()]", []),
+    (
+        "llama4_pythonic",
+        "<|python_start|>print(1)<|python_end|>",
+        "<|python_start|>print(1)<|python_end|>",
+        [],
+    ),
+    # OLMo 3's lines of calls between tags, after text, JSON's names as values, a missing end tag at the end
+    (
+        "olmo3",
+        "I will look.\n<function_calls>get_weather(city='Paris </function_calls>\\'', days=3)\n"
+        'get_time(opts={"n": [1, null], "ok": true}, tz=None)</function_calls>\nDone.',
+        "I will look.Done.",
+        [
+            ("get_weather", {"city": "Paris </function_calls>'", "days": 3}),
+            ("get_time", {"opts": {"n": [1, None], "ok": True}, "tz": None}),
+        ],
+    ),
+    ("olmo3", "<function_calls>\nf(x=[1, 2]), g()\n", None, [("f", {"x": [1, 2]}), ("g", {})]),
+    ("olmo3", "<function_calls>f(x)</function_calls>", "<function_calls>f(x)</function_calls>", []),
+    ("olmo3", "No calls: a < b <function_calls", "No calls: a < b <function_calls", []),
 ]
 # The request the outputs answer: qwen3_coder types its values by these schemas; the others ignore it.
 _SCHEMA = {
@@ -322,7 +366,7 @@ def test_xml_and_pythonic_arguments_are_json_dumps_text():
     """qwen3_coder's and pythonic's arguments are built, not copied: the text is json.dumps' of the
     values (what vLLM sends), whichever way the stream was cut."""
     for name, output, _, calls in CASES:
-        if name not in ("qwen3_coder", "pythonic"):
+        if name not in ("qwen3_coder", "pythonic", "llama4_pythonic", "olmo3"):
             continue
         result = get_tool_parser(name)().extract_tool_calls(output, REQUEST)
         assert [c.function.arguments for c in result.tool_calls] == [
@@ -352,6 +396,13 @@ def test_pythonic_broken_after_announcement():
     assert _streamed("pythonic", list(text)) == ("b=g())]", [("f", '{"a": 1')])
 
 
+def test_olmo3_non_finite_value_is_not_a_call():
+    """1e999 is inf, which JSON cannot write: the call breaks there (vLLM rejects it too)."""
+    text = "<function_calls>f(x=1e999)</function_calls>"
+    assert get_tool_parser("olmo3")().extract_tool_calls(text).content == text
+    assert _streamed("olmo3", list(text)) == ("x=1e999)</function_calls>", [("f", "{")])
+
+
 def test_forced_call_cut_off():
     """max_tokens ended a forced call: one-shot it is content (not a call), streamed the call went out."""
     text = '{"city": "Par'
@@ -371,8 +422,19 @@ def test_parallel_tool_calls_false_keeps_the_first():
 
 def test_registry_and_defaults():
     assert {"hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "deepseek_v3", "deepseek_v31"} | {
-        "granite"
+        "granite",
+        "phi4_mini_json",
+        "llama4_pythonic",
+        "olmo3",
     } <= set(TOOL_PARSERS)
+    # the tags of these are special tokens: the server keeps them in the text for the parser
+    assert [
+        get_tool_parser(n).keeps_special_tokens for n in ("llama4_pythonic", "olmo3", "phi4_mini_json")
+    ] == [
+        True,
+        True,
+        False,
+    ]
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
     assert default_tool_parser("qwen2") == "hermes"

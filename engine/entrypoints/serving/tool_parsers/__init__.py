@@ -27,7 +27,9 @@ from xlaserve.entrypoints.serving.tool_parsers.granite import GraniteToolParser
 from xlaserve.entrypoints.serving.tool_parsers.hermes import HermesToolParser
 from xlaserve.entrypoints.serving.tool_parsers.llama3_json import Llama3JsonToolParser
 from xlaserve.entrypoints.serving.tool_parsers.mistral import MistralToolParser
-from xlaserve.entrypoints.serving.tool_parsers.pythonic import PythonicToolParser
+from xlaserve.entrypoints.serving.tool_parsers.olmo3 import Olmo3ToolParser
+from xlaserve.entrypoints.serving.tool_parsers.phi4_mini import Phi4MiniJsonToolParser
+from xlaserve.entrypoints.serving.tool_parsers.pythonic import Llama4PythonicToolParser, PythonicToolParser
 from xlaserve.entrypoints.serving.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -42,6 +44,9 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         DeepSeekV3ToolParser,
         DeepSeekV31ToolParser,
         GraniteToolParser,
+        Phi4MiniJsonToolParser,
+        Llama4PythonicToolParser,
+        Olmo3ToolParser,
     )
 }
 # HF model_type -> the format its instruction-tuned models write.

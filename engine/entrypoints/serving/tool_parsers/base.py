@@ -199,6 +199,40 @@ def held_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def is_start_of(text: str, pos: int, tags: tuple[str, ...]) -> bool:
+    """text[pos:] is nothing yet or a proper start of one of `tags`."""
+    rest = text[pos:]
+    return any(tag.startswith(rest) and len(rest) < len(tag) for tag in tags)
+
+
+BlockReader = Callable[[str, int, bool, bool, list], tuple[int, bool]]
+
+
+def parse_tagged(
+    text: str, start_tag: str, final: bool, keep_broken: bool, read_block: BlockReader
+) -> Parsed:
+    """Content with blocks of calls, each after `start_tag`. read_block(text, where the block starts,
+    final, keep_broken, pieces) reads one into `pieces`: (where the content goes on, or -1 when the tag
+    was just text; whether the rest is held back)."""
+    pieces: list[str | Call] = []
+    pos = 0
+    while True:
+        start = text.find(start_tag, pos)
+        if start < 0:
+            held = 0 if final else held_suffix(text, start_tag)
+            pieces.append(text[pos : len(text) - held])
+            return Parsed(pieces, is_held=held > 0)
+        pieces.append(text[pos:start])
+        pos = start + len(start_tag)
+        end, is_held = read_block(text, pos, final, keep_broken, pieces)
+        if is_held:
+            return Parsed(pieces, is_held=True)
+        if end < 0:
+            pieces.append(start_tag)
+        else:
+            pos = end
+
+
 class ToolParser:
     """Turns a model's text into OpenAI tool calls, one-shot or streamed. One instance per choice (it
     keeps the stream's state); `tokenizer` is for parsers that need token ids (none so far)."""

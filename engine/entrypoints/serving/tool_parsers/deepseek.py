@@ -18,7 +18,7 @@ end (the model stopped) does not undo a whole object. Text after the block is co
 
 from __future__ import annotations
 
-from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, ToolParser, held_suffix
+from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, ToolParser, held_suffix, is_start_of
 from xlaserve.entrypoints.serving.tool_parsers.json_scan import Status, skip_ws
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -59,7 +59,7 @@ class DeepSeekV3ToolParser(ToolParser):
                 elif text.startswith(CALLS_END, pos):
                     pos += len(CALLS_END)
                     break
-                elif not final and _is_start_of(text, pos, (CALL_BEGIN, CALLS_END)):
+                elif not final and is_start_of(text, pos, (CALL_BEGIN, CALLS_END)):
                     return Parsed(pieces, is_held=True)
                 if len(pieces) == found:  # no call read: the marker was text
                     pieces.append(CALLS_BEGIN)
@@ -115,7 +115,7 @@ class DeepSeekV3ToolParser(ToolParser):
             after = skip_ws(text, pos)
             if text.startswith(tag, after):
                 pos = after + len(tag)
-            elif not final and _is_start_of(text, after, (tag,)):
+            elif not final and is_start_of(text, after, (tag,)):
                 return len(text), True
             else:
                 break
@@ -132,9 +132,3 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
         if "\n" in name or "<｜" in name or (sep >= 0 and not name):
             return None, _NOT_A_CALL
         return (None, _UNDECIDED) if sep < 0 else (name, sep + len(SEP))
-
-
-def _is_start_of(text: str, pos: int, tags: tuple[str, ...]) -> bool:
-    """text[pos:] is nothing yet or a proper start of one of `tags`."""
-    rest = text[pos:]
-    return any(tag.startswith(rest) and len(rest) < len(tag) for tag in tags)

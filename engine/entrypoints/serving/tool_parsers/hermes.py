@@ -14,7 +14,7 @@ from __future__ import annotations
 from xlaserve.entrypoints.serving.tool_parsers.base import (
     Parsed,
     ToolParser,
-    held_suffix,
+    parse_tagged,
     read_call_list,
     read_call_object,
 )
@@ -27,31 +27,23 @@ class HermesToolParser(ToolParser):
     end_tag = "</tool_call>"
 
     def _parse(self, text: str, final: bool, keep_broken: bool) -> Parsed:
-        pieces = []
-        pos = 0
-        while True:
-            start = text.find(self.start_tag, pos)
-            if start < 0:
-                held = 0 if final else held_suffix(text, self.start_tag)
-                pieces.append(text[pos : len(text) - held])
-                return Parsed(pieces, is_held=held > 0)
-            pieces.append(text[pos:start])
-            body = skip_ws(text, start + len(self.start_tag))
-            if body < len(text) and text[body] == "[":
-                end, is_held = read_call_list(text, body, final, keep_broken, pieces, self.scan_at)
-            else:
-                end, is_held = self._read_object(text, body, final, keep_broken, pieces)
-            if is_held:
-                return Parsed(pieces, is_held=True)
-            if end < 0:  # the start tag was just text
-                pieces.append(text[start : start + len(self.start_tag)])
-                pos = start + len(self.start_tag)
-                continue
-            pos = skip_ws(text, end)
-            if text.startswith(self.end_tag, pos):
-                pos += len(self.end_tag)
-            elif not final and pos < len(text) and self.end_tag.startswith(text[pos:]):
-                return Parsed(pieces, is_held=True)  # maybe the end tag: it is part of the call
+        return parse_tagged(text, self.start_tag, final, keep_broken, self._read_block)
+
+    def _read_block(self, text, pos, final, keep_broken, pieces) -> tuple[int, bool]:
+        """The call object, or list of them, after a start tag, and its end tag; as `parse_tagged` asks."""
+        pos = skip_ws(text, pos)
+        if pos < len(text) and text[pos] == "[":
+            end, is_held = read_call_list(text, pos, final, keep_broken, pieces, self.scan_at)
+        else:
+            end, is_held = self._read_object(text, pos, final, keep_broken, pieces)
+        if is_held or end < 0:
+            return end, is_held
+        end = skip_ws(text, end)
+        if text.startswith(self.end_tag, end):
+            return end + len(self.end_tag), False
+        if not final and end < len(text) and self.end_tag.startswith(text[end:]):
+            return len(text), True  # maybe the end tag: it is part of the call
+        return end, False
 
     def _read_object(self, text, pos, final, keep_broken, pieces) -> tuple[int, bool]:
         """One call object; as `read_call_list`."""

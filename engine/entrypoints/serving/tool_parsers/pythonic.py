@@ -6,10 +6,11 @@ is a Python list of calls with keyword arguments whose values are literals:
 Read with Python's `ast` (never evaluated): a value is a string, number, True/False/None, or a list or
 dict of those; anything else (a name, an expression, a positional argument) means the answer is not
 calls, and it is content. An answer that does not start with "[" is content, as in vLLM.
+`llama4_pythonic` is the same list, optionally between Llama 4's `<|python_start|>` and `<|python_end|>`.
 
 A call is announced once its name and "(" are written; its arguments grow one whole keyword at a time
 (a value is only known to be a literal when it has ended), as `{"key": value, ...}` in json.dumps'
-spacing.
+spacing. `read_call` reads one call for any format that writes them (olmo3's lines too).
 """
 
 from __future__ import annotations
@@ -18,29 +19,33 @@ import ast
 import json
 import re
 
-from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, ToolParser
+from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, ToolParser, is_start_of
 from xlaserve.entrypoints.serving.tool_parsers.json_scan import Status, skip_ws
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CLOSERS = {"(": ")", "[": "]", "{": "}"}
+_JSON_NAMES = {"null": None, "true": True, "false": False}
 
 
 class _NotLiteral(ValueError):
     pass
 
 
-def _literal(node: ast.expr):
-    """A value node as JSON data: literals only (vLLM's set, with a sign on numbers)."""
+def _literal(node: ast.expr, json_names: bool):
+    """A value node as JSON data: literals only (vLLM's set, with a sign on numbers); json_names: also
+    JSON's null, true and false, which a model that read its tools as JSON may write."""
     if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float))):
         return node.value
+    if json_names and isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value = _literal(node.operand)
+        value = _literal(node.operand, json_names)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, ast.List):
-        return [_literal(e) for e in node.elts]
+        return [_literal(e, json_names) for e in node.elts]
     if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
-        return {k.value: _literal(v) for k, v in zip(node.keys, node.values, strict=True)}
+        return {k.value: _literal(v, json_names) for k, v in zip(node.keys, node.values, strict=True)}
     raise _NotLiteral(ast.dump(node))
 
 
@@ -70,74 +75,64 @@ def _value_end(text: str, pos: int) -> tuple[int, Status]:
     return len(text), Status.PARTIAL
 
 
-class PythonicToolParser(ToolParser):
-    name = "pythonic"
-
-    def _parse(self, text: str, final: bool, keep_broken: bool) -> Parsed:
-        pos = skip_ws(text, 0)
-        if pos == len(text):
-            return Parsed([text] if final else [], is_held=not final)
-        if text[pos] != "[":
-            return Parsed([text])
-        calls: list[Call] = []
-        end, status = _read_calls(text, pos, calls)
-        if status is Status.COMPLETE:
-            return Parsed([*calls, text[end:]])
-        if status is Status.PARTIAL and not final:
-            return Parsed(calls, is_held=not calls)
-        if keep_broken and calls:  # broken after a call went out: keep it, the rest is content
-            return Parsed([*calls, text[end:]])
-        return Parsed([text])
+def _name_then(text: str, pos: int, mark: str) -> tuple[str | None, int, Status]:
+    """An identifier at text[pos] and, after whitespace, `mark` (a call's "(", a keyword's "="): (the
+    name, where `mark` is, COMPLETE), or (None, where and how it stopped)."""
+    name = _NAME.match(text, pos)
+    if name is None or name.end() == len(text):
+        return None, *((len(text), Status.PARTIAL) if pos == len(text) or name else (pos, Status.INVALID))
+    after = skip_ws(text, name.end())
+    if after == len(text):
+        return None, len(text), Status.PARTIAL
+    if text[after] != mark:
+        return None, pos, Status.INVALID
+    return name.group(), after, Status.COMPLETE
 
 
-def _read_calls(text: str, pos: int, calls: list[Call]) -> tuple[int, Status]:
-    """Read `[name(key=value, ...), ...]` at text[pos] == "[" into `calls` (announced ones, the last
-    maybe unfinished): (where it ends or broke, how)."""
-    pos += 1
+def read_call(text: str, pos: int, calls: list[Call], json_names: bool = False) -> tuple[int, Status]:
+    """Read one `name(key=value, ...)` at text[pos] into `calls` (once announced, maybe unfinished):
+    (past its ")", COMPLETE), or where it stopped and how. json_names: null/true/false are values."""
+    name, paren, status = _name_then(text, pos, "(")
+    if name is None:
+        return paren, status
+    call = Call(name, "{", False)  # announced at its first keyword or its ")"
+    members: dict[str, str] = {}  # keyword -> its JSON member text
+    pos = paren + 1
     while True:
         pos = skip_ws(text, pos)
-        name = _NAME.match(text, pos)
-        if name is None or name.end() == len(text):
-            return (len(text), Status.PARTIAL) if pos == len(text) or name else (pos, Status.INVALID)
-        paren = skip_ws(text, name.end())
-        if paren == len(text):
-            return len(text), Status.PARTIAL
-        if text[paren] != "(":
-            return pos, Status.INVALID
-        members: list[str] = []
-        keys: set[str] = set()
-        call = Call(name.group(), "{", False)  # announced at its first keyword or its ")"
-        pos = paren + 1
-        while True:  # the keywords
-            pos = skip_ws(text, pos)
-            if pos < len(text) and text[pos] == ")":
-                call.arguments, call.is_complete = "{" + ", ".join(members) + "}", True
-                if not members:
-                    calls.append(call)
-                break
-            key = _NAME.match(text, pos)
-            if key is None or key.end() == len(text):
-                return (len(text), Status.PARTIAL) if pos == len(text) or key else (pos, Status.INVALID)
-            equals = skip_ws(text, key.end())
-            if equals == len(text):
-                return len(text), Status.PARTIAL
-            if text[equals] != "=" or key.group() in keys:
-                return pos, Status.INVALID
+        if pos < len(text) and text[pos] == ")":
+            call.arguments, call.is_complete = "{" + ", ".join(members.values()) + "}", True
             if not members:
                 calls.append(call)
-            value_end, status = _value_end(text, equals + 1)
-            if status is not Status.COMPLETE:
-                return value_end, status
-            try:
-                value = _literal(ast.parse(text[equals + 1 : value_end].strip(), mode="eval").body)
-                member = f"{json.dumps(key.group())}: {json.dumps(value, ensure_ascii=False)}"
-            except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
-                return pos, Status.INVALID
-            keys.add(key.group())
-            members.append(member)
-            call.arguments = "{" + ", ".join(members)
-            pos = value_end + (text[value_end] == ",")
-        pos = skip_ws(text, pos + 1)
+            return pos + 1, Status.COMPLETE
+        key, equals, status = _name_then(text, pos, "=")
+        if key is None:
+            return equals, status
+        if key in members:
+            return pos, Status.INVALID
+        if not members:
+            calls.append(call)
+        value_end, status = _value_end(text, equals + 1)
+        if status is not Status.COMPLETE:
+            return value_end, status
+        try:
+            value = _literal(ast.parse(text[equals + 1 : value_end].strip(), mode="eval").body, json_names)
+            # allow_nan: 1e999 is inf, which JSON cannot write
+            members[key] = f"{json.dumps(key)}: {json.dumps(value, ensure_ascii=False, allow_nan=False)}"
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return pos, Status.INVALID
+        call.arguments = "{" + ", ".join(members.values())
+        pos = value_end + (text[value_end] == ",")
+
+
+def _read_list(text: str, pos: int, calls: list[Call]) -> tuple[int, Status]:
+    """Read `[call, ...]` at text[pos] == "[" into `calls`: (where it ends or broke, how)."""
+    pos += 1
+    while True:
+        end, status = read_call(text, skip_ws(text, pos), calls)
+        if status is not Status.COMPLETE:
+            return end, status
+        pos = skip_ws(text, end)
         if pos == len(text):
             return len(text), Status.PARTIAL
         if text[pos] == "]":
@@ -145,3 +140,58 @@ def _read_calls(text: str, pos: int, calls: list[Call]) -> tuple[int, Status]:
         if text[pos] != ",":
             return pos, Status.INVALID
         pos += 1
+
+
+def put_calls(calls, end, status, final, keep_broken, pieces) -> tuple[int, bool]:
+    """Put the calls read up to `end` into `pieces` by how their reading stopped (whole, still being
+    written, broken), as `read_call_list` answers: (where the content goes on, or -1 when they are not
+    calls after all; whether the rest is held back)."""
+    if status is Status.COMPLETE:
+        pieces += calls
+        return end, False
+    if status is Status.PARTIAL and not final:
+        pieces += calls
+        return end, not calls
+    if keep_broken and calls:  # broken after a call went out: keep it, the rest is content
+        pieces += calls
+        return end, False
+    return -1, False
+
+
+class PythonicToolParser(ToolParser):
+    name = "pythonic"
+    start_tag = ""  # before the list, optional (llama4_pythonic's)
+    end_tag = ""  # after the list, optional
+
+    def _parse(self, text: str, final: bool, keep_broken: bool) -> Parsed:
+        pos = skip_ws(text, 0)
+        if self.start_tag and text.startswith(self.start_tag, pos):
+            pos = skip_ws(text, pos + len(self.start_tag))
+        elif not final and is_start_of(text, pos, (self.start_tag,)):
+            return Parsed([], is_held=True)
+        if pos == len(text):
+            return Parsed([text] if final else [], is_held=not final)
+        if text[pos] != "[":
+            return Parsed([text])
+        calls: list[Call] = []
+        end, status = _read_list(text, pos, calls)
+        if status is Status.COMPLETE and self.end_tag:
+            after = skip_ws(text, end)
+            if text.startswith(self.end_tag, after):
+                end = after + len(self.end_tag)
+            elif not final and is_start_of(text, after, (self.end_tag,)):
+                end, status = len(text), Status.PARTIAL  # maybe the end tag: it is part of the calls
+        pieces: list = []
+        end, is_held = put_calls(calls, end, status, final, keep_broken, pieces)
+        if end < 0:
+            return Parsed([text])
+        return Parsed(pieces if is_held else [*pieces, text[end:]], is_held=is_held)
+
+
+class Llama4PythonicToolParser(PythonicToolParser):
+    """Llama 4's pythonic calls, sometimes between `<|python_start|>` and `<|python_end|>`."""
+
+    name = "llama4_pythonic"
+    start_tag = "<|python_start|>"
+    end_tag = "<|python_end|>"
+    keeps_special_tokens = True  # the tags are special tokens
