@@ -6,9 +6,10 @@
 
 The calls are read as `pythonic`'s (literals only, never evaluated), with JSON's null, true and false
 allowed as values (the model reads its tools as JSON). A missing `</function_calls>` at the very end
-(the model stopped) does not undo whole calls; text after the block is content. vLLM's one-shot parse
-drops the text around the block and its stream only reads an answer that starts with the tag; here the
-text around the block is content in both.
+(the model stopped) does not undo whole calls; text after the block is content. The tags are read as
+text (special tokens are not kept for them, as in vLLM; OLMo 3's thinking tags are text too). vLLM's
+one-shot parse drops the text around the block and its stream only reads an answer that starts with
+the tag; here the text around the block is content in both.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ class Olmo3ToolParser(ToolParser):
     name = "olmo3"
     start_tag = "<function_calls>"
     end_tag = "</function_calls>"
-    keeps_special_tokens = True  # in case the tags are special tokens: the parser must see them
 
     def _parse(self, text: str, final: bool, keep_broken: bool) -> Parsed:
         return parse_tagged(text, self.start_tag, final, keep_broken, self._read_block)
