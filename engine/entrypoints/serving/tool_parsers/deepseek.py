@@ -18,7 +18,14 @@ end (the model stopped) does not undo a whole object. Text after the block is co
 
 from __future__ import annotations
 
-from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, ToolParser, held_suffix, is_start_of
+from xlaserve.entrypoints.serving.tool_parsers.base import (
+    Call,
+    Parsed,
+    ToolParser,
+    held_suffix,
+    is_start_of,
+    parse_tagged,
+)
 from xlaserve.entrypoints.serving.tool_parsers.json_scan import Status, skip_ws
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -36,35 +43,26 @@ class DeepSeekV3ToolParser(ToolParser):
     args_close = "```"
 
     def _parse(self, text: str, final: bool, keep_broken: bool) -> Parsed:
-        pieces: list = []
-        pos = 0
+        return parse_tagged(text, CALLS_BEGIN, final, keep_broken, self._read_block)
+
+    def _read_block(self, text, pos, final, keep_broken, pieces) -> tuple[int, bool]:
+        """The block's calls up to `<｜tool▁calls▁end｜>`; as `parse_tagged` asks."""
+        found = len(pieces)
         while True:
-            start = text.find(CALLS_BEGIN, pos)
-            if start < 0:
-                held = 0 if final else held_suffix(text, CALLS_BEGIN)
-                pieces.append(text[pos : len(text) - held])
-                return Parsed(pieces, is_held=held > 0)
-            pieces.append(text[pos:start])
-            found = len(pieces)
-            pos = start + len(CALLS_BEGIN)
-            while True:  # the block's calls
-                pos = skip_ws(text, pos)
-                if text.startswith(CALL_BEGIN, pos):
-                    end, is_held = self._read_call(text, pos + len(CALL_BEGIN), final, keep_broken, pieces)
-                    if is_held:
-                        return Parsed(pieces, is_held=True)
-                    if end >= 0:
-                        pos = end
-                        continue
-                elif text.startswith(CALLS_END, pos):
-                    pos += len(CALLS_END)
-                    break
-                elif not final and is_start_of(text, pos, (CALL_BEGIN, CALLS_END)):
-                    return Parsed(pieces, is_held=True)
-                if len(pieces) == found:  # no call read: the marker was text
-                    pieces.append(CALLS_BEGIN)
-                    pos = start + len(CALLS_BEGIN)
-                break  # what follows the calls is content
+            pos = skip_ws(text, pos)
+            if text.startswith(CALL_BEGIN, pos):
+                end, is_held = self._read_call(text, pos + len(CALL_BEGIN), final, keep_broken, pieces)
+                if is_held:
+                    return len(text), True
+                if end >= 0:
+                    pos = end
+                    continue
+            elif text.startswith(CALLS_END, pos):
+                return pos + len(CALLS_END), False
+            elif not final and is_start_of(text, pos, (CALL_BEGIN, CALLS_END)):
+                return len(text), True
+            # what follows the calls is content; no call read: the marker was text
+            return (pos if len(pieces) > found else -1), False
 
     def _header(self, text: str, pos: int) -> tuple[str | None, int]:
         """The call's name and where its arguments start: (None, _UNDECIDED) while it is being written,
