@@ -394,6 +394,9 @@ def test_pythonic_broken_after_announcement():
     text = "[f(a=1, b=g())]"
     assert get_tool_parser("pythonic")().extract_tool_calls(text).content == text
     assert _streamed("pythonic", list(text)) == ("b=g())]", [("f", '{"a": 1')])
+    text = "[f(a=1, a=2)]"  # a keyword twice is not Python (nor one JSON object)
+    assert get_tool_parser("pythonic")().extract_tool_calls(text).content == text
+    assert _streamed("pythonic", list(text)) == ("a=2)]", [("f", '{"a": 1')])
 
 
 def test_olmo3_non_finite_value_is_not_a_call():
