@@ -173,7 +173,7 @@ def test_host_tier_is_bounded_least_recently_used_out(model_dir):
         _run(llm, prompt)
     assert len(connector.index) == 4 and connector.index.num_evicted > 0
     assert worker.host_bytes <= size * 2**30
-    held = _replay(sub)
+    held = _replay(vllm_kv_events.receive(sub))
     sub.close()
     assert held == _tiers(llm) and held.keys() == {"GPU", "CPU"}
     _assert_all_free(llm)
@@ -181,16 +181,22 @@ def test_host_tier_is_bounded_least_recently_used_out(model_dir):
 
 
 def _subscribed() -> tuple[object, dict]:
-    """A subscriber to the KV cache events and the kv_events_config that publishes to it."""
+    """A subscriber to the KV cache events and the kv_events_config that publishes to it (and answers
+    replays on its replay_endpoint)."""
     sub, endpoint = vllm_kv_events.subscribe()
-    return sub, {"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "kv"}
+    replay = f"tcp://127.0.0.1:{vllm_kv_events.free_port()}"
+    return sub, {
+        "enable_kv_cache_events": True,
+        "endpoint": endpoint,
+        "topic": "kv",
+        "replay_endpoint": replay,
+    }
 
 
-def _replay(sub, held: dict[str, set[int]] | None = None) -> dict[str, set[int]]:
-    """A router's view from the KV cache events received (vLLM's structs), per medium: what each tier
-    holds (`held`: the view so far)."""
+def _replay(batches: dict[int, bytes], held: dict[str, set[int]] | None = None) -> dict[str, set[int]]:
+    """A router's view from the KV cache events (vLLM's structs), per medium: what each tier holds
+    (`held`: the view so far)."""
     held = {} if held is None else held
-    batches = vllm_kv_events.receive(sub)
     for seq in sorted(batches):
         for event in vllm_kv_events.DECODER.decode(batches[seq]).events:
             tier = held.setdefault(event.medium, set())
@@ -262,7 +268,7 @@ def test_a_prefix_the_host_tier_evicted_comes_back_from_the_disk_tier(model_dir,
     assert metrics[("xlaserve:kv_offload_total_bytes", ("host_to_disk",))] >= disk_hits // BLOCK * block_bytes
     other = _run(llm, prompts[0], salt="tenant-b")
     assert other[2] == 0  # another tenant's salt: nothing from any tier
-    held = _replay(sub)
+    held = _replay(vllm_kv_events.receive(sub))
     assert held == _tiers(llm) and held.keys() == {"GPU", "CPU", "STORAGE"}
     llm._step()
     num_skipped = _metrics(llm)[("xlaserve:kv_offload_stores_skipped", ())]
@@ -278,7 +284,7 @@ def test_a_prefix_the_host_tier_evicted_comes_back_from_the_disk_tier(model_dir,
     llm._step()
     assert plans[step][:2] == (5, 2)
     assert _metrics(llm)[("xlaserve:kv_offload_stores_skipped", ())] == num_skipped + 3
-    assert _replay(sub, held) == _tiers(llm)
+    assert _replay(vllm_kv_events.receive(sub), held) == _tiers(llm)
     sub.close()
     _assert_all_free(llm)
     llm.shutdown()
@@ -306,7 +312,7 @@ def test_a_persistent_disk_tier_outlives_the_engine(model_dir, tmp_path):
     first.shutdown()
     # The disk tier's last copies are published before the engine goes: a router's view of the tier is
     # the index kept.
-    kept = _replay(sub)["STORAGE"]
+    kept = _replay(vllm_kv_events.receive(sub))["STORAGE"]
     sub.close()
     (tier,) = os.listdir(tmp_path)
     assert tier.startswith("xlaserve-kv-")
@@ -317,7 +323,10 @@ def test_a_persistent_disk_tier_outlives_the_engine(model_dir, tmp_path):
     sub, kv_events = _subscribed()
     second = LLM(model_dir, kv_events_config=kv_events, **args)
     assert not os.path.exists(tmp_path / tier / "index.npz")
-    assert _replay(sub) == {"STORAGE": kept}  # what it found, before any request
+    # What it found, published before any request: a router that joined after the start (the first
+    # batch goes out as soon as the warm-up is done) asks for it from the replay endpoint.
+    batches = vllm_kv_events.replay(kv_events["replay_endpoint"], 0)
+    assert _replay(batches) == {"STORAGE": kept}
     served = [_run(second, p, logprobs=2) for p in prompts]
     assert [r[:2] for r in served] == [r[:2] for r in computed]
     assert [cached for _, _, cached in served] == [32, 32, 32]
@@ -325,6 +334,8 @@ def test_a_persistent_disk_tier_outlives_the_engine(model_dir, tmp_path):
     metrics = _metrics(second)
     assert metrics[("xlaserve:kv_offload_hits", ("disk",))] == 96
     assert metrics[("xlaserve:kv_offload_total_bytes", ("disk_to_device",))] == 12 * block_bytes
+    batches.update(vllm_kv_events.receive(sub))
+    assert _replay(batches) == _tiers(second)
     _assert_all_free(second)
     second.shutdown()
     sub.close()
