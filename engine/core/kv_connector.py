@@ -81,6 +81,7 @@ class KVTransferStats:
     num_disk_hits: int = 0  # of those, tokens a disk tier provided
     num_remote_hits: int = 0  # of those, tokens a producer provided (disaggregated prefill)
     num_blocks_saved: int = 0
+    num_saves_skipped: int = 0  # evicted device blocks not saved: their step had no host slot left
     num_blocks_loaded: int = 0  # from the host tier
     num_blocks_demoted: int = 0  # host tier -> disk tier
     num_blocks_loaded_from_disk: int = 0

@@ -3,8 +3,9 @@
 A KV-cache-aware router (llm-d's, NVIDIA Dynamo's) keeps, per engine, the tree of block hashes the
 engine's prefix cache holds, and sends a request where the longest prefix of it is cached. It learns
 the tree from these events, which the engine core publishes after each step (engine/engine/kv_events.py):
-the device cache's (medium "GPU", recorded by the block pool), then the host tier's of KV offload (medium
-"CPU", recorded by core/kv_offload.py, as vLLM's offloading connector's `take_events`).
+the device cache's (medium "GPU", recorded by the block pool), then KV offload's tiers' (recorded by
+core/kv_offload.py, as vLLM's offloading connector's `take_events`): the host tier's (medium "CPU") and
+the disk tier's (medium "STORAGE", vLLM's name for its file-system tier).
 
 The wire format is vLLM's (vllm/distributed/kv_events.py, read at main after vllm#42892, the format
 vLLM 0.26 sends): msgpack through msgspec, a batch as the array [ts, events, data_parallel_rank], each
@@ -26,6 +27,7 @@ import msgspec
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the device cache, whatever the device
 MEDIUM_CPU = "CPU"  # the host tier (kv_offloading_size), as vLLM's offloading connector names it
+MEDIUM_STORAGE = "STORAGE"  # the disk tier (kv_offloading_disk_path), as vLLM names its file-system tier
 _U64 = (1 << 64) - 1
 _DIGEST_BYTES = 32  # a SHA-256 digest; a group's key appends its suffix (kv_cache_coordinator.group_hashes)
 
@@ -99,15 +101,15 @@ def block_extra_keys(request, index: int, block_size: int) -> tuple | None:
     return keys or None
 
 
-def tier_events(changes: list[tuple[bool, bytes]], medium: str = MEDIUM_CPU) -> list[KVCacheEvent]:
-    """A host tier's changes, (removed?, key) in the order they happened, as vLLM's offloading
-    connector sends them: one event per run of stores or removals, a stored block by its hash only (a
-    router knows its tokens from the device cache's BlockStored of the same hash)."""
+def tier_events(changes: list[tuple[str, bool, bytes]]) -> list[KVCacheEvent]:
+    """Offload tiers' changes, (medium, removed?, key) in the order they happened, as vLLM's offloading
+    connector sends them: one event per run of stores or removals of one medium, a stored block by its
+    hash only (a router knows its tokens from the device cache's BlockStored of the same hash)."""
     events: list[KVCacheEvent] = []
-    for is_removal, key in changes:
+    for medium, is_removal, key in changes:
         block_hash = external_block_hash(key)[0]
         last = events[-1] if events else None
-        if last is not None and isinstance(last, BlockRemoved) == is_removal:
+        if last is not None and isinstance(last, BlockRemoved) == is_removal and last.medium == medium:
             last.block_hashes.append(block_hash)
         elif is_removal:
             events.append(BlockRemoved(block_hashes=[block_hash], medium=medium))

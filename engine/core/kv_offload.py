@@ -41,7 +41,7 @@ import numpy as np
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import skips_prefix_cache
 from xlaserve.core.kv_connector import KVConnectorMetadata, KVConnectorScheduler, KVTransferStats
-from xlaserve.core.kv_events import KVCacheEvent, tier_events
+from xlaserve.core.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, KVCacheEvent, tier_events
 from xlaserve.core.request import Request
 
 logger = logging.getLogger(__name__)
@@ -178,9 +178,11 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
     """Evicted device blocks go to the host tier (and what it evicts to the disk tier, when there is
     one); hits after a device hit come back from either.
 
-    `enable_kv_cache_events`: the host tier's stores and evictions are recorded as vLLM's offloading
-    connector publishes them (BlockStored / BlockRemoved with medium "CPU"), so a router knows which
-    prefixes a host hit serves; off, nothing is recorded."""
+    `enable_kv_cache_events`: each tier's stores and evictions are recorded as vLLM's offloading
+    connector publishes them (BlockStored / BlockRemoved with medium "CPU" for the host tier, "STORAGE"
+    for the disk tier: its demotions, its evictions, a persistent tier's blocks found at start-up), so a
+    router knows which prefixes a hit of either tier serves. A hit changes no tier (the device cache's
+    BlockStored names the blocks it loads); off, nothing is recorded."""
 
     def __init__(
         self,
@@ -191,11 +193,12 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         persist_dir: str | None = None,
         enable_kv_cache_events: bool = False,
     ):
-        # (removed?, hash) of the host tier, in order, since the last take_events; None: events off.
-        self._changes: list[tuple[bool, bytes]] | None = [] if enable_kv_cache_events else None
+        # (medium, removed?, hash) of the tiers, in order, since the last take_events; None: events off.
+        self._changes: list[tuple[str, bool, bytes]] | None = [] if enable_kv_cache_events else None
         on_evict = self._on_host_evict if num_disk_blocks or enable_kv_cache_events else None
         self.index = HostBlockIndex(num_blocks, on_evict=on_evict)
-        self.disk = HostBlockIndex(num_disk_blocks) if num_disk_blocks else None
+        on_disk_evict = self._on_disk_evict if enable_kv_cache_events else None
+        self.disk = HostBlockIndex(num_disk_blocks, on_evict=on_disk_evict) if num_disk_blocks else None
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
         self._evicted: dict[bytes, int] = {}  # hash -> device block, not yet saved
@@ -242,6 +245,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             return
         for block_hash, slot in zip(hashes, slots.tolist(), strict=True):
             self.disk.slot_of[block_hash.tobytes()] = slot
+            self._record(MEDIUM_STORAGE, False, block_hash.tobytes())  # routable from the start
         self.disk.num_used = num_used
         logger.info(
             "KV offload: persistent disk tier %s holds %d blocks of an earlier engine", folder, len(slots)
@@ -250,11 +254,24 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
     def _held(self, block_hash: bytes) -> bool:
         return block_hash in self.index or (self.disk is not None and block_hash in self.disk)
 
-    def _on_host_evict(self, block_hash: bytes, host_slot: int) -> None:
+    def _record(self, medium: str, is_removal: bool, block_hash: bytes) -> None:
         if self._changes is not None:
-            self._changes.append((True, block_hash))
+            self._changes.append((medium, is_removal, block_hash))
+
+    def _on_host_evict(self, block_hash: bytes, host_slot: int) -> None:
+        self._record(MEDIUM_CPU, True, block_hash)
         if self.disk is not None:
             self._demote(block_hash, host_slot)
+
+    def _on_disk_evict(self, block_hash: bytes, disk_slot: int) -> None:
+        self._record(MEDIUM_STORAGE, True, block_hash)
+
+    def _allocate_on_disk(self, block_hash: bytes) -> int | None:
+        """`disk.allocate`, its store recorded (after the eviction it may make)."""
+        disk_slot = self.disk.allocate(block_hash)
+        if disk_slot is not None:
+            self._record(MEDIUM_STORAGE, False, block_hash)
+        return disk_slot
 
     def _demote(self, block_hash: bytes, host_slot: int) -> None:
         """The host tier evicts `block_hash` from `host_slot`: copy it to the disk tier (unless the disk
@@ -263,7 +280,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if block_hash in self.disk:
             self.disk.slot_of.move_to_end(block_hash)
             return
-        disk_slot = self.disk.allocate(block_hash)
+        disk_slot = self._allocate_on_disk(block_hash)
         if disk_slot is not None:
             self._demotes.append((host_slot, disk_slot))
 
@@ -305,15 +322,15 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             return None  # nothing runs, nothing is overwritten: the saves wait for the next step
         # The slots this step loads or saves are pinned, so a step evicting more blocks than the tier
         # has other slots saves only the last evicted: a finished request's blocks are evicted tail
-        # first, and a host hit needs a prefix's first blocks.
+        # first, and a host hit needs a prefix's first blocks. The others are counted as skipped.
         evicted = list(self._evicted.items())
         room = self.index.num_blocks - len(self.index.pinned)
+        num_skipped = max(len(evicted) - room, 0)
         save_ids, save_slots = [], []
-        for block_hash, block_id in evicted[max(len(evicted) - room, 0) :]:
+        for block_hash, block_id in evicted[num_skipped:]:
             save_ids.append(block_id)
             save_slots.append(self.index.allocate(block_hash))  # may demote
-            if self._changes is not None:
-                self._changes.append((False, block_hash))
+            self._record(MEDIUM_CPU, False, block_hash)
         self.index.unpin_all()
         if self.disk is not None:
             self.disk.unpin_all()
@@ -331,6 +348,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._evicted, self._loads, self._disk_loads, self._demotes = {}, {}, {}, []
         s = self.stats
         s.num_blocks_saved += len(save_ids)
+        s.num_saves_skipped += num_skipped
         s.num_blocks_loaded += len(meta.load_block_ids)
         s.num_blocks_demoted += len(meta.demote_host_slots)
         s.num_blocks_loaded_from_disk += len(meta.disk_load_block_ids)
@@ -379,7 +397,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         wanted += [(h, False, block_id) for h, block_id in cached_blocks if not self._held(h)]
         demotes, saves = [], []
         for block_hash, on_host, source in wanted[max(len(wanted) - self.disk.num_blocks, 0) :]:
-            (demotes if on_host else saves).append((source, self.disk.allocate(block_hash)))
+            (demotes if on_host else saves).append((source, self._allocate_on_disk(block_hash)))
         demotes = np.asarray(demotes, np.int32).reshape(-1, 2)
         saves = np.asarray(saves, np.int32).reshape(-1, 2)
         meta = KVConnectorMetadata(

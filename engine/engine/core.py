@@ -131,6 +131,8 @@ class EngineCore:
         if config.kv_events is not None:
             self.kv_event_publisher = ZmqEventPublisher(config.kv_events, config.parallel.data_parallel_rank)
         executor.start()  # warm-up compiles; a multi-host executor then waits for its followers
+        if self.kv_event_publisher is not None:  # a persistent disk tier's blocks, routable from the start
+            self._publish_kv_events()
         # The steps dispatched but not yet applied, oldest first (`max_steps_in_flight` at most).
         self._in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         # The most steps of requests dispatched and not yet applied at once (tests, benchmarks).
@@ -225,7 +227,7 @@ class EngineCore:
         return outputs
 
     def _publish_kv_events(self) -> None:
-        """Hand what the prefix cache (and the host tier) stored and removed since the last batch to the
+        """Hand what the prefix cache (and the offload tiers) stored and removed since the last batch to the
         publisher's thread."""
         events = self.kv_cache_manager.take_events() + self.kv_connector.take_events()
         if events:
@@ -381,4 +383,6 @@ class EngineCore:
         plan = self.kv_connector.shutdown_plan(self.kv_cache_manager.cached_blocks())
         if plan is not None:
             self.executor.keep_kv_blocks(plan)
+            if self.kv_event_publisher is not None:  # the disk tier's last stores (and what they evicted)
+                self._publish_kv_events()
         self.kv_connector.shut_down()

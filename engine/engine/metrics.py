@@ -170,9 +170,10 @@ class EngineMetrics:
     def kv_connector_counters(self) -> list[Counter]:
         """A KV connector's counters (none without one), in vLLM's names: prompt tokens asked of the
         outside sources past the device hit and those they served (external_prefix_cache_*); host
-        offload's hits by tier (kv_offload_hits) and the bytes and seconds of its copies each way
+        offload's hits by tier (kv_offload_hits), the bytes and seconds of its copies each way
         (kv_offload_total_*, by transfer_type: device_to_host, host_to_device, and with a disk tier
-        host_to_disk, disk_to_device); disaggregated prefill's (`_kv_transfer_counters`). An engine
+        host_to_disk, disk_to_device) and the evicted blocks a step had no host slot for
+        (kv_offload_stores_skipped, vLLM's name); disaggregated prefill's (`_kv_transfer_counters`). An engine
         with both has both."""
         t = self.kv_transfer
         if t is None:
@@ -193,6 +194,7 @@ class EngineMetrics:
         counters = [
             Counter(PREFIX + "kv_offload_hits", {"tier": "host"}, value=num_host_hits),
             Counter(PREFIX + "kv_offload_hits", {"tier": "disk"}, value=t.num_disk_hits),
+            Counter(PREFIX + "kv_offload_stores_skipped", value=t.num_saves_skipped),
         ]
         for way, num_bytes, seconds in (
             ("device_to_host", t.bytes_saved, t.save_seconds),

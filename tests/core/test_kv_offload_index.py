@@ -194,6 +194,7 @@ def test_the_disk_tier_takes_what_the_host_tier_evicts_and_serves_hits_in_order(
     assert meta.save_block_ids.tolist() == [2, 3] and sorted(meta.save_slots.tolist()) == [0, 1]
     assert dict(zip(meta.save_slots.tolist(), (b"b", b"c"))) == {s: h for h, s in fresh.index.slot_of.items()}
     assert meta.demote_host_slots.size == 0 and b"a" not in fresh.disk and len(fresh.index) == 2
+    assert fresh.make_stats().num_saves_skipped == 1  # a: counted (xlaserve:kv_offload_stores_skipped)
     # Two demotions in one step for one disk slot: the first takes it, the second is dropped.
     small = OffloadingConnectorScheduler(2, BLOCK_SIZE, bytes_per_block=100, num_disk_blocks=1)
     for step in ((b"a", b"b"), (b"c", b"d")):
@@ -210,11 +211,11 @@ def _digest(i: int) -> bytes:
     return hashlib.sha256(bytes([i])).digest()  # block hashes are SHA-256 digests
 
 
-def _persistent(folder, num_host=2, num_disk=4) -> OffloadingConnectorScheduler:
+def _persistent(folder, num_host=2, num_disk=4, **kwargs) -> OffloadingConnectorScheduler:
     for name in ("0.kv", "1.kv"):  # the worker's files, whole: two arrays of half a block each
         with open(os.path.join(folder, name), "wb") as f:
             f.truncate(num_disk * 8)
-    return OffloadingConnectorScheduler(num_host, BLOCK_SIZE, 16, num_disk, persist_dir=str(folder))
+    return OffloadingConnectorScheduler(num_host, BLOCK_SIZE, 16, num_disk, persist_dir=str(folder), **kwargs)
 
 
 def test_a_persistent_tier_keeps_the_newest_blocks_locked_while_it_runs(tmp_path):
@@ -310,6 +311,7 @@ def test_the_host_tiers_stores_and_evictions_are_kv_cache_events():
 
     # Two slots for three saves: the tail's is skipped (no save of a step evicts another of it).
     assert connector.take_events() == [stored([a1, a0])]
+    assert connector.make_stats().num_saves_skipped == 1
     assert connector.take_events() == []
     connector.on_block_evicted(_digest(9), 1)  # a step later: the least recently saved makes room
     connector.build_connector_meta([None])
@@ -321,3 +323,69 @@ def test_the_host_tiers_stores_and_evictions_are_kv_cache_events():
     assert connector.take_events() == []
     off = OffloadingConnectorScheduler(2, BLOCK_SIZE, bytes_per_block=100)
     assert off._changes is None and off.index.on_evict is None and off.take_events() == []
+
+
+def _u64(key: bytes) -> int:
+    return int.from_bytes(key[-8:], "big")  # the hash a router sees (core/kv_events.py)
+
+
+def test_the_disk_tiers_changes_are_kv_cache_events_a_replay_follows(tmp_path):
+    """vLLM's medium for its file-system tier, "STORAGE": a demotion is the host tier's BlockRemoved and
+    the disk tier's BlockStored, the disk tier's eviction its BlockRemoved; a disk hit changes no tier
+    (nothing); a persistent tier's last copies at shutdown are stored, and the next engine's start-up
+    stores what it found. Replayed per medium, the events leave exactly the hashes each tier holds."""
+    held = {"CPU": set(), "STORAGE": set()}
+
+    def take(connector):
+        events = connector.take_events()
+        for event in events:
+            tier = held[event.medium]
+            if isinstance(event, BlockStored):
+                tier.update(event.block_hashes)
+            else:
+                tier.difference_update(event.block_hashes)
+        assert held == {
+            "CPU": {_u64(h) for h in connector.index.slot_of},
+            "STORAGE": {_u64(h) for h in connector.disk.slot_of},
+        }
+        return events
+
+    def stored(hashes, medium="STORAGE"):
+        return BlockStored(hashes, None, [], 0, lora_id=None, medium=medium, lora_name=None)
+
+    first = _persistent(tmp_path, num_host=2, num_disk=2, enable_kv_cache_events=True)
+    d = [_digest(i) for i in range(6)]
+    u = [_u64(h) for h in d]
+    steps = []
+    for i in range(5):  # one save a step: from the third, the host tier demotes its oldest
+        first.on_block_evicted(d[i], i)
+        first.build_connector_meta([None])
+        steps.append(take(first))
+    assert steps[1] == [stored([u[1]], "CPU")]
+    assert steps[2] == [BlockRemoved([u[0]], medium="CPU"), stored([u[0]]), stored([u[2]], "CPU")]
+    # The disk tier full (d0, d1): demoting d2 evicts d0 first.
+    assert steps[4] == [
+        BlockRemoved([u[2]], medium="CPU"),
+        BlockRemoved([u[0]], medium="STORAGE"),
+        stored([u[2]]),
+        stored([u[4]], "CPU"),
+    ]
+    request = _request(list(range(13)))
+    request.block_hashes[:] = [d[1]]
+    assert first.get_num_new_matched_tokens(request, 0) == 4
+    first.update_state_after_alloc(request, [7, 8, 9, 10], 0, 4)
+    assert first.build_connector_meta([None]).disk_load_slots.size == 1
+    assert take(first) == []  # a disk hit: d1 stays on the disk (the most recently used now)
+    # Shutdown: host d3, d4 and device d5 wanted for two disk slots: d4, d5 evict d2, then d1.
+    assert first.shutdown_plan([(d[5], 9)]) is not None
+    assert take(first) == [
+        BlockRemoved([u[2]], medium="STORAGE"),
+        stored([u[4]]),
+        BlockRemoved([u[1]], medium="STORAGE"),
+        stored([u[5]]),
+    ]
+    first.shut_down()
+    held = {"CPU": set(), "STORAGE": set()}  # a router following the next engine
+    second = _persistent(tmp_path, num_host=2, num_disk=2, enable_kv_cache_events=True)
+    assert take(second) == [stored([u[4], u[5]])]
+    second.shut_down()

@@ -165,8 +165,7 @@ def test_cache_salt_separates_host_tier_tenants(model_dir):
 def test_host_tier_is_bounded_least_recently_used_out(model_dir):
     # Room for 4 blocks: the 5 evicted blocks of the first prompt leave its first block out.
     size = 4 * 4608 / 2**30
-    sub, endpoint = vllm_kv_events.subscribe()
-    kv_events = {"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "kv"}
+    sub, kv_events = _subscribed()
     llm = LLM(model_dir, kv_offloading_size=size, kv_events_config=kv_events, **ENGINE_ARGS)
     connector = llm.engine_core.kv_connector
     worker = llm.engine_core.runner.kv_connector
@@ -174,22 +173,53 @@ def test_host_tier_is_bounded_least_recently_used_out(model_dir):
         _run(llm, prompt)
     assert len(connector.index) == 4 and connector.index.num_evicted > 0
     assert worker.host_bytes <= size * 2**30
-    # A router's view from the KV cache events (vLLM's structs), per medium: what each tier holds.
-    held = {"GPU": set(), "CPU": set()}
-    batches = vllm_kv_events.receive(sub)
-    for seq in sorted(batches):
-        for event in vllm_kv_events.DECODER.decode(batches[seq]).events:
-            if isinstance(event, vllm_kv_events.BlockStored):
-                held[event.medium].update(event.block_hashes)
-            else:
-                assert isinstance(event, vllm_kv_events.BlockRemoved)
-                held[event.medium].difference_update(event.block_hashes)
+    held = _replay(vllm_kv_events.receive(sub))
     sub.close()
-    assert held["CPU"] == {int.from_bytes(h[-8:], "big") for h in connector.index.slot_of}
-    cached = llm.engine_core.kv_cache_manager.cached_blocks()
-    assert held["GPU"] == {int.from_bytes(h[-8:], "big") for h, _ in cached}
+    assert held == _tiers(llm) and held.keys() == {"GPU", "CPU"}
     _assert_all_free(llm)
     llm.shutdown()
+
+
+def _subscribed() -> tuple[object, dict]:
+    """A subscriber to the KV cache events and the kv_events_config that publishes to it (and answers
+    replays on its replay_endpoint)."""
+    sub, endpoint = vllm_kv_events.subscribe()
+    replay = f"tcp://127.0.0.1:{vllm_kv_events.free_port()}"
+    return sub, {
+        "enable_kv_cache_events": True,
+        "endpoint": endpoint,
+        "topic": "kv",
+        "replay_endpoint": replay,
+    }
+
+
+def _replay(batches: dict[int, bytes], held: dict[str, set[int]] | None = None) -> dict[str, set[int]]:
+    """A router's view from the KV cache events (vLLM's structs), per medium: what each tier holds
+    (`held`: the view so far)."""
+    held = {} if held is None else held
+    for seq in sorted(batches):
+        for event in vllm_kv_events.DECODER.decode(batches[seq]).events:
+            tier = held.setdefault(event.medium, set())
+            if isinstance(event, vllm_kv_events.BlockStored):
+                tier.update(event.block_hashes)
+            else:
+                assert isinstance(event, vllm_kv_events.BlockRemoved)
+                tier.difference_update(event.block_hashes)
+    return {medium: hashes for medium, hashes in held.items() if hashes}
+
+
+def _tiers(llm: LLM) -> dict[str, set[int]]:
+    """The hashes (as a router sees them) each tier holds, by medium: the device cache's, the host
+    tier's, the disk tier's; an empty tier left out."""
+    connector = llm.engine_core.kv_connector
+    keys = {
+        "GPU": [h for h, _ in llm.engine_core.kv_cache_manager.cached_blocks()],
+        "CPU": connector.index.slot_of,
+        "STORAGE": connector.disk.slot_of if connector.disk is not None else [],
+    }
+    return {
+        medium: {int.from_bytes(h[-8:], "big") for h in hashes} for medium, hashes in keys.items() if hashes
+    }
 
 
 def test_bfloat16_reloaded_blocks_are_bit_identical(model_dir):
@@ -207,14 +237,17 @@ def test_a_prefix_the_host_tier_evicted_comes_back_from_the_disk_tier(model_dir,
     """A host tier of 2 blocks, a disk tier under tmp_path: the first prompt's blocks, evicted from
     the device and then from the host tier, come back from the disk (and the host) with the same
     tokens and logprobs, bit for bit (bfloat16); the tier's files are unlinked once mapped. A step
-    that evicts more blocks than the host tier has slots plans no slot twice, and what it saved comes
-    back bit for bit too."""
+    that evicts more blocks than the host tier has slots plans no slot twice, counts those it skipped
+    (xlaserve:kv_offload_stores_skipped), and what it saved comes back bit for bit too. The KV cache
+    events, replayed per medium, leave each tier's hashes (the disk tier's as "STORAGE")."""
     block_bytes = 4608 // 2  # bfloat16
+    sub, kv_events = _subscribed()
     llm = LLM(
         model_dir,
         kv_offloading_size=2 * block_bytes / 2**30,
         kv_offloading_disk_path=str(tmp_path),
         kv_offloading_disk_size=64 * block_bytes / 2**30,
+        kv_events_config=kv_events,
         **dict(ENGINE_ARGS, dtype="bfloat16"),
     )
     assert llm.engine_core.kv_connector.bytes_per_block == block_bytes
@@ -235,6 +268,10 @@ def test_a_prefix_the_host_tier_evicted_comes_back_from_the_disk_tier(model_dir,
     assert metrics[("xlaserve:kv_offload_total_bytes", ("host_to_disk",))] >= disk_hits // BLOCK * block_bytes
     other = _run(llm, prompts[0], salt="tenant-b")
     assert other[2] == 0  # another tenant's salt: nothing from any tier
+    held = _replay(vllm_kv_events.receive(sub))
+    assert held == _tiers(llm) and held.keys() == {"GPU", "CPU", "STORAGE"}
+    llm._step()
+    num_skipped = _metrics(llm)[("xlaserve:kv_offload_stores_skipped", ())]
     # Over-full: the first prompt's four blocks come back from the disk at once, evicting five cached
     # device blocks into the host tier's two slots; each save gets a slot of its own (the last two
     # evicted), and the next step loads both for the second prompt: tokens and logprobs bit for bit.
@@ -244,6 +281,11 @@ def test_a_prefix_the_host_tier_evicted_comes_back_from_the_disk_tier(model_dir,
     (step,) = [i for i, (num_evicted, room, _, _) in enumerate(plans) if num_evicted > room > 0]
     saved = plans[step][2]
     assert len(saved) == 2 and plans[step + 1][3] == set(saved) and again[-1][2] == 16
+    llm._step()
+    assert plans[step][:2] == (5, 2)
+    assert _metrics(llm)[("xlaserve:kv_offload_stores_skipped", ())] == num_skipped + 3
+    assert _replay(vllm_kv_events.receive(sub), held) == _tiers(llm)
+    sub.close()
     _assert_all_free(llm)
     llm.shutdown()
 
@@ -263,16 +305,28 @@ def test_a_persistent_disk_tier_outlives_the_engine(model_dir, tmp_path):
         kv_offloading_disk_persist=True,
     )
     prompts = _prompts(seed=7)
-    first = LLM(model_dir, **args)
+    sub, kv_events = _subscribed()
+    first = LLM(model_dir, kv_events_config=kv_events, **args)
     computed = [_run(first, p, logprobs=2) for p in prompts]
     assert [cached for _, _, cached in computed] == [0, 0, 0]
     first.shutdown()
+    # The disk tier's last copies are published before the engine goes: a router's view of the tier is
+    # the index kept.
+    kept = _replay(vllm_kv_events.receive(sub))["STORAGE"]
+    sub.close()
     (tier,) = os.listdir(tmp_path)
     assert tier.startswith("xlaserve-kv-")
     assert sorted(os.listdir(tmp_path / tier)) == ["0.kv", "1.kv", "index.npz", "lock"]
 
-    second = LLM(model_dir, **args)
+    with np.load(tmp_path / tier / "index.npz") as index:
+        assert kept == {int.from_bytes(h[-8:].tobytes(), "big") for h in index["hashes"]}
+    sub, kv_events = _subscribed()
+    second = LLM(model_dir, kv_events_config=kv_events, **args)
     assert not os.path.exists(tmp_path / tier / "index.npz")
+    # What it found, published before any request: a router that joined after the start (the first
+    # batch goes out as soon as the warm-up is done) asks for it from the replay endpoint.
+    batches = vllm_kv_events.replay(kv_events["replay_endpoint"], 0)
+    assert _replay(batches) == {"STORAGE": kept}
     served = [_run(second, p, logprobs=2) for p in prompts]
     assert [r[:2] for r in served] == [r[:2] for r in computed]
     assert [cached for _, _, cached in served] == [32, 32, 32]
@@ -280,8 +334,11 @@ def test_a_persistent_disk_tier_outlives_the_engine(model_dir, tmp_path):
     metrics = _metrics(second)
     assert metrics[("xlaserve:kv_offload_hits", ("disk",))] == 96
     assert metrics[("xlaserve:kv_offload_total_bytes", ("disk_to_device",))] == 12 * block_bytes
+    batches.update(vllm_kv_events.receive(sub))
+    assert _replay(batches) == _tiers(second)
     _assert_all_free(second)
     second.shutdown()
+    sub.close()
 
 
 def test_disk_tier_settings_are_checked(model_dir, tmp_path):

@@ -60,6 +60,8 @@ _DOCS = {
     "kv_offload_total_bytes": "KV offload: bytes copied between the device cache and the offload tiers.",
     "kv_offload_total_time": "KV offload: seconds spent copying between the device cache and the offload "
     "tiers.",
+    "kv_offload_stores_skipped": "KV offload: blocks the device cache evicted and the host tier did not "
+    "save (a step evicted more than it had slots for).",
     "kv_transfer_fetches": "Disaggregated prefill: a consumer's fetches of prompt blocks, by outcome "
     "(loaded; recomputed after the producer failed or timed out; cached: this engine held every block).",
     "kv_transfer_total_bytes": "Disaggregated prefill: bytes of prompt blocks sent, fetched and loaded.",
