@@ -94,6 +94,16 @@ class MoEConfig(TransformerConfig):
         return fields
 
 
+def check_all_layers_sparse(family: str, hf: dict[str, Any]) -> None:
+    """Refuse a Qwen-style config with dense MLP layers among the sparse ones (one layer stack only)."""
+    if hf.get("mlp_only_layers") or (hf.get("decoder_sparse_step") or 1) != 1:
+        raise ValueError(
+            f"{family} with dense layers (mlp_only_layers={hf.get('mlp_only_layers')}, "
+            f"decoder_sparse_step={hf.get('decoder_sparse_step')}) is not supported: every layer "
+            "must be sparse, as in the released models"
+        )
+
+
 # -- routing ---------------------------------------------------------------------------------------
 
 

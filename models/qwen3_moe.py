@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from xlaserve.models.llama import LlamaForCausalLM
-from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, stack_expert_tensors
+from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, check_all_layers_sparse, stack_expert_tensors
 from xlaserve.models.qwen import Qwen3Config
 
 
@@ -25,12 +25,7 @@ class Qwen3MoeConfig(MoEConfig, Qwen3Config):
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
-        if hf.get("mlp_only_layers") or (hf.get("decoder_sparse_step") or 1) != 1:
-            raise ValueError(
-                "Qwen3-MoE with dense layers (mlp_only_layers="
-                f"{hf.get('mlp_only_layers')}, decoder_sparse_step={hf.get('decoder_sparse_step')}) is not "
-                "supported: every layer must be sparse"
-            )
+        check_all_layers_sparse("Qwen3-MoE", hf)
         return {**super().fields_from_hf(hf), "num_experts": hf.get("num_experts") or hf["num_local_experts"]}
 
 
