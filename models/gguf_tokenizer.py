@@ -13,7 +13,7 @@ on torch-era loading code. Two kinds (`tokenizer.ggml.model`):
   two tokens of the vocabulary is their merge, ranked by its score (higher first), as llama.cpp
   merges. Gemma's files differ in two ways transformers' conversion (what we match) corrects: their
   scores do not follow the merge order, the vocabulary's order does, and a token of whitespace only
-  is stored with spaces, not "▁"s.
+  is stored with spaces, not "▁"s. Phi-3's prepend their "▁" to text that starts with a space too.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
@@ -144,9 +144,16 @@ def _sentencepiece_backend(
     )
     # llama.cpp prepends a space unless the file says not to (transformers ignores the flag).
     prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement=_SPACE, prepend_scheme="first" if prefix else "never", split=False
-    )
+    if prefix and metadata.get("general.architecture") == "phi3":
+        # Phi-3's: a "▁" before the text even when it starts with a space, and after each special
+        # token (transformers' conversion, as llama.cpp tokenizes any SentencePiece file).
+        backend.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=_SPACE, prepend_scheme="first" if prefix else "never", split=False
+        )
     steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
     return backend, vocab
