@@ -179,9 +179,9 @@ def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, 
 def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> PreTrainedTokenizerFast:
     """Build the tokenizer described by GGUF metadata (`read_gguf_metadata`'s dict).
 
-    Byte-level BPE (`tokenizer.ggml.model == "gpt2"`: SmolLM, Llama 3, Qwen) and SentencePiece BPE
-    ("llama": Llama 2, Mistral); others raise ValueError, as does a byte-level file whose
-    `tokenizer.ggml.pre` names a split we do not know.
+    Byte-level BPE (`tokenizer.ggml.model == "gpt2"`: SmolLM, Llama 3, Qwen, OLMo 2, Phi-4-mini) and
+    SentencePiece BPE ("llama": Llama 2, Mistral, Gemma 3, Phi-3); others raise ValueError, as does a
+    byte-level file whose `tokenizer.ggml.pre` names a split we do not know.
     """
     kind = metadata.get("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):

@@ -25,7 +25,7 @@ from xlaserve.kernels.dtype_ops import matmul
 from xlaserve.kernels.invariant import invariant_softmax, invariant_sum
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import GatedMLP
-from xlaserve.models.llama import LlamaDecoderLayer
+from xlaserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from xlaserve.models.quantization import QuantizedKernel, stack_tensors
 from xlaserve.models.safetensors_loader import CheckpointTensor, DerivedTensor, split_halves
 
@@ -248,6 +248,17 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     """The Llama decoder layer with a SparseMoeBlock as its MLP (Mixtral, Qwen3-MoE)."""
 
     mlp_class = SparseMoeBlock
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """The Llama model with MoE layers (a family's layer class may change their attention or MLP),
+    its checkpoint's per-expert tensors stacked at load."""
+
+    layer_class = MoEDecoderLayer
+
+    @classmethod
+    def prepare_hf_tensors(cls, cfg: MoEConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return stack_expert_tensors(tensors, cfg.num_experts)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from xlaserve.models.layers import GatedMLP, Linear
-from xlaserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from xlaserve.models.moe import MoEConfig, SparseMoeBlock, check_all_layers_sparse, stack_expert_tensors
+from xlaserve.models.llama import LlamaDecoderLayer
+from xlaserve.models.moe import MoEConfig, MoEForCausalLM, SparseMoeBlock, check_all_layers_sparse
 from xlaserve.models.qwen import Qwen2Config
 
 
@@ -68,10 +67,6 @@ class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
     mlp_class = GatedSharedExpertMoeBlock
 
 
-class Qwen2MoeForCausalLM(LlamaForCausalLM):
+class Qwen2MoeForCausalLM(MoEForCausalLM):
     config_class = Qwen2MoeConfig
     layer_class = Qwen2MoeDecoderLayer
-
-    @classmethod
-    def prepare_hf_tensors(cls, cfg: Qwen2MoeConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return stack_expert_tensors(tensors, cfg.num_experts)
