@@ -17,13 +17,13 @@ import functools
 import json
 import random
 
-import gguf
-import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
+from helpers import tokenizer_texts
 from helpers.perplexity_text import TEXT
+from helpers.tiny_models import write_tokenizer_gguf
 from xlaserve.models.tokenizer import load_tokenizer
 
 CORPUS = [
@@ -34,63 +34,19 @@ CORPUS = [
     "a/b/c path/to/file.py <tag> {json: [1, 2]} !!! ???",
 ]
 SAMPLES = [
-    "",
-    " ",
-    "  ",
-    "   leading spaces",
-    "trailing space ",
-    "many     spaces     between",
-    "Hello world",
-    "The lighthouse keeper rose before dawn.",
+    *tokenizer_texts.SAMPLES,
     "I'm sure they'll say we've done it, don't you think? It's John's.",
     "CamelCaseWord HTTPServer getHTTPResponseCode",
-    "12345 678901 1234567890 3.14159 -42 1,000,000",
+    "12345 678901 1234567890 1,000,000",
     "a/b/c path/to/file.py\n/usr/bin",
-    "\n",
-    "line1\nline2\n\nline4\r\nwindows",
-    "\ttab\tseparated\t",
     "  indented\n    more\n\tand tabs",
-    "Größe café naïve über résumé",
-    "日本 東京 日本語のテキスト",
-    "emoji 😀 👍🏽 🇫🇷",
-    "Ω ∑ ∫ √ ∞ ≠ e\u0301 a\u0308",
-    "▁ a literal lower one-eighth block",
-    "x" * 60,
 ]
 
 
-def _texts(specials: list[str], count: int = 120, seed: int = 0) -> list[str]:
+def _texts(specials: list[str]) -> list[str]:
     """SAMPLES, the special tokens amid text, and random mixes of them and of a few scripts."""
-    rng = random.Random(seed)
     pieces = [*SAMPLES, *specials, " ", "  ", "\n", "é", "日", "😀", "the", "'s", "123"]
-    ranges = [(0x20, 0x7E), (0xA0, 0x24F), (0x400, 0x4FF), (0x4E00, 0x4E40), (0x1F600, 0x1F64F)]
-    out = [*SAMPLES, *(f"x {s}y{s} {s}" for s in specials)]
-    for _ in range(count):
-        if rng.random() < 0.5:
-            lo, hi = rng.choice(ranges)
-            out.append("".join(chr(rng.randint(lo, hi)) for _ in range(rng.randint(1, 30))))
-        else:
-            out.append("".join(rng.choice(pieces) for _ in range(rng.randint(2, 5))))
-    return out
-
-
-def _writer(path, arch: str) -> gguf.GGUFWriter:
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_layer_norm_rms_eps(1e-5)
-    return writer
-
-
-def _close(writer: gguf.GGUFWriter, vocab_size: int) -> None:
-    writer.add_tensor("token_embd.weight", np.zeros((vocab_size, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    return [*SAMPLES, *(f"x {s}y{s} {s}" for s in specials), *tokenizer_texts.random_texts(120, pieces)]
 
 
 GEMMA_CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
@@ -109,20 +65,22 @@ def write_gemma3(path, arch: str) -> None:
     scores = [0.0] * (len(tokens) - len(pieces)) + random.Random(1).sample(
         range(-len(pieces), 0), len(pieces)
     )
-    writer = _writer(path, arch)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([float(s) for s in scores])
-    writer.add_token_types(types)
-    writer.add_bos_token_id(2)
-    writer.add_eos_token_id(1)
-    writer.add_unk_token_id(3)
-    writer.add_pad_token_id(0)
-    writer.add_add_bos_token(True)
-    writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(False)  # Gemma's converter writes it
-    _close(writer, len(tokens))
+
+    def add_tokenizer(writer):
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([float(s) for s in scores])
+        writer.add_token_types(types)
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(True)
+        writer.add_add_eos_token(False)
+        writer.add_add_space_prefix(False)  # Gemma's converter writes it
+
+    write_tokenizer_gguf(path, arch, len(tokens), add_tokenizer)
 
 
 BYTE_LEVEL_CONTROL = {
@@ -145,18 +103,20 @@ def write_byte_level(path, pre: str, arch: str) -> None:
     merges = [" ".join(pair) for pair in json.loads(learner.to_str())["model"]["merges"]]
     control = BYTE_LEVEL_CONTROL[pre]
     tokens = [*pieces, *control]  # the specials after the vocabulary, as cl100k / o200k put them
-    writer = _writer(path, arch)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(pieces) + [3] * len(control))
-    writer.add_token_merges(merges)
-    eot = tokens.index("<|endoftext|>")
-    writer.add_bos_token_id(eot)
-    writer.add_eos_token_id(eot)
-    writer.add_pad_token_id(len(pieces) + 1)
-    writer.add_add_bos_token(False)
-    _close(writer, len(tokens))
+
+    def add_tokenizer(writer):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types([1] * len(pieces) + [3] * len(control))
+        writer.add_token_merges(merges)
+        eot = tokens.index("<|endoftext|>")
+        writer.add_bos_token_id(eot)
+        writer.add_eos_token_id(eot)
+        writer.add_pad_token_id(len(pieces) + 1)
+        writer.add_add_bos_token(False)
+
+    write_tokenizer_gguf(path, arch, len(tokens), add_tokenizer)
 
 
 # name -> (writer(path, architecture), special tokens, the file's architecture). transformers reads
