@@ -40,9 +40,12 @@ SUPPORTED_ARCHITECTURES = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
+    "granite": ("granite", "GraniteForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
 }
-# Converted by llama.cpp's LlamaModel, which permutes q/k rows for its rope (see `unpermute_qk`).
-_PERMUTED_QK = ("llama", "smollm3")
+# Converted by llama.cpp's LlamaModel (or a subclass), which permutes q/k rows for its rope (see
+# `unpermute_qk`).
+_PERMUTED_QK = ("llama", "smollm3", "granite")
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -65,13 +68,14 @@ _BLOCK_TENSORS = {
 # Where an architecture's llama.cpp names mean other HF tensors (gguf-py's tensor_mapping.py): Gemma's
 # `ffn_norm` is the norm before the MLP, not after attention; Phi3 keeps HF's fused projections, under
 # the names of the unfused ones; MoE experts come stacked [E, out, in], as our stacked experts are.
+_MOE_TENSORS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts_gate",
+    "ffn_up_exps": "mlp.experts_up",
+    "ffn_down_exps": "mlp.experts_down",
+}
 _ARCH_BLOCK_TENSORS = {
-    "qwen3moe": {
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_exps": "mlp.experts_gate",
-        "ffn_up_exps": "mlp.experts_up",
-        "ffn_down_exps": "mlp.experts_down",
-    },
+    "qwen3moe": _MOE_TENSORS,
     "gemma3": {
         "post_attention_norm": "post_attention_layernorm",
         "ffn_norm": "pre_feedforward_layernorm",
@@ -81,6 +85,14 @@ _ARCH_BLOCK_TENSORS = {
     "olmo2": {
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    # Qwen2-MoE's shared expert and its gate (one logit per token: [D], or [1, D] in newer files).
+    "qwen2moe": {
+        **_MOE_TENSORS,
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     },
 }
 _BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -145,9 +157,15 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
             num_experts=key("expert_count"),
             num_experts_per_tok=key("expert_used_count"),
             moe_intermediate_size=key("expert_feed_forward_length"),
-            # llama.cpp's qwen3moe graph renormalizes the top k weights unless the file says otherwise.
-            norm_topk_prob=bool(key("expert_weights_norm", True)),
+            # llama.cpp's qwen3moe graph renormalizes the top k weights, its qwen2moe graph does not,
+            # unless the file says otherwise.
+            norm_topk_prob=bool(key("expert_weights_norm", arch == "qwen3moe")),
         )
+    if arch == "qwen2moe":
+        config["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length")
+        config["qkv_bias"] = config["attention_bias"]
+    if arch == "granite":
+        config.update(_granite_fields(metadata, head_dim))
     if arch == "gemma3":
         config.update(_gemma3_fields(metadata, config))
     if arch == "smollm3":  # llama.cpp rotates no q/k in every fourth layer, a step the file does not carry
@@ -181,6 +199,21 @@ def _gemma3_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) -> di
         )
         fields["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     return fields
+
+
+def _granite_fields(metadata: Mapping[str, Any], head_dim: int) -> dict[str, float]:
+    """Granite's four multipliers, which llama.cpp's converter writes as `granite.*_scale` only when
+    set (non-zero); its graph skips a missing one, the attention's falling back to head_dim^-0.5."""
+
+    def scale(name: str, default: float) -> float:
+        return float(metadata.get(f"granite.{name}") or default)
+
+    return {
+        "embedding_multiplier": scale("embedding_scale", 1.0),
+        "residual_multiplier": scale("residual_scale", 1.0),
+        "logits_scaling": scale("logit_scale", 1.0),
+        "attention_multiplier": scale("attention.scale", head_dim**-0.5),
+    }
 
 
 def _eos_token_ids(metadata: Mapping[str, Any]) -> int | list[int] | None:
@@ -341,6 +374,8 @@ def load_gguf_tensors(
     for t in tqdm(reader.tensors, desc="Reading GGUF tensor headers", unit="tensor", disable=not progress):
         name = hf_tensor_name(t.name, arch)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        if name is not None and name.endswith(".shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, *shape)  # squeezed by older converters: HF's Linear(D, 1) weight
         if name is None:  # a few floats, read now
             values = dequantize_tensor(np.array(t.data), t.tensor_type, shape)
             if t.name == _ROPE_FREQS:

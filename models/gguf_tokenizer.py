@@ -5,11 +5,15 @@ special token ids as metadata. We rebuild the tokenizer they describe so that it
 exactly as `AutoTokenizer.from_pretrained(dir, gguf_file=...)` does, without that path's dependency
 on torch-era loading code. Two kinds (`tokenizer.ggml.model`):
 
-- "gpt2": byte-level BPE (SmolLM, Llama 3, Qwen), text split first by the pre-tokenizer the file
-  names (`tokenizer.ggml.pre`); a name we do not know is an error, not a silent GPT-2 split.
-- "llama": SentencePiece BPE (Llama 2, Mistral): "▁" for spaces, one prepended to the text, bytes
-  without a token spelled as <0xNN> tokens, and no merges in the file: a token that splits into two
-  tokens of the vocabulary is their merge, ranked by its score (higher first), as llama.cpp merges.
+- "gpt2": byte-level BPE (SmolLM, Llama 3, Qwen, OLMo 2, Phi-4-mini), text split first by the
+  pre-tokenizer the file names (`tokenizer.ggml.pre`); a name we do not know is an error, not a
+  silent GPT-2 split.
+- "llama": SentencePiece BPE (Llama 2, Mistral, Gemma 3): "▁" for spaces, one prepended to the text,
+  bytes without a token spelled as <0xNN> tokens, and no merges in the file: a token that splits into
+  two tokens of the vocabulary is their merge, ranked by its score (higher first), as llama.cpp
+  merges. Gemma's files differ in two ways transformers' conversion (what we match) corrects: their
+  scores do not follow the merge order, the vocabulary's order does, and a token of whitespace only
+  is stored with spaces, not "▁"s. Phi-3's prepend their "▁" to text that starts with a space too.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
@@ -33,6 +37,12 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's (o200k): cased words as units, a contraction kept on its word, "/" kept on punctuation.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -40,11 +50,15 @@ _QWEN2_SPLIT = (
 _PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    "gpt-4o": _GPT4O_SPLIT,  # Phi-4-mini
 }
 # GPT-2's own split. "smollm": llama.cpp splits digits apart first, but SmolLM's vocabulary has no
-# token of two digits, so the ids are the same. None / "default": a file from before llama.cpp wrote
-# the key, which transformers reads with GPT-2's split too.
-_GPT2_SPLIT = (None, "default", "gpt2", "gpt-2", "smollm")
+# token of two digits, so the ids are the same. "olmo" (OLMo 1.7; OLMo 2's files say "dbrx"): llama.cpp
+# splits it as GPT-2. None / "default": a file from before llama.cpp wrote the key, which transformers
+# reads with GPT-2's split too.
+_GPT2_SPLIT = (None, "default", "gpt2", "gpt-2", "smollm", "olmo")
+# Architectures whose SentencePiece files are Gemma's (see the module's docstring).
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 _SPACE = "\u2581"  # SentencePiece's "▁", a space inside a token
 
 
@@ -112,10 +126,13 @@ def _byte_level_backend(metadata: Mapping[str, Any], tokens: list[str]) -> tuple
 def _sentencepiece_backend(
     metadata: Mapping[str, Any], tokens: list[str]
 ) -> tuple[Tokenizer, dict[str, int]]:
-    vocab = {token: i for i, token in enumerate(tokens)}
     scores = metadata.get("tokenizer.ggml.scores")
+    if metadata.get("general.architecture") in _GEMMA_ARCHITECTURES:
+        tokens = [t.replace(" ", _SPACE) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-i for i in range(len(tokens))]  # earlier merges first
     if scores is None:
         raise ValueError("GGUF SentencePiece tokenizer has no tokenizer.ggml.scores to rank its merges by")
+    vocab = {token: i for i, token in enumerate(tokens)}
     backend = Tokenizer(
         BPE(
             vocab=vocab,
@@ -127,9 +144,16 @@ def _sentencepiece_backend(
     )
     # llama.cpp prepends a space unless the file says not to (transformers ignores the flag).
     prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement=_SPACE, prepend_scheme="first" if prefix else "never", split=False
-    )
+    if prefix and metadata.get("general.architecture") == "phi3":
+        # Phi-3's: a "▁" before the text even when it starts with a space, and after each special
+        # token (transformers' conversion, as llama.cpp tokenizes any SentencePiece file).
+        backend.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=_SPACE, prepend_scheme="first" if prefix else "never", split=False
+        )
     steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
     return backend, vocab
@@ -155,9 +179,9 @@ def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, 
 def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> PreTrainedTokenizerFast:
     """Build the tokenizer described by GGUF metadata (`read_gguf_metadata`'s dict).
 
-    Byte-level BPE (`tokenizer.ggml.model == "gpt2"`: SmolLM, Llama 3, Qwen) and SentencePiece BPE
-    ("llama": Llama 2, Mistral); others raise ValueError, as does a byte-level file whose
-    `tokenizer.ggml.pre` names a split we do not know.
+    Byte-level BPE (`tokenizer.ggml.model == "gpt2"`: SmolLM, Llama 3, Qwen, OLMo 2, Phi-4-mini) and
+    SentencePiece BPE ("llama": Llama 2, Mistral, Gemma 3, Phi-3); others raise ValueError, as does a
+    byte-level file whose `tokenizer.ggml.pre` names a split we do not know.
     """
     kind = metadata.get("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):

@@ -12,8 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from xlaserve.models.llama import LlamaForCausalLM
-from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, stack_expert_tensors
+from xlaserve.models.moe import MoEConfig, MoEForCausalLM
 
 
 @dataclass(frozen=True)
@@ -28,11 +27,10 @@ class MixtralConfig(MoEConfig):
         }
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
+class MixtralForCausalLM(MoEForCausalLM):
     config_class = MixtralConfig
-    layer_class = MoEDecoderLayer
 
     @classmethod
     def prepare_hf_tensors(cls, cfg: MixtralConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         renamed = {name.replace(".block_sparse_moe.", ".mlp."): t for name, t in tensors.items()}
-        return stack_expert_tensors(renamed, cfg.num_experts)
+        return super().prepare_hf_tensors(cfg, renamed)

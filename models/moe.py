@@ -25,7 +25,7 @@ from xlaserve.kernels.dtype_ops import matmul
 from xlaserve.kernels.invariant import invariant_softmax, invariant_sum
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import GatedMLP
-from xlaserve.models.llama import LlamaDecoderLayer
+from xlaserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from xlaserve.models.quantization import QuantizedKernel, stack_tensors
 from xlaserve.models.safetensors_loader import CheckpointTensor, DerivedTensor, split_halves
 
@@ -92,6 +92,16 @@ class MoEConfig(TransformerConfig):
         if "norm_topk_prob" in hf:
             fields["norm_topk_prob"] = bool(hf["norm_topk_prob"])
         return fields
+
+
+def check_all_layers_sparse(family: str, hf: dict[str, Any]) -> None:
+    """Refuse a Qwen-style config with dense MLP layers among the sparse ones (one layer stack only)."""
+    if hf.get("mlp_only_layers") or (hf.get("decoder_sparse_step") or 1) != 1:
+        raise ValueError(
+            f"{family} with dense layers (mlp_only_layers={hf.get('mlp_only_layers')}, "
+            f"decoder_sparse_step={hf.get('decoder_sparse_step')}) is not supported: every layer "
+            "must be sparse, as in the released models"
+        )
 
 
 # -- routing ---------------------------------------------------------------------------------------
@@ -238,6 +248,17 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     """The Llama decoder layer with a SparseMoeBlock as its MLP (Mixtral, Qwen3-MoE)."""
 
     mlp_class = SparseMoeBlock
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """The Llama model with MoE layers (a family's layer class may change their attention or MLP),
+    its checkpoint's per-expert tensors stacked at load."""
+
+    layer_class = MoEDecoderLayer
+
+    @classmethod
+    def prepare_hf_tensors(cls, cfg: MoEConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return stack_expert_tensors(tensors, cfg.num_experts)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

@@ -19,14 +19,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from xlaserve.kernels import AttentionBackend, AttentionMetadata, KVCache
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.layers import Attention, GatedMLP, LayerSpec, RMSNorm
 from xlaserve.models.llama import LlamaForCausalLM
-from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, stack_expert_tensors
+from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, MoEForCausalLM
 
 
 class OlmoAttention(Attention):
@@ -87,10 +86,6 @@ class OlmoeDecoderLayer(MoEDecoderLayer):
     attention_class = OlmoAttention
 
 
-class OlmoeForCausalLM(LlamaForCausalLM):
+class OlmoeForCausalLM(MoEForCausalLM):
     config_class = OlmoeConfig
     layer_class = OlmoeDecoderLayer
-
-    @classmethod
-    def prepare_hf_tensors(cls, cfg: OlmoeConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return stack_expert_tensors(tensors, cfg.num_experts)

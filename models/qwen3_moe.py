@@ -10,10 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from xlaserve.models.llama import LlamaForCausalLM
-from xlaserve.models.moe import MoEConfig, MoEDecoderLayer, stack_expert_tensors
+from xlaserve.models.moe import MoEConfig, MoEForCausalLM, check_all_layers_sparse
 from xlaserve.models.qwen import Qwen3Config
 
 
@@ -25,19 +22,9 @@ class Qwen3MoeConfig(MoEConfig, Qwen3Config):
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
-        if hf.get("mlp_only_layers") or (hf.get("decoder_sparse_step") or 1) != 1:
-            raise ValueError(
-                "Qwen3-MoE with dense layers (mlp_only_layers="
-                f"{hf.get('mlp_only_layers')}, decoder_sparse_step={hf.get('decoder_sparse_step')}) is not "
-                "supported: every layer must be sparse"
-            )
+        check_all_layers_sparse("Qwen3-MoE", hf)
         return {**super().fields_from_hf(hf), "num_experts": hf.get("num_experts") or hf["num_local_experts"]}
 
 
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
+class Qwen3MoeForCausalLM(MoEForCausalLM):
     config_class = Qwen3MoeConfig
-    layer_class = MoEDecoderLayer
-
-    @classmethod
-    def prepare_hf_tensors(cls, cfg: Qwen3MoeConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return stack_expert_tensors(tensors, cfg.num_experts)

@@ -7,7 +7,7 @@ for each key head its q, k, and its value heads' v and z; `in_proj_ba`: its valu
 `prepare_hf_tensors` regroups them into Qwen3.5's separate projections, so the layer is the same
 module (Qwen3.5-MoE stores them unfused, as Qwen3.5 does). Every layer's MLP is a sparse mixture:
 softmax routing over the experts, top k, renormalized when `norm_topk_prob`, plus a shared expert
-scaled by sigmoid(shared_expert_gate(x)) per token.
+scaled by sigmoid(shared_expert_gate(x)) per token (Qwen2-MoE's block, models/qwen2_moe.py).
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
-from flax import nnx
 
-from xlaserve.models.layers import GatedMLP, Linear
-from xlaserve.models.moe import MoEConfig, SparseMoeBlock, stack_expert_tensors
+from xlaserve.models.moe import check_all_layers_sparse, stack_expert_tensors
+from xlaserve.models.qwen2_moe import GatedSharedExpertMoeBlock, SharedExpertMoEConfig
 from xlaserve.models.qwen3_5 import (
     Qwen3_5AttentionLayer,
     Qwen3_5Config,
@@ -33,38 +31,13 @@ _FUSED_DELTANET = re.compile(r"^(?P<layer>.+\.layers\.\d+\.linear_attn)\.in_proj
 
 
 @dataclass(frozen=True)
-class Qwen3NextConfig(MoEConfig, Qwen3_5Config):
+class Qwen3NextConfig(SharedExpertMoEConfig, Qwen3_5Config):
     """Qwen3.5's hybrid layers plus the MoE routing and the gated shared expert's width."""
-
-    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
-        if hf.get("mlp_only_layers") or (hf.get("decoder_sparse_step") or 1) != 1:
-            raise ValueError(
-                f"Qwen3-Next with dense layers (mlp_only_layers={hf.get('mlp_only_layers')}, "
-                f"decoder_sparse_step={hf.get('decoder_sparse_step')}) is not supported: every layer "
-                "must be sparse, as in the released models"
-            )
-        return {
-            **super().fields_from_hf(hf),
-            "num_experts": hf["num_experts"],
-            "shared_expert_intermediate_size": hf["shared_expert_intermediate_size"],
-        }
-
-
-class GatedSharedExpertMoeBlock(SparseMoeBlock):
-    """The routed experts plus one shared expert, its output scaled per token by
-    sigmoid(shared_expert_gate(x)) (Hugging Face's Qwen3NextSparseMoeBlock)."""
-
-    def __init__(self, cfg: Qwen3NextConfig, *, dtype, rngs: nnx.Rngs):
-        super().__init__(cfg, dtype=dtype, rngs=rngs)  # no `shared_experts`: n_shared_experts is 0
-        shared = cfg.replace(intermediate_size=cfg.shared_expert_intermediate_size)
-        self.shared_expert = GatedMLP(shared, dtype=dtype, rngs=rngs)
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
-        return super().__call__(x) + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        check_all_layers_sparse("Qwen3-Next", hf)
+        return super().fields_from_hf(hf)
 
 
 class Qwen3NextLinearLayer(Qwen3_5LinearLayer):

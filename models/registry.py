@@ -30,6 +30,7 @@ from xlaserve.models.olmo import Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCau
 from xlaserve.models.phi3 import Phi3ForCausalLM
 from xlaserve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from xlaserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from xlaserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from xlaserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from xlaserve.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -95,6 +96,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "XLMRobertaForTokenClassification": RobertaModel,
     "ModernBertModel": ModernBertModel,
     "ModernBertForSequenceClassification": ModernBertModel,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen2's layer, experts and a gated shared expert
 }
 
 

@@ -269,6 +269,26 @@ def gguf_writer(path: str, config, arch: str):
     return writer
 
 
+def write_tokenizer_gguf(path, arch: str, num_tokens: int, add_tokenizer) -> None:
+    """A GGUF file of `arch` for its tokenizer: the keys `add_tokenizer(writer)` writes, beside a
+    one-layer, eight-wide model's shape keys and a zero token table of `num_tokens` rows."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    add_tokenizer(writer)
+    writer.add_tensor("token_embd.weight", np.zeros((num_tokens, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def add_word_tokenizer(writer, vocab_size: int) -> None:
     """A byte-level BPE tokenizer of whole words `w3`, `w4`, ... after <pad>, <s> and </s> (ids 0-2)."""
     writer.add_tokenizer_model("gpt2")

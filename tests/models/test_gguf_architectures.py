@@ -1,18 +1,22 @@
-"""GGUF files of qwen3moe, gemma3, phi3, olmo2 and smollm3 against transformers and the models they came from.
+"""GGUF files of qwen3moe, gemma3, phi3, olmo2, smollm3, granite and qwen2moe against transformers and the
+models they came from.
 
 For each architecture a tiny random HF model (float32, 2 layers, hidden 64) is written as llama.cpp's
 convert_hf_to_gguf.py writes it: its tensor names and metadata keys, Gemma's norms stored as 1 + w,
-MoE experts stacked, Phi3's LongRoPE factors as tensors; the token table in F16, one attention and one
-MLP matrix in Q8_0, the rest F32. Then `LLM(file)`'s prefill logits are compared with
+MoE experts stacked, Phi3's LongRoPE factors as tensors, Granite's multipliers as `granite.*_scale`;
+the token table in F16, one attention and one MLP matrix in Q8_0, the rest F32. Then `LLM(file)`'s
+prefill logits are compared with
 - transformers' own reading of the same file (`load_gguf_checkpoint`: an independent reader, so a
   name or layout mistake made alike in this writer and our reader still shows), within 1e-4, and its
   greedy tokens equal;
 - the original model's, within what Q8_0 and F16 rounding allow.
-transformers reads no olmo2 or smollm3 GGUF: those are compared with their original models only.
+transformers reads no olmo2, smollm3 or granite GGUF: for those, the first reference is the original
+model with the file's rounded tensors put in its place (`rounded_model`).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import gguf
@@ -98,6 +102,33 @@ CASES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _TINY),
     # Llama's layer, q/k rows permuted as llama's; no RoPE in the fourth layer (llama.cpp's fixed step).
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(_TINY, num_hidden_layers=4)),
+    # Llama's layer, q/k rows permuted as llama's, with Granite's four multipliers (none of them 1, and
+    # the attention's not head_dim^-0.5).
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            _TINY,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.1,
+            logits_scaling=8.0,
+        ),
+    ),
+    # Top 2 of 4 experts, not renormalized (llama.cpp's qwen2moe graph never does), q/k/v biases, and the
+    # shared expert scaled by its sigmoid gate.
+    "qwen2moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            _TINY,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+        ),
+    ),
 }
 # HF module -> llama.cpp tensor, where an architecture's converter names it otherwise than llama's.
 _GGUF_NAMES = {
@@ -113,6 +144,14 @@ _GGUF_NAMES = {
         "post_feedforward_layernorm": "post_ffw_norm",
     },
     "smollm3": {},
+    "granite": {},
+    "qwen2moe": {
+        "mlp.gate": "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj": "ffn_down_shexp",
+        "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    },
 }
 # Config fields transformers' GGUF reading leaves at its defaults (its GGUF_CONFIG_MAPPING has no key for
 # them, or llama.cpp keeps them in its code): given to its model from the original's config, so that the
@@ -122,7 +161,10 @@ _NOT_READ_BY_TRANSFORMERS = {
     "qwen3moe": ("moe_intermediate_size", "norm_topk_prob"),
     "gemma3": ("query_pre_attn_scalar", "layer_types", "rope_parameters"),
     "phi3": ("rope_parameters", "original_max_position_embeddings"),
+    "qwen2moe": ("moe_intermediate_size", "shared_expert_intermediate_size"),
 }
+# Converted by llama.cpp's LlamaModel (or a subclass), which permutes q/k rows for its rope.
+_PERMUTED_QK = ("smollm3", "granite")
 # The tensors stored quantized, the rest F32 (as `--outtype f32`, norms always F32).
 _QTYPES = {
     "token_embd.weight": gguf.GGMLQuantizationType.F16,
@@ -160,17 +202,41 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
             else:
                 gate, up = np.split(value, 2, axis=1)
                 out[f"{block}.ffn_gate_exps.weight"], out[f"{block}.ffn_up_exps.weight"] = gate, up
-        elif module.startswith("model.layers."):
-            _, _, layer, key = module.split(".", 3)
-            if arch == "smollm3" and key in ("self_attn.q_proj", "self_attn.k_proj"):
-                # llama.cpp's permute for its rope: each head's rows [half0 | half1] -> interleaved.
-                config = model.config
-                heads = config.num_attention_heads if key.endswith("q_proj") else config.num_key_value_heads
-                value = value.reshape(heads, 2, -1, value.shape[-1]).swapaxes(1, 2).reshape(value.shape)
-            out[f"blk.{layer}.{names[key]}.{suffix}"] = value
-        else:
-            out[f"{names[module]}.{suffix}"] = value
+            continue
+        key = module.split(".", 3)[-1]
+        if arch in _PERMUTED_QK and key in ("self_attn.q_proj", "self_attn.k_proj"):
+            # llama.cpp's permute for its rope: each head's rows [half0 | half1] -> interleaved.
+            config = model.config
+            heads = config.num_attention_heads if key.endswith("q_proj") else config.num_key_value_heads
+            value = value.reshape(heads, 2, -1, value.shape[-1]).swapaxes(1, 2).reshape(value.shape)
+        if key == "mlp.shared_expert_gate":  # [1, D] -> [D], as llama.cpp's model declares it
+            value = value.reshape(-1)
+        out[gguf_name(name, names)] = value
     return out
+
+
+def gguf_name(name: str, names: dict[str, str]) -> str:
+    """llama.cpp's name for the HF tensor `name` (not a stacked expert's), by the module renames `names`."""
+    module, _, suffix = name.rpartition(".")
+    if module.startswith("model.layers."):
+        _, _, layer, key = module.split(".", 3)
+        return f"blk.{layer}.{names[key]}.{suffix}"
+    return f"{names[module]}.{suffix}"
+
+
+def rounded_model(original, arch: str):
+    """The original model with the file's rounding: each tensor the file stores F16 or Q8_0 replaced by
+    what it holds (llama.cpp's q/k row permutation moves whole rows, which Q8_0 rounds one by one), so
+    that it computes what the file describes, by an implementation other than ours. Dense models only."""
+    model = copy.deepcopy(original)
+    names = {**GGUF_NAMES, **_GGUF_NAMES[arch]}
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            qtype = _QTYPES.get(gguf_name(name, names))
+            if qtype is not None:
+                stored = gguf.quants.quantize(param.numpy(), qtype)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype)))
+    return model
 
 
 def write_gguf(path: str, model, arch: str) -> None:
@@ -186,15 +252,22 @@ def write_gguf(path: str, model, arch: str) -> None:
         writer.add_sliding_window(0)
         tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], np.float32)
         tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
-    elif arch == "smollm3":  # llama's: the head size as rope.dimension_count
+    elif arch in _PERMUTED_QK:  # llama's: the head size as rope.dimension_count
         writer.add_rope_dimension_count(config.head_dim)
     else:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if arch == "granite":  # the converter's names for the multipliers
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -254,9 +327,10 @@ def test_gguf_architecture(arch, tmp_path):
     ours = engine_prefill_logits(llm, ids, first_chunk=11)
     expected = hf_logits(original, ids)
     assert 1e-3 < rel_err(ours, expected) < QUANTIZED_REL_ERR  # rounded, but the same model
-    if arch not in _NOT_READ_BY_TRANSFORMERS:
-        return
-    reference = transformers_model(path, original, arch)
+    if arch in _NOT_READ_BY_TRANSFORMERS:
+        reference = transformers_model(path, original, arch)
+    else:
+        reference = rounded_model(original, arch)
     assert rel_err(ours, hf_logits(reference, ids)) < MAX_REL_ERR
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     tokens = list(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids)

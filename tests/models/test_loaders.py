@@ -199,6 +199,18 @@ def test_tensor_names():
     assert hf_tensor_name("blk.1.ffn_up.weight", "phi3") == "model.layers.1.mlp.gate_up_proj.weight"
     assert hf_tensor_name("blk.1.ffn_up_exps.weight", "qwen3moe") == "model.layers.1.mlp.experts_up.weight"
     assert hf_tensor_name("rope_factors_long.weight", "phi3") is None
+    # Qwen2-MoE's shared expert and its gate; its routed experts are qwen3moe's.
+    assert hf_tensor_name("blk.1.ffn_down_shexp.weight", "qwen2moe") == (
+        "model.layers.1.mlp.shared_expert.down_proj.weight"
+    )
+    assert hf_tensor_name("blk.0.ffn_gate_inp_shexp.weight", "qwen2moe") == (
+        "model.layers.0.mlp.shared_expert_gate.weight"
+    )
+    assert (
+        hf_tensor_name("blk.1.ffn_gate_exps.weight", "qwen2moe") == "model.layers.1.mlp.experts_gate.weight"
+    )
+    with pytest.raises(ValueError, match="'blk.0.ffn_up_shexp.weight'.*'qwen3moe'"):
+        hf_tensor_name("blk.0.ffn_up_shexp.weight", "qwen3moe")
     with pytest.raises(ValueError, match="blk.0.ssm_conv1d.weight"):
         hf_tensor_name("blk.0.ssm_conv1d.weight")
 

@@ -1,5 +1,5 @@
-"""Mixtral, Qwen3-MoE, gpt-oss, DeepSeek V2/V3, OLMoE and Granite MoE against Hugging Face, on tiny
-random checkpoints.
+"""Mixtral, Qwen3-MoE, gpt-oss, DeepSeek V2/V3, OLMoE, Granite MoE and Qwen2-MoE against Hugging Face,
+on tiny random checkpoints.
 
 Each family: a random HF model (float32, a few layers, 4-8 experts with top-2, GQA where the family
 has it; DeepSeek with a dense first layer, grouped routing, small LoRA ranks, V3 with YaRN) saved as
@@ -176,6 +176,21 @@ FAMILIES = {
             attention_multiplier=0.125,
             residual_multiplier=0.25,
             logits_scaling=3.0,
+        ),
+    ),
+    # Qwen2's q/k/v biases; top 2 of 6 not renormalized; the shared expert scaled by its sigmoid gate.
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=6,
+            num_experts_per_tok=2,
         ),
     ),
 }
