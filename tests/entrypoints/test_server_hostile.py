@@ -177,7 +177,7 @@ _SAMPLING = {
         "return_token_ids",
         "return_tokens_as_token_ids",
     ],
-    "string": ["model", "user", "cache_salt"],
+    "string": ["model", "user", "cache_salt", "request_id"],
     "object": ["response_format", "structured_outputs", "kv_transfer_params", "logit_bias"],
 }
 FIELD_TYPES = {
@@ -204,6 +204,7 @@ FIELD_TYPES = {
     "tokenize-chat": {
         "boolean": ["add_special_tokens", "add_generation_prompt", "continue_final_message"],
         "string": ["model", "chat_template"],
+        "object": ["chat_template_kwargs"],
     },
     "detokenize": {"string": ["model"]},
     "load-lora": {"string": ["lora_name", "lora_path"]},
@@ -218,8 +219,16 @@ FIELD_TYPES = {
             "min_p",
             "repetition_penalty",
         ],
-        "boolean": ["stream", "store", "parallel_tool_calls", "ignore_eos"],
-        "string": ["model", "instructions", "previous_response_id", "user", "cache_salt", "prompt_cache_key"],
+        "boolean": ["stream", "store", "parallel_tool_calls", "ignore_eos", "include_reasoning"],
+        "string": [
+            "model",
+            "instructions",
+            "previous_response_id",
+            "user",
+            "cache_salt",
+            "prompt_cache_key",
+            "safety_identifier",
+        ],
         "object": ["text", "reasoning", "metadata", "stream_options", "kv_transfer_params"],
     },
 }
@@ -266,6 +275,15 @@ STRUCTURE_CASES = [
     ("completions", {"stream_options": []}, "stream_options"),
     ("completions", {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ("completions", {"stream_options": {"other": True}}, "stream_options.other"),
+    ("chat", {"stop_token_ids": 5}, "stop_token_ids"),
+    ("chat", {"stop_token_ids": ["1"]}, "stop_token_ids[0]"),
+    ("chat", {"stream_options": "yes"}, "stream_options"),
+    ("chat", {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ("completions", {"request_id": ""}, "request_id"),
+    ("chat", {"request_id": "x" * 129}, "request_id"),
+    ("chat", {"request_id": "a b\n"}, "request_id"),
+    ("tokenize-chat", {"tools": "get_weather"}, "tools"),
+    ("tokenize-chat", {"tools": [{"type": "function"}]}, "tools[0].function"),
     ("chat", {"messages": "Hi"}, "messages"),
     ("chat", {"messages": {"role": "user"}}, "messages"),
     ("chat", {"messages": ["Hi"]}, "messages[0]"),
@@ -1038,6 +1056,10 @@ RESPONSES_CASES = [  # (fields over the valid body, the param named, the status)
     ({"top_p": 0}, "top_p", 400),
     ({"seed": 2**63}, "seed", 400),
     ({"stop": ["x"] * 17}, "stop", 400),
+    ({"stop_token_ids": 5}, "stop_token_ids", 400),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids[0]", 400),
+    ({"stop_token_ids": [1] * 65}, "stop_token_ids", 400),
+    ({"safety_identifier": "x" * 257}, "safety_identifier", 400),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", 400),
     ({"metadata": {"k": "v" * 513}}, "metadata.k", 400),
     ({"metadata": {"k": 5}}, "metadata.k", 400),
@@ -1553,3 +1575,65 @@ def test_invocations_needs_the_key_and_json(client):
     assert response.status_code == 200 and response.json()["object"] == "text_completion"
     ping = httpx.get(str(client.base_url) + "/ping")
     assert ping.status_code == 200
+
+
+# -- every request field has a case here --------------------------------------------------------------
+
+
+def _top(param: str) -> str:
+    """The top-level field a param names: "messages[0].content" -> "messages"."""
+    return re.split(r"[.\[]", param, maxsplit=1)[0]
+
+
+def _covered() -> dict[str, set[str]]:
+    """The fields each route's cases above break, by the route's path."""
+    by_endpoint: dict[str, set[str]] = {endpoint: set() for endpoint in BODIES}
+    for endpoint, kinds in FIELD_TYPES.items():
+        by_endpoint[endpoint].update(field for fields in kinds.values() for field in fields)
+    for endpoint, fields, _ in STRUCTURE_CASES:
+        by_endpoint[endpoint].update(fields)
+    for endpoint, field, _ in RANGE_CASES:
+        by_endpoint[endpoint].add(field)
+    for endpoint, fields, param in INVALID_SPEC_CASES:
+        by_endpoint[endpoint].update({*fields, _top(param)})
+    for fields, param in TOOL_CASES:
+        by_endpoint["chat"].update({*fields, _top(param)})
+    for endpoint, _, param in TEXT_FIELDS:
+        by_endpoint[endpoint].add(_top(param))
+    for fields, param, _ in RESPONSES_CASES:
+        by_endpoint["responses"].update({*fields, _top(param)})
+    by_path: dict[str, set[str]] = {}
+    for endpoint, (path, _) in BODIES.items():
+        by_path.setdefault(path, set()).update(by_endpoint[endpoint])
+    anthropic = {field for fields in ANTHROPIC_FIELD_TYPES.values() for field in fields}
+    anthropic |= {_top(field) for fields, field in ANTHROPIC_BAD} | {
+        f for fields, _ in ANTHROPIC_BAD for f in fields
+    }
+    anthropic |= {_top(field) for _, field in ANTHROPIC_TEXT_FIELDS}
+    by_path[MESSAGES] = by_path[COUNT_TOKENS] = anthropic
+    return by_path
+
+
+def _request_fields(schema: dict, path: str) -> set[str]:
+    """The top-level fields of a POST route's JSON body, as the server's OpenAPI schema declares them."""
+    body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    refs = [body] if "$ref" in body else body.get("anyOf", body.get("oneOf", []))
+    fields: set[str] = set()
+    for ref in refs:
+        declared = schema["components"]["schemas"][ref["$ref"].rsplit("/", 1)[1]]
+        fields.update(declared.get("properties", {}))
+    return fields
+
+
+def test_every_request_field_has_a_hostile_case(client):
+    """The rule the suite keeps: a new request field (or a new route's body) joins the cases above. The
+    fields are read from the server's own OpenAPI schema, so a field added to a request model without a
+    case fails here, naming it."""
+    schema = client.get("/openapi.json").json()
+    covered = _covered()
+    missing = {
+        path: sorted(_request_fields(schema, path) - fields)
+        for path, fields in covered.items()
+        if _request_fields(schema, path) - fields
+    }
+    assert not missing, f"request fields without a hostile case: {missing}"
