@@ -6,6 +6,7 @@ json_schema formats, the store (previous_response_id, retrieve, delete, eviction
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -326,6 +327,50 @@ def test_previous_response_id_carries_the_history(server, client):
         {"role": "user", "content": "And again?"},
     ]
     assert third.usage.input_tokens == len(_prompt_ids(server, history))
+
+
+def _logged(server, pattern: str) -> bool:
+    """Whether the server's log shows `pattern` within a few seconds (its lines arrive as written)."""
+    deadline = time.monotonic() + 10
+    while True:
+        with open(server.log_path, errors="replace") as f:
+            if re.search(pattern, f.read()):
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def test_request_id_names_the_engine_request_and_comes_back_as_x_request_id(server, client):
+    """vLLM's body request_id names the engine's request (its log line) and comes back as the answer's
+    X-Request-Id header; the response's id stays the store's own resp_ id. An X-Request-Id header wins
+    over the body's, as on the chat route, streamed or not."""
+    body = {"input": QUESTION, "max_output_tokens": 1, "store": False}
+    answer = _post(server, {**body, "request_id": "trace-7"})
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-request-id"] == "trace-7"
+    assert re.fullmatch(r"resp_[0-9a-f]{32}", answer.json()["id"])
+    streamed = httpx.post(
+        server.url + "/v1/responses",
+        json={**body, "stream": True, "request_id": "from-the-body"},
+        headers={**server.headers, "X-Request-Id": "header-8"},
+        timeout=300,
+    )
+    assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "header-8"
+    assert "event: response.incomplete" in streamed.text  # max_output_tokens: 1
+    raw = client.responses.with_raw_response.create(
+        model=MODEL_NAME, input=QUESTION, max_output_tokens=1, store=False, extra_body={"request_id": "sdk-9"}
+    )
+    assert raw.headers["x-request-id"] == "sdk-9" and raw.parse().id.startswith("resp_")
+    for sent in ("trace-7", "header-8", "sdk-9"):  # after `resp-`, with 8 random hex digits, as chat's
+        assert _logged(server, rf"request resp-{sent}-[0-9a-f]{{8}}: "), sent
+    with open(server.log_path, errors="replace") as f:
+        assert "resp-from-the-body" not in f.read()  # its request logged header-8 by now
+    # None sent: no header (this server runs without --enable-request-id-headers); the engine's id is
+    # the response's own.
+    plain = _post(server, body)
+    assert plain.status_code == 200 and "x-request-id" not in plain.headers
+    assert _logged(server, rf"request {plain.json()['id']}: ")
 
 
 def test_retrieve_delete_and_not_stored(server, client):
