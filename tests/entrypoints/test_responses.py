@@ -15,6 +15,8 @@ import openai
 import pytest
 
 from helpers.server_harness import MAX_STORED_RESPONSES, MODEL_NAME, metric, metrics, wait_for_metrics
+from xlaserve.entrypoints.openai.responses_convert import input_turns, media_fields, to_chat_request
+from xlaserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
 from xlaserve.entrypoints.openai.responses_turn import answer_turn
@@ -371,6 +373,29 @@ def test_request_id_names_the_engine_request_and_comes_back_as_x_request_id(serv
     plain = _post(server, body)
     assert plain.status_code == 200 and "x-request-id" not in plain.headers
     assert _logged(server, rf"request {plain.json()['id']}: ")
+
+
+def test_video_parts_and_chat_template_kwargs_reach_the_chat_request():
+    """A user message's video_url part (chat's) is the chat request's, in place, named by its Responses
+    field (an earlier turn's by previous_response_id); chat_template_kwargs pass on as sent."""
+    content = [
+        {"type": "input_text", "text": "a"},
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AA"}},
+        {"type": "input_image", "image_url": "data:image/png;base64,AA"},
+    ]
+    kwargs = {"enable_thinking": False}
+    req = ResponsesRequest.model_validate(
+        {"input": [{"role": "user", "content": content}], "chat_template_kwargs": kwargs}
+    )
+    history = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:,old"}}]}]
+    assert media_fields(req, history) == {
+        "image_url": ["input[0].content[2].image_url"],
+        "video_url": ["previous_response_id", "input[0].content[1].video_url"],
+    }
+    chat = to_chat_request(req, history + input_turns(req, history))
+    assert [part.type for part in chat.messages[1].content] == ["text", "video_url", "image_url"]
+    assert chat.messages[1].content[1].video_url.url == "data:video/mp4;base64,AA"
+    assert chat.chat_template_kwargs == kwargs
 
 
 def test_retrieve_delete_and_not_stored(server, client):
