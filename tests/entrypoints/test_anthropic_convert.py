@@ -165,6 +165,16 @@ def test_thinking_is_the_templates_enable_thinking(thinking, enable_thinking):
     assert kwargs.get("enable_thinking") is enable_thinking
 
 
+def test_chat_template_kwargs_pass_on_and_thinking_sets_enable_thinking_over_them():
+    """vLLM's chat_template_kwargs reach the chat request as sent; Anthropic's `thinking` overrides their
+    enable_thinking, and only that."""
+    kwargs = {"enable_thinking": False, "custom": [1, 2]}
+    assert to_chat_request(request([HI], chat_template_kwargs=kwargs)).chat_template_kwargs == kwargs
+    thinking = request([HI], chat_template_kwargs=kwargs, thinking={"type": "adaptive"})
+    assert to_chat_request(thinking).chat_template_kwargs == {"enable_thinking": True, "custom": [1, 2]}
+    assert to_chat_request(request([HI], chat_template_kwargs={})).chat_template_kwargs is None
+
+
 @pytest.mark.parametrize("messages, fields, param", BAD, ids=[p for _, _, p in BAD])
 def test_what_the_schema_cannot_check_is_400_naming_the_field(messages, fields, param):
     with pytest.raises(APIError) as caught:

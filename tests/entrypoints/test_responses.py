@@ -6,6 +6,7 @@ json_schema formats, the store (previous_response_id, retrieve, delete, eviction
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -14,6 +15,8 @@ import openai
 import pytest
 
 from helpers.server_harness import MAX_STORED_RESPONSES, MODEL_NAME, metric, metrics, wait_for_metrics
+from xlaserve.entrypoints.openai.responses_convert import input_turns, media_fields, to_chat_request
+from xlaserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
 from xlaserve.entrypoints.openai.responses_turn import answer_turn
@@ -326,6 +329,73 @@ def test_previous_response_id_carries_the_history(server, client):
         {"role": "user", "content": "And again?"},
     ]
     assert third.usage.input_tokens == len(_prompt_ids(server, history))
+
+
+def _logged(server, pattern: str) -> bool:
+    """Whether the server's log shows `pattern` within a few seconds (its lines arrive as written)."""
+    deadline = time.monotonic() + 10
+    while True:
+        with open(server.log_path, errors="replace") as f:
+            if re.search(pattern, f.read()):
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def test_request_id_names_the_engine_request_and_comes_back_as_x_request_id(server, client):
+    """vLLM's body request_id names the engine's request (its log line) and comes back as the answer's
+    X-Request-Id header; the response's id stays the store's own resp_ id. An X-Request-Id header wins
+    over the body's, as on the chat route, streamed or not."""
+    body = {"input": QUESTION, "max_output_tokens": 1, "store": False}
+    answer = _post(server, {**body, "request_id": "trace-7"})
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-request-id"] == "trace-7"
+    assert re.fullmatch(r"resp_[0-9a-f]{32}", answer.json()["id"])
+    streamed = httpx.post(
+        server.url + "/v1/responses",
+        json={**body, "stream": True, "request_id": "from-the-body"},
+        headers={**server.headers, "X-Request-Id": "header-8"},
+        timeout=300,
+    )
+    assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "header-8"
+    assert "event: response.incomplete" in streamed.text  # max_output_tokens: 1
+    raw = client.responses.with_raw_response.create(
+        model=MODEL_NAME, input=QUESTION, max_output_tokens=1, store=False, extra_body={"request_id": "sdk-9"}
+    )
+    assert raw.headers["x-request-id"] == "sdk-9" and raw.parse().id.startswith("resp_")
+    for sent in ("trace-7", "header-8", "sdk-9"):  # after `resp-`, with 8 random hex digits, as chat's
+        assert _logged(server, rf"request resp-{sent}-[0-9a-f]{{8}}: "), sent
+    with open(server.log_path, errors="replace") as f:
+        assert "resp-from-the-body" not in f.read()  # its request logged header-8 by now
+    # None sent: no header (this server runs without --enable-request-id-headers); the engine's id is
+    # the response's own.
+    plain = _post(server, body)
+    assert plain.status_code == 200 and "x-request-id" not in plain.headers
+    assert _logged(server, rf"request {plain.json()['id']}: ")
+
+
+def test_video_parts_and_chat_template_kwargs_reach_the_chat_request():
+    """A user message's video_url part (chat's) is the chat request's, in place, named by its Responses
+    field (an earlier turn's by previous_response_id); chat_template_kwargs pass on as sent."""
+    content = [
+        {"type": "input_text", "text": "a"},
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AA"}},
+        {"type": "input_image", "image_url": "data:image/png;base64,AA"},
+    ]
+    kwargs = {"enable_thinking": False}
+    req = ResponsesRequest.model_validate(
+        {"input": [{"role": "user", "content": content}], "chat_template_kwargs": kwargs}
+    )
+    history = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:,old"}}]}]
+    assert media_fields(req, history) == {
+        "image_url": ["input[0].content[2].image_url"],
+        "video_url": ["previous_response_id", "input[0].content[1].video_url"],
+    }
+    chat = to_chat_request(req, history + input_turns(req, history))
+    assert [part.type for part in chat.messages[1].content] == ["text", "video_url", "image_url"]
+    assert chat.messages[1].content[1].video_url.url == "data:video/mp4;base64,AA"
+    assert chat.chat_template_kwargs == kwargs
 
 
 def test_retrieve_delete_and_not_stored(server, client):

@@ -187,6 +187,20 @@ def test_chat_role_cached_tokens_and_request_id(flags_server, client, http, othe
     assert continued.choices[0].message.role == "user"
 
 
+def test_a_responses_request_id_is_its_header_under_the_flag(http):
+    """--enable-request-id-headers keeps the Responses route's own X-Request-Id, the body's request_id
+    (its only echo: the response's id is the store's), over a new one; a header sent still wins."""
+    body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 1, "store": False}
+    answer = http.post("/v1/responses", json={**body, "request_id": "body-3"})
+    assert answer.status_code == 200 and answer.headers["x-request-id"] == "body-3", answer.text
+    assert answer.json()["id"].startswith("resp_")
+    sent = http.post(
+        "/v1/responses", json={**body, "request_id": "body-3"}, headers={"X-Request-Id": "hdr-4"}
+    )
+    assert sent.headers["x-request-id"] == "hdr-4"
+    assert re.fullmatch(r"[0-9a-f]{32}", http.post("/v1/responses", json=body).headers["x-request-id"])
+
+
 def test_streams_end_with_usage_and_count_in_the_load(http):
     assert http.get("/load").json() == {"server_load": 0}
     body = {"model": MODEL_NAME, "prompt": "One, two, three,", "max_tokens": 6, "stream": True}

@@ -228,8 +228,16 @@ FIELD_TYPES = {
             "cache_salt",
             "prompt_cache_key",
             "safety_identifier",
+            "request_id",
         ],
-        "object": ["text", "reasoning", "metadata", "stream_options", "kv_transfer_params"],
+        "object": [
+            "text",
+            "reasoning",
+            "metadata",
+            "stream_options",
+            "kv_transfer_params",
+            "chat_template_kwargs",
+        ],
     },
 }
 TYPE_CASES = [
@@ -1007,6 +1015,7 @@ _CALL_ITEM = {
     "arguments": '{"city": "P"}',
 }
 _FORMAT = {"type": "json_schema", "name": "x", "schema": {"type": "object"}}
+_VIDEO = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
 RESPONSES_CASES = [  # (fields over the valid body, the param named, the status)
     ({"input": DROP}, "input", 400),
     ({"input": 5}, "input", 400),
@@ -1126,6 +1135,22 @@ RESPONSES_CASES = [  # (fields over the valid body, the param named, the status)
     ({"previous_response_id": "resp_nothing"}, "previous_response_id", 404),
     ({"previous_response_id": ""}, "previous_response_id", 400),
     ({"model": "gpt-nothing"}, "model", 404),
+    # vLLM's request_id has the X-Request-Id header's bounds, as on the chat route
+    ({"request_id": "r" * 129}, "request_id", 400),
+    ({"request_id": "tab\there"}, "request_id", 400),
+    ({"request_id": ""}, "request_id", 400),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize", 400),
+    ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs.not a name", 400),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", 400),
+    # chat's video_url part: this server's model takes text only; a part of the wrong shape or role
+    ({"input": [{"role": "user", "content": [_VIDEO]}]}, "input[0].content[0].video_url", 400),
+    ({"input": [{"role": "user", "content": [{"type": "video_url", "video_url": "data:,"}]}]},
+     "input[0].content[0].video_url", 400),
+    ({"input": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": 5}}]}]},
+     "input[0].content[0].video_url.url", 400),
+    ({"input": [{"role": "assistant", "content": [_VIDEO]}]}, "input[0].content[0]", 400),
+    ({"input": [{"role": "user", "content": [{"type": "input_video", "video_url": "x"}]}]},
+     "input[0].content[0].type", 400),
 ]  # fmt: skip
 
 
@@ -1209,7 +1234,7 @@ ANTHROPIC_FIELD_TYPES = {
     "number": ["temperature", "top_p"],
     "boolean": ["stream"],
     "string": ["model"],
-    "object": ["metadata", "tool_choice", "kv_transfer_params"],
+    "object": ["metadata", "tool_choice", "kv_transfer_params", "chat_template_kwargs"],
 }
 ANTHROPIC_TYPE_CASES = [
     pytest.param(field, value, id=f"{field}-{json.dumps(value)}")
@@ -1345,6 +1370,12 @@ ANTHROPIC_BAD = [
     ({"kv_transfer_params": {"do_remote_decode": "yes"}}, "kv_transfer_params.do_remote_decode"),
     ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
     ({"kv_transfer_params": {"do_remote_prefill": True}, "mcp_servers": [_MCP]}, "kv_transfer_params"),
+    # vLLM's chat_template_kwargs, checked as on the chat route; Anthropic defines no video block
+    ({"chat_template_kwargs": {"tokenize": True}}, "'tokenize' cannot be set through chat_template_kwargs"),
+    ({"chat_template_kwargs": {"not a name": 1}}, "'not a name' cannot be set through chat_template_kwargs"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"messages": _user({"type": "video", "source": {"type": "url", "url": "http://x/v.mp4"}})},
+     "messages[0].content[0].type"),
     ({"messages": _user({"type": "mcp_tool_result", "tool_use_id": "mcptoolu_1"})}, "messages[0].content[0]"),
     ({"messages": [*CHAT, {"role": "assistant", "content": [
         {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_9"}]}]}, "messages[1].content[0].tool_use_id"),

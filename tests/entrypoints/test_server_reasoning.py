@@ -228,3 +228,36 @@ def test_anthropic_messages_give_a_thinking_block(thinking_server):
     answer = [{"type": "text", "text": chat["content"]}] if chat["content"] else []
     assert [block.model_dump(exclude_none=True) for block in closed.content] == answer
     assert closed.usage.input_tokens == len(ids)
+
+
+def test_chat_template_kwargs_reach_the_responses_and_anthropic_templates(thinking_server, client):
+    """vLLM's chat_template_kwargs on the Responses API and on Anthropic's messages (and count_tokens),
+    as on the chat route: {"enable_thinking": false} closes the thinking in the prompt, and the reasoning
+    parser, told so too, gives the whole answer as text: the chat route's answer. Anthropic's own
+    `thinking` field sets enable_thinking over them."""
+    url = thinking_server.url
+    opened = raw_output(thinking_server, {})[0]
+    closed = raw_output(thinking_server, THINKING[False])[0]  # asked first: every route finds it cached
+    assert len(closed) > len(opened)
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, extra_body=THINKING[False], **GREEDY)
+    content = chat.choices[0].message.content
+    assert getattr(chat.choices[0].message, "reasoning_content", None) is None
+    answer = client.responses.create(
+        model="tiny",
+        input=CHAT,
+        temperature=0.0,
+        max_output_tokens=GREEDY["max_tokens"],
+        store=False,
+        extra_body=THINKING[False],
+    )
+    assert "reasoning" not in [item.type for item in answer.output]
+    assert answer.output_text == (content or "") and answer.usage.input_tokens == len(closed)
+    assert answer.usage.output_tokens_details.reasoning_tokens == 0
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": GREEDY["max_tokens"], "temperature": 0}
+    message = httpx.post(url + "/v1/messages", json={**body, **THINKING[False]}, timeout=300).json()
+    assert message["content"] == ([{"type": "text", "text": content}] if content else [])
+    assert message["usage"]["input_tokens"] == len(closed)
+    count = {"model": "tiny", "messages": CHAT, **THINKING[False]}
+    assert httpx.post(url + "/v1/messages/count_tokens", json=count).json()["input_tokens"] == len(closed)
+    thinking = {**count, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    assert httpx.post(url + "/v1/messages/count_tokens", json=thinking).json()["input_tokens"] == len(opened)

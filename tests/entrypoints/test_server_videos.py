@@ -229,6 +229,38 @@ def test_a_local_video_file_under_the_allowed_path_is_read(vlm, media_dir, clip)
     assert by_file.json()["choices"][0]["message"] == by_data.json()["choices"][0]["message"]
 
 
+def _responses(*parts) -> dict:
+    content = [{"type": "input_text", "text": QUESTION}, *parts]
+    body = {"model": NAME, "input": [{"role": "user", "content": content}], "store": False}
+    return body | {"max_output_tokens": 4, "temperature": 0, "include": ["message.output_text.logprobs"]}
+
+
+def test_a_responses_video_url_part_answers_as_the_chat_route(vlm, clip):
+    """The Responses API takes chat's `video_url` part in a user message's content (OpenAI's defines no
+    video part): the same prompt, tokens and logprobs as the chat route's; a refusal names the
+    Responses part."""
+    _, client = vlm
+    url = video_data_url(clip)
+    chat = client.post("/v1/chat/completions", json={**_chat(_video(url)), "logprobs": True})
+    answer = client.post("/v1/responses", json=_responses(_video(url)))
+    assert chat.status_code == 200 and answer.status_code == 200, answer.text
+    chat, answer = chat.json(), answer.json()
+    (text,) = answer["output"][0]["content"]
+    assert text["text"] == chat["choices"][0]["message"]["content"]
+    served = [(e["token"], e["logprob"]) for e in chat["choices"][0]["logprobs"]["content"]]
+    assert [(e["token"], e["logprob"]) for e in text["logprobs"]] == served and len(served) == 4
+    assert answer["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    response, port = send(client, "/v1/responses", _responses(_video(url), _video(url)))
+    error = check_error(response, 400, "input[0].content[2].video_url")
+    assert "2 videos in one request; at most 1 (--limit-mm-per-prompt)" in error["message"]
+    response, port = send(client, "/v1/responses", _responses(_video("file:///etc/passwd")))
+    assert (
+        "outside --allowed-local-media-path"
+        in check_error(response, 400, "input[0].content[1].video_url")["message"]
+    )
+    check_still_serving(client, port)
+
+
 # -- refusals ------------------------------------------------------------------------------------------
 
 PART = "messages[0].content[1].video_url"

@@ -7,11 +7,12 @@ are its `tool_calls` (the input as JSON text), thinking its `reasoning_content`;
 `tool` message; tool_choice auto/any/tool/none is "auto"/"required"/a named function/"none", and
 disable_parallel_tool_use is parallel_tool_calls=false; a final assistant message is a prefill
 (continue_final_message); output_config.format is a json_schema response_format; thinking is the
-template's enable_thinking. What the chat request's schema would name by OpenAI's fields is checked here
-first, each a 400 naming Anthropic's: a block in the wrong role, a tool_result whose tool_use_id no
-earlier tool_use has, a repeated tool_use id or tool name, a tool_choice naming a tool not given, an
-input_schema or output_config.format.schema that llguidance cannot compile (or an input_schema that
-is not an object's), an output format beside a forced tool_choice.
+template's enable_thinking, set over vLLM's chat_template_kwargs (passed on as on the chat route). What
+the chat request's schema would name by OpenAI's fields is checked here first, each a 400 naming
+Anthropic's: a block in the wrong role, a tool_result whose tool_use_id no earlier tool_use has, a
+repeated tool_use id or tool name, a tool_choice naming a tool not given, an input_schema or
+output_config.format.schema that llguidance cannot compile (or an input_schema that is not an
+object's), an output format beside a forced tool_choice.
 """
 
 from __future__ import annotations
@@ -70,9 +71,12 @@ def chat_body(req: CountTokensRequest, mcp_functions: list[dict] = ()) -> dict:
         )
         if getattr(choice, "disable_parallel_tool_use", False):
             body["parallel_tool_calls"] = False
+    kwargs = dict(req.chat_template_kwargs or {})
     if req.thinking is not None:
         # Templates that think by default (Qwen3's) close the thinking when told so; others ignore it.
-        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+        kwargs["enable_thinking"] = req.thinking.type != "disabled"
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
     output_format = req.output_config.format if req.output_config is not None else None
     if output_format is not None:
         if choice is not None and choice.type in ("any", "tool"):

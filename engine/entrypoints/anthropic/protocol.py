@@ -251,6 +251,12 @@ class CountTokensRequest(StrictModel):
     )
     output_config: OutputConfig | None = None
     mcp_servers: list[McpServerParam] | None = Field(default=None, max_length=MAX_MCP_SERVERS)
+    # vLLM's extra, not Anthropic's
+    chat_template_kwargs: JsonObject | None = Field(
+        default=None,
+        description="extra variables for the chat template and the reasoning parser, as on the chat "
+        "route; `thinking`, when sent, sets enable_thinking over them",
+    )
 
 
 class MessagesRequest(CountTokensRequest):

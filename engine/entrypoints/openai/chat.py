@@ -45,14 +45,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     truncated,
 )
 from xlaserve.entrypoints.serving.errors import bad_request
-from xlaserve.entrypoints.serving.multimodal import (
-    check_parts,
-    image_parts,
-    load_images,
-    load_videos,
-    process_images,
-    video_parts,
-)
+from xlaserve.entrypoints.serving.multimodal import image_parts, load_media, process_images, video_parts
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 from xlaserve.entrypoints.serving.tools import plan_tools
@@ -102,11 +95,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     check_num_logprobs(state.engine, top_logprobs=req.top_logprobs, prompt_logprobs=req.prompt_logprobs)
     plan = plan_tools(req, state.enable_auto_tool_choice)
-    parts, video_fields = image_parts(req.messages), video_parts(req.messages)
-    check_parts(state, parts, "image")  # before any image or video is read
-    check_parts(state, video_fields, "video")
-    images = await load_images(state, parts) if parts else []
-    videos = await load_videos(state, video_fields) if video_fields else []
+    video_fields = video_parts(req.messages)
+    images, videos = await load_media(state, image_parts(req.messages), video_fields)
     text = render_chat(state, req)
     mm_features = []
     if images or videos:

@@ -11,16 +11,17 @@ and DELETE routes read.
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
+from fastapi import Response as HTTPResponse
 from fastapi.responses import StreamingResponse
 
 from xlaserve.entrypoints.openai.mcp_tools import mcp_tools_of
 from xlaserve.entrypoints.openai.responses_background import UNFINISHED, BackgroundResponses, check_background
-from xlaserve.entrypoints.openai.responses_convert import image_fields, input_turns
+from xlaserve.entrypoints.openai.responses_convert import input_turns, media_fields
 from xlaserve.entrypoints.openai.responses_mcp import create_with_mcp
 from xlaserve.entrypoints.openai.responses_output import DeletedResponse, Response
 from xlaserve.entrypoints.openai.responses_protocol import McpTool, ResponsesRequest
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
-from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream, item_id
+from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
 from xlaserve.entrypoints.openai.responses_turn import (
     Saver,
     Totals,
@@ -28,6 +29,7 @@ from xlaserve.entrypoints.openai.responses_turn import (
     finished,
     prepare_turn,
     reply,
+    response_ids,
     response_shell,
     stream_turn,
 )
@@ -55,8 +57,13 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
             **_errors(400, 401, 404, 413, 415, 503),
         },
     )
-    async def create(request: ResponsesRequest, raw_request: Request):
-        return await create_response(state, store, request, raw_request, background)
+    async def create(request: ResponsesRequest, raw_request: Request, http_response: HTTPResponse):
+        answer = await create_response(state, store, request, raw_request, background)
+        # The response's id is the store's key, never a client's: the client's id comes back as a header.
+        sent = raw_request.headers.get("x-request-id") or request.request_id
+        if sent is not None:
+            (answer if isinstance(answer, HTTPResponse) else http_response).headers["X-Request-Id"] = sent
+        return answer
 
     @app.get(
         "/v1/responses/{response_id}",
@@ -121,30 +128,32 @@ async def create_response(
 ):
     model = check_model(state, req.model)
     check_num_logprobs(state.engine, top_logprobs=req.top_logprobs)
+    response_id, engine_id = response_ids(raw_request, req)
     if req.background:
         check_background(req, store)
     history: list[dict] = []
     if req.previous_response_id is not None:
         history = _continued(store, req.previous_response_id).conversation
     conversation = history + input_turns(req, history)
-    fields = image_fields(req, history)
+    fields = media_fields(req, history)
     if req.kv_transfer_params is not None and any(isinstance(tool, McpTool) for tool in req.tools or ()):
         # One prompt's blocks; an MCP response runs several model turns.
         raise bad_request("kv_transfer_params cannot be combined with mcp tools", "kv_transfer_params")
     mcp_tools = mcp_tools_of(req, state.tool_servers)
     if mcp_tools:
         return await create_with_mcp(
-            state, store, req, raw_request, model, conversation, fields, mcp_tools, background
-        )
+            state, store, req, raw_request, model, conversation, fields, mcp_tools, background,
+            (response_id, engine_id),
+        )  # fmt: skip
     chat, plan, text, ids, params, mm_features = await prepare_turn(state, req, conversation, fields)
-    shell = response_shell(req, plan, item_id("resp"), model)
+    shell = response_shell(req, plan, response_id, model)
 
     def start():
         return submit(
             state,
             ids,
             params,
-            shell.id,
+            engine_id,
             stream=True,
             prompt=text,
             priority=chat.priority,

@@ -3,7 +3,8 @@ path: the same template rendering (tools, earlier calls, tool results), tool pla
 for required and named calls), sampling parameters and output parsers.
 
 The shapes map one to one: `instructions` is a first system message (not carried over to a later
-turn, as in OpenAI's API); a string `input` is a user message; `function_call` items are the tool_calls
+turn, as in OpenAI's API); a string `input` is a user message (an `input_image` part is chat's
+image_url part; a `video_url` part is chat's own); `function_call` items are the tool_calls
 of the assistant turn before them (or of a new one); each `function_call_output` is a `tool` message;
 a `reasoning` item is the thinking (`reasoning_content`) of the assistant turn it begins, which the
 message or calls after it join (the chat template renders it as its model does: gpt-oss's takes it
@@ -39,11 +40,12 @@ from xlaserve.entrypoints.openai.responses_protocol import (
 )
 from xlaserve.entrypoints.openai.responses_stream import APPROVAL_REQUEST
 from xlaserve.entrypoints.serving.errors import APIError, bad_request, loc_to_param
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
+from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, VideoURLContentPart
 
 APPROVAL = "approval"  # the key of an answer's tool turn that waits for its MCP call (`input_turns`)
 APPROVAL_PREFIX = f"{APPROVAL_REQUEST}_"  # the ids of the mcp_approval_request items this server makes
 
+_MEDIA = (InputImage, VideoURLContentPart)  # the parts the chat path takes as its own media parts
 # The chat request's field names (in `param` and in messages) -> the Responses API's.
 _RENAMES = [
     (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "text.format.schema"),
@@ -53,10 +55,10 @@ _RENAMES = [
     (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
     (re.compile(r"\bmessages\[\d+\](\.\w+)*"), "input"),  # the chat messages do not index the input
 ]
-_SAMPLING = (
+_SAMPLING = (  # and the chat request's other fields the Responses request shares
     "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "cache_salt", "user",
-    "parallel_tool_calls", "stream", "kv_transfer_params",
+    "parallel_tool_calls", "stream", "kv_transfer_params", "chat_template_kwargs",
 )  # fmt: skip
 
 
@@ -161,21 +163,24 @@ def _is_thought_only(turn: dict | None) -> bool:
 
 
 def _message_content(item: MessageItem, where: str) -> str | list[dict]:
-    """A message's content for the chat path: its text, or, with images (a user's only), the chat's
-    text and image_url parts in order."""
+    """A message's content for the chat path: its text, or, with images or videos (a user's only), the
+    chat's text, image_url and video_url parts in order."""
     content = item.content
     if isinstance(content, str):
         return content
-    if not any(isinstance(part, InputImage) for part in content):
+    if not any(isinstance(part, _MEDIA) for part in content):
         return "".join(part.text for part in content)
     parts = []
     for j, part in enumerate(content):
-        if not isinstance(part, InputImage):
+        if not isinstance(part, _MEDIA):
             parts.append({"type": "text", "text": part.text})
             continue
         field = f"{where}.content[{j}]"
         if item.role != "user":
-            raise bad_request(f"an input_image belongs in a user message, not the {item.role}'s", field)
+            raise bad_request(f"{part.type} parts belong in a user message, not the {item.role}'s", field)
+        if isinstance(part, VideoURLContentPart):
+            parts.append({"type": "video_url", "video_url": {"url": part.video_url.url}})
+            continue
         if part.image_url is None:
             what = "file_id: this server has no Files API" if part.file_id is not None else "no image_url"
             raise bad_request(f"{what}; send the image as image_url (a data: URL)", f"{field}.image_url")
@@ -183,21 +188,23 @@ def _message_content(item: MessageItem, where: str) -> str | list[dict]:
     return parts
 
 
-def image_fields(req: ResponsesRequest, history: list[dict]) -> list[str]:
-    """The Responses field of each image part of `history + input_turns(req, history)`, in order: an
-    image of an earlier turn is the stored response's (`previous_response_id`)."""
-    earlier = sum(
-        1 for turn in history if isinstance(turn.get("content"), list) for p in turn["content"]
-        if p.get("type") == "image_url"
-    )  # fmt: skip
-    fields = ["previous_response_id"] * earlier
-    if isinstance(req.input, list):
-        for i, item in enumerate(req.input):
+def media_fields(req: ResponsesRequest, history: list[dict]) -> dict[str, list[str]]:
+    """The Responses field of each image_url and video_url part of `history + input_turns(req,
+    history)`, by the chat part's type, in order: a part of an earlier turn is the stored response's
+    (`previous_response_id`)."""
+    fields = {}
+    for kind, part_type in (("image_url", InputImage), ("video_url", VideoURLContentPart)):
+        earlier = sum(
+            1 for turn in history if isinstance(turn.get("content"), list) for p in turn["content"]
+            if p.get("type") == kind
+        )  # fmt: skip
+        fields[kind] = ["previous_response_id"] * earlier
+        for i, item in enumerate(req.input if isinstance(req.input, list) else ()):
             if isinstance(item, MessageItem) and isinstance(item.content, list):
-                fields += [
-                    f"input[{i}].content[{j}].image_url"
+                fields[kind] += [
+                    f"input[{i}].content[{j}].{kind}"
                     for j, part in enumerate(item.content)
-                    if isinstance(part, InputImage)
+                    if isinstance(part, part_type)
                 ]
     return fields
 

@@ -34,12 +34,21 @@ from xlaserve.entrypoints.serving.tools import ToolPlan
 
 
 async def create_with_mcp(
-    state, store, req: ResponsesRequest, raw_request, model: str, conversation, fields, mcp_tools, background
+    state,
+    store,
+    req: ResponsesRequest,
+    raw_request,
+    model: str,
+    conversation,
+    fields,
+    mcp_tools,
+    background,
+    response_ids: tuple[str, str],
 ):
     """A response whose model may call MCP tools (`McpResponse`), streamed, whole or in the background.
     Streamed, it starts once the tools are listed and the first turn is prepared, so a failure there is
     still an HTTP error (in the background, the response's `failed` status)."""
-    run = McpResponse(state, store, req, model, conversation, fields, mcp_tools)
+    run = McpResponse(state, store, req, model, conversation, fields, mcp_tools, response_ids)
     # Queued in the background, the response shows the request's tool plan (the first turn's, once the
     # tools are listed, replaces it).
     choice = req.tool_choice
@@ -58,12 +67,14 @@ class McpResponse:
     mcp_call item per MCP call, with its output), `response` once `events()` has ended. The client's own
     calls end the response after its turn's MCP calls are made."""
 
-    def __init__(self, state, store, req: ResponsesRequest, model: str, conversation, fields, mcp_tools):
+    def __init__(
+        self, state, store, req: ResponsesRequest, model: str, conversation, fields, mcp_tools, response_ids
+    ):
         self.state, self.store, self.req, self.model = state, store, req, model
         self.conversation, self.fields, self.mcp_tools = conversation, fields, mcp_tools
         self.write = EventWriter()
         self.response: Response | None = None
-        self.response_id = item_id("resp")
+        self.response_id, self.engine_id = response_ids  # responses_turn's; a turn's: engine_id-turn
 
     async def events(self):
         state, req = self.state, self.req
@@ -96,7 +107,7 @@ class McpResponse:
                 kwargs = {"prompt": text, "priority": chat.priority, "cache_salt": chat.cache_salt}
                 kwargs["mm_features"] = mm_features
                 kwargs["lora_request"] = state.lora_request(req.model)
-                stream = submit(state, ids, params, f"{response_id}-{turn}", stream=True, **kwargs)
+                stream = submit(state, ids, params, f"{self.engine_id}-{turn}", stream=True, **kwargs)
                 first, first_thought = len(items.items), len(totals.reasoning)
                 parser = choice_parser(state, chat, plan, ids)
                 async for event in stream_turn(state, stream, parser, items, totals, params.logprobs):

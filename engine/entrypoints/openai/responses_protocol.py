@@ -3,11 +3,12 @@ fields, wrong JSON types and invalid Unicode are 400s naming the field). The res
 output items are responses_output.py.
 
 `input` is a string (one user message) or a list of items: messages (role user, system, developer or
-assistant; content a string or `input_text`/`output_text` parts, and `input_image` parts in a user
-message), `function_call` (a call the model made
-earlier), `function_call_output` (its result) and `reasoning` (accepted when a client sends its output
-back; not shown to the model). Items, parts, tools and text formats are told apart by `type` through
-tags that error locations drop (`RESPONSES_TAGS`), so an error names `input[2].call_id`, not a branch.
+assistant; content a string or `input_text`/`output_text` parts, and `input_image` parts and chat's
+`video_url` parts in a user message: OpenAI's Responses API defines no video part), `function_call` (a
+call the model made earlier), `function_call_output` (its result) and `reasoning` (accepted when a
+client sends its output back; not shown to the model). Items, parts, tools and text formats are told
+apart by `type` through tags that error locations drop (`RESPONSES_TAGS`), so an error names
+`input[2].call_id`, not a branch.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from xlaserve.entrypoints.serving.protocol import (
     StrictModel,
     Text,
     TokenId,
+    VideoURLContentPart,
     type_union,
 )
 
@@ -76,7 +78,13 @@ class InputImage(StrictModel):
     detail: Literal["low", "high", "auto"] = "auto"
 
 
-_PARTS = {"input_text": InputText, "output_text": OutputText, "input_image": InputImage}
+# A video is chat's part (vLLM's `video_url`) in a Responses message: OpenAI's API names none.
+_PARTS = {
+    "input_text": InputText,
+    "output_text": OutputText,
+    "input_image": InputImage,
+    "video_url": VideoURLContentPart,
+}
 
 
 ContentPart = type_union(_PARTS, "part")
@@ -417,6 +425,17 @@ class ResponsesRequest(StrictModel):
     prompt_cache_key: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     safety_identifier: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     # vLLM's extras
+    request_id: Text | None = Field(
+        default=None,
+        description="the engine's id for the response, echoed as the answer's X-Request-Id header (an "
+        "X-Request-Id header wins, as on the chat route); 1 to 128 printable ASCII characters. The "
+        "response's `id` stays the server's resp_ id: the store's key, never a client's",
+    )
+    chat_template_kwargs: JsonObject | None = Field(
+        default=None,
+        description="extra variables for the chat template and the reasoning parser, as on the chat route, "
+        'e.g. {"enable_thinking": false}',
+    )
     seed: Seed | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
     presence_penalty: Penalty = 0.0

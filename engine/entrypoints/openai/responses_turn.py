@@ -25,7 +25,7 @@ from xlaserve.entrypoints.openai.responses_output import (
 )
 from xlaserve.entrypoints.openai.responses_protocol import MCP_SECRETS, ResponsesRequest
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
-from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
+from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream, item_id
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser
 from xlaserve.entrypoints.serving.chat_path import chat_sampling_params
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
@@ -36,16 +36,12 @@ from xlaserve.entrypoints.serving.engine_io import (
     drain,
     engine_error,
     merge_streams,
+    request_ids,
     run_ahead,
     tokenize_text,
 )
 from xlaserve.entrypoints.serving.errors import APIError
-from xlaserve.entrypoints.serving.multimodal import (
-    check_parts,
-    image_parts,
-    load_images,
-    process_images,
-)
+from xlaserve.entrypoints.serving.multimodal import image_parts, load_media, process_images, video_parts
 from xlaserve.entrypoints.serving.state import ServerState
 from xlaserve.entrypoints.serving.tools import ToolPlan, plan_tools
 
@@ -54,26 +50,28 @@ async def prepare_turn(
     state: ServerState,
     req: ResponsesRequest,
     conversation: list[dict],
-    fields: list[str],
+    fields: dict[str, list[str]],
     mcp_functions=(),
     tool_choice=None,
     budget: int | None = None,
     later: bool = False,
 ):
-    """The chat path's request, tool plan, prompt text, prompt ids, SamplingParams and image features
-    for one model turn (errors named as the Responses request has them; an image's by `fields`, the
-    Responses field of each image part in order: responses_convert.image_fields). A `later` turn of an
-    MCP response has `budget` tokens, what is left of max_output_tokens (None: the rest of the context),
-    cut to the room the context leaves; None comes back when no room is left."""
+    """The chat path's request, tool plan, prompt text, prompt ids, SamplingParams and media features
+    for one model turn (errors named as the Responses request has them; an image's or video's by
+    `fields`, the Responses field of each image_url and video_url part in order: responses_convert.
+    media_fields). A `later` turn of an MCP response has `budget` tokens, what is left of
+    max_output_tokens (None: the rest of the context), cut to the room the context leaves; None comes
+    back when no room is left."""
     chat = to_chat_request(req, conversation, mcp_functions, tool_choice)
-    parts = [(field, url) for (_, url), field in zip(image_parts(chat.messages), fields, strict=True)]
+    image_fields, video_fields = fields["image_url"], fields["video_url"]
+    images = [(field, url) for (_, url), field in zip(image_parts(chat.messages), image_fields, strict=True)]
+    videos = [(field, url) for (_, url), field in zip(video_parts(chat.messages), video_fields, strict=True)]
     try:
-        check_parts(state, parts, "image")  # before any image is read
-        images = await load_images(state, parts) if parts else []
+        images, videos = await load_media(state, images, videos)
         plan = plan_tools(chat, state.enable_auto_tool_choice)
-        text = apply_chat_template(state, chat.messages, True, False, chat.tools)
-        if images:
-            ids, mm_features = await process_images(state, text, images)
+        text = apply_chat_template(state, chat.messages, True, False, chat.tools, chat.chat_template_kwargs)
+        if images or videos:
+            ids, mm_features = await process_images(state, text, images, videos, video_fields)
         else:
             ids, mm_features = tokenize_text(state.engine, text, False, "input"), []
         max_tokens = default_max_tokens(state, chat.max_tokens, len(ids))
@@ -87,6 +85,16 @@ async def prepare_turn(
     except APIError as e:
         raise rename_error(e) from None
     return chat, plan, text, ids, params, mm_features
+
+
+def response_ids(raw_request, req: ResponsesRequest) -> tuple[str, str]:
+    """A new response's id (the store's key, so never a client's) and the engine's id for it: the
+    client's (its X-Request-Id header, else the body's request_id, checked as on the chat route) after
+    `resp-` with 8 random hex digits more, else the response's own."""
+    response_id = item_id("resp")
+    if raw_request.headers.get("x-request-id") is None and req.request_id is None:
+        return response_id, response_id
+    return response_id, request_ids(raw_request, "resp", req.request_id)[1]
 
 
 def response_shell(req: ResponsesRequest, plan: ToolPlan, request_id: str, model: str) -> Response:

@@ -60,6 +60,17 @@ def check_parts(state: ServerState, parts: list[tuple[str, str]], kind: str) -> 
         )
 
 
+async def load_media(
+    state: ServerState, image_parts: list[tuple[str, str]], video_parts: list[tuple[str, str]]
+) -> tuple[list, list]:
+    """The parts' images and videos, every part checked before any is read (`check_parts`)."""
+    check_parts(state, image_parts, "image")
+    check_parts(state, video_parts, "video")
+    images = await load_images(state, image_parts) if image_parts else []
+    videos = await load_videos(state, video_parts) if video_parts else []
+    return images, videos
+
+
 async def load_images(state: ServerState, parts: list[tuple[str, str]]) -> list:
     """The parts' images, loaded and decoded in a worker thread; a 400 naming a part that fails."""
     return await _load(state, parts, load_image)

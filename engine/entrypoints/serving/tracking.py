@@ -35,7 +35,7 @@ _LOAD_PATHS = frozenset(
 
 
 class RequestIdMiddleware:
-    """The request's X-Request-Id header echoed on its response, or a new id when it sent none."""
+    """The request's X-Request-Id header echoed on its response, else the route's own, else a new id."""
 
     def __init__(self, app):
         self.app = app
@@ -44,11 +44,14 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         sent = dict(scope.get("headers") or []).get(REQUEST_ID_HEADER)
-        request_id = sent or uuid.uuid4().hex.encode()
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
+                headers = message.get("headers", [])
+                # A route's own id (the Responses API's: the body's request_id) stands when none was sent.
+                own = [v for k, v in headers if k.lower() == REQUEST_ID_HEADER]
+                request_id = sent or (own[0] if own else uuid.uuid4().hex.encode())
+                headers = [(k, v) for k, v in headers if k.lower() != REQUEST_ID_HEADER]
                 message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, request_id)]}
             await send(message)
 
