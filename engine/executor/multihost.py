@@ -282,21 +282,20 @@ class StepReceiver:
         # A pair of inproc sockets between `recv` and the watch thread: "lost" one way, "stop" (`close`) the
         # other; ZMQ sockets are not shared between threads.
         self._wake, watch_end = _inproc_pair(f"inproc://process-0-watch-{id(self)}")
-        # Whether a step or call is in flight (the main thread away from `recv`), and whether process 0 is
-        # lost: both under the lock, so that a step that arrives as process 0 is lost is never started.
+        # Whether a step or call is in flight (from `recv` returning it until it is answered), and whether
+        # process 0 is lost: both under the lock, so that a step that arrives as process 0 is lost is never
+        # started.
         self._lock = threading.Lock()
         self._is_busy = self._is_lost = False
         self._watch = threading.Thread(
             target=self._watch_link, args=(monitor, watch_end), name="process-0-watch", daemon=True
         )
-        self._watch.start()
         self._sock.connect(f"tcp://{self._process_0}")
         self._sock.send(_READY)
+        self._watch.start()
 
     def recv(self) -> StepInputs | Call | None:
-        """The next step or call (in flight until the next `recv`), or None once process 0 stops."""
-        with self._lock:
-            self._is_busy = False
+        """The next step or call (in flight until answered), or None once process 0 stops."""
         kind, *frames = self._recv_multipart()
         if kind not in (_STEP, _CALL):
             return None
@@ -361,14 +360,20 @@ class StepReceiver:
         os._exit(1)
 
     def report(self, token_ids: np.ndarray) -> None:
-        self._sock.send(_checksum(token_ids))
+        self._answer(_checksum(token_ids))
 
     def send_outputs(self, host: dict[str, np.ndarray]) -> None:
         """A pipelined step's outputs (empty where this process sampled nothing)."""
-        self._sock.send(_pack(host))
+        self._answer(_pack(host))
 
     def answer_call(self, error: str | None) -> None:
-        self._sock.send((error or "").encode())
+        self._answer((error or "").encode())
+
+    def _answer(self, data: bytes) -> None:
+        """The step or call in flight is done: back to `recv`, where losing process 0 raises."""
+        with self._lock:
+            self._is_busy = False
+        self._sock.send(data)
 
     def close(self) -> None:
         self._wake.send(b"")  # the watch thread stops

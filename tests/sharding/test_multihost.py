@@ -192,6 +192,8 @@ def test_a_follower_stops_once_process_0_is_gone_and_waits_while_it_idles():
     lost = rf"lost process 0 \(its step channel at 127.0.0.1:{port} disconnected"
     try:
         assert [f.recv().method for f in followers] == ["wake_up", "wake_up"]
+        for follower in followers:  # back to waiting for the next step, as `follow` is
+            follower.answer_call(None)
         for rank, (follower, sig) in enumerate(zip(followers, (signal.SIGSTOP, signal.SIGKILL)), 1):
             process_0.send_signal(sig)
             start = time.monotonic()
