@@ -207,6 +207,28 @@ def test_a_follower_stops_once_process_0_is_gone_and_waits_while_it_idles():
             follower.close()
 
 
+def test_a_call_that_arrives_as_process_0_is_lost_is_not_run():
+    """A call (or step) process 0 sent just before its connection closed: run, it could block the follower
+    in a collective for good, so `recv` raises instead of returning it."""
+    import time
+
+    from xlaserve.executor.multihost import Call, ProcessZeroLost, StepReceiver, StepSender
+
+    port = free_port()
+    follower = StepReceiver("127.0.0.1", port, node_rank=1)
+    sender = StepSender("127.0.0.1", port, num_followers=1, timeout_s=30)
+    sender.send_call(Call("wake_up"))
+    sender.close()  # the call, then the connection's end
+    deadline = time.monotonic() + 30
+    while not follower._is_lost and time.monotonic() < deadline:  # the watch thread saw it
+        time.sleep(0.01)
+    try:
+        with pytest.raises(ProcessZeroLost, match=f"lost process 0 \\(its step channel at 127.0.0.1:{port}"):
+            follower.recv()
+    finally:
+        follower.close()
+
+
 def test_a_follower_exits_once_process_0_is_lost_during_a_step(tiny_llama_2kv, tmp_path):
     """Process 0 of a TP 2 engine goes silent (SIGSTOP) right after it sends a step, once the follower is
     inside it, the step's collective waiting on process 0 for good: the follower (serve_follower, the
