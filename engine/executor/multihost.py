@@ -259,10 +259,10 @@ class StepReceiver:
 
     A step or call in flight is watched too: the main thread is then away from `recv`, maybe blocked in one
     of the step's collectives, which cannot complete without process 0 and cannot be cancelled (left alone,
-    only JAX's own heartbeat timeout, 100 s, would abort the process; a gloo or NCCL collective may wait
-    longer). So a thread owns the monitor from start to `close`: between steps it wakes `recv`, which
-    raises ProcessZeroLost; during a step or call it logs the cause and exits the process, code 1, as the
-    CLI's follower does on ProcessZeroLost."""
+    a process 0 gone silent leaves it to JAX's heartbeat timeout, 100 s, to abort the process). So a thread
+    owns the monitor from start to `close`: between steps it wakes `recv`, which raises ProcessZeroLost;
+    during a step or call it logs the cause and exits the process, code 1, as the CLI's follower does on
+    ProcessZeroLost."""
 
     def __init__(
         self, master_addr: str, port: int, node_rank: int, liveness_timeout_s: float = LIVENESS_TIMEOUT_S
