@@ -22,6 +22,9 @@ import dataclasses
 import io
 import json
 import logging
+import os
+import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterable, Mapping
@@ -252,7 +255,14 @@ class StepReceiver:
     meanwhile, `recv` raises instead of waiting forever. What it watches is the connection, not the
     traffic: ZMQ heartbeats, which process 0's ZMQ I/O thread answers whether its engine is idle, busy or
     compiling, close a connection silent for `liveness_timeout_s` (a host gone: no FIN ever comes), and a
-    killed process 0's kernel closes it at once; a socket monitor reports the disconnect."""
+    killed process 0's kernel closes it at once; a socket monitor reports the disconnect.
+
+    A step or call in flight is watched too: the main thread is then away from `recv`, maybe blocked in one
+    of the step's collectives, which cannot complete without process 0 and cannot be cancelled (left alone,
+    a process 0 gone silent leaves it to JAX's heartbeat timeout, 100 s, to abort the process). So a thread
+    owns the monitor from start to `close`: between steps it wakes `recv`, which raises ProcessZeroLost;
+    during a step or call it logs the cause and exits the process, code 1, as the CLI's follower does on
+    ProcessZeroLost."""
 
     def __init__(
         self, master_addr: str, port: int, node_rank: int, liveness_timeout_s: float = LIVENESS_TIMEOUT_S
@@ -268,54 +278,120 @@ class StepReceiver:
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(liveness_timeout_s * 1000) - interval_ms)
         self._sock.setsockopt(zmq.HEARTBEAT_TTL, int(liveness_timeout_s * 1000))
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        # Only a connection that was up can be lost: until process 0 binds (it warms up first), ZMQ retries.
-        self._is_connected = False
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        # A pair of inproc sockets between `recv` and the watch thread: "lost" one way, "stop" (`close`) the
+        # other; ZMQ sockets are not shared between threads.
+        self._wake, watch_end = _inproc_pair(f"inproc://process-0-watch-{id(self)}")
+        # Whether a step or call is in flight (from `recv` returning it until it is answered), and whether
+        # process 0 is lost: both under the lock, so that a step that arrives as process 0 is lost is never
+        # started.
+        self._lock = threading.Lock()
+        self._is_busy = self._is_lost = False
+        self._watch = threading.Thread(
+            target=self._watch_link, args=(monitor, watch_end), name="process-0-watch", daemon=True
+        )
         self._sock.connect(f"tcp://{self._process_0}")
         self._sock.send(_READY)
+        self._watch.start()
 
     def recv(self) -> StepInputs | Call | None:
+        """The next step or call (in flight until answered), or None once process 0 stops."""
         kind, *frames = self._recv_multipart()
-        if kind == _STEP:
-            return StepInputs.from_bytes(frames[0])
-        return Call.from_frames(frames) if kind == _CALL else None
+        if kind not in (_STEP, _CALL):
+            return None
+        with self._lock:
+            if self._is_lost:  # its collectives would never complete
+                raise ProcessZeroLost(self._lost_message())
+            self._is_busy = True
+        return StepInputs.from_bytes(frames[0]) if kind == _STEP else Call.from_frames(frames)
 
     def _recv_multipart(self) -> list[bytes]:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        while True:
-            if self._sock in dict(poller.poll()):
-                return self._sock.recv_multipart()
-            event = recv_monitor_message(self._monitor)["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._is_connected = True
-            elif self._is_connected:
-                # What process 0 sent before its socket closed (the stop of a shut-down engine) may reach
-                # the socket just after the monitor's event.
-                if self._sock.poll(100):
-                    return self._sock.recv_multipart()
-                raise ProcessZeroLost(
-                    f"process {self._node_rank}: lost process 0 (its step "
-                    f"channel at {self._process_0} disconnected, or was silent for "
-                    f"{self._liveness_timeout_s:g} s): process 0 died or its host is unreachable; this "
-                    "follower stops"
-                )
+        poller.register(self._wake, zmq.POLLIN)
+        if self._sock in dict(poller.poll()):
+            return self._sock.recv_multipart()
+        # Lost. What process 0 sent before its socket closed (the stop of a shut-down engine) may reach the
+        # socket just after the monitor's event.
+        if self._sock.poll(100):
+            return self._sock.recv_multipart()
+        raise ProcessZeroLost(self._lost_message())
+
+    def _lost_message(self, during_step: bool = False) -> str:
+        lost = (
+            f"process {self._node_rank}: lost process 0 (its step channel at {self._process_0} disconnected, "
+            f"or was silent for {self._liveness_timeout_s:g} s)"
+        )
+        if during_step:
+            return (
+                f"{lost} during a step or call, whose collectives cannot complete without it: this follower "
+                "exits (code 1)"
+            )
+        return f"{lost}: process 0 died or its host is unreachable; this follower stops"
+
+    def _watch_link(self, monitor: zmq.Socket, wake: zmq.Socket) -> None:
+        """The watch thread, until `close`: the connection's events, and what process 0's loss means now."""
+        poller = zmq.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        # Only a connection that was up can be lost: until process 0 binds (it warms up first), ZMQ retries.
+        is_connected = False
+        try:
+            while wake not in dict(poller.poll()):
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    is_connected = True
+                elif is_connected and not self._is_lost:
+                    self._lose(wake)
+        finally:
+            monitor.close()
+            wake.close()
+
+    def _lose(self, wake: zmq.Socket) -> None:
+        with self._lock:
+            self._is_lost = True
+            if not self._is_busy:
+                wake.send(b"")  # `recv` raises
+                return
+        # The main thread may be blocked in a collective for good: nothing short of exiting frees it.
+        logger.error("%s", self._lost_message(during_step=True))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     def report(self, token_ids: np.ndarray) -> None:
-        self._sock.send(_checksum(token_ids))
+        self._answer(_checksum(token_ids))
 
     def send_outputs(self, host: dict[str, np.ndarray]) -> None:
         """A pipelined step's outputs (empty where this process sampled nothing)."""
-        self._sock.send(_pack(host))
+        self._answer(_pack(host))
 
     def answer_call(self, error: str | None) -> None:
-        self._sock.send((error or "").encode())
+        self._answer((error or "").encode())
+
+    def _answer(self, data: bytes) -> None:
+        """The step or call in flight is done: back to `recv`, where losing process 0 raises."""
+        with self._lock:
+            self._is_busy = False
+        self._sock.send(data)
 
     def close(self) -> None:
+        self._wake.send(b"")  # the watch thread stops
+        self._watch.join()
         self._sock.disable_monitor()
-        self._monitor.close()
+        self._wake.close()
         self._sock.close()
+
+
+def _inproc_pair(address: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """Two PAIR sockets joined at `address`, one for each of two threads."""
+    ctx = zmq.Context.instance()
+    ends = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    for end in ends:
+        end.setsockopt(zmq.LINGER, 0)
+    ends[0].bind(address)
+    ends[1].connect(address)
+    return ends
 
 
 class MultiHostExecutor(Executor):

@@ -20,17 +20,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_env(devices_per_process: int) -> dict[str, str]:
+    """The environment of a helper script's process: `devices_per_process` CPU devices, compiled as the
+    fake-mesh worker compiles (tp_worker.py)."""
+    flags = f"--xla_force_host_platform_device_count={devices_per_process} {FAST_COMPILE_XLA_FLAGS}"
+    return dict(os.environ, XLA_FLAGS=flags)
+
+
+def process_command(script: str, arg: dict) -> list[str]:
+    """helpers/`script` run with `arg` (its node_rank and port among them)."""
+    return [sys.executable, os.path.join(os.path.dirname(__file__), script), json.dumps(arg)]
+
+
 def run_two_processes(script: str, arg: dict, devices_per_process: int, timeout_s: float = 600) -> dict:
     """helpers/`script`'s two processes of `devices_per_process` CPU devices each (the fake-mesh worker's
     compile flags, tp_worker.py): process 0's result, once both have exited cleanly (process 0 within
     `timeout_s`)."""
-    path = os.path.join(os.path.dirname(__file__), script)
-    flags = f"--xla_force_host_platform_device_count={devices_per_process} {FAST_COMPILE_XLA_FLAGS}"
-    env = dict(os.environ, XLA_FLAGS=flags)
+    env = process_env(devices_per_process)
     arg = {**arg, "port": free_port()}
 
     def command(node_rank: int) -> list[str]:
-        return [sys.executable, path, json.dumps({**arg, "node_rank": node_rank})]
+        return process_command(script, {**arg, "node_rank": node_rank})
 
     follower = subprocess.Popen(
         command(1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True

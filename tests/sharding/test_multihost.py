@@ -192,6 +192,8 @@ def test_a_follower_stops_once_process_0_is_gone_and_waits_while_it_idles():
     lost = rf"lost process 0 \(its step channel at 127.0.0.1:{port} disconnected"
     try:
         assert [f.recv().method for f in followers] == ["wake_up", "wake_up"]
+        for follower in followers:  # back to waiting for the next step, as `follow` is
+            follower.answer_call(None)
         for rank, (follower, sig) in enumerate(zip(followers, (signal.SIGSTOP, signal.SIGKILL)), 1):
             process_0.send_signal(sig)
             start = time.monotonic()
@@ -203,6 +205,71 @@ def test_a_follower_stops_once_process_0_is_gone_and_waits_while_it_idles():
         process_0.wait()
         for follower in followers:
             follower.close()
+
+
+def test_a_call_that_arrives_as_process_0_is_lost_is_not_run():
+    """A call (or step) process 0 sent just before its connection closed: run, it could block the follower
+    in a collective for good, so `recv` raises instead of returning it."""
+    import time
+
+    from xlaserve.executor.multihost import Call, ProcessZeroLost, StepReceiver, StepSender
+
+    port = free_port()
+    follower = StepReceiver("127.0.0.1", port, node_rank=1)
+    sender = StepSender("127.0.0.1", port, num_followers=1, timeout_s=30)
+    sender.send_call(Call("wake_up"))
+    sender.close()  # the call, then the connection's end
+    deadline = time.monotonic() + 30
+    while not follower._is_lost and time.monotonic() < deadline:  # the watch thread saw it
+        time.sleep(0.01)
+    try:
+        with pytest.raises(ProcessZeroLost, match=f"lost process 0 \\(its step channel at 127.0.0.1:{port}"):
+            follower.recv()
+    finally:
+        follower.close()
+
+
+def test_a_follower_exits_once_process_0_is_lost_during_a_step(tiny_llama_2kv, tmp_path):
+    """Process 0 of a TP 2 engine goes silent (SIGSTOP) right after it sends a step, once the follower is
+    inside it, the step's collective waiting on process 0 for good: the follower (serve_follower, the
+    Python API, a 3 s liveness bound) logs why and exits, code 1, well within the bound below (room for a
+    loaded machine; left alone, JAX's heartbeat timeout would abort it after 100 s)."""
+    import time
+
+    from helpers.process_0_lost import LIVENESS_S
+    from helpers.two_processes import process_command, process_env
+
+    port = free_port()
+    arg = {"model": tiny_llama_2kv, "port": port, "in_step": str(tmp_path / "in_step")}
+    arg["stopped"] = str(tmp_path / "stopped")
+    logs = [tmp_path / f"process_{rank}.log" for rank in (0, 1)]
+    processes = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as stderr:  # the process writes through its own copy
+            command = process_command("process_0_lost.py", {**arg, "node_rank": rank})
+            processes.append(
+                subprocess.Popen(command, env=process_env(1), stdout=subprocess.DEVNULL, stderr=stderr)
+            )
+    process_0, follower = processes
+    try:
+        deadline = time.monotonic() + 600
+        while not os.path.exists(arg["stopped"]):
+            is_running = process_0.poll() is None and follower.poll() is None
+            assert is_running and time.monotonic() < deadline, [log.read_text()[-2000:] for log in logs]
+            time.sleep(0.1)
+        code = follower.wait(timeout=45)  # TimeoutExpired: it hangs
+    finally:
+        process_0.kill()
+        process_0.wait()
+        follower.kill()
+        follower.wait()
+    log_0, log_1 = (log.read_text() for log in logs)
+    assert code == 1, log_1[-3000:]
+    assert (
+        f"process 1: lost process 0 (its step channel at 127.0.0.1:{port + 1} disconnected, or was silent "
+        f"for {LIVENESS_S:g} s) during a step or call, whose collectives cannot complete without it: this "
+        "follower exits (code 1)"
+    ) in log_1, (log_0[-2000:], log_1[-3000:])
 
 
 def test_an_engine_over_another_session_than_the_live_one_is_refused_by_name(tiny_llama_2kv, monkeypatch):
