@@ -41,7 +41,7 @@ def serve_follower(model: str | None = None, **engine_args) -> None:
     """Process node_rank > 0 of a multi-host engine: hold this host's shards and run every step
     process 0 sends, until it shuts down. The process may then serve the next engine process 0 builds,
     over the same jax.distributed session (sharding/distributed.py). Process 0 lost between steps raises
-    ProcessZeroLost; lost during a step, it ends this process (code 1: executor/multihost.py
+    ProcessZeroLost; lost during a step, it ends this process (code 1: executor/step_channel.py
     StepReceiver), as a collective waiting on process 0 cannot be cancelled."""
     config = EngineConfig.from_kwargs(model, **engine_args)
     _, core = start_engine(config)

@@ -8,8 +8,9 @@ import jax
 
 from xlaserve.config import EngineConfig
 from xlaserve.executor.executor import Executor
-from xlaserve.executor.multihost import MultiHostExecutor, ProcessZeroLost, follow
+from xlaserve.executor.multihost import MultiHostExecutor, follow
 from xlaserve.executor.pipeline import MultiHostPipelineExecutor, PipelineExecutor
+from xlaserve.executor.step_channel import ProcessZeroLost
 from xlaserve.worker.loading import LoadedCheckpoint, ModelInfo
 from xlaserve.worker.step_future import StepFuture
 

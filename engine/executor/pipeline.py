@@ -23,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from xlaserve.executor.executor import Executor
-from xlaserve.executor.multihost import Call, MultiHostExecutor, host_weights
+from xlaserve.executor.follower_calls import Call, host_weights
+from xlaserve.executor.multihost import MultiHostExecutor
 from xlaserve.worker.pipeline_runner import PipelineRunner
 
 

@@ -25,7 +25,7 @@ same step (executor/multihost.py sends it). The hand-over to a stage on another 
 on), in which the sending process puts its array and the receiving one a stand-in of the same shape
 with no local data. Only the process of the last stage samples; it sends the outputs to process 0.
 What host work process 0 does for another process's stages reaches that process before the step (a
-LoRA adapter written into a slot, a research-stack call: executor/multihost.py `Call`); a
+LoRA adapter written into a slot, a research-stack call: executor/follower_calls.py `Call`); a
 vision-language model's image rows for another process's stage go with the hidden states
 (worker/mm_encoder.py `send_rows`). Another process's stage has no model, weights, slots or cache here.
 """

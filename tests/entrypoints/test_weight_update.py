@@ -540,9 +540,9 @@ def test_text_only_stages_hold_no_encoder_and_skip_its_tensors(tmp_path, monkeyp
 
 
 def test_a_follower_runs_only_the_calls_it_knows_by_name():
-    """Process 0 names a call between steps (executor/multihost.Call); a follower looks the name up in a
+    """Process 0 names a call between steps (executor/follower_calls.Call); a follower looks the name up in a
     fixed table, never among a module's attributes: an unknown name is refused at both ends."""
-    from xlaserve.executor.multihost import Call
+    from xlaserve.executor.follower_calls import Call
 
     weights = {"model.norm.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}
     received = Call.from_frames(Call("prepare_update", weights=weights).to_frames())

@@ -129,7 +129,7 @@ def test_two_processes_tensor_parallel_2_match_one_process(launch, one_process_t
 def test_divergent_follower_stops_the_engine_with_a_clear_error():
     import threading
 
-    from xlaserve.executor.multihost import StepReceiver, StepSender
+    from xlaserve.executor.step_channel import StepReceiver, StepSender
     from xlaserve.worker.input_batch import StepInputs, build_step_batch, sampling_tensors
 
     port = free_port()
@@ -166,7 +166,8 @@ def test_divergent_follower_stops_the_engine_with_a_clear_error():
 # have connected it idles past the first one's bound, sends each a call, and idles on.
 _SENDER = """
 import sys, time
-from xlaserve.executor.multihost import Call, StepSender
+from xlaserve.executor.follower_calls import Call
+from xlaserve.executor.step_channel import StepSender
 sender = StepSender("127.0.0.1", int(sys.argv[1]), num_followers=2, timeout_s=60)
 time.sleep(2.5)
 sender.send_call(Call("wake_up"))
@@ -182,7 +183,7 @@ def test_a_follower_stops_once_process_0_is_gone_and_waits_while_it_idles():
     import signal
     import time
 
-    from xlaserve.executor.multihost import StepReceiver
+    from xlaserve.executor.step_channel import StepReceiver
 
     port = free_port()
     process_0 = subprocess.Popen([sys.executable, "-c", _SENDER, str(port)])
@@ -212,7 +213,8 @@ def test_a_call_that_arrives_as_process_0_is_lost_is_not_run():
     in a collective for good, so `recv` raises instead of returning it."""
     import time
 
-    from xlaserve.executor.multihost import Call, ProcessZeroLost, StepReceiver, StepSender
+    from xlaserve.executor.follower_calls import Call
+    from xlaserve.executor.step_channel import ProcessZeroLost, StepReceiver, StepSender
 
     port = free_port()
     follower = StepReceiver("127.0.0.1", port, node_rank=1)
