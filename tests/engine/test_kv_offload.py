@@ -15,6 +15,7 @@ import pytest
 
 from helpers import vllm_kv_events
 from helpers.family_cases import make_hf_model, save_hf_model
+from helpers.mtp_cases import record_drafts, save_deepseek_v3_with_mtp
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import PrefixCacheStats
@@ -142,6 +143,28 @@ def test_a_draft_models_cache_moves_with_its_blocks(model_dir):
             [metrics[(f"xlaserve:spec_decode_num_{n}_tokens", ())] for n in ("accepted", "draft")]
         )
     assert acceptance[0] == acceptance[1] and acceptance[1][0] == acceptance[1][1] > 0, acceptance
+    for llm in (off, on):
+        _assert_all_free(llm)
+        llm.shutdown()
+
+
+def test_an_mtp_layers_cache_moves_with_its_blocks(tmp_path):
+    """The same for an MTP layer (a tiny DeepSeek-V3's, random: its drafts are rejected, so the drafts
+    themselves are compared): in bfloat16 (batch invariance: a token's bits whatever its step) the
+    prompt reloaded from the host tier decodes the tokens, and proposes every draft, of an engine that
+    computed it again; MTP rows left behind would change the drafts."""
+    path, *_ = save_deepseek_v3_with_mtp(str(tmp_path))
+    args = dict(
+        ENGINE_ARGS, dtype="bfloat16", speculative_config={"method": "mtp", "num_speculative_tokens": 2}
+    )
+    prompts = _prompts(seed=12)
+    off, on = LLM(path, **args), LLM(path, kv_offloading_size=OFFLOAD_GIB, **args)
+    drafts = [record_drafts(llm) for llm in (off, on)]
+    baseline, results = _sequence(off, prompts), _sequence(on, prompts)
+    assert [r[0] for r in results] == [r[0] for r in baseline]
+    assert baseline[3][2] == 0 and results[3][2] == 32
+    expected, got = (list(d.values()) for d in drafts)
+    assert len(got) == 4 and len(got[3]) >= 2 and got == expected
     for llm in (off, on):
         _assert_all_free(llm)
         llm.shutdown()
