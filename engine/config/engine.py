@@ -37,14 +37,9 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.cache.kv_offloading_size is not None:
-            # The transfers ride beside the step on one process; a draft model's own cache (indexed by
-            # the same block ids) is not offloaded.
+            # The transfers ride beside the step on one process (a drafter's own cache, indexed by the
+            # same block ids, moves with the target's: worker/kv_plumbing.py).
             require(self.parallel.nnodes == 1, "kv_offloading_size runs on one host (nnodes=1)")
-            require(
-                self.speculative is None or not self.speculative.has_draft_cache,
-                "kv_offloading_size cannot be combined with a draft model or MTP layer (its KV cache is not "
-                "offloaded)",
-            )
         events, dp = self.cache.kv_events, self.parallel.data_parallel_size
         if events is not None and events.is_publishing:
             # Each data-parallel rank publishes on a port of its own (`kv_events`).
@@ -70,11 +65,6 @@ class EngineConfig:
             require(
                 self.model.runner != "pooling",
                 "kv_transfer_config needs a generating model (runner='generate')",
-            )
-            require(
-                self.speculative is None or not self.speculative.has_draft_cache,
-                "kv_transfer_config cannot be combined with a draft model or MTP layer (its KV cache is not "
-                "transferred)",
             )
         dcp = self.parallel.decode_context_parallel_size
         if dcp > 1:  # what the interleaved cache (sharding/context_parallel.py) does not serve yet

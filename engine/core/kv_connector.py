@@ -208,7 +208,8 @@ class KVConnectorWorker:
         return None
 
     def save_kv_after_forward(self, kv_cache, metadata: KVConnectorMetadata | None) -> None:
-        """Start copying out blocks the step's forward has just written (a producer's sends)."""
+        """Start copying out blocks the step has just written (a producer's sends): after the forward and
+        a drafter's step, which writes the drafter's cache rows of the step's tokens."""
 
     def warm_up(self, kv_cache):
         """Compile the transfer programs before the compile guard arms; returns the cache."""

@@ -81,6 +81,9 @@ def persistent_tier_dir(config: EngineConfig, bytes_per_block: int) -> str | Non
         "load_format": model.load_format,
         "seed": model.seed if model.load_format == "dummy" else None,
         "model": [model.dtype, model.quantization, model.hf_overrides, model.batch_invariant],
+        # A drafter's cache rows ride in each block (worker/kv_plumbing.py): a tier of an engine without
+        # one, or with another, holds other arrays.
+        "draft": _draft_identity(config.speculative),
         "cache": [cache.kv_cache_dtype, cache.block_size, bytes_per_block, cache.disk_tier_size],
         "parallel": [
             parallel.tensor_parallel_size,
@@ -93,6 +96,14 @@ def persistent_tier_dir(config: EngineConfig, bytes_per_block: int) -> str | Non
     rank = parallel.data_parallel_rank
     name = f"xlaserve-kv-{digest[:20]}" + (f"-dp{rank}" if rank else "")
     return os.path.join(cache.kv_offloading_disk_path, name)
+
+
+def _draft_identity(speculative) -> list | None:
+    """What a drafter's cache rows depend on (None: no drafter cache): its method, and a draft model's
+    checkpoint (an MTP or EAGLE-3 layer's: the target's, or its own named checkpoint)."""
+    if speculative is None or not speculative.has_draft_cache:
+        return None
+    return [speculative.method, _weights_identity(speculative.model)]
 
 
 def _weights_identity(model: str | None) -> list:

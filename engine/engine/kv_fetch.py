@@ -211,7 +211,8 @@ class RemotePrefills:
         if sum(header["block_bytes"]) != self.bytes_per_block or header["num_blocks"] != num_blocks:
             raise FetchError(
                 f"the producer holds {header['num_blocks']} blocks of {sum(header['block_bytes'])} bytes; "
-                f"this engine needs {num_blocks} of {self.bytes_per_block} (another model or cache dtype?)"
+                f"this engine needs {num_blocks} of {self.bytes_per_block} (another model, cache dtype or "
+                "draft model?)"
             )
 
     def shutdown(self) -> None:

@@ -208,7 +208,7 @@ class Executor:
 
     def keep_kv_blocks(self, plan: KVConnectorMetadata) -> None:
         """A KV connector's copies at shutdown (a persistent disk tier's: core/kv_offload.py)."""
-        self.runner.kv_connector.keep_blocks(self.runner.kv_cache, plan)
+        self.runner.kv_connector.keep_blocks(self.runner.moved_kv_cache, plan)
 
     def shutdown(self) -> None:
         """Release what the runner holds outside the device (a KV connector's sockets)."""

@@ -217,6 +217,7 @@ class DraftModel:
                 _draft_step, model.graphdef, vocab_size, config.cache.block_size, spec.num_speculative_tokens
             ),
             probe=model.mesh.size == 1,
+            kv_heads=model.kv_heads,
         )
 
     @staticmethod
@@ -235,12 +236,23 @@ class DraftModel:
             )
 
     def _set_up(
-        self, config: EngineConfig, kv_spec, backend, dtype, placement, head_params, step, probe: bool
+        self,
+        config: EngineConfig,
+        kv_spec,
+        backend,
+        dtype,
+        placement,
+        head_params,
+        step,
+        probe: bool,
+        kv_heads: int = 0,
     ):
         """What every drafter keeps: its cache's spec and placement, the weights its step reads first
-        (`head_params`) and its step program (`step`, jitted here under the engine's batch invariance)."""
+        (`head_params`) and its step program (`step`, jitted here under the engine's batch invariance).
+        `kv_heads`: the network's own KV heads, each moved once when its cache's blocks leave the device
+        (worker/kv_offload.py `BlockLayout`; 0: every head its cache holds)."""
         self.num_spec_tokens = config.speculative.num_speculative_tokens
-        self.kv_spec, self.backend, self.dtype = kv_spec, backend, dtype
+        self.kv_spec, self.backend, self.dtype, self.kv_heads = kv_spec, backend, dtype, kv_heads
         self.placement = placement
         self.head_params = head_params
         self.kv_cache: KVCache | None = None

@@ -111,32 +111,45 @@ class BlockLayout:
         return copies.reshape(b, num_layers, slots, cache_heads, *rest)
 
 
-def _gather_blocks(num_blocks: int, layout: BlockLayout, kv_cache, block_ids):
-    """-> one [B, L, block_size, kv_heads, ...] array per cache array: the blocks' K/V in every layer,
-    moved out of the cache's layout (`BlockLayout`)."""
-    leaves = jax.tree.leaves(kv_cache)
-    num_layers = leaves[0].shape[0] // num_blocks
-    rows = _cache_rows(block_ids, num_layers, num_blocks)
-    return tuple(
-        layout.out_of_cache(a[rows].reshape(block_ids.shape[0], num_layers, *a.shape[1:])) for a in leaves
-    )
+# How a connector's cache moves: one layout, or one per cache of a tuple of them (`cache_arrays`).
+MovedLayout = BlockLayout | tuple[BlockLayout, ...]
 
 
-def _scatter_blocks(num_blocks: int, layout: BlockLayout, kv_cache, block_ids, blocks):
+def cache_arrays(kv_cache, layout: MovedLayout) -> list[tuple[jax.Array, BlockLayout]]:
+    """Each array a block is moved out of, with the layout it moves in: `kv_cache`'s arrays in one
+    `BlockLayout`, or, for a tuple of layouts, a tuple of caches indexed by the same block ids (the
+    runner's and a drafter's: worker/kv_plumbing.py), each cache's arrays in its own layout. Every
+    array is [L * num_blocks, slots, H, ...] of its own L, so a block moves as one list of arrays
+    whatever caches hold its rows."""
+    if isinstance(layout, BlockLayout):
+        return [(a, layout) for a in jax.tree.leaves(kv_cache)]
+    return [(a, lay) for cache, lay in zip(kv_cache, layout, strict=True) for a in jax.tree.leaves(cache)]
+
+
+def _gather_blocks(num_blocks: int, layout: MovedLayout, kv_cache, block_ids):
+    """-> one [B, L, block_size, kv_heads, ...] array per cache array (`cache_arrays`): the blocks' K/V
+    in every layer, moved out of the cache's layout (`BlockLayout`)."""
+    gathered = []
+    for a, lay in cache_arrays(kv_cache, layout):
+        num_layers = a.shape[0] // num_blocks
+        rows = _cache_rows(block_ids, num_layers, num_blocks)
+        gathered.append(lay.out_of_cache(a[rows].reshape(block_ids.shape[0], num_layers, *a.shape[1:])))
+    return tuple(gathered)
+
+
+def _scatter_blocks(num_blocks: int, layout: MovedLayout, kv_cache, block_ids, blocks):
     """`kv_cache` with `blocks` (as `_gather_blocks` returns them) written at `block_ids`."""
-    leaves, treedef = jax.tree.flatten(kv_cache)
-    num_layers = leaves[0].shape[0] // num_blocks
-    rows = _cache_rows(block_ids, num_layers, num_blocks)
-    new = [
-        a.at[rows].set(layout.into_cache(b, a.shape[2]).reshape(-1, *a.shape[1:]).astype(a.dtype))
-        for a, b in zip(leaves, blocks)
-    ]
-    return jax.tree.unflatten(treedef, new)
+    new = []
+    for (a, lay), b in zip(cache_arrays(kv_cache, layout), blocks, strict=True):
+        rows = _cache_rows(block_ids, a.shape[0] // num_blocks, num_blocks)
+        new.append(a.at[rows].set(lay.into_cache(b, a.shape[2]).reshape(-1, *a.shape[1:]).astype(a.dtype)))
+    return jax.tree.unflatten(jax.tree.structure(kv_cache), new)
 
 
-def transfer_programs(kv_cache, num_blocks: int, layout: BlockLayout):
-    """(gather, scatter), jitted for `kv_cache`'s layout: gather(cache, ids) -> `_gather_blocks`'s arrays;
-    scatter(cache, ids, blocks) -> the cache (donated) with the blocks written, placed as it was."""
+def transfer_programs(kv_cache, num_blocks: int, layout: MovedLayout):
+    """(gather, scatter), jitted for `kv_cache`'s layout (`cache_arrays`): gather(cache, ids) ->
+    `_gather_blocks`'s arrays; scatter(cache, ids, blocks) -> the cache (donated) with the blocks written,
+    placed as it was."""
     shardings = jax.tree.map(lambda a: a.sharding, kv_cache)
     gather = jax.jit(lambda cache, ids: _gather_blocks(num_blocks, layout, cache, ids))
     scatter = jax.jit(
@@ -226,7 +239,7 @@ class BlockTransferWorker(KVConnectorWorker):
     gather and scatter (`gather_chunks`, `scatter_chunks`). Host offload and disaggregated prefill
     (worker/kv_transfer.py) build on it."""
 
-    def __init__(self, num_blocks: int, layout: BlockLayout):
+    def __init__(self, num_blocks: int, layout: MovedLayout):
         self.num_blocks = num_blocks  # the device cache's, null block included
         self.layout = layout
         self._gather_fn = self._scatter_fn = None
@@ -269,11 +282,12 @@ class BlockTransferWorker(KVConnectorWorker):
     def chunk_shapes(self, kv_cache) -> list[tuple[tuple[int, ...], np.dtype]]:
         """Shape and dtype of one program call's blocks per cache array, as they leave the device:
         [chunk, L, block_size, kv_heads, ...] (`BlockLayout`)."""
-        leaves = jax.tree.leaves(kv_cache)
-        num_layers = leaves[0].shape[0] // self.num_blocks
         return [
-            ((TRANSFER_CHUNK_BLOCKS, num_layers, *self.layout.moved_shape(a.shape[1:])), np.dtype(a.dtype))
-            for a in leaves
+            (
+                (TRANSFER_CHUNK_BLOCKS, a.shape[0] // self.num_blocks, *lay.moved_shape(a.shape[1:])),
+                np.dtype(a.dtype),
+            )
+            for a, lay in cache_arrays(kv_cache, self.layout)
         ]
 
     def warm_up(self, kv_cache):
@@ -297,7 +311,7 @@ class OffloadingConnectorWorker(BlockTransferWorker):
     """The host tier's arrays and the two transfer programs."""
 
     def __init__(
-        self, num_host_blocks: int, num_blocks: int, layout: BlockLayout, disk: DiskTier | None = None
+        self, num_host_blocks: int, num_blocks: int, layout: MovedLayout, disk: DiskTier | None = None
     ):
         super().__init__(num_blocks, layout)
         self.stats = KVTransferStats()

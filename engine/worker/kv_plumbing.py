@@ -49,6 +49,8 @@ class KVPlumbing:
         """The configured connector's worker half over the cache (worker/kv_transfer.py), or the base
         class, which moves nothing (`kv_heads`: the model's, each moved once)."""
         self.kv_layout = BlockLayout(kv_heads, self.dcp)
+        if self.drafter is not None:  # its cache's rows of a block move with the target's (`moved_kv_cache`)
+            self.kv_layout = (self.kv_layout, BlockLayout(self.drafter.kv_heads))
         # Named once here (it stats the checkpoint's files): the core's half reads it from the executor.
         self.kv_persist_dir = persistent_tier_dir(self.config, self.kv_bytes_per_block())
         self.kv_connector = make_kv_connector_worker(
@@ -65,16 +67,38 @@ class KVPlumbing:
         """Per pipeline stage, whether this process runs it (None: no stages, one cache)."""
         return None
 
+    @property
+    def moved_kv_cache(self):
+        """What the connector moves a block of: the runner's cache, and with a drafter (a draft model, an
+        MTP or EAGLE-3 layer) a tuple of it and the drafter's own, which the same block ids index: a
+        block leaving the device, coming back or crossing to a consumer carries its rows in both, as
+        `kv_layout` lays them out (worker/kv_offload.py `cache_arrays`)."""
+        if self.drafter is None:
+            return self.kv_cache
+        return (self.kv_cache, self.drafter.kv_cache)
+
+    @moved_kv_cache.setter
+    def moved_kv_cache(self, caches) -> None:
+        if self.drafter is None:
+            self.kv_cache = caches
+        else:
+            self.kv_cache, self.drafter.kv_cache = caches
+
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block as the KV connector moves it (to a host tier, to a consumer): every layer's
         K/V of block_size tokens, each of the model's KV heads once (`BlockLayout`), whatever copies and
-        interleaving the device cache holds."""
-        return self._moved_bytes_per_block(self.kv_spec)
+        interleaving the device cache holds; a drafter's rows of the block too."""
+        if self.drafter is None:
+            return self._moved_bytes_per_block(self.kv_spec, self.kv_layout)
+        return sum(
+            self._moved_bytes_per_block(spec, layout)
+            for spec, layout in zip((self.kv_spec, self.drafter.kv_spec), self.kv_layout, strict=True)
+        )
 
-    def _moved_bytes_per_block(self, spec) -> int:
+    def _moved_bytes_per_block(self, spec, layout: BlockLayout) -> int:
         dtype = self.backend.cache_dtype(self.dtype)
         if spec.layer_kind != "full_attention" or spec.fixed_num_tokens is not None:
             return bytes_per_block(spec, self.cache_block_size, dtype)  # a cache no connector moves
         num_layers, *block = spec.shape(1, self.cache_block_size)
-        moved = self.kv_layout.moved_shape(tuple(block))
+        moved = layout.moved_shape(tuple(block))
         return spec.num_arrays * num_layers * math.prod(moved) * np.dtype(dtype).itemsize

@@ -37,6 +37,7 @@ from xlaserve.worker.kv_offload import (
     BlockLayout,
     BlockTransferWorker,
     DiskTier,
+    MovedLayout,
     OffloadingConnectorWorker,
     available_host_bytes,
     disk_tier_blocks,
@@ -212,7 +213,7 @@ class DisaggConnectorWorker(KVConnectorWorker):
         config: KVTransferConfig,
         num_blocks: int,
         block_size: int,
-        layout: BlockLayout,
+        layout: MovedLayout,
         num_stages: int = 0,
     ):
         self.config = config
@@ -269,7 +270,7 @@ def make_kv_connector_worker(
     cache: CacheConfig,
     bytes_per_block: int,
     num_blocks: int,
-    layout: BlockLayout = BlockLayout(),
+    layout: MovedLayout = BlockLayout(),
     persist_dir: str | None = None,
     tier_name: str = "",
     local_stages: list[bool] | None = None,
@@ -315,7 +316,7 @@ def _offloading_worker(
     cache: CacheConfig,
     bytes_per_block: int,
     num_blocks: int,
-    layout: BlockLayout,
+    layout: MovedLayout,
     persist_dir: str | None,
     tier_name: str,
 ) -> OffloadingConnectorWorker:

@@ -284,7 +284,7 @@ class ModelRunner(StepPreparation, KVPlumbing):
         """Compile every token bucket and every sampler variant, then arm the compile guard
         (worker/warm_up.py)."""
         compile_all(self)
-        self.kv_cache = self.kv_connector.warm_up(self.kv_cache)
+        self.moved_kv_cache = self.kv_connector.warm_up(self.moved_kv_cache)
         if self.state_copier is not None:
             self.kv_cache = self.state_copier.warm_up(self.kv_cache)
         self.guard.arm()
@@ -349,16 +349,14 @@ class ModelRunner(StepPreparation, KVPlumbing):
         step = self.timing.on_dispatch()
         # Blocks evicted by this step's allocations are copied out before it overwrites them, then blocks
         # found outside the device are copied in before attention reads them.
-        self.kv_connector.save_kv(self.kv_cache, inputs.kv_connector_metadata)
-        self.kv_cache = self.kv_connector.load_kv(self.kv_cache, inputs.kv_connector_metadata)
+        self.kv_connector.save_kv(self.moved_kv_cache, inputs.kv_connector_metadata)
+        self.moved_kv_cache = self.kv_connector.load_kv(self.moved_kv_cache, inputs.kv_connector_metadata)
         batch = ready(inputs.batch)
         if inputs.state_copies is not None:  # a prefix hit's snapshot into its live slot
             self.kv_cache = self.state_copier.apply(self.kv_cache, inputs.state_copies[0])
         hidden, hidden_rd, *aux = self._run_forward(batch, inputs.hooks)
         if inputs.state_copies is not None:  # the state after a block boundary, into a snapshot
             self.kv_cache = self.state_copier.apply(self.kv_cache, inputs.state_copies[1])
-        # Blocks this forward completed that leave the device (a producer's prompt blocks).
-        self.kv_connector.save_kv_after_forward(self.kv_cache, inputs.kv_connector_metadata)
         pooled = {}  # device outputs the hooks take from the hidden states (pooling)
         for hook in self.hooks:
             pooled |= hook.after_forward(hidden, hidden_rd, inputs.hooks[hook.name])
@@ -386,6 +384,9 @@ class ModelRunner(StepPreparation, KVPlumbing):
             device |= hook.after_sampling(
                 batch, drafter_hidden, out.token_ids, num_accepted, inputs.sampling, inputs.hooks[hook.name]
             )
+        # Blocks this step completed that leave the device (a producer's prompt blocks): after the
+        # drafter's step, which writes its cache's rows of the step's tokens.
+        self.kv_connector.save_kv_after_forward(self.moved_kv_cache, inputs.kv_connector_metadata)
         if inputs.with_logprobs:
             device |= {"lp_ids": out.logprob_token_ids, "lp_vals": out.logprobs, "lp_ranks": out.sampled_rank}
         if inputs.prompt_targets is not None:

@@ -243,7 +243,11 @@ class PipelineRunner(ModelRunner):
     def kv_bytes_per_block(self) -> int:
         """A block as the KV connector moves it: every local stage's layers (the connectors run on one
         host, so that is the whole model's, as an engine without stages moves it)."""
-        return sum(self._moved_bytes_per_block(self._stage_kv_spec(s)) for s in self.stages if s.is_local)
+        return sum(
+            self._moved_bytes_per_block(self._stage_kv_spec(s), self.kv_layout)
+            for s in self.stages
+            if s.is_local
+        )
 
     def _connector_stages(self) -> list[bool]:
         """The connectors on stages, all given the step's one plan (block ids and host slots are the same

@@ -135,6 +135,41 @@ def test_consumer_decodes_from_the_producers_blocks_like_one_engine(engines):
         _assert_all_free(llm)
 
 
+def test_a_draft_models_cache_crosses_with_the_blocks(model_dir):
+    """Producer and consumer with a draft model (the target as its own): a block crosses with the draft
+    cache's rows too (worker/kv_plumbing.py `moved_kv_cache`), so the consumer decodes the tokens one
+    engine with the draft does, accepting every greedy draft as it does. A consumer whose draft rows
+    of the fetched blocks stayed empty would reject some, without changing the tokens."""
+    args = dict(
+        ENGINE_ARGS,
+        dtype="float32",
+        speculative_config={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3},
+    )
+    port = _free_port()
+    reference = LLM(model_dir, **args)
+    producer = LLM(model_dir, **args, **_transfer("kv_producer", port))
+    consumer = LLM(model_dir, **args, **_transfer("kv_consumer", _free_port()))
+    prompts = _prompts(seed=2, lengths=(60, 33))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy, use_tqdm=False)]
+    prefilled = producer.generate(
+        prompts, _with_params({"do_remote_decode": True}, SamplingParams(max_tokens=1)), use_tqdm=False
+    )
+    params = [_with_params(o.kv_transfer_params, greedy) for o in prefilled]
+    outs = consumer.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.num_cached_tokens for o in outs] == [56, 32]
+    assert _fetches(consumer) == (2, 0)
+    acceptance = []
+    for llm in (reference, consumer):
+        m = _metrics(llm)
+        acceptance.append([m[(f"xlaserve:spec_decode_num_{n}_tokens", ())] for n in ("accepted", "draft")])
+    assert acceptance[0] == acceptance[1] and acceptance[1][0] == acceptance[1][1] > 0, acceptance
+    for llm in (reference, producer, consumer):
+        _assert_all_free(llm)
+        llm.shutdown()
+
+
 class _StallingProducer:
     """A producer's socket that answers the first chunk of anything, then never again."""
 

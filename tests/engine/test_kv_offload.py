@@ -15,10 +15,12 @@ import pytest
 
 from helpers import vllm_kv_events
 from helpers.family_cases import make_hf_model, save_hf_model
+from helpers.mtp_cases import record_drafts, save_deepseek_v3_with_mtp
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import PrefixCacheStats
 from xlaserve.core.kv_connector import KVTransferStats
+from xlaserve.core.kv_offload import persistent_tier_dir
 from xlaserve.core.outputs import SchedulerStats
 from xlaserve.core.request import Request
 from xlaserve.engine.metrics import EngineMetrics
@@ -118,6 +120,80 @@ def test_evicted_prefix_comes_back_from_the_host_tier(model_dir):
     for llm in (off, on):
         _assert_all_free(llm)
         llm.shutdown()
+
+
+def test_a_draft_models_cache_moves_with_its_blocks(model_dir):
+    """A draft model's cache rides the target's block ids, so its rows of a block leave for the host tier
+    and come back with the target's (worker/kv_plumbing.py `moved_kv_cache`). The target as its own
+    draft accepts every greedy draft: a reloaded block whose draft rows were left behind (the device
+    block since reused by another prompt) would reject some, without changing the tokens."""
+    spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
+    prompts = _prompts(seed=11)
+    off = LLM(model_dir, speculative_config=spec, **ENGINE_ARGS)
+    on = LLM(model_dir, speculative_config=spec, kv_offloading_size=OFFLOAD_GIB, **ENGINE_ARGS)
+    assert on.engine_core.kv_connector.bytes_per_block == 2 * 4608  # the target's rows and the draft's
+    baseline, results = _sequence(off, prompts), _sequence(on, prompts)
+    assert [r[0] for r in results] == [r[0] for r in baseline]
+    assert baseline[3][2] == 0 and results[3][2] == 32
+    acceptance = []
+    for llm in (off, on):
+        llm._step()
+        metrics = _metrics(llm)
+        acceptance.append(
+            [metrics[(f"xlaserve:spec_decode_num_{n}_tokens", ())] for n in ("accepted", "draft")]
+        )
+    assert acceptance[0] == acceptance[1] and acceptance[1][0] == acceptance[1][1] > 0, acceptance
+    for llm in (off, on):
+        _assert_all_free(llm)
+        llm.shutdown()
+
+
+def test_an_mtp_layers_cache_moves_with_its_blocks(tmp_path):
+    """The same for an MTP layer (a tiny DeepSeek-V3's, random: its drafts are rejected, so the drafts
+    themselves are compared): in bfloat16 (batch invariance: a token's bits whatever its step) the
+    prompt reloaded from the host tier decodes the tokens, and proposes every draft, of an engine that
+    computed it again; MTP rows left behind would change the drafts."""
+    path, *_ = save_deepseek_v3_with_mtp(str(tmp_path))
+    args = dict(
+        ENGINE_ARGS, dtype="bfloat16", speculative_config={"method": "mtp", "num_speculative_tokens": 2}
+    )
+    prompts = _prompts(seed=12)
+    off, on = LLM(path, **args), LLM(path, kv_offloading_size=OFFLOAD_GIB, **args)
+    drafts = [record_drafts(llm) for llm in (off, on)]
+    baseline, results = _sequence(off, prompts), _sequence(on, prompts)
+    assert [r[0] for r in results] == [r[0] for r in baseline]
+    assert baseline[3][2] == 0 and results[3][2] == 32
+    expected, got = (list(d.values()) for d in drafts)
+    assert len(got) == 4 and len(got[3]) >= 2 and got == expected
+    for llm in (off, on):
+        _assert_all_free(llm)
+        llm.shutdown()
+
+
+def test_a_persistent_tier_is_kept_apart_from_an_engine_with_another_drafter(model_dir, tmp_path):
+    """A tier's blocks hold a drafter's rows too: an engine with a draft model (or another one, or an
+    MTP layer) names another directory than one without, so neither reads the other's files (it starts
+    with an empty tier, and says so)."""
+    args = dict(kv_offloading_size=1, kv_offloading_disk_path=str(tmp_path), kv_offloading_disk_persist=True)
+    draft = {"method": "draft_model", "num_speculative_tokens": 2}
+    configs = [
+        EngineConfig.from_kwargs(model=str(model_dir), **args),
+        EngineConfig.from_kwargs(
+            model=str(model_dir), speculative_config={**draft, "model": str(model_dir)}, **args
+        ),
+        EngineConfig.from_kwargs(
+            model=str(model_dir), speculative_config={**draft, "model": str(tmp_path)}, **args
+        ),
+        EngineConfig.from_kwargs(
+            model=str(model_dir), speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **args
+        ),
+        EngineConfig.from_kwargs(
+            model=str(model_dir), speculative_config={**draft, "method": "ngram"}, **args
+        ),
+    ]
+    dirs = [persistent_tier_dir(c, 4608) for c in configs]
+    assert len(set(dirs[:4])) == 4
+    assert dirs[4] == dirs[0]  # n-gram drafts from the prompt: no cache of its own
 
 
 def _recorded_plans(connector) -> list[tuple[int, int, list[bytes], set[bytes]]]:

@@ -106,3 +106,43 @@ def test_a_block_leaves_the_cache_as_one_device_holds_it(kv_heads, copies, dcp):
     )
     with pytest.raises(ValueError, match="holds no"):
         BlockLayout(3, dcp).moved_shape(cache.shape[2:])
+
+
+def test_a_drafters_cache_moves_beside_the_targets_in_its_own_shape_and_layout():
+    """A tuple of caches with a layout each (the runner's and a draft's of another depth, heads and head
+    size, its one head copied twice: worker/kv_plumbing.py `moved_kv_cache`): a block leaves and comes
+    back in both, each array in its own shape, the draft's head moved once."""
+    rng = np.random.default_rng(1)
+    draft_layers, draft_dim = 1, 5
+
+    def cache_of(layers, heads, dim):
+        return KVCache(
+            *(
+                jnp.asarray(rng.standard_normal((layers * NUM_BLOCKS, BLOCK_SIZE, heads, dim)))
+                for _ in range(2)
+            )
+        )
+
+    draft_head = cache_of(draft_layers, 1, draft_dim)
+    caches = (
+        cache_of(NUM_LAYERS, HEADS, DIM),
+        KVCache(*(jnp.repeat(a, 2, axis=2) for a in (draft_head.k, draft_head.v))),
+    )
+    before = [np.asarray(a) for c in caches for a in (c.k, c.v)]
+    worker = OffloadingConnectorWorker(8, NUM_BLOCKS, (BlockLayout(), BlockLayout(kv_heads=1)))
+    caches = worker.warm_up(caches)
+    assert [s for s, _ in worker.chunk_shapes(caches)] == [
+        *[(TRANSFER_CHUNK_BLOCKS, NUM_LAYERS, BLOCK_SIZE, HEADS, DIM)] * 2,
+        *[(TRANSFER_CHUNK_BLOCKS, draft_layers, BLOCK_SIZE, 1, draft_dim)] * 2,
+    ]
+    sources, targets, slots = [3, 7], [30, 31], [5, 2]
+    worker.save_kv(caches, KVConnectorMetadata(save_block_ids=_ids(sources), save_slots=_ids(slots)))
+    worker.flush()
+    caches = worker.load_kv(caches, KVConnectorMetadata(load_block_ids=_ids(targets), load_slots=_ids(slots)))
+    after = [np.asarray(a) for c in caches for a in (c.k, c.v)]
+    for i, (a, b) in enumerate(zip(after, before, strict=True)):
+        layers = NUM_LAYERS if i < 2 else draft_layers
+        for layer in range(layers):
+            src, dst = [layer * NUM_BLOCKS + s for s in sources], [layer * NUM_BLOCKS + t for t in targets]
+            assert a[dst].tobytes() == b[src].tobytes(), (i, layer)
+    assert worker.host_bytes == 8 * BLOCK_SIZE * 2 * (NUM_LAYERS * HEADS * DIM + draft_layers * draft_dim) * 4
