@@ -26,7 +26,13 @@ GREEDY = {"temperature": 0}  # this client has no temperature argument; the API 
 
 @pytest.fixture(scope="module")
 def client(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=300)
+    return anthropic.Anthropic(
+        base_url=server.url,
+        api_key=server.api_key,
+        max_retries=0,
+        _strict_response_validation=True,
+        timeout=300,
+    )
 
 
 def mcp_server(url: str, **fields) -> dict:

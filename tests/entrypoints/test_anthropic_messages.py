@@ -21,8 +21,15 @@ QUESTION = [{"role": "user", "content": "Name three colors."}]
 
 @pytest.fixture(scope="module")
 def client(server) -> anthropic.Anthropic:
-    """The client as users set it up: the key goes in x-api-key."""
-    return anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=300)
+    """The client as users set it up (the key goes in x-api-key), strict: answers and events validate
+    against the SDK's types."""
+    return anthropic.Anthropic(
+        base_url=server.url,
+        api_key=server.api_key,
+        max_retries=0,
+        _strict_response_validation=True,
+        timeout=300,
+    )
 
 
 GREEDY = {"temperature": 0}  # this client has no temperature argument; the API still takes the field

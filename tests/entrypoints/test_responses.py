@@ -40,7 +40,15 @@ GREEDY = {"temperature": 0.0, "max_output_tokens": 12}
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+    # Strict: every answer and event validates against the SDK's types, so a field the SDK requires
+    # and the server leaves out fails here (the client otherwise fills it with None).
+    return openai.OpenAI(
+        base_url=server.url + "/v1",
+        api_key=server.api_key,
+        max_retries=0,
+        _strict_response_validation=True,
+        timeout=300,
+    )
 
 
 def _create(client, **fields):

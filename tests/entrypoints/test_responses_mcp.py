@@ -25,7 +25,13 @@ def mcp_tool(url: str, **fields) -> dict:
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+    return openai.OpenAI(
+        base_url=server.url + "/v1",
+        api_key=server.api_key,
+        max_retries=0,
+        _strict_response_validation=True,
+        timeout=300,
+    )
 
 
 def tide_request(url: str, max_output_tokens: int, **fields) -> dict:

@@ -51,7 +51,13 @@ GREEDY = {"temperature": 0.0, "max_tokens": 40}
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+    return openai.OpenAI(
+        base_url=server.url + "/v1",
+        api_key=server.api_key,
+        max_retries=0,
+        _strict_response_validation=True,
+        timeout=300,
+    )
 
 
 def check_calls(choice, *, names=None) -> list:

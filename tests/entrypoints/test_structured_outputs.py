@@ -21,7 +21,13 @@ MAX_TOKENS = 96  # each of the 20 schemas completes in under 64 tokens, at tempe
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+    return openai.OpenAI(
+        base_url=server.url + "/v1",
+        api_key=server.api_key,
+        max_retries=0,
+        _strict_response_validation=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
