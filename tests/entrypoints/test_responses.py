@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 
+from helpers.sdk_clients import strict_openai
 from helpers.server_harness import MAX_STORED_RESPONSES, MODEL_NAME, metric, metrics, wait_for_metrics
 from xlaserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStream
@@ -40,15 +41,7 @@ GREEDY = {"temperature": 0.0, "max_output_tokens": 12}
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    # Strict: every answer and event validates against the SDK's types, so a field the SDK requires
-    # and the server leaves out fails here (the client otherwise fills it with None).
-    return openai.OpenAI(
-        base_url=server.url + "/v1",
-        api_key=server.api_key,
-        max_retries=0,
-        _strict_response_validation=True,
-        timeout=300,
-    )
+    return strict_openai(server)
 
 
 def _create(client, **fields):
