@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from helpers.mcp_server import ToolServer, tide_table
+from helpers.sdk_clients import strict_anthropic
 from helpers.server_harness import MODEL_NAME
 
 ASK = [{"role": "user", "content": "When is high tide in Brest? Use the tide table."}]
@@ -26,7 +27,7 @@ GREEDY = {"temperature": 0}  # this client has no temperature argument; the API 
 
 @pytest.fixture(scope="module")
 def client(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=300)
+    return strict_anthropic(server)
 
 
 def mcp_server(url: str, **fields) -> dict:

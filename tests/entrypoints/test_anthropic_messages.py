@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
+from helpers.sdk_clients import strict_anthropic
 from helpers.server_harness import MODEL_NAME
 
 QUESTION = [{"role": "user", "content": "Name three colors."}]
@@ -21,8 +22,7 @@ QUESTION = [{"role": "user", "content": "Name three colors."}]
 
 @pytest.fixture(scope="module")
 def client(server) -> anthropic.Anthropic:
-    """The client as users set it up: the key goes in x-api-key."""
-    return anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=300)
+    return strict_anthropic(server)
 
 
 GREEDY = {"temperature": 0}  # this client has no temperature argument; the API still takes the field

@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from helpers.sdk_clients import strict_openai
 from helpers.server_harness import MAX_STORED_RESPONSES, MODEL_NAME, metric, metrics, wait_for_metrics
 from xlaserve.entrypoints.openai.responses_convert import input_turns, media_fields, to_chat_request
 from xlaserve.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -43,7 +44,7 @@ GREEDY = {"temperature": 0.0, "max_output_tokens": 12}
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+    return strict_openai(server)
 
 
 def _create(client, **fields):

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from helpers.mcp_server import ToolServer, tide_table
+from helpers.sdk_clients import strict_openai
 from helpers.server_harness import MODEL_NAME, metric, metrics, wait_for_metrics
 
 ASK = "When is high tide in Brest? Use the tide table."
@@ -25,7 +26,7 @@ def mcp_tool(url: str, **fields) -> dict:
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+    return strict_openai(server)
 
 
 def tide_request(url: str, max_output_tokens: int, **fields) -> dict:

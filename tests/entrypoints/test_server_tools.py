@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 
+from helpers.sdk_clients import strict_openai
 from helpers.server_harness import MODEL_NAME
 
 WEATHER = {
@@ -51,7 +52,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 40}
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+    return strict_openai(server)
 
 
 def check_calls(choice, *, names=None) -> list:

@@ -14,6 +14,7 @@ import pydantic
 import pytest
 
 from helpers.json_schemas import SCHEMAS
+from helpers.sdk_clients import strict_openai
 from helpers.server_harness import MODEL_NAME
 
 MAX_TOKENS = 96  # each of the 20 schemas completes in under 64 tokens, at temperature 0 or 1
@@ -21,7 +22,7 @@ MAX_TOKENS = 96  # each of the 20 schemas completes in under 64 tokens, at tempe
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300)
+    return strict_openai(server)
 
 
 @pytest.fixture(scope="module")

@@ -103,6 +103,9 @@ OutputItem = (
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    # Required by the SDKs' ResponseUsage (openai 3.x). OpenAI bills writing a prompt to its cache; the
+    # prefix cache here keeps blocks at no extra cost and the answer reports none.
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):
