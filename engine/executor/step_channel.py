@@ -285,9 +285,12 @@ class StepReceiver:
         self._sock.send(data)
 
     def close(self) -> None:
+        # The monitor first, while the watch thread still reads it: libzmq sends its events blocking, under
+        # a lock `disable_monitor` takes, so an event (process 0 closing its end) sent after the watch
+        # thread closed its end would hang this call for good.
+        self._sock.disable_monitor()
         self._wake.send(b"")  # the watch thread stops
         self._watch.join()
-        self._sock.disable_monitor()
         self._wake.close()
         self._sock.close()
 
