@@ -52,10 +52,17 @@ def test_without_chunked_prefill_each_prompt_is_computed_whole(tiny_llama, caplo
     """vLLM's --no-enable-chunked-prefill: max_model_len is held to max_num_batched_tokens (a user's
     larger one refused naming both), and a prompt longer than the chunk cap is computed in one step
     beside a decoding request, where the default splits it into capped chunks; the tokens and
-    logprobs are the same bits either way (batch invariance)."""
+    logprobs are the same bits either way (batch invariance: float32's dots too, which is not the default;
+    without it the bits held on an AVX2-only CPU and differed on an AVX-512 one, whose GEMM blocks a
+    32-row dot's sum otherwise than a 16-row one's)."""
     from xlaserve import LLM, SamplingParams
 
-    args = {"max_num_batched_tokens": 32, "enforce_eager": True, "dtype": "float32"}
+    args = {
+        "max_num_batched_tokens": 32,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "batch_invariant_float32": True,
+    }
     with pytest.raises(
         ValueError,
         match=r"max_model_len \(64\) exceeds max_num_batched_tokens \(32\): this model computes each "
