@@ -505,7 +505,10 @@ def test_text_only_stages_hold_no_encoder_and_skip_its_tensors(tmp_path, monkeyp
     skipped."""
     directory = save_tiny_llava(str(tmp_path / "llava"))
     limits = {"image": 0, "video": 0}
-    config = EngineConfig.from_kwargs(directory, pipeline_parallel_size=2, limit_mm_per_prompt=limits)
+    # float32 named: "auto" is bfloat16 on a CPU with AVX512-BF16 or AMX.
+    config = EngineConfig.from_kwargs(
+        directory, pipeline_parallel_size=2, limit_mm_per_prompt=limits, dtype="float32"
+    )
     with open(f"{directory}/config.json") as f:
         hf_config = json.load(f)
     checkpoint = load_checkpoint(directory, skip_tokenizer_init=True, progress=False).tensors
