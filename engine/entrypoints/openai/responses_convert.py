@@ -22,20 +22,22 @@ import re
 
 from pydantic import ValidationError
 
-from xlaserve.entrypoints.openai.responses_protocol import (
-    OUTPUT_LOGPROBS,
+from xlaserve.entrypoints.openai.responses_input import (
     FunctionCallItem,
     FunctionCallOutputItem,
-    FunctionTool,
     InputImage,
-    JsonSchemaFormat,
     McpApprovalRequestItem,
     McpApprovalResponseItem,
     McpCallItem,
     McpListToolsItem,
-    McpTool,
     MessageItem,
     ReasoningItem,
+)
+from xlaserve.entrypoints.openai.responses_protocol import (
+    OUTPUT_LOGPROBS,
+    FunctionTool,
+    JsonSchemaFormat,
+    McpTool,
     ResponsesRequest,
 )
 from xlaserve.entrypoints.openai.responses_stream import APPROVAL_REQUEST

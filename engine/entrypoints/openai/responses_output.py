@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from xlaserve.entrypoints.openai.responses_protocol import ItemStatus
+from xlaserve.entrypoints.openai.responses_input import ItemStatus
 from xlaserve.entrypoints.serving.protocol import OmitsNones
 
 
