@@ -28,7 +28,7 @@ from xlaserve.models.gguf_reader import (  # noqa: F401 (open_gguf, read_gguf_me
     read_gguf_metadata,
     read_tensor_data,
 )
-from xlaserve.models.safetensors_loader import CheckpointTensor
+from xlaserve.models.safetensors_loader import CheckpointTensor, DerivedTensor
 
 # GGUF architecture -> (HF model_type, HF architectures entry).
 SUPPORTED_ARCHITECTURES = {
@@ -42,7 +42,11 @@ SUPPORTED_ARCHITECTURES = {
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
     "granite": ("granite", "GraniteForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    # DeepSeek V2's softmax routing, or V3's sigmoid one when the file says so (`_deepseek2_fields`).
+    "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
 }
+# The HF model types an architecture's file may also become, by its metadata.
+_MORE_MODEL_TYPES = {"deepseek_v3": "deepseek2"}
 # Converted by llama.cpp's LlamaModel (or a subclass), which permutes q/k rows for its rope (see
 # `unpermute_qk`).
 _PERMUTED_QK = ("llama", "smollm3", "granite")
@@ -93,6 +97,23 @@ _ARCH_BLOCK_TENSORS = {
         "ffn_up_shexp": "mlp.shared_expert.up_proj",
         "ffn_down_shexp": "mlp.shared_expert.down_proj",
         "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    },
+    # MLA's low-rank projections; kv_b_proj whole in older files, split per head in newer ones
+    # (`_join_kv_b`); V3's router bias (the converter's `e_score_correction.bias`).
+    "deepseek2": {
+        **_MOE_TENSORS,
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        "attn_k_b": "self_attn.k_b_proj",
+        "attn_v_b": "self_attn.v_b_proj",
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+        "exp_probs_b": "mlp.gate.e_score_correction",
     },
 }
 _BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -170,12 +191,74 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
         config.update(_gemma3_fields(metadata, config))
     if arch == "smollm3":  # llama.cpp rotates no q/k in every fourth layer, a step the file does not carry
         config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(config["num_hidden_layers"])]
+    if arch == "deepseek2":
+        config.update(_deepseek2_fields(metadata, config))
     if arch == "phi3":
         if key("rope.dimension_count"):
             config["partial_rotary_factor"] = key("rope.dimension_count") / head_dim
         # LongRoPE's factors come as tensors (`rope_factors_long`/`_short`), read with the weights.
         config["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
     return config
+
+
+# llama.cpp's `expert_gating_func` values (gguf's ExpertGatingFuncType).
+_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
+
+
+def _deepseek2_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSeek V2/V3's config.json keys from llama.cpp's `deepseek2.*` metadata."""
+
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"deepseek2.{name}", default)
+
+    # The converter writes MLA as one latent KV head (key_length = kv_lora_rank + rope dims) and the
+    # per-head sizes as key_length_mla / value_length_mla; files from before it split kv_b carry the
+    # per-head sizes as key_length / value_length.
+    rope_dim = key("rope.dimension_count")
+    qk_head_dim = key("attention.key_length_mla") or key("attention.key_length")
+    # Files without the key predate it: llama.cpp reads them as softmax (V2, V2.5).
+    gating = key("expert_gating_func", 1)
+    if gating not in _GATING_FUNCS:
+        raise ValueError(
+            f"GGUF deepseek2.expert_gating_func {gating!r} is not supported: expected one of "
+            f"{sorted(_GATING_FUNCS)} ({', '.join(_GATING_FUNCS.values())})"
+        )
+    is_v3 = _GATING_FUNCS[gating] == "sigmoid"
+    n_group, topk_group = key("expert_group_count", 1), key("expert_group_used_count", 1)
+    fields = {
+        "num_key_value_heads": config["num_attention_heads"],  # the file's 1 is the latent's
+        "head_dim": qk_head_dim,
+        "kv_lora_rank": key("attention.kv_lora_rank"),
+        "q_lora_rank": key("attention.q_lora_rank"),  # absent: q_proj from the hidden state (V2-Lite)
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": qk_head_dim - rope_dim,
+        "v_head_dim": key("attention.value_length_mla") or key("attention.value_length"),
+        "first_k_dense_replace": key("leading_dense_block_count", 0),
+        "n_routed_experts": key("expert_count"),
+        "n_shared_experts": key("expert_shared_count", 0),
+        "routed_scaling_factor": float(key("expert_weights_scale") or 1.0),
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "scoring_func": _GATING_FUNCS[gating],
+        # V2 limits routing to the best groups only when it has groups (V2-Lite has none).
+        "topk_method": "noaux_tc" if is_v3 else ("group_limited_greedy" if n_group > 1 else "greedy"),
+    }
+    if is_v3:
+        fields.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    scaling = config["rope_scaling"]
+    if scaling and scaling["rope_type"] == "yarn":
+        # llama.cpp's graph scales the softmax by mscale(factor, 10 * yarn_log_multiplier)^2 and leaves
+        # cos/sin unscaled: HF's DeepSeek YaRN with mscale = mscale_all_dim.
+        mscale = 10 * float(key("rope.scaling.yarn_log_multiplier", 0.0))
+        fields["rope_scaling"] = {
+            **scaling,
+            "mscale": mscale,
+            "mscale_all_dim": mscale,
+            "attention_factor": 1.0,
+            "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
+        }
+    return fields
 
 
 def _gemma3_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
@@ -290,7 +373,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     match = _BLOCK_TENSOR_RE.fullmatch(gguf_name)
     block_tensors = {**_BLOCK_TENSORS, **_ARCH_BLOCK_TENSORS.get(arch, {})}
     if match and match[2] in block_tensors:
-        return f"model.layers.{match[1]}.{block_tensors[match[2]]}.{match[3]}"
+        name = f"model.layers.{match[1]}.{block_tensors[match[2]]}.{match[3]}"
+        return name.replace(".e_score_correction.bias", ".e_score_correction_bias")
     raise ValueError(
         f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in the supported {arch!r} models"
     )
@@ -362,9 +446,8 @@ def load_gguf_tensors(
     blocks, decoded when read into `QuantizedTensor`s (`GGUFBlocks`, models/gguf_quant.py).
     """
     path = reader.data.filename  # both readers map the file
-    arch = next(
-        a for a, (model_type, _) in SUPPORTED_ARCHITECTURES.items() if model_type == hf_config["model_type"]
-    )
+    model_types = {model_type: a for a, (model_type, _) in SUPPORTED_ARCHITECTURES.items()}
+    arch = {**model_types, **_MORE_MODEL_TYPES}[hf_config["model_type"]]
     is_permuted = arch in _PERMUTED_QK
     # llama.cpp's Gemma 3 converter stores each RMSNorm weight w as 1 + w (its norm multiplies by the
     # weight; HF's by 1 + w).
@@ -403,4 +486,25 @@ def load_gguf_tensors(
                 "GGUF LongRoPE needs both rope_factors_long.weight and rope_factors_short.weight"
             )
         hf_config["rope_scaling"] = {"rope_type": "longrope", **rope_factors}
+    return _join_kv_b(tensors)
+
+
+def _join_kv_b(tensors: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's kv_b_proj from the halves llama.cpp's converter splits it into for its absorbed MLA:
+    k_b [H, r, nope] (each head's key rows, transposed) and v_b [H, v, r]; HF's is each head's key rows
+    then its value rows, [H * (nope + v), r]. Joined when read, as the experts are stacked."""
+    for k_name in [n for n in tensors if n.endswith(".self_attn.k_b_proj.weight")]:
+        v_name = k_name.replace(".k_b_proj.", ".v_b_proj.")
+        if v_name not in tensors:
+            raise ValueError(f"GGUF file has {k_name!r}'s k_b half of kv_b_proj but not its v_b half")
+        k_b, v_b = tensors.pop(k_name), tensors.pop(v_name)
+        heads, rank, nope = k_b.shape
+        shape = (heads * (nope + v_b.shape[1]), rank)
+
+        def join(k_b=k_b, v_b=v_b, shape=shape) -> np.ndarray:
+            return np.concatenate([np.swapaxes(k_b.read(), 1, 2), v_b.read()], axis=1).reshape(shape)
+
+        tensors[k_name.replace(".k_b_proj.", ".kv_b_proj.")] = DerivedTensor(
+            join, shape, np.float32, source=k_b.path
+        )
     return tensors

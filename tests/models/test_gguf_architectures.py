@@ -129,6 +129,41 @@ CASES = {
             norm_topk_prob=False,
         ),
     ),
+    # MLA (queries through their low rank), a dense layer then V3's routing: sigmoid scores with their
+    # bias, top 2 of 4 in the better of 2 groups, renormalized and scaled, a shared expert; YaRN with
+    # mscale = mscale_all_dim, as llama.cpp's graph assumes.
+    "deepseek2": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            {k: v for k, v in _TINY.items() if k != "head_dim"},
+            num_key_value_heads=4,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            kv_lora_rank=32,
+            q_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 0.8,
+                "mscale_all_dim": 0.8,
+            },
+        ),
+    ),
 }
 # HF module -> llama.cpp tensor, where an architecture's converter names it otherwise than llama's.
 _GGUF_NAMES = {
@@ -152,6 +187,18 @@ _GGUF_NAMES = {
         "mlp.shared_expert.down_proj": "ffn_down_shexp",
         "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     },
+    "deepseek2": {
+        "mlp.gate": "ffn_gate_inp",
+        "self_attn.q_a_proj": "attn_q_a",
+        "self_attn.q_a_layernorm": "attn_q_a_norm",
+        "self_attn.q_b_proj": "attn_q_b",
+        "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+        "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+        "self_attn.kv_b_proj": "attn_kv_b",  # whole in older files; split by today's converter
+        "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_experts.up_proj": "ffn_up_shexp",
+        "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    },
 }
 # Config fields transformers' GGUF reading leaves at its defaults (its GGUF_CONFIG_MAPPING has no key for
 # them, or llama.cpp keeps them in its code): given to its model from the original's config, so that the
@@ -170,6 +217,7 @@ _QTYPES = {
     "token_embd.weight": gguf.GGMLQuantizationType.F16,
     "blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q8_0,
     "blk.0.attn_qkv.weight": gguf.GGMLQuantizationType.Q8_0,
+    "blk.0.attn_q_b.weight": gguf.GGMLQuantizationType.Q8_0,
     "blk.1.ffn_down.weight": gguf.GGMLQuantizationType.Q8_0,
     "blk.1.ffn_down_exps.weight": gguf.GGMLQuantizationType.Q8_0,
 }
@@ -181,22 +229,39 @@ def make_model(arch: str):
     config.architectures = [model_class]
     torch.manual_seed(list(CASES).index(arch))
     model = getattr(transformers, model_class)(config).eval()
-    return randomize_weights(model, norm_center=0.0 if arch == "gemma3" else 1.0)
+    randomize_weights(model, norm_center=0.0 if arch == "gemma3" else 1.0)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: a buffer, zeros
+                buffer.normal_(0.0, 0.3)
+    return model
 
 
-def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
-    """The model's tensors under llama.cpp's names and layouts, as its converter writes them."""
+def gguf_tensors(model, arch: str, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+    """The model's tensors under llama.cpp's names and layouts, as its converter writes them (DeepSeek's
+    kv_b_proj split as today's does, or whole as older ones did)."""
     names = {**GGUF_NAMES, **_GGUF_NAMES[arch]}
+    config = model.config
     out = {}
     for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         value = tensor.detach().numpy().astype(np.float32)
+        block = "blk." + name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith(".e_score_correction_bias"):  # renamed e_score_correction.bias by the converter
+            out[f"{block}.exp_probs_b.bias"] = value
+            continue
+        if name.endswith(".kv_b_proj.weight") and split_kv_b:
+            # Per head: the key rows transposed ([H, r, nope]), the value rows ([H, v, r]).
+            kv_b = value.reshape(config.num_attention_heads, -1, value.shape[-1])
+            k_b, v_b = np.split(kv_b, [config.qk_nope_head_dim], axis=1)
+            out[f"{block}.attn_k_b.weight"] = np.ascontiguousarray(k_b.swapaxes(1, 2))
+            out[f"{block}.attn_v_b.weight"] = np.ascontiguousarray(v_b)
+            continue
         if arch == "gemma3" and name.endswith("norm.weight"):
             value = value + 1  # Gemma3RMSNorm scales by 1 + w; llama.cpp's by its weight
         module, _, suffix = name.rpartition(".")
         if module.endswith(".mlp.experts"):  # [E, 2F, D] gate | up, [E, D, F] down: stacked per expert
-            block = "blk." + module.split(".")[2]
             if suffix == "down_proj":
                 out[f"{block}.ffn_down_exps.weight"] = value
             else:
@@ -206,7 +271,6 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
         key = module.split(".", 3)[-1]
         if arch in _PERMUTED_QK and key in ("self_attn.q_proj", "self_attn.k_proj"):
             # llama.cpp's permute for its rope: each head's rows [half0 | half1] -> interleaved.
-            config = model.config
             heads = config.num_attention_heads if key.endswith("q_proj") else config.num_key_value_heads
             value = value.reshape(heads, 2, -1, value.shape[-1]).swapaxes(1, 2).reshape(value.shape)
         if key == "mlp.shared_expert_gate":  # [1, D] -> [D], as llama.cpp's model declares it
@@ -224,27 +288,39 @@ def gguf_name(name: str, names: dict[str, str]) -> str:
     return f"{names[module]}.{suffix}"
 
 
+def stored_name(name: str, names: dict[str, str]) -> str | None:
+    """The llama.cpp tensor that holds the HF tensor `name` whole and in its layout (None where the
+    converter splits or renames it otherwise: gate | up experts, DeepSeek's kv_b_proj and router bias)."""
+    module, _, suffix = name.rpartition(".")
+    if module.endswith(".mlp.experts"):
+        return f"blk.{module.split('.')[2]}.ffn_down_exps.weight" if suffix == "down_proj" else None
+    return gguf_name(name, names) if suffix in ("weight", "bias") else None
+
+
 def rounded_model(original, arch: str):
     """The original model with the file's rounding: each tensor the file stores F16 or Q8_0 replaced by
     what it holds (llama.cpp's q/k row permutation moves whole rows, which Q8_0 rounds one by one), so
-    that it computes what the file describes, by an implementation other than ours. Dense models only."""
+    that it computes what the file describes, by an implementation other than ours."""
     model = copy.deepcopy(original)
     names = {**GGUF_NAMES, **_GGUF_NAMES[arch]}
     with torch.no_grad():
         for name, param in model.state_dict().items():
-            qtype = _QTYPES.get(gguf_name(name, names))
+            qtype = _QTYPES.get(stored_name(name, names))
             if qtype is not None:
                 stored = gguf.quants.quantize(param.numpy(), qtype)
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype)))
     return model
 
 
-def write_gguf(path: str, model, arch: str) -> None:
+def write_gguf(path: str, model, arch: str, split_kv_b: bool = True) -> None:
     config = model.config
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
-    writer = gguf_writer(path, config, arch)
+    header = copy.copy(config)
+    if arch == "deepseek2":  # MLA written as one KV head, the latent's
+        header.num_key_value_heads = 1
+    writer = gguf_writer(path, header, arch)
     writer.add_rope_freq_base(rope["rope_theta"])
-    tensors = gguf_tensors(model, arch)
+    tensors = gguf_tensors(model, arch, split_kv_b)
     if arch == "phi3":  # no key_length; the rotated dims, LongRoPE's factors as tensors
         head_dim = config.hidden_size // config.num_attention_heads
         writer.add_rope_dimension_count(int(rope["partial_rotary_factor"] * head_dim))
@@ -254,6 +330,8 @@ def write_gguf(path: str, model, arch: str) -> None:
         tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
     elif arch in _PERMUTED_QK:  # llama's: the head size as rope.dimension_count
         writer.add_rope_dimension_count(config.head_dim)
+    elif arch == "deepseek2":
+        add_deepseek2_keys(writer, config, rope, split_kv_b)
     else:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
@@ -285,6 +363,41 @@ def write_gguf(path: str, model, arch: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def add_deepseek2_keys(writer, config, rope, split_kv_b: bool) -> None:
+    """DeepseekV2Model's keys (convert_hf_to_gguf.py; the routing ones TextModel's): MLA as one latent
+    KV head of kv_lora_rank + rope dims, the per-head sizes as *_mla (as key/value_length before the
+    split of kv_b), the leading dense layers, the experts' routing, YaRN's mscale as its log multiplier."""
+    qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    writer.add_rope_dimension_count(config.qk_rope_head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(config.kv_lora_rank)
+    if split_kv_b:
+        writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+        writer.add_value_length(config.kv_lora_rank)
+        writer.add_key_length_mla(qk_head_dim)
+        writer.add_value_length_mla(config.v_head_dim)
+    else:
+        writer.add_key_length(qk_head_dim)
+        writer.add_value_length(config.v_head_dim)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def transformers_model(path: str, original, arch: str):
