@@ -452,3 +452,96 @@ def test_gguf_architecture(arch, tmp_path):
             torch.tensor([ids]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS
         )
     assert tokens == out[0, len(ids) :].tolist()
+
+
+def read_gguf(path: str) -> tuple[dict, dict]:
+    """The HF config and tensors (as arrays) our loader reads from a GGUF file, without an engine."""
+    from xlaserve.models.gguf_loader import gguf_hf_config, load_gguf_tensors
+    from xlaserve.models.gguf_reader import open_gguf, read_gguf_metadata
+
+    reader = open_gguf(path)
+    config = gguf_hf_config(read_gguf_metadata(reader), [t.name for t in reader.tensors])
+    tensors = load_gguf_tensors(reader, config, progress=False)
+    return config, {name: np.asarray(tensor) for name, tensor in tensors.items()}
+
+
+def test_gguf_deepseek2_config_and_kv_b_of_either_converter(tmp_path):
+    """Today's converter splits kv_b_proj per head (k_b transposed, v_b) and writes the per-head sizes
+    as *_mla; older ones wrote it whole, the sizes as key/value_length. Both read as the original's."""
+    original = make_model("deepseek2")
+    configs, tensors = [], []
+    for split in (True, False):
+        path = str(tmp_path / f"split-{split}.gguf")
+        write_gguf(path, original, "deepseek2", split_kv_b=split)
+        config, read = read_gguf(path)
+        configs.append(config)
+        tensors.append(read)
+    assert configs[0] == configs[1]
+    hf = original.config
+    expected = {name: getattr(hf, name) for name in ("kv_lora_rank", "q_lora_rank", "n_group", "topk_group")}
+    expected |= {name: getattr(hf, name) for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    expected |= {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+    }
+    assert {k: configs[0][k] for k in expected} == expected
+    assert configs[0]["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "mscale": pytest.approx(0.8),
+        "mscale_all_dim": pytest.approx(0.8),
+        "attention_factor": 1.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    }
+    assert tensors[0].keys() == tensors[1].keys()
+    for name, value in tensors[0].items():
+        np.testing.assert_array_equal(value, tensors[1][name], err_msg=name)
+    state = original.state_dict()
+    for name in (
+        "model.layers.1.self_attn.kv_b_proj.weight",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+    ):
+        np.testing.assert_array_equal(tensors[0][name], state[name].numpy())
+
+
+@pytest.mark.parametrize(
+    ("gating", "expected"),
+    [
+        # Files from before the key: llama.cpp reads them as V2's softmax; groups limit the choice.
+        (None, {"architectures": ["DeepseekV2ForCausalLM"], "topk_method": "group_limited_greedy"}),
+        (1, {"architectures": ["DeepseekV2ForCausalLM"], "scoring_func": "softmax"}),
+        (3, r"deepseek2.expert_gating_func 3 is not supported: expected one of \[1, 2\]"),
+    ],
+)
+def test_gguf_deepseek2_gating_func(gating, expected):
+    from xlaserve.models.gguf_loader import gguf_hf_config
+
+    metadata = {
+        "general.architecture": "deepseek2",
+        "deepseek2.embedding_length": 64,
+        "deepseek2.attention.head_count": 4,
+        "deepseek2.rope.dimension_count": 8,
+        "deepseek2.attention.key_length": 24,
+        "deepseek2.attention.value_length": 12,
+        "deepseek2.expert_count": 4,
+        "deepseek2.expert_group_count": 2,
+        "deepseek2.expert_group_used_count": 1,
+        "deepseek2.vocab_size": VOCAB,
+    }
+    if gating is not None:
+        metadata["deepseek2.expert_gating_func"] = gating
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            gguf_hf_config(metadata, ["token_embd.weight"])
+        return
+    config = gguf_hf_config(metadata, ["token_embd.weight"])
+    assert {k: config[k] for k in expected} == expected
+    assert (config["qk_nope_head_dim"], config["v_head_dim"], config["q_lora_rank"]) == (16, 12, None)
