@@ -44,12 +44,14 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     # DeepSeek V2's softmax routing, or V3's sigmoid one when the file says so (`_deepseek2_fields`).
     "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+    "olmoe": ("olmoe", "OlmoeForCausalLM"),
+    "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),
 }
 # The HF model types an architecture's file may also become, by its metadata.
 _MORE_MODEL_TYPES = {"deepseek_v3": "deepseek2"}
 # Converted by llama.cpp's LlamaModel (or a subclass), which permutes q/k rows for its rope (see
 # `unpermute_qk`).
-_PERMUTED_QK = ("llama", "smollm3", "granite")
+_PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe")
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -115,6 +117,9 @@ _ARCH_BLOCK_TENSORS = {
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
         "exp_probs_b": "mlp.gate.e_score_correction",
     },
+    "olmoe": _MOE_TENSORS,
+    # Granite's fused input_linear split into gate and up by the converter, as Mixtral's experts.
+    "granitemoe": _MOE_TENSORS,
 }
 _BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Consumed into `rope_scaling` (llama3's divisors; Phi3's LongRoPE factors), not parameters of the HF model.
@@ -185,8 +190,17 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
     if arch == "qwen2moe":
         config["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length")
         config["qkv_bias"] = config["attention_bias"]
-    if arch == "granite":
-        config.update(_granite_fields(metadata, head_dim))
+    if arch in ("granite", "granitemoe"):
+        config.update(_granite_fields(metadata, arch, head_dim))
+    if arch == "granitemoe":
+        if key("expert_shared_feed_forward_length"):
+            raise ValueError(
+                "GGUF granitemoe with a shared expert (GraniteMoeShared) is not supported: only "
+                "GraniteMoeForCausalLM's experts are"
+            )
+        config["num_local_experts"] = key("expert_count")
+    if arch == "olmoe" and key("attention.clamp_kqv"):
+        config["clip_qkv"] = float(key("attention.clamp_kqv"))
     if arch == "gemma3":
         config.update(_gemma3_fields(metadata, config))
     if arch == "smollm3":  # llama.cpp rotates no q/k in every fourth layer, a step the file does not carry
@@ -284,12 +298,12 @@ def _gemma3_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) -> di
     return fields
 
 
-def _granite_fields(metadata: Mapping[str, Any], head_dim: int) -> dict[str, float]:
-    """Granite's four multipliers, which llama.cpp's converter writes as `granite.*_scale` only when
+def _granite_fields(metadata: Mapping[str, Any], arch: str, head_dim: int) -> dict[str, float]:
+    """Granite's four multipliers, which llama.cpp's converter writes as `{arch}.*_scale` only when
     set (non-zero); its graph skips a missing one, the attention's falling back to head_dim^-0.5."""
 
     def scale(name: str, default: float) -> float:
-        return float(metadata.get(f"granite.{name}") or default)
+        return float(metadata.get(f"{arch}.{name}") or default)
 
     return {
         "embedding_multiplier": scale("embedding_scale", 1.0),

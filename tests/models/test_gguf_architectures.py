@@ -164,6 +164,29 @@ CASES = {
             },
         ),
     ),
+    # Top 2 of 8 experts, not renormalized (llama.cpp's olmoe graph never does); q and k normed over all
+    # heads at once.
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(_TINY, intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    ),
+    # Granite's multipliers around top 2 of 4 experts (softmax over the top k); q/k rows permuted as
+    # llama's.
+    "granitemoe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(
+            {k: v for k, v in _TINY.items() if k != "head_dim"},  # hidden / heads, as the converter's
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=6.0,
+            residual_multiplier=0.6,  # large enough for the file's rounding to show past 1e-3
+            attention_multiplier=0.1,
+            logits_scaling=8.0,
+        ),
+    ),
 }
 # HF module -> llama.cpp tensor, where an architecture's converter names it otherwise than llama's.
 _GGUF_NAMES = {
@@ -199,6 +222,8 @@ _GGUF_NAMES = {
         "mlp.shared_experts.up_proj": "ffn_up_shexp",
         "mlp.shared_experts.down_proj": "ffn_down_shexp",
     },
+    "olmoe": {"mlp.gate": "ffn_gate_inp"},
+    "granitemoe": {"block_sparse_moe.router": "ffn_gate_inp"},
 }
 # Config fields transformers' GGUF reading leaves at its defaults (its GGUF_CONFIG_MAPPING has no key for
 # them, or llama.cpp keeps them in its code): given to its model from the original's config, so that the
@@ -211,7 +236,7 @@ _NOT_READ_BY_TRANSFORMERS = {
     "qwen2moe": ("moe_intermediate_size", "shared_expert_intermediate_size"),
 }
 # Converted by llama.cpp's LlamaModel (or a subclass), which permutes q/k rows for its rope.
-_PERMUTED_QK = ("smollm3", "granite")
+_PERMUTED_QK = ("smollm3", "granite", "granitemoe")
 # The tensors stored quantized, the rest F32 (as `--outtype f32`, norms always F32).
 _QTYPES = {
     "token_embd.weight": gguf.GGMLQuantizationType.F16,
@@ -261,7 +286,7 @@ def gguf_tensors(model, arch: str, split_kv_b: bool = True) -> dict[str, np.ndar
         if arch == "gemma3" and name.endswith("norm.weight"):
             value = value + 1  # Gemma3RMSNorm scales by 1 + w; llama.cpp's by its weight
         module, _, suffix = name.rpartition(".")
-        if module.endswith(".mlp.experts"):  # [E, 2F, D] gate | up, [E, D, F] down: stacked per expert
+        if module.endswith(".experts"):  # [E, 2F, D] gate | up, [E, D, F] down: stacked per expert
             if suffix == "down_proj":
                 out[f"{block}.ffn_down_exps.weight"] = value
             else:
@@ -292,7 +317,7 @@ def stored_name(name: str, names: dict[str, str]) -> str | None:
     """The llama.cpp tensor that holds the HF tensor `name` whole and in its layout (None where the
     converter splits or renames it otherwise: gate | up experts, DeepSeek's kv_b_proj and router bias)."""
     module, _, suffix = name.rpartition(".")
-    if module.endswith(".mlp.experts"):
+    if module.endswith(".experts"):
         return f"blk.{module.split('.')[2]}.ffn_down_exps.weight" if suffix == "down_proj" else None
     return gguf_name(name, names) if suffix in ("weight", "bias") else None
 
@@ -329,19 +354,27 @@ def write_gguf(path: str, model, arch: str, split_kv_b: bool = True) -> None:
         tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], np.float32)
         tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], np.float32)
     elif arch in _PERMUTED_QK:  # llama's: the head size as rope.dimension_count
-        writer.add_rope_dimension_count(config.head_dim)
+        writer.add_rope_dimension_count(
+            getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+        )
     elif arch == "deepseek2":
         add_deepseek2_keys(writer, config, rope, split_kv_b)
-    else:
+    elif getattr(config, "head_dim", None):  # as TextModel's, when config.json has it
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if arch in (
+        "olmoe",
+        "granitemoe",
+    ):  # TextModel's expert keys only (the experts' width: feed_forward_length)
+        writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    if arch == "granite":  # the converter's names for the multipliers
+    if arch in ("granite", "granitemoe"):  # the converter's names for the multipliers
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
         writer.add_attention_scale(config.attention_multiplier)
@@ -545,3 +578,20 @@ def test_gguf_deepseek2_gating_func(gating, expected):
     config = gguf_hf_config(metadata, ["token_embd.weight"])
     assert {k: config[k] for k in expected} == expected
     assert (config["qk_nope_head_dim"], config["v_head_dim"], config["q_lora_rank"]) == (16, 12, None)
+
+
+def test_gguf_granitemoe_shared_expert_is_refused():
+    from xlaserve.models.gguf_loader import gguf_hf_config
+
+    metadata = {
+        "general.architecture": "granitemoe",
+        "granitemoe.embedding_length": 64,
+        "granitemoe.attention.head_count": 4,
+        "granitemoe.expert_count": 4,
+        "granitemoe.expert_shared_feed_forward_length": 32,
+        "granitemoe.vocab_size": VOCAB,
+    }
+    with pytest.raises(
+        ValueError, match=r"granitemoe with a shared expert \(GraniteMoeShared\) is not supported"
+    ):
+        gguf_hf_config(metadata, ["token_embd.weight"])
