@@ -46,6 +46,7 @@ SUPPORTED_ARCHITECTURES = {
     "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
     "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
 }
 # The HF model types an architecture's file may also become, by its metadata.
 _MORE_MODEL_TYPES = {"deepseek_v3": "deepseek2"}
@@ -80,13 +81,14 @@ _MOE_TENSORS = {
     "ffn_up_exps": "mlp.experts_up",
     "ffn_down_exps": "mlp.experts_down",
 }
+_GEMMA_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _ARCH_BLOCK_TENSORS = {
     "qwen3moe": _MOE_TENSORS,
-    "gemma3": {
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    "gemma3": _GEMMA_TENSORS,
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "olmo2": {
         "post_attention_norm": "post_attention_layernorm",
@@ -120,6 +122,7 @@ _ARCH_BLOCK_TENSORS = {
     "olmoe": _MOE_TENSORS,
     # Granite's fused input_linear split into gate and up by the converter, as Mixtral's experts.
     "granitemoe": _MOE_TENSORS,
+    "gemma2": _GEMMA_TENSORS,
 }
 _BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Consumed into `rope_scaling` (llama3's divisors; Phi3's LongRoPE factors), not parameters of the HF model.
@@ -201,8 +204,8 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
         config["num_local_experts"] = key("expert_count")
     if arch == "olmoe" and key("attention.clamp_kqv"):
         config["clip_qkv"] = float(key("attention.clamp_kqv"))
-    if arch == "gemma3":
-        config.update(_gemma3_fields(metadata, config))
+    if arch in _GEMMA_27B_LAYERS:
+        config.update(_gemma_fields(metadata, arch, config))
     if arch == "smollm3":  # llama.cpp rotates no q/k in every fourth layer, a step the file does not carry
         config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(config["num_hidden_layers"])]
     if arch == "deepseek2":
@@ -275,20 +278,26 @@ def _deepseek2_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) ->
     return fields
 
 
-def _gemma3_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
-    """What llama.cpp's Gemma 3 takes from its own code, not the file, as config.json keys."""
+# Gemma's queries scale by (hidden / heads)^-0.5 in the 27B models, by head_dim^-0.5 in the others, as
+# their config.json's query_pre_attn_scalar says; llama.cpp tells the 27B by its layer count.
+_GEMMA_27B_LAYERS = {"gemma3": 62, "gemma2": 46}
+
+
+def _gemma_fields(metadata: Mapping[str, Any], arch: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's Gemma 2 and 3 take from their own code, not the file, as config.json keys."""
     num_layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     fields = {
         "hidden_activation": "gelu_pytorch_tanh",
-        # Queries scale by (hidden / heads)^-0.5 in the 27B (62 layers), by head_dim^-0.5 in the others,
-        # as their config.json's query_pre_attn_scalar says; llama.cpp decides by the layer count.
         "query_pre_attn_scalar": hidden // config["num_attention_heads"]
-        if num_layers == 62
+        if num_layers == _GEMMA_27B_LAYERS[arch]
         else config["head_dim"],
-        "final_logit_softcapping": metadata.get("gemma3.final_logit_softcapping"),
-        # The sliding layers' RoPE: base 10000, never scaled (the file's scaling is the global layers').
-        "rope_local_base_freq": float(metadata.get("gemma3.rope.freq_base_swa", 10000.0)),
+        "final_logit_softcapping": metadata.get(f"{arch}.final_logit_softcapping"),
     }
+    if arch == "gemma2":  # its sliding layers, every other one from the first, are its config's default
+        fields["attn_logit_softcapping"] = metadata.get("gemma2.attn_logit_softcapping")
+        return fields
+    # The sliding layers' RoPE: base 10000, never scaled (the file's scaling is the global layers').
+    fields["rope_local_base_freq"] = float(metadata.get("gemma3.rope.freq_base_swa", 10000.0))
     if "sliding_window" in config:  # every sixth layer global, unless the file lists the sliding ones
         pattern = metadata.get("gemma3.attention.sliding_window_pattern", 6)
         sliding = (
@@ -463,9 +472,9 @@ def load_gguf_tensors(
     model_types = {model_type: a for a, (model_type, _) in SUPPORTED_ARCHITECTURES.items()}
     arch = {**model_types, **_MORE_MODEL_TYPES}[hf_config["model_type"]]
     is_permuted = arch in _PERMUTED_QK
-    # llama.cpp's Gemma 3 converter stores each RMSNorm weight w as 1 + w (its norm multiplies by the
-    # weight; HF's by 1 + w).
-    norm_shift = 1.0 if arch == "gemma3" else 0.0
+    # llama.cpp's Gemma 2 and 3 converters store each RMSNorm weight w as 1 + w (its norm multiplies by
+    # the weight; HF's by 1 + w).
+    norm_shift = 1.0 if arch in _GEMMA_27B_LAYERS else 0.0
     tensors: dict[str, GGUFArray | GGUFBlocks] = {}
     rope_factors = {}
     for t in tqdm(reader.tensors, desc="Reading GGUF tensor headers", unit="tensor", disable=not progress):

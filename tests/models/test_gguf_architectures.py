@@ -187,6 +187,21 @@ CASES = {
             logits_scaling=8.0,
         ),
     ),
+    # A sliding layer then a global one (llama.cpp's fixed alternation), attention and final logits
+    # soft-capped (tight enough to bind), tied embeddings; query_pre_attn_scalar = head_dim, as llama.cpp
+    # assumes but for the 27B.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            _TINY,
+            tie_word_embeddings=True,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
 }
 # HF module -> llama.cpp tensor, where an architecture's converter names it otherwise than llama's.
 _GGUF_NAMES = {
@@ -224,6 +239,11 @@ _GGUF_NAMES = {
     },
     "olmoe": {"mlp.gate": "ffn_gate_inp"},
     "granitemoe": {"block_sparse_moe.router": "ffn_gate_inp"},
+    "gemma2": {
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
 }
 # Config fields transformers' GGUF reading leaves at its defaults (its GGUF_CONFIG_MAPPING has no key for
 # them, or llama.cpp keeps them in its code): given to its model from the original's config, so that the
@@ -234,6 +254,7 @@ _NOT_READ_BY_TRANSFORMERS = {
     "gemma3": ("query_pre_attn_scalar", "layer_types", "rope_parameters"),
     "phi3": ("rope_parameters", "original_max_position_embeddings"),
     "qwen2moe": ("moe_intermediate_size", "shared_expert_intermediate_size"),
+    "gemma2": ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"),
 }
 # Converted by llama.cpp's LlamaModel (or a subclass), which permutes q/k rows for its rope.
 _PERMUTED_QK = ("smollm3", "granite", "granitemoe")
@@ -254,7 +275,7 @@ def make_model(arch: str):
     config.architectures = [model_class]
     torch.manual_seed(list(CASES).index(arch))
     model = getattr(transformers, model_class)(config).eval()
-    randomize_weights(model, norm_center=0.0 if arch == "gemma3" else 1.0)
+    randomize_weights(model, norm_center=0.0 if arch in ("gemma2", "gemma3") else 1.0)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: a buffer, zeros
@@ -283,8 +304,8 @@ def gguf_tensors(model, arch: str, split_kv_b: bool = True) -> dict[str, np.ndar
             out[f"{block}.attn_k_b.weight"] = np.ascontiguousarray(k_b.swapaxes(1, 2))
             out[f"{block}.attn_v_b.weight"] = np.ascontiguousarray(v_b)
             continue
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            value = value + 1  # Gemma3RMSNorm scales by 1 + w; llama.cpp's by its weight
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            value = value + 1  # Gemma's RMSNorm scales by 1 + w; llama.cpp's by its weight
         module, _, suffix = name.rpartition(".")
         if module.endswith(".experts"):  # [E, 2F, D] gate | up, [E, D, F] down: stacked per expert
             if suffix == "down_proj":
@@ -344,7 +365,8 @@ def write_gguf(path: str, model, arch: str, split_kv_b: bool = True) -> None:
     if arch == "deepseek2":  # MLA written as one KV head, the latent's
         header.num_key_value_heads = 1
     writer = gguf_writer(path, header, arch)
-    writer.add_rope_freq_base(rope["rope_theta"])
+    if arch != "gemma2":  # Gemma2Model writes its keys itself, no RoPE base among them (llama.cpp's 10000)
+        writer.add_rope_freq_base(rope["rope_theta"])
     tensors = gguf_tensors(model, arch, split_kv_b)
     if arch == "phi3":  # no key_length; the rotated dims, LongRoPE's factors as tensors
         head_dim = config.hidden_size // config.num_attention_heads
@@ -379,6 +401,10 @@ def write_gguf(path: str, model, arch: str, split_kv_b: bool = True) -> None:
         writer.add_residual_scale(config.residual_multiplier)
         writer.add_attention_scale(config.attention_multiplier)
         writer.add_logit_scale(config.logits_scaling)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
