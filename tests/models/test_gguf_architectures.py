@@ -621,3 +621,30 @@ def test_gguf_granitemoe_shared_expert_is_refused():
         ValueError, match=r"granitemoe with a shared expert \(GraniteMoeShared\) is not supported"
     ):
         gguf_hf_config(metadata, ["token_embd.weight"])
+
+
+def test_gguf_gemma2_config_from_llama_cpp_conventions():
+    """What llama.cpp's Gemma 2 fixes in its code: every other layer slides, from the first; queries
+    scale by head_dim, or by hidden / heads in the 27B (46 layers)."""
+    from xlaserve.models.gguf_loader import gguf_hf_config
+    from xlaserve.models.registry import model_config_from_hf
+
+    metadata = {
+        "general.architecture": "gemma2",
+        "gemma2.block_count": 4,
+        "gemma2.embedding_length": 64,
+        "gemma2.feed_forward_length": 96,
+        "gemma2.attention.head_count": 4,
+        "gemma2.attention.head_count_kv": 2,
+        "gemma2.attention.key_length": 32,
+        "gemma2.attention.sliding_window": 512,
+        "gemma2.attn_logit_softcapping": 50.0,
+        "gemma2.final_logit_softcapping": 30.0,
+        "gemma2.vocab_size": VOCAB,
+    }
+    cfg = model_config_from_hf(gguf_hf_config(metadata, ["token_embd.weight"]))
+    assert cfg.layer_sliding_windows == (512, None, 512, None)
+    assert (cfg.query_pre_attn_scalar, cfg.attn_logit_softcap, cfg.final_logit_softcap) == (32, 50.0, 30.0)
+    assert cfg.tie_word_embeddings and cfg.norm_offset == 1.0
+    metadata["gemma2.block_count"] = 46
+    assert gguf_hf_config(metadata, ["token_embd.weight"])["query_pre_attn_scalar"] == 16
