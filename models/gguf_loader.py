@@ -47,6 +47,7 @@ SUPPORTED_ARCHITECTURES = {
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
     "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # The HF model types an architecture's file may also become, by its metadata.
 _MORE_MODEL_TYPES = {"deepseek_v3": "deepseek2"}
@@ -123,6 +124,18 @@ _ARCH_BLOCK_TENSORS = {
     # Granite's fused input_linear split into gate and up by the converter, as Mixtral's experts.
     "granitemoe": _MOE_TENSORS,
     "gemma2": _GEMMA_TENSORS,
+    # Biased router and experts (gate and up de-interleaved by the converter); the sinks, which it
+    # names `.weight`.
+    "gpt-oss": {
+        **_MOE_TENSORS,
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_sinks": "self_attn.sinks",
+    },
+}
+# HF parameter names the converter gives a suffix they lack, restored.
+_RENAMES = {
+    ".e_score_correction.bias": ".e_score_correction_bias",
+    ".self_attn.sinks.weight": ".self_attn.sinks",
 }
 _BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Consumed into `rope_scaling` (llama3's divisors; Phi3's LongRoPE factors), not parameters of the HF model.
@@ -202,6 +215,8 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
                 "GraniteMoeForCausalLM's experts are"
             )
         config["num_local_experts"] = key("expert_count")
+    if arch == "gpt-oss":
+        config.update(_gpt_oss_fields(metadata, config))
     if arch == "olmoe" and key("attention.clamp_kqv"):
         config["clip_qkv"] = float(key("attention.clamp_kqv"))
     if arch in _GEMMA_27B_LAYERS:
@@ -274,6 +289,23 @@ def _deepseek2_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) ->
             "attention_factor": 1.0,
             "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
             "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
+        }
+    return fields
+
+
+def _gpt_oss_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """gpt-oss's config.json keys the file spells otherwise, or leaves to llama.cpp's code (its sliding
+    layers, every other one from the first, are its config's default; its SwiGLU clamp, 7, too)."""
+    fields = {"num_local_experts": metadata.get("gpt-oss.expert_count")}
+    scaling = config["rope_scaling"]
+    if scaling and scaling["rope_type"] == "yarn":
+        # The converter keeps only the factor and the original context; gpt-oss's config.json says YaRN's
+        # betas (llama.cpp's defaults too) and no truncation of its correction range.
+        fields["rope_scaling"] = {
+            **scaling,
+            "beta_fast": float(metadata.get("gpt-oss.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(metadata.get("gpt-oss.rope.scaling.yarn_beta_slow", 1.0)),
+            "truncate": False,
         }
     return fields
 
@@ -397,7 +429,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     block_tensors = {**_BLOCK_TENSORS, **_ARCH_BLOCK_TENSORS.get(arch, {})}
     if match and match[2] in block_tensors:
         name = f"model.layers.{match[1]}.{block_tensors[match[2]]}.{match[3]}"
-        return name.replace(".e_score_correction.bias", ".e_score_correction_bias")
+        return next((name.replace(a, b) for a, b in _RENAMES.items() if name.endswith(a)), name)
     raise ValueError(
         f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in the supported {arch!r} models"
     )

@@ -1,17 +1,19 @@
-"""GGUF files of qwen3moe, gemma3, phi3, olmo2, smollm3, granite and qwen2moe against transformers and the
-models they came from.
+"""GGUF files of qwen3moe, gemma3, phi3, olmo2, smollm3, granite, qwen2moe, deepseek2, olmoe, granitemoe,
+gemma2 and gpt-oss against transformers and the models they came from.
 
 For each architecture a tiny random HF model (float32, 2 layers, hidden 64) is written as llama.cpp's
 convert_hf_to_gguf.py writes it: its tensor names and metadata keys, Gemma's norms stored as 1 + w,
-MoE experts stacked, Phi3's LongRoPE factors as tensors, Granite's multipliers as `granite.*_scale`;
-the token table in F16, one attention and one MLP matrix in Q8_0, the rest F32. Then `LLM(file)`'s
+MoE experts stacked, Phi3's LongRoPE factors as tensors, Granite's multipliers as `granite.*_scale`,
+DeepSeek's kv_b_proj split per head, gpt-oss's gate and up de-interleaved; the token table in F16, one
+attention and one MLP matrix in Q8_0 (gpt-oss's experts in MXFP4), the rest F32. Then `LLM(file)`'s
 prefill logits are compared with
 - transformers' own reading of the same file (`load_gguf_checkpoint`: an independent reader, so a
   name or layout mistake made alike in this writer and our reader still shows), within 1e-4, and its
   greedy tokens equal;
 - the original model's, within what Q8_0 and F16 rounding allow.
-transformers reads no olmo2, smollm3 or granite GGUF: for those, the first reference is the original
-model with the file's rounded tensors put in its place (`rounded_model`).
+transformers reads no olmo2, smollm3, granite, deepseek2, olmoe or granitemoe GGUF (nor, failing, this
+gpt-oss one): for those, the first reference is the original model with the file's rounded tensors put
+in its place (`rounded_model`).
 """
 
 from __future__ import annotations
@@ -202,6 +204,28 @@ CASES = {
             final_logit_softcapping=3.0,
         ),
     ),
+    # Sinks, a sliding layer then a full one (llama.cpp's fixed alternation), biased router and experts
+    # (HF's gate and up interleaved in one tensor, split by the converter), YaRN; down experts in MXFP4.
+    "gpt-oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            _TINY,
+            intermediate_size=64,  # 32: the file's rounding flips a token's experts
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        ),
+    ),
 }
 # HF module -> llama.cpp tensor, where an architecture's converter names it otherwise than llama's.
 _GGUF_NAMES = {
@@ -244,6 +268,7 @@ _GGUF_NAMES = {
         "pre_feedforward_layernorm": "ffn_norm",
         "post_feedforward_layernorm": "post_ffw_norm",
     },
+    "gpt-oss": {"mlp.router": "ffn_gate_inp", "post_attention_layernorm": "post_attention_norm"},
 }
 # Config fields transformers' GGUF reading leaves at its defaults (its GGUF_CONFIG_MAPPING has no key for
 # them, or llama.cpp keeps them in its code): given to its model from the original's config, so that the
@@ -267,6 +292,13 @@ _QTYPES = {
     "blk.1.ffn_down.weight": gguf.GGMLQuantizationType.Q8_0,
     "blk.1.ffn_down_exps.weight": gguf.GGMLQuantizationType.Q8_0,
 }
+# gpt-oss's experts: MXFP4, as its released checkpoints are.
+_ARCH_QTYPES = {"gpt-oss": {"blk.1.ffn_down_exps.weight": gguf.GGMLQuantizationType.MXFP4}}
+
+
+def stored_qtype(name: str, arch: str):
+    """The type a tensor of the file is stored in (None: F32)."""
+    return {**_QTYPES, **_ARCH_QTYPES.get(arch, {})}.get(name)
 
 
 def make_model(arch: str):
@@ -280,6 +312,11 @@ def make_model(arch: str):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: a buffer, zeros
                 buffer.normal_(0.0, 0.3)
+        if arch == "gpt-oss":  # MXFP4 values, as the released experts are: the file holds them exactly
+            for name, param in model.named_parameters():
+                if name.endswith(".experts.down_proj"):
+                    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+                    param.copy_(torch.from_numpy(stored_values(param.numpy(), mxfp4, arch, name)))
     return model
 
 
@@ -296,6 +333,12 @@ def gguf_tensors(model, arch: str, split_kv_b: bool = True) -> dict[str, np.ndar
         block = "blk." + name.split(".")[2] if name.startswith("model.layers.") else None
         if name.endswith(".e_score_correction_bias"):  # renamed e_score_correction.bias by the converter
             out[f"{block}.exp_probs_b.bias"] = value
+            continue
+        if name.endswith(".self_attn.sinks"):  # named `.weight` by the converter
+            out[f"{block}.attn_sinks.weight"] = value
+            continue
+        if arch == "gpt-oss" and ".mlp.experts." in name:
+            out.update(gpt_oss_expert_tensors(block, name.rpartition(".")[2], value))
             continue
         if name.endswith(".kv_b_proj.weight") and split_kv_b:
             # Per head: the key rows transposed ([H, r, nope]), the value rows ([H, v, r]).
@@ -325,6 +368,25 @@ def gguf_tensors(model, arch: str, split_kv_b: bool = True) -> dict[str, np.ndar
     return out
 
 
+def gpt_oss_expert_tensors(block: str, part: str, value: np.ndarray) -> dict[str, np.ndarray]:
+    """GptOssModel's experts: HF's [E, in, out] (gate and up interleaved column by column, biases alike)
+    as llama.cpp's [E, out, in] stacks, gate the even columns, up the odd ones."""
+    if part.startswith("down_proj"):
+        suffix = "bias" if part.endswith("_bias") else "weight"
+        return {f"{block}.ffn_down_exps.{suffix}": value if suffix == "bias" else value.swapaxes(-1, -2)}
+    if part == "gate_up_proj":
+        value = value.swapaxes(-1, -2)
+        gate, up = value[:, 0::2], value[:, 1::2]
+        suffix = "weight"
+    else:
+        gate, up = value[..., 0::2], value[..., 1::2]
+        suffix = "bias"
+    return {
+        f"{block}.ffn_gate_exps.{suffix}": np.ascontiguousarray(gate),
+        f"{block}.ffn_up_exps.{suffix}": np.ascontiguousarray(up),
+    }
+
+
 def gguf_name(name: str, names: dict[str, str]) -> str:
     """llama.cpp's name for the HF tensor `name` (not a stacked expert's), by the module renames `names`."""
     module, _, suffix = name.rpartition(".")
@@ -343,6 +405,15 @@ def stored_name(name: str, names: dict[str, str]) -> str | None:
     return gguf_name(name, names) if suffix in ("weight", "bias") else None
 
 
+def stored_values(value: np.ndarray, qtype, arch: str, name: str) -> np.ndarray:
+    """What the file holds for the HF tensor `name` of value `value` stored as `qtype`: rounded along
+    its rows (gpt-oss's experts, which the converter transposes, along their other axis)."""
+    is_transposed = arch == "gpt-oss" and ".experts." in name
+    value = value.swapaxes(-1, -2) if is_transposed else value
+    rounded = gguf.quants.dequantize(gguf.quants.quantize(value, qtype), qtype)
+    return rounded.swapaxes(-1, -2) if is_transposed else rounded
+
+
 def rounded_model(original, arch: str):
     """The original model with the file's rounding: each tensor the file stores F16 or Q8_0 replaced by
     what it holds (llama.cpp's q/k row permutation moves whole rows, which Q8_0 rounds one by one), so
@@ -351,10 +422,9 @@ def rounded_model(original, arch: str):
     names = {**GGUF_NAMES, **_GGUF_NAMES[arch]}
     with torch.no_grad():
         for name, param in model.state_dict().items():
-            qtype = _QTYPES.get(stored_name(name, names))
+            qtype = stored_qtype(stored_name(name, names), arch)
             if qtype is not None:
-                stored = gguf.quants.quantize(param.numpy(), qtype)
-                param.copy_(torch.from_numpy(gguf.quants.dequantize(stored, qtype)))
+                param.copy_(torch.from_numpy(stored_values(param.numpy(), qtype, arch, name)))
     return model
 
 
@@ -384,12 +454,16 @@ def write_gguf(path: str, model, arch: str, split_kv_b: bool = True) -> None:
     elif getattr(config, "head_dim", None):  # as TextModel's, when config.json has it
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
-    if arch in (
-        "olmoe",
-        "granitemoe",
-    ):  # TextModel's expert keys only (the experts' width: feed_forward_length)
+    if arch in ("olmoe", "granitemoe", "gpt-oss"):
+        # TextModel's expert keys only: the experts' width is feed_forward_length.
         writer.add_expert_count(getattr(config, "num_experts", None) or config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch == "gpt-oss":  # GptOssModel's
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -413,7 +487,7 @@ def write_gguf(path: str, model, arch: str, split_kv_b: bool = True) -> None:
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
     add_word_tokenizer(writer, VOCAB)
     for name, value in tensors.items():
-        qtype = _QTYPES.get(name)
+        qtype = stored_qtype(name, arch)
         if qtype is None:
             writer.add_tensor(name, value)
         else:
