@@ -228,13 +228,14 @@ CASES = {
     ),
 }
 # HF module -> llama.cpp tensor, where an architecture's converter names it otherwise than llama's.
+_GEMMA_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _GGUF_NAMES = {
     "qwen3moe": {"mlp.gate": "ffn_gate_inp"},
-    "gemma3": {
-        "post_attention_layernorm": "post_attention_norm",
-        "pre_feedforward_layernorm": "ffn_norm",
-        "post_feedforward_layernorm": "post_ffw_norm",
-    },
+    "gemma3": _GEMMA_NAMES,
     "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
     "olmo2": {
         "post_attention_layernorm": "post_attention_norm",
@@ -263,11 +264,7 @@ _GGUF_NAMES = {
     },
     "olmoe": {"mlp.gate": "ffn_gate_inp"},
     "granitemoe": {"block_sparse_moe.router": "ffn_gate_inp"},
-    "gemma2": {
-        "post_attention_layernorm": "post_attention_norm",
-        "pre_feedforward_layernorm": "ffn_norm",
-        "post_feedforward_layernorm": "post_ffw_norm",
-    },
+    "gemma2": _GEMMA_NAMES,
     "gpt-oss": {"mlp.router": "ffn_gate_inp", "post_attention_layernorm": "post_attention_norm"},
 }
 # Config fields transformers' GGUF reading leaves at its defaults (its GGUF_CONFIG_MAPPING has no key for
