@@ -248,6 +248,11 @@ def _deepseek2_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) ->
     # per-head sizes as key_length / value_length.
     rope_dim = key("rope.dimension_count")
     qk_head_dim = key("attention.key_length_mla") or key("attention.key_length")
+    if not key("expert_count"):
+        raise ValueError(
+            "GGUF deepseek2 without experts (deepseek2.expert_count) is not supported: only DeepSeek V2/V3's "
+            "mixture of experts"
+        )
     # Files without the key predate it: llama.cpp reads them as softmax (V2, V2.5).
     gating = key("expert_gating_func", 1)
     if gating not in _GATING_FUNCS:

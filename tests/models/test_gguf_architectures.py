@@ -643,15 +643,25 @@ def test_gguf_deepseek2_config_and_kv_b_of_either_converter(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("gating", "expected"),
+    ("metadata", "expected"),
     [
         # Files from before the key: llama.cpp reads them as V2's softmax; groups limit the choice.
-        (None, {"architectures": ["DeepseekV2ForCausalLM"], "topk_method": "group_limited_greedy"}),
-        (1, {"architectures": ["DeepseekV2ForCausalLM"], "scoring_func": "softmax"}),
-        (3, r"deepseek2.expert_gating_func 3 is not supported: expected one of \[1, 2\]"),
+        ({}, {"architectures": ["DeepseekV2ForCausalLM"], "topk_method": "group_limited_greedy"}),
+        (
+            {"deepseek2.expert_gating_func": 1, "deepseek2.expert_group_count": 1},
+            {"architectures": ["DeepseekV2ForCausalLM"], "scoring_func": "softmax", "topk_method": "greedy"},
+        ),
+        (
+            {"deepseek2.expert_gating_func": 3},
+            r"deepseek2.expert_gating_func 3 is not supported: expected one of \[1, 2\]",
+        ),
+        (
+            {"deepseek2.expert_count": 0},
+            r"deepseek2 without experts \(deepseek2.expert_count\) is not supported",
+        ),
     ],
 )
-def test_gguf_deepseek2_gating_func(gating, expected):
+def test_gguf_deepseek2_routing_metadata(metadata, expected):
     from xlaserve.models.gguf_loader import gguf_hf_config
 
     metadata = {
@@ -665,9 +675,8 @@ def test_gguf_deepseek2_gating_func(gating, expected):
         "deepseek2.expert_group_count": 2,
         "deepseek2.expert_group_used_count": 1,
         "deepseek2.vocab_size": VOCAB,
+        **metadata,
     }
-    if gating is not None:
-        metadata["deepseek2.expert_gating_func"] = gating
     if isinstance(expected, str):
         with pytest.raises(ValueError, match=expected):
             gguf_hf_config(metadata, ["token_embd.weight"])
