@@ -511,7 +511,7 @@ def load_gguf_tensors(
     is_permuted = arch in _PERMUTED_QK
     # llama.cpp's Gemma 2 and 3 converters store each RMSNorm weight w as 1 + w (its norm multiplies by
     # the weight; HF's by 1 + w).
-    norm_shift = 1.0 if arch in _GEMMA_27B_LAYERS else 0.0
+    norm_shift = 1.0 if arch in ("gemma2", "gemma3") else 0.0
     tensors: dict[str, GGUFArray | GGUFBlocks] = {}
     rope_factors = {}
     for t in tqdm(reader.tensors, desc="Reading GGUF tensor headers", unit="tensor", disable=not progress):
