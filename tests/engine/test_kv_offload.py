@@ -20,7 +20,7 @@ from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import PrefixCacheStats
 from xlaserve.core.kv_connector import KVTransferStats
-from xlaserve.core.kv_offload import persistent_tier_dir
+from xlaserve.core.kv_offload import OffloadingConnectorScheduler, persistent_tier_dir
 from xlaserve.core.outputs import SchedulerStats
 from xlaserve.core.request import Request
 from xlaserve.engine.metrics import EngineMetrics
@@ -493,3 +493,22 @@ def test_metrics_reach_prometheus_by_transfer_type():
             make_registry(SimpleNamespace(metrics=EngineMetrics(), finish_reason_counts={}), "m")
         ).decode()
     )
+
+
+def test_demotions_a_step_has_no_disk_slot_for_are_counted():
+    """A disk tier of one slot under a host tier of two, two blocks evicted a step: from the second step
+    the host tier evicts two blocks a step, the first takes the disk's slot (pinned for the step), the
+    second is dropped; each is counted (xlaserve:kv_offload_demotions_skipped{tier="disk"}), and the
+    disk tier holds the last one demoted."""
+    connector = OffloadingConnectorScheduler(2, BLOCK, bytes_per_block=4608, num_disk_blocks=1)
+    metrics = EngineMetrics()
+    for step in range(4):
+        for block_id in (1, 2):
+            connector.on_block_evicted(bytes([step, block_id]) * 16, block_id)
+        assert len(connector.build_connector_meta([None]).demote_disk_slots) == min(step, 1)
+        transfer = connector.make_stats()
+        metrics.record_scheduler(SchedulerStats(0, 0, 0.0, 0, PrefixCacheStats(), kv_transfer_stats=transfer))
+    assert list(connector.disk.slot_of) == [bytes([2, 1]) * 16]
+    text = render(make_registry(SimpleNamespace(metrics=metrics, finish_reason_counts={}), "tiny")).decode()
+    assert 'xlaserve:kv_offload_demotions_skipped_total{model_name="tiny",tier="disk"} 3.0' in text
+    assert 'xlaserve:kv_offload_stores_skipped_total{model_name="tiny"} 0.0' in text

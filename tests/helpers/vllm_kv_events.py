@@ -1,5 +1,5 @@
 """vLLM's KV cache event structs, declared here as vLLM declares them (vllm/distributed/kv_events.py at
-main after vllm#42892: the wire vLLM 0.26 sends), not imported from xlaserve, so a test that decodes
+main after vllm#42892: the wire vLLM 0.26 sends, and main's `locality` and `ownership` since), not imported from xlaserve, so a test that decodes
 the engine's events with them proves the format a router (llm-d's, Dynamo's) reads; and a subscriber."""
 
 from __future__ import annotations
@@ -33,12 +33,16 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
