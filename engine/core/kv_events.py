@@ -11,8 +11,9 @@ files are this engine's) and `ownership` "fs" (vLLM's file-system tier type); th
 host tier's carry neither, as vLLM's block pool and CPU tier send none.
 
 The wire format is vLLM's (vllm/distributed/kv_events.py, read at main after vllm#42892, the format
-vLLM 0.26 sends, with the `locality` and `ownership` vLLM main added since): msgpack through msgspec, a batch as the array [ts, events, data_parallel_rank], each
-event a map tagged by its class name under "type"; fields at their default are left out.
+vLLM 0.26 sends, with the `locality` and `ownership` main added since): msgpack through msgspec, a
+batch as the array [ts, events, data_parallel_rank], each event a map tagged by its class name under
+"type"; fields at their default are left out (so a subscriber of 0.26's structs reads ours).
 
 Block hashes: ours are 32-byte SHA-256 digests (core/block_pool.py `hash_block_tokens`), chained from
 the first block; vLLM's default sends a hash as the unsigned 64-bit integer of its digest's last 8 bytes

@@ -1,6 +1,7 @@
 """vLLM's KV cache event structs, declared here as vLLM declares them (vllm/distributed/kv_events.py at
-main after vllm#42892: the wire vLLM 0.26 sends, and main's `locality` and `ownership` since), not imported from xlaserve, so a test that decodes
-the engine's events with them proves the format a router (llm-d's, Dynamo's) reads; and a subscriber."""
+main after vllm#42892: the wire vLLM 0.26 sends, and the `locality` and `ownership` main added since),
+not imported from xlaserve, so a test that decodes the engine's events with them proves the format a
+router (llm-d's, Dynamo's) reads; and a subscriber."""
 
 from __future__ import annotations
 
