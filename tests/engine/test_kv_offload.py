@@ -271,10 +271,13 @@ def _subscribed() -> tuple[object, dict]:
 
 def _replay(batches: dict[int, bytes], held: dict[str, set[int]] | None = None) -> dict[str, set[int]]:
     """A router's view from the KV cache events (vLLM's structs), per medium: what each tier holds
-    (`held`: the view so far)."""
+    (`held`: the view so far). The disk tier's events say it is local and vLLM's file-system tier
+    (vLLM main's locality and ownership), the others neither."""
     held = {} if held is None else held
     for seq in sorted(batches):
         for event in vllm_kv_events.DECODER.decode(batches[seq]).events:
+            where = ("LOCAL", "fs") if event.medium == "STORAGE" else (None, None)
+            assert (event.locality, event.ownership) == where, event
             tier = held.setdefault(event.medium, set())
             if isinstance(event, vllm_kv_events.BlockStored):
                 tier.update(event.block_hashes)
@@ -399,10 +402,11 @@ def test_a_persistent_disk_tier_outlives_the_engine(model_dir, tmp_path):
     sub, kv_events = _subscribed()
     second = LLM(model_dir, kv_events_config=kv_events, **args)
     assert not os.path.exists(tmp_path / tier / "index.npz")
-    # What it found, published before any request: a router that joined after the start (the first
-    # batch goes out as soon as the warm-up is done) asks for it from the replay endpoint.
-    batches = vllm_kv_events.replay(kv_events["replay_endpoint"], 0)
-    assert _replay(batches) == {"STORAGE": kept}
+    # What it found is published before any request (the first batch goes out as soon as the warm-up
+    # is done): a router that joins later sees a first sequence past 0 and asks the replay endpoint for
+    # the batches from 0 (vLLM's replay protocol), the start-up batch first.
+    assert list(vllm_kv_events.replay(kv_events["replay_endpoint"], 0)) == [0]  # sent, before any step
+    late = vllm_kv_events.subscribe_late(kv_events["endpoint"])
     served = [_run(second, p, logprobs=2) for p in prompts]
     assert [r[:2] for r in served] == [r[:2] for r in computed]
     assert [cached for _, _, cached in served] == [32, 32, 32]
@@ -410,11 +414,15 @@ def test_a_persistent_disk_tier_outlives_the_engine(model_dir, tmp_path):
     metrics = _metrics(second)
     assert metrics[("xlaserve:kv_offload_hits", ("disk",))] == 96
     assert metrics[("xlaserve:kv_offload_total_bytes", ("disk_to_device",))] == 12 * block_bytes
-    batches.update(vllm_kv_events.receive(sub))
-    assert _replay(batches) == _tiers(second)
+    live = vllm_kv_events.receive(late)
+    assert live and min(live) > 0  # joined after the start-up batch went out
+    recovered = vllm_kv_events.replay(kv_events["replay_endpoint"], 0)
+    assert recovered.keys() >= set(range(min(live))) and _replay({0: recovered[0]}) == {"STORAGE": kept}
+    assert _replay({**recovered, **live}) == _tiers(second)
     _assert_all_free(second)
     second.shutdown()
-    sub.close()
+    for socket in (sub, late):
+        socket.close()
 
 
 def test_disk_tier_settings_are_checked(model_dir, tmp_path):

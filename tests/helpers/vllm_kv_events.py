@@ -74,6 +74,16 @@ def subscribe(topic: str = "kv") -> tuple[zmq.Socket, str]:
     return sub, f"tcp://*:{port}"
 
 
+def subscribe_late(endpoint: str, topic: str = "kv") -> zmq.Socket:
+    """A SUB socket connected to an engine already publishing on `endpoint` (its kv_events_config's):
+    it sees only the batches sent after it joined, the start-up batch (sequence 0) not among them."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(endpoint.replace("*", "127.0.0.1"))
+    return sub
+
+
 def receive(sub: zmq.Socket, timeout_ms: int = 5000, topic: bytes = b"kv") -> dict[int, bytes]:
     """The batches that arrive (sequence number -> payload) until the socket is quiet for 0.5 s."""
     batches = {}
