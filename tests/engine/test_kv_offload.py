@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from helpers import vllm_kv_events
+from helpers.eagle3_cases import save_random_eagle3
 from helpers.family_cases import make_hf_model, save_hf_model
 from helpers.mtp_cases import record_drafts, save_deepseek_v3_with_mtp
 from xlaserve import LLM, SamplingParams
@@ -135,13 +136,7 @@ def test_a_draft_models_cache_moves_with_its_blocks(model_dir):
     baseline, results = _sequence(off, prompts), _sequence(on, prompts)
     assert [r[0] for r in results] == [r[0] for r in baseline]
     assert baseline[3][2] == 0 and results[3][2] == 32
-    acceptance = []
-    for llm in (off, on):
-        llm._step()
-        metrics = _metrics(llm)
-        acceptance.append(
-            [metrics[(f"xlaserve:spec_decode_num_{n}_tokens", ())] for n in ("accepted", "draft")]
-        )
+    acceptance = [_acceptance(llm) for llm in (off, on)]
     assert acceptance[0] == acceptance[1] and acceptance[1][0] == acceptance[1][1] > 0, acceptance
     for llm in (off, on):
         _assert_all_free(llm)
@@ -165,6 +160,30 @@ def test_an_mtp_layers_cache_moves_with_its_blocks(tmp_path):
     assert baseline[3][2] == 0 and results[3][2] == 32
     expected, got = (list(d.values()) for d in drafts)
     assert len(got) == 4 and len(got[3]) >= 2 and got == expected
+    for llm in (off, on):
+        _assert_all_free(llm)
+        llm.shutdown()
+
+
+def test_an_eagle3_drafters_cache_moves_with_its_blocks(model_dir, tmp_path):
+    """The same for an EAGLE-3 drafter (a random checkpoint's layer: helpers/eagle3_cases.py), its K/V
+    riding the target's blocks: in bfloat16 the prompt reloaded from the host tier decodes the tokens,
+    proposes every draft and accepts as many as an engine that computed it again; the drafter's rows
+    left behind would change its drafts."""
+    path, _ = save_random_eagle3(tmp_path / "eagle3")
+    spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": 2}
+    args = dict(ENGINE_ARGS, dtype="bfloat16", speculative_config=spec)
+    prompts = _prompts(seed=13)
+    off, on = LLM(model_dir, **args), LLM(model_dir, kv_offloading_size=OFFLOAD_GIB, **args)
+    assert on.engine_core.kv_connector.bytes_per_block > 4608 // 2  # the target's rows and the drafter's
+    drafts = [record_drafts(llm) for llm in (off, on)]
+    baseline, results = _sequence(off, prompts), _sequence(on, prompts)
+    assert [r[0] for r in results] == [r[0] for r in baseline]
+    assert baseline[3][2] == 0 and results[3][2] == 32
+    expected, got = (list(d.values()) for d in drafts)
+    assert len(got) == 4 and len(got[3]) >= 2 and got == expected
+    acceptance = [_acceptance(llm) for llm in (off, on)]
+    assert acceptance[0] == acceptance[1] and acceptance[1][1] > 0, acceptance
     for llm in (off, on):
         _assert_all_free(llm)
         llm.shutdown()
@@ -224,6 +243,13 @@ def _recorded_plans(connector) -> list[tuple[int, int, list[bytes], set[bytes]]]
 
 def _metrics(llm: LLM) -> dict:
     return {(m.name, tuple(m.labels.values())): getattr(m, "value", None) for m in llm.get_metrics()}
+
+
+def _acceptance(llm: LLM) -> list[int]:
+    """[draft tokens accepted, proposed] so far (a step first records the engine's stats)."""
+    llm._step()
+    metrics = _metrics(llm)
+    return [metrics[(f"xlaserve:spec_decode_num_{n}_tokens", ())] for n in ("accepted", "draft")]
 
 
 def test_cache_salt_separates_host_tier_tenants(model_dir):
