@@ -142,6 +142,19 @@ def test_consumer_decodes_from_the_producers_blocks_like_one_engine(engines):
         _assert_all_free(llm)
 
 
+def _assert_the_consumer_decodes(producer, consumer, prompts, greedy, expected) -> None:
+    """The producer prefills `prompts` (60 and 33 tokens) for the consumer, which fetches their whole
+    blocks (7 and 4) and decodes the `expected` token ids."""
+    prefilled = producer.generate(
+        prompts, _with_params({"do_remote_decode": True}, SamplingParams(max_tokens=1)), use_tqdm=False
+    )
+    params = [_with_params(o.kv_transfer_params, greedy) for o in prefilled]
+    outs = consumer.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.num_cached_tokens for o in outs] == [56, 32]
+    assert _fetches(consumer) == (2, 0)
+
+
 def test_a_draft_models_cache_crosses_with_the_blocks(model_dir):
     """Producer and consumer with a draft model (the target as its own): a block crosses with the draft
     cache's rows too (worker/kv_plumbing.py `moved_kv_cache`), so the consumer decodes the tokens one
@@ -159,14 +172,7 @@ def test_a_draft_models_cache_crosses_with_the_blocks(model_dir):
     prompts = _prompts(seed=2, lengths=(60, 33))
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy, use_tqdm=False)]
-    prefilled = producer.generate(
-        prompts, _with_params({"do_remote_decode": True}, SamplingParams(max_tokens=1)), use_tqdm=False
-    )
-    params = [_with_params(o.kv_transfer_params, greedy) for o in prefilled]
-    outs = consumer.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert [o.num_cached_tokens for o in outs] == [56, 32]
-    assert _fetches(consumer) == (2, 0)
+    _assert_the_consumer_decodes(producer, consumer, prompts, greedy, expected)
     acceptance = [_acceptance(llm) for llm in (reference, consumer)]
     assert acceptance[0] == acceptance[1] and acceptance[1][0] == acceptance[1][1] > 0, acceptance
     for llm in (reference, producer, consumer):
@@ -191,14 +197,7 @@ def test_an_mtp_layers_cache_crosses_with_the_blocks(tmp_path):
     expected = [o.outputs[0].token_ids for o in producer.generate(prompts, greedy, use_tqdm=False)]
     expected_drafts, expected_acceptance = sorted(drafts[0].values()), _acceptance(producer)
     assert producer.reset_prefix_cache()
-    prefilled = producer.generate(
-        prompts, _with_params({"do_remote_decode": True}, SamplingParams(max_tokens=1)), use_tqdm=False
-    )
-    params = [_with_params(o.kv_transfer_params, greedy) for o in prefilled]
-    outs = consumer.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert [o.num_cached_tokens for o in outs] == [56, 32]
-    assert _fetches(consumer) == (2, 0)
+    _assert_the_consumer_decodes(producer, consumer, prompts, greedy, expected)
     assert len(expected_drafts) == 2 and sorted(drafts[1].values()) == expected_drafts
     assert _acceptance(consumer) == expected_acceptance and expected_acceptance[1] > 0
     for llm in (producer, consumer):

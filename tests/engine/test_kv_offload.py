@@ -146,36 +146,19 @@ def test_a_draft_models_cache_moves_with_its_blocks(model_dir):
 def test_an_mtp_layers_cache_moves_with_its_blocks(tmp_path):
     """The same for an MTP layer (a tiny DeepSeek-V3's, random: its drafts are rejected, so the drafts
     themselves are compared): in bfloat16 (batch invariance: a token's bits whatever its step) the
-    prompt reloaded from the host tier decodes the tokens, and proposes every draft, of an engine that
-    computed it again; MTP rows left behind would change the drafts."""
+    prompt reloaded from the host tier decodes the tokens, proposes every draft and accepts as many as
+    an engine that computed it again; MTP rows left behind would change the drafts."""
     path, *_ = save_deepseek_v3_with_mtp(str(tmp_path))
-    args = dict(
-        ENGINE_ARGS, dtype="bfloat16", speculative_config={"method": "mtp", "num_speculative_tokens": 2}
-    )
-    prompts = _prompts(seed=12)
-    off, on = LLM(path, **args), LLM(path, kv_offloading_size=OFFLOAD_GIB, **args)
-    drafts = [record_drafts(llm) for llm in (off, on)]
-    baseline, results = _sequence(off, prompts), _sequence(on, prompts)
-    assert [r[0] for r in results] == [r[0] for r in baseline]
-    assert baseline[3][2] == 0 and results[3][2] == 32
-    expected, got = (list(d.values()) for d in drafts)
-    assert len(got) == 4 and len(got[3]) >= 2 and got == expected
-    for llm in (off, on):
-        _assert_all_free(llm)
-        llm.shutdown()
+    _assert_drafts_come_back(path, {"method": "mtp", "num_speculative_tokens": 2}, seed=12)
 
 
-def test_an_eagle3_drafters_cache_moves_with_its_blocks(model_dir, tmp_path):
-    """The same for an EAGLE-3 drafter (a random checkpoint's layer: helpers/eagle3_cases.py), its K/V
-    riding the target's blocks: in bfloat16 the prompt reloaded from the host tier decodes the tokens,
-    proposes every draft and accepts as many as an engine that computed it again; the drafter's rows
-    left behind would change its drafts."""
-    path, _ = save_random_eagle3(tmp_path / "eagle3")
-    spec = {"method": "eagle3", "model": str(path), "num_speculative_tokens": 2}
+def _assert_drafts_come_back(path: str, spec: dict, seed: int) -> None:
+    """bfloat16 engines of `spec` without and with the host tier: A, B, C, then A again from the tier
+    decode the same tokens, propose the same drafts (each request's, at each position) and accept as
+    many."""
     args = dict(ENGINE_ARGS, dtype="bfloat16", speculative_config=spec)
-    prompts = _prompts(seed=13)
-    off, on = LLM(model_dir, **args), LLM(model_dir, kv_offloading_size=OFFLOAD_GIB, **args)
-    assert on.engine_core.kv_connector.bytes_per_block > 4608 // 2  # the target's rows and the drafter's
+    prompts = _prompts(seed=seed)
+    off, on = LLM(path, **args), LLM(path, kv_offloading_size=OFFLOAD_GIB, **args)
     drafts = [record_drafts(llm) for llm in (off, on)]
     baseline, results = _sequence(off, prompts), _sequence(on, prompts)
     assert [r[0] for r in results] == [r[0] for r in baseline]
@@ -187,6 +170,15 @@ def test_an_eagle3_drafters_cache_moves_with_its_blocks(model_dir, tmp_path):
     for llm in (off, on):
         _assert_all_free(llm)
         llm.shutdown()
+
+
+def test_an_eagle3_drafters_cache_moves_with_its_blocks(model_dir, tmp_path):
+    """The same for an EAGLE-3 drafter (a random checkpoint's layer: helpers/eagle3_cases.py), its K/V
+    riding the target's blocks: in bfloat16 the prompt reloaded from the host tier decodes the tokens,
+    proposes every draft and accepts as many as an engine that computed it again; the drafter's rows
+    left behind would change its drafts."""
+    path, _ = save_random_eagle3(tmp_path / "eagle3")
+    _assert_drafts_come_back(model_dir, {"method": "eagle3", "model": path, "num_speculative_tokens": 2}, 13)
 
 
 def test_a_persistent_tier_is_kept_apart_from_an_engine_with_another_drafter(model_dir, tmp_path):
