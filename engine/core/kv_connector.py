@@ -84,6 +84,7 @@ class KVTransferStats:
     num_saves_skipped: int = 0  # evicted device blocks not saved: their step had no host slot left
     num_blocks_loaded: int = 0  # from the host tier
     num_blocks_demoted: int = 0  # host tier -> disk tier
+    num_demotes_skipped: int = 0  # blocks the host tier evicted and dropped: their step had no disk slot left
     num_blocks_loaded_from_disk: int = 0
     bytes_saved: int = 0  # device -> outside
     bytes_loaded: int = 0  # host tier -> device

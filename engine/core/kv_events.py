@@ -5,11 +5,15 @@ engine's prefix cache holds, and sends a request where the longest prefix of it 
 the tree from these events, which the engine core publishes after each step (engine/engine/kv_events.py):
 the device cache's (medium "GPU", recorded by the block pool), then KV offload's tiers' (recorded by
 core/kv_offload.py, as vLLM's offloading connector's `take_events`): the host tier's (medium "CPU") and
-the disk tier's (medium "STORAGE", vLLM's name for its file-system tier).
+the disk tier's (medium "STORAGE", vLLM's name for its file-system tier). A tier past the host's (vLLM's
+secondary tiers) says where it is and which it is: the disk tier's events carry `locality` "LOCAL" (its
+files are this engine's) and `ownership` "fs" (vLLM's file-system tier type); the device cache's and the
+host tier's carry neither, as vLLM's block pool and CPU tier send none.
 
 The wire format is vLLM's (vllm/distributed/kv_events.py, read at main after vllm#42892, the format
-vLLM 0.26 sends): msgpack through msgspec, a batch as the array [ts, events, data_parallel_rank], each
-event a map tagged by its class name under "type"; fields at their default are left out.
+vLLM 0.26 sends, with the `locality` and `ownership` main added since): msgpack through msgspec, a
+batch as the array [ts, events, data_parallel_rank], each event a map tagged by its class name under
+"type"; fields at their default are left out (so a subscriber of 0.26's structs reads ours).
 
 Block hashes: ours are 32-byte SHA-256 digests (core/block_pool.py `hash_block_tokens`), chained from
 the first block; vLLM's default sends a hash as the unsigned 64-bit integer of its digest's last 8 bytes
@@ -28,6 +32,8 @@ import msgspec
 MEDIUM_GPU = "GPU"  # vLLM's name for the device cache, whatever the device
 MEDIUM_CPU = "CPU"  # the host tier (kv_offloading_size), as vLLM's offloading connector names it
 MEDIUM_STORAGE = "STORAGE"  # the disk tier (kv_offloading_disk_path), as vLLM names its file-system tier
+LOCALITY_LOCAL = "LOCAL"  # a tier's storage is the publishing engine's own (vLLM's Locality.LOCAL)
+OWNERSHIP_DISK = "fs"  # the secondary tier an event is of: vLLM's file-system tier type
 _U64 = (1 << 64) - 1
 _DIGEST_BYTES = 32  # a SHA-256 digest; a group's key appends its suffix (kv_cache_coordinator.group_hashes)
 
@@ -58,6 +64,8 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None  # "LOCAL" or "REMOTE" to the publisher (None: not said)
+    ownership: str | None = None  # the secondary offload tier that holds the blocks (None: no such tier)
 
 
 class BlockRemoved(KVCacheEvent):
@@ -66,6 +74,8 @@ class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -104,15 +114,17 @@ def block_extra_keys(request, index: int, block_size: int) -> tuple | None:
 def tier_events(changes: list[tuple[str, bool, bytes]]) -> list[KVCacheEvent]:
     """Offload tiers' changes, (medium, removed?, key) in the order they happened, as vLLM's offloading
     connector sends them: one event per run of stores or removals of one medium, a stored block by its
-    hash only (a router knows its tokens from the device cache's BlockStored of the same hash)."""
+    hash only (a router knows its tokens from the device cache's BlockStored of the same hash); the disk
+    tier's with its locality and ownership."""
     events: list[KVCacheEvent] = []
     for medium, is_removal, key in changes:
         block_hash = external_block_hash(key)[0]
         last = events[-1] if events else None
+        where = {"locality": LOCALITY_LOCAL, "ownership": OWNERSHIP_DISK} if medium == MEDIUM_STORAGE else {}
         if last is not None and isinstance(last, BlockRemoved) == is_removal and last.medium == medium:
             last.block_hashes.append(block_hash)
         elif is_removal:
-            events.append(BlockRemoved(block_hashes=[block_hash], medium=medium))
+            events.append(BlockRemoved(block_hashes=[block_hash], medium=medium, **where))
         else:
             events.append(
                 BlockStored(
@@ -123,6 +135,7 @@ def tier_events(changes: list[tuple[str, bool, bytes]]) -> list[KVCacheEvent]:
                     lora_id=None,
                     medium=medium,
                     lora_name=None,
+                    **where,
                 )
             )
     return events

@@ -286,13 +286,16 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def _demote(self, block_hash: bytes, host_slot: int) -> None:
         """The host tier evicts `block_hash` from `host_slot`: copy it to the disk tier (unless the disk
-        already holds it, or every disk slot is loaded or written this step: then it is dropped). The
-        host never evicts a block saved this step (its slot is pinned), so the slot holds its bytes."""
+        already holds it, or every disk slot is loaded or written this step: then it is dropped, and
+        counted: xlaserve:kv_offload_demotions_skipped). The host never evicts a block saved this step
+        (its slot is pinned), so the slot holds its bytes."""
         if block_hash in self.disk:
             self.disk.slot_of.move_to_end(block_hash)
             return
         disk_slot = self._allocate_on_disk(block_hash)
-        if disk_slot is not None:
+        if disk_slot is None:
+            self.stats.num_demotes_skipped += 1
+        else:
             self._demotes.append((host_slot, disk_slot))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:

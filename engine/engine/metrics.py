@@ -172,9 +172,10 @@ class EngineMetrics:
         outside sources past the device hit and those they served (external_prefix_cache_*); host
         offload's hits by tier (kv_offload_hits), the bytes and seconds of its copies each way
         (kv_offload_total_*, by transfer_type: device_to_host, host_to_device, and with a disk tier
-        host_to_disk, disk_to_device) and the evicted blocks a step had no host slot for
-        (kv_offload_stores_skipped, vLLM's name); disaggregated prefill's (`_kv_transfer_counters`). An engine
-        with both has both."""
+        host_to_disk, disk_to_device), the evicted blocks a step had no host slot for
+        (kv_offload_stores_skipped, vLLM's name) and those the host tier evicted that a step had no disk
+        slot for (kv_offload_demotions_skipped, by tier as vLLM labels a secondary tier's counters);
+        disaggregated prefill's (`_kv_transfer_counters`). An engine with both has both."""
         t = self.kv_transfer
         if t is None:
             return []
@@ -195,6 +196,7 @@ class EngineMetrics:
             Counter(PREFIX + "kv_offload_hits", {"tier": "host"}, value=num_host_hits),
             Counter(PREFIX + "kv_offload_hits", {"tier": "disk"}, value=t.num_disk_hits),
             Counter(PREFIX + "kv_offload_stores_skipped", value=t.num_saves_skipped),
+            Counter(PREFIX + "kv_offload_demotions_skipped", {"tier": "disk"}, value=t.num_demotes_skipped),
         ]
         for way, num_bytes, seconds in (
             ("device_to_host", t.bytes_saved, t.save_seconds),

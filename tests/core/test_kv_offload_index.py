@@ -203,6 +203,7 @@ def test_the_disk_tier_takes_what_the_host_tier_evicts_and_serves_hits_in_order(
         meta = small.build_connector_meta([None])
     assert meta.demote_host_slots.tolist() == [0] and meta.demote_disk_slots.tolist() == [0]
     assert dict(small.disk.slot_of) == {b"a": 0}
+    assert small.make_stats().num_demotes_skipped == 1  # b (xlaserve:kv_offload_demotions_skipped)
     connector.reset()
     assert len(connector.disk) == 0 and connector.get_num_new_matched_tokens(request, 0) == 0
 
@@ -333,8 +334,11 @@ def test_the_disk_tiers_changes_are_kv_cache_events_a_replay_follows(tmp_path):
     """vLLM's medium for its file-system tier, "STORAGE": a demotion is the host tier's BlockRemoved and
     the disk tier's BlockStored, the disk tier's eviction its BlockRemoved; a disk hit changes no tier
     (nothing); a persistent tier's last copies at shutdown are stored, and the next engine's start-up
-    stores what it found. Replayed per medium, the events leave exactly the hashes each tier holds."""
+    stores what it found. Replayed per medium, the events leave exactly the hashes each tier holds. The
+    disk tier's say where it is and which it is (vLLM's locality and ownership of a secondary tier's
+    events), the host tier's neither (vLLM's CPU tier's)."""
     held = {"CPU": set(), "STORAGE": set()}
+    disk = {"locality": "LOCAL", "ownership": "fs"}
 
     def take(connector):
         events = connector.take_events()
@@ -351,7 +355,11 @@ def test_the_disk_tiers_changes_are_kv_cache_events_a_replay_follows(tmp_path):
         return events
 
     def stored(hashes, medium="STORAGE"):
-        return BlockStored(hashes, None, [], 0, lora_id=None, medium=medium, lora_name=None)
+        where = disk if medium == "STORAGE" else {}
+        return BlockStored(hashes, None, [], 0, lora_id=None, medium=medium, lora_name=None, **where)
+
+    def removed(hashes, medium="STORAGE"):
+        return BlockRemoved(hashes, medium=medium, **(disk if medium == "STORAGE" else {}))
 
     first = _persistent(tmp_path, num_host=2, num_disk=2, enable_kv_cache_events=True)
     d = [_digest(i) for i in range(6)]
@@ -362,11 +370,11 @@ def test_the_disk_tiers_changes_are_kv_cache_events_a_replay_follows(tmp_path):
         first.build_connector_meta([None])
         steps.append(take(first))
     assert steps[1] == [stored([u[1]], "CPU")]
-    assert steps[2] == [BlockRemoved([u[0]], medium="CPU"), stored([u[0]]), stored([u[2]], "CPU")]
+    assert steps[2] == [removed([u[0]], "CPU"), stored([u[0]]), stored([u[2]], "CPU")]
     # The disk tier full (d0, d1): demoting d2 evicts d0 first.
     assert steps[4] == [
-        BlockRemoved([u[2]], medium="CPU"),
-        BlockRemoved([u[0]], medium="STORAGE"),
+        removed([u[2]], "CPU"),
+        removed([u[0]]),
         stored([u[2]]),
         stored([u[4]], "CPU"),
     ]
@@ -379,9 +387,9 @@ def test_the_disk_tiers_changes_are_kv_cache_events_a_replay_follows(tmp_path):
     # Shutdown: host d3, d4 and device d5 wanted for two disk slots: d4, d5 evict d2, then d1.
     assert first.shutdown_plan([(d[5], 9)]) is not None
     assert take(first) == [
-        BlockRemoved([u[2]], medium="STORAGE"),
+        removed([u[2]]),
         stored([u[4]]),
-        BlockRemoved([u[1]], medium="STORAGE"),
+        removed([u[1]]),
         stored([u[5]]),
     ]
     first.shut_down()

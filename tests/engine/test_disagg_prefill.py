@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from helpers.family_cases import make_hf_model, save_hf_model
+from helpers.mtp_cases import record_drafts, save_deepseek_v3_with_mtp
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_transfer import decode_header, encode_header
@@ -64,6 +65,12 @@ def _assert_all_free(llm: LLM) -> None:
 def _metrics(llm: LLM) -> dict:
     llm._step()  # records the engine's stats into its metrics
     return {(m.name, tuple(m.labels.values())): getattr(m, "value", None) for m in llm.get_metrics()}
+
+
+def _acceptance(llm: LLM) -> list[int]:
+    """[draft tokens accepted, proposed] so far."""
+    m = _metrics(llm)
+    return [m[(f"xlaserve:spec_decode_num_{n}_tokens", ())] for n in ("accepted", "draft")]
 
 
 def _fetches(llm: LLM) -> tuple[int, int]:
@@ -135,6 +142,19 @@ def test_consumer_decodes_from_the_producers_blocks_like_one_engine(engines):
         _assert_all_free(llm)
 
 
+def _assert_the_consumer_decodes(producer, consumer, prompts, greedy, expected) -> None:
+    """The producer prefills `prompts` (60 and 33 tokens) for the consumer, which fetches their whole
+    blocks (7 and 4) and decodes the `expected` token ids."""
+    prefilled = producer.generate(
+        prompts, _with_params({"do_remote_decode": True}, SamplingParams(max_tokens=1)), use_tqdm=False
+    )
+    params = [_with_params(o.kv_transfer_params, greedy) for o in prefilled]
+    outs = consumer.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.num_cached_tokens for o in outs] == [56, 32]
+    assert _fetches(consumer) == (2, 0)
+
+
 def test_a_draft_models_cache_crosses_with_the_blocks(model_dir):
     """Producer and consumer with a draft model (the target as its own): a block crosses with the draft
     cache's rows too (worker/kv_plumbing.py `moved_kv_cache`), so the consumer decodes the tokens one
@@ -152,20 +172,35 @@ def test_a_draft_models_cache_crosses_with_the_blocks(model_dir):
     prompts = _prompts(seed=2, lengths=(60, 33))
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy, use_tqdm=False)]
-    prefilled = producer.generate(
-        prompts, _with_params({"do_remote_decode": True}, SamplingParams(max_tokens=1)), use_tqdm=False
-    )
-    params = [_with_params(o.kv_transfer_params, greedy) for o in prefilled]
-    outs = consumer.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    assert [o.num_cached_tokens for o in outs] == [56, 32]
-    assert _fetches(consumer) == (2, 0)
-    acceptance = []
-    for llm in (reference, consumer):
-        m = _metrics(llm)
-        acceptance.append([m[(f"xlaserve:spec_decode_num_{n}_tokens", ())] for n in ("accepted", "draft")])
+    _assert_the_consumer_decodes(producer, consumer, prompts, greedy, expected)
+    acceptance = [_acceptance(llm) for llm in (reference, consumer)]
     assert acceptance[0] == acceptance[1] and acceptance[1][0] == acceptance[1][1] > 0, acceptance
     for llm in (reference, producer, consumer):
+        _assert_all_free(llm)
+        llm.shutdown()
+
+
+def test_an_mtp_layers_cache_crosses_with_the_blocks(tmp_path):
+    """The same for an MTP layer (a tiny random DeepSeek-V3's, its drafts rejected: the drafts
+    themselves are compared too). In bfloat16 (batch invariance) the consumer decodes the tokens, and
+    proposes every draft, the producer did computing the prompts alone (before its prefix cache was
+    reset and it prefilled them for the consumer); MTP rows of the fetched blocks left empty would
+    change the drafts."""
+    path, *_ = save_deepseek_v3_with_mtp(str(tmp_path))
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    args = dict(ENGINE_ARGS, dtype="bfloat16", speculative_config=spec)
+    producer = LLM(path, **args, **_transfer("kv_producer", _free_port()))
+    consumer = LLM(path, **args, **_transfer("kv_consumer", _free_port()))
+    drafts = [record_drafts(llm) for llm in (producer, consumer)]
+    prompts = _prompts(seed=3, lengths=(60, 33))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    expected = [o.outputs[0].token_ids for o in producer.generate(prompts, greedy, use_tqdm=False)]
+    expected_drafts, expected_acceptance = sorted(drafts[0].values()), _acceptance(producer)
+    assert producer.reset_prefix_cache()
+    _assert_the_consumer_decodes(producer, consumer, prompts, greedy, expected)
+    assert len(expected_drafts) == 2 and sorted(drafts[1].values()) == expected_drafts
+    assert _acceptance(consumer) == expected_acceptance and expected_acceptance[1] > 0
+    for llm in (producer, consumer):
         _assert_all_free(llm)
         llm.shutdown()
 

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 
 from helpers import vllm_kv_events
+from helpers.eagle3_cases import save_random_eagle3
 from helpers.family_cases import make_hf_model, save_hf_model
 from helpers.mtp_cases import record_drafts, save_deepseek_v3_with_mtp
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
 from xlaserve.core.kv_cache_manager import PrefixCacheStats
 from xlaserve.core.kv_connector import KVTransferStats
-from xlaserve.core.kv_offload import persistent_tier_dir
+from xlaserve.core.kv_offload import OffloadingConnectorScheduler, persistent_tier_dir
 from xlaserve.core.outputs import SchedulerStats
 from xlaserve.core.request import Request
 from xlaserve.engine.metrics import EngineMetrics
@@ -135,13 +136,7 @@ def test_a_draft_models_cache_moves_with_its_blocks(model_dir):
     baseline, results = _sequence(off, prompts), _sequence(on, prompts)
     assert [r[0] for r in results] == [r[0] for r in baseline]
     assert baseline[3][2] == 0 and results[3][2] == 32
-    acceptance = []
-    for llm in (off, on):
-        llm._step()
-        metrics = _metrics(llm)
-        acceptance.append(
-            [metrics[(f"xlaserve:spec_decode_num_{n}_tokens", ())] for n in ("accepted", "draft")]
-        )
+    acceptance = [_acceptance(llm) for llm in (off, on)]
     assert acceptance[0] == acceptance[1] and acceptance[1][0] == acceptance[1][1] > 0, acceptance
     for llm in (off, on):
         _assert_all_free(llm)
@@ -151,13 +146,18 @@ def test_a_draft_models_cache_moves_with_its_blocks(model_dir):
 def test_an_mtp_layers_cache_moves_with_its_blocks(tmp_path):
     """The same for an MTP layer (a tiny DeepSeek-V3's, random: its drafts are rejected, so the drafts
     themselves are compared): in bfloat16 (batch invariance: a token's bits whatever its step) the
-    prompt reloaded from the host tier decodes the tokens, and proposes every draft, of an engine that
-    computed it again; MTP rows left behind would change the drafts."""
+    prompt reloaded from the host tier decodes the tokens, proposes every draft and accepts as many as
+    an engine that computed it again; MTP rows left behind would change the drafts."""
     path, *_ = save_deepseek_v3_with_mtp(str(tmp_path))
-    args = dict(
-        ENGINE_ARGS, dtype="bfloat16", speculative_config={"method": "mtp", "num_speculative_tokens": 2}
-    )
-    prompts = _prompts(seed=12)
+    _assert_drafts_come_back(path, {"method": "mtp", "num_speculative_tokens": 2}, seed=12)
+
+
+def _assert_drafts_come_back(path: str, spec: dict, seed: int) -> None:
+    """bfloat16 engines of `spec` without and with the host tier: A, B, C, then A again from the tier
+    decode the same tokens, propose the same drafts (each request's, at each position) and accept as
+    many."""
+    args = dict(ENGINE_ARGS, dtype="bfloat16", speculative_config=spec)
+    prompts = _prompts(seed=seed)
     off, on = LLM(path, **args), LLM(path, kv_offloading_size=OFFLOAD_GIB, **args)
     drafts = [record_drafts(llm) for llm in (off, on)]
     baseline, results = _sequence(off, prompts), _sequence(on, prompts)
@@ -165,9 +165,20 @@ def test_an_mtp_layers_cache_moves_with_its_blocks(tmp_path):
     assert baseline[3][2] == 0 and results[3][2] == 32
     expected, got = (list(d.values()) for d in drafts)
     assert len(got) == 4 and len(got[3]) >= 2 and got == expected
+    acceptance = [_acceptance(llm) for llm in (off, on)]
+    assert acceptance[0] == acceptance[1] and acceptance[1][1] > 0, acceptance
     for llm in (off, on):
         _assert_all_free(llm)
         llm.shutdown()
+
+
+def test_an_eagle3_drafters_cache_moves_with_its_blocks(model_dir, tmp_path):
+    """The same for an EAGLE-3 drafter (a random checkpoint's layer: helpers/eagle3_cases.py), its K/V
+    riding the target's blocks: in bfloat16 the prompt reloaded from the host tier decodes the tokens,
+    proposes every draft and accepts as many as an engine that computed it again; the drafter's rows
+    left behind would change its drafts."""
+    path, _ = save_random_eagle3(tmp_path / "eagle3")
+    _assert_drafts_come_back(model_dir, {"method": "eagle3", "model": path, "num_speculative_tokens": 2}, 13)
 
 
 def test_a_persistent_tier_is_kept_apart_from_an_engine_with_another_drafter(model_dir, tmp_path):
@@ -226,6 +237,13 @@ def _metrics(llm: LLM) -> dict:
     return {(m.name, tuple(m.labels.values())): getattr(m, "value", None) for m in llm.get_metrics()}
 
 
+def _acceptance(llm: LLM) -> list[int]:
+    """[draft tokens accepted, proposed] so far (a step first records the engine's stats)."""
+    llm._step()
+    metrics = _metrics(llm)
+    return [metrics[(f"xlaserve:spec_decode_num_{n}_tokens", ())] for n in ("accepted", "draft")]
+
+
 def test_cache_salt_separates_host_tier_tenants(model_dir):
     prompts = _prompts(seed=2)
     llm = LLM(model_dir, kv_offloading_size=OFFLOAD_GIB, **ENGINE_ARGS)
@@ -271,10 +289,13 @@ def _subscribed() -> tuple[object, dict]:
 
 def _replay(batches: dict[int, bytes], held: dict[str, set[int]] | None = None) -> dict[str, set[int]]:
     """A router's view from the KV cache events (vLLM's structs), per medium: what each tier holds
-    (`held`: the view so far)."""
+    (`held`: the view so far). The disk tier's events say it is local and vLLM's file-system tier
+    (vLLM main's locality and ownership), the others neither."""
     held = {} if held is None else held
     for seq in sorted(batches):
         for event in vllm_kv_events.DECODER.decode(batches[seq]).events:
+            where = ("LOCAL", "fs") if event.medium == "STORAGE" else (None, None)
+            assert (event.locality, event.ownership) == where, event
             tier = held.setdefault(event.medium, set())
             if isinstance(event, vllm_kv_events.BlockStored):
                 tier.update(event.block_hashes)
@@ -399,10 +420,11 @@ def test_a_persistent_disk_tier_outlives_the_engine(model_dir, tmp_path):
     sub, kv_events = _subscribed()
     second = LLM(model_dir, kv_events_config=kv_events, **args)
     assert not os.path.exists(tmp_path / tier / "index.npz")
-    # What it found, published before any request: a router that joined after the start (the first
-    # batch goes out as soon as the warm-up is done) asks for it from the replay endpoint.
-    batches = vllm_kv_events.replay(kv_events["replay_endpoint"], 0)
-    assert _replay(batches) == {"STORAGE": kept}
+    # What it found is published before any request (the first batch goes out as soon as the warm-up
+    # is done): a router that joins later sees a first sequence past 0 and asks the replay endpoint for
+    # the batches from 0 (vLLM's replay protocol), the start-up batch first.
+    assert list(vllm_kv_events.replay(kv_events["replay_endpoint"], 0)) == [0]  # sent, before any step
+    late = vllm_kv_events.subscribe_late(kv_events["endpoint"])
     served = [_run(second, p, logprobs=2) for p in prompts]
     assert [r[:2] for r in served] == [r[:2] for r in computed]
     assert [cached for _, _, cached in served] == [32, 32, 32]
@@ -410,11 +432,15 @@ def test_a_persistent_disk_tier_outlives_the_engine(model_dir, tmp_path):
     metrics = _metrics(second)
     assert metrics[("xlaserve:kv_offload_hits", ("disk",))] == 96
     assert metrics[("xlaserve:kv_offload_total_bytes", ("disk_to_device",))] == 12 * block_bytes
-    batches.update(vllm_kv_events.receive(sub))
-    assert _replay(batches) == _tiers(second)
+    live = vllm_kv_events.receive(late)
+    assert live and min(live) > 0  # joined after the start-up batch went out
+    recovered = vllm_kv_events.replay(kv_events["replay_endpoint"], 0)
+    assert recovered.keys() >= set(range(min(live))) and _replay({0: recovered[0]}) == {"STORAGE": kept}
+    assert _replay({**recovered, **live}) == _tiers(second)
     _assert_all_free(second)
     second.shutdown()
-    sub.close()
+    for socket in (sub, late):
+        socket.close()
 
 
 def test_disk_tier_settings_are_checked(model_dir, tmp_path):
@@ -493,3 +519,22 @@ def test_metrics_reach_prometheus_by_transfer_type():
             make_registry(SimpleNamespace(metrics=EngineMetrics(), finish_reason_counts={}), "m")
         ).decode()
     )
+
+
+def test_demotions_a_step_has_no_disk_slot_for_are_counted():
+    """A disk tier of one slot under a host tier of two, two blocks evicted a step: from the second step
+    the host tier evicts two blocks a step, the first takes the disk's slot (pinned for the step), the
+    second is dropped; each is counted (xlaserve:kv_offload_demotions_skipped{tier="disk"}), and the
+    disk tier holds the last one demoted."""
+    connector = OffloadingConnectorScheduler(2, BLOCK, bytes_per_block=4608, num_disk_blocks=1)
+    metrics = EngineMetrics()
+    for step in range(4):
+        for block_id in (1, 2):
+            connector.on_block_evicted(bytes([step, block_id]) * 16, block_id)
+        assert len(connector.build_connector_meta([None]).demote_disk_slots) == min(step, 1)
+        transfer = connector.make_stats()
+        metrics.record_scheduler(SchedulerStats(0, 0, 0.0, 0, PrefixCacheStats(), kv_transfer_stats=transfer))
+    assert list(connector.disk.slot_of) == [bytes([2, 1]) * 16]
+    text = render(make_registry(SimpleNamespace(metrics=metrics, finish_reason_counts={}), "tiny")).decode()
+    assert 'xlaserve:kv_offload_demotions_skipped_total{model_name="tiny",tier="disk"} 3.0' in text
+    assert 'xlaserve:kv_offload_stores_skipped_total{model_name="tiny"} 0.0' in text

@@ -1,6 +1,7 @@
 """vLLM's KV cache event structs, declared here as vLLM declares them (vllm/distributed/kv_events.py at
-main after vllm#42892: the wire vLLM 0.26 sends), not imported from xlaserve, so a test that decodes
-the engine's events with them proves the format a router (llm-d's, Dynamo's) reads; and a subscriber."""
+main after vllm#42892: the wire vLLM 0.26 sends, and the `locality` and `ownership` main added since),
+not imported from xlaserve, so a test that decodes the engine's events with them proves the format a
+router (llm-d's, Dynamo's) reads; and a subscriber."""
 
 from __future__ import annotations
 
@@ -33,12 +34,16 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -67,6 +72,16 @@ def subscribe(topic: str = "kv") -> tuple[zmq.Socket, str]:
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(f"tcp://127.0.0.1:{port}")
     return sub, f"tcp://*:{port}"
+
+
+def subscribe_late(endpoint: str, topic: str = "kv") -> zmq.Socket:
+    """A SUB socket connected to an engine already publishing on `endpoint` (its kv_events_config's):
+    it sees only the batches sent after it joined, the start-up batch (sequence 0) not among them."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(endpoint.replace("*", "127.0.0.1"))
+    return sub
 
 
 def receive(sub: zmq.Socket, timeout_ms: int = 5000, topic: bytes = b"kv") -> dict[int, bytes]:

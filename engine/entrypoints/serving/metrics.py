@@ -62,6 +62,8 @@ _DOCS = {
     "tiers.",
     "kv_offload_stores_skipped": "KV offload: blocks the device cache evicted and the host tier did not "
     "save (a step evicted more than it had slots for).",
+    "kv_offload_demotions_skipped": "KV offload: blocks the host tier evicted and the tier below it did not "
+    "save (a step demoted more than that tier had slots for), by tier.",
     "kv_transfer_fetches": "Disaggregated prefill: a consumer's fetches of prompt blocks, by outcome "
     "(loaded; recomputed after the producer failed or timed out; cached: this engine held every block).",
     "kv_transfer_total_bytes": "Disaggregated prefill: bytes of prompt blocks sent, fetched and loaded.",
