@@ -1,12 +1,14 @@
 """Anthropic's Messages API through `xlaserve serve` (the session's SmolLM2 server) and the official
 `anthropic` client (2.16: sampling fields go in extra_body): results, usage against count_tokens and
 /tokenize, stop reasons, the event stream in its documented order and the client's own stream helpers,
-the API key in either header, output_config's structured output, thinking on a server without a
+max_tokens 0 pre-warming the prefix cache (usage's cache_read_input_tokens), the fields accepted and
+ignored, the API key in either header, output_config's structured output, thinking on a server without a
 reasoning parser, and forced tool choices answered with tool_use blocks only, streamed or not."""
 
 from __future__ import annotations
 
 import json
+import uuid
 
 import anthropic
 import httpx
@@ -26,6 +28,11 @@ def client(server) -> anthropic.Anthropic:
 
 
 GREEDY = {"temperature": 0}  # this client has no temperature argument; the API still takes the field
+BLOCK_SIZE = 16  # the server's KV block: a prefix-cache hit is whole blocks
+# What the prefix cache held of a prompt differs from run to run (a second run finds the first's blocks):
+# left out where a stream and a message are compared, with the message's id.
+UNCACHED = {"cache_read_input_tokens"}
+NOT_COMPARED = {"id": True, "usage": UNCACHED}
 
 
 def _create(client, **fields):
@@ -127,7 +134,12 @@ def test_stream_events_in_documented_order(server):
     assert all(d["index"] == 0 and d["delta"]["type"] == "text_delta" for d in deltas)
     final = events[-2][1]
     assert final["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    assert final["usage"] == {"input_tokens": start["usage"]["input_tokens"], "output_tokens": 8}
+    usage = final["usage"]
+    num_cached = usage["cache_read_input_tokens"]  # what earlier requests left in the cache
+    assert usage == {"input_tokens": start["usage"]["input_tokens"], "output_tokens": 8} | {
+        "cache_read_input_tokens": num_cached
+    }
+    assert num_cached % BLOCK_SIZE == 0 and num_cached < usage["input_tokens"]
 
 
 def test_stream_helper_equals_the_message(client):
@@ -140,7 +152,67 @@ def test_stream_helper_equals_the_message(client):
             streamed = stream.get_final_message()
         whole = _create(client, messages=QUESTION, **fields)
         assert "".join(texts) == whole.content[0].text
-        assert streamed.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+        assert streamed.model_dump(exclude=NOT_COMPARED) == whole.model_dump(exclude=NOT_COMPARED)
+
+
+def _fresh_system() -> str:
+    """A system prompt no earlier request sent: its prompt's first block is in no cache."""
+    return f"Session {uuid.uuid4().hex}. Answer briefly."
+
+
+def _prewarmed_hit(num_prompt_tokens: int) -> int:
+    """What a prompt run before finds in the prefix cache: its whole blocks, short of its last token
+    (which is computed again to sample from)."""
+    return (num_prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_max_tokens_0_prewarms_the_prefix_cache(client):
+    """max_tokens 0 (Anthropic's cache pre-warming): the prompt runs through the engine and nothing is
+    answered: no content, stop reason max_tokens, no output token; the same prompt then reads its blocks
+    from the prefix cache."""
+    fields = {"messages": QUESTION, "system": _fresh_system()}
+    warm = client.messages.create(model=MODEL_NAME, max_tokens=0, **fields)
+    num_prompt = client.messages.count_tokens(model=MODEL_NAME, **fields).input_tokens
+    assert warm.content == [] and (warm.stop_reason, warm.stop_sequence) == ("max_tokens", None)
+    assert warm.usage.model_dump(exclude_none=True) == {
+        "input_tokens": num_prompt,
+        "output_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+    answer = _create(client, max_tokens=4, **fields)
+    assert answer.usage.cache_read_input_tokens == _prewarmed_hit(num_prompt) > 0
+    assert answer.usage.input_tokens == num_prompt and answer.content[0].text
+
+
+def test_max_tokens_0_streamed_is_the_stop_alone(server, client):
+    """Streamed, pre-warming sends no block: message_start, ping, message_delta (max_tokens, no output
+    token), message_stop; the SDK's accumulated message is empty, and the prompt is cached all the same."""
+    fields = {"messages": QUESTION, "system": _fresh_system()}
+    events = read_events(server, {"model": MODEL_NAME, "max_tokens": 0, **fields})
+    assert [name for name, _ in events] == ["message_start", "ping", "message_delta", "message_stop"]
+    num_prompt = events[0][1]["message"]["usage"]["input_tokens"]
+    assert events[2][1] == {
+        "type": "message_delta",
+        "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+        "usage": {"input_tokens": num_prompt, "output_tokens": 0, "cache_read_input_tokens": 0},
+    }
+    with client.messages.stream(model=MODEL_NAME, max_tokens=0, **fields) as stream:
+        warmed = stream.get_final_message()
+    assert warmed.content == [] and warmed.stop_reason == "max_tokens" and warmed.usage.output_tokens == 0
+    assert warmed.usage.cache_read_input_tokens == _prewarmed_hit(num_prompt) > 0
+
+
+def test_fields_accepted_and_ignored_change_nothing(client):
+    """service_tier, inference_geo, speed and the top-level cache_control (Anthropic's automatic
+    caching: here prefix caching always is) are accepted and leave the answer as it was."""
+    plain = _create(client, messages=QUESTION)
+    ignored = {"service_tier": "standard_only", "inference_geo": "us", "speed": "fast"}
+    message = _create(client, messages=QUESTION, cache_control={"type": "ephemeral", "ttl": "1h"}, **ignored)
+    assert message.model_dump(exclude=NOT_COMPARED) == plain.model_dump(exclude=NOT_COMPARED)
+    counted = client.messages.count_tokens(
+        model=MODEL_NAME, messages=QUESTION, speed="standard", cache_control={"type": "ephemeral"}
+    )
+    assert counted.input_tokens == plain.usage.input_tokens
 
 
 def test_api_key_in_either_header(server):
@@ -247,7 +319,7 @@ def test_streamed_tool_call_equals_the_message(server, client):
     whole = _create(client, **fields)
     (streamed_call,), (call,) = _check_calls(streamed), _check_calls(whole)
     assert (streamed_call.name, streamed_call.input) == (call.name, call.input)
-    assert streamed.usage == whole.usage
+    assert streamed.usage.model_dump(exclude=UNCACHED) == whole.usage.model_dump(exclude=UNCACHED)
     events = read_events(server, {"model": MODEL_NAME, "temperature": 0, **fields})
     deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
     assert deltas and all(d["type"] == "input_json_delta" for d in deltas)
@@ -267,7 +339,9 @@ def test_auto_tool_choice_stream_and_message_agree(client):
         return [block.model_dump(exclude={"id"}, exclude_none=True) for block in message.content]
 
     assert blocks(streamed) == blocks(whole) and whole.content
-    assert (streamed.stop_reason, streamed.usage) == (whole.stop_reason, whole.usage)
+    assert streamed.model_dump(exclude={**NOT_COMPARED, "content": True}) == whole.model_dump(
+        exclude={**NOT_COMPARED, "content": True}
+    )
     unread = _create(client, **fields, tool_choice={"type": "none"})
     if any(block.type == "tool_use" for block in whole.content):
         assert whole.stop_reason == "tool_use" and "<tool_call>" in unread.content[0].text
@@ -287,7 +361,9 @@ def test_forced_any_cut_by_max_tokens_is_tool_use_blocks_streamed_or_not(client,
     assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == max_tokens
     with client.messages.stream(model=MODEL_NAME, extra_body=GREEDY, **fields) as stream:
         streamed = stream.get_final_message()
-    assert streamed.model_dump(exclude={"id", "content"}) == whole.model_dump(exclude={"id", "content"})
+    assert streamed.model_dump(exclude={**NOT_COMPARED, "content": True}) == whole.model_dump(
+        exclude={**NOT_COMPARED, "content": True}
+    )
     assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [
         b.model_dump(exclude={"id"}) for b in whole.content
     ]
@@ -319,7 +395,7 @@ def test_output_config_format_answers_schema_valid_json(client):
         model=MODEL_NAME, extra_body=GREEDY, messages=QUESTION, max_tokens=96, output_config=COLORS_FORMAT
     ) as stream:
         streamed = stream.get_final_message()
-    assert streamed.model_dump(exclude={"id"}) == message.model_dump(exclude={"id"})
+    assert streamed.model_dump(exclude=NOT_COMPARED) == message.model_dump(exclude=NOT_COMPARED)
     # The format constrains the answer, not the prompt.
     counted = client.messages.count_tokens(model=MODEL_NAME, messages=QUESTION, output_config=COLORS_FORMAT)
     assert counted.input_tokens == message.usage.input_tokens
@@ -348,9 +424,9 @@ def test_thinking_on_a_server_without_reasoning_parser_is_the_plain_answer(clien
     thinking = {"type": "enabled", "budget_tokens": 1024}
     message = _create(client, messages=QUESTION, max_tokens=16, thinking=thinking)
     assert [block.type for block in message.content] == ["text"]
-    assert message.model_dump(exclude={"id"}) == plain.model_dump(exclude={"id"})
+    assert message.model_dump(exclude=NOT_COMPARED) == plain.model_dump(exclude=NOT_COMPARED)
     with client.messages.stream(
         model=MODEL_NAME, extra_body=GREEDY, messages=QUESTION, max_tokens=16, thinking={"type": "adaptive"}
     ) as stream:
         streamed = stream.get_final_message()
-    assert streamed.model_dump(exclude={"id"}) == plain.model_dump(exclude={"id"})
+    assert streamed.model_dump(exclude=NOT_COMPARED) == plain.model_dump(exclude=NOT_COMPARED)

@@ -1270,7 +1270,7 @@ ANTHROPIC_BAD = [
     ({"model": DROP}, "model"),
     ({"messages": DROP}, "messages"),
     ({"messages": []}, "messages"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),  # 0 is cache pre-warming
     ({"max_tokens": 2**31}, "max_tokens"),
     ({"temperature": 1.5}, "temperature"),
     ({"temperature": -0.1}, "temperature"),
@@ -1283,6 +1283,13 @@ ANTHROPIC_BAD = [
     ({"system": [{"type": "text"}]}, "system[0].text"),
     ({"metadata": {"user_id": 5}}, "metadata.user_id"),
     ({"metadata": {"tenant": "x"}}, "metadata.tenant"),
+    # Accepted and ignored where they mean nothing here, checked all the same.
+    ({"cache_control": {"type": "persistent"}}, "cache_control.type"),
+    ({"cache_control": {"type": "ephemeral", "ttl": "1d"}}, "cache_control.ttl"),
+    ({"speed": "warp"}, "speed"),
+    ({"service_tier": "priority"}, "service_tier"),
+    ({"inference_geo": 5}, "inference_geo"),
+    ({"inference_geo": "x" * 65}, "inference_geo"),
     ({"unknown_field": 1}, "unknown_field"),
     ({"thinking": {"type": "sometimes"}}, "thinking"),
     ({"thinking": {"type": "enabled"}}, "thinking"),
@@ -1365,6 +1372,7 @@ ANTHROPIC_BAD = [
     ({"mcp_servers": [{**_MCP, "tool_configuration": {"allowed_tools": "tide_table"}}]},
      "mcp_servers[0].tool_configuration.allowed_tools"),
     ({"mcp_servers": [_MCP] * 17}, "mcp_servers"),
+    ({"mcp_servers": [_MCP], "max_tokens": 0}, "max_tokens"),
     # Disaggregated prefill's params, as on the chat route (this server is neither producer nor consumer).
     ({"kv_transfer_params": {"remote_port": 0}}, "kv_transfer_params.remote_port"),
     ({"kv_transfer_params": {"do_remote_decode": "yes"}}, "kv_transfer_params.do_remote_decode"),
@@ -1388,7 +1396,7 @@ ANTHROPIC_BAD = [
 # The fields /v1/messages takes and count_tokens does not (it takes the MCP connector's servers).
 _GENERATION_FIELDS = {
     "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "stream",
-    "kv_transfer_params",
+    "kv_transfer_params", "service_tier", "inference_geo",
 }  # fmt: skip
 ANTHROPIC_BAD_CASES = [
     pytest.param(path, fields, field, id=f"{path.rsplit('/', 1)[1]}-{json.dumps(fields)[:70]}")
@@ -1416,6 +1424,7 @@ ANTHROPIC_TEXT_FIELDS = [  # a body with "@" where the bad text goes, the field 
     ({"system": "@"}, "system[0].text"),
     ({"stop_sequences": ["@"]}, "stop_sequences[0]"),
     ({"model": "@"}, "model"),
+    ({"inference_geo": "@"}, "inference_geo"),
     ({"tools": [{"name": "x", "description": "@", "input_schema": {"type": "object"}}]},
      "tools[0].description"),
     ({"tools": [{"name": "x", "input_schema": {"enum": ["@"]}}]}, "tools[0].input_schema"),

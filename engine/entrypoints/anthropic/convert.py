@@ -89,7 +89,9 @@ def chat_body(req: CountTokensRequest, mcp_functions: list[dict] = ()) -> dict:
         body["response_format"] = {"type": "json_schema", "json_schema": json_schema}
     if isinstance(req, MessagesRequest):
         sampling = {
-            "max_tokens": req.max_tokens,
+            # Pre-warming (max_tokens 0) samples one token, dropped from the answer: the engine has no
+            # prompt-only request, and the prompt's blocks reach the prefix cache either way.
+            "max_tokens": req.max_tokens or 1,
             "stop": req.stop_sequences,
             "temperature": req.temperature,
             "top_p": req.top_p,

@@ -183,7 +183,7 @@ class McpMessage:
                 if body["continue_final_message"]
                 else []
             )
-            num_prompt = num_generated = 0
+            num_prompt = num_generated = num_cached = 0
             reason, sequence = "end_turn", None
             for turn in range(MAX_MCP_ROUNDS):
                 chat = chat_request(_turn_body(body, added, turn, req.max_tokens - num_generated))
@@ -215,6 +215,7 @@ class McpMessage:
                     yield event
                 num_generated += model_turn.num_generated
                 num_prompt += len(ids)
+                num_cached += model_turn.num_cached
                 # The turn's blocks as the client reads them from the events: streamed or whole, the same.
                 turn_blocks = [_BLOCKS[block["type"]].model_validate(block) for block in blocks.made[first:]]
                 content += turn_blocks
@@ -235,7 +236,9 @@ class McpMessage:
                     break
                 # The later turn sees the answer so far as the client would send it back as history.
                 added = assistant_history(prefill + [b.model_dump(exclude_none=True) for b in content])
-            usage = Usage(input_tokens=num_prompt, output_tokens=num_generated)
+            usage = Usage(
+                input_tokens=num_prompt, output_tokens=num_generated, cache_read_input_tokens=num_cached
+            )
             self.message = MessagesResponse(
                 id=request_id,
                 content=content,

@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from xlaserve.entrypoints.anthropic.convert import to_chat_request
 from xlaserve.entrypoints.anthropic.mcp import count_with_mcp, create_with_mcp
-from xlaserve.entrypoints.anthropic.output import stop_reason
+from xlaserve.entrypoints.anthropic.output import PREWARMED, stop_reason
 from xlaserve.entrypoints.anthropic.prompt import render
 from xlaserve.entrypoints.anthropic.protocol import (
     AnthropicErrorResponse,
@@ -73,6 +73,10 @@ async def create_message(state: ServerState, req: MessagesRequest, raw_request: 
     if req.mcp_servers:
         if req.kv_transfer_params is not None:  # one prompt's blocks; an MCP message runs several turns
             raise bad_request("kv_transfer_params cannot be combined with mcp_servers", "kv_transfer_params")
+        if req.max_tokens == 0:  # which turns' prompts would it warm? Only the first is known up front
+            raise bad_request(
+                "max_tokens: 0 (cache pre-warming) cannot be combined with mcp_servers", "max_tokens"
+            )
         return await create_with_mcp(state, req, raw_request, model)
     chat, plan, text, ids, mm_features = await render(state, req, to_chat_request(req))
     check_context(state.engine, len(ids), req.max_tokens, "messages")
@@ -80,9 +84,11 @@ async def create_message(state: ServerState, req: MessagesRequest, raw_request: 
     reader = ChoiceReader(choice_parser(state, chat, plan, ids))
     request_id = new_id("msg").replace("-", "_")
     stream = submit(state, ids, params, request_id, stream=req.stream, prompt=text, mm_features=mm_features)
+    is_prewarm = req.max_tokens == 0
     if req.stream:
         return StreamingResponse(
-            event_stream(request_id, model, stream, len(ids), reader), media_type="text/event-stream"
+            event_stream(request_id, model, stream, len(ids), reader, is_prewarm=is_prewarm),
+            media_type="text/event-stream",
         )
     try:
         (output,) = await collect_final(raw_request, [stream])
@@ -90,14 +96,21 @@ async def create_message(state: ServerState, req: MessagesRequest, raw_request: 
         raise engine_error(e) from None
     check_finish(output)
     (completion,) = output.outputs
-    blocks = reader.blocks(completion.text)
-    reason, sequence = stop_reason(completion, any(isinstance(b, ToolUseBlock) for b in blocks))
+    if is_prewarm:  # the prompt is cached; its one sampled token (convert.py) is no answer
+        blocks, (reason, sequence), num_generated = [], PREWARMED, 0
+    else:
+        blocks = reader.blocks(completion.text)
+        reason, sequence = stop_reason(completion, any(isinstance(b, ToolUseBlock) for b in blocks))
+        num_generated = len(completion.token_ids)
+    usage = Usage(
+        input_tokens=len(ids), output_tokens=num_generated, cache_read_input_tokens=output.num_cached_tokens
+    )
     return MessagesResponse(
         id=request_id,
         content=blocks,
         model=model,
         stop_reason=reason,
         stop_sequence=sequence,
-        usage=Usage(input_tokens=len(ids), output_tokens=len(completion.token_ids)),
+        usage=usage,
         kv_transfer_params=output.kv_transfer_params,
     )

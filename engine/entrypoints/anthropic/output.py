@@ -22,6 +22,10 @@ class Piece:
     server_name: str | None = None
 
 
+# A pre-warming request's (max_tokens 0) stop: the limit, reached before any content.
+PREWARMED: tuple[StopReason, None] = ("max_tokens", None)
+
+
 def stop_reason(completion: CompletionOutput, has_tool_use: bool) -> tuple[StopReason, str | None]:
     """(stop_reason, stop_sequence): a length cut is max_tokens even mid-call (the client should not
     run a cut call); a matched stop string is stop_sequence; a finished call is tool_use; anything else

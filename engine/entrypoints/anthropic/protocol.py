@@ -18,7 +18,6 @@ from xlaserve.entrypoints.serving.protocol import (
     JsonObject,
     KVTransferParams,
     OmitsNones,
-    PositiveTokens,
     StopString,
     StrictModel,
     Text,
@@ -251,6 +250,10 @@ class CountTokensRequest(StrictModel):
     )
     output_config: OutputConfig | None = None
     mcp_servers: list[McpServerParam] | None = Field(default=None, max_length=MAX_MCP_SERVERS)
+    cache_control: CacheControl | None = Field(
+        default=None, description="Anthropic's automatic caching: accepted; prefix caching here always is"
+    )
+    speed: Literal["standard", "fast"] | None = Field(default=None, description="accepted and ignored")
     # vLLM's extra, not Anthropic's
     chat_template_kwargs: JsonObject | None = Field(
         default=None,
@@ -262,13 +265,24 @@ class CountTokensRequest(StrictModel):
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages."""
 
-    max_tokens: PositiveTokens
+    max_tokens: int = Field(
+        ge=0,
+        le=2**31 - 1,
+        description="0: the prompt is run and its blocks cached, nothing generated (Anthropic's cache "
+        "pre-warming): no content, stop_reason max_tokens",
+    )
     stop_sequences: list[StopString] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0.0, le=1.0, description="default 1.0")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0, le=2**31 - 1, description="0: off")
     metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = Field(
+        default=None, description="accepted and ignored: one tier here"
+    )
+    inference_geo: Text | None = Field(
+        default=None, max_length=64, description="accepted and ignored: inference runs on this server"
+    )
     kv_transfer_params: KVTransferParams | None = Field(
         default=None,
         description="vLLM's disaggregated prefill (README), as on the chat route; not with mcp_servers",
@@ -315,8 +329,9 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 class Usage(BaseModel):
-    input_tokens: int
+    input_tokens: int = Field(description="the whole prompt, its cached tokens included (as count_tokens)")
     output_tokens: int
+    cache_read_input_tokens: int = Field(default=0, description="the prompt's tokens the prefix cache held")
 
 
 class MessagesResponse(OmitsNones):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from xlaserve.entrypoints.anthropic.output import Piece, stop_reason
+from xlaserve.entrypoints.anthropic.output import PREWARMED, Piece, stop_reason
 from xlaserve.entrypoints.anthropic.reading import partial_object
 from xlaserve.entrypoints.serving.engine_io import check_finish, engine_error, merge_streams
 
@@ -124,6 +124,7 @@ class Turn:
         self.translate = translate or (lambda pieces: pieces)
         self.completion = None
         self.num_generated = 0
+        self.num_cached = 0  # the prompt's tokens the prefix cache held
 
     async def events(self):
         merged = merge_streams([self.stream])
@@ -132,6 +133,7 @@ class Turn:
                 check_finish(output)
                 (self.completion,) = output.outputs
                 self.num_generated += len(self.completion.token_ids)
+                self.num_cached = output.num_cached_tokens
                 pieces = self.reader.feed(self.completion.text)
                 if self.completion.finish_reason is not None:
                     pieces += self.reader.flush()
@@ -144,16 +146,23 @@ class Turn:
             yield event
 
 
-async def event_stream(request_id: str, model: str, stream, num_prompt_tokens: int, reader):
+async def event_stream(
+    request_id: str, model: str, stream, num_prompt_tokens: int, reader, *, is_prewarm: bool = False
+):
+    """The message's events; pre-warming (`is_prewarm`, max_tokens 0), no block: only the stop."""
     for event in message_start(request_id, model, num_prompt_tokens):
         yield event
     blocks = Blocks()
-    turn = Turn(stream, reader, blocks)
+    turn = Turn(stream, reader, blocks, (lambda pieces: []) if is_prewarm else None)
     try:
         async for event in turn.events():
             yield event
-        reason, sequence = stop_reason(turn.completion, blocks.has_tool_use)
-        usage = {"input_tokens": num_prompt_tokens, "output_tokens": turn.num_generated}
+        reason, sequence = PREWARMED if is_prewarm else stop_reason(turn.completion, blocks.has_tool_use)
+        usage = {
+            "input_tokens": num_prompt_tokens,
+            "output_tokens": 0 if is_prewarm else turn.num_generated,
+            "cache_read_input_tokens": turn.num_cached,
+        }
         for event in message_end(reason, sequence, usage):
             yield event
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
