@@ -17,14 +17,14 @@ import httpx
 import pytest
 
 from helpers.mcp_server import ToolServer, tide_table
-from helpers.sdk_clients import strict_anthropic
+from helpers.sdk_clients import anthropic_prompt_tokens, strict_anthropic
 from helpers.server_harness import MODEL_NAME
 
 ASK = [{"role": "user", "content": "When is high tide in Brest? Use the tide table."}]
 BETA = ["mcp-client-2025-04-04"]
 GREEDY = {"temperature": 0}  # this client has no temperature argument; the API still takes the field
 # What the prefix cache held of the prompts differs from run to run (a later run finds an earlier's blocks).
-UNCACHED = {"cache_read_input_tokens"}
+UNCACHED = {"input_tokens", "cache_read_input_tokens"}
 
 
 def _usage(message) -> dict:
@@ -85,14 +85,14 @@ def test_a_call_is_made_by_the_server_and_the_model_goes_on(server, client, mcp_
     prompt_ids = httpx.post(
         server.url + "/tokenize", json={"model": MODEL_NAME, "messages": ASK}, headers=server.headers
     ).json()["tokens"]
-    assert message.usage.input_tokens > 2 * len(prompt_ids)
+    assert anthropic_prompt_tokens(message.usage) > 2 * len(prompt_ids)
     # The answer's MCP blocks sent back as history: the call and its result reach the prompt.
     made = [block.model_dump(exclude_none=True) for block in message.content[:2]]
     history = [*ASK, {"role": "assistant", "content": made}, {"role": "user", "content": "Thanks."}]
     answered = client.messages.create(model=MODEL_NAME, messages=history, max_tokens=4, extra_body=GREEDY)
     without = [*ASK, {"role": "assistant", "content": made[:1]}, {"role": "user", "content": "Thanks."}]
     counted = client.messages.count_tokens(model=MODEL_NAME, messages=without)
-    assert answered.content and answered.usage.input_tokens > counted.input_tokens
+    assert answered.content and anthropic_prompt_tokens(answered.usage) > counted.input_tokens
     # Each later turn's prompt is the request's with the answer so far sent back as an assistant message
     # (the same tools offered): the turns' prompts summed, as count_tokens counts each, are the usage.
     blocks = [block.model_dump(exclude_none=True) for block in message.content]
@@ -104,7 +104,7 @@ def test_a_call_is_made_by_the_server_and_the_model_goes_on(server, client, mcp_
         client.beta.messages.count_tokens(model=MODEL_NAME, messages=turn, mcp_servers=servers, betas=BETA)
         for turn in turns
     ]
-    assert message.usage.input_tokens == sum(count.input_tokens for count in counts)
+    assert anthropic_prompt_tokens(message.usage) == sum(count.input_tokens for count in counts)
 
 
 def _turn_starts(blocks: list[dict], i: int) -> bool:
@@ -255,7 +255,9 @@ def test_a_disabled_server_is_never_contacted_nor_offered(
         model=MODEL_NAME, messages=ASK, mcp_servers=servers, betas=BETA
     )
     plain = client.messages.count_tokens(model=MODEL_NAME, messages=ASK)
-    assert message.usage.input_tokens == counted.input_tokens == plain.input_tokens  # nothing offered
+    assert (
+        anthropic_prompt_tokens(message.usage) == counted.input_tokens == plain.input_tokens
+    )  # none offered
     assert mcp_tool_server.num_requests == before
 
 
@@ -266,7 +268,7 @@ def test_count_tokens_counts_the_first_turn_with_the_mcp_tools(
     counted = client.beta.messages.count_tokens(**fields)
     # One token: no call can be made, the message is its first turn.
     message = client.beta.messages.create(**fields, max_tokens=1, extra_body=GREEDY)
-    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens == anthropic_prompt_tokens(message.usage)
     assert counted.input_tokens > client.messages.count_tokens(model=MODEL_NAME, messages=ASK).input_tokens
     # The messages route's refusals: a server outside --tool-server (400), one that is down (424).
     down = {**fields, "mcp_servers": [mcp_server(f"http://{dead_tool_server_address}/mcp")]}

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from helpers.sdk_clients import strict_anthropic
+from helpers.sdk_clients import anthropic_prompt_tokens, strict_anthropic
 from helpers.server_harness import MODEL_NAME
 
 QUESTION = [{"role": "user", "content": "Name three colors."}]
@@ -29,9 +29,9 @@ def client(server) -> anthropic.Anthropic:
 
 GREEDY = {"temperature": 0}  # this client has no temperature argument; the API still takes the field
 BLOCK_SIZE = 16  # the server's KV block: a prefix-cache hit is whole blocks
-# What the prefix cache held of a prompt differs from run to run (a second run finds the first's blocks):
-# left out where a stream and a message are compared, with the message's id.
-UNCACHED = {"cache_read_input_tokens"}
+# What the prefix cache held of a prompt differs from run to run (a second run finds the first's blocks),
+# and with it the tokens computed: left out where a stream and a message are compared, with the id.
+UNCACHED = {"input_tokens", "cache_read_input_tokens"}
 NOT_COMPARED = {"id": True, "usage": UNCACHED}
 
 
@@ -53,7 +53,7 @@ def test_round_trip_usage_and_count_tokens(server, client):
     assert [block.type for block in message.content] == ["text"] and message.content[0].text
     counted = client.messages.count_tokens(model=MODEL_NAME, messages=QUESTION, system="Answer briefly.")
     engine_ids = _prompt_ids(server, [{"role": "system", "content": "Answer briefly."}, *QUESTION])
-    assert message.usage.input_tokens == counted.input_tokens == len(engine_ids)
+    assert anthropic_prompt_tokens(message.usage) == counted.input_tokens == len(engine_ids)
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
 
 
@@ -94,7 +94,7 @@ def test_prefill_continues_the_final_assistant_message(server, client):
     )  # fmt: skip
     chat = response.json()
     assert message.content[0].text == chat["choices"][0]["message"]["content"]
-    assert message.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert anthropic_prompt_tokens(message.usage) == chat["usage"]["prompt_tokens"]
 
 
 def read_events(server, body: dict) -> list[tuple[str, dict]]:
@@ -136,10 +136,12 @@ def test_stream_events_in_documented_order(server):
     assert final["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     usage = final["usage"]
     num_cached = usage["cache_read_input_tokens"]  # what earlier requests left in the cache
-    assert usage == {"input_tokens": start["usage"]["input_tokens"], "output_tokens": 8} | {
+    # message_start's count is the whole prompt; the delta's, its part the cache did not hold.
+    num_prompt = start["usage"]["input_tokens"]
+    assert usage == {"input_tokens": num_prompt - num_cached, "output_tokens": 8} | {
         "cache_read_input_tokens": num_cached
     }
-    assert num_cached % BLOCK_SIZE == 0 and num_cached < usage["input_tokens"]
+    assert num_cached % BLOCK_SIZE == 0 and num_cached < num_prompt
 
 
 def test_stream_helper_equals_the_message(client):
@@ -181,7 +183,7 @@ def test_max_tokens_0_prewarms_the_prefix_cache(client):
     }
     answer = _create(client, max_tokens=4, **fields)
     assert answer.usage.cache_read_input_tokens == _prewarmed_hit(num_prompt) > 0
-    assert answer.usage.input_tokens == num_prompt and answer.content[0].text
+    assert answer.usage.input_tokens == num_prompt - _prewarmed_hit(num_prompt) and answer.content[0].text
 
 
 def test_max_tokens_0_streamed_is_the_stop_alone(server, client):
@@ -212,7 +214,7 @@ def test_fields_accepted_and_ignored_change_nothing(client):
     counted = client.messages.count_tokens(
         model=MODEL_NAME, messages=QUESTION, speed="standard", cache_control={"type": "ephemeral"}
     )
-    assert counted.input_tokens == plain.usage.input_tokens
+    assert counted.input_tokens == anthropic_prompt_tokens(plain.usage)
 
 
 def test_api_key_in_either_header(server):
@@ -305,7 +307,7 @@ def test_tool_round_trip_completes(server, client):
     final = _create(client, messages=history, tools=[WEATHER], tool_choice={"type": "none"}, max_tokens=24)
     assert final.stop_reason in ("end_turn", "max_tokens") and [b.type for b in final.content] == ["text"]
     counted = client.messages.count_tokens(model=MODEL_NAME, messages=history, tools=[WEATHER])
-    assert final.usage.input_tokens == counted.input_tokens > first.usage.input_tokens
+    assert anthropic_prompt_tokens(final.usage) == counted.input_tokens > anthropic_prompt_tokens(first.usage)
     # The result is in the prompt the engine saw: the same conversation without it counts fewer tokens.
     without = [*history[:2], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id}]}]
     fewer = client.messages.count_tokens(model=MODEL_NAME, messages=without, tools=[WEATHER])
@@ -398,7 +400,7 @@ def test_output_config_format_answers_schema_valid_json(client):
     assert streamed.model_dump(exclude=NOT_COMPARED) == message.model_dump(exclude=NOT_COMPARED)
     # The format constrains the answer, not the prompt.
     counted = client.messages.count_tokens(model=MODEL_NAME, messages=QUESTION, output_config=COLORS_FORMAT)
-    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens == anthropic_prompt_tokens(message.usage)
 
 
 class Capital(BaseModel):

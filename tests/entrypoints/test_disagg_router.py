@@ -25,6 +25,7 @@ import httpx
 import openai
 import pytest
 
+from helpers.sdk_clients import anthropic_prompt_tokens
 from helpers.server_harness import ServerProcess, _command, _free_port
 from helpers.tiny_models import TINY_PROCESS_ENV, save_tiny_thinking_model
 from xlaserve.entrypoints.router import Router, build_app
@@ -260,8 +261,8 @@ def test_anthropic_messages_through_the_router_answer_like_one_server(servers):
     expected = alone.messages.create(**fields, extra_body=greedy)
     assert message.content == expected.content
     # Not cache_read_input_tokens: the consumer's count is the blocks it fetched, the producer's its hit.
-    assert (message.usage.input_tokens, message.usage.output_tokens) == (
-        expected.usage.input_tokens,
+    assert (anthropic_prompt_tokens(message.usage), message.usage.output_tokens) == (
+        anthropic_prompt_tokens(expected.usage),
         expected.usage.output_tokens,
     )
     assert _loaded_since(consumer, before) == (1, 0, 0)

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from helpers.sdk_clients import anthropic_prompt_tokens
 from helpers.server_harness import ServerProcess
 from helpers.tiny_models import TINY_PROCESS_ENV, save_tiny_thinking_model
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
@@ -208,12 +209,15 @@ def test_anthropic_messages_give_a_thinking_block(thinking_server):
     expected = [{"type": "thinking", "thinking": reasoning, "signature": ""}]
     expected += [{"type": "text", "text": content}] if content else []
     assert [block.model_dump(exclude_none=True) for block in message.content] == expected
-    assert message.usage.input_tokens == len(ids) and message.stop_reason in ("max_tokens", "end_turn")
+    assert anthropic_prompt_tokens(message.usage) == len(ids) and message.stop_reason in (
+        "max_tokens",
+        "end_turn",
+    )
     with client.messages.stream(**fields) as stream:
         events = [event.type for event in stream]
         streamed = stream.get_final_message()
     # Not the cache's hit: the stream finds the blocks the message left.
-    uncompared = {"id": True, "usage": {"cache_read_input_tokens"}}
+    uncompared = {"id": True, "usage": {"input_tokens", "cache_read_input_tokens"}}
     assert streamed.model_dump(exclude=uncompared) == message.model_dump(exclude=uncompared)
     assert events[:4] == ["message_start", "content_block_start", "content_block_delta", "thinking"]
     # Anthropic's thinking switch reaches the template as enable_thinking: the answer has no thinking,
@@ -229,7 +233,7 @@ def test_anthropic_messages_give_a_thinking_block(thinking_server):
     assert chat.get("reasoning_content") is None
     answer = [{"type": "text", "text": chat["content"]}] if chat["content"] else []
     assert [block.model_dump(exclude_none=True) for block in closed.content] == answer
-    assert closed.usage.input_tokens == len(ids)
+    assert anthropic_prompt_tokens(closed.usage) == len(ids)
 
 
 def test_chat_template_kwargs_reach_the_responses_and_anthropic_templates(thinking_server, client):
@@ -258,7 +262,7 @@ def test_chat_template_kwargs_reach_the_responses_and_anthropic_templates(thinki
     body = {"model": "tiny", "messages": CHAT, "max_tokens": GREEDY["max_tokens"], "temperature": 0}
     message = httpx.post(url + "/v1/messages", json={**body, **THINKING[False]}, timeout=300).json()
     assert message["content"] == ([{"type": "text", "text": content}] if content else [])
-    assert message["usage"]["input_tokens"] == len(closed)
+    assert anthropic_prompt_tokens(message["usage"]) == len(closed)
     count = {"model": "tiny", "messages": CHAT, **THINKING[False]}
     assert httpx.post(url + "/v1/messages/count_tokens", json=count).json()["input_tokens"] == len(closed)
     thinking = {**count, "thinking": {"type": "enabled", "budget_tokens": 1024}}

@@ -28,3 +28,11 @@ def strict_anthropic(server) -> anthropic.Anthropic:
         timeout=300,
         _strict_response_validation=True,
     )
+
+
+def anthropic_prompt_tokens(usage) -> int:
+    """An Anthropic usage's whole prompt (what count_tokens counts): its buckets added up, the tokens
+    computed (`input_tokens`) and those read from the prefix cache. A usage object or its dict."""
+    if isinstance(usage, dict):
+        return usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)

@@ -237,7 +237,9 @@ class McpMessage:
                 # The later turn sees the answer so far as the client would send it back as history.
                 added = assistant_history(prefill + [b.model_dump(exclude_none=True) for b in content])
             usage = Usage(
-                input_tokens=num_prompt, output_tokens=num_generated, cache_read_input_tokens=num_cached
+                input_tokens=num_prompt - num_cached,
+                output_tokens=num_generated,
+                cache_read_input_tokens=num_cached,
             )
             self.message = MessagesResponse(
                 id=request_id,

@@ -102,8 +102,9 @@ async def create_message(state: ServerState, req: MessagesRequest, raw_request: 
         blocks = reader.blocks(completion.text)
         reason, sequence = stop_reason(completion, any(isinstance(b, ToolUseBlock) for b in blocks))
         num_generated = len(completion.token_ids)
+    num_cached = output.num_cached_tokens
     usage = Usage(
-        input_tokens=len(ids), output_tokens=num_generated, cache_read_input_tokens=output.num_cached_tokens
+        input_tokens=len(ids) - num_cached, output_tokens=num_generated, cache_read_input_tokens=num_cached
     )
     return MessagesResponse(
         id=request_id,

@@ -329,7 +329,9 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
 class Usage(BaseModel):
-    input_tokens: int = Field(description="the whole prompt, its cached tokens included (as count_tokens)")
+    # Anthropic's buckets add up to the prompt (count_tokens): input_tokens is the part the prefix cache
+    # did not hold.
+    input_tokens: int = Field(description="the prompt's tokens computed (not read from the cache)")
     output_tokens: int
     cache_read_input_tokens: int = Field(default=0, description="the prompt's tokens the prefix cache held")
 

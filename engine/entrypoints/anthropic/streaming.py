@@ -159,7 +159,9 @@ async def event_stream(
             yield event
         reason, sequence = PREWARMED if is_prewarm else stop_reason(turn.completion, blocks.has_tool_use)
         usage = {
-            "input_tokens": num_prompt_tokens,
+            # message_start's input_tokens (sent before the engine answered) was the whole prompt; the
+            # SDKs take the delta's in its place.
+            "input_tokens": num_prompt_tokens - turn.num_cached,
             "output_tokens": 0 if is_prewarm else turn.num_generated,
             "cache_read_input_tokens": turn.num_cached,
         }
