@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.tiny_models import elemental_emitters
 from helpers.tiny_vlm import (
     ENGINE_ARGS,
     hf_greedy,
@@ -60,10 +59,9 @@ def _cache_memory(family: str, blocks: int) -> int:
 @pytest.fixture(scope="module")
 def llm(model_dir, family):
     # Room for a video's prompt: Qwen3-VL's spells each frame pair's time (`<1.2 seconds>`) in the text.
-    with elemental_emitters():  # its tests compare it with Hugging Face's outputs only
-        return LLM(
-            model_dir, **{**ENGINE_ARGS, "kv_cache_memory": _cache_memory(family, 24), "max_model_len": 192}
-        )
+    return LLM(
+        model_dir, **{**ENGINE_ARGS, "kv_cache_memory": _cache_memory(family, 24), "max_model_len": 192}
+    )
 
 
 @pytest.fixture(scope="module")
