@@ -15,6 +15,7 @@ from helpers.mtp_cases import (
     save_qwen3_5_vl_with_mtp,
     save_qwen3_5_with_mtp,
 )
+from helpers.tiny_models import elemental_emitters
 from xlaserve import LLM, SamplingParams
 
 VOCAB = 101
@@ -41,7 +42,8 @@ def test_every_draft_is_the_mtp_layers_own(tmp_path, family):
         path, hf, layer, mtp = save_qwen3_5_with_mtp(str(tmp_path), family=family)
     batch = [{"prompt_token_ids": first}, {"prompt_token_ids": second}]
     expected = [hf_greedy(hf, p["prompt_token_ids"]) for p in batch]
-    llm = LLM(path, **ENGINE_ARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with elemental_emitters():  # compared with Hugging Face's layers only
+        llm = LLM(path, **ENGINE_ARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     seen = record_drafts(llm)
     for prompt, tokens in zip(batch, expected):
         out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
@@ -67,7 +69,8 @@ def test_drafts_after_an_image_rotate_by_the_targets_mrope_positions(tmp_path):
     path, hf, layer, mtp = save_qwen3_5_vl_with_mtp(str(tmp_path))
     # Room for the state slots and the MTP layer's K/V too; programs compiled as used.
     args = {**VL_ARGS, "kv_cache_memory": 4 * 2**20, "enforce_eager": True, "strict_compile_guard": False}
-    llm = LLM(path, **args, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with elemental_emitters():  # compared with Hugging Face's layers only
+        llm = LLM(path, **args, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     seen = record_drafts(llm)
     image, text = random_image(1), "Look <|vision_start|><|image_pad|><|vision_end|> and say"
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": [image]}}, GREEDY, use_tqdm=False)[0]

@@ -37,7 +37,7 @@ from helpers.family_cases import (
     tokens_with_a_preemption,
     word_tokenizer,
 )
-from helpers.tiny_models import save_bigram_llama
+from helpers.tiny_models import elemental_emitters, save_bigram_llama
 from xlaserve import LLM, SamplingParams
 from xlaserve.worker.mm_encoder import MAX_TOWER_SCORES_BYTES, patch_buckets
 
@@ -256,6 +256,12 @@ NEXT = dict(
 )
 
 
+def hf_compared_engine(hf, tmp_path) -> LLM:
+    """An engine on `hf`'s weights, for a test comparing it with Hugging Face's outputs only."""
+    with elemental_emitters():
+        return LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+
+
 def test_qwen3_next_matches_hugging_face(tmp_path):
     """Qwen3-Next: the same hybrid layers with its fused DeltaNet projections (regrouped per key head
     at load) and a mixture of experts with a gated shared expert in every layer: greedy tokens and
@@ -264,7 +270,7 @@ def test_qwen3_next_matches_hugging_face(tmp_path):
     config.architectures = ["Qwen3NextForCausalLM"]
     torch.manual_seed(2)
     hf = randomize_weights(transformers.Qwen3NextForCausalLM(config).eval(), norm_center=0.0)
-    llm = LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+    llm = hf_compared_engine(hf, tmp_path)
     assert_greedy_and_prompt_logprobs_match(llm, hf, prompts(VOCAB, seed=5))
 
 
@@ -279,7 +285,7 @@ def test_granite_4_hybrid_matches_hugging_face(position_embedding_type, tmp_path
     config.architectures = ["GraniteMoeHybridForCausalLM"]
     torch.manual_seed(3)
     hf = randomize_weights(transformers.GraniteMoeHybridForCausalLM(config).eval())
-    llm = LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+    llm = hf_compared_engine(hf, tmp_path)
     assert_greedy_and_prompt_logprobs_match(llm, hf, prompts(VOCAB, seed=6))
 
 
@@ -291,7 +297,7 @@ def test_qwen3_5_moe_matches_hugging_face(tmp_path):
     config.architectures = ["Qwen3_5MoeForCausalLM"]
     torch.manual_seed(4)
     hf = randomize_weights(transformers.Qwen3_5MoeForCausalLM(config).eval(), norm_center=0.0)
-    llm = LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+    llm = hf_compared_engine(hf, tmp_path)
     batch = prompts(VOCAB, seed=7)
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(hf, p) for p in batch]
@@ -313,7 +319,7 @@ def test_falcon_h1_matches_hugging_face(gate_norm, tmp_path):
     config.architectures = ["FalconH1ForCausalLM"]
     torch.manual_seed(5)
     hf = randomize_weights(transformers.FalconH1ForCausalLM(config).eval())
-    llm = LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+    llm = hf_compared_engine(hf, tmp_path)
     groups = llm.engine_core.kv_cache_manager.kv_cache_groups
     assert [(type(g.spec).__name__, g.layer_ids) for g in groups] == [
         ("FullAttentionSpec", (0, 1)),
@@ -358,7 +364,7 @@ def test_jamba_matches_hugging_face(tmp_path):
         for layer in hf.model.layers:
             if hasattr(layer, "mamba"):
                 layer.mamba.A_log.copy_(torch.log(torch.arange(1.0, 9.0)).expand(64, -1))
-    llm = LLM(save_hf_model(hf, tmp_path), **ENGINE_ARGS)
+    llm = hf_compared_engine(hf, tmp_path)
     groups = llm.engine_core.kv_cache_manager.kv_cache_groups
     assert [(type(g.spec).__name__, g.layer_ids) for g in groups] == [
         ("FullAttentionSpec", (1,)),

@@ -143,6 +143,8 @@ def test_the_towers_attention_is_each_images_own_wherever_it_is_packed():
     the same bits alone in its own bucket as packed behind another image in a larger one, in a window
     layer and a full layer (it starts a query block, and its blocks read a key window from its first
     patch: models/qwen_vl_tower.attend_patches); in float32 they match a float64 reference."""
+    from functools import partial
+
     import jax
     import jax.numpy as jnp
 
@@ -158,7 +160,13 @@ def test_the_towers_attention_is_each_images_own_wherever_it_is_packed():
     rng = np.random.default_rng(0)
     qkv_all = rng.standard_normal((420, 3 * heads * head_dim)).astype(np.float32)
     angles_all = rng.standard_normal((420, head_dim // 2)).astype(np.float32)
-    attend = jax.jit(attend_patches, static_argnums=1)
+
+    # One program a bucket and dtype, its inputs' conversions and rotation angles inside it (op by op,
+    # each would compile on its own).
+    @partial(jax.jit, static_argnums=(1, 5))
+    def attend(qkv, heads, angles, ids, block_starts, dtype):
+        out = attend_patches(qkv.astype(dtype), heads, rope_cos_sin(angles), ids, block_starts)
+        return out.astype(jnp.float32)
 
     def run(names: list[str], bucket: int, dtype, ids: str) -> tuple[np.ndarray, np.ndarray]:
         """Each patch's attention output and id, by patch number."""
@@ -169,15 +177,14 @@ def test_the_towers_attention_is_each_images_own_wherever_it_is_packed():
         packed = pack_images(vision, images, bucket)
         real = packed["image_ids"] >= 0
         number = np.where(real, packed["patches"][:, 0], 0).astype(np.int64)
-        qkv = jnp.asarray(np.where(real[:, None], qkv_all[number], 0), dtype)
-        cos_sin = rope_cos_sin(jnp.asarray(angles_all[number]))
-        out = attend(qkv, heads, cos_sin, jnp.asarray(packed[ids]), jnp.asarray(packed["block_starts"]))
+        qkv = np.where(real[:, None], qkv_all[number], 0)
+        out = attend(qkv, heads, angles_all[number], packed[ids], packed["block_starts"], dtype)
         order = np.argsort(np.where(real, number, len(number) + len(qkv_all)))[: real.sum()]
-        return np.asarray(out.astype(jnp.float32))[order], packed[ids][order]
+        return np.asarray(out)[order], packed[ids][order]
 
     q, k, v = (qkv_all.reshape(-1, 3, heads, head_dim)[:, i] for i in range(3))
-    cos_sin = rope_cos_sin(jnp.asarray(angles_all))
-    q, k = (np.asarray(rotate_halves(jnp.asarray(x), cos_sin), np.float64) for x in (q, k))
+    rotate = jax.jit(lambda x, angles: rotate_halves(x, rope_cos_sin(angles)))
+    q, k = (np.asarray(rotate(x, angles_all), np.float64) for x in (q, k))
     for ids in ("window_ids", "image_ids"):
         alone, _ = run(["a"], 512, jnp.bfloat16, ids)
         packed, _ = run(["b", "a"], 1024, jnp.bfloat16, ids)  # a from patch 128, after b's 100
@@ -193,11 +200,14 @@ def test_the_towers_attention_is_each_images_own_wherever_it_is_packed():
 def test_packed_images_encode_as_hugging_faces_tower(llm, hf):
     """Three images of three sizes packed into one call: each token's row as Hugging Face's (and its
     DeepStack features after it, Qwen3-VL's)."""
+    import jax
     import torch
     from flax import nnx
 
     runner = llm.engine_core.runner
     model = nnx.merge(runner.graphdef, runner.params)
+    # One program, as the engine's encoder runs (op by op, each of the tower's ops compiles on its own).
+    encode = jax.jit(lambda params, inputs: nnx.merge(runner.graphdef, params).encode_images(**inputs))
     images = [random_image(6, (40, 48)), random_image(7, (32, 32)), random_image(8, (48, 40))]
     out = llm.input_processor.mm_processor.hf_processor(text="", images=images)
     grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
@@ -205,7 +215,7 @@ def test_packed_images_encode_as_hugging_faces_tower(llm, hf):
     pixels = np.split(out["pixel_values"], np.cumsum([c * 4 for c in counts])[:-1])
     rows = np.split(np.arange(sum(counts)), np.cumsum(counts)[:-1])
     packed = model.cfg.vision.pack(list(zip(grids, pixels, rows)), 384)  # 120, 64, 120 from blocks of 128
-    encoded = np.asarray(model.encode_images(**{k: v for k, v in packed.items() if k != "dest"}))
+    encoded = np.asarray(encode(runner.params, {k: v for k, v in packed.items() if k != "dest"}))
     ours = np.zeros((sum(counts), encoded.shape[1]), np.float32)
     real = packed["dest"] >= 0
     ours[packed["dest"][real]] = encoded[real]

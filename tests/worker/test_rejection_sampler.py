@@ -45,6 +45,10 @@ def chi2(counts, probs):
     return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
 
 
+# The sampler's program, as the runner's (op by op, each of its ops compiles on its own).
+_sample = jax.jit(sample, static_argnames="with_logprobs")
+
+
 @jax.jit
 def _run(logits, st, draft_ids, num_drafts, draft_probs=None):
     return rejection_sample(logits, _per_position(st, draft_ids), draft_ids, num_drafts, draft_probs)
@@ -124,7 +128,7 @@ def test_seeded_rows_are_reproducible_and_a_row_without_drafts_samples_like_the_
     draft_ids = np.array([[1, 2], [1, 2], [0, 0]], np.int32)
     token, accepted, _ = _run(jnp.asarray(logits), st, draft_ids, np.array([2, 2, 0], np.int32))
     assert token[0] == token[1] and accepted[0] == accepted[1]  # same seed and position, other row
-    plain = sample(
+    plain = _sample(
         jnp.asarray(logits[2 * (K + 1)][None]),
         tensors(1, seeds=seeds[2:], token_index=token_index[2:]),
         with_logprobs=False,
@@ -154,7 +158,7 @@ def test_penalties_count_the_drafts_before_each_position_and_logprobs_follow_the
     # Position 0 takes 3 (not yet counted); at position 1 the draft 3 is penalized away.
     assert int(out.num_accepted[0]) == 1
     counted = dict(extra, output_counts=jnp.asarray(np.eye(V, dtype=np.int32)[[3]]))
-    expected = sample(jnp.asarray(logits[1:2]), tensors(1, temperature=0.0, **counted), with_logprobs=False)
+    expected = _sample(jnp.asarray(logits[1:2]), tensors(1, temperature=0.0, **counted), with_logprobs=False)
     assert int(out.token_ids[0]) == int(expected.token_ids[0]) != 3
     ids = np.asarray(out.logprob_token_ids[0])
     assert ids[0, 0] == 3 and ids[1, 0] == int(out.token_ids[0])
@@ -232,9 +236,11 @@ def test_each_verified_position_is_sampled_under_its_own_grammar_mask():
         np.array([len(drafts)], np.int32),
     )
     greedy = tensors(1, temperature=0.0, allowed_token_bitmask=jnp.asarray(bitmask))
-    out = verify(jnp.asarray(logits), greedy, spec([1, 4]), with_logprobs=False)
+    # One program a batch shape, as the runner's (op by op, each of verify's ops compiled on its own).
+    run = jax.jit(verify, static_argnames="with_logprobs")
+    out = run(jnp.asarray(logits), greedy, spec([1, 4]), with_logprobs=False)
     assert (int(out.num_accepted[0]), int(out.token_ids[0])) == (2, 5)  # the masked argmax chain
-    out = verify(jnp.asarray(logits), greedy, spec([1, 3]), with_logprobs=False)
+    out = run(jnp.asarray(logits), greedy, spec([1, 3]), with_logprobs=False)
     assert (int(out.num_accepted[0]), int(out.token_ids[0])) == (1, 4)  # 3 is the unmasked argmax only
     # Sampled, over many seeds: draft 3 (forbidden at position 1) is never accepted; what is emitted
     # there is 0 or 4, and the bonus after [1, 4] is always 5.
@@ -249,10 +255,10 @@ def test_each_verified_position_is_sampled_under_its_own_grammar_mask():
         np.full(num_seeds, len(drafts), np.int32),
     )
     tiled = jnp.asarray(np.tile(logits, (num_seeds, 1)))
-    out = verify(tiled, sampled, many([1, 3]), with_logprobs=False)
+    out = run(tiled, sampled, many([1, 3]), with_logprobs=False)
     accepted, tokens = np.asarray(out.num_accepted), np.asarray(out.token_ids)
     assert accepted.max() <= 1
     assert set(tokens[accepted == 1].tolist()) <= {0, 4} and set(tokens[accepted == 0].tolist()) <= {1, 2}
-    out = verify(tiled, sampled, many([1, 4]), with_logprobs=False)
+    out = run(tiled, sampled, many([1, 4]), with_logprobs=False)
     accepted, tokens = np.asarray(out.num_accepted), np.asarray(out.token_ids)
     assert set(tokens[accepted == 2].tolist()) == {5} and (accepted == 2).any()
