@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers.tiny_models import elemental_emitters
 from helpers.tiny_vlm import (
     ENGINE_ARGS,
     GEMMA3_TOKENS_PER_IMAGE,
@@ -34,7 +35,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model_dir, **ENGINE_ARGS)
+    with elemental_emitters():  # its tests compare it with Hugging Face's outputs only
+        return LLM(model_dir, **ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")
