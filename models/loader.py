@@ -25,7 +25,8 @@ import numpy as np
 from transformers import PreTrainedTokenizerFast
 
 from xlaserve.models.config import read_rope_parameters
-from xlaserve.models.gguf_loader import gguf_hf_config, load_gguf_tensors
+from xlaserve.models.gguf_config import gguf_hf_config
+from xlaserve.models.gguf_loader import load_gguf_tensors
 from xlaserve.models.gguf_reader import open_gguf, read_gguf_metadata
 from xlaserve.models.gguf_tokenizer import tokenizer_from_gguf_metadata
 
@@ -187,7 +188,8 @@ def _load_gguf(path: str, progress: bool, with_tokenizer: bool, source: str, qua
     metadata = read_gguf_metadata(reader)
     hf_config = gguf_hf_config(metadata, (t.name for t in reader.tensors))
     keep = quantization == "gguf"
-    tensors = load_gguf_tensors(reader, hf_config, progress=progress, keep_quantized=keep)
+    arch = metadata["general.architecture"]
+    tensors = load_gguf_tensors(reader, hf_config, arch, progress=progress, keep_quantized=keep)
     tokenizer = tokenizer_from_gguf_metadata(metadata) if with_tokenizer else None
     return Checkpoint(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, source=source)
 

