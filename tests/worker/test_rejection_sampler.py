@@ -45,8 +45,10 @@ def chi2(counts, probs):
     return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
 
 
-# The sampler's program, as the runner's (op by op, each of its ops compiles on its own).
+# The sampler's and the verifier's programs, one per batch shape as the runner's (called op by op,
+# each of their ops compiles on its own).
 _sample = jax.jit(sample, static_argnames="with_logprobs")
+_verify = jax.jit(verify, static_argnames=("with_logprobs", "logprobs_mode"))
 
 
 @jax.jit
@@ -191,9 +193,8 @@ def test_processed_logprobs_are_of_each_positions_target_distribution():
     st = SamplingTensors(
         *(jnp.asarray(a) for a in ([0.7, 0.0], [4, 0], [1.0, 1.0], [0.0, 0.0], [3, 4], [0, 0]))
     )
-    run = jax.jit(verify, static_argnames=("with_logprobs", "logprobs_mode"))
-    out = run(jnp.asarray(logits), st, spec, with_logprobs=True, logprobs_mode="processed_logprobs")
-    raw = run(jnp.asarray(logits), st, spec, with_logprobs=True)
+    out = _verify(jnp.asarray(logits), st, spec, with_logprobs=True, logprobs_mode="processed_logprobs")
+    raw = _verify(jnp.asarray(logits), st, spec, with_logprobs=True)
     assert np.asarray(out.token_ids).tolist() == np.asarray(raw.token_ids).tolist()  # the same draws
     ids, vals = np.asarray(out.logprob_token_ids), np.asarray(out.logprobs)
     for row, (temperature, top_k) in enumerate([(0.7, 4), (1.0, 0)]):
@@ -236,11 +237,9 @@ def test_each_verified_position_is_sampled_under_its_own_grammar_mask():
         np.array([len(drafts)], np.int32),
     )
     greedy = tensors(1, temperature=0.0, allowed_token_bitmask=jnp.asarray(bitmask))
-    # One program a batch shape, as the runner's (op by op, each of verify's ops compiled on its own).
-    run = jax.jit(verify, static_argnames="with_logprobs")
-    out = run(jnp.asarray(logits), greedy, spec([1, 4]), with_logprobs=False)
+    out = _verify(jnp.asarray(logits), greedy, spec([1, 4]), with_logprobs=False)
     assert (int(out.num_accepted[0]), int(out.token_ids[0])) == (2, 5)  # the masked argmax chain
-    out = run(jnp.asarray(logits), greedy, spec([1, 3]), with_logprobs=False)
+    out = _verify(jnp.asarray(logits), greedy, spec([1, 3]), with_logprobs=False)
     assert (int(out.num_accepted[0]), int(out.token_ids[0])) == (1, 4)  # 3 is the unmasked argmax only
     # Sampled, over many seeds: draft 3 (forbidden at position 1) is never accepted; what is emitted
     # there is 0 or 4, and the bonus after [1, 4] is always 5.
@@ -255,10 +254,10 @@ def test_each_verified_position_is_sampled_under_its_own_grammar_mask():
         np.full(num_seeds, len(drafts), np.int32),
     )
     tiled = jnp.asarray(np.tile(logits, (num_seeds, 1)))
-    out = run(tiled, sampled, many([1, 3]), with_logprobs=False)
+    out = _verify(tiled, sampled, many([1, 3]), with_logprobs=False)
     accepted, tokens = np.asarray(out.num_accepted), np.asarray(out.token_ids)
     assert accepted.max() <= 1
     assert set(tokens[accepted == 1].tolist()) <= {0, 4} and set(tokens[accepted == 0].tolist()) <= {1, 2}
-    out = run(tiled, sampled, many([1, 4]), with_logprobs=False)
+    out = _verify(tiled, sampled, many([1, 4]), with_logprobs=False)
     accepted, tokens = np.asarray(out.num_accepted), np.asarray(out.token_ids)
     assert set(tokens[accepted == 2].tolist()) == {5} and (accepted == 2).any()
