@@ -1,5 +1,5 @@
-"""Mixtral, Qwen3-MoE, gpt-oss, DeepSeek V2/V3, OLMoE, Granite MoE and Qwen2-MoE against Hugging Face,
-on tiny random checkpoints.
+"""Mixtral, Qwen3-MoE, gpt-oss, DeepSeek V2/V3, OLMoE, Granite MoE, Qwen2-MoE and MiniMax-M2 against
+Hugging Face, on tiny random checkpoints.
 
 Each family: a random HF model (float32, a few layers, 4-8 experts with top-2, GQA where the family
 has it; DeepSeek with a dense first layer, grouped routing, small LoRA ranks, V3 with YaRN) saved as
@@ -191,6 +191,22 @@ FAMILIES = {
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
             num_experts=6,
+            num_experts_per_tok=2,
+        ),
+    ),
+    # q and k normed over all heads at once, half of each head rotated (rotary_dim), the biased sigmoid
+    # router renormalized over the top 2 of 8.
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            rotary_dim=8,
+            intermediate_size=32,
+            num_local_experts=8,
             num_experts_per_tok=2,
         ),
     ),
