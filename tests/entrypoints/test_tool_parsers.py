@@ -19,6 +19,8 @@ from xlaserve.entrypoints.serving.tool_parsers import (
 from xlaserve.entrypoints.serving.tool_parsers.json_scan import ObjectScanner, Status, scan_object
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+# The XML formats' typed values (by REQUEST's schema below), the city aside.
+TYPED_VALUES = {"days": 3, "metric": True, "temp": 21, "opts": {"h": [1, 2]}, "note": None, "extra": "7"}
 # (parser, model output, expected content, expected [(name, arguments as a dict)])
 CASES = [
     # Qwen2.5's format, as its chat template describes it
@@ -127,15 +129,7 @@ CASES = [
         [
             (
                 "get_weather",
-                {
-                    "city": "Paris",
-                    "days": 3,
-                    "metric": True,
-                    "temp": 21,
-                    "opts": {"h": [1, 2]},
-                    "note": None,
-                    "extra": "7",
-                },
+                {"city": "Paris", **TYPED_VALUES},
             )
         ],
     ),
@@ -180,15 +174,7 @@ CASES = [
         [
             (
                 "get_weather",
-                {
-                    "city": "San Francisco",
-                    "days": 3,
-                    "metric": True,
-                    "temp": 21,
-                    "opts": {"h": [1, 2]},
-                    "note": None,
-                    "extra": "7",
-                },
+                {"city": "San Francisco", **TYPED_VALUES},
             ),
             ("get_time", {"tz": "9"}),
         ],
@@ -375,6 +361,16 @@ def _streamed(parser_name: str, chunks: list[str]):
     return content or None, [(name, args) for name, args in calls.values()]
 
 
+def _argument_pieces(parser_name: str, text: str) -> list[str]:
+    """The arguments' pieces the deltas carry, `text` streamed a character at a time."""
+    parser = get_tool_parser(parser_name)()
+    pieces = []
+    for i in range(1, len(text) + 1):
+        delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1], REQUEST)
+        pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
+    return pieces
+
+
 @pytest.mark.parametrize(("parser_name", "output", "content", "calls"), CASES)
 def test_one_shot(parser_name, output, content, calls):
     result = make_parser(parser_name).extract_tool_calls(output, REQUEST)
@@ -407,12 +403,7 @@ def test_stream_holds_a_possible_start_tag():
 
 
 def test_arguments_stream_in_pieces():
-    parser = get_tool_parser("hermes")()
-    text = f"<tool_call>\n{WEATHER}\n</tool_call>"
-    pieces = []
-    for i in range(1, len(text) + 1):
-        delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1])
-        pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
+    pieces = _argument_pieces("hermes", f"<tool_call>\n{WEATHER}\n</tool_call>")
     assert len(pieces) > 10 and "".join(pieces) == '{"city": "Paris", "unit": "celsius"}'
 
 
@@ -442,11 +433,7 @@ def test_qwen3_coder_string_values_stream_as_written():
     """A string parameter (long code, a file's text) streams as it comes; a typed one waits for its end."""
     text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
     text += "<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>"
-    parser = get_tool_parser("qwen3_coder")()
-    pieces = []
-    for i in range(1, len(text) + 1):
-        delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1], REQUEST)
-        pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
+    pieces = _argument_pieces("qwen3_coder", text)
     assert pieces[:3] == ["{", '"city": "S', "a"]
     assert pieces[-3:] == ['"', ', "days": 12', "}"]
     assert "".join(pieces) == '{"city": "San Francisco", "days": 12}'
@@ -558,11 +545,7 @@ def test_minimax_m2_call_cut_or_broken_inside_its_invoke():
 def test_minimax_m2_arguments_are_json_dumps_text_growing_a_parameter_at_a_time():
     text = '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">San Francisco'
     text += '</parameter>\n<parameter name="days">12</parameter>\n</invoke>\n</minimax:tool_call>'
-    parser = get_tool_parser("minimax_m2")()
-    pieces = []
-    for i in range(1, len(text) + 1):
-        delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1], REQUEST)
-        pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
+    pieces = _argument_pieces("minimax_m2", text)
     assert pieces == ["{", '"city": "San Francisco"', ', "days": 12', "}"]
     for name, output, _, calls in CASES:
         if name == "minimax_m2":
