@@ -14,6 +14,7 @@ from xlaserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalL
 from xlaserve.models.falcon_h1 import FalconH1ForCausalLM
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from xlaserve.models.gemma3_vl import Gemma3ForConditionalGeneration
+from xlaserve.models.glm4_moe import Glm4MoeForCausalLM
 from xlaserve.models.gpt_oss import GptOssForCausalLM
 from xlaserve.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from xlaserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
@@ -97,6 +98,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "ModernBertModel": ModernBertModel,
     "ModernBertForSequenceClassification": ModernBertModel,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen2's layer, experts and a gated shared expert
+    # GLM-4.5/4.6/4.7: GQA with half-rotary heads over DeepSeek V3's routing, dense first layers.
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 

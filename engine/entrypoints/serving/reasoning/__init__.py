@@ -5,6 +5,7 @@ from __future__ import annotations
 from xlaserve.entrypoints.serving.reasoning.base import (
     DeepSeekR1ReasoningParser,
     DeepSeekV3ReasoningParser,
+    Glm45ReasoningParser,
     MistralReasoningParser,
     Olmo3ReasoningParser,
     Qwen3ReasoningParser,
@@ -24,6 +25,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
         GraniteReasoningParser,
         MistralReasoningParser,
         Olmo3ReasoningParser,
+        Glm45ReasoningParser,
     )
 }
 

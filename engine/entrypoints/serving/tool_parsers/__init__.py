@@ -21,6 +21,7 @@ from xlaserve.entrypoints.serving.tool_parsers.base import (
     make_tool_call_id,
 )
 from xlaserve.entrypoints.serving.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from xlaserve.entrypoints.serving.tool_parsers.glm45 import Glm45ToolParser
 from xlaserve.entrypoints.serving.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from xlaserve.entrypoints.serving.tool_parsers.gpt_oss import OpenAIToolParser
 from xlaserve.entrypoints.serving.tool_parsers.granite import GraniteToolParser
@@ -47,6 +48,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         Phi4MiniJsonToolParser,
         Llama4PythonicToolParser,
         Olmo3ToolParser,
+        Glm45ToolParser,
     )
 }
 # HF model_type -> the format its instruction-tuned models write.
@@ -59,6 +61,7 @@ _FAMILY_PARSERS = {
     "mistral": "mistral",
     "mixtral": "mistral",
     "gpt_oss": "openai",
+    "glm4_moe": "glm45",
 }
 
 

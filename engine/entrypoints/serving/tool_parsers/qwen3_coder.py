@@ -95,14 +95,9 @@ def convert_value(value: str, schema: Any) -> Any:
     return converted
 
 
-class Qwen3CoderToolParser(ToolParser):
-    name = "qwen3_coder"
-    start_tag = "<tool_call>"
-    end_tag = "</tool_call>"
-    function_tag = "<function="
-    function_end = "</function>"
-    parameter_tag = "<parameter="
-    parameter_end = _PARAMETER_END
+class SchemaTypedToolParser(ToolParser):
+    """A format whose values are text, typed by the request's tool schemas: the parse reads the request
+    (`self._request`), which every entry point records first."""
 
     def __init__(self, tokenizer: Any = None):
         super().__init__(tokenizer)
@@ -119,6 +114,16 @@ class Qwen3CoderToolParser(ToolParser):
     def finish_streaming(self, current_text: str, request: Any = None):
         self._request = request
         return super().finish_streaming(current_text, request)
+
+
+class Qwen3CoderToolParser(SchemaTypedToolParser):
+    name = "qwen3_coder"
+    start_tag = "<tool_call>"
+    end_tag = "</tool_call>"
+    function_tag = "<function="
+    function_end = "</function>"
+    parameter_tag = "<parameter="
+    parameter_end = _PARAMETER_END
 
     def _parse(self, text: str, final: bool, keep_broken: bool) -> Parsed:
         pieces: list = []
