@@ -1,6 +1,7 @@
 """Multi-token prediction (MTP) layers: the draft network a checkpoint ships beside its decoder
-(Qwen3.5's, Qwen3-Next's and Qwen3.5-MoE's `mtp.*` tensors; DeepSeek V3's, R1's and GLM-4.5's decoder
-layer `model.layers.{num_hidden_layers}.*`), for speculative decoding with `{"method": "mtp"}` (worker/mtp.py).
+(Qwen3.5's, Qwen3-Next's and Qwen3.5-MoE's `mtp.*` tensors; DeepSeek V3's, R1's and GLM-4.5's
+decoder layer `model.layers.{num_hidden_layers}.*`), for speculative decoding with `{"method": "mtp"}`
+(worker/mtp.py).
 
 At position i the layer reads the token at i + 1 and the target's last hidden state at i (after its
 final norm), and predicts the token at i + 2:

@@ -303,8 +303,10 @@ CASES = [
     # not this format's calls: JSON (Hermes'), a name with a space, no name; a partial tag at the end
     (
         "glm45",
-        '<tool_call>\n{"name": "f"}\n</tool_call> <tool_call>bad name\n</tool_call><tool_call>\n</tool_call> <tool_c',
-        '<tool_call>\n{"name": "f"}\n</tool_call> <tool_call>bad name\n</tool_call><tool_call>\n</tool_call> <tool_c',
+        '<tool_call>\n{"name": "f"}\n</tool_call> <tool_call>bad name\n</tool_call>'
+        "<tool_call>\n</tool_call> <tool_c",
+        '<tool_call>\n{"name": "f"}\n</tool_call> <tool_call>bad name\n</tool_call>'
+        "<tool_call>\n</tool_call> <tool_c",
         [],
     ),
     # a literal with no JSON form stays text: a non-finite number, a set

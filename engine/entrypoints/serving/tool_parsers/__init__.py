@@ -21,8 +21,8 @@ from xlaserve.entrypoints.serving.tool_parsers.base import (
     make_tool_call_id,
 )
 from xlaserve.entrypoints.serving.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
-from xlaserve.entrypoints.serving.tool_parsers.glm45 import Glm45ToolParser
 from xlaserve.entrypoints.serving.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from xlaserve.entrypoints.serving.tool_parsers.glm45 import Glm45ToolParser
 from xlaserve.entrypoints.serving.tool_parsers.gpt_oss import OpenAIToolParser
 from xlaserve.entrypoints.serving.tool_parsers.granite import GraniteToolParser
 from xlaserve.entrypoints.serving.tool_parsers.hermes import HermesToolParser
