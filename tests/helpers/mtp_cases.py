@@ -1,7 +1,7 @@
 """A tiny Qwen3.5 (or Qwen3-Next, DeepSeek V3, GLM-4.5) with a multi-token prediction layer (Qwen's
 `mtp.*` tensors, DeepSeek's and GLM's decoder layer `num_hidden_layers`, beside the decoder's, as the
-releases ship them), and the drafts that layer proposes, computed with Hugging Face's own layer classes (transformers has the
-decoder layer, not the MTP wiring, which is vLLM's: models/mtp.py)."""
+releases ship them), and the drafts that layer proposes, computed with Hugging Face's own layer classes
+(transformers has the decoder layer, not the MTP wiring, which is vLLM's: models/mtp.py)."""
 
 from __future__ import annotations
 
