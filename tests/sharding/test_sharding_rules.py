@@ -224,6 +224,9 @@ def test_every_glm4_moe_matrix_has_the_rule_its_name_shares():
     hf |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": True}
     hf |= {"use_qk_norm": True, "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2}
     cfg = model_config_from_hf(hf)
+    # Read as Hugging Face's Glm4MoeConfig fills what config.json omits: half of each head rotated, one
+    # dense first layer, one shared expert.
+    assert (cfg.rotary_dim, cfg.first_k_dense_replace, cfg.n_shared_experts) == (4, 1, 1)
     model = nnx.eval_shape(lambda: Glm4MoeForCausalLM(cfg, None, rngs=nnx.Rngs(0)))
     stacks = set(Glm4MoeForCausalLM.layer_stacks(cfg))
     assert stacks == {"dense_layers", "moe_layers"}
