@@ -543,16 +543,9 @@ def add_deepseek2_keys(writer, config, rope, split_kv_b: bool) -> None:
     else:
         writer.add_key_length(qk_head_dim)
         writer.add_value_length(config.v_head_dim)
-    writer.add_leading_dense_block_count(config.first_k_dense_replace)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_expert_count(config.n_routed_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_shared_count(config.n_shared_experts)
-    writer.add_expert_weights_scale(config.routed_scaling_factor)
-    writer.add_expert_weights_norm(config.norm_topk_prob)
+    add_v3_routing_keys(writer, config)
     writer.add_expert_group_count(config.n_group)
     writer.add_expert_group_used_count(config.topk_group)
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
@@ -561,18 +554,23 @@ def add_deepseek2_keys(writer, config, rope, split_kv_b: bool) -> None:
     writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
+def add_v3_routing_keys(writer, config) -> None:
+    """The leading dense layers and DeepSeek V3's routing, as DeepseekV2Model and Glm4MoeModel write them."""
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
 def add_glm4moe_keys(writer, config, tensors: dict[str, np.ndarray]) -> None:
     """Glm4MoeModel's keys (convert_hf_to_gguf.py) and an MTP layer's block after the decoder's: its
     nextn tensors and a norm of its decoder layer (random: no model reads them, the loader drops them)."""
     writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
-    writer.add_expert_count(config.n_routed_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_expert_shared_count(config.n_shared_experts)
-    writer.add_leading_dense_block_count(config.first_k_dense_replace)
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    writer.add_expert_weights_scale(config.routed_scaling_factor)
-    writer.add_expert_weights_norm(config.norm_topk_prob)
+    add_v3_routing_keys(writer, config)  # no group counts: Glm4MoeModel writes none
     writer.add_nextn_predict_layers(config.num_nextn_predict_layers)
     d, block = config.hidden_size, f"blk.{config.num_hidden_layers}"
     rng = np.random.default_rng(0)

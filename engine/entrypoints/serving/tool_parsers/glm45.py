@@ -25,7 +25,7 @@ import ast
 import json
 from typing import Any
 
-from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, held_suffix
+from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, held_suffix, parse_tagged
 from xlaserve.entrypoints.serving.tool_parsers.json_scan import skip_ws
 from xlaserve.entrypoints.serving.tool_parsers.qwen3_coder import SchemaTypedToolParser, parameter_types
 
@@ -65,32 +65,24 @@ class Glm45ToolParser(SchemaTypedToolParser):
     end_tag = "</tool_call>"
 
     def _parse(self, text: str, final: bool, keep_broken: bool) -> Parsed:
-        pieces: list = []
-        pos = 0
-        while True:
-            start = text.find(self.start_tag, pos)
-            if start < 0:
-                held = 0 if final else held_suffix(text, self.start_tag)
-                pieces.append(text[pos : len(text) - held])
-                return Parsed(pieces, is_held=held > 0)
-            pieces.append(text[pos:start])
-            body = start + len(self.start_tag)
-            end = text.find(self.end_tag, body)
-            if end >= 0 or final:
-                region = text[body : len(text) if end < 0 else end]
-            else:  # open: a possible end tag is held back
-                region = text[body : len(text) - held_suffix(text, self.end_tag)]
-            call, is_decided = self._read_call(region, is_closed=end >= 0 or final)
-            if not is_decided:
-                return Parsed(pieces, is_held=True)
-            if call is None:  # not a call: the tag is text
-                pieces.append(self.start_tag)
-                pos = body
-                continue
-            pieces.append(call)
-            if not call.is_complete:
-                return Parsed(pieces)
-            pos = len(text) if end < 0 else end + len(self.end_tag)
+        return parse_tagged(text, self.start_tag, final, keep_broken, self._read_block)
+
+    def _read_block(
+        self, text: str, body: int, final: bool, keep_broken: bool, pieces: list
+    ) -> tuple[int, bool]:
+        """The call after a `<tool_call>` (text[body:]) into `pieces`: `parse_tagged`'s reader."""
+        end = text.find(self.end_tag, body)
+        if end >= 0 or final:
+            region = text[body : len(text) if end < 0 else end]
+        else:  # open: a possible end tag is held back
+            region = text[body : len(text) - held_suffix(text, self.end_tag)]
+        call, is_decided = self._read_call(region, is_closed=end >= 0 or final)
+        if not is_decided:
+            return 0, True
+        if call is None:  # not a call: the tag is text
+            return -1, False
+        pieces.append(call)
+        return (len(text) if end < 0 else end + len(self.end_tag)), False
 
     def _read_call(self, region: str, is_closed: bool) -> tuple[Call | None, bool]:
         """The call whose text (after `<tool_call>`, before its end) is `region`: (the call, True), (None,
