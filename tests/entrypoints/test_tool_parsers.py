@@ -432,31 +432,31 @@ def test_xml_and_pythonic_arguments_are_json_dumps_text():
         ]
 
 
-def test_qwen3_coder_string_values_stream_as_written():
+@pytest.mark.parametrize(
+    ("parser_name", "text", "first_pieces"),
+    [
+        (
+            "qwen3_coder",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+            "<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>",
+            ["{", '"city": "S', "a"],
+        ),
+        (  # GLM-4.5's value starts without the newline Qwen3-Coder's has, so its quote goes out alone
+            "glm45",
+            "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>San Francisco</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>12</arg_value>\n</tool_call>",
+            ["{", '"city": "', "S"],
+        ),
+    ],
+)
+def test_xml_string_values_stream_as_written(parser_name, text, first_pieces):
     """A string parameter (long code, a file's text) streams as it comes; a typed one waits for its end."""
-    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
-    text += "<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>"
-    parser = get_tool_parser("qwen3_coder")()
+    parser = get_tool_parser(parser_name)()
     pieces = []
     for i in range(1, len(text) + 1):
         delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1], REQUEST)
         pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
-    assert pieces[:3] == ["{", '"city": "S', "a"]
-    assert pieces[-3:] == ['"', ', "days": 12', "}"]
-    assert "".join(pieces) == '{"city": "San Francisco", "days": 12}'
-
-
-def test_glm45_string_values_stream_as_written():
-    """GLM-4.5's string parameter streams as it comes (a possible end tag held back); a typed one waits
-    for its end."""
-    text = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>San Francisco</arg_value>\n"
-    text += "<arg_key>days</arg_key>\n<arg_value>12</arg_value>\n</tool_call>"
-    parser = get_tool_parser("glm45")()
-    pieces = []
-    for i in range(1, len(text) + 1):
-        delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1], REQUEST)
-        pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
-    assert pieces[:3] == ["{", '"city": "', "S"]
+    assert pieces[:3] == first_pieces
     assert pieces[-3:] == ['"', ', "days": 12', "}"]
     assert "".join(pieces) == '{"city": "San Francisco", "days": 12}'
 
