@@ -31,7 +31,7 @@ from xlaserve.entrypoints.serving.tool_parsers.qwen3_coder import SchemaTypedToo
 
 _KEY, _KEY_END = "<arg_key>", "</arg_key>"
 _VALUE, _VALUE_END = "<arg_value>", "</arg_value>"
-_NOT_IN_NAME = frozenset(" \t\r<>{}[]()\"',:;=")  # not a function name: some other format's text
+_NOT_IN_NAME = frozenset(" \t\r<>{}[]()\"',=")  # not a function name: some other format's text
 
 
 def _is_string(schema: Any) -> bool:
