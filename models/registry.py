@@ -24,6 +24,7 @@ from xlaserve.models.llama import LlamaForCausalLM
 from xlaserve.models.llava import LlavaForConditionalGeneration
 from xlaserve.models.mamba import MambaForCausalLM
 from xlaserve.models.mamba2 import Mamba2ForCausalLM
+from xlaserve.models.minimax_m2 import MiniMaxM2ForCausalLM
 from xlaserve.models.mistral import MistralForCausalLM
 from xlaserve.models.mixtral import MixtralForCausalLM
 from xlaserve.models.modernbert import ModernBertModel
@@ -98,6 +99,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "ModernBertModel": ModernBertModel,
     "ModernBertForSequenceClassification": ModernBertModel,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen2's layer, experts and a gated shared expert
+    # OLMo's q/k norms over all heads, partial RoPE, DeepSeek V3's biased sigmoid router without groups.
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     # GLM-4.5/4.6/4.7: GQA with half-rotary heads over DeepSeek V3's routing, dense first layers.
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }

@@ -2,7 +2,10 @@
 
 With tensor_parallel_size = r * num_kv_heads, every rank needs the one KV head its query heads
 read. Each KV head's projection is repeated r times, so the model (and its KV cache) has
-tensor_parallel_size KV heads and shards evenly: no rank ever gathers another's cache.
+tensor_parallel_size KV heads and shards evenly: no rank ever gathers another's cache. A k_norm over
+all KV heads at once (OLMo, MiniMax-M2: num_kv_heads * head_dim weights) has its heads' weights
+repeated with them; its mean over r equal copies of each head is the mean over the heads, so the
+norm is unchanged.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from xlaserve.sharding.vocab import lazily
 
 _KV_PROJ = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
 _FUSED_QKV = re.compile(r"\.qkv_proj\.(weight|bias)$")  # Phi-3: HF rows q, then k, then v
+_K_NORM = re.compile(r"\.k_norm\.weight$")
 
 
 def _is_kv_projection(name) -> bool:
@@ -26,6 +30,15 @@ def _is_kv_projection(name) -> bool:
             ("v_proj", "bias"),
         }
     return _KV_PROJ.search(name) is not None
+
+
+def _is_whole_k_norm(name, model_config) -> bool:
+    """k_norm over every KV head at once (not Qwen3's per-head one, `qk_norm`)."""
+    if model_config.qk_norm:
+        return False
+    if isinstance(name, tuple):
+        return name[-2:] == ("k_norm", "weight")
+    return _K_NORM.search(name) is not None
 
 
 def _is_fused_qkv(name) -> bool:
@@ -80,14 +93,14 @@ def replicate_kv_heads(model_config, tensors, tensor_parallel_size: int):
     out = type(tensors)(tensors)
     for name, array in tensors.items():
         if isinstance(name, tuple):  # a converted checkpoint's, in memory
-            if _is_kv_projection(name):
+            if _is_kv_projection(name) or _is_whole_k_norm(name, model_config):
                 out[name] = _repeat_heads(np.asarray(array), -1, num_kv, repeat)
             elif _is_fused_qkv(name):
                 out[name] = _repeat_fused_grouped(np.asarray(array), num_heads, num_kv, repeat)
             continue
         # HF layout: the heads' rows on axis 0, repeated when the tensor is read.
         rows, *rest = np.shape(array)
-        if _is_kv_projection(name):
+        if _is_kv_projection(name) or _is_whole_k_norm(name, model_config):
             shape = (rows * repeat, *rest)
             out[name] = lazily(array, lambda a: _repeat_heads(a, 0, num_kv, repeat), shape)
         elif _is_fused_qkv(name):

@@ -10,10 +10,11 @@ secondary tiers) says where it is and which it is: the disk tier's events carry 
 files are this engine's) and `ownership` "fs" (vLLM's file-system tier type); the device cache's and the
 host tier's carry neither, as vLLM's block pool and CPU tier send none.
 
-The wire format is vLLM's (vllm/distributed/kv_events.py, read at main after vllm#42892, the format
-vLLM 0.26 sends, with the `locality` and `ownership` main added since): msgpack through msgspec, a
-batch as the array [ts, events, data_parallel_rank], each event a map tagged by its class name under
-"type"; fields at their default are left out (so a subscriber of 0.26's structs reads ours).
+The wire format is vLLM's (vllm/distributed/kv_events.py at main: vLLM 0.26's, with what main added
+since: `locality` and `ownership`, and typed `extra_keys`, vllm#55488): msgpack through msgspec, a batch
+as the array [ts, events, data_parallel_rank], each event a map tagged by its class name under "type";
+fields at their default are left out. A subscriber of 0.26's structs still reads every batch (its
+`extra_keys` entries are `Any`: it gets the typed keys as maps).
 
 Block hashes: ours are 32-byte SHA-256 digests (core/block_pool.py `hash_block_tokens`), chained from
 the first block; vLLM's default sends a hash as the unsigned 64-bit integer of its digest's last 8 bytes
@@ -38,6 +39,32 @@ _U64 = (1 << 64) - 1
 _DIGEST_BYTES = 32  # a SHA-256 digest; a group's key appends its suffix (kv_cache_coordinator.group_hashes)
 
 
+class ExtraKey(msgspec.Struct, frozen=True, gc=False, tag=True):
+    """One thing a block's hash mixes in besides its token ids, typed (vLLM main's published schema):
+    on the wire a map whose "type" is the subclass's tag."""
+
+
+class LoRAKey(ExtraKey, frozen=True, tag="lora"):
+    """The LoRA adapter the block was computed with."""
+
+    name: str
+
+
+class CacheSaltKey(ExtraKey, frozen=True, tag="cache_salt"):
+    """The request's `cache_salt` (on its first block only)."""
+
+    salt: str
+
+
+class MultiModalKey(ExtraKey, frozen=True, tag="mm"):
+    """An image or video frame whose placeholder tokens the block holds part of: its content hash (the
+    encoder cache's key) and where its placeholders start, relative to the block's first token."""
+
+    modality: str
+    hash: str
+    block_offset: int
+
+
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
@@ -60,7 +87,8 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
+    event_version: int = 1  # vLLM's: 1 is the typed extra keys' schema (left out at this default)
+    extra_keys: list[tuple[LoRAKey | CacheSaltKey | MultiModalKey, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -94,20 +122,22 @@ def external_block_hash(key: bytes) -> tuple[int, int]:
     return int.from_bytes(digest, "big") & _U64, group
 
 
-def block_extra_keys(request, index: int, block_size: int) -> tuple | None:
+def block_extra_keys(request, index: int, block_size: int) -> tuple[ExtraKey, ...] | None:
     """What block `index` of `request` mixes into its hash besides token ids, as vLLM's BlockStored
-    carries it (kv_cache_utils.generate_block_hash_extra_keys): the LoRA adapter's name, then
-    (image content hash, its first placeholder's offset from the block's start) for each image the
-    block holds part of, then the cache salt on the first block; None for a block of none. Our hashes
+    carries it (kv_cache_utils.generate_block_hash_extra_keys, typed): the LoRA adapter's name, then
+    each image the block holds part of (its content hash and its first placeholder's offset from the
+    block's start), then the cache salt on the first block; None for a block of none. Our hashes
     mix the adapter and the salt into the first block only (the chain carries them on): a router
     that rebuilds vLLM's keys from these fields keys every block as vLLM would."""
     start = index * block_size
-    keys = () if request.lora_request is None else (request.lora_request.lora_name,)
+    keys = () if request.lora_request is None else (LoRAKey(request.lora_request.lora_name),)
     keys += tuple(
-        (f.mm_hash, f.offset - start) for f in request.mm_features if f.overlaps(start, start + block_size)
+        MultiModalKey(f.modality, f.mm_hash, f.offset - start)
+        for f in request.mm_features
+        if f.overlaps(start, start + block_size)
     )
     if index == 0 and request.cache_salt is not None:
-        keys += (request.cache_salt,)
+        keys += (CacheSaltKey(request.cache_salt),)
     return keys or None
 
 

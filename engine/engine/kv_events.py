@@ -7,7 +7,8 @@ and sending stay off it (a full queue blocks the step rather than drop events a 
 
 A subscriber that sees a gap in the sequence asks the ROUTER socket at `replay_endpoint` (when set)
 for the batches from a sequence number on, with one frame of 8 bytes (big-endian); it gets each kept
-batch as (sequence, payload), then (-1, b"") after the last. The last `buffer_steps` batches are kept.
+batch as (topic, sequence, payload), as the PUB socket sent it, then (b"", -1, b"") after the last
+(vLLM main's replay reply, which added the topic: vllm#45174). The last `buffer_steps` batches are kept.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class ZmqEventPublisher:
                 sock.close()
 
     def _serve_replay(self) -> None:
+        topic = self.config.topic.encode()
         frames = self._replay.recv_multipart()
         if len(frames) != 3:  # a REQ client's [identity, empty delimiter, start sequence]
             logger.warning("KV cache events: a replay request of %d frames, not 3, ignored", len(frames))
@@ -122,8 +124,8 @@ class ZmqEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._kept):
             if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", _END_OF_REPLAY, b""))
+                self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", _END_OF_REPLAY, b""))
 
 
 def _binds(endpoint: str) -> bool:

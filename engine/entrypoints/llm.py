@@ -246,7 +246,8 @@ class LLM(PoolingMethods):
         eos = self.input_processor.eos_token_id
         searches = [BeamSearch(ids, params, eos) for _, ids, _ in tokenized]
         step = params.step_params()
-        for _ in tqdm(range(params.max_tokens), desc="Beam search steps", disable=not use_tqdm):
+        steps = range(params.max_tokens)
+        for _ in tqdm(steps, desc="Beam search steps") if use_tqdm else steps:
             live = [(search, i) for i, search in enumerate(searches) if not search.is_done]
             if not live:
                 break
@@ -401,7 +402,9 @@ class LLM(PoolingMethods):
                 added += self._add_request(request_id, text, ids, p, prio, lora_request=lora, mm_features=mm)
                 order[request_id] = i
             results: list[RequestOutput | None] = [None] * len(order)
-            with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
+            # Made only when asked for (as vLLM's), with tqdm's defaults, so TQDM_DISABLE=1 turns it off.
+            bar = tqdm(total=len(order), desc="Processed prompts") if use_tqdm else tqdm(disable=True)
+            with bar:
                 while self.engine_core.has_unfinished_requests():
                     for output in self._step():
                         if output.finished:

@@ -160,7 +160,8 @@ class PoolingMethods:
                 self.engine_core.add_request(self.input_processor.make_pooling_request(rid, ids, p))
                 order[rid] = i
             results: list = [None] * len(order)
-            with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
+            bar = tqdm(total=len(order), desc="Processed prompts") if use_tqdm else tqdm(disable=True)
+            with bar:
                 while self.engine_core.has_unfinished_requests():
                     for output in self.engine_core.step():
                         if output.request_id not in order or not output.is_finished:

@@ -344,7 +344,9 @@ def _hf_shape(path, shape, stacks, cfg, hf_cfg, padded_vocab) -> tuple[int, ...]
         shape[-1], shape[-2] = shape[-2], shape[-1]
     if padded_vocab != hf_cfg.vocab_size and path[0] in ("embed_tokens", "lm_head"):
         shape[0] = hf_cfg.vocab_size
-    if cfg.num_kv_heads != hf_cfg.num_kv_heads and path[-2] in ("k_proj", "v_proj"):
+    # K and V's heads repeated, and a k_norm over all of them (OLMo, MiniMax-M2) with them.
+    is_whole_k_norm = path[-2:] == ("k_norm", "weight") and not cfg.qk_norm
+    if cfg.num_kv_heads != hf_cfg.num_kv_heads and (path[-2] in ("k_proj", "v_proj") or is_whole_k_norm):
         axis = 0 if path[-1] == "kernel" else -1
         shape[axis] = shape[axis] // cfg.num_kv_heads * hf_cfg.num_kv_heads
     # Mamba2's B and C groups copied under tensor parallelism (models/mamba2.py group_copies): in_proj's

@@ -2,12 +2,15 @@
 
 import itertools
 
+import msgspec
 import numpy as np
 import pytest
 
 import xlaserve.core.kv_cache_manager as kv_cache_manager_module
+from helpers import vllm_kv_events as vllm
+from xlaserve.core import kv_events
 from xlaserve.core.kv_cache_manager import KVCacheManager
-from xlaserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from xlaserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.core.request import Request
 from xlaserve.lora_request import LoRARequest
@@ -346,8 +349,25 @@ def test_kv_events_carry_extra_keys_and_a_reset_while_running_stores_the_chain_a
     request = tenant_request("first")
     admit(manager, request)  # blocks 0..2 full: the image's tokens 6..9 lie in blocks 1 and 2
     (stored,) = manager.take_events()
-    # vLLM's order: the adapter's name on every block, (image hash, offset in the block), the salt first.
-    assert stored.extra_keys == [("adapter", "salt"), ("adapter", ("img", 2)), ("adapter", ("img", -2))]
+    # vLLM's order, typed as vLLM main publishes them: the adapter's name on every block, the image (its
+    # hash, its placeholders' start relative to the block's), the salt on the first.
+    lora = kv_events.LoRAKey("adapter")
+    assert stored.extra_keys == [
+        (lora, kv_events.CacheSaltKey("salt")),
+        (lora, kv_events.MultiModalKey("image", "img", 2)),
+        (lora, kv_events.MultiModalKey("image", "img", -2)),
+    ]
+    # On the wire: vLLM main's typed decoder reads them; a 0.26 subscriber (`extra_keys` of Any) still
+    # decodes the batch, each key a map tagged by its type.
+    wire = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[stored]))
+    (theirs,) = vllm.DECODER.decode(wire).events
+    assert theirs.extra_keys[1] == (vllm.LoRAKey("adapter"), vllm.MultiModalKey("image", "img", 2))
+    assert theirs.event_version == 1
+    (raw,) = msgspec.msgpack.decode(wire)[1]
+    assert raw["extra_keys"][0] == [
+        {"type": "lora", "name": "adapter"},
+        {"type": "cache_salt", "salt": "salt"},
+    ]
     assert (stored.lora_id, stored.lora_name) == (1, "adapter")
     # A reset while the request holds its blocks: a router drops them all, and so does the index; at
     # its next step the request indexes them again from the first, so the chain a router hears after

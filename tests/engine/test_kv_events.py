@@ -22,6 +22,7 @@ def test_a_subscriber_that_missed_batches_gets_them_replayed():
         endpoint=f"tcp://*:{free_port()}",
         replay_endpoint=endpoint,
         buffer_steps=3,
+        topic="kv",
     )
     publisher = ZmqEventPublisher(config, data_parallel_rank=1)
     try:

@@ -55,6 +55,13 @@ CASES = [
     ("olmo3", "The user asks.</think>\n\nHi!", "The user asks.", "Hi!"),
     ("olmo3", "<think>x</thi</think>y", "x</thi", "y"),
     ("olmo3", "cut before the end", "cut before the end", None),
+    # MiniMax-M2: the template opened <think>; a </think> written again in the answer is dropped
+    ("minimax_m2", "The user asks.\n</think>\n\nHello!", "The user asks.\n", "Hello!"),
+    ("minimax_m2", "<think>a</think>b </think></th</think>c</thin", "a", "b </thc</thin"),
+    ("minimax_m2", "cut before the end", "cut before the end", None),
+    # ... or nothing is split: the output, the template's <think> in front, is all answer
+    ("minimax_m2_append_think", "x</think>\n\ny", None, "<think>x</think>\n\ny"),
+    ("minimax_m2_append_think", "", None, "<think>"),
     # GLM-4.5: Qwen3's tags, the model opens the thinking
     ("glm45", "<think>The user asks.</think>\nParis.", "The user asks.", "Paris."),
     ("glm45", "Paris, no thinking.", None, "Paris, no thinking."),
@@ -194,3 +201,11 @@ def test_registry():
     )
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         get_reasoning_parser("nope")
+
+
+def test_minimax_m2_parsers_registered_with_their_tags():
+    tok = FakeTokenizer()
+    for name in ("minimax_m2", "minimax_m2_append_think"):
+        parser = get_reasoning_parser(name)(tok, prompt_token_ids=[1, 10])
+        assert (parser.start_token_id, parser.end_token_id) == (10, 11)
+        assert not parser.is_reasoning_end([1, 10, 2]) and parser.is_reasoning_end([1, 10, 2, 11])

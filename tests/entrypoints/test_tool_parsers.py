@@ -19,6 +19,8 @@ from xlaserve.entrypoints.serving.tool_parsers import (
 from xlaserve.entrypoints.serving.tool_parsers.json_scan import ObjectScanner, Status, scan_object
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+# The XML formats' typed values (by REQUEST's schema below), the city aside.
+TYPED_VALUES = {"days": 3, "metric": True, "temp": 21, "opts": {"h": [1, 2]}, "note": None, "extra": "7"}
 # (parser, model output, expected content, expected [(name, arguments as a dict)])
 CASES = [
     # Qwen2.5's format, as its chat template describes it
@@ -127,15 +129,7 @@ CASES = [
         [
             (
                 "get_weather",
-                {
-                    "city": "Paris",
-                    "days": 3,
-                    "metric": True,
-                    "temp": 21,
-                    "opts": {"h": [1, 2]},
-                    "note": None,
-                    "extra": "7",
-                },
+                {"city": "Paris", **TYPED_VALUES},
             )
         ],
     ),
@@ -165,6 +159,60 @@ CASES = [
         [],
     ),
     ("qwen3_coder", "a <b> c <function=bad name\n>", "a <b> c <function=bad name\n>", []),
+    # MiniMax-M2's XML: quoted or bare names, values typed by REQUEST's schema as vLLM's parser types them
+    # (an untyped parameter and an unknown tool's are strings; anyOf, enum; what no type takes is JSON
+    # or text, a non-finite number text), a call without parameters, the block's end cut off at the end
+    (
+        "minimax_m2",
+        'Let me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">San '
+        'Francisco</parameter>\n<parameter name="days"> 3\n</parameter>\n<parameter name="metric">yes'
+        '</parameter>\n<parameter name="temp">21.0</parameter>\n<parameter name="opts">{"h": [1, 2]}'
+        '</parameter>\n<parameter name="note">None</parameter>\n<parameter name="extra">7</parameter>\n'
+        "</invoke>\n<invoke name='get_time'>\n<parameter name='tz'>9</parameter>\n</invoke>\n"
+        "</minimax:tool_call>",
+        "Let me check.",
+        [
+            (
+                "get_weather",
+                {"city": "San Francisco", **TYPED_VALUES},
+            ),
+            ("get_time", {"tz": "9"}),
+        ],
+    ),
+    (
+        "minimax_m2",
+        "<minimax:tool_call><invoke name=get_weather><parameter name=mode>12</parameter><parameter "
+        'name="level">2</parameter><parameter name="temp">1e999</parameter><parameter name="days">three'
+        '</parameter><parameter name="span">[1, NaN]</parameter><parameter name="metric">off</parameter>'
+        '</invoke></minimax:tool_call> Done. <minimax:tool_call><invoke name="f"></invoke>',
+        "Done.",
+        [
+            (
+                "get_weather",
+                {
+                    "mode": 12,
+                    "level": 2,
+                    "temp": "1e999",
+                    "days": "three",
+                    "span": "[1, NaN]",
+                    "metric": False,
+                },
+            ),
+            ("f", {}),
+        ],
+    ),
+    (
+        "minimax_m2",
+        '<minimax:tool_call>\n{"name": "f"}\n</minimax:tool_call>',
+        '<minimax:tool_call>\n{"name": "f"}\n</minimax:tool_call>',
+        [],
+    ),
+    (
+        "minimax_m2",
+        'a < b <minimax:tool_call><invoke name="bad\nname"></invoke><minimax:tool_call></minimax:tool_call>',
+        'a < b <minimax:tool_call><invoke name="bad\nname"></invoke><minimax:tool_call></minimax:tool_call>',
+        [],
+    ),
     # Llama 3.2 / Llama 4's Python list of calls
     (
         "pythonic",
@@ -330,6 +378,8 @@ _SCHEMA = {
         "opts": {"type": "object"},
         "note": {"type": "string"},
         "span": {"type": ["array", "null"]},
+        "mode": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+        "level": {"enum": [1, 2, "max"]},
     },
 }
 REQUEST = SimpleNamespace(
@@ -369,6 +419,16 @@ def _streamed(parser_name: str, chunks: list[str]):
     return content or None, [(name, args) for name, args in calls.values()]
 
 
+def _argument_pieces(parser_name: str, text: str) -> list[str]:
+    """The arguments' pieces the deltas carry, `text` streamed a character at a time."""
+    parser = get_tool_parser(parser_name)()
+    pieces = []
+    for i in range(1, len(text) + 1):
+        delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1], REQUEST)
+        pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
+    return pieces
+
+
 @pytest.mark.parametrize(("parser_name", "output", "content", "calls"), CASES)
 def test_one_shot(parser_name, output, content, calls):
     result = make_parser(parser_name).extract_tool_calls(output, REQUEST)
@@ -401,12 +461,7 @@ def test_stream_holds_a_possible_start_tag():
 
 
 def test_arguments_stream_in_pieces():
-    parser = get_tool_parser("hermes")()
-    text = f"<tool_call>\n{WEATHER}\n</tool_call>"
-    pieces = []
-    for i in range(1, len(text) + 1):
-        delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1])
-        pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
+    pieces = _argument_pieces("hermes", f"<tool_call>\n{WEATHER}\n</tool_call>")
     assert len(pieces) > 10 and "".join(pieces) == '{"city": "Paris", "unit": "celsius"}'
 
 
@@ -451,11 +506,7 @@ def test_xml_and_pythonic_arguments_are_json_dumps_text():
 )
 def test_xml_string_values_stream_as_written(parser_name, text, first_pieces):
     """A string parameter (long code, a file's text) streams as it comes; a typed one waits for its end."""
-    parser = get_tool_parser(parser_name)()
-    pieces = []
-    for i in range(1, len(text) + 1):
-        delta = parser.extract_tool_calls_streaming(text[: i - 1], text[:i], text[i - 1], REQUEST)
-        pieces += [tc.function.arguments for tc in (delta.tool_calls if delta else [])]
+    pieces = _argument_pieces(parser_name, text)
     assert pieces[:3] == first_pieces
     assert pieces[-3:] == ['"', ', "days": 12', "}"]
     assert "".join(pieces) == '{"city": "San Francisco", "days": 12}'
@@ -552,3 +603,45 @@ def test_json_scan_agrees_with_json_loads():
                 json.loads(mutated)
         elif scan.status is Status.COMPLETE:
             json.loads(mutated[: scan.end])
+
+
+def test_minimax_m2_call_cut_or_broken_inside_its_invoke():
+    """No </invoke> (max_tokens), or one inside a value before its </parameter>: one-shot the block is
+    content (vLLM's), streamed the call keeps the parameters it sent and the rest is content."""
+    cut = 'Hi <minimax:tool_call><invoke name="f"><parameter name="x">1</parameter><parameter name="y">2'
+    broken = '<minimax:tool_call><invoke name="f"><parameter name="x">a</invoke>b</parameter></invoke>'
+    for text, rest in [(cut, 'Hi<parameter name="y">2'), (broken, broken[36:])]:
+        result = get_tool_parser("minimax_m2")().extract_tool_calls(text, REQUEST)
+        assert (result.tools_called, result.content) == (False, text)
+        expected_call = ("f", '{"x": "1"' if text == cut else "{")
+        assert _streamed("minimax_m2", list(text)) == (rest, [expected_call])
+
+
+def test_minimax_m2_arguments_are_json_dumps_text_growing_a_parameter_at_a_time():
+    text = '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">San Francisco'
+    text += '</parameter>\n<parameter name="days">12</parameter>\n</invoke>\n</minimax:tool_call>'
+    pieces = _argument_pieces("minimax_m2", text)
+    assert pieces == ["{", '"city": "San Francisco"', ', "days": 12', "}"]
+    for name, output, _, calls in CASES:
+        if name == "minimax_m2":
+            result = get_tool_parser(name)().extract_tool_calls(output, REQUEST)
+            assert [c.function.arguments for c in result.tool_calls] == [
+                json.dumps(args, ensure_ascii=False) for _, args in calls
+            ]
+    assert default_tool_parser({"model_type": "minimax_m2"}) == "minimax_m2"
+
+
+def test_minimax_m2_values_from_hostile_schemas_and_text():
+    from xlaserve.entrypoints.serving.tool_parsers.minimax_m2 import convert_value
+
+    deep: dict = {"type": "integer"}
+    for _ in range(2000):  # nesting past the recursion limit: read to a depth, then a string
+        deep = {"anyOf": [deep]}
+    assert convert_value("7", deep) == "7"
+    assert convert_value("7", {"anyOf": [{"anyOf": [{"type": "integer"}]}]}) == 7
+    assert convert_value("[" * 100_000, {"type": "array"}) == "[" * 100_000
+    assert convert_value("nil", {"type": "integer"}) is None
+    assert convert_value("Infinity", {"type": "number"}) == "Infinity"
+    assert convert_value("maybe", {"type": ["boolean", "null"]}) == "maybe"
+    assert convert_value("1", {"type": 3, "enum": "x"}) == "1"  # not a schema's shapes: a string
+    assert convert_value("3.5", {"enum": [None, 1.5]}) == 3.5

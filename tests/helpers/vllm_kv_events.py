@@ -1,7 +1,7 @@
 """vLLM's KV cache event structs, declared here as vLLM declares them (vllm/distributed/kv_events.py at
-main after vllm#42892: the wire vLLM 0.26 sends, and the `locality` and `ownership` main added since),
-not imported from xlaserve, so a test that decodes the engine's events with them proves the format a
-router (llm-d's, Dynamo's) reads; and a subscriber."""
+main: the wire vLLM 0.26 sends, and what main added since: `locality`, `ownership`, typed `extra_keys`
+with `event_version`), not imported from xlaserve, so a test that decodes the engine's events with them
+proves the format a router (llm-d's, Dynamo's) reads; and a subscriber."""
 
 from __future__ import annotations
 
@@ -22,6 +22,35 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
+class ExtraKey(msgspec.Struct, gc=False, frozen=True, tag=True):
+    pass
+
+
+class LoRAKey(ExtraKey, frozen=True, tag="lora"):
+    name: str
+
+
+class CacheSaltKey(ExtraKey, frozen=True, tag="cache_salt"):
+    salt: str
+
+
+class PromptEmbedsKey(ExtraKey, frozen=True, tag="prompt_embeds"):
+    hash: bytes
+
+
+class MultiModalKey(ExtraKey, frozen=True, tag="mm"):
+    modality: str
+    hash: str
+    block_offset: int
+
+
+class LegacyExtraKey(ExtraKey, frozen=True, tag="legacy"):
+    value: Any
+
+
+ExtraKeyUnion = ExtraKey | LoRAKey | CacheSaltKey | PromptEmbedsKey | MultiModalKey | LegacyExtraKey
+
+
 class BlockStored(KVCacheEvent):
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
@@ -30,7 +59,8 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
+    event_version: int = 1
+    extra_keys: list[tuple[ExtraKeyUnion, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -95,9 +125,10 @@ def receive(sub: zmq.Socket, timeout_ms: int = 5000, topic: bytes = b"kv") -> di
     return batches
 
 
-def replay(endpoint: str, start: int) -> dict[int, bytes]:
+def replay(endpoint: str, start: int, topic: bytes = b"kv") -> dict[int, bytes]:
     """What a subscriber that missed batches asks for (vLLM's replay protocol): every kept batch from
-    `start`, each as (sequence, payload), then (-1, b""). A DEALER: a REQ socket takes one reply only."""
+    `start`, each as (topic, sequence, payload), then (b"", -1, b""). A DEALER: a REQ socket takes one
+    reply only."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
@@ -105,10 +136,11 @@ def replay(endpoint: str, start: int) -> dict[int, bytes]:
     batches = {}
     while True:
         assert dealer.poll(10_000), "no replay answer"
-        empty, seq, payload = dealer.recv_multipart()
+        empty, frame_topic, seq, payload = dealer.recv_multipart()
         assert empty == b""
         if int.from_bytes(seq, "big", signed=True) == -1:
-            assert payload == b""
+            assert (frame_topic, payload) == (b"", b"")
             dealer.close()
             return batches
+        assert frame_topic == topic  # the PUB socket's frames, topic first
         batches[int.from_bytes(seq, "big")] = payload

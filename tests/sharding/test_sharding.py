@@ -133,6 +133,26 @@ def test_gpt_oss_sinks_and_biased_experts_under_tensor_parallelism(tp_worker, ti
     assert_same_as_first(tp_worker.run("generate", tiny_gpt_oss, layouts))
 
 
+def test_minimax_m2_norms_over_all_heads_under_tensor_parallelism(tp_worker, tmp_path_factory):
+    """q and k normed over every head at once: TP 4 splits the heads (1 query head a rank, the norm's
+    mean summed across ranks) and repeats the 2 KV heads, k_norm's weights with them."""
+    from helpers.tiny_models import save_tiny_model, small_byte_tokenizer
+
+    model = save_tiny_model(
+        str(tmp_path_factory.mktemp("tiny_minimax_m2")),
+        "MiniMaxM2",
+        tokenizer=small_byte_tokenizer(),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rotary_dim=8,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    assert_same_as_first(tp_worker.run("generate", model, [{}, {"tensor_parallel_size": 4}]))
+
+
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
     from helpers.tiny_models import TINY_DEEPSEEK_V3, save_tiny_model

@@ -14,6 +14,10 @@ from xlaserve.entrypoints.serving.reasoning.base import (
 )
 from xlaserve.entrypoints.serving.reasoning.granite import GraniteReasoningParser
 from xlaserve.entrypoints.serving.reasoning.harmony import GptOssReasoningParser
+from xlaserve.entrypoints.serving.reasoning.minimax import (
+    MiniMaxM2AppendThinkReasoningParser,
+    MiniMaxM2ReasoningParser,
+)
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     cls.name: cls
@@ -25,6 +29,8 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
         GraniteReasoningParser,
         MistralReasoningParser,
         Olmo3ReasoningParser,
+        MiniMaxM2ReasoningParser,
+        MiniMaxM2AppendThinkReasoningParser,
         Glm45ReasoningParser,
     )
 }

@@ -27,6 +27,7 @@ from xlaserve.entrypoints.serving.tool_parsers.gpt_oss import OpenAIToolParser
 from xlaserve.entrypoints.serving.tool_parsers.granite import GraniteToolParser
 from xlaserve.entrypoints.serving.tool_parsers.hermes import HermesToolParser
 from xlaserve.entrypoints.serving.tool_parsers.llama3_json import Llama3JsonToolParser
+from xlaserve.entrypoints.serving.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 from xlaserve.entrypoints.serving.tool_parsers.mistral import MistralToolParser
 from xlaserve.entrypoints.serving.tool_parsers.olmo3 import Olmo3ToolParser
 from xlaserve.entrypoints.serving.tool_parsers.phi4_mini import Phi4MiniJsonToolParser
@@ -48,6 +49,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         Phi4MiniJsonToolParser,
         Llama4PythonicToolParser,
         Olmo3ToolParser,
+        MiniMaxM2ToolParser,
         Glm45ToolParser,
     )
 }
@@ -61,6 +63,7 @@ _FAMILY_PARSERS = {
     "mistral": "mistral",
     "mixtral": "mistral",
     "gpt_oss": "openai",
+    "minimax_m2": "minimax_m2",
     "glm4_moe": "glm45",
 }
 

@@ -27,7 +27,11 @@ from typing import Any
 
 from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, held_suffix, parse_tagged
 from xlaserve.entrypoints.serving.tool_parsers.json_scan import skip_ws
-from xlaserve.entrypoints.serving.tool_parsers.qwen3_coder import SchemaTypedToolParser, parameter_types
+from xlaserve.entrypoints.serving.tool_parsers.qwen3_coder import (
+    SchemaTypedToolParser,
+    json_object_text,
+    parameter_types,
+)
 
 _KEY, _KEY_END = "<arg_key>", "</arg_key>"
 _VALUE, _VALUE_END = "<arg_value>", "</arg_value>"
@@ -114,7 +118,7 @@ class Glm45ToolParser(SchemaTypedToolParser):
             value_start += len(_VALUE)
             value_end = region.find(_VALUE_END, value_start)
             if value_end < 0 and not is_closed:
-                arguments = "{" + ", ".join(members)
+                arguments = json_object_text(members, False)
                 partial = _partial_string(region[value_start:], schema.get(key))
                 if partial is not None:
                     arguments += f"{', ' if members else ''}{json.dumps(key, ensure_ascii=False)}: {partial}"
@@ -123,7 +127,7 @@ class Glm45ToolParser(SchemaTypedToolParser):
             member = convert_value(value, schema.get(key))
             members.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(member, ensure_ascii=False)}")
             pos = len(region) if value_end < 0 else value_end + len(_VALUE_END)
-        return Call(name, "{" + ", ".join(members) + ("}" if is_closed else ""), is_closed), True
+        return Call(name, json_object_text(members, is_closed), is_closed), True
 
 
 def _partial_string(value: str, schema: Any) -> str | None:

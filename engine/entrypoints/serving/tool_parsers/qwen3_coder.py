@@ -96,8 +96,7 @@ def convert_value(value: str, schema: Any) -> Any:
 
 
 class SchemaTypedToolParser(ToolParser):
-    """A format whose values are text, typed by the request's tool schemas: the parse reads the request
-    (`self._request`), which every entry point records first."""
+    """A format whose values are text, typed by the request's tool schemas: it keeps the request."""
 
     def __init__(self, tokenizer: Any = None):
         super().__init__(tokenizer)
@@ -194,19 +193,19 @@ class Qwen3CoderToolParser(SchemaTypedToolParser):
             at, tag = _first(text, pos, ends)
             if tag is None or tag != self.parameter_tag:
                 if tag is None and not final:
-                    return Call(name, _arguments(members, False), False), len(text)
+                    return Call(name, json_object_text(members, False), False), len(text)
                 end = len(text) if tag is None else at + len(tag) * (tag == self.function_end)
-                return Call(name, _arguments(members, True), True), end
+                return Call(name, json_object_text(members, True), True), end
             key_end = text.find(">", at + len(tag))
             if key_end < 0:  # a key never ended: vLLM could not read it either
                 if not final:
-                    return Call(name, _arguments(members, False), False), len(text)
-                return Call(name, _arguments(members, True), True), len(text)
+                    return Call(name, json_object_text(members, False), False), len(text)
+                return Call(name, json_object_text(members, True), True), len(text)
             key = text[at + len(tag) : key_end]
             value_end, value_tag = _first(text, key_end + 1, (self.parameter_end, *ends))
             if value_tag is None:
                 if not final:
-                    arguments = _arguments(members, False)
+                    arguments = json_object_text(members, False)
                     if (partial := _partial_string(text[key_end + 1 :], schema.get(key), ends)) is not None:
                         arguments += (
                             f"{', ' if members else ''}{json.dumps(key, ensure_ascii=False)}: {partial}"
@@ -240,5 +239,6 @@ def _first(text: str, pos: int, tags: tuple[str, ...]) -> tuple[int, str | None]
     return min(found) if found else (len(text), None)
 
 
-def _arguments(members: list[str], is_closed: bool) -> str:
+def json_object_text(members: list[str], is_closed: bool) -> str:
+    """`{"key": value, ...}` from json.dumps'd members, closed or still open."""
     return "{" + ", ".join(members) + ("}" if is_closed else "")
