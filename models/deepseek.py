@@ -37,6 +37,32 @@ from xlaserve.models.rope import apply_rope, rope_angles, rope_attention_factor
 _LORA_NORM_EPS = 1e-6
 
 
+def deepseek_moe_fields(hf: dict[str, Any], *, shared_default: int = 0, dense_default: int = 0) -> dict:
+    """DeepSeekMoE's spellings (DeepSeek V2/V3, GLM-4.5): routed and shared experts, their output
+    scale, the dense first layers (clamped to the decoder's, so an MTP layer past it is an MoE one).
+    The defaults are the family's Hugging Face config's for a config.json that omits a key."""
+    return {
+        "num_experts": hf["n_routed_experts"],
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0),
+        "n_shared_experts": hf.get("n_shared_experts", shared_default) or 0,
+        "first_k_dense_replace": min(
+            hf.get("first_k_dense_replace", dense_default) or 0, hf["num_hidden_layers"]
+        ),
+    }
+
+
+def v3_routing_fields(hf: dict[str, Any]) -> dict:
+    """DeepSeek V3's router (GLM-4.5's too): sigmoid scores, a learned bias for the choice, groups
+    scored by their best two experts."""
+    return {
+        "scoring_func": "sigmoid",
+        "group_score": "top2_sum",
+        "has_score_correction_bias": True,
+        "n_group": hf.get("n_group") or 1,
+        "topk_group": hf.get("topk_group") or 1,
+    }
+
+
 @dataclass(frozen=True)
 class DeepseekConfig(MoEConfig):
     """What V2 and V3 read alike: MLA's ranks and head dims, the dense first layers, shared experts.
@@ -57,15 +83,12 @@ class DeepseekConfig(MoEConfig):
             # One latent "KV head" shared by every query head; head_dim is the query/key head's.
             "num_kv_heads": 1,
             "head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
-            "num_experts": hf["n_routed_experts"],
-            "routed_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0),
-            "n_shared_experts": hf.get("n_shared_experts") or 0,
+            **deepseek_moe_fields(hf),
             "kv_lora_rank": hf["kv_lora_rank"],
             "q_lora_rank": hf.get("q_lora_rank"),
             "qk_nope_head_dim": hf["qk_nope_head_dim"],
             "qk_rope_head_dim": hf["qk_rope_head_dim"],
             "v_head_dim": hf["v_head_dim"],
-            "first_k_dense_replace": min(hf.get("first_k_dense_replace") or 0, hf["num_hidden_layers"]),
         }
 
     @property
@@ -110,11 +133,7 @@ class DeepseekV3Config(DeepseekConfig):
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
         return {
             **super().fields_from_hf(hf),
-            "scoring_func": "sigmoid",
-            "group_score": "top2_sum",
-            "has_score_correction_bias": True,
-            "n_group": hf.get("n_group") or 1,
-            "topk_group": hf.get("topk_group") or 1,
+            **v3_routing_fields(hf),
             "rope_interleave": bool(hf.get("rope_interleave", True)),
         }
 
@@ -213,7 +232,28 @@ class DeepseekDecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
-class DeepseekV3ForCausalLM(DecoderOnlyLM):
+class LeadingDenseLayers:
+    """The hooks of a decoder whose first `first_k_dense_replace` layers have a dense MLP and the rest
+    an MoE (DeepSeek V3, GLM-4.5): a stack of each, and a checkpoint whose MTP layers are stored past
+    num_hidden_layers."""
+
+    @classmethod
+    def layer_stacks(cls, cfg) -> dict[str, range]:
+        """The first `first_k_dense_replace` layers (dense MLP), then the rest (MoE); empty ones left out."""
+        k = cfg.first_k_dense_replace
+        stacks = {"dense_layers": range(k), "moe_layers": range(k, cfg.num_layers)}
+        return {name: layers for name, layers in stacks.items() if len(layers)}
+
+    @classmethod
+    def prepare_hf_tensors(cls, cfg, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # Checkpoints may carry multi-token-prediction layers past num_hidden_layers: not the decoder's
+        # (models/mtp.py loads the first as the drafter of `{"method": "mtp"}`).
+        mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_layers, cfg.num_layers + 8))
+        kept = {n: t for n, t in tensors.items() if not n.startswith(mtp)}
+        return stack_expert_tensors(kept, cfg.num_experts)
+
+
+class DeepseekV3ForCausalLM(LeadingDenseLayers, DecoderOnlyLM):
     """The shared backbone over two stacks of layers (dense MLP, then MoE) and the latent cache."""
 
     config_class = DeepseekV3Config
@@ -224,26 +264,11 @@ class DeepseekV3ForCausalLM(DecoderOnlyLM):
         return KVCacheSpec(cfg.num_layers, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cache_class=MLACache)
 
     @classmethod
-    def layer_stacks(cls, cfg: DeepseekConfig) -> dict[str, range]:
-        """The first `first_k_dense_replace` layers (dense MLP), then the rest (MoE); empty ones left out."""
-        k = cfg.first_k_dense_replace
-        stacks = {"dense_layers": range(k), "moe_layers": range(k, cfg.num_layers)}
-        return {name: layers for name, layers in stacks.items() if len(layers)}
-
-    @classmethod
     def make_layer(
         cls, cfg: DeepseekConfig, backend: AttentionBackend, stack: str, *, dtype, rngs: nnx.Rngs
     ) -> DeepseekDecoderLayer:
         # `backend.mla_attention`: kernels/mla.py's reference, or the Pallas kernel (ragged_paged_mla.py).
         return DeepseekDecoderLayer(cfg, backend, is_moe=stack == "moe_layers", dtype=dtype, rngs=rngs)
-
-    @classmethod
-    def prepare_hf_tensors(cls, cfg: DeepseekConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # Checkpoints may carry multi-token-prediction layers past num_hidden_layers (V3): not the
-        # decoder's (models/mtp.py loads the first as the drafter of `{"method": "mtp"}`).
-        mtp = tuple(f"model.layers.{i}." for i in range(cfg.num_layers, cfg.num_layers + 8))
-        kept = {n: t for n, t in tensors.items() if not n.startswith(mtp)}
-        return stack_expert_tensors(kept, cfg.num_experts)
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

@@ -32,6 +32,8 @@ SUPPORTED_ARCHITECTURES = {
     "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
+    # Its block count includes the MTP layers, stored after the decoder's (`_glm4moe_fields`).
+    "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
 }
 # Converted by llama.cpp's LlamaModel (or a subclass), which permutes q/k rows for its rope (see
 # `unpermute_qk`).
@@ -120,6 +122,8 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
         config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(config["num_hidden_layers"])]
     if arch == "deepseek2":
         config.update(_deepseek2_fields(metadata, config))
+    if arch == "glm4moe":
+        config.update(_glm4moe_fields(metadata, config, names))
     if arch == "phi3":
         if key("rope.dimension_count"):
             config["partial_rotary_factor"] = key("rope.dimension_count") / head_dim
@@ -191,6 +195,31 @@ def _deepseek2_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) ->
             "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
         }
     return fields
+
+
+def _glm4moe_fields(
+    metadata: Mapping[str, Any], config: Mapping[str, Any], names: set[str]
+) -> dict[str, Any]:
+    """GLM-4.5's config.json keys from what llama.cpp's Glm4MoeModel writes: its `block_count` counts the
+    MTP layers too (`nextn_predict_layers`, blocks after the decoder's), the rotated dims of each head
+    are `rope.dimension_count`, and its routing is DeepSeek V3's (sigmoid, the score bias; no groups
+    written: the releases have one)."""
+
+    def key(name: str, default: Any = None) -> Any:
+        return metadata.get(f"glm4moe.{name}", default)
+
+    num_nextn = key("nextn_predict_layers", 0)
+    return {
+        "num_hidden_layers": config["num_hidden_layers"] - num_nextn,
+        "num_nextn_predict_layers": num_nextn,
+        "partial_rotary_factor": key("rope.dimension_count", config["head_dim"]) / config["head_dim"],
+        "use_qk_norm": any(n.endswith(".attn_q_norm.weight") for n in names),
+        "first_k_dense_replace": key("leading_dense_block_count", 0),
+        "n_routed_experts": key("expert_count"),
+        "n_shared_experts": key("expert_shared_count", 0),
+        "routed_scaling_factor": float(key("expert_weights_scale") or 1.0),
+        "norm_topk_prob": bool(key("expert_weights_norm", True)),
+    }
 
 
 def _gpt_oss_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:

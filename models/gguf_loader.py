@@ -106,12 +106,23 @@ _ARCH_BLOCK_TENSORS = {
         "attn_sinks": "self_attn.sinks",
     },
 }
+_ARCH_BLOCK_TENSORS["glm4moe"] = {
+    **{k: v for k, v in _ARCH_BLOCK_TENSORS["deepseek2"].items() if not k.startswith("attn_")},
+    "post_attention_norm": "post_attention_layernorm",
+    # The MTP layers' own tensors (DeepSeek V3's names in the checkpoint; models/mtp.py).
+    "nextn.eh_proj": "eh_proj",
+    "nextn.enorm": "enorm",
+    "nextn.hnorm": "hnorm",
+    "nextn.shared_head_norm": "shared_head.norm",
+    "nextn.shared_head_head": "shared_head.head",
+    "nextn.embed_tokens": "embed_tokens",
+}
 # HF parameter names the converter gives a suffix they lack, restored.
 _RENAMES = {
     ".e_score_correction.bias": ".e_score_correction_bias",
     ".self_attn.sinks.weight": ".self_attn.sinks",
 }
-_BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.((?:nextn\.)?\w+)\.(weight|bias)")
 # Consumed into `rope_scaling` (llama3's divisors; Phi3's LongRoPE factors), not parameters of the HF model.
 _ROPE_FREQS = "rope_freqs.weight"
 _ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}

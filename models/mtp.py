@@ -1,6 +1,7 @@
 """Multi-token prediction (MTP) layers: the draft network a checkpoint ships beside its decoder
-(Qwen3.5's, Qwen3-Next's and Qwen3.5-MoE's `mtp.*` tensors; DeepSeek V3's and R1's decoder layer
-`model.layers.{num_hidden_layers}.*`), for speculative decoding with `{"method": "mtp"}` (worker/mtp.py).
+(Qwen3.5's, Qwen3-Next's and Qwen3.5-MoE's `mtp.*` tensors; DeepSeek V3's, R1's and GLM-4.5's
+decoder layer `model.layers.{num_hidden_layers}.*`), for speculative decoding with `{"method": "mtp"}`
+(worker/mtp.py).
 
 At position i the layer reads the token at i + 1 and the target's last hidden state at i (after its
 final norm), and predicts the token at i + 2:
@@ -34,8 +35,10 @@ from xlaserve.models.config import TransformerConfig
 from xlaserve.models.decoder import DecoderOnlyLM
 from xlaserve.models.deepseek import DeepseekConfig, DeepseekDecoderLayer, DeepseekV3ForCausalLM
 from xlaserve.models.draft_layer import OneLayerDrafter
+from xlaserve.models.glm4_moe import Glm4MoeForCausalLM
 from xlaserve.models.hybrid import FULL
 from xlaserve.models.layers import Linear, RMSNorm
+from xlaserve.models.moe import MoEDecoderLayer
 from xlaserve.models.qwen3_5 import Qwen3_5AttentionLayer, Qwen3_5ForCausalLM
 from xlaserve.models.qwen3_next import Qwen3NextAttentionLayer, Qwen3NextForCausalLM
 
@@ -202,11 +205,22 @@ class DeepseekMTP(MultiTokenPredictor):
         return p, renames, (f"{p}embed_tokens.", f"{p}shared_head.head.")
 
 
+class Glm4MoeMTP(DeepseekMTP):
+    """vLLM's glm4_moe_mtp: DeepSeek V3's tensors and wiring (the embedding zeroed at position 0 too)
+    around GLM-4.5's MoE decoder layer (GQA attention over one layer of plain K/V)."""
+
+    layer_class = MoEDecoderLayer
+    text_class = Glm4MoeForCausalLM
+    cache_model_class = Glm4MoeForCausalLM
+
+
 def mtp_class(target_class: type) -> type[MultiTokenPredictor] | None:
     """The MTP module of a target model class; None: the family has none here (DeepSeek V2's
     checkpoints declare no MTP layer: refused by their count, 0)."""
     if issubclass(target_class, DeepseekV3ForCausalLM):
         return DeepseekMTP
+    if issubclass(target_class, Glm4MoeForCausalLM):
+        return Glm4MoeMTP
     if issubclass(target_class, Qwen3NextForCausalLM):
         return Qwen3NextMTP
     if issubclass(target_class, Qwen3_5ForCausalLM):

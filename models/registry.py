@@ -14,6 +14,7 @@ from xlaserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalL
 from xlaserve.models.falcon_h1 import FalconH1ForCausalLM
 from xlaserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from xlaserve.models.gemma3_vl import Gemma3ForConditionalGeneration
+from xlaserve.models.glm4_moe import Glm4MoeForCausalLM
 from xlaserve.models.gpt_oss import GptOssForCausalLM
 from xlaserve.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from xlaserve.models.granite_hybrid import GraniteMoeHybridForCausalLM
@@ -100,6 +101,8 @@ _MODELS: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen2's layer, experts and a gated shared expert
     # OLMo's q/k norms over all heads, partial RoPE, DeepSeek V3's biased sigmoid router without groups.
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+    # GLM-4.5/4.6/4.7: GQA with half-rotary heads over DeepSeek V3's routing, dense first layers.
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 

@@ -163,7 +163,7 @@ def add_tool_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME",
         help="how the model writes tool calls: hermes, llama3_json, mistral, openai (gpt-oss's harmony), "
-        "qwen3_coder, pythonic, deepseek_v3, deepseek_v31, granite "
+        "qwen3_coder, pythonic, deepseek_v3, deepseek_v31, granite, glm45 "
         '(default: from the model family); "none": no parser, auto tool choice off',
     )
     g.add_argument(

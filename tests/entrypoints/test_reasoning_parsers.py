@@ -62,12 +62,24 @@ CASES = [
     # ... or nothing is split: the output, the template's <think> in front, is all answer
     ("minimax_m2_append_think", "x</think>\n\ny", None, "<think>x</think>\n\ny"),
     ("minimax_m2_append_think", "", None, "<think>"),
+    # GLM-4.5: Qwen3's tags, the model opens the thinking
+    ("glm45", "<think>The user asks.</think>\nParis.", "The user asks.", "Paris."),
+    ("glm45", "Paris, no thinking.", None, "Paris, no thinking."),
+    ("glm45", "<think>cut off </thi", "cut off </thi", None),
 ]
 
 
 class FakeTokenizer:
     def get_vocab(self):
-        return {"<think>": 10, "</think>": 11, "a": 1, "b": 2, "[THINK]": 20, "[/THINK]": 21}
+        return {
+            "<think>": 10,
+            "</think>": 11,
+            "a": 1,
+            "b": 2,
+            "[THINK]": 20,
+            "[/THINK]": 21,
+            "<|assistant|>": 30,
+        }
 
 
 def _parser(spec: str, tokenizer=None, **kwargs):
@@ -137,6 +149,28 @@ def test_is_reasoning_end():
     assert mistral.is_reasoning_end([20, 1, 21]) and not mistral.is_reasoning_end([20, 21, 20])
 
 
+def test_glm45_thinking_ends_after_the_last_assistant_turn():
+    """GLM's template writes <think></think> into earlier assistant turns: the thinking has ended only
+    at a </think> after the last <|assistant|> (30), so structured output waits for the model's own."""
+    tok = FakeTokenizer()
+    history = [30, 10, 11, 1, 30]  # an earlier turn's empty thinking, then this turn's <|assistant|>
+    parser = get_reasoning_parser("glm45")(tok, prompt_token_ids=history)
+    assert not parser.is_reasoning_end(history)
+    assert not parser.is_reasoning_end([*history, 10, 2])
+    assert parser.is_reasoning_end([*history, 10, 2, 11])
+    assert parser.is_reasoning_end([*history, 10, 11])  # enable_thinking=false: the prompt closed it
+    assert parser.extract_reasoning("<think>x</think>y") == ("x", "y")
+    off = get_reasoning_parser("glm45")(tok, prompt_token_ids=[*history, 10, 11])
+    assert off.extract_reasoning("x</think>y") == (None, "x</think>y")
+
+    class NoTurnTag:
+        def get_vocab(self):
+            return {"<think>": 10, "</think>": 11}
+
+    with pytest.raises(ValueError, match=r"glm45 reasoning parser needs '<\|assistant\|>' as one token"):
+        get_reasoning_parser("glm45")(NoTurnTag())
+
+
 def test_granite_structured_output_starts_after_the_response_marker():
     """With thinking on, the grammar waits for "Here is my response:" as a byte-level BPE (Granite's
     kind) writes it inside a text: the engine's EndOfThinking ends the thinking at its ":"."""
@@ -162,7 +196,9 @@ def test_tokenizer_without_tags_is_refused():
 
 
 def test_registry():
-    assert {"deepseek_r1", "deepseek_v3", "qwen3", "granite", "mistral", "olmo3"} <= set(REASONING_PARSERS)
+    assert {"deepseek_r1", "deepseek_v3", "qwen3", "granite", "mistral", "olmo3", "glm45"} <= set(
+        REASONING_PARSERS
+    )
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         get_reasoning_parser("nope")
 

@@ -308,8 +308,66 @@ CASES = [
     ("olmo3", "<function_calls>\nf(x=[1, 2]), g()\n", None, [("f", {"x": [1, 2]}), ("g", {})]),
     ("olmo3", "<function_calls>f(x)</function_calls>", "<function_calls>f(x)</function_calls>", []),
     ("olmo3", "No calls: a < b <function_calls", "No calls: a < b <function_calls", []),
+    # GLM-4.5's keys and values: a "string" parameter kept exactly ("null", spaces), any other read as
+    # JSON or a Python literal (an untyped one too), else text; GLM-4.7's name straight before its first
+    # key; a call without arguments; a key without a value skipped; a call cut off at the end
+    (
+        "glm45",
+        "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value> Paris</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>metric</arg_key>\n<arg_value>True"
+        "</arg_value>\n<arg_key>temp</arg_key><arg_value>-1.5</arg_value><arg_key>opts</arg_key>"
+        '<arg_value>{"h": [1, 2]}</arg_value><arg_key>note</arg_key><arg_value>null</arg_value>'
+        "<arg_key>extra</arg_key><arg_value> 7\n</arg_value><arg_key>word</arg_key><arg_value>seven"
+        "</arg_value>\n</tool_call>",
+        "Let me check.",
+        [
+            (
+                "get_weather",
+                {
+                    "city": " Paris",
+                    "days": 3,
+                    "metric": True,
+                    "temp": -1.5,
+                    "opts": {"h": [1, 2]},
+                    "note": "null",
+                    "extra": 7,
+                    "word": "seven",
+                },
+            )
+        ],
+    ),
+    (
+        "glm45",
+        "<tool_call>run<arg_key>code</arg_key><arg_value>print('<a>')\n</arg_value><arg_key>lone"
+        "</arg_key>x<arg_key>n</arg_key><arg_value>[1, None]</arg_value></tool_call>\nthen\n"
+        "<tool_call>get_time\n</tool_call><tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Par",
+        "then",
+        [
+            ("run", {"code": "print('<a>')", "n": [1, None]}),
+            ("get_time", {}),
+            ("get_weather", {"city": "Par"}),
+        ],
+    ),
+    # not this format's calls: JSON (Hermes'), a name with a space, no name; a partial tag at the end
+    (
+        "glm45",
+        '<tool_call>\n{"name": "f"}\n</tool_call> <tool_call>bad name\n</tool_call>'
+        "<tool_call>\n</tool_call> <tool_c",
+        '<tool_call>\n{"name": "f"}\n</tool_call> <tool_call>bad name\n</tool_call>'
+        "<tool_call>\n</tool_call> <tool_c",
+        [],
+    ),
+    # a literal with no JSON form stays text: a non-finite number, a set
+    (
+        "glm45",
+        "<tool_call>f\n<arg_key>a</arg_key><arg_value>Infinity</arg_value><arg_key>b</arg_key>"
+        "<arg_value>{1, 2}</arg_value><arg_key>c</arg_key><arg_value>1e999</arg_value></tool_call>",
+        None,
+        [("f", {"a": "Infinity", "b": "{1, 2}", "c": "1e999"})],
+    ),
 ]
-# The request the outputs answer: qwen3_coder types its values by these schemas; the others ignore it.
+# The request the outputs answer: qwen3_coder and glm45 type their values by these schemas; the others
+# ignore it.
 _SCHEMA = {
     "type": "object",
     "properties": {
@@ -421,7 +479,7 @@ def test_xml_and_pythonic_arguments_are_json_dumps_text():
     """qwen3_coder's and pythonic's arguments are built, not copied: the text is json.dumps' of the
     values (what vLLM sends), whichever way the stream was cut."""
     for name, output, _, calls in CASES:
-        if name not in ("qwen3_coder", "pythonic", "llama4_pythonic", "olmo3"):
+        if name not in ("qwen3_coder", "pythonic", "llama4_pythonic", "olmo3", "glm45"):
             continue
         result = get_tool_parser(name)().extract_tool_calls(output, REQUEST)
         assert [c.function.arguments for c in result.tool_calls] == [
@@ -429,12 +487,27 @@ def test_xml_and_pythonic_arguments_are_json_dumps_text():
         ]
 
 
-def test_qwen3_coder_string_values_stream_as_written():
+@pytest.mark.parametrize(
+    ("parser_name", "text", "first_pieces"),
+    [
+        (
+            "qwen3_coder",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+            "<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>",
+            ["{", '"city": "S', "a"],
+        ),
+        (  # a "string" value is never null for GLM-4.5: its quote goes out before its first character
+            "glm45",
+            "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>San Francisco</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>12</arg_value>\n</tool_call>",
+            ["{", '"city": "', "S"],
+        ),
+    ],
+)
+def test_xml_string_values_stream_as_written(parser_name, text, first_pieces):
     """A string parameter (long code, a file's text) streams as it comes; a typed one waits for its end."""
-    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
-    text += "<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>"
-    pieces = _argument_pieces("qwen3_coder", text)
-    assert pieces[:3] == ["{", '"city": "S', "a"]
+    pieces = _argument_pieces(parser_name, text)
+    assert pieces[:3] == first_pieces
     assert pieces[-3:] == ['"', ', "days": 12', "}"]
     assert "".join(pieces) == '{"city": "San Francisco", "days": 12}'
 
@@ -480,16 +553,18 @@ def test_registry_and_defaults():
         "phi4_mini_json",
         "llama4_pythonic",
         "olmo3",
+        "glm45",
     } <= set(TOOL_PARSERS)
     # the server keeps special tokens in the text for parsers whose tags are special tokens
-    names = ("llama4_pythonic", "olmo3", "phi4_mini_json")
+    names = ("llama4_pythonic", "olmo3", "phi4_mini_json", "glm45")
     keeps = {name: get_tool_parser(name).keeps_special_tokens for name in names}
-    assert keeps == {"llama4_pythonic": True, "olmo3": False, "phi4_mini_json": False}
+    assert keeps == {"llama4_pythonic": True, "olmo3": False, "phi4_mini_json": False, "glm45": True}
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
     assert default_tool_parser("qwen2") == "hermes"
     assert default_tool_parser({"model_type": "llama"}) == "llama3_json"
     assert default_tool_parser({"model_type": "mistral"}) == "mistral"
+    assert default_tool_parser({"model_type": "glm4_moe"}) == "glm45"
     assert default_tool_parser("gpt2") is None
     assert len(get_tool_parser("mistral")().new_call_id()) == 9
 

@@ -1,7 +1,7 @@
-"""A tiny Qwen3.5 (or Qwen3-Next, or DeepSeek V3) with a multi-token prediction layer (Qwen's `mtp.*`
-tensors, DeepSeek's decoder layer `num_hidden_layers`, beside the decoder's, as the releases ship them),
-and the drafts that layer proposes, computed with Hugging Face's own layer classes (transformers has the
-decoder layer, not the MTP wiring, which is vLLM's: models/mtp.py)."""
+"""A tiny Qwen3.5 (or Qwen3-Next, DeepSeek V3, GLM-4.5) with a multi-token prediction layer (Qwen's
+`mtp.*` tensors, DeepSeek's and GLM's decoder layer `num_hidden_layers`, beside the decoder's, as the
+releases ship them), and the drafts that layer proposes, computed with Hugging Face's own layer classes
+(transformers has the decoder layer, not the MTP wiring, which is vLLM's: models/mtp.py)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,16 @@ DEEPSEEK_V3 = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+
+# GLM-4.5's layout of the same (`family="Glm4Moe"`): GQA with q/k/v biases, half-rotary heads, q/k norm.
+GLM4_MOE = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if "lora" not in k and "head_dim" not in k},
+    "num_key_value_heads": 2,
+    "head_dim": 12,
+    "attention_bias": True,
+    "use_qk_norm": True,
+    "partial_rotary_factor": 0.5,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,19 +164,20 @@ def _qwen_mtp_layer(hf, config, family: str, full_layer: int, seed: int, oracle:
     return layer, mtp, wiring
 
 
-def save_deepseek_v3_with_mtp(directory: str, seed: int = 0):
-    """A random DeepseekV3ForCausalLM (DEEPSEEK_V3) and its MTP layer stored as the releases store it:
-    decoder layer `num_hidden_layers` (per-expert tensors) with `enorm`, `hnorm`, `eh_proj`,
-    `shared_head.norm`, and copies of the embedding and LM head (`embed_tokens`, `shared_head.head`),
-    `num_nextn_predict_layers: 1` in config.json -> (path, hf model, the MTP's decoder layer, its wiring)."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-
-    config = transformers.DeepseekV3Config(**DEEPSEEK_V3, attn_implementation="eager")
-    config.architectures = ["DeepseekV3ForCausalLM"]
+def save_deepseek_v3_with_mtp(directory: str, seed: int = 0, family: str = "DeepseekV3"):
+    """A random DeepseekV3ForCausalLM (DEEPSEEK_V3; `family="Glm4Moe"`: a Glm4MoeForCausalLM, GLM4_MOE)
+    and its MTP layer stored as the releases store it: decoder layer `num_hidden_layers` (per-expert
+    tensors) with `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the embedding and LM
+    head (`embed_tokens`, `shared_head.head`), `num_nextn_predict_layers: 1` in config.json -> (path, hf
+    model, the MTP's decoder layer, its wiring)."""
+    fields, module = {"DeepseekV3": (DEEPSEEK_V3, "deepseek_v3"), "Glm4Moe": (GLM4_MOE, "glm4_moe")}[family]
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    config = getattr(transformers, f"{family}Config")(**fields, attn_implementation="eager")
+    config.architectures = [f"{family}ForCausalLM"]
     n, d = config.num_hidden_layers, config.hidden_size
     torch.manual_seed(seed)
-    hf = randomize_weights(transformers.DeepseekV3ForCausalLM(config).eval())
-    layer = randomize_weights(DeepseekV3DecoderLayer(config, layer_idx=n).eval())  # an MoE layer
+    hf = randomize_weights(getattr(transformers, f"{family}ForCausalLM")(config).eval())
+    layer = randomize_weights(getattr(modeling, f"{family}DecoderLayer")(config, layer_idx=n).eval())  # MoE
     with torch.no_grad():
         for name, buffer in [*hf.named_buffers(), *layer.named_buffers()]:
             if name.endswith("e_score_correction_bias"):

@@ -1,5 +1,5 @@
 """GGUF files of qwen3moe, gemma3, phi3, olmo2, smollm3, granite, qwen2moe, deepseek2, olmoe, granitemoe,
-gemma2 and gpt-oss against transformers and the models they came from.
+gemma2, gpt-oss and glm4moe against transformers and the models they came from.
 
 For each architecture a tiny random HF model (float32, 2 layers, hidden 64) is written as llama.cpp's
 convert_hf_to_gguf.py writes it: its tensor names and metadata keys, Gemma's norms stored as 1 + w,
@@ -11,9 +11,9 @@ prefill logits are compared with
   name or layout mistake made alike in this writer and our reader still shows), within 1e-4, and its
   greedy tokens equal;
 - the original model's, within what Q8_0 and F16 rounding allow.
-transformers reads no olmo2, smollm3, granite, deepseek2, olmoe or granitemoe GGUF (nor, failing, this
-gpt-oss one): for those, the first reference is the original model with the file's rounded tensors put
-in its place (`rounded_model`).
+transformers reads no olmo2, smollm3, granite, deepseek2, olmoe, granitemoe or glm4moe GGUF (nor,
+failing, this gpt-oss one): for those, the first reference is the original model with the file's rounded
+tensors put in its place (`rounded_model`).
 """
 
 from __future__ import annotations
@@ -226,6 +226,26 @@ CASES = {
             },
         ),
     ),
+    # q/k/v biases, q/k norm, half of each head rotated; a dense layer, then V3's routing (sigmoid with its
+    # bias, renormalized and scaled) and a shared expert; the MTP layer's block after the decoder's.
+    "glm4moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            _TINY,
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            num_nextn_predict_layers=1,
+        ),
+    ),
 }
 # HF module -> llama.cpp tensor, where an architecture's converter names it otherwise than llama's.
 _GEMMA_NAMES = {
@@ -266,6 +286,13 @@ _GGUF_NAMES = {
     "granitemoe": {"block_sparse_moe.router": "ffn_gate_inp"},
     "gemma2": _GEMMA_NAMES,
     "gpt-oss": {"mlp.router": "ffn_gate_inp", "post_attention_layernorm": "post_attention_norm"},
+    "glm4moe": {
+        "mlp.gate": "ffn_gate_inp",
+        "post_attention_layernorm": "post_attention_norm",
+        "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_experts.up_proj": "ffn_up_shexp",
+        "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    },
 }
 # Config fields transformers' GGUF reading leaves at its defaults (its GGUF_CONFIG_MAPPING has no key for
 # them, or llama.cpp keeps them in its code): given to its model from the original's config, so that the
@@ -431,6 +458,8 @@ def write_gguf(path: str, model, arch: str, split_kv_b: bool = True) -> None:
     header = copy.copy(config)
     if arch == "deepseek2":  # MLA written as one KV head, the latent's
         header.num_key_value_heads = 1
+    if arch == "glm4moe":  # the MTP layers' blocks counted too
+        header.num_hidden_layers += config.num_nextn_predict_layers
     writer = gguf_writer(path, header, arch)
     if arch != "gemma2":  # Gemma2Model writes its keys itself, no RoPE base among them (llama.cpp's 10000)
         writer.add_rope_freq_base(rope["rope_theta"])
@@ -467,6 +496,8 @@ def write_gguf(path: str, model, arch: str, split_kv_b: bool = True) -> None:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if arch == "glm4moe":
+        add_glm4moe_keys(writer, config, tensors)
     if arch in ("granite", "granitemoe"):  # the converter's names for the multipliers
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
@@ -512,6 +543,19 @@ def add_deepseek2_keys(writer, config, rope, split_kv_b: bool) -> None:
     else:
         writer.add_key_length(qk_head_dim)
         writer.add_value_length(config.v_head_dim)
+    add_v3_routing_keys(writer, config)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def add_v3_routing_keys(writer, config) -> None:
+    """The leading dense layers and DeepSeek V3's routing, as DeepseekV2Model and Glm4MoeModel write them."""
     writer.add_leading_dense_block_count(config.first_k_dense_replace)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_expert_count(config.n_routed_experts)
@@ -519,15 +563,22 @@ def add_deepseek2_keys(writer, config, rope, split_kv_b: bool) -> None:
     writer.add_expert_shared_count(config.n_shared_experts)
     writer.add_expert_weights_scale(config.routed_scaling_factor)
     writer.add_expert_weights_norm(config.norm_topk_prob)
-    writer.add_expert_group_count(config.n_group)
-    writer.add_expert_group_used_count(config.topk_group)
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def add_glm4moe_keys(writer, config, tensors: dict[str, np.ndarray]) -> None:
+    """Glm4MoeModel's keys (convert_hf_to_gguf.py) and an MTP layer's block after the decoder's: its
+    nextn tensors and a norm of its decoder layer (random: no model reads them, the loader drops them)."""
+    writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
+    add_v3_routing_keys(writer, config)  # no group counts: Glm4MoeModel writes none
+    writer.add_nextn_predict_layers(config.num_nextn_predict_layers)
+    d, block = config.hidden_size, f"blk.{config.num_hidden_layers}"
+    rng = np.random.default_rng(0)
+    shapes = {"eh_proj": (d, 2 * d), "enorm": (d,), "hnorm": (d,), "shared_head_norm": (d,)}
+    shapes |= {"shared_head_head": (VOCAB, d), "embed_tokens": (VOCAB, d)}
+    for name, shape in shapes.items():
+        tensors[f"{block}.nextn.{name}.weight"] = rng.normal(size=shape).astype(np.float32)
+    tensors[f"{block}.attn_norm.weight"] = np.ones(d, np.float32)
 
 
 def transformers_model(path: str, original, arch: str):

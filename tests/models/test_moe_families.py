@@ -1,5 +1,5 @@
-"""Mixtral, Qwen3-MoE, gpt-oss, DeepSeek V2/V3, OLMoE, Granite MoE, Qwen2-MoE and MiniMax-M2 against
-Hugging Face, on tiny random checkpoints.
+"""Mixtral, Qwen3-MoE, gpt-oss, DeepSeek V2/V3, OLMoE, Granite MoE, Qwen2-MoE, MiniMax-M2 and GLM-4.5
+against Hugging Face, on tiny random checkpoints.
 
 Each family: a random HF model (float32, a few layers, 4-8 experts with top-2, GQA where the family
 has it; DeepSeek with a dense first layer, grouped routing, small LoRA ranks, V3 with YaRN) saved as
@@ -208,6 +208,30 @@ FAMILIES = {
             intermediate_size=32,
             num_local_experts=8,
             num_experts_per_tok=2,
+        ),
+    ),
+    # GLM-4.5: GQA with q/k/v biases, half of each head rotated, q/k normed; a dense first layer, then
+    # DeepSeek V3's routing (two of four groups, the score bias, a shared expert).
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
         ),
     ),
 }

@@ -27,16 +27,17 @@ def _numbers(out):
     return list(first.token_ids), [e[t].logprob for e, t in zip(first.logprobs, first.token_ids)]
 
 
-@pytest.mark.parametrize("family", ["Qwen3_5", "Qwen3Next", "DeepseekV3"])
+@pytest.mark.parametrize("family", ["Qwen3_5", "Qwen3Next", "DeepseekV3", "Glm4Moe"])
 def test_every_draft_is_the_mtp_layers_own(tmp_path, family):
     """k = 2, float32, one request at a time: each step's two drafts (the first from the target's
     hidden state, the second from the layer's own output) equal Hugging Face's layers' for the same
     positions, and the tokens are Hugging Face's greedy ones. Qwen3-Next's MTP layer has its experts
     (stacked at load as the decoder's are); DeepSeek V3's is its decoder layer `num_hidden_layers` (MLA
-    over its own one-layer latent cache, MoE), plain norms, the embedding zeroed at position 0."""
+    over its own one-layer latent cache, MoE), plain norms, the embedding zeroed at position 0; GLM-4.5's
+    is stored and wired as DeepSeek's, its layer GQA (biases, half-rotary heads, q/k norm) over plain K/V."""
     first, second = prompts(VOCAB, seed=2)[:2]
-    if family == "DeepseekV3":
-        path, hf, layer, mtp = save_deepseek_v3_with_mtp(str(tmp_path))
+    if family in ("DeepseekV3", "Glm4Moe"):
+        path, hf, layer, mtp = save_deepseek_v3_with_mtp(str(tmp_path), family=family)
         second = second[:4]  # short: the embedding zeroed at position 0 shows in drafts 5, 9 and 10
     else:
         path, hf, layer, mtp = save_qwen3_5_with_mtp(str(tmp_path), family=family)

@@ -204,3 +204,40 @@ def test_odd_vocabulary_under_tensor_parallelism_pads_and_never_samples_padding(
     _assert_same_greedy([one, two])
     # Prompt ids are checked against the real vocabulary: a padding id is refused.
     assert two["out_of_vocab_prompt"] != "accepted" and str(vocab) in two["out_of_vocab_prompt"]
+
+
+def test_every_glm4_moe_matrix_has_the_rule_its_name_shares():
+    """GLM-4.5 names no parameter of its own: attention (q/k/v biases, q/k norms), the dense first
+    layer's MLP, the experts, the shared experts and the router take the rules the other families'
+    same names have, so it shards by head and by expert as they do."""
+    from flax import nnx
+
+    from xlaserve.models.glm4_moe import Glm4MoeForCausalLM
+    from xlaserve.models.registry import model_config_from_hf
+
+    hf = {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+    }
+    hf |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": True}
+    hf |= {"use_qk_norm": True, "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2}
+    cfg = model_config_from_hf(hf)
+    # Read as Hugging Face's Glm4MoeConfig fills what config.json omits: half of each head rotated, one
+    # dense first layer, one shared expert.
+    assert (cfg.rotary_dim, cfg.first_k_dense_replace, cfg.n_shared_experts) == (4, 1, 1)
+    model = nnx.eval_shape(lambda: Glm4MoeForCausalLM(cfg, None, rngs=nnx.Rngs(0)))
+    stacks = set(Glm4MoeForCausalLM.layer_stacks(cfg))
+    assert stacks == {"dense_layers", "moe_layers"}
+    axes = {
+        path: param_logical_axes(path, len(param.shape), is_stacked=path[0] in stacks)
+        for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+    assert [path for path, a in axes.items() if a is None] == []
+    assert axes["moe_layers", "self_attn", "k_proj", "bias"] == (None, "kv_heads")
+    assert axes["moe_layers", "self_attn", "o_proj", "kernel"] == (None, "q_heads", "embed")
+    assert axes["dense_layers", "mlp", "down_proj", "kernel"] == (None, "mlp", "embed")
+    assert axes["moe_layers", "mlp", "experts_gate", "kernel"] == (None, "expert", "embed", "expert_mlp")
+    assert axes["moe_layers", "mlp", "shared_experts", "up_proj", "kernel"] == (None, "embed", "mlp")
+    assert axes["moe_layers", "mlp", "gate", "kernel"] == (None, "embed", "router")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from xlaserve.entrypoints.serving.reasoning.base import (
     DeepSeekR1ReasoningParser,
     DeepSeekV3ReasoningParser,
+    Glm45ReasoningParser,
     MistralReasoningParser,
     Olmo3ReasoningParser,
     Qwen3ReasoningParser,
@@ -30,6 +31,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
         Olmo3ReasoningParser,
         MiniMaxM2ReasoningParser,
         MiniMaxM2AppendThinkReasoningParser,
+        Glm45ReasoningParser,
     )
 }
 

@@ -158,6 +158,29 @@ class Qwen3ReasoningParser(ReasoningParser):
     starts_open = False
 
 
+class Glm45ReasoningParser(Qwen3ReasoningParser):
+    """GLM-4.5/4.6/4.7 (vLLM's `glm45`): Qwen3's tags and start (the model opens `<think>`;
+    enable_thinking=false closes it in the prompt), but its template writes `<think></think>` into every
+    earlier assistant turn, so the thinking has ended only at a `</think>` after the last
+    `<|assistant|>`. An output cut inside its thinking is thinking, streamed or not (vLLM's one-shot
+    parse gives it as content; a stream and a one-shot parse here agree)."""
+
+    name = "glm45"
+    turn_tag: ClassVar[str] = "<|assistant|>"
+
+    def _find_token_ids(self, tokenizer: Any) -> None:
+        super()._find_token_ids(tokenizer)
+        self.turn_token_id = single_token_id(tokenizer, self.turn_tag)
+        if self.turn_token_id is None:
+            raise ValueError(
+                f"the {self.name} reasoning parser needs {self.turn_tag!r} as one token of the model's "
+                "vocabulary; this tokenizer has none"
+            )
+
+    def is_reasoning_end(self, token_ids: list[int]) -> bool:
+        return _last_index(token_ids, self.end_token_id) > _last_index(token_ids, self.turn_token_id)
+
+
 class DeepSeekV3ReasoningParser(DeepSeekR1ReasoningParser):
     """DeepSeek-V3.1: thinking is the request's switch, `chat_template_kwargs` `thinking` (or
     `enable_thinking`, which vLLM takes too): on, the output is DeepSeek-R1's; off (the default), it

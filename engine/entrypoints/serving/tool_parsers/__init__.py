@@ -22,6 +22,7 @@ from xlaserve.entrypoints.serving.tool_parsers.base import (
 )
 from xlaserve.entrypoints.serving.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from xlaserve.entrypoints.serving.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from xlaserve.entrypoints.serving.tool_parsers.glm45 import Glm45ToolParser
 from xlaserve.entrypoints.serving.tool_parsers.gpt_oss import OpenAIToolParser
 from xlaserve.entrypoints.serving.tool_parsers.granite import GraniteToolParser
 from xlaserve.entrypoints.serving.tool_parsers.hermes import HermesToolParser
@@ -49,6 +50,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
         Llama4PythonicToolParser,
         Olmo3ToolParser,
         MiniMaxM2ToolParser,
+        Glm45ToolParser,
     )
 }
 # HF model_type -> the format its instruction-tuned models write.
@@ -62,6 +64,7 @@ _FAMILY_PARSERS = {
     "mixtral": "mistral",
     "gpt_oss": "openai",
     "minimax_m2": "minimax_m2",
+    "glm4_moe": "glm45",
 }
 
 
