@@ -36,6 +36,7 @@ from xlaserve.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, Qwen3_5M
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from xlaserve.models.qwen3_next import Qwen3NextForCausalLM
 from xlaserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from xlaserve.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 from xlaserve.models.smollm3 import SmolLM3ForCausalLM
 
 # A decoder classifier's suffixes: the class is its *ForCausalLM backbone's (the head runs on the host).
@@ -97,6 +98,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "ModernBertModel": ModernBertModel,
     "ModernBertForSequenceClassification": ModernBertModel,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen2's layer, experts and a gated shared expert
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,  # Qwen3-VL, Qwen3-MoE's experts
 }
 
 

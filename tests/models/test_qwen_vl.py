@@ -22,6 +22,7 @@ from helpers.tiny_vlm import (
     save_tiny_qwen2_5_vl,
     save_tiny_qwen3_5_vl,
     save_tiny_qwen3_vl,
+    save_tiny_qwen3_vl_moe,
 )
 from xlaserve import LLM, SamplingParams
 
@@ -36,8 +37,9 @@ FAMILIES = {
     "qwen2_5_vl": (save_tiny_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": (save_tiny_qwen3_vl, "Qwen3VLForConditionalGeneration"),
     "qwen3_5": (save_tiny_qwen3_5_vl, "Qwen3_5ForConditionalGeneration"),
+    "qwen3_vl_moe": (save_tiny_qwen3_vl_moe, "Qwen3VLMoeForConditionalGeneration"),
 }
-TIMED_VIDEOS = ("qwen3_vl", "qwen3_5")  # Qwen3VLProcessor's videos: each frame pair's time in the text
+TIMED_VIDEOS = ("qwen3_vl", "qwen3_5", "qwen3_vl_moe")  # Qwen3VLProcessor's videos: each frame pair's time in the text
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
