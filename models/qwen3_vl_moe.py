@@ -43,17 +43,18 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
     layer_class = MoEDecoderLayer
 
     @classmethod
-    def prepare_hf_tensors(cls, cfg: Qwen3VLMoeConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def prepare_hf_tensors(
+        cls, cfg: Qwen3VLMoeConfig, tensors: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         """The Qwen VL names, the releases' fused experts as transformers 5's, then the experts stacked
-        (per-expert tensors, as a quantized release stores them, are stacked there too)."""
-        tensors = super().prepare_hf_tensors(cfg, tensors)
-        theirs = {"gate_up_proj": (2 * cfg.moe_intermediate_size, cfg.hidden_size)}
-        theirs["down_proj"] = (cfg.hidden_size, cfg.moe_intermediate_size)
+        (a checkpoint's per-expert tensors too)."""
+        d, f = cfg.hidden_size, cfg.moe_intermediate_size
+        transformers_shapes = {"gate_up_proj": (2 * f, d), "down_proj": (d, f)}
         out = {}
-        for name, tensor in tensors.items():
-            proj = name.rsplit(".experts.", 1)[-1]
-            # Transformers' own shape first, as its loader reads a square one (D = 2F, or D = F).
-            is_release = proj in theirs and ".experts." in name and tuple(tensor.shape[1:]) != theirs[proj]
+        for name, tensor in super().prepare_hf_tensors(cfg, tensors).items():
+            proj = name.rpartition(".experts.")[2]
+            # A square one (D = 2F, or D = F) reads as transformers', as its loader reads it.
+            is_release = proj in transformers_shapes and tuple(tensor.shape[1:]) != transformers_shapes[proj]
             out[name] = _swap_last_axes(tensor) if is_release else tensor
         return stack_expert_tensors(out, cfg.num_experts)
 

@@ -8,7 +8,8 @@ compiled at warm-up). Videos: Qwen2.5-VL's frame pairs along M-RoPE's time axis,
 times in the text, its prompt ids Qwen3VLProcessor's own. Qwen3.5: Qwen3-VL's tower without DeepStack
 before a hybrid decoder (a Gated DeltaNet layer, then a gated attention layer rotating by M-RoPE),
 whose state is snapshotted for the prefix cache. Qwen3-VL-MoE: Qwen3-VL with experts in each decoder layer
-(its checkpoint's fused experts in the releases' layout), checked end to end only."""
+(its checkpoint's fused experts in the releases' layout), end to end and its config and expert layouts
+read; what it shares with Qwen3-VL alone is tested on Qwen3-VL."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ FAMILIES = {
     "qwen3_5": (save_tiny_qwen3_5_vl, "Qwen3_5ForConditionalGeneration"),
     "qwen3_vl_moe": (save_tiny_qwen3_vl_moe, "Qwen3VLMoeForConditionalGeneration"),
 }
+# Qwen3VLProcessor's videos: each frame pair's time in the text.
 TIMED_VIDEOS = ("qwen3_vl", "qwen3_5", "qwen3_vl_moe")
 
 
@@ -47,7 +49,7 @@ def _skip_qwen3_vl_moe(family: str) -> None:
     """Qwen3-VL-MoE's tower, front end and sizing are Qwen3-VL's (its experts' batch invariance:
     tests/models/test_moe_families.py), so a test of those alone runs for Qwen3-VL only."""
     if family == "qwen3_vl_moe":
-        pytest.skip("Qwen3-VL's tower and front end, tested on Qwen3-VL")  # Qwen3VLProcessor's videos: each frame pair's time in the text
+        pytest.skip("Qwen3-VL's tower and front end, tested on Qwen3-VL")
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -516,3 +518,39 @@ def test_mm_processor_kwargs_size_the_front_end_and_the_engine_alike(model_dir, 
     inputs = _hf_inputs(small, PROMPT, [image])
     hf_tokens, hf_ids, _ = hf_greedy(hf, inputs)
     assert out.prompt_token_ids == hf_ids and list(out.outputs[0].token_ids) == hf_tokens
+
+
+def test_qwen3_vl_moe_reads_its_config_and_both_expert_layouts_as_hugging_face():
+    """Qwen3-VL-MoE's config.json as Hugging Face reads it: the head tied by the top level's flag (off)
+    over the text config's (on), the top-k weights renormalized whatever `norm_topk_prob` says; its
+    fused experts in the releases' layout ([E, D, 2F], [E, F, D]) and in transformers 5's ([E, 2F, D],
+    [E, D, F]) stacked alike, and a square one (D = 2F) read as transformers 5's, as its loader does."""
+    import transformers
+
+    from xlaserve.models.qwen3_vl_moe import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    def config(moe_intermediate_size: int) -> Qwen3VLMoeConfig:
+        hf = transformers.Qwen3VLMoeConfig(
+            text_config=dict(hidden_size=8, num_experts=4, moe_intermediate_size=moe_intermediate_size)
+        ).to_dict()
+        hf["text_config"]["norm_topk_prob"] = False
+        assert hf["text_config"]["tie_word_embeddings"] and not hf["tie_word_embeddings"]
+        return Qwen3VLMoeConfig.from_hf(hf)
+
+    cfg = config(moe_intermediate_size=3)
+    assert (cfg.num_experts, cfg.norm_topk_prob, cfg.tie_word_embeddings) == (4, True, False)
+    rng = np.random.default_rng(0)
+    gate_up, down = rng.standard_normal((4, 6, 8)), rng.standard_normal((4, 8, 3))  # transformers 5's
+    block = "model.language_model.layers.0.mlp.experts."
+    theirs = {block + "gate_up_proj": gate_up, block + "down_proj": down}
+    release = {name: np.swapaxes(t, 1, 2) for name, t in theirs.items()}
+    stacks = [Qwen3VLMoeForConditionalGeneration.prepare_hf_tensors(cfg, t) for t in (theirs, release)]
+    ours = "model.layers.0.mlp.experts_"
+    for stacked in stacks:  # [E, out, in], as the loader takes a checkpoint's matrices
+        assert sorted(stacked) == [ours + "down.weight", ours + "gate.weight", ours + "up.weight"]
+        np.testing.assert_array_equal(stacked[ours + "gate.weight"], gate_up[:, :3])
+        np.testing.assert_array_equal(stacked[ours + "up.weight"], gate_up[:, 3:])
+        np.testing.assert_array_equal(stacked[ours + "down.weight"], down)
+    square = {block + "gate_up_proj": rng.standard_normal((4, 8, 8))}
+    stacked = Qwen3VLMoeForConditionalGeneration.prepare_hf_tensors(config(4), square)
+    np.testing.assert_array_equal(stacked[ours + "gate.weight"], square[block + "gate_up_proj"][:, :4])
