@@ -38,6 +38,7 @@ from xlaserve.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, Qwen3_5M
 from xlaserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from xlaserve.models.qwen3_next import Qwen3NextForCausalLM
 from xlaserve.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from xlaserve.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 from xlaserve.models.smollm3 import SmolLM3ForCausalLM
 
 # A decoder classifier's suffixes: the class is its *ForCausalLM backbone's (the head runs on the host).
@@ -103,6 +104,7 @@ _MODELS: dict[str, type[CausalLM]] = {
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     # GLM-4.5/4.6/4.7: GQA with half-rotary heads over DeepSeek V3's routing, dense first layers.
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,  # Qwen3-VL, Qwen3-MoE's experts
 }
 
 

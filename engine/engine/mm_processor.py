@@ -284,6 +284,7 @@ VISION_LANGUAGE_FAMILIES = {
     "Qwen3VLForConditionalGeneration": qwen_vl_processor,
     "Qwen3_5ForConditionalGeneration": qwen_vl_processor,
     "Qwen3_5MoeForConditionalGeneration": qwen_vl_processor,
+    "Qwen3VLMoeForConditionalGeneration": qwen_vl_processor,
 }
 
 

@@ -15,6 +15,7 @@ _TIMED_VIDEOS = (
     "Qwen3VLForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
 )
 
 

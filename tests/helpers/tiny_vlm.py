@@ -218,6 +218,7 @@ def image_prompts(model_dir: str) -> list[dict]:
         "Gemma3ForConditionalGeneration": ("<start_of_image>", (40, 48)),
         "Qwen2_5_VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", (32, 40)),
         "Qwen3VLForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", (32, 40)),
+        "Qwen3VLMoeForConditionalGeneration": ("<|vision_start|><|image_pad|><|vision_end|>", (32, 40)),
     }.get(architecture, ("<image>", (40, 48)))
     text = f"The quick brown fox jumps over the lazy dog. {image} What is it?"
     two = [random_image(2, size), random_image(3, size)]
@@ -269,6 +270,27 @@ def save_tiny_qwen3_vl(
     return _save_tiny_qwen_vl(
         directory, seed, "Qwen3VL", vision, [4, 2, 2], num_hidden_layers=num_layers, head_dim=16
     )
+
+
+def save_tiny_qwen3_vl_moe(directory: str, *, seed: int = 0) -> str:
+    """A random Qwen3VLMoeForConditionalGeneration: `save_tiny_qwen3_vl`'s tower and decoder with 8
+    experts of width 16 (top 2) in place of each layer's MLP, its experts written as the releases store
+    them (`gate_up_proj` [E, D, 2F], `down_proj` [E, F, D]: transformers 5 saves its own [E, 2F, D] and
+    [E, D, F], and transposes the releases' at load)."""
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    vision = transformers.Qwen3VLMoeVisionConfig(
+        **QWEN_VL_TOWER, out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0, 1]
+    )
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+    _save_tiny_qwen_vl(directory, seed, "Qwen3VLMoe", vision, [4, 2, 2], head_dim=16, **experts)
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        tensors[name] = np.ascontiguousarray(np.swapaxes(tensors[name], 1, 2))
+    save_file(tensors, path, metadata={"format": "pt"})
+    return directory
 
 
 def save_tiny_qwen3_5_vl(directory: str, *, seed: int = 0) -> str:

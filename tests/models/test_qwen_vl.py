@@ -7,7 +7,9 @@ steps of 16 tokens, so an image's tokens span several chunks; strict compile gua
 compiled at warm-up). Videos: Qwen2.5-VL's frame pairs along M-RoPE's time axis, Qwen3-VL's with their
 times in the text, its prompt ids Qwen3VLProcessor's own. Qwen3.5: Qwen3-VL's tower without DeepStack
 before a hybrid decoder (a Gated DeltaNet layer, then a gated attention layer rotating by M-RoPE),
-whose state is snapshotted for the prefix cache."""
+whose state is snapshotted for the prefix cache. Qwen3-VL-MoE: Qwen3-VL with experts in each decoder layer
+(its checkpoint's fused experts in the releases' layout), end to end and its config and expert layouts
+read; what it shares with Qwen3-VL alone is tested on Qwen3-VL."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from helpers.tiny_vlm import (
     save_tiny_qwen2_5_vl,
     save_tiny_qwen3_5_vl,
     save_tiny_qwen3_vl,
+    save_tiny_qwen3_vl_moe,
 )
 from xlaserve import LLM, SamplingParams
 
@@ -36,8 +39,17 @@ FAMILIES = {
     "qwen2_5_vl": (save_tiny_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": (save_tiny_qwen3_vl, "Qwen3VLForConditionalGeneration"),
     "qwen3_5": (save_tiny_qwen3_5_vl, "Qwen3_5ForConditionalGeneration"),
+    "qwen3_vl_moe": (save_tiny_qwen3_vl_moe, "Qwen3VLMoeForConditionalGeneration"),
 }
-TIMED_VIDEOS = ("qwen3_vl", "qwen3_5")  # Qwen3VLProcessor's videos: each frame pair's time in the text
+# Qwen3VLProcessor's videos: each frame pair's time in the text.
+TIMED_VIDEOS = ("qwen3_vl", "qwen3_5", "qwen3_vl_moe")
+
+
+def _skip_qwen3_vl_moe(family: str) -> None:
+    """Qwen3-VL-MoE's tower, front end and sizing are Qwen3-VL's (its experts' batch invariance:
+    tests/models/test_moe_families.py), so a test of those alone runs for Qwen3-VL only."""
+    if family == "qwen3_vl_moe":
+        pytest.skip("Qwen3-VL's tower and front end, tested on Qwen3-VL")
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -197,9 +209,10 @@ def test_the_towers_attention_is_each_images_own_wherever_it_is_packed():
         np.testing.assert_allclose(out, expected, atol=2e-5)
 
 
-def test_packed_images_encode_as_hugging_faces_tower(llm, hf):
+def test_packed_images_encode_as_hugging_faces_tower(llm, hf, family):
     """Three images of three sizes packed into one call: each token's row as Hugging Face's (and its
     DeepStack features after it, Qwen3-VL's)."""
+    _skip_qwen3_vl_moe(family)
     import jax
     import torch
     from flax import nnx
@@ -284,10 +297,11 @@ def test_bad_image_prompts_are_refused_naming_the_field(llm, prompt, message):
         llm.generate(prompt, GREEDY, use_tqdm=False)
 
 
-def test_bfloat16_an_image_request_is_the_same_alone_and_packed_with_others(model_dir):
+def test_bfloat16_an_image_request_is_the_same_alone_and_packed_with_others(model_dir, family):
     """At the default dtype, with batch invariance (the default): a request's image encoded alone (its
     own patch bucket) or packed with another image of another size in one tower call (a larger bucket),
     its prompt among others: the same tokens and bitwise the same logprobs."""
+    _skip_qwen3_vl_moe(family)
     args = {**ENGINE_ARGS, "dtype": "bfloat16", "kv_cache_memory": 48 * 8192, "max_num_batched_tokens": 128}
     args["enforce_eager"] = True  # the buckets the two engines use, compiled as used
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, prompt_logprobs=0)
@@ -482,6 +496,7 @@ def test_mm_processor_kwargs_size_the_front_end_and_the_engine_alike(model_dir, 
     tokens still match Hugging Face's with the same settings."""
     if family == "qwen3_5":
         pytest.skip("the Qwen VL families share the front end and the engine's sizing: two of them cover it")
+    _skip_qwen3_vl_moe(family)
     from xlaserve.config import ModelConfig
 
     with pytest.raises(ValueError, match="mm_processor_kwargs must be a JSON object"):
@@ -503,3 +518,39 @@ def test_mm_processor_kwargs_size_the_front_end_and_the_engine_alike(model_dir, 
     inputs = _hf_inputs(small, PROMPT, [image])
     hf_tokens, hf_ids, _ = hf_greedy(hf, inputs)
     assert out.prompt_token_ids == hf_ids and list(out.outputs[0].token_ids) == hf_tokens
+
+
+def test_qwen3_vl_moe_reads_its_config_and_both_expert_layouts_as_hugging_face():
+    """Qwen3-VL-MoE's config.json as Hugging Face reads it: the head tied by the top level's flag (off)
+    over the text config's (on), the top-k weights renormalized whatever `norm_topk_prob` says; its
+    fused experts in the releases' layout ([E, D, 2F], [E, F, D]) and in transformers 5's ([E, 2F, D],
+    [E, D, F]) stacked alike, and a square one (D = 2F) read as transformers 5's, as its loader does."""
+    import transformers
+
+    from xlaserve.models.qwen3_vl_moe import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    def config(moe_intermediate_size: int) -> Qwen3VLMoeConfig:
+        hf = transformers.Qwen3VLMoeConfig(
+            text_config=dict(hidden_size=8, num_experts=4, moe_intermediate_size=moe_intermediate_size)
+        ).to_dict()
+        hf["text_config"]["norm_topk_prob"] = False
+        assert hf["text_config"]["tie_word_embeddings"] and not hf["tie_word_embeddings"]
+        return Qwen3VLMoeConfig.from_hf(hf)
+
+    cfg = config(moe_intermediate_size=3)
+    assert (cfg.num_experts, cfg.norm_topk_prob, cfg.tie_word_embeddings) == (4, True, False)
+    rng = np.random.default_rng(0)
+    gate_up, down = rng.standard_normal((4, 6, 8)), rng.standard_normal((4, 8, 3))  # transformers 5's
+    block = "model.language_model.layers.0.mlp.experts."
+    theirs = {block + "gate_up_proj": gate_up, block + "down_proj": down}
+    release = {name: np.swapaxes(t, 1, 2) for name, t in theirs.items()}
+    stacks = [Qwen3VLMoeForConditionalGeneration.prepare_hf_tensors(cfg, t) for t in (theirs, release)]
+    ours = "model.layers.0.mlp.experts_"
+    for stacked in stacks:  # [E, out, in], as the loader takes a checkpoint's matrices
+        assert sorted(stacked) == [ours + "down.weight", ours + "gate.weight", ours + "up.weight"]
+        np.testing.assert_array_equal(stacked[ours + "gate.weight"], gate_up[:, :3])
+        np.testing.assert_array_equal(stacked[ours + "up.weight"], gate_up[:, 3:])
+        np.testing.assert_array_equal(stacked[ours + "down.weight"], down)
+    square = {block + "gate_up_proj": rng.standard_normal((4, 8, 8))}
+    stacked = Qwen3VLMoeForConditionalGeneration.prepare_hf_tensors(config(4), square)
+    np.testing.assert_array_equal(stacked[ours + "gate.weight"], square[block + "gate_up_proj"][:, :4])

@@ -243,23 +243,29 @@ def test_gemma3_with_images_under_tensor_parallelism_matches_one_device(tp_worke
     assert_same_as_first(tp_worker.run("generate_images", model, [{}, {"tensor_parallel_size": 2}]))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_qwen_vl_with_images_under_tensor_parallelism_matches_one_device(tp_worker, tmp_path_factory, family):
-    """Qwen2.5-VL and Qwen3-VL at TP 2: the tower's MLP and mergers split by channel (the fused qkv
-    whole), the packed patches, M-RoPE positions and DeepStack rows replicated, the decoder split as
-    Qwen2's and Qwen3's."""
+    """Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE at TP 2: the tower's MLP and mergers split by channel (the
+    fused qkv whole), the packed patches, M-RoPE positions and DeepStack rows replicated, the decoder
+    split as Qwen2's and Qwen3's; Qwen3-VL-MoE's with expert parallelism, whole experts to ranks (each
+    expert's MLP split instead: test_moe_expert_parallel_matches_one_device's TP 2)."""
     from helpers import tiny_vlm
 
     model = getattr(tiny_vlm, f"save_tiny_{family}")(str(tmp_path_factory.mktemp(f"tp_{family}")))
-    assert_same_as_first(tp_worker.run("generate_images", model, [{}, {"tensor_parallel_size": 2}]))
-    shards = tp_worker.run("param_shards", model, {"tensor_parallel_size": 2})
+    layout = {"tensor_parallel_size": 2, "enable_expert_parallel": family == "qwen3_vl_moe"}
+    assert_same_as_first(tp_worker.run("generate_images", model, [{}, layout]))
+    shards = tp_worker.run("param_shards", model, layout)
     mlp, merger = {
         "qwen2_5_vl": ("visual/blocks/0/mlp/gate_proj/kernel", "visual/merger/fc2/kernel"),
         "qwen3_vl": (
             "visual/blocks/0/mlp/linear_fc1/kernel",
             "visual/deepstack_merger_list/1/linear_fc2/kernel",
         ),
-    }[family]
+    }[family.removesuffix("_moe")]
     assert shards[mlp] == [[32, 48], [32, 24]]
     assert shards[merger] == [[128, 64], [64, 64]]
     assert shards["visual/blocks/0/attn/qkv/kernel"] == [[32, 96]] * 2  # whole
+    if family == "qwen3_vl_moe":  # [layers, experts, in, out]: 4 of the 8 experts a rank
+        assert shards["layers/mlp/experts_gate/kernel"] == [[2, 8, 64, 16], [2, 4, 64, 16]]
+        assert shards["layers/mlp/experts_down/kernel"] == [[2, 8, 16, 64], [2, 4, 16, 64]]
+        assert shards["layers/mlp/gate/kernel"] == [[2, 64, 8]] * 2  # the router whole
