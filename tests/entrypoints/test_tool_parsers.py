@@ -62,6 +62,29 @@ CASES = [
         '<tool_call>{"name": "f", "arguments": 3}</tool_call>',
         [],
     ),
+    # content around calls: the whitespace before a call is the call's, the whitespace that separates
+    # content resuming after a call stays (and is dropped where no content came before or none follows)
+    ("mistral", 'Sure.\n\n[TOOL_CALLS]a[ARGS]{"x": 1}\n', "Sure.", [("a", {"x": 1})]),
+    (
+        "hermes",
+        f"First Paris.\n\n<tool_call>\n{WEATHER}\n</tool_call>\n Then Rome: \n<tool_call>"
+        '{"name": "f", "arguments": {}}</tool_call>\n\n',
+        "First Paris.\n Then Rome:",
+        [("get_weather", {"city": "Paris", "unit": "celsius"}), ("f", {})],
+    ),
+    (
+        "qwen3_coder",
+        "Let me check.\n<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n"
+        "</tool_call>\n\nDone.",
+        "Let me check.\n\nDone.",
+        [("f", {"x": "1"})],
+    ),
+    (
+        "hermes",
+        f"<tool_call>{WEATHER}</tool_call>\n Done.\n",
+        "Done.\n",
+        [("get_weather", {"city": "Paris", "unit": "celsius"})],
+    ),
     # Llama 3.1's JSON format
     (
         "llama3_json",
@@ -269,7 +292,7 @@ CASES = [
         "phi4_mini_json",
         'Let me check.\nfunctools[{"name": "get_weather", "arguments": {"city": "Paris", "note": "functools[]'
         '\\" ]"}}, {"name": "get_time", "parameters": {"f": [1, {"a": null}]}}] Done.',
-        "Let me check.Done.",
+        "Let me check. Done.",
         [("get_weather", {"city": "Paris", "note": 'functools[]" ]'}), ("get_time", {"f": [1, {"a": None}]})],
     ),
     ("phi4_mini_json", 'functools[{"name": "f", "arguments": {}}]', None, [("f", {})]),
@@ -299,7 +322,7 @@ CASES = [
         "olmo3",
         "I will look.\n<function_calls>get_weather(city='Paris </function_calls>\\'', days=3)\n"
         'get_time(opts={"n": [1, null], "ok": true}, tz=None)</function_calls>\nDone.',
-        "I will look.Done.",
+        "I will look.\nDone.",
         [
             ("get_weather", {"city": "Paris </function_calls>'", "days": 3}),
             ("get_time", {"opts": {"n": [1, None], "ok": True}, "tz": None}),

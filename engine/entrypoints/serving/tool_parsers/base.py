@@ -8,11 +8,19 @@ arguments only ever grow. Hence the rules every `_parse` follows:
 - the undecided tail (a possible start tag, a call whose name has not ended) is held back, not content;
 - a call is announced (committed) once its name is a finished string and its arguments have started
   with "{": from then on its arguments go out as the raw text the model wrote, never re-serialised;
-- whitespace next to a call belongs to the call, so "Sure.\\n\\n<tool_call>..." has content "Sure.";
+- whitespace before a call belongs to the call, so "Sure.\\n\\n<tool_call>..." has content "Sure."; content
+  that resumes after a call keeps the whitespace that separated it from the call (so "Let me check.\\n
+  <tool_call>...</tool_call>\\nDone." has content "Let me check.\\nDone."), once non-whitespace follows
+  it and content came before; whitespace after the last call that nothing follows is dropped;
 - a call that breaks before it was announced comes back as content; one that breaks after (the model
   wrote bad JSON inside its arguments, or stopped) keeps what was sent, and the text after the break is
   content. Only that last case can differ from the one-shot parse, which returns the whole region as
   content (the stream cannot take back what it sent).
+
+vLLM's parsers treat the content around calls differently, one-shot and streamed: hermes, qwen3_coder and
+mistral return the text before the first call as written (its whitespace too) and drop what follows
+calls; hermes' stream drops it too while qwen3_coder's sends it. Here content is the same wherever it
+sits and however it was read.
 """
 
 from __future__ import annotations
@@ -310,11 +318,11 @@ class ToolParser:
             if isinstance(piece, Call):
                 calls.append(piece)
                 continue
-            if i > 0:  # after a call
-                piece = piece.lstrip()
             is_last = i == len(pieces) - 1
             if not is_last or parsed.is_held or not final:  # before a call, or maybe before one
                 piece = piece.rstrip()
+            if i > 0 and not (any(content) and piece.strip()):  # after a call, nothing to separate
+                piece = piece.lstrip()
             content.append(piece)
         if request is not None and getattr(request, "parallel_tool_calls", None) is False:
             calls = calls[:1]
