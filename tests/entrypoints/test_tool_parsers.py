@@ -330,6 +330,7 @@ CASES = [
     ),
     ("olmo3", "<function_calls>\nf(x=[1, 2]), g()\n", None, [("f", {"x": [1, 2]}), ("g", {})]),
     ("olmo3", "<function_calls>f(x)</function_calls>", "<function_calls>f(x)</function_calls>", []),
+    ("olmo3", "<function_calls>f(x)\ng(a=1)</function_calls>", None, [("g", {"a": 1})]),  # f(x) skipped
     ("olmo3", "No calls: a < b <function_calls", "No calls: a < b <function_calls", []),
     # GLM-4.5's keys and values: a "string" parameter kept exactly ("null", spaces), any other read as
     # JSON or a Python literal (an untyped one too), else text; GLM-4.7's name straight before its first
@@ -546,11 +547,24 @@ def test_pythonic_broken_after_announcement():
     assert _streamed("pythonic", list(text)) == ("a=2)]", [("f", '{"a": 1')])
 
 
-def test_olmo3_non_finite_value_is_not_a_call():
-    """1e999 is inf, which JSON cannot write: the call breaks there (vLLM rejects it too)."""
+def test_olmo3_skips_a_bad_call_and_keeps_the_others():
+    """A call that is not literals (1e999 is inf, which JSON cannot write; a call as a value) is skipped
+    and its siblings kept, as vLLM's: one-shot it leaves no trace; streamed, one announced before it
+    broke keeps what was sent. A block of bad calls only is text, one-shot."""
+    text = "Hi\n<function_calls>a(x=1e999)\nb(y=2)\nc(z=g(), w=1), d()</function_calls>\nBye"
+    result = get_tool_parser("olmo3")().extract_tool_calls(text)
+    assert [(c.function.name, c.function.arguments) for c in result.tool_calls] == [
+        ("b", '{"y": 2}'),
+        ("d", "{}"),
+    ]
+    assert result.content == "Hi\nBye"
+    assert _streamed("olmo3", list(text)) == (
+        "Hi\nBye",
+        [("a", "{"), ("b", '{"y": 2}'), ("c", "{"), ("d", "{}")],
+    )
     text = "<function_calls>f(x=1e999)</function_calls>"
     assert get_tool_parser("olmo3")().extract_tool_calls(text).content == text
-    assert _streamed("olmo3", list(text)) == ("x=1e999)</function_calls>", [("f", "{")])
+    assert _streamed("olmo3", list(text)) == (None, [("f", "{")])
 
 
 def test_forced_call_cut_off():

@@ -125,6 +125,17 @@ def read_call(text: str, pos: int, calls: list[Call], json_names: bool = False) 
         pos = value_end + (text[value_end] == ",")
 
 
+def skip_call(text: str, pos: int) -> tuple[int, Status]:
+    """Past the ")" of the call `name(...)` at text[pos], whatever its values (to skip a bad one):
+    (there, COMPLETE), or where and how it stopped (INVALID: not a call's shape)."""
+    name, pos, status = _name_then(text, pos, "(")
+    while name is not None:
+        pos, status = _value_end(text, pos + 1)
+        if status is not Status.COMPLETE or text[pos] == ")":
+            return pos + (status is Status.COMPLETE), status
+    return pos, status
+
+
 def _read_list(text: str, pos: int, calls: list[Call]) -> tuple[int, Status]:
     """Read `[call, ...]` at text[pos] == "[" into `calls`: (where it ends or broke, how)."""
     pos += 1
