@@ -9,9 +9,9 @@ allowed as values (the model reads its tools as JSON). A missing `</function_cal
 (the model stopped) does not undo whole calls; text after the block is content. A call that is not
 literals (a name, an expression, inf) is skipped and the others kept, as newer vLLM does; a block of
 nothing else is text. The tags are read as text (special tokens are not kept for them, as in vLLM;
-OLMo 3's thinking tags are text too). vLLM's
-one-shot parse drops the text around the block and its stream only reads an answer that starts with
-the tag; here the text around the block is content in both.
+OLMo 3's thinking tags are text too). vLLM's one-shot parse drops the text around the block and its
+stream only reads an answer that starts with the tag; here the text around the block is content in
+both.
 """
 
 from __future__ import annotations
