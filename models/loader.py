@@ -149,7 +149,10 @@ def complete_config(config: dict[str, Any]) -> dict[str, Any]:
         # A vision-language model (LLaVA): its decoder's fields, completed, also read at the top level
         # by whatever asks any model's config (the vocabulary, the context length, EOS).
         text = complete_config(config["text_config"])
-        return {**text, **config, "text_config": text}
+        merged = {**text, **config, "text_config": text}
+        if "tie_word_embeddings" not in config:  # the composite's own, by which Hugging Face ties its head
+            del merged["tie_word_embeddings"]
+        return merged
     config = {**_family_defaults(config), **config}
     rope = read_rope_parameters(config)
     config.setdefault("rope_theta", rope.theta)

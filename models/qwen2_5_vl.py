@@ -72,7 +72,7 @@ class Qwen2_5_VLConfig(QwenImageFields, Qwen2Config):
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
         vision = hf["vision_config"]
         return {
-            **super().fields_from_hf(text_config(hf)),
+            **super().fields_from_hf(text_config(hf, text_ties=True)),
             **image_fields(hf, (16, 24, 24)),
             "vision": QwenVisionConfig(
                 **vision_fields(vision),
@@ -82,10 +82,17 @@ class Qwen2_5_VLConfig(QwenImageFields, Qwen2Config):
         }
 
 
-def text_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen VL config.json's decoder settings: its text_config over the top level's."""
-    text = {**hf, **hf.get("text_config", {}), "architectures": hf.get("architectures")}
+def text_config(hf: dict[str, Any], text_ties: bool = False) -> dict[str, Any]:
+    """A Qwen VL config.json's decoder settings: its text_config over the top level's, but for the head:
+    Hugging Face's composite model ties it by the top level's `tie_word_embeddings` (off when missing),
+    whatever its text config says. text_ties: the text config's on ties it too (transformers 5 forwards
+    it so for Qwen2.5-VL, whose pre-v5 saves wrote the flag there)."""
+    inner = hf.get("text_config", {})
+    text = {**hf, **inner, "architectures": hf.get("architectures")}
     text.pop("vision_config", None)
+    text["tie_word_embeddings"] = bool(
+        hf.get("tie_word_embeddings") or text_ties and inner.get("tie_word_embeddings")
+    )
     return text
 
 

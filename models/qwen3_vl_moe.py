@@ -32,10 +32,7 @@ class Qwen3VLMoeConfig(Qwen3VLConfig, Qwen3MoeConfig):
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:
-        # The head is tied by the top level's flag (Hugging Face's composite model reads that one), whose
-        # default is off while the text config's is on: transformers 5 writes both.
-        tied = bool(hf.get("tie_word_embeddings", False))
-        return {**super().fields_from_hf(hf), "norm_topk_prob": True, "tie_word_embeddings": tied}
+        return {**super().fields_from_hf(hf), "norm_topk_prob": True}
 
 
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):

@@ -490,6 +490,33 @@ def test_a_release_config_json_reads_as_transformers_5s():
     assert cfg.video_interval == 2.0  # 2 tokens a second x 2 frames / 2 fps
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_head_is_tied_by_the_flag_hugging_face_ties_it_by(family):
+    """Hugging Face's composite model ties the head by the top level's `tie_word_embeddings` (off when
+    left out), whatever the text config's says; Qwen2.5-VL's config also takes the text config's on
+    (pre-v5 saves wrote it there). Read through `complete_config` as a checkpoint's config.json is: flags
+    on, off or left out, against transformers 5's reading of the same dict."""
+    import copy
+
+    import transformers
+
+    from xlaserve.models.loader import complete_config
+    from xlaserve.models.registry import get_model_class
+
+    theirs = getattr(transformers, FAMILIES[family][1].replace("ForConditionalGeneration", "Config"))
+    ours = get_model_class(FAMILIES[family][1]).config_class
+    base = theirs().to_dict()
+    for top, text in [(None, None), (None, True), (False, True), (True, False)]:
+        hf = copy.deepcopy(base)
+        for config, flag in ((hf, top), (hf["text_config"], text)):
+            config.pop("tie_word_embeddings", None)
+            if flag is not None:
+                config["tie_word_embeddings"] = flag
+        expected = theirs(**copy.deepcopy(hf)).tie_word_embeddings
+        assert expected == (top or family == "qwen2_5_vl" and bool(text))  # what the cases are for
+        assert ours.from_hf(complete_config(hf)).tie_word_embeddings == expected, (top, text)
+
+
 def test_mm_processor_kwargs_size_the_front_end_and_the_engine_alike(model_dir, hf, family):
     """vLLM's --mm-processor-kwargs over the directory's settings: a smaller max_pixels resizes images
     down in the front end and sizes the engine's encoder-cache slots and tower buckets to match, and the
