@@ -33,6 +33,9 @@ from xlaserve.models.loader import complete_config, read_weights
 from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class
 from xlaserve.models.weights import load_params
+from xlaserve.sharding import Placement
+from xlaserve.sharding.kv_heads import replicate_kv_heads
+from xlaserve.sharding.vocab import pad_vocab, padded_vocab_size
 from xlaserve.speculative_config import SPECULATORS_KEY, flatten_speculators_eagle3
 from xlaserve.worker.model_loader import pack_projections
 from xlaserve.worker.mtp import MTPDrafter
@@ -131,6 +134,24 @@ def _draft_to_target(tensors: dict, draft_vocab: int, vocab: int) -> np.ndarray:
     return targets.astype(np.int32)
 
 
+def _for_mesh(cfg: TransformerConfig, tensors: dict, draft_vocab: int, runner):
+    """The network's config and tensors laid out for the target's mesh, as worker/model_loader.py lays
+    out a model's: KV heads repeated up to the tensor-parallel size, the embedding padded to the target's
+    vocabulary and the LM head's draft vocabulary to a size that splits evenly (sharding/vocab.py), so
+    its weights split over the ranks as the target's layers do -> (config, tensors, padded draft
+    vocabulary)."""
+    tp = runner.placement.tensor_parallel_size
+    try:
+        Placement(runner.mesh, cfg)  # its heads and MLP split over the target's ranks
+    except ValueError as e:
+        raise _refuse(f"the EAGLE-3 layer: {e}") from e
+    cfg, tensors = replicate_kv_heads(cfg, Eagle3Network.prepare_hf_tensors(cfg, tensors), tp)
+    padded_draft_vocab = padded_vocab_size(draft_vocab, tp)
+    head = pad_vocab({"lm_head.weight": tensors.pop("lm_head.weight")}, draft_vocab, padded_draft_vocab)
+    tensors = pad_vocab(tensors, cfg.vocab_size, runner.padded_vocab_size) | head
+    return cfg.replace(vocab_size=runner.padded_vocab_size), tensors, padded_draft_vocab
+
+
 class Eagle3Drafter(MTPDrafter):
     """The EAGLE-3 network as the drafter (module doc); `runner`: the ModelRunner, whose model it reads
     (its aux hidden states, its embedding where the checkpoint has none)."""
@@ -148,14 +169,19 @@ class Eagle3Drafter(MTPDrafter):
             )
         draft_vocab = hf_config.get("draft_vocab_size") or hf_config["vocab_size"]
         targets = _draft_to_target(tensors, draft_vocab, vocab_size)
-        cfg = TransformerConfig.from_hf(hf_config)
+        checkpoint_cfg = TransformerConfig.from_hf(hf_config)
         own_embedding = any(name.endswith("embed_tokens.weight") for name in tensors)
-        if not own_embedding and cfg.hidden_size != target_cfg.hidden_size:
+        if not own_embedding and checkpoint_cfg.hidden_size != target_cfg.hidden_size:
             raise _refuse(
-                f"an EAGLE-3 checkpoint of hidden_size {cfg.hidden_size} without embed_tokens (it would read "
-                f"the target's, of {target_cfg.hidden_size})"
+                f"an EAGLE-3 checkpoint of hidden_size {checkpoint_cfg.hidden_size} without embed_tokens (it "
+                f"would read the target's, of {target_cfg.hidden_size})"
             )
         dtype, backend, placement = runner.dtype, runner.backend, runner.placement
+        cfg, tensors, padded_draft_vocab = _for_mesh(checkpoint_cfg, tensors, draft_vocab, runner)
+        # Padding draft ids (a vocabulary split evenly) map past the target's logits: dropped.
+        targets = np.pad(
+            targets, (0, padded_draft_vocab - draft_vocab), constant_values=runner.padded_vocab_size
+        )
 
         def make_model():
             return Eagle3Network(
@@ -163,7 +189,7 @@ class Eagle3Drafter(MTPDrafter):
                 backend,
                 target_hidden_size=target_cfg.hidden_size,
                 num_aux=len(ids),
-                draft_vocab_size=draft_vocab,
+                draft_vocab_size=padded_draft_vocab,
                 own_embedding=own_embedding,
                 norm_before_residual=bool(hf_config.get("norm_before_residual")),
                 padded_vocab_size=runner.padded_vocab_size,
@@ -192,7 +218,14 @@ class Eagle3Drafter(MTPDrafter):
             draft_vocab,
             config.num_spec_tokens,
         )
-        self._set_up_layer(config, runner, Eagle3Network.kv_cache_spec(cfg), graphdef, vocab_size)
+        self._set_up_layer(
+            config,
+            runner,
+            Eagle3Network.kv_cache_spec(cfg),
+            graphdef,
+            vocab_size,
+            checkpoint_cfg.num_kv_heads,
+        )
 
     def forward_inputs(self) -> dict:
         return {"aux_layers": self.aux_layers}
