@@ -89,18 +89,19 @@ def save_random_eagle3(directory, seed: int = 1, **overrides) -> tuple[str, dict
     return _write(directory, config, tensors), tensors
 
 
-def save_echo_eagle3(directory, target_dir: str, draft_vocab_size: int, seed: int = 1) -> str:
+def save_echo_eagle3(directory, target_dir: str, draft_vocab_size: int | None = None, seed: int = 1) -> str:
     """An EAGLE-3 checkpoint for the tiny Llama at `target_dir` whose drafts are often accepted on the
     repetitive text a tiny model generates: at position i it drafts the token at i (right for a token
     repeated, and as the first draft in a two-token cycle), read off its aux input from layer 0, the
     target's embedding of that token. `fc` passes that third through to a layer of the target's width
     whose attention and MLP add a little (their weights still split under tensor parallelism); the LM
-    head's rows are the normalized embedding rows of `draft_vocab_size` shuffled target ids, which
-    `d2t` maps back (a draft vocabulary that a tensor-parallel split pads: sharding/vocab.py)."""
+    head's rows are the normalized embedding rows of `draft_vocab_size` shuffled target ids (None: all),
+    which `d2t` maps back (a draft vocabulary that a tensor-parallel split pads: sharding/vocab.py)."""
     from safetensors.torch import load_file
 
     embedding = load_file(os.path.join(target_dir, "model.safetensors"))["model.embed_tokens.weight"]
     vocab, width = embedding.shape
+    draft_vocab_size = draft_vocab_size or vocab
     with open(os.path.join(target_dir, "config.json")) as f:
         layers = json.load(f)["num_hidden_layers"]
     config = dict(

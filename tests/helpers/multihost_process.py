@@ -13,6 +13,8 @@ each case's answers were as one JSON line, keyed by the case's label.
   slot (each round writes the slot anew).
 - "pool": a pooling engine's embeddings of PROMPTS (MEAN pooled: every row of each prompt read).
 - "vlm": a vision-language model's answers to helpers/tiny_vlm.py's image prompts (one image, two, none).
+- "speculative": PROMPTS answered to 16 tokens under the case's "engine" (its speculative_config), and
+  the speculative decoding counters.
 - "pipeline": pipeline stages instead (PP 2, a layer on each process) with two LoRA slots: PROMPTS and a
   third prompt with adapters A, B and none in one batch, then "research" (its refused tensors: one of
   the follower's stage, one of process 0's).

@@ -48,20 +48,29 @@ def test_speculation_under_tensor_parallelism_matches_one_device(tp_worker, tmp_
     # The EAGLE-3 head drafts the same tokens however the ranks split it, and some are the target's.
     assert eagle3_tp2["metrics"] == eagle3_tp4["metrics"]
     assert 0 < eagle3_tp2["metrics"]["num_accepted_tokens"] < eagle3_tp2["metrics"]["num_draft_tokens"]
+    # The target's 8 query heads split over 8 ranks; the head's 4 do not.
+    refusal = tp_worker.run("error", model_dir, {"tensor_parallel_size": 8, "speculative_config": eagle3})
+    assert refusal == (
+        "speculative_config.model: the EAGLE-3 layer: tensor_parallel_size=8 must divide "
+        "num_attention_heads=4"
+    )
 
 
 def test_mtp_layer_under_tensor_parallelism_matches_one_device(tp_worker, tmp_path):
     """A Qwen3.5 (hybrid: Gated DeltaNet and attention layers, split by head) whose MTP layer predicts
-    the target (helpers/mtp_cases.py's oracle) at tensor_parallel_size=2: the layer, one of the target's
-    attention layers, split as they are, drafts the target's own tokens, so every draft is accepted, and
-    the output is the one-device engine's without speculation."""
-    model_dir = save_qwen3_5_with_mtp(str(tmp_path), oracle=True)[0]
+    the target (helpers/mtp_cases.py's oracle) at tensor_parallel_size=2 and 4 (its 2 KV heads repeated,
+    the layer's with the target's; 4 linear key heads): the layer, one of the target's attention layers,
+    split as they are, drafts the target's own tokens, so every draft is accepted, and the output is the
+    one-device engine's without speculation."""
+    model_dir = save_qwen3_5_with_mtp(str(tmp_path), oracle=True, linear_num_key_heads=4)[0]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 101, 15).tolist(), rng.integers(3, 101, 9).tolist()]
     mtp = {"method": "mtp", "num_speculative_tokens": 2}
-    layouts = [{}, {"tensor_parallel_size": 2, "speculative_config": mtp}]
-    base, spec = tp_worker.run(
+    layouts = [{}, *({"tensor_parallel_size": tp, "speculative_config": mtp} for tp in (2, 4))]
+    base, *runs = tp_worker.run(
         "speculative", model_dir, {"layouts": layouts, "prompts": prompts, "max_tokens": 16}
     )
-    assert spec["num_devices"] == 2 and spec["tokens"] == base["tokens"]
-    assert spec["metrics"]["num_accepted_tokens"] == spec["metrics"]["num_draft_tokens"] > 0
+    assert [run["num_devices"] for run in runs] == [2, 4]
+    for run in runs:
+        assert run["tokens"] == base["tokens"]
+        assert run["metrics"]["num_accepted_tokens"] == run["metrics"]["num_draft_tokens"] > 0
