@@ -19,11 +19,11 @@ DRAFT = {"method": "draft_model", "model": "self", "num_speculative_tokens": 3}
 def test_speculation_under_tensor_parallelism_matches_one_device(tp_worker, tmp_path):
     # 8 query heads, 2 KV heads; a 320-token vocabulary keeps every program small.
     model_dir = save_tiny_llama(str(tmp_path), tokenizer=small_byte_tokenizer(), num_key_value_heads=2)
-    # Its 4 query and 2 KV heads split over 2 ranks, and over 4 with KV heads repeated; 300 draft ids
+    # Its 4 query and 2 KV heads split over 2 ranks, and over 4 with KV heads repeated; 299 draft ids
     # padded to 320 to split.
     eagle3 = {
         "method": "eagle3",
-        "model": save_echo_eagle3(tmp_path / "eagle3", model_dir, draft_vocab_size=300),
+        "model": save_echo_eagle3(tmp_path / "eagle3", model_dir, draft_vocab_size=299),
         "num_speculative_tokens": 3,
     }
     rng = np.random.default_rng(0)
