@@ -230,6 +230,19 @@ def test_eagle3_settings_refused_at_start(args, message):
         EngineConfig.from_kwargs("smollm2", speculative_config=spec, pipeline_parallel_size=2)
 
 
+def test_eagle3_padding_draft_ids_map_past_the_targets_logits():
+    """Under tensor parallelism the draft vocabulary pads to split (sharding/vocab.py): its padding ids'
+    zero logits land past the target's (padded) ids, where `draft_logits`' scatter drops them, never on
+    a real id. On one device nothing pads."""
+    import numpy as np
+
+    from xlaserve.worker.eagle3 import _draft_to_target
+
+    d2t = np.array([2, 5, 5])  # draft ids 0, 1, 2 name target ids 2, 6, 7
+    assert _draft_to_target({"d2t": d2t}, 3, 10, 1, 10).tolist() == [2, 6, 7]
+    assert _draft_to_target({"d2t": d2t}, 3, 10, 2, 64).tolist() == [2, 6, 7] + [64] * 61
+
+
 def test_eagle3_checkpoints_and_targets_refused_by_name(tmp_path, target_dir):
     """Not an EAGLE-3 checkpoint (the target's own directory), another vocabulary, and a target whose
     forward does not run models/decoder.py's layer scan (a hybrid)."""
