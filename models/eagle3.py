@@ -133,7 +133,8 @@ class Eagle3Network(OneLayerDrafter):
 
     def draft_logits(self, target, h: jax.Array, head_dv, draft_to_target: jax.Array) -> jax.Array:
         """[N, H] -> [N, V] float32 over the target's (padded) ids (`draft_to_target` [draft_vocab]:
-        each draft id's target id); ids the draft vocabulary lacks at -inf."""
+        each draft id's target id, past the target's ids for a padding draft id: dropped); ids the draft
+        vocabulary lacks at -inf."""
         logits = self.lm_head(h, out_dtype=jnp.float32)
         out = jnp.full((h.shape[0], self.padded_vocab_size), -jnp.inf, jnp.float32)
-        return out.at[:, draft_to_target].set(logits)
+        return out.at[:, draft_to_target].set(logits, mode="drop")

@@ -83,18 +83,6 @@ class EngineConfig:
                 self.speculative is None or not self.speculative.has_draft_cache,
                 f"prefill_context_parallel_size={pcp} cannot be combined with a draft model or MTP layer yet",
             )
-        if self.speculative is not None and self.speculative.method in ("mtp", "eagle3"):
-            # Drafters that read the target's hidden states: checked on one host, not yet across hosts.
-            method = self.speculative.method
-            require(
-                self.parallel.nnodes == 1,
-                f"speculative_config method {method!r} runs on one host yet (nnodes={self.parallel.nnodes})",
-            )
-        if self.speculative is not None and self.speculative.method == "eagle3":
-            tp = self.parallel.tensor_parallel_size
-            require(
-                tp == 1, f"speculative_config method 'eagle3' runs at tensor_parallel_size=1 yet, got {tp}"
-            )
         pp = self.parallel.pipeline_parallel_size
         if pp > 1:  # what the pipelined executor (executor/pipeline.py) does not run yet
             for is_set, what in (

@@ -33,6 +33,9 @@ from xlaserve.models.loader import complete_config, read_weights
 from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class
 from xlaserve.models.weights import load_params
+from xlaserve.sharding import Placement
+from xlaserve.sharding.kv_heads import replicate_kv_heads
+from xlaserve.sharding.vocab import pad_vocab, padded_vocab_size
 from xlaserve.speculative_config import SPECULATORS_KEY, flatten_speculators_eagle3
 from xlaserve.worker.model_loader import pack_projections
 from xlaserve.worker.mtp import MTPDrafter
@@ -112,8 +115,10 @@ def _read_checkpoint(path: str, target_cfg: TransformerConfig) -> tuple[dict, di
     return hf_config, tensors
 
 
-def _draft_to_target(tensors: dict, draft_vocab: int, vocab: int) -> np.ndarray:
-    """Each draft id's target id, from `d2t` (offsets; none: the vocabularies are the same)."""
+def _draft_to_target(tensors: dict, draft_vocab: int, vocab: int, tp: int, padded_vocab: int) -> np.ndarray:
+    """Each draft id's target id, from `d2t` (offsets; none: the vocabularies are the same), for the
+    draft vocabulary padded to split over `tp` ranks (sharding/vocab.py): a padding id maps to
+    `padded_vocab`, past the target's logits, where `draft_logits`' scatter drops it."""
     d2t = tensors.pop("d2t", None)
     tensors.pop("t2d", None)  # the inverse map, which drafting never reads
     if d2t is None:
@@ -121,14 +126,32 @@ def _draft_to_target(tensors: dict, draft_vocab: int, vocab: int) -> np.ndarray:
             raise _refuse(
                 f"draft_vocab_size {draft_vocab} differs from vocab_size {vocab}, and there is no d2t"
             )
-        return np.arange(vocab, dtype=np.int32)
+        d2t = np.zeros(vocab, np.int64)
     d2t = np.asarray(d2t)
     if d2t.shape != (draft_vocab,):
         raise _refuse(f"d2t has shape {list(d2t.shape)}, expected [draft_vocab_size] = [{draft_vocab}]")
     targets = np.arange(draft_vocab) + d2t.astype(np.int64)
     if targets.min() < 0 or targets.max() >= vocab:
         raise _refuse(f"d2t maps draft ids outside the target's vocabulary [0, {vocab})")
-    return targets.astype(np.int32)
+    padding = padded_vocab_size(draft_vocab, tp) - draft_vocab
+    return np.pad(targets, (0, padding), constant_values=padded_vocab).astype(np.int32)
+
+
+def _for_mesh(cfg: TransformerConfig, tensors: dict, draft_vocab: int, padded_draft_vocab: int, runner):
+    """The network's config and tensors laid out for the target's mesh, as worker/model_loader.py lays
+    out a model's: KV heads repeated up to the tensor-parallel size, the embedding padded to the target's
+    vocabulary and the LM head's draft vocabulary to `padded_draft_vocab`, which splits evenly
+    (sharding/vocab.py), so its weights split over the ranks as the target's layers do -> (config,
+    tensors)."""
+    tp = runner.placement.tensor_parallel_size
+    try:
+        Placement(runner.mesh, cfg)  # its heads and MLP split over the target's ranks
+    except ValueError as e:
+        raise _refuse(f"the EAGLE-3 layer: {e}") from e
+    cfg, tensors = replicate_kv_heads(cfg, Eagle3Network.prepare_hf_tensors(cfg, tensors), tp)
+    head = pad_vocab({"lm_head.weight": tensors.pop("lm_head.weight")}, draft_vocab, padded_draft_vocab)
+    tensors = pad_vocab(tensors, cfg.vocab_size, runner.padded_vocab_size) | head
+    return cfg.replace(vocab_size=runner.padded_vocab_size), tensors
 
 
 class Eagle3Drafter(MTPDrafter):
@@ -147,15 +170,17 @@ class Eagle3Drafter(MTPDrafter):
                 f"{AUX_LAYERS_KEY} {list(ids)} must name layers of the target's {num_target_layers}"
             )
         draft_vocab = hf_config.get("draft_vocab_size") or hf_config["vocab_size"]
-        targets = _draft_to_target(tensors, draft_vocab, vocab_size)
-        cfg = TransformerConfig.from_hf(hf_config)
+        tp, padded_vocab = runner.placement.tensor_parallel_size, runner.padded_vocab_size
+        targets = _draft_to_target(tensors, draft_vocab, vocab_size, tp, padded_vocab)
+        checkpoint_cfg = TransformerConfig.from_hf(hf_config)
         own_embedding = any(name.endswith("embed_tokens.weight") for name in tensors)
-        if not own_embedding and cfg.hidden_size != target_cfg.hidden_size:
+        if not own_embedding and checkpoint_cfg.hidden_size != target_cfg.hidden_size:
             raise _refuse(
-                f"an EAGLE-3 checkpoint of hidden_size {cfg.hidden_size} without embed_tokens (it would read "
-                f"the target's, of {target_cfg.hidden_size})"
+                f"an EAGLE-3 checkpoint of hidden_size {checkpoint_cfg.hidden_size} without embed_tokens (it "
+                f"would read the target's, of {target_cfg.hidden_size})"
             )
         dtype, backend, placement = runner.dtype, runner.backend, runner.placement
+        cfg, tensors = _for_mesh(checkpoint_cfg, tensors, draft_vocab, len(targets), runner)
 
         def make_model():
             return Eagle3Network(
@@ -163,7 +188,7 @@ class Eagle3Drafter(MTPDrafter):
                 backend,
                 target_hidden_size=target_cfg.hidden_size,
                 num_aux=len(ids),
-                draft_vocab_size=draft_vocab,
+                draft_vocab_size=len(targets),
                 own_embedding=own_embedding,
                 norm_before_residual=bool(hf_config.get("norm_before_residual")),
                 padded_vocab_size=runner.padded_vocab_size,
@@ -192,7 +217,14 @@ class Eagle3Drafter(MTPDrafter):
             draft_vocab,
             config.num_spec_tokens,
         )
-        self._set_up_layer(config, runner, Eagle3Network.kv_cache_spec(cfg), graphdef, vocab_size)
+        self._set_up_layer(
+            config,
+            runner,
+            Eagle3Network.kv_cache_spec(cfg),
+            graphdef,
+            vocab_size,
+            checkpoint_cfg.num_kv_heads,
+        )
 
     def forward_inputs(self) -> dict:
         return {"aux_layers": self.aux_layers}

@@ -83,6 +83,7 @@ class ModelRunner(StepPreparation, KVPlumbing):
         self.dtype = model.dtype
         self.mesh, self.placement = model.mesh, model.placement
         self.kv_spec, self.backend = model.kv_spec, model.backend
+        self.kv_heads = model.kv_heads  # the checkpoint's, which the cache may hold copies of
         self.graphdef, self.params = model.graphdef, model.params
         self.weight_bytes = model.weight_bytes  # the model's own (what sleep level 2 frees)
         self.stage = model.stage  # the modules holding weights (text-only mode: no encoder's)
@@ -172,7 +173,7 @@ class ModelRunner(StepPreparation, KVPlumbing):
             else None
         )
         # Copies between the cache and K/V held elsewhere, around each step (worker/kv_plumbing.py).
-        self._set_up_kv_connector(model.kv_heads)
+        self._set_up_kv_connector(self.kv_heads)
         sched = config.scheduler
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, sched.max_num_seqs, self.padded_vocab_size)

@@ -32,6 +32,7 @@ from xlaserve.models.mtp import mtp_class
 from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class
 from xlaserve.models.weights import load_params
+from xlaserve.sharding.kv_heads import replicate_kv_heads
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.draft_model import DraftInputs, DraftModel, one_token_inputs, propose
 from xlaserve.worker.sampler import SamplingTensors
@@ -136,6 +137,9 @@ class MTPDrafter(DraftModel):
         cfg = runner.model_config  # the layer is one of the target's attention layers, in its shapes
         dtype, backend, placement = runner.dtype, runner.backend, runner.placement
         self._prefix = layer_class.hf_prefix(cfg)
+        # Its KV heads repeated as the target's are under tensor parallelism (sharding/kv_heads.py).
+        self._checkpoint_cfg = cfg.replace(num_kv_heads=runner.kv_heads)
+        self._tensor_parallel_size = placement.tensor_parallel_size
         self._load = partial(
             load_params,
             layer_class,
@@ -155,11 +159,16 @@ class MTPDrafter(DraftModel):
             "MTP layer (%s) proposes %d tokens per step", layer_class.__name__, config.num_spec_tokens
         )
         self.hidden_size = cfg.hidden_size
-        self._set_up_layer(config, runner, layer_class.kv_cache_spec(cfg), graphdef, vocab_size)
+        self._set_up_layer(
+            config, runner, layer_class.kv_cache_spec(cfg), graphdef, vocab_size, runner.kv_heads
+        )
 
-    def _set_up_layer(self, config: EngineConfig, runner, kv_spec, graphdef, vocab_size: int) -> None:
+    def _set_up_layer(
+        self, config: EngineConfig, runner, kv_spec, graphdef, vocab_size: int, kv_heads: int
+    ) -> None:
         """`_set_up` for a layer drafting over the target's hidden states, on the target's devices and
-        dtype, reading its embedding and head (`layer_draft_step`)."""
+        dtype, reading its embedding and head (`layer_draft_step`); `kv_heads`: the layer's KV heads in
+        its checkpoint (its cache may hold copies of them under tensor parallelism)."""
         self._set_up(
             config,
             kv_spec,
@@ -176,6 +185,7 @@ class MTPDrafter(DraftModel):
                 config.num_spec_tokens,
             ),
             probe=runner.mesh.size == 1,
+            kv_heads=kv_heads,
         )
 
     @property
@@ -187,7 +197,9 @@ class MTPDrafter(DraftModel):
         self.mtp_params = weights
 
     def _layer_tensors(self, tensors) -> dict:
-        return {name: t for name, t in tensors.items() if name.startswith(self._prefix)}
+        """The layer's tensors of `tensors` (a checkpoint's, an update's), KV heads repeated for the mesh."""
+        layer = {name: t for name, t in tensors.items() if name.startswith(self._prefix)}
+        return replicate_kv_heads(self._checkpoint_cfg, layer, self._tensor_parallel_size)[1]
 
     def updated_weights(self, named: dict):
         """The layer's weights loaded again from an update (worker/weight_update.py) that holds its

@@ -89,6 +89,40 @@ def save_random_eagle3(directory, seed: int = 1, **overrides) -> tuple[str, dict
     return _write(directory, config, tensors), tensors
 
 
+def save_echo_eagle3(directory, target_dir: str, draft_vocab_size: int | None = None, seed: int = 1) -> str:
+    """An EAGLE-3 checkpoint for the tiny Llama at `target_dir` whose drafts are often accepted on the
+    repetitive text a tiny model generates: at position i it drafts the token at i (right for a token
+    repeated, and as the first draft in a two-token cycle), read off its aux input from layer 0, the
+    target's embedding of that token. `fc` passes that third through to a layer of the target's width
+    whose attention and MLP add a little (their weights still split under tensor parallelism); the LM
+    head's rows are the normalized embedding rows of `draft_vocab_size` shuffled target ids (None: all),
+    which `d2t` maps back (a draft vocabulary that a tensor-parallel split pads: sharding/vocab.py)."""
+    from safetensors.torch import load_file
+
+    embedding = load_file(os.path.join(target_dir, "model.safetensors"))["model.embed_tokens.weight"]
+    vocab, width = embedding.shape
+    draft_vocab_size = draft_vocab_size or vocab
+    with open(os.path.join(target_dir, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    config = dict(
+        DRAFT,
+        vocab_size=vocab,
+        hidden_size=width,
+        target_hidden_size=width,
+        draft_vocab_size=draft_vocab_size,
+        eagle_aux_hidden_state_layer_ids=[0, layers // 2, layers - 1],
+    )
+    _, tensors = save_random_eagle3(directory, seed, **config)
+    g = torch.Generator().manual_seed(seed)
+    draft_ids = torch.randperm(vocab, generator=g)[:draft_vocab_size]  # draft id j names draft_ids[j]
+    tensors["fc.weight"] = torch.cat([torch.eye(width), torch.zeros(width, 2 * width)], dim=1)
+    for name in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
+        tensors[name] = tensors[name] * 1e-4
+    tensors["norm.weight"] = torch.ones(width)  # its output keeps the direction the head compares
+    tensors["lm_head.weight"] = torch.nn.functional.normalize(embedding[draft_ids], dim=-1)
+    return _write(directory, config, tensors | _maps(draft_ids, vocab))
+
+
 def as_speculators(
     released: str, directory, tensors: dict, speculative_tokens: int, verifier: str = "tiny-llama"
 ) -> str:

@@ -87,13 +87,16 @@ def _save_with_mtp(hf, directory: str, mtp: dict, count_key: str) -> str:
     return path
 
 
-def save_qwen3_5_with_mtp(directory: str, *, oracle: bool = False, seed: int = 0, family: str = "Qwen3_5"):
-    """A random Qwen3_5ForCausalLM and an MTP layer -> (path, hf model, the MTP's decoder layer, its
-    wiring). `oracle`: every layer's output projections zeroed, so the target predicts each token from
-    the one before it (logits = head(norm(embed(token)))), and an MTP layer that computes the same
-    from the token it reads (fc passes the embedding through, its layer adds nothing, its norm is the
-    target's): its drafts are the target's own next tokens."""
+def save_qwen3_5_with_mtp(
+    directory: str, *, oracle: bool = False, seed: int = 0, family: str = "Qwen3_5", **overrides
+):
+    """A random Qwen3_5ForCausalLM (QWEN3_5_TEXT's sizes, `overrides` over them) and an MTP layer ->
+    (path, hf model, the MTP's decoder layer, its wiring). `oracle`: every layer's output projections
+    zeroed, so the target predicts each token from the one before it (logits = head(norm(embed(token)))),
+    and an MTP layer that computes the same from the token it reads (fc passes the embedding through, its
+    layer adds nothing, its norm is the target's): its drafts are the target's own next tokens."""
     fields = QWEN3_5_TEXT if family == "Qwen3_5" else {**QWEN3_5_TEXT, **QWEN3_NEXT_MOE}
+    fields = {**fields, **overrides}
     config = getattr(transformers, f"{family}TextConfig" if family == "Qwen3_5" else f"{family}Config")(
         **fields
     )

@@ -13,6 +13,8 @@ each case's answers were as one JSON line, keyed by the case's label.
   slot (each round writes the slot anew).
 - "pool": a pooling engine's embeddings of PROMPTS (MEAN pooled: every row of each prompt read).
 - "vlm": a vision-language model's answers to helpers/tiny_vlm.py's image prompts (one image, two, none).
+- "speculative": PROMPTS answered to 16 tokens under the case's "engine" (its speculative_config), and
+  the speculative decoding counters.
 - "pipeline": pipeline stages instead (PP 2, a layer on each process) with two LoRA slots: PROMPTS and a
   third prompt with adapters A, B and none in one batch, then "research" (its refused tensors: one of
   the follower's stage, one of process 0's).
@@ -53,10 +55,10 @@ WARMED = {"enforce_eager": False, "strict_compile_guard": True}
 THIRD_PROMPT = [1, 40, 41, 42]
 
 
-def answers(llm, lora_request=None, prompts=PROMPTS) -> dict:
+def answers(llm, lora_request=None, prompts=PROMPTS, max_tokens: int = 6) -> dict:
     from xlaserve import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     prompts = [{"prompt_token_ids": ids} for ids in prompts]
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     return {
@@ -64,6 +66,15 @@ def answers(llm, lora_request=None, prompts=PROMPTS) -> dict:
         "logprobs": [
             [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs
         ],
+    }
+
+
+def spec_counters(llm) -> dict:
+    """The speculative decoding counters (num_drafts, num_draft_tokens, num_accepted_tokens)."""
+    return {
+        m.name.removeprefix("xlaserve:spec_decode_"): m.value
+        for m in llm.get_metrics()
+        if m.name.startswith("xlaserve:spec_decode_") and not m.labels
     }
 
 
@@ -164,6 +175,8 @@ def run_case(arg: dict) -> dict | None:
         result = image_answers(llm, arg["model"])
     elif arg["case"] == "lora":
         result = {"rounds": lora_rounds(llm, arg["adapters"]), "loads": llm.engine_core.runner.lora.num_loads}
+    elif arg["case"] == "speculative":
+        result = {**answers(llm, max_tokens=16), "metrics": spec_counters(llm)}
     elif arg["case"] == "pipeline":
         result = {"adapters": adapter_batch(llm, arg["adapters"]), **research(llm, arg)}
         result["executor"] = type(llm.engine_core.executor).__name__

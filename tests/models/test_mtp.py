@@ -145,8 +145,8 @@ def test_an_mtp_layer_that_predicts_the_target_is_accepted_and_changes_no_bit(tm
     [
         ({"speculative_config": {"method": "mtp", "model": "x"}}, "speculative_config.model is for method"),
         (
-            {"speculative_config": {"method": "mtp"}, "nnodes": 2},
-            "speculative_config method 'mtp' runs on one host yet",
+            {"speculative_config": {"method": "mtp"}, "pipeline_parallel_size": 2},
+            "pipeline_parallel_size=2 cannot be combined with speculative_config method 'mtp'",
         ),
     ],
 )

@@ -80,6 +80,7 @@ def launch(tiny_llama_2kv, tmp_path_factory) -> dict:
     each test's reference needs under "inputs"."""
     import transformers
 
+    from helpers.eagle3_cases import save_echo_eagle3
     from helpers.lora_adapters import make_adapter
     from helpers.multihost_process import WARMED
     from helpers.tiny_models import save_tiny_llama
@@ -97,6 +98,7 @@ def launch(tiny_llama_2kv, tmp_path_factory) -> dict:
     )
     stages = {"tensor_parallel_size": 1, "pipeline_parallel_size": 2, **WARMED}
     llama = {"model": tiny_llama_2kv}
+    eagle3 = {"method": "eagle3", "model": save_echo_eagle3(tmp_path / "eagle3", tiny_llama_2kv)}
     cases = {
         "generate": {"case": "generate", "argv": _generate_args(tiny_llama_2kv)},
         "pipeline": {"case": "pipeline", **llama, "new_model": new_model, "adapters": adapters},
@@ -105,6 +107,7 @@ def launch(tiny_llama_2kv, tmp_path_factory) -> dict:
         "pool": {"case": "pool", **llama},
         "vlm": {"case": "vlm", "model": qwen2_5_vl},
         "vlm_pipeline": {"case": "vlm", "model": qwen3_vl, "engine": stages},
+        "eagle3": {"case": "speculative", **llama, "engine": {"speculative_config": eagle3}},
     }
     run = run_two_processes("multihost_process.py", {"cases": cases}, devices_per_process=1, timeout_s=1800)
     run["inputs"] = {
@@ -464,6 +467,22 @@ def test_pooling_across_two_processes(tiny_llama_2kv, launch):
     assert len(run["embeddings"]) == len(reference) == 2
     np.testing.assert_allclose(run["embeddings"], reference, atol=1e-5)
     assert np.linalg.norm(reference, axis=1) == pytest.approx([1.0, 1.0])  # normalized, not empty
+
+
+@pytest.mark.slow
+def test_eagle3_across_two_processes(tiny_llama_2kv, launch):
+    """An EAGLE-3 drafter (helpers/eagle3_cases.py's echo head) with TP 2 over two processes, its layer
+    split over both as the target's layers are, the steps' host arrays it reads placed in each: the
+    greedy tokens one device gives without speculation, and some drafts accepted."""
+    from helpers.multihost_process import ENGINE, answers
+    from xlaserve import LLM
+
+    run = launch["eagle3"]
+    with elemental_emitters():  # as the launch's tensor-parallel cases compile
+        reference = answers(LLM(tiny_llama_2kv, **(ENGINE | {"tensor_parallel_size": 1})), max_tokens=16)
+    assert run["tokens"] == reference["tokens"]
+    np.testing.assert_allclose(run["logprobs"], reference["logprobs"], atol=1e-5)
+    assert 0 < run["metrics"]["num_accepted_tokens"] < run["metrics"]["num_draft_tokens"]
 
 
 @pytest.mark.slow
