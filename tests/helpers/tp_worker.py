@@ -15,7 +15,11 @@ import traceback
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 # Rarer cyclic collections over a large heap (tests/conftest.py says why). Each case ends with a full
 # collection (answer()). tiny_models (beside this file, on sys.path as the script's folder) imports numpy.
-from tiny_models import GC_THRESHOLDS, compile_with_elemental_emitters_when  # noqa: E402
+from tiny_models import (  # noqa: E402
+    GC_THRESHOLDS,
+    compile_with_elemental_emitters_when,
+    warm_up_what_the_cases_run,
+)
 
 gc.set_threshold(*GC_THRESHOLDS)
 
@@ -801,29 +805,6 @@ def share_compiles_across_devices() -> None:
         return hash_options(hash_obj, compile_options, strip_device_assignment=True)
 
     cache_key._hash_serialized_compile_options = without_devices
-
-
-def warm_up_what_the_cases_run() -> None:
-    """The guarded engines' warm-up (the strict compile guard's) compiles only programs the cases' steps
-    can call: not the sampler and verify variants with penalties or a grammar's bitmask, nor the prompt
-    logprobs programs, which no case asks for. Each is a program over the vocabulary, ~1.6 s of CPU a
-    sampler variant: of a guarded PP=2 x TP=2 engine's 14.5 s of CPU, 7.1 s. The guard still proves that
-    every step a case runs finds its program compiled at warm-up; tests/worker/test_warm_up.py runs every
-    variant after a whole warm-up."""
-    from xlaserve.worker import warm_up
-
-    load_or_compile = warm_up._load_or_compile
-
-    def only_what_runs(store, program, args: tuple, kwargs: dict):
-        if program.name == "prompt_logprobs":
-            return None, False
-        if program.name in ("sample", "verify"):
-            st = args[2]  # the sampling tensors
-            if st.has_penalties or st.allowed_token_bitmask is not None:
-                return None, False
-        return load_or_compile(store, program, args, kwargs)
-
-    warm_up._load_or_compile = only_what_runs
 
 
 def answer(request: dict) -> dict:
