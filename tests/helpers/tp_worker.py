@@ -820,6 +820,10 @@ def answer(request: dict) -> dict:
         return {"error": traceback.format_exc()}
     finally:
         gc.collect()  # the case's engines and their device buffers go before the next case starts
+        # What outlives a case (the modules, jax's caches) is moved out of the cyclic collector's reach,
+        # as the engine core does (engine/core_proc.py): the next case's full collection scans only what
+        # it allocated (~0.3 -> ~0.005 s of CPU a case).
+        gc.freeze()
         if _profile is not None:
             wall, cpu = time.perf_counter() - start[0], sum(os.times()[:2]) - start[1]
             _profile.record(
