@@ -131,9 +131,10 @@ def _is_on_stages(case: dict) -> bool:
 
 def main(arg: dict) -> None:
     global _on_stages
-    from helpers.tiny_models import compile_with_elemental_emitters_when
+    from helpers.tiny_models import compile_with_elemental_emitters_when, warm_up_what_the_cases_run
 
     compile_with_elemental_emitters_when(lambda: not _on_stages)
+    warm_up_what_the_cases_run()  # the guarded engines' (pipeline, vlm_pipeline), in both processes
     if arg["node_rank"]:
         join_jax_distributed(arg["port"], arg["node_rank"])
     results = {}

@@ -60,7 +60,10 @@ def research(llm, arg: dict, prompts: list[list[int]]) -> dict:
 
 def main(arg: dict) -> None:
     from helpers.pp_worker import PROMPTS
+    from helpers.tiny_models import warm_up_what_the_cases_run
     from helpers.two_processes import engine_of_two
+
+    warm_up_what_the_cases_run()  # a guarded layout's warm-up, in both processes
 
     engine = {
         "dtype": "float32",

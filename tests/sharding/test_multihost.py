@@ -31,6 +31,10 @@ CLI = [sys.executable, "-m", "xlaserve.entrypoints.cli", "--log-level", "WARNING
 
 
 def _generate_args(model: str) -> list[str]:
+    """`xlaserve generate` with helpers/multihost_process.py's ENGINE settings: the launch's engines of
+    those settings (research, then process_0_lost.py's) load its programs from the persistent cache."""
+    from helpers.multihost_process import ENGINE
+
     return [
         "generate",
         "The capital of France is",
@@ -42,16 +46,16 @@ def _generate_args(model: str) -> list[str]:
         "--max-tokens",
         "8",
         "--max-model-len",
-        "128",
+        str(ENGINE["max_model_len"]),
         "--max-num-batched-tokens",
-        "32",
+        str(ENGINE["max_num_batched_tokens"]),
         "--max-num-seqs",
-        "4",
+        str(ENGINE["max_num_seqs"]),
         "--kv-cache-memory",
-        str(2**23),
+        str(ENGINE["kv_cache_memory"]),
         "--enforce-eager",
         "--dtype",
-        "float32",
+        ENGINE["dtype"],
     ]
 
 
