@@ -131,15 +131,18 @@ def parse_lora_modules(values: list[str] | None) -> list[dict]:
     return modules
 
 
-def run_follower_if_needed(args: argparse.Namespace) -> bool:
-    """On node_rank > 0 of a multi-host engine, serve process 0's steps instead of the command."""
+def run_follower_if_needed(args: argparse.Namespace, kwargs: dict | None = None) -> bool:
+    """On node_rank > 0 of a multi-host engine, serve process 0's steps instead of the command, with the
+    engine process 0 builds: `kwargs` when the command sizes it beyond the flags (`generate`'s one-request
+    defaults), else the flags' (`engine_kwargs`). Both must build the same programs, or a step's
+    collectives would wait on each other for good."""
     if not getattr(args, "node_rank", None):
         return False
     from xlaserve.entrypoints.llm import serve_follower  # jax and the model code: only when needed
     from xlaserve.executor import ProcessZeroLost
 
     try:
-        serve_follower(args.model, **engine_kwargs(args))
+        serve_follower(args.model, **(engine_kwargs(args) if kwargs is None else kwargs))
     except ProcessZeroLost:
         # Exit at once, code 1: past this, JAX's exit handler would wait on process 0's coordination
         # service until JAX's own heartbeat timeout (100 s) aborts the process.

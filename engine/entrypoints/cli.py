@@ -79,9 +79,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     imported = time.perf_counter()  # jax, flax and transformers come in with the offline LLM
     require_tokenizer(args)
-    if run_follower_if_needed(args):
+    kwargs = one_request_engine_kwargs(args)
+    if run_follower_if_needed(args, kwargs):  # the follower's engine sized as process 0's
         return 0
-    llm = LLM(args.model, **one_request_engine_kwargs(args))
+    llm = LLM(args.model, **kwargs)
     ready = time.perf_counter()
     params = sampling_params(args, llm.default_sampling)
     prompt = args.prompt

@@ -40,6 +40,22 @@ def test_flags_the_user_sets_win(argv, seqs, tokens):
     assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (seqs, tokens)
 
 
+def test_a_generate_followers_engine_is_sized_as_process_0s(monkeypatch):
+    """`xlaserve generate --nnodes 2 --node-rank 1` serves process 0's steps with the engine process 0
+    builds: the one-request sizing too, not only the flags (else the two compile other programs and a
+    step's collectives wait on each other for good)."""
+    from xlaserve.entrypoints import cli, llm
+
+    followed = {}
+    monkeypatch.setattr(llm, "serve_follower", lambda model, **kwargs: followed.update(kwargs, model=model))
+    multi = ["generate", "hi", "--model", "m", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    assert cli.cmd_generate(build_parser().parse_args([*multi, "--node-rank", "1"])) == 0
+    leader = one_request_engine_kwargs(build_parser().parse_args([*multi, "--node-rank", "0"]))
+    assert followed.pop("model") == "m"
+    assert (followed.pop("node_rank"), leader.pop("node_rank", 0)) == (1, 0)
+    assert followed == leader and (leader["max_num_seqs"], leader["max_num_batched_tokens"]) == (1, 128)
+
+
 def test_generate_leaves_the_fast_exit_to_the_console_script(tmp_path, capsys, monkeypatch):
     """In process, `main(["generate", ...])` returns its code (a Python caller keeps its process) and
     marks the exit without teardown that the console script (`run`) then takes. (The console script
