@@ -115,7 +115,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from xlaserve.entrypoints.llm import LLM
 
     require_tokenizer(args)
-    llm = LLM(args.model, **one_request_engine_kwargs(args))
+    kwargs = one_request_engine_kwargs(args)
+    if run_follower_if_needed(args, kwargs):  # node_rank > 0: process 0 holds the conversation
+        return 0
+    llm = LLM(args.model, **kwargs)
     params = sampling_params(args, llm.default_sampling)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("xlaserve chat: type a message, Ctrl-D or /exit to leave, /reset to start over.")

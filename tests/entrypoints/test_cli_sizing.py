@@ -40,16 +40,18 @@ def test_flags_the_user_sets_win(argv, seqs, tokens):
     assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (seqs, tokens)
 
 
-def test_a_generate_followers_engine_is_sized_as_process_0s(monkeypatch):
-    """`xlaserve generate --nnodes 2 --node-rank 1` serves process 0's steps with the engine process 0
-    builds: the one-request sizing too, not only the flags (else the two compile other programs and a
-    step's collectives wait on each other for good)."""
-    from xlaserve.entrypoints import cli, llm
+@pytest.mark.parametrize("command", [["generate", "hi", "--model", "m"], ["chat", "--model", "m"]])
+def test_a_followers_engine_is_sized_as_process_0s(monkeypatch, command):
+    """`xlaserve generate` (or `chat`) `--nnodes 2 --node-rank 1` serves process 0's steps with the
+    engine process 0 builds: the one-request sizing too, not only the flags (else the two compile other
+    programs and a step's collectives wait on each other for good)."""
+    from xlaserve.entrypoints import llm
 
     followed = {}
     monkeypatch.setattr(llm, "serve_follower", lambda model, **kwargs: followed.update(kwargs, model=model))
-    multi = ["generate", "hi", "--model", "m", "--nnodes", "2", "--master-addr", "127.0.0.1"]
-    assert cli.cmd_generate(build_parser().parse_args([*multi, "--node-rank", "1"])) == 0
+    multi = [*command, "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    args = build_parser().parse_args([*multi, "--node-rank", "1"])
+    assert args.func(args) == 0
     leader = one_request_engine_kwargs(build_parser().parse_args([*multi, "--node-rank", "0"]))
     assert followed.pop("model") == "m"
     assert (followed.pop("node_rank"), leader.pop("node_rank", 0)) == (1, 0)
