@@ -16,7 +16,7 @@ import pytest
 from test_server_hostile import check_error, check_still_serving, send
 
 from helpers.server_harness import running_server
-from helpers.tiny_models import TINY_PROCESS_ENV
+from helpers.tiny_models import TINY_PROCESS_ENV, elemental_emitters
 from helpers.tiny_vlm import (
     ENGINE_ARGS,
     colour_frames,
@@ -72,7 +72,9 @@ def vlm(tmp_path_factory, server_cache_dir, model_dir, media_dir):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model_dir, **ENGINE_ARGS, media_io_kwargs=MEDIA_IO)
+    # Compared with the server (compiled with the same emitters: TINY_PROCESS_XLA_FLAGS) and Hugging Face.
+    with elemental_emitters():
+        return LLM(model_dir, **ENGINE_ARGS, media_io_kwargs=MEDIA_IO)
 
 
 def _video(url: str) -> dict:
