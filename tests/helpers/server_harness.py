@@ -47,7 +47,7 @@ SESSION_SERVER_FLAGS = [
 def engine_flags(tiny: bool = False) -> list[str]:
     """ENGINE_ARGS as `xlaserve serve` flags. `tiny`: for a process of a tiny model, under
     TINY_PROCESS_XLA_FLAGS: without SmolLM2's optimization level, a compiler option of every program that
-    would override their level 0 (test_serve_formats' four tiny servers: 93 -> 80 CPU s)."""
+    would override their level 0 (test_serve_formats' four tiny servers: 96 -> 75 CPU s)."""
     flags = []
     for key, value in ENGINE_ARGS.items():
         if tiny and key == "optimization_level":
