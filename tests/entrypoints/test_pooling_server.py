@@ -390,7 +390,8 @@ def test_run_batch_lines_are_the_servers(pooling_model, http, tmp_path, monkeypa
             f.write(json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body}) + "\n")
     monkeypatch.setenv("XLA_FLAGS", TINY_PROCESS_XLA_FLAGS)  # the engine core's, as the server's
     argv = ["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
-    assert main([*argv, "--model", pooling_model[1], *engine_flags(), *FLAGS, "--disable-progress-bar"]) == 0
+    argv += ["--model", pooling_model[1], *engine_flags(tiny=True), *FLAGS, "--disable-progress-bar"]
+    assert main(argv) == 0
     with open(tmp_path / "out.jsonl") as f:
         results = [json.loads(line) for line in f]
     assert [r["custom_id"] for r in results] == list(lines)

@@ -16,7 +16,7 @@ import pytest
 from test_server_hostile import check_error, check_still_serving, send
 
 from helpers.server_harness import running_server
-from helpers.tiny_models import TINY_PROCESS_ENV
+from helpers.tiny_models import TINY_PROCESS_ENV, elemental_emitters
 from helpers.tiny_vlm import (
     ENGINE_ARGS,
     colour_frames,
@@ -72,7 +72,9 @@ def vlm(tmp_path_factory, server_cache_dir, model_dir, media_dir):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model_dir, **ENGINE_ARGS, media_io_kwargs=MEDIA_IO)
+    # Compared with the server (compiled with the same emitters: TINY_PROCESS_XLA_FLAGS) and Hugging Face.
+    with elemental_emitters():
+        return LLM(model_dir, **ENGINE_ARGS, media_io_kwargs=MEDIA_IO)
 
 
 def _video(url: str) -> dict:
@@ -203,7 +205,9 @@ def test_a_qwen3_vl_video_url_is_timed_at_its_kept_rate(tmp_path, clip):
     """Qwen3-VL's video_url part (LLM.chat): each frame pair's time in the prompt's text is at the kept
     frames' own rate (4 fps: pairs at 0.125 and 0.625 s), and the answer is LLM.generate's on the decoded
     frames with that fps, token for token and logprob for logprob."""
-    llm = LLM(save_tiny_qwen3_vl(str(tmp_path / "qwen3-vl")), **ENGINE_ARGS, media_io_kwargs=MEDIA_IO)
+    # Two requests: compiled as they run, not warmed up (test_qwen_vl.py's qwen3_vl engine guards that).
+    args = {**ENGINE_ARGS, "strict_compile_guard": False, "enforce_eager": True}
+    llm = LLM(save_tiny_qwen3_vl(str(tmp_path / "qwen3-vl")), **args, media_io_kwargs=MEDIA_IO)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0)
     chat = llm.chat(_messages(_video(video_data_url(clip))), params, use_tqdm=False)[0]
     frames, metadata = video.decode_video(clip, "f", NUM_FRAMES)

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.smollm2 import ENGINE_ARGS, smollm2_gguf_path
+from helpers.tiny_models import TINY_PROCESS_XLA_FLAGS
 
 API_KEY = "sk-xlaserve-test"
 MODEL_NAME = "smollm2"
@@ -43,10 +44,14 @@ SESSION_SERVER_FLAGS = [
 ]
 
 
-def engine_flags() -> list[str]:
-    """ENGINE_ARGS as `xlaserve serve` flags."""
+def engine_flags(tiny: bool = False) -> list[str]:
+    """ENGINE_ARGS as `xlaserve serve` flags. `tiny`: for a process of a tiny model, under
+    TINY_PROCESS_XLA_FLAGS: without SmolLM2's optimization level, a compiler option of every program that
+    would override their level 0 (test_serve_formats' four tiny servers: 96 -> 75 CPU s)."""
     flags = []
     for key, value in ENGINE_ARGS.items():
+        if tiny and key == "optimization_level":
+            continue
         flag = "--" + key.replace("_", "-")
         if value is True:
             flags.append(flag)
@@ -97,7 +102,7 @@ class ServerProcess:
             "--port",
             str(self.port),
             "--disable-uvicorn-access-log",
-            *engine_flags(),
+            *engine_flags(tiny=TINY_PROCESS_XLA_FLAGS in (env or {}).get("XLA_FLAGS", "")),
             *extra_args,
         ]
         if api_key:
