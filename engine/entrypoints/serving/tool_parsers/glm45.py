@@ -26,7 +26,7 @@ import json
 from typing import Any
 
 from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, held_suffix, parse_tagged
-from xlaserve.entrypoints.serving.tool_parsers.json_scan import skip_ws
+from xlaserve.entrypoints.serving.tool_parsers.json_scan import client_json, skip_ws
 from xlaserve.entrypoints.serving.tool_parsers.qwen3_coder import (
     SchemaTypedToolParser,
     json_object_text,
@@ -48,17 +48,14 @@ def convert_value(value: str, schema: Any) -> Any:
     if _is_string(schema):
         return value
     value = value.strip()
+    is_json, converted = client_json(value)
+    if is_json:
+        return converted
     try:
-        converted = json.loads(value)
-    except ValueError:
-        try:
-            converted = ast.literal_eval(value)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            return value
-    try:
+        converted = ast.literal_eval(value)
         json.dumps(converted, allow_nan=False)
-    except (ValueError, TypeError, RecursionError):
-        return value
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return value  # not a literal, or one with no JSON form (NaN, 1e999, a set)
     return converted
 
 

@@ -13,6 +13,7 @@ import enum
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 _WS = " \t\n\r"
 _NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
@@ -249,3 +250,17 @@ def _scalar_end(text: str, i: int) -> tuple[int, int]:
     if j == n:
         return -1, -1
     return (j, -1) if _NUMBER.fullmatch(text, i, j) else (-1, j)
+
+
+def client_json(text: str) -> tuple[bool, Any]:
+    """(True, value) when `text` is JSON a client can read back: no NaN, Infinity or overflowing number."""
+
+    def refuse(constant: str):
+        raise ValueError(constant)
+
+    try:
+        value = json.loads(text, parse_constant=refuse)
+        json.dumps(value, allow_nan=False)  # 1e999 parses as inf
+    except (ValueError, RecursionError):
+        return False, None
+    return True, value

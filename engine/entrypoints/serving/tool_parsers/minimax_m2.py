@@ -28,7 +28,7 @@ import json
 from typing import Any
 
 from xlaserve.entrypoints.serving.tool_parsers.base import Call, Parsed, is_start_of, parse_tagged
-from xlaserve.entrypoints.serving.tool_parsers.json_scan import skip_ws
+from xlaserve.entrypoints.serving.tool_parsers.json_scan import client_json, skip_ws
 from xlaserve.entrypoints.serving.tool_parsers.qwen3_coder import (
     SchemaTypedToolParser,
     json_object_text,
@@ -74,20 +74,6 @@ def schema_types(schema: Any, depth: int = 0) -> set[str]:
     return {t.lower() for t in types} or {"string"}
 
 
-def _strict_json(text: str) -> tuple[bool, Any]:
-    """(True, value) when `text` is JSON a client can read back: no NaN, Infinity or overflowing number."""
-
-    def refuse(constant: str):
-        raise ValueError(constant)
-
-    try:
-        value = json.loads(text, parse_constant=refuse)
-        json.dumps(value, allow_nan=False)  # 1e999 parses as inf
-    except (ValueError, RecursionError):
-        return False, None
-    return True, value
-
-
 def convert_value(value: str, schema: Any) -> Any:
     """A parameter's stripped text as the JSON value its schema's types give (module doc)."""
     if value.lower() in _NULLS:
@@ -111,10 +97,10 @@ def convert_value(value: str, schema: Any) -> Any:
             if value.lower() in _TRUE + _FALSE:
                 return value.lower() in _TRUE
         else:
-            is_json, converted = _strict_json(value)
+            is_json, converted = client_json(value)
             if is_json:
                 return converted
-    is_json, converted = _strict_json(value)
+    is_json, converted = client_json(value)
     return converted if is_json else value
 
 
