@@ -32,7 +32,7 @@ def _is_kv_projection(name) -> bool:
     return _KV_PROJ.search(name) is not None
 
 
-def _is_whole_k_norm(name, model_config) -> bool:
+def is_whole_k_norm(name, model_config) -> bool:
     """k_norm over every KV head at once (not Qwen3's per-head one, `qk_norm`)."""
     if model_config.qk_norm:
         return False
@@ -93,14 +93,14 @@ def replicate_kv_heads(model_config, tensors, tensor_parallel_size: int):
     out = type(tensors)(tensors)
     for name, array in tensors.items():
         if isinstance(name, tuple):  # a converted checkpoint's, in memory
-            if _is_kv_projection(name) or _is_whole_k_norm(name, model_config):
+            if _is_kv_projection(name) or is_whole_k_norm(name, model_config):
                 out[name] = _repeat_heads(np.asarray(array), -1, num_kv, repeat)
             elif _is_fused_qkv(name):
                 out[name] = _repeat_fused_grouped(np.asarray(array), num_heads, num_kv, repeat)
             continue
         # HF layout: the heads' rows on axis 0, repeated when the tensor is read.
         rows, *rest = np.shape(array)
-        if _is_kv_projection(name) or _is_whole_k_norm(name, model_config):
+        if _is_kv_projection(name) or is_whole_k_norm(name, model_config):
             shape = (rows * repeat, *rest)
             out[name] = lazily(array, lambda a: _repeat_heads(a, 0, num_kv, repeat), shape)
         elif _is_fused_qkv(name):

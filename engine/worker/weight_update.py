@@ -52,7 +52,7 @@ from xlaserve.models.prequantized import quantization_scheme
 from xlaserve.models.quantization import SCALE, ZERO, QuantScheme, is_quantized_kernel, quantized_parts
 from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import _unflatten, flatten_tree, hf_name
-from xlaserve.sharding.kv_heads import replicate_kv_heads
+from xlaserve.sharding.kv_heads import is_whole_k_norm, replicate_kv_heads
 from xlaserve.sharding.vocab import pad_vocab
 from xlaserve.worker.pipeline_stage import StageLayout
 
@@ -345,8 +345,8 @@ def _hf_shape(path, shape, stacks, cfg, hf_cfg, padded_vocab) -> tuple[int, ...]
     if padded_vocab != hf_cfg.vocab_size and path[0] in ("embed_tokens", "lm_head"):
         shape[0] = hf_cfg.vocab_size
     # K and V's heads repeated, and a k_norm over all of them (OLMo, MiniMax-M2) with them.
-    is_whole_k_norm = path[-2:] == ("k_norm", "weight") and not cfg.qk_norm
-    if cfg.num_kv_heads != hf_cfg.num_kv_heads and (path[-2] in ("k_proj", "v_proj") or is_whole_k_norm):
+    repeated = path[-2] in ("k_proj", "v_proj") or is_whole_k_norm(path, cfg)
+    if cfg.num_kv_heads != hf_cfg.num_kv_heads and repeated:
         axis = 0 if path[-1] == "kernel" else -1
         shape[axis] = shape[axis] // cfg.num_kv_heads * hf_cfg.num_kv_heads
     # Mamba2's B and C groups copied under tensor parallelism (models/mamba2.py group_copies): in_proj's
