@@ -254,6 +254,16 @@ CASES = [
     ("pythonic", "The list is [1, 2].", "The list is [1, 2].", []),
     ("pythonic", "[1, 2]", "[1, 2]", []),
     ("pythonic", "[f(x)]", "[f(x)]", []),
+    # a value that is not a literal, in any call, makes the list content, streamed too (nothing went out)
+    ("pythonic", "[get_weather(city=foo)]", "[get_weather(city=foo)]", []),
+    (
+        "pythonic",
+        '[f(a="x"), get_weather(city="Paris", days=x)]',
+        '[f(a="x"), get_weather(city="Paris", days=x)]',
+        [],
+    ),
+    ("pythonic", "[f(a=1, b=g())]", "[f(a=1, b=g())]", []),
+    ("pythonic", "[f(a=1, a=2)]", "[f(a=1, a=2)]", []),  # a keyword twice is not Python (nor one object)
     # DeepSeek-V3's and V3.1's special-token blocks
     (
         "deepseek_v3",
@@ -310,6 +320,12 @@ CASES = [
         ],
     ),
     ("llama4_pythonic", "[f(a=-1)] Done.", "Done.", [("f", {"a": -1})]),
+    (
+        "llama4_pythonic",
+        '<|python_start|>[f(a=1), g(b="x" + "y")]<|python_end|>',
+        '<|python_start|>[f(a=1), g(b="x" + "y")]<|python_end|>',
+        [],
+    ),
     ("llama4_pythonic", "Hi <|python_start|>[f()]", "Hi <|python_start|>[f()]", []),
     (
         "llama4_pythonic",
@@ -330,8 +346,24 @@ CASES = [
     ),
     ("olmo3", "<function_calls>\nf(x=[1, 2]), g()\n", None, [("f", {"x": [1, 2]}), ("g", {})]),
     ("olmo3", "<function_calls>f(x)</function_calls>", "<function_calls>f(x)</function_calls>", []),
-    ("olmo3", "<function_calls>f(x)\ng(a=1)</function_calls>", None, [("g", {"a": 1})]),  # f(x) skipped
+    # a positional first call makes the block text (vLLM's pattern check); a later one is skipped
+    (
+        "olmo3",
+        "<function_calls>f(x)\ng(a=1)</function_calls>",
+        "<function_calls>f(x)\ng(a=1)</function_calls>",
+        [],
+    ),
+    ("olmo3", "<function_calls>g(a=1)\nf(1)</function_calls>", None, [("g", {"a": 1})]),
     ("olmo3", "No calls: a < b <function_calls", "No calls: a < b <function_calls", []),
+    # a bad value skips its call, the end of the text cuts one off: the whole calls stand, streamed too
+    (
+        "olmo3",
+        "Hi\n<function_calls>get_weather(city=foo)\nget_time(tz='UTC', n=[1, x])\nf(a=1)</function_calls>",
+        "Hi",
+        [("f", {"a": 1})],
+    ),
+    ("olmo3", "Hi <function_calls>g(x=2)\nf(a='Par", "Hi", [("g", {"x": 2})]),
+    ("olmo3", "<function_calls>f(a='Par", "<function_calls>f(a='Par", []),
     # GLM-4.5's keys and values: a "string" parameter kept exactly ("null", spaces), any other read as
     # JSON or a Python literal (an untyped one too), else text; GLM-4.7's name straight before its first
     # key; a call without arguments; a key without a value skipped; a call cut off at the end
@@ -536,35 +568,38 @@ def test_xml_string_values_stream_as_written(parser_name, text, first_pieces):
     assert "".join(pieces) == '{"city": "San Francisco", "days": 12}'
 
 
-def test_pythonic_broken_after_announcement():
-    """A value that is not a literal after the call went out: one-shot, all content (not calls);
-    streamed, the call keeps what was sent and the rest is content."""
-    text = "[f(a=1, b=g())]"
-    assert get_tool_parser("pythonic")().extract_tool_calls(text).content == text
-    assert _streamed("pythonic", list(text)) == ("b=g())]", [("f", '{"a": 1')])
-    text = "[f(a=1, a=2)]"  # a keyword twice is not Python (nor one JSON object)
-    assert get_tool_parser("pythonic")().extract_tool_calls(text).content == text
-    assert _streamed("pythonic", list(text)) == ("a=2)]", [("f", '{"a": 1')])
+def test_bad_values_never_stream_a_call():
+    """A call with a value that is not a literal (or cut off, olmo3) streams nothing: every call a client
+    accumulates, however the text was cut, is JSON and one the one-shot parse returns too; pythonic's
+    calls wait for the list's "]" (a later bad value makes the list content), olmo3's for their ")"."""
+    for name, output, _, _ in CASES:
+        if name not in ("pythonic", "llama4_pythonic", "olmo3"):
+            continue
+        one_shot = get_tool_parser(name)().extract_tool_calls(output, REQUEST).tool_calls
+        expected = [(c.function.name, c.function.arguments) for c in one_shot]
+        for cut in range(len(output) + 1):
+            _, calls = _streamed(name, [output[:cut], output[cut:]])
+            assert all(isinstance(json.loads(args), dict) for _, args in calls), (output, cut)
+            assert calls == expected, (output, cut)
+    text = "[get_weather(city='Paris', days=3), f(a=1"
+    assert _argument_pieces("pythonic", text + ")]") == ['{"city": "Paris", "days": 3}', '{"a": 1}']
+    assert _argument_pieces("pythonic", text) == []  # held until the list closes
 
 
 def test_olmo3_skips_a_bad_call_and_keeps_the_others():
     """A call that is not literals (1e999 is inf, which JSON cannot write; a call as a value) is skipped
-    and its siblings kept, as vLLM's: one-shot it leaves no trace; streamed, one announced before it
-    broke keeps what was sent. A block of bad calls only is text, one-shot."""
+    and its siblings kept, as vLLM's newer parser salvages them: it leaves no trace, streamed or not. A
+    block of bad calls only is text."""
     text = "Hi\n<function_calls>a(x=1e999)\nb(y=2)\nc(z=g(), w=1), d()</function_calls>\nBye"
     result = get_tool_parser("olmo3")().extract_tool_calls(text)
-    assert [(c.function.name, c.function.arguments) for c in result.tool_calls] == [
-        ("b", '{"y": 2}'),
-        ("d", "{}"),
-    ]
+    expected = [("b", '{"y": 2}'), ("d", "{}")]
+    assert [(c.function.name, c.function.arguments) for c in result.tool_calls] == expected
     assert result.content == "Hi\nBye"
-    assert _streamed("olmo3", list(text)) == (
-        "Hi\nBye",
-        [("a", "{"), ("b", '{"y": 2}'), ("c", "{"), ("d", "{}")],
-    )
+    assert _streamed("olmo3", list(text)) == ("Hi\nBye", expected)
+    assert _argument_pieces("olmo3", text) == ['{"y": 2}', "{}"]  # each whole, at its ")"
     text = "<function_calls>f(x=1e999)</function_calls>"
     assert get_tool_parser("olmo3")().extract_tool_calls(text).content == text
-    assert _streamed("olmo3", list(text)) == (None, [("f", "{")])
+    assert _streamed("olmo3", list(text)) == (text, [])
 
 
 def test_forced_call_cut_off():

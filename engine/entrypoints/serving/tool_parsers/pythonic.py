@@ -8,9 +8,12 @@ dict of those; anything else (a name, an expression, a positional argument) mean
 calls, and it is content. An answer that does not start with "[" is content, as in vLLM.
 `llama4_pythonic` is the same list, optionally between Llama 4's `<|python_start|>` and `<|python_end|>`.
 
-A call is announced once its name and "(" are written; its arguments grow one whole keyword at a time
-(a value is only known to be a literal when it has ended), as `{"key": value, ...}` in json.dumps'
-spacing. `read_call` reads one call for any format that writes them (olmo3's lines too).
+One bad value makes the whole list content, so the stream holds the list back until its "]" and
+then sends each call whole, its arguments `{"key": value, ...}` in json.dumps' spacing: a client never
+reads a call the one-shot parse would not return. (vLLM streams a call's values as they are written:
+after `[get_weather(city="Paris", days=x` its client holds `{"city": "Paris"`, which is not JSON, and
+the parse of the whole text that follows says there was no call.) `read_call` reads one call for any
+format that writes them (olmo3's lines too).
 """
 
 from __future__ import annotations
@@ -90,28 +93,24 @@ def _name_then(text: str, pos: int, mark: str) -> tuple[str | None, int, Status]
 
 
 def read_call(text: str, pos: int, calls: list[Call], json_names: bool = False) -> tuple[int, Status]:
-    """Read one `name(key=value, ...)` at text[pos] into `calls` (once announced, maybe unfinished):
+    """Read one `name(key=value, ...)` at text[pos] into `calls` once its ")" is read and every value is
+    a literal (before then a later value could still make it no call, so nothing of it is announced):
     (past its ")", COMPLETE), or where it stopped and how. json_names: null/true/false are values."""
     name, paren, status = _name_then(text, pos, "(")
     if name is None:
         return paren, status
-    call = Call(name, "{", False)  # announced at its first keyword or its ")"
     members: dict[str, str] = {}  # keyword -> its JSON member text
     pos = paren + 1
     while True:
         pos = skip_ws(text, pos)
         if pos < len(text) and text[pos] == ")":
-            call.arguments, call.is_complete = "{" + ", ".join(members.values()) + "}", True
-            if not members:
-                calls.append(call)
+            calls.append(Call(name, "{" + ", ".join(members.values()) + "}", True))
             return pos + 1, Status.COMPLETE
         key, equals, status = _name_then(text, pos, "=")
         if key is None:
             return equals, status
         if key in members:
             return pos, Status.INVALID
-        if not members:
-            calls.append(call)
         value_end, status = _value_end(text, equals + 1)
         if status is not Status.COMPLETE:
             return value_end, status
@@ -121,8 +120,19 @@ def read_call(text: str, pos: int, calls: list[Call], json_names: bool = False) 
             members[key] = f"{json.dumps(key)}: {json.dumps(value, ensure_ascii=False, allow_nan=False)}"
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
             return pos, Status.INVALID
-        call.arguments = "{" + ", ".join(members.values())
         pos = value_end + (text[value_end] == ",")
+
+
+def starts_positional(text: str, pos: int) -> bool:
+    """The call `name(...)` at text[pos] opens with a positional argument (neither `key=` nor ")")."""
+    name, paren, _ = _name_then(text, pos, "(")
+    if name is None:
+        return False
+    after = skip_ws(text, paren + 1)
+    if after == len(text) or text[after] == ")":
+        return False
+    key, _, status = _name_then(text, after, "=")
+    return key is None and status is Status.INVALID
 
 
 def skip_call(text: str, pos: int) -> tuple[int, Status]:
@@ -153,22 +163,6 @@ def _read_list(text: str, pos: int, calls: list[Call]) -> tuple[int, Status]:
         pos += 1
 
 
-def put_calls(calls, end, status, final, keep_broken, pieces) -> tuple[int, bool]:
-    """Put the calls read up to `end` into `pieces` by how their reading stopped (whole, still being
-    written, broken), as `read_call_list` answers: (where the content goes on, or -1 when they are not
-    calls after all; whether the rest is held back)."""
-    if status is Status.COMPLETE:
-        pieces += calls
-        return end, False
-    if status is Status.PARTIAL and not final:
-        pieces += calls
-        return end, not calls
-    if keep_broken and calls:  # broken after a call went out: keep it, the rest is content
-        pieces += calls
-        return end, False
-    return -1, False
-
-
 class PythonicToolParser(ToolParser):
     name = "pythonic"
     start_tag = ""  # before the list, optional (llama4_pythonic's)
@@ -192,11 +186,11 @@ class PythonicToolParser(ToolParser):
                 end = after + len(self.end_tag)
             elif not final and is_start_of(text, after, (self.end_tag,)):
                 end, status = len(text), Status.PARTIAL  # maybe the end tag: it is part of the calls
-        pieces: list = []
-        end, is_held = put_calls(calls, end, status, final, keep_broken, pieces)
-        if end < 0:
-            return Parsed([text])
-        return Parsed(pieces if is_held else [*pieces, text[end:]], is_held=is_held)
+        if status is Status.COMPLETE:
+            return Parsed([*calls, text[end:]])
+        if status is Status.PARTIAL and not final:  # a later value may still make the list content
+            return Parsed([], is_held=True)
+        return Parsed([text])
 
 
 class Llama4PythonicToolParser(PythonicToolParser):
