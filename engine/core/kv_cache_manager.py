@@ -145,6 +145,13 @@ class KVCacheManager:
             return 0
         return len(self._find_cache_hit(request)[0][0]) * self.block_size
 
+    def num_cacheable_tokens(self, request: Request) -> int:
+        """The prompt's tokens the prefix cache holds once it is computed: its whole blocks (those a hit
+        found, and those it adds: vLLM's cache creation)."""
+        if not self.enable_caching or skips_prefix_cache(request):
+            return 0
+        return request.num_prompt_tokens // self.block_size * self.block_size
+
     def _find_cache_hit(self, request: Request):
         self._update_block_hashes(request)
         max_num_hit_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))

@@ -116,6 +116,7 @@ class EngineCoreOutput:
     new_logprobs: Any = None
     new_prompt_logprobs: Any = None
     num_cached_tokens: int = 0
+    num_cache_creation_tokens: int = 0  # the prompt's tokens it adds to the prefix cache
     # When it was first scheduled (time.time(); None before): the front end's queue, prefill and
     # inference times (vLLM's request_*_time_seconds).
     scheduled_time: float | None = None

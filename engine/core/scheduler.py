@@ -310,6 +310,9 @@ class Scheduler(StepResults, StepsInFlight, Preemption, DraftSlots):
             )
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens + num_external
+                request.num_cache_creation_tokens = max(
+                    self.kv_cache_manager.num_cacheable_tokens(request) - request.num_cached_tokens, 0
+                )
                 request.scheduled_time = time.time()
             request.num_computed_tokens = num_hit_tokens + num_external
             token_budget -= self._add_scheduled(request, num_new_tokens, output)

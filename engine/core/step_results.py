@@ -79,6 +79,7 @@ class StepResults:
                         new_logprobs=_new_logprobs(model_runner_output, scheduled, len(new_token_ids)),
                         new_prompt_logprobs=prompt_logprobs,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        num_cache_creation_tokens=request.num_cache_creation_tokens,
                         scheduled_time=request.scheduled_time,
                         is_grammar_complete=is_grammar_complete(request),
                         kv_transfer_params=kv_transfer_params,
@@ -131,6 +132,7 @@ class StepResults:
             [],
             finish_reason=FinishReason.ERROR,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cache_creation_tokens=request.num_cache_creation_tokens,
             scheduled_time=request.scheduled_time,
         )
 
@@ -146,6 +148,7 @@ class StepResults:
             [],
             finish_reason=FinishReason.STOP,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cache_creation_tokens=request.num_cache_creation_tokens,
             scheduled_time=request.scheduled_time,
             pooling_output=pooled,
         )

@@ -93,6 +93,7 @@ class RequestState:
     parent: ParentRequest | None = None
     index: int = 0
     num_cached_tokens: int = 0
+    num_cache_creation_tokens: int = 0
     kv_transfer_params: dict | None = None  # a KV connector's, on the finished output
     prompt_logprobs: PromptLogprobs | None = None
     # None, not [], when not requested: vLLM's convention, and how callers tell the two apart.
@@ -144,6 +145,7 @@ class RequestState:
             outputs=outputs,
             finished=is_finished,
             num_cached_tokens=self.num_cached_tokens,
+            num_cache_creation_tokens=self.num_cache_creation_tokens,
             metrics=replace(self.stats),  # a snapshot: the live stats keep changing while streaming
             kv_transfer_params=self.kv_transfer_params if is_finished else None,
         )
@@ -288,6 +290,8 @@ class OutputProcessor:
         self._stats.record_tokens(state.stats, len(state.prompt_token_ids), len(new_token_ids), now)
         if core_output.num_cached_tokens and not state.num_cached_tokens:
             state.num_cached_tokens = core_output.num_cached_tokens
+        if core_output.num_cache_creation_tokens and not state.num_cache_creation_tokens:
+            state.num_cache_creation_tokens = core_output.num_cache_creation_tokens
         if core_output.kv_transfer_params is not None:
             state.kv_transfer_params = core_output.kv_transfer_params
         self._append_logprobs(state, core_output.new_logprobs)

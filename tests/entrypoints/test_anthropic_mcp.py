@@ -24,7 +24,7 @@ ASK = [{"role": "user", "content": "When is high tide in Brest? Use the tide tab
 BETA = ["mcp-client-2025-04-04"]
 GREEDY = {"temperature": 0}  # this client has no temperature argument; the API still takes the field
 # What the prefix cache held of the prompts differs from run to run (a later run finds an earlier's blocks).
-UNCACHED = {"input_tokens", "cache_read_input_tokens"}
+UNCACHED = {"input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"}
 
 
 def _usage(message) -> dict:

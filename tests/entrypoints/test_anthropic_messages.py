@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -18,6 +19,7 @@ from pydantic import BaseModel
 
 from helpers.sdk_clients import anthropic_prompt_tokens, strict_anthropic
 from helpers.server_harness import MODEL_NAME
+from xlaserve.entrypoints.anthropic.protocol import Usage
 
 QUESTION = [{"role": "user", "content": "Name three colors."}]
 
@@ -31,7 +33,7 @@ GREEDY = {"temperature": 0}  # this client has no temperature argument; the API 
 BLOCK_SIZE = 16  # the server's KV block: a prefix-cache hit is whole blocks
 # What the prefix cache held of a prompt differs from run to run (a second run finds the first's blocks),
 # and with it the tokens computed: left out where a stream and a message are compared, with the id.
-UNCACHED = {"input_tokens", "cache_read_input_tokens"}
+UNCACHED = {"input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"}
 NOT_COMPARED = {"id": True, "usage": UNCACHED}
 
 
@@ -135,13 +137,13 @@ def test_stream_events_in_documented_order(server):
     final = events[-2][1]
     assert final["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     usage = final["usage"]
-    num_cached = usage["cache_read_input_tokens"]  # what earlier requests left in the cache
-    # message_start's count is the whole prompt; the delta's, its part the cache did not hold.
-    num_prompt = start["usage"]["input_tokens"]
-    assert usage == {"input_tokens": num_prompt - num_cached, "output_tokens": 8} | {
-        "cache_read_input_tokens": num_cached
-    }
-    assert num_cached % BLOCK_SIZE == 0 and num_cached < num_prompt
+    # vLLM's buckets, in message_start too (sent once the engine answered): what earlier requests left
+    # in the cache, the prompt's other whole blocks (written to it), and its last partial block.
+    num_cached, num_created = usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]
+    assert start["usage"] == usage | {"output_tokens": 0} and usage["output_tokens"] == 8
+    num_prompt = len(_prompt_ids(server, QUESTION))
+    assert num_cached + num_created == num_prompt // BLOCK_SIZE * BLOCK_SIZE
+    assert usage["input_tokens"] == num_prompt % BLOCK_SIZE and num_cached % BLOCK_SIZE == 0
 
 
 def test_stream_helper_equals_the_message(client):
@@ -176,14 +178,31 @@ def test_max_tokens_0_prewarms_the_prefix_cache(client):
     warm = client.messages.create(model=MODEL_NAME, max_tokens=0, **fields)
     num_prompt = client.messages.count_tokens(model=MODEL_NAME, **fields).input_tokens
     assert warm.content == [] and (warm.stop_reason, warm.stop_sequence) == ("max_tokens", None)
+    whole_blocks = num_prompt // BLOCK_SIZE * BLOCK_SIZE  # what the prompt writes to the cache
     assert warm.usage.model_dump(exclude_none=True) == {
-        "input_tokens": num_prompt,
+        "input_tokens": num_prompt - whole_blocks,
         "output_tokens": 0,
+        "cache_creation_input_tokens": whole_blocks,
         "cache_read_input_tokens": 0,
     }
     answer = _create(client, max_tokens=4, **fields)
     assert answer.usage.cache_read_input_tokens == _prewarmed_hit(num_prompt) > 0
-    assert answer.usage.input_tokens == num_prompt - _prewarmed_hit(num_prompt) and answer.content[0].text
+    assert answer.usage.cache_creation_input_tokens == whole_blocks - _prewarmed_hit(num_prompt)
+    assert answer.usage.input_tokens == num_prompt - whole_blocks and answer.content[0].text
+    assert answer.usage.service_tier is None  # vLLM reports none
+
+
+def test_usage_has_the_cache_buckets_with_prompt_tokens_details_only():
+    """As vLLM's: without --enable-prompt-tokens-details the cache's buckets are left out (not null, not
+    0) and input_tokens is the whole prompt; with it, the prompt splits into the three."""
+    counts = SimpleNamespace(num_cached_tokens=32, num_cache_creation_tokens=16)
+    assert Usage.of(50, 3, counts, False).model_dump() == {"input_tokens": 50, "output_tokens": 3}
+    assert Usage.of(50, 3, counts, True).model_dump() == {
+        "input_tokens": 2,
+        "output_tokens": 3,
+        "cache_creation_input_tokens": 16,
+        "cache_read_input_tokens": 32,
+    }
 
 
 def test_max_tokens_0_streamed_is_the_stop_alone(server, client):
@@ -192,11 +211,13 @@ def test_max_tokens_0_streamed_is_the_stop_alone(server, client):
     fields = {"messages": QUESTION, "system": _fresh_system()}
     events = read_events(server, {"model": MODEL_NAME, "max_tokens": 0, **fields})
     assert [name for name, _ in events] == ["message_start", "ping", "message_delta", "message_stop"]
-    num_prompt = events[0][1]["message"]["usage"]["input_tokens"]
+    usage = events[0][1]["message"]["usage"]
+    num_prompt = anthropic_prompt_tokens(usage)
+    assert usage["cache_read_input_tokens"] == 0 and usage["cache_creation_input_tokens"] > 0
     assert events[2][1] == {
         "type": "message_delta",
         "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
-        "usage": {"input_tokens": num_prompt, "output_tokens": 0, "cache_read_input_tokens": 0},
+        "usage": usage,
     }
     with client.messages.stream(model=MODEL_NAME, max_tokens=0, **fields) as stream:
         warmed = stream.get_final_message()

@@ -217,7 +217,10 @@ def test_anthropic_messages_give_a_thinking_block(thinking_server):
         events = [event.type for event in stream]
         streamed = stream.get_final_message()
     # Not the cache's hit: the stream finds the blocks the message left.
-    uncompared = {"id": True, "usage": {"input_tokens", "cache_read_input_tokens"}}
+    uncompared = {
+        "id": True,
+        "usage": {"input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"},
+    }
     assert streamed.model_dump(exclude=uncompared) == message.model_dump(exclude=uncompared)
     assert events[:4] == ["message_start", "content_block_start", "content_block_delta", "thinking"]
     # Anthropic's thinking switch reaches the template as enable_thinking: the answer has no thinking,

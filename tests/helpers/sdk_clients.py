@@ -32,7 +32,9 @@ def strict_anthropic(server) -> anthropic.Anthropic:
 
 def anthropic_prompt_tokens(usage) -> int:
     """An Anthropic usage's whole prompt (what count_tokens counts): its buckets added up, the tokens
-    computed (`input_tokens`) and those read from the prefix cache. A usage object or its dict."""
-    if isinstance(usage, dict):
-        return usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
-    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+    neither read from nor written to the prefix cache (`input_tokens`), those read and those written. A
+    usage object or its dict."""
+    if not isinstance(usage, dict):
+        usage = usage.model_dump()
+    cached = ("cache_read_input_tokens", "cache_creation_input_tokens")
+    return usage["input_tokens"] + sum(usage.get(key) or 0 for key in cached)

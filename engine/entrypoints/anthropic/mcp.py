@@ -16,6 +16,7 @@ there is still an HTTP error.
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 from fastapi.responses import StreamingResponse
 
@@ -167,6 +168,13 @@ class McpMessage:
         self.state, self.req, self.model, self.servers = state, req, model, servers
         self.message: MessagesResponse | None = None
 
+    def _start(self, request_id: str, num_prompt_tokens: int):
+        """message_start's events, once the first turn's first output says what the prefix cache held."""
+        with_details = self.state.enable_prompt_tokens_details
+        return lambda first: message_start(
+            request_id, self.model, Usage.of(num_prompt_tokens, 0, first, with_details)
+        )
+
     async def events(self):
         state, req = self.state, self.req
         async with contextlib.AsyncExitStack() as stack:
@@ -183,7 +191,9 @@ class McpMessage:
                 if body["continue_final_message"]
                 else []
             )
-            num_prompt = num_generated = num_cached = 0
+            num_prompt = num_generated = 0
+            cache = SimpleNamespace(num_cached_tokens=0, num_cache_creation_tokens=0)  # the turns' summed
+            with_details = state.enable_prompt_tokens_details
             reason, sequence = "end_turn", None
             for turn in range(MAX_MCP_ROUNDS):
                 chat = chat_request(_turn_body(body, added, turn, req.max_tokens - num_generated))
@@ -196,9 +206,6 @@ class McpMessage:
                         break
                 check_context(state.engine, len(ids), max_tokens, "messages")
                 params = chat_sampling_params(state, chat, plan, ids, max_tokens)
-                if turn == 0:
-                    for event in message_start(request_id, self.model, len(ids)):
-                        yield event
                 stream = submit(
                     state,
                     ids,
@@ -210,12 +217,14 @@ class McpMessage:
                 )
                 reader = ChoiceReader(choice_parser(state, chat, plan, ids))
                 first = len(blocks.made)
-                model_turn = Turn(stream, reader, blocks, _McpCalls(clients).pieces)
+                start = self._start(request_id, len(ids)) if turn == 0 else None
+                model_turn = Turn(stream, reader, blocks, _McpCalls(clients).pieces, start)
                 async for event in model_turn.events():
                     yield event
                 num_generated += model_turn.num_generated
                 num_prompt += len(ids)
-                num_cached += model_turn.num_cached
+                cache.num_cached_tokens += model_turn.num_cached_tokens
+                cache.num_cache_creation_tokens += model_turn.num_cache_creation_tokens
                 # The turn's blocks as the client reads them from the events: streamed or whole, the same.
                 turn_blocks = [_BLOCKS[block["type"]].model_validate(block) for block in blocks.made[first:]]
                 content += turn_blocks
@@ -236,11 +245,7 @@ class McpMessage:
                     break
                 # The later turn sees the answer so far as the client would send it back as history.
                 added = assistant_history(prefill + [b.model_dump(exclude_none=True) for b in content])
-            usage = Usage(
-                input_tokens=num_prompt - num_cached,
-                output_tokens=num_generated,
-                cache_read_input_tokens=num_cached,
-            )
+            usage = Usage.of(num_prompt, num_generated, cache, with_details)
             self.message = MessagesResponse(
                 id=request_id,
                 content=content,
@@ -249,7 +254,7 @@ class McpMessage:
                 stop_sequence=sequence,
                 usage=usage,
             )
-            for event in message_end(reason, sequence, usage.model_dump()):
+            for event in message_end(reason, sequence, usage):
                 yield event
 
 

@@ -87,7 +87,15 @@ async def create_message(state: ServerState, req: MessagesRequest, raw_request: 
     is_prewarm = req.max_tokens == 0
     if req.stream:
         return StreamingResponse(
-            event_stream(request_id, model, stream, len(ids), reader, is_prewarm=is_prewarm),
+            event_stream(
+                request_id,
+                model,
+                stream,
+                len(ids),
+                reader,
+                with_details=state.enable_prompt_tokens_details,
+                is_prewarm=is_prewarm,
+            ),
             media_type="text/event-stream",
         )
     try:
@@ -102,10 +110,7 @@ async def create_message(state: ServerState, req: MessagesRequest, raw_request: 
         blocks = reader.blocks(completion.text)
         reason, sequence = stop_reason(completion, any(isinstance(b, ToolUseBlock) for b in blocks))
         num_generated = len(completion.token_ids)
-    num_cached = output.num_cached_tokens
-    usage = Usage(
-        input_tokens=len(ids) - num_cached, output_tokens=num_generated, cache_read_input_tokens=num_cached
-    )
+    usage = Usage.of(len(ids), num_generated, output, state.enable_prompt_tokens_details)
     return MessagesResponse(
         id=request_id,
         content=blocks,

@@ -328,12 +328,34 @@ ResponseBlock = TextBlock | ToolUseBlock | ThinkingBlock | McpToolUseBlock | Mcp
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
-class Usage(BaseModel):
+class Usage(OmitsNones):
     # Anthropic's buckets add up to the prompt (count_tokens): input_tokens is the part the prefix cache
-    # did not hold.
-    input_tokens: int = Field(description="the prompt's tokens computed (not read from the cache)")
+    # neither held nor now holds (its last, partial block). vLLM's fields and split, and as vLLM's, the
+    # cache's two buckets only with --enable-prompt-tokens-details, left out otherwise (input_tokens then
+    # the whole prompt); no service_tier (vLLM reports none; the SDKs read it as None).
+    input_tokens: int = Field(description="the prompt's tokens neither read from nor written to the cache")
     output_tokens: int
-    cache_read_input_tokens: int = Field(default=0, description="the prompt's tokens the prefix cache held")
+    cache_creation_input_tokens: int | None = Field(
+        default=None, description="the prompt's tokens written to the prefix cache (its new whole blocks)"
+    )
+    cache_read_input_tokens: int | None = Field(
+        default=None, description="the prompt's tokens the prefix cache held"
+    )
+
+    omit_if_none = ("cache_creation_input_tokens", "cache_read_input_tokens")
+
+    @classmethod
+    def of(cls, num_prompt: int, num_generated: int, output, with_details: bool) -> Usage:
+        """`output` (a RequestOutput, or a stream's Turn) says what the prefix cache held and gained."""
+        if not with_details:
+            return cls(input_tokens=num_prompt, output_tokens=num_generated)
+        num_cached, num_created = output.num_cached_tokens, output.num_cache_creation_tokens
+        return cls(
+            input_tokens=num_prompt - num_cached - num_created,
+            output_tokens=num_generated,
+            cache_creation_input_tokens=num_created,
+            cache_read_input_tokens=num_cached,
+        )
 
 
 class MessagesResponse(OmitsNones):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from xlaserve.entrypoints.anthropic.output import PREWARMED, Piece, stop_reason
+from xlaserve.entrypoints.anthropic.protocol import Usage
 from xlaserve.entrypoints.anthropic.reading import partial_object
 from xlaserve.entrypoints.serving.engine_io import check_finish, engine_error, merge_streams
 
@@ -90,7 +91,9 @@ def _delta(piece: Piece) -> dict:
     return {"type": "input_json_delta", "partial_json": piece.text}
 
 
-def message_start(request_id: str, model: str, num_prompt_tokens: int) -> list[str]:
+def message_start(request_id: str, model: str, usage: Usage) -> list[str]:
+    """The message's first events, once the engine's first output says what the prefix cache held (vLLM's
+    message_start carries the same usage as its message_delta, less the output tokens)."""
     message = {
         "id": request_id,
         "type": "message",
@@ -99,7 +102,7 @@ def message_start(request_id: str, model: str, num_prompt_tokens: int) -> list[s
         "model": model,
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": num_prompt_tokens, "output_tokens": 0},
+        "usage": usage.model_dump(),
     }
     return [
         sse("message_start", {"type": "message_start", "message": message}),
@@ -107,24 +110,27 @@ def message_start(request_id: str, model: str, num_prompt_tokens: int) -> list[s
     ]
 
 
-def message_end(reason: str, sequence: str | None, usage: dict) -> list[str]:
+def message_end(reason: str, sequence: str | None, usage: Usage) -> list[str]:
     delta = {"stop_reason": reason, "stop_sequence": sequence}
     return [
-        sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
+        sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage.model_dump()}),
         sse("message_stop", {"type": "message_stop"}),
     ]
 
 
 class Turn:
     """One model turn read from its engine stream: `events()`, its blocks' events (`translate` may turn
-    its pieces into others first), then `completion` (its last output) and `num_generated`."""
+    its pieces into others first; `start(turn)`'s before them, once the first output is read), then
+    `completion` (its last output) and `num_generated`."""
 
-    def __init__(self, stream, reader, blocks: Blocks, translate=None):
+    def __init__(self, stream, reader, blocks: Blocks, translate=None, start=None):
         self.stream, self.reader, self.blocks = stream, reader, blocks
         self.translate = translate or (lambda pieces: pieces)
+        self.start = start
         self.completion = None
         self.num_generated = 0
-        self.num_cached = 0  # the prompt's tokens the prefix cache held
+        self.num_cached_tokens = 0  # the prompt's tokens the prefix cache held
+        self.num_cache_creation_tokens = 0  # and those it added to it
 
     async def events(self):
         merged = merge_streams([self.stream])
@@ -133,7 +139,12 @@ class Turn:
                 check_finish(output)
                 (self.completion,) = output.outputs
                 self.num_generated += len(self.completion.token_ids)
-                self.num_cached = output.num_cached_tokens
+                self.num_cached_tokens = output.num_cached_tokens
+                self.num_cache_creation_tokens = output.num_cache_creation_tokens
+                if self.start is not None:
+                    for event in self.start(self):
+                        yield event
+                    self.start = None
                 pieces = self.reader.feed(self.completion.text)
                 if self.completion.finish_reason is not None:
                     pieces += self.reader.flush()
@@ -147,24 +158,29 @@ class Turn:
 
 
 async def event_stream(
-    request_id: str, model: str, stream, num_prompt_tokens: int, reader, *, is_prewarm: bool = False
+    request_id: str,
+    model: str,
+    stream,
+    num_prompt_tokens: int,
+    reader,
+    *,
+    with_details: bool,
+    is_prewarm: bool = False,
 ):
-    """The message's events; pre-warming (`is_prewarm`, max_tokens 0), no block: only the stop."""
-    for event in message_start(request_id, model, num_prompt_tokens):
-        yield event
+    """The message's events; pre-warming (`is_prewarm`, max_tokens 0), no block: only the stop.
+    with_details: usage has the prefix cache's buckets (--enable-prompt-tokens-details)."""
+
+    def start(turn: Turn) -> list[str]:
+        return message_start(request_id, model, Usage.of(num_prompt_tokens, 0, turn, with_details))
+
     blocks = Blocks()
-    turn = Turn(stream, reader, blocks, (lambda pieces: []) if is_prewarm else None)
+    turn = Turn(stream, reader, blocks, (lambda pieces: []) if is_prewarm else None, start)
     try:
         async for event in turn.events():
             yield event
         reason, sequence = PREWARMED if is_prewarm else stop_reason(turn.completion, blocks.has_tool_use)
-        usage = {
-            # message_start's input_tokens (sent before the engine answered) was the whole prompt; the
-            # SDKs take the delta's in its place.
-            "input_tokens": num_prompt_tokens - turn.num_cached,
-            "output_tokens": 0 if is_prewarm else turn.num_generated,
-            "cache_read_input_tokens": turn.num_cached,
-        }
+        num_generated = 0 if is_prewarm else turn.num_generated
+        usage = Usage.of(num_prompt_tokens, num_generated, turn, with_details)
         for event in message_end(reason, sequence, usage):
             yield event
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
