@@ -264,7 +264,8 @@ def test_total_tokens_never_exceed_budget_under_load(make_scheduler):
 def test_prefix_hits_in_tokens_and_salts(make_scheduler):
     scheduler = make_scheduler()
     runner = FakeModelRunner(scheduler)
-    scheduler.add_request(make_request("first", range(10), max_tokens=2))
+    first = make_request("first", range(10), max_tokens=2)
+    scheduler.add_request(first)
     run_to_completion(scheduler, runner)
     second = make_request("second", range(10), max_tokens=2)
     salted = make_request("salted", range(10), max_tokens=2, cache_salt="tenant")
@@ -274,6 +275,9 @@ def test_prefix_hits_in_tokens_and_salts(make_scheduler):
     assert scheduled_tokens(output) == {"second": 2, "salted": 10}
     assert second.num_cached_tokens == 8 and salted.num_cached_tokens == 0
     assert {o.request_id: o.num_cached_tokens for o in core_outputs} == {"second": 8, "salted": 0}
+    # The prompt's whole blocks past its hit, which it writes to the cache (vLLM's cache creation).
+    assert {o.request_id: o.num_cache_creation_tokens for o in core_outputs} == {"second": 0, "salted": 8}
+    assert first.num_cache_creation_tokens == 8
     run_to_completion(scheduler, runner)
     assert second.output_token_ids == salted.output_token_ids
     stats = scheduler.make_stats().prefix_cache_stats

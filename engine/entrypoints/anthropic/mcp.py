@@ -9,8 +9,8 @@ tools ends the message once the turn's MCP calls are made. max_tokens bounds the
 sums them (every turn's prompt, every generated token), and the stop reason is the last turn's.
 
 One loop (`McpMessage.events()`) makes the streamed answer and the whole one, so they agree block for
-block; a streamed answer starts once the servers are listed and the first turn is prepared, so a failure
-there is still an HTTP error.
+block; a streamed answer starts once the servers are listed and the first turn's first output is read
+(message_start carries what the prefix cache held, as vLLM's), so a failure before is still an HTTP error.
 """
 
 from __future__ import annotations

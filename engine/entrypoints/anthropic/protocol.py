@@ -336,7 +336,8 @@ class Usage(OmitsNones):
     input_tokens: int = Field(description="the prompt's tokens neither read from nor written to the cache")
     output_tokens: int
     cache_creation_input_tokens: int | None = Field(
-        default=None, description="the prompt's tokens written to the prefix cache (its new whole blocks)"
+        default=None,
+        description="the prompt's tokens written to the prefix cache (its whole blocks past the hit)",
     )
     cache_read_input_tokens: int | None = Field(
         default=None, description="the prompt's tokens the prefix cache held"

@@ -7,7 +7,8 @@ agree by construction, as long as a parse never takes back what it gave: content
 arguments only ever grow. Hence the rules every `_parse` follows:
 - the undecided tail (a possible start tag, a call whose name has not ended) is held back, not content;
 - a call is announced (committed) once its name is a finished string and its arguments have started
-  with "{": from then on its arguments go out as the raw text the model wrote, never re-serialised;
+  with "{": from then on its arguments go out as the raw text the model wrote, never re-serialised
+  (pythonic's and olmo3's calls, whose values are checked as they end, go out only whole);
 - whitespace before a call belongs to the call, so "Sure.\\n\\n<tool_call>..." has content "Sure."; content
   that resumes after a call keeps the whitespace that separated it from the call (so "Let me check.\\n
   <tool_call>...</tool_call>\\nDone." has content "Let me check.\\nDone."), once non-whitespace follows
