@@ -245,6 +245,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
     )  # fmt: skip
     assert cut.prompt_token_ids == ids[-8:] and cut.prompt is None
     assert cut.outputs[0].token_ids == whole.outputs[0].token_ids
+    # stream() cuts the prompt too.
+    streamed = "".join(llm.stream(prompt, SamplingParams(**greedy, truncate_prompt_tokens=8)))
+    assert streamed == whole.outputs[0].text
     assert fits.prompt_token_ids == ids and fits.prompt == prompt
 
 
