@@ -30,7 +30,8 @@ class SamplingParams:
     """How to sample one request's continuation.
 
     Frozen: the engine resolves `max_tokens=None` with `dataclasses.replace`, never in place.
-    `stop` and `stop_token_ids` are normalized to lists; `top_k=-1` is normalized to 0 (disabled).
+    `stop` and `stop_token_ids` are normalized to lists; `top_k=-1` is normalized to 0 (disabled) and
+    `seed=-1` to None (unseeded), as vLLM's.
     """
 
     n: int = 1
@@ -95,6 +96,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.seed == -1 and is_int(self.seed):  # vLLM's "no seed": each request draws its own
+            object.__setattr__(self, "seed", None)
         if isinstance(self.structured_outputs, dict):
             unknown = set(self.structured_outputs) - {f.name for f in fields(StructuredOutputsParams)}
             _require(not unknown, f"structured_outputs has unknown members {sorted(unknown)}")

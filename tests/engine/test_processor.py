@@ -81,6 +81,19 @@ def test_logit_bias_and_allowed_token_ids_are_checked(fields, words):
         SamplingParams(**fields)
 
 
+def test_seed_minus_one_is_unseeded(processor):
+    """seed=-1 is vLLM's "no seed": every request (and each of its n samples) draws a seed of its own,
+    not the fixed seed -1 (which gave every such request the same tokens)."""
+    assert SamplingParams(seed=-1).seed is None
+    seeds = [
+        r.sampling_seed
+        for _ in range(2)
+        for r in processor.make_requests("r", [1, 2], SamplingParams(n=2, seed=-1, max_tokens=1))
+    ]
+    assert len(set(seeds)) == 4
+    assert [r.sampling_seed for r in processor.make_requests("s", [1], SamplingParams(seed=5, n=2))] == [5, 6]
+
+
 def test_check_fits_names_the_context_and_the_cache():
     # 64 tokens of context, blocks of 4, 10 blocks in the cache: 40 tokens at most per request.
     processor = InputProcessor(None, 64, VOCAB, 2, 0, RequestLimits(64, 4, 10))
