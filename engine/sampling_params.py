@@ -52,6 +52,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # False: an added token right after another is output as its text alone, without the space a
+    # decoder (WordPiece, a slow tokenizer) puts between them; vLLM's (no effect with skip_special_tokens).
+    spaces_between_special_tokens: bool = True
     # False: no text (outputs carry token ids, logprobs no decoded tokens), as vLLM's: a trainer that
     # reads ids skips the detokenizer's work. Stop strings need the text.
     detokenize: bool = True
