@@ -30,7 +30,8 @@ class SamplingParams:
     """How to sample one request's continuation.
 
     Frozen: the engine resolves `max_tokens=None` with `dataclasses.replace`, never in place.
-    `stop` and `stop_token_ids` are normalized to lists; `top_k=-1` is normalized to 0 (disabled).
+    `stop` and `stop_token_ids` are normalized to lists; `top_k=-1` is normalized to 0 (disabled) and
+    `seed=-1` to None (unseeded), as vLLM's.
     """
 
     n: int = 1
@@ -51,6 +52,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # False: an added token right after another is output as its text alone, without the space a
+    # decoder (WordPiece, a slow tokenizer) puts between them; vLLM's (no effect with skip_special_tokens).
+    spaces_between_special_tokens: bool = True
     # False: no text (outputs carry token ids, logprobs no decoded tokens), as vLLM's: a trainer that
     # reads ids skips the detokenizer's work. Stop strings need the text.
     detokenize: bool = True
@@ -95,6 +99,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.seed == -1 and is_int(self.seed):  # vLLM's "no seed": each request draws its own
+            object.__setattr__(self, "seed", None)
         if isinstance(self.structured_outputs, dict):
             unknown = set(self.structured_outputs) - {f.name for f in fields(StructuredOutputsParams)}
             _require(not unknown, f"structured_outputs has unknown members {sorted(unknown)}")

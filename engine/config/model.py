@@ -253,6 +253,7 @@ class ModelConfig:
         )
         # Read once; a value no request could take fails the start, not every request.
         object.__setattr__(self, "_sampling_defaults", self._read_sampling_defaults())
+        object.__setattr__(self, "_generation_eos_token_ids", self._read_generation_eos_token_ids())
         if self.hf_overrides is not None:
             overrides = json_object(self.hf_overrides, "hf_overrides")
             object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
@@ -310,10 +311,7 @@ class ModelConfig:
         refuses is a ValueError naming its source and field, at start rather than in every request."""
         from xlaserve.sampling_params import SamplingParams
 
-        folder = self.generation_config
-        if folder == "auto":  # the model's own directory (a GGUF file, the embedded default: none)
-            model = None if self.model is None else os.path.expanduser(self.model)
-            folder = model if model is not None and os.path.isdir(model) else None
+        folder = self._model_folder() if self.generation_config == "auto" else self.generation_config
         found = {}
         path = None if folder in (None, "vllm") else os.path.join(folder, GENERATION_CONFIG_FILE)
         if path is not None and os.path.isfile(path):
@@ -330,6 +328,33 @@ class ModelConfig:
             source = " and ".join([path] * bool(found) + ["override_generation_config"] * bool(override))
             raise ValueError(f"the default sampling from {source}: {e}") from None
         return defaults
+
+    def _model_folder(self) -> str | None:
+        """The model's own directory (a GGUF file, the embedded default: None)."""
+        model = None if self.model is None else os.path.expanduser(self.model)
+        return model if model is not None and os.path.isdir(model) else None
+
+    @property
+    def generation_eos_token_ids(self) -> tuple[int, ...]:
+        """The ids that end a sequence by the model's generation config: a request stops at each, not only
+        at the tokenizer's EOS (the input processor adds the others to its stop_token_ids, as vLLM's)."""
+        return self._generation_eos_token_ids
+
+    def _read_generation_eos_token_ids(self) -> tuple[int, ...]:
+        """generation_config.json's eos_token_id (an id or a list), else config.json's, as vLLM's
+        try_get_generation_config: under generation_config "vllm" too, which drops only the sampling
+        defaults."""
+        folder = (
+            self._model_folder() if self.generation_config in ("auto", "vllm") else self.generation_config
+        )
+        for name in (GENERATION_CONFIG_FILE, "config.json"):
+            path = None if folder is None else os.path.join(folder, name)
+            if path is not None and os.path.isfile(path):
+                with open(path) as f:
+                    eos = json_object(f.read(), f"{name} ({path})").get("eos_token_id")
+                ids = eos if isinstance(eos, list) else [eos]
+                return tuple(i for i in ids if is_int(i) and i >= 0)
+        return ()
 
     def log_sampling_defaults(self, defaults: dict) -> None:
         if defaults:  # vLLM warns too: a request's sampling changes with no word from its client

@@ -21,6 +21,13 @@ _NUM_PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+def _added_tokens(tokenizer) -> dict[int, str]:
+    """The tokenizer's added tokens (special or not), id -> text."""
+    return {
+        token_id: added.content for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
+    }
+
+
 def special_token_ids(tokenizer) -> frozenset[int]:
     """Ids that `skip_special_tokens=True` drops: the tokenizer's special and special added tokens."""
     ids = set(getattr(tokenizer, "all_special_ids", ()))
@@ -55,6 +62,13 @@ class IncrementalDetokenizer:
             if self.skip_special_tokens
             else frozenset()
         )
+        # spaces_between_special_tokens=False (vLLM's): an added token's text when it follows another.
+        self._joined_added_tokens = (
+            None
+            if params.skip_special_tokens or params.spaces_between_special_tokens
+            else _added_tokens(tokenizer)
+        )
+        self._is_last_added = False
         self.stop = [params.stop] if isinstance(params.stop, str) else [s for s in params.stop or [] if s]
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
@@ -107,6 +121,20 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return new_text[len(prefix_text) :]
 
+    def _decode_next(self, token_id: int) -> str:
+        """The text `token_id` adds (none yet if it leaves a character incomplete)."""
+        added = self._joined_added_tokens
+        is_joined = added is not None and token_id in added and self._is_last_added
+        self._is_last_added = added is not None and token_id in added
+        if not is_joined:
+            self._ids.append(token_id)
+            return self._decode_window(flush=False)
+        # Nothing is pending: the window was emitted up to the added token before this one. This one
+        # stays as the next token's context, so a decoder's space before that token is kept.
+        self._ids.append(token_id)
+        self._prefix_offset, self._read_offset = len(self._ids) - 1, len(self._ids)
+        return added[token_id]
+
     def update(
         self, new_token_ids: list[int], stop_terminated: bool = False, finished: bool = False
     ) -> str | None:
@@ -130,8 +158,7 @@ class IncrementalDetokenizer:
         text_ends = []  # the text's length after each new id
         for i, token_id in enumerate(ids_to_decode):
             if token_id not in self._skipped_ids:
-                self._ids.append(token_id)
-                self.output_text += self._decode_window(flush=False)
+                self.output_text += self._decode_next(token_id)
             if num_tokens_before + i + 1 <= self.min_tokens:
                 stop_check_offset = len(self.output_text)
             text_ends.append(len(self.output_text))

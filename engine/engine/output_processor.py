@@ -107,6 +107,10 @@ class RequestState:
     def __post_init__(self):
         if self.params.logprobs is not None:
             self.logprobs, self.cumulative_logprob = [], 0.0
+        if self.params.prompt_logprobs is not None:
+            # Position 0 has nothing to condition on (the core sends entries from position 1): a
+            # one-token prompt's prompt logprobs are [None], not None (not asked), as vLLM's.
+            self.prompt_logprobs = [None]
 
     def make_completion(self, finish_reason: str | None, stop_reason: int | str | None) -> CompletionOutput:
         """This request's CompletionOutput now: the new part in delta mode, else all of it."""
@@ -423,11 +427,8 @@ class OutputProcessor:
             state.cumulative_logprob += float(entry[1][0])
 
     def _append_prompt_logprobs(self, state: RequestState, entries: list[LogprobsEntry] | None) -> None:
-        if not entries or state.params.prompt_logprobs is None:
+        if not entries or state.prompt_logprobs is None:
             return
-        if state.prompt_logprobs is None:
-            # Position 0 has nothing to condition on; the core sends entries from position 1.
-            state.prompt_logprobs = [None]
         text_of = self._text_of(state)
         state.prompt_logprobs.extend(None if e is None else make_logprob_dict(e, text_of) for e in entries)
 

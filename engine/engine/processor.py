@@ -51,8 +51,14 @@ class InputProcessor:
         mm_processor: MultiModalProcessor | None = None,
         kv_transfer: KVTransferConfig | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        generation_eos_token_ids: Sequence[int] = (),
     ):
         self.tokenizer = tokenizer
+        # The generation config's end-of-sequence ids besides eos_token_id (Llama 3's <|eot_id|> beside
+        # <|end_of_text|>): every request stops at them too, unless it ignores EOS (vLLM's).
+        self.extra_eos_token_ids = [
+            t for t in dict.fromkeys(generation_eos_token_ids) if t != eos_token_id and t < vocab_size
+        ]
         # The engine's max_logprobs, resolved against the vocabulary (ModelConfig.max_logprobs_of).
         self.max_logprobs = max_logprobs
         # Disaggregated prefill's role (None: off): which kv_transfer_params a request may carry.
@@ -96,6 +102,7 @@ class InputProcessor:
             ),
             kv_transfer=config.cache.kv_transfer,
             max_logprobs=model.max_logprobs_of(info.vocab_size),
+            generation_eos_token_ids=model.generation_eos_token_ids,
         )
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -231,6 +238,13 @@ class InputProcessor:
         self._check_token_ids("bad_words", _flat_token_ids(found))
         return found
 
+    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
+        """The request's stop_token_ids, then the generation config's other EOS ids (not under
+        ignore_eos): min_tokens keeps them all out, and one sampled ends the request as a stop token."""
+        if params.ignore_eos:
+            return params.stop_token_ids
+        return params.stop_token_ids + [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+
     def _check_kv_transfer(self, kv_params: dict) -> None:
         """A request asking to prefill for a consumer needs a producer, one naming a producer a consumer."""
         transfer = self.kv_transfer
@@ -275,6 +289,7 @@ class InputProcessor:
             max_tokens=max_tokens,
             min_tokens=min(params.min_tokens, max_tokens),
             bad_words_token_ids=self.bad_words_token_ids(params),
+            stop_token_ids=self._stop_token_ids(params),
         )
         is_parent = params.n > 1
         requests = []

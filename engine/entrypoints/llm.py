@@ -263,8 +263,12 @@ class LLM(PoolingMethods):
         """Yield the text of one completion as it is generated (n must be 1)."""
         self._require_tokenizer("stream()")
         self._require_runner("generate", "stream()")
-        text, ids = self.input_processor.tokenize(prompt)
-        params = sampling_params or self._within_context(self.get_default_sampling_params(), len(ids))
+        params = sampling_params or self.get_default_sampling_params()
+        text, ids, _ = self._truncated(
+            (*self.input_processor.tokenize(prompt), []), params.truncate_prompt_tokens
+        )
+        if sampling_params is None:
+            params = self._within_context(params, len(ids))
         if params.n != 1:
             raise ValueError(f"stream() takes n=1, got n={params.n}")
         request_id = str(next(self._request_counter))

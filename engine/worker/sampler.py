@@ -1,6 +1,6 @@
 """Sampling on device, every per-request parameter vectorized over the rows of the batch.
 
-Order (as vLLM): the grammar's token mask -> logit bias and penalties -> temperature -> min-p ->
+Order (as vLLM): the grammar's token mask -> logit bias, then penalties -> temperature -> min-p ->
 top-k -> top-p -> a draw. Each row draws with its own key, fold_in(key(seed), index of the token in
 the request), so a seeded request samples the same tokens whatever else shares the batch.
 
@@ -74,13 +74,15 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 
 
 def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [R, V]
+    """The logit bias (bans included), then the penalties on the biased logits, as vLLM orders them:
+    the repetition penalty scales a biased logit, so the order changes the value, not only bans."""
+    logits = logits + st.logit_bias
     counts = st.output_counts.astype(jnp.float32)
     seen = st.prompt_mask | (st.output_counts > 0)
     rep = st.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - st.frequency_penalty[:, None] * counts
-    logits = logits - st.presence_penalty[:, None] * (st.output_counts > 0)
-    return logits + st.logit_bias
+    return logits - st.presence_penalty[:, None] * (st.output_counts > 0)
 
 
 def _filter(logits: jax.Array, st: SamplingTensors) -> jax.Array:

@@ -230,3 +230,38 @@ def test_first_completed_stop_string_wins(tokenizer):
     # (starting earlier) completes later, so the first to complete wins.
     detok, stop, _ = _feed(tokenizer, "  the🎉", stop=["  the🎉", "he"])
     assert (stop, detok.output_text) == ("he", "  t")
+
+
+@pytest.fixture(scope="module")
+def wordpiece_tokenizer():
+    """A tiny WordPiece tokenizer: its decoder puts a space between tokens, special ones too."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "hello": 4, "world": 5, "##s": 6}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]"
+    )
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        ({"skip_special_tokens": False}, " hello [CLS] [SEP] [SEP] worlds [CLS]"),
+        (
+            {"skip_special_tokens": False, "spaces_between_special_tokens": False},
+            " hello [CLS][SEP][SEP] worlds [CLS]",
+        ),
+        ({"spaces_between_special_tokens": False}, " hello worlds"),  # no special tokens left to join
+    ],
+)
+def test_spaces_between_special_tokens(wordpiece_tokenizer, params, expected):
+    """vLLM's spaces_between_special_tokens=False: an added token right after another is its text alone;
+    the decoder's space before the next word, and between a word and an added token, stays."""
+    detok = IncrementalDetokenizer(wordpiece_tokenizer, [4], SamplingParams(**params))
+    for token_id in [4, 2, 3, 3, 5, 6, 2]:
+        detok.update([token_id])
+    detok.update([], finished=True)
+    assert detok.output_text == expected

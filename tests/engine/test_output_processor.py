@@ -221,6 +221,15 @@ def test_logprobs_are_converted(processor, tokenizer):
     assert "logprobs=<2 positions>" in repr(completion)
 
 
+@pytest.mark.parametrize("prompt_logprobs, expected", [(0, [None]), (None, None)])
+def test_a_one_token_prompts_prompt_logprobs(processor, tokenizer, prompt_logprobs, expected):
+    """No position of a one-token prompt has logprobs: asked for, they are [None] (vLLM's), not None."""
+    prompt_ids = _add(processor, tokenizer, prompt="Hello", prompt_logprobs=prompt_logprobs)
+    assert len(prompt_ids) == 1
+    (out,) = _step(processor, EngineCoreOutput("r", [28], "length")).request_outputs
+    assert out.prompt_logprobs == expected
+
+
 def test_delta_logprobs_carry_only_new_positions(processor, tokenizer):
     _add(processor, tokenizer, output_kind="delta", logprobs=0)
     ids = tokenizer.encode("a b c")

@@ -81,6 +81,40 @@ def test_logit_bias_and_allowed_token_ids_are_checked(fields, words):
         SamplingParams(**fields)
 
 
+def test_seed_minus_one_is_unseeded(processor):
+    """seed=-1 is vLLM's "no seed": every request (and each of its n samples) draws a seed of its own,
+    not the fixed seed -1 (which gave every such request the same tokens)."""
+    assert SamplingParams(seed=-1).seed is None
+    seeds = [
+        r.sampling_seed
+        for _ in range(2)
+        for r in processor.make_requests("r", [1, 2], SamplingParams(n=2, seed=-1, max_tokens=1))
+    ]
+    assert len(set(seeds)) == 4
+    assert [r.sampling_seed for r in processor.make_requests("s", [1], SamplingParams(seed=5, n=2))] == [5, 6]
+
+
+def test_the_generation_configs_eos_ids_stop_every_request():
+    """The generation config's EOS ids past the tokenizer's (Llama 3's <|eot_id|>) join each request's
+    stop_token_ids, after its own and once each, so min_tokens keeps them out and one ends the request
+    (vLLM's update_from_generation_config); ignore_eos leaves them out; ids past the vocabulary are
+    dropped."""
+    processor = InputProcessor(
+        None,
+        max_model_len=64,
+        vocab_size=VOCAB,
+        eos_token_id=2,
+        seed=0,
+        generation_eos_token_ids=(2, 7, 9, VOCAB),
+    )
+    (request,) = processor.make_requests(
+        "r", [1], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[9, 5])
+    )
+    assert request.sampling_params.stop_token_ids == [9, 5, 7]
+    (request,) = processor.make_requests("s", [1], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert request.sampling_params.stop_token_ids == []
+
+
 def test_check_fits_names_the_context_and_the_cache():
     # 64 tokens of context, blocks of 4, 10 blocks in the cache: 40 tokens at most per request.
     processor = InputProcessor(None, 64, VOCAB, 2, 0, RequestLimits(64, 4, 10))

@@ -180,6 +180,29 @@ def test_pooling_flags_build_the_pooler_config(parser):
         EngineConfig.from_kwargs(None, convert="classify")
 
 
+def test_the_generation_config_names_the_eos_ids(tmp_path):
+    """vLLM's try_get_generation_config: generation_config.json's eos_token_id (an id or a list), else
+    config.json's; under --generation-config vllm too (it drops only the sampling defaults); a folder
+    given names another file. The input processor adds those past the tokenizer's EOS to every request's
+    stop_token_ids (tests/engine/test_processor.py)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"eos_token_id": 128001}')
+    (model / "generation_config.json").write_text('{"eos_token_id": [128001, 128008, 128009], "top_k": 5}')
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"eos_token_id": 7}')
+
+    def eos_ids(**kwargs) -> tuple[int, ...]:
+        return EngineConfig.from_kwargs(str(model), **kwargs).model.generation_eos_token_ids
+
+    assert eos_ids() == eos_ids(generation_config="vllm") == (128001, 128008, 128009)
+    assert eos_ids(generation_config=str(other)) == (7,)
+    (model / "generation_config.json").unlink()
+    assert eos_ids() == (128001,)
+    assert EngineConfig.from_kwargs(None).model.generation_eos_token_ids == ()  # the embedded GGUF
+
+
 def test_the_generation_config_gives_requests_defaults(parser, tmp_path):
     """vLLM's --generation-config auto: the model directory's generation_config.json gives the six fields
     vLLM takes (max_new_tokens as max_tokens; nulls and the rest ignored), --override-generation-config

@@ -209,6 +209,49 @@ def test_penalties_change_greedy_output(llm):
     assert plain.outputs[0].token_ids != penalized.outputs[0].token_ids
 
 
+def _penalized(logits, prompt_ids, output_ids, params) -> np.ndarray:
+    """vLLM's formulas in float64 on one position's logits: the logit bias, then the repetition penalty
+    on tokens of the prompt or the output so far, then frequency and presence on the output's."""
+    vocab = len(logits)
+    z = np.asarray(logits, np.float64).copy()
+    for token_id, bias in (params.logit_bias or {}).items():
+        z[token_id] += bias
+    counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab)
+    seen = counts > 0
+    seen[prompt_ids] = True
+    rep = params.repetition_penalty
+    z = np.where(seen, np.where(z > 0, z / rep, z * rep), z)
+    return z - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+
+
+def test_penalties_and_logit_bias_match_vllms_formulas(llm, hf_model):
+    """Greedy under every penalty and a logit bias: each token is the argmax of vLLM's penalized logits
+    (numpy over Hugging Face's, teacher-forced on ours). The bias is on a prompt token, sized so that
+    at the first step adding it after the penalties (the old order) would pick that token instead."""
+    import torch
+
+    prompt = "List of prime numbers: 2, 3, 5, 7,"
+    prompt_ids = llm.get_tokenizer().encode(prompt)
+    with torch.no_grad():
+        first = hf_model(torch.tensor([prompt_ids])).logits[0, -1].double().numpy()
+    rep = 2.0
+    seen = max(set(prompt_ids), key=lambda t: first[t])  # the likeliest prompt token: penalized
+    top = _penalized(first, prompt_ids, [], SamplingParams(repetition_penalty=rep)).max()
+    bias = round(rep * (top - 1.0) - first[seen], 2)  # (logit + bias) / rep: 1 below the top
+    assert first[seen] / rep + bias > top  # the other order would pick `seen`
+    params = SamplingParams(
+        temperature=0.0, max_tokens=10, repetition_penalty=rep, frequency_penalty=0.4,
+        presence_penalty=0.3, logit_bias={seen: bias}, ignore_eos=True,
+    )  # fmt: skip
+    ours = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert ours[0] != seen
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids + ours[:-1]])).logits[0, len(prompt_ids) - 1 :].numpy()
+    for i, token in enumerate(ours):
+        z = _penalized(logits[i], prompt_ids, ours[:i], params)
+        assert z.max() - z[token] <= NEAR_TIE, (i, ours)
+
+
 def test_logit_bias_and_allowed_token_ids_steer_greedy_sampling(llm):
     """A bias just over the gap between the top two tokens makes the second the greedy choice (its
     logprob stays the raw distribution's); -100 on the top token does too; allowed_token_ids keeps every
@@ -245,6 +288,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
     )  # fmt: skip
     assert cut.prompt_token_ids == ids[-8:] and cut.prompt is None
     assert cut.outputs[0].token_ids == whole.outputs[0].token_ids
+    # stream() cuts the prompt too.
+    streamed = "".join(llm.stream(prompt, SamplingParams(**greedy, truncate_prompt_tokens=8)))
+    assert streamed == whole.outputs[0].text
     assert fits.prompt_token_ids == ids and fits.prompt == prompt
 
 

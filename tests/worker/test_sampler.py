@@ -221,14 +221,15 @@ def test_empirical_distribution_matches_filtered_softmax():
 
 
 def penalized(logits, counts, prompt_mask, presence, frequency, repetition, bias) -> np.ndarray:
-    """vLLM: repetition over prompt and output tokens, then frequency and presence over the output."""
-    z = np.asarray(logits, np.float64).copy()
+    """vLLM: the logit bias, then repetition over prompt and output tokens, then frequency and presence
+    over the output."""
+    z = np.asarray(logits, np.float64) + bias
     seen = prompt_mask | (counts > 0)
     rep = repetition[:, None]
     z = np.where(seen, np.where(z > 0, z / rep, z * rep), z)
     z -= frequency[:, None] * counts
     z -= presence[:, None] * (counts > 0)
-    return z + bias
+    return z
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +275,28 @@ def _penalty_args(case):
         "repetition": case["repetition_penalty"],
         "bias": case["logit_bias"],
     }
+
+
+def test_logit_bias_comes_before_the_penalties(logits, penalty_case):
+    """A bias on a seen token is scaled by the repetition penalty with the logit (vLLM's order): the
+    penalized logits (processed_logits) and the greedy token are those of bias-then-penalties."""
+    rng = np.random.default_rng(8)
+    bias = np.zeros((NUM_ROWS, VOCAB), np.float32)
+    seen = np.argsort(-logits, axis=-1)[:, :3]  # seen in the prompt (penalty_case), so penalized
+    np.put_along_axis(bias, seen, rng.choice([-4.0, 3.0, 6.0], (NUM_ROWS, 3)), axis=-1)
+    case = dict(penalty_case, repetition_penalty=rng.choice([1.5, 2.0, 3.0], NUM_ROWS), logit_bias=bias)
+    st = make_tensors(NUM_ROWS, VOCAB, penalties=True, **case)
+    out = jax.jit(partial(sample, with_logprobs=True, logprobs_mode="processed_logits"))(
+        jnp.asarray(logits), st
+    )
+    expected = penalized(logits, **_penalty_args(case))
+    np.testing.assert_array_equal(np.asarray(out.token_ids), expected.argmax(-1))
+    np.testing.assert_allclose(
+        np.asarray(out.logprobs)[:, 1:], -np.sort(-expected, -1)[:, :MAX_LOGPROBS], rtol=1e-5, atol=1e-5
+    )
+    # Not vacuous: the bias added after the penalties would pick other tokens in some rows.
+    after = penalized(logits, **_penalty_args(dict(case, logit_bias=np.zeros_like(bias)))) + bias
+    assert (after.argmax(-1) != expected.argmax(-1)).sum() >= 2
 
 
 def test_logit_bias_minus_inf_bans_a_token(logits, penalty_case):
