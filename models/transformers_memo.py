@@ -89,6 +89,8 @@ def auto_tokenizer(path: str, trust_remote_code: bool, load: Callable[[], Any]) 
     """The tokenizer of directory `path`: `load()`'s (AutoTokenizer's) the first time, and the class it
     chose remembered when it is transformers' own (a directory's own code never is); later, that class's
     `from_pretrained`, as AutoTokenizer ends by calling it, without AutoTokenizer's imports."""
+    if not os.path.isdir(path):  # whatever AutoTokenizer makes of it (its own error)
+        return load()
     loaded = []
 
     def choose() -> list[str] | None:
