@@ -44,6 +44,7 @@ from xlaserve.models.processor_settings import read_settings
 from xlaserve.models.safetensors_loader import load_safetensors, safetensors_files
 from xlaserve.models.tokenizer import directory_tokenizer, load_tokenizer  # noqa: F401
 from xlaserve.models.torch_bin_loader import load_torch_bin, torch_bin_files
+from xlaserve.models.transformers_memo import remembered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,17 +174,22 @@ def complete_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def _family_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """Every field of the config's transformers class, derived ones (layer_types) included; {} when
-    transformers does not know the model_type or rejects the values."""
+    transformers does not know the model_type or rejects the values. Remembered across starts
+    (models/transformers_memo.py), in its JSON form."""
     model_type = config.get("model_type")
     if not model_type:
         return {}
-    from transformers import AutoConfig
+    known = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
 
-    try:
-        known = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
-        return AutoConfig.for_model(model_type, **known).to_dict()
-    except Exception:  # noqa: BLE001 - defaults are a best effort: the config's own values stand
-        return {}
+    def defaults() -> dict[str, Any]:
+        from transformers import AutoConfig  # imports torch when installed: remembered, not redone
+
+        try:
+            return AutoConfig.for_model(model_type, **known).to_dict()
+        except Exception:  # noqa: BLE001 - defaults are a best effort: the config's own values stand
+            return {}
+
+    return remembered("family_defaults", [model_type, known], defaults)
 
 
 def _load_gguf(path: str, progress: bool, with_tokenizer: bool, source: str, quantization=None) -> Checkpoint:

@@ -32,19 +32,6 @@ from flax import nnx
 
 from xlaserve.kernels.dtype_ops import matmul
 
-# Hugging Face module names an adapter may target, as our decoder layers name them too.
-LORA_TARGET_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "qkv_proj",  # Phi-3's fused q, k, v (regrouped per KV head at load: models/phi3.py)
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "gate_up_proj",  # Phi-3's fused gate and up (interleaved at load)
-)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xlaserve.models.lora import LORA_TARGET_MODULES
-
+# Hugging Face module names an adapter may target, as our decoder layers name them too.
+LORA_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "qkv_proj",  # Phi-3's fused q, k, v (regrouped per KV head at load: models/phi3.py)
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",  # Phi-3's fused gate and up (interleaved at load)
+)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # layers.{i}.{module path}.lora_{A|B}[.{adapter name}].weight, after any prefix.

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from xlaserve.models.gguf_tokenizer import load_gguf_tokenizer
 from xlaserve.models.model_path import is_orbax_checkpoint, resolve_model_path
+from xlaserve.models.transformers_memo import auto_tokenizer
 
 
 def load_tokenizer(model: str | None, *, trust_remote_code: bool = False) -> PreTrainedTokenizerFast:
@@ -32,13 +33,17 @@ def directory_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTra
             return PreTrainedTokenizerFast.from_pretrained(path)
         except (OSError, ValueError, TypeError):
             pass
-    # Imported here, not above: transformers' auto classes import torch when installed (seconds),
-    # which a GGUF or converted model never needs.
-    from transformers import AutoTokenizer
 
-    try:
+    def load():
+        # Imported here, not above: transformers' auto classes import torch when installed (seconds),
+        # which a GGUF or converted model never needs, nor a directory whose class is remembered.
+        from transformers import AutoTokenizer
+
         # False, not None, when not trusted: None would have transformers prompt on a terminal for 15 s.
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+    try:
+        return auto_tokenizer(path, trust_remote_code, load)
     except (OSError, ValueError, TypeError) as e:
         if not trust_remote_code and "trust_remote_code=True" in str(e):
             raise ValueError(

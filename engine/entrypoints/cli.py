@@ -9,12 +9,7 @@ import sys
 import time
 
 from xlaserve.engine.host_memory import keep_host_memory
-from xlaserve.entrypoints import api_server, router, run_batch
 from xlaserve.entrypoints.arg_utils import add_engine_args, engine_kwargs, run_follower_if_needed
-from xlaserve.entrypoints.bench import offline as bench_offline
-from xlaserve.entrypoints.bench import serve as bench_serve
-from xlaserve.entrypoints.bench import startup as bench_startup
-from xlaserve.entrypoints.bench import targets as bench_targets
 
 # generate's and chat's sampling where neither the flag nor the model's generation config says.
 _SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
@@ -174,6 +169,14 @@ def add_bench_attention_parser(bench_sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The other commands' modules are imported here, not above: the server's engine core process
+    # imports this module again (multiprocessing's spawn runs the parent's main module) and needs none.
+    from xlaserve.entrypoints import api_server, router, run_batch
+    from xlaserve.entrypoints.bench import offline as bench_offline
+    from xlaserve.entrypoints.bench import serve as bench_serve
+    from xlaserve.entrypoints.bench import startup as bench_startup
+    from xlaserve.entrypoints.bench import targets as bench_targets
+
     parser = argparse.ArgumentParser(prog="xlaserve", description="LLM inference on JAX/XLA")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)

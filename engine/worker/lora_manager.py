@@ -28,8 +28,9 @@ from xlaserve.config import LoRAConfig
 from xlaserve.kernels import cpu_dot
 from xlaserve.kernels.dtype_ops import is_16bit_float, word_dtype
 from xlaserve.lora_request import LoRARequest
-from xlaserve.models.lora import LORA_TARGET_MODULES, LoRABatch, LoRAWeights
+from xlaserve.models.lora import LoRABatch, LoRAWeights
 from xlaserve.models.lora_adapter import (
+    LORA_TARGET_MODULES,
     AdapterConfig,
     SlotLayout,
     check_fits,

@@ -22,6 +22,32 @@ def test_async_llm_imports_neither_jax_nor_transformers():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+# The commands' own modules: the CLI module imports them only to build its parser (app and the
+# server's state: once `serve` runs).
+COMMANDS = ("api_server", "router", "run_batch", "bench", "app", "serving.state")
+COMMAND_MODULES = tuple(f"xlaserve.entrypoints.{name}" for name in COMMANDS)
+
+
+def test_the_server_front_end_imports_no_jax_and_its_cli_no_other_command():
+    """What `xlaserve serve`'s front end imports to serve (api_server._serve's imports) holds no jax, flax
+    or torch (a LoRA adapter's host-side checks once brought in jax, ~1 s a start). And the CLI module
+    alone imports no command's module: the engine core process imports it again (multiprocessing's spawn
+    runs the parent's main module) before it reads its config."""
+    code = (
+        "import sys\n"
+        "import xlaserve.entrypoints.cli\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({COMMAND_MODULES!r})))\n"
+        "import xlaserve.entrypoints.api_server, xlaserve.engine.async_llm, xlaserve.entrypoints.app\n"
+        "import xlaserve.entrypoints.serving.guard, xlaserve.entrypoints.serving.http11\n"
+        "import xlaserve.entrypoints.serving.state, uvicorn\n"
+        "print(sorted(m for m in ('jax', 'flax', 'torch') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    cli_imports, heavy = out.stdout.splitlines()
+    assert cli_imports == "[]"
+    assert heavy == "[]"
+
+
 # What reads a model: its weights (the loaders) or its classes (the registry). The engine layer asks
 # its executor for a model instead (xlaserve.executor.load_model, worker/loading.py).
 MODEL_LOADERS = (

@@ -198,10 +198,8 @@ class StructuredOutputManager:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="grammar"
         )
-        self._ll_tokenizer = None
-        if tokenizer is not None:
-            # ~0.5 s for a 50k vocabulary: built beside warm-up, never on the engine loop.
-            self._ll_tokenizer = self._pool.submit(make_ll_tokenizer, tokenizer, vocab_size, eos_token_id)
+        self._tokenizer_args = None if tokenizer is None else (tokenizer, vocab_size, eos_token_id)
+        self._ll_tokenizer: concurrent.futures.Future | None = None  # built for the first grammar
         self._compiled: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
         self._compiling: set[concurrent.futures.Future] = set()
         self._mask_executor: llguidance.LLExecutor | None = None
@@ -215,8 +213,12 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         if params is None:
             return
-        if self._ll_tokenizer is None:
+        if self._tokenizer_args is None:
             raise ValueError("structured_outputs needs a tokenizer, and this engine has none")
+        if self._ll_tokenizer is None:
+            # ~0.5 s for a 50k vocabulary, in the pool (never on the engine loop) and only once a request
+            # asks for a grammar, as vLLM builds its grammar backend: most engines never need it.
+            self._ll_tokenizer = self._pool.submit(make_ll_tokenizer, *self._tokenizer_args)
         reasoning_end = None
         if params.reasoning_end_token_id is not None:
             prefix = params.reasoning_end_prefix_ids or ()
