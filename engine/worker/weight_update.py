@@ -52,8 +52,8 @@ from xlaserve.models.prequantized import quantization_scheme
 from xlaserve.models.quantization import SCALE, ZERO, QuantScheme, is_quantized_kernel, quantized_parts
 from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import _unflatten, flatten_tree, hf_name
-from xlaserve.sharding.kv_heads import is_whole_k_norm, replicate_kv_heads
-from xlaserve.sharding.vocab import pad_vocab
+from xlaserve.sharding.kv_heads import is_whole_k_norm
+from xlaserve.sharding.layout import lay_out_for_mesh
 from xlaserve.worker.pipeline_stage import StageLayout
 
 logger = logging.getLogger(__name__)
@@ -220,9 +220,9 @@ def _updated_sets(runner, weights: Mapping | Iterable) -> tuple[list[ParamSet], 
             if tuple(array.shape) != shape:
                 raise ValueError(f"weights: {name!r} has shape {tuple(array.shape)}, the model's is {shape}")
         host[name] = array
-    # The load's rewrites, in its order (worker/model_loader.py): heads, vocabulary, the family's.
-    _, host = replicate_kv_heads(hf_cfg, host, tp)
-    host = pad_vocab(host, hf_cfg.vocab_size, runner.padded_vocab_size)
+    # The load's rewrites, in its order (worker/model_loader.py): the mesh's (sharding/layout.py: heads,
+    # vocabulary), then the family's.
+    _, host, _ = lay_out_for_mesh(hf_cfg, host, tp)
     host = model_class.prepare_hf_tensors(runner.model_config, host)
     # Per set: path -> [(index in its stack or None, value in the checkpoint's layout)], every shape
     # checked before any is converted or written.
