@@ -14,7 +14,7 @@ names the parameters, not the family).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -29,6 +29,7 @@ class Qwen3VLMoeConfig(Qwen3VLConfig, Qwen3MoeConfig):
     """Qwen3-VL's reading of config.json (its text_config through Qwen3-MoE's, the experts' fields)."""
 
     norm_topk_prob: bool = True
+    family: ClassVar[str] = "Qwen3-VL-MoE"
 
     @classmethod
     def fields_from_hf(cls, hf: dict[str, Any]) -> dict[str, Any]:

@@ -77,6 +77,20 @@ def _repeat_fused_grouped(array: np.ndarray, num_heads: int, num_kv: int, repeat
     return np.concatenate([q, kv], axis=-2).reshape(*lead, -1)
 
 
+def checkpoint_heads_size(name, size: int, model_config, num_kv_heads: int) -> int:
+    """The inverse of `replicate_kv_heads` for one tensor's heads axis: `size` as the model holds it
+    (model_config's KV heads, repeated) -> as a checkpoint of `num_kv_heads` holds it, for checking an
+    update's shapes against the model's (worker/weight_update.py). Other tensors: `size` itself."""
+    num_wide = model_config.num_kv_heads
+    if num_wide == num_kv_heads:
+        return size
+    if _is_kv_projection(name) or is_whole_k_norm(name, model_config):
+        return size // num_wide * num_kv_heads
+    if _is_fused_qkv(name):  # q's rows as they are, k's and v's repeated
+        return size - 2 * (num_wide - num_kv_heads) * model_config.head_dim
+    return size
+
+
 def replicate_kv_heads(model_config, tensors, tensor_parallel_size: int):
     """-> (model_config, tensors) with KV heads repeated up to tensor_parallel_size if needed.
 

@@ -34,8 +34,8 @@ from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class
 from xlaserve.models.weights import load_params
 from xlaserve.sharding import Placement
-from xlaserve.sharding.kv_heads import replicate_kv_heads
-from xlaserve.sharding.vocab import pad_vocab, padded_vocab_size
+from xlaserve.sharding.layout import lay_out_for_mesh
+from xlaserve.sharding.vocab import padded_vocab_size
 from xlaserve.speculative_config import SPECULATORS_KEY, flatten_speculators_eagle3
 from xlaserve.worker.model_loader import pack_projections
 from xlaserve.worker.mtp import MTPDrafter
@@ -137,21 +137,20 @@ def _draft_to_target(tensors: dict, draft_vocab: int, vocab: int, tp: int, padde
     return np.pad(targets, (0, padding), constant_values=padded_vocab).astype(np.int32)
 
 
-def _for_mesh(cfg: TransformerConfig, tensors: dict, draft_vocab: int, padded_draft_vocab: int, runner):
-    """The network's config and tensors laid out for the target's mesh, as worker/model_loader.py lays
-    out a model's: KV heads repeated up to the tensor-parallel size, the embedding padded to the target's
-    vocabulary and the LM head's draft vocabulary to `padded_draft_vocab`, which splits evenly
-    (sharding/vocab.py), so its weights split over the ranks as the target's layers do -> (config,
-    tensors)."""
-    tp = runner.placement.tensor_parallel_size
+def _for_mesh(cfg: TransformerConfig, tensors: dict, draft_vocab: int, runner):
+    """The network's config and tensors laid out for the target's mesh by the loader's one function
+    (sharding/layout.py): KV heads repeated up to the tensor-parallel size, the embedding padded to the
+    target's padded vocabulary and the LM head's draft vocabulary to a size that splits evenly, so its
+    weights split over the ranks as the target's layers do -> (config, tensors). Its names are the
+    loader's first (`model.embed_tokens.weight`: the embedding that padding finds)."""
     try:
         Placement(runner.mesh, cfg)  # its heads and MLP split over the target's ranks
     except ValueError as e:
         raise _refuse(f"the EAGLE-3 layer: {e}") from e
-    cfg, tensors = replicate_kv_heads(cfg, Eagle3Network.prepare_hf_tensors(cfg, tensors), tp)
-    head = pad_vocab({"lm_head.weight": tensors.pop("lm_head.weight")}, draft_vocab, padded_draft_vocab)
-    tensors = pad_vocab(tensors, cfg.vocab_size, runner.padded_vocab_size) | head
-    return cfg.replace(vocab_size=runner.padded_vocab_size), tensors
+    tensors = Eagle3Network.prepare_hf_tensors(cfg, tensors)
+    tp = runner.placement.tensor_parallel_size
+    cfg, tensors, padded_vocab = lay_out_for_mesh(cfg, tensors, tp, head_vocab_size=draft_vocab)
+    return cfg.replace(vocab_size=padded_vocab), tensors
 
 
 class Eagle3Drafter(MTPDrafter):
@@ -180,7 +179,7 @@ class Eagle3Drafter(MTPDrafter):
                 f"would read the target's, of {target_cfg.hidden_size})"
             )
         dtype, backend, placement = runner.dtype, runner.backend, runner.placement
-        cfg, tensors = _for_mesh(checkpoint_cfg, tensors, draft_vocab, len(targets), runner)
+        cfg, tensors = _for_mesh(checkpoint_cfg, tensors, draft_vocab, runner)
 
         def make_model():
             return Eagle3Network(

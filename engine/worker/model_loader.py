@@ -37,8 +37,7 @@ from xlaserve.sharding.context_parallel import (
     decode_context_parallel_cache_spec,
     prefill_context_parallel,
 )
-from xlaserve.sharding.kv_heads import replicate_kv_heads
-from xlaserve.sharding.vocab import pad_vocab, padded_vocab_size
+from xlaserve.sharding.layout import lay_out_for_mesh
 from xlaserve.worker.kv_cache_groups import num_state_copy_slots
 from xlaserve.worker.pipeline_stage import StageLayout, slice_to_stage, split_layers, stage_place
 
@@ -129,12 +128,10 @@ def load_model(
     stacked = tuple(model_class.layer_stacks(model_config))
     placement = Placement(mesh, model_config, parallel.enable_expert_parallel, stacked_modules=stacked)
     checkpoint_config = model_config  # its KV heads as the checkpoint has them
-    model_config, tensors = replicate_kv_heads(model_config, tensors, tp)
-    model_config = model_config.for_tensor_parallel(tp)  # Mamba2's B and C groups copied, if needed
-    # The model is built with the padded vocabulary; model_config keeps the real one (the input
-    # processor's bound on token ids, the sampler's bound on what it may return).
-    padded_vocab = padded_vocab_size(model_config.vocab_size, tp)
-    tensors = pad_vocab(tensors, model_config.vocab_size, padded_vocab)
+    # KV heads repeated, Mamba2's B and C groups copied, the vocabulary padded (sharding/layout.py). The
+    # model is built with the padded vocabulary; model_config keeps the real one (the input processor's
+    # bound on token ids, the sampler's bound on what it may return).
+    model_config, tensors, padded_vocab = lay_out_for_mesh(model_config, tensors, tp)
     model_shape = model_config.replace(vocab_size=padded_vocab)
     kv_spec = model_class.kv_cache_spec(model_config)  # K and V, or MLA's one latent cache
     if stage is not None:  # the stage's layers' K/V (a hybrid model's: and state rows) only

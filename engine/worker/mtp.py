@@ -32,7 +32,7 @@ from xlaserve.models.mtp import mtp_class
 from xlaserve.models.quantization import weight_bytes
 from xlaserve.models.registry import get_model_class
 from xlaserve.models.weights import load_params
-from xlaserve.sharding.kv_heads import replicate_kv_heads
+from xlaserve.sharding.layout import lay_out_for_mesh
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.draft_model import DraftInputs, DraftModel, one_token_inputs, propose
 from xlaserve.worker.sampler import SamplingTensors
@@ -197,9 +197,10 @@ class MTPDrafter(DraftModel):
         self.mtp_params = weights
 
     def _layer_tensors(self, tensors) -> dict:
-        """The layer's tensors of `tensors` (a checkpoint's, an update's), KV heads repeated for the mesh."""
+        """The layer's tensors of `tensors` (a checkpoint's, an update's), laid out for the mesh as the
+        target's are (sharding/layout.py: its KV heads repeated)."""
         layer = {name: t for name, t in tensors.items() if name.startswith(self._prefix)}
-        return replicate_kv_heads(self._checkpoint_cfg, layer, self._tensor_parallel_size)[1]
+        return lay_out_for_mesh(self._checkpoint_cfg, layer, self._tensor_parallel_size)[1]
 
     def updated_weights(self, named: dict):
         """The layer's weights loaded again from an update (worker/weight_update.py) that holds its

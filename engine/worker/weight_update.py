@@ -52,8 +52,8 @@ from xlaserve.models.prequantized import quantization_scheme
 from xlaserve.models.quantization import SCALE, ZERO, QuantScheme, is_quantized_kernel, quantized_parts
 from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import _unflatten, flatten_tree, hf_name
-from xlaserve.sharding.kv_heads import is_whole_k_norm, replicate_kv_heads
-from xlaserve.sharding.vocab import pad_vocab
+from xlaserve.sharding.kv_heads import checkpoint_heads_size
+from xlaserve.sharding.layout import lay_out_for_mesh
 from xlaserve.worker.pipeline_stage import StageLayout
 
 logger = logging.getLogger(__name__)
@@ -220,9 +220,9 @@ def _updated_sets(runner, weights: Mapping | Iterable) -> tuple[list[ParamSet], 
             if tuple(array.shape) != shape:
                 raise ValueError(f"weights: {name!r} has shape {tuple(array.shape)}, the model's is {shape}")
         host[name] = array
-    # The load's rewrites, in its order (worker/model_loader.py): heads, vocabulary, the family's.
-    _, host = replicate_kv_heads(hf_cfg, host, tp)
-    host = pad_vocab(host, hf_cfg.vocab_size, runner.padded_vocab_size)
+    # The load's rewrites, in its order (worker/model_loader.py): the mesh's (sharding/layout.py: heads,
+    # vocabulary), then the family's.
+    _, host, _ = lay_out_for_mesh(hf_cfg, host, tp)
     host = model_class.prepare_hf_tensors(runner.model_config, host)
     # Per set: path -> [(index in its stack or None, value in the checkpoint's layout)], every shape
     # checked before any is converted or written.
@@ -344,11 +344,10 @@ def _hf_shape(path, shape, stacks, cfg, hf_cfg, padded_vocab) -> tuple[int, ...]
         shape[-1], shape[-2] = shape[-2], shape[-1]
     if padded_vocab != hf_cfg.vocab_size and path[0] in ("embed_tokens", "lm_head"):
         shape[0] = hf_cfg.vocab_size
-    # K and V's heads repeated, and a k_norm over all of them (OLMo, MiniMax-M2) with them.
-    repeated = path[-2] in ("k_proj", "v_proj") or is_whole_k_norm(path, cfg)
-    if cfg.num_kv_heads != hf_cfg.num_kv_heads and repeated:
+    # K and V's heads repeated (a fused qkv's k and v), and a k_norm over all of them (OLMo, MiniMax-M2).
+    if shape:
         axis = 0 if path[-1] == "kernel" else -1
-        shape[axis] = shape[axis] // cfg.num_kv_heads * hf_cfg.num_kv_heads
+        shape[axis] = checkpoint_heads_size(path, shape[axis], cfg, hf_cfg.num_kv_heads)
     # Mamba2's B and C groups copied under tensor parallelism (models/mamba2.py group_copies): in_proj's
     # outputs and the conv's channels are that much wider than the checkpoint's.
     copied = _conv_channels(cfg) - _conv_channels(hf_cfg)

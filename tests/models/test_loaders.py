@@ -803,7 +803,8 @@ def test_dummy_load_format_needs_a_model_directory(tmp_path):
 def test_kv_heads_replicate_alike_in_hf_and_converted_layouts(tmp_path):
     # TP 4 over 2 KV heads: each head's rows (HF [heads * head_dim, in]) or columns (converted
     # [layers, in, heads * head_dim]) repeated twice, copies adjacent, in both layouts. A checkpoint's
-    # tensors, read lazily, are repeated (and the vocabulary padded) when read, not by the rewrite.
+    # tensors, read lazily, are repeated (and the vocabulary padded) when read, not by the mesh's layout
+    # (sharding/layout.py), which pads an LM head over a vocabulary of its own (EAGLE-3's) by itself.
     from xlaserve.models.config import TransformerConfig
     from xlaserve.models.orbax_checkpoint import ConvertedParams
     from xlaserve.sharding.kv_heads import replicate_kv_heads
@@ -842,15 +843,18 @@ def test_kv_heads_replicate_alike_in_hf_and_converted_layouts(tmp_path):
     from safetensors.numpy import save_file
 
     from xlaserve.models.safetensors_loader import CheckpointTensor, load_safetensors
-    from xlaserve.sharding.vocab import pad_vocab
+    from xlaserve.sharding.layout import lay_out_for_mesh
 
-    table = rng.standard_normal((29, 6))
-    save_file(hf | {"model.embed_tokens.weight": table}, str(tmp_path / "model.safetensors"))
-    _, lazy = replicate_kv_heads(cfg, load_safetensors(str(tmp_path), progress=False), 4)
-    lazy = pad_vocab(lazy, 29, 64)
+    table, head = rng.standard_normal((29, 6)), rng.standard_normal((23, 6))  # the head: 23 draft ids
+    tensors = hf | {"model.embed_tokens.weight": table, "lm_head.weight": head}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    checkpoint = load_safetensors(str(tmp_path), progress=False)
+    cfg4, lazy, padded_vocab = lay_out_for_mesh(cfg, checkpoint, 4, head_vocab_size=23)
+    assert (cfg4.num_kv_heads, cfg4.vocab_size, padded_vocab) == (4, 29, 64)  # the real vocabulary kept
+    assert len(lazy) == len(tensors)
     for name, value in lazy.items():
         assert isinstance(value, CheckpointTensor), name  # unread
-    wants = [want, want_bias, np.concatenate([table, np.zeros((35, 6))])]
-    for (name, value), want in zip(sorted(lazy.items()), wants[::-1]):
+    padded = [np.concatenate([t, np.zeros((64 - len(t), 6))]) for t in (head, table)]
+    for (name, value), want in zip(sorted(lazy.items()), [*padded, want_bias, want]):
         assert value.shape == want.shape, name
         np.testing.assert_array_equal(np.asarray(value), want, err_msg=name)

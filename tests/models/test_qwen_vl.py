@@ -551,7 +551,8 @@ def test_qwen3_vl_moe_reads_its_config_and_both_expert_layouts_as_hugging_face()
     """Qwen3-VL-MoE's config.json as Hugging Face reads it: the head tied by the top level's flag (off)
     over the text config's (on), the top-k weights renormalized whatever `norm_topk_prob` says; its
     fused experts in the releases' layout ([E, D, 2F], [E, F, D]) and in transformers 5's ([E, 2F, D],
-    [E, D, F]) stacked alike, and a square one (D = 2F) read as transformers 5's, as its loader does."""
+    [E, D, F]) stacked alike, and a square one (D = 2F) read as transformers 5's, as its loader does.
+    Dense layers among the sparse ones are refused naming the family loaded."""
     import transformers
 
     from xlaserve.models.qwen3_vl_moe import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
@@ -581,3 +582,6 @@ def test_qwen3_vl_moe_reads_its_config_and_both_expert_layouts_as_hugging_face()
     square = {block + "gate_up_proj": rng.standard_normal((4, 8, 8))}
     stacked = Qwen3VLMoeForConditionalGeneration.prepare_hf_tensors(config(4), square)
     np.testing.assert_array_equal(stacked[ours + "gate.weight"], square[block + "gate_up_proj"][:, :4])
+    dense = transformers.Qwen3VLMoeConfig(text_config=dict(mlp_only_layers=[1])).to_dict()
+    with pytest.raises(ValueError, match=r"^Qwen3-VL-MoE with dense layers \(mlp_only_layers=\[1\]"):
+        Qwen3VLMoeConfig.from_hf(dense)

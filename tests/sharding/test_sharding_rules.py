@@ -13,7 +13,7 @@ from helpers.family_cases import make_hf_model, save_hf_model
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.orbax_checkpoint import ConvertedParams
 from xlaserve.models.phi3 import group_qkv_by_kv_head
-from xlaserve.sharding.kv_heads import replicate_kv_heads
+from xlaserve.sharding.kv_heads import checkpoint_heads_size, replicate_kv_heads
 from xlaserve.sharding.rules import param_logical_axes
 from xlaserve.sharding.vocab import mask_padded_vocab, pad_vocab, padded_vocab_size
 
@@ -101,6 +101,10 @@ def test_fused_qkv_regrouping_commutes_with_kv_head_replication():
     )
     _, ours_wide = replicate_kv_heads(cfg, converted, 4)
     np.testing.assert_array_equal(ours_wide[("layers", "self_attn", "qkv_proj", "kernel")][0], via_hf)
+    # The inverse an update's shapes are checked by (worker/weight_update.py): k and v's rows unrepeated.
+    for key in (name, ("layers", "self_attn", "qkv_proj", "kernel")):
+        assert checkpoint_heads_size(key, (8 + 2 * 4) * 3, wide_cfg, 2) == (8 + 2 * 2) * 3
+    assert checkpoint_heads_size(name.replace("qkv", "k"), 4 * 3, wide_cfg, 2) == 2 * 3
 
 
 # -- engines on fake devices ---------------------------------------------------------------------

@@ -17,8 +17,9 @@ DRAFT = {"method": "draft_model", "model": "self", "num_speculative_tokens": 3}
 
 
 def test_speculation_under_tensor_parallelism_matches_one_device(tp_worker, tmp_path):
-    # 8 query heads, 2 KV heads; a 320-token vocabulary keeps every program small.
-    model_dir = save_tiny_llama(str(tmp_path), tokenizer=small_byte_tokenizer(), num_key_value_heads=2)
+    # 8 query heads, 2 KV heads; a 300-token vocabulary keeps every program small (padded to 320 under
+    # TP: the target's embedding and head, the EAGLE-3 layer's own embedding).
+    model_dir = save_tiny_llama(str(tmp_path), tokenizer=small_byte_tokenizer(300), num_key_value_heads=2)
     # Its 4 query and 2 KV heads split over 2 ranks, and over 4 with KV heads repeated; 299 draft ids
     # padded to 320 to split.
     eagle3 = {
@@ -27,8 +28,8 @@ def test_speculation_under_tensor_parallelism_matches_one_device(tp_worker, tmp_
         "num_speculative_tokens": 3,
     }
     rng = np.random.default_rng(0)
-    phrase = rng.integers(3, 320, 5).tolist()
-    prompts = [phrase * 4, rng.integers(3, 320, 12).tolist() + phrase * 2, rng.integers(3, 320, 20).tolist()]
+    phrase = rng.integers(3, 300, 5).tolist()
+    prompts = [phrase * 4, rng.integers(3, 300, 12).tolist() + phrase * 2, rng.integers(3, 300, 20).tolist()]
     layouts = [
         {},
         {"tensor_parallel_size": 2, "speculative_config": NGRAM},
