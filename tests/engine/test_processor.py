@@ -6,6 +6,7 @@ and kill the engine core; here it is a ValueError that names the field and the l
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from xlaserve.core.limits import RequestLimits
@@ -30,6 +31,13 @@ def test_valid_ids_pass(processor):
     params = SamplingParams(max_tokens=4, stop_token_ids=[0, VOCAB - 1])
     (request,) = processor.make_requests("r", [0, VOCAB - 1], params)
     assert request.sampling_params.stop_token_ids == [0, VOCAB - 1]
+
+
+def test_numpy_prompt_token_ids_are_ints(processor):
+    """vLLM takes a prompt of numpy integers (its checks compare them); on the wire they are ints."""
+    _, ids = processor.tokenize({"prompt_token_ids": np.array([1, 2, 3], dtype=np.int32)})
+    (request,) = processor.make_requests("r", ids, SamplingParams(max_tokens=1))
+    assert request.prompt_token_ids == [1, 2, 3] and all(type(t) is int for t in request.prompt_token_ids)
 
 
 @pytest.mark.parametrize("bad", [VOCAB, 10**9, -1, True, 1.0])
