@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import numbers
 from dataclasses import dataclass, fields
+from enum import Enum
 from typing import Any
 
 # Re-exported: vLLM's users import StructuredOutputsParams from here.
 from xlaserve.structured_outputs_params import StructuredOutputsError, StructuredOutputsParams, is_int
 
-__all__ = ["DEFAULT_MAX_LOGPROBS", "SamplingParams", "StructuredOutputsError", "StructuredOutputsParams"]
+__all__ = [
+    "DEFAULT_MAX_LOGPROBS",
+    "RequestOutputKind",
+    "SamplingParams",
+    "StructuredOutputsError",
+    "StructuredOutputsParams",
+]
+
+logger = logging.getLogger(__name__)
 
 # The default of the engine's max_logprobs (vLLM's --max-logprobs): the most top logprobs a request may
 # ask per token, and the width of the sampler's top-k. A request's count is checked against the engine's
@@ -18,6 +29,30 @@ DEFAULT_MAX_LOGPROBS = 20
 
 # Below this temperature sampling is argmax: dividing logits by ~0 would overflow.
 _GREEDY_EPSILON = 1e-5
+# vLLM's _MAX_TEMP: a temperature in (0, this) is raised to it, with a warning (logits divided by less
+# overflow to inf and nan); 0 stays greedy.
+_MIN_TEMPERATURE = 1e-2
+
+
+class RequestOutputKind(Enum):
+    """Which outputs a streaming caller (AsyncLLM.generate) gets for a request: vLLM's enum, names and
+    values, imported as vLLM's users import it (`from xlaserve.sampling_params import RequestOutputKind`).
+    The offline LLM always returns final outputs, whatever a request says (as vLLM's)."""
+
+    CUMULATIVE = 0  # every step: everything generated so far
+    DELTA = 1  # every step: only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+    @property
+    def mode(self) -> str:
+        """The output processor's name for it (engine/engine/output_processor.py OUTPUT_KINDS)."""
+        return ("cumulative", "delta", "final")[self.value]
+
+
+def as_token_ids(values) -> list:
+    """`values` as a list, numpy integers made ints (vLLM takes them where its checks are comparisons:
+    prompts, allowed_token_ids); anything else is left for the caller's check to name."""
+    return [int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v for v in values]
 
 
 def _require(is_ok: bool, message: str) -> None:
@@ -70,6 +105,10 @@ class SamplingParams:
     # the tokenizer (each word as written and after a space).
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's output_kind, for AsyncLLM.generate (its own output_kind argument, where given, comes first).
+    # None, not vLLM's CUMULATIVE: AsyncLLM streamed deltas before this field existed, and still does
+    # for a request that names no kind.
+    output_kind: RequestOutputKind | None = None
     # vLLM's extra_args: what a connector or plug-in reads. "kv_transfer_params" (disaggregated
     # prefill, README "Disaggregated prefill"): {"do_remote_decode": true} asks a producer to run the
     # prefill only and keep the blocks for a consumer; the response's kv_transfer_params, sent to the
@@ -101,6 +140,21 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if self.seed == -1 and is_int(self.seed):  # vLLM's "no seed": each request draws its own
             object.__setattr__(self, "seed", None)
+        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is below %s, which may turn the logits into inf or nan: raised to %s",
+                self.temperature,
+                _MIN_TEMPERATURE,
+                _MIN_TEMPERATURE,
+            )
+            object.__setattr__(self, "temperature", _MIN_TEMPERATURE)
+        for name in ("logprobs", "prompt_logprobs"):
+            # vLLM's: True is 1. False is None here, not vLLM's 0 (the sampled token's logprob): a
+            # caller writing logprobs=False asks for none.
+            if isinstance(getattr(self, name), bool):
+                object.__setattr__(self, name, 1 if getattr(self, name) else None)
+        if isinstance(self.allowed_token_ids, list):
+            object.__setattr__(self, "allowed_token_ids", as_token_ids(self.allowed_token_ids))
         if isinstance(self.structured_outputs, dict):
             unknown = set(self.structured_outputs) - {f.name for f in fields(StructuredOutputsParams)}
             _require(not unknown, f"structured_outputs has unknown members {sorted(unknown)}")
@@ -159,6 +213,10 @@ class SamplingParams:
         )
         _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _require(self.seed is None or is_int(self.seed), f"seed must be an int or None, got {self.seed!r}")
+        _require(
+            self.output_kind is None or isinstance(self.output_kind, RequestOutputKind),
+            f"output_kind must be a RequestOutputKind or None, got {self.output_kind!r}",
+        )
 
     def _validate_lengths(self) -> None:
         _require(

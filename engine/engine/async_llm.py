@@ -5,9 +5,10 @@ generate() ─► InputProcessor (validate, seeds) ─ZMQ─► EngineCoreProc: 
    ▲                                                        │
    └── per-request queue ◄── OutputProcessor (delta text) ◄─┘  one message per step
 ```
-The same `OutputProcessor` as the offline `LLM` turns token ids into text; here it runs in "delta"
-mode for streams (each output holds only what is new) and "final" mode otherwise. Everything runs
-on one asyncio loop; the only other thread is the monitor that notices a dead core.
+The same `OutputProcessor` as the offline `LLM` turns token ids into text; here it runs in the mode
+a request asks (vLLM's `RequestOutputKind`: the `output_kind` argument, else SamplingParams.output_kind,
+else "delta": each output holds only what is new). Everything runs on one asyncio loop; the only other
+thread is the monitor that notices a dead core.
 
 A dead core is supervised, not fatal (engine/supervisor.py): the requests it held fail at once, new
 ones get EngineDeadError (503) while a new core starts, then serving resumes. A core that keeps dying
@@ -46,7 +47,7 @@ from xlaserve.engine.supervisor import CoreSupervisor, EngineState, RestartPolic
 from xlaserve.lora_request import LoRARequest
 from xlaserve.outputs import RequestOutput
 from xlaserve.pooling_params import PoolingParams
-from xlaserve.sampling_params import SamplingParams
+from xlaserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -244,10 +245,11 @@ class AsyncLLM(CoreCalls):
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        output_kind: str = "delta",
+        output_kind: str | RequestOutputKind | None = None,
         lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Add a request and yield its outputs until it finishes.
+        """Add a request and yield its outputs until it finishes, as `output_kind` says ("delta",
+        "cumulative", "final" or vLLM's RequestOutputKind; None: `params.output_kind`, else "delta").
 
         Raises EngineDeadError or QueueFullError before anything is added, ValueError for a request
         that can never be served; closing the generator early aborts the request in the core.
@@ -277,7 +279,7 @@ class AsyncLLM(CoreCalls):
         prompt=None,
         priority=0,
         cache_salt=None,
-        output_kind="delta",
+        output_kind: str | RequestOutputKind | None = None,
         lora_request: LoRARequest | None = None,
         mm_features=(),
     ) -> RequestStream:
@@ -304,7 +306,8 @@ class AsyncLLM(CoreCalls):
             lora_request=lora_request,
             mm_features=mm_features,  # a vision-language prompt's images (engine/engine/mm_processor.py)
         )
-        self.output_processor.add_requests(request_id, requests, prompt, prompt_token_ids, now, output_kind)
+        mode = _output_mode(output_kind, params)
+        self.output_processor.add_requests(request_id, requests, prompt, prompt_token_ids, now, mode)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         try:
@@ -404,6 +407,16 @@ class AsyncLLM(CoreCalls):
         if self.state is not EngineState.READY:
             timeout = 0.0  # a core that is starting (or dead) does not read a polite Shutdown: SIGTERM it
         self.core.shutdown(timeout)  # blocks this loop for at most ~timeout: nothing else runs by now
+
+
+def _output_mode(output_kind: str | RequestOutputKind | None, params: SamplingParams) -> str:
+    """The output processor's mode for a request: the caller's `output_kind` (the server's choice by
+    `stream`), else the request's own (vLLM's AsyncLLM streams by SamplingParams.output_kind), else
+    deltas, what AsyncLLM streamed before requests could say."""
+    kind = output_kind if output_kind is not None else params.output_kind
+    if kind is None:
+        return "delta"
+    return kind.mode if isinstance(kind, RequestOutputKind) else kind
 
 
 def _load_tokenizer(model: str | None, trust_remote_code: bool):

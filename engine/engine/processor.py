@@ -15,7 +15,7 @@ from xlaserve.engine.mm_processor import MultiModalProcessor, as_videos
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.lora_request import LoRARequest
 from xlaserve.pooling_params import TASKS_OF_MODEL, PoolingParams, output_width
-from xlaserve.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
+from xlaserve.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, as_token_ids
 
 PromptType = str | dict[str, Any]
 
@@ -110,7 +110,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             return prompt, self._encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt.get("prompt"), as_token_ids(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
             return prompt["prompt"], self._encode(prompt["prompt"])
         raise ValueError(
@@ -224,16 +224,21 @@ class InputProcessor:
             )
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
-        """Each bad word's token ids as written and after a space (a word at a text's start and in its
-        middle tokenize apart), deduplicated and checked against the vocabulary (a request with a word
-        of several tokens does not draft under speculative decoding: core/spec_decode.py)."""
+        """Each bad word's token ids (vLLM's rule): the word with its leading whitespace stripped, and
+        after a space where that makes a new first token and as many tokens (a word at a text's start
+        and in its middle tokenize apart), deduplicated and checked against the vocabulary (a request
+        with a word of several tokens does not draft under speculative decoding: core/spec_decode.py)."""
         if not params.bad_words:
             return params.bad_words_token_ids
         found: list[list[int]] = list(params.bad_words_token_ids or ())
         for word in params.bad_words:
-            for text in (word.strip(), " " + word.strip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in found:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words entries must tokenize to at least one token, got {word!r}")
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            is_new_word = bool(spaced) and spaced[0] != plain[0] and len(spaced) == len(plain)
+            for ids in (plain, spaced) if is_new_word else (plain,):
+                if ids not in found:
                     found.append(ids)
         self._check_token_ids("bad_words", _flat_token_ids(found))
         return found

@@ -9,9 +9,8 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from typing import Any
-
-from tqdm import tqdm
 
 from xlaserve.config import CONTENT_FORMATS, EngineConfig
 from xlaserve.engine.media import MediaPolicy, load_image
@@ -22,7 +21,7 @@ from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import start_engine
 from xlaserve.engine.video import load_video
 from xlaserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from xlaserve.entrypoints.llm_pooling import PoolingMethods
+from xlaserve.entrypoints.llm_pooling import PoolingMethods, UseTqdm, progress_bar
 from xlaserve.executor import follow
 from xlaserve.lora_request import LoRARequest
 from xlaserve.outputs import RequestOutput
@@ -109,14 +108,16 @@ class LLM(PoolingMethods):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt (a string, {"prompt": ...} or {"prompt_token_ids": [...]}; for a
         vision-language model {"prompt": text with a placeholder per image, "multi_modal_data":
-        {"image": PIL.Image | list}}); outputs come back in input order. `lora_request`: one adapter for
-        every prompt, or one (or None: the base model) per prompt; needs enable_lora=True."""
+        {"image": PIL.Image | list}}); outputs come back in input order, final ones whatever a
+        SamplingParams' output_kind says (as vLLM's). `lora_request`: one adapter for every prompt, or one
+        (or None: the base model) per prompt; needs enable_lora=True. `use_tqdm`: a bool, or a tqdm-like
+        callable that makes the progress bar (vLLM's)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         tokenized = [self.input_processor.process(p) for p in prompts]
@@ -160,7 +161,7 @@ class LLM(PoolingMethods):
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template_content_format: str = "auto",
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
@@ -226,7 +227,7 @@ class LLM(PoolingMethods):
         params: BeamSearchParams,
         *,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: UseTqdm = False,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (engine/beam_search.py): each prompt's best `params.beam_width` beams, best
         first, in input order. Every step runs all prompts' live beams together, one token each; each
@@ -247,7 +248,7 @@ class LLM(PoolingMethods):
         searches = [BeamSearch(ids, params, eos) for _, ids, _ in tokenized]
         step = params.step_params()
         steps = range(params.max_tokens)
-        for _ in tqdm(steps, desc="Beam search steps") if use_tqdm else steps:
+        for _ in progress_bar(use_tqdm, iterable=steps, desc="Beam search steps") if use_tqdm else steps:
             live = [(search, i) for i, search in enumerate(searches) if not search.is_done]
             if not live:
                 break
@@ -395,7 +396,7 @@ class LLM(PoolingMethods):
             )
         return list(lora_request)
 
-    def _run(self, tokenized, params, priorities, use_tqdm: bool, loras) -> list[RequestOutput]:
+    def _run(self, tokenized, params, priorities, use_tqdm: UseTqdm, loras) -> list[RequestOutput]:
         if self.engine_core.is_sleeping:  # before any request is added: none is left half-queued
             raise ValueError("the engine is asleep (sleep() was called): call wake_up() before generating")
         order: dict[str, int] = {}
@@ -406,9 +407,7 @@ class LLM(PoolingMethods):
                 added += self._add_request(request_id, text, ids, p, prio, lora_request=lora, mm_features=mm)
                 order[request_id] = i
             results: list[RequestOutput | None] = [None] * len(order)
-            # Made only when asked for (as vLLM's), with tqdm's defaults, so TQDM_DISABLE=1 turns it off.
-            bar = tqdm(total=len(order), desc="Processed prompts") if use_tqdm else tqdm(disable=True)
-            with bar:
+            with closing(progress_bar(use_tqdm, total=len(order), desc="Processed prompts")) as bar:
                 while self.engine_core.has_unfinished_requests():
                     for output in self._step():
                         if output.finished:

@@ -9,7 +9,8 @@ the runner and the tokenizer.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import closing
 
 from tqdm import tqdm
 
@@ -27,6 +28,18 @@ from xlaserve.outputs import (
     ScoringRequestOutput,
 )
 from xlaserve.pooling_params import PoolingParams
+
+# vLLM's use_tqdm: a bool, or a tqdm-like callable (a tqdm subclass, functools.partial(tqdm, file=...))
+# that makes the bar; it is called with tqdm's arguments, and its bar needs update() and close().
+UseTqdm = bool | Callable[..., tqdm]
+
+
+def progress_bar(use_tqdm: UseTqdm, **tqdm_args) -> tqdm:
+    """The bar `use_tqdm` asks for: the callable's, or tqdm's own made only when asked for (as vLLM's),
+    with tqdm's defaults, so TQDM_DISABLE=1 turns it off; a disabled one otherwise."""
+    if not use_tqdm:
+        return tqdm(disable=True)
+    return (use_tqdm if callable(use_tqdm) else tqdm)(**tqdm_args)
 
 
 def _as_list(prompts) -> list:
@@ -48,7 +61,7 @@ class PoolingMethods:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         pooling_task: str | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
     ) -> list[PoolingRequestOutput]:
         """The pooled output of each prompt for `pooling_task` (embed, classify, score, encode: the
         pooled hidden states as they are, reward; token_embed, token_classify: a row per prompt
@@ -80,7 +93,7 @@ class PoolingMethods:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (`.outputs.embedding`), normalized unless the pooling params or
         the engine's pooler_config say otherwise; `dimensions` keeps the first n (Matryoshka)."""
@@ -94,7 +107,7 @@ class PoolingMethods:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
     ) -> list[ClassificationRequestOutput]:
         """A *ForSequenceClassification model's class probabilities per prompt (`.outputs.probs`)."""
         return [
@@ -109,7 +122,7 @@ class PoolingMethods:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
     ) -> list[PoolingRequestOutput]:
         """A reward model's outputs (convert="reward": every token's, unless pooler_config says)."""
         return self.encode(prompts, pooling_params, pooling_task="reward", use_tqdm=use_tqdm)
@@ -119,7 +132,7 @@ class PoolingMethods:
         text_1: str | Sequence,
         text_2: str | Sequence,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
     ) -> list[ScoringRequestOutput]:
         """Relevance of each (text_1, text_2) pair (one text_1 against each text_2, or pairwise):
         the cosine of their embeddings for an embedding model, a cross-encoder's probability for a
@@ -143,7 +156,9 @@ class PoolingMethods:
             for a, b in zip(embeddings[::2], embeddings[1::2])
         ]
 
-    def _pool(self, prompt_ids: list[list[int]], params: list[PoolingParams], use_tqdm: bool) -> list[tuple]:
+    def _pool(
+        self, prompt_ids: list[list[int]], params: list[PoolingParams], use_tqdm: UseTqdm
+    ) -> list[tuple]:
         """Run pooling requests to completion: [(request id, prompt ids, pooled numpy array)] in order,
         `params[i]` for prompt i. Everything is validated before anything is added."""
         self._require_runner("pooling", f"pooling_task {params[0].task!r}" if params else "pooling")
@@ -160,8 +175,7 @@ class PoolingMethods:
                 self.engine_core.add_request(self.input_processor.make_pooling_request(rid, ids, p))
                 order[rid] = i
             results: list = [None] * len(order)
-            bar = tqdm(total=len(order), desc="Processed prompts") if use_tqdm else tqdm(disable=True)
-            with bar:
+            with closing(progress_bar(use_tqdm, total=len(order), desc="Processed prompts")) as bar:
                 while self.engine_core.has_unfinished_requests():
                     for output in self.engine_core.step():
                         if output.request_id not in order or not output.is_finished:

@@ -11,7 +11,7 @@ from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from xlaserve.core.request import FinishReason, Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
-from xlaserve.sampling_params import SamplingParams
+from xlaserve.sampling_params import RequestOutputKind, SamplingParams
 
 BLOCK_SIZE = 4
 _arrivals = itertools.count()
@@ -765,8 +765,32 @@ def test_sampling_params_defaults_and_normalization():
         ({"stop": ["ok", ""]}, "stop strings must be non-empty"),
         ({"stop_token_ids": [1, -1]}, "stop_token_ids must be ints >= 0"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"stop_token_ids": [np.int64(3)]}, "stop_token_ids must be ints"),  # vLLM's isinstance(int)
+        ({"allowed_token_ids": [np.float32(3)]}, "allowed_token_ids must be ints"),
+        ({"output_kind": "delta"}, "output_kind must be a RequestOutputKind or None, got 'delta'"),
+        ({"output_kind": 1}, "output_kind must be a RequestOutputKind"),
     ],
 )
 def test_sampling_params_validation_names_field_and_limit(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_follow_vllms_conversions(caplog):
+    """vLLM's: a temperature in (0, 0.01) is raised to 0.01 with a warning (0 stays greedy); logprobs=True
+    is 1 (False: none); numpy integers pass where vLLM's checks are comparisons (allowed_token_ids)."""
+    with caplog.at_level("WARNING", logger="xlaserve.sampling_params"):
+        params = SamplingParams(temperature=0.005)
+    assert params.temperature == 0.01 and not params.is_greedy
+    assert "temperature 0.005 is below 0.01" in caplog.text
+    assert SamplingParams(temperature=1e-7).temperature == 0.01
+    assert SamplingParams(temperature=0.0).is_greedy and SamplingParams(temperature=0.01).temperature == 0.01
+    assert (SamplingParams(logprobs=True).logprobs, SamplingParams(prompt_logprobs=True).prompt_logprobs) == (
+        1,
+        1,
+    )
+    assert SamplingParams(logprobs=False).logprobs is None
+    allowed = SamplingParams(allowed_token_ids=list(np.array([5, 7]))).allowed_token_ids
+    assert allowed == [5, 7] and all(type(t) is int for t in allowed)
+    assert SamplingParams().output_kind is None
+    assert SamplingParams(output_kind=RequestOutputKind.DELTA).output_kind.mode == "delta"

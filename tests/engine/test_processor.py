@@ -6,6 +6,7 @@ and kill the engine core; here it is a ValueError that names the field and the l
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from xlaserve.core.limits import RequestLimits
@@ -30,6 +31,13 @@ def test_valid_ids_pass(processor):
     params = SamplingParams(max_tokens=4, stop_token_ids=[0, VOCAB - 1])
     (request,) = processor.make_requests("r", [0, VOCAB - 1], params)
     assert request.sampling_params.stop_token_ids == [0, VOCAB - 1]
+
+
+def test_numpy_prompt_token_ids_are_ints(processor):
+    """vLLM takes a prompt of numpy integers (its checks compare them); on the wire they are ints."""
+    _, ids = processor.tokenize({"prompt_token_ids": np.array([1, 2, 3], dtype=np.int32)})
+    (request,) = processor.make_requests("r", ids, SamplingParams(max_tokens=1))
+    assert request.prompt_token_ids == [1, 2, 3] and all(type(t) is int for t in request.prompt_token_ids)
 
 
 @pytest.mark.parametrize("bad", [VOCAB, 10**9, -1, True, 1.0])
@@ -126,19 +134,28 @@ def test_check_fits_names_the_context_and_the_cache():
     InputProcessor(None, 64, VOCAB, 2, 0).check_fits(30, 20)  # no limits given: the context alone
 
 
-def test_bad_words_become_token_ids_as_written_and_after_a_space():
-    """Each bad word tokenized as written and after a space (deduplicated), checked against the
-    vocabulary; a word of several tokens makes the ban follow the output (no drafts, core/spec_decode)."""
+def test_bad_words_become_token_ids_by_vllms_rule():
+    """vLLM's rule: each bad word left-stripped (its trailing whitespace kept), and after a space only
+    where that gives a new first token and as many tokens; checked against the vocabulary. A word of
+    several tokens makes the ban follow the output (no drafts, core/spec_decode)."""
     from helpers.tiny_models import small_byte_tokenizer
 
     tokenizer = small_byte_tokenizer()
     processor = InputProcessor(tokenizer, 64, len(tokenizer), 2, 0)
-    (request,) = processor.make_requests("r", [1, 2], SamplingParams(max_tokens=4, bad_words=["tags", "cd"]))
-    # This tokenizer: "tags" [314], " tags" [260, 273]; "cd" [266], " cd" [272].
-    assert request.sampling_params.bad_words_token_ids == [[314], [260, 273], [266], [272]]
-    assert request.sampling_params.bans_follow_output
-    (request,) = processor.make_requests("r", [1, 2], SamplingParams(max_tokens=4, bad_words=[" cd "]))
-    assert request.sampling_params.bad_words_token_ids == [[266], [272]]
+
+    def bad_words_token_ids(*words):
+        (request,) = processor.make_requests("r", [1, 2], SamplingParams(max_tokens=4, bad_words=list(words)))
+        return request.sampling_params.bad_words_token_ids
+
+    # This tokenizer: "tags" [314], " tags" [260, 273] (two tokens: left out); "cd" [266], " cd" [272];
+    # "ab" [265], " ab" [221, 265] (the space its own token: left out); "cd " [266, 221].
+    assert bad_words_token_ids("tags", "cd") == [[314], [266], [272]]
+    assert bad_words_token_ids("ab") == [[265]]
+    assert bad_words_token_ids(" cd ") == [[266, 221], [272, 221]]
+    assert bad_words_token_ids("tag") == [[84, 259], [260, 259]]
+    (request,) = processor.make_requests("r", [1, 2], SamplingParams(max_tokens=4, bad_words=["cd"]))
     assert not request.sampling_params.bans_follow_output
+    (request,) = processor.make_requests("r", [1, 2], SamplingParams(max_tokens=4, bad_words=["tag"]))
+    assert request.sampling_params.bans_follow_output
     with pytest.raises(ValueError, match="^bad_words need a tokenizer"):
         InputProcessor(None, 64, VOCAB, 2, 0).make_requests("r", [1], SamplingParams(bad_words=["x"]))
