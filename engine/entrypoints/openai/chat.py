@@ -70,6 +70,17 @@ def _response_role(state: ServerState, req: ChatCompletionRequest) -> str:
     return state.response_role if req.add_generation_prompt else req.messages[-1].role
 
 
+def _echoed(state: ServerState, req: ChatCompletionRequest) -> str:
+    """What `echo` puts before each choice's content (vLLM's): the last message's text where the answer
+    goes on with it (the message's role is the answer's, as with continue_final_message), else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.role != _response_role(state, req) or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content if part.type == "text")
+
+
 def _tool_call_out(call) -> ToolCallOut:
     return ToolCallOut(
         id=call.id, function=FunctionCallOut(name=call.function.name, arguments=call.function.arguments)
@@ -104,10 +115,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         ids, mm_features = await process_images(state, text, images, videos, fields)
     else:
         ids = tokenize_text(state.engine, text, False, "messages")
-    cut = truncated(state.engine, ids, req.truncate_prompt_tokens, bool(mm_features))
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    cut = truncated(state.engine, ids, req.truncate_prompt_tokens, bool(mm_features), max_tokens)
     if cut is not ids:  # the rendered text is not the prompt's any more
         ids, text = cut, None
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     check_context(state.engine, len(ids), max_tokens, "messages")
     max_tokens = default_max_tokens(state, max_tokens, len(ids))
     top_n = (req.top_logprobs or 0) if req.logprobs else None
@@ -141,11 +152,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     check_finish(output)
     as_ids = req.return_tokens_as_token_ids
     choices = []
+    echoed = _echoed(state, req)
     for c in output.outputs:
         parsed = parsers[c.index].parse(c.text)
         message = ChatResponseMessage(
             role=_response_role(state, req),
-            content=parsed.content,
+            content=echoed + (parsed.content or "") if echoed else parsed.content,
             reasoning_content=parsed.reasoning if req.include_reasoning else None,
             tool_calls=[_tool_call_out(call) for call in parsed.tool_calls],
         )
@@ -211,7 +223,11 @@ async def _stream(
             role = ChatChunkChoice(
                 index=index, delta=DeltaMessage(role=_response_role(state, req), content="")
             )
-            yield chunk([role], None, ids)
+            yield chunk([role], usage_so_far() if continuous else None, ids)
+        if echoed := _echoed(state, req):
+            for index in range(req.n):
+                echo = ChatChunkChoice(index=index, delta=DeltaMessage(content=echoed))
+                yield chunk([echo], usage_so_far() if continuous else None)
         async for _, output in merged:
             check_finish(output)
             num_cached = output.num_cached_tokens
