@@ -221,6 +221,35 @@ def test_chat_echo_puts_the_continued_message_first(client):
     assert not user_last.choices[0].message.content.startswith(start)
 
 
+def test_continuous_usage_is_each_choices_own(client):
+    """With continuous_usage_stats a chunk's usage is its choice's: its prompt's tokens and its own so far
+    (vLLM's), streamed completions of two prompts and a chat alike; the closing usage is the request's."""
+    usage_always = {"include_usage": True, "continuous_usage_stats": True}
+    ask = {"model": MODEL_NAME, "max_tokens": 3, "n": 2, "stream": True, "stream_options": usage_always}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    streams = [
+        (client.completions.create(**ask, prompt=[[1, 2, 3], [4]], extra_body=extra), [3, 3, 1, 1]),
+        (
+            client.chat.completions.create(
+                **ask, messages=[{"role": "user", "content": "Hi"}], extra_body=extra
+            ),
+            None,
+        ),
+    ]
+    for stream, prompt_lengths in streams:
+        chunks = list(stream)
+        counted: dict[int, int] = {}
+        for chunk in chunks[:-1]:
+            (choice,) = chunk.choices
+            counted[choice.index] = counted.get(choice.index, 0) + len(
+                getattr(choice, "token_ids", None) or []
+            )
+            assert chunk.usage.completion_tokens == counted[choice.index]
+            if prompt_lengths is not None:
+                assert chunk.usage.prompt_tokens == prompt_lengths[choice.index]
+        assert chunks[-1].usage.completion_tokens == sum(counted.values()) == 3 * len(counted)
+
+
 def test_stop_strings_and_token_prompts(client, server):
     response = client.completions.create(
         model=MODEL_NAME, prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0, stop=[" 8"]

@@ -199,7 +199,8 @@ async def _stream(
     include_usage, continuous = state.include_usage(req.stream_options)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     as_ids = req.return_tokens_as_token_ids
-    num_generated = num_cached = 0
+    generated = [0] * req.n  # each choice's tokens so far
+    num_cached = 0
 
     def chunk(choices, usage=None, prompt_token_ids=None) -> str:
         return sse_event(
@@ -213,7 +214,9 @@ async def _stream(
             )
         )
 
-    def usage_so_far() -> UsageInfo:
+    def usage(num_generated: int) -> UsageInfo:
+        """With continuous usage stats a chunk's is its choice's so far (vLLM's); the closing one is the
+        request's."""
         return UsageInfo.of(len(prompt_ids), num_generated, num_cached, state.enable_prompt_tokens_details)
 
     merged = merge_streams([stream])
@@ -223,16 +226,16 @@ async def _stream(
             role = ChatChunkChoice(
                 index=index, delta=DeltaMessage(role=_response_role(state, req), content="")
             )
-            yield chunk([role], usage_so_far() if continuous else None, ids)
+            yield chunk([role], usage(0) if continuous else None, ids)
         if echoed := _echoed(state, req):
             for index in range(req.n):
                 echo = ChatChunkChoice(index=index, delta=DeltaMessage(content=echoed))
-                yield chunk([echo], usage_so_far() if continuous else None)
+                yield chunk([echo], usage(0) if continuous else None)
         async for _, output in merged:
             check_finish(output)
             num_cached = output.num_cached_tokens
             for c in output.outputs:
-                num_generated += len(c.token_ids)
+                generated[c.index] += len(c.token_ids)
                 parser = parsers[c.index]
                 delta = parser.feed(c.text) if c.text else ChoiceDelta()
                 if c.finish_reason is not None:
@@ -256,10 +259,9 @@ async def _stream(
                     finish_reason=_finish_reason(c.finish_reason, parser.num_calls_sent),
                     stop_reason=c.stop_reason,
                 )
-                usage = usage_so_far() if continuous else None
-                yield chunk([choice], usage)
+                yield chunk([choice], usage(generated[c.index]) if continuous else None)
         if include_usage:
-            yield chunk([], usage_so_far())
+            yield chunk([], usage(sum(generated)))
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         yield sse_error(e)
     finally:

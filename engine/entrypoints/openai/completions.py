@@ -184,7 +184,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     num_prompt_tokens = sum(len(ids) for _, ids in prompts)
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, request_id, model, created, streams, num_prompt_tokens),
+            _stream(state, req, request_id, model, created, streams, [len(ids) for _, ids in prompts]),
             media_type="text/event-stream",
         )
     try:
@@ -215,14 +215,17 @@ async def _stream(
     model: str,
     created: int,
     streams,
-    num_prompt_tokens: int,
+    prompt_lengths: list[int],
 ):
+    """Each choice's chunks; with continuous usage stats each chunk's usage is its choice's (its prompt's
+    tokens and its own so far: vLLM's), the closing usage the whole request's."""
     include_usage, continuous = state.include_usage(req.stream_options)
     streamed: dict[tuple[int, int], int] = {}  # (prompt, choice) -> the length of its text so far
-    num_generated = num_cached = 0
+    generated: dict[tuple[int, int], int] = {}  # (prompt, choice) -> its tokens so far
+    num_cached = 0
 
-    def usage_so_far() -> UsageInfo:
-        return UsageInfo.of(num_prompt_tokens, num_generated, num_cached, state.enable_prompt_tokens_details)
+    def usage(num_prompt: int, num_generated: int) -> UsageInfo:
+        return UsageInfo.of(num_prompt, num_generated, num_cached, state.enable_prompt_tokens_details)
 
     merged = merge_streams(streams)
     try:
@@ -230,15 +233,16 @@ async def _stream(
             check_finish(output)
             num_cached = max(num_cached, output.num_cached_tokens)
             for completion in output.outputs:
-                num_generated += 0 if _echoes_only(req) else len(completion.token_ids)
                 key = (i, completion.index)
+                num_new = 0 if _echoes_only(req) else len(completion.token_ids)
+                generated[key] = generated.get(key, 0) + num_new
                 choice = _choice(state, req, i, output, completion, key not in streamed, streamed.get(key, 0))
                 streamed[key] = streamed.get(key, 0) + len(choice.text)
                 if not choice.text and choice.finish_reason is None and not completion.token_ids:
                     continue
                 chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice])
                 if continuous:
-                    chunk.usage = usage_so_far()
+                    chunk.usage = usage(prompt_lengths[i], generated[key])
                 yield sse_event(chunk)
         if include_usage:
             yield sse_event(
@@ -247,7 +251,7 @@ async def _stream(
                     created=created,
                     model=model,
                     choices=[],
-                    usage=usage_so_far(),
+                    usage=usage(sum(prompt_lengths), sum(generated.values())),
                 )
             )
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
