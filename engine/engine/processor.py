@@ -154,13 +154,29 @@ class InputProcessor:
             )
         return self.tokenizer.encode(text)
 
-    def truncate(self, prompt_token_ids: list[int], keep: int | None, has_images: bool = False) -> list[int]:
+    def truncate(
+        self,
+        prompt_token_ids: list[int],
+        keep: int | None,
+        has_images: bool = False,
+        num_output_tokens: int = 1,
+    ) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context
-        holds; None: the prompt as it is). A prompt with images is never cut (its placeholders would be);
-        one that needs cutting is a ValueError naming the field."""
+        holds beside `num_output_tokens`, the request's max_tokens; None: the prompt as it is). A `keep`
+        past that room, on a prompt that needs cutting to fit, is a ValueError naming the field (vLLM's),
+        as is a prompt with images that needs cutting (its placeholders would be)."""
         if keep is None:
             return prompt_token_ids
-        keep = self.max_model_len if keep == -1 else keep
+        room = self.max_model_len - num_output_tokens
+        if room < 1:  # no prompt fits beside max_tokens: the length check blames max_tokens
+            return prompt_token_ids
+        keep = room if keep == -1 else keep
+        if keep > room and len(prompt_token_ids) > room:
+            raise ValueError(
+                f"truncate_prompt_tokens={keep} keeps more of this {len(prompt_token_ids)}-token prompt than "
+                f"the context leaves it: max_model_len {self.max_model_len} - {num_output_tokens} tokens for "
+                f"the output = {room}; request at most {room}, or -1"
+            )
         if len(prompt_token_ids) <= keep:
             return prompt_token_ids
         if has_images:

@@ -131,7 +131,8 @@ class LLM(PoolingMethods):
         params = self._broadcast_params(sampling_params, len(tokenized))
         loras = self._broadcast_loras(lora_request, len(tokenized))
         tokenized = [
-            self._truncated(prompt, p.truncate_prompt_tokens) for prompt, p in zip(tokenized, params)
+            self._truncated(prompt, p.truncate_prompt_tokens, p.max_tokens)
+            for prompt, p in zip(tokenized, params)
         ]
         if sampling_params is None:
             params = [self._within_context(p, len(ids)) for p, (_, ids, _) in zip(params, tokenized)]
@@ -143,11 +144,12 @@ class LLM(PoolingMethods):
         priorities = list(priority) if priority is not None else [0] * len(tokenized)
         return self._run(tokenized, params, priorities, use_tqdm, loras)
 
-    def _truncated(self, prompt: tuple, keep: int | None) -> tuple:
-        """A (text, ids, images) prompt cut to its last `keep` tokens (truncate_prompt_tokens); the text
-        of a cut prompt is not its ids' any more, so the output decodes them."""
+    def _truncated(self, prompt: tuple, keep: int | None, max_tokens: int | None) -> tuple:
+        """A (text, ids, images) prompt cut to its last `keep` tokens (truncate_prompt_tokens; -1 leaves
+        room for `max_tokens`); the text of a cut prompt is not its ids' any more, so the output decodes
+        them."""
         text, ids, mm = prompt
-        cut = self.input_processor.truncate(ids, keep, bool(mm))
+        cut = self.input_processor.truncate(ids, keep, bool(mm), max_tokens or 1)
         return prompt if cut is ids else (None, cut, mm)
 
     def chat(

@@ -155,6 +155,101 @@ def test_logprobs_and_echo(client):
     )
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(client):
+    """echo with max_tokens 0 (vLLM's, as lm-eval's loglikelihood sends it): the prompt alone, with its
+    tokens' logprobs, no completion token in the text or the usage; without echo, 0 stays a 400."""
+    prompt = "The capital of France is"
+    ask = {"model": MODEL_NAME, "prompt": prompt, "temperature": 0, "echo": True, "logprobs": 1}
+    alone = client.completions.create(**ask, max_tokens=0)
+    one = client.completions.create(**ask, max_tokens=1)
+    (choice,) = alone.choices
+    assert choice.text == prompt and alone.usage.completion_tokens == 0
+    num_prompt = alone.usage.prompt_tokens
+    assert choice.logprobs.tokens == one.choices[0].logprobs.tokens[:num_prompt]
+    assert choice.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs[:num_prompt]
+    streamed = list(client.completions.create(**ask, max_tokens=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0)
+    assert refused.value.body["param"] == "max_tokens"
+
+
+def test_streamed_logprobs_text_offsets_run_on(client):
+    """A streamed choice's text_offset counts from the start of its text, not of each chunk (vLLM's), so
+    it is the non-streamed answer's and each offset points at its token in the joined text."""
+    ask = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 4, "temperature": 0, "n": 2}
+    whole = client.completions.create(**ask, echo=True, logprobs=0)
+    texts, offsets, tokens = {}, {}, {}
+    for chunk in client.completions.create(**ask, echo=True, logprobs=0, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+            tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+    for c in whole.choices:
+        assert texts[c.index] == c.text and offsets[c.index] == c.logprobs.text_offset
+        assert all(c.text[o : o + len(t)] == t for o, t in zip(offsets[c.index], tokens[c.index]))
+    assert offsets[0][-1] > len("Hello there")
+
+
+def test_chat_echo_puts_the_continued_message_first(client):
+    """Chat's echo (vLLM's): where the answer goes on with the last message (its role is the answer's,
+    continue_final_message), that message's text comes first, streamed or not; a user's last message is
+    not echoed. With continuous usage stats every chunk, the role's and the echo's too, has a usage."""
+    start = "The capital of France is"
+    ask = {"model": MODEL_NAME, "max_tokens": 3, "temperature": 0}
+    messages = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": start}]
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**ask, messages=messages, extra_body=go_on)
+    echoed = client.chat.completions.create(**ask, messages=messages, extra_body={**go_on, "echo": True})
+    assert echoed.choices[0].message.content == start + plain.choices[0].message.content
+    usage_always = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.chat.completions.create(
+            **ask,
+            messages=messages,
+            extra_body={**go_on, "echo": True},
+            stream=True,
+            stream_options=usage_always,
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == echoed.choices[0].message.content
+    assert all(c.usage is not None for c in chunks)
+    user_last = client.chat.completions.create(
+        **ask, messages=[{"role": "user", "content": start}], extra_body={"echo": True}
+    )
+    assert not user_last.choices[0].message.content.startswith(start)
+
+
+def test_continuous_usage_is_each_choices_own(client):
+    """With continuous_usage_stats a chunk's usage is its choice's: its prompt's tokens and its own so far
+    (vLLM's), streamed completions of two prompts and a chat alike; the closing usage is the request's."""
+    usage_always = {"include_usage": True, "continuous_usage_stats": True}
+    ask = {"model": MODEL_NAME, "max_tokens": 3, "n": 2, "stream": True, "stream_options": usage_always}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    streams = [
+        (client.completions.create(**ask, prompt=[[1, 2, 3], [4]], extra_body=extra), [3, 3, 1, 1]),
+        (
+            client.chat.completions.create(
+                **ask, messages=[{"role": "user", "content": "Hi"}], extra_body=extra
+            ),
+            None,
+        ),
+    ]
+    for stream, prompt_lengths in streams:
+        chunks = list(stream)
+        counted: dict[int, int] = {}
+        for chunk in chunks[:-1]:
+            (choice,) = chunk.choices
+            counted[choice.index] = counted.get(choice.index, 0) + len(
+                getattr(choice, "token_ids", None) or []
+            )
+            assert chunk.usage.completion_tokens == counted[choice.index]
+            if prompt_lengths is not None:
+                assert chunk.usage.prompt_tokens == prompt_lengths[choice.index]
+        assert chunks[-1].usage.completion_tokens == sum(counted.values()) == 3 * len(counted)
+
+
 def test_stop_strings_and_token_prompts(client, server):
     response = client.completions.create(
         model=MODEL_NAME, prompt="1, 2, 3, 4, 5,", max_tokens=20, temperature=0, stop=[" 8"]
@@ -484,3 +579,20 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client):
         model=MODEL_NAME, messages=messages, max_completion_tokens=3, extra_body={"truncate_prompt_tokens": 5}
     )
     assert chat.usage.prompt_tokens == 5 < len(_prompt_ids(server, {"messages": messages}))
+
+
+def test_truncate_prompt_tokens_minus_one_leaves_room_for_max_tokens(client):
+    """-1 keeps as much of a long prompt as the context holds beside max_tokens (vLLM's), not the whole
+    context (which left no room: a 400 blaming the prompt)."""
+    prompt = "word " * 600
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert completion.usage.prompt_tokens == 510 and completion.usage.completion_tokens == 2
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": prompt}],
+        max_completion_tokens=2,
+        extra_body={"truncate_prompt_tokens": -1},
+    )
+    assert chat.usage.prompt_tokens == 510

@@ -363,6 +363,13 @@ STRUCTURE_CASES = [
     ("completions", {"kv_transfer_params": {"do_remote_decode": True}, "n": 2}, "kv_transfer_params"),
     ("completions", {"kv_transfer_params": {"do_remote_decode": True}, "prompt": ["a", "b"]},
      "kv_transfer_params"),
+    # Fields valid alone, not together (vLLM's rules): stream_options without a stream; a cut that keeps
+    # more of a long prompt than the context leaves it beside max_tokens (512 - 1), not the prompt's fault.
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat", {"stream": False, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ("completions", {"prompt": [5] * 600, "truncate_prompt_tokens": 512}, "truncate_prompt_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "Hi " * 600}], "truncate_prompt_tokens": 600},
+     "truncate_prompt_tokens"),
 ]  # fmt: skip
 
 

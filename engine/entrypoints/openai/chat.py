@@ -70,6 +70,17 @@ def _response_role(state: ServerState, req: ChatCompletionRequest) -> str:
     return state.response_role if req.add_generation_prompt else req.messages[-1].role
 
 
+def _echoed(state: ServerState, req: ChatCompletionRequest) -> str:
+    """What `echo` puts before each choice's content (vLLM's): the last message's text where the answer
+    goes on with it (the message's role is the answer's, as with continue_final_message), else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.role != _response_role(state, req) or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content if part.type == "text")
+
+
 def _tool_call_out(call) -> ToolCallOut:
     return ToolCallOut(
         id=call.id, function=FunctionCallOut(name=call.function.name, arguments=call.function.arguments)
@@ -104,10 +115,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         ids, mm_features = await process_images(state, text, images, videos, fields)
     else:
         ids = tokenize_text(state.engine, text, False, "messages")
-    cut = truncated(state.engine, ids, req.truncate_prompt_tokens, bool(mm_features))
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    cut = truncated(state.engine, ids, req.truncate_prompt_tokens, bool(mm_features), max_tokens)
     if cut is not ids:  # the rendered text is not the prompt's any more
         ids, text = cut, None
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     check_context(state.engine, len(ids), max_tokens, "messages")
     max_tokens = default_max_tokens(state, max_tokens, len(ids))
     top_n = (req.top_logprobs or 0) if req.logprobs else None
@@ -141,11 +152,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     check_finish(output)
     as_ids = req.return_tokens_as_token_ids
     choices = []
+    echoed = _echoed(state, req)
     for c in output.outputs:
         parsed = parsers[c.index].parse(c.text)
         message = ChatResponseMessage(
             role=_response_role(state, req),
-            content=parsed.content,
+            content=echoed + (parsed.content or "") if echoed else parsed.content,
             reasoning_content=parsed.reasoning if req.include_reasoning else None,
             tool_calls=[_tool_call_out(call) for call in parsed.tool_calls],
         )
@@ -187,7 +199,8 @@ async def _stream(
     include_usage, continuous = state.include_usage(req.stream_options)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     as_ids = req.return_tokens_as_token_ids
-    num_generated = num_cached = 0
+    generated = [0] * req.n  # each choice's tokens so far
+    num_cached = 0
 
     def chunk(choices, usage=None, prompt_token_ids=None) -> str:
         return sse_event(
@@ -201,7 +214,9 @@ async def _stream(
             )
         )
 
-    def usage_so_far() -> UsageInfo:
+    def usage(num_generated: int) -> UsageInfo:
+        """With continuous usage stats a chunk's is its choice's so far (vLLM's); the closing one is the
+        request's."""
         return UsageInfo.of(len(prompt_ids), num_generated, num_cached, state.enable_prompt_tokens_details)
 
     merged = merge_streams([stream])
@@ -211,12 +226,16 @@ async def _stream(
             role = ChatChunkChoice(
                 index=index, delta=DeltaMessage(role=_response_role(state, req), content="")
             )
-            yield chunk([role], None, ids)
+            yield chunk([role], usage(0) if continuous else None, ids)
+        if echoed := _echoed(state, req):
+            for index in range(req.n):
+                echo = ChatChunkChoice(index=index, delta=DeltaMessage(content=echoed))
+                yield chunk([echo], usage(0) if continuous else None)
         async for _, output in merged:
             check_finish(output)
             num_cached = output.num_cached_tokens
             for c in output.outputs:
-                num_generated += len(c.token_ids)
+                generated[c.index] += len(c.token_ids)
                 parser = parsers[c.index]
                 delta = parser.feed(c.text) if c.text else ChoiceDelta()
                 if c.finish_reason is not None:
@@ -240,10 +259,9 @@ async def _stream(
                     finish_reason=_finish_reason(c.finish_reason, parser.num_calls_sent),
                     stop_reason=c.stop_reason,
                 )
-                usage = usage_so_far() if continuous else None
-                yield chunk([choice], usage)
+                yield chunk([choice], usage(generated[c.index]) if continuous else None)
         if include_usage:
-            yield chunk([], usage_so_far())
+            yield chunk([], usage(sum(generated)))
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
         yield sse_error(e)
     finally:

@@ -59,7 +59,7 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | Non
             text, ids = item, tokenize_text(engine, item, req.add_special_tokens, "prompt")
         else:
             text, ids = None, list(item)
-        cut = truncated(engine, ids, req.truncate_prompt_tokens)
+        cut = truncated(engine, ids, req.truncate_prompt_tokens, max_tokens=req.max_tokens)
         out.append((text if cut is ids else None, cut))
     return out
 
@@ -70,6 +70,12 @@ def _prompt_text(state: ServerState, output: RequestOutput) -> str:
     return state.engine.tokenizer.decode(output.prompt_token_ids)
 
 
+def _echoes_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the answer is the prompt alone (with its logprobs, as lm-eval's
+    loglikelihood asks); the engine still samples one token, which the answer leaves out (vLLM's)."""
+    return req.echo and req.max_tokens == 0
+
+
 def _choice(
     state: ServerState,
     req: CompletionRequest,
@@ -77,22 +83,24 @@ def _choice(
     output: RequestOutput,
     completion: CompletionOutput,
     is_first: bool,
+    text_offset: int = 0,
 ) -> CompletionChoice:
     """A choice (or a streamed chunk of one: `is_first` for its first, which echoes the prompt and
-    carries the prompt's ids and logprobs when asked)."""
-    text = completion.text
+    carries the prompt's ids and logprobs when asked; `text_offset`: the length of the choice's text
+    streamed before this chunk, where its logprobs' text offsets start)."""
+    text, generated, entries = completion.text, list(completion.token_ids), list(completion.logprobs or [])
+    if _echoes_only(req):
+        text, generated, entries = "", [], []
     logprobs = None
     echo_prompt = req.echo and is_first
     prefix = _prompt_text(state, output) if echo_prompt else ""
     if req.logprobs is not None:
-        token_ids = list(completion.token_ids)
-        entries = list(completion.logprobs or [])
+        token_ids = generated
         if echo_prompt:
-            token_ids = output.prompt_token_ids + token_ids
             prompt_entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-            entries = list(prompt_entries) + entries
+            token_ids, entries = output.prompt_token_ids + generated, list(prompt_entries) + entries
         logprobs = completion_logprobs(
-            state, token_ids, entries, req.logprobs, as_ids=req.return_tokens_as_token_ids
+            state, token_ids, entries, req.logprobs, text_offset, as_ids=req.return_tokens_as_token_ids
         )
     wants_prompt = is_first and req.prompt_logprobs is not None
     return CompletionChoice(
@@ -103,7 +111,7 @@ def _choice(
         stop_reason=completion.stop_reason,
         prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if wants_prompt else None,
         prompt_token_ids=list(output.prompt_token_ids) if is_first and req.return_token_ids else None,
-        token_ids=list(completion.token_ids) if req.return_token_ids else None,
+        token_ids=generated if req.return_token_ids else None,
     )
 
 
@@ -115,6 +123,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     if req.logprobs is not None:
         require_tokenizer(state.engine, "logprobs", "logprobs")
     check_num_logprobs(state.engine, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request(
+            "max_tokens must be at least 1 (0 only with echo: the prompt alone), got 0", "max_tokens"
+        )
     prompts = _prompts(state, req)
     for _, ids in prompts:
         check_context(state.engine, len(ids), req.max_tokens, "prompt")
@@ -124,7 +136,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
             "kv_transfer_params",
         )
     echoed_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    max_tokens = req.max_tokens
+    max_tokens = 1 if _echoes_only(req) else req.max_tokens
     if "max_tokens" not in req.model_fields_set and "max_tokens" in state.default_sampling:
         max_tokens = None  # the model's max_new_tokens, not OpenAI's default of 16
     params = [
@@ -172,7 +184,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
     num_prompt_tokens = sum(len(ids) for _, ids in prompts)
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, request_id, model, created, streams, num_prompt_tokens),
+            _stream(state, req, request_id, model, created, streams, [len(ids) for _, ids in prompts]),
             media_type="text/event-stream",
         )
     try:
@@ -185,7 +197,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         num_cached += output.num_cached_tokens
         for completion in output.outputs:
             choices.append(_choice(state, req, i, output, completion, True))
-            num_generated += len(completion.token_ids)
+            num_generated += 0 if _echoes_only(req) else len(completion.token_ids)
     return CompletionResponse(
         id=request_id,
         created=created,
@@ -203,14 +215,17 @@ async def _stream(
     model: str,
     created: int,
     streams,
-    num_prompt_tokens: int,
+    prompt_lengths: list[int],
 ):
+    """Each choice's chunks; with continuous usage stats each chunk's usage is its choice's (its prompt's
+    tokens and its own so far: vLLM's), the closing usage the whole request's."""
     include_usage, continuous = state.include_usage(req.stream_options)
-    seen: set[tuple[int, int]] = set()  # (prompt, choice) pairs streamed
-    num_generated = num_cached = 0
+    streamed: dict[tuple[int, int], int] = {}  # (prompt, choice) -> the length of its text so far
+    generated: dict[tuple[int, int], int] = {}  # (prompt, choice) -> its tokens so far
+    num_cached = 0
 
-    def usage_so_far() -> UsageInfo:
-        return UsageInfo.of(num_prompt_tokens, num_generated, num_cached, state.enable_prompt_tokens_details)
+    def usage(num_prompt: int, num_generated: int) -> UsageInfo:
+        return UsageInfo.of(num_prompt, num_generated, num_cached, state.enable_prompt_tokens_details)
 
     merged = merge_streams(streams)
     try:
@@ -218,15 +233,16 @@ async def _stream(
             check_finish(output)
             num_cached = max(num_cached, output.num_cached_tokens)
             for completion in output.outputs:
-                num_generated += len(completion.token_ids)
-                is_first = (i, completion.index) not in seen
-                seen.add((i, completion.index))
-                choice = _choice(state, req, i, output, completion, is_first)
+                key = (i, completion.index)
+                num_new = 0 if _echoes_only(req) else len(completion.token_ids)
+                generated[key] = generated.get(key, 0) + num_new
+                choice = _choice(state, req, i, output, completion, key not in streamed, streamed.get(key, 0))
+                streamed[key] = streamed.get(key, 0) + len(choice.text)
                 if not choice.text and choice.finish_reason is None and not completion.token_ids:
                     continue
                 chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice])
                 if continuous:
-                    chunk.usage = usage_so_far()
+                    chunk.usage = usage(prompt_lengths[i], generated[key])
                 yield sse_event(chunk)
         if include_usage:
             yield sse_event(
@@ -235,7 +251,7 @@ async def _stream(
                     created=created,
                     model=model,
                     choices=[],
-                    usage=usage_so_far(),
+                    usage=usage(sum(prompt_lengths), sum(generated.values())),
                 )
             )
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event

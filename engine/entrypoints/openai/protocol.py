@@ -17,7 +17,6 @@ from xlaserve.entrypoints.serving.protocol import (
     ChatTool,
     JsonObject,
     OmitsNones,
-    PositiveTokens,
     PromptList,
     SamplingFields,
     StrictModel,
@@ -30,7 +29,9 @@ class CompletionRequest(SamplingFields):
     prompt: Text | PromptList | list[TokenId] | Annotated[list[list[TokenId]], Field(max_length=64)] = Field(
         description="a string, a list of strings, token ids, or a list of token id lists"
     )
-    max_tokens: PositiveTokens | None = Field(default=16, description="default 16")
+    max_tokens: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = Field(
+        default=16, description="default 16; 0 only with echo: the prompt alone"
+    )
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)
     add_special_tokens: bool = True

@@ -85,6 +85,8 @@ def make_sampling_params(
         value = getattr(req, name)
         return defaults.get(name, engine_default) if value is None else value
 
+    if req.stream_options is not None and not req.stream:  # vLLM's and OpenAI's rule
+        raise bad_request("stream_options can only be set when stream=true", "stream_options")
     if req.prompt_logprobs is not None:  # vLLM's field, beside what echo with logprobs needs
         if req.stream:
             raise bad_request("prompt_logprobs are not available when stream=true", "prompt_logprobs")
@@ -141,11 +143,18 @@ def default_max_tokens(state: ServerState, max_tokens: int | None, num_prompt_to
     return max(1, min(default, state.engine.max_model_len - num_prompt_tokens))
 
 
-def truncated(engine: AsyncLLM, ids: list[int], keep: int | None, has_images: bool = False) -> list[int]:
-    """The prompt's last `keep` tokens (the request's truncate_prompt_tokens; InputProcessor.truncate),
-    before its length is checked; a prompt with images that needs cutting is a 400 naming the field."""
+def truncated(
+    engine: AsyncLLM,
+    ids: list[int],
+    keep: int | None,
+    has_images: bool = False,
+    max_tokens: int | None = None,
+) -> list[int]:
+    """The prompt's last `keep` tokens (the request's truncate_prompt_tokens; InputProcessor.truncate:
+    -1 leaves room for `max_tokens`), before its length is checked; a prompt with images that needs
+    cutting, or a `keep` that cannot fit, is a 400 naming the field."""
     try:
-        return engine.input_processor.truncate(ids, keep, has_images)
+        return engine.input_processor.truncate(ids, keep, has_images, max_tokens or 1)
     except ValueError as e:
         raise bad_request(str(e), "truncate_prompt_tokens") from None
 
