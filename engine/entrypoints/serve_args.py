@@ -280,7 +280,8 @@ def add_request_args(g) -> None:
     g.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
-        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens found in the prefix cache",
+        help="usage.prompt_tokens_details: cached_tokens (the prompt tokens found in the prefix cache) and "
+        "created_cache_tokens (those it added)",
     )
     g.add_argument(
         "--allowed-local-media-path",

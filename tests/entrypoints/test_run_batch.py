@@ -202,7 +202,7 @@ def test_generated_lines(results):
     assert chat["choices"][0]["message"]["role"] == BATCH_ROLE
     # --enable-prompt-tokens-details: each prompt's prefix-cache hit, whole blocks (the completion's
     # prompt is shorter than one).
-    assert completion["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert completion["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": 0}
     assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] % ENGINE_ARGS.get("block_size", 16) == 0
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"]
     assert (

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from helpers.server_harness import MODEL_NAME, metric, metrics, wait_for_metrics
+from helpers.smollm2 import ENGINE_ARGS
 from xlaserve import SamplingParams
 
 
@@ -278,7 +279,12 @@ def test_cache_salt_isolates_prefix_cache(client):
         response = client.completions.create(
             model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": salt}
         )
-        return response.usage.prompt_tokens_details.cached_tokens
+        details = response.usage.prompt_tokens_details
+        # vLLM's created_cache_tokens: the prompt's whole blocks the prefix cache did not serve.
+        block = ENGINE_ARGS.get("block_size", 16)
+        whole_blocks = response.usage.prompt_tokens // block * block
+        assert details.created_cache_tokens == whole_blocks - details.cached_tokens
+        return details.cached_tokens
 
     assert cached("tenant-a") == 0
     assert cached("tenant-b") == 0  # same prompt, other tenant: no shared blocks

@@ -178,7 +178,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         model=model,
         choices=choices,
         usage=UsageInfo.of(
-            len(ids), num_generated, output.num_cached_tokens, state.enable_prompt_tokens_details
+            len(ids),
+            num_generated,
+            output.num_cached_tokens,
+            state.enable_prompt_tokens_details,
+            output.num_cache_creation_tokens,
         ),
         kv_transfer_params=output.kv_transfer_params,
         prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if req.prompt_logprobs is not None else None,
@@ -200,7 +204,7 @@ async def _stream(
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     as_ids = req.return_tokens_as_token_ids
     generated = [0] * req.n  # each choice's tokens so far
-    num_cached = 0
+    num_cached = num_created = 0
 
     def chunk(choices, usage=None, prompt_token_ids=None) -> str:
         return sse_event(
@@ -217,7 +221,9 @@ async def _stream(
     def usage(num_generated: int) -> UsageInfo:
         """With continuous usage stats a chunk's is its choice's so far (vLLM's); the closing one is the
         request's."""
-        return UsageInfo.of(len(prompt_ids), num_generated, num_cached, state.enable_prompt_tokens_details)
+        return UsageInfo.of(
+            len(prompt_ids), num_generated, num_cached, state.enable_prompt_tokens_details, num_created
+        )
 
     merged = merge_streams([stream])
     try:
@@ -233,7 +239,7 @@ async def _stream(
                 yield chunk([echo], usage(0) if continuous else None)
         async for _, output in merged:
             check_finish(output)
-            num_cached = output.num_cached_tokens
+            num_cached, num_created = output.num_cached_tokens, output.num_cache_creation_tokens
             for c in output.outputs:
                 generated[c.index] += len(c.token_ids)
                 parser = parsers[c.index]

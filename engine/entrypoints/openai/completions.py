@@ -191,10 +191,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         finals = await collect_final(raw_request, streams)
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error
         raise engine_error(e) from None
-    choices, num_generated, num_cached = [], 0, 0
+    choices, num_generated, num_cached, num_created = [], 0, 0, 0
     for i, output in enumerate(finals):
         check_finish(output)
         num_cached += output.num_cached_tokens
+        num_created += output.num_cache_creation_tokens
         for completion in output.outputs:
             choices.append(_choice(state, req, i, output, completion, True))
             num_generated += 0 if _echoes_only(req) else len(completion.token_ids)
@@ -203,7 +204,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw_requ
         created=created,
         model=model,
         choices=choices,
-        usage=UsageInfo.of(num_prompt_tokens, num_generated, num_cached, state.enable_prompt_tokens_details),
+        usage=UsageInfo.of(
+            num_prompt_tokens, num_generated, num_cached, state.enable_prompt_tokens_details, num_created
+        ),
         kv_transfer_params=finals[0].kv_transfer_params,
     )
 
@@ -222,16 +225,19 @@ async def _stream(
     include_usage, continuous = state.include_usage(req.stream_options)
     streamed: dict[tuple[int, int], int] = {}  # (prompt, choice) -> the length of its text so far
     generated: dict[tuple[int, int], int] = {}  # (prompt, choice) -> its tokens so far
-    num_cached = 0
+    num_cached = num_created = 0
 
     def usage(num_prompt: int, num_generated: int) -> UsageInfo:
-        return UsageInfo.of(num_prompt, num_generated, num_cached, state.enable_prompt_tokens_details)
+        return UsageInfo.of(
+            num_prompt, num_generated, num_cached, state.enable_prompt_tokens_details, num_created
+        )
 
     merged = merge_streams(streams)
     try:
         async for i, output in merged:
             check_finish(output)
             num_cached = max(num_cached, output.num_cached_tokens)
+            num_created = max(num_created, output.num_cache_creation_tokens)
             for completion in output.outputs:
                 key = (i, completion.index)
                 num_new = 0 if _echoes_only(req) else len(completion.token_ids)

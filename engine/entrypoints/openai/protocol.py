@@ -77,7 +77,8 @@ class DetokenizeRequest(StrictModel):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # the prompt's tokens the prefix cache served
+    created_cache_tokens: int = 0  # the prompt's whole blocks it computed and added to the cache (vLLM's)
 
 
 class UsageInfo(BaseModel):
@@ -87,13 +88,17 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, num_prompt: int, num_generated: int, num_cached: int, with_details: bool) -> UsageInfo:
-        """`with_details`: --enable-prompt-tokens-details (the prefix cache's hit in the prompt)."""
+    def of(
+        cls, num_prompt: int, num_generated: int, num_cached: int, with_details: bool, num_created: int = 0
+    ) -> UsageInfo:
+        """`with_details`: --enable-prompt-tokens-details (the prefix cache's hit in the prompt, and the
+        tokens the prompt added to it)."""
+        details = PromptTokensDetails(cached_tokens=num_cached, created_cache_tokens=num_created)
         return cls(
             prompt_tokens=num_prompt,
             completion_tokens=num_generated,
             total_tokens=num_prompt + num_generated,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached) if with_details else None,
+            prompt_tokens_details=details if with_details else None,
         )
 
 
