@@ -173,6 +173,7 @@ _SAMPLING = {
         "ignore_eos",
         "include_stop_str_in_output",
         "skip_special_tokens",
+        "spaces_between_special_tokens",
         "use_beam_search",
         "return_token_ids",
         "return_tokens_as_token_ids",
@@ -1680,3 +1681,18 @@ def test_every_request_field_has_a_hostile_case(client):
     uncovered = {path: _request_fields(schema, path) - fields for path, fields in _covered().items()}
     missing = {path: sorted(fields) for path, fields in uncovered.items() if fields}
     assert not missing, f"request fields without a hostile case: {missing}"
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_spaces_between_special_tokens_reaches_the_sampling_params(value):
+    """vLLM's request field (lm-eval's vLLM backend sends it): taken, not ignored, on both routes."""
+    from xlaserve.entrypoints.openai.protocol import CompletionRequest
+    from xlaserve.entrypoints.serving.engine_io import make_sampling_params
+    from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
+
+    fields = {"model": MODEL_NAME, "spaces_between_special_tokens": value}
+    requests = [
+        CompletionRequest(prompt="hi", **fields),
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields),
+    ]
+    assert [make_sampling_params(r, 4, None).spaces_between_special_tokens for r in requests] == [value] * 2

@@ -111,6 +111,7 @@ def make_sampling_params(
             frequency_penalty=req.frequency_penalty,
             repetition_penalty=pick("repetition_penalty", 1.0),
             skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
             structured_outputs=structured_outputs,
             logit_bias=_logit_bias(req),
             allowed_token_ids=req.allowed_token_ids,

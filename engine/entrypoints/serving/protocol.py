@@ -222,6 +222,9 @@ class SamplingFields(StrictModel):
     )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = Field(
+        default=True, description="False: an added token directly after another is joined to it (vLLM's)"
+    )
     prompt_logprobs: int | None = Field(
         default=None,
         ge=0,
