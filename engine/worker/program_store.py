@@ -117,6 +117,13 @@ _HOST_ONLY_SETTINGS = {
         "kv_cache_memory",
         "num_gpu_blocks_override",
         "kv_events_config",  # the engine core's publishing of its prefix cache's changes
+        # The KV connectors move blocks around a step with programs of their own, never stored here:
+        # host offload's tiers, disaggregated prefill's role and address (a free port each start).
+        "kv_offloading_size",
+        "kv_offloading_disk_path",
+        "kv_offloading_disk_size",
+        "kv_offloading_disk_persist",
+        "kv_transfer_config",
     ),
     "scheduler": (
         "policy",

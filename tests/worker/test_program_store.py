@@ -132,6 +132,11 @@ def test_the_switch_that_turns_the_compilation_cache_off_turns_the_store_off(tmp
     # A program compiled at another optimization level is never loaded for this one.
     assert fingerprint(optimization_level=0) != store.fingerprint != fingerprint(optimization_level=3)
     assert fingerprint(kv_cache_memory=2**22, seed=5, strict_compile_guard=True) == store.fingerprint
+    # Nor with the KV connectors', whose programs are their own: host offload, a disaggregated role (a
+    # free port each start).
+    transfer = {"kv_connector": "JaxConnector", "kv_role": "kv_consumer", "kv_port": 5999}
+    assert fingerprint(kv_transfer_config=transfer) == store.fingerprint
+    assert fingerprint(kv_offloading_size=1.0) == store.fingerprint
 
 
 _CACHE_HIT_SCRIPT = """
