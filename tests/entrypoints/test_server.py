@@ -291,6 +291,22 @@ def test_cache_salt_isolates_prefix_cache(client):
     assert cached("tenant-a") >= 64  # the first tenant's own prefix is reused
 
 
+def test_streamed_usage_sums_every_prompts_cache_hit_as_the_one_shot(client):
+    prompt = "Summarize the rules of chess for a child who has never played before. " * 4
+    fields = {"model": MODEL_NAME, "max_tokens": 2, "temperature": 0, "extra_body": {"cache_salt": "sum"}}
+    single = client.completions.create(prompt=prompt, **fields).usage  # computes the blocks
+    one_shot = client.completions.create(prompt=[prompt, prompt], **fields).usage
+    chunks = client.completions.create(
+        prompt=[prompt, prompt], stream=True, stream_options={"include_usage": True}, **fields
+    )
+    streamed = [c.usage for c in chunks if c.usage is not None][-1]
+    hit = one_shot.prompt_tokens_details.cached_tokens
+    block = ENGINE_ARGS.get("block_size", 16)
+    assert hit == 2 * ((single.prompt_tokens - 1) // block * block) > 0  # each prompt's whole blocks
+    assert streamed.prompt_tokens_details == one_shot.prompt_tokens_details
+    assert streamed.prompt_tokens == one_shot.prompt_tokens == 2 * single.prompt_tokens
+
+
 @pytest.mark.slow
 def test_32_concurrent_streams_match_non_streaming(async_client):
     topics = ["volcanoes", "chess", "bees", "compilers", "rainbows", "tea", "marathons", "the moon"]

@@ -225,9 +225,9 @@ async def _stream(
     include_usage, continuous = state.include_usage(req.stream_options)
     streamed: dict[tuple[int, int], int] = {}  # (prompt, choice) -> the length of its text so far
     generated: dict[tuple[int, int], int] = {}  # (prompt, choice) -> its tokens so far
-    num_cached = num_created = 0
+    cached: dict[int, tuple[int, int]] = {}  # prompt -> its prefix-cache hit and the tokens it added
 
-    def usage(num_prompt: int, num_generated: int) -> UsageInfo:
+    def usage(num_prompt: int, num_generated: int, num_cached: int, num_created: int) -> UsageInfo:
         return UsageInfo.of(
             num_prompt, num_generated, num_cached, state.enable_prompt_tokens_details, num_created
         )
@@ -236,8 +236,7 @@ async def _stream(
     try:
         async for i, output in merged:
             check_finish(output)
-            num_cached = max(num_cached, output.num_cached_tokens)
-            num_created = max(num_created, output.num_cache_creation_tokens)
+            cached[i] = (output.num_cached_tokens, output.num_cache_creation_tokens)
             for completion in output.outputs:
                 key = (i, completion.index)
                 num_new = 0 if _echoes_only(req) else len(completion.token_ids)
@@ -248,7 +247,7 @@ async def _stream(
                     continue
                 chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[choice])
                 if continuous:
-                    chunk.usage = usage(prompt_lengths[i], generated[key])
+                    chunk.usage = usage(prompt_lengths[i], generated[key], *cached[i])
                 yield sse_event(chunk)
         if include_usage:
             yield sse_event(
@@ -257,7 +256,13 @@ async def _stream(
                     created=created,
                     model=model,
                     choices=[],
-                    usage=usage(sum(prompt_lengths), sum(generated.values())),
+                    # the request's: every prompt's, summed as the one-shot answer's
+                    usage=usage(
+                        sum(prompt_lengths),
+                        sum(generated.values()),
+                        sum(hit for hit, _ in cached.values()),
+                        sum(added for _, added in cached.values()),
+                    ),
                 )
             )
     except Exception as e:  # noqa: BLE001 - after the headers, errors go out as an event
