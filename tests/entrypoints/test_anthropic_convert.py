@@ -379,7 +379,7 @@ def test_an_error_mid_stream_is_an_error_event_and_ends_the_stream():
     reader = ChoiceReader(ChoiceParser(None, None, None))
 
     async def collect():
-        return [e async for e in event_stream("msg_1", "m", stream, 5, reader)]
+        return [e async for e in event_stream("msg_1", "m", stream, 5, reader, with_details=False)]
 
     events = asyncio.run(collect())
     names = [e.split("\n", 1)[0].removeprefix("event: ") for e in events]
@@ -388,3 +388,18 @@ def test_an_error_mid_stream_is_an_error_event_and_ends_the_stream():
     error = json.loads(events[-1].split("data: ", 1)[1])
     assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
     assert "123" not in error["error"]["message"] and stream.is_closed
+
+
+def test_an_error_before_the_first_output_is_the_streams_only_event():
+    """message_start waits for the engine's first output (its usage needs the prefix cache's counts), so
+    a request that fails before it streams one `error` event and no message."""
+    stream = ScriptedStream([], EngineDeadError("core pid 123 died"))
+    reader = ChoiceReader(ChoiceParser(None, None, None))
+
+    async def collect():
+        return [e async for e in event_stream("msg_1", "m", stream, 5, reader, with_details=True)]
+
+    events = asyncio.run(collect())
+    assert [e.split("\n", 1)[0].removeprefix("event: ") for e in events] == ["error"]
+    assert json.loads(events[0].split("data: ", 1)[1])["error"]["type"] == "overloaded_error"
+    assert stream.is_closed
