@@ -268,7 +268,7 @@ class LLM(PoolingMethods):
         self._require_runner("generate", "stream()")
         params = sampling_params or self.get_default_sampling_params()
         text, ids, _ = self._truncated(
-            (*self.input_processor.tokenize(prompt), []), params.truncate_prompt_tokens
+            (*self.input_processor.tokenize(prompt), []), params.truncate_prompt_tokens, params.max_tokens
         )
         if sampling_params is None:
             params = self._within_context(params, len(ids))
