@@ -20,7 +20,7 @@ from xlaserve.entrypoints.openai.completions import create_completion
 from xlaserve.entrypoints.openai.protocol import ChatCompletionResponse, CompletionRequest, CompletionResponse
 from xlaserve.entrypoints.serving.engine_io import ENGINE_DEAD_MESSAGE
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ErrorResponse
+from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ErrorResponse, sse_or_json
 from xlaserve.entrypoints.serving.state import ServerState
 
 # The body's field that picks the API -> (the request model, its handler), tried in this order.
@@ -52,10 +52,7 @@ def add_sagemaker_routes(app: FastAPI, state: ServerState) -> None:
         "/invocations",
         response_model=None,
         responses={
-            200: {
-                "model": ChatCompletionResponse | CompletionResponse,
-                "content": {"text/event-stream": {"schema": {"type": "string"}}},
-            },
+            **sse_or_json(ChatCompletionResponse | CompletionResponse),
             **{code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 415, 503)},
         },
     )

@@ -195,6 +195,30 @@ def test_schemathesis_no_5xx_no_schema_violation(case, server):
     )
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": ["Hello", "Bonjour"], "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    ],
+)
+def test_streamed_events_match_the_schemas_event_stream_entry(server, path, body):
+    """OpenAPI before 3.2 has a text/event-stream `schema` describe each event; schema checkers
+    (schemathesis) read every event against it: the declared one must be an event's shape, not a string."""
+    import jsonschema
+
+    declared = httpx.get(server.url + "/openapi.json", timeout=60).json()["paths"][path]["post"]["responses"]
+    event_schema = declared["200"]["content"]["text/event-stream"]["schema"]
+    reply = post(server, path, json={"model": MODEL_NAME, "stream": True, "temperature": 0, **body})
+    assert reply.status_code == 200
+    events = [
+        {"data": line.removeprefix("data: ")} for line in reply.text.split("\n") if line.startswith("data: ")
+    ]
+    assert len(events) >= 3 and events[-1]["data"] == "[DONE]"
+    for event in events:
+        jsonschema.validate({**event, "event": "message"}, event_schema)
+
+
 def test_logprob_counts_past_the_engines_max_logprobs_are_400_naming_the_field():
     """The bound is the engine's --max-logprobs (here 5), not a fixed 20: each route's field past it is
     a 400 naming the field and the limit (test_admin_api.py: the OpenAPI schema states it). The app runs

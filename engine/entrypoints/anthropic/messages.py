@@ -35,6 +35,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     submit,
 )
 from xlaserve.entrypoints.serving.errors import bad_request
+from xlaserve.entrypoints.serving.protocol import sse_or_json
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 
 logger = logging.getLogger("xlaserve.entrypoints.anthropic")
@@ -49,10 +50,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         "/v1/messages",
         response_model=None,
         responses={
-            200: {
-                "model": MessagesResponse,
-                "content": {"text/event-stream": {"schema": {"type": "string"}}},
-            },
+            **sse_or_json(MessagesResponse),
             **_errors(400, 401, 404, 413, 415, 424, 503),
         },
     )

@@ -37,7 +37,7 @@ from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser
 from xlaserve.entrypoints.serving.chat_path import choice_parser
 from xlaserve.entrypoints.serving.engine_io import check_num_logprobs, submit
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
-from xlaserve.entrypoints.serving.protocol import ErrorResponse
+from xlaserve.entrypoints.serving.protocol import ErrorResponse, sse_or_json
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 
 
@@ -53,7 +53,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         "/v1/responses",
         response_model=None,
         responses={
-            200: {"model": Response, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **sse_or_json(Response),
             **_errors(400, 401, 404, 413, 415, 503),
         },
     )
@@ -69,7 +69,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         "/v1/responses/{response_id}",
         response_model=None,
         responses={
-            200: {"model": Response, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **sse_or_json(Response),
             **_errors(400, 401, 404),
         },
     )

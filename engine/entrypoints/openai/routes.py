@@ -25,17 +25,12 @@ from xlaserve.entrypoints.openai.tokenizer_info import TokenizerInfoResponse, to
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import require_tokenizer, tokenize_text
 from xlaserve.entrypoints.serving.errors import bad_request
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ErrorResponse
+from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ErrorResponse, sse_or_json
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 
 
 def _errors(*codes: int) -> dict:
     return {code: {"model": ErrorResponse} for code in codes}
-
-
-def _sse_or_json(model) -> dict:
-    """200: JSON, or server-sent events when the request says `"stream": true`."""
-    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -72,7 +67,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(
         "/v1/completions",
         response_model=None,
-        responses={**_sse_or_json(CompletionResponse), **_errors(400, 401, 404, 413, 415, 503)},
+        responses={**sse_or_json(CompletionResponse), **_errors(400, 401, 404, 413, 415, 503)},
     )
     async def completions(request: CompletionRequest, raw_request: Request):
         return await create_completion(state, request, raw_request)
@@ -80,7 +75,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post(
         "/v1/chat/completions",
         response_model=None,
-        responses={**_sse_or_json(ChatCompletionResponse), **_errors(400, 401, 404, 413, 415, 503)},
+        responses={**sse_or_json(ChatCompletionResponse), **_errors(400, 401, 404, 413, 415, 503)},
     )
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await create_chat_completion(state, request, raw_request)

@@ -396,5 +396,24 @@ class ErrorInfo(BaseModel):
     code: str | None = None
 
 
+# A 200 that streams server-sent events when the request says `"stream": true`: OpenAPI before 3.2 has a
+# text/event-stream `schema` describe each event (its fields; `data` the JSON chunk as text), which is how
+# schema checkers such as schemathesis read every event of the stream against it.
+SSE_EVENT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
+
+def sse_or_json(model) -> dict:
+    """The `responses` entry of a route answering JSON (`model`), or server-sent events."""
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}}}
+
+
 class ErrorResponse(BaseModel):
     error: ErrorInfo
