@@ -55,6 +55,15 @@ def as_token_ids(values) -> list:
     return [int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v for v in values]
 
 
+def _unique(values) -> list:
+    """`values` as a list without repeats, in first-occurrence order (unhashable values, which the
+    checks then name, are kept as given)."""
+    try:
+        return list(dict.fromkeys(values))
+    except TypeError:
+        return list(values)
+
+
 def _require(is_ok: bool, message: str) -> None:
     if not is_ok:
         raise ValueError(message)
@@ -65,8 +74,10 @@ class SamplingParams:
     """How to sample one request's continuation.
 
     Frozen: the engine resolves `max_tokens=None` with `dataclasses.replace`, never in place.
-    `stop` and `stop_token_ids` are normalized to lists; `top_k=-1` is normalized to 0 (disabled) and
-    `seed=-1` to None (unseeded), as vLLM's.
+    `stop` and `stop_token_ids` are normalized to lists, `stop_token_ids` and `bad_words` without repeats
+    (first occurrence kept); `top_k=-1` is normalized to 0 (disabled) and `seed=-1` to None (unseeded),
+    as vLLM's. `logprobs` and `prompt_logprobs` of -1 ask for the whole vocabulary (the input processor
+    resolves them against the model's; the engine's max_logprobs must allow it, as vLLM's).
     """
 
     n: int = 1
@@ -135,7 +146,10 @@ class SamplingParams:
         elif isinstance(stop, str):
             stop = [stop]
         object.__setattr__(self, "stop", list(stop))
-        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        # vLLM's: a repeated stop token or bad word is one (its first occurrence keeps its place).
+        object.__setattr__(self, "stop_token_ids", _unique(self.stop_token_ids or []))
+        if isinstance(self.bad_words, list):
+            object.__setattr__(self, "bad_words", _unique(self.bad_words))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if self.seed == -1 and is_int(self.seed):  # vLLM's "no seed": each request draws its own
@@ -204,8 +218,8 @@ class SamplingParams:
 
     def _validate_sampling(self) -> None:
         _require(is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
-        _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _require(math.isfinite(self.temperature), f"temperature must be finite, got {self.temperature}")
+        _require(0 <= self.temperature <= 2, f"temperature must be in [0, 2], got {self.temperature}")
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _require(
             is_int(self.top_k) and self.top_k >= 0,
@@ -236,8 +250,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(
-                value is None or (is_int(value) and value >= 0),
-                f"{name} must be an int >= 0 or None, got {value!r}",
+                value is None or (is_int(value) and value >= -1),
+                f"{name} must be an int >= 0, -1 (the whole vocabulary) or None, got {value!r}",
             )
 
     def _validate_penalties(self) -> None:

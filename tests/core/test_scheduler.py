@@ -743,13 +743,23 @@ def test_sampling_params_defaults_and_normalization():
     assert SamplingParams(temperature=0).is_greedy and not SamplingParams().is_greedy
     assert not SamplingParams().has_penalties and SamplingParams(repetition_penalty=1.1).has_penalties
     assert SamplingParams(logprobs=20, max_tokens=None).logprobs == 20
+    assert SamplingParams(temperature=2).temperature == 2
+
+
+def test_repeated_stop_token_ids_and_bad_words_are_one_each():
+    """vLLM's: repeats are dropped, each value where it first appeared (and -1 logprobs are kept for the
+    input processor to resolve against the vocabulary)."""
+    params = SamplingParams(stop_token_ids=[7, 3, 7, 7, 3], bad_words=["b", "a", "b"], logprobs=-1)
+    assert params.stop_token_ids == [7, 3] and params.bad_words == ["b", "a"]
+    assert (params.logprobs, SamplingParams(prompt_logprobs=-1).prompt_logprobs) == (-1, -1)
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"n": 0}, "n must be"),
-        ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+        ({"temperature": -1.0}, r"temperature must be in \[0, 2\], got -1.0"),
+        ({"temperature": 2.5}, r"temperature must be in \[0, 2\], got 2.5"),  # vLLM's, offline too
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k must be -1"),
@@ -758,7 +768,7 @@ def test_sampling_params_defaults_and_normalization():
         ({"min_tokens": -1}, "min_tokens must be an int >= 0"),
         ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens must be <= max_tokens \(4\)"),
         ({"logprobs": 1.5}, "logprobs must be an int >= 0"),  # its upper bound is the engine's
-        ({"prompt_logprobs": -1}, "prompt_logprobs must be an int >= 0"),
+        ({"prompt_logprobs": -2}, r"prompt_logprobs must be an int >= 0, -1 \(the whole vocabulary\)"),
         ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
         ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\]"),
         ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
