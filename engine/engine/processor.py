@@ -233,11 +233,16 @@ class InputProcessor:
         self._check_kv_transfer(params.kv_transfer_params or {})
 
     def check_num_logprobs(self, num_logprobs: int | None, name: str) -> None:
-        """ValueError naming `name` (the caller's field) where `num_logprobs` is past max_logprobs."""
-        if num_logprobs is not None and num_logprobs > self.max_logprobs:
-            raise ValueError(
-                f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {num_logprobs}"
-            )
+        """ValueError naming `name` (the caller's field) where `num_logprobs` is past max_logprobs (-1,
+        the whole vocabulary, is its size: vLLM's rule)."""
+        num = self.resolve_num_logprobs(num_logprobs)
+        if num is not None and num > self.max_logprobs:
+            asked = f"-1 (the whole vocabulary, {num})" if num_logprobs == -1 else num
+            raise ValueError(f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {asked}")
+
+    def resolve_num_logprobs(self, num_logprobs: int | None) -> int | None:
+        """A logprob count as the engine reads it: vLLM's -1 is every token of the model's vocabulary."""
+        return self.vocab_size if num_logprobs == -1 else num_logprobs
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
         """Each bad word's token ids (vLLM's rule): the word with its leading whitespace stripped, and
@@ -311,6 +316,8 @@ class InputProcessor:
             min_tokens=min(params.min_tokens, max_tokens),
             bad_words_token_ids=self.bad_words_token_ids(params),
             stop_token_ids=self._stop_token_ids(params),
+            logprobs=self.resolve_num_logprobs(params.logprobs),
+            prompt_logprobs=self.resolve_num_logprobs(params.prompt_logprobs),
         )
         is_parent = params.n > 1
         requests = []

@@ -341,6 +341,12 @@ def test_bad_input_leaves_the_engine_serving(llm):
         llm.generate({"prompt_token_ids": [1] * 600}, SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate({"prompt_token_ids": [10**9]}, SamplingParams(max_tokens=4), use_tqdm=False)
+    # vLLM's -1 is the whole vocabulary, past this engine's max_logprobs (20).
+    vocab = llm.input_processor.vocab_size
+    for name in ("logprobs", "prompt_logprobs"):
+        refused = rf"^{name} must be at most 20 \(the engine's max_logprobs\), got -1 \(the whole vocabulary, {vocab}\)$"
+        with pytest.raises(ValueError, match=refused):
+            llm.generate("Hello", SamplingParams(**{name: -1}), use_tqdm=False)
     free_before = llm.engine_core.kv_cache_manager.num_free_blocks
     out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

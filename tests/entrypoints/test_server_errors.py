@@ -219,11 +219,9 @@ def test_streamed_events_match_the_schemas_event_stream_entry(server, path, body
         jsonschema.validate({**event, "event": "message"}, event_schema)
 
 
-def test_logprob_counts_past_the_engines_max_logprobs_are_400_naming_the_field():
-    """The bound is the engine's --max-logprobs (here 5), not a fixed 20: each route's field past it is
-    a 400 naming the field and the limit (test_admin_api.py: the OpenAPI schema states it). The app runs
-    in-process around a stand-in engine: these checks come before a route asks the engine for anything
-    else."""
+def _stand_in_client(max_logprobs: int):
+    """The app in-process around a stand-in engine of a 128-token vocabulary: the logprob checks come
+    before a route asks the engine for anything else."""
     from types import SimpleNamespace
 
     from fastapi.testclient import TestClient
@@ -234,9 +232,44 @@ def test_logprob_counts_past_the_engines_max_logprobs_are_400_naming_the_field()
 
     engine = SimpleNamespace(
         tokenizer=SimpleNamespace(), model="tiny", max_model_len=64, vocab_size=128, is_errored=False,
-        input_processor=InputProcessor(None, 64, 128, None, 0, max_logprobs=5),
+        input_processor=InputProcessor(None, 64, 128, None, 0, max_logprobs=max_logprobs),
     )  # fmt: skip
-    client = TestClient(build_app(ServerState(engine=engine, served_model_names=["tiny"])))
+    return TestClient(build_app(ServerState(engine=engine, served_model_names=["tiny"]))), engine
+
+
+def test_minus_one_logprobs_are_the_whole_vocabulary():
+    """vLLM's -1 (completions' logprobs, chat's top_logprobs, prompt_logprobs): every token of the
+    vocabulary, so past a max_logprobs below it a 400 naming the field; -2 is a 400 of its own. Where the
+    engine allows the vocabulary, the route reads -1 as its size (the engine's entries:
+    tests/models/test_skip_tokenizer_init.py)."""
+    from xlaserve.entrypoints.openai.protocol import CompletionRequest
+    from xlaserve.entrypoints.serving.engine_io import resolve_num_logprobs
+
+    client, _ = _stand_in_client(max_logprobs=5)
+    for path, body, param in [
+        ("/v1/completions", {"prompt": [5, 6], "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"prompt": [5, 6], "prompt_logprobs": -1}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, "prompt_logprobs"),
+    ]:
+        error = error_of(client.post(path, json={"model": "tiny", **body}), 400)
+        assert error["param"] == param and error["message"] == (
+            f"{param} must be at most 5 (the engine's max_logprobs), got -1 (the whole vocabulary, 128)"
+        ), error
+        body = {**body, param: -2}
+        assert error_of(client.post(path, json={"model": "tiny", **body}), 400)["param"] == param
+    _, engine = _stand_in_client(max_logprobs=128)
+    req = CompletionRequest(prompt=[5, 6], logprobs=-1, prompt_logprobs=-1)
+    resolve_num_logprobs(engine, req, "logprobs", "prompt_logprobs")
+    assert (req.logprobs, req.prompt_logprobs) == (128, 128)
+
+
+def test_logprob_counts_past_the_engines_max_logprobs_are_400_naming_the_field():
+    """The bound is the engine's --max-logprobs (here 5), not a fixed 20: each route's field past it is
+    a 400 naming the field and the limit (test_admin_api.py: the OpenAPI schema states it). The app runs
+    in-process around a stand-in engine: these checks come before a route asks the engine for anything
+    else."""
+    client, _ = _stand_in_client(max_logprobs=5)
     for path, body, param in [
         ("/v1/completions", {"prompt": [5, 6], "logprobs": 6}, "logprobs"),
         ("/v1/completions", {"prompt": [5, 6], "prompt_logprobs": 6}, "prompt_logprobs"),

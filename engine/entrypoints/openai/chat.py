@@ -34,12 +34,12 @@ from xlaserve.entrypoints.serving.chat_template import render_chat
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
-    check_num_logprobs,
     collect_final,
     default_max_tokens,
     engine_error,
     merge_streams,
     request_ids,
+    resolve_num_logprobs,
     submit,
     tokenize_text,
     truncated,
@@ -104,7 +104,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     model = check_model(state, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    check_num_logprobs(state.engine, top_logprobs=req.top_logprobs, prompt_logprobs=req.prompt_logprobs)
+    resolve_num_logprobs(state.engine, req, "top_logprobs", "prompt_logprobs")
     plan = plan_tools(req, state.enable_auto_tool_choice)
     video_fields = video_parts(req.messages)
     images, videos = await load_media(state, image_parts(req.messages), video_fields)

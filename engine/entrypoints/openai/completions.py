@@ -21,7 +21,6 @@ from xlaserve.entrypoints.serving.beam_search import BeamSearchStream, beam_sear
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
     check_finish,
-    check_num_logprobs,
     collect_final,
     default_max_tokens,
     engine_error,
@@ -30,6 +29,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     merge_streams,
     request_ids,
     require_tokenizer,
+    resolve_num_logprobs,
     tokenize_text,
     truncated,
 )
@@ -117,12 +117,14 @@ def _choice(
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw_request: Request):
     model = check_model(state, req.model)
+    if req.stream and req.use_beam_search:  # vLLM's refusal (chat streams a search's answer whole)
+        raise bad_request("Streaming is not currently supported with beam search", "stream")
     # A prompt of token ids needs no tokenizer, but echo and logprobs answer with text.
     if req.echo:
         require_tokenizer(state.engine, "echo", "echo")
     if req.logprobs is not None:
         require_tokenizer(state.engine, "logprobs", "logprobs")
-    check_num_logprobs(state.engine, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
+    resolve_num_logprobs(state.engine, req, "logprobs", "prompt_logprobs")
     if req.max_tokens == 0 and not req.echo:
         raise bad_request(
             "max_tokens must be at least 1 (0 only with echo: the prompt alone), got 0", "max_tokens"

@@ -33,7 +33,7 @@ class CompletionRequest(SamplingFields):
         default=16, description="default 16; 0 only with echo: the prompt alone"
     )
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=-1, description="-1: the whole vocabulary (vLLM's)")
     add_special_tokens: bool = True
 
 

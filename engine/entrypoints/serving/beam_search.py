@@ -29,7 +29,8 @@ def beam_search_params(
 ) -> BeamSearchParams:
     """The request's BeamSearchParams (`n` beams; `temperature` 0 unless given), after its checks: each
     field the search would not apply is a 400 naming it, and so is an `n` past the engine's
-    `max_logprobs` / 2. Streamed, the search's answer comes whole, as one chunk per beam, once it ends."""
+    `max_logprobs` / 2. Streamed (chat only: completions refuse it, as vLLM's), the search's answer comes
+    whole, as one chunk per beam, once it ends."""
     defaults = type(req).model_fields
     for name in _NOT_APPLIED:
         value = getattr(req, name)

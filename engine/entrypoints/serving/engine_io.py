@@ -135,6 +135,14 @@ def check_num_logprobs(engine: AsyncLLM, **counts: int | None) -> None:
             raise bad_request(str(e), name) from None
 
 
+def resolve_num_logprobs(engine: AsyncLLM, req, *names: str) -> None:
+    """Check the request's logprob counts (`names`, its fields) as check_num_logprobs does, then set
+    vLLM's -1 to what it asks for, the vocabulary's size, so the route reads every count as a count."""
+    check_num_logprobs(engine, **{name: getattr(req, name) for name in names})
+    for name in names:
+        setattr(req, name, engine.input_processor.resolve_num_logprobs(getattr(req, name)))
+
+
 def default_max_tokens(state: ServerState, max_tokens: int | None, num_prompt_tokens: int) -> int | None:
     """A request's max_tokens, or where it has none the model's generation config's (max_new_tokens)
     cut to the room the prompt leaves (vLLM's), else None: the rest of the context."""

@@ -227,8 +227,8 @@ class SamplingFields(StrictModel):
     )
     prompt_logprobs: int | None = Field(
         default=None,
-        ge=0,
-        description="the prompt tokens' logprobs, with this many alternatives",
+        ge=-1,
+        description="the prompt tokens' logprobs, with this many alternatives (-1: the whole vocabulary)",
     )
     return_tokens_as_token_ids: bool = Field(
         default=False, description='logprobs name tokens "token_id:{id}"'
@@ -373,7 +373,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: PositiveTokens | None = None
     max_tokens: PositiveTokens | None = Field(default=None, description="deprecated: max_completion_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=-1, description="-1: the whole vocabulary (vLLM's)")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
