@@ -21,7 +21,7 @@ from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import start_engine
 from xlaserve.engine.video import load_video
 from xlaserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from xlaserve.entrypoints.llm_pooling import PoolingMethods, UseTqdm, progress_bar
+from xlaserve.entrypoints.llm_pooling import PoolingMethods, UseTqdm, progress_bar, speed_postfix
 from xlaserve.executor import follow
 from xlaserve.lora_request import LoRARequest
 from xlaserve.outputs import RequestOutput
@@ -409,12 +409,27 @@ class LLM(PoolingMethods):
                 added += self._add_request(request_id, text, ids, p, prio, lora_request=lora, mm_features=mm)
                 order[request_id] = i
             results: list[RequestOutput | None] = [None] * len(order)
-            with closing(progress_bar(use_tqdm, total=len(order), desc="Processed prompts")) as bar:
+            # As vLLM's: the bar counts completions (n per prompt) and shows the tokens per second.
+            bar = progress_bar(
+                use_tqdm,
+                total=sum(p.n for p in params),
+                desc="Processed prompts",
+                dynamic_ncols=True,
+                postfix=speed_postfix(0, 0, 0.0),
+            )
+            num_input_tokens = num_output_tokens = 0
+            with closing(bar):
                 while self.engine_core.has_unfinished_requests():
                     for output in self._step():
                         if output.finished:
                             results[order[output.request_id]] = output
-                            bar.update(1)
+                            num_completions = len(output.outputs)
+                            num_input_tokens += len(output.prompt_token_ids) * num_completions
+                            num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                            if use_tqdm:
+                                elapsed = bar.format_dict["elapsed"]
+                                bar.postfix = speed_postfix(num_input_tokens, num_output_tokens, elapsed)
+                            bar.update(num_completions)
             return results
         except BaseException:
             # Nothing leaks: whatever this call added and did not finish is aborted.

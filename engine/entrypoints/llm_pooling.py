@@ -30,7 +30,8 @@ from xlaserve.outputs import (
 from xlaserve.pooling_params import PoolingParams
 
 # vLLM's use_tqdm: a bool, or a tqdm-like callable (a tqdm subclass, functools.partial(tqdm, file=...))
-# that makes the bar; it is called with tqdm's arguments, and its bar needs update() and close().
+# that makes the bar; it is called with tqdm's arguments, and its bar needs update() and close() (and
+# for generate, as vLLM's, format_dict["elapsed"] and a postfix to set).
 UseTqdm = bool | Callable[..., tqdm]
 
 
@@ -40,6 +41,13 @@ def progress_bar(use_tqdm: UseTqdm, **tqdm_args) -> tqdm:
     if not use_tqdm:
         return tqdm(disable=True)
     return (use_tqdm if callable(use_tqdm) else tqdm)(**tqdm_args)
+
+
+def speed_postfix(num_input_tokens: int, num_output_tokens: int, elapsed: float) -> str:
+    """vLLM's postfix of generate's bar: the finished requests' tokens per second since it started, their
+    prompts' (once per completion) and their outputs'."""
+    speeds = (n / elapsed if elapsed > 0 else 0.0 for n in (num_input_tokens, num_output_tokens))
+    return "est. speed input: {:.2f} toks/s, output: {:.2f} toks/s".format(*speeds)
 
 
 def _as_list(prompts) -> list:

@@ -83,6 +83,20 @@ def test_end_turn_and_stop_sequence(client):
     assert stopped.content[0].text == text[: text.index(stop)]
 
 
+def test_the_one_shot_reply_leaves_a_null_stop_sequence_out(server):
+    """vLLM's reply is its model_dump(exclude_none=True): no stop string matched, no stop_sequence key
+    (the SDKs read it as None; a matched one is there: test_end_turn_and_stop_sequence)."""
+    response = httpx.post(
+        server.url + "/v1/messages",
+        json={"model": MODEL_NAME, "max_tokens": 3, "temperature": 0, "messages": QUESTION},
+        headers=server.headers,
+        timeout=300,
+    )
+    assert response.status_code == 200, response.text
+    reply = response.json()
+    assert reply["stop_reason"] == "max_tokens" and "stop_sequence" not in reply, reply
+
+
 def test_prefill_continues_the_final_assistant_message(server, client):
     """A final assistant message is continued, as the chat route's continue_final_message does."""
     conversation = [*QUESTION, {"role": "assistant", "content": "The three colors are"}]

@@ -95,22 +95,34 @@ def test_async_llm_output_kind_argument_comes_first(llm, engine):
 
 
 def test_generate_takes_a_tqdm_like_callable(llm):
-    """vLLM's use_tqdm: a callable makes the bar (with tqdm's arguments); it counts the finished prompts
-    and is closed."""
+    """vLLM's use_tqdm: a callable makes the bar (with tqdm's arguments); it counts the finished
+    completions (n per prompt), shows vLLM's speed postfix (the finished requests' prompt tokens, once
+    per completion, and output tokens, per second the bar says have passed: 2 here), and is closed."""
     bars = []
 
     class Bar:
+        format_dict = {"elapsed": 2.0}
+
         def __init__(self, **kwargs):
-            self.kwargs, self.n, self.is_closed = kwargs, 0, False
+            self.kwargs, self.n, self.is_closed, self.postfixes = kwargs, 0, False, []
             bars.append(self)
 
         def update(self, n=1):
             self.n += n
+            self.postfixes.append(self.postfix)
 
         def close(self):
             self.is_closed = True
 
-    outputs = llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=Bar)
+    params = [
+        SamplingParams(max_tokens=1),
+        SamplingParams(n=2, temperature=1.0, max_tokens=3, ignore_eos=True),
+    ]
+    outputs = llm.generate(["a", "b c"], params, use_tqdm=Bar)
     assert len(outputs) == 2 and len(bars) == 1
     (bar,) = bars
-    assert bar.kwargs["total"] == 2 and bar.n == 2 and bar.is_closed
+    assert (bar.kwargs["total"], bar.n, bar.is_closed) == (3, 3, True)
+    assert bar.kwargs["postfix"] == "est. speed input: 0.00 toks/s, output: 0.00 toks/s"
+    num_input = sum(len(o.prompt_token_ids) * len(o.outputs) for o in outputs)
+    assert num_input == len(outputs[0].prompt_token_ids) + 2 * len(outputs[1].prompt_token_ids)
+    assert bar.postfixes[-1] == f"est. speed input: {num_input / 2:.2f} toks/s, output: {7 / 2:.2f} toks/s"

@@ -299,6 +299,31 @@ def test_logit_bias_comes_before_the_penalties(logits, penalty_case):
     assert (after.argmax(-1) != expected.argmax(-1)).sum() >= 2
 
 
+def test_logit_bias_comes_before_the_penalties_on_bfloat16_logits(logits, penalty_case):
+    """The same order from a bfloat16 model's logits (a head that leaves its accumulator's float32 is
+    the usual path, above): the bias and penalties run in float32 on the bfloat16 values, so the result
+    is vLLM's `(l + b)` then penalties in float64 on those values, to float32's rounding (bfloat16's
+    would be ~100x coarser)."""
+    rng = np.random.default_rng(9)
+    bias = np.zeros((NUM_ROWS, VOCAB), np.float32)
+    seen = np.argsort(-logits, axis=-1)[:, :3]
+    np.put_along_axis(bias, seen, rng.choice([-4.0, 3.0, 6.0], (NUM_ROWS, 3)), axis=-1)
+    case = dict(penalty_case, repetition_penalty=rng.choice([1.5, 2.0, 3.0], NUM_ROWS), logit_bias=bias)
+    st = make_tensors(NUM_ROWS, VOCAB, penalties=True, **case)
+    logits_bf16 = jnp.asarray(logits, jnp.bfloat16)
+    out = jax.jit(partial(sample, with_logprobs=True, logprobs_mode="processed_logits"))(logits_bf16, st)
+    expected = penalized(np.asarray(logits_bf16, np.float64), **_penalty_args(case))
+    top2 = -np.sort(-expected, -1)[:, :2]
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-3  # no near-tie for float32 to break otherwise
+    np.testing.assert_array_equal(np.asarray(out.token_ids), expected.argmax(-1))
+    assert out.logprobs.dtype == jnp.float32
+    np.testing.assert_allclose(
+        np.asarray(out.logprobs)[:, 1:], -np.sort(-expected, -1)[:, :MAX_LOGPROBS], rtol=1e-6, atol=1e-5
+    )
+    after = penalized(np.asarray(logits_bf16, np.float64), **_penalty_args(dict(case, logit_bias=0 * bias)))
+    assert ((after + bias).argmax(-1) != expected.argmax(-1)).sum() >= 2
+
+
 def test_logit_bias_minus_inf_bans_a_token(logits, penalty_case):
     """min_tokens keeps EOS out with a -inf bias: neither greedy nor random rows may produce it."""
     peaked = logits.copy()

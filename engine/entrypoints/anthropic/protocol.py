@@ -372,7 +372,9 @@ class MessagesResponse(OmitsNones):
     # the prompt's blocks; left out of every other message.
     kv_transfer_params: dict[str, Any] | None = None
 
-    omit_if_none = ("kv_transfer_params",)
+    # vLLM's one-shot reply leaves every null out (its exclude_none): no stop string matched, no
+    # stop_sequence. The stream's message_delta keeps its null, as vLLM's and Anthropic's.
+    omit_if_none = ("stop_reason", "stop_sequence", "kv_transfer_params")
 
 
 class CountTokensResponse(BaseModel):
