@@ -178,7 +178,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     # The prompt's tokens this request wrote to the prefix cache: its whole blocks past its hit (vLLM's
-    # num_cache_creation_tokens; 0 without prefix caching).
+    # num_cache_creation_tokens, counted as vLLM's: a block another copy already held counts too; 0
+    # without prefix caching).
     num_cache_creation_tokens: int = 0
     metrics: RequestStateStats | None = field(default=None)
     # A KV connector's, when the request finished: a disaggregated-prefill producer's say where a

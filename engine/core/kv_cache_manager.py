@@ -147,8 +147,10 @@ class KVCacheManager:
 
     def num_cacheable_tokens(self, request: Request) -> int:
         """The prompt's tokens the prefix cache holds once it is computed: its whole blocks (those a hit
-        found, and those it adds: vLLM's cache creation)."""
-        if not self.enable_caching or skips_prefix_cache(request):
+        found, and those it adds: vLLM's cache creation). A request that skips the cache's hits still
+        writes its blocks, and vLLM counts them; so does a block another copy already holds (vLLM's pool
+        indexes both, ours the first)."""
+        if not self.enable_caching:
             return 0
         return request.num_prompt_tokens // self.block_size * self.block_size
 

@@ -285,6 +285,26 @@ def test_prefix_hits_in_tokens_and_salts(make_scheduler):
     assert scheduler.make_stats().prefix_cache_stats.num_queries == 0
 
 
+def test_cache_creation_counts_the_blocks_vllm_counts(make_scheduler):
+    """vLLM's num_cache_creation_tokens: the prompt's whole blocks its request hashes, less its hit
+    (PrefillStats.finalize over estimate_cached_tokens). A repeated prompt of whole blocks hits all but
+    its last block, recomputes that one and counts it (vLLM's pool indexes the second copy beside the
+    first; ours keeps the first: the count is vLLM's, not our pool's inserts). A prompt_logprobs request
+    reads no cache but writes its blocks: all of them count."""
+    scheduler = make_scheduler()
+    runner = FakeModelRunner(scheduler)
+    first = make_request("first", range(8), max_tokens=2)
+    scheduler.add_request(first)
+    run_to_completion(scheduler, runner)
+    scheduler.add_request(make_request("repeat", range(8), max_tokens=2))
+    scheduler.add_request(make_request("scored", range(8), max_tokens=2, prompt_logprobs=0))
+    output, core_outputs = step(scheduler, runner)
+    assert scheduled_tokens(output) == {"repeat": 4, "scored": 8}
+    counts = {o.request_id: (o.num_cached_tokens, o.num_cache_creation_tokens) for o in core_outputs}
+    assert counts == {"repeat": (4, 4), "scored": (0, 8)}
+    assert first.num_cache_creation_tokens == 8
+
+
 def test_same_step_requests_share_a_prefix(make_scheduler):
     scheduler = make_scheduler()
     runner = FakeModelRunner(scheduler)
