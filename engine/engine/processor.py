@@ -238,7 +238,9 @@ class InputProcessor:
         num = self.resolve_num_logprobs(num_logprobs)
         if num is not None and num > self.max_logprobs:
             asked = f"-1 (the whole vocabulary, {num})" if num_logprobs == -1 else num
-            raise ValueError(f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {asked}")
+            raise ValueError(
+                f"{name} must be at most {self.max_logprobs} (the engine's max_logprobs), got {asked}"
+            )
 
     def resolve_num_logprobs(self, num_logprobs: int | None) -> int | None:
         """A logprob count as the engine reads it: vLLM's -1 is every token of the model's vocabulary."""

@@ -134,8 +134,13 @@ def test_a_forced_tool_call_is_a_400_naming_tool_choice(server):
 def test_a_streamed_completion_search_is_vllms_400(server):
     """vLLM refuses a streamed beam search on /v1/completions (its chat route streams it whole, above)."""
     response = _post(
-        server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "use_beam_search": True, "stream": True}
+        server,
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 4, "use_beam_search": True, "stream": True},
     )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert (error["message"], error["param"]) == ("Streaming is not currently supported with beam search", "stream")
+    assert (error["message"], error["param"]) == (
+        "Streaming is not currently supported with beam search",
+        "stream",
+    )
