@@ -28,16 +28,17 @@ QUESTION = "What is 2+2?"
 ASK = "What will the weather be in Paris for the next 3 days?"
 
 
-def run(server, agent, text: str):
-    """Runner.run on the SDK's default provider (the Responses API) pointed at the server, with a client
-    made in this run's event loop (an AsyncOpenAI client is bound to its loop), tracing off."""
+def run(server, agent, text: str, api: str = "responses"):
+    """Runner.run on the SDK's default provider (`api`: the Responses API, or "chat_completions") pointed
+    at the server, with a client made in this run's event loop (an AsyncOpenAI client is bound to its
+    loop), tracing off."""
 
     async def go():
         client = openai.AsyncOpenAI(
             base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=300
         )
         agents.set_default_openai_client(client, use_for_tracing=False)
-        agents.set_default_openai_api("responses")
+        agents.set_default_openai_api(api)
         agents.set_tracing_disabled(True)
         try:
             return await agents.Runner.run(agent, text, max_turns=2)
@@ -100,4 +101,26 @@ def test_plain_agent_answers_as_the_responses_route(server):
         if item["type"] == "message"
         for part in item["content"]
     )
+    assert result.final_output == text and text
+
+
+def test_chat_completions_agent_with_reasoning_effort_and_verbosity(server):
+    """The SDK's chat provider sends a ModelSettings' reasoning effort as `reasoning_effort` and its
+    verbosity as `verbosity` (vLLM takes both; gpt-oss's template reads the effort, SmolLM2's ignores
+    it): the agent answers as the chat route does for the same messages."""
+    settings = {"temperature": 0.0, "max_tokens": 16}
+    agent = agents.Agent(
+        name="plain",
+        instructions="Answer briefly.",
+        model=MODEL_NAME,
+        model_settings=agents.ModelSettings(
+            **settings, reasoning=openai.types.shared.Reasoning(effort="low"), verbosity="low"
+        ),
+    )
+    result = run(server, agent, QUESTION, api="chat_completions")
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}]
+    body = {"model": MODEL_NAME, "messages": messages, **settings}
+    direct = httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers, timeout=300)
+    assert direct.status_code == 200, direct.text
+    text = direct.json()["choices"][0]["message"]["content"]
     assert result.final_output == text and text

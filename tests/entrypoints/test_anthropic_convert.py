@@ -101,6 +101,15 @@ def test_tool_choice_and_sampling_map_to_the_chat_request(choice, expected):
     assert (chat.stop, chat.temperature, chat.top_k, chat.max_tokens) == (["END"], 0, 5, 4)
 
 
+@pytest.mark.parametrize("strict", [None, True, False])
+def test_a_tools_strict_reaches_the_chat_function(strict):
+    """Anthropic's tool `strict` (the SDK's ToolParam sends it; eager_input_streaming too) is OpenAI's
+    function `strict`: the same tool plan on both routes."""
+    tool = {**WEATHER, "eager_input_streaming": True} | ({} if strict is None else {"strict": strict})
+    function = to_chat_request(request([HI], tools=[tool])).tools[0].function
+    assert (function.name, function.strict) == ("get_weather", strict)
+
+
 def test_final_assistant_text_is_a_prefill():
     chat = to_chat_request(request([HI, {"role": "assistant", "content": "Hello"}]))
     assert chat.continue_final_message and not chat.add_generation_prompt

@@ -8,6 +8,7 @@ import argparse
 import json
 from types import SimpleNamespace
 
+import jinja2
 import jsonschema
 import pytest
 
@@ -15,7 +16,7 @@ from xlaserve.engine.mm_processor import content_format
 from xlaserve.entrypoints.arg_utils import add_tool_args, auto_tool_choice, tool_options
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, make_tool_parser
 from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
-from xlaserve.entrypoints.serving.chat_template import conversation
+from xlaserve.entrypoints.serving.chat_template import conversation, render_chat
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ChatMessage
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
@@ -267,6 +268,33 @@ def test_chat_template_kwargs_reach_the_reasoning_parser(switches):
     with pytest.raises(APIError, match="olmo3 reasoning parser") as error:
         chat_sampling_params(state, req, plan, [1, 2], 8)
     assert (error.value.status_code, error.value.param) == (400, "structured_outputs")
+
+
+@pytest.mark.parametrize(
+    "fields, shown",
+    [
+        ({}, "unset"),
+        ({"reasoning_effort": "high"}, "high"),
+        ({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}, "low"),
+        ({"chat_template_kwargs": {"reasoning_effort": "minimal"}}, "minimal"),
+    ],
+)
+def test_reasoning_effort_is_the_templates_variable(fields, shown):
+    """vLLM passes the chat request's `reasoning_effort` to the template as a variable of that name
+    (gpt-oss's template reads it); chat_template_kwargs, the request's explicit variables, win."""
+
+    class Tokenizer:
+        def apply_chat_template(self, chat, chat_template, tools, tokenize, **variables):
+            return jinja2.Template(chat_template).render(messages=chat, **variables)
+
+    template = "{{ reasoning_effort | default('unset') }}"
+    state = SimpleNamespace(
+        engine=SimpleNamespace(tokenizer=Tokenizer()),
+        trust_request_chat_template=False,
+        chat_template=template,
+        chat_template_content_format="auto",
+    )
+    assert render_chat(state, request(**fields)) == shown
 
 
 # -- auto tool choice at start: on by default where the model's family has a known parser ----------

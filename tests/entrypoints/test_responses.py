@@ -242,10 +242,11 @@ def test_function_call_round_trip(server, client):
     # Continued by id: the call is in the stored history, so its output may answer it.
     by_id = _create(client, previous_response_id=first.id, input=[result], tools=TOOLS, tool_choice="none")
     assert [item.type for item in by_id.output] == ["message"] and by_id.output_text
-    # The same turn sent whole, the previous output as items: the same prompt, the same answer.
+    # The same turn sent whole, the previous output as items as the SDK dumps them (the newest SDK's
+    # items carry `async`, `caller`, `namespace` and a message's `phase`, null): the same prompt and answer.
     items = [
         {"role": "user", "content": ASK},
-        *[i.model_dump(exclude_none=True) for i in first.output],
+        *[i.model_dump(mode="json", by_alias=True) for i in first.output],
         result,
     ]
     whole = _create(client, input=items, tools=TOOLS, tool_choice="none", store=False)
@@ -432,6 +433,33 @@ def test_store_evicts_the_least_recently_used(server, client):
     assert client.responses.retrieve(oldest.id).id == oldest.id
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(kept.id)
+
+
+def test_sdk_output_fields_sent_back_change_nothing():
+    """The fields the newest SDK's output items carry (a message's `phase`, a call's `async`, `caller`
+    and `namespace`, an output's `name`), as a client sends its items back: accepted, the same turns;
+    wrong types are 400s naming them."""
+    bare = [
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    sent = [
+        {**bare[0], "phase": "commentary"},
+        {**bare[1], "async": False, "caller": {"type": "direct"}, "namespace": None},
+        {**bare[2], "caller": {"type": "program", "caller_id": "ci_1"}, "name": "get_weather"},
+    ]
+    turns = [
+        input_turns(ResponsesRequest(input=[{"role": "user", "content": ASK}, *items]), [])
+        for items in (bare, sent)
+    ]
+    assert turns[0] == turns[1] and [t["role"] for t in turns[0]] == ["user", "assistant", "tool"]
+    for item, field in [
+        ({**bare[1], "async": "no"}, "async"),
+        ({**bare[1], "caller": {"type": "x"}}, "caller.type"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(field)):
+            ResponsesRequest(input=[item])
 
 
 def test_store_unit():

@@ -270,6 +270,8 @@ def _function_tools(tools: list[ToolParam] | None) -> list[dict] | None:
         function = {"name": tool.name, "parameters": schema}
         if tool.description is not None:
             function["description"] = tool.description
+        if tool.strict is not None:
+            function["strict"] = tool.strict
         out.append({"type": "function", "function": function})
     return out
 

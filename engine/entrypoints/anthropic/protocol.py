@@ -145,6 +145,12 @@ class ToolParam(StrictModel):
     input_schema: JsonObject = Field(description="a JSON schema of the tool's input, an object")
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
+    strict: bool | None = Field(
+        default=None, description="accepted, as on OpenAI's function tools: forced calls follow the schema"
+    )
+    eager_input_streaming: bool | None = Field(
+        default=None, description="accepted; a tool_use's input always streams as it is generated"
+    )
 
 
 class ToolChoiceAuto(StrictModel):

@@ -89,9 +89,27 @@ class MessageItem(StrictModel):
     content: _text_or_list(ContentPart)
     id: ItemId | None = None
     status: ItemStatus | None = None
+    phase: Literal["commentary", "final_answer"] | None = Field(
+        default=None, description="an assistant message's, as OpenAI's output gives it: accepted and ignored"
+    )
 
 
-class FunctionCallItem(StrictModel):
+class Caller(StrictModel):
+    """What made a call: the model (`direct`) or a program item's code (OpenAI's `program`)."""
+
+    type: Literal["direct", "program"]
+    caller_id: ItemId | None = None
+
+
+class _CallContext(StrictModel):
+    """A call's context fields that the newest SDKs' output items carry (null where unset), so an item
+    sent back as the SDK dumps it keeps them: accepted and ignored, as vLLM ignores them."""
+
+    namespace: Text | None = Field(default=None, max_length=256)
+    caller: Caller | None = None
+
+
+class FunctionCallItem(_CallContext):
     """A call the model made earlier: `call_id` is what its function_call_output answers."""
 
     type: Literal["function_call"]
@@ -100,14 +118,16 @@ class FunctionCallItem(StrictModel):
     arguments: Text = Field(max_length=256 * 1024, description="the call's arguments as JSON text")
     id: ItemId | None = None
     status: ItemStatus | None = None
+    is_async: bool | None = Field(default=None, alias="async", description="accepted and ignored")
 
 
-class FunctionCallOutputItem(StrictModel):
+class FunctionCallOutputItem(_CallContext):
     type: Literal["function_call_output"]
     call_id: ItemId
     output: _text_or_list(InputText)
     id: ItemId | None = None
     status: ItemStatus | None = None
+    name: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
 
 
 class SummaryText(StrictModel):

@@ -27,6 +27,7 @@ from xlaserve.entrypoints.serving.protocol import (
     KVTransferParams,
     Penalty,
     PositiveTokens,
+    ReasoningEffort,
     Seed,
     StopString,
     StrictModel,
@@ -180,7 +181,7 @@ class TextConfig(StrictModel):
 class ReasoningConfig(StrictModel):
     """Accepted: a --reasoning-parser splits the thinking of models that think; effort is not enforced."""
 
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 

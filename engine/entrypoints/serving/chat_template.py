@@ -139,7 +139,7 @@ def render_chat(state: ServerState, req: ChatCompletionRequest) -> str:
         req.add_generation_prompt,
         req.continue_final_message,
         req.tools,
-        req.chat_template_kwargs,
+        req.template_variables,
         req.chat_template,
     )
 

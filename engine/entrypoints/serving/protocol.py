@@ -43,7 +43,6 @@ UNSUPPORTED_FIELDS = frozenset(
         "modalities",
         "prediction",
         "web_search_options",
-        "reasoning_effort",
         "service_tier",
         "store",
         "metadata",
@@ -359,6 +358,11 @@ ToolChoice = Annotated[
 ]
 
 
+# OpenAI's reasoning effort levels (the chat request's `reasoning_effort`, the Responses API's
+# `reasoning.effort`).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
@@ -380,6 +384,23 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: bool = Field(
         default=True, description="false: the answer leaves out the reasoning parser's reasoning_content"
     )
+    reasoning_effort: ReasoningEffort | None = Field(
+        default=None,
+        description="the chat template's `reasoning_effort` variable, as vLLM passes it (gpt-oss's template "
+        "reads it; others ignore it); a chat_template_kwargs entry of that name wins",
+    )
+    verbosity: Literal["low", "medium", "high"] | None = Field(
+        default=None, description="accepted and ignored"
+    )
+    prompt_cache_key: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
+    safety_identifier: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
+
+    @property
+    def template_variables(self) -> dict | None:
+        """The chat template's extra variables: chat_template_kwargs, with `reasoning_effort` beneath them."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
 
 # The tool_choice union's tags: not fields, so error locations leave them out.
