@@ -120,12 +120,14 @@ FAMILIES = {
             },
         ),
     ),
+    # Two of four groups, the score bias, routed_scaling_factor 2.5; biases on q_a, kv_a and o_proj.
     "deepseek_v3": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
         dict(
             _DEEPSEEK,
             topk_group=2,
+            attention_bias=True,
             n_shared_experts=1,
             routed_scaling_factor=2.5,
             q_lora_rank=32,
@@ -141,11 +143,18 @@ FAMILIES = {
             },
         ),
     ),
+    # Softmax routing limited to two of four groups (scored by their best expert); q_proj whole, biases
+    # on kv_a and o_proj.
     "deepseek_v2": (
         "DeepseekV2Config",
         "DeepseekV2ForCausalLM",
         dict(
-            _DEEPSEEK, topk_method="group_limited_greedy", topk_group=1, n_shared_experts=2, q_lora_rank=None
+            _DEEPSEEK,
+            topk_method="group_limited_greedy",
+            topk_group=2,
+            n_shared_experts=2,
+            q_lora_rank=None,
+            attention_bias=True,
         ),
     ),
     # q and k normed over all heads at once, q/k/v clamped (tight enough to bind), no renormalization.
@@ -441,7 +450,7 @@ ROUTERS = {
     "deepseek_v2_group_limited": {
         "norm_topk_prob": False,
         "n_group": 4,
-        "topk_group": 1,
+        "topk_group": 2,
         "routed_scaling_factor": 1.5,
     },
     "deepseek_v3": {
