@@ -709,7 +709,11 @@ def test_gguf_deepseek2_config_and_kv_b_of_either_converter(tmp_path):
         ),
         # V2 with groups: the best 2 of 4 compete (scored by their best expert, V2's own rule).
         (
-            {"deepseek2.expert_count": 8, "deepseek2.expert_group_count": 4, "deepseek2.expert_group_used_count": 2},
+            {
+                "deepseek2.expert_count": 8,
+                "deepseek2.expert_group_count": 4,
+                "deepseek2.expert_group_used_count": 2,
+            },
             {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "attention_bias": False},
         ),
         (

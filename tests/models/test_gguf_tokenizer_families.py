@@ -49,7 +49,23 @@ SAMPLES = [
 
 def _texts(specials: list[str]) -> list[str]:
     """SAMPLES, the special tokens amid text, and random mixes of them and of a few scripts."""
-    pieces = [*SAMPLES, *specials, " ", "  ", "\n", "\t", " \n", "\n ", "\t ", "é", "日", "😀", "the", "'s", "123"]
+    pieces = [
+        *SAMPLES,
+        *specials,
+        " ",
+        "  ",
+        "\n",
+        "\t",
+        " \n",
+        "\n ",
+        "\t ",
+        "é",
+        "日",
+        "😀",
+        "the",
+        "'s",
+        "123",
+    ]
     return [*SAMPLES, *(f"x {s}y{s} {s}" for s in specials), *tokenizer_texts.random_texts(120, pieces)]
 
 
@@ -217,5 +233,9 @@ def test_what_each_family_changes(case):
     assert ids[:2] == [ours.bos_token_id, 7] and 9 in ids
     # A space then a tab: the file's " \t" (id 19), respelled "▁\t" (a reader that respells only runs
     # of spaces cannot reach it; transformers' reading of the file makes it a second "▁▁").
-    assert ours.convert_ids_to_tokens(ours("a \tb", add_special_tokens=False)["input_ids"]) == ["a", "▁\t", "b"]
+    assert ours.convert_ids_to_tokens(ours("a \tb", add_special_tokens=False)["input_ids"]) == [
+        "a",
+        "▁\t",
+        "b",
+    ]
     assert ours.convert_ids_to_tokens(ids[2]) == "ind"
