@@ -146,14 +146,15 @@ FAMILIES = {
             },
         ),
     ),
-    # Softmax routing limited to two of four groups (scored by their best expert); q_proj whole, biases
-    # on kv_a and o_proj.
+    # Softmax routing: top 3 in the two of four groups with the best expert (k above topk_group, where
+    # the limit can change the choice); q_proj whole, biases on kv_a and o_proj.
     "deepseek_v2": (
         "DeepseekV2Config",
         "DeepseekV2ForCausalLM",
         dict(
             _DEEPSEEK,
             topk_method="group_limited_greedy",
+            num_experts_per_tok=3,
             topk_group=2,
             n_shared_experts=2,
             q_lora_rank=None,
@@ -464,6 +465,7 @@ ROUTERS = {
     "qwen3_unnormalized": {"norm_topk_prob": False},
     "deepseek_v2_group_limited": {
         "norm_topk_prob": False,
+        "num_experts_per_tok": 3,  # above topk_group: by their best expert, k <= topk_group is greedy
         "n_group": 4,
         "topk_group": 2,
         "routed_scaling_factor": 1.5,
