@@ -121,7 +121,7 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
     if arch == "smollm3":  # llama.cpp rotates no q/k in every fourth layer, a step the file does not carry
         config["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(config["num_hidden_layers"])]
     if arch == "deepseek2":
-        config.update(_deepseek2_fields(metadata, config))
+        config.update(_deepseek2_fields(metadata, config, names))
     if arch == "glm4moe":
         config.update(_glm4moe_fields(metadata, config, names))
     if arch == "phi3":
@@ -136,7 +136,9 @@ def gguf_hf_config(metadata: Mapping[str, Any], tensor_names: Iterable[str]) -> 
 _GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
 
-def _deepseek2_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+def _deepseek2_fields(
+    metadata: Mapping[str, Any], config: Mapping[str, Any], names: set[str]
+) -> dict[str, Any]:
     """DeepSeek V2/V3's config.json keys from llama.cpp's `deepseek2.*` metadata."""
 
     def key(name: str, default: Any = None) -> Any:
@@ -160,8 +162,13 @@ def _deepseek2_fields(metadata: Mapping[str, Any], config: Mapping[str, Any]) ->
             f"{sorted(_GATING_FUNCS)} ({', '.join(_GATING_FUNCS.values())})"
         )
     is_v3 = _GATING_FUNCS[gating] == "sigmoid"
+    # llama.cpp scores a group by its best two experts whatever the gating; V2's own rule (and
+    # Hugging Face's, vLLM's) is its best one, which the V2 config read here keeps.
     n_group, topk_group = key("expert_group_count", 1), key("expert_group_used_count", 1)
     fields = {
+        # attention_bias: biases on q_a, kv_a and o_proj (no released DeepSeek has them; the converter
+        # writes them, llama.cpp's graph has none).
+        "attention_bias": any(n.endswith(".attn_kv_a_mqa.bias") for n in names),
         "num_key_value_heads": config["num_attention_heads"],  # the file's 1 is the latent's
         "head_dim": qk_head_dim,
         "kv_lora_rank": key("attention.kv_lora_rank"),

@@ -11,9 +11,11 @@ on torch-era loading code. Two kinds (`tokenizer.ggml.model`):
 - "llama": SentencePiece BPE (Llama 2, Mistral, Gemma 3): "▁" for spaces, one prepended to the text,
   bytes without a token spelled as <0xNN> tokens, and no merges in the file: a token that splits into
   two tokens of the vocabulary is their merge, ranked by its score (higher first), as llama.cpp
-  merges. Gemma's files differ in two ways transformers' conversion (what we match) corrects: their
-  scores do not follow the merge order, the vocabulary's order does, and a token of whitespace only
-  is stored with spaces, not "▁"s. Phi-3's prepend their "▁" to text that starts with a space too.
+  merges. Gemma's files differ from the vocabulary they were converted from in two ways, both undone:
+  their scores do not follow the merge order, the vocabulary's order does, and a user-defined token of
+  whitespace stores its "▁"s as spaces ("\n▁" as "\n "; transformers' conversion respells only runs
+  of spaces right, and makes "\n " a second "▁▁"). Phi-3's prepend their "▁" to text that starts with
+  a space too.
 """
 
 from __future__ import annotations
@@ -128,7 +130,6 @@ def _sentencepiece_backend(
 ) -> tuple[Tokenizer, dict[str, int]]:
     scores = metadata.get("tokenizer.ggml.scores")
     if metadata.get("general.architecture") in _GEMMA_ARCHITECTURES:
-        tokens = [t.replace(" ", _SPACE) if " " in t and not t.strip() else t for t in tokens]
         scores = [-i for i in range(len(tokens))]  # earlier merges first
     if scores is None:
         raise ValueError("GGUF SentencePiece tokenizer has no tokenizer.ggml.scores to rank its merges by")
@@ -191,6 +192,10 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> PreTrainedToken
         )
     is_byte_level = kind == "gpt2"
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    if not is_byte_level and metadata.get("general.architecture") in _GEMMA_ARCHITECTURES:
+        # llama.cpp's converter writes the "▁"s of Gemma's user-defined whitespace tokens ("▁▁", "\n▁",
+        # "▁\t") as spaces: each "▁" back, so BPE reaches them and they are added as the vocabulary's.
+        tokens = [t.replace(" ", _SPACE) if " " in t and not t.strip() else t for t in tokens]
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     backend, vocab = (_byte_level_backend if is_byte_level else _sentencepiece_backend)(metadata, tokens)
 

@@ -131,9 +131,9 @@ CASES = {
             norm_topk_prob=False,
         ),
     ),
-    # MLA (queries through their low rank), a dense layer then V3's routing: sigmoid scores with their
-    # bias, top 2 of 4 in the better of 2 groups, renormalized and scaled, a shared expert; YaRN with
-    # mscale = mscale_all_dim, as llama.cpp's graph assumes.
+    # MLA (queries through their low rank) with biases on q_a, kv_a and o_proj, a dense layer then V3's
+    # routing: sigmoid scores with their bias, top 2 of 4 in the better of 2 groups, renormalized and
+    # scaled, a shared expert; YaRN with mscale = mscale_all_dim, as llama.cpp's graph assumes.
     "deepseek2": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
@@ -149,6 +149,7 @@ CASES = {
             n_shared_experts=1,
             routed_scaling_factor=2.5,
             norm_topk_prob=True,
+            attention_bias=True,
             kv_lora_rank=32,
             q_lora_rank=32,
             qk_nope_head_dim=16,
@@ -665,6 +666,7 @@ def test_gguf_deepseek2_config_and_kv_b_of_either_converter(tmp_path):
     expected |= {name: getattr(hf, name) for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
     expected |= {
         "architectures": ["DeepseekV3ForCausalLM"],
+        "attention_bias": True,
         "first_k_dense_replace": 1,
         "n_routed_experts": 4,
         "n_shared_experts": 1,
@@ -690,6 +692,7 @@ def test_gguf_deepseek2_config_and_kv_b_of_either_converter(tmp_path):
     state = original.state_dict()
     for name in (
         "model.layers.1.self_attn.kv_b_proj.weight",
+        "model.layers.1.self_attn.kv_a_proj_with_mqa.bias",
         "model.layers.1.mlp.gate.e_score_correction_bias",
     ):
         np.testing.assert_array_equal(tensors[0][name], state[name].numpy())
@@ -703,6 +706,15 @@ def test_gguf_deepseek2_config_and_kv_b_of_either_converter(tmp_path):
         (
             {"deepseek2.expert_gating_func": 1, "deepseek2.expert_group_count": 1},
             {"architectures": ["DeepseekV2ForCausalLM"], "scoring_func": "softmax", "topk_method": "greedy"},
+        ),
+        # V2 with groups: the best 2 of 4 compete (scored by their best expert, V2's own rule).
+        (
+            {
+                "deepseek2.expert_count": 8,
+                "deepseek2.expert_group_count": 4,
+                "deepseek2.expert_group_used_count": 2,
+            },
+            {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "attention_bias": False},
         ),
         (
             {"deepseek2.expert_gating_func": 3},

@@ -2,9 +2,13 @@
 conversion, on small vocabularies learned here and written as llama.cpp's converter writes them.
 
 - Gemma 3 (`gemma3`, SentencePiece "llama"): <pad> <eos> <bos> <unk> first, turn markers as control
-  tokens, runs of spaces stored as spaces (user-defined), the 256 byte tokens, then the pieces, with
-  scores that do not follow the order they were learned in (Gemma's do not either: the file's order
-  ranks its merges); no space prefix.
+  tokens, user-defined whitespace tokens (runs of spaces, newlines and tabs, and spaces mixed with
+  them), the 256 byte tokens, then the pieces, with scores that do not follow the order they were
+  learned in (Gemma's do not either: the file's order ranks its merges); no space prefix. llama.cpp's
+  converter writes a user-defined token's "▁"s as spaces; the reference is the tokenizer of the
+  original vocabulary ("▁"s kept, as in Gemma's tokenizer.json), read by transformers from a twin
+  file. transformers' reading of the converter's file spells every whitespace token with a space as
+  that many "▁"s, so "\n▁" and "▁▁" would be one token to it.
 - OLMo 2 (`olmo2`, byte-level "gpt2", pre-tokenizer "dbrx", cl100k's split) and Phi-4-mini (`phi3`,
   pre-tokenizer "gpt-4o", o200k's split): merges learned with GPT-2's split, so a wrong split (digits
   in threes or not, a contraction on its word or not) shows as other ids. "olmo" (OLMo 1.7) splits
@@ -45,22 +49,50 @@ SAMPLES = [
 
 def _texts(specials: list[str]) -> list[str]:
     """SAMPLES, the special tokens amid text, and random mixes of them and of a few scripts."""
-    pieces = [*SAMPLES, *specials, " ", "  ", "\n", "é", "日", "😀", "the", "'s", "123"]
+    pieces = [
+        *SAMPLES,
+        *specials,
+        " ",
+        "  ",
+        "\n",
+        "\t",
+        " \n",
+        "\n ",
+        "\t ",
+        "é",
+        "日",
+        "😀",
+        "the",
+        "'s",
+        "123",
+    ]
     return [*SAMPLES, *(f"x {s}y{s} {s}" for s in specials), *tokenizer_texts.random_texts(120, pieces)]
 
 
 GEMMA_CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
-GEMMA_SPACES = [" " * n for n in range(2, 6)]  # stored as spaces: respelled "▁▁"... when read
+# Gemma's whitespace tokens, user-defined, as the original vocabulary spells them (runs of spaces
+# first: ids 7-10); the converter writes their "▁"s as spaces, a reader must respell them.
+GEMMA_WHITESPACE = [
+    *("▁" * n for n in range(2, 6)),
+    *["\n", "\n\n", "\t\t", "▁\n", "\n▁", "\n▁▁", "▁▁\n", "\t▁", "▁\t"],
+]
 
 
-def write_gemma3(path, arch: str) -> None:
+def write_gemma3(path, arch: str, *, as_converted: bool = True) -> None:
+    """Gemma 3's file as llama.cpp's converter writes it, or (`as_converted=False`) with the original
+    vocabulary's spelling of its whitespace tokens."""
     learner = Tokenizer(models.BPE())
     learner.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
     learner.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, show_progress=False))
-    pieces = [p for p, _ in sorted(learner.get_vocab().items(), key=lambda item: item[1]) if "▁▁" not in p]
-    tokens = [*GEMMA_CONTROL, *GEMMA_SPACES, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    pieces = [
+        p
+        for p, _ in sorted(learner.get_vocab().items(), key=lambda item: item[1])
+        if "▁▁" not in p and "\n" not in p
+    ]
+    whitespace = [t.replace("▁", " ") if as_converted else t for t in GEMMA_WHITESPACE]
+    tokens = [*GEMMA_CONTROL, *whitespace, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
     # llama.cpp's token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
-    types = [3, 3, 3, 2, 3, 3, 3, *[4] * len(GEMMA_SPACES), *[6] * 256, *[1] * len(pieces)]
+    types = [3, 3, 3, 2, 3, 3, 3, *[4] * len(whitespace), *[6] * 256, *[1] * len(pieces)]
     # Scores unrelated to the pieces' order: a reader ranking merges by them splits words otherwise.
     scores = [0.0] * (len(tokens) - len(pieces)) + random.Random(1).sample(
         range(-len(pieces), 0), len(pieces)
@@ -121,14 +153,16 @@ def write_byte_level(path, pre: str, arch: str) -> None:
 
 # name -> (writer(path, architecture), special tokens, the file's architecture). transformers reads
 # no olmo2 or olmo file: its reference is read from a twin file under "llama" (a byte-level
-# tokenizer's conversion does not depend on the architecture).
+# tokenizer's conversion does not depend on the architecture); Gemma 3's from a twin file spelled as
+# the original vocabulary (`TWINS`).
 CASES = {
     "gemma3": (write_gemma3, GEMMA_CONTROL, "gemma3"),
     "olmo2": (functools.partial(write_byte_level, pre="dbrx"), BYTE_LEVEL_CONTROL["dbrx"], "olmo2"),
     "phi4-mini": (functools.partial(write_byte_level, pre="gpt-4o"), BYTE_LEVEL_CONTROL["gpt-4o"], "phi3"),
     "olmo": (functools.partial(write_byte_level, pre="olmo"), BYTE_LEVEL_CONTROL["olmo"], "olmo"),
 }
-_READ_BY_TRANSFORMERS = ("gemma3", "phi3")
+_READ_BY_TRANSFORMERS = ("phi3",)
+TWINS = {"gemma3": (functools.partial(write_gemma3, as_converted=False), "gemma3")}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -140,7 +174,8 @@ def case(request, tmp_path_factory):
     reference_file = "tiny.gguf"
     if arch not in _READ_BY_TRANSFORMERS:
         reference_file = "twin.gguf"
-        write(directory / reference_file, arch="llama")
+        write_twin, twin_arch = TWINS.get(request.param, (write, "llama"))
+        write_twin(directory / reference_file, arch=twin_arch)
     reference = AutoTokenizer.from_pretrained(str(directory), gguf_file=reference_file)
     return request.param, load_tokenizer(str(directory / "tiny.gguf")), reference, _texts(specials)
 
@@ -196,4 +231,11 @@ def test_what_each_family_changes(case):
     # Runs of spaces are the file's space tokens (ids 7, 9: "  ", "    "), no "▁" is prepended, BOS is.
     ids = ours("  indented\n    more")["input_ids"]
     assert ids[:2] == [ours.bos_token_id, 7] and 9 in ids
+    # A space then a tab: the file's " \t" (id 19), respelled "▁\t" (a reader that respells only runs
+    # of spaces cannot reach it; transformers' reading of the file makes it a second "▁▁").
+    assert ours.convert_ids_to_tokens(ours("a \tb", add_special_tokens=False)["input_ids"]) == [
+        "a",
+        "▁\t",
+        "b",
+    ]
     assert ours.convert_ids_to_tokens(ids[2]) == "ind"

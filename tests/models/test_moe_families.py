@@ -15,6 +15,7 @@ kernel against full (unabsorbed) attention, and the expert-stacking loader's err
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from functools import partial
 
@@ -36,6 +37,8 @@ from xlaserve.models.moe import MoEConfig, grouped_expert_mlp, route, stack_expe
 from xlaserve.models.registry import get_model_class, model_config_from_hf
 
 MAX_REL_ERR = 1e-4
+# A bfloat16 greedy token may trail float32's best by this much of the logits' range (a near tie).
+BFLOAT16_TIE = 5e-3
 VOCAB_SIZE = 320
 NUM_NEW_TOKENS = 16
 BLOCK_SIZE = 8
@@ -120,12 +123,14 @@ FAMILIES = {
             },
         ),
     ),
+    # Two of four groups, the score bias, routed_scaling_factor 2.5; biases on q_a, kv_a and o_proj.
     "deepseek_v3": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
         dict(
             _DEEPSEEK,
             topk_group=2,
+            attention_bias=True,
             n_shared_experts=1,
             routed_scaling_factor=2.5,
             q_lora_rank=32,
@@ -141,11 +146,19 @@ FAMILIES = {
             },
         ),
     ),
+    # Softmax routing: top 3 in the two of four groups with the best expert (k above topk_group, where
+    # the limit can change the choice); q_proj whole, biases on kv_a and o_proj.
     "deepseek_v2": (
         "DeepseekV2Config",
         "DeepseekV2ForCausalLM",
         dict(
-            _DEEPSEEK, topk_method="group_limited_greedy", topk_group=1, n_shared_experts=2, q_lora_rank=None
+            _DEEPSEEK,
+            topk_method="group_limited_greedy",
+            num_experts_per_tok=3,
+            topk_group=2,
+            n_shared_experts=2,
+            q_lora_rank=None,
+            attention_bias=True,
         ),
     ),
     # q and k normed over all heads at once, q/k/v clamped (tight enough to bind), no renormalization.
@@ -329,6 +342,18 @@ def hf_logits(hf_model, prompt) -> np.ndarray:
         return hf_model(torch.as_tensor([prompt]), use_cache=False).logits[0].float().numpy()
 
 
+def bfloat16_weights(hf_model):
+    """A float32 copy of `hf_model` with its parameters rounded to bfloat16, as a bfloat16 engine holds
+    them (buffers, DeepSeek V3's score bias among them, stay float32, as the engine keeps it)."""
+    import torch
+
+    model = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    return model
+
+
 def hf_greedy(hf_model, prompts: list[list[int]]) -> list[list[int]]:
     """HF's greedy `generate` of NUM_NEW_TOKENS for each prompt, one left-padded batch."""
     import torch
@@ -440,8 +465,9 @@ ROUTERS = {
     "qwen3_unnormalized": {"norm_topk_prob": False},
     "deepseek_v2_group_limited": {
         "norm_topk_prob": False,
+        "num_experts_per_tok": 3,  # above topk_group: by their best expert, k <= topk_group is greedy
         "n_group": 4,
-        "topk_group": 1,
+        "topk_group": 2,
         "routed_scaling_factor": 1.5,
     },
     "deepseek_v3": {
@@ -581,16 +607,19 @@ def test_mla_paged_attention_matches_unabsorbed_attention():
 
 
 # float32 (its invariance asked for) on DeepSeek V3 alone: its router, experts and latent attention cover
-# what float32 adds (each dot through `matmul`), Mixtral's router being the same code.
+# what float32 adds (each dot through `matmul`), V2's softmax router (Mixtral's) being the same code.
 @pytest.mark.parametrize(
-    ("name", "dtype"), [("mixtral", "bfloat16"), ("deepseek_v3", "bfloat16"), ("deepseek_v3", "float32")]
+    ("name", "dtype"), [("deepseek_v2", "bfloat16"), ("deepseek_v3", "bfloat16"), ("deepseek_v3", "float32")]
 )
 def test_tokens_and_logprobs_are_the_same_bits_alone_and_among_companions(name, dtype, tokenizer, tmp_path):
-    """Batch invariance for a MoE family and an MLA one, at the dtype users run (bfloat16) and in float32
-    (`dtype="auto"` on a CPU without AVX512-BF16 or AMX): a request's greedy tokens and logprobs alone
-    equal, bit for bit, those it gets among 1 and 6 companions (other token and request buckets, steps
-    mixing prefill chunks and decodes: routing, the grouped experts and the latent attention see other
-    row counts)."""
+    """Batch invariance for DeepSeek V2 and V3 (MoE with grouped routing, latent attention), at the dtype
+    users run (bfloat16) and in float32 (`dtype="auto"` on a CPU without AVX512-BF16 or AMX): a request's
+    greedy tokens and logprobs alone equal, bit for bit, those it gets among 1 and 6 companions (other
+    token and request buckets, steps mixing prefill chunks and decodes: routing, the grouped experts and
+    the latent attention see other row counts). In bfloat16 each greedy token is also Hugging Face's
+    choice in float32 over the same bfloat16 weights, teacher-forced on the same tokens (a near tie may
+    swap; with float32 weights, a rounded router score flips a near-tied expert and the logits move by
+    a tenth of their range)."""
     hf_model = make_hf_model(name, seed=list(FAMILIES).index(name))
     hf_model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
@@ -620,6 +649,11 @@ def test_tokens_and_logprobs_are_the_same_bits_alone_and_among_companions(name, 
         ]
 
     alone = numbers(prompts[:1])[0]
+    if dtype == "bfloat16":
+        tokens = list(alone[0])
+        logits = hf_logits(bfloat16_weights(hf_model), prompts[0] + tokens[:-1])[len(prompts[0]) - 1 :]
+        gaps = logits.max(-1) - logits[np.arange(len(tokens)), tokens]
+        assert gaps.max() <= BFLOAT16_TIE * np.ptp(logits), f"{name}: float32 logit gaps {gaps}"
     assert numbers(prompts[:2])[0] == alone
     assert numbers(prompts[1:4] + prompts[:1] + prompts[4:])[3] == alone
 
