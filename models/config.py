@@ -165,6 +165,13 @@ class TransformerConfig:
         widens something that must split evenly (Mamba2's B and C groups, copied as KV heads are)."""
         return self
 
+    def checkpoint_rows(self, name: str, rows: int, checkpoint_config: TransformerConfig) -> int:
+        """The inverse of `for_tensor_parallel` (and of the copies the family's `prepare_hf_tensors`
+        makes with it) for one tensor: the `rows` of Hugging Face tensor `name` (axis 0) as the model
+        built with this config holds them -> as a checkpoint of `checkpoint_config` holds them
+        (sharding/layout.py `checkpoint_shape`). A family that widens overrides both."""
+        return rows
+
 
 @dataclass(frozen=True)
 class RopeParameters:

@@ -117,6 +117,12 @@ class Mamba2Config(TransformerConfig):
     def for_tensor_parallel(self, tensor_parallel_size: int) -> Mamba2Config:
         return self.replace(group_copies=group_copies(self.n_groups, tensor_parallel_size))
 
+    def checkpoint_rows(self, name: str, rows: int, checkpoint_config: Mamba2Config) -> int:
+        # in_proj's outputs and the conv's channels hold every copy of B and C (`group_mamba2_tensors`).
+        if _MAMBA2_GROUPED.search(name) is None:
+            return rows
+        return rows - (self.conv_dim - checkpoint_config.conv_dim)
+
 
 def state_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The TransformerConfig fields Mamba's and Mamba2's config.json spell alike: no attention, no RoPE."""

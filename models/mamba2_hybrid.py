@@ -55,6 +55,9 @@ class Mamba2HybridConfig(HybridConfig):
     def for_tensor_parallel(self, tensor_parallel_size: int):
         return self.replace(mamba_group_copies=group_copies(self.mamba_n_groups, tensor_parallel_size))
 
+    def checkpoint_rows(self, name: str, rows: int, checkpoint_config: Mamba2HybridConfig) -> int:
+        return self.mamba.checkpoint_rows(name, rows, checkpoint_config.mamba)
+
     @property
     def mamba(self) -> Mamba2Config:
         """The Mamba2 mixer's config: the shared fields, with the SSM's heads and widths."""

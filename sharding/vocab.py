@@ -71,6 +71,15 @@ def pad_vocab(tensors, vocab_size: int, padded_size: int):
     return out
 
 
+def checkpoint_vocab_rows(name: str, rows: int, vocab_size: int, padded_size: int) -> int:
+    """The inverse of `pad_vocab` for Hugging Face tensor `name`'s axis 0: `rows` as the model holds
+    them (padded to `padded_size`) -> as the checkpoint holds them (`vocab_size`). Other tensors:
+    `rows` itself."""
+    if padded_size == vocab_size or name not in _HF_VOCAB_AXIS:
+        return rows
+    return rows - (padded_size - vocab_size)
+
+
 def lazily(array, compute, shape: tuple[int, ...]):
     """`compute(array)` (of `shape`): now, or for a checkpoint's tensor when it is read (its `derived`,
     models/safetensors_loader.py), so a load still reads one parameter's tensors at a time: the

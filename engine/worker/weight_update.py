@@ -52,8 +52,7 @@ from xlaserve.models.prequantized import quantization_scheme
 from xlaserve.models.quantization import SCALE, ZERO, QuantScheme, is_quantized_kernel, quantized_parts
 from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.models.weights import _unflatten, flatten_tree, hf_name
-from xlaserve.sharding.kv_heads import checkpoint_heads_size
-from xlaserve.sharding.layout import lay_out_for_mesh
+from xlaserve.sharding.layout import checkpoint_shape, lay_out_for_mesh
 from xlaserve.worker.pipeline_stage import StageLayout
 
 logger = logging.getLogger(__name__)
@@ -192,7 +191,6 @@ def _updated_sets(runner, weights: Mapping | Iterable) -> tuple[list[ParamSet], 
     tp = runner.config.parallel.tensor_parallel_size
     sets = runner.param_sets()
     flats = [flatten_tree(nnx.to_pure_dict(weights.params)) if weights.is_local else None for weights in sets]
-    stacks = model_class.layer_stacks(runner.model_config)
     # The checkpoint's own shapes (before KV-head repetition and vocabulary padding): what a caller
     # holds, so the errors name them.
     targets = _targets(model_class, runner.model_config, flats, sets)
@@ -213,10 +211,9 @@ def _updated_sets(runner, weights: Mapping | Iterable) -> tuple[list[ParamSet], 
         # (quantized on the host, as the load does: `_quantized`).
         array = array if hasattr(array, "shape") and hasattr(array, "dtype") else np.asarray(array)
         if where:  # a name only the family's rewrite makes (MoE experts) is checked after it
-            i, path, _ = where[0]
-            shape = _hf_shape(
-                path, flats[i][path].shape, stacks, runner.model_config, hf_cfg, runner.padded_vocab_size
-            )
+            i, path, index = where[0]
+            ours = flats[i][path].shape[1:] if index is not None else flats[i][path].shape
+            shape = checkpoint_shape(name, _layout_shape(ours, path), runner.model_config, hf_cfg, tp)
             if tuple(array.shape) != shape:
                 raise ValueError(f"weights: {name!r} has shape {tuple(array.shape)}, the model's is {shape}")
         host[name] = array
@@ -334,37 +331,6 @@ def _checkpoint_tensors(runner, path: str):
     if ours != theirs:
         raise ValueError(f"update_weights_from_path: {path} holds {theirs}, this engine runs {ours}")
     return checkpoint.tensors
-
-
-def _hf_shape(path, shape, stacks, cfg, hf_cfg, padded_vocab) -> tuple[int, ...]:
-    """A parameter's per-tensor shape as the checkpoint holds it ([out, in], unpadded vocabulary and
-    KV heads)."""
-    shape = list(shape[1:] if path[0] in stacks else shape)
-    if path[-1] == "kernel" and len(shape) >= 2:
-        shape[-1], shape[-2] = shape[-2], shape[-1]
-    if padded_vocab != hf_cfg.vocab_size and path[0] in ("embed_tokens", "lm_head"):
-        shape[0] = hf_cfg.vocab_size
-    # K and V's heads repeated (a fused qkv's k and v), and a k_norm over all of them (OLMo, MiniMax-M2).
-    if shape:
-        axis = 0 if path[-1] == "kernel" else -1
-        shape[axis] = checkpoint_heads_size(path, shape[axis], cfg, hf_cfg.num_kv_heads)
-    # Mamba2's B and C groups copied under tensor parallelism (models/mamba2.py group_copies): in_proj's
-    # outputs and the conv's channels are that much wider than the checkpoint's.
-    copied = _conv_channels(cfg) - _conv_channels(hf_cfg)
-    if copied and path[-3:-1] in (
-        ("mixer", "in_proj"),
-        ("mamba", "in_proj"),
-        ("mixer", "conv1d"),
-        ("mamba", "conv1d"),
-    ):
-        shape[0] -= copied
-    return tuple(shape)
-
-
-def _conv_channels(cfg) -> int:
-    """A Mamba2 mixer's conv channels, B and C copies included (0 for a family without one)."""
-    mamba = getattr(cfg, "mamba", None)
-    return getattr(cfg if mamba is None else mamba, "conv_dim", 0)
 
 
 def _write(old: jax.Array, parts: list[tuple[int | None, object]], dtype) -> jax.Array:

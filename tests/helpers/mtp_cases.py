@@ -167,13 +167,14 @@ def _qwen_mtp_layer(hf, config, family: str, full_layer: int, seed: int, oracle:
     return layer, mtp, wiring
 
 
-def save_deepseek_v3_with_mtp(directory: str, seed: int = 0, family: str = "DeepseekV3"):
+def save_deepseek_v3_with_mtp(directory: str, seed: int = 0, family: str = "DeepseekV3", **overrides):
     """A random DeepseekV3ForCausalLM (DEEPSEEK_V3; `family="Glm4Moe"`: a Glm4MoeForCausalLM, GLM4_MOE)
     and its MTP layer stored as the releases store it: decoder layer `num_hidden_layers` (per-expert
     tensors) with `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the embedding and LM
     head (`embed_tokens`, `shared_head.head`), `num_nextn_predict_layers: 1` in config.json -> (path, hf
-    model, the MTP's decoder layer, its wiring)."""
+    model, the MTP's decoder layer, its wiring); `overrides`: config fields."""
     fields, module = {"DeepseekV3": (DEEPSEEK_V3, "deepseek_v3"), "Glm4Moe": (GLM4_MOE, "glm4_moe")}[family]
+    fields = {**fields, **overrides}
     modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     config = getattr(transformers, f"{family}Config")(**fields, attn_implementation="eager")
     config.architectures = [f"{family}ForCausalLM"]

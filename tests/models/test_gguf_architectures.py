@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import types
 
 import gguf
 import numpy as np
@@ -453,7 +454,11 @@ def rounded_model(original, arch: str):
     return model
 
 
-def write_gguf(path: str, model, arch: str, split_kv_b: bool = True) -> None:
+def write_gguf(
+    path: str, model, arch: str, split_kv_b: bool = True, mtp: dict | None = None, quantized: bool = True
+) -> None:
+    """`model` as llama.cpp's converter writes it (`mtp`: glm4moe's MTP block, as `mtp_block_tensors`
+    gives it; else a random one); `quantized`: the tensors of `stored_qtype` rounded, else all F32."""
     config = model.config
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     header = copy.copy(config)
@@ -498,7 +503,7 @@ def write_gguf(path: str, model, arch: str, split_kv_b: bool = True) -> None:
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch == "glm4moe":
-        add_glm4moe_keys(writer, config, tensors)
+        add_glm4moe_keys(writer, config, tensors, mtp)
     if arch in ("granite", "granitemoe"):  # the converter's names for the multipliers
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
@@ -516,7 +521,7 @@ def write_gguf(path: str, model, arch: str, split_kv_b: bool = True) -> None:
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
     add_word_tokenizer(writer, VOCAB)
     for name, value in tensors.items():
-        qtype = stored_qtype(name, arch)
+        qtype = stored_qtype(name, arch) if quantized else None
         if qtype is None:
             writer.add_tensor(name, value)
         else:
@@ -567,12 +572,15 @@ def add_v3_routing_keys(writer, config) -> None:
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
-def add_glm4moe_keys(writer, config, tensors: dict[str, np.ndarray]) -> None:
-    """Glm4MoeModel's keys (convert_hf_to_gguf.py) and an MTP layer's block after the decoder's: its
-    nextn tensors and a norm of its decoder layer (random: no model reads them, the loader drops them)."""
+def add_glm4moe_keys(writer, config, tensors: dict[str, np.ndarray], mtp: dict | None = None) -> None:
+    """Glm4MoeModel's keys (convert_hf_to_gguf.py) and an MTP layer's block after the decoder's: `mtp`'s
+    tensors, or its nextn tensors and a norm of its decoder layer (random: a plain start drops them)."""
     writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
     add_v3_routing_keys(writer, config)  # no group counts: Glm4MoeModel writes none
     writer.add_nextn_predict_layers(config.num_nextn_predict_layers)
+    if mtp is not None:
+        tensors |= mtp
+        return
     d, block = config.hidden_size, f"blk.{config.num_hidden_layers}"
     rng = np.random.default_rng(0)
     shapes = {"eh_proj": (d, 2 * d), "enorm": (d,), "hnorm": (d,), "shared_head_norm": (d,)}
@@ -580,6 +588,34 @@ def add_glm4moe_keys(writer, config, tensors: dict[str, np.ndarray]) -> None:
     for name, shape in shapes.items():
         tensors[f"{block}.nextn.{name}.weight"] = rng.normal(size=shape).astype(np.float32)
     tensors[f"{block}.attn_norm.weight"] = np.ones(d, np.float32)
+
+
+# The MTP layer's own tensors: the checkpoint's names (models/mtp.py) -> llama.cpp's (gguf-py's
+# MODEL_TENSOR.NEXTN_*: blk.N.nextn.*).
+_NEXTN_NAMES = {
+    "eh_proj": "eh_proj",
+    "enorm": "enorm",
+    "hnorm": "hnorm",
+    "shared_head.norm": "shared_head_norm",
+    "shared_head.head": "shared_head_head",
+    "embed_tokens": "embed_tokens",
+}
+
+
+def mtp_block_tensors(checkpoint: dict[str, np.ndarray], hf, layer, arch: str) -> dict[str, np.ndarray]:
+    """The MTP layer of a checkpoint (`checkpoint`'s `model.layers.N.*`, N = num_hidden_layers; `layer`:
+    its decoder layer, experts fused as transformers holds them) as llama.cpp writes it: block N's
+    decoder tensors under the decoder's names, its own under `nextn.*`."""
+    n = hf.config.num_hidden_layers
+    block = types.SimpleNamespace(
+        config=hf.config,
+        state_dict=lambda: {f"model.layers.{n}.{name}": t for name, t in layer.state_dict().items()},
+    )
+    nextn = {
+        f"blk.{n}.nextn.{g}.weight": checkpoint[f"model.layers.{n}.{h}.weight"]
+        for h, g in _NEXTN_NAMES.items()
+    }
+    return gguf_tensors(block, arch) | nextn
 
 
 def transformers_model(path: str, original, arch: str):
@@ -793,3 +829,34 @@ def test_gguf_gemma2_config_from_llama_cpp_conventions():
     assert cfg.tie_word_embeddings and cfg.norm_offset == 1.0
     metadata["gemma2.block_count"] = 46
     assert gguf_hf_config(metadata, ["token_embd.weight"])["query_pre_attn_scalar"] == 16
+
+
+def test_gguf_glm4moe_mtp_layer_drafts_as_the_checkpoints(tmp_path):
+    """A GLM-4.5 GGUF with its MTP layer as llama.cpp's converter writes it (block num_hidden_layers: its
+    decoder layer's tensors, experts stacked, and `nextn.*`), all F32: `speculative_config={"method":
+    "mtp"}` on the file drafts what the safetensors checkpoint's layer drafts, Hugging Face's layers'
+    (tests/models/test_mtp.py checks that checkpoint's engine against the same reference), k = 2."""
+    from safetensors.numpy import load_file
+
+    from helpers.mtp_cases import hf_drafts, record_drafts, save_deepseek_v3_with_mtp
+
+    # One group of experts, as the releases (Glm4MoeModel writes no group counts).
+    directory, hf, layer, wiring = save_deepseek_v3_with_mtp(
+        str(tmp_path / "glm"), family="Glm4Moe", n_group=1, topk_group=1
+    )
+    path = str(tmp_path / "glm-mtp.gguf")
+    mtp = mtp_block_tensors(load_file(f"{directory}/model.safetensors"), hf, layer, "glm4moe")
+    write_gguf(path, hf, "glm4moe", mtp=mtp, quantized=False)
+    llm = LLM(path, **ENGINE_ARGS, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    seen = record_drafts(llm)
+    ids = np.random.default_rng(2).integers(3, VOCAB, 9).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    tokens = list(out.outputs[0].token_ids)
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=6, min_new_tokens=6)
+    assert tokens == expected[0, len(ids) :].tolist()
+    seq = ids + tokens
+    steps = [(p, d) for p, d in seen[out.request_id] if p < len(seq) - 1]
+    assert len(steps) >= len(tokens) // 2
+    assert [d for _, d in steps] == hf_drafts(hf, layer, wiring, seq, [p for p, _ in steps], 2)

@@ -135,22 +135,34 @@ def test_gpt_oss_sinks_and_biased_experts_under_tensor_parallelism(tp_worker, ti
 
 def test_minimax_m2_norms_over_all_heads_under_tensor_parallelism(tp_worker, tmp_path_factory):
     """q and k normed over every head at once: TP 4 splits the heads (1 query head a rank, the norm's
-    mean summed across ranks) and repeats the 2 KV heads, k_norm's weights with them."""
+    mean summed across ranks) and repeats the 2 KV heads, k_norm's weights with them, as a load does
+    and as `update_weights` does: a checkpoint-shaped update gives a fresh TP-4 engine's tokens."""
     from helpers.tiny_models import save_tiny_model, small_byte_tokenizer
 
-    model = save_tiny_model(
-        str(tmp_path_factory.mktemp("tiny_minimax_m2")),
-        "MiniMaxM2",
-        tokenizer=small_byte_tokenizer(),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rotary_dim=8,
-        intermediate_size=32,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
+    def save(name: str, seed: int) -> str:
+        return save_tiny_model(
+            str(tmp_path_factory.mktemp(name)),
+            "MiniMaxM2",
+            seed=seed,
+            tokenizer=small_byte_tokenizer(),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rotary_dim=8,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+
+    model = save("tiny_minimax_m2", seed=0)
     assert_same_as_first(tp_worker.run("generate", model, [{}, {"tensor_parallel_size": 4}]))
+    other = save("tiny_minimax_m2_b", seed=1)
+    layout = {"tensor_parallel_size": 4}
+    out = tp_worker.run(
+        "update_weights", model, {"other_dir": other, "layout": layout, "prompts": [[5, 17, 33]]}
+    )
+    assert out["after"] == out["fresh"] and out["after"] != out["before"]
+    assert out["compiles"] == 0
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers.family_cases import make_hf_model, save_hf_model
+from helpers.family_cases import BASE, FALCON_H1_TEXT, make_hf_model, save_hf_model
 from xlaserve.models.config import TransformerConfig
 from xlaserve.models.orbax_checkpoint import ConvertedParams
 from xlaserve.models.phi3 import group_qkv_by_kv_head
+from xlaserve.models.registry import get_model_class, model_config_from_hf
 from xlaserve.sharding.kv_heads import checkpoint_heads_size, replicate_kv_heads
+from xlaserve.sharding.layout import checkpoint_shape, lay_out_for_mesh
 from xlaserve.sharding.rules import param_logical_axes
 from xlaserve.sharding.vocab import mask_padded_vocab, pad_vocab, padded_vocab_size
 
@@ -105,6 +107,49 @@ def test_fused_qkv_regrouping_commutes_with_kv_head_replication():
     for key in (name, ("layers", "self_attn", "qkv_proj", "kernel")):
         assert checkpoint_heads_size(key, (8 + 2 * 4) * 3, wide_cfg, 2) == (8 + 2 * 2) * 3
     assert checkpoint_heads_size(name.replace("qkv", "k"), 4 * 3, wide_cfg, 2) == 2 * 3
+
+
+# The checkpoints whose tensors the mesh widens under TP 4 (its 2 KV heads, a vocabulary of 101): Phi-3's
+# fused qkv, OLMo-2's and MiniMax-M2's k_norm over every head, Falcon-H1's B and C (2 groups) copied.
+_WIDENED = {
+    "Phi3ForCausalLM": ("Phi3Config", {}),
+    "Olmo2ForCausalLM": ("Olmo2Config", {}),
+    "MiniMaxM2ForCausalLM": (
+        "MiniMaxM2Config",
+        dict(num_local_experts=4, num_experts_per_tok=2, rotary_dim=6, intermediate_size=16),
+    ),
+    "FalconH1ForCausalLM": ("FalconH1Config", FALCON_H1_TEXT),
+}
+
+
+@pytest.mark.parametrize("architecture", _WIDENED)
+def test_an_updates_shapes_are_checked_by_the_inverse_of_every_layout_rule(architecture):
+    # Each tensor as the load widens it for TP 4 (lay_out_for_mesh, then the family's rewrite), taken
+    # back by `checkpoint_shape` (worker/weight_update.py checks a caller's tensors by it): the shape
+    # the checkpoint holds.
+    import torch
+    import transformers
+
+    config_class, overrides = _WIDENED[architecture]
+    hf_config = getattr(transformers, config_class)(
+        **(overrides if "vocab_size" in overrides else BASE | overrides)
+    )
+    hf_config.architectures = [architecture]
+    with torch.device("meta"):
+        model = getattr(transformers, architecture)(hf_config)
+    tensors = {name: np.zeros(t.shape, np.float32) for name, t in model.state_dict().items()}
+    cfg = model_config_from_hf(hf_config.to_dict())
+    wide_cfg, laid, _ = lay_out_for_mesh(cfg, tensors, 4)
+    laid = get_model_class(architecture).prepare_hf_tensors(wide_cfg, dict(laid))
+    widened = set()
+    for name, tensor in tensors.items():
+        if name in laid:
+            shape = np.shape(laid[name])
+            assert checkpoint_shape(name, shape, wide_cfg, cfg, 4) == tensor.shape, name
+            widened |= {name.split(".")[-2]} if shape != tensor.shape else set()
+    assert {"embed_tokens", "lm_head"} <= widened
+    expected = {"Phi3ForCausalLM": {"qkv_proj"}, "FalconH1ForCausalLM": {"in_proj", "conv1d", "k_proj"}}
+    assert expected.get(architecture, {"k_proj", "v_proj", "k_norm"}) <= widened, widened
 
 
 # -- engines on fake devices ---------------------------------------------------------------------
