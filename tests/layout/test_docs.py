@@ -199,3 +199,18 @@ def test_the_readme_test_command_is_what_ci_runs(docs):
     assert [w for w in ci_pytest if not w.startswith("--durations")] == readme_pytest
     for install in re.findall(r"^pip install .*$", ci, re.M):
         assert install.replace("-q ", "") in commands[1]
+
+
+def test_every_metric_the_docs_name_is_reported(docs):
+    """`xlaserve:NAME` anywhere in the docs: a metric the engine or the server reports (the names built
+    from PREFIX in the metrics modules, and the gauges set once the engine is ready), `_total` and a
+    histogram's `_bucket` as Prometheus adds them."""
+    sources = [ROOT / "engine/engine/metrics.py", ROOT / "engine/entrypoints/serving/metrics.py"]
+    reported = {m.name.removeprefix(PREFIX) for m in EngineMetrics().snapshot()}
+    reported |= {
+        name for path in sources for name in re.findall(r'(?:PREFIX \+ |gauges\[)"(\w+)"', path.read_text())
+    }
+    named = {name for text in docs.values() for name in re.findall(r"xlaserve:(\w+)", text)}
+    unknown = sorted(n for n in named if re.sub(r"_(total|bucket|sum|count)$", "", n) not in reported)
+    assert len(named) > 10
+    assert unknown == []
