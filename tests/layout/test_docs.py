@@ -1,7 +1,7 @@
 """The docs a new user reads (README.md, engine/*.md, kernels/KERNELS.md) name only commands, flags,
-defaults and metrics that exist: each `xlaserve ...` command line in their shell blocks parses with the
-real parser, each `--flag` they name is some command's, the CLI synopsis shows each flag's real default,
-the metric names the README lists are the engine's, and the README's test command is the one CI runs."""
+defaults and metrics that exist: each `xlaserve ...` command in their shell blocks names only flags its
+(sub)command has, each `--flag` they name is some command's, the CLI synopsis shows each flag's real
+default, each `xlaserve:` metric they name is reported, and the README's test command is the one CI runs."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ DOCS = [
     "engine/QUANTIZATION.md",
     "kernels/KERNELS.md",
 ]
-# Other tools' flags the docs name beside ours: pip, pytest(-xdist), lm-eval, nvcc/ptxas.
-FOREIGN_FLAGS = {"--no-deps", "--dist", "--no-loadscope-reorder", "--durations", "--tasks", "--model_args"}
+# Other tools' flags the docs name beside ours: pip's, pytest-xdist's, lm-eval's.
+FOREIGN_FLAGS = {"--no-deps", "--dist", "--no-loadscope-reorder", "--tasks"}
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?![\w])")
 MODULE = re.compile(r"python -m (xlaserve[\w.]*)")
 
