@@ -3,16 +3,37 @@ environment, and nothing generic beside it."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def runtime_distributions() -> list[importlib.metadata.Distribution]:
+    """The installed distributions a plain `pip install .` brings: pyproject's dependencies, and
+    theirs, without extras."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    todo, seen, found = list(project["dependencies"]), set(), []
+    while todo:
+        requirement = Requirement(todo.pop())
+        name = canonicalize_name(requirement.name)
+        if name in seen or (requirement.marker and not requirement.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(name)
+        dist = importlib.metadata.distribution(name)
+        found.append(dist)
+        todo += dist.requires or []
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +41,16 @@ def fresh_venv(tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("install") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    # The dependencies come from the test environment, less torch (a plain install has none) and
-    # less this checkout's editable install; xlaserve itself from a real build.
+    # The dependencies come from the test environment, only those a plain install has (pyproject's
+    # dependencies and theirs: no torch, no test extra's, no editable xlaserve); xlaserve itself from a
+    # real build. Before stop 73 every test package was there, and a plain install's `xlaserve` failed on
+    # an import of the test extra's httpx unseen.
     deps = venv.parent / "deps"
     deps.mkdir()
-    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-        if not entry.name.startswith(("torch", "functorch", "xlaserve", "__editable__", "_xlaserve")):
-            (deps / entry.name).symlink_to(entry)
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    for entry in sorted({file.parts[0] for dist in runtime_distributions() for file in dist.files or ()}):
+        if (purelib / entry).exists() and not entry.startswith(".."):
+            (deps / entry).symlink_to(purelib / entry)
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True, text=True, check=True,

@@ -152,7 +152,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from xlaserve.entrypoints.llm import LLM
 
     batch = args.bench == "throughput"
-    num_prompts = args.num_prompts or (64 if batch else 8)
+    num_prompts = args.num_prompts
     kwargs = engine_kwargs(args)
     llm_kwargs = {k: v for k, v in kwargs.items() if not k.endswith(("lora", "loras", "lora_rank"))}
     llm = LLM(args.model, **llm_kwargs)
@@ -291,7 +291,7 @@ def add_parser(sub, add_engine_args):
         ("latency", "one request at a time: time to first token and time per output token"),
     ):
         b = bench_sub.add_parser(name, help=help_text)
-        b.add_argument("--num-prompts", type=int, default=None, help="default 64 (throughput), 8 (latency)")
+        b.add_argument("--num-prompts", type=int, default=64 if name == "throughput" else 8)
         b.add_argument("--output-len", type=int, default=128)
         b.add_argument(
             "--input-len",
