@@ -255,3 +255,21 @@ def test_the_generation_config_gives_requests_defaults(parser, tmp_path):
         sampling_params(args, model_defaults).temperature,
         sampling_params(args, model_defaults).max_tokens,
     ) == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--num-prompts", "0"), ("--output-len", "-3"), ("--num-prompts", "x")]
+)
+def test_bench_counts_below_one_are_refused_naming_the_flag(capsys, flag, value):
+    """`bench throughput|latency` measure nothing with 0 prompts or output tokens: argparse refuses them
+    (the default is in the parser, so --help shows it)."""
+    from xlaserve.entrypoints.cli import build_parser
+
+    cli = build_parser()
+    assert cli.parse_args(["bench", "latency", "--model", "m"]).num_prompts == 8
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["bench", "throughput", "--model", "m", flag, value])
+    assert (
+        e.value.code == 2
+        and f"argument {flag}: takes an integer >= 1, got '{value}'" in capsys.readouterr().err
+    )

@@ -283,6 +283,17 @@ def _print(results: dict) -> None:
     hf_peer.print_ratios(results)
 
 
+def _count(text: str) -> int:
+    """A count flag's value: an integer >= 1 (0 prompts or output tokens measure nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {text!r}")
+    return value
+
+
 def add_parser(sub, add_engine_args):
     p = sub.add_parser("bench", help="benchmarks: throughput, latency (offline), serve (a running server)")
     bench_sub = p.add_subparsers(dest="bench", required=True)
@@ -291,8 +302,8 @@ def add_parser(sub, add_engine_args):
         ("latency", "one request at a time: time to first token and time per output token"),
     ):
         b = bench_sub.add_parser(name, help=help_text)
-        b.add_argument("--num-prompts", type=int, default=64 if name == "throughput" else 8)
-        b.add_argument("--output-len", type=int, default=128)
+        b.add_argument("--num-prompts", type=_count, default=64 if name == "throughput" else 8)
+        b.add_argument("--output-len", type=_count, default=128)
         b.add_argument(
             "--input-len",
             type=int,
