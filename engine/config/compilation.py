@@ -53,6 +53,17 @@ class CompilationConfig:
     enforce_eager: bool = field(  # skip warm-up (compile buckets lazily)
         default=False, metadata=arg("skip warm-up compiles")
     )
+    # vLLM's cudagraph_capture_sizes: the token buckets warm-up compiles, each step padded to the smallest
+    # that holds it (worker/buckets.py). Unset: 1 and 4, then powers of two from 16. A deployment (or a
+    # test) that knows its steps' sizes compiles those alone; max_num_batched_tokens is always one of
+    # them, so every step fits, and sizes above it are dropped.
+    cudagraph_capture_sizes: tuple[int, ...] | None = field(
+        default=None,
+        metadata=arg(
+            "the token buckets to compile, steps padded to the next one (default: 1, 4, then powers of "
+            "two from 16 to max_num_batched_tokens, which is always one)"
+        ),
+    )
     # vLLM's -O levels trade start-up time for speed; here they are XLA's backend (LLVM) optimization
     # level for the engine's programs. Unset: XLA's own (2, or what XLA_FLAGS says). On CPU, level 0
     # compiles ~30-40% faster and runs slower: tiny models, tests, debugging a model's code.
@@ -85,6 +96,14 @@ class CompilationConfig:
             self.attention_backend in _ATTENTION_BACKENDS,
             f"attention_backend must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
+        if self.cudagraph_capture_sizes is not None:
+            sizes = self.cudagraph_capture_sizes
+            require(
+                isinstance(sizes, (list, tuple))
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes),
+                f"cudagraph_capture_sizes must be a list of token counts >= 1, got {sizes!r}",
+            )
+            object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
         require(
             self.optimization_level is None or 0 <= self.optimization_level <= 3,
             f"optimization_level must be 0, 1, 2 or 3, got {self.optimization_level}",

@@ -48,6 +48,8 @@ def _add_flag(group, field: dataclasses.Field, owner: type) -> None:
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
         can_be_on = default is not False
         options["action"] = argparse.BooleanOptionalAction if can_be_on else "store_true"
+    elif typing.get_origin(kind) is tuple:  # a list of values: --flag 1 4 16
+        options.update(type=typing.get_args(kind)[0], nargs="+")
     else:
         options["type"] = None if kind is str else kind
         if spec.choices is not None:

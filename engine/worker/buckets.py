@@ -7,7 +7,7 @@ dimension of a step is min(token bucket, max_num_seqs): a step never has more se
 tokens, so one compile per token bucket covers every batch. Speculative decoding's extra bucket of
 1 + k tokens (a lone request verifying k drafts) has one sequence row: it shares the lone request's
 sampler and verify programs instead of compiling 4 + 4 of its own (a step of more requests takes the
-next bucket).
+next bucket). `cudagraph_capture_sizes` (vLLM's name) replaces these buckets by the ones chosen.
 """
 
 from __future__ import annotations
@@ -18,15 +18,21 @@ SMALL_TOKEN_BUCKETS = (1, 4)
 MIN_POWER_OF_TWO_BUCKET = 16
 
 
-def make_token_buckets(max_num_batched_tokens: int, extra: tuple[int, ...] = ()) -> list[int]:
-    """`extra`: more sizes (speculative decoding's 1 + k), kept when below max_num_batched_tokens."""
-    buckets = list(SMALL_TOKEN_BUCKETS)
-    size = MIN_POWER_OF_TWO_BUCKET
-    while size < max_num_batched_tokens:
-        buckets.append(size)
-        size *= 2
+def make_token_buckets(
+    max_num_batched_tokens: int, extra: tuple[int, ...] = (), sizes: tuple[int, ...] | None = None
+) -> list[int]:
+    """`extra`: more sizes (speculative decoding's 1 + k), kept when below max_num_batched_tokens.
+    `sizes`: the buckets chosen instead of the default ones (cudagraph_capture_sizes)."""
+    if sizes is None:
+        buckets = list(SMALL_TOKEN_BUCKETS)
+        size = MIN_POWER_OF_TWO_BUCKET
+        while size < max_num_batched_tokens:
+            buckets.append(size)
+            size *= 2
+    else:
+        buckets = list(sizes)
     buckets.append(max_num_batched_tokens)
-    return sorted(set(buckets) | {n for n in extra if n < max_num_batched_tokens})
+    return sorted({n for n in (*buckets, *extra) if n <= max_num_batched_tokens})
 
 
 def pick_bucket(buckets: list[int], num_tokens: int, num_seqs: int = 1, rows_for=None) -> int:

@@ -180,8 +180,9 @@ class ModelRunner(StepPreparation, KVPlumbing):
         # A lone request verifying k drafts runs 1 + k tokens: its own bucket, not the next power of two,
         # of one sequence row (worker/buckets.py): a forward, and the lone request's sampler and verifier.
         extra_buckets = (1 + self.num_spec_tokens,) if self.num_spec_tokens else ()
-        base_buckets = make_token_buckets(sched.max_num_batched_tokens)
-        self.token_buckets = make_token_buckets(sched.max_num_batched_tokens, extra_buckets)
+        sizes = config.compilation.cudagraph_capture_sizes
+        base_buckets = make_token_buckets(sched.max_num_batched_tokens, sizes=sizes)
+        self.token_buckets = make_token_buckets(sched.max_num_batched_tokens, extra_buckets, sizes)
         if self.pcp > 1:  # every bucket splits evenly over the context ranks
             base_buckets = sorted({-(-n // self.pcp) * self.pcp for n in base_buckets})
             self.token_buckets = sorted({-(-n // self.pcp) * self.pcp for n in self.token_buckets})

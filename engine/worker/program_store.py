@@ -140,6 +140,7 @@ _HOST_ONLY_SETTINGS = {
         "compilation_cache_max_size",
         "strict_compile_guard",
         "enforce_eager",
+        "cudagraph_capture_sizes",  # which buckets are compiled; a bucket's program is keyed by its shapes
     ),
 }
 

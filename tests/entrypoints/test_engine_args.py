@@ -64,7 +64,7 @@ def test_flags_round_trip_into_the_config(parser):
     args = parser.parse_args(
         ["--max-num-seqs", "3", "-tp", "2", "--no-enable-prefix-caching", "--scheduling-policy", "priority",
          "--enforce-eager", "--dtype", "float32", "--kv-cache-memory", "1024", "--trust-remote-code",
-         "--tokenizer-mode", "hf"]
+         "--tokenizer-mode", "hf", "--cudagraph-capture-sizes", "16", "1"]
     )  # fmt: skip
     config = EngineConfig.from_kwargs(None, **engine_kwargs(args))
     assert config.scheduler.max_num_seqs == 3
@@ -75,6 +75,7 @@ def test_flags_round_trip_into_the_config(parser):
     assert config.model.dtype == "float32"
     assert config.cache.kv_cache_memory == 1024
     assert config.model.trust_remote_code is True and config.model.tokenizer_mode == "hf"
+    assert config.compilation.cudagraph_capture_sizes == (1, 16)
     # Everything not given keeps the config's default.
     default = EngineConfig.from_kwargs(None)
     assert config.scheduler.max_num_batched_tokens == default.scheduler.max_num_batched_tokens

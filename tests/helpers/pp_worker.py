@@ -13,6 +13,9 @@ import time
 
 # Every prompt over 4 tokens: its forward runs in token bucket 16, never in 4 (a program fewer a stage).
 PROMPTS = [[5, 17, 33, 4, 60, 8, 21, 90, 13], [200, 9, 31, 250, 2], [44, 120, 7, 81, 150]]
+# One sequence a step: a prompt's forward in bucket 16, its decode steps in bucket 1, one sampler
+# program (the fewest programs per engine); a guarded engine compiles those two buckets only, not 4.
+SHAPE = {"max_num_batched_tokens": 16, "max_num_seqs": 1, "cudagraph_capture_sizes": [1, 16]}
 
 
 def _stage_report(runner) -> list:
@@ -72,9 +75,7 @@ def main(arg: dict, small_llm) -> dict:
 
     prompts = [{"prompt_token_ids": ids} for ids in arg.get("prompts", PROMPTS)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    # One sequence a step: a prompt's forward in bucket 16, its decode steps in bucket 1, one sampler
-    # program (the fewest programs per engine).
-    shape = arg.get("shape", {"max_num_batched_tokens": 16, "max_num_seqs": 1})
+    shape = arg.get("shape", SHAPE)
     results = {}
     for name, model_dir in arg["models"].items():
         results[name] = []
@@ -99,6 +100,7 @@ def main(arg: dict, small_llm) -> dict:
                 runner = llm.engine_core.runner
                 result["compiles_after_warm_up"] = num_compiles() - compiles
                 result["num_steps"] = runner.num_steps
+                result["token_buckets"] = runner.token_buckets
                 result["stages"] = _stage_report(runner)
                 result["num_layers"] = llm.engine_core.runner.model_config.num_layers
                 result["tensor_reads"] = sorted(reads.values())  # each tensor read: how many times

@@ -256,6 +256,7 @@ def test_each_stage_holds_only_its_layers_and_nothing_compiles_after_warm_up(run
     guarded = runs["llama"][LAYOUTS["llama"].index(GUARDED["llama"])]
     assert guarded["compiles_after_warm_up"] == 0
     assert guarded["num_steps"] > 0
+    assert guarded["token_buckets"] == [1, 16]  # the capture sizes chosen (helpers/pp_worker.py SHAPE)
     first, last = guarded["stages"]
     num_blocks = first["num_blocks"]
     # Two stages of 2 of the 4 layers, each on its own 2 devices (sharded there by tensor
@@ -274,11 +275,11 @@ def test_each_stage_holds_only_its_layers_and_nothing_compiles_after_warm_up(run
 
 def _two_process_run(model: str, layout: dict, devices_per_process: int) -> dict:
     """helpers/pp_process.py's two processes: process 0's tokens and logprobs."""
+    from helpers.pp_worker import SHAPE
     from helpers.two_processes import run_two_processes
 
-    shape = {"max_num_batched_tokens": 16, "max_num_seqs": 1}  # helpers/pp_worker.py's
     return run_two_processes(
-        "pp_process.py", {"model": model, "layout": layout, "shape": shape}, devices_per_process
+        "pp_process.py", {"model": model, "layout": layout, "shape": SHAPE}, devices_per_process
     )
 
 

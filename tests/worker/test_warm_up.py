@@ -60,3 +60,21 @@ def test_the_speculative_lone_bucket_shares_the_lone_requests_sampler():
     rows = {n: request_bucket(n, 4, lone_buckets=(3,)) for n in buckets}
     assert rows == {1: 1, 3: 1, 4: 4, 16: 4}
     assert [pick_bucket(buckets, 3, n, rows.get) for n in (1, 2, 3)] == [3, 4, 4]
+
+
+def test_chosen_capture_sizes_replace_the_default_buckets():
+    """cudagraph_capture_sizes are the buckets (max_num_batched_tokens always one, larger sizes dropped,
+    speculative decoding's 1 + k kept); a step pads to the smallest chosen one that holds it."""
+    from xlaserve.config import EngineConfig
+    from xlaserve.worker.buckets import make_token_buckets, pick_bucket
+
+    config = EngineConfig.from_kwargs(None, cudagraph_capture_sizes=[64, 8, 1, 8], max_num_batched_tokens=32)
+    sizes = config.compilation.cudagraph_capture_sizes
+    assert sizes == (1, 8, 64)
+    assert make_token_buckets(32, sizes=sizes) == [1, 8, 32]
+    assert make_token_buckets(32, (4,), sizes) == [1, 4, 8, 32]
+    assert make_token_buckets(32) == [1, 4, 16, 32]
+    assert [pick_bucket([1, 8, 32], n) for n in (1, 2, 8, 9)] == [1, 8, 8, 32]
+    for bad in ([0], [2, -1], "16", [1.5], [True]):
+        with pytest.raises(ValueError, match="cudagraph_capture_sizes must be a list of token counts"):
+            EngineConfig.from_kwargs(None, cudagraph_capture_sizes=bad)
