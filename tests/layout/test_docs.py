@@ -1,20 +1,24 @@
 """The docs a new user reads (README.md, engine/*.md, kernels/KERNELS.md) name only commands, flags,
 defaults and metrics that exist: each `xlaserve ...` command in their shell blocks names only flags its
 (sub)command has, each `--flag` they name is some command's, the CLI synopsis shows each flag's real
-default, each `xlaserve:` metric they name is reported, and the README's test command is the one CI runs."""
+default, each `xlaserve:` metric they name is reported, the README's test command is the one CI runs, and
+each `Class.method(args)` engine/INTERFACES.md names takes arguments of those names."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import importlib
+import inspect
 import io
+import pkgutil
 import re
 import shlex
 from pathlib import Path
 
 import pytest
 
+import xlaserve
 from xlaserve.engine.metrics import PREFIX, EngineMetrics
 from xlaserve.entrypoints.cli import build_parser
 
@@ -214,3 +218,30 @@ def test_every_metric_the_docs_name_is_reported(docs):
     unknown = sorted(n for n in named if re.sub(r"_(total|bucket|sum|count)$", "", n) not in reported)
     assert len(named) > 10
     assert unknown == []
+
+
+def test_interfaces_name_each_methods_own_arguments():
+    """engine/INTERFACES.md is read beside the code: a `Class.method(a, b)` it names must take `a` and `b`
+    (a renamed parameter left in the text sends a reader looking for the wrong name)."""
+    found = {}
+    for info in pkgutil.walk_packages(xlaserve.__path__, "xlaserve."):
+        if "grpc" in info.name:  # generated stubs, and grpcio is not every install's
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if inspect.isclass(value) and value.__module__ == info.name:
+                found.setdefault(name, value)
+    text = (ROOT / "engine/INTERFACES.md").read_text()
+    wrong, checked = [], 0
+    for match in re.finditer(r"`([A-Z]\w*)\.([a-z_]\w*)\(([^`()]*)\)`", text):
+        owner, method, args = match.groups()
+        if owner not in found or not callable(getattr(found[owner], method, None)):
+            continue
+        params = inspect.signature(getattr(found[owner], method)).parameters
+        for arg in (a.strip().lstrip("*") for a in args.split(",")):
+            name = re.split(r"[=:\s\[]", arg)[0]
+            if name.isidentifier():
+                checked += 1
+                if name not in params:
+                    wrong.append(f"{owner}.{method}: {name!r} (its parameters: {list(params)})")
+    assert checked > 20 and not wrong, wrong
