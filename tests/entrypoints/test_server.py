@@ -474,11 +474,7 @@ def test_overload_and_disconnect_soak_leaves_nothing_behind(server):
     assert len(kept) == 24 and all(chunks >= 1 for chunks in kept)
     after = wait_for_metrics(
         server,
-        lambda m: (
-            metric(m, "num_requests_running") == 0
-            and metric(m, "num_requests_waiting") == 0
-            and metric(m, "kv_cache_usage_perc") == 0
-        ),
+        _is_idle,
         "every request gone and every block free after the soak",
     )
     finished = metric(after, "request_success_total", finished_reason="length") - metric(
@@ -545,12 +541,7 @@ def test_every_kind_of_dropped_request_is_aborted_and_leaves_nothing_behind(
     asyncio.run(asyncio.wait_for(drop_once_under_way(), 300))
     after = wait_for_metrics(
         server,
-        lambda m: (
-            metric(m, "num_requests_running") == 0
-            and metric(m, "num_requests_waiting") == 0
-            and metric(m, "kv_cache_usage_perc") == 0
-            and _num_finished(m, "abort") >= _num_finished(before, "abort") + len(bodies)
-        ),
+        lambda m: _is_idle(m) and _num_finished(m, "abort") >= _num_finished(before, "abort") + len(bodies),
         f"{case}: every request aborted and every block free",
     )
     generated = metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total")
@@ -558,6 +549,12 @@ def test_every_kind_of_dropped_request_is_aborted_and_leaves_nothing_behind(
     assert (
         client.completions.create(**ask, extra_body={"return_token_ids": True}).choices[0].token_ids == lone
     )
+
+
+def _is_idle(samples) -> bool:
+    """No request runs or waits, and no KV block is held."""
+    gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    return all(metric(samples, name) == 0 for name in gauges)
 
 
 def _num_finished(samples, reason: str) -> float:
