@@ -474,11 +474,7 @@ def test_overload_and_disconnect_soak_leaves_nothing_behind(server):
     assert len(kept) == 24 and all(chunks >= 1 for chunks in kept)
     after = wait_for_metrics(
         server,
-        lambda m: (
-            metric(m, "num_requests_running") == 0
-            and metric(m, "num_requests_waiting") == 0
-            and metric(m, "kv_cache_usage_perc") == 0
-        ),
+        _is_idle,
         "every request gone and every block free after the soak",
     )
     finished = metric(after, "request_success_total", finished_reason="length") - metric(
@@ -489,6 +485,80 @@ def test_overload_and_disconnect_soak_leaves_nothing_behind(server):
     )
     # The kept streams ran to max_tokens; a dropped one was aborted, or had just finished.
     assert finished >= 24 and finished + aborted == 48
+
+
+_STORY = {"model": MODEL_NAME, "prompt": "Tell me a long story.", "ignore_eos": True, "temperature": 0}
+_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "List numbers."}], "temperature": 0}
+# A grammar no answer of max_tokens 300 completes (one digit a token): the request cannot end first.
+_DIGITS = {"regex": "[0-9]{400}"}
+# What test_client_disconnect_frees_blocks and the soak leave out: (case, path, bodies sent at once, whether
+# /metrics, against /metrics before, shows them all under way). Each max_tokens is far more than it gets to
+# make. A beam search's step requests (one token each) finish within their step: its first steps have ended.
+_DROPPED = [
+    ("n=3 stream", "/v1/completions", [{**_STORY, "n": 3, "max_tokens": 300, "stream": True}],
+        lambda m, _: metric(m, "num_requests_running") == 3),
+    ("grammar stream", "/v1/chat/completions", [{**_CHAT, "max_tokens": 300, "stream": True,
+        "structured_outputs": _DIGITS}], lambda m, _: metric(m, "num_requests_running") == 1),
+    ("beam search", "/v1/completions", [{**_STORY, "n": 2, "max_tokens": 300, "use_beam_search": True}],
+        lambda m, before: _num_finished(m, "length") >= _num_finished(before, "length") + 4),
+    ("n=2 chat", "/v1/chat/completions", [{**_CHAT, "n": 2, "max_tokens": 300, "ignore_eos": True}],
+        lambda m, _: metric(m, "num_requests_running") == 2),
+    ("streams queued behind max_num_seqs", "/v1/completions",
+        [{**_STORY, "prompt": f"Story {i}:", "max_tokens": 300, "stream": True} for i in range(20)],
+        lambda m, _: metric(m, "num_requests_waiting") == 20 - ENGINE_ARGS["max_num_seqs"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, path, bodies, is_under_way", _DROPPED, ids=[c[0] for c in _DROPPED])
+def test_every_kind_of_dropped_request_is_aborted_and_leaves_nothing_behind(
+    server, client, case, path, bodies, is_under_way
+):
+    """Clients that leave once their requests run (or wait): each request is aborted, counted as such, well
+    short of its max_tokens; then no request runs or waits, no KV block is held, and the next request's
+    ids are a lone run's."""
+    ask = {"model": MODEL_NAME, "prompt": "In 1969, Neil Armstrong", "max_tokens": 8, "temperature": 0}
+    lone = client.completions.create(**ask, extra_body={"return_token_ids": True}).choices[0].token_ids
+    before = wait_for_metrics(server, lambda m: metric(m, "num_requests_running") == 0, "an idle server")
+
+    async def send(http: httpx.AsyncClient, body: dict) -> None:
+        async with http.stream("POST", server.url + path, json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for _ in response.aiter_lines():
+                pass
+        pytest.fail(f"{case}: the request ended before its client left")
+
+    async def drop_once_under_way() -> None:
+        limits = httpx.Limits(max_connections=len(bodies))
+        async with httpx.AsyncClient(timeout=300, headers=server.headers, limits=limits) as http:
+            sent = [asyncio.create_task(send(http, body)) for body in bodies]
+            while not is_under_way(metrics(server), before):
+                assert not any(task.done() for task in sent), [t.result() for t in sent if t.done()]
+                await asyncio.sleep(0.1)
+            for task in sent:
+                task.cancel()  # the client goes away
+            await asyncio.gather(*sent, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(drop_once_under_way(), 300))
+    after = wait_for_metrics(
+        server,
+        lambda m: _is_idle(m) and _num_finished(m, "abort") >= _num_finished(before, "abort") + len(bodies),
+        f"{case}: every request aborted and every block free",
+    )
+    generated = metric(after, "generation_tokens_total") - metric(before, "generation_tokens_total")
+    assert generated < 300, f"{case}: {generated} tokens made after the client left"
+    assert (
+        client.completions.create(**ask, extra_body={"return_token_ids": True}).choices[0].token_ids == lone
+    )
+
+
+def _is_idle(samples) -> bool:
+    """No request runs or waits, and no KV block is held."""
+    gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    return all(metric(samples, name) == 0 for name in gauges)
+
+
+def _num_finished(samples, reason: str) -> float:
+    return metric(samples, "request_success_total", finished_reason=reason)
 
 
 def _token_ids(server, text: str) -> list[int]:
