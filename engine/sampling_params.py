@@ -330,7 +330,9 @@ class SamplingParams:
                 # vLLM's constructor takes any bias (its HTTP routes clamp to [-100, 100]: engine_io); only
                 # one that is inf on the device, which turns the logits into nan, is refused.
                 _require(
-                    isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= _MAX_BIAS,
+                    isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                    and abs(value) <= _MAX_BIAS,
                     f"logit_bias values must be finite float32 numbers, got {value!r} for token {token_id}",
                 )
         allowed = self.allowed_token_ids

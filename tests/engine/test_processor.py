@@ -73,7 +73,10 @@ def _in_range(value):
     [
         ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids"),
-        ({"logit_bias": {5: float("inf")}}, "logit_bias values must be finite float32 numbers, got inf for token 5"),
+        (
+            {"logit_bias": {5: float("inf")}},
+            "logit_bias values must be finite float32 numbers, got inf for token 5",
+        ),
         ({"logit_bias": {5: float("nan")}}, "logit_bias values must be finite float32 numbers"),
         ({"logit_bias": {5: 1e39}}, "logit_bias values must be finite float32 numbers"),
         ({"logit_bias": {5: True}}, "logit_bias values must be finite float32 numbers"),

@@ -790,7 +790,9 @@ ACCEPTED_CASES = [  # vLLM accepts these (some it ignores): so do we
 ]
 
 
-@pytest.mark.parametrize("endpoint, fields", ACCEPTED_CASES, ids=[json.dumps(f)[:60] for _, f in ACCEPTED_CASES])
+@pytest.mark.parametrize(
+    "endpoint, fields", ACCEPTED_CASES, ids=[json.dumps(f)[:60] for _, f in ACCEPTED_CASES]
+)
 def test_vllms_accepted_fields_answer(client, endpoint, fields):
     path, body = BODIES[endpoint]
     response, port = send(client, path, {**body, **fields})

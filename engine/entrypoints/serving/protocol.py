@@ -212,7 +212,7 @@ class SamplingFields(StrictModel):
         | None
     ) = Field(
         default=None,
-        description="OpenAI's: token id (as a string) -> a bias on its logit, clamped to [-100, 100] (vLLM's)",
+        description="OpenAI's: token id (as a string) -> a bias on its logit, clamped to [-100, 100] (vLLM)",
     )
     bad_words: (
         Annotated[list[Annotated[Text, Field(min_length=1, max_length=256)]], Field(max_length=128)] | None
