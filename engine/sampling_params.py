@@ -29,6 +29,7 @@ DEFAULT_MAX_LOGPROBS = 20
 
 # Below this temperature sampling is argmax: dividing logits by ~0 would overflow.
 _GREEDY_EPSILON = 1e-5
+_MAX_BIAS = 3.4e38  # float32's largest finite value, about: the logits' dtype
 # vLLM's _MAX_TEMP: a temperature in (0, this) is raised to it, with a warning (logits divided by less
 # overflow to inf and nan); 0 stays greedy.
 _MIN_TEMPERATURE = 1e-2
@@ -105,8 +106,9 @@ class SamplingParams:
     # reads ids skips the detokenizer's work. Stop strings need the text.
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
-    # Added to the logits before sampling (token id -> bias in [-100, 100], OpenAI's range), and the only
-    # tokens that may be sampled (None: all); logprobs stay those of the raw distribution, as vLLM's.
+    # Added to the logits before sampling (token id -> bias; the HTTP routes clamp it to OpenAI's
+    # [-100, 100], as vLLM's), and the only tokens that may be sampled (None: all); logprobs stay those
+    # of the raw distribution, as vLLM's.
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     # The prompt's last this many tokens only (-1: as many as the context holds; None: all), vLLM's.
@@ -220,6 +222,8 @@ class SamplingParams:
         _require(is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
         _require(math.isfinite(self.temperature), f"temperature must be finite, got {self.temperature}")
         _require(0 <= self.temperature <= 2, f"temperature must be in [0, 2], got {self.temperature}")
+        # vLLM's: greedy children would all be the same sequence (a beam search is not SamplingParams).
+        _require(not self.is_greedy or self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}")
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _require(
             is_int(self.top_k) and self.top_k >= 0,
@@ -323,9 +327,13 @@ class SamplingParams:
                     is_int(token_id) and token_id >= 0,
                     f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}",
                 )
+                # vLLM's constructor takes any bias (its HTTP routes clamp to [-100, 100]: engine_io); only
+                # one that is inf on the device, which turns the logits into nan, is refused.
                 _require(
-                    isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100,
-                    f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token_id}",
+                    isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                    and abs(value) <= _MAX_BIAS,
+                    f"logit_bias values must be finite float32 numbers, got {value!r} for token {token_id}",
                 )
         allowed = self.allowed_token_ids
         if allowed is not None:

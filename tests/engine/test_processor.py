@@ -74,11 +74,12 @@ def _in_range(value):
         ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids"),
         (
-            {"logit_bias": {5: 100.5}},
-            r"logit_bias values must be numbers in \[-100, 100\], got 100.5 for token 5",
+            {"logit_bias": {5: float("inf")}},
+            "logit_bias values must be finite float32 numbers, got inf for token 5",
         ),
-        ({"logit_bias": {5: float("nan")}}, "logit_bias values must be numbers in"),
-        ({"logit_bias": {5: True}}, "logit_bias values must be numbers in"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias values must be finite float32 numbers"),
+        ({"logit_bias": {5: 1e39}}, "logit_bias values must be finite float32 numbers"),
+        ({"logit_bias": {5: True}}, "logit_bias values must be finite float32 numbers"),
         ({"logit_bias": [5]}, "logit_bias must be a dict"),
         ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
         ({"allowed_token_ids": [3, -2]}, r"allowed_token_ids must be ints >= 0, got -2"),
@@ -87,6 +88,18 @@ def _in_range(value):
 def test_logit_bias_and_allowed_token_ids_are_checked(fields, words):
     with pytest.raises(ValueError, match=words):
         SamplingParams(**fields)
+
+
+def test_sampling_params_take_vllms_bias_and_refuse_greedy_children():
+    """vLLM's constructor: a bias past OpenAI's [-100, 100] is kept as given (the HTTP routes clamp it),
+    and n > 1 at temperature 0 is refused (every child would be the same sequence); a tiny temperature is
+    raised to vLLM's 0.01 first, so it samples."""
+    assert SamplingParams(logit_bias={5: 250.0, 6: -1e9}).logit_bias == {5: 250.0, 6: -1e9}
+    for temperature in (0.0, 0):
+        with pytest.raises(ValueError, match=r"^n must be 1 when using greedy sampling, got 2$"):
+            SamplingParams(n=2, temperature=temperature)
+    assert SamplingParams(n=2, temperature=1e-6).temperature == 0.01
+    assert SamplingParams(n=1, temperature=0.0).is_greedy
 
 
 def test_seed_minus_one_is_unseeded(processor):

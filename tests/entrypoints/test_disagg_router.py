@@ -286,7 +286,9 @@ def test_n_samples_take_the_prefill_leg_and_share_its_fetch(servers):
     prompt = "F " + PROMPT
     fields = {"model": "tiny", "prompt": prompt, "extra_body": {"min_tokens": 2}, **GREEDY}
     before = _fetches(consumer)
-    routed = _client(router.url).completions.create(n=3, **fields)
+    # top_k=1: greedy, but sampled (n > 1 at temperature 0 is refused, as vLLM does).
+    sampled = {**fields, "temperature": 1.0, "extra_body": {"min_tokens": 2, "top_k": 1}}
+    routed = _client(router.url).completions.create(n=3, **sampled)
     alone = _client(producer.url).completions.create(**fields)
     assert [c.text for c in routed.choices] == [alone.choices[0].text] * 3
     assert _loaded_since(consumer, before) == (1, 0, 0)

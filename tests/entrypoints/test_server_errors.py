@@ -251,6 +251,7 @@ def test_minus_one_logprobs_are_the_whole_vocabulary():
         ("/v1/completions", {"prompt": [5, 6], "prompt_logprobs": -1}, "prompt_logprobs"),
         ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1}, "prompt_logprobs"),
+        ("/v1/responses", {"input": "hi", "top_logprobs": -1}, "top_logprobs"),  # vLLM's Responses too
     ]:
         error = error_of(client.post(path, json={"model": "tiny", **body}), 400)
         assert error["param"] == param and error["message"] == (
@@ -282,3 +283,20 @@ def test_logprob_counts_past_the_engines_max_logprobs_are_400_naming_the_field()
         assert error["param"] == param and re.search(
             r"(\b5\b.*max_logprobs|max_logprobs, 5\))", error["message"]
         ), error
+
+
+def test_vllms_sampling_rules_over_http():
+    """vLLM's SamplingParams rules, as its routes apply them: n > 1 at temperature 0 is a 400 naming `n`
+    (a beam search's n is its width: allowed), and a logit_bias past [-100, 100] is clamped, not
+    refused (SamplingParams.from_optional)."""
+    from xlaserve.entrypoints.openai.protocol import CompletionRequest
+    from xlaserve.entrypoints.serving.engine_io import make_sampling_params
+
+    client, _ = _stand_in_client(max_logprobs=5)
+    body = {"model": "tiny", "prompt": [5, 6], "n": 2, "temperature": 0}
+    error = error_of(client.post("/v1/completions", json=body), 400)
+    assert (error["param"], error["message"]) == ("n", "n must be 1 when using greedy sampling, got 2"), error
+    req = CompletionRequest(prompt=[5, 6], logit_bias={"5": 250.5, "6": -1e9, "7": -3.5})
+    assert make_sampling_params(req, 4, None).logit_bias == {5: 100.0, 6: -100.0, 7: -3.5}
+    beams = CompletionRequest(prompt=[5, 6], n=3, temperature=0.0, use_beam_search=True)
+    assert make_sampling_params(beams, 4, None).n == 1

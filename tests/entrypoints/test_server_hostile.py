@@ -197,6 +197,7 @@ FIELD_TYPES = {
             "continue_final_message",
             "parallel_tool_calls",
             "include_reasoning",
+            "store",
         ],
         "string": [
             *_SAMPLING["string"],
@@ -205,8 +206,9 @@ FIELD_TYPES = {
             "verbosity",
             "prompt_cache_key",
             "safety_identifier",
+            "service_tier",
         ],
-        "object": [*_SAMPLING["object"], "chat_template_kwargs"],
+        "object": [*_SAMPLING["object"], "chat_template_kwargs", "metadata"],
     },
     "tokenize": {"boolean": ["add_special_tokens"], "string": ["model"]},
     "tokenize-chat": {
@@ -218,7 +220,7 @@ FIELD_TYPES = {
     "load-lora": {"string": ["lora_name", "lora_path"]},
     "unload-lora": {"string": ["lora_name"], "integer": ["lora_int_id"]},
     "responses": {
-        "integer": ["max_output_tokens", "seed", "top_k", "min_tokens", "priority"],
+        "integer": ["max_output_tokens", "seed", "top_k", "min_tokens", "priority", "max_tool_calls"],
         "number": [
             "temperature",
             "top_p",
@@ -275,6 +277,8 @@ STRUCTURE_CASES = [
     ("completions", {"use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("completions", {"use_beam_search": True, "stream": True}, "stream"),
     ("chat", {"use_beam_search": True, "n": 11}, "n"),
+    ("chat", {"n": 2, "temperature": 0}, "n"),  # vLLM's: greedy children would be one sequence
+    ("completions", {"n": 2, "temperature": 0.0}, "n"),
     ("completions", {"prompt": {"text": "Hi"}}, "prompt"),
     ("completions", {"prompt": [True]}, "prompt"),
     ("completions", {"prompt": [1.5]}, "prompt"),
@@ -434,8 +438,6 @@ RANGE_CASES = [
     ("completions", "prompt", [-1]),
     ("completions", "prompt", [2**31]),
     ("completions", "length_penalty", 10.5),
-    ("completions", "logit_bias", {"5": 100.5}),
-    ("completions", "logit_bias", {"5": -101}),
     ("completions", "logit_bias", {"abc": 1}),
     ("completions", "logit_bias", {"-5": 1}),
     ("completions", "logit_bias", {"10000000": 1}),
@@ -467,6 +469,9 @@ RANGE_CASES = [
     ("chat", "verbosity", "none"),
     ("chat", "prompt_cache_key", "k" * 257),
     ("chat", "safety_identifier", "s" * 257),
+    ("chat", "service_tier", "fastest"),
+    ("chat", "metadata", {f"k{i}": "v" for i in range(17)}),
+    ("chat", "metadata", {"k": "v" * 513}),
     ("detokenize", "tokens", [-1]),
     ("detokenize", "tokens", [2**31]),
     ("detokenize", "tokens", [10**30]),
@@ -773,6 +778,27 @@ def test_nul_characters_are_handled(client, endpoint, fields, status):
         assert response.status_code == 200, response.text
     else:
         check_error(response, status, "model")
+    check_still_serving(client, port)
+
+
+ACCEPTED_CASES = [  # vLLM accepts these (some it ignores): so do we
+    ("chat", {"metadata": {"k": "v"}, "store": True, "service_tier": "flex"}),
+    ("chat", {"top_logprobs": 0}),  # without logprobs: asks for nothing
+    ("chat", {"logit_bias": {"5": 250.5, "6": -1e9}}),  # clamped to [-100, 100]
+    ("completions", {"use_beam_search": True, "n": 2, "temperature": 0}),  # beams are no greedy children
+    ("responses", {"max_tool_calls": 3}),
+]
+
+
+@pytest.mark.parametrize(
+    "endpoint, fields", ACCEPTED_CASES, ids=[json.dumps(f)[:60] for _, f in ACCEPTED_CASES]
+)
+def test_vllms_accepted_fields_answer(client, endpoint, fields):
+    path, body = BODIES[endpoint]
+    response, port = send(client, path, {**body, **fields})
+    assert response.status_code == 200, response.text
+    if endpoint == "responses":
+        assert response.json()["max_tool_calls"] == fields["max_tool_calls"]
     check_still_serving(client, port)
 
 
@@ -1131,7 +1157,9 @@ RESPONSES_CASES = [  # (fields over the valid body, the param named, the status)
     ({"service_tier": "flex"}, "service_tier", 400),
     ({"include": "x"}, "include", 400),
     ({"top_logprobs": 21}, "top_logprobs", 400),
-    ({"top_logprobs": -1}, "top_logprobs", 400),
+    ({"top_logprobs": -1}, "top_logprobs", 400),  # the whole vocabulary, past max_logprobs
+    ({"top_logprobs": -2}, "top_logprobs", 400),
+    ({"max_tool_calls": -1}, "max_tool_calls", 400),
     ({"include": ["message.output_text.logprobs", "x"]}, "include[1]", 400),
     ({"prompt": {"id": "p"}}, "prompt", 400),
     ({"conversation": "conv_1"}, "conversation", 400),

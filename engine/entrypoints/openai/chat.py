@@ -102,7 +102,7 @@ def _delta_out(delta: ChoiceDelta) -> DeltaMessage:
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw_request: Request):
     model = check_model(state, req.model)
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs not in (None, 0) and not req.logprobs:  # vLLM's: 0 asks for nothing more
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     resolve_num_logprobs(state.engine, req, "top_logprobs", "prompt_logprobs")
     plan = plan_tools(req, state.enable_auto_tool_choice)

@@ -150,6 +150,7 @@ class Response(OmitsNones):
     metadata: dict[str, str] = Field(default_factory=dict)
     background: bool | None = None
     top_logprobs: int | None = None
+    max_tool_calls: int | None = None
     # A disaggregated-prefill producer's: where a consumer fetches the prompt's blocks (vLLM's, as on
     # the chat route); left out of every other response.
     kv_transfer_params: dict[str, Any] | None = None

@@ -25,6 +25,7 @@ from xlaserve.entrypoints.serving.protocol import (
     MAX_TOOLS,
     JsonObject,
     KVTransferParams,
+    Metadata,
     Penalty,
     PositiveTokens,
     ReasoningEffort,
@@ -243,7 +244,7 @@ class ResponsesRequest(StrictModel):
         description="vLLM's: false leaves the reasoning items out of the output (the model still thinks, "
         "and usage counts those tokens)",
     )
-    metadata: Annotated[dict[str, Annotated[Text, Field(max_length=512)]], Field(max_length=16)] | None = None
+    metadata: Metadata | None = None
     user: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     truncation: Literal["disabled"] | None = Field(default=None, description="'auto' is not supported")
     background: bool | None = Field(
@@ -254,7 +255,12 @@ class ResponsesRequest(StrictModel):
         description=f"{OUTPUT_LOGPROBS!r}: the message text's token logprobs; the others add nothing",
     )
     top_logprobs: int | None = Field(
-        default=None, ge=0, description=f"alternatives per token, with {OUTPUT_LOGPROBS!r}"
+        default=None,
+        ge=-1,
+        description=f"alternatives per token, with {OUTPUT_LOGPROBS!r} (-1: the whole vocabulary, vLLM's)",
+    )
+    max_tool_calls: int | None = Field(
+        default=None, ge=0, le=2**31 - 1, description="echoed and otherwise ignored, as vLLM does"
     )
     service_tier: Literal["auto", "default"] | None = None
     prompt_cache_key: Text | None = Field(default=None, max_length=256, description="accepted and ignored")

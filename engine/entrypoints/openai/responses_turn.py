@@ -63,6 +63,9 @@ async def prepare_turn(
     max_output_tokens (None: the rest of the context), cut to the room the context leaves; None comes
     back when no room is left."""
     chat = to_chat_request(req, conversation, mcp_functions, tool_choice)
+    # vLLM's -1, the whole vocabulary, as a count (the route checked it against max_logprobs); the
+    # response echoes the request's -1.
+    chat.top_logprobs = state.engine.input_processor.resolve_num_logprobs(chat.top_logprobs)
     image_fields, video_fields = fields["image_url"], fields["video_url"]
     images = [(field, url) for (_, url), field in zip(image_parts(chat.messages), image_fields, strict=True)]
     videos = [(field, url) for (_, url), field in zip(video_parts(chat.messages), video_fields, strict=True)]
@@ -131,6 +134,7 @@ def response_shell(req: ResponsesRequest, plan: ToolPlan, request_id: str, model
         metadata=req.metadata or {},
         background=bool(req.background),
         top_logprobs=req.top_logprobs,
+        max_tool_calls=req.max_tool_calls,
     )
 
 

@@ -93,7 +93,8 @@ def make_sampling_params(
         prompt_logprobs = max(req.prompt_logprobs, prompt_logprobs or 0)
     try:
         return SamplingParams(
-            n=req.n,
+            # A beam search's n is its width, not SamplingParams' children: greedy beams are allowed.
+            n=1 if req.use_beam_search else req.n,
             temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0),
@@ -169,14 +170,15 @@ def truncated(
 
 
 def _logit_bias(req: SamplingFields) -> dict[int, float] | None:
-    """OpenAI's logit_bias (token ids as strings) with int keys; a key that is no token id is a 400."""
+    """OpenAI's logit_bias (token ids as strings) with int keys, each bias clamped to OpenAI's [-100, 100]
+    as vLLM's SamplingParams.from_optional does; a key that is no token id is a 400."""
     if req.logit_bias is None:
         return None
     bias = {}
     for key, value in req.logit_bias.items():
         if not key.isascii() or not key.isdigit():
             raise bad_request(f"logit_bias keys must be token ids (digits), got {key!r}", "logit_bias")
-        bias[int(key)] = value
+        bias[int(key)] = min(100.0, max(-100.0, value))
     return bias
 
 

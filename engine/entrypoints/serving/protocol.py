@@ -43,9 +43,6 @@ UNSUPPORTED_FIELDS = frozenset(
         "modalities",
         "prediction",
         "web_search_options",
-        "service_tier",
-        "store",
-        "metadata",
         "guided_json",
         "guided_regex",
     }
@@ -74,6 +71,9 @@ def _check_json_unicode(value):
 
 Text = Annotated[str, AfterValidator(_check_unicode)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_check_json_unicode)]
+# OpenAI's metadata: up to 16 string values of up to 512 characters each.
+Metadata = Annotated[dict[str, Annotated[Text, Field(max_length=512)]], Field(max_length=16)]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 # A request's own chat template (vLLM's `chat_template` field; the server must trust such templates:
 # --trust-request-chat-template). Bounded like a prompt's text, not by the template's work.
 MAX_CHAT_TEMPLATE_CHARS = 65536
@@ -206,12 +206,13 @@ class SamplingFields(StrictModel):
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
     logit_bias: (
         Annotated[
-            dict[Annotated[str, Field(max_length=16)], Annotated[float, Field(ge=-100, le=100)]],
+            dict[Annotated[str, Field(max_length=16)], float],
             Field(max_length=1024),
         ]
         | None
     ) = Field(
-        default=None, description="OpenAI's: token id (as a string) -> a bias in [-100, 100] on its logit"
+        default=None,
+        description="OpenAI's: token id (as a string) -> a bias on its logit, clamped to [-100, 100] (vLLM)",
     )
     bad_words: (
         Annotated[list[Annotated[Text, Field(min_length=1, max_length=256)]], Field(max_length=128)] | None
@@ -394,6 +395,10 @@ class ChatCompletionRequest(SamplingFields):
     )
     prompt_cache_key: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     safety_identifier: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
+    # OpenAI's stored completions and processing tiers: vLLM accepts these and ignores them, as we do.
+    metadata: Metadata | None = Field(default=None, description="accepted and ignored")
+    store: bool | None = Field(default=None, description="accepted and ignored: nothing is stored")
+    service_tier: ServiceTier | None = Field(default=None, description="accepted and ignored")
 
     @property
     def template_variables(self) -> dict | None:
