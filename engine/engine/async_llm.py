@@ -169,7 +169,9 @@ class AsyncLLM(CoreCalls):
         self.lora_slots = (ready.lora_layout, ready.lora_layer_stacks)  # (None, None): LoRA off
         self.pooling_task, self.hidden_size = ready.pooling_task, ready.hidden_size
         self.id2label = ready.id2label
-        self.metrics.record_engine(ready.weight_bytes, ready.num_kv_blocks, self.config.cache)
+        self.metrics.record_engine(
+            ready.weight_bytes, ready.num_kv_blocks, self.config.cache, ready.max_model_len
+        )
         self.input_processor = InputProcessor.for_engine(
             self.config,
             self.tokenizer,

@@ -35,11 +35,13 @@ class CoreCalls:
     async def sleep(self, level: int = 1) -> dict:
         report = await self._call_utility("sleep", level)
         self._is_asleep = True
+        self.metrics.record_sleep(level)
         return report
 
     async def wake_up(self) -> dict:
         report = await self._call_utility("wake_up")
         self._is_asleep = False
+        self.metrics.record_sleep(0)
         return report
 
     async def is_sleeping(self) -> bool:
