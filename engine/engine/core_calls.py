@@ -108,7 +108,6 @@ class CoreCalls:
             else:
                 self._fail(core_id, error)
         stats = self.output_processor.drain_stats()
-        self.finish_reason_counts.update(stats.finish_reasons)
         self.metrics.record_iteration(stats)
         if message.scheduler_stats is not None:
             self.metrics.record_scheduler(message.scheduler_stats)

@@ -6,11 +6,13 @@ The shapes follow vLLM's `vllm.v1.metrics.reader`: Counter, Gauge and Histogram 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 from dataclasses import dataclass, field
 
 from xlaserve.config import CacheConfig
 from xlaserve.core.kv_connector import KVTransferStats
+from xlaserve.core.request import FinishReason
 from xlaserve.core.spec_decode import SpecDecodingStats
 
 PREFIX = "xlaserve:"
@@ -125,6 +127,8 @@ class EngineMetrics:
         self.histograms |= self._token_histograms(_DEFAULT_MAX_MODEL_LEN)
         self.histograms["iteration_tokens_total"] = _Hist(_ITERATION_TOKEN_BUCKETS)
         self.histograms["request_params_n"] = _Hist(_N_BUCKETS)
+        # request_success by finished_reason (vLLM's label), every reason from 0 as vLLM's series are.
+        self.finish_reasons = collections.Counter(dict.fromkeys(map(str, FinishReason), 0))
         self.sleep_level = 0  # the level of the last sleep() (0: awake), for engine_sleep_state
         # vLLM's cache_config_info: the KV cache's settings as the labels of a gauge that reads 1
         # (record_engine; empty before).
@@ -258,6 +262,11 @@ class EngineMetrics:
         settings = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
         self.cache_config_info = {k: str(v) for k, v in {**settings, "num_gpu_blocks": num_kv_blocks}.items()}
 
+    def record_abort(self) -> None:
+        """The front end aborted a request (cancelled, or its client gone) before the core reported it."""
+        self.counters["request_success"] += 1
+        self.finish_reasons["abort"] += 1
+
     def record_sleep(self, level: int) -> None:
         """sleep(level) or wake_up() (level 0) succeeded."""
         self.sleep_level = level
@@ -279,6 +288,7 @@ class EngineMetrics:
         self.counters["prompt_tokens"] += stats.num_prompt_tokens
         self.counters["generation_tokens"] += stats.num_generation_tokens
         self.counters["request_success"] += len(stats.finish_reasons)
+        self.finish_reasons.update(stats.finish_reasons)
         self.histograms["time_to_first_token_seconds"].observe_all(stats.time_to_first_tokens)
         self.histograms["inter_token_latency_seconds"].observe_all(stats.inter_token_latencies)
         self.histograms["request_time_per_output_token_seconds"].observe_all(stats.time_per_output_tokens)
@@ -301,7 +311,13 @@ class EngineMetrics:
             )
 
     def snapshot(self) -> list[Metric]:
-        metrics: list[Metric] = [Counter(PREFIX + k, value=v) for k, v in self.counters.items()]
+        metrics: list[Metric] = [
+            Counter(PREFIX + k, value=v) for k, v in self.counters.items() if k != "request_success"
+        ]
+        metrics += [
+            Counter(PREFIX + "request_success", {"finished_reason": reason}, value=n)
+            for reason, n in self.finish_reasons.items()
+        ]
         metrics += [Gauge(PREFIX + k, value=v) for k, v in self.gauges.items()]
         metrics += [h.record(PREFIX + k) for k, h in self.histograms.items()]
         if self.cache_config_info:

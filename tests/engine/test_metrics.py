@@ -93,9 +93,27 @@ def test_engine_sleep_state_follows_sleep_and_wake_up():
     metrics.record_sleep(1)
     assert states() == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0}
     metrics.record_sleep(2)
-    text = render(make_registry(SimpleNamespace(metrics=metrics, finish_reason_counts={}), "m")).decode()
+    text = render(make_registry(SimpleNamespace(metrics=metrics), "m")).decode()
     assert "# TYPE xlaserve:engine_sleep_state gauge" in text
     assert 'xlaserve:engine_sleep_state{model_name="m",sleep_state="discard_all"} 1.0' in text
     assert 'xlaserve:engine_sleep_state{model_name="m",sleep_state="awake"} 0.0' in text
     metrics.record_sleep(0)
     assert states() == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+
+
+def test_request_success_by_finished_reason_offline_and_served():
+    """vLLM's request_success{finished_reason}: in `LLM.get_metrics()` as in `/metrics`, every reason's
+    series from 0 (a dashboard's `finished_reason="error"` finds a 0, not nothing); a front-end abort
+    counts as abort."""
+    metrics = EngineMetrics()
+    metrics.record_iteration(IterationStats(finish_reasons=["stop", "length", "length"]))
+    metrics.record_abort()
+    counters = {
+        m.labels["finished_reason"]: m.value
+        for m in metrics.snapshot()
+        if m.name == PREFIX + "request_success"
+    }
+    assert counters == {"stop": 1, "length": 2, "abort": 1, "error": 0}
+    text = render(make_registry(SimpleNamespace(metrics=metrics), "m")).decode()
+    assert 'xlaserve:request_success_total{finished_reason="error",model_name="m"} 0.0' in text
+    assert 'xlaserve:request_success_total{finished_reason="length",model_name="m"} 2.0' in text

@@ -93,8 +93,8 @@ class EngineCollector:
         family = CounterMetricFamily(
             PREFIX + "request_success", _DOCS["request_success"], labels=[*labels, "finished_reason"]
         )
-        for reason in sorted({"stop", "length", "abort", *self.engine.finish_reason_counts}):
-            family.add_metric([*values, reason], self.engine.finish_reason_counts.get(reason, 0))
+        for reason, count in sorted(metrics.finish_reasons.items()):
+            family.add_metric([*values, reason], count)
         yield family
         family = CounterMetricFamily(
             PREFIX + "engine_core_restarts", _DOCS["engine_core_restarts"], labels=labels
