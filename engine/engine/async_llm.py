@@ -19,7 +19,6 @@ results) is engine/core_calls.py's.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import time
@@ -118,7 +117,6 @@ class AsyncLLM(CoreCalls):
         self.block_size = self.config.cache.block_size
         self.num_usable_blocks = 0
         self.metrics = EngineMetrics()
-        self.finish_reason_counts: collections.Counter[str] = collections.Counter()
         self._streams: dict[str, asyncio.Queue] = {}
         # runner="pooling": each pooling request's future, resolved with its pooled output (`encode`).
         self._pooling = PoolingWaiters()
@@ -169,7 +167,9 @@ class AsyncLLM(CoreCalls):
         self.lora_slots = (ready.lora_layout, ready.lora_layer_stacks)  # (None, None): LoRA off
         self.pooling_task, self.hidden_size = ready.pooling_task, ready.hidden_size
         self.id2label = ready.id2label
-        self.metrics.record_engine(ready.weight_bytes, ready.num_kv_blocks, self.config.cache)
+        self.metrics.record_engine(
+            ready.weight_bytes, ready.num_kv_blocks, self.config.cache, ready.max_model_len
+        )
         self.input_processor = InputProcessor.for_engine(
             self.config,
             self.tokenizer,
@@ -380,7 +380,7 @@ class AsyncLLM(CoreCalls):
         self._streams.pop(request_id, None)
         core_ids = self.output_processor.abort_requests([request_id])
         if core_ids:
-            self.finish_reason_counts["abort"] += 1
+            self.metrics.record_abort()
             if not self.is_errored:
                 try:
                     self.core.send(AbortRequests(core_ids))

@@ -35,11 +35,13 @@ class CoreCalls:
     async def sleep(self, level: int = 1) -> dict:
         report = await self._call_utility("sleep", level)
         self._is_asleep = True
+        self.metrics.record_sleep(level)
         return report
 
     async def wake_up(self) -> dict:
         report = await self._call_utility("wake_up")
         self._is_asleep = False
+        self.metrics.record_sleep(0)
         return report
 
     async def is_sleeping(self) -> bool:
@@ -106,7 +108,6 @@ class CoreCalls:
             else:
                 self._fail(core_id, error)
         stats = self.output_processor.drain_stats()
-        self.finish_reason_counts.update(stats.finish_reasons)
         self.metrics.record_iteration(stats)
         if message.scheduler_stats is not None:
             self.metrics.record_scheduler(message.scheduler_stats)

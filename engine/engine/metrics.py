@@ -6,43 +6,34 @@ The shapes follow vLLM's `vllm.v1.metrics.reader`: Counter, Gauge and Histogram 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 from dataclasses import dataclass, field
 
 from xlaserve.config import CacheConfig
 from xlaserve.core.kv_connector import KVTransferStats
+from xlaserve.core.request import FinishReason
 from xlaserve.core.spec_decode import SpecDecodingStats
 
 PREFIX = "xlaserve:"
 
-_LATENCY_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-)
-
-# vLLM's buckets for the request phase times (seconds) and for token counts (1, 2, 5, 10, ...).
+# vLLM's buckets, by what they measure: time to first token (seconds), the gaps between tokens (and a
+# request's mean gap), a request's whole time and its phases, and the tokens of one engine step.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                      20.0, 40.0, 80.0)  # fmt: skip
 _REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                          120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for request_params_n
+_TOKEN_HISTOGRAMS = (
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "request_params_max_tokens",
+    "request_max_num_generation_tokens",
+)
+_DEFAULT_MAX_MODEL_LEN = 5 * 10**6  # the token histograms' reach until record_engine knows the model's
 
 
 @dataclass
@@ -68,8 +59,19 @@ class Histogram(Metric):
     sum: float = 0.0
 
 
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's buckets for a request's token counts: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    return tuple(
+        b for e in range(len(str(max_model_len))) for m in (1, 2, 5) if (b := m * 10**e) <= max_model_len
+    )
+
+
+# vLLM's engine_sleep_state labels: awake, and the state each sleep level leaves the engine in.
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+
+
 class _Hist:
-    def __init__(self, bounds: tuple[float, ...] = _LATENCY_BUCKETS):
+    def __init__(self, bounds: tuple[float, ...]):
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)
         self.count = 0
@@ -108,34 +110,26 @@ class EngineMetrics:
             ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"], 0.0
         )
         self.histograms = {
-            name: _Hist()
-            for name in (
-                "time_to_first_token_seconds",
-                "inter_token_latency_seconds",
-                "request_time_per_output_token_seconds",
-                "e2e_request_latency_seconds",
-            )
+            "time_to_first_token_seconds": _Hist(_TTFT_BUCKETS),
+            "inter_token_latency_seconds": _Hist(_TOKEN_GAP_BUCKETS),
+            "request_time_per_output_token_seconds": _Hist(_TOKEN_GAP_BUCKETS),
         }
         self.histograms |= {
             name: _Hist(_REQUEST_TIME_BUCKETS)
             for name in (
+                "e2e_request_latency_seconds",
                 "request_queue_time_seconds",
                 "request_prefill_time_seconds",
                 "request_decode_time_seconds",
                 "request_inference_time_seconds",
             )
         }
-        self.histograms |= {
-            name: _Hist(_TOKEN_BUCKETS)
-            for name in (
-                "request_prompt_tokens",
-                "request_generation_tokens",
-                "iteration_tokens_total",
-                "request_params_max_tokens",
-                "request_max_num_generation_tokens",
-            )
-        }
+        self.histograms |= self._token_histograms(_DEFAULT_MAX_MODEL_LEN)
+        self.histograms["iteration_tokens_total"] = _Hist(_ITERATION_TOKEN_BUCKETS)
         self.histograms["request_params_n"] = _Hist(_N_BUCKETS)
+        # request_success by finished_reason (vLLM's label), every reason from 0 as vLLM's series are.
+        self.finish_reasons = collections.Counter(dict.fromkeys(map(str, FinishReason), 0))
+        self.sleep_level = 0  # the level of the last sleep() (0: awake), for engine_sleep_state
         # vLLM's cache_config_info: the KV cache's settings as the labels of a gauge that reads 1
         # (record_engine; empty before).
         self.cache_config_info: dict[str, str] = {}
@@ -249,13 +243,41 @@ class EngineMetrics:
             for i, n in enumerate(spec.num_accepted_tokens_per_pos)
         ]
 
-    def record_engine(self, weight_bytes: int, num_kv_blocks: int, cache: CacheConfig) -> None:
+    @staticmethod
+    def _token_histograms(max_model_len: int) -> dict[str, _Hist]:
+        bounds = token_buckets(max_model_len)
+        return {name: _Hist(bounds) for name in _TOKEN_HISTOGRAMS}
+
+    def record_engine(
+        self, weight_bytes: int, num_kv_blocks: int, cache: CacheConfig, max_model_len: int
+    ) -> None:
         """What the engine holds once ready: weight bytes on the devices and KV cache blocks; and the
-        cache's settings with its number of blocks (vLLM's num_gpu_blocks) as cache_config_info's labels."""
+        cache's settings with its number of blocks (vLLM's num_gpu_blocks) as cache_config_info's labels.
+        The token histograms' buckets reach max_model_len (vLLM's); a restarted core of the same model
+        keeps them and their counts."""
+        if self.histograms["request_prompt_tokens"].bounds != token_buckets(max_model_len):
+            self.histograms |= self._token_histograms(max_model_len)
         self.gauges["model_weight_bytes"] = float(weight_bytes)
         self.gauges["num_kv_blocks"] = float(num_kv_blocks)
         settings = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
         self.cache_config_info = {k: str(v) for k, v in {**settings, "num_gpu_blocks": num_kv_blocks}.items()}
+
+    def record_abort(self) -> None:
+        """The front end aborted a request (cancelled, or its client gone) before the core reported it."""
+        self.counters["request_success"] += 1
+        self.finish_reasons["abort"] += 1
+
+    def record_sleep(self, level: int) -> None:
+        """sleep(level) or wake_up() (level 0) succeeded."""
+        self.sleep_level = level
+
+    def sleep_state_gauges(self) -> list[Gauge]:
+        """vLLM's engine_sleep_state: 1 for the state the engine is in (awake; weights_offloaded after
+        sleep level 1, discard_all after level 2), 0 for the others."""
+        return [
+            Gauge(PREFIX + "engine_sleep_state", {"sleep_state": state}, value=float(i == self.sleep_level))
+            for i, state in enumerate(SLEEP_STATES)
+        ]
 
     def record_core_down(self) -> None:
         """The core died: its gauges are no longer true, and its successor counts preemptions from 0."""
@@ -266,6 +288,7 @@ class EngineMetrics:
         self.counters["prompt_tokens"] += stats.num_prompt_tokens
         self.counters["generation_tokens"] += stats.num_generation_tokens
         self.counters["request_success"] += len(stats.finish_reasons)
+        self.finish_reasons.update(stats.finish_reasons)
         self.histograms["time_to_first_token_seconds"].observe_all(stats.time_to_first_tokens)
         self.histograms["inter_token_latency_seconds"].observe_all(stats.inter_token_latencies)
         self.histograms["request_time_per_output_token_seconds"].observe_all(stats.time_per_output_tokens)
@@ -288,9 +311,16 @@ class EngineMetrics:
             )
 
     def snapshot(self) -> list[Metric]:
-        metrics: list[Metric] = [Counter(PREFIX + k, value=v) for k, v in self.counters.items()]
+        metrics: list[Metric] = [
+            Counter(PREFIX + k, value=v) for k, v in self.counters.items() if k != "request_success"
+        ]
+        metrics += [
+            Counter(PREFIX + "request_success", {"finished_reason": reason}, value=n)
+            for reason, n in self.finish_reasons.items()
+        ]
         metrics += [Gauge(PREFIX + k, value=v) for k, v in self.gauges.items()]
         metrics += [h.record(PREFIX + k) for k, h in self.histograms.items()]
         if self.cache_config_info:
             metrics.append(Gauge(PREFIX + "cache_config_info", dict(self.cache_config_info), value=1.0))
+        metrics += self.sleep_state_gauges()
         return metrics + self.spec_decode_counters() + self.kv_connector_counters()

@@ -84,7 +84,9 @@ class LLM(PoolingMethods):
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
         executor = self.engine_core.executor
-        self.metrics.record_engine(executor.weight_bytes, executor.num_kv_blocks, self.config.cache)
+        self.metrics.record_engine(
+            executor.weight_bytes, executor.num_kv_blocks, self.config.cache, self.max_model_len
+        )
         self._request_counter = itertools.count()
 
     def shutdown(self) -> None:
@@ -309,7 +311,9 @@ class LLM(PoolingMethods):
     def sleep(self, level: int = 1):
         """Free the KV cache's device memory (level 2: the weights' too, kept on the host) until
         `wake_up()`; requests meanwhile are refused. -> what was freed (`device_bytes`, `seconds`)."""
-        return self.engine_core.sleep(level)
+        report = self.engine_core.sleep(level)
+        self.metrics.record_sleep(level)
+        return report
 
     def start_profile(self) -> None:
         """Start a jax.profiler trace into `profiler_dir` (an engine argument): the engine's programs and
@@ -322,7 +326,9 @@ class LLM(PoolingMethods):
 
     def wake_up(self):
         """Place back what `sleep` freed (the KV cache zeroed, the prefix cache empty)."""
-        return self.engine_core.wake_up()
+        report = self.engine_core.wake_up()
+        self.metrics.record_sleep(0)
+        return report
 
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping

@@ -503,7 +503,7 @@ def test_metrics_reach_prometheus_by_transfer_type():
             num_queries=40, num_hits=32, bytes_saved=9216, bytes_loaded=4608, load_seconds=0.25, offloaded=1
         )
         metrics.record_scheduler(SchedulerStats(0, 0, 0.0, 0, PrefixCacheStats(), kv_transfer_stats=transfer))
-    engine = SimpleNamespace(metrics=metrics, finish_reason_counts={})
+    engine = SimpleNamespace(metrics=metrics)
     text = render(make_registry(engine, "tiny")).decode()
     assert 'xlaserve:external_prefix_cache_hits_total{model_name="tiny"} 64.0' in text
     assert 'xlaserve:external_prefix_cache_queries_total{model_name="tiny"} 80.0' in text
@@ -513,12 +513,7 @@ def test_metrics_reach_prometheus_by_transfer_type():
     assert (
         'xlaserve:kv_offload_total_time_total{model_name="tiny",transfer_type="host_to_device"} 0.5' in text
     )
-    assert (
-        "kv_offload"
-        not in render(
-            make_registry(SimpleNamespace(metrics=EngineMetrics(), finish_reason_counts={}), "m")
-        ).decode()
-    )
+    assert "kv_offload" not in render(make_registry(SimpleNamespace(metrics=EngineMetrics()), "m")).decode()
 
 
 def test_demotions_a_step_has_no_disk_slot_for_are_counted():
@@ -535,6 +530,6 @@ def test_demotions_a_step_has_no_disk_slot_for_are_counted():
         transfer = connector.make_stats()
         metrics.record_scheduler(SchedulerStats(0, 0, 0.0, 0, PrefixCacheStats(), kv_transfer_stats=transfer))
     assert list(connector.disk.slot_of) == [bytes([2, 1]) * 16]
-    text = render(make_registry(SimpleNamespace(metrics=metrics, finish_reason_counts={}), "tiny")).decode()
+    text = render(make_registry(SimpleNamespace(metrics=metrics), "tiny")).decode()
     assert 'xlaserve:kv_offload_demotions_skipped_total{model_name="tiny",tier="disk"} 3.0' in text
     assert 'xlaserve:kv_offload_stores_skipped_total{model_name="tiny"} 0.0' in text

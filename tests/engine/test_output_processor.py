@@ -167,7 +167,7 @@ def test_request_params_stats(processor, tokenizer):
         hist["request_max_num_generation_tokens"].sum,
     ) == (2, 7)
     # vLLM's cache_config_info: the cache's settings and its blocks as the labels of a gauge of 1.
-    metrics.record_engine(10**6, 321, CacheConfig(block_size=32, kv_cache_memory=2**20))
+    metrics.record_engine(10**6, 321, CacheConfig(block_size=32, kv_cache_memory=2**20), 2048)
     (info,) = [m for m in metrics.snapshot() if m.name == PREFIX + "cache_config_info"]
     assert isinstance(info, Gauge) and info.value == 1.0
     labels = info.labels

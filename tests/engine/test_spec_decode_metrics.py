@@ -35,18 +35,13 @@ def test_counters_accumulate_and_render_with_vllm_names():
         for i in range(3)
     ]
     assert per_pos == [2, 1, 1]
-    engine = SimpleNamespace(metrics=metrics, finish_reason_counts={})
+    engine = SimpleNamespace(metrics=metrics)
     text = render(make_registry(engine, "m")).decode()
     assert 'xlaserve:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
     assert 'xlaserve:spec_decode_num_draft_tokens_total{model_name="m"} 8.0' in text
     assert 'xlaserve:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0' in text
     assert 'xlaserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 1.0' in text
-    assert (
-        "spec_decode"
-        not in render(
-            make_registry(SimpleNamespace(metrics=EngineMetrics(), finish_reason_counts={}), "m")
-        ).decode()
-    )
+    assert "spec_decode" not in render(make_registry(SimpleNamespace(metrics=EngineMetrics()), "m")).decode()
 
 
 def test_data_parallel_ranks_sum_and_bench_figures():

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from test_server_hostile import BAD_TEXT, WRONG_TYPES, body_with, check_error, check_still_serving, send
 
-from helpers.server_harness import ServerProcess
+from helpers.server_harness import ServerProcess, metric, metrics, wait_for_metrics
 from helpers.tiny_models import TINY_PROCESS_ENV
 from xlaserve.entrypoints import cli
 
@@ -105,9 +105,70 @@ def test_sleep_refuses_requests_and_wake_up_restores_the_outputs(admin_server):
     assert admin(admin_server, "GET", "/is_sleeping") == {"is_sleeping": True}
     assert "asleep" in complete(admin_server, expect=400)["error"]["message"]
     assert "already asleep" in admin(admin_server, "POST", "/sleep", expect=400)["error"]["message"]
+    assert sleep_states(admin_server) == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}
     awake = admin(admin_server, "POST", "/wake_up")
     assert awake["placed_bytes"] == asleep["freed_bytes"]
+    assert sleep_states(admin_server) == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
     assert complete(admin_server) == before
+
+
+def sleep_states(server) -> dict[str, float]:
+    """vLLM's engine_sleep_state, by its sleep_state label."""
+    samples = metrics(server)
+    return {
+        s: metric(samples, "engine_sleep_state", sleep_state=s)
+        for s in ("awake", "weights_offloaded", "discard_all")
+    }
+
+
+def test_metrics_after_a_known_workload(admin_server):
+    """Three greedy requests of 5 tokens each move vLLM's counters and histograms by exactly that much:
+    3 successes (length), 15 generated tokens, 3 TTFTs and e2e latencies, 4 inter-token gaps each; the
+    token histograms' buckets end at max_model_len (128: the last bound 100), as vLLM's."""
+    before = metrics(admin_server)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    for _ in range(3):
+        r = httpx.post(
+            admin_server.url + "/v1/completions", json=body, headers=admin_server.headers, timeout=120
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+
+    def delta(samples, name: str, **labels) -> float:
+        return metric(samples, name, **labels) - metric(before, name, **labels)
+
+    after = wait_for_metrics(
+        admin_server,
+        lambda m: delta(m, "request_success_total", finished_reason="length") == 3,
+        "the three requests counted",
+    )
+    assert delta(after, "generation_tokens_total") == 15
+    assert delta(after, "prompt_tokens_total") == 3 * len(PROMPT)
+    assert delta(after, "time_to_first_token_seconds_count") == 3
+    assert delta(after, "e2e_request_latency_seconds_count") == 3
+    assert delta(after, "inter_token_latency_seconds_count") == 3 * 4
+    assert delta(after, "request_time_per_output_token_seconds_count") == 3
+    assert delta(after, "request_generation_tokens_sum") == 15
+    assert delta(after, "request_generation_tokens_bucket", le="5") == 3
+    assert delta(after, "request_generation_tokens_bucket", le="2") == 0
+    assert delta(after, "iteration_tokens_total_sum") == 3 * (len(PROMPT) + 5)
+    assert delta(after, "request_success_total", finished_reason="stop") == 0
+    token_bounds = sorted(
+        float(dict(labels)["le"]) for name, labels in after if name == "xlaserve:request_prompt_tokens_bucket"
+    )
+    assert token_bounds == [1, 2, 5, 10, 20, 50, 100, float("inf")]
+    ttft_bounds = {
+        dict(labels)["le"] for name, labels in after if name == "xlaserve:time_to_first_token_seconds_bucket"
+    }
+    assert {"640.0", "2560.0"} <= ttft_bounds
+
+
+def test_model_cards_are_vllms(admin_server):
+    """/v1/models: vLLM's card, with root, max_model_len and a permission entry."""
+    (card,) = httpx.get(admin_server.url + "/v1/models", headers=admin_server.headers).json()["data"]
+    assert (card["id"], card["object"], card["max_model_len"], card["parent"]) == ("tiny", "model", 128, None)
+    (permission,) = card["permission"]
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert permission["allow_sampling"] and not permission["allow_fine_tuning"]
 
 
 def test_a_callers_error_is_a_400_naming_it(admin_server, tmp_path):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag
@@ -102,6 +103,23 @@ class UsageInfo(BaseModel):
         )
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (OpenAI's former) permission entry of a model card: what a client may do with the model."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -110,6 +128,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from xlaserve.engine.async_llm import AsyncLLM
-from xlaserve.engine.metrics import PREFIX
+from xlaserve.engine.metrics import PREFIX, Counter
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -44,6 +44,8 @@ _DOCS = {
     "request_params_max_tokens": "The max_tokens of each finished request that set one.",
     "request_params_n": "The n of each finished request.",
     "request_max_num_generation_tokens": "The most tokens one of a finished request's n sequences generated.",
+    "engine_sleep_state": "Engine sleep state (vLLM's): awake reads 1 while the engine is awake; "
+    "weights_offloaded after POST /sleep?level=1, discard_all after level=2.",
     "cache_config_info": "The KV cache's settings, as labels (vLLM's): the gauge reads 1.",
     "iteration_tokens_total": "Tokens an engine step completed: the prompts of requests that got their "
     "first token in it, and the tokens it generated.",
@@ -91,8 +93,8 @@ class EngineCollector:
         family = CounterMetricFamily(
             PREFIX + "request_success", _DOCS["request_success"], labels=[*labels, "finished_reason"]
         )
-        for reason in sorted({"stop", "length", "abort", *self.engine.finish_reason_counts}):
-            family.add_metric([*values, reason], self.engine.finish_reason_counts.get(reason, 0))
+        for reason, count in sorted(metrics.finish_reasons.items()):
+            family.add_metric([*values, reason], count)
         yield family
         family = CounterMetricFamily(
             PREFIX + "engine_core_restarts", _DOCS["engine_core_restarts"], labels=labels
@@ -103,14 +105,16 @@ class EngineCollector:
             family = GaugeMetricFamily(PREFIX + name, _DOCS.get(name, name), labels=labels)
             family.add_metric(values, value)
             yield family
-        families: dict[str, CounterMetricFamily] = {}
-        # One family per name, a series per position (speculative decoding) or per transfer direction.
-        for counter in metrics.spec_decode_counters() + metrics.kv_connector_counters():
-            name = counter.name.removeprefix(PREFIX)
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        # One family per name, a series per position (speculative decoding), per transfer direction or
+        # per sleep state.
+        labelled = [*metrics.spec_decode_counters(), *metrics.kv_connector_counters()]
+        for record in [*labelled, *metrics.sleep_state_gauges()]:
+            name = record.name.removeprefix(PREFIX)
             if name not in families:
-                extra = list(counter.labels)
-                families[name] = CounterMetricFamily(counter.name, _DOCS[name], labels=[*labels, *extra])
-            families[name].add_metric([*values, *counter.labels.values()], counter.value)
+                kind = CounterMetricFamily if isinstance(record, Counter) else GaugeMetricFamily
+                families[name] = kind(record.name, _DOCS[name], labels=[*labels, *record.labels])
+            families[name].add_metric([*values, *record.labels.values()], record.value)
         yield from families.values()
         info = metrics.cache_config_info
         if info:
