@@ -30,8 +30,10 @@ import transformers
 from xlaserve.config.compilation import default_compilation_cache_dir
 
 # A directory's files that can change AutoTokenizer's choice (tokenizer_config.json's class and
-# auto_map, config.json's model_type, tokenizer.json's pre-tokenizer): their contents key it; the other
-# files, by name only (which exist: tokenizer.model, tekken.json).
+# auto_map, config.json's model_type, tokenizer.json's pre-tokenizer): their size and modification time
+# key it, as the KV disk tier's name keys a checkpoint (not their contents: tokenizer.json is MBs for a big
+# vocabulary, read at every start by both processes); the other files, by name only (which exist:
+# tokenizer.model, tekken.json).
 _CHOICE_SUFFIX = ".json"
 
 
@@ -78,8 +80,7 @@ def tokenizer_choice_key(path: str, trust_remote_code: bool) -> list:
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
         if name.endswith(_CHOICE_SUFFIX) and os.path.isfile(full):
-            with open(full, "rb") as f:
-                files.append([name, hashlib.sha256(f.read()).hexdigest()])
+            files.append([name, (st := os.stat(full)).st_size, st.st_mtime_ns])
         else:
             files.append([name])
     return [files, trust_remote_code]

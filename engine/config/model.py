@@ -252,8 +252,9 @@ class ModelConfig:
             f"got {self.generation_config!r}",
         )
         # Read once; a value no request could take fails the start, not every request.
-        object.__setattr__(self, "_sampling_defaults", self._read_sampling_defaults())
-        object.__setattr__(self, "_generation_eos_token_ids", self._read_generation_eos_token_ids())
+        path, fields = self._read_generation_config()
+        object.__setattr__(self, "_sampling_defaults", self._read_sampling_defaults(path, fields))
+        object.__setattr__(self, "_generation_eos_token_ids", self._read_generation_eos_token_ids(fields))
         if self.hf_overrides is not None:
             overrides = json_object(self.hf_overrides, "hf_overrides")
             object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
@@ -304,19 +305,28 @@ class ModelConfig:
         """Requests' default sampling fields, as read when the config was made (a copy)."""
         return dict(self._sampling_defaults)
 
-    def _read_sampling_defaults(self) -> dict:
+    def _read_generation_config(self) -> tuple[str | None, dict | None]:
+        """The generation config's folder's generation_config.json (the model's own under "auto" and
+        "vllm"): its path and its fields, None for a file that is not there. Read once, for the sampling
+        defaults and the EOS ids both."""
+        folder = self._generation_config_folder()
+        path = None if folder is None else os.path.join(folder, GENERATION_CONFIG_FILE)
+        if path is None or not os.path.isfile(path):
+            return path, None
+        with open(path) as f:
+            return path, json_object(f.read(), f"generation_config ({path})")
+
+    def _read_sampling_defaults(self, path: str | None, fields: dict | None) -> dict:
         """Requests' default sampling fields (vLLM's get_diff_sampling_param): those of
-        GENERATION_CONFIG_KEYS the generation config sets, then the override's over them, with
-        max_new_tokens as SamplingParams' max_tokens. {} when neither says anything. A value SamplingParams
-        refuses is a ValueError naming its source and field, at start rather than in every request."""
+        GENERATION_CONFIG_KEYS the generation config (`fields`, read from `path`) sets, then the
+        override's over them, with max_new_tokens as SamplingParams' max_tokens. {} when neither says
+        anything, and the file's fields are not defaults under generation_config "vllm". A value
+        SamplingParams refuses is a ValueError naming its source and field, at start rather than in every
+        request."""
         from xlaserve.sampling_params import SamplingParams
 
-        folder = self._model_folder() if self.generation_config == "auto" else self.generation_config
         found = {}
-        path = None if folder in (None, "vllm") else os.path.join(folder, GENERATION_CONFIG_FILE)
-        if path is not None and os.path.isfile(path):
-            with open(path) as f:
-                fields = json_object(f.read(), f"generation_config ({path})")
+        if fields is not None and self.generation_config != "vllm":
             found = {k: v for k, v in fields.items() if k in GENERATION_CONFIG_KEYS and v is not None}
         override = (
             {} if self.override_generation_config is None else json.loads(self.override_generation_config)
@@ -329,6 +339,9 @@ class ModelConfig:
             raise ValueError(f"the default sampling from {source}: {e}") from None
         return defaults
 
+    def _generation_config_folder(self) -> str | None:
+        return self._model_folder() if self.generation_config in ("auto", "vllm") else self.generation_config
+
     def _model_folder(self) -> str | None:
         """The model's own directory (a GGUF file, the embedded default: None)."""
         model = None if self.model is None else os.path.expanduser(self.model)
@@ -340,21 +353,20 @@ class ModelConfig:
         at the tokenizer's EOS (the input processor adds the others to its stop_token_ids, as vLLM's)."""
         return self._generation_eos_token_ids
 
-    def _read_generation_eos_token_ids(self) -> tuple[int, ...]:
-        """generation_config.json's eos_token_id (an id or a list), else config.json's, as vLLM's
-        try_get_generation_config: under generation_config "vllm" too, which drops only the sampling
-        defaults."""
-        folder = (
-            self._model_folder() if self.generation_config in ("auto", "vllm") else self.generation_config
-        )
-        for name in (GENERATION_CONFIG_FILE, "config.json"):
-            path = None if folder is None else os.path.join(folder, name)
-            if path is not None and os.path.isfile(path):
-                with open(path) as f:
-                    eos = json_object(f.read(), f"{name} ({path})").get("eos_token_id")
-                ids = eos if isinstance(eos, list) else [eos]
-                return tuple(i for i in ids if is_int(i) and i >= 0)
-        return ()
+    def _read_generation_eos_token_ids(self, fields: dict | None) -> tuple[int, ...]:
+        """The generation config's (`fields`) eos_token_id (an id or a list), else config.json's, as
+        vLLM's try_get_generation_config: under generation_config "vllm" too, which drops only the
+        sampling defaults."""
+        if fields is None:
+            folder = self._generation_config_folder()
+            path = None if folder is None else os.path.join(folder, "config.json")
+            if path is None or not os.path.isfile(path):
+                return ()
+            with open(path) as f:
+                fields = json_object(f.read(), f"config.json ({path})")
+        eos = fields.get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [eos]
+        return tuple(i for i in ids if is_int(i) and i >= 0)
 
     def log_sampling_defaults(self, defaults: dict) -> None:
         if defaults:  # vLLM warns too: a request's sampling changes with no word from its client

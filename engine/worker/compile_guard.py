@@ -18,6 +18,8 @@ _lock = threading.Lock()
 _count = 0
 _seconds = 0.0
 _cache_hits = 0
+# The same, counted by the thread that compiled (JAX reports a compile in the thread that asked for it).
+_in_thread = threading.local()
 
 
 def _on_event(event: str, duration_secs: float, **_) -> None:
@@ -26,6 +28,7 @@ def _on_event(event: str, duration_secs: float, **_) -> None:
         with _lock:
             _count += 1
             _seconds += duration_secs
+        _in_thread.compiles = getattr(_in_thread, "compiles", 0) + 1
 
 
 def _on_cache_hit(event: str, **_) -> None:
@@ -33,6 +36,7 @@ def _on_cache_hit(event: str, **_) -> None:
     if event == _CACHE_HIT_EVENT:
         with _lock:
             _cache_hits += 1
+        _in_thread.cache_hits = getattr(_in_thread, "cache_hits", 0) + 1
 
 
 monitoring.register_event_duration_secs_listener(_on_event)
@@ -48,6 +52,12 @@ def num_compiles() -> int:
 def num_cache_hits() -> int:
     """Of those, the programs loaded from the persistent compilation cache."""
     return _cache_hits
+
+
+def num_own_compiles() -> int:
+    """Programs the calling thread compiled itself so far: not those loaded from the persistent cache,
+    nor those JAX gave back from its in-memory cache of an earlier compile or load (no compile)."""
+    return getattr(_in_thread, "compiles", 0) - getattr(_in_thread, "cache_hits", 0)
 
 
 def compile_seconds() -> float:

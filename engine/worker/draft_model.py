@@ -47,6 +47,7 @@ from xlaserve.models.loader import load_checkpoint
 from xlaserve.sharding.vocab import mask_padded_vocab
 from xlaserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from xlaserve.worker.model_loader import load_model
+from xlaserve.worker.program import Program
 from xlaserve.worker.sampler import _GREEDY_EPS, SamplingTensors, _filter, argmax
 
 logger = logging.getLogger(__name__)
@@ -258,15 +259,20 @@ class DraftModel:
         self.kv_cache: KVCache | None = None
         self.q_buf: jax.Array | None = None
         self.block_size = config.cache.block_size
-        self._step_fn = jax.jit(
-            traced_with(
-                config.model.batch_invariant,
-                # On one device the drafter's few-row dots take their shapes' probed rows too.
-                traced_probing(probe, step),
-                config.model.batch_invariant_float32,
+        # A Program, as the target's: warm-up loads it from the store of executables or compiles it.
+        self._step_fn = Program(
+            "draft_step",
+            jax.jit(
+                traced_with(
+                    config.model.batch_invariant,
+                    # On one device the drafter's few-row dots take their shapes' probed rows too.
+                    traced_probing(probe, step),
+                    config.model.batch_invariant_float32,
+                ),
+                donate_argnames=("kv_cache", "q_buf"),
+                compiler_options=config.compilation.compiler_options(),
             ),
-            donate_argnames=("kv_cache", "q_buf"),
-            compiler_options=config.compilation.compiler_options(),
+            num_fixed_args=self.num_weight_args + 2,  # the weights, the cache and the q buffer
         )
         # Each request's row in the last step that proposed for it: where its q waits in q_buf.
         self._prev_rows: dict[str, int] = {}
@@ -356,16 +362,14 @@ class DraftModel:
         """The verifier's q arguments: the q buffer, and where each row's q is in it ([R])."""
         return (self.q_buf, self.placement.step_inputs(prob_rows))
 
-    def lower_step(self, batch, num_seqs: int):
-        """Warm-up: the step's program for one token bucket (`batch`: an empty one, ready), lowered with
-        arguments made like those of `step`."""
+    def warm_up_step(self, batch, num_seqs: int) -> tuple:
+        """Warm-up: the step's program and its arguments for one token bucket (`batch`: an empty one,
+        ready), made like those of `step`."""
         st = SamplingTensors(*(np.full(num_seqs, v, dtype) for v, dtype in _SCALARS))
         zeros = self._zeros(num_seqs)
         num_tokens = batch.input_ids.shape[0]
         inputs = self.empty_inputs(num_tokens, num_seqs)
-        return self._step_fn.lower(
-            *self._args(batch, self._hidden_like(num_tokens), zeros, zeros, st, inputs)
-        )
+        return self._step_fn, self._args(batch, self._hidden_like(num_tokens), zeros, zeros, st, inputs)
 
     def _hidden_like(self, num_tokens: int):
         """Warm-up's stand-in for the target's hidden states (None: this drafter does not read them)."""
@@ -398,6 +402,8 @@ class DraftModel:
             ready(scalars),
             ready(inputs),
         )
+
+    num_weight_args = 1  # how many `_weights` returns
 
     def _weights(self) -> tuple:
         """The weights the step program reads: the draft model's."""

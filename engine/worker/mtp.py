@@ -246,6 +246,8 @@ class MTPDrafter(DraftModel):
     def _hidden_like(self, num_tokens: int):
         return self.placement.zeros((num_tokens, self.hidden_size), self.dtype, self.placement.replicated)
 
+    num_weight_args = 3
+
     def _weights(self) -> tuple:
         """The target's (embedding and head), the layer's, and the arrays its `draft_logits` reads."""
         return (self.head_params, self.mtp_params, self.logits_args)

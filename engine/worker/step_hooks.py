@@ -71,7 +71,7 @@ class StepHook:
 
     def warm_up(self, batches: dict, num_seqs_for) -> list:
         """Before the compile guard arms: load or run what the feature needs; returns programs still to
-        compile (objects with `.compile()`), one per token bucket at most."""
+        load or compile, as (a Program, its arguments), one per token bucket at most."""
         return []
 
 
@@ -120,4 +120,4 @@ class DraftModelHook(StepHook):
         return {"draft_ids": self.drafter.step(batch, hidden, token_ids, num_accepted, st, inputs)}
 
     def warm_up(self, batches, num_seqs_for) -> list:
-        return [self.drafter.lower_step(batch, num_seqs_for(n)) for n, batch in batches.items()]
+        return [self.drafter.warm_up_step(batch, num_seqs_for(n)) for n, batch in batches.items()]

@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
 from tqdm import tqdm
 
-from xlaserve.worker.compile_guard import compile_seconds, num_cache_hits, num_compiles
+from xlaserve.worker.compile_guard import compile_seconds, num_cache_hits, num_compiles, num_own_compiles
 from xlaserve.worker.input_batch import sampling_tensors
 from xlaserve.worker.program import Program
 from xlaserve.worker.program_store import ProgramStore
@@ -45,7 +45,7 @@ def compile_all(runner) -> None:
     ready = runner.placement.step_inputs
     batches = {n: runner._build_batch([], n) for n in runner.token_buckets}
     hook_arrays = {n: runner._prepare_hooks([], n, set()) for n in runner.token_buckets}
-    # The features' own programs (a draft model's step per bucket), compiled after the step's.
+    # The features' own programs (a draft model's step per bucket), loaded or compiled as the step's.
     hook_programs = [p for hook in runner.hooks for p in hook.warm_up(batches, runner._num_seqs_for)]
 
     def prepare(program, args, kwargs=None):
@@ -90,11 +90,8 @@ def compile_all(runner) -> None:
                         runner._verify_q(hook_arrays[num_tokens]),
                     )
                     jobs.append(pool.submit(prepare, runner._verify_fn, args, {"with_logprobs": False}))
+        jobs += [pool.submit(prepare, program, args) for program, args in hook_programs]
         results = [f.result() for f in forwards.values()] + [job.result() for job in jobs]
-    if hook_programs:  # compiled each start (XLA's cache may hold them)
-        with _compile_pool() as pool:
-            for job in [pool.submit(lowered.compile) for lowered in hook_programs]:
-                job.result()
     num_loaded = sum(is_loaded for _, is_loaded in results)
     num_compiled = num_compiles() - start_compiles
     logger.info(
@@ -114,9 +111,10 @@ def compile_all(runner) -> None:
 
 @contextlib.contextmanager
 def _fresh_compiles(store: ProgramStore | None):
-    """With a store, compile without XLA's persistent cache: an executable loaded from that cache
-    serializes incompletely on CPU (jax 0.10: "Function ... not found" when the stored copy runs),
-    and the store keeps these programs anyway. Without one, as configured."""
+    """With a store, compile without XLA's persistent cache: the store keeps only what XLA compiled (an
+    executable that cache loaded serializes incompletely on CPU, jax 0.10: "Function ... not found" when
+    the stored copy runs), so a program found there would be compiled again (_compile_afresh). Without
+    one, as configured."""
     if store is None or not jax.config.jax_enable_compilation_cache:
         yield
         return
@@ -155,10 +153,29 @@ def _load_or_compile(store: ProgramStore | None, program: Program, args: tuple, 
             if is_loaded:
                 store.copy(text_key, key)  # the next start of these settings finds it without lowering
             else:
-                executable = lowered.compile()
+                executable = _compile_afresh(lowered)
                 store.save(executable, key, text_key)
     program.add(args, kwargs, executable)
     return executable, is_loaded
+
+
+# A compiler option at XLA's default: a program compiled with it is the same, under another key of jax's
+# in-memory cache of executables.
+_ANOTHER_KEY = {"xla_embed_ir_in_executable": False}
+
+
+def _compile_afresh(lowered):
+    """`lowered`'s executable as XLA compiled it in this thread, for the store. jax may give back one
+    XLA's persistent cache loaded (with the cache on), or its in-memory copy of a program the process
+    ran before (maybe one that cache loaded); these serialize without their kernels on CPU ("Function
+    ... not found" in the process that loads them from the store), so the program is compiled again
+    under another key of jax's in-memory cache (one only this function compiles with, with XLA's cache
+    off in warm-up: what jax keeps under it was compiled)."""
+    own_compiles = num_own_compiles()
+    executable = lowered.compile()
+    if num_own_compiles() == own_compiles:
+        executable = lowered.compile(compiler_options=_ANOTHER_KEY)
+    return executable
 
 
 class _InlinePool:

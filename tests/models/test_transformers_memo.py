@@ -70,7 +70,23 @@ def test_a_warm_start_reads_the_same_model_without_torch(model_dir):
 
 
 def test_a_changed_directory_is_asked_again(model_dir):
+    """A JSON file keys the choice by its size and modification time, not its contents (tokenizer.json is
+    MBs, and the key is made at every start): a file written anew with the same bytes is asked again;
+    bytes changed under the same size and time (no edit or download does that) are not even read."""
     before = transformers_memo.tokenizer_choice_key(model_dir, False)
+    path = os.path.join(model_dir, "tokenizer.json")
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        data = f.read()
+        f.seek(0)
+        f.write(data.swapcase())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert transformers_memo.tokenizer_choice_key(model_dir, False) == before
+    with open(path, "wb") as f:
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert transformers_memo.tokenizer_choice_key(model_dir, False) != before
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
         tokenizer_config = json.load(f)
     tokenizer_config["auto_map"] = {"AutoTokenizer": [None, "tok.MyTokenizer"]}

@@ -140,7 +140,7 @@ def test_the_switch_that_turns_the_compilation_cache_off_turns_the_store_off(tmp
 
 
 _CACHE_HIT_SCRIPT = """
-import sys, jax, jax.numpy as jnp, numpy as np
+import contextlib, json, os, sys, jax, jax.numpy as jnp, numpy as np
 from xlaserve.worker.program import Program
 from xlaserve.worker.program_store import ProgramStore
 from xlaserve.worker.warm_up import _fresh_compiles, _load_or_compile
@@ -149,27 +149,50 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 def f(x, y):
     return (jnp.where(x > 0.5, x.astype(jnp.bfloat16), 0).astype(jnp.float32) @ y.T).sum(0), jnp.argmax(x, -1)
-x, y = jnp.ones((64, 128)), jnp.ones((32, 128))
-if sys.argv[2] == "compile":  # the first process: f lands in XLA's persistent cache
-    jax.jit(f).lower(x, y).compile()
+shapes = {"warmed": (jnp.ones((64, 128)), jnp.ones((32, 128))),
+          "ran": (jnp.ones((16, 128)), jnp.ones((8, 128))),
+          "cached": (jnp.ones((8, 128)), jnp.ones((4, 128)))}
+if sys.argv[2] == "compile":  # the first process: f of both shapes lands in XLA's persistent cache
+    for x, y in shapes.values():
+        jax.jit(f).lower(x, y).compile()
     sys.exit(0)
 store = ProgramStore(sys.argv[1] + "/executables", 2**30, "test")
-with _fresh_compiles(store):
-    _load_or_compile(store, Program("f", jax.jit(f), num_fixed_args=0), (x, y), {})
-program = Program("f", jax.jit(f), num_fixed_args=0)
-assert _load_or_compile(store, program, (x, y), {})[1]
-print(float(np.asarray(program(x, y)[0]).sum()))
+if sys.argv[2] == "store":  # the second: one shape runs (from XLA's cache) before warm-up of both
+    jax.jit(f)(*shapes["ran"])
+    for name, (x, y) in shapes.items():  # "cached": XLA's cache left on
+        with contextlib.nullcontext() if name == "cached" else _fresh_compiles(store):
+            _load_or_compile(store, Program("f", jax.jit(f), num_fixed_args=0), (x, y), {})
+    print(len(os.listdir(store.directory)))
+    sys.exit(0)
+results = {}  # the third loads what the second stored, and runs it
+for name, (x, y) in shapes.items():
+    program = Program("f", jax.jit(f), num_fixed_args=0)
+    is_loaded = _load_or_compile(store, program, (x, y), {})[1]
+    results[name] = [is_loaded, float(np.asarray(program(x, y)[0]).sum())]
+print(json.dumps(results))
 """
 
 
-def test_a_program_in_xlas_persistent_cache_is_stored_from_a_fresh_compile(tmp_path):
-    """An executable XLA's persistent cache gave back serializes without its kernels on CPU (jax
-    0.10): stored, it would fail when run ("Function ... not found"). Warm-up compiles afresh."""
-    for step in ("compile", "store"):
-        command = [sys.executable, "-c", _CACHE_HIT_SCRIPT, str(tmp_path), step]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        assert result.returncode == 0, result.stderr[-2000:]
-    assert float(result.stdout.split()[-1]) == 64 * 32 * 128
+def _run_script(*argv: str) -> str:
+    command = [sys.executable, "-c", _CACHE_HIT_SCRIPT, *argv]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.splitlines()[-1] if result.stdout else ""
+
+
+def test_the_store_keeps_only_what_warm_up_compiled_itself(tmp_path):
+    """An executable XLA's persistent cache gave back serializes without its kernels on CPU (jax 0.10):
+    stored, another process fails when it runs it ("Function ... not found"). Warm-up compiles afresh
+    what the cache holds, and what jax gives back from memory (a program the process ran before, loaded
+    from the cache), or from the cache (left on): each is stored, and the next process loads and runs it."""
+    _run_script(str(tmp_path), "compile")
+    assert _run_script(str(tmp_path), "store") == "6"  # each program under its two keys
+    results = json.loads(_run_script(str(tmp_path), "load"))
+    assert results == {
+        "warmed": [True, 64 * 32 * 128],
+        "ran": [True, 16 * 8 * 128],
+        "cached": [True, 8 * 4 * 128],
+    }
 
 
 # One fresh process starts each engine named in argv[2] in turn (so a tensor-parallel engine's start and a
