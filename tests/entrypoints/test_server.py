@@ -491,17 +491,20 @@ _STORY = {"model": MODEL_NAME, "prompt": "Tell me a long story.", "ignore_eos": 
 _CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "List numbers."}], "temperature": 0}
 # A grammar no answer of max_tokens 300 completes (one digit a token): the request cannot end first.
 _DIGITS = {"regex": "[0-9]{400}"}
+# n > 1 samples (greedy children are refused, as vLLM's).
+_SAMPLED = {"temperature": 0.8, "seed": 7}
 # What test_client_disconnect_frees_blocks and the soak leave out: (case, path, bodies sent at once, whether
 # /metrics, against /metrics before, shows them all under way). Each max_tokens is far more than it gets to
 # make. A beam search's step requests (one token each) finish within their step: its first steps have ended.
 _DROPPED = [
-    ("n=3 stream", "/v1/completions", [{**_STORY, "n": 3, "max_tokens": 300, "stream": True}],
+    ("n=3 stream", "/v1/completions", [{**_STORY, **_SAMPLED, "n": 3, "max_tokens": 300, "stream": True}],
         lambda m, _: metric(m, "num_requests_running") == 3),
     ("grammar stream", "/v1/chat/completions", [{**_CHAT, "max_tokens": 300, "stream": True,
         "structured_outputs": _DIGITS}], lambda m, _: metric(m, "num_requests_running") == 1),
     ("beam search", "/v1/completions", [{**_STORY, "n": 2, "max_tokens": 300, "use_beam_search": True}],
         lambda m, before: _num_finished(m, "length") >= _num_finished(before, "length") + 4),
-    ("n=2 chat", "/v1/chat/completions", [{**_CHAT, "n": 2, "max_tokens": 300, "ignore_eos": True}],
+    ("n=2 chat", "/v1/chat/completions",
+        [{**_CHAT, **_SAMPLED, "n": 2, "max_tokens": 300, "ignore_eos": True}],
         lambda m, _: metric(m, "num_requests_running") == 2),
     ("streams queued behind max_num_seqs", "/v1/completions",
         [{**_STORY, "prompt": f"Story {i}:", "max_tokens": 300, "stream": True} for i in range(20)],
