@@ -183,15 +183,21 @@ def _encoded(vector: np.ndarray, encoding_format: str):
 
 
 async def _scores(
-    state: ServerState, raw_request: Request, pairs: list[tuple], path: str, engine_id: str
+    state: ServerState,
+    raw_request: Request,
+    pairs: list[tuple],
+    path: str,
+    engine_id: str,
+    keep: int | None,
 ) -> tuple[list, list]:
     """(a score per pair, the prompts run): a classifier's probability of the joined pair (a
-    cross-encoder), or the cosine of two embeddings."""
+    cross-encoder), or the cosine of two embeddings; each prompt (a joined pair, or one text) cut to its
+    last `keep` tokens (truncate_prompt_tokens, as vLLM's)."""
     engine = state.engine
     if engine.pooling_task == "classify":
         tokenizer = require_tokenizer(engine, path, None)
         prompts = [pair_token_ids(tokenizer, a, b) for a, b in pairs]
-        prompts = _token_ids(state, prompts, True, "text_2" if path == "/score" else "documents")
+        prompts = _token_ids(state, prompts, True, "text_2" if path == "/score" else "documents", keep)
         outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="score"), engine_id)
         if outputs and outputs[0].size != 1:
             raise bad_request(
@@ -199,7 +205,7 @@ async def _scores(
             )
         return [float(o.reshape(-1)[0]) for o in outputs], prompts
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    prompts = _token_ids(state, texts, True, "text_1" if path == "/score" else "query")
+    prompts = _token_ids(state, texts, True, "text_1" if path == "/score" else "query", keep)
     outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="embed"), engine_id)
     by_text = dict(zip(texts, outputs))
     return [cosine(by_text[a], by_text[b]) for a, b in pairs], prompts
@@ -261,7 +267,9 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
         request_id, engine_id = request_ids(raw_request, "score")
-        scores, prompts = await _scores(state, raw_request, pairs, "/score", engine_id)
+        scores, prompts = await _scores(
+            state, raw_request, pairs, "/score", engine_id, req.truncate_prompt_tokens
+        )
         data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
         return ScoreResponse(id=request_id, model=model, data=data, usage=_usage(prompts))
 
@@ -270,7 +278,12 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
         model = check_model(state, req.model)
         request_id, engine_id = request_ids(raw_request, "rerank")
         scores, prompts = await _scores(
-            state, raw_request, [(req.query, d) for d in req.documents], "/rerank", engine_id
+            state,
+            raw_request,
+            [(req.query, d) for d in req.documents],
+            "/rerank",
+            engine_id,
+            req.truncate_prompt_tokens,
         )
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         if req.top_n:
