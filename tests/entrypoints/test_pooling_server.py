@@ -84,6 +84,9 @@ def test_openai_client_embeddings_match_hf(pooling_server):
         _close(f.embedding, _unit(_hf_last(model, ids[i])))
     raw = client.embeddings.create(model=NAME, input=ids[0], encoding_format="base64").data[0].embedding
     assert np.frombuffer(base64.b64decode(raw), "<f4").tolist() == floats.data[0].embedding
+    # vLLM's use_activation: false embeds the last hidden state as it is, not normalized.
+    raw = client.embeddings.create(model=NAME, input=ids[1], extra_body={"use_activation": False})
+    _close(raw.data[0].embedding, _hf_last(model, ids[1]))
     short = client.embeddings.create(model=NAME, input=[ids[0], ids[1]], dimensions=8)
     for i, d in enumerate(short.data):
         _close(d.embedding, _unit(_hf_last(model, ids[i])[:8]))
@@ -370,6 +373,14 @@ def test_bad_messages_are_400_naming_the_field(http, path, body, param, words):
             "/rerank",
             {"query": "w5", "documents": ["w6 " * 130], "truncate_prompt_tokens": 129},
             "truncate_prompt_tokens",
+            None,
+        ),
+        ("/v1/embeddings", {"input": "w5", "use_activation": "yes"}, "use_activation", None),
+        ("/pooling", {"input": "w5", "use_activation": 1}, "use_activation", None),
+        (
+            "/v1/rerank",
+            {"query": "w5", "documents": ["w6"], "use_activation": [True]},
+            "use_activation",
             None,
         ),
         ("/tokenize", {"prompt": "w5", "return_token_strs": "yes"}, "return_token_strs", None),

@@ -43,6 +43,8 @@ class PoolingRequestBase(StrictModel):
     truncate_prompt_tokens: TruncatePromptTokens | None = Field(
         default=None, description="keep each prompt's last N tokens (-1: the context's length)"
     )
+    # vLLM's: an embed task's normalization, a classify or score task's sigmoid/softmax (None: on).
+    use_activation: bool | None = None
 
 
 class ChatInputFields(StrictModel):
