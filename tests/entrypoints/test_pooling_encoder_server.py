@@ -64,6 +64,17 @@ def test_rerank_matches_hf(encoder_server):
     assert len(results) == 3
     for r in results:
         assert abs(r["relevance_score"] - _hf_score(model, tokenizer, query, documents[r["index"]])) < TOL
+    # vLLM's use_activation: false scores with the logit itself, and classifies with the logits.
+    body = {"model": NAME, "text_1": query, "text_2": documents[0], "use_activation": False}
+    (logit,) = http.post("/v1/score", json=body).json()["data"]
+    with torch.no_grad():
+        expected = model(**tokenizer(query, text_pair=documents[0], return_tensors="pt")).logits[0, 0].item()
+    assert abs(logit["score"] - expected) < TOL
+    body = {"model": NAME, "input": [query, documents[0]], "use_activation": False}
+    raw = http.post("/classify", json=body).json()["data"]
+    with torch.no_grad():
+        logits = [model(**tokenizer(t, return_tensors="pt")).logits[0, 0].item() for t in body["input"]]
+    assert [abs(r["probs"][0] - x) < TOL for r, x in zip(raw, logits, strict=True)] == [True, True]
 
 
 def test_classify_labels_come_from_id2label(encoder_server):

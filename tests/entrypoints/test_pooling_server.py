@@ -84,6 +84,9 @@ def test_openai_client_embeddings_match_hf(pooling_server):
         _close(f.embedding, _unit(_hf_last(model, ids[i])))
     raw = client.embeddings.create(model=NAME, input=ids[0], encoding_format="base64").data[0].embedding
     assert np.frombuffer(base64.b64decode(raw), "<f4").tolist() == floats.data[0].embedding
+    # vLLM's use_activation: false embeds the last hidden state as it is, not normalized.
+    raw = client.embeddings.create(model=NAME, input=ids[1], extra_body={"use_activation": False})
+    _close(raw.data[0].embedding, _hf_last(model, ids[1]))
     short = client.embeddings.create(model=NAME, input=[ids[0], ids[1]], dimensions=8)
     for i, d in enumerate(short.data):
         _close(d.embedding, _unit(_hf_last(model, ids[i])[:8]))
@@ -140,6 +143,17 @@ def test_pooling_score_and_rerank(pooling_server, http):
         assert body["results"][0]["document"]["text"] == docs[order[0]]
     bare = http.post("/rerank", json={"query": query, "documents": docs, "return_documents": False}).json()
     assert len(bare["results"]) == 3 and bare["results"][0].get("document") is None
+    # vLLM's truncate_prompt_tokens on /score and /rerank: each text embedded from its last N tokens.
+    cut = {t: _unit(_hf_last(model, tok.encode(t)[-2:])) for t in [query, *docs]}
+    expected = [float(cut[query] @ cut[d]) for d in docs]
+    scores = http.post(
+        "/v1/score", json={"text_1": query, "text_2": docs, "truncate_prompt_tokens": 2}
+    ).json()
+    assert [round(d["score"], 4) for d in scores["data"]] == [round(s, 4) for s in expected]
+    assert scores["usage"]["prompt_tokens"] == 2 + 2 + 2 + 1  # the query and each document, once
+    body = http.post("/v2/rerank", json={"query": query, "documents": docs, "truncate_prompt_tokens": 2})
+    by_index = {r["index"]: r["relevance_score"] for r in body.json()["results"]}
+    assert [round(by_index[i], 4) for i in range(3)] == [round(s, 4) for s in expected]
 
 
 def test_pooling_tasks(pooling_server, http):
@@ -201,6 +215,14 @@ def test_messages_embed_as_their_rendered_template(http):
     # The suite's template joins the contents: "w5 w6 w7 w8 w9"; /tokenize renders it as the routes do.
     ids = http.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": False}).json()["tokens"]
     assert ids == [5, 6, 7, 8, 9]
+    # vLLM's return_token_strs: each id's vocabulary string; absent (null) unless asked, as vLLM's.
+    strs = http.post("/tokenize", json={"messages": CHAT, "return_token_strs": True}).json()
+    assert strs["token_strs"] == ["w5", "w6", "w7", "w8", "w9"] and strs["tokens"] == ids
+    plain = http.post("/tokenize", json={"prompt": "w7 w8", "return_token_strs": True}).json()
+    assert plain == {"count": 2, "max_model_len": 128, "tokens": [7, 8], "token_strs": ["w7", "w8"]}
+    assert (
+        http.post("/tokenize", json={"prompt": "w7", "return_token_strs": False}).json()["token_strs"] is None
+    )
     for path, key in (("/v1/embeddings", "embedding"), ("/pooling", "data")):
         chat = http.post(path, json={"messages": CHAT}).json()
         as_ids = http.post(path, json={"input": ids}).json()
@@ -323,6 +345,46 @@ def test_bad_messages_are_400_naming_the_field(http, path, body, param, words):
         ("/pooling", {"input": "w5", "task": "score"}, "task", None),
         ("/pooling", {"input": "w5", "task": "token_embed", "dimensions": 0}, "dimensions", None),
         ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "items"),
+        (
+            "/score",
+            {"text_1": "w5", "text_2": "w6", "truncate_prompt_tokens": 0},
+            "truncate_prompt_tokens",
+            None,
+        ),
+        (
+            "/v1/score",
+            {"text_1": "w5", "text_2": "w6", "truncate_prompt_tokens": "2"},
+            "truncate_prompt_tokens",
+            None,
+        ),
+        (
+            "/rerank",
+            {"query": "w5", "documents": ["w6"], "truncate_prompt_tokens": -2},
+            "truncate_prompt_tokens",
+            None,
+        ),
+        (
+            "/v2/rerank",
+            {"query": "w5", "documents": ["w6"], "truncate_prompt_tokens": True},
+            "truncate_prompt_tokens",
+            None,
+        ),
+        (
+            "/rerank",
+            {"query": "w5", "documents": ["w6 " * 130], "truncate_prompt_tokens": 129},
+            "truncate_prompt_tokens",
+            None,
+        ),
+        ("/v1/embeddings", {"input": "w5", "use_activation": "yes"}, "use_activation", None),
+        ("/pooling", {"input": "w5", "use_activation": 1}, "use_activation", None),
+        (
+            "/v1/rerank",
+            {"query": "w5", "documents": ["w6"], "use_activation": [True]},
+            "use_activation",
+            None,
+        ),
+        ("/tokenize", {"prompt": "w5", "return_token_strs": "yes"}, "return_token_strs", None),
+        ("/tokenize", {"messages": CHAT, "return_token_strs": 1}, "return_token_strs", None),
         ("/v1/completions", {"prompt": "w5", "max_tokens": 1}, "model", "runner='pooling'"),
         (
             "/v1/chat/completions",

@@ -210,9 +210,14 @@ FIELD_TYPES = {
         ],
         "object": [*_SAMPLING["object"], "chat_template_kwargs", "metadata"],
     },
-    "tokenize": {"boolean": ["add_special_tokens"], "string": ["model"]},
+    "tokenize": {"boolean": ["add_special_tokens", "return_token_strs"], "string": ["model"]},
     "tokenize-chat": {
-        "boolean": ["add_special_tokens", "add_generation_prompt", "continue_final_message"],
+        "boolean": [
+            "add_special_tokens",
+            "add_generation_prompt",
+            "continue_final_message",
+            "return_token_strs",
+        ],
         "string": ["model", "chat_template"],
         "object": ["chat_template_kwargs"],
     },

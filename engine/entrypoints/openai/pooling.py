@@ -27,6 +27,7 @@ from xlaserve.entrypoints.openai.pooling_protocol import (
     EmbeddingResponse,
     PoolingData,
     PoolingRequest,
+    PoolingRequestBase,
     PoolingResponse,
     PoolingUsage,
     RerankDocument,
@@ -137,6 +138,19 @@ def _check_params(state: ServerState, params: PoolingParams, task_field: str = "
         raise bad_request(str(e), task_field if field == "pooling_task" else field) from None
 
 
+def _params(req: PoolingRequestBase, task: str, **fields) -> PoolingParams:
+    """The request's PoolingParams for `task`: vLLM's `use_activation` is both an embed task's
+    `normalize` and a classify task's `activation` (each task reads its own); those, where sent, win."""
+    use = req.use_activation
+    normalize, activation = getattr(req, "normalize", None), getattr(req, "activation", None)
+    return PoolingParams(
+        task=task,
+        normalize=use if normalize is None else normalize,
+        activation=use if activation is None else activation,
+        **fields,
+    )
+
+
 async def _encode_all(
     state: ServerState, raw_request: Request, prompts, params: PoolingParams, engine_id: str
 ) -> list:
@@ -183,23 +197,29 @@ def _encoded(vector: np.ndarray, encoding_format: str):
 
 
 async def _scores(
-    state: ServerState, raw_request: Request, pairs: list[tuple], path: str, engine_id: str
+    state: ServerState,
+    raw_request: Request,
+    req: ScoreRequest | RerankRequest,
+    pairs: list[tuple],
+    path: str,
+    engine_id: str,
 ) -> tuple[list, list]:
     """(a score per pair, the prompts run): a classifier's probability of the joined pair (a
-    cross-encoder), or the cosine of two embeddings."""
-    engine = state.engine
+    cross-encoder), or the cosine of two embeddings; each prompt (a joined pair, or one text) cut to its
+    last truncate_prompt_tokens tokens, as vLLM's."""
+    engine, keep = state.engine, req.truncate_prompt_tokens
     if engine.pooling_task == "classify":
         tokenizer = require_tokenizer(engine, path, None)
         prompts = [pair_token_ids(tokenizer, a, b) for a, b in pairs]
-        prompts = _token_ids(state, prompts, True, "text_2" if path == "/score" else "documents")
-        outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="score"), engine_id)
+        prompts = _token_ids(state, prompts, True, "text_2" if path == "/score" else "documents", keep)
+        outputs = await _encode_all(state, raw_request, prompts, _params(req, "score"), engine_id)
         if outputs and outputs[0].size != 1:
             raise bad_request(
                 f"{path} needs a classifier with one label; this one has {outputs[0].size}", "model"
             )
         return [float(o.reshape(-1)[0]) for o in outputs], prompts
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    prompts = _token_ids(state, texts, True, "text_1" if path == "/score" else "query")
+    prompts = _token_ids(state, texts, True, "text_1" if path == "/score" else "query", keep)
     outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="embed"), engine_id)
     by_text = dict(zip(texts, outputs))
     return [cosine(by_text[a], by_text[b]) for a, b in pairs], prompts
@@ -211,7 +231,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
         _require_pooling(state, "/v1/embeddings")
         model = check_model(state, req.model)
         prompts = _input_prompts(state, req)
-        params = PoolingParams(task="embed", dimensions=req.dimensions, normalize=req.normalize)
+        params = _params(req, "embed", dimensions=req.dimensions)
         request_id, engine_id = request_ids(raw_request, "embd")
         outputs = await _encode_all(state, raw_request, prompts, params, engine_id)
         data = [
@@ -225,9 +245,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
         model = check_model(state, req.model)
         prompts = _input_prompts(state, req)
         task = req.task or ("reward" if state.engine.pooling_task == "reward" else "encode")
-        params = PoolingParams(
-            task=task, dimensions=req.dimensions, normalize=req.normalize, activation=req.activation
-        )
+        params = _params(req, task, dimensions=req.dimensions)
         _check_params(state, params, "task")
         request_id, engine_id = request_ids(raw_request, "pool")
         outputs = await _encode_all(state, raw_request, prompts, params, engine_id)
@@ -240,7 +258,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
         model = check_model(state, req.model)
         prompts = _input_prompts(state, req)
         request_id, engine_id = request_ids(raw_request, "classify")
-        outputs = await _encode_all(state, raw_request, prompts, PoolingParams(task="classify"), engine_id)
+        outputs = await _encode_all(state, raw_request, prompts, _params(req, "classify"), engine_id)
         labels = state.engine.id2label  # config.json's id2label, by index
         data = [
             ClassificationData(
@@ -261,7 +279,7 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
         except ValueError as e:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from None
         request_id, engine_id = request_ids(raw_request, "score")
-        scores, prompts = await _scores(state, raw_request, pairs, "/score", engine_id)
+        scores, prompts = await _scores(state, raw_request, req, pairs, "/score", engine_id)
         data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
         return ScoreResponse(id=request_id, model=model, data=data, usage=_usage(prompts))
 
@@ -269,9 +287,8 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
         _require_pooling(state, "/rerank")
         model = check_model(state, req.model)
         request_id, engine_id = request_ids(raw_request, "rerank")
-        scores, prompts = await _scores(
-            state, raw_request, [(req.query, d) for d in req.documents], "/rerank", engine_id
-        )
+        pairs = [(req.query, d) for d in req.documents]
+        scores, prompts = await _scores(state, raw_request, req, pairs, "/rerank", engine_id)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         if req.top_n:
             order = order[: req.top_n]

@@ -40,6 +40,11 @@ class PoolingRequestBase(StrictModel):
     user: Text | None = None
     priority: int = 0
     add_special_tokens: bool = True
+    truncate_prompt_tokens: TruncatePromptTokens | None = Field(
+        default=None, description="keep each prompt's last N tokens (-1: the context's length)"
+    )
+    # vLLM's: an embed task's normalization, a classify or score task's sigmoid/softmax (None: on).
+    use_activation: bool | None = None
 
 
 class ChatInputFields(StrictModel):
@@ -54,9 +59,6 @@ class ChatInputFields(StrictModel):
     chat_template_kwargs: JsonObject | None = None
     chat_template: ChatTemplate | None = Field(default=None, description=CHAT_TEMPLATE_HELP)
     add_special_tokens: bool | None = None
-    truncate_prompt_tokens: TruncatePromptTokens | None = Field(
-        default=None, description="keep each prompt's last N tokens (-1: the context's length)"
-    )
 
 
 class EmbeddingRequest(ChatInputFields, PoolingRequestBase):

@@ -42,6 +42,7 @@ class TokenizeCompletionRequest(StrictModel):
     model: Text | None = None
     prompt: Text
     add_special_tokens: bool = True
+    return_token_strs: bool | None = False  # vLLM's: also answer each id's token string
 
 
 class TokenizeChatRequest(StrictModel):
@@ -50,6 +51,7 @@ class TokenizeChatRequest(StrictModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    return_token_strs: bool | None = False
     tools: Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     chat_template_kwargs: JsonObject | None = None
     chat_template: ChatTemplate | None = Field(default=None, description=CHAT_TEMPLATE_HELP)
@@ -272,6 +274,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: the tokenizer's string of each id
 
 
 class DetokenizeResponse(BaseModel):

@@ -99,7 +99,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         else:
             text, param = request.prompt, "prompt"
         ids = tokenize_text(engine, text, request.add_special_tokens, param)
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+        # The vocabulary's strings (a byte-level tokenizer's "Ġ" and all), not decoded text, as vLLM's.
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs
+        )
 
     @app.post("/detokenize", responses=_errors(400, 401, 404, 413, 415))
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
