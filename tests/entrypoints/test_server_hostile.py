@@ -681,7 +681,7 @@ TEXT_FIELDS = [  # (endpoint, body with "@" where the bad text goes, the param t
     (
         "chat",
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "@"}]}]},
-        "messages[0].content",
+        "messages[0].content[0].text",
     ),
     ("chat", {"messages": [{"role": "user", "content": "Hi", "name": "@"}]}, "messages[0].name"),
     ("chat", {"messages": CHAT, "stop": ["@"]}, "stop"),
