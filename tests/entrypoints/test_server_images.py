@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import struct
 import zlib
 
@@ -30,6 +31,8 @@ from helpers.tiny_vlm import (
 )
 
 NAME = "tiny-llava"
+# vLLM's object form of a limit (the sizes are its profiling's dummy images): 2 images a prompt.
+LIMITS = '{"image": {"count": 2, "width": 32, "height": 32}}'
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def media_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory, server_cache_dir, media_dir):
     model = save_tiny_llava(str(tmp_path_factory.mktemp("tiny-llava-server")))
-    flags = ["--served-model-name", NAME, "--limit-mm-per-prompt", '{"image": 2}',
+    flags = ["--served-model-name", NAME, "--limit-mm-per-prompt", LIMITS,
              "--allowed-local-media-path", str(media_dir),
              "--allowed-media-domains", "images.example.com"]  # fmt: skip
     for key, value in ENGINE_ARGS.items():  # the offline test's engine (tests/models/test_llava.py)
@@ -381,6 +384,24 @@ def test_more_images_than_the_limit_are_refused(vlm):
     error = check_error(response, 400, "messages[0].content[3].image_url")
     assert "at most 2 (--limit-mm-per-prompt)" in error["message"]
     check_still_serving(client, port)
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ('{"image": {"count": -1}}', "limit_mm_per_prompt.image must be an integer >= 0, got -1"),
+        ('{"image": {"num_frames": 4}}', "limit_mm_per_prompt.image.num_frames is not an option"),
+        ('{"video": {"width": 0}}', "limit_mm_per_prompt.video.width must be an integer > 0, got 0"),
+        ('{"video": {"height": "64"}}', "limit_mm_per_prompt.video.height must be an integer > 0"),
+    ],
+)
+def test_bad_limit_options_are_refused_naming_them(limits, message):
+    from xlaserve.config.model import parse_mm_limits
+
+    assert parse_mm_limits(LIMITS) == {"image": 2, "video": 1}
+    assert parse_mm_limits('{"video": {"num_frames": 8, "width": 64}}')["video"] == 1  # the default count
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_mm_limits(limits)
 
 
 def test_an_image_part_to_a_text_only_model_is_refused(server):
