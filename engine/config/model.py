@@ -200,7 +200,7 @@ class ModelConfig:
         default=None,
         metadata=arg(
             'images and videos per prompt of a vision-language model, JSON: {"image": 2, "video": 1} '
-            "(defaults 8, 1)"
+            '(defaults 8, 1), or vLLM\'s object form {"image": {"count": 2, "width": 512, "height": 512}}'
         ),
     )
 
@@ -447,6 +447,24 @@ def parse_mm_limits(value) -> dict[str, int]:
         )
     limits = {**defaults, **value}
     for modality, count in limits.items():
+        if isinstance(count, dict):
+            count = limits[modality] = _mm_limit_options(modality, count, defaults[modality])
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"limit_mm_per_prompt.{modality} must be an integer >= 0, got {count!r}")
     return limits
+
+
+# vLLM's object form of a modality's limit: its count, and the sizes its memory profiling's dummy inputs
+# take. No dummy inputs here (the KV budget is set without them), so the sizes are checked and unused.
+_MM_LIMIT_SIZES = {"image": ("width", "height"), "video": ("num_frames", "width", "height")}
+
+
+def _mm_limit_options(modality: str, options: dict, default: int):
+    """{"count": n, "width": w, ...} -> n (`default` when absent); ValueError naming a bad entry."""
+    for key, value in options.items():
+        field = f"limit_mm_per_prompt.{modality}.{key}"
+        if key != "count" and key not in _MM_LIMIT_SIZES[modality]:
+            raise ValueError(f"{field} is not an option; options: {['count', *_MM_LIMIT_SIZES[modality]]}")
+        if key != "count" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{field} must be an integer > 0, got {value!r}")
+    return options.get("count", default)

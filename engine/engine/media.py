@@ -88,6 +88,11 @@ def decode_image(data: bytes, field: str) -> Image.Image:
     """Encoded bytes -> an RGB image; its size is checked from the header before the pixels are decoded."""
     try:
         image = Image.open(io.BytesIO(data))  # reads the header only
+    except Image.DecompressionBombError:  # Pillow's own bound (2x its MAX_IMAGE_PIXELS), past ours
+        raise MediaError(
+            f"the image has more than {2 * Image.MAX_IMAGE_PIXELS} pixels; at most {MAX_IMAGE_PIXELS} pixels",
+            field,
+        ) from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise MediaError(
             "the data is not an image Pillow can read (PNG, JPEG, WebP, GIF, ...)", field

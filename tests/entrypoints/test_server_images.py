@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import struct
 import zlib
 
 import httpx
 import openai
 import pytest
+from PIL import Image
 from test_server_hostile import check_error, check_still_serving, send
 
 from helpers.server_harness import MODEL_NAME, running_server
 from helpers.tiny_models import TINY_PROCESS_ENV
 from helpers.tiny_vlm import (
     ENGINE_ARGS,
+    TOKENS_PER_IMAGE,
     data_url,
     random_image,
     save_tiny_gemma3,
@@ -28,6 +31,8 @@ from helpers.tiny_vlm import (
 )
 
 NAME = "tiny-llava"
+# vLLM's object form of a limit (the sizes are its profiling's dummy images): 2 images a prompt.
+LIMITS = '{"image": {"count": 2, "width": 32, "height": 32}}'
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,7 @@ def media_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory, server_cache_dir, media_dir):
     model = save_tiny_llava(str(tmp_path_factory.mktemp("tiny-llava-server")))
-    flags = ["--served-model-name", NAME, "--limit-mm-per-prompt", '{"image": 2}',
+    flags = ["--served-model-name", NAME, "--limit-mm-per-prompt", LIMITS,
              "--allowed-local-media-path", str(media_dir),
              "--allowed-media-domains", "images.example.com"]  # fmt: skip
     for key, value in ENGINE_ARGS.items():  # the offline test's engine (tests/models/test_llava.py)
@@ -287,6 +292,9 @@ PART = "messages[0].content[1].image_url"
         ("data:image/png;base64,!!!not-base64", "not valid base64"),
         (_b64(b"plain text, not an image at all"), "not an image"),
         (_b64(_huge_png_header(10_000, 10_000)), "at most 40000000 pixels"),
+        (_b64(_huge_png_header(30_000, 30_000)), "at most 40000000 pixels"),  # past Pillow's own bound
+        (_b64(_huge_png_header(40, 40))[:-1], "not valid base64"),  # unpadded: vLLM's decoder refuses it too
+        ("https://images.example.com/cat.png", "could not be downloaded"),  # allowed; no network here
         (_b64(_truncated_png()), "corrupt or truncated"),
         ("https://evil.example.net/cat.png", "not in --allowed-media-domains"),
         ("file:///etc/passwd", "outside --allowed-local-media-path"),
@@ -299,6 +307,67 @@ def test_hostile_images_are_a_400_naming_the_part(vlm, url, message):
     error = check_error(response, 400, PART)
     assert message in error["message"]
     check_still_serving(client, port)
+
+
+def _logprobs(client, *parts, role: str = "user") -> tuple[int, list[float]]:
+    """(prompt tokens, the greedy tokens' logprobs) of `_chat`'s message with `parts`, sent as `role`'s."""
+    body = {**_chat(*parts), "logprobs": True}
+    if role != "user":
+        body["messages"] = [{"role": role, "content": body["messages"][0]["content"]}]
+        body["messages"].append({"role": "user", "content": "And?"})
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    logprobs = [t["logprob"] for t in answer["choices"][0]["logprobs"]["content"]]
+    return answer["usage"]["prompt_tokens"], logprobs
+
+
+def test_media_uuids_are_accepted_and_not_trusted(vlm):
+    """vLLM's `uuid` of a media part (its clients' cache key) is taken, but the image's content hash keys
+    the encoder and prefix caches: two images sent under one uuid each answer as they do without it."""
+    _, client, _ = vlm
+    answers = []
+    for seed in (21, 22):
+        url = data_url(random_image(seed))
+        answers.append(_logprobs(client, _image(url)))
+        assert _logprobs(client, {**_image(url), "uuid": "one-uuid"}) == answers[-1]
+    assert answers[0][1] != answers[1][1]
+    video = {**_video_part(), "uuid": "clip"}  # the field is taken; LLaVA then refuses the video itself
+    response, _ = send(client, "/v1/chat/completions", _chat(video))
+    assert (
+        "takes images, not videos"
+        in check_error(response, 400, "messages[0].content[1].video_url")["message"]
+    )
+
+
+def test_an_animated_gif_is_read_as_its_first_frame(vlm):
+    """A GIF of many frames is one image, its first frame (vLLM's Pillow load does the same); the frames
+    after it are never decoded."""
+    _, client, _ = vlm
+    frames = [random_image(seed, (32, 32)) for seed in range(200)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=10)
+    gif = "data:image/gif;base64," + base64.b64encode(buffer.getvalue()).decode()
+    first = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+    assert _logprobs(client, _image(gif)) == _logprobs(client, _image(data_url(first)))
+
+
+def test_images_are_read_wherever_the_conversation_holds_them(vlm):
+    """Images before, between and after text, and in a system or an assistant message (vLLM renders
+    each): every image adds its placeholder's tokens to the prompt."""
+    _, client, _ = vlm
+    url = data_url(random_image(23))
+    text, _ = _logprobs(client)
+    one, _ = _logprobs(client, _image(url))
+    per_image = one - text
+    assert per_image >= TOKENS_PER_IMAGE
+    for role in ("system", "assistant"):
+        assert _logprobs(client, _image(url), role=role)[0] - _logprobs(client, role=role)[0] == per_image
+    body = _chat(_image(url))
+    body["messages"][0]["content"] = [_image(url), {"type": "text", "text": "Which? "}, _image(url)]
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] >= 2 * per_image
 
 
 def test_a_1x1_image_is_refused(vlm):
@@ -315,6 +384,24 @@ def test_more_images_than_the_limit_are_refused(vlm):
     error = check_error(response, 400, "messages[0].content[3].image_url")
     assert "at most 2 (--limit-mm-per-prompt)" in error["message"]
     check_still_serving(client, port)
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ('{"image": {"count": -1}}', "limit_mm_per_prompt.image must be an integer >= 0, got -1"),
+        ('{"image": {"num_frames": 4}}', "limit_mm_per_prompt.image.num_frames is not an option"),
+        ('{"video": {"width": 0}}', "limit_mm_per_prompt.video.width must be an integer > 0, got 0"),
+        ('{"video": {"height": "64"}}', "limit_mm_per_prompt.video.height must be an integer > 0"),
+    ],
+)
+def test_bad_limit_options_are_refused_naming_them(limits, message):
+    from xlaserve.config.model import parse_mm_limits
+
+    assert parse_mm_limits(LIMITS) == {"image": 2, "video": 1}
+    assert parse_mm_limits('{"video": {"num_frames": 8, "width": 64}}')["video"] == 1  # the default count
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_mm_limits(limits)
 
 
 def test_an_image_part_to_a_text_only_model_is_refused(server):

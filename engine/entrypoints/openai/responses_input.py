@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Field
 
 from xlaserve.entrypoints.serving.protocol import (
     FUNCTION_NAME_PATTERN,
@@ -18,6 +18,7 @@ from xlaserve.entrypoints.serving.protocol import (
     StrictModel,
     Text,
     VideoURLContentPart,
+    text_or_list,
     type_union,
 )
 
@@ -65,28 +66,10 @@ INPUT_PARTS = {
 ContentPart = type_union(INPUT_PARTS, "part")
 
 
-def _text_or_list(kind: str):
-    """A string, or a list of `kind`'s parts, told apart up front so an error names the element
-    (`input[0].content[1].text`) rather than both branches."""
-
-    def tag(value) -> str | None:
-        if isinstance(value, str):
-            return "text-value"
-        return "list-value" if isinstance(value, list) else None
-
-    return Annotated[
-        Annotated[Text, Tag("text-value")]
-        | Annotated[list[kind], Field(max_length=MAX_INPUT_ITEMS), Tag("list-value")],
-        Discriminator(
-            tag, custom_error_type="content_type", custom_error_message="must be a string or a list of parts"
-        ),
-    ]
-
-
 class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: _text_or_list(ContentPart)
+    content: text_or_list(ContentPart, MAX_INPUT_ITEMS)
     id: ItemId | None = None
     status: ItemStatus | None = None
     phase: Literal["commentary", "final_answer"] | None = Field(
@@ -124,7 +107,7 @@ class FunctionCallItem(_CallContext):
 class FunctionCallOutputItem(_CallContext):
     type: Literal["function_call_output"]
     call_id: ItemId
-    output: _text_or_list(InputText)
+    output: text_or_list(InputText, MAX_INPUT_ITEMS)
     id: ItemId | None = None
     status: ItemStatus | None = None
     name: Text | None = Field(default=None, max_length=256, description="accepted and ignored")

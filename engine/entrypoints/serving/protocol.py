@@ -267,11 +267,19 @@ class ImageURL(StrictModel):
     detail: Literal["auto", "low", "high"] | None = None  # accepted (OpenAI's); the processor decides
 
 
+# vLLM's `uuid` of a media part: the client's key for its processing caches. Accepted and not trusted:
+# the image's content hash keys ours (core/multimodal.py), so two images sent under one uuid stay two.
+MediaUUID = Annotated[
+    Text | None, Field(max_length=256, description="accepted; the content hash keys caching")
+]
+
+
 class ImageURLContentPart(StrictModel):
     """An image for a vision-language model (engine/engine/media.py: where it may come from)."""
 
     type: Literal["image_url"]
     image_url: ImageURL
+    uuid: MediaUUID = None
 
 
 class VideoURL(StrictModel):
@@ -286,11 +294,29 @@ class VideoURLContentPart(StrictModel):
 
     type: Literal["video_url"]
     video_url: VideoURL
+    uuid: MediaUUID = None
 
 
-ContentPart = Annotated[
-    TextContentPart | ImageURLContentPart | VideoURLContentPart, Field(discriminator="type")
-]
+CONTENT_PARTS = {"text": TextContentPart, "image_url": ImageURLContentPart, "video_url": VideoURLContentPart}
+ContentPart = type_union(CONTENT_PARTS, "part")
+
+
+def text_or_list(kind, max_length: int | None = None):
+    """A string, or a list of `kind`'s parts, told apart up front so an error names the element
+    (`messages[0].content[1].uuid`) rather than both branches."""
+
+    def tag(value) -> str | None:
+        if isinstance(value, str):
+            return "text-value"
+        return "list-value" if isinstance(value, list) else None
+
+    return Annotated[
+        Annotated[Text, Tag("text-value")]
+        | Annotated[list[kind], Field(max_length=max_length), Tag("list-value")],
+        Discriminator(
+            tag, custom_error_type="content_type", custom_error_message="must be a string or a list of parts"
+        ),
+    ]
 
 
 # OpenAI's function names: what a call's "name" may hold.
@@ -313,7 +339,7 @@ class ToolCallParam(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[ContentPart] | None = None
+    content: text_or_list(ContentPart) | None = None
     name: Text | None = Field(default=None, max_length=256)
     tool_calls: Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)] | None = None  # assistant
     tool_call_id: Text | None = Field(default=None, min_length=1, max_length=256)  # tool: the call answered
@@ -409,7 +435,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # The tool_choice union's tags: not fields, so error locations leave them out.
-UNION_TAGS = frozenset({"tool-choice-mode", "tool-choice-function"})
+UNION_TAGS = frozenset(
+    {"tool-choice-mode", "tool-choice-function", "text-value", "list-value", "unknown-part"}
+    | {f"{kind}-part" for kind in CONTENT_PARTS}
+)
 
 
 # -- the error shape (OpenAI's; errors.py also writes Anthropic's) ----------------------------------
