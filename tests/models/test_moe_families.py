@@ -275,13 +275,14 @@ def make_tokenizer():
     return fast
 
 
-def make_hf_model(name: str, seed: int = 0):
+def make_hf_model(name: str, seed: int = 0, **overrides):
+    """The family's tiny random model; `overrides` change its config's fields."""
     import torch
     import transformers
 
     config_class, model_class, kwargs = FAMILIES[name]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**kwargs, attn_implementation="eager")
+    config = getattr(transformers, config_class)(**(kwargs | overrides), attn_implementation="eager")
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():  # weights large enough that every one of them (and the routing) shows
         for param_name, param in model.named_parameters():

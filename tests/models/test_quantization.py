@@ -169,7 +169,10 @@ def llama():
 
 @pytest.fixture(scope="module")
 def deepseek():
-    model = make_moe_model("deepseek_v3")
+    # Without the family test's attention biases (not quantized; with them, drawn as large as the
+    # weights, int8's logits measured 0.44 off float32's, greedy ids all equal): the bound was set on
+    # this config, and test_moe_families checks the biases.
+    model = make_moe_model("deepseek_v3", attention_bias=False)
     return hf_config_of(model), hf_tensors(model)
 
 

@@ -65,7 +65,8 @@ async def prepare_turn(
     chat = to_chat_request(req, conversation, mcp_functions, tool_choice)
     # vLLM's -1, the whole vocabulary, as a count (the route checked it against max_logprobs); the
     # response echoes the request's -1.
-    chat.top_logprobs = state.engine.input_processor.resolve_num_logprobs(chat.top_logprobs)
+    if chat.top_logprobs == -1:  # the whole vocabulary (vLLM's); nothing else asks the engine here
+        chat.top_logprobs = state.engine.input_processor.resolve_num_logprobs(-1)
     image_fields, video_fields = fields["image_url"], fields["video_url"]
     images = [(field, url) for (_, url), field in zip(image_parts(chat.messages), image_fields, strict=True)]
     videos = [(field, url) for (_, url), field in zip(video_parts(chat.messages), video_fields, strict=True)]

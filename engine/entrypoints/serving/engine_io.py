@@ -141,7 +141,8 @@ def resolve_num_logprobs(engine: AsyncLLM, req, *names: str) -> None:
     vLLM's -1 to what it asks for, the vocabulary's size, so the route reads every count as a count."""
     check_num_logprobs(engine, **{name: getattr(req, name) for name in names})
     for name in names:
-        setattr(req, name, engine.input_processor.resolve_num_logprobs(getattr(req, name)))
+        if getattr(req, name) == -1:  # nothing else asks the engine (a route may refuse on after this)
+            setattr(req, name, engine.input_processor.resolve_num_logprobs(-1))
 
 
 def default_max_tokens(state: ServerState, max_tokens: int | None, num_prompt_tokens: int) -> int | None:
