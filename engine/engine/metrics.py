@@ -102,7 +102,6 @@ class EngineMetrics:
                 "num_preemptions",
                 "prompt_tokens",
                 "generation_tokens",
-                "request_success",
             ],
             0,
         )
@@ -264,7 +263,6 @@ class EngineMetrics:
 
     def record_abort(self) -> None:
         """The front end aborted a request (cancelled, or its client gone) before the core reported it."""
-        self.counters["request_success"] += 1
         self.finish_reasons["abort"] += 1
 
     def record_sleep(self, level: int) -> None:
@@ -287,7 +285,6 @@ class EngineMetrics:
     def record_iteration(self, stats) -> None:
         self.counters["prompt_tokens"] += stats.num_prompt_tokens
         self.counters["generation_tokens"] += stats.num_generation_tokens
-        self.counters["request_success"] += len(stats.finish_reasons)
         self.finish_reasons.update(stats.finish_reasons)
         self.histograms["time_to_first_token_seconds"].observe_all(stats.time_to_first_tokens)
         self.histograms["inter_token_latency_seconds"].observe_all(stats.inter_token_latencies)
@@ -311,9 +308,7 @@ class EngineMetrics:
             )
 
     def snapshot(self) -> list[Metric]:
-        metrics: list[Metric] = [
-            Counter(PREFIX + k, value=v) for k, v in self.counters.items() if k != "request_success"
-        ]
+        metrics: list[Metric] = [Counter(PREFIX + k, value=v) for k, v in self.counters.items()]
         metrics += [
             Counter(PREFIX + "request_success", {"finished_reason": reason}, value=n)
             for reason, n in self.finish_reasons.items()

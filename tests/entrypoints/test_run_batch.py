@@ -131,7 +131,10 @@ def results(tmp_path_factory, file_server) -> dict[str, dict]:
     async def record_then_shutdown(engine):
         metrics_ = engine.metrics
         at_shutdown.update(
-            metrics_.gauges, **metrics_.counters, unfinished=engine.get_num_unfinished_requests()
+            metrics_.gauges,
+            **metrics_.counters,
+            request_success=sum(metrics_.finish_reasons.values()),
+            unfinished=engine.get_num_unfinished_requests(),
         )
         at_shutdown["scraped"] = metrics(types.SimpleNamespace(url=metrics_url))  # --enable-metrics'
         await shutdown(engine)

@@ -37,6 +37,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     engine_error,
     merge_streams,
     request_ids,
+    resolve_num_logprobs,
     run_ahead,
     tokenize_text,
 )
@@ -63,10 +64,8 @@ async def prepare_turn(
     max_output_tokens (None: the rest of the context), cut to the room the context leaves; None comes
     back when no room is left."""
     chat = to_chat_request(req, conversation, mcp_functions, tool_choice)
-    # vLLM's -1, the whole vocabulary, as a count (the route checked it against max_logprobs); the
-    # response echoes the request's -1.
-    if chat.top_logprobs == -1:  # the whole vocabulary (vLLM's); nothing else asks the engine here
-        chat.top_logprobs = state.engine.input_processor.resolve_num_logprobs(-1)
+    # vLLM's -1, the whole vocabulary, as a count (the chat route's rule); the response echoes the -1.
+    resolve_num_logprobs(state.engine, chat, "top_logprobs")
     image_fields, video_fields = fields["image_url"], fields["video_url"]
     images = [(field, url) for (_, url), field in zip(image_parts(chat.messages), image_fields, strict=True)]
     videos = [(field, url) for (_, url), field in zip(video_parts(chat.messages), video_fields, strict=True)]

@@ -85,8 +85,6 @@ class EngineCollector:
         metrics = self.engine.metrics
         labels, values = ["model_name"], [self.model_name]
         for name, value in metrics.counters.items():
-            if name == "request_success":
-                continue
             family = CounterMetricFamily(PREFIX + name, _DOCS.get(name, name), labels=labels)
             family.add_metric(values, value)
             yield family
