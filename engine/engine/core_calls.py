@@ -14,34 +14,50 @@ import asyncio
 import logging
 
 from xlaserve.engine.core_client import EngineCoreClient, EngineDeadError
-from xlaserve.engine.protocol import AbortRequests, EngineCoreOutputs, EngineDead, UtilityCall, UtilityResult
+from xlaserve.engine.protocol import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineDead,
+    SleepMode,
+    UtilityCall,
+    UtilityResult,
+)
 from xlaserve.engine.request_stream import RequestFailedError
 
 logger = logging.getLogger(__name__)
+
+# How often sleep(mode="wait") looks whether the requests in flight have finished.
+_DRAIN_POLL_S = 0.01
 
 
 class CoreCalls:
     """`AsyncLLM`'s output loop and utility calls (module doc)."""
 
-    async def reset_prefix_cache(self) -> bool:
-        return bool(await self._call_utility("reset_prefix_cache"))
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return bool(await self._call_utility("reset_prefix_cache", reset_running_requests))
 
     # The research stack in the core process (LLM's calls of the same names; worker/weight_update.py).
-    # A caller's error (a bad path or level, requests still running, already asleep) is a ValueError.
+    # A caller's error (a bad path, level or mode, already asleep) is a ValueError. The sleep state the
+    # metrics show comes with the core's stats (SchedulerStats.sleep_level), like the offline LLM's.
 
     async def update_weights_from_path(self, path: str) -> list[str]:
         return await self._call_utility("update_weights_from_path", path)
 
-    async def sleep(self, level: int = 1) -> dict:
-        report = await self._call_utility("sleep", level)
-        self._is_asleep = True
-        self.metrics.record_sleep(level)
-        return report
+    async def sleep(self, level: int = 1, mode: SleepMode = "abort") -> dict:
+        """EngineCore.sleep; requests are refused from now on. With mode "wait" the requests in flight
+        finish first (vLLM's), polled every `_DRAIN_POLL_S`."""
+        was_asleep, self._is_asleep = self._is_asleep, True
+        try:
+            while mode == "wait" and self.get_num_unfinished_requests() and not was_asleep:
+                await asyncio.sleep(_DRAIN_POLL_S)
+            return await self._call_utility("sleep", level, mode)
+        except BaseException:
+            self._is_asleep = was_asleep
+            raise
 
     async def wake_up(self) -> dict:
         report = await self._call_utility("wake_up")
         self._is_asleep = False
-        self.metrics.record_sleep(0)
         return report
 
     async def is_sleeping(self) -> bool:

@@ -18,6 +18,7 @@ from xlaserve.engine.metrics import EngineMetrics, Metric
 from xlaserve.engine.mm_processor import content_format, flatten_content
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
+from xlaserve.engine.protocol import SleepMode
 from xlaserve.engine.startup import start_engine
 from xlaserve.engine.video import load_video
 from xlaserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
@@ -291,8 +292,10 @@ class LLM(PoolingMethods):
         """Counters, gauges and histograms named like vLLM's (prefix `xlaserve:`)."""
         return self.metrics.snapshot()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix; with `reset_running_requests` (vLLM's), the running requests'
+        K/V too: they are preempted and recompute it (after a weight update: with the new weights)."""
+        return self.engine_core.reset_prefix_cache(reset_running_requests)
 
     # -- the research stack: weights from a trainer, device memory handed back (README) -----------
 
@@ -308,11 +311,13 @@ class LLM(PoolingMethods):
         """`update_weights` with the checkpoint at `path` (same architecture and shapes)."""
         return self.engine_core.update_weights_from_path(path)
 
-    def sleep(self, level: int = 1):
+    def sleep(self, level: int = 1, mode: SleepMode = "abort"):
         """Free the KV cache's device memory (level 2: the weights' too, kept on the host) until
-        `wake_up()`; requests meanwhile are refused. -> what was freed (`device_bytes`, `seconds`)."""
-        report = self.engine_core.sleep(level)
-        self.metrics.record_sleep(level)
+        `wake_up()`; requests meanwhile are refused, and those unfinished go by `mode` (vLLM's: abort,
+        keep, wait; EngineCore.sleep). -> what was freed (`device_bytes`, `seconds`)."""
+        report = self.engine_core.sleep(level, mode)
+        self.output_processor.process_outputs(self.engine_core.take_outputs())  # what it aborted ends
+        self._record_stats()
         return report
 
     def start_profile(self) -> None:
@@ -327,7 +332,7 @@ class LLM(PoolingMethods):
     def wake_up(self):
         """Place back what `sleep` freed (the KV cache zeroed, the prefix cache empty)."""
         report = self.engine_core.wake_up()
-        self.metrics.record_sleep(0)
+        self._record_stats()
         return report
 
     def is_sleeping(self) -> bool:
@@ -470,10 +475,16 @@ class LLM(PoolingMethods):
         return [r.request_id for r in requests]
 
     def _step(self) -> list[RequestOutput]:
+        if self.engine_core.is_sleeping:  # a stream resumed after sleep(mode="keep"): it would never end
+            raise ValueError("the engine is asleep (sleep() was called): call wake_up() first")
         outputs = self.engine_core.step()
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
+        self._record_stats()
+        return processed.request_outputs
+
+    def _record_stats(self) -> None:
+        """The core's stats (its sleep state among them) and the outputs' into the metrics."""
         self.metrics.record_scheduler(self.engine_core.make_stats())
         self.metrics.record_iteration(self.output_processor.drain_stats())
-        return processed.request_outputs
