@@ -14,6 +14,7 @@ run step k. No step needs another's sampled ids, so async scheduling's placehold
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from typing import get_args
@@ -281,8 +282,7 @@ class EngineCore:
         self.scheduler.num_micro_batches = num
 
     def make_stats(self) -> SchedulerStats:
-        stats = self.scheduler.make_stats()
-        stats.sleep_level = self.sleep_level
+        stats = dataclasses.replace(self.scheduler.make_stats(), sleep_level=self.sleep_level)
         if stats.kv_transfer_stats is not None:
             stats.kv_transfer_stats.add(self.remote_prefills.make_stats())
         return stats
