@@ -72,10 +72,11 @@ class IterationStats:
 
     num_prompt_tokens: int = 0  # prompts of requests that got their first token
     # Those prompts' tokens by where their K/V came from (vLLM's PromptTokenStats): computed here, from
-    # the prefix cache, loaded by a KV connector. `num_prompt_tokens_cached` is the hit the scheduler
-    # gave them, which leaves one token to compute when the whole prompt is cached: that token
-    # (`num_prompt_tokens_recomputed`) counts as computed and as a cache hit, so computed +
-    # local_cache_hit + external - recomputed = num_prompt_tokens.
+    # the prefix cache, loaded by a KV connector; `num_prompt_tokens_cached` is the hit. vLLM counts a
+    # prompt whose hit left exactly one token to compute as a whole prompt cached with its last token
+    # recomputed (`num_prompt_tokens_recomputed`: one), that token both computed and a cache hit, so
+    # computed + local_cache_hit + external - recomputed = num_prompt_tokens. Counted as vLLM does, so
+    # that its dashboards read the same (a hit is whole blocks: that token was never cached here).
     num_prompt_tokens_computed: int = 0
     num_prompt_tokens_local_cache_hit: int = 0
     num_prompt_tokens_external: int = 0

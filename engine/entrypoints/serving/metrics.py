@@ -32,8 +32,8 @@ _DOCS = {
     "prompt_tokens_by_source": "Prompt tokens by where their K/V came from: local_compute, local_cache_hit "
     "(the prefix cache), external_kv_transfer (a KV connector: host offload, a producer).",
     "prompt_tokens_cached": "Prompt tokens whose computation the prefix cache or a KV connector skipped.",
-    "prompt_tokens_recomputed": "Prompt tokens computed although cached: the last token of a prompt "
-    "cached whole (a step needs one token to sample from).",
+    "prompt_tokens_recomputed": "Prompts whose cache hit left one token to compute (vLLM's count of a "
+    "last token recomputed): one each.",
     "generation_tokens": "Generation tokens produced.",
     "request_success": "Finished requests, by finish reason (abort: cancelled or disconnected).",
     "time_to_first_token_seconds": "Time to first token.",
