@@ -262,8 +262,11 @@ def _score_fields(req: ScoreRequest) -> tuple[str, str]:
     if len(sent) == 1:
         partner = next(b if a == sent[0] else a for a, b in _SCORE_PAIRS if sent[0] in (a, b))
         raise bad_request(f"{partner} is required with {sent[0]}", partner)
+    # A whole pair and more, or two halves of different pairs: the field past the first pair is named.
+    first = next((pair for pair in _SCORE_PAIRS if set(pair) <= set(sent)), sent[:1])
+    extra = next(name for name in sent if name not in first)
     pairs = ", ".join(f"{a} with {b}" for a, b in _SCORE_PAIRS)
-    raise bad_request(f"{sent[1]} does not pair with {sent[0]}: send one of {pairs}", sent[1])
+    raise bad_request(f"{extra} does not pair with {' and '.join(first)}: send one of {pairs}", extra)
 
 
 async def _scores(
@@ -290,8 +293,12 @@ async def _scores(
                 f"{path} needs a classifier with one label; this one has {outputs[0].size}", "model"
             )
         return [float(o.reshape(-1)[0]) for o in outputs], prompts
-    texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    prompts = _token_ids(state, texts, True, fields[0], keep, side)
+    # Each text embedded once, an error naming the side it came from.
+    firsts = list(dict.fromkeys(a for a, _ in pairs))
+    seconds = [t for t in dict.fromkeys(b for _, b in pairs) if t not in firsts]
+    texts = firsts + seconds
+    prompts = _token_ids(state, firsts, True, fields[0], keep, side)
+    prompts += _token_ids(state, seconds, True, fields[1], keep, side) if seconds else []
     outputs = await _encode_all(state, raw_request, req, prompts, PoolingParams(task="embed"), engine_id)
     by_text = dict(zip(texts, outputs))
     return [cosine(by_text[a], by_text[b]) for a, b in pairs], prompts
