@@ -9,6 +9,7 @@ was (`flatten_content`), so any chat template renders them. No jax; the engine c
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -91,7 +92,10 @@ class MultiModalProcessor:
             limits["image"],
             hf_config.get("video_token_id"),
             limits["video"],
-            build=lambda kwargs: family(with_overrides(settings, kwargs), hf_config, tokenizer)[0],
+            # A copy: Hugging Face's image processors write max_pixels into the `size` dict they are given.
+            build=lambda kwargs: family(
+                with_overrides(copy.deepcopy(settings), kwargs), hf_config, tokenizer
+            )[0],
             check_kwargs=check and (lambda kwargs, field: check(kwargs, settings, field)),
         )
 

@@ -323,8 +323,8 @@ def test_bad_media_io_kwargs_are_refused_at_start(value, message):
 
 # -- a request's mm_processor_kwargs, media named by uuid ----------------------------------------------
 
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-SMALL = {"max_pixels": 32 * 32}  # a 40 x 48 image: 30 tokens at the server's bounds, 4 x 3 under these
+# A 40 x 48 image: 30 tokens at the server's bounds, 4 x 3 (24 x 32 pixels) under these.
+SMALL = {"max_pixels": 32 * 32}
 
 
 def _image_part(url: str | None, **extra) -> dict:
@@ -363,6 +363,9 @@ def test_a_requests_mm_processor_kwargs_resize_its_image_as_hugging_face(vlm, ll
     out = llm.chat(_messages(part), params, use_tqdm=False, mm_processor_kwargs=SMALL)[0]
     ids = list(out.outputs[0].token_ids)
     assert ids == small[1] and len(out.prompt_token_ids) == small[0]
+    llm.input_processor.mm_processor.processor_for(
+        {"max_pixels": 4096}
+    )  # the server's bounds are as they were
     np.testing.assert_allclose(
         [e[t].logprob for e, t in zip(out.outputs[0].logprobs, ids)], small[2], atol=1e-5
     )
@@ -371,7 +374,7 @@ def test_a_requests_mm_processor_kwargs_resize_its_image_as_hugging_face(vlm, ll
         patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=32 * 32
     )
     pixels = hf_processor(images=[image], return_tensors="pt")
-    assert pixels["image_grid_thw"].tolist() == [[1, 4, 3]]
+    assert pixels["image_grid_thw"].tolist() == [[1, 8, 6]]  # patches: 4 x 3 tokens of 2 x 2
     prompt = torch.tensor([out.prompt_token_ids])
     is_image = (prompt == llm.input_processor.mm_processor.image_token_id).long()
     assert int(is_image.sum()) == 12
