@@ -11,6 +11,8 @@ from xlaserve.config import EngineConfig, KVTransferConfig
 from xlaserve.core.limits import RequestLimits, check_prompt_length
 from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.core.request import Request, child_request_id
+from xlaserve.engine.media import MediaError
+from xlaserve.engine.media_uuids import check_uuids
 from xlaserve.engine.mm_processor import MultiModalProcessor, as_videos
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.lora_request import LoRARequest
@@ -130,8 +132,11 @@ class InputProcessor:
     ) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """(text or None, token ids, images): `tokenize`, or for a prompt with `multi_modal_data`
         ({"prompt": text with one placeholder per image, "multi_modal_data": {"image": image | list}})
-        the model's processor: placeholders expanded, images as features."""
+        the model's processor: placeholders expanded, images as features (a prompt's
+        `mm_processor_kwargs`, vLLM's, the processor's settings for it alone)."""
+        kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
         if not (isinstance(prompt, dict) and prompt.get("multi_modal_data")):
+            self.check_mm_processor_kwargs(kwargs)
             return (*self.tokenize(prompt), [])
         data = prompt["multi_modal_data"]
         if self.mm_processor is None:
@@ -144,14 +149,36 @@ class InputProcessor:
         if not isinstance(prompt.get("prompt"), str):
             raise ValueError("multi_modal_data needs the prompt as text ({'prompt': str}), with placeholders")
         images = data.get("image", [])
-        images = images if isinstance(images, (list, tuple)) else [images]
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        videos = as_videos(data.get("video", []))
+        uuids = prompt.get("multi_modal_uuids") or {}
+        if not isinstance(uuids, dict) or set(uuids) - set(data):
+            raise ValueError(
+                "multi_modal_uuids must be {modality: uuid or list} for modalities of multi_modal_data, got "
+                f"{list(uuids) if isinstance(uuids, dict) else type(uuids).__name__}"
+            )
+        uuids = {
+            kind: check_uuids(uuids.get(kind), len(items), f"multi_modal_uuids.{kind}")
+            for kind, items in (("image", images), ("video", videos))
+        }
         ids, features = self.mm_processor.process(
             prompt["prompt"],
-            list(images),
-            as_videos(data.get("video", [])),
+            images,
+            videos,
             add_special_tokens=add_special_tokens,
+            mm_processor_kwargs=kwargs,
+            uuids=uuids,
         )
         return prompt["prompt"], ids, features
+
+    def check_mm_processor_kwargs(self, kwargs: dict | None, field: str = "mm_processor_kwargs") -> None:
+        """A request's mm_processor_kwargs where no media comes with them, checked as media's would be (a
+        MediaError naming the key): a text-only model takes none."""
+        if not kwargs:
+            return
+        if self.mm_processor is None:
+            raise MediaError("this model takes text only: it has no multimodal processor", field)
+        self.mm_processor.processor_for(kwargs, field)
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -208,7 +208,7 @@ FIELD_TYPES = {
             "safety_identifier",
             "service_tier",
         ],
-        "object": [*_SAMPLING["object"], "chat_template_kwargs", "metadata"],
+        "object": [*_SAMPLING["object"], "chat_template_kwargs", "metadata", "mm_processor_kwargs"],
     },
     "tokenize": {"boolean": ["add_special_tokens", "return_token_strs"], "string": ["model"]},
     "tokenize-chat": {
@@ -629,6 +629,10 @@ TOOL_CASES = [
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
     ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs.chat_template"),
     ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs.not a name"),
+    # a text-only model has no processor to set (a vision-language one's: test_server_videos.py)
+    ({"mm_processor_kwargs": {"max_pixels": 1024}}, "mm_processor_kwargs"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": None, "uuid": ""}]}]},
+     "messages[0].content[0].uuid"),
     # A request's own template: this server does not trust them (--trust-request-chat-template).
     ({"chat_template": "{{ messages[0].content }}"}, "chat_template"),
     ({"chat_template": ""}, "chat_template"),
