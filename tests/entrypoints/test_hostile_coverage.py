@@ -430,7 +430,10 @@ QUERY_CASES = [  # (route, query, the param named)
     ("GET /v1/responses/{response_id}", {"starting_after": "x"}, "starting_after"),
 ]
 
-# Fields no value can make invalid, each with its reason.
+# (model, property) -> why no value can make it invalid. None today: the request models are strict (a
+# wrong JSON type is a 400 for every field, accepted-and-ignored ones too: `citations`, `annotations`),
+# and free-form values sit below a typed field (`metadata`'s values, `chat_template_kwargs`' keys are
+# checked; a tool's `parameters` is a JSON schema, compiled). A field that takes anything goes here.
 UNBREAKABLE: dict[tuple[str, str], str] = {}
 
 
@@ -441,6 +444,42 @@ def test_every_request_field_has_a_hostile_case(schema):
     missing = sorted(fields - covered(schema) - set(UNBREAKABLE))
     assert not missing, f"{len(missing)} request fields without a hostile case: {missing}"
     assert not set(UNBREAKABLE) - fields, "an exempt field the schema no longer has"
+
+
+def test_a_param_covers_the_fields_on_its_path_in_the_member_its_body_picks(schema):
+    components, bodies = schema["components"]["schemas"], request_bodies(schema)
+
+    def fields(path: str, body: dict, param: str) -> set[tuple[str, str]]:
+        return covered_by(components, bodies[f"POST {path}"], body, param)
+
+    image = {"messages": _image({"url": 5})}
+    assert fields("/v1/chat/completions", image, "messages[0].content[0].image_url.url") == {
+        ("ChatCompletionRequest", "messages"),
+        ("ChatMessage", "content"),
+        ("ImageURLContentPart", "image_url"),
+        ("ImageURL", "url"),
+    }
+    # the body's tags pick the member: a json_schema format's name, not another format's
+    json_format = {"text": {"format": {"type": "json_schema", "schema": {}}}}
+    json_schema_format = "xlaserve__entrypoints__openai__responses_protocol__JsonSchemaFormat"
+    assert fields("/v1/responses", json_format, "text.format.name") == {
+        ("ResponsesRequest", "text"),
+        ("TextConfig", "format"),
+        (json_schema_format, "name"),
+    }
+    # without tags, the keys it has: a prompt's add_special_tokens, not a chat's
+    tokenize = {"prompt": "Hi", "add_special_tokens": "yes"}
+    assert fields("/tokenize", tokenize, "add_special_tokens") == {
+        ("TokenizeCompletionRequest", "add_special_tokens")
+    }
+    # an unknown tag: the union's tag, in each member
+    assert ("TextBlockParam", "type") in fields(
+        MESSAGES, {"messages": _user({"type": "x"})}, "messages[0].content[0].type"
+    )
+    # a field the schema does not have covers nothing beyond its parent
+    assert fields("/v1/completions", {"stream_options": {"x": 1}}, "stream_options.x") == {
+        ("CompletionRequest", "stream_options")
+    }
 
 
 @pytest.fixture(scope="module")
