@@ -441,6 +441,14 @@ def test_every_request_field_has_a_hostile_case(schema):
     """The rule the suite keeps: a new request field (of any route's body, at any depth, or a query)
     joins the hostile cases. Read from the app's own schema, a field added without one fails here."""
     fields = body_fields(schema) | query_fields(schema)
+    # The walk reaches what users send inside lists and unions, and the queries.
+    deep = {
+        ("ImageURL", "url"),
+        ("ToolCallParam", "id"),
+        ("McpToolFilter", "read_only"),
+        ("POST /sleep", "level"),
+    }
+    assert deep <= fields, deep - fields
     missing = sorted(fields - covered(schema) - set(UNBREAKABLE))
     assert not missing, f"{len(missing)} request fields without a hostile case: {missing}"
     assert not set(UNBREAKABLE) - fields, "an exempt field the schema no longer has"
