@@ -252,25 +252,26 @@ BASES = {  # a valid body per route (the pooling routes': valid, refused only on
     "/score": {"text_1": "a", "text_2": "b"},
     "/rerank": {"query": "a", "documents": ["b"]},
 }
-# The pooling routes' fields of the wrong JSON type: refused before the route finds this server's model
-# generates (test_pooling_server.py sends the rest to a pooling server).
+# The pooling routes' fields of the wrong JSON type (or outside their values): refused before the route
+# finds this server's model generates (test_pooling_server.py sends the rest to a pooling server).
 POOLING_FIELD_TYPES = {
     "/classify": {
         "input": 5, "messages": "Hi", "add_generation_prompt": "yes", "add_special_tokens": "yes",
         "chat_template": 5, "chat_template_kwargs": "x", "continue_final_message": "yes", "priority": "1",
-        "truncate_prompt_tokens": "2", "use_activation": "yes", "user": 5,
+        "truncate_prompt_tokens": "2", "use_activation": "yes", "user": 5, "cache_salt": 5,
     },
     "/v1/embeddings": {"model": 5, "normalize": "yes", "priority": "1", "user": 5},
     "/pooling": {
         "activation": "yes", "encoding_format": 5, "model": 5, "normalize": "yes", "priority": "1", "user": 5,
+        "truncation_side": "middle",
     },
     "/rerank": {
         "query": 5, "documents": 5, "add_special_tokens": "yes", "model": 5, "priority": "1",
-        "return_documents": "yes", "top_n": "1", "user": 5,
+        "return_documents": "yes", "top_n": "1", "user": 5, "truncation_side": 5,
     },
     "/score": {
         "text_2": 5, "add_special_tokens": "yes", "model": 5, "priority": "1", "use_activation": "yes",
-        "user": 5,
+        "user": 5, "data_1": 5, "truncation_side": "middle",
     },
 }  # fmt: skip
 _ITEMS = {  # a valid Responses input item of each type
