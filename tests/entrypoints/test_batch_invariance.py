@@ -129,16 +129,31 @@ def _sampling_features(llm) -> dict[str, SamplingParams]:
     }
 
 
-def test_every_sampler_feature_is_the_same_bits_alone_and_among_the_others(llm):
-    """Each feature's request alone, then all of them in one batch (each its own prompt): every one
-    keeps its solo tokens, logprobs and prompt logprobs, though the batch now runs the penalty and
-    grammar programs, the top-k/top-p sort and the random rows' branch for rows that asked for none."""
+@pytest.fixture(scope="module")
+def features_alone(llm):
+    """(prompts, features, each feature's request run alone): one prompt per feature."""
     features = _sampling_features(llm)
     prompts = (PROMPTS + _companions(len(features)))[: len(features)]
     alone = {
         name: _request_numbers(llm.generate(prompt, params, use_tqdm=False)[0])
         for prompt, (name, params) in zip(prompts, features.items())
     }
-    together = llm.generate(prompts, list(features.values()), use_tqdm=False)
+    return prompts, features, alone
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_every_sampler_feature_is_the_same_bits_alone_and_among_the_others(llm, features_alone, scheduling):
+    """Each feature's request alone, then all of them in one batch (each its own prompt): every one
+    keeps its solo tokens, logprobs and prompt logprobs, though the batch now runs the penalty and
+    grammar programs, the top-k/top-p sort and the random rows' branch for rows that asked for none.
+    With async scheduling too (the default on accelerators), where each step is scheduled before the
+    previous one's tokens are known: penalties, bad words and grammars read the outputs they wait for."""
+    prompts, features, alone = features_alone
+    default = llm.engine_core.async_scheduling
+    llm.engine_core.set_async_scheduling(scheduling == "async")
+    try:
+        together = llm.generate(prompts, list(features.values()), use_tqdm=False)
+    finally:
+        llm.engine_core.set_async_scheduling(default)
     for name, output in zip(features, together):
         assert _request_numbers(output) == alone[name], name
