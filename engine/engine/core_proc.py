@@ -233,6 +233,8 @@ def _build_engine_core(config: EngineConfig):
         pooling_task=info.pooling_task,
         hidden_size=info.hidden_size,
         id2label=list(info.id2label),
+        is_matryoshka=info.is_matryoshka,
+        matryoshka_dimensions=info.matryoshka_dimensions and list(info.matryoshka_dimensions),
     )
     lora_slots = core.executor.lora_slots()
     if lora_slots is not None:

@@ -160,6 +160,9 @@ class EngineReady(msgspec.Struct, tag="ready"):
     pooling_task: str | None = None
     hidden_size: int = 0
     id2label: list[str] = msgspec.field(default_factory=list)  # a classifier's label names by index
+    # Which `dimensions` an embedder takes (worker/loading.py ModelInfo's).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs"):

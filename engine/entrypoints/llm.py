@@ -168,6 +168,7 @@ class LLM(PoolingMethods):
         chat_template_content_format: str = "auto",
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
         A vision-language model takes OpenAI's content parts: `image_url` (a data: URL) and `image_pil`
@@ -179,7 +180,8 @@ class LLM(PoolingMethods):
         Qwen3's `enable_thinking`) and `chat_template_content_format` (the server's
         --chat-template-content-format: "string" joins a message's parts into one string, "openai" gives
         the template lists of parts, "auto" the latter where the template loops over a message's
-        content)."""
+        content). `mm_processor_kwargs`: the processor's settings for these conversations (vLLM's; the
+        Qwen families' min_pixels, max_pixels and fps)."""
         self._require_tokenizer("chat()")
         if continue_final_message and add_generation_prompt:
             raise ValueError("chat(): continue_final_message=True needs add_generation_prompt=False")
@@ -218,10 +220,12 @@ class LLM(PoolingMethods):
             )
             if images or videos:
                 prompt = {"prompt": text, "multi_modal_data": {"image": images, "video": videos}}
+                prompt["mm_processor_kwargs"] = mm_processor_kwargs
             else:  # the template wrote the special tokens it wants
                 prompt = {
                     "prompt": text,
                     "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+                    "mm_processor_kwargs": mm_processor_kwargs,
                 }
             prompts.append(self.input_processor.process(prompt, add_special_tokens=False))
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

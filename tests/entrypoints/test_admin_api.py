@@ -363,12 +363,20 @@ def test_update_weights_invalid_unicode_is_400_naming_the_field(client, name, ra
     check_still_serving(client, port)
 
 
+UPDATE_WEIGHTS_BAD = [  # (body, the param named)
+    ({}, "model_path"),
+    ({"model_path": ""}, "model_path"),
+    ({"model_path": "x", "extra": 1}, "extra"),
+    ({"model_path": "a" * 5000}, "model_path"),
+]
+
+
 @pytest.mark.parametrize(
-    "body", [{}, {"model_path": ""}, {"model_path": "x", "extra": 1}, {"model_path": "a" * 5000}]
+    "body, param", UPDATE_WEIGHTS_BAD, ids=[json.dumps(b)[:40] for b, _ in UPDATE_WEIGHTS_BAD]
 )
-def test_update_weights_bad_body_is_400(client, body):
+def test_update_weights_bad_body_is_400(client, body, param):
     response, port = send(client, "/update_weights_from_disk", body)
-    check_error(response, 400)
+    assert check_error(response, 400)["param"] == param
     check_still_serving(client, port)
 
 
@@ -378,7 +386,10 @@ def test_update_weights_from_a_missing_path_is_400(client, tmp_path):
     check_still_serving(client, port)
 
 
-@pytest.mark.parametrize("level", ["0", "3", "-1", "abc", "1.5", "true", "9" * 30])
+SLEEP_LEVELS_BAD = ["0", "3", "-1", "abc", "1.5", "true", "9" * 30]
+
+
+@pytest.mark.parametrize("level", SLEEP_LEVELS_BAD)
 def test_sleep_level_out_of_range_or_wrong_type_is_400(client, level):
     response = client.post("/sleep", params={"level": level})
     check_error(response, 400, "level")

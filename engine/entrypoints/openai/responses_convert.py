@@ -181,6 +181,10 @@ def _message_content(item: MessageItem, where: str) -> str | list[dict]:
         if item.role != "user":
             raise bad_request(f"{part.type} parts belong in a user message, not the {item.role}'s", field)
         if isinstance(part, VideoURLContentPart):
+            if part.video_url is None:  # a chat part's reference by uuid alone: not this API's
+                raise bad_request(
+                    "no video_url; send the video as video_url (a data: URL)", f"{field}.video_url"
+                )
             parts.append({"type": "video_url", "video_url": {"url": part.video_url.url}})
             continue
         if part.image_url is None:
