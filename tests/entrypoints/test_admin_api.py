@@ -396,14 +396,18 @@ def test_sleep_level_out_of_range_or_wrong_type_is_400(client, level):
     assert client.get("/is_sleeping").json() == {"is_sleeping": False}
 
 
-@pytest.mark.parametrize("mode", ["", "Abort", "pause", "1", "9" * 30])
+SLEEP_MODES_BAD = ["", "Abort", "pause", "1", "9" * 30]
+RESET_RUNNING_REQUESTS_BAD = ["", "maybe", "2", "9" * 30]
+
+
+@pytest.mark.parametrize("mode", SLEEP_MODES_BAD)
 def test_sleep_mode_not_vllms_is_400(client, mode):
     response = client.post("/sleep", params={"mode": mode})
     check_error(response, 400, "mode")
     assert client.get("/is_sleeping").json() == {"is_sleeping": False}
 
 
-@pytest.mark.parametrize("value", ["", "maybe", "2", "9" * 30])
+@pytest.mark.parametrize("value", RESET_RUNNING_REQUESTS_BAD)
 def test_reset_running_requests_not_a_boolean_is_400(client, value):
     response = client.post("/reset_prefix_cache", params={"reset_running_requests": value})
     check_error(response, 400, "reset_running_requests")

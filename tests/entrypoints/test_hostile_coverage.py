@@ -238,6 +238,11 @@ def covered(schema: dict) -> set[tuple[str, str]]:
     queries = [
         *QUERY_CASES,
         *[("POST /sleep", {"level": level}, "level") for level in test_admin_api.SLEEP_LEVELS_BAD],
+        *[("POST /sleep", {"mode": mode}, "mode") for mode in test_admin_api.SLEEP_MODES_BAD],
+        *[
+            ("POST /reset_prefix_cache", {"reset_running_requests": value}, "reset_running_requests")
+            for value in test_admin_api.RESET_RUNNING_REQUESTS_BAD
+        ],
     ]
     return fields | {(route, param) for route, _, param in queries}
 
