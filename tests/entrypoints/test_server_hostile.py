@@ -244,6 +244,7 @@ FIELD_TYPES = {
             "prompt_cache_key",
             "safety_identifier",
             "request_id",
+            "service_tier",
         ],
         "object": [
             "text",
@@ -802,6 +803,7 @@ ACCEPTED_CASES = [  # vLLM accepts these (some it ignores): so do we
     ("chat", {"logit_bias": {"5": 250.5, "6": -1e9}}),  # clamped to [-100, 100]
     ("completions", {"use_beam_search": True, "n": 2, "temperature": 0}),  # beams are no greedy children
     ("responses", {"max_tool_calls": 3}),
+    ("responses", {"service_tier": "priority"}),  # vLLM's five tiers, echoed
 ]
 
 
@@ -1169,7 +1171,7 @@ RESPONSES_CASES = [  # (fields over the valid body, the param named, the status)
     ({"kv_transfer_params": {"remote_engine": "x"}}, "kv_transfer_params.remote_engine", 400),
     ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params", 400),
     ({"kv_transfer_params": {"do_remote_prefill": True}, "tools": [_MCP_TOOL]}, "kv_transfer_params", 400),
-    ({"service_tier": "flex"}, "service_tier", 400),
+    ({"service_tier": "fastest"}, "service_tier", 400),
     ({"include": "x"}, "include", 400),
     ({"top_logprobs": 21}, "top_logprobs", 400),
     ({"top_logprobs": -1}, "top_logprobs", 400),  # the whole vocabulary, past max_logprobs

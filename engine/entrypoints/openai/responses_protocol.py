@@ -30,6 +30,7 @@ from xlaserve.entrypoints.serving.protocol import (
     PositiveTokens,
     ReasoningEffort,
     Seed,
+    ServiceTier,
     StopString,
     StrictModel,
     Text,
@@ -262,7 +263,9 @@ class ResponsesRequest(StrictModel):
     max_tool_calls: int | None = Field(
         default=None, ge=0, le=2**31 - 1, description="echoed and otherwise ignored, as vLLM does"
     )
-    service_tier: Literal["auto", "default"] | None = None
+    service_tier: ServiceTier | None = Field(
+        default=None, description="accepted and echoed (default auto), as vLLM does: one tier here"
+    )
     prompt_cache_key: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     safety_identifier: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     # vLLM's extras

@@ -135,6 +135,7 @@ def response_shell(req: ResponsesRequest, plan: ToolPlan, request_id: str, model
         background=bool(req.background),
         top_logprobs=req.top_logprobs,
         max_tool_calls=req.max_tool_calls,
+        service_tier=req.service_tier or "auto",
     )
 
 
@@ -187,6 +188,16 @@ def answer_turn(items) -> dict:
     if calls:
         turn["tool_calls"] = calls
     return turn
+
+
+def cut_calls(response: dict) -> set[str]:
+    """The call ids of a stored response's function calls that `answer_turn` leaves out of the history:
+    those cut by max_output_tokens before their arguments were a whole JSON object."""
+    return {
+        item["call_id"]
+        for item in response["output"]
+        if item["type"] == "function_call" and not _is_object(item["arguments"])
+    }
 
 
 def _is_object(arguments: str) -> bool:
