@@ -275,6 +275,34 @@ def test_unknown_model_is_404_not_found_error(client):
     assert caught.value.body["error"]["type"] == "not_found_error"
 
 
+def test_models_list_and_retrieve_in_each_sdks_shape(server, client):
+    """One /v1/models for both SDKs: Anthropic's (its anthropic-version header) reads its ModelInfo page,
+    strictly validated; OpenAI's still reads vLLM's cards; an unknown model is each one's 404."""
+    (info,) = client.models.list().data
+    assert (info.type, info.id, info.display_name, info.lifecycle) == (
+        "model",
+        MODEL_NAME,
+        MODEL_NAME,
+        "active",
+    )
+    assert info.max_input_tokens == info.max_tokens == 511  # the session server's context, less one
+    assert client.models.retrieve(MODEL_NAME) == info
+    page = httpx.get(server.url + "/v1/models", headers={**server.headers, "anthropic-version": "2023-06-01"})
+    assert (
+        page.json()["has_more"] is False and page.json()["first_id"] == page.json()["last_id"] == MODEL_NAME
+    )
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.models.retrieve("claude-nothing")
+    assert caught.value.body["error"]["type"] == "not_found_error" and "claude-nothing" in str(
+        caught.value.body
+    )
+    openai_shape = httpx.get(server.url + "/v1/models/" + MODEL_NAME, headers=server.headers).json()
+    assert openai_shape["object"] == "model" and openai_shape["max_model_len"] == 512
+    refused = httpx.get(server.url + "/v1/models", headers={"anthropic-version": "2023-06-01"})
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    assert refused.json()["type"] == "error"
+
+
 # -- tools ---------------------------------------------------------------------------------------------
 
 WEATHER = {
