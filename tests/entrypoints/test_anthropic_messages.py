@@ -187,7 +187,7 @@ def _prewarmed_hit(num_prompt_tokens: int) -> int:
 def test_max_tokens_0_prewarms_the_prefix_cache(client):
     """max_tokens 0 (Anthropic's cache pre-warming): the prompt runs through the engine and nothing is
     answered: no content, stop reason max_tokens, no output token; the same prompt then reads its blocks
-    from the prefix cache."""
+    from the prefix cache, unless salted otherwise."""
     fields = {"messages": QUESTION, "system": _fresh_system()}
     warm = client.messages.create(model=MODEL_NAME, max_tokens=0, **fields)
     num_prompt = client.messages.count_tokens(model=MODEL_NAME, **fields).input_tokens
@@ -204,6 +204,10 @@ def test_max_tokens_0_prewarms_the_prefix_cache(client):
     assert answer.usage.cache_creation_input_tokens == whole_blocks - _prewarmed_hit(num_prompt)
     assert answer.usage.input_tokens == num_prompt - whole_blocks and answer.content[0].text
     assert answer.usage.service_tier is None  # vLLM reports none
+    # vLLM's cache_salt (extra_body): a salted request shares no blocks with the unsalted ones.
+    salted = client.messages.create(model=MODEL_NAME, max_tokens=1, extra_body={"cache_salt": "b"}, **fields)
+    assert salted.usage.cache_read_input_tokens == 0
+    assert salted.usage.cache_creation_input_tokens == whole_blocks
 
 
 def test_usage_has_the_cache_buckets_with_prompt_tokens_details_only():

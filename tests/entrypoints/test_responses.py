@@ -152,6 +152,17 @@ def test_output_logprobs_skip_reasoning_calls_and_tokens_held_back():
     assert message.content[0].logprobs == entry[2:5] and message.content[0].text == "Hi there"
 
 
+def test_truncation_auto_keeps_the_prompts_last_tokens(client):
+    """vLLM's truncation "auto" (truncate_prompt_tokens -1): a prompt past the context keeps its last
+    tokens, room left for max_output_tokens; "disabled" (the default) refuses it."""
+    fields = {"input": "Paris is lovely. " * 200, "max_output_tokens": 2, "store": False}
+    cut = _create(client, **fields, truncation="auto")
+    assert cut.truncation == "auto" and cut.usage.input_tokens == 512 - 2 and cut.usage.output_tokens == 2
+    with pytest.raises(openai.BadRequestError) as refused:
+        _create(client, **fields)
+    assert refused.value.body["param"] in ("input", "max_output_tokens")
+
+
 def test_max_output_tokens_makes_it_incomplete(client):
     response = _create(client, input=QUESTION, max_output_tokens=2, store=False, service_tier="flex")
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
@@ -509,7 +520,7 @@ ERROR_CASES = [  # (body over {"input": QUESTION}, status, param, words the mess
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "foo"}}], "tool_choice": "required"},
      400, "tools[0].parameters", "tools[0].parameters"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type", "function"),
-    ({"truncation": "auto"}, 400, "truncation", "disabled"),
+    ({"truncation": "middle"}, 400, "truncation", "disabled"),
     ({"background": True}, 400, "store", "store: true"),
     ({"top_logprobs": 21}, 400, "top_logprobs", "20"),
     ({"include": ["file_search_call.result"]}, 400, "include[0]", "message.output_text.logprobs"),

@@ -55,6 +55,7 @@ _RENAMES = [
     (re.compile(r"\btools\[(\d+)\]\.function\.(\w+)"), r"tools[\1].\2"),
     (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
     (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\btruncate_prompt_tokens\b"), "truncation"),
     (re.compile(r"\bmessages\[\d+\](\.\w+)*"), "input"),  # the chat messages do not index the input
 ]
 _SAMPLING = (  # and the chat request's other fields the Responses request shares

@@ -144,7 +144,7 @@ class Response(OmitsNones):
     tool_choice: Any = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     top_p: float = 1.0
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
     service_tier: ServiceTier = "auto"  # the request's, echoed as vLLM does
     usage: ResponseUsage | None = None
     user: str | None = None

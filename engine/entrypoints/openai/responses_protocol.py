@@ -247,7 +247,11 @@ class ResponsesRequest(StrictModel):
     )
     metadata: Metadata | None = None
     user: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
-    truncation: Literal["disabled"] | None = Field(default=None, description="'auto' is not supported")
+    truncation: Literal["auto", "disabled"] | None = Field(
+        default=None,
+        description="auto: a prompt past the context keeps its last tokens, room left for the answer "
+        "(vLLM's truncate_prompt_tokens -1); disabled (the default): it is a 400",
+    )
     background: bool | None = Field(
         default=None, description="answer at once, queued; generate in the server's background (poll GET)"
     )
