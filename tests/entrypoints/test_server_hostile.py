@@ -244,6 +244,8 @@ FIELD_TYPES = {
             "prompt_cache_key",
             "safety_identifier",
             "request_id",
+            "service_tier",
+            "truncation",
         ],
         "object": [
             "text",
@@ -806,6 +808,7 @@ ACCEPTED_CASES = [  # vLLM accepts these (some it ignores): so do we
     ("chat", {"logit_bias": {"5": 250.5, "6": -1e9}}),  # clamped to [-100, 100]
     ("completions", {"use_beam_search": True, "n": 2, "temperature": 0}),  # beams are no greedy children
     ("responses", {"max_tool_calls": 3}),
+    ("responses", {"service_tier": "priority"}),  # vLLM's five tiers, echoed
 ]
 
 
@@ -816,8 +819,8 @@ def test_vllms_accepted_fields_answer(client, endpoint, fields):
     path, body = BODIES[endpoint]
     response, port = send(client, path, {**body, **fields})
     assert response.status_code == 200, response.text
-    if endpoint == "responses":
-        assert response.json()["max_tool_calls"] == fields["max_tool_calls"]
+    if endpoint == "responses":  # echoed
+        assert {field: response.json()[field] for field in fields} == fields
     check_still_serving(client, port)
 
 
@@ -1145,7 +1148,7 @@ RESPONSES_CASES = [  # (fields over the valid body, the param named, the status)
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", 400),
     ({"metadata": {"k": "v" * 513}}, "metadata.k", 400),
     ({"metadata": {"k": 5}}, "metadata.k", 400),
-    ({"truncation": "auto"}, "truncation", 400),
+    ({"truncation": "middle"}, "truncation", 400),
     ({"background": True}, "store", 400),  # the base body says store: false
     ({"background": "soon", "store": True}, "background", 400),
     # MCP items and tools (the allow-list is checked first: no --tool-server here matches x).
@@ -1173,7 +1176,7 @@ RESPONSES_CASES = [  # (fields over the valid body, the param named, the status)
     ({"kv_transfer_params": {"remote_engine": "x"}}, "kv_transfer_params.remote_engine", 400),
     ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params", 400),
     ({"kv_transfer_params": {"do_remote_prefill": True}, "tools": [_MCP_TOOL]}, "kv_transfer_params", 400),
-    ({"service_tier": "flex"}, "service_tier", 400),
+    ({"service_tier": "fastest"}, "service_tier", 400),
     ({"include": "x"}, "include", 400),
     ({"top_logprobs": 21}, "top_logprobs", 400),
     ({"top_logprobs": -1}, "top_logprobs", 400),  # the whole vocabulary, past max_logprobs
@@ -1365,6 +1368,9 @@ ANTHROPIC_BAD = [
     ({"service_tier": "priority"}, "service_tier"),
     ({"inference_geo": 5}, "inference_geo"),
     ({"inference_geo": "x" * 65}, "inference_geo"),
+    ({"cache_salt": ""}, "cache_salt"),  # vLLM's, as on the chat route
+    ({"cache_salt": 5}, "cache_salt"),
+    ({"cache_salt": "s" * 257}, "cache_salt"),
     ({"unknown_field": 1}, "unknown_field"),
     ({"thinking": {"type": "sometimes"}}, "thinking"),
     ({"thinking": {"type": "enabled"}}, "thinking"),
@@ -1474,7 +1480,7 @@ ANTHROPIC_BAD = [
 # The fields /v1/messages takes and count_tokens does not (it takes the MCP connector's servers).
 _GENERATION_FIELDS = {
     "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "metadata", "stream",
-    "kv_transfer_params", "service_tier", "inference_geo",
+    "kv_transfer_params", "service_tier", "inference_geo", "cache_salt",
 }  # fmt: skip
 ANTHROPIC_BAD_CASES = [
     pytest.param(path, fields, field, id=f"{path.rsplit('/', 1)[1]}-{json.dumps(fields)[:70]}")

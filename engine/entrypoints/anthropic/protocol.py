@@ -300,6 +300,12 @@ class MessagesRequest(CountTokensRequest):
         default=None,
         description="vLLM's disaggregated prefill (README), as on the chat route; not with mcp_servers",
     )
+    cache_salt: Text | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="vLLM's, as on the chat route: requests share prefix-cached blocks only with equal salts",
+    )
 
 
 # -- responses -------------------------------------------------------------------------------------
