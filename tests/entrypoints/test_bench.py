@@ -23,6 +23,8 @@ def save_bench_llama(directory: str, **overrides) -> str:
     )
 
 
+# Every bench here runs at --max-num-batched-tokens 16: an engine compiles the buckets its steps use (1, 4,
+# 16; at 64 also 32 and 64), and no test reads the step size, only counts, pairs and ratios.
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return save_bench_llama(str(tmp_path_factory.mktemp("tiny_llama_bench")))
