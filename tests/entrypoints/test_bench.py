@@ -23,6 +23,8 @@ def save_bench_llama(directory: str, **overrides) -> str:
     )
 
 
+# Every bench here runs at --max-num-batched-tokens 16: an engine compiles the buckets its steps use (1, 4,
+# 16; at 64 also 32 and 64), and no test reads the step size, only counts, pairs and ratios.
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return save_bench_llama(str(tmp_path_factory.mktemp("tiny_llama_bench")))
@@ -43,7 +45,7 @@ def test_bench_reports_what_it_ran(tiny_llama, tmp_path, bench, num_prompts):
         "--max-model-len",
         "256",
         "--max-num-batched-tokens",
-        "64",
+        "16",
         "--kv-cache-memory",
         str(2**22),
         "--enforce-eager",
@@ -99,7 +101,7 @@ def test_random_prompts_have_the_asked_length_and_no_special_tokens(tiny_llama, 
         "--max-model-len",
         "256",
         "--max-num-batched-tokens",
-        "64",
+        "16",
         "--kv-cache-memory",
         str(2**22),
         "--enforce-eager",
@@ -134,7 +136,7 @@ def test_speculative_bench_reports_acceptance_and_the_paired_ratio(tmp_path):
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
     argv = ["bench", "latency", "--model", model, "--num-prompts", "2", "--output-len", "12",
             "--workload", "copy", "--speculative-config", spec, "--baseline-without-speculation",
-            "--max-model-len", "512", "--max-num-batched-tokens", "64", "--kv-cache-memory", str(2**22),
+            "--max-model-len", "512", "--max-num-batched-tokens", "16", "--kv-cache-memory", str(2**22),
             "--dtype", "float32", "--enforce-eager", "--output-json", str(out)]  # fmt: skip
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
@@ -158,7 +160,7 @@ def test_bench_targets_pairs_every_run_and_derives_the_ratios(tiny_llama, tmp_pa
     float32 elsewhere), with batch invariance off, and in float32, HF in both dtypes, and each target's
     ratio from those runs; a verdict only when the load average says the machine was quiet."""
     out = tmp_path / "targets.json"
-    engine = ["--max-model-len", "256", "--max-num-batched-tokens", "64", "--kv-cache-memory", str(2**22),
+    engine = ["--max-model-len", "256", "--max-num-batched-tokens", "16", "--kv-cache-memory", str(2**22),
               "--enforce-eager"]  # fmt: skip
     argv = ["bench", "targets", "--model", tiny_llama, "--num-prompts", "3", "--output-len", "4",
             "--latency-prompts", "1", "--latency-output-len", "3", "--output-json", str(out)]  # fmt: skip
@@ -250,7 +252,7 @@ def test_lora_bench_pairs_rounds_over_adapters_of_each_rank(tiny_llama, tmp_path
     the adapters (ranks 4 and 8) each written into a slot once, the ratios from the rounds' runs."""
     out = tmp_path / "lora.json"
     argv = ["bench", "throughput", "--model", tiny_llama, "--num-prompts", "4", "--output-len", "3"]
-    argv += ["--max-model-len", "256", "--max-num-batched-tokens", "64", "--kv-cache-memory", str(2**22)]
+    argv += ["--max-model-len", "256", "--max-num-batched-tokens", "16", "--kv-cache-memory", str(2**22)]
     argv += ["--enforce-eager", "--num-random-loras", "2", "--random-lora-rank", "4,8", "--lora-rounds", "2"]
     assert cli.main(argv + ["--output-json", str(out)]) == 0
     r = json.loads(out.read_text())["lora_bench"]
@@ -295,7 +297,7 @@ def test_bench_backend_hf_reports_the_paired_ratios(tiny_llama, tmp_path, capsys
     """`--backend hf`: Hugging Face's run of the same prompts beside the engine's, and their ratios."""
     out = tmp_path / "bench.json"
     argv = ["bench", "latency", "--model", tiny_llama, "--num-prompts", "2", "--output-len", "3",
-            "--max-model-len", "256", "--max-num-batched-tokens", "64", "--kv-cache-memory", str(2**22),
+            "--max-model-len", "256", "--max-num-batched-tokens", "16", "--kv-cache-memory", str(2**22),
             "--enforce-eager", "--backend", "hf", "--output-json", str(out)]  # fmt: skip
     assert cli.main(argv) == 0
     r = json.loads(out.read_text())
