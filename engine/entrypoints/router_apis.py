@@ -24,7 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 PREFILL_ONLY = {"do_remote_decode": True}
-CREDENTIALS = ("authorization", "x-api-key")
+# Carried on to the instances: the credentials (OpenAI's Bearer, Anthropic's x-api-key) and Anthropic's
+# version header, by which /v1/models answers in Anthropic's shape (entrypoints/app.py).
+CREDENTIALS = ("authorization", "x-api-key", "anthropic-version")
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "overloaded_error"}
 
 
@@ -118,8 +120,8 @@ MESSAGES = Api(
 
 
 def credentials(request: Request) -> dict[str, str]:
-    """The client's credential headers (OpenAI's Bearer, Anthropic's x-api-key), which every request
-    the router makes for it carries on to the instances."""
+    """The client's credential headers (OpenAI's Bearer, Anthropic's x-api-key and version), which every
+    request the router makes for it carries on to the instances."""
     return {name: request.headers[name] for name in CREDENTIALS if name in request.headers}
 
 

@@ -349,6 +349,12 @@ def test_a_key_the_instances_refuse_is_their_401_through_the_router(servers):
     # The right key as x-api-key (Anthropic's way) is sent on too, on any route.
     models = httpx.get(router.url + "/v1/models", headers={"x-api-key": KEY}, timeout=60)
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+    # Anthropic's SDK (its version header) gets Anthropic's shape of the list, as from an instance.
+    anthropic = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    models = httpx.get(router.url + "/v1/models", headers=anthropic, timeout=60)
+    direct = httpx.get(consumer.url + "/v1/models", headers=anthropic, timeout=60)
+    assert models.status_code == 200 and models.json()["data"][0]["type"] == "model"
+    assert models.json() == direct.json()
 
 
 def test_the_routers_own_key_is_checked_before_routing():
