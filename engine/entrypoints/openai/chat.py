@@ -30,6 +30,7 @@ from xlaserve.entrypoints.openai.tool_protocol import (
 from xlaserve.entrypoints.serving.beam_search import BeamSearchStream, beam_search_params
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta, ChoiceParser
 from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
+from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.chat_template import render_chat
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
@@ -46,7 +47,6 @@ from xlaserve.entrypoints.serving.engine_io import (
 )
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.multimodal import image_parts, load_media, process_images, video_parts
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 from xlaserve.entrypoints.serving.tools import plan_tools
 
