@@ -5,7 +5,8 @@ process's messages on one task: each step's outputs go to their requests' stream
 request's future), a `UtilityResult` to the call awaiting it, and a core that reports its death (or an
 output loop that fails) to the supervisor (engine/supervisor.py), which fails what is in flight
 (`_fail_in_flight`). The utility calls are the core's methods called by name (`_call_utility`: the
-research stack, profiling, the prefix cache's reset), vLLM's `call_utility_async`.
+research stack, profiling, the prefix cache's reset), vLLM's `call_utility_async`; each that succeeds is
+reported to the metrics (`EngineMetrics.record_call`), as the offline LLM's calls are.
 """
 
 from __future__ import annotations
@@ -35,13 +36,11 @@ class CoreCalls:
     async def sleep(self, level: int = 1) -> dict:
         report = await self._call_utility("sleep", level)
         self._is_asleep = True
-        self.metrics.record_sleep(level)
         return report
 
     async def wake_up(self) -> dict:
         report = await self._call_utility("wake_up")
         self._is_asleep = False
-        self.metrics.record_sleep(0)
         return report
 
     async def is_sleeping(self) -> bool:
@@ -60,7 +59,9 @@ class CoreCalls:
         future = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = future
         self.core.send(UtilityCall(call_id, method, list(args)))
-        return await future
+        result = await future
+        self.metrics.record_call(method, args)  # what the call changes of the gauges (the sleep state)
+        return result
 
     async def _output_loop(self, client: EngineCoreClient) -> None:
         try:

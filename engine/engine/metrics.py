@@ -265,9 +265,14 @@ class EngineMetrics:
         """The front end aborted a request (cancelled, or its client gone) before the core reported it."""
         self.finish_reasons["abort"] += 1
 
-    def record_sleep(self, level: int) -> None:
-        """sleep(level) or wake_up() (level 0) succeeded."""
-        self.sleep_level = level
+    def record_call(self, method: str, args: tuple) -> None:
+        """The engine core's `method` (by name) answered `args`. Both front ends report each such call
+        here (LLM's `_call_core`, AsyncLLM's utility calls), so that what one changes of the gauges is
+        written once: sleep(level) and wake_up() move engine_sleep_state."""
+        if method == "sleep":
+            self.sleep_level = args[0]
+        elif method == "wake_up":
+            self.sleep_level = 0
 
     def sleep_state_gauges(self) -> list[Gauge]:
         """vLLM's engine_sleep_state: 1 for the state the engine is in (awake; weights_offloaded after

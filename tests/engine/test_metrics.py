@@ -90,14 +90,18 @@ def test_engine_sleep_state_follows_sleep_and_wake_up():
         }
 
     assert states() == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
-    metrics.record_sleep(1)
+    metrics.record_call("sleep", (1,))
     assert states() == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0}
-    metrics.record_sleep(2)
+    metrics.record_call("reset_prefix_cache", ())  # a call that is not sleep's moves nothing
+    assert states() == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0}
+    metrics.record_call("wake_up", ())
+    assert states() == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    metrics.record_call("sleep", (2,))
     text = render(make_registry(SimpleNamespace(metrics=metrics), "m")).decode()
     assert "# TYPE xlaserve:engine_sleep_state gauge" in text
     assert 'xlaserve:engine_sleep_state{model_name="m",sleep_state="discard_all"} 1.0' in text
     assert 'xlaserve:engine_sleep_state{model_name="m",sleep_state="awake"} 0.0' in text
-    metrics.record_sleep(0)
+    metrics.record_call("wake_up", ())
     assert states() == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
 
 
