@@ -13,12 +13,16 @@ from xlaserve.worker.compile_guard import num_compiles
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(tmp_path_factory):
+def tiny_model(tmp_path_factory) -> str:
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_warm_up")))
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model):
     from xlaserve.entrypoints.llm import LLM
 
-    model = save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_warm_up")))
     llm = LLM(
-        model,
+        tiny_model,
         dtype="float32",
         max_model_len=128,
         max_num_batched_tokens=32,
@@ -49,6 +53,34 @@ def test_no_step_compiles_after_the_parallel_warm_up(tiny_llm):
         tiny_llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
     tiny_llm.generate(prompts + prompts[:1], variants[:4], use_tqdm=False)  # mixed variants in one step
     assert num_compiles() == before
+    # Per token bucket a forward and prompt logprobs; per request bucket (1 and 4) four sampler variants.
+    assert runner.num_programs_compiled == 4 * 2 + 2 * 4
+
+
+def test_plain_sampling_only_warms_up_the_forwards_and_the_plain_sampler(tiny_model):
+    """warm_up_plain_sampling_only: one bucket of 4 tokens and one request row -> its forward and the
+    sampler without penalties or a grammar, and a greedy step compiles nothing more (the strict guard)."""
+    from xlaserve.entrypoints.llm import LLM
+
+    llm = LLM(
+        tiny_model,
+        dtype="float32",
+        max_model_len=32,
+        max_num_batched_tokens=4,
+        max_num_seqs=1,
+        kv_cache_memory=2**20,
+        cudagraph_capture_sizes=[4],
+        strict_compile_guard=True,
+        warm_up_plain_sampling_only=True,
+    )
+    try:
+        runner = llm.engine_core.runner
+        assert runner.token_buckets == [4] and runner.num_programs_compiled == 2
+        before = num_compiles()
+        llm.generate(["a b"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+        assert num_compiles() == before
+    finally:
+        llm.shutdown()
 
 
 def test_the_speculative_lone_bucket_shares_the_lone_requests_sampler():
