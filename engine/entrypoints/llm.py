@@ -1,6 +1,7 @@
-"""`LLM`: the offline Python API (`generate`, `chat`; with runner="pooling": `embed`, `classify`,
-`score`, `encode`, `reward`, entrypoints/llm_pooling.py; the research stack, `update_weights`, `sleep`,
-`apply_model`..., entrypoints/llm_research.py), driving an in-process EngineCore."""
+"""`LLM`: the offline Python API (`generate`; `chat`, its conversations rendered by entrypoints/llm_chat.py;
+with runner="pooling": `embed`, `classify`, `score`, `encode`, `reward`, entrypoints/llm_pooling.py; the
+research stack, `update_weights`, `sleep`, `apply_model`..., entrypoints/llm_research.py), driving an
+in-process EngineCore."""
 
 from __future__ import annotations
 
@@ -13,15 +14,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import closing
 from typing import Any
 
-from xlaserve.config import CONTENT_FORMATS, EngineConfig
-from xlaserve.engine.media import MediaPolicy, load_image
+from xlaserve.config import EngineConfig
+from xlaserve.engine.media import MediaPolicy
 from xlaserve.engine.metrics import EngineMetrics, Metric
-from xlaserve.engine.mm_processor import content_format, flatten_content
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
 from xlaserve.engine.startup import start_engine
-from xlaserve.engine.video import load_video
 from xlaserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from xlaserve.entrypoints.llm_chat import ChatRenderer, Conversation
 from xlaserve.entrypoints.llm_pooling import PoolingMethods, UseTqdm, progress_bar, speed_postfix
 from xlaserve.entrypoints.llm_research import ResearchMethods
 from xlaserve.executor import follow
@@ -30,12 +30,6 @@ from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-Conversation = list[dict[str, Any]]
-# What chat() itself passes to the tokenizer's apply_chat_template: not for chat_template_kwargs.
-_CHAT_TEMPLATE_ARGS = frozenset(
-    {"conversation", "chat_template", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
-)
 
 
 def serve_follower(model: str | None = None, **engine_args) -> None:
@@ -182,49 +176,21 @@ class LLM(PoolingMethods, ResearchMethods):
         the template lists of parts, "auto" the latter where the template loops over a message's
         content)."""
         self._require_tokenizer("chat()")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("chat(): continue_final_message=True needs add_generation_prompt=False")
-        extra = dict(chat_template_kwargs or {})
-        taken = sorted(set(extra) & _CHAT_TEMPLATE_ARGS)
-        if taken:
-            raise ValueError(f"chat(): chat_template_kwargs cannot set {taken}: they are chat()'s arguments")
-        if chat_template_content_format not in CONTENT_FORMATS:
-            raise ValueError(
-                f"chat(): chat_template_content_format must be one of {CONTENT_FORMATS}, "
-                f"got {chat_template_content_format!r}"
-            )
-        template = chat_template or self.tokenizer.chat_template
-        as_parts = bool(template) and content_format(template, chat_template_content_format) == "openai"
+        renderer = ChatRenderer(
+            self.tokenizer,
+            self.input_processor.mm_processor,
+            MediaPolicy(video_num_frames=self.config.model.video_num_frames),
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            chat_template_content_format=chat_template_content_format,
+        )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        mm = self.input_processor.mm_processor
-        policy = MediaPolicy(video_num_frames=self.config.model.video_num_frames)
-        for conversation in conversations:
-            conversation, images, videos = flatten_content(
-                conversation,
-                mm and mm.chat_placeholder,
-                lambda url, field: load_image(url, policy, field),
-                video_placeholder=mm and mm.chat_video_placeholder,
-                load_video=lambda url, field: load_video(url, policy, field),
-                as_parts=as_parts,
-            )
-            text = self.tokenizer.apply_chat_template(
-                conversation,
-                chat_template=chat_template,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **extra,
-            )
-            if images or videos:
-                prompt = {"prompt": text, "multi_modal_data": {"image": images, "video": videos}}
-            else:  # the template wrote the special tokens it wants
-                prompt = {
-                    "prompt": text,
-                    "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
-                }
-            prompts.append(self.input_processor.process(prompt, add_special_tokens=False))
+        prompts = [
+            self.input_processor.process(renderer.prompt(c), add_special_tokens=False) for c in conversations
+        ]
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
