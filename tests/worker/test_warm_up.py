@@ -17,18 +17,17 @@ def tiny_model(tmp_path_factory) -> str:
     return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_warm_up")))
 
 
-@pytest.fixture(scope="module")
-def tiny_llm(tiny_model):
+def guarded_llm(model: str, **engine_args):
+    """A float32 engine of `model` under the strict compile guard: a step that compiles fails."""
     from xlaserve.entrypoints.llm import LLM
 
-    llm = LLM(
-        tiny_model,
-        dtype="float32",
-        max_model_len=128,
-        max_num_batched_tokens=32,
-        max_num_seqs=4,
-        kv_cache_memory=2**22,
-        strict_compile_guard=True,
+    return LLM(model, dtype="float32", strict_compile_guard=True, **engine_args)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model):
+    llm = guarded_llm(
+        tiny_model, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory=2**22
     )
     yield llm
     llm.shutdown()
@@ -58,24 +57,20 @@ def test_no_step_compiles_after_the_parallel_warm_up(tiny_llm):
 
 
 def test_plain_sampling_only_warms_up_the_forwards_and_the_plain_sampler(tiny_model):
-    """warm_up_plain_sampling_only: one bucket of 4 tokens and one request row -> its forward and the
+    """warm_up_plain_sampling_only: one bucket of 16 tokens and one request row -> its forward and the
     sampler without penalties or a grammar, and a greedy step compiles nothing more (the strict guard)."""
-    from xlaserve.entrypoints.llm import LLM
-
-    llm = LLM(
+    llm = guarded_llm(
         tiny_model,
-        dtype="float32",
         max_model_len=32,
-        max_num_batched_tokens=4,
+        max_num_batched_tokens=16,
         max_num_seqs=1,
         kv_cache_memory=2**20,
-        cudagraph_capture_sizes=[4],
-        strict_compile_guard=True,
+        cudagraph_capture_sizes=[16],
         warm_up_plain_sampling_only=True,
     )
     try:
         runner = llm.engine_core.runner
-        assert runner.token_buckets == [4] and runner.num_programs_compiled == 2
+        assert runner.token_buckets == [16] and runner.num_programs_compiled == 2
         before = num_compiles()
         llm.generate(["a b"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
         assert num_compiles() == before
