@@ -5,29 +5,29 @@ on and off, prompt logprobs, a grammar) in every bucket after warm-up and compil
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from helpers.tiny_models import save_tiny_llama
 from xlaserve import SamplingParams, StructuredOutputsParams
+from xlaserve.worker import warm_up
 from xlaserve.worker.compile_guard import num_compiles
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_warm_up")))
-
-
-def guarded_llm(model: str, **engine_args):
-    """A float32 engine of `model` under the strict compile guard: a step that compiles fails."""
+def tiny_llm(tmp_path_factory):
     from xlaserve.entrypoints.llm import LLM
 
-    return LLM(model, dtype="float32", strict_compile_guard=True, **engine_args)
-
-
-@pytest.fixture(scope="module")
-def tiny_llm(tiny_model):
-    llm = guarded_llm(
-        tiny_model, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, kv_cache_memory=2**22
+    model = save_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_warm_up")))
+    llm = LLM(
+        model,
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        kv_cache_memory=2**22,
+        strict_compile_guard=True,
     )
     yield llm
     llm.shutdown()
@@ -56,26 +56,28 @@ def test_no_step_compiles_after_the_parallel_warm_up(tiny_llm):
     assert runner.num_programs_compiled == 4 * 2 + 2 * 4
 
 
-def test_plain_sampling_only_warms_up_the_forwards_and_the_plain_sampler(tiny_model):
-    """warm_up_plain_sampling_only: one bucket of 16 tokens and one request row -> its forward and the
-    sampler without penalties or a grammar, and a greedy step compiles nothing more (the strict guard)."""
-    llm = guarded_llm(
-        tiny_model,
-        max_model_len=32,
-        max_num_batched_tokens=16,
-        max_num_seqs=1,
-        kv_cache_memory=2**20,
-        cudagraph_capture_sizes=[16],
-        warm_up_plain_sampling_only=True,
-    )
-    try:
-        runner = llm.engine_core.runner
-        assert runner.token_buckets == [16] and runner.num_programs_compiled == 2
-        before = num_compiles()
-        llm.generate(["a b"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
-        assert num_compiles() == before
-    finally:
-        llm.shutdown()
+def test_plain_sampling_only_prepares_the_forwards_and_the_plain_sampler(tiny_llm, monkeypatch):
+    """warm_up_plain_sampling_only: warm-up prepares each token bucket's forward and each request bucket's
+    sampler without penalties or a grammar (the variant the test above shows plain steps run), and no
+    prompt-logprobs program. Read on the engine above: each program prepared is its executable already
+    compiled, so nothing compiles."""
+    runner = tiny_llm.engine_core.runner
+    compilation = dataclasses.replace(runner.config.compilation, warm_up_plain_sampling_only=True)
+    monkeypatch.setattr(runner, "config", dataclasses.replace(runner.config, compilation=compilation))
+    monkeypatch.setattr(runner, "num_programs_compiled", runner.num_programs_compiled)
+    prepared = []
+
+    def compiled_before(store, program, args, kwargs):
+        if program.name == "sample":
+            assert not args[2].has_penalties and args[2].allowed_token_bitmask is None
+        prepared.append(program.name)
+        return program.executables[program.signature(args, kwargs)], True
+
+    monkeypatch.setattr(warm_up, "_load_or_compile", compiled_before)
+    before = num_compiles()
+    warm_up.compile_all(runner)
+    assert num_compiles() == before
+    assert sorted(prepared) == ["forward"] * 4 + ["sample"] * 2  # token buckets 1, 4, 16, 32; rows 1, 4
 
 
 def test_the_speculative_lone_bucket_shares_the_lone_requests_sampler():
