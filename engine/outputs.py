@@ -71,6 +71,17 @@ class IterationStats:
     """Metric samples gathered since the caller last drained them (`drain_stats`), in seconds."""
 
     num_prompt_tokens: int = 0  # prompts of requests that got their first token
+    # Those prompts' tokens by where their K/V came from (vLLM's PromptTokenStats): computed here, from
+    # the prefix cache, loaded by a KV connector; `num_prompt_tokens_cached` is the hit. vLLM counts a
+    # prompt whose hit left exactly one token to compute as a whole prompt cached with its last token
+    # recomputed (`num_prompt_tokens_recomputed`: one), that token both computed and a cache hit, so
+    # computed + local_cache_hit + external - recomputed = num_prompt_tokens. Counted as vLLM does, so
+    # that its dashboards read the same (a hit is whole blocks: that token was never cached here).
+    num_prompt_tokens_computed: int = 0
+    num_prompt_tokens_local_cache_hit: int = 0
+    num_prompt_tokens_external: int = 0
+    num_prompt_tokens_cached: int = 0
+    num_prompt_tokens_recomputed: int = 0
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)  # one per step per request
@@ -83,6 +94,8 @@ class IterationStats:
     # scheduled, or without tokens, are left out.
     prompt_lengths: list[int] = field(default_factory=list)
     generation_lengths: list[int] = field(default_factory=list)
+    # Its prompt's tokens past its cache hit (vLLM's request_prefill_kv_computed_tokens).
+    prefill_kv_computed_tokens: list[int] = field(default_factory=list)
     queue_times: list[float] = field(default_factory=list)
     prefill_times: list[float] = field(default_factory=list)
     decode_times: list[float] = field(default_factory=list)
@@ -95,20 +108,37 @@ class IterationStats:
     max_num_generation_tokens: list[int] = field(default_factory=list)
 
     def record_tokens(
-        self, stats: RequestStateStats, num_prompt_tokens: int, num_new_tokens: int, now: float
+        self,
+        stats: RequestStateStats,
+        num_prompt_tokens: int,
+        num_new_tokens: int,
+        now: float,
+        num_cached_tokens: int = 0,
+        num_external_tokens: int = 0,
     ) -> None:
-        """Account a request's tokens of one step: a TTFT sample on its first, else a latency."""
+        """Account a request's tokens of one step: a TTFT sample and its prompt's on its first (of which
+        `num_cached_tokens` hit a cache, `num_external_tokens` of them loaded by a KV connector), else a
+        latency."""
         if num_new_tokens == 0:
             return
         if stats.first_token_time is None:
             stats.first_token_time = now
             self.time_to_first_tokens.append(now - stats.arrival_time)
-            self.num_prompt_tokens += num_prompt_tokens
+            self._record_prompt(num_prompt_tokens, num_cached_tokens, num_external_tokens)
         else:
             self.inter_token_latencies.append(now - stats.last_token_time)
         stats.last_token_time = now
         stats.num_generation_tokens += num_new_tokens
         self.num_generation_tokens += num_new_tokens
+
+    def _record_prompt(self, num_prompt_tokens: int, num_cached_tokens: int, num_external: int) -> None:
+        num_recomputed = int(num_cached_tokens + 1 == num_prompt_tokens)  # the field comment's
+        self.num_prompt_tokens += num_prompt_tokens
+        self.num_prompt_tokens_computed += num_prompt_tokens - num_cached_tokens
+        self.num_prompt_tokens_local_cache_hit += num_cached_tokens + num_recomputed - num_external
+        self.num_prompt_tokens_external += num_external
+        self.num_prompt_tokens_cached += num_cached_tokens
+        self.num_prompt_tokens_recomputed += num_recomputed
 
     def record_finish(
         self,
@@ -117,14 +147,16 @@ class IterationStats:
         now: float,
         num_prompt_tokens: int,
         max_tokens: int | None = None,
+        num_cached_tokens: int = 0,
     ) -> None:
-        """Account a finished request: its latencies, mean time per output token, lengths and
-        max_tokens (None: it set none)."""
+        """Account a finished request: its latencies, mean time per output token, lengths, the prompt's
+        tokens it computed and max_tokens (None: it set none)."""
         if max_tokens is not None:
             self.max_tokens_params.append(max_tokens)
         self.e2e_latencies.append(now - stats.arrival_time)
         self.finish_reasons.append(finish_reason)
         self.prompt_lengths.append(num_prompt_tokens)
+        self.prefill_kv_computed_tokens.append(num_prompt_tokens - num_cached_tokens)
         self.generation_lengths.append(stats.num_generation_tokens)
         if stats.num_generation_tokens > 1:
             decode_time = stats.last_token_time - stats.first_token_time

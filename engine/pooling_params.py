@@ -44,6 +44,22 @@ def output_width(task: str, num_labels: int, hidden_size: int | None) -> int | N
     return hidden_size if headless else num_labels
 
 
+def check_matryoshka(
+    dimensions: int, is_matryoshka: bool, sizes: tuple[int, ...] | None, field: str = "dimensions"
+) -> None:
+    """vLLM's rule for cutting embeddings short: only a model trained for it (Matryoshka) keeps its
+    quality when cut, and only at the sizes it lists where it lists them; ValueError naming `field`."""
+    _require(
+        is_matryoshka,
+        f"{field} needs a Matryoshka model (config.json's is_matryoshka or matryoshka_dimensions; "
+        f"hf_overrides can set them): this one's embeddings cut to {dimensions} would lose their quality",
+    )
+    _require(
+        sizes is None or dimensions in sizes,
+        f"{field} must be one of {list(sizes or ())} (the model's matryoshka_dimensions), got {dimensions}",
+    )
+
+
 def _is_index(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

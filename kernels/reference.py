@@ -25,12 +25,15 @@ paths call one C++ op instead (`kernels/cpu_ops.py`: every key row read once fro
 float32); the jnp paths stay the specification and serve everywhere else (a float16 or float8
 cache, other platforms, no compiler).
 
-Batch invariance (kernels/invariant.py, on by default): with the C++ op there, the long path is not
-taken either, so every query of every step is the op's one per-query reduction (its keys in position
-order, one softmax over them), whatever the step's split: a prompt chunked or not, a token decoded or
-teacher-forced, computes the same bits. The long path's tiles round differently (an online softmax over
-512-key chunks); per query the op costs about as much (measured 1.0-1.5x the tiles for 512-2048 queries
-over 2-4K keys, SmolLM2's heads: kernels/KERNELS.md).
+Batch invariance (kernels/invariant.py, on by default): the long path is not taken, so with the C++ op
+every query of every step is the op's one per-query reduction (its keys in position order, one softmax
+over them), whatever the step's split: a prompt chunked or not, a token decoded or teacher-forced,
+computes the same bits. The long path's tiles round differently (an online softmax over 512-key chunks);
+per query the op costs about as much (measured 1.0-1.5x the tiles for 512-2048 queries over 2-4K keys,
+SmolLM2's heads: kernels/KERNELS.md). Without the op (a float8 or float16 cache, bidirectional image
+spans) the short path serves those queries instead: its chunks of keys sit at fixed positions, and a
+float8 cache's tiles (float32 queries and probabilities) had moved a 300-token prompt's logprobs by 1e-2
+from its decoded tokens' (the short path's bfloat16 ones).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from xlaserve.kernels import cpu_ops, invariant
+from xlaserve.kernels import invariant
 from xlaserve.kernels.dtype_ops import as_words, is_8bit_float, is_16bit_float
 from xlaserve.kernels.paged_attend import PagedAttend
 
@@ -166,8 +169,8 @@ def ragged_paged_attention(
     is_decode = is_real_seq & (q_lens == 1)
     few_queries = min(few_queries, num_tokens)
     is_few = is_real_seq & (q_lens > 1) & (q_lens <= few_queries)
-    # Batch-invariant with the C++ op: one op for every query, no long path (the module docstring says why).
-    with_long_path = not (invariant.enabled() and cpu_ops.usable(k_cache, value_dtype))
+    # Batch-invariant: no long path (the module docstring says why), with the C++ op or without it.
+    with_long_path = not invariant.enabled()
     is_long = is_real_seq & (q_lens > few_queries) & (kv_lens > short_context) & with_long_path
     is_short = is_real_seq & (q_lens > few_queries) & ~is_long
 

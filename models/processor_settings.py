@@ -52,14 +52,21 @@ def image_processor_kwargs(settings: dict) -> dict:
     return {k: v for k, v in image_settings(settings).items() if k not in _NOT_ARGUMENTS}
 
 
-def max_image_tokens(settings: dict, vision: dict) -> int:
-    """Tokens of the largest image the Qwen families' processor makes: its max_pixels (transformers 5
-    spells it size.longest_edge) over the pixels of one token (`vision`: config.json's vision_config)."""
+def pixel_bounds(settings: dict) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of the Qwen families' image processor (transformers 5 spells them
+    size.shortest_edge and size.longest_edge; the min 0 where the settings state none)."""
     settings = image_settings(settings)
-    max_pixels = (
-        settings.get("max_pixels") or (settings.get("size") or {}).get("longest_edge") or DEFAULT_MAX_PIXELS
-    )
-    return int(max_pixels) // (vision.get("patch_size", 14) * vision.get("spatial_merge_size", 2)) ** 2
+    size = settings.get("size") or {}
+    min_pixels = settings.get("min_pixels") or size.get("shortest_edge") or 0
+    max_pixels = settings.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS
+    return int(min_pixels), int(max_pixels)
+
+
+def max_image_tokens(settings: dict, vision: dict) -> int:
+    """Tokens of the largest image the Qwen families' processor makes: its max_pixels over the pixels of
+    one token (`vision`: config.json's vision_config)."""
+    max_pixels = pixel_bounds(settings)[1]
+    return max_pixels // (vision.get("patch_size", 14) * vision.get("spatial_merge_size", 2)) ** 2
 
 
 def video_fps(settings: dict) -> float:

@@ -116,6 +116,7 @@ class EngineCoreOutput:
     new_logprobs: Any = None
     new_prompt_logprobs: Any = None
     num_cached_tokens: int = 0
+    num_external_computed_tokens: int = 0  # of the cached tokens, those a KV connector loaded
     num_cache_creation_tokens: int = 0  # the prompt's tokens it adds to the prefix cache
     # When it was first scheduled (time.time(); None before): the front end's queue, prefill and
     # inference times (vLLM's request_*_time_seconds).
@@ -144,3 +145,4 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats
     spec_decoding_stats: SpecDecodingStats | None = None  # since the previous snapshot; None: off
     kv_transfer_stats: KVTransferStats | None = None  # a KV connector's, since the previous one; None: off
+    sleep_level: int = 0  # the engine's (EngineCore.sleep): 0 awake, 1 or 2 asleep at that level

@@ -6,6 +6,12 @@ the policy's victim (core/policy.py `pick_victim`: the last admitted, or the low
 back every block it holds and waits again at the head of its queue, to recompute its prompt and outputs
 later (usually from its own cached prefix). A victim scheduled earlier in the same step is taken out of
 it, and the token budget it held returns to the step. A step that preempts admits no waiting request.
+
+Between steps every running request can be preempted at once (`preempt_running`: vLLM's
+`reset_prefix_cache(reset_running_requests=True)`, which RL clients send after a weight update so that
+no request goes on from K/V the old weights computed, and what a sleep that keeps its requests does).
+A step still in flight then writes into blocks already given back: the steps run in order on the
+device, so a later step that reuses them overwrites what it wrote.
 """
 
 from __future__ import annotations
@@ -39,6 +45,14 @@ class Preemption:
             if victim_index < index:
                 index -= 1
         return True, index, num_returned_tokens
+
+    def preempt_running(self) -> int:
+        """Preempt every running request (module doc), the last admitted first so that they wait again
+        in their admission order; returns how many."""
+        output = SchedulerOutput()
+        while self.running:
+            self._preempt(len(self.running) - 1, output)
+        return len(output.preempted_req_ids)
 
     def _preempt(self, victim_index: int, output: SchedulerOutput) -> int:
         """Preempt running[victim_index] by recompute; returns the token budget it gives back."""

@@ -149,6 +149,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit (tokens) at first scheduling
+        self.num_external_computed_tokens = 0  # of which a KV connector loaded (host offload, a producer)
         self.num_cache_creation_tokens = 0  # the prompt's tokens it adds to the prefix cache (ditto)
         self.scheduled_time: float | None = None  # time.time() at first scheduling
         self.stop_reason: int | str | None = None

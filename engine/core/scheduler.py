@@ -310,6 +310,7 @@ class Scheduler(StepResults, StepsInFlight, Preemption, DraftSlots):
             )
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens + num_external
+                request.num_external_computed_tokens = num_external
                 request.num_cache_creation_tokens = max(
                     self.kv_cache_manager.num_cacheable_tokens(request) - request.num_cached_tokens, 0
                 )
@@ -372,7 +373,11 @@ class Scheduler(StepResults, StepsInFlight, Preemption, DraftSlots):
         stats, self.spec_decoding_stats = self.spec_decoding_stats, SpecDecodingStats(self.num_spec_tokens)
         return stats
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix, on the device and in a connector's tier."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix, on the device and in a connector's tier; with
+        `reset_running_requests`, the running requests' K/V too: they are preempted first and recompute
+        (core/preemption.py `preempt_running`)."""
+        if reset_running_requests:
+            self.preempt_running()
         self.kv_connector.reset()
         return self.kv_cache_manager.reset_prefix_cache()

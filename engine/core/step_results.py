@@ -79,6 +79,7 @@ class StepResults:
                         new_logprobs=_new_logprobs(model_runner_output, scheduled, len(new_token_ids)),
                         new_prompt_logprobs=prompt_logprobs,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        num_external_computed_tokens=request.num_external_computed_tokens,
                         num_cache_creation_tokens=request.num_cache_creation_tokens,
                         scheduled_time=request.scheduled_time,
                         is_grammar_complete=is_grammar_complete(request),

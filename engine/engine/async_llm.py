@@ -337,7 +337,13 @@ class AsyncLLM(CoreCalls):
                 )
 
     async def encode(
-        self, prompt_token_ids: list[int], params: PoolingParams, request_id: str, *, priority: int = 0
+        self,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> np.ndarray:
         """A pooling request (runner="pooling"): its pooled output, float32, once its prompt is computed.
         InvalidRequestError names the field ("input" for the prompt); a caller that is cancelled (a
@@ -350,7 +356,12 @@ class AsyncLLM(CoreCalls):
             raise InvalidRequestError(str(e), "input") from None
         try:
             request = self.input_processor.make_pooling_request(
-                request_id, prompt_token_ids, params, arrival_time=time.time(), priority=priority
+                request_id,
+                prompt_token_ids,
+                params,
+                arrival_time=time.time(),
+                priority=priority,
+                cache_salt=cache_salt,
             )
         except ValueError as e:
             raise InvalidRequestError(str(e), str(e).split(" ", 1)[0]) from None

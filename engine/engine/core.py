@@ -14,23 +14,28 @@ run step k. No step needs another's sampled ids, so async scheduling's placehold
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
+from typing import get_args
 
 from xlaserve.config import EngineConfig
 from xlaserve.core.encoder_cache_manager import EncoderCacheManager
 from xlaserve.core.kv_cache_manager import KVCacheManager
 from xlaserve.core.kv_transfer import make_kv_connector_scheduler
 from xlaserve.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
-from xlaserve.core.request import Request, RequestStatus
+from xlaserve.core.request import FinishReason, Request, RequestStatus
 from xlaserve.core.scheduler import Scheduler
 from xlaserve.core.spec_decode import make_proposer
 from xlaserve.engine.kv_events import ZmqEventPublisher
 from xlaserve.engine.kv_fetch import RemotePrefills
+from xlaserve.engine.protocol import SleepMode
 from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.executor import Executor, StepFuture
 
 logger = logging.getLogger(__name__)
+
+SLEEP_MODES = get_args(SleepMode)
 
 # With nothing to schedule but grammars compiling, a step blocks this long on them at most (the core
 # process then looks at its sockets again).
@@ -139,6 +144,9 @@ class EngineCore:
         self.peak_steps_in_flight = 0
         self._last_runner_output = None  # the last step applied: a draft model's drafts ride in it
         self.sleep_level = 0  # 1: the KV cache freed, 2: and the weights (sleep / wake_up)
+        # Outputs made between steps (a sleep applies the steps in flight and aborts what it finds): the
+        # next step returns them first, or the core process sends them at once (take_outputs).
+        self._pending_outputs: list[EngineCoreOutput] = []
 
     @property
     def runner(self):
@@ -185,10 +193,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule which requests get how many tokens, run them, and report what changed (with async
         scheduling, what changed in the previous step, which ran while this one was scheduled)."""
+        outputs = self.take_outputs()
+        if self.is_sleeping:  # requests a sleep kept wait for wake_up
+            return outputs
         self.structured_output.wait_before_schedule()  # returns at once when no grammar compiles
         for request in self.remote_prefills.take_ready():  # their blocks arrived (or will be computed)
             self.scheduler.add_request(request)
-        outputs = []
         if self._in_flight and self.scheduler.needs_known_tokens():
             # A synchronous step: penalties or a grammar need the ids still on the device.
             outputs += self._update_in_flight()
@@ -224,6 +234,12 @@ class EngineCore:
                 self.structured_output.wait_for_grammars(_GRAMMAR_WAIT_S)
         if self.kv_event_publisher is not None:
             self._publish_kv_events()
+        return outputs
+
+    def take_outputs(self) -> list[EngineCoreOutput]:
+        """The outputs made between steps, since the last call (the core process sends them before a
+        utility call's result, so that its caller's streams end first)."""
+        outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
     def _publish_kv_events(self) -> None:
@@ -266,13 +282,15 @@ class EngineCore:
         self.scheduler.num_micro_batches = num
 
     def make_stats(self) -> SchedulerStats:
-        stats = self.scheduler.make_stats()
+        stats = dataclasses.replace(self.scheduler.make_stats(), sleep_level=self.sleep_level)
         if stats.kv_transfer_stats is not None:
             stats.kv_transfer_stats.add(self.remote_prefills.make_stats())
         return stats
 
-    def reset_prefix_cache(self) -> bool:
-        is_reset = self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix; with `reset_running_requests` (vLLM's, sent after a weight update)
+        the running requests are preempted first and recompute theirs (core/preemption.py)."""
+        is_reset = self.scheduler.reset_prefix_cache(reset_running_requests)
         if self.kv_event_publisher is not None:  # routers forget this engine's blocks now, not next step
             self._publish_kv_events()
         return is_reset
@@ -305,18 +323,33 @@ class EngineCore:
         self.reset_prefix_cache()
         return names
 
-    def sleep(self, level: int = 1):
-        """Hand the KV cache's device memory back (level 2: the weights' too) until `wake_up`."""
+    def sleep(self, level: int = 1, mode: SleepMode = "abort"):
+        """Hand the KV cache's device memory back (level 2: the weights' too) until `wake_up`. The
+        requests unfinished go by `mode`, vLLM's: "abort" finishes them (finish_reason abort); "keep"
+        keeps them waiting, the running ones preempted, to recompute after wake_up; "wait" refuses while
+        any is left (the front end waits for them first: AsyncLLM.sleep)."""
         if level not in (1, 2):
             raise ValueError(f"sleep: level must be 1 (the KV cache) or 2 (and the weights), got {level!r}")
+        if mode not in SLEEP_MODES:
+            raise ValueError(f"sleep: mode must be one of {', '.join(SLEEP_MODES)}, got {mode!r}")
         if self.is_sleeping:
             raise ValueError("sleep: the engine is already asleep")
-        self._require_idle("sleep")
-        self._update_in_flight()
-        self.reset_prefix_cache()  # the cached blocks' contents go with the cache
+        if mode == "wait":
+            self._require_idle("sleep")
+        self._pending_outputs += self._update_in_flight()
+        if mode == "abort":
+            self._pending_outputs += self._abort_all()
+        # The cached blocks' contents go with the cache, and the kept requests' with them.
+        self.reset_prefix_cache(reset_running_requests=True)
         report = self.executor.sleep(level)
         self.sleep_level = level
         return report
+
+    def _abort_all(self) -> list[EngineCoreOutput]:
+        """Abort every unfinished request; -> the outputs that tell their callers."""
+        request_ids = [*self.scheduler.requests, *self.remote_prefills.request_ids()]
+        self.abort_requests(request_ids)
+        return [EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in request_ids]
 
     def wake_up(self):
         if not self.is_sleeping:

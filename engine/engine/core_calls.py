@@ -5,8 +5,7 @@ process's messages on one task: each step's outputs go to their requests' stream
 request's future), a `UtilityResult` to the call awaiting it, and a core that reports its death (or an
 output loop that fails) to the supervisor (engine/supervisor.py), which fails what is in flight
 (`_fail_in_flight`). The utility calls are the core's methods called by name (`_call_utility`: the
-research stack, profiling, the prefix cache's reset), vLLM's `call_utility_async`; each that succeeds is
-reported to the metrics (`EngineMetrics.record_call`), as the offline LLM's calls are.
+research stack, profiling, the prefix cache's reset), vLLM's `call_utility_async`.
 """
 
 from __future__ import annotations
@@ -15,28 +14,46 @@ import asyncio
 import logging
 
 from xlaserve.engine.core_client import EngineCoreClient, EngineDeadError
-from xlaserve.engine.protocol import AbortRequests, EngineCoreOutputs, EngineDead, UtilityCall, UtilityResult
+from xlaserve.engine.protocol import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineDead,
+    SleepMode,
+    UtilityCall,
+    UtilityResult,
+)
 from xlaserve.engine.request_stream import RequestFailedError
 
 logger = logging.getLogger(__name__)
+
+# How often sleep(mode="wait") looks whether the requests in flight have finished.
+_DRAIN_POLL_S = 0.01
 
 
 class CoreCalls:
     """`AsyncLLM`'s output loop and utility calls (module doc)."""
 
-    async def reset_prefix_cache(self) -> bool:
-        return bool(await self._call_utility("reset_prefix_cache"))
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return bool(await self._call_utility("reset_prefix_cache", reset_running_requests))
 
     # The research stack in the core process (LLM's calls of the same names; worker/weight_update.py).
-    # A caller's error (a bad path or level, requests still running, already asleep) is a ValueError.
+    # A caller's error (a bad path, level or mode, already asleep) is a ValueError. The sleep state the
+    # metrics show comes with the core's stats (SchedulerStats.sleep_level), like the offline LLM's.
 
     async def update_weights_from_path(self, path: str) -> list[str]:
         return await self._call_utility("update_weights_from_path", path)
 
-    async def sleep(self, level: int = 1) -> dict:
-        report = await self._call_utility("sleep", level)
-        self._is_asleep = True
-        return report
+    async def sleep(self, level: int = 1, mode: SleepMode = "abort") -> dict:
+        """EngineCore.sleep; requests are refused from now on. With mode "wait" the requests in flight
+        finish first (vLLM's), polled every `_DRAIN_POLL_S`."""
+        was_asleep, self._is_asleep = self._is_asleep, True
+        try:
+            while mode == "wait" and self.get_num_unfinished_requests() and not was_asleep:
+                await asyncio.sleep(_DRAIN_POLL_S)
+            return await self._call_utility("sleep", level, mode)
+        except BaseException:
+            self._is_asleep = was_asleep
+            raise
 
     async def wake_up(self) -> dict:
         report = await self._call_utility("wake_up")
@@ -59,9 +76,7 @@ class CoreCalls:
         future = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = future
         self.core.send(UtilityCall(call_id, method, list(args)))
-        result = await future
-        self.metrics.record_call(method, args)  # what the call changes of the gauges (the sleep state)
-        return result
+        return await future
 
     async def _output_loop(self, client: EngineCoreClient) -> None:
         try:

@@ -138,17 +138,21 @@ class EngineCoreProc:
         poller = zmq.Poller()
         poller.register(self._input, zmq.POLLIN)
         while not self._is_shutdown:
-            timeout = 0 if self.core.has_unfinished_requests() else _IDLE_POLL_MS
+            timeout = 0 if self._has_steps() else _IDLE_POLL_MS
             has_news = False
             if poller.poll(timeout):
                 has_news = self._process_input()
             if self._is_shutdown:
                 break
-            if self.core.has_unfinished_requests():
+            if self._has_steps():
                 outputs = self.core.step()
                 self._send_outputs(outputs)
             elif has_news:  # e.g. an abort freed blocks: the gauges must say so even when idle
-                self._send_outputs([])
+                self._send_outputs(self.core.take_outputs())
+
+    def _has_steps(self) -> bool:
+        """Whether a step would run requests (those a sleep kept wait for wake_up)."""
+        return self.core.has_unfinished_requests() and not self.core.is_sleeping
 
     def _process_input(self) -> bool:
         """Handle every queued message; returns whether any arrived."""
@@ -186,6 +190,9 @@ class EngineCoreProc:
             return
         if dataclasses.is_dataclass(result):
             result = dataclasses.asdict(result)
+        # What the call changed reaches the front end before its result: the outputs it made (a sleep's
+        # aborts) and the stats after it (its sleep state), so its caller never reads the state before.
+        self._send_outputs(self.core.take_outputs())
         self._send(UtilityResult(call.call_id, result=result))
 
     def _send_outputs(self, outputs) -> None:
@@ -226,6 +233,8 @@ def _build_engine_core(config: EngineConfig):
         pooling_task=info.pooling_task,
         hidden_size=info.hidden_size,
         id2label=list(info.id2label),
+        is_matryoshka=info.is_matryoshka,
+        matryoshka_dimensions=info.matryoshka_dimensions and list(info.matryoshka_dimensions),
     )
     lora_slots = core.executor.lora_slots()
     if lora_slots is not None:

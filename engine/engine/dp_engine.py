@@ -22,6 +22,7 @@ from xlaserve.core.outputs import EngineCoreOutput, SchedulerStats
 from xlaserve.core.request import Request
 from xlaserve.core.spec_decode import SpecDecodingStats
 from xlaserve.engine.core import EngineCore
+from xlaserve.engine.protocol import SleepMode
 from xlaserve.engine.structured_output import StructuredOutputManager
 from xlaserve.executor import LoadedCheckpoint, device_groups, make_executor
 
@@ -128,6 +129,12 @@ class DataParallelEngineCore:
         outputs: list[EngineCoreOutput] = []
         for future in stepping:
             outputs += future.result()
+        return self._forget_finished(outputs)
+
+    def take_outputs(self) -> list[EngineCoreOutput]:
+        return self._forget_finished([output for rank in self.ranks for output in rank.take_outputs()])
+
+    def _forget_finished(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         for output in outputs:
             if output.finish_reason is not None:
                 self._rank_of.pop(output.request_id, None)
@@ -150,8 +157,8 @@ class DataParallelEngineCore:
             kv_transfer_stats=KVTransferStats.total([s.kv_transfer_stats for s in stats]),
         )
 
-    def reset_prefix_cache(self) -> bool:
-        return all(r.reset_prefix_cache() for r in self.ranks)
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return all([r.reset_prefix_cache(reset_running_requests) for r in self.ranks])
 
     def update_weights(self, weights) -> list[str]:
         weights = weights if isinstance(weights, dict) else dict(weights)  # every rank reads it
@@ -160,8 +167,8 @@ class DataParallelEngineCore:
     def update_weights_from_path(self, path: str) -> list[str]:
         return [r.update_weights_from_path(path) for r in self.ranks][0]
 
-    def sleep(self, level: int = 1):
-        reports = [r.sleep(level) for r in self.ranks]
+    def sleep(self, level: int = 1, mode: SleepMode = "abort"):
+        reports = [r.sleep(level, mode) for r in self.ranks]
         return dataclasses.replace(reports[0], device_bytes=sum(r.device_bytes for r in reports))
 
     def wake_up(self):

@@ -123,6 +123,11 @@ class RemotePrefills:
         """Block until a fetch is over, `timeout_s` at most."""
         self._arrived.wait(timeout_s)
 
+    def request_ids(self) -> list[str]:
+        """The requests still here (fetching, or fetched and not yet taken), aborted ones left out."""
+        with self._lock:
+            return sorted((self._pending | {r.request_id for r in self._ready}) - self._aborted)
+
     def abort(self, request_ids) -> None:
         with self._lock:
             self._aborted |= set(request_ids) & (self._pending | {r.request_id for r in self._ready})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import io
 import os
 import urllib.parse
@@ -33,7 +34,9 @@ MAX_IMAGE_PIXELS = 40_000_000
 MIN_IMAGE_SIDE = 4
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an encoded image (data URL, file or download)
 MAX_VIDEO_BYTES = 256 * 1024 * 1024  # an encoded video (a file or download; a data URL meets the body's)
-_FETCH_TIMEOUT_S = 10.0
+# Seconds a download may take, per kind: vLLM's defaults (VLLM_IMAGE_FETCH_TIMEOUT 5, VLLM_VIDEO_FETCH_TIMEOUT
+# 30), each moved by its XLASERVE_ name (`fetch_timeouts`). A video is larger, so it gets longer.
+DEFAULT_FETCH_TIMEOUTS_S = {"image": 5.0, "video": 30.0}
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -44,6 +47,23 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 
 
 _OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def fetch_timeouts() -> dict[str, float]:
+    """Seconds a download of each kind may take: XLASERVE_IMAGE_FETCH_TIMEOUT and XLASERVE_VIDEO_FETCH_TIMEOUT
+    (seconds, > 0), else DEFAULT_FETCH_TIMEOUTS_S; a bad value is a ValueError naming the variable."""
+    timeouts = {}
+    for what, default in DEFAULT_FETCH_TIMEOUTS_S.items():
+        name = f"XLASERVE_{what.upper()}_FETCH_TIMEOUT"
+        text = os.environ.get(name)
+        try:
+            value = default if text is None else float(text)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a number of seconds > 0, got {text!r}")
+        timeouts[what] = value
+    return timeouts
 
 
 class MediaError(ValueError):
@@ -57,11 +77,14 @@ class MediaError(ValueError):
 @dataclass(frozen=True)
 class MediaPolicy:
     """Where images and videos may come from (vLLM's --allowed-local-media-path and
-    --allowed-media-domains), and the frames a video keeps (--media-io-kwargs' video.num_frames; -1: all)."""
+    --allowed-media-domains), the frames a video keeps (--media-io-kwargs' video.num_frames; -1: all),
+    and the seconds a download of each kind may take (read from the environment as the policy is made:
+    a server refuses a bad value at start)."""
 
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
     video_num_frames: int = DEFAULT_VIDEO_NUM_FRAMES
+    fetch_timeouts_s: dict[str, float] = dataclasses.field(default_factory=fetch_timeouts)
 
 
 def load_image(url: str, policy: MediaPolicy, field: str) -> Image.Image:
@@ -157,7 +180,7 @@ def _fetch(url: str, policy: MediaPolicy, field: str, what: str, max_bytes: int)
     if host not in policy.allowed_media_domains:
         raise MediaError(f"the host {host!r} is not in --allowed-media-domains", field)
     try:
-        with _OPENER.open(url, timeout=_FETCH_TIMEOUT_S) as response:
+        with _OPENER.open(url, timeout=policy.fetch_timeouts_s[what]) as response:
             data = response.read(max_bytes + 1)
     except OSError:
         raise MediaError(f"the {what} could not be downloaded", field) from None

@@ -32,7 +32,14 @@ _TOKEN_HISTOGRAMS = (
     "request_generation_tokens",
     "request_params_max_tokens",
     "request_max_num_generation_tokens",
+    "request_prefill_kv_computed_tokens",
 )
+# vLLM's prompt_tokens_by_source labels, and the IterationStats counts behind them.
+PROMPT_SOURCES = {
+    "local_compute": "num_prompt_tokens_computed",
+    "local_cache_hit": "num_prompt_tokens_local_cache_hit",
+    "external_kv_transfer": "num_prompt_tokens_external",
+}
 _DEFAULT_MAX_MODEL_LEN = 5 * 10**6  # the token histograms' reach until record_engine knows the model's
 
 
@@ -101,10 +108,13 @@ class EngineMetrics:
                 "prefix_cache_hits",
                 "num_preemptions",
                 "prompt_tokens",
+                "prompt_tokens_cached",
+                "prompt_tokens_recomputed",
                 "generation_tokens",
             ],
             0,
         )
+        self.prompt_tokens_by_source = dict.fromkeys(PROMPT_SOURCES, 0)
         self.gauges = dict.fromkeys(
             ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"], 0.0
         )
@@ -128,7 +138,7 @@ class EngineMetrics:
         self.histograms["request_params_n"] = _Hist(_N_BUCKETS)
         # request_success by finished_reason (vLLM's label), every reason from 0 as vLLM's series are.
         self.finish_reasons = collections.Counter(dict.fromkeys(map(str, FinishReason), 0))
-        self.sleep_level = 0  # the level of the last sleep() (0: awake), for engine_sleep_state
+        self.sleep_level = 0  # the engine's, from its stats (0: awake), for engine_sleep_state
         # vLLM's cache_config_info: the KV cache's settings as the labels of a gauge that reads 1
         # (record_engine; empty before).
         self.cache_config_info: dict[str, str] = {}
@@ -148,6 +158,7 @@ class EngineMetrics:
         self.counters["prefix_cache_queries"] += stats.prefix_cache_stats.num_queries
         self.counters["prefix_cache_hits"] += stats.prefix_cache_stats.num_hits
         self.counters["num_preemptions"] += stats.num_preemptions_total - self._last_preemptions
+        self.sleep_level = stats.sleep_level
         self._last_preemptions = stats.num_preemptions_total
         spec = stats.spec_decoding_stats
         if spec is not None:
@@ -265,14 +276,13 @@ class EngineMetrics:
         """The front end aborted a request (cancelled, or its client gone) before the core reported it."""
         self.finish_reasons["abort"] += 1
 
-    def record_call(self, method: str, args: tuple) -> None:
-        """The engine core's `method` (by name) answered `args`. Both front ends report each such call
-        here (LLM's `_call_core`, AsyncLLM's utility calls), so that what one changes of the gauges is
-        written once: sleep(level) and wake_up() move engine_sleep_state."""
-        if method == "sleep":
-            self.sleep_level = args[0]
-        elif method == "wake_up":
-            self.sleep_level = 0
+    def prompt_source_counters(self) -> list[Counter]:
+        """vLLM's prompt_tokens_by_source: the prompt tokens counted in prompt_tokens, by where their K/V
+        came from (IterationStats' fields)."""
+        return [
+            Counter(PREFIX + "prompt_tokens_by_source", {"source": source}, value=n)
+            for source, n in self.prompt_tokens_by_source.items()
+        ]
 
     def sleep_state_gauges(self) -> list[Gauge]:
         """vLLM's engine_sleep_state: 1 for the state the engine is in (awake; weights_offloaded after
@@ -289,6 +299,10 @@ class EngineMetrics:
 
     def record_iteration(self, stats) -> None:
         self.counters["prompt_tokens"] += stats.num_prompt_tokens
+        self.counters["prompt_tokens_cached"] += stats.num_prompt_tokens_cached
+        self.counters["prompt_tokens_recomputed"] += stats.num_prompt_tokens_recomputed
+        for source, field_name in PROMPT_SOURCES.items():
+            self.prompt_tokens_by_source[source] += getattr(stats, field_name)
         self.counters["generation_tokens"] += stats.num_generation_tokens
         self.finish_reasons.update(stats.finish_reasons)
         self.histograms["time_to_first_token_seconds"].observe_all(stats.time_to_first_tokens)
@@ -305,6 +319,7 @@ class EngineMetrics:
             ("request_params_max_tokens", stats.max_tokens_params),
             ("request_params_n", stats.n_params),
             ("request_max_num_generation_tokens", stats.max_num_generation_tokens),
+            ("request_prefill_kv_computed_tokens", stats.prefill_kv_computed_tokens),
         ):
             self.histograms[name].observe_all(values)
         if stats.num_prompt_tokens or stats.num_generation_tokens:  # a step's tokens (vLLM's per iteration)
@@ -322,5 +337,5 @@ class EngineMetrics:
         metrics += [h.record(PREFIX + k) for k, h in self.histograms.items()]
         if self.cache_config_info:
             metrics.append(Gauge(PREFIX + "cache_config_info", dict(self.cache_config_info), value=1.0))
-        metrics += self.sleep_state_gauges()
+        metrics += self.sleep_state_gauges() + self.prompt_source_counters()
         return metrics + self.spec_decode_counters() + self.kv_connector_counters()

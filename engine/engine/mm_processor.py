@@ -9,6 +9,7 @@ was (`flatten_content`), so any chat template renders them. No jax; the engine c
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -22,7 +23,8 @@ from PIL import Image
 from xlaserve.config import parse_mm_limits
 from xlaserve.core.multimodal import MultiModalFeature, hash_pixels
 from xlaserve.engine.media import MediaError, check_image
-from xlaserve.engine.qwen_vl_processor import qwen_vl_processor
+from xlaserve.engine.media_uuids import MediaByUUID
+from xlaserve.engine.qwen_vl_processor import check_request_kwargs, qwen_vl_processor
 from xlaserve.models.processor_settings import image_processor_kwargs, read_settings, with_overrides
 
 _ENV = ImmutableSandboxedEnvironment()  # parses templates for content_format; renders none
@@ -37,8 +39,15 @@ class MultiModalProcessor:
         max_images: int,
         video_token_id: int | None = None,
         max_videos: int = 0,
+        build: Callable[[dict], object] | None = None,
+        check_kwargs: Callable[[dict, str], None] | None = None,
     ):
         self.hf_processor = hf_processor
+        # A request's mm_processor_kwargs: `check_kwargs(kwargs, field)` refuses what the family does not
+        # take, `build(kwargs)` makes the processor of the server's settings with them over (None: the
+        # family takes none per request).
+        self._build, self._check_kwargs = build, check_kwargs
+        self.media_by_uuid = MediaByUUID()
         self.placeholder = hf_processor.image_token  # the text standing for one image, e.g. "<image>"
         # What a chat message's image part becomes (Qwen2.5-VL wraps its placeholder in vision marks).
         self.chat_placeholder = getattr(hf_processor, "chat_placeholder", self.placeholder)
@@ -75,6 +84,7 @@ class MultiModalProcessor:
         processor, num_tokens = family(settings, hf_config, tokenizer)
         image_token_id = hf_config.get("image_token_index", hf_config.get("image_token_id"))
         limits = parse_mm_limits(limit_mm_per_prompt)
+        check = REQUEST_KWARG_CHECKS.get(family)
         return cls(
             processor,
             image_token_id,
@@ -82,7 +92,28 @@ class MultiModalProcessor:
             limits["image"],
             hf_config.get("video_token_id"),
             limits["video"],
+            # A copy: Hugging Face's image processors write max_pixels into the `size` dict they are given.
+            build=lambda kwargs: family(
+                with_overrides(copy.deepcopy(settings), kwargs), hf_config, tokenizer
+            )[0],
+            check_kwargs=check and (lambda kwargs, field: check(kwargs, settings, field)),
         )
+
+    def processor_for(self, mm_processor_kwargs: dict | None, field: str = "mm_processor_kwargs"):
+        """The Hugging Face processor of a request's `mm_processor_kwargs` (vLLM's per-request ones: the
+        server's --mm-processor-kwargs with them over, for this request alone; `field` names them in
+        errors); the server's own where there are none."""
+        if not mm_processor_kwargs:
+            return self.hf_processor
+        if not isinstance(mm_processor_kwargs, dict):
+            raise MediaError("must be an object of the processor's settings", field)
+        if self._check_kwargs is None:
+            raise MediaError(
+                "this model's processor takes no per-request settings",
+                f"{field}.{next(iter(mm_processor_kwargs))}",
+            )
+        self._check_kwargs(mm_processor_kwargs, field)
+        return self._build(mm_processor_kwargs)
 
     def process(
         self,
@@ -93,11 +124,20 @@ class MultiModalProcessor:
         add_special_tokens: bool = True,
         field: str = "multi_modal_data.image",
         video_fields: list[str] | None = None,
+        mm_processor_kwargs: dict | None = None,
+        kwargs_field: str = "mm_processor_kwargs",
+        image_fields: list[str] | None = None,
+        uuids: dict[str, list] | None = None,
     ) -> tuple[list[int], list[MultiModalFeature]]:
         """(the prompt's ids with each placeholder expanded, one feature per image and video, in prompt
         order). A video is a list of frames (PIL images or one uint8 array [T, H, W, 3]), or vLLM's
         (frames, metadata) pair whose metadata's `fps` is the frames' rate (else the directory's fps).
-        `video_fields` name each video in errors (a chat's video parts; else `...video[i]`)."""
+        `video_fields` name each video in errors (a chat's video parts; else `...video[i]`).
+        `mm_processor_kwargs`: the request's settings over the server's (`processor_for`); a feature's
+        hash is of the pixels they made, so requests of other settings never share its encoding.
+        `uuids` ({"image": [...], "video": [...]}, vLLM's multi_modal_uuids): an item None is the media
+        last sent under its uuid (engine/engine/media_uuids.py); `image_fields` name each image in errors."""
+        hf_processor = self.processor_for(mm_processor_kwargs, kwargs_field)
         if len(images) > self.max_images:
             raise ValueError(
                 f"{field}: {len(images)} images in one prompt; at most {self.max_images} "
@@ -111,10 +151,12 @@ class MultiModalProcessor:
                 f"{video_field}: {len(videos)} videos in one prompt; at most {self.max_videos} "
                 "(--limit-mm-per-prompt)"
             )
-        images = [
-            check_image(_as_pil(image, f"{field}[{i}]"), f"{field}[{i}]") for i, image in enumerate(images)
-        ]
+        image_fields = image_fields or [f"{field}[{i}]" for i in range(len(images))]
         video_fields = video_fields or [f"{video_field}[{i}]" for i in range(len(videos))]
+        uuids = uuids or {}
+        images = self.media_by_uuid.resolve(list(images), uuids.get("image"), "image", image_fields)
+        videos = self.media_by_uuid.resolve(list(videos), uuids.get("video"), "video", video_fields)
+        images = [check_image(_as_pil(image, name), name) for image, name in zip(images, image_fields)]
         pairs = [_video(video, name) for video, name in zip(videos, video_fields)]
         videos, fps = [frames for frames, _ in pairs], [rate for _, rate in pairs]
         for placeholder, items, name, where in (
@@ -128,7 +170,7 @@ class MultiModalProcessor:
                     f"{len(items)} {name}"
                 )
         kwargs = {"videos": videos, "fps": fps} if videos else {}
-        out = self.hf_processor(
+        out = hf_processor(
             text=text,
             images=images or None,
             return_tensors="np",
@@ -286,6 +328,9 @@ VISION_LANGUAGE_FAMILIES = {
     "Qwen3_5MoeForConditionalGeneration": qwen_vl_processor,
     "Qwen3VLMoeForConditionalGeneration": qwen_vl_processor,
 }
+# The families whose processor takes a request's own mm_processor_kwargs: (kwargs, the server's
+# settings, field) -> None, a MediaError naming what it refuses. The others take none.
+REQUEST_KWARG_CHECKS = {qwen_vl_processor: check_request_kwargs}
 
 
 def flatten_content(

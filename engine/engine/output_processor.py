@@ -291,9 +291,16 @@ class OutputProcessor:
         new_token_ids = list(core_output.new_token_ids)
         if state.stats.scheduled_time is None:
             state.stats.scheduled_time = core_output.scheduled_time
-        self._stats.record_tokens(state.stats, len(state.prompt_token_ids), len(new_token_ids), now)
         if core_output.num_cached_tokens and not state.num_cached_tokens:
             state.num_cached_tokens = core_output.num_cached_tokens
+        self._stats.record_tokens(
+            state.stats,
+            len(state.prompt_token_ids),
+            len(new_token_ids),
+            now,
+            state.num_cached_tokens,
+            core_output.num_external_computed_tokens,
+        )
         if core_output.num_cache_creation_tokens and not state.num_cache_creation_tokens:
             state.num_cache_creation_tokens = core_output.num_cache_creation_tokens
         if core_output.kv_transfer_params is not None:
@@ -345,7 +352,9 @@ class OutputProcessor:
         parent's output counted this child's finish already: make_request_output)."""
         stats, parent = state.stats, state.parent
         num_prompt_tokens = len(state.prompt_token_ids)
-        self._stats.record_finish(stats, finish_reason, now, num_prompt_tokens, state.params.max_tokens)
+        self._stats.record_finish(
+            stats, finish_reason, now, num_prompt_tokens, state.params.max_tokens, state.num_cached_tokens
+        )
         if parent is None:
             self._stats.n_params.append(1)
             self._stats.max_num_generation_tokens.append(stats.num_generation_tokens)

@@ -11,10 +11,12 @@ from xlaserve.config import EngineConfig, KVTransferConfig
 from xlaserve.core.limits import RequestLimits, check_prompt_length
 from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.core.request import Request, child_request_id
+from xlaserve.engine.media import MediaError
+from xlaserve.engine.media_uuids import check_uuids
 from xlaserve.engine.mm_processor import MultiModalProcessor, as_videos
 from xlaserve.engine.structured_output import check_grammar
 from xlaserve.lora_request import LoRARequest
-from xlaserve.pooling_params import TASKS_OF_MODEL, PoolingParams, output_width
+from xlaserve.pooling_params import TASKS_OF_MODEL, PoolingParams, check_matryoshka, output_width
 from xlaserve.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, as_token_ids
 
 PromptType = str | dict[str, Any]
@@ -48,6 +50,8 @@ class InputProcessor:
         hidden_size: int = 0,
         pooling_type: str = "LAST",
         num_labels: int = 0,
+        is_matryoshka: bool = False,
+        matryoshka_dimensions: Sequence[int] | None = None,
         mm_processor: MultiModalProcessor | None = None,
         kv_transfer: KVTransferConfig | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
@@ -72,6 +76,9 @@ class InputProcessor:
         # number of labels (0: no head), the width of its head's outputs.
         self.pooling_type = pooling_type
         self.num_labels = num_labels
+        # Which `dimensions` the model takes (config.json's Matryoshka facts: check_matryoshka).
+        self.is_matryoshka = is_matryoshka
+        self.matryoshka_dimensions = None if matryoshka_dimensions is None else tuple(matryoshka_dimensions)
         self.max_model_len = max_model_len
         self.limits = limits
         self.vocab_size = vocab_size
@@ -84,7 +91,7 @@ class InputProcessor:
     ) -> InputProcessor:
         """The processor of an engine of `config` (the offline `LLM`'s and `AsyncLLM`'s): `info` is what
         the started engine reports of its model (vocab_size, eos_token_id, pooling_task, hidden_size,
-        id2label), and the model directory's multimodal processor comes with it."""
+        id2label, the Matryoshka facts), and the model directory's multimodal processor comes with it."""
         model = config.model
         return cls(
             tokenizer,
@@ -97,6 +104,8 @@ class InputProcessor:
             hidden_size=info.hidden_size,
             pooling_type=model.pooling_type,
             num_labels=len(info.id2label),
+            is_matryoshka=info.is_matryoshka,
+            matryoshka_dimensions=info.matryoshka_dimensions,
             mm_processor=MultiModalProcessor.for_model(
                 model.model, tokenizer, model.limit_mm_per_prompt, model.mm_processor_kwargs_dict
             ),
@@ -123,8 +132,11 @@ class InputProcessor:
     ) -> tuple[str | None, list[int], list[MultiModalFeature]]:
         """(text or None, token ids, images): `tokenize`, or for a prompt with `multi_modal_data`
         ({"prompt": text with one placeholder per image, "multi_modal_data": {"image": image | list}})
-        the model's processor: placeholders expanded, images as features."""
+        the model's processor: placeholders expanded, images as features (a prompt's
+        `mm_processor_kwargs`, vLLM's, the processor's settings for it alone)."""
+        kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
         if not (isinstance(prompt, dict) and prompt.get("multi_modal_data")):
+            self.check_mm_processor_kwargs(kwargs)
             return (*self.tokenize(prompt), [])
         data = prompt["multi_modal_data"]
         if self.mm_processor is None:
@@ -137,14 +149,36 @@ class InputProcessor:
         if not isinstance(prompt.get("prompt"), str):
             raise ValueError("multi_modal_data needs the prompt as text ({'prompt': str}), with placeholders")
         images = data.get("image", [])
-        images = images if isinstance(images, (list, tuple)) else [images]
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        videos = as_videos(data.get("video", []))
+        uuids = prompt.get("multi_modal_uuids") or {}
+        if not isinstance(uuids, dict) or set(uuids) - set(data):
+            raise ValueError(
+                "multi_modal_uuids must be {modality: uuid or list} for modalities of multi_modal_data, got "
+                f"{list(uuids) if isinstance(uuids, dict) else type(uuids).__name__}"
+            )
+        uuids = {
+            kind: check_uuids(uuids.get(kind), len(items), f"multi_modal_uuids.{kind}")
+            for kind, items in (("image", images), ("video", videos))
+        }
         ids, features = self.mm_processor.process(
             prompt["prompt"],
-            list(images),
-            as_videos(data.get("video", [])),
+            images,
+            videos,
             add_special_tokens=add_special_tokens,
+            mm_processor_kwargs=kwargs,
+            uuids=uuids,
         )
         return prompt["prompt"], ids, features
+
+    def check_mm_processor_kwargs(self, kwargs: dict | None, field: str = "mm_processor_kwargs") -> None:
+        """A request's mm_processor_kwargs where no media comes with them, checked as media's would be (a
+        MediaError naming the key): a text-only model takes none."""
+        if not kwargs:
+            return
+        if self.mm_processor is None:
+            raise MediaError("this model takes text only: it has no multimodal processor", field)
+        self.mm_processor.processor_for(kwargs, field)
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -160,9 +194,12 @@ class InputProcessor:
         keep: int | None,
         has_images: bool = False,
         num_output_tokens: int = 1,
+        *,
+        side: str = "left",
     ) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context
-        holds beside `num_output_tokens`, the request's max_tokens; None: the prompt as it is). A `keep`
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens, or its first with `side`
+        "right" (vLLM's truncation_side) (-1: as many as the context holds beside `num_output_tokens`,
+        the request's max_tokens; None: the prompt as it is). A `keep`
         past that room, on a prompt that needs cutting to fit, is a ValueError naming the field (vLLM's),
         as is a prompt with images that needs cutting (its placeholders would be)."""
         if keep is None:
@@ -183,7 +220,7 @@ class InputProcessor:
             raise ValueError(
                 "truncate_prompt_tokens: a prompt with images is not cut (its images' placeholders would be)"
             )
-        return prompt_token_ids[-keep:]
+        return prompt_token_ids[:keep] if side == "right" else prompt_token_ids[-keep:]
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -358,6 +395,8 @@ class InputProcessor:
                 f"pooling_task {params.task!r} is not served by this {self.pooling_task} model; it serves "
                 f"{list(supported)}"
             )
+        if params.dimensions is not None:
+            check_matryoshka(params.dimensions, self.is_matryoshka, self.matryoshka_dimensions)
         if params.dimensions is not None and params.dimensions > self.hidden_size:
             raise ValueError(
                 f"dimensions must be <= {self.hidden_size} (the model's hidden size), got {params.dimensions}"
@@ -384,9 +423,11 @@ class InputProcessor:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
         """A pooling request: the prompt is computed (in chunks when long) and pooled, never decoded.
-        Its one-token sampling budget is never used; it keeps the admission rule the same."""
+        Its one-token sampling budget is never used; it keeps the admission rule the same. A
+        `cache_salt` shares cached blocks only with requests of the same salt, as a generation's."""
         self.validate_prompt(prompt_token_ids)
         self.validate_pooling(params)
         return Request(
@@ -396,6 +437,7 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time,
             priority=priority,
+            cache_salt=cache_salt,
             pooling_params=params,
         )
 

@@ -7,7 +7,7 @@ bytes a client sent can never become code in the core.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -124,6 +124,8 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 CoreInput = AddRequests | AbortRequests | UtilityCall | Shutdown
+# vLLM's pause modes: what a sleep does with the requests it finds unfinished (EngineCore.sleep).
+SleepMode = Literal["abort", "wait", "keep"]
 # The research stack's calls (worker/weight_update.py) besides the prefix cache's reset.
 UTILITY_METHODS = (
     "reset_prefix_cache",
@@ -158,6 +160,9 @@ class EngineReady(msgspec.Struct, tag="ready"):
     pooling_task: str | None = None
     hidden_size: int = 0
     id2label: list[str] = msgspec.field(default_factory=list)  # a classifier's label names by index
+    # Which `dimensions` an embedder takes (worker/loading.py ModelInfo's).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs"):

@@ -6,9 +6,17 @@ for videos, so this one stands in for them behind engine/engine/mm_processor.py.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from xlaserve.models.processor_settings import image_processor_kwargs, max_image_tokens, video_fps
+from xlaserve.engine.media import MediaError
+from xlaserve.models.processor_settings import (
+    image_processor_kwargs,
+    max_image_tokens,
+    pixel_bounds,
+    video_fps,
+)
 
 # The families whose videos are Qwen3VLProcessor's: each frame pair's time in the text.
 _TIMED_VIDEOS = (
@@ -17,6 +25,11 @@ _TIMED_VIDEOS = (
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
 )
+
+
+# What a request's mm_processor_kwargs may set (vLLM hands them to Hugging Face's processor): an image's
+# pixel bounds, and the rate of a video's frames where the video states none (the directory's `fps`).
+REQUEST_KWARGS = ("min_pixels", "max_pixels", "fps")
 
 
 class QwenVLProcessor:
@@ -121,3 +134,32 @@ def qwen_vl_processor(settings: dict, hf_config: dict, tokenizer):
     timestamps = hf_config["architectures"][0] in _TIMED_VIDEOS
     processor = QwenVLProcessor(image_processor, tokenizer, video_fps(settings), timestamps)
     return processor, max_image_tokens(settings, hf_config["vision_config"])
+
+
+def check_request_kwargs(kwargs: dict, settings: dict, field: str) -> None:
+    """A request's mm_processor_kwargs (`field`) for the Qwen VL families, against the server's processor
+    `settings`: positive integer `min_pixels` and `max_pixels`, max_pixels within the server's (an
+    encoder-cache slot holds one image of it) and min_pixels within it; `fps` a number > 0. Anything
+    else is a MediaError naming the key."""
+    for key, value in kwargs.items():
+        name = f"{field}.{key}"
+        if key not in REQUEST_KWARGS:
+            raise MediaError(
+                f"not a per-request setting of this model's processor; it takes {list(REQUEST_KWARGS)}", name
+            )
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key == "fps" and not (is_number and 0 < value < math.inf):
+            raise MediaError(f"must be a number of frames a second > 0, got {value!r}", name)
+        if key != "fps" and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise MediaError(f"must be a positive integer (pixels), got {value!r}", name)
+    server_min, server_max = pixel_bounds(settings)
+    max_pixels = kwargs.get("max_pixels", server_max)
+    if max_pixels > server_max:
+        raise MediaError(
+            f"at most {server_max}, the server's max_pixels (an encoder-cache slot holds one such image), "
+            f"got {max_pixels}",
+            f"{field}.max_pixels",
+        )
+    min_pixels = kwargs.get("min_pixels", server_min)
+    if min_pixels > max_pixels:
+        raise MediaError(f"{min_pixels} is more than max_pixels ({max_pixels})", f"{field}.min_pixels")

@@ -11,24 +11,26 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 
 from xlaserve.entrypoints.anthropic.messages import add_routes as add_anthropic_routes
+from xlaserve.entrypoints.anthropic.models import ModelInfo, ModelsPage, model_info, models_page
 from xlaserve.entrypoints.anthropic.protocol import ANTHROPIC_TAGS
 from xlaserve.entrypoints.openai.pooling import add_pooling_routes
 from xlaserve.entrypoints.openai.protocol import UNION_TAGS as OPENAI_TAGS
-from xlaserve.entrypoints.openai.protocol import VersionResponse
+from xlaserve.entrypoints.openai.protocol import ModelCard, ModelList, VersionResponse
 from xlaserve.entrypoints.openai.responses_protocol import RESPONSES_TAGS
 from xlaserve.entrypoints.openai.routes import add_routes as add_openai_routes
+from xlaserve.entrypoints.openai.routes import model_card, model_list
 from xlaserve.entrypoints.playground import add_playground_route
 from xlaserve.entrypoints.sagemaker import add_sagemaker_routes
 from xlaserve.entrypoints.serving.admin import add_admin_routes, add_profiler_routes
 from xlaserve.entrypoints.serving.chat_protocol import UNION_TAGS as CHAT_TAGS
 from xlaserve.entrypoints.serving.engine_io import ENGINE_DEAD_MESSAGE
-from xlaserve.entrypoints.serving.errors import APIError, install_error_handlers
+from xlaserve.entrypoints.serving.errors import ANTHROPIC_VERSION_HEADER, APIError, install_error_handlers
 from xlaserve.entrypoints.serving.guard import GuardMiddleware, JSONRoute
 from xlaserve.entrypoints.serving.lora import add_lora_routes
 from xlaserve.entrypoints.serving.metrics import CONTENT_TYPE, make_registry, render
@@ -43,6 +45,10 @@ UNION_TAGS = CHAT_TAGS | OPENAI_TAGS | RESPONSES_TAGS | ANTHROPIC_TAGS
 # The requests' logprob counts (chat and Responses: top_logprobs; completions: logprobs; vLLM's
 # prompt_logprobs): checked against the engine's max_logprobs per request (check_num_logprobs).
 _LOGPROB_COUNTS = ("logprobs", "top_logprobs", "prompt_logprobs")
+
+
+def _errors(*codes: int) -> dict:
+    return {code: {"model": ErrorResponse} for code in codes}
 
 
 def server_version() -> str:
@@ -104,6 +110,24 @@ def build_app(state: ServerState) -> FastAPI:
     async def load() -> dict[str, int]:
         """vLLM's: the generation and pooling requests in flight (0 without --enable-server-load-tracking)."""
         return {"server_load": state.server_load}
+
+    # One model route for both SDKs: Anthropic's (its anthropic-version header) reads its own shape
+    # (anthropic/models.py); the schema states OpenAI's.
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **_errors(401)})
+    async def list_models(request: Request) -> ModelList | ModelsPage:
+        if ANTHROPIC_VERSION_HEADER in request.headers:
+            return models_page(state)
+        return model_list(state)
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=None,
+        responses={200: {"model": ModelCard}, **_errors(401, 404)},
+    )
+    async def get_model(model_id: str, request: Request) -> ModelCard | ModelInfo:
+        if ANTHROPIC_VERSION_HEADER in request.headers:
+            return model_info(state, model_id)
+        return model_card(state, model_id)
 
     add_openai_routes(app, state)
     add_pooling_routes(app, state)

@@ -163,6 +163,7 @@ class LLM(PoolingMethods, ResearchMethods):
         chat_template_content_format: str = "auto",
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
         A vision-language model takes OpenAI's content parts: `image_url` (a data: URL) and `image_pil`
@@ -174,7 +175,8 @@ class LLM(PoolingMethods, ResearchMethods):
         Qwen3's `enable_thinking`) and `chat_template_content_format` (the server's
         --chat-template-content-format: "string" joins a message's parts into one string, "openai" gives
         the template lists of parts, "auto" the latter where the template loops over a message's
-        content)."""
+        content). `mm_processor_kwargs`: the processor's settings for these conversations (vLLM's; the
+        Qwen families' min_pixels, max_pixels and fps)."""
         self._require_tokenizer("chat()")
         renderer = ChatRenderer(
             self.tokenizer,
@@ -189,7 +191,10 @@ class LLM(PoolingMethods, ResearchMethods):
         )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            self.input_processor.process(renderer.prompt(c), add_special_tokens=False) for c in conversations
+            self.input_processor.process(
+                {**renderer.prompt(c), "mm_processor_kwargs": mm_processor_kwargs}, add_special_tokens=False
+            )
+            for c in conversations
         ]
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
@@ -259,8 +264,10 @@ class LLM(PoolingMethods, ResearchMethods):
         """Counters, gauges and histograms named like vLLM's (prefix `xlaserve:`)."""
         return self.metrics.snapshot()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix; with `reset_running_requests` (vLLM's), the running requests'
+        K/V too: they are preempted and recompute it (after a weight update: with the new weights)."""
+        return self.engine_core.reset_prefix_cache(reset_running_requests)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -374,10 +381,16 @@ class LLM(PoolingMethods, ResearchMethods):
         return [r.request_id for r in requests]
 
     def _step(self) -> list[RequestOutput]:
+        if self.engine_core.is_sleeping:  # a stream resumed after sleep(mode="keep"): it would never end
+            raise ValueError("the engine is asleep (sleep() was called): call wake_up() first")
         outputs = self.engine_core.step()
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
+        self._record_stats()
+        return processed.request_outputs
+
+    def _record_stats(self) -> None:
+        """The core's stats (its sleep state among them) and the outputs' into the metrics."""
         self.metrics.record_scheduler(self.engine_core.make_stats())
         self.metrics.record_iteration(self.output_processor.drain_stats())
-        return processed.request_outputs

@@ -3,15 +3,16 @@ device memory handed back between its steps (`sleep`, `wake_up`), the profiler, 
 model (`apply_model`, `collective_rpc`), as vLLM's LLM has them.
 
 `ResearchMethods` is a part of `LLM` (entrypoints/llm.py), which builds on it: its methods use the
-engine core and the metrics `LLM.__init__` sets. The core's methods are called by name through
-`_call_core`, which reports each call that succeeded to the metrics (`EngineMetrics.record_call`: the
-sleep state), as the server's front end reports its utility calls (engine/core_calls.py).
+engine core and output processor `LLM.__init__` sets, and `LLM._record_stats` (the sleep state the
+metrics show comes with the core's stats).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+from xlaserve.engine.protocol import SleepMode
 
 
 class ResearchMethods:
@@ -23,29 +24,35 @@ class ResearchMethods:
         or jax, all of the model's tensors or some. Every name and shape is checked first: an unknown
         name or a wrong shape is a ValueError naming both, and the old weights stay. The prefix cache
         is reset (its K/V came from the old weights). -> the names updated."""
-        return self._call_core("update_weights", weights)
+        return self.engine_core.update_weights(weights)
 
     def update_weights_from_path(self, path: str) -> list[str]:
         """`update_weights` with the checkpoint at `path` (same architecture and shapes)."""
-        return self._call_core("update_weights_from_path", path)
+        return self.engine_core.update_weights_from_path(path)
 
-    def sleep(self, level: int = 1):
+    def sleep(self, level: int = 1, mode: SleepMode = "abort"):
         """Free the KV cache's device memory (level 2: the weights' too, kept on the host) until
-        `wake_up()`; requests meanwhile are refused. -> what was freed (`device_bytes`, `seconds`)."""
-        return self._call_core("sleep", level)
+        `wake_up()`; requests meanwhile are refused, and those unfinished go by `mode` (vLLM's: abort,
+        keep, wait; EngineCore.sleep). -> what was freed (`device_bytes`, `seconds`)."""
+        report = self.engine_core.sleep(level, mode)
+        self.output_processor.process_outputs(self.engine_core.take_outputs())  # what it aborted ends
+        self._record_stats()
+        return report
 
     def start_profile(self) -> None:
         """Start a jax.profiler trace into `profiler_dir` (an engine argument): the engine's programs and
         host work until `stop_profile`, for TensorBoard's profile plugin or Perfetto."""
-        self._call_core("start_profile")
+        self.engine_core.start_profile()
 
     def stop_profile(self) -> str:
         """Write the trace; -> the folder it is under (plugins/profile/<run>/)."""
-        return self._call_core("stop_profile")
+        return self.engine_core.stop_profile()
 
     def wake_up(self):
         """Place back what `sleep` freed (the KV cache zeroed, the prefix cache empty)."""
-        return self._call_core("wake_up")
+        report = self.engine_core.wake_up()
+        self._record_stats()
+        return report
 
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping
@@ -74,8 +81,3 @@ class ResearchMethods:
         if timeout is not None:
             raise ValueError("collective_rpc: timeout must be None: the runners are in this process")
         return self.engine_core.collective_rpc(method, args, kwargs)
-
-    def _call_core(self, method: str, *args):
-        result = getattr(self.engine_core, method)(*args)
-        self.metrics.record_call(method, args)
-        return result

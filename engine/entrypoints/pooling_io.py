@@ -1,13 +1,25 @@
-"""What the offline `LLM` and the server share for pooling models: score pairs and cosine scores.
+"""What the offline `LLM` and the server share for pooling models: score pairs and cosine scores; and
+the server's binary encodings of pooled outputs (vLLM's embed_dtype and endianness).
 
-Plain Python and numpy (the server's front end imports no jax).
+Plain Python and numpy (the server's front end imports no jax; ml_dtypes is numpy's bfloat16 and fp8).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
+
+# vLLM's embed_dtype names: the values are rounded to the nearest even, as torch's casts round them.
+EMBED_DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+    "fp8_e5m2": ml_dtypes.float8_e5m2,
+}
 
 
 def score_pairs(
@@ -51,3 +63,12 @@ def pair_token_ids(tokenizer, first, second) -> list[int]:
     ids = [first if not isinstance(first, str) else tokenizer.encode(first)]
     ids.append(second if not isinstance(second, str) else tokenizer.encode(second, add_special_tokens=False))
     return [*ids[0], *ids[1]]
+
+
+def output_bytes(values: np.ndarray, embed_dtype: str = "float32", endianness: str = "native") -> bytes:
+    """A pooled output's values (a vector, or one row per token, row after row) as `embed_dtype`'s bytes
+    in `endianness` ("native": this host's byte order, as vLLM's)."""
+    array = np.asarray(values, np.float32).astype(EMBED_DTYPES[embed_dtype]).reshape(-1)
+    if endianness not in ("native", sys.byteorder):
+        array = array.view(f"u{array.itemsize}").byteswap()
+    return array.tobytes()

@@ -317,6 +317,13 @@ def _check_line(request: dict) -> tuple[int, dict] | None:
             "stream",
             "unsupported_value",
         )
+    if request["body"].get("encoding_format") == "bytes":  # the pooling routes' binary body
+        return _error(
+            "'encoding_format' 'bytes' is not supported in a batch file: a line of results holds JSON "
+            "(send 'base64')",
+            "encoding_format",
+            "unsupported_value",
+        )
     if request["url"] == "/v1/responses" and request["body"].get("background") is True:
         return _error(
             "'background' is not supported in a batch file: the run ends with its last line's response, "

@@ -273,12 +273,17 @@ def _fill_penalty_row(penalties, row: int, s) -> None:
 def fit_bitmask(grammar_bitmask: np.ndarray, num_seqs: int, vocab_size: int) -> np.ndarray:
     """The grammar's bitmask [N, W] (N scheduled rows, W words for the tokenizer's vocabulary) as the
     sampler takes it, [num_seqs, ceil(vocab_size / 32)]: padding rows allow everything (they are
-    discarded), and ids past the grammar's vocabulary (the logits' padding) are never allowed. A mask
-    per verified position, [N, P, W] (speculative decoding), becomes [num_seqs, P, ceil(vocab_size / 32)]."""
+    discarded), and ids past the grammar's vocabulary (the logits' padding) are never allowed under a
+    grammar. A row no grammar constrains (all ones) allows them, as a step without grammars does: its
+    logprobs' normalizer must not change with a grammar request beside it (batch invariance; a model's
+    logits can be wider than its tokenizer, Qwen's 151936 over 151669 ids). A mask per verified position,
+    [N, P, W] (speculative decoding), becomes [num_seqs, P, ceil(vocab_size / 32)]."""
     width = -(-vocab_size // BITS_PER_WORD)
     fitted = np.zeros((num_seqs, *grammar_bitmask.shape[1:-1], width), np.int32)
     num_rows, num_words = len(grammar_bitmask), min(width, grammar_bitmask.shape[-1])
     fitted[:num_rows, ..., :num_words] = grammar_bitmask[..., :num_words]
+    free = (grammar_bitmask == -1).all(axis=-1)  # [N] or [N, P]: rows (positions) no grammar constrains
+    fitted[:num_rows][free, num_words:] = -1
     fitted[num_rows:] = -1
     return fitted
 

@@ -22,6 +22,7 @@ from xlaserve.models.model_path import resolve_model_path
 from xlaserve.models.processor_settings import with_overrides
 from xlaserve.models.registry import is_encoder_only, model_config_from_hf
 from xlaserve.models.sentence_transformers import read_pooling_defaults
+from xlaserve.pooling_params import check_matryoshka
 from xlaserve.sharding import distributed
 from xlaserve.worker.pooler import Pooler, adapt_checkpoint, resolve_task
 
@@ -43,6 +44,10 @@ class ModelInfo:
     hidden_size: int = 0
     # A classifier's label names by index (config.json's id2label; HTTP /classify's `label`).
     id2label: tuple[str, ...] = ()
+    # config.json's Matryoshka facts (vLLM's): only such an embedder takes a request's `dimensions`,
+    # and only the sizes listed where matryoshka_dimensions lists them (None: any size).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,12 @@ def load_for_engine(config: EngineConfig) -> LoadedCheckpoint:
         task,
         model_config.hidden_size,
         () if head is None else _labels(original_config, head.num_labels),
+        *_matryoshka(original_config),
     )
+    pooler_config = config.model.pooler_config
+    if task == "embed" and pooler_config is not None and pooler_config.dimensions is not None:
+        sizes = info.matryoshka_dimensions
+        check_matryoshka(pooler_config.dimensions, info.is_matryoshka, sizes, "pooler_config.dimensions")
     pooler = None
     if task is not None:
         path = resolve_model_path(config.model.model)
@@ -171,6 +181,18 @@ def _labels(hf_config: dict, num_labels: int) -> tuple[str, ...]:
     """config.json's id2label as names by index ({"0": "negative", ...}), LABEL_i where it says none."""
     names = {int(k): str(v) for k, v in (hf_config.get("id2label") or {}).items()}
     return tuple(names.get(i, f"LABEL_{i}") for i in range(num_labels))
+
+
+def _matryoshka(hf_config: dict) -> tuple[bool, tuple[int, ...] | None]:
+    """(is_matryoshka, matryoshka_dimensions) as vLLM reads them from config.json (hf_overrides can set
+    them): a non-empty matryoshka_dimensions list makes a model Matryoshka too."""
+    sizes = hf_config.get("matryoshka_dimensions")
+    if sizes is not None and not (
+        isinstance(sizes, list)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in sizes)
+    ):
+        raise ValueError(f"config.json's matryoshka_dimensions must be a list of ints >= 1, got {sizes!r}")
+    return bool(sizes) or bool(hf_config.get("is_matryoshka")), tuple(sizes) if sizes else None
 
 
 def _encoder_config(config: EngineConfig, hf_config: dict, tokenizer) -> dict:

@@ -824,3 +824,31 @@ def test_sampling_params_follow_vllms_conversions(caplog):
     assert allowed == [5, 7] and all(type(t) is int for t in allowed)
     assert SamplingParams().output_kind is None
     assert SamplingParams(output_kind=RequestOutputKind.DELTA).output_kind.mode == "delta"
+
+
+def test_reset_running_requests_preempts_them_in_order_and_they_recompute(make_scheduler):
+    """vLLM's reset_prefix_cache(reset_running_requests=True) between steps: every running request gives
+    its blocks back and waits again ahead of the queue in admission order, the prefix index is empty,
+    and the run ends with the undisturbed run's tokens (the fake runner reads every context back)."""
+    roomy = make_scheduler(num_blocks=100, max_num_batched_tokens=16, max_num_seqs=4)
+    for request in workload():
+        roomy.add_request(request)
+    expected, _, _ = run_to_completion(roomy, FakeModelRunner(roomy))
+
+    scheduler = make_scheduler(num_blocks=100, max_num_batched_tokens=16, max_num_seqs=4)
+    runner = FakeModelRunner(scheduler)
+    for request in workload():
+        scheduler.add_request(request)
+    tokens = {}
+    for _ in range(6):
+        for core_output in step(scheduler, runner)[1]:
+            tokens.setdefault(core_output.request_id, []).extend(core_output.new_token_ids)
+    running = [r.request_id for r in scheduler.running]
+    assert running == ["r0", "r1", "r2", "r3"]
+    assert scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert [r.request_id for r in scheduler.waiting] == [*running, "r4", "r5"]
+    assert scheduler.num_preemptions_total == 4 and not scheduler.running
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1 and not pool.cached_block_hash_to_block
+    rest, _, _ = run_to_completion(scheduler, runner)
+    assert {rid: tokens.get(rid, []) + rest.get(rid, []) for rid in expected} == expected

@@ -2,9 +2,13 @@
 exactly what it streams synchronously, for every sampling feature at once, emits nothing past a stop,
 and gives every KV block back. One engine (the shared `llm`, synchronous by default on a CPU) runs each
 workload in both modes (`set_async_scheduling`), its prefix cache reset before each run so both start
-alike; the strict compile guard proves nothing compiles after warm-up in either mode."""
+alike; the strict compile guard proves nothing compiles after warm-up in either mode. Requests whose
+K/V goes mid-generation (vLLM's reset_prefix_cache(reset_running_requests=True), a sleep that keeps
+them) recompute it, with a step in flight or not, to exactly the ids of an undisturbed run."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
@@ -172,3 +176,57 @@ def test_abort_mid_stream_matches_sync(engines):
     # The engine goes on serving after the abort (the step in flight is applied and dropped).
     asyn, sync = _generate_both(engines, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=6))
     assert _view(asyn) == _view(sync)
+
+
+def _disturb_before_step(engine, monkeypatch, at_step: int, disturb) -> None:
+    """Run `disturb()` before the engine's step number `at_step` (from 0) of its next calls."""
+    step, calls = engine._step, itertools.count()
+
+    def disturbed_step():
+        if next(calls) == at_step:
+            disturb()
+        return step()
+
+    monkeypatch.setattr(engine, "_step", disturbed_step)
+
+
+# Greedy with logprobs, and seeded: the seeded sampler draws from the token's position, so a recompute
+# draws the same.
+RECOMPUTED = [
+    SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True),
+    SamplingParams(temperature=0.9, seed=7, max_tokens=16, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("what", ["reset_running_requests", "sleep_keep"])
+def test_running_requests_whose_kv_goes_recompute_the_same_ids(engines, monkeypatch, what):
+    """Mid-generation (two requests decoding, a step in flight in the async mode), either vLLM's
+    reset_prefix_cache(reset_running_requests=True), or sleep(mode="keep") then wake_up: both running
+    requests are preempted, every block comes back, and each finishes with the ids and logprobs of an
+    undisturbed run."""
+    seen = {}
+    results = []
+    for mode in engines:
+        with mode as engine:
+            undisturbed = engine.generate(PROMPTS[:2], RECOMPUTED, use_tqdm=False)
+            scheduler = engine.engine_core.scheduler
+            free_blocks = scheduler.kv_cache_manager.num_free_blocks
+
+            def disturb():
+                seen["running"], before = len(scheduler.running), scheduler.num_preemptions_total
+                if what == "reset_running_requests":
+                    assert engine.reset_prefix_cache(reset_running_requests=True)
+                else:
+                    engine.sleep(1, mode="keep")
+                    assert scheduler.get_num_unfinished_requests() == 2 and engine.is_sleeping()
+                    engine.wake_up()
+                seen["preempted"] = scheduler.num_preemptions_total - before
+                seen["free"] = scheduler.kv_cache_manager.num_free_blocks
+
+            _disturb_before_step(engine, monkeypatch, 8, disturb)
+            disturbed = engine.generate(PROMPTS[:2], RECOMPUTED, use_tqdm=False)
+            monkeypatch.undo()
+            assert seen == {"running": 2, "preempted": 2, "free": free_blocks}, mode.is_async
+            assert _view(disturbed) == _view(undisturbed), mode.is_async
+            results.append(disturbed)
+    assert _view(results[0]) == _view(results[1])

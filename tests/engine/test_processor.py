@@ -172,3 +172,31 @@ def test_bad_words_become_token_ids_by_vllms_rule():
     assert request.sampling_params.bans_follow_output
     with pytest.raises(ValueError, match="^bad_words need a tokenizer"):
         InputProcessor(None, 64, VOCAB, 2, 0).make_requests("r", [1], SamplingParams(bad_words=["x"]))
+
+
+def test_dimensions_only_on_a_matryoshka_model_and_its_sizes():
+    """vLLM's rule: `dimensions` needs config.json's is_matryoshka (any size up to the hidden size) or
+    matryoshka_dimensions (those sizes only); the message names the field, which the routes' 400 name."""
+    from xlaserve.pooling_params import PoolingParams
+
+    def embedder(**matryoshka):
+        return InputProcessor(None, 64, VOCAB, 2, 0, pooling_task="embed", hidden_size=48, **matryoshka)
+
+    embedder().validate_pooling(PoolingParams())
+    with pytest.raises(ValueError, match="^dimensions needs a Matryoshka model"):
+        embedder().validate_pooling(PoolingParams(dimensions=8))
+    embedder(is_matryoshka=True).validate_pooling(PoolingParams(task="token_embed", dimensions=7))
+    with pytest.raises(ValueError, match="^dimensions must be <= 48"):
+        embedder(is_matryoshka=True).validate_pooling(PoolingParams(dimensions=49))
+    listed = embedder(is_matryoshka=True, matryoshka_dimensions=[8, 16])
+    listed.validate_pooling(PoolingParams(dimensions=16))
+    with pytest.raises(ValueError, match=r"^dimensions must be one of \[8, 16\] .*, got 12"):
+        listed.validate_pooling(PoolingParams(dimensions=12))
+
+
+def test_truncation_side_keeps_the_first_or_the_last_tokens(processor):
+    ids = list(range(10, 20))
+    assert processor.truncate(ids, 3) == [17, 18, 19]  # vLLM's default side: left
+    assert processor.truncate(ids, 3, side="right") == [10, 11, 12]
+    assert processor.truncate(ids, 30, side="right") == ids
+    assert processor.truncate(ids, -1, side="right", num_output_tokens=58) == ids[:6]

@@ -25,6 +25,7 @@ def step(metrics: EngineMetrics, *, prompt=0, generated=0, queries=0, hits=0, ru
             num_preemptions_total=0,
             spec_decoding_stats=None,
             kv_transfer_stats=None,
+            sleep_level=0,
         )
     )
 

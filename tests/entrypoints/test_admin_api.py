@@ -1,8 +1,10 @@
 """The admin routes (serving/admin.py) on a real `xlaserve serve` of a tiny Llama: with
 --enable-admin-api and the API key, the weights are swapped from disk (the outputs change, and come
 back with the first checkpoint), the engine sleeps (requests get a 400 saying so) and wakes with the
-same outputs, the prefix cache resets; a caller's error is a 400 naming it; without the key a 401,
-without the flag no such route, and the flag without a key refuses to start."""
+same outputs, the prefix cache resets; a request running meanwhile goes by vLLM's semantics (a reset
+of the running requests preempts it, a sleep aborts it, waits for it or keeps it) and streams what an
+undisturbed run streams; a caller's error is a 400 naming it; without the key a 401, without the flag
+no such route, and the flag without a key refuses to start."""
 
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ def test_weights_swap_from_disk_and_back(admin_server, dirs):
     assert on_b != on_a
     admin(admin_server, "POST", "/update_weights_from_disk", json={"model_path": dirs[0]})
     assert complete(admin_server) == on_a  # bit for bit: the prefix cache held nothing of B's
-    assert admin(admin_server, "POST", "/reset_prefix_cache") == {"reset": True}
+    assert admin(admin_server, "POST", "/reset_prefix_cache") == {"success": True}
 
 
 def test_sleep_refuses_requests_and_wake_up_restores_the_outputs(admin_server):
@@ -110,6 +112,64 @@ def test_sleep_refuses_requests_and_wake_up_restores_the_outputs(admin_server):
     assert awake["placed_bytes"] == asleep["freed_bytes"]
     assert sleep_states(admin_server) == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
     assert complete(admin_server) == before
+
+
+# Tokens (as many as max_model_len allows): the request still runs when an admin call made on an open
+# connection after its first token arrives.
+LONG = 128 - len(PROMPT)
+
+
+def streamed(server, *calls) -> tuple[tuple[list[int], str], list[dict]]:
+    """A greedy LONG request streamed, the admin `calls` (method, path, params) made on an open connection
+    once its first token is back -> (its token ids, its finish reason), the calls' answers. With no
+    calls, the undisturbed run (the first stream of a process also warms what would delay a later
+    one's first token)."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": LONG, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}  # fmt: skip
+    chunks, answers = [], []
+    with (
+        httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as client,
+        httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as admin_client,
+    ):
+        assert admin_client.get("/is_sleeping").status_code == 200  # connected before the request starts
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = (line for line in response.iter_lines() if line.startswith("data: {"))
+            chunks.append(json.loads(next(lines)[6:])["choices"][0])
+            for method, path, params in calls:
+                r = admin_client.request(method, path, params=params)
+                assert r.status_code == 200, r.text
+                answers.append(r.json())
+            chunks += [json.loads(line[6:])["choices"][0] for line in lines]
+    ids = [i for c in chunks for i in c.get("token_ids") or []]
+    return (ids, chunks[-1]["finish_reason"]), answers
+
+
+def test_reset_running_requests_preempts_and_the_stream_goes_on_unchanged(admin_server):
+    """vLLM's reset_running_requests (RL clients send it after a weight update): the running request is
+    preempted (one preemption), recomputes its K/V and streams the undisturbed run's ids."""
+    expected, _ = streamed(admin_server)
+    before = metric(metrics(admin_server), "num_preemptions_total")
+    reset = ("POST", "/reset_prefix_cache", {"reset_running_requests": "true"})
+    assert streamed(admin_server, reset) == (expected, [{"success": True}])
+    assert metric(metrics(admin_server), "num_preemptions_total") - before == 1
+
+
+def test_sleep_aborts_waits_for_or_keeps_a_running_request(admin_server):
+    """vLLM's sleep modes: abort (the default) ends the request at once with finish_reason abort; wait
+    sleeps once it finished; keep holds it, and after wake_up it streams on as undisturbed."""
+    expected, _ = streamed(admin_server)
+    wake_up, asleep = ("POST", "/wake_up", None), ("GET", "/is_sleeping", None)
+    (ids, reason), _ = streamed(admin_server, ("POST", "/sleep", None), wake_up)
+    assert reason == "abort" and ids == expected[0][: len(ids)] and len(ids) < LONG
+    # wait: the request finished before the sleep answered.
+    got, (_, is_sleeping, _) = streamed(admin_server, ("POST", "/sleep", {"mode": "wait"}), asleep, wake_up)
+    assert got == expected and is_sleeping == {"is_sleeping": True}
+    # keep (at level 2, the weights off the device too): the request waits while the engine sleeps.
+    keep = ("POST", "/sleep", {"mode": "keep", "level": 2})
+    got, (_, is_sleeping, _) = streamed(admin_server, keep, asleep, wake_up)
+    assert got == expected and is_sleeping == {"is_sleeping": True}
+    assert admin(admin_server, "GET", "/is_sleeping") == {"is_sleeping": False}
 
 
 def sleep_states(server) -> dict[str, float]:
@@ -151,6 +211,14 @@ def test_metrics_after_a_known_workload(admin_server):
     assert delta(after, "request_generation_tokens_bucket", le="5") == 3
     assert delta(after, "request_generation_tokens_bucket", le="2") == 0
     assert delta(after, "iteration_tokens_total_sum") == 3 * (len(PROMPT) + 5)
+    # The prompt (12 tokens) is under a block (16): every token computed, none cached.
+    assert delta(after, "prompt_tokens_by_source_total", source="local_compute") == 3 * len(PROMPT)
+    assert delta(after, "prompt_tokens_by_source_total", source="local_cache_hit") == 0
+    assert delta(after, "prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+    assert delta(after, "prompt_tokens_cached_total") == delta(after, "prompt_tokens_recomputed_total") == 0
+    assert delta(after, "request_prefill_kv_computed_tokens_sum") == 3 * len(PROMPT)
+    assert delta(after, "request_prefill_kv_computed_tokens_bucket", le="10") == 0
+    assert delta(after, "request_prefill_kv_computed_tokens_bucket", le="20") == 3
     assert delta(after, "request_success_total", finished_reason="stop") == 0
     token_bounds = sorted(
         float(dict(labels)["le"]) for name, labels in after if name == "xlaserve:request_prompt_tokens_bucket"
@@ -295,12 +363,20 @@ def test_update_weights_invalid_unicode_is_400_naming_the_field(client, name, ra
     check_still_serving(client, port)
 
 
+UPDATE_WEIGHTS_BAD = [  # (body, the param named)
+    ({}, "model_path"),
+    ({"model_path": ""}, "model_path"),
+    ({"model_path": "x", "extra": 1}, "extra"),
+    ({"model_path": "a" * 5000}, "model_path"),
+]
+
+
 @pytest.mark.parametrize(
-    "body", [{}, {"model_path": ""}, {"model_path": "x", "extra": 1}, {"model_path": "a" * 5000}]
+    "body, param", UPDATE_WEIGHTS_BAD, ids=[json.dumps(b)[:40] for b, _ in UPDATE_WEIGHTS_BAD]
 )
-def test_update_weights_bad_body_is_400(client, body):
+def test_update_weights_bad_body_is_400(client, body, param):
     response, port = send(client, "/update_weights_from_disk", body)
-    check_error(response, 400)
+    assert check_error(response, 400)["param"] == param
     check_still_serving(client, port)
 
 
@@ -310,8 +386,28 @@ def test_update_weights_from_a_missing_path_is_400(client, tmp_path):
     check_still_serving(client, port)
 
 
-@pytest.mark.parametrize("level", ["0", "3", "-1", "abc", "1.5", "true", "9" * 30])
+SLEEP_LEVELS_BAD = ["0", "3", "-1", "abc", "1.5", "true", "9" * 30]
+
+
+@pytest.mark.parametrize("level", SLEEP_LEVELS_BAD)
 def test_sleep_level_out_of_range_or_wrong_type_is_400(client, level):
     response = client.post("/sleep", params={"level": level})
     check_error(response, 400, "level")
     assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
+SLEEP_MODES_BAD = ["", "Abort", "pause", "1", "9" * 30]
+RESET_RUNNING_REQUESTS_BAD = ["", "maybe", "2", "9" * 30]
+
+
+@pytest.mark.parametrize("mode", SLEEP_MODES_BAD)
+def test_sleep_mode_not_vllms_is_400(client, mode):
+    response = client.post("/sleep", params={"mode": mode})
+    check_error(response, 400, "mode")
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
+@pytest.mark.parametrize("value", RESET_RUNNING_REQUESTS_BAD)
+def test_reset_running_requests_not_a_boolean_is_400(client, value):
+    response = client.post("/reset_prefix_cache", params={"reset_running_requests": value})
+    check_error(response, 400, "reset_running_requests")

@@ -187,7 +187,7 @@ def _prewarmed_hit(num_prompt_tokens: int) -> int:
 def test_max_tokens_0_prewarms_the_prefix_cache(client):
     """max_tokens 0 (Anthropic's cache pre-warming): the prompt runs through the engine and nothing is
     answered: no content, stop reason max_tokens, no output token; the same prompt then reads its blocks
-    from the prefix cache."""
+    from the prefix cache, unless salted otherwise."""
     fields = {"messages": QUESTION, "system": _fresh_system()}
     warm = client.messages.create(model=MODEL_NAME, max_tokens=0, **fields)
     num_prompt = client.messages.count_tokens(model=MODEL_NAME, **fields).input_tokens
@@ -204,6 +204,10 @@ def test_max_tokens_0_prewarms_the_prefix_cache(client):
     assert answer.usage.cache_creation_input_tokens == whole_blocks - _prewarmed_hit(num_prompt)
     assert answer.usage.input_tokens == num_prompt - whole_blocks and answer.content[0].text
     assert answer.usage.service_tier is None  # vLLM reports none
+    # vLLM's cache_salt (extra_body): a salted request shares no blocks with the unsalted ones.
+    salted = client.messages.create(model=MODEL_NAME, max_tokens=1, extra_body={"cache_salt": "b"}, **fields)
+    assert salted.usage.cache_read_input_tokens == 0
+    assert salted.usage.cache_creation_input_tokens == whole_blocks
 
 
 def test_usage_has_the_cache_buckets_with_prompt_tokens_details_only():
@@ -273,6 +277,34 @@ def test_unknown_model_is_404_not_found_error(client):
     with pytest.raises(anthropic.NotFoundError) as caught:
         client.messages.create(model="claude-nothing", max_tokens=1, messages=QUESTION)
     assert caught.value.body["error"]["type"] == "not_found_error"
+
+
+def test_models_list_and_retrieve_in_each_sdks_shape(server, client):
+    """One /v1/models for both SDKs: Anthropic's (its anthropic-version header) reads its ModelInfo page,
+    strictly validated; OpenAI's still reads vLLM's cards; an unknown model is each one's 404."""
+    (info,) = client.models.list().data
+    assert (info.type, info.id, info.display_name, info.lifecycle) == (
+        "model",
+        MODEL_NAME,
+        MODEL_NAME,
+        "active",
+    )
+    assert info.max_input_tokens == info.max_tokens == 511  # the session server's context, less one
+    assert client.models.retrieve(MODEL_NAME) == info
+    page = httpx.get(server.url + "/v1/models", headers={**server.headers, "anthropic-version": "2023-06-01"})
+    assert (
+        page.json()["has_more"] is False and page.json()["first_id"] == page.json()["last_id"] == MODEL_NAME
+    )
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.models.retrieve("claude-nothing")
+    assert caught.value.body["error"]["type"] == "not_found_error" and "claude-nothing" in str(
+        caught.value.body
+    )
+    openai_shape = httpx.get(server.url + "/v1/models/" + MODEL_NAME, headers=server.headers).json()
+    assert openai_shape["object"] == "model" and openai_shape["max_model_len"] == 512
+    refused = httpx.get(server.url + "/v1/models", headers={"anthropic-version": "2023-06-01"})
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    assert refused.json()["type"] == "error"
 
 
 # -- tools ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from xlaserve import SamplingParams
+from xlaserve import SamplingParams, StructuredOutputsParams
 
 PROMPTS = [
     "Explain paged attention in two sentences.",
@@ -34,6 +34,14 @@ def _chat(llm, prompts):
 
 def _numbers(out):
     return out.token_ids, [[(i, lp.logprob) for i, lp in entry.items()] for entry in out.logprobs]
+
+
+def _request_numbers(output):
+    """A RequestOutput's sampled numbers and its prompt logprobs (None where not asked)."""
+    prompt = output.prompt_logprobs and [
+        entry and sorted((i, lp.logprob) for i, lp in entry.items()) for entry in output.prompt_logprobs
+    ]
+    return _numbers(output.outputs[0]), prompt
 
 
 def _companions(n: int) -> list[str]:
@@ -90,3 +98,62 @@ def test_sampled_logprobs_equal_the_teacher_forced_prompt_logprobs(llm, prompt):
     teacher = [again.prompt_logprobs[num_prompt + i][t].logprob for i, t in enumerate(generated.token_ids)]
     sampled = [generated.logprobs[i][t].logprob for i, t in enumerate(generated.token_ids)]
     assert teacher == sampled
+
+
+def _sampling_features(llm) -> dict[str, SamplingParams]:
+    """A request of each sampler feature whose tensors span the batch: the [R, V] penalty arrays are built
+    (another program) when any row needs them, the grammar's bitmask when any row has a grammar, the
+    top-k/top-p sort runs when any row filters, and the greedy rows ride the random rows' branch when
+    any row samples."""
+    the = llm.tokenizer.encode(" the")[0]
+    greedy = dict(temperature=0.0, max_tokens=12, logprobs=5)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    return {
+        "plain": SamplingParams(**greedy),
+        "penalties": SamplingParams(
+            **greedy, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2
+        ),
+        "logit_bias": SamplingParams(**greedy, logit_bias={the: -5.0, 13: 3.0}),
+        "bad_words": SamplingParams(**greedy, bad_words=["the", "a"]),
+        "min_tokens": SamplingParams(**greedy, min_tokens=12),
+        "allowed_token_ids": SamplingParams(**greedy, allowed_token_ids=list(range(200, 3000))),
+        "seeded": SamplingParams(temperature=0.9, max_tokens=12, logprobs=5, seed=7),
+        "seeded_top_k_top_p_min_p": SamplingParams(
+            temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, max_tokens=12, logprobs=5, seed=11
+        ),
+        "seeded_penalized": SamplingParams(
+            temperature=0.8, max_tokens=12, logprobs=5, seed=5, repetition_penalty=1.3
+        ),
+        "prompt_logprobs": SamplingParams(**{**greedy, "max_tokens": 4}, prompt_logprobs=5),
+        "json_schema": SamplingParams(**greedy, structured_outputs=StructuredOutputsParams(json=schema)),
+    }
+
+
+@pytest.fixture(scope="module")
+def features_alone(llm):
+    """(prompts, features, each feature's request run alone): one prompt per feature."""
+    features = _sampling_features(llm)
+    prompts = (PROMPTS + _companions(len(features)))[: len(features)]
+    alone = {
+        name: _request_numbers(llm.generate(prompt, params, use_tqdm=False)[0])
+        for prompt, (name, params) in zip(prompts, features.items())
+    }
+    return prompts, features, alone
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_every_sampler_feature_is_the_same_bits_alone_and_among_the_others(llm, features_alone, scheduling):
+    """Each feature's request alone, then all of them in one batch (each its own prompt): every one
+    keeps its solo tokens, logprobs and prompt logprobs, though the batch now runs the penalty and
+    grammar programs, the top-k/top-p sort and the random rows' branch for rows that asked for none.
+    With async scheduling too (the default on accelerators), where each step is scheduled before the
+    previous one's tokens are known: penalties, bad words and grammars read the outputs they wait for."""
+    prompts, features, alone = features_alone
+    default = llm.engine_core.async_scheduling
+    llm.engine_core.set_async_scheduling(scheduling == "async")
+    try:
+        together = llm.generate(prompts, list(features.values()), use_tqdm=False)
+    finally:
+        llm.engine_core.set_async_scheduling(default)
+    for name, output in zip(features, together):
+        assert _request_numbers(output) == alone[name], name

@@ -83,6 +83,7 @@ def _classifier(architecture: str, num_labels: int, seed: int):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     model = make_hf_model("LlamaForCausalLM", seed=3)
+    model.config.is_matryoshka = True  # in its config.json: `dimensions` may cut it (vLLM's rule)
     return model, save_hf_model(model, tmp_path_factory.mktemp("llama_embed"))
 
 

@@ -92,6 +92,11 @@ def test_encoder_limits_name_the_field(bert, bert_llm):
         ValueError, match=r"\(encoder-only\) runs with tensor_parallel_size=1, pipeline_parallel_size=1"
     ):
         LLM(bert[2], **ARGS, pipeline_parallel_size=2)
+    # Not a Matryoshka model (its config.json says nothing of it): no `dimensions`, as vLLM's.
+    with pytest.raises(ValueError, match="^dimensions needs a Matryoshka model"):
+        bert_llm.embed(TEXTS[:1], PoolingParams(dimensions=8))
+    with pytest.raises(ValueError, match="^pooler_config.dimensions needs a Matryoshka model"):
+        LLM(bert[2], **ARGS, pooler_config={"dimensions": 8})
     assert not bert_llm.engine_core.has_unfinished_requests()
 
 

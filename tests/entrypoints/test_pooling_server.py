@@ -37,8 +37,10 @@ FLAGS = ["--runner", "pooling", "--served-model-name", NAME, "--max-model-len", 
 
 @pytest.fixture(scope="module")
 def pooling_model(tmp_path_factory):
-    """(the Hugging Face model, its saved directory)."""
+    """(the Hugging Face model, its saved directory): a Matryoshka embedder of sizes 4 and 8 (what its
+    config.json says: vLLM's matryoshka_dimensions), so that `dimensions` may cut it there."""
     model = make_hf_model("LlamaForCausalLM", seed=3)
+    model.config.matryoshka_dimensions = [4, 8]
     return model, save_hf_model(model, tmp_path_factory.mktemp("pooling_model"))
 
 
@@ -237,6 +239,113 @@ def test_messages_embed_as_their_rendered_template(http):
 
 
 # vLLM's chat-style fields, with the wrong JSON types the hostile suite sends (test_server_hostile.py).
+# vLLM's embed_dtype -> torch's dtype, and the integer view of its bits (vLLM's tensor2binary).
+TORCH_EMBED_DTYPES = {
+    "float32": (torch.float32, torch.int32),
+    "float16": (torch.float16, torch.int16),
+    "bfloat16": (torch.bfloat16, torch.int16),
+    "fp8_e4m3": (torch.float8_e4m3fn, torch.uint8),
+    "fp8_e5m2": (torch.float8_e5m2, torch.uint8),
+}
+
+
+def _torch_bytes(values, embed_dtype: str, endianness: str) -> bytes:
+    dtype, bits = TORCH_EMBED_DTYPES[embed_dtype]
+    array = torch.tensor(values, dtype=torch.float32).to(dtype).flatten().view(bits).numpy()
+    return (array.byteswap() if endianness == "big" else array).tobytes()  # this host is little-endian
+
+
+def test_vllm_encodings_and_usage(http):
+    """vLLM's embed_dtype and endianness (base64, and the `bytes` format: the body and its `metadata`
+    header), byte for byte as torch casts the float answer; usage as vLLM's UsageInfo (rerank's: two
+    counts)."""
+    inputs = ["w5 w6 w7 w8", "w9 w10 w11"]
+    floats = http.post("/v1/embeddings", json={"input": inputs}).json()
+    num_tokens = floats["usage"]["prompt_tokens"]
+    assert floats["usage"] == {
+        "prompt_tokens": num_tokens,
+        "total_tokens": num_tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
+    vectors = [d["embedding"] for d in floats["data"]]
+    for embed_dtype in TORCH_EMBED_DTYPES:
+        for endianness in ("native", "little", "big"):
+            fields = {"encoding_format": "base64", "embed_dtype": embed_dtype, "endianness": endianness}
+            body = http.post("/v1/embeddings", json={"input": inputs, **fields}).json()
+            for d, vector in zip(body["data"], vectors, strict=True):
+                assert base64.b64decode(d["embedding"]) == _torch_bytes(vector, embed_dtype, endianness)
+    reply = http.post(
+        "/v1/embeddings",
+        json={"input": inputs, "encoding_format": "bytes", "embed_dtype": "bfloat16", "endianness": "big"},
+        headers={"X-Request-Id": "b1"},
+    )
+    assert reply.status_code == 200 and reply.headers["content-type"] == "application/octet-stream"
+    metadata = json.loads(reply.headers["metadata"])
+    assert (metadata["id"], metadata["model"]) == ("embd-b1", NAME)
+    assert metadata["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    assert reply.content == b"".join(_torch_bytes(v, "bfloat16", "big") for v in vectors)
+    width = 2 * len(vectors[0])
+    assert metadata["data"] == [
+        {"index": i, "embed_dtype": "bfloat16", "endianness": "big", "start": i * width,
+         "end": (i + 1) * width, "shape": [len(vectors[0])]}
+        for i in range(2)
+    ]  # fmt: skip
+    # /pooling's token rows: one output of [tokens, hidden], row after row.
+    token_embed = {"input": [5, 6, 7], "task": "token_embed"}
+    rows = http.post("/pooling", json=token_embed).json()["data"][0]["data"]
+    reply = http.post("/pooling", json={**token_embed, "encoding_format": "bytes"})
+    item = json.loads(reply.headers["metadata"])["data"][0]
+    assert item["shape"] == [3, len(rows[0])] and item["end"] == len(reply.content) == 3 * 4 * len(rows[0])
+    assert np.frombuffer(reply.content, np.float32).reshape(3, -1).tolist() == rows
+    reranked = http.post("/rerank", json={"query": "w5", "documents": "w6 w7"}).json()
+    assert reranked["usage"] == {"prompt_tokens": 1 + 2, "total_tokens": 1 + 2}
+    assert [r["document"]["text"] for r in reranked["results"]] == ["w6 w7"]  # one document, as vLLM's
+
+
+def test_score_aliases_truncation_side_and_cache_salt(pooling_server, http):
+    """/score under vLLM's other names (queries with documents or items, data_1 with data_2) scores as
+    text_1 with text_2; truncation_side "right" keeps each prompt's first tokens (against Hugging
+    Face); a cache_salt shares the prefix cache only with its own salt."""
+    _, model = pooling_server
+    query, docs = "w5 w6", ["w7 w8 w9", "w5 w6 w10"]
+    expected = http.post("/score", json={"text_1": query, "text_2": docs}).json()
+    for first, second in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2")):
+        body = http.post("/v1/score", json={first: query, second: docs}).json()
+        assert body["data"] == expected["data"] and body["usage"] == expected["usage"], (first, second)
+    tok = word_tokenizer(model.config.vocab_size)
+    text = "w9 w10 w11 w12 w13 w14"
+    ids = tok.encode(text)
+    right = {"truncate_prompt_tokens": 3, "truncation_side": "right"}
+    cut = http.post("/v1/embeddings", json={"input": text, **right}).json()
+    assert cut["usage"]["prompt_tokens"] == 3
+    _close(cut["data"][0]["embedding"], _unit(_hf_last(model, ids[:3])))
+    left = http.post("/v1/embeddings", json={"input": text, **right, "truncation_side": "left"}).json()
+    _close(left["data"][0]["embedding"], _unit(_hf_last(model, ids[-3:])))
+    scores = http.post("/score", json={"text_1": query, "text_2": docs, **right, "truncate_prompt_tokens": 1})
+    cut = {t: _unit(_hf_last(model, tok.encode(t)[:1])) for t in [query, *docs]}
+    expected = [round(float(cut[query] @ cut[d]), 4) for d in docs]
+    assert [round(d["score"], 4) for d in scores.json()["data"]] == expected
+
+    def hits() -> float:
+        lines = http.get("/metrics").text.splitlines()
+        return sum(
+            float(line.split()[-1]) for line in lines if line.startswith("xlaserve:prefix_cache_hits_total")
+        )
+
+    def embed(salt: str) -> list[float]:
+        body = http.post("/pooling", json={"input": prompt, "task": "embed", "cache_salt": salt}).json()
+        return body["data"][0]["data"]
+
+    prompt = list(range(30, 50))  # two whole blocks of 8 to cache, and a tail
+    salted = embed("a")
+    before = hits()
+    _close(embed("b"), salted)
+    assert hits() == before  # another salt: nothing shared
+    _close(embed("a"), salted)
+    assert hits() == before + 16  # its own salt: both blocks
+
+
 CHAT_FIELD_TYPES = {
     "messages": ["w5", 5, True, {"role": "user", "content": "w5"}],
     "add_generation_prompt": ["yes", 1, [True], {"value": True}],
@@ -261,62 +370,62 @@ def _image_part():
     return {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 
 
-@pytest.mark.parametrize(
-    ("path", "body", "param", "words"),
-    [
-        ("/v1/embeddings", {"input": "w5", "messages": CHAT}, "messages", "not both"),
-        ("/pooling", {"input": [5], "messages": CHAT}, "messages", "not both"),
-        ("/v1/embeddings", {}, "input", "messages"),
-        ("/pooling", {"encoding_format": "float"}, "input", "messages"),
-        ("/v1/embeddings", {"messages": []}, "messages", None),
-        ("/v1/embeddings", {"messages": [{"role": "robot", "content": "w5"}]}, "messages[0].role", None),
-        ("/pooling", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
-        ("/v1/embeddings", {"messages": [{"role": "user"}]}, "messages", "empty"),
-        ("/v1/embeddings", {"messages": [{"role": "user", "text": "w5"}]}, "messages[0].text", None),
-        ("/v1/embeddings", {"messages": [{"role": "user", "content": "w5 " * 128}]}, "messages", "128"),
-        (
-            "/v1/embeddings",
-            {"messages": [{"role": "user", "content": [_image_part()]}]},
-            "messages[0].content[0].image_url",
-            "text messages only",
-        ),
-        (
-            "/v1/embeddings",
-            {"messages": CHAT, "continue_final_message": True},
-            "continue_final_message",
-            None,
-        ),
-        (
-            "/pooling",
-            {"messages": CHAT, "add_generation_prompt": True, "continue_final_message": True},
-            "continue_final_message",
-            None,
-        ),
-        (
-            "/v1/embeddings",
-            {"input": "w5", "add_generation_prompt": False},
-            "add_generation_prompt",
-            "messages",
-        ),
-        ("/pooling", {"input": "w5", "chat_template_kwargs": {}}, "chat_template_kwargs", "messages"),
-        ("/v1/embeddings", {"input": "w5", "chat_template": "{{ 1 }}"}, "chat_template", "messages"),
-        ("/v1/embeddings", {"messages": CHAT, "dimensions": 49}, "dimensions", "<= 48"),
-        ("/pooling", {"messages": [5]}, "messages[0]", None),
-        (
-            "/v1/embeddings",
-            {"messages": [{"role": "user", "content": "w5 \ud800"}]},
-            "messages[0].content",
-            "Unicode",
-        ),
-        (
-            "/pooling",
-            {"messages": CHAT, "chat_template_kwargs": {"x": "\ud800"}},
-            "chat_template_kwargs",
-            "Unicode",
-        ),
-        ("/v1/embeddings", {"messages": [{"role": "user", "content": "w5"}] * 1025}, "messages", "1024"),
-    ],
-)
+BAD_MESSAGES = [  # (route, body, the param named, words of the message)
+    ("/v1/embeddings", {"input": "w5", "messages": CHAT}, "messages", "not both"),
+    ("/pooling", {"input": [5], "messages": CHAT}, "messages", "not both"),
+    ("/v1/embeddings", {}, "input", "messages"),
+    ("/pooling", {"encoding_format": "float"}, "input", "messages"),
+    ("/v1/embeddings", {"messages": []}, "messages", None),
+    ("/v1/embeddings", {"messages": [{"role": "robot", "content": "w5"}]}, "messages[0].role", None),
+    ("/pooling", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
+    ("/v1/embeddings", {"messages": [{"role": "user"}]}, "messages", "empty"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "text": "w5"}]}, "messages[0].text", None),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "w5 " * 128}]}, "messages", "128"),
+    (
+        "/v1/embeddings",
+        {"messages": [{"role": "user", "content": [_image_part()]}]},
+        "messages[0].content[0].image_url",
+        "text messages only",
+    ),
+    (
+        "/v1/embeddings",
+        {"messages": CHAT, "continue_final_message": True},
+        "continue_final_message",
+        None,
+    ),
+    (
+        "/pooling",
+        {"messages": CHAT, "add_generation_prompt": True, "continue_final_message": True},
+        "continue_final_message",
+        None,
+    ),
+    (
+        "/v1/embeddings",
+        {"input": "w5", "add_generation_prompt": False},
+        "add_generation_prompt",
+        "messages",
+    ),
+    ("/pooling", {"input": "w5", "chat_template_kwargs": {}}, "chat_template_kwargs", "messages"),
+    ("/v1/embeddings", {"input": "w5", "chat_template": "{{ 1 }}"}, "chat_template", "messages"),
+    ("/v1/embeddings", {"messages": CHAT, "dimensions": 49}, "dimensions", "one of [4, 8]"),
+    ("/pooling", {"messages": [5]}, "messages[0]", None),
+    (
+        "/v1/embeddings",
+        {"messages": [{"role": "user", "content": "w5 \ud800"}]},
+        "messages[0].content",
+        "Unicode",
+    ),
+    (
+        "/pooling",
+        {"messages": CHAT, "chat_template_kwargs": {"x": "\ud800"}},
+        "chat_template_kwargs",
+        "Unicode",
+    ),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "w5"}] * 1025}, "messages", "1024"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "words"), BAD_MESSAGES)
 def test_bad_messages_are_400_naming_the_field(http, path, body, param, words):
     # json.dumps escapes a lone surrogate (httpx's json= cannot encode one)
     body = json.dumps({"model": NAME, **body})
@@ -327,73 +436,95 @@ def test_bad_messages_are_400_naming_the_field(http, path, body, param, words):
     assert words is None or words in error["message"], error
 
 
-@pytest.mark.parametrize(
-    ("path", "body", "param", "words"),
-    [
-        ("/v1/embeddings", {"input": ""}, "input", "empty"),
-        ("/v1/embeddings", {"input": []}, "input", None),
-        ("/v1/embeddings", {"input": ["w5", ""]}, "input[1]", "empty"),
-        ("/v1/embeddings", {"input": [5] * 128}, "input", "max_model_len=128"),
-        ("/v1/embeddings", {"input": [[5, 6], [7, 101]]}, "input[1]", "[0, 101)"),
-        ("/v1/embeddings", {"input": "w5", "dimensions": 49}, "dimensions", "<= 48"),
-        ("/v1/embeddings", {"input": "w5", "dimensions": 0}, "dimensions", None),
-        ("/v1/embeddings", {"input": "w5", "encoding_format": "int8"}, "encoding_format", None),
-        ("/v1/embeddings", {"input": "w5", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "or -1"),
-        ("/pooling", {"input": "w5", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", None),
-        ("/classify", {"input": "w5"}, "model", "embed model"),
-        ("/pooling", {"input": "w5", "task": "bogus"}, "task", None),
-        ("/pooling", {"input": "w5", "task": "score"}, "task", None),
-        ("/pooling", {"input": "w5", "task": "token_embed", "dimensions": 0}, "dimensions", None),
-        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "items"),
-        (
-            "/score",
-            {"text_1": "w5", "text_2": "w6", "truncate_prompt_tokens": 0},
-            "truncate_prompt_tokens",
-            None,
-        ),
-        (
-            "/v1/score",
-            {"text_1": "w5", "text_2": "w6", "truncate_prompt_tokens": "2"},
-            "truncate_prompt_tokens",
-            None,
-        ),
-        (
-            "/rerank",
-            {"query": "w5", "documents": ["w6"], "truncate_prompt_tokens": -2},
-            "truncate_prompt_tokens",
-            None,
-        ),
-        (
-            "/v2/rerank",
-            {"query": "w5", "documents": ["w6"], "truncate_prompt_tokens": True},
-            "truncate_prompt_tokens",
-            None,
-        ),
-        (
-            "/rerank",
-            {"query": "w5", "documents": ["w6 " * 130], "truncate_prompt_tokens": 129},
-            "truncate_prompt_tokens",
-            None,
-        ),
-        ("/v1/embeddings", {"input": "w5", "use_activation": "yes"}, "use_activation", None),
-        ("/pooling", {"input": "w5", "use_activation": 1}, "use_activation", None),
-        (
-            "/v1/rerank",
-            {"query": "w5", "documents": ["w6"], "use_activation": [True]},
-            "use_activation",
-            None,
-        ),
-        ("/tokenize", {"prompt": "w5", "return_token_strs": "yes"}, "return_token_strs", None),
-        ("/tokenize", {"messages": CHAT, "return_token_strs": 1}, "return_token_strs", None),
-        ("/v1/completions", {"prompt": "w5", "max_tokens": 1}, "model", "runner='pooling'"),
-        (
-            "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "w5"}]},
-            "model",
-            "runner='pooling'",
-        ),
-    ],
-)
+BAD_INPUT = [  # (route, body, the param named, words of the message)
+    ("/v1/embeddings", {"input": ""}, "input", "empty"),
+    ("/v1/embeddings", {"input": []}, "input", None),
+    ("/v1/embeddings", {"input": ["w5", ""]}, "input[1]", "empty"),
+    ("/v1/embeddings", {"input": [5] * 128}, "input", "max_model_len=128"),
+    ("/v1/embeddings", {"input": [[5, 6], [7, 101]]}, "input[1]", "[0, 101)"),
+    ("/v1/embeddings", {"input": "w5", "dimensions": 6}, "dimensions", "one of [4, 8]"),
+    ("/v1/embeddings", {"input": "w5", "dimensions": 0}, "dimensions", None),
+    ("/v1/embeddings", {"input": "w5", "encoding_format": "int8"}, "encoding_format", None),
+    ("/v1/embeddings", {"input": "w5", "encoding_format": "bytes_only"}, "encoding_format", None),
+    ("/v1/embeddings", {"input": "w5", "embed_dtype": "int8"}, "embed_dtype", None),
+    ("/pooling", {"input": "w5", "embed_dtype": 32}, "embed_dtype", None),
+    ("/v1/embeddings", {"input": "w5", "endianness": "middle"}, "endianness", None),
+    ("/pooling", {"input": "w5", "endianness": ["big"]}, "endianness", None),
+    ("/v1/embeddings", {"input": "w5", "truncation_side": "middle"}, "truncation_side", None),
+    ("/classify", {"input": "w5", "truncation_side": True}, "truncation_side", None),
+    ("/v1/embeddings", {"input": "w5", "cache_salt": ""}, "cache_salt", None),
+    ("/pooling", {"input": "w5", "cache_salt": "s" * 1025}, "cache_salt", None),
+    ("/v1/rerank", {"query": "w5", "documents": ["w6"], "cache_salt": 5}, "cache_salt", None),
+    ("/score", {"text_1": "w5", "text_2": "w6", "cache_salt": ["s"]}, "cache_salt", None),
+    ("/v1/embeddings", {"input": "w5", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "or -1"),
+    ("/pooling", {"input": "w5", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", None),
+    ("/classify", {"input": "w5"}, "model", "embed model"),
+    ("/pooling", {"input": "w5", "task": "bogus"}, "task", None),
+    ("/pooling", {"input": "w5", "task": "score"}, "task", None),
+    ("/pooling", {"input": "w5", "task": "token_embed", "dimensions": 0}, "dimensions", None),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "items"),
+    ("/score", {"queries": ["a", "b"], "items": ["c", "d", "e"]}, "queries", "items"),
+    ("/score", {"data_1": "w5", "data_2": []}, "data_2", None),
+    ("/score", {"documents": 5, "queries": "w5"}, "documents", None),
+    ("/score", {}, "text_1", "queries"),
+    ("/score", {"text_1": "w5"}, "text_2", "required with text_1"),
+    ("/v1/score", {"queries": "w5"}, "documents", "required with queries"),
+    ("/v1/score", {"text_1": "w5", "documents": "w6"}, "text_1", "does not pair with documents"),
+    ("/score", {"queries": "w5", "documents": "w6", "items": "w7"}, "items", "does not pair"),
+    ("/rerank", {"query": "w5", "documents": []}, "documents", None),
+    ("/rerank", {"query": "w5", "documents": ["w6", ""]}, "documents[1]", "empty"),
+    ("/v1/score", {"queries": ["w5", "w6"], "documents": ["w7", ""]}, "documents[1]", "empty"),
+    (
+        "/score",
+        {"text_1": "w5", "text_2": "w6", "truncate_prompt_tokens": 0},
+        "truncate_prompt_tokens",
+        None,
+    ),
+    (
+        "/v1/score",
+        {"text_1": "w5", "text_2": "w6", "truncate_prompt_tokens": "2"},
+        "truncate_prompt_tokens",
+        None,
+    ),
+    (
+        "/rerank",
+        {"query": "w5", "documents": ["w6"], "truncate_prompt_tokens": -2},
+        "truncate_prompt_tokens",
+        None,
+    ),
+    (
+        "/v2/rerank",
+        {"query": "w5", "documents": ["w6"], "truncate_prompt_tokens": True},
+        "truncate_prompt_tokens",
+        None,
+    ),
+    (
+        "/rerank",
+        {"query": "w5", "documents": ["w6 " * 130], "truncate_prompt_tokens": 129},
+        "truncate_prompt_tokens",
+        None,
+    ),
+    ("/v1/embeddings", {"input": "w5", "use_activation": "yes"}, "use_activation", None),
+    ("/pooling", {"input": "w5", "use_activation": 1}, "use_activation", None),
+    (
+        "/v1/rerank",
+        {"query": "w5", "documents": ["w6"], "use_activation": [True]},
+        "use_activation",
+        None,
+    ),
+    ("/tokenize", {"prompt": "w5", "return_token_strs": "yes"}, "return_token_strs", None),
+    ("/tokenize", {"messages": CHAT, "return_token_strs": 1}, "return_token_strs", None),
+    ("/v1/completions", {"prompt": "w5", "max_tokens": 1}, "model", "runner='pooling'"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "w5"}]},
+        "model",
+        "runner='pooling'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "words"), BAD_INPUT)
 def test_bad_input_is_400_naming_the_field(http, path, body, param, words):
     response = http.post(path, json={"model": NAME, **body})
     assert response.status_code == 400, response.text

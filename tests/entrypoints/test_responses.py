@@ -74,6 +74,7 @@ def test_greedy_text_and_usage_equal_the_chat_route(server, client):
     chat = _chat(server, messages, GREEDY["max_output_tokens"])
     choice = chat["choices"][0]
     assert response.id.startswith("resp_") and response.object == "response" and response.model == MODEL_NAME
+    assert response.service_tier == "auto"
     assert [item.type for item in response.output] == ["message"]
     assert response.output_text == choice["message"]["content"] and response.output_text
     assert response.usage.input_tokens == chat["usage"]["prompt_tokens"] == len(_prompt_ids(server, messages))
@@ -151,9 +152,21 @@ def test_output_logprobs_skip_reasoning_calls_and_tokens_held_back():
     assert message.content[0].logprobs == entry[2:5] and message.content[0].text == "Hi there"
 
 
+def test_truncation_auto_keeps_the_prompts_last_tokens(client):
+    """vLLM's truncation "auto" (truncate_prompt_tokens -1): a prompt past the context keeps its last
+    tokens, room left for max_output_tokens; "disabled" (the default) refuses it."""
+    fields = {"input": "Paris is lovely. " * 200, "max_output_tokens": 2, "store": False}
+    cut = _create(client, **fields, truncation="auto")
+    assert cut.truncation == "auto" and cut.usage.input_tokens == 512 - 2 and cut.usage.output_tokens == 2
+    with pytest.raises(openai.BadRequestError) as refused:
+        _create(client, **fields)
+    assert refused.value.body["param"] in ("input", "max_output_tokens")
+
+
 def test_max_output_tokens_makes_it_incomplete(client):
-    response = _create(client, input=QUESTION, max_output_tokens=2, store=False)
+    response = _create(client, input=QUESTION, max_output_tokens=2, store=False, service_tier="flex")
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.service_tier == "flex"  # vLLM's five tiers, echoed (one tier here)
     assert response.usage.output_tokens == 2
     (message,) = response.output
     assert message.status == "incomplete" and message.content[0].type == "output_text"
@@ -282,17 +295,26 @@ def test_named_function_streams_argument_events(server):
 
 def test_forced_call_cut_by_max_output_tokens_is_calls_only_streamed_or_not(server, client):
     """A named tool_choice cut by max_output_tokens (the chat path's forced parser): a function_call item
-    only, its arguments as far as they went, the same in the stream's final response."""
+    only, its arguments as far as they went, the same in the stream's final response. Stored, it is
+    continued like any response, but its cut call is not in the history: answering it is a 400 that says
+    so (vLLM answers a call id it never checks)."""
     choice = {"type": "function", "name": "get_weather"}
-    fields = {"input": ASK, "tools": TOOLS, "tool_choice": choice, "store": False}
+    fields = {"input": ASK, "tools": TOOLS, "tool_choice": choice}
     whole = _create(client, **fields, max_output_tokens=8)
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     calls = [(item.type, item.name, item.arguments) for item in whole.output]
     assert len(calls) == 1 and calls[0][:2] == ("function_call", "get_weather"), whole.output
-    body = {"model": MODEL_NAME, **fields, "temperature": 0, "max_output_tokens": 8}
+    body = {"model": MODEL_NAME, **fields, "temperature": 0, "max_output_tokens": 8, "store": False}
     final = _events(server, body)[-1]
     assert final["type"] == "response.incomplete"
     assert [(i["type"], i["name"], i["arguments"]) for i in final["response"]["output"]] == calls
+    answer = [{"type": "function_call_output", "call_id": whole.output[0].call_id, "output": "sunny"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        _create(client, previous_response_id=whole.id, input=answer, tools=TOOLS, store=False)
+    assert refused.value.body["param"] == "input[0].call_id"
+    assert "cut by max_output_tokens" in refused.value.body["message"]
+    again = _create(client, previous_response_id=whole.id, input="Go on.", max_output_tokens=1, store=False)
+    assert again.previous_response_id == whole.id and again.usage.output_tokens == 1
 
 
 def test_json_schema_format_validates(client):
@@ -498,7 +520,7 @@ ERROR_CASES = [  # (body over {"input": QUESTION}, status, param, words the mess
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "foo"}}], "tool_choice": "required"},
      400, "tools[0].parameters", "tools[0].parameters"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type", "function"),
-    ({"truncation": "auto"}, 400, "truncation", "disabled"),
+    ({"truncation": "middle"}, 400, "truncation", "disabled"),
     ({"background": True}, 400, "store", "store: true"),
     ({"top_logprobs": 21}, 400, "top_logprobs", "20"),
     ({"include": ["file_search_call.result"]}, 400, "include[0]", "message.output_text.logprobs"),

@@ -40,6 +40,7 @@ LINES = {
     "responses-stream": {"url": "/v1/responses", "body": {**RESPONSE, "stream": True}},
     "responses-background": {"url": "/v1/responses", "body": {**RESPONSE, "background": True, "store": True}},
     "responses-bad": {"url": "/v1/responses", "body": {**RESPONSE, "max_output_tokens": -1}},
+    "embed-bytes": {"url": "/v1/embeddings", "body": {"input": "Hi", "encoding_format": "bytes"}},
 }
 NUM_RUN = 4  # the lines that reach the engine
 BATCH_ROLE = "narrator"  # the run's --response-role (the session server answers as the assistant)
@@ -228,6 +229,7 @@ def test_generated_lines(results):
         ("responses-stream", "stream", "unsupported_value"),
         ("responses-background", "background", "unsupported_value"),
         ("responses-bad", "max_output_tokens", None),
+        ("embed-bytes", "encoding_format", "unsupported_value"),
     ],
 )
 def test_hostile_lines_get_their_own_errors(results, custom_id, param, code):

@@ -340,6 +340,17 @@ def test_media_uuids_are_accepted_and_not_trusted(vlm):
     )
 
 
+def test_a_model_whose_processor_takes_no_request_settings_refuses_them(vlm):
+    """LLaVA's processor has no per-request settings (the Qwen VL families': test_server_videos.py)."""
+    _, client, _ = vlm
+    body = {**_chat(_image(data_url(random_image(21)))), "mm_processor_kwargs": {"max_pixels": 1024}}
+    response, port = send(client, "/v1/chat/completions", body)
+    error = check_error(response, 400)
+    assert error["param"] == "mm_processor_kwargs.max_pixels", error
+    assert "takes no per-request settings" in error["message"]
+    check_still_serving(client, port)
+
+
 def test_an_animated_gif_is_read_as_its_first_frame(vlm):
     """A GIF of many frames is one image, its first frame (vLLM's Pillow load does the same); the frames
     after it are never decoded."""

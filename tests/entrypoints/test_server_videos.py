@@ -20,9 +20,11 @@ from helpers.tiny_models import TINY_PROCESS_ENV, elemental_emitters
 from helpers.tiny_vlm import (
     ENGINE_ARGS,
     colour_frames,
+    data_url,
     empty_video,
     encode_video,
     hf_greedy,
+    random_image,
     save_tiny_qwen2_5_vl,
     save_tiny_qwen3_vl,
     video_data_url,
@@ -317,3 +319,155 @@ def test_bad_media_io_kwargs_are_refused_at_start(value, message):
 
     with pytest.raises(ValueError, match=message):
         ModelConfig(media_io_kwargs=value)
+
+
+# -- a request's mm_processor_kwargs, media named by uuid ----------------------------------------------
+
+# A 40 x 48 image: 30 tokens at the server's bounds, 4 x 3 (24 x 32 pixels) under these.
+SMALL = {"max_pixels": 32 * 32}
+
+
+def _image_part(url: str | None, **extra) -> dict:
+    return {"type": "image_url", "image_url": None if url is None else {"url": url}, **extra}
+
+
+def _answer(client, part, **fields) -> tuple[int, list[int], list[float]]:
+    """(prompt tokens, greedy tokens, their logprobs) of a chat with `part`."""
+    body = {**_chat(part), "logprobs": True, "return_token_ids": True, **fields}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    choice = answer["choices"][0]
+    logprobs = [t["logprob"] for t in choice["logprobs"]["content"]]
+    return answer["usage"]["prompt_tokens"], choice["token_ids"], logprobs
+
+
+def test_a_requests_mm_processor_kwargs_resize_its_image_as_hugging_face(vlm, llm, model_dir):
+    """vLLM's per-request mm_processor_kwargs: max_pixels 1024 makes a 40 x 48 image 12 tokens, not 30,
+    for that request alone (the same image before and after answers as it did: the feature's hash is of
+    the pixels made, so the caches keep the two encodings apart); the served answer is LLM.chat's with
+    the same kwargs, and Hugging Face's Qwen2VLImageProcessorPil at those bounds with its model gives the
+    same tokens and prompt logprobs within 2e-4."""
+    import torch
+    import transformers
+
+    _, client = vlm
+    image = random_image(7)
+    part = _image_part(data_url(image))
+    plain = _answer(client, part)
+    small = _answer(client, part, mm_processor_kwargs=SMALL)
+    assert plain[0] - small[0] == 30 - 12 and small[2] != plain[2]
+    assert _answer(client, part) == plain
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, prompt_logprobs=0)
+    out = llm.chat(_messages(part), params, use_tqdm=False, mm_processor_kwargs=SMALL)[0]
+    ids = list(out.outputs[0].token_ids)
+    assert ids == small[1] and len(out.prompt_token_ids) == small[0]
+    llm.input_processor.mm_processor.processor_for(
+        {"max_pixels": 4096}
+    )  # the server's bounds are as they were
+    np.testing.assert_allclose(
+        [e[t].logprob for e, t in zip(out.outputs[0].logprobs, ids)], small[2], atol=1e-5
+    )
+
+    hf_processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=32 * 32
+    )
+    pixels = hf_processor(images=[image], return_tensors="pt")
+    assert pixels["image_grid_thw"].tolist() == [[1, 8, 6]]  # patches: 4 x 3 tokens of 2 x 2
+    prompt = torch.tensor([out.prompt_token_ids])
+    is_image = (prompt == llm.input_processor.mm_processor.image_token_id).long()
+    assert int(is_image.sum()) == 12
+    inputs = {
+        **pixels,
+        "input_ids": prompt,
+        "attention_mask": torch.ones_like(prompt),
+        "mm_token_type_ids": is_image,
+    }
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    hf_tokens, hf_ids, hf_logprobs = hf_greedy(hf.eval(), inputs, max_tokens=4)
+    assert hf_tokens == ids
+    ours = [entry[tid].logprob for entry, tid in zip(out.prompt_logprobs[1:], hf_ids[1:])]
+    np.testing.assert_allclose(ours, hf_logprobs, atol=2e-4)
+
+
+def test_offline_prompts_take_mm_processor_kwargs_and_multi_modal_uuids(llm):
+    """A prompt's `fps` setting times frames that state no rate as their own rate does; multi_modal_uuids
+    name a video, and a None video with its uuid is the one last sent under it; bad ones are refused."""
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{QUESTION}{VIDEO}\n"}], add_generation_prompt=True, tokenize=False
+    )
+    frames = colour_frames(4)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def run(data: dict, **fields) -> list[float]:
+        out = llm.generate({"prompt": text, "multi_modal_data": data, **fields}, params, use_tqdm=False)[0]
+        return [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+
+    timed = run({"video": (frames, {"fps": 4.0})})
+    assert run({"video": frames}, mm_processor_kwargs={"fps": 4.0}) == timed
+    assert run({"video": frames}) != timed  # the directory's 2 fps
+    assert run({"video": [(frames, {"fps": 4.0})]}, multi_modal_uuids={"video": "clip"}) == timed
+    assert run({"video": [None]}, multi_modal_uuids={"video": ["clip"]}) == timed
+    for fields, error, message in [
+        (
+            {"multi_modal_uuids": {"video": ["a", "b"]}},
+            ValueError,
+            r"multi_modal_uuids.video must hold one uuid",
+        ),
+        ({"multi_modal_uuids": {"image": "a"}}, ValueError, "for modalities of multi_modal_data"),
+        (
+            {"mm_processor_kwargs": {"max_pixels": 5000}},
+            MediaError,
+            "mm_processor_kwargs.max_pixels: at most 4096",
+        ),
+    ]:
+        with pytest.raises(error, match=message):
+            run({"video": frames}, **fields)
+    with pytest.raises(MediaError, match="no video was sent under uuid 'other'"):
+        run({"video": [None]}, multi_modal_uuids={"video": ["other"]})
+
+
+def test_a_uuid_alone_names_the_image_last_sent_under_it(vlm):
+    """vLLM's reference: a part with `image_url` null and a `uuid` is the image last sent under that uuid
+    (processed with this request's settings); a uuid sent again with another image names that one, and
+    never answers a request that sends its image with the other's encoding."""
+    _, client = vlm
+    first, second = (data_url(random_image(seed)) for seed in (11, 12))
+    reference = _image_part(None, uuid="pet")
+    answer = _answer(client, _image_part(first, uuid="pet"))
+    assert _answer(client, reference) == answer
+    assert _answer(client, reference, mm_processor_kwargs=SMALL)[0] == answer[0] - 18
+    again = _answer(client, _image_part(second, uuid="pet"))
+    assert again != answer and again == _answer(client, _image_part(second))
+    assert _answer(client, reference) == again
+    for part, message in [
+        (_image_part(None, uuid="never-sent"), "no image was sent under uuid 'never-sent'"),
+        (_image_part(None), "needs the uuid of one sent before"),
+    ]:
+        response, port = send(client, "/v1/chat/completions", _chat(part))
+        error = check_error(response, 400)
+        assert error["param"] == "messages[0].content[1].image_url" and message in error["message"], error
+        check_still_serving(client, port)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "message"),
+    [
+        ({"max_pixels": 4097}, "max_pixels", "at most 4096, the server's max_pixels"),
+        ({"max_pixels": "big"}, "max_pixels", "must be a positive integer"),
+        ({"min_pixels": 4096, "max_pixels": 1024}, "min_pixels", "4096 is more than max_pixels (1024)"),
+        ({"fps": -2}, "fps", "must be a number of frames a second > 0"),
+        ({"do_resize": False}, "do_resize", "not a per-request setting of this model's processor"),
+    ],
+)
+def test_hostile_mm_processor_kwargs_are_a_400_naming_the_key(vlm, kwargs, param, message):
+    _, client = vlm
+    for body in (
+        _chat(_image_part(data_url(random_image(7)))),
+        {**_chat(), "messages": [{"role": "user", "content": "Hi"}]},
+    ):
+        response, port = send(client, "/v1/chat/completions", {**body, "mm_processor_kwargs": kwargs})
+        error = check_error(response, 400)
+        assert error["param"] == f"mm_processor_kwargs.{param}" and message in error["message"], error
+        check_still_serving(client, port)

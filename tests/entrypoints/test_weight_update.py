@@ -294,6 +294,8 @@ def test_an_update_from_a_trainers_pytorch_state_dict(llm, dirs, expected, tmp_p
 def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(llm, expected, level):
     runner = llm.engine_core.runner
     kv_bytes = sum(x.nbytes for x in __import__("jax").tree.leaves(runner.kv_cache))
+    with pytest.raises(ValueError, match="mode must be one of abort, wait, keep, got 'pause'"):
+        llm.sleep(level, mode="pause")
     assert sleep_state(llm) == "awake"
     asleep = llm.sleep(level)
     assert sleep_state(llm) == ("weights_offloaded", "discard_all")[level - 1]  # vLLM's gauge

@@ -90,15 +90,19 @@ def test_switched_off_they_are_xlas_own_reductions():
     )
 
 
-def _long_prompt_step(ctx: int, chunks: list[int]):
-    """Attention inputs for one sequence's `ctx`-token context (a bfloat16 cache, as the engine stores
-    it: uint16 words), and the steps that compute its queries in `chunks` (sizes summing to ctx)."""
+def _long_prompt_step(ctx: int, chunks: list[int], cache: str = "bfloat16"):
+    """Attention inputs for one sequence's `ctx`-token context (a bfloat16 or float8 cache, as the engine
+    stores it: uint16 or uint8 words), and the steps that compute its queries in `chunks` (sizes summing
+    to ctx)."""
     from xlaserve.kernels.dtype_ops import as_words
+    from xlaserve.kernels.reference import FP8_E4M3, to_fp8
     from xlaserve.kernels.synthetic import StepShape, synthetic_step
 
     q, k, v, _, tables, _, _ = synthetic_step(
         StepShape(seqs=((ctx, ctx),), num_q_heads=9, num_kv_heads=3, head_dim=64), seed=3
     )
+    if cache == "float8":
+        k, v = to_fp8(k, FP8_E4M3), to_fp8(v, FP8_E4M3)
     q, steps, start = np.asarray(q), [], 0  # sliced on the host: a device slice compiles per shape
     for n in chunks:
         loc = np.asarray([0, n], np.int32)
@@ -107,14 +111,16 @@ def _long_prompt_step(ctx: int, chunks: list[int]):
     return (as_words(k), as_words(v), tables), steps
 
 
-def test_a_long_prompt_attends_to_the_same_bits_however_it_is_chunked():
+@pytest.mark.parametrize("cache", ["bfloat16", "float8"])
+def test_a_long_prompt_attends_to_the_same_bits_however_it_is_chunked(cache):
     """With the C++ op (a bfloat16 cache on CPU), a 300-token prompt's queries give the same bits in one
     step (past the short-context limit: the tiled path when invariance is off) as in three chunks (two
-    short steps and a long one), and as decoded one by one. Off, the tiles round differently."""
+    short steps and a long one), and as decoded one by one. Off, the tiles round differently. A float8
+    cache (`--kv-cache-dtype fp8`), which the op does not read, holds it through the jnp paths."""
     from xlaserve.kernels import cpu_ops, reference
     from xlaserve.kernels.invariant import batch_invariance
 
-    if not cpu_ops.available():
+    if cache == "bfloat16" and not cpu_ops.available():
         pytest.skip("the C++ attention op did not build here")
     ctx = 300
     attend = jax.jit(
@@ -124,7 +130,7 @@ def test_a_long_prompt_attends_to_the_same_bits_however_it_is_chunked():
     )
 
     def run(chunks):
-        (k, v, tables), steps = _long_prompt_step(ctx, chunks)
+        (k, v, tables), steps = _long_prompt_step(ctx, chunks, cache)
         return np.concatenate([np.asarray(attend(q, k, v, lens, tables, loc)) for q, lens, loc in steps])
 
     whole = run([ctx])

@@ -9,19 +9,27 @@ import numpy as np
 import pytest
 
 from helpers.attention_cases import BATCHES, CONFIGS, attend_ahead_case, case_seed, run_case, tolerance
+from xlaserve.kernels.invariant import batch_invariance
 from xlaserve.kernels.reference import ragged_paged_attention
+
+
+def _tiled(**split):
+    """The reference with `split`, traced with batch invariance off: on, no query takes the tiles."""
+
+    def attention(*args, **kwargs):
+        with batch_invariance(False):
+            return ragged_paged_attention(*args, **split, **kwargs)
+
+    return attention
+
 
 # With the default split these cases' contexts are short, so no tile runs. These splits send every
 # multi-token sequence (or all but the shortest) through tiles, with a tile size that divides nothing
 # and key chunks of many pages, or every sequence of up to 16 new tokens through the few path; the
 # result must not depend on the split.
 _SPLITS = {
-    "all_tiled": partial(
-        ragged_paged_attention, tile_queries=16, tile_kv_tokens=32, short_context=0, few_queries=1
-    ),
-    "ragged_tiles": partial(
-        ragged_paged_attention, tile_queries=7, tile_kv_tokens=48, short_context=20, few_queries=1
-    ),
+    "all_tiled": _tiled(tile_queries=16, tile_kv_tokens=32, short_context=0, few_queries=1),
+    "ragged_tiles": _tiled(tile_queries=7, tile_kv_tokens=48, short_context=20, few_queries=1),
     "few": partial(ragged_paged_attention, short_context=0, few_queries=16),
 }
 
@@ -69,8 +77,6 @@ def test_each_path_runs_under_its_own_cond(few_queries):
         jnp.arange(num_seqs + 1, dtype=jnp.int32),
         jnp.int32(num_seqs),
     )
-    from xlaserve.kernels import cpu_ops
-    from xlaserve.kernels.invariant import batch_invariance
 
     def num_conds() -> int:
         step = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=0.5, few_queries=few_queries))
@@ -79,9 +85,8 @@ def test_each_path_runs_under_its_own_cond(few_queries):
 
     with batch_invariance(False):
         assert num_conds() == (4 if few_queries > 1 else 3)
-    # Batch-invariant with the C++ op, long chunks go through it too: no long path to branch to.
-    has_long_path = not cpu_ops.usable(args[1], jnp.bfloat16)
-    assert num_conds() == (3 if few_queries > 1 else 2) + has_long_path
+    # Batch-invariant, long chunks take the short path (or the C++ op): no long path to branch to.
+    assert num_conds() == (3 if few_queries > 1 else 2)
 
 
 @pytest.mark.parametrize("split", list(_SPLITS))

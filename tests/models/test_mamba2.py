@@ -122,18 +122,25 @@ def test_preempted_request_recomputes_the_same_tokens(llm, hf_model):
 def test_bfloat16_states_cross_steps_whole_however_the_prompt_is_cut(hf_model, tmp_path):
     """At the dtype users run: the conv inputs cross steps as the cache's raw words (kernels/ssd.py; a
     numeric cast to those integers once zeroed them) and the SSM state in float32, so a prompt prefilled
-    in chunks of 4 and of 16 gives the same bits, near Hugging Face's float32 prompt logprobs."""
+    in chunks of 4 and of 16 gives the same bits, near Hugging Face's float32 prompt logprobs; and among
+    companions (their states in other slots, other request buckets) the same bits again."""
     path = save_hf_model(hf_model, tmp_path)
-    prompt = prompts(VOCAB, seed=2)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    prompt, *companions = prompts(VOCAB, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=0)
+
+    def numbers(out):
+        logprobs = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+        decoded = [[(t, lp.logprob) for t, lp in e.items()] for e in out.outputs[0].logprobs]
+        return list(out.outputs[0].token_ids), logprobs, decoded
+
     runs = []
     for threshold in (4, 16):
         llm = LLM(path, **{**ENGINE_ARGS, "dtype": "bfloat16", "long_prefill_token_threshold": threshold})
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-        logprobs = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt[1:])]
-        runs.append((list(out.outputs[0].token_ids), logprobs))
-        del llm
-    assert runs[0] == runs[1]
+        runs.append(numbers(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]))
+    crowd = [{"prompt_token_ids": p} for p in (companions[0], prompt, *companions[1:])]
+    runs.append(numbers(llm.generate(crowd, params, use_tqdm=False)[1]))
+    del llm
+    assert runs[0] == runs[1] == runs[2]
     with torch.no_grad():
         logits = hf_model(torch.tensor([prompt])).logits[0, :-1].float()
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]

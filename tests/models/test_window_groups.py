@@ -122,6 +122,19 @@ def test_tokens_and_logprobs_are_the_one_tables_bits(engines):
             ]
 
 
+def test_each_request_alone_is_the_same_bits_as_in_the_batch(engines):
+    """Batch invariance through the sliding groups (bfloat16): each prompt alone, in steps of its own, gives
+    the tokens and logprobs it gets among the other three (chunks cut elsewhere, other request buckets),
+    though its window's blocks go back to the pool at other steps."""
+    grouped, _ = engines
+    batch = [{"prompt_token_ids": p} for p in prompts(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True)
+    together = [(tokens, logprobs) for tokens, logprobs, _ in _outputs(grouped, batch, params)]
+    alone = [_outputs(grouped, [prompt], params)[0][:2] for prompt in batch]
+    as_numbers = [(t, [{i: lp.logprob for i, lp in d.items()} for d in lps]) for t, lps in together + alone]
+    assert as_numbers[: len(batch)] == as_numbers[len(batch) :]
+
+
 def test_a_preempted_request_recomputes_the_same_tokens(engines):
     grouped, one_table = engines
     victim, other = prompts(2)[:2]

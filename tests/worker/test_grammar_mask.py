@@ -84,6 +84,29 @@ def test_padded_vocabulary_never_yields_a_padding_id():
         assert (token_ids < vocab).all() and allowed[np.arange(num_rows), token_ids].all()
 
 
+def test_a_row_no_grammar_constrains_keeps_the_logits_past_the_grammars_vocabulary():
+    """Logits wider than the grammar's vocabulary (Qwen's config has 151936 ids, its tokenizer 151669):
+    an unconstrained row beside a grammar row keeps every logit, so its logprobs are a step's without
+    grammars (batch invariance), while the grammar row (and its drafts' positions) never get them."""
+    vocab, padded_vocab = 70, 128
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.standard_normal((2, padded_vocab)).astype(np.float32))
+    allowed = np.ones((2, vocab), bool)
+    allowed[1, :10] = False  # row 1 is under a grammar
+    grammar_bitmask = pack(allowed)
+    grammar_bitmask[0] = -1  # the manager's unconstrained row: every bit of every word
+    fitted = fit_bitmask(grammar_bitmask, 2, padded_vocab)
+    assert (fitted[0] == -1).all() and (fitted[1, 3:] == 0).all()
+    st = make_tensors(2)
+    plain = _sample(logits, st, with_logprobs=True)
+    masked = _sample(
+        logits, dataclasses.replace(st, allowed_token_bitmask=jnp.asarray(fitted)), with_logprobs=True
+    )
+    np.testing.assert_array_equal(np.asarray(masked.logprobs)[0], np.asarray(plain.logprobs)[0])
+    per_position = fit_bitmask(np.stack([grammar_bitmask] * 3, axis=1), 2, padded_vocab)  # [N, P, W]
+    assert (per_position[0] == -1).all() and (per_position[1, :, 3:] == 0).all()
+
+
 def test_unconstrained_rows_are_untouched_and_logprobs_follow_the_mask():
     """An all-ones row changes nothing (greedy ids and logprobs equal the unmasked sampler's); a
     constrained row's logprobs are those of the masked distribution, so the sampled token ranks 1."""

@@ -466,6 +466,27 @@ def test_max_logprobs_is_the_width(logits):
     check_logprobs(logits, np.asarray(default.token_ids), *lp, max_logprobs=VOCAB)
 
 
+@pytest.mark.parametrize("vocab", [257, 49152])  # a tiny Llama's (helpers/tp_run.py), SmolLM2's
+def test_whole_vocabulary_logprobs_are_a_rows_own_bits(vocab):
+    """logprobs=-1: a row's entries (ids in rank order, values) are the same bits alone and among
+    16, its log-softmax summed in the row's own order (XLA's own rounds a lone row of 257 otherwise), its
+    ties (bfloat16 logits have many) broken by id whatever the batch."""
+    rows = np.random.default_rng(8).standard_normal((NUM_ROWS, vocab)) * 3
+    rows = jnp.asarray(rows, jnp.bfloat16).astype(jnp.float32)
+    run = jax.jit(partial(sample, with_logprobs=True, max_logprobs=vocab))
+    crowd = run(rows, make_tensors(NUM_ROWS, vocab))
+    for row in range(NUM_ROWS):
+        alone = run(rows[row : row + 1], make_tensors(1, vocab))
+        for got, expected in [
+            (alone.logprob_token_ids, crowd.logprob_token_ids),
+            (alone.logprobs, crowd.logprobs),
+        ]:
+            np.testing.assert_array_equal(np.asarray(got)[0], np.asarray(expected)[row], f"row {row}")
+    ids, vals = np.asarray(alone.logprob_token_ids)[0, 1:], np.asarray(alone.logprobs)[0, 1:]
+    tied = vals[1:] == vals[:-1]
+    assert tied.sum() > 10 and (ids[1:][tied] > ids[:-1][tied]).all()
+
+
 @pytest.mark.parametrize("seed", [0, 2**32 - 1])
 def test_seed_extremes(logits, seed):
     """Seeds span uint32 (the engine masks sampling_seed to 32 bits)."""

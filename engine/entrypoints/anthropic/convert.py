@@ -97,6 +97,7 @@ def chat_body(req: CountTokensRequest, mcp_functions: list[dict] = ()) -> dict:
             "top_p": req.top_p,
             "top_k": req.top_k,
             "stream": req.stream,
+            "cache_salt": req.cache_salt,
         }
         body.update({k: v for k, v in sampling.items() if v is not None})
         if req.kv_transfer_params is not None:

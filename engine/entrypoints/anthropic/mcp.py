@@ -214,6 +214,7 @@ class McpMessage:
                     stream=True,
                     prompt=text,
                     mm_features=mm_features,
+                    cache_salt=chat.cache_salt,
                 )
                 reader = ChoiceReader(choice_parser(state, chat, plan, ids))
                 first = len(blocks.made)

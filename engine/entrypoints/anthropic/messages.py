@@ -81,7 +81,8 @@ async def create_message(state: ServerState, req: MessagesRequest, raw_request: 
     params = chat_sampling_params(state, chat, plan, ids, chat.max_tokens)
     reader = ChoiceReader(choice_parser(state, chat, plan, ids))
     request_id = new_id("msg").replace("-", "_")
-    stream = submit(state, ids, params, request_id, stream=req.stream, prompt=text, mm_features=mm_features)
+    kwargs = {"prompt": text, "mm_features": mm_features, "cache_salt": chat.cache_salt}
+    stream = submit(state, ids, params, request_id, stream=req.stream, **kwargs)
     is_prewarm = req.max_tokens == 0
     if req.stream:
         return StreamingResponse(

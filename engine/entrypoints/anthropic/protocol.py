@@ -111,11 +111,15 @@ class URLImageSource(StrictModel):
     url: str = Field(max_length=8192)
 
 
+_SOURCES = {"base64": Base64ImageSource, "url": URLImageSource}
+ImageSource = type_union(_SOURCES, "source")
+
+
 class ImageBlockParam(StrictModel):
     """An image for a vision-language model (engine/engine/media.py: where it may come from)."""
 
     type: Literal["image"]
-    source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+    source: ImageSource
     cache_control: CacheControl | None = None
 
 
@@ -177,10 +181,6 @@ _CHOICES = {"auto": ToolChoiceAuto, "any": ToolChoiceAny, "tool": ToolChoiceTool
 
 
 ToolChoice = type_union(_CHOICES, "choice")
-# The union tags above: not fields, so error locations leave them out.
-ANTHROPIC_TAGS = frozenset(
-    {f"{kind}-block" for kind in _BLOCKS} | {f"{kind}-choice" for kind in _CHOICES}
-) | {"unknown-block", "unknown-choice"}
 
 
 class Metadata(StrictModel):
@@ -202,7 +202,14 @@ class ThinkingDisabled(StrictModel):
     type: Literal["disabled"]
 
 
-Thinking = Annotated[ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled, Field(discriminator="type")]
+_THINKING = {"enabled": ThinkingEnabled, "adaptive": ThinkingAdaptive, "disabled": ThinkingDisabled}
+Thinking = type_union(_THINKING, "thinking")
+# The union tags above: not fields, so error locations leave them out (a plain discriminated union's
+# tag is the type's value, "thinking.enabled.budget_tokens": a field the client never sent).
+_UNIONS = {"block": _BLOCKS, "choice": _CHOICES, "source": _SOURCES, "thinking": _THINKING}
+ANTHROPIC_TAGS = frozenset(
+    {f"{kind}-{suffix}" for suffix, members in _UNIONS.items() for kind in [*members, "unknown"]}
+)
 
 
 class JsonOutputFormat(StrictModel):
@@ -292,6 +299,12 @@ class MessagesRequest(CountTokensRequest):
     kv_transfer_params: KVTransferParams | None = Field(
         default=None,
         description="vLLM's disaggregated prefill (README), as on the chat route; not with mcp_servers",
+    )
+    cache_salt: Text | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="vLLM's, as on the chat route: requests share prefix-cached blocks only with equal salts",
     )
 
 

@@ -46,7 +46,14 @@ from xlaserve.entrypoints.serving.engine_io import (
     truncated,
 )
 from xlaserve.entrypoints.serving.errors import bad_request
-from xlaserve.entrypoints.serving.multimodal import image_parts, load_media, process_images, video_parts
+from xlaserve.entrypoints.serving.multimodal import (
+    check_mm_processor_kwargs,
+    image_parts,
+    load_media,
+    media_uuids,
+    process_images,
+    video_parts,
+)
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 from xlaserve.entrypoints.serving.tools import plan_tools
 
@@ -106,13 +113,17 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     resolve_num_logprobs(state.engine, req, "top_logprobs", "prompt_logprobs")
     plan = plan_tools(req, state.enable_auto_tool_choice)
-    video_fields = video_parts(req.messages)
-    images, videos = await load_media(state, image_parts(req.messages), video_fields)
+    check_mm_processor_kwargs(state, req.mm_processor_kwargs)
+    image_fields, video_fields = image_parts(req.messages), video_parts(req.messages)
+    images, videos = await load_media(state, image_fields, video_fields)
     text = render_chat(state, req)
     mm_features = []
     if images or videos:
         fields = [field for field, _ in video_fields]
-        ids, mm_features = await process_images(state, text, images, videos, fields)
+        named = {"image_fields": [field for field, _ in image_fields], "uuids": media_uuids(req.messages)}
+        ids, mm_features = await process_images(
+            state, text, images, videos, fields, req.mm_processor_kwargs, **named
+        )
     else:
         ids = tokenize_text(state.engine, text, False, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -43,6 +43,16 @@ class PoolingRequestBase(StrictModel):
     truncate_prompt_tokens: TruncatePromptTokens | None = Field(
         default=None, description="keep each prompt's last N tokens (-1: the context's length)"
     )
+    truncation_side: Literal["left", "right"] | None = Field(
+        default=None,
+        description="truncate_prompt_tokens keeps the last N tokens (left, the default), or the first N",
+    )
+    cache_salt: Text | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="isolates prefix-cache sharing: requests only share cached blocks with equal salts",
+    )
     # vLLM's: an embed task's normalization, a classify or score task's sigmoid/softmax (None: on).
     use_activation: bool | None = None
 
@@ -61,18 +71,26 @@ class ChatInputFields(StrictModel):
     add_special_tokens: bool | None = None
 
 
-class EmbeddingRequest(ChatInputFields, PoolingRequestBase):
-    encoding_format: Literal["float", "base64"] = "float"
+class EncodingFields(StrictModel):
+    """How vectors are sent (vLLM's): `float` (JSON numbers), `base64` (their bytes in `embed_dtype` and
+    `endianness`), or `bytes`: the body is every output's bytes one after another, and its `metadata`
+    header the JSON of the response less the vectors, each output's byte range and shape in `data`."""
+
+    encoding_format: Literal["float", "base64", "bytes"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
+
+
+class EmbeddingRequest(EncodingFields, ChatInputFields, PoolingRequestBase):
     dimensions: Dimensions | None = None
     normalize: bool | None = None  # vLLM's extra
 
 
-class PoolingRequest(ChatInputFields, PoolingRequestBase):
+class PoolingRequest(EncodingFields, ChatInputFields, PoolingRequestBase):
     """vLLM's /pooling: `task` (None: the model's own output, `reward` for a reward model, else
     `encode`: the pooled hidden states), and the embed and classify tasks' settings. A token task's
-    output has one row per prompt token (base64: the rows' floats one after another)."""
+    output has one row per prompt token (base64: the rows' values one after another)."""
 
-    encoding_format: Literal["float", "base64"] = "float"
     task: Literal["embed", "classify", "encode", "reward", "token_embed", "token_classify"] | None = None
     dimensions: Dimensions | None = None
     normalize: bool | None = None
@@ -83,21 +101,39 @@ class ClassificationRequest(ChatInputFields, PoolingRequestBase):
     pass
 
 
+ScoreSide = Text | TextList
+
+
 class ScoreRequest(PoolingRequestBase):
-    text_1: Text | TextList
-    text_2: Text | TextList
+    """The two sides of /score under any of vLLM's names: `queries` with `documents` or `items`,
+    `data_1` with `data_2`, or `text_1` with `text_2` (the route checks that one pair is sent)."""
+
+    queries: ScoreSide | None = None
+    documents: ScoreSide | None = None
+    items: ScoreSide | None = None
+    data_1: ScoreSide | None = None
+    data_2: ScoreSide | None = None
+    text_1: ScoreSide | None = None
+    text_2: ScoreSide | None = None
 
 
 class RerankRequest(PoolingRequestBase):
     query: Text
-    documents: TextList
+    documents: ScoreSide  # one document too, as vLLM's
     top_n: Annotated[int, Field(ge=0)] | None = None  # None or 0: every document
     return_documents: bool = True
 
 
-class PoolingUsage(BaseModel):
+class RerankUsage(BaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
+
+
+class PoolingUsage(RerankUsage):
+    """vLLM's UsageInfo, as its pooling routes send it (rerank's has only the two counts)."""
+
+    completion_tokens: int = 0
+    prompt_tokens_details: None = None
 
 
 class PoolingList(BaseModel):
@@ -113,7 +149,7 @@ class PoolingList(BaseModel):
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | str  # base64: the float32 little-endian bytes
+    embedding: list[float] | str  # base64: the bytes in the request's embed_dtype and endianness
 
 
 class EmbeddingResponse(PoolingList):
@@ -123,7 +159,7 @@ class EmbeddingResponse(PoolingList):
 class PoolingData(BaseModel):
     object: Literal["pooling"] = "pooling"
     index: int
-    data: Any  # a vector or, ALL pooling, one row per token; base64: the float32 bytes
+    data: Any  # a vector or, ALL pooling, one row per token; base64: their bytes, as EmbeddingData's
 
 
 class PoolingResponse(PoolingList):
@@ -165,5 +201,5 @@ class RerankResult(BaseModel):
 class RerankResponse(BaseModel):
     id: str
     model: str
-    usage: PoolingUsage
+    usage: RerankUsage
     results: list[RerankResult]

@@ -25,6 +25,7 @@ from xlaserve.entrypoints.openai.responses_stream import EventWriter, OutputStre
 from xlaserve.entrypoints.openai.responses_turn import (
     Saver,
     Totals,
+    cut_calls,
     end_event,
     finished,
     prepare_turn,
@@ -132,9 +133,11 @@ async def create_response(
     if req.background:
         check_background(req, store)
     history: list[dict] = []
+    cut: set[str] = set()
     if req.previous_response_id is not None:
-        history = _continued(store, req.previous_response_id).conversation
-    conversation = history + input_turns(req, history)
+        previous = _continued(store, req.previous_response_id)
+        history, cut = previous.conversation, cut_calls(previous.response)
+    conversation = history + input_turns(req, history, cut)
     fields = media_fields(req, history)
     if req.kv_transfer_params is not None and any(isinstance(tool, McpTool) for tool in req.tools or ()):
         # One prompt's blocks; an MCP response runs several model turns.

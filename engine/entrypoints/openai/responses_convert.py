@@ -55,6 +55,7 @@ _RENAMES = [
     (re.compile(r"\btools\[(\d+)\]\.function\.(\w+)"), r"tools[\1].\2"),
     (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
     (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
+    (re.compile(r"\btruncate_prompt_tokens\b"), "truncation"),
     (re.compile(r"\bmessages\[\d+\](\.\w+)*"), "input"),  # the chat messages do not index the input
 ]
 _SAMPLING = (  # and the chat request's other fields the Responses request shares
@@ -78,10 +79,11 @@ def rename_error(error: APIError) -> APIError:
     return APIError(400, rename(error.message), param=param, code=error.code)
 
 
-def input_turns(req: ResponsesRequest, history: list[dict]) -> list[dict]:
+def input_turns(req: ResponsesRequest, history: list[dict], cut_calls: set[str] = frozenset()) -> list[dict]:
     """The request's `input` as chat messages (dicts of ChatMessage's fields), checked against itself and
     the `history` it continues: a call's arguments are a JSON object's text, call ids are unique, and
-    each output answers an earlier call."""
+    each output answers an earlier call (not one of the `cut_calls`, the previous response's calls cut
+    by max_output_tokens, which the history leaves out: there is no whole call to answer)."""
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
     call_ids = {call["id"] for turn in history for call in turn.get("tool_calls") or []}
@@ -134,6 +136,13 @@ def input_turns(req: ResponsesRequest, history: list[dict]) -> list[dict]:
             # Its content is the call's output once the server has made it (responses.py), or the refusal.
             turns.append({"role": "tool", "tool_call_id": rid, "content": "", APPROVAL: (item, where)})
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id in cut_calls and item.call_id not in call_ids:
+                raise bad_request(
+                    f"the function_call {item.call_id[:64]!r} was cut by max_output_tokens before its "
+                    "arguments were whole, so it cannot be answered: send a message, or the call again "
+                    "as a function_call item with whole arguments, before its output",
+                    f"{where}.call_id",
+                )
             if item.call_id not in call_ids:
                 raise bad_request(
                     f"no function_call with call_id {item.call_id[:64]!r} comes before this output",
@@ -181,6 +190,10 @@ def _message_content(item: MessageItem, where: str) -> str | list[dict]:
         if item.role != "user":
             raise bad_request(f"{part.type} parts belong in a user message, not the {item.role}'s", field)
         if isinstance(part, VideoURLContentPart):
+            if part.video_url is None:  # a chat part's reference by uuid alone: not this API's
+                raise bad_request(
+                    "no video_url; send the video as video_url (a data: URL)", f"{field}.video_url"
+                )
             parts.append({"type": "video_url", "video_url": {"url": part.video_url.url}})
             continue
         if part.image_url is None:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from xlaserve.entrypoints.openai.responses_input import ItemStatus
-from xlaserve.entrypoints.serving.protocol import OmitsNones
+from xlaserve.entrypoints.serving.protocol import OmitsNones, ServiceTier
 
 
 class OutputTextPart(BaseModel):
@@ -144,7 +144,8 @@ class Response(OmitsNones):
     tool_choice: Any = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     top_p: float = 1.0
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
+    service_tier: ServiceTier = "auto"  # the request's, echoed as vLLM does
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)

@@ -28,6 +28,7 @@ from xlaserve.entrypoints.serving.protocol import (
     Penalty,
     PositiveTokens,
     Seed,
+    ServiceTier,
     StopString,
     StrictModel,
     Text,
@@ -244,7 +245,11 @@ class ResponsesRequest(StrictModel):
     )
     metadata: Metadata | None = None
     user: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
-    truncation: Literal["disabled"] | None = Field(default=None, description="'auto' is not supported")
+    truncation: Literal["auto", "disabled"] | None = Field(
+        default=None,
+        description="auto: a prompt past the context keeps its last tokens, room left for the answer "
+        "(vLLM's truncate_prompt_tokens -1); disabled (the default): it is a 400",
+    )
     background: bool | None = Field(
         default=None, description="answer at once, queued; generate in the server's background (poll GET)"
     )
@@ -260,7 +265,9 @@ class ResponsesRequest(StrictModel):
     max_tool_calls: int | None = Field(
         default=None, ge=0, le=2**31 - 1, description="echoed and otherwise ignored, as vLLM does"
     )
-    service_tier: Literal["auto", "default"] | None = None
+    service_tier: ServiceTier | None = Field(
+        default=None, description="accepted and echoed (default auto), as vLLM does: one tier here"
+    )
     prompt_cache_key: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     safety_identifier: Text | None = Field(default=None, max_length=256, description="accepted and ignored")
     # vLLM's extras

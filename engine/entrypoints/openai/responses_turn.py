@@ -40,6 +40,7 @@ from xlaserve.entrypoints.serving.engine_io import (
     resolve_num_logprobs,
     run_ahead,
     tokenize_text,
+    truncated,
 )
 from xlaserve.entrypoints.serving.errors import APIError
 from xlaserve.entrypoints.serving.multimodal import image_parts, load_media, process_images, video_parts
@@ -77,6 +78,9 @@ async def prepare_turn(
             ids, mm_features = await process_images(state, text, images, videos, video_fields)
         else:
             ids, mm_features = tokenize_text(state.engine, text, False, "input"), []
+        if req.truncation == "auto":
+            cut = truncated(state.engine, ids, -1, bool(mm_features), chat.max_tokens)
+            ids, text = cut, (text if cut is ids else None)  # the rendered text is not the prompt's any more
         max_tokens = default_max_tokens(state, chat.max_tokens, len(ids))
         if later:
             room = state.engine.max_model_len - len(ids)
@@ -135,6 +139,8 @@ def response_shell(req: ResponsesRequest, plan: ToolPlan, request_id: str, model
         background=bool(req.background),
         top_logprobs=req.top_logprobs,
         max_tool_calls=req.max_tool_calls,
+        truncation=req.truncation or "disabled",
+        service_tier=req.service_tier or "auto",
     )
 
 
@@ -187,6 +193,16 @@ def answer_turn(items) -> dict:
     if calls:
         turn["tool_calls"] = calls
     return turn
+
+
+def cut_calls(response: dict) -> set[str]:
+    """The call ids of a stored response's function calls that `answer_turn` leaves out of the history:
+    those cut by max_output_tokens before their arguments were a whole JSON object."""
+    return {
+        item["call_id"]
+        for item in response["output"]
+        if item["type"] == "function_call" and not _is_object(item["arguments"])
+    }
 
 
 def _is_object(arguments: str) -> bool:

@@ -1,6 +1,6 @@
-"""OpenAI's routes (and vLLM's beside them): /v1/models, /v1/completions, /v1/chat/completions,
-/tokenize and /detokenize, /tokenizer_info (with --enable-tokenizer-info-endpoint), /v1/responses
-(responses.py), added to the server's app (entrypoints/app.py)."""
+"""OpenAI's routes (and vLLM's beside them): /v1/completions, /v1/chat/completions, /tokenize and
+/detokenize, /tokenizer_info (with --enable-tokenizer-info-endpoint), /v1/responses (responses.py), added
+to the server's app (entrypoints/app.py), and the /v1/models answers that app.py routes."""
 
 from __future__ import annotations
 
@@ -34,36 +34,38 @@ def _errors(*codes: int) -> dict:
     return {code: {"model": ErrorResponse} for code in codes}
 
 
+def model_list(state: ServerState) -> ModelList:
+    """GET /v1/models (app.py routes it: Anthropic's SDK gets its own shape there)."""
+    adapters = [] if state.loras is None else [_lora_card(state, lora) for lora in state.loras.all()]
+    return ModelList(data=[_model_card(state, name) for name in state.served_model_names] + adapters)
+
+
+def model_card(state: ServerState, model_id: str) -> ModelCard:
+    """GET /v1/models/{model_id}: a served name's card or a LoRA adapter's; 404 for any other."""
+    name = check_model(state, model_id)
+    lora = state.lora_request(name)
+    return _model_card(state, name) if lora is None else _lora_card(state, lora)
+
+
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    engine = state.engine
+    return ModelCard(
+        id=name, created=state.started_at, root=engine.model or "smollm2", max_model_len=engine.max_model_len
+    )
+
+
+def _lora_card(state: ServerState, lora) -> ModelCard:
+    return ModelCard(
+        id=lora.lora_name,
+        created=state.started_at,
+        root=lora.lora_path,
+        parent=lora.base_model_name or state.model_name,
+        max_model_len=state.engine.max_model_len,
+    )
+
+
 def add_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
-
-    def model_card(name: str) -> ModelCard:
-        return ModelCard(
-            id=name,
-            created=state.started_at,
-            root=engine.model or "smollm2",
-            max_model_len=engine.max_model_len,
-        )
-
-    def lora_card(lora) -> ModelCard:
-        return ModelCard(
-            id=lora.lora_name,
-            created=state.started_at,
-            root=lora.lora_path,
-            parent=lora.base_model_name or state.model_name,
-            max_model_len=engine.max_model_len,
-        )
-
-    @app.get("/v1/models", responses=_errors(401))
-    async def list_models() -> ModelList:
-        adapters = [] if state.loras is None else [lora_card(lora) for lora in state.loras.all()]
-        return ModelList(data=[model_card(name) for name in state.served_model_names] + adapters)
-
-    @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
-    async def get_model(model_id: str) -> ModelCard:
-        name = check_model(state, model_id)
-        lora = state.lora_request(name)
-        return model_card(name) if lora is None else lora_card(lora)
 
     @app.post(
         "/v1/completions",

@@ -4,13 +4,17 @@ weights or put the engine to sleep must hold the key.
 
 - `POST /update_weights_from_disk` `{"model_path": DIR}`: the checkpoint at DIR (same architecture and
   shapes) replaces the weights, without a restart or a recompile; the prefix cache is reset.
-- `POST /sleep?level=1|2`: the KV cache's device memory is freed (level 2: the weights' too, kept on
-  the host); requests meanwhile get a 400 saying the engine is asleep. `POST /wake_up` restores it.
+- `POST /sleep?level=1|2&mode=abort|wait|keep`: the KV cache's device memory is freed (level 2: the
+  weights' too, kept on the host); requests meanwhile get a 400 saying the engine is asleep. The
+  requests in flight go by `mode`, vLLM's: abort (the default) ends them with finish_reason "abort";
+  wait lets them finish first; keep holds them, to recompute after wake-up. `POST /wake_up` restores it.
   `GET /is_sleeping`.
-- `POST /reset_prefix_cache`.
+- `POST /reset_prefix_cache?reset_running_requests=true|false`: `{"success": bool}`, vLLM's; with
+  reset_running_requests (RL clients send it after a weight update) the running requests are
+  preempted and recompute their K/V.
 
-A caller's error (no such directory, another architecture, requests still running, already asleep) is
-a 400 in the OpenAI error format naming what is wrong.
+A caller's error (no such directory, another architecture, already asleep) is a 400 in the OpenAI
+error format naming what is wrong.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Annotated
 from fastapi import FastAPI, Query
 from pydantic import Field
 
+from xlaserve.engine.protocol import SleepMode
 from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.protocol import ErrorResponse, StrictModel, Text
 from xlaserve.entrypoints.serving.state import ServerState
@@ -68,8 +73,8 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         return {"success": True, "message": f"updated {len(names)} weights", "num_weights": len(names)}
 
     @app.post("/sleep", responses=_ERRORS)
-    async def sleep(level: Annotated[int, Query(ge=1, le=2)] = 1) -> dict:
-        report = await call(engine.sleep, level)
+    async def sleep(level: Annotated[int, Query(ge=1, le=2)] = 1, mode: SleepMode = "abort") -> dict:
+        report = await call(engine.sleep, level, mode)
         return {"level": level, "freed_bytes": report["device_bytes"], "seconds": report["seconds"]}
 
     @app.post("/wake_up", responses=_ERRORS)
@@ -82,5 +87,5 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
         return {"is_sleeping": await engine.is_sleeping()}
 
     @app.post("/reset_prefix_cache", responses=_ERRORS)
-    async def reset_prefix_cache() -> dict:
-        return {"reset": await engine.reset_prefix_cache()}
+    async def reset_prefix_cache(reset_running_requests: bool = False) -> dict:
+        return {"success": await engine.reset_prefix_cache(reset_running_requests)}

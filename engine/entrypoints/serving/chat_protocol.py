@@ -39,10 +39,14 @@ class ImageURL(StrictModel):
     detail: Literal["auto", "low", "high"] | None = None  # accepted (OpenAI's); the processor decides
 
 
-# vLLM's `uuid` of a media part: the client's key for its processing caches. Accepted and not trusted:
-# the image's content hash keys ours (core/multimodal.py), so two images sent under one uuid stay two.
+# vLLM's `uuid` of a media part: names the media, so a later part can send the uuid alone (its image_url
+# or video_url null) for the media last sent under it (engine/engine/media_uuids.py). Not trusted as a
+# cache key: the media's content hash keys ours (core/multimodal.py), so two images under one uuid stay two.
 MediaUUID = Annotated[
-    Text | None, Field(max_length=256, description="accepted; the content hash keys caching")
+    Text | None,
+    Field(
+        min_length=1, max_length=256, description="names the media; a part of it alone names the last sent"
+    ),
 ]
 
 
@@ -50,7 +54,7 @@ class ImageURLContentPart(StrictModel):
     """An image for a vision-language model (engine/engine/media.py: where it may come from)."""
 
     type: Literal["image_url"]
-    image_url: ImageURL
+    image_url: ImageURL | None = Field(default=None, description="null: the image last sent under `uuid`")
     uuid: MediaUUID = None
 
 
@@ -65,7 +69,7 @@ class VideoURLContentPart(StrictModel):
     (engine/engine/video.py)."""
 
     type: Literal["video_url"]
-    video_url: VideoURL
+    video_url: VideoURL | None = Field(default=None, description="null: the video last sent under `uuid`")
     uuid: MediaUUID = None
 
 
@@ -155,6 +159,11 @@ class ChatCompletionRequest(SamplingFields):
         default=None, description='extra variables for the chat template, e.g. {"enable_thinking": false}'
     )
     chat_template: ChatTemplate | None = Field(default=None, description=CHAT_TEMPLATE_HELP)
+    mm_processor_kwargs: JsonObject | None = Field(
+        default=None,
+        description="the multimodal processor's settings for this request (vLLM's; the Qwen VL families' "
+        "min_pixels, max_pixels and fps), over the server's --mm-processor-kwargs",
+    )
     max_completion_tokens: PositiveTokens | None = None
     max_tokens: PositiveTokens | None = Field(default=None, description="deprecated: max_completion_tokens")
     logprobs: bool = False

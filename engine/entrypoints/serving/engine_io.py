@@ -160,12 +160,15 @@ def truncated(
     keep: int | None,
     has_images: bool = False,
     max_tokens: int | None = None,
+    *,
+    side: str | None = None,
 ) -> list[int]:
-    """The prompt's last `keep` tokens (the request's truncate_prompt_tokens; InputProcessor.truncate:
-    -1 leaves room for `max_tokens`), before its length is checked; a prompt with images that needs
-    cutting, or a `keep` that cannot fit, is a 400 naming the field."""
+    """The prompt's last `keep` tokens, or its first where `side` is "right" (the request's
+    truncate_prompt_tokens and truncation_side; InputProcessor.truncate: -1 leaves room for
+    `max_tokens`), before its length is checked; a prompt with images that needs cutting, or a `keep`
+    that cannot fit, is a 400 naming the field."""
     try:
-        return engine.input_processor.truncate(ids, keep, has_images, max_tokens or 1)
+        return engine.input_processor.truncate(ids, keep, has_images, max_tokens or 1, side=side or "left")
     except ValueError as e:
         raise bad_request(str(e), "truncate_prompt_tokens") from None
 

@@ -57,6 +57,10 @@ _ANTHROPIC_TYPES = {
     503: "overloaded_error",
 }
 ANTHROPIC_PREFIX = "/v1/messages"
+# Sent by Anthropic's SDKs on every request, never by OpenAI's: the shared model routes answer (and
+# fail) in Anthropic's shape when it is there (app.py).
+ANTHROPIC_VERSION_HEADER = "anthropic-version"
+_MODELS_PREFIX = "/v1/models"
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
 
@@ -82,15 +86,20 @@ class APIError(Exception):
         kind = _ANTHROPIC_TYPES.get(self.status_code, "api_error" if self.status_code >= 500 else None)
         return {"type": "error", "error": {"type": kind or "invalid_request_error", "message": self.message}}
 
-    def to_json_response(self, path: str = "") -> JSONResponse:
-        """The response in the format of the API `path` belongs to."""
+    def to_json_response(self, path: str = "", request_headers=None) -> JSONResponse:
+        """The response in the format of the API `path` (asked with `request_headers`) belongs to."""
         headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
-        body = self.to_anthropic() if is_anthropic(path) else self.to_response().model_dump()
+        anthropic = is_anthropic(path, request_headers)
+        body = self.to_anthropic() if anthropic else self.to_response().model_dump()
         return JSONResponse(body, status_code=self.status_code, headers=headers)
 
 
-def is_anthropic(path: str) -> bool:
-    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+def is_anthropic(path: str, request_headers=None) -> bool:
+    """Anthropic's routes, and the model routes asked by Anthropic's SDK."""
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        return True
+    is_models = path == _MODELS_PREFIX or path.startswith(_MODELS_PREFIX + "/")
+    return is_models and request_headers is not None and ANTHROPIC_VERSION_HEADER in request_headers
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -212,18 +221,18 @@ def install_error_handlers(app: FastAPI, union_tags: frozenset[str] = UNION_TAGS
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return exc.to_json_response(request.url.path)
+        return exc.to_json_response(request.url.path, request.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return validation_error(exc, union_tags).to_json_response(request.url.path)
+        return validation_error(exc, union_tags).to_json_response(request.url.path, request.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"no route {request.url.path!r}" if len(request.url.path) < 200 else "no such route"
-        return APIError(exc.status_code, message).to_json_response(request.url.path)
+        return APIError(exc.status_code, message).to_json_response(request.url.path, request.headers)
 
     # No handler for Exception: Starlette runs it outermost and then re-raises, which makes uvicorn
     # drop the keep-alive connection. GuardMiddleware answers unexpected errors instead.

@@ -16,6 +16,7 @@ import logging
 
 from fastapi import Request
 from fastapi.routing import APIRoute
+from starlette.datastructures import Headers
 
 from xlaserve.entrypoints.serving.errors import APIError, internal_error
 
@@ -68,13 +69,15 @@ class GuardMiddleware:
             body = await self._read_body(scope, receive, keep=error is None)
         except _BodyTooLarge:
             # Refused unread, its rest would be taken for the next request: the connection must close.
-            response = (error or _too_large(self.max_body_bytes)).to_json_response(route_path(scope))
+            response = (error or _too_large(self.max_body_bytes)).to_json_response(
+                route_path(scope), Headers(scope=scope)
+            )
             response.headers["Connection"] = "close"
             return await response(scope, receive, send)
         if body is None:
             return  # the client left before sending its body: nobody to answer
         if error is not None:
-            return await error.to_json_response(route_path(scope))(scope, receive, send)
+            return await error.to_json_response(route_path(scope), Headers(scope=scope))(scope, receive, send)
         await self._run(scope, _replay(body, receive), send)
 
     def _check_headers(self, scope) -> APIError | None:
@@ -134,7 +137,9 @@ class GuardMiddleware:
         except Exception:  # noqa: BLE001 - the last resort: log it, answer it, keep the connection
             logger.exception("unexpected error on %s %s", scope["method"], scope["path"])
             if not is_started:
-                await internal_error().to_json_response(route_path(scope))(scope, receive, send)
+                await internal_error().to_json_response(route_path(scope), Headers(scope=scope))(
+                    scope, receive, send
+                )
             # Otherwise the response is cut short and uvicorn closes the connection: a client must
             # not take half a response for a whole one.
 

@@ -29,6 +29,11 @@ _DOCS = {
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
     "num_preemptions": "Preemptions (recompute) by the scheduler.",
     "prompt_tokens": "Prefill tokens processed.",
+    "prompt_tokens_by_source": "Prompt tokens by where their K/V came from: local_compute, local_cache_hit "
+    "(the prefix cache), external_kv_transfer (a KV connector: host offload, a producer).",
+    "prompt_tokens_cached": "Prompt tokens whose computation the prefix cache or a KV connector skipped.",
+    "prompt_tokens_recomputed": "Prompts whose cache hit left one token to compute (vLLM's count of a "
+    "last token recomputed): one each.",
     "generation_tokens": "Generation tokens produced.",
     "request_success": "Finished requests, by finish reason (abort: cancelled or disconnected).",
     "time_to_first_token_seconds": "Time to first token.",
@@ -44,6 +49,7 @@ _DOCS = {
     "request_params_max_tokens": "The max_tokens of each finished request that set one.",
     "request_params_n": "The n of each finished request.",
     "request_max_num_generation_tokens": "The most tokens one of a finished request's n sequences generated.",
+    "request_prefill_kv_computed_tokens": "Prompt tokens each finished request computed (past its hit).",
     "engine_sleep_state": "Engine sleep state (vLLM's): awake reads 1 while the engine is awake; "
     "weights_offloaded after POST /sleep?level=1, discard_all after level=2.",
     "cache_config_info": "The KV cache's settings, as labels (vLLM's): the gauge reads 1.",
@@ -104,9 +110,13 @@ class EngineCollector:
             family.add_metric(values, value)
             yield family
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
-        # One family per name, a series per position (speculative decoding), per transfer direction or
-        # per sleep state.
-        labelled = [*metrics.spec_decode_counters(), *metrics.kv_connector_counters()]
+        # One family per name, a series per prompt source, per position (speculative decoding), per
+        # transfer direction or per sleep state.
+        labelled = [
+            *metrics.prompt_source_counters(),
+            *metrics.spec_decode_counters(),
+            *metrics.kv_connector_counters(),
+        ]
         for record in [*labelled, *metrics.sleep_state_gauges()]:
             name = record.name.removeprefix(PREFIX)
             if name not in families:

@@ -20,15 +20,22 @@ from xlaserve.entrypoints.serving.errors import bad_request
 from xlaserve.entrypoints.serving.state import ServerState
 
 
-def media_parts(messages: list[ChatMessage], kinds: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(field, url) of every part of the `kinds` ("image_url", "video_url"), in order."""
+def media_parts(messages: list[ChatMessage], kinds: tuple[str, ...]) -> list[tuple[str, str | None]]:
+    """(field, url) of every part of the `kinds` ("image_url", "video_url"), in order (url None: the part
+    names media sent before by its uuid)."""
     return [
-        (f"messages[{i}].content[{j}].{part.type}", getattr(part, part.type).url)
+        (f"messages[{i}].content[{j}].{part.type}", getattr(getattr(part, part.type), "url", None))
         for i, message in enumerate(messages)
         if isinstance(message.content, list)
         for j, part in enumerate(message.content)
         if part.type in kinds
     ]
+
+
+def media_uuids(messages: list[ChatMessage]) -> dict[str, list[str | None]]:
+    """The `uuid` of every image and every video part, in order (MultiModalProcessor.process's `uuids`)."""
+    parts = [part for message in messages if isinstance(message.content, list) for part in message.content]
+    return {kind: [part.uuid for part in parts if part.type == f"{kind}_url"] for kind in ("image", "video")}
 
 
 def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
@@ -83,8 +90,8 @@ async def load_videos(state: ServerState, parts: list[tuple[str, str]]) -> list:
 
 
 async def _load(state: ServerState, parts: list[tuple[str, str]], load) -> list:
-    def load_all():
-        return [load(url, state.media_policy, field) for field, url in parts]
+    def load_all():  # a part without a URL names media sent before: MultiModalProcessor resolves it
+        return [None if url is None else load(url, state.media_policy, field) for field, url in parts]
 
     try:
         return await asyncio.to_thread(load_all)
@@ -93,16 +100,33 @@ async def _load(state: ServerState, parts: list[tuple[str, str]], load) -> list:
 
 
 async def process_images(
-    state: ServerState, text: str, images: list, videos: list = (), video_fields: list[str] | None = None
+    state: ServerState,
+    text: str,
+    images: list,
+    videos: list = (),
+    video_fields: list[str] | None = None,
+    mm_processor_kwargs: dict | None = None,
+    **named,
 ) -> tuple[list[int], list[MultiModalFeature]]:
     """The rendered prompt's ids with the placeholders expanded, and the images' and videos' features
-    (`video_fields`: each video's part, named by its errors), in a thread: resizing and normalizing is
-    numpy work."""
+    (`video_fields`: each video's part, named by its errors; `mm_processor_kwargs`: the request's processor
+    settings; `named`: `image_fields` and `uuids`, MultiModalProcessor.process's), in a thread: resizing and
+    normalizing is numpy work."""
     mm = state.engine.input_processor.mm_processor
     kwargs = {"add_special_tokens": False, "field": "messages", "video_fields": video_fields}
+    kwargs |= {"mm_processor_kwargs": mm_processor_kwargs, **named}
     try:
         return await asyncio.to_thread(mm.process, text, images, list(videos), **kwargs)
     except MediaError as e:
         raise bad_request(str(e), e.field) from None
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
+
+
+def check_mm_processor_kwargs(state: ServerState, kwargs: dict | None) -> None:
+    """A 400 naming what a request's mm_processor_kwargs hold that its model's processor refuses (checked
+    with no media too, so a request's errors do not hang on its parts)."""
+    try:
+        state.engine.input_processor.check_mm_processor_kwargs(kwargs)
+    except MediaError as e:
+        raise bad_request(str(e), e.field) from None
