@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from xlaserve.config.model import GENERATION_CONFIG_FILE
+from xlaserve.config.generation import GENERATION_CONFIG_FILE
 from xlaserve.kernels import get_attention_backend
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.orbax_checkpoint import save_converted

@@ -7,8 +7,9 @@ Each field is declared once: its command-line spelling and help ride in its meta
 (config_args.py, plain data), which entrypoints/arg_utils.py turns into a flag, with the type from
 the annotation. `SpeculativeConfig` lives in speculative_config.py; both are re-exported here.
 
-One module per group, as vLLM's vllm/config/: model.py, cache.py, scheduler.py, parallel.py, lora.py,
-compilation.py, and engine.py's EngineConfig, which holds them and checks them against each other.
+One module per group, as vLLM's vllm/config/: model.py (with what it reads apart: multimodal.py's media
+limits, generation.py's default sampling), cache.py, scheduler.py, parallel.py, lora.py, compilation.py,
+and engine.py's EngineConfig, which holds them and checks them against each other.
 Callers import every name from `xlaserve.config`.
 """
 
@@ -19,14 +20,8 @@ from xlaserve.config.compilation import CompilationConfig, default_compilation_c
 from xlaserve.config.engine import CONFIG_GROUPS, EngineConfig
 from xlaserve.config.kv_transfer import KV_ROLES, KVTransferConfig
 from xlaserve.config.lora import LoRAConfig
-from xlaserve.config.model import (
-    CONTENT_FORMATS,
-    DEFAULT_IMAGES_PER_PROMPT,
-    QUANTIZATION_METHODS,
-    RUNNER_TYPES,
-    ModelConfig,
-    parse_mm_limits,
-)
+from xlaserve.config.model import CONTENT_FORMATS, QUANTIZATION_METHODS, RUNNER_TYPES, ModelConfig
+from xlaserve.config.multimodal import DEFAULT_IMAGES_PER_PROMPT, parse_mm_limits
 from xlaserve.config.parallel import ParallelConfig
 from xlaserve.config.scheduler import SchedulerConfig
 from xlaserve.config_args import ARG_KEY, Arg, arg, not_a_flag

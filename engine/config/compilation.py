@@ -64,6 +64,18 @@ class CompilationConfig:
             "two from 16 to max_num_batched_tokens, which is always one)"
         ),
     )
+    # Warm-up compiles, per request bucket, the sampler's (and verify's) four variants (penalties, a
+    # grammar's token bitmask: each on or off) and per token bucket the prompt-logprobs program, each a
+    # program over the vocabulary. An engine whose requests never ask for those (a benchmark, a tiny test
+    # engine) warms up plain sampling only; the first request that needs another compiles it then (the
+    # compile guard warns; a strict one fails the step). No program changes: only which are made ahead.
+    warm_up_plain_sampling_only: bool = field(
+        default_factory=lambda: os.environ.get("XLASERVE_WARM_UP_PLAIN_SAMPLING_ONLY", "") not in ("", "0"),
+        metadata=arg(
+            "warm up only the sampler without penalties or a grammar, and no prompt-logprobs program: a "
+            "request needing one compiles it (also XLASERVE_WARM_UP_PLAIN_SAMPLING_ONLY=1)"
+        ),
+    )
     # vLLM's -O levels trade start-up time for speed; here they are XLA's backend (LLVM) optimization
     # level for the engine's programs. Unset: XLA's own (2, or what XLA_FLAGS says). On CPU, level 0
     # compiles ~30-40% faster and runs slower: tiny models, tests, debugging a model's code.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 
+from xlaserve.config import generation
 from xlaserve.config.checks import require
+from xlaserve.config.generation import GENERATION_CONFIG_FILE, GENERATION_CONFIG_KEYS
+from xlaserve.config.multimodal import parse_mm_limits, video_num_frames_of
 from xlaserve.config_args import arg, json_object, not_a_flag
 from xlaserve.pooling_params import CONVERT_TYPES, PoolerConfig
 from xlaserve.sampling_params import DEFAULT_MAX_LOGPROBS
@@ -20,11 +22,6 @@ TOKENIZER_MODES = ("auto", "hf")
 CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's --chat-template-content-format
 # vLLM's --logprobs-mode values (worker/sampler.py).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-logger = logging.getLogger(__name__)
-# What vLLM takes from a model's generation_config.json as requests' defaults (--generation-config).
-GENERATION_CONFIG_FILE = "generation_config.json"
-GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
-_SAMPLING_NAMES = {"max_new_tokens": "max_tokens"}
 
 
 # vLLM's names. int8/fp8: quantize a float checkpoint at load; gguf: keep a GGUF's quantized tensors;
@@ -195,7 +192,7 @@ class ModelConfig:
         ),
     )
     # vLLM's flag: images a prompt may carry (a vision-language model; engine/engine/mm_processor.py),
-    # as JSON text or a dict; None: DEFAULT_IMAGES_PER_PROMPT. Checked where the config is built.
+    # as JSON text or a dict; None: config/multimodal.py's defaults. Checked where the config is built.
     limit_mm_per_prompt: str | None = field(
         default=None,
         metadata=arg(
@@ -230,7 +227,7 @@ class ModelConfig:
         if self.media_io_kwargs is not None:
             kwargs = json_object(self.media_io_kwargs, "media_io_kwargs")
             object.__setattr__(self, "media_io_kwargs", json.dumps(kwargs, sort_keys=True))
-            _video_num_frames(kwargs)  # a bad value is an error at start
+            video_num_frames_of(kwargs)  # a bad value is an error at start
         if self.mm_processor_kwargs is not None:
             kwargs = json_object(self.mm_processor_kwargs, "mm_processor_kwargs")
             object.__setattr__(self, "mm_processor_kwargs", json.dumps(kwargs, sort_keys=True))
@@ -238,23 +235,23 @@ class ModelConfig:
             object.__setattr__(self, "limit_mm_per_prompt", json.dumps(self.limit_mm_per_prompt))
         parse_mm_limits(self.limit_mm_per_prompt)  # a bad value is an error at start
         if self.override_generation_config is not None:
-            override = json_object(self.override_generation_config, "override_generation_config")
-            unknown = sorted(set(override) - set(GENERATION_CONFIG_KEYS))
-            require(
-                not unknown,
-                f"override_generation_config: unknown keys {unknown}; known: {list(GENERATION_CONFIG_KEYS)}",
-            )
-            object.__setattr__(self, "override_generation_config", json.dumps(override, sort_keys=True))
+            override = generation.parse_override(self.override_generation_config)
+            object.__setattr__(self, "override_generation_config", override)
         require(
             self.generation_config in ("auto", "vllm")
             or os.path.isfile(os.path.join(self.generation_config, GENERATION_CONFIG_FILE)),
             f"generation_config must be 'auto', 'vllm' or a folder holding a {GENERATION_CONFIG_FILE}, "
             f"got {self.generation_config!r}",
         )
-        # Read once; a value no request could take fails the start, not every request.
-        path, fields = self._read_generation_config()
-        object.__setattr__(self, "_sampling_defaults", self._read_sampling_defaults(path, fields))
-        object.__setattr__(self, "_generation_eos_token_ids", self._read_generation_eos_token_ids(fields))
+        # Read once (config/generation.py); a value no request could take fails the start.
+        folder = (
+            self._model_folder() if self.generation_config in ("auto", "vllm") else self.generation_config
+        )
+        path, fields = generation.read_generation_config(folder)
+        defaults_from = None if self.generation_config == "vllm" else fields  # "vllm": the engine's own
+        defaults = generation.sampling_defaults(path, defaults_from, self.override_generation_config)
+        object.__setattr__(self, "_sampling_defaults", defaults)
+        object.__setattr__(self, "_generation_eos_token_ids", generation.eos_token_ids(fields, folder))
         if self.hf_overrides is not None:
             overrides = json_object(self.hf_overrides, "hf_overrides")
             object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
@@ -305,43 +302,6 @@ class ModelConfig:
         """Requests' default sampling fields, as read when the config was made (a copy)."""
         return dict(self._sampling_defaults)
 
-    def _read_generation_config(self) -> tuple[str | None, dict | None]:
-        """The generation config's folder's generation_config.json (the model's own under "auto" and
-        "vllm"): its path and its fields, None for a file that is not there. Read once, for the sampling
-        defaults and the EOS ids both."""
-        folder = self._generation_config_folder()
-        path = None if folder is None else os.path.join(folder, GENERATION_CONFIG_FILE)
-        if path is None or not os.path.isfile(path):
-            return path, None
-        with open(path) as f:
-            return path, json_object(f.read(), f"generation_config ({path})")
-
-    def _read_sampling_defaults(self, path: str | None, fields: dict | None) -> dict:
-        """Requests' default sampling fields (vLLM's get_diff_sampling_param): those of
-        GENERATION_CONFIG_KEYS the generation config (`fields`, read from `path`) sets, then the
-        override's over them, with max_new_tokens as SamplingParams' max_tokens. {} when neither says
-        anything, and the file's fields are not defaults under generation_config "vllm". A value
-        SamplingParams refuses is a ValueError naming its source and field, at start rather than in every
-        request."""
-        from xlaserve.sampling_params import SamplingParams
-
-        found = {}
-        if fields is not None and self.generation_config != "vllm":
-            found = {k: v for k, v in fields.items() if k in GENERATION_CONFIG_KEYS and v is not None}
-        override = (
-            {} if self.override_generation_config is None else json.loads(self.override_generation_config)
-        )
-        defaults = {_SAMPLING_NAMES.get(k, k): v for k, v in {**found, **override}.items()}
-        try:
-            SamplingParams(**defaults)
-        except (TypeError, ValueError) as e:
-            source = " and ".join([path] * bool(found) + ["override_generation_config"] * bool(override))
-            raise ValueError(f"the default sampling from {source}: {e}") from None
-        return defaults
-
-    def _generation_config_folder(self) -> str | None:
-        return self._model_folder() if self.generation_config in ("auto", "vllm") else self.generation_config
-
     def _model_folder(self) -> str | None:
         """The model's own directory (a GGUF file, the embedded default: None)."""
         model = None if self.model is None else os.path.expanduser(self.model)
@@ -353,28 +313,8 @@ class ModelConfig:
         at the tokenizer's EOS (the input processor adds the others to its stop_token_ids, as vLLM's)."""
         return self._generation_eos_token_ids
 
-    def _read_generation_eos_token_ids(self, fields: dict | None) -> tuple[int, ...]:
-        """The generation config's (`fields`) eos_token_id (an id or a list), else config.json's, as
-        vLLM's try_get_generation_config: under generation_config "vllm" too, which drops only the
-        sampling defaults."""
-        if fields is None:
-            folder = self._generation_config_folder()
-            path = None if folder is None else os.path.join(folder, "config.json")
-            if path is None or not os.path.isfile(path):
-                return ()
-            with open(path) as f:
-                fields = json_object(f.read(), f"config.json ({path})")
-        eos = fields.get("eos_token_id")
-        ids = eos if isinstance(eos, list) else [eos]
-        return tuple(i for i in ids if is_int(i) and i >= 0)
-
     def log_sampling_defaults(self, defaults: dict) -> None:
-        if defaults:  # vLLM warns too: a request's sampling changes with no word from its client
-            logger.warning(
-                "requests' default sampling is %s, from the model's generation config and "
-                "--override-generation-config (--generation-config vllm: the engine's own)",
-                defaults,
-            )
+        generation.log_sampling_defaults(defaults)
 
     @property
     def hf_overrides_dict(self) -> dict:
@@ -383,7 +323,7 @@ class ModelConfig:
     @property
     def video_num_frames(self) -> int:
         """The frames a video keeps (--media-io-kwargs' video.num_frames; -1: all)."""
-        return _video_num_frames({} if self.media_io_kwargs is None else json.loads(self.media_io_kwargs))
+        return video_num_frames_of({} if self.media_io_kwargs is None else json.loads(self.media_io_kwargs))
 
     @property
     def text_only_mode(self) -> bool:
@@ -402,69 +342,3 @@ class ModelConfig:
         if self.pooler_config is not None and self.pooler_config.pooling_type is not None:
             return self.pooler_config.pooling_type
         return "ALL" if self.convert == "reward" else "LAST"
-
-
-# Images and videos per prompt when --limit-mm-per-prompt does not say (vLLM's flag; '{"image": 2}').
-DEFAULT_IMAGES_PER_PROMPT = 8
-DEFAULT_VIDEOS_PER_PROMPT = 1
-
-
-DEFAULT_VIDEO_NUM_FRAMES = 32  # vLLM's
-
-
-def _video_num_frames(media_io_kwargs: dict) -> int:
-    """--media-io-kwargs' video.num_frames (DEFAULT_VIDEO_NUM_FRAMES when unset); ValueError naming the
-    field for anything but an integer >= 1 or -1, or keys it does not know."""
-    unknown = sorted(set(media_io_kwargs) - {"video"})
-    if unknown:
-        raise ValueError(f"media_io_kwargs: modalities {unknown} are not supported; supported: ['video']")
-    video = media_io_kwargs.get("video", {})
-    if not isinstance(video, dict) or set(video) - {"num_frames"}:
-        raise ValueError(f'media_io_kwargs.video must be like {{"num_frames": 32}}, got {video!r}')
-    count = video.get("num_frames", DEFAULT_VIDEO_NUM_FRAMES)
-    if not isinstance(count, int) or isinstance(count, bool) or not (count >= 1 or count == -1):
-        raise ValueError(f"media_io_kwargs.video.num_frames must be an integer >= 1 or -1, got {count!r}")
-    return count
-
-
-def parse_mm_limits(value) -> dict[str, int]:
-    """--limit-mm-per-prompt's JSON text (or a dict) -> {"image": n, "video": m}; ValueError naming the
-    field."""
-    defaults = {"image": DEFAULT_IMAGES_PER_PROMPT, "video": DEFAULT_VIDEOS_PER_PROMPT}
-    if value is None:
-        return defaults
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            raise ValueError(f'limit_mm_per_prompt must be JSON like {{"image": 2}}, got {value!r}') from None
-    if not isinstance(value, dict):
-        raise ValueError(f'limit_mm_per_prompt must be an object like {{"image": 2}}, got {value!r}')
-    unknown = sorted(set(value) - set(defaults))
-    if unknown:
-        raise ValueError(
-            f"limit_mm_per_prompt: modalities {unknown} are not supported; supported: {sorted(defaults)}"
-        )
-    limits = {**defaults, **value}
-    for modality, count in limits.items():
-        if isinstance(count, dict):
-            count = limits[modality] = _mm_limit_options(modality, count, defaults[modality])
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ValueError(f"limit_mm_per_prompt.{modality} must be an integer >= 0, got {count!r}")
-    return limits
-
-
-# vLLM's object form of a modality's limit: its count, and the sizes its memory profiling's dummy inputs
-# take. No dummy inputs here (the KV budget is set without them), so the sizes are checked and unused.
-_MM_LIMIT_SIZES = {"image": ("width", "height"), "video": ("num_frames", "width", "height")}
-
-
-def _mm_limit_options(modality: str, options: dict, default: int):
-    """{"count": n, "width": w, ...} -> n (`default` when absent); ValueError naming a bad entry."""
-    for key, value in options.items():
-        field = f"limit_mm_per_prompt.{modality}.{key}"
-        if key != "count" and key not in _MM_LIMIT_SIZES[modality]:
-            raise ValueError(f"{field} is not an option; options: {['count', *_MM_LIMIT_SIZES[modality]]}")
-        if key != "count" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"{field} must be an integer > 0, got {value!r}")
-    return options.get("count", default)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-from xlaserve.config.model import DEFAULT_VIDEO_NUM_FRAMES
+from xlaserve.config.multimodal import DEFAULT_VIDEO_NUM_FRAMES
 
 # 40 megapixels (e.g. 8000 x 5000): well past any vision encoder's input, far under Pillow's own
 # decompression-bomb bound (~89M), and ~120 MB as RGB once decoded.

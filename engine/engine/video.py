@@ -17,7 +17,7 @@ import io
 
 import numpy as np
 
-from xlaserve.config.model import DEFAULT_VIDEO_NUM_FRAMES
+from xlaserve.config.multimodal import DEFAULT_VIDEO_NUM_FRAMES
 from xlaserve.engine.media import MAX_VIDEO_BYTES, MediaError, MediaPolicy, media_bytes
 
 # A kept frame's pixels, read from the stream's header before any frame is decoded: 4K. The model's

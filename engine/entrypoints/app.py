@@ -28,12 +28,12 @@ from xlaserve.entrypoints.openai.routes import model_card, model_list
 from xlaserve.entrypoints.playground import add_playground_route
 from xlaserve.entrypoints.sagemaker import add_sagemaker_routes
 from xlaserve.entrypoints.serving.admin import add_admin_routes, add_profiler_routes
+from xlaserve.entrypoints.serving.chat_protocol import UNION_TAGS as CHAT_TAGS
 from xlaserve.entrypoints.serving.engine_io import ENGINE_DEAD_MESSAGE
 from xlaserve.entrypoints.serving.errors import ANTHROPIC_VERSION_HEADER, APIError, install_error_handlers
 from xlaserve.entrypoints.serving.guard import GuardMiddleware, JSONRoute
 from xlaserve.entrypoints.serving.lora import add_lora_routes
 from xlaserve.entrypoints.serving.metrics import CONTENT_TYPE, make_registry, render
-from xlaserve.entrypoints.serving.protocol import UNION_TAGS as CHAT_TAGS
 from xlaserve.entrypoints.serving.protocol import ErrorResponse
 from xlaserve.entrypoints.serving.state import ServerState
 from xlaserve.entrypoints.serving.tracking import LoadTracker, RequestIdMiddleware

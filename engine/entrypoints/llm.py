@@ -1,5 +1,7 @@
-"""`LLM`: the offline Python API (`generate`, `chat`; with runner="pooling": `embed`, `classify`,
-`score`, `encode`, `reward`, entrypoints/llm_pooling.py), driving an in-process EngineCore."""
+"""`LLM`: the offline Python API (`generate`; `chat`, its conversations rendered by entrypoints/llm_chat.py;
+with runner="pooling": `embed`, `classify`, `score`, `encode`, `reward`, entrypoints/llm_pooling.py; the
+research stack, `update_weights`, `sleep`, `apply_model`..., entrypoints/llm_research.py), driving an
+in-process EngineCore."""
 
 from __future__ import annotations
 
@@ -8,33 +10,26 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 from typing import Any
 
-from xlaserve.config import CONTENT_FORMATS, EngineConfig
-from xlaserve.engine.media import MediaPolicy, load_image
+from xlaserve.config import EngineConfig
+from xlaserve.engine.media import MediaPolicy
 from xlaserve.engine.metrics import EngineMetrics, Metric
-from xlaserve.engine.mm_processor import content_format, flatten_content
 from xlaserve.engine.output_processor import OutputProcessor
 from xlaserve.engine.processor import InputProcessor, PromptType
-from xlaserve.engine.protocol import SleepMode
 from xlaserve.engine.startup import start_engine
-from xlaserve.engine.video import load_video
 from xlaserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from xlaserve.entrypoints.llm_chat import ChatRenderer, Conversation
 from xlaserve.entrypoints.llm_pooling import PoolingMethods, UseTqdm, progress_bar, speed_postfix
+from xlaserve.entrypoints.llm_research import ResearchMethods
 from xlaserve.executor import follow
 from xlaserve.lora_request import LoRARequest
 from xlaserve.outputs import RequestOutput
 from xlaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-Conversation = list[dict[str, Any]]
-# What chat() itself passes to the tokenizer's apply_chat_template: not for chat_template_kwargs.
-_CHAT_TEMPLATE_ARGS = frozenset(
-    {"conversation", "chat_template", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
-)
 
 
 def serve_follower(model: str | None = None, **engine_args) -> None:
@@ -51,7 +46,7 @@ def serve_follower(model: str | None = None, **engine_args) -> None:
         core.shutdown()
 
 
-class LLM(PoolingMethods):
+class LLM(PoolingMethods, ResearchMethods):
     """Generate text offline: `LLM().generate("Hello")`, `LLM(model).chat([...])`.
 
     `model`: an HF directory, a .gguf file, or None / "smollm2" for the embedded default model.
@@ -183,51 +178,24 @@ class LLM(PoolingMethods):
         content). `mm_processor_kwargs`: the processor's settings for these conversations (vLLM's; the
         Qwen families' min_pixels, max_pixels and fps)."""
         self._require_tokenizer("chat()")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("chat(): continue_final_message=True needs add_generation_prompt=False")
-        extra = dict(chat_template_kwargs or {})
-        taken = sorted(set(extra) & _CHAT_TEMPLATE_ARGS)
-        if taken:
-            raise ValueError(f"chat(): chat_template_kwargs cannot set {taken}: they are chat()'s arguments")
-        if chat_template_content_format not in CONTENT_FORMATS:
-            raise ValueError(
-                f"chat(): chat_template_content_format must be one of {CONTENT_FORMATS}, "
-                f"got {chat_template_content_format!r}"
-            )
-        template = chat_template or self.tokenizer.chat_template
-        as_parts = bool(template) and content_format(template, chat_template_content_format) == "openai"
+        renderer = ChatRenderer(
+            self.tokenizer,
+            self.input_processor.mm_processor,
+            MediaPolicy(video_num_frames=self.config.model.video_num_frames),
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            chat_template_content_format=chat_template_content_format,
+        )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        mm = self.input_processor.mm_processor
-        policy = MediaPolicy(video_num_frames=self.config.model.video_num_frames)
-        for conversation in conversations:
-            conversation, images, videos = flatten_content(
-                conversation,
-                mm and mm.chat_placeholder,
-                lambda url, field: load_image(url, policy, field),
-                video_placeholder=mm and mm.chat_video_placeholder,
-                load_video=lambda url, field: load_video(url, policy, field),
-                as_parts=as_parts,
+        prompts = [
+            self.input_processor.process(
+                {**renderer.prompt(c), "mm_processor_kwargs": mm_processor_kwargs}, add_special_tokens=False
             )
-            text = self.tokenizer.apply_chat_template(
-                conversation,
-                chat_template=chat_template,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **extra,
-            )
-            if images or videos:
-                prompt = {"prompt": text, "multi_modal_data": {"image": images, "video": videos}}
-                prompt["mm_processor_kwargs"] = mm_processor_kwargs
-            else:  # the template wrote the special tokens it wants
-                prompt = {
-                    "prompt": text,
-                    "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
-                    "mm_processor_kwargs": mm_processor_kwargs,
-                }
-            prompts.append(self.input_processor.process(prompt, add_special_tokens=False))
+            for c in conversations
+        ]
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
@@ -300,72 +268,6 @@ class LLM(PoolingMethods):
         """Forget every cached prefix; with `reset_running_requests` (vLLM's), the running requests'
         K/V too: they are preempted and recompute it (after a weight update: with the new weights)."""
         return self.engine_core.reset_prefix_cache(reset_running_requests)
-
-    # -- the research stack: weights from a trainer, device memory handed back (README) -----------
-
-    def update_weights(self, weights) -> list[str]:
-        """Load new weights into the running engine, without a restart or a recompile (vLLM's
-        `load_weights`): `weights` is a dict or an iterable of (Hugging Face name, array) pairs, numpy
-        or jax, all of the model's tensors or some. Every name and shape is checked first: an unknown
-        name or a wrong shape is a ValueError naming both, and the old weights stay. The prefix cache
-        is reset (its K/V came from the old weights). -> the names updated."""
-        return self.engine_core.update_weights(weights)
-
-    def update_weights_from_path(self, path: str) -> list[str]:
-        """`update_weights` with the checkpoint at `path` (same architecture and shapes)."""
-        return self.engine_core.update_weights_from_path(path)
-
-    def sleep(self, level: int = 1, mode: SleepMode = "abort"):
-        """Free the KV cache's device memory (level 2: the weights' too, kept on the host) until
-        `wake_up()`; requests meanwhile are refused, and those unfinished go by `mode` (vLLM's: abort,
-        keep, wait; EngineCore.sleep). -> what was freed (`device_bytes`, `seconds`)."""
-        report = self.engine_core.sleep(level, mode)
-        self.output_processor.process_outputs(self.engine_core.take_outputs())  # what it aborted ends
-        self._record_stats()
-        return report
-
-    def start_profile(self) -> None:
-        """Start a jax.profiler trace into `profiler_dir` (an engine argument): the engine's programs and
-        host work until `stop_profile`, for TensorBoard's profile plugin or Perfetto."""
-        self.engine_core.start_profile()
-
-    def stop_profile(self) -> str:
-        """Write the trace; -> the folder it is under (plugins/profile/<run>/)."""
-        return self.engine_core.stop_profile()
-
-    def wake_up(self):
-        """Place back what `sleep` freed (the KV cache zeroed, the prefix cache empty)."""
-        report = self.engine_core.wake_up()
-        self._record_stats()
-        return report
-
-    def is_sleeping(self) -> bool:
-        return self.engine_core.is_sleeping
-
-    # -- a user's code on the model, in this process (vLLM's apply_model and collective_rpc) -------
-
-    def apply_model(self, func: Callable[[Any], Any]) -> list:
-        """`func(model)` on the model as the engine runs it: a Flax NNX module (`nnx.merge` of the
-        runner's graphdef and weights) whose arrays are the engine's own, in its layouts and shardings
-        (quantized, or packed for the CPU's dot, where the engine holds them so). -> one result per
-        module: one, or one per pipeline stage and per data-parallel rank (vLLM's one per worker).
-        The module is a view: what `func` assigns to it is not written back (`update_weights` writes
-        weights). Not on an engine asleep, nor across hosts (nnodes > 1)."""
-        return self.engine_core.apply_model(func)
-
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        timeout: float | None = None,
-        args: tuple = (),
-        kwargs: dict | None = None,
-    ) -> list:
-        """The model runner's `method` (a name), or `method(runner, *args, **kwargs)` (a callable),
-        on each data-parallel rank's runner: -> one result per rank. The runner is this process's
-        (worker/model_runner.py): no remote call, so no `timeout`. Not across hosts (nnodes > 1)."""
-        if timeout is not None:
-            raise ValueError("collective_rpc: timeout must be None: the runners are in this process")
-        return self.engine_core.collective_rpc(method, args, kwargs)
 
     # -- the loop -------------------------------------------------------------------------------
 

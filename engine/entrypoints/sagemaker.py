@@ -18,9 +18,10 @@ from pydantic import BaseModel, ValidationError
 from xlaserve.entrypoints.openai.chat import create_chat_completion
 from xlaserve.entrypoints.openai.completions import create_completion
 from xlaserve.entrypoints.openai.protocol import ChatCompletionResponse, CompletionRequest, CompletionResponse
+from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.engine_io import ENGINE_DEAD_MESSAGE
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ErrorResponse, sse_or_json
+from xlaserve.entrypoints.serving.protocol import ErrorResponse, sse_or_json
 from xlaserve.entrypoints.serving.state import ServerState
 
 # The body's field that picks the API -> (the request model, its handler), tried in this order.

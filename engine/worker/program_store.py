@@ -141,6 +141,7 @@ _HOST_ONLY_SETTINGS = {
         "strict_compile_guard",
         "enforce_eager",
         "cudagraph_capture_sizes",  # which buckets are compiled; a bucket's program is keyed by its shapes
+        "warm_up_plain_sampling_only",  # which sampler variants are compiled ahead, not what they are
     ),
 }
 

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 def compile_all(runner) -> None:
     """Make ready every program `runner` (a ModelRunner) may call: each token bucket's forward and
-    prompt logprobs, and every sampler (and verify) variant per request bucket.
+    prompt logprobs, and every sampler (and verify) variant per request bucket; with
+    `warm_up_plain_sampling_only`, the forwards and the sampler without penalties or a grammar alone.
 
     Each program is loaded from the engine's store of executables when a warm start finds it there
     (worker/program_store.py), else lowered, compiled and stored; either way its executable is what
@@ -47,6 +48,8 @@ def compile_all(runner) -> None:
     hook_arrays = {n: runner._prepare_hooks([], n, set()) for n in runner.token_buckets}
     # The features' own programs (a draft model's step per bucket), loaded or compiled as the step's.
     hook_programs = [p for hook in runner.hooks for p in hook.warm_up(batches, runner._num_seqs_for)]
+    plain_only = runner.config.compilation.warm_up_plain_sampling_only
+    variants = [(False, False)] if plain_only else list(itertools.product((False, True), repeat=2))
 
     def prepare(program, args, kwargs=None):
         return _load_or_compile(store, program, args, kwargs or {})
@@ -62,15 +65,16 @@ def compile_all(runner) -> None:
         for num_tokens in tqdm(runner.token_buckets, desc="Compiling buckets", unit="bucket"):
             forward, _ = forwards[num_tokens].result()
             hidden, hidden_rd = (_shape_struct(s) for s in forward.out_info[:2])
-            plp_args = (runner.head_params, hidden, ready(np.zeros(num_tokens, np.int32)))
-            jobs.append(pool.submit(prepare, runner._prompt_logprobs_fn, plp_args))
+            if not plain_only:
+                plp_args = (runner.head_params, hidden, ready(np.zeros(num_tokens, np.int32)))
+                jobs.append(pool.submit(prepare, runner._prompt_logprobs_fn, plp_args))
             num_seqs = runner._num_seqs_for(num_tokens)
             if num_seqs in sampler_buckets_done:
                 continue
             sampler_buckets_done.add(num_seqs)
             # The sampler's static variants: penalties and a grammar's token bitmask, each on or
             # off. Logprobs are a runtime flag of the same programs (sampler.py).
-            for with_penalties, with_grammar in itertools.product((False, True), repeat=2):
+            for with_penalties, with_grammar in variants:
                 bitmask = np.zeros((0, 1), np.int32) if with_grammar else None
                 st = ready(sampling_tensors([], num_seqs, vocab, with_penalties, grammar_bitmask=bitmask))
                 args = (runner.head_params, hidden_rd, st)

@@ -16,9 +16,9 @@ from xlaserve.engine.mm_processor import content_format
 from xlaserve.entrypoints.arg_utils import add_tool_args, auto_tool_choice, tool_options
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, make_tool_parser
 from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
+from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest, ChatMessage
 from xlaserve.entrypoints.serving.chat_template import conversation, render_chat
 from xlaserve.entrypoints.serving.errors import APIError
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ChatMessage
 from xlaserve.entrypoints.serving.reasoning import get_reasoning_parser
 from xlaserve.entrypoints.serving.tool_parsers import HermesToolParser, get_tool_parser
 from xlaserve.entrypoints.serving.tools import plan_tools, tools_in_system_prompt

@@ -1709,8 +1709,8 @@ def test_invocations_needs_the_key_and_json(client):
 def test_spaces_between_special_tokens_reaches_the_sampling_params(value):
     """vLLM's request field (lm-eval's vLLM backend sends it): taken, not ignored, on both routes."""
     from xlaserve.entrypoints.openai.protocol import CompletionRequest
+    from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest
     from xlaserve.entrypoints.serving.engine_io import make_sampling_params
-    from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 
     fields = {"model": MODEL_NAME, "spaces_between_special_tokens": value}
     requests = [

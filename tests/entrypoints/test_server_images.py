@@ -407,7 +407,7 @@ def test_more_images_than_the_limit_are_refused(vlm):
     ],
 )
 def test_bad_limit_options_are_refused_naming_them(limits, message):
-    from xlaserve.config.model import parse_mm_limits
+    from xlaserve.config.multimodal import parse_mm_limits
 
     assert parse_mm_limits(LIMITS) == {"image": 2, "video": 1}
     assert parse_mm_limits('{"video": {"num_frames": 8, "width": 64}}')["video"] == 1  # the default count

@@ -29,6 +29,7 @@ from helpers import vllm_kv_events
 from helpers.tiny_vlm import save_tiny_llava
 from xlaserve import LLM, SamplingParams
 from xlaserve.config import EngineConfig
+from xlaserve.engine.metrics import PREFIX
 from xlaserve.kernels import cpu_dot
 from xlaserve.models.loader import load_checkpoint
 from xlaserve.models.safetensors_loader import CheckpointTensor
@@ -295,13 +296,16 @@ def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(llm, expecte
     kv_bytes = sum(x.nbytes for x in __import__("jax").tree.leaves(runner.kv_cache))
     with pytest.raises(ValueError, match="mode must be one of abort, wait, keep, got 'pause'"):
         llm.sleep(level, mode="pause")
+    assert sleep_state(llm) == "awake"
     asleep = llm.sleep(level)
+    assert sleep_state(llm) == ("weights_offloaded", "discard_all")[level - 1]  # vLLM's gauge
     freed = kv_bytes + (runner.weight_bytes if level == 2 else 0)
     assert asleep.device_bytes == freed and asleep.seconds >= 0
     with pytest.raises(ValueError, match="asleep"):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, PARAMS, use_tqdm=False)
     with pytest.raises(ValueError, match="already asleep"):
-        llm.sleep(level)
+        llm.sleep(3 - level)
+    assert sleep_state(llm) == ("weights_offloaded", "discard_all")[level - 1]  # a refused call moves nothing
     assert not llm.engine_core.has_unfinished_requests()  # the refused request was never queued
     assert llm.is_sleeping()
     with pytest.raises(ValueError, match="apply_model: the engine is asleep"):  # level 2: no weights
@@ -310,13 +314,23 @@ def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(llm, expecte
         llm.update_weights({"model.norm.weight": np.ones(48, np.float32)})
     compiles = num_compiles()
     awake = llm.wake_up()
-    assert awake.device_bytes == freed
+    assert awake.device_bytes == freed and sleep_state(llm) == "awake"
     if level == 2:  # the second round: the cache's fill was compiled by the first
         assert num_compiles() == compiles
     assert numbers(llm) == expected[0]
     with pytest.raises(ValueError, match="not asleep"):
         llm.wake_up()
     assert not llm.is_sleeping()
+
+
+def sleep_state(llm) -> str:
+    """The engine_sleep_state series at 1 in `LLM.get_metrics()`."""
+    (state,) = [
+        m.labels["sleep_state"]
+        for m in llm.get_metrics()
+        if m.name == PREFIX + "engine_sleep_state" and m.value == 1
+    ]
+    return state
 
 
 # A partial update: the quantized table, one layer of a quantized stack, another's, a float norm.

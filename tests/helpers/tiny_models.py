@@ -63,26 +63,14 @@ def compile_with_elemental_emitters_when(is_on) -> None:
 
 def warm_up_what_the_cases_run() -> None:
     """The guarded engines' warm-up (the strict compile guard's) compiles only programs the cases' steps
-    can call: not the sampler and verify variants with penalties or a grammar's bitmask, nor the prompt
+    can call: `warm_up_plain_sampling_only` (config/compilation.py), set for every engine this process
+    builds. Not the sampler and verify variants with penalties or a grammar's bitmask, nor the prompt
     logprobs programs, which no case asks for. Each is a program over the vocabulary, ~1.6 s of CPU a
     sampler variant: of a guarded PP=2 x TP=2 engine's 14.5 s of CPU, 7.1 s. The guard still proves that
     every step a case runs finds its program compiled at warm-up; tests/worker/test_warm_up.py runs every
-    variant after a whole warm-up. Installed by the fake-mesh worker (tp_worker.py) and by the scripts of
+    variant after a whole warm-up. Called by the fake-mesh worker (tp_worker.py) and by the scripts of
     two processes (helpers/two_processes.py), whose guarded engines warm up in both processes."""
-    from xlaserve.worker import warm_up
-
-    load_or_compile = warm_up._load_or_compile
-
-    def only_what_runs(store, program, args: tuple, kwargs: dict):
-        if program.name == "prompt_logprobs":
-            return None, False
-        if program.name in ("sample", "verify"):
-            st = args[2]  # the sampling tensors
-            if st.has_penalties or st.allowed_token_bitmask is not None:
-                return None, False
-        return load_or_compile(store, program, args, kwargs)
-
-    warm_up._load_or_compile = only_what_runs
+    os.environ["XLASERVE_WARM_UP_PLAIN_SAMPLING_ONLY"] = "1"
 
 
 @contextlib.contextmanager

@@ -5,10 +5,13 @@ on and off, prompt logprobs, a grammar) in every bucket after warm-up and compil
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from helpers.tiny_models import save_tiny_llama
 from xlaserve import SamplingParams, StructuredOutputsParams
+from xlaserve.worker import warm_up
 from xlaserve.worker.compile_guard import num_compiles
 
 
@@ -49,6 +52,32 @@ def test_no_step_compiles_after_the_parallel_warm_up(tiny_llm):
         tiny_llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
     tiny_llm.generate(prompts + prompts[:1], variants[:4], use_tqdm=False)  # mixed variants in one step
     assert num_compiles() == before
+    # Per token bucket a forward and prompt logprobs; per request bucket (1 and 4) four sampler variants.
+    assert runner.num_programs_compiled == 4 * 2 + 2 * 4
+
+
+def test_plain_sampling_only_prepares_the_forwards_and_the_plain_sampler(tiny_llm, monkeypatch):
+    """warm_up_plain_sampling_only: warm-up prepares each token bucket's forward and each request bucket's
+    sampler without penalties or a grammar (the variant the test above shows plain steps run), and no
+    prompt-logprobs program. Read on the engine above: each program prepared is its executable already
+    compiled, so nothing compiles."""
+    runner = tiny_llm.engine_core.runner
+    compilation = dataclasses.replace(runner.config.compilation, warm_up_plain_sampling_only=True)
+    monkeypatch.setattr(runner, "config", dataclasses.replace(runner.config, compilation=compilation))
+    monkeypatch.setattr(runner, "num_programs_compiled", runner.num_programs_compiled)
+    prepared = []
+
+    def compiled_before(store, program, args, kwargs):
+        if program.name == "sample":
+            assert not args[2].has_penalties and args[2].allowed_token_bitmask is None
+        prepared.append(program.name)
+        return program.executables[program.signature(args, kwargs)], True
+
+    monkeypatch.setattr(warm_up, "_load_or_compile", compiled_before)
+    before = num_compiles()
+    warm_up.compile_all(runner)
+    assert num_compiles() == before
+    assert sorted(prepared) == ["forward"] * 4 + ["sample"] * 2  # token buckets 1, 4, 16, 32; rows 1, 4
 
 
 def test_the_speculative_lone_bucket_shares_the_lone_requests_sampler():

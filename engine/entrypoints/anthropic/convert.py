@@ -35,8 +35,8 @@ from xlaserve.entrypoints.anthropic.protocol import (
     ToolResultBlockParam,
     ToolUseBlockParam,
 )
+from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.errors import bad_request, loc_to_param
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.structured_outputs_params import StructuredOutputsError, StructuredOutputsParams
 
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from xlaserve.entrypoints.anthropic.convert import image_fields
 from xlaserve.entrypoints.anthropic.protocol import CountTokensRequest
+from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.chat_template import render_chat
 from xlaserve.entrypoints.serving.engine_io import tokenize_text
 from xlaserve.entrypoints.serving.multimodal import (
@@ -13,7 +14,6 @@ from xlaserve.entrypoints.serving.multimodal import (
     load_images,
     process_images,
 )
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.state import ServerState
 from xlaserve.entrypoints.serving.tools import ToolPlan, plan_tools
 

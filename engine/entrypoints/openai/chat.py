@@ -30,6 +30,7 @@ from xlaserve.entrypoints.openai.tool_protocol import (
 from xlaserve.entrypoints.serving.beam_search import BeamSearchStream, beam_search_params
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceDelta, ChoiceParser
 from xlaserve.entrypoints.serving.chat_path import chat_sampling_params, choice_parser
+from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.chat_template import render_chat
 from xlaserve.entrypoints.serving.engine_io import (
     check_context,
@@ -53,7 +54,6 @@ from xlaserve.entrypoints.serving.multimodal import (
     process_images,
     video_parts,
 )
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 from xlaserve.entrypoints.serving.tools import plan_tools
 

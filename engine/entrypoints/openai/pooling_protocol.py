@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
+from xlaserve.entrypoints.serving.chat_protocol import ChatMessage
 from xlaserve.entrypoints.serving.protocol import (
     CHAT_TEMPLATE_HELP,
-    ChatMessage,
     ChatTemplate,
     JsonObject,
     StrictModel,

@@ -1,5 +1,5 @@
 """OpenAI's request and response shapes (pydantic) beyond the shared chat request
-(serving/protocol.py): completions, tokenize and detokenize, and every response and stream chunk."""
+(serving/chat_protocol.py): completions, tokenize and detokenize, and every response and stream chunk."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Discriminator, Field, Tag
 
 from xlaserve.entrypoints.openai.tool_protocol import DeltaToolCallOut, ToolCallOut
+from xlaserve.entrypoints.serving.chat_protocol import MAX_TOOLS, ChatMessage, ChatTool
 from xlaserve.entrypoints.serving.protocol import (
     CHAT_TEMPLATE_HELP,
-    MAX_TOOLS,
-    ChatMessage,
     ChatTemplate,
-    ChatTool,
     JsonObject,
     OmitsNones,
     PromptList,

@@ -41,8 +41,8 @@ from xlaserve.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
 )
 from xlaserve.entrypoints.openai.responses_stream import APPROVAL_REQUEST
+from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest, VideoURLContentPart
 from xlaserve.entrypoints.serving.errors import APIError, bad_request, loc_to_param
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, VideoURLContentPart
 
 APPROVAL = "approval"  # the key of an answer's tool turn that waits for its MCP call (`input_turns`)
 APPROVAL_PREFIX = f"{APPROVAL_REQUEST}_"  # the ids of the mcp_approval_request items this server makes

@@ -12,15 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from xlaserve.entrypoints.serving.protocol import (
-    FUNCTION_NAME_PATTERN,
-    MAX_TOOLS,
-    StrictModel,
-    Text,
-    VideoURLContentPart,
-    text_or_list,
-    type_union,
-)
+from xlaserve.entrypoints.serving.chat_protocol import FUNCTION_NAME_PATTERN, MAX_TOOLS, VideoURLContentPart
+from xlaserve.entrypoints.serving.protocol import StrictModel, Text, text_or_list, type_union
 
 MAX_INPUT_ITEMS = 4096
 ItemStatus = Literal["in_progress", "completed", "incomplete"]

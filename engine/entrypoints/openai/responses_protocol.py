@@ -20,15 +20,13 @@ from xlaserve.entrypoints.openai.responses_input import (
     InputItem,
     ItemId,
 )
+from xlaserve.entrypoints.serving.chat_protocol import FUNCTION_NAME_PATTERN, MAX_TOOLS, ReasoningEffort
 from xlaserve.entrypoints.serving.protocol import (
-    FUNCTION_NAME_PATTERN,
-    MAX_TOOLS,
     JsonObject,
     KVTransferParams,
     Metadata,
     Penalty,
     PositiveTokens,
-    ReasoningEffort,
     Seed,
     ServiceTier,
     StopString,

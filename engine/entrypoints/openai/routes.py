@@ -22,10 +22,11 @@ from xlaserve.entrypoints.openai.protocol import (
 )
 from xlaserve.entrypoints.openai.responses import add_responses_routes
 from xlaserve.entrypoints.openai.tokenizer_info import TokenizerInfoResponse, tokenizer_info
+from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.chat_template import apply_chat_template
 from xlaserve.entrypoints.serving.engine_io import require_tokenizer, tokenize_text
 from xlaserve.entrypoints.serving.errors import bad_request
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ErrorResponse, sse_or_json
+from xlaserve.entrypoints.serving.protocol import ErrorResponse, sse_or_json
 from xlaserve.entrypoints.serving.state import ServerState, check_model
 
 

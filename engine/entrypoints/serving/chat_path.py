@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 
 from xlaserve.entrypoints.serving.chat_parsing import ChoiceParser, make_tool_parser
+from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.engine_io import make_sampling_params
 from xlaserve.entrypoints.serving.errors import bad_request
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest
 from xlaserve.entrypoints.serving.reasoning import ReasoningParser
 from xlaserve.entrypoints.serving.state import ServerState
 from xlaserve.entrypoints.serving.tools import ToolPlan

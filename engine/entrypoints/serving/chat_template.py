@@ -17,9 +17,9 @@ import re
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from xlaserve.engine.mm_processor import content_format
+from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest, ChatMessage, ChatTool
 from xlaserve.entrypoints.serving.engine_io import require_tokenizer
 from xlaserve.entrypoints.serving.errors import bad_request
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ChatMessage, ChatTool
 from xlaserve.entrypoints.serving.state import ServerState
 from xlaserve.entrypoints.serving.tools import (
     check_history,

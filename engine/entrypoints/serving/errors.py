@@ -18,7 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from xlaserve.entrypoints.serving.protocol import UNION_TAGS, UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
+from xlaserve.entrypoints.serving.chat_protocol import UNION_TAGS
+from xlaserve.entrypoints.serving.protocol import UNSUPPORTED_FIELDS, ErrorInfo, ErrorResponse
 
 MAX_MESSAGE_CHARS = 400
 _MAX_ERRORS_LISTED = 3

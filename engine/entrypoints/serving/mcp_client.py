@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from xlaserve.entrypoints.serving.chat_protocol import FUNCTION_NAME_PATTERN
 from xlaserve.entrypoints.serving.errors import APIError, bad_request
-from xlaserve.entrypoints.serving.protocol import FUNCTION_NAME_PATTERN
 
 logger = logging.getLogger("xlaserve.entrypoints.serving")
 

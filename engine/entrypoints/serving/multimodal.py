@@ -15,8 +15,8 @@ import asyncio
 from xlaserve.core.multimodal import MultiModalFeature
 from xlaserve.engine.media import MediaError, load_image
 from xlaserve.engine.video import load_video
+from xlaserve.entrypoints.serving.chat_protocol import ChatMessage
 from xlaserve.entrypoints.serving.errors import bad_request
-from xlaserve.entrypoints.serving.protocol import ChatMessage
 from xlaserve.entrypoints.serving.state import ServerState
 
 

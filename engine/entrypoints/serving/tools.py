@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass
 
 from xlaserve.engine.structured_output import check_grammar
+from xlaserve.entrypoints.serving.chat_protocol import ChatCompletionRequest, ChatMessage
 from xlaserve.entrypoints.serving.errors import bad_request
-from xlaserve.entrypoints.serving.protocol import ChatCompletionRequest, ChatMessage
 from xlaserve.structured_outputs_params import StructuredOutputsError, StructuredOutputsParams
 
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
