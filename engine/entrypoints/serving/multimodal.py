@@ -125,7 +125,10 @@ async def process_images(
 
 def check_mm_processor_kwargs(state: ServerState, kwargs: dict | None) -> None:
     """A 400 naming what a request's mm_processor_kwargs hold that its model's processor refuses (checked
-    with no media too, so a request's errors do not hang on its parts)."""
+    with no media too, so a request's errors do not hang on its parts). None asks nothing of the engine:
+    one without an input processor (--skip-tokenizer-init) refuses the route for what it lacks instead."""
+    if not kwargs:
+        return
     try:
         state.engine.input_processor.check_mm_processor_kwargs(kwargs)
     except MediaError as e:
