@@ -47,6 +47,9 @@ class MultiModalProcessor:
         # take, `build(kwargs)` makes the processor of the server's settings with them over (None: the
         # family takes none per request).
         self._build, self._check_kwargs = build, check_kwargs
+        # The processors built for requests' kwargs, by their items (a route checks a request's kwargs
+        # before it processes its media: one build serves both, and every later request of those kwargs).
+        self._built = functools.lru_cache(maxsize=16)(lambda items: self._build(dict(items)))
         self.media_by_uuid = MediaByUUID()
         self.placeholder = hf_processor.image_token  # the text standing for one image, e.g. "<image>"
         # What a chat message's image part becomes (Qwen2.5-VL wraps its placeholder in vision marks).
@@ -113,7 +116,7 @@ class MultiModalProcessor:
                 f"{field}.{next(iter(mm_processor_kwargs))}",
             )
         self._check_kwargs(mm_processor_kwargs, field)
-        return self._build(mm_processor_kwargs)
+        return self._built(tuple(sorted(mm_processor_kwargs.items())))
 
     def process(
         self,

@@ -363,9 +363,10 @@ def test_a_requests_mm_processor_kwargs_resize_its_image_as_hugging_face(vlm, ll
     out = llm.chat(_messages(part), params, use_tqdm=False, mm_processor_kwargs=SMALL)[0]
     ids = list(out.outputs[0].token_ids)
     assert ids == small[1] and len(out.prompt_token_ids) == small[0]
-    llm.input_processor.mm_processor.processor_for(
-        {"max_pixels": 4096}
-    )  # the server's bounds are as they were
+    mm = llm.input_processor.mm_processor
+    mm.processor_for({"max_pixels": 4096})  # the server's bounds are as they were (else a MediaError)
+    # One build per kwargs: a route's check and its processing (and later requests) share it.
+    assert mm.processor_for(dict(SMALL)) is mm.processor_for(SMALL) is not mm.hf_processor
     np.testing.assert_allclose(
         [e[t].logprob for e, t in zip(out.outputs[0].logprobs, ids)], small[2], atol=1e-5
     )
