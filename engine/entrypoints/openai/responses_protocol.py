@@ -33,6 +33,7 @@ from xlaserve.entrypoints.serving.protocol import (
     StrictModel,
     Text,
     TokenId,
+    mode_or_function,
     type_union,
 )
 
@@ -130,21 +131,11 @@ class NamedFunctionChoice(StrictModel):
     name: Text = Field(min_length=1, max_length=64)
 
 
-def _tool_choice_kind(value) -> str | None:
-    if isinstance(value, str):
-        return "responses-choice-mode"
-    return "responses-choice-function" if isinstance(value, dict) else None
-
-
-ToolChoice = Annotated[
-    Annotated[Literal["none", "auto", "required"], Tag("responses-choice-mode")]
-    | Annotated[NamedFunctionChoice, Tag("responses-choice-function")],
-    Discriminator(
-        _tool_choice_kind,
-        custom_error_type="tool_choice_type",
-        custom_error_message="must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
-    ),
-]
+ToolChoice = mode_or_function(
+    NamedFunctionChoice,
+    "responses-choice",
+    "must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+)
 
 
 class TextFormat(StrictModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Field
 
 from xlaserve.entrypoints.serving.protocol import (
     CHAT_TEMPLATE_HELP,
@@ -22,6 +22,7 @@ from xlaserve.entrypoints.serving.protocol import (
     ServiceTier,
     StrictModel,
     Text,
+    mode_or_function,
     text_or_list,
     type_union,
 )
@@ -125,22 +126,10 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
-def _tool_choice_kind(value) -> str | None:
-    if isinstance(value, str):
-        return "tool-choice-mode"
-    return "tool-choice-function" if isinstance(value, dict) else None
-
-
 # A string is a mode, an object names a function: only that branch's errors are reported.
-ToolChoice = Annotated[
-    Annotated[Literal["none", "auto", "required"], Tag("tool-choice-mode")]
-    | Annotated[NamedToolChoice, Tag("tool-choice-function")],
-    Discriminator(
-        _tool_choice_kind,
-        custom_error_type="tool_choice_type",
-        custom_error_message="must be 'none', 'auto', 'required' or an object naming a function",
-    ),
-]
+ToolChoice = mode_or_function(
+    NamedToolChoice, "tool-choice", "must be 'none', 'auto', 'required' or an object naming a function"
+)
 
 
 # OpenAI's reasoning effort levels (the chat request's `reasoning_effort`, the Responses API's

@@ -129,6 +129,23 @@ def type_union(members: dict[str, type[BaseModel]], suffix: str, *, default: str
     return Annotated[Union[(*tagged, Annotated[unknown, Tag(f"unknown-{suffix}")])], Discriminator(tag)]
 
 
+def mode_or_function(function_choice: type[BaseModel], prefix: str, message: str):
+    """A tool_choice: a mode string ('none', 'auto', 'required') or an object naming a function
+    (`function_choice`), told apart up front so only that branch's errors are reported (`message` when
+    it is neither); tagged `{prefix}-mode` / `{prefix}-function`, which the API's tag set lists."""
+
+    def kind(value) -> str | None:
+        if isinstance(value, str):
+            return f"{prefix}-mode"
+        return f"{prefix}-function" if isinstance(value, dict) else None
+
+    return Annotated[
+        Annotated[Literal["none", "auto", "required"], Tag(f"{prefix}-mode")]
+        | Annotated[function_choice, Tag(f"{prefix}-function")],
+        Discriminator(kind, custom_error_type="tool_choice_type", custom_error_message=message),
+    ]
+
+
 def text_or_list(kind, max_length: int | None = None):
     """A string, or a list of `kind`'s parts, told apart up front so an error names the element
     (`messages[0].content[1].uuid`) rather than both branches."""
