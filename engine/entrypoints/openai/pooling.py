@@ -243,7 +243,7 @@ def _bytes_response(request_id: str, model: str, outputs: list, prompts, req: En
 
 # /score's two sides under vLLM's names, and what each pairs with.
 _SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
-_SCORE_FIELDS = ("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2")
+_SCORE_FIELDS = tuple(dict.fromkeys(name for pair in _SCORE_PAIRS for name in pair))
 
 
 def _score_fields(req: ScoreRequest) -> tuple[str, str]:
